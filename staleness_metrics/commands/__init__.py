@@ -1,0 +1,15 @@
+"""Subcommands of the console script.
+
+Each module exposes ``register(subparsers)``, which adds its parser with ``set_defaults(func=run)``;
+``run(args) -> int`` returns the exit status. Imports of optional dependencies happen inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+Register = Callable[["argparse._SubParsersAction[Any]"], None]
+
+COMMANDS: list[Register] = []

@@ -1,0 +1,71 @@
+"""The project's configuration model: which policy masks, and with which bound."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from .errors import ConfigError
+
+__all__ = ["POLICY_NAMES", "PolicyName", "StalenessConfig"]
+
+PolicyName = Literal["token", "episode", "group", "xtuner"]
+POLICY_NAMES: tuple[PolicyName, ...] = ("token", "episode", "group", "xtuner")
+
+_RENAMED = {
+    "max_off_policy_steps": "max_staleness",
+}
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name}: must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class StalenessConfig:
+    """How the sink judges staleness (SPEC 5) and how strictly it reads input (SPEC 3).
+
+    ``max_staleness`` defaults to 8, as prime-rl. ``max_token_staleness``, ``sync_interval`` and
+    ``retry_expired`` only matter to the ``xtuner`` policy.
+    """
+
+    policy: PolicyName = "token"
+    max_staleness: int = 8
+    max_token_staleness: int | None = None
+    sync_interval: int = 1
+    retry_expired: bool = False
+    strict: bool = True
+    env_breakdown: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_NAMES:
+            raise ConfigError(f"policy: expected one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
+        _check_int("max_staleness", self.max_staleness, 0)
+        if self.max_token_staleness is not None:
+            _check_int("max_token_staleness", self.max_token_staleness, 0)
+        _check_int("sync_interval", self.sync_interval, 1)
+        for name in ("retry_expired", "strict", "env_breakdown"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}: expected a boolean, got {getattr(self, name)!r}")
+        if self.policy != "xtuner":
+            for name, default in (("max_token_staleness", None), ("sync_interval", 1), ("retry_expired", False)):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"{name}: only the 'xtuner' policy takes it (policy is {self.policy!r})")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> StalenessConfig:
+        """Build from a parsed config table; unknown and renamed keys are errors, never ignored."""
+        known = {f.name for f in fields(cls)}
+        for key in data:
+            if key in _RENAMED:
+                raise ConfigError(
+                    f"{key}: renamed to {_RENAMED[key]!r}; run `staleness-metrics migrate --write PATH` "
+                    "to update config files"
+                )
+            if key not in known:
+                raise ConfigError(f"{key}: unknown setting (known: {', '.join(sorted(known))})")
+        return cls(**dict(data))

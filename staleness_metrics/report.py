@@ -1,0 +1,87 @@
+"""What one ship reports: the SPEC 6 metrics dict plus the additive tallies behind it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["StepReport", "Tally"]
+
+Counts = npt.NDArray[np.int64]
+
+
+def _empty_counts() -> Counts:
+    return np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Additive numbers of one ship window for one population (the whole batch or one env).
+
+    Tallies merge exactly across processes and steps (``a + b``); histogram index = staleness in
+    policy versions. Counters exported to Prometheus / OTLP are sums of these.
+    """
+
+    tokens_sampled: int = 0
+    tokens_masked: int = 0
+    tokens_unlabelled: int = 0
+    tokens_dropped: int = 0
+    samples_dropped: int = 0
+    rollouts_dropped: int = 0
+    rollouts_shipped: int = 0
+    rollouts_frozen: int = 0
+    rollouts_held: int = 0
+    rollouts_invalid: int = 0
+    token_histogram: Counts = field(default_factory=_empty_counts)
+    rollout_histogram: Counts = field(default_factory=_empty_counts)
+
+    def __add__(self, other: Tally) -> Tally:
+        values: dict[str, object] = {}
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray):
+                n = max(len(a), len(b))
+                merged = np.zeros(n, dtype=np.int64)
+                merged[: len(a)] += a
+                merged[: len(b)] += b
+                values[f.name] = merged
+            else:
+                values[f.name] = a + b
+        return Tally(**values)  # type: ignore[arg-type]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Tally):
+            return NotImplemented
+        return all(
+            np.array_equal(np.trim_zeros(a, "b"), np.trim_zeros(b, "b"))
+            if isinstance(a, np.ndarray)
+            else a == b
+            for a, b in ((getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """The outcome of one ship.
+
+    ``metrics`` is the SPEC 6 dict exactly as written to W&B / ``--metrics-out`` (without ``step``;
+    per-env keys included when the env breakdown is on). ``env_metrics`` maps each env name to the
+    same keys for that env's population, and ``env_tally`` its tallies; rollouts without an env are
+    under ``""``. ``tally`` covers the whole window.
+    """
+
+    step: int
+    max_staleness: int
+    metrics: Mapping[str, float | int]
+    tally: Tally
+    env_metrics: Mapping[str, Mapping[str, float | int]] = field(default_factory=dict)
+    env_tally: Mapping[str, Tally] = field(default_factory=dict)
+
+    def row(self) -> dict[str, float | int]:
+        """The ``--metrics-out`` line: ``{"step": S, <key>: <value>, ...}``."""
+        return {"step": self.step, **self.metrics}
