@@ -1,0 +1,52 @@
+"""The generated files, keyed by their path in the project, and the drift check behind ``--check``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .grafana import DASHBOARDS
+from .rules import render_rules
+from .wandb_panels import workspace_spec
+
+__all__ = ["WANDB_X_AXIS", "generated_files", "stale_files", "write_files"]
+
+# The x-axis of the W&B panels: the step every staleness key is logged against.
+WANDB_X_AXIS = "Step"
+
+
+def _json(data: Any) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+def generated_files() -> dict[str, str]:
+    """Path relative to the project root -> file content, rendered from the metric table as it is now."""
+    files = {f"dashboards/{name}": _json(build()) for name, build in DASHBOARDS.items()}
+    files["dashboards/wandb-workspace.json"] = _json(workspace_spec(WANDB_X_AXIS))
+    files["exporters/prometheus/staleness.rules.yml"] = render_rules()
+    return files
+
+
+def _stale(root: Path, files: dict[str, str]) -> list[str]:
+    return [
+        path
+        for path, content in files.items()
+        if not (root / path).is_file() or (root / path).read_text(encoding="utf-8") != content
+    ]
+
+
+def stale_files(root: Path) -> list[str]:
+    """The generated files under ``root`` that are missing or differ from what the table gives now."""
+    return _stale(root, generated_files())
+
+
+def write_files(root: Path) -> list[str]:
+    """Writes the generated files under ``root``; returns the ones that changed."""
+    files = generated_files()
+    changed = _stale(root, files)
+    for path in changed:
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(files[path], encoding="utf-8")
+    return changed

@@ -1,0 +1,736 @@
+"""Grafana dashboards as plain dicts, built from the metric table (the vLLM generator pattern).
+
+Two dashboards: ``staleness`` (one or a few runs in detail) and ``staleness-fleet`` (many runs side by
+side). Every query comes from :mod:`.promql`, so the JSON follows the table. Panels are placed on the
+24-column grid by :class:`Grid`, which also numbers them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import metric_table
+from .promql import Scope, prometheus_name
+
+__all__ = ["DASHBOARDS", "Grid", "fleet_dashboard", "staleness_dashboard"]
+
+Json = dict[str, Any]
+
+DATASOURCE: Json = {"type": "prometheus", "uid": "${datasource}"}
+
+# Staleness is a difference of policy versions (train steps); Grafana has no such unit, so a suffix.
+VERSIONS = "suffix: versions"
+RATIO = "percentunit"
+COUNT = "short"
+PER_STEP = "suffix: /step"
+PER_MINUTE = "suffix: /min"
+PER_SECOND = "suffix: /s"
+
+# The selectors of every dashboard query; gauges pick env="" themselves (see promql.Scope).
+SCOPE = Scope(
+    matchers=('job=~"$job"', 'instance=~"$instance"', 'run=~"$run"'),
+    env="$env",
+    by=("run",),
+    window="$__rate_interval",
+)
+FLEET_WIDE = Scope(matchers=SCOPE.matchers, env=SCOPE.env, by=(), window=SCOPE.window)
+
+_QUANTILES = ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"))
+_NO_ENV = "(no env)"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One query of a panel."""
+
+    expr: str
+    legend: str = "{{run}}"
+    instant: bool = False
+    table: bool = False
+    heatmap: bool = False
+
+    def render(self, ref_id: str) -> Json:
+        fmt = "table" if self.table else "heatmap" if self.heatmap else "time_series"
+        return {
+            "datasource": DATASOURCE,
+            "editorMode": "code",
+            "expr": self.expr,
+            "format": fmt,
+            "instant": self.instant,
+            "legendFormat": self.legend,
+            "range": not self.instant,
+            "refId": ref_id,
+        }
+
+
+def _families(targets: Sequence[Target]) -> list[str]:
+    """The table's Prometheus families queried by ``targets``, in table order."""
+    exprs = " ".join(t.expr for t in targets)
+    return [
+        row.prometheus_name
+        for row in metric_table.METRICS
+        if row.prometheus_name and re.search(rf"\b{row.prometheus_name}(_bucket)?\{{", exprs)
+    ]
+
+
+def _panel(
+    kind: str,
+    title: str,
+    description: str,
+    unit: str,
+    targets: Sequence[Target],
+    *,
+    options: Json,
+    custom: Json | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    decimals: int | None = None,
+    overrides: Sequence[Json] = (),
+) -> Json:
+    metrics = ", ".join(f"`{name}`" for name in _families(targets))
+    defaults: Json = {
+        "color": {"mode": "palette-classic"},
+        "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]},
+        "unit": unit,
+    }
+    if custom is not None:
+        defaults["custom"] = custom
+    for key, value in (("min", minimum), ("max", maximum), ("decimals", decimals)):
+        if value is not None:
+            defaults[key] = value
+    return {
+        "type": kind,
+        "title": title,
+        "description": f"{description} Metrics: {metrics}.",
+        "datasource": DATASOURCE,
+        "targets": [t.render(chr(ord("A") + i)) for i, t in enumerate(targets)],
+        "fieldConfig": {"defaults": defaults, "overrides": list(overrides)},
+        "options": options,
+    }
+
+
+_LEGEND = {"calcs": ["lastNotNull", "max"], "displayMode": "table", "placement": "bottom", "showLegend": True}
+
+
+def timeseries(
+    title: str,
+    description: str,
+    unit: str,
+    targets: Sequence[Target],
+    *,
+    stacked: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    overrides: Sequence[Json] = (),
+) -> Json:
+    custom = {
+        "drawStyle": "line",
+        "lineInterpolation": "stepAfter",  # values change at ships, and hold in between
+        "lineWidth": 1,
+        "fillOpacity": 40 if stacked else 0,
+        "showPoints": "never",
+        "spanNulls": False,
+        "stacking": {"group": "A", "mode": "normal" if stacked else "none"},
+    }
+    options = {"legend": _LEGEND, "tooltip": {"mode": "multi", "sort": "desc"}}
+    return _panel(
+        "timeseries",
+        title,
+        description,
+        unit,
+        targets,
+        options=options,
+        custom=custom,
+        minimum=minimum,
+        maximum=maximum,
+        overrides=overrides,
+    )
+
+
+def stat(title: str, description: str, unit: str, target: Target, *, decimals: int | None = None) -> Json:
+    options = {
+        "colorMode": "value",
+        "graphMode": "area",
+        "justifyMode": "auto",
+        "orientation": "auto",
+        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "textMode": "auto",
+    }
+    return _panel("stat", title, description, unit, [target], options=options, decimals=decimals)
+
+
+def heatmap(title: str, description: str, y_unit: str, target: Target) -> Json:
+    options = {
+        "calculate": False,  # Prometheus buckets already are the cells
+        "cellGap": 1,
+        "color": {
+            "mode": "scheme",
+            "scheme": "Oranges",
+            "scale": "exponential",
+            "exponent": 0.5,
+            "steps": 64,
+        },
+        "legend": {"show": True},
+        "rowsFrame": {"layout": "auto"},
+        "tooltip": {"mode": "single", "yHistogram": True},
+        "yAxis": {"axisPlacement": "left", "unit": y_unit},
+    }
+    return _panel("heatmap", title, description, COUNT, [target], options=options)
+
+
+def table(title: str, description: str, columns: Sequence[tuple[str, str, Target]]) -> Json:
+    """One row per run: each column is an instant query, joined on ``run`` by Grafana's merge."""
+    targets = [target for _, _, target in columns]
+    renames = {f"Value #{chr(ord('A') + i)}": name for i, (name, _, _) in enumerate(columns)}
+    overrides = [
+        {"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": unit}]}
+        for name, unit, _ in columns
+    ]
+    panel = _panel(
+        "table",
+        title,
+        description,
+        COUNT,
+        targets,
+        options={"cellHeight": "sm", "showHeader": True, "sortBy": [{"displayName": "run", "desc": False}]},
+        overrides=overrides,
+    )
+    panel["transformations"] = [
+        {"id": "merge", "options": {}},
+        {"id": "organize", "options": {"excludeByName": {"Time": True}, "renameByName": renames}},
+    ]
+    return panel
+
+
+def _bound_override(suffix: str = "bound") -> Json:
+    """Draws the configured bound as a dashed red line."""
+    return {
+        "matcher": {"id": "byRegexp", "options": f".* {suffix}$"},
+        "properties": [
+            {"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}},
+            {"id": "color", "value": {"fixedColor": "red", "mode": "fixed"}},
+        ],
+    }
+
+
+@dataclass
+class Grid:
+    """Lays panels left to right on Grafana's 24-column grid, wrapping to a new line, and numbers them."""
+
+    panels: list[Json] = field(default_factory=list)
+    x: int = 0
+    y: int = 0
+    line_height: int = 0
+
+    def _new_line(self) -> None:
+        self.y += self.line_height
+        self.x = 0
+        self.line_height = 0
+
+    def row(self, title: str) -> None:
+        if self.x:
+            self._new_line()
+        self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, w=24, h=1)
+
+    def add(self, panel: Json, *, w: int, h: int) -> None:
+        if self.x + w > 24:
+            self._new_line()
+        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
+        panel["id"] = len(self.panels) + 1
+        self.panels.append(panel)
+        self.x += w
+        self.line_height = max(self.line_height, h)
+        if self.x == 24:
+            self._new_line()
+
+
+def _variables() -> list[Json]:
+    train_step = prometheus_name("train_step")
+    tokens = prometheus_name("tokens_sampled")
+
+    def query(name: str, label: str, definition: str, description: str) -> Json:
+        return {
+            "type": "query",
+            "name": name,
+            "label": label,
+            "description": description,
+            "datasource": DATASOURCE,
+            "definition": definition,
+            "query": {"query": definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "refresh": 2,  # on time range change: new runs appear without a reload
+            "includeAll": True,
+            "allValue": ".*",
+            "multi": True,
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "options": [],
+            "regex": "",
+            "sort": 1,
+            "hide": 0,
+        }
+
+    return [
+        {
+            "type": "datasource",
+            "name": "datasource",
+            "label": "Data source",
+            "query": "prometheus",
+            "current": {},
+            "options": [],
+            "refresh": 1,
+            "regex": "",
+            "hide": 0,
+        },
+        query("job", "Job", f"label_values({train_step}, job)", "Prometheus scrape job."),
+        query(
+            "instance",
+            "Instance",
+            f'label_values({train_step}{{job=~"$job"}}, instance)',
+            "Scraped process.",
+        ),
+        query(
+            "run",
+            "Run",
+            f'label_values({train_step}{{job=~"$job", instance=~"$instance"}}, run)',
+            "Training run (the exporter's run name).",
+        ),
+        query(
+            "env",
+            "Env",
+            f'label_values({tokens}{{job=~"$job", instance=~"$instance", run=~"$run"}}, env)',
+            "Environment / task. Filters counter and histogram panels (All: every env, rollouts "
+            "without one included) and picks the series of the per-env panels; the other gauge panels "
+            "always show the overall value of the last ship.",
+        ),
+    ]
+
+
+def _dashboard(uid: str, title: str, description: str, panels: list[Json], other: tuple[str, str]) -> Json:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["rl", "staleness", "staleness-metrics"],
+        "editable": True,
+        "graphTooltip": 1,  # shared crosshair: a step lines up across panels
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "refresh": "30s",
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "weekStart": "",
+        "links": [
+            {
+                "type": "link",
+                "title": other[1],
+                "url": f"/d/{other[0]}",
+                "keepTime": True,
+                "includeVars": True,
+                "icon": "dashboard",
+                "asDropdown": False,
+                "targetBlank": False,
+                "tags": [],
+                "tooltip": "",
+            }
+        ],
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "templating": {"list": _variables()},
+        "panels": panels,
+    }
+
+
+def _no_env_label(expr: str) -> str:
+    """Names the rollouts without env in legends (their series have no env label)."""
+    return f'label_replace({expr}, "env", "{_NO_ENV}", "env", "")'
+
+
+def _ships_per_minute(scope: Scope) -> str:
+    return f"{scope.steps_per_second()} * 60"
+
+
+def _label_coverage(scope: Scope) -> str:
+    return f"1 - ({scope.ratio('tokens_unlabelled', 'tokens_sampled')})"
+
+
+def _export_errors(scope: Scope) -> str:
+    return scope.rate("export_errors", extra_by=("exporter",))
+
+
+_SHIPS_NOTE = (
+    "Train steps per minute, from how fast the train step gauge advances; one ship per step makes it "
+    "the ship rate."
+)
+
+
+def staleness_dashboard() -> Json:
+    """The detailed dashboard: one or a few runs, every view of the table."""
+    s = SCOPE
+    bound = Target(s.gauge("max_staleness"), "{{run}} bound")
+    grid = Grid()
+
+    grid.row("Overview")
+    for title, description, unit, target, decimals in (
+        ("Train step", "Train step of the last shipped batch.", "none", Target(s.gauge("train_step")), 0),
+        ("Ships per minute", _SHIPS_NOTE, PER_MINUTE, Target(_ships_per_minute(s)), None),
+        (
+            "Token staleness (mean)",
+            "Mean token staleness of the last shipped batch, in policy versions.",
+            VERSIONS,
+            Target(s.gauge("token_mean")),
+            None,
+        ),
+        (
+            "Masked tokens",
+            "Share of shipped sampled tokens masked for staleness, over the dashboard's rate window.",
+            RATIO,
+            Target(s.ratio("tokens_masked", "tokens_sampled")),
+            None,
+        ),
+        (
+            "Rollout staleness (max)",
+            "Largest rollout staleness of the last shipped batch (equals the largest token staleness).",
+            VERSIONS,
+            Target(s.gauge("rollout_max")),
+            0,
+        ),
+        ("Staleness bound", "The configured max_staleness.", VERSIONS, bound, 0),
+    ):
+        grid.add(stat(title, description, unit, target, decimals=decimals), w=4, h=4)
+
+    grid.row("Token staleness")
+    grid.add(
+        timeseries(
+            "Token staleness mean vs bound",
+            "Mean token staleness of each shipped batch (overall series, every env), with the configured "
+            "max_staleness drawn dashed.",
+            VERSIONS,
+            [Target(s.gauge("token_mean"), "{{run}} mean"), bound],
+            minimum=0,
+            overrides=[_bound_override()],
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Token staleness quantiles",
+            "p50 / p90 / p99 of token staleness from the histogram over the rate window. PromQL "
+            "interpolates inside integer buckets, so a value lies in (q-1, q] of the exact quantile q.",
+            VERSIONS,
+            [Target(s.quantile(q, "token_staleness"), f"{{{{run}}}} {name}") for q, name in _QUANTILES],
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        heatmap(
+            "Token staleness distribution",
+            "Shipped sampled tokens per staleness bucket and rate window, summed over the selected runs. "
+            "Cells above the bound are masked tokens.",
+            VERSIONS,
+            Target(s.bucket_increase("token_staleness"), "{{le}}", heatmap=True),
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Masked tokens",
+            "Share of shipped sampled tokens masked for staleness: over the rate window from the counters, "
+            "and for the last shipped batch.",
+            RATIO,
+            [
+                Target(s.ratio("tokens_masked", "tokens_sampled"), "{{run}} over window"),
+                Target(s.gauge("token_masked"), "{{run}} last ship"),
+            ],
+            minimum=0,
+            maximum=1,
+        ),
+        w=12,
+        h=8,
+    )
+
+    grid.row("Rollout staleness")
+    grid.add(
+        timeseries(
+            "Rollout staleness mean and max vs bound",
+            "Rollout staleness R = T - min(version) of the last shipped batch: mean and max, with the "
+            "configured max_staleness drawn dashed.",
+            VERSIONS,
+            [
+                Target(s.gauge("rollout_mean"), "{{run}} mean"),
+                Target(s.gauge("rollout_max"), "{{run}} max"),
+                bound,
+            ],
+            minimum=0,
+            overrides=[_bound_override()],
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Rollout staleness quantiles",
+            "p50 / p90 / p99 of rollout staleness from the histogram over the rate window (interpolated "
+            "inside integer buckets).",
+            VERSIONS,
+            [Target(s.quantile(q, "rollout_staleness"), f"{{{{run}}}} {name}") for q, name in _QUANTILES],
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+    in_flight_vs_queue = timeseries(
+        "In-flight vs in-queue staleness (mean) for $run",
+        "Where the age of a rollout comes from: versions that passed while it was generated (in flight) "
+        "and while it waited in the queue (in queue). Per rollout they add up to its staleness, so the "
+        "stack is the rollout staleness mean. One panel per run.",
+        VERSIONS,
+        [
+            Target(s.gauge("rollout_in_flight_mean"), "in flight"),
+            Target(s.gauge("rollout_in_queue_mean"), "in queue"),
+        ],
+        stacked=True,
+        minimum=0,
+    )
+    in_flight_vs_queue.update({"repeat": "run", "repeatDirection": "h", "maxPerRow": 4})
+    grid.add(in_flight_vs_queue, w=24, h=8)
+    grid.add(
+        timeseries(
+            "In-flight vs in-queue staleness (max)",
+            "Largest in-flight and in-queue staleness of the last shipped batch (maxima do not stack).",
+            VERSIONS,
+            [
+                Target(s.gauge("rollout_in_flight_max"), "{{run}} in flight"),
+                Target(s.gauge("rollout_in_queue_max"), "{{run}} in queue"),
+            ],
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Held rollouts",
+            "Rollouts held back at the last ship while their group waits for re-rollouts (xtuner policy "
+            "with retry_expired); always 0 for other policies.",
+            COUNT,
+            [Target(s.gauge("rollouts_held"))],
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+
+    grid.row("Drops")
+    grid.add(
+        timeseries(
+            "Dropped per step",
+            "Live rollouts and samples dropped for staleness per train step, from the counters over the "
+            "rate window (no point while the train step does not advance).",
+            PER_STEP,
+            [
+                Target(s.per_step("rollouts_dropped"), "{{run}} rollouts"),
+                Target(s.per_step("samples_dropped"), "{{run}} samples"),
+            ],
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Token accounting",
+            "Tokens per second: sampled tokens of shipped samples, the share of them masked, and tokens "
+            "of samples dropped whole.",
+            PER_SECOND,
+            [
+                Target(s.rate("tokens_sampled"), "{{run}} shipped"),
+                Target(s.rate("tokens_masked"), "{{run}} masked"),
+                Target(s.rate("tokens_dropped"), "{{run}} dropped"),
+            ],
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+
+    grid.row("Pipeline health")
+    grid.add(
+        timeseries("Ships per minute", _SHIPS_NOTE, PER_MINUTE, [Target(_ships_per_minute(s))], minimum=0),
+        w=8,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Label coverage",
+            "Share of shipped sampled tokens that carried a policy-version label; unlabelled ones take "
+            "their rollout's dispatch version (the oldest, conservative choice).",
+            RATIO,
+            [Target(_label_coverage(s))],
+            minimum=0,
+            maximum=1,
+        ),
+        w=8,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Export errors",
+            "Failed exports per second, per exporter. Exporters never raise into training, so this is "
+            "where failures show.",
+            PER_SECOND,
+            [Target(_export_errors(s), "{{run}} {{exporter}}")],
+            minimum=0,
+        ),
+        w=8,
+        h=8,
+    )
+
+    grid.row("Per env")
+    grid.add(
+        timeseries(
+            "Token staleness mean per env",
+            "Mean token staleness of the last shipped batch per env (exported when the env breakdown is on).",
+            VERSIONS,
+            [Target(s.gauge("token_mean", per_env=True), "{{run}} {{env}}")],
+            minimum=0,
+        ),
+        w=8,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Masked tokens per env",
+            "Share of shipped sampled tokens masked for staleness per env, over the rate window.",
+            RATIO,
+            [
+                Target(
+                    _no_env_label(s.ratio("tokens_masked", "tokens_sampled", extra_by=("env",))),
+                    "{{run}} {{env}}",
+                )
+            ],
+            minimum=0,
+            maximum=1,
+        ),
+        w=8,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Dropped rollouts per env",
+            "Live rollouts dropped for staleness per second, per env.",
+            PER_SECOND,
+            [Target(_no_env_label(s.rate("rollouts_dropped", extra_by=("env",))), "{{run}} {{env}}")],
+            minimum=0,
+        ),
+        w=8,
+        h=8,
+    )
+
+    return _dashboard(
+        "rl-staleness",
+        "RL staleness",
+        "How stale the data of asynchronous RL training is, where the age comes from and what the "
+        "staleness policy masked and dropped. Generated by `staleness-metrics dashboards`.",
+        grid.panels,
+        ("rl-staleness-fleet", "RL staleness fleet"),
+    )
+
+
+def fleet_dashboard() -> Json:
+    """The compact dashboard: many runs side by side."""
+    s = SCOPE
+    grid = Grid()
+    columns: list[tuple[str, str, Target]] = [
+        ("Train step", "none", Target(s.gauge("train_step"))),
+        ("Ships/min", PER_MINUTE, Target(_ships_per_minute(s))),
+        ("Bound", VERSIONS, Target(s.gauge("max_staleness"))),
+        ("Token mean", VERSIONS, Target(s.gauge("token_mean"))),
+        ("Token p99", VERSIONS, Target(s.quantile(0.99, "token_staleness"))),
+        ("Masked", RATIO, Target(s.ratio("tokens_masked", "tokens_sampled"))),
+        ("Rollout max", VERSIONS, Target(s.gauge("rollout_max"))),
+        ("Dropped rollouts/step", PER_STEP, Target(s.per_step("rollouts_dropped"))),
+        ("Held", COUNT, Target(s.gauge("rollouts_held"))),
+        ("Label coverage", RATIO, Target(_label_coverage(s))),
+        ("Export errors/s", PER_SECOND, Target(s.rate("export_errors"))),
+    ]
+    grid.add(
+        table(
+            "Runs",
+            "One line per run: the last shipped batch's gauges and the rates over the dashboard's rate "
+            "window.",
+            [(name, unit, Target(t.expr, "", instant=True, table=True)) for name, unit, t in columns],
+        ),
+        w=24,
+        h=9,
+    )
+    for title, description, unit, targets, top in (
+        (
+            "Token staleness mean",
+            "Mean token staleness of each run's last shipped batch.",
+            VERSIONS,
+            [Target(s.gauge("token_mean"))],
+            None,
+        ),
+        (
+            "Masked tokens",
+            "Share of shipped sampled tokens masked for staleness, per run, over the rate window.",
+            RATIO,
+            [Target(s.ratio("tokens_masked", "tokens_sampled"))],
+            1.0,
+        ),
+        (
+            "Rollout staleness max",
+            "Largest rollout staleness of each run's last shipped batch.",
+            VERSIONS,
+            [Target(s.gauge("rollout_max"))],
+            None,
+        ),
+        (
+            "Dropped rollouts per step",
+            "Live rollouts dropped for staleness per train step, per run.",
+            PER_STEP,
+            [Target(s.per_step("rollouts_dropped"))],
+            None,
+        ),
+        ("Ships per minute", _SHIPS_NOTE, PER_MINUTE, [Target(_ships_per_minute(s))], None),
+        (
+            "Fleet token staleness quantiles",
+            "p50 / p90 / p99 of token staleness over all selected runs, "
+            "from summed histogram buckets (exact merge, never averaged per-run quantiles).",
+            VERSIONS,
+            [Target(FLEET_WIDE.quantile(q, "token_staleness"), name) for q, name in _QUANTILES],
+            None,
+        ),
+    ):
+        grid.add(timeseries(title, description, unit, targets, minimum=0, maximum=top), w=8, h=7)
+    return _dashboard(
+        "rl-staleness-fleet",
+        "RL staleness fleet",
+        "Many asynchronous RL runs side by side: staleness, masking, drops and pipeline health per run. "
+        "Generated by `staleness-metrics dashboards`.",
+        grid.panels,
+        ("rl-staleness", "RL staleness"),
+    )
+
+
+DASHBOARDS = {"staleness.json": staleness_dashboard, "staleness-fleet.json": fleet_dashboard}

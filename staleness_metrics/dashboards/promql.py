@@ -1,0 +1,123 @@
+"""PromQL built from the metric table, shared by the Grafana dashboards and the Prometheus rules.
+
+Rows are looked up by ``MetricDef.name``; every Prometheus name comes from the table, read when the
+expression is built (so a rename in the table shows up in every generated file). Exposition semantics
+this relies on: every series has ``run``; counters and histograms are split by ``env`` (absent for
+rollouts without one), so totals are sums over ``env``; gauges have an overall series without ``env``
+plus, with the env breakdown on, one series per env.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import metric_table
+from ..metric_table import MetricDef, MetricKind
+
+__all__ = ["Scope", "metric", "prometheus_name", "recorded_name"]
+
+
+def metric(name: str) -> MetricDef:
+    """The table row called ``name`` (``KeyError`` when there is none, or it has no Prometheus family)."""
+    for row in metric_table.METRICS:
+        if row.name == name:
+            if row.prometheus_name is None:
+                raise KeyError(f"metric {name!r} is not exported to Prometheus")
+            return row
+    raise KeyError(f"no metric called {name!r} in the metric table")
+
+
+def prometheus_name(name: str) -> str:
+    """The Prometheus family of the row called ``name``."""
+    family = metric(name).prometheus_name
+    assert family is not None  # checked by metric()
+    return family
+
+
+def _stem(name: str) -> str:
+    """A family name without ``_total``: the ``metric`` part of a recording rule over a rate."""
+    family = prometheus_name(name)
+    return family.removesuffix("_total") if metric(name).kind is MetricKind.COUNTER else family
+
+
+def recorded_name(level: str, names: tuple[str, ...], operations: str) -> str:
+    """A recording-rule name ``level:metric:operations``.
+
+    One row gives its family name (``_total`` stripped); two rows give ``A_per_B`` where B drops the
+    words it shares with the start of A (``rl_staleness_tokens_masked_per_sampled``).
+    """
+    if len(names) == 1:
+        return f"{level}:{_stem(names[0])}:{operations}"
+    numerator, denominator = (_stem(n).split("_") for n in names)
+    shared = 0
+    while shared < min(len(numerator), len(denominator)) - 1 and numerator[shared] == denominator[shared]:
+        shared += 1
+    return f"{level}:{'_'.join(numerator)}_per_{'_'.join(denominator[shared:])}:{operations}"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Where queries look and how they aggregate.
+
+    ``matchers`` go into every selector (Grafana variables for dashboards, nothing for rules).
+    ``env`` is the regex that picks the env of counters and histograms (None: every env).
+    ``by`` is the grouping kept by aggregations; ``window`` the range of every rate.
+    """
+
+    matchers: tuple[str, ...] = ()
+    env: str | None = None
+    by: tuple[str, ...] = ("run",)
+    window: str = "5m"
+
+    def selector(self, name: str, *, suffix: str = "", env: str | None = None) -> str:
+        """``family{matchers}``; ``env`` overrides the scope's env matcher for this selector."""
+        row = metric(name)
+        matchers = list(self.matchers)
+        if "env" in row.labels:
+            if env is not None:
+                matchers.append(env)
+            elif row.kind is MetricKind.GAUGE:
+                matchers.append('env=""')  # the overall series, not the per-env ones
+            elif self.env is not None:
+                matchers.append(f'env=~"{self.env}"')
+        braces = f"{{{', '.join(matchers)}}}" if matchers else ""
+        return f"{prometheus_name(name)}{suffix}{braces}"
+
+    def _by(self, *extra: str) -> str:
+        return f"by ({', '.join((*self.by, *extra))})"
+
+    def gauge(self, name: str, *, per_env: bool = False) -> str:
+        """A gauge's overall series (or its per-env series), kept per ``by`` labels with ``max``."""
+        if not per_env:
+            return f"max {self._by()} ({self.selector(name)})"
+        picked = f'env=~"{self.env or ".+"}", env!=""'
+        return f"max {self._by('env')} ({self.selector(name, env=picked)})"
+
+    def rate(self, name: str, *, extra_by: tuple[str, ...] = ()) -> str:
+        """Per-second rate of a counter, summed over env (and processes) per ``by`` labels."""
+        return f"sum {self._by(*extra_by)} (rate({self.selector(name)}[{self.window}]))"
+
+    def ratio(self, numerator: str, denominator: str, *, extra_by: tuple[str, ...] = ()) -> str:
+        """Ratio of two counters' rates over the window (never an average of per-step ratios)."""
+        return f"{self.rate(numerator, extra_by=extra_by)} / {self.rate(denominator, extra_by=extra_by)}"
+
+    def quantile(self, q: float, name: str) -> str:
+        """Quantile of a histogram from summed bucket rates (merges exactly across processes)."""
+        buckets = f"rate({self.selector(name, suffix='_bucket')}[{self.window}])"
+        return f"histogram_quantile({q}, sum {self._by('le')} ({buckets}))"
+
+    def bucket_increase(self, name: str) -> str:
+        """Per-bucket increase of a histogram over the window, summed over everything but ``le``."""
+        return f"sum by (le) (increase({self.selector(name, suffix='_bucket')}[{self.window}]))"
+
+    def _step_slope(self) -> str:
+        # train_step is a gauge: deriv, never rate; max keeps one series per run.
+        return f"max {self._by()} (deriv({self.selector('train_step')}[{self.window}]))"
+
+    def steps_per_second(self) -> str:
+        """How fast the train step advances, clamped at 0 (a restarted run steps back)."""
+        return f"clamp_min({self._step_slope()}, 0)"
+
+    def per_step(self, name: str) -> str:
+        """A counter's increase per train step: its rate over the steps' rate, while steps advance."""
+        return f"{self.rate(name)} / ({self._step_slope()} > 0)"

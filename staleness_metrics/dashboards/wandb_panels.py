@@ -1,0 +1,144 @@
+"""A W&B workspace with a "Staleness" section: the Grafana views, over the W&B keys of the table.
+
+The panels are first described as plain data (:func:`workspace_spec`, committed as
+``dashboards/wandb-workspace.json`` and checked for drift like the Grafana JSON); :func:`build_workspace`
+turns them into ``wandb_workspaces`` objects offline, and :func:`save` uploads them, which needs
+network access and a W&B API key. ``wandb_workspaces`` is imported only by those two.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .. import metric_table
+
+__all__ = [
+    "SECTION",
+    "MissingApiKey",
+    "PanelSpec",
+    "build_workspace",
+    "panels",
+    "save",
+    "workspace_spec",
+]
+
+SECTION = "Staleness"
+API_KEY_ENV = "WANDB_API_KEY"
+
+
+class MissingApiKey(RuntimeError):
+    """Saving a workspace needs a W&B API key."""
+
+
+@dataclass(frozen=True)
+class PanelSpec:
+    """One panel: a line plot of W&B keys (or of the keys matching ``metric_regex``)."""
+
+    title: str
+    keys: tuple[str, ...] = ()
+    metric_regex: str | None = None
+    stacked: bool = False
+    range_y: tuple[float | None, float | None] = (None, None)
+    kind: str = "line"  # "line" or "scalar" (the run's largest value of keys[0])
+    notes: str = field(default="", compare=False)
+
+
+def wandb_key(name: str) -> str:
+    """The W&B key of the table row called ``name``."""
+    for row in metric_table.METRICS:
+        if row.name == name:
+            if row.wandb_key is None:
+                raise KeyError(f"metric {name!r} is not logged to W&B")
+            return row.wandb_key
+    raise KeyError(f"no metric called {name!r} in the metric table")
+
+
+def per_env_regex(name: str) -> str:
+    """Matches the per-env keys of a row: ``staleness/token/mean`` -> ``staleness/env/<env>/token/mean``."""
+    head, _, tail = wandb_key(name).partition("/")
+    return f"^{re.escape(head)}/env/[^/]+/{re.escape(tail)}$"
+
+
+def panels() -> list[PanelSpec]:
+    """The Staleness section, in display order."""
+
+    def keys(*names: str) -> tuple[str, ...]:
+        return tuple(wandb_key(n) for n in names)
+
+    return [
+        PanelSpec("Token staleness mean vs bound", keys("token_mean", "max_staleness")),
+        PanelSpec("Token staleness quantiles", keys("token_p50", "token_p90", "token_p99")),
+        PanelSpec("Masked tokens", keys("token_masked"), range_y=(0.0, 1.0)),
+        PanelSpec(
+            "Rollout staleness mean and max vs bound", keys("rollout_mean", "rollout_max", "max_staleness")
+        ),
+        PanelSpec(
+            "In-flight vs in-queue staleness (mean)",
+            keys("rollout_in_flight_mean", "rollout_in_queue_mean"),
+            stacked=True,
+            notes="Per rollout in flight + in queue = rollout staleness, so the stack is the rollout mean.",
+        ),
+        PanelSpec(
+            "In-flight vs in-queue staleness (max)", keys("rollout_in_flight_max", "rollout_in_queue_max")
+        ),
+        PanelSpec("Dropped per step", keys("rollouts_dropped", "samples_dropped")),
+        PanelSpec("Held rollouts", keys("rollouts_held")),
+        PanelSpec(
+            "Unlabelled tokens",
+            keys("token_unlabelled"),
+            range_y=(0.0, 1.0),
+            notes="Label coverage is 1 minus this share.",
+        ),
+        PanelSpec("Largest rollout staleness", keys("rollout_max"), kind="scalar"),
+        PanelSpec("Token staleness mean per env", metric_regex=per_env_regex("token_mean")),
+        PanelSpec("Masked tokens per env", metric_regex=per_env_regex("token_masked"), range_y=(0.0, 1.0)),
+    ]
+
+
+def workspace_spec(x_axis: str) -> dict[str, Any]:
+    """The section as plain JSON data (what ``dashboards/wandb-workspace.json`` holds)."""
+    return {"section": SECTION, "x_axis": x_axis, "panels": [asdict(p) for p in panels()]}
+
+
+def build_workspace(entity: str, project: str, *, x_axis: str, name: str = "RL staleness") -> Any:
+    """The ``wandb_workspaces`` Workspace (built offline; nothing is sent)."""
+    import wandb_workspaces.reports.v2 as wr
+    import wandb_workspaces.workspaces as ws
+
+    built: list[Any] = []
+    for spec in panels():
+        if spec.kind == "scalar":
+            built.append(wr.ScalarChart(title=spec.title, metric=spec.keys[0], groupby_aggfunc="max"))
+            continue
+        built.append(
+            wr.LinePlot(
+                title=spec.title,
+                x=x_axis,
+                y=list(spec.keys),
+                metric_regex=spec.metric_regex,
+                plot_type="stacked-area" if spec.stacked else "line",
+                range_y=spec.range_y,
+            )
+        )
+    section = ws.Section(name=SECTION, panels=built, is_open=True)
+    return ws.Workspace(
+        entity=entity,
+        project=project,
+        name=name,
+        sections=[section],
+        settings=ws.WorkspaceSettings(x_axis=x_axis),
+    )
+
+
+def save(entity: str, project: str, *, x_axis: str, name: str = "RL staleness") -> str:
+    """Builds and saves the workspace to W&B; returns its URL. Needs ``WANDB_API_KEY``."""
+    if not os.environ.get(API_KEY_ENV):
+        raise MissingApiKey(
+            f"saving a W&B workspace needs an API key: set {API_KEY_ENV} "
+            "(create one at https://wandb.ai/authorize) and run again"
+        )
+    workspace = build_workspace(entity, project, x_axis=x_axis, name=name).save()
+    return str(workspace.url)

@@ -1,0 +1,249 @@
+"""A simulated asynchronous RL pipeline that produces the SPEC 9 event stream of a run.
+
+The model, in ticks of simulated time:
+
+- A dispatcher sends GRPO groups (``group_size`` rollouts of one prompt) to ``workers`` inference
+  workers, as long as fewer than ``max_buffered`` rollouts are in flight or queued (the async
+  level). Each rollout records the version its worker held at dispatch.
+- A worker samples ``tokens_per_tick`` tokens a tick. When the trainer publishes a new version,
+  each worker loads it after a random delay, **in the middle of the response** it is sampling: the
+  rest of that response is labelled with the new version (a new ``weight_versions`` span).
+- Response lengths are log-normal per env, so long responses span several versions. The ``agent``
+  env returns multi-turn rollouts (one sample per turn, tool output positions unsampled).
+- A share of groups is sampled by a frozen model (``source: frozen``, no version labels).
+- Finished rollouts wait in the queue; the trainer ships the oldest ``batch_rollouts`` of them as
+  soon as it is idle and they are there, trains for ``train_ticks``, then publishes the next version.
+  Every ``checkpoint_every`` steps it also writes a checkpoint, which takes longer: the queue ages and
+  staleness spikes, as it does in real runs.
+
+Everything is drawn from one seeded generator, so a seed gives the same events every time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DemoSettings", "EnvProfile", "Simulation", "StepEvents"]
+
+
+@dataclass(frozen=True)
+class EnvProfile:
+    """One environment: its share of prompts and its response-length distribution."""
+
+    name: str
+    share: float
+    median_tokens: int
+    spread: float  # sigma of log(length)
+    turns: int = 1  # samples per rollout (multi-turn agent rollouts)
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """The embedded defaults of the demo pipeline."""
+
+    workers: int = 64  # concurrent sequences over the inference fleet
+    group_size: int = 4
+    batch_rollouts: int = 64
+    tokens_per_tick: int = 16
+    train_ticks: int = 30
+    checkpoint_every: int = 20  # every so many steps the trainer also writes a checkpoint...
+    checkpoint_ticks: int = 90  # ...which takes this long, so the queue ages
+    load_delay_ticks: int = 3
+    frozen_share: float = 0.1
+    max_buffered: int = 224
+    max_tokens: int = 4096
+    envs: tuple[EnvProfile, ...] = (
+        EnvProfile("math", 0.45, 220, 0.6),
+        EnvProfile("code", 0.3, 420, 0.8),
+        EnvProfile("agent", 0.25, 300, 0.7, turns=3),
+    )
+
+
+@dataclass
+class _Rollout:
+    id: str
+    group_id: str
+    env: str
+    frozen: bool
+    dispatch_version: int
+    lengths: list[int]  # per sample (turn)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (version, absolute position)
+    done: int = 0  # positions sampled so far over all samples
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+
+@dataclass
+class _Worker:
+    version: int = 0
+    pending_version: int | None = None
+    load_at: int = 0
+    current: _Rollout | None = None
+
+
+@dataclass(frozen=True)
+class StepEvents:
+    """What happened up to one ship: the rollouts that finished, then the ship itself."""
+
+    step: int
+    rollouts: list[dict[str, Any]]
+    ship_ids: list[str]
+    queued: int
+    in_flight: int
+    policy_version: int  # the version inference is sampling with when the batch ships
+
+    def events(self) -> list[dict[str, Any]]:
+        """As SPEC 9 event dicts."""
+        rollout_events: list[dict[str, Any]] = [{"type": "rollout", "rollout": r} for r in self.rollouts]
+        return [*rollout_events, {"type": "ship", "step": self.step, "ids": self.ship_ids}]
+
+
+class Simulation:
+    """The pipeline; :meth:`steps` yields one :class:`StepEvents` per ship, forever."""
+
+    def __init__(self, seed: int = 0, settings: DemoSettings | None = None) -> None:
+        self.settings = settings or DemoSettings()
+        self._rng = np.random.default_rng(seed)
+        self._workers = [_Worker() for _ in range(self.settings.workers)]
+        self._waiting: deque[_Rollout] = deque()  # dispatched, not yet on a worker
+        self._queue: deque[str] = deque()  # finished, not yet shipped (ids)
+        self._finished: list[dict[str, Any]] = []
+        self._tick = 0
+        self._version = 0  # newest published version
+        self._step = 1  # the next batch to ship
+        self._train_until: int | None = None
+        self._groups = 0
+        self._shares = np.array([env.share for env in self.settings.envs], dtype=float)
+        self._shares /= self._shares.sum()
+
+    # -- the sink tells the simulation which queued rollouts it dropped ---------------------------
+    def forget(self, ids: Iterable[str]) -> None:
+        """Remove rollouts the sink dropped from the simulated queue."""
+        gone = set(ids)
+        if gone:
+            self._queue = deque(i for i in self._queue if i not in gone)
+
+    @property
+    def _loaded(self) -> int:
+        """The oldest version a worker still samples with (what a dispatch can count on)."""
+        return min(w.version for w in self._workers)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting) + sum(w.current is not None for w in self._workers)
+
+    def steps(self) -> Iterator[StepEvents]:
+        while True:
+            yield self._run_until_ship()
+
+    # -- one tick at a time ----------------------------------------------------------------------
+    def _run_until_ship(self) -> StepEvents:
+        while True:
+            self._tick += 1
+            self._finish_training()
+            self._dispatch()
+            self._sample()
+            if self._train_until is None and len(self._queue) >= self.settings.batch_rollouts:
+                return self._ship()
+
+    def _finish_training(self) -> None:
+        if self._train_until is not None and self._tick >= self._train_until:
+            self._train_until = None
+            self._version = self._step - 1  # training batch S produces version S
+            for worker in self._workers:
+                worker.pending_version = self._version
+                worker.load_at = self._tick + int(self._rng.integers(0, self.settings.load_delay_ticks + 1))
+
+    def _dispatch(self) -> None:
+        s = self.settings
+        while self.in_flight + len(self._queue) + s.group_size <= s.max_buffered:
+            self._groups += 1
+            env = s.envs[int(self._rng.choice(len(s.envs), p=self._shares))]
+            frozen = bool(self._rng.random() < s.frozen_share)
+            group = f"g{self._groups}"
+            for member in range(s.group_size):
+                lengths = [
+                    int(np.clip(self._rng.lognormal(np.log(env.median_tokens / env.turns), env.spread), 4, s.max_tokens))
+                    for _ in range(env.turns)
+                ]
+                name = "frozen-teacher" if frozen else env.name
+                # The orchestrator stamps the version it knows of; the engine may start it later.
+                self._waiting.append(_Rollout(f"{group}-r{member}", group, name, frozen, self._loaded, lengths))
+
+    def _sample(self) -> None:
+        for worker in self._workers:
+            if worker.pending_version is not None and self._tick >= worker.load_at:
+                worker.version, worker.pending_version = worker.pending_version, None
+                if worker.current is not None and not worker.current.frozen:
+                    # New weights in the middle of a response: the rest is sampled by them.
+                    worker.current.spans.append((worker.version, worker.current.done))
+            if worker.current is None and self._waiting:
+                worker.current = self._waiting.popleft()
+                worker.current.spans.append((worker.version, 0))
+            rollout = worker.current
+            if rollout is None:
+                continue
+            rollout.done = min(rollout.total, rollout.done + self.settings.tokens_per_tick)
+            if rollout.done == rollout.total:
+                self._finished.append(self._record(rollout, worker.version))
+                self._queue.append(rollout.id)
+                worker.current = None
+
+    def _ship(self) -> StepEvents:
+        ids = [self._queue.popleft() for _ in range(self.settings.batch_rollouts)]
+        step = StepEvents(self._step, self._finished, ids, len(self._queue), self.in_flight, self._version)
+        self._finished = []
+        s = self.settings
+        slow = s.checkpoint_ticks if s.checkpoint_every and self._step % s.checkpoint_every == 0 else 0
+        self._train_until = self._tick + s.train_ticks + slow
+        self._step += 1
+        return step
+
+    # -- the SPEC 3 record -----------------------------------------------------------------------
+    def _record(self, rollout: _Rollout, completion_version: int) -> dict[str, Any]:
+        samples = []
+        offset = 0
+        for turn, length in enumerate(rollout.lengths):
+            mask = [1] * length
+            if turn > 0:
+                # A multi-turn sample starts with the tool's output, which the policy did not sample.
+                tool = min(length - 1, int(self._rng.integers(2, 12)))
+                mask[:tool] = [0] * tool
+            sample: dict[str, Any] = {"mask": mask}
+            if not rollout.frozen:
+                sample["weight_versions"] = _spans_of(rollout.spans, offset, length)
+            samples.append(sample)
+            offset += length
+        record: dict[str, Any] = {
+            "id": rollout.id,
+            "group_id": rollout.group_id,
+            "env": rollout.env,
+            "samples": samples,
+        }
+        if rollout.frozen:
+            record["source"] = "frozen"
+        else:
+            record["dispatch_version"] = rollout.dispatch_version
+            record["completion_version"] = completion_version
+            record["agentic"] = len(rollout.lengths) > 1
+        return record
+
+
+def _spans_of(spans: list[tuple[int, int]], offset: int, length: int) -> list[list[int]]:
+    """The ``[version, start]`` spans of positions ``offset .. offset+length-1``, relative to the sample."""
+    out: list[list[int]] = []
+    for i, (version, start) in enumerate(spans):
+        end = spans[i + 1][1] if i + 1 < len(spans) else offset + length
+        lo, hi = max(start, offset), min(end, offset + length)
+        if lo < hi:
+            if out and out[-1][0] == version:
+                continue
+            out.append([version, lo - offset])
+    return out

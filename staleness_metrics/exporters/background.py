@@ -1,0 +1,218 @@
+"""A bounded queue and a worker thread, so a slow or failing exporter never blocks the training loop.
+
+The training thread only appends to the queue. One daemon thread sends the queued payloads in order;
+a failed send is counted, logged (rate-limited) and retried with exponential backoff, and the payloads
+behind it wait. When the queue is full the **oldest** waiting payload is dropped (and counted as a failed
+export): after an outage the newest data matters most, and the cumulative exporters (Prometheus push,
+OTLP) carry their counters and histograms in every payload, so only intermediate gauge values are lost.
+``close(timeout)`` stops accepting work, keeps sending (and retrying) until the queue is empty or the
+timeout passes, and counts what is left as dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from ..report import StepReport
+from .base import DEFAULT_RUN, Exporter, ExportErrors, MonitorAware
+
+__all__ = ["DEFAULT_QUEUE_SIZE", "BackgroundExporter", "ExportQueue"]
+
+P = TypeVar("P")
+
+DEFAULT_QUEUE_SIZE = 1024
+
+FailureHandler = Callable[[str, "BaseException | None"], None]
+
+
+class ExportQueue(Generic[P]):
+    """Sends payloads on a worker thread; ``put`` never blocks and never raises.
+
+    ``send`` raises to signal a failed attempt; the same payload is retried after a backoff that starts at
+    ``retry_initial`` seconds and doubles up to ``retry_max``. Retries go on as long as the payload is
+    within the bound (a permanently failing exporter ends up keeping the newest ``max_size`` payloads).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        send: Callable[[P], None],
+        on_failure: FailureHandler,
+        *,
+        max_size: int = DEFAULT_QUEUE_SIZE,
+        retry_initial: float = 0.5,
+        retry_max: float = 10.0,
+    ) -> None:
+        if max_size < 1:
+            raise ValueError(f"max_size: must be >= 1, got {max_size}")
+        self.name = name
+        self._send = send
+        self._on_failure = on_failure
+        self._max_size = max_size
+        self._retry_initial = retry_initial
+        self._retry_max = retry_max
+        self._cond = threading.Condition()
+        self._pending: collections.deque[P] = collections.deque()
+        self._in_flight = False
+        self._closing = False  # no new payloads
+        self._stopping = False  # worker exits after the current attempt
+        self._sent = 0
+        self._dropped = 0
+        self._worker = threading.Thread(target=self._run, name=f"staleness-export-{name}", daemon=True)
+        self._worker.start()
+
+    @property
+    def sent(self) -> int:
+        """Payloads sent successfully so far."""
+        with self._cond:
+            return self._sent
+
+    @property
+    def dropped(self) -> int:
+        """Payloads given up (queue full, or still queued when ``close`` timed out)."""
+        with self._cond:
+            return self._dropped
+
+    @property
+    def pending(self) -> int:
+        """Payloads waiting or being sent."""
+        with self._cond:
+            return len(self._pending) + int(self._in_flight)
+
+    def put(self, payload: P) -> bool:
+        """Queue ``payload``; returns False when it could not be queued (closed)."""
+        dropped_oldest = False
+        with self._cond:
+            if self._closing:
+                self._dropped += 1
+                accepted = False
+            else:
+                if len(self._pending) >= self._max_size:
+                    self._pending.popleft()
+                    self._dropped += 1
+                    dropped_oldest = True
+                self._pending.append(payload)
+                self._cond.notify_all()
+                accepted = True
+        if not accepted:
+            self._on_failure("exporter is closed; report dropped", None)
+        elif dropped_oldest:
+            self._on_failure(f"queue full ({self._max_size} reports); dropped the oldest", None)
+        return accepted
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is sent; False when ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending or self._in_flight:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop accepting payloads, send what is queued within ``timeout``; True when nothing was lost."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        flushed = self.flush(timeout)
+        with self._cond:
+            self._stopping = True
+            left = len(self._pending)
+            self._pending.clear()
+            self._dropped += left
+            self._cond.notify_all()
+        if left:
+            self._on_failure(f"closed with {left} reports unsent; dropped", None)
+        # A send stuck in I/O keeps the (daemon) worker alive; don't wait for it beyond a moment.
+        self._worker.join(timeout=0.0 if not flushed else max(timeout, 0.0))
+        return flushed
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping and not self._closing:
+                    self._cond.wait()
+                if self._stopping or not self._pending:
+                    if self._stopping or self._closing:
+                        return
+                    continue
+                payload = self._pending.popleft()
+                self._in_flight = True
+            self._deliver(payload)
+            with self._cond:
+                self._in_flight = False
+                self._cond.notify_all()
+
+    def _deliver(self, payload: P) -> None:
+        backoff = self._retry_initial
+        while True:
+            try:
+                self._send(payload)
+            except Exception as exc:
+                self._on_failure("export failed; will retry", exc)
+            else:
+                with self._cond:
+                    self._sent += 1
+                return
+            with self._cond:
+                if self._stopping:
+                    self._dropped += 1
+                    return
+                self._cond.wait(backoff)  # close() wakes us up early
+                if self._stopping:
+                    self._dropped += 1
+                    return
+            backoff = min(backoff * 2, self._retry_max)
+
+
+class BackgroundExporter:
+    """Runs any exporter's ``export`` on a worker thread behind an :class:`ExportQueue`.
+
+    For your own slow exporters; the built-in network exporters (OTLP, W&B, Pushgateway, JSONL) queue
+    by themselves. ``export`` is retried with the same report after a failure, so the wrapped exporter
+    must tolerate seeing a report again after it raised.
+    """
+
+    def __init__(
+        self,
+        exporter: Exporter,
+        *,
+        max_queue: int = DEFAULT_QUEUE_SIZE,
+        retry_initial: float = 0.5,
+        retry_max: float = 10.0,
+        close_timeout: float = 10.0,
+    ) -> None:
+        self.name = exporter.name
+        self._exporter = exporter
+        self._errors = ExportErrors()
+        self._close_timeout = close_timeout
+        self._queue: ExportQueue[StepReport] = ExportQueue(
+            self.name,
+            exporter.export,
+            lambda message, exc: self._errors.record(self.name, message, exc),
+            max_size=max_queue,
+            retry_initial=retry_initial,
+            retry_max=retry_max,
+        )
+
+    def attach(self, run: str = DEFAULT_RUN, errors: ExportErrors | None = None) -> None:
+        if errors is not None:
+            self._errors = errors
+        if isinstance(self._exporter, MonitorAware):
+            self._exporter.attach(run, self._errors)
+
+    def export(self, report: StepReport) -> None:
+        self._queue.put(report)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._queue.flush(timeout)
+
+    def close(self) -> None:
+        self._queue.close(self._close_timeout)
+        self._exporter.close()

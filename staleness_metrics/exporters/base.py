@@ -1,0 +1,89 @@
+"""What every exporter is, and how export failures are counted and logged.
+
+An exporter renders a :class:`~staleness_metrics.report.StepReport` under the names of the metric table.
+The training loop must never wait for, nor see an exception from, an exporter: network exporters queue
+their work (see :mod:`staleness_metrics.exporters.background`) and every failure ends up here, counted
+per exporter (``rl_staleness_export_errors_total``) and logged at most once per interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol, runtime_checkable
+
+from ..report import StepReport
+
+__all__ = ["DEFAULT_RUN", "ExportErrors", "Exporter", "MonitorAware"]
+
+logger = logging.getLogger("staleness_metrics.exporters")
+
+DEFAULT_RUN = "default"
+
+
+@runtime_checkable
+class Exporter(Protocol):
+    """Publishes each shipped step's report.
+
+    ``export`` is called on the training thread once per ship: it must return quickly (queue anything
+    slow) and should not raise (the monitor catches and counts it anyway). ``close`` flushes.
+    """
+
+    name: str
+
+    def export(self, report: StepReport) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class MonitorAware(Protocol):
+    """An exporter that labels its series with the run and publishes the shared error counts."""
+
+    def attach(self, run: str, errors: ExportErrors) -> None: ...
+
+
+class ExportErrors:
+    """Thread-safe count of failed exports per exporter, with rate-limited logging.
+
+    One instance is shared by a monitor and all its exporters, so the Prometheus and OTLP exporters
+    can publish everybody's failures. A dropped report (queue full, or left over at close) counts as
+    a failed export too.
+    """
+
+    def __init__(self, log_interval: float = 30.0) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, int] = {}
+        self._log_interval = log_interval
+        self._last_logged: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def register(self, exporter: str) -> None:
+        """Expose a zero count for ``exporter`` from the start (so ``rate()`` works from the first scrape)."""
+        with self._lock:
+            self._counts.setdefault(exporter, 0)
+
+    def record(self, exporter: str, message: str, exc: BaseException | None = None) -> None:
+        """Count one failure of ``exporter`` and log it unless it logged less than an interval ago."""
+        now = time.monotonic()
+        with self._lock:
+            self._counts[exporter] = self._counts.get(exporter, 0) + 1
+            last = self._last_logged.get(exporter)
+            if last is not None and now - last < self._log_interval:
+                self._suppressed[exporter] = self._suppressed.get(exporter, 0) + 1
+                return
+            self._last_logged[exporter] = now
+            suppressed = self._suppressed.pop(exporter, 0)
+        more = f" ({suppressed} similar failures not logged)" if suppressed else ""
+        reason = f": {type(exc).__name__}: {exc}" if exc is not None else ""
+        logger.warning("exporter %s: %s%s%s", exporter, message, reason, more)
+
+    def count(self, exporter: str) -> int:
+        with self._lock:
+            return self._counts.get(exporter, 0)
+
+    def snapshot(self) -> dict[str, int]:
+        """All counts at once (exporter name -> failures)."""
+        with self._lock:
+            return dict(self._counts)

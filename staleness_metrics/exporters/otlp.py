@@ -1,0 +1,355 @@
+"""OTLP exporter: the metric table as OpenTelemetry metrics, sent once per ship.
+
+Default (owned pipeline): each ship becomes one OTLP export of gauges (``Gauge``), counters (monotonic
+``Sum``) and explicit-bucket histograms (``Histogram`` over :data:`~staleness_metrics.metric_table.BUCKETS`),
+built from the cumulative run state: the histograms come from the core's bucket counts, so a ship costs
+the same however many tokens it had. Export runs on a bounded background queue; a failed export is
+counted and retried, and since counters and histograms are cumulative (the default temporality) every
+later export carries what an earlier one missed.
+
+Transport: OTLP/HTTP protobuf by default, gRPC with ``protocol="grpc"``. The standard variables are
+honoured by the OpenTelemetry exporters themselves (``OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT``,
+``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``, ``_PROTOCOL``, ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``),
+and the resource takes ``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME``; ``service.name`` defaults to
+``staleness-metrics``. ``run`` (and ``env``, for named envs) are metric attributes.
+
+Injected ``meter_provider``: the metrics are recorded through that provider's instruments (sync gauges,
+counters, histograms with the table's buckets as advisory boundaries) and its own readers export them.
+The OpenTelemetry API has no weighted ``record``, so histograms then cost one ``record`` per token and
+rollout (done on the background thread); prefer the owned pipeline for large batches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from .. import __version__
+from ..errors import ConfigError
+from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..report import StepReport
+from .background import DEFAULT_QUEUE_SIZE, ExportQueue
+from .base import DEFAULT_RUN, ExportErrors
+from .state import CumulativeState, HistogramPoint, Snapshot
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricExporter, MetricsData
+    from opentelemetry.sdk.resources import Resource
+
+__all__ = ["DEFAULT_SERVICE_NAME", "OtlpExportError", "OtlpExporter", "build_metrics_data"]
+
+DEFAULT_SERVICE_NAME = "staleness-metrics"
+SCOPE_NAME = "staleness_metrics"
+PROTOCOLS = ("http/protobuf", "grpc")
+
+_PUBLISHED = tuple(m for m in METRICS if m.otel_name is not None and m.source is not Source.EXPORTER)
+_ERRORS_ROW = next(m for m in METRICS if m.source is Source.EXPORTER)
+
+
+class OtlpExportError(RuntimeError):
+    """The OTLP exporter reported a failed export (the receiver is down, slow or refused it)."""
+
+
+def _attributes(metric: MetricDef, run: str, env: str) -> dict[str, str]:
+    attributes = {"run": run}
+    if env and "env" in metric.labels:
+        attributes["env"] = env
+    return attributes
+
+
+def resolve_protocol(protocol: str | None) -> str:
+    chosen = (
+        protocol
+        or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()
+    if chosen not in PROTOCOLS:
+        raise ConfigError(f"OTLP protocol: expected one of {', '.join(PROTOCOLS)}, got {chosen!r}")
+    return chosen
+
+
+def build_resource(service_name: str | None, attributes: Mapping[str, str] | None) -> Resource:
+    """``service.name``: the argument, else ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``, else the default."""
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+    merged: dict[str, str] = dict(attributes or {})
+    if service_name is not None:
+        merged["service.name"] = service_name
+    elif "service.name" not in merged and "service.name" not in OTELResourceDetector().detect().attributes:
+        merged["service.name"] = DEFAULT_SERVICE_NAME
+    merged.setdefault("service.version", __version__)
+    return Resource.create(merged)
+
+
+def _histogram_point(
+    metric: MetricDef, run: str, env: str, point: HistogramPoint, start_ns: int, time_ns: int
+) -> Any:
+    from opentelemetry.sdk.metrics.export import HistogramDataPoint
+
+    return HistogramDataPoint(
+        attributes=_attributes(metric, run, env),
+        start_time_unix_nano=start_ns,
+        time_unix_nano=time_ns,
+        count=point.count,
+        sum=point.sum,
+        bucket_counts=list(point.bucket_counts),
+        explicit_bounds=list(BUCKETS),
+        min=point.min,  # type: ignore[arg-type]  # None = unset (empty histogram)
+        max=point.max,  # type: ignore[arg-type]
+    )
+
+
+def build_metrics_data(
+    snapshot: Snapshot,
+    resource: Resource,
+    errors: Mapping[str, int],
+    temporality: AggregationTemporality | None = None,
+) -> MetricsData:
+    """One OTLP export of a snapshot; counters and histograms cumulative unless ``temporality`` is DELTA."""
+    from opentelemetry.sdk.metrics.export import (
+        AggregationTemporality,
+        Gauge,
+        Histogram,
+        Metric,
+        MetricsData,
+        NumberDataPoint,
+        ResourceMetrics,
+        ScopeMetrics,
+        Sum,
+    )
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+    temporality = temporality or AggregationTemporality.CUMULATIVE
+    delta = temporality is AggregationTemporality.DELTA
+    start_ns = snapshot.previous_time_ns if delta else snapshot.start_time_ns
+    now = snapshot.time_ns
+    run = snapshot.run
+    metrics: list[Metric] = []
+    for row in _PUBLISHED:
+        assert row.otel_name is not None
+        data: Any
+        if row.kind is MetricKind.GAUGE:
+            values = snapshot.gauges[row.name]
+            points = [
+                NumberDataPoint(_attributes(row, run, env), start_ns, now, value)
+                for env, value in sorted(values.items())
+            ]
+            data = Gauge(data_points=points)
+        elif row.kind is MetricKind.COUNTER:
+            counts = (snapshot.counter_deltas if delta else snapshot.counters)[row.name]
+            points = [
+                NumberDataPoint(_attributes(row, run, env), start_ns, now, count)
+                for env, count in sorted(counts.items())
+            ]
+            data = Sum(data_points=points, aggregation_temporality=temporality, is_monotonic=True)
+        else:
+            histograms = (snapshot.histogram_deltas if delta else snapshot.histograms)[row.name]
+            hist_points = [
+                _histogram_point(row, run, env, point, start_ns, now)
+                for env, point in sorted(histograms.items())
+            ]
+            data = Histogram(data_points=hist_points, aggregation_temporality=temporality)
+        if data.data_points:
+            metrics.append(Metric(row.otel_name, row.description, row.otel_unit, data))
+    if errors:
+        assert _ERRORS_ROW.otel_name is not None
+        # Export errors are cumulative in-process counts; they are sent cumulative whatever the preference.
+        error_points = [
+            NumberDataPoint({"run": run, "exporter": name}, snapshot.start_time_ns, now, count)
+            for name, count in sorted(errors.items())
+        ]
+        metrics.append(
+            Metric(
+                _ERRORS_ROW.otel_name,
+                _ERRORS_ROW.description,
+                _ERRORS_ROW.otel_unit,
+                Sum(error_points, AggregationTemporality.CUMULATIVE, is_monotonic=True),
+            )
+        )
+    scope = InstrumentationScope(SCOPE_NAME, __version__)
+    return MetricsData(
+        resource_metrics=[
+            ResourceMetrics(
+                resource=resource,
+                scope_metrics=[ScopeMetrics(scope=scope, metrics=metrics, schema_url="")],
+                schema_url="",
+            )
+        ]
+    )
+
+
+def _make_metric_exporter(
+    protocol: str, endpoint: str | None, headers: Mapping[str, str] | None, timeout: float | None
+) -> MetricExporter:
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+            OTLPMetricExporter as GrpcMetricExporter,
+        )
+
+        return GrpcMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout)
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+    return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=timeout)
+
+
+class _InstrumentRecorder:
+    """Records snapshots through a caller's MeterProvider (the injected-provider path)."""
+
+    def __init__(self, provider: MeterProvider) -> None:
+        meter = provider.get_meter(SCOPE_NAME, __version__)
+        self._instruments: dict[str, Any] = {}
+        for row in _PUBLISHED:
+            assert row.otel_name is not None
+            if row.kind is MetricKind.GAUGE:
+                instrument: Any = meter.create_gauge(row.otel_name, row.otel_unit, row.description)
+            elif row.kind is MetricKind.COUNTER:
+                instrument = meter.create_counter(row.otel_name, row.otel_unit, row.description)
+            else:
+                instrument = meter.create_histogram(
+                    row.otel_name, row.otel_unit, row.description,
+                    explicit_bucket_boundaries_advisory=list(BUCKETS),
+                )  # fmt: skip
+            self._instruments[row.name] = instrument
+
+    def record(self, snapshot: Snapshot, histograms: Mapping[str, Mapping[str, Sequence[int]]]) -> None:
+        run = snapshot.run
+        for row in _PUBLISHED:
+            instrument = self._instruments[row.name]
+            if row.kind is MetricKind.GAUGE:
+                for env, value in snapshot.gauges[row.name].items():
+                    instrument.set(value, _attributes(row, run, env))
+            elif row.kind is MetricKind.COUNTER:
+                for env, count in snapshot.counter_deltas[row.name].items():
+                    instrument.add(count, _attributes(row, run, env))
+            else:
+                for env, counts in histograms[row.name].items():
+                    attributes = _attributes(row, run, env)
+                    for staleness, count in enumerate(counts):
+                        for _ in range(int(count)):
+                            instrument.record(staleness, attributes)
+
+
+class OtlpExporter:
+    """Sends each ship's metrics over OTLP (HTTP protobuf by default), on a background queue."""
+
+    name = "otlp"
+
+    def __init__(
+        self,
+        *,
+        endpoint: str | None = None,
+        protocol: str | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        service_name: str | None = None,
+        resource_attributes: Mapping[str, str] | None = None,
+        metric_exporter: MetricExporter | None = None,
+        meter_provider: MeterProvider | None = None,
+        max_queue: int = DEFAULT_QUEUE_SIZE,
+        retry_initial: float = 0.5,
+        retry_max: float = 10.0,
+        close_timeout: float = 10.0,
+    ) -> None:
+        self._run = DEFAULT_RUN
+        self._errors = ExportErrors()
+        self._errors.register(self.name)
+        self._state = CumulativeState(self._run)
+        self._close_timeout = close_timeout
+        self._meter_provider = meter_provider
+        self._recorder: _InstrumentRecorder | None = None
+        self._metric_exporter: MetricExporter | None = None
+        self._temporality: AggregationTemporality | None = None
+        if meter_provider is not None:
+            self._recorder = _InstrumentRecorder(meter_provider)
+        else:
+            self.resource = build_resource(service_name, resource_attributes)
+            self._metric_exporter = metric_exporter or _make_metric_exporter(
+                resolve_protocol(protocol), endpoint, headers, timeout
+            )
+            self._temporality = self._counter_temporality(self._metric_exporter)
+        self._queue: ExportQueue[Any] = ExportQueue(
+            self.name,
+            self._send,
+            lambda message, exc: self._errors.record(self.name, message, exc),
+            max_size=max_queue,
+            retry_initial=retry_initial,
+            retry_max=retry_max,
+        )
+
+    @staticmethod
+    def _counter_temporality(exporter: MetricExporter) -> AggregationTemporality:
+        from opentelemetry.sdk.metrics import Counter
+        from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+        # The OTLP exporters resolve OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE into this mapping
+        # (the SDK's own readers read it the same way).
+        preferred = getattr(exporter, "_preferred_temporality", {}) or {}
+        chosen = preferred.get(Counter, AggregationTemporality.CUMULATIVE)
+        assert isinstance(chosen, AggregationTemporality)
+        return chosen
+
+    def attach(self, run: str = DEFAULT_RUN, errors: ExportErrors | None = None) -> None:
+        """Set the ``run`` attribute and publish the monitor's shared export error counts."""
+        if run != self._run:
+            self._run = run
+            self._state = CumulativeState(run)
+        if errors is not None:
+            errors.register(self.name)
+            self._errors = errors
+
+    @property
+    def errors(self) -> ExportErrors:
+        return self._errors
+
+    def export(self, report: StepReport) -> None:
+        snapshot = self._state.apply(report)
+        if self._recorder is not None:
+            windows = {
+                row.name: {
+                    env: list(t.token_histogram if row.source is Source.TOKEN_HISTOGRAM else t.rollout_histogram)
+                    for env, t in _window_tallies(report).items()
+                }
+                for row in _PUBLISHED
+                if row.kind is MetricKind.HISTOGRAM
+            }
+            self._queue.put((snapshot, windows))
+            return
+        payload = build_metrics_data(snapshot, self.resource, self._errors.snapshot(), self._temporality)
+        self._queue.put(payload)
+
+    def _send(self, payload: Any) -> None:
+        if self._recorder is not None:
+            snapshot, windows = payload
+            self._recorder.record(snapshot, windows)
+            return
+        from opentelemetry.sdk.metrics.export import MetricExportResult
+
+        assert self._metric_exporter is not None
+        result = self._metric_exporter.export(payload, timeout_millis=10_000)
+        if result is not MetricExportResult.SUCCESS:
+            raise OtlpExportError(f"OTLP export returned {result.name}")
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued ship has been exported (False when ``timeout`` passed first)."""
+        return self._queue.flush(timeout)
+
+    def close(self) -> None:
+        self._queue.close(self._close_timeout)
+        try:
+            if self._metric_exporter is not None:
+                self._metric_exporter.shutdown()
+            elif self._meter_provider is not None:
+                force_flush = getattr(self._meter_provider, "force_flush", None)
+                if force_flush is not None:
+                    force_flush()
+        except Exception as exc:
+            self._errors.record(self.name, "shutdown failed", exc)
+
+
+def _window_tallies(report: StepReport) -> Mapping[str, Any]:
+    from .state import partition_by_env
+
+    return partition_by_env(report)

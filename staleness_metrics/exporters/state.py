@@ -1,0 +1,194 @@
+"""Cumulative per-run state behind the Prometheus and OTLP exporters, as immutable snapshots.
+
+Each report is folded in once; the result is a :class:`Snapshot` that holds every value a scrape or
+an OTLP export shows, so a reader never mixes two ships. Which rows exist, their kinds and their
+sources come from the metric table only.
+
+Label conventions (documented for dashboards):
+
+- Gauges describe the last ship. ``env=""`` (no env label) is the whole batch; named envs get their own
+  series when the report has a per-env breakdown. A gauge whose key is absent from the step's metrics
+  dict (empty population) is **not exposed** for that ship, so an old value is never shown as current.
+- Counters and histograms partition the rollouts by env: ``env=""`` holds the rollouts without an env
+  (plus anything the per-env tallies do not cover), so summing over ``env`` gives the run's total.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..report import Counts, StepReport, Tally
+
+__all__ = ["CumulativeState", "HistogramPoint", "Snapshot", "bucket_counts", "partition_by_env"]
+
+_BOUNDS = np.asarray(BUCKETS, dtype=np.float64)
+
+Number = int | float
+
+
+@dataclass(frozen=True)
+class HistogramPoint:
+    """Histogram over :data:`BUCKETS`: ``bucket_counts[i]`` counts values in ``(BUCKETS[i-1], BUCKETS[i]]``;
+    the last entry counts values above ``BUCKETS[-1]`` (the ``+Inf`` bucket). Not cumulative over buckets."""
+
+    bucket_counts: tuple[int, ...]
+    sum: int
+    count: int
+    min: int | None  # None when empty
+    max: int | None
+
+    def cumulative(self) -> list[int]:
+        """Counts of values ``<= BUCKETS[i]`` (and the total last), as Prometheus ``le`` buckets."""
+        return [int(c) for c in np.cumsum(self.bucket_counts)]
+
+
+def bucket_counts(histogram: Counts) -> HistogramPoint:
+    """Map an integer histogram (index = staleness) onto :data:`BUCKETS` exactly."""
+    values = np.arange(len(histogram))
+    index = np.searchsorted(_BOUNDS, values, side="left")  # first bound >= value; len(BUCKETS) = +Inf
+    counts = np.zeros(len(BUCKETS) + 1, dtype=np.int64)
+    np.add.at(counts, index, histogram.astype(np.int64))
+    nonzero = np.flatnonzero(histogram)
+    return HistogramPoint(
+        bucket_counts=tuple(int(c) for c in counts),
+        sum=int(np.dot(values, histogram)),
+        count=int(histogram.sum()),
+        min=int(nonzero[0]) if len(nonzero) else None,
+        max=int(nonzero[-1]) if len(nonzero) else None,
+    )
+
+
+def _subtract(a: Tally, b: Tally) -> Tally:
+    """``a - b`` field by field, floored at 0 (per-env tallies never exceed the whole window's)."""
+    values: dict[str, object] = {}
+    for f in fields(Tally):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            n = max(len(x), len(y))
+            diff = np.zeros(n, dtype=np.int64)
+            diff[: len(x)] += x
+            diff[: len(y)] -= y
+            values[f.name] = np.maximum(diff, 0)
+        else:
+            values[f.name] = max(x - y, 0)
+    return Tally(**values)  # type: ignore[arg-type]
+
+
+def partition_by_env(report: StepReport) -> dict[str, Tally]:
+    """The window's tallies split by env; ``""`` = rollouts without env plus whatever no env covers."""
+    if not report.env_tally:
+        return {"": report.tally}
+    parts = dict(report.env_tally)
+    covered = sum(parts.values(), Tally())
+    residual = _subtract(report.tally, covered)
+    if residual != Tally():
+        parts[""] = parts.get("", Tally()) + residual
+    return parts
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything an exporter shows after one ship; keys are :attr:`MetricDef.name`, then env."""
+
+    run: str
+    step: int
+    start_time_ns: int  # start of the cumulative series (first report of this state)
+    previous_time_ns: int  # time of the previous snapshot (start of the delta window)
+    time_ns: int
+    gauges: Mapping[str, Mapping[str, Number]]
+    counters: Mapping[str, Mapping[str, int]]
+    counter_deltas: Mapping[str, Mapping[str, int]]
+    histograms: Mapping[str, Mapping[str, HistogramPoint]]
+    histogram_deltas: Mapping[str, Mapping[str, HistogramPoint]]
+
+
+def _as_number(metric: MetricDef, value: object) -> Number:
+    number = float(value)  # type: ignore[arg-type]
+    return int(number) if metric.integer else number
+
+
+def _gauge_values(metric: MetricDef, report: StepReport) -> dict[str, Number]:
+    values: dict[str, Number] = {}
+    per_env = "env" in metric.labels
+    if metric.source is Source.STEP:
+        values[""] = report.step
+    elif metric.source is Source.METRIC:
+        assert metric.wandb_key is not None
+        if metric.wandb_key in report.metrics:
+            values[""] = _as_number(metric, report.metrics[metric.wandb_key])
+        if per_env:
+            for env, env_metrics in report.env_metrics.items():
+                if env and metric.wandb_key in env_metrics:
+                    values[env] = _as_number(metric, env_metrics[metric.wandb_key])
+    elif metric.source is Source.TALLY:
+        assert metric.tally_field is not None
+        values[""] = _as_number(metric, getattr(report.tally, metric.tally_field))
+        if per_env:
+            for env, tally in report.env_tally.items():
+                if env:
+                    values[env] = _as_number(metric, getattr(tally, metric.tally_field))
+    return values
+
+
+def _histogram_of(metric: MetricDef, tally: Tally) -> Counts:
+    if metric.source is Source.TOKEN_HISTOGRAM:
+        return tally.token_histogram
+    return tally.rollout_histogram
+
+
+class CumulativeState:
+    """Folds reports into run totals and returns a new immutable :class:`Snapshot` each time.
+
+    Not thread-safe by itself: callers serialize :meth:`apply` (the exporters hold a lock).
+    """
+
+    def __init__(self, run: str) -> None:
+        self.run = run
+        self._totals: dict[str, Tally] = {}
+        self._start_ns = time.time_ns()
+        self._last_ns = self._start_ns
+
+    def apply(self, report: StepReport) -> Snapshot:
+        window = partition_by_env(report)
+        for env, tally in window.items():
+            self._totals[env] = self._totals.get(env, Tally()) + tally
+        now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
+        gauges: dict[str, Mapping[str, Number]] = {}
+        counters: dict[str, Mapping[str, int]] = {}
+        counter_deltas: dict[str, Mapping[str, int]] = {}
+        histograms: dict[str, Mapping[str, HistogramPoint]] = {}
+        histogram_deltas: dict[str, Mapping[str, HistogramPoint]] = {}
+        for metric in METRICS:
+            if metric.kind is MetricKind.GAUGE:
+                gauges[metric.name] = _gauge_values(metric, report)
+            elif metric.kind is MetricKind.COUNTER and metric.source is Source.TALLY:
+                field_name = metric.tally_field
+                assert field_name is not None
+                counters[metric.name] = {env: int(getattr(t, field_name)) for env, t in self._totals.items()}
+                counter_deltas[metric.name] = {env: int(getattr(t, field_name)) for env, t in window.items()}
+            elif metric.kind is MetricKind.HISTOGRAM:
+                histograms[metric.name] = {
+                    env: bucket_counts(_histogram_of(metric, t)) for env, t in self._totals.items()
+                }
+                histogram_deltas[metric.name] = {
+                    env: bucket_counts(_histogram_of(metric, t)) for env, t in window.items()
+                }
+        snapshot = Snapshot(
+            run=self.run,
+            step=report.step,
+            start_time_ns=self._start_ns,
+            previous_time_ns=self._last_ns,
+            time_ns=now,
+            gauges=gauges,
+            counters=counters,
+            counter_deltas=counter_deltas,
+            histograms=histograms,
+            histogram_deltas=histogram_deltas,
+        )
+        self._last_ns = now
+        return snapshot

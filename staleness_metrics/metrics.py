@@ -1,0 +1,157 @@
+"""The metrics of a ship (SPEC 6), computed from the engine's decision and nothing else.
+
+Input is the judgement slice of the shipped rollouts after the sink applied the decision: each
+sample's ``mask_below`` and ``dropped`` are what the masking did, so the numbers agree with it by
+construction. Every statistic is a reduction over spans; no position is read here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+from .decision import Judgement
+from .report import StepReport, Tally
+from .segments import segment_min
+from .spans import NO_VERSION_HIGH
+
+__all__ = ["WindowCounts", "compute_report"]
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+QUANTILES = (("p50", 50, 100), ("p90", 90, 100), ("p99", 99, 100))
+
+
+class WindowCounts:
+    """Drops, holds and invalid rollouts since the last ship, per env index."""
+
+    FIELDS = ("rollouts_dropped", "samples_dropped", "tokens_dropped", "rollouts_held", "rollouts_invalid")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, dict[str, int]] = {}
+        self.dropped_rollouts: list[str] = []
+        self.dropped_samples: list[tuple[str, int]] = []
+        self.held: list[str] = []
+
+    def add(self, env: IntArray, name: str, amounts: IntArray | None = None) -> None:
+        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry."""
+        if len(env) == 0:
+            return
+        weights = np.ones(len(env), dtype=np.int64) if amounts is None else amounts
+        totals = np.bincount(env, weights=weights)
+        for index in np.flatnonzero(totals):
+            bucket = self.counts.setdefault(int(index), dict.fromkeys(self.FIELDS, 0))
+            bucket[name] += int(totals[index])
+
+    def get(self, env: int | None, name: str) -> int:
+        if env is None:
+            return sum(bucket[name] for bucket in self.counts.values())
+        return self.counts.get(env, {}).get(name, 0)
+
+
+def _nearest_rank(histogram: IntArray, numerator: int, denominator: int) -> int:
+    """The ceil(p * N)-th smallest value, with p = numerator / denominator (exact integer maths)."""
+    total = int(histogram.sum())
+    rank = max(1, -(-numerator * total // denominator))
+    return int(np.searchsorted(np.cumsum(histogram), rank))
+
+
+def _population(
+    slice_: Judgement,
+    rollout_in: BoolArray,
+    env: int | None,
+    window: WindowCounts,
+    max_staleness: int,
+) -> tuple[dict[str, float | int], Tally]:
+    """Metrics and tally of the live shipped rollouts selected by ``rollout_in``."""
+    t = slice_.trained_version
+    live_rollout = rollout_in & ~slice_.frozen
+    sample_in = live_rollout[slice_.sample_rollout] & ~slice_.dropped
+    span_in = sample_in[slice_.span_sample]
+
+    sampled = np.where(span_in, slice_.sampled, 0)
+    staleness = t - slice_.version
+    masked = sampled[slice_.version < slice_.mask_below[slice_.span_sample]]
+    tokens = int(sampled.sum())
+    unlabelled = int(np.where(slice_.labelled, 0, sampled).sum())
+    token_histogram = (
+        np.bincount(staleness[sampled > 0], weights=sampled[sampled > 0]).astype(np.int64)
+        if tokens
+        else np.zeros(0, dtype=np.int64)
+    )
+
+    # Rollout staleness: oldest shipped sampled position, the dispatch version when there is none.
+    oldest_span = np.where(span_in & (slice_.sampled > 0), slice_.version, NO_VERSION_HIGH)
+    oldest_sample = segment_min(oldest_span, slice_.span_offsets, NO_VERSION_HIGH)
+    oldest = segment_min(oldest_sample, slice_.sample_offsets, NO_VERSION_HIGH)
+    oldest = np.where(oldest == NO_VERSION_HIGH, slice_.dispatch, oldest)[live_rollout]
+    rollout = t - oldest
+    in_flight = np.clip(slice_.completion[live_rollout] - oldest, 0, rollout)
+    in_queue = rollout - in_flight
+    rollout_histogram = np.bincount(rollout).astype(np.int64) if len(rollout) else np.zeros(0, dtype=np.int64)
+
+    metrics: dict[str, float | int] = {}
+    if tokens:
+        metrics["staleness/token/mean"] = float(int((staleness * sampled).sum()) / tokens)
+        metrics["staleness/token/masked"] = float(int(masked.sum()) / tokens)
+        metrics["staleness/token/unlabelled"] = float(unlabelled / tokens)
+        for name, numerator, denominator in QUANTILES:
+            metrics[f"staleness/token/{name}"] = _nearest_rank(token_histogram, numerator, denominator)
+    if len(rollout):
+        for key, values in (("", rollout), ("in_flight/", in_flight), ("in_queue/", in_queue)):
+            metrics[f"staleness/rollout/{key}mean"] = float(int(values.sum()) / len(values))
+            metrics[f"staleness/rollout/{key}max"] = int(values.max())
+    metrics["staleness/rollout/dropped"] = window.get(env, "rollouts_dropped")
+    metrics["staleness/sample/dropped"] = window.get(env, "samples_dropped")
+    metrics["staleness/rollout/held"] = window.get(env, "rollouts_held")
+    metrics["staleness/max_staleness"] = max_staleness
+
+    tally = Tally(
+        tokens_sampled=tokens,
+        tokens_masked=int(masked.sum()),
+        tokens_unlabelled=unlabelled,
+        tokens_dropped=window.get(env, "tokens_dropped"),
+        samples_dropped=window.get(env, "samples_dropped"),
+        rollouts_dropped=window.get(env, "rollouts_dropped"),
+        rollouts_shipped=int(live_rollout.sum()),
+        rollouts_frozen=int((rollout_in & slice_.frozen).sum()),
+        rollouts_held=window.get(env, "rollouts_held"),
+        rollouts_invalid=window.get(env, "rollouts_invalid"),
+        token_histogram=token_histogram,
+        rollout_histogram=rollout_histogram,
+    )
+    return metrics, tally
+
+
+def compute_report(
+    shipped: Judgement,
+    window: WindowCounts,
+    max_staleness: int,
+    env_names: Mapping[int, str],
+    env_breakdown: bool,
+) -> StepReport:
+    """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied."""
+    everything = np.ones(shipped.n_rollouts, dtype=bool)
+    metrics, tally = _population(shipped, everything, None, window, max_staleness)
+    env_metrics: dict[str, dict[str, float | int]] = {}
+    env_tally: dict[str, Tally] = {}
+    envs = set(np.unique(shipped.env).tolist()) | set(window.counts)
+    for env in sorted(envs, key=lambda e: env_names[e]):
+        env_metrics[env_names[env]], env_tally[env_names[env]] = _population(
+            shipped, shipped.env == env, env, window, max_staleness
+        )
+    if env_breakdown:
+        for name, values in env_metrics.items():
+            if name:
+                metrics.update({f"staleness/env/{name}/{key[len('staleness/'):]}": v for key, v in values.items()})
+    return StepReport(
+        step=shipped.step,
+        max_staleness=max_staleness,
+        metrics=metrics,
+        tally=tally,
+        env_metrics=env_metrics,
+        env_tally=env_tally,
+    )

@@ -1,0 +1,32 @@
+"""The interface every masking policy implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+import numpy.typing as npt
+
+from ..decision import Decision, Judgement
+
+__all__ = ["Policy"]
+
+
+class Policy(ABC):
+    """Decides, for rollouts under judgement at a step, what is masked, dropped and held.
+
+    ``judges_groups``: the sink hands the policy every queued member of each group it touches.
+    ``observe_added`` lets a stateful policy see which groups received new rollouts.
+    """
+
+    name: str = ""
+    judges_groups: bool = False
+
+    def __init__(self, max_staleness: int) -> None:
+        self.max_staleness = max_staleness
+
+    @abstractmethod
+    def decide(self, judgement: Judgement) -> Decision: ...
+
+    def observe_added(self, groups: npt.NDArray[np.int64]) -> None:
+        """Called with the group index of every rollout the sink accepts, in order."""

@@ -1,0 +1,75 @@
+"""``xtuner``: xtuner's partial-rollout rule (sequence expiry + token masking, group drop or hold)."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from ..decision import NO_MASK, Decision, Judgement
+from ..segments import segment_any
+from .base import Policy
+
+__all__ = ["XtunerPolicy"]
+
+
+class XtunerPolicy(Policy):
+    name = "xtuner"
+    judges_groups = True
+
+    def __init__(
+        self,
+        max_staleness: int,
+        max_token_staleness: int | None = None,
+        sync_interval: int = 1,
+        retry_expired: bool = False,
+    ) -> None:
+        super().__init__(max_staleness)
+        self.max_token_staleness = max_token_staleness
+        self.sync_interval = sync_interval
+        self.retry_expired = retry_expired
+        # per group: re-rollouts still owed for expired members (retry_expired only)
+        self._owed = np.zeros(0, dtype=np.int64)
+
+    def observe_added(self, groups: npt.NDArray[np.int64]) -> None:
+        if len(groups) == 0:
+            return
+        self._grow(int(groups.max()) + 1)
+        for group in groups[self._owed[groups] > 0]:  # only groups that owe: a handful, not per token
+            self._owed[group] = max(self._owed[group] - 1, 0)
+
+    def _grow(self, size: int) -> None:
+        if size > len(self._owed):
+            self._owed = np.concatenate((self._owed, np.zeros(size - len(self._owed), dtype=np.int64)))
+
+    def decide(self, judgement: Judgement) -> Decision:
+        k = self.sync_interval
+        t = judgement.trained_version
+        rollout = judgement.sample_rollout
+        live = ~judgement.frozen[rollout]
+
+        seq_staleness = np.where(
+            judgement.seq_min_version < np.iinfo(np.int64).max // 8, t - judgement.seq_min_version, 0
+        )
+        expired = live & (seq_staleness >= (self.max_staleness + 1) * k)
+        mask_below = judgement.mask_below
+        if self.max_token_staleness is not None:
+            threshold = t - (self.max_token_staleness + 1) * k + 1  # staleness >= S_tok  <=>  v < threshold
+            applies = live & ~judgement.group_agentic[rollout] & (judgement.n_sampled > 0)
+            mask_below = np.maximum(mask_below, np.where(applies, threshold, NO_MASK))
+            expired |= applies & (judgement.max_sampled_version < threshold)
+        expired_rollout = segment_any(expired, judgement.sample_offsets) & ~judgement.frozen
+
+        hold = np.zeros(judgement.n_rollouts, dtype=bool)
+        if not self.retry_expired:
+            drop = ~judgement.frozen & judgement.group_any(expired_rollout)
+        else:
+            drop = expired_rollout
+            self._grow(int(judgement.group.max()) + 1 if judgement.n_rollouts else 0)
+            np.add.at(self._owed, judgement.group[drop], 1)
+            hold = ~drop & (self._owed[judgement.group] > 0)
+        return Decision(
+            mask_below=mask_below,
+            drop_sample=np.zeros(judgement.n_samples, dtype=bool),
+            drop_rollout=drop,
+            hold_rollout=hold,
+        )

@@ -1,0 +1,250 @@
+"""Rollout records (SPEC 3) as dicts / JSON: type checks and packing into a :class:`RolloutBatch`.
+
+This module checks what JSON can get wrong (types, shapes, required fields). Value rules (0/1 masks,
+lengths, span order, finite weights, version ranges) are checked once, on the columnar form, by
+:mod:`staleness_metrics.validation`, whichever way the rollouts arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .errors import TraceError
+
+__all__ = ["ParsedRollout", "pack", "parse_rollout"]
+
+_ROLLOUT_FIELDS = {
+    "id",
+    "group_id",
+    "env",
+    "source",
+    "dispatch_version",
+    "completion_version",
+    "agentic",
+    "samples",
+}
+_SAMPLE_FIELDS = {"mask", "weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs"}
+
+
+@dataclass
+class ParsedSample:
+    mask: npt.NDArray[np.int8]
+    spans: npt.NDArray[np.int64] | None = None  # shape (k, 2): version, start
+    token_versions: npt.NDArray[np.int64] | None = None
+    weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
+    logprobs: npt.NDArray[np.float64] | None = None
+
+
+@dataclass
+class ParsedRollout:
+    id: str
+    dispatch_version: int
+    completion_version: int
+    frozen: bool
+    agentic: bool
+    group_id: str | None
+    env: str | None
+    samples: list[ParsedSample]
+    echo: dict[str, Any]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _array(rid: str, name: str, value: object, kinds: str, expected: str) -> npt.NDArray[Any]:
+    """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced."""
+    if not isinstance(value, list):
+        raise TraceError(rid, name, f"expected {expected}, got {type(value).__name__}")
+    try:
+        array = np.array(value)
+    except (ValueError, OverflowError):
+        array = np.array(value, dtype=object)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in kinds):
+        for i, v in enumerate(value):  # error path only: find the element to name
+            ok = isinstance(v, bool) if "b" in kinds else False
+            if "i" in kinds:
+                ok = ok or (isinstance(v, int) and not isinstance(v, bool))
+            if "f" in kinds:
+                ok = ok or (isinstance(v, (int, float)) and not isinstance(v, bool))
+            if not ok:
+                raise TraceError(rid, f"{name}[{i}]", f"expected {expected}, got {v!r}")
+        raise TraceError(rid, name, f"expected {expected}")
+    return array
+
+
+def _int_list(rid: str, name: str, value: object) -> npt.NDArray[np.int64]:
+    return _array(rid, name, value, "iu", "a list of integers").astype(np.int64)
+
+
+def _float_list(rid: str, name: str, value: object) -> npt.NDArray[np.float64]:
+    return _array(rid, name, value, "iuf", "a list of numbers").astype(np.float64)
+
+
+def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
+    array = _array(rid, name, value, "biu", "a list of 0/1 or booleans")
+    bad = np.flatnonzero((array != 0) & (array != 1))
+    if bad.size:
+        raise TraceError(rid, f"{name}[{bad[0]}]", f"expected 0, 1 or a boolean, got {value[bad[0]]!r}")  # type: ignore[index]
+    return array.astype(np.int8)
+
+
+def _spans(rid: str, name: str, value: object) -> npt.NDArray[np.int64]:
+    if not isinstance(value, list):
+        raise TraceError(rid, name, f"expected a list of [version, start] pairs, got {type(value).__name__}")
+    for i, pair in enumerate(value):  # one check per span, not per token
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
+            raise TraceError(rid, f"{name}[{i}]", f"expected a [version, start] pair of integers, got {pair!r}")
+    return np.array(value, dtype=np.int64).reshape(-1, 2)
+
+
+def _parse_sample(rid: str, index: int, raw: object) -> ParsedSample:
+    where = f"samples[{index}]"
+    if not isinstance(raw, Mapping):
+        raise TraceError(rid, where, f"expected an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _SAMPLE_FIELDS)
+    if unknown:
+        raise TraceError(rid, f"{where}.{unknown[0]}", "unknown field")
+    if "mask" not in raw:
+        raise TraceError(rid, f"{where}.mask", "required field is missing")
+    sample = ParsedSample(mask=_mask(rid, f"{where}.mask", raw["mask"]))
+    if raw.get("weight_versions") is not None and raw.get("token_versions") is not None:
+        raise TraceError(rid, f"{where}.token_versions", "both weight_versions and token_versions are given")
+    if raw.get("weight_versions") is not None:
+        sample.spans = _spans(rid, f"{where}.weight_versions", raw["weight_versions"])
+    if raw.get("token_versions") is not None:
+        sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"])
+    for name in WEIGHT_FIELDS:
+        if raw.get(name) is not None:
+            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name])
+    if raw.get("logprobs") is not None:
+        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"])
+    n = len(sample.mask)
+    per_position = {**sample.weights, "logprobs": sample.logprobs, "token_versions": sample.token_versions}
+    for name, values in per_position.items():
+        if values is not None and len(values) != n:
+            raise TraceError(rid, f"{where}.{name}", f"length {len(values)} differs from the mask's {n}")
+    return sample
+
+
+def parse_rollout(raw: object) -> ParsedRollout:
+    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason."""
+    if not isinstance(raw, Mapping):
+        raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
+    rid_raw = raw.get("id")
+    if not isinstance(rid_raw, str) or not rid_raw:
+        raise TraceError(None if rid_raw is None else str(rid_raw), "id", "required non-empty string")
+    rid = rid_raw
+    unknown = sorted(set(raw) - _ROLLOUT_FIELDS)
+    if unknown:
+        raise TraceError(rid, unknown[0], "unknown field")
+    for name in ("group_id", "env"):
+        if raw.get(name) is not None and not isinstance(raw[name], str):
+            raise TraceError(rid, name, f"expected a string, got {raw[name]!r}")
+    source = raw.get("source", "live")
+    if source not in ("live", "frozen"):
+        raise TraceError(rid, "source", f"expected 'live' or 'frozen', got {source!r}")
+    agentic = raw.get("agentic", False)
+    if not isinstance(agentic, bool):
+        raise TraceError(rid, "agentic", f"expected a boolean, got {agentic!r}")
+    dispatch = raw.get("dispatch_version")
+    if dispatch is None:
+        if source == "live":
+            raise TraceError(rid, "dispatch_version", "required on a live rollout")
+        dispatch = -1
+    elif not _is_int(dispatch):
+        raise TraceError(rid, "dispatch_version", f"expected an integer, got {dispatch!r}")
+    completion = raw.get("completion_version")
+    if completion is None:
+        completion = -1
+    elif not _is_int(completion):
+        raise TraceError(rid, "completion_version", f"expected an integer, got {completion!r}")
+    samples = raw.get("samples")
+    if not isinstance(samples, list):
+        raise TraceError(rid, "samples", "required list of samples")
+    if not samples:
+        raise TraceError(rid, "samples", "must hold at least one sample")
+    echo = {k: v for k, v in raw.items() if k != "samples"}
+    return ParsedRollout(
+        id=rid,
+        dispatch_version=dispatch,
+        completion_version=completion,
+        frozen=source == "frozen",
+        agentic=agentic,
+        group_id=raw.get("group_id"),
+        env=raw.get("env"),
+        samples=[_parse_sample(rid, i, s) for i, s in enumerate(samples)],
+        echo=echo,
+    )
+
+
+def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
+    """Concatenate parsed rollouts into one columnar batch (values are validated by the sink)."""
+    rollouts = list(rollouts)
+    samples = [s for r in rollouts for s in r.samples]
+    lengths = [len(s.mask) for s in samples]
+    position_offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    sample_offsets = np.concatenate(([0], np.cumsum([len(r.samples) for r in rollouts], dtype=np.int64)))
+    n_positions = int(position_offsets[-1])
+
+    def flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
+        return np.concatenate(values).astype(dtype, copy=False) if values else np.zeros(0, dtype=dtype)
+
+    mask = flat([s.mask for s in samples], np.float64)
+    label_kind = np.array(
+        [
+            LABELS_SPANS if s.spans is not None else LABELS_TOKENS if s.token_versions is not None else LABELS_NONE
+            for s in samples
+        ],
+        dtype=np.int8,
+    )
+    # Sample arrays whose length is wrong are kept as given; validation reports them. Missing ones are
+    # filled to the sample's length so the flat arrays stay aligned.
+    def column(get: Any, fill: float) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
+        present = np.array([get(s) is not None for s in samples], dtype=bool)
+        if not present.any():
+            return None, present
+        parts = [get(s) if get(s) is not None else np.full(n, fill) for s, n in zip(samples, lengths)]
+        return flat(parts, np.float64), present
+
+    batch_weights: dict[str, npt.NDArray[Any] | None] = {}
+    present: dict[str, npt.NDArray[np.bool_]] = {}
+    for name in WEIGHT_FIELDS:
+        values, flags = column(lambda s, name=name: s.weights.get(name), 1.0 if name == "rl_weights" else 0.0)
+        batch_weights[name] = values
+        if values is not None:
+            present[name] = flags
+    logprobs, _ = column(lambda s: s.logprobs, 0.0)
+    token_versions, _ = column(lambda s: s.token_versions, -1)
+    span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
+    span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
+    spans = np.concatenate(span_table) if span_table else np.zeros((0, 2), dtype=np.int64)
+    return RolloutBatch(
+        ids=[r.id for r in rollouts],
+        sample_offsets=sample_offsets,
+        position_offsets=position_offsets,
+        mask=mask,
+        dispatch_version=np.array([r.dispatch_version for r in rollouts], dtype=np.int64),
+        completion_version=np.array([r.completion_version for r in rollouts], dtype=np.int64),
+        frozen=np.array([r.frozen for r in rollouts], dtype=bool),
+        agentic=np.array([r.agentic for r in rollouts], dtype=bool),
+        group_ids=[r.group_id for r in rollouts],
+        envs=[r.env for r in rollouts],
+        rl_weights=batch_weights["rl_weights"],
+        ce_weights=batch_weights["ce_weights"],
+        ref_kl_weights=batch_weights["ref_kl_weights"],
+        logprobs=logprobs,
+        token_versions=None if token_versions is None else token_versions.astype(np.int64),
+        span_offsets=np.concatenate(([0], np.cumsum(span_counts, dtype=np.int64))),
+        span_versions=spans[:, 0].copy(),
+        span_starts=spans[:, 1].copy(),
+        label_kind=label_kind,
+        present=present,
+        echo=[r.echo for r in rollouts],
+    )

@@ -1,0 +1,62 @@
+"""Vectorised helpers over segments (contiguous runs given by offsets): the engine's only loops."""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["expand_ranges", "segment_any", "segment_max", "segment_min", "segment_of", "segment_sum"]
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+def segment_sum(values: npt.NDArray[np.generic], offsets: IntArray) -> IntArray:
+    """Sum of ``values[offsets[i]:offsets[i+1]]`` for every segment (0 for empty ones)."""
+    totals = np.concatenate(([0], np.cumsum(values, dtype=np.int64)))
+    return totals[offsets[1:]] - totals[offsets[:-1]]
+
+
+def _segment_reduce(
+    ufunc: np.ufunc, values: IntArray, offsets: IntArray, empty: int
+) -> IntArray:
+    n = len(offsets) - 1
+    out = np.full(n, empty, dtype=np.int64)
+    if n == 0 or len(values) == 0:
+        return out
+    starts = offsets[:-1]
+    nonempty = offsets[1:] > starts
+    if nonempty.any():
+        out[nonempty] = ufunc.reduceat(values, starts[nonempty])
+        # reduceat runs to the next *given* start; empty segments were left out so that holds.
+    return out
+
+
+def segment_min(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
+    """Minimum per segment; ``empty`` for empty segments."""
+    return _segment_reduce(np.minimum, values, offsets, empty)
+
+
+def segment_max(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
+    """Maximum per segment; ``empty`` for empty segments."""
+    return _segment_reduce(np.maximum, values, offsets, empty)
+
+
+def segment_any(flags: BoolArray, offsets: IntArray) -> BoolArray:
+    """Whether any flag is set per segment."""
+    return segment_sum(flags, offsets) > 0
+
+
+def segment_of(offsets: IntArray) -> IntArray:
+    """For each element, the index of the segment holding it."""
+    return np.repeat(np.arange(len(offsets) - 1, dtype=np.int64), np.diff(offsets))
+
+
+def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:
+    """Concatenation of ``arange(lo[i], hi[i])`` without a Python loop."""
+    lengths = hi - lo
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.repeat(lo - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return starts + np.arange(total, dtype=np.int64)

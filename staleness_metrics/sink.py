@@ -1,0 +1,484 @@
+"""The train sink of an async orchestrator (SPEC 4): queue, sweep, ship.
+
+Rollouts enter with :meth:`Sink.add`, are judged by the policy at :meth:`Sink.sweep` and
+:meth:`Sink.ship`, and leave as shipped, dropped or (lenient mode) invalid. The sink keeps three
+growable tables (rollouts, samples, spans); positions stay in the arrays they arrived in and are
+written only where the policy masks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .config import StalenessConfig
+from .decision import NO_MASK, Decision, Judgement
+from .errors import TraceError
+from .metrics import WindowCounts, compute_report
+from .policies import Policy, policy_for
+from .records import ParsedRollout, pack, parse_rollout
+from .report import StepReport, Tally
+from .segments import expand_ranges
+from .spans import build_spans
+from .table import Table
+from .validation import check_batch
+
+__all__ = ["Shipment", "ShippedRollout", "Sink"]
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3
+NEVER = -1
+
+
+@dataclass(frozen=True)
+class ShippedRollout:
+    """One shipped rollout: its arrays are views of the arrays it arrived in, masked in place."""
+
+    id: str
+    batch: RolloutBatch
+    index: int  # rollout index within ``batch``
+    samples: tuple[int, ...]  # indices (within the rollout) of the samples shipped
+
+    def record(self) -> dict[str, Any]:
+        """The rollout as a SPEC 3 record: masked arrays, dropped samples removed."""
+        batch, index = self.batch, self.index
+        if batch.echo is not None:
+            record = dict(batch.echo[index])
+        else:
+            record = {"id": self.id}
+            for name, values in (("group_id", batch.group_ids), ("env", batch.envs)):
+                if values is not None and values[index] is not None:
+                    record[name] = values[index]
+            assert batch.frozen is not None and batch.agentic is not None and batch.completion_version is not None
+            if batch.frozen[index]:
+                record["source"] = "frozen"
+            if batch.dispatch_version[index] >= 0:
+                record["dispatch_version"] = int(batch.dispatch_version[index])
+            if batch.completion_version[index] >= 0:
+                record["completion_version"] = int(batch.completion_version[index])
+            if batch.agentic[index]:
+                record["agentic"] = True
+        first = int(batch.sample_offsets[index])
+        record["samples"] = [_sample_record(batch, first + k) for k in self.samples]
+        return record
+
+
+def _sample_record(batch: RolloutBatch, sample: int) -> dict[str, Any]:
+    lo, hi = int(batch.position_offsets[sample]), int(batch.position_offsets[sample + 1])
+    out: dict[str, Any] = {"mask": batch.mask[lo:hi].astype(np.int64).tolist()}
+    assert batch.label_kind is not None
+    if batch.label_kind[sample] == LABELS_SPANS:
+        assert batch.span_offsets is not None and batch.span_versions is not None
+        assert batch.span_starts is not None
+        a, b = int(batch.span_offsets[sample]), int(batch.span_offsets[sample + 1])
+        out["weight_versions"] = np.stack((batch.span_versions[a:b], batch.span_starts[a:b]), 1).tolist()
+    elif batch.label_kind[sample] == LABELS_TOKENS:
+        assert batch.token_versions is not None
+        out["token_versions"] = batch.token_versions[lo:hi].tolist()
+    for name in WEIGHT_FIELDS:
+        values = getattr(batch, name)
+        if values is not None and batch.present[name][sample]:
+            out[name] = values[lo:hi].astype(np.float64).tolist()
+    if batch.logprobs is not None:
+        out["logprobs"] = batch.logprobs[lo:hi].astype(np.float64).tolist()
+    return out
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """A shipped batch with its metrics, and what left the sink for staleness in its window."""
+
+    step: int
+    report: StepReport
+    rollouts: tuple[ShippedRollout, ...]
+    dropped_rollouts: tuple[str, ...]
+    dropped_samples: tuple[tuple[str, int], ...]
+    held: tuple[str, ...]
+    invalid: tuple[TraceError, ...] = field(default=())
+
+    @property
+    def metrics(self) -> Mapping[str, float | int]:
+        """The SPEC 6 metrics dict of this ship."""
+        return self.report.metrics
+
+    @property
+    def ids(self) -> list[str]:
+        return [r.id for r in self.rollouts]
+
+    def batches_line(self) -> dict[str, Any]:
+        """The ``--batches-out`` line of this ship (SPEC 9)."""
+        return {
+            "step": self.step,
+            "shipped": [r.record() for r in self.rollouts],
+            "dropped_rollouts": list(self.dropped_rollouts),
+            "dropped_samples": [list(s) for s in self.dropped_samples],
+            "held": list(self.held),
+        }
+
+
+class Sink:
+    """Queue of finished rollouts, judged by one policy (SPEC 4 and 5)."""
+
+    def __init__(self, config: StalenessConfig | None = None, *, policy: Policy | None = None) -> None:
+        self.config = config or StalenessConfig()
+        self.policy = policy or policy_for(self.config)
+        self._rollouts = Table(
+            chunk=np.int64, index=np.int64, status=np.int8, judged=np.int64, frozen=np.bool_,
+            dispatch=np.int64, completion=np.int64, group=np.int64, env=np.int64,
+            sample_lo=np.int64, sample_hi=np.int64,
+        )  # fmt: skip
+        self._samples = Table(
+            rollout=np.int64, local=np.int64, span_lo=np.int64, span_hi=np.int64, mask_below=np.int64,
+            dropped=np.bool_, had_train=np.bool_, unmaskable=np.bool_, n_sampled=np.int64,
+            n_unlabelled=np.int64, max_label=np.int64, max_sampled=np.int64, seq_min=np.int64,
+            label_kind=np.int8,
+        )  # fmt: skip
+        self._spans = Table(
+            sample=np.int64, lo=np.int64, hi=np.int64, version=np.int64, labelled=np.bool_,
+            sampled=np.int64, live=np.int64,
+        )  # fmt: skip
+        self._ids: list[str] = []
+        self._row_of: dict[str, int] = {}
+        self._chunks: list[RolloutBatch | None] = []
+        self._chunk_open: list[int] = []  # rollouts of each chunk still queued
+        self._groups: dict[str, int] = {}
+        self._group_agentic = np.zeros(0, dtype=bool)
+        self._env_index: dict[str | None, int] = {None: 0}
+        self._env_names: dict[int, str] = {0: ""}
+        self._step = 0
+        self._queued = 0
+        self._window = WindowCounts()
+        self._invalid: list[TraceError] = []
+        self.totals = Tally()
+        self.tokens_entered = 0  # sampled positions of live rollouts accepted (conservation)
+
+    # ------------------------------------------------------------------ add
+    @property
+    def queued(self) -> int:
+        """How many rollouts wait in the queue."""
+        return self._queued
+
+    @property
+    def step(self) -> int:
+        """The latest step a sweep or ship used (0 before any)."""
+        return self._step
+
+    @property
+    def invalid(self) -> tuple[TraceError, ...]:
+        """Errors of the rollouts set aside in lenient mode, oldest first."""
+        return tuple(self._invalid)
+
+    def add(self, rollouts: RolloutBatch | Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> int:
+        """Queue finished rollouts (records, an iterable of records or a :class:`RolloutBatch`).
+
+        Strict mode raises :class:`TraceError` for the first invalid rollout and adds nothing;
+        lenient mode sets invalid rollouts aside (counted) and queues the rest. Returns how many
+        rollouts were queued.
+        """
+        if isinstance(rollouts, RolloutBatch):
+            return self._add_batch(rollouts)
+        records: Iterable[Mapping[str, Any]] = [rollouts] if isinstance(rollouts, Mapping) else rollouts
+        parsed: list[ParsedRollout] = []
+        for raw in records:
+            try:
+                parsed.append(parse_rollout(raw))
+            except TraceError as error:
+                if self.config.strict:
+                    raise
+                env = raw.get("env") if isinstance(raw, Mapping) else None
+                self._set_aside(error, env if isinstance(env, str) else None)
+        return self._add_batch(pack(parsed)) if parsed else 0
+
+    def _set_aside(self, error: TraceError, env: str | None) -> None:
+        self._invalid.append(error)
+        self._window.add(np.array([self._env(env)]), "rollouts_invalid")
+
+    def _env(self, name: str | None) -> int:
+        if name not in self._env_index:
+            self._env_index[name] = len(self._env_index)
+            self._env_names[self._env_index[name]] = name or ""
+        return self._env_index[name]
+
+    def _group(self, name: str | None, agentic: bool) -> int:
+        if name is None:
+            index = len(self._group_agentic)
+        else:
+            index = self._groups.setdefault(name, len(self._group_agentic))
+        if index == len(self._group_agentic):
+            self._group_agentic = np.append(self._group_agentic, False)
+        self._group_agentic[index] |= agentic
+        return index
+
+    def _add_batch(self, batch: RolloutBatch) -> int:
+        verdicts = check_batch(batch, self._row_of.keys())
+        if verdicts.errors and self.config.strict:
+            raise verdicts.errors[min(verdicts.errors)]
+        invalid = verdicts.invalid
+        for index, error in sorted(verdicts.errors.items()):
+            self._set_aside(error, batch.envs[index] if batch.envs is not None else None)
+        spans = build_spans(batch, invalid)
+        keep = np.flatnonzero(~invalid)
+        if len(keep) == 0:
+            return 0
+        assert batch.frozen is not None and batch.agentic is not None and batch.group_ids is not None
+        assert batch.envs is not None and batch.label_kind is not None
+
+        chunk = len(self._chunks)
+        self._chunks.append(batch)
+        self._chunk_open.append(len(keep))
+        sample_lo, sample_hi = batch.sample_offsets[keep], batch.sample_offsets[keep + 1]
+        samples = expand_ranges(sample_lo, sample_hi)
+        sample_base = len(self._samples)
+        span_base = len(self._spans)
+        row_base = len(self._rollouts)
+        new_sample_offsets = np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
+        groups = np.array([self._group(batch.group_ids[i], bool(batch.agentic[i])) for i in keep], dtype=np.int64)
+        envs = np.array([self._env(batch.envs[i]) for i in keep], dtype=np.int64)
+        self._rollouts.append(
+            chunk=np.full(len(keep), chunk), index=keep, status=np.full(len(keep), QUEUED),
+            judged=np.full(len(keep), NEVER), frozen=batch.frozen[keep], dispatch=batch.dispatch_version[keep],
+            completion=spans.completion[keep], group=groups, env=envs,
+            sample_lo=sample_base + new_sample_offsets[:-1], sample_hi=sample_base + new_sample_offsets[1:],
+        )  # fmt: skip
+        sample_rollout = np.repeat(np.arange(len(keep)), sample_hi - sample_lo)
+        span_lo, span_hi = spans.span_offsets[samples], spans.span_offsets[samples + 1]
+        kept_spans = expand_ranges(span_lo, span_hi)
+        new_span_offsets = np.concatenate(([0], np.cumsum(span_hi - span_lo)))
+        self._samples.append(
+            rollout=row_base + sample_rollout, local=samples - batch.sample_offsets[keep][sample_rollout],
+            span_lo=span_base + new_span_offsets[:-1], span_hi=span_base + new_span_offsets[1:],
+            mask_below=np.full(len(samples), NO_MASK), dropped=np.zeros(len(samples), dtype=bool),
+            had_train=spans.had_train[samples], unmaskable=spans.unmaskable[samples],
+            n_sampled=spans.n_sampled[samples], n_unlabelled=spans.n_unlabelled[samples],
+            max_label=spans.max_label[samples], max_sampled=spans.max_sampled_version[samples],
+            seq_min=spans.seq_min_version[samples], label_kind=batch.label_kind[samples],
+        )  # fmt: skip
+        span_sample_local = np.repeat(np.arange(len(samples)), span_hi - span_lo)
+        self._spans.append(
+            sample=sample_base + span_sample_local, lo=spans.lo[kept_spans], hi=spans.hi[kept_spans],
+            version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
+            sampled=spans.sampled[kept_spans], live=spans.live[kept_spans],
+        )  # fmt: skip
+        for offset, index in enumerate(keep):
+            self._row_of[batch.ids[index]] = row_base + offset
+        self._ids.extend(batch.ids[i] for i in keep)
+        self._queued += len(keep)
+        live_samples = ~batch.frozen[keep][sample_rollout]
+        self.tokens_entered += int(spans.n_sampled[samples][live_samples].sum())
+        self.policy.observe_added(groups)
+        return len(keep)
+
+    # ------------------------------------------------------------------ judge
+    def _advance(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+            raise ValueError(f"step must be an integer >= 1, got {step!r}")
+        if step < self._step:
+            raise ValueError(f"step {step} is below the previous step {self._step}: steps never decrease")
+        self._step = int(step)
+
+    def _with_groups(self, rows: IntArray) -> IntArray:
+        """``rows`` plus every queued member of their groups (for policies that judge groups)."""
+        if not self.policy.judges_groups or len(rows) == 0:
+            return rows
+        queued = np.flatnonzero(self._rollouts["status"] == QUEUED)
+        members = queued[np.isin(self._rollouts["group"][queued], self._rollouts["group"][rows])]
+        return np.union1d(rows, members)
+
+    def _slice(self, rows: IntArray, step: int) -> Judgement:
+        r, s, n = self._rollouts, self._samples, self._spans
+        sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
+        span_rows = expand_ranges(s["span_lo"][sample_rows], s["span_hi"][sample_rows])
+        sample_counts = r["sample_hi"][rows] - r["sample_lo"][rows]
+        span_counts = s["span_hi"][sample_rows] - s["span_lo"][sample_rows]
+        group = r["group"][rows]
+        return Judgement(
+            step=step, rows=rows, frozen=r["frozen"][rows], env=r["env"][rows], dispatch=r["dispatch"][rows],
+            completion=r["completion"][rows], group=group, group_agentic=self._group_agentic[group],
+            sample_offsets=np.concatenate(([0], np.cumsum(sample_counts))),
+            sample_rows=sample_rows, sample_rollout=np.repeat(np.arange(len(rows)), sample_counts),
+            mask_below=s["mask_below"][sample_rows], dropped=s["dropped"][sample_rows],
+            had_train=s["had_train"][sample_rows], unmaskable=s["unmaskable"][sample_rows],
+            n_sampled=s["n_sampled"][sample_rows], n_unlabelled=s["n_unlabelled"][sample_rows],
+            max_sampled_version=s["max_sampled"][sample_rows], seq_min_version=s["seq_min"][sample_rows],
+            span_offsets=np.concatenate(([0], np.cumsum(span_counts))),
+            span_sample=np.repeat(np.arange(len(sample_rows)), span_counts), version=n["version"][span_rows],
+            labelled=n["labelled"][span_rows], sampled=n["sampled"][span_rows], live=n["live"][span_rows],
+        )  # fmt: skip
+
+    def _judge(self, rows: IntArray, step: int) -> tuple[Judgement, Decision]:
+        """Apply the policy at ``step`` to queued ``rows``; returns the slice and the decision."""
+        judgement = self._slice(rows, step)
+        decision = self.policy.decide(judgement)
+        self._apply(judgement, decision)
+        self._rollouts["judged"][rows] = step
+        return judgement, decision
+
+    def _apply(self, judgement: Judgement, decision: Decision) -> None:
+        samples = self._samples
+        rows, sample_rows = judgement.rows, judgement.sample_rows
+        raised = decision.mask_below > judgement.mask_below
+        if raised.any():
+            self._mask_positions(judgement, np.maximum(decision.mask_below, judgement.mask_below), raised)
+        samples["mask_below"][sample_rows] = np.maximum(judgement.mask_below, decision.mask_below)
+
+        drop_rollout = decision.drop_rollout & ~judgement.frozen
+        drop_sample = (decision.drop_sample | drop_rollout[judgement.sample_rollout]) & ~judgement.dropped
+        if drop_sample.any():
+            local = np.flatnonzero(drop_sample)
+            samples["dropped"][sample_rows[local]] = True
+            env = judgement.env[judgement.sample_rollout[local]]
+            self._window.add(env, "samples_dropped")
+            self._window.add(env, "tokens_dropped", judgement.n_sampled[local])
+            ids = self._ids
+            self._window.dropped_samples.extend(
+                (ids[rows[judgement.sample_rollout[i]]], int(samples["local"][sample_rows[i]])) for i in local
+            )
+        if drop_rollout.any():
+            gone = rows[drop_rollout]
+            self._window.add(judgement.env[drop_rollout], "rollouts_dropped")
+            self._window.dropped_rollouts.extend(self._ids[i] for i in gone)
+            self._leave(gone, DROPPED)
+
+    def _mask_positions(self, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
+        """Zero newly stale sampled positions in mask and the three weight arrays, in place."""
+        spans = self._spans
+        old = judgement.mask_below[judgement.span_sample]
+        new = mask_below[judgement.span_sample]
+        hit = raised[judgement.span_sample] & (judgement.version < new) & (judgement.version >= old)
+        hit &= judgement.sampled > 0
+        if not hit.any():
+            return
+        span_rows = expand_ranges(
+            self._samples["span_lo"][judgement.sample_rows], self._samples["span_hi"][judgement.sample_rows]
+        )[hit]
+        chunk_of = self._rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
+        lo, hi, sampled = spans["lo"][span_rows], spans["hi"][span_rows], spans["sampled"][span_rows]
+        # Merge touching spans of one chunk into runs: one slice per run, not per span.
+        order = np.lexsort((lo, chunk_of))
+        chunk_of, lo, hi, sampled = chunk_of[order], lo[order], hi[order], sampled[order]
+        starts = np.flatnonzero(np.concatenate(([True], (lo[1:] != hi[:-1]) | (chunk_of[1:] != chunk_of[:-1]))))
+        ends = np.append(starts[1:], len(lo)) - 1
+        run_sampled = np.add.reduceat(sampled, starts)
+        for chunk, a, b, count in zip(
+            chunk_of[starts].tolist(), lo[starts].tolist(), hi[ends].tolist(), run_sampled.tolist()
+        ):
+            batch = self._chunks[chunk]
+            assert batch is not None
+            arrays = [batch.mask, *(getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None)]
+            if count == b - a:  # every position sampled: a plain fill
+                for values in arrays:
+                    values[a:b] = 0
+            else:  # mask-0 positions keep their ce / ref-KL weights
+                sampled_here = batch.mask[a:b] != 0
+                for values in arrays[::-1]:  # mask last: it selects the positions
+                    np.putmask(values[a:b], sampled_here, 0)
+
+    def _leave(self, rows: IntArray, status: int) -> None:
+        self._rollouts["status"][rows] = status
+        self._queued -= len(rows)
+        for chunk in self._rollouts["chunk"][rows].tolist():
+            self._chunk_open[chunk] -= 1
+
+    def _release_chunks(self) -> None:
+        for chunk, still_open in enumerate(self._chunk_open):
+            if still_open == 0 and self._chunks[chunk] is not None:
+                self._chunks[chunk] = None
+
+    def sweep(self, step: int) -> None:
+        """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
+        self._advance(step)
+        r = self._rollouts
+        rows = np.flatnonzero((r["status"] == QUEUED) & (r["judged"] < step))
+        if len(rows):
+            self._judge(self._with_groups(rows), step)
+
+    # ------------------------------------------------------------------ ship
+    def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
+        """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None)."""
+        self._advance(step)
+        r = self._rollouts
+        if ids is None:
+            taken = np.flatnonzero(r["status"] == QUEUED)
+        else:
+            named = [self._row_of[i] for i in ids if i in self._row_of]
+            taken = np.unique(np.array(named, dtype=np.int64))
+            taken = taken[r["status"][taken] == QUEUED]
+        taken = self._check_versions(taken, step)
+        self.sweep(step)
+        taken = taken[r["status"][taken] == QUEUED]
+        hold = np.zeros(len(taken), dtype=bool)
+        if len(taken):
+            judgement, decision = self._judge(self._with_groups(taken), step)
+            taken = taken[r["status"][taken] == QUEUED]
+            hold = np.isin(taken, judgement.rows[decision.hold_rollout])
+        held, shipped = taken[hold], taken[~hold]
+        self._window.add(r["env"][held], "rollouts_held")
+        self._window.held.extend(self._ids[i] for i in held)
+        self._leave(shipped, SHIPPED)
+
+        report = compute_report(
+            self._slice(shipped, step), self._window, self.config.max_staleness, self._env_names,
+            self.config.env_breakdown,
+        )  # fmt: skip
+        shipment = Shipment(
+            step=step,
+            report=report,
+            rollouts=tuple(self._shipped_rollout(row) for row in shipped.tolist()),
+            dropped_rollouts=tuple(self._window.dropped_rollouts),
+            dropped_samples=tuple(self._window.dropped_samples),
+            held=tuple(self._window.held),
+            invalid=tuple(self._invalid),
+        )
+        self.totals = self.totals + report.tally
+        self._window = WindowCounts()
+        self._invalid = []
+        self._release_chunks()
+        return shipment
+
+    def _shipped_rollout(self, row: int) -> ShippedRollout:
+        r, s = self._rollouts, self._samples
+        lo, hi = int(r["sample_lo"][row]), int(r["sample_hi"][row])
+        kept = np.flatnonzero(~s["dropped"][lo:hi])
+        batch = self._chunks[int(r["chunk"][row])]
+        assert batch is not None
+        return ShippedRollout(self._ids[row], batch, int(r["index"][row]), tuple(kept.tolist()))
+
+    def _check_versions(self, rows: IntArray, step: int) -> IntArray:
+        """Ship-time rule: no version above the trained one. Returns the rows that pass."""
+        trained = step - 1
+        r, s = self._rollouts, self._samples
+        live = ~r["frozen"][rows]
+        bad_dispatch = live & (r["dispatch"][rows] > trained)
+        sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
+        counts = r["sample_hi"][rows] - r["sample_lo"][rows]
+        bad_sample = s["max_label"][sample_rows] > trained
+        bad_label = np.bincount(np.repeat(np.arange(len(rows)), counts)[bad_sample], minlength=len(rows)) > 0
+        bad = bad_dispatch | bad_label
+        if not bad.any():
+            return rows
+        errors = []
+        for local in np.flatnonzero(bad):
+            row = int(rows[local])
+            if bad_dispatch[local]:
+                version, field_name = int(r["dispatch"][row]), "dispatch_version"
+            else:
+                lo = int(r["sample_lo"][row])
+                k = int(np.flatnonzero(s["max_label"][lo : int(r["sample_hi"][row])] > trained)[0])
+                kind = "weight_versions" if s["label_kind"][lo + k] == LABELS_SPANS else "token_versions"
+                version, field_name = int(s["max_label"][lo + k]), f"samples[{k}].{kind}"
+            errors.append(
+                TraceError(self._ids[row], field_name, f"version {version} is above the trained version {trained}")
+            )
+        if self.config.strict:
+            raise errors[0]
+        for local, error in zip(np.flatnonzero(bad), errors):
+            self._set_aside(error, self._env_names[int(r["env"][rows[local]])] or None)
+        self._leave(rows[bad], INVALID)
+        return rows[~bad]

@@ -1,0 +1,42 @@
+"""A growable table of numpy columns (amortised O(1) appends, columnar reads)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Table"]
+
+
+class Table:
+    """Named numpy columns of equal length that grow by appending whole arrays."""
+
+    def __init__(self, **dtypes: npt.DTypeLike) -> None:
+        self._columns: dict[str, npt.NDArray[Any]] = {name: np.zeros(16, dtype=d) for name, d in dtypes.items()}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, **values: npt.ArrayLike) -> int:
+        """Append equal-length arrays for every column; returns the index of the first new row."""
+        if set(values) != set(self._columns):
+            raise KeyError(f"expected columns {sorted(self._columns)}, got {sorted(values)}")
+        arrays = {name: np.asarray(v) for name, v in values.items()}
+        n = len(next(iter(arrays.values())))
+        start = self._size
+        needed = start + n
+        for name, column in self._columns.items():
+            if needed > len(column):
+                grown = np.zeros(max(needed, 2 * len(column)), dtype=column.dtype)
+                grown[:start] = column[:start]
+                self._columns[name] = column = grown
+            column[start:needed] = arrays[name]
+        self._size = needed
+        return start
+
+    def __getitem__(self, name: str) -> npt.NDArray[Any]:
+        """The live rows of a column (a view: writes go to the table)."""
+        return self._columns[name][: self._size]

@@ -1,0 +1,174 @@
+"""Value rules of SPEC 3, checked once on the columnar form, vectorised.
+
+Each rule finds its offending positions / samples / rollouts with one numpy expression; Python only
+runs on the (rare) offenders, to name the rollout, the field and the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import numpy.typing as npt
+
+from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .errors import TraceError
+
+__all__ = ["Verdicts", "check_batch", "check_versions_at_most"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+class Verdicts:
+    """The first error found for each invalid rollout of a batch (rollout index -> error)."""
+
+    def __init__(self, batch: RolloutBatch) -> None:
+        self.batch = batch
+        self.errors: dict[int, TraceError] = {}
+        self._sample_rollout = np.searchsorted(batch.sample_offsets, np.arange(batch.n_samples), "right") - 1
+
+    def rollout(self, index: int, field: str, reason: str) -> None:
+        if index not in self.errors:
+            self.errors[index] = TraceError(self.batch.ids[index], field, reason)
+
+    def sample(self, sample: int, field: str, reason: str) -> None:
+        rollout = int(self._sample_rollout[sample])
+        local = sample - int(self.batch.sample_offsets[rollout])
+        self.rollout(rollout, f"samples[{local}].{field}", reason)
+
+    def positions(self, positions: Iterable[int], field: str, describe: str) -> None:
+        """Report offending flat positions (first one per rollout)."""
+        offsets = self.batch.position_offsets
+        for position in positions:
+            sample = int(np.searchsorted(offsets, position, "right") - 1)
+            rollout = int(self._sample_rollout[sample])
+            if rollout in self.errors:
+                continue
+            self.sample(sample, field, f"position {position - int(offsets[sample])}: {describe}")
+
+    @property
+    def invalid(self) -> npt.NDArray[np.bool_]:
+        flags = np.zeros(self.batch.n_rollouts, dtype=bool)
+        flags[list(self.errors)] = True
+        return flags
+
+
+def _first_per_rollout(batch: RolloutBatch, positions: IntArray) -> IntArray:
+    """Keep the first offending position of each sample: bounds the Python work on bad input."""
+    if positions.size == 0:
+        return positions
+    samples = np.searchsorted(batch.position_offsets, positions, "right") - 1
+    _, first = np.unique(samples, return_index=True)
+    return positions[first]
+
+
+def _check_shapes(batch: RolloutBatch) -> None:
+    """Structural consistency of the arrays themselves: a caller bug, not a bad rollout."""
+    n_positions = batch.n_positions
+    if batch.mask.ndim != 1:
+        raise ValueError("mask must be a 1-d array")
+    for name, offsets, total in (
+        ("sample_offsets", batch.sample_offsets, batch.n_samples),
+        ("position_offsets", batch.position_offsets, n_positions),
+    ):
+        if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+            raise ValueError(f"{name} must start at 0, never decrease and end at {total}")
+    if len(batch.sample_offsets) != batch.n_rollouts + 1:
+        raise ValueError("sample_offsets must have one entry per rollout plus one")
+    for name in ("dispatch_version", "completion_version", "frozen", "agentic"):
+        if len(getattr(batch, name)) != batch.n_rollouts:
+            raise ValueError(f"{name} must have one entry per rollout")
+    for name in (*WEIGHT_FIELDS, "logprobs", "token_versions"):
+        values = getattr(batch, name)
+        if values is not None and len(values) != n_positions:
+            raise ValueError(f"{name} must have one entry per position ({n_positions})")
+    if batch.span_offsets is not None:
+        assert batch.span_versions is not None and batch.span_starts is not None
+        if len(batch.span_offsets) != batch.n_samples + 1 or batch.span_offsets[-1] != len(batch.span_versions):
+            raise ValueError("span_offsets must have one entry per sample plus one and end at the span count")
+    if len(batch.group_ids or ()) != batch.n_rollouts or len(batch.envs or ()) != batch.n_rollouts:
+        raise ValueError("group_ids and envs must have one entry per rollout")
+
+
+def check_batch(batch: RolloutBatch, known_ids: set[str] | frozenset[str] = frozenset()) -> Verdicts:
+    """Every SPEC 3 rule that does not depend on the step; returns the invalid rollouts."""
+    _check_shapes(batch)
+    verdicts = Verdicts(batch)
+
+    seen: set[str] = set()
+    for index, rid in enumerate(batch.ids):
+        if rid in known_ids or rid in seen:
+            verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
+        seen.add(rid)
+
+    live = ~np.asarray(batch.frozen, dtype=bool)
+    dispatch, completion = batch.dispatch_version, batch.completion_version
+    assert completion is not None
+    for index in np.flatnonzero(live & (dispatch < 0)):
+        verdicts.rollout(int(index), "dispatch_version", f"must be >= 0 on a live rollout, got {dispatch[index]}")
+    for index in np.flatnonzero(~live & (dispatch < -1)):
+        verdicts.rollout(int(index), "dispatch_version", f"must be >= 0, got {dispatch[index]}")
+    for index in np.flatnonzero(completion < -1):
+        verdicts.rollout(int(index), "completion_version", f"must be >= 0, got {completion[index]}")
+    for index in np.flatnonzero((completion >= 0) & (dispatch >= 0) & (completion < dispatch)):
+        verdicts.rollout(
+            int(index),
+            "completion_version",
+            f"{completion[index]} is below dispatch_version {dispatch[index]}",
+        )
+
+    mask = batch.mask
+    bad = np.flatnonzero((mask != 0) & (mask != 1))
+    verdicts.positions(_first_per_rollout(batch, bad), "mask", "expected 0 or 1")
+    for name in (*WEIGHT_FIELDS, "logprobs"):
+        values = getattr(batch, name)
+        # A sum is non-finite when any term is; only then look for the offender.
+        if values is not None and not np.isfinite(np.add.reduce(values, dtype=np.float64)):
+            bad = np.flatnonzero(~np.isfinite(values))
+            verdicts.positions(_first_per_rollout(batch, bad), name, "not a finite number")
+
+    kind = batch.label_kind
+    assert kind is not None
+    if batch.token_versions is not None:
+        tokens = batch.token_versions
+        sample_has_tokens = np.repeat(kind == LABELS_TOKENS, np.diff(batch.position_offsets))
+        bad = np.flatnonzero(sample_has_tokens & (tokens < -1))
+        verdicts.positions(_first_per_rollout(batch, bad), "token_versions", "versions are >= 0 or -1")
+    if batch.span_offsets is not None:
+        _check_spans(batch, verdicts)
+    elif np.any(kind == LABELS_SPANS):
+        raise ValueError("label_kind names spans but no span arrays are given")
+    return verdicts
+
+
+def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
+    assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
+    offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
+    span_sample = np.repeat(np.arange(batch.n_samples), np.diff(offsets))
+    lengths = np.diff(batch.position_offsets)[span_sample]
+    for span in np.flatnonzero(versions < -1):
+        verdicts.sample(int(span_sample[span]), f"weight_versions[{span - offsets[span_sample[span]]}]",
+                        f"version {versions[span]} is negative (only -1 marks unlabelled)")
+    for span in np.flatnonzero((starts < 0) | (starts >= lengths)):
+        sample = int(span_sample[span])
+        verdicts.sample(sample, f"weight_versions[{span - offsets[sample]}]",
+                        f"start {starts[span]} is outside 0..{lengths[span] - 1}")
+    same_sample = span_sample[1:] == span_sample[:-1]
+    for span in np.flatnonzero(same_sample & (starts[1:] <= starts[:-1])) + 1:
+        sample = int(span_sample[span])
+        verdicts.sample(sample, f"weight_versions[{span - offsets[sample]}]",
+                        "span starts must strictly increase")
+
+
+def check_versions_at_most(
+    ids: list[str], max_version: IntArray, dispatch: IntArray, bound: int
+) -> dict[int, TraceError]:
+    """Ship-time rule: no label (nor dispatch version) may be above ``T``; returns offenders."""
+    errors: dict[int, TraceError] = {}
+    for index in np.flatnonzero(dispatch > bound):
+        errors[int(index)] = TraceError(ids[index], "dispatch_version",
+                                        f"version {dispatch[index]} is above the trained version {bound}")
+    for index in np.flatnonzero(max_version > bound):
+        errors.setdefault(int(index), TraceError(ids[index], "samples",
+                                                 f"version {max_version[index]} is above the trained version {bound}"))
+    return errors
