@@ -1,5 +1,48 @@
-"""staleness-metrics: how stale is the data your asynchronous RL trainer trains on."""
+"""staleness-metrics: how stale is the data your asynchronous RL trainer trains on.
+
+Records -> sink -> policy -> decision -> metrics -> metric table -> exporters. The public face of the
+package is what ``__all__`` lists; everything else is an implementation module.
+"""
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from .columnar import RolloutBatch
+from .config import StalenessConfig
+from .decision import Decision, Judgement
+from .errors import ConfigError, EventError, StalenessError, TraceError
+from .metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
+from .policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
+from .replay import read_events, run_events
+from .report import StepReport, Tally
+from .sink import Shipment, ShippedRollout, Sink
+
+__all__ = [
+    "LEGACY_KEYS",
+    "METRICS",
+    "ConfigError",
+    "Decision",
+    "EpisodePolicy",
+    "EventError",
+    "GroupPolicy",
+    "Judgement",
+    "LegacyKey",
+    "MetricDef",
+    "MetricKind",
+    "Policy",
+    "RolloutBatch",
+    "Shipment",
+    "ShippedRollout",
+    "Sink",
+    "StalenessConfig",
+    "StalenessError",
+    "StepReport",
+    "Tally",
+    "TokenPolicy",
+    "TraceError",
+    "XtunerPolicy",
+    "__version__",
+    "read_events",
+    "run_events",
+]

@@ -13,23 +13,26 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
 from ..errors import ConfigError
-from .events import Event, read_event_file
+from ..replay import Event, read_events
+from .events import EventDict, read_event_file
 from .prime_rl import ComparisonRow, compare_prime_rl, is_prime_rl_run, read_prime_rl, read_prime_rl_metrics
 from .xtuner import read_xtuner_states
 
 __all__ = [
     "ComparisonRow",
-    "Event",
+    "EventDict",
+    "as_replay_events",
     "SourceKind",
     "compare_prime_rl",
     "detect_and_read",
     "detect_source",
     "read_prime_rl",
+    "read_run",
     "read_prime_rl_metrics",
     "read_xtuner_states",
 ]
@@ -74,7 +77,7 @@ def detect_source(path: str | Path) -> SourceKind:
 
 def detect_and_read(
     path: str | Path, *, max_staleness: int = 8, step: int | None = None
-) -> Iterator[Event]:
+) -> Iterator[EventDict]:
     """The SPEC 9 events of a run input, whatever its format.
 
     ``max_staleness`` is the bound the events will be replayed at (a prime-rl directory needs it to
@@ -92,3 +95,17 @@ def detect_and_read(
         f"{path}: holds logged metrics, not events; `staleness-metrics report` can plot it, "
         "replay needs rollouts (an event stream, a prime-rl run directory or xtuner states)"
     )
+
+
+def as_replay_events(events: Iterable[EventDict]) -> Iterator[Event]:
+    """Event dicts as the replay's checked events (the same checks as a JSONL file gets)."""
+    return read_events(json.dumps(event) for event in events)
+
+
+def read_run(path: str | Path, *, max_staleness: int = 8, step: int | None = None) -> Iterator[Event]:
+    """:func:`detect_and_read` as checked replay events, ready for :func:`staleness_metrics.replay.replay`."""
+    if detect_source(path) == "events":
+        with open(path, encoding="utf-8") as handle:
+            yield from read_events(handle)
+        return
+    yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step))

@@ -9,10 +9,10 @@ from typing import Any
 
 from ..errors import EventError
 
-__all__ = ["Event", "iter_json_lines", "read_event_file"]
+__all__ = ["EventDict", "iter_json_lines", "read_event_file"]
 
 # One SPEC 9 event as a plain dict: {"type": "rollout" | "sweep" | "ship", ...}.
-Event = dict[str, Any]
+EventDict = dict[str, Any]
 
 
 def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
@@ -27,7 +27,7 @@ def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
                 raise EventError(number, f"{path}: bad JSON ({error.msg} at column {error.colno})") from None
 
 
-def read_event_file(path: str | Path) -> Iterator[Event]:
+def read_event_file(path: str | Path) -> Iterator[EventDict]:
     """The SPEC 9 event stream of a JSONL file, as dicts (the sink validates their content)."""
     for number, value in iter_json_lines(path):
         if not isinstance(value, dict):

@@ -49,7 +49,7 @@ from typing import Any, Literal
 from ..errors import EventError, TraceError
 from ..metric_table import LEGACY_KEYS
 from ..report import StepReport
-from .events import Event, iter_json_lines
+from .events import EventDict, iter_json_lines
 
 __all__ = [
     "ComparisonRow",
@@ -145,7 +145,7 @@ def _stale(info: EpisodeInfo, step: int, max_staleness: int) -> bool:
     return (step - 1) - start > max_staleness
 
 
-def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[Event]:
+def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[EventDict]:
     """The run as SPEC 9 events: per step, arrivals as ``rollout`` events, then ``ship`` of the effective ids.
 
     ``max_staleness`` is the bound the stream will be replayed at: it decides which unshipped

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EventError
-from .events import Event, iter_json_lines
+from .events import EventDict, iter_json_lines
 
 __all__ = ["XtunerRead", "read_xtuner_states", "state_rollout"]
 
@@ -72,11 +72,11 @@ def state_rollout(state: Mapping[str, Any], fallback_id: str) -> dict[str, Any]:
 class XtunerRead:
     """The events of one states file and what was left out, by status."""
 
-    events: list[Event]
+    events: list[EventDict]
     step: int
     skipped: dict[str, int] = field(default_factory=dict)
 
-    def __iter__(self) -> Iterator[Event]:
+    def __iter__(self) -> Iterator[EventDict]:
         return iter(self.events)
 
 
@@ -101,7 +101,7 @@ def read_xtuner_states(
 ) -> XtunerRead:
     """Rollout events for the states with a taken ``status``, then one ship at ``step``."""
     wanted = {s.lower() for s in statuses}
-    events: list[Event] = []
+    events: list[EventDict] = []
     skipped: dict[str, int] = {}
     newest = -1
     for fallback, state in _states(source):

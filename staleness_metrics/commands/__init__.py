@@ -10,6 +10,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from . import replay
+
 Register = Callable[["argparse._SubParsersAction[Any]"], None]
 
-COMMANDS: list[Register] = []
+COMMANDS: list[Register] = [replay.register]

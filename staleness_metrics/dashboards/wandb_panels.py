@@ -105,16 +105,16 @@ def workspace_spec(x_axis: str) -> dict[str, Any]:
 
 def build_workspace(entity: str, project: str, *, x_axis: str, name: str = "RL staleness") -> Any:
     """The ``wandb_workspaces`` Workspace (built offline; nothing is sent)."""
-    import wandb_workspaces.reports.v2 as wr
     import wandb_workspaces.workspaces as ws
+    from wandb_workspaces.reports.v2.interface import LinePlot, ScalarChart
 
     built: list[Any] = []
     for spec in panels():
         if spec.kind == "scalar":
-            built.append(wr.ScalarChart(title=spec.title, metric=spec.keys[0], groupby_aggfunc="max"))
+            built.append(ScalarChart(title=spec.title, metric=spec.keys[0], groupby_aggfunc="max"))
             continue
         built.append(
-            wr.LinePlot(
+            LinePlot(
                 title=spec.title,
                 x=x_axis,
                 y=list(spec.keys),

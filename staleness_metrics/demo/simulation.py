@@ -13,8 +13,6 @@ The model, in ticks of simulated time:
 - A share of groups is sampled by a frozen model (``source: frozen``, no version labels).
 - Finished rollouts wait in the queue; the trainer ships the oldest ``batch_rollouts`` of them as
   soon as it is idle and they are there, trains for ``train_ticks``, then publishes the next version.
-  Every ``checkpoint_every`` steps it also writes a checkpoint, which takes longer: the queue ages and
-  staleness spikes, as it does in real runs.
 
 Everything is drawn from one seeded generator, so a seed gives the same events every time.
 """
@@ -51,15 +49,13 @@ class DemoSettings:
     batch_rollouts: int = 64
     tokens_per_tick: int = 16
     train_ticks: int = 30
-    checkpoint_every: int = 20  # every so many steps the trainer also writes a checkpoint...
-    checkpoint_ticks: int = 90  # ...which takes this long, so the queue ages
     load_delay_ticks: int = 3
     frozen_share: float = 0.1
     max_buffered: int = 224
-    max_tokens: int = 4096
+    max_tokens: int = 8192
     envs: tuple[EnvProfile, ...] = (
         EnvProfile("math", 0.45, 220, 0.6),
-        EnvProfile("code", 0.3, 420, 0.8),
+        EnvProfile("code", 0.3, 420, 0.9),
         EnvProfile("agent", 0.25, 300, 0.7, turns=3),
     )
 
@@ -200,9 +196,7 @@ class Simulation:
         ids = [self._queue.popleft() for _ in range(self.settings.batch_rollouts)]
         step = StepEvents(self._step, self._finished, ids, len(self._queue), self.in_flight, self._version)
         self._finished = []
-        s = self.settings
-        slow = s.checkpoint_ticks if s.checkpoint_every and self._step % s.checkpoint_every == 0 else 0
-        self._train_until = self._tick + s.train_ticks + slow
+        self._train_until = self._tick + self.settings.train_ticks
         self._step += 1
         return step
 

@@ -9,9 +9,10 @@ later export carries what an earlier one missed.
 
 Transport: OTLP/HTTP protobuf by default, gRPC with ``protocol="grpc"``. The standard variables are
 honoured by the OpenTelemetry exporters themselves (``OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT``,
-``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``, ``_PROTOCOL``, ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``),
-and the resource takes ``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME``; ``service.name`` defaults to
-``staleness-metrics``. ``run`` (and ``env``, for named envs) are metric attributes.
+``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``, ``_PROTOCOL``,
+``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``), and the resource takes
+``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME``; ``service.name`` defaults to ``staleness-metrics``.
+``run`` (and ``env``, for named envs) are metric attributes.
 
 Injected ``meter_provider``: the metrics are recorded through that provider's instruments (sync gauges,
 counters, histograms with the table's buckets as advisory boundaries) and its own readers export them.
@@ -31,7 +32,7 @@ from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import StepReport
 from .background import DEFAULT_QUEUE_SIZE, ExportQueue
 from .base import DEFAULT_RUN, ExportErrors
-from .state import CumulativeState, HistogramPoint, Snapshot
+from .state import CumulativeState, HistogramPoint, Snapshot, partition_by_env
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -72,7 +73,8 @@ def resolve_protocol(protocol: str | None) -> str:
 
 
 def build_resource(service_name: str | None, attributes: Mapping[str, str] | None) -> Resource:
-    """``service.name``: the argument, else ``OTEL_SERVICE_NAME`` / ``OTEL_RESOURCE_ATTRIBUTES``, else the default."""
+    """The resource; ``service.name`` is the argument, else ``OTEL_SERVICE_NAME`` /
+    ``OTEL_RESOURCE_ATTRIBUTES``, else :data:`DEFAULT_SERVICE_NAME`."""
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
     merged: dict[str, str] = dict(attributes or {})
@@ -189,7 +191,9 @@ def _make_metric_exporter(
             OTLPMetricExporter as GrpcMetricExporter,
         )
 
-        return GrpcMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout)
+        return GrpcMetricExporter(
+            endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout
+        )
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
     return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=timeout)
@@ -262,6 +266,7 @@ class OtlpExporter:
         self._recorder: _InstrumentRecorder | None = None
         self._metric_exporter: MetricExporter | None = None
         self._temporality: AggregationTemporality | None = None
+        self.resource: Resource | None = None
         if meter_provider is not None:
             self._recorder = _InstrumentRecorder(meter_provider)
         else:
@@ -309,14 +314,17 @@ class OtlpExporter:
         if self._recorder is not None:
             windows = {
                 row.name: {
-                    env: list(t.token_histogram if row.source is Source.TOKEN_HISTOGRAM else t.rollout_histogram)
-                    for env, t in _window_tallies(report).items()
+                    env: list(
+                        t.token_histogram if row.source is Source.TOKEN_HISTOGRAM else t.rollout_histogram
+                    )
+                    for env, t in partition_by_env(report).items()
                 }
                 for row in _PUBLISHED
                 if row.kind is MetricKind.HISTOGRAM
             }
             self._queue.put((snapshot, windows))
             return
+        assert self.resource is not None
         payload = build_metrics_data(snapshot, self.resource, self._errors.snapshot(), self._temporality)
         self._queue.put(payload)
 
@@ -328,7 +336,7 @@ class OtlpExporter:
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         assert self._metric_exporter is not None
-        result = self._metric_exporter.export(payload, timeout_millis=10_000)
+        result = self._metric_exporter.export(payload)
         if result is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
 
@@ -347,9 +355,3 @@ class OtlpExporter:
                     force_flush()
         except Exception as exc:
             self._errors.record(self.name, "shutdown failed", exc)
-
-
-def _window_tallies(report: StepReport) -> Mapping[str, Any]:
-    from .state import partition_by_env
-
-    return partition_by_env(report)

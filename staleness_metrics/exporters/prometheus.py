@@ -36,7 +36,7 @@ __all__ = ["DEFAULT_PORT", "PrometheusExporter", "PrometheusPushExporter", "Stal
 
 DEFAULT_PORT = 9487
 
-_LE = [floatToGoString(b) for b in BUCKETS] + ["+Inf"]
+_LE: list[str] = [floatToGoString(b) for b in BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 _PUBLISHED = tuple(m for m in METRICS if m.prometheus_name is not None)
 
 
@@ -71,7 +71,7 @@ def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
         else:
             assert isinstance(family, HistogramMetricFamily)
             for env, point in snapshot.histograms[metric.name].items():
-                buckets = [[le, float(c)] for le, c in zip(_LE, point.cumulative())]
+                buckets = [(le, float(c)) for le, c in zip(_LE, point.cumulative(), strict=True)]
                 family.add_metric(
                     _label_values(metric, snapshot.run, env), buckets, sum_value=float(point.sum)
                 )
