@@ -57,6 +57,7 @@ __all__ = [
     "compare_prime_rl",
     "comparison_summary",
     "episode_rollout",
+    "has_rollouts",
     "is_prime_rl_run",
     "read_prime_rl",
     "read_prime_rl_metrics",
@@ -85,6 +86,11 @@ def is_prime_rl_run(path: str | Path) -> bool:
     """A directory with ``rollouts/step_N/train`` folders or a ``metrics.jsonl``."""
     root = Path(path)
     return root.is_dir() and (bool(_step_dirs(root)) or (root / "metrics.jsonl").is_file())
+
+
+def has_rollouts(path: str | Path) -> bool:
+    """Whether a run directory holds episode records (not only ``metrics.jsonl``)."""
+    return bool(_step_dirs(Path(path)))
 
 
 def episode_rollout(record: Mapping[str, Any]) -> EpisodeInfo:

@@ -19,6 +19,7 @@ files (relative to --out):
   dashboards/staleness.json, dashboards/staleness-fleet.json   Grafana dashboards (import them)
   dashboards/wandb-workspace.json                             W&B panel spec (see wandb-workspace)
   exporters/prometheus/staleness.rules.yml                    recording rules and alerts
+  exporters/otel/collector.yaml                               example OpenTelemetry Collector config
 """
 
 
@@ -26,8 +27,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "dashboards",
         help="write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
-        description="Render the Grafana dashboards, the Prometheus recording/alerting rules and the W&B "
-        "panel spec from the metric table.",
+        description="Render the Grafana dashboards, the Prometheus recording/alerting rules, the W&B panel "
+        "spec and the example OpenTelemetry Collector config from the metric table.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -6,14 +6,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..exporters.wandb import DEFAULT_STEP_KEY
+from .collector import render_collector_config
 from .grafana import DASHBOARDS
 from .rules import render_rules
 from .wandb_panels import workspace_spec
 
 __all__ = ["WANDB_X_AXIS", "generated_files", "stale_files", "write_files"]
 
-# The x-axis of the W&B panels: the step every staleness key is logged against.
-WANDB_X_AXIS = "Step"
+# The x-axis of the W&B panels: the key the W&B exporter logs every staleness key against.
+WANDB_X_AXIS = DEFAULT_STEP_KEY
 
 
 def _json(data: Any) -> str:
@@ -25,6 +27,7 @@ def generated_files() -> dict[str, str]:
     files = {f"dashboards/{name}": _json(build()) for name, build in DASHBOARDS.items()}
     files["dashboards/wandb-workspace.json"] = _json(workspace_spec(WANDB_X_AXIS))
     files["exporters/prometheus/staleness.rules.yml"] = render_rules()
+    files["exporters/otel/collector.yaml"] = render_collector_config()
     return files
 
 

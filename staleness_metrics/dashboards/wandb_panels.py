@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .. import metric_table
+from ..metric_table import MetricDef
 
 __all__ = [
     "SECTION",
@@ -46,20 +47,25 @@ class PanelSpec:
     notes: str = field(default="", compare=False)
 
 
-def wandb_key(name: str) -> str:
-    """The W&B key of the table row called ``name``."""
+def _row(name: str) -> MetricDef:
     for row in metric_table.METRICS:
         if row.name == name:
-            if row.wandb_key is None:
-                raise KeyError(f"metric {name!r} is not logged to W&B")
-            return row.wandb_key
+            return row
     raise KeyError(f"no metric called {name!r} in the metric table")
+
+
+def wandb_key(name: str) -> str:
+    """The W&B key of the table row called ``name``."""
+    key = _row(name).wandb_key
+    if key is None:
+        raise KeyError(f"metric {name!r} is not logged to W&B")
+    return key
 
 
 def per_env_regex(name: str) -> str:
     """Matches the per-env keys of a row: ``staleness/token/mean`` -> ``staleness/env/<env>/token/mean``."""
     head, _, tail = wandb_key(name).partition("/")
-    return f"^{re.escape(head)}/env/[^/]+/{re.escape(tail)}$"
+    return f"^{re.escape(head)}/env/.+/{re.escape(tail)}$"
 
 
 def panels() -> list[PanelSpec]:
@@ -68,7 +74,7 @@ def panels() -> list[PanelSpec]:
     def keys(*names: str) -> tuple[str, ...]:
         return tuple(wandb_key(n) for n in names)
 
-    return [
+    specs = [
         PanelSpec("Token staleness mean vs bound", keys("token_mean", "max_staleness")),
         PanelSpec("Token staleness quantiles", keys("token_p50", "token_p90", "token_p99")),
         PanelSpec("Masked tokens", keys("token_masked"), range_y=(0.0, 1.0)),
@@ -96,6 +102,10 @@ def panels() -> list[PanelSpec]:
         PanelSpec("Token staleness mean per env", metric_regex=per_env_regex("token_mean")),
         PanelSpec("Masked tokens per env", metric_regex=per_env_regex("token_masked"), range_y=(0.0, 1.0)),
     ]
+    histogram = _row("token_staleness").wandb_key
+    if histogram is not None:  # a wandb.Histogram per step: W&B draws it as a distribution over time
+        specs.insert(2, PanelSpec("Token staleness distribution", (histogram,)))
+    return specs
 
 
 def workspace_spec(x_axis: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from ..report import StepReport
-from .base import DEFAULT_RUN, Exporter, ExportErrors, MonitorAware
+from .base import ExportContext, Exporter, ExportErrors, MonitorAware
 
 __all__ = ["DEFAULT_QUEUE_SIZE", "BackgroundExporter", "ExportQueue"]
 
@@ -201,11 +201,11 @@ class BackgroundExporter:
             retry_max=retry_max,
         )
 
-    def attach(self, run: str = DEFAULT_RUN, errors: ExportErrors | None = None) -> None:
-        if errors is not None:
-            self._errors = errors
+    def attach(self, context: ExportContext) -> None:
+        context.errors.register(self.name)
+        self._errors = context.errors
         if isinstance(self._exporter, MonitorAware):
-            self._exporter.attach(run, self._errors)
+            self._exporter.attach(context)
 
     def export(self, report: StepReport) -> None:
         self._queue.put(report)

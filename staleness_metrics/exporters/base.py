@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from ..report import StepReport
 
-__all__ = ["DEFAULT_RUN", "ExportErrors", "Exporter", "MonitorAware"]
+__all__ = ["DEFAULT_RUN", "ExportContext", "ExportErrors", "Exporter", "MonitorAware"]
 
 logger = logging.getLogger("staleness_metrics.exporters")
 
@@ -39,9 +40,9 @@ class Exporter(Protocol):
 
 @runtime_checkable
 class MonitorAware(Protocol):
-    """An exporter that labels its series with the run and publishes the shared error counts."""
+    """An exporter that takes the monitor's run name, error counts and env breakdown setting."""
 
-    def attach(self, run: str, errors: ExportErrors) -> None: ...
+    def attach(self, context: ExportContext) -> None: ...
 
 
 class ExportErrors:
@@ -87,3 +88,16 @@ class ExportErrors:
         """All counts at once (exporter name -> failures)."""
         with self._lock:
             return dict(self._counts)
+
+
+@dataclass(frozen=True)
+class ExportContext:
+    """What a monitor shares with its exporters.
+
+    ``run`` labels every series; ``errors`` is the shared failure count (so one exporter can publish
+    everybody's); ``env_breakdown`` (the config's) adds the per-env series, as the ``env`` label.
+    """
+
+    run: str = DEFAULT_RUN
+    errors: ExportErrors = field(default_factory=ExportErrors)
+    env_breakdown: bool = False

@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import StepReport
 from .background import DEFAULT_QUEUE_SIZE, ExportQueue
-from .base import DEFAULT_RUN, ExportErrors
+from .base import DEFAULT_RUN, ExportContext, ExportErrors
 from .state import CumulativeState, HistogramPoint, Snapshot, partition_by_env
 
 if TYPE_CHECKING:
@@ -257,10 +257,9 @@ class OtlpExporter:
         retry_max: float = 10.0,
         close_timeout: float = 10.0,
     ) -> None:
-        self._run = DEFAULT_RUN
         self._errors = ExportErrors()
         self._errors.register(self.name)
-        self._state = CumulativeState(self._run)
+        self._state = CumulativeState(DEFAULT_RUN)
         self._close_timeout = close_timeout
         self._meter_provider = meter_provider
         self._recorder: _InstrumentRecorder | None = None
@@ -296,14 +295,12 @@ class OtlpExporter:
         assert isinstance(chosen, AggregationTemporality)
         return chosen
 
-    def attach(self, run: str = DEFAULT_RUN, errors: ExportErrors | None = None) -> None:
-        """Set the ``run`` attribute and publish the monitor's shared export error counts."""
-        if run != self._run:
-            self._run = run
-            self._state = CumulativeState(run)
-        if errors is not None:
-            errors.register(self.name)
-            self._errors = errors
+    def attach(self, context: ExportContext) -> None:
+        """Take the monitor's run attribute, shared export error counts and env breakdown setting."""
+        if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
+            self._state = CumulativeState(context.run, context.env_breakdown)
+        context.errors.register(self.name)
+        self._errors = context.errors
 
     @property
     def errors(self) -> ExportErrors:
@@ -317,7 +314,7 @@ class OtlpExporter:
                     env: list(
                         t.token_histogram if row.source is Source.TOKEN_HISTOGRAM else t.rollout_histogram
                     )
-                    for env, t in partition_by_env(report).items()
+                    for env, t in partition_by_env(report, self._state.by_env).items()
                 }
                 for row in _PUBLISHED
                 if row.kind is MetricKind.HISTOGRAM

@@ -26,7 +26,7 @@ from prometheus_client.utils import floatToGoString
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import StepReport
 from .background import DEFAULT_QUEUE_SIZE, ExportQueue
-from .base import DEFAULT_RUN, ExportErrors
+from .base import DEFAULT_RUN, ExportContext, ExportErrors
 from .state import CumulativeState, Snapshot
 
 if TYPE_CHECKING:
@@ -130,15 +130,14 @@ class _PrometheusBase:
         self.collector = StalenessCollector(lambda: self._errors, lambda: self._run)
         self.registry.register(self.collector)
 
-    def attach(self, run: str = DEFAULT_RUN, errors: ExportErrors | None = None) -> None:
-        """Label every series with ``run`` and publish the monitor's shared export error counts."""
+    def attach(self, context: ExportContext) -> None:
+        """Take the monitor's run label, shared export error counts and env breakdown setting."""
         with self._lock:
-            if run != self._run:
-                self._run = run
-                self._state = CumulativeState(run)
-            if errors is not None:
-                errors.register(self.name)
-                self._errors = errors
+            if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
+                self._state = CumulativeState(context.run, context.env_breakdown)
+            self._run = context.run
+            context.errors.register(self.name)
+            self._errors = context.errors
 
     @property
     def errors(self) -> ExportErrors:

@@ -6,11 +6,14 @@ sources come from the metric table only.
 
 Label conventions (documented for dashboards):
 
-- Gauges describe the last ship. ``env=""`` (no env label) is the whole batch; named envs get their own
-  series when the report has a per-env breakdown. A gauge whose key is absent from the step's metrics
-  dict (empty population) is **not exposed** for that ship, so an old value is never shown as current.
-- Counters and histograms partition the rollouts by env: ``env=""`` holds the rollouts without an env
-  (plus anything the per-env tallies do not cover), so summing over ``env`` gives the run's total.
+- Without the env breakdown every series has ``env=""`` (Prometheus: no env label; OTLP: no env
+  attribute) and covers the whole run.
+- With the env breakdown (``StalenessConfig(env_breakdown=True)``), gauges describe the last ship:
+  ``env=""`` is the whole batch and each named env gets its own series. Counters and histograms
+  partition the rollouts by env: ``env=""`` holds the rollouts without an env (plus anything the per-env
+  tallies do not cover), so summing over ``env`` gives the run's total.
+- A gauge whose key is absent from the step's metrics dict (empty population) is **not exposed** for
+  that ship, so an old value is never shown as current.
 """
 
 from __future__ import annotations
@@ -79,9 +82,9 @@ def _subtract(a: Tally, b: Tally) -> Tally:
     return Tally(**values)  # type: ignore[arg-type]
 
 
-def partition_by_env(report: StepReport) -> dict[str, Tally]:
+def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally]:
     """The window's tallies split by env; ``""`` = rollouts without env plus whatever no env covers."""
-    if not report.env_tally:
+    if not by_env or not report.env_tally:
         return {"": report.tally}
     parts = dict(report.env_tally)
     covered = sum(parts.values(), Tally())
@@ -112,9 +115,9 @@ def _as_number(metric: MetricDef, value: object) -> Number:
     return int(number) if metric.integer else number
 
 
-def _gauge_values(metric: MetricDef, report: StepReport) -> dict[str, Number]:
+def _gauge_values(metric: MetricDef, report: StepReport, by_env: bool) -> dict[str, Number]:
     values: dict[str, Number] = {}
-    per_env = "env" in metric.labels
+    per_env = by_env and "env" in metric.labels
     if metric.source is Source.STEP:
         values[""] = report.step
     elif metric.source is Source.METRIC:
@@ -147,16 +150,19 @@ class CumulativeState:
     Not thread-safe by itself: callers serialize :meth:`apply` (the exporters hold a lock).
     """
 
-    def __init__(self, run: str) -> None:
+    def __init__(self, run: str, by_env: bool = False) -> None:
         self.run = run
+        self.by_env = by_env
         self._totals: dict[str, Tally] = {}
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
 
     def apply(self, report: StepReport) -> Snapshot:
-        window = partition_by_env(report)
+        window = partition_by_env(report, self.by_env)
         for env, tally in window.items():
             self._totals[env] = self._totals.get(env, Tally()) + tally
+        totals = {env: self._totals[env] for env in sorted(self._totals)}
+        window = {env: window[env] for env in sorted(window)}
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
         gauges: dict[str, Mapping[str, Number]] = {}
         counters: dict[str, Mapping[str, int]] = {}
@@ -165,15 +171,15 @@ class CumulativeState:
         histogram_deltas: dict[str, Mapping[str, HistogramPoint]] = {}
         for metric in METRICS:
             if metric.kind is MetricKind.GAUGE:
-                gauges[metric.name] = _gauge_values(metric, report)
+                gauges[metric.name] = _gauge_values(metric, report, self.by_env)
             elif metric.kind is MetricKind.COUNTER and metric.source is Source.TALLY:
                 field_name = metric.tally_field
                 assert field_name is not None
-                counters[metric.name] = {env: int(getattr(t, field_name)) for env, t in self._totals.items()}
+                counters[metric.name] = {env: int(getattr(t, field_name)) for env, t in totals.items()}
                 counter_deltas[metric.name] = {env: int(getattr(t, field_name)) for env, t in window.items()}
             elif metric.kind is MetricKind.HISTOGRAM:
                 histograms[metric.name] = {
-                    env: bucket_counts(_histogram_of(metric, t)) for env, t in self._totals.items()
+                    env: bucket_counts(_histogram_of(metric, t)) for env, t in totals.items()
                 }
                 histogram_deltas[metric.name] = {
                     env: bucket_counts(_histogram_of(metric, t)) for env, t in window.items()

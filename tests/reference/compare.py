@@ -4,7 +4,7 @@
 runs ``python -m staleness_metrics.cli`` or the ``staleness-metrics`` console script (what a user runs).
 ``differences`` returns human-readable lines, empty when the CLI agrees with the reference.
 
-From the tests folder: ``python -m reference.compare EVENTS.jsonl --policy token --max-staleness 2``
+From the project root: ``python -m tests.reference.compare EVENTS.jsonl --policy token --max-staleness 2``
 prints the differences for one stream file.
 """
 
@@ -79,7 +79,10 @@ def run_cli_in_process(events_path: Path, config: ReplayConfig, out_dir: Path) -
         except SystemExit as exit_:  # argparse errors exit through SystemExit
             code = exit_.code if isinstance(exit_.code, int) else 1
     return CliResult(
-        code, stderr.getvalue(), _read_jsonl(out_dir / "metrics.jsonl"), _read_jsonl(out_dir / "batches.jsonl")
+        code,
+        stderr.getvalue(),
+        _read_jsonl(out_dir / "metrics.jsonl"),
+        _read_jsonl(out_dir / "batches.jsonl"),
     )
 
 
@@ -195,7 +198,9 @@ def compare_batches(
     have_list = got.get("shipped") or []
     have_ids = Counter(r.get("id") for r in have_list)
     if have_ids != Counter(want_shipped):
-        out.append(f"{where}: shipped ids {sorted(map(str, have_ids.elements()))}, reference {sorted(want_shipped)}")
+        out.append(
+            f"{where}: shipped ids {sorted(map(str, have_ids.elements()))}, reference {sorted(want_shipped)}"
+        )
     for rollout in have_list:
         rid = rollout.get("id")
         if rid not in want_shipped:
@@ -213,16 +218,19 @@ def compare_batches(
                 f"{where}: shipped {rid} has {len(have['samples'])} samples, reference {len(want['samples'])}"
             )
             continue
-        for i, (ws, hs) in enumerate(zip(want["samples"], have["samples"])):
+        for i, (ws, hs) in enumerate(zip(want["samples"], have["samples"], strict=True)):
             for key in sorted(set(ws) | set(hs)):
                 if ws.get(key) != hs.get(key):
+                    got, want_value = hs.get(key), ws.get(key)
                     out.append(
-                        f"{where}: shipped {rid}.samples[{i}].{key} = {hs.get(key)!r}, reference {ws.get(key)!r}"
+                        f"{where}: shipped {rid}.samples[{i}].{key} = {got!r}, reference {want_value!r}"
                     )
     return out
 
 
-def differences(events: list[dict[str, Any]], lines: list[str], config: ReplayConfig, result: CliResult) -> list[str]:
+def differences(
+    events: list[dict[str, Any]], lines: list[str], config: ReplayConfig, result: CliResult
+) -> list[str]:
     """Every way the CLI's result differs from the reference on this stream (empty list: agreement)."""
     try:
         metrics, batches = replay_reference_lines(lines, **config.reference_options())
@@ -252,10 +260,10 @@ def differences(events: list[dict[str, Any]], lines: list[str], config: ReplayCo
         out.append(f"{len(result.metrics)} metrics lines, reference {len(metrics)}")
     if len(result.batches) != len(batches):
         out.append(f"{len(result.batches)} batches lines, reference {len(batches)}")
-    for number, (want, have) in enumerate(zip(metrics, result.metrics), start=1):
+    for number, (want, have) in enumerate(zip(metrics, result.metrics, strict=False), start=1):
         out += compare_metrics(want, have, f"metrics line {number} (step {want['step']})")
     completion = _completion_defaults(events)
-    for number, (want, have) in enumerate(zip(batches, result.batches), start=1):
+    for number, (want, have) in enumerate(zip(batches, result.batches, strict=False), start=1):
         out += compare_batches(want, have, f"batches line {number} (step {want['step']})", completion)
     return out
 
@@ -276,7 +284,7 @@ def check_stream(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reference.compare", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tests.reference.compare", description=__doc__)
     parser.add_argument("events", type=Path)
     parser.add_argument("--policy", default="token")
     parser.add_argument("--max-staleness", type=int, default=8)

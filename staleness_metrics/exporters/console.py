@@ -1,0 +1,76 @@
+"""Console exporter: one line per ship, led by ``Max Staleness`` (the renamed ``Max Off-Policy``)."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from ..report import StepReport
+
+__all__ = ["ConsoleExporter", "format_line"]
+
+
+def format_line(report: StepReport) -> str:
+    """``step 12 | Max Staleness 3 | token mean 1.42 | masked 3.1% | dropped 2 rollouts``.
+
+    A statistic whose population was empty this step shows as ``-``.
+    """
+    metrics = report.metrics
+
+    def number(key: str, fmt: str) -> str:
+        return format(metrics[key], fmt) if key in metrics else "-"
+
+    masked = "-"
+    if "staleness/token/masked" in metrics:
+        masked = f"{float(metrics['staleness/token/masked']) * 100:.1f}%"
+    parts = [
+        f"step {report.step}",
+        f"Max Staleness {number('staleness/rollout/max', 'd')}",
+        f"token mean {number('staleness/token/mean', '.2f')}",
+        f"masked {masked}",
+        f"dropped {int(metrics.get('staleness/rollout/dropped', 0))} rollouts",
+    ]
+    held = int(metrics.get("staleness/rollout/held", 0))
+    if held:
+        parts.append(f"held {held} rollouts")
+    return " | ".join(parts)
+
+
+class ConsoleExporter:
+    """Prints :func:`format_line` for each ship to ``stream`` (stdout by default), on the caller's thread.
+
+    With ``rich`` installed and a terminal as the stream, the line is printed through rich (colour);
+    otherwise as plain text.
+    """
+
+    name = "console"
+
+    def __init__(self, stream: TextIO | None = None, *, use_rich: bool | None = None) -> None:
+        self._stream = stream
+        self._use_rich = use_rich
+
+    def _rich_wanted(self, stream: TextIO) -> bool:
+        if self._use_rich is not None:
+            return self._use_rich
+        isatty = getattr(stream, "isatty", None)
+        return bool(isatty and isatty())
+
+    def export(self, report: StepReport) -> None:
+        stream = self._stream if self._stream is not None else sys.stdout
+        line = format_line(report)
+        if self._rich_wanted(stream):
+            try:
+                from rich.console import Console
+                from rich.text import Text
+            except ImportError:
+                pass
+            else:
+                text = Text(line)
+                text.highlight_words(["Max Staleness"], style="bold")
+                Console(file=stream, highlight=False, soft_wrap=True).print(text)
+                return
+        print(line, file=stream, flush=True)
+
+    def close(self) -> None:
+        stream = self._stream if self._stream is not None else sys.stdout
+        stream.flush()

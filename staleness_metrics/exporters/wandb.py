@@ -1,0 +1,212 @@
+"""Weights & Biases exporter: one history row per ship, under the metric table's W&B keys.
+
+- Uses the run you pass, else the active ``wandb.run``, else starts one (``wandb.init(**init_kwargs)``)
+  and finishes it on close.
+- Each row carries ``step_key`` (default ``trainer/step``), declared with ``define_metric`` as the x-axis
+  of every ``staleness/*`` key; maxima (rows with ``wandb_summary``) get ``summary="max"``.
+- Per-env keys (``staleness/env/<env>/...``, present in the report when the env breakdown is on) are
+  logged as the core wrote them, once checked against the table.
+- The token staleness histogram is logged as a ``wandb.Histogram`` (one bin per staleness value) under
+  the table's key for it.
+- ``legacy_keys`` also writes the old keys (``off_policy/*`` and the earlier ``staleness/mean``-style
+  aliases; True = all of them, or name the ones you want) with the same values, hidden from auto panels,
+  during a migration window.
+
+Logging runs on a bounded background queue (a W&B call may block or raise); a failed ``log`` is counted
+and retried with the same row. Rows are logged without ``step=``: the x-axis is ``step_key``. If you log
+to the same run with explicit ``step=`` yourself, pass ``commit=False`` so our keys join your current row
+instead of advancing the run's step.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..metric_table import LEGACY_KEYS, METRICS, MetricDef, Source
+from ..report import StepReport
+from .background import DEFAULT_QUEUE_SIZE, ExportQueue
+from .base import ExportContext, ExportErrors
+
+__all__ = ["DEFAULT_STEP_KEY", "WandbExporter"]
+
+DEFAULT_STEP_KEY = "trainer/step"
+_ENV_PREFIX = "staleness/env/"
+_MAX_BINS = 512  # wandb.Histogram's limit
+
+_BY_KEY: dict[str, MetricDef] = {m.wandb_key: m for m in METRICS if m.wandb_key is not None}
+_HISTOGRAM_ROW = next(m for m in METRICS if m.source is Source.TOKEN_HISTOGRAM)
+_SCALAR_KEYS = {key for key, m in _BY_KEY.items() if m.source is not Source.TOKEN_HISTOGRAM}
+
+
+def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
+    """Old key -> new key for the dual-write."""
+    if legacy_keys is False:
+        return {}
+    if legacy_keys is True:
+        return {old: entry.new for old, entry in LEGACY_KEYS.items() if entry.new is not None}
+    chosen: dict[str, str] = {}
+    for old in legacy_keys:
+        entry = LEGACY_KEYS.get(old)
+        if entry is None:
+            raise ConfigError(f"legacy_keys: {old!r} is not a legacy key")
+        if entry.new is None:
+            raise ConfigError(f"legacy_keys: {old!r} was removed ({entry.reason}); nothing to write")
+        chosen[old] = entry.new
+    return chosen
+
+
+def _row_of_env_key(key: str, report: StepReport) -> MetricDef | None:
+    """The table row behind a per-env key of the report (None when the key is not one)."""
+    if not key.startswith(_ENV_PREFIX):
+        return None
+    for env, env_metrics in report.env_metrics.items():
+        prefix = f"{_ENV_PREFIX}{env}/"
+        if env and key.startswith(prefix):
+            rest = key[len(prefix) :]
+            for table_key in env_metrics:
+                row = _BY_KEY.get(table_key)
+                if row is not None and table_key.split("/", 1)[-1] == rest:
+                    return row
+    return None
+
+
+def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]]:
+    """Counts and bin edges of an integer histogram: bin ``s`` spans ``[s - 0.5, s + 0.5)``.
+
+    Histograms longer than W&B's 512 bins are folded into 512 equal-width bins.
+    """
+    trimmed = np.trim_zeros(np.asarray(counts, dtype=np.int64), "b")
+    if len(trimmed) == 0:
+        trimmed = np.zeros(1, dtype=np.int64)
+    edges = np.arange(len(trimmed) + 1, dtype=np.float64) - 0.5
+    if len(trimmed) > _MAX_BINS:
+        width = -(-len(trimmed) // _MAX_BINS)
+        starts = np.arange(0, len(trimmed), width)
+        trimmed = np.add.reduceat(trimmed, starts)
+        edges = np.append(starts - 0.5, len(counts) - 0.5)[: len(trimmed) + 1]
+    return [int(c) for c in trimmed], [float(e) for e in edges]
+
+
+class WandbExporter:
+    """Logs each ship's metrics dict to a W&B run (see the module docstring)."""
+
+    name = "wandb"
+
+    def __init__(
+        self,
+        run: Any | None = None,
+        *,
+        step_key: str = DEFAULT_STEP_KEY,
+        legacy_keys: bool | Iterable[str] = False,
+        histogram: bool = True,
+        commit: bool = True,
+        init_kwargs: Mapping[str, Any] | None = None,
+        max_queue: int = DEFAULT_QUEUE_SIZE,
+        retry_initial: float = 0.5,
+        retry_max: float = 10.0,
+        close_timeout: float = 30.0,
+    ) -> None:
+        import wandb
+
+        self._owns_run = False
+        if run is None:
+            run = wandb.run
+        if run is None:
+            run = wandb.init(**dict(init_kwargs or {}))
+            self._owns_run = True
+        self.run = run
+        self._step_key = step_key
+        self._legacy = _legacy_selection(legacy_keys)
+        self._histogram_key = _HISTOGRAM_ROW.wandb_key if histogram else None
+        self._commit = commit
+        self._close_timeout = close_timeout
+        self._errors = ExportErrors()
+        self._errors.register(self.name)
+        self._defined: set[str] = set()
+        self._define_lock = threading.Lock()
+        self._warned_unknown: set[str] = set()
+        self._env_rows: dict[str, MetricDef] = {}  # per-env key -> its table row
+        self._queue: ExportQueue[dict[str, Any]] = ExportQueue(
+            self.name,
+            self._log,
+            lambda message, exc: self._errors.record(self.name, message, exc),
+            max_size=max_queue,
+            retry_initial=retry_initial,
+            retry_max=retry_max,
+        )
+
+    def attach(self, context: ExportContext) -> None:
+        """Share the monitor's export error counts (the W&B run itself names the run; the core already
+        put the per-env keys in the metrics dict when the env breakdown is on)."""
+        context.errors.register(self.name)
+        self._errors = context.errors
+
+    @property
+    def errors(self) -> ExportErrors:
+        return self._errors
+
+    def row(self, report: StepReport) -> dict[str, Any]:
+        """The history row for a report (without the histogram object)."""
+        row: dict[str, Any] = {self._step_key: report.step}
+        for key, value in report.metrics.items():
+            if key in _SCALAR_KEYS:
+                row[key] = value
+            elif (env_row := _row_of_env_key(key, report)) is not None:
+                row[key] = value
+                self._env_rows.setdefault(key, env_row)
+            elif key not in self._warned_unknown:
+                self._warned_unknown.add(key)
+                self._errors.record(self.name, f"key {key!r} is not in the metric table; not logged")
+        for old, new in self._legacy.items():
+            if new in report.metrics:
+                row[old] = report.metrics[new]
+        return row
+
+    def export(self, report: StepReport) -> None:
+        import wandb
+
+        row = self.row(report)
+        if self._histogram_key is not None and report.tally.token_histogram.any():
+            counts, edges = histogram_bins(report.tally.token_histogram)
+            row[self._histogram_key] = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
+        self._queue.put(row)
+
+    def _summary_of(self, key: str) -> str | None:
+        row = _BY_KEY.get(key) or _BY_KEY.get(self._legacy.get(key, "")) or self._env_rows.get(key)
+        return None if row is None else row.wandb_summary
+
+    def _define(self, keys: Iterable[str]) -> None:
+        with self._define_lock:
+            if not self._defined:
+                self.run.define_metric(self._step_key)
+                self.run.define_metric("staleness/*", step_metric=self._step_key)
+                self._defined.add(self._step_key)
+            for key in keys:
+                if key in self._defined or key == self._step_key:
+                    continue
+                hidden = True if key in self._legacy else None
+                summary = self._summary_of(key)
+                if hidden or summary or not key.startswith("staleness/"):
+                    self.run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
+                self._defined.add(key)
+
+    def _log(self, row: dict[str, Any]) -> None:
+        self._define(row)
+        self.run.log(row, commit=self._commit)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued row has been logged (False when ``timeout`` passed first)."""
+        return self._queue.flush(timeout)
+
+    def close(self) -> None:
+        self._queue.close(self._close_timeout)
+        if self._owns_run:
+            try:
+                self.run.finish()
+            except Exception as exc:
+                self._errors.record(self.name, "finishing the W&B run failed", exc)

@@ -1,0 +1,83 @@
+"""What the migration found in a file and what it would do about it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+__all__ = ["Action", "FileKind", "FileResult", "Finding"]
+
+
+class FileKind(str, enum.Enum):
+    """How a file is read; ``auto`` detection picks one per file."""
+
+    TOML_CONFIG = "toml-config"
+    YAML_CONFIG = "yaml-config"
+    JSON_CONFIG = "json-config"
+    GRAFANA = "grafana"
+    WANDB = "wandb"
+    PROMETHEUS_RULES = "prometheus-rules"
+    HISTORY = "history"
+    TEXT = "text"
+
+
+class Action(str, enum.Enum):
+    """What happens to a legacy name."""
+
+    RENAME = "rename"  # rewritten to its new name
+    DROP = "drop"  # the panel, target, rule, list entry or history value is deleted (--drop-removed)
+    REMOVED = "removed"  # the metric was removed; left in place (--drop-removed deletes it where it can)
+    MANUAL = "manual"  # a legacy name the tool reports but does not edit
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One legacy name at one place (or, in a metrics history, one key over a range of lines)."""
+
+    path: str
+    line: int
+    old: str
+    new: str | None
+    action: Action
+    reason: str = ""
+    last_line: int | None = None  # history: the last line carrying the key
+    count: int = 1  # history: how many lines carry the key
+
+    @property
+    def fixed_by_write(self) -> bool:
+        """Whether ``--write`` (with the flags it ran under) takes this finding away."""
+        return self.action in (Action.RENAME, Action.DROP)
+
+    def describe(self) -> str:
+        where = f"{self.path}:{self.line}"
+        if self.last_line is not None and self.last_line != self.line:
+            where += f"-{self.last_line}"
+        if self.action is Action.RENAME:
+            text = f"{where}: {self.old} -> {self.new}"
+        elif self.action is Action.DROP:
+            text = f"{where}: {self.old}: deleted"
+        elif self.action is Action.REMOVED:
+            text = f"{where}: {self.old}: removed"
+        else:
+            text = f"{where}: {self.old}: not edited"
+        details = [self.reason] if self.reason else []
+        if self.count > 1:
+            details.append(f"{self.count} lines")
+        return text + (f" ({'; '.join(details)})" if details else "")
+
+
+@dataclass
+class FileResult:
+    """The outcome for one file: its findings, and the new text when the migration changes it."""
+
+    path: str
+    kind: FileKind | None
+    original: str | None = None
+    new_text: str | None = None  # None: nothing to change, or the file is not edited
+    findings: list[Finding] = field(default_factory=list)
+    error: str | None = None  # the file could not be read or parsed; it is never touched then
+    note: str | None = None  # skipped for a harmless reason (binary file, ...)
+
+    @property
+    def changed(self) -> bool:
+        return self.new_text is not None and self.new_text != self.original

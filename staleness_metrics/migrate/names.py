@@ -1,0 +1,205 @@
+"""Find legacy names inside one string and rewrite them: free text, PromQL, and key regexes.
+
+Every file kind reduces to strings read in one of these contexts; the file-kind modules decide which
+context a string is in (a Grafana ``expr`` is PromQL, a W&B ``metric_regex`` is a regex, a title is text).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .. import legacy
+from .model import Action
+
+__all__ = ["Context", "Hit", "Scanned", "Scanner"]
+
+
+class Context(enum.Enum):
+    TEXT = "text"  # names anywhere in free text: titles, legends, comments, config strings
+    PROMQL = "promql"  # a PromQL expression: series names outside string literals
+    REGEX = "regex"  # a W&B key regex (a panel's metric_regex)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A legacy name at ``start:end`` of the scanned string."""
+
+    start: int
+    end: int
+    old: str
+    new: str | None
+    action: Action
+    reason: str
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """The string with every ``RENAME`` hit replaced, and all hits."""
+
+    text: str
+    hits: tuple[Hit, ...]
+
+    @property
+    def changed(self) -> bool:
+        return any(hit.action is Action.RENAME for hit in self.hits)
+
+
+_RENAMED = "renamed"
+
+
+def _alternation(names: Sequence[str]) -> str:
+    # longest first, so a key is never cut short by a shorter key it starts with
+    return "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+
+
+_FAMILIES = "|".join(re.escape(prefix) + r"\w+(?:/\w+)*" for prefix in legacy.REMOVED_KEY_FAMILIES)
+_WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(legacy.LEGACY_KEYS))}|{_FAMILIES})(?![\w/])"
+# Other references to the old namespace (globs, regexes, keys the table does not know): reported only.
+_NAMESPACE = rf"(?<![\w/]){re.escape(legacy.LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
+_SETTING = rf"(?<![\w-])(?:{_alternation(list(legacy.RENAMED_SETTINGS))})(?![\w-])"
+_CONSOLE = rf"(?<!\w)(?:{_alternation(list(legacy.CONSOLE_LABELS))})(?!\w)"
+_IDENT = r"(?<![\w:/.$-])[A-Za-z_:][\w:]*(?![\w/])"
+
+_TEXT_PATTERN = re.compile(
+    rf"(?P<key>{_WANDB_KEY})|(?P<ns>{_NAMESPACE})|(?P<setting>{_SETTING})|(?P<console>{_CONSOLE})|(?P<ident>{_IDENT})"
+)
+# PromQL: string literals and comments are skipped (except the value of a __name__ matcher).
+_PROMQL_TOKEN = re.compile(
+    r"(?P<str>\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'|`[^`]*`)"
+    r"|(?P<comment>#[^\n]*)"
+    r"|(?P<ident>[A-Za-z_:][\w:]*)"
+    r"|(?P<op>=~|!~|!=|=)"
+    r"|(?P<other>.)",
+    re.DOTALL,
+)
+
+
+class Scanner:
+    """Scans strings for legacy names.
+
+    ``prometheus``: also look for legacy Prometheus series names in free text (dashboards, rule files,
+    plain text); configs leave it off, since a config key like ``staleness_max`` is not a series name.
+    ``prefixes``: namespace prefixes a legacy Prometheus name may carry.
+    """
+
+    def __init__(self, *, prometheus: bool, prefixes: Sequence[str] = legacy.DEFAULT_PROMETHEUS_PREFIXES):
+        self.prometheus = prometheus
+        self.prefixes = tuple(prefixes)
+
+    def scan(self, text: str, context: Context) -> Scanned:
+        if context is Context.PROMQL:
+            return self._scan_promql(text)
+        if context is Context.REGEX:
+            return self._scan_regex(text, "wandb")
+        return self._scan_text(text)
+
+    # -- free text ------------------------------------------------------------------------------------
+
+    def _text_hits(self, text: str) -> list[Hit]:
+        hits: list[Hit] = []
+        for match in _TEXT_PATTERN.finditer(text):
+            token = match.group()
+            start, end = match.span()
+            if match.lastgroup == "key":
+                found = legacy.migrate_key(token)
+                assert found is not None
+                if found.new is None:
+                    hits.append(Hit(start, end, token, None, Action.REMOVED, found.reason))
+                else:
+                    hits.append(Hit(start, end, token, found.new, Action.RENAME, found.reason or _RENAMED))
+            elif match.lastgroup == "ns":
+                token = token.rstrip(".:")
+                reason = "old off_policy/ namespace with no known mapping: edit by hand"
+                hits.append(Hit(start, start + len(token), token, None, Action.MANUAL, reason))
+            elif match.lastgroup == "setting":
+                hits.append(Hit(start, end, token, legacy.RENAMED_SETTINGS[token], Action.RENAME, "renamed setting"))
+            elif match.lastgroup == "console":
+                hits.append(Hit(start, end, token, legacy.CONSOLE_LABELS[token], Action.RENAME, "console label"))
+            elif self.prometheus:
+                hit = self._prometheus_hit(token, start)
+                if hit is not None:
+                    hits.append(hit)
+        return hits
+
+    def _scan_text(self, text: str) -> Scanned:
+        hits = self._text_hits(text)
+        return Scanned(_apply(text, hits), tuple(hits))
+
+    # -- Prometheus -------------------------------------------------------------------------------------
+
+    def _prometheus_hit(self, token: str, start: int) -> Hit | None:
+        found = legacy.migrate_prometheus_name(token, self.prefixes)
+        if found is None:
+            return None
+        end = start + len(token)
+        if found.new is None:
+            return Hit(start, end, token, None, Action.REMOVED, f"{found.legacy_key}: {found.reason}")
+        return Hit(start, end, token, found.new, Action.RENAME, found.reason)
+
+    def _scan_promql(self, text: str) -> Scanned:
+        hits: list[Hit] = []
+        tokens = [(m.lastgroup, m.group(), m.start()) for m in _PROMQL_TOKEN.finditer(text)]
+        significant = [t for t in tokens if t[0] != "other" or not t[1].isspace()]
+        for index, (group, token, start) in enumerate(significant):
+            following = significant[index + 1][1] if index + 1 < len(significant) else ""
+            if group == "ident":
+                if following in ("(", "=", "!=", "=~", "!~"):
+                    continue  # a function or a label name
+                hit = self._prometheus_hit(token, start)
+                if hit is None and "off_policy" in token:
+                    reason = "looks like a legacy series name this tool does not know: edit by hand"
+                    hit = Hit(start, start + len(token), token, None, Action.MANUAL, reason)
+                if hit is not None:
+                    hits.append(hit)
+            elif group == "str" and index >= 2:
+                label, operator = significant[index - 2][1], significant[index - 1][1]
+                if label == "__name__" and operator in ("=", "!=", "=~", "!~"):
+                    hits.extend(self._name_matcher_hits(token, start, regex=operator in ("=~", "!~")))
+        return Scanned(_apply(text, hits), tuple(hits))
+
+    def _name_matcher_hits(self, literal: str, start: int, *, regex: bool) -> list[Hit]:
+        quote, body = literal[0], literal[1:-1]
+        if "\\" in body:
+            return []  # escaped literals are rare in selectors; the plain scan still reports them
+        inner = start + 1
+        if not regex:
+            hit = self._prometheus_hit(body, inner)
+            return [hit] if hit is not None else []
+        scanned = self._scan_regex(body, "prometheus")
+        if quote != '"' and scanned.changed:
+            return []
+        return [Hit(h.start + inner, h.end + inner, h.old, h.new, h.action, h.reason) for h in scanned.hits]
+
+    # -- regexes ----------------------------------------------------------------------------------------
+
+    def _scan_regex(self, pattern: str, flavor: legacy.RegexFlavor) -> Scanned:
+        try:
+            rewrite = legacy.rewrite_key_regex(pattern, flavor, self.prefixes)
+        except ValueError as exc:
+            return Scanned(pattern, (Hit(0, len(pattern), pattern, None, Action.MANUAL, str(exc)),))
+        if rewrite is None:
+            return Scanned(pattern, ())
+        if rewrite.pattern is None:
+            reason = "matches only removed metrics: " + ", ".join(rewrite.removed)
+            return Scanned(pattern, (Hit(0, len(pattern), pattern, None, Action.REMOVED, reason),))
+        reason = "regex rewritten to match the new keys"
+        if rewrite.removed:
+            reason += "; no longer matches removed " + ", ".join(rewrite.removed)
+        hit = Hit(0, len(pattern), pattern, rewrite.pattern, Action.RENAME, reason)
+        return Scanned(rewrite.pattern, (hit,))
+
+
+def _apply(text: str, hits: Sequence[Hit]) -> str:
+    parts: list[str] = []
+    position = 0
+    for hit in sorted(hits, key=lambda h: h.start):
+        if hit.action is not Action.RENAME or hit.new is None:
+            continue
+        parts.append(text[position : hit.start])
+        parts.append(hit.new)
+        position = hit.end
+    parts.append(text[position:])
+    return "".join(parts)

@@ -1,0 +1,121 @@
+"""The orchestrator plugin: a sink plus exporters, called when rollouts arrive and when a batch ships.
+
+::
+
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=4), [PrometheusExporter(), ConsoleExporter()],
+                               run="exp-42")
+    monitor.add(rollouts)                         # as rollouts finish
+    shipment = monitor.ship(step)                 # in the batch callback: masks the batch in place
+    wandb_run.log({**shipment.metrics, "trainer/step": step})   # the metrics dict, if you log it yourself
+    monitor.close()                               # at the end: flushes the exporters
+
+``ship`` hands the step's report to every exporter and returns at once: network exporters queue their
+work, and an exporter that fails or raises is counted in ``rl_staleness_export_errors_total`` and logged
+(rate-limited), never raised into the training loop. Input errors are a different matter: in strict mode
+an invalid rollout raises :class:`~staleness_metrics.errors.TraceError` from ``add`` or ``ship``, as the
+sink does.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping
+from types import TracebackType
+from typing import Any
+
+from .columnar import RolloutBatch
+from .config import StalenessConfig
+from .errors import ConfigError
+from .exporters.base import DEFAULT_RUN, ExportContext, Exporter, ExportErrors, MonitorAware
+from .sink import Shipment, Sink
+
+__all__ = ["StalenessMonitor"]
+
+
+class StalenessMonitor:
+    """Owns a :class:`~staleness_metrics.sink.Sink` and a list of exporters.
+
+    ``run`` labels every Prometheus series and OTLP point. Pass ``sink`` to use a sink you built
+    (e.g. with a custom policy); its config is then the monitor's. Safe to call from several threads
+    (calls into the sink are serialized).
+    """
+
+    def __init__(
+        self,
+        config: StalenessConfig | None = None,
+        exporters: Iterable[Exporter] = (),
+        *,
+        run: str = DEFAULT_RUN,
+        sink: Sink | None = None,
+        error_log_interval: float = 30.0,
+    ) -> None:
+        if sink is not None and config is not None and sink.config != config:
+            raise ConfigError("config: pass either a config or a sink built with it, not two different ones")
+        self.sink = sink if sink is not None else Sink(config or StalenessConfig())
+        self.run = run
+        self.export_errors = ExportErrors(log_interval=error_log_interval)
+        self.exporters: tuple[Exporter, ...] = tuple(exporters)
+        context = ExportContext(run=run, errors=self.export_errors, env_breakdown=self.config.env_breakdown)
+        for exporter in self.exporters:
+            self.export_errors.register(exporter.name)
+            if isinstance(exporter, MonitorAware):
+                exporter.attach(context)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def config(self) -> StalenessConfig:
+        return self.sink.config
+
+    def add(self, rollouts: RolloutBatch | Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> int:
+        """Queue finished rollouts (SPEC 3 records, an iterable of them, or a columnar batch)."""
+        with self._lock:
+            return self.sink.add(rollouts)
+
+    def sweep(self, step: int) -> None:
+        """Apply the policy at ``step`` to the queue; drops are reported with the next ship."""
+        with self._lock:
+            self.sink.sweep(step)
+
+    def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
+        """Mask and take the batch for ``step``, hand its report to the exporters, return the shipment.
+
+        ``shipment.metrics`` is the SPEC 6 dict of the step.
+        """
+        with self._lock:
+            shipment = self.sink.ship(step, ids)
+            # Exported under the lock so every exporter sees the ships in order.
+            self._export(shipment)
+        return shipment
+
+    def _export(self, shipment: Shipment) -> None:
+        if self._closed:
+            return
+        for exporter in self.exporters:
+            try:
+                exporter.export(shipment.report)
+            except Exception as exc:
+                self.export_errors.record(exporter.name, "export raised", exc)
+
+    def close(self) -> None:
+        """Flush and close every exporter (each within its own timeout); safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for exporter in self.exporters:
+            try:
+                exporter.close()
+            except Exception as exc:
+                self.export_errors.record(exporter.name, "close raised", exc)
+
+    def __enter__(self) -> StalenessMonitor:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

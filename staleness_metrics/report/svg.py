@@ -1,0 +1,330 @@
+"""Inline SVG charts, drawn server-side: the report needs no script and no network to display.
+
+Each function returns one ``<svg>`` element as a string. Values of ``None`` are gaps (a key that a
+step did not report). Every mark carries a ``<title>``, so hovering shows its value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from html import escape
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["PALETTE", "Series", "bar_chart", "heatmap", "line_chart", "message_chart", "nice_ticks"]
+
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf")
+WIDTH, HEIGHT = 920, 300
+LEFT, RIGHT, TOP, BOTTOM = 64, 24, 34, 44
+MAX_HEATMAP_COLUMNS = 400
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    values: Sequence[float | None]
+    color: str
+    dashed: bool = False
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A reference line across the plot (the bound, the run's setting)."""
+
+    value: float
+    label: str
+    color: str = "#d62728"
+
+
+def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """Round tick values covering ``low .. high``."""
+    if not math.isfinite(low) or not math.isfinite(high):
+        return [0.0]
+    if high <= low:
+        high = low + 1.0
+    raw = (high - low) / max(count, 1)
+    magnitude = 10 ** math.floor(math.log10(raw))
+    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    first = math.floor(low / step) * step
+    ticks = []
+    value = first
+    while value <= high + step * 1e-9:
+        ticks.append(round(value, 10))
+        value += step
+    if ticks[-1] < high:
+        ticks.append(round(value, 10))
+    return ticks
+
+
+def _fmt(value: float, percent: bool = False) -> str:
+    if percent:
+        return f"{100 * value:.3g}%"
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+class _Frame:
+    """Scales and axes of one plot area."""
+
+    def __init__(self, x_range: tuple[float, float], y_ticks: list[float], x_ticks: list[float]) -> None:
+        self.x0, self.x1 = x_range
+        if self.x1 <= self.x0:
+            self.x0, self.x1 = self.x0 - 1, self.x1 + 1
+        self.y_ticks = y_ticks
+        self.x_ticks = [t for t in x_ticks if self.x0 <= t <= self.x1]
+        self.y0, self.y1 = y_ticks[0], y_ticks[-1]
+        self.plot_w = WIDTH - LEFT - RIGHT
+        self.plot_h = HEIGHT - TOP - BOTTOM
+
+    def px(self, x: float) -> float:
+        return LEFT + (x - self.x0) / (self.x1 - self.x0) * self.plot_w
+
+    def py(self, y: float) -> float:
+        return TOP + self.plot_h - (y - self.y0) / (self.y1 - self.y0) * self.plot_h
+
+    def axes(self, x_label: str, y_label: str, percent: bool = False) -> list[str]:
+        out = []
+        for t in self.y_ticks:
+            y = self.py(t)
+            out.append(f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
+            out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t, percent)}</text>')
+        base = TOP + self.plot_h
+        for t in self.x_ticks:
+            x = self.px(t)
+            out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{base}" y2="{base + 4}" class="axis"/>')
+            out.append(f'<text x="{x:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
+        out.append(f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{base}" y2="{base}" class="axis"/>')
+        out.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{base}" class="axis"/>')
+        out.append(f'<text x="{LEFT + self.plot_w / 2:.1f}" y="{HEIGHT - 8}" text-anchor="middle">{escape(x_label)}</text>')
+        mid = TOP + self.plot_h / 2
+        out.append(
+            f'<text x="14" y="{mid:.1f}" text-anchor="middle" transform="rotate(-90 14 {mid:.1f})">'
+            f"{escape(y_label)}</text>"
+        )
+        return out
+
+    def rule(self, rule: Rule, vertical: bool = False) -> list[str]:
+        if vertical:
+            x = self.px(rule.value)
+            return [
+                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + self.plot_h}" stroke="{rule.color}" '
+                'stroke-dasharray="6 4" stroke-width="1.5"/>',
+                f'<text x="{x + 4:.1f}" y="{TOP + 12}" fill="{rule.color}">{escape(rule.label)}</text>',
+            ]
+        y = self.py(rule.value)
+        return [
+            f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="{rule.color}" '
+            'stroke-dasharray="6 4" stroke-width="1.5"/>',
+            f'<text x="{LEFT + self.plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" fill="{rule.color}">'
+            f"{escape(rule.label)}</text>",
+        ]
+
+
+def _svg(label: str, body: list[str]) -> str:
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {WIDTH} {HEIGHT}" width="{WIDTH}" '
+        f'height="{HEIGHT}" role="img" aria-label="{escape(label)}">' + "".join(body) + "</svg>"
+    )
+
+
+def _legend(series: Sequence[tuple[str, str]]) -> list[str]:
+    out = []
+    x = float(LEFT)
+    for name, color in series:
+        out.append(f'<rect x="{x:.1f}" y="10" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{x + 16:.1f}" y="20">{escape(name)}</text>')
+        x += 28 + 7.2 * len(name)
+    return out
+
+
+def _finite(values: Sequence[float | None]) -> list[float]:
+    return [float(v) for v in values if v is not None and math.isfinite(v)]
+
+
+def message_chart(label: str, message: str) -> str:
+    """A framed placeholder saying why a chart has nothing to draw."""
+    return _svg(
+        label,
+        [
+            f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" height="{HEIGHT - TOP - BOTTOM}" '
+            'class="empty"/>',
+            f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">{escape(message)}</text>',
+        ],
+    )
+
+
+def line_chart(
+    label: str,
+    x: Sequence[float],
+    series: Sequence[Series],
+    *,
+    x_label: str = "step",
+    y_label: str = "",
+    percent: bool = False,
+    rules: Sequence[Rule] = (),
+    vertical_rules: Sequence[Rule] = (),
+    y_max: float | None = None,
+) -> str:
+    """Lines over ``x`` (gaps where a value is None); a dot marks every value."""
+    values = [v for s in series for v in _finite(s.values)]
+    if not x or not values:
+        return message_chart(label, "no values to plot")
+    top = max([*values, *(r.value for r in rules), y_max or 0.0])
+    y_ticks = nice_ticks(min(0.0, min(values)), top if top > 0 else 1.0)
+    frame = _Frame((min(x), max(x)), y_ticks, nice_ticks(min(x), max(x), 8))
+    body = [*frame.axes(x_label, y_label, percent), *_legend([(s.name, s.color) for s in series])]
+    for s in series:
+        dash = ' stroke-dasharray="5 3"' if s.dashed else ""
+        run: list[str] = []
+        dots = []
+        for xi, v in zip(x, s.values):
+            if v is None or not math.isfinite(v):
+                if len(run) > 1:
+                    body.append(f'<polyline points="{" ".join(run)}" fill="none" stroke="{s.color}" stroke-width="2"{dash}/>')
+                run = []
+                continue
+            px, py = frame.px(xi), frame.py(v)
+            run.append(f"{px:.1f},{py:.1f}")
+            dots.append(
+                f'<circle cx="{px:.1f}" cy="{py:.1f}" r="2.5" fill="{s.color}"><title>{escape(s.name)} at '
+                f"{_fmt(xi)}: {_fmt(v, percent) if percent else f'{v:.4g}'}</title></circle>"
+            )
+        if len(run) > 1:
+            body.append(f'<polyline points="{" ".join(run)}" fill="none" stroke="{s.color}" stroke-width="2"{dash}/>')
+        body.extend(dots)
+    for r in rules:
+        body.extend(frame.rule(r))
+    for r in vertical_rules:
+        body.extend(frame.rule(r, vertical=True))
+    return _svg(label, body)
+
+
+def bar_chart(
+    label: str,
+    x: Sequence[float],
+    series: Sequence[Series],
+    *,
+    stacked: bool,
+    x_label: str = "step",
+    y_label: str = "",
+) -> str:
+    """Bars per ``x``: stacked (parts of one whole) or side by side (separate counts)."""
+    if not x:
+        return message_chart(label, "no values to plot")
+    columns = [[(v or 0.0) for v in s.values] for s in series]
+    tops = [sum(c[i] for c in columns) if stacked else max(c[i] for c in columns) for i in range(len(x))]
+    y_ticks = nice_ticks(0.0, max(tops) if tops and max(tops) > 0 else 1.0)
+    gap = min((b - a for a, b in zip(x, x[1:])), default=1.0) or 1.0
+    frame = _Frame((min(x) - gap / 2, max(x) + gap / 2), y_ticks, nice_ticks(min(x), max(x), 8))
+    body = [*frame.axes(x_label, y_label), *_legend([(s.name, s.color) for s in series])]
+    slot = frame.plot_w * gap / (frame.x1 - frame.x0) * 0.8
+    width = slot if stacked else slot / max(len(series), 1)
+    for i, xi in enumerate(x):
+        base = 0.0
+        for k, s in enumerate(series):
+            v = columns[k][i]
+            if v <= 0:
+                continue
+            lo, hi = (base, base + v) if stacked else (0.0, v)
+            left = frame.px(xi) - slot / 2 + (0 if stacked else k * width)
+            y_top = frame.py(hi)
+            body.append(
+                f'<rect x="{left:.1f}" y="{y_top:.1f}" width="{max(width, 1.0):.1f}" '
+                f'height="{max(frame.py(lo) - y_top, 0.5):.1f}" fill="{s.color}"><title>{escape(s.name)} at '
+                f"{_fmt(xi)}: {v:.4g}</title></rect>"
+            )
+            if stacked:
+                base += v
+    return _svg(label, body)
+
+
+def _shade(share: float) -> str:
+    """White to dark blue; square-root scale so a small share still shows."""
+    t = math.sqrt(max(0.0, min(1.0, share)))
+    low, high = (247, 251, 255), (8, 48, 107)
+    r, g, b = (round(a + (c - a) * t) for a, c in zip(low, high))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def heatmap(
+    label: str,
+    x: Sequence[int],
+    histograms: Sequence[npt.NDArray[np.int64]],
+    *,
+    bound: int | None = None,
+    x_label: str = "step",
+    y_label: str = "token staleness",
+) -> str:
+    """Columns = steps, rows = staleness levels, shade = share of the step's tokens at that level."""
+    if not x or not any(int(h.sum()) for h in histograms):
+        return message_chart(label, "no sampled tokens shipped")
+    levels = max(len(np.trim_zeros(h, "b")) for h in histograms)
+    levels = max(levels, (bound + 2) if bound is not None else 1)
+    matrix = np.zeros((len(x), levels), dtype=np.int64)
+    for i, h in enumerate(histograms):
+        trimmed = np.trim_zeros(h, "b")
+        matrix[i, : len(trimmed)] = trimmed
+    columns = list(x)
+    if len(columns) > MAX_HEATMAP_COLUMNS:
+        # Too many steps for one cell each: sum consecutive steps into one column.
+        per = math.ceil(len(columns) / MAX_HEATMAP_COLUMNS)
+        matrix = np.add.reduceat(matrix, np.arange(0, len(columns), per), axis=0)
+        columns = columns[::per]
+    plot_w, plot_h = WIDTH - LEFT - RIGHT - 70, HEIGHT - TOP - BOTTOM
+    cell_w, cell_h = plot_w / len(columns), plot_h / levels
+    body = []
+    for i, step in enumerate(columns):
+        total = int(matrix[i].sum())
+        for level in range(levels):
+            count = int(matrix[i, level])
+            if count == 0:
+                continue
+            share = count / total
+            cx, cy = LEFT + i * cell_w, TOP + plot_h - (level + 1) * cell_h
+            body.append(
+                f'<rect x="{cx:.2f}" y="{cy:.2f}" width="{cell_w + 0.3:.2f}" height="{cell_h + 0.3:.2f}" '
+                f'fill="{_shade(share)}"><title>step {step}, staleness {level}: {count} tokens '
+                f"({100 * share:.1f}%)</title></rect>"
+            )
+    base = TOP + plot_h
+    body.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{base}" y2="{base}" class="axis"/>')
+    body.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{base}" class="axis"/>')
+    label_every = max(1, math.ceil(levels / 12))
+    for level in range(0, levels, label_every):
+        y = base - (level + 0.5) * cell_h
+        body.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{level}</text>')
+    for t in nice_ticks(columns[0], columns[-1], 8):
+        if columns[0] <= t <= columns[-1]:
+            i = min(range(len(columns)), key=lambda j: abs(columns[j] - t))
+            cx = LEFT + (i + 0.5) * cell_w
+            body.append(f'<text x="{cx:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
+    body.append(f'<text x="{LEFT + plot_w / 2:.1f}" y="{HEIGHT - 8}" text-anchor="middle">{escape(x_label)}</text>')
+    mid = TOP + plot_h / 2
+    body.append(
+        f'<text x="14" y="{mid:.1f}" text-anchor="middle" transform="rotate(-90 14 {mid:.1f})">{escape(y_label)}</text>'
+    )
+    if bound is not None and bound + 1 <= levels:
+        y = base - (bound + 1) * cell_h
+        body.append(
+            f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d62728" '
+            'stroke-dasharray="6 4" stroke-width="1.5"/>'
+        )
+        body.append(
+            f'<text x="{LEFT + plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" fill="#d62728">'
+            f"masked above max_staleness = {bound}</text>"
+        )
+    # Colour key: share of a step's tokens.
+    key_x = LEFT + plot_w + 24
+    for k in range(20):
+        share = 1 - k / 19
+        body.append(
+            f'<rect x="{key_x}" y="{TOP + k * plot_h / 20:.1f}" width="14" height="{plot_h / 20 + 0.5:.1f}" '
+            f'fill="{_shade(share)}"/>'
+        )
+    body.append(f'<text x="{key_x + 18}" y="{TOP + 10}">100%</text>')
+    body.append(f'<text x="{key_x + 18}" y="{base}">0%</text>')
+    return _svg(label, [*_legend([]), *body])

@@ -1,0 +1,148 @@
+"""Every invalid-input rule of SPEC 3: strict mode names rollout, field and reason; lenient sets aside."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from staleness_metrics import RolloutBatch, Sink, StalenessConfig, TraceError
+
+
+def good(rid: str = "r1", **extra: Any) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "id": rid,
+        "dispatch_version": 2,
+        "samples": [{"mask": [0, 1, 1, 1], "weight_versions": [[2, 1], [3, 3]], "rl_weights": [0, 1, 1, 1]}],
+    }
+    record.update(extra)
+    return record
+
+
+def with_sample(**fields: Any) -> dict[str, Any]:
+    record = good()
+    record["samples"][0].update(fields)
+    return record
+
+
+INVALID: list[tuple[str, dict[str, Any], str, str]] = [
+    ("wrong length", with_sample(rl_weights=[1, 1]), "samples[0].rl_weights", "length 2 differs"),
+    ("unsorted spans", with_sample(weight_versions=[[3, 2], [2, 1]]), "samples[0].weight_versions[1]", "increase"),
+    ("repeated span start", with_sample(weight_versions=[[2, 1], [3, 1]]), "samples[0].weight_versions[1]",
+     "increase"),
+    ("negative span version", with_sample(weight_versions=[[-2, 0]]), "samples[0].weight_versions[0]", "negative"),
+    ("negative token version", with_sample(weight_versions=None, token_versions=[-1, 2, -3, 2]),
+     "samples[0].token_versions", "position 2"),
+    ("completion below dispatch", good(completion_version=1), "completion_version", "below dispatch_version 2"),
+    ("NaN weight", with_sample(rl_weights=[0, 1, math.nan, 1]), "samples[0].rl_weights", "position 2: not a finite"),
+    ("infinite ce weight", with_sample(ce_weights=[0, math.inf, 1, 1]), "samples[0].ce_weights", "finite"),
+    ("missing dispatch", {k: v for k, v in good().items() if k != "dispatch_version"}, "dispatch_version",
+     "required on a live rollout"),
+    ("both version fields", with_sample(token_versions=[2, 2, 2, 2]), "samples[0].token_versions", "both"),
+    ("mask not 0/1", with_sample(mask=[0, 1, 2, 1]), "samples[0].mask[2]", "expected 0, 1"),
+    ("mask of strings", with_sample(mask=["a", 1, 1, 1]), "samples[0].mask[0]", "expected"),
+    ("float mask", with_sample(mask=[0.0, 1.0, 1.0, 1.0]), "samples[0].mask[0]", "expected"),
+    ("dispatch as string", good(dispatch_version="2"), "dispatch_version", "expected an integer"),
+    ("negative dispatch", good(dispatch_version=-1), "dispatch_version", "must be >= 0"),
+    ("samples not a list", good(samples={"mask": [1]}), "samples", "list"),
+    ("empty samples", good(samples=[]), "samples", "at least one"),
+    ("span start past the end", with_sample(weight_versions=[[2, 0], [3, 4]]), "samples[0].weight_versions[1]",
+     "outside 0..3"),
+    ("negative span start", with_sample(weight_versions=[[2, -1]]), "samples[0].weight_versions[0]", "outside"),
+    ("weights of strings", with_sample(ref_kl_weights=["x", 0, 0, 0]), "samples[0].ref_kl_weights[0]", "number"),
+    ("unknown source", good(source="other"), "source", "'live' or 'frozen'"),
+    ("agentic not bool", good(agentic="yes"), "agentic", "boolean"),
+    ("unknown field", good(policy_version=3), "policy_version", "unknown field"),
+]
+
+
+@pytest.mark.parametrize(("case", "record", "field", "reason"), INVALID, ids=[c[0] for c in INVALID])
+def test_strict_names_rollout_field_and_reason(case: str, record: dict[str, Any], field: str, reason: str) -> None:
+    sink = Sink(StalenessConfig(strict=True))
+    with pytest.raises(TraceError) as caught:
+        sink.add(record)
+    assert caught.value.rollout_id == "r1"
+    assert caught.value.field == field
+    assert reason in caught.value.reason
+    assert str(caught.value).startswith(f"rollout 'r1': field {field}: ")
+    assert sink.queued == 0
+
+
+@pytest.mark.parametrize(("case", "record", "field", "reason"), INVALID, ids=[c[0] for c in INVALID])
+def test_lenient_sets_invalid_aside_and_keeps_the_rest(
+    case: str, record: dict[str, Any], field: str, reason: str
+) -> None:
+    sink = Sink(StalenessConfig(strict=False))
+    valid_before, valid_after = good("before"), good("after")
+    assert sink.add([valid_before, copy.deepcopy(record), valid_after]) == 2
+    assert [e.field for e in sink.invalid] == [field]
+    shipment = sink.ship(5)
+    assert shipment.ids == ["before", "after"]
+    assert shipment.report.tally.rollouts_invalid == 1
+    assert len(shipment.invalid) == 1
+
+
+def test_duplicate_ids_within_a_batch_and_across_adds() -> None:
+    sink = Sink()
+    sink.add(good("a"))
+    with pytest.raises(TraceError, match="duplicate id"):
+        sink.add(good("a"))
+    with pytest.raises(TraceError, match="duplicate id") as caught:
+        sink.add([good("b"), good("b")])
+    assert caught.value.rollout_id == "b"
+    assert sink.queued == 1  # strict: nothing of a rejected add is applied
+
+
+def test_version_above_trained_is_rejected_at_ship_but_accepted_by_sweep() -> None:
+    sink = Sink()
+    sink.add(good("ahead", dispatch_version=2))  # label 3 at positions 3..
+    sink.sweep(3)  # T = 2: a sweep accepts the version-3 label
+    assert sink.queued == 1
+    with pytest.raises(TraceError) as caught:
+        sink.ship(3)
+    assert caught.value.rollout_id == "ahead"
+    assert caught.value.field == "samples[0].weight_versions"
+    assert "above the trained version 2" in caught.value.reason
+    assert sink.queued == 1  # the failed ship changed nothing
+    assert sink.ship(4).ids == ["ahead"]
+
+
+def test_dispatch_above_trained_is_rejected_at_ship() -> None:
+    sink = Sink(StalenessConfig(strict=False))
+    sink.add({"id": "early", "dispatch_version": 5, "samples": [{"mask": [1]}]})
+    sink.add(good("fine"))
+    shipment = sink.ship(5)
+    assert shipment.ids == ["fine"]
+    assert shipment.report.tally.rollouts_invalid == 1
+    assert shipment.invalid[0].field == "dispatch_version"
+
+
+def test_labels_older_than_dispatch_are_valid() -> None:
+    sink = Sink()
+    sink.add({"id": "old", "dispatch_version": 4, "samples": [{"mask": [1, 1], "token_versions": [2, 3]}]})
+    assert sink.ship(5).metrics["staleness/token/mean"] == 1.5
+
+
+def test_columnar_batch_errors_name_the_rollout() -> None:
+    batch = RolloutBatch(
+        ids=["ok", "bad"],
+        sample_offsets=np.array([0, 1, 2]),
+        position_offsets=np.array([0, 2, 4]),
+        mask=np.array([1, 1, 1, 0.5], dtype=np.float32),
+        dispatch_version=np.array([1, 1]),
+    )
+    with pytest.raises(TraceError) as caught:
+        Sink().add(batch)
+    assert (caught.value.rollout_id, caught.value.field) == ("bad", "samples[0].mask")
+    assert "position 1" in caught.value.reason
+
+
+def test_frozen_rollout_needs_no_dispatch_version() -> None:
+    sink = Sink()
+    sink.add({"id": "f", "source": "frozen", "samples": [{"mask": [1, 1]}]})
+    shipment = sink.ship(3)
+    assert shipment.ids == ["f"]
+    assert shipment.report.tally.rollouts_frozen == 1
