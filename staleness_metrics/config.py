@@ -7,15 +7,12 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from .errors import ConfigError
+from .legacy import RENAMED_SETTINGS as _RENAMED
 
 __all__ = ["POLICY_NAMES", "PolicyName", "StalenessConfig"]
 
 PolicyName = Literal["token", "episode", "group", "xtuner"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("token", "episode", "group", "xtuner")
-
-_RENAMED = {
-    "max_off_policy_steps": "max_staleness",
-}
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:

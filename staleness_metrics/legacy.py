@@ -34,6 +34,7 @@ __all__ = [
     "LEGACY_PROMETHEUS_NAMES",
     "REMOVED_KEY_FAMILIES",
     "RENAMED_SETTINGS",
+    "RENAMED_SETTING_FLAGS",
     "LegacyKey",
     "LegacyPrometheusName",
     "RegexFlavor",
@@ -47,7 +48,10 @@ __all__ = [
 ]
 
 RENAMED_SETTINGS: Mapping[str, str] = {"max_off_policy_steps": "max_staleness"}
-"""Orchestrator settings that were renamed (old -> new)."""
+"""Orchestrator settings that were renamed (old -> new), as config files spell them."""
+
+RENAMED_SETTING_FLAGS: Mapping[str, str] = {"max-off-policy-steps": "max-staleness"}
+"""The same settings as command lines spell them (``--orchestrator.max-off-policy-steps 8``)."""
 
 CONSOLE_LABELS: Mapping[str, str] = {"Max Off-Policy": "Max Staleness"}
 """Labels of the per-step console line that were renamed (old -> new)."""
@@ -59,7 +63,7 @@ REMOVED_KEY_FAMILIES: Mapping[str, str] = {
     "dispatcher/off_policy_level/": _DISPATCHER_REASON,
     "dispatcher/staleness/": _DISPATCHER_REASON,
 }
-"""Key prefixes whose every key is removed (``dispatcher/off_policy/*`` has no replacement), with the reason."""
+"""Key prefixes whose keys are all removed (``dispatcher/off_policy/*``: no replacement), and why."""
 
 LEGACY_NAMESPACE = "off_policy/"
 """The old W&B namespace: a key under it that is not in the table is a legacy key without a known mapping."""
@@ -183,7 +187,9 @@ def migrate_prometheus_name(
     if name in CURRENT_PROMETHEUS_NAMES:
         return None
     candidates = [name]
-    candidates += [name[len(p) :] for p in sorted(set(prefixes), key=len, reverse=True) if p and name.startswith(p)]
+    candidates += [
+        name[len(p) :] for p in sorted(set(prefixes), key=len, reverse=True) if p and name.startswith(p)
+    ]
     for bare in candidates:
         old_key = LEGACY_PROMETHEUS_NAMES.get(bare)
         if old_key is None:

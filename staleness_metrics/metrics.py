@@ -146,7 +146,7 @@ def compute_report(
     if env_breakdown:
         for name, values in env_metrics.items():
             if name:
-                metrics.update({f"staleness/env/{name}/{key[len('staleness/'):]}": v for key, v in values.items()})
+                metrics.update({f"staleness/env/{name}/{key[len('staleness/') :]}": v for key, v in values.items()})
     return StepReport(
         step=shipped.step,
         max_staleness=max_staleness,

@@ -2,12 +2,12 @@
 
 ::
 
-    monitor = StalenessMonitor(StalenessConfig(max_staleness=4), [PrometheusExporter(), ConsoleExporter()],
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=8), [PrometheusExporter(), ConsoleExporter()],
                                run="exp-42")
-    monitor.add(rollouts)                         # as rollouts finish
-    shipment = monitor.ship(step)                 # in the batch callback: masks the batch in place
-    wandb_run.log({**shipment.metrics, "trainer/step": step})   # the metrics dict, if you log it yourself
-    monitor.close()                               # at the end: flushes the exporters
+    monitor.add(rollouts)          # whenever rollouts finish (SPEC 3 records)
+    shipment = monitor.ship(step)  # in the batch callback: masks the batch, exports without blocking
+    batch, metrics = [r.record() for r in shipment.rollouts], shipment.metrics  # train on it; log the dict
+    monitor.close()                # at the end of training: flushes the exporters
 
 ``ship`` hands the step's report to every exporter and returns at once: network exporters queue their
 work, and an exporter that fails or raises is counted in ``rl_staleness_export_errors_total`` and logged

@@ -191,7 +191,6 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
     lengths = [len(s.mask) for s in samples]
     position_offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     sample_offsets = np.concatenate(([0], np.cumsum([len(r.samples) for r in rollouts], dtype=np.int64)))
-    n_positions = int(position_offsets[-1])
 
     def flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
         return np.concatenate(values).astype(dtype, copy=False) if values else np.zeros(0, dtype=dtype)
@@ -204,6 +203,7 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
         ],
         dtype=np.int8,
     )
+
     # Sample arrays whose length is wrong are kept as given; validation reports them. Missing ones are
     # filled to the sample's length so the flat arrays stay aligned.
     def column(get: Any, fill: float) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:

@@ -56,9 +56,7 @@ class Tally:
         if not isinstance(other, Tally):
             return NotImplemented
         return all(
-            np.array_equal(np.trim_zeros(a, "b"), np.trim_zeros(b, "b"))
-            if isinstance(a, np.ndarray)
-            else a == b
+            np.array_equal(np.trim_zeros(a, "b"), np.trim_zeros(b, "b")) if isinstance(a, np.ndarray) else a == b
             for a, b in ((getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
         )
 

@@ -17,9 +17,7 @@ def segment_sum(values: npt.NDArray[np.generic], offsets: IntArray) -> IntArray:
     return totals[offsets[1:]] - totals[offsets[:-1]]
 
 
-def _segment_reduce(
-    ufunc: np.ufunc, values: IntArray, offsets: IntArray, empty: int
-) -> IntArray:
+def _segment_reduce(ufunc: np.ufunc, values: IntArray, offsets: IntArray, empty: int) -> IntArray:
     n = len(offsets) - 1
     out = np.full(n, empty, dtype=np.int64)
     if n == 0 or len(values) == 0:

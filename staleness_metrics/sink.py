@@ -207,10 +207,7 @@ class Sink:
         return self._env_index[name]
 
     def _group(self, name: str | None, agentic: bool) -> int:
-        if name is None:
-            index = len(self._group_agentic)
-        else:
-            index = self._groups.setdefault(name, len(self._group_agentic))
+        index = len(self._group_agentic) if name is None else self._groups.setdefault(name, len(self._group_agentic))
         if index == len(self._group_agentic):
             self._group_agentic = np.append(self._group_agentic, False)
         self._group_agentic[index] |= agentic
@@ -225,6 +222,7 @@ class Sink:
             self._set_aside(error, batch.envs[index] if batch.envs is not None else None)
         spans = build_spans(batch, invalid)
         keep = np.flatnonzero(~invalid)
+        kept_ids = keep.tolist()
         if len(keep) == 0:
             return 0
         assert batch.frozen is not None and batch.agentic is not None and batch.group_ids is not None
@@ -239,8 +237,8 @@ class Sink:
         span_base = len(self._spans)
         row_base = len(self._rollouts)
         new_sample_offsets = np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
-        groups = np.array([self._group(batch.group_ids[i], bool(batch.agentic[i])) for i in keep], dtype=np.int64)
-        envs = np.array([self._env(batch.envs[i]) for i in keep], dtype=np.int64)
+        groups = np.array([self._group(batch.group_ids[i], bool(batch.agentic[i])) for i in kept_ids], dtype=np.int64)
+        envs = np.array([self._env(batch.envs[i]) for i in kept_ids], dtype=np.int64)
         self._rollouts.append(
             chunk=np.full(len(keep), chunk), index=keep, status=np.full(len(keep), QUEUED),
             judged=np.full(len(keep), NEVER), frozen=batch.frozen[keep], dispatch=batch.dispatch_version[keep],
@@ -266,9 +264,9 @@ class Sink:
             version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
             sampled=spans.sampled[kept_spans], live=spans.live[kept_spans],
         )  # fmt: skip
-        for offset, index in enumerate(keep):
+        for offset, index in enumerate(kept_ids):
             self._row_of[batch.ids[index]] = row_base + offset
-        self._ids.extend(batch.ids[i] for i in keep)
+        self._ids.extend(batch.ids[i] for i in kept_ids)
         self._queued += len(keep)
         live_samples = ~batch.frozen[keep][sample_rollout]
         self.tokens_entered += int(spans.n_sampled[samples][live_samples].sum())

@@ -6,7 +6,7 @@ runs on the (rare) offenders, to name the rollout, the field and the reason.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 import numpy as np
 import numpy.typing as npt
@@ -90,7 +90,7 @@ def _check_shapes(batch: RolloutBatch) -> None:
         raise ValueError("group_ids and envs must have one entry per rollout")
 
 
-def check_batch(batch: RolloutBatch, known_ids: set[str] | frozenset[str] = frozenset()) -> Verdicts:
+def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> Verdicts:
     """Every SPEC 3 rule that does not depend on the step; returns the invalid rollouts."""
     _check_shapes(batch)
     verdicts = Verdicts(batch)
@@ -104,13 +104,13 @@ def check_batch(batch: RolloutBatch, known_ids: set[str] | frozenset[str] = froz
     live = ~np.asarray(batch.frozen, dtype=bool)
     dispatch, completion = batch.dispatch_version, batch.completion_version
     assert completion is not None
-    for index in np.flatnonzero(live & (dispatch < 0)):
+    for index in np.flatnonzero(live & (dispatch < 0)).tolist():
         verdicts.rollout(int(index), "dispatch_version", f"must be >= 0 on a live rollout, got {dispatch[index]}")
-    for index in np.flatnonzero(~live & (dispatch < -1)):
+    for index in np.flatnonzero(~live & (dispatch < -1)).tolist():
         verdicts.rollout(int(index), "dispatch_version", f"must be >= 0, got {dispatch[index]}")
-    for index in np.flatnonzero(completion < -1):
+    for index in np.flatnonzero(completion < -1).tolist():
         verdicts.rollout(int(index), "completion_version", f"must be >= 0, got {completion[index]}")
-    for index in np.flatnonzero((completion >= 0) & (dispatch >= 0) & (completion < dispatch)):
+    for index in np.flatnonzero((completion >= 0) & (dispatch >= 0) & (completion < dispatch)).tolist():
         verdicts.rollout(
             int(index),
             "completion_version",
@@ -147,17 +147,22 @@ def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
     span_sample = np.repeat(np.arange(batch.n_samples), np.diff(offsets))
     lengths = np.diff(batch.position_offsets)[span_sample]
     for span in np.flatnonzero(versions < -1):
-        verdicts.sample(int(span_sample[span]), f"weight_versions[{span - offsets[span_sample[span]]}]",
-                        f"version {versions[span]} is negative (only -1 marks unlabelled)")
+        verdicts.sample(
+            int(span_sample[span]),
+            f"weight_versions[{span - offsets[span_sample[span]]}]",
+            f"version {versions[span]} is negative (only -1 marks unlabelled)",
+        )
     for span in np.flatnonzero((starts < 0) | (starts >= lengths)):
         sample = int(span_sample[span])
-        verdicts.sample(sample, f"weight_versions[{span - offsets[sample]}]",
-                        f"start {starts[span]} is outside 0..{lengths[span] - 1}")
+        verdicts.sample(
+            sample,
+            f"weight_versions[{span - offsets[sample]}]",
+            f"start {starts[span]} is outside 0..{lengths[span] - 1}",
+        )
     same_sample = span_sample[1:] == span_sample[:-1]
     for span in np.flatnonzero(same_sample & (starts[1:] <= starts[:-1])) + 1:
         sample = int(span_sample[span])
-        verdicts.sample(sample, f"weight_versions[{span - offsets[sample]}]",
-                        "span starts must strictly increase")
+        verdicts.sample(sample, f"weight_versions[{span - offsets[sample]}]", "span starts must strictly increase")
 
 
 def check_versions_at_most(
@@ -166,9 +171,12 @@ def check_versions_at_most(
     """Ship-time rule: no label (nor dispatch version) may be above ``T``; returns offenders."""
     errors: dict[int, TraceError] = {}
     for index in np.flatnonzero(dispatch > bound):
-        errors[int(index)] = TraceError(ids[index], "dispatch_version",
-                                        f"version {dispatch[index]} is above the trained version {bound}")
+        errors[int(index)] = TraceError(
+            ids[index], "dispatch_version", f"version {dispatch[index]} is above the trained version {bound}"
+        )
     for index in np.flatnonzero(max_version > bound):
-        errors.setdefault(int(index), TraceError(ids[index], "samples",
-                                                 f"version {max_version[index]} is above the trained version {bound}"))
+        errors.setdefault(
+            int(index),
+            TraceError(ids[index], "samples", f"version {max_version[index]} is above the trained version {bound}"),
+        )
     return errors

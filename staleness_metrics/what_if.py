@@ -26,12 +26,12 @@ from typing import Any
 
 from .adapters import EventDict, as_replay_events, read_run
 from .config import StalenessConfig
-from .errors import ConfigError
-from .replay import Event, replay
+from .errors import ConfigError, EventError, TraceError
+from .replay import Event
 from .report import Tally
-from .sink import Shipment
+from .sink import Shipment, Sink
 
-__all__ = ["WhatIfRow", "format_table", "parse_bounds", "run_tally", "to_json", "what_if"]
+__all__ = ["WhatIfRow", "format_table", "parse_bounds", "replay_batched", "run_tally", "to_json", "what_if"]
 
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 MAX_BOUNDS = 257
@@ -40,16 +40,16 @@ MAX_BOUNDS = 257
 def parse_bounds(text: str) -> list[int]:
     """``"0..8"`` (inclusive), ``"4"`` or ``"0,2,4"`` -> sorted distinct bounds."""
     match = _RANGE.match(text)
-    try:
-        if match:
-            low, high = int(match.group(1)), int(match.group(2))
-            if low > high:
-                raise ConfigError(f"max_staleness range {text!r}: the start is above the end")
-            bounds = list(range(low, high + 1))
-        else:
+    if match:
+        low, high = int(match.group(1)), int(match.group(2))
+        if low > high:
+            raise ConfigError(f"max_staleness range {text!r}: the start is above the end")
+        bounds = list(range(low, high + 1))
+    else:
+        try:
             bounds = sorted({int(part) for part in text.split(",")})
-    except ValueError:
-        raise ConfigError(f"max_staleness: expected A..B, N or N,M,..., got {text!r}") from None
+        except ValueError:
+            raise ConfigError(f"max_staleness: expected A..B, N or N,M,..., got {text!r}") from None
     if any(b < 0 for b in bounds):
         raise ConfigError(f"max_staleness: bounds must be >= 0, got {text!r}")
     if len(bounds) > MAX_BOUNDS:
@@ -105,6 +105,43 @@ class WhatIfRow:
         }
 
 
+def replay_batched(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
+    """:func:`staleness_metrics.replay.replay`, adding each run of consecutive rollouts in one call.
+
+    Same result (a strict add is all or nothing, and nothing is judged between two adds), a few times
+    faster on streams of many small rollouts. An invalid rollout raises ``EventError`` naming its line.
+    """
+    sink = Sink(config)
+    shipments: list[Shipment] = []
+    pending: list[Event] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        try:
+            sink.add([event.rollout or {} for event in pending])
+        except TraceError as error:
+            lines = [e.line for e in pending if (e.rollout or {}).get("id") == error.rollout_id]
+            raise EventError(lines[-1] if lines else pending[0].line, str(error)) from error
+        finally:
+            pending.clear()
+
+    for event in events:
+        if event.kind == "rollout":
+            pending.append(event)
+            continue
+        flush()
+        try:
+            if event.kind == "sweep":
+                sink.sweep(event.step)
+            else:
+                shipments.append(sink.ship(event.step, event.ids))
+        except TraceError as error:
+            raise EventError(event.line, str(error)) from error
+    flush()
+    return shipments
+
+
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
     """The sum of every ship's tally."""
     total = Tally()
@@ -124,12 +161,12 @@ def _events_for(source: Source) -> Callable[[int], Iterable[Event]]:
 
 
 def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | None = None) -> list[WhatIfRow]:
-    """Replay ``source`` (a run input path, or event dicts) at every bound with ``config``'s other settings."""
+    """Replay ``source`` (a run input path, or event dicts) at every bound, other settings from ``config``."""
     base = config or StalenessConfig()
     events_for = _events_for(source)
     rows = []
     for bound in bounds:
-        shipments = replay(events_for(bound), dataclasses.replace(base, max_staleness=bound))
+        shipments = replay_batched(events_for(bound), dataclasses.replace(base, max_staleness=bound))
         rows.append(WhatIfRow.from_tally(bound, run_tally(shipments)))
     return rows
 
@@ -166,7 +203,10 @@ def format_table(rows: Sequence[WhatIfRow]) -> str:
         for r in rows
     ]
     widths = [max(len(line[i]) for line in (header, *body)) for i in range(len(header))]
-    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths)) for line in (header, *body)]
+    lines = [
+        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True))
+        for line in (header, *body)
+    ]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 

@@ -250,7 +250,12 @@ def test_xtuner_thresholds_scale_with_sync_interval() -> None:
     partly = {"mask": [1, 1, 1], "token_versions": [4, 5, 6]}  # seq staleness 2 < 4; version 4 masked
     old = {"mask": [1], "token_versions": [2]}  # seq staleness 4 >= S: expires
     events = [rollout("partly", 4, partly), rollout("old", 2, old), ship(7)]
-    options = {"policy": "xtuner", "max_staleness": 1, "max_token_staleness": 0, "sync_interval": 2}
+    options: dict[str, Any] = {
+        "policy": "xtuner",
+        "max_staleness": 1,
+        "max_token_staleness": 0,
+        "sync_interval": 2,
+    }
     (metrics,), (batch,) = replay_reference(events, **options)
     assert batch["dropped_rollouts"] == ["old"]
     assert batch["shipped"][0]["samples"][0]["mask"] == [0, 1, 1]  # partly masked: does not expire
@@ -289,7 +294,7 @@ def test_xtuner_agentic_group_is_never_token_masked() -> None:
 
 
 def test_xtuner_retry_holds_the_group_until_re_rollouts_arrive() -> None:
-    options = {"policy": "xtuner", "max_staleness": 1, "retry_expired": True}
+    options: dict[str, Any] = {"policy": "xtuner", "max_staleness": 1, "retry_expired": True}
     events = [
         rollout("old", 1, group_id="g"),
         rollout("fresh", 4, group_id="g"),

@@ -14,13 +14,14 @@ Reproduce one failure: ``config, events = random_stream(SEED, POLICY, ...)`` and
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, note, settings
 
 from tests.reference.compare import PROJECT_ROOT, check_stream
 from tests.reference.streams import ReplayConfig, event_streams, random_stream
@@ -54,7 +55,7 @@ def test_replay_command_exists() -> None:
 @pytest.mark.parametrize("policy", POLICIES)
 def test_random_valid_streams_match_the_reference(policy: str, tmp_path: Path) -> None:
     runs = []
-    for seed in range(70):
+    for seed in range(100):
         config, events = random_stream(seed, policy)
         runs.append(
             (f"random_stream({seed}, {policy!r})", config, check_stream(events, config, work=tmp_path))
@@ -73,9 +74,7 @@ def test_lenient_streams_with_invalid_rollouts_match_the_reference(policy: str, 
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_strict_streams_with_an_invalid_rollout_exit_2_like_the_reference(
-    policy: str, tmp_path: Path
-) -> None:
+def test_strict_streams_with_an_invalid_rollout_exit_2_like_reference(policy: str, tmp_path: Path) -> None:
     runs = []
     for seed in range(2000, 2015):
         config, events = random_stream(seed, policy, defects=1)
@@ -95,12 +94,20 @@ def test_console_script_matches_the_reference(tmp_path: Path) -> None:
     assert check_stream(events, config, how="script", work=tmp_path) == []
 
 
+# Shrinking a failing stream replays it hundreds of times (minutes); CROSSCHECK_SHRINK=1 turns it on
+# when hunting for a minimal repro.
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    phases=list(Phase)
+    if os.environ.get("CROSSCHECK_SHRINK")
+    else [Phase.explicit, Phase.reuse, Phase.generate],
 )
 @given(stream=event_streams())
 def test_hypothesis_streams_match_the_reference(stream: tuple[ReplayConfig, list[dict[str, Any]]]) -> None:
     config, events = stream
+    note(f"options: {' '.join(config.cli_args())}\n" + "\n".join(json.dumps(event) for event in events))
     assert check_stream(events, config) == []
 
 

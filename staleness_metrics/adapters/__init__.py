@@ -26,14 +26,14 @@ from .xtuner import read_xtuner_states
 __all__ = [
     "ComparisonRow",
     "EventDict",
-    "as_replay_events",
     "SourceKind",
+    "as_replay_events",
     "compare_prime_rl",
     "detect_and_read",
     "detect_source",
     "read_prime_rl",
-    "read_run",
     "read_prime_rl_metrics",
+    "read_run",
     "read_xtuner_states",
 ]
 

@@ -291,7 +291,9 @@ def compare_prime_rl(
             else:
                 status = "mismatch"
             rows.append(
-                ComparisonRow(step, legacy_key, mapping.new, float(value), new_value, converted, live, frozen, status)
+                ComparisonRow(
+                    step, legacy_key, mapping.new, float(value), new_value, converted, live, frozen, status
+                )
             )
     return rows
 

@@ -10,8 +10,13 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from . import replay
+from . import dashboards, migrate, replay, wandb_workspace
 
 Register = Callable[["argparse._SubParsersAction[Any]"], None]
 
-COMMANDS: list[Register] = [replay.register]
+COMMANDS: list[Register] = [
+    replay.register,
+    migrate.register,
+    dashboards.register,
+    wandb_workspace.register,
+]

@@ -31,11 +31,21 @@ def generated_files() -> dict[str, str]:
     return files
 
 
+def _same(path: str, existing: str, generated: str) -> bool:
+    if path.endswith((".yml", ".yaml")):
+        # Compared as data: another ruamel.yaml release may lay the same rules out differently.
+        from ruamel.yaml import YAML
+
+        yaml = YAML(typ="safe", pure=True)
+        return bool(yaml.load(existing) == yaml.load(generated))
+    return existing == generated
+
+
 def _stale(root: Path, files: dict[str, str]) -> list[str]:
     return [
         path
         for path, content in files.items()
-        if not (root / path).is_file() or (root / path).read_text(encoding="utf-8") != content
+        if not (root / path).is_file() or not _same(path, (root / path).read_text(encoding="utf-8"), content)
     ]
 
 

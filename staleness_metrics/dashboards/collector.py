@@ -23,7 +23,22 @@ OTLP_GRPC = "127.0.0.1:4317"
 PROMETHEUS = "127.0.0.1:8889"
 
 # The collector's OTLP unit -> Prometheus unit word (UCUM subset it knows; others are used as is).
-_UNIT_WORDS = {"s": "seconds", "ms": "milliseconds", "By": "bytes", "1": "", "%": "percent"}
+_UNIT_WORDS = dict(
+    d="days", h="hours", min="minutes", s="seconds", ms="milliseconds", us="microseconds", ns="nanoseconds",
+    By="bytes", KiBy="kibibytes", MiBy="mebibytes", GiBy="gibibytes", TiBy="tibibytes",
+    KBy="kilobytes", MBy="megabytes", GBy="gigabytes", TBy="terabytes",
+    m="meters", V="volts", A="amperes", J="joules", W="watts", g="grams", Cel="celsius", Hz="hertz",
+)  # fmt: skip
+_UNIT_WORDS.update({"1": "", "%": "percent"})
+_PER_UNIT_WORDS = {
+    "s": "second",
+    "m": "minute",
+    "h": "hour",
+    "d": "day",
+    "w": "week",
+    "mo": "month",
+    "y": "year",
+}
 
 
 def _words(text: str) -> list[str]:
@@ -33,11 +48,15 @@ def _words(text: str) -> list[str]:
 def collector_prometheus_name(otel_name: str, unit: str, kind: MetricKind) -> str:
     """The name the collector's Prometheus exporter gives a metric (default translation, with suffixes)."""
     words = _words(otel_name)
-    main_unit = unit.split("/", 1)[0].strip()
+    main_unit, _, per_unit = (part.strip() for part in unit.partition("/"))
     if main_unit and not re.search(r"[{}]", main_unit):
         unit_word = "_".join(_words(_UNIT_WORDS.get(main_unit, main_unit)))
         if unit_word and unit_word not in words:
             words.append(unit_word)
+    if per_unit and not re.search(r"[{}]", per_unit):
+        per_word = "_".join(_words(_PER_UNIT_WORDS.get(per_unit, per_unit)))
+        if per_word and per_word not in words:
+            words += ["per", per_word]
     if kind is MetricKind.COUNTER:
         words = [w for w in words if w != "total"] + ["total"]
     if unit == "1" and kind is MetricKind.GAUGE:

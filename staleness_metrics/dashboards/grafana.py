@@ -379,12 +379,8 @@ _SHIPS_NOTE = (
 )
 
 
-def staleness_dashboard() -> Json:
-    """The detailed dashboard: one or a few runs, every view of the table."""
-    s = SCOPE
-    bound = Target(s.gauge("max_staleness"), "{{run}} bound")
-    grid = Grid()
-
+def _overview(grid: Grid, s: Scope, bound: Target) -> None:
+    """Stat panels: where the run is now."""
     grid.row("Overview")
     for title, description, unit, target, decimals in (
         ("Train step", "Train step of the last shipped batch.", "none", Target(s.gauge("train_step")), 0),
@@ -414,6 +410,9 @@ def staleness_dashboard() -> Json:
     ):
         grid.add(stat(title, description, unit, target, decimals=decimals), w=4, h=4)
 
+
+def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
+    """Token staleness against the bound, its quantiles and distribution, and masking."""
     grid.row("Token staleness")
     grid.add(
         timeseries(
@@ -468,6 +467,9 @@ def staleness_dashboard() -> Json:
         h=8,
     )
 
+
+def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
+    """Rollout staleness, where it comes from (in flight vs in queue), and held rollouts."""
     grid.row("Rollout staleness")
     grid.add(
         timeseries(
@@ -540,6 +542,9 @@ def staleness_dashboard() -> Json:
         h=8,
     )
 
+
+def _drops(grid: Grid, s: Scope) -> None:
+    """What the policy threw away."""
     grid.row("Drops")
     grid.add(
         timeseries(
@@ -559,7 +564,7 @@ def staleness_dashboard() -> Json:
     grid.add(
         timeseries(
             "Token accounting",
-            "Tokens per second: sampled tokens of shipped samples, the share of them masked, and tokens "
+            "Tokens per second: sampled tokens of shipped samples, those of them masked, and tokens "
             "of samples dropped whole.",
             PER_SECOND,
             [
@@ -573,6 +578,9 @@ def staleness_dashboard() -> Json:
         h=8,
     )
 
+
+def _pipeline_health(grid: Grid, s: Scope) -> None:
+    """Is the pipeline moving, labelled and exporting?"""
     grid.row("Pipeline health")
     grid.add(
         timeseries("Ships per minute", _SHIPS_NOTE, PER_MINUTE, [Target(_ships_per_minute(s))], minimum=0),
@@ -605,6 +613,9 @@ def staleness_dashboard() -> Json:
         h=8,
     )
 
+
+def _per_env(grid: Grid, s: Scope) -> None:
+    """The same views split by env."""
     grid.row("Per env")
     grid.add(
         timeseries(
@@ -646,6 +657,18 @@ def staleness_dashboard() -> Json:
         h=8,
     )
 
+
+def staleness_dashboard() -> Json:
+    """The detailed dashboard: one or a few runs, every view of the table."""
+    s = SCOPE
+    bound = Target(s.gauge("max_staleness"), "{{run}} bound")
+    grid = Grid()
+    _overview(grid, s, bound)
+    _token_staleness(grid, s, bound)
+    _rollout_staleness(grid, s, bound)
+    _drops(grid, s)
+    _pipeline_health(grid, s)
+    _per_env(grid, s)
     return _dashboard(
         "rl-staleness",
         "RL staleness",

@@ -166,12 +166,20 @@ class Simulation:
             group = f"g{self._groups}"
             for member in range(s.group_size):
                 lengths = [
-                    int(np.clip(self._rng.lognormal(np.log(env.median_tokens / env.turns), env.spread), 4, s.max_tokens))
+                    int(
+                        np.clip(
+                            self._rng.lognormal(np.log(env.median_tokens / env.turns), env.spread),
+                            4,
+                            s.max_tokens,
+                        )
+                    )
                     for _ in range(env.turns)
                 ]
                 name = "frozen-teacher" if frozen else env.name
                 # The orchestrator stamps the version it knows of; the engine may start it later.
-                self._waiting.append(_Rollout(f"{group}-r{member}", group, name, frozen, self._loaded, lengths))
+                self._waiting.append(
+                    _Rollout(f"{group}-r{member}", group, name, frozen, self._loaded, lengths)
+                )
 
     def _sample(self) -> None:
         for worker in self._workers:

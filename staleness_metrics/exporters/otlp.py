@@ -23,13 +23,13 @@ rollout (done on the background thread); prefer the owned pipeline for large bat
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import ConfigError
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
-from ..report import StepReport
+from ..report import Counts, StepReport
 from .background import DEFAULT_QUEUE_SIZE, ExportQueue
 from .base import DEFAULT_RUN, ExportContext, ExportErrors
 from .state import CumulativeState, HistogramPoint, Snapshot, partition_by_env
@@ -218,7 +218,7 @@ class _InstrumentRecorder:
                 )  # fmt: skip
             self._instruments[row.name] = instrument
 
-    def record(self, snapshot: Snapshot, histograms: Mapping[str, Mapping[str, Sequence[int]]]) -> None:
+    def record(self, snapshot: Snapshot, histograms: Mapping[str, Mapping[str, Counts]]) -> None:
         run = snapshot.run
         for row in _PUBLISHED:
             instrument = self._instruments[row.name]
@@ -259,7 +259,6 @@ class OtlpExporter:
     ) -> None:
         self._errors = ExportErrors()
         self._errors.register(self.name)
-        self._state = CumulativeState(DEFAULT_RUN)
         self._close_timeout = close_timeout
         self._meter_provider = meter_provider
         self._recorder: _InstrumentRecorder | None = None
@@ -274,7 +273,8 @@ class OtlpExporter:
                 resolve_protocol(protocol), endpoint, headers, timeout
             )
             self._temporality = self._counter_temporality(self._metric_exporter)
-        self._queue: ExportQueue[Any] = ExportQueue(
+        self._state = CumulativeState(DEFAULT_RUN, deltas=self._needs_deltas())
+        self._queue: ExportQueue[tuple[Snapshot, Mapping[str, Mapping[str, Counts]] | None]] = ExportQueue(
             self.name,
             self._send,
             lambda message, exc: self._errors.record(self.name, message, exc),
@@ -282,6 +282,11 @@ class OtlpExporter:
             retry_initial=retry_initial,
             retry_max=retry_max,
         )
+
+    def _needs_deltas(self) -> bool:
+        from opentelemetry.sdk.metrics.export import AggregationTemporality
+
+        return self._recorder is not None or self._temporality is AggregationTemporality.DELTA
 
     @staticmethod
     def _counter_temporality(exporter: MetricExporter) -> AggregationTemporality:
@@ -298,7 +303,7 @@ class OtlpExporter:
     def attach(self, context: ExportContext) -> None:
         """Take the monitor's run attribute, shared export error counts and env breakdown setting."""
         if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
-            self._state = CumulativeState(context.run, context.env_breakdown)
+            self._state = CumulativeState(context.run, context.env_breakdown, deltas=self._state.deltas)
         context.errors.register(self.name)
         self._errors = context.errors
 
@@ -307,33 +312,32 @@ class OtlpExporter:
         return self._errors
 
     def export(self, report: StepReport) -> None:
-        snapshot = self._state.apply(report)
+        snapshot = self._state.apply(report)  # cheap: bucket sums; the OTLP encoding happens on send
         if self._recorder is not None:
             windows = {
                 row.name: {
-                    env: list(
-                        t.token_histogram if row.source is Source.TOKEN_HISTOGRAM else t.rollout_histogram
-                    )
+                    env: (t.token_histogram if row.source is Source.TOKEN_HISTOGRAM else t.rollout_histogram)
                     for env, t in partition_by_env(report, self._state.by_env).items()
                 }
                 for row in _PUBLISHED
                 if row.kind is MetricKind.HISTOGRAM
             }
             self._queue.put((snapshot, windows))
-            return
-        assert self.resource is not None
-        payload = build_metrics_data(snapshot, self.resource, self._errors.snapshot(), self._temporality)
-        self._queue.put(payload)
+        else:
+            self._queue.put((snapshot, None))
 
-    def _send(self, payload: Any) -> None:
+    def _send(self, payload: tuple[Snapshot, Mapping[str, Mapping[str, Counts]] | None]) -> None:
+        snapshot, windows = payload
         if self._recorder is not None:
-            snapshot, windows = payload
+            assert windows is not None
             self._recorder.record(snapshot, windows)
             return
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
-        assert self._metric_exporter is not None
-        result = self._metric_exporter.export(payload)
+        assert self._metric_exporter is not None and self.resource is not None
+        # Built at send time so the export error counts are current (they include this send's retries).
+        data = build_metrics_data(snapshot, self.resource, self._errors.snapshot(), self._temporality)
+        result = self._metric_exporter.export(data)
         if result is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
 

@@ -1,7 +1,8 @@
 """Prometheus exporters: a scrape endpoint (HTTP server or ASGI app) and a Pushgateway mode.
 
-Both render the metric table through one custom collector that holds the metric families of the last
-ship as one immutable tuple, swapped under a lock on each export: a scrape sees one ship, never two.
+Both render the metric table through one custom collector that holds the last ship's immutable
+snapshot, swapped under a lock on each export and rendered at scrape time: a scrape sees one ship,
+never two, and a ship costs no rendering.
 Histograms are built from the core's bucket counts, never by observing each token. Every series has a
 ``run`` label; see :mod:`staleness_metrics.exporters.state` for the ``env`` label conventions.
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -81,23 +82,23 @@ def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
 
 
 class StalenessCollector:
-    """A ``prometheus_client`` collector that serves the last ship's families as one unit."""
+    """A ``prometheus_client`` collector that serves the last ship's snapshot as one unit."""
 
     def __init__(self, errors: Callable[[], ExportErrors], run: Callable[[], str]) -> None:
         self._errors = errors
         self._run = run
         self._lock = threading.Lock()
-        self._families: tuple[Metric, ...] = ()
+        self._snapshot: Snapshot | None = None
 
     def update(self, snapshot: Snapshot) -> None:
-        families = render_families(snapshot)  # built outside the lock: scrapes are never held up
         with self._lock:
-            self._families = families
+            self._snapshot = snapshot
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
-            families = self._families
-        yield from families
+            snapshot = self._snapshot
+        if snapshot is not None:  # immutable: rendering it outside the lock is safe
+            yield from render_families(snapshot)
         yield self._error_family()
 
     def describe(self) -> Iterable[Metric]:
@@ -323,8 +324,3 @@ class PrometheusPushExporter(_PrometheusBase):
             )
         except Exception as exc:  # close must not raise into the caller either
             self._errors.record(self.name, "could not delete the group from the Pushgateway", exc)
-
-
-def published_names() -> Sequence[str]:
-    """The Prometheus family names this module can publish (all from the metric table)."""
-    return [m.prometheus_name for m in _PUBLISHED if m.prometheus_name is not None]

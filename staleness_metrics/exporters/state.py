@@ -18,6 +18,7 @@ Label conventions (documented for dashboards):
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -28,8 +29,6 @@ from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import Counts, StepReport, Tally
 
 __all__ = ["CumulativeState", "HistogramPoint", "Snapshot", "bucket_counts", "partition_by_env"]
-
-_BOUNDS = np.asarray(BUCKETS, dtype=np.float64)
 
 Number = int | float
 
@@ -47,22 +46,27 @@ class HistogramPoint:
 
     def cumulative(self) -> list[int]:
         """Counts of values ``<= BUCKETS[i]`` (and the total last), as Prometheus ``le`` buckets."""
-        return [int(c) for c in np.cumsum(self.bucket_counts)]
+        return list(itertools.accumulate(self.bucket_counts))
+
+
+_INT_BOUNDS = np.asarray(BUCKETS, dtype=np.int64)  # the bounds are integers: value <= b <=> value <= int(b)
 
 
 def bucket_counts(histogram: Counts) -> HistogramPoint:
     """Map an integer histogram (index = staleness) onto :data:`BUCKETS` exactly."""
-    values = np.arange(len(histogram))
-    index = np.searchsorted(_BOUNDS, values, side="left")  # first bound >= value; len(BUCKETS) = +Inf
-    counts = np.zeros(len(BUCKETS) + 1, dtype=np.int64)
-    np.add.at(counts, index, histogram.astype(np.int64))
+    n = len(histogram)
     nonzero = np.flatnonzero(histogram)
+    if len(nonzero) == 0:
+        return HistogramPoint((0,) * (len(BUCKETS) + 1), 0, 0, None, None)
+    cumulative = np.cumsum(histogram, dtype=np.int64)
+    at_bounds = cumulative[np.minimum(_INT_BOUNDS, n - 1)]  # values <= each bound
+    counts = [*np.diff(at_bounds, prepend=0).tolist(), int(cumulative[-1] - at_bounds[-1])]
     return HistogramPoint(
-        bucket_counts=tuple(int(c) for c in counts),
-        sum=int(np.dot(values, histogram)),
-        count=int(histogram.sum()),
-        min=int(nonzero[0]) if len(nonzero) else None,
-        max=int(nonzero[-1]) if len(nonzero) else None,
+        bucket_counts=tuple(counts),
+        sum=int(np.dot(np.arange(n), histogram)),
+        count=int(cumulative[-1]),
+        min=int(nonzero[0]),
+        max=int(nonzero[-1]),
     )
 
 
@@ -105,7 +109,7 @@ class Snapshot:
     time_ns: int
     gauges: Mapping[str, Mapping[str, Number]]
     counters: Mapping[str, Mapping[str, int]]
-    counter_deltas: Mapping[str, Mapping[str, int]]
+    counter_deltas: Mapping[str, Mapping[str, int]]  # empty unless the state keeps deltas
     histograms: Mapping[str, Mapping[str, HistogramPoint]]
     histogram_deltas: Mapping[str, Mapping[str, HistogramPoint]]
 
@@ -150,9 +154,10 @@ class CumulativeState:
     Not thread-safe by itself: callers serialize :meth:`apply` (the exporters hold a lock).
     """
 
-    def __init__(self, run: str, by_env: bool = False) -> None:
+    def __init__(self, run: str, by_env: bool = False, deltas: bool = False) -> None:
         self.run = run
         self.by_env = by_env
+        self.deltas = deltas  # also fill the per-report increments (OTLP delta temporality)
         self._totals: dict[str, Tally] = {}
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
@@ -176,14 +181,18 @@ class CumulativeState:
                 field_name = metric.tally_field
                 assert field_name is not None
                 counters[metric.name] = {env: int(getattr(t, field_name)) for env, t in totals.items()}
-                counter_deltas[metric.name] = {env: int(getattr(t, field_name)) for env, t in window.items()}
+                if self.deltas:
+                    counter_deltas[metric.name] = {
+                        env: int(getattr(t, field_name)) for env, t in window.items()
+                    }
             elif metric.kind is MetricKind.HISTOGRAM:
                 histograms[metric.name] = {
                     env: bucket_counts(_histogram_of(metric, t)) for env, t in totals.items()
                 }
-                histogram_deltas[metric.name] = {
-                    env: bucket_counts(_histogram_of(metric, t)) for env, t in window.items()
-                }
+                if self.deltas:
+                    histogram_deltas[metric.name] = {
+                        env: bucket_counts(_histogram_of(metric, t)) for env, t in window.items()
+                    }
         snapshot = Snapshot(
             run=self.run,
             step=report.step,

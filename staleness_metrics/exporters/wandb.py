@@ -83,12 +83,13 @@ def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]
     trimmed = np.trim_zeros(np.asarray(counts, dtype=np.int64), "b")
     if len(trimmed) == 0:
         trimmed = np.zeros(1, dtype=np.int64)
-    edges = np.arange(len(trimmed) + 1, dtype=np.float64) - 0.5
-    if len(trimmed) > _MAX_BINS:
-        width = -(-len(trimmed) // _MAX_BINS)
-        starts = np.arange(0, len(trimmed), width)
+    n = len(trimmed)
+    edges = np.arange(n + 1, dtype=np.float64) - 0.5
+    if n > _MAX_BINS:
+        width = -(-n // _MAX_BINS)
+        starts = np.arange(0, n, width)
         trimmed = np.add.reduceat(trimmed, starts)
-        edges = np.append(starts - 0.5, len(counts) - 0.5)[: len(trimmed) + 1]
+        edges = np.append(starts - 0.5, n - 0.5)
     return [int(c) for c in trimmed], [float(e) for e in edges]
 
 

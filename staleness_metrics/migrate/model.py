@@ -5,7 +5,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["Action", "FileKind", "FileResult", "Finding"]
+from ..legacy import DEFAULT_PROMETHEUS_PREFIXES
+
+__all__ = ["Action", "FileKind", "FileResult", "Finding", "Options"]
 
 
 class FileKind(str, enum.Enum):
@@ -19,6 +21,14 @@ class FileKind(str, enum.Enum):
     PROMETHEUS_RULES = "prometheus-rules"
     HISTORY = "history"
     TEXT = "text"
+
+
+@dataclass(frozen=True)
+class Options:
+    """How to migrate: delete what was removed, and which prefixes legacy Prometheus names may carry."""
+
+    drop_removed: bool = False
+    prometheus_prefixes: tuple[str, ...] = DEFAULT_PROMETHEUS_PREFIXES
 
 
 class Action(str, enum.Enum):
@@ -58,6 +68,8 @@ class Finding:
             text = f"{where}: {self.old}: deleted"
         elif self.action is Action.REMOVED:
             text = f"{where}: {self.old}: removed"
+        elif self.new is not None:
+            text = f"{where}: {self.old} -> {self.new}: not edited"
         else:
             text = f"{where}: {self.old}: not edited"
         details = [self.reason] if self.reason else []
@@ -75,8 +87,9 @@ class FileResult:
     original: str | None = None
     new_text: str | None = None  # None: nothing to change, or the file is not edited
     findings: list[Finding] = field(default_factory=list)
-    error: str | None = None  # the file could not be read or parsed; it is never touched then
-    note: str | None = None  # skipped for a harmless reason (binary file, ...)
+    error: str | None = None  # the file could not be read, parsed or safely edited; it is never touched then
+    skipped: str | None = None  # left out for a harmless reason (a binary file met while walking a directory)
+    notes: list[str] = field(default_factory=list)  # what else the migration did (a history boundary marker)
 
     @property
     def changed(self) -> bool:

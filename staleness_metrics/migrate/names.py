@@ -59,7 +59,8 @@ _FAMILIES = "|".join(re.escape(prefix) + r"\w+(?:/\w+)*" for prefix in legacy.RE
 _WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(legacy.LEGACY_KEYS))}|{_FAMILIES})(?![\w/])"
 # Other references to the old namespace (globs, regexes, keys the table does not know): reported only.
 _NAMESPACE = rf"(?<![\w/]){re.escape(legacy.LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
-_SETTING = rf"(?<![\w-])(?:{_alternation(list(legacy.RENAMED_SETTINGS))})(?![\w-])"
+_RENAMED_SETTINGS = {**legacy.RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
+_SETTING = rf"(?<!\w)(?:{_alternation(list(_RENAMED_SETTINGS))})(?![\w-])"
 _CONSOLE = rf"(?<!\w)(?:{_alternation(list(legacy.CONSOLE_LABELS))})(?!\w)"
 _IDENT = r"(?<![\w:/.$-])[A-Za-z_:][\w:]*(?![\w/])"
 
@@ -112,12 +113,16 @@ class Scanner:
                     hits.append(Hit(start, end, token, found.new, Action.RENAME, found.reason or _RENAMED))
             elif match.lastgroup == "ns":
                 token = token.rstrip(".:")
-                reason = "old off_policy/ namespace with no known mapping: edit by hand"
+                reason = "old off_policy/ namespace, no known mapping"
                 hits.append(Hit(start, start + len(token), token, None, Action.MANUAL, reason))
             elif match.lastgroup == "setting":
-                hits.append(Hit(start, end, token, legacy.RENAMED_SETTINGS[token], Action.RENAME, "renamed setting"))
+                hits.append(
+                    Hit(start, end, token, _RENAMED_SETTINGS[token], Action.RENAME, "renamed setting")
+                )
             elif match.lastgroup == "console":
-                hits.append(Hit(start, end, token, legacy.CONSOLE_LABELS[token], Action.RENAME, "console label"))
+                hits.append(
+                    Hit(start, end, token, legacy.CONSOLE_LABELS[token], Action.RENAME, "console label")
+                )
             elif self.prometheus:
                 hit = self._prometheus_hit(token, start)
                 if hit is not None:
@@ -131,13 +136,31 @@ class Scanner:
     # -- Prometheus -------------------------------------------------------------------------------------
 
     def _prometheus_hit(self, token: str, start: int) -> Hit | None:
+        end = start + len(token)
+        if ":" in token:
+            return self._recording_rule_hit(token, start)
         found = legacy.migrate_prometheus_name(token, self.prefixes)
         if found is None:
             return None
-        end = start + len(token)
         if found.new is None:
             return Hit(start, end, token, None, Action.REMOVED, f"{found.legacy_key}: {found.reason}")
         return Hit(start, end, token, found.new, Action.RENAME, found.reason)
+
+    def _recording_rule_hit(self, token: str, start: int) -> Hit | None:
+        """A recording rule named ``level:metric:operations`` follows its series' rename, everywhere alike."""
+        segments = token.split(":")
+        found = [legacy.migrate_prometheus_name(s, self.prefixes) if s else None for s in segments]
+        if not any(found):
+            return None
+        end = start + len(token)
+        removed = [f for f in found if f is not None and f.new is None]
+        if removed:
+            reason = f"recording rule over {removed[0].legacy_key}: {removed[0].reason}"
+            return Hit(start, end, token, None, Action.REMOVED, reason)
+        new = ":".join(f.new if f is not None and f.new else s for s, f in zip(segments, found, strict=True))
+        return Hit(
+            start, end, token, new, Action.RENAME, "recording rule name follows its series (level:metric:op)"
+        )
 
     def _scan_promql(self, text: str) -> Scanned:
         hits: list[Hit] = []
@@ -161,7 +184,7 @@ class Scanner:
         return Scanned(_apply(text, hits), tuple(hits))
 
     def _name_matcher_hits(self, literal: str, start: int, *, regex: bool) -> list[Hit]:
-        quote, body = literal[0], literal[1:-1]
+        body = literal[1:-1]
         if "\\" in body:
             return []  # escaped literals are rare in selectors; the plain scan still reports them
         inner = start + 1
@@ -169,8 +192,6 @@ class Scanner:
             hit = self._prometheus_hit(body, inner)
             return [hit] if hit is not None else []
         scanned = self._scan_regex(body, "prometheus")
-        if quote != '"' and scanned.changed:
-            return []
         return [Hit(h.start + inner, h.end + inner, h.old, h.new, h.action, h.reason) for h in scanned.hits]
 
     # -- regexes ----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ def sink(policy: str = "token", max_staleness: int = 2, **extra: Any) -> Sink:
 
 # --- token policy -------------------------------------------------------------------------------
 
+
 def test_staleness_equal_to_the_bound_trains_one_more_is_masked() -> None:
     s = sink(max_staleness=2)
     s.add(rollout("r", 1, {"mask": [1, 1, 1], "weight_versions": [[1, 0], [2, 1], [3, 2]]}))
@@ -100,12 +101,18 @@ def test_ce_weight_on_a_mask0_position_keeps_the_sample() -> None:
 
 # --- sweeps, windows, monotonicity ---------------------------------------------------------------
 
+
 def test_same_step_twice_changes_nothing_and_later_steps_only_mask_more() -> None:
     s = sink(max_staleness=1)
     masks = np.ones(6, dtype=np.float32)
     batch = RolloutBatch(
-        ids=["r"], sample_offsets=np.array([0, 1]), position_offsets=np.array([0, 6]), mask=masks,
-        dispatch_version=np.array([0]), span_offsets=np.array([0, 3]), span_versions=np.array([0, 1, 2]),
+        ids=["r"],
+        sample_offsets=np.array([0, 1]),
+        position_offsets=np.array([0, 6]),
+        mask=masks,
+        dispatch_version=np.array([0]),
+        span_offsets=np.array([0, 3]),
+        span_versions=np.array([0, 1, 2]),
         span_starts=np.array([0, 2, 4]),
     )
     s.add(batch)
@@ -152,7 +159,12 @@ def test_steps_never_decrease() -> None:
 
 def test_conservation_of_sampled_positions() -> None:
     s = sink(max_staleness=1)
-    s.add([rollout("a", 0, {"mask": [1, 1, 0]}), rollout("b", 2, {"mask": [1, 1, 1], "token_versions": [0, 2, 2]})])
+    s.add(
+        [
+            rollout("a", 0, {"mask": [1, 1, 0]}),
+            rollout("b", 2, {"mask": [1, 1, 1], "token_versions": [0, 2, 2]}),
+        ]
+    )
     s.add(rollout("c", 3, {"mask": [1, 1]}))
     s.ship(4, ids=["b"])
     queued_tokens = 2  # "c" is still queued
@@ -165,15 +177,28 @@ def test_conservation_of_sampled_positions() -> None:
 
 # --- episode: prime-rl's arithmetic --------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("step", "dispatch", "completion", "expected"),
-    [(5, 3, 3, (1, 0, 1)), (5, 3, 5, (1, 1, 0)), (5, 3, 6, (1, 1, 0)), (5, 4, 4, (0, 0, 0)), (10, 2, 7, (7, 5, 2))],
+    [
+        (5, 3, 3, (1, 0, 1)),
+        (5, 3, 5, (1, 1, 0)),
+        (5, 3, 6, (1, 1, 0)),
+        (5, 4, 4, (0, 0, 0)),
+        (10, 2, 7, (7, 5, 2)),
+    ],
 )
-def test_episode_arithmetic_matches_prime_rl(step: int, dispatch: int, completion: int, expected: tuple[int, ...]) -> None:
+def test_episode_arithmetic_matches_prime_rl(
+    step: int, dispatch: int, completion: int, expected: tuple[int, ...]
+) -> None:
     s = sink("episode", max_staleness=8)
     s.add(rollout("e", dispatch, completion_version=completion))
     m = s.ship(step).metrics
-    assert (m["staleness/rollout/max"], m["staleness/rollout/in_flight/max"], m["staleness/rollout/in_queue/max"]) == expected
+    assert (
+        m["staleness/rollout/max"],
+        m["staleness/rollout/in_flight/max"],
+        m["staleness/rollout/in_queue/max"],
+    ) == expected
 
 
 def test_episode_bound_at_step_12() -> None:
@@ -191,6 +216,7 @@ def test_episode_judges_each_rollout_by_its_own_dispatch_not_its_group() -> None
 
 
 # --- group ----------------------------------------------------------------------------------------
+
 
 def test_group_drops_fresh_members_with_the_stale_one_and_frozen_stay() -> None:
     s = sink("group", max_staleness=1)
@@ -213,6 +239,7 @@ def test_group_ship_of_one_member_reaches_queued_members() -> None:
 
 
 # --- xtuner ---------------------------------------------------------------------------------------
+
 
 def xt(**extra: Any) -> Sink:
     return sink("xtuner", max_staleness=extra.pop("max_staleness", 1), **extra)
@@ -253,7 +280,12 @@ def test_xtuner_agentic_group_is_never_token_masked() -> None:
 
 def test_xtuner_fully_masked_sample_expires() -> None:
     s = xt(max_staleness=5, max_token_staleness=0)
-    s.add([rollout("a", 3, {"mask": [1, 1], "token_versions": [3, 3]}, group_id="g"), rollout("b", 4, group_id="g")])
+    s.add(
+        [
+            rollout("a", 3, {"mask": [1, 1], "token_versions": [3, 3]}, group_id="g"),
+            rollout("b", 4, group_id="g"),
+        ]
+    )
     assert sorted(s.ship(6).dropped_rollouts) == ["a", "b"]
 
 
@@ -271,6 +303,7 @@ def test_xtuner_retry_holds_the_group_until_replacements_arrive() -> None:
 
 
 # --- metrics shape --------------------------------------------------------------------------------
+
 
 def test_empty_population_omits_keys_but_keeps_counts() -> None:
     s = sink()
@@ -291,7 +324,14 @@ def test_types_and_quantiles_are_nearest_rank() -> None:
 
 def test_env_breakdown_keys() -> None:
     s = sink(max_staleness=2, env_breakdown=True)
-    s.add([rollout("a", 1, env="math"), rollout("b", 3, env="code"), rollout("c", 0, env="math"), rollout("d", 3)])
+    s.add(
+        [
+            rollout("a", 1, env="math"),
+            rollout("b", 3, env="code"),
+            rollout("c", 0, env="math"),
+            rollout("d", 3),
+        ]
+    )
     m = s.ship(4).metrics
     assert m["staleness/env/math/rollout/max"] == 2
     assert m["staleness/env/math/rollout/dropped"] == 1

@@ -197,7 +197,7 @@ def compare_batches(
     want_shipped = {r["id"]: r for r in expected["shipped"]}
     have_list = got.get("shipped") or []
     have_ids = Counter(r.get("id") for r in have_list)
-    if have_ids != Counter(want_shipped):
+    if have_ids != Counter(list(want_shipped)):
         out.append(
             f"{where}: shipped ids {sorted(map(str, have_ids.elements()))}, reference {sorted(want_shipped)}"
         )
@@ -206,19 +206,20 @@ def compare_batches(
         if rid not in want_shipped:
             continue
         default = completion.get(rid)
-        want = _normalise_rollout(want_shipped[rid], default)
-        have = _normalise_rollout(rollout, default)
-        for key in sorted(set(want) | set(have)):
-            if key == "samples":
-                continue
-            if want.get(key) != have.get(key):
-                out.append(f"{where}: shipped {rid}.{key} = {have.get(key)!r}, reference {want.get(key)!r}")
-        if len(want["samples"]) != len(have["samples"]):
+        reference = _normalise_rollout(want_shipped[rid], default)
+        engine = _normalise_rollout(rollout, default)
+        for key in sorted(set(reference) | set(engine)):
+            if key != "samples" and reference.get(key) != engine.get(key):
+                out.append(
+                    f"{where}: shipped {rid}.{key} = {engine.get(key)!r}, reference {reference.get(key)!r}"
+                )
+        if len(reference["samples"]) != len(engine["samples"]):
             out.append(
-                f"{where}: shipped {rid} has {len(have['samples'])} samples, reference {len(want['samples'])}"
+                f"{where}: shipped {rid} has {len(engine['samples'])} samples, "
+                f"reference {len(reference['samples'])}"
             )
             continue
-        for i, (ws, hs) in enumerate(zip(want["samples"], have["samples"], strict=True)):
+        for i, (ws, hs) in enumerate(zip(reference["samples"], engine["samples"], strict=True)):
             for key in sorted(set(ws) | set(hs)):
                 if ws.get(key) != hs.get(key):
                     got, want_value = hs.get(key), ws.get(key)

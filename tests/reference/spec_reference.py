@@ -9,8 +9,10 @@ R1  Version checks at ship time: a token label (any ``weight_versions`` span ver
     entry other than -1, on any position, mask 1 or 0) or a ``dispatch_version`` above ``T`` is invalid when
     a ship takes the rollout. ``completion_version`` above ``T`` is valid (prime-rl's 3/5 at step 5). The
     check applies to frozen rollouts too. A strict-mode error found at ship time reports the ship's line.
-R2  A ship takes the rollouts first (checks them, sets the invalid ones aside in lenient mode), then applies
-    the policy; a taken rollout of a held group is checked like any other taken rollout.
+R2  ``ship`` is, literally: sweep at ``step`` (which accepts versions above ``T`` and may drop or expire
+    such a rollout, which is then never checked), take, check the taken rollouts (set the invalid ones aside
+    in lenient mode), apply the policy to the rest. A taken rollout of a held group is checked like any
+    other taken rollout.
 R3  "Had something to train" is judged on the sample as it arrived; "nothing left" on its current arrays.
     A sample that had nothing to train is never dropped, so its rollout is never dropped by ``token``.
 R4  ``completion_version`` defaults to the max effective version (unlabelled = dispatch) over the sampled
@@ -29,10 +31,11 @@ R9  ``group``/``xtuner`` judge, at a sweep, every group that has a queued rollou
     step, over all its queued members. A group dropped earlier does not doom members added later.
 R10 Sequence staleness (xtuner) = ``T - min(v)`` over labelled positions (mask 1 or 0) and sampled positions
     (unlabelled ones take the dispatch version); 0 when the set is empty.
-R11 ``--env-breakdown``: for each env (rollouts without ``env`` are left out) that has a shipped live
-    rollout, a dropped rollout or sample, or a held rollout in the window: the population keys of that
-    env's slice (when non-empty) and its dropped and held counts, under ``staleness/env/<env>/...``
-    (``staleness/max_staleness`` is not repeated per env).
+R11 ``--env-breakdown``: for each env (rollouts without ``env`` are left out) that has a shipped rollout
+    (frozen ones included), a dropped rollout or sample, a held rollout, or (lenient) a rollout set aside
+    as invalid in the window (its ``env`` when that is a string): the population keys of that
+    env's slice (when non-empty), its dropped and held counts and ``max_staleness`` ("the same keys"),
+    under ``staleness/env/<env>/...``.
 R12 Duplicate ids are checked against every rollout accepted so far in the run (shipped, dropped and
     queued ones); a rollout set aside as invalid at add time never entered the sink (its id is free and
     its ``agentic`` flag does not count), one set aside at ship time did enter it.
@@ -41,6 +44,7 @@ R13 Shipped rollouts are written as they were given, with ``samples`` reduced to
 R14 Malformed events: bad JSON, a non-object line, an unknown or missing ``type``, a rollout event whose
     ``rollout`` is not an object, a step that is not an int >= 1 or is below an earlier step, ``ids`` that
     is not a list of strings. Blank lines are skipped (they still count for line numbers).
+R16 ``logprobs`` must be finite numbers too (SPEC names only weights; the engine rejects -inf/NaN).
 R15 Quantiles use exact rational ranks ``ceil(p * N)`` (p = 1/2, 9/10, 99/100), never float products.
 """
 
@@ -237,9 +241,9 @@ def _parse_sample(raw: object, index: int, rid: str) -> Sample:
             raise _Invalid(rid, f"{where}.{name}", "expected a list of numbers")
         if len(values) != n:
             raise _Invalid(rid, f"{where}.{name}", "wrong length")
+        if not all(math.isfinite(x) for x in values):
+            raise _Invalid(rid, f"{where}.{name}", "not a finite number")
         if name != "logprobs":
-            if not all(math.isfinite(x) for x in values):
-                raise _Invalid(rid, f"{where}.{name}", "non-finite weight")
             weights[name] = [float(x) for x in values]
     sample = Sample(index=index, raw=raw, arrived_mask=mask, labels=labels, mask=list(mask), weights=weights)
     sample.arrived_had_something = _has_something_to_train(sample)
@@ -349,6 +353,7 @@ class Config:
 class Window:
     dropped_rollouts: list[Rollout] = field(default_factory=list)
     dropped_samples: list[tuple[Rollout, Sample]] = field(default_factory=list)
+    invalid_envs: list[str] = field(default_factory=list)  # envs of rollouts set aside (lenient)
 
 
 class ReferenceSink:
@@ -370,6 +375,12 @@ class ReferenceSink:
         if self.owed.get(rollout.group_key, 0) > 0:
             self.owed[rollout.group_key] -= 1  # a re-rollout pays back one expired member (R7)
         self.queue.append(rollout)
+
+    def set_aside(self, raw: object) -> None:
+        """Lenient mode: an invalid rollout leaves no trace but its env in the breakdown (R11)."""
+        env = raw.get("env") if isinstance(raw, dict) else None
+        if isinstance(env, str):
+            self.window.invalid_envs.append(env)
 
     # -- drops -----------------------------------------------------------------------------------
     def _drop_sample(self, rollout: Rollout, sample: Sample) -> None:
@@ -515,6 +526,7 @@ class ReferenceSink:
             elif self.config.lenient:
                 rollout.state = "invalid"
                 self.queue.remove(rollout)
+                self.set_aside(rollout.raw)
             else:
                 raise ReferenceTraceError(line, problem.rollout_id, problem.field, problem.reason)
         self._judge(step, checked)
@@ -546,14 +558,14 @@ class ReferenceSink:
         if self.config.env_breakdown:
             envs: list[str] = []
             everything = [
-                *[r for r in shipped if not r.frozen],
+                *shipped,
                 *self.window.dropped_rollouts,
                 *[r for r, _ in self.window.dropped_samples],
                 *held,
             ]
-            for rollout in everything:
-                if rollout.env is not None and rollout.env not in envs:
-                    envs.append(rollout.env)
+            for env in [*(r.env for r in everything), *self.window.invalid_envs]:
+                if env is not None and env not in envs:
+                    envs.append(env)
             for env in envs:
                 metrics.update(
                     _slice_metrics(
@@ -565,6 +577,7 @@ class ReferenceSink:
                         f"staleness/env/{env}/",
                     )
                 )
+                metrics[f"staleness/env/{env}/max_staleness"] = self.config.max_staleness
         return metrics
 
 
@@ -702,6 +715,7 @@ def replay_reference(
                     raise ReferenceTraceError(
                         number, problem.rollout_id, problem.field, problem.reason
                     ) from None
+                sink.set_aside(raw)
         elif kind == "sweep":
             last_step = _event_step(event, number, last_step)
             sink.sweep(last_step)

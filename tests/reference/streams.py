@@ -128,7 +128,12 @@ def random_config(chooser: Chooser, policy: str, lenient: bool = False) -> Repla
     return ReplayConfig(
         policy=policy,
         max_staleness=max_staleness,
-        max_token_staleness=None if chooser.chance(25) else chooser.integer(0, 3),
+        # Token masking without expiry needs S_tok < S, so the token bound is mostly below the other.
+        max_token_staleness=None
+        if chooser.chance(25)
+        else chooser.integer(0, max(0, max_staleness - 1))
+        if chooser.chance(70)
+        else chooser.integer(0, 3),
         sync_interval=1 if chooser.chance(60) else chooser.integer(2, 3),
         retry_expired=chooser.chance(55),
         lenient=lenient,
@@ -153,9 +158,15 @@ class _StreamBuilder:
     # -- versions --------------------------------------------------------------------------------
     def age(self) -> int:
         """Staleness the version would have at a ship at ``now``: often exactly at a threshold."""
+        # Rollouts then wait in the queue, so most start at or just below a threshold.
+        config = self.config
+        if config.policy == "xtuner" and config.max_token_staleness is not None and self.ch.chance(35):
+            # Old enough for token masking of the oldest positions, young enough not to expire yet.
+            token_threshold, sequence_threshold = config.thresholds()[1], config.thresholds()[0]
+            return token_threshold + self.ch.integer(0, max(0, sequence_threshold - token_threshold - 1))
         if self.ch.chance(60):
-            return max(0, pick(self.ch, self.config.thresholds()) + self.ch.integer(-1, 1))
-        return self.ch.integer(0, max(self.config.thresholds()) + 2)
+            return max(0, pick(self.ch, config.thresholds()) + self.ch.integer(-2, 0))
+        return self.ch.integer(0, max(config.thresholds()) + 1)
 
     def version(self) -> int:
         return max(0, self.now - 1 - self.age())

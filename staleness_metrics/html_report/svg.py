@@ -6,6 +6,7 @@ step did not report). Every mark carries a ``<title>``, so hovering shows its va
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,8 +40,8 @@ class Rule:
     color: str = "#d62728"
 
 
-def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
-    """Round tick values covering ``low .. high``."""
+def nice_ticks(low: float, high: float, count: int = 5, integer: bool = False) -> list[float]:
+    """Round tick values covering ``low .. high`` (whole numbers only when ``integer``)."""
     if not math.isfinite(low) or not math.isfinite(high):
         return [0.0]
     if high <= low:
@@ -48,6 +49,8 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     raw = (high - low) / max(count, 1)
     magnitude = 10 ** math.floor(math.log10(raw))
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
+    if integer:
+        step = max(1.0, float(math.ceil(step)))
     first = math.floor(low / step) * step
     ticks = []
     value = first
@@ -70,12 +73,13 @@ def _fmt(value: float, percent: bool = False) -> str:
 class _Frame:
     """Scales and axes of one plot area."""
 
-    def __init__(self, x_range: tuple[float, float], y_ticks: list[float], x_ticks: list[float]) -> None:
+    def __init__(self, x_range: tuple[float, float], y_ticks: list[float], x_data: Sequence[float]) -> None:
         self.x0, self.x1 = x_range
         if self.x1 <= self.x0:
             self.x0, self.x1 = self.x0 - 1, self.x1 + 1
         self.y_ticks = y_ticks
-        self.x_ticks = [t for t in x_ticks if self.x0 <= t <= self.x1]
+        low, high = min(x_data), max(x_data)
+        self.x_ticks = [t for t in nice_ticks(low, high, 8, integer=True) if low <= t <= high]
         self.y0, self.y1 = y_ticks[0], y_ticks[-1]
         self.plot_w = WIDTH - LEFT - RIGHT
         self.plot_h = HEIGHT - TOP - BOTTOM
@@ -90,7 +94,9 @@ class _Frame:
         out = []
         for t in self.y_ticks:
             y = self.py(t)
-            out.append(f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
+            out.append(
+                f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
+            )
             out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t, percent)}</text>')
         base = TOP + self.plot_h
         for t in self.x_ticks:
@@ -99,12 +105,9 @@ class _Frame:
             out.append(f'<text x="{x:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
         out.append(f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{base}" y2="{base}" class="axis"/>')
         out.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{base}" class="axis"/>')
-        out.append(f'<text x="{LEFT + self.plot_w / 2:.1f}" y="{HEIGHT - 8}" text-anchor="middle">{escape(x_label)}</text>')
+        out.append(_x_title(LEFT + self.plot_w / 2, x_label))
         mid = TOP + self.plot_h / 2
-        out.append(
-            f'<text x="14" y="{mid:.1f}" text-anchor="middle" transform="rotate(-90 14 {mid:.1f})">'
-            f"{escape(y_label)}</text>"
-        )
+        out.append(_y_title(mid, y_label))
         return out
 
     def rule(self, rule: Rule, vertical: bool = False) -> list[str]:
@@ -113,7 +116,11 @@ class _Frame:
             return [
                 f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + self.plot_h}" stroke="{rule.color}" '
                 'stroke-dasharray="6 4" stroke-width="1.5"/>',
-                f'<text x="{x + 4:.1f}" y="{TOP + 12}" fill="{rule.color}">{escape(rule.label)}</text>',
+                # Near the right edge the label goes on the line's left side.
+                f'<text x="{x - 4:.1f}" y="{TOP + 12}" text-anchor="end" fill="{rule.color}">'
+                f"{escape(rule.label)}</text>"
+                if x > LEFT + self.plot_w - 80
+                else f'<text x="{x + 4:.1f}" y="{TOP + 12}" fill="{rule.color}">{escape(rule.label)}</text>',
             ]
         y = self.py(rule.value)
         return [
@@ -122,6 +129,17 @@ class _Frame:
             f'<text x="{LEFT + self.plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" fill="{rule.color}">'
             f"{escape(rule.label)}</text>",
         ]
+
+
+def _x_title(x: float, text: str) -> str:
+    return f'<text x="{x:.1f}" y="{HEIGHT - 8}" text-anchor="middle">{escape(text)}</text>'
+
+
+def _y_title(mid: float, text: str) -> str:
+    return (
+        f'<text x="14" y="{mid:.1f}" text-anchor="middle" transform="rotate(-90 14 {mid:.1f})">'
+        f"{escape(text)}</text>"
+    )
 
 
 def _svg(label: str, body: list[str]) -> str:
@@ -141,6 +159,12 @@ def _legend(series: Sequence[tuple[str, str]]) -> list[str]:
     return out
 
 
+def _polyline(points: list[str], color: str, dash: str) -> list[str]:
+    if len(points) < 2:
+        return []
+    return [f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-width="2"{dash}/>']
+
+
 def _finite(values: Sequence[float | None]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 
@@ -152,7 +176,8 @@ def message_chart(label: str, message: str) -> str:
         [
             f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" height="{HEIGHT - TOP - BOTTOM}" '
             'class="empty"/>',
-            f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">{escape(message)}</text>',
+            f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">'
+            f"{escape(message)}</text>",
         ],
     )
 
@@ -172,29 +197,30 @@ def line_chart(
     """Lines over ``x`` (gaps where a value is None); a dot marks every value."""
     values = [v for s in series for v in _finite(s.values)]
     if not x or not values:
-        return message_chart(label, "no values to plot")
+        return message_chart(label, "this input has no values for this chart")
     top = max([*values, *(r.value for r in rules), y_max or 0.0])
-    y_ticks = nice_ticks(min(0.0, min(values)), top if top > 0 else 1.0)
-    frame = _Frame((min(x), max(x)), y_ticks, nice_ticks(min(x), max(x), 8))
+    # An all-zero series still gets a readable axis: up to 5% for shares, 1 otherwise.
+    y_ticks = nice_ticks(min(0.0, min(values)), top if top > 0 else (0.05 if percent else 1.0))
+    frame = _Frame((min(x), max(x)), y_ticks, x)
     body = [*frame.axes(x_label, y_label, percent), *_legend([(s.name, s.color) for s in series])]
+    radius = 3.5 if len(x) <= 40 else 2.5
     for s in series:
         dash = ' stroke-dasharray="5 3"' if s.dashed else ""
         run: list[str] = []
         dots = []
-        for xi, v in zip(x, s.values):
+        for xi, v in zip(x, s.values, strict=True):
             if v is None or not math.isfinite(v):
-                if len(run) > 1:
-                    body.append(f'<polyline points="{" ".join(run)}" fill="none" stroke="{s.color}" stroke-width="2"{dash}/>')
+                body.extend(_polyline(run, s.color, dash))
                 run = []
                 continue
             px, py = frame.px(xi), frame.py(v)
             run.append(f"{px:.1f},{py:.1f}")
+            shown = _fmt(v, percent) if percent else f"{v:.4g}"
             dots.append(
-                f'<circle cx="{px:.1f}" cy="{py:.1f}" r="2.5" fill="{s.color}"><title>{escape(s.name)} at '
-                f"{_fmt(xi)}: {_fmt(v, percent) if percent else f'{v:.4g}'}</title></circle>"
+                f'<circle cx="{px:.1f}" cy="{py:.1f}" r="{radius}" fill="{s.color}">'
+                f"<title>{escape(s.name)} at {_fmt(xi)}: {shown}</title></circle>"
             )
-        if len(run) > 1:
-            body.append(f'<polyline points="{" ".join(run)}" fill="none" stroke="{s.color}" stroke-width="2"{dash}/>')
+        body.extend(_polyline(run, s.color, dash))
         body.extend(dots)
     for r in rules:
         body.extend(frame.rule(r))
@@ -211,6 +237,7 @@ def bar_chart(
     stacked: bool,
     x_label: str = "step",
     y_label: str = "",
+    empty_note: str = "all zero",
 ) -> str:
     """Bars per ``x``: stacked (parts of one whole) or side by side (separate counts)."""
     if not x:
@@ -218,9 +245,14 @@ def bar_chart(
     columns = [[(v or 0.0) for v in s.values] for s in series]
     tops = [sum(c[i] for c in columns) if stacked else max(c[i] for c in columns) for i in range(len(x))]
     y_ticks = nice_ticks(0.0, max(tops) if tops and max(tops) > 0 else 1.0)
-    gap = min((b - a for a, b in zip(x, x[1:])), default=1.0) or 1.0
-    frame = _Frame((min(x) - gap / 2, max(x) + gap / 2), y_ticks, nice_ticks(min(x), max(x), 8))
+    gap = min((b - a for a, b in itertools.pairwise(x)), default=1.0) or 1.0
+    frame = _Frame((min(x) - gap / 2, max(x) + gap / 2), y_ticks, x)
     body = [*frame.axes(x_label, y_label), *_legend([(s.name, s.color) for s in series])]
+    if not any(tops):
+        body.append(
+            f'<text x="{WIDTH / 2}" y="{TOP + frame.plot_h / 2}" text-anchor="middle" class="note">'
+            f"{escape(empty_note)}</text>"
+        )
     slot = frame.plot_w * gap / (frame.x1 - frame.x0) * 0.8
     width = slot if stacked else slot / max(len(series), 1)
     for i, xi in enumerate(x):
@@ -246,7 +278,7 @@ def _shade(share: float) -> str:
     """White to dark blue; square-root scale so a small share still shows."""
     t = math.sqrt(max(0.0, min(1.0, share)))
     low, high = (247, 251, 255), (8, 48, 107)
-    r, g, b = (round(a + (c - a) * t) for a, c in zip(low, high))
+    r, g, b = (round(a + (c - a) * t) for a, c in zip(low, high, strict=True))
     return f"#{r:02x}{g:02x}{b:02x}"
 
 
@@ -297,16 +329,13 @@ def heatmap(
     for level in range(0, levels, label_every):
         y = base - (level + 0.5) * cell_h
         body.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{level}</text>')
-    for t in nice_ticks(columns[0], columns[-1], 8):
-        if columns[0] <= t <= columns[-1]:
+    for t in nice_ticks(min(columns), max(columns), 8, integer=True):
+        if min(columns) <= t <= max(columns):
             i = min(range(len(columns)), key=lambda j: abs(columns[j] - t))
             cx = LEFT + (i + 0.5) * cell_w
             body.append(f'<text x="{cx:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
-    body.append(f'<text x="{LEFT + plot_w / 2:.1f}" y="{HEIGHT - 8}" text-anchor="middle">{escape(x_label)}</text>')
-    mid = TOP + plot_h / 2
-    body.append(
-        f'<text x="14" y="{mid:.1f}" text-anchor="middle" transform="rotate(-90 14 {mid:.1f})">{escape(y_label)}</text>'
-    )
+    body.append(_x_title(LEFT + plot_w / 2, x_label))
+    body.append(_y_title(TOP + plot_h / 2, y_label))
     if bound is not None and bound + 1 <= levels:
         y = base - (bound + 1) * cell_h
         body.append(

@@ -1,0 +1,316 @@
+"""The demo: the simulated pipeline driving the real monitor and exporters.
+
+Outputs, all under ``out_dir`` (default ``./staleness-demo``) unless given elsewhere:
+
+- ``metrics.jsonl``: one metrics line per step (the JSONL exporter);
+- ``events.jsonl``: the run's event stream, for ``staleness-metrics replay`` / ``report`` / ``what-if``;
+- ``wandb/``: an offline W&B run when ``wandb`` is installed (``wandb sync`` uploads it);
+- a Prometheus endpoint on 127.0.0.1 (``--prometheus-port``; if the port is taken, a free one);
+- OTLP, when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is set.
+
+One line per step goes to stdout (``Max Staleness ...``); on a terminal a live table sits below them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TextIO
+
+from ..config import StalenessConfig
+from ..exporters import ConsoleExporter, Exporter, JsonlExporter
+from ..exporters.console import format_line
+from ..monitor import StalenessMonitor
+from ..report import StepReport
+from ..sink import Shipment
+from .simulation import Simulation, StepEvents
+
+__all__ = ["DemoOptions", "run_demo"]
+
+RUN_NAME = "staleness-demo"
+
+
+@dataclass
+class DemoOptions:
+    steps: int = 60
+    speed: float = 4.0  # steps per second; 0 = as fast as possible
+    config: StalenessConfig = field(default_factory=lambda: StalenessConfig(env_breakdown=True))
+    seed: int = 0
+    prometheus_port: int | None = 9487
+    out_dir: Path = Path("staleness-demo")
+    metrics_out: Path | None = None
+    wandb: bool = True
+    live: bool | None = None  # the rich live table; None = when stdout is a terminal
+
+
+@dataclass
+class _Totals:
+    shipped: int = 0
+    frozen: int = 0
+    dropped: int = 0
+    sampled: int = 0
+    masked: int = 0
+
+    def add(self, report: StepReport) -> None:
+        t = report.tally
+        self.shipped += t.rollouts_shipped
+        self.frozen += t.rollouts_frozen
+        self.dropped += t.rollouts_dropped
+        self.sampled += t.tokens_sampled
+        self.masked += t.tokens_masked
+
+
+def _say(message: str, stream: TextIO) -> None:
+    print(message, file=stream, flush=True)
+
+
+def _prometheus(port: int | None, say: Callable[[str], None]) -> Exporter | None:
+    if port is None:
+        return None
+    from ..exporters import PrometheusExporter
+
+    exporter = PrometheusExporter(port, "127.0.0.1")
+    if exporter.url is None and port != 0:
+        exporter.close()
+        say(f"port {port} is taken on 127.0.0.1: serving Prometheus metrics on a free port instead")
+        exporter = PrometheusExporter(0, "127.0.0.1")
+    return exporter
+
+
+def _wandb(out_dir: Path, options: DemoOptions, say: Callable[[str], None]) -> tuple[Exporter | None, Any]:
+    """An offline W&B run and its exporter (the run is ours to finish), when wandb is installed."""
+    if not options.wandb:
+        return None, None
+    try:
+        import wandb
+    except ImportError:
+        return None, None
+    from ..exporters import WandbExporter
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        run = wandb.init(
+            project=RUN_NAME,
+            mode="offline",
+            dir=str(out_dir),
+            config={"max_staleness": options.config.max_staleness, "policy": options.config.policy},
+            settings=wandb.Settings(x_disable_stats=True, console="off"),
+        )
+    except Exception as exc:  # W&B is a bonus here: never let it stop the demo
+        say(f"W&B offline run not started ({type(exc).__name__}: {exc})")
+        return None, None
+    return WandbExporter(run), run
+
+
+def _otlp(say: Callable[[str], None]) -> Exporter | None:
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+    if not endpoint:
+        return None
+    try:
+        from ..exporters import OtlpExporter
+
+        return OtlpExporter(service_name=os.environ.get("OTEL_SERVICE_NAME", RUN_NAME))
+    except Exception as exc:
+        say(f"OTLP export not started ({type(exc).__name__}: {exc})")
+        return None
+
+
+class _LiveTable:
+    """The rich table under the step lines: per env, the last ship, and the run so far."""
+
+    def __init__(self, options: DemoOptions) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        self._options = options
+        self._live = Live(console=Console(), refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> _LiveTable:
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._live.__exit__(None, None, None)
+
+    def update(self, events: StepEvents, shipment: Shipment, totals: _Totals) -> None:
+        from rich.table import Table
+        from rich.text import Text
+
+        report = shipment.report
+        # The step line goes above the live table, through the live display's own console.
+        line = Text(format_line(report))
+        line.highlight_words(["Max Staleness"], style="bold")
+        self._live.console.print(line)
+        c = self._options.config
+        masked = f"{100 * totals.masked / totals.sampled:.2f}%" if totals.sampled else "-"
+        table = Table(
+            title=f"step {report.step}/{self._options.steps} · policy v{events.policy_version} · "
+            f"queue {events.queued} · in flight {events.in_flight} · "
+            f"{c.policy} policy, max_staleness {c.max_staleness}",
+            caption=f"run so far: {totals.shipped} live + {totals.frozen} frozen rollouts shipped, "
+            f"{totals.dropped} dropped, {masked} of sampled tokens masked",
+        )
+        for name in (
+            "env",
+            "rollouts",
+            "token mean",
+            "p99",
+            "masked",
+            "max",
+            "in flight",
+            "in queue",
+            "dropped",
+        ):
+            table.add_column(name, justify="left" if name == "env" else "right")
+
+        def row(name: str, metrics: Any, tally: Any) -> None:
+            def get(key: str, fmt: str) -> str:
+                return format(metrics[key], fmt) if key in metrics else "-"
+
+            ratio = metrics.get("staleness/token/masked")
+            shipped = f"{tally.rollouts_shipped}" + (
+                f" (+{tally.rollouts_frozen} frozen)" if tally.rollouts_frozen else ""
+            )
+            table.add_row(
+                name,
+                shipped,
+                get("staleness/token/mean", ".2f"),
+                get("staleness/token/p99", "d"),
+                "-" if ratio is None else f"{100 * ratio:.1f}%",
+                get("staleness/rollout/max", "d"),
+                get("staleness/rollout/in_flight/mean", ".2f"),
+                get("staleness/rollout/in_queue/mean", ".2f"),
+                str(tally.rollouts_dropped),
+            )
+
+        for env in sorted(report.env_metrics):
+            row(env or "(none)", report.env_metrics[env], report.env_tally[env])
+        row("all", report.metrics, report.tally)
+        self._live.update(table, refresh=True)
+
+
+class _EventLog:
+    """The run's SPEC 9 events, written as they happen."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file: IO[str] = path.open("w", encoding="utf-8")
+
+    def write(self, events: list[dict[str, Any]]) -> None:
+        self._file.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events))
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _paced(steps: int, speed: float, stop: threading.Event) -> Iterator[int]:
+    """Step numbers 1..steps, each no earlier than its slot at ``speed`` steps per second, until ``stop``."""
+    start = time.monotonic()
+    for index in range(steps):
+        delay = start + index / speed - time.monotonic() if speed > 0 else 0.0
+        if stop.wait(max(delay, 0.0)) or stop.is_set():
+            return
+        yield index + 1
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops(stop: threading.Event) -> Iterator[None]:
+    """The first Ctrl-C lets the current step finish (its lines and files stay whole), then stops;
+    a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
+    """Run the demo; returns the exit status (130 when interrupted)."""
+    out = stream if stream is not None else sys.stdout
+
+    def say(message: str) -> None:
+        _say(message, out)
+
+    out_dir = options.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = options.metrics_out or out_dir / "metrics.jsonl"
+    events = _EventLog(out_dir / "events.jsonl")
+    live = options.live if options.live is not None else (stream is None and out.isatty())
+    # With the live table the step lines are printed by the table (above it), else by the console exporter.
+    exporters: list[Exporter] = (
+        [JsonlExporter(metrics_path)] if live else [ConsoleExporter(out), JsonlExporter(metrics_path)]
+    )
+    monitor: StalenessMonitor | None = None
+    wandb_run: Any = None
+    shipped_steps = 0
+    stop = threading.Event()
+    interrupted = False
+    try:
+        prometheus = _prometheus(options.prometheus_port, say)
+        wandb_exporter, wandb_run = _wandb(out_dir, options, say)
+        otlp = _otlp(say)
+        exporters += [e for e in (prometheus, wandb_exporter, otlp) if e is not None]
+        monitor = StalenessMonitor(options.config, exporters, run=RUN_NAME)
+        c = options.config
+        say(f"staleness-metrics demo: {options.steps} steps, {c.policy} policy, bound {c.max_staleness}")
+        url = getattr(prometheus, "url", None)
+        if url:
+            say(f"metrics URL: {url}")
+        say(f"metrics file: {metrics_path}")
+        say(f"events file: {events.path}")
+        if wandb_run is not None:
+            say(f"W&B offline run: {Path(wandb_run.dir).parent} (upload with `wandb sync`)")
+        if otlp is not None:
+            say("OTLP: exporting to the endpoint in OTEL_EXPORTER_OTLP_*ENDPOINT")
+        simulation = Simulation(options.seed)
+        table = _LiveTable(options) if live else None
+        totals = _Totals()
+        with _ctrl_c_stops(stop), table if table is not None else contextlib.nullcontext():
+            for _, step_events in zip(
+                _paced(options.steps, options.speed, stop), simulation.steps(), strict=False
+            ):
+                events.write(step_events.events())
+                monitor.add(step_events.rollouts)
+                shipment = monitor.ship(step_events.step, step_events.ship_ids)
+                simulation.forget(shipment.dropped_rollouts)
+                totals.add(shipment.report)
+                shipped_steps += 1
+                if table is not None:
+                    table.update(step_events, shipment, totals)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        interrupted = interrupted or stop.is_set()
+        with contextlib.suppress(KeyboardInterrupt):
+            events.close()
+            if monitor is not None:
+                monitor.close()
+            else:
+                for exporter in exporters:
+                    exporter.close()
+            if wandb_run is not None:
+                wandb_run.finish()
+    if interrupted:
+        say(f"interrupted after {shipped_steps} steps; files are complete up to there")
+    say(f"done: {shipped_steps} steps. Next: staleness-metrics report {events.path} -o report.html")
+    return 130 if interrupted else 0

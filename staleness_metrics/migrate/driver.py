@@ -1,0 +1,164 @@
+"""Find the files, tell their kind, run the right migration, show diffs and write atomically."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import stat
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .configs import ConfigFormat, load_config, migrate_config
+from .grafana import GrafanaPolicy, looks_like_grafana
+from .history import looks_like_history, migrate_history
+from .json_syntax import JSON
+from .model import FileKind, FileResult, Options
+from .names import Scanner
+from .prometheus_rules import PrometheusRulesPolicy, looks_like_rules
+from .structured import migrate_structured
+from .text import scan_text
+from .tree import Syntax
+from .wandb import WandbPolicy, looks_like_wandb
+from .yaml_syntax import YAML_SYNTAX
+
+__all__ = ["detect_kind", "iter_files", "migrate_file", "migrate_text", "unified_diff", "write_atomically"]
+
+_SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
+_HISTORY_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+_YAML_SUFFIXES = frozenset({".yaml", ".yml"})
+
+
+def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
+    """Each file to look at, and whether it was named on the command line (directories are walked,
+    hidden directories and caches skipped, symlinked directories not followed)."""
+    for name in paths:
+        path = Path(name)
+        if not path.is_dir():
+            yield path, True
+            continue
+        for root, dirs, files in os.walk(path):
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in _SKIPPED_DIRS)
+            for file_name in sorted(files):
+                yield Path(root) / file_name, False
+
+
+def detect_kind(path: Path, text: str) -> FileKind:
+    suffix = path.suffix.lower()
+    if suffix == ".toml":
+        return FileKind.TOML_CONFIG
+    if suffix in _HISTORY_SUFFIXES:
+        return FileKind.HISTORY if looks_like_history(text) else FileKind.TEXT
+    if suffix == ".json" or suffix in _YAML_SUFFIXES:
+        fmt: ConfigFormat = "json" if suffix == ".json" else "yaml"
+        try:
+            data = load_config(text, fmt)
+        except ValueError:
+            return FileKind.JSON_CONFIG if fmt == "json" else FileKind.YAML_CONFIG  # reported as unparseable
+        documents = data if fmt == "yaml" else [data]
+        if any(looks_like_grafana(d) for d in documents):
+            return FileKind.GRAFANA
+        if any(looks_like_rules(d) for d in documents):
+            return FileKind.PROMETHEUS_RULES
+        if any(looks_like_wandb(d) for d in documents):
+            return FileKind.WANDB
+        return FileKind.JSON_CONFIG if fmt == "json" else FileKind.YAML_CONFIG
+    return FileKind.TEXT
+
+
+def _syntax(path: Path) -> Syntax:
+    return JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
+
+
+def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
+    """Migrate the contents of one file (nothing is written)."""
+    shown = str(path)
+    config_scanner = Scanner(prometheus=False, prefixes=options.prometheus_prefixes)
+    prometheus_scanner = Scanner(prometheus=True, prefixes=options.prometheus_prefixes)
+    if kind is FileKind.TOML_CONFIG:
+        return migrate_config(shown, text, "toml", config_scanner)
+    if kind is FileKind.YAML_CONFIG:
+        return migrate_config(shown, text, "yaml", config_scanner)
+    if kind is FileKind.JSON_CONFIG:
+        return migrate_config(shown, text, "json", config_scanner)
+    if kind is FileKind.GRAFANA:
+        return migrate_structured(shown, text, _syntax(path), GrafanaPolicy(), prometheus_scanner, options)
+    if kind is FileKind.PROMETHEUS_RULES:
+        return migrate_structured(
+            shown, text, _syntax(path), PrometheusRulesPolicy(), prometheus_scanner, options
+        )
+    if kind is FileKind.WANDB:
+        return migrate_structured(shown, text, _syntax(path), WandbPolicy(), config_scanner, options)
+    if kind is FileKind.HISTORY:
+        return migrate_history(shown, text, options)
+    return scan_text(shown, text, prometheus_scanner)
+
+
+def migrate_file(
+    path: Path, options: Options, *, kind: FileKind | None = None, explicit: bool = True
+) -> FileResult:
+    """Read one file and migrate it in memory; ``kind`` None detects it."""
+    shown = str(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        return FileResult(shown, kind, error=f"cannot read: {exc.strerror or exc}")
+    if b"\0" in raw[:8192]:
+        reason = "binary file"
+        return FileResult(shown, kind, error=reason) if explicit else FileResult(shown, kind, skipped=reason)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        reason = "not UTF-8 text; not read"
+        return FileResult(shown, kind, error=reason) if explicit else FileResult(shown, kind, skipped=reason)
+    if text.startswith("\ufeff") and kind is not FileKind.TEXT:
+        return FileResult(shown, kind, error="starts with a byte-order mark; remove it, then run again")
+    result = migrate_text(path, text, kind or detect_kind(path, text), options)
+    if result.error is not None:
+        # never edited: still say where the legacy names are
+        fallback = scan_text(
+            shown,
+            text,
+            Scanner(prometheus=True, prefixes=options.prometheus_prefixes),
+            reason="the file could not be migrated: edit by hand",
+        )
+        result.findings = fallback.findings
+        result.new_text = None
+    return result
+
+
+def unified_diff(result: FileResult) -> str:
+    if not result.changed or result.original is None or result.new_text is None:
+        return ""
+    lines = difflib.unified_diff(
+        result.original.splitlines(keepends=True),
+        result.new_text.splitlines(keepends=True),
+        fromfile=f"a/{result.path}",
+        tofile=f"b/{result.path}",
+    )
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
+
+
+def write_atomically(path: Path, original: str, new_text: str) -> None:
+    """Replace the file's contents in one step (temp file beside it, then ``os.replace``).
+
+    The file must still hold ``original``: a file changed since it was read is not overwritten. Symlinks
+    are followed (the target is replaced, the link stays) and the permission bits are kept.
+    """
+    target = Path(os.path.realpath(path))
+    if target.read_bytes() != original.encode("utf-8"):
+        raise OSError(f"{path} changed while it was being migrated; run again")
+    mode = stat.S_IMODE(target.stat().st_mode)
+    fd, temp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(new_text.encode("utf-8"))
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp_name, mode)
+        os.replace(temp_name, target)
+    except BaseException:
+        Path(temp_name).unlink(missing_ok=True)
+        raise

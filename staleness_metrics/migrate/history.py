@@ -1,0 +1,156 @@
+"""Metrics history (``metrics.jsonl``: one JSON object a line, each with a ``step``).
+
+Legacy keys are renamed in place; values are never touched (only the key's text changes). A history
+that spans the rename gets one boundary line, ``{"step": S, "migrate/legacy_through_step": S}``, right
+after the last line that carried legacy keys: the metrics at steps up to S were computed with the old
+definitions, so plots can draw a marker there. Removed keys stay (they are data) unless
+``--drop-removed``; so does an old key whose new key is already on the same line (a trainer that logged
+both during a deprecation window).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from ..legacy import in_legacy_namespace, migrate_key
+from .json_syntax import JSON, parse_json_nodes
+from .model import Action, FileKind, FileResult, Finding, Options
+from .tree import Edit, Mapping, apply_edits
+
+__all__ = ["MARKER_KEY", "looks_like_history", "migrate_history"]
+
+MARKER_KEY = "migrate/legacy_through_step"
+_LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
+
+
+def looks_like_history(text: str) -> bool:
+    """The first non-blank line is a JSON object with a ``step`` (replay event streams have a ``type``)."""
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            first = json.loads(line)
+        except ValueError:
+            return False
+        return isinstance(first, dict) and "step" in first and "type" not in first
+    return False
+
+
+@dataclass
+class _Tally:
+    new: str | None
+    action: Action
+    reason: str
+    first: int
+    last: int
+    count: int = 0
+
+
+class _LineError(ValueError):
+    pass
+
+
+class _Findings:
+    """Findings per (key, action), over the range of lines that carry the key."""
+
+    def __init__(self) -> None:
+        self.tallies: dict[tuple[str, Action], _Tally] = {}
+
+    def add(self, old: str, new: str | None, action: Action, reason: str, line: int) -> None:
+        tally = self.tallies.setdefault((old, action), _Tally(new, action, reason, line, line))
+        tally.last, tally.count = line, tally.count + 1
+
+    def findings(self, path: str) -> list[Finding]:
+        ordered = sorted(self.tallies.items(), key=lambda item: (item[1].first, item[0][0]))
+        return [
+            Finding(path, t.first, old, t.new, action, t.reason, last_line=t.last, count=t.count)
+            for (old, action), t in ordered
+        ]
+
+
+def migrate_history(path: str, text: str, options: Options) -> FileResult:
+    result = FileResult(path, FileKind.HISTORY, original=text)
+    found = _Findings()
+    out: list[str] = []
+    last_legacy: tuple[int, int, object] | None = None  # (index in ``out``, line number, step)
+    newline = "\r\n" if "\r\n" in text else "\n"
+    # split on "\n" only: a JSON string may hold U+2028 and friends, which str.splitlines splits on
+    for number, line in enumerate(_LINES.findall(text), start=1):
+        body = line.rstrip("\r\n")
+        if not body.strip():
+            out.append(line)
+            continue
+        try:
+            new_body, had_legacy, is_marker, step = _migrate_line(body, number, options, found)
+        except _LineError as exc:
+            result.error = f"line {number}: {exc}"
+            return result
+        if is_marker:
+            continue  # an earlier run's boundary: dropped only if a new one is written below
+        if had_legacy:
+            last_legacy = (len(out), number, step)
+        out.append(new_body + line[len(body) :])
+    result.findings = found.findings(path)
+    if last_legacy is None:
+        return result  # nothing legacy: the file (and any earlier boundary line) stays as it is
+    index, number, step = last_legacy
+    if not out[index].endswith(("\n", "\r")):
+        out[index] += newline
+    marker = json.dumps({"step": step, MARKER_KEY: step})
+    out.insert(index + 1, marker + (newline if index + 1 < len(out) else ""))
+    result.notes.append(f"boundary line after line {number} (step {step}): old definitions up to there")
+    result.new_text = "".join(out)
+    return result
+
+
+def _migrate_line(
+    body: str, number: int, options: Options, found: _Findings
+) -> tuple[str, bool, bool, object]:
+    """The line with legacy keys renamed; whether it had any; whether it is a boundary line; its step."""
+    try:
+        node = parse_json_nodes(body)
+        data = json.loads(body)
+    except ValueError as exc:
+        raise _LineError(f"not a JSON object: {exc}") from exc
+    if not isinstance(node, Mapping) or not isinstance(data, dict):
+        raise _LineError("not a JSON object")
+    keys = {key.value for key, _ in node.items}
+    edits: list[Edit] = []
+    doomed: list[int] = []
+    taken: set[str] = set()
+    had_legacy = False
+    expected: dict[object, object] = {}
+    for index, (key, _value) in enumerate(node.items):
+        name = str(key.value)
+        legacy = migrate_key(name)
+        if legacy is None:
+            if in_legacy_namespace(name):
+                had_legacy = True
+                found.add(name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping", number)
+            expected[name] = data[name]
+            continue
+        had_legacy = True
+        if legacy.new is None or legacy.new in keys or legacy.new in taken:
+            reason = legacy.reason if legacy.new is None else f"{legacy.new} is already on the line"
+            if options.drop_removed:
+                doomed.append(index)
+                found.add(name, None, Action.DROP, reason, number)
+            else:
+                action = Action.REMOVED if legacy.new is None else Action.MANUAL
+                found.add(name, legacy.new, action, f"{reason}; --drop-removed deletes it", number)
+                expected[name] = data[name]
+            continue
+        taken.add(legacy.new)
+        raw = JSON.render(body, key, legacy.new, {name: legacy.new})
+        assert raw is not None
+        edits.append(Edit(key.start, key.end, raw))
+        expected[legacy.new] = data[name]
+        found.add(name, legacy.new, Action.RENAME, legacy.reason or "renamed", number)
+    if doomed:
+        edits.extend(JSON.remove_members(body, node, doomed))
+    new_body = apply_edits(body, edits) if edits else body
+    if edits and json.loads(new_body) != expected:
+        raise _LineError("the edited line does not read back as intended")
+    return new_body, had_legacy, MARKER_KEY in data, data.get("step")

@@ -1,0 +1,192 @@
+"""Property tests: metrics recomputed naively from the shipped batches equal the reported metrics.
+
+The engine's metrics come from span reductions over its own decision; here they are recomputed per
+position, in plain Python, from what the ship actually handed over (the masked arrays) and the
+rollouts as they were added. Any disagreement between the masking and the metrics shows up here.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+from staleness_metrics import Sink, StalenessConfig
+
+
+@st.composite
+def samples(draw: st.DrawFn, dispatch: int) -> dict[str, Any]:
+    n = draw(st.integers(0, 7))
+    sample: dict[str, Any] = {"mask": draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))}
+    version = st.integers(max(dispatch - 3, 0), dispatch + 3)
+    kind = draw(st.sampled_from(["none", "spans", "tokens"]))
+    if kind == "tokens":
+        sample["token_versions"] = draw(st.lists(version | st.just(-1), min_size=n, max_size=n))
+    elif kind == "spans" and n:
+        starts = sorted(draw(st.sets(st.integers(0, n - 1), max_size=3)))
+        sample["weight_versions"] = [[draw(version | st.just(-1)), s] for s in starts]
+    for name in ("rl_weights", "ce_weights", "ref_kl_weights"):
+        if draw(st.booleans()):
+            sample[name] = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
+    return sample
+
+
+@st.composite
+def rollouts(draw: st.DrawFn, rid: str) -> dict[str, Any]:
+    dispatch = draw(st.integers(0, 8))
+    record: dict[str, Any] = {"id": rid, "dispatch_version": dispatch}
+    record["samples"] = draw(st.lists(samples(dispatch), min_size=1, max_size=3))
+    if draw(st.booleans()):
+        record["group_id"] = draw(st.sampled_from(["g1", "g2", "g3"]))
+    if draw(st.integers(0, 9)) == 0:
+        record["source"] = "frozen"
+    if draw(st.integers(0, 9)) == 0:
+        record["agentic"] = True
+    if draw(st.booleans()):
+        record["completion_version"] = dispatch + draw(st.integers(0, 3))
+    env = draw(st.sampled_from([None, "math", "code"]))
+    if env:
+        record["env"] = env
+    return record
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    step = draw(st.integers(1, 4))
+    for i in range(draw(st.integers(1, 25))):
+        choice = draw(st.integers(0, 9))
+        if choice < 6:
+            events.append({"type": "rollout", "rollout": draw(rollouts(f"r{i}"))})
+        else:
+            step += draw(st.integers(0, 2))
+            kind = "sweep" if choice == 6 else "ship"
+            event: dict[str, Any] = {"type": kind, "step": step}
+            if kind == "ship" and draw(st.booleans()):
+                event["ids"] = [f"r{j}" for j in draw(st.sets(st.integers(0, i + 1), max_size=4))]
+            events.append(event)
+    events.append({"type": "ship", "step": step + draw(st.integers(0, 2))})
+    return events
+
+
+def versions_of(record: dict[str, Any], sample: dict[str, Any]) -> list[int]:
+    n = len(sample["mask"])
+    labels = [-1] * n
+    if "token_versions" in sample:
+        labels = list(sample["token_versions"])
+    for k, (version, start) in enumerate(sample.get("weight_versions", [])):
+        end = sample["weight_versions"][k + 1][1] if k + 1 < len(sample["weight_versions"]) else n
+        labels[start:end] = [version] * (end - start)
+    return [record["dispatch_version"] if v == -1 else v for v in labels], [v == -1 for v in labels]
+
+
+def naive_metrics(
+    line: dict[str, Any], added: dict[str, dict[str, Any]], dropped_before: set[tuple[str, int]], max_staleness: int
+) -> dict[str, Any]:
+    t = line["step"] - 1
+    stale: list[int] = []
+    masked = unlabelled = 0
+    rollout_stats: list[tuple[int, int, int]] = []
+    for shipped in line["shipped"]:
+        original = added[shipped["id"]]
+        if original.get("source") == "frozen":
+            continue
+        kept = [k for k in range(len(original["samples"])) if (shipped["id"], k) not in dropped_before]
+        assert len(kept) == len(shipped["samples"])
+        oldest = None
+        newest_all = None
+        for sample in original["samples"]:
+            versions, _ = versions_of(original, sample)
+            for v, m in zip(versions, sample["mask"]):
+                if m:
+                    newest_all = v if newest_all is None else max(newest_all, v)
+        for k, out in zip(kept, shipped["samples"]):
+            sample = original["samples"][k]
+            versions, unl = versions_of(original, sample)
+            for v, u, before, after in zip(versions, unl, sample["mask"], out["mask"]):
+                if before:
+                    stale.append(t - v)
+                    masked += after == 0
+                    unlabelled += u
+                    oldest = v if oldest is None else min(oldest, v)
+        oldest = original["dispatch_version"] if oldest is None else oldest
+        completion = original.get(
+            "completion_version", newest_all if newest_all is not None else original["dispatch_version"]
+        )
+        r = t - oldest
+        f = min(max(completion - oldest, 0), r)
+        rollout_stats.append((r, f, r - f))
+    out: dict[str, Any] = {}
+    if stale:
+        n = len(stale)
+        ordered = sorted(stale)
+        out["staleness/token/mean"] = float(Fraction(sum(stale), n))
+        out["staleness/token/masked"] = float(Fraction(masked, n))
+        out["staleness/token/unlabelled"] = float(Fraction(unlabelled, n))
+        for name, p in (("p50", 50), ("p90", 90), ("p99", 99)):
+            out[f"staleness/token/{name}"] = ordered[max(1, -(-p * n // 100)) - 1]
+    if rollout_stats:
+        for index, key in enumerate(("", "in_flight/", "in_queue/")):
+            values = [s[index] for s in rollout_stats]
+            out[f"staleness/rollout/{key}mean"] = float(Fraction(sum(values), len(values)))
+            out[f"staleness/rollout/{key}max"] = max(values)
+    out["staleness/rollout/dropped"] = len(line["dropped_rollouts"])
+    out["staleness/sample/dropped"] = len(line["dropped_samples"])
+    out["staleness/rollout/held"] = len(line["held"])
+    out["staleness/max_staleness"] = max_staleness
+    return out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    events=streams(),
+    policy=st.sampled_from(["token", "episode", "group", "xtuner"]),
+    max_staleness=st.integers(0, 4),
+    retry=st.booleans(),
+    token_bound=st.none() | st.integers(0, 3),
+)
+def test_metrics_equal_a_naive_recount_of_the_shipped_batches(
+    events: list[dict[str, Any]], policy: str, max_staleness: int, retry: bool, token_bound: int | None
+) -> None:
+    extra: dict[str, Any] = {}
+    if policy == "xtuner":
+        extra = {"retry_expired": retry, "max_token_staleness": token_bound}
+    sink = Sink(StalenessConfig(policy=policy, max_staleness=max_staleness, strict=False, **extra))  # type: ignore[arg-type]
+    added: dict[str, dict[str, Any]] = {}
+    dropped_samples: set[tuple[str, int]] = set()
+    entered = 0
+    for event in events:
+        if event["type"] == "rollout":
+            record = event["rollout"]
+            if sink.add(record):
+                added[record["id"]] = record
+                if record.get("source") != "frozen":
+                    entered += sum(sum(s["mask"]) for s in record["samples"])
+        elif event["type"] == "sweep":
+            sink.sweep(event["step"])
+        else:
+            shipment = sink.ship(event["step"], event.get("ids"))
+            line = shipment.batches_line()
+            dropped_samples |= {(rid, k) for rid, k in line["dropped_samples"]}
+            expected = naive_metrics(line, added, dropped_samples, max_staleness)
+            note(f"{events=}\n{line=}")
+            assert dict(shipment.metrics) == expected
+            if policy == "token":  # the masked positions are exactly those older than the bound
+                bound = event["step"] - 1 - max_staleness
+                for shipped in line["shipped"]:
+                    original = added[shipped["id"]]
+                    kept = [k for k in range(len(original["samples"])) if (shipped["id"], k) not in dropped_samples]
+                    for k, out in zip(kept, shipped["samples"]):
+                        versions, _ = versions_of(original, original["samples"][k])
+                        frozen = original.get("source") == "frozen"
+                        expected_mask = [
+                            int(m and (frozen or v >= bound)) for v, m in zip(versions, original["samples"][k]["mask"])
+                        ]
+                        assert out["mask"] == expected_mask
+            for rid, _ in line["dropped_samples"]:
+                assert added[rid].get("source") != "frozen"
+    # conservation: every sampled position that entered is shipped (trained or masked), dropped or queued
+    totals = sink.totals
+    assert totals.tokens_sampled + totals.tokens_dropped <= entered

@@ -1,0 +1,246 @@
+"""What a Grafana user relies on in the generated dashboards, checked without a Grafana server."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import re
+from typing import Any
+
+import promql_parser
+import pytest
+
+from staleness_metrics import metric_table
+from staleness_metrics.dashboards.grafana import DATASOURCE
+
+from .grafana_queries import (
+    dashboards,
+    fill,
+    label_values_query,
+    metric_names,
+    panels,
+    selectors,
+    targets,
+    variables_used,
+)
+
+DASHBOARDS = dashboards()
+REQUIRED_VARIABLES = ("datasource", "job", "instance", "run", "env")
+RATE_WINDOW = "17s"  # stands for $__rate_interval: any other range in a query is hard-coded
+PLACEHOLDERS = {
+    "__rate_interval": RATE_WINDOW,
+    "job": "VAR_job",
+    "instance": "VAR_instance",
+    "run": "VAR_run",
+    "env": "VAR_env",
+}
+COUNTER_SUFFIXES = ("_total", "_bucket")
+
+by_name = pytest.mark.parametrize("name", sorted(DASHBOARDS))
+
+
+def all_targets() -> list[tuple[str, str, str]]:
+    return [
+        (name, panel["title"], target["expr"])
+        for name, dashboard in DASHBOARDS.items()
+        for panel, target in targets(dashboard)
+    ]
+
+
+by_target = pytest.mark.parametrize(("name", "panel", "expr"), all_targets())
+
+
+def test_dashboards_have_distinct_uids_and_titles() -> None:
+    assert len({d["uid"] for d in DASHBOARDS.values()}) == len(DASHBOARDS)
+    assert len({d["title"] for d in DASHBOARDS.values()}) == len(DASHBOARDS)
+
+
+@by_name
+def test_panel_ids_are_unique(name: str) -> None:
+    ids = [panel["id"] for panel in DASHBOARDS[name]["panels"]]
+    assert len(ids) == len(set(ids)), ids
+
+
+@by_name
+def test_every_panel_uses_the_datasource_variable_and_has_unit_and_description(name: str) -> None:
+    for panel in panels(DASHBOARDS[name]):
+        assert panel["datasource"] == DATASOURCE == {"type": "prometheus", "uid": "${datasource}"}
+        assert all(t["datasource"] == DATASOURCE for t in panel["targets"]), panel["title"]
+        assert panel["title"].strip() and panel["description"].strip(), panel["title"]
+        unit = panel["fieldConfig"]["defaults"]["unit"]
+        assert unit in {"none", "short", "percentunit"} or re.fullmatch(r"suffix: \S.*", unit), unit
+        assert panel["targets"], panel["title"]
+        assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]), panel["title"]
+
+
+@by_name
+def test_no_panel_overlaps_another_or_leaves_the_grid(name: str) -> None:
+    boxes = [(p["title"], p["gridPos"]) for p in DASHBOARDS[name]["panels"]]
+    for title, g in boxes:
+        assert g["x"] >= 0 and g["y"] >= 0 and g["w"] >= 1 and g["h"] >= 1, title
+        assert g["x"] + g["w"] <= 24, title
+    for (a, g), (b, h) in itertools.combinations(boxes, 2):
+        apart = (
+            g["x"] + g["w"] <= h["x"]
+            or h["x"] + h["w"] <= g["x"]
+            or g["y"] + g["h"] <= h["y"]
+            or h["y"] + h["h"] <= g["y"]
+        )
+        assert apart, f"{a!r} overlaps {b!r}"
+
+
+@by_name
+def test_variables_for_datasource_job_instance_run_and_env(name: str) -> None:
+    variables = {v["name"]: v for v in DASHBOARDS[name]["templating"]["list"]}
+    assert set(REQUIRED_VARIABLES) <= set(variables)
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for label in REQUIRED_VARIABLES[1:]:
+        variable = variables[label]
+        assert variable["type"] == "query"
+        assert variable["datasource"] == DATASOURCE
+        assert variable["refresh"] == 2, "new runs must appear when the time range changes"
+        assert variable["multi"] and variable["includeAll"] and variable["allValue"] == ".*"
+        selector, queried = label_values_query(variable["definition"])
+        assert queried == label
+        # variables chain: each one filters by the ones before it
+        assert variables_used(selector) == set(REQUIRED_VARIABLES[1 : REQUIRED_VARIABLES.index(label)])
+
+
+@by_target
+def test_queries_only_use_defined_variables(name: str, panel: str, expr: str) -> None:
+    defined = {v["name"] for v in DASHBOARDS[name]["templating"]["list"]} | {"__rate_interval"}
+    assert variables_used(expr) <= defined, panel
+
+
+@by_target
+def test_queries_parse_as_promql_once_variables_are_filled(name: str, panel: str, expr: str) -> None:
+    promql_parser.parse(fill(expr, PLACEHOLDERS))
+
+
+@by_target
+def test_every_range_is_the_rate_interval(name: str, panel: str, expr: str) -> None:
+    ranges: list[datetime.timedelta] = []
+
+    def visit(node: Any) -> bool:
+        if isinstance(node, promql_parser.MatrixSelector):
+            ranges.append(node.range)
+        return True
+
+    promql_parser.walk(promql_parser.parse(fill(expr, PLACEHOLDERS)), visit)
+    assert set(ranges) <= {datetime.timedelta(seconds=17)}, f"{panel}: {expr}"
+
+
+@by_target
+def test_every_selector_filters_job_instance_and_run(name: str, panel: str, expr: str) -> None:
+    for selector in selectors(fill(expr, PLACEHOLDERS)):
+        matchers = {(m.name, m.value) for m in selector.matchers.matchers}
+        for label in ("job", "instance", "run"):
+            assert (label, f"VAR_{label}") in matchers, f"{panel}: {selector.name} lacks ${label}"
+
+
+@by_target
+def test_counters_and_buckets_are_only_read_through_rate_or_increase(
+    name: str, panel: str, expr: str
+) -> None:
+    """A cumulative count read as a value would plot the run's total since its start."""
+    through_rate: list[str] = []
+
+    def visit(node: Any) -> bool:
+        if isinstance(node, promql_parser.Call) and node.func.name in {"rate", "increase"}:
+            (matrix,) = node.args
+            through_rate.append(matrix.vector_selector.name)
+        return True
+
+    tree = promql_parser.parse(fill(expr, PLACEHOLDERS))
+    promql_parser.walk(tree, visit)
+    counters = [n for n in metric_names(fill(expr, PLACEHOLDERS)) if n.endswith(COUNTER_SUFFIXES)]
+    assert sorted(counters) == sorted(n for n in through_rate if n.endswith(COUNTER_SUFFIXES)), panel
+
+
+@by_target
+def test_queries_read_only_table_families(name: str, panel: str, expr: str) -> None:
+    families = {m.prometheus_name for m in metric_table.METRICS if m.prometheus_name}
+    for name in metric_names(fill(expr, PLACEHOLDERS)):
+        assert name.removesuffix("_bucket") in families, f"{panel}: {name} is not in the metric table"
+
+
+@by_name
+def test_descriptions_name_the_metrics_a_panel_reads(name: str) -> None:
+    for panel in panels(DASHBOARDS[name]):
+        read = {
+            n.removesuffix("_bucket")
+            for t in panel["targets"]
+            for n in metric_names(fill(t["expr"], PLACEHOLDERS))
+        }
+        for family in read:
+            assert f"`{family}`" in panel["description"], (panel["title"], family)
+
+
+@by_name
+def test_series_overrides_match_a_legend(name: str) -> None:
+    """An override (the dashed bound line) that matches no legend silently does nothing."""
+    for panel in panels(DASHBOARDS[name]):
+        legends = [t["legendFormat"].replace("{{run}}", "run-a") for t in panel["targets"]]
+        for override in panel["fieldConfig"]["overrides"]:
+            matcher = override["matcher"]
+            if matcher["id"] == "byRegexp":
+                assert any(re.fullmatch(matcher["options"], legend) for legend in legends), panel["title"]
+
+
+def test_the_bound_is_drawn_where_staleness_is_plotted_against_it() -> None:
+    bound = next(m.prometheus_name for m in metric_table.METRICS if m.name == "max_staleness")
+    vs_bound = [p for p in panels(DASHBOARDS["staleness.json"]) if "vs bound" in p["title"]]
+    assert len(vs_bound) == 2
+    for panel in vs_bound:
+        assert any(f"{bound}{{" in t["expr"] for t in panel["targets"]), panel["title"]
+        assert any(o["matcher"]["id"] == "byRegexp" for o in panel["fieldConfig"]["overrides"])
+
+
+def test_the_detailed_dashboard_has_every_view_of_the_issue() -> None:
+    kinds = {p["title"]: p["type"] for p in panels(DASHBOARDS["staleness.json"])}
+    for title in (
+        "Token staleness mean vs bound",
+        "Token staleness quantiles",
+        "Masked tokens",
+        "Rollout staleness mean and max vs bound",
+        "In-flight vs in-queue staleness (mean) for $run",
+        "Dropped per step",
+        "Held rollouts",
+        "Label coverage",
+        "Ships per minute",
+        "Export errors",
+    ):
+        assert kinds.get(title) == "timeseries", title
+    assert kinds["Token staleness distribution"] == "heatmap"
+    stacked = next(
+        p
+        for p in panels(DASHBOARDS["staleness.json"])
+        if p["title"].startswith("In-flight vs in-queue staleness (mean)")
+    )
+    assert stacked["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
+    assert stacked["repeat"] == "run", "a stack of several runs' means would add unrelated runs"
+
+
+def test_quantile_panels_read_all_three_quantiles_from_the_histogram() -> None:
+    quantiles = next(
+        p for p in panels(DASHBOARDS["staleness.json"]) if p["title"] == "Token staleness quantiles"
+    )
+    exprs = [t["expr"] for t in quantiles["targets"]]
+    assert [e.split(",")[0] for e in exprs] == [
+        "histogram_quantile(0.5",
+        "histogram_quantile(0.9",
+        "histogram_quantile(0.99",
+    ]
+    assert all("by (run, le)" in e for e in exprs), "buckets of every env and process must be summed"
+
+
+def test_fleet_table_columns_are_renamed_and_have_units() -> None:
+    table = next(p for p in panels(DASHBOARDS["staleness-fleet.json"]) if p["type"] == "table")
+    refs = {t["refId"] for t in table["targets"]}
+    organize = next(t for t in table["transformations"] if t["id"] == "organize")
+    renames = organize["options"]["renameByName"]
+    assert {key.removeprefix("Value #") for key in renames} == refs
+    units = {o["matcher"]["options"] for o in table["fieldConfig"]["overrides"]}
+    assert units == set(renames.values())
+    assert all(t["instant"] and t["format"] == "table" for t in table["targets"])

@@ -1,0 +1,96 @@
+"""The W&B "Staleness" section: built offline with wandb-workspaces, over keys the core really logs."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from staleness_metrics.commands import wandb_workspace as command
+from staleness_metrics.dashboards.wandb_panels import (
+    SECTION,
+    MissingApiKey,
+    build_workspace,
+    panels,
+    save,
+    workspace_spec,
+)
+from staleness_metrics.exporters.wandb import DEFAULT_STEP_KEY
+
+from .traffic import Traffic
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def logged_keys() -> set[str]:
+    """Every key the metrics core wrote over a run with masking, drops and the env breakdown."""
+    traffic = Traffic()
+    keys: set[str] = set()
+    for _ in range(12):
+        keys |= set(traffic.next_report().metrics)
+    return keys
+
+
+def test_workspace_has_a_staleness_section_with_the_spec_panels() -> None:
+    workspace = build_workspace("my-team", "async-rl", x_axis=DEFAULT_STEP_KEY)
+    (section,) = workspace.sections
+    assert section.name == SECTION and section.is_open
+    built = dataclasses.asdict(workspace)["sections"][0]["panels"]
+    specs = panels()
+    assert [p["title"] for p in built] == [s.title for s in specs]
+    for panel, spec in zip(built, specs, strict=True):
+        if spec.kind == "scalar":
+            assert panel["metric"] == spec.keys[0]
+            continue
+        assert panel["x"] == DEFAULT_STEP_KEY, "steps must line up with the trainer's, not W&B's own"
+        assert panel["y"] == list(spec.keys)
+        assert panel["metric_regex"] == spec.metric_regex
+        assert panel["plot_type"] == ("stacked-area" if spec.stacked else "line")
+
+
+def test_line_plots_show_keys_the_core_logs(logged_keys: set[str]) -> None:
+    for spec in panels():
+        for key in spec.keys:
+            assert key in logged_keys, f"{spec.title}: {key} is never logged"
+
+
+def test_per_env_panels_match_only_per_env_keys(logged_keys: set[str]) -> None:
+    regex_panels = [s for s in panels() if s.metric_regex]
+    assert regex_panels
+    for spec in regex_panels:
+        assert spec.metric_regex is not None
+        matched = {k for k in logged_keys if re.search(spec.metric_regex, k)}
+        assert {k.split("/")[2] for k in matched} == {"math", "code"}, spec.title
+        assert all(k.startswith("staleness/env/") for k in matched)
+
+
+def test_the_bound_is_plotted_with_staleness() -> None:
+    for spec in panels():
+        if "vs bound" in spec.title:
+            assert "staleness/max_staleness" in spec.keys
+
+
+def test_committed_spec_matches_the_built_panels() -> None:
+    committed = json.loads((ROOT / "dashboards" / "wandb-workspace.json").read_text())
+    assert committed == json.loads(json.dumps(workspace_spec(DEFAULT_STEP_KEY)))
+    assert committed["x_axis"] == DEFAULT_STEP_KEY
+
+
+def test_saving_without_an_api_key_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(MissingApiKey, match="WANDB_API_KEY"):
+        save("my-team", "async-rl", x_axis=DEFAULT_STEP_KEY)
+
+    parser = argparse.ArgumentParser(prog="staleness-metrics")
+    command.register(parser.add_subparsers())
+    args = parser.parse_args(["wandb-workspace", "--entity", "my-team", "--project", "async-rl"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "WANDB_API_KEY" in err and "API key" in err

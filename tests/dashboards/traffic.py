@@ -1,0 +1,55 @@
+"""Deterministic rollouts that exercise every metric: masking, drops, unlabelled tokens, envs and none."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from staleness_metrics.config import StalenessConfig
+from staleness_metrics.report import StepReport
+from staleness_metrics.sink import Sink
+
+ENVS = ("math", "code", None)
+MAX_STALENESS = 3
+ROLLOUTS_PER_STEP = 6
+TOKENS = 12
+
+
+def rollouts(step: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """The rollouts finished for ``step``: lags up to 6 versions, so with a bound of 3 some tokens are
+    masked and some rollouts dropped (never all); two leading positions per sample carry no version
+    label."""
+    version = step - 1
+    made = []
+    for i in range(ROLLOUTS_PER_STEP):
+        lag = 0 if i == 0 else int(rng.integers(0, 7))  # one fresh rollout: every ship has tokens
+        dispatch = max(0, version - lag)
+        newer = min(version, dispatch + 1)
+        spans = [[dispatch, 2]] if newer == dispatch else [[dispatch, 2], [newer, 7]]
+        rollout: dict[str, Any] = {
+            "id": f"s{step}-r{i}",
+            "group_id": f"s{step}-g{i // 2}",
+            "dispatch_version": dispatch,
+            "completion_version": newer,
+            "samples": [{"mask": [1] * TOKENS, "weight_versions": spans}],
+        }
+        env = ENVS[i % len(ENVS)]
+        if env is not None:
+            rollout["env"] = env
+        made.append(rollout)
+    return made
+
+
+class Traffic:
+    """A sink fed step after step; each :meth:`next_report` adds one step's rollouts and ships them."""
+
+    def __init__(self, seed: int = 7) -> None:
+        self.sink = Sink(StalenessConfig(max_staleness=MAX_STALENESS, env_breakdown=True))
+        self.rng = np.random.default_rng(seed)
+        self.step = 0
+
+    def next_report(self) -> StepReport:
+        self.step += 1
+        self.sink.add(rollouts(self.step, self.rng))
+        return self.sink.ship(self.step).report

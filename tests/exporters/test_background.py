@@ -1,0 +1,156 @@
+"""The bounded background queue: never blocks the caller, retries, drops the oldest, flushes on close."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from staleness_metrics.exporters.background import BackgroundExporter, ExportQueue
+from staleness_metrics.exporters.base import ExportContext, ExportErrors
+from staleness_metrics.report import StepReport, Tally
+
+
+class Target:
+    """A send function that can block (``gate``) and fail (``fail`` more attempts)."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.attempts = 0
+        self.fail = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+
+    def __call__(self, payload: int) -> None:
+        self.started.set()
+        self.gate.wait()
+        self.attempts += 1
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("receiver down")
+        self.sent.append(payload)
+
+
+def make_queue(target: Target, errors: ExportErrors, **options: float) -> ExportQueue[int]:
+    return ExportQueue(
+        "test",
+        target,
+        lambda message, exc: errors.record("test", message, exc),
+        retry_initial=0.01,
+        **options,
+    )  # type: ignore[arg-type]
+
+
+def test_put_never_waits_for_a_blocked_send_and_order_is_kept() -> None:
+    target, errors = Target(), ExportErrors()
+    target.gate.clear()
+    queue = make_queue(target, errors)
+    queue.put(0)
+    assert target.started.wait(60)  # the worker is stuck in send(0)
+    for i in range(1, 50):
+        assert queue.put(i)  # returns while send(0) is still blocked
+    assert target.sent == [] and queue.pending == 50
+    target.gate.set()
+    assert queue.flush(timeout=60)
+    assert target.sent == list(range(50))
+    assert queue.close() and errors.count("test") == 0
+
+
+def test_a_full_queue_drops_the_oldest_waiting_payload_and_counts_it() -> None:
+    target, errors = Target(), ExportErrors()
+    target.gate.clear()
+    queue = make_queue(target, errors, max_size=3)
+    queue.put(0)
+    assert target.started.wait(60)  # 0 is in flight; 1..5 wait in a queue of 3
+    for i in range(1, 6):
+        queue.put(i)
+    target.gate.set()
+    assert queue.flush(timeout=60)
+    assert target.sent == [0, 3, 4, 5]
+    assert queue.dropped == 2 and errors.count("test") == 2
+
+
+def test_failed_sends_are_counted_and_retried_until_they_succeed() -> None:
+    target, errors = Target(), ExportErrors()
+    target.fail = 4
+    queue = make_queue(target, errors, retry_max=0.02)
+    queue.put(1)
+    queue.put(2)
+    assert queue.flush(timeout=60)
+    assert target.sent == [1, 2]
+    assert target.attempts == 6 and errors.count("test") == 4
+    queue.close()
+
+
+def test_close_flushes_then_gives_up_and_counts_what_is_left() -> None:
+    target, errors = Target(), ExportErrors()
+    target.fail = 10**9  # never recovers
+    queue = make_queue(target, errors, retry_max=0.02)
+    for i in range(3):
+        queue.put(i)
+    assert queue.close(timeout=0.2) is False
+    assert queue.dropped >= 2  # what waited was dropped (the one in flight is abandoned)
+    assert queue.put(99) is False  # closed: refused, counted
+    assert target.sent == []
+
+
+def test_close_waits_for_everything_queued() -> None:
+    target, errors = Target(), ExportErrors()
+    queue = make_queue(target, errors)
+    for i in range(20):
+        queue.put(i)
+    assert queue.close(timeout=60)
+    assert target.sent == list(range(20)) and queue.dropped == 0
+
+
+def test_failures_are_logged_at_most_once_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    errors = ExportErrors(log_interval=3600)
+    with caplog.at_level(logging.WARNING, logger="staleness_metrics.exporters"):
+        for _ in range(5):
+            errors.record("otlp", "export failed", ConnectionError("refused"))
+        errors.record("wandb", "log failed")
+    assert errors.count("otlp") == 5
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["exporter otlp: export failed: ConnectionError: refused", "exporter wandb: log failed"]
+    quiet = ExportErrors(log_interval=0)
+    with caplog.at_level(logging.WARNING, logger="staleness_metrics.exporters"):
+        caplog.clear()
+        quiet.record("otlp", "a")
+        quiet.record("otlp", "b")
+    assert len(caplog.records) == 2
+
+
+class SlowExporter:
+    name = "slow"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.steps: list[int] = []
+        self.closed = False
+        self.context: ExportContext | None = None
+
+    def attach(self, context: ExportContext) -> None:
+        self.context = context
+
+    def export(self, report: StepReport) -> None:
+        self.gate.wait()
+        self.steps.append(report.step)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_background_exporter_wraps_any_slow_exporter() -> None:
+    inner = SlowExporter()
+    wrapped = BackgroundExporter(inner)
+    context = ExportContext(run="r")
+    wrapped.attach(context)
+    assert inner.context is context
+    for step in range(1, 4):
+        wrapped.export(StepReport(step, 2, {}, Tally()))  # returns while inner.export blocks
+    assert inner.steps == []
+    inner.gate.set()
+    wrapped.close()
+    assert inner.steps == [1, 2, 3] and inner.closed

@@ -1,0 +1,78 @@
+"""JSONL and console exporters."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from staleness_metrics.exporters.console import ConsoleExporter, format_line
+from staleness_metrics.exporters.jsonl import JsonlExporter
+from staleness_metrics.monitor import StalenessMonitor
+from staleness_metrics.report import StepReport, Tally
+from tests.exporters.reports import CONFIG, hand_report, ship_script
+
+
+def test_jsonl_writes_one_metrics_out_line_per_ship(tmp_path: Path) -> None:
+    path = tmp_path / "out" / "metrics.jsonl"
+    exporter = JsonlExporter(path)
+    rows = []
+    with StalenessMonitor(CONFIG, [exporter]) as monitor:
+        for records, step in ship_script(3):
+            monitor.add(records)
+            rows.append(monitor.ship(step).report.row())
+        assert exporter.flush(timeout=60)
+        # flushed line by line: readable while the run goes on
+        assert len(path.read_text().splitlines()) == 3
+    assert [json.loads(line) for line in path.read_text().splitlines()] == rows
+
+
+def test_jsonl_append_continues_a_file_and_numpy_numbers_are_plain(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n')
+    exporter = JsonlExporter(path, append=True)
+    report = StepReport(
+        2, 4, {"staleness/rollout/max": np.int64(3), "staleness/token/mean": np.float64(1.5)}, Tally()
+    )
+    exporter.export(report)
+    exporter.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [{"step": 1}, {"step": 2, "staleness/rollout/max": 3, "staleness/token/mean": 1.5}]
+
+
+def test_console_line_shows_max_staleness() -> None:
+    report = hand_report(12, {"": [[3, 1, 0], [2]]}, masked={"": 1}, dropped={"": 2})
+    line = format_line(report)
+    assert line == "step 12 | Max Staleness 3 | token mean 1.50 | masked 25.0% | dropped 2 rollouts"
+    assert "Off-Policy" not in line
+
+
+def test_console_line_for_an_empty_batch_and_held_rollouts() -> None:
+    report = StepReport(
+        5,
+        2,
+        {"staleness/rollout/dropped": 1, "staleness/rollout/held": 4, "staleness/max_staleness": 2},
+        Tally(),
+    )
+    assert format_line(report) == (
+        "step 5 | Max Staleness - | token mean - | masked - | dropped 1 rollouts | held 4 rollouts"
+    )
+
+
+def test_console_prints_one_line_per_step() -> None:
+    stream = io.StringIO()
+    with StalenessMonitor(CONFIG, [ConsoleExporter(stream)]) as monitor:
+        for records, step in ship_script(3):
+            monitor.add(records)
+            monitor.ship(step)
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["step 8", "step 9", "step 10"]
+    assert all(" | Max Staleness " in line for line in lines)
+
+
+def test_console_through_rich_keeps_the_text() -> None:
+    stream = io.StringIO()
+    ConsoleExporter(stream, use_rich=True).export(hand_report(3, {"": [[2]]}))
+    assert stream.getvalue().strip() == format_line(hand_report(3, {"": [[2]]}))

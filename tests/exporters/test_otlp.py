@@ -1,0 +1,271 @@
+"""OTLP exporter: what arrives at a real receiver over HTTP (and gRPC), env variables, faults."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import numpy as np
+import pytest
+from opentelemetry.proto.metrics.v1 import metrics_pb2
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.test._otlp_test_server import OtlpProtoTestServer
+
+from staleness_metrics.exporters.base import ExportContext, ExportErrors
+from staleness_metrics.exporters.otlp import OtlpExporter
+from staleness_metrics.exporters.state import bucket_counts
+from staleness_metrics.metric_table import BUCKETS, METRICS, MetricKind, Source
+from staleness_metrics.monitor import StalenessMonitor
+from staleness_metrics.report import Tally
+from tests.exporters.reports import CONFIG, hand_report, ship_script
+from tests.support.otlp import OtlpReceiver, attributes_of, metrics_by_name
+from tests.support.prometheus import free_port
+
+RUN = "exp-otlp"
+CUMULATIVE = metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+DELTA = metrics_pb2.AggregationTemporality.AGGREGATION_TEMPORALITY_DELTA
+ROWS = {m.otel_name: m for m in METRICS if m.otel_name is not None}
+
+
+@pytest.fixture(autouse=True)
+def _no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("OTEL_"):
+            monkeypatch.delenv(name)
+    yield
+
+
+def points_by_env(metric: Any) -> dict[str, Any]:
+    data = getattr(metric, metric.WhichOneof("data"))
+    return {attributes_of(p).get("env", ""): p for p in data.data_points}
+
+
+def value(point: Any) -> float:
+    return float(point.as_int if point.WhichOneof("value") == "as_int" else point.as_double)
+
+
+def test_what_arrives_over_http_matches_the_table_and_the_metrics_dict() -> None:
+    with OtlpProtoTestServer() as server:
+        exporter = OtlpExporter(endpoint=server.metrics_endpoint)
+        monitor = StalenessMonitor(CONFIG, [exporter], run=RUN)
+        totals = Tally()
+        for records, step in ship_script(2):
+            monitor.add(records)
+            shipment = monitor.ship(step)
+            totals = totals + shipment.report.tally
+        monitor.close()  # flushes
+        recorded = server.drain_metrics()
+
+    assert recorded, "nothing arrived"
+    resource = {kv.key: kv.value.string_value for kv in recorded[0].resource.attributes}
+    assert resource["service.name"] == "staleness-metrics"
+    assert recorded[0].scope.name == "staleness_metrics"
+    last: dict[str, Any] = {}
+    for r in recorded:  # two exports; keep the last one of each metric
+        last[r.metric.name] = r.metric
+    assert set(last) <= set(ROWS)
+    assert set(last) >= {n for n, m in ROWS.items() if m.kind is not MetricKind.GAUGE}
+
+    metrics = shipment.metrics
+    for name, metric in last.items():
+        row = ROWS[name]
+        assert metric.unit == row.otel_unit, name
+        assert metric.description == row.description, name
+        kind = metric.WhichOneof("data")
+        assert kind == {"gauge": "gauge", "counter": "sum", "histogram": "histogram"}[row.kind.value], name
+        points = points_by_env(metric)
+        for point in getattr(metric, kind).data_points:
+            attributes = attributes_of(point)
+            assert attributes["run"] == RUN
+            assert set(attributes) <= {"run", "env", "exporter"}
+        if row.kind is MetricKind.GAUGE and row.source is Source.METRIC:
+            assert row.wandb_key is not None
+            assert value(points[""]) == metrics[row.wandb_key], name
+            for env in ("math", "code"):
+                key = f"staleness/env/{env}/{row.wandb_key.removeprefix('staleness/')}"
+                if "env" in row.labels and key in metrics:
+                    assert value(points[env]) == metrics[key], (name, env)
+        elif row.kind is MetricKind.COUNTER and row.source is Source.TALLY:
+            assert metric.sum.is_monotonic
+            assert metric.sum.aggregation_temporality == CUMULATIVE
+            assert sum(value(p) for p in points.values()) == getattr(totals, row.tally_field or ""), name
+        elif row.kind is MetricKind.HISTOGRAM:
+            assert metric.histogram.aggregation_temporality == CUMULATIVE
+            for point in points.values():
+                assert list(point.explicit_bounds) == list(BUCKETS)
+                assert len(point.bucket_counts) == len(BUCKETS) + 1
+            hist = (
+                totals.token_histogram if row.source is Source.TOKEN_HISTOGRAM else totals.rollout_histogram
+            )
+            merged = np.sum([np.array(p.bucket_counts) for p in points.values()], axis=0)
+            assert merged.tolist() == list(bucket_counts(hist).bucket_counts), name
+            assert sum(p.count for p in points.values()) == int(hist.sum())
+            assert sum(p.sum for p in points.values()) == float(np.dot(np.arange(len(hist)), hist))
+    assert value(points_by_env(last["rl.staleness.train.step"])[""]) == shipment.step
+
+
+def test_standard_environment_variables_are_honoured(monkeypatch: pytest.MonkeyPatch) -> None:
+    with OtlpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", receiver.endpoint)
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "trainer-7")
+        monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment.name=ci")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", "delta")
+        exporter = OtlpExporter()
+        exporter.attach(ExportContext(run=RUN))
+        exporter.export(hand_report(1, {"": [[1, 2]]}))
+        exporter.export(hand_report(2, {"": [[3]]}))
+        exporter.close()
+        requests = receiver.wait_for(2)
+    resource = {kv.key: kv.value.string_value for kv in requests[0].resource_metrics[0].resource.attributes}
+    assert resource["service.name"] == "trainer-7"
+    assert resource["deployment.environment.name"] == "ci"
+    second = metrics_by_name(requests[1])
+    tokens = second["rl.staleness.tokens.sampled"]
+    assert tokens.sum.aggregation_temporality == DELTA
+    assert [p.as_int for p in tokens.sum.data_points] == [1]  # this ship's increment only
+    hist = second["rl.staleness.token.steps"].histogram
+    assert hist.aggregation_temporality == DELTA
+    assert hist.data_points[0].count == 1 and hist.data_points[0].sum == 3
+
+
+def test_service_name_argument_wins_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    with OtlpReceiver() as receiver:
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")
+        exporter = OtlpExporter(endpoint=receiver.endpoint, service_name="from-code")
+        exporter.export(hand_report(1, {"": [[1]]}))
+        exporter.close()
+        (request,) = receiver.wait_for(1)
+    resource = {kv.key: kv.value.string_value for kv in request.resource_metrics[0].resource.attributes}
+    assert resource["service.name"] == "from-code"
+
+
+def test_receiver_down_then_back_nothing_within_the_bound_is_lost() -> None:
+    port = free_port()  # nothing listens yet
+    errors = ExportErrors()
+    exporter = OtlpExporter(
+        endpoint=f"http://127.0.0.1:{port}/v1/metrics", timeout=1, retry_initial=0.05, retry_max=0.2
+    )
+    exporter.attach(ExportContext(run=RUN, errors=errors))
+    monitor_steps = [1, 2, 3]
+    for step in monitor_steps:
+        exporter.export(hand_report(step, {"": [[step]]}))  # returns although the receiver is down
+    receiver = None
+    try:
+        while errors.count("otlp") == 0:  # wait for a failed attempt to be counted
+            exporter.flush(timeout=0.05)
+        receiver = OtlpReceiver(port)
+        assert exporter.flush(timeout=60)
+        requests = receiver.wait_for(3)
+        steps = [metrics_by_name(r)["rl.staleness.train.step"].gauge.data_points[0].as_int for r in requests]
+        assert steps == monitor_steps  # every queued ship, in order
+        last = metrics_by_name(requests[-1])
+        assert last["rl.staleness.tokens.sampled"].sum.data_points[0].as_int == 3
+        errors_metric = last["rl.staleness.export.errors"].sum.data_points
+        assert {attributes_of(p)["exporter"]: p.as_int for p in errors_metric}["otlp"] >= 1
+    finally:
+        exporter.close()
+        if receiver is not None:
+            receiver.stop()
+
+
+def test_slow_receiver_does_not_hold_up_ships_and_receives_everything() -> None:
+    with OtlpReceiver() as receiver:
+        receiver.release.clear()  # requests hang until released
+        exporter = OtlpExporter(endpoint=receiver.endpoint, timeout=120)
+        monitor = StalenessMonitor(CONFIG, [exporter], run=RUN)
+        script = list(ship_script(5))
+        monitor.add(script[0][0])
+        monitor.ship(script[0][1])
+        assert receiver.arrived.wait(60)  # the first export is now stuck in the receiver
+        for records, step in script[1:]:
+            monitor.add(records)
+            monitor.ship(step)  # each returns while the receiver still holds the first request
+        assert receiver.release.is_set() is False and receiver.requests == []
+        receiver.release.set()
+        assert exporter.flush(timeout=60)
+        requests = receiver.wait_for(5)
+        monitor.close()
+    steps = [metrics_by_name(r)["rl.staleness.train.step"].gauge.data_points[0].as_int for r in requests]
+    assert steps == [step for _, step in script]
+
+
+def test_receiver_errors_are_counted_and_retried() -> None:
+    with OtlpReceiver() as receiver:
+        receiver.status = 400  # not retried by the OTel exporter itself: our queue retries
+        errors = ExportErrors()
+        exporter = OtlpExporter(endpoint=receiver.endpoint, retry_initial=0.05, retry_max=0.1)
+        exporter.attach(ExportContext(run=RUN, errors=errors))
+        exporter.export(hand_report(1, {"": [[2]]}))
+        while errors.count("otlp") < 2:
+            exporter.flush(timeout=0.05)
+        receiver.status = 200
+        assert exporter.flush(timeout=60)
+        (request,) = receiver.wait_for(1)
+        exporter.close()
+    assert metrics_by_name(request)["rl.staleness.train.step"].gauge.data_points[0].as_int == 1
+
+
+def test_grpc_protocol_reaches_a_grpc_receiver() -> None:
+    grpc = pytest.importorskip("grpc")
+    from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+
+    received: list[Any] = []
+
+    class Servicer(metrics_service_pb2_grpc.MetricsServiceServicer):  # type: ignore[misc]
+        def Export(self, request: Any, context: Any) -> Any:
+            received.append(request)
+            return metrics_service_pb2.ExportMetricsServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(Servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        exporter = OtlpExporter(endpoint=f"http://127.0.0.1:{port}", protocol="grpc", timeout=10)
+        exporter.attach(ExportContext(run=RUN))
+        exporter.export(hand_report(4, {"": [[1, 3]]}))
+        assert exporter.flush(timeout=60)
+        exporter.close()
+    finally:
+        server.stop(None)
+    assert len(received) == 1
+    names = metrics_by_name(received[0])
+    assert names["rl.staleness.train.step"].gauge.data_points[0].as_int == 4
+    assert names["rl.staleness.tokens.sampled"].sum.data_points[0].as_int == 2
+
+
+def test_injected_meter_provider_records_through_its_instruments() -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    exporter = OtlpExporter(meter_provider=provider)
+    exporter.attach(ExportContext(run=RUN, env_breakdown=True))
+    exporter.export(hand_report(1, {"": [[0, 1]], "math": [[2, 2, 5]]}))
+    exporter.export(hand_report(2, {"": [[1]]}))
+    assert exporter.flush(timeout=60)
+    data = reader.get_metrics_data()
+    assert data is not None
+    metrics = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert set(metrics) <= set(ROWS)
+    step = metrics["rl.staleness.train.step"].data.data_points
+    assert [p.value for p in step] == [2]
+    sampled = {
+        p.attributes.get("env", ""): p.value for p in metrics["rl.staleness.tokens.sampled"].data.data_points
+    }
+    assert sampled == {"": 3, "math": 3}
+    hist = {p.attributes.get("env", ""): p for p in metrics["rl.staleness.token.steps"].data.data_points}
+    assert list(hist["math"].explicit_bounds) == list(BUCKETS)
+    assert hist["math"].bucket_counts[2] == 2 and hist["math"].bucket_counts[5] == 1
+    assert hist[""].count == 3
+    exporter.close()
+    provider.shutdown()
+
+
+def test_invalid_protocol_is_a_config_error() -> None:
+    from staleness_metrics.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="http/protobuf"):
+        OtlpExporter(protocol="http/json")

@@ -1,0 +1,375 @@
+"""Prometheus exporter: exposition values, promtool, ASGI, port conflicts, Pushgateway, real scrapes."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from staleness_metrics.exporters.base import ExportContext, ExportErrors
+from staleness_metrics.exporters.prometheus import PrometheusExporter, PrometheusPushExporter
+from staleness_metrics.metric_table import BUCKETS, METRICS, MetricKind, Source, metric_by_prometheus_name
+from staleness_metrics.monitor import StalenessMonitor
+from staleness_metrics.report import StepReport, Tally
+from tests.exporters.reports import CONFIG, hand_report, nearest_rank, ship_script
+from tests.support.prometheus import (
+    PrometheusServer,
+    PushgatewayServer,
+    promtool_check_metrics,
+    requires_prometheus,
+    requires_promtool,
+    requires_pushgateway,
+)
+
+RUN = "exp-1"
+GAUGE_ROWS = [m for m in METRICS if m.kind is MetricKind.GAUGE and m.prometheus_name is not None]
+COUNTER_ROWS = [m for m in METRICS if m.kind is MetricKind.COUNTER and m.source is Source.TALLY]
+
+
+def exporter(env_breakdown: bool = True, **options: object) -> PrometheusExporter:
+    exp = PrometheusExporter(port=None, **options)  # type: ignore[arg-type]
+    exp.attach(ExportContext(run=RUN, env_breakdown=env_breakdown))
+    return exp
+
+
+def sample(exp: PrometheusExporter, name: str, **labels: str) -> float | None:
+    return exp.registry.get_sample_value(name, {"run": RUN, **labels})
+
+
+def expected_gauge(row_name: str, report: StepReport, env: str = "") -> float | None:
+    row = next(m for m in METRICS if m.name == row_name)
+    if row.source is Source.STEP:
+        return float(report.step)
+    if row.source is Source.TALLY:
+        tally = report.tally if not env else report.env_tally[env]
+        return float(getattr(tally, row.tally_field or ""))
+    metrics = report.metrics if not env else report.env_metrics[env]
+    assert row.wandb_key is not None
+    return float(metrics[row.wandb_key]) if row.wandb_key in metrics else None
+
+
+def test_gauges_counters_and_histograms_equal_the_report() -> None:
+    exp = exporter()
+    first = hand_report(1, {"": [[0, 1, 1]], "math": [[2, 2], [0]]}, masked={"math": 1}, dropped={"code": 2})
+    second = hand_report(2, {"": [[3, 3, 40]], "code": [[1]]}, dropped={"": 1})
+    exp.export(first)
+    exp.export(second)
+
+    for row in GAUGE_ROWS:
+        assert sample(exp, row.prometheus_name or "", **({"env": ""} if "env" in row.labels else {})) == (
+            expected_gauge(row.name, second)
+        ), row.name
+    # named envs get their own gauge series; "math" shipped nothing at step 2, so it has none now
+    assert sample(exp, "rl_staleness_token_mean_steps", env="code") == 1.0
+    assert sample(exp, "rl_staleness_token_mean_steps", env="math") is None
+
+    total = first.tally + second.tally
+    for row in COUNTER_ROWS:
+        values = [
+            sample(exp, row.prometheus_name or "", env=env) or 0.0 for env in ("", "math", "code")
+        ]  # counters partition rollouts by env; the sum is the run's total
+        assert sum(values) == getattr(total, row.tally_field or ""), row.name
+    assert sample(exp, "rl_staleness_rollouts_dropped_total", env="code") == 2
+    assert sample(exp, "rl_staleness_rollouts_dropped_total", env="") == 1
+
+    # histogram buckets are the core's counts, cumulative over le, exactly
+    token_counts = np.zeros(65, dtype=np.int64)
+    for report in (first, second):
+        hist = report.env_tally[""].token_histogram
+        token_counts[: len(hist)] += hist
+    for bound in BUCKETS:
+        le = f"{bound:.1f}"
+        expected = int(token_counts[: int(bound) + 1].sum())
+        assert sample(exp, "rl_staleness_token_steps_bucket", env="", le=le) == expected, le
+    assert sample(exp, "rl_staleness_token_steps_bucket", env="", le="+Inf") == 6
+    assert sample(exp, "rl_staleness_token_steps_count", env="") == 6
+    assert sample(exp, "rl_staleness_token_steps_sum", env="") == 0 + 1 + 1 + 3 + 3 + 40
+    assert sample(exp, "rl_staleness_token_steps_bucket", env="", le="32.0") == 5  # 40 is above 32
+
+
+def test_without_env_breakdown_every_series_covers_the_whole_run() -> None:
+    exp = exporter(env_breakdown=False)
+    report = hand_report(3, {"": [[0, 1]], "math": [[2, 2, 2]]}, masked={"math": 2})
+    exp.export(report)
+    families = {f.name: f for f in text_string_to_metric_families(exp.exposition().decode())}
+    for family in families.values():
+        assert {s.labels.get("env", "") for s in family.samples} <= {""}, family.name
+    assert sample(exp, "rl_staleness_tokens_sampled_total", env="") == 5
+    assert sample(exp, "rl_staleness_tokens_masked_total", env="") == 2
+    assert sample(exp, "rl_staleness_token_mean_steps", env="") == report.metrics["staleness/token/mean"]
+
+
+def test_a_gauge_of_an_empty_population_is_not_exposed() -> None:
+    exp = exporter()
+    exp.export(hand_report(4, {"": [[1, 2]]}))
+    assert sample(exp, "rl_staleness_rollout_max_steps", env="") == 2
+    exp.export(hand_report(5, {}, dropped={"": 1}))  # nothing shipped: only drops
+    assert sample(exp, "rl_staleness_rollout_max_steps", env="") is None
+    assert sample(exp, "rl_staleness_token_mean_steps", env="") is None
+    assert sample(exp, "rl_staleness_train_step") == 5
+    assert sample(exp, "rl_staleness_rollouts_dropped_total", env="") == 1
+    assert sample(exp, "rl_staleness_tokens_sampled_total", env="") == 2
+
+
+def test_every_series_has_the_run_label_and_every_family_is_in_the_table() -> None:
+    exp = exporter()
+    with StalenessMonitor(CONFIG, [exp], run=RUN) as monitor:
+        for records, step in ship_script(3):
+            monitor.add(records)
+            monitor.ship(step)
+        families = list(text_string_to_metric_families(exp.exposition().decode()))
+    published = {m.prometheus_name for m in METRICS if m.prometheus_name is not None}
+    exposed = {f.name + ("_total" if f.type == "counter" else "") for f in families}
+    assert exposed == published
+    for family in families:
+        row = metric_by_prometheus_name(family.name + ("_total" if family.type == "counter" else ""))
+        assert family.type == row.kind.value
+        assert family.documentation == row.description
+        for s in family.samples:
+            assert s.labels["run"] == RUN
+            assert set(s.labels) - {"le"} == set(row.labels), (family.name, s.labels)
+    assert not any(s.name.endswith("_created") for f in families for s in f.samples)
+
+
+@pytest.mark.integration
+@requires_promtool
+def test_promtool_check_metrics_is_clean() -> None:
+    exp = exporter()
+    with StalenessMonitor(CONFIG, [exp], run=RUN) as monitor:
+        for records, step in ship_script(3):
+            monitor.add(records)
+            monitor.ship(step)
+        monitor.export_errors.record("otlp", "pretend failure")  # the errors family too
+        result = promtool_check_metrics(exp.exposition())
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == ""
+
+
+def test_asgi_app_mounted_in_fastapi_serves_the_same_exposition() -> None:
+    exp = exporter()
+    exp.export(hand_report(6, {"": [[1, 1, 2]]}))
+    app = FastAPI()
+    app.mount("/metrics", exp.asgi_app())
+    with TestClient(app) as client:
+        response = client.get("/metrics/")
+    assert response.status_code == 200
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    assert families["rl_staleness_train_step"].samples[0].value == 6
+    assert families["rl_staleness_tokens_sampled"].samples[0].value == 3
+
+
+def test_http_server_binds_loopback_and_serves() -> None:
+    exp = PrometheusExporter(port=0)
+    try:
+        exp.attach(ExportContext(run=RUN))
+        exp.export(hand_report(7, {"": [[0, 3]]}))
+        assert exp.url is not None and exp.url.startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(exp.url, timeout=10) as response:
+            text = response.read().decode()
+        assert f'rl_staleness_train_step{{run="{RUN}"}} 7.0' in text
+    finally:
+        exp.close()
+    assert exp.url is None
+
+
+def test_port_already_taken_is_counted_not_raised_and_binding_is_retried() -> None:
+    blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    port = blocker.getsockname()[1]
+    errors = ExportErrors()
+    exp = PrometheusExporter(port=port, bind_retry_interval=0.0)  # constructing it does not raise
+    try:
+        exp.attach(ExportContext(run=RUN, errors=errors))
+        assert exp.url is None
+        exp.export(hand_report(8, {"": [[1]]}))  # neither does exporting; it tries to bind again
+        assert errors.count("prometheus") >= 1
+        assert sample(exp, "rl_staleness_train_step") == 8  # still serves through its registry
+        assert sample(exp, "rl_staleness_export_errors_total", exporter="prometheus") == errors.count(
+            "prometheus"
+        )
+        blocker.close()
+        exp.export(hand_report(9, {"": [[1]]}))  # the port is free now: bound on this export
+        assert exp.port == port
+        with urllib.request.urlopen(exp.url or "", timeout=10) as response:
+            assert f'rl_staleness_train_step{{run="{RUN}"}} 9.0' in response.read().decode()
+    finally:
+        blocker.close()
+        exp.close()
+
+
+def test_concurrent_scrapes_never_mix_two_ships() -> None:
+    """Every value of a ship encodes its step; each scrape must be one step's values throughout."""
+    exp = PrometheusExporter(port=0)
+    exp.attach(ExportContext(run=RUN))
+    ships = 400
+    done = threading.Event()
+    problems: list[str] = []
+    scrapes = [0]
+
+    def report_of(step: int) -> StepReport:
+        metrics = {
+            "staleness/token/mean": step + 0.5,
+            "staleness/token/masked": step / (ships + 1),
+            "staleness/rollout/mean": step + 0.25,
+            "staleness/rollout/max": step,
+            "staleness/rollout/in_flight/mean": step + 0.125,
+            "staleness/rollout/in_flight/max": step,
+            "staleness/rollout/in_queue/mean": step + 0.0625,
+            "staleness/rollout/in_queue/max": step,
+            "staleness/rollout/dropped": 1,
+            "staleness/sample/dropped": 1,
+            "staleness/rollout/held": step,
+            "staleness/max_staleness": step,
+        }
+        hist = np.zeros(3, dtype=np.int64)
+        hist[step % 3] = 1
+        tally = Tally(tokens_sampled=1, rollouts_dropped=1, rollouts_held=step, token_histogram=hist)
+        return StepReport(step, step, metrics, tally)
+
+    def check(text: str) -> None:
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = s.name + ("" if "le" not in s.labels else f"[{s.labels['le']}]")
+                values[key] = s.value
+        if "rl_staleness_train_step" not in values:
+            return  # before the first ship
+        step = int(values["rl_staleness_train_step"])
+        expected = {
+            "rl_staleness_max_staleness": step,
+            "rl_staleness_token_mean_steps": step + 0.5,
+            "rl_staleness_token_masked_ratio": step / (ships + 1),
+            "rl_staleness_rollout_mean_steps": step + 0.25,
+            "rl_staleness_rollout_max_steps": step,
+            "rl_staleness_rollout_in_flight_mean_steps": step + 0.125,
+            "rl_staleness_rollout_in_queue_max_steps": step,
+            "rl_staleness_rollouts_held": step,
+            "rl_staleness_tokens_sampled_total": step,  # one token per ship, cumulative
+            "rl_staleness_rollouts_dropped_total": step,
+            "rl_staleness_token_steps_count": step,
+            "rl_staleness_token_steps_bucket[0.0]": (step) // 3,
+        }
+        for name, value in expected.items():
+            if values.get(name) != value:
+                problems.append(f"step {step}: {name} = {values.get(name)}, expected {value}")
+
+    scraped = threading.Condition()
+
+    def scraper() -> None:
+        assert exp.url is not None
+        while not done.is_set():
+            with urllib.request.urlopen(exp.url, timeout=30) as response:
+                check(response.read().decode())
+            with scraped:
+                scrapes[0] += 1
+                scraped.notify_all()
+
+    threads = [threading.Thread(target=scraper) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for step in range(1, ships + 1):
+            exp.export(report_of(step))
+            if step % 20 == 0:  # make sure scrapes happen all along the ships, not only before or after
+                with scraped:
+                    seen = scrapes[0]
+                    scraped.wait_for(lambda seen=seen: scrapes[0] >= seen + 2)
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+        exp.close()
+    assert not problems, problems[:5]
+    assert scrapes[0] >= 2 * ships // 20
+
+
+@pytest.mark.integration
+@requires_prometheus
+def test_real_prometheus_scrape_returns_the_metrics_dict_of_the_same_step(tmp_path: Path) -> None:
+    exp = PrometheusExporter(port=0)
+    monitor = StalenessMonitor(CONFIG, [exp], run=RUN)
+    token_total = np.zeros(0, dtype=np.int64)
+    totals = Tally()
+    try:
+        assert exp.port is not None
+        with PrometheusServer(tmp_path, [f"127.0.0.1:{exp.port}"]) as prom:
+            for records, step in ship_script(3, seed=11):
+                monitor.add(records)
+                shipment = monitor.ship(step)
+                report = shipment.report
+                totals = totals + report.tally
+                token_total = (Tally(token_histogram=token_total) + report.tally).token_histogram
+                prom.wait_until(
+                    lambda s=step: prom.query_value(f'rl_staleness_train_step{{run="{RUN}"}}') == s
+                )
+
+                # gauges: the whole batch (env="") and each named env, exactly as in the metrics dict
+                for row in GAUGE_ROWS:
+                    if row.source is not Source.METRIC:
+                        continue
+                    assert row.wandb_key is not None
+                    selector = f'{row.prometheus_name}{{run="{RUN}"}}'
+                    got = prom.query_values(selector, by="env")
+                    want = {"": shipment.metrics.get(row.wandb_key)}
+                    if "env" in row.labels:
+                        for env in ("math", "code"):
+                            key = f"staleness/env/{env}/{row.wandb_key.removeprefix('staleness/')}"
+                            want[env] = shipment.metrics.get(key)
+                    assert got == {e: float(v) for e, v in want.items() if v is not None}, row.name
+                assert (
+                    prom.query_value(f'rl_staleness_rollouts_held{{run="{RUN}",env=""}}')
+                    == (shipment.metrics["staleness/rollout/held"])
+                )
+
+                # counters: cumulative over the run; summed over env they are the totals
+                for row in COUNTER_ROWS:
+                    got_total = prom.query_value(f'sum(({row.prometheus_name}{{run="{RUN}"}}))')
+                    assert got_total == getattr(totals, row.tally_field or ""), row.name
+
+                # histogram quantiles: PromQL interpolates inside a 1-wide bucket, so ceil() = nearest rank
+                tokens = np.repeat(np.arange(len(token_total)), token_total).tolist()
+                for p, key in ((0.5, "p50"), (0.9, "p90"), (0.99, "p99")):
+                    buckets = f'rl_staleness_token_steps_bucket{{run="{RUN}"}}'
+                    q = prom.query_value(f"histogram_quantile({p}, sum by (le) ({buckets}))")
+                    assert q is not None and math.ceil(q) == nearest_rank(tokens, p), (step, p)
+                    if step == 8:  # one ship so far: the cumulative histogram is this step's
+                        assert math.ceil(q) == shipment.metrics[f"staleness/token/{key}"]
+            assert prom.targets_up()
+    finally:
+        monitor.close()
+
+
+@pytest.mark.integration
+@requires_pushgateway
+def test_pushgateway_receives_pushes_survives_an_outage_and_deletes_its_group(tmp_path: Path) -> None:
+    gateway = PushgatewayServer(tmp_path / "gw")  # not started yet: the first pushes fail
+    errors = ExportErrors()
+    exp = PrometheusPushExporter(gateway.address, job="trainer", retry_initial=0.05, retry_max=0.2)
+    exp.attach(ExportContext(run=RUN, errors=errors))
+    try:
+        exp.export(hand_report(1, {"": [[1, 2]]}))
+        exp.export(hand_report(2, {"": [[0]]}))  # returns at once although nothing listens
+        gateway.start()
+        assert exp.flush(timeout=60)
+        assert errors.count("pushgateway") >= 1  # the failed attempts were counted
+        families = {f.name: f for f in text_string_to_metric_families(gateway.metrics_text())}
+        step = [s for s in families["rl_staleness_train_step"].samples if s.labels.get("run") == RUN]
+        assert [s.value for s in step] == [2.0]
+        assert step[0].labels["job"] == "trainer"
+        tokens = families["rl_staleness_tokens_sampled"].samples
+        assert [s.value for s in tokens if s.labels.get("run") == RUN] == [3.0]  # nothing lost
+    finally:
+        exp.close()
+        if gateway._process is not None:
+            remaining = gateway.metrics_text()
+            gateway.stop()
+            assert "rl_staleness_train_step" not in remaining  # close() deleted the group

@@ -1,0 +1,54 @@
+"""Cumulative state: exact bucket mapping, env partition, snapshots."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from staleness_metrics.exporters.state import CumulativeState, bucket_counts, partition_by_env
+from staleness_metrics.metric_table import BUCKETS
+from staleness_metrics.report import Tally
+from tests.exporters.reports import hand_report
+
+
+def test_integer_histogram_maps_exactly_onto_the_buckets() -> None:
+    counts = np.zeros(70, dtype=np.int64)
+    counts[[0, 3, 16, 17, 32, 33, 64, 65, 69]] = [5, 1, 2, 3, 4, 6, 7, 8, 9]
+    point = bucket_counts(counts)
+    by_bound = dict(zip([*BUCKETS, float("inf")], point.bucket_counts, strict=True))
+    assert by_bound[0.0] == 5 and by_bound[3.0] == 1 and by_bound[16.0] == 2
+    assert by_bound[32.0] == 3 + 4  # 17..32 fall in (16, 32]
+    assert by_bound[64.0] == 6 + 7  # 33..64
+    assert by_bound[float("inf")] == 8 + 9
+    assert point.count == int(counts.sum())
+    assert point.sum == int(np.dot(np.arange(70), counts))
+    assert (point.min, point.max) == (0, 69)
+    assert point.cumulative()[-1] == point.count
+
+
+def test_empty_histogram() -> None:
+    point = bucket_counts(np.zeros(0, dtype=np.int64))
+    assert point.count == 0 and point.min is None and sum(point.bucket_counts) == 0
+
+
+def test_partition_covers_the_whole_window() -> None:
+    report = hand_report(1, {"": [[1]], "math": [[2, 3]]}, dropped={"code": 1})
+    # a window whose per-env tallies miss something (e.g. invalid rollouts without an env)
+    extra = Tally(rollouts_invalid=2)
+    report = type(report)(**{**report.__dict__, "tally": report.tally + extra})
+    parts = partition_by_env(report)
+    assert sum(parts.values(), Tally()) == report.tally
+    assert parts[""].rollouts_invalid == 2
+    assert partition_by_env(report, by_env=False) == {"": report.tally}
+
+
+def test_snapshots_accumulate_counters_and_keep_last_gauges() -> None:
+    state = CumulativeState("r", by_env=True, deltas=True)
+    first = state.apply(hand_report(1, {"math": [[1, 2]]}))
+    second = state.apply(hand_report(2, {"": [[4]]}))
+    assert second.counters["tokens_sampled"] == {"": 1, "math": 2}
+    assert second.counter_deltas["tokens_sampled"] == {"": 1}
+    assert second.gauges["token_mean"] == {"": 4.0}
+    assert first.gauges["token_mean"] == {"": 1.5, "math": 1.5}  # earlier snapshots never change
+    assert second.histograms["token_staleness"]["math"].count == 2
+    assert second.start_time_ns == first.start_time_ns and second.time_ns > first.time_ns
+    assert second.previous_time_ns == first.time_ns

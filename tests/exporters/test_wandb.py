@@ -1,0 +1,207 @@
+"""W&B exporter: an offline run read back from its .wandb file, the legacy dual-write, failures."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from staleness_metrics.errors import ConfigError
+from staleness_metrics.exporters.base import ExportContext, ExportErrors
+from staleness_metrics.exporters.wandb import WandbExporter, histogram_bins
+from staleness_metrics.metric_table import LEGACY_KEYS, METRICS, Source
+from staleness_metrics.monitor import StalenessMonitor
+from tests.exporters.reports import CONFIG, hand_report, ship_script
+
+wandb = pytest.importorskip("wandb")
+from tests.exporters.wandb_reader import find_run_file, read_run  # noqa: E402
+
+TABLE_KEYS = {m.wandb_key for m in METRICS if m.wandb_key is not None}
+MAX_KEYS = {m.wandb_key for m in METRICS if m.wandb_summary == "max"}
+HISTOGRAM_KEY = next(m for m in METRICS if m.source is Source.TOKEN_HISTOGRAM).wandb_key
+STEP_KEY = "trainer/step"
+
+
+def offline_init(directory: Path) -> dict[str, Any]:
+    return {
+        "mode": "offline",
+        "dir": str(directory),
+        "project": "staleness-tests",
+        "settings": wandb.Settings(x_disable_stats=True, console="off", silent=True),
+    }
+
+
+def allowed_key(key: str) -> bool:
+    """A key the exporter may write: the table's, its per-env form, a legacy key or the axis."""
+    if key in TABLE_KEYS or key in LEGACY_KEYS or key == STEP_KEY or key.startswith("_"):
+        return True
+    if HISTOGRAM_KEY is not None and key.startswith(HISTOGRAM_KEY + "/"):  # the histogram's nested fields
+        return True
+    parts = key.split("/")
+    return key.startswith("staleness/env/") and "staleness/" + "/".join(parts[3:]) in TABLE_KEYS
+
+
+class FakeRun:
+    """Records define_metric and log calls; ``fail`` makes the next that many ``log`` calls raise."""
+
+    def __init__(self) -> None:
+        self.defined: dict[str, dict[str, Any]] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.fail = 0
+        self.attempts = 0
+        self.finished = False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def define_metric(self, name: str, **options: Any) -> None:
+        self.defined[name] = options
+
+    def log(self, row: dict[str, Any], commit: bool = True) -> None:
+        self.gate.wait()
+        self.attempts += 1
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("wandb service unavailable")
+        self.rows.append(dict(row))
+
+    def finish(self) -> None:
+        self.finished = True
+
+
+@pytest.mark.integration
+def test_offline_run_has_rows_axis_summaries_and_legacy_keys(tmp_path: Path) -> None:
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), legacy_keys=True)
+    expected: list[dict[str, Any]] = []
+    with StalenessMonitor(CONFIG, [exporter], run="ignored-by-wandb") as monitor:
+        for records, step in ship_script(3):
+            monitor.add(records)
+            shipment = monitor.ship(step)
+            expected.append({STEP_KEY: step, **shipment.metrics})
+    # close() finished the run the exporter started: the file is complete
+    run = read_run(find_run_file(tmp_path))
+
+    rows = [r for r in run.history if STEP_KEY in r]
+    assert [r[STEP_KEY] for r in rows] == [e[STEP_KEY] for e in expected]
+    for row, want in zip(rows, expected, strict=True):
+        for key, value in want.items():
+            assert row[key] == pytest.approx(value, abs=0), key
+        assert all(allowed_key(k) for k in row), [k for k in row if not allowed_key(k)]
+        # the legacy dual-write carries the same values under the old keys
+        for old, entry in LEGACY_KEYS.items():
+            if entry.new is not None and entry.new in want:
+                assert row[old] == want[entry.new], old
+        assert "off_policy/token/max" not in row  # removed keys are not written
+        assert any(k.startswith("staleness/env/math/") for k in row)  # per-env keys of the breakdown
+
+    assert run.metrics[STEP_KEY].step_metric == ""
+    assert run.metrics["staleness/*"].step_metric == STEP_KEY
+    for key in MAX_KEYS:
+        assert run.metrics[key].summary_max and run.metrics[key].step_metric == STEP_KEY, key
+        assert run.summary[key] == {"max": max(e[key] for e in expected)}, key
+    assert run.metrics["staleness/env/math/rollout/max"].summary_max
+    for old in ("off_policy/max", "off_policy/mean", "off_policy/token/masked", "off_policy/dropped"):
+        assert run.metrics[old].hidden and run.metrics[old].step_metric == STEP_KEY, old
+    assert run.metrics["off_policy/max"].summary_max
+    assert not run.metrics["staleness/rollout/max"].hidden
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+    HISTOGRAM_KEY is None, reason="the metric table has no W&B key for the token staleness histogram yet"
+)
+def test_token_staleness_histogram_is_a_wandb_histogram(tmp_path: Path) -> None:
+    assert HISTOGRAM_KEY is not None
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path))
+    histograms = []
+    with StalenessMonitor(CONFIG, [exporter], run="r") as monitor:
+        for records, step in ship_script(2):
+            monitor.add(records)
+            histograms.append(monitor.ship(step).report.tally.token_histogram)
+    rows = [r for r in read_run(find_run_file(tmp_path)).history if STEP_KEY in r]
+    for row, counts in zip(rows, histograms, strict=True):
+        # the history record stores the histogram's fields under nested keys
+        assert row[f"{HISTOGRAM_KEY}/_type"] == "histogram"
+        assert row[f"{HISTOGRAM_KEY}/values"] == [int(c) for c in np.trim_zeros(counts, "b")]
+        assert row[f"{HISTOGRAM_KEY}/bins"] == [s - 0.5 for s in range(len(np.trim_zeros(counts, "b")) + 1)]
+
+
+@pytest.mark.integration
+def test_uses_the_callers_run_and_leaves_it_open(tmp_path: Path) -> None:
+    run = wandb.init(**offline_init(tmp_path))
+    try:
+        exporter = WandbExporter(run)
+        exporter.export(hand_report(3, {"": [[1, 2]]}))
+        exporter.close()
+        run.log({"loss": 0.5})  # the caller's run is still usable
+    finally:
+        run.finish()
+    history = read_run(find_run_file(tmp_path)).history
+    assert [r[STEP_KEY] for r in history if STEP_KEY in r] == [3]
+    assert any(r.get("loss") == 0.5 for r in history)
+
+
+def test_legacy_keys_default_off_and_selectable() -> None:
+    report = hand_report(2, {"": [[1, 3]]})
+    assert not any(k.startswith("off_policy/") for k in WandbExporter(FakeRun()).row(report))
+    chosen = WandbExporter(FakeRun(), legacy_keys=["off_policy/max"]).row(report)
+    assert chosen["off_policy/max"] == report.metrics["staleness/rollout/max"]
+    assert "off_policy/mean" not in chosen
+    with pytest.raises(ConfigError, match="removed"):
+        WandbExporter(FakeRun(), legacy_keys=["off_policy/token/max"])
+    with pytest.raises(ConfigError, match="not a legacy key"):
+        WandbExporter(FakeRun(), legacy_keys=["loss"])
+
+
+def test_keys_outside_the_table_are_not_logged() -> None:
+    report = hand_report(2, {"": [[1]]})
+    report = type(report)(**{**report.__dict__, "metrics": {**report.metrics, "mystery/key": 1}})
+    errors = ExportErrors()
+    exporter = WandbExporter(FakeRun())
+    exporter.attach(ExportContext(errors=errors))
+    assert "mystery/key" not in exporter.row(report)
+    assert errors.count("wandb") == 1
+
+
+def test_wandb_raising_is_counted_retried_and_nothing_is_lost() -> None:
+    fake = FakeRun()
+    fake.fail = 3
+    exporter = WandbExporter(fake, retry_initial=0.01, retry_max=0.05)
+    monitor = StalenessMonitor(CONFIG, [exporter], run="r")
+    steps = []
+    for records, step in ship_script(4):
+        monitor.add(records)
+        monitor.ship(step)  # returns although log raises
+        steps.append(step)
+    assert exporter.flush(timeout=60)
+    assert monitor.export_errors.count("wandb") == 3
+    assert [r[STEP_KEY] for r in fake.rows] == steps
+    monitor.close()
+    assert not fake.finished  # not our run
+
+
+def test_blocked_wandb_does_not_hold_up_ships() -> None:
+    fake = FakeRun()
+    fake.gate.clear()  # log() blocks
+    exporter = WandbExporter(fake)
+    monitor = StalenessMonitor(CONFIG, [exporter], run="r")
+    for records, step in ship_script(3):
+        monitor.add(records)
+        monitor.ship(step)
+    assert fake.rows == []  # every ship returned while W&B was stuck
+    fake.gate.set()
+    assert exporter.flush(timeout=60)
+    assert len(fake.rows) == 3
+    monitor.close()
+
+
+def test_histogram_bins_centre_integer_staleness() -> None:
+    counts, edges = histogram_bins(np.array([2, 0, 5, 0, 0]))
+    assert counts == [2, 0, 5]
+    assert edges == [-0.5, 0.5, 1.5, 2.5]
+    long_counts, long_edges = histogram_bins(np.ones(1030, dtype=np.int64))
+    assert len(long_counts) <= 512 and len(long_edges) == len(long_counts) + 1
+    assert long_edges[0] == -0.5 and long_edges[-1] == 1029.5
+    assert sum(long_counts) == 1030

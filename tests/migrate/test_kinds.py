@@ -1,0 +1,261 @@
+"""Each file kind's corner cases: conflicts, unparseable files, escapes, aliases, histories, writing."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from staleness_metrics.migrate import FileKind, Options, detect_kind, migrate_file, write_atomically
+from staleness_metrics.migrate.history import MARKER_KEY
+
+from .cli import migrate
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_bytes(text.encode())
+    return path
+
+
+# -- configs -----------------------------------------------------------------------------------------
+
+
+def test_a_config_with_both_names_is_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = "[orchestrator]\nmax_off_policy_steps = 8\nmax_staleness = 4\n"
+    config = _write(tmp_path / "orch.toml", text)
+    run = migrate(capsys, "--write", str(config))
+    assert config.read_text() == text
+    assert "both 'max_off_policy_steps' and 'max_staleness' are set" in run.out
+    assert migrate(capsys, "--check", str(config)).code == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "parser", "line"),
+    [
+        ("broken.toml", "[orchestrator\nmax_off_policy_steps = 8\n", "TOML", 2),
+        ("broken.yaml", "orchestrator:\n  max_off_policy_steps: [8\n", "YAML", 2),
+        ("broken.json", '{"max_off_policy_steps": 8,}\n', "JSON", 1),
+    ],
+)
+def test_an_unparseable_file_is_never_touched_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str, parser: str, line: int
+) -> None:
+    config = _write(tmp_path / name, text)
+    run = migrate(capsys, "--write", str(config))
+    assert run.code == 2
+    assert f"{config}: cannot parse as {parser}" in run.err and "not changed" in run.err
+    assert config.read_text() == text
+    assert f"{config}:{line}: max_off_policy_steps -> max_staleness: not edited" in run.out
+
+
+def test_yaml_config_keeps_quotes_flow_style_and_anchors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (
+        "defaults: &d\n"
+        "  max_off_policy_steps: 8 # shared\n"
+        "run_a:\n"
+        "  <<: *d\n"
+        "  keys: {mean: 'off_policy/mean', max: \"off_policy/max\"}\n"
+    )
+    config = _write(tmp_path / "runs.yml", text)
+    assert migrate(capsys, "--write", str(config)).code == 0
+    assert config.read_text() == text.replace("max_off_policy_steps", "max_staleness").replace(
+        "'off_policy/mean'", "'staleness/rollout/mean'"
+    ).replace('"off_policy/max"', '"staleness/rollout/max"')
+
+
+def test_removed_keys_in_a_config_are_reported_for_a_human(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _write(tmp_path / "watch.json", '{"watch": ["off_policy/token/max", "off_policy/*"]}\n')
+    run = migrate(capsys, "--write", "--drop-removed", str(config))
+    assert config.read_text() == '{"watch": ["off_policy/token/max", "off_policy/*"]}\n'
+    assert "off_policy/token/max: removed" in run.out and "delete it from the config by hand" in run.out
+    assert "off_policy/*: not edited (old off_policy/ namespace" in run.out
+
+
+# -- dashboards, rules, W&B ----------------------------------------------------------------------------
+
+
+def test_json_escapes_are_rewritten_correctly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dashboard = {"schemaVersion": 39, "panels": [{"title": "x", "targets": [{"expr": "off_policy_mean"}]}]}
+    text = json.dumps(dashboard).replace('"x"', '"off_policy\\/mean"')  # an escaped slash
+    path = _write(tmp_path / "d.json", text)
+    assert migrate(capsys, "--write", str(path)).code == 0
+    migrated = json.loads(path.read_text())
+    assert migrated["panels"][0]["title"] == "staleness/rollout/mean"
+    assert migrated["panels"][0]["targets"][0]["expr"] == "rl_staleness_rollout_mean_steps"
+
+
+def test_prefixes_and_counter_notes_in_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (
+        "groups:\n"
+        "  - name: g\n"
+        "    rules:\n"
+        "      - alert: A\n"
+        "        expr: myteam_off_policy_mean > 3 or off_policy_dropped > 0\n"
+    )
+    rules = _write(tmp_path / "rules.yml", text)
+    run = migrate(capsys, "--check", str(rules))
+    assert "myteam_off_policy_mean: not edited (looks like a legacy series name" in run.out
+    assert "off_policy_dropped -> rl_staleness_rollouts_dropped_total (was a per-step gauge" in run.out
+    assert migrate(capsys, "--write", "--prometheus-prefix", "myteam_", str(rules)).code == 0
+    assert rules.read_text() == text.replace(
+        "myteam_off_policy_mean > 3 or off_policy_dropped > 0",
+        "rl_staleness_rollout_mean_steps > 3 or rl_staleness_rollouts_dropped_total > 0",
+    )
+
+
+def test_a_query_mixing_removed_and_renamed_series_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dashboard = {
+        "schemaVersion": 39,
+        "panels": [{"title": "gap", "targets": [{"expr": "off_policy_token_max - off_policy_max"}]}],
+    }
+    path = _write(tmp_path / "d.json", json.dumps(dashboard, indent=2))
+    run = migrate(capsys, "--write", "--drop-removed", str(path))
+    assert json.loads(path.read_text())["panels"][0]["targets"][0]["expr"] == (
+        "off_policy_token_max - rl_staleness_rollout_max_steps"
+    )
+    assert "off_policy_token_max: removed" in run.out
+
+
+def test_wandb_view_spec_in_camel_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    spec = {
+        "section": {
+            "panels": [
+                {
+                    "viewType": "Run History Line Plot",
+                    "config": {"metricRegex": "off_policy/in_queue/.*", "useMetricRegex": True},
+                },
+                {"viewType": "Run History Line Plot", "config": {"metrics": ["dispatcher/off_policy/mean"]}},
+                {"viewType": "Run History Line Plot", "config": {"metrics": ["staleness/mean", "loss"]}},
+            ]
+        }
+    }
+    path = _write(tmp_path / "view.json", json.dumps(spec, indent=1) + "\n")
+    assert migrate(capsys, "--write", "--drop-removed", str(path)).code == 0
+    panels = json.loads(path.read_text())["section"]["panels"]
+    assert [p["config"].get("metricRegex") or p["config"]["metrics"] for p in panels] == [
+        "^staleness/rollout/in_queue/(?:max|mean)$",
+        ["staleness/rollout/mean", "loss"],
+    ]
+
+
+def test_yaml_aliases_are_rewritten_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = "panels:\n  - title: a\n    y: [&k off_policy/mean]\n  - title: b\n    y: [*k]\n"
+    path = _write(tmp_path / "panels.yaml", text)
+    assert migrate(capsys, "--write", str(path)).code == 0
+    assert path.read_text() == text.replace("off_policy/mean", "staleness/rollout/mean")
+
+
+def test_rules_group_emptied_by_drop_removed_stays_valid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = (
+        "groups:\n  - name: g\n    rules:\n      - alert: Lag\n        expr: dispatcher_staleness_max > 2\n"
+    )
+    rules = _write(tmp_path / "r.yaml", text)
+    assert migrate(capsys, "--write", "--drop-removed", str(rules)).code == 0
+    assert rules.read_text() == "groups:\n  - name: g\n    rules:\n      []\n"
+
+
+# -- metrics history ---------------------------------------------------------------------------------
+
+
+def test_history_keeps_values_line_endings_and_marks_the_boundary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = [
+        '{"step": 1, "off_policy/mean": 1.50, "loss": 2e-3}',
+        '{"step": 2, "off_policy/mean": 0.1, "staleness/rollout/mean": 0.25}',
+        '{"step": 3, "staleness/rollout/mean": 1.0}',
+    ]
+    history = _write(tmp_path / "metrics.jsonl", "\r\n".join(lines))  # CRLF, no final newline
+    run = migrate(capsys, "--write", str(history))
+    assert "off_policy/mean -> staleness/rollout/mean" in run.out
+    assert "staleness/rollout/mean is already on the line" in run.out
+    assert history.read_bytes().decode() == "\r\n".join(
+        [
+            '{"step": 1, "staleness/rollout/mean": 1.50, "loss": 2e-3}',
+            lines[1],
+            json.dumps({"step": 2, MARKER_KEY: 2}),
+            lines[2],
+        ]
+    )
+    assert migrate(capsys, "--write", "--drop-removed", str(history)).code == 0
+    assert history.read_bytes().decode().splitlines()[1:3] == [
+        '{"step": 2, "staleness/rollout/mean": 0.25}',
+        json.dumps({"step": 2, MARKER_KEY: 2}),
+    ]
+    before = history.read_bytes()
+    assert migrate(capsys, "--write", "--drop-removed", str(history)).code == 0
+    assert history.read_bytes() == before
+
+
+def test_a_replay_event_stream_is_not_a_history(tmp_path: Path) -> None:
+    events = '{"type": "ship", "step": 1}\n'
+    assert detect_kind(tmp_path / "events.jsonl", events) is FileKind.TEXT
+    assert detect_kind(tmp_path / "metrics.jsonl", '{"step": 1, "loss": 1}\n') is FileKind.HISTORY
+
+
+def test_a_broken_history_line_stops_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = '{"step": 1, "off_policy/max": 2}\n{"step": 2, "off_policy/max": \n'
+    history = _write(tmp_path / "metrics.jsonl", text)
+    run = migrate(capsys, "--write", str(history))
+    assert run.code == 2 and "line 2: not a JSON object" in run.err
+    assert history.read_text() == text
+
+
+# -- plain text, walking and writing -----------------------------------------------------------------
+
+
+def test_plain_text_is_reported_never_edited(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    script = _write(
+        tmp_path / "launch.sh",
+        "uv run rl --orchestrator.max-off-policy-steps 8\n"
+        "# off_policy/max renamed  staleness-migrate: ignore\n",
+    )
+    (tmp_path / "blob.bin").write_bytes(b"\0off_policy/mean")
+    run = migrate(capsys, "--write", str(tmp_path))
+    assert run.code == 0
+    assert run.lines == [
+        f"{script}:1: max-off-policy-steps -> max-staleness: not edited "
+        "(this kind of file is only reported: edit by hand)"
+    ]
+    assert "blob.bin" not in run.out + run.err  # binary files met while walking are skipped silently
+    assert migrate(capsys, "--check", str(tmp_path)).code == 1
+
+
+def test_usage_errors_and_missing_files_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert migrate(capsys, "--check", "--write", str(tmp_path)).code == 2
+    missing = migrate(capsys, "--check", str(tmp_path / "nope.toml"))
+    assert missing.code == 2 and "cannot read" in missing.err
+
+
+def test_write_follows_symlinks_and_keeps_permissions(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real = _write(tmp_path / "real.toml", "max_off_policy_steps = 3\n")
+    real.chmod(0o640)
+    link = tmp_path / "link.toml"
+    link.symlink_to(real)
+    assert migrate(capsys, "--write", str(link)).code == 0
+    assert link.is_symlink()
+    assert real.read_text() == "max_staleness = 3\n"
+    assert stat.S_IMODE(os.stat(real).st_mode) == 0o640
+
+
+def test_a_file_changed_meanwhile_is_not_overwritten(tmp_path: Path) -> None:
+    config = _write(tmp_path / "c.toml", "max_off_policy_steps = 3\n")
+    result = migrate_file(config, Options())
+    assert result.new_text == "max_staleness = 3\n" and result.original is not None
+    config.write_text("max_off_policy_steps = 5\n")  # someone else edits it in between
+    with pytest.raises(OSError, match="changed while it was being migrated"):
+        write_atomically(config, result.original, result.new_text)
+    assert config.read_text() == "max_off_policy_steps = 5\n"

@@ -1,0 +1,136 @@
+"""``staleness-metrics report``: one self-contained page whose every chart renders in a real browser."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from PIL import Image
+
+from staleness_metrics.commands import report as report_command
+from staleness_metrics.demo import Simulation
+from staleness_metrics.html_report.svg import PALETTE
+
+from .chromium import Box, chart_boxes, requires_chromium, screenshot
+
+EXAMPLES = Path("/work/shared/examples")
+CHARTS = ["token-staleness", "masked", "in-flight-queue", "dropped-held", "heatmap", "what-if"]
+# The data marks each chart draws (solid fills and strokes in the report's palette).
+DATA_COLOURS = {
+    "token-staleness": [PALETTE[0]],
+    "masked": [PALETTE[3]],
+    "in-flight-queue": [PALETTE[0], PALETTE[1]],
+    "dropped-held": [PALETTE[3], PALETTE[5]],
+    "what-if": [PALETTE[3], PALETTE[4]],
+}
+
+
+def _report(tmp_path: Path, run: Path, *argv: str) -> Path:
+    out = tmp_path / "report.html"
+    parser = argparse.ArgumentParser(prog="staleness-metrics")
+    report_command.register(parser.add_subparsers())
+    args = parser.parse_args(["report", str(run), "-o", str(out), *argv])
+    assert args.func(args) == 0
+    return out
+
+
+def _demo_events(path: Path, steps: int = 15) -> Path:
+    with path.open("w") as handle:
+        for _, step in zip(range(steps), Simulation(2).steps(), strict=False):
+            handle.writelines(json.dumps(e) + "\n" for e in step.events())
+    return path
+
+
+def _rgb(colour: str) -> npt.NDArray[np.int16]:
+    return np.array([int(colour[i : i + 2], 16) for i in (1, 3, 5)], dtype=np.int16)
+
+
+def _pixels(image: npt.NDArray[np.uint8], box: Box) -> npt.NDArray[np.int16]:
+    return image[box.y : box.y + box.h, box.x : box.x + box.w].astype(np.int16).reshape(-1, 3)
+
+
+def _count(pixels: npt.NDArray[np.int16], colour: str) -> int:
+    return int((np.abs(pixels - _rgb(colour)).max(axis=1) <= 6).sum())
+
+
+def _blue_shades(pixels: npt.NDArray[np.int16]) -> int:
+    blue = pixels[(pixels[:, 2] - pixels[:, 0] > 30) & (pixels[:, 2] < 250)]
+    return len({tuple(p) for p in blue.tolist()})
+
+
+def _render(page: Path, tmp_path: Path) -> tuple[npt.NDArray[np.uint8], dict[str, Box]]:
+    height, boxes = chart_boxes(page)
+    png = tmp_path / "report.png"
+    assert screenshot(page, png, height) == []  # no script error, nothing refused, nothing logged
+    image = np.asarray(Image.open(png).convert("RGB"))
+    assert image.shape[0] >= max(b.y + b.h for b in boxes)
+    return image, {b.key: b for b in boxes}
+
+
+def _assert_drawn(image: npt.NDArray[np.uint8], box: Box) -> None:
+    pixels = _pixels(image, box)
+    assert box.w > 600 and box.h > 150, box
+    ink = (pixels < 235).any(axis=1).mean()
+    assert ink > 0.01, f"{box.key} is blank"
+    if box.key == "heatmap":
+        assert _blue_shades(pixels) >= 5, "the heatmap has no shaded cells"
+    else:
+        for colour in DATA_COLOURS[box.key]:
+            assert _count(pixels, colour) >= 20, f"{box.key}: no marks in {colour}"
+
+
+@requires_chromium
+def test_every_chart_renders_in_headless_chromium(tmp_path: Path) -> None:
+    events = _demo_events(tmp_path / "events.jsonl")
+    # A tight bound, so that masking, drops and the what-if curve all have something to show.
+    page = _report(tmp_path, events, "--bound", "2", "--max-staleness", "0..6")
+    image, boxes = _render(page, tmp_path)
+    assert list(boxes) == CHARTS
+    for key in CHARTS:
+        _assert_drawn(image, boxes[key])
+
+
+@requires_chromium
+def test_a_logged_metrics_file_says_what_it_cannot_draw(tmp_path: Path) -> None:
+    page = _report(tmp_path, EXAMPLES / "prime-rl-run" / "metrics.jsonl")
+    html = page.read_text()
+    assert "needs rollouts: logged metrics carry no histogram" in html
+    image, boxes = _render(page, tmp_path)
+    _assert_drawn(image, boxes["in-flight-queue"])  # legacy off_policy/* keys, renamed
+    for key in ("heatmap", "what-if"):
+        pixels = _pixels(image, boxes[key])
+        assert (pixels < 235).any(axis=1).mean() > 0.001  # the placeholder text is there...
+        assert _blue_shades(pixels) < 5 and _count(pixels, PALETTE[3]) == 0  # ...and no data marks
+
+
+def test_the_page_fetches_nothing(tmp_path: Path) -> None:
+    html = _report(tmp_path, EXAMPLES / "xtuner-states.jsonl", "--bound", "1").read_text()
+    assert 'http-equiv="Content-Security-Policy" content="default-src \'none\'' in html
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
+    assert "url(" not in html and "@import" not in html and "<script" not in html
+    # The only URL in the page is the SVG namespace, which is a name, not a fetch.
+    assert set(re.findall(r"https?://[^\s\"'<>]+", html)) == {"http://www.w3.org/2000/svg"}
+
+
+def test_a_prime_rl_report_puts_the_logged_values_beside_the_recomputed_ones(tmp_path: Path) -> None:
+    html = _report(tmp_path, EXAMPLES / "prime-rl-run", "--policy", "episode").read_text()
+    assert "20 of 20 logged steps equal the recomputed values exactly." in html
+    assert "All 140 values" in html
+    what_if_rows = re.findall(r"<tr(?: class=current)?><td>(\d+)</td>", html)
+    assert what_if_rows[:9] == [str(b) for b in range(9)]  # default what-if range 0..8
+    assert re.search(r"<tr class=current><td>8</td>", html)  # the replayed bound is highlighted
+
+
+def test_report_options_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser(prog="staleness-metrics")
+    report_command.register(parser.add_subparsers())
+    args = parser.parse_args(["report", str(EXAMPLES / "xtuner-states.jsonl"), "-o", str(tmp_path / "r.html"),
+                              "--max-staleness", "4..1"])  # fmt: skip
+    assert args.func(args) == 2
+    assert "start is above the end" in capsys.readouterr().err
+    assert not (tmp_path / "r.html").exists()

@@ -1,0 +1,296 @@
+"""A real Prometheus server on loopback for tests: scrape targets, then ask PromQL over the HTTP API.
+
+Reusable by any test module::
+
+    from tests.support.prometheus import PrometheusServer, requires_prometheus
+
+    @requires_prometheus
+    def test_something(tmp_path):
+        with PrometheusServer(tmp_path, targets=["127.0.0.1:9487"]) as prom:
+            prom.wait_until(lambda: prom.query_value('rl_staleness_train_step') == 3)
+
+or through the ``prometheus_server`` fixture factory (import it into your conftest.py):
+``server = prometheus_server(targets=[...])``. Skipped (with the reason) only when the ``prometheus``
+binary is missing locally; CI installs Debian's ``prometheus`` 2.42.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pytest
+
+__all__ = [
+    "PrometheusServer",
+    "PushgatewayServer",
+    "free_port",
+    "prometheus_server",
+    "promtool_check_metrics",
+    "requires_prometheus",
+    "requires_promtool",
+    "requires_pushgateway",
+]
+
+PROMETHEUS = shutil.which("prometheus")
+PROMTOOL = shutil.which("promtool")
+PUSHGATEWAY = shutil.which("prometheus-pushgateway") or shutil.which("pushgateway")
+
+requires_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None, reason="the prometheus binary is not installed (CI installs Debian's prometheus)"
+)
+requires_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is not installed (CI installs Debian's prometheus)"
+)
+requires_pushgateway = pytest.mark.skipif(
+    PUSHGATEWAY is None,
+    reason="prometheus-pushgateway is not installed (CI installs Debian's prometheus-pushgateway)",
+)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def promtool_check_metrics(exposition: bytes) -> subprocess.CompletedProcess[str]:
+    """Run ``promtool check metrics`` on a text exposition (exit 0 = clean)."""
+    assert PROMTOOL is not None
+    return subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=exposition.decode(), capture_output=True, text=True, timeout=60
+    )
+
+
+class PrometheusServer:
+    """``prometheus`` on 127.0.0.1 scraping ``targets`` every ``scrape_interval`` (job ``job``)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        targets: Sequence[str],
+        *,
+        job: str = "staleness",
+        scrape_interval: str = "1s",
+        extra_flags: Sequence[str] = (),
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.targets = list(targets)
+        self.job = job
+        self.scrape_interval = scrape_interval
+        self.extra_flags = list(extra_flags)
+        self.port = 0
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _write_config(self) -> Path:
+        config = self.workdir / "prometheus.yml"
+        targets = ", ".join(json.dumps(t) for t in self.targets)
+        config.write_text(
+            "global:\n"
+            f"  scrape_interval: {self.scrape_interval}\n"
+            f"  evaluation_interval: {self.scrape_interval}\n"
+            "scrape_configs:\n"
+            f"  - job_name: {json.dumps(self.job)}\n"
+            f"    scrape_interval: {self.scrape_interval}\n"
+            f"    scrape_timeout: {self.scrape_interval}\n"
+            "    static_configs:\n"
+            f"      - targets: [{targets}]\n"
+        )
+        return config
+
+    def start(self, ready_timeout: float = 60.0) -> PrometheusServer:
+        if PROMETHEUS is None:
+            pytest.skip("the prometheus binary is not installed (CI installs Debian's prometheus)")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        config = self._write_config()
+        self.port = free_port()
+        log = (self.workdir / "prometheus.log").open("wb")
+        self._process = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={self.workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+                *self.extra_flags,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"prometheus exited: {self.log_text()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"prometheus not ready after {ready_timeout} s: {self.log_text()}")
+
+    def log_text(self) -> str:
+        path = self.workdir / "prometheus.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> PrometheusServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ----------------------------------------------------------------- PromQL
+    def api(self, path: str, **params: str) -> Any:
+        query = urllib.parse.urlencode(params)
+        with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query}", timeout=10) as response:
+            body = json.loads(response.read())
+        if body.get("status") != "success":
+            raise AssertionError(f"Prometheus API {path} {params}: {body}")
+        return body["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """Instant query now; the ``result`` list of a vector (``metric`` labels and ``value``)."""
+        data = self.api("query", query=expr)
+        result: list[dict[str, Any]] = data["result"]
+        return result
+
+    def query_value(self, expr: str) -> float | None:
+        """The value of an instant query that returns one series (None when it returns none)."""
+        result = self.query(expr)
+        if not result:
+            return None
+        if len(result) > 1:
+            raise AssertionError(f"{expr} returned {len(result)} series: {result}")
+        return float(result[0]["value"][1])
+
+    def query_values(self, expr: str, by: str) -> dict[str, float]:
+        """Series of an instant query keyed by the value of label ``by``."""
+        return {r["metric"].get(by, ""): float(r["value"][1]) for r in self.query(expr)}
+
+    def targets_up(self) -> bool:
+        """Every configured target was scraped successfully at least once."""
+        return self.query_value(f'count(up{{job="{self.job}"}} == 1)') == len(self.targets)
+
+    def wait_until(
+        self, condition: Callable[[], bool], timeout: float = 60.0, interval: float = 0.25
+    ) -> None:
+        """Poll ``condition`` until it holds; fails the test (with Prometheus's log) after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if condition():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"condition not met within {timeout} s; prometheus log:\n{self.log_text()}"
+                )
+            time.sleep(interval)
+
+
+class PushgatewayServer:
+    """``prometheus-pushgateway`` on 127.0.0.1 (a free port unless ``port`` is given)."""
+
+    def __init__(self, workdir: Path, port: int = 0) -> None:
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, ready_timeout: float = 60.0) -> PushgatewayServer:
+        if PUSHGATEWAY is None:
+            pytest.skip("prometheus-pushgateway is not installed")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = (self.workdir / "pushgateway.log").open("wb")
+        self._process = subprocess.Popen(
+            [PUSHGATEWAY, f"--web.listen-address={self.address}", "--log.level=warn"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError("pushgateway exited: " + (self.workdir / "pushgateway.log").read_text())
+            try:
+                with urllib.request.urlopen(f"http://{self.address}/-/ready", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"pushgateway not ready after {ready_timeout} s")
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"http://{self.address}/metrics", timeout=10) as response:
+            text: str = response.read().decode()
+            return text
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> PushgatewayServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+@pytest.fixture
+def prometheus_server(tmp_path: Path) -> Iterator[Callable[..., PrometheusServer]]:
+    """Factory fixture: ``prometheus_server(targets=[...], **options)`` starts a server (stopped at
+    teardown)."""
+    started: list[PrometheusServer] = []
+
+    def start(targets: Sequence[str], **options: Any) -> PrometheusServer:
+        server = PrometheusServer(tmp_path / f"prometheus-{len(started)}", targets, **options)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()

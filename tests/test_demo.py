@@ -1,0 +1,157 @@
+"""``staleness-metrics demo``: the first command a newcomer runs, checked the way they would see it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+
+from staleness_metrics.adapters import as_replay_events
+from staleness_metrics.adapters.events import read_event_file
+from staleness_metrics.config import StalenessConfig
+from staleness_metrics.demo import Simulation
+from staleness_metrics.replay import replay
+from tests.exporters.wandb_reader import find_run_file, read_run
+from tests.support.otlp import OtlpReceiver, metrics_by_name
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _start_demo(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "staleness_metrics.cli", "demo", "--prometheus-port", "0",
+               "--out-dir", str(tmp_path / "out"), *args]  # fmt: skip
+    # No OTLP endpoint leaks in from the caller's environment: the tests that want one pass it.
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    environment.update({"PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **(env or {})})
+    return subprocess.Popen(
+        command, cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _lines(stream: IO[str]) -> Iterator[str]:
+    for line in stream:
+        yield line.rstrip("\n")
+
+
+def _step_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("step ")]
+
+
+def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Path) -> None:
+    demo = _start_demo(tmp_path, "--steps", "8", "--speed", "2", "--no-wandb")
+    try:
+        assert demo.stdout is not None
+        seen: list[str] = []
+        lines = _lines(demo.stdout)
+        for line in lines:
+            seen.append(line)
+            if line.startswith("step 1 "):
+                break
+        url = next(line.split(": ", 1)[1] for line in seen if line.startswith("metrics URL: "))
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        # Seven more steps at 2 a second: the endpoint is scraped while the demo still runs.
+        with urllib.request.urlopen(url, timeout=30) as response:
+            body = response.read().decode()
+        assert demo.poll() is None
+        assert 'rl_staleness_train_step{run="staleness-demo"}' in body
+        assert "rl_staleness_token_steps_bucket" in body
+        seen.extend(lines)
+        assert demo.wait() == 0
+    finally:
+        demo.kill()
+        demo.wait()
+    steps = _step_lines(seen)
+    assert [line.split(" | ")[0] for line in steps] == [f"step {i}" for i in range(1, 9)]
+    assert all("| Max Staleness " in line for line in steps)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert all("staleness/rollout/max" in row and "staleness/env/math/token/mean" in row for row in rows)
+
+
+def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
+    demo = _start_demo(tmp_path, "--steps", "100000", "--speed", "5", "--no-wandb")
+    try:
+        assert demo.stdout is not None and demo.stderr is not None
+        seen = []
+        for line in _lines(demo.stdout):
+            seen.append(line)
+            if line.startswith("step 3 "):
+                break
+        demo.send_signal(signal.SIGINT)
+        out, err = demo.communicate()
+    finally:
+        demo.kill()
+        demo.wait()
+    seen.extend(out.splitlines())
+    assert demo.returncode in (0, 130)
+    assert "Traceback" not in err and "Traceback" not in out
+    assert any(line.startswith("interrupted after") for line in seen)
+    printed = len(_step_lines(seen))
+    written = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert printed >= 3 and len(written) == printed  # every step shown was also written, whole
+
+
+def test_demo_logs_an_offline_wandb_run_and_exports_otlp_when_configured(tmp_path: Path) -> None:
+    with OtlpReceiver() as receiver:
+        env = {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": receiver.endpoint, "WANDB_MODE": "offline"}
+        demo = _start_demo(tmp_path, "--steps", "5", "--speed", "0", env=env)
+        out, err = demo.communicate()
+        assert demo.returncode == 0, err
+        requests = receiver.wait_for(1)
+    assert "OTLP:" in out and "W&B offline run:" in out
+    steps = [
+        p.as_int for r in requests for p in metrics_by_name(r)["rl.staleness.train.step"].gauge.data_points
+    ]
+    assert max(steps) == 5
+    history = read_run(find_run_file(tmp_path / "out" / "wandb")).history
+    logged = [row for row in history if "staleness/rollout/max" in row]
+    assert [row["trainer/step"] for row in logged] == [1, 2, 3, 4, 5]
+
+
+def test_the_simulation_is_an_async_pipeline_and_a_seed_replays_it() -> None:
+    def first_steps(seed: int, count: int = 12) -> list[dict[str, Any]]:
+        simulation = Simulation(seed)
+        events = []
+        for _, step in zip(range(count), simulation.steps(), strict=False):
+            events.extend(step.events())
+        return events
+
+    events = first_steps(3)
+    assert events == first_steps(3)
+    assert events != first_steps(4)
+    rollouts = [e["rollout"] for e in events if e["type"] == "rollout"]
+    assert {r["env"] for r in rollouts} >= {"math", "code", "agent", "frozen-teacher"}
+    frozen = [r for r in rollouts if r.get("source") == "frozen"]
+    assert 0 < len(frozen) < len(rollouts) / 3
+    groups: dict[object, int] = {}
+    for r in rollouts:
+        groups[r["group_id"]] = groups.get(r["group_id"], 0) + 1
+    assert max(groups.values()) == 4  # GRPO groups of 4
+    # Weights change in the middle of responses: some samples hold several version spans.
+    assert any(len(s.get("weight_versions", [])) > 1 for r in rollouts for s in r["samples"])
+    assert len({len(s["mask"]) for r in rollouts for s in r["samples"]}) > 50  # varying lengths
+
+
+def test_the_demo_event_file_replays_to_the_metrics_it_logged(tmp_path: Path) -> None:
+    demo = _start_demo(tmp_path, "--steps", "20", "--speed", "0", "--no-wandb", "--max-staleness", "4")
+    _, err = demo.communicate()
+    assert demo.returncode == 0, err
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    events = read_event_file(tmp_path / "out" / "events.jsonl")
+    config = StalenessConfig(max_staleness=4, env_breakdown=True)
+    replayed = [s.report.row() for s in replay(as_replay_events(events), config)]
+    assert len(replayed) == 20
+    for mine, theirs in zip(replayed, logged, strict=True):
+        assert set(mine) == set(theirs)
+        for key, value in mine.items():
+            assert theirs[key] == pytest.approx(value), key
+    assert any(row.get("staleness/token/masked", 0) > 0 for row in logged)  # the bound bit at 4

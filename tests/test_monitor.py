@@ -1,0 +1,181 @@
+"""StalenessMonitor: the orchestrator plugin around the real sink, with its exporters."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from staleness_metrics.config import StalenessConfig
+from staleness_metrics.errors import ConfigError, TraceError
+from staleness_metrics.exporters import ConsoleExporter, JsonlExporter, PrometheusExporter
+from staleness_metrics.exporters.base import ExportContext
+from staleness_metrics.monitor import StalenessMonitor
+from staleness_metrics.report import StepReport
+from staleness_metrics.sink import Sink
+from tests.exporters.reports import CONFIG, ship_script
+
+# SPEC 3 example: positions 0-1 sampled by version 3, position 2 by version 4 (mask 0 there)
+ROLLOUT = {
+    "id": "r1",
+    "dispatch_version": 3,
+    "samples": [{"mask": [1, 1, 0], "weight_versions": [[3, 0], [4, 2]]}],
+}
+
+
+class Recorder:
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.reports: list[StepReport] = []
+        self.context: ExportContext | None = None
+        self.closed = 0
+
+    def attach(self, context: ExportContext) -> None:
+        self.context = context
+
+    def export(self, report: StepReport) -> None:
+        self.reports.append(report)
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class Broken:
+    name = "broken"
+
+    def export(self, report: StepReport) -> None:
+        raise RuntimeError("exporter bug")
+
+    def close(self) -> None:
+        raise RuntimeError("close bug")
+
+
+def test_ship_masks_like_the_sink_and_returns_its_metrics() -> None:
+    config = StalenessConfig(max_staleness=1)
+    stale = {
+        "id": "r2",
+        "dispatch_version": 0,
+        "samples": [{"mask": [1, 1, 1, 1], "weight_versions": [[0, 0], [4, 2]]}],
+    }
+    sink = Sink(config)
+    sink.add([ROLLOUT, stale])
+    expected = sink.ship(6)
+    recorder = Recorder()
+    with StalenessMonitor(config, [recorder], run="exp") as monitor:
+        monitor.add([ROLLOUT, stale])
+        shipment = monitor.ship(6)
+    assert dict(shipment.metrics) == dict(expected.metrics)
+    assert [r.record() for r in shipment.rollouts] == [r.record() for r in expected.rollouts]
+    masked = next(r.record() for r in shipment.rollouts if r.id == "r2")
+    assert masked["samples"][0]["mask"] == [0, 0, 1, 1]  # version 0 is 5 behind T=5: masked
+    assert recorder.reports == [shipment.report]
+    # r1's two sampled positions (version 3) are both masked: its only sample, and so r1, is dropped
+    assert shipment.dropped_rollouts == ("r1",) and shipment.metrics["staleness/rollout/dropped"] == 1
+    assert shipment.metrics["staleness/token/masked"] == 0.5
+
+
+def test_exporters_get_every_report_in_order_with_the_run_context() -> None:
+    recorder = Recorder()
+    config = StalenessConfig(max_staleness=3, env_breakdown=True)
+    monitor = StalenessMonitor(config, [recorder], run="exp-7")
+    steps = []
+    for records, step in ship_script(4):
+        monitor.add(records)
+        monitor.sweep(step)
+        steps.append(monitor.ship(step).step)
+    monitor.close()
+    assert [r.step for r in recorder.reports] == steps
+    assert recorder.context is not None
+    assert recorder.context.run == "exp-7" and recorder.context.env_breakdown
+    assert recorder.context.errors is monitor.export_errors
+
+
+def test_a_raising_exporter_is_counted_and_never_reaches_the_caller() -> None:
+    recorder = Recorder()
+    monitor = StalenessMonitor(CONFIG, [Broken(), recorder], run="r")
+    monitor.add([ROLLOUT])
+    shipment = monitor.ship(5)  # Broken.export raised inside
+    assert recorder.reports == [shipment.report]  # the exporters after it still got the report
+    assert monitor.export_errors.count("broken") == 1
+    monitor.close()  # Broken.close raised inside too
+    monitor.close()  # and closing twice is harmless
+    assert monitor.export_errors.count("broken") == 2
+    assert recorder.closed == 1
+
+
+def test_invalid_input_still_raises_in_strict_mode() -> None:
+    with StalenessMonitor(CONFIG, []) as monitor, pytest.raises(TraceError, match="dispatch_version"):
+        monitor.add({"id": "bad", "samples": [{"mask": [1]}]})
+
+
+def test_config_and_sink_must_agree() -> None:
+    with pytest.raises(ConfigError):
+        StalenessMonitor(StalenessConfig(max_staleness=2), sink=Sink(StalenessConfig(max_staleness=3)))
+    monitor = StalenessMonitor(sink=Sink(StalenessConfig(max_staleness=3)))
+    assert monitor.config.max_staleness == 3
+
+
+def test_close_flushes_queued_exporters(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    monitor = StalenessMonitor(CONFIG, [JsonlExporter(path)])
+    for records, step in ship_script(5):
+        monitor.add(records)
+        monitor.ship(step)
+    monitor.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [8, 9, 10, 11, 12]
+
+
+def test_adds_and_ships_from_two_threads_conserve_every_rollout() -> None:
+    monitor = StalenessMonitor(CONFIG, [])
+    script = list(ship_script(30, per_step=4))
+    added = threading.Event()
+    shipped: list[Any] = []
+
+    def producer() -> None:
+        for records, _ in script:
+            monitor.add(records)
+        added.set()
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    step = script[-1][1] + 1  # versions in the script never exceed this step's T
+    while not added.is_set():
+        shipped.append(monitor.ship(step))
+    thread.join()
+    shipped.append(monitor.ship(step))
+    monitor.close()
+    shipped_ids = [r.id for s in shipped for r in s.rollouts]
+    dropped_ids = [i for s in shipped for i in s.dropped_rollouts]
+    all_ids = [r["id"] for records, _ in script for r in records]
+    assert sorted(shipped_ids + dropped_ids) == sorted(all_ids)
+
+
+def test_readme_example(capsys: pytest.CaptureFixture[str]) -> None:
+    """The five lines of the README (with port=0 instead of the default 9487)."""
+    rollouts, step = [ROLLOUT], 5
+    # --- README ---
+    monitor = StalenessMonitor(
+        StalenessConfig(max_staleness=8), [PrometheusExporter(port=0), ConsoleExporter()], run="exp-42"
+    )
+    monitor.add(rollouts)  # whenever rollouts finish (SPEC 3 records)
+    shipment = monitor.ship(step)  # in the batch callback: masks the batch, exports without blocking
+    batch, metrics = [r.record() for r in shipment.rollouts], shipment.metrics  # train on it; log the dict
+    monitor.close()  # at the end of training: flushes the exporters
+    # --- end ---
+    assert batch[0]["id"] == "r1" and metrics["staleness/rollout/max"] == 1
+    assert capsys.readouterr().out.startswith("step 5 | Max Staleness 1 | ")
+
+
+def test_console_through_the_monitor_uses_the_metrics_dict() -> None:
+    stream = io.StringIO()
+    with StalenessMonitor(StalenessConfig(max_staleness=8), [ConsoleExporter(stream)]) as monitor:
+        monitor.add([ROLLOUT])
+        monitor.ship(5)
+    assert (
+        stream.getvalue() == "step 5 | Max Staleness 1 | token mean 1.00 | masked 0.0% | dropped 0 rollouts\n"
+    )

@@ -1,0 +1,167 @@
+"""``what-if``: the run replayed at each bound; at the run's own bound it equals the replay."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from staleness_metrics.adapters import as_replay_events, detect_and_read, read_xtuner_states
+from staleness_metrics.cli import main
+from staleness_metrics.commands import what_if as what_if_command
+from staleness_metrics.config import PolicyName, StalenessConfig
+from staleness_metrics.demo import Simulation
+from staleness_metrics.errors import ConfigError
+from staleness_metrics.replay import replay
+from staleness_metrics.what_if import parse_bounds, run_tally, what_if
+
+EXAMPLES = Path("/work/shared/examples")
+
+
+def _what_if_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="staleness-metrics")
+    what_if_command.register(parser.add_subparsers())
+    args = parser.parse_args(["what-if", *argv])
+    code = args.func(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _demo_events(steps: int = 25, seed: int = 1) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for _, step in zip(range(steps), Simulation(seed).steps(), strict=False):
+        events.extend(step.events())
+    return events
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_bounds_are_parsed_as_written() -> None:
+    assert parse_bounds("0..3") == [0, 1, 2, 3]
+    assert parse_bounds(" 2 .. 2 ") == [2]
+    assert parse_bounds("4") == [4]
+    assert parse_bounds("8,2,4,2") == [2, 4, 8]
+    for bad in ("3..1", "a..b", "x", "-1", "1,,2"):
+        with pytest.raises(ConfigError):
+            parse_bounds(bad)
+
+
+def _sampled_per_ship(events: list[dict[str, Any]], lines: list[dict[str, Any]]) -> list[int]:
+    """Sampled positions (as they arrived) of each ship's live samples, from the original events."""
+    original = {e["rollout"]["id"]: e["rollout"] for e in events if e["type"] == "rollout"}
+    dropped = {(i, k) for line in lines for i, k in line["dropped_samples"]}
+    return [
+        sum(
+            sum(sample["mask"])
+            for r in line["shipped"]
+            if original[r["id"]].get("source") != "frozen"
+            for k, sample in enumerate(original[r["id"]]["samples"])
+            if (r["id"], k) not in dropped
+        )
+        for line in lines
+    ]
+
+
+@pytest.mark.parametrize(
+    ("run", "policy", "bound"),
+    [
+        ("prime-rl-run", "episode", 3),
+        ("prime-rl-run", "token", 5),
+        ("xtuner-states.jsonl", "token", 1),
+        ("demo", "token", 2),
+    ],
+)
+def test_what_if_at_the_replayed_bound_equals_the_replay(
+    tmp_path: Path, run: str, policy: PolicyName, bound: int
+) -> None:
+    source = EXAMPLES / run
+    if run == "demo":
+        source = tmp_path / "events.jsonl"
+        source.write_text("".join(json.dumps(e) + "\n" for e in _demo_events(steps=15)))
+    metrics, batches = tmp_path / "metrics.jsonl", tmp_path / "batches.jsonl"
+    argv = ["replay", str(source), "--policy", policy, "--max-staleness", str(bound)]
+    assert main([*argv, "--metrics-out", str(metrics), "--batches-out", str(batches)]) == 0
+    rows, lines = _jsonl(metrics), _jsonl(batches)
+    (mine,) = what_if(source, [bound], StalenessConfig(policy=policy))
+    assert mine.max_staleness == bound
+    assert mine.rollouts_dropped == sum(r["staleness/rollout/dropped"] for r in rows) > 0
+    assert mine.samples_dropped == sum(r["staleness/sample/dropped"] for r in rows)
+    assert mine.samples_dropped == sum(len(line["dropped_samples"]) for line in lines)
+    assert mine.rollouts_held == sum(r["staleness/rollout/held"] for r in rows)
+    # The replay's per-ship masked ratios, weighted by each ship's sampled tokens, give the run's figures.
+    sampled = _sampled_per_ship(list(detect_and_read(source, max_staleness=bound)), lines)
+    masked = sum(r.get("staleness/token/masked", 0.0) * n for r, n in zip(rows, sampled, strict=True))
+    assert mine.tokens_sampled == sum(sampled)
+    assert mine.tokens_masked == round(masked)
+    assert mine.tokens_kept == sum(sampled) - round(masked)
+
+
+def test_the_xtuner_example_at_its_bound_matches_the_one_ship_the_replay_reports(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    argv = [
+        "replay",
+        str(EXAMPLES / "xtuner-states.jsonl"),
+        "--max-staleness",
+        "1",
+        "--metrics-out",
+        str(metrics),
+    ]
+    assert main(argv) == 0
+    (row,) = _jsonl(metrics)
+    (mine,) = what_if(EXAMPLES / "xtuner-states.jsonl", [1])
+    assert mine.masked_ratio == pytest.approx(row["staleness/token/masked"])
+    assert mine.rollouts_dropped == row["staleness/rollout/dropped"] == 2
+    assert mine.tokens_kept == mine.tokens_sampled - mine.tokens_masked
+
+
+def test_a_looser_bound_never_drops_or_masks_more_on_the_demo_run() -> None:
+    events = _demo_events(steps=12)
+    kept = copy.deepcopy(events)
+    rows = what_if(events, range(11))
+    assert events == kept  # the caller's event dicts are not masked in place
+    dropped = [r.rollouts_dropped for r in rows]
+    masked = [r.tokens_masked + r.tokens_dropped for r in rows]
+    assert dropped == sorted(dropped, reverse=True) and dropped[0] > 0
+    assert masked == sorted(masked, reverse=True) and masked[0] > masked[-1]
+    # Each row is the replay at that bound.
+    for row in (rows[1], rows[5]):
+        tally = run_tally(replay(as_replay_events(events), StalenessConfig(max_staleness=row.max_staleness)))
+        assert (row.tokens_sampled, row.tokens_masked, row.rollouts_dropped) == (
+            tally.tokens_sampled,
+            tally.tokens_masked,
+            tally.rollouts_dropped,
+        )
+
+
+def test_the_command_prints_a_table_or_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _what_if_cli(capsys, str(EXAMPLES / "xtuner-states.jsonl"), "--max-staleness", "0..3")
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[0].split()[0] == "max_staleness" and len(lines) == 2 + 4
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1", "2", "3"]
+    code, out, _ = _what_if_cli(
+        capsys, str(EXAMPLES / "xtuner-states.jsonl"), "--max-staleness", "1", "--policy", "xtuner", "--json"
+    )
+    assert code == 0
+    (row,) = json.loads(out)
+    (expected,) = what_if(EXAMPLES / "xtuner-states.jsonl", [1], StalenessConfig(policy="xtuner"))
+    assert row == expected.as_dict()
+
+
+def test_the_command_explains_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = _what_if_cli(capsys, str(EXAMPLES / "xtuner-states.jsonl"), "--max-staleness", "5..2")
+    assert code == 2 and "start is above the end" in err
+    code, _, err = _what_if_cli(capsys, str(tmp_path / "missing.jsonl"))
+    assert code == 2 and "no such file" in err
+    states = read_xtuner_states(EXAMPLES / "xtuner-states.jsonl").events
+    states[0]["rollout"]["samples"][0]["mask"] = [2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(e) + "\n" for e in states))
+    code, _, err = _what_if_cli(capsys, str(bad))
+    assert code == 2 and "line 1" in err and "rollout '1'" in err
