@@ -13,6 +13,7 @@ from .config import StalenessConfig
 from .decision import Decision, Judgement
 from .errors import ConfigError, EventError, StalenessError, TraceError
 from .metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
+from .monitor import StalenessMonitor
 from .policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
 from .replay import read_events, run_events
 from .report import StepReport, Tally
@@ -37,6 +38,7 @@ __all__ = [
     "Sink",
     "StalenessConfig",
     "StalenessError",
+    "StalenessMonitor",
     "StepReport",
     "Tally",
     "TokenPolicy",

@@ -277,7 +277,7 @@ METRICS: tuple[MetricDef, ...] = (
         "Token staleness of shipped sampled positions, in policy versions (integer buckets).",
         Source.TOKEN_HISTOGRAM,
         MetricKind.HISTOGRAM,
-        None,
+        "staleness/token/histogram",
         "rl_staleness_token_steps",
         "rl.staleness.token.steps",
         _STEP,

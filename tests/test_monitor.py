@@ -176,6 +176,4 @@ def test_console_through_the_monitor_uses_the_metrics_dict() -> None:
     with StalenessMonitor(StalenessConfig(max_staleness=8), [ConsoleExporter(stream)]) as monitor:
         monitor.add([ROLLOUT])
         monitor.ship(5)
-    assert (
-        stream.getvalue() == "step 5 | Max Staleness 1 | token mean 1.00 | masked 0.0% | dropped 0 rollouts\n"
-    )
+    assert stream.getvalue() == "step 5 | Max Staleness 1 | token mean 1.00 | masked 0.0% | dropped 0 rollouts\n"

@@ -51,9 +51,7 @@ def sweep(step: int) -> dict[str, Any]:
         (4, 4, (0, 0, 0)),
     ],
 )
-def test_prime_rl_episode_arithmetic_at_step_5(
-    dispatch: int, completion: int, expected: tuple[int, int, int]
-) -> None:
+def test_prime_rl_episode_arithmetic_at_step_5(dispatch: int, completion: int, expected: tuple[int, int, int]) -> None:
     events = [rollout("a", dispatch, completion_version=completion), ship(5)]
     (metrics,), _ = replay_reference(events, policy="episode", max_staleness=8)
     got = (
@@ -106,9 +104,7 @@ def test_token_bound_trains_and_stale_position_is_zeroed_in_all_four_arrays() ->
         "ce_weights": [1.0, 1.0, 1.0, 1.0],
         "ref_kl_weights": [0.5, 0.5, 0.5, 0.5],
     }
-    (metrics,), (batch,) = replay_reference(
-        [rollout("a", 2, sample), ship(6)], policy="token", max_staleness=2
-    )
+    (metrics,), (batch,) = replay_reference([rollout("a", 2, sample), ship(6)], policy="token", max_staleness=2)
     (shipped,) = batch["shipped"]
     out = shipped["samples"][0]
     assert out["mask"] == [0, 1, 0, 1]
@@ -128,9 +124,7 @@ def test_token_bound_trains_and_stale_position_is_zeroed_in_all_four_arrays() ->
 def test_unlabelled_positions_take_the_dispatch_version() -> None:
     # Spans start at 2: positions 0-1 are unlabelled (dispatch 1), 2-3 have version 4, 4 is -1.
     sample = {"mask": [1, 1, 1, 1, 1], "weight_versions": [[4, 2], [-1, 4]]}
-    (metrics,), (batch,) = replay_reference(
-        [rollout("a", 1, sample), ship(6)], policy="token", max_staleness=3
-    )
+    (metrics,), (batch,) = replay_reference([rollout("a", 1, sample), ship(6)], policy="token", max_staleness=3)
     # T = 5, B = 2: unlabelled positions are version 1 -> staleness 4 -> masked; version 4 trains.
     assert batch["shipped"][0]["samples"][0]["mask"] == [0, 0, 1, 1, 0]
     assert metrics["staleness/token/unlabelled"] == pytest.approx(3 / 5)
@@ -264,9 +258,7 @@ def test_xtuner_thresholds_scale_with_sync_interval() -> None:
 
 def test_xtuner_labels_on_mask_0_positions_count_for_sequence_staleness() -> None:
     sample = {"mask": [0, 1], "token_versions": [0, 5]}
-    (metrics,), (batch,) = replay_reference(
-        [rollout("a", 5, sample), ship(6)], policy="xtuner", max_staleness=3
-    )
+    (metrics,), (batch,) = replay_reference([rollout("a", 5, sample), ship(6)], policy="xtuner", max_staleness=3)
     assert batch["dropped_rollouts"] == ["a"]  # T - 0 = 5 >= (3 + 1) * 1
     assert metrics["staleness/sample/dropped"] == 1
 
@@ -396,9 +388,7 @@ def test_conservation_and_batches_agree_with_metrics(policy: str) -> None:
                 for i, out in zip(kept, shipped["samples"], strict=True):
                     arrived = [int(x) for x in added[rid]["samples"][i]["mask"]]
                     now = out["mask"]
-                    assert all(
-                        n <= a for n, a in zip(now, arrived, strict=True)
-                    )  # only sampled positions get masked
+                    assert all(n <= a for n, a in zip(now, arrived, strict=True))  # only sampled positions get masked
                     if rid not in live:
                         assert now == arrived  # frozen rollouts are never masked
                     if rid in live:

@@ -57,9 +57,7 @@ def test_random_valid_streams_match_the_reference(policy: str, tmp_path: Path) -
     runs = []
     for seed in range(100):
         config, events = random_stream(seed, policy)
-        runs.append(
-            (f"random_stream({seed}, {policy!r})", config, check_stream(events, config, work=tmp_path))
-        )
+        runs.append((f"random_stream({seed}, {policy!r})", config, check_stream(events, config, work=tmp_path)))
     assert not any(found for _, _, found in runs), _failures(runs)
 
 
@@ -100,9 +98,7 @@ def test_console_script_matches_the_reference(tmp_path: Path) -> None:
     max_examples=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    phases=list(Phase)
-    if os.environ.get("CROSSCHECK_SHRINK")
-    else [Phase.explicit, Phase.reuse, Phase.generate],
+    phases=list(Phase) if os.environ.get("CROSSCHECK_SHRINK") else [Phase.explicit, Phase.reuse, Phase.generate],
 )
 @given(stream=event_streams())
 def test_hypothesis_streams_match_the_reference(stream: tuple[ReplayConfig, list[dict[str, Any]]]) -> None:
@@ -121,9 +117,7 @@ def test_hypothesis_streams_match_the_reference(stream: tuple[ReplayConfig, list
     ids=["step-goes-back", "bad-json", "unknown-type"],
 )
 @pytest.mark.parametrize("lenient", [False, True])
-def test_malformed_event_lines_exit_2_naming_the_line(
-    lines: list[str], lenient: bool, tmp_path: Path
-) -> None:
+def test_malformed_event_lines_exit_2_naming_the_line(lines: list[str], lenient: bool, tmp_path: Path) -> None:
     events_path = tmp_path / "events.jsonl"
     events_path.write_text("\n".join(lines) + "\n")
     config = ReplayConfig(lenient=lenient)
@@ -158,8 +152,6 @@ def _repro_cases() -> list[Any]:
 @pytest.mark.parametrize(("name", "case"), _repro_cases())
 def test_minimal_repro_streams_match_the_reference(name: str, case: dict[str, Any], tmp_path: Path) -> None:
     """Each saved minimal stream once showed a difference; see repros/cases.json for what was decided."""
-    events = [
-        json.loads(line) for line in (REPROS / f"{name}.jsonl").read_text().splitlines() if line.strip()
-    ]
+    events = [json.loads(line) for line in (REPROS / f"{name}.jsonl").read_text().splitlines() if line.strip()]
     config = ReplayConfig(**case["config"])
     assert check_stream(events, config, work=tmp_path) == []

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from . import dashboards, migrate, replay, wandb_workspace
+from . import dashboards, demo, migrate, replay, report, wandb_workspace, what_if
 
 Register = Callable[["argparse._SubParsersAction[Any]"], None]
 
@@ -19,4 +19,7 @@ COMMANDS: list[Register] = [
     migrate.register,
     dashboards.register,
     wandb_workspace.register,
+    demo.register,
+    report.register,
+    what_if.register,
 ]

@@ -256,20 +256,24 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     metrics_path = options.metrics_out or out_dir / "metrics.jsonl"
     events = _EventLog(out_dir / "events.jsonl")
     live = options.live if options.live is not None else (stream is None and out.isatty())
-    # With the live table the step lines are printed by the table (above it), else by the console exporter.
-    exporters: list[Exporter] = (
-        [JsonlExporter(metrics_path)] if live else [ConsoleExporter(out), JsonlExporter(metrics_path)]
-    )
+    exporters: list[Exporter] = [JsonlExporter(metrics_path)]
     monitor: StalenessMonitor | None = None
     wandb_run: Any = None
     shipped_steps = 0
     stop = threading.Event()
     interrupted = False
     try:
+        # Each exporter joins the list as soon as it exists, so that it is closed whatever happens next.
         prometheus = _prometheus(options.prometheus_port, say)
+        exporters += [prometheus] if prometheus is not None else []
         wandb_exporter, wandb_run = _wandb(out_dir, options, say)
+        exporters += [wandb_exporter] if wandb_exporter is not None else []
         otlp = _otlp(say)
-        exporters += [e for e in (prometheus, wandb_exporter, otlp) if e is not None]
+        exporters += [otlp] if otlp is not None else []
+        if not live:
+            # Last, so a printed step line means every other exporter already has that step. With the
+            # live table, the table prints the lines (above itself).
+            exporters.append(ConsoleExporter(out))
         monitor = StalenessMonitor(options.config, exporters, run=RUN_NAME)
         c = options.config
         say(f"staleness-metrics demo: {options.steps} steps, {c.policy} policy, bound {c.max_staleness}")

@@ -86,9 +86,7 @@ def build_resource(service_name: str | None, attributes: Mapping[str, str] | Non
     return Resource.create(merged)
 
 
-def _histogram_point(
-    metric: MetricDef, run: str, env: str, point: HistogramPoint, start_ns: int, time_ns: int
-) -> Any:
+def _histogram_point(metric: MetricDef, run: str, env: str, point: HistogramPoint, start_ns: int, time_ns: int) -> Any:
     from opentelemetry.sdk.metrics.export import HistogramDataPoint
 
     return HistogramDataPoint(
@@ -150,8 +148,7 @@ def build_metrics_data(
         else:
             histograms = (snapshot.histogram_deltas if delta else snapshot.histograms)[row.name]
             hist_points = [
-                _histogram_point(row, run, env, point, start_ns, now)
-                for env, point in sorted(histograms.items())
+                _histogram_point(row, run, env, point, start_ns, now) for env, point in sorted(histograms.items())
             ]
             data = Histogram(data_points=hist_points, aggregation_temporality=temporality)
         if data.data_points:
@@ -191,9 +188,7 @@ def _make_metric_exporter(
             OTLPMetricExporter as GrpcMetricExporter,
         )
 
-        return GrpcMetricExporter(
-            endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout
-        )
+        return GrpcMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout)
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
     return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=timeout)

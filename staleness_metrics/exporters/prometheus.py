@@ -73,9 +73,7 @@ def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
             assert isinstance(family, HistogramMetricFamily)
             for env, point in snapshot.histograms[metric.name].items():
                 buckets = [(le, float(c)) for le, c in zip(_LE, point.cumulative(), strict=True)]
-                family.add_metric(
-                    _label_values(metric, snapshot.run, env), buckets, sum_value=float(point.sum)
-                )
+                family.add_metric(_label_values(metric, snapshot.run, env), buckets, sum_value=float(point.sum))
         if family.samples:
             families.append(family)
     return tuple(families)
@@ -319,8 +317,6 @@ class PrometheusPushExporter(_PrometheusBase):
         if not self._delete_on_close:
             return
         try:
-            delete_from_gateway(
-                self._gateway, job=self._job, grouping_key=self.grouping_key, timeout=self._timeout
-            )
+            delete_from_gateway(self._gateway, job=self._job, grouping_key=self.grouping_key, timeout=self._timeout)
         except Exception as exc:  # close must not raise into the caller either
             self._errors.record(self.name, "could not delete the group from the Pushgateway", exc)

@@ -182,13 +182,9 @@ class CumulativeState:
                 assert field_name is not None
                 counters[metric.name] = {env: int(getattr(t, field_name)) for env, t in totals.items()}
                 if self.deltas:
-                    counter_deltas[metric.name] = {
-                        env: int(getattr(t, field_name)) for env, t in window.items()
-                    }
+                    counter_deltas[metric.name] = {env: int(getattr(t, field_name)) for env, t in window.items()}
             elif metric.kind is MetricKind.HISTOGRAM:
-                histograms[metric.name] = {
-                    env: bucket_counts(_histogram_of(metric, t)) for env, t in totals.items()
-                }
+                histograms[metric.name] = {env: bucket_counts(_histogram_of(metric, t)) for env, t in totals.items()}
                 if self.deltas:
                     histogram_deltas[metric.name] = {
                         env: bucket_counts(_histogram_of(metric, t)) for env, t in window.items()

@@ -81,9 +81,7 @@ def hand_report(
             samples_dropped=dropped.get(env, 0),
             rollouts_dropped=dropped.get(env, 0),
             rollouts_shipped=len(env_rollouts),
-            token_histogram=np.bincount(np.array(tokens, dtype=np.int64))
-            if tokens
-            else np.zeros(0, np.int64),
+            token_histogram=np.bincount(np.array(tokens, dtype=np.int64)) if tokens else np.zeros(0, np.int64),
             rollout_histogram=np.bincount(np.array([max(r) for r in env_rollouts], dtype=np.int64))
             if env_rollouts
             else np.zeros(0, np.int64),
@@ -102,9 +100,7 @@ def hand_report(
     if env_breakdown:
         for env, values in env_metrics.items():
             if env:
-                metrics.update(
-                    {f"staleness/env/{env}/{k[len('staleness/') :]}": v for k, v in values.items()}
-                )
+                metrics.update({f"staleness/env/{env}/{k[len('staleness/') :]}": v for k, v in values.items()})
     return StepReport(
         step=step,
         max_staleness=max_staleness,

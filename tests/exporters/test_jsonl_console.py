@@ -33,9 +33,7 @@ def test_jsonl_append_continues_a_file_and_numpy_numbers_are_plain(tmp_path: Pat
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n')
     exporter = JsonlExporter(path, append=True)
-    report = StepReport(
-        2, 4, {"staleness/rollout/max": np.int64(3), "staleness/token/mean": np.float64(1.5)}, Tally()
-    )
+    report = StepReport(2, 4, {"staleness/rollout/max": np.int64(3), "staleness/token/mean": np.float64(1.5)}, Tally())
     exporter.export(report)
     exporter.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]

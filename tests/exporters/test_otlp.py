@@ -98,9 +98,7 @@ def test_what_arrives_over_http_matches_the_table_and_the_metrics_dict() -> None
             for point in points.values():
                 assert list(point.explicit_bounds) == list(BUCKETS)
                 assert len(point.bucket_counts) == len(BUCKETS) + 1
-            hist = (
-                totals.token_histogram if row.source is Source.TOKEN_HISTOGRAM else totals.rollout_histogram
-            )
+            hist = totals.token_histogram if row.source is Source.TOKEN_HISTOGRAM else totals.rollout_histogram
             merged = np.sum([np.array(p.bucket_counts) for p in points.values()], axis=0)
             assert merged.tolist() == list(bucket_counts(hist).bucket_counts), name
             assert sum(p.count for p in points.values()) == int(hist.sum())
@@ -252,9 +250,7 @@ def test_injected_meter_provider_records_through_its_instruments() -> None:
     assert set(metrics) <= set(ROWS)
     step = metrics["rl.staleness.train.step"].data.data_points
     assert [p.value for p in step] == [2]
-    sampled = {
-        p.attributes.get("env", ""): p.value for p in metrics["rl.staleness.tokens.sampled"].data.data_points
-    }
+    sampled = {p.attributes.get("env", ""): p.value for p in metrics["rl.staleness.tokens.sampled"].data.data_points}
     assert sampled == {"": 3, "math": 3}
     hist = {p.attributes.get("env", ""): p for p in metrics["rl.staleness.token.steps"].data.data_points}
     assert list(hist["math"].explicit_bounds) == list(BUCKETS)

@@ -193,9 +193,7 @@ def test_port_already_taken_is_counted_not_raised_and_binding_is_retried() -> No
         exp.export(hand_report(8, {"": [[1]]}))  # neither does exporting; it tries to bind again
         assert errors.count("prometheus") >= 1
         assert sample(exp, "rl_staleness_train_step") == 8  # still serves through its registry
-        assert sample(exp, "rl_staleness_export_errors_total", exporter="prometheus") == errors.count(
-            "prometheus"
-        )
+        assert sample(exp, "rl_staleness_export_errors_total", exporter="prometheus") == errors.count("prometheus")
         blocker.close()
         exp.export(hand_report(9, {"": [[1]]}))  # the port is free now: bound on this export
         assert exp.port == port
@@ -308,9 +306,7 @@ def test_real_prometheus_scrape_returns_the_metrics_dict_of_the_same_step(tmp_pa
                 report = shipment.report
                 totals = totals + report.tally
                 token_total = (Tally(token_histogram=token_total) + report.tally).token_histogram
-                prom.wait_until(
-                    lambda s=step: prom.query_value(f'rl_staleness_train_step{{run="{RUN}"}}') == s
-                )
+                prom.wait_until(lambda s=step: prom.query_value(f'rl_staleness_train_step{{run="{RUN}"}}') == s)
 
                 # gauges: the whole batch (env="") and each named env, exactly as in the metrics dict
                 for row in GAUGE_ROWS:

@@ -122,9 +122,7 @@ class CapturingMetricExporter(MetricExporter):
         super().__init__()
         self.batches: list[MetricsData] = []
 
-    def export(
-        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
-    ) -> MetricExportResult:
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
         self.batches.append(metrics_data)
         return MetricExportResult.SUCCESS
 
@@ -181,9 +179,9 @@ def test_no_exporter_publishes_a_name_outside_the_table(tmp_path: Path) -> None:
     axis = {"trainer/step"}
     unknown = {k for k in run.keys if not is_table_wandb_key(k) and k not in LEGACY_KEYS and k not in axis}
     assert not unknown
-    assert not {
-        k for k in run.defined if k not in axis | {"staleness/*"} and not is_table_wandb_key(k)
-    } - set(LEGACY_KEYS)
+    assert not {k for k in run.defined if k not in axis | {"staleness/*"} and not is_table_wandb_key(k)} - set(
+        LEGACY_KEYS
+    )
 
     for line in (tmp_path / "m.jsonl").read_text().splitlines():
         assert all(k == "step" or is_table_wandb_key(k) for k in json.loads(line))

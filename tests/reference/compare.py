@@ -191,16 +191,13 @@ def compare_batches(
     have_samples = Counter(tuple(x) for x in got.get("dropped_samples") or [])
     if want_samples != have_samples:
         out.append(
-            f"{where}: dropped_samples {sorted(have_samples.elements())}, "
-            f"reference {sorted(want_samples.elements())}"
+            f"{where}: dropped_samples {sorted(have_samples.elements())}, reference {sorted(want_samples.elements())}"
         )
     want_shipped = {r["id"]: r for r in expected["shipped"]}
     have_list = got.get("shipped") or []
     have_ids = Counter(r.get("id") for r in have_list)
     if have_ids != Counter(list(want_shipped)):
-        out.append(
-            f"{where}: shipped ids {sorted(map(str, have_ids.elements()))}, reference {sorted(want_shipped)}"
-        )
+        out.append(f"{where}: shipped ids {sorted(map(str, have_ids.elements()))}, reference {sorted(want_shipped)}")
     for rollout in have_list:
         rid = rollout.get("id")
         if rid not in want_shipped:
@@ -210,28 +207,21 @@ def compare_batches(
         engine = _normalise_rollout(rollout, default)
         for key in sorted(set(reference) | set(engine)):
             if key != "samples" and reference.get(key) != engine.get(key):
-                out.append(
-                    f"{where}: shipped {rid}.{key} = {engine.get(key)!r}, reference {reference.get(key)!r}"
-                )
+                out.append(f"{where}: shipped {rid}.{key} = {engine.get(key)!r}, reference {reference.get(key)!r}")
         if len(reference["samples"]) != len(engine["samples"]):
             out.append(
-                f"{where}: shipped {rid} has {len(engine['samples'])} samples, "
-                f"reference {len(reference['samples'])}"
+                f"{where}: shipped {rid} has {len(engine['samples'])} samples, reference {len(reference['samples'])}"
             )
             continue
         for i, (ws, hs) in enumerate(zip(reference["samples"], engine["samples"], strict=True)):
             for key in sorted(set(ws) | set(hs)):
                 if ws.get(key) != hs.get(key):
                     got, want_value = hs.get(key), ws.get(key)
-                    out.append(
-                        f"{where}: shipped {rid}.samples[{i}].{key} = {got!r}, reference {want_value!r}"
-                    )
+                    out.append(f"{where}: shipped {rid}.samples[{i}].{key} = {got!r}, reference {want_value!r}")
     return out
 
 
-def differences(
-    events: list[dict[str, Any]], lines: list[str], config: ReplayConfig, result: CliResult
-) -> list[str]:
+def differences(events: list[dict[str, Any]], lines: list[str], config: ReplayConfig, result: CliResult) -> list[str]:
     """Every way the CLI's result differs from the reference on this stream (empty list: agreement)."""
     try:
         metrics, batches = replay_reference_lines(lines, **config.reference_options())

@@ -44,8 +44,9 @@ R13 Shipped rollouts are written as they were given, with ``samples`` reduced to
 R14 Malformed events: bad JSON, a non-object line, an unknown or missing ``type``, a rollout event whose
     ``rollout`` is not an object, a step that is not an int >= 1 or is below an earlier step, ``ids`` that
     is not a list of strings. Blank lines are skipped (they still count for line numbers).
-R16 ``logprobs`` must be finite numbers too (SPEC names only weights; the engine rejects -inf/NaN).
 R15 Quantiles use exact rational ranks ``ceil(p * N)`` (p = 1/2, 9/10, 99/100), never float products.
+R16 ``logprobs`` must be finite numbers too (SPEC names only weights; the engine rejects -inf/NaN).
+R17 A ship's ``"ids": null`` means all queued rollouts; an id named twice is taken once.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class Rollout:
         assert self.dispatch is not None, "only live rollouts ask for effective versions"
         return self.dispatch
 
-    def live_samples(self) -> list[Sample]:
+    def kept_samples(self) -> list[Sample]:
         return [s for s in self.samples if not s.dropped]
 
     def completion(self) -> int:
@@ -413,7 +414,7 @@ class ReferenceSink:
         for rollout in targets:
             if rollout.frozen or rollout.state != "queued":
                 continue
-            for sample in rollout.live_samples():
+            for sample in rollout.kept_samples():
                 for p in range(len(sample.arrived_mask)):
                     if sample.arrived_mask[p] == 1 and rollout.effective(sample, p) < bound:
                         _mask_position(sample, p)
@@ -465,7 +466,7 @@ class ReferenceSink:
         token_bound = self.config.max_token_staleness
         group_agentic = rollout.group_key in self.agentic_groups
         expired = False
-        for sample in rollout.live_samples():
+        for sample in rollout.kept_samples():
             sampled = [p for p in range(len(sample.arrived_mask)) if sample.arrived_mask[p] == 1]
             masking_applies = token_bound is not None and not group_agentic and len(sampled) > 0
             if masking_applies:
@@ -497,11 +498,7 @@ class ReferenceSink:
                         self._drop_rollout(rollout)
 
     def _held(self, rollout: Rollout) -> bool:
-        return (
-            self.config.policy == "xtuner"
-            and self.config.retry_expired
-            and self.owed.get(rollout.group_key, 0) > 0
-        )
+        return self.config.policy == "xtuner" and self.config.retry_expired and self.owed.get(rollout.group_key, 0) > 0
 
     # -- sweep and ship --------------------------------------------------------------------------
     def sweep(self, step: int) -> None:
@@ -550,9 +547,7 @@ class ReferenceSink:
     def _metrics(self, step: int, shipped: list[Rollout], held: list[Rollout]) -> dict[str, Any]:
         metrics: dict[str, Any] = {"step": step}
         metrics.update(
-            _slice_metrics(
-                step, shipped, self.window.dropped_rollouts, self.window.dropped_samples, held, "staleness/"
-            )
+            _slice_metrics(step, shipped, self.window.dropped_rollouts, self.window.dropped_samples, held, "staleness/")
         )
         metrics["staleness/max_staleness"] = self.config.max_staleness
         if self.config.env_breakdown:
@@ -596,7 +591,7 @@ def _slice_metrics(
     masked = 0
     unlabelled = 0
     for rollout in population:
-        for sample in rollout.live_samples():
+        for sample in rollout.kept_samples():
             for p in range(len(sample.arrived_mask)):
                 if sample.arrived_mask[p] == 1:
                     token_staleness.append(t - rollout.effective(sample, p))
@@ -618,7 +613,7 @@ def _slice_metrics(
     rollout_q: list[int] = []
     for rollout in population:
         versions: list[int] = []
-        for sample in rollout.live_samples():
+        for sample in rollout.kept_samples():
             for p in range(len(sample.arrived_mask)):
                 if sample.arrived_mask[p] == 1:
                     versions.append(rollout.effective(sample, p))
@@ -643,7 +638,7 @@ def _as_shipped(rollout: Rollout) -> dict[str, Any]:
     """R13: the rollout as given, shipped samples only, masked arrays in place."""
     out = copy.deepcopy(rollout.raw)
     samples = []
-    for sample in rollout.live_samples():
+    for sample in rollout.kept_samples():
         raw = copy.deepcopy(sample.raw)
         raw["mask"] = list(sample.mask)
         for name, values in sample.weights.items():
@@ -712,9 +707,7 @@ def replay_reference(
                 sink.add(parse_rollout(raw))
             except _Invalid as problem:
                 if not lenient:
-                    raise ReferenceTraceError(
-                        number, problem.rollout_id, problem.field, problem.reason
-                    ) from None
+                    raise ReferenceTraceError(number, problem.rollout_id, problem.field, problem.reason) from None
                 sink.set_aside(raw)
         elif kind == "sweep":
             last_step = _event_step(event, number, last_step)
@@ -732,9 +725,7 @@ def replay_reference(
     return metrics_lines, batches_lines
 
 
-def replay_reference_lines(
-    lines: list[str], **options: Any
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def replay_reference_lines(lines: list[str], **options: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Same as replay_reference, from the raw lines of an EVENTS.jsonl file (bad JSON is malformed)."""
     events: list[Any] = []
     for number, text in enumerate(lines, start=1):

@@ -204,9 +204,7 @@ class _StreamBuilder:
             sample["weight_versions"] = spans
         elif mode == 2:  # token_versions with -1 entries and maybe an unlabelled prefix
             unlabelled_prefix = ch.integer(0, n) if ch.chance(25) else 0
-            sample["token_versions"] = [
-                -1 if p < unlabelled_prefix or ch.chance(10) else versions[p] for p in range(n)
-            ]
+            sample["token_versions"] = [-1 if p < unlabelled_prefix or ch.chance(10) else versions[p] for p in range(n)]
         for name, percent in (("rl_weights", 50), ("ce_weights", 25), ("ref_kl_weights", 25)):
             if ch.chance(percent):
                 values = [pick(ch, (0.0, 0.0, 0.5, 1.0, 1.0, 2.0, -0.25)) for _ in range(n)]
@@ -246,9 +244,7 @@ class _StreamBuilder:
         if not frozen and ch.chance(35):
             # completion above T at ship time is valid (prime-rl 3/5 at step 5).
             record["completion_version"] = ch.integer(d, top + 2)
-        record["samples"] = [
-            self.sample(d, top, frozen) for _ in range(1 + (ch.integer(1, 3) if ch.chance(30) else 0))
-        ]
+        record["samples"] = [self.sample(d, top, frozen) for _ in range(1 + (ch.integer(1, 3) if ch.chance(30) else 0))]
         self.min_ship_step = max(self.min_ship_step, top + 1, d + 1)
         self.ids.append(rid)
         return record

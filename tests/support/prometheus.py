@@ -203,18 +203,14 @@ class PrometheusServer:
         """Every configured target was scraped successfully at least once."""
         return self.query_value(f'count(up{{job="{self.job}"}} == 1)') == len(self.targets)
 
-    def wait_until(
-        self, condition: Callable[[], bool], timeout: float = 60.0, interval: float = 0.25
-    ) -> None:
+    def wait_until(self, condition: Callable[[], bool], timeout: float = 60.0, interval: float = 0.25) -> None:
         """Poll ``condition`` until it holds; fails the test (with Prometheus's log) after ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
             if condition():
                 return
             if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"condition not met within {timeout} s; prometheus log:\n{self.log_text()}"
-                )
+                raise AssertionError(f"condition not met within {timeout} s; prometheus log:\n{self.log_text()}")
             time.sleep(interval)
 
 
