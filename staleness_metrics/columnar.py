@@ -46,7 +46,7 @@ class RolloutBatch:
     starts are positions relative to their sample. ``label_kind`` says per sample which of the two it
     uses (0 none, 1 spans, 2 token_versions); it defaults from what is given.
 
-    ``present`` (per weight field, per sample) says whether a sample carried that weight array; a
+    ``present`` (per weight field and ``logprobs``, per sample) says whether a sample carried that array; a
     missing ``rl_weights`` counts as 1.0 on the mask, missing ce / ref-KL weights as 0. Arrays are
     masked in place: pass copies if the originals must stay untouched.
     """
@@ -105,7 +105,7 @@ class RolloutBatch:
             if self.token_versions is not None:
                 kind[:] = LABELS_TOKENS
             self.label_kind = kind
-        for name in WEIGHT_FIELDS:
+        for name in (*WEIGHT_FIELDS, "logprobs"):
             if getattr(self, name) is not None and name not in self.present:
                 self.present[name] = np.ones(n_samples, dtype=bool)
 

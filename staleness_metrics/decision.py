@@ -59,7 +59,7 @@ class Judgement:
     version: IntArray
     labelled: BoolArray
     sampled: IntArray
-    live: IntArray
+    live: BoolArray  # some sampled position of the span carries a loss weight
 
     @property
     def trained_version(self) -> int:
@@ -75,7 +75,7 @@ class Judgement:
 
     def trainable_after(self, mask_below: IntArray) -> BoolArray:
         """Whether each sample still has something to train once positions below ``mask_below`` go."""
-        alive = (self.live > 0) & (self.version >= mask_below[self.span_sample])
+        alive = self.live & (self.version >= mask_below[self.span_sample])
         return self.unmaskable | segment_any(alive, self.span_offsets)
 
     def group_any(self, flags: BoolArray) -> BoolArray:

@@ -220,7 +220,9 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
         batch_weights[name] = values
         if values is not None:
             present[name] = flags
-    logprobs, _ = column(lambda s: s.logprobs, 0.0)
+    logprobs, logprobs_present = column(lambda s: s.logprobs, 0.0)
+    if logprobs is not None:
+        present["logprobs"] = logprobs_present
     token_versions, _ = column(lambda s: s.token_versions, -1)
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]

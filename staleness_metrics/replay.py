@@ -69,21 +69,43 @@ def read_events(source: IO[str] | Iterable[str]) -> Iterator[Event]:
         yield event
 
 
-def run_events(events: Iterable[Event], sink: Sink) -> Iterator[Shipment]:
+def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> Iterator[Shipment]:
     """Feed events to ``sink``, yielding each ship's result as it happens.
 
+    Consecutive rollout events are added together (one columnar batch, same outcome as one by one).
     A rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
     """
-    for event in events:
+    pending: list[Event] = []
+
+    def flush() -> None:
         try:
-            if event.kind == "rollout":
-                sink.add(event.rollout or {})
-            elif event.kind == "sweep":
+            sink.add([e.rollout or {} for e in pending])
+        except TraceError:
+            # Strict mode added nothing: replay one by one to find the offending line.
+            for event in pending:
+                try:
+                    sink.add(event.rollout or {})
+                except TraceError as error:
+                    raise EventError(event.line, str(error)) from error
+        pending.clear()
+
+    for event in events:
+        if event.kind == "rollout":
+            pending.append(event)
+            if len(pending) >= batch_size:
+                flush()
+            continue
+        if pending:
+            flush()
+        try:
+            if event.kind == "sweep":
                 sink.sweep(event.step)
             else:
                 yield sink.ship(event.step, event.ids)
         except TraceError as error:
             raise EventError(event.line, str(error)) from error
+    if pending:
+        flush()
 
 
 def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:

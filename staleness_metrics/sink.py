@@ -86,9 +86,20 @@ def _sample_record(batch: RolloutBatch, sample: int) -> dict[str, Any]:
         values = getattr(batch, name)
         if values is not None and batch.present[name][sample]:
             out[name] = values[lo:hi].astype(np.float64).tolist()
-    if batch.logprobs is not None:
+    if batch.logprobs is not None and batch.present["logprobs"][sample]:
         out["logprobs"] = batch.logprobs[lo:hi].astype(np.float64).tolist()
     return out
+
+
+def _touching_runs(chunk: IntArray, lo: IntArray, hi: IntArray) -> list[tuple[int, int, int]]:
+    """Ranges ``[lo, hi)`` of each chunk, merged where one ends where the next begins."""
+    if len(lo) == 0:
+        return []
+    order = np.lexsort((lo, chunk))
+    chunk, lo, hi = chunk[order], lo[order], hi[order]
+    starts = np.flatnonzero(np.concatenate(([True], (lo[1:] != hi[:-1]) | (chunk[1:] != chunk[:-1]))))
+    ends = np.append(starts[1:], len(lo)) - 1
+    return list(zip(chunk[starts].tolist(), lo[starts].tolist(), hi[ends].tolist()))
 
 
 @dataclass(frozen=True)
@@ -142,14 +153,15 @@ class Sink:
         )  # fmt: skip
         self._spans = Table(
             sample=np.int64, lo=np.int64, hi=np.int64, version=np.int64, labelled=np.bool_,
-            sampled=np.int64, live=np.int64,
+            sampled=np.int64, live=np.bool_,
         )  # fmt: skip
         self._ids: list[str] = []
         self._row_of: dict[str, int] = {}
         self._chunks: list[RolloutBatch | None] = []
         self._chunk_open: list[int] = []  # rollouts of each chunk still queued
         self._groups: dict[str, int] = {}
-        self._group_agentic = np.zeros(0, dtype=bool)
+        self._group_agentic = np.zeros(16, dtype=bool)  # per group: a member that ever entered was agentic
+        self._n_groups = 0
         self._env_index: dict[str | None, int] = {None: 0}
         self._env_names: dict[int, str] = {0: ""}
         self._step = 0
@@ -207,9 +219,11 @@ class Sink:
         return self._env_index[name]
 
     def _group(self, name: str | None, agentic: bool) -> int:
-        index = len(self._group_agentic) if name is None else self._groups.setdefault(name, len(self._group_agentic))
-        if index == len(self._group_agentic):
-            self._group_agentic = np.append(self._group_agentic, False)
+        index = self._n_groups if name is None else self._groups.setdefault(name, self._n_groups)
+        if index == self._n_groups:
+            self._n_groups += 1
+            if self._n_groups > len(self._group_agentic):
+                self._group_agentic = np.concatenate((self._group_agentic, np.zeros_like(self._group_agentic)))
         self._group_agentic[index] |= agentic
         return index
 
@@ -358,25 +372,23 @@ class Sink:
         )[hit]
         chunk_of = self._rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
         lo, hi, sampled = spans["lo"][span_rows], spans["hi"][span_rows], spans["sampled"][span_rows]
-        # Merge touching spans of one chunk into runs: one slice per run, not per span.
-        order = np.lexsort((lo, chunk_of))
-        chunk_of, lo, hi, sampled = chunk_of[order], lo[order], hi[order], sampled[order]
-        starts = np.flatnonzero(np.concatenate(([True], (lo[1:] != hi[:-1]) | (chunk_of[1:] != chunk_of[:-1]))))
-        ends = np.append(starts[1:], len(lo)) - 1
-        run_sampled = np.add.reduceat(sampled, starts)
-        for chunk, a, b, count in zip(
-            chunk_of[starts].tolist(), lo[starts].tolist(), hi[ends].tolist(), run_sampled.tolist()
-        ):
-            batch = self._chunks[chunk]
-            assert batch is not None
-            arrays = [batch.mask, *(getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None)]
-            if count == b - a:  # every position sampled: a plain fill
-                for values in arrays:
-                    values[a:b] = 0
-            else:  # mask-0 positions keep their ce / ref-KL weights
-                sampled_here = batch.mask[a:b] != 0
-                for values in arrays[::-1]:  # mask last: it selects the positions
-                    np.putmask(values[a:b], sampled_here, 0)
+        full = sampled == hi - lo
+        # Fully sampled spans: merge touching ones of a chunk into runs, one fill per run and array.
+        for chunk, a, b in _touching_runs(chunk_of[full], lo[full], hi[full]):
+            for values in self._position_arrays(chunk):
+                values[a:b] = 0
+        # Partly sampled spans: mask-0 positions keep their weights, so select the sampled ones.
+        for chunk, a, b in zip(chunk_of[~full].tolist(), lo[~full].tolist(), hi[~full].tolist()):
+            arrays = self._position_arrays(chunk)
+            sampled_here = arrays[0][a:b] != 0
+            for values in arrays[::-1]:  # mask last: it selects the positions
+                np.putmask(values[a:b], sampled_here, 0)
+
+    def _position_arrays(self, chunk: int) -> list[npt.NDArray[Any]]:
+        """The mask followed by the weight arrays of a chunk (those it has)."""
+        batch = self._chunks[chunk]
+        assert batch is not None
+        return [batch.mask, *(getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None)]
 
     def _leave(self, rows: IntArray, status: int) -> None:
         self._rollouts["status"][rows] = status
@@ -399,7 +411,12 @@ class Sink:
 
     # ------------------------------------------------------------------ ship
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
-        """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None)."""
+        """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None).
+
+        Versions above the trained one are checked on the rollouts the ship takes, after its sweep
+        (a rollout the sweep drops is never taken): strict mode raises :class:`TraceError`, lenient
+        mode sets them aside.
+        """
         self._advance(step)
         r = self._rollouts
         if ids is None:
@@ -408,9 +425,8 @@ class Sink:
             named = [self._row_of[i] for i in ids if i in self._row_of]
             taken = np.unique(np.array(named, dtype=np.int64))
             taken = taken[r["status"][taken] == QUEUED]
-        taken = self._check_versions(taken, step)
         self.sweep(step)
-        taken = taken[r["status"][taken] == QUEUED]
+        taken = self._check_versions(taken[r["status"][taken] == QUEUED], step)
         hold = np.zeros(len(taken), dtype=bool)
         if len(taken):
             judgement, decision = self._judge(self._with_groups(taken), step)
@@ -452,8 +468,7 @@ class Sink:
         """Ship-time rule: no version above the trained one. Returns the rows that pass."""
         trained = step - 1
         r, s = self._rollouts, self._samples
-        live = ~r["frozen"][rows]
-        bad_dispatch = live & (r["dispatch"][rows] > trained)
+        bad_dispatch = r["dispatch"][rows] > trained  # frozen rollouts too: every version is checked
         sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
         counts = r["sample_hi"][rows] - r["sample_lo"][rows]
         bad_sample = s["max_label"][sample_rows] > trained

@@ -37,7 +37,7 @@ class SpanTable:
     label: IntArray  # -1 = unlabelled
     version: IntArray  # effective version: the label, or the rollout's dispatch version
     sampled: IntArray  # positions with mask 1 as the sample arrived
-    live: IntArray  # sampled positions that carry a loss weight
+    live: BoolArray  # some sampled position carries a loss weight
     # per sample
     span_offsets: IntArray
     n_sampled: IntArray
@@ -114,10 +114,13 @@ def build_spans(batch: RolloutBatch, invalid_rollout: BoolArray) -> SpanTable:
 
     mask = batch.mask
     if len(lo):
-        sampled = np.add.reduceat(mask, lo, dtype=np.float64).astype(np.int64)
-        live, side = _weighted_counts(batch, lo, sampled)
+        # float32 sums of 0/1 are exact below 2**24 positions a span; longer spans sum in float64
+        exact = mask.dtype == np.float64 or int(np.max(hi - lo)) < 1 << 24
+        sampled = np.add.reduceat(mask, lo, dtype=None if exact else np.float64).astype(np.int64)
+        live, side = _weighted_spans(batch, lo)
     else:
-        sampled = live = side = np.zeros(0, dtype=np.int64)
+        sampled = np.zeros(0, dtype=np.int64)
+        live = side = np.zeros(0, dtype=bool)
 
     lo, hi, label, sampled, live, side = (a[kept] for a in (lo, hi, label, sampled, live, side))
     sample = (np.searchsorted(pos_off, lo, "right") - 1).astype(np.int64)
@@ -163,22 +166,27 @@ def build_spans(batch: RolloutBatch, invalid_rollout: BoolArray) -> SpanTable:
     )
 
 
-def _weighted_counts(batch: RolloutBatch, lo: IntArray, sampled: IntArray) -> tuple[IntArray, IntArray]:
-    """Per span: sampled positions with a loss weight, and mask-0 positions with a ce / ref-KL weight."""
+def _weighted_spans(batch: RolloutBatch, lo: IntArray) -> tuple[BoolArray, BoolArray]:
+    """Per span: whether a sampled position carries a loss weight, and whether a mask-0 position
+    carries a ce / ref-KL weight (which masking never touches). One boolean pass per array."""
+    n = len(batch.mask)
     other: BoolArray | None = None  # ce or ref-KL weight != 0
     for values in (batch.ce_weights, batch.ref_kl_weights):
         if values is not None:
-            other = values != 0 if other is None else other | (values != 0)
-    if batch.rl_weights is None and other is None:
-        return sampled.copy(), np.zeros(len(lo), dtype=np.int64)
-    is_sampled = batch.mask != 0
-    if batch.rl_weights is None:
-        live = sampled.copy()  # a missing rl_weights is 1.0 on the mask
+            if other is None:
+                other = np.not_equal(values, 0)
+            else:
+                np.logical_or(other, np.not_equal(values, 0), out=other)
+    is_sampled = np.not_equal(batch.mask, 0)
+    if batch.rl_weights is None:  # a missing rl_weights is 1.0 on the mask
+        live = np.logical_or.reduceat(is_sampled, lo) if n else np.zeros(0, dtype=bool)
     else:
-        weighted = batch.rl_weights != 0
+        weighted = np.not_equal(batch.rl_weights, 0)
         if other is not None:
-            weighted |= other
-        live = np.add.reduceat(weighted & is_sampled, lo, dtype=np.int64)
+            np.logical_or(weighted, other, out=weighted)
+        np.logical_and(weighted, is_sampled, out=weighted)
+        live = np.logical_or.reduceat(weighted, lo)
     if other is None:
-        return live, np.zeros(len(lo), dtype=np.int64)
-    return live, np.add.reduceat(other & ~is_sampled, lo, dtype=np.int64)
+        return live, np.zeros(len(lo), dtype=bool)
+    np.logical_and(other, np.logical_not(is_sampled, out=is_sampled), out=other)
+    return live, np.logical_or.reduceat(other, lo)

@@ -203,10 +203,7 @@ def format_table(rows: Sequence[WhatIfRow]) -> str:
         for r in rows
     ]
     widths = [max(len(line[i]) for line in (header, *body)) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True))
-        for line in (header, *body)
-    ]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in (header, *body)]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -77,6 +78,20 @@ def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Pa
     assert all("staleness/rollout/max" in row and "staleness/env/math/token/mean" in row for row in rows)
 
 
+def test_a_taken_port_falls_back_to_a_free_one(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        demo = _start_demo(tmp_path, "--steps", "2", "--speed", "0", "--no-wandb", "--prometheus-port", str(port))
+        out, err = demo.communicate()
+    assert demo.returncode == 0, err
+    assert f"port {port} is taken" in out
+    url = next(line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("metrics URL: "))
+    assert url.startswith("http://127.0.0.1:") and f":{port}/" not in url
+    assert len(_step_lines(out.splitlines())) == 2
+
+
 def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
     demo = _start_demo(tmp_path, "--steps", "100000", "--speed", "5", "--no-wandb")
     try:
@@ -108,9 +123,7 @@ def test_demo_logs_an_offline_wandb_run_and_exports_otlp_when_configured(tmp_pat
         assert demo.returncode == 0, err
         requests = receiver.wait_for(1)
     assert "OTLP:" in out and "W&B offline run:" in out
-    steps = [
-        p.as_int for r in requests for p in metrics_by_name(r)["rl.staleness.train.step"].gauge.data_points
-    ]
+    steps = [p.as_int for r in requests for p in metrics_by_name(r)["rl.staleness.train.step"].gauge.data_points]
     assert max(steps) == 5
     history = read_run(find_run_file(tmp_path / "out" / "wandb")).history
     logged = [row for row in history if "staleness/rollout/max" in row]

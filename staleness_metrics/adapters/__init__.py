@@ -70,14 +70,11 @@ def detect_source(path: str | Path) -> SourceKind:
         if "step" in first:
             return "metrics"
     raise ConfigError(
-        f"{root}: not an event stream (objects with 'type'), xtuner states ('response_ids') "
-        "or logged metrics ('step')"
+        f"{root}: not an event stream (objects with 'type'), xtuner states ('response_ids') or logged metrics ('step')"
     )
 
 
-def detect_and_read(
-    path: str | Path, *, max_staleness: int = 8, step: int | None = None
-) -> Iterator[EventDict]:
+def detect_and_read(path: str | Path, *, max_staleness: int = 8, step: int | None = None) -> Iterator[EventDict]:
     """The SPEC 9 events of a run input, whatever its format.
 
     ``max_staleness`` is the bound the events will be replayed at (a prime-rl directory needs it to

@@ -67,9 +67,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MEAN_KEYS = frozenset(
     {"staleness/rollout/mean", "staleness/rollout/in_flight/mean", "staleness/rollout/in_queue/mean"}
 )
-_MAX_KEYS = frozenset(
-    {"staleness/rollout/max", "staleness/rollout/in_flight/max", "staleness/rollout/in_queue/max"}
-)
+_MAX_KEYS = frozenset({"staleness/rollout/max", "staleness/rollout/in_flight/max", "staleness/rollout/in_queue/max"})
 
 
 @dataclass(frozen=True)
@@ -291,9 +289,7 @@ def compare_prime_rl(
             else:
                 status = "mismatch"
             rows.append(
-                ComparisonRow(
-                    step, legacy_key, mapping.new, float(value), new_value, converted, live, frozen, status
-                )
+                ComparisonRow(step, legacy_key, mapping.new, float(value), new_value, converted, live, frozen, status)
             )
     return rows
 

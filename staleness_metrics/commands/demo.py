@@ -40,9 +40,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--steps", type=int, default=60, metavar="N", help="train steps, then stop (default: 60)"
-    )
+    parser.add_argument("--steps", type=int, default=60, metavar="N", help="train steps, then stop (default: 60)")
     parser.add_argument(
         "--speed",
         type=float,
@@ -50,13 +48,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         metavar="S",
         help="steps per second; 0 = as fast as possible (default: 4)",
     )
-    parser.add_argument(
-        "--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)"
-    )
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
     parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
-    parser.add_argument(
-        "--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound"
-    )
+    parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
     parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default: 0)")
     parser.add_argument(
@@ -64,9 +58,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         help="metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)",
     )  # fmt: skip
     parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="default: OUT_DIR/metrics.jsonl")
-    parser.add_argument(
-        "--out-dir", type=Path, default=Path("staleness-demo"), help="default: ./staleness-demo"
-    )
+    parser.add_argument("--out-dir", type=Path, default=Path("staleness-demo"), help="default: ./staleness-demo")
     parser.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run")
     parser.add_argument(
         "--live", action=argparse.BooleanOptionalAction, default=None,

@@ -79,7 +79,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.set_defaults(func=run)
 
 
-def open_events(path: Path, progress: bool | None = None) -> tuple[Iterator[Event], contextlib.ExitStack]:
+def open_events(
+    path: Path, progress: bool | None = None, max_staleness: int = 8
+) -> tuple[Iterator[Event], contextlib.ExitStack]:
     """Events of a SPEC 9 stream, or of a run in another format the adapters understand."""
     stack = contextlib.ExitStack()
     if path.is_file() and _looks_like_events(path):
@@ -87,7 +89,8 @@ def open_events(path: Path, progress: bool | None = None) -> tuple[Iterator[Even
         return read_events(handle), stack
     from ..adapters import detect_and_read  # other formats: prime-rl run dirs, xtuner states
 
-    return (parse_event(number, raw) for number, raw in enumerate(detect_and_read(path), start=1)), stack
+    raws = detect_and_read(path, max_staleness=max_staleness)
+    return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
 
 
 def _looks_like_events(path: Path) -> bool:
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     sink = Sink(config)
     ships = 0
     try:
-        events, stack = open_events(args.events, args.progress)
+        events, stack = open_events(args.events, args.progress, config.max_staleness)
         with stack, atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out):
             for shipment in run_events(events, sink):
                 ships += 1

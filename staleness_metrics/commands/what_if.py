@@ -26,20 +26,12 @@ dropped rollouts and samples; live rollouts shipped; held = held rollouts summed
 
 def add_sink_options(parser: argparse.ArgumentParser) -> None:
     """Policy options other than the bound (SPEC 9), for commands that replay at bounds of their own."""
-    parser.add_argument(
-        "--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)"
-    )
-    parser.add_argument(
-        "--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound"
-    )
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
+    parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
     parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
-    parser.add_argument(
-        "--retry-expired", action="store_true", help="xtuner only: hold groups for re-rollouts"
-    )
+    parser.add_argument("--retry-expired", action="store_true", help="xtuner only: hold groups for re-rollouts")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--strict", dest="strict", action="store_true", default=True, help="stop on invalid input"
-    )
+    mode.add_argument("--strict", dest="strict", action="store_true", default=True, help="stop on invalid input")
     mode.add_argument("--lenient", dest="strict", action="store_false", help="set invalid rollouts aside")
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -77,7 +78,14 @@ def _prometheus(port: int | None, say: Callable[[str], None]) -> Exporter | None
         return None
     from ..exporters import PrometheusExporter
 
-    exporter = PrometheusExporter(port, "127.0.0.1")
+    # A taken port is handled here (a free one instead), so the exporter's own warning would only confuse.
+    quiet = logging.getLogger("staleness_metrics.exporters")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        exporter = PrometheusExporter(port, "127.0.0.1")
+    finally:
+        quiet.setLevel(level)
     if exporter.url is None and port != 0:
         exporter.close()
         say(f"port {port} is taken on 127.0.0.1: serving Prometheus metrics on a free port instead")
@@ -111,9 +119,7 @@ def _wandb(out_dir: Path, options: DemoOptions, say: Callable[[str], None]) -> t
 
 
 def _otlp(say: Callable[[str], None]) -> Exporter | None:
-    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
+    endpoint = os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     if not endpoint:
         return None
     try:
@@ -290,9 +296,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         table = _LiveTable(options) if live else None
         totals = _Totals()
         with _ctrl_c_stops(stop), table if table is not None else contextlib.nullcontext():
-            for _, step_events in zip(
-                _paced(options.steps, options.speed, stop), simulation.steps(), strict=False
-            ):
+            for _, step_events in zip(_paced(options.steps, options.speed, stop), simulation.steps(), strict=False):
                 events.write(step_events.events())
                 monitor.add(step_events.rollouts)
                 shipment = monitor.ship(step_events.step, step_events.ship_ids)

@@ -177,9 +177,7 @@ class Simulation:
                 ]
                 name = "frozen-teacher" if frozen else env.name
                 # The orchestrator stamps the version it knows of; the engine may start it later.
-                self._waiting.append(
-                    _Rollout(f"{group}-r{member}", group, name, frozen, self._loaded, lengths)
-                )
+                self._waiting.append(_Rollout(f"{group}-r{member}", group, name, frozen, self._loaded, lengths))
 
     def _sample(self) -> None:
         for worker in self._workers:

@@ -126,10 +126,7 @@ def _masked_chart(data: ReportData) -> str:
         y_label="share of sampled tokens",
         percent=True,
     )
-    caption = (
-        "Share of each shipped batch's sampled tokens masked for staleness "
-        "(<code>staleness/token/masked</code>)."
-    )
+    caption = "Share of each shipped batch's sampled tokens masked for staleness (<code>staleness/token/masked</code>)."
     return _figure("masked", "Masked ratio", caption, svg)
 
 
@@ -184,11 +181,7 @@ def _what_if_chart(data: ReportData) -> str:
     label = "What if the bound were different"
     rows = data.what_if
     if not rows:
-        why = (
-            "needs rollouts: logged metrics cannot be replayed"
-            if data.histograms is None
-            else "no bounds given"
-        )
+        why = "needs rollouts: logged metrics cannot be replayed" if data.histograms is None else "no bounds given"
         svg = message_chart(label, why)
     else:
         not_trained = [None if r.kept_share is None else 1 - r.kept_share for r in rows]
@@ -205,9 +198,7 @@ def _what_if_chart(data: ReportData) -> str:
             percent=True,
             vertical_rules=marks,
         )
-    caption = (
-        "The same run replayed at each bound with the same policy: what would have been masked or dropped."
-    )
+    caption = "The same run replayed at each bound with the same policy: what would have been masked or dropped."
     return _figure("what-if", "What-if: the bound", caption, svg) + _what_if_table(rows, data.bound)
 
 

@@ -94,9 +94,7 @@ class _Frame:
         out = []
         for t in self.y_ticks:
             y = self.py(t)
-            out.append(
-                f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>'
-            )
+            out.append(f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
             out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t, percent)}</text>')
         base = TOP + self.plot_h
         for t in self.x_ticks:
@@ -136,10 +134,7 @@ def _x_title(x: float, text: str) -> str:
 
 
 def _y_title(mid: float, text: str) -> str:
-    return (
-        f'<text x="14" y="{mid:.1f}" text-anchor="middle" transform="rotate(-90 14 {mid:.1f})">'
-        f"{escape(text)}</text>"
-    )
+    return f'<text x="14" y="{mid:.1f}" text-anchor="middle" transform="rotate(-90 14 {mid:.1f})">{escape(text)}</text>'
 
 
 def _svg(label: str, body: list[str]) -> str:
@@ -176,8 +171,7 @@ def message_chart(label: str, message: str) -> str:
         [
             f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" height="{HEIGHT - TOP - BOTTOM}" '
             'class="empty"/>',
-            f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">'
-            f"{escape(message)}</text>",
+            f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">{escape(message)}</text>',
         ],
     )
 

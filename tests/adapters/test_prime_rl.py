@@ -102,9 +102,7 @@ def _frozen_copy(tmp_path: Path, frozen_ids: set[str]) -> Path:
                 if episode["id"] in frozen_ids:
                     del episode["run"]["work"]["policy"]
             _write_jsonl(path, episodes)
-        logged.append(
-            _prime_rl_logged_row(_jsonl(run / f"rollouts/step_{step}/train/effective/traces.jsonl"), step)
-        )
+        logged.append(_prime_rl_logged_row(_jsonl(run / f"rollouts/step_{step}/train/effective/traces.jsonl"), step))
     _write_jsonl(run / "metrics.jsonl", logged)
     return run
 

@@ -39,9 +39,7 @@ def test_the_example_ships_at_step_6_and_token_figures_follow_the_states() -> No
     assert report.tally.tokens_dropped == sum(len(per_state[i]) for i in dropped)
     assert report.tally.tokens_sampled == len(shipped)  # a null response_mask counts every position
     assert report.metrics["staleness/token/mean"] == pytest.approx(sum(shipped) / len(shipped))
-    assert report.metrics["staleness/token/masked"] == pytest.approx(
-        sum(v > 1 for v in shipped) / len(shipped)
-    )
+    assert report.metrics["staleness/token/masked"] == pytest.approx(sum(v > 1 for v in shipped) / len(shipped))
     assert report.metrics["staleness/token/unlabelled"] == 0.0
 
 

@@ -1,0 +1,139 @@
+"""The exporters behind each run of the service, and one Prometheus exposition for all runs.
+
+Every run gets the library's own exporters, attached to its monitor as in a trainer process: a
+:class:`~staleness_metrics.exporters.prometheus.PrometheusExporter` without a port (its registry is
+read by ``GET /metrics``), and, when the service is started with them, an OTLP exporter and a W&B run.
+:class:`ServiceCollector` merges the runs' families into one exposition: one HELP/TYPE block per
+family, one series per run (the ``run`` label tells them apart).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..exporters.base import Exporter, ExportErrors
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
+
+    from ..exporters.prometheus import PrometheusExporter
+
+__all__ = ["ExportSettings", "RunExporters", "ServiceCollector", "build_exporters"]
+
+WandbMode = Literal["online", "offline"]
+
+# wandb.init is not safe to call from two threads at once.
+_wandb_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """Which exporters each run gets besides Prometheus.
+
+    ``otlp``: send OTLP; the endpoint is ``otlp_endpoint`` or the standard ``OTEL_EXPORTER_OTLP_*``
+    variables. ``wandb_project``: one W&B run per service run, named after it (``wandb_mode`` None
+    leaves the mode to ``WANDB_MODE``).
+    """
+
+    otlp: bool = False
+    otlp_endpoint: str | None = None
+    otlp_protocol: str | None = None
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_mode: WandbMode | None = None
+    wandb_dir: str | None = None
+
+
+@dataclass
+class RunExporters:
+    """The exporters of one run; ``failures`` are the ones that could not start (logged, counted)."""
+
+    prometheus: PrometheusExporter
+    others: list[Exporter] = field(default_factory=list)
+    wandb_run: Any | None = None
+    failures: list[tuple[str, str, BaseException]] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[Exporter]:
+        return [self.prometheus, *self.others]
+
+    def report_failures(self, errors: ExportErrors) -> None:
+        """Count and log the exporters that could not start, under the run's export error counter."""
+        for name, message, exc in self.failures:
+            errors.register(name)
+            errors.record(name, message, exc)
+
+    def finish(self, errors: ExportErrors) -> None:
+        """After the monitor closed its exporters: finish the run's W&B run (its queue is flushed)."""
+        if self.wandb_run is None:
+            return
+        try:
+            self.wandb_run.finish()
+        except Exception as exc:
+            errors.record("wandb", "finishing the W&B run failed", exc)
+
+
+def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
+    """The exporters of a new run. An exporter that cannot start is left out and reported, never raised."""
+    from ..exporters.prometheus import PrometheusExporter
+
+    exporters = RunExporters(prometheus=PrometheusExporter(port=None))
+    if settings.otlp:
+        try:
+            from ..exporters.otlp import OtlpExporter
+
+            exporters.others.append(OtlpExporter(endpoint=settings.otlp_endpoint, protocol=settings.otlp_protocol))
+        except Exception as exc:
+            exporters.failures.append(("otlp", "the OTLP exporter could not start", exc))
+    if settings.wandb_project is not None:
+        try:
+            exporters.wandb_run = _start_wandb_run(run, settings)
+            from ..exporters.wandb import WandbExporter
+
+            exporters.others.append(WandbExporter(run=exporters.wandb_run))
+        except Exception as exc:
+            exporters.failures.append(("wandb", "the W&B run could not start", exc))
+    return exporters
+
+
+def _start_wandb_run(run: str, settings: ExportSettings) -> Any:
+    import wandb
+
+    init: dict[str, Any] = {
+        "project": settings.wandb_project,
+        "name": run,
+        "reinit": "create_new",  # one W&B run per service run, side by side in this process
+        "settings": wandb.Settings(console="off", x_disable_stats=True),
+    }
+    for key, value in (("entity", settings.wandb_entity), ("mode", settings.wandb_mode), ("dir", settings.wandb_dir)):
+        if value is not None:
+            init[key] = value
+    with _wandb_lock:
+        return wandb.init(**init)
+
+
+class ServiceCollector:
+    """Merges the families of every run's registry: each family once, with every run's samples."""
+
+    def __init__(self, registries: Callable[[], Iterable[CollectorRegistry]]) -> None:
+        self._registries = registries
+
+    def collect(self) -> Iterable[Metric]:
+        from prometheus_client.metrics_core import Metric
+
+        merged: dict[str, Metric] = {}
+        for registry in self._registries():
+            for family in registry.collect():
+                target = merged.get(family.name)
+                if target is None:
+                    target = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = target
+                target.samples.extend(family.samples)
+        return list(merged.values())
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families come and go with runs: no fixed description to check at registration

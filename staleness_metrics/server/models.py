@@ -1,0 +1,255 @@
+"""Request and response bodies of the service, as pydantic models (they make the OpenAPI document).
+
+Rollout records and run configurations are *not* validated here: the library does that
+(:func:`~staleness_metrics.config.StalenessConfig.from_mapping` and the sink), so the service accepts
+exactly what the library accepts and reports its errors word for word. Their schemas below document
+the format for client authors; the bodies are received as plain JSON objects.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from .. import __version__
+from ..config import StalenessConfig
+from ..report import Tally
+
+__all__ = [
+    "MAX_STEP",
+    "RUN_NAME_PATTERN",
+    "AddResult",
+    "Counts",
+    "ErrorItem",
+    "ErrorMessage",
+    "Health",
+    "RolloutBatchIn",
+    "RunInfo",
+    "RunList",
+    "ShipRequest",
+    "ShipResult",
+    "StepRow",
+    "StepsPage",
+    "SweepRequest",
+    "ValidationErrorBody",
+    "counts_of",
+    "run_config_schema",
+]
+
+# Run names appear in URLs and as the ``run`` label of every series.
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# Steps stay exact in every JSON client (2**53) and far inside the sink's int64 tables.
+MAX_STEP = 2**53
+
+Step = Annotated[int, Field(ge=1, le=MAX_STEP, strict=True, description="1-based train step (SPEC 2)")]
+
+
+def run_config_schema() -> dict[str, Any]:
+    """The JSON schema of a run configuration, derived from :class:`StalenessConfig` itself."""
+    schema = TypeAdapter(StalenessConfig).json_schema()
+    schema["title"] = "RunConfig"
+    schema["description"] = (
+        "A StalenessConfig as JSON; every key is optional. Validated by the library: unknown keys and "
+        "renamed ones (max_off_policy_steps -> max_staleness) are rejected with 422; max_staleness >= 0, "
+        "max_token_staleness >= 0 or null, sync_interval >= 1, and the last three xtuner options only "
+        "with policy 'xtuner'."
+    )
+    schema["additionalProperties"] = False
+    schema["example"] = {"policy": "token", "max_staleness": 4}
+    return schema
+
+
+_SAMPLE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "One training sample cut from the rollout (SPEC 3).",
+    "required": ["mask"],
+    "properties": {
+        "mask": {
+            "type": "array",
+            "items": {"anyOf": [{"type": "integer", "enum": [0, 1]}, {"type": "boolean"}]},
+            "description": "1 = sampled by the policy and eligible for training; its length is the sample's.",
+        },
+        "weight_versions": {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+            "description": "[version, start] spans with strictly increasing starts in 0..n-1.",
+        },
+        "token_versions": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": -1},
+            "description": "One version per position (-1 = unlabelled); not together with weight_versions.",
+        },
+        "rl_weights": {"type": "array", "items": {"type": "number"}},
+        "ce_weights": {"type": "array", "items": {"type": "number"}},
+        "ref_kl_weights": {"type": "array", "items": {"type": "number"}},
+        "logprobs": {"type": "array", "items": {"type": "number"}},
+    },
+    "additionalProperties": False,
+}
+
+_ROLLOUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "A finished rollout (SPEC 3). Validated by the library, which names the field at fault.",
+    "required": ["id", "samples"],
+    "properties": {
+        "id": {"type": "string", "minLength": 1, "description": "Unique within the run."},
+        "group_id": {"type": "string"},
+        "env": {"type": "string"},
+        "source": {"type": "string", "enum": ["live", "frozen"], "default": "live"},
+        "dispatch_version": {"type": "integer", "minimum": 0, "description": "Required when live."},
+        "completion_version": {"type": "integer", "minimum": 0},
+        "agentic": {"type": "boolean", "default": False},
+        "samples": {"type": "array", "items": _SAMPLE_SCHEMA, "minItems": 1},
+    },
+    "additionalProperties": False,
+}
+
+_ROLLOUT_EXAMPLE: dict[str, Any] = {
+    "id": "r-1",
+    "group_id": "g-1",
+    "env": "math",
+    "dispatch_version": 3,
+    "samples": [{"mask": [0, 0, 1, 1, 1], "weight_versions": [[3, 2], [4, 4]]}],
+}
+
+
+class ErrorItem(BaseModel):
+    """What was wrong: the field and the reason, and for a rollout its id and place in the batch."""
+
+    field: str = Field(description="The field at fault, e.g. 'samples[0].mask' or 'max_staleness'.")
+    reason: str
+    rollout_id: str | None = Field(default=None, description="The rollout's id, when the error is a record's.")
+    index: int | None = Field(default=None, description="The record's position in the request's batch.")
+
+
+class ValidationErrorBody(BaseModel):
+    """422: the request is well-formed JSON but invalid; nothing of it was applied."""
+
+    detail: list[ErrorItem]
+
+
+class ErrorMessage(BaseModel):
+    """Any other error (401, 404, 409, 413)."""
+
+    detail: str
+
+
+class Counts(BaseModel):
+    """Additive accounting (the Tally of the library): per ship window, or summed over a run."""
+
+    tokens_sampled: int
+    tokens_masked: int
+    tokens_unlabelled: int
+    tokens_dropped: int
+    samples_dropped: int
+    rollouts_dropped: int
+    rollouts_shipped: int
+    rollouts_frozen: int
+    rollouts_held: int
+    rollouts_invalid: int
+
+
+def counts_of(tally: Tally) -> Counts:
+    return Counts(**{name: int(getattr(tally, name)) for name in Counts.model_fields})
+
+
+class RunInfo(BaseModel):
+    """A run: its configuration and where its sink stands."""
+
+    run: str
+    config: dict[str, Any] = Field(description="The effective configuration (every key, defaults included).")
+    step: int = Field(description="Latest step a sweep or ship used (0 before any).")
+    ships: int = Field(description="How many ships the run has done.")
+    queued: int = Field(description="Rollouts waiting in the sink's queue.")
+    rollouts_received: int = Field(description="Distinct rollout ids accepted or set aside (lenient mode).")
+    duplicates_ignored: int = Field(description="Re-sent rollouts recognised and not counted again.")
+    totals: Counts = Field(description="Sums over every ship of the run (what the Prometheus counters show).")
+
+
+class RunList(BaseModel):
+    runs: list[RunInfo]
+
+
+class RolloutBatchIn(BaseModel):
+    """A batch of finished rollouts for one run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollouts: list[dict[str, Any]] = Field(
+        description="SPEC 3 rollout records. A record whose id was accepted before counts as a duplicate.",
+        json_schema_extra={"items": _ROLLOUT_SCHEMA, "examples": [[_ROLLOUT_EXAMPLE]]},
+    )
+
+
+class AddResult(BaseModel):
+    run: str
+    accepted: int = Field(description="Rollouts queued by this request.")
+    duplicates: int = Field(description="Records whose id (with the same content) was received before.")
+    invalid: list[ErrorItem] = Field(
+        default_factory=list, description="Records set aside as invalid (lenient runs only; strict runs 422)."
+    )
+    queued: int = Field(description="Rollouts waiting in the run's queue after this request.")
+
+
+class SweepRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    step: Step
+
+
+class ShipRequest(BaseModel):
+    """Ship the batch for ``step``: all queued rollouts, or the named ones."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: Step
+    ids: list[str] | None = Field(
+        default=None, description="Rollouts to ship (ids naming nothing queued are ignored); all when absent."
+    )
+    include_rollouts: bool = Field(
+        default=False, description="Return the shipped rollouts, masked, with their dropped samples removed."
+    )
+
+
+class ShipResult(BaseModel):
+    """One ship: what was shipped, dropped and held in its window, with the SPEC 6 metrics."""
+
+    run: str
+    ship: int = Field(description="1-based number of this ship in the run.")
+    step: int
+    shipped: list[str]
+    dropped_rollouts: list[str]
+    dropped_samples: list[tuple[str, int]] = Field(description="[rollout id, sample index as added] pairs.")
+    held: list[str]
+    invalid: list[ErrorItem] = Field(description="Rollouts set aside as invalid in this window (lenient).")
+    metrics: dict[str, float | int] = Field(description="The SPEC 6 metrics dict of the step.")
+    counts: Counts
+    rollouts: list[dict[str, Any]] | None = Field(
+        default=None, description="With include_rollouts: the shipped rollouts as SPEC 3 records, masked."
+    )
+    replayed: bool = Field(
+        default=False, description="True when this is the stored answer to a repeated Idempotency-Key."
+    )
+
+
+class StepRow(BaseModel):
+    """One ship in the metrics history."""
+
+    ship: int
+    step: int
+    metrics: dict[str, float | int]
+    counts: Counts
+    token_histogram: list[int] = Field(description="Shipped sampled positions per token staleness (index).")
+    rollout_histogram: list[int] = Field(description="Shipped live rollouts per rollout staleness (index).")
+
+
+class StepsPage(BaseModel):
+    run: str
+    steps: list[StepRow]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    version: str = __version__
+    runs: int

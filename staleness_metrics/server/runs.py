@@ -1,0 +1,361 @@
+"""The service's runs: one monitor (sink + exporters) per run, with exactly-once accounting.
+
+The sink is not thread-safe, and exactly-once needs "check the ids, then add" to be one step, so every
+call into a run holds the run's lock. Runs do not share locks: runs progress independently.
+
+Exactly-once:
+
+- **Rollouts**: a run remembers every rollout id it received (queued, or set aside as invalid in a
+  lenient run) with a digest of the record. A record whose id and content were received before is a
+  *duplicate*: counted as such and otherwise ignored, so a batch re-sent after a timeout changes nothing.
+  In a batch that mixes new and already-received records, the new ones are added and the others are
+  duplicates. A record re-using a received id with *different* content is a conflict (409) and nothing of
+  its batch is applied. The same holds for one record twice in one batch.
+- **Ships**: a ship carries an optional idempotency key; a ship with a key the run has already answered
+  returns the stored answer (``replayed``) instead of shipping again, and the same key with a different
+  request is refused. The last :data:`IDEMPOTENCY_KEYS_KEPT` keys of each run are remembered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from ..config import StalenessConfig
+from ..errors import TraceError
+from ..monitor import StalenessMonitor
+from .exporting import ExportSettings, RunExporters, build_exporters
+from .models import AddResult, ErrorItem, RunInfo, ShipRequest, ShipResult, StepRow, counts_of
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = [
+    "IDEMPOTENCY_KEYS_KEPT",
+    "IdempotencyMismatch",
+    "RecordConflict",
+    "RecordsInvalid",
+    "Run",
+    "RunConflict",
+    "RunError",
+    "RunNotFound",
+    "RunRegistry",
+    "StepConflict",
+]
+
+IDEMPOTENCY_KEYS_KEPT = 1024
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+class RunError(Exception):
+    """A request the run cannot honour; the app maps each subclass to a status code."""
+
+
+class RunNotFound(RunError):
+    pass
+
+
+class RunConflict(RunError):
+    """The run exists with another configuration."""
+
+
+class RecordConflict(RunError):
+    """A rollout id was received before with different content."""
+
+
+class StepConflict(RunError):
+    """A step below the run's latest step (steps never decrease)."""
+
+
+class IdempotencyMismatch(RunError):
+    """An idempotency key re-used for a different ship."""
+
+
+class RecordsInvalid(RunError):
+    """Invalid records or ship-time versions; nothing of the request was applied."""
+
+    def __init__(self, errors: list[ErrorItem]) -> None:
+        super().__init__("; ".join(f"{e.rollout_id!r}: {e.field}: {e.reason}" for e in errors))
+        self.errors = errors
+
+
+def _digest(record: Mapping[str, Any]) -> bytes:
+    canonical = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
+
+
+def _trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
+    return ErrorItem(field=error.field, reason=error.reason, rollout_id=error.rollout_id, index=index)
+
+
+def _out_of_range(value: Any, path: str) -> str | None:
+    """Path of the first integer in ``value`` outside int64 (the sink's integer width), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return path if not _INT64[0] <= value <= _INT64[1] else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = _out_of_range(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _out_of_range(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+class Run:
+    """One run of the service: a :class:`StalenessMonitor` and what exactly-once needs."""
+
+    def __init__(self, name: str, config: StalenessConfig, exporters: RunExporters) -> None:
+        self.name = name
+        self.config = config
+        self._exporters = exporters
+        self.monitor = StalenessMonitor(config, exporters.all, run=name)
+        exporters.report_failures(self.monitor.export_errors)
+        self._lock = threading.Lock()
+        self._received: dict[str, bytes] = {}  # rollout id -> digest of the record
+        self._duplicates = 0
+        self._history: list[StepRow] = []
+        self._answers: OrderedDict[str, tuple[tuple[Any, ...], ShipResult]] = OrderedDict()
+        self._closed = False
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The Prometheus registry of this run's exporter."""
+        return self._exporters.prometheus.registry
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RunNotFound(f"run {self.name!r} was deleted")
+
+    # ------------------------------------------------------------------ rollouts
+    def add(self, records: list[dict[str, Any]]) -> AddResult:
+        """Queue the records not received before; all or nothing in a strict run."""
+        with self._lock:
+            self._check_open()
+            fresh: list[dict[str, Any]] = []
+            fresh_index: dict[str, int] = {}
+            digests: dict[str, bytes] = {}
+            duplicates = 0
+            conflicts: list[str] = []
+            for index, record in enumerate(records):
+                rid = record.get("id")
+                if not isinstance(rid, str) or not rid:
+                    reason = "required non-empty string (the service counts each rollout once by its id)"
+                    raise RecordsInvalid(
+                        [ErrorItem(field="id", reason=reason, rollout_id=None if rid is None else str(rid), index=index)]
+                    )
+                digest = _digest(record)
+                known = self._received.get(rid, digests.get(rid))
+                if known is None:
+                    fresh.append(record)
+                    fresh_index[rid] = index
+                    digests[rid] = digest
+                elif known == digest:
+                    duplicates += 1
+                else:
+                    conflicts.append(rid)
+            if conflicts:
+                raise RecordConflict(
+                    "rollout ids received before with different content (ids are unique within a run): "
+                    + ", ".join(repr(c) for c in conflicts[:10])
+                    + (f" and {len(conflicts) - 10} more" if len(conflicts) > 10 else "")
+                )
+            sink = self.monitor.sink
+            set_aside_before = len(sink.invalid)
+            try:
+                self.monitor.add(fresh)
+            except TraceError as error:
+                rid = error.rollout_id
+                raise RecordsInvalid([_trace_item(error, fresh_index.get(rid) if rid else None)]) from None
+            except OverflowError:
+                raise RecordsInvalid([self._range_error(fresh, fresh_index)]) from None
+            self._received.update(digests)
+            self._duplicates += duplicates
+            invalid = [
+                _trace_item(error, fresh_index.get(error.rollout_id) if error.rollout_id else None)
+                for error in sink.invalid[set_aside_before:]
+            ]
+            return AddResult(
+                run=self.name,
+                accepted=len(fresh) - len(invalid),
+                duplicates=duplicates,
+                invalid=invalid,
+                queued=sink.queued,
+            )
+
+    @staticmethod
+    def _range_error(records: list[dict[str, Any]], index_of: Mapping[str, int]) -> ErrorItem:
+        for record in records:
+            path = _out_of_range(record, "")
+            if path is not None:
+                rid = str(record["id"])
+                return ErrorItem(field=path, reason="integer out of range", rollout_id=rid, index=index_of.get(rid))
+        return ErrorItem(field="rollouts", reason="a number is out of range")
+
+    # ------------------------------------------------------------------ sweep and ship
+    def _check_step(self, step: int) -> None:
+        latest = self.monitor.sink.step
+        if step < latest:
+            raise StepConflict(f"step {step} is below the run's latest step {latest}: steps never decrease")
+
+    def sweep(self, step: int) -> RunInfo:
+        with self._lock:
+            self._check_open()
+            self._check_step(step)
+            self.monitor.sweep(step)
+            return self._info()
+
+    def ship(self, request: ShipRequest, idempotency_key: str | None = None) -> ShipResult:
+        """Ship for ``request.step``; a repeated ``idempotency_key`` returns the first answer."""
+        fingerprint = (request.step, None if request.ids is None else tuple(request.ids), request.include_rollouts)
+        with self._lock:
+            self._check_open()
+            if idempotency_key is not None and idempotency_key in self._answers:
+                first, answer = self._answers[idempotency_key]
+                if first != fingerprint:
+                    raise IdempotencyMismatch(
+                        f"Idempotency-Key {idempotency_key!r} was used for a different ship of this run"
+                    )
+                return answer.model_copy(update={"replayed": True})
+            self._check_step(request.step)
+            try:
+                shipment = self.monitor.ship(request.step, request.ids)
+            except TraceError as error:  # strict run: a version above the trained one
+                raise RecordsInvalid([_trace_item(error)]) from None
+            report = shipment.report
+            number = len(self._history) + 1
+            counts = counts_of(report.tally)
+            metrics = dict(report.metrics)
+            self._history.append(
+                StepRow(
+                    ship=number,
+                    step=shipment.step,
+                    metrics=metrics,
+                    counts=counts,
+                    token_histogram=report.tally.token_histogram.tolist(),
+                    rollout_histogram=report.tally.rollout_histogram.tolist(),
+                )
+            )
+            answer = ShipResult(
+                run=self.name,
+                ship=number,
+                step=shipment.step,
+                shipped=shipment.ids,
+                dropped_rollouts=list(shipment.dropped_rollouts),
+                dropped_samples=list(shipment.dropped_samples),
+                held=list(shipment.held),
+                invalid=[_trace_item(error) for error in shipment.invalid],
+                metrics=metrics,
+                counts=counts,
+                rollouts=[r.record() for r in shipment.rollouts] if request.include_rollouts else None,
+            )
+            if idempotency_key is not None:
+                self._answers[idempotency_key] = (fingerprint, answer)
+                while len(self._answers) > IDEMPOTENCY_KEYS_KEPT:
+                    self._answers.popitem(last=False)
+            return answer
+
+    # ------------------------------------------------------------------ reads
+    def steps(self, since: int = 0) -> list[StepRow]:
+        """The metrics history: every ship with ``step > since``, oldest first."""
+        with self._lock:
+            self._check_open()
+            return [row for row in self._history if row.step > since]
+
+    def info(self) -> RunInfo:
+        with self._lock:
+            self._check_open()
+            return self._info()
+
+    def _info(self) -> RunInfo:
+        sink = self.monitor.sink
+        return RunInfo(
+            run=self.name,
+            config=asdict(self.config),
+            step=sink.step,
+            ships=len(self._history),
+            queued=sink.queued,
+            rollouts_received=len(self._received),
+            duplicates_ignored=self._duplicates,
+            totals=counts_of(sink.totals),
+        )
+
+    def close(self) -> None:
+        """Flush and close the run's exporters; later requests to it get :class:`RunNotFound`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.monitor.close()
+        self._exporters.finish(self.monitor.export_errors)
+
+
+class RunRegistry:
+    """The runs of one service, by name."""
+
+    def __init__(self, export_settings: ExportSettings | None = None) -> None:
+        self.export_settings = export_settings or ExportSettings()
+        self._runs: dict[str, Run] = {}
+        self._lock = threading.Lock()  # guards the dict
+        self._creating = threading.Lock()  # one creation or deletion at a time (exporters start slowly)
+
+    def create(self, name: str, config: StalenessConfig) -> tuple[Run, bool]:
+        """The run ``name``, created with ``config`` (True) or already there with the same config (False).
+
+        Raises :class:`RunConflict` when it exists with another configuration.
+        """
+        with self._creating:
+            existing = self._find(name)
+            if existing is not None:
+                if existing.config != config:
+                    raise RunConflict(
+                        f"run {name!r} exists with another configuration ({asdict(existing.config)}); "
+                        "delete it first or pick another name"
+                    )
+                return existing, False
+            run = Run(name, config, build_exporters(name, self.export_settings))
+            with self._lock:
+                self._runs[name] = run
+            return run, True
+
+    def _find(self, name: str) -> Run | None:
+        with self._lock:
+            return self._runs.get(name)
+
+    def get(self, name: str) -> Run:
+        run = self._find(name)
+        if run is None:
+            raise RunNotFound(f"no run {name!r}: create it first with PUT /v1/runs/{name}")
+        return run
+
+    def delete(self, name: str) -> None:
+        with self._creating:
+            run = self.get(name)
+            with self._lock:
+                del self._runs[name]
+        run.close()
+
+    def runs(self) -> list[Run]:
+        with self._lock:
+            return list(self._runs.values())
+
+    def registries(self) -> Iterable[CollectorRegistry]:
+        return [run.registry for run in self.runs()]
+
+    def close(self) -> None:
+        """Close every run (service shutdown): their exporters flush."""
+        with self._creating, self._lock:
+            runs = list(self._runs.values())
+            self._runs.clear()
+        for run in runs:
+            run.close()
