@@ -174,7 +174,7 @@ class RunList(BaseModel):
 class RolloutBatchIn(BaseModel):
     """A batch of finished rollouts for one run."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     rollouts: list[dict[str, Any]] = Field(
         description="SPEC 3 rollout records. A record whose id was accepted before counts as a duplicate.",
@@ -193,7 +193,7 @@ class AddResult(BaseModel):
 
 
 class SweepRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     step: Step
 
@@ -201,7 +201,7 @@ class SweepRequest(BaseModel):
 class ShipRequest(BaseModel):
     """Ship the batch for ``step``: all queued rollouts, or the named ones."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     step: Step
     ids: list[str] | None = Field(

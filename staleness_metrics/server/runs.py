@@ -152,7 +152,11 @@ class Run:
                 if not isinstance(rid, str) or not rid:
                     reason = "required non-empty string (the service counts each rollout once by its id)"
                     raise RecordsInvalid(
-                        [ErrorItem(field="id", reason=reason, rollout_id=None if rid is None else str(rid), index=index)]
+                        [
+                            ErrorItem(
+                                field="id", reason=reason, rollout_id=None if rid is None else str(rid), index=index
+                            )
+                        ]
                     )
                 digest = _digest(record)
                 known = self._received.get(rid, digests.get(rid))

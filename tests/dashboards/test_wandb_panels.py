@@ -20,6 +20,7 @@ from staleness_metrics.dashboards.wandb_panels import (
     workspace_spec,
 )
 from staleness_metrics.exporters.wandb import DEFAULT_STEP_KEY
+from staleness_metrics.metric_table import METRICS, Source
 
 from .traffic import Traffic
 
@@ -33,7 +34,9 @@ def logged_keys() -> set[str]:
     keys: set[str] = set()
     for _ in range(12):
         keys |= set(traffic.next_report().metrics)
-    return keys
+    # the W&B exporter also logs the histograms, from the report's bucket counts
+    histograms = (Source.TOKEN_HISTOGRAM, Source.ROLLOUT_HISTOGRAM)
+    return keys | {m.wandb_key for m in METRICS if m.source in histograms and m.wandb_key}
 
 
 def test_workspace_has_a_staleness_section_with_the_spec_panels() -> None:

@@ -1,0 +1,205 @@
+"""A small synchronous client for ``staleness-metrics serve`` (needs ``httpx``).
+
+::
+
+    with StalenessClient("http://127.0.0.1:9487", token=os.environ.get("STALENESS_METRICS_TOKEN")) as client:
+        client.create_run("exp-42", {"policy": "token", "max_staleness": 4})
+        client.add("exp-42", rollouts)              # SPEC 3 records
+        result = client.ship("exp-42", step=7)      # result["metrics"] is the SPEC 6 dict
+        history = client.steps("exp-42", since=0)
+
+Every call is retried on connection errors, timeouts and 502/503/504, with the same body: the service
+counts a rollout once by its id, and each :meth:`StalenessClient.ship` sends one ``Idempotency-Key``
+for all its attempts, so a retry never counts anything twice. Errors come back as the library's: an
+invalid record raises :class:`~staleness_metrics.errors.TraceError` naming its id, field and reason; an
+invalid configuration raises :class:`~staleness_metrics.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from types import TracebackType
+from typing import Any, TypedDict
+
+import httpx
+
+from .config import StalenessConfig
+from .errors import ConfigError, StalenessError, TraceError
+
+__all__ = ["AddResult", "ServiceError", "ShipResult", "StalenessClient", "StepRow"]
+
+_RETRY_STATUSES = frozenset({502, 503, 504})
+
+
+class AddResult(TypedDict):
+    run: str
+    accepted: int
+    duplicates: int
+    invalid: list[dict[str, Any]]
+    queued: int
+
+
+class ShipResult(TypedDict):
+    run: str
+    ship: int
+    step: int
+    shipped: list[str]
+    dropped_rollouts: list[str]
+    dropped_samples: list[list[Any]]
+    held: list[str]
+    invalid: list[dict[str, Any]]
+    metrics: dict[str, float | int]
+    counts: dict[str, int]
+    rollouts: list[dict[str, Any]] | None
+    replayed: bool
+
+
+class StepRow(TypedDict):
+    ship: int
+    step: int
+    metrics: dict[str, float | int]
+    counts: dict[str, int]
+    token_histogram: list[int]
+    rollout_histogram: list[int]
+
+
+class ServiceError(StalenessError):
+    """The service refused a request (``status`` and its ``detail``)."""
+
+    def __init__(self, status: int, detail: Any) -> None:
+        self.status = status
+        self.detail = detail
+        super().__init__(f"HTTP {status}: {detail}")
+
+
+class StalenessClient:
+    """Talks to one service. ``retries``: extra attempts after a transient failure, ``backoff`` seconds
+    doubling between them. ``transport`` is for tests (e.g. ``httpx.MockTransport``)."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:9487",
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        retries: int = 3,
+        backoff: float = 0.2,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
+        self._retries = retries
+        self._backoff = backoff
+
+    # ------------------------------------------------------------------ runs
+    def create_run(self, run: str, config: StalenessConfig | Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Create ``run`` (or find it with the same configuration); returns the run's info."""
+        body = asdict(config) if isinstance(config, StalenessConfig) else dict(config or {})
+        result: dict[str, Any] = self._request("PUT", f"/v1/runs/{run}", json=body)
+        return result
+
+    def run_info(self, run: str) -> dict[str, Any]:
+        """Configuration, step, queue length and totals of ``run``."""
+        result: dict[str, Any] = self._request("GET", f"/v1/runs/{run}")
+        return result
+
+    def delete_run(self, run: str) -> None:
+        self._request("DELETE", f"/v1/runs/{run}", gone_ok=True)
+
+    # ------------------------------------------------------------------ rollouts
+    def add(self, run: str, rollouts: Iterable[Mapping[str, Any]]) -> AddResult:
+        """Queue finished rollouts (SPEC 3 records); safe to retry with the same records."""
+        result: AddResult = self._request("POST", f"/v1/runs/{run}/rollouts", json={"rollouts": list(rollouts)})
+        return result
+
+    def sweep(self, run: str, step: int) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("POST", f"/v1/runs/{run}/sweep", json={"step": step})
+        return result
+
+    def ship(
+        self,
+        run: str,
+        step: int,
+        ids: Iterable[str] | None = None,
+        *,
+        include_rollouts: bool = False,
+        idempotency_key: str | None = None,
+    ) -> ShipResult:
+        """Ship the batch for ``step`` (all queued rollouts, or ``ids``).
+
+        One idempotency key (given, or a new random one) covers every retry of this call.
+        """
+        body: dict[str, Any] = {"step": step, "include_rollouts": include_rollouts}
+        if ids is not None:
+            body["ids"] = list(ids)
+        key = idempotency_key or uuid.uuid4().hex
+        result: ShipResult = self._request("POST", f"/v1/runs/{run}/ship", json=body, headers={"Idempotency-Key": key})
+        return result
+
+    # ------------------------------------------------------------------ reads
+    def steps(self, run: str, since: int = 0) -> list[StepRow]:
+        """The metrics history: one row per ship with ``step > since``."""
+        page: dict[str, Any] = self._request("GET", f"/v1/runs/{run}/steps", params={"since": since})
+        rows: list[StepRow] = page["steps"]
+        return rows
+
+    def metrics(self) -> str:
+        """The Prometheus text exposition of every run."""
+        response = self._send("GET", "/metrics")
+        return response.text
+
+    def health(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._request("GET", "/healthz")
+        return result
+
+    # ------------------------------------------------------------------ plumbing
+    def _request(self, method: str, path: str, *, gone_ok: bool = False, **kwargs: Any) -> Any:
+        response = self._send(method, path, gone_ok=gone_ok, **kwargs)
+        return None if response.status_code == 204 or not response.content else response.json()
+
+    def _send(self, method: str, path: str, *, gone_ok: bool = False, **kwargs: Any) -> httpx.Response:
+        attempt = 0
+        while True:
+            try:
+                response = self._http.request(method, path, **kwargs)
+            except httpx.TransportError:
+                if attempt >= self._retries:
+                    raise
+            else:
+                if response.status_code not in _RETRY_STATUSES or attempt >= self._retries:
+                    if gone_ok and attempt > 0 and response.status_code == 404:
+                        return response  # an earlier attempt did it (e.g. a DELETE whose answer was lost)
+                    _raise_for(response)
+                    return response
+            time.sleep(self._backoff * 2**attempt)
+            attempt += 1
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> StalenessClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _raise_for(response: httpx.Response) -> None:
+    if response.is_success:
+        return
+    try:
+        detail: Any = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    if response.status_code == 422 and isinstance(detail, list) and detail:
+        first = detail[0]
+        if first.get("rollout_id") is not None or first.get("index") is not None:  # a record's error
+            raise TraceError(first.get("rollout_id"), first.get("field", ""), first.get("reason", ""))
+        if response.request.method == "PUT":  # only run creation takes a PUT body: a configuration
+            raise ConfigError(f"{first.get('field')}: {first.get('reason')}")
+    raise ServiceError(response.status_code, detail)

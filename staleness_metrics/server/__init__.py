@@ -1,0 +1,13 @@
+"""The sidecar service (``staleness-metrics serve``): one sink per run behind an HTTP API.
+
+Needs the ``server`` extra (FastAPI, uvicorn, prometheus-client). See ``docs/service.md``.
+"""
+
+from __future__ import annotations
+
+from .app import create_app
+from .exporting import ExportSettings
+from .runs import RunRegistry
+from .settings import ServerSettings
+
+__all__ = ["ExportSettings", "RunRegistry", "ServerSettings", "create_app"]

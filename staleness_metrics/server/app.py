@@ -1,0 +1,269 @@
+"""The FastAPI application of ``staleness-metrics serve``.
+
+Routes (see the OpenAPI document at ``/openapi.json``, browsable at ``/docs``):
+
+- ``PUT /v1/runs/{run}`` creates a run with its configuration (201; 200 when it exists with the same
+  one, 409 with another). Rollouts to a run that was not created get 404: a typo in a run name must
+  not silently start a second run with default settings.
+- ``POST /v1/runs/{run}/rollouts``, ``/sweep``, ``/ship``; ``GET /v1/runs/{run}``, ``/steps?since=N``;
+  ``DELETE /v1/runs/{run}``; ``GET /v1/runs``.
+- ``GET /metrics``: the Prometheus exposition of every run; ``GET /healthz``.
+
+Handlers are plain functions: FastAPI runs them on its thread pool, and each run serializes its own
+calls (see :mod:`.runs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from .. import __version__
+from ..config import StalenessConfig
+from ..errors import ConfigError
+from .exporting import ServiceCollector
+from .limits import BodySizeLimit
+from .models import (
+    MAX_STEP,
+    RUN_NAME_PATTERN,
+    AddResult,
+    ErrorItem,
+    ErrorMessage,
+    Health,
+    RolloutBatchIn,
+    RunInfo,
+    RunList,
+    ShipRequest,
+    ShipResult,
+    StepsPage,
+    SweepRequest,
+    ValidationErrorBody,
+    run_config_schema,
+)
+from .runs import (
+    IdempotencyMismatch,
+    RecordConflict,
+    RecordsInvalid,
+    RunConflict,
+    RunError,
+    RunNotFound,
+    RunRegistry,
+    StepConflict,
+)
+from .security import token_guard
+from .settings import ServerSettings
+
+__all__ = ["create_app"]
+
+DESCRIPTION = """\
+A sidecar that keeps one staleness sink per run and publishes its metrics, for orchestrators written in
+other languages or split over processes. Create a run (`PUT /v1/runs/{run}`), send finished rollouts,
+ship batches, and read the metrics back (`/steps`, `/metrics`).
+
+Writes need `Authorization: Bearer <token>` when the service was started with a token (always, off
+loopback). Re-sending a batch or a ship after a timeout is safe: rollouts are counted once by id, and a
+ship with an `Idempotency-Key` the run has seen returns the first answer.
+"""
+
+RunName = Annotated[
+    str,
+    Path(pattern=RUN_NAME_PATTERN, description="The run's name (its `run` label).", examples=["demo"]),
+]
+
+_ERRORS: dict[int, str] = {
+    401: "Missing or wrong bearer token.",
+    404: "No such run (create it with PUT /v1/runs/{run}).",
+    409: "Conflicts with the run's state.",
+    413: "Request body larger than the service accepts.",
+}
+
+
+def _responses(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, Any]]:
+    documented: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorMessage, "description": _ERRORS[code]} for code in codes
+    }
+    if invalid:
+        documented[422] = {
+            "model": ValidationErrorBody,
+            "description": "Invalid request: the field and reason of each error; nothing was applied.",
+        }
+    return documented
+
+
+def _config_item(error: ConfigError) -> ErrorItem:
+    # ConfigError messages are "<setting>: <reason>".
+    name, sep, reason = str(error).partition(": ")
+    return ErrorItem(field=name, reason=reason) if sep else ErrorItem(field="config", reason=str(error))
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    statuses: dict[type[Exception], int] = {
+        RunNotFound: status.HTTP_404_NOT_FOUND,
+        RunConflict: status.HTTP_409_CONFLICT,
+        RecordConflict: status.HTTP_409_CONFLICT,
+        StepConflict: status.HTTP_409_CONFLICT,
+        IdempotencyMismatch: status.HTTP_422_UNPROCESSABLE_CONTENT,
+    }
+
+    async def run_error(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, RecordsInvalid):
+            body = ValidationErrorBody(detail=exc.errors)
+            return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+        if isinstance(exc, IdempotencyMismatch):
+            body = ValidationErrorBody(detail=[ErrorItem(field="Idempotency-Key", reason=str(exc))])
+            return JSONResponse(body.model_dump(), status_code=statuses[IdempotencyMismatch])
+        code = statuses.get(type(exc), status.HTTP_409_CONFLICT)
+        return JSONResponse({"detail": str(exc)}, status_code=code)
+
+    async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        items = [
+            ErrorItem(field=".".join(str(part) for part in error.get("loc", ())), reason=str(error.get("msg", "")))
+            for error in exc.errors()
+        ]
+        body = ValidationErrorBody(detail=items)
+        return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+    app.add_exception_handler(RunError, run_error)
+    app.add_exception_handler(RequestValidationError, invalid_request)
+
+
+def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None = None) -> FastAPI:
+    """The service application. ``runs`` defaults to a new registry with ``settings.exporters``."""
+    settings = settings or ServerSettings()
+    registry = runs if runs is not None else RunRegistry(settings.exporters)
+    exposition = CollectorRegistry(auto_describe=False)
+    exposition.register(ServiceCollector(registry.registries))
+
+    writes = [Depends(token_guard(settings.token))]
+    reads = writes if settings.protect_reads else []
+    read_errors = (401,) if settings.protect_reads else ()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await run_in_threadpool(registry.close)  # flushes every run's exporters
+
+    app = FastAPI(title="staleness-metrics service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.runs = registry
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    _install_error_handlers(app)
+
+    @app.get("/healthz", tags=["service"])
+    def healthz() -> Health:
+        """Liveness: the service answers. Never needs a token."""
+        return Health(runs=len(registry.runs()))
+
+    @app.get(
+        "/metrics",
+        tags=["service"],
+        dependencies=reads,
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text exposition (OpenMetrics when the Accept header asks for it).",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **_responses(*read_errors, invalid=False),
+        },
+    )
+    def metrics(request: Request) -> Response:
+        """Every run's metrics, each series labelled with its ``run``."""
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(exposition), media_type=content_type)
+
+    @app.get("/v1/runs", tags=["runs"], dependencies=reads, responses=_responses(*read_errors, invalid=False))
+    def list_runs() -> RunList:
+        return RunList(runs=[run.info() for run in registry.runs()])
+
+    @app.put(
+        "/v1/runs/{run}",
+        tags=["runs"],
+        dependencies=writes,
+        status_code=status.HTTP_201_CREATED,
+        responses={
+            200: {"model": RunInfo, "description": "The run exists with this configuration."},
+            **_responses(401, 409, 413),
+        },
+        openapi_extra={"requestBody": {"content": {"application/json": {"schema": run_config_schema()}}}},
+    )
+    def create_run(
+        run: RunName, response: Response, config: Annotated[dict[str, Any], Body(default_factory=dict)]
+    ) -> RunInfo:
+        """Create a run with its configuration (policy and bound); idempotent for the same configuration."""
+        try:
+            parsed = StalenessConfig.from_mapping(config)
+        except ConfigError as error:
+            raise RecordsInvalid([_config_item(error)]) from None
+        created_run, created = registry.create(run, parsed)
+        if not created:
+            response.status_code = status.HTTP_200_OK
+        return created_run.info()
+
+    @app.get("/v1/runs/{run}", tags=["runs"], dependencies=reads, responses=_responses(*read_errors, 404))
+    def get_run(run: RunName) -> RunInfo:
+        return registry.get(run).info()
+
+    @app.delete(
+        "/v1/runs/{run}",
+        tags=["runs"],
+        dependencies=writes,
+        status_code=status.HTTP_204_NO_CONTENT,
+        response_class=Response,
+        responses=_responses(401, 404),
+    )
+    def delete_run(run: RunName) -> Response:
+        """Delete a run: its exporters flush and close, and its series leave ``/metrics``."""
+        registry.delete(run)
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+    @app.post(
+        "/v1/runs/{run}/rollouts", tags=["rollouts"], dependencies=writes, responses=_responses(401, 404, 409, 413)
+    )
+    def add_rollouts(run: RunName, batch: RolloutBatchIn) -> AddResult:
+        """Queue finished rollouts. Records received before (same id and content) count as duplicates.
+
+        Strict runs: an invalid record gets 422 naming its id, field and reason, and nothing of the batch
+        is applied. Lenient runs set invalid records aside (counted) and queue the rest.
+        """
+        return registry.get(run).add(batch.rollouts)
+
+    @app.post("/v1/runs/{run}/sweep", tags=["rollouts"], dependencies=writes, responses=_responses(401, 404, 409, 413))
+    def sweep(run: RunName, request: SweepRequest) -> RunInfo:
+        """Apply the policy at ``step`` to the queue; its drops are reported with the next ship."""
+        return registry.get(run).sweep(request.step)
+
+    @app.post("/v1/runs/{run}/ship", tags=["rollouts"], dependencies=writes, responses=_responses(401, 404, 409, 413))
+    def ship(
+        run: RunName,
+        request: ShipRequest,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias="Idempotency-Key",
+                min_length=1,
+                max_length=255,
+                description="Send the same key when retrying a ship: the run answers it once.",
+            ),
+        ] = None,
+    ) -> ShipResult:
+        """Mask and ship the batch for ``step`` and publish its metrics to every exporter."""
+        return registry.get(run).ship(request, idempotency_key)
+
+    @app.get("/v1/runs/{run}/steps", tags=["metrics"], dependencies=reads, responses=_responses(*read_errors, 404))
+    def steps(
+        run: RunName,
+        since: Annotated[int, Query(ge=0, le=MAX_STEP, description="Return the ships with step > since.")] = 0,
+    ) -> StepsPage:
+        """The run's metrics history, one row per ship, oldest first."""
+        return StepsPage(run=run, steps=registry.get(run).steps(since))
+
+    return app

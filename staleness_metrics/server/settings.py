@@ -1,0 +1,29 @@
+"""What a service instance is started with (the ``serve`` options, as one value)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .exporting import ExportSettings
+from .limits import DEFAULT_MAX_BODY_BYTES
+
+__all__ = ["ServerSettings"]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """``token``: required (``Authorization: Bearer``) on every write when set, and on reads too with
+    ``protect_reads``; ``/healthz`` and the OpenAPI document stay open. ``max_body_bytes`` caps request
+    bodies (413 beyond). ``exporters``: OTLP and W&B for every run, besides Prometheus."""
+
+    token: str | None = None
+    protect_reads: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    exporters: ExportSettings = field(default_factory=ExportSettings)
+
+    def __repr__(self) -> str:  # never print the token
+        token = "set" if self.token else None
+        return (
+            f"ServerSettings(token={token!r}, protect_reads={self.protect_reads}, "
+            f"max_body_bytes={self.max_body_bytes}, exporters={self.exporters!r})"
+        )

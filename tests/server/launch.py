@@ -1,0 +1,24 @@
+"""Runs the ``serve`` subcommand through its own ``register``/``run``, as the console script does.
+
+``python -m tests.server.launch serve --port 0 ...`` (from the project root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from staleness_metrics.commands import serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="staleness-metrics")
+    serve.register(parser.add_subparsers(required=True))
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
