@@ -86,7 +86,11 @@ def python_rule(inputs: dict[str, Any], samples: int) -> dict[str, float]:
     histogram: dict[int, int] = {}
     for s in range(samples):
         lo, hi = offsets[s], offsets[s + 1]
-        spans = list(zip(span_starts[span_offsets[s] : span_offsets[s + 1]], span_versions[span_offsets[s] : span_offsets[s + 1]]))
+        spans = list(
+            zip(
+                span_starts[span_offsets[s] : span_offsets[s + 1]], span_versions[span_offsets[s] : span_offsets[s + 1]]
+            )
+        )
         k = 0
         for p in range(lo, hi):
             while k + 1 < len(spans) and spans[k + 1][0] <= p - lo:

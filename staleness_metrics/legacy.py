@@ -306,10 +306,7 @@ def rewrite_key_regex(
     targets = sorted({new for name in matched if (new := legacy[name]) is not None})
     if not targets:
         return RegexRewrite(pattern, None, tuple(matched), removed)
-    if flavor == "wandb":
-        new_pattern = "^" + _trie_pattern(targets, "/") + "$"
-    else:
-        new_pattern = _trie_pattern(targets, "_")
+    new_pattern = "^" + _trie_pattern(targets, "/") + "$" if flavor == "wandb" else _trie_pattern(targets, "_")
     # The rewrite must match exactly the targets among all known names, and no legacy name.
     check = re.compile(new_pattern)
     hits = {name for name in (*current, *legacy) if _matches(check, name, flavor)}

@@ -8,8 +8,9 @@ written only where the policy masks them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -104,15 +105,26 @@ def _touching_runs(chunk: IntArray, lo: IntArray, hi: IntArray) -> list[tuple[in
 
 @dataclass(frozen=True)
 class Shipment:
-    """A shipped batch with its metrics, and what left the sink for staleness in its window."""
+    """A shipped batch with its metrics, and what left the sink for staleness in its window.
+
+    ``rollouts`` is built on first access: an orchestrator that trains on its own (masked in place)
+    arrays never pays for per-rollout objects.
+    """
 
     step: int
     report: StepReport
-    rollouts: tuple[ShippedRollout, ...]
     dropped_rollouts: tuple[str, ...]
     dropped_samples: tuple[tuple[str, int], ...]
     held: tuple[str, ...]
     invalid: tuple[TraceError, ...] = field(default=())
+    _build_rollouts: Callable[[], tuple[ShippedRollout, ...]] = field(
+        default=tuple, repr=False, compare=False
+    )
+
+    @cached_property
+    def rollouts(self) -> tuple[ShippedRollout, ...]:
+        """The shipped rollouts, in ship order, with their kept samples."""
+        return self._build_rollouts()
 
     @property
     def metrics(self) -> Mapping[str, float | int]:
@@ -229,12 +241,12 @@ class Sink:
 
     def _add_batch(self, batch: RolloutBatch) -> int:
         verdicts = check_batch(batch, self._row_of.keys())
+        spans = build_spans(batch, verdicts)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
         invalid = verdicts.invalid
         for index, error in sorted(verdicts.errors.items()):
             self._set_aside(error, batch.envs[index] if batch.envs is not None else None)
-        spans = build_spans(batch, invalid)
         keep = np.flatnonzero(~invalid)
         kept_ids = keep.tolist()
         if len(keep) == 0:
@@ -371,18 +383,14 @@ class Sink:
             self._samples["span_lo"][judgement.sample_rows], self._samples["span_hi"][judgement.sample_rows]
         )[hit]
         chunk_of = self._rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
-        lo, hi, sampled = spans["lo"][span_rows], spans["hi"][span_rows], spans["sampled"][span_rows]
-        full = sampled == hi - lo
-        # Fully sampled spans: merge touching ones of a chunk into runs, one fill per run and array.
-        for chunk, a, b in _touching_runs(chunk_of[full], lo[full], hi[full]):
-            for values in self._position_arrays(chunk):
+        # Spans are wholly sampled (mask-0 positions are spans of their own, never hit): one fill per
+        # run of touching spans and array.
+        arrays: dict[int, list[npt.NDArray[Any]]] = {}
+        for chunk, a, b in _touching_runs(chunk_of, spans["lo"][span_rows], spans["hi"][span_rows]):
+            if chunk not in arrays:
+                arrays[chunk] = self._position_arrays(chunk)
+            for values in arrays[chunk]:
                 values[a:b] = 0
-        # Partly sampled spans: mask-0 positions keep their weights, so select the sampled ones.
-        for chunk, a, b in zip(chunk_of[~full].tolist(), lo[~full].tolist(), hi[~full].tolist()):
-            arrays = self._position_arrays(chunk)
-            sampled_here = arrays[0][a:b] != 0
-            for values in arrays[::-1]:  # mask last: it selects the positions
-                np.putmask(values[a:b], sampled_here, 0)
 
     def _position_arrays(self, chunk: int) -> list[npt.NDArray[Any]]:
         """The mask followed by the weight arrays of a chunk (those it has)."""
@@ -444,11 +452,11 @@ class Sink:
         shipment = Shipment(
             step=step,
             report=report,
-            rollouts=tuple(self._shipped_rollout(row) for row in shipped.tolist()),
             dropped_rollouts=tuple(self._window.dropped_rollouts),
             dropped_samples=tuple(self._window.dropped_samples),
             held=tuple(self._window.held),
             invalid=tuple(self._invalid),
+            _build_rollouts=self._shipped_rollouts(shipped),
         )
         self.totals = self.totals + report.tally
         self._window = WindowCounts()
@@ -456,13 +464,29 @@ class Sink:
         self._release_chunks()
         return shipment
 
-    def _shipped_rollout(self, row: int) -> ShippedRollout:
+    def _shipped_rollouts(self, rows: IntArray) -> Callable[[], tuple[ShippedRollout, ...]]:
+        """Capture what the shipped rollouts are now; build the objects only when asked."""
         r, s = self._rollouts, self._samples
-        lo, hi = int(r["sample_lo"][row]), int(r["sample_hi"][row])
-        kept = np.flatnonzero(~s["dropped"][lo:hi])
-        batch = self._chunks[int(r["chunk"][row])]
-        assert batch is not None
-        return ShippedRollout(self._ids[row], batch, int(r["index"][row]), tuple(kept.tolist()))
+        counts = r["sample_hi"][rows] - r["sample_lo"][rows]
+        sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
+        kept = ~s["dropped"][sample_rows]
+        owner = np.repeat(np.arange(len(rows)), counts)[kept]
+        local = s["local"][sample_rows][kept]
+        ids = [self._ids[row] for row in rows.tolist()]
+        chunk = r["chunk"][rows]
+        batches = {c: self._chunks[c] for c in np.unique(chunk).tolist()}
+        index = r["index"][rows]
+
+        def build() -> tuple[ShippedRollout, ...]:
+            bounds = np.searchsorted(owner, np.arange(len(ids) + 1))
+            out = []
+            for i, (rid, c, k) in enumerate(zip(ids, chunk.tolist(), index.tolist())):
+                batch = batches[c]
+                assert batch is not None
+                out.append(ShippedRollout(rid, batch, k, tuple(local[bounds[i] : bounds[i + 1]].tolist())))
+            return tuple(out)
+
+        return build
 
     def _check_versions(self, rows: IntArray, step: int) -> IntArray:
         """Ship-time rule: no version above the trained one. Returns the rows that pass."""

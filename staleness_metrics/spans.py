@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, RolloutBatch
+from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .segments import segment_max, segment_min, segment_sum
+from .validation import Verdicts
 
 __all__ = ["NO_VERSION_HIGH", "NO_VERSION_LOW", "SpanTable", "build_spans"]
 
@@ -52,77 +53,48 @@ class SpanTable:
     completion: IntArray
 
 
-def build_spans(batch: RolloutBatch, invalid_rollout: BoolArray) -> SpanTable:
-    """Cut every sample of ``batch`` into spans; samples of invalid rollouts get no spans."""
+def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
+    """Cut every sample of ``batch`` into spans of one version label and one mask value.
+
+    Also checks the position values (0/1 mask, finite weights and log-probabilities) and reports
+    offenders into ``verdicts``. Samples of rollouts already invalid there get no spans.
+    """
     pos_off = batch.position_offsets
     n_samples = batch.n_samples
     n_positions = batch.n_positions
     sample_rollout = np.repeat(np.arange(batch.n_rollouts), np.diff(batch.sample_offsets))
-    lengths = np.diff(pos_off)
-    kind = batch.label_kind
-    assert kind is not None
-    valid_sample = ~invalid_rollout[sample_rollout]
+    valid_sample = ~verdicts.invalid[sample_rollout]
+    version_lo, version_label, version_kept = _version_spans(batch, valid_sample)
 
-    starts: list[IntArray] = []
-    labels: list[IntArray] = []
-    keep: list[BoolArray] = []
-
-    def add(where: IntArray, label: IntArray, kept: bool) -> None:
-        starts.append(where)
-        labels.append(label)
-        keep.append(np.full(len(where), kept))
-
-    nonempty = lengths > 0
-    # Invalid samples get a filler span so that spans keep tiling the flat arrays.
-    filler = nonempty & ~valid_sample
-    add(pos_off[:-1][filler], np.full(int(filler.sum()), -1, dtype=np.int64), False)
-    plain = nonempty & valid_sample & (kind == LABELS_NONE)
-    add(pos_off[:-1][plain], np.full(int(plain.sum()), -1, dtype=np.int64), True)
-
-    spanned = valid_sample & (kind == LABELS_SPANS)
-    if spanned.any():
-        assert batch.span_offsets is not None and batch.span_versions is not None
-        assert batch.span_starts is not None
-        span_sample = np.repeat(np.arange(n_samples), np.diff(batch.span_offsets))
-        chosen = spanned[span_sample]
-        add(pos_off[span_sample[chosen]] + batch.span_starts[chosen], batch.span_versions[chosen], True)
-        first = batch.span_offsets[:-1]
-        has_spans = np.diff(batch.span_offsets) > 0
-        prefix = spanned & has_spans & nonempty
-        prefix[prefix] = batch.span_starts[first[prefix]] > 0
-        # a spans sample with no span at all is entirely unlabelled
-        prefix |= spanned & ~has_spans & nonempty
-        add(pos_off[:-1][prefix], np.full(int(prefix.sum()), -1, dtype=np.int64), True)
-
-    tokened = valid_sample & (kind == LABELS_TOKENS) & nonempty
-    if tokened.any():
-        assert batch.token_versions is not None
-        tokens = batch.token_versions
-        boundary = np.zeros(n_positions, dtype=bool)
-        boundary[pos_off[:-1][nonempty]] = True
-        boundary[1:] |= tokens[1:] != tokens[:-1]
-        boundary &= np.repeat(tokened, lengths)
-        where = np.flatnonzero(boundary)
-        add(where, tokens[where], True)
-
-    lo = np.concatenate(starts).astype(np.int64)
-    label = np.concatenate(labels).astype(np.int64)
-    kept = np.concatenate(keep)
-    order = np.argsort(lo, kind="stable")
-    lo, label, kept = lo[order], label[order], kept[order]
-    hi = np.append(lo[1:], n_positions).astype(np.int64)
-
+    # Refine version spans where the mask changes: each span is then wholly sampled or wholly not.
     mask = batch.mask
-    if len(lo):
-        # float32 sums of 0/1 are exact below 2**24 positions a span; longer spans sum in float64
-        exact = mask.dtype == np.float64 or int(np.max(hi - lo)) < 1 << 24
-        sampled = np.add.reduceat(mask, lo, dtype=None if exact else np.float64).astype(np.int64)
-        live, side = _weighted_spans(batch, lo)
-    else:
-        sampled = np.zeros(0, dtype=np.int64)
-        live = side = np.zeros(0, dtype=bool)
+    changes = np.flatnonzero(mask[1:] != mask[:-1]) + 1 if n_positions else np.zeros(0, dtype=np.int64)
+    lo = np.union1d(version_lo, changes).astype(np.int64)
+    hi = np.append(lo[1:], n_positions).astype(np.int64)
+    of_version = np.searchsorted(version_lo, lo, "right") - 1
+    label, kept = version_label[of_version], version_kept[of_version]
 
-    lo, hi, label, sampled, live, side = (a[kept] for a in (lo, hi, label, sampled, live, side))
+    value = mask[lo]
+    bad = kept & (value != 0) & (value != 1)
+    if bad.any():
+        verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
+    is_sampled = value == 1
+    sampled = np.where(is_sampled, hi - lo, 0).astype(np.int64)
+    nonzero = {name: _nonzero_or_report(batch, name, lo, hi, kept, verdicts) for name in WEIGHT_FIELDS}
+    if batch.logprobs is not None and not np.isfinite(np.add.reduce(batch.logprobs)):
+        offenders = np.flatnonzero(~np.isfinite(batch.logprobs))
+        verdicts.positions(offenders[np.unique(np.searchsorted(lo, offenders, "right"), return_index=True)[1]].tolist(),
+                           "logprobs", "not a finite number")  # fmt: skip
+    rl = nonzero["rl_weights"]
+    other = np.zeros(len(lo), dtype=bool)  # a ce or ref-KL weight
+    for name in ("ce_weights", "ref_kl_weights"):
+        if nonzero[name] is not None:
+            other |= nonzero[name]
+    live = is_sampled.copy() if rl is None else is_sampled & (rl | other)  # no rl_weights: 1.0 on the mask
+    side = ~is_sampled & other
+
+    lo, hi, label, sampled = lo[kept], hi[kept], label[kept], sampled[kept]
+    live, side = live[kept], side[kept]
     sample = (np.searchsorted(pos_off, lo, "right") - 1).astype(np.int64)
     span_offsets = np.concatenate(([0], np.cumsum(np.bincount(sample, minlength=n_samples)))).astype(np.int64)
     dispatch = batch.dispatch_version[sample_rollout][sample]
@@ -166,27 +138,74 @@ def build_spans(batch: RolloutBatch, invalid_rollout: BoolArray) -> SpanTable:
     )
 
 
-def _weighted_spans(batch: RolloutBatch, lo: IntArray) -> tuple[BoolArray, BoolArray]:
-    """Per span: whether a sampled position carries a loss weight, and whether a mask-0 position
-    carries a ce / ref-KL weight (which masking never touches). One boolean pass per array."""
-    n = len(batch.mask)
-    other: BoolArray | None = None  # ce or ref-KL weight != 0
-    for values in (batch.ce_weights, batch.ref_kl_weights):
-        if values is not None:
-            if other is None:
-                other = np.not_equal(values, 0)
-            else:
-                np.logical_or(other, np.not_equal(values, 0), out=other)
-    is_sampled = np.not_equal(batch.mask, 0)
-    if batch.rl_weights is None:  # a missing rl_weights is 1.0 on the mask
-        live = np.logical_or.reduceat(is_sampled, lo) if n else np.zeros(0, dtype=bool)
-    else:
-        weighted = np.not_equal(batch.rl_weights, 0)
-        if other is not None:
-            np.logical_or(weighted, other, out=weighted)
-        np.logical_and(weighted, is_sampled, out=weighted)
-        live = np.logical_or.reduceat(weighted, lo)
-    if other is None:
-        return live, np.zeros(len(lo), dtype=bool)
-    np.logical_and(other, np.logical_not(is_sampled, out=is_sampled), out=other)
-    return live, np.logical_or.reduceat(other, lo)
+def _version_spans(batch: RolloutBatch, valid_sample: BoolArray) -> tuple[IntArray, IntArray, BoolArray]:
+    """Start, label and keep flag of the version spans that tile the flat arrays.
+
+    Samples of invalid rollouts get one filler span (not kept), so that spans always tile.
+    """
+    pos_off = batch.position_offsets
+    n_samples = batch.n_samples
+    lengths = np.diff(pos_off)
+    kind = batch.label_kind
+    assert kind is not None
+    starts: list[IntArray] = []
+    labels: list[IntArray] = []
+    keep: list[BoolArray] = []
+
+    def add(where: IntArray, label: IntArray, kept: bool) -> None:
+        starts.append(where)
+        labels.append(label)
+        keep.append(np.full(len(where), kept))
+
+    def unlabelled(selected: BoolArray, kept: bool = True) -> None:
+        add(pos_off[:-1][selected], np.full(int(selected.sum()), -1, dtype=np.int64), kept)
+
+    nonempty = lengths > 0
+    unlabelled(nonempty & ~valid_sample, kept=False)
+    unlabelled(nonempty & valid_sample & (kind == LABELS_NONE))
+    spanned = valid_sample & (kind == LABELS_SPANS)
+    if spanned.any():
+        assert batch.span_offsets is not None and batch.span_versions is not None
+        assert batch.span_starts is not None
+        span_sample = np.repeat(np.arange(n_samples), np.diff(batch.span_offsets))
+        chosen = spanned[span_sample]
+        add(pos_off[span_sample[chosen]] + batch.span_starts[chosen], batch.span_versions[chosen], True)
+        has_spans = np.diff(batch.span_offsets) > 0
+        prefix = spanned & has_spans & nonempty
+        prefix[prefix] = batch.span_starts[batch.span_offsets[:-1][prefix]] > 0
+        unlabelled(prefix | (spanned & ~has_spans & nonempty))  # positions before the first span
+    tokened = valid_sample & (kind == LABELS_TOKENS) & nonempty
+    if tokened.any():
+        assert batch.token_versions is not None
+        tokens = batch.token_versions
+        boundary = np.zeros(batch.n_positions, dtype=bool)
+        boundary[pos_off[:-1][nonempty]] = True
+        boundary[1:] |= tokens[1:] != tokens[:-1]
+        boundary &= np.repeat(tokened, lengths)
+        where = np.flatnonzero(boundary)
+        add(where, tokens[where], True)
+    lo = np.concatenate(starts).astype(np.int64)
+    order = np.argsort(lo, kind="stable")
+    return lo[order], np.concatenate(labels).astype(np.int64)[order], np.concatenate(keep)[order]
+
+
+def _nonzero_or_report(
+    batch: RolloutBatch, name: str, lo: IntArray, hi: IntArray, kept: BoolArray, verdicts: Verdicts
+) -> BoolArray | None:
+    """Per span: whether the weight array holds a non-zero value (None when the batch has no such
+    array). Max and min per span answer that and, being non-finite exactly when a value is, the
+    finiteness rule too, without a temporary array of positions."""
+    values = getattr(batch, name)
+    if values is None or len(lo) == 0:
+        return None if values is None else np.zeros(0, dtype=bool)
+    high = np.maximum.reduceat(values, lo)
+    smallest = values.min()
+    # Weights are usually >= 0: then the span maxima alone say "non-zero", and with the global
+    # minimum they also say "finite" (NaN and +inf reach the maxima, -inf the minimum).
+    low = np.minimum.reduceat(values, lo) if not smallest >= 0 else np.zeros_like(high)
+    broken = kept & ~(np.isfinite(high) & np.isfinite(low))
+    for span in np.flatnonzero(broken).tolist():  # error path: name the first offending position
+        a, b = int(lo[span]), int(hi[span])
+        verdicts.positions([a + int(np.flatnonzero(~np.isfinite(values[a:b]))[0])], name, "not a finite number")
+    nonzero: BoolArray = (high > 0) | (low < 0)
+    return nonzero

@@ -91,7 +91,11 @@ def _check_shapes(batch: RolloutBatch) -> None:
 
 
 def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> Verdicts:
-    """Every SPEC 3 rule that does not depend on the step; returns the invalid rollouts."""
+    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts.
+
+    The rules on position values (0/1 mask, finite weights) are checked by
+    :func:`staleness_metrics.spans.build_spans`, which reads the positions anyway.
+    """
     _check_shapes(batch)
     verdicts = Verdicts(batch)
 
@@ -117,24 +121,12 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
             f"{completion[index]} is below dispatch_version {dispatch[index]}",
         )
 
-    mask = batch.mask
-    # Counting is cheaper than locating: only look for offenders when the counts disagree.
-    if np.count_nonzero(mask == 0) + np.count_nonzero(mask == 1) != len(mask):
-        bad = np.flatnonzero((mask != 0) & (mask != 1))
-        verdicts.positions(_first_per_rollout(batch, bad), "mask", "expected 0 or 1")
-    for name in (*WEIGHT_FIELDS, "logprobs"):
-        values = getattr(batch, name)
-        # A sum is non-finite when any term is; only then look for the offender.
-        if values is not None and not np.isfinite(np.add.reduce(values)):
-            bad = np.flatnonzero(~np.isfinite(values))
-            verdicts.positions(_first_per_rollout(batch, bad), name, "not a finite number")
-
     kind = batch.label_kind
     assert kind is not None
     if batch.token_versions is not None:
         tokens = batch.token_versions
         sample_has_tokens = np.repeat(kind == LABELS_TOKENS, np.diff(batch.position_offsets))
-        bad = np.flatnonzero(sample_has_tokens & (tokens < -1))
+        bad = np.flatnonzero(sample_has_tokens & (tokens < -1)) if tokens.min(initial=0) < -1 else tokens[:0]
         verdicts.positions(_first_per_rollout(batch, bad), "token_versions", "versions are >= 0 or -1")
     if batch.span_offsets is not None:
         _check_spans(batch, verdicts)
