@@ -31,6 +31,7 @@ from ..config import StalenessConfig
 from ..errors import ConfigError
 from .exporting import ServiceCollector
 from .limits import BodySizeLimit
+from .methods import AllowHeader
 from .models import (
     MAX_STEP,
     RUN_NAME_PATTERN,
@@ -155,6 +156,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     app = FastAPI(title="staleness-metrics service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.runs = registry
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AllowHeader, routes=lambda: app.routes)
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["service"])

@@ -60,9 +60,16 @@ def run_config_schema() -> dict[str, Any]:
     return schema
 
 
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    """An optional field the library also accepts as ``null`` (meaning absent)."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_NUMBERS: dict[str, Any] = {"type": "array", "items": {"type": "number"}}
+
 _SAMPLE_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "description": "One training sample cut from the rollout (SPEC 3).",
+    "description": "One training sample cut from the rollout (SPEC 3). Per-position lists have the mask's length.",
     "required": ["mask"],
     "properties": {
         "mask": {
@@ -70,20 +77,24 @@ _SAMPLE_SCHEMA: dict[str, Any] = {
             "items": {"anyOf": [{"type": "integer", "enum": [0, 1]}, {"type": "boolean"}]},
             "description": "1 = sampled by the policy and eligible for training; its length is the sample's.",
         },
-        "weight_versions": {
-            "type": "array",
-            "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
-            "description": "[version, start] spans with strictly increasing starts in 0..n-1.",
-        },
-        "token_versions": {
-            "type": "array",
-            "items": {"type": "integer", "minimum": -1},
-            "description": "One version per position (-1 = unlabelled); not together with weight_versions.",
-        },
-        "rl_weights": {"type": "array", "items": {"type": "number"}},
-        "ce_weights": {"type": "array", "items": {"type": "number"}},
-        "ref_kl_weights": {"type": "array", "items": {"type": "number"}},
-        "logprobs": {"type": "array", "items": {"type": "number"}},
+        "weight_versions": _nullable(
+            {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+                "description": "[version, start] spans with strictly increasing starts in 0..n-1.",
+            }
+        ),
+        "token_versions": _nullable(
+            {
+                "type": "array",
+                "items": {"type": "integer", "minimum": -1},
+                "description": "One version per position (-1 = unlabelled); not together with weight_versions.",
+            }
+        ),
+        "rl_weights": _nullable(_NUMBERS),
+        "ce_weights": _nullable(_NUMBERS),
+        "ref_kl_weights": _nullable(_NUMBERS),
+        "logprobs": _nullable(_NUMBERS),
     },
     "additionalProperties": False,
 }
@@ -94,11 +105,11 @@ _ROLLOUT_SCHEMA: dict[str, Any] = {
     "required": ["id", "samples"],
     "properties": {
         "id": {"type": "string", "minLength": 1, "description": "Unique within the run."},
-        "group_id": {"type": "string"},
-        "env": {"type": "string"},
+        "group_id": _nullable({"type": "string"}),
+        "env": _nullable({"type": "string"}),
         "source": {"type": "string", "enum": ["live", "frozen"], "default": "live"},
-        "dispatch_version": {"type": "integer", "minimum": 0, "description": "Required when live."},
-        "completion_version": {"type": "integer", "minimum": 0},
+        "dispatch_version": _nullable({"type": "integer", "minimum": 0, "description": "Required when live."}),
+        "completion_version": _nullable({"type": "integer", "minimum": 0}),
         "agentic": {"type": "boolean", "default": False},
         "samples": {"type": "array", "items": _SAMPLE_SCHEMA, "minItems": 1},
     },
