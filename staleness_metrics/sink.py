@@ -239,6 +239,20 @@ class Sink:
         self._group_agentic[index] |= agentic
         return index
 
+    def _groups_of(self, batch: RolloutBatch, rollouts: list[int]) -> IntArray:
+        """Group index of each rollout, registering new groups (one of its own without group_id)."""
+        assert batch.group_ids is not None and batch.agentic is not None
+        if all(batch.group_ids[i] is None for i in rollouts):  # singletons: no lookups needed
+            first = self._n_groups
+            self._n_groups += len(rollouts)
+            if self._n_groups > len(self._group_agentic):
+                grown = np.zeros(2 * self._n_groups, dtype=bool)
+                grown[:first] = self._group_agentic[:first]
+                self._group_agentic = grown
+            self._group_agentic[first : self._n_groups] = batch.agentic[rollouts]
+            return np.arange(first, self._n_groups, dtype=np.int64)
+        return np.array([self._group(batch.group_ids[i], bool(batch.agentic[i])) for i in rollouts], dtype=np.int64)
+
     def _add_batch(self, batch: RolloutBatch) -> int:
         verdicts = check_batch(batch, self._row_of.keys())
         spans = build_spans(batch, verdicts)
@@ -263,8 +277,9 @@ class Sink:
         span_base = len(self._spans)
         row_base = len(self._rollouts)
         new_sample_offsets = np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
-        groups = np.array([self._group(batch.group_ids[i], bool(batch.agentic[i])) for i in kept_ids], dtype=np.int64)
-        envs = np.array([self._env(batch.envs[i]) for i in kept_ids], dtype=np.int64)
+        groups = self._groups_of(batch, kept_ids)
+        env_index = {name: self._env(name) for name in {batch.envs[i] for i in kept_ids}}
+        envs = np.array([env_index[batch.envs[i]] for i in kept_ids], dtype=np.int64)
         self._rollouts.append(
             chunk=np.full(len(keep), chunk), index=keep, status=np.full(len(keep), QUEUED),
             judged=np.full(len(keep), NEVER), frozen=batch.frozen[keep], dispatch=batch.dispatch_version[keep],

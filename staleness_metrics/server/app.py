@@ -80,6 +80,7 @@ RunName = Annotated[
 ]
 
 _ERRORS: dict[int, str] = {
+    400: "The body could not be read (not UTF-8 JSON).",
     401: "Missing or wrong bearer token.",
     404: "No such run (create it with PUT /v1/runs/{run}).",
     409: "Conflicts with the run's state.",
@@ -193,7 +194,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         status_code=status.HTTP_201_CREATED,
         responses={
             200: {"model": RunInfo, "description": "The run exists with this configuration."},
-            **_responses(401, 409, 413),
+            **_responses(400, 401, 409, 413),
         },
         openapi_extra={"requestBody": {"content": {"application/json": {"schema": run_config_schema()}}}},
     )
@@ -228,7 +229,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
     @app.post(
-        "/v1/runs/{run}/rollouts", tags=["rollouts"], dependencies=writes, responses=_responses(401, 404, 409, 413)
+        "/v1/runs/{run}/rollouts", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413)
     )
     def add_rollouts(run: RunName, batch: RolloutBatchIn) -> AddResult:
         """Queue finished rollouts. Records received before (same id and content) count as duplicates.
@@ -238,12 +239,12 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         """
         return registry.get(run).add(batch.rollouts)
 
-    @app.post("/v1/runs/{run}/sweep", tags=["rollouts"], dependencies=writes, responses=_responses(401, 404, 409, 413))
+    @app.post("/v1/runs/{run}/sweep", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413))
     def sweep(run: RunName, request: SweepRequest) -> RunInfo:
         """Apply the policy at ``step`` to the queue; its drops are reported with the next ship."""
         return registry.get(run).sweep(request.step)
 
-    @app.post("/v1/runs/{run}/ship", tags=["rollouts"], dependencies=writes, responses=_responses(401, 404, 409, 413))
+    @app.post("/v1/runs/{run}/ship", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413))
     def ship(
         run: RunName,
         request: ShipRequest,

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import positive_data_acceptance
+from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 
 from staleness_metrics.server import ServerSettings, create_app
 
@@ -42,7 +42,7 @@ def test_the_server_serves_the_document_under_test(service: ThreadServer) -> Non
 
 
 @schema.parametrize()
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_conforms_and_never_fails(case: schemathesis.Case, service: ThreadServer) -> None:
     # Keep the example run alive (an example DELETE may have removed it) so generated requests reach a run.
     httpx.put(f"{service.url}/v1/runs/{EXAMPLE_RUN}", json={}, headers=AUTH)
@@ -50,4 +50,10 @@ def test_api_conforms_and_never_fails(case: schemathesis.Case, service: ThreadSe
     # value rules (per-position lists as long as the mask, increasing span starts, versions at most the
     # trained one, the xtuner-only options) cannot be written in JSON Schema, and a repeated
     # Idempotency-Key or a step below the run's latest is refused by design.
-    case.call_and_validate(base_url=service.url, headers=AUTH, excluded_checks=[positive_data_acceptance])
+    excluded = [positive_data_acceptance]
+    if case.operation.path == "/v1/runs/{run}/rollouts":
+        # The library reads an explicit -1 completion_version (or a frozen rollout's dispatch_version) as
+        # "absent" instead of refusing it: test_api.test_negative_versions_are_refused, a strict xfail,
+        # turns red when that is fixed; then drop this exclusion.
+        excluded.append(negative_data_rejection)
+    case.call_and_validate(base_url=service.url, headers=AUTH, excluded_checks=excluded)
