@@ -15,6 +15,7 @@ from .errors import ConfigError, EventError, StalenessError, TraceError
 from .metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
 from .monitor import StalenessMonitor
 from .policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
+from .records import Rollout, Sample
 from .replay import read_events, run_events
 from .report import StepReport, Tally
 from .sink import Shipment, ShippedRollout, Sink
@@ -32,7 +33,9 @@ __all__ = [
     "MetricDef",
     "MetricKind",
     "Policy",
+    "Rollout",
     "RolloutBatch",
+    "Sample",
     "Shipment",
     "ShippedRollout",
     "Sink",

@@ -7,7 +7,7 @@ lengths, span order, finite weights, version ranges) are checked once, on the co
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ import numpy.typing as npt
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .errors import TraceError
 
-__all__ = ["ParsedRollout", "pack", "parse_rollout"]
+__all__ = ["ParsedRollout", "Rollout", "Sample", "pack", "parse_rollout"]
 
 _ROLLOUT_FIELDS = {
     "id",
@@ -30,6 +30,60 @@ _ROLLOUT_FIELDS = {
     "samples",
 }
 _SAMPLE_FIELDS = {"mask", "weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs"}
+
+
+def _plain(values: Any) -> Any:
+    """Lists of Python scalars from sequences or numpy arrays (the record form is JSON-like)."""
+    if values is None:
+        return None
+    if isinstance(values, np.ndarray):
+        return values.tolist()
+    return [_plain(v) if isinstance(v, (list, tuple, np.ndarray)) else v for v in values]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A training sample as a typed object (the same fields as the SPEC 3 record)."""
+
+    mask: Sequence[int] | npt.NDArray[Any]
+    weight_versions: Sequence[Sequence[int]] | None = None
+    token_versions: Sequence[int] | npt.NDArray[Any] | None = None
+    rl_weights: Sequence[float] | npt.NDArray[Any] | None = None
+    ce_weights: Sequence[float] | npt.NDArray[Any] | None = None
+    ref_kl_weights: Sequence[float] | npt.NDArray[Any] | None = None
+    logprobs: Sequence[float] | npt.NDArray[Any] | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        record = {"mask": _plain(self.mask)}
+        for name in ("weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs"):
+            if getattr(self, name) is not None:
+                record[name] = _plain(getattr(self, name))
+        return record
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A rollout as a typed object; :meth:`Sink.add` validates it exactly like a dict record."""
+
+    id: str
+    samples: Sequence[Sample]
+    dispatch_version: int | None = None
+    completion_version: int | None = None
+    group_id: str | None = None
+    env: str | None = None
+    source: str = "live"
+    agentic: bool = False
+
+    def to_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"id": self.id, "samples": [s.to_record() for s in self.samples]}
+        for name in ("dispatch_version", "completion_version", "group_id", "env"):
+            if getattr(self, name) is not None:
+                record[name] = getattr(self, name)
+        if self.source != "live":
+            record["source"] = self.source
+        if self.agentic:
+            record["agentic"] = True
+        return record
 
 
 @dataclass

@@ -22,7 +22,7 @@ from .decision import NO_MASK, Decision, Judgement
 from .errors import TraceError
 from .metrics import WindowCounts, compute_report
 from .policies import Policy, policy_for
-from .records import ParsedRollout, pack, parse_rollout
+from .records import ParsedRollout, Rollout, pack, parse_rollout
 from .report import StepReport, Tally
 from .segments import expand_ranges
 from .spans import build_spans
@@ -117,9 +117,7 @@ class Shipment:
     dropped_samples: tuple[tuple[str, int], ...]
     held: tuple[str, ...]
     invalid: tuple[TraceError, ...] = field(default=())
-    _build_rollouts: Callable[[], tuple[ShippedRollout, ...]] = field(
-        default=tuple, repr=False, compare=False
-    )
+    _build_rollouts: Callable[[], tuple[ShippedRollout, ...]] = field(default=tuple, repr=False, compare=False)
 
     @cached_property
     def rollouts(self) -> tuple[ShippedRollout, ...]:
@@ -199,8 +197,9 @@ class Sink:
         """Errors of the rollouts set aside in lenient mode, oldest first."""
         return tuple(self._invalid)
 
-    def add(self, rollouts: RolloutBatch | Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> int:
-        """Queue finished rollouts (records, an iterable of records or a :class:`RolloutBatch`).
+    def add(self, rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Mapping[str, Any] | Rollout]) -> int:
+        """Queue finished rollouts: records (dicts or :class:`Rollout`), an iterable of them, or a
+        :class:`RolloutBatch`.
 
         Strict mode raises :class:`TraceError` for the first invalid rollout and adds nothing;
         lenient mode sets invalid rollouts aside (counted) and queues the rest. Returns how many
@@ -208,9 +207,10 @@ class Sink:
         """
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
-        records: Iterable[Mapping[str, Any]] = [rollouts] if isinstance(rollouts, Mapping) else rollouts
+        records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else rollouts
         parsed: list[ParsedRollout] = []
-        for raw in records:
+        for item in records:
+            raw = item.to_record() if isinstance(item, Rollout) else item
             try:
                 parsed.append(parse_rollout(raw))
             except TraceError as error:

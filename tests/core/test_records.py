@@ -192,3 +192,15 @@ def test_frozen_rollout_needs_no_dispatch_version() -> None:
     shipment = sink.ship(3)
     assert shipment.ids == ["f"]
     assert shipment.report.tally.rollouts_frozen == 1
+
+
+def test_typed_records_are_validated_like_dicts() -> None:
+    from staleness_metrics import Rollout, Sample
+
+    sink = Sink()
+    typed = Rollout("t", [Sample(mask=np.array([1, 1]), weight_versions=[(2, 0), (3, 1)])], dispatch_version=2)
+    assert sink.add(typed) == 1
+    assert sink.ship(5).batches_line()["shipped"][0]["samples"][0]["weight_versions"] == [[2, 0], [3, 1]]
+    with pytest.raises(TraceError) as caught:
+        sink.add(Rollout("bad", [Sample(mask=[1, 2])], dispatch_version=1))
+    assert (caught.value.rollout_id, caught.value.field) == ("bad", "samples[0].mask[1]")
