@@ -35,6 +35,7 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3
+COMPACT_MIN_ROWS = 4096  # below this many rows, forgetting is not worth a copy
 NEVER = -1
 
 
@@ -147,8 +148,15 @@ class Shipment:
 class Sink:
     """Queue of finished rollouts, judged by one policy (SPEC 4 and 5)."""
 
-    def __init__(self, config: StalenessConfig | None = None, *, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        config: StalenessConfig | None = None,
+        *,
+        policy: Policy | None = None,
+        compact_min_rows: int = COMPACT_MIN_ROWS,
+    ) -> None:
         self.config = config or StalenessConfig()
+        self.compact_min_rows = compact_min_rows
         self.policy = policy or policy_for(self.config)
         self._rollouts = Table(
             chunk=np.int64, index=np.int64, status=np.int8, judged=np.int64, frozen=np.bool_,
@@ -165,8 +173,9 @@ class Sink:
             sample=np.int64, lo=np.int64, hi=np.int64, version=np.int64, labelled=np.bool_,
             sampled=np.int64, live=np.bool_,
         )  # fmt: skip
-        self._ids: list[str] = []
-        self._row_of: dict[str, int] = {}
+        self._ids: list[str] = []  # per rollout row
+        self._row_of: dict[str, int] = {}  # queued (and recently resolved) rollouts by id
+        self._seen_ids: set[str] = set()  # every id accepted in the run: ids are unique within a run
         self._chunks: list[RolloutBatch | None] = []
         self._chunk_open: list[int] = []  # rollouts of each chunk still queued
         self._groups: dict[str, int] = {}
@@ -186,6 +195,11 @@ class Sink:
     def queued(self) -> int:
         """How many rollouts wait in the queue."""
         return self._queued
+
+    @property
+    def tracked_rollouts(self) -> int:
+        """Rollout rows held in memory: the queue plus those resolved since the last compaction."""
+        return len(self._rollouts)
 
     @property
     def step(self) -> int:
@@ -254,7 +268,7 @@ class Sink:
         return np.array([self._group(batch.group_ids[i], bool(batch.agentic[i])) for i in rollouts], dtype=np.int64)
 
     def _add_batch(self, batch: RolloutBatch) -> int:
-        verdicts = check_batch(batch, self._row_of.keys())
+        verdicts = check_batch(batch, self._seen_ids)
         spans = build_spans(batch, verdicts)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
@@ -308,6 +322,7 @@ class Sink:
         for offset, index in enumerate(kept_ids):
             self._row_of[batch.ids[index]] = row_base + offset
         self._ids.extend(batch.ids[i] for i in kept_ids)
+        self._seen_ids.update(batch.ids[i] for i in kept_ids)
         self._queued += len(keep)
         live_samples = ~batch.frozen[keep][sample_rollout]
         self.tokens_entered += int(spans.n_sampled[samples][live_samples].sum())
@@ -477,7 +492,34 @@ class Sink:
         self._window = WindowCounts()
         self._invalid = []
         self._release_chunks()
+        if len(self._rollouts) > max(self.compact_min_rows, 2 * self._queued):
+            self._compact()
         return shipment
+
+    def _compact(self) -> None:
+        """Forget rollouts that left the sink: the tables keep only queued ones (bounded memory)."""
+        r, s = self._rollouts, self._samples
+        keep = np.flatnonzero(r["status"] == QUEUED)
+        sample_counts = r["sample_hi"][keep] - r["sample_lo"][keep]
+        sample_rows = expand_ranges(r["sample_lo"][keep], r["sample_hi"][keep])
+        span_counts = s["span_hi"][sample_rows] - s["span_lo"][sample_rows]
+        span_rows = expand_ranges(s["span_lo"][sample_rows], s["span_hi"][sample_rows])
+        chunks = np.unique(r["chunk"][keep])
+        sample_offsets = np.concatenate(([0], np.cumsum(sample_counts)))
+        span_offsets = np.concatenate(([0], np.cumsum(span_counts)))
+        self._rollouts = r.take(
+            keep, chunk=np.searchsorted(chunks, r["chunk"][keep]),
+            sample_lo=sample_offsets[:-1], sample_hi=sample_offsets[1:],
+        )  # fmt: skip
+        self._samples = s.take(
+            sample_rows, rollout=np.repeat(np.arange(len(keep)), sample_counts),
+            span_lo=span_offsets[:-1], span_hi=span_offsets[1:],
+        )  # fmt: skip
+        self._spans = self._spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
+        self._chunks = [self._chunks[c] for c in chunks.tolist()]
+        self._chunk_open = [self._chunk_open[c] for c in chunks.tolist()]
+        self._ids = [self._ids[row] for row in keep.tolist()]
+        self._row_of = {rid: row for row, rid in enumerate(self._ids)}
 
     def _shipped_rollouts(self, rows: IntArray) -> Callable[[], tuple[ShippedRollout, ...]]:
         """Capture what the shipped rollouts are now; build the objects only when asked."""

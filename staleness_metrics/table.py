@@ -37,6 +37,12 @@ class Table:
         self._size = needed
         return start
 
+    def take(self, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> Table:
+        """A new table of the given rows (in that order); ``replace`` gives new values for columns."""
+        taken = Table(**{name: column.dtype for name, column in self._columns.items()})
+        taken.append(**{name: replace.get(name, self[name][rows]) for name in self._columns})
+        return taken
+
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
         """The live rows of a column (a view: writes go to the table)."""
         return self._columns[name][: self._size]

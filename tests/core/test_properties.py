@@ -146,14 +146,16 @@ def naive_metrics(
     max_staleness=st.integers(0, 4),
     retry=st.booleans(),
     token_bound=st.none() | st.integers(0, 3),
+    compact=st.booleans(),
 )
 def test_metrics_equal_a_naive_recount_of_the_shipped_batches(
-    events: list[dict[str, Any]], policy: str, max_staleness: int, retry: bool, token_bound: int | None
+    events: list[dict[str, Any]], policy: str, max_staleness: int, retry: bool, token_bound: int | None, compact: bool
 ) -> None:
     extra: dict[str, Any] = {}
     if policy == "xtuner":
         extra = {"retry_expired": retry, "max_token_staleness": token_bound}
-    sink = Sink(StalenessConfig(policy=policy, max_staleness=max_staleness, strict=False, **extra))  # type: ignore[arg-type]
+    config = StalenessConfig(policy=policy, max_staleness=max_staleness, strict=False, **extra)  # type: ignore[arg-type]
+    sink = Sink(config, compact_min_rows=0 if compact else 4096)  # compaction must not change a thing
     added: dict[str, dict[str, Any]] = {}
     dropped_samples: set[tuple[str, int]] = set()
     entered = 0

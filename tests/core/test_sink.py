@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from staleness_metrics import RolloutBatch, Sink, StalenessConfig
+from staleness_metrics import RolloutBatch, Sink, StalenessConfig, TraceError
 
 
 def rollout(rid: str, dispatch: int, *samples: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -354,3 +354,13 @@ def test_columnar_batch_is_masked_in_place_without_copies() -> None:
     for values in arrays.values():
         assert values.tolist() == [0] * 5 + [1] * 3 + [1] * n
     assert shipment.metrics["staleness/token/masked"] == 5 / 16
+
+
+def test_memory_stays_bounded_over_a_long_run_and_ids_stay_unique() -> None:
+    s = Sink(StalenessConfig(max_staleness=2), compact_min_rows=64)
+    for step in range(1, 201):
+        s.add([rollout(f"{step}-{i}", step - 1) for i in range(20)])
+        assert s.ship(step).metrics["staleness/rollout/max"] == 0
+    assert s.tracked_rollouts <= 2 * 64
+    with pytest.raises(TraceError, match="duplicate id"):
+        s.add(rollout("1-0", 199))
