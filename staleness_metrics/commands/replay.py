@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from ..config import POLICY_NAMES, StalenessConfig
 from ..errors import ConfigError, EventError
 from ..replay import Event, parse_event, read_events, run_events
 from ..sink import Sink
+from .options import add_sink_options, config_from_args
 
 __all__ = ["register", "run"]
 
@@ -34,31 +34,6 @@ written then.
 """
 
 
-def add_policy_options(parser: argparse.ArgumentParser) -> None:
-    """The SPEC 9 policy options, shared by every command that runs the sink."""
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
-    parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
-    parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
-    parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
-    parser.add_argument("--retry-expired", action="store_true", help="xtuner only: hold groups for re-rollouts")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--strict", dest="strict", action="store_true", default=True, help="stop on invalid input")
-    mode.add_argument("--lenient", dest="strict", action="store_false", help="set invalid rollouts aside")
-    parser.add_argument("--env-breakdown", action="store_true", help="add staleness/env/<env>/... keys")
-
-
-def config_from_args(args: argparse.Namespace, max_staleness: int | None = None) -> StalenessConfig:
-    return StalenessConfig(
-        policy=args.policy,
-        max_staleness=args.max_staleness if max_staleness is None else max_staleness,
-        max_token_staleness=args.max_token_staleness,
-        sync_interval=args.sync_interval,
-        retry_expired=args.retry_expired,
-        strict=args.strict,
-        env_breakdown=args.env_breakdown,
-    )
-
-
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "replay",
@@ -69,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("events", type=Path, metavar="EVENTS.jsonl|RUN_DIR")
-    add_policy_options(parser)
+    parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
+    add_sink_options(parser)
+    parser.add_argument("--env-breakdown", action="store_true", help="add staleness/env/<env>/... keys")
     parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="one metrics line per ship")
     parser.add_argument("--batches-out", type=Path, metavar="FILE", help="one shipped-batch line per ship")
     parser.add_argument(
@@ -148,7 +125,7 @@ def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[str] | None]]:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, args.max_staleness)
     except ConfigError as error:
         print(f"staleness-metrics replay: {error}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, EventError
-from .what_if import add_sink_options, config_from_args
+from .options import add_sink_options, config_from_args
 
 __all__ = ["register", "run"]
 

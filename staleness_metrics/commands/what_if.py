@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import POLICY_NAMES, StalenessConfig
 from ..errors import ConfigError, EventError
+from .options import add_sink_options, config_from_args
 
-__all__ = ["add_sink_options", "config_from_args", "register", "run"]
+__all__ = ["register", "run"]
 
 EPILOG = """\
 examples:
@@ -22,28 +22,6 @@ Per bound: masked = masked / sampled tokens of the shipped batches over the run;
 sampled tokens that train (sampled - masked); kept share = kept / (shipped + dropped sampled tokens);
 dropped rollouts and samples; live rollouts shipped; held = held rollouts summed over ships.
 """
-
-
-def add_sink_options(parser: argparse.ArgumentParser) -> None:
-    """Policy options other than the bound (SPEC 9), for commands that replay at bounds of their own."""
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
-    parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
-    parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
-    parser.add_argument("--retry-expired", action="store_true", help="xtuner only: hold groups for re-rollouts")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--strict", dest="strict", action="store_true", default=True, help="stop on invalid input")
-    mode.add_argument("--lenient", dest="strict", action="store_false", help="set invalid rollouts aside")
-
-
-def config_from_args(args: argparse.Namespace, max_staleness: int) -> StalenessConfig:
-    return StalenessConfig(
-        policy=args.policy,
-        max_staleness=max_staleness,
-        max_token_staleness=args.max_token_staleness,
-        sync_interval=args.sync_interval,
-        retry_expired=args.retry_expired,
-        strict=args.strict,
-    )
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:

@@ -239,12 +239,16 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         """
         return registry.get(run).add(batch.rollouts)
 
-    @app.post("/v1/runs/{run}/sweep", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413))
+    @app.post(
+        "/v1/runs/{run}/sweep", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413)
+    )
     def sweep(run: RunName, request: SweepRequest) -> RunInfo:
         """Apply the policy at ``step`` to the queue; its drops are reported with the next ship."""
         return registry.get(run).sweep(request.step)
 
-    @app.post("/v1/runs/{run}/ship", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413))
+    @app.post(
+        "/v1/runs/{run}/ship", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413)
+    )
     def ship(
         run: RunName,
         request: ShipRequest,

@@ -88,7 +88,12 @@ def test_missing_id_and_out_of_range_integers_are_422(http: httpx.Client) -> Non
     no_id = {"dispatch_version": 0, "samples": [{"mask": [1]}]}
     response = http.post("/v1/runs/exp/rollouts", json={"rollouts": [rollout("a"), no_id]})
     assert response.status_code == 422
-    assert response.json()["detail"][0] | {"reason": ""} == {"field": "id", "rollout_id": None, "index": 1, "reason": ""}
+    assert response.json()["detail"][0] | {"reason": ""} == {
+        "field": "id",
+        "rollout_id": None,
+        "index": 1,
+        "reason": "",
+    }
     huge = rollout("b", completion_version=2**70)
     response = http.post("/v1/runs/exp/rollouts", json={"rollouts": [huge]})
     assert response.status_code == 422
@@ -96,9 +101,7 @@ def test_missing_id_and_out_of_range_integers_are_422(http: httpx.Client) -> Non
     assert http.get("/v1/runs/exp").json()["queued"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True, reason="library bug: records.parse_rollout reads an explicit -1 version as 'absent'"
-)
+@pytest.mark.xfail(strict=True, reason="library bug: records.parse_rollout reads an explicit -1 version as 'absent'")
 def test_negative_versions_are_refused(http: httpx.Client) -> None:
     make_run(http)
     for bad in (rollout("a", completion_version=-1), rollout("b", source="frozen", dispatch_version=-1)):

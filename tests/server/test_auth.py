@@ -84,9 +84,7 @@ def test_an_empty_token_is_no_token() -> None:
     assert result.returncode == 2 and "refusing" in result.stderr
 
 
-def test_token_from_the_environment_and_from_a_file(
-    serve_process: Callable[..., ServeProcess], tmp_path: Path
-) -> None:
+def test_token_from_the_environment_and_from_a_file(serve_process: Callable[..., ServeProcess], tmp_path: Path) -> None:
     from_env = serve_process(env={"STALENESS_METRICS_TOKEN": TOKEN})
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")

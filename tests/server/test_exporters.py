@@ -20,7 +20,11 @@ pytestmark = pytest.mark.integration
 
 
 def rollout(rid: str, dispatch: int, versions: list[int]) -> dict[str, object]:
-    return {"id": rid, "dispatch_version": dispatch, "samples": [{"mask": [1] * len(versions), "token_versions": versions}]}
+    return {
+        "id": rid,
+        "dispatch_version": dispatch,
+        "samples": [{"mask": [1] * len(versions), "token_versions": versions}],
+    }
 
 
 def drive(url: str) -> dict[str, list[dict[str, object]]]:
@@ -83,6 +87,10 @@ def test_an_exporter_that_cannot_start_is_counted_not_fatal(start_server: Callab
         http.post("/v1/runs/exp/rollouts", json={"rollouts": [rollout("a", 0, [0])]})
         assert http.post("/v1/runs/exp/ship", json={"step": 1}).status_code == 200
         families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
-    errors = {s.labels["exporter"]: s.value for s in families["rl_staleness_export_errors"].samples if s.name.endswith("_total")}
+    errors = {
+        s.labels["exporter"]: s.value
+        for s in families["rl_staleness_export_errors"].samples
+        if s.name.endswith("_total")
+    }
     assert errors == {"prometheus": 0.0, "otlp": 1.0}
     assert families["rl_staleness_rollouts_shipped"].samples[0].value == 1.0

@@ -9,9 +9,7 @@ from typing import Any
 __all__ = ["Sent", "make_rollout"]
 
 
-def make_rollout(
-    rid: str, dispatch: int, newest: int, rng: random.Random, *, env: str | None = None
-) -> dict[str, Any]:
+def make_rollout(rid: str, dispatch: int, newest: int, rng: random.Random, *, env: str | None = None) -> dict[str, Any]:
     """A live rollout with one sample of 4-8 positions: a prompt (mask 0), then sampled positions labelled
     with non-decreasing versions in ``dispatch..newest`` (weights loaded mid-response), one left
     unlabelled now and then."""

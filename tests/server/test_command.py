@@ -1,0 +1,55 @@
+"""The ``serve`` command line: help with examples, the defaults of SPEC 10, and start-up failures."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+
+import pytest
+
+from staleness_metrics.commands import serve
+
+from .conftest import ROOT, child_env, serve_command
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.register(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_defaults_are_the_specs() -> None:
+    args = parse()
+    assert (args.host, args.port, args.token) == ("127.0.0.1", 9487, None)
+    assert args.func is serve.run
+
+
+def test_help_shows_examples() -> None:
+    result = subprocess.run(
+        serve_command(["--help"]), cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0
+    assert "examples:" in result.stdout and "curl -X PUT localhost:9487/v1/runs/exp-42" in result.stdout
+    assert "STALENESS_METRICS_TOKEN" in result.stdout
+
+
+@pytest.mark.integration
+def test_port_taken_exits_1_with_a_message() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            serve_command(["--port", str(port)]), cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120
+        )
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+
+
+def test_unreadable_token_file_exits_2(tmp_path: object) -> None:
+    result = subprocess.run(
+        serve_command(["--token-file", "/nonexistent/token"]), cwd=ROOT, env=child_env(), capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "cannot read the token file" in result.stderr
