@@ -108,6 +108,9 @@ class ParsedRollout:
     echo: dict[str, Any]
 
 
+MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -134,7 +137,10 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str) -> npt
 
 
 def _int_list(rid: str, name: str, value: object) -> npt.NDArray[np.int64]:
-    return _array(rid, name, value, "iu", "a list of integers").astype(np.int64)
+    array = _array(rid, name, value, "iu", "a list of integers")
+    if array.size and (array.max() > MAX_VERSION or array.min() < -MAX_VERSION):
+        raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
+    return array.astype(np.int64)
 
 
 def _float_list(rid: str, name: str, value: object) -> npt.NDArray[np.float64]:
@@ -155,6 +161,8 @@ def _spans(rid: str, name: str, value: object) -> npt.NDArray[np.int64]:
     for i, pair in enumerate(value):  # one check per span, not per token
         if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
             raise TraceError(rid, f"{name}[{i}]", f"expected a [version, start] pair of integers, got {pair!r}")
+        if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
+            raise TraceError(rid, f"{name}[{i}]", f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}")
     return np.array(value, dtype=np.int64).reshape(-1, 2)
 
 
@@ -214,11 +222,15 @@ def parse_rollout(raw: object) -> ParsedRollout:
         dispatch = -1
     elif not _is_int(dispatch):
         raise TraceError(rid, "dispatch_version", f"expected an integer, got {dispatch!r}")
+    elif not 0 <= dispatch <= MAX_VERSION:
+        raise TraceError(rid, "dispatch_version", f"must be in 0..{MAX_VERSION}, got {dispatch}")
     completion = raw.get("completion_version")
     if completion is None:
         completion = -1
     elif not _is_int(completion):
         raise TraceError(rid, "completion_version", f"expected an integer, got {completion!r}")
+    elif not 0 <= completion <= MAX_VERSION:
+        raise TraceError(rid, "completion_version", f"must be in 0..{MAX_VERSION}, got {completion}")
     samples = raw.get("samples")
     if not isinstance(samples, list):
         raise TraceError(rid, "samples", "required list of samples")

@@ -35,6 +35,7 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3
+MAX_STEP = 2**53
 COMPACT_MIN_ROWS = 4096  # below this many rows, forgetting is not worth a copy
 NEVER = -1
 
@@ -331,8 +332,8 @@ class Sink:
 
     # ------------------------------------------------------------------ judge
     def _advance(self, step: int) -> None:
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
-            raise ValueError(f"step must be an integer >= 1, got {step!r}")
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 1 <= step <= MAX_STEP:
+            raise ValueError(f"step must be an integer in 1..{MAX_STEP}, got {step!r}")
         if step < self._step:
             raise ValueError(f"step {step} is below the previous step {self._step}: steps never decrease")
         self._step = int(step)

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from . import dashboards, demo, migrate, replay, report, wandb_workspace, what_if
+from . import dashboards, demo, migrate, replay, report, serve, wandb_workspace, what_if
 
 Register = Callable[["argparse._SubParsersAction[Any]"], None]
 
@@ -22,4 +22,5 @@ COMMANDS: list[Register] = [
     demo.register,
     report.register,
     what_if.register,
+    serve.register,
 ]

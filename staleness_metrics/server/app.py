@@ -106,24 +106,23 @@ def _config_item(error: ConfigError) -> ErrorItem:
     return ErrorItem(field=name, reason=reason) if sep else ErrorItem(field="config", reason=str(error))
 
 
-def _install_error_handlers(app: FastAPI) -> None:
-    statuses: dict[type[Exception], int] = {
-        RunNotFound: status.HTTP_404_NOT_FOUND,
-        RunConflict: status.HTTP_409_CONFLICT,
-        RecordConflict: status.HTTP_409_CONFLICT,
-        StepConflict: status.HTTP_409_CONFLICT,
-        IdempotencyMismatch: status.HTTP_422_UNPROCESSABLE_CONTENT,
-    }
+_STATUS_OF: dict[type[Exception], int] = {
+    RunNotFound: status.HTTP_404_NOT_FOUND,
+    RunConflict: status.HTTP_409_CONFLICT,
+    RecordConflict: status.HTTP_409_CONFLICT,
+    StepConflict: status.HTTP_409_CONFLICT,
+}
 
+
+def _install_error_handlers(app: FastAPI) -> None:
     async def run_error(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, RecordsInvalid):
-            body = ValidationErrorBody(detail=exc.errors)
+        if isinstance(exc, (RecordsInvalid, IdempotencyMismatch)):  # the 422 shape: field and reason
+            items = (
+                exc.errors if isinstance(exc, RecordsInvalid) else [ErrorItem(field="Idempotency-Key", reason=str(exc))]
+            )
+            body = ValidationErrorBody(detail=items)
             return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
-        if isinstance(exc, IdempotencyMismatch):
-            body = ValidationErrorBody(detail=[ErrorItem(field="Idempotency-Key", reason=str(exc))])
-            return JSONResponse(body.model_dump(), status_code=statuses[IdempotencyMismatch])
-        code = statuses.get(type(exc), status.HTTP_409_CONFLICT)
-        return JSONResponse({"detail": str(exc)}, status_code=code)
+        return JSONResponse({"detail": str(exc)}, status_code=_STATUS_OF.get(type(exc), status.HTTP_409_CONFLICT))
 
     async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

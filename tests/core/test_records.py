@@ -78,7 +78,7 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ("mask of strings", with_sample(mask=["a", 1, 1, 1]), "samples[0].mask[0]", "expected"),
     ("float mask", with_sample(mask=[0.0, 1.0, 1.0, 1.0]), "samples[0].mask[0]", "expected"),
     ("dispatch as string", good(dispatch_version="2"), "dispatch_version", "expected an integer"),
-    ("negative dispatch", good(dispatch_version=-1), "dispatch_version", "must be >= 0"),
+    ("negative dispatch", good(dispatch_version=-1), "dispatch_version", "must be in 0.."),
     ("samples not a list", good(samples={"mask": [1]}), "samples", "list"),
     ("empty samples", good(samples=[]), "samples", "at least one"),
     (
@@ -204,3 +204,26 @@ def test_typed_records_are_validated_like_dicts() -> None:
     with pytest.raises(TraceError) as caught:
         sink.add(Rollout("bad", [Sample(mask=[1, 2])], dispatch_version=1))
     assert (caught.value.rollout_id, caught.value.field) == ("bad", "samples[0].mask[1]")
+
+
+@pytest.mark.parametrize(
+    ("record", "field"),
+    [
+        (good(completion_version=-1), "completion_version"),
+        ({"id": "r1", "source": "frozen", "dispatch_version": -1, "samples": [{"mask": [1]}]}, "dispatch_version"),
+        (good(dispatch_version=2**70), "dispatch_version"),
+        (with_sample(weight_versions=[[2**70, 0]]), "samples[0].weight_versions[0]"),
+        (with_sample(weight_versions=None, token_versions=[2**70, 1, 1, 1]), "samples[0].token_versions"),
+    ],
+)
+def test_explicit_negative_and_huge_versions_are_refused(record: dict[str, Any], field: str) -> None:
+    with pytest.raises(TraceError) as caught:
+        Sink().add(record)
+    assert caught.value.field == field
+
+
+def test_a_huge_step_is_refused_and_leaves_the_sink_usable() -> None:
+    sink = Sink()
+    with pytest.raises(ValueError, match="step must be"):
+        sink.ship(10**30)
+    assert sink.ship(3).step == 3

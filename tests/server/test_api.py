@@ -101,7 +101,6 @@ def test_missing_id_and_out_of_range_integers_are_422(http: httpx.Client) -> Non
     assert http.get("/v1/runs/exp").json()["queued"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: records.parse_rollout reads an explicit -1 version as 'absent'")
 def test_negative_versions_are_refused(http: httpx.Client) -> None:
     make_run(http)
     for bad in (rollout("a", completion_version=-1), rollout("b", source="frozen", dispatch_version=-1)):

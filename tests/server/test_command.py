@@ -47,7 +47,7 @@ def test_port_taken_exits_1_with_a_message() -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
 
 
-def test_unreadable_token_file_exits_2(tmp_path: object) -> None:
+def test_unreadable_token_file_exits_2() -> None:
     result = subprocess.run(
         serve_command(["--token-file", "/nonexistent/token"]), cwd=ROOT, env=child_env(), capture_output=True,
         text=True, timeout=120,

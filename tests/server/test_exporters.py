@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -27,7 +28,7 @@ def rollout(rid: str, dispatch: int, versions: list[int]) -> dict[str, object]:
     }
 
 
-def drive(url: str) -> dict[str, list[dict[str, object]]]:
+def drive(url: str) -> dict[str, list[dict[str, Any]]]:
     """Two runs, three ships; returns each run's /steps rows."""
     with httpx.Client(base_url=url) as http:
         for run, bound in (("alpha", 1), ("beta", 4)):
@@ -39,7 +40,7 @@ def drive(url: str) -> dict[str, list[dict[str, object]]]:
         return {run: http.get(f"/v1/runs/{run}/steps").json()["steps"] for run in ("alpha", "beta")}
 
 
-def wandb_runs(directory: Path) -> dict[str, list[dict[str, object]]]:
+def wandb_runs(directory: Path) -> dict[str, list[dict[str, Any]]]:
     """History rows of each offline run file under ``directory``, by W&B run name."""
     runs = {}
     for path in sorted(directory.rglob("run-*.wandb")):
@@ -67,7 +68,7 @@ def test_otlp_and_wandb_from_the_serve_command(serve_process: Callable[..., Serv
             run = attributes_of(point)["run"]
             shipped[run] = max(shipped.get(run, 0), point.as_int)
     for run, rows in steps.items():
-        assert shipped[run] == sum(row["counts"]["rollouts_shipped"] for row in rows)  # type: ignore[index]
+        assert shipped[run] == sum(row["counts"]["rollouts_shipped"] for row in rows)
 
     logged = wandb_runs(tmp_path)
     assert sorted(logged) == ["alpha", "beta"]  # one W&B run per service run, named after it
@@ -75,7 +76,7 @@ def test_otlp_and_wandb_from_the_serve_command(serve_process: Callable[..., Serv
         history = [row for row in logged[run] if "trainer/step" in row]
         assert [row["trainer/step"] for row in history] == [row["step"] for row in rows]
         for logged_row, row in zip(history, rows):
-            for key, value in row["metrics"].items():  # type: ignore[union-attr]
+            for key, value in row["metrics"].items():
                 assert logged_row[key] == pytest.approx(value), (run, key)
 
 

@@ -153,12 +153,14 @@ def test_concurrent_clients_lose_and_double_nothing(serve_process: Callable[...,
                 assert prom[(f"rl_staleness_{name}_total", (("env", ""),))] == totals[name], name
             assert prom[("rl_staleness_train_step", ())] == shipper.shipped_step
             assert prom[("rl_staleness_max_staleness", ())] == RUNS[run]["max_staleness"]
-            for family, key in (("rl_staleness_token_steps", "token_histogram"),
-                                ("rl_staleness_rollout_steps", "rollout_histogram")):  # fmt: skip
-                width = max(len(row[key]) for row in rows)
-                histogram = np.zeros(width, dtype=np.int64)
-                for row in rows:
-                    histogram[: len(row[key])] += np.asarray(row[key], dtype=np.int64)
+            histograms = {
+                "rl_staleness_token_steps": [row["token_histogram"] for row in rows],
+                "rl_staleness_rollout_steps": [row["rollout_histogram"] for row in rows],
+            }
+            for family, per_ship in histograms.items():
+                histogram = np.zeros(max(map(len, per_ship)), dtype=np.int64)
+                for counts in per_ship:
+                    histogram[: len(counts)] += np.asarray(counts, dtype=np.int64)
                 expected = bucket_counts(histogram).cumulative()
                 les = [*(f"{b:.1f}" for b in BUCKETS), "+Inf"]
                 got = [prom[(f"{family}_bucket", (("env", ""), ("le", le)))] for le in les]
