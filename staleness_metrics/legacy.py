@@ -187,9 +187,7 @@ def migrate_prometheus_name(
     if name in CURRENT_PROMETHEUS_NAMES:
         return None
     candidates = [name]
-    candidates += [
-        name[len(p) :] for p in sorted(set(prefixes), key=len, reverse=True) if p and name.startswith(p)
-    ]
+    candidates += [name[len(p) :] for p in sorted(set(prefixes), key=len, reverse=True) if p and name.startswith(p)]
     for bare in candidates:
         old_key = LEGACY_PROMETHEUS_NAMES.get(bare)
         if old_key is None:

@@ -53,9 +53,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     mode.add_argument(
         "--check", action="store_true", help="change nothing; exit 1 and list each legacy name (the default)"
     )
-    mode.add_argument(
-        "--diff", action="store_true", help="change nothing; print the changes as a unified diff"
-    )
+    mode.add_argument("--diff", action="store_true", help="change nothing; print the changes as a unified diff")
     mode.add_argument("--write", action="store_true", help="change the files in place (atomically)")
     parser.add_argument(
         "--drop-removed",

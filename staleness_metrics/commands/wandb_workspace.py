@@ -27,9 +27,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     parser.add_argument("--entity", required=True, help="W&B entity (user or team)")
     parser.add_argument("--project", required=True, help="W&B project")
-    parser.add_argument(
-        "--name", default="RL staleness", help="name of the saved view (default: %(default)s)"
-    )
+    parser.add_argument("--name", default="RL staleness", help="name of the saved view (default: %(default)s)")
     parser.set_defaults(func=run)
 
 

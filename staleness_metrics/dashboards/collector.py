@@ -79,9 +79,7 @@ def collector_config() -> dict[str, Any]:
     """The collector config as data."""
     rename = "metricstransform/staleness-names"
     return {
-        "receivers": {
-            "otlp": {"protocols": {"http": {"endpoint": OTLP_HTTP}, "grpc": {"endpoint": OTLP_GRPC}}}
-        },
+        "receivers": {"otlp": {"protocols": {"http": {"endpoint": OTLP_HTTP}, "grpc": {"endpoint": OTLP_GRPC}}}},
         "processors": {
             "memory_limiter": {"check_interval": "1s", "limit_mib": 256},
             rename: {

@@ -374,8 +374,7 @@ def _export_errors(scope: Scope) -> str:
 
 
 _SHIPS_NOTE = (
-    "Train steps per minute, from how fast the train step gauge advances; one ship per step makes it "
-    "the ship rate."
+    "Train steps per minute, from how fast the train step gauge advances; one ship per step makes it the ship rate."
 )
 
 
@@ -699,8 +698,7 @@ def fleet_dashboard() -> Json:
     grid.add(
         table(
             "Runs",
-            "One line per run: the last shipped batch's gauges and the rates over the dashboard's rate "
-            "window.",
+            "One line per run: the last shipped batch's gauges and the rates over the dashboard's rate window.",
             [(name, unit, Target(t.expr, "", instant=True, table=True)) for name, unit, t in columns],
         ),
         w=24,

@@ -78,18 +78,14 @@ def panels() -> list[PanelSpec]:
         PanelSpec("Token staleness mean vs bound", keys("token_mean", "max_staleness")),
         PanelSpec("Token staleness quantiles", keys("token_p50", "token_p90", "token_p99")),
         PanelSpec("Masked tokens", keys("token_masked"), range_y=(0.0, 1.0)),
-        PanelSpec(
-            "Rollout staleness mean and max vs bound", keys("rollout_mean", "rollout_max", "max_staleness")
-        ),
+        PanelSpec("Rollout staleness mean and max vs bound", keys("rollout_mean", "rollout_max", "max_staleness")),
         PanelSpec(
             "In-flight vs in-queue staleness (mean)",
             keys("rollout_in_flight_mean", "rollout_in_queue_mean"),
             stacked=True,
             notes="Per rollout in flight + in queue = rollout staleness, so the stack is the rollout mean.",
         ),
-        PanelSpec(
-            "In-flight vs in-queue staleness (max)", keys("rollout_in_flight_max", "rollout_in_queue_max")
-        ),
+        PanelSpec("In-flight vs in-queue staleness (max)", keys("rollout_in_flight_max", "rollout_in_queue_max")),
         PanelSpec("Dropped per step", keys("rollouts_dropped", "samples_dropped")),
         PanelSpec("Held rollouts", keys("rollouts_held")),
         PanelSpec(

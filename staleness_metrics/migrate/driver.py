@@ -84,9 +84,7 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
     if kind is FileKind.GRAFANA:
         return migrate_structured(shown, text, _syntax(path), GrafanaPolicy(), prometheus_scanner, options)
     if kind is FileKind.PROMETHEUS_RULES:
-        return migrate_structured(
-            shown, text, _syntax(path), PrometheusRulesPolicy(), prometheus_scanner, options
-        )
+        return migrate_structured(shown, text, _syntax(path), PrometheusRulesPolicy(), prometheus_scanner, options)
     if kind is FileKind.WANDB:
         return migrate_structured(shown, text, _syntax(path), WandbPolicy(), config_scanner, options)
     if kind is FileKind.HISTORY:
@@ -94,9 +92,7 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
     return scan_text(shown, text, prometheus_scanner)
 
 
-def migrate_file(
-    path: Path, options: Options, *, kind: FileKind | None = None, explicit: bool = True
-) -> FileResult:
+def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, explicit: bool = True) -> FileResult:
     """Read one file and migrate it in memory; ``kind`` None detects it."""
     shown = str(path)
     try:
@@ -136,9 +132,7 @@ def unified_diff(result: FileResult) -> str:
         fromfile=f"a/{result.path}",
         tofile=f"b/{result.path}",
     )
-    return "".join(
-        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
-    )
+    return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
 
 
 def write_atomically(path: Path, original: str, new_text: str) -> None:

@@ -105,9 +105,7 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
     return result
 
 
-def _migrate_line(
-    body: str, number: int, options: Options, found: _Findings
-) -> tuple[str, bool, bool, object]:
+def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
     """The line with legacy keys renamed; whether it had any; whether it is a boundary line; its step."""
     try:
         node = parse_json_nodes(body)

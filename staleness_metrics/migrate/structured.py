@@ -166,11 +166,7 @@ class _Migration:
         for parent_path, members in by_parent.items():
             parent = self.nodes[parent_path]
             assert isinstance(parent, Sequence)
-            removal = (
-                self.syntax.remove(self.text, parent, [_index(u.path) for u in members])
-                if drop_removed
-                else None
-            )
+            removal = self.syntax.remove(self.text, parent, [_index(u.path) for u in members]) if drop_removed else None
             if removal is None:
                 for unit in members:
                     self.drop_notes[unit.path] = (
@@ -188,9 +184,7 @@ class _Migration:
             names = ", ".join(sorted({h.old for h in hits}))
             reasons = "; ".join(sorted({h.reason for h in hits if h.action is Action.REMOVED}))
             line = self.lines.line(self.nodes[unit.path].start)
-            self.findings.append(
-                Finding(self.path, line, names, None, Action.DROP, f"{unit.label} deleted: {reasons}")
-            )
+            self.findings.append(Finding(self.path, line, names, None, Action.DROP, f"{unit.label} deleted: {reasons}"))
 
     def rename(self) -> None:
         for scan in self.scans:

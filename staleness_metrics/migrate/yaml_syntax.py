@@ -68,9 +68,7 @@ class YamlSyntax:
             for key, value in node.value:
                 key_node = self._convert(yaml, key, in_flow or flow)
                 if not isinstance(key_node, Scalar):
-                    raise ValueError(
-                        f"line {key.start_mark.line + 1}: complex mapping keys are not supported"
-                    )
+                    raise ValueError(f"line {key.start_mark.line + 1}: complex mapping keys are not supported")
                 mapping.items.append((key_node, self._convert(yaml, value, in_flow or flow)))
             return mapping
         assert isinstance(node, SequenceNode)

@@ -99,9 +99,7 @@ def test_writes_every_file_into_a_fresh_directory(tmp_path: Path, capsys: pytest
     assert "up to date" in capsys.readouterr().out
 
 
-def test_a_hand_edit_of_a_generated_file_is_reported(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_hand_edit_of_a_generated_file_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for path in generated_files():
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / path, tmp_path / path)

@@ -140,9 +140,7 @@ def test_every_selector_filters_job_instance_and_run(name: str, panel: str, expr
 
 
 @by_target
-def test_counters_and_buckets_are_only_read_through_rate_or_increase(
-    name: str, panel: str, expr: str
-) -> None:
+def test_counters_and_buckets_are_only_read_through_rate_or_increase(name: str, panel: str, expr: str) -> None:
     """A cumulative count read as a value would plot the run's total since its start."""
     through_rate: list[str] = []
 
@@ -169,9 +167,7 @@ def test_queries_read_only_table_families(name: str, panel: str, expr: str) -> N
 def test_descriptions_name_the_metrics_a_panel_reads(name: str) -> None:
     for panel in panels(DASHBOARDS[name]):
         read = {
-            n.removesuffix("_bucket")
-            for t in panel["targets"]
-            for n in metric_names(fill(t["expr"], PLACEHOLDERS))
+            n.removesuffix("_bucket") for t in panel["targets"] for n in metric_names(fill(t["expr"], PLACEHOLDERS))
         }
         for family in read:
             assert f"`{family}`" in panel["description"], (panel["title"], family)
@@ -223,9 +219,7 @@ def test_the_detailed_dashboard_has_every_view_of_the_issue() -> None:
 
 
 def test_quantile_panels_read_all_three_quantiles_from_the_histogram() -> None:
-    quantiles = next(
-        p for p in panels(DASHBOARDS["staleness.json"]) if p["title"] == "Token staleness quantiles"
-    )
+    quantiles = next(p for p in panels(DASHBOARDS["staleness.json"]) if p["title"] == "Token staleness quantiles")
     exprs = [t["expr"] for t in quantiles["targets"]]
     assert [e.split(",")[0] for e in exprs] == [
         "histogram_quantile(0.5",

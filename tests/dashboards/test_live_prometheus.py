@@ -131,9 +131,7 @@ def test_picking_one_env_still_fills_every_panel(live: Live, env: str) -> None:
         live.prometheus.wait_until(all_have_data)
     except AssertionError:
         pytest.fail("panel queries without data:\n" + "\n".join(missing))
-    per_env = next(
-        p for p in panels(dashboards()["staleness.json"]) if p["title"] == "Token staleness mean per env"
-    )
+    per_env = next(p for p in panels(dashboards()["staleness.json"]) if p["title"] == "Token staleness mean per env")
     result = live.prometheus.query(fill(per_env["targets"][0]["expr"], values))
     assert {r["metric"]["env"] for r in result} == {env}
 
@@ -202,11 +200,7 @@ def test_stat_panels_show_the_core_numbers_once_the_trainer_stops(live: Live) ->
     assert shown["Token staleness (mean)"] == pytest.approx(last.metrics["staleness/token/mean"])
     assert shown["Rollout staleness (max)"] == last.metrics["staleness/rollout/max"]
     assert env_values == pytest.approx(
-        {
-            env: m["staleness/token/mean"]
-            for env, m in last.env_metrics.items()
-            if env and "staleness/token/mean" in m
-        }
+        {env: m["staleness/token/mean"] for env, m in last.env_metrics.items() if env and "staleness/token/mean" in m}
     )
 
 

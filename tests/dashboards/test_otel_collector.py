@@ -87,9 +87,7 @@ def _kind(metric: Any) -> MetricKind:
 
 def test_otlp_through_the_collector_gives_the_scrape_exporters_names(received: dict[str, Any]) -> None:
     transforms = next(
-        p["transforms"]
-        for name, p in load_config()["processors"].items()
-        if name.startswith("metricstransform")
+        p["transforms"] for name, p in load_config()["processors"].items() if name.startswith("metricstransform")
     )
     renamed = {t["include"]: t["new_name"] for t in transforms if t["match_type"] == "strict"}
     via_collector = {

@@ -136,9 +136,7 @@ def test_as_a_process_exit_status_is_what_ci_sees(work: Path) -> None:
     assert migrate_process("--check", ".", cwd=work).returncode == 0
 
 
-def test_the_migrated_config_loads_in_the_project_config(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_the_migrated_config_loads_in_the_project_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = tmp_path / "staleness.toml"
     config.write_text('# sink settings\n[staleness]\npolicy = "token"\nmax_off_policy_steps = 6  # bound\n')
     with pytest.raises(ValueError, match="max_staleness"):
@@ -146,9 +144,7 @@ def test_the_migrated_config_loads_in_the_project_config(
     assert migrate(capsys, "--write", str(config)).code == 0
     loaded = StalenessConfig.from_mapping(load_config(config.read_text(), "toml")["staleness"])
     assert loaded.max_staleness == 6
-    assert (
-        config.read_text() == '# sink settings\n[staleness]\npolicy = "token"\nmax_staleness = 6  # bound\n'
-    )
+    assert config.read_text() == '# sink settings\n[staleness]\npolicy = "token"\nmax_staleness = 6  # bound\n'
 
 
 @pytest.mark.integration
@@ -157,9 +153,7 @@ def test_promtool_accepts_the_migrated_rules(work: Path, capsys: pytest.CaptureF
     if promtool is None:
         pytest.skip("promtool is not installed")
     assert migrate(capsys, "--write", "--drop-removed", str(work)).code == 0
-    checked = subprocess.run(
-        [promtool, "check", "rules", str(work / "alerts.rules.yml")], capture_output=True
-    )
+    checked = subprocess.run([promtool, "check", "rules", str(work / "alerts.rules.yml")], capture_output=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert b"SUCCESS: 4 rules found" in checked.stdout
 
@@ -192,9 +186,7 @@ def test_migrated_dashboard_queries_parse_and_name_only_current_series(
                 assert name in CURRENT_PROMETHEUS_NAMES or name in recording_rules, name
 
 
-def test_trainer_code_is_reported_with_lines_and_left_alone(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_trainer_code_is_reported_with_lines_and_left_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source = BEFORE.parent / "text" / "train_loop.py"
     code = tmp_path / "train_loop.py"
     shutil.copy(source, code)

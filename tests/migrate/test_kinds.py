@@ -51,9 +51,7 @@ def test_an_unparseable_file_is_never_touched_and_says_so(
     assert f"{config}:{line}: max_off_policy_steps -> max_staleness: not edited" in run.out
 
 
-def test_yaml_config_keeps_quotes_flow_style_and_anchors(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_yaml_config_keeps_quotes_flow_style_and_anchors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = (
         "defaults: &d\n"
         "  max_off_policy_steps: 8 # shared\n"
@@ -68,9 +66,7 @@ def test_yaml_config_keeps_quotes_flow_style_and_anchors(
     ).replace('"off_policy/max"', '"staleness/rollout/max"')
 
 
-def test_removed_keys_in_a_config_are_reported_for_a_human(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_removed_keys_in_a_config_are_reported_for_a_human(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _write(tmp_path / "watch.json", '{"watch": ["off_policy/token/max", "off_policy/*"]}\n')
     run = migrate(capsys, "--write", "--drop-removed", str(config))
     assert config.read_text() == '{"watch": ["off_policy/token/max", "off_policy/*"]}\n'
@@ -110,9 +106,7 @@ def test_prefixes_and_counter_notes_in_rules(tmp_path: Path, capsys: pytest.Capt
     )
 
 
-def test_a_query_mixing_removed_and_renamed_series_is_kept(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_query_mixing_removed_and_renamed_series_is_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dashboard = {
         "schemaVersion": 39,
         "panels": [{"title": "gap", "targets": [{"expr": "off_policy_token_max - off_policy_max"}]}],
@@ -154,12 +148,8 @@ def test_yaml_aliases_are_rewritten_once(tmp_path: Path, capsys: pytest.CaptureF
     assert path.read_text() == text.replace("off_policy/mean", "staleness/rollout/mean")
 
 
-def test_rules_group_emptied_by_drop_removed_stays_valid(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    text = (
-        "groups:\n  - name: g\n    rules:\n      - alert: Lag\n        expr: dispatcher_staleness_max > 2\n"
-    )
+def test_rules_group_emptied_by_drop_removed_stays_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = "groups:\n  - name: g\n    rules:\n      - alert: Lag\n        expr: dispatcher_staleness_max > 2\n"
     rules = _write(tmp_path / "r.yaml", text)
     assert migrate(capsys, "--write", "--drop-removed", str(rules)).code == 0
     assert rules.read_text() == "groups:\n  - name: g\n    rules:\n      []\n"
@@ -218,8 +208,7 @@ def test_a_broken_history_line_stops_the_file(tmp_path: Path, capsys: pytest.Cap
 def test_plain_text_is_reported_never_edited(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = _write(
         tmp_path / "launch.sh",
-        "uv run rl --orchestrator.max-off-policy-steps 8\n"
-        "# off_policy/max renamed  staleness-migrate: ignore\n",
+        "uv run rl --orchestrator.max-off-policy-steps 8\n# off_policy/max renamed  staleness-migrate: ignore\n",
     )
     (tmp_path / "blob.bin").write_bytes(b"\0off_policy/mean")
     run = migrate(capsys, "--write", str(tmp_path))
@@ -238,9 +227,7 @@ def test_usage_errors_and_missing_files_exit_2(tmp_path: Path, capsys: pytest.Ca
     assert missing.code == 2 and "cannot read" in missing.err
 
 
-def test_write_follows_symlinks_and_keeps_permissions(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_write_follows_symlinks_and_keeps_permissions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     real = _write(tmp_path / "real.toml", "max_off_policy_steps = 3\n")
     real.chmod(0o640)
     link = tmp_path / "link.toml"
