@@ -467,7 +467,8 @@ class Sink:
         self.sweep(step)
         taken = self._check_versions(taken[r["status"][taken] == QUEUED], step)
         hold = np.zeros(len(taken), dtype=bool)
-        if len(taken):
+        if len(taken) and self.policy.holds:
+            # The sweep judged everything at this step already; judging again only decides the holds.
             judgement, decision = self._judge(self._with_groups(taken), step)
             taken = taken[r["status"][taken] == QUEUED]
             hold = np.isin(taken, judgement.rows[decision.hold_rollout])

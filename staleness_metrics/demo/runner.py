@@ -320,5 +320,9 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 wandb_run.finish()
     if interrupted:
         say(f"interrupted after {shipped_steps} steps; files are complete up to there")
-    say(f"done: {shipped_steps} steps. Next: staleness-metrics report {events.path} -o report.html")
+    config = options.config
+    replay_options = f" --policy {config.policy} --bound {config.max_staleness}"
+    if config.max_token_staleness is not None:
+        replay_options += f" --max-token-staleness {config.max_token_staleness}"
+    say(f"done: {shipped_steps} steps. Next: staleness-metrics report {events.path}{replay_options} -o report.html")
     return 130 if interrupted else 0

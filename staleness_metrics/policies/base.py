@@ -16,11 +16,13 @@ class Policy(ABC):
     """Decides, for rollouts under judgement at a step, what is masked, dropped and held.
 
     ``judges_groups``: the sink hands the policy every queued member of each group it touches.
+    ``holds``: the policy may hold rollouts back at a ship (re-judged at the ship to decide holds).
     ``observe_added`` lets a stateful policy see which groups received new rollouts.
     """
 
     name: str = ""
     judges_groups: bool = False
+    holds: bool = False
 
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness

@@ -27,6 +27,7 @@ class XtunerPolicy(Policy):
         self.max_token_staleness = max_token_staleness
         self.sync_interval = sync_interval
         self.retry_expired = retry_expired
+        self.holds = retry_expired
         # per group: re-rollouts still owed for expired members (retry_expired only)
         self._owed = np.zeros(0, dtype=np.int64)
 
