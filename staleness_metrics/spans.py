@@ -9,12 +9,16 @@ where they are masked.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .parallel import PARALLEL_MIN_POSITIONS, run_all
 from .segments import segment_max, segment_min, segment_sum
 from .validation import Verdicts
 
@@ -68,7 +72,7 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
 
     # Refine version spans where the mask changes: each span is then wholly sampled or wholly not.
     mask = batch.mask
-    changes = np.flatnonzero(mask[1:] != mask[:-1]) + 1 if n_positions else np.zeros(0, dtype=np.int64)
+    changes = _mask_changes(mask)
     lo = np.union1d(version_lo, changes).astype(np.int64)
     hi = np.append(lo[1:], n_positions).astype(np.int64)
     of_version = np.searchsorted(version_lo, lo, "right") - 1
@@ -80,7 +84,11 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
         verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
     is_sampled = value == 1
     sampled = np.where(is_sampled, hi - lo, 0).astype(np.int64)
-    nonzero = {name: _nonzero_or_report(batch, name, lo, hi, kept, verdicts) for name in WEIGHT_FIELDS}
+    present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
+    extrema = run_all([partial(_span_extrema, getattr(batch, name), lo) for name in present], n_positions)
+    nonzero: dict[str, BoolArray | None] = dict.fromkeys(WEIGHT_FIELDS)
+    for name, (high, low) in zip(present, extrema):
+        nonzero[name] = _nonzero_or_report(getattr(batch, name), name, high, low, lo, hi, kept, verdicts)
     if batch.logprobs is not None and not np.isfinite(np.add.reduce(batch.logprobs)):
         offenders = np.flatnonzero(~np.isfinite(batch.logprobs))
         verdicts.positions(offenders[np.unique(np.searchsorted(lo, offenders, "right"), return_index=True)[1]].tolist(),
@@ -189,22 +197,58 @@ def _version_spans(batch: RolloutBatch, valid_sample: BoolArray) -> tuple[IntArr
     return lo[order], np.concatenate(labels).astype(np.int64)[order], np.concatenate(keep)[order]
 
 
+def _mask_changes(mask: npt.NDArray[np.floating[Any]]) -> IntArray:
+    """Positions where the mask value differs from the previous position's (in parallel chunks)."""
+    n = len(mask)
+    if n < 2:
+        return np.zeros(0, dtype=np.int64)
+    edges = np.linspace(1, n, num=5 if n >= PARALLEL_MIN_POSITIONS else 2, dtype=np.int64)
+
+    def changes(a: int, b: int) -> IntArray:
+        return np.flatnonzero(mask[a:b] != mask[a - 1 : b - 1]) + a
+
+    parts = run_all([partial(changes, int(a), int(b)) for a, b in itertools.pairwise(edges)], n)
+    return np.concatenate(parts).astype(np.int64)
+
+
+# Non-negative finite floats, read as unsigned integers of the same width, are exactly those below
+# the bit pattern of +inf (the sign bit is the top bit; +0.0 is 0). One max per span over that view
+# then says both "every value finite and >= +0.0" and "some value non-zero".
+_UNSIGNED_VIEW = {np.dtype(np.float32): (np.uint32, 0x7F800000), np.dtype(np.float64): (np.uint64, 0x7FF << 52)}
+
+
+def _span_extrema(values: npt.NDArray[Any], lo: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """Per span maximum and minimum of ``values`` (as floats), read once in the common case.
+
+    When every value is finite and >= +0.0 the minimum is reported as zeros: only "non-zero" and
+    "finite" are asked of it, and zeros answer both the same way.
+    """
+    if len(lo) == 0:
+        return values[:0], values[:0]
+    view = _UNSIGNED_VIEW.get(values.dtype)
+    if view is not None:
+        unsigned, infinity = view
+        top = np.maximum.reduceat(values.view(unsigned), lo)
+        if bool((top < infinity).all()):
+            high = top.view(values.dtype)  # the same bits: the span maxima as floats
+            return high, np.zeros_like(high)
+    return np.maximum.reduceat(values, lo), np.minimum.reduceat(values, lo)
+
+
 def _nonzero_or_report(
-    batch: RolloutBatch, name: str, lo: IntArray, hi: IntArray, kept: BoolArray, verdicts: Verdicts
-) -> BoolArray | None:
-    """Per span: whether the weight array holds a non-zero value (None when the batch has no such
-    array). Max and min per span answer that and, being non-finite exactly when a value is, the
-    finiteness rule too, without a temporary array of positions."""
-    values = getattr(batch, name)
-    if values is None or len(lo) == 0:
-        return None if values is None else np.zeros(0, dtype=bool)
-    high = np.maximum.reduceat(values, lo)
-    smallest = values.min()
-    # Weights are usually >= 0: then the span maxima alone say "non-zero", and with the global
-    # minimum they also say "finite" (NaN and +inf reach the maxima, -inf the minimum).
-    low = np.minimum.reduceat(values, lo) if not smallest >= 0 else np.zeros_like(high)
+    values: npt.NDArray[np.floating[Any]],
+    name: str,
+    high: npt.NDArray[Any],
+    low: npt.NDArray[Any],
+    lo: IntArray,
+    hi: IntArray,
+    kept: BoolArray,
+    verdicts: Verdicts,
+) -> BoolArray:
+    """Per span: whether the weight array holds a non-zero value. Non-finite extrema mean a
+    non-finite value: only then are positions searched, to name the first offender."""
     broken = kept & ~(np.isfinite(high) & np.isfinite(low))
-    for span in np.flatnonzero(broken).tolist():  # error path: name the first offending position
+    for span in np.flatnonzero(broken).tolist():
         a, b = int(lo[span]), int(hi[span])
         verdicts.positions([a + int(np.flatnonzero(~np.isfinite(values[a:b]))[0])], name, "not a finite number")
     nonzero: BoolArray = (high > 0) | (low < 0)

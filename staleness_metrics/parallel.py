@@ -1,0 +1,38 @@
+"""Run independent numpy passes over large arrays on a small shared thread pool.
+
+numpy releases the GIL inside its loops, so reading several position arrays at once uses the
+machine's cores; small inputs stay on the calling thread, where a hand-off would cost more.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+__all__ = ["PARALLEL_MIN_POSITIONS", "run_all"]
+
+T = TypeVar("T")
+
+PARALLEL_MIN_POSITIONS = 1 << 20  # below about a million positions, threads cost more than they save
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="staleness-metrics")
+        return _pool
+
+
+def run_all(tasks: Sequence[Callable[[], T]], positions: int) -> list[T]:
+    """Results of ``tasks`` in order; run concurrently when they read at least ``positions`` values."""
+    if len(tasks) < 2 or _WORKERS < 2 or positions < PARALLEL_MIN_POSITIONS:
+        return [task() for task in tasks]
+    futures = [_executor().submit(task) for task in tasks]
+    return [future.result() for future in futures]
