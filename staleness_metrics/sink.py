@@ -432,8 +432,9 @@ class Sink:
     def _leave(self, rows: IntArray, status: int) -> None:
         self._rollouts["status"][rows] = status
         self._queued -= len(rows)
-        for chunk in self._rollouts["chunk"][rows].tolist():
-            self._chunk_open[chunk] -= 1
+        chunks, counts = np.unique(self._rollouts["chunk"][rows], return_counts=True)
+        for chunk, count in zip(chunks.tolist(), counts.tolist()):
+            self._chunk_open[chunk] -= count
 
     def _release_chunks(self) -> None:
         for chunk, still_open in enumerate(self._chunk_open):
