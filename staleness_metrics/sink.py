@@ -245,28 +245,34 @@ class Sink:
             self._env_names[self._env_index[name]] = name or ""
         return self._env_index[name]
 
-    def _group(self, name: str | None, agentic: bool) -> int:
-        index = self._n_groups if name is None else self._groups.setdefault(name, self._n_groups)
-        if index == self._n_groups:
-            self._n_groups += 1
-            if self._n_groups > len(self._group_agentic):
-                self._group_agentic = np.concatenate((self._group_agentic, np.zeros_like(self._group_agentic)))
-        self._group_agentic[index] |= agentic
-        return index
+    def _new_groups(self, count: int) -> int:
+        """Register ``count`` new groups; returns the index of the first."""
+        first = self._n_groups
+        self._n_groups += count
+        if self._n_groups > len(self._group_agentic):
+            grown = np.zeros(2 * self._n_groups, dtype=bool)
+            grown[:first] = self._group_agentic[:first]
+            self._group_agentic = grown
+        return first
 
     def _groups_of(self, batch: RolloutBatch, rollouts: list[int]) -> IntArray:
         """Group index of each rollout, registering new groups (one of its own without group_id)."""
         assert batch.group_ids is not None and batch.agentic is not None
-        if all(batch.group_ids[i] is None for i in rollouts):  # singletons: no lookups needed
-            first = self._n_groups
-            self._n_groups += len(rollouts)
-            if self._n_groups > len(self._group_agentic):
-                grown = np.zeros(2 * self._n_groups, dtype=bool)
-                grown[:first] = self._group_agentic[:first]
-                self._group_agentic = grown
-            self._group_agentic[first : self._n_groups] = batch.agentic[rollouts]
-            return np.arange(first, self._n_groups, dtype=np.int64)
-        return np.array([self._group(batch.group_ids[i], bool(batch.agentic[i])) for i in rollouts], dtype=np.int64)
+        names = [batch.group_ids[i] for i in rollouts]
+        if all(name is None for name in names):  # singletons: one new group each, no lookups
+            first = self._new_groups(len(rollouts))
+            groups = np.arange(first, self._n_groups, dtype=np.int64)
+        else:
+            groups = np.empty(len(rollouts), dtype=np.int64)
+            for k, name in enumerate(names):
+                index = None if name is None else self._groups.get(name)
+                if index is None:
+                    index = self._new_groups(1)
+                    if name is not None:
+                        self._groups[name] = index
+                groups[k] = index
+        np.logical_or.at(self._group_agentic, groups, batch.agentic[rollouts])
+        return groups
 
     def _add_batch(self, batch: RolloutBatch) -> int:
         verdicts = check_batch(batch, self._seen_ids)
