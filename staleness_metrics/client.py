@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from types import TracebackType
 from typing import Any, TypedDict
+from urllib.parse import quote
 
 import httpx
 
@@ -98,25 +99,25 @@ class StalenessClient:
     def create_run(self, run: str, config: StalenessConfig | Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Create ``run`` (or find it with the same configuration); returns the run's info."""
         body = asdict(config) if isinstance(config, StalenessConfig) else dict(config or {})
-        result: dict[str, Any] = self._request("PUT", f"/v1/runs/{run}", json=body)
+        result: dict[str, Any] = self._request("PUT", _run_path(run), json=body)
         return result
 
     def run_info(self, run: str) -> dict[str, Any]:
         """Configuration, step, queue length and totals of ``run``."""
-        result: dict[str, Any] = self._request("GET", f"/v1/runs/{run}")
+        result: dict[str, Any] = self._request("GET", _run_path(run))
         return result
 
     def delete_run(self, run: str) -> None:
-        self._request("DELETE", f"/v1/runs/{run}", gone_ok=True)
+        self._request("DELETE", _run_path(run), gone_ok=True)
 
     # ------------------------------------------------------------------ rollouts
     def add(self, run: str, rollouts: Iterable[Mapping[str, Any]]) -> AddResult:
         """Queue finished rollouts (SPEC 3 records); safe to retry with the same records."""
-        result: AddResult = self._request("POST", f"/v1/runs/{run}/rollouts", json={"rollouts": list(rollouts)})
+        result: AddResult = self._request("POST", _run_path(run, "rollouts"), json={"rollouts": list(rollouts)})
         return result
 
     def sweep(self, run: str, step: int) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("POST", f"/v1/runs/{run}/sweep", json={"step": step})
+        result: dict[str, Any] = self._request("POST", _run_path(run, "sweep"), json={"step": step})
         return result
 
     def ship(
@@ -133,16 +134,18 @@ class StalenessClient:
         One idempotency key (given, or a new random one) covers every retry of this call.
         """
         body: dict[str, Any] = {"step": step, "include_rollouts": include_rollouts}
+        if isinstance(ids, str):  # list("r-1") would ship "r", "-" and "1"
+            raise TypeError(f"ids: expected an iterable of rollout ids, got the string {ids!r}")
         if ids is not None:
             body["ids"] = list(ids)
         key = idempotency_key or uuid.uuid4().hex
-        result: ShipResult = self._request("POST", f"/v1/runs/{run}/ship", json=body, headers={"Idempotency-Key": key})
+        result: ShipResult = self._request("POST", _run_path(run, "ship"), json=body, headers={"Idempotency-Key": key})
         return result
 
     # ------------------------------------------------------------------ reads
     def steps(self, run: str, since: int = 0) -> list[StepRow]:
         """The metrics history: one row per ship with ``step > since``."""
-        page: dict[str, Any] = self._request("GET", f"/v1/runs/{run}/steps", params={"since": since})
+        page: dict[str, Any] = self._request("GET", _run_path(run, "steps"), params={"since": since})
         rows: list[StepRow] = page["steps"]
         return rows
 
@@ -189,14 +192,22 @@ class StalenessClient:
         self.close()
 
 
+def _run_path(run: str, action: str | None = None) -> str:
+    """The run's URL path; the name is quoted, so a stray ``/`` or ``?`` cannot reach another route."""
+    path = f"/v1/runs/{quote(run, safe='')}"
+    return path if action is None else f"{path}/{action}"
+
+
 def _raise_for(response: httpx.Response) -> None:
     if response.is_success:
         return
     try:
-        detail: Any = response.json().get("detail", response.text)
+        body: Any = response.json()
     except ValueError:
-        detail = response.text
-    if response.status_code == 422 and isinstance(detail, list) and detail:
+        body = None
+    # A proxy in between may answer with anything: only the service's own shape is read.
+    detail: Any = body.get("detail", response.text) if isinstance(body, dict) else response.text
+    if response.status_code == 422 and isinstance(detail, list) and detail and isinstance(detail[0], dict):
         first = detail[0]
         if first.get("rollout_id") is not None or first.get("index") is not None:  # a record's error
             raise TraceError(first.get("rollout_id"), first.get("field", ""), first.get("reason", ""))

@@ -89,7 +89,9 @@ class StalenessMonitor:
         return shipment
 
     def _export(self, shipment: Shipment) -> None:
-        if self._closed:
+        if self._closed:  # the sink still ships; the report is lost to the exporters, so count it
+            for exporter in self.exporters:
+                self.export_errors.record(exporter.name, "ship after the monitor was closed; report not exported")
             return
         for exporter in self.exporters:
             try:

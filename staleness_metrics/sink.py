@@ -189,7 +189,9 @@ class Sink:
         self._window = WindowCounts()
         self._invalid: list[TraceError] = []
         self.totals = Tally()
-        self.tokens_entered = 0  # sampled positions of live rollouts accepted (conservation)
+        # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
+        # + dropped + still queued.
+        self.tokens_entered = 0
 
     # ------------------------------------------------------------------ add
     @property
@@ -201,6 +203,17 @@ class Sink:
     def tracked_rollouts(self) -> int:
         """Rollout rows held in memory: the queue plus those resolved since the last compaction."""
         return len(self._rollouts)
+
+    @property
+    def tokens_queued(self) -> int:
+        """Sampled positions of live rollouts still queued (samples not dropped)."""
+        return self._queued_tokens(np.flatnonzero(self._rollouts["status"] == QUEUED))
+
+    def _queued_tokens(self, rows: IntArray) -> int:
+        r, s = self._rollouts, self._samples
+        sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
+        live = ~r["frozen"][s["rollout"][sample_rows]] & ~s["dropped"][sample_rows]
+        return int(s["n_sampled"][sample_rows][live].sum())
 
     @property
     def step(self) -> int:
@@ -583,5 +596,6 @@ class Sink:
             raise errors[0]
         for local, error in zip(np.flatnonzero(bad), errors):
             self._set_aside(error, self._env_names[int(r["env"][rows[local]])] or None)
+        self.tokens_entered -= self._queued_tokens(rows[bad])  # set aside: they never entered after all
         self._leave(rows[bad], INVALID)
         return rows[~bad]

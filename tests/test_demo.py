@@ -48,7 +48,9 @@ def _step_lines(lines: list[str]) -> list[str]:
 
 
 def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Path) -> None:
-    demo = _start_demo(tmp_path, "--steps", "8", "--speed", "2", "--no-wandb")
+    # 12 steps at 2 a second: after step 1 the demo runs 5.5 s more, ample time for one scrape even on a
+    # loaded machine (the scrape must happen while it runs; nothing here measures how fast).
+    demo = _start_demo(tmp_path, "--steps", "12", "--speed", "2", "--no-wandb")
     try:
         assert demo.stdout is not None
         seen: list[str] = []
@@ -59,7 +61,6 @@ def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Pa
                 break
         url = next(line.split(": ", 1)[1] for line in seen if line.startswith("metrics URL: "))
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
-        # Seven more steps at 2 a second: the endpoint is scraped while the demo still runs.
         with urllib.request.urlopen(url, timeout=30) as response:
             body = response.read().decode()
         assert demo.poll() is None
@@ -71,10 +72,10 @@ def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Pa
         demo.kill()
         demo.wait()
     steps = _step_lines(seen)
-    assert [line.split(" | ")[0] for line in steps] == [f"step {i}" for i in range(1, 9)]
+    assert [line.split(" | ")[0] for line in steps] == [f"step {i}" for i in range(1, 13)]
     assert all("| Max Staleness " in line for line in steps)
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert [row["step"] for row in rows] == list(range(1, 13))
     assert all("staleness/rollout/max" in row and "staleness/env/math/token/mean" in row for row in rows)
 
 
@@ -168,3 +169,11 @@ def test_the_demo_event_file_replays_to_the_metrics_it_logged(tmp_path: Path) ->
         for key, value in mine.items():
             assert theirs[key] == pytest.approx(value), key
     assert any(row.get("staleness/token/masked", 0) > 0 for row in logged)  # the bound bit at 4
+
+
+def test_an_out_dir_that_cannot_be_made_is_a_message_not_a_traceback(tmp_path: Path) -> None:
+    (tmp_path / "out").write_text("")  # a file where the output directory should go
+    demo = _start_demo(tmp_path, "--steps", "1", "--speed", "0", "--no-wandb")
+    _, err = demo.communicate(timeout=120)
+    assert demo.returncode == 2
+    assert err.startswith("staleness-metrics demo: ") and "Traceback" not in err

@@ -108,6 +108,16 @@ def test_a_raising_exporter_is_counted_and_never_reaches_the_caller() -> None:
     assert recorder.closed == 1
 
 
+def test_a_ship_after_close_still_masks_and_counts_the_report_it_could_not_export() -> None:
+    recorder = Recorder()
+    monitor = StalenessMonitor(CONFIG, [recorder], run="r")
+    monitor.close()
+    monitor.add([ROLLOUT])
+    shipment = monitor.ship(5)
+    assert shipment.ids == ["r1"] and recorder.reports == []
+    assert monitor.export_errors.count("recorder") == 1  # visible in rl_staleness_export_errors_total
+
+
 def test_invalid_input_still_raises_in_strict_mode() -> None:
     with StalenessMonitor(CONFIG, []) as monitor, pytest.raises(TraceError, match="dispatch_version"):
         monitor.add({"id": "bad", "samples": [{"mask": [1]}]})

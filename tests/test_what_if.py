@@ -18,8 +18,7 @@ from staleness_metrics.demo import Simulation
 from staleness_metrics.errors import ConfigError
 from staleness_metrics.replay import replay
 from staleness_metrics.what_if import parse_bounds, run_tally, what_if
-
-EXAMPLES = Path("/work/shared/examples")
+from tests.support.examples import EXAMPLES
 
 
 def _what_if_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

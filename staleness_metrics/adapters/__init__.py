@@ -42,12 +42,12 @@ SourceKind = Literal["prime-rl", "events", "xtuner", "metrics"]
 
 def _first_object(path: Path) -> object:
     with open(path, encoding="utf-8") as handle:
-        for line in handle:
+        for number, line in enumerate(handle, start=1):
             if line.strip():
                 try:
                     value: object = json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise ConfigError(f"{path}: line 1 is not JSON ({error.msg})") from None
+                    raise ConfigError(f"{path}: line {number} is not JSON ({error.msg})") from None
                 return value[0] if isinstance(value, list) and value else value
     raise ConfigError(f"{path}: the file is empty")
 

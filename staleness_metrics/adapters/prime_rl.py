@@ -139,7 +139,11 @@ def _episodes(path: Path) -> Iterator[EpisodeInfo]:
     for number, value in iter_json_lines(path):
         if not isinstance(value, dict):
             raise EventError(number, f"{path}: expected an episode object, got {type(value).__name__}")
-        yield episode_rollout(value)
+        try:
+            info = episode_rollout(value)
+        except TraceError as error:  # the record cannot become a rollout: say which file and line
+            raise EventError(number, f"{path}: {error}") from error
+        yield info
 
 
 def _stale(info: EpisodeInfo, step: int, max_staleness: int) -> bool:

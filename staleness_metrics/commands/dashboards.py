@@ -48,6 +48,19 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ImportError as exc:
+        print(
+            f"staleness-metrics dashboards: needs {exc.name or exc}: pip install 'staleness-metrics[cli]'",
+            file=sys.stderr,
+        )
+    except OSError as exc:
+        print(f"staleness-metrics dashboards: {exc}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from ..dashboards.artifacts import stale_files, write_files
 
     root: Path = args.out

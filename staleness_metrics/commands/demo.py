@@ -98,4 +98,8 @@ def run(args: argparse.Namespace) -> int:
         wandb=args.wandb,
         live=args.live,
     )
-    return run_demo(options)
+    try:
+        return run_demo(options)
+    except OSError as error:  # an output directory or file that cannot be written
+        print(f"staleness-metrics demo: {error}", file=sys.stderr)
+        return 2

@@ -81,7 +81,10 @@ def _token(args: argparse.Namespace) -> str | None:
     if args.token:
         return str(args.token)
     if args.token_file is not None:
-        return args.token_file.read_text().strip() or None
+        token: str = args.token_file.read_text(encoding="utf-8").strip()
+        if not token:  # asked for a token: serving without one would be a silent downgrade
+            raise ValueError(f"{args.token_file} is empty")
+        return token
     return os.environ.get(TOKEN_ENV) or None
 
 
@@ -107,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         token = _token(args)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: empty, or not UTF-8
         return _fail(f"cannot read the token file: {exc}", 2)
+    if not 0 <= args.port <= 65535:  # the socket layer would wrap a larger number around silently
+        return _fail(f"--port must be 0..65535, got {args.port}", 2)
     try:
         check_bind(args.host, token)
     except BindRefused as exc:

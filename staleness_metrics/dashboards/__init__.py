@@ -3,3 +3,7 @@
 ``staleness-metrics dashboards`` writes the files (:mod:`.artifacts`); ``--check`` fails when the
 committed ones no longer match the table.
 """
+
+from __future__ import annotations
+
+__all__: list[str] = []  # the modules are the API: artifacts, grafana, rules, wandb_panels, collector, promql

@@ -14,6 +14,7 @@ One line per step goes to stdout (``Max Staleness ...``); on a terminal a live t
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import logging
 import os
@@ -76,7 +77,11 @@ def _say(message: str, stream: TextIO) -> None:
 def _prometheus(port: int | None, say: Callable[[str], None]) -> Exporter | None:
     if port is None:
         return None
-    from ..exporters import PrometheusExporter
+    try:
+        from ..exporters import PrometheusExporter
+    except ImportError as exc:  # the base install has numpy only: the demo runs without an endpoint
+        say(f"no Prometheus endpoint: needs {exc.name or exc} (pip install 'staleness-metrics[prometheus]')")
+        return None
 
     # A taken port is handled here (a free one instead), so the exporter's own warning would only confuse.
     quiet = logging.getLogger("staleness_metrics.exporters")
@@ -262,6 +267,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     metrics_path = options.metrics_out or out_dir / "metrics.jsonl"
     events = _EventLog(out_dir / "events.jsonl")
     live = options.live if options.live is not None else (stream is None and out.isatty())
+    live = live and importlib.util.find_spec("rich") is not None  # the table needs rich; plain lines do not
     exporters: list[Exporter] = [JsonlExporter(metrics_path)]
     monitor: StalenessMonitor | None = None
     wandb_run: Any = None
@@ -317,12 +323,17 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 for exporter in exporters:
                     exporter.close()
             if wandb_run is not None:
-                wandb_run.finish()
+                try:
+                    wandb_run.finish()
+                except Exception as exc:  # W&B is a bonus here, as at start
+                    say(f"W&B offline run not finished cleanly ({type(exc).__name__}: {exc})")
     if interrupted:
         say(f"interrupted after {shipped_steps} steps; files are complete up to there")
     config = options.config
     replay_options = f" --policy {config.policy} --bound {config.max_staleness}"
     if config.max_token_staleness is not None:
         replay_options += f" --max-token-staleness {config.max_token_staleness}"
+    if config.sync_interval != 1:
+        replay_options += f" --sync-interval {config.sync_interval}"
     say(f"done: {shipped_steps} steps. Next: staleness-metrics report {events.path}{replay_options} -o report.html")
     return 130 if interrupted else 0

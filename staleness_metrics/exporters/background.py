@@ -144,10 +144,12 @@ class ExportQueue(Generic[P]):
                     continue
                 payload = self._pending.popleft()
                 self._in_flight = True
-            self._deliver(payload)
-            with self._cond:
-                self._in_flight = False
-                self._cond.notify_all()
+            try:
+                self._deliver(payload)
+            finally:  # even if a send escapes with a BaseException, flush() and close() must not wait on it
+                with self._cond:
+                    self._in_flight = False
+                    self._cond.notify_all()
 
     def _deliver(self, payload: P) -> None:
         backoff = self._retry_initial
@@ -192,6 +194,7 @@ class BackgroundExporter:
         self._exporter = exporter
         self._errors = ExportErrors()
         self._close_timeout = close_timeout
+        self._closed = False
         self._queue: ExportQueue[StepReport] = ExportQueue(
             self.name,
             exporter.export,
@@ -202,8 +205,7 @@ class BackgroundExporter:
         )
 
     def attach(self, context: ExportContext) -> None:
-        context.errors.register(self.name)
-        self._errors = context.errors
+        self._errors = context.share_errors(self.name, self._errors)
         if isinstance(self._exporter, MonitorAware):
             self._exporter.attach(context)
 
@@ -214,5 +216,8 @@ class BackgroundExporter:
         return self._queue.flush(timeout)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._queue.close(self._close_timeout)
         self._exporter.close()

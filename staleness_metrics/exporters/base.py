@@ -89,6 +89,14 @@ class ExportErrors:
         with self._lock:
             return dict(self._counts)
 
+    def carry_over(self, exporter: str, earlier: ExportErrors) -> None:
+        """Add what ``earlier`` counted for ``exporter`` (its failures before it was attached here)."""
+        if earlier is self:
+            return
+        count = earlier.count(exporter)
+        with self._lock:
+            self._counts[exporter] = self._counts.get(exporter, 0) + count
+
 
 @dataclass(frozen=True)
 class ExportContext:
@@ -101,3 +109,9 @@ class ExportContext:
     run: str = DEFAULT_RUN
     errors: ExportErrors = field(default_factory=ExportErrors)
     env_breakdown: bool = False
+
+    def share_errors(self, exporter: str, own: ExportErrors) -> ExportErrors:
+        """The shared counter for ``exporter``, holding what ``own`` counted before the attach (a port
+        already taken at construction, say), so no failure is lost when an exporter switches over."""
+        self.errors.carry_over(exporter, own)
+        return self.errors

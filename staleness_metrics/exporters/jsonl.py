@@ -65,8 +65,7 @@ class JsonlExporter:
         )
 
     def attach(self, context: ExportContext) -> None:
-        context.errors.register(self.name)
-        self._errors = context.errors
+        self._errors = context.share_errors(self.name, self._errors)
 
     def export(self, report: StepReport) -> None:
         self._queue.put(row_json(report) + "\n")

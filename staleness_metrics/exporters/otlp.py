@@ -255,6 +255,7 @@ class OtlpExporter:
         self._errors = ExportErrors()
         self._errors.register(self.name)
         self._close_timeout = close_timeout
+        self._closed = False
         self._meter_provider = meter_provider
         self._recorder: _InstrumentRecorder | None = None
         self._metric_exporter: MetricExporter | None = None
@@ -299,8 +300,7 @@ class OtlpExporter:
         """Take the monitor's run attribute, shared export error counts and env breakdown setting."""
         if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
             self._state = CumulativeState(context.run, context.env_breakdown, deltas=self._state.deltas)
-        context.errors.register(self.name)
-        self._errors = context.errors
+        self._errors = context.share_errors(self.name, self._errors)
 
     @property
     def errors(self) -> ExportErrors:
@@ -341,6 +341,9 @@ class OtlpExporter:
         return self._queue.flush(timeout)
 
     def close(self) -> None:
+        if self._closed:  # the OpenTelemetry exporter warns on a second shutdown
+            return
+        self._closed = True
         self._queue.close(self._close_timeout)
         try:
             if self._metric_exporter is not None:

@@ -135,8 +135,7 @@ class _PrometheusBase:
             if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
                 self._state = CumulativeState(context.run, context.env_breakdown)
             self._run = context.run
-            context.errors.register(self.name)
-            self._errors = context.errors
+            self._errors = context.share_errors(self.name, self._errors)
 
     @property
     def errors(self) -> ExportErrors:
@@ -276,6 +275,7 @@ class PrometheusPushExporter(_PrometheusBase):
         self._timeout = timeout
         self._delete_on_close = delete_on_close
         self._close_timeout = close_timeout
+        self._closed = False
         self._version = 0
         self._pushed_version = 0
         self._queue: ExportQueue[int] = ExportQueue(
@@ -313,6 +313,9 @@ class PrometheusPushExporter(_PrometheusBase):
         return self._queue.flush(timeout)
 
     def close(self) -> None:
+        if self._closed:  # a second close must not delete a group that a new pusher may own by now
+            return
+        self._closed = True
         self._queue.close(self._close_timeout)
         if not self._delete_on_close:
             return

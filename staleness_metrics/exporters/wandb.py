@@ -126,6 +126,7 @@ class WandbExporter:
         self._histogram_key = _HISTOGRAM_ROW.wandb_key if histogram else None
         self._commit = commit
         self._close_timeout = close_timeout
+        self._closed = False
         self._errors = ExportErrors()
         self._errors.register(self.name)
         self._defined: set[str] = set()
@@ -144,8 +145,7 @@ class WandbExporter:
     def attach(self, context: ExportContext) -> None:
         """Share the monitor's export error counts (the W&B run itself names the run; the core already
         put the per-env keys in the metrics dict when the env breakdown is on)."""
-        context.errors.register(self.name)
-        self._errors = context.errors
+        self._errors = context.share_errors(self.name, self._errors)
 
     @property
     def errors(self) -> ExportErrors:
@@ -205,6 +205,9 @@ class WandbExporter:
         return self._queue.flush(timeout)
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._queue.close(self._close_timeout)
         if self._owns_run:
             try:

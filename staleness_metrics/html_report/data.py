@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ from ..adapters import SourceKind, compare_prime_rl, detect_source, read_run
 from ..adapters.events import iter_json_lines
 from ..adapters.prime_rl import ComparisonRow, has_rollouts
 from ..config import StalenessConfig
+from ..errors import EventError
 from ..metric_table import LEGACY_KEYS
 from ..report import Tally
 from ..what_if import WhatIfRow, replay_batched, run_tally, what_if
@@ -46,27 +46,40 @@ class ReportData:
         return [row.get(key) for row in self.rows]
 
 
-def _current_keys(row: dict[str, Any]) -> dict[str, Any]:
-    """A logged row with legacy keys renamed (a current key wins over its legacy twin)."""
-    out = {key: value for key, value in row.items() if key.startswith("staleness/")}
+def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str, Any]:
+    """A logged row's scalar staleness values, legacy keys renamed (a current key wins over its legacy twin).
+
+    ``null`` is a step without that value and media objects (a logged W&B histogram) are not plotted;
+    anything else that is not a number is an error naming the line and the key.
+    """
+    out: dict[str, Any] = {}
     for key, value in row.items():
         legacy = LEGACY_KEYS.get(key)
-        if legacy is not None and legacy.new is not None:
-            out.setdefault(legacy.new, value)
+        name = key if key.startswith("staleness/") else legacy.new if legacy is not None else None
+        if name is None or value is None or isinstance(value, dict):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise EventError(line, f"{path}: {key}: expected a number, got {value!r}")
+        if key == name or name not in row:
+            out[name] = value
     return out
 
 
 def metrics_rows(path: str | Path) -> list[dict[str, Any]]:
     """Logged rows by step (rows of one step merged), keys renamed to the current ones."""
     merged: dict[int, dict[str, Any]] = {}
-    for _, value in iter_json_lines(path):
+    for line, value in iter_json_lines(path):
         if not isinstance(value, dict):
             continue
-        step = next((value[k] for k in _STEP_KEYS if isinstance(value.get(k), int)), None)
+        step = next((value[k] for k in _STEP_KEYS if _is_step(value.get(k))), None)
         if step is None:
             continue
-        merged.setdefault(step, {}).update(_current_keys(value))
+        merged.setdefault(step, {}).update(_current_keys(value, path, line))
     return [{"step": step, **merged[step]} for step in sorted(merged) if merged[step]]
+
+
+def _is_step(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[int] = ()) -> ReportData:
@@ -90,7 +103,7 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
     )
     if what_if_bounds:
         bounds = sorted(set(what_if_bounds))
-        data.what_if = what_if(run, bounds, dataclasses.replace(config))
+        data.what_if = what_if(run, bounds, config)
     if kind == "prime-rl" and (Path(run) / "metrics.jsonl").is_file():
         data.comparison = compare_prime_rl(run, [s.report for s in shipments])
     return data

@@ -21,6 +21,7 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#1
 WIDTH, HEIGHT = 920, 300
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 34, 44
 MAX_HEATMAP_COLUMNS = 400
+MAX_HEATMAP_ROWS = 400  # rows added only to show the bound (each row is a matrix column per step)
 
 
 @dataclass(frozen=True)
@@ -289,7 +290,8 @@ def heatmap(
     if not x or not any(int(h.sum()) for h in histograms):
         return message_chart(label, "no sampled tokens shipped")
     levels = max(len(np.trim_zeros(h, "b")) for h in histograms)
-    levels = max(levels, (bound + 2) if bound is not None else 1)
+    if bound is not None and bound + 2 <= max(levels, MAX_HEATMAP_ROWS):
+        levels = max(levels, bound + 2)  # room for the bound line; a bound far above the data is not drawn
     matrix = np.zeros((len(x), levels), dtype=np.int64)
     for i, h in enumerate(histograms):
         trimmed = np.trim_zeros(h, "b")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from .model import Action, FileKind, FileResult, Finding
+from .model import Action, FileKind, FileResult, Finding, MissingParser
 from .names import Context, Scanner
 from .tree import LineIndex
 
@@ -40,6 +40,8 @@ def load_config(text: str, fmt: ConfigFormat) -> Any:
 
             return list(YAML(typ="safe", pure=True).load_all(text))
         return json.loads(text)
+    except ImportError as exc:
+        raise MissingParser(_NAMES[fmt], "tomlkit" if fmt == "toml" else "ruamel.yaml") from exc
     except ValueError:
         raise
     except Exception as exc:  # tomlkit and ruamel raise their own error classes
@@ -71,6 +73,9 @@ def migrate_config(path: str, text: str, fmt: ConfigFormat, scanner: Scanner) ->
     result = FileResult(path, _KINDS[fmt], original=text)
     try:
         old_data = load_config(text, fmt)
+    except MissingParser as exc:
+        result.error = str(exc)
+        return result
     except ValueError as exc:
         result.error = f"cannot parse as {_NAMES[fmt]}: {exc}"
         return result

@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 
 from ..legacy import DEFAULT_PROMETHEUS_PREFIXES
 
-__all__ = ["Action", "FileKind", "FileResult", "Finding", "Options"]
+__all__ = ["Action", "FileKind", "FileResult", "Finding", "MissingParser", "Options"]
+
+
+class MissingParser(ValueError):
+    """The parser of a file format is an optional dependency that is not installed."""
+
+    def __init__(self, format_name: str, package: str) -> None:
+        super().__init__(f"reading {format_name} needs {package}: pip install 'staleness-metrics[cli]'")
 
 
 class FileKind(str, enum.Enum):

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .model import Action, FileKind, FileResult, Finding, Options
+from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Hit, Scanned, Scanner
 from .tree import Edit, LineIndex, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, walk
 
@@ -102,6 +102,9 @@ def migrate_structured(
     try:
         roots = syntax.parse(text)
         data = syntax.load(text)
+    except MissingParser as exc:
+        result.error = str(exc)
+        return result
     except ValueError as exc:
         result.error = f"cannot parse as {syntax.name}: {exc}"
         return result

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from .json_syntax import spans_removal
+from .model import MissingParser
 from .tree import Edit, LineIndex, Mapping, Node, Scalar, Sequence, substitute_names
 
 __all__ = ["YAML_SYNTAX", "YamlSyntax"]
@@ -16,8 +17,10 @@ _COMMENT_START = re.compile(r"(?:^|(?<=[ \t]))#", re.MULTILINE)
 
 
 def _yaml() -> Any:
-    from ruamel.yaml import YAML  # optional dependency (the cli extra)
-
+    try:
+        from ruamel.yaml import YAML  # optional dependency (the cli extra)
+    except ImportError as exc:
+        raise MissingParser("YAML", "ruamel.yaml") from exc
     return YAML(typ="safe", pure=True)
 
 

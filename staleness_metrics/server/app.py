@@ -15,6 +15,7 @@ calls (see :mod:`.runs`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -104,6 +105,15 @@ def _config_item(error: ConfigError) -> ErrorItem:
     # ConfigError messages are "<setting>: <reason>".
     name, sep, reason = str(error).partition(": ")
     return ErrorItem(field=name, reason=reason) if sep else ErrorItem(field="config", reason=str(error))
+
+
+def _check_config_range(config: StalenessConfig) -> None:
+    """No setting above MAX_STEP: steps stop there, and larger bounds overflow the sink's int64 arithmetic
+    at the first ship (a 500 long after the run was accepted)."""
+    for setting in dataclasses.fields(config):
+        value = getattr(config, setting.name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_STEP:
+            raise RecordsInvalid([ErrorItem(field=setting.name, reason=f"must be <= {MAX_STEP}, got {value}")])
 
 
 _STATUS_OF: dict[type[Exception], int] = {
@@ -205,6 +215,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
             parsed = StalenessConfig.from_mapping(config)
         except ConfigError as error:
             raise RecordsInvalid([_config_item(error)]) from None
+        _check_config_range(parsed)
         created_run, created = registry.create(run, parsed)
         if not created:
             response.status_code = status.HTTP_200_OK

@@ -52,8 +52,8 @@ def run_config_schema() -> dict[str, Any]:
     schema["description"] = (
         "A StalenessConfig as JSON; every key is optional. Validated by the library: unknown keys and "
         "renamed ones (max_off_policy_steps -> max_staleness) are rejected with 422; max_staleness >= 0, "
-        "max_token_staleness >= 0 or null, sync_interval >= 1, and the last three xtuner options only "
-        "with policy 'xtuner'."
+        "max_token_staleness >= 0 or null, sync_interval >= 1 (each at most 2**53), and the last three "
+        "xtuner options only with policy 'xtuner'."
     )
     schema["additionalProperties"] = False
     schema["example"] = {"policy": "token", "max_staleness": 4}

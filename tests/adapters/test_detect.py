@@ -9,8 +9,7 @@ import pytest
 
 from staleness_metrics.adapters import detect_and_read, detect_source
 from staleness_metrics.errors import ConfigError, EventError
-
-EXAMPLES = Path("/work/shared/examples")
+from tests.support.examples import EXAMPLES
 
 
 def test_each_kind_of_input_is_recognised(tmp_path: Path) -> None:

@@ -13,10 +13,12 @@ from staleness_metrics.adapters import as_replay_events, compare_prime_rl, read_
 from staleness_metrics.adapters.prime_rl import comparison_summary
 from staleness_metrics.cli import main
 from staleness_metrics.config import StalenessConfig
+from staleness_metrics.errors import EventError
 from staleness_metrics.replay import replay, run_events
 from staleness_metrics.sink import Sink
+from tests.support.examples import EXAMPLES
 
-EXAMPLE = Path("/work/shared/examples/prime-rl-run")
+EXAMPLE = EXAMPLES / "prime-rl-run"
 OFF_POLICY_KEYS = (
     "off_policy/mean",
     "off_policy/max",
@@ -181,3 +183,14 @@ def test_an_episode_shipped_after_the_step_it_arrived_in_is_named_by_the_later_s
     assert "s2-e2" not in shipments[1].ids and "s2-e2" in shipments[2].ids
     # In batch 3 (T = 2) it is 1 version stale, all of it in the queue: 7 + 1 over 7 episodes.
     assert shipments[2].report.metrics["staleness/rollout/mean"] == pytest.approx(8 / 7)
+
+
+def test_an_episode_without_a_usable_id_names_its_file_and_line(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(EXAMPLE, run)
+    traces = run / "rollouts/step_2/train/all/traces.jsonl"
+    episodes = _jsonl(traces)
+    episodes[1]["id"] = 7
+    _write_jsonl(traces, episodes)
+    with pytest.raises(EventError, match=r"^line 2: .*step_2/train/all/traces.jsonl: rollout None: field id: "):
+        list(read_prime_rl(run))

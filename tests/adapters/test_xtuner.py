@@ -11,8 +11,9 @@ import pytest
 from staleness_metrics.adapters import as_replay_events, read_xtuner_states
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.replay import replay
+from tests.support.examples import EXAMPLES
 
-EXAMPLE = Path("/work/shared/examples/xtuner-states.jsonl")
+EXAMPLE = EXAMPLES / "xtuner-states.jsonl"
 
 
 def _states() -> list[dict[str, Any]]:

@@ -167,7 +167,8 @@ def test_conservation_of_sampled_positions() -> None:
     )
     s.add(rollout("c", 3, {"mask": [1, 1]}))
     s.ship(4, ids=["b"])
-    queued_tokens = 2  # "c" is still queued
+    queued_tokens = s.tokens_queued
+    assert queued_tokens == 2  # "c" is still queued
     totals = s.totals
     assert s.tokens_entered == 7
     assert totals.tokens_sampled + totals.tokens_dropped + queued_tokens == s.tokens_entered

@@ -121,3 +121,12 @@ def test_rules_laid_out_differently_are_not_stale(tmp_path: Path) -> None:
     rules = tmp_path / "exporters/prometheus/staleness.rules.yml"
     rules.write_text(yaml.safe_dump(yaml.safe_load(rules.read_text()), indent=4, width=60))
     assert stale_files(tmp_path) == []
+
+
+def test_an_unwritable_output_is_an_error_message_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert cli("--out", str(blocker)) == 2  # a file where the root directory should be
+    assert capsys.readouterr().err.startswith("staleness-metrics dashboards: ")

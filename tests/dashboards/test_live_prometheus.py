@@ -8,6 +8,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -159,6 +160,19 @@ def test_recording_rules_produce_series_and_metrics_are_not_reported_absent(live
     )
     assert set(quantiles) == {"0.5", "0.9", "0.99"}
     assert quantiles["0.5"] <= quantiles["0.9"] <= quantiles["0.99"]
+
+    # Prometheus loaded every generated rule and evaluates each without error; with metrics flowing the
+    # absent alert is quiet (not even pending).
+    def loaded_rules() -> list[dict[str, Any]]:
+        return [rule for group in live.prometheus.api("rules")["groups"] for rule in group["rules"]]
+
+    live.prometheus.wait_until(lambda: all(not r["lastEvaluation"].startswith("0001-") for r in loaded_rules()))
+    rules = loaded_rules()
+    generated = [r.get("record") or r.get("alert") for g in rule_groups()["groups"] for r in g["rules"]]
+    assert sorted(r["name"] for r in rules) == sorted(generated)
+    assert [(r["name"], r["lastError"]) for r in rules if r["health"] != "ok"] == []
+    (absent,) = (r for r in rules if r["name"] == "RLStalenessMetricsAbsent")
+    assert absent["state"] == "inactive"
     assert not live.prometheus.query('ALERTS{alertname="RLStalenessMetricsAbsent"}')
 
 
@@ -220,7 +234,8 @@ class _paused:
             self.original(report)
 
         self.live.exporter.export = blocked  # type: ignore[method-assign]
-        self.waiting.wait()  # the ship in progress, if any, is done: live.last stays put
+        # the ship in progress, if any, is done: live.last stays put (the timeout only guards a hang)
+        assert self.waiting.wait(120), "the traffic driver stopped shipping"
 
     def __exit__(self, *exc: object) -> None:
         self.live.exporter.export = self.original  # type: ignore[method-assign]

@@ -73,9 +73,13 @@ def test_per_env_panels_match_only_per_env_keys(logged_keys: set[str]) -> None:
 
 
 def test_the_bound_is_plotted_with_staleness() -> None:
-    for spec in panels():
-        if "vs bound" in spec.title:
-            assert "staleness/max_staleness" in spec.keys
+    vs_bound = [spec for spec in panels() if "vs bound" in spec.title]
+    assert [spec.title for spec in vs_bound] == [
+        "Token staleness mean vs bound",
+        "Rollout staleness mean and max vs bound",
+    ]
+    for spec in vs_bound:
+        assert "staleness/max_staleness" in spec.keys, spec.title
 
 
 def test_committed_spec_matches_the_built_panels() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -42,6 +43,14 @@ def _no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def points_by_env(metric: Any) -> dict[str, Any]:
     data = getattr(metric, metric.WhichOneof("data"))
     return {attributes_of(p).get("env", ""): p for p in data.data_points}
+
+
+def wait_for_errors(errors: ExportErrors, count: int, timeout: float = 60.0) -> None:
+    """Wait until the exporter counted ``count`` failed attempts (a hang guard, never a speed check)."""
+    deadline = time.monotonic() + timeout
+    while errors.count("otlp") < count:
+        assert time.monotonic() < deadline, f"{errors.count('otlp')} of {count} failures counted"
+        time.sleep(0.02)
 
 
 def value(point: Any) -> float:
@@ -144,8 +153,10 @@ def test_service_name_argument_wins_over_the_environment(monkeypatch: pytest.Mon
 def test_receiver_down_then_back_nothing_within_the_bound_is_lost() -> None:
     port = free_port()  # nothing listens yet
     errors = ExportErrors()
+    # The request timeout must not be so short that a slow answer on a loaded machine makes the queue
+    # re-send a request the receiver already recorded (the order check below would see it twice).
     exporter = OtlpExporter(
-        endpoint=f"http://127.0.0.1:{port}/v1/metrics", timeout=1, retry_initial=0.05, retry_max=0.2
+        endpoint=f"http://127.0.0.1:{port}/v1/metrics", timeout=5, retry_initial=0.05, retry_max=0.2
     )
     exporter.attach(ExportContext(run=RUN, errors=errors))
     monitor_steps = [1, 2, 3]
@@ -153,8 +164,7 @@ def test_receiver_down_then_back_nothing_within_the_bound_is_lost() -> None:
         exporter.export(hand_report(step, {"": [[step]]}))  # returns although the receiver is down
     receiver = None
     try:
-        while errors.count("otlp") == 0:  # wait for a failed attempt to be counted
-            exporter.flush(timeout=0.05)
+        wait_for_errors(errors, 1)  # a failed attempt was counted while nothing listened
         receiver = OtlpReceiver(port)
         assert exporter.flush(timeout=60)
         requests = receiver.wait_for(3)
@@ -198,8 +208,8 @@ def test_receiver_errors_are_counted_and_retried() -> None:
         exporter = OtlpExporter(endpoint=receiver.endpoint, retry_initial=0.05, retry_max=0.1)
         exporter.attach(ExportContext(run=RUN, errors=errors))
         exporter.export(hand_report(1, {"": [[2]]}))
-        while errors.count("otlp") < 2:
-            exporter.flush(timeout=0.05)
+        wait_for_errors(errors, 2)  # refused twice, still queued
+        assert receiver.requests == []
         receiver.status = 200
         assert exporter.flush(timeout=60)
         (request,) = receiver.wait_for(1)
@@ -208,7 +218,7 @@ def test_receiver_errors_are_counted_and_retried() -> None:
 
 
 def test_grpc_protocol_reaches_a_grpc_receiver() -> None:
-    grpc = pytest.importorskip("grpc")
+    import grpc  # installed with the otlp-grpc extra, which the test extra pulls in
     from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 
     received: list[Any] = []
@@ -265,3 +275,27 @@ def test_invalid_protocol_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="http/protobuf"):
         OtlpExporter(protocol="http/json")
+
+
+def test_closing_twice_shuts_the_otlp_exporter_down_once() -> None:
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    class CountsShutdowns(MetricExporter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shutdowns = 0
+
+        def export(self, metrics_data: Any, timeout_millis: float = 10_000, **kwargs: Any) -> MetricExportResult:
+            return MetricExportResult.SUCCESS
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return True
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            self.shutdowns += 1
+
+    inner = CountsShutdowns()
+    monitor = StalenessMonitor(CONFIG, [OtlpExporter(metric_exporter=inner)], run=RUN)
+    monitor.close()
+    monitor.exporters[0].close()  # e.g. a finally block after the monitor's own close
+    assert inner.shutdowns == 1  # a second shutdown makes the SDK log a warning

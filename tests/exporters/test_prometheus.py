@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import socket
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -190,6 +191,7 @@ def test_port_already_taken_is_counted_not_raised_and_binding_is_retried() -> No
     try:
         exp.attach(ExportContext(run=RUN, errors=errors))
         assert exp.url is None
+        assert errors.count("prometheus") == 1  # the failure at construction survives the attach
         exp.export(hand_report(8, {"": [[1]]}))  # neither does exporting; it tries to bind again
         assert errors.count("prometheus") >= 1
         assert sample(exp, "rl_staleness_train_step") == 8  # still serves through its registry
@@ -264,12 +266,15 @@ def test_concurrent_scrapes_never_mix_two_ships() -> None:
 
     def scraper() -> None:
         assert exp.url is not None
-        while not done.is_set():
-            with urllib.request.urlopen(exp.url, timeout=30) as response:
-                check(response.read().decode())
-            with scraped:
-                scrapes[0] += 1
-                scraped.notify_all()
+        try:
+            while not done.is_set():
+                with urllib.request.urlopen(exp.url, timeout=30) as response:
+                    check(response.read().decode())
+                with scraped:
+                    scrapes[0] += 1
+                    scraped.notify_all()
+        except Exception as exc:  # a failed scrape fails the test (a dead thread alone would not)
+            problems.append(f"scrape failed: {exc!r}")
 
     threads = [threading.Thread(target=scraper) for _ in range(4)]
     try:
@@ -280,7 +285,8 @@ def test_concurrent_scrapes_never_mix_two_ships() -> None:
             if step % 20 == 0:  # make sure scrapes happen all along the ships, not only before or after
                 with scraped:
                     seen = scrapes[0]
-                    scraped.wait_for(lambda seen=seen: scrapes[0] >= seen + 2)
+                    # the timeout only turns dead scrapers into a failure instead of a hang
+                    assert scraped.wait_for(lambda seen=seen: scrapes[0] >= seen + 2, timeout=120), problems[:5]
     finally:
         done.set()
         for t in threads:
@@ -354,9 +360,12 @@ def test_pushgateway_receives_pushes_survives_an_outage_and_deletes_its_group(tm
     try:
         exp.export(hand_report(1, {"": [[1, 2]]}))
         exp.export(hand_report(2, {"": [[0]]}))  # returns at once although nothing listens
+        deadline = time.monotonic() + 60  # a hang guard, not a speed check
+        while errors.count("pushgateway") == 0:  # the failed attempt is counted, and the push kept
+            assert time.monotonic() < deadline, "no failed push was counted while the gateway was down"
+            time.sleep(0.02)
         gateway.start()
         assert exp.flush(timeout=60)
-        assert errors.count("pushgateway") >= 1  # the failed attempts were counted
         families = {f.name: f for f in text_string_to_metric_families(gateway.metrics_text())}
         step = [s for s in families["rl_staleness_train_step"].samples if s.labels.get("run") == RUN]
         assert [s.value for s in step] == [2.0]

@@ -163,8 +163,12 @@ def test_no_exporter_publishes_a_name_outside_the_table(tmp_path: Path) -> None:
     run_all(tmp_path, [prometheus, otlp, wandb_exporter, jsonl])
 
     prometheus_names = {m.prometheus_name for m in METRICS if m.prometheus_name is not None}
-    for family in text_string_to_metric_families(prometheus.exposition().decode()):
-        assert family.name + ("_total" if family.type == "counter" else "") in prometheus_names
+    exposed = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in text_string_to_metric_families(prometheus.exposition().decode())
+    }
+    assert "rl_staleness_train_step" in exposed and "rl_staleness_export_errors_total" in exposed
+    assert exposed <= prometheus_names, sorted(exposed - prometheus_names)
 
     otel_names = {m.otel_name for m in METRICS if m.otel_name is not None}
     sent = {
@@ -177,11 +181,15 @@ def test_no_exporter_publishes_a_name_outside_the_table(tmp_path: Path) -> None:
     assert sent and sent <= otel_names
 
     axis = {"trainer/step"}
+    assert {"trainer/step", "staleness/rollout/max", "off_policy/max"} <= run.keys  # it did log
+    assert any(k.startswith("staleness/env/") for k in run.keys)
     unknown = {k for k in run.keys if not is_table_wandb_key(k) and k not in LEGACY_KEYS and k not in axis}
-    assert not unknown
+    assert not unknown, sorted(unknown)
     assert not {k for k in run.defined if k not in axis | {"staleness/*"} and not is_table_wandb_key(k)} - set(
         LEGACY_KEYS
     )
 
-    for line in (tmp_path / "m.jsonl").read_text().splitlines():
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert len(lines) == 3  # one per ship
+    for line in lines:
         assert all(k == "step" or is_table_wandb_key(k) for k in json.loads(line))

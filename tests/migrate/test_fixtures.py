@@ -13,13 +13,16 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import promql_parser
 import pytest
 
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.legacy import CURRENT_PROMETHEUS_NAMES
 from staleness_metrics.migrate.configs import load_config
+from tests.support.programs import missing_program
+from tests.support.prometheus import PROMTOOL, requires_promtool
 
-from .cli import BEFORE, EXPECTED, migrate, migrate_process
+from .cli import BEFORE, EXPECTED, apply_patch, migrate, migrate_process
 
 LEGACY_TEXT = re.compile(r"off_policy|Off-Policy|max_off_policy_steps")
 
@@ -112,16 +115,20 @@ def test_without_drop_removed_the_removed_panels_stay_and_are_reported(
 def test_diff_is_a_patch_that_does_what_write_does(
     work: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if shutil.which("patch") is None:
-        pytest.skip("patch is not installed")
+    before = _snapshot(work)
     run = migrate(capsys, "--diff", "--drop-removed", str(work))
     assert run.code == 0
+    assert _snapshot(work) == before  # --diff only prints
     assert run.out.startswith(f"--- a/{work}/")
+    assert run.out.count("\n--- a/") + 1 == len(list(EXPECTED.iterdir()))  # one patch per changed file
     (tmp_path / "changes.patch").write_text(run.out)
-    patched = subprocess.run(
-        ["patch", "-p1", "-d", "/", "-i", str(tmp_path / "changes.patch")], capture_output=True, text=True
-    )
-    assert patched.returncode == 0, patched.stdout + patched.stderr
+    if shutil.which("patch") is not None:  # GNU patch, as a user applies it
+        patched = subprocess.run(
+            ["patch", "-p1", "-d", "/", "-i", str(tmp_path / "changes.patch")], capture_output=True, text=True
+        )
+        assert patched.returncode == 0, patched.stdout + patched.stderr
+    else:
+        apply_patch(run.out)
     for expected in EXPECTED.iterdir():
         assert (work / expected.name).read_bytes() == expected.read_bytes(), expected.name
 
@@ -148,10 +155,9 @@ def test_the_migrated_config_loads_in_the_project_config(tmp_path: Path, capsys:
 
 
 @pytest.mark.integration
+@requires_promtool
 def test_promtool_accepts_the_migrated_rules(work: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed")
+    promtool = PROMTOOL or missing_program("promtool is not installed")
     assert migrate(capsys, "--write", "--drop-removed", str(work)).code == 0
     checked = subprocess.run([promtool, "check", "rules", str(work / "alerts.rules.yml")], capture_output=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -170,7 +176,6 @@ def _grafana_exprs(node: object) -> list[str]:
 def test_migrated_dashboard_queries_parse_and_name_only_current_series(
     work: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    promql_parser = pytest.importorskip("promql_parser")
     assert migrate(capsys, "--write", "--drop-removed", str(work)).code == 0
     dashboard = json.loads((work / "rl-dashboard.json").read_text())
     exprs = [e for e in _grafana_exprs(dashboard) if e != "prometheus"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,20 @@ def test_a_file_changed_meanwhile_is_not_overwritten(tmp_path: Path) -> None:
     with pytest.raises(OSError, match="changed while it was being migrated"):
         write_atomically(config, result.original, result.new_text)
     assert config.read_text() == "max_off_policy_steps = 5\n"
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "module", "message"),
+    [
+        ("orch.yaml", "max_off_policy_steps: 8\n", "ruamel.yaml", "reading YAML needs ruamel.yaml"),
+        ("orch.toml", "max_off_policy_steps = 8\n", "tomlkit", "reading TOML needs tomlkit"),
+    ],
+)
+def test_a_missing_parser_is_named_not_reported_as_a_parse_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, text: str, module: str, message: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # as in a base install without the cli extra
+    result = migrate_file(_write(tmp_path / name, text), Options())
+    assert result.error is not None and result.error.startswith(message)
+    assert "pip install 'staleness-metrics[cli]'" in result.error
+    assert [f.old for f in result.findings] == ["max_off_policy_steps"]  # still reported, never edited

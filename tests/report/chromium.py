@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -11,7 +10,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from tests.support.programs import requires_program
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = (
@@ -31,9 +30,8 @@ FLAGS = (
 WIDTH = 1100
 
 # Skipped on a developer machine without chromium; under CI a missing browser fails the test instead.
-requires_chromium = pytest.mark.skipif(
-    not Path(CHROMIUM).exists() and os.environ.get("CI") != "true",
-    reason="Debian's chromium is not installed (CI installs it)",
+requires_chromium = requires_program(
+    CHROMIUM if Path(CHROMIUM).exists() else None, "chromium is not installed (Debian package chromium)"
 )
 
 # Appended to a copy of the page (without its Content-Security-Policy, which forbids scripts) to read

@@ -14,11 +14,11 @@ from PIL import Image
 
 from staleness_metrics.commands import report as report_command
 from staleness_metrics.demo import Simulation
-from staleness_metrics.html_report.svg import PALETTE
+from staleness_metrics.html_report.svg import PALETTE, heatmap
+from tests.support.examples import EXAMPLES
 
 from .chromium import Box, chart_boxes, requires_chromium, screenshot
 
-EXAMPLES = Path("/work/shared/examples")
 CHARTS = ["token-staleness", "masked", "in-flight-queue", "dropped-held", "heatmap", "what-if"]
 # The data marks each chart draws (solid fills and strokes in the report's palette).
 DATA_COLOURS = {
@@ -134,3 +134,21 @@ def test_report_options_are_checked(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert args.func(args) == 2
     assert "start is above the end" in capsys.readouterr().err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_a_logged_value_that_is_not_a_number_names_its_line_and_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logged = tmp_path / "metrics.jsonl"
+    logged.write_text('{"step": 1, "off_policy/max": 2}\n{"step": 2, "off_policy/max": "3"}\n')
+    parser = argparse.ArgumentParser(prog="staleness-metrics")
+    report_command.register(parser.add_subparsers())
+    args = parser.parse_args(["report", str(logged), "-o", str(tmp_path / "r.html")])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err.strip() == f"line 2: {logged}: off_policy/max: expected a number, got '3'"
+
+
+def test_a_bound_far_above_the_data_does_not_size_the_heatmap() -> None:
+    svg = heatmap("histogram", [1, 2], [np.array([3, 1]), np.array([0, 2, 2])], bound=10**12)  # 8 TB of rows before
+    assert svg.count("<rect") > 4 and "masked above max_staleness" not in svg  # data drawn, the bound is off-chart
+    assert "masked above max_staleness = 1" in heatmap("histogram", [1], [np.array([3, 1])], bound=1)

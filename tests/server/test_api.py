@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.server import ServerSettings
 from staleness_metrics.sink import Sink
+from tests.support.prometheus import promtool_check_metrics, requires_promtool
 
 from .conftest import ThreadServer
 
@@ -51,7 +52,8 @@ def test_run_creation_validates_like_the_library(http: httpx.Client) -> None:
     [error] = renamed.json()["detail"]
     assert error["field"] == "max_off_policy_steps" and "max_staleness" in error["reason"]
     for bad, field in (({"max_staleness": -1}, "max_staleness"), ({"sync_interval": 2}, "sync_interval"),
-                       ({"max_staleness": "8"}, "max_staleness"), ({"policy": "fifo"}, "policy")):  # fmt: skip
+                       ({"max_staleness": "8"}, "max_staleness"), ({"policy": "fifo"}, "policy"),
+                       ({"max_staleness": 10**30}, "max_staleness")):  # fmt: skip
         response = http.put("/v1/runs/bad", json=bad)
         assert response.status_code == 422, bad
         assert response.json()["detail"][0]["field"] == field
@@ -103,9 +105,16 @@ def test_missing_id_and_out_of_range_integers_are_422(http: httpx.Client) -> Non
 
 def test_negative_versions_are_refused(http: httpx.Client) -> None:
     make_run(http)
-    for bad in (rollout("a", completion_version=-1), rollout("b", source="frozen", dispatch_version=-1)):
+    for bad, field in (
+        (rollout("a", completion_version=-1), "completion_version"),
+        (rollout("b", source="frozen", dispatch_version=-1), "dispatch_version"),
+    ):
         response = http.post("/v1/runs/exp/rollouts", json={"rollouts": [bad]})
         assert response.status_code == 422, bad
+        [error] = response.json()["detail"]
+        assert (error["rollout_id"], error["field"]) == (bad["id"], field)
+        assert "got -1" in error["reason"]
+    assert http.get("/v1/runs/exp").json()["queued"] == 0
 
 
 def test_resent_batches_are_counted_once(http: httpx.Client) -> None:
@@ -222,19 +231,20 @@ def test_metrics_of_every_run_in_one_exposition(http: httpx.Client) -> None:
     assert openmetrics.text.rstrip().endswith("# EOF")
 
 
+@requires_promtool
 def test_metrics_pass_promtool(http: httpx.Client) -> None:
-    from tests.support.prometheus import PROMTOOL, promtool_check_metrics
-
-    if PROMTOOL is None:
-        pytest.skip("promtool is not installed (CI installs Debian's prometheus)")
     make_run(http, "a", env_breakdown=True)
     make_run(http, "b")
     for run in ("a", "b"):
         records = [rollout("x", 0, [0, 0], env="math"), rollout("y", 1, [1], env="code")]
         http.post(f"/v1/runs/{run}/rollouts", json={"rollouts": records})
         http.post(f"/v1/runs/{run}/ship", json={"step": 3})
-    result = promtool_check_metrics(http.get("/metrics").content)
+    exposition = http.get("/metrics").content
+    assert b'rl_staleness_tokens_sampled_total{env="math",run="a"} 2.0' in exposition  # both runs are in it
+    assert b'rl_staleness_tokens_sampled_total{env="",run="b"} 3.0' in exposition
+    result = promtool_check_metrics(exposition)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "" and result.stderr.strip() == ""  # no lint warning either
 
 
 @pytest.mark.parametrize("chunked", [False, True])

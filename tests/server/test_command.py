@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -53,3 +54,15 @@ def test_unreadable_token_file_exits_2() -> None:
         text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 2 and "cannot read the token file" in result.stderr
+
+
+def test_a_port_beyond_65535_is_refused_not_wrapped(capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve.run(parse("--port", "99999")) == 2  # the socket layer would have listened on 34463
+    assert "--port must be 0..65535, got 99999" in capsys.readouterr().err
+
+
+def test_an_empty_token_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    assert serve.run(parse("--token-file", str(empty))) == 2  # not a service without a token
+    assert f"cannot read the token file: {empty} is empty" in capsys.readouterr().err

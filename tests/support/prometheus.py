@@ -11,7 +11,8 @@ Reusable by any test module::
 
 or through the ``prometheus_server`` fixture factory (import it into your conftest.py):
 ``server = prometheus_server(targets=[...])``. Skipped (with the reason) only when the ``prometheus``
-binary is missing locally; CI installs Debian's ``prometheus`` 2.42.
+binary is missing on a developer machine; under CI (which installs Debian's ``prometheus`` 2.42) a
+missing binary fails the test.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.programs import missing_program, requires_program
+
 __all__ = [
     "PrometheusServer",
     "PushgatewayServer",
@@ -46,16 +49,13 @@ PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 PUSHGATEWAY = shutil.which("prometheus-pushgateway") or shutil.which("pushgateway")
 
-requires_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None, reason="the prometheus binary is not installed (CI installs Debian's prometheus)"
-)
-requires_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool is not installed (CI installs Debian's prometheus)"
-)
-requires_pushgateway = pytest.mark.skipif(
-    PUSHGATEWAY is None,
-    reason="prometheus-pushgateway is not installed (CI installs Debian's prometheus-pushgateway)",
-)
+_NO_PROMETHEUS = "the prometheus binary is not installed (Debian package prometheus)"
+_NO_PROMTOOL = "promtool is not installed (Debian package prometheus)"
+_NO_PUSHGATEWAY = "prometheus-pushgateway is not installed (Debian package prometheus-pushgateway)"
+
+requires_prometheus = requires_program(PROMETHEUS, _NO_PROMETHEUS)
+requires_promtool = requires_program(PROMTOOL, _NO_PROMTOOL)
+requires_pushgateway = requires_program(PUSHGATEWAY, _NO_PUSHGATEWAY)
 
 
 def free_port() -> int:
@@ -68,7 +68,8 @@ def free_port() -> int:
 
 def promtool_check_metrics(exposition: bytes) -> subprocess.CompletedProcess[str]:
     """Run ``promtool check metrics`` on a text exposition (exit 0 = clean)."""
-    assert PROMTOOL is not None
+    if PROMTOOL is None:
+        missing_program(_NO_PROMTOOL)
     return subprocess.run(
         [PROMTOOL, "check", "metrics"], input=exposition.decode(), capture_output=True, text=True, timeout=60
     )
@@ -116,14 +117,38 @@ class PrometheusServer:
 
     def start(self, ready_timeout: float = 60.0) -> PrometheusServer:
         if PROMETHEUS is None:
-            pytest.skip("the prometheus binary is not installed (CI installs Debian's prometheus)")
+            missing_program(_NO_PROMETHEUS)
         self.workdir.mkdir(parents=True, exist_ok=True)
         config = self._write_config()
-        self.port = free_port()
+        # free_port() only says the port was free a moment ago: another process on a busy machine may
+        # take it before Prometheus binds, so a bind failure is retried on a fresh port.
+        for _ in range(3):
+            self.port = free_port()
+            process = self._launch(config)
+            deadline = time.monotonic() + ready_timeout
+            while time.monotonic() < deadline:
+                if process.poll() is not None:
+                    break
+                try:
+                    with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
+                        if response.status == 200:
+                            return self
+                except (urllib.error.URLError, ConnectionError, OSError):
+                    pass
+                time.sleep(0.1)
+            else:
+                self.stop()
+                raise RuntimeError(f"prometheus not ready after {ready_timeout} s: {self.log_text()}")
+            self._process = None
+            if "address already in use" not in self.log_text():
+                raise RuntimeError(f"prometheus exited: {self.log_text()}")
+        raise RuntimeError(f"prometheus could not bind a free port: {self.log_text()}")
+
+    def _launch(self, config: Path) -> subprocess.Popen[bytes]:
         log = (self.workdir / "prometheus.log").open("wb")
         self._process = subprocess.Popen(
             [
-                PROMETHEUS,
+                PROMETHEUS or "prometheus",
                 f"--config.file={config}",
                 f"--storage.tsdb.path={self.workdir / 'data'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
@@ -134,19 +159,7 @@ class PrometheusServer:
             stderr=subprocess.STDOUT,
         )
         log.close()
-        deadline = time.monotonic() + ready_timeout
-        while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise RuntimeError(f"prometheus exited: {self.log_text()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"prometheus not ready after {ready_timeout} s: {self.log_text()}")
+        return self._process
 
     def log_text(self) -> str:
         path = self.workdir / "prometheus.log"
@@ -228,7 +241,7 @@ class PushgatewayServer:
 
     def start(self, ready_timeout: float = 60.0) -> PushgatewayServer:
         if PUSHGATEWAY is None:
-            pytest.skip("prometheus-pushgateway is not installed")
+            missing_program(_NO_PUSHGATEWAY)
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = (self.workdir / "pushgateway.log").open("wb")
         self._process = subprocess.Popen(

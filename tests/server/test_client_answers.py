@@ -1,0 +1,45 @@
+"""The client with a mock transport: odd answers from a proxy, run names, ids given as one string."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from staleness_metrics.client import ServiceError, StalenessClient
+
+
+def client_answering(answer: httpx.Response, paths: list[str]) -> StalenessClient:
+    def handle(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.raw_path.decode())
+        return answer
+
+    return StalenessClient("http://127.0.0.1:9", retries=0, transport=httpx.MockTransport(handle))
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        httpx.Response(400, json=["not", "the", "service's", "shape"]),
+        httpx.Response(422, json={"detail": ["a string, not an error item"]}),
+        httpx.Response(502, text="<html>bad gateway</html>"),
+    ],
+)
+def test_an_answer_not_in_the_services_shape_is_a_service_error(answer: httpx.Response) -> None:
+    with client_answering(answer, []) as client, pytest.raises(ServiceError) as error:
+        client.add("exp", [])
+    assert error.value.status == answer.status_code
+
+
+def test_run_names_are_quoted_into_the_path() -> None:
+    paths: list[str] = []
+    with client_answering(httpx.Response(200, json={}), paths) as client:
+        client.run_info("a/b?c")
+        client.sweep("exp", step=3)
+    assert paths == ["/v1/runs/a%2Fb%3Fc", "/v1/runs/exp/sweep"]  # never another route
+
+
+def test_ids_given_as_one_string_are_refused() -> None:
+    paths: list[str] = []
+    with client_answering(httpx.Response(200, json={}), paths) as client, pytest.raises(TypeError, match="r-1"):
+        client.ship("exp", step=2, ids="r-1")  # type: ignore[arg-type]  # would ship "r", "-" and "1"
+    assert paths == []
