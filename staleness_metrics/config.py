@@ -15,11 +15,14 @@ PolicyName = Literal["token", "episode", "group", "xtuner"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("token", "episode", "group", "xtuner")
 
 
+MAX_SETTING = 2**53  # far beyond any run; keeps every threshold exact in int64 arithmetic
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ConfigError(f"{name}: must be >= {minimum}, got {value}")
+    if not minimum <= value <= MAX_SETTING:
+        raise ConfigError(f"{name}: must be in {minimum}..{MAX_SETTING}, got {value}")
 
 
 @dataclass(frozen=True)

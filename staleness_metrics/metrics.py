@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .decision import Judgement
-from .report import StepReport, Tally
+from .report import HISTOGRAM_TOP, StepReport, Tally
 from .segments import segment_min
 from .spans import NO_VERSION_HIGH
 
@@ -52,11 +52,36 @@ class WindowCounts:
         return self.counts.get(env, {}).get(name, 0)
 
 
-def _nearest_rank(histogram: IntArray, numerator: int, denominator: int) -> int:
-    """The ceil(p * N)-th smallest value, with p = numerator / denominator (exact integer maths)."""
-    total = int(histogram.sum())
-    rank = max(1, -(-numerator * total // denominator))
-    return int(np.searchsorted(np.cumsum(histogram), rank))
+def _nearest_rank(values: IntArray, counts: IntArray, numerator: int, denominator: int) -> int:
+    """The ceil(p * N)-th smallest value, p = numerator / denominator (exact integer maths).
+
+    ``values`` are sorted distinct values, ``counts`` how often each occurs.
+    """
+    rank = max(1, -(-numerator * int(counts.sum()) // denominator))
+    return int(values[np.searchsorted(np.cumsum(counts), rank)])
+
+
+def _distribution(values: IntArray, weights: IntArray) -> tuple[IntArray, IntArray]:
+    """Sorted distinct values and their total weights."""
+    distinct, inverse = np.unique(values, return_inverse=True)
+    return distinct, np.bincount(inverse, weights=weights, minlength=len(distinct)).astype(np.int64)
+
+
+def _histogram(distinct: IntArray, counts: IntArray) -> IntArray:
+    """Integer-bucket histogram (index = staleness); the last index counts all from HISTOGRAM_TOP up,
+    so a wild version number cannot make it huge."""
+    if len(distinct) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.bincount(np.minimum(distinct, HISTOGRAM_TOP), weights=counts).astype(np.int64)
+
+
+def _exact_dot(a: IntArray, b: IntArray) -> int:
+    """``sum(a * b)`` without int64 overflow (Python integers only when it could overflow)."""
+    if len(a) == 0:
+        return 0
+    if int(np.abs(a).max()) * int(np.abs(b).sum()) < 2**62:
+        return int(np.dot(a, b))
+    return sum(x * y for x, y in zip(a.tolist(), b.tolist()))
 
 
 def _population(
@@ -77,11 +102,7 @@ def _population(
     masked = sampled[slice_.version < slice_.mask_below[slice_.span_sample]]
     tokens = int(sampled.sum())
     unlabelled = int(np.where(slice_.labelled, 0, sampled).sum())
-    token_histogram = (
-        np.bincount(staleness[sampled > 0], weights=sampled[sampled > 0]).astype(np.int64)
-        if tokens
-        else np.zeros(0, dtype=np.int64)
-    )
+    token_values, token_counts = _distribution(staleness[sampled > 0], sampled[sampled > 0])
 
     # Rollout staleness: oldest shipped sampled position, the dispatch version when there is none.
     oldest_span = np.where(span_in & (slice_.sampled > 0), slice_.version, NO_VERSION_HIGH)
@@ -91,18 +112,18 @@ def _population(
     rollout = t - oldest
     in_flight = np.clip(slice_.completion[live_rollout] - oldest, 0, rollout)
     in_queue = rollout - in_flight
-    rollout_histogram = np.bincount(rollout).astype(np.int64) if len(rollout) else np.zeros(0, dtype=np.int64)
+    rollout_values, rollout_counts = _distribution(rollout, np.ones(len(rollout), dtype=np.int64))
 
     metrics: dict[str, float | int] = {}
     if tokens:
-        metrics["staleness/token/mean"] = float(int((staleness * sampled).sum()) / tokens)
+        metrics["staleness/token/mean"] = _exact_dot(staleness, sampled) / tokens
         metrics["staleness/token/masked"] = float(int(masked.sum()) / tokens)
         metrics["staleness/token/unlabelled"] = float(unlabelled / tokens)
         for name, numerator, denominator in QUANTILES:
-            metrics[f"staleness/token/{name}"] = _nearest_rank(token_histogram, numerator, denominator)
+            metrics[f"staleness/token/{name}"] = _nearest_rank(token_values, token_counts, numerator, denominator)
     if len(rollout):
         for key, values in (("", rollout), ("in_flight/", in_flight), ("in_queue/", in_queue)):
-            metrics[f"staleness/rollout/{key}mean"] = float(int(values.sum()) / len(values))
+            metrics[f"staleness/rollout/{key}mean"] = int(values.sum()) / len(values)
             metrics[f"staleness/rollout/{key}max"] = int(values.max())
     metrics["staleness/rollout/dropped"] = window.get(env, "rollouts_dropped")
     metrics["staleness/sample/dropped"] = window.get(env, "samples_dropped")
@@ -120,8 +141,8 @@ def _population(
         rollouts_frozen=int((rollout_in & slice_.frozen).sum()),
         rollouts_held=window.get(env, "rollouts_held"),
         rollouts_invalid=window.get(env, "rollouts_invalid"),
-        token_histogram=token_histogram,
-        rollout_histogram=rollout_histogram,
+        token_histogram=_histogram(token_values, token_counts),
+        rollout_histogram=_histogram(rollout_values, rollout_counts),
     )
     return metrics, tally
 

@@ -133,6 +133,10 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str) -> npt
             if not ok:
                 raise TraceError(rid, f"{name}[{i}]", f"expected {expected}, got {v!r}")
         raise TraceError(rid, name, f"expected {expected}")
+    if "b" not in kinds and array.dtype.kind != "b" and bool in map(type, value):
+        # numpy reads True as 1: a boolean where a number belongs would be silently coerced
+        position = next(i for i, v in enumerate(value) if isinstance(v, bool))
+        raise TraceError(rid, f"{name}[{position}]", f"expected {expected}, got {value[position]!r}")
     return array
 
 

@@ -8,7 +8,11 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["StepReport", "Tally"]
+__all__ = ["HISTOGRAM_TOP", "StepReport", "Tally"]
+
+# Histograms hold one bucket per staleness up to this one, which counts everything at or above it:
+# far beyond any exported bucket (the table's top bound is 64), and a bound on memory whatever arrives.
+HISTOGRAM_TOP = 4096
 
 Counts = npt.NDArray[np.int64]
 
@@ -22,7 +26,8 @@ class Tally:
     """Additive numbers of one ship window for one population (the whole batch or one env).
 
     Tallies merge exactly across processes and steps (``a + b``); histogram index = staleness in
-    policy versions. Counters exported to Prometheus / OTLP are sums of these.
+    policy versions, the last index :data:`HISTOGRAM_TOP` counting everything at or above it.
+    Counters exported to Prometheus / OTLP are sums of these.
     """
 
     tokens_sampled: int = 0

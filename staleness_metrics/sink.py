@@ -476,6 +476,8 @@ class Sink:
         (a rollout the sweep drops is never taken): strict mode raises :class:`TraceError`, lenient
         mode sets them aside.
         """
+        if isinstance(ids, str):
+            raise TypeError("ids must be a collection of rollout ids, not one string")
         self._advance(step)
         r = self._rollouts
         if ids is None:

@@ -52,7 +52,6 @@ class SpanTable:
     max_label: IntArray  # newest label on any position (-1: none), for the ship-time bound check
     max_sampled_version: IntArray  # NO_VERSION_LOW when the sample has no sampled position
     seq_min_version: IntArray  # xtuner's sequence version; NO_VERSION_HIGH when none
-    min_sampled_version: IntArray  # NO_VERSION_HIGH when none
     # per rollout
     completion: IntArray
 
@@ -115,7 +114,6 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     max_label = segment_max(label, span_offsets, -1)
     has_sampled = sampled > 0
     max_sampled = segment_max(np.where(has_sampled, version, NO_VERSION_LOW), span_offsets, NO_VERSION_LOW)
-    min_sampled = segment_min(np.where(has_sampled, version, NO_VERSION_HIGH), span_offsets, NO_VERSION_HIGH)
     seq_counts = (label >= 0) | has_sampled
     seq_min = segment_min(np.where(seq_counts, version, NO_VERSION_HIGH), span_offsets, NO_VERSION_HIGH)
 
@@ -141,7 +139,6 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
         max_label=max_label,
         max_sampled_version=max_sampled,
         seq_min_version=seq_min,
-        min_sampled_version=min_sampled,
         completion=completion.astype(np.int64),
     )
 

@@ -26,12 +26,12 @@ from typing import Any
 
 from .adapters import EventDict, as_replay_events, read_run
 from .config import StalenessConfig
-from .errors import ConfigError, EventError, TraceError
-from .replay import Event
+from .errors import ConfigError
+from .replay import Event, replay
 from .report import Tally
-from .sink import Shipment, Sink
+from .sink import Shipment
 
-__all__ = ["WhatIfRow", "format_table", "parse_bounds", "replay_batched", "run_tally", "to_json", "what_if"]
+__all__ = ["WhatIfRow", "format_table", "parse_bounds", "run_tally", "to_json", "what_if"]
 
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 MAX_BOUNDS = 257
@@ -105,43 +105,6 @@ class WhatIfRow:
         }
 
 
-def replay_batched(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
-    """:func:`staleness_metrics.replay.replay`, adding each run of consecutive rollouts in one call.
-
-    Same result (a strict add is all or nothing, and nothing is judged between two adds), a few times
-    faster on streams of many small rollouts. An invalid rollout raises ``EventError`` naming its line.
-    """
-    sink = Sink(config)
-    shipments: list[Shipment] = []
-    pending: list[Event] = []
-
-    def flush() -> None:
-        if not pending:
-            return
-        try:
-            sink.add([event.rollout or {} for event in pending])
-        except TraceError as error:
-            lines = [e.line for e in pending if (e.rollout or {}).get("id") == error.rollout_id]
-            raise EventError(lines[-1] if lines else pending[0].line, str(error)) from error
-        finally:
-            pending.clear()
-
-    for event in events:
-        if event.kind == "rollout":
-            pending.append(event)
-            continue
-        flush()
-        try:
-            if event.kind == "sweep":
-                sink.sweep(event.step)
-            else:
-                shipments.append(sink.ship(event.step, event.ids))
-        except TraceError as error:
-            raise EventError(event.line, str(error)) from error
-    flush()
-    return shipments
-
-
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
     """The sum of every ship's tally."""
     total = Tally()
@@ -166,7 +129,7 @@ def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | Non
     events_for = _events_for(source)
     rows = []
     for bound in bounds:
-        shipments = replay_batched(events_for(bound), dataclasses.replace(base, max_staleness=bound))
+        shipments = replay(events_for(bound), dataclasses.replace(base, max_staleness=bound))
         rows.append(WhatIfRow.from_tally(bound, run_tally(shipments)))
     return rows
 

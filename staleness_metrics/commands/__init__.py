@@ -12,6 +12,8 @@ from typing import Any
 
 from . import dashboards, demo, migrate, replay, report, serve, wandb_workspace, what_if
 
+__all__ = ["COMMANDS", "Register"]
+
 Register = Callable[["argparse._SubParsersAction[Any]"], None]
 
 COMMANDS: list[Register] = [

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..errors import ConfigError, EventError
+from ..exporters.jsonl import row_json
 from ..replay import Event, parse_event, read_events, run_events
 from ..sink import Sink
 from .options import add_sink_options, config_from_args
@@ -60,26 +61,18 @@ def open_events(
     path: Path, progress: bool | None = None, max_staleness: int = 8
 ) -> tuple[Iterator[Event], contextlib.ExitStack]:
     """Events of a SPEC 9 stream, or of a run in another format the adapters understand."""
+    from ..adapters import detect_and_read, detect_source
+
     stack = contextlib.ExitStack()
-    if path.is_file() and _looks_like_events(path):
+    try:
+        is_events = detect_source(path) == "events"
+    except ConfigError:
+        is_events = path.is_file()  # unrecognisable content: the event reader names the bad line
+    if is_events:
         handle: IO[str] = stack.enter_context(_open_with_progress(path, progress))
         return read_events(handle), stack
-    from ..adapters import detect_and_read  # other formats: prime-rl run dirs, xtuner states
-
     raws = detect_and_read(path, max_staleness=max_staleness)
     return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
-
-
-def _looks_like_events(path: Path) -> bool:
-    with path.open(encoding="utf-8") as handle:
-        for text in handle:
-            if text.strip():
-                try:
-                    first = json.loads(text)
-                except json.JSONDecodeError:
-                    return True  # let the event reader report the line
-                return not isinstance(first, dict) or "type" in first
-    return True
 
 
 def _open_with_progress(path: Path, progress: bool | None) -> contextlib.AbstractContextManager[IO[str]]:
@@ -132,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.events.exists():
         print(f"staleness-metrics replay: {args.events}: no such file or directory", file=sys.stderr)
         return 2
+    for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
+        if path is not None and not path.resolve().parent.is_dir():
+            print(f"staleness-metrics replay: {option} {path}: its folder does not exist", file=sys.stderr)
+            return 2
     sink = Sink(config)
     ships = 0
     try:
@@ -140,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
             for shipment in run_events(events, sink):
                 ships += 1
                 if metrics_out is not None:
-                    metrics_out.write(json.dumps(shipment.report.row()) + "\n")
+                    metrics_out.write(row_json(shipment.report) + "\n")
                 if batches_out is not None:
                     batches_out.write(json.dumps(shipment.batches_line()) + "\n")
     except EventError as error:

@@ -16,8 +16,9 @@ from ..adapters.prime_rl import ComparisonRow, has_rollouts
 from ..config import StalenessConfig
 from ..errors import EventError
 from ..metric_table import LEGACY_KEYS
+from ..replay import replay
 from ..report import Tally
-from ..what_if import WhatIfRow, replay_batched, run_tally, what_if
+from ..what_if import WhatIfRow, run_tally, what_if
 
 __all__ = ["ReportData", "collect", "metrics_rows"]
 
@@ -91,7 +92,7 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         rows = metrics_rows(path)
         bounds = [r["staleness/max_staleness"] for r in rows if "staleness/max_staleness" in r]
         return ReportData(source, kind, None, int(bounds[-1]) if bounds else None, rows)
-    shipments = replay_batched(read_run(run, max_staleness=config.max_staleness), config)
+    shipments = replay(read_run(run, max_staleness=config.max_staleness), config)
     data = ReportData(
         source,
         kind,

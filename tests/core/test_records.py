@@ -227,3 +227,25 @@ def test_a_huge_step_is_refused_and_leaves_the_sink_usable() -> None:
     with pytest.raises(ValueError, match="step must be"):
         sink.ship(10**30)
     assert sink.ship(3).step == 3
+
+
+@pytest.mark.parametrize(
+    ("sample", "field"),
+    [
+        ({"mask": [1, 1], "token_versions": [True, 0]}, "samples[0].token_versions[0]"),
+        ({"mask": [1, 1], "rl_weights": [0.5, True]}, "samples[0].rl_weights[1]"),
+        ({"mask": [1, 1], "logprobs": [-0.5, False]}, "samples[0].logprobs[1]"),
+    ],
+)
+def test_booleans_are_not_numbers(sample: dict[str, Any], field: str) -> None:
+    with pytest.raises(TraceError) as caught:
+        Sink().add({"id": "r1", "dispatch_version": 0, "samples": [sample]})
+    assert caught.value.field == field
+
+
+def test_ship_refuses_a_single_string_of_ids() -> None:
+    sink = Sink()
+    sink.add(good("r-1"))
+    with pytest.raises(TypeError, match="not one string"):
+        sink.ship(5, ids="r-1")
+    assert sink.queued == 1

@@ -365,3 +365,16 @@ def test_memory_stays_bounded_over_a_long_run_and_ids_stay_unique() -> None:
     assert s.tracked_rollouts <= 2 * 64
     with pytest.raises(TraceError, match="duplicate id"):
         s.add(rollout("1-0", 199))
+
+
+def test_a_huge_staleness_keeps_exact_metrics_and_a_bounded_histogram() -> None:
+    from staleness_metrics.report import HISTOGRAM_TOP
+
+    s = sink(max_staleness=2**53)
+    s.add([rollout("old", 0, {"mask": [1, 1, 1]}), rollout("new", 2**52, {"mask": [1]})])
+    shipment = s.ship(2**52 + 1)
+    m, tally = shipment.metrics, shipment.report.tally
+    assert (m["staleness/token/p50"], m["staleness/token/p99"], m["staleness/rollout/max"]) == (2**52, 2**52, 2**52)
+    assert m["staleness/token/mean"] == 3 * 2**52 / 4
+    assert len(tally.token_histogram) == HISTOGRAM_TOP + 1
+    assert tally.token_histogram[0] == 1 and tally.token_histogram[HISTOGRAM_TOP] == 3
