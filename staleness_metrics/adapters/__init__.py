@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -22,6 +23,8 @@ from ..replay import Event, read_events
 from .events import EventDict, read_event_file
 from .prime_rl import ComparisonRow, compare_prime_rl, is_prime_rl_run, read_prime_rl, read_prime_rl_metrics
 from .xtuner import read_xtuner_states
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "ComparisonRow",
@@ -85,7 +88,11 @@ def detect_and_read(path: str | Path, *, max_staleness: int = 8, step: int | Non
     if kind == "prime-rl":
         return read_prime_rl(path, max_staleness=max_staleness)
     if kind == "xtuner":
-        return iter(read_xtuner_states(path, step=step))
+        read = read_xtuner_states(path, step=step)
+        if read.skipped:  # said, not hidden: states that are not `completed` never enter the sink
+            left_out = ", ".join(f"{count} {status}" for status, count in sorted(read.skipped.items()))
+            _log.warning("%s: left out xtuner states that are not completed: %s", path, left_out)
+        return iter(read)
     if kind == "events":
         return read_event_file(path)
     raise ConfigError(

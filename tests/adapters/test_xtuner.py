@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from staleness_metrics.adapters import as_replay_events, read_xtuner_states
+from staleness_metrics.adapters import as_replay_events, detect_and_read, read_xtuner_states
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.replay import replay
 from tests.support.examples import EXAMPLES
@@ -91,3 +91,14 @@ def test_a_length_mismatch_is_reported_by_the_sink_with_the_rollout_id(tmp_path:
     path.write_text(json.dumps(state) + "\n")
     with pytest.raises(ValueError, match=r"rollout '2'.*token_versions"):
         replay(as_replay_events(read_xtuner_states(path)), StalenessConfig())
+
+
+def test_replay_says_which_states_it_left_out(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lines = (EXAMPLES / "xtuner-states.jsonl").read_text().splitlines()
+    first = json.loads(lines[0]) | {"status": "aborted"}
+    states = tmp_path / "states.jsonl"
+    states.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    with caplog.at_level("WARNING"):
+        events = list(detect_and_read(states))
+    assert sum(e["type"] == "rollout" for e in events) == len(lines) - 1
+    assert "1 aborted" in caplog.text
