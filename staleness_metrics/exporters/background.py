@@ -7,6 +7,10 @@ export): after an outage the newest data matters most, and the cumulative export
 OTLP) carry their counters and histograms in every payload, so only intermediate gauge values are lost.
 ``close(timeout)`` stops accepting work, keeps sending (and retrying) until the queue is empty or the
 timeout passes, and counts what is left as dropped.
+
+:class:`QueuedExporter` is the base of the exporters that queue (this module's
+:class:`BackgroundExporter`, JSONL, W&B, OTLP, Pushgateway): error counting, ``flush`` and a once-only
+``close``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Generic, TypeVar
 from ..report import StepReport
 from .base import ExportContext, Exporter, ExportErrors, MonitorAware
 
-__all__ = ["DEFAULT_QUEUE_SIZE", "BackgroundExporter", "ExportQueue"]
+__all__ = ["DEFAULT_QUEUE_SIZE", "BackgroundExporter", "ExportQueue", "QueuedExporter"]
 
 P = TypeVar("P")
 
@@ -173,7 +177,65 @@ class ExportQueue(Generic[P]):
             backoff = min(backoff * 2, self._retry_max)
 
 
-class BackgroundExporter:
+class QueuedExporter(Generic[P]):
+    """Base of the exporters that send on an :class:`ExportQueue`.
+
+    It owns the exporter's error counter (shared with the monitor's on ``attach``, keeping what was
+    counted before), the queue (whose failures it counts), ``flush`` and a ``close`` that runs once: a
+    second close must not shut down or delete anything again.
+
+    A subclass sets ``name``, calls ``super().__init__()`` first, and :meth:`_start_queue` last, once
+    everything its ``send`` needs is built (a constructor that raises then leaves no worker thread). It
+    releases its own resources in :meth:`_close_resources`, called after the queue is drained.
+    """
+
+    name: str
+
+    def __init__(self) -> None:
+        self._errors = ExportErrors()
+        self._errors.register(self.name)
+
+    def _start_queue(
+        self,
+        send: Callable[[P], None],
+        *,
+        max_queue: int,
+        retry_initial: float,
+        retry_max: float,
+        close_timeout: float,
+    ) -> None:
+        self._close_timeout = close_timeout
+        self._closed = False
+        self._queue: ExportQueue[P] = ExportQueue(
+            self.name, send, self._record_failure, max_size=max_queue, retry_initial=retry_initial, retry_max=retry_max
+        )
+
+    def _record_failure(self, message: str, exc: BaseException | None) -> None:
+        self._errors.record(self.name, message, exc)  # the shared counter once attached
+
+    def attach(self, context: ExportContext) -> None:
+        self._errors = context.share_errors(self.name, self._errors)
+
+    @property
+    def errors(self) -> ExportErrors:
+        return self._errors
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is sent (False when ``timeout`` passed first)."""
+        return self._queue.flush(timeout)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.close(self._close_timeout)
+        self._close_resources()
+
+    def _close_resources(self) -> None:
+        """Release what the subclass holds besides the queue."""
+
+
+class BackgroundExporter(QueuedExporter[StepReport]):
     """Runs any exporter's ``export`` on a worker thread behind an :class:`ExportQueue`.
 
     For your own slow exporters; the built-in network exporters (OTLP, W&B, Pushgateway, JSONL) queue
@@ -191,33 +253,23 @@ class BackgroundExporter:
         close_timeout: float = 10.0,
     ) -> None:
         self.name = exporter.name
+        super().__init__()
         self._exporter = exporter
-        self._errors = ExportErrors()
-        self._close_timeout = close_timeout
-        self._closed = False
-        self._queue: ExportQueue[StepReport] = ExportQueue(
-            self.name,
+        self._start_queue(
             exporter.export,
-            lambda message, exc: self._errors.record(self.name, message, exc),
-            max_size=max_queue,
+            max_queue=max_queue,
             retry_initial=retry_initial,
             retry_max=retry_max,
+            close_timeout=close_timeout,
         )
 
     def attach(self, context: ExportContext) -> None:
-        self._errors = context.share_errors(self.name, self._errors)
+        super().attach(context)
         if isinstance(self._exporter, MonitorAware):
             self._exporter.attach(context)
 
     def export(self, report: StepReport) -> None:
         self._queue.put(report)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        return self._queue.flush(timeout)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.close(self._close_timeout)
+    def _close_resources(self) -> None:
         self._exporter.close()

@@ -11,8 +11,7 @@ from typing import IO
 import numpy as np
 
 from ..report import StepReport
-from .background import DEFAULT_QUEUE_SIZE, ExportQueue
-from .base import ExportContext, ExportErrors
+from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
 
 __all__ = ["JsonlExporter", "row_json"]
 
@@ -30,7 +29,7 @@ def row_json(report: StepReport) -> str:
     return json.dumps(report.row(), default=_plain, allow_nan=False)
 
 
-class JsonlExporter:
+class JsonlExporter(QueuedExporter[str]):
     """Appends one line per ship to ``path`` (written on a background queue, flushed line by line).
 
     ``append=False`` (default) starts a new file; ``append=True`` continues an existing one (resumed runs).
@@ -48,24 +47,18 @@ class JsonlExporter:
         retry_max: float = 10.0,
         close_timeout: float = 10.0,
     ) -> None:
+        super().__init__()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = self.path.open("a" if append else "w", encoding="utf-8")
         self._file_lock = threading.Lock()
-        self._close_timeout = close_timeout
-        self._errors = ExportErrors()
-        self._errors.register(self.name)
-        self._queue: ExportQueue[str] = ExportQueue(
-            self.name,
+        self._start_queue(
             self._write,
-            lambda message, exc: self._errors.record(self.name, message, exc),
-            max_size=max_queue,
+            max_queue=max_queue,
             retry_initial=retry_initial,
             retry_max=retry_max,
+            close_timeout=close_timeout,
         )
-
-    def attach(self, context: ExportContext) -> None:
-        self._errors = context.share_errors(self.name, self._errors)
 
     def export(self, report: StepReport) -> None:
         self._queue.put(row_json(report) + "\n")
@@ -75,11 +68,6 @@ class JsonlExporter:
             self._file.write(line)
             self._file.flush()
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued line is written (False when ``timeout`` passed first)."""
-        return self._queue.flush(timeout)
-
-    def close(self) -> None:
-        self._queue.close(self._close_timeout)
+    def _close_resources(self) -> None:
         with self._file_lock:
             self._file.close()

@@ -30,8 +30,8 @@ from .. import __version__
 from ..errors import ConfigError
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import Counts, StepReport
-from .background import DEFAULT_QUEUE_SIZE, ExportQueue
-from .base import DEFAULT_RUN, ExportContext, ExportErrors
+from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
+from .base import DEFAULT_RUN, ExportContext
 from .state import CumulativeState, HistogramPoint, Snapshot, partition_by_env
 
 if TYPE_CHECKING:
@@ -47,6 +47,9 @@ PROTOCOLS = ("http/protobuf", "grpc")
 
 _PUBLISHED = tuple(m for m in METRICS if m.otel_name is not None and m.source is not Source.EXPORTER)
 _ERRORS_ROW = next(m for m in METRICS if m.source is Source.EXPORTER)
+
+# A queued ship: its snapshot, plus its histogram windows when recording through an injected provider.
+_Payload = tuple[Snapshot, Mapping[str, Mapping[str, Counts]] | None]
 
 
 class OtlpExportError(RuntimeError):
@@ -231,7 +234,7 @@ class _InstrumentRecorder:
                             instrument.record(staleness, attributes)
 
 
-class OtlpExporter:
+class OtlpExporter(QueuedExporter[_Payload]):
     """Sends each ship's metrics over OTLP (HTTP protobuf by default), on a background queue."""
 
     name = "otlp"
@@ -252,10 +255,7 @@ class OtlpExporter:
         retry_max: float = 10.0,
         close_timeout: float = 10.0,
     ) -> None:
-        self._errors = ExportErrors()
-        self._errors.register(self.name)
-        self._close_timeout = close_timeout
-        self._closed = False
+        super().__init__()
         self._meter_provider = meter_provider
         self._recorder: _InstrumentRecorder | None = None
         self._metric_exporter: MetricExporter | None = None
@@ -270,13 +270,12 @@ class OtlpExporter:
             )
             self._temporality = self._counter_temporality(self._metric_exporter)
         self._state = CumulativeState(DEFAULT_RUN, deltas=self._needs_deltas())
-        self._queue: ExportQueue[tuple[Snapshot, Mapping[str, Mapping[str, Counts]] | None]] = ExportQueue(
-            self.name,
+        self._start_queue(
             self._send,
-            lambda message, exc: self._errors.record(self.name, message, exc),
-            max_size=max_queue,
+            max_queue=max_queue,
             retry_initial=retry_initial,
             retry_max=retry_max,
+            close_timeout=close_timeout,
         )
 
     def _needs_deltas(self) -> bool:
@@ -300,11 +299,7 @@ class OtlpExporter:
         """Take the monitor's run attribute, shared export error counts and env breakdown setting."""
         if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
             self._state = CumulativeState(context.run, context.env_breakdown, deltas=self._state.deltas)
-        self._errors = context.share_errors(self.name, self._errors)
-
-    @property
-    def errors(self) -> ExportErrors:
-        return self._errors
+        super().attach(context)
 
     def export(self, report: StepReport) -> None:
         snapshot = self._state.apply(report)  # cheap: bucket sums; the OTLP encoding happens on send
@@ -321,7 +316,7 @@ class OtlpExporter:
         else:
             self._queue.put((snapshot, None))
 
-    def _send(self, payload: tuple[Snapshot, Mapping[str, Mapping[str, Counts]] | None]) -> None:
+    def _send(self, payload: _Payload) -> None:
         snapshot, windows = payload
         if self._recorder is not None:
             assert windows is not None
@@ -336,15 +331,7 @@ class OtlpExporter:
         if result is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued ship has been exported (False when ``timeout`` passed first)."""
-        return self._queue.flush(timeout)
-
-    def close(self) -> None:
-        if self._closed:  # the OpenTelemetry exporter warns on a second shutdown
-            return
-        self._closed = True
-        self._queue.close(self._close_timeout)
+    def _close_resources(self) -> None:  # once only: the OpenTelemetry exporter warns on a second shutdown
         try:
             if self._metric_exporter is not None:
                 self._metric_exporter.shutdown()

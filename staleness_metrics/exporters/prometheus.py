@@ -26,7 +26,7 @@ from prometheus_client.utils import floatToGoString
 
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import StepReport
-from .background import DEFAULT_QUEUE_SIZE, ExportQueue
+from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, ExportErrors
 from .state import CumulativeState, Snapshot
 
@@ -244,12 +244,15 @@ class PrometheusExporter(_PrometheusBase):
             thread.join()
 
 
-class PrometheusPushExporter(_PrometheusBase):
+class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
     """Pushes the metrics to a Prometheus Pushgateway after each ship, and deletes its group on close.
 
     For jobs Prometheus cannot scrape. The group is ``job`` plus ``grouping_key`` plus ``run``. Pushes
     happen on a background queue; after an outage only the newest state is pushed (it carries all
     counters and histograms).
+
+    The error counter and ``attach`` come from ``_PrometheusBase`` (shared with the scrape exporter, its
+    ``attach`` also swaps the run state); the queue, ``flush`` and ``close`` from :class:`QueuedExporter`.
     """
 
     name = "pushgateway"
@@ -274,17 +277,14 @@ class PrometheusPushExporter(_PrometheusBase):
         self._extra_grouping = dict(grouping_key or {})
         self._timeout = timeout
         self._delete_on_close = delete_on_close
-        self._close_timeout = close_timeout
-        self._closed = False
         self._version = 0
         self._pushed_version = 0
-        self._queue: ExportQueue[int] = ExportQueue(
-            self.name,
+        self._start_queue(
             self._push,
-            lambda message, exc: self._errors.record(self.name, message, exc),
-            max_size=max_queue,
+            max_queue=max_queue,
             retry_initial=retry_initial,
             retry_max=retry_max,
+            close_timeout=close_timeout,
         )
 
     @property
@@ -309,14 +309,7 @@ class PrometheusPushExporter(_PrometheusBase):
         )  # fmt: skip
         self._pushed_version = current
 
-    def flush(self, timeout: float | None = None) -> bool:
-        return self._queue.flush(timeout)
-
-    def close(self) -> None:
-        if self._closed:  # a second close must not delete a group that a new pusher may own by now
-            return
-        self._closed = True
-        self._queue.close(self._close_timeout)
+    def _close_resources(self) -> None:  # once only: a new pusher may own the group by a second close
         if not self._delete_on_close:
             return
         try:

@@ -29,8 +29,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..metric_table import LEGACY_KEYS, METRICS, MetricDef, Source
 from ..report import StepReport
-from .background import DEFAULT_QUEUE_SIZE, ExportQueue
-from .base import ExportContext, ExportErrors
+from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
+from .base import ExportContext
 
 __all__ = ["DEFAULT_STEP_KEY", "WandbExporter"]
 
@@ -93,7 +93,7 @@ def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]
     return [int(c) for c in trimmed], [float(e) for e in edges]
 
 
-class WandbExporter:
+class WandbExporter(QueuedExporter[dict[str, Any]]):
     """Logs each ship's metrics dict to a W&B run (see the module docstring)."""
 
     name = "wandb"
@@ -114,6 +114,7 @@ class WandbExporter:
     ) -> None:
         import wandb
 
+        super().__init__()
         self._owns_run = False
         if run is None:
             run = wandb.run
@@ -125,31 +126,22 @@ class WandbExporter:
         self._legacy = _legacy_selection(legacy_keys)
         self._histogram_key = _HISTOGRAM_ROW.wandb_key if histogram else None
         self._commit = commit
-        self._close_timeout = close_timeout
-        self._closed = False
-        self._errors = ExportErrors()
-        self._errors.register(self.name)
         self._defined: set[str] = set()
         self._define_lock = threading.Lock()
         self._warned_unknown: set[str] = set()
         self._env_rows: dict[str, MetricDef] = {}  # per-env key -> its table row
-        self._queue: ExportQueue[dict[str, Any]] = ExportQueue(
-            self.name,
+        self._start_queue(
             self._log,
-            lambda message, exc: self._errors.record(self.name, message, exc),
-            max_size=max_queue,
+            max_queue=max_queue,
             retry_initial=retry_initial,
             retry_max=retry_max,
+            close_timeout=close_timeout,
         )
 
     def attach(self, context: ExportContext) -> None:
         """Share the monitor's export error counts (the W&B run itself names the run; the core already
         put the per-env keys in the metrics dict when the env breakdown is on)."""
-        self._errors = context.share_errors(self.name, self._errors)
-
-    @property
-    def errors(self) -> ExportErrors:
-        return self._errors
+        super().attach(context)
 
     def row(self, report: StepReport) -> dict[str, Any]:
         """The history row for a report (without the histogram object)."""
@@ -200,15 +192,7 @@ class WandbExporter:
         self._define(row)
         self.run.log(row, commit=self._commit)
 
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued row has been logged (False when ``timeout`` passed first)."""
-        return self._queue.flush(timeout)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.close(self._close_timeout)
+    def _close_resources(self) -> None:
         if self._owns_run:
             try:
                 self.run.finish()
