@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -75,7 +75,38 @@ def promtool_check_metrics(exposition: bytes) -> subprocess.CompletedProcess[str
     )
 
 
-class PrometheusServer:
+class _ChildProcess:
+    """A server binary run by a test: stopped on exit, killed if it will not stop."""
+
+    _process: subprocess.Popen[bytes] | None
+
+    def start(self: _Server) -> _Server:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self: _Server) -> _Server:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+_Server = TypeVar("_Server", bound=_ChildProcess)
+
+
+class PrometheusServer(_ChildProcess):
     """``prometheus`` on 127.0.0.1 scraping ``targets`` every ``scrape_interval`` (job ``job``)."""
 
     def __init__(
@@ -165,25 +196,6 @@ class PrometheusServer:
         path = self.workdir / "prometheus.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def stop(self) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-    def __enter__(self) -> PrometheusServer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
     # ----------------------------------------------------------------- PromQL
     def api(self, path: str, **params: str) -> Any:
         query = urllib.parse.urlencode(params)
@@ -227,7 +239,7 @@ class PrometheusServer:
             time.sleep(interval)
 
 
-class PushgatewayServer:
+class PushgatewayServer(_ChildProcess):
     """``prometheus-pushgateway`` on 127.0.0.1 (a free port unless ``port`` is given)."""
 
     def __init__(self, workdir: Path, port: int = 0) -> None:
@@ -268,25 +280,6 @@ class PushgatewayServer:
         with urllib.request.urlopen(f"http://{self.address}/metrics", timeout=10) as response:
             text: str = response.read().decode()
             return text
-
-    def stop(self) -> None:
-        process, self._process = self._process, None
-        if process is None:
-            return
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-    def __enter__(self) -> PushgatewayServer:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 @pytest.fixture
