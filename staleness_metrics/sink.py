@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .checkpoint import load_sink, save_sink
 from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK, Decision, Judgement
@@ -192,6 +193,15 @@ class Sink:
         # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
         # + dropped + still queued.
         self.tokens_entered = 0
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`."""
+        return save_sink(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; a checkpoint of another policy or bound is a ``ConfigError``."""
+        load_sink(self, state)
 
     # ------------------------------------------------------------------ add
     @property

@@ -301,6 +301,18 @@ class OtlpExporter(QueuedExporter[_Payload]):
             self._state = CumulativeState(context.run, context.env_breakdown, deltas=self._state.deltas)
         super().attach(context)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The cumulative series of the run (a monitor checkpoint holds them)."""
+        return self._state.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the cumulative series (same start time) from ``state``."""
+        self._state.load_state_dict(state)
+
+    def absorb(self, report: StepReport) -> None:
+        """Fold a report exported before a restart into the run totals, without sending it again."""
+        self._state.apply(report)
+
     def export(self, report: StepReport) -> None:
         snapshot = self._state.apply(report)  # cheap: bucket sums; the OTLP encoding happens on send
         if self._recorder is not None:

@@ -153,6 +153,23 @@ class _PrometheusBase:
             self._last = snapshot
         return snapshot
 
+    def state_dict(self) -> dict[str, Any]:
+        """The cumulative counters and histograms of the run (a monitor checkpoint holds them)."""
+        with self._lock:
+            return self._state.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the counters from ``state`` and show its last ship again until the next one."""
+        with self._lock:
+            snapshot = self._state.load_state_dict(state)
+            if snapshot is not None:
+                self.collector.update(snapshot)
+                self._last = snapshot
+
+    def absorb(self, report: StepReport) -> None:
+        """Fold a report exported before a restart into the run totals, without sending it again."""
+        self._apply(report)
+
     def exposition(self) -> bytes:
         """The text exposition (classic Prometheus format), as a scrape would get it."""
         return generate_latest(self.registry)

@@ -22,6 +22,7 @@ import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import Any
 
 import numpy as np
 
@@ -161,11 +162,37 @@ class CumulativeState:
         self._totals: dict[str, Tally] = {}
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
+        self._last_report: StepReport | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run totals (and the last report, for the gauges) as JSON-serialisable data."""
+        from ..checkpoint import report_to_dict, tally_to_dict
+
+        return {
+            "totals": {env: tally_to_dict(tally) for env, tally in self._totals.items()},
+            "start_time_ns": self._start_ns,
+            "last_report": None if self._last_report is None else report_to_dict(self._last_report),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> Snapshot | None:
+        """Continue the cumulative series from ``state``; returns what the last report showed (None if none)."""
+        from ..checkpoint import report_from_dict, tally_from_dict
+
+        self._totals = {env: tally_from_dict(tally) for env, tally in state["totals"].items()}
+        self._start_ns = int(state["start_time_ns"])  # the same series: it was never reset
+        self._last_ns = max(self._last_ns, self._start_ns)
+        last = state.get("last_report")
+        self._last_report = None if last is None else report_from_dict(last)
+        return None if self._last_report is None else self._snapshot(self._last_report, {})
 
     def apply(self, report: StepReport) -> Snapshot:
         window = partition_by_env(report, self.by_env)
         for env, tally in window.items():
             self._totals[env] = self._totals.get(env, Tally()) + tally
+        self._last_report = report
+        return self._snapshot(report, window)
+
+    def _snapshot(self, report: StepReport, window: dict[str, Tally]) -> Snapshot:
         totals = {env: self._totals[env] for env in sorted(self._totals)}
         window = {env: window[env] for env in sorted(window)}
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
