@@ -213,6 +213,8 @@ def parse_rollout(raw: object) -> ParsedRollout:
     for name in ("group_id", "env"):
         if raw.get(name) is not None and not isinstance(raw[name], str):
             raise TraceError(rid, name, f"expected a string, got {raw[name]!r}")
+    if raw.get("env") == "":  # an empty env would make a "staleness/env//..." key
+        raise TraceError(rid, "env", "must be a non-empty string when present")
     source = raw.get("source", "live")
     if source not in ("live", "frozen"):
         raise TraceError(rid, "source", f"expected 'live' or 'frozen', got {source!r}")

@@ -105,6 +105,10 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
             verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
         seen.add(rid)
 
+    for index, env in enumerate(batch.envs or ()):
+        if env is not None and (not isinstance(env, str) or not env):
+            verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
+
     live = ~np.asarray(batch.frozen, dtype=bool)
     dispatch, completion = batch.dispatch_version, batch.completion_version
     assert completion is not None
