@@ -77,15 +77,27 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.set_defaults(func=run)
 
 
+def _blank(token: str, where: str) -> str:
+    if not token.strip():  # a blank token is no secret: refuse rather than serve with it or without one
+        raise ValueError(f"refusing a blank token from {where}: give a real secret (e.g. $(openssl rand -hex 32))")
+    return token
+
+
 def _token(args: argparse.Namespace) -> str | None:
-    if args.token:
-        return str(args.token)
+    if args.token is not None:
+        return _blank(str(args.token), "--token")
     if args.token_file is not None:
-        token: str = args.token_file.read_text(encoding="utf-8").strip()
+        try:
+            token: str = args.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the token file: {exc}") from None
         if not token:  # asked for a token: serving without one would be a silent downgrade
-            raise ValueError(f"{args.token_file} is empty")
+            raise ValueError(f"cannot read the token file: {args.token_file} is empty")
         return token
-    return os.environ.get(TOKEN_ENV) or None
+    from_env = os.environ.get(TOKEN_ENV)
+    if not from_env:  # unset or empty: no token (an empty variable is how shells unset it)
+        return None
+    return _blank(from_env, TOKEN_ENV)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -110,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         token = _token(args)
-    except (OSError, ValueError) as exc:  # ValueError: empty, or not UTF-8
-        return _fail(f"cannot read the token file: {exc}", 2)
+    except (OSError, ValueError) as exc:  # unreadable, empty, not UTF-8, or blank
+        return _fail(str(exc), 2)
     if not 0 <= args.port <= 65535:  # the socket layer would wrap a larger number around silently
         return _fail(f"--port must be 0..65535, got {args.port}", 2)
     try:

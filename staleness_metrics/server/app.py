@@ -60,7 +60,7 @@ from .runs import (
     RunRegistry,
     StepConflict,
 )
-from .security import token_guard
+from .security import TokenFirst, token_guard
 from .settings import ServerSettings
 
 __all__ = ["create_app"]
@@ -165,8 +165,11 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
 
     app = FastAPI(title="staleness-metrics service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.runs = registry
+    # The last added runs first: the token is checked before the body size, which is checked before any
+    # handler reads the body.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(AllowHeader, routes=lambda: app.routes)
+    app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["service"])

@@ -21,6 +21,11 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     exporters: ExportSettings = field(default_factory=ExportSettings)
 
+    def __post_init__(self) -> None:
+        from .security import check_token
+
+        check_token(self.token)
+
     def __repr__(self) -> str:  # never print the token
         token = "set" if self.token else None
         return (
