@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "register", "run"]
+__all__ = ["DEFAULT_DATA_DIR", "DEFAULT_HOST", "DEFAULT_PORT", "register", "run"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9487
+DEFAULT_DATA_DIR = "staleness-data"
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"  # also in server.security, which needs fastapi to import
 OTLP_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
@@ -59,6 +60,14 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--max-body-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
         help="largest request body accepted, 413 beyond (default: 64 MiB)",
     )  # fmt: skip
+    store = parser.add_mutually_exclusive_group()
+    store.add_argument(
+        "--data-dir", type=Path, default=Path(DEFAULT_DATA_DIR), metavar="DIR",
+        help=f"persist every acknowledged write here and restore the runs at start (default: ./{DEFAULT_DATA_DIR})",
+    )  # fmt: skip
+    store.add_argument(
+        "--in-memory", action="store_true", help="keep runs in memory only: a restart or crash loses them"
+    )
     otlp = parser.add_argument_group("OTLP (every run, besides /metrics)")
     otlp.add_argument(
         "--otlp-endpoint", metavar="URL",
@@ -143,8 +152,13 @@ def run(args: argparse.Namespace) -> int:
         wandb_mode=args.wandb_mode,
         wandb_dir=args.wandb_dir,
     )
+    data_dir = None if args.in_memory else args.data_dir
     settings = ServerSettings(
-        token=token, protect_reads=args.protect_reads, max_body_bytes=args.max_body_bytes, exporters=exporters
+        token=token,
+        protect_reads=args.protect_reads,
+        max_body_bytes=args.max_body_bytes,
+        exporters=exporters,
+        data_dir=data_dir,
     )
     try:
         sock = _listen(args.host, args.port)
@@ -154,10 +168,16 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(
         f"staleness-metrics service on http://{shown}:{port} (API: /docs; metrics: /metrics; "
-        f"token: {'required on writes' if token else 'none (loopback only)'})",
+        f"token: {'required on writes' if token else 'none (loopback only)'}; "
+        f"data: {data_dir if data_dir is not None else 'in memory only'})",
         flush=True,
     )
-    config = uvicorn.Config(create_app(settings), log_level=args.log_level, server_header=False, proxy_headers=False)
+    try:
+        app = create_app(settings)  # restores the stored runs
+    except Exception as exc:  # an unreadable or foreign data directory: say so rather than start empty
+        sock.close()
+        return _fail(f"cannot load the data directory {data_dir}: {exc}", 1)
+    config = uvicorn.Config(app, log_level=args.log_level, server_header=False, proxy_headers=False)
     server = uvicorn.Server(config)
     with sock:
         server.run(sockets=[sock])

@@ -16,14 +16,15 @@ calls (see :mod:`.runs`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import orjson
 from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
@@ -52,8 +53,10 @@ from .models import (
 )
 from .runs import (
     IdempotencyMismatch,
+    NotPersisted,
     RecordConflict,
     RecordsInvalid,
+    RunBroken,
     RunConflict,
     RunError,
     RunNotFound,
@@ -62,6 +65,7 @@ from .runs import (
 )
 from .security import TokenFirst, token_guard
 from .settings import ServerSettings
+from .store import SqliteStore, Store
 
 __all__ = ["create_app"]
 
@@ -121,6 +125,8 @@ _STATUS_OF: dict[type[Exception], int] = {
     RunConflict: status.HTTP_409_CONFLICT,
     RecordConflict: status.HTTP_409_CONFLICT,
     StepConflict: status.HTTP_409_CONFLICT,
+    NotPersisted: status.HTTP_409_CONFLICT,
+    RunBroken: status.HTTP_503_SERVICE_UNAVAILABLE,
 }
 
 
@@ -150,7 +156,12 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None = None) -> FastAPI:
     """The service application. ``runs`` defaults to a new registry with ``settings.exporters``."""
     settings = settings or ServerSettings()
-    registry = runs if runs is not None else RunRegistry(settings.exporters)
+    if runs is not None:
+        registry = runs
+    else:
+        store = SqliteStore(settings.data_dir) if settings.data_dir is not None else Store()
+        registry = RunRegistry(settings.exporters, store)
+        registry.restore()  # every stored run, before the first request
     exposition = CollectorRegistry(auto_describe=False)
     exposition.register(ServiceCollector(registry.registries))
 
@@ -285,5 +296,32 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     ) -> StepsPage:
         """The run's metrics history, one row per ship, oldest first."""
         return StepsPage(run=run, steps=registry.get(run).steps(since))
+
+    @app.get(
+        "/v1/runs/{run}/events",
+        tags=["metrics"],
+        dependencies=reads,
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "The run's history as SPEC 9 events, one JSON object a line (`replay` input).",
+                "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            },
+            **_responses(*read_errors, 404, 409, invalid=False),
+        },
+    )
+    def events(run: RunName) -> StreamingResponse:
+        """Every rollout, sweep and ship the run acknowledged, in order: ``staleness-metrics replay`` of this
+        file reproduces ``/steps``. Needs a data directory (409 with ``--in-memory``)."""
+        lines = registry.get(run).events()
+        first = next(lines, None)  # errors (404, 409) surface before the 200 starts
+
+        def body() -> Iterator[bytes]:
+            if first is not None:
+                yield orjson.dumps(first) + b"\n"
+            for event in lines:
+                yield orjson.dumps(event) + b"\n"
+
+        return StreamingResponse(body(), media_type="application/x-ndjson")
 
     return app
