@@ -103,10 +103,9 @@ def serve_process() -> Iterator[Callable[..., ServeProcess]]:
     started: list[ServeProcess] = []
 
     def start(args: Sequence[str] = (), env: dict[str, str] | None = None) -> ServeProcess:
+        memory = [] if "--data-dir" in args else ["--in-memory"]
         process = subprocess.Popen(
-            serve_command(
-                ["--port", "0", "--log-level", "warning", *([] if "--data-dir" in args else ["--in-memory"]), *args]
-            ),  # fmt: skip
+            serve_command(["--port", "0", "--log-level", "warning", *memory, *args]),
             cwd=ROOT,
             env=child_env(env),
             stdout=subprocess.PIPE,

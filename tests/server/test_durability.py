@@ -109,7 +109,13 @@ def drive(service: Service, kill: bool) -> dict[str, Any]:
         unanswered: list[tuple[str, Any]] = []
         url = service.url
 
-        def client(index: int, url: str = url, phase: int = phase, answered: threading.Semaphore = answered) -> None:
+        def client(
+            index: int,
+            url: str = url,
+            phase: int = phase,
+            answered: threading.Semaphore = answered,
+            unanswered: list[tuple[str, Any]] = unanswered,
+        ) -> None:
             for records in batches(index, phase):
                 body = {"rollouts": records}
                 if post(url, f"/v1/runs/{RUN}/rollouts", body) is None:
