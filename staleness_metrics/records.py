@@ -117,6 +117,8 @@ def _is_int(value: object) -> bool:
 
 def _array(rid: str, name: str, value: object, kinds: str, expected: str) -> npt.NDArray[Any]:
     """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced."""
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds.replace("b", ""):
+        return value  # already exact (the service turns long lists into arrays as it reads them)
     if not isinstance(value, list):
         raise TraceError(rid, name, f"expected {expected}, got {type(value).__name__}")
     try:
@@ -156,7 +158,7 @@ def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
     bad = np.flatnonzero((array != 0) & (array != 1))
     if bad.size:
         raise TraceError(rid, f"{name}[{bad[0]}]", f"expected 0, 1 or a boolean, got {value[bad[0]]!r}")  # type: ignore[index]
-    return array.astype(np.int8)
+    return array.astype(np.int8, copy=False)
 
 
 def _spans(rid: str, name: str, value: object) -> npt.NDArray[np.int64]:

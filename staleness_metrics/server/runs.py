@@ -104,7 +104,7 @@ class RecordsInvalid(RunError):
 def _digest(record: Mapping[str, Any]) -> bytes:
     # orjson writes one bytes object; json.dumps would first build a string per list item (per position).
     try:
-        canonical = orjson.dumps(record, option=orjson.OPT_SORT_KEYS)
+        canonical = orjson.dumps(record, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
     except orjson.JSONEncodeError:  # an integer beyond 64 bits: rejected later, with its path
         canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(canonical, digest_size=16).digest()

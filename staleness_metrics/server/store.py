@@ -39,7 +39,7 @@ SNAPSHOT_BYTES = 64 * 1024 * 1024  # or this much journal, whichever comes first
 
 
 def dumps(value: Any) -> bytes:
-    return orjson.dumps(value)
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)  # records may hold arrays (see .decode)
 
 
 def loads(data: bytes | str) -> Any:
