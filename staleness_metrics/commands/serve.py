@@ -164,6 +164,11 @@ def run(args: argparse.Namespace) -> int:
         sock = _listen(args.host, args.port)
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc}", 1)
+    try:
+        app = create_app(settings)  # restores the stored runs, before the URL is announced
+    except Exception as exc:  # an unreadable or foreign data directory: say so rather than start empty
+        sock.close()
+        return _fail(f"cannot load the data directory {data_dir}: {exc}", 1)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(
@@ -172,11 +177,6 @@ def run(args: argparse.Namespace) -> int:
         f"data: {data_dir if data_dir is not None else 'in memory only'})",
         flush=True,
     )
-    try:
-        app = create_app(settings)  # restores the stored runs
-    except Exception as exc:  # an unreadable or foreign data directory: say so rather than start empty
-        sock.close()
-        return _fail(f"cannot load the data directory {data_dir}: {exc}", 1)
     config = uvicorn.Config(app, log_level=args.log_level, server_header=False, proxy_headers=False)
     server = uvicorn.Server(config)
     with sock:

@@ -11,6 +11,7 @@ events (``GET /v1/runs/{run}/events``). See docs/decisions.md for why SQLite.
 
 from __future__ import annotations
 
+import fcntl
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -112,6 +113,14 @@ class SqliteStore(Store):
 
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
+        # One service per directory: two would interleave their journals. The lock dies with the process
+        # (kill -9 included), so a restart never finds a stale one.
+        self._lock_file = open(data_dir / "lock", "a+b")  # noqa: SIM115 - held for the store's lifetime
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.close()
+            raise RuntimeError(f"another service is using {data_dir}") from None
         self.path = data_dir / DATABASE_NAME
         self._lock = threading.Lock()  # one connection, shared by the request threads
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -194,6 +203,7 @@ class SqliteStore(Store):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._lock_file.close()
 
 
 _RUN_TABLES = (("runs", "name"), ("journal", "run"), ("history", "run"), ("snapshots", "run"))

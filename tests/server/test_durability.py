@@ -227,7 +227,8 @@ def test_restart_replays_only_the_journal_after_the_last_snapshot(tmp_path: Path
     registry = RunRegistry(ExportSettings(), SqliteStore(tmp_path))
     registry.create(RUN, config)
     fill(registry, 3 * SNAPSHOT_EVERY + 17)
-    before = snapshot_of(registry)  # no clean shutdown: as after kill -9
+    before = snapshot_of(registry)
+    registry.store.close()  # no clean shutdown (no final snapshot): as after kill -9
 
     stored = {run.name: run for run in SqliteStore(tmp_path).load()}[RUN]
     assert stored.snapshot is not None and len(stored.tail) < SNAPSHOT_EVERY  # bounded restart work
@@ -238,7 +239,6 @@ def test_restart_replays_only_the_journal_after_the_last_snapshot(tmp_path: Path
     assert replay.replayed and replay.ship == 1  # the stored answer, not a new ship
     assert restored.get(RUN).info().ships == before["info"]["ships"]
     restored.close()
-    registry.close()
 
 
 def test_deleted_runs_stay_deleted_and_names_can_be_reused(tmp_path: Path) -> None:
