@@ -42,7 +42,8 @@ class RolloutBatch:
     Sample level (S entries): ``position_offsets`` (S + 1) into the flat position arrays.
 
     Position level (P entries): ``mask`` (1 = sampled by the policy, 0 = not), the optional weight
-    arrays, ``logprobs`` and ``trainer_logprobs`` (NaN = missing), and ``token_versions`` (-1 = unlabelled). Alternatively (or for other
+    arrays, ``logprobs`` and ``trainer_logprobs`` (NaN = missing), and ``token_versions``
+    (-1 = unlabelled). Alternatively (or for other
     samples) version spans: ``span_offsets`` (S + 1) into ``span_versions`` / ``span_starts``, whose
     starts are positions relative to their sample. ``label_kind`` says per sample which of the two it
     uses (0 none, 1 spans, 2 token_versions); it defaults from what is given.

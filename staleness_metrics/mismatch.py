@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -79,9 +79,20 @@ class MismatchSums:
 
     @classmethod
     def zero(cls) -> MismatchSums:
+        return cls._of({f: _zeros_int() for f in COUNT_FIELDS}, {f: _zeros_float() for f in SUM_FIELDS}, 0)
+
+    @classmethod
+    def _of(cls, counts: Mapping[str, IntArray], sums: Mapping[str, FloatArray], uncovered: int) -> MismatchSums:
         return cls(
-            *(_zeros_int() for _ in COUNT_FIELDS),
-            *(_zeros_float() for _ in SUM_FIELDS),
+            tokens=counts["tokens"],
+            masked=counts["masked"],
+            out_of_band=counts["out_of_band"],
+            sum_log_ratio=sums["sum_log_ratio"],
+            sum_abs_log_ratio=sums["sum_abs_log_ratio"],
+            sum_k3=sums["sum_k3"],
+            sum_ratio=sums["sum_ratio"],
+            sum_ratio_sq=sums["sum_ratio_sq"],
+            uncovered=uncovered,
         )
 
     @property
@@ -96,8 +107,11 @@ class MismatchSums:
     def __add__(self, other: MismatchSums) -> MismatchSums:
         if not isinstance(other, MismatchSums):
             return NotImplemented
-        values = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
-        return MismatchSums(**values)
+        return MismatchSums._of(
+            {f: getattr(self, f) + getattr(other, f) for f in COUNT_FIELDS},
+            {f: getattr(self, f) + getattr(other, f) for f in SUM_FIELDS},
+            self.uncovered + other.uncovered,
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MismatchSums):
@@ -150,10 +164,10 @@ class MismatchSums:
             for f in nonnegative:
                 if columns[f][-1] < 0:
                     raise ValueError(f"lags.{name}.{f}: must be >= 0, got {columns[f][-1]!r}")
-        return cls(
-            *(np.asarray(columns[f], dtype=np.int64) for f in COUNT_FIELDS),
-            *(np.asarray(columns[f], dtype=np.float64) for f in SUM_FIELDS),
-            uncovered=uncovered,
+        return cls._of(
+            {f: np.asarray(columns[f], dtype=np.int64) for f in COUNT_FIELDS},
+            {f: np.asarray(columns[f], dtype=np.float64) for f in SUM_FIELDS},
+            uncovered,
         )
 
     # ------------------------------------------------------------------ the W&B keys
@@ -296,4 +310,4 @@ class _Accumulator:
         sums["sum_ratio_sq"] += np.bincount(bucket, weights=r * r, minlength=N_BUCKETS)
 
     def result(self) -> MismatchSums:
-        return MismatchSums(**self.counts, **self.sums, uncovered=self.uncovered)
+        return MismatchSums._of(self.counts, self.sums, self.uncovered)
