@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from typing import Any
@@ -168,7 +169,7 @@ def test_sums_over_any_split_add_up_to_the_whole(n: int, cuts: list[int], seed: 
     masked = rng.random(n) < 0.3
     whole = mismatch_sums(lags, sampler, trainer, masked)
     bounds = sorted({0, n, *(c for c in cuts if c <= n)})
-    parts = [mismatch_sums(lags[a:b], sampler[a:b], trainer[a:b], masked[a:b]) for a, b in zip(bounds, bounds[1:])]
+    parts = [mismatch_sums(lags[a:b], sampler[a:b], trainer[a:b], masked[a:b]) for a, b in itertools.pairwise(bounds)]
     merged = sum(parts, MismatchSums.zero())
     for name in ("tokens", "masked", "out_of_band"):  # counts: exact
         assert np.array_equal(getattr(merged, name), getattr(whole, name))
@@ -269,7 +270,7 @@ def test_trainer_logprobs_of_the_wrong_length_name_rollout_and_field() -> None:
         sink.add(bad)
     assert (caught.value.rollout_id, caught.value.field) == ("x", "samples[0].trainer_logprobs")
     assert "length 1 differs" in str(caught.value)
-    with pytest.raises(TraceError, match="samples\\[0\\].trainer_logprobs"):
+    with pytest.raises(TraceError, match=r"samples\[0\]\.trainer_logprobs"):
         sink.add({"id": "y", "dispatch_version": 0, "samples": [{"mask": [1], "trainer_logprobs": ["-1"]}]})
     assert sink.queued == 0
 
