@@ -294,9 +294,10 @@ class _Accumulator:
 
         d = trainer.astype(np.float64)
         d -= sampler  # NaN / inf propagate: those positions are uncovered
-        finite = np.isfinite(d)
-        everywhere = bool(finite.all())
-        if everywhere:
+        high, low = float(d.max()), float(d.min())  # NaN if any is NaN: one pass answers both questions
+        everywhere = math.isfinite(high) and math.isfinite(low)
+        finite = None if everywhere else np.isfinite(d)
+        if finite is None:
             run_lengths = np.diff(np.append(starts, len(lag)))[inside]
             tokens = np.bincount(bucket, weights=run_lengths, minlength=N_BUCKETS).astype(np.int64)
         else:
@@ -304,18 +305,18 @@ class _Accumulator:
             tokens = per_bucket(finite, np.int64)
             run_lengths = np.diff(np.append(starts, len(lag)))[inside]
             self.uncovered += int(run_lengths.sum()) - int(tokens.sum())
-        if float(d.max()) > LOG_RATIO_CLAMP or float(d.min()) < -LOG_RATIO_CLAMP:
+        if not everywhere or high > LOG_RATIO_CLAMP or low < -LOG_RATIO_CLAMP:
             np.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=d)
         r = np.exp(d)
         out_of_band = r < self.lo
         out_of_band |= r > self.hi
-        if not everywhere:
+        if finite is not None:
             r[~finite] = 0.0
             out_of_band &= finite
         counts, sums = self.counts, self.sums
         counts["tokens"] += tokens
         if flags is not None:
-            counts["masked"] += per_bucket(flags if everywhere else flags & finite, np.int64)
+            counts["masked"] += per_bucket(flags if finite is None else flags & finite, np.int64)
         counts["out_of_band"] += per_bucket(out_of_band, np.int64)
         sum_d = per_bucket(d, np.float64)
         sum_r = per_bucket(r, np.float64)
