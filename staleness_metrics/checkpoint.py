@@ -23,6 +23,7 @@ from .columnar import RolloutBatch
 from .config import StalenessConfig
 from .errors import ConfigError, TraceError
 from .metrics import WindowCounts
+from .mismatch import MismatchSums
 from .report import StepReport, Tally
 from .table import Table
 
@@ -71,15 +72,28 @@ def check_config(saved: Mapping[str, Any], config: StalenessConfig) -> None:
 
 # ---------------------------------------------------------------------- values
 def encode_array(values: npt.NDArray[Any]) -> dict[str, Any]:
-    """An array as ``{"dtype", "data"}``. Non-finite floats become 0: only positions of rollouts set aside
-    as invalid can hold them (accepted ones are finite by SPEC 3), and nothing reads those again."""
-    if values.dtype.kind == "f":
-        values = np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
-    return {"dtype": values.dtype.str, "data": values.tolist()}
+    """An array as ``{"dtype", "data"}``, exactly. JSON has no NaN or infinity: non-finite floats (NaN means
+    "missing" in ``trainer_logprobs``) are written as 0 with their positions listed beside."""
+    out: dict[str, Any] = {"dtype": values.dtype.str}
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
+        for name, where in (
+            ("nan", np.isnan(values)),
+            ("posinf", np.isposinf(values)),
+            ("neginf", np.isneginf(values)),
+        ):
+            if where.any():
+                out[name] = np.flatnonzero(where).tolist()
+        values = np.where(np.isfinite(values), values, 0)
+    out["data"] = values.tolist()
+    return out
 
 
 def decode_array(encoded: Mapping[str, Any]) -> npt.NDArray[Any]:
-    return np.asarray(encoded["data"], dtype=np.dtype(encoded["dtype"]))
+    values = np.asarray(encoded["data"], dtype=np.dtype(encoded["dtype"]))
+    for name, fill in (("nan", np.nan), ("posinf", np.inf), ("neginf", -np.inf)):
+        if name in encoded:
+            values[np.asarray(encoded[name], dtype=np.int64)] = fill
+    return values
 
 
 def _encode_value(value: Any) -> Any:
@@ -138,7 +152,7 @@ def tally_to_dict(tally: Tally) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(tally):
         value = getattr(tally, f.name)
-        out[f.name] = value.tolist() if isinstance(value, np.ndarray) else int(value)
+        out[f.name] = value.tolist() if isinstance(value, np.ndarray) else value
     return out
 
 
@@ -148,26 +162,33 @@ def tally_from_dict(data: Mapping[str, Any]) -> Tally:
         if f.name not in data:
             continue  # a counter added later starts at zero
         value = data[f.name]
-        values[f.name] = np.asarray(value, dtype=np.int64) if isinstance(value, list) else int(value)
+        values[f.name] = np.asarray(value, dtype=np.int64) if isinstance(value, list) else value
     return Tally(**values)
 
 
 def _window_to_dict(window: WindowCounts) -> dict[str, Any]:
-    return {
-        "counts": [[env, dict(counts)] for env, counts in sorted(window.counts.items())],
-        "dropped_rollouts": list(window.dropped_rollouts),
-        "dropped_samples": [[rid, index] for rid, index in window.dropped_samples],
-        "held": list(window.held),
-    }
+    """Every attribute of the window, generically: per-env dicts as ``[env, value]`` pairs, lists as lists."""
+    out: dict[str, Any] = {}
+    for name, value in vars(window).items():
+        if isinstance(value, dict):
+            out[name] = {"per_env": [[int(env), _encode_value(item)] for env, item in sorted(value.items())]}
+        else:
+            out[name] = {"list": [list(item) if isinstance(item, tuple) else item for item in value]}
+    return out
 
 
 def _window_from_dict(data: Mapping[str, Any]) -> WindowCounts:
     window = WindowCounts()
-    for env, counts in data["counts"]:
-        window.counts[int(env)] = {name: int(counts.get(name, 0)) for name in WindowCounts.FIELDS}
-    window.dropped_rollouts = list(data["dropped_rollouts"])
-    window.dropped_samples = [(str(rid), int(index)) for rid, index in data["dropped_samples"]]
-    window.held = list(data["held"])
+    expected = set(vars(window))
+    if set(data) != expected:
+        name = sorted(set(data) ^ expected)[0]
+        raise ConfigError(f"checkpoint: the window's {name!r} is {'unknown' if name in data else 'missing'}")
+    for name, encoded in data.items():
+        if "per_env" in encoded:
+            setattr(window, name, {int(env): _decode_value(item) for env, item in encoded["per_env"]})
+        else:
+            items = encoded["list"]
+            setattr(window, name, [tuple(item) if isinstance(item, list) else item for item in items])
     return window
 
 
@@ -242,6 +263,7 @@ def report_to_dict(report: StepReport) -> dict[str, Any]:
         "tally": tally_to_dict(report.tally),
         "env_metrics": {env: dict(values) for env, values in report.env_metrics.items()},
         "env_tally": {env: tally_to_dict(tally) for env, tally in report.env_tally.items()},
+        "mismatch": None if report.mismatch is None else report.mismatch.to_dict(),
     }
 
 
@@ -253,4 +275,5 @@ def report_from_dict(data: Mapping[str, Any]) -> StepReport:
         tally=tally_from_dict(data["tally"]),
         env_metrics={env: dict(values) for env, values in data["env_metrics"].items()},
         env_tally={env: tally_from_dict(tally) for env, tally in data["env_tally"].items()},
+        mismatch=None if data.get("mismatch") is None else MismatchSums.from_dict(data["mismatch"]),
     )

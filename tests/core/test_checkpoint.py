@@ -189,3 +189,34 @@ def test_checkpoint_lacking_a_column_is_refused_by_name() -> None:
     del state["tables"]["samples"]["mask_below"]
     with pytest.raises(ConfigError, match="the samples table lacks column 'mask_below'"):
         Sink().load_state_dict(state)
+
+
+def test_missing_trainer_logprobs_stay_missing_across_a_checkpoint() -> None:
+    """NaN marks a missing trainer log-probability (SPEC 11); JSON has no NaN, the checkpoint keeps it."""
+    record = {
+        "id": "a",
+        "dispatch_version": 0,
+        "samples": [{"mask": [1, 1, 1], "trainer_logprobs": [None, -0.5, None]}],
+    }
+    sink = Sink()
+    sink.add(record)
+    text = json.dumps(sink.state_dict(), allow_nan=False)  # strict JSON
+    resumed = Sink()
+    resumed.load_state_dict(json.loads(text))
+    [shipped] = resumed.ship(1).rollouts
+    assert shipped.record()["samples"][0]["trainer_logprobs"] == [None, -0.5, None]
+
+
+def test_mismatch_sums_and_shipped_steps_survive_a_checkpoint() -> None:
+    from staleness_metrics.mismatch import MismatchSums
+
+    monitor = StalenessMonitor(StalenessConfig())
+    monitor.add({"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]})
+    monitor.ship(1)
+    monitor.record_mismatch(1, MismatchSums.zero())
+    resumed = StalenessMonitor(StalenessConfig())
+    resumed.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+    assert resumed.mismatch(1) == MismatchSums.zero()
+    resumed.record_mismatch(1, MismatchSums.zero())  # a rank reporting late for a step shipped before the save
+    with pytest.raises(ValueError, match="no batch was shipped for step 2"):
+        resumed.record_mismatch(2, MismatchSums.zero())
