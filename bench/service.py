@@ -81,9 +81,8 @@ def writes_per_second(url: str, writes: int, clients: int) -> float:
 
 
 def persisted_vs_in_memory(writes: int, clients: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as data_dir:
-        with serve(["--data-dir", data_dir]) as (url, _):
-            persisted = writes_per_second(url, writes, clients)
+    with tempfile.TemporaryDirectory() as data_dir, serve(["--data-dir", data_dir]) as (url, _):
+        persisted = writes_per_second(url, writes, clients)
     with serve(["--in-memory"]) as (url, _):
         in_memory = writes_per_second(url, writes, clients)
     return {"persisted_writes_per_s": persisted, "in_memory_writes_per_s": in_memory, "ratio": persisted / in_memory}
@@ -109,13 +108,15 @@ def large_body(positions: int) -> bytes:
 
 def peak_memory_for_body(positions: int, args: Sequence[str] = ("--in-memory",)) -> dict[str, float]:
     body = large_body(positions)
-    with serve([*args, "--max-body-bytes", str(len(body) + 1)]) as (url, pid):
-        with httpx.Client(base_url=url, timeout=600) as http:
-            http.put("/v1/runs/big", json={}).raise_for_status()
-            before = _status(pid, "VmRSS")
-            response = http.post("/v1/runs/big/rollouts", content=body, headers={"content-type": "application/json"})
-            response.raise_for_status()
-            peak = _status(pid, "VmHWM")
+    with (
+        serve([*args, "--max-body-bytes", str(len(body) + 1)]) as (url, pid),
+        httpx.Client(base_url=url, timeout=600) as http,
+    ):
+        http.put("/v1/runs/big", json={}).raise_for_status()
+        before = _status(pid, "VmRSS")
+        response = http.post("/v1/runs/big/rollouts", content=body, headers={"content-type": "application/json"})
+        response.raise_for_status()
+        peak = _status(pid, "VmHWM")
     return {
         "body_mb": len(body) / 2**20,
         "rss_before_mb": before / 2**20,
