@@ -72,10 +72,8 @@ def padded_rows(draw: st.DrawFn) -> Rows:
         )
         mask[i, cols] = row_mask
         versions[i, cols] = row_versions
-        for name, values in weights.items():
-            drawn = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
-            # ce weights only where they stay inside the row; padding keeps 0
-            values[i, cols] = drawn
+        for values in weights.values():  # padding keeps weight 0
+            values[i, cols] = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
     groups = [draw(st.sampled_from([None, "g1", "g2"])) for _ in range(rows)]
     return Rows([f"r{i}" for i in range(rows)], mask, versions, weights, valid, lengths, side, dispatch, groups)
 
