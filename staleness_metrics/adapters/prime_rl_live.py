@@ -88,12 +88,13 @@ def from_training_samples(
         values = [_get(s, name) for s in samples]
         have = np.array([v is not None for v in values], dtype=bool)
         if have.any():
-            # Absent arrays are filled with zeros and marked absent: the engine reads ``present``.
+            # An absent array is filled with what absence means (rl 1.0, the others 0) and marked absent.
+            fill = 1.0 if name == "rl_weights" else 0.0
             parts = [
-                np.asarray(v, dtype=np.float32) if v is not None else np.zeros(n, np.float32)
+                np.asarray(v, dtype=np.float64) if v is not None else np.full(n, fill, np.float64)
                 for v, n in zip(values, lengths.tolist(), strict=True)
             ]
-            arrays[name] = _concat(parts, np.float32)
+            arrays[name] = _concat(parts, np.float64)  # float64: written back exactly as given
             present[name] = have
     spans = [policy[rid] for rid in ids]
     frozen = np.array([start is None for start, _ in spans], dtype=bool)
