@@ -14,6 +14,7 @@ from .decision import Decision, Judgement
 from .errors import ConfigError, EventError, StalenessError, TraceError
 from .metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
 from .monitor import StalenessMonitor
+from .padded import PaddedShipment, padded_shipment
 from .policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
 from .records import Rollout, Sample
 from .replay import read_events, run_events
@@ -32,6 +33,7 @@ __all__ = [
     "LegacyKey",
     "MetricDef",
     "MetricKind",
+    "PaddedShipment",
     "Policy",
     "Rollout",
     "RolloutBatch",
@@ -48,6 +50,7 @@ __all__ = [
     "TraceError",
     "XtunerPolicy",
     "__version__",
+    "padded_shipment",
     "read_events",
     "run_events",
 ]

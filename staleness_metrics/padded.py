@@ -81,34 +81,94 @@ def _row_list(name: str, values: Sequence[Any] | None, rows: int) -> list[Any] |
     return out
 
 
+@dataclass(frozen=True)
+class _Region:
+    """Which positions hold tokens: ``valid`` [B, L]; for ``lengths`` also each row's padding columns."""
+
+    valid: BoolArray
+    pad_lo: IntArray | None = None  # padding is columns pad_lo .. pad_hi - 1 of each row
+    pad_hi: IntArray | None = None
+
+
 def _valid_region(
     shape: tuple[int, int],
     lengths: Any,
     attention_mask: Any,
     padding_side: Literal["right", "left"],
-) -> BoolArray | None:
-    """``[B, L]`` True on the positions that hold tokens; None when every position does."""
+) -> _Region | None:
+    """Where the tokens are; None when every position holds one."""
     rows, width = shape
     if lengths is not None and attention_mask is not None:
         raise ValueError("give either lengths or attention_mask, not both")
     if attention_mask is not None:
         valid: BoolArray = _matrix("attention_mask", attention_mask, shape) != 0
-        return valid
+        return _Region(valid)
     if lengths is None:
         return None
     length = _row_vector("lengths", lengths, rows).astype(np.int64)
     if ((length < 0) | (length > width)).any():
         raise ValueError(f"lengths: every length must lie in 0..{width}")
     columns = np.arange(width, dtype=np.int64)
+    full = np.full(rows, width, dtype=np.int64)
     if padding_side == "right":
-        return columns[None, :] < length[:, None]
+        return _Region(columns[None, :] < length[:, None], length, full)
     if padding_side == "left":
-        return columns[None, :] >= (width - length)[:, None]
+        return _Region(columns[None, :] >= (width - length)[:, None], np.zeros(rows, dtype=np.int64), width - length)
     raise ValueError(f"padding_side: expected 'right' or 'left', got {padding_side!r}")
 
 
-def _first_bad_row(bad: BoolArray) -> int:
-    return int(np.flatnonzero(bad.any(axis=1))[0])
+_SIGN_FREE = {2: (np.uint16, 0x7FFF), 4: (np.uint32, 0x7FFFFFFF), 8: (np.uint64, 0x7FFFFFFFFFFFFFFF)}
+
+
+def _padding_rows_nonzero(values: npt.NDArray[Any], region: _Region) -> BoolArray:
+    """Per row, whether ``values`` is nonzero on a padding position.
+
+    With row lengths the padding is one run per row: one read of the array as unsigned integers,
+    OR-reduced per run, no temporary (-0.0 counts as zero). Otherwise the general masked test.
+    """
+    rows, width = values.shape
+    kind, size = values.dtype.kind, values.dtype.itemsize
+    if region.pad_lo is None or region.pad_hi is None or kind not in "biuf" or (kind == "f" and size not in _SIGN_FREE):
+        return ((~region.valid) & (values != 0)).any(axis=1)  # type: ignore[no-any-return]
+    flat = np.ascontiguousarray(values).reshape(-1)
+    unsigned = flat.view(np.uint8 if kind == "b" else np.dtype(f"u{size}"))
+    base = np.arange(rows, dtype=np.int64) * width
+    lo, hi = base + region.pad_lo, base + region.pad_hi
+    bounds = np.unique(np.concatenate((lo, hi)))
+    bounds = bounds[bounds < len(flat)]
+    out = np.zeros(rows, dtype=bool)
+    if len(bounds) == 0:
+        return out
+    runs = np.bitwise_or.reduceat(unsigned, bounds)
+    if kind == "f":
+        runs &= _SIGN_FREE[size][1]
+    nonempty = hi > lo
+    out[nonempty] = runs[np.searchsorted(bounds, lo[nonempty])] != 0
+    return out
+
+
+def _label_spans(labels: npt.NDArray[Any], region: _Region | None) -> tuple[IntArray, IntArray, IntArray]:
+    """Per-position labels as version spans (offsets, versions, starts): one span wherever the label or
+    the validity changes, -1 for unlabelled (any negative) and padding. No [B, L] copy is made."""
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"token_versions: expected integers, got {labels.dtype}")
+    rows, width = labels.shape
+    if width == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return np.zeros(rows + 1, dtype=np.int64), empty, empty
+    keys = np.arange(rows, dtype=np.int64) * width
+    if width > 1:
+        change = labels[:, 1:] != labels[:, :-1]
+        if region is not None:
+            change |= region.valid[:, 1:] != region.valid[:, :-1]
+        at = np.flatnonzero(change)
+        keys = np.sort(np.concatenate((keys, (at // (width - 1)) * width + at % (width - 1) + 1)))
+    row, column = keys // width, keys % width
+    versions = np.maximum(labels[row, column].astype(np.int64), -1)
+    if region is not None:
+        versions = np.where(region.valid[row, column], versions, -1)
+    offsets = np.concatenate(([0], np.cumsum(np.bincount(row, minlength=rows)))).astype(np.int64)
+    return offsets, versions, column
 
 
 def from_padded(
@@ -151,7 +211,7 @@ def from_padded(
     rows, width = shape
     id_list = _row_list("ids", ids, rows)
     assert id_list is not None
-    valid = _valid_region(shape, lengths, attention_mask, padding_side)
+    region = _valid_region(shape, lengths, attention_mask, padding_side)
 
     arrays: dict[str, npt.NDArray[Any]] = {}
     for name, values in (
@@ -163,36 +223,37 @@ def from_padded(
         if values is not None:
             arrays[name] = _matrix(name, values, shape)
 
-    if valid is not None:
-        outside = ~valid
+    if region is not None:
         for name, values in (
             ("mask", mask_2d),
             *((n, arrays[n]) for n in ("ce_weights", "ref_kl_weights") if n in arrays),
         ):
-            bad = outside & (values != 0)
+            bad = _padding_rows_nonzero(values, region)
             if bad.any():
-                row = _first_bad_row(bad)
+                row = int(np.flatnonzero(bad)[0])
                 raise TraceError(id_list[row], _FIELD.format(name), "nonzero on a padding position")
 
     frozen_rows = np.zeros(rows, dtype=bool) if frozen is None else _row_vector("frozen", frozen, rows).astype(bool)
-    versions: IntArray | None = None
+    spans: tuple[IntArray, IntArray, IntArray] | None = None
     if token_versions is not None:
-        labels = _matrix("token_versions", token_versions, shape)
-        versions = np.maximum(labels, -1).astype(np.int64, copy=False)  # any negative = unlabelled
-        if valid is not None:
-            versions = np.where(valid, versions, -1)
+        spans = _label_spans(_matrix("token_versions", token_versions, shape), region)
     if dispatch_version is not None:
         dispatch = _row_vector("dispatch_version", dispatch_version, rows).astype(np.int64)
-    elif versions is not None:
+    elif spans is not None:
+        span_offsets, span_versions, _ = spans
         big = np.iinfo(np.int64).max
-        oldest = np.where(versions >= 0, versions, big).min(axis=1) if width else np.full(rows, big)
+        oldest = np.full(rows, big, dtype=np.int64)
+        has = np.diff(span_offsets) > 0
+        if len(span_versions):
+            labelled = np.where(span_versions >= 0, span_versions, big)
+            oldest[has] = np.minimum.reduceat(labelled, span_offsets[:-1][has])
         missing = (oldest == big) & ~frozen_rows
         if missing.any():
             row = int(np.flatnonzero(missing)[0])
             raise TraceError(
                 id_list[row], "dispatch_version", "no version label on the row and no dispatch_version given"
             )
-        dispatch = np.where(oldest == big, -1, oldest).astype(np.int64)
+        dispatch = np.where(oldest == big, -1, oldest)
     else:
         if not frozen_rows.all():
             row = int(np.flatnonzero(~frozen_rows)[0])
@@ -214,7 +275,9 @@ def from_padded(
         agentic=None if agentic is None else _row_vector("agentic", agentic, rows).astype(bool),
         group_ids=_row_list("group_ids", group_ids, rows),
         envs=_row_list("envs", envs, rows),
-        token_versions=None if versions is None else versions.reshape(-1),
+        span_offsets=None if spans is None else spans[0],
+        span_versions=None if spans is None else spans[1],
+        span_starts=None if spans is None else spans[2],
         rl_weights=flat.get("rl_weights"),
         ce_weights=flat.get("ce_weights"),
         ref_kl_weights=flat.get("ref_kl_weights"),

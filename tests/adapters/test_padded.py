@@ -117,9 +117,22 @@ def test_padded_rows_decide_measure_and_mask_like_records(rows: Rows, policy: st
     assert not rows.mask[~rows.valid].any()
 
 
+def labels_per_position(batch: RolloutBatch, width: int) -> np.ndarray:
+    """The batch's version spans expanded back to one label per position, [B, L]."""
+    assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
+    out = np.full((batch.n_samples, width), -2, dtype=np.int64)
+    for row in range(batch.n_samples):
+        a, b = int(batch.span_offsets[row]), int(batch.span_offsets[row + 1])
+        starts = [*batch.span_starts[a:b].tolist(), width]
+        for k in range(b - a):
+            out[row, starts[k] : starts[k + 1]] = batch.span_versions[a + k]
+    return out
+
+
 @settings(max_examples=60, deadline=None)
 @given(rows=padded_rows())
-def test_an_attention_mask_equals_lengths(rows: Rows) -> None:
+def test_labels_become_spans_equal_per_position_and_an_attention_mask_equals_lengths(rows: Rows) -> None:
+    width = rows.mask.shape[1]
     one = RolloutBatch.from_padded(
         rows.ids, rows.mask.copy(), token_versions=rows.versions, lengths=rows.lengths,
         padding_side=rows.side, dispatch_version=rows.dispatch,  # type: ignore[arg-type]
@@ -128,9 +141,19 @@ def test_an_attention_mask_equals_lengths(rows: Rows) -> None:
         rows.ids, rows.mask.copy(), token_versions=rows.versions, attention_mask=rows.valid.astype(np.int64),
         dispatch_version=rows.dispatch,
     )  # fmt: skip
-    assert one.token_versions is not None and two.token_versions is not None
-    assert one.token_versions.tolist() == two.token_versions.tolist()
-    assert not (one.token_versions.reshape(rows.valid.shape)[~rows.valid] != -1).any()
+    expected = np.where(rows.valid, np.maximum(rows.versions, -1), -1)
+    assert labels_per_position(one, width).tolist() == expected.tolist()
+    assert labels_per_position(two, width).tolist() == expected.tolist()
+
+
+def test_negative_zero_weights_on_padding_are_zero_and_a_positive_one_is_named() -> None:
+    mask = np.array([[1, 1, 0], [1, 0, 0]], dtype=np.float32)
+    ce = np.array([[0.0, 0.5, -0.0], [1.0, -0.0, 0.0]], dtype=np.float64)
+    RolloutBatch.from_padded(["a", "b"], mask, dispatch_version=[0, 0], lengths=[2, 1], ce_weights=ce)
+    ce[1, 2] = -1.0
+    with pytest.raises(TraceError) as caught:
+        RolloutBatch.from_padded(["a", "b"], mask, dispatch_version=[0, 0], lengths=[2, 1], ce_weights=ce)
+    assert caught.value.rollout_id == "b" and caught.value.field == "samples[0].ce_weights"
 
 
 def test_dispatch_defaults_to_the_oldest_label_and_a_row_without_any_is_an_error() -> None:
