@@ -13,6 +13,7 @@ from .config import StalenessConfig
 from .decision import Decision, Judgement
 from .errors import ConfigError, EventError, StalenessError, TraceError
 from .metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
+from .mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
 from .monitor import StalenessMonitor
 from .padded import PaddedShipment, padded_shipment
 from .policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
@@ -22,6 +23,7 @@ from .report import StepReport, Tally
 from .sink import Shipment, ShippedRollout, Sink
 
 __all__ = [
+    "LAG_BUCKETS",
     "LEGACY_KEYS",
     "METRICS",
     "ConfigError",
@@ -33,6 +35,7 @@ __all__ = [
     "LegacyKey",
     "MetricDef",
     "MetricKind",
+    "MismatchSums",
     "PaddedShipment",
     "Policy",
     "Rollout",
@@ -50,6 +53,7 @@ __all__ = [
     "TraceError",
     "XtunerPolicy",
     "__version__",
+    "mismatch_sums",
     "padded_shipment",
     "read_events",
     "run_events",

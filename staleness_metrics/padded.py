@@ -185,6 +185,7 @@ def from_padded(
     ce_weights: Any = None,
     ref_kl_weights: Any = None,
     logprobs: Any = None,
+    trainer_logprobs: Any = None,
     group_ids: Sequence[str | None] | None = None,
     envs: Sequence[str | None] | None = None,
     frozen: Any = None,
@@ -200,7 +201,8 @@ def from_padded(
     - ``lengths`` ``[B]`` with ``padding_side``, or ``attention_mask`` ``[B, L]``: which positions hold
       tokens. Labels on padding are ignored; a padding position with mask 1 (or a ce / ref-KL weight)
       raises ``TraceError``. Without either, every position holds a token.
-    - ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, ``logprobs`` ``[B, L]``; ``ids``,
+    - ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, ``logprobs``, ``trainer_logprobs`` (NaN where
+      missing, SPEC 11) ``[B, L]``; ``ids``,
       ``group_ids``, ``envs``, ``frozen``, ``agentic`` per row.
 
     The mask and weight arrays are masked in place by the sink when they can be viewed flat (numpy
@@ -219,6 +221,7 @@ def from_padded(
         ("ce_weights", ce_weights),
         ("ref_kl_weights", ref_kl_weights),
         ("logprobs", logprobs),
+        ("trainer_logprobs", trainer_logprobs),
     ):
         if values is not None:
             arrays[name] = _matrix(name, values, shape)
@@ -282,6 +285,7 @@ def from_padded(
         ce_weights=flat.get("ce_weights"),
         ref_kl_weights=flat.get("ref_kl_weights"),
         logprobs=flat.get("logprobs"),
+        trainer_logprobs=flat.get("trainer_logprobs"),
     )
     batch.padded = PaddedLayout(rows, width)
     return batch

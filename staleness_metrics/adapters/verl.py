@@ -10,7 +10,8 @@ Built from verl's own source, with no import of it:
 - ``volcengine/verl`` @ ``3d9df73353a546a98235b38653c2c163efb51420``, ``verl/trainer/ppo/ray_trainer.py``
   (``compute_response_mask``): ``responses`` and ``response_mask`` are ``[B, Lr]``, ``attention_mask``
   is ``[B, Lp + Lr]`` (prompt left-padded, response right-padded), and the response's valid positions
-  are ``attention_mask[:, -Lr:]``; ``rollout_log_probs`` is ``[B, Lr]``.
+  are ``attention_mask[:, -Lr:]``; ``rollout_log_probs`` (sampler) and ``old_log_probs`` (the actor's,
+  recomputed under the weights being trained: SPEC 11's trainer log-probabilities) are ``[B, Lr]``.
 - verl's agent loops also stamp ``min_global_steps`` / ``max_global_steps`` per trajectory (same
   meaning, other names); they are read when the ``param_version_*`` fields are absent.
 
@@ -103,6 +104,8 @@ def from_verl(
         token_versions=token_versions,
         attention_mask=attention,
         logprobs=tensors.get("rollout_log_probs"),
+        # old_log_probs: the actor's log-probabilities under the weights this step trains (SPEC 11)
+        trainer_logprobs=tensors.get("old_log_probs"),
         group_ids=None if uids is None else [str(u) for u in uids],
         envs=None if envs is None else [None if e is None else str(e) for e in envs],
     )
