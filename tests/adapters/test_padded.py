@@ -30,6 +30,8 @@ class Rows:
     side: str
     dispatch: np.ndarray
     groups: list[str | None]
+    logprobs: np.ndarray | None = None  # sampler, [B, L]
+    trainer_logprobs: np.ndarray | None = None  # NaN where missing (SPEC 11: uncovered)
 
     def records(self) -> list[dict[str, Any]]:
         out = []
@@ -41,6 +43,10 @@ class Rows:
             }
             for name, values in self.weights.items():
                 sample[name] = values[i][keep].astype(float).tolist()
+            if self.logprobs is not None and self.trainer_logprobs is not None:
+                sample["logprobs"] = self.logprobs[i][keep].astype(float).tolist()
+                trainer = self.trainer_logprobs[i][keep].astype(float)
+                sample["trainer_logprobs"] = [None if np.isnan(x) else float(x) for x in trainer]
             record: dict[str, Any] = {"id": rid, "dispatch_version": int(self.dispatch[i]), "samples": [sample]}
             if self.groups[i] is not None:
                 record["group_id"] = self.groups[i]
@@ -75,7 +81,15 @@ def padded_rows(draw: st.DrawFn) -> Rows:
         for values in weights.values():  # padding keeps weight 0
             values[i, cols] = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
     groups = [draw(st.sampled_from([None, "g1", "g2"])) for _ in range(rows)]
-    return Rows([f"r{i}" for i in range(rows)], mask, versions, weights, valid, lengths, side, dispatch, groups)
+    out = Rows([f"r{i}" for i in range(rows)], mask, versions, weights, valid, lengths, side, dispatch, groups)
+    if draw(st.booleans()):
+        seed = draw(st.integers(0, 2**16))
+        rng = np.random.default_rng(seed)
+        out.logprobs = -rng.random((rows, width)).astype(np.float32)
+        trainer = -rng.random((rows, width)).astype(np.float32)
+        trainer[rng.random((rows, width)) < 0.3] = np.nan
+        out.trainer_logprobs = trainer
+    return out
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -94,6 +108,8 @@ def test_padded_rows_decide_measure_and_mask_like_records(rows: Rows, policy: st
         lengths=rows.lengths,
         padding_side=rows.side,  # type: ignore[arg-type]
         group_ids=rows.groups,
+        logprobs=rows.logprobs,
+        trainer_logprobs=rows.trainer_logprobs,
         **rows.weights,
     )
     step = int(rows.dispatch.max()) + 5  # every label (at most dispatch + 3) is <= T at both ships
