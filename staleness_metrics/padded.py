@@ -7,9 +7,10 @@ the rows keep their width, the flat arrays of the batch are the caller's own ``[
 reshaped (a view whenever the array is C-contiguous), so the sink masks the caller's arrays in
 place; :func:`padded_shipment` gives the way back in any case.
 
-What costs a pass over ``B x L``: reading the mask once to check that no padding position is sampled,
-and building the int64 token versions (padding and any negative label become -1). Nothing loops over
-rows in Python except building the ids list.
+What reads ``B x L``: one OR-reduce per checked array (mask, ce and ref-KL weights) to make sure no
+padding position carries anything, and one comparison of neighbouring labels that turns per-token
+versions into version spans (padding and any negative label become -1), so no ``[B, L]`` copy is made.
+Nothing loops over rows in Python except building the ids list.
 """
 
 from __future__ import annotations
