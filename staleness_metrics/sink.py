@@ -20,12 +20,13 @@ from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK, Decision, Judgement
 from .errors import TraceError
+from .masking import PositionMasker
 from .metrics import WindowCounts, compute_report
 from .policies import Policy, policy_for
 from .records import ParsedRollout, Rollout, pack, parse_rollout
 from .report import StepReport, Tally
 from .segments import expand_ranges
-from .spans import build_spans
+from .spans import PART_LABELLED, PART_UNLABELLED, build_spans
 from .table import Table
 from .validation import check_batch
 
@@ -92,17 +93,6 @@ def _sample_record(batch: RolloutBatch, sample: int) -> dict[str, Any]:
     if batch.logprobs is not None and batch.present["logprobs"][sample]:
         out["logprobs"] = batch.logprobs[lo:hi].astype(np.float64).tolist()
     return out
-
-
-def _touching_runs(chunk: IntArray, lo: IntArray, hi: IntArray) -> list[tuple[int, int, int]]:
-    """Ranges ``[lo, hi)`` of each chunk, merged where one ends where the next begins."""
-    if len(lo) == 0:
-        return []
-    order = np.lexsort((lo, chunk))
-    chunk, lo, hi = chunk[order], lo[order], hi[order]
-    starts = np.flatnonzero(np.concatenate(([True], (lo[1:] != hi[:-1]) | (chunk[1:] != chunk[:-1]))))
-    ends = np.append(starts[1:], len(lo)) - 1
-    return list(zip(chunk[starts].tolist(), lo[starts].tolist(), hi[ends].tolist()))
 
 
 @dataclass(frozen=True)
@@ -172,8 +162,9 @@ class Sink:
         )  # fmt: skip
         self._spans = Table(
             sample=np.int64, lo=np.int64, hi=np.int64, version=np.int64, labelled=np.bool_,
-            sampled=np.int64, live=np.bool_,
+            sampled=np.int64, live=np.bool_, part=np.int8,
         )  # fmt: skip
+        self._masker = PositionMasker()
         self._ids: list[str] = []  # per rollout row
         self._row_of: dict[str, int] = {}  # queued (and recently resolved) rollouts by id
         self._seen_ids: set[str] = set()  # every id accepted in the run: ids are unique within a run
@@ -337,7 +328,7 @@ class Sink:
         self._spans.append(
             sample=sample_base + span_sample_local, lo=spans.lo[kept_spans], hi=spans.hi[kept_spans],
             version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
-            sampled=spans.sampled[kept_spans], live=spans.live[kept_spans],
+            sampled=spans.sampled[kept_spans], live=spans.live[kept_spans], part=spans.part[kept_spans],
         )  # fmt: skip
         for offset, index in enumerate(kept_ids):
             self._row_of[batch.ids[index]] = row_base + offset
@@ -422,31 +413,23 @@ class Sink:
 
     def _mask_positions(self, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
         """Zero newly stale sampled positions in mask and the three weight arrays, in place."""
-        spans = self._spans
         old = judgement.mask_below[judgement.span_sample]
         new = mask_below[judgement.span_sample]
-        hit = raised[judgement.span_sample] & (judgement.version < new) & (judgement.version >= old)
-        hit &= judgement.sampled > 0
+        stale = judgement.version < new
+        hit = raised[judgement.span_sample] & stale & (judgement.version >= old) & (judgement.sampled > 0)
         if not hit.any():
             return
-        span_rows = expand_ranges(
-            self._samples["span_lo"][judgement.sample_rows], self._samples["span_hi"][judgement.sample_rows]
-        )[hit]
+        s = self._samples
+        span_rows = expand_ranges(s["span_lo"][judgement.sample_rows], s["span_hi"][judgement.sample_rows])
+        part = self._spans["part"][span_rows]
+        # The two parts of a mixed span are adjacent rows: when both are stale now, the whole range goes.
+        partner = np.arange(len(part)) + (part == PART_LABELLED) - (part == PART_UNLABELLED)
+        whole = stale[partner]
+        hit &= ~((part == PART_UNLABELLED) & hit[partner])  # its labelled part fills the range already
+        rows = span_rows[hit]
         chunk_of = self._rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
-        # Spans are wholly sampled (mask-0 positions are spans of their own, never hit): one fill per
-        # run of touching spans and array.
-        arrays: dict[int, list[npt.NDArray[Any]]] = {}
-        for chunk, a, b in _touching_runs(chunk_of, spans["lo"][span_rows], spans["hi"][span_rows]):
-            if chunk not in arrays:
-                arrays[chunk] = self._position_arrays(chunk)
-            for values in arrays[chunk]:
-                values[a:b] = 0
-
-    def _position_arrays(self, chunk: int) -> list[npt.NDArray[Any]]:
-        """The mask followed by the weight arrays of a chunk (those it has)."""
-        batch = self._chunks[chunk]
-        assert batch is not None
-        return [batch.mask, *(getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None)]
+        spans = self._spans
+        self._masker.mask(self._chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit])
 
     def _leave(self, rows: IntArray, status: int) -> None:
         self._rollouts["status"][rows] = status
@@ -459,6 +442,7 @@ class Sink:
         for chunk, still_open in enumerate(self._chunk_open):
             if still_open == 0 and self._chunks[chunk] is not None:
                 self._chunks[chunk] = None
+                self._masker.forget()
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
@@ -541,6 +525,7 @@ class Sink:
         )  # fmt: skip
         self._spans = self._spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
         self._chunks = [self._chunks[c] for c in chunks.tolist()]
+        self._masker.forget()
         self._chunk_open = [self._chunk_open[c] for c in chunks.tolist()]
         self._ids = [self._ids[row] for row in keep.tolist()]
         self._row_of = {rid: row for row, rid in enumerate(self._ids)}
