@@ -22,10 +22,10 @@ from tests.reference.streams import ReplayConfig
 
 
 @st.composite
-def dense_sample(draw: st.DrawFn, dispatch: int) -> dict[str, Any]:
+def dense_sample(draw: st.DrawFn, dispatch: int, newest: int) -> dict[str, Any]:
     n = draw(st.integers(1, 24))
     unlabelled = draw(st.sampled_from([0.0, 0.1, 0.5, 0.9]))
-    labels = draw(st.lists(st.integers(max(dispatch - 2, 0), dispatch + 3), min_size=1, max_size=3))
+    labels = draw(st.lists(st.integers(max(dispatch - 2, 0), max(newest, dispatch)), min_size=1, max_size=3))
     versions = []
     for _ in range(n):
         if draw(st.floats(0, 1)) < unlabelled:
@@ -42,8 +42,12 @@ def dense_sample(draw: st.DrawFn, dispatch: int) -> dict[str, Any]:
         mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
     sample: dict[str, Any] = {"mask": mask, "token_versions": versions}
     for name in ("rl_weights", "ce_weights", "ref_kl_weights"):
-        if draw(st.booleans()):
+        pattern = draw(st.sampled_from(["none", "random", "labelled only", "unlabelled only"]))
+        if pattern == "random":
             sample[name] = draw(st.lists(st.sampled_from([0.0, 0.0, 0.5, 1.0]), min_size=n, max_size=n))
+        elif pattern != "none":  # only one part of a span carries a weight
+            on = -1 if pattern == "unlabelled only" else None
+            sample[name] = [float((v == -1) == (on == -1)) for v in versions]
     return sample
 
 
@@ -55,7 +59,8 @@ def dense_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
         if draw(st.integers(0, 3)):
             dispatch = draw(st.integers(0, max(step - 2, 0)))
             record: dict[str, Any] = {"id": f"r{i}", "dispatch_version": dispatch}
-            record["samples"] = draw(st.lists(dense_sample(dispatch), min_size=1, max_size=3))
+            samples = st.lists(dense_sample(dispatch, step - 1), min_size=1, max_size=3)
+            record["samples"] = draw(samples)
             if draw(st.booleans()):
                 record["group_id"] = draw(st.sampled_from(["g1", "g2"]))
             if draw(st.integers(0, 5)) == 0:
@@ -88,6 +93,21 @@ def test_dense_labels_match_the_reference(events: list[dict[str, Any]], config: 
     note(f"{config.cli_args()}")
     found = check_stream(events, config, work=tmp_path)
     assert not found, "\n".join(found[:10])
+
+
+def test_a_part_without_weights_does_not_keep_its_sample() -> None:
+    """Label 5 with every other position unlabelled (dispatch 2), rl weights only on the unlabelled
+    positions: at step 6 with bound 2 the unlabelled part is masked and the labelled part, fresh but
+    weightless, leaves nothing to train, so the sample (and its rollout) is dropped."""
+    versions = [5, -1] * 6
+    weights = [float(v == -1) for v in versions]
+    record = {"id": "r0", "dispatch_version": 2, "samples": [{"mask": [1] * 12, "token_versions": versions,
+              "rl_weights": weights}]}  # fmt: skip
+    sink = Sink(StalenessConfig(max_staleness=2))
+    sink.add([record])
+    shipment = sink.ship(6)
+    assert shipment.dropped_rollouts == ("r0",)
+    assert shipment.metrics["staleness/sample/dropped"] == 1
 
 
 def test_scattered_unlabelled_positions_stay_inside_one_span() -> None:
