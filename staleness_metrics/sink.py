@@ -8,7 +8,7 @@ written only where the policy masks them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -23,7 +23,7 @@ from .errors import TraceError
 from .masking import PositionMasker
 from .metrics import WindowCounts, compute_report
 from .policies import Policy, policy_for
-from .records import ParsedRollout, Rollout, pack, parse_rollout
+from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from .report import StepReport, Tally
 from .segments import expand_ranges
 from .spans import PART_LABELLED, PART_UNLABELLED, build_spans
@@ -50,8 +50,12 @@ class ShippedRollout:
     index: int  # rollout index within ``batch``
     samples: tuple[int, ...]  # indices (within the rollout) of the samples shipped
 
-    def record(self) -> dict[str, Any]:
-        """The rollout as a SPEC 3 record: masked arrays, dropped samples removed."""
+    def record(self, arrays: bool = False) -> dict[str, Any]:
+        """The rollout as a SPEC 3 record: masked arrays, dropped samples removed.
+
+        Per-position fields are lists, or with ``arrays`` numpy arrays of the same values (for an
+        encoder that writes arrays natively).
+        """
         batch, index = self.batch, self.index
         if batch.echo is not None:
             record = dict(batch.echo[index])
@@ -70,28 +74,32 @@ class ShippedRollout:
             if batch.agentic[index]:
                 record["agentic"] = True
         first = int(batch.sample_offsets[index])
-        record["samples"] = [_sample_record(batch, first + k) for k in self.samples]
+        record["samples"] = [_sample_record(batch, first + k, arrays) for k in self.samples]
         return record
 
 
-def _sample_record(batch: RolloutBatch, sample: int) -> dict[str, Any]:
+def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> dict[str, Any]:
     lo, hi = int(batch.position_offsets[sample]), int(batch.position_offsets[sample + 1])
-    out: dict[str, Any] = {"mask": batch.mask[lo:hi].astype(np.int64).tolist()}
+
+    def out_of(values: npt.NDArray[Any]) -> Any:
+        return values if arrays else values.tolist()
+
+    out: dict[str, Any] = {"mask": out_of(batch.mask[lo:hi].astype(np.int64))}
     assert batch.label_kind is not None
     if batch.label_kind[sample] == LABELS_SPANS:
         assert batch.span_offsets is not None and batch.span_versions is not None
         assert batch.span_starts is not None
         a, b = int(batch.span_offsets[sample]), int(batch.span_offsets[sample + 1])
-        out["weight_versions"] = np.stack((batch.span_versions[a:b], batch.span_starts[a:b]), 1).tolist()
+        out["weight_versions"] = out_of(np.stack((batch.span_versions[a:b], batch.span_starts[a:b]), 1))
     elif batch.label_kind[sample] == LABELS_TOKENS:
         assert batch.token_versions is not None
-        out["token_versions"] = batch.token_versions[lo:hi].tolist()
+        out["token_versions"] = out_of(np.ascontiguousarray(batch.token_versions[lo:hi], dtype=np.int64))
     for name in WEIGHT_FIELDS:
         values = getattr(batch, name)
         if values is not None and batch.present[name][sample]:
-            out[name] = values[lo:hi].astype(np.float64).tolist()
+            out[name] = out_of(values[lo:hi].astype(np.float64))
     if batch.logprobs is not None and batch.present["logprobs"][sample]:
-        out["logprobs"] = batch.logprobs[lo:hi].astype(np.float64).tolist()
+        out["logprobs"] = out_of(batch.logprobs[lo:hi].astype(np.float64))
     return out
 
 
@@ -125,11 +133,11 @@ class Shipment:
     def ids(self) -> list[str]:
         return [r.id for r in self.rollouts]
 
-    def batches_line(self) -> dict[str, Any]:
-        """The ``--batches-out`` line of this ship (SPEC 9)."""
+    def batches_line(self, arrays: bool = False) -> dict[str, Any]:
+        """The ``--batches-out`` line of this ship (SPEC 9); ``arrays`` as in :meth:`ShippedRollout.record`."""
         return {
             "step": self.step,
-            "shipped": [r.record() for r in self.rollouts],
+            "shipped": [r.record(arrays) for r in self.rollouts],
             "dropped_rollouts": list(self.dropped_rollouts),
             "dropped_samples": [list(s) for s in self.dropped_samples],
             "held": list(self.held),
@@ -227,16 +235,25 @@ class Sink:
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
         records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else rollouts
-        parsed: list[ParsedRollout] = []
+        items = []
         for item in records:
-            raw = item.to_record() if isinstance(item, Rollout) else item
-            try:
-                parsed.append(parse_rollout(raw))
-            except TraceError as error:
+            parsed = parse_or_error(item.to_record() if isinstance(item, Rollout) else item)
+            if isinstance(parsed, UnparsedRollout) and self.config.strict:
+                raise parsed.error
+            items.append(parsed)
+        return self.add_parsed(items)
+
+    def add_parsed(self, items: Sequence[ParsedRollout | UnparsedRollout]) -> int:
+        """Queue records already type-checked by :func:`~staleness_metrics.records.parse_or_error` (in
+        order, as :meth:`add` would): refused ones raise (strict) or are set aside (lenient)."""
+        parsed: list[ParsedRollout] = []
+        for item in items:
+            if isinstance(item, UnparsedRollout):
                 if self.config.strict:
-                    raise
-                env = raw.get("env") if isinstance(raw, Mapping) else None
-                self._set_aside(error, env if isinstance(env, str) else None)
+                    raise item.error
+                self._set_aside(item.error, item.env)
+            else:
+                parsed.append(item)
         return self._add_batch(pack(parsed)) if parsed else 0
 
     def _set_aside(self, error: TraceError, env: str | None) -> None:
