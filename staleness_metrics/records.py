@@ -156,11 +156,11 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
     array = _array(rid, name, value, "iu", "a list of integers", booleans)
     if array.size and (array.max() > MAX_VERSION or array.min() < -MAX_VERSION):
         raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
-    return array.astype(np.int64)
+    return array.astype(np.int64, copy=False)
 
 
 def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
-    return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64)
+    return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
 
 
 def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
@@ -171,9 +171,23 @@ def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
     return array.astype(np.int8)
 
 
-def _spans(rid: str, name: str, value: object) -> npt.NDArray[np.int64]:
+def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.int64]:
     if not isinstance(value, list):
         raise TraceError(rid, name, f"expected a list of [version, start] pairs, got {type(value).__name__}")
+    if not booleans and value:  # no boolean can hide among the integers: check them all at once
+        try:
+            pairs = np.array(value)
+        except (ValueError, OverflowError):
+            pairs = None
+        if (
+            pairs is not None
+            and pairs.ndim == 2
+            and pairs.shape[1] == 2
+            and pairs.dtype.kind == "i"
+            and int(pairs.max()) <= MAX_VERSION
+            and int(pairs.min()) >= -MAX_VERSION
+        ):
+            return pairs.astype(np.int64, copy=False)
     for i, pair in enumerate(value):  # one check per span, not per token
         if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
             raise TraceError(rid, f"{name}[{i}]", f"expected a [version, start] pair of integers, got {pair!r}")
@@ -195,7 +209,7 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     if raw.get("weight_versions") is not None and raw.get("token_versions") is not None:
         raise TraceError(rid, f"{where}.token_versions", "both weight_versions and token_versions are given")
     if raw.get("weight_versions") is not None:
-        sample.spans = _spans(rid, f"{where}.weight_versions", raw["weight_versions"])
+        sample.spans = _spans(rid, f"{where}.weight_versions", raw["weight_versions"], booleans)
     if raw.get("token_versions") is not None:
         sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"], booleans)
     for name in WEIGHT_FIELDS:
