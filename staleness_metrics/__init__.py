@@ -13,6 +13,7 @@ from .config import StalenessConfig
 from .decision import Decision, Judgement
 from .errors import ConfigError, EventError, StalenessError, TraceError
 from .metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
+from .mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
 from .monitor import StalenessMonitor
 from .policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
 from .records import Rollout, Sample
@@ -21,6 +22,7 @@ from .report import StepReport, Tally
 from .sink import Shipment, ShippedRollout, Sink
 
 __all__ = [
+    "LAG_BUCKETS",
     "LEGACY_KEYS",
     "METRICS",
     "ConfigError",
@@ -32,6 +34,7 @@ __all__ = [
     "LegacyKey",
     "MetricDef",
     "MetricKind",
+    "MismatchSums",
     "Policy",
     "Rollout",
     "RolloutBatch",
@@ -48,6 +51,7 @@ __all__ = [
     "TraceError",
     "XtunerPolicy",
     "__version__",
+    "mismatch_sums",
     "read_events",
     "run_events",
 ]

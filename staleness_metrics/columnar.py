@@ -14,13 +14,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["WEIGHT_FIELDS", "RolloutBatch"]
+__all__ = ["PER_POSITION_FLOATS", "WEIGHT_FIELDS", "RolloutBatch"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 FloatArray = npt.NDArray[np.floating[Any]]
 
 WEIGHT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights")
+PER_POSITION_FLOATS = (*WEIGHT_FIELDS, "logprobs", "trainer_logprobs")
 
 # How a sample labelled its positions (kept so output mirrors input).
 LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2
@@ -41,12 +42,13 @@ class RolloutBatch:
     Sample level (S entries): ``position_offsets`` (S + 1) into the flat position arrays.
 
     Position level (P entries): ``mask`` (1 = sampled by the policy, 0 = not), the optional weight
-    arrays and ``logprobs``, and ``token_versions`` (-1 = unlabelled). Alternatively (or for other
+    arrays, ``logprobs`` and ``trainer_logprobs`` (NaN = missing), and ``token_versions``
+    (-1 = unlabelled). Alternatively (or for other
     samples) version spans: ``span_offsets`` (S + 1) into ``span_versions`` / ``span_starts``, whose
     starts are positions relative to their sample. ``label_kind`` says per sample which of the two it
     uses (0 none, 1 spans, 2 token_versions); it defaults from what is given.
 
-    ``present`` (per weight field and ``logprobs``, per sample) says whether a sample carried that array; a
+    ``present`` (per weight field and log-probability array, per sample) says whether a sample carried that array; a
     missing ``rl_weights`` counts as 1.0 on the mask, missing ce / ref-KL weights as 0. Arrays are
     masked in place: pass copies if the originals must stay untouched.
     """
@@ -65,6 +67,7 @@ class RolloutBatch:
     ce_weights: FloatArray | None = None
     ref_kl_weights: FloatArray | None = None
     logprobs: FloatArray | None = None
+    trainer_logprobs: FloatArray | None = None  # NaN where missing (SPEC 11: uncovered, not an error)
     token_versions: IntArray | None = None
     span_offsets: IntArray | None = None
     span_versions: IntArray | None = None
@@ -105,7 +108,7 @@ class RolloutBatch:
             if self.token_versions is not None:
                 kind[:] = LABELS_TOKENS
             self.label_kind = kind
-        for name in (*WEIGHT_FIELDS, "logprobs"):
+        for name in PER_POSITION_FLOATS:
             if getattr(self, name) is not None and name not in self.present:
                 self.present[name] = np.ones(n_samples, dtype=bool)
 

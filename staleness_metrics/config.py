@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
@@ -30,7 +31,8 @@ class StalenessConfig:
     """How the sink judges staleness (SPEC 5) and how strictly it reads input (SPEC 3).
 
     ``max_staleness`` defaults to 8, as prime-rl. ``max_token_staleness``, ``sync_interval`` and
-    ``retry_expired`` only matter to the ``xtuner`` policy.
+    ``retry_expired`` only matter to the ``xtuner`` policy. ``mismatch_band`` is the ratio band
+    ``[lo, hi]`` of SPEC 11's out-of-band share.
     """
 
     policy: PolicyName = "token"
@@ -40,6 +42,7 @@ class StalenessConfig:
     retry_expired: bool = False
     strict: bool = True
     env_breakdown: bool = False
+    mismatch_band: tuple[float, float] = (0.5, 2.0)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -51,6 +54,15 @@ class StalenessConfig:
         for name in ("retry_expired", "strict", "env_breakdown"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name}: expected a boolean, got {getattr(self, name)!r}")
+        band = self.mismatch_band
+        if (
+            not isinstance(band, (tuple, list))
+            or len(band) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in band)
+            or not 0 < band[0] <= band[1]
+        ):
+            raise ConfigError(f"mismatch_band: expected [lo, hi] with 0 < lo <= hi, got {band!r}")
+        object.__setattr__(self, "mismatch_band", (float(band[0]), float(band[1])))
         if self.policy != "xtuner":
             for name, default in (("max_token_staleness", None), ("sync_interval", 1), ("retry_expired", False)):
                 if getattr(self, name) != default:

@@ -13,8 +13,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .decision import Judgement
-from .report import HISTOGRAM_TOP, StepReport, Tally
-from .segments import segment_min
+from .mismatch import MismatchSums
+from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, StepReport, Tally
+from .segments import segment_min, segment_sum
 from .spans import NO_VERSION_HIGH
 
 __all__ = ["WindowCounts", "compute_report"]
@@ -23,6 +24,14 @@ IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
 QUANTILES = (("p50", 50, 100), ("p90", 90, 100), ("p99", 99, 100))
+_LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
+
+
+def length_bucket_totals(lengths: IntArray, amounts: IntArray) -> IntArray:
+    """Per SPEC 12 length bucket, the sum of ``amounts`` over samples by their sampled length (0: none)."""
+    inside = lengths > 0
+    buckets = np.searchsorted(_LENGTH_BOUNDS, lengths[inside], "left")
+    return np.bincount(buckets, weights=amounts[inside], minlength=len(LENGTH_BUCKETS)).astype(np.int64)
 
 
 class WindowCounts:
@@ -32,6 +41,7 @@ class WindowCounts:
 
     def __init__(self) -> None:
         self.counts: dict[int, dict[str, int]] = {}
+        self.dropped_lengths: dict[int, IntArray] = {}  # per env: dropped sampled positions per length bucket
         self.dropped_rollouts: list[str] = []
         self.dropped_samples: list[tuple[str, int]] = []
         self.held: list[str] = []
@@ -45,6 +55,18 @@ class WindowCounts:
         for index in np.flatnonzero(totals):
             bucket = self.counts.setdefault(int(index), dict.fromkeys(self.FIELDS, 0))
             bucket[name] += int(totals[index])
+
+    def add_dropped_lengths(self, env: IntArray, lengths: IntArray) -> None:
+        """Dropped samples' sampled positions, by the samples' length bucket (SPEC 12)."""
+        for index in np.unique(env).tolist():
+            here = env == index
+            totals = length_bucket_totals(lengths[here], lengths[here])
+            self.dropped_lengths[index] = self.dropped_lengths.get(index, 0) + totals
+
+    def dropped_by_length(self, env: int | None) -> IntArray:
+        if env is None:
+            return sum(self.dropped_lengths.values(), np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
+        return self.dropped_lengths.get(env, np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
 
     def get(self, env: int | None, name: str) -> int:
         if env is None:
@@ -99,7 +121,7 @@ def _population(
 
     sampled = np.where(span_in, slice_.sampled, 0)
     staleness = t - slice_.version
-    masked = sampled[slice_.version < slice_.mask_below[slice_.span_sample]]
+    masked_spans = np.where(slice_.version < slice_.mask_below[slice_.span_sample], sampled, 0)
     tokens = int(sampled.sum())
     unlabelled = int(np.where(slice_.labelled, 0, sampled).sum())
     token_values, token_counts = _distribution(staleness[sampled > 0], sampled[sampled > 0])
@@ -117,7 +139,7 @@ def _population(
     metrics: dict[str, float | int] = {}
     if tokens:
         metrics["staleness/token/mean"] = _exact_dot(staleness, sampled) / tokens
-        metrics["staleness/token/masked"] = float(int(masked.sum()) / tokens)
+        metrics["staleness/token/masked"] = float(int(masked_spans.sum()) / tokens)
         metrics["staleness/token/unlabelled"] = float(unlabelled / tokens)
         for name, numerator, denominator in QUANTILES:
             metrics[f"staleness/token/{name}"] = _nearest_rank(token_values, token_counts, numerator, denominator)
@@ -125,6 +147,8 @@ def _population(
         for key, values in (("", rollout), ("in_flight/", in_flight), ("in_queue/", in_queue)):
             metrics[f"staleness/rollout/{key}mean"] = int(values.sum()) / len(values)
             metrics[f"staleness/rollout/{key}max"] = int(values.max())
+    length_samples, length_sampled, length_removed = _length_bias(slice_, sample_in, masked_spans, env, window)
+    metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
     metrics["staleness/rollout/dropped"] = window.get(env, "rollouts_dropped")
     metrics["staleness/sample/dropped"] = window.get(env, "samples_dropped")
     metrics["staleness/rollout/held"] = window.get(env, "rollouts_held")
@@ -132,7 +156,7 @@ def _population(
 
     tally = Tally(
         tokens_sampled=tokens,
-        tokens_masked=int(masked.sum()),
+        tokens_masked=int(masked_spans.sum()),
         tokens_unlabelled=unlabelled,
         tokens_dropped=window.get(env, "tokens_dropped"),
         samples_dropped=window.get(env, "samples_dropped"),
@@ -143,8 +167,39 @@ def _population(
         rollouts_invalid=window.get(env, "rollouts_invalid"),
         token_histogram=_histogram(token_values, token_counts),
         rollout_histogram=_histogram(rollout_values, rollout_counts),
+        length_samples=length_samples,
+        length_sampled=length_sampled,
+        length_removed=length_removed,
     )
     return metrics, tally
+
+
+def _length_bias(
+    slice_: Judgement, sample_in: BoolArray, masked_spans: IntArray, env: int | None, window: WindowCounts
+) -> tuple[int, IntArray, IntArray]:
+    """SPEC 12 over the shipped samples (``sample_in``) plus the window's dropped samples: how many samples,
+    and per length bucket their sampled positions and how many of those were masked or dropped."""
+    lengths = np.where(sample_in, slice_.n_sampled, 0)
+    masked = segment_sum(masked_spans, slice_.span_offsets)
+    dropped = window.dropped_by_length(env)
+    samples = int(sample_in.sum()) + window.get(env, "samples_dropped")
+    sampled = length_bucket_totals(lengths, lengths) + dropped
+    removed = length_bucket_totals(lengths, masked) + dropped
+    return samples, sampled, removed
+
+
+def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[str, float | int]:
+    if samples == 0:
+        return {}
+    total = int(sampled.sum())
+    metrics: dict[str, float | int] = {
+        "staleness/length/sampled/mean": total / samples,
+        "staleness/length/trained/mean": (total - int(removed.sum())) / samples,
+    }
+    for name, n, gone in zip(LENGTH_BUCKETS, sampled.tolist(), removed.tolist()):
+        if n:
+            metrics[f"staleness/length/bucket_{name}/masked"] = gone / n
+    return metrics
 
 
 def compute_report(
@@ -153,10 +208,13 @@ def compute_report(
     max_staleness: int,
     env_names: Mapping[int, str],
     env_breakdown: bool,
+    mismatch: MismatchSums | None = None,
 ) -> StepReport:
     """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied."""
     everything = np.ones(shipped.n_rollouts, dtype=bool)
     metrics, tally = _population(shipped, everything, None, window, max_staleness)
+    if mismatch is not None:
+        metrics.update(mismatch.metrics())
     env_metrics: dict[str, dict[str, float | int]] = {}
     env_tally: dict[str, Tally] = {}
     envs = set(np.unique(shipped.env).tolist()) | set(window.counts)
@@ -175,4 +233,5 @@ def compute_report(
         tally=tally,
         env_metrics=env_metrics,
         env_tally=env_tally,
+        mismatch=mismatch,
     )

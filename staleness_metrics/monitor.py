@@ -9,6 +9,12 @@
     batch, metrics = [r.record() for r in shipment.rollouts], shipment.metrics  # train on it; log the dict
     monitor.close()                # at the end of training: flushes the exporters
 
+What staleness costs (SPEC 11), when the trainer's log-probabilities exist only after the batch left::
+
+    send(batch, shipment.lags)                                   # the lag of every shipped position
+    sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)  # trainer side
+    monitor.record_mismatch(step, sums)                          # once per rank or micro-batch: they merge
+
 ``ship`` hands the step's report to every exporter and returns at once: network exporters queue their
 work, and an exporter that fails or raises is counted in ``rl_staleness_export_errors_total`` and logged
 (rate-limited), never raised into the training loop. Input errors are a different matter: in strict mode
@@ -26,10 +32,21 @@ from typing import Any
 from .columnar import RolloutBatch
 from .config import StalenessConfig
 from .errors import ConfigError
-from .exporters.base import DEFAULT_RUN, ExportContext, Exporter, ExportErrors, MonitorAware
+from .exporters.base import (
+    DEFAULT_RUN,
+    ExportContext,
+    Exporter,
+    ExportErrors,
+    MismatchAware,
+    MismatchReport,
+    MonitorAware,
+)
+from .mismatch import MismatchSums
 from .sink import Shipment, Sink
 
 __all__ = ["StalenessMonitor"]
+
+MISMATCH_STEPS_KEPT = 1024  # per-step totals kept for late calls; counters are cumulative regardless
 
 
 class StalenessMonitor:
@@ -62,6 +79,8 @@ class StalenessMonitor:
                 exporter.attach(context)
         self._lock = threading.Lock()
         self._closed = False
+        self._shipped_steps: set[int] = set()
+        self._mismatch: dict[int, MismatchSums] = {}  # per step, merged over calls (the latest steps)
 
     @property
     def config(self) -> StalenessConfig:
@@ -84,9 +103,42 @@ class StalenessMonitor:
         """
         with self._lock:
             shipment = self.sink.ship(step, ids)
+            self._shipped_steps.add(shipment.step)
             # Exported under the lock so every exporter sees the ships in order.
             self._export(shipment)
         return shipment
+
+    def record_mismatch(self, step: int, sums: MismatchSums | Mapping[str, Any]) -> MismatchSums:
+        """Record trainer-side SPEC 11 sums for a shipped ``step`` and publish them; returns the step's total.
+
+        ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from :func:`~staleness_metrics.mismatch_sums`)
+        or its ``to_dict()`` form. Several calls for one step (one per rank or micro-batch) merge. A step
+        never shipped, or a malformed dict, raises ``ValueError`` naming the field; nothing is recorded then.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"step: expected an integer >= 1, got {step!r}")
+        delta = sums if isinstance(sums, MismatchSums) else MismatchSums.from_dict(sums)
+        with self._lock:
+            if step not in self._shipped_steps:
+                raise ValueError(f"step: no batch was shipped for step {step}; mismatch sums belong to a shipped step")
+            total = self._mismatch.get(step, MismatchSums.zero()) + delta
+            self._mismatch[step] = total
+            while len(self._mismatch) > MISMATCH_STEPS_KEPT:
+                del self._mismatch[min(self._mismatch)]
+            report = MismatchReport(step=step, sums=total, delta=delta)
+            for exporter in self.exporters:
+                if self._closed or not isinstance(exporter, MismatchAware):
+                    continue
+                try:
+                    exporter.export_mismatch(report)
+                except Exception as exc:
+                    self.export_errors.record(exporter.name, "export_mismatch raised", exc)
+        return total
+
+    def mismatch(self, step: int) -> MismatchSums | None:
+        """The trainer-side sums recorded for ``step`` so far (None when none were)."""
+        with self._lock:
+            return self._mismatch.get(step)
 
     def _export(self, shipment: Shipment) -> None:
         if self._closed:  # the sink still ships; the report is lost to the exporters, so count it

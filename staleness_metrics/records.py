@@ -29,7 +29,7 @@ _ROLLOUT_FIELDS = {
     "agentic",
     "samples",
 }
-_SAMPLE_FIELDS = {"mask", "weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs"}
+_SAMPLE_FIELDS = {"mask", "weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs", "trainer_logprobs"}
 
 
 def _plain(values: Any) -> Any:
@@ -52,10 +52,11 @@ class Sample:
     ce_weights: Sequence[float] | npt.NDArray[Any] | None = None
     ref_kl_weights: Sequence[float] | npt.NDArray[Any] | None = None
     logprobs: Sequence[float] | npt.NDArray[Any] | None = None
+    trainer_logprobs: Sequence[float | None] | npt.NDArray[Any] | None = None
 
     def to_record(self) -> dict[str, Any]:
         record = {"mask": _plain(self.mask)}
-        for name in ("weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs"):
+        for name in ("weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs", "trainer_logprobs"):
             if getattr(self, name) is not None:
                 record[name] = _plain(getattr(self, name))
         return record
@@ -93,6 +94,7 @@ class ParsedSample:
     token_versions: npt.NDArray[np.int64] | None = None
     weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
     logprobs: npt.NDArray[np.float64] | None = None
+    trainer_logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing
 
 
 @dataclass
@@ -163,6 +165,17 @@ def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> np
     return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
 
 
+def _optional_float_list(rid: str, name: str, value: object) -> npt.NDArray[np.float64]:
+    """Numbers or nulls (null -> NaN: a missing value, not an error)."""
+    if isinstance(value, list) and None in value:
+        values = [v for v in value if v is not None]  # only lists with nulls take this path
+        checked = _array(rid, name, values, "iuf", "a list of numbers or nulls")
+        out = np.full(len(value), np.nan)
+        out[np.fromiter((v is not None for v in value), dtype=bool, count=len(value))] = checked
+        return out
+    return _array(rid, name, value, "iuf", "a list of numbers or nulls").astype(np.float64)
+
+
 def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
     array = _array(rid, name, value, "biu", "a list of 0/1 or booleans")
     bad = np.flatnonzero((array != 0) & (array != 1))
@@ -217,8 +230,15 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
             sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans)
     if raw.get("logprobs") is not None:
         sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans)
+    if raw.get("trainer_logprobs") is not None:
+        sample.trainer_logprobs = _optional_float_list(rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"])
     n = len(sample.mask)
-    per_position = {**sample.weights, "logprobs": sample.logprobs, "token_versions": sample.token_versions}
+    per_position = {
+        **sample.weights,
+        "logprobs": sample.logprobs,
+        "trainer_logprobs": sample.trainer_logprobs,
+        "token_versions": sample.token_versions,
+    }
     for name, values in per_position.items():
         if values is not None and len(values) != n:
             raise TraceError(rid, f"{where}.{name}", f"length {len(values)} differs from the mask's {n}")
@@ -331,6 +351,9 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
     logprobs, logprobs_present = column(lambda s: s.logprobs, 0.0)
     if logprobs is not None:
         present["logprobs"] = logprobs_present
+    trainer_logprobs, trainer_present = column(lambda s: s.trainer_logprobs, np.nan)
+    if trainer_logprobs is not None:
+        present["trainer_logprobs"] = trainer_present
     token_versions, _ = column(lambda s: s.token_versions, -1)
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
@@ -350,6 +373,7 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
         ce_weights=batch_weights["ce_weights"],
         ref_kl_weights=batch_weights["ref_kl_weights"],
         logprobs=logprobs,
+        trainer_logprobs=trainer_logprobs,
         token_versions=None if token_versions is None else token_versions.astype(np.int64),
         span_offsets=np.concatenate(([0], np.cumsum(span_counts, dtype=np.int64))),
         span_versions=spans[:, 0].copy(),

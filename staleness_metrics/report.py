@@ -8,11 +8,17 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["HISTOGRAM_TOP", "StepReport", "Tally"]
+from .mismatch import MismatchSums
+
+__all__ = ["HISTOGRAM_TOP", "LENGTH_BUCKETS", "LENGTH_UPPER_BOUNDS", "StepReport", "Tally"]
 
 # Histograms hold one bucket per staleness up to this one, which counts everything at or above it:
 # far beyond any exported bucket (the table's top bound is 64), and a bound on memory whatever arrives.
 HISTOGRAM_TOP = 4096
+
+# SPEC 12: samples by their count of sampled positions, 1..256, 257..1024, ..., above 16384.
+LENGTH_UPPER_BOUNDS: tuple[int, ...] = (256, 1024, 4096, 16384)
+LENGTH_BUCKETS: tuple[str, ...] = ("256", "1k", "4k", "16k", "inf")
 
 Counts = npt.NDArray[np.int64]
 
@@ -42,6 +48,10 @@ class Tally:
     rollouts_invalid: int = 0
     token_histogram: Counts = field(default_factory=_empty_counts)
     rollout_histogram: Counts = field(default_factory=_empty_counts)
+    # SPEC 12, over the shipped samples plus the samples dropped in the window (live rollouts):
+    length_samples: int = 0
+    length_sampled: Counts = field(default_factory=_empty_counts)  # sampled positions per length bucket
+    length_removed: Counts = field(default_factory=_empty_counts)  # of those, masked or dropped
 
     def __add__(self, other: Tally) -> Tally:
         values: dict[str, object] = {}
@@ -84,6 +94,7 @@ class StepReport:
     tally: Tally
     env_metrics: Mapping[str, Mapping[str, float | int]] = field(default_factory=dict)
     env_tally: Mapping[str, Tally] = field(default_factory=dict)
+    mismatch: MismatchSums | None = None
 
     def row(self) -> dict[str, float | int]:
         """The ``--metrics-out`` line: ``{"step": S, <key>: <value>, ...}``."""

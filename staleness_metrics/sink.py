@@ -8,6 +8,7 @@ written only where the policy masks them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -25,7 +26,8 @@ from .metrics import WindowCounts, compute_report
 from .policies import Policy, policy_for
 from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from .report import StepReport, Tally
-from .segments import expand_ranges
+from .segments import expand_ranges, segment_sum
+from .shipped_positions import NOT_SAMPLED, ShippedSpans
 from .spans import PART_LABELLED, PART_UNLABELLED, build_spans
 from .table import Table
 from .validation import check_batch
@@ -100,6 +102,10 @@ def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> di
             out[name] = out_of(values[lo:hi].astype(np.float64))
     if batch.logprobs is not None and batch.present["logprobs"][sample]:
         out["logprobs"] = out_of(batch.logprobs[lo:hi].astype(np.float64))
+    if batch.trainer_logprobs is not None and batch.present["trainer_logprobs"][sample]:
+        values = batch.trainer_logprobs[lo:hi].astype(np.float64)
+        # missing values are null; orjson writes a non-finite float of an array as null by itself
+        out["trainer_logprobs"] = values if arrays else [v if math.isfinite(v) else None for v in values.tolist()]
     return out
 
 
@@ -118,11 +124,25 @@ class Shipment:
     held: tuple[str, ...]
     invalid: tuple[TraceError, ...] = field(default=())
     _build_rollouts: Callable[[], tuple[ShippedRollout, ...]] = field(default=tuple, repr=False, compare=False)
+    _spans: ShippedSpans | None = field(default=None, repr=False, compare=False)
 
     @cached_property
     def rollouts(self) -> tuple[ShippedRollout, ...]:
         """The shipped rollouts, in ship order, with their kept samples."""
         return self._build_rollouts()
+
+    @cached_property
+    def lags(self) -> npt.NDArray[np.int64]:
+        """The lag ``T - v`` of every shipped position (SPEC 11), aligned with the shipped samples' arrays
+        concatenated in ship order (:attr:`rollouts`, then their samples); ``-1`` where a position is not
+        a sampled position of a live rollout. Send it with the batch to a trainer that computes
+        :func:`~staleness_metrics.mismatch_sums` from its own log-probabilities."""
+        return self._spans.lags() if self._spans is not None else np.zeros(0, dtype=np.int64)
+
+    @cached_property
+    def lag_offsets(self) -> npt.NDArray[np.int64]:
+        """Where each shipped sample starts in :attr:`lags` (one more entry than shipped samples)."""
+        return self._spans.lag_offsets() if self._spans is not None else np.zeros(1, dtype=np.int64)
 
     @property
     def metrics(self) -> Mapping[str, float | int]:
@@ -418,6 +438,7 @@ class Sink:
             env = judgement.env[judgement.sample_rollout[local]]
             self._window.add(env, "samples_dropped")
             self._window.add(env, "tokens_dropped", judgement.n_sampled[local])
+            self._window.add_dropped_lengths(env, judgement.n_sampled[local])
             ids = self._ids
             self._window.dropped_samples.extend(
                 (ids[rows[judgement.sample_rollout[i]]], int(samples["local"][sample_rows[i]])) for i in local
@@ -500,9 +521,12 @@ class Sink:
         self._window.held.extend(self._ids[i] for i in held)
         self._leave(shipped, SHIPPED)
 
+        shipped_slice = self._slice(shipped, step)
+        spans = self._shipped_spans(shipped_slice)
+        mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
         report = compute_report(
-            self._slice(shipped, step), self._window, self.config.max_staleness, self._env_names,
-            self.config.env_breakdown,
+            shipped_slice, self._window, self.config.max_staleness, self._env_names, self.config.env_breakdown,
+            mismatch,
         )  # fmt: skip
         shipment = Shipment(
             step=step,
@@ -512,6 +536,7 @@ class Sink:
             held=tuple(self._window.held),
             invalid=tuple(self._invalid),
             _build_rollouts=self._shipped_rollouts(shipped),
+            _spans=spans,
         )
         self.totals = self.totals + report.tally
         self._window = WindowCounts()
@@ -570,6 +595,36 @@ class Sink:
             return tuple(out)
 
         return build
+
+    def _shipped_spans(self, shipped: Judgement) -> ShippedSpans:
+        """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11)."""
+        s, n = self._samples, self._spans
+        span_rows = expand_ranges(s["span_lo"][shipped.sample_rows], s["span_hi"][shipped.sample_rows])
+        kept_sample = ~shipped.dropped
+        part = n["part"][span_rows]
+        kept = kept_sample[shipped.span_sample] & (part != PART_UNLABELLED)  # a mixed span once, by its first row
+        span_rollout = shipped.sample_rollout[shipped.span_sample]
+        in_population = ~shipped.frozen[span_rollout] & (shipped.sampled > 0)
+        lag = np.where(in_population, shipped.trained_version - shipped.version, NOT_SAMPLED)
+        masked = shipped.version < shipped.mask_below[shipped.span_sample]
+        partner = np.minimum(np.arange(len(part)) + 1, max(len(part) - 1, 0))  # the unlabelled part follows
+        chunks = self._rollouts["chunk"][shipped.rows]
+        used = np.unique(chunks)
+        batches = [self._chunks[c] for c in used.tolist()]
+        assert all(b is not None for b in batches)
+        spans_per_sample = segment_sum(kept.astype(np.int64), shipped.span_offsets)[kept_sample]
+        return ShippedSpans(
+            batches=batches,  # type: ignore[arg-type]
+            chunk=np.searchsorted(used, chunks[span_rollout])[kept],
+            lo=n["lo"][span_rows][kept],
+            hi=n["hi"][span_rows][kept],
+            lag=lag[kept],
+            masked=masked[kept],
+            sample_offsets=np.concatenate(([0], np.cumsum(spans_per_sample))),
+            mixed=(part == PART_LABELLED)[kept],
+            unlabelled_lag=lag[partner][kept],
+            unlabelled_masked=masked[partner][kept],
+        )
 
     def _check_versions(self, rows: IntArray, step: int) -> IntArray:
         """Ship-time rule: no version above the trained one. Returns the rows that pass."""

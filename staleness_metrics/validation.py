@@ -11,7 +11,7 @@ from collections.abc import Container, Iterable
 import numpy as np
 import numpy.typing as npt
 
-from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from .errors import TraceError
 
 __all__ = ["Verdicts", "check_batch", "check_versions_at_most"]
@@ -78,7 +78,7 @@ def _check_shapes(batch: RolloutBatch) -> None:
     for name in ("dispatch_version", "completion_version", "frozen", "agentic"):
         if len(getattr(batch, name)) != batch.n_rollouts:
             raise ValueError(f"{name} must have one entry per rollout")
-    for name in (*WEIGHT_FIELDS, "logprobs", "token_versions"):
+    for name in (*PER_POSITION_FLOATS, "token_versions"):
         values = getattr(batch, name)
         if values is not None and len(values) != n_positions:
             raise ValueError(f"{name} must have one entry per position ({n_positions})")

@@ -96,9 +96,9 @@ def _listen(host: str, port: int) -> socket.socket:
     it a response written in two sends (headers, then body) waits for the client's delayed ACK: about
     40 ms on every request after the first on a kept-alive connection.
     """
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-    )[0]
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[
+        0
+    ]
     sock = socket.socket(family, kind, proto)
     try:
         if os.name != "nt":  # a restarted service can take its port back while old connections linger

@@ -10,7 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .background import BackgroundExporter, ExportQueue
-from .base import ExportContext, Exporter, ExportErrors, MonitorAware
+from .base import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
 from .console import ConsoleExporter
 from .jsonl import JsonlExporter
 
@@ -27,6 +27,8 @@ __all__ = [
     "ExportQueue",
     "Exporter",
     "JsonlExporter",
+    "MismatchAware",
+    "MismatchReport",
     "MonitorAware",
     "OtlpExporter",
     "PrometheusExporter",

@@ -14,9 +14,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from ..mismatch import MismatchSums
 from ..report import StepReport
 
-__all__ = ["DEFAULT_RUN", "ExportContext", "ExportErrors", "Exporter", "MonitorAware"]
+__all__ = [
+    "DEFAULT_RUN",
+    "ExportContext",
+    "ExportErrors",
+    "Exporter",
+    "MismatchAware",
+    "MismatchReport",
+    "MonitorAware",
+]
 
 logger = logging.getLogger("staleness_metrics.exporters")
 
@@ -36,6 +45,27 @@ class Exporter(Protocol):
     def export(self, report: StepReport) -> None: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class MismatchReport:
+    """Trainer-side SPEC 11 sums recorded for a shipped step (the live path).
+
+    ``sums`` is the step's total so far, merged over every call for the step (one per rank or
+    micro-batch); ``delta`` is what this call added. Counter exporters add ``delta``; row exporters
+    (W&B, JSONL, console) write the keys of ``sums``, so the last row of a step holds the merged values.
+    """
+
+    step: int
+    sums: MismatchSums
+    delta: MismatchSums
+
+
+@runtime_checkable
+class MismatchAware(Protocol):
+    """An exporter that publishes trainer-side mismatch sums (:meth:`StalenessMonitor.record_mismatch`)."""
+
+    def export_mismatch(self, report: MismatchReport) -> None: ...
 
 
 @runtime_checkable

@@ -132,3 +132,22 @@ def test_scattered_unlabelled_positions_stay_inside_one_span() -> None:
     assert shipment.metrics["staleness/token/unlabelled"] == 1000 / 3000
     np.testing.assert_array_equal(mask, np.where(versions < 0, 0, 1))
     np.testing.assert_array_equal(rl, mask)
+
+
+def test_lags_of_a_span_with_scattered_unlabelled_positions_are_per_position() -> None:
+    """SPEC 11 lags of a shipped sample whose span holds scattered -1 positions: the labelled ones lag by
+    their label, the unlabelled ones by the dispatch version, mask-0 ones are -1."""
+    import numpy as np
+
+    versions = np.array([4, 4, -1, 4, -1, -1, 5, 5, -1, 5], dtype=np.int64)
+    mask = np.array([0, 1, 1, 1, 1, 1, 1, 1, 1, 1], dtype=np.float32)
+    batch = RolloutBatch(
+        ids=["r0"], sample_offsets=np.array([0, 1]), position_offsets=np.array([0, 10]), mask=mask,
+        dispatch_version=np.array([2]), token_versions=versions,
+    )  # fmt: skip
+    sink = Sink(StalenessConfig(max_staleness=8))
+    sink.add(batch)
+    shipment = sink.ship(7)  # T = 6
+    expected = np.where(mask == 0, -1, 6 - np.where(versions < 0, 2, versions))
+    np.testing.assert_array_equal(shipment.lags, expected)
+    np.testing.assert_array_equal(shipment.lag_offsets, [0, 10])

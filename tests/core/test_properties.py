@@ -132,10 +132,46 @@ def naive_metrics(
             values = [s[index] for s in rollout_stats]
             out[f"staleness/rollout/{key}mean"] = float(Fraction(sum(values), len(values)))
             out[f"staleness/rollout/{key}max"] = max(values)
+    out.update(naive_length_bias(line, added, dropped_before))
     out["staleness/rollout/dropped"] = len(line["dropped_rollouts"])
     out["staleness/sample/dropped"] = len(line["dropped_samples"])
     out["staleness/rollout/held"] = len(line["held"])
     out["staleness/max_staleness"] = max_staleness
+    return out
+
+
+LENGTH_BUCKETS = ((256, "256"), (1024, "1k"), (4096, "4k"), (16384, "16k"), (None, "inf"))
+
+
+def naive_length_bias(
+    line: dict[str, Any], added: dict[str, dict[str, Any]], dropped_before: set[tuple[str, int]]
+) -> dict[str, Any]:
+    """SPEC 12 recounted per position: shipped samples as masked, the window's dropped samples as removed."""
+    lengths: list[tuple[int, int]] = []  # (sampled positions, of which masked or dropped)
+    for shipped in line["shipped"]:
+        original = added[shipped["id"]]
+        if original.get("source") == "frozen":
+            continue
+        kept = [k for k in range(len(original["samples"])) if (shipped["id"], k) not in dropped_before]
+        for k, out in zip(kept, shipped["samples"]):
+            arrived = original["samples"][k]["mask"]
+            lengths.append((sum(arrived), sum(1 for a, b in zip(arrived, out["mask"]) if a and not b)))
+    for rid, k in line["dropped_samples"]:
+        n = sum(added[rid]["samples"][k]["mask"])
+        lengths.append((n, n))
+    if not lengths:
+        return {}
+    out: dict[str, Any] = {
+        "staleness/length/sampled/mean": float(Fraction(sum(n for n, _ in lengths), len(lengths))),
+        "staleness/length/trained/mean": float(Fraction(sum(n - gone for n, gone in lengths), len(lengths))),
+    }
+    for index, (top, name) in enumerate(LENGTH_BUCKETS):
+        low = 1 if index == 0 else LENGTH_BUCKETS[index - 1][0] + 1  # type: ignore[operator]
+        inside = [(n, gone) for n, gone in lengths if n >= low and (top is None or n <= top)]
+        if inside:
+            out[f"staleness/length/bucket_{name}/masked"] = float(
+                Fraction(sum(g for _, g in inside), sum(n for n, _ in inside))
+            )
     return out
 
 

@@ -133,6 +133,10 @@ def test_sweep_drops_are_reported_by_the_next_ship_and_an_empty_ship_reports_the
     shipment = s.ship(5)
     assert shipment.ids == []
     assert shipment.metrics == {
+        # SPEC 12: the dropped sample (2 sampled positions) is in the length population, wholly removed
+        "staleness/length/sampled/mean": 2.0,
+        "staleness/length/trained/mean": 0.0,
+        "staleness/length/bucket_256/masked": 1.0,
         "staleness/rollout/dropped": 1,
         "staleness/sample/dropped": 1,
         "staleness/rollout/held": 0,

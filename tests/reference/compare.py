@@ -32,8 +32,8 @@ from .spec_reference import (
 from .streams import ReplayConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-INT_KEYS = ("max", "p50", "p90", "p99", "dropped", "held", "max_staleness")
-FLOAT_KEYS = ("mean", "masked", "unlabelled")
+INT_KEYS = ("max", "p50", "p90", "p99", "dropped", "held", "max_staleness", "tokens")
+FLOAT_KEYS = ("mean", "masked", "unlabelled", "k3", "excess_k3", "abs_log_ratio", "out_of_band", "ess", "coverage")
 BATCH_KEYS = {"step", "shipped", "dropped_rollouts", "dropped_samples", "held"}
 
 
@@ -146,6 +146,8 @@ def _normalise_sample(sample: dict[str, Any]) -> dict[str, Any]:
     for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs"):
         if name in out:
             out[name] = [float(x) for x in out[name]]
+    if "trainer_logprobs" in out:
+        out["trainer_logprobs"] = [None if x is None else float(x) for x in out["trainer_logprobs"]]
     if "weight_versions" in out:
         out["weight_versions"] = [list(pair) for pair in out["weight_versions"]]
     return out

@@ -47,6 +47,11 @@ R14 Malformed events: bad JSON, a non-object line, an unknown or missing ``type`
 R15 Quantiles use exact rational ranks ``ceil(p * N)`` (p = 1/2, 9/10, 99/100), never float products.
 R16 ``logprobs`` must be finite numbers too (SPEC names only weights; the engine rejects -inf/NaN).
 R17 A ship's ``"ids": null`` means all queued rollouts; an id named twice is taken once.
+R18 SPEC 11: ``trainer_logprobs`` entries are numbers or null (null, NaN, ±inf: uncovered); the family is
+    reported when some shipped sample of the whole batch (not per env) carries the field, and left out
+    when nothing is covered. Position by position, in plain floats.
+R19 SPEC 12: the length population is the shipped samples of live rollouts plus every sample the window
+    dropped; a sample with no sampled position counts in the means but in no length bucket.
 """
 
 from __future__ import annotations
@@ -112,6 +117,8 @@ class Sample:
     weights: dict[str, list[float]]  # current (masked) rl/ce/ref_kl weights that were given
     arrived_had_something: bool = False
     dropped: bool = False
+    logprobs: list[float] | None = None
+    trainer_logprobs: list[float | None] | None = None
 
 
 @dataclass
@@ -246,7 +253,18 @@ def _parse_sample(raw: object, index: int, rid: str) -> Sample:
             raise _Invalid(rid, f"{where}.{name}", "not a finite number")
         if name != "logprobs":
             weights[name] = [float(x) for x in values]
+    trainer: list[float | None] | None = None
+    if raw.get("trainer_logprobs") is not None:
+        values = raw["trainer_logprobs"]
+        name = f"{where}.trainer_logprobs"
+        if not isinstance(values, list) or not all(x is None or _is_number(x) for x in values):
+            raise _Invalid(rid, name, "expected a list of numbers or nulls")
+        if len(values) != n:
+            raise _Invalid(rid, name, "wrong length")
+        trainer = [None if x is None or not math.isfinite(x) else float(x) for x in values]
     sample = Sample(index=index, raw=raw, arrived_mask=mask, labels=labels, mask=list(mask), weights=weights)
+    sample.trainer_logprobs = trainer
+    sample.logprobs = [float(x) for x in raw["logprobs"]] if raw.get("logprobs") is not None else None
     sample.arrived_had_something = _has_something_to_train(sample)
     return sample
 
@@ -550,6 +568,7 @@ class ReferenceSink:
             _slice_metrics(step, shipped, self.window.dropped_rollouts, self.window.dropped_samples, held, "staleness/")
         )
         metrics["staleness/max_staleness"] = self.config.max_staleness
+        metrics.update(_mismatch_metrics(step, shipped))
         if self.config.env_breakdown:
             envs: list[str] = []
             everything = [
@@ -628,9 +647,96 @@ def _slice_metrics(
         for name, values in (("", rollout_r), ("in_flight/", rollout_f), ("in_queue/", rollout_q)):
             out[prefix + f"rollout/{name}mean"] = sum(values) / len(values)
             out[prefix + f"rollout/{name}max"] = max(values)
+    out.update(_length_metrics(population, dropped_samples, prefix))
     out[prefix + "rollout/dropped"] = len([r for r in dropped_rollouts if not r.frozen])
     out[prefix + "sample/dropped"] = len(dropped_samples)
     out[prefix + "rollout/held"] = len(held)
+    return out
+
+
+LENGTH_BUCKETS = ((1, 256, "256"), (257, 1024, "1k"), (1025, 4096, "4k"), (4097, 16384, "16k"), (16385, None, "inf"))
+
+
+def _length_metrics(
+    population: list[Rollout], dropped_samples: list[tuple[Rollout, Sample]], prefix: str
+) -> dict[str, Any]:
+    """SPEC 12 (R19): (sampled positions, masked or dropped ones) per sample of the population."""
+    lengths: list[tuple[int, int]] = []
+    for rollout in population:
+        for sample in rollout.kept_samples():
+            sampled = [p for p in range(len(sample.arrived_mask)) if sample.arrived_mask[p] == 1]
+            lengths.append((len(sampled), sum(1 for p in sampled if sample.mask[p] == 0)))
+    for _, sample in dropped_samples:
+        n = sum(sample.arrived_mask)
+        lengths.append((n, n))
+    if not lengths:
+        return {}
+    out: dict[str, Any] = {
+        prefix + "length/sampled/mean": sum(n for n, _ in lengths) / len(lengths),
+        prefix + "length/trained/mean": sum(n - gone for n, gone in lengths) / len(lengths),
+    }
+    for low, high, name in LENGTH_BUCKETS:
+        inside = [(n, gone) for n, gone in lengths if n >= low and (high is None or n <= high)]
+        if inside:
+            out[prefix + f"length/bucket_{name}/masked"] = sum(g for _, g in inside) / sum(n for n, _ in inside)
+    return out
+
+
+def _lag_bucket(lag: int) -> str:
+    if lag <= 16:
+        return str(lag)
+    return "32" if lag <= 32 else "64" if lag <= 64 else "inf"
+
+
+def _mismatch_metrics(step: int, shipped: list[Rollout]) -> dict[str, Any]:
+    """SPEC 11 (R18), position by position."""
+    t = step - 1
+    population = [r for r in shipped if not r.frozen]
+    if not any(s.trainer_logprobs is not None for r in population for s in r.kept_samples()):
+        return {}
+    buckets: dict[str, list[float]] = {}  # bucket -> [tokens, k3, |d|, out of band, r, r^2]
+    sampled = covered = 0
+    k3_all = 0.0
+    for rollout in population:
+        for sample in rollout.kept_samples():
+            for p in range(len(sample.arrived_mask)):
+                if sample.arrived_mask[p] != 1:
+                    continue
+                sampled += 1
+                trainer = None if sample.trainer_logprobs is None else sample.trainer_logprobs[p]
+                sampler = None if sample.logprobs is None else sample.logprobs[p]
+                if trainer is None or sampler is None:
+                    continue
+                covered += 1
+                d = max(-20.0, min(20.0, trainer - sampler))
+                r = math.exp(d)
+                k3 = r - 1 - d
+                k3_all += k3
+                entry = buckets.setdefault(_lag_bucket(t - rollout.effective(sample, p)), [0, 0.0, 0.0, 0, 0.0, 0.0])
+                entry[0] += 1
+                entry[1] += k3
+                entry[2] += abs(d)
+                entry[3] += r < 0.5 or r > 2.0
+                entry[4] += r
+                entry[5] += r * r
+    if covered == 0:
+        return {}
+    out: dict[str, Any] = {}
+    floor = buckets["0"][1] / buckets["0"][0] if "0" in buckets else None
+    for name, (n, k3, absd, oob, ratio, ratio_sq) in buckets.items():
+        key = f"staleness/mismatch/lag_{name}/"
+        out[key + "tokens"] = n
+        out[key + "k3"] = k3 / n
+        out[key + "abs_log_ratio"] = absd / n
+        out[key + "out_of_band"] = oob / n
+        out[key + "ess"] = ratio * ratio / (n * ratio_sq)
+        if floor is not None:
+            out[key + "excess_k3"] = k3 / n - floor
+    out["staleness/mismatch/k3"] = k3_all / covered
+    stale = [(n, k3) for name, (n, k3, *_) in buckets.items() if name != "0"]
+    if floor is not None and stale:
+        out["staleness/mismatch/excess_k3"] = sum(k for _, k in stale) / sum(n for n, _ in stale) - floor
+    out["staleness/mismatch/coverage"] = covered / sampled
     return out
 
 

@@ -215,6 +215,8 @@ class _StreamBuilder:
                 sample[name] = values
         if ch.chance(15):
             sample["logprobs"] = [-0.125 * ch.integer(0, 40) for _ in range(n)]
+        if ch.chance(20):  # SPEC 11: nulls are uncovered positions
+            sample["trainer_logprobs"] = [None if ch.chance(10) else -0.125 * ch.integer(0, 40) for _ in range(n)]
         return sample
 
     # -- rollouts --------------------------------------------------------------------------------
@@ -298,7 +300,7 @@ class _StreamBuilder:
         elif kind == "unsorted_spans":
             first.pop("token_versions", None)
             first["mask"] = [1, 1, 1]
-            for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs"):
+            for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs"):
                 first.pop(name, None)
             first["weight_versions"] = [[record["dispatch_version"], 2], [record["dispatch_version"], 1]]
         elif kind == "completion_below_dispatch":
@@ -312,7 +314,7 @@ class _StreamBuilder:
             else:
                 record["samples"] = []
         elif kind == "both_version_fields":
-            for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs"):
+            for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs"):
                 first.pop(name, None)
             first["mask"] = [1, 1]
             first["token_versions"] = [-1, -1]
@@ -332,7 +334,7 @@ class _StreamBuilder:
             else:
                 first.pop("weight_versions", None)
                 first["mask"] = [1, *first["mask"]]
-                for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs"):
+                for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs"):
                     first.pop(name, None)
                 first["token_versions"] = [self.now + 1] + [-1] * (len(first["mask"]) - 1)
             self.min_ship_step = saved
