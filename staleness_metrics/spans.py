@@ -5,6 +5,11 @@ each sample is cut into spans of one version label that tile its positions. For 
 keeps how many sampled positions it holds and how many of those carry a loss weight; every later
 decision and metric is a reduction over spans, so positions are read once, here, and written only
 where they are masked.
+
+Unlabelled positions (``-1``) scattered among equal ``token_versions`` labels do not cut a span: the
+span is then two rows over one range, its labelled part and its unlabelled part (dispatch version), so
+the number of spans follows the labels, not the unlabelled positions. Finding the runs costs one step
+per change of value; nothing sorts or hashes per-position data.
 """
 
 from __future__ import annotations
