@@ -37,11 +37,15 @@ def test_engine_bench_prints_one_ratio_per_workload_and_policy() -> None:
         assert [n for n in names if shape in n and "unlabelled" in n] == [
             f"token_versions {shape}, {p} unlabelled" for p in ("0%", "1%", "10%", "50%")
         ]
-    assert names[-1] == "token_versions 8192 x 1024, groups of 16, 3 envs"
+    assert names[-2:] == [
+        "token_versions 8192 x 1024, groups of 16, 3 envs",
+        "padded 1024 x 8192 (from_padded + add + ship)",
+    ]
     for row in rows:
         assert positive(row["token"]) and positive(row["xtuner"]), row
         assert row["samples"] >= 1 and row["positions"] in (1024, 8192)
     assert positive(result["python_speed_up"]) and positive(result["peak_memory_ratio"])
+    assert positive(result["from_padded_alone"])
     assert result["goals"] == {"token": 3.0, "xtuner": 4.0}
 
 
