@@ -1,150 +1,146 @@
-"""Service benchmark: the real ``serve`` command in a subprocess, figures measured in the same run.
+"""Service benchmark: latency over one kept-alive connection, and throughput under 16 clients.
 
-    python bench/service.py [--writes 400] [--clients 4] [--positions 28000000]
+    python bench/service.py [--requests 300] [--clients 16] [--batches 100] [--json]
 
-Reports:
-- writes per second (rollout batches and ships) with persistence on (SQLite, WAL, fsync per write)
-  beside the same load on ``--in-memory``, and their ratio;
-- the server's peak memory for one large valid body: resident memory growth (peak ``VmHWM`` minus the
-  resident size before the request) as a multiple of the body's size.
+Starts ``staleness-metrics serve`` on a free loopback port (a real uvicorn process) and measures with
+the project's client (httpx, one connection reused per client):
+- p50 / p99 of a small add (one rollout of 16 positions) and of a small ship, one client;
+- batches/s with ``--clients`` concurrent clients each adding ``--batches`` batches of 4 rollouts
+  (ships in between), and the server's CPU share meanwhile (its CPU seconds / wall seconds; 1.0 =
+  one core busy): throughput bound by the server's CPU, not by waiting, shows as a high share;
+- conservation afterwards: every rollout sent is shipped, dropped or still queued, exactly once.
+Goal: p50 <= 3 ms on loopback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
+from staleness_metrics.client import StalenessClient
 
 
-@contextmanager
-def serve(args: Sequence[str]) -> Iterator[tuple[str, int]]:
-    """``staleness-metrics serve --port 0 ARGS``: yields (url, pid)."""
-    command = [sys.executable, "-m", "staleness_metrics.cli", "serve", "--port", "0", "--log-level", "warning"]
-    process = subprocess.Popen([*command, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout is not None
-        match = re.search(r"http://127\.0\.0\.1:\d+", process.stdout.readline())
-        if match is None:
-            raise RuntimeError(f"serve did not start: {process.stderr.read() if process.stderr else ''}")
-        yield match.group(0), process.pid
-    finally:
-        process.terminate()
-        process.wait()
+def rollout(rid: str, version: int) -> dict[str, Any]:
+    return {"id": rid, "dispatch_version": version, "samples": [{"mask": [0] * 4 + [1] * 12}]}
 
 
-def _rollouts(client: int, index: int, per_batch: int = 4, positions: int = 64) -> list[dict[str, object]]:
-    return [
-        {
-            "id": f"c{client}-{index}-{j}",
-            "group_id": f"g{index}",
-            "dispatch_version": index // 8,
-            "samples": [{"mask": [1] * positions, "weight_versions": [[index // 8, 0]]}],
-        }
-        for j in range(per_batch)
-    ]
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def writes_per_second(url: str, writes: int, clients: int) -> float:
-    """``clients`` threads each sending ``writes / clients`` requests (one ship every eighth), timed."""
-    with httpx.Client(base_url=url, timeout=120) as http:
-        http.put("/v1/runs/bench", json={"max_staleness": 4}).raise_for_status()
-    per_client = writes // clients
-
-    def client(number: int) -> None:
-        with httpx.Client(base_url=url, timeout=120) as http:
-            for i in range(per_client):
-                if number == 0 and i % 8 == 7:
-                    step = i // 8 + 2
-                    http.post("/v1/runs/bench/ship", json={"step": step}, headers={"Idempotency-Key": f"s{i}"})
-                else:
-                    http.post("/v1/runs/bench/rollouts", json={"rollouts": _rollouts(number, i)}).raise_for_status()
-
-    threads = [threading.Thread(target=client, args=(n,)) for n in range(clients)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return per_client * clients / (time.perf_counter() - start)
+def quantiles(times: list[float]) -> tuple[float, float]:
+    times = sorted(times)
+    return times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))]
 
 
-def persisted_vs_in_memory(writes: int, clients: int) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as data_dir, serve(["--data-dir", data_dir]) as (url, _):
-        persisted = writes_per_second(url, writes, clients)
-    with serve(["--in-memory"]) as (url, _):
-        in_memory = writes_per_second(url, writes, clients)
-    return {"persisted_writes_per_s": persisted, "in_memory_writes_per_s": in_memory, "ratio": persisted / in_memory}
-
-
-def _status(pid: int, key: str) -> int:
-    """A ``/proc/PID/status`` figure in bytes (``VmRSS``, ``VmHWM``)."""
-    text = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
-    assert match is not None
-    return int(match.group(1)) * 1024
-
-
-def large_body(positions: int) -> bytes:
-    """One valid rollout of ``positions`` sampled positions with two version spans (``1,`` per position)."""
-    record = {
-        "id": "big",
-        "dispatch_version": 0,
-        "samples": [{"mask": [1] * positions, "weight_versions": [[0, 0], [1, positions // 2]]}],
-    }
-    return json.dumps({"rollouts": [record]}, separators=(",", ":")).encode()
-
-
-def peak_memory_for_body(positions: int, args: Sequence[str] = ("--in-memory",)) -> dict[str, float]:
-    body = large_body(positions)
-    with (
-        serve([*args, "--max-body-bytes", str(len(body) + 1)]) as (url, pid),
-        httpx.Client(base_url=url, timeout=600) as http,
-    ):
-        http.put("/v1/runs/big", json={}).raise_for_status()
-        before = _status(pid, "VmRSS")
-        response = http.post("/v1/runs/big/rollouts", content=body, headers={"content-type": "application/json"})
-        response.raise_for_status()
-        peak = _status(pid, "VmHWM")
-    return {
-        "body_mb": len(body) / 2**20,
-        "rss_before_mb": before / 2**20,
-        "peak_rss_mb": peak / 2**20,
-        "growth_per_body_byte": (peak - before) / len(body),
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
+def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--writes", type=int, default=400)
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--positions", type=int, default=28_000_000, help="positions of the large body")
-    args = parser.parse_args(argv)
-    rates = persisted_vs_in_memory(args.writes, args.clients)
-    print(
-        f"writes/s, {args.clients} clients: persisted {rates['persisted_writes_per_s']:.0f}, "
-        f"in memory {rates['in_memory_writes_per_s']:.0f} (persisted / in memory = {rates['ratio']:.2f})"
+    parser.add_argument("--requests", type=int, default=300, help="timed adds and ships, one client")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--batches", type=int, default=100, help="batches per client under load")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = parser.parse_args()
+
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "staleness_metrics.cli",
+            "serve",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            "--in-memory",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
-    for label, store in (("in memory", ["--in-memory"]), ("persisted", None)):
-        with tempfile.TemporaryDirectory() as data_dir:
-            memory = peak_memory_for_body(args.positions, store or ["--data-dir", data_dir])
-        print(
-            f"large body ({label}): {memory['body_mb']:.0f} MB, server RSS {memory['rss_before_mb']:.0f} MB -> "
-            f"peak {memory['peak_rss_mb']:.0f} MB: growth {memory['growth_per_body_byte']:.1f}x the body"
-        )
-    return 0
+    try:
+        assert server.stdout is not None
+        match = re.search(r"http://127\.0\.0\.1:(\d+)", server.stdout.readline())
+        assert match, "the service did not say where it listens"
+        url = f"http://127.0.0.1:{match.group(1)}"
+        result = measure(url, server.pid, args)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"small add over one connection:  p50 {result['add_p50_ms']:.2f} ms, p99 {result['add_p99_ms']:.2f} ms "
+          f"(first request {result['first_ms']:.1f} ms; goal p50 <= 3 ms)")  # fmt: skip
+    print(f"small ship over one connection: p50 {result['ship_p50_ms']:.2f} ms, p99 {result['ship_p99_ms']:.2f} ms")
+    print(f"{args.clients} clients: {result['batches_per_second']:.0f} batches/s, server CPU share "
+          f"{result['server_cpu_share']:.2f} of one core")  # fmt: skip
+    print(f"conservation: {result['rollouts_sent']} rollouts sent = shipped + dropped + queued: {result['conserved']}")
+
+
+def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    with StalenessClient(url) as client:
+        client.create_run("latency", {"max_staleness": 4})
+        start = time.perf_counter()
+        client.add("latency", [rollout("warm", 0)])
+        first = time.perf_counter() - start
+        adds, ships = [], []
+        for i in range(args.requests):
+            start = time.perf_counter()
+            client.add("latency", [rollout(f"a{i}", 0)])
+            adds.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            client.ship("latency", 1 + i // 10)
+            ships.append(time.perf_counter() - start)
+
+        client.create_run("load", {"max_staleness": 2})
+        step = [1]
+        lock = threading.Lock()
+
+        def send(worker: int) -> None:
+            with StalenessClient(url) as own:
+                for b in range(args.batches):
+                    with lock:
+                        version = step[0] - 1
+                    own.add("load", [rollout(f"w{worker}-{b}-{k}", version) for k in range(4)])
+                    if b % 10 == 9:
+                        with lock:  # ships in step order
+                            step[0] += 1
+                            own.ship("load", step[0])
+
+        cpu_before, start = cpu_seconds(pid), time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            list(pool.map(send, range(args.clients)))
+        wall = time.perf_counter() - start
+        cpu = cpu_seconds(pid) - cpu_before
+        client.ship("load", step[0] + 1)
+        info = client.run_info("load")
+    totals = info["totals"]
+    sent = args.clients * args.batches * 4
+    accounted = totals["rollouts_shipped"] + totals["rollouts_dropped"] + info["queued"]
+    add_p50, add_p99 = quantiles(adds)
+    ship_p50, ship_p99 = quantiles(ships)
+    return {
+        "first_ms": first * 1e3,
+        "add_p50_ms": add_p50 * 1e3,
+        "add_p99_ms": add_p99 * 1e3,
+        "ship_p50_ms": ship_p50 * 1e3,
+        "ship_p99_ms": ship_p99 * 1e3,
+        "batches_per_second": args.clients * args.batches / wall,
+        "server_cpu_share": cpu / wall,
+        "rollouts_sent": sent,
+        "conserved": accounted == sent and info["rollouts_received"] == sent,
+    }
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

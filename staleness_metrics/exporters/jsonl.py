@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
 from typing import IO
 
-import numpy as np
-
+from .. import jsonio
 from ..report import StepReport
 from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
 
 __all__ = ["JsonlExporter", "row_json"]
 
 
-def _plain(value: object) -> object:
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
-
-
 def row_json(report: StepReport) -> str:
     """The report's ``{"step": S, <key>: <value>, ...}`` line, without the newline."""
-    return json.dumps(report.row(), default=_plain, allow_nan=False)
+    return jsonio.dumps(report.row()).decode()
 
 
 class JsonlExporter(QueuedExporter[str]):

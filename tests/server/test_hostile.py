@@ -81,7 +81,7 @@ def test_unauthenticated_writes_get_401_before_the_body_is_read(serve_process: C
 
 def test_a_large_valid_body_costs_a_small_multiple_of_its_size(serve_process: Callable[..., ServeProcess]) -> None:
     """One rollout of 8M positions: peak resident growth stays within 8x the body (docs/service.md states
-    the figure bench/service.py measures)."""
+    the figure bench/service_durability.py measures)."""
     positions = 8_000_000
     body = b'{"rollouts":[{"id":"big","dispatch_version":0,"samples":[{"mask":[' + b"1," * (positions - 1) + b"1]}]}]}"
     served = serve_process(["--max-body-bytes", str(len(body))])
