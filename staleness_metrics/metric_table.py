@@ -661,7 +661,8 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         "length_removed_tokens",
-        "Of those, the positions masked or dropped for staleness, by the sample's sampled length bucket.",
+        "Sampled positions of shipped and dropped live samples that were masked or dropped for staleness, "
+        "by the sample's sampled length bucket.",
         Source.TALLY_BUCKETS,
         MetricKind.COUNTER,
         None,
