@@ -219,9 +219,7 @@ def test_otlp_meter_provider_path_adds_each_increment_once() -> None:
     assert (tokens["0"], tokens["1"], tokens["+Inf"], tokens["2"]) == (8, 4, 2, 0)
     ratio_sq = {p.attributes["lag"]: p.value for p in metrics["rl.staleness.mismatch.ratio_squared"].data.data_points}
     assert ratio_sq["+Inf"] == 2 * 0.00390625
-    sampled = {
-        p.attributes["length"]: p.value for p in metrics["rl.staleness.length.sampled_tokens"].data.data_points
-    }
+    sampled = {p.attributes["length"]: p.value for p in metrics["rl.staleness.length.sampled_tokens"].data.data_points}
     assert sampled == {"256": 20, "1k": 600, "4k": 0, "16k": 0, "inf": 0}
     samples = metrics["rl.staleness.length.samples"].data.data_points
     assert [p.value for p in samples] == [6]
@@ -253,7 +251,9 @@ def test_console_shows_excess_k3_when_present_and_a_line_for_live_sums() -> None
     )
     assert format_line(report).endswith("dropped 2 rollouts")  # no trainer log-probs: no column
     live = MismatchReport(7, sums=hand_sums(), delta=hand_sums())
-    assert format_mismatch_line(live) == f"step 7 | mismatch k3 {3.25 / 7:.4g} | excess k3 {excess:.4g} | coverage 70.0%"
+    assert (
+        format_mismatch_line(live) == f"step 7 | mismatch k3 {3.25 / 7:.4g} | excess k3 {excess:.4g} | coverage 70.0%"
+    )
     only_floor = mismatch_sums([0, 0], [-1.0, -1.0], [-1.0, -1.1])
     assert format_mismatch_line(MismatchReport(8, only_floor, only_floor)).split(" | ")[2] == "excess k3 -"
     stream = io.StringIO()
