@@ -220,6 +220,7 @@ class CumulativeState:
     def _snapshot(self, window: Mapping[str, Tally], mismatch_delta: MismatchSums | None) -> Snapshot:
         totals = {env: self._totals[env] for env in sorted(self._totals)}
         window = {env: window[env] for env in sorted(window)}
+        # The increment of the mismatch counters: none before the first sums, zero for a ship without any.
         delta = mismatch_delta if mismatch_delta is not None or self._mismatch is None else MismatchSums.zero()
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
         counters: dict[str, Mapping[str, int]] = {}
