@@ -160,7 +160,7 @@ def test_two_processes_merged_by_prometheus_rates_equal_the_merged_runs_wandb_va
     nrng = np.random.default_rng(seed)
     runs = (f"proc-a{seed}", f"proc-b{seed}")
     gateway = PushgatewayServer(tmp_path / "gateway").start()
-    pushers = [PrometheusPushExporter(gateway.address, job="trainer", delete_on_close=False) for _ in runs]
+    pushers = [PrometheusPushExporter(gateway.address, job="trainer") for _ in runs]
     monitors = [StalenessMonitor(CONFIG, [p], run=r) for p, r in zip(pushers, runs, strict=True)]
     try:
         with RulesPrometheus(tmp_path / "prometheus", [gateway.address], job="gateway") as prom:
