@@ -159,6 +159,12 @@ def _histogram_of(metric: MetricDef, tally: Tally) -> Counts:
     return tally.rollout_histogram
 
 
+# Gauges some exporter shows (the W&B-only ratio rows are derived from counters elsewhere).
+_PUBLISHED_GAUGES = tuple(
+    m for m in METRICS if m.kind is MetricKind.GAUGE and (m.prometheus_name is not None or m.otel_name is not None)
+)
+
+
 def _bucketed_of(
     metric: MetricDef, tallies: Mapping[str, Tally], mismatch: MismatchSums | None
 ) -> dict[BucketKey, Number]:
@@ -191,9 +197,7 @@ class CumulativeState:
         self.deltas = deltas  # also fill the per-report increments (OTLP delta temporality)
         self._totals: dict[str, Tally] = {}
         self._mismatch: MismatchSums | None = None  # SPEC 11 sums over the run, once any arrived
-        self._gauges: dict[str, Mapping[str, Number]] = {
-            m.name: {} for m in METRICS if m.kind is MetricKind.GAUGE
-        }  # those of the last ship
+        self._gauges: dict[str, Mapping[str, Number]] = {m.name: {} for m in _PUBLISHED_GAUGES}  # of the last ship
         self._step = 0
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
@@ -206,7 +210,7 @@ class CumulativeState:
         if report.mismatch is not None:
             self._add_mismatch(report.mismatch)
         self._step = report.step
-        self._gauges = {m.name: _gauge_values(m, report, self.by_env) for m in METRICS if m.kind is MetricKind.GAUGE}
+        self._gauges = {m.name: _gauge_values(m, report, self.by_env) for m in _PUBLISHED_GAUGES}
         return self._snapshot(window, report.mismatch)
 
     def apply_mismatch(self, delta: MismatchSums) -> Snapshot:
