@@ -164,7 +164,9 @@ def stat(title: str, description: str, unit: str, target: Target, *, decimals: i
     return _panel("stat", title, description, unit, [target], options=options, decimals=decimals)
 
 
-def heatmap(title: str, description: str, y_unit: str, target: Target) -> Json:
+def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: str = "auto") -> Json:
+    """``rows="le"``: each series is one row, named by its bucket's upper bound (Grafana's "time series
+    buckets"), for values that are not counts to de-accumulate."""
     options = {
         "calculate": False,  # Prometheus buckets already are the cells
         "cellGap": 1,
@@ -176,7 +178,7 @@ def heatmap(title: str, description: str, y_unit: str, target: Target) -> Json:
             "steps": 64,
         },
         "legend": {"show": True},
-        "rowsFrame": {"layout": "auto"},
+        "rowsFrame": {"layout": rows},
         "tooltip": {"mode": "single", "yHistogram": True},
         "yAxis": {"axisPlacement": "left", "unit": y_unit},
     }
@@ -676,6 +678,7 @@ def _excess_heatmap(merged: Scope, whose: str) -> Json:
         f"show with the same weights; the excess, lag by lag, is what staleness costs. {_COST_NOTE}",
         "short",
         Target(merged.excess_k3_by_lag(), "{{lag}}"),
+        rows="le",  # lag buckets are named by their largest lag
     )
 
 

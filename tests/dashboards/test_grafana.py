@@ -278,6 +278,7 @@ def test_what_staleness_costs_panels_divide_rates_of_sums(name: str) -> None:
     heatmap = by_title["Excess k3 over the lag-0 floor by lag"]
     (target,) = heatmap["targets"]
     assert target["legendFormat"] == "{{lag}}" and target["format"] == "time_series"
+    assert heatmap["options"]["rowsFrame"]["layout"] == "le" and heatmap["options"]["calculate"] is False
     assert 'lag="0"' in target["expr"] and "group_left" in target["expr"]
     ess = by_title["Effective sample size by lag" if name == "staleness.json" else "Fleet effective sample size by lag"]
     assert (
