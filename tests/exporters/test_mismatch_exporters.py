@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
@@ -323,3 +325,43 @@ class _ShipsOnly:
 def test_lag_buckets_of_the_table_are_the_cores() -> None:
     assert LAG.buckets == LAG_BUCKETS
     assert LAG.values[-1] == "+Inf" and LAG.buckets[-1] == "inf"
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lags=st.lists(st.integers(0, 100), min_size=1, max_size=60),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_counters_of_two_processes_add_up_to_those_of_the_whole(
+    lags: list[int], seed: int, data: st.DataObject
+) -> None:
+    """Positions split at random between two processes (runs): the exposed counters summed over the runs are
+    the whole's (the PromQL over them is checked against a real Prometheus in test_mismatch_prometheus)."""
+    rng = np.random.default_rng(seed)
+    n = len(lags)
+    sampler = -rng.random(n) * 4
+    trainer = sampler + rng.normal(0, 0.3, n) * np.asarray(lags) / 50
+    trainer[rng.random(n) < 0.1] = np.nan
+    masked = np.asarray(lags) > 8
+    side = np.asarray(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
+    exporters = []
+    for run, part in (("a", ~side), ("b", side)):
+        exporter = PrometheusExporter(port=None)
+        exporter.attach(ExportContext(run=run))
+        exporter.export(hand_made_report(1))
+        sums = mismatch_sums(np.asarray(lags)[part], sampler[part], trainer[part], masked=masked[part])
+        exporter.export_mismatch(MismatchReport(1, sums=sums, delta=sums))
+        exporters.append((run, exporter))
+    whole = mismatch_sums(lags, sampler, trainer, masked=masked)
+    for row in MISMATCH_ROWS:
+        values = row.dimension.values if row.dimension is not None else ("",)
+        for i, value in enumerate(values):
+            labels = {row.dimension.label: value} if row.dimension is not None else {}
+            got = sum(
+                e.registry.get_sample_value(row.prometheus_name or "", {"run": r, **labels}) or 0.0
+                for r, e in exporters
+            )
+            field = getattr(whole, row.mismatch_field or "")
+            want = float(field[i] if row.dimension is not None else field)
+            assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (row.name, value)
