@@ -1,4 +1,8 @@
-"""JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format), flushed per line."""
+"""JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format), flushed per line.
+
+Trainer-side mismatch sums recorded for a step (the live path) add a line ``{"step": S, <SPEC 11 keys>}``
+holding the step's sums merged so far: the last line of a step is its total.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,19 @@ from typing import IO
 from .. import jsonio
 from ..report import StepReport
 from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
+from .base import MismatchReport
 
-__all__ = ["JsonlExporter", "row_json"]
+__all__ = ["JsonlExporter", "mismatch_row_json", "row_json"]
 
 
 def row_json(report: StepReport) -> str:
     """The report's ``{"step": S, <key>: <value>, ...}`` line, without the newline."""
     return jsonio.dumps(report.row()).decode()
+
+
+def mismatch_row_json(report: MismatchReport) -> str:
+    """A live mismatch report's ``{"step": S, <SPEC 11 key>: <value>, ...}`` line (the step's merged sums)."""
+    return jsonio.dumps({"step": report.step, **report.sums.metrics()}).decode()
 
 
 class JsonlExporter(QueuedExporter[str]):
@@ -52,6 +62,15 @@ class JsonlExporter(QueuedExporter[str]):
 
     def export(self, report: StepReport) -> None:
         self._queue.put(row_json(report) + "\n")
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """One more line for the step: its SPEC 11 keys, merged over the step's calls so far."""
+        try:
+            line = mismatch_row_json(report)
+        except Exception as exc:  # never into the trainer
+            self._errors.record(self.name, "mismatch sums not written", exc)
+            return
+        self._queue.put(line + "\n")
 
     def _write(self, line: str) -> None:
         with self._file_lock:
