@@ -163,12 +163,40 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
     return array.astype(np.int64, copy=False)
 
 
-def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
+_INT64_BOUND = 2.0**63
+
+
+def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
+    """A list the caller knows holds no string and no boolean, read at C speed; None if not plainly numbers.
+
+    ``np.fromiter`` converts each number as ``float()`` does, which is what :func:`_array` then
+    ``astype`` gives for lists of ints and floats. It also turns a null into NaN and accepts integers
+    that :func:`_array` might read as uint64 or objects: a NaN or a magnitude of 2**63 or more sends the
+    list down the checked path, which decides and names the error as before.
+    """
+    if type(value) is not list:
+        return None
+    try:
+        array = np.fromiter(value, np.float64, len(value))
+    except (TypeError, ValueError):
+        return None
+    if array.size and not np.abs(array).max() < _INT64_BOUND:
+        return None
+    return array
+
+
+def _float_list(
+    rid: str, name: str, value: object, booleans: bool = True, plain: bool = False
+) -> npt.NDArray[np.float64]:
+    if plain and (fast := _plain_floats(value)) is not None:
+        return fast
     return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
 
 
-def _optional_float_list(rid: str, name: str, value: object) -> npt.NDArray[np.float64]:
+def _optional_float_list(rid: str, name: str, value: object, plain: bool = False) -> npt.NDArray[np.float64]:
     """Numbers or nulls (null -> NaN: a missing value, not an error)."""
+    if plain and (fast := _plain_floats(value)) is not None:
+        return fast
     if isinstance(value, list) and None in value:
         values = [v for v in value if v is not None]  # only lists with nulls take this path
         checked = _array(rid, name, values, "iuf", "a list of numbers or nulls")
@@ -211,7 +239,7 @@ def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDA
     return np.array(value, dtype=np.int64).reshape(-1, 2)
 
 
-def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> ParsedSample:
+def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True, plain: bool = False) -> ParsedSample:
     where = f"samples[{index}]"
     if not isinstance(raw, Mapping):
         raise TraceError(rid, where, f"expected an object, got {type(raw).__name__}")
@@ -229,11 +257,13 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
         sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"], booleans)
     for name in WEIGHT_FIELDS:
         if raw.get(name) is not None:
-            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans)
+            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans, plain)
     if raw.get("logprobs") is not None:
-        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans)
+        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans, plain)
     if raw.get("trainer_logprobs") is not None:
-        sample.trainer_logprobs = _optional_float_list(rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"])
+        sample.trainer_logprobs = _optional_float_list(
+            rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], plain
+        )
     n = len(sample.mask)
     per_position = {
         **sample.weights,
@@ -247,10 +277,23 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     return sample
 
 
-def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
+def _strings_outside_arrays(raw: Mapping[str, Any], samples: list[Any]) -> int:
+    """How many JSON strings a record holds as keys and top-level values (-1: a sample is not an object)."""
+    count = len(raw) + sum(type(v) is str for v in raw.values())
+    for sample in samples:
+        if type(sample) is not dict:
+            return -1
+        count += len(sample)
+    return count
+
+
+def parse_rollout(raw: object, *, booleans: bool = True, strings: int = -1) -> ParsedRollout:
     """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
 
     ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a faster check of numbers).
+    ``strings``: how many JSON strings the record's text holds (-1: unknown), from its quotes. When that
+    is exactly the keys and top-level string values, no string hides in a per-position list; with no
+    booleans either, lists of floats are read without a per-element type search.
     """
     if not isinstance(raw, Mapping):
         raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
@@ -294,6 +337,7 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
     if not samples:
         raise TraceError(rid, "samples", "must hold at least one sample")
     echo = {k: v for k, v in raw.items() if k != "samples"}
+    plain = not booleans and strings >= 0 and strings == _strings_outside_arrays(raw, samples)
     return ParsedRollout(
         id=rid,
         dispatch_version=dispatch,
@@ -302,15 +346,15 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
         agentic=agentic,
         group_id=raw.get("group_id"),
         env=raw.get("env"),
-        samples=[_parse_sample(rid, i, s, booleans) for i, s in enumerate(samples)],
+        samples=[_parse_sample(rid, i, s, booleans, plain) for i, s in enumerate(samples)],
         echo=echo,
     )
 
 
-def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:
+def parse_or_error(raw: object, *, booleans: bool = True, strings: int = -1) -> ParsedRollout | UnparsedRollout:
     """:func:`parse_rollout`, with a refused record returned (not raised) as an :class:`UnparsedRollout`."""
     try:
-        return parse_rollout(raw, booleans=booleans)
+        return parse_rollout(raw, booleans=booleans, strings=strings)
     except TraceError as error:
         env = raw.get("env") if isinstance(raw, Mapping) else None
         return UnparsedRollout(error, env if isinstance(env, str) else None)
