@@ -180,7 +180,7 @@ def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
         array = np.fromiter(value, np.float64, len(value))
     except (TypeError, ValueError):
         return None
-    if array.size and not np.abs(array).max() < _INT64_BOUND:
+    if array.size and not (array.max() < _INT64_BOUND and array.min() > -_INT64_BOUND):  # NaN fails too
         return None
     return array
 
@@ -208,6 +208,12 @@ def _optional_float_list(rid: str, name: str, value: object, plain: bool = False
 
 def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
     array = _array(rid, name, value, "biu", "a list of 0/1 or booleans")
+    if array.dtype.kind == "b" or not array.size:
+        return array.astype(np.int8, copy=False)
+    # one reduction: as unsigned, a negative value is huge (the usual case is int64 from a JSON list)
+    unsigned = array.view(np.uint64) if array.dtype == np.int64 else array.astype(np.uint64)
+    if unsigned.max() <= 1:
+        return array.astype(np.int8, copy=False)
     bad = np.flatnonzero((array != 0) & (array != 1))
     if bad.size:
         raise TraceError(rid, f"{name}[{bad[0]}]", f"expected 0, 1 or a boolean, got {value[bad[0]]!r}")  # type: ignore[index]
@@ -261,9 +267,7 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True, plai
     if raw.get("logprobs") is not None:
         sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans, plain)
     if raw.get("trainer_logprobs") is not None:
-        sample.trainer_logprobs = _optional_float_list(
-            rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], plain
-        )
+        sample.trainer_logprobs = _optional_float_list(rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], plain)
     n = len(sample.mask)
     per_position = {
         **sample.weights,
