@@ -156,8 +156,26 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
     return array
 
 
+def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
+    """A list of Python ints within int64 at C speed (what :func:`_array` reads it as); else None.
+
+    The built-in ``sum`` adds ints in C and its result is an int only if every element is one: a float
+    anywhere makes it a float, anything not a number raises. A boolean counts as an int (callers that
+    refuse booleans use this only when the text has none).
+    """
+    if type(value) is not list or not value:
+        return None
+    try:
+        if type(sum(value)) is not int:
+            return None
+        return np.fromiter(value, np.int64, len(value))
+    except (TypeError, OverflowError):
+        return None
+
+
 def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.int64]:
-    array = _array(rid, name, value, "iu", "a list of integers", booleans)
+    fast = None if booleans else _plain_ints(value)
+    array = fast if fast is not None else _array(rid, name, value, "iu", "a list of integers", booleans)
     if array.size and (array.max() > MAX_VERSION or array.min() < -MAX_VERSION):
         raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
     return array.astype(np.int64, copy=False)
@@ -207,7 +225,8 @@ def _optional_float_list(rid: str, name: str, value: object, plain: bool = False
 
 
 def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
-    array = _array(rid, name, value, "biu", "a list of 0/1 or booleans")
+    fast = _plain_ints(value)  # booleans are allowed here: 0/1 either way
+    array = fast if fast is not None else _array(rid, name, value, "biu", "a list of 0/1 or booleans")
     if array.dtype.kind == "b" or not array.size:
         return array.astype(np.int8, copy=False)
     # one reduction: as unsigned, a negative value is huge (the usual case is int64 from a JSON list)

@@ -1,8 +1,9 @@
-"""The replay's fast read of float lists (issue 12) decides exactly as the checked path does.
+"""The replay's fast read of per-position lists (issue 12) decides exactly as the checked path does.
 
 ``read_events`` tells the parser what a line's text guarantees (no ``true`` / ``false``; how many
 strings its quotes delimit; decoded exactly by orjson), and the parser then reads float lists with
-``np.fromiter`` instead of a per-element type search. Lines are drawn with every element a float list
+``np.fromiter`` instead of a per-element type search; integer lists (masks, token versions) are read
+the same way once ``sum`` says every element is an int. Lines are drawn with every element a list
 may hold in JSON (integers up to 64 bits and beyond, floats, nulls, booleans, strings, nested lists,
 objects), quotes and backslashes in strings, unknown fields: the parse from the line must equal the
 parse of the same record with nothing known about its text (same arrays and dtypes, or the same error).
@@ -17,6 +18,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from staleness_metrics import jsonio
 from staleness_metrics.records import ParsedRollout, UnparsedRollout, parse_or_error
 from staleness_metrics.replay import read_events
 
@@ -29,8 +31,9 @@ _ELEMENTS = st.one_of(
 
 
 @st.composite
-def float_lists(draw: st.DrawFn, n: int) -> list[Any]:
-    plain = draw(st.lists(st.floats(-10, 10, allow_nan=False) | st.integers(-5, 5), min_size=n, max_size=n))
+def float_lists(draw: st.DrawFn, n: int, ints: bool = False) -> list[Any]:
+    numbers = st.integers(0, 1) if ints else st.floats(-10, 10, allow_nan=False) | st.integers(-5, 5)
+    plain = draw(st.lists(numbers, min_size=n, max_size=n))
     if n and draw(st.booleans()):  # a few odd elements among plain numbers
         for _ in range(draw(st.integers(1, 3))):
             plain[draw(st.integers(0, n - 1))] = draw(_ELEMENTS)
@@ -42,7 +45,9 @@ def lines(draw: st.DrawFn) -> str:
     samples = []
     for _ in range(draw(st.integers(1, 3))):
         n = draw(st.integers(0, 6))
-        sample: dict[str, Any] = {"mask": [1] * n, "token_versions": [2] * n}
+        sample: dict[str, Any] = {"mask": draw(float_lists(n, ints=True))}
+        if draw(st.booleans()):
+            sample["token_versions"] = draw(float_lists(n, ints=True))
         for name in ("rl_weights", "ce_weights", "logprobs", "trainer_logprobs"):
             if draw(st.booleans()):
                 sample[name] = draw(float_lists(n if draw(st.integers(0, 9)) else n + 1))
@@ -85,7 +90,7 @@ def _same(fast: ParsedRollout | UnparsedRollout, checked: ParsedRollout | Unpars
 def test_float_lists_read_from_the_text_parse_as_the_checked_path(line: str, as_bytes: bool) -> None:
     (event,) = read_events([line.encode() if as_bytes else line])
     fast = parse_or_error(event.rollout, booleans=event.booleans, strings=event.strings)
-    _same(fast, parse_or_error(json.loads(line)["rollout"]))
+    _same(fast, parse_or_error(jsonio.loads(line)["rollout"]))  # the same decoder, nothing known of the text
 
 
 def test_a_plain_line_takes_the_fast_read() -> None:
