@@ -96,7 +96,7 @@ class PositionMasker:
                 np.tile(np.array([True, False]), len(starts)), np.stack((ends - starts, gaps), 1).ravel()
             )
             for values in arrays_of(c):
-                np.putmask(values[first:last], covered, 0)  # about twice as fast as copyto(where=)
+                np.copyto(values[first:last], 0, where=covered)
         partial = np.flatnonzero(~whole)
         if len(partial) == 0:
             return
