@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-__all__ = ["DecodeError", "dumps", "loads", "loads_exact"]
+__all__ = ["DecodeError", "dumps", "loads"]
 
 DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
@@ -27,14 +27,6 @@ def loads(text: str | bytes) -> Any:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
         return json.loads(text)
-
-
-def loads_exact(text: str | bytes) -> tuple[Any, bool]:
-    """:func:`loads`, and whether orjson read it: then it held no NaN literal and its integers fit 64 bits."""
-    try:
-        return orjson.loads(text), True
-    except orjson.JSONDecodeError:
-        return json.loads(text), False
 
 
 def _default(value: object) -> object:

@@ -7,6 +7,7 @@ lengths, span order, finite weights, version ranges) are checked once, on the co
 
 from __future__ import annotations
 
+import array as _array_module
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -157,18 +158,15 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
 
 
 def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
-    """A list of Python ints within int64 at C speed (what :func:`_array` reads it as); else None.
+    """A list of ints within int64 at C speed (what :func:`_array` reads it as); None otherwise.
 
-    The built-in ``sum`` adds ints in C and its result is an int only if every element is one: a float
-    anywhere makes it a float, anything not a number raises. A boolean counts as an int (callers that
-    refuse booleans use this only when the text has none).
+    ``array('q', ...)`` refuses floats, strings, nulls, lists and integers beyond int64. A boolean is
+    an int to it: callers that refuse booleans use this only when the text has none.
     """
     if type(value) is not list or not value:
         return None
     try:
-        if type(sum(value)) is not int:
-            return None
-        return np.fromiter(value, np.int64, len(value))
+        return np.frombuffer(_array_module.array("q", value), dtype=np.int64)
     except (TypeError, OverflowError):
         return None
 
@@ -185,35 +183,33 @@ _INT64_BOUND = 2.0**63
 
 
 def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
-    """A list the caller knows holds no string and no boolean, read at C speed; None if not plainly numbers.
+    """A list the caller knows holds no boolean, read at C speed; None if not plainly numbers.
 
-    ``np.fromiter`` converts each number as ``float()`` does, which is what :func:`_array` then
-    ``astype`` gives for lists of ints and floats. It also turns a null into NaN and accepts integers
-    that :func:`_array` might read as uint64 or objects: a NaN or a magnitude of 2**63 or more sends the
-    list down the checked path, which decides and names the error as before.
+    ``array('d', ...)`` takes ints and floats only (a string, null, list or object raises), each
+    converted as ``float()`` does: what :func:`_array` then ``astype`` gives for lists of ints and
+    floats. Integers of 2**63 or more (which :func:`_array` may read as uint64 or objects) and NaN go
+    down the checked path, which decides and names the error as before.
     """
     if type(value) is not list:
         return None
     try:
-        array = np.fromiter(value, np.float64, len(value))
-    except (TypeError, ValueError):
+        array = np.frombuffer(_array_module.array("d", value), dtype=np.float64)
+    except (TypeError, OverflowError):
         return None
     if array.size and not (array.max() < _INT64_BOUND and array.min() > -_INT64_BOUND):  # NaN fails too
         return None
     return array
 
 
-def _float_list(
-    rid: str, name: str, value: object, booleans: bool = True, plain: bool = False
-) -> npt.NDArray[np.float64]:
-    if plain and (fast := _plain_floats(value)) is not None:
+def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
+    if not booleans and (fast := _plain_floats(value)) is not None:
         return fast
     return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
 
 
-def _optional_float_list(rid: str, name: str, value: object, plain: bool = False) -> npt.NDArray[np.float64]:
+def _optional_float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
     """Numbers or nulls (null -> NaN: a missing value, not an error)."""
-    if plain and (fast := _plain_floats(value)) is not None:
+    if not booleans and (fast := _plain_floats(value)) is not None:
         return fast
     if isinstance(value, list) and None in value:
         values = [v for v in value if v is not None]  # only lists with nulls take this path
@@ -264,7 +260,7 @@ def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDA
     return np.array(value, dtype=np.int64).reshape(-1, 2)
 
 
-def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True, plain: bool = False) -> ParsedSample:
+def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> ParsedSample:
     where = f"samples[{index}]"
     if not isinstance(raw, Mapping):
         raise TraceError(rid, where, f"expected an object, got {type(raw).__name__}")
@@ -282,11 +278,13 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True, plai
         sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"], booleans)
     for name in WEIGHT_FIELDS:
         if raw.get(name) is not None:
-            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans, plain)
+            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans)
     if raw.get("logprobs") is not None:
-        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans, plain)
+        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans)
     if raw.get("trainer_logprobs") is not None:
-        sample.trainer_logprobs = _optional_float_list(rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], plain)
+        sample.trainer_logprobs = _optional_float_list(
+            rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], booleans
+        )
     n = len(sample.mask)
     per_position = {
         **sample.weights,
@@ -300,23 +298,10 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True, plai
     return sample
 
 
-def _strings_outside_arrays(raw: Mapping[str, Any], samples: list[Any]) -> int:
-    """How many JSON strings a record holds as keys and top-level values (-1: a sample is not an object)."""
-    count = len(raw) + sum(type(v) is str for v in raw.values())
-    for sample in samples:
-        if type(sample) is not dict:
-            return -1
-        count += len(sample)
-    return count
-
-
-def parse_rollout(raw: object, *, booleans: bool = True, strings: int = -1) -> ParsedRollout:
+def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
     """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
 
     ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a faster check of numbers).
-    ``strings``: how many JSON strings the record's text holds (-1: unknown), from its quotes. When that
-    is exactly the keys and top-level string values, no string hides in a per-position list; with no
-    booleans either, lists of floats are read without a per-element type search.
     """
     if not isinstance(raw, Mapping):
         raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
@@ -360,7 +345,6 @@ def parse_rollout(raw: object, *, booleans: bool = True, strings: int = -1) -> P
     if not samples:
         raise TraceError(rid, "samples", "must hold at least one sample")
     echo = {k: v for k, v in raw.items() if k != "samples"}
-    plain = not booleans and strings >= 0 and strings == _strings_outside_arrays(raw, samples)
     return ParsedRollout(
         id=rid,
         dispatch_version=dispatch,
@@ -369,15 +353,15 @@ def parse_rollout(raw: object, *, booleans: bool = True, strings: int = -1) -> P
         agentic=agentic,
         group_id=raw.get("group_id"),
         env=raw.get("env"),
-        samples=[_parse_sample(rid, i, s, booleans, plain) for i, s in enumerate(samples)],
+        samples=[_parse_sample(rid, i, s, booleans) for i, s in enumerate(samples)],
         echo=echo,
     )
 
 
-def parse_or_error(raw: object, *, booleans: bool = True, strings: int = -1) -> ParsedRollout | UnparsedRollout:
+def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:
     """:func:`parse_rollout`, with a refused record returned (not raised) as an :class:`UnparsedRollout`."""
     try:
-        return parse_rollout(raw, booleans=booleans, strings=strings)
+        return parse_rollout(raw, booleans=booleans)
     except TraceError as error:
         env = raw.get("env") if isinstance(raw, Mapping) else None
         return UnparsedRollout(error, env if isinstance(env, str) else None)

@@ -25,7 +25,6 @@ class Event:
     step: int = 0
     ids: tuple[str, ...] | None = None
     booleans: bool = True  # a rollout line may hold JSON booleans (False: a faster check of its numbers)
-    strings: int = -1  # JSON strings in the rollout record, counted from the line's quotes (-1: unknown)
 
 
 def _step(line: int, raw: dict[str, Any]) -> int:
@@ -58,10 +57,10 @@ def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes]) -> Iterator
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease."""
     last_step = 0
     for number, text in enumerate(source, start=1):
-        if not text or text.isspace():
+        if not text or text.isspace():  # as ``not text.strip()``, without copying the line
             continue
         try:
-            raw, exact = jsonio.loads_exact(text)
+            raw = jsonio.loads(text)
         except jsonio.DecodeError as error:
             raise EventError(number, f"bad JSON: {error.msg}") from None
         event = parse_event(number, raw)
@@ -69,19 +68,11 @@ def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes]) -> Iterator
             if event.step < last_step:
                 raise EventError(number, f"step {event.step} is below an earlier step {last_step}")
             last_step = event.step
-            yield event
-            continue
-        # What the text says about the record's lists: without true / false no boolean hides among
-        # numbers; without backslashes every quote delimits a string, so the quotes count the strings
-        # (the event's own keys and values taken off); only an exact decode bounds the integers.
-        marks = (b"true", b"false", b'"', b"\\") if isinstance(text, bytes) else ("true", "false", '"', "\\")
-        booleans = marks[0] in text or marks[1] in text  # type: ignore[operator]
-        strings = -1
-        if exact and marks[3] not in text:  # type: ignore[operator]
-            assert isinstance(raw, dict)
-            own = len(raw) + sum(type(v) is str for v in raw.values())
-            strings = text.count(marks[2]) // 2 - own  # type: ignore[arg-type]
-        yield Event(number, "rollout", rollout=event.rollout, booleans=booleans, strings=strings)
+        else:  # a line without true / false cannot hide a boolean among numbers
+            marks = (b"true", b"false") if isinstance(text, bytes) else ("true", "false")
+            booleans = marks[0] in text or marks[1] in text  # type: ignore[operator]
+            event = Event(number, "rollout", rollout=event.rollout, booleans=booleans)
+        yield event
 
 
 @dataclass(frozen=True)
@@ -106,7 +97,7 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
     for event in events:
         if event.kind == "rollout":
             lines.append(event.line)
-            items.append(parse_or_error(event.rollout or {}, booleans=event.booleans, strings=event.strings))
+            items.append(parse_or_error(event.rollout or {}, booleans=event.booleans))
             if len(items) >= batch_size:
                 yield Added(tuple(lines), tuple(items))
                 lines, items = [], []
