@@ -3,8 +3,9 @@
 orjson decodes several times faster than the standard library and encodes numpy arrays natively
 (``OPT_SERIALIZE_NUMPY``), so shipped arrays are written without a per-position ``tolist()``. Where
 orjson refuses a line the standard library accepts (``NaN`` literals, integers beyond 64 bits, lone
-surrogates), the line is decoded again by the standard library: what a line means never depends on
-which decoder read it, and the validation names the offending field as before.
+surrogates), or might read differently (integers beyond 64 bits, which orjson turns into floats), the
+line is decoded by the standard library: what a line means never depends on which decoder read it,
+and the validation names the offending field as before.
 """
 
 from __future__ import annotations
@@ -21,12 +22,23 @@ DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 
+# orjson reads an integer beyond 64 bits as a float (2**64 becomes 1.8446744073709552e19) where the
+# standard library keeps it an int, which the validation refuses. Such an integer has 19 digits or more:
+# a line with a run of 19 digits is decoded by the standard library. Digits map to "0", all else to " ".
+_DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
+_LONG_NUMBER = b"0" * 19
+
+
 def loads(text: str | bytes) -> Any:
     """Decode one JSON document; raises :class:`json.JSONDecodeError` (the standard library's message)."""
     try:
-        return orjson.loads(text)
+        value = orjson.loads(text)
     except orjson.JSONDecodeError:
         return json.loads(text)
+    raw = text if isinstance(text, bytes) else text.encode()
+    if _LONG_NUMBER in raw.translate(_DIGITS):
+        return json.loads(text)
+    return value
 
 
 def _default(value: object) -> object:

@@ -17,7 +17,8 @@ import pytest
 
 from staleness_metrics import Sink, StalenessConfig, jsonio
 from staleness_metrics.cli import main as cli_main
-from staleness_metrics.errors import TraceError
+from staleness_metrics.errors import EventError, TraceError
+from staleness_metrics.replay import read_events, run_events
 from tests.reference.compare import write_events
 from tests.reference.streams import ReplayConfig, random_stream
 
@@ -126,3 +127,17 @@ def test_lines_the_fast_decoder_refuses_mean_what_they_always_meant(
     assert "staleness/token/mean" not in _read(metrics_path)[0]  # nothing shipped
     assert cli_main(["replay", str(events_path), "--strict"]) == 2
     assert "rl_weights" in capsys.readouterr().err and "bad JSON" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["rl_weights", "token_versions"])
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, 10**30])
+def test_integers_beyond_64_bits_mean_what_the_standard_library_reads(field: str, value: int) -> None:
+    """orjson would read these as floats (a weight of 1.8e19 accepted, a version "not an integer");
+    the line is decoded by the standard library instead, so the rollout is refused as it always was."""
+    sample: dict[str, Any] = {"mask": [1, 1], field: [value, 1]}
+    line = json.dumps({"type": "rollout", "rollout": {"id": "r", "dispatch_version": 0, "samples": [sample]}})
+    assert jsonio.loads(line.encode()) == json.loads(line)
+    assert type(jsonio.loads(line)["rollout"]["samples"][0][field][0]) is int
+    sink = Sink(StalenessConfig(strict=True))
+    with pytest.raises(EventError, match=field):
+        list(run_events(read_events([line.encode(), b'{"type": "ship", "step": 1}']), sink))
