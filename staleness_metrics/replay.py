@@ -2,17 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+import numpy as np
+
 from . import jsonio
+from .columnar import RolloutBatch
 from .config import StalenessConfig
 from .errors import EventError, TraceError
-from .records import ParsedRollout, UnparsedRollout, parse_or_error
+from .records import ParsedRollout, UnparsedRollout, pack, parse_or_error
 from .sink import Shipment, Sink
 
-__all__ = ["Added", "Event", "parse_event", "prepare", "read_events", "replay", "run_events", "run_steps"]
+__all__ = [
+    "Added",
+    "Event",
+    "pack_once",
+    "parse_event",
+    "prepare",
+    "read_events",
+    "replay",
+    "run_events",
+    "run_steps",
+]
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,7 @@ class Added:
 
     lines: tuple[int, ...]
     items: tuple[ParsedRollout | UnparsedRollout, ...]
+    packed: RolloutBatch | None = None  # the parsed items packed once (:func:`pack_once`); runs add copies
 
 
 Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
@@ -110,6 +125,31 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
         yield Added(tuple(lines), tuple(items))
 
 
+def pack_once(steps: Iterable[Step]) -> list[Step]:
+    """The steps with each :class:`Added`'s parsed rollouts packed into a batch, for several runs.
+
+    Each run then adds a copy of the batch (a sink masks the arrays it holds in place) instead of
+    packing the records again: one copy per array rather than a concatenation of every sample's.
+    """
+    out: list[Step] = []
+    for step in steps:
+        if isinstance(step, Added):
+            parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
+            step = dataclasses.replace(step, packed=pack(parsed) if parsed else None)
+        out.append(step)
+    return out
+
+
+def _copy(batch: RolloutBatch) -> RolloutBatch:
+    """A batch whose arrays are copies (ids, envs, group ids and echoes are shared: a sink only reads them)."""
+    arrays = {
+        f.name: value.copy()
+        for f in dataclasses.fields(batch)
+        if isinstance(value := getattr(batch, f.name), np.ndarray)
+    }
+    return dataclasses.replace(batch, **arrays, present={k: v.copy() for k, v in batch.present.items()})
+
+
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
     """Run prepared steps through ``sink``, yielding each ship's result as it happens.
 
@@ -118,7 +158,7 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
     for step in steps:
         if isinstance(step, Added):
             try:
-                sink.add_parsed(step.items)
+                sink.add_parsed(step.items, None if step.packed is None else _copy(step.packed))
             except TraceError:
                 # Strict mode added nothing: add one by one to find the offending line.
                 for line, item in zip(step.lines, step.items):

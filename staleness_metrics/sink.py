@@ -273,9 +273,12 @@ class Sink:
             items.append(parsed)
         return self.add_parsed(items)
 
-    def add_parsed(self, items: Sequence[ParsedRollout | UnparsedRollout]) -> int:
+    def add_parsed(self, items: Sequence[ParsedRollout | UnparsedRollout], packed: RolloutBatch | None = None) -> int:
         """Queue records already type-checked by :func:`~staleness_metrics.records.parse_or_error` (in
-        order, as :meth:`add` would): refused ones raise (strict) or are set aside (lenient)."""
+        order, as :meth:`add` would): refused ones raise (strict) or are set aside (lenient).
+
+        ``packed``: the parsed ones of ``items`` already packed (:func:`~staleness_metrics.records.pack`),
+        a batch this sink may keep and mask in place."""
         parsed: list[ParsedRollout] = []
         for item in items:
             if isinstance(item, UnparsedRollout):
@@ -284,7 +287,9 @@ class Sink:
                 self._set_aside(item.error, item.env)
             else:
                 parsed.append(item)
-        return self._add_batch(pack(parsed)) if parsed else 0
+        if not parsed:
+            return 0
+        return self._add_batch(packed if packed is not None else pack(parsed))
 
     def _set_aside(self, error: TraceError, env: str | None) -> None:
         self._invalid.append(error)

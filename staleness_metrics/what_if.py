@@ -27,7 +27,7 @@ from typing import Any
 from .adapters import EventDict, as_replay_events, detect_source, read_run
 from .config import StalenessConfig
 from .errors import ConfigError
-from .replay import Step, prepare, run_steps
+from .replay import Step, pack_once, prepare, run_steps
 from .report import Tally
 from .sink import Shipment, Sink
 
@@ -125,17 +125,17 @@ def _steps_for(source: Source) -> Callable[[int], Iterable[Step]]:
     if isinstance(source, (str, Path)):
         if detect_source(source) == "prime-rl":
             return lambda bound: prepare(read_run(source, max_staleness=bound))
-        steps = list(prepare(read_run(source)))
+        steps = pack_once(prepare(read_run(source)))
     else:
-        steps = list(prepare(as_replay_events(source)))
+        steps = pack_once(prepare(as_replay_events(source)))
     return lambda bound: steps
 
 
 def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | None = None) -> list[WhatIfRow]:
     """Replay ``source`` (a run input path, or event dicts) at every bound, other settings from ``config``.
 
-    The input is decoded and type-checked once; each bound runs a fresh sink over the parsed records
-    (each packs its own copy of the arrays), so every row equals a separate replay at that bound.
+    The input is decoded, type-checked and packed into batches once; each bound runs a fresh sink over
+    copies of the batches, so every row equals a separate replay at that bound.
     """
     base = config or StalenessConfig()
     steps_for = _steps_for(source)
