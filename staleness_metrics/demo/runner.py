@@ -2,7 +2,8 @@
 
 Outputs, all under ``out_dir`` (default ``./staleness-demo``) unless given elsewhere:
 
-- ``metrics.jsonl``: one metrics line per step (the JSONL exporter);
+- ``metrics.jsonl``: the metrics of each step (the JSONL exporter), with what staleness cost the simulated
+  trainer (SPEC 11, recorded through the live path: see :mod:`.trainer`);
 - ``events.jsonl``: the run's event stream, for ``staleness-metrics replay`` / ``report`` / ``what-if``;
 - ``wandb/``: an offline W&B run when ``wandb`` is installed (``wandb sync`` uploads it);
 - a Prometheus endpoint on 127.0.0.1 (``--prometheus-port``; if the port is taken, a free one);
@@ -34,6 +35,7 @@ from ..monitor import StalenessMonitor
 from ..report import StepReport
 from ..sink import Shipment
 from .simulation import Simulation, StepEvents
+from .trainer import SimulatedTrainer
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -299,6 +301,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         if otlp is not None:
             say("OTLP: exporting to the endpoint in OTEL_EXPORTER_OTLP_*ENDPOINT")
         simulation = Simulation(options.seed)
+        trainer = SimulatedTrainer(options.seed)
         table = _LiveTable(options) if live else None
         totals = _Totals()
         with _ctrl_c_stops(stop), table if table is not None else contextlib.nullcontext():
@@ -307,6 +310,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 monitor.add(step_events.rollouts)
                 shipment = monitor.ship(step_events.step, step_events.ship_ids)
                 simulation.forget(shipment.dropped_rollouts)
+                trainer.train(monitor, shipment)  # trainer log-probs -> mismatch sums -> the exporters
                 totals.add(shipment.report)
                 shipped_steps += 1
                 if table is not None:
@@ -336,4 +340,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     if config.sync_interval != 1:
         replay_options += f" --sync-interval {config.sync_interval}"
     say(f"done: {shipped_steps} steps. Next: staleness-metrics report {events.path}{replay_options} -o report.html")
+    # The trainer's log-probabilities never reach the event stream (as in a real run): what staleness
+    # cost is in the metrics the run logged.
+    say(f"what staleness cost the trainer: staleness-metrics report {metrics_path} -o cost.html")
     return 130 if interrupted else 0
