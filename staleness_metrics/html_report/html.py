@@ -11,6 +11,7 @@ import numpy as np
 from .. import __version__
 from ..adapters.prime_rl import ComparisonRow, comparison_summary
 from ..what_if import WhatIfRow
+from .costs import render_costs
 from .data import ReportData
 from .svg import PALETTE, Rule, Series, bar_chart, heatmap, line_chart, message_chart
 
@@ -284,7 +285,7 @@ def render(data: ReportData, title: str = "Staleness report") -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>"
         f'<h1>{escape(title)}</h1><p class="meta">{" · ".join(meta)}</p>'
-        f"{_summary(data)}<p></p>{''.join(charts)}{_comparison(data.comparison)}"
-        f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6 and 9.</p>'
+        f"{_summary(data)}<p></p>{''.join(charts)}{render_costs(data)}{_comparison(data.comparison)}"
+        f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6, 9, 11 and 12.</p>'
         "</main></body></html>\n"
     )
