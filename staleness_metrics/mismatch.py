@@ -40,7 +40,7 @@ LOG_RATIO_CLAMP = 20.0
 DEFAULT_BAND = (0.5, 2.0)
 DICT_FORMAT = 1
 _BOUNDS = np.asarray(LAG_UPPER_BOUNDS, dtype=np.int64)
-_CHUNK = 1 << 16  # positions per block: intermediates stay in cache
+_CHUNK = 1 << 16  # positions per block: the float64 intermediates stay in L2
 
 COUNT_FIELDS = ("tokens", "masked", "out_of_band")
 SUM_FIELDS = ("sum_log_ratio", "sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
@@ -218,12 +218,11 @@ def _finite(name: str, value: object) -> float:
     return float(value)
 
 
-def _flat(name: str, values: npt.ArrayLike, dtype: type) -> npt.NDArray[Any]:
-    array = np.asarray(values)
-    if array.ndim != 1:
-        array = array.reshape(-1)
-    if dtype is np.int64 and array.dtype.kind not in "iu":
-        raise ValueError(f"{name}: expected integers, got dtype {array.dtype}")
+def _flat(name: str, values: npt.ArrayLike, kinds: str) -> npt.NDArray[Any]:
+    """``values`` as a flat array (``[B, L]`` reads row by row) whose dtype kind is one of ``kinds``."""
+    array = np.asarray(values).reshape(-1)
+    if array.size and array.dtype.kind not in kinds:
+        raise ValueError(f"{name}: expected {'integers' if kinds == 'iu' else 'numbers'}, got dtype {array.dtype}")
     return array
 
 
@@ -247,30 +246,31 @@ def mismatch_sums(
     lo, hi = band
     if not (0 < lo <= hi and math.isfinite(hi)):
         raise ValueError(f"band: expected 0 < lo <= hi, got {band!r}")
-    lag = _flat("lags", lags, np.int64)
-    sampler = _flat("sampler_logprobs", sampler_logprobs, np.float64)
-    trainer = _flat("trainer_logprobs", trainer_logprobs, np.float64)
-    flags = None if masked is None else _flat("masked", masked, np.bool_)
+    lag = _flat("lags", lags, "iu")
+    sampler = _flat("sampler_logprobs", sampler_logprobs, "fiu")
+    trainer = _flat("trainer_logprobs", trainer_logprobs, "fiu")
+    flags = None if masked is None else _flat("masked", masked, "biu")
     for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
         if array is not None and len(array) != len(lag):
             raise ValueError(f"{name}: length {len(array)} differs from the lags' {len(lag)}")
-    for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer)):
-        if array.dtype.kind not in "fiu":
-            raise ValueError(f"{name}: expected numbers, got dtype {array.dtype}")
-    totals = _Accumulator()
+    totals = _Accumulator(lo, hi)
+    bool_flags = None if flags is None else flags.astype(bool, copy=False)
     for start in range(0, len(lag), _CHUNK):
-        stop = start + _CHUNK
-        totals.add(lag[start:stop], sampler[start:stop], trainer[start:stop], flags, start, lo, hi)
+        block = slice(start, start + _CHUNK)
+        totals.add(lag[block], sampler[block], trainer[block], None if bool_flags is None else bool_flags[block])
     return totals.result()
 
 
 class _Accumulator:
-    """Block-wise sums; one bincount per quantity over the covered positions of each block."""
+    """Block-wise sums. Lags come in runs (a sample's span of one version), so each quantity is reduced per
+    run of equal lag with one ``reduceat`` and only the runs are binned: no per-position bucketing. Positions
+    outside the population (lag < 0) form runs of their own, which are left out whole."""
 
-    def __init__(self) -> None:
+    def __init__(self, lo: float, hi: float) -> None:
         self.counts = {f: _zeros_int() for f in COUNT_FIELDS}
         self.sums = {f: _zeros_float() for f in SUM_FIELDS}
         self.uncovered = 0
+        self.lo, self.hi = lo, hi
 
     def add(
         self,
@@ -278,36 +278,56 @@ class _Accumulator:
         sampler: npt.NDArray[Any],
         trainer: npt.NDArray[Any],
         flags: npt.NDArray[Any] | None,
-        start: int,
-        lo: float,
-        hi: float,
     ) -> None:
-        in_population = lag >= 0
-        d = trainer.astype(np.float64) - sampler  # NaN / inf propagate: those are uncovered
-        covered = in_population & np.isfinite(d)
-        if not covered.all():
-            self.uncovered += int(np.count_nonzero(in_population)) - int(np.count_nonzero(covered))
-            lag, d = lag[covered], d[covered]
-            if flags is not None:
-                flags = flags[start : start + len(covered)][covered]
-        elif flags is not None:
-            flags = flags[start : start + len(covered)]
-        if len(d) == 0:
+        if len(lag) == 0:
             return
-        bucket = np.searchsorted(_BOUNDS, lag, "left")
-        np.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=d)
+        starts = np.concatenate(([0], np.flatnonzero(lag[1:] != lag[:-1]) + 1))
+        run_lag = lag[starts]
+        inside = run_lag >= 0
+        if not inside.any():
+            return
+        bucket = np.searchsorted(_BOUNDS, run_lag[inside], "left")
+
+        def per_bucket(values: npt.NDArray[Any], dtype: type) -> npt.NDArray[Any]:
+            runs = np.add.reduceat(values, starts, dtype=dtype)[inside]
+            return np.bincount(bucket, weights=runs, minlength=N_BUCKETS).astype(dtype)
+
+        d = trainer.astype(np.float64)
+        d -= sampler  # NaN / inf propagate: those positions are uncovered
+        high, low = float(d.max()), float(d.min())  # NaN if any is NaN: one pass answers both questions
+        everywhere = math.isfinite(high) and math.isfinite(low)
+        finite = None if everywhere else np.isfinite(d)
+        if finite is None:
+            run_lengths = np.diff(np.append(starts, len(lag)))[inside]
+            tokens = np.bincount(bucket, weights=run_lengths, minlength=N_BUCKETS).astype(np.int64)
+        else:
+            d[~finite] = 0.0  # adds nothing to Σd and Σ|d|; the ratio is zeroed below
+            tokens = per_bucket(finite, np.int64)
+            run_lengths = np.diff(np.append(starts, len(lag)))[inside]
+            self.uncovered += int(run_lengths.sum()) - int(tokens.sum())
+        if not everywhere or high > LOG_RATIO_CLAMP or low < -LOG_RATIO_CLAMP:
+            np.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=d)
         r = np.exp(d)
-        k3 = np.expm1(d) - d  # r - 1 - d, without cancellation when d is small
+        out_of_band = r < self.lo
+        out_of_band |= r > self.hi
+        if finite is not None:
+            r[~finite] = 0.0
+            out_of_band &= finite
         counts, sums = self.counts, self.sums
-        counts["tokens"] += np.bincount(bucket, minlength=N_BUCKETS)
+        counts["tokens"] += tokens
         if flags is not None:
-            counts["masked"] += np.bincount(bucket, weights=flags.astype(bool), minlength=N_BUCKETS).astype(np.int64)
-        counts["out_of_band"] += np.bincount(bucket, weights=(r < lo) | (r > hi), minlength=N_BUCKETS).astype(np.int64)
-        sums["sum_log_ratio"] += np.bincount(bucket, weights=d, minlength=N_BUCKETS)
-        sums["sum_abs_log_ratio"] += np.bincount(bucket, weights=np.abs(d), minlength=N_BUCKETS)
-        sums["sum_k3"] += np.bincount(bucket, weights=k3, minlength=N_BUCKETS)
-        sums["sum_ratio"] += np.bincount(bucket, weights=r, minlength=N_BUCKETS)
-        sums["sum_ratio_sq"] += np.bincount(bucket, weights=r * r, minlength=N_BUCKETS)
+            counts["masked"] += per_bucket(flags if finite is None else flags & finite, np.int64)
+        counts["out_of_band"] += per_bucket(out_of_band, np.int64)
+        sum_d = per_bucket(d, np.float64)
+        sum_r = per_bucket(r, np.float64)
+        sums["sum_log_ratio"] += sum_d
+        sums["sum_ratio"] += sum_r
+        # Σ(r - 1 - d) = Σr - n - Σd: exact in exact arithmetic, and per run the float error is far below k3.
+        sums["sum_k3"] += np.maximum(sum_r - tokens - sum_d, 0.0)
+        np.abs(d, out=d)
+        sums["sum_abs_log_ratio"] += per_bucket(d, np.float64)
+        np.multiply(r, r, out=r)
+        sums["sum_ratio_sq"] += per_bucket(r, np.float64)
 
     def result(self) -> MismatchSums:
         return MismatchSums._of(self.counts, self.sums, self.uncovered)

@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
+from staleness_metrics import mismatch_sums
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.errors import ConfigError, TraceError
 from staleness_metrics.exporters import ConsoleExporter, JsonlExporter, PrometheusExporter
-from staleness_metrics.exporters.base import ExportContext
+from staleness_metrics.exporters.base import ExportContext, MismatchReport
 from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.report import StepReport
 from staleness_metrics.sink import Sink
@@ -187,3 +188,58 @@ def test_console_through_the_monitor_uses_the_metrics_dict() -> None:
         monitor.add([ROLLOUT])
         monitor.ship(5)
     assert stream.getvalue() == "step 5 | Max Staleness 1 | token mean 1.00 | masked 0.0% | dropped 0 rollouts\n"
+
+
+# ---------------------------------------------------------------------------------------------- SPEC 11 live path
+
+
+class MismatchRecorder(Recorder):
+    name = "mismatch-recorder"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mismatch: list[MismatchReport] = []
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        self.mismatch.append(report)
+
+
+class BrokenMismatch(Broken):
+    name = "broken-mismatch"
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        raise RuntimeError("exporter bug")
+
+
+def test_record_mismatch_merges_calls_of_one_step_and_reaches_the_exporters() -> None:
+    recorder, broken = MismatchRecorder(), BrokenMismatch()
+    monitor = StalenessMonitor(StalenessConfig(), [recorder, broken])
+    monitor.add(ROLLOUT)
+    shipment = monitor.ship(6)
+    assert shipment.lags.tolist() == [2, 2, -1]
+    rank0 = mismatch_sums(shipment.lags[:2], [-1.0, -1.0], [-1.0, -0.5])
+    rank1 = mismatch_sums(shipment.lags[2:], [-1.0], [-1.0])  # its only position is not sampled
+    monitor.record_mismatch(6, rank0)
+    total = monitor.record_mismatch(6, rank1.to_dict())  # the dict form, as sent from another process
+    assert total == rank0 + rank1 == monitor.mismatch(6)
+    assert [r.delta for r in recorder.mismatch] == [rank0, rank1]
+    assert recorder.mismatch[-1].sums == total and recorder.mismatch[-1].step == 6
+    assert total.metrics()["staleness/mismatch/lag_2/tokens"] == 2
+    assert monitor.export_errors.count("broken-mismatch") == 1 + 2  # the ship, then each call: counted, not raised
+
+
+def test_record_mismatch_refuses_a_step_never_shipped_and_bad_sums() -> None:
+    recorder = MismatchRecorder()
+    monitor = StalenessMonitor(StalenessConfig(), [recorder])
+    monitor.add(ROLLOUT)
+    monitor.ship(6)
+    sums = mismatch_sums([0], [-1.0], [-1.0])
+    with pytest.raises(ValueError, match="step: no batch was shipped for step 7"):
+        monitor.record_mismatch(7, sums)
+    bad = sums.to_dict()
+    del bad["lags"]["16"]
+    with pytest.raises(ValueError, match=r"lags\.16: missing lag bucket"):
+        monitor.record_mismatch(6, bad)
+    with pytest.raises(ValueError, match="step: expected an integer"):
+        monitor.record_mismatch(True, sums)  # type: ignore[arg-type]
+    assert recorder.mismatch == [] and monitor.mismatch(6) is None and monitor.mismatch(7) is None
