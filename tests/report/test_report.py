@@ -12,9 +12,14 @@ import numpy.typing as npt
 import pytest
 from PIL import Image
 
+from staleness_metrics.adapters import as_replay_events
+from staleness_metrics.adapters.events import read_event_file
 from staleness_metrics.commands import report as report_command
+from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.html_report.svg import PALETTE, heatmap
+from staleness_metrics.replay import replay
+from staleness_metrics.what_if import what_if
 from tests.support.examples import EXAMPLES
 
 from .chromium import Box, chart_boxes, requires_chromium, screenshot
@@ -203,14 +208,16 @@ def test_a_run_with_trainer_logprobs_shows_what_staleness_costs(tmp_path: Path) 
         for colour in colours:
             assert _count(pixels, colour) >= 20, f"{key}: no marks in {colour}"
     # The marks carry the replayed values: step 3's lag-0 k3 is the replay's.
-    from staleness_metrics.adapters import as_replay_events
-    from staleness_metrics.adapters.events import read_event_file
-    from staleness_metrics.config import StalenessConfig
-    from staleness_metrics.replay import replay
-
     rows = [s.metrics for s in replay(as_replay_events(read_event_file(events)), StalenessConfig(max_staleness=2))]
     k3 = rows[2]["staleness/mismatch/lag_0/k3"]
     assert f"<title>lag 0 at 3: {k3:.4g}</title>" in html
+    # The what-if table prices each bound: the k3 of what it lets train.
+    [at_two] = what_if(events, [2], StalenessConfig(max_staleness=2))
+    assert at_two.cost_k3 is not None and at_two.cost_excess_k3 is not None
+    row = re.search(r"<tr class=current><td>2</td>.*?</tr>", html)
+    assert row is not None and row.group(0).endswith(
+        f"<td>{at_two.cost_k3:.4g}</td><td>{at_two.cost_excess_k3:.4g}</td></tr>"
+    )
 
 
 def test_logged_metrics_with_the_family_show_the_section_and_a_missing_floor_says_so(tmp_path: Path) -> None:
@@ -230,4 +237,4 @@ def test_logged_metrics_with_the_family_show_the_section_and_a_missing_floor_say
 
 def test_a_run_without_trainer_logprobs_has_no_cost_section(tmp_path: Path) -> None:
     html = _report(tmp_path, _demo_events(tmp_path / "events.jsonl", steps=4), "--bound", "2").read_text()
-    assert "What staleness costs" not in html and "mismatch-k3" not in html
+    assert "What staleness costs" not in html and "mismatch-k3" not in html and "trained k3" not in html
