@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics import MismatchSums, mismatch_sums
 from staleness_metrics.client import ServiceError, StalenessClient
@@ -281,3 +282,27 @@ def test_client_raises_service_error_naming_the_field(server: ThreadServer, http
     with StalenessClient(server.url) as client, pytest.raises(ServiceError) as raised:
         client.record_mismatch("exp", 4, bad)
     assert raised.value.status == 422 and raised.value.detail[0]["field"] == "sums.lags.5.tokens"
+
+
+def test_posted_sums_reach_the_service_prometheus_counters(server: ThreadServer, http: httpx.Client) -> None:
+    shipped_run(http, step=4)
+    posts = [rank_sums(seed) for seed in (11, 12, 13)]
+    for sums in posts:
+        assert http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": sums}).status_code == 200
+    merged = MismatchSums.zero()
+    for sums in posts:
+        merged = merged + MismatchSums.from_dict(sums)
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    tokens = {
+        s.labels["lag"]: s.value
+        for s in families["rl_staleness_mismatch_tokens"].samples
+        if s.name.endswith("_total") and s.labels.get("run") == "exp"
+    }
+    expected = {("+Inf" if b == "inf" else b): float(n) for b, n in zip(LAG_BUCKETS, merged.tokens.tolist()) if n}
+    assert {lag: value for lag, value in tokens.items() if value} == expected
+    [uncovered] = [
+        s.value
+        for s in families["rl_staleness_mismatch_uncovered_tokens"].samples
+        if s.name.endswith("_total") and s.labels.get("run") == "exp"
+    ]
+    assert uncovered == merged.uncovered
