@@ -31,6 +31,7 @@ from typing import IO, Any, TextIO
 from ..config import StalenessConfig
 from ..exporters import ConsoleExporter, Exporter, JsonlExporter
 from ..exporters.console import format_line
+from ..mismatch import MismatchSums
 from ..monitor import StalenessMonitor
 from ..report import StepReport
 from ..sink import Shipment
@@ -155,7 +156,7 @@ class _LiveTable:
     def __exit__(self, *exc: object) -> None:
         self._live.__exit__(None, None, None)
 
-    def update(self, events: StepEvents, shipment: Shipment, totals: _Totals) -> None:
+    def update(self, events: StepEvents, shipment: Shipment, totals: _Totals, cost: MismatchSums | None) -> None:
         from rich.table import Table
         from rich.text import Text
 
@@ -171,7 +172,7 @@ class _LiveTable:
             f"queue {events.queued} · in flight {events.in_flight} · "
             f"{c.policy} policy, max_staleness {c.max_staleness}",
             caption=f"run so far: {totals.shipped} live + {totals.frozen} frozen rollouts shipped, "
-            f"{totals.dropped} dropped, {masked} of sampled tokens masked",
+            f"{totals.dropped} dropped, {masked} of sampled tokens masked" + _cost_caption(cost),
         )
         for name in (
             "env",
@@ -210,6 +211,16 @@ class _LiveTable:
             row(env or "(none)", report.env_metrics[env], report.env_tally[env])
         row("all", report.metrics, report.tally)
         self._live.update(table, refresh=True)
+
+
+def _cost_caption(cost: MismatchSums | None) -> str:
+    """What staleness cost the simulated trainer at this step (SPEC 11), for the live table."""
+    keys = cost.metrics() if cost is not None else {}
+    if "staleness/mismatch/k3" not in keys:
+        return ""
+    text = f"\ntrainer mismatch k3 {keys['staleness/mismatch/k3']:.4f}"
+    excess = keys.get("staleness/mismatch/excess_k3")
+    return text + (f", excess over lag 0 {excess:.4f}" if excess is not None else " (no lag-0 tokens: no floor)")
 
 
 class _EventLog:
@@ -310,11 +321,11 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 monitor.add(step_events.rollouts)
                 shipment = monitor.ship(step_events.step, step_events.ship_ids)
                 simulation.forget(shipment.dropped_rollouts)
-                trainer.train(monitor, shipment)  # trainer log-probs -> mismatch sums -> the exporters
+                cost = trainer.train(monitor, shipment)  # trainer log-probs -> mismatch sums -> the exporters
                 totals.add(shipment.report)
                 shipped_steps += 1
                 if table is not None:
-                    table.update(step_events, shipment, totals)
+                    table.update(step_events, shipment, totals, cost)
     except KeyboardInterrupt:
         interrupted = True
     finally:
