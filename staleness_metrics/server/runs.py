@@ -26,7 +26,7 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -175,9 +175,23 @@ def _lags_by_rollout(shipment: Shipment) -> list[list[list[int]]]:
     return out
 
 
-def _with_mismatch(row: StepRow, total: MismatchSums) -> StepRow:
-    metrics = {key: value for key, value in row.metrics.items() if not key.startswith("staleness/mismatch/")}
-    return row.model_copy(update={"metrics": {**metrics, **total.metrics()}, "mismatch": total.to_dict()})
+@dataclass(frozen=True)
+class _StepMismatch:
+    """The posted sums of one step: how many posts, their total, and its keys and dict (made once)."""
+
+    posts: int
+    total: MismatchSums
+    metrics: dict[str, float | int]
+    sums: dict[str, Any]
+
+    @classmethod
+    def of(cls, posts: int, total: MismatchSums) -> _StepMismatch:
+        return cls(posts, total, total.metrics(), total.to_dict())
+
+    def on(self, row: StepRow) -> StepRow:
+        """``row`` with these keys in place of any mismatch keys the ship computed, and the sums."""
+        kept = {key: value for key, value in row.metrics.items() if not key.startswith("staleness/mismatch/")}
+        return row.model_copy(update={"metrics": {**kept, **self.metrics}, "mismatch": self.sums})
 
 
 class Run:
@@ -194,7 +208,7 @@ class Run:
         self._duplicates = 0
         self._history: list[StepRow] = []
         self._answers: OrderedDict[str, tuple[tuple[Any, ...], ShipResult]] = OrderedDict()
-        self._mismatch: dict[int, tuple[int, MismatchSums]] = {}  # step -> (posts merged, their total)
+        self._mismatch: dict[int, _StepMismatch] = {}  # posted trainer-side sums, per shipped step
         self._mismatch_answers: OrderedDict[str, tuple[tuple[Any, ...], MismatchResult]] = OrderedDict()
         self._closed = False
 
@@ -354,17 +368,18 @@ class Run:
                         f"Idempotency-Key {idempotency_key!r} was used for different mismatch sums of this run"
                     )
                 return answer.model_copy(update={"replayed": True})
-            posts, total = self._mismatch.get(request.step, (0, MismatchSums.zero()))
-            total = total + delta
+            known = self._mismatch.get(request.step)
+            posts = known.posts if known is not None else 0
+            total = (known.total if known is not None else MismatchSums.zero()) + delta
             if not all(np.isfinite(getattr(total, name)).all() for name in SUM_FIELDS):
                 raise RecordsInvalid([ErrorItem(field="sums", reason="the step's merged sums overflow a float64")])
             try:
                 self.monitor.record_mismatch(request.step, delta)
             except ValueError as error:  # a step never shipped: "step: ..."
                 raise RecordsInvalid([_field_item(str(error), "step")]) from None
-            self._mismatch[request.step] = (posts + 1, total)
+            merged = self._mismatch[request.step] = _StepMismatch.of(posts + 1, total)
             answer = MismatchResult(
-                run=self.name, step=request.step, posts=posts + 1, tokens=total.covered, metrics=total.metrics()
+                run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )
             if idempotency_key is not None:
                 self._mismatch_answers[idempotency_key] = (fingerprint, answer)
@@ -385,7 +400,7 @@ class Run:
             last_of_step = {row.step: i for i, row in enumerate(rows)}
             for step, i in last_of_step.items():
                 if step in self._mismatch:
-                    rows[i] = _with_mismatch(rows[i], self._mismatch[step][1])
+                    rows[i] = self._mismatch[step].on(rows[i])
             return rows
 
     def info(self) -> RunInfo:
