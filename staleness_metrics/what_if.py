@@ -151,7 +151,7 @@ def _shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
 def trained_cost(shipment: Shipment, band: tuple[float, float]) -> MismatchSums | None:
     """SPEC 11 sums over the covered positions the ship trains (unmasked sampled positions of its live
     samples); ``None`` when no shipped record carries ``trainer_logprobs``."""
-    if not any(r.batch.trainer_logprobs is not None for r in shipment.rollouts):
+    if shipment.report.mismatch is None:  # the sink found no trainer_logprobs: skip building the rollouts
         return None
     trains = _shipped_values(shipment, "mask") > 0
     lags = np.where(trains, shipment.lags, -1)  # masked positions leave the population
