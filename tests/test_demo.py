@@ -54,16 +54,17 @@ def _step_lines(lines: list[str]) -> list[str]:
 
 
 def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Path) -> None:
-    # 12 steps at 2 a second: after step 1 the demo runs 5.5 s more, ample time for one scrape even on a
-    # loaded machine (the scrape must happen while it runs; nothing here measures how fast).
-    demo = _start_demo(tmp_path, "--steps", "12", "--speed", "2", "--no-wandb")
+    # 15 steps at 2 a second: after step 4 the demo runs 5.5 s more, ample time for one scrape even on a
+    # loaded machine (the scrape must happen while it runs; nothing here measures how fast). By step 4's
+    # line, the simulated trainer has recorded the mismatch sums of steps 1 to 3 (lags 0, 1 and 2).
+    demo = _start_demo(tmp_path, "--steps", "15", "--speed", "2", "--no-wandb")
     try:
         assert demo.stdout is not None
         seen: list[str] = []
         lines = _lines(demo.stdout)
         for line in lines:
             seen.append(line)
-            if line.startswith("step 1 "):
+            if line.startswith("step 4 "):
                 break
         url = next(line.split(": ", 1)[1] for line in seen if line.startswith("metrics URL: "))
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
@@ -77,17 +78,18 @@ def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Pa
         tokens = families["rl_staleness_mismatch_tokens"].samples
         assert {s.labels["run"] for s in tokens} == {"staleness-demo"}
         assert sum(s.value for s in tokens if s.name.endswith("_total")) > 0
-        assert {s.labels["lag"] for s in families["rl_staleness_mismatch_kl_nats"].samples} >= {"2", "3"}
+        by_lag = {s.labels["lag"]: s.value for s in tokens if s.name.endswith("_total") and s.value > 0}
+        assert set(by_lag) >= {"0", "1", "2"}
         seen.extend(lines)
         assert demo.wait() == 0
     finally:
         demo.kill()
         demo.wait()
     steps = _step_lines(seen)
-    assert [line.split(" | ")[0] for line in steps] == [f"step {i}" for i in range(1, 13)]
+    assert [line.split(" | ")[0] for line in steps] == [f"step {i}" for i in range(1, 16)]
     assert all("| Max Staleness " in line for line in steps)
     rows = _rows_by_step(tmp_path / "out" / "metrics.jsonl")
-    assert list(rows) == list(range(1, 13))
+    assert list(rows) == list(range(1, 16))
     assert all("staleness/rollout/max" in row and "staleness/env/math/token/mean" in row for row in rows.values())
     assert all("staleness/mismatch/k3" in row and "staleness/mismatch/lag_3/ess" in row for row in rows.values())
 
