@@ -306,3 +306,36 @@ def test_posted_sums_reach_the_service_prometheus_counters(server: ThreadServer,
         if s.name.endswith("_total") and s.labels.get("run") == "exp"
     ]
     assert uncovered == merged.uncovered
+
+
+def test_posted_sums_replace_the_family_a_ship_computed_from_records(http: httpx.Client) -> None:
+    assert http.put("/v1/runs/exp", json={"max_staleness": 8}).status_code == 201
+    records = [rollout("a", 1, [1, 2, 3], trainer=[-1.25, -1.0, -0.5])]
+    assert http.post("/v1/runs/exp/rollouts", json={"rollouts": records}).status_code == 200
+    assert http.post("/v1/runs/exp/ship", json={"step": 4}).status_code == 200
+    before = step_row(http, 4)
+    assert before["metrics"]["staleness/mismatch/lag_2/tokens"] == 1 and before["mismatch"] is None
+    posted = MismatchSums.zero().to_dict()
+    posted["lags"]["5"].update(tokens=2, sum_k3=0.5, sum_ratio=2.0, sum_ratio_sq=2.0)
+    assert http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": posted}).status_code == 200
+    after = step_row(http, 4)
+    assert {k: v for k, v in after["metrics"].items() if k.startswith("staleness/mismatch/")} == {
+        "staleness/mismatch/lag_5/tokens": 2,
+        "staleness/mismatch/lag_5/k3": 0.25,
+        "staleness/mismatch/lag_5/abs_log_ratio": 0.0,
+        "staleness/mismatch/lag_5/out_of_band": 0.0,
+        "staleness/mismatch/lag_5/ess": 1.0,
+        "staleness/mismatch/k3": 0.25,
+        "staleness/mismatch/coverage": 1.0,
+    }
+    assert after["metrics"]["staleness/token/mean"] == before["metrics"]["staleness/token/mean"]
+
+
+def test_only_the_last_ship_of_a_step_carries_the_posted_sums(http: httpx.Client) -> None:
+    assert http.put("/v1/runs/exp", json={}).status_code == 201
+    for rid in ("a", "b"):
+        assert http.post("/v1/runs/exp/rollouts", json={"rollouts": [rollout(rid, 0, [0])]}).status_code == 200
+        assert http.post("/v1/runs/exp/ship", json={"step": 2}).status_code == 200
+    assert http.post("/v1/runs/exp/mismatch", json={"step": 2, "sums": rank_sums(8)}).status_code == 200
+    rows = http.get("/v1/runs/exp/steps").json()["steps"]
+    assert [(row["ship"], row["mismatch"] is not None) for row in rows] == [(1, False), (2, True)]
