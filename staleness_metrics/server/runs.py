@@ -370,7 +370,8 @@ class Run:
                 return answer.model_copy(update={"replayed": True})
             known = self._mismatch.get(request.step)
             posts = known.posts if known is not None else 0
-            total = (known.total if known is not None else MismatchSums.zero()) + delta
+            with np.errstate(over="ignore"):  # checked just below, and refused
+                total = (known.total if known is not None else MismatchSums.zero()) + delta
             if not all(np.isfinite(getattr(total, name)).all() for name in SUM_FIELDS):
                 raise RecordsInvalid([ErrorItem(field="sums", reason="the step's merged sums overflow a float64")])
             try:

@@ -339,3 +339,13 @@ def test_only_the_last_ship_of_a_step_carries_the_posted_sums(http: httpx.Client
     assert http.post("/v1/runs/exp/mismatch", json={"step": 2, "sums": rank_sums(8)}).status_code == 200
     rows = http.get("/v1/runs/exp/steps").json()["steps"]
     assert [(row["ship"], row["mismatch"] is not None) for row in rows] == [(1, False), (2, True)]
+
+
+def test_a_merge_that_would_overflow_is_refused_and_the_total_kept(http: httpx.Client) -> None:
+    shipped_run(http, step=4)
+    big = MismatchSums.zero().to_dict()
+    big["lags"]["1"].update(tokens=1, sum_k3=1e308, sum_ratio=1.0, sum_ratio_sq=1.0)
+    assert http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": big}).status_code == 200
+    again = http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": big})
+    assert again.status_code == 422 and again.json()["detail"][0]["field"] == "sums"
+    assert step_row(http, 4)["mismatch"] == MismatchSums.from_dict(big).to_dict()
