@@ -18,9 +18,9 @@ covered tokens**: the sampled positions of shipped live samples that the bound l
 carry both log-probabilities (masked positions and dropped samples are what the bound removed, so
 they are left out), their sums merged over the run:
 
-- ``cost_tokens``: how many such tokens;
-- ``cost_k3``: their mean k3 (``r - 1 - log r``);
-- ``cost_excess_k3``: the mean k3 of those with lag >= 1 minus the mean k3 of those with lag 0 (the
+- ``trained_covered``: how many such tokens;
+- ``trained_k3``: their mean k3 (``r - 1 - log r``);
+- ``trained_excess_k3``: the mean k3 of those with lag >= 1 minus the mean k3 of those with lag 0 (the
   numeric floor), over the whole run; ``None`` when no lag-0 token was trained.
 """
 
@@ -83,9 +83,9 @@ class WhatIfRow:
     rollouts_dropped: int
     samples_dropped: int
     rollouts_held: int
-    cost_tokens: int | None = None
-    cost_k3: float | None = None
-    cost_excess_k3: float | None = None
+    trained_covered: int | None = None
+    trained_k3: float | None = None
+    trained_excess_k3: float | None = None
 
     @property
     def tokens_kept(self) -> int:
@@ -104,9 +104,9 @@ class WhatIfRow:
     def from_tally(cls, bound: int, tally: Tally, cost: MismatchSums | None = None) -> WhatIfRow:
         keys = cost.metrics() if cost is not None else {}
         return cls(
-            cost_tokens=cost.covered if cost is not None else None,
-            cost_k3=_float(keys.get("staleness/mismatch/k3")),
-            cost_excess_k3=_float(keys.get("staleness/mismatch/excess_k3")),
+            trained_covered=cost.covered if cost is not None else None,
+            trained_k3=_float(keys.get("staleness/mismatch/k3")),
+            trained_excess_k3=_float(keys.get("staleness/mismatch/excess_k3")),
             max_staleness=bound,
             tokens_sampled=tally.tokens_sampled,
             tokens_masked=tally.tokens_masked,
@@ -203,7 +203,7 @@ def _cost(value: float | None) -> str:
 
 def format_table(rows: Sequence[WhatIfRow]) -> str:
     """The rows as an aligned text table (with the cost columns when the run has trainer log-probs)."""
-    costs = any(r.cost_tokens is not None for r in rows)
+    costs = any(r.trained_covered is not None for r in rows)
     header: tuple[str, ...] = (
         "max_staleness",
         "masked",
@@ -227,7 +227,7 @@ def format_table(rows: Sequence[WhatIfRow]) -> str:
             str(r.samples_dropped),
             str(r.rollouts_shipped),
             str(r.rollouts_held),
-            *((_cost(r.cost_k3), _cost(r.cost_excess_k3)) if costs else ()),
+            *((_cost(r.trained_k3), _cost(r.trained_excess_k3)) if costs else ()),
         )
         for r in rows
     ]

@@ -86,16 +86,16 @@ def test_what_if_adds_the_cost_of_what_each_bound_lets_train(events: Path, capsy
     assert main(["what-if", str(events), "--max-staleness", "0..2", "--json"]) == 0
     rows = {r["max_staleness"]: r for r in json.loads(capsys.readouterr().out)}
     # Bound 0 masks every lag >= 1: only c's covered lag-0 token trains; no stale token, so no excess.
-    assert (rows[0]["cost_tokens"], rows[0]["cost_excess_k3"]) == (1, None)
-    assert rows[0]["cost_k3"] == pytest.approx(K3_0)
+    assert (rows[0]["trained_covered"], rows[0]["trained_excess_k3"]) == (1, None)
+    assert rows[0]["trained_k3"] == pytest.approx(K3_0)
     # Bound 1 masks a's two lag-2 tokens: the lag-1 tokens and the lag-0 one train.
-    assert rows[1]["cost_tokens"] == 4
-    assert rows[1]["cost_k3"] == pytest.approx((K3_0 + 3 * K3_1) / 4)
-    assert rows[1]["cost_excess_k3"] == pytest.approx(K3_1 - K3_0)
+    assert rows[1]["trained_covered"] == 4
+    assert rows[1]["trained_k3"] == pytest.approx((K3_0 + 3 * K3_1) / 4)
+    assert rows[1]["trained_excess_k3"] == pytest.approx(K3_1 - K3_0)
     # Bound 2 masks nothing: the cost is the whole run's family.
-    assert rows[2]["cost_tokens"] == 6
-    assert rows[2]["cost_k3"] == pytest.approx((K3_0 + 3 * K3_1 + 2 * K3_2) / 6)
-    assert rows[2]["cost_excess_k3"] == pytest.approx((3 * K3_1 + 2 * K3_2) / 5 - K3_0)
+    assert rows[2]["trained_covered"] == 6
+    assert rows[2]["trained_k3"] == pytest.approx((K3_0 + 3 * K3_1 + 2 * K3_2) / 6)
+    assert rows[2]["trained_excess_k3"] == pytest.approx((3 * K3_1 + 2 * K3_2) / 5 - K3_0)
 
     assert main(["what-if", str(events), "--max-staleness", "1,2"]) == 0
     table = capsys.readouterr().out.splitlines()
@@ -112,7 +112,7 @@ def test_what_if_without_trainer_logprobs_has_no_cost(tmp_path: Path, capsys: py
     path.write_text("".join(json.dumps(e) + "\n" for e in plain))
     assert main(["what-if", str(path), "--max-staleness", "1", "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)
-    assert (row["cost_tokens"], row["cost_k3"], row["cost_excess_k3"]) == (None, None, None)
+    assert (row["trained_covered"], row["trained_k3"], row["trained_excess_k3"]) == (None, None, None)
     assert main(["what-if", str(path), "--max-staleness", "1"]) == 0
     assert "trained" not in capsys.readouterr().out
 

@@ -206,7 +206,7 @@ def _what_if_chart(data: ReportData) -> str:
 def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     if not rows:
         return ""
-    costs = any(r.cost_tokens is not None for r in rows)  # the run has trainer log-probs (SPEC 11)
+    costs = any(r.trained_covered is not None for r in rows)  # the run has trainer log-probs (SPEC 11)
     head = (
         "<tr><th>max_staleness</th><th>masked</th><th>tokens kept</th><th>kept share</th>"
         "<th>rollouts dropped</th><th>samples dropped</th><th>rollouts shipped</th><th>held</th>"
@@ -215,7 +215,7 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     )
 
     def cost_cells(r: WhatIfRow) -> str:
-        return f"<td>{_num(r.cost_k3, 4)}</td><td>{_num(r.cost_excess_k3, 4)}</td>" if costs else ""
+        return f"<td>{_num(r.trained_k3, 4)}</td><td>{_num(r.trained_excess_k3, 4)}</td>" if costs else ""
 
     body = "".join(
         f"<tr{' class=current' if r.max_staleness == bound else ''}><td>{r.max_staleness}</td>"

@@ -213,10 +213,10 @@ def test_a_run_with_trainer_logprobs_shows_what_staleness_costs(tmp_path: Path) 
     assert f"<title>lag 0 at 3: {k3:.4g}</title>" in html
     # The what-if table prices each bound: the k3 of what it lets train.
     [at_two] = what_if(events, [2], StalenessConfig(max_staleness=2))
-    assert at_two.cost_k3 is not None and at_two.cost_excess_k3 is not None
+    assert at_two.trained_k3 is not None and at_two.trained_excess_k3 is not None
     row = re.search(r"<tr class=current><td>2</td>.*?</tr>", html)
     assert row is not None and row.group(0).endswith(
-        f"<td>{at_two.cost_k3:.4g}</td><td>{at_two.cost_excess_k3:.4g}</td></tr>"
+        f"<td>{at_two.trained_k3:.4g}</td><td>{at_two.trained_excess_k3:.4g}</td></tr>"
     )
 
 
