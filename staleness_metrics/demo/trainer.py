@@ -5,7 +5,7 @@ left, so the demo takes the live path of SPEC 11 exactly as a real trainer would
 
     lags = shipment.lags                                     # sent along with the batch
     sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)
-    monitor.record_mismatch(step, sums)                      # once per rank: the calls merge
+    monitor.record_mismatch(step, sums)                      # per rank, or once with the ranks' sum
 
 **Drift model.** Per sampled position, the sampler's log-probability is ``-Exponential(0.7)`` (a
 token distribution where most tokens are likely and a tail is not). The trainer's log-probability of
@@ -25,8 +25,9 @@ The mean ``-σ²/2`` keeps ``E[r] = 1`` for ``r = exp(d)``, as for true importan
 k3 of a bucket is then ``σ²/2``, so the excess over the lag-0 floor is ``(speed · ℓ)² / 2``: it grows
 with the lag and with how fast the policy moves, which is what the new panels show.
 
-The trainer splits each batch over ``ranks`` (at sample boundaries) and records one sums object per
-rank, as a data-parallel trainer would; the monitor merges them.
+The trainer splits each batch over ``ranks`` (at sample boundaries), computes one sums object per rank
+as a data-parallel trainer would, adds them (``+``, exact) and records the step once, so row exporters
+(console, JSONL, W&B) get one mismatch row per step.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ class SimulatedTrainer:
         return sampler, trainer
 
     def train(self, monitor: StalenessMonitor, shipment: Shipment) -> MismatchSums | None:
-        """The live path: sums per rank, each recorded with the monitor; returns the step's merged total."""
+        """The live path: sums per rank, merged and recorded with the monitor; returns the step's total
+        (None when the ship took nothing)."""
         lags = shipment.lags
         if len(lags) == 0:
             return None
@@ -98,10 +100,8 @@ class SimulatedTrainer:
         # Ranks take contiguous runs of whole samples, as a data-parallel split of the batch would.
         offsets = shipment.lag_offsets
         cuts = [int(offsets[round(i * (len(offsets) - 1) / self.ranks)]) for i in range(self.ranks + 1)]
-        total: MismatchSums | None = None
-        for lo, hi in itertools.pairwise(cuts):
-            if lo == hi:
-                continue
-            sums = mismatch_sums(lags[lo:hi], sampler[lo:hi], trainer[lo:hi], masked=masked[lo:hi])
-            total = monitor.record_mismatch(shipment.step, sums)
-        return total
+        ranks = [
+            mismatch_sums(lags[lo:hi], sampler[lo:hi], trainer[lo:hi], masked=masked[lo:hi])
+            for lo, hi in itertools.pairwise(cuts)
+        ]
+        return monitor.record_mismatch(shipment.step, sum(ranks, MismatchSums.zero()))
