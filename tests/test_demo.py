@@ -91,7 +91,11 @@ def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Pa
     rows = _rows_by_step(tmp_path / "out" / "metrics.jsonl")
     assert list(rows) == list(range(1, 16))
     assert all("staleness/rollout/max" in row and "staleness/env/math/token/mean" in row for row in rows.values())
-    assert all("staleness/mismatch/k3" in row and "staleness/mismatch/lag_3/ess" in row for row in rows.values())
+    # The JSONL holds each step's cost, as the live path computes it (recomputed here in-process).
+    costs = _live_path_family(15, StalenessConfig(env_breakdown=True))
+    for step, row in rows.items():
+        assert "staleness/mismatch/coverage" in row and _family(row) == pytest.approx(costs[step]), step
+    assert all("staleness/mismatch/lag_3/ess" in rows[step] for step in range(4, 16))
 
 
 def _rows_by_step(path: Path) -> dict[int, dict[str, Any]]:
