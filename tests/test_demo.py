@@ -23,6 +23,7 @@ from staleness_metrics.adapters.events import read_event_file
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.demo.trainer import DriftModel, SimulatedTrainer, shipped_mask
+from staleness_metrics.html_report import build_report
 from staleness_metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.replay import replay
@@ -230,6 +231,12 @@ def test_the_demo_event_file_replays_to_the_metrics_it_logged(tmp_path: Path) ->
             assert theirs[key] == pytest.approx(value), key
         assert _family(theirs) == pytest.approx(costs[mine["step"]])
     assert any(row.get("staleness/token/masked", 0) > 0 for row in logged.values())  # the bound bit at 4
+    # The report of the logged metrics (the command the demo prints last) shows what staleness cost.
+    page = build_report(tmp_path / "out" / "metrics.jsonl")
+    assert '<section id="what-staleness-costs">' in page
+    step = max(costs)
+    k3 = costs[step]["staleness/mismatch/lag_3/k3"]
+    assert f"<title>lag 3 at {step}: {k3:.4g}</title>" in page
 
 
 def test_an_out_dir_that_cannot_be_made_is_a_message_not_a_traceback(tmp_path: Path) -> None:
