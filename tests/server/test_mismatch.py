@@ -18,6 +18,7 @@ from staleness_metrics.config import StalenessConfig
 from staleness_metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.server import ServerSettings
 from staleness_metrics.sink import Sink
+from tests.support.mismatch import needs_mismatch_exporters
 
 from .conftest import ThreadServer
 from .test_client import LosesFirstAnswers
@@ -284,6 +285,7 @@ def test_client_raises_service_error_naming_the_field(server: ThreadServer, http
     assert raised.value.status == 422 and raised.value.detail[0]["field"] == "sums.lags.5.tokens"
 
 
+@needs_mismatch_exporters
 def test_posted_sums_reach_the_service_prometheus_counters(server: ThreadServer, http: httpx.Client) -> None:
     shipped_run(http, step=4)
     posts = [rank_sums(seed) for seed in (11, 12, 13)]
