@@ -15,6 +15,7 @@ from .errors import ConfigError, EventError, StalenessError, TraceError
 from .metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
 from .mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
 from .monitor import StalenessMonitor
+from .padded import PaddedShipment, padded_shipment
 from .policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
 from .records import Rollout, Sample
 from .replay import read_events, run_events
@@ -35,6 +36,7 @@ __all__ = [
     "MetricDef",
     "MetricKind",
     "MismatchSums",
+    "PaddedShipment",
     "Policy",
     "Rollout",
     "RolloutBatch",
@@ -52,6 +54,7 @@ __all__ = [
     "XtunerPolicy",
     "__version__",
     "mismatch_sums",
+    "padded_shipment",
     "read_events",
     "run_events",
 ]

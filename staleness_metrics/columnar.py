@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from .padded import PaddedLayout
 
 __all__ = ["PER_POSITION_FLOATS", "WEIGHT_FIELDS", "RolloutBatch"]
 
@@ -76,6 +79,8 @@ class RolloutBatch:
     present: dict[str, BoolArray] = field(default_factory=dict)
     # Record fields to echo back in shipped output (dict-sourced rollouts); None = build from columns.
     echo: list[dict[str, Any]] | None = None
+    # Set by from_padded: the [B, L] rows the flat arrays came from (padded.padded_shipment reads it).
+    padded: PaddedLayout | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         n_rollouts = len(self.ids)
@@ -111,6 +116,13 @@ class RolloutBatch:
         for name in PER_POSITION_FLOATS:
             if getattr(self, name) is not None and name not in self.present:
                 self.present[name] = np.ones(n_samples, dtype=bool)
+
+    @classmethod
+    def from_padded(cls, ids: Sequence[str], mask: Any, **columns: Any) -> RolloutBatch:
+        """One rollout per row of ``[B, L]`` arrays: see :func:`staleness_metrics.padded.from_padded`."""
+        from .padded import from_padded
+
+        return from_padded(ids, mask, **columns)
 
     @property
     def n_rollouts(self) -> int:

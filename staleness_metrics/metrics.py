@@ -15,8 +15,8 @@ import numpy.typing as npt
 from .decision import Judgement
 from .mismatch import MismatchSums
 from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, StepReport, Tally
-from .segments import segment_min, segment_sum
-from .spans import NO_VERSION_HIGH
+from .segments import segment_max, segment_min, segment_sum
+from .spans import NO_VERSION_HIGH, NO_VERSION_LOW
 
 __all__ = ["WindowCounts", "compute_report"]
 
@@ -106,6 +106,16 @@ def _exact_dot(a: IntArray, b: IntArray) -> int:
     return sum(x * y for x, y in zip(a.tolist(), b.tolist()))
 
 
+def _newest_staleness(slice_: Judgement, span_in: BoolArray, live_rollout: BoolArray) -> IntArray:
+    """``T - max(v)`` per live rollout over its shipped sampled positions (dispatch version when none):
+    the freshest token's age, verl's trajectory staleness, beside SPEC 6's oldest-token ``R``."""
+    newest_span = np.where(span_in & (slice_.sampled > 0), slice_.version, NO_VERSION_LOW)
+    newest_sample = segment_max(newest_span, slice_.span_offsets, NO_VERSION_LOW)
+    newest = segment_max(newest_sample, slice_.sample_offsets, NO_VERSION_LOW)
+    newest = np.where(newest == NO_VERSION_LOW, slice_.dispatch, newest)[live_rollout]
+    return slice_.trained_version - newest
+
+
 def _population(
     slice_: Judgement,
     rollout_in: BoolArray,
@@ -135,6 +145,7 @@ def _population(
     in_flight = np.clip(slice_.completion[live_rollout] - oldest, 0, rollout)
     in_queue = rollout - in_flight
     rollout_values, rollout_counts = _distribution(rollout, np.ones(len(rollout), dtype=np.int64))
+    newest = _newest_staleness(slice_, span_in, live_rollout)
 
     metrics: dict[str, float | int] = {}
     if tokens:
@@ -147,6 +158,8 @@ def _population(
         for key, values in (("", rollout), ("in_flight/", in_flight), ("in_queue/", in_queue)):
             metrics[f"staleness/rollout/{key}mean"] = int(values.sum()) / len(values)
             metrics[f"staleness/rollout/{key}max"] = int(values.max())
+        metrics["staleness/rollout/newest/mean"] = int(newest.sum()) / len(newest)
+        metrics["staleness/rollout/newest/max"] = int(newest.max())
     length_samples, length_sampled, length_removed = _length_bias(slice_, sample_in, masked_spans, env, window)
     metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
     metrics["staleness/rollout/dropped"] = window.get(env, "rollouts_dropped")

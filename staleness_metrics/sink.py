@@ -609,7 +609,7 @@ class Sink:
         assert all(b is not None for b in batches)
         spans_per_sample = np.diff(shipped.span_offsets)[kept_sample]
         return ShippedSpans(
-            batches=batches,  # type: ignore[arg-type]
+            batches=batches,
             chunk=np.searchsorted(used, chunks[span_rollout])[kept],
             lo=n["lo"][span_rows][kept],
             hi=n["hi"][span_rows][kept],

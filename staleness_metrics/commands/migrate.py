@@ -26,6 +26,12 @@ what it understands (by extension and content; --kind forces one):
                                    legacy line: {"step": S, "migrate/legacy_through_step": S}
   anything else                    references reported with line numbers, never edited
 
+other trainers' keys (--from verl|skyrl|areal|nemo-rl|roll|pipelinerl):
+  the same file kinds; a peer's key is renamed to this project's key only where the meaning is the
+  same (verl training/off_policy/trajectory_staleness/mean -> staleness/rollout/newest/mean); the
+  others are listed with the reason they differ (unit, newest vs oldest token, a share, a count).
+  The table, with the source file of every key: staleness_metrics/migrate/peers.py
+
 exit status: 0 nothing legacy left (or --diff/--write done), 1 legacy names remain (--check),
 2 usage error, or a file that could not be read, parsed or safely edited (it is never touched).
 """
@@ -66,6 +72,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=[k.value for k in FileKind],
         help="read every named file as this kind instead of detecting it",
     )
+    from ..migrate.peers import PEERS
+
+    parser.add_argument(
+        "--from",
+        dest="peer",
+        choices=PEERS,
+        help="map another trainer's staleness keys instead of this project's legacy names",
+    )
     parser.add_argument(
         "--prometheus-prefix",
         action="append",
@@ -83,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     options = Options(
         drop_removed=args.drop_removed,
         prometheus_prefixes=tuple(dict.fromkeys([*DEFAULT_PROMETHEUS_PREFIXES, *args.prometheus_prefix])),
+        peer=args.peer,
     )
     kind = FileKind(args.kind) if args.kind else None
     failed = False
@@ -131,12 +146,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace, remaining: int, fixed: int, files: int) -> str:
+    names = f"{args.peer} key(s)" if args.peer else "legacy name(s)"
     if args.write:
-        text = f"migrate: {fixed} legacy name(s) updated"
+        text = f"migrate: {fixed} {names} updated"
     elif args.diff:
-        text = f"migrate: the diff updates {fixed} legacy name(s)"
+        text = f"migrate: the diff updates {fixed} {names}"
     else:
-        text = f"migrate: {remaining} legacy name(s) in {files} file(s)"
+        text = f"migrate: {remaining} {names} in {files} file(s)"
         if remaining:
             text += " (staleness-metrics migrate --write [--drop-removed] PATH... fixes what it can)"
         return text

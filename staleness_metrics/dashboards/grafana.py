@@ -542,6 +542,28 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     )
 
 
+def _oldest_vs_newest(grid: Grid, s: Scope) -> None:
+    """Rollout staleness by its oldest and by its newest token, for comparing frameworks' headlines."""
+    grid.add(
+        timeseries(
+            "Rollout staleness: oldest vs newest token",
+            "Rollout staleness of the last shipped batch by its oldest token (R = T - min(version), "
+            "prime-rl's headline) and by its newest token (T - max(version), verl's trajectory staleness). "
+            "The gap is how many versions one rollout spans.",
+            VERSIONS,
+            [
+                Target(s.gauge("rollout_mean"), "{{run}} oldest mean"),
+                Target(s.gauge("rollout_newest_mean"), "{{run}} newest mean"),
+                Target(s.gauge("rollout_max"), "{{run}} oldest max"),
+                Target(s.gauge("rollout_newest_max"), "{{run}} newest max"),
+            ],
+            minimum=0,
+        ),
+        w=24,
+        h=8,
+    )
+
+
 def _drops(grid: Grid, s: Scope) -> None:
     """What the policy threw away."""
     grid.row("Drops")
@@ -665,6 +687,7 @@ def staleness_dashboard() -> Json:
     _overview(grid, s, bound)
     _token_staleness(grid, s, bound)
     _rollout_staleness(grid, s, bound)
+    _oldest_vs_newest(grid, s)
     _drops(grid, s)
     _pipeline_health(grid, s)
     _per_env(grid, s)

@@ -86,6 +86,11 @@ def panels() -> list[PanelSpec]:
             notes="Per rollout in flight + in queue = rollout staleness, so the stack is the rollout mean.",
         ),
         PanelSpec("In-flight vs in-queue staleness (max)", keys("rollout_in_flight_max", "rollout_in_queue_max")),
+        PanelSpec(
+            "Rollout staleness: oldest vs newest token",
+            keys("rollout_mean", "rollout_newest_mean", "rollout_max", "rollout_newest_max"),
+            notes="Oldest token: prime-rl's headline (staleness/rollout/*); newest token: verl's trajectory staleness.",
+        ),
         PanelSpec("Dropped per step", keys("rollouts_dropped", "samples_dropped")),
         PanelSpec("Held rollouts", keys("rollouts_held")),
         PanelSpec(

@@ -14,7 +14,7 @@ from .grafana import GrafanaPolicy, looks_like_grafana
 from .history import looks_like_history, migrate_history
 from .json_syntax import JSON
 from .model import FileKind, FileResult, Options
-from .names import Scanner
+from .peer_names import scanner_for
 from .prometheus_rules import PrometheusRulesPolicy, looks_like_rules
 from .structured import migrate_structured
 from .text import scan_text
@@ -73,8 +73,8 @@ def _syntax(path: Path) -> Syntax:
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
     """Migrate the contents of one file (nothing is written)."""
     shown = str(path)
-    config_scanner = Scanner(prometheus=False, prefixes=options.prometheus_prefixes)
-    prometheus_scanner = Scanner(prometheus=True, prefixes=options.prometheus_prefixes)
+    config_scanner = scanner_for(options, prometheus=False)
+    prometheus_scanner = scanner_for(options, prometheus=True)
     if kind is FileKind.TOML_CONFIG:
         return migrate_config(shown, text, "toml", config_scanner)
     if kind is FileKind.YAML_CONFIG:
@@ -115,7 +115,7 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         fallback = scan_text(
             shown,
             text,
-            Scanner(prometheus=True, prefixes=options.prometheus_prefixes),
+            scanner_for(options, prometheus=True),
             reason="the file could not be migrated: edit by hand",
         )
         result.findings = fallback.findings

@@ -15,8 +15,10 @@ import re
 from dataclasses import dataclass
 
 from ..legacy import in_legacy_namespace, migrate_key
+from ..metric_table import LegacyKey
 from .json_syntax import JSON, parse_json_nodes
 from .model import Action, FileKind, FileResult, Finding, Options
+from .peer_names import peer_lookup
 from .tree import Edit, Mapping, apply_edits
 
 __all__ = ["MARKER_KEY", "looks_like_history", "migrate_history"]
@@ -122,9 +124,20 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
     expected: dict[object, object] = {}
     for index, (key, _value) in enumerate(node.items):
         name = str(key.value)
-        legacy = migrate_key(name)
+        if options.peer:
+            peer_row = peer_lookup(options.peer, name)
+            if peer_row is not None and peer_row.new is None:
+                # a peer key whose meaning differs: reported, kept (it is data), never renamed or dropped;
+                # it sets no boundary line, since nothing on the line changes meaning
+                reason = f"{peer_row.peer}: {peer_row.reason} [{peer_row.source}]"
+                found.add(name, None, Action.MANUAL, reason, number)
+                expected[name] = data[name]
+                continue
+            legacy = None if peer_row is None else LegacyKey(name, peer_row.new, f"{peer_row.peer}: {peer_row.reason}")
+        else:
+            legacy = migrate_key(name)
         if legacy is None:
-            if in_legacy_namespace(name):
+            if not options.peer and in_legacy_namespace(name):
                 had_legacy = True
                 found.add(name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping", number)
             expected[name] = data[name]

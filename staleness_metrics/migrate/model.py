@@ -36,6 +36,7 @@ class Options:
 
     drop_removed: bool = False
     prometheus_prefixes: tuple[str, ...] = DEFAULT_PROMETHEUS_PREFIXES
+    peer: str | None = None  # --from PEER: map that framework's keys instead of this project's legacy ones
 
 
 class Action(str, enum.Enum):

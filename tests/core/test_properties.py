@@ -88,7 +88,7 @@ def naive_metrics(
     t = line["step"] - 1
     stale: list[int] = []
     masked = unlabelled = 0
-    rollout_stats: list[tuple[int, int, int]] = []
+    rollout_stats: list[tuple[int, int, int, int]] = []
     for shipped in line["shipped"]:
         original = added[shipped["id"]]
         if original.get("source") == "frozen":
@@ -96,6 +96,7 @@ def naive_metrics(
         kept = [k for k in range(len(original["samples"])) if (shipped["id"], k) not in dropped_before]
         assert len(kept) == len(shipped["samples"])
         oldest = None
+        newest = None  # newest shipped sampled version (staleness/rollout/newest)
         newest_all = None
         for sample in original["samples"]:
             versions, _ = versions_of(original, sample)
@@ -111,13 +112,15 @@ def naive_metrics(
                     masked += after == 0
                     unlabelled += u
                     oldest = v if oldest is None else min(oldest, v)
+                    newest = v if newest is None else max(newest, v)
         oldest = original["dispatch_version"] if oldest is None else oldest
+        newest = original["dispatch_version"] if newest is None else newest
         completion = original.get(
             "completion_version", newest_all if newest_all is not None else original["dispatch_version"]
         )
         r = t - oldest
         f = min(max(completion - oldest, 0), r)
-        rollout_stats.append((r, f, r - f))
+        rollout_stats.append((r, f, r - f, t - newest))
     out: dict[str, Any] = {}
     if stale:
         n = len(stale)
@@ -128,7 +131,7 @@ def naive_metrics(
         for name, p in (("p50", 50), ("p90", 90), ("p99", 99)):
             out[f"staleness/token/{name}"] = ordered[max(1, -(-p * n // 100)) - 1]
     if rollout_stats:
-        for index, key in enumerate(("", "in_flight/", "in_queue/")):
+        for index, key in enumerate(("", "in_flight/", "in_queue/", "newest/")):
             values = [s[index] for s in rollout_stats]
             out[f"staleness/rollout/{key}mean"] = float(Fraction(sum(values), len(values)))
             out[f"staleness/rollout/{key}max"] = max(values)

@@ -630,6 +630,7 @@ def _slice_metrics(
     rollout_r: list[int] = []
     rollout_f: list[int] = []
     rollout_q: list[int] = []
+    rollout_n: list[int] = []  # newest-token staleness (issue 14): T - max(v), dispatch when none
     for rollout in population:
         versions: list[int] = []
         for sample in rollout.kept_samples():
@@ -643,8 +644,14 @@ def _slice_metrics(
         rollout_r.append(r)
         rollout_f.append(f)
         rollout_q.append(r - f)
+        rollout_n.append(t - (max(versions) if versions else rollout.dispatch))
     if population:
-        for name, values in (("", rollout_r), ("in_flight/", rollout_f), ("in_queue/", rollout_q)):
+        for name, values in (
+            ("", rollout_r),
+            ("in_flight/", rollout_f),
+            ("in_queue/", rollout_q),
+            ("newest/", rollout_n),
+        ):
             out[prefix + f"rollout/{name}mean"] = sum(values) / len(values)
             out[prefix + f"rollout/{name}max"] = max(values)
     out.update(_length_metrics(population, dropped_samples, prefix))

@@ -1,0 +1,110 @@
+"""Find a peer framework's keys in strings (``migrate --from PEER``): the peer counterpart of :mod:`.names`.
+
+The same contexts as the legacy scanner: free text (titles, legends, config keys and values), PromQL
+(a W&B key as older exporters published it, ``/`` replaced by ``_``), and W&B key regexes. A key with
+the same meaning is renamed; every other peer key is reported with the table's reason, never edited.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from ..metric_table import metric_by_key
+from .model import Action, Options
+from .names import Hit, Scanned, Scanner, _apply
+from .peers import PeerKey, peer_keys
+
+__all__ = ["PeerScanner", "peer_lookup", "scanner_for"]
+
+
+def _alternation(names: Sequence[str]) -> str:
+    return "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+
+
+def _hit(row: PeerKey, start: int, end: int, token: str, new: str | None) -> Hit:
+    if new is None:
+        return Hit(start, end, token, None, Action.MANUAL, f"{row.peer}: {row.reason} [{row.source}]")
+    return Hit(start, end, token, new, Action.RENAME, f"{row.peer}: {row.reason}")
+
+
+class PeerScanner(Scanner):
+    """Scans strings for one peer's keys instead of this project's legacy names."""
+
+    def __init__(self, peer: str, *, prometheus: bool, prefixes: Sequence[str] = ()) -> None:
+        super().__init__(prometheus=prometheus, prefixes=prefixes)
+        self.rows = {row.key: row for row in peer_keys(peer)}
+        whole = [key for key, row in self.rows.items() if not row.segment]
+        segments = [key for key, row in self.rows.items() if row.segment]
+        parts = []
+        if whole:
+            parts.append(rf"(?<![\w/.-])(?:{_alternation(whole)})(?![\w/.-])")
+        if segments:
+            parts.append(rf"(?<![\w.-])(?:{_alternation(segments)})(?![\w.-])")
+        self._pattern = re.compile("|".join(parts)) if parts else None
+        self._series = {
+            key.replace("/", "_").replace("-", "_"): row for key, row in self.rows.items() if not row.segment
+        }
+
+    def _text_hits(self, text: str) -> list[Hit]:
+        if self._pattern is None:
+            return []
+        hits = []
+        for match in self._pattern.finditer(text):
+            row = self.rows[match.group()]
+            hits.append(_hit(row, match.start(), match.end(), match.group(), row.new))
+        return hits
+
+    def _prometheus_hit(self, token: str, start: int) -> Hit | None:
+        row = self._series.get(token)
+        if row is None:
+            return None
+        series = metric_by_key(row.new).prometheus_name if row.new is not None else None
+        if row.new is not None and series is None:
+            reason = f"{row.peer}: same meaning as {row.new}, which Prometheus does not publish"
+            return Hit(start, start + len(token), token, None, Action.MANUAL, reason)
+        return _hit(row, start, start + len(token), token, series)
+
+    def _scan_promql(self, text: str) -> Scanned:
+        scanned = super()._scan_promql(text)
+        hits = tuple(
+            h for h in scanned.hits if h.action is not Action.MANUAL or h.reason.startswith(f"{self._peer()}:")
+        )
+        return Scanned(_apply(text, hits), hits)
+
+    def _peer(self) -> str:
+        return next(iter(self.rows.values())).peer if self.rows else ""
+
+    def _scan_regex(self, pattern: str, flavor: object) -> Scanned:
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            return Scanned(pattern, (Hit(0, len(pattern), pattern, None, Action.MANUAL, f"not a regex: {exc}"),))
+        matched = [row for key, row in self.rows.items() if not row.segment and compiled.search(key)]
+        if not matched:
+            return Scanned(pattern, ())
+        differing = [row.key for row in matched if row.new is None]
+        if differing:
+            reason = f"{self._peer()}: matches keys with no equivalent: {', '.join(differing)}; edit by hand"
+            return Scanned(pattern, (Hit(0, len(pattern), pattern, None, Action.MANUAL, reason),))
+        new_keys = sorted({row.new for row in matched if row.new is not None})
+        rewritten = "^(?:" + "|".join(re.escape(k) for k in new_keys) + ")$"
+        hit = Hit(
+            0, len(pattern), pattern, rewritten, Action.RENAME, f"{self._peer()}: regex rewritten to the same keys here"
+        )
+        return Scanned(rewritten, (hit,))
+
+
+def scanner_for(options: Options, *, prometheus: bool) -> Scanner:
+    """The legacy scanner, or the peer's when ``options.peer`` is set."""
+    if options.peer:
+        return PeerScanner(options.peer, prometheus=prometheus, prefixes=options.prometheus_prefixes)
+    return Scanner(prometheus=prometheus, prefixes=options.prometheus_prefixes)
+
+
+def peer_lookup(peer: str, name: str) -> PeerKey | None:
+    """The row of a logged key ``name`` of ``peer``: the whole key, or a segment row inside it."""
+    for row in peer_keys(peer):
+        if row.key == name or (row.segment and row.key in name.split("/")):
+            return row
+    return None

@@ -1,0 +1,132 @@
+"""prime-rl TrainingSamples (flat branches with mask, logprobs, rl/ce/ref-KL weights, env_name) plus
+the episode's policy span equal the same rollouts given as SPEC 3 records, and the masked arrays are
+written back into the samples the trainer receives."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from staleness_metrics import StalenessConfig
+from staleness_metrics.adapters.prime_rl_live import from_training_samples, shipped_samples
+from tests.adapters.equivalence import compare_ships, shipped_records
+
+
+@dataclass
+class TrainingSample:
+    """The fields of prime-rl's msgspec struct this adapter reads (others omitted)."""
+
+    token_ids: list[int]
+    mask: list[bool]
+    logprobs: list[float]
+    temperatures: list[float]
+    env_name: str
+    rl_weights: list[float] | None = None
+    ce_weights: list[float] | None = None
+    ref_kl_weights: list[float] | None = None
+    advantages: list[float] | None = field(default=None)
+
+
+def sample(mask: list[int], env: str = "math", **weights: list[float]) -> TrainingSample:
+    n = len(mask)
+    return TrainingSample(list(range(n)), [bool(m) for m in mask], [-0.1] * n, [1.0] * n, env, **weights)
+
+
+def as_records(
+    samples: list[TrainingSample], rollout_ids: list[str], policy: dict[str, tuple[int | None, int | None]]
+) -> list[dict[str, Any]]:
+    records: dict[str, dict[str, Any]] = {}
+    for s, rid in zip(samples, rollout_ids, strict=True):
+        start, end = policy[rid]
+        record = records.setdefault(rid, {"id": rid, "env": s.env_name, "samples": []})
+        if start is None:
+            record["source"] = "frozen"
+        else:
+            record["dispatch_version"] = start
+            if end is not None:
+                record["completion_version"] = end
+        out: dict[str, Any] = {"mask": [int(m) for m in s.mask], "logprobs": s.logprobs}
+        for name in ("rl_weights", "ce_weights", "ref_kl_weights"):
+            if getattr(s, name) is not None:
+                out[name] = getattr(s, name)
+        record["samples"].append(out)
+    return list(records.values())
+
+
+def test_a_two_branch_trace_and_a_frozen_episode() -> None:
+    samples = [
+        sample([0, 0, 1, 1, 1], rl_weights=[0.0, 0.0, 1.0, 1.0, 1.0]),
+        sample([0, 1, 1], ce_weights=[1.0, 0.0, 0.0]),  # a ce weight on a context token is never masked
+        sample([0, 1, 1], env="code"),
+        sample([0, 1], env="code"),
+    ]
+    rollout_ids = ["t1", "t1", "t2", "frozen-1"]
+    policy: dict[str, tuple[int | None, int | None]] = {"t1": (3, 5), "t2": (6, 6), "frozen-1": (None, None)}
+    batch = from_training_samples(samples, rollout_ids, policy)
+    records = as_records(samples, rollout_ids, policy)
+    both = compare_ships(batch, records, StalenessConfig(max_staleness=2), [8])  # T = 7, bound 5
+    m = both.adapter[0].metrics
+    assert m["staleness/rollout/max"] == 4  # t1 starts at 3
+    # t1's positions are unlabelled (version 3 < 5): its rl-only branch is dropped, the other masked
+    assert m["staleness/token/masked"] == 2 / 4 and m["staleness/sample/dropped"] == 1
+    shipped = shipped_samples(both.adapter[0], batch, samples)
+    # t1's first branch had only rl positions: all masked, so it is dropped; its second keeps a ce weight
+    assert [s.env_name for s in shipped] == ["math", "code", "code"]
+    assert shipped[0].mask == [False, False, False] and shipped[0].ce_weights == [1.0, 0.0, 0.0]
+    assert shipped[1].mask == [False, True, True]
+    assert both.adapter[0].dropped_samples == (("t1", 0),)
+    reference = shipped_records(both.records[0])
+    assert [int(x) for x in shipped[0].mask] == reference["t1"]["samples"][0]["mask"]
+
+
+def test_samples_of_one_rollout_must_be_adjacent_and_have_a_policy_span() -> None:
+    samples = [sample([1]), sample([1]), sample([1])]
+    with pytest.raises(ValueError, match="adjacent"):
+        from_training_samples(samples, ["a", "b", "a"], {"a": (0, 0), "b": (0, 0)})
+    with pytest.raises(KeyError, match="'b'"):
+        from_training_samples(samples, ["a", "a", "b"], {"a": (0, 0)})
+
+
+@st.composite
+def traces(draw: st.DrawFn) -> tuple[list[TrainingSample], list[str], dict[str, tuple[int | None, int | None]]]:
+    samples: list[TrainingSample] = []
+    rollout_ids: list[str] = []
+    policy: dict[str, tuple[int | None, int | None]] = {}
+    for t in range(draw(st.integers(1, 5))):
+        rid = f"trace-{t}"
+        start = draw(st.integers(0, 6) | st.none())
+        policy[rid] = (start, None if start is None else start + draw(st.integers(0, 2)))
+        for _ in range(draw(st.integers(1, 3))):
+            n = draw(st.integers(0, 6))
+            mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+            weights = {
+                name: draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
+                for name in ("rl_weights", "ce_weights", "ref_kl_weights")
+                if draw(st.booleans())
+            }
+            samples.append(sample(mask, env=draw(st.sampled_from(["math", "code"])), **weights))
+            rollout_ids.append(rid)
+    return samples, rollout_ids, policy
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=traces(), bound=st.integers(0, 3), policy_name=st.sampled_from(["token", "episode"]))
+def test_random_traces_equal_their_records(
+    data: tuple[list[TrainingSample], list[str], dict[str, tuple[int | None, int | None]]], bound: int, policy_name: str
+) -> None:
+    samples, rollout_ids, policy = data
+    records = as_records(copy.deepcopy(samples), rollout_ids, policy)
+    batch = from_training_samples(samples, rollout_ids, policy)
+    both = compare_ships(batch, records, StalenessConfig(policy=policy_name, max_staleness=bound), [9])
+    shipped = shipped_samples(both.adapter[0], batch, samples)
+    expected = [s for r in both.records[0].rollouts for s in r.record()["samples"]]
+    assert len(shipped) == len(expected)
+    for got, want in zip(shipped, expected, strict=True):
+        assert [int(m) for m in got.mask] == want["mask"]
+        for name in ("rl_weights", "ce_weights", "ref_kl_weights"):
+            assert getattr(got, name) == want.get(name)
