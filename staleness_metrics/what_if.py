@@ -45,7 +45,16 @@ from .replay import Event, replay
 from .report import Tally
 from .sink import Shipment
 
-__all__ = ["WhatIfRow", "format_table", "parse_bounds", "run_tally", "to_json", "trained_cost", "what_if"]
+__all__ = [
+    "WhatIfRow",
+    "format_table",
+    "parse_bounds",
+    "run_tally",
+    "tally_and_cost",
+    "to_json",
+    "trained_cost",
+    "what_if",
+]
 
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 MAX_BOUNDS = 257
@@ -159,6 +168,17 @@ def trained_cost(shipment: Shipment, band: tuple[float, float]) -> MismatchSums 
     return mismatch_sums(lags, sampler, _shipped_values(shipment, "trainer_logprobs"), band=band)
 
 
+def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> tuple[Tally, MismatchSums | None]:
+    """:func:`run_tally` and the merged :func:`trained_cost` of the ships, in one pass."""
+    tally, cost = Tally(), None
+    for shipment in shipments:
+        tally = tally + shipment.report.tally
+        ship_cost = trained_cost(shipment, band)
+        if ship_cost is not None:
+            cost = ship_cost if cost is None else cost + ship_cost
+    return tally, cost
+
+
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
     """The sum of every ship's tally."""
     total = Tally()
@@ -183,13 +203,8 @@ def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | Non
     events_for = _events_for(source)
     rows = []
     for bound in bounds:
-        tally, cost = Tally(), None
-        for shipment in replay(events_for(bound), dataclasses.replace(base, max_staleness=bound)):
-            tally = tally + shipment.report.tally
-            ship_cost = trained_cost(shipment, base.mismatch_band)
-            if ship_cost is not None:
-                cost = ship_cost if cost is None else cost + ship_cost
-        rows.append(WhatIfRow.from_tally(bound, tally, cost))
+        shipments = replay(events_for(bound), dataclasses.replace(base, max_staleness=bound))
+        rows.append(WhatIfRow.from_tally(bound, *tally_and_cost(shipments, base.mismatch_band)))
     return rows
 
 
