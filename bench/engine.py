@@ -1,22 +1,32 @@
-"""Engine benchmark: ratios against baselines measured in the same run (no absolute targets).
+"""Engine benchmark: add + ship, as ratios to a dense numpy pass timed alternately in the same run.
 
-    python bench/engine.py [--samples 1024] [--positions 8192] [--spans 4] [--repeat 5]
+    python bench/engine.py [--scale 1.0] [--repeat 5] [--json]
 
-Reports, for ``token`` masking plus every metric of a ship on one batch:
-- the ratio to one numpy pass that writes the same four float32 arrays (target: <= 2x);
-- the per-position speed-up over a straightforward per-position Python implementation of the same
-  rule, timed on a slice (target: >= 200x);
-- the peak memory the engine allocates, relative to the input arrays (target: < 1.5x);
-- for a right-padded [samples, positions] batch with per-token versions (AReaL's shape),
-  ``RolloutBatch.from_padded`` alone and with the ship, each as a ratio to the dense multiply pass.
+The dense pass is one numpy pass multiplying the four float32 arrays (mask, rl, ce and ref-KL weights)
+by a precomputed keep vector: the least any masking of those arrays can cost. Each row adds one batch
+to a fresh sink and ships it (``token`` masking, or ``xtuner`` with ``max_token_staleness``, plus every
+metric), timed alternately with the dense pass on arrays of the same size; a row's ratio is the best
+engine time over the best dense time. Goals: <= 3x under ``token``, <= 4x under ``xtuner``.
+
+Workloads (``--scale`` multiplies the number of samples, for quick runs):
+- spans: 1024 samples x 8192 positions, 4 ``weight_versions`` spans each;
+- token_versions 8192 x 1024 and 1024 x 8192, with 0%, 1%, 10% and 50% of positions unlabelled (-1)
+  at random, the labels otherwise those of the spans;
+- the same 8192 x 1024 with GRPO groups of 16 and 3 envs;
+- a right-padded [1024, 8192] batch with per-token versions (AReaL's shape) through
+  ``RolloutBatch.from_padded`` + add + ship, and ``from_padded`` alone.
+Every sample starts with a prompt of mask 0. Then the per-position speed-up over a straightforward
+per-position Python implementation of the ``token`` rule, and the peak memory the engine allocates.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import time
 import tracemalloc
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,87 +34,152 @@ import numpy as np
 from staleness_metrics import RolloutBatch, Sink, StalenessConfig
 
 FIELDS = ("mask", "rl_weights", "ce_weights", "ref_kl_weights")
-MAX_STALENESS = 2
-STEP = 11  # trains version 10; versions 0..7 are stale with max_staleness 2
+STEP = 11  # trains version 10; labels run from 3 to 10
+CONFIGS = {
+    "token": StalenessConfig(policy="token", max_staleness=2),  # masks versions below 8
+    "xtuner": StalenessConfig(policy="xtuner", max_staleness=8, max_token_staleness=2),  # masks below 8, no expiry
+}
+GOALS = {"token": 3.0, "xtuner": 4.0}
 
 
-def make_inputs(samples: int, positions: int, spans: int, seed: int = 0) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    samples: int
+    positions: int
+    labels: str  # "spans" or "tokens"
+    unlabelled: float = 0.0
+    groups: bool = False
+
+
+UNLABELLED = (0, 0.01, 0.1, 0.5)
+WORKLOADS = (
+    Workload("spans 1024 x 8192", 1024, 8192, "spans"),
+    *(Workload(f"token_versions 8192 x 1024, {p:.0%} unlabelled", 8192, 1024, "tokens", p) for p in UNLABELLED),
+    *(Workload(f"token_versions 1024 x 8192, {p:.0%} unlabelled", 1024, 8192, "tokens", p) for p in UNLABELLED),
+    Workload("token_versions 8192 x 1024, groups of 16, 3 envs", 8192, 1024, "tokens", 0.0, groups=True),
+)  # fmt: skip
+
+
+def make_inputs(work: Workload, samples: int, seed: int = 0) -> dict[str, Any]:
+    """Arrays of one workload: 4 version spans per sample (dispatch version, then newer ones)."""
     rng = np.random.default_rng(seed)
-    total = samples * positions
+    n = work.positions
+    total = samples * n
     mask = np.ones(total, dtype=np.float32)
-    prompt = positions // 8  # a prompt prefix that is not sampled
-    mask.reshape(samples, positions)[:, :prompt] = 0
-    starts = np.sort(rng.choice(np.arange(1, positions), size=(samples, spans - 1), replace=True), axis=1)
-    starts = np.concatenate((np.zeros((samples, 1), dtype=np.int64), starts), axis=1)
-    starts = np.array([np.unique(row) for row in starts], dtype=object)
-    counts = np.array([len(row) for row in starts])
-    dispatch = rng.integers(3, 8, size=samples)  # newest label: 7 + 3 = 10 = T
-    versions = np.concatenate([d + np.arange(len(row)) for d, row in zip(dispatch, starts)])
-    return {
+    mask.reshape(samples, n)[:, : n // 8] = 0  # the prompt
+    cuts = np.sort(rng.integers(1, n, size=(samples, 3)), axis=1)
+    dispatch = rng.integers(3, 8, size=samples)
+    inputs: dict[str, Any] = {
         "ids": [f"r{i}" for i in range(samples)],
         "sample_offsets": np.arange(samples + 1),
-        "position_offsets": np.arange(samples + 1) * positions,
+        "position_offsets": np.arange(samples + 1) * n,
         "dispatch_version": dispatch,
-        "span_offsets": np.concatenate(([0], np.cumsum(counts))),
-        "span_versions": versions,
-        "span_starts": np.concatenate(list(starts)).astype(np.int64),
         "arrays": {name: mask.copy() if name == "mask" else rng.random(total, dtype=np.float32) for name in FIELDS},
     }
+    if work.labels == "spans":
+        starts = [np.unique(np.concatenate(([0], row))) for row in cuts]
+        inputs["span_offsets"] = np.concatenate(([0], np.cumsum([len(s) for s in starts])))
+        inputs["span_versions"] = np.concatenate([d + np.arange(len(s)) for d, s in zip(dispatch, starts)])
+        inputs["span_starts"] = np.concatenate(starts).astype(np.int64)
+    else:
+        steps = (np.arange(n)[None, :, None] >= cuts[:, None, :]).sum(axis=2)
+        tokens = (dispatch[:, None] + steps).ravel().astype(np.int64)
+        tokens[rng.random(total) < work.unlabelled] = -1
+        inputs["token_versions"] = tokens
+    if work.groups:
+        inputs["group_ids"] = [f"g{i // 16}" for i in range(samples)]
+        inputs["envs"] = [("math", "code", "chat")[i % 3] for i in range(samples)]
+    return inputs
 
 
 def fresh_batch(inputs: dict[str, Any]) -> RolloutBatch:
     arrays = {name: values.copy() for name, values in inputs["arrays"].items()}
-    return RolloutBatch(
-        ids=inputs["ids"],
-        sample_offsets=inputs["sample_offsets"],
-        position_offsets=inputs["position_offsets"],
-        dispatch_version=inputs["dispatch_version"],
-        span_offsets=inputs["span_offsets"],
-        span_versions=inputs["span_versions"],
-        span_starts=inputs["span_starts"],
-        **arrays,
-    )
+    columns = {k: v for k, v in inputs.items() if k != "arrays"}
+    return RolloutBatch(**columns, **arrays)
 
 
-def engine_run(batch: RolloutBatch) -> dict[str, float | int]:
-    sink = Sink(StalenessConfig(policy="token", max_staleness=MAX_STALENESS))
+def engine_run(batch: RolloutBatch, config: StalenessConfig) -> dict[str, float | int]:
+    sink = Sink(config)
     sink.add(batch)
     return dict(sink.ship(STEP).metrics)
 
 
-def numpy_pass(arrays: dict[str, np.ndarray], keep: np.ndarray) -> None:
+def dense_pass(arrays: dict[str, np.ndarray], keep: np.ndarray) -> None:
     for values in arrays.values():
         np.multiply(values, keep, out=values)
 
 
-def putmask_pass(arrays: dict[str, np.ndarray], stale: np.ndarray) -> None:
-    for values in arrays.values():
-        np.putmask(values, stale, 0)
+def alternate(repeat: int, inputs: dict[str, Any], config: StalenessConfig) -> tuple[float, float]:
+    """Best engine time and best dense-pass time, measured turn about."""
+    keep = np.ones(len(inputs["arrays"]["mask"]), dtype=np.float32)
+    engine, dense = math.inf, math.inf
+    for _ in range(repeat):
+        batch = fresh_batch(inputs)
+        start = time.perf_counter()
+        engine_run(batch, config)
+        engine = min(engine, time.perf_counter() - start)
+        arrays = {name: values.copy() for name, values in inputs["arrays"].items()}
+        start = time.perf_counter()
+        dense_pass(arrays, keep)
+        dense = min(dense, time.perf_counter() - start)
+    return engine, dense
 
 
-def python_rule(inputs: dict[str, Any], samples: int) -> dict[str, float]:
-    """The same rule, one position at a time: what a straightforward implementation does."""
-    arrays = {name: values.tolist() for name, values in inputs["arrays"].items()}
-    offsets = inputs["position_offsets"].tolist()
-    span_offsets, span_versions = inputs["span_offsets"].tolist(), inputs["span_versions"].tolist()
-    span_starts = inputs["span_starts"].tolist()
-    bound = STEP - 1 - MAX_STALENESS
+def padded_ratios(samples: int, positions: int, repeat: int, seed: int = 1) -> dict[str, float]:
+    """``from_padded`` + add + ship of a right-padded [samples, positions] batch (per-token versions, a
+    prompt labelled -1, padding 0 as AReaL pads it) per policy, and ``from_padded`` alone, each over the
+    dense pass on the same four [samples, positions] arrays, timed turn about."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(positions // 2, positions + 1, size=samples)
+    columns = np.arange(positions)
+    valid = columns[None, :] < lengths[:, None]
+    prompt = positions // 8
+    mask = (valid & (columns[None, :] >= prompt)).astype(np.float32)
+    dispatch = rng.integers(3, 8, size=samples)
+    versions = np.where(columns[None, :] < prompt, -1, dispatch[:, None] + columns[None, :] * 4 // positions)
+    versions = np.where(valid, versions, 0).astype(np.int64)
+    weights = {name: rng.random((samples, positions), dtype=np.float32) * mask for name in FIELDS[1:]}
+    keep = np.ones((samples, positions), dtype=np.float32)
+    ids = [f"p{i}" for i in range(samples)]
+
+    def fresh() -> dict[str, np.ndarray]:
+        return {"mask": mask.copy(), **{name: values.copy() for name, values in weights.items()}}
+
+    out: dict[str, float] = {}
+    for name, config in (("alone", None), *CONFIGS.items()):
+        took, dense = math.inf, math.inf
+        for _ in range(repeat):
+            arrays = fresh()  # the caller's arrays, masked in place: copied before the clock starts
+            start = time.perf_counter()
+            batch = RolloutBatch.from_padded(
+                ids, arrays.pop("mask"), token_versions=versions, lengths=lengths, **arrays
+            )
+            if config is not None:
+                engine_run(batch, config)
+            took = min(took, time.perf_counter() - start)
+            arrays = fresh()
+            start = time.perf_counter()
+            dense_pass(arrays, keep)
+            dense = min(dense, time.perf_counter() - start)
+        out[name] = took / dense
+    return out
+
+
+def python_rule(inputs: dict[str, Any], samples: int, positions: int) -> dict[str, float]:
+    """The ``token`` rule one position at a time: what a straightforward implementation does."""
+    arrays = {name: values[: samples * positions].tolist() for name, values in inputs["arrays"].items()}
+    versions = inputs["token_versions"][: samples * positions].tolist()
+    dispatch = inputs["dispatch_version"].tolist()
+    trained = STEP - 1
+    bound = trained - CONFIGS["token"].max_staleness
     stale_sum = sampled = masked = 0
     histogram: dict[int, int] = {}
     for s in range(samples):
-        lo, hi = offsets[s], offsets[s + 1]
-        spans = list(
-            zip(
-                span_starts[span_offsets[s] : span_offsets[s + 1]], span_versions[span_offsets[s] : span_offsets[s + 1]]
-            )
-        )
-        k = 0
-        for p in range(lo, hi):
-            while k + 1 < len(spans) and spans[k + 1][0] <= p - lo:
-                k += 1
-            version = spans[k][1]
+        for p in range(s * positions, (s + 1) * positions):
+            version = versions[p] if versions[p] >= 0 else dispatch[s]
             if arrays["mask"][p]:
-                staleness = STEP - 1 - version
+                staleness = trained - version
                 sampled += 1
                 stale_sum += staleness
                 histogram[staleness] = histogram.get(staleness, 0) + 1
@@ -115,112 +190,83 @@ def python_rule(inputs: dict[str, Any], samples: int) -> dict[str, float]:
     return {"mean": stale_sum / sampled, "masked": masked / sampled}
 
 
-def best_of(repeat: int, setup: Callable[[], Any], run: Callable[[Any], Any]) -> float:
-    times = []
-    for _ in range(repeat):
-        state = setup()
-        start = time.perf_counter()
-        run(state)
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=1024)
-    parser.add_argument("--positions", type=int, default=8192)
-    parser.add_argument("--spans", type=int, default=4)
+    parser.add_argument("--scale", type=float, default=1.0, help="fraction of the samples of each workload")
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--python-slice", type=int, default=8, help="samples timed for the per-position baseline")
+    parser.add_argument("--python-samples", type=int, default=8, help="samples timed for the per-position baseline")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args()
 
-    inputs = make_inputs(args.samples, args.positions, args.spans)
-    total = args.samples * args.positions
-    keep = np.ones(total, dtype=np.float32)
-    stale = np.zeros(total, dtype=bool)
-    stale[::3] = True
+    rows = []
+    for work in WORKLOADS:
+        samples = max(1, round(work.samples * args.scale))
+        inputs = make_inputs(work, samples)
+        ratios = {}
+        for policy, config in CONFIGS.items():
+            engine, dense = alternate(args.repeat, inputs, config)
+            ratios[policy] = engine / dense
+        rows.append({"workload": work.name, "samples": samples, "positions": work.positions, **ratios})
+        if not args.json:
+            print(f"{work.name:<52} {ratios['token']:6.2f}x {ratios['xtuner']:6.2f}x", flush=True)
 
-    numpy_time = best_of(args.repeat, lambda: {n: v.copy() for n, v in inputs["arrays"].items()},
-                         lambda arrays: numpy_pass(arrays, keep))  # fmt: skip
-    engine_time = best_of(args.repeat, lambda: fresh_batch(inputs), engine_run)
-    python_time = best_of(1, lambda: None, lambda _: python_rule(inputs, args.python_slice))
-    per_position_python = python_time / (args.python_slice * args.positions)
-    per_position_engine = engine_time / total
+    padded_samples = max(1, round(1024 * args.scale))
+    padded = padded_ratios(padded_samples, 8192, args.repeat)
+    name = f"padded {1024} x {8192} (from_padded + add + ship)"
+    rows.append({"workload": name, "samples": padded_samples, "positions": 8192,
+                 "token": padded["token"], "xtuner": padded["xtuner"]})  # fmt: skip
+    if not args.json:
+        print(f"{name:<52} {padded['token']:6.2f}x {padded['xtuner']:6.2f}x", flush=True)
 
-    batch = fresh_batch(inputs)
+    # Per-position speed-up, on the 10%-unlabelled token_versions workload.
+    work = WORKLOADS[3]
+    samples = max(1, round(work.samples * args.scale))
+    inputs = make_inputs(work, samples)
+    engine, _ = alternate(args.repeat, inputs, CONFIGS["token"])
+    python_samples = min(args.python_samples, samples)
+    start = time.perf_counter()
+    python_rule(inputs, python_samples, work.positions)
+    python = (time.perf_counter() - start) / (python_samples * work.positions)
+    speed_up = python / (engine / (samples * work.positions))
+    metrics = engine_run(fresh_batch(inputs), CONFIGS["token"])
+    reference = python_rule(inputs, samples, work.positions) if samples * work.positions <= 2_000_000 else None
+    if reference is not None:  # the naive rule and the engine agree on the whole batch
+        assert abs(reference["mean"] - metrics["staleness/token/mean"]) < 1e-9, (reference, metrics)
+        assert abs(reference["masked"] - metrics["staleness/token/masked"]) < 1e-12
+
+    batch = fresh_batch(make_inputs(WORKLOADS[0], max(1, round(WORKLOADS[0].samples * args.scale))))
     input_bytes = sum(getattr(batch, name).nbytes for name in FIELDS)
     tracemalloc.start()
-    engine_run(batch)
+    engine_run(batch, CONFIGS["token"])
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
 
-    check = fresh_batch(inputs)
-    metrics = engine_run(check)
-    reference = python_rule(inputs, args.samples) if args.samples * args.positions <= 2_000_000 else None
-
-    putmask_time = best_of(args.repeat, lambda: {n: v.copy() for n, v in inputs["arrays"].items()},
-                           lambda arrays: putmask_pass(arrays, stale))  # fmt: skip
-    speed_up = per_position_python / per_position_engine
-    rows = [
-        ("numpy pass writing four float32 arrays (multiply)", f"{numpy_time * 1e3:.1f} ms", ""),
-        ("numpy masking of four arrays (putmask)", f"{putmask_time * 1e3:.1f} ms", ""),
-        ("engine: token masking + all metrics", f"{engine_time * 1e3:.1f} ms",
-         f"{engine_time / numpy_time:.2f}x the multiply pass (target <= 2x), "
-         f"{engine_time / putmask_time:.2f}x the putmask pass"),
-        (f"per-position Python ({args.python_slice} samples)", f"{per_position_python * 1e9:.0f} ns/position",
-         f"engine {per_position_engine * 1e9:.2f} ns/position: {speed_up:.0f}x faster (target >= 200x)"),
-        ("peak memory allocated by the engine", f"{peak / 2**20:.1f} MiB",
-         f"{peak / input_bytes:.2f}x the input arrays (target < 1.5x)"),
-    ]  # fmt: skip
-    print(f"batch: {args.samples} samples x {args.positions} positions, {len(inputs['span_versions'])} spans")
-    for name, value, ratio in rows:
-        print(f"{name:<52} {value:>16}   {ratio}")
-    print(f"token mean {metrics['staleness/token/mean']:.4f}, masked {metrics['staleness/token/masked']:.4f}")
-    if reference is not None:
-        assert abs(reference["mean"] - metrics["staleness/token/mean"]) < 1e-9, (reference, metrics)
-        assert abs(reference["masked"] - metrics["staleness/token/masked"]) < 1e-12
-        print("per-position Python agrees with the engine on the whole batch")
+    result = {
+        "rows": rows,
+        "from_padded_alone": padded["alone"],
+        "python_speed_up": speed_up,
+        "peak_memory_ratio": peak / input_bytes,
+        "goals": GOALS,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"{'per-position speed-up over per-position Python (token, 10% unlabelled)':<60} {speed_up:9.0f}x")
+    print(f"{'peak memory the engine allocates / the input arrays (spans)':<60} {peak / input_bytes:9.2f}x")
+    print(f"{'from_padded alone (padded 1024 x 8192) / the dense pass':<60} {padded['alone']:9.2f}x")
+    print()
+    print(format_table(result))
 
 
-def padded_row(samples: int, positions: int, repeat: int, seed: int = 1) -> None:
-    """``RolloutBatch.from_padded`` on a right-padded [samples, positions] batch with per-token versions
-    (AReaL's shape), add and ship, against one dense numpy multiply pass over the same four arrays."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(positions // 2, positions + 1, size=samples)
-    columns = np.arange(positions)
-    valid = columns[None, :] < lengths[:, None]
-    prompt = positions // 8
-    mask = (valid & (columns[None, :] >= prompt)).astype(np.float32)
-    dispatch = rng.integers(3, 8, size=samples)
-    # versions rise by one every quarter of the row (4 spans); prompt -1, padding 0 as AReaL pads it
-    versions = np.where(columns[None, :] < prompt, -1, dispatch[:, None] + columns[None, :] * 4 // positions)
-    versions = np.where(valid, versions, 0).astype(np.int64)
-    weights = {name: rng.random((samples, positions), dtype=np.float32) * mask for name in FIELDS[1:]}
-    keep = np.ones((samples, positions), dtype=np.float32)
-
-    def fresh() -> dict[str, np.ndarray]:
-        return {"mask": mask.copy(), **{name: values.copy() for name, values in weights.items()}}
-
-    def convert(arrays: dict[str, np.ndarray]) -> RolloutBatch:
-        return RolloutBatch.from_padded(
-            [f"p{i}" for i in range(samples)], arrays.pop("mask"), token_versions=versions, lengths=lengths, **arrays
-        )
-
-    def padded_run(arrays: dict[str, np.ndarray]) -> None:
-        sink = Sink(StalenessConfig(policy="token", max_staleness=MAX_STALENESS))
-        sink.add(convert(arrays))
-        sink.ship(STEP)
-
-    dense = best_of(repeat, fresh, lambda arrays: numpy_pass(arrays, keep))
-    padded = best_of(repeat, fresh, padded_run)
-    conversion = best_of(repeat, fresh, convert)
-    for name, took in (
-        (f"padded {samples} x {positions}: from_padded alone", conversion),
-        (f"padded {samples} x {positions}: from_padded + ship", padded),
-    ):
-        print(f"{name:<52} {took * 1e3:>13.1f} ms   {took / dense:.2f}x the dense multiply pass ({dense * 1e3:.1f} ms)")
+def format_table(result: dict[str, Any]) -> str:
+    """The results as a Markdown table (the README's)."""
+    lines = ["| workload (add + ship) / dense pass | `token` (goal <= 3x) | `xtuner` (goal <= 4x) |", "|---|---|---|"]
+    for row in result["rows"]:
+        lines.append(f"| {row['workload']} | {row['token']:.1f}x | {row['xtuner']:.1f}x |")
+    lines.append(f"| from_padded alone, padded 1024 x 8192 | {result['from_padded_alone']:.1f}x | |")
+    lines.append(f"| per-position speed-up over a per-position Python loop | {result['python_speed_up']:.0f}x | |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
     main()
-    padded_row(1024, 8192, 3)

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from .metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricKind, metric_by_key
+from .metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, LegacyKey, MetricKind, metric_by_key
 
 __all__ = [
     "CONSOLE_LABELS",
@@ -68,8 +68,8 @@ REMOVED_KEY_FAMILIES: Mapping[str, str] = {
 LEGACY_NAMESPACE = "off_policy/"
 """The old W&B namespace: a key under it that is not in the table is a legacy key without a known mapping."""
 
-CURRENT_KEYS: frozenset[str] = frozenset(m.wandb_key for m in METRICS if m.wandb_key is not None)
-"""The W&B keys of the metric table (SPEC 6)."""
+CURRENT_KEYS: frozenset[str] = frozenset(WANDB_KEYS)
+"""The W&B keys of the metric table (SPEC 6, 11, 12; templated keys spelled out per bucket)."""
 
 _ENV_KEY_PREFIX = "staleness/env/"  # per-env breakdowns repeat the current keys under this prefix
 

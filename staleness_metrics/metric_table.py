@@ -10,10 +10,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .mismatch import LAG_BUCKETS
+from .report import LENGTH_BUCKETS
+
 __all__ = [
     "BUCKETS",
+    "LAG",
     "LEGACY_KEYS",
+    "LENGTH",
     "METRICS",
+    "WANDB_KEYS",
+    "Dimension",
     "LegacyKey",
     "MetricDef",
     "MetricKind",
@@ -38,10 +45,36 @@ class Source(str, enum.Enum):
     TOKEN_HISTOGRAM = "token_histogram"  # report.tally.token_histogram
     ROLLOUT_HISTOGRAM = "rollout_histogram"  # report.tally.rollout_histogram
     EXPORTER = "exporter"  # kept by the exporter runtime itself (export errors)
+    TALLY_BUCKETS = "tally_buckets"  # report.tally.<tally_field>, an array over the row's dimension
+    # SPEC 11 sums: report.mismatch (sink path) or MismatchReport.delta (live path), field <mismatch_field>:
+    # an array over the lag buckets (rows with a dimension) or the uncovered count
+    MISMATCH = "mismatch"
 
 
 # Integer staleness buckets: exact per-level counts for the common range, coarse tail.
 BUCKETS: tuple[float, ...] = (*[float(b) for b in range(17)], 32.0, 64.0)
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """A bucket label of a family of series (SPEC 11 lag buckets, SPEC 12 length buckets).
+
+    ``buckets`` are the core's bucket names, as the W&B keys spell them; ``values`` the label value
+    Prometheus and OpenTelemetry carry for each (the same, except the open top bucket of the lags, which
+    is ``+Inf`` there like ``le``). ``placeholder`` marks the bucket in a row's W&B key template.
+    """
+
+    label: str
+    buckets: tuple[str, ...]
+    values: tuple[str, ...]
+    placeholder: str
+
+    def __post_init__(self) -> None:
+        assert len(self.buckets) == len(self.values)
+
+
+LAG = Dimension("lag", LAG_BUCKETS, (*LAG_BUCKETS[:-1], "+Inf"), "{lag}")
+LENGTH = Dimension("length", LENGTH_BUCKETS, LENGTH_BUCKETS, "{length}")
 
 
 @dataclass(frozen=True)
@@ -66,12 +99,28 @@ class MetricDef:
     tally_field: str | None = None
     wandb_summary: str | None = None  # define_metric summary for W&B ("max" for maxima)
     legacy_keys: tuple[str, ...] = ()
+    # A family of series, one per bucket: its label (in ``labels`` too) and, when ``wandb_key`` holds
+    # the dimension's placeholder, one W&B key per bucket (spelled out once, in :data:`WANDB_KEYS`).
+    dimension: Dimension | None = None
+    mismatch_field: str | None = None  # the MismatchSums field of a Source.MISMATCH row
+
+    @property
+    def wandb_keys(self) -> tuple[str, ...]:
+        """The W&B keys of this row: its key, or for a templated key one per bucket, in bucket order."""
+        if self.wandb_key is None:
+            return ()
+        if self.dimension is None or self.dimension.placeholder not in self.wandb_key:
+            return (self.wandb_key,)
+        return tuple(self.wandb_key.replace(self.dimension.placeholder, b) for b in self.dimension.buckets)
 
 
 _STEP = "{step}"
 _TOKEN = "{token}"
 _ROLLOUT = "{rollout}"
 _SAMPLE = "{sample}"
+_NAT = "{nat}"  # natural units of information (log-ratios and KL)
+_LAG_LABELS = ("run", "lag")
+_LENGTH_LABELS = ("run", "env", "length")
 
 METRICS: tuple[MetricDef, ...] = (
     MetricDef(
@@ -399,6 +448,287 @@ METRICS: tuple[MetricDef, ...] = (
         integer=True,
         tally_field="rollouts_invalid",
     ),
+    # SPEC 11: what staleness costs. Counters are the mergeable sums; every ratio is derived from them
+    # (PromQL over rates, the core for W&B), so the W&B-only rows below have no Prometheus / OTel name.
+    MetricDef(
+        "mismatch_tokens",
+        "Covered sampled positions (trainer and sampler log-probabilities both known), per token lag bucket.",
+        Source.MISMATCH,
+        MetricKind.COUNTER,
+        "staleness/mismatch/lag_{lag}/tokens",
+        "rl_staleness_mismatch_tokens_total",
+        "rl.staleness.mismatch.tokens",
+        _TOKEN,
+        labels=_LAG_LABELS,
+        integer=True,
+        dimension=LAG,
+        mismatch_field="tokens",
+    ),
+    MetricDef(
+        "mismatch_masked",
+        "Covered sampled positions masked by the staleness policy, per token lag bucket.",
+        Source.MISMATCH,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_mismatch_masked_tokens_total",
+        "rl.staleness.mismatch.masked_tokens",
+        _TOKEN,
+        labels=_LAG_LABELS,
+        integer=True,
+        dimension=LAG,
+        mismatch_field="masked",
+    ),
+    MetricDef(
+        "mismatch_kl",
+        "Sum of the k3 estimator r - 1 - log r of trainer/sampler mismatch (r = trainer/sampler probability), "
+        "per token lag bucket, in nats.",
+        Source.MISMATCH,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_mismatch_kl_nats_total",
+        "rl.staleness.mismatch.kl",
+        _NAT,
+        labels=_LAG_LABELS,
+        dimension=LAG,
+        mismatch_field="sum_k3",
+    ),
+    MetricDef(
+        "mismatch_abs_log_ratio",
+        "Sum of |log r| of trainer/sampler mismatch, per token lag bucket, in nats.",
+        Source.MISMATCH,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_mismatch_abs_log_ratio_nats_total",
+        "rl.staleness.mismatch.abs_log_ratio",
+        _NAT,
+        labels=_LAG_LABELS,
+        dimension=LAG,
+        mismatch_field="sum_abs_log_ratio",
+    ),
+    MetricDef(
+        "mismatch_ratio",
+        "Sum of the importance ratios r = trainer/sampler probability, per token lag bucket.",
+        Source.MISMATCH,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_mismatch_ratio_total",
+        "rl.staleness.mismatch.ratio",
+        "1",
+        labels=_LAG_LABELS,
+        dimension=LAG,
+        mismatch_field="sum_ratio",
+    ),
+    MetricDef(
+        "mismatch_ratio_squared",
+        "Sum of the squared importance ratios r^2, per token lag bucket.",
+        Source.MISMATCH,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_mismatch_ratio_squared_total",
+        "rl.staleness.mismatch.ratio_squared",
+        "1",
+        labels=_LAG_LABELS,
+        dimension=LAG,
+        mismatch_field="sum_ratio_sq",
+    ),
+    MetricDef(
+        "mismatch_out_of_band",
+        "Covered sampled positions whose importance ratio lies outside the mismatch band, per token lag bucket.",
+        Source.MISMATCH,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_mismatch_out_of_band_tokens_total",
+        "rl.staleness.mismatch.out_of_band_tokens",
+        _TOKEN,
+        labels=_LAG_LABELS,
+        integer=True,
+        dimension=LAG,
+        mismatch_field="out_of_band",
+    ),
+    MetricDef(
+        "mismatch_uncovered",
+        "Sampled positions lacking a trainer or sampler log-probability (left out of the mismatch sums).",
+        Source.MISMATCH,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_mismatch_uncovered_tokens_total",
+        "rl.staleness.mismatch.uncovered_tokens",
+        _TOKEN,
+        labels=("run",),
+        integer=True,
+        mismatch_field="uncovered",
+    ),
+    MetricDef(
+        "mismatch_k3_by_lag",
+        "Mean k3 mismatch of the covered positions of a lag bucket (prime-rl's mismatch_kl, split by lag).",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/mismatch/lag_{lag}/k3",
+        None,
+        None,
+        _NAT,
+        labels=_LAG_LABELS,
+        wandb_summary="max",
+        dimension=LAG,
+    ),
+    MetricDef(
+        "mismatch_abs_log_ratio_by_lag",
+        "Mean |log r| of the covered positions of a lag bucket.",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/mismatch/lag_{lag}/abs_log_ratio",
+        None,
+        None,
+        _NAT,
+        labels=_LAG_LABELS,
+        dimension=LAG,
+    ),
+    MetricDef(
+        "mismatch_out_of_band_by_lag",
+        "Share of the covered positions of a lag bucket whose ratio lies outside the mismatch band.",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/mismatch/lag_{lag}/out_of_band",
+        None,
+        None,
+        "1",
+        labels=_LAG_LABELS,
+        dimension=LAG,
+    ),
+    MetricDef(
+        "mismatch_ess_by_lag",
+        "Normalised effective sample size (sum r)^2 / (n sum r^2) of a lag bucket, in (0, 1].",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/mismatch/lag_{lag}/ess",
+        None,
+        None,
+        "1",
+        labels=_LAG_LABELS,
+        dimension=LAG,
+    ),
+    MetricDef(
+        "mismatch_excess_k3_by_lag",
+        "Mean k3 of a lag bucket minus that of lag 0 (the numeric floor): what staleness costs at that lag.",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/mismatch/lag_{lag}/excess_k3",
+        None,
+        None,
+        _NAT,
+        labels=_LAG_LABELS,
+        wandb_summary="max",
+        dimension=LAG,
+    ),
+    MetricDef(
+        "mismatch_k3",
+        "Mean k3 mismatch over every covered position.",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/mismatch/k3",
+        None,
+        None,
+        _NAT,
+        labels=("run",),
+        wandb_summary="max",
+    ),
+    MetricDef(
+        "mismatch_excess_k3",
+        "Mean k3 of the positions at lag 1 or more minus that of lag 0.",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/mismatch/excess_k3",
+        None,
+        None,
+        _NAT,
+        labels=("run",),
+        wandb_summary="max",
+    ),
+    MetricDef(
+        "mismatch_coverage",
+        "Share of sampled positions with both log-probabilities (covered by the mismatch sums).",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/mismatch/coverage",
+        None,
+        None,
+        "1",
+        labels=("run",),
+    ),
+    # SPEC 12: length bias of masking and drops, over shipped plus dropped samples.
+    MetricDef(
+        "length_samples",
+        "Samples behind the length-bias counters: shipped live samples plus samples dropped for staleness.",
+        Source.TALLY,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_length_samples_total",
+        "rl.staleness.length.samples",
+        _SAMPLE,
+        integer=True,
+        tally_field="length_samples",
+    ),
+    MetricDef(
+        "length_sampled_tokens",
+        "Sampled positions of shipped and dropped live samples, by the sample's sampled length bucket.",
+        Source.TALLY_BUCKETS,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_length_sampled_tokens_total",
+        "rl.staleness.length.sampled_tokens",
+        _TOKEN,
+        labels=_LENGTH_LABELS,
+        integer=True,
+        tally_field="length_sampled",
+        dimension=LENGTH,
+    ),
+    MetricDef(
+        "length_removed_tokens",
+        "Sampled positions of shipped and dropped live samples that were masked or dropped for staleness, "
+        "by the sample's sampled length bucket.",
+        Source.TALLY_BUCKETS,
+        MetricKind.COUNTER,
+        None,
+        "rl_staleness_length_removed_tokens_total",
+        "rl.staleness.length.removed_tokens",
+        _TOKEN,
+        labels=_LENGTH_LABELS,
+        integer=True,
+        tally_field="length_removed",
+        dimension=LENGTH,
+    ),
+    MetricDef(
+        "length_sampled_mean",
+        "Mean sampled length (positions) of the shipped and dropped live samples of the window.",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/length/sampled/mean",
+        None,
+        None,
+        _TOKEN,
+    ),
+    MetricDef(
+        "length_trained_mean",
+        "The same mean with masked positions and dropped samples counted as 0: the length that trains.",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/length/trained/mean",
+        None,
+        None,
+        _TOKEN,
+    ),
+    MetricDef(
+        "length_removed_share",
+        "Share of the sampled positions masked or dropped, over samples of a length bucket.",
+        Source.METRIC,
+        MetricKind.GAUGE,
+        "staleness/length/bucket_{length}/masked",
+        None,
+        None,
+        "1",
+        labels=_LENGTH_LABELS,
+        dimension=LENGTH,
+    ),
     MetricDef(
         "export_errors",
         "Failed exports, per exporter.",
@@ -444,7 +774,9 @@ def _legacy_table() -> dict[str, LegacyKey]:
 
 LEGACY_KEYS: dict[str, LegacyKey] = _legacy_table()
 
-_BY_KEY = {m.wandb_key: m for m in METRICS if m.wandb_key is not None}
+# Every W&B key spelled out, templated rows expanded once here (never derived from another name later).
+WANDB_KEYS: dict[str, MetricDef] = {key: m for m in METRICS for key in m.wandb_keys}
+_BY_KEY = WANDB_KEYS
 _BY_PROM = {m.prometheus_name: m for m in METRICS if m.prometheus_name is not None}
 
 

@@ -25,10 +25,12 @@ sink does.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+from .checkpoint import FORMAT, check_format
 from .columnar import RolloutBatch
 from .config import StalenessConfig
 from .errors import ConfigError
@@ -40,6 +42,7 @@ from .exporters.base import (
     MismatchAware,
     MismatchReport,
     MonitorAware,
+    Stateful,
 )
 from .mismatch import MismatchSums
 from .sink import Shipment, Sink
@@ -79,6 +82,7 @@ class StalenessMonitor:
                 exporter.attach(context)
         self._lock = threading.Lock()
         self._closed = False
+        self._absorbing = False
         self._shipped_steps: set[int] = set()
         self._mismatch: dict[int, MismatchSums] = {}  # per step, merged over calls (the latest steps)
 
@@ -107,6 +111,63 @@ class StalenessMonitor:
             # Exported under the lock so every exporter sees the ships in order.
             self._export(shipment)
         return shipment
+
+    # ------------------------------------------------------------------ checkpoint
+    def _stateful(self) -> dict[str, Stateful]:
+        """The exporters with cumulative state, by name (``name#2`` for a second one of a name)."""
+        found: dict[str, Stateful] = {}
+        for exporter in self.exporters:
+            if isinstance(exporter, Stateful):
+                key, n = exporter.name, 1
+                while key in found:
+                    n += 1
+                    key = f"{exporter.name}#{n}"
+                found[key] = exporter
+        return found
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything later ships depend on, as plain JSON-serialisable data (SPEC 13).
+
+        The sink (queue, held groups, window, last step, counters and histograms, policy state), the
+        cumulative state of the exporters that keep one (Prometheus, OTLP) and the export error counts.
+        Save it beside the trainer's checkpoint; :meth:`load_state_dict` in a new process continues.
+        """
+        with self._lock:
+            return {
+                "format": FORMAT,
+                "run": self.run,
+                "sink": self.sink.state_dict(),
+                "exporters": {name: exporter.state_dict() for name, exporter in self._stateful().items()},
+                "export_errors": self.export_errors.snapshot(),
+                "shipped_steps": sorted(self._shipped_steps),
+                "mismatch": [[step, sums.to_dict()] for step, sums in sorted(self._mismatch.items())],
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`. A checkpoint of another policy or bound raises ``ConfigError``
+        (naming both); exporters continue their cumulative series from the saved values."""
+        check_format(state, "monitor")
+        with self._lock:
+            self.sink.load_state_dict(state["sink"])
+            saved = state.get("exporters", {})
+            for name, exporter in self._stateful().items():
+                if name in saved:
+                    exporter.load_state_dict(saved[name])
+            self.export_errors.restore(state.get("export_errors", {}))
+            self._shipped_steps = {int(step) for step in state.get("shipped_steps", ())}
+            self._mismatch = {int(step): MismatchSums.from_dict(sums) for step, sums in state.get("mismatch", ())}
+
+    @contextmanager
+    def absorbing(self) -> Iterator[None]:
+        """Within this block ships are folded into the exporters' state but not published: for re-applying
+        ships that were published before a restart (the service's journal)."""
+        with self._lock:
+            self._absorbing = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._absorbing = False
 
     def record_mismatch(self, step: int, sums: MismatchSums | Mapping[str, Any]) -> MismatchSums:
         """Record trainer-side SPEC 11 sums for a shipped ``step`` and publish them; returns the step's total.
@@ -141,6 +202,10 @@ class StalenessMonitor:
             return self._mismatch.get(step)
 
     def _export(self, shipment: Shipment) -> None:
+        if self._absorbing:
+            for stateful in self._stateful().values():
+                stateful.absorb(shipment.report)
+            return
         if self._closed:  # the sink still ships; the report is lost to the exporters, so count it
             for exporter in self.exporters:
                 self.export_errors.record(exporter.name, "ship after the monitor was closed; report not exported")

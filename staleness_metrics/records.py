@@ -17,7 +17,7 @@ import numpy.typing as npt
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .errors import TraceError
 
-__all__ = ["ParsedRollout", "Rollout", "Sample", "pack", "parse_rollout"]
+__all__ = ["ParsedRollout", "Rollout", "Sample", "UnparsedRollout", "pack", "parse_rollout"]
 
 _ROLLOUT_FIELDS = {
     "id",
@@ -110,6 +110,14 @@ class ParsedRollout:
     echo: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class UnparsedRollout:
+    """A record :func:`parse_rollout` refused: its error, and its env (counted per env when set aside)."""
+
+    error: TraceError
+    env: str | None
+
+
 MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
 
 
@@ -117,8 +125,14 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _array(rid: str, name: str, value: object, kinds: str, expected: str) -> npt.NDArray[Any]:
-    """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced."""
+def _array(rid: str, name: str, value: object, kinds: str, expected: str, booleans: bool = True) -> npt.NDArray[Any]:
+    """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced.
+
+    ``booleans=False`` says the caller knows no boolean can be in ``value`` (its JSON text has none):
+    the per-element search for one is skipped.
+    """
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds.replace("b", ""):
+        return value  # already exact (the service turns long lists into arrays as it reads them)
     if not isinstance(value, list):
         raise TraceError(rid, name, f"expected {expected}, got {type(value).__name__}")
     try:
@@ -135,22 +149,22 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str) -> npt
             if not ok:
                 raise TraceError(rid, f"{name}[{i}]", f"expected {expected}, got {v!r}")
         raise TraceError(rid, name, f"expected {expected}")
-    if "b" not in kinds and array.dtype.kind != "b" and bool in map(type, value):
+    if booleans and "b" not in kinds and array.dtype.kind != "b" and bool in map(type, value):
         # numpy reads True as 1: a boolean where a number belongs would be silently coerced
         position = next(i for i, v in enumerate(value) if isinstance(v, bool))
         raise TraceError(rid, f"{name}[{position}]", f"expected {expected}, got {value[position]!r}")
     return array
 
 
-def _int_list(rid: str, name: str, value: object) -> npt.NDArray[np.int64]:
-    array = _array(rid, name, value, "iu", "a list of integers")
+def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.int64]:
+    array = _array(rid, name, value, "iu", "a list of integers", booleans)
     if array.size and (array.max() > MAX_VERSION or array.min() < -MAX_VERSION):
         raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
-    return array.astype(np.int64)
+    return array.astype(np.int64, copy=False)
 
 
-def _float_list(rid: str, name: str, value: object) -> npt.NDArray[np.float64]:
-    return _array(rid, name, value, "iuf", "a list of numbers").astype(np.float64)
+def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
+    return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
 
 
 def _optional_float_list(rid: str, name: str, value: object) -> npt.NDArray[np.float64]:
@@ -169,12 +183,26 @@ def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
     bad = np.flatnonzero((array != 0) & (array != 1))
     if bad.size:
         raise TraceError(rid, f"{name}[{bad[0]}]", f"expected 0, 1 or a boolean, got {value[bad[0]]!r}")  # type: ignore[index]
-    return array.astype(np.int8)
+    return array.astype(np.int8, copy=False)
 
 
-def _spans(rid: str, name: str, value: object) -> npt.NDArray[np.int64]:
+def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.int64]:
     if not isinstance(value, list):
         raise TraceError(rid, name, f"expected a list of [version, start] pairs, got {type(value).__name__}")
+    if not booleans and value:  # no boolean can hide among the integers: check them all at once
+        try:
+            pairs = np.array(value)
+        except (ValueError, OverflowError):
+            pairs = None
+        if (
+            pairs is not None
+            and pairs.ndim == 2
+            and pairs.shape[1] == 2
+            and pairs.dtype.kind == "i"
+            and int(pairs.max()) <= MAX_VERSION
+            and int(pairs.min()) >= -MAX_VERSION
+        ):
+            return pairs.astype(np.int64, copy=False)
     for i, pair in enumerate(value):  # one check per span, not per token
         if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
             raise TraceError(rid, f"{name}[{i}]", f"expected a [version, start] pair of integers, got {pair!r}")
@@ -183,7 +211,7 @@ def _spans(rid: str, name: str, value: object) -> npt.NDArray[np.int64]:
     return np.array(value, dtype=np.int64).reshape(-1, 2)
 
 
-def _parse_sample(rid: str, index: int, raw: object) -> ParsedSample:
+def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> ParsedSample:
     where = f"samples[{index}]"
     if not isinstance(raw, Mapping):
         raise TraceError(rid, where, f"expected an object, got {type(raw).__name__}")
@@ -196,14 +224,14 @@ def _parse_sample(rid: str, index: int, raw: object) -> ParsedSample:
     if raw.get("weight_versions") is not None and raw.get("token_versions") is not None:
         raise TraceError(rid, f"{where}.token_versions", "both weight_versions and token_versions are given")
     if raw.get("weight_versions") is not None:
-        sample.spans = _spans(rid, f"{where}.weight_versions", raw["weight_versions"])
+        sample.spans = _spans(rid, f"{where}.weight_versions", raw["weight_versions"], booleans)
     if raw.get("token_versions") is not None:
-        sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"])
+        sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"], booleans)
     for name in WEIGHT_FIELDS:
         if raw.get(name) is not None:
-            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name])
+            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans)
     if raw.get("logprobs") is not None:
-        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"])
+        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans)
     if raw.get("trainer_logprobs") is not None:
         sample.trainer_logprobs = _optional_float_list(rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"])
     n = len(sample.mask)
@@ -219,8 +247,11 @@ def _parse_sample(rid: str, index: int, raw: object) -> ParsedSample:
     return sample
 
 
-def parse_rollout(raw: object) -> ParsedRollout:
-    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason."""
+def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
+    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
+
+    ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a faster check of numbers).
+    """
     if not isinstance(raw, Mapping):
         raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
     rid_raw = raw.get("id")
@@ -233,6 +264,8 @@ def parse_rollout(raw: object) -> ParsedRollout:
     for name in ("group_id", "env"):
         if raw.get(name) is not None and not isinstance(raw[name], str):
             raise TraceError(rid, name, f"expected a string, got {raw[name]!r}")
+    if raw.get("env") == "":  # an empty env would make a "staleness/env//..." key
+        raise TraceError(rid, "env", "must be a non-empty string when present")
     source = raw.get("source", "live")
     if source not in ("live", "frozen"):
         raise TraceError(rid, "source", f"expected 'live' or 'frozen', got {source!r}")
@@ -269,9 +302,18 @@ def parse_rollout(raw: object) -> ParsedRollout:
         agentic=agentic,
         group_id=raw.get("group_id"),
         env=raw.get("env"),
-        samples=[_parse_sample(rid, i, s) for i, s in enumerate(samples)],
+        samples=[_parse_sample(rid, i, s, booleans) for i, s in enumerate(samples)],
         echo=echo,
     )
+
+
+def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:
+    """:func:`parse_rollout`, with a refused record returned (not raised) as an :class:`UnparsedRollout`."""
+    try:
+        return parse_rollout(raw, booleans=booleans)
+    except TraceError as error:
+        env = raw.get("env") if isinstance(raw, Mapping) else None
+        return UnparsedRollout(error, env if isinstance(env, str) else None)
 
 
 def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:

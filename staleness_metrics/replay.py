@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, Any
 
+from . import jsonio
 from .config import StalenessConfig
 from .errors import EventError, TraceError
+from .records import ParsedRollout, UnparsedRollout, parse_or_error
 from .sink import Shipment, Sink
 
-__all__ = ["Event", "parse_event", "read_events", "replay", "run_events"]
+__all__ = ["Added", "Event", "parse_event", "prepare", "read_events", "replay", "run_events", "run_steps"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class Event:
     rollout: dict[str, Any] | None = None
     step: int = 0
     ids: tuple[str, ...] | None = None
+    booleans: bool = True  # a rollout line may hold JSON booleans (False: a faster check of its numbers)
 
 
 def _step(line: int, raw: dict[str, Any]) -> int:
@@ -51,22 +53,86 @@ def parse_event(line: int, raw: object) -> Event:
     raise EventError(line, f"unknown event type {kind!r} (expected rollout, sweep or ship)")
 
 
-def read_events(source: IO[str] | Iterable[str]) -> Iterator[Event]:
+def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes]) -> Iterator[Event]:
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease."""
     last_step = 0
     for number, text in enumerate(source, start=1):
         if not text.strip():
             continue
         try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as error:
+            raw = jsonio.loads(text)
+        except jsonio.DecodeError as error:
             raise EventError(number, f"bad JSON: {error.msg}") from None
         event = parse_event(number, raw)
         if event.kind != "rollout":
             if event.step < last_step:
                 raise EventError(number, f"step {event.step} is below an earlier step {last_step}")
             last_step = event.step
+        else:  # a line without true / false cannot hide a boolean among numbers
+            marks = (b"true", b"false") if isinstance(text, bytes) else ("true", "false")
+            event = replace(event, booleans=marks[0] in text or marks[1] in text)  # type: ignore[operator]
         yield event
+
+
+@dataclass(frozen=True)
+class Added:
+    """Consecutive rollout events, type-checked into columnar-ready records (no JSON objects kept)."""
+
+    lines: tuple[int, ...]
+    items: tuple[ParsedRollout | UnparsedRollout, ...]
+
+
+Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
+
+
+def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
+    """Events as the sink's steps: each rollout parsed as it is read, consecutive ones added together.
+
+    The steps do not depend on the sink's settings, so one prepared stream can be run by several sinks
+    (:func:`run_steps`); every run packs its own copy of the arrays.
+    """
+    lines: list[int] = []
+    items: list[ParsedRollout | UnparsedRollout] = []
+    for event in events:
+        if event.kind == "rollout":
+            lines.append(event.line)
+            items.append(parse_or_error(event.rollout or {}, booleans=event.booleans))
+            if len(items) >= batch_size:
+                yield Added(tuple(lines), tuple(items))
+                lines, items = [], []
+            continue
+        if items:
+            yield Added(tuple(lines), tuple(items))
+            lines, items = [], []
+        yield event
+    if items:
+        yield Added(tuple(lines), tuple(items))
+
+
+def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
+    """Run prepared steps through ``sink``, yielding each ship's result as it happens.
+
+    A rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
+    """
+    for step in steps:
+        if isinstance(step, Added):
+            try:
+                sink.add_parsed(step.items)
+            except TraceError:
+                # Strict mode added nothing: add one by one to find the offending line.
+                for line, item in zip(step.lines, step.items):
+                    try:
+                        sink.add_parsed((item,))
+                    except TraceError as error:
+                        raise EventError(line, str(error)) from error
+            continue
+        try:
+            if step.kind == "sweep":
+                sink.sweep(step.step)
+            else:
+                yield sink.ship(step.step, step.ids)
+        except TraceError as error:
+            raise EventError(step.line, str(error)) from error
 
 
 def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> Iterator[Shipment]:
@@ -75,37 +141,7 @@ def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> It
     Consecutive rollout events are added together (one columnar batch, same outcome as one by one).
     A rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
     """
-    pending: list[Event] = []
-
-    def flush() -> None:
-        try:
-            sink.add([e.rollout or {} for e in pending])
-        except TraceError:
-            # Strict mode added nothing: replay one by one to find the offending line.
-            for event in pending:
-                try:
-                    sink.add(event.rollout or {})
-                except TraceError as error:
-                    raise EventError(event.line, str(error)) from error
-        pending.clear()
-
-    for event in events:
-        if event.kind == "rollout":
-            pending.append(event)
-            if len(pending) >= batch_size:
-                flush()
-            continue
-        if pending:
-            flush()
-        try:
-            if event.kind == "sweep":
-                sink.sweep(event.step)
-            else:
-                yield sink.ship(event.step, event.ids)
-        except TraceError as error:
-            raise EventError(event.line, str(error)) from error
-    if pending:
-        flush()
+    return run_steps(prepare(events, batch_size), sink)
 
 
 def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:

@@ -31,7 +31,9 @@ class ShippedSpans:
 
     ``lag`` is ``T - version`` for sampled positions of live rollouts and :data:`NOT_SAMPLED` otherwise;
     ``masked`` says the policy masked the span; ``chunk`` indexes ``batches``; ``sample_offsets`` groups
-    the spans per shipped sample.
+    the spans per shipped sample. A span of a ``token_versions`` sample may hold scattered unlabelled
+    positions (``mixed``): ``lag`` and ``masked`` are then its labelled positions', ``unlabelled_lag``
+    and ``unlabelled_masked`` those of its positions whose token version is -1.
     """
 
     batches: Sequence[RolloutBatch]
@@ -41,10 +43,43 @@ class ShippedSpans:
     lag: IntArray
     masked: BoolArray
     sample_offsets: IntArray
+    mixed: BoolArray | None = None
+    unlabelled_lag: IntArray | None = None
+    unlabelled_masked: BoolArray | None = None
+
+    def _unlabelled(self, rows: IntArray) -> tuple[IntArray, IntArray]:
+        """For mixed spans among ``rows``: the indices (into the concatenation of ``rows``' positions)
+        of their unlabelled positions, and the row (index into ``rows``) of each."""
+        if self.mixed is None or not self.mixed[rows].any():
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(self.hi[rows] - self.lo[rows])))
+        found, owners = [], []
+        for c in np.unique(self.chunk[rows][self.mixed[rows]]).tolist():
+            tokens = self.batches[c].token_versions
+            assert tokens is not None
+            local = np.flatnonzero(self.mixed[rows] & (self.chunk[rows] == c))
+            positions = expand_ranges(self.lo[rows][local], self.hi[rows][local])
+            owner = np.repeat(local, self.hi[rows][local] - self.lo[rows][local])
+            where = positions - np.repeat(self.lo[rows][local], self.hi[rows][local] - self.lo[rows][local])
+            unlabelled = tokens[positions] < 0
+            found.append((starts[owner] + where)[unlabelled])
+            owners.append(owner[unlabelled])
+        return np.concatenate(found), np.concatenate(owners)
+
+    def _per_position(self, rows: IntArray) -> tuple[IntArray, BoolArray]:
+        """Lag and masked flag of every position of ``rows``, in order."""
+        lengths = self.hi[rows] - self.lo[rows]
+        lag, masked = np.repeat(self.lag[rows], lengths), np.repeat(self.masked[rows], lengths)
+        at, owner = self._unlabelled(rows)
+        if len(at):
+            assert self.unlabelled_lag is not None and self.unlabelled_masked is not None
+            lag[at] = self.unlabelled_lag[rows][owner]
+            masked[at] = self.unlabelled_masked[rows][owner]
+        return lag, masked
 
     def lags(self) -> IntArray:
         """The lag of every shipped position, aligned with the shipped samples' arrays concatenated."""
-        return np.repeat(self.lag, self.hi - self.lo)
+        return self._per_position(np.arange(len(self.lo)))[0]
 
     def lag_offsets(self) -> IntArray:
         """Where each shipped sample starts in :meth:`lags` (one more entry than samples)."""
@@ -59,9 +94,9 @@ class ShippedSpans:
         total = MismatchSums.zero()
         inside = self.lag >= 0
         for c in np.unique(self.chunk[inside]).tolist():
-            here = inside & (self.chunk == c)
-            total = total + _chunk_sums(self.batches[c], self.lo[here], self.hi[here], self.lag[here],
-                                        self.masked[here], band)  # fmt: skip
+            rows = np.flatnonzero(inside & (self.chunk == c))
+            lag, masked = self._per_position(rows)
+            total = total + _chunk_sums(self.batches[c], self.lo[rows], self.hi[rows], lag, masked, band)
         return total
 
 
@@ -83,12 +118,13 @@ def _values(
 def _chunk_sums(
     batch: RolloutBatch, lo: IntArray, hi: IntArray, lag: IntArray, masked: BoolArray, band: tuple[float, float]
 ) -> MismatchSums:
+    """Sums over the positions of spans ``[lo, hi)`` of one batch; ``lag`` and ``masked`` per position."""
     lengths = hi - lo
     positions = expand_ranges(lo, hi)
     return mismatch_sums(
-        np.repeat(lag, lengths),
+        lag,
         _values(batch, "logprobs", lo, positions, lengths),
         _values(batch, "trainer_logprobs", lo, positions, lengths),
-        np.repeat(masked, lengths),
+        masked,
         band=band,
     )

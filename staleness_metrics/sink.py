@@ -9,7 +9,7 @@ written only where the policy masks them.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -17,17 +17,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .checkpoint import load_sink, save_sink
 from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK, Decision, Judgement
 from .errors import TraceError
+from .masking import PositionMasker
 from .metrics import WindowCounts, compute_report
 from .policies import Policy, policy_for
-from .records import ParsedRollout, Rollout, pack, parse_rollout
+from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from .report import StepReport, Tally
-from .segments import expand_ranges
+from .segments import expand_ranges, segment_sum
 from .shipped_positions import NOT_SAMPLED, ShippedSpans
-from .spans import build_spans
+from .spans import PART_LABELLED, PART_UNLABELLED, build_spans
 from .table import Table
 from .validation import check_batch
 
@@ -51,8 +53,12 @@ class ShippedRollout:
     index: int  # rollout index within ``batch``
     samples: tuple[int, ...]  # indices (within the rollout) of the samples shipped
 
-    def record(self) -> dict[str, Any]:
-        """The rollout as a SPEC 3 record: masked arrays, dropped samples removed."""
+    def record(self, arrays: bool = False) -> dict[str, Any]:
+        """The rollout as a SPEC 3 record: masked arrays, dropped samples removed.
+
+        Per-position fields are lists, or with ``arrays`` numpy arrays of the same values (for an
+        encoder that writes arrays natively).
+        """
         batch, index = self.batch, self.index
         if batch.echo is not None:
             record = dict(batch.echo[index])
@@ -71,43 +77,37 @@ class ShippedRollout:
             if batch.agentic[index]:
                 record["agentic"] = True
         first = int(batch.sample_offsets[index])
-        record["samples"] = [_sample_record(batch, first + k) for k in self.samples]
+        record["samples"] = [_sample_record(batch, first + k, arrays) for k in self.samples]
         return record
 
 
-def _sample_record(batch: RolloutBatch, sample: int) -> dict[str, Any]:
+def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> dict[str, Any]:
     lo, hi = int(batch.position_offsets[sample]), int(batch.position_offsets[sample + 1])
-    out: dict[str, Any] = {"mask": batch.mask[lo:hi].astype(np.int64).tolist()}
+
+    def out_of(values: npt.NDArray[Any]) -> Any:
+        return values if arrays else values.tolist()
+
+    out: dict[str, Any] = {"mask": out_of(batch.mask[lo:hi].astype(np.int64))}
     assert batch.label_kind is not None
     if batch.label_kind[sample] == LABELS_SPANS:
         assert batch.span_offsets is not None and batch.span_versions is not None
         assert batch.span_starts is not None
         a, b = int(batch.span_offsets[sample]), int(batch.span_offsets[sample + 1])
-        out["weight_versions"] = np.stack((batch.span_versions[a:b], batch.span_starts[a:b]), 1).tolist()
+        out["weight_versions"] = out_of(np.stack((batch.span_versions[a:b], batch.span_starts[a:b]), 1))
     elif batch.label_kind[sample] == LABELS_TOKENS:
         assert batch.token_versions is not None
-        out["token_versions"] = batch.token_versions[lo:hi].tolist()
+        out["token_versions"] = out_of(np.ascontiguousarray(batch.token_versions[lo:hi], dtype=np.int64))
     for name in WEIGHT_FIELDS:
         values = getattr(batch, name)
         if values is not None and batch.present[name][sample]:
-            out[name] = values[lo:hi].astype(np.float64).tolist()
+            out[name] = out_of(values[lo:hi].astype(np.float64))
     if batch.logprobs is not None and batch.present["logprobs"][sample]:
-        out["logprobs"] = batch.logprobs[lo:hi].astype(np.float64).tolist()
+        out["logprobs"] = out_of(batch.logprobs[lo:hi].astype(np.float64))
     if batch.trainer_logprobs is not None and batch.present["trainer_logprobs"][sample]:
         values = batch.trainer_logprobs[lo:hi].astype(np.float64)
-        out["trainer_logprobs"] = [v if math.isfinite(v) else None for v in values.tolist()]
+        # missing values are null; orjson writes a non-finite float of an array as null by itself
+        out["trainer_logprobs"] = values if arrays else [v if math.isfinite(v) else None for v in values.tolist()]
     return out
-
-
-def _touching_runs(chunk: IntArray, lo: IntArray, hi: IntArray) -> list[tuple[int, int, int]]:
-    """Ranges ``[lo, hi)`` of each chunk, merged where one ends where the next begins."""
-    if len(lo) == 0:
-        return []
-    order = np.lexsort((lo, chunk))
-    chunk, lo, hi = chunk[order], lo[order], hi[order]
-    starts = np.flatnonzero(np.concatenate(([True], (lo[1:] != hi[:-1]) | (chunk[1:] != chunk[:-1]))))
-    ends = np.append(starts[1:], len(lo)) - 1
-    return list(zip(chunk[starts].tolist(), lo[starts].tolist(), hi[ends].tolist()))
 
 
 @dataclass(frozen=True)
@@ -154,11 +154,11 @@ class Shipment:
     def ids(self) -> list[str]:
         return [r.id for r in self.rollouts]
 
-    def batches_line(self) -> dict[str, Any]:
-        """The ``--batches-out`` line of this ship (SPEC 9)."""
+    def batches_line(self, arrays: bool = False) -> dict[str, Any]:
+        """The ``--batches-out`` line of this ship (SPEC 9); ``arrays`` as in :meth:`ShippedRollout.record`."""
         return {
             "step": self.step,
-            "shipped": [r.record() for r in self.rollouts],
+            "shipped": [r.record(arrays) for r in self.rollouts],
             "dropped_rollouts": list(self.dropped_rollouts),
             "dropped_samples": [list(s) for s in self.dropped_samples],
             "held": list(self.held),
@@ -191,8 +191,9 @@ class Sink:
         )  # fmt: skip
         self._spans = Table(
             sample=np.int64, lo=np.int64, hi=np.int64, version=np.int64, labelled=np.bool_,
-            sampled=np.int64, live=np.bool_,
+            sampled=np.int64, live=np.bool_, part=np.int8,
         )  # fmt: skip
+        self._masker = PositionMasker()
         self._ids: list[str] = []  # per rollout row
         self._row_of: dict[str, int] = {}  # queued (and recently resolved) rollouts by id
         self._seen_ids: set[str] = set()  # every id accepted in the run: ids are unique within a run
@@ -211,6 +212,15 @@ class Sink:
         # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
         # + dropped + still queued.
         self.tokens_entered = 0
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`."""
+        return save_sink(self)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict`; a checkpoint of another policy or bound is a ``ConfigError``."""
+        load_sink(self, state)
 
     # ------------------------------------------------------------------ add
     @property
@@ -255,16 +265,25 @@ class Sink:
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
         records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else rollouts
-        parsed: list[ParsedRollout] = []
+        items = []
         for item in records:
-            raw = item.to_record() if isinstance(item, Rollout) else item
-            try:
-                parsed.append(parse_rollout(raw))
-            except TraceError as error:
+            parsed = parse_or_error(item.to_record() if isinstance(item, Rollout) else item)
+            if isinstance(parsed, UnparsedRollout) and self.config.strict:
+                raise parsed.error
+            items.append(parsed)
+        return self.add_parsed(items)
+
+    def add_parsed(self, items: Sequence[ParsedRollout | UnparsedRollout]) -> int:
+        """Queue records already type-checked by :func:`~staleness_metrics.records.parse_or_error` (in
+        order, as :meth:`add` would): refused ones raise (strict) or are set aside (lenient)."""
+        parsed: list[ParsedRollout] = []
+        for item in items:
+            if isinstance(item, UnparsedRollout):
                 if self.config.strict:
-                    raise
-                env = raw.get("env") if isinstance(raw, Mapping) else None
-                self._set_aside(error, env if isinstance(env, str) else None)
+                    raise item.error
+                self._set_aside(item.error, item.env)
+            else:
+                parsed.append(item)
         return self._add_batch(pack(parsed)) if parsed else 0
 
     def _set_aside(self, error: TraceError, env: str | None) -> None:
@@ -356,7 +375,7 @@ class Sink:
         self._spans.append(
             sample=sample_base + span_sample_local, lo=spans.lo[kept_spans], hi=spans.hi[kept_spans],
             version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
-            sampled=spans.sampled[kept_spans], live=spans.live[kept_spans],
+            sampled=spans.sampled[kept_spans], live=spans.live[kept_spans], part=spans.part[kept_spans],
         )  # fmt: skip
         for offset, index in enumerate(kept_ids):
             self._row_of[batch.ids[index]] = row_base + offset
@@ -442,31 +461,23 @@ class Sink:
 
     def _mask_positions(self, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
         """Zero newly stale sampled positions in mask and the three weight arrays, in place."""
-        spans = self._spans
         old = judgement.mask_below[judgement.span_sample]
         new = mask_below[judgement.span_sample]
-        hit = raised[judgement.span_sample] & (judgement.version < new) & (judgement.version >= old)
-        hit &= judgement.sampled > 0
+        stale = judgement.version < new
+        hit = raised[judgement.span_sample] & stale & (judgement.version >= old) & (judgement.sampled > 0)
         if not hit.any():
             return
-        span_rows = expand_ranges(
-            self._samples["span_lo"][judgement.sample_rows], self._samples["span_hi"][judgement.sample_rows]
-        )[hit]
+        s = self._samples
+        span_rows = expand_ranges(s["span_lo"][judgement.sample_rows], s["span_hi"][judgement.sample_rows])
+        part = self._spans["part"][span_rows]
+        # The two parts of a mixed span are adjacent rows: when both are stale now, the whole range goes.
+        partner = np.arange(len(part)) + (part == PART_LABELLED) - (part == PART_UNLABELLED)
+        whole = stale[partner]
+        hit &= ~((part == PART_UNLABELLED) & hit[partner])  # its labelled part fills the range already
+        rows = span_rows[hit]
         chunk_of = self._rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
-        # Spans are wholly sampled (mask-0 positions are spans of their own, never hit): one fill per
-        # run of touching spans and array.
-        arrays: dict[int, list[npt.NDArray[Any]]] = {}
-        for chunk, a, b in _touching_runs(chunk_of, spans["lo"][span_rows], spans["hi"][span_rows]):
-            if chunk not in arrays:
-                arrays[chunk] = self._position_arrays(chunk)
-            for values in arrays[chunk]:
-                values[a:b] = 0
-
-    def _position_arrays(self, chunk: int) -> list[npt.NDArray[Any]]:
-        """The mask followed by the weight arrays of a chunk (those it has)."""
-        batch = self._chunks[chunk]
-        assert batch is not None
-        return [batch.mask, *(getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None)]
+        spans = self._spans
+        self._masker.mask(self._chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit])
 
     def _leave(self, rows: IntArray, status: int) -> None:
         self._rollouts["status"][rows] = status
@@ -479,6 +490,7 @@ class Sink:
         for chunk, still_open in enumerate(self._chunk_open):
             if still_open == 0 and self._chunks[chunk] is not None:
                 self._chunks[chunk] = None
+                self._masker.forget()
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
@@ -565,6 +577,7 @@ class Sink:
         )  # fmt: skip
         self._spans = self._spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
         self._chunks = [self._chunks[c] for c in chunks.tolist()]
+        self._masker.forget()
         self._chunk_open = [self._chunk_open[c] for c in chunks.tolist()]
         self._ids = [self._ids[row] for row in keep.tolist()]
         self._row_of = {rid: row for row, rid in enumerate(self._ids)}
@@ -598,16 +611,18 @@ class Sink:
         s, n = self._samples, self._spans
         span_rows = expand_ranges(s["span_lo"][shipped.sample_rows], s["span_hi"][shipped.sample_rows])
         kept_sample = ~shipped.dropped
-        kept = kept_sample[shipped.span_sample]
+        part = n["part"][span_rows]
+        kept = kept_sample[shipped.span_sample] & (part != PART_UNLABELLED)  # a mixed span once, by its first row
         span_rollout = shipped.sample_rollout[shipped.span_sample]
         in_population = ~shipped.frozen[span_rollout] & (shipped.sampled > 0)
         lag = np.where(in_population, shipped.trained_version - shipped.version, NOT_SAMPLED)
         masked = shipped.version < shipped.mask_below[shipped.span_sample]
+        partner = np.minimum(np.arange(len(part)) + 1, max(len(part) - 1, 0))  # the unlabelled part follows
         chunks = self._rollouts["chunk"][shipped.rows]
         used = np.unique(chunks)
         batches = [self._chunks[c] for c in used.tolist()]
         assert all(b is not None for b in batches)
-        spans_per_sample = np.diff(shipped.span_offsets)[kept_sample]
+        spans_per_sample = segment_sum(kept.astype(np.int64), shipped.span_offsets)[kept_sample]
         return ShippedSpans(
             batches=batches,
             chunk=np.searchsorted(used, chunks[span_rollout])[kept],
@@ -616,6 +631,9 @@ class Sink:
             lag=lag[kept],
             masked=masked[kept],
             sample_offsets=np.concatenate(([0], np.cumsum(spans_per_sample))),
+            mixed=(part == PART_LABELLED)[kept],
+            unlabelled_lag=lag[partner][kept],
+            unlabelled_masked=masked[partner][kept],
         )
 
     def _check_versions(self, rows: IntArray, step: int) -> IntArray:

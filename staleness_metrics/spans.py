@@ -5,6 +5,11 @@ each sample is cut into spans of one version label that tile its positions. For 
 keeps how many sampled positions it holds and how many of those carry a loss weight; every later
 decision and metric is a reduction over spans, so positions are read once, here, and written only
 where they are masked.
+
+Unlabelled positions (``-1``) scattered among equal ``token_versions`` labels do not cut a span: the
+span is then two rows over one range, its labelled part and its unlabelled part (dispatch version), so
+the number of spans follows the labels, not the unlabelled positions. Finding the runs costs one step
+per change of value; nothing sorts or hashes per-position data.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import numpy.typing as npt
 
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
-from .segments import segment_max, segment_min, segment_sum
+from .segments import expand_ranges, segment_max, segment_min, segment_sum
 from .validation import Verdicts
 
-__all__ = ["NO_VERSION_HIGH", "NO_VERSION_LOW", "SpanTable", "build_spans"]
+__all__ = [
+    "NO_VERSION_HIGH", "NO_VERSION_LOW", "PART_LABELLED", "PART_UNLABELLED", "PART_WHOLE", "SpanTable", "build_spans",
+]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -30,17 +37,22 @@ BoolArray = npt.NDArray[np.bool_]
 NO_VERSION_LOW = np.iinfo(np.int64).min // 4  # "no version": below every real threshold
 NO_VERSION_HIGH = np.iinfo(np.int64).max // 4
 
+# A span row holds every position of its range, or (a mixed cut of a token-labelled sample, whose
+# scattered -1 positions take the dispatch version) only its labelled or only its unlabelled positions.
+PART_WHOLE, PART_LABELLED, PART_UNLABELLED = 0, 1, 2
+
 
 @dataclass
 class SpanTable:
     """Spans of one batch plus the per-sample and per-rollout facts derived from them."""
 
-    # per span
+    # per span (a row: a cut, or one part of a mixed cut)
     sample: IntArray
     lo: IntArray  # absolute positions in the batch's flat arrays, [lo, hi)
     hi: IntArray
     label: IntArray  # -1 = unlabelled
     version: IntArray  # effective version: the label, or the rollout's dispatch version
+    part: npt.NDArray[np.int8]  # PART_WHOLE, or which positions of a mixed cut [lo, hi) the row holds
     sampled: IntArray  # positions with mask 1 as the sample arrived
     live: BoolArray  # some sampled position carries a loss weight
     # per sample
@@ -67,22 +79,35 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     n_positions = batch.n_positions
     sample_rollout = np.repeat(np.arange(batch.n_rollouts), np.diff(batch.sample_offsets))
     valid_sample = ~verdicts.invalid[sample_rollout]
-    version_lo, version_label, version_kept = _version_spans(batch, valid_sample)
-
-    # Refine version spans where the mask changes: each span is then wholly sampled or wholly not.
+    tokened = valid_sample & (batch.label_kind == LABELS_TOKENS) & (np.diff(pos_off) > 0)
     mask = batch.mask
     changes = _mask_changes(mask)
-    lo = np.union1d(version_lo, changes).astype(np.int64)
-    hi = np.append(lo[1:], n_positions).astype(np.int64)
+
+    # Cuts: the spans of one mask value that tile the flat arrays. Samples labelled per position get
+    # theirs from runs of token_versions (scattered unlabelled positions do not cut them: they form the
+    # cut's unlabelled part); every other sample from its version spans, refined where the mask changes.
+    version_lo, version_label, version_kept = _version_spans(batch, valid_sample, tokened)
+    outside = ~tokened[np.searchsorted(pos_off, changes, "right") - 1] if tokened.any() else slice(None)
+    lo = np.union1d(version_lo, changes[outside]).astype(np.int64)
     of_version = np.searchsorted(version_lo, lo, "right") - 1
     label, kept = version_label[of_version], version_kept[of_version]
+    labelled = np.full(len(lo), -1)  # labelled positions per cut; -1: all of them when the label is >= 0
+    if tokened.any():
+        t_lo, t_label, t_labelled = _token_cuts(batch, tokened, changes)
+        order = np.argsort(np.concatenate((lo, t_lo)), kind="stable")
+        lo = np.concatenate((lo, t_lo))[order]
+        label = np.concatenate((label, t_label))[order]
+        kept = np.concatenate((kept, np.ones(len(t_lo), dtype=bool)))[order]
+        labelled = np.concatenate((labelled, t_labelled))[order]
+    hi = np.append(lo[1:], n_positions).astype(np.int64)
+    labelled = np.where(labelled < 0, np.where(label >= 0, hi - lo, 0), labelled)
+    mixed = (labelled > 0) & (labelled < hi - lo)
 
     value = mask[lo]
     bad = kept & (value != 0) & (value != 1)
     if bad.any():
         verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
     is_sampled = value == 1
-    sampled = np.where(is_sampled, hi - lo, 0).astype(np.int64)
     present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
     extrema = run_all([partial(_span_extrema, getattr(batch, name), lo) for name in present], n_positions)
     nonzero: dict[str, BoolArray | None] = dict.fromkeys(WEIGHT_FIELDS)
@@ -100,8 +125,21 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     live = is_sampled.copy() if rl is None else is_sampled & (rl | other)  # no rl_weights: 1.0 on the mask
     side = ~is_sampled & other
 
-    lo, hi, label, sampled = lo[kept], hi[kept], label[kept], sampled[kept]
-    live, side = live[kept], side[kept]
+    # Rows: one per cut, two per mixed cut (its labelled part, then its unlabelled part).
+    row_cut = np.repeat(np.arange(len(lo)), 1 + mixed)
+    part = np.zeros(len(row_cut), dtype=np.int8)
+    second = np.flatnonzero(mixed) + np.arange(1, int(mixed.sum()) + 1)
+    part[second - 1], part[second] = PART_LABELLED, PART_UNLABELLED
+    count = np.where(part == PART_LABELLED, labelled[row_cut], hi[row_cut] - lo[row_cut])
+    count = np.where(part == PART_UNLABELLED, (hi - lo - labelled)[row_cut], count)
+    row_live = live[row_cut]
+    if rl is not None and (mixed & live).any():
+        _exact_part_liveness(batch, present, lo, hi, mixed & live, row_cut, part, row_live)
+    keep_rows = kept[row_cut]
+    row_cut, part, count, row_live = row_cut[keep_rows], part[keep_rows], count[keep_rows], row_live[keep_rows]
+    lo, hi, label, side = lo[row_cut], hi[row_cut], np.where(part == PART_UNLABELLED, -1, label[row_cut]), side[row_cut]
+    sampled = np.where(is_sampled[row_cut], count, 0).astype(np.int64)
+    live = row_live
     sample = (np.searchsorted(pos_off, lo, "right") - 1).astype(np.int64)
     span_offsets = np.concatenate(([0], np.cumsum(np.bincount(sample, minlength=n_samples)))).astype(np.int64)
     dispatch = batch.dispatch_version[sample_rollout][sample]
@@ -129,6 +167,7 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
         hi=hi,
         label=label,
         version=version,
+        part=part,
         sampled=sampled,
         live=live,
         span_offsets=span_offsets,
@@ -143,10 +182,93 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     )
 
 
-def _version_spans(batch: RolloutBatch, valid_sample: BoolArray) -> tuple[IntArray, IntArray, BoolArray]:
-    """Start, label and keep flag of the version spans that tile the flat arrays.
+def _token_cuts(batch: RolloutBatch, tokened: BoolArray, changes: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+    """Cuts of the samples labelled per position: start, label (-1: none) and labelled positions of each.
 
-    Samples of invalid rollouts get one filler span (not kept), so that spans always tile.
+    A cut ends where the mask changes or a different label begins; unlabelled positions (-1) between
+    two equal labels stay inside the cut, so scattered unlabelled positions do not multiply the cuts.
+    Work beyond the two comparisons of neighbours is per run of equal values, never per position.
+    """
+    pos_off = batch.position_offsets
+    tokens = batch.token_versions
+    assert tokens is not None
+    n_positions = len(tokens)
+    segment_start = np.zeros(n_positions, dtype=bool)  # a new sample or a new mask value
+    segment_start[changes] = True
+    segment_start[pos_off[:-1][pos_off[:-1] < n_positions]] = True
+    boundary = np.empty(n_positions, dtype=bool)
+    boundary[0] = True
+    np.not_equal(tokens[1:], tokens[:-1], out=boundary[1:])
+    boundary |= segment_start
+    starts = np.flatnonzero(boundary)
+    if tokened.all():
+        ends = np.append(starts[1:], n_positions)
+    else:
+        run_sample = np.searchsorted(pos_off, starts, "right") - 1
+        chosen = tokened[run_sample]
+        starts, run_sample = starts[chosen], run_sample[chosen]
+        ends = np.minimum(np.append(starts[1:], n_positions), pos_off[run_sample + 1])
+    label = tokens[starts]
+    new_segment = segment_start[starts]
+    is_labelled = label >= 0
+    # Runs of one segment alternate between labels and -1: the label before a -1 run is two runs back.
+    before = np.full(len(starts), -2)
+    before[1:] = label[:-1]
+    two_back = np.full(len(starts), -2)
+    two_back[2:] = label[:-2]
+    unlabelled_run_began_segment = np.zeros(len(starts), dtype=bool)
+    unlabelled_run_began_segment[1:] = new_segment[:-1]
+    new_label = (before >= 0) | (~unlabelled_run_began_segment & (two_back != label))
+    new_cut = new_segment | (is_labelled & new_label)
+    first = np.flatnonzero(new_cut)
+    labelled = segment_sum(np.where(is_labelled, ends - starts, 0), np.append(first, len(starts)))
+    return starts[first], np.maximum.reduceat(label, first) if len(first) else label, labelled
+
+
+def _exact_part_liveness(
+    batch: RolloutBatch,
+    present: list[str],
+    lo: IntArray,
+    hi: IntArray,
+    candidates: BoolArray,
+    row_cut: IntArray,
+    part: npt.NDArray[np.int8],
+    row_live: BoolArray,
+) -> None:
+    """Whether each part of a live mixed cut has a weighted position of its own (written into ``row_live``).
+
+    The cut's weight maxima say so at once unless rl_weights has zeros in the cut; only those cuts are
+    read position by position.
+    """
+    rl = batch.rl_weights
+    assert rl is not None
+    cuts = np.flatnonzero(candidates)
+    lowest = np.minimum.reduceat(rl, lo)[cuts] if len(lo) else rl[:0]
+    doubt = cuts[~(lowest > 0)]  # a zero (or negative) rl weight somewhere in the cut
+    if len(doubt) == 0:
+        return
+    tokens = batch.token_versions
+    assert tokens is not None
+    positions = expand_ranges(lo[doubt], hi[doubt])
+    weighted = np.zeros(len(positions), dtype=bool)
+    for name in present:
+        weighted |= getattr(batch, name)[positions] != 0
+    owner = np.repeat(np.arange(len(doubt)), hi[doubt] - lo[doubt])
+    key = 2 * owner + (tokens[positions] < 0)
+    alive = np.bincount(key[weighted], minlength=2 * len(doubt)) > 0
+    slot = np.full(len(lo), -1)
+    slot[doubt] = np.arange(len(doubt))
+    rows = np.flatnonzero(slot[row_cut] >= 0)
+    rows = rows[part[rows] != PART_WHOLE]
+    row_live[rows] = alive[2 * slot[row_cut[rows]] + (part[rows] == PART_UNLABELLED)]
+
+
+def _version_spans(
+    batch: RolloutBatch, valid_sample: BoolArray, tokened: BoolArray
+) -> tuple[IntArray, IntArray, BoolArray]:
+    """Start, label and keep flag of the version spans of the samples ``valid_sample`` selects, and of
+    filler spans (not kept) for the samples of invalid rollouts. Token-labelled valid samples are cut by
+    :func:`_token_cuts` instead.
     """
     pos_off = batch.position_offsets
     n_samples = batch.n_samples
@@ -167,6 +289,7 @@ def _version_spans(batch: RolloutBatch, valid_sample: BoolArray) -> tuple[IntArr
 
     nonempty = lengths > 0
     unlabelled(nonempty & ~valid_sample, kept=False)
+    valid_sample = valid_sample & ~tokened
     unlabelled(nonempty & valid_sample & (kind == LABELS_NONE))
     spanned = valid_sample & (kind == LABELS_SPANS)
     if spanned.any():
@@ -179,16 +302,6 @@ def _version_spans(batch: RolloutBatch, valid_sample: BoolArray) -> tuple[IntArr
         prefix = spanned & has_spans & nonempty
         prefix[prefix] = batch.span_starts[batch.span_offsets[:-1][prefix]] > 0
         unlabelled(prefix | (spanned & ~has_spans & nonempty))  # positions before the first span
-    tokened = valid_sample & (kind == LABELS_TOKENS) & nonempty
-    if tokened.any():
-        assert batch.token_versions is not None
-        tokens = batch.token_versions
-        boundary = np.zeros(batch.n_positions, dtype=bool)
-        boundary[pos_off[:-1][nonempty]] = True
-        boundary[1:] |= tokens[1:] != tokens[:-1]
-        boundary &= np.repeat(tokened, lengths)
-        where = np.flatnonzero(boundary)
-        add(where, tokens[where], True)
     lo = np.concatenate(starts).astype(np.int64)
     order = np.argsort(lo, kind="stable")
     return lo[order], np.concatenate(labels).astype(np.int64)[order], np.concatenate(keep)[order]

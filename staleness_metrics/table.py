@@ -20,6 +20,11 @@ class Table:
     def __len__(self) -> int:
         return self._size
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The column names, in the order they were declared."""
+        return tuple(self._columns)
+
     def append(self, **values: npt.ArrayLike) -> int:
         """Append equal-length arrays for every column; returns the index of the first new row."""
         if set(values) != set(self._columns):

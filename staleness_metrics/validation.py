@@ -105,6 +105,10 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
             verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
         seen.add(rid)
 
+    for index, env in enumerate(batch.envs or ()):
+        if env is not None and (not isinstance(env, str) or not env):
+            verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
+
     live = ~np.asarray(batch.frozen, dtype=bool)
     dispatch, completion = batch.dispatch_version, batch.completion_version
     assert completion is not None
@@ -125,8 +129,10 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
     assert kind is not None
     if batch.token_versions is not None:
         tokens = batch.token_versions
-        sample_has_tokens = np.repeat(kind == LABELS_TOKENS, np.diff(batch.position_offsets))
-        bad = np.flatnonzero(sample_has_tokens & (tokens < -1)) if tokens.min(initial=0) < -1 else tokens[:0]
+        bad = tokens[:0]
+        if tokens.min(initial=0) < -1:  # one read in the common case; where only on bad input
+            sample_has_tokens = np.repeat(kind == LABELS_TOKENS, np.diff(batch.position_offsets))
+            bad = np.flatnonzero(sample_has_tokens & (tokens < -1))
         verdicts.positions(_first_per_rollout(batch, bad), "token_versions", "versions are >= 0 or -1")
     if batch.span_offsets is not None:
         _check_spans(batch, verdicts)

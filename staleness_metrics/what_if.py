@@ -37,13 +37,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .adapters import EventDict, as_replay_events, read_run
+from .adapters import EventDict, as_replay_events, detect_source, read_run
 from .config import StalenessConfig
 from .errors import ConfigError
 from .mismatch import MismatchSums, mismatch_sums
-from .replay import Event, replay
+from .replay import Step, prepare, run_steps
 from .report import Tally
-from .sink import Shipment
+from .sink import Shipment, Sink
 
 __all__ = [
     "WhatIfRow",
@@ -190,21 +190,33 @@ def run_tally(shipments: Iterable[Shipment]) -> Tally:
 Source = str | Path | Sequence[EventDict]
 
 
-def _events_for(source: Source) -> Callable[[int], Iterable[Event]]:
+def _steps_for(source: Source) -> Callable[[int], Iterable[Step]]:
+    """The prepared steps to replay at each bound: parsed once, unless the input depends on the bound.
+
+    A prime-rl run directory does (which unshipped episodes were stale depends on the bound being
+    replayed), so it is read again per bound; event streams and xtuner states are parsed once.
+    """
     if isinstance(source, (str, Path)):
-        return lambda bound: read_run(source, max_staleness=bound)
-    # Re-encoded for every bound: the sink masks what it is given, the caller's dicts stay untouched.
-    return lambda bound: as_replay_events(source)
+        if detect_source(source) == "prime-rl":
+            return lambda bound: prepare(read_run(source, max_staleness=bound))
+        steps = list(prepare(read_run(source)))
+    else:
+        steps = list(prepare(as_replay_events(source)))
+    return lambda bound: steps
 
 
 def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | None = None) -> list[WhatIfRow]:
-    """Replay ``source`` (a run input path, or event dicts) at every bound, other settings from ``config``."""
+    """Replay ``source`` (a run input path, or event dicts) at every bound, other settings from ``config``.
+
+    The input is decoded and type-checked once; each bound runs a fresh sink over the parsed records
+    (each packs its own copy of the arrays), so every row equals a separate replay at that bound.
+    """
     base = config or StalenessConfig()
-    events_for = _events_for(source)
+    steps_for = _steps_for(source)
     rows = []
     for bound in bounds:
-        shipments = replay(events_for(bound), dataclasses.replace(base, max_staleness=bound))
-        rows.append(WhatIfRow.from_tally(bound, *tally_and_cost(shipments, base.mismatch_band)))
+        sink = Sink(dataclasses.replace(base, max_staleness=bound))
+        rows.append(WhatIfRow.from_tally(bound, *tally_and_cost(run_steps(steps_for(bound), sink), base.mismatch_band)))
     return rows
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,9 @@ from staleness_metrics.cli import main
 from staleness_metrics.commands import what_if as what_if_command
 from staleness_metrics.config import PolicyName, StalenessConfig
 from staleness_metrics.demo import Simulation
-from staleness_metrics.errors import ConfigError
+from staleness_metrics.errors import ConfigError, EventError
 from staleness_metrics.replay import replay
-from staleness_metrics.what_if import parse_bounds, run_tally, what_if
+from staleness_metrics.what_if import WhatIfRow, parse_bounds, run_tally, what_if
 from tests.support.examples import EXAMPLES
 
 
@@ -164,3 +165,29 @@ def test_the_command_explains_bad_input(capsys: pytest.CaptureFixture[str], tmp_
     bad.write_text("".join(json.dumps(e) + "\n" for e in states))
     code, _, err = _what_if_cli(capsys, str(bad))
     assert code == 2 and "line 1" in err and "rollout '1'" in err
+
+
+@pytest.mark.parametrize("policy", ["token", "episode", "group", "xtuner"])
+def test_nine_bounds_from_one_parse_equal_nine_separate_replays(policy: str) -> None:
+    """what-if parses the stream once and runs every bound over the parsed records; each row must equal
+    a replay from scratch at that bound (random streams, lenient ones with invalid rollouts too)."""
+    from tests.reference.streams import random_stream
+
+    compared = 0
+    for seed in range(12):
+        lenient = seed % 2 == 0  # invalid rollouts set aside in half the streams
+        replay_config, events = random_stream(seed, policy, lenient=lenient, defects=2 if lenient else 0)
+        options = replay_config.reference_options()
+        base = StalenessConfig(**{k: v for k, v in options.items() if k != "lenient"}, strict=not lenient)
+        separate = []
+        try:
+            for bound in range(9):
+                shipments = replay(as_replay_events(events), dataclasses.replace(base, max_staleness=bound))
+                separate.append(WhatIfRow.from_tally(bound, run_tally(shipments)))
+        except EventError:
+            with pytest.raises(EventError):
+                what_if(events, range(9), base)
+            continue
+        assert what_if(events, range(9), base) == separate, f"seed {seed}"
+        compared += 1
+    assert compared >= 10

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -12,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from .. import jsonio
 from ..errors import ConfigError, EventError
-from ..exporters.jsonl import row_json
 from ..replay import Event, parse_event, read_events, run_events
 from ..sink import Sink
 from .options import add_sink_options, config_from_args
@@ -69,13 +68,13 @@ def open_events(
     except ConfigError:
         is_events = path.is_file()  # unrecognisable content: the event reader names the bad line
     if is_events:
-        handle: IO[str] = stack.enter_context(_open_with_progress(path, progress))
+        handle: IO[bytes] = stack.enter_context(_open_with_progress(path, progress))
         return read_events(handle), stack
     raws = detect_and_read(path, max_staleness=max_staleness)
     return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
 
 
-def _open_with_progress(path: Path, progress: bool | None) -> contextlib.AbstractContextManager[IO[str]]:
+def _open_with_progress(path: Path, progress: bool | None) -> contextlib.AbstractContextManager[IO[bytes]]:
     show = progress if progress is not None else (sys.stderr.isatty() and path.stat().st_size > PROGRESS_MIN_BYTES)
     if show:
         try:
@@ -83,14 +82,14 @@ def _open_with_progress(path: Path, progress: bool | None) -> contextlib.Abstrac
         except ImportError:
             pass
         else:
-            return rich.progress.open(path, "r", encoding="utf-8", description="replay", console=None)
-    return path.open(encoding="utf-8")
+            return rich.progress.open(path, "rb", description="replay", console=None)
+    return path.open("rb")
 
 
 @contextlib.contextmanager
-def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[str] | None]]:
-    """Open temp files beside each path; they replace the paths only if the block succeeds."""
-    handles: list[IO[str] | None] = []
+def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[bytes] | None]]:
+    """Open temp files beside each path (binary); they replace the paths only if the block succeeds."""
+    handles: list[IO[bytes] | None] = []
     temps: list[tuple[str, Path]] = []
     try:
         for path in paths:
@@ -99,7 +98,7 @@ def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[str] | None]]:
                 continue
             fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
             temps.append((temp, path))
-            handles.append(os.fdopen(fd, "w", encoding="utf-8"))
+            handles.append(os.fdopen(fd, "wb"))
         yield handles
     except BaseException:
         for handle in handles:
@@ -137,9 +136,9 @@ def run(args: argparse.Namespace) -> int:
             for shipment in run_events(events, sink):
                 ships += 1
                 if metrics_out is not None:
-                    metrics_out.write(row_json(shipment.report) + "\n")
+                    metrics_out.write(jsonio.dumps(shipment.report.row()) + b"\n")
                 if batches_out is not None:
-                    batches_out.write(json.dumps(shipment.batches_line()) + "\n")
+                    batches_out.write(jsonio.dumps(shipment.batches_line(arrays=True)) + b"\n")
     except EventError as error:
         print(str(error), file=sys.stderr)
         return 2

@@ -28,6 +28,8 @@ COUNT = "short"
 PER_STEP = "suffix: /step"
 PER_MINUTE = "suffix: /min"
 PER_SECOND = "suffix: /s"
+NATS = "suffix: nats"  # k3 mismatch is a KL estimate in natural units
+TOKENS = "suffix: tokens"
 
 # The selectors of every dashboard query; gauges pick env="" themselves (see promql.Scope).
 SCOPE = Scope(
@@ -162,7 +164,9 @@ def stat(title: str, description: str, unit: str, target: Target, *, decimals: i
     return _panel("stat", title, description, unit, [target], options=options, decimals=decimals)
 
 
-def heatmap(title: str, description: str, y_unit: str, target: Target) -> Json:
+def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: str = "auto") -> Json:
+    """``rows="le"``: each series is one row, named by its bucket's upper bound (Grafana's "time series
+    buckets"), for values that are not counts to de-accumulate."""
     options = {
         "calculate": False,  # Prometheus buckets already are the cells
         "cellGap": 1,
@@ -174,7 +178,7 @@ def heatmap(title: str, description: str, y_unit: str, target: Target) -> Json:
             "steps": 64,
         },
         "legend": {"show": True},
-        "rowsFrame": {"layout": "auto"},
+        "rowsFrame": {"layout": rows},
         "tooltip": {"mode": "single", "yHistogram": True},
         "yAxis": {"axisPlacement": "left", "unit": y_unit},
     }
@@ -679,6 +683,169 @@ def _per_env(grid: Grid, s: Scope) -> None:
     )
 
 
+_COST_NOTE = (
+    "From rates of the trainer-vs-sampler mismatch sums (SPEC 11), summed over processes before dividing, "
+    "so the value is the merged run's over the rate window."
+)
+_LENGTH_NOTE = (
+    "Over shipped live samples plus samples dropped for staleness (SPEC 12), from rates of the length counters."
+)
+
+
+def _excess_heatmap(merged: Scope, whose: str) -> Json:
+    """Excess k3 over the lag-0 floor: one row per lag bucket, one column per rate window."""
+    return heatmap(
+        "Excess k3 over the lag-0 floor by lag",
+        f"Mean k3 of each lag bucket minus that of lag 0 ({whose}). Lag 0 is the numeric floor the engines "
+        f"show with the same weights; the excess, lag by lag, is what staleness costs. {_COST_NOTE}",
+        "short",
+        Target(merged.excess_k3_by_lag(), "{{lag}}"),
+        rows="le",  # lag buckets are named by their largest lag
+    )
+
+
+def _length_bias(grid: Grid, s: Scope, *, w: int, h: int, fleet: Scope | None = None) -> None:
+    grid.add(
+        timeseries(
+            "Trained vs sampled mean length",
+            "Mean sampled length of the samples per ship window, and the same with masked positions and "
+            f"dropped samples counted as 0: a gap that grows is masking and drops cutting long responses. "
+            f"{_LENGTH_NOTE}",
+            TOKENS,
+            [
+                Target(s.sampled_length_mean(), "{{run}} sampled"),
+                Target(s.trained_length_mean(), "{{run}} trained"),
+            ],
+            minimum=0,
+        ),
+        w=w,
+        h=h,
+    )
+    by_length = fleet or s
+    legend = "{{length}}" if fleet is not None else "{{run}} {{length}}"
+    grid.add(
+        timeseries(
+            "Removed share by length bucket" + (" (fleet)" if fleet is not None else ""),
+            "Share of sampled positions masked or dropped for staleness, over samples whose sampled length "
+            "falls in each bucket (256, 1k, 4k, 16k, inf): staleness rules remove more of long responses. "
+            f"{_LENGTH_NOTE}",
+            RATIO,
+            [Target(by_length.removed_share_by_length(), legend)],
+            minimum=0,
+            maximum=1,
+        ),
+        w=w,
+        h=h,
+    )
+
+
+def _what_staleness_costs(grid: Grid, s: Scope, merged: Scope) -> None:
+    """SPEC 11 and 12: the policy mismatch by token lag and the length bias of masking."""
+    grid.row("What staleness costs")
+    grid.add(
+        timeseries(
+            "Mismatch k3 by lag",
+            "Mean k3 = r - 1 - log r (prime-rl's mismatch_kl) between trainer and sampler log-probabilities, "
+            f"per token lag bucket. {_COST_NOTE}",
+            NATS,
+            [Target(s.per_lag_token("mismatch_kl"), "{{run}} lag {{lag}}")],
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(_excess_heatmap(merged, "the selected runs merged"), w=12, h=8)
+    grid.add(
+        timeseries(
+            "Excess k3 of stale tokens",
+            "Mean k3 of every token at lag 1 or more minus the lag-0 floor: one number for what staleness "
+            f"costs the run. {_COST_NOTE}",
+            NATS,
+            [Target(s.excess_k3(), "{{run}}")],
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Effective sample size by lag",
+            "Normalised ESS (Σr)² / (n Σr²) of the importance ratios per lag bucket: 1 when trainer and "
+            f"sampler agree, towards 0 when a few tokens dominate the corrected gradient. {_COST_NOTE}",
+            RATIO,
+            [Target(s.ess_by_lag(), "{{run}} lag {{lag}}")],
+            minimum=0,
+            maximum=1,
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Out-of-band share by lag",
+            "Share of covered tokens whose importance ratio lies outside the mismatch band (default "
+            f"[0.5, 2]), per lag bucket: the tokens a ratio clip or mask would cut. {_COST_NOTE}",
+            RATIO,
+            [Target(s.per_lag_token("mismatch_out_of_band"), "{{run}} lag {{lag}}")],
+            minimum=0,
+            maximum=1,
+        ),
+        w=12,
+        h=8,
+    )
+    _length_bias(grid, s, w=12, h=8)
+
+
+def _fleet_costs(grid: Grid, s: Scope) -> None:
+    """What staleness costs across the fleet: per run, and merged over every selected run."""
+    f = FLEET_WIDE
+    grid.row("What staleness costs")
+    grid.add(
+        timeseries(
+            "Excess k3 of stale tokens per run",
+            f"Mean k3 of the tokens at lag 1 or more minus the lag-0 floor, per run. {_COST_NOTE}",
+            NATS,
+            [Target(s.excess_k3())],
+        ),
+        w=8,
+        h=7,
+    )
+    grid.add(_excess_heatmap(f, "every selected run merged"), w=8, h=7)
+    grid.add(
+        timeseries(
+            "Fleet mismatch k3 by lag",
+            f"Mean k3 per lag bucket over every selected run. {_COST_NOTE}",
+            NATS,
+            [Target(f.per_lag_token("mismatch_kl"), "lag {{lag}}")],
+        ),
+        w=8,
+        h=7,
+    )
+    grid.add(
+        timeseries(
+            "Fleet effective sample size by lag",
+            f"Normalised ESS (Σr)² / (n Σr²) per lag bucket over every selected run. {_COST_NOTE}",
+            RATIO,
+            [Target(f.ess_by_lag(), "lag {{lag}}")],
+            minimum=0,
+            maximum=1,
+        ),
+        w=8,
+        h=7,
+    )
+    grid.add(
+        timeseries(
+            "Fleet out-of-band share by lag",
+            f"Share of covered tokens with an importance ratio outside the band, per lag bucket. {_COST_NOTE}",
+            RATIO,
+            [Target(f.per_lag_token("mismatch_out_of_band"), "lag {{lag}}")],
+            minimum=0,
+            maximum=1,
+        ),
+        w=8,
+        h=7,
+    )
+    _length_bias(grid, s, w=8, h=7, fleet=f)
+
+
 def staleness_dashboard() -> Json:
     """The detailed dashboard: one or a few runs, every view of the table."""
     s = SCOPE
@@ -691,6 +858,7 @@ def staleness_dashboard() -> Json:
     _drops(grid, s)
     _pipeline_health(grid, s)
     _per_env(grid, s)
+    _what_staleness_costs(grid, s, FLEET_WIDE)
     return _dashboard(
         "rl-staleness",
         "RL staleness",
@@ -717,6 +885,8 @@ def fleet_dashboard() -> Json:
         ("Held", COUNT, Target(s.gauge("rollouts_held"))),
         ("Label coverage", RATIO, Target(_label_coverage(s))),
         ("Export errors/s", PER_SECOND, Target(s.rate("export_errors"))),
+        ("Excess k3", NATS, Target(s.excess_k3())),
+        ("Trained length", TOKENS, Target(s.trained_length_mean())),
     ]
     grid.add(
         table(
@@ -767,6 +937,7 @@ def fleet_dashboard() -> Json:
         ),
     ):
         grid.add(timeseries(title, description, unit, targets, minimum=0, maximum=top), w=8, h=7)
+    _fleet_costs(grid, s)
     return _dashboard(
         "rl-staleness-fleet",
         "RL staleness fleet",

@@ -69,10 +69,11 @@ class Scope:
     by: tuple[str, ...] = ("run",)
     window: str = "5m"
 
-    def selector(self, name: str, *, suffix: str = "", env: str | None = None) -> str:
-        """``family{matchers}``; ``env`` overrides the scope's env matcher for this selector."""
+    def selector(self, name: str, *, suffix: str = "", env: str | None = None, extra: tuple[str, ...] = ()) -> str:
+        """``family{matchers}``; ``env`` overrides the scope's env matcher for this selector, ``extra`` adds
+        matchers (``lag="0"``)."""
         row = metric(name)
-        matchers = list(self.matchers)
+        matchers = [*self.matchers, *extra]
         if "env" in row.labels:
             if env is not None:
                 matchers.append(env)
@@ -93,9 +94,9 @@ class Scope:
         picked = f'env=~"{self.env or ".+"}", env!=""'
         return f"max {self._by('env')} ({self.selector(name, env=picked)})"
 
-    def rate(self, name: str, *, extra_by: tuple[str, ...] = ()) -> str:
+    def rate(self, name: str, *, extra_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> str:
         """Per-second rate of a counter, summed over env (and processes) per ``by`` labels."""
-        return f"sum {self._by(*extra_by)} (rate({self.selector(name)}[{self.window}]))"
+        return f"sum {self._by(*extra_by)} (rate({self.selector(name, extra=extra)}[{self.window}]))"
 
     def ratio(self, numerator: str, denominator: str, *, extra_by: tuple[str, ...] = ()) -> str:
         """Ratio of two counters' rates over the window (never an average of per-step ratios)."""
@@ -121,3 +122,48 @@ class Scope:
     def per_step(self, name: str) -> str:
         """A counter's increase per train step: its rate over the steps' rate, while steps advance."""
         return f"{self.rate(name)} / ({self._step_slope()} > 0)"
+
+    # ------------------------------------------------------------------ SPEC 11 and 12, from rates of sums
+    # Every ratio divides rates of sums (summed over processes first), so a fleet-wide value is the merged
+    # run's; a denominator of 0 (a lag or length bucket without tokens in the window) gives no point.
+
+    def per_lag_token(self, name: str, *, by_lag: bool = True, extra: tuple[str, ...] = ()) -> str:
+        """Σ ``name`` / covered tokens over the window: mean k3 (``mismatch_kl``), mean \|log r\|, or the
+        out-of-band share (``mismatch_out_of_band``), per lag bucket unless ``by_lag`` is False."""
+        by = ("lag",) if by_lag else ()
+        numerator = self.rate(name, extra_by=by, extra=extra)
+        return f"{numerator} / ({self.rate('mismatch_tokens', extra_by=by, extra=extra)} > 0)"
+
+    def mismatch_floor(self) -> str:
+        """Mean k3 of lag 0: the engines' numeric mismatch, present without any staleness."""
+        return self.per_lag_token("mismatch_kl", by_lag=False, extra=('lag="0"',))
+
+    def excess_k3_by_lag(self) -> str:
+        """Mean k3 of each lag bucket minus the lag-0 floor over the same window (0 at lag 0)."""
+        return f"{self.per_lag_token('mismatch_kl')} - ignoring (lag) group_left () ({self.mismatch_floor()})"
+
+    def excess_k3(self) -> str:
+        """Mean k3 of every token at lag 1 or more minus the lag-0 floor (SPEC 11 ``excess_k3``)."""
+        stale = self.per_lag_token("mismatch_kl", by_lag=False, extra=('lag!="0"',))
+        return f"({stale}) - ({self.mismatch_floor()})"
+
+    def ess_by_lag(self) -> str:
+        """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket, from the rates of the sums."""
+        by = ("lag",)
+        ratio, squares = self.rate("mismatch_ratio", extra_by=by), self.rate("mismatch_ratio_squared", extra_by=by)
+        return f"{ratio} ^ 2 / ({self.rate('mismatch_tokens', extra_by=by)} * {squares} > 0)"
+
+    def sampled_length_mean(self) -> str:
+        """Mean sampled length of the window's shipped and dropped samples (SPEC 12)."""
+        return f"{self.rate('length_sampled_tokens')} / ({self.rate('length_samples')} > 0)"
+
+    def trained_length_mean(self) -> str:
+        """The same with masked positions and dropped samples counted as 0: what trains."""
+        kept = f"{self.rate('length_sampled_tokens')} - {self.rate('length_removed_tokens')}"
+        return f"({kept}) / ({self.rate('length_samples')} > 0)"
+
+    def removed_share_by_length(self) -> str:
+        """Share of sampled positions masked or dropped, per length bucket of their sample."""
+        by = ("length",)
+        removed = self.rate("length_removed_tokens", extra_by=by)
+        return f"{removed} / ({self.rate('length_sampled_tokens', extra_by=by)} > 0)"

@@ -12,9 +12,11 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
+from ..metric_table import LAG
+from ..mismatch import LAG_UPPER_BOUNDS
 from .promql import Scope, prometheus_name, recorded_name
 
-__all__ = ["Thresholds", "render_rules", "rule_groups"]
+__all__ = ["MISMATCH_RECORDS", "Thresholds", "render_rules", "rule_groups"]
 
 Json = dict[str, Any]
 
@@ -36,6 +38,56 @@ class Thresholds:
     at_bound_for: str = "30m"  # rollout staleness at or above max_staleness this long
     absent_window: str = "10m"  # no train step series for this long
     absent_for: str = "5m"
+    excess_k3: float = 0.01  # nats of mean k3 above the lag-0 floor, at a lag within max_staleness
+    excess_for: str = "15m"
+
+
+# SPEC 11 / 12 derived series: one recording rule each. The level names the labels kept (job_run_lag keeps
+# the lag bucket); the operation says what was derived from the rates of the sums.
+_K3 = ("mismatch_kl", "mismatch_tokens")
+_LENGTH = ("length_sampled_tokens", "length_samples")
+MISMATCH_RECORDS = {
+    "k3_by_lag": recorded_name(f"{LEVEL}_lag", _K3, f"ratio_{_RATE}"),
+    "excess_k3_by_lag": recorded_name(f"{LEVEL}_lag", _K3, f"excess_ratio_{_RATE}"),
+    "ess_by_lag": recorded_name(f"{LEVEL}_lag", ("mismatch_ratio",), f"ess_{_RATE}"),
+    "out_of_band_by_lag": recorded_name(f"{LEVEL}_lag", ("mismatch_out_of_band", "mismatch_tokens"), f"ratio_{_RATE}"),
+    "k3": recorded_name(LEVEL, _K3, f"ratio_{_RATE}"),
+    "excess_k3": recorded_name(LEVEL, _K3, f"excess_ratio_{_RATE}"),
+    "sampled_length_mean": recorded_name(LEVEL, _LENGTH, f"ratio_{_RATE}"),
+    "trained_length_mean": recorded_name(LEVEL, _LENGTH, f"trained_ratio_{_RATE}"),
+    "removed_share_by_length": recorded_name(
+        f"{LEVEL}_length", ("length_removed_tokens", "length_sampled_tokens"), f"ratio_{_RATE}"
+    ),
+}
+"""Recording rule name of each derived SPEC 11 / 12 series (keys as the :class:`Scope` methods)."""
+
+
+def _mismatch_records() -> list[Json]:
+    exprs = {
+        "k3_by_lag": _SCOPE.per_lag_token("mismatch_kl"),
+        "excess_k3_by_lag": _SCOPE.excess_k3_by_lag(),
+        "ess_by_lag": _SCOPE.ess_by_lag(),
+        "out_of_band_by_lag": _SCOPE.per_lag_token("mismatch_out_of_band"),
+        "k3": _SCOPE.per_lag_token("mismatch_kl", by_lag=False),
+        "excess_k3": _SCOPE.excess_k3(),
+        "sampled_length_mean": _SCOPE.sampled_length_mean(),
+        "trained_length_mean": _SCOPE.trained_length_mean(),
+        "removed_share_by_length": _SCOPE.removed_share_by_length(),
+    }
+    return [{"record": MISMATCH_RECORDS[key], "expr": expr} for key, expr in exprs.items()]
+
+
+def _within_bound(series: str, threshold: float) -> str:
+    """``series`` (per lag bucket) above ``threshold``, kept only for buckets whose smallest lag is within the
+    run's max_staleness: PromQL cannot read a number from a label, so one term per bucket, from the table."""
+    bound = _SCOPE.gauge("max_staleness")
+    lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]  # smallest lag of each bucket, "inf" last
+    terms = [
+        f'({series}{{lag="{value}"}} > {threshold} and on (job, run) {bound} >= {low})'
+        for value, low in zip(LAG.values, lowest, strict=True)
+        if low > 0  # lag 0 is the floor itself
+    ]
+    return " or ".join(terms)
 
 
 def _masked_ratio() -> str:
@@ -65,7 +117,7 @@ def _recording_rules() -> list[Json]:
                     "labels": {"quantile": str(q)},
                 }
             )
-    return rules
+    return rules + _mismatch_records()
 
 
 def _alert(name: str, expr: str, duration: str, severity: str, summary: str, description: str) -> Json:
@@ -111,6 +163,18 @@ def _alerts(t: Thresholds) -> list[Json]:
             f"The stalest rollout of every batch shipped by {where} in the last {t.at_bound_for} was at or "
             "above max_staleness (now {{ $value }} versions): the pipeline runs at its staleness limit, so "
             "masking and drops are about to grow.",
+        ),
+        _alert(
+            "RLStalenessMismatchExcessHigh",
+            _within_bound(MISMATCH_RECORDS["excess_k3_by_lag"], t.excess_k3),
+            t.excess_for,
+            "warning",
+            'Staleness costs run {{ $labels.run }} {{ printf "%.4f" $value }} nats of mismatch at lag '
+            "{{ $labels.lag }}",
+            f"Over the last {WINDOW}, tokens of {where} at lag {{{{ $labels.lag }}}}, which max_staleness lets "
+            'train, show a mean k3 mismatch between trainer and sampler {{ printf "%.4f" $value }} nats '
+            f"above the lag-0 floor (threshold {t.excess_k3:g}). The policy moves too far within the bound: "
+            "lower max_staleness, sync weights more often, or lower the learning rate.",
         ),
         _alert(
             "RLStalenessMetricsAbsent",

@@ -68,6 +68,53 @@ def per_env_regex(name: str) -> str:
     return f"^{re.escape(head)}/env/.+/{re.escape(tail)}$"
 
 
+def per_bucket_regex(name: str) -> str:
+    """Matches every bucket's key of a templated row: ``staleness/mismatch/lag_{lag}/k3`` ->
+    ``^staleness/mismatch/lag_[^/]+/k3$`` (the row's own template, its placeholder a wildcard)."""
+    row = _row(name)
+    if row.dimension is None:
+        raise KeyError(f"metric {name!r} has no bucket dimension")
+    head, _, tail = wandb_key(name).partition(row.dimension.placeholder)
+    return f"^{re.escape(head)}[^/]+{re.escape(tail)}$"
+
+
+def _cost_panels() -> list[PanelSpec]:
+    """SPEC 11 and 12: what staleness costs, and the length bias of masking."""
+    return [
+        PanelSpec(
+            "Excess k3 of stale tokens",
+            (wandb_key("mismatch_excess_k3"), wandb_key("mismatch_k3")),
+            notes="Mean k3 of tokens at lag >= 1 minus the lag-0 floor, and the mean k3 over every token.",
+        ),
+        PanelSpec(
+            "Excess k3 over the lag-0 floor by lag",
+            metric_regex=per_bucket_regex("mismatch_excess_k3_by_lag"),
+            notes="What staleness costs at each lag: the mismatch above the engines' numeric floor.",
+        ),
+        PanelSpec("Mismatch k3 by lag", metric_regex=per_bucket_regex("mismatch_k3_by_lag")),
+        PanelSpec(
+            "Effective sample size by lag", metric_regex=per_bucket_regex("mismatch_ess_by_lag"), range_y=(0.0, 1.0)
+        ),
+        PanelSpec(
+            "Out-of-band share by lag",
+            metric_regex=per_bucket_regex("mismatch_out_of_band_by_lag"),
+            range_y=(0.0, 1.0),
+        ),
+        PanelSpec("Mismatch coverage", (wandb_key("mismatch_coverage"),), range_y=(0.0, 1.0)),
+        PanelSpec("Largest excess k3", (wandb_key("mismatch_excess_k3"),), kind="scalar"),
+        PanelSpec(
+            "Trained vs sampled mean length",
+            (wandb_key("length_sampled_mean"), wandb_key("length_trained_mean")),
+            notes="Masked positions and dropped samples count as 0 in the trained mean.",
+        ),
+        PanelSpec(
+            "Removed share by length bucket",
+            metric_regex=per_bucket_regex("length_removed_share"),
+            range_y=(0.0, 1.0),
+        ),
+    ]
+
+
 def panels() -> list[PanelSpec]:
     """The Staleness section, in display order."""
 
@@ -103,6 +150,7 @@ def panels() -> list[PanelSpec]:
         PanelSpec("Token staleness mean per env", metric_regex=per_env_regex("token_mean")),
         PanelSpec("Masked tokens per env", metric_regex=per_env_regex("token_masked"), range_y=(0.0, 1.0)),
     ]
+    specs += _cost_panels()
     histogram = _row("token_staleness").wandb_key
     if histogram is not None:  # a wandb.Histogram per step: W&B draws it as a distribution over time
         specs.insert(2, PanelSpec("Token staleness distribution", (histogram,)))

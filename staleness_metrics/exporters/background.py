@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from ..report import StepReport
-from .base import ExportContext, Exporter, ExportErrors, MonitorAware
+from .base import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
 
 __all__ = ["DEFAULT_QUEUE_SIZE", "BackgroundExporter", "ExportQueue", "QueuedExporter"]
 
@@ -235,7 +235,7 @@ class QueuedExporter(Generic[P]):
         """Release what the subclass holds besides the queue."""
 
 
-class BackgroundExporter(QueuedExporter[StepReport]):
+class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
     """Runs any exporter's ``export`` on a worker thread behind an :class:`ExportQueue`.
 
     For your own slow exporters; the built-in network exporters (OTLP, W&B, Pushgateway, JSONL) queue
@@ -256,7 +256,7 @@ class BackgroundExporter(QueuedExporter[StepReport]):
         super().__init__()
         self._exporter = exporter
         self._start_queue(
-            exporter.export,
+            self._send,
             max_queue=max_queue,
             retry_initial=retry_initial,
             retry_max=retry_max,
@@ -270,6 +270,18 @@ class BackgroundExporter(QueuedExporter[StepReport]):
 
     def export(self, report: StepReport) -> None:
         self._queue.put(report)
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """Queued like a ship, for a wrapped exporter that publishes mismatch sums (ignored otherwise)."""
+        if isinstance(self._exporter, MismatchAware):
+            self._queue.put(report)
+
+    def _send(self, report: StepReport | MismatchReport) -> None:
+        if isinstance(report, MismatchReport):
+            assert isinstance(self._exporter, MismatchAware)
+            self._exporter.export_mismatch(report)
+        else:
+            self._exporter.export(report)
 
     def _close_resources(self) -> None:
         self._exporter.close()

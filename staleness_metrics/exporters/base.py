@@ -11,8 +11,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ..mismatch import MismatchSums
 from ..report import StepReport
@@ -25,6 +26,7 @@ __all__ = [
     "MismatchAware",
     "MismatchReport",
     "MonitorAware",
+    "Stateful",
 ]
 
 logger = logging.getLogger("staleness_metrics.exporters")
@@ -75,6 +77,21 @@ class MonitorAware(Protocol):
     def attach(self, context: ExportContext) -> None: ...
 
 
+@runtime_checkable
+class Stateful(Protocol):
+    """An exporter with cumulative state that a monitor checkpoint carries (SPEC 13).
+
+    ``absorb`` folds a report that was already published (a restart re-applying its journal) into that
+    state without publishing it again.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def absorb(self, report: StepReport) -> None: ...
+
+
 class ExportErrors:
     """Thread-safe count of failed exports per exporter, with rate-limited logging.
 
@@ -118,6 +135,12 @@ class ExportErrors:
         """All counts at once (exporter name -> failures)."""
         with self._lock:
             return dict(self._counts)
+
+    def restore(self, counts: Mapping[str, int]) -> None:
+        """Add counts saved by a checkpoint (the counter continues across a restart)."""
+        with self._lock:
+            for exporter, count in counts.items():
+                self._counts[exporter] = self._counts.get(exporter, 0) + int(count)
 
     def carry_over(self, exporter: str, earlier: ExportErrors) -> None:
         """Add what ``earlier`` counted for ``exporter`` (its failures before it was attached here)."""

@@ -6,8 +6,11 @@ import sys
 from typing import TextIO
 
 from ..report import StepReport
+from .base import MismatchReport
 
-__all__ = ["ConsoleExporter", "format_line"]
+__all__ = ["ConsoleExporter", "format_line", "format_mismatch_line"]
+
+_EXCESS_K3 = "staleness/mismatch/excess_k3"
 
 
 def format_line(report: StepReport) -> str:
@@ -33,7 +36,32 @@ def format_line(report: StepReport) -> str:
     held = int(metrics.get("staleness/rollout/held", 0))
     if held:
         parts.append(f"held {held} rollouts")
+    if _EXCESS_K3 in metrics:  # SPEC 11: what staleness costs, when the records carried trainer log-probs
+        parts.append(f"excess k3 {float(metrics[_EXCESS_K3]):.4g}")
     return " | ".join(parts)
+
+
+def format_mismatch_line(report: MismatchReport) -> str:
+    """``step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0%`` for trainer-side sums.
+
+    The step's sums merged so far; ``-`` where a key is absent (no lag-0 or no stale token yet).
+    """
+    metrics = report.sums.metrics()
+
+    def number(key: str) -> str:
+        return f"{float(metrics[key]):.4g}" if key in metrics else "-"
+
+    coverage = "-"
+    if "staleness/mismatch/coverage" in metrics:
+        coverage = f"{float(metrics['staleness/mismatch/coverage']) * 100:.1f}%"
+    return " | ".join(
+        [
+            f"step {report.step}",
+            f"mismatch k3 {number('staleness/mismatch/k3')}",
+            f"excess k3 {number(_EXCESS_K3)}",
+            f"coverage {coverage}",
+        ]
+    )
 
 
 class ConsoleExporter:
@@ -56,8 +84,13 @@ class ConsoleExporter:
         return bool(isatty and isatty())
 
     def export(self, report: StepReport) -> None:
+        self._print(format_line(report))
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        self._print(format_mismatch_line(report))
+
+    def _print(self, line: str) -> None:
         stream = self._stream if self._stream is not None else sys.stdout
-        line = format_line(report)
         if self._rich_wanted(stream):
             try:
                 from rich.console import Console

@@ -1,32 +1,32 @@
-"""JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format), flushed per line."""
+"""JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format), flushed per line.
+
+Trainer-side mismatch sums recorded for a step (the live path) add a line ``{"step": S, <SPEC 11 keys>}``
+holding the step's sums merged so far: the last line of a step is its total.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
 from typing import IO
 
-import numpy as np
-
+from .. import jsonio
 from ..report import StepReport
 from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
+from .base import MismatchReport
 
-__all__ = ["JsonlExporter", "row_json"]
-
-
-def _plain(value: object) -> object:
-    if isinstance(value, np.integer):
-        return int(value)
-    if isinstance(value, np.floating):
-        return float(value)
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+__all__ = ["JsonlExporter", "mismatch_row_json", "row_json"]
 
 
 def row_json(report: StepReport) -> str:
     """The report's ``{"step": S, <key>: <value>, ...}`` line, without the newline."""
-    return json.dumps(report.row(), default=_plain, allow_nan=False)
+    return jsonio.dumps(report.row()).decode()
+
+
+def mismatch_row_json(report: MismatchReport) -> str:
+    """A live mismatch report's ``{"step": S, <SPEC 11 key>: <value>, ...}`` line (the step's merged sums)."""
+    return jsonio.dumps({"step": report.step, **report.sums.metrics()}).decode()
 
 
 class JsonlExporter(QueuedExporter[str]):
@@ -62,6 +62,15 @@ class JsonlExporter(QueuedExporter[str]):
 
     def export(self, report: StepReport) -> None:
         self._queue.put(row_json(report) + "\n")
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """One more line for the step: its SPEC 11 keys, merged over the step's calls so far."""
+        try:
+            line = mismatch_row_json(report)
+        except Exception as exc:  # never into the trainer
+            self._errors.record(self.name, "mismatch sums not written", exc)
+            return
+        self._queue.put(line + "\n")
 
     def _write(self, line: str) -> None:
         with self._file_lock:

@@ -31,7 +31,7 @@ from ..errors import ConfigError
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import Counts, StepReport
 from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import DEFAULT_RUN, ExportContext
+from .base import DEFAULT_RUN, ExportContext, MismatchReport
 from .state import CumulativeState, HistogramPoint, Snapshot, partition_by_env
 
 if TYPE_CHECKING:
@@ -56,11 +56,17 @@ class OtlpExportError(RuntimeError):
     """The OTLP exporter reported a failed export (the receiver is down, slow or refused it)."""
 
 
-def _attributes(metric: MetricDef, run: str, env: str) -> dict[str, str]:
+def _attributes(metric: MetricDef, run: str, env: str, bucket: str | None = None) -> dict[str, str]:
     attributes = {"run": run}
     if env and "env" in metric.labels:
         attributes["env"] = env
+    if metric.dimension is not None and bucket is not None:
+        attributes[metric.dimension.label] = bucket
     return attributes
+
+
+def _number(metric: MetricDef, value: float) -> int | float:
+    return int(value) if metric.integer else float(value)
 
 
 def resolve_protocol(protocol: str | None) -> str:
@@ -141,8 +147,15 @@ def build_metrics_data(
                 for env, value in sorted(values.items())
             ]
             data = Gauge(data_points=points)
+        elif row.kind is MetricKind.COUNTER and row.dimension is not None:
+            buckets = (snapshot.bucketed_deltas if delta else snapshot.bucketed).get(row.name, {})
+            points = [
+                NumberDataPoint(_attributes(row, run, env, bucket), start_ns, now, _number(row, total))
+                for (env, bucket), total in buckets.items()
+            ]
+            data = Sum(data_points=points, aggregation_temporality=temporality, is_monotonic=True)
         elif row.kind is MetricKind.COUNTER:
-            counts = (snapshot.counter_deltas if delta else snapshot.counters)[row.name]
+            counts = (snapshot.counter_deltas if delta else snapshot.counters).get(row.name, {})
             points = [
                 NumberDataPoint(_attributes(row, run, env), start_ns, now, count)
                 for env, count in sorted(counts.items())
@@ -223,11 +236,14 @@ class _InstrumentRecorder:
             if row.kind is MetricKind.GAUGE:
                 for env, value in snapshot.gauges[row.name].items():
                     instrument.set(value, _attributes(row, run, env))
+            elif row.kind is MetricKind.COUNTER and row.dimension is not None:
+                for (env, bucket), amount in snapshot.bucketed_deltas.get(row.name, {}).items():
+                    instrument.add(amount, _attributes(row, run, env, bucket))
             elif row.kind is MetricKind.COUNTER:
-                for env, count in snapshot.counter_deltas[row.name].items():
+                for env, count in snapshot.counter_deltas.get(row.name, {}).items():
                     instrument.add(count, _attributes(row, run, env))
             else:
-                for env, counts in histograms[row.name].items():
+                for env, counts in histograms.get(row.name, {}).items():
                     attributes = _attributes(row, run, env)
                     for staleness, count in enumerate(counts):
                         for _ in range(int(count)):
@@ -301,6 +317,18 @@ class OtlpExporter(QueuedExporter[_Payload]):
             self._state = CumulativeState(context.run, context.env_breakdown, deltas=self._state.deltas)
         super().attach(context)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The cumulative series of the run (a monitor checkpoint holds them)."""
+        return self._state.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the cumulative series (same start time) from ``state``."""
+        self._state.load_state_dict(state)
+
+    def absorb(self, report: StepReport) -> None:
+        """Fold a report exported before a restart into the run totals, without sending it again."""
+        self._state.apply(report)
+
     def export(self, report: StepReport) -> None:
         snapshot = self._state.apply(report)  # cheap: bucket sums; the OTLP encoding happens on send
         if self._recorder is not None:
@@ -315,6 +343,15 @@ class OtlpExporter(QueuedExporter[_Payload]):
             self._queue.put((snapshot, windows))
         else:
             self._queue.put((snapshot, None))
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and send."""
+        try:
+            snapshot = self._state.apply_mismatch(report.delta)
+        except Exception as exc:  # never into the trainer
+            self._errors.record(self.name, "mismatch sums not exported", exc)
+            return
+        self._queue.put((snapshot, {} if self._recorder is not None else None))
 
     def _send(self, payload: _Payload) -> None:
         snapshot, windows = payload

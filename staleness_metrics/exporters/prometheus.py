@@ -27,7 +27,7 @@ from prometheus_client.utils import floatToGoString
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import StepReport
 from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import DEFAULT_RUN, ExportContext, ExportErrors
+from .base import DEFAULT_RUN, ExportContext, ExportErrors, MismatchReport
 from .state import CumulativeState, Snapshot
 
 if TYPE_CHECKING:
@@ -51,8 +51,10 @@ def _family(metric: MetricDef) -> Metric:
     return HistogramMetricFamily(metric.prometheus_name, metric.description, labels=labels)
 
 
-def _label_values(metric: MetricDef, run: str, env: str) -> list[str]:
+def _label_values(metric: MetricDef, run: str, env: str, bucket: str = "") -> list[str]:
     values = {"run": run, "env": env}
+    if metric.dimension is not None:
+        values[metric.dimension.label] = bucket
     return [values[label] for label in metric.labels]
 
 
@@ -66,8 +68,11 @@ def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
         if isinstance(family, GaugeMetricFamily):
             for env, value in snapshot.gauges[metric.name].items():
                 family.add_metric(_label_values(metric, snapshot.run, env), float(value))
+        elif isinstance(family, CounterMetricFamily) and metric.dimension is not None:
+            for (env, bucket), total in snapshot.bucketed.get(metric.name, {}).items():
+                family.add_metric(_label_values(metric, snapshot.run, env, bucket), float(total))
         elif isinstance(family, CounterMetricFamily):
-            for env, count in snapshot.counters[metric.name].items():
+            for env, count in snapshot.counters.get(metric.name, {}).items():
                 family.add_metric(_label_values(metric, snapshot.run, env), float(count))
         else:
             assert isinstance(family, HistogramMetricFamily)
@@ -146,12 +151,32 @@ class _PrometheusBase:
         """What the last export published (None before the first)."""
         return self._last
 
-    def _apply(self, report: StepReport) -> Snapshot:
+    def _apply(self, report: StepReport | MismatchReport) -> Snapshot:
         with self._lock:  # reports are folded in order, one at a time
-            snapshot = self._state.apply(report)
+            if isinstance(report, MismatchReport):
+                snapshot = self._state.apply_mismatch(report.delta)  # counters add what this call brought
+            else:
+                snapshot = self._state.apply(report)
             self.collector.update(snapshot)
             self._last = snapshot
         return snapshot
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cumulative counters and histograms of the run (a monitor checkpoint holds them)."""
+        with self._lock:
+            return self._state.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the counters from ``state`` and show its last ship again until the next one."""
+        with self._lock:
+            snapshot = self._state.load_state_dict(state)
+            if snapshot is not None:
+                self.collector.update(snapshot)
+                self._last = snapshot
+
+    def absorb(self, report: StepReport) -> None:
+        """Fold a report exported before a restart into the run totals, without sending it again."""
+        self._apply(report)
 
     def exposition(self) -> bytes:
         """The text exposition (classic Prometheus format), as a scrape would get it."""
@@ -226,6 +251,13 @@ class PrometheusExporter(_PrometheusBase):
         ):
             self._bind()
 
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters."""
+        try:
+            self._apply(report)
+        except Exception as exc:  # never into the trainer
+            self._errors.record(self.name, "mismatch sums not exported", exc)
+
     def asgi_app(self) -> Callable[..., Any]:
         """An ASGI app serving this exporter's registry (``app.mount("/metrics", exporter.asgi_app())``;
         Starlette then serves it at ``/metrics/`` and redirects ``/metrics`` there)."""
@@ -293,6 +325,18 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
 
     def export(self, report: StepReport) -> None:
         self._apply(report)
+        self._queue_push()
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and push."""
+        try:
+            self._apply(report)
+        except Exception as exc:  # never into the trainer
+            self._errors.record(self.name, "mismatch sums not exported", exc)
+            return
+        self._queue_push()
+
+    def _queue_push(self) -> None:
         with self._lock:
             self._version += 1
             version = self._version

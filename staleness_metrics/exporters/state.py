@@ -14,6 +14,10 @@ Label conventions (documented for dashboards):
   tallies do not cover), so summing over ``env`` gives the run's total.
 - A gauge whose key is absent from the step's metrics dict (empty population) is **not exposed** for
   that ship, so an old value is never shown as current.
+- Families with a bucket label (SPEC 11 ``lag``, SPEC 12 ``length``) expose every bucket of the
+  dimension, zeros included, so a rate works from a bucket's first increment. The mismatch families
+  (no ``env``: the trainer's sums are per step, not per env) appear once the first sums arrived, from a
+  ship's records (``StepReport.mismatch``) or from the trainer (:meth:`CumulativeState.apply_mismatch`).
 """
 
 from __future__ import annotations
@@ -21,14 +25,16 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..mismatch import MismatchSums
 from ..report import Counts, StepReport, Tally
 
-__all__ = ["CumulativeState", "HistogramPoint", "Snapshot", "bucket_counts", "partition_by_env"]
+__all__ = ["BucketKey", "CumulativeState", "HistogramPoint", "Snapshot", "bucket_counts", "partition_by_env"]
 
 Number = int | float
 
@@ -98,6 +104,9 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
     return parts
 
 
+BucketKey = tuple[str, str]  # (env, the dimension's exported label value)
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """Everything an exporter shows after one ship; keys are :attr:`MetricDef.name`, then env."""
@@ -112,6 +121,9 @@ class Snapshot:
     counter_deltas: Mapping[str, Mapping[str, int]]  # empty unless the state keeps deltas
     histograms: Mapping[str, Mapping[str, HistogramPoint]]
     histogram_deltas: Mapping[str, Mapping[str, HistogramPoint]]
+    # Counters with a bucket label (rows with a dimension): name -> (env, exported bucket value) -> value.
+    bucketed: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
+    bucketed_deltas: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
 
 
 def _as_number(metric: MetricDef, value: object) -> Number:
@@ -148,10 +160,36 @@ def _histogram_of(metric: MetricDef, tally: Tally) -> Counts:
     return tally.rollout_histogram
 
 
+# Gauges some exporter shows (the W&B-only ratio rows are derived from counters elsewhere).
+_PUBLISHED_GAUGES = tuple(
+    m for m in METRICS if m.kind is MetricKind.GAUGE and (m.prometheus_name is not None or m.otel_name is not None)
+)
+
+
+def _bucketed_of(
+    metric: MetricDef, tallies: Mapping[str, Tally], mismatch: MismatchSums | None
+) -> dict[BucketKey, Number]:
+    """A dimensioned counter's values per (env, bucket value); every bucket present (zeros included)."""
+    assert metric.dimension is not None
+    values = metric.dimension.values
+    if metric.source is Source.MISMATCH:
+        if mismatch is None:
+            return {}
+        array = getattr(mismatch, metric.mismatch_field or "")
+        return {("", value): _as_number(metric, array[i]) for i, value in enumerate(values)}
+    out: dict[BucketKey, Number] = {}
+    for env, tally in tallies.items():
+        array = getattr(tally, metric.tally_field or "")
+        for i, value in enumerate(values):
+            out[(env, value)] = _as_number(metric, array[i] if i < len(array) else 0)
+    return out
+
+
 class CumulativeState:
     """Folds reports into run totals and returns a new immutable :class:`Snapshot` each time.
 
-    Not thread-safe by itself: callers serialize :meth:`apply` (the exporters hold a lock).
+    Not thread-safe by itself: callers serialize :meth:`apply` and :meth:`apply_mismatch` (the exporters
+    hold a lock).
     """
 
     def __init__(self, run: str, by_env: bool = False, deltas: bool = False) -> None:
@@ -159,24 +197,83 @@ class CumulativeState:
         self.by_env = by_env
         self.deltas = deltas  # also fill the per-report increments (OTLP delta temporality)
         self._totals: dict[str, Tally] = {}
+        self._mismatch: MismatchSums | None = None  # SPEC 11 sums over the run, once any arrived
+        self._gauges: dict[str, Mapping[str, Number]] = {m.name: {} for m in _PUBLISHED_GAUGES}  # of the last ship
+        self._step = 0
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
+        self._last_report: StepReport | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run totals, the mismatch sums and the last report (for the gauges) as JSON-serialisable data."""
+        from ..checkpoint import report_to_dict, tally_to_dict
+
+        return {
+            "totals": {env: tally_to_dict(tally) for env, tally in self._totals.items()},
+            "mismatch": None if self._mismatch is None else self._mismatch.to_dict(),
+            "start_time_ns": self._start_ns,
+            "last_report": None if self._last_report is None else report_to_dict(self._last_report),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> Snapshot | None:
+        """Continue the cumulative series from ``state``; returns what the last report showed (None if none)."""
+        from ..checkpoint import report_from_dict, tally_from_dict
+
+        self._totals = {env: tally_from_dict(tally) for env, tally in state["totals"].items()}
+        mismatch = state.get("mismatch")
+        self._mismatch = None if mismatch is None else MismatchSums.from_dict(mismatch)
+        self._start_ns = int(state["start_time_ns"])  # the same series: it was never reset
+        self._last_ns = max(self._last_ns, self._start_ns)
+        last = state.get("last_report")
+        self._last_report = None if last is None else report_from_dict(last)
+        if self._last_report is None:
+            return None
+        self._step = self._last_report.step
+        self._gauges = {m.name: _gauge_values(m, self._last_report, self.by_env) for m in _PUBLISHED_GAUGES}
+        return self._snapshot({}, None)
 
     def apply(self, report: StepReport) -> Snapshot:
+        """Fold in a ship: its tallies, its gauges and, when its records carried them, its mismatch sums."""
         window = partition_by_env(report, self.by_env)
         for env, tally in window.items():
             self._totals[env] = self._totals.get(env, Tally()) + tally
+        if report.mismatch is not None:
+            self._add_mismatch(report.mismatch)
+        self._step = report.step
+        self._last_report = report
+        self._gauges = {m.name: _gauge_values(m, report, self.by_env) for m in _PUBLISHED_GAUGES}
+        return self._snapshot(window, report.mismatch)
+
+    def apply_mismatch(self, delta: MismatchSums) -> Snapshot:
+        """Fold in trainer-side sums (the live path): the counters move, the last ship's gauges stay."""
+        self._add_mismatch(delta)
+        return self._snapshot({env: Tally() for env in self._totals}, delta)
+
+    def _add_mismatch(self, sums: MismatchSums) -> None:
+        self._mismatch = sums if self._mismatch is None else self._mismatch + sums
+
+    def _snapshot(self, window: Mapping[str, Tally], mismatch_delta: MismatchSums | None) -> Snapshot:
         totals = {env: self._totals[env] for env in sorted(self._totals)}
         window = {env: window[env] for env in sorted(window)}
+        # The increment of the mismatch counters: none before the first sums, zero for a ship without any.
+        delta = mismatch_delta if mismatch_delta is not None or self._mismatch is None else MismatchSums.zero()
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
-        gauges: dict[str, Mapping[str, Number]] = {}
         counters: dict[str, Mapping[str, int]] = {}
         counter_deltas: dict[str, Mapping[str, int]] = {}
         histograms: dict[str, Mapping[str, HistogramPoint]] = {}
         histogram_deltas: dict[str, Mapping[str, HistogramPoint]] = {}
+        bucketed: dict[str, Mapping[BucketKey, Number]] = {}
+        bucketed_deltas: dict[str, Mapping[BucketKey, Number]] = {}
         for metric in METRICS:
-            if metric.kind is MetricKind.GAUGE:
-                gauges[metric.name] = _gauge_values(metric, report, self.by_env)
+            if metric.kind is MetricKind.COUNTER and metric.dimension is not None:
+                bucketed[metric.name] = _bucketed_of(metric, totals, self._mismatch)
+                if self.deltas:
+                    bucketed_deltas[metric.name] = _bucketed_of(metric, window, delta)
+            elif metric.kind is MetricKind.COUNTER and metric.source is Source.MISMATCH:
+                sums_field = metric.mismatch_field or ""
+                counters[metric.name] = {} if self._mismatch is None else {"": int(getattr(self._mismatch, sums_field))}
+                if self.deltas:
+                    counter_deltas[metric.name] = {} if delta is None else {"": int(getattr(delta, sums_field))}
             elif metric.kind is MetricKind.COUNTER and metric.source is Source.TALLY:
                 field_name = metric.tally_field
                 assert field_name is not None
@@ -191,15 +288,17 @@ class CumulativeState:
                     }
         snapshot = Snapshot(
             run=self.run,
-            step=report.step,
+            step=self._step,
             start_time_ns=self._start_ns,
             previous_time_ns=self._last_ns,
             time_ns=now,
-            gauges=gauges,
+            gauges=self._gauges,
             counters=counters,
             counter_deltas=counter_deltas,
             histograms=histograms,
             histogram_deltas=histogram_deltas,
+            bucketed=bucketed,
+            bucketed_deltas=bucketed_deltas,
         )
         self._last_ns = now
         return snapshot

@@ -6,6 +6,9 @@
   of every ``staleness/*`` key; maxima (rows with ``wandb_summary``) get ``summary="max"``.
 - Per-env keys (``staleness/env/<env>/...``, present in the report when the env breakdown is on) are
   logged as the core wrote them, once checked against the table.
+- Trainer-side mismatch sums (:meth:`StalenessMonitor.record_mismatch`, the live path) are logged as a
+  row of the step's SPEC 11 keys (``trainer/step`` = the step), merged over the step's calls so far; the
+  per-lag and overall k3 and excess k3 keys get ``summary="max"``.
 - The token staleness histogram is logged as a ``wandb.Histogram`` (one bin per staleness value) under
   the table's key for it.
 - ``legacy_keys`` also writes the old keys (``off_policy/*`` and the earlier ``staleness/mean``-style
@@ -27,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..metric_table import LEGACY_KEYS, METRICS, MetricDef, Source
+from ..metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, MetricDef, Source
 from ..report import StepReport
 from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import ExportContext
+from .base import ExportContext, MismatchReport
 
 __all__ = ["DEFAULT_STEP_KEY", "WandbExporter"]
 
@@ -38,7 +41,7 @@ DEFAULT_STEP_KEY = "trainer/step"
 _ENV_PREFIX = "staleness/env/"
 _MAX_BINS = 512  # wandb.Histogram's limit
 
-_BY_KEY: dict[str, MetricDef] = {m.wandb_key: m for m in METRICS if m.wandb_key is not None}
+_BY_KEY: dict[str, MetricDef] = WANDB_KEYS  # templated keys (per lag / length bucket) spelled out
 _HISTOGRAM_ROW = next(m for m in METRICS if m.source is Source.TOKEN_HISTOGRAM)
 _SCALAR_KEYS = {key for key, m in _BY_KEY.items() if m.source is not Source.TOKEN_HISTOGRAM}
 
@@ -167,6 +170,15 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         if self._histogram_key is not None and report.tally.token_histogram.any():
             counts, edges = histogram_bins(report.tally.token_histogram)
             row[self._histogram_key] = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
+        self._queue.put(row)
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """A row of the step's trainer-side SPEC 11 keys (merged over every call for the step so far)."""
+        try:
+            row: dict[str, Any] = {self._step_key: report.step, **report.sums.metrics()}
+        except Exception as exc:  # never into the trainer
+            self._errors.record(self.name, "mismatch sums not logged", exc)
+            return
         self._queue.put(row)
 
     def _summary_of(self, key: str) -> str | None:

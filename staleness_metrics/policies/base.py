@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -32,3 +34,10 @@ class Policy(ABC):
 
     def observe_added(self, groups: npt.NDArray[np.int64]) -> None:
         """Called with the group index of every rollout the sink accepts, in order."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the policy remembers between calls, as JSON-serialisable data (none for stateless ones)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""

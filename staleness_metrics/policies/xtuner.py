@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -37,6 +40,12 @@ class XtunerPolicy(Policy):
         self._grow(int(groups.max()) + 1)
         for group in groups[self._owed[groups] > 0]:  # only groups that owe: a handful, not per token
             self._owed[group] = max(self._owed[group] - 1, 0)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"owed": self._owed.tolist()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._owed = np.asarray(state.get("owed", []), dtype=np.int64)
 
     def _grow(self, size: int) -> None:
         if size > len(self._owed):

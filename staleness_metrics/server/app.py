@@ -17,20 +17,24 @@ calls (see :mod:`.runs`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request, Response, status
+import orjson
+from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..config import StalenessConfig
 from ..errors import ConfigError
+from .decode import compact_records, read_json
 from .exporting import ServiceCollector
 from .limits import BodySizeLimit
 from .methods import AllowHeader
@@ -55,16 +59,19 @@ from .models import (
 )
 from .runs import (
     IdempotencyMismatch,
+    NotPersisted,
     RecordConflict,
     RecordsInvalid,
+    RunBroken,
     RunConflict,
     RunError,
     RunNotFound,
     RunRegistry,
     StepConflict,
 )
-from .security import token_guard
+from .security import TokenFirst, token_guard
 from .settings import ServerSettings
+from .store import SqliteStore, Store
 
 __all__ = ["create_app"]
 
@@ -125,6 +132,8 @@ _STATUS_OF: dict[type[Exception], int] = {
     RunConflict: status.HTTP_409_CONFLICT,
     RecordConflict: status.HTTP_409_CONFLICT,
     StepConflict: status.HTTP_409_CONFLICT,
+    NotPersisted: status.HTTP_409_CONFLICT,
+    RunBroken: status.HTTP_503_SERVICE_UNAVAILABLE,
 }
 
 
@@ -151,10 +160,35 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, invalid_request)
 
 
+ROLLOUT_BATCH_SCHEMA = RolloutBatchIn.model_json_schema()
+
+
+def _add_rollouts(registry: RunRegistry, run: str, held: list[bytearray]) -> AddResult:
+    target = registry.get(run)  # 404 before parsing a body for a run that does not exist
+    try:
+        data = read_json(held)
+    except ValueError as error:  # not UTF-8 (UnicodeDecodeError is a ValueError) or not JSON
+        raise RequestValidationError(
+            [{"loc": ("body",), "msg": f"JSON decode error: {error}", "type": "json_invalid"}]
+        ) from None
+    try:
+        batch = RolloutBatchIn.model_validate(data)
+    except ValidationError as error:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
+    del data
+    compact_records(batch.rollouts)
+    return target.add(batch.rollouts)
+
+
 def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None = None) -> FastAPI:
     """The service application. ``runs`` defaults to a new registry with ``settings.exporters``."""
     settings = settings or ServerSettings()
-    registry = runs if runs is not None else RunRegistry(settings.exporters)
+    if runs is not None:
+        registry = runs
+    else:
+        store = SqliteStore(settings.data_dir) if settings.data_dir is not None else Store()
+        registry = RunRegistry(settings.exporters, store)
+        registry.restore()  # every stored run, before the first request
     exposition = CollectorRegistry(auto_describe=False)
     exposition.register(ServiceCollector(registry.registries))
 
@@ -169,8 +203,11 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
 
     app = FastAPI(title="staleness-metrics service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.runs = registry
+    # The last added runs first: the token is checked before the body size, which is checked before any
+    # handler reads the body.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(AllowHeader, routes=lambda: app.routes)
+    app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)
     _install_error_handlers(app)
 
     @app.get("/healthz", tags=["service"])
@@ -243,15 +280,31 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         return Response(status_code=status.HTTP_204_NO_CONTENT)
 
     @app.post(
-        "/v1/runs/{run}/rollouts", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413)
+        "/v1/runs/{run}/rollouts",
+        tags=["rollouts"],
+        dependencies=writes,
+        responses=_responses(400, 401, 404, 409, 413),
+        openapi_extra={
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ROLLOUT_BATCH_SCHEMA}}}
+        },
     )
-    def add_rollouts(run: RunName, batch: RolloutBatchIn) -> AddResult:
+    async def add_rollouts(run: RunName, request: Request) -> AddResult:
         """Queue finished rollouts. Records received before (same id and content) count as duplicates.
 
         Strict runs: an invalid record gets 422 naming its id, field and reason, and nothing of the batch
         is applied. Lenient runs set invalid records aside (counted) and queue the rest.
         """
-        return registry.get(run).add(batch.rollouts)
+        # The body is read here and parsed once, in the thread pool; the bytes are dropped as soon as they
+        # are parsed and long per-position lists become arrays (see .decode).
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+        except ClientDisconnect:  # gone, or cut off by the body size cap (which has answered 413)
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, "the client disconnected before the body ended") from None
+        held = [body]
+        del body
+        return await run_in_threadpool(_add_rollouts, registry, run, held)
 
     @app.post(
         "/v1/runs/{run}/sweep", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413)
@@ -310,5 +363,32 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     ) -> StepsPage:
         """The run's metrics history, one row per ship, oldest first."""
         return StepsPage(run=run, steps=registry.get(run).steps(since))
+
+    @app.get(
+        "/v1/runs/{run}/events",
+        tags=["metrics"],
+        dependencies=reads,
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "The run's history as SPEC 9 events, one JSON object a line (`replay` input).",
+                "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            },
+            **_responses(*read_errors, 404, 409),
+        },
+    )
+    def events(run: RunName) -> StreamingResponse:
+        """Every rollout, sweep and ship the run acknowledged, in order: ``staleness-metrics replay`` of this
+        file reproduces ``/steps``. Needs a data directory (409 with ``--in-memory``)."""
+        lines = registry.get(run).events()
+        first = next(lines, None)  # errors (404, 409) surface before the 200 starts
+
+        def body() -> Iterator[bytes]:
+            if first is not None:
+                yield orjson.dumps(first) + b"\n"
+            for event in lines:
+                yield orjson.dumps(event) + b"\n"
+
+        return StreamingResponse(body(), media_type="application/x-ndjson")
 
     return app

@@ -1,8 +1,9 @@
-"""Request body cap: an ASGI middleware that answers 413 before the application parses anything.
+"""Request body cap: an ASGI middleware that answers 413 as soon as a body is known to be too large.
 
-It trusts neither ``Content-Length`` (checked first, for a cheap early answer) nor its absence: the body
-is read here, counting bytes as they stream in (chunked uploads included), and handed to the application
-only when it fits. The application parses the whole body anyway, so buffering it costs nothing extra.
+It trusts neither ``Content-Length`` (checked first, for an answer before any byte is read) nor its
+absence: bytes are counted as they stream through to the application (chunked uploads included), never
+buffered here, and the moment the count passes the cap the client gets 413 and the application sees a
+disconnect, so it never parses a body that does not fit.
 """
 
 from __future__ import annotations
@@ -37,23 +38,37 @@ class BodySizeLimit:
         if declared is not None and declared > self.max_bytes:
             await self._refuse(send)
             return
-        chunks: list[bytes] = []
         size = 0
-        while True:
+        refused = False
+        started = False
+
+        async def counted() -> Message:
+            nonlocal size, refused
+            if refused:
+                return {"type": "http.disconnect"}
             message = await receive()
-            if message["type"] != "http.request":  # the client went away: let the app see it
-                await self.app(scope, _replay([message], receive), send)
+            if message["type"] == "http.request":
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:  # the body grew past the cap as it streamed in: stop reading
+                    refused = True
+                    if not started:
+                        await self._refuse(send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded(message: Message) -> None:
+            nonlocal started
+            if refused:  # the 413 was the answer; whatever the application says after it is dropped
                 return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await self._refuse(send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay([whole], receive), send)
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, guarded)
+        except Exception:
+            if not refused:
+                raise
 
     async def _refuse(self, send: Send) -> None:
         body = json.dumps({"detail": f"request body larger than {self.max_bytes} bytes"}).encode()
@@ -79,15 +94,3 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None  # the server rejects a malformed header itself; counting still applies
     return None
-
-
-def _replay(messages: list[Message], receive: Receive) -> Receive:
-    """A ``receive`` that yields ``messages`` first, then defers to the real one (disconnects)."""
-    pending = list(messages)
-
-    async def replay() -> Message:
-        if pending:
-            return pending.pop(0)
-        return await receive()
-
-    return replay

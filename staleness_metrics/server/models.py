@@ -116,7 +116,7 @@ _ROLLOUT_SCHEMA: dict[str, Any] = {
     "properties": {
         "id": {"type": "string", "minLength": 1, "description": "Unique within the run."},
         "group_id": _nullable({"type": "string"}),
-        "env": _nullable({"type": "string"}),
+        "env": _nullable({"type": "string", "minLength": 1}),
         "source": {"type": "string", "enum": ["live", "frozen"], "default": "live"},
         "dispatch_version": _nullable({"type": "integer", "minimum": 0, "description": "Required when live."}),
         "completion_version": _nullable({"type": "integer", "minimum": 0}),

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 
 from ..config import StalenessConfig
 from ..errors import TraceError
@@ -48,6 +50,7 @@ from .models import (
     StepRow,
     counts_of,
 )
+from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Store, StoredRun
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -55,15 +58,20 @@ if TYPE_CHECKING:
 __all__ = [
     "IDEMPOTENCY_KEYS_KEPT",
     "IdempotencyMismatch",
+    "NotPersisted",
     "RecordConflict",
     "RecordsInvalid",
     "Run",
+    "RunBroken",
     "RunConflict",
     "RunError",
     "RunNotFound",
     "RunRegistry",
     "StepConflict",
 ]
+
+logger = logging.getLogger("staleness_metrics.server")
+RUN_STATE_FORMAT = 1
 
 IDEMPOTENCY_KEYS_KEPT = 1024
 _INT64 = (-(2**63), 2**63 - 1)
@@ -93,6 +101,14 @@ class IdempotencyMismatch(RunError):
     """An idempotency key re-used for a different ship."""
 
 
+class RunBroken(RunError):
+    """A write could not be persisted: the run's memory is ahead of its store, so it takes no more writes."""
+
+
+class NotPersisted(RunError):
+    """The service keeps no history (``--in-memory``)."""
+
+
 class RecordsInvalid(RunError):
     """Invalid records or ship-time versions; nothing of the request was applied."""
 
@@ -102,8 +118,12 @@ class RecordsInvalid(RunError):
 
 
 def _digest(record: Mapping[str, Any]) -> bytes:
-    canonical = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
+    # orjson writes one bytes object; json.dumps would first build a string per list item (per position).
+    try:
+        canonical = orjson.dumps(record, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits: rejected later, with its path
+        canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(canonical, digest_size=16).digest()
 
 
 def _trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
@@ -197,7 +217,7 @@ class _StepMismatch:
 class Run:
     """One run of the service: a :class:`StalenessMonitor` and what exactly-once needs."""
 
-    def __init__(self, name: str, config: StalenessConfig, exporters: RunExporters) -> None:
+    def __init__(self, name: str, config: StalenessConfig, exporters: RunExporters, store: Store | None = None) -> None:
         self.name = name
         self.config = config
         self._exporters = exporters
@@ -211,6 +231,23 @@ class Run:
         self._mismatch: dict[int, _StepMismatch] = {}  # posted trainer-side sums, per shipped step
         self._mismatch_answers: OrderedDict[str, tuple[tuple[Any, ...], MismatchResult]] = OrderedDict()
         self._closed = False
+        # Persistence: every write that changed the run is one journal row (see .store).
+        self._store = store or Store()
+        self._seq = 0
+        self._rows_since_snapshot = 0
+        self._bytes_since_snapshot = 0
+        self._restoring = False
+        self._broken: BaseException | None = None
+        # How each journalled operation is applied again at restart. A new write endpoint adds one entry
+        # here and journals its validated request with ``self._journal(op, request)``.
+        self._ops: dict[str, Callable[[Any], object]] = {
+            "add": self._replay_add,
+            "sweep": lambda request: self.sweep(int(request["step"])),
+            "ship": lambda request: self.ship(ShipRequest.model_validate(request["request"]), request.get("key")),
+            "mismatch": lambda request: self.record_mismatch(
+                MismatchRequest.model_validate(request["request"]), request.get("key")
+            ),
+        }
 
     @property
     def registry(self) -> CollectorRegistry:
@@ -220,6 +257,110 @@ class Run:
     def _check_open(self) -> None:
         if self._closed:
             raise RunNotFound(f"run {self.name!r} was deleted")
+        if self._broken is not None:
+            raise RunBroken(
+                f"run {self.name!r} could not persist a write ({self._broken}); restart the service to reload it"
+            )
+
+    # ------------------------------------------------------------------ persistence
+    def _journal(self, op: str, request: Any, history_row: Any | None = None) -> None:
+        """Persist one write before it is answered (under the run's lock, so in the order applied)."""
+        if self._restoring:
+            return
+        self._seq += 1
+        try:
+            written = self._store.append(self.name, self._seq, op, request, history_row)
+        except Exception as exc:
+            self._broken = exc
+            raise RunBroken(f"run {self.name!r}: the write was applied but could not be persisted: {exc}") from exc
+        if not self._store.persistent:
+            return
+        self._rows_since_snapshot += 1
+        self._bytes_since_snapshot += written
+        if self._rows_since_snapshot >= SNAPSHOT_EVERY or self._bytes_since_snapshot >= SNAPSHOT_BYTES:
+            self._snapshot()
+
+    def _snapshot(self) -> None:
+        try:
+            self._store.save_snapshot(self.name, self._seq, self.state_dict())
+        except Exception:  # the journal still holds everything: a restart replays a longer tail
+            logger.exception("run %s: snapshot failed", self.name)
+            return
+        self._rows_since_snapshot = self._bytes_since_snapshot = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The run without its history rows (stored apart): monitor, received ids, idempotency answers."""
+        return {
+            "format": RUN_STATE_FORMAT,
+            "seq": self._seq,
+            "monitor": self.monitor.state_dict(),
+            "received": {rid: digest.hex() for rid, digest in self._received.items()},
+            "duplicates": self._duplicates,
+            "answers": [
+                [key, [fp[0], None if fp[1] is None else list(fp[1]), fp[2]], answer.model_dump(mode="json")]
+                for key, (fp, answer) in self._answers.items()
+            ],
+            # Posted mismatch sums (SPEC 11) per step, and the answers to their idempotency keys.
+            "mismatch": [[step, m.posts, m.sums] for step, m in self._mismatch.items()],
+            "mismatch_answers": [
+                [key, [fp[0], fp[1].hex()], answer.model_dump(mode="json")]
+                for key, (fp, answer) in self._mismatch_answers.items()
+            ],
+        }
+
+    def restore(self, stored: StoredRun) -> None:
+        """Load the latest snapshot and re-apply the journal after it (ships are not exported again)."""
+        self._restoring = True
+        try:
+            if stored.snapshot is not None:
+                state = stored.snapshot
+                if state.get("format") != RUN_STATE_FORMAT:
+                    raise ValueError(f"run {self.name!r}: unknown stored format {state.get('format')!r}")
+                self.monitor.load_state_dict(state["monitor"])
+                self._received = {rid: bytes.fromhex(digest) for rid, digest in state["received"].items()}
+                self._duplicates = int(state["duplicates"])
+                self._answers = OrderedDict(
+                    (key, ((fp[0], None if fp[1] is None else tuple(fp[1]), fp[2]), ShipResult.model_validate(answer)))
+                    for key, fp, answer in state["answers"]
+                )
+                self._mismatch = {
+                    int(step): _StepMismatch.of(int(posts), MismatchSums.from_dict(sums))
+                    for step, posts, sums in state.get("mismatch", [])
+                }
+                self._mismatch_answers = OrderedDict(
+                    (key, ((int(fp[0]), bytes.fromhex(fp[1])), MismatchResult.model_validate(answer)))
+                    for key, fp, answer in state.get("mismatch_answers", [])
+                )
+            self._history = [StepRow.model_validate(row) for row in stored.history]
+            self._seq = stored.snapshot_seq
+            with self.monitor.absorbing():
+                for row in stored.tail:
+                    self._ops[row.op](row.request)
+                    self._seq = row.seq
+                    self._rows_since_snapshot += 1
+        finally:
+            self._restoring = False
+
+    def _replay_add(self, request: Mapping[str, Any]) -> None:
+        self.add(list(request["rollouts"]))
+        with self._lock:
+            self._duplicates += int(request.get("duplicates", 0))
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        """The run's history as SPEC 9 events (``staleness-metrics replay`` reproduces its ships)."""
+        if not self._store.persistent:
+            raise NotPersisted("the service runs without a data directory (--in-memory): no history to export")
+        for row in self._store.journal(self.name):
+            if row.op == "add":
+                for record in row.request["rollouts"]:
+                    yield {"type": "rollout", "rollout": record}
+            elif row.op == "sweep":
+                yield {"type": "sweep", "step": row.request["step"]}
+            elif row.op == "ship":
+                ship: dict[str, Any] = {"type": "ship", "step": row.request["request"]["step"]}
+                if row.request["request"].get("ids") is not None:
+                    ship["ids"] = row.request["request"]["ids"]
+                yield ship
 
     # ------------------------------------------------------------------ rollouts
     def add(self, records: list[dict[str, Any]]) -> AddResult:
@@ -269,6 +410,8 @@ class Run:
                 raise RecordsInvalid([self._range_error(fresh, fresh_index)]) from None
             self._received.update(digests)
             self._duplicates += duplicates
+            if fresh or duplicates:
+                self._journal("add", {"rollouts": fresh, "duplicates": duplicates})
             invalid = [
                 _trace_item(error, fresh_index.get(error.rollout_id) if error.rollout_id else None)
                 for error in sink.invalid[set_aside_before:]
@@ -301,6 +444,7 @@ class Run:
             self._check_open()
             self._check_step(step)
             self.monitor.sweep(step)
+            self._journal("sweep", {"step": step})
             return self._info()
 
     def ship(self, request: ShipRequest, idempotency_key: str | None = None) -> ShipResult:
@@ -319,21 +463,22 @@ class Run:
             try:
                 shipment = self.monitor.ship(request.step, request.ids)
             except TraceError as error:  # strict run: a version above the trained one
+                # The ship swept at its step before it refused: that much happened and is journalled.
+                self._journal("sweep", {"step": request.step})
                 raise RecordsInvalid([_trace_item(error)]) from None
             report = shipment.report
             number = len(self._history) + 1
             counts = counts_of(report.tally)
             metrics = dict(report.metrics)
-            self._history.append(
-                StepRow(
-                    ship=number,
-                    step=shipment.step,
-                    metrics=metrics,
-                    counts=counts,
-                    token_histogram=report.tally.token_histogram.tolist(),
-                    rollout_histogram=report.tally.rollout_histogram.tolist(),
-                )
+            row = StepRow(
+                ship=number,
+                step=shipment.step,
+                metrics=metrics,
+                counts=counts,
+                token_histogram=report.tally.token_histogram.tolist(),
+                rollout_histogram=report.tally.rollout_histogram.tolist(),
             )
+            self._history.append(row)
             answer = ShipResult(
                 run=self.name,
                 ship=number,
@@ -352,6 +497,11 @@ class Run:
                 self._answers[idempotency_key] = (fingerprint, answer)
                 while len(self._answers) > IDEMPOTENCY_KEYS_KEPT:
                     self._answers.popitem(last=False)
+            self._journal(
+                "ship",
+                {"request": request.model_dump(mode="json"), "key": idempotency_key},
+                history_row=row.model_dump(mode="json"),
+            )
             return answer
 
     # ------------------------------------------------------------------ mismatch sums
@@ -386,6 +536,7 @@ class Run:
                 self._mismatch_answers[idempotency_key] = (fingerprint, answer)
                 while len(self._mismatch_answers) > IDEMPOTENCY_KEYS_KEPT:
                     self._mismatch_answers.popitem(last=False)
+            self._journal("mismatch", {"request": request.model_dump(mode="json"), "key": idempotency_key})
             return answer
 
     # ------------------------------------------------------------------ reads
@@ -422,6 +573,12 @@ class Run:
             totals=counts_of(sink.totals),
         )
 
+    def checkpoint(self) -> None:
+        """Snapshot now if anything was journalled since the last one (a clean shutdown restarts faster)."""
+        with self._lock:
+            if self._store.persistent and self._rows_since_snapshot and not self._closed and self._broken is None:
+                self._snapshot()
+
     def close(self) -> None:
         """Flush and close the run's exporters; later requests to it get :class:`RunNotFound`."""
         with self._lock:
@@ -435,8 +592,9 @@ class Run:
 class RunRegistry:
     """The runs of one service, by name."""
 
-    def __init__(self, export_settings: ExportSettings | None = None) -> None:
+    def __init__(self, export_settings: ExportSettings | None = None, store: Store | None = None) -> None:
         self.export_settings = export_settings or ExportSettings()
+        self.store = store or Store()
         self._runs: dict[str, Run] = {}
         self._lock = threading.Lock()  # guards the dict
         self._creating = threading.Lock()  # one creation or deletion at a time (exporters start slowly)
@@ -455,10 +613,22 @@ class RunRegistry:
                         "delete it first or pick another name"
                     )
                 return existing, False
-            run = Run(name, config, build_exporters(name, self.export_settings))
+            self.store.create_run(name, asdict(config))  # persisted before the 201
+            run = Run(name, config, build_exporters(name, self.export_settings), self.store)
             with self._lock:
                 self._runs[name] = run
             return run, True
+
+    def restore(self) -> int:
+        """Load every stored run (at start-up, before serving); returns how many."""
+        stored_runs = self.store.load()
+        for stored in stored_runs:
+            config = StalenessConfig(**stored.config)
+            run = Run(stored.name, config, build_exporters(stored.name, self.export_settings), self.store)
+            run.restore(stored)
+            with self._lock:
+                self._runs[stored.name] = run
+        return len(stored_runs)
 
     def _find(self, name: str) -> Run | None:
         with self._lock:
@@ -473,6 +643,7 @@ class RunRegistry:
     def delete(self, name: str) -> None:
         with self._creating:
             run = self.get(name)
+            self.store.delete_run(name)
             with self._lock:
                 del self._runs[name]
         run.close()
@@ -490,4 +661,6 @@ class RunRegistry:
             runs = list(self._runs.values())
             self._runs.clear()
         for run in runs:
+            run.checkpoint()
             run.close()
+        self.store.close()

@@ -1,13 +1,18 @@
 """Who may talk to the service: loopback by default, a bearer token for anything else.
 
 - :func:`check_bind` is the start-up rule: off loopback the service needs a token.
-- :func:`token_guard` is the FastAPI dependency that checks ``Authorization: Bearer <token>`` in
-  constant time; the routes that write (and, when asked, the ones that read) depend on it.
+- :class:`TokenFirst` is the ASGI middleware that checks ``Authorization: Bearer <token>`` in constant
+  time on every write (and, when asked, every read) *before the body is read*: an unauthenticated client
+  costs the service a header parse, never a body buffer or a JSON parse.
+- :func:`token_guard` is the same check as a FastAPI dependency; the routes declare it so the OpenAPI
+  document shows the bearer scheme (the middleware has answered by then).
+- :func:`check_token` refuses blank tokens at start-up.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
 import secrets
 from collections.abc import Callable
 from typing import Annotated
@@ -15,7 +20,18 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-__all__ = ["TOKEN_ENV", "BindRefused", "check_bind", "is_loopback", "token_guard"]
+from .limits import ASGIApp, Receive, Scope, Send
+
+__all__ = [
+    "OPEN_PATHS",
+    "TOKEN_ENV",
+    "BindRefused",
+    "TokenFirst",
+    "check_bind",
+    "check_token",
+    "is_loopback",
+    "token_guard",
+]
 
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"
 
@@ -48,6 +64,74 @@ def check_bind(host: str, token: str | None) -> None:
             f"Set --token (or {TOKEN_ENV}); every write then needs 'Authorization: Bearer <token>'. "
             "Or listen on 127.0.0.1 (the default)."
         )
+
+
+def check_token(token: str | None) -> None:
+    """A token that is set must be usable: blank or whitespace-only is refused (``ValueError``), never
+    taken for "no token" or served as a secret anyone can guess."""
+    if token is not None and not token.strip():
+        raise ValueError("the token is blank; give a real secret (e.g. $(openssl rand -hex 32)) or none")
+
+
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Open to anyone even with --protect-reads: liveness probes and the API description.
+OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+def _bearer_of(scope: Scope) -> bytes | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, credentials = bytes(value).partition(b" ")
+            return credentials.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+class TokenFirst:
+    """401 for a request without the right bearer token, answered from the headers alone.
+
+    The body is never read for such a request (the connection is closed after the answer), so neither
+    its size nor its JSON costs the service anything. Writes always need the token when one is set;
+    reads too with ``protect_reads`` (except :data:`OPEN_PATHS`).
+    """
+
+    def __init__(self, app: ASGIApp, token: str | None, protect_reads: bool = False) -> None:
+        self.app = app
+        self.expected = token.encode() if token else None
+        self.protect_reads = protect_reads
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.expected is None or not self._guarded(scope):
+            await self.app(scope, receive, send)
+            return
+        credentials = _bearer_of(scope)
+        if credentials is None:
+            await _unauthorized(send, "missing bearer token (Authorization: Bearer <token>)", "Bearer")
+        elif not secrets.compare_digest(credentials, self.expected):
+            await _unauthorized(send, "invalid bearer token", 'Bearer error="invalid_token"')
+        else:
+            await self.app(scope, receive, send)
+
+    def _guarded(self, scope: Scope) -> bool:
+        if scope["method"] not in SAFE_METHODS:
+            return True
+        return self.protect_reads and scope["path"] not in OPEN_PATHS
+
+
+async def _unauthorized(send: Send, detail: str, challenge: str) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", challenge.encode()),
+                (b"connection", b"close"),  # the body, if any, is not read
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 def token_guard(token: str | None) -> Callable[..., None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .exporting import ExportSettings
 from .limits import DEFAULT_MAX_BODY_BYTES
@@ -13,17 +14,25 @@ __all__ = ["ServerSettings"]
 @dataclass(frozen=True)
 class ServerSettings:
     """``token``: required (``Authorization: Bearer``) on every write when set, and on reads too with
-    ``protect_reads``; ``/healthz`` and the OpenAPI document stay open. ``max_body_bytes`` caps request
-    bodies (413 beyond). ``exporters``: OTLP and W&B for every run, besides Prometheus."""
+    ``protect_reads``; ``/healthz`` and the OpenAPI document stay open (a blank token is refused).
+    ``max_body_bytes`` caps request bodies (413 beyond). ``exporters``: OTLP and W&B for every run, besides
+    Prometheus. ``data_dir``: persist every acknowledged write there (SQLite) and restore the runs from it at
+    start; None keeps runs in memory only."""
 
     token: str | None = None
     protect_reads: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     exporters: ExportSettings = field(default_factory=ExportSettings)
+    data_dir: Path | None = None  # None: runs live in memory only (the ``serve`` command defaults to a directory)
+
+    def __post_init__(self) -> None:
+        from .security import check_token
+
+        check_token(self.token)
 
     def __repr__(self) -> str:  # never print the token
         token = "set" if self.token else None
         return (
             f"ServerSettings(token={token!r}, protect_reads={self.protect_reads}, "
-            f"max_body_bytes={self.max_body_bytes}, exporters={self.exporters!r})"
+            f"max_body_bytes={self.max_body_bytes}, exporters={self.exporters!r}, data_dir={self.data_dir!r})"
         )

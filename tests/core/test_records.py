@@ -102,6 +102,8 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ("unknown source", good(source="other"), "source", "'live' or 'frozen'"),
     ("agentic not bool", good(agentic="yes"), "agentic", "boolean"),
     ("unknown field", good(policy_version=3), "policy_version", "unknown field"),
+    ("empty env", good(env=""), "env", "must be a non-empty string when present"),
+    ("env not a string", good(env=3), "env", "expected a string"),
 ]
 
 
@@ -249,3 +251,59 @@ def test_ship_refuses_a_single_string_of_ids() -> None:
     with pytest.raises(TypeError, match="not one string"):
         sink.ship(5, ids="r-1")
     assert sink.queued == 1
+
+
+def test_columnar_live_rollout_without_dispatch_version_is_refused() -> None:
+    """The columnar form has no "missing": -1 is "none", valid only on a frozen rollout."""
+    batch = RolloutBatch(
+        ids=["frozen", "live"],
+        sample_offsets=np.array([0, 1, 2]),
+        position_offsets=np.array([0, 2, 4]),
+        mask=np.ones(4),
+        dispatch_version=np.array([-1, -1]),
+        frozen=np.array([True, False]),
+    )
+    with pytest.raises(TraceError) as caught:
+        Sink().add(batch)
+    assert (caught.value.rollout_id, caught.value.field) == ("live", "dispatch_version")
+    assert "must be >= 0 on a live rollout" in caught.value.reason
+    lenient = Sink(StalenessConfig(strict=False))
+    assert lenient.add(batch) == 1 and [e.rollout_id for e in lenient.invalid] == ["live"]
+
+
+def test_columnar_empty_env_is_refused() -> None:
+    batch = RolloutBatch(
+        ids=["a", "b"],
+        sample_offsets=np.array([0, 1, 2]),
+        position_offsets=np.array([0, 1, 2]),
+        mask=np.ones(2),
+        dispatch_version=np.array([0, 0]),
+        envs=["math", ""],
+    )
+    with pytest.raises(TraceError) as caught:
+        Sink().add(batch)
+    assert (caught.value.rollout_id, caught.value.field) == ("b", "env")
+    assert "non-empty" in caught.value.reason
+
+
+@pytest.mark.parametrize(
+    "config",
+    [StalenessConfig(policy="group", max_staleness=2), StalenessConfig(policy="xtuner", max_staleness=2)],
+    ids=["group", "xtuner"],
+)
+def test_group_policies_judge_every_queued_member_of_a_touched_group(config: StalenessConfig) -> None:
+    """SPEC 4: a group drop reaches queued members the ship did not name, and members judged earlier.
+
+    "b" was judged (kept) by a sweep at this step before its stale group mate "a" arrived; the ship names
+    only "b", and the sweep inside it judges only "a" (the one not judged yet). Judging "a" alone would
+    drop "a" and ship "b"; judging the group drops both.
+    """
+    sink = Sink(config)
+    sink.add({"id": "b", "group_id": "g", "dispatch_version": 5, "samples": [{"mask": [1, 1]}]})
+    sink.add({"id": "other", "dispatch_version": 5, "samples": [{"mask": [1]}]})
+    sink.sweep(6)
+    sink.add({"id": "a", "group_id": "g", "dispatch_version": 0, "samples": [{"mask": [1]}]})
+    shipment = sink.ship(6, ids=["b"])
+    assert shipment.ids == []
+    assert set(shipment.dropped_rollouts) == {"a", "b"}
+    assert sink.queued == 1  # "other" (another group) is untouched

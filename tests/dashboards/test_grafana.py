@@ -238,3 +238,49 @@ def test_fleet_table_columns_are_renamed_and_have_units() -> None:
     units = {o["matcher"]["options"] for o in table["fieldConfig"]["overrides"]}
     assert units == set(renames.values())
     assert all(t["instant"] and t["format"] == "table" for t in table["targets"])
+
+
+COST_PANELS = {  # SPEC 11 / 12 views on each dashboard, and their panel type
+    "staleness.json": {
+        "Mismatch k3 by lag": "timeseries",
+        "Excess k3 over the lag-0 floor by lag": "heatmap",
+        "Excess k3 of stale tokens": "timeseries",
+        "Effective sample size by lag": "timeseries",
+        "Out-of-band share by lag": "timeseries",
+        "Trained vs sampled mean length": "timeseries",
+        "Removed share by length bucket": "timeseries",
+    },
+    "staleness-fleet.json": {
+        "Excess k3 of stale tokens per run": "timeseries",
+        "Excess k3 over the lag-0 floor by lag": "heatmap",
+        "Fleet mismatch k3 by lag": "timeseries",
+        "Fleet effective sample size by lag": "timeseries",
+        "Fleet out-of-band share by lag": "timeseries",
+        "Trained vs sampled mean length": "timeseries",
+        "Removed share by length bucket (fleet)": "timeseries",
+    },
+}
+
+
+@by_name
+def test_what_staleness_costs_panels_divide_rates_of_sums(name: str) -> None:
+    """Every mismatch and length panel divides summed rates (exact across processes), never averages a
+    per-process ratio, and the heatmap has one row per lag bucket."""
+    by_title = {p["title"]: p for p in panels(DASHBOARDS[name])}
+    for title, kind in COST_PANELS[name].items():
+        panel = by_title[title]
+        assert panel["type"] == kind, title
+        for target in panel["targets"]:
+            expr = fill(target["expr"], PLACEHOLDERS)
+            assert "avg" not in expr and " / " in expr, (title, expr)
+            families = metric_names(expr)
+            assert families and all(f.startswith(("rl_staleness_mismatch_", "rl_staleness_length_")) for f in families)
+    heatmap = by_title["Excess k3 over the lag-0 floor by lag"]
+    (target,) = heatmap["targets"]
+    assert target["legendFormat"] == "{{lag}}" and target["format"] == "time_series"
+    assert heatmap["options"]["rowsFrame"]["layout"] == "le" and heatmap["options"]["calculate"] is False
+    assert 'lag="0"' in target["expr"] and "group_left" in target["expr"]
+    ess = by_title["Effective sample size by lag" if name == "staleness.json" else "Fleet effective sample size by lag"]
+    assert (
+        "^ 2" in ess["targets"][0]["expr"] and "rl_staleness_mismatch_ratio_squared_total" in ess["targets"][0]["expr"]
+    )

@@ -55,6 +55,28 @@ def test_promtool_unit_tests_catch_a_wrong_threshold(promtool: str, tmp_path: Pa
     assert "RLStalenessMaskedRatioHigh" in result.stdout + result.stderr
 
 
+def test_promtool_unit_tests_catch_a_wrong_excess_threshold(promtool: str, tmp_path: Path) -> None:
+    """The mismatch alert's tests pin its threshold: at 0.05 nats the firing scenario stays quiet."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / RULES.name).write_text(render_rules(Thresholds(excess_k3=0.05)))
+    for test in RULE_TESTS:
+        shutil.copy(test, tmp_path / "tests" / test.name)
+    result = run(promtool, "test", "rules", *(p.name for p in RULE_TESTS), cwd=tmp_path / "tests")
+    assert result.returncode == 1
+    assert "RLStalenessMismatchExcessHigh" in result.stdout + result.stderr
+
+
+def test_the_mismatch_alert_only_looks_at_lags_within_the_bound() -> None:
+    """One term per lag bucket above 0, each gated by the run's max_staleness at the bucket's smallest lag."""
+    (alert,) = (a for a in rule_groups()["groups"][1]["rules"] if a["alert"] == "RLStalenessMismatchExcessHigh")
+    terms = alert["expr"].split(" or ")
+    lags = [re.search(r'lag="([^"]+)"', t).group(1) for t in terms]  # type: ignore[union-attr]
+    assert lags == [str(lag) for lag in range(1, 17)] + ["32", "64", "+Inf"]
+    lowest = [int(t.rsplit(">=", 1)[1].strip(" )")) for t in terms]
+    assert lowest == [*range(1, 17), 17, 33, 65]
+    assert all("rl_staleness_max_staleness" in t for t in terms)
+
+
 def test_promtool_accepts_the_example_scrape_config(promtool: str) -> None:
     result = run(promtool, "check", "config", "prometheus.yml", cwd=PROMETHEUS_DIR)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -80,6 +102,7 @@ def test_alerts_have_severity_summary_description_and_for() -> None:
         "RLStalenessMaskedRatioHigh",
         "RLStalenessDroppedRolloutsHigh",
         "RLStalenessRolloutsAtBound",
+        "RLStalenessMismatchExcessHigh",
         "RLStalenessMetricsAbsent",
     }
     for alert in alerts:

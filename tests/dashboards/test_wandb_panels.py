@@ -62,8 +62,28 @@ def test_line_plots_show_keys_the_core_logs(logged_keys: set[str]) -> None:
             assert key in logged_keys, f"{spec.title}: {key} is never logged"
 
 
+def test_per_bucket_panels_match_the_bucket_keys_the_core_logs(logged_keys: set[str]) -> None:
+    """SPEC 11 / 12 families: one key per lag or length bucket, matched by the row's template."""
+    bucket_panels = {s.title: s for s in panels() if s.metric_regex and "per env" not in s.title}
+    assert set(bucket_panels) == {
+        "Excess k3 over the lag-0 floor by lag",
+        "Mismatch k3 by lag",
+        "Effective sample size by lag",
+        "Out-of-band share by lag",
+        "Removed share by length bucket",
+    }
+    for spec in bucket_panels.values():
+        assert spec.metric_regex is not None
+        matched = {k for k in logged_keys if re.search(spec.metric_regex, k)}
+        # several lags had tokens; the traffic's samples all fall in the 256 length bucket
+        assert len(matched) >= (1 if "length" in spec.title else 2), spec.title
+        assert not any(k.startswith("staleness/env/") for k in matched), spec.title
+    excess = {k for k in logged_keys if re.search(bucket_panels["Mismatch k3 by lag"].metric_regex or "", k)}
+    assert "staleness/mismatch/lag_0/k3" in excess and "staleness/mismatch/lag_3/k3" in excess
+
+
 def test_per_env_panels_match_only_per_env_keys(logged_keys: set[str]) -> None:
-    regex_panels = [s for s in panels() if s.metric_regex]
+    regex_panels = [s for s in panels() if s.metric_regex and "per env" in s.title]
     assert regex_panels
     for spec in regex_panels:
         assert spec.metric_regex is not None

@@ -1,4 +1,5 @@
-"""Deterministic rollouts that exercise every metric: masking, drops, unlabelled tokens, envs and none."""
+"""Deterministic rollouts that exercise every metric: masking, drops, unlabelled tokens, envs and none, and
+trainer log-probabilities that drift from the sampler's with the token lag (SPEC 11), one missing per sample."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ ENVS = ("math", "code", None)
 MAX_STALENESS = 3
 ROLLOUTS_PER_STEP = 6
 TOKENS = 12
+DRIFT_PER_LAG = 0.1
 
 
 def rollouts(step: int, rng: np.random.Generator) -> list[dict[str, Any]]:
@@ -34,6 +36,13 @@ def rollouts(step: int, rng: np.random.Generator) -> list[dict[str, Any]]:
             "completion_version": newer,
             "samples": [{"mask": [1] * TOKENS, "weight_versions": spans}],
         }
+        # the trainer's log-probs: a small numeric floor, plus a drift that grows with each position's lag
+        lags = np.where(np.arange(TOKENS) < 7, version - dispatch, version - newer)
+        sampler = -rng.random(TOKENS)
+        trainer = sampler + rng.normal(0.0, 0.02, TOKENS) + DRIFT_PER_LAG * lags * rng.random(TOKENS)
+        sample = rollout["samples"][0]
+        sample["logprobs"] = sampler.round(6).tolist()
+        sample["trainer_logprobs"] = [None, *trainer[1:].round(6).tolist()]  # position 0 uncovered
         env = ENVS[i % len(ENVS)]
         if env is not None:
             rollout["env"] = env

@@ -128,7 +128,14 @@ def random_rollouts(rng: random.Random, step: int, count: int, prefix: str) -> l
             spans.sort(key=lambda s: s[1])
             if len(spans) == 2 and spans[0][1] == spans[1][1]:
                 spans.pop()
-            samples.append({"mask": mask, "weight_versions": spans})
+            # SPEC 11: trainer log-probs drift from the sampler's with the rollout's age; one in ten missing
+            logprobs = [round(-3 * rng.random(), 6) for _ in range(n)]
+            drift = 0.05 * (latest - dispatch)
+            trainer = [
+                None if rng.random() < 0.1 else round(lp + drift * rng.uniform(-1, 1) + rng.gauss(0, 0.01), 6)
+                for lp in logprobs
+            ]
+            samples.append({"mask": mask, "weight_versions": spans, "logprobs": logprobs, "trainer_logprobs": trainer})
         record: dict[str, Any] = {
             "id": f"{prefix}-{step}-{i}",
             "dispatch_version": dispatch,

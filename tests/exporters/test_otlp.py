@@ -18,6 +18,7 @@ from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.state import bucket_counts
 from staleness_metrics.metric_table import BUCKETS, METRICS, MetricKind, Source
+from staleness_metrics.mismatch import MismatchSums
 from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.report import Tally
 from tests.exporters.reports import CONFIG, hand_report, ship_script
@@ -62,10 +63,13 @@ def test_what_arrives_over_http_matches_the_table_and_the_metrics_dict() -> None
         exporter = OtlpExporter(endpoint=server.metrics_endpoint)
         monitor = StalenessMonitor(CONFIG, [exporter], run=RUN)
         totals = Tally()
+        mismatch = MismatchSums.zero()
         for records, step in ship_script(2):
             monitor.add(records)
             shipment = monitor.ship(step)
             totals = totals + shipment.report.tally
+            assert shipment.report.mismatch is not None  # the records carry trainer log-probs
+            mismatch = mismatch + shipment.report.mismatch
         monitor.close()  # flushes
         recorded = server.drain_metrics()
 
@@ -90,8 +94,24 @@ def test_what_arrives_over_http_matches_the_table_and_the_metrics_dict() -> None
         for point in getattr(metric, kind).data_points:
             attributes = attributes_of(point)
             assert attributes["run"] == RUN
-            assert set(attributes) <= {"run", "env", "exporter"}
-        if row.kind is MetricKind.GAUGE and row.source is Source.METRIC:
+            assert set(attributes) <= {"run", "env", "exporter", "lag", "length"}
+            if row.dimension is not None:  # the bucket attribute is decoded with the table's values
+                assert attributes[row.dimension.label] in row.dimension.values, name
+        if row.dimension is not None:
+            assert metric.sum.is_monotonic and metric.sum.aggregation_temporality == CUMULATIVE, name
+            by_bucket: dict[str, float] = {}
+            for point in metric.sum.data_points:
+                bucket = attributes_of(point)[row.dimension.label]
+                by_bucket[bucket] = by_bucket.get(bucket, 0.0) + value(point)
+            assert list(by_bucket) == list(row.dimension.values), name  # every bucket, in order
+            if row.source is Source.MISMATCH:
+                want = getattr(mismatch, row.mismatch_field or "")
+            else:
+                want = getattr(totals, row.tally_field or "")
+            assert list(by_bucket.values()) == pytest.approx([float(v) for v in want], rel=1e-12, abs=0), name
+        elif row.source is Source.MISMATCH:
+            assert [value(p) for p in metric.sum.data_points] == [getattr(mismatch, row.mismatch_field or "")]
+        elif row.kind is MetricKind.GAUGE and row.source is Source.METRIC:
             assert row.wandb_key is not None
             assert value(points[""]) == metrics[row.wandb_key], name
             for env in ("math", "code"):

@@ -52,3 +52,32 @@ def test_snapshots_accumulate_counters_and_keep_last_gauges() -> None:
     assert second.histograms["token_staleness"]["math"].count == 2
     assert second.start_time_ns == first.start_time_ns and second.time_ns > first.time_ns
     assert second.previous_time_ns == first.time_ns
+
+
+def test_live_mismatch_sums_move_only_the_mismatch_counters_and_deltas_add_up() -> None:
+    """A trainer's sums (the live path) add to the mismatch counters; the tally counters, histograms and
+    the last ship's gauges stay, and their deltas are 0 (OTLP delta temporality must not re-send a ship)."""
+    from staleness_metrics.mismatch import mismatch_sums
+
+    state = CumulativeState("r", deltas=True)
+    before = state.apply(hand_report(1, {"": [[1, 2]]}))
+    assert "mismatch_tokens" in before.bucketed and before.bucketed["mismatch_tokens"] == {}  # no sums yet
+    assert before.counters["mismatch_uncovered"] == {}
+    sums = mismatch_sums([0, 1, 1, 70], [-1.0] * 4, [-1.0, -1.5, float("nan"), -0.5])
+    live = state.apply_mismatch(sums)
+    tokens = live.bucketed["mismatch_tokens"]
+    assert list(tokens) == [("", v) for v in ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12",
+                                              "13", "14", "15", "16", "32", "64", "+Inf")]  # fmt: skip
+    assert (tokens[("", "0")], tokens[("", "1")], tokens[("", "+Inf")]) == (1, 1, 1)
+    assert live.bucketed_deltas["mismatch_tokens"] == tokens
+    assert live.counters["mismatch_uncovered"] == live.counter_deltas["mismatch_uncovered"] == {"": 1}
+    assert live.counters["tokens_sampled"] == before.counters["tokens_sampled"] == {"": 2}
+    assert live.counter_deltas["tokens_sampled"] == {"": 0}
+    assert live.histogram_deltas["token_staleness"][""].count == 0
+    assert live.gauges == before.gauges and live.step == 1
+    length = live.bucketed_deltas["length_sampled_tokens"]
+    assert set(length.values()) == {0}
+    after = state.apply(hand_report(2, {"": [[0]]}))  # a ship without sums: the mismatch totals stay
+    assert after.bucketed["mismatch_tokens"] == tokens
+    assert set(after.bucketed_deltas["mismatch_tokens"].values()) == {0}
+    assert after.counter_deltas["mismatch_uncovered"] == {"": 0}

@@ -10,6 +10,7 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from prometheus_client.parser import text_string_to_metric_families
 
+from staleness_metrics import metric_table
 from staleness_metrics.exporters.jsonl import JsonlExporter
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.prometheus import PrometheusExporter
@@ -78,9 +79,24 @@ SPEC8_PROMETHEUS = {
     "rl_staleness_rollouts_held": "gauge",
     "rl_staleness_export_errors_total": "counter",
 }
-UCUM = {"{step}", "1", "{token}", "{rollout}", "{sample}", "{error}"}
+# SPEC 11 and 12 counters, with their bucket label (None: no bucket label)
+SPEC11_12_PROMETHEUS = {
+    "rl_staleness_mismatch_tokens_total": "lag",
+    "rl_staleness_mismatch_masked_tokens_total": "lag",
+    "rl_staleness_mismatch_kl_nats_total": "lag",
+    "rl_staleness_mismatch_abs_log_ratio_nats_total": "lag",
+    "rl_staleness_mismatch_ratio_total": "lag",
+    "rl_staleness_mismatch_ratio_squared_total": "lag",
+    "rl_staleness_mismatch_out_of_band_tokens_total": "lag",
+    "rl_staleness_mismatch_uncovered_tokens_total": None,
+    "rl_staleness_length_sampled_tokens_total": "length",
+    "rl_staleness_length_removed_tokens_total": "length",
+    "rl_staleness_length_samples_total": None,  # extension: makes the mean lengths exact in PromQL
+}
+SPEC11_LAGS = ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16", "32", "64")
+UCUM = {"{step}", "1", "{token}", "{rollout}", "{sample}", "{error}", "{nat}"}
 
-WANDB_KEYS = {m.wandb_key for m in METRICS if m.wandb_key is not None}
+WANDB_KEYS = set(metric_table.WANDB_KEYS)
 
 
 def is_table_wandb_key(key: str) -> bool:
@@ -102,7 +118,44 @@ def test_every_spec6_metric_is_in_the_table() -> None:
 
 def test_every_spec8_prometheus_family_is_in_the_table_with_its_type() -> None:
     table = {m.prometheus_name: m.kind.value for m in METRICS if m.prometheus_name is not None}
-    assert table == SPEC8_PROMETHEUS
+    assert table == {**SPEC8_PROMETHEUS, **dict.fromkeys(SPEC11_12_PROMETHEUS, "counter")}
+
+
+def test_spec11_and_12_counters_carry_their_bucket_label_with_the_spec_values() -> None:
+    rows = {m.prometheus_name: m for m in METRICS if m.prometheus_name in SPEC11_12_PROMETHEUS}
+    for name, label in SPEC11_12_PROMETHEUS.items():
+        row = rows[name]
+        assert row.kind is MetricKind.COUNTER and name.endswith("_total"), name
+        if label is None:
+            assert row.dimension is None, name
+            continue
+        assert row.dimension is not None and row.dimension.label == label and label in row.labels, name
+        if label == "lag":  # SPEC 11: 0..16, 32, 64, +Inf; no env (the trainer's sums are per step)
+            assert row.dimension.values == (*SPEC11_LAGS, "+Inf") and "env" not in row.labels, name
+        else:  # SPEC 12: the length bucket names themselves
+            assert row.dimension.values == ("256", "1k", "4k", "16k", "inf") and "env" in row.labels, name
+    assert "run" in rows["rl_staleness_mismatch_uncovered_tokens_total"].labels
+
+
+def test_templated_wandb_keys_spell_out_every_bucket_and_cover_what_the_core_writes() -> None:
+    assert "staleness/mismatch/lag_{lag}/k3" not in WANDB_KEYS  # templates are not keys
+    for lag in (*SPEC11_LAGS, "inf"):
+        for stat in ("tokens", "k3", "abs_log_ratio", "out_of_band", "ess", "excess_k3"):
+            assert f"staleness/mismatch/lag_{lag}/{stat}" in WANDB_KEYS, (lag, stat)
+    for key in ("staleness/mismatch/k3", "staleness/mismatch/excess_k3", "staleness/mismatch/coverage"):
+        assert key in WANDB_KEYS
+    for bucket in ("256", "1k", "4k", "16k", "inf"):
+        assert f"staleness/length/bucket_{bucket}/masked" in WANDB_KEYS
+    assert {"staleness/length/sampled/mean", "staleness/length/trained/mean"} <= set(WANDB_KEYS)
+    # every key a ship with trainer log-probs writes is a table key (the env keys in their per-env form)
+    with StalenessMonitor(CONFIG, [], run="keys") as monitor:
+        written: set[str] = set()
+        for records, step in ship_script(4):
+            monitor.add(records)
+            written |= set(monitor.ship(step).metrics)
+    assert any(k.startswith("staleness/mismatch/lag_") for k in written)
+    assert any(k.startswith("staleness/length/bucket_") for k in written)
+    assert all(is_table_wandb_key(k) for k in written), sorted(k for k in written if not is_table_wandb_key(k))
 
 
 def test_otel_names_are_dotted_with_ucum_units_and_unique() -> None:

@@ -14,13 +14,14 @@ import wandb
 from staleness_metrics.errors import ConfigError
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.wandb import WandbExporter, histogram_bins
-from staleness_metrics.metric_table import LEGACY_KEYS, METRICS, Source
+from staleness_metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, Source
+from staleness_metrics.mismatch import MismatchSums, mismatch_sums
 from staleness_metrics.monitor import StalenessMonitor
 from tests.exporters.reports import CONFIG, hand_report, ship_script
 from tests.exporters.wandb_reader import find_run_file, read_run
 
-TABLE_KEYS = {m.wandb_key for m in METRICS if m.wandb_key is not None}
-MAX_KEYS = {m.wandb_key for m in METRICS if m.wandb_summary == "max"}
+TABLE_KEYS = set(WANDB_KEYS)  # templated keys spelled out per bucket
+MAX_KEYS = {key for key, m in WANDB_KEYS.items() if m.wandb_summary == "max"}
 HISTOGRAM_KEY = next(m for m in METRICS if m.source is Source.TOKEN_HISTOGRAM).wandb_key
 STEP_KEY = "trainer/step"
 
@@ -110,9 +111,11 @@ def test_offline_run_has_rows_axis_summaries_and_legacy_keys(tmp_path: Path) -> 
 
     assert run.metrics[STEP_KEY].step_metric == ""
     assert run.metrics["staleness/*"].step_metric == STEP_KEY
-    for key in MAX_KEYS:
+    logged_max_keys = {key for key in MAX_KEYS if any(key in e for e in expected)}
+    assert {"staleness/rollout/max", "staleness/mismatch/excess_k3", "staleness/mismatch/lag_0/k3"} <= logged_max_keys
+    for key in logged_max_keys:
         assert run.metrics[key].summary_max and run.metrics[key].step_metric == STEP_KEY, key
-        assert run.summary[key] == {"max": max(e[key] for e in expected)}, key
+        assert run.summary[key] == {"max": max(e[key] for e in expected if key in e)}, key
     assert run.metrics["staleness/env/math/rollout/max"].summary_max
     for old in ("off_policy/max", "off_policy/mean", "off_policy/token/masked", "off_policy/dropped"):
         assert run.metrics[old].hidden and run.metrics[old].step_metric == STEP_KEY, old
@@ -214,3 +217,41 @@ def test_histogram_bins_centre_integer_staleness() -> None:
     assert len(long_counts) <= 512 and len(long_edges) == len(long_counts) + 1
     assert long_edges[0] == -0.5 and long_edges[-1] == 1029.5
     assert sum(long_counts) == 1030
+
+
+@pytest.mark.integration
+def test_offline_run_holds_the_mismatch_keys_of_the_sink_and_of_the_live_path(tmp_path: Path) -> None:
+    """SPEC 11: a ship whose records carry trainer log-probs logs the family with its step; sums the
+    trainer records later (two ranks) add rows for the step holding the merged values."""
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path))
+    rng = np.random.default_rng(3)
+    lags = np.array([0, 0, 1, 2, 2, 5, 40, 100])
+    sampler = -rng.random(len(lags))
+    trainer = sampler + 0.1 * lags / 10 + rng.normal(0, 0.01, len(lags))
+    rank0 = mismatch_sums(lags[:5], sampler[:5], trainer[:5], masked=lags[:5] > 3)
+    rank1 = mismatch_sums(lags[5:], sampler[5:], trainer[5:], masked=lags[5:] > 3)
+    with StalenessMonitor(CONFIG, [exporter], run="r") as monitor:
+        shipped = []
+        for records, step in ship_script(2):
+            monitor.add(records)
+            shipped.append(monitor.ship(step))
+        monitor.record_mismatch(shipped[-1].step, rank0)
+        monitor.record_mismatch(shipped[-1].step, rank1)
+    run = read_run(find_run_file(tmp_path))
+    rows = [r for r in run.history if STEP_KEY in r]
+    assert [r[STEP_KEY] for r in rows] == [shipped[0].step, shipped[1].step, shipped[1].step, shipped[1].step]
+    for row, shipment in zip(rows, shipped, strict=False):  # the sink path: the ship's own keys
+        assert shipment.report.mismatch is not None
+        family = shipment.report.mismatch.metrics()
+        assert family and {k: row[k] for k in family} == family
+    merged = (rank0 + rank1).metrics()
+    assert merged["staleness/mismatch/lag_inf/tokens"] == merged["staleness/mismatch/lag_64/tokens"] == 1
+    assert "staleness/mismatch/lag_32/tokens" not in merged  # 40 is in 33..64, 100 above 64
+    assert {k: v for k, v in rows[-1].items() if k.startswith("staleness/")} == merged
+    assert {k: v for k, v in rows[-2].items() if k.startswith("staleness/")} == rank0.metrics()
+    assert run.metrics["staleness/mismatch/excess_k3"].summary_max
+    everything = [r for r in rows if "staleness/mismatch/excess_k3" in r]
+    assert run.summary["staleness/mismatch/excess_k3"] == {
+        "max": max(r["staleness/mismatch/excess_k3"] for r in everything)
+    }
+    assert MismatchSums.zero().metrics() == {}  # nothing covered: no keys at all

@@ -98,12 +98,14 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @pytest.fixture
 def serve_process() -> Iterator[Callable[..., ServeProcess]]:
-    """``serve_process([args], env)`` runs ``staleness-metrics serve --port 0 ...`` and waits for its URL."""
+    """``serve_process([args], env)`` runs ``staleness-metrics serve --port 0 ...`` and waits for its URL
+    (``--in-memory`` unless ``args`` name a ``--data-dir``: nothing is written under the project)."""
     started: list[ServeProcess] = []
 
     def start(args: Sequence[str] = (), env: dict[str, str] | None = None) -> ServeProcess:
+        memory = [] if "--data-dir" in args else ["--in-memory"]
         process = subprocess.Popen(
-            serve_command(["--port", "0", "--log-level", "warning", *args]),
+            serve_command(["--port", "0", "--log-level", "warning", *memory, *args]),
             cwd=ROOT,
             env=child_env(env),
             stdout=subprocess.PIPE,

@@ -257,7 +257,9 @@ class PushgatewayServer(_ChildProcess):
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = (self.workdir / "pushgateway.log").open("wb")
         self._process = subprocess.Popen(
-            [PUSHGATEWAY, f"--web.listen-address={self.address}", "--log.level=warn"],
+            # Debian's build persists to /var/lib/prometheus by default: a file every gateway on the machine
+            # would share (and load groups from); tests keep their metrics in memory only.
+            [PUSHGATEWAY, f"--web.listen-address={self.address}", "--log.level=warn", "--persistence.file="],
             stdout=log,
             stderr=subprocess.STDOUT,
         )

@@ -1,0 +1,146 @@
+"""Service benchmark: latency over one kept-alive connection, and throughput under 16 clients.
+
+    python bench/service.py [--requests 300] [--clients 16] [--batches 100] [--json]
+
+Starts ``staleness-metrics serve`` on a free loopback port (a real uvicorn process) and measures with
+the project's client (httpx, one connection reused per client):
+- p50 / p99 of a small add (one rollout of 16 positions) and of a small ship, one client;
+- batches/s with ``--clients`` concurrent clients each adding ``--batches`` batches of 4 rollouts
+  (ships in between), and the server's CPU share meanwhile (its CPU seconds / wall seconds; 1.0 =
+  one core busy): throughput bound by the server's CPU, not by waiting, shows as a high share;
+- conservation afterwards: every rollout sent is shipped, dropped or still queued, exactly once.
+Goal: p50 <= 3 ms on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from staleness_metrics.client import StalenessClient
+
+
+def rollout(rid: str, version: int) -> dict[str, Any]:
+    return {"id": rid, "dispatch_version": version, "samples": [{"mask": [0] * 4 + [1] * 12}]}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def quantiles(times: list[float]) -> tuple[float, float]:
+    times = sorted(times)
+    return times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=300, help="timed adds and ships, one client")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--batches", type=int, default=100, help="batches per client under load")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = parser.parse_args()
+
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "staleness_metrics.cli",
+            "serve",
+            "--port",
+            "0",
+            "--log-level",
+            "warning",
+            "--in-memory",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        match = re.search(r"http://127\.0\.0\.1:(\d+)", server.stdout.readline())
+        assert match, "the service did not say where it listens"
+        url = f"http://127.0.0.1:{match.group(1)}"
+        result = measure(url, server.pid, args)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    if args.json:
+        print(json.dumps(result))
+        return
+    print(f"small add over one connection:  p50 {result['add_p50_ms']:.2f} ms, p99 {result['add_p99_ms']:.2f} ms "
+          f"(first request {result['first_ms']:.1f} ms; goal p50 <= 3 ms)")  # fmt: skip
+    print(f"small ship over one connection: p50 {result['ship_p50_ms']:.2f} ms, p99 {result['ship_p99_ms']:.2f} ms")
+    print(f"{args.clients} clients: {result['batches_per_second']:.0f} batches/s, server CPU share "
+          f"{result['server_cpu_share']:.2f} of one core")  # fmt: skip
+    print(f"conservation: {result['rollouts_sent']} rollouts sent = shipped + dropped + queued: {result['conserved']}")
+
+
+def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
+    with StalenessClient(url) as client:
+        client.create_run("latency", {"max_staleness": 4})
+        start = time.perf_counter()
+        client.add("latency", [rollout("warm", 0)])
+        first = time.perf_counter() - start
+        adds, ships = [], []
+        for i in range(args.requests):
+            start = time.perf_counter()
+            client.add("latency", [rollout(f"a{i}", 0)])
+            adds.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            client.ship("latency", 1 + i // 10)
+            ships.append(time.perf_counter() - start)
+
+        client.create_run("load", {"max_staleness": 2})
+        step = [1]
+        lock = threading.Lock()
+
+        def send(worker: int) -> None:
+            with StalenessClient(url) as own:
+                for b in range(args.batches):
+                    with lock:
+                        version = step[0] - 1
+                    own.add("load", [rollout(f"w{worker}-{b}-{k}", version) for k in range(4)])
+                    if b % 10 == 9:
+                        with lock:  # ships in step order
+                            step[0] += 1
+                            own.ship("load", step[0])
+
+        cpu_before, start = cpu_seconds(pid), time.perf_counter()
+        with ThreadPoolExecutor(args.clients) as pool:
+            list(pool.map(send, range(args.clients)))
+        wall = time.perf_counter() - start
+        cpu = cpu_seconds(pid) - cpu_before
+        client.ship("load", step[0] + 1)
+        info = client.run_info("load")
+    totals = info["totals"]
+    sent = args.clients * args.batches * 4
+    accounted = totals["rollouts_shipped"] + totals["rollouts_dropped"] + info["queued"]
+    add_p50, add_p99 = quantiles(adds)
+    ship_p50, ship_p99 = quantiles(ships)
+    return {
+        "first_ms": first * 1e3,
+        "add_p50_ms": add_p50 * 1e3,
+        "add_p99_ms": add_p99 * 1e3,
+        "ship_p50_ms": ship_p50 * 1e3,
+        "ship_p99_ms": ship_p99 * 1e3,
+        "batches_per_second": args.clients * args.batches / wall,
+        "server_cpu_share": cpu / wall,
+        "rollouts_sent": sent,
+        "conserved": accounted == sent and info["rollouts_received"] == sent,
+    }
+
+
+if __name__ == "__main__":
+    main()

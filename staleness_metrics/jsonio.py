@@ -1,0 +1,49 @@
+"""JSON in and out of the replay paths, through orjson (docs/decisions.md says why).
+
+orjson decodes several times faster than the standard library and encodes numpy arrays natively
+(``OPT_SERIALIZE_NUMPY``), so shipped arrays are written without a per-position ``tolist()``. Where
+orjson refuses a line the standard library accepts (``NaN`` literals, integers beyond 64 bits, lone
+surrogates), the line is decoded again by the standard library: what a line means never depends on
+which decoder read it, and the validation names the offending field as before.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import orjson
+
+__all__ = ["DecodeError", "dumps", "loads"]
+
+DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
+_OPTIONS = orjson.OPT_SERIALIZE_NUMPY
+
+
+def loads(text: str | bytes) -> Any:
+    """Decode one JSON document; raises :class:`json.JSONDecodeError` (the standard library's message)."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
+
+def _default(value: object) -> object:
+    if isinstance(value, np.ndarray):  # not C-contiguous, or a dtype orjson does not write
+        return value.tolist()
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def dumps(value: Any) -> bytes:
+    """Encode ``value`` (numpy arrays and scalars included) as compact UTF-8 JSON.
+
+    Callers pass finite numbers only (weights, log-probabilities and metrics are finite by validation):
+    orjson would write a NaN as ``null``. float32 arrays are widened to float64 first by the callers,
+    so that a value prints as the float64 the standard library printed before.
+    """
+    return orjson.dumps(value, default=_default, option=_OPTIONS)

@@ -1,0 +1,69 @@
+"""The benchmarks in bench/ run and report sane numbers (issue 12). Never a timing assertion: speed
+goals are read from the benchmarks' own output, by people, on an idle machine."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def run_bench(name: str, *args: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / name), *args, "--json"], capture_output=True, text=True, check=False, timeout=900
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_engine_bench_prints_one_ratio_per_workload_and_policy() -> None:
+    result = run_bench("engine.py", "--scale", "0.01", "--repeat", "1")
+    rows = result["rows"]
+    names = [row["workload"] for row in rows]
+    assert names[0] == "spans 1024 x 8192"
+    for shape in ("8192 x 1024", "1024 x 8192"):
+        assert [n for n in names if shape in n and "unlabelled" in n] == [
+            f"token_versions {shape}, {p} unlabelled" for p in ("0%", "1%", "10%", "50%")
+        ]
+    assert names[-2:] == [
+        "token_versions 8192 x 1024, groups of 16, 3 envs",
+        "padded 1024 x 8192 (from_padded + add + ship)",
+    ]
+    for row in rows:
+        assert positive(row["token"]) and positive(row["xtuner"]), row
+        assert row["samples"] >= 1 and row["positions"] in (1024, 8192)
+    assert positive(result["python_speed_up"]) and positive(result["peak_memory_ratio"])
+    assert positive(result["from_padded_alone"])
+    assert result["goals"] == {"token": 3.0, "xtuner": 4.0}
+
+
+def test_replay_bench_reports_positions_per_second_and_ratios() -> None:
+    result = run_bench("replay.py", "--positions", "20000", "--repeat", "1")
+    assert result["positions"] >= 20000
+    for key in ("decode_seconds", "replay_seconds", "what_if_seconds", "replay_positions_per_second"):
+        assert positive(result[key]), key
+    assert result["replay_over_decode"] == pytest.approx(result["replay_seconds"] / result["decode_seconds"])
+    assert result["what_if_over_replay"] == pytest.approx(result["what_if_seconds"] / result["replay_seconds"])
+
+
+@pytest.mark.integration
+def test_service_bench_reports_latency_throughput_and_conservation() -> None:
+    result = run_bench("service.py", "--requests", "10", "--clients", "2", "--batches", "10")
+    for key in ("first_ms", "add_p50_ms", "add_p99_ms", "ship_p50_ms", "ship_p99_ms", "batches_per_second"):
+        assert positive(result[key]), key
+    assert result["add_p50_ms"] <= result["add_p99_ms"]
+    assert result["server_cpu_share"] >= 0 and math.isfinite(result["server_cpu_share"])
+    assert result["rollouts_sent"] == 2 * 10 * 4
+    assert result["conserved"] is True
