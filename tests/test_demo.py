@@ -28,7 +28,6 @@ from staleness_metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.replay import replay
 from tests.exporters.wandb_reader import find_run_file, read_run
-from tests.support.mismatch import needs_mismatch_exporters
 from tests.support.otlp import OtlpReceiver, metrics_by_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +55,6 @@ def _step_lines(lines: list[str]) -> list[str]:
     return [line for line in lines if line.startswith("step ") and "| Max Staleness " in line]
 
 
-@needs_mismatch_exporters
 def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Path) -> None:
     # 15 steps at 2 a second: after step 4 the demo runs 5.5 s more, ample time for one scrape even on a
     # loaded machine (the scrape must happen while it runs; nothing here measures how fast). By step 4's
@@ -165,7 +163,6 @@ def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
     assert printed >= 3 and len(written) == printed  # every step shown was also written
 
 
-@needs_mismatch_exporters
 def test_demo_logs_an_offline_wandb_run_and_exports_otlp_when_configured(tmp_path: Path) -> None:
     with OtlpReceiver() as receiver:
         env = {"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": receiver.endpoint, "WANDB_MODE": "offline"}
@@ -216,7 +213,6 @@ def test_the_simulation_is_an_async_pipeline_and_a_seed_replays_it() -> None:
     assert len({len(s["mask"]) for r in rollouts for s in r["samples"]}) > 50  # varying lengths
 
 
-@needs_mismatch_exporters
 def test_the_demo_event_file_replays_to_the_metrics_it_logged(tmp_path: Path) -> None:
     demo = _start_demo(tmp_path, "--steps", "20", "--speed", "0", "--no-wandb", "--max-staleness", "4")
     _, err = demo.communicate()
