@@ -7,7 +7,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,29 +16,17 @@ from staleness_metrics.dashboards.rules import rule_groups
 from staleness_metrics.exporters.base import ExportContext
 from staleness_metrics.exporters.prometheus import PrometheusExporter
 from staleness_metrics.report import StepReport
-from tests.support.prometheus import PrometheusServer, requires_prometheus
+from tests.support.prometheus import PrometheusServer, RulesPrometheusServer, requires_prometheus
 
 from .grafana_queries import dashboards, fill, label_values_query, metric_names, panels, targets
 from .traffic import MAX_STALENESS, Traffic
 
-ROOT = Path(__file__).resolve().parents[2]
-RULES = ROOT / "exporters" / "prometheus" / "staleness.rules.yml"
 JOB = "rl-trainer"
 RUN = "e2e-run"
 RATE_INTERVAL = "6s"  # what Grafana's $__rate_interval is at a 1 s scrape interval and a short range
 SHIP_EVERY = 0.25  # seconds between ships of the simulated trainer
 
 pytestmark = [pytest.mark.integration, requires_prometheus]
-
-
-class RulesPrometheus(PrometheusServer):
-    """The shared test server, with the generated rules loaded as in exporters/prometheus/prometheus.yml."""
-
-    def _write_config(self) -> Path:
-        config = super()._write_config()
-        with config.open("a") as out:
-            out.write(f"rule_files:\n  - {RULES}\n")
-        return config
 
 
 @dataclass
@@ -63,7 +50,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     exporter = PrometheusExporter(port=0)
     exporter.attach(ExportContext(run=RUN, env_breakdown=True))
     assert exporter.port is not None
-    prometheus = RulesPrometheus(
+    prometheus = RulesPrometheusServer(
         tmp_path_factory.mktemp("prometheus"), [f"127.0.0.1:{exporter.port}"], job=JOB, scrape_interval="1s"
     )
     values = {

@@ -25,24 +25,17 @@ from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.report import Tally
 from tests.dashboards.grafana_queries import dashboards, fill, panels
 from tests.exporters.reports import random_rollouts
-from tests.support.prometheus import PrometheusServer, PushgatewayServer, requires_prometheus, requires_pushgateway
+from tests.support.prometheus import (
+    PushgatewayServer,
+    RulesPrometheusServer,
+    requires_prometheus,
+    requires_pushgateway,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-RULES = ROOT / "exporters" / "prometheus" / "staleness.rules.yml"
 CONFIG = StalenessConfig(max_staleness=3)  # no env breakdown: every length series is env=""
 REL = 1e-9  # Prometheus sums series in no fixed order: float rounding only
 
 pytestmark = [pytest.mark.integration, requires_prometheus]
-
-
-class RulesPrometheus(PrometheusServer):
-    """The test server with the generated rules loaded."""
-
-    def _write_config(self) -> Path:
-        config = super()._write_config()
-        with config.open("a") as out:
-            out.write(f"rule_files:\n  - {RULES}\n")
-        return config
 
 
 def live_sums(rng: np.random.Generator, n: int) -> MismatchSums:
@@ -90,7 +83,7 @@ def test_recording_rules_over_the_scraped_sums_give_the_wandb_values(tmp_path: P
     nrng = np.random.default_rng(5)
     try:
         assert exporter.port is not None
-        with RulesPrometheus(tmp_path, [f"127.0.0.1:{exporter.port}"], job="trainer") as prom:
+        with RulesPrometheusServer(tmp_path, [f"127.0.0.1:{exporter.port}"], job="trainer") as prom:
             monitor.ship(1)  # empty: the length families at 0
             monitor.record_mismatch(1, MismatchSums.zero())  # the mismatch families at 0
             zero = f'sum(rl_staleness_mismatch_tokens_total{{run="{run}"}}) + sum(rl_staleness_length_samples_total)'
@@ -163,7 +156,7 @@ def test_two_processes_merged_by_prometheus_rates_equal_the_merged_runs_wandb_va
     pushers = [PrometheusPushExporter(gateway.address, job="trainer") for _ in runs]
     monitors = [StalenessMonitor(CONFIG, [p], run=r) for p, r in zip(pushers, runs, strict=True)]
     try:
-        with RulesPrometheus(tmp_path / "prometheus", [gateway.address], job="gateway") as prom:
+        with RulesPrometheusServer(tmp_path / "prometheus", [gateway.address], job="gateway") as prom:
             for monitor in monitors:
                 monitor.ship(1)
                 monitor.record_mismatch(1, MismatchSums.zero())

@@ -239,6 +239,19 @@ class PrometheusServer(_ChildProcess):
             time.sleep(interval)
 
 
+RULES = Path(__file__).resolve().parents[2] / "exporters" / "prometheus" / "staleness.rules.yml"
+
+
+class RulesPrometheusServer(PrometheusServer):
+    """The test server with the generated rules loaded, as exporters/prometheus/prometheus.yml loads them."""
+
+    def _write_config(self) -> Path:
+        config = super()._write_config()
+        with config.open("a") as out:
+            out.write(f"rule_files:\n  - {RULES}\n")
+        return config
+
+
 class PushgatewayServer(_ChildProcess):
     """``prometheus-pushgateway`` on 127.0.0.1 (a free port unless ``port`` is given)."""
 
