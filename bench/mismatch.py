@@ -11,6 +11,7 @@ a precomputed keep vector. Goal: <= 1.5x. The ratio is measured in one process, 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=1024)
     parser.add_argument("--positions", type=int, default=8192)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)
     result = measure(args.samples, args.positions, args.repeat)
+    if args.json:
+        print(json.dumps({**result, "goal": GOAL}))
+        return 0
     print(f"mismatch sums, {args.samples} x {args.positions} = {result['positions']:,} positions")
     print(f"  dense numpy pass      {result['dense_s'] * 1e3:8.2f} ms")
     print(f"  mismatch_sums         {result['sums_s'] * 1e3:8.2f} ms")

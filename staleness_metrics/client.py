@@ -7,6 +7,7 @@
         client.add("exp-42", rollouts)              # SPEC 3 records
         result = client.ship("exp-42", step=7)      # result["metrics"] is the SPEC 6 dict
         history = client.steps("exp-42", since=0)
+        client.record_mismatch("exp-42", step=7, sums=sums)  # trainer side: MismatchSums, one per rank
 
 Every call is retried on connection errors, timeouts and 502/503/504, with the same body: the service
 counts a rollout once by its id, and each :meth:`StalenessClient.ship` sends one ``Idempotency-Key``
@@ -29,8 +30,9 @@ import httpx
 
 from .config import StalenessConfig
 from .errors import ConfigError, StalenessError, TraceError
+from .mismatch import MismatchSums
 
-__all__ = ["AddResult", "ServiceError", "ShipResult", "StalenessClient", "StepRow"]
+__all__ = ["AddResult", "MismatchResult", "ServiceError", "ShipResult", "StalenessClient", "StepRow"]
 
 _RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -55,6 +57,7 @@ class ShipResult(TypedDict):
     metrics: dict[str, float | int]
     counts: dict[str, int]
     rollouts: list[dict[str, Any]] | None
+    lags: list[list[list[int]]] | None
     replayed: bool
 
 
@@ -65,6 +68,16 @@ class StepRow(TypedDict):
     counts: dict[str, int]
     token_histogram: list[int]
     rollout_histogram: list[int]
+    mismatch: dict[str, Any] | None
+
+
+class MismatchResult(TypedDict):
+    run: str
+    step: int
+    posts: int
+    tokens: int
+    metrics: dict[str, float | int]
+    replayed: bool
 
 
 class ServiceError(StalenessError):
@@ -140,6 +153,26 @@ class StalenessClient:
             body["ids"] = list(ids)
         key = idempotency_key or uuid.uuid4().hex
         result: ShipResult = self._request("POST", _run_path(run, "ship"), json=body, headers={"Idempotency-Key": key})
+        return result
+
+    def record_mismatch(
+        self,
+        run: str,
+        step: int,
+        sums: MismatchSums | Mapping[str, Any],
+        *,
+        idempotency_key: str | None = None,
+    ) -> MismatchResult:
+        """Post trainer-side mismatch sums (SPEC 11) of the shipped ``step``; posts for one step merge.
+
+        ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from :func:`~staleness_metrics.mismatch_sums`)
+        or its ``to_dict()``. One idempotency key (given, or a new random one) covers every retry of this
+        call, so a retried post is merged once. The answer holds the step's merged SPEC 11 keys.
+        """
+        body = {"step": step, "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums)}
+        key = idempotency_key or uuid.uuid4().hex
+        path = _run_path(run, "mismatch")
+        result: MismatchResult = self._request("POST", path, json=body, headers={"Idempotency-Key": key})
         return result
 
     # ------------------------------------------------------------------ reads

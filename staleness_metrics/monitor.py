@@ -159,8 +159,8 @@ class StalenessMonitor:
 
     @contextmanager
     def absorbing(self) -> Iterator[None]:
-        """Within this block ships are folded into the exporters' state but not published: for re-applying
-        ships that were published before a restart (the service's journal)."""
+        """Within this block ships and trainer-side sums are folded into the exporters' state but not
+        published: for re-applying writes that were published before a restart (the service's journal)."""
         with self._lock:
             self._absorbing = True
         try:
@@ -187,6 +187,10 @@ class StalenessMonitor:
             while len(self._mismatch) > MISMATCH_STEPS_KEPT:
                 del self._mismatch[min(self._mismatch)]
             report = MismatchReport(step=step, sums=total, delta=delta)
+            if self._absorbing:  # published before a restart: the counters catch up, nothing is sent again
+                for stateful in self._stateful().values():
+                    stateful.absorb_mismatch(report)
+                return total
             for exporter in self.exporters:
                 if self._closed or not isinstance(exporter, MismatchAware):
                     continue

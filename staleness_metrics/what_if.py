@@ -12,6 +12,16 @@ a run used equals what ``replay`` reports for it:
   that were shipped or dropped, the share that trains;
 - ``rollouts_dropped``, ``samples_dropped``, ``rollouts_shipped`` (live): counts over the run;
 - ``rollouts_held``: held rollouts summed over ships (one held across two ships counts twice).
+
+What the bound costs (SPEC 11; only when the records carry ``trainer_logprobs``), over the **trained
+covered tokens**: the sampled positions of shipped live samples that the bound left unmasked and that
+carry both log-probabilities (masked positions and dropped samples are what the bound removed, so
+they are left out), their sums merged over the run:
+
+- ``trained_covered``: how many such tokens;
+- ``trained_k3``: their mean k3 (``r - 1 - log r``);
+- ``trained_excess_k3``: the mean k3 of those with lag >= 1 minus the mean k3 of those with lag 0 (the
+  numeric floor), over the whole run; ``None`` when no lag-0 token was trained.
 """
 
 from __future__ import annotations
@@ -24,14 +34,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from .adapters import EventDict, as_replay_events, detect_source, read_run
 from .config import StalenessConfig
 from .errors import ConfigError
+from .mismatch import MismatchSums, mismatch_sums
 from .replay import Step, pack_once, prepare, run_steps
 from .report import Tally
 from .sink import Shipment, Sink
 
-__all__ = ["WhatIfRow", "format_table", "parse_bounds", "run_tally", "to_json", "what_if"]
+__all__ = [
+    "WhatIfRow",
+    "format_table",
+    "parse_bounds",
+    "run_tally",
+    "tally_and_cost",
+    "to_json",
+    "trained_cost",
+    "what_if",
+]
 
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 MAX_BOUNDS = 257
@@ -69,6 +92,9 @@ class WhatIfRow:
     rollouts_dropped: int
     samples_dropped: int
     rollouts_held: int
+    trained_covered: int | None = None
+    trained_k3: float | None = None
+    trained_excess_k3: float | None = None
 
     @property
     def tokens_kept(self) -> int:
@@ -84,8 +110,12 @@ class WhatIfRow:
         return self.tokens_kept / total if total else None
 
     @classmethod
-    def from_tally(cls, bound: int, tally: Tally) -> WhatIfRow:
+    def from_tally(cls, bound: int, tally: Tally, cost: MismatchSums | None = None) -> WhatIfRow:
+        keys = cost.metrics() if cost is not None else {}
         return cls(
+            trained_covered=cost.covered if cost is not None else None,
+            trained_k3=_float(keys.get("staleness/mismatch/k3")),
+            trained_excess_k3=_float(keys.get("staleness/mismatch/excess_k3")),
             max_staleness=bound,
             tokens_sampled=tally.tokens_sampled,
             tokens_masked=tally.tokens_masked,
@@ -103,6 +133,50 @@ class WhatIfRow:
             "masked_ratio": self.masked_ratio,
             "kept_share": self.kept_share,
         }
+
+
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
+    """The shipped samples' ``name`` array (``mask``, ``logprobs``, ``trainer_logprobs``) concatenated in
+    ship order, aligned with ``shipment.lags``; NaN where a sample lacks it. One slice per sample."""
+    parts: list[npt.NDArray[np.float64]] = []
+    for rollout in shipment.rollouts:
+        batch = rollout.batch
+        first = int(batch.sample_offsets[rollout.index])
+        values = getattr(batch, name)
+        present = batch.present.get(name)
+        for k in rollout.samples:
+            lo, hi = int(batch.position_offsets[first + k]), int(batch.position_offsets[first + k + 1])
+            if values is None or (present is not None and not present[first + k]):
+                parts.append(np.full(hi - lo, np.nan))
+            else:
+                parts.append(np.asarray(values[lo:hi], dtype=np.float64))
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def trained_cost(shipment: Shipment, band: tuple[float, float]) -> MismatchSums | None:
+    """SPEC 11 sums over the covered positions the ship trains (unmasked sampled positions of its live
+    samples); ``None`` when no shipped record carries ``trainer_logprobs``."""
+    if shipment.report.mismatch is None:  # the sink found no trainer_logprobs: skip building the rollouts
+        return None
+    trains = _shipped_values(shipment, "mask") > 0
+    lags = np.where(trains, shipment.lags, -1)  # masked positions leave the population
+    sampler = _shipped_values(shipment, "logprobs")
+    return mismatch_sums(lags, sampler, _shipped_values(shipment, "trainer_logprobs"), band=band)
+
+
+def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> tuple[Tally, MismatchSums | None]:
+    """:func:`run_tally` and the merged :func:`trained_cost` of the ships, in one pass."""
+    tally, cost = Tally(), None
+    for shipment in shipments:
+        tally = tally + shipment.report.tally
+        ship_cost = trained_cost(shipment, band)
+        if ship_cost is not None:
+            cost = ship_cost if cost is None else cost + ship_cost
+    return tally, cost
 
 
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
@@ -142,7 +216,7 @@ def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | Non
     rows = []
     for bound in bounds:
         sink = Sink(dataclasses.replace(base, max_staleness=bound))
-        rows.append(WhatIfRow.from_tally(bound, run_tally(run_steps(steps_for(bound), sink))))
+        rows.append(WhatIfRow.from_tally(bound, *tally_and_cost(run_steps(steps_for(bound), sink), base.mismatch_band)))
     return rows
 
 
@@ -150,9 +224,14 @@ def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}%"
 
 
+def _cost(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 def format_table(rows: Sequence[WhatIfRow]) -> str:
-    """The rows as an aligned text table."""
-    header = (
+    """The rows as an aligned text table (with the cost columns when the run has trainer log-probs)."""
+    costs = any(r.trained_covered is not None for r in rows)
+    header: tuple[str, ...] = (
         "max_staleness",
         "masked",
         "tokens masked",
@@ -162,6 +241,7 @@ def format_table(rows: Sequence[WhatIfRow]) -> str:
         "samples dropped",
         "rollouts shipped",
         "held",
+        *(("trained k3", "trained excess k3") if costs else ()),
     )
     body = [
         (
@@ -174,6 +254,7 @@ def format_table(rows: Sequence[WhatIfRow]) -> str:
             str(r.samples_dropped),
             str(r.rollouts_shipped),
             str(r.rollouts_held),
+            *((_cost(r.trained_k3), _cost(r.trained_excess_k3)) if costs else ()),
         )
         for r in rows
     ]

@@ -67,3 +67,11 @@ def test_service_bench_reports_latency_throughput_and_conservation() -> None:
     assert result["server_cpu_share"] >= 0 and math.isfinite(result["server_cpu_share"])
     assert result["rollouts_sent"] == 2 * 10 * 4
     assert result["conserved"] is True
+
+
+def test_mismatch_bench_reports_a_ratio_to_the_dense_pass() -> None:
+    result = run_bench("mismatch.py", "--samples", "16", "--positions", "1024", "--repeat", "2")
+    assert result["positions"] == 16 * 1024
+    assert positive(result["dense_s"]) and positive(result["sums_s"])
+    assert result["ratio"] == pytest.approx(result["sums_s"] / result["dense_s"])
+    assert result["goal"] == 1.5

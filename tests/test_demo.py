@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -13,12 +14,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics.adapters import as_replay_events
 from staleness_metrics.adapters.events import read_event_file
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
+from staleness_metrics.demo.trainer import DriftModel, SimulatedTrainer, shipped_mask
+from staleness_metrics.html_report import build_report
+from staleness_metrics.mismatch import LAG_BUCKETS
+from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.replay import replay
 from tests.exporters.wandb_reader import find_run_file, read_run
 from tests.support.otlp import OtlpReceiver, metrics_by_name
@@ -44,20 +51,22 @@ def _lines(stream: IO[str]) -> Iterator[str]:
 
 
 def _step_lines(lines: list[str]) -> list[str]:
-    return [line for line in lines if line.startswith("step ")]
+    """The ship lines (the console may add a line per step with what staleness cost)."""
+    return [line for line in lines if line.startswith("step ") and "| Max Staleness " in line]
 
 
 def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Path) -> None:
-    # 12 steps at 2 a second: after step 1 the demo runs 5.5 s more, ample time for one scrape even on a
-    # loaded machine (the scrape must happen while it runs; nothing here measures how fast).
-    demo = _start_demo(tmp_path, "--steps", "12", "--speed", "2", "--no-wandb")
+    # 15 steps at 2 a second: after step 4 the demo runs 5.5 s more, ample time for one scrape even on a
+    # loaded machine (the scrape must happen while it runs; nothing here measures how fast). By step 4's
+    # line, the simulated trainer has recorded the mismatch sums of steps 1 to 3 (lags 0, 1 and 2).
+    demo = _start_demo(tmp_path, "--steps", "15", "--speed", "2", "--no-wandb")
     try:
         assert demo.stdout is not None
         seen: list[str] = []
         lines = _lines(demo.stdout)
         for line in lines:
             seen.append(line)
-            if line.startswith("step 1 "):
+            if line.startswith("step 4 "):
                 break
         url = next(line.split(": ", 1)[1] for line in seen if line.startswith("metrics URL: "))
         assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
@@ -66,17 +75,55 @@ def test_demo_prints_step_lines_and_serves_prometheus_while_it_runs(tmp_path: Pa
         assert demo.poll() is None
         assert 'rl_staleness_train_step{run="staleness-demo"}' in body
         assert "rl_staleness_token_steps_bucket" in body
+        # What staleness cost the simulated trainer (SPEC 11), recorded through the live path.
+        families = {f.name: f for f in text_string_to_metric_families(body)}
+        tokens = families["rl_staleness_mismatch_tokens"].samples
+        assert {s.labels["run"] for s in tokens} == {"staleness-demo"}
+        assert sum(s.value for s in tokens if s.name.endswith("_total")) > 0
+        by_lag = {s.labels["lag"]: s.value for s in tokens if s.name.endswith("_total") and s.value > 0}
+        assert set(by_lag) >= {"0", "1", "2"}
         seen.extend(lines)
         assert demo.wait() == 0
     finally:
         demo.kill()
         demo.wait()
     steps = _step_lines(seen)
-    assert [line.split(" | ")[0] for line in steps] == [f"step {i}" for i in range(1, 13)]
-    assert all("| Max Staleness " in line for line in steps)
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows] == list(range(1, 13))
-    assert all("staleness/rollout/max" in row and "staleness/env/math/token/mean" in row for row in rows)
+    assert [line.split(" | ")[0] for line in steps] == [f"step {i}" for i in range(1, 16)]
+    rows = _rows_by_step(tmp_path / "out" / "metrics.jsonl")
+    assert list(rows) == list(range(1, 16))
+    assert all("staleness/rollout/max" in row and "staleness/env/math/token/mean" in row for row in rows.values())
+    # The JSONL holds each step's cost, as the live path computes it (recomputed here in-process).
+    costs = _live_path_family(15, StalenessConfig(env_breakdown=True))
+    for step, row in rows.items():
+        assert "staleness/mismatch/coverage" in row and _family(row) == pytest.approx(costs[step]), step
+    assert all("staleness/mismatch/lag_3/ess" in rows[step] for step in range(4, 16))
+
+
+def _rows_by_step(path: Path) -> dict[int, dict[str, Any]]:
+    """The JSONL rows of each step merged in order (a step's mismatch row may follow its ship row)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(row)
+    return rows
+
+
+def _live_path_family(steps: int, config: StalenessConfig, seed: int = 0) -> dict[int, dict[str, float | int]]:
+    """The demo's pipeline and simulated trainer re-run in-process: each step's SPEC 11 keys."""
+    monitor = StalenessMonitor(config)
+    simulation, trainer = Simulation(seed), SimulatedTrainer(seed)
+    family: dict[int, dict[str, float | int]] = {}
+    for _, events in zip(range(steps), simulation.steps(), strict=False):
+        monitor.add(events.rollouts)
+        shipment = monitor.ship(events.step, events.ship_ids)
+        simulation.forget(shipment.dropped_rollouts)
+        total = trainer.train(monitor, shipment)
+        family[events.step] = total.metrics() if total is not None else {}
+    return family
+
+
+def _family(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k.startswith("staleness/mismatch/")}
 
 
 def test_a_taken_port_falls_back_to_a_free_one(tmp_path: Path) -> None:
@@ -112,8 +159,8 @@ def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in err and "Traceback" not in out
     assert any(line.startswith("interrupted after") for line in seen)
     printed = len(_step_lines(seen))
-    written = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
-    assert printed >= 3 and len(written) == printed  # every step shown was also written, whole
+    written = _rows_by_step(tmp_path / "out" / "metrics.jsonl")  # every line parses: written whole
+    assert printed >= 3 and len(written) == printed  # every step shown was also written
 
 
 def test_demo_logs_an_offline_wandb_run_and_exports_otlp_when_configured(tmp_path: Path) -> None:
@@ -129,6 +176,17 @@ def test_demo_logs_an_offline_wandb_run_and_exports_otlp_when_configured(tmp_pat
     history = read_run(find_run_file(tmp_path / "out" / "wandb")).history
     logged = [row for row in history if "staleness/rollout/max" in row]
     assert [row["trainer/step"] for row in logged] == [1, 2, 3, 4, 5]
+    # The mismatch family in the W&B run file: the last row of each step holds the merged values.
+    expected = _live_path_family(5, StalenessConfig(env_breakdown=True))
+    costs: dict[int, dict[str, Any]] = {}
+    for row in history:
+        if "staleness/mismatch/k3" in row:
+            costs[row["trainer/step"]] = _family(row)
+    assert list(costs) == [1, 2, 3, 4, 5]
+    for step, values in costs.items():
+        assert values == pytest.approx(expected[step]), step
+    # Bucket 3 is where this pipeline's tokens mostly are: the k3 of SPEC 11 from the drift model.
+    assert all("staleness/mismatch/lag_3/k3" in costs[step] for step in (4, 5))
 
 
 def test_the_simulation_is_an_async_pipeline_and_a_seed_replays_it() -> None:
@@ -159,16 +217,29 @@ def test_the_demo_event_file_replays_to_the_metrics_it_logged(tmp_path: Path) ->
     demo = _start_demo(tmp_path, "--steps", "20", "--speed", "0", "--no-wandb", "--max-staleness", "4")
     _, err = demo.communicate()
     assert demo.returncode == 0, err
-    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    logged = _rows_by_step(tmp_path / "out" / "metrics.jsonl")
     events = read_event_file(tmp_path / "out" / "events.jsonl")
     config = StalenessConfig(max_staleness=4, env_breakdown=True)
     replayed = [s.report.row() for s in replay(as_replay_events(events), config)]
     assert len(replayed) == 20
-    for mine, theirs in zip(replayed, logged, strict=True):
-        assert set(mine) == set(theirs)
+    # The trainer's log-probabilities never enter the event stream (as in a real run): the replay has
+    # every key the orchestrator logged, and the mismatch family is the live path's, recomputed here.
+    costs = _live_path_family(20, config)
+    for mine, theirs in zip(replayed, logged.values(), strict=True):
+        assert set(mine) == {k for k in theirs if not k.startswith("staleness/mismatch/")}
         for key, value in mine.items():
             assert theirs[key] == pytest.approx(value), key
-    assert any(row.get("staleness/token/masked", 0) > 0 for row in logged)  # the bound bit at 4
+        assert _family(theirs) == pytest.approx(costs[mine["step"]])
+    assert any(row.get("staleness/token/masked", 0) > 0 for row in logged.values())  # the bound bit at 4
+    # The nearly synchronous steps (17-20 of every 20) hold lag-0 tokens: the floor, so the excess shows.
+    assert {s for s, row in logged.items() if "staleness/mismatch/excess_k3" in row} & {17, 18, 19, 20}
+    # The report of the logged metrics (the command the demo prints last) shows what staleness cost.
+    page = build_report(tmp_path / "out" / "metrics.jsonl")
+    assert '<section id="what-staleness-costs">' in page
+    step = max(costs)
+    key = next(k for k in sorted(costs[step]) if k.startswith("staleness/mismatch/lag_") and k.endswith("/k3"))
+    lag = key.split("/")[2].removeprefix("lag_")
+    assert f"<title>lag {lag} at {step}: {costs[step][key]:.4g}</title>" in page
 
 
 def test_an_out_dir_that_cannot_be_made_is_a_message_not_a_traceback(tmp_path: Path) -> None:
@@ -177,3 +248,29 @@ def test_an_out_dir_that_cannot_be_made_is_a_message_not_a_traceback(tmp_path: P
     _, err = demo.communicate(timeout=120)
     assert demo.returncode == 2
     assert err.startswith("staleness-metrics demo: ") and "Traceback" not in err
+
+
+def test_the_drift_model_grows_with_lag_and_policy_speed() -> None:
+    """The documented model, checked on its own numbers: floor at lag 0, excess (speed * lag)^2 / 2."""
+    model = DriftModel(floor=0.05, drift_per_version=0.08, warmup_steps=10)
+    lags = np.array([0, 1, 4, -1])
+    assert model.sigma(lags, 20).tolist() == pytest.approx([0.05, np.hypot(0.05, 0.08), np.hypot(0.05, 0.32), 0.05])
+    assert model.sigma(lags, 5)[2] == pytest.approx(np.hypot(0.05, 0.16))  # half speed during warm-up
+
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=100))
+    simulation, trainer = Simulation(0), SimulatedTrainer(0, model=model)
+    for _, events in zip(range(12), simulation.steps(), strict=False):
+        monitor.add(events.rollouts)
+        shipment = monitor.ship(events.step, events.ship_ids)
+        total = trainer.train(monitor, shipment)
+        assert total is not None and total == monitor.mismatch(events.step)
+        assert total.sampled == shipment.report.tally.tokens_sampled  # every sampled position, covered
+        assert len(shipped_mask(shipment)) == len(shipment.lags)
+    assert total is not None
+    k3 = total.sum_k3 / np.maximum(total.tokens, 1)
+    filled = [i for i, n in enumerate(total.tokens.tolist()[:17]) if n > 2000]  # single-lag buckets
+    assert len(filled) >= 2
+    for i in filled:  # the expected k3 of a bucket is sigma^2 / 2 at its lag (step 12: full speed)
+        lag = int(LAG_BUCKETS[i])
+        assert k3[i] == pytest.approx(float(model.sigma(np.array([lag]), 12)[0]) ** 2 / 2, rel=0.15)
+    assert all(k3[a] < k3[b] for a, b in itertools.pairwise(filled))

@@ -243,3 +243,19 @@ def test_record_mismatch_refuses_a_step_never_shipped_and_bad_sums() -> None:
     with pytest.raises(ValueError, match="step: expected an integer"):
         monitor.record_mismatch(True, sums)  # type: ignore[arg-type]
     assert recorder.mismatch == [] and monitor.mismatch(6) is None and monitor.mismatch(7) is None
+
+
+def test_sums_re_applied_while_absorbing_move_the_counters_and_publish_nothing() -> None:
+    """A restart re-applies journalled posts: counters catch up, row exporters write nothing twice."""
+    recorder = MismatchRecorder()
+    prometheus = PrometheusExporter(port=None)
+    monitor = StalenessMonitor(StalenessConfig(), [recorder, prometheus], run="resumed")
+    monitor.add(ROLLOUT)
+    shipment = monitor.ship(6)
+    sums = mismatch_sums(shipment.lags[:2], [-1.0, -1.0], [-1.0, -0.5])
+    with monitor.absorbing():
+        assert monitor.record_mismatch(6, sums) == sums
+    assert recorder.mismatch == []  # not published again
+    text = prometheus.exposition().decode()
+    assert 'rl_staleness_mismatch_tokens_total{lag="2",run="resumed"} 2.0' in text
+    assert monitor.mismatch(6) == sums

@@ -2,7 +2,8 @@
 
 Outputs, all under ``out_dir`` (default ``./staleness-demo``) unless given elsewhere:
 
-- ``metrics.jsonl``: one metrics line per step (the JSONL exporter);
+- ``metrics.jsonl``: the metrics of each step (the JSONL exporter), with what staleness cost the simulated
+  trainer (SPEC 11, recorded through the live path: see :mod:`.trainer`);
 - ``events.jsonl``: the run's event stream, for ``staleness-metrics replay`` / ``report`` / ``what-if``;
 - ``wandb/``: an offline W&B run when ``wandb`` is installed (``wandb sync`` uploads it);
 - a Prometheus endpoint on 127.0.0.1 (``--prometheus-port``; if the port is taken, a free one);
@@ -30,10 +31,12 @@ from typing import IO, Any, TextIO
 from ..config import StalenessConfig
 from ..exporters import ConsoleExporter, Exporter, JsonlExporter
 from ..exporters.console import format_line
+from ..mismatch import MismatchSums
 from ..monitor import StalenessMonitor
 from ..report import StepReport
 from ..sink import Shipment
 from .simulation import Simulation, StepEvents
+from .trainer import SimulatedTrainer
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -153,7 +156,7 @@ class _LiveTable:
     def __exit__(self, *exc: object) -> None:
         self._live.__exit__(None, None, None)
 
-    def update(self, events: StepEvents, shipment: Shipment, totals: _Totals) -> None:
+    def update(self, events: StepEvents, shipment: Shipment, totals: _Totals, cost: MismatchSums | None) -> None:
         from rich.table import Table
         from rich.text import Text
 
@@ -169,7 +172,7 @@ class _LiveTable:
             f"queue {events.queued} · in flight {events.in_flight} · "
             f"{c.policy} policy, max_staleness {c.max_staleness}",
             caption=f"run so far: {totals.shipped} live + {totals.frozen} frozen rollouts shipped, "
-            f"{totals.dropped} dropped, {masked} of sampled tokens masked",
+            f"{totals.dropped} dropped, {masked} of sampled tokens masked" + _cost_caption(cost),
         )
         for name in (
             "env",
@@ -208,6 +211,16 @@ class _LiveTable:
             row(env or "(none)", report.env_metrics[env], report.env_tally[env])
         row("all", report.metrics, report.tally)
         self._live.update(table, refresh=True)
+
+
+def _cost_caption(cost: MismatchSums | None) -> str:
+    """What staleness cost the simulated trainer at this step (SPEC 11), for the live table."""
+    keys = cost.metrics() if cost is not None else {}
+    if "staleness/mismatch/k3" not in keys:
+        return ""
+    text = f"\ntrainer mismatch k3 {keys['staleness/mismatch/k3']:.4f}"
+    excess = keys.get("staleness/mismatch/excess_k3")
+    return text + (f", excess over lag 0 {excess:.4f}" if excess is not None else " (no lag-0 tokens: no floor)")
 
 
 class _EventLog:
@@ -299,6 +312,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         if otlp is not None:
             say("OTLP: exporting to the endpoint in OTEL_EXPORTER_OTLP_*ENDPOINT")
         simulation = Simulation(options.seed)
+        trainer = SimulatedTrainer(options.seed)
         table = _LiveTable(options) if live else None
         totals = _Totals()
         with _ctrl_c_stops(stop), table if table is not None else contextlib.nullcontext():
@@ -307,10 +321,11 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 monitor.add(step_events.rollouts)
                 shipment = monitor.ship(step_events.step, step_events.ship_ids)
                 simulation.forget(shipment.dropped_rollouts)
+                cost = trainer.train(monitor, shipment)  # trainer log-probs -> mismatch sums -> the exporters
                 totals.add(shipment.report)
                 shipped_steps += 1
                 if table is not None:
-                    table.update(step_events, shipment, totals)
+                    table.update(step_events, shipment, totals, cost)
     except KeyboardInterrupt:
         interrupted = True
     finally:
@@ -336,4 +351,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     if config.sync_interval != 1:
         replay_options += f" --sync-interval {config.sync_interval}"
     say(f"done: {shipped_steps} steps. Next: staleness-metrics report {events.path}{replay_options} -o report.html")
+    # The trainer's log-probabilities never reach the event stream (as in a real run): what staleness
+    # cost is in the metrics the run logged.
+    say(f"what staleness cost the trainer: staleness-metrics report {metrics_path} -o cost.html")
     return 130 if interrupted else 0

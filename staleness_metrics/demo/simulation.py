@@ -13,6 +13,10 @@ The model, in ticks of simulated time:
 - A share of groups is sampled by a frozen model (``source: frozen``, no version labels).
 - Finished rollouts wait in the queue; the trainer ships the oldest ``batch_rollouts`` of them as
   soon as it is idle and they are there, trains for ``train_ticks``, then publishes the next version.
+- Every ``sync_every`` steps the orchestrator runs ``sync_steps`` steps nearly synchronously (as around
+  an evaluation or a checkpoint): it buffers no more than one batch, so the trainer waits for rollouts
+  sampled by the newest weights. Those steps hold lag-0 tokens: the numeric floor of SPEC 11 that the
+  excess mismatch is measured against (a fully asynchronous step has none).
 
 Everything is drawn from one seeded generator, so a seed gives the same events every time.
 """
@@ -52,6 +56,8 @@ class DemoSettings:
     load_delay_ticks: int = 3
     frozen_share: float = 0.1
     max_buffered: int = 224
+    sync_every: int = 20  # 0: never synchronous
+    sync_steps: int = 4
     max_tokens: int = 8192
     envs: tuple[EnvProfile, ...] = (
         EnvProfile("math", 0.45, 220, 0.6),
@@ -132,6 +138,12 @@ class Simulation:
         return min(w.version for w in self._workers)
 
     @property
+    def _buffer_limit(self) -> int:
+        s = self.settings
+        synchronous = s.sync_every > 0 and (self._step - 1) % s.sync_every >= s.sync_every - s.sync_steps
+        return s.batch_rollouts if synchronous else s.max_buffered
+
+    @property
     def in_flight(self) -> int:
         return len(self._waiting) + sum(w.current is not None for w in self._workers)
 
@@ -159,7 +171,7 @@ class Simulation:
 
     def _dispatch(self) -> None:
         s = self.settings
-        while self.in_flight + len(self._queue) + s.group_size <= s.max_buffered:
+        while self.in_flight + len(self._queue) + s.group_size <= self._buffer_limit:
             self._groups += 1
             env = s.envs[int(self._rng.choice(len(s.envs), p=self._shares))]
             frozen = bool(self._rng.random() < s.frozen_share)

@@ -82,7 +82,7 @@ class Stateful(Protocol):
     """An exporter with cumulative state that a monitor checkpoint carries (SPEC 13).
 
     ``absorb`` folds a report that was already published (a restart re-applying its journal) into that
-    state without publishing it again.
+    state without publishing it again; ``absorb_mismatch`` does the same for trainer-side sums.
     """
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -90,6 +90,8 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
     def absorb(self, report: StepReport) -> None: ...
+
+    def absorb_mismatch(self, report: MismatchReport) -> None: ...
 
 
 class ExportErrors:

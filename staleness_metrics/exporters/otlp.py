@@ -329,6 +329,10 @@ class OtlpExporter(QueuedExporter[_Payload]):
         """Fold a report exported before a restart into the run totals, without sending it again."""
         self._state.apply(report)
 
+    def absorb_mismatch(self, report: MismatchReport) -> None:
+        """Fold trainer-side sums exported before a restart into the run totals, without sending them again."""
+        self._state.apply_mismatch(report.delta)
+
     def export(self, report: StepReport) -> None:
         snapshot = self._state.apply(report)  # cheap: bucket sums; the OTLP encoding happens on send
         if self._recorder is not None:

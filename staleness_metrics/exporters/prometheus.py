@@ -178,6 +178,10 @@ class _PrometheusBase:
         """Fold a report exported before a restart into the run totals, without sending it again."""
         self._apply(report)
 
+    def absorb_mismatch(self, report: MismatchReport) -> None:
+        """Fold trainer-side sums exported before a restart into the run totals, without sending them again."""
+        self._apply(report)
+
     def exposition(self) -> bytes:
         """The text exposition (classic Prometheus format), as a scrape would get it."""
         return generate_latest(self.registry)

@@ -11,6 +11,7 @@ import numpy as np
 from .. import __version__
 from ..adapters.prime_rl import ComparisonRow, comparison_summary
 from ..what_if import WhatIfRow
+from .costs import render_costs
 from .data import ReportData
 from .svg import PALETTE, Rule, Series, bar_chart, heatmap, line_chart, message_chart
 
@@ -205,20 +206,34 @@ def _what_if_chart(data: ReportData) -> str:
 def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     if not rows:
         return ""
+    costs = any(r.trained_covered is not None for r in rows)  # the run has trainer log-probs (SPEC 11)
     head = (
         "<tr><th>max_staleness</th><th>masked</th><th>tokens kept</th><th>kept share</th>"
-        "<th>rollouts dropped</th><th>samples dropped</th><th>rollouts shipped</th><th>held</th></tr>"
+        "<th>rollouts dropped</th><th>samples dropped</th><th>rollouts shipped</th><th>held</th>"
+        + ("<th>trained k3</th><th>trained excess k3</th>" if costs else "")
+        + "</tr>"
     )
+
+    def cost_cells(r: WhatIfRow) -> str:
+        return f"<td>{_num(r.trained_k3, 4)}</td><td>{_num(r.trained_excess_k3, 4)}</td>" if costs else ""
+
     body = "".join(
         f"<tr{' class=current' if r.max_staleness == bound else ''}><td>{r.max_staleness}</td>"
         f"<td>{_pct(r.masked_ratio)}</td><td>{_num(r.tokens_kept)}</td><td>{_pct(r.kept_share)}</td>"
         f"<td>{_num(r.rollouts_dropped)}</td><td>{_num(r.samples_dropped)}</td>"
-        f"<td>{_num(r.rollouts_shipped)}</td><td>{_num(r.rollouts_held)}</td></tr>"
+        f"<td>{_num(r.rollouts_shipped)}</td><td>{_num(r.rollouts_held)}</td>{cost_cells(r)}</tr>"
         for r in rows
     )
     return (
         '<section class="panel" id="what-if-table"><h2>What-if table</h2><p>Totals over the run; the '
-        f"highlighted row is the bound replayed above.</p><table>{head}{body}</table></section>"
+        "highlighted row is the bound replayed above."
+        + (
+            " Trained k3: mean k3 of the covered tokens the bound lets train; excess: of those with lag "
+            "&ge; 1 over those with lag 0."
+            if costs
+            else ""
+        )
+        + f"</p><table>{head}{body}</table></section>"
     )
 
 
@@ -284,7 +299,7 @@ def render(data: ReportData, title: str = "Staleness report") -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>"
         f'<h1>{escape(title)}</h1><p class="meta">{" · ".join(meta)}</p>'
-        f"{_summary(data)}<p></p>{''.join(charts)}{_comparison(data.comparison)}"
-        f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6 and 9.</p>'
+        f"{_summary(data)}<p></p>{''.join(charts)}{render_costs(data)}{_comparison(data.comparison)}"
+        f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6, 9, 11 and 12.</p>'
         "</main></body></html>\n"
     )

@@ -5,7 +5,8 @@ Routes (see the OpenAPI document at ``/openapi.json``, browsable at ``/docs``):
 - ``PUT /v1/runs/{run}`` creates a run with its configuration (201; 200 when it exists with the same
   one, 409 with another). Rollouts to a run that was not created get 404: a typo in a run name must
   not silently start a second run with default settings.
-- ``POST /v1/runs/{run}/rollouts``, ``/sweep``, ``/ship``; ``GET /v1/runs/{run}``, ``/steps?since=N``;
+- ``POST /v1/runs/{run}/rollouts``, ``/sweep``, ``/ship``, ``/mismatch`` (trainer-side SPEC 11 sums of a
+  shipped step; posts for one step merge); ``GET /v1/runs/{run}``, ``/steps?since=N``;
   ``DELETE /v1/runs/{run}``; ``GET /v1/runs``.
 - ``GET /metrics``: the Prometheus exposition of every run; ``GET /healthz``.
 
@@ -44,6 +45,8 @@ from .models import (
     ErrorItem,
     ErrorMessage,
     Health,
+    MismatchRequest,
+    MismatchResult,
     RolloutBatchIn,
     RunInfo,
     RunList,
@@ -75,11 +78,12 @@ __all__ = ["create_app"]
 DESCRIPTION = """\
 A sidecar that keeps one staleness sink per run and publishes its metrics, for orchestrators written in
 other languages or split over processes. Create a run (`PUT /v1/runs/{run}`), send finished rollouts,
-ship batches, and read the metrics back (`/steps`, `/metrics`).
+ship batches, and read the metrics back (`/steps`, `/metrics`). Trainers post what staleness cost a
+shipped step (their mismatch sums by token lag, `/mismatch`), one post per rank: they merge.
 
 Writes need `Authorization: Bearer <token>` when the service was started with a token (always, off
 loopback). Re-sending a batch or a ship after a timeout is safe: rollouts are counted once by id, and a
-ship with an `Idempotency-Key` the run has seen returns the first answer.
+ship or mismatch post with an `Idempotency-Key` the run has seen returns the first answer.
 """
 
 RunName = Annotated[
@@ -327,6 +331,30 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     ) -> ShipResult:
         """Mask and ship the batch for ``step`` and publish its metrics to every exporter."""
         return registry.get(run).ship(request, idempotency_key)
+
+    @app.post(
+        "/v1/runs/{run}/mismatch", tags=["metrics"], dependencies=writes, responses=_responses(400, 401, 404, 413)
+    )
+    def record_mismatch(
+        run: RunName,
+        request: MismatchRequest,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias="Idempotency-Key",
+                min_length=1,
+                max_length=255,
+                description="Send the same key when retrying a post: the run merges it once.",
+            ),
+        ] = None,
+    ) -> MismatchResult:
+        """Merge trainer-side mismatch sums (SPEC 11) into a shipped step's total and publish it.
+
+        Post one `MismatchSums.to_dict()` per rank or micro-batch: posts for one step merge. Invalid sums
+        (a missing bucket, a negative count) or a step the run never shipped get 422 naming the field,
+        and nothing is recorded.
+        """
+        return registry.get(run).record_mismatch(request, idempotency_key)
 
     @app.get("/v1/runs/{run}/steps", tags=["metrics"], dependencies=reads, responses=_responses(*read_errors, 404))
     def steps(

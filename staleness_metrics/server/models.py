@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from .. import __version__
 from ..config import StalenessConfig
+from ..mismatch import COUNT_FIELDS, LAG_BUCKETS, SUM_FIELDS
 from ..report import Tally
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "ErrorItem",
     "ErrorMessage",
     "Health",
+    "MismatchRequest",
+    "MismatchResult",
     "RolloutBatchIn",
     "RunInfo",
     "RunList",
@@ -95,6 +98,13 @@ _SAMPLE_SCHEMA: dict[str, Any] = {
         "ce_weights": _nullable(_NUMBERS),
         "ref_kl_weights": _nullable(_NUMBERS),
         "logprobs": _nullable(_NUMBERS),
+        "trainer_logprobs": _nullable(
+            {
+                "type": "array",
+                "items": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+                "description": "The trainer's log-probability of each position (SPEC 11); null = uncovered.",
+            }
+        ),
     },
     "additionalProperties": False,
 }
@@ -239,6 +249,11 @@ class ShipResult(BaseModel):
     rollouts: list[dict[str, Any]] | None = Field(
         default=None, description="With include_rollouts: the shipped rollouts as SPEC 3 records, masked."
     )
+    lags: list[list[list[int]]] | None = Field(
+        default=None,
+        description="With include_rollouts: the lag of every position of each returned sample (SPEC 11; -1 "
+        "outside the population), [rollout][sample][position], for a trainer posting its mismatch sums.",
+    )
     replayed: bool = Field(
         default=False, description="True when this is the stored answer to a repeated Idempotency-Key."
     )
@@ -249,10 +264,72 @@ class StepRow(BaseModel):
 
     ship: int
     step: int
-    metrics: dict[str, float | int]
+    metrics: dict[str, float | int] = Field(
+        description="The SPEC 6 metrics of the ship; on the last ship of a step with posted mismatch sums, "
+        "the SPEC 11 keys of their merged total (staleness/mismatch/...)."
+    )
     counts: Counts
     token_histogram: list[int] = Field(description="Shipped sampled positions per token staleness (index).")
     rollout_histogram: list[int] = Field(description="Shipped live rollouts per rollout staleness (index).")
+    mismatch: dict[str, Any] | None = Field(
+        default=None,
+        description="The merged mismatch sums posted for this step (MismatchSums.to_dict() form), on the "
+        "step's last ship; null when none were posted.",
+    )
+
+
+_BUCKET_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": [*COUNT_FIELDS, *SUM_FIELDS],
+    "properties": {
+        **{name: {"type": "integer", "minimum": 0} for name in COUNT_FIELDS},
+        "sum_log_ratio": {"type": "number"},
+        **{name: {"type": "number", "minimum": 0} for name in SUM_FIELDS if name != "sum_log_ratio"},
+    },
+    "description": "SPEC 11 sums of one lag bucket: counts of covered, masked and out-of-band positions, "
+    "and the sums of d, |d|, k3, r and r^2.",
+}
+
+MISMATCH_SUMS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["uncovered", "lags"],
+    "properties": {
+        "format": {"type": "integer", "enum": [1], "default": 1},
+        "uncovered": {"type": "integer", "minimum": 0, "description": "Sampled positions lacking a value."},
+        "lags": {
+            "type": "object",
+            "required": list(LAG_BUCKETS),
+            "properties": {name: _BUCKET_SCHEMA for name in LAG_BUCKETS},
+            "additionalProperties": False,
+        },
+    },
+    "description": "MismatchSums.to_dict(): per lag bucket (0..16, 32, 64, inf) the additive sums of SPEC 11.",
+}
+
+
+class MismatchRequest(BaseModel):
+    """Trainer-side mismatch sums (SPEC 11) of part of a shipped step: one rank's or micro-batch's."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    step: Step
+    sums: dict[str, Any] = Field(
+        description="The sums as MismatchSums.to_dict() gives them; validated by the library.",
+        json_schema_extra=MISMATCH_SUMS_SCHEMA,
+    )
+
+
+class MismatchResult(BaseModel):
+    """The step's mismatch after this post: its merged total's SPEC 11 keys."""
+
+    run: str
+    step: int
+    posts: int = Field(description="Posts merged into the step's total so far (replays not counted).")
+    tokens: int = Field(description="Covered positions of the step's merged total.")
+    metrics: dict[str, float | int] = Field(description="SPEC 11 keys of the merged total (staleness/mismatch/...).")
+    replayed: bool = Field(
+        default=False, description="True when this is the stored answer to a repeated Idempotency-Key."
+    )
 
 
 class StepsPage(BaseModel):

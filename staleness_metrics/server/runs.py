@@ -14,6 +14,9 @@ Exactly-once:
 - **Ships**: a ship carries an optional idempotency key; a ship with a key the run has already answered
   returns the stored answer (``replayed``) instead of shipping again, and the same key with a different
   request is refused. The last :data:`IDEMPOTENCY_KEYS_KEPT` keys of each run are remembered.
+- **Mismatch sums** (SPEC 11): posts for one step merge (one per rank or micro-batch); a post carries an
+  optional idempotency key with the same rules as a ship's (keys are kept per run and per endpoint), so
+  a post retried after a timeout is counted once.
 """
 
 from __future__ import annotations
@@ -24,16 +27,29 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import orjson
 
 from ..config import StalenessConfig
 from ..errors import TraceError
+from ..mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..monitor import StalenessMonitor
+from ..sink import Shipment
 from .exporting import ExportSettings, RunExporters, build_exporters
-from .models import AddResult, ErrorItem, RunInfo, ShipRequest, ShipResult, StepRow, counts_of
+from .models import (
+    AddResult,
+    ErrorItem,
+    MismatchRequest,
+    MismatchResult,
+    RunInfo,
+    ShipRequest,
+    ShipResult,
+    StepRow,
+    counts_of,
+)
 from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Store, StoredRun
 
 if TYPE_CHECKING:
@@ -133,6 +149,71 @@ def _out_of_range(value: Any, path: str) -> str | None:
     return None
 
 
+def _field_item(message: str, default_field: str) -> ErrorItem:
+    """An ErrorItem from a library message of the form "<field>: <reason>"."""
+    name, sep, reason = message.partition(": ")
+    return (
+        ErrorItem(field=name, reason=reason)
+        if sep and " " not in name
+        else ErrorItem(field=default_field, reason=message)
+    )
+
+
+def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
+    """The posted sums, validated by the library; errors name the field under ``sums``."""
+    path = _out_of_range(sums, "sums")
+    if path is not None:
+        raise RecordsInvalid([ErrorItem(field=path, reason="integer out of range")])
+    try:
+        parsed = MismatchSums.from_dict(sums)
+    except ValueError as error:
+        item = _field_item(str(error), "sums")
+        if item.field != "sums":
+            item = item.model_copy(update={"field": f"sums.{item.field}"})
+        raise RecordsInvalid([item]) from None
+    # A bucket without covered positions has nothing to sum: non-zero sums there are a client bug that
+    # would skew the all-bucket k3.
+    for i in np.flatnonzero(parsed.tokens == 0).tolist():
+        for name in SUM_FIELDS:
+            if getattr(parsed, name)[i] != 0:
+                bucket = LAG_BUCKETS[i]
+                raise RecordsInvalid(
+                    [ErrorItem(field=f"sums.lags.{bucket}.{name}", reason="non-zero while tokens is 0")]
+                )
+    return parsed
+
+
+def _lags_by_rollout(shipment: Shipment) -> list[list[list[int]]]:
+    """``shipment.lags`` cut per shipped rollout and sample, aligned with the returned records."""
+    flat, offsets = shipment.lags.tolist(), shipment.lag_offsets.tolist()
+    out: list[list[list[int]]] = []
+    sample = 0
+    for rollout in shipment.rollouts:
+        n = len(rollout.samples)
+        out.append([flat[offsets[k] : offsets[k + 1]] for k in range(sample, sample + n)])
+        sample += n
+    return out
+
+
+@dataclass(frozen=True)
+class _StepMismatch:
+    """The posted sums of one step: how many posts, their total, and its keys and dict (made once)."""
+
+    posts: int
+    total: MismatchSums
+    metrics: dict[str, float | int]
+    sums: dict[str, Any]
+
+    @classmethod
+    def of(cls, posts: int, total: MismatchSums) -> _StepMismatch:
+        return cls(posts, total, total.metrics(), total.to_dict())
+
+    def on(self, row: StepRow) -> StepRow:
+        """``row`` with these keys in place of any mismatch keys the ship computed, and the sums."""
+        kept = {key: value for key, value in row.metrics.items() if not key.startswith("staleness/mismatch/")}
+        return row.model_copy(update={"metrics": {**kept, **self.metrics}, "mismatch": self.sums})
+
+
 class Run:
     """One run of the service: a :class:`StalenessMonitor` and what exactly-once needs."""
 
@@ -147,6 +228,8 @@ class Run:
         self._duplicates = 0
         self._history: list[StepRow] = []
         self._answers: OrderedDict[str, tuple[tuple[Any, ...], ShipResult]] = OrderedDict()
+        self._mismatch: dict[int, _StepMismatch] = {}  # posted trainer-side sums, per shipped step
+        self._mismatch_answers: OrderedDict[str, tuple[tuple[Any, ...], MismatchResult]] = OrderedDict()
         self._closed = False
         # Persistence: every write that changed the run is one journal row (see .store).
         self._store = store or Store()
@@ -161,6 +244,9 @@ class Run:
             "add": self._replay_add,
             "sweep": lambda request: self.sweep(int(request["step"])),
             "ship": lambda request: self.ship(ShipRequest.model_validate(request["request"]), request.get("key")),
+            "mismatch": lambda request: self.record_mismatch(
+                MismatchRequest.model_validate(request["request"]), request.get("key")
+            ),
         }
 
     @property
@@ -214,6 +300,12 @@ class Run:
                 [key, [fp[0], None if fp[1] is None else list(fp[1]), fp[2]], answer.model_dump(mode="json")]
                 for key, (fp, answer) in self._answers.items()
             ],
+            # Posted mismatch sums (SPEC 11) per step, and the answers to their idempotency keys.
+            "mismatch": [[step, m.posts, m.sums] for step, m in self._mismatch.items()],
+            "mismatch_answers": [
+                [key, [fp[0], fp[1].hex()], answer.model_dump(mode="json")]
+                for key, (fp, answer) in self._mismatch_answers.items()
+            ],
         }
 
     def restore(self, stored: StoredRun) -> None:
@@ -230,6 +322,14 @@ class Run:
                 self._answers = OrderedDict(
                     (key, ((fp[0], None if fp[1] is None else tuple(fp[1]), fp[2]), ShipResult.model_validate(answer)))
                     for key, fp, answer in state["answers"]
+                )
+                self._mismatch = {
+                    int(step): _StepMismatch.of(int(posts), MismatchSums.from_dict(sums))
+                    for step, posts, sums in state.get("mismatch", [])
+                }
+                self._mismatch_answers = OrderedDict(
+                    (key, ((int(fp[0]), bytes.fromhex(fp[1])), MismatchResult.model_validate(answer)))
+                    for key, fp, answer in state.get("mismatch_answers", [])
                 )
             self._history = [StepRow.model_validate(row) for row in stored.history]
             self._seq = stored.snapshot_seq
@@ -391,6 +491,7 @@ class Run:
                 metrics=metrics,
                 counts=counts,
                 rollouts=[r.record() for r in shipment.rollouts] if request.include_rollouts else None,
+                lags=_lags_by_rollout(shipment) if request.include_rollouts else None,
             )
             if idempotency_key is not None:
                 self._answers[idempotency_key] = (fingerprint, answer)
@@ -403,12 +504,56 @@ class Run:
             )
             return answer
 
-    # ------------------------------------------------------------------ reads
-    def steps(self, since: int = 0) -> list[StepRow]:
-        """The metrics history: every ship with ``step > since``, oldest first."""
+    # ------------------------------------------------------------------ mismatch sums
+    def record_mismatch(self, request: MismatchRequest, idempotency_key: str | None = None) -> MismatchResult:
+        """Merge trainer-side sums into ``request.step``'s total and publish it; all or nothing."""
+        delta = _parse_sums(request.sums)
+        fingerprint = (request.step, _digest(delta.to_dict()))
         with self._lock:
             self._check_open()
-            return [row for row in self._history if row.step > since]
+            if idempotency_key is not None and idempotency_key in self._mismatch_answers:
+                first, answer = self._mismatch_answers[idempotency_key]
+                if first != fingerprint:
+                    raise IdempotencyMismatch(
+                        f"Idempotency-Key {idempotency_key!r} was used for different mismatch sums of this run"
+                    )
+                return answer.model_copy(update={"replayed": True})
+            known = self._mismatch.get(request.step)
+            posts = known.posts if known is not None else 0
+            with np.errstate(over="ignore"):  # checked just below, and refused
+                total = (known.total if known is not None else MismatchSums.zero()) + delta
+            if not all(np.isfinite(getattr(total, name)).all() for name in SUM_FIELDS):
+                raise RecordsInvalid([ErrorItem(field="sums", reason="the step's merged sums overflow a float64")])
+            try:
+                self.monitor.record_mismatch(request.step, delta)
+            except ValueError as error:  # a step never shipped: "step: ..."
+                raise RecordsInvalid([_field_item(str(error), "step")]) from None
+            merged = self._mismatch[request.step] = _StepMismatch.of(posts + 1, total)
+            answer = MismatchResult(
+                run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
+            )
+            if idempotency_key is not None:
+                self._mismatch_answers[idempotency_key] = (fingerprint, answer)
+                while len(self._mismatch_answers) > IDEMPOTENCY_KEYS_KEPT:
+                    self._mismatch_answers.popitem(last=False)
+            self._journal("mismatch", {"request": request.model_dump(mode="json"), "key": idempotency_key})
+            return answer
+
+    # ------------------------------------------------------------------ reads
+    def steps(self, since: int = 0) -> list[StepRow]:
+        """The metrics history: every ship with ``step > since``, oldest first.
+
+        The last ship of a step with posted mismatch sums carries their merged total: its SPEC 11 keys in
+        ``metrics`` (replacing any the ship computed from records) and the sums in ``mismatch``.
+        """
+        with self._lock:
+            self._check_open()
+            rows = [row for row in self._history if row.step > since]
+            last_of_step = {row.step: i for i, row in enumerate(rows)}
+            for step, i in last_of_step.items():
+                if step in self._mismatch:
+                    rows[i] = self._mismatch[step].on(rows[i])
+            return rows
 
     def info(self) -> RunInfo:
         with self._lock:

@@ -12,9 +12,14 @@ import numpy.typing as npt
 import pytest
 from PIL import Image
 
+from staleness_metrics.adapters import as_replay_events
+from staleness_metrics.adapters.events import read_event_file
 from staleness_metrics.commands import report as report_command
+from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.html_report.svg import PALETTE, heatmap
+from staleness_metrics.replay import replay
+from staleness_metrics.what_if import what_if
 from tests.support.examples import EXAMPLES
 
 from .chromium import Box, chart_boxes, requires_chromium, screenshot
@@ -152,3 +157,84 @@ def test_a_bound_far_above_the_data_does_not_size_the_heatmap() -> None:
     svg = heatmap("histogram", [1, 2], [np.array([3, 1]), np.array([0, 2, 2])], bound=10**12)  # 8 TB of rows before
     assert svg.count("<rect") > 4 and "masked above max_staleness" not in svg  # data drawn, the bound is off-chart
     assert "masked above max_staleness = 1" in heatmap("histogram", [1], [np.array([3, 1])], bound=1)
+
+
+COST_CHARTS = ["mismatch-k3", "mismatch-excess", "mismatch-ess", "length-bias", "length-removed"]
+
+
+def _events_with_trainer_logprobs(path: Path, steps: int = 15) -> Path:
+    """The demo pipeline's events with sampler and trainer log-probabilities on every live sample, and one
+    fresh (lag-0) rollout in each ship, so that every step has the numeric floor."""
+    rng = np.random.default_rng(5)
+    with path.open("w") as handle:
+        for _, step in zip(range(steps), Simulation(2).steps(), strict=False):
+            events = step.events()
+            fresh = {
+                "id": f"fresh-{step.step}",
+                "dispatch_version": step.step - 1,
+                "samples": [{"mask": [0] + [1] * 40, "token_versions": [-1] + [step.step - 1] * 40}],
+            }
+            events.insert(-1, {"type": "rollout", "rollout": fresh})
+            events[-1]["ids"] = [*events[-1]["ids"], fresh["id"]]
+            for event in events[:-1]:
+                record = event["rollout"]
+                if record.get("source") == "frozen":
+                    continue
+                for sample in record["samples"]:
+                    n = len(sample["mask"])
+                    sampler = -rng.exponential(0.7, n)
+                    sample["logprobs"] = sampler.tolist()
+                    sample["trainer_logprobs"] = (sampler + rng.normal(0, 0.2, n)).tolist()
+            handle.writelines(json.dumps(e) + "\n" for e in events)
+    return path
+
+
+@requires_chromium
+def test_a_run_with_trainer_logprobs_shows_what_staleness_costs(tmp_path: Path) -> None:
+    events = _events_with_trainer_logprobs(tmp_path / "events.jsonl")
+    page = _report(tmp_path, events, "--bound", "2", "--max-staleness", "0..4")
+    html = page.read_text()
+    assert '<section id="what-staleness-costs"><h2>What staleness costs</h2>' in html
+    image, boxes = _render(page, tmp_path)
+    assert list(boxes) == CHARTS + COST_CHARTS
+    for key in COST_CHARTS:
+        pixels = _pixels(image, boxes[key])
+        assert boxes[key].w > 600 and boxes[key].h > 150
+        # The first two lag lines (lag 0 has no excess: the excess chart starts at the second colour), or
+        # the two length lines, are drawn in their colours.
+        colours = {"length-bias": [PALETTE[0], PALETTE[3]], "mismatch-excess": [PALETTE[1], PALETTE[2]]}.get(
+            key, [PALETTE[0], PALETTE[1]]
+        )
+        for colour in colours:
+            assert _count(pixels, colour) >= 20, f"{key}: no marks in {colour}"
+    # The marks carry the replayed values: step 3's lag-0 k3 is the replay's.
+    rows = [s.metrics for s in replay(as_replay_events(read_event_file(events)), StalenessConfig(max_staleness=2))]
+    k3 = rows[2]["staleness/mismatch/lag_0/k3"]
+    assert f"<title>lag 0 at 3: {k3:.4g}</title>" in html
+    # The what-if table prices each bound: the k3 of what it lets train.
+    [at_two] = what_if(events, [2], StalenessConfig(max_staleness=2))
+    assert at_two.trained_k3 is not None and at_two.trained_excess_k3 is not None
+    row = re.search(r"<tr class=current><td>2</td>.*?</tr>", html)
+    assert row is not None and row.group(0).endswith(
+        f"<td>{at_two.trained_k3:.4g}</td><td>{at_two.trained_excess_k3:.4g}</td></tr>"
+    )
+
+
+def test_logged_metrics_with_the_family_show_the_section_and_a_missing_floor_says_so(tmp_path: Path) -> None:
+    logged = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": 1, "staleness/mismatch/lag_2/tokens": 10, "staleness/mismatch/lag_2/k3": 0.01,
+         "staleness/mismatch/lag_2/ess": 0.99, "staleness/mismatch/k3": 0.01},
+        {"step": 2, "staleness/mismatch/lag_3/tokens": 12, "staleness/mismatch/lag_3/k3": 0.02,
+         "staleness/mismatch/lag_3/ess": 0.97, "staleness/mismatch/k3": 0.02},
+    ]  # fmt: skip
+    logged.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = _report(tmp_path, logged).read_text()
+    assert 'id="what-staleness-costs"' in html
+    assert "no step had lag-0 tokens: the numeric floor is unknown" in html
+    assert "<title>lag 3 at 2: 0.02</title>" in html and "<title>lag 2 at 1: 0.01</title>" in html
+
+
+def test_a_run_without_trainer_logprobs_has_no_cost_section(tmp_path: Path) -> None:
+    html = _report(tmp_path, _demo_events(tmp_path / "events.jsonl", steps=4), "--bound", "2").read_text()
+    assert "What staleness costs" not in html and "mismatch-k3" not in html and "trained k3" not in html

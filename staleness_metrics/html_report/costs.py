@@ -1,0 +1,147 @@
+"""The report's "What staleness costs" section (SPEC 11 and 12), drawn when the run's rows carry the
+mismatch family, that is when the run has trainer log-probabilities (records that carry
+``trainer_logprobs``, or logged metrics of a trainer that recorded its mismatch sums).
+
+Charts, all over steps: k3 by lag, the excess k3 over the lag-0 floor by lag, the ESS by lag, and the
+length bias (trained vs sampled mean length; removed share by length bucket). Per-step values are the
+ones logged or replayed: a run-wide figure would need the sums, which rows do not carry.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from ..mismatch import LAG_BUCKETS
+from .data import ReportData
+from .svg import PALETTE, Series, line_chart, message_chart
+
+__all__ = ["LENGTH_BUCKETS", "MAX_LAG_LINES", "has_costs", "lag_buckets_shown", "render_costs"]
+
+MISMATCH_PREFIX = "staleness/mismatch/"
+LENGTH_BUCKETS = ("256", "1k", "4k", "16k", "inf")  # SPEC 12
+MAX_LAG_LINES = 6  # one colour per line, and a legend that fits the chart's width
+
+
+def has_costs(data: ReportData) -> bool:
+    """True when some row carries a SPEC 11 key: the section is drawn only then."""
+    return any(key.startswith(MISMATCH_PREFIX) for row in data.rows for key in row)
+
+
+def lag_buckets_shown(data: ReportData) -> list[str]:
+    """The lag buckets drawn: the :data:`MAX_LAG_LINES` with the most covered tokens, in lag order."""
+    tokens = {b: sum(row.get(f"{MISMATCH_PREFIX}lag_{b}/tokens", 0) for row in data.rows) for b in LAG_BUCKETS}
+    busiest = sorted((b for b in LAG_BUCKETS if tokens[b] > 0), key=lambda b: -tokens[b])[:MAX_LAG_LINES]
+    return [b for b in LAG_BUCKETS if b in busiest]
+
+
+def _lag_name(bucket: str) -> str:
+    if bucket == "32":
+        return "lag 17-32"
+    if bucket == "64":
+        return "lag 33-64"
+    return "lag > 64" if bucket == "inf" else f"lag {bucket}"
+
+
+def _by_lag(data: ReportData, buckets: list[str], stat: str, skip: str | None = None) -> list[Series]:
+    """One line per bucket; a bucket keeps its colour from chart to chart."""
+    return [
+        Series(_lag_name(b), data.series(f"{MISMATCH_PREFIX}lag_{b}/{stat}"), PALETTE[i % len(PALETTE)])
+        for i, b in enumerate(buckets)
+        if b != skip
+    ]
+
+
+def _figure(key: str, title: str, caption: str, svg: str) -> str:
+    return (
+        f'<figure class="chart" id="chart-{key}" data-chart="{key}"><figcaption><h2>{escape(title)}</h2>'
+        f"<p>{caption}</p></figcaption>{svg}</figure>"
+    )
+
+
+def _k3_chart(data: ReportData, buckets: list[str]) -> str:
+    svg = line_chart("Mismatch k3 by token lag over steps", data.steps, _by_lag(data, buckets, "k3"), y_label="nats")
+    caption = (
+        "Mean k3 = r - 1 - log r of the covered tokens of each lag (r = trainer / sampler probability; "
+        "the estimator of prime-rl's <code>mismatch_kl</code>). Lag 0 is the engines' numeric floor."
+    )
+    return _figure("mismatch-k3", "Mismatch by lag", caption, svg)
+
+
+def _excess_chart(data: ReportData, buckets: list[str]) -> str:
+    label = "Excess k3 over the lag-0 floor, by lag"
+    if not any(f"{MISMATCH_PREFIX}excess_k3" in row for row in data.rows):
+        svg = message_chart(label, "no step had lag-0 tokens: the numeric floor is unknown")
+    else:
+        series = [
+            Series("all stale tokens", data.series(f"{MISMATCH_PREFIX}excess_k3"), "#1d2329", dashed=True),
+            *_by_lag(data, buckets, "excess_k3", skip="0"),
+        ]
+        svg = line_chart(label, data.steps, series, y_label="nats above lag 0")
+    caption = (
+        "What staleness costs: each lag's k3 minus the lag-0 k3 of the same step. Near zero, stale tokens "
+        "cost nothing beyond numerics; growing with the lag, the bound is letting in tokens the policy has "
+        "moved away from."
+    )
+    return _figure("mismatch-excess", "Excess mismatch by lag", caption, svg)
+
+
+def _ess_chart(data: ReportData, buckets: list[str]) -> str:
+    svg = line_chart(
+        "Effective sample size by token lag over steps",
+        data.steps,
+        _by_lag(data, buckets, "ess"),
+        y_label="normalised ESS",
+        y_max=1.0,
+    )
+    caption = (
+        "(Σr)² / (n Σr²) of each lag's importance ratios: 1 when trainer and sampler agree, falling as a "
+        "few tokens' ratios dominate."
+    )
+    return _figure("mismatch-ess", "ESS by lag", caption, svg)
+
+
+def _length_chart(data: ReportData) -> str:
+    svg = line_chart(
+        "Mean response length: sampled vs trained",
+        data.steps,
+        [
+            Series("sampled", data.series("staleness/length/sampled/mean"), PALETTE[0]),
+            Series("trained (masked and dropped count 0)", data.series("staleness/length/trained/mean"), PALETTE[3]),
+        ],
+        y_label="sampled positions per sample",
+    )
+    caption = (
+        "Long responses span more weight updates, so masking and drops remove more of them: the gap between "
+        "the lines is the length bias of the bound (SPEC 12)."
+    )
+    return _figure("length-bias", "Length bias", caption, svg)
+
+
+def _removed_chart(data: ReportData) -> str:
+    series = [
+        Series(f"length {'> 16k' if b == 'inf' else '≤ ' + b}", data.series(f"staleness/length/bucket_{b}/masked"), c)
+        for b, c in zip(LENGTH_BUCKETS, PALETTE, strict=False)
+    ]
+    svg = line_chart(
+        "Removed share by response length", data.steps, series, y_label="share masked or dropped", percent=True
+    )
+    caption = "Share of each length bucket's sampled tokens masked or dropped for staleness, per step."
+    return _figure("length-removed", "Removed share by length", caption, svg)
+
+
+def render_costs(data: ReportData) -> str:
+    """The section, or ``""`` when the run has no trainer log-probabilities."""
+    if not has_costs(data):
+        return ""
+    buckets = lag_buckets_shown(data)
+    charts = [_k3_chart(data, buckets), _excess_chart(data, buckets), _ess_chart(data, buckets)]
+    charts += [_length_chart(data), _removed_chart(data)]
+    intro = (
+        "Trainer and sampler log-probabilities compared token by token, split by token lag (SPEC 11): the "
+        "lag-0 tokens give the numeric floor, the excess over it is what staleness costs. Below, what the "
+        "bound removed, by response length (SPEC 12)."
+    )
+    return (
+        f'<section id="what-staleness-costs"><h2>What staleness costs</h2><p class="meta">{intro}</p>'
+        f"{''.join(charts)}</section>"
+    )
