@@ -375,6 +375,12 @@ def test_pushgateway_receives_pushes_survives_an_outage_and_deletes_its_group(tm
     finally:
         exp.close()
         if gateway._process is not None:
-            remaining = gateway.metrics_text()
+            # close() deleted the group; the Pushgateway answers a DELETE with 202 and applies it a moment
+            # later, so wait for it (a hang guard, not a speed check).
+            deadline = time.monotonic() + 60
+            while "rl_staleness_train_step" in (remaining := gateway.metrics_text()):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
             gateway.stop()
-            assert "rl_staleness_train_step" not in remaining  # close() deleted the group
+            assert "rl_staleness_train_step" not in remaining, "close() did not delete the group"
