@@ -104,8 +104,11 @@ def test_recording_rules_over_the_scraped_sums_give_the_wandb_values(tmp_path: P
             def recorded(key: str, label: str = "") -> dict[str, float]:
                 return by_label(prom.query(f'{MISMATCH_RECORDS[key]}{{run="{run}"}}'), label)
 
-            def settled() -> bool:  # the rules evaluated over the final counters
-                return recorded("k3_by_lag", "lag") == approx(wandb_by_lag(expected, "k3"))
+            def settled() -> bool:  # the rules evaluated over the final counters (rules that read recorded
+                # series trail the others by one evaluation, so wait for the last of them too)
+                return recorded("k3_by_lag", "lag") == approx(wandb_by_lag(expected, "k3")) and recorded(
+                    "excess_k3"
+                ) == approx({"": expected["staleness/mismatch/excess_k3"]})
 
             prom.wait_until(settled)
             assert recorded("k3_by_lag", "lag") == approx(wandb_by_lag(expected, "k3"))
@@ -204,7 +207,10 @@ def test_two_processes_merged_by_prometheus_rates_equal_the_merged_runs_wandb_va
                 prom.wait_until(lambda rule=rule, own=own: by_label(prom.query(rule), "lag") == approx(
                     wandb_by_lag(own.metrics(), "k3")
                 ))  # fmt: skip
-                excess = prom.query_value(f'{MISMATCH_RECORDS["excess_k3"]}{{run="{run}"}}')
+                # The excess rule reads recorded series: it may trail the k3 rule by one evaluation.
+                excess_rule = f'{MISMATCH_RECORDS["excess_k3"]}{{run="{run}"}}'
+                prom.wait_until(lambda rule=excess_rule: prom.query_value(rule) is not None)
+                excess = prom.query_value(excess_rule)
                 assert excess == pytest.approx(own.metrics()["staleness/mismatch/excess_k3"], rel=REL)
             # what a per-process average would give is not the merged value: the sums matter
             naive = np.mean([s.metrics()["staleness/mismatch/k3"] for s in sums])
