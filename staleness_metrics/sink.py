@@ -22,7 +22,7 @@ from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK, Decision, Judgement
 from .errors import TraceError
-from .masking import PositionMasker
+from .masking import mask_spans
 from .metrics import WindowCounts, compute_report
 from .policies import Policy, policy_for
 from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
@@ -193,7 +193,6 @@ class Sink:
             sample=np.int64, lo=np.int64, hi=np.int64, version=np.int64, labelled=np.bool_,
             sampled=np.int64, live=np.bool_, part=np.int8,
         )  # fmt: skip
-        self._masker = PositionMasker()
         self._ids: list[str] = []  # per rollout row
         self._row_of: dict[str, int] = {}  # queued (and recently resolved) rollouts by id
         self._seen_ids: set[str] = set()  # every id accepted in the run: ids are unique within a run
@@ -482,7 +481,7 @@ class Sink:
         rows = span_rows[hit]
         chunk_of = self._rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
         spans = self._spans
-        self._masker.mask(self._chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit])
+        mask_spans(self._chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit])
 
     def _leave(self, rows: IntArray, status: int) -> None:
         self._rollouts["status"][rows] = status
@@ -495,7 +494,6 @@ class Sink:
         for chunk, still_open in enumerate(self._chunk_open):
             if still_open == 0 and self._chunks[chunk] is not None:
                 self._chunks[chunk] = None
-                self._masker.forget()
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
@@ -582,7 +580,6 @@ class Sink:
         )  # fmt: skip
         self._spans = self._spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
         self._chunks = [self._chunks[c] for c in chunks.tolist()]
-        self._masker.forget()
         self._chunk_open = [self._chunk_open[c] for c in chunks.tolist()]
         self._ids = [self._ids[row] for row in keep.tolist()]
         self._row_of = {rid: row for row, rid in enumerate(self._ids)}

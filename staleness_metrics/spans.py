@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .kernels import token_cuts
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 from .segments import expand_ranges, segment_max, segment_min, segment_sum
 from .validation import Verdicts
@@ -187,42 +188,11 @@ def _token_cuts(batch: RolloutBatch, tokened: BoolArray, changes: IntArray) -> t
 
     A cut ends where the mask changes or a different label begins; unlabelled positions (-1) between
     two equal labels stay inside the cut, so scattered unlabelled positions do not multiply the cuts.
-    Work beyond the two comparisons of neighbours is per run of equal values, never per position.
+    One compiled pass over the positions (:func:`~staleness_metrics.kernels.token_cuts`).
     """
-    pos_off = batch.position_offsets
     tokens = batch.token_versions
     assert tokens is not None
-    n_positions = len(tokens)
-    segment_start = np.zeros(n_positions, dtype=bool)  # a new sample or a new mask value
-    segment_start[changes] = True
-    segment_start[pos_off[:-1][pos_off[:-1] < n_positions]] = True
-    boundary = np.empty(n_positions, dtype=bool)
-    boundary[0] = True
-    np.not_equal(tokens[1:], tokens[:-1], out=boundary[1:])
-    boundary |= segment_start
-    starts = np.flatnonzero(boundary)
-    if tokened.all():
-        ends = np.append(starts[1:], n_positions)
-    else:
-        run_sample = np.searchsorted(pos_off, starts, "right") - 1
-        chosen = tokened[run_sample]
-        starts, run_sample = starts[chosen], run_sample[chosen]
-        ends = np.minimum(np.append(starts[1:], n_positions), pos_off[run_sample + 1])
-    label = tokens[starts]
-    new_segment = segment_start[starts]
-    is_labelled = label >= 0
-    # Runs of one segment alternate between labels and -1: the label before a -1 run is two runs back.
-    before = np.full(len(starts), -2)
-    before[1:] = label[:-1]
-    two_back = np.full(len(starts), -2)
-    two_back[2:] = label[:-2]
-    unlabelled_run_began_segment = np.zeros(len(starts), dtype=bool)
-    unlabelled_run_began_segment[1:] = new_segment[:-1]
-    new_label = (before >= 0) | (~unlabelled_run_began_segment & (two_back != label))
-    new_cut = new_segment | (is_labelled & new_label)
-    first = np.flatnonzero(new_cut)
-    labelled = segment_sum(np.where(is_labelled, ends - starts, 0), np.append(first, len(starts)))
-    return starts[first], np.maximum.reduceat(label, first) if len(first) else label, labelled
+    return token_cuts(tokens, batch.position_offsets, np.flatnonzero(tokened), changes)
 
 
 def _exact_part_liveness(

@@ -1,0 +1,141 @@
+"""Compiled single passes over positions, for the shapes numpy cannot do in a constant number of passes.
+
+Per-position ``token_versions`` with scattered ``-1`` positions or labels that change often make
+"find the runs, then reduce per run" cost a dozen numpy passes over arrays as long as the runs are
+many. These loops (compiled once by numba, cached on disk) read each position once instead. Each has
+the numpy formulation it replaced in ``tests/core/test_kernels.py``, checked equal on random inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import numba
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["token_cuts", "zero_spans"]
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+_UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+
+
+def _compiled(loop: Callable[..., Any]) -> Callable[..., Any]:
+    """Compile ``loop`` on first call for the argument types it gets; cached on disk across processes."""
+    return cast(Callable[..., Any], numba.njit(cache=True, nogil=True)(loop))
+
+
+@_compiled
+def _token_cuts(
+    tokens: IntArray, pos_off: IntArray, samples: IntArray, changes: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
+    total = 0
+    for s in samples:
+        total += pos_off[s + 1] - pos_off[s]
+    starts = np.empty(total + 1, dtype=np.int64)
+    labels = np.empty_like(starts)
+    labelled = np.empty_like(starts)
+    k = 0
+    c = 0
+    n_changes = len(changes)
+    for s in samples:
+        a = pos_off[s]
+        b = pos_off[s + 1]
+        while c < n_changes and changes[c] <= a:
+            c += 1
+        lo = a
+        while lo < b:  # one stretch of one mask value
+            hi = b
+            if c < n_changes and changes[c] < b:
+                hi = changes[c]
+                c += 1
+            starts[k] = lo
+            cut_label = -1
+            count = 0
+            for p in range(lo, hi):
+                t = tokens[p]
+                is_labelled = t >= 0
+                label = t if is_labelled else cut_label  # -1 positions carry the cut's label on
+                if label != cut_label:
+                    if cut_label >= 0:  # a different label: -1 positions before it stay behind
+                        labels[k] = cut_label
+                        labelled[k] = count
+                        k += 1
+                        starts[k] = p
+                        count = 0
+                    cut_label = label
+                count += is_labelled
+            labels[k] = cut_label
+            labelled[k] = count
+            k += 1
+            lo = hi
+    return starts[:k].copy(), labels[:k].copy(), labelled[:k].copy()
+
+
+def token_cuts(
+    tokens: IntArray, pos_off: IntArray, samples: IntArray, changes: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """Cuts of the (non-empty, increasing) ``samples`` labelled per position: start, label and count
+    of labelled positions of each.
+
+    A cut starts with its sample, wherever the mask changes (``changes``: sorted positions whose mask
+    differs from the previous position's), and where a label differs from the cut's label. ``-1``
+    positions never start a cut: they belong to the cut they fall in, so a cut holds one label (or
+    none: -1) and the unlabelled positions around it.
+    """
+    result: tuple[IntArray, IntArray, IntArray] = _token_cuts(tokens, pos_off, samples, changes)
+    return result
+
+
+@_compiled
+def _zero_spans(
+    b0: npt.NDArray[Any],
+    b1: npt.NDArray[Any],
+    b2: npt.NDArray[Any],
+    b3: npt.NDArray[Any],
+    tokens: IntArray,
+    lo: IntArray,
+    hi: IntArray,
+    part: npt.NDArray[np.int8],
+) -> None:  # pragma: no cover - compiled
+    for r in range(len(lo)):
+        a = lo[r]
+        b = hi[r]
+        if a >= b:
+            continue
+        if part[r] == 0:
+            b0[a:b] = 0
+            b1[a:b] = 0
+            b2[a:b] = 0
+            b3[a:b] = 0
+            continue
+        want = part[r] == 2
+        # Zeros of each view's own type: a literal 0 would make the select below a float64.
+        z0, z1, z2, z3 = b0[a] ^ b0[a], b1[a] ^ b1[a], b2[a] ^ b2[a], b3[a] ^ b3[a]
+        for p in range(a, b):
+            keep = (tokens[p] < 0) != want
+            # Unconditional stores: a select, not a branch on scattered -1 positions.
+            b0[p] = b0[p] if keep else z0
+            b1[p] = b1[p] if keep else z1
+            b2[p] = b2[p] if keep else z2
+            b3[p] = b3[p] if keep else z3
+
+
+def zero_spans(
+    arrays: Sequence[npt.NDArray[Any]], tokens: IntArray | None, lo: IntArray, hi: IntArray, part: npt.NDArray[np.int8]
+) -> None:
+    """Set to 0, in place, in each of ``arrays`` (one to four of the same length): every position of
+    ``[lo[r], hi[r])`` where ``part[r]`` is 0 (the whole span), else its unlabelled positions
+    (``tokens < 0``) where ``part[r]`` is 2 and its labelled ones where it is 1.
+
+    Written through unsigned views of the same width: zero bits are 0 (+0.0) in every numeric dtype.
+    """
+    if len(lo) == 0:
+        return
+    views = [values.view(_UNSIGNED_OF_SIZE[values.dtype.itemsize]) for values in arrays]
+    views += [views[0]] * (4 - len(views))  # zeroing a position twice is harmless
+    _zero_spans(*views, _NO_TOKENS if tokens is None else tokens, lo, hi, part)
