@@ -15,7 +15,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["token_cuts", "zero_spans"]
+__all__ = ["cut_extrema", "token_cuts", "zero_spans"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -92,6 +92,31 @@ def token_cuts(
 
 
 @_compiled
+def _cut_extrema(
+    values: npt.NDArray[Any], lo: IntArray
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:  # pragma: no cover - compiled
+    n = len(values)
+    m = len(lo)
+    top = np.empty(m, dtype=values.dtype)
+    bottom = np.empty(m, dtype=values.dtype)
+    for i in range(m):
+        a = lo[i]
+        b = lo[i + 1] if i + 1 < m else n
+        cut = values[a:b] if b > a else values[a : a + 1]
+        top[i] = cut.max()  # numba's own reductions: vectorised, and the second reads from cache
+        bottom[i] = cut.min()
+    return top, bottom
+
+
+def cut_extrema(values: npt.NDArray[Any], lo: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """Maximum and minimum of ``values`` over each cut ``[lo[i], lo[i + 1])`` (the last runs to the end),
+    in one read: ``np.maximum.reduceat`` and ``np.minimum.reduceat`` (a cut that does not move forward
+    holds its first value). Meant for unsigned integers; floats would need NaN rules of their own."""
+    result: tuple[npt.NDArray[Any], npt.NDArray[Any]] = _cut_extrema(values, lo)
+    return result
+
+
+@_compiled
 def _zero_spans(
     b0: npt.NDArray[Any],
     b1: npt.NDArray[Any],
@@ -101,6 +126,7 @@ def _zero_spans(
     lo: IntArray,
     hi: IntArray,
     part: npt.NDArray[np.int8],
+    count: IntArray,
 ) -> None:  # pragma: no cover - compiled
     for r in range(len(lo)):
         a = lo[r]
@@ -116,9 +142,13 @@ def _zero_spans(
         want = part[r] == 2
         # Zeros of each view's own type: a literal 0 would make the select below a float64.
         z0, z1, z2, z3 = b0[a] ^ b0[a], b1[a] ^ b1[a], b2[a] ^ b2[a], b3[a] ^ b3[a]
-        for p in range(a, b):
+        if 4 * count[r] < b - a:  # few positions to write: a branch, rarely taken
+            for p in range(a, b):
+                if (tokens[p] < 0) == want:
+                    b0[p], b1[p], b2[p], b3[p] = z0, z1, z2, z3
+            continue
+        for p in range(a, b):  # many: unconditional stores of a select, no branch to mispredict
             keep = (tokens[p] < 0) != want
-            # Unconditional stores: a select, not a branch on scattered -1 positions.
             b0[p] = b0[p] if keep else z0
             b1[p] = b1[p] if keep else z1
             b2[p] = b2[p] if keep else z2
@@ -126,11 +156,17 @@ def _zero_spans(
 
 
 def zero_spans(
-    arrays: Sequence[npt.NDArray[Any]], tokens: IntArray | None, lo: IntArray, hi: IntArray, part: npt.NDArray[np.int8]
+    arrays: Sequence[npt.NDArray[Any]],
+    tokens: IntArray | None,
+    lo: IntArray,
+    hi: IntArray,
+    part: npt.NDArray[np.int8],
+    count: IntArray,
 ) -> None:
     """Set to 0, in place, in each of ``arrays`` (one to four of the same length): every position of
     ``[lo[r], hi[r])`` where ``part[r]`` is 0 (the whole span), else its unlabelled positions
-    (``tokens < 0``) where ``part[r]`` is 2 and its labelled ones where it is 1.
+    (``tokens < 0``) where ``part[r]`` is 2 and its labelled ones where it is 1; ``count[r]`` is how
+    many positions that is (it only chooses how to write them).
 
     Written through unsigned views of the same width: zero bits are 0 (+0.0) in every numeric dtype.
     """
@@ -138,4 +174,4 @@ def zero_spans(
         return
     views = [values.view(_UNSIGNED_OF_SIZE[values.dtype.itemsize]) for values in arrays]
     views += [views[0]] * (4 - len(views))  # zeroing a position twice is harmless
-    _zero_spans(*views, _NO_TOKENS if tokens is None else tokens, lo, hi, part)
+    _zero_spans(*views, _NO_TOKENS if tokens is None else tokens, lo, hi, part, count)

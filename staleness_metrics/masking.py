@@ -37,13 +37,14 @@ def mask_spans(
     hi: IntArray,
     part: npt.NDArray[np.int8],
     whole: BoolArray,
+    count: IntArray,
 ) -> None:
     """Zero the positions of the given span rows of the sink's batches (``chunks``, indexed by
     ``chunk``): every position of ``[lo, hi)`` where ``whole``, else only the positions of the row's
-    part (labelled or unlabelled)."""
+    part (labelled or unlabelled), ``count`` positions."""
     part = np.where(whole, PART_WHOLE, part).astype(np.int8)
     for c in np.unique(chunk).tolist():
         rows = np.flatnonzero(chunk == c)
         batch = chunks[c]
         assert batch is not None
-        zero_spans(position_arrays(batch), batch.token_versions, lo[rows], hi[rows], part[rows])
+        zero_spans(position_arrays(batch), batch.token_versions, lo[rows], hi[rows], part[rows], count[rows])

@@ -481,7 +481,8 @@ class Sink:
         rows = span_rows[hit]
         chunk_of = self._rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
         spans = self._spans
-        mask_spans(self._chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit])
+        count = judgement.sampled[hit]  # sampled positions are the whole span or part: mask-0 ones are never hit
+        mask_spans(self._chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit], count)
 
     def _leave(self, rows: IntArray, status: int) -> None:
         self._rollouts["status"][rows] = status

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
-from .kernels import token_cuts
+from .kernels import cut_extrema, token_cuts
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 from .segments import expand_ranges, segment_max, segment_min, segment_sum
 from .validation import Verdicts
@@ -112,8 +112,10 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
     extrema = run_all([partial(_span_extrema, getattr(batch, name), lo) for name in present], n_positions)
     nonzero: dict[str, BoolArray | None] = dict.fromkeys(WEIGHT_FIELDS)
+    lowest: dict[str, npt.NDArray[Any]] = {}
     for name, (high, low) in zip(present, extrema):
         nonzero[name] = _nonzero_or_report(getattr(batch, name), name, high, low, lo, hi, kept, verdicts)
+        lowest[name] = low
     if batch.logprobs is not None and not np.isfinite(np.add.reduce(batch.logprobs)):
         offenders = np.flatnonzero(~np.isfinite(batch.logprobs))
         verdicts.positions(offenders[np.unique(np.searchsorted(lo, offenders, "right"), return_index=True)[1]].tolist(),
@@ -135,7 +137,7 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     count = np.where(part == PART_UNLABELLED, (hi - lo - labelled)[row_cut], count)
     row_live = live[row_cut]
     if rl is not None and (mixed & live).any():
-        _exact_part_liveness(batch, present, lo, hi, mixed & live, row_cut, part, row_live)
+        _exact_part_liveness(batch, present, lo, hi, lowest["rl_weights"], mixed & live, row_cut, part, row_live)
     keep_rows = kept[row_cut]
     row_cut, part, count, row_live = row_cut[keep_rows], part[keep_rows], count[keep_rows], row_live[keep_rows]
     lo, hi, label, side = lo[row_cut], hi[row_cut], np.where(part == PART_UNLABELLED, -1, label[row_cut]), side[row_cut]
@@ -200,6 +202,7 @@ def _exact_part_liveness(
     present: list[str],
     lo: IntArray,
     hi: IntArray,
+    rl_lowest: npt.NDArray[Any],
     candidates: BoolArray,
     row_cut: IntArray,
     part: npt.NDArray[np.int8],
@@ -207,14 +210,11 @@ def _exact_part_liveness(
 ) -> None:
     """Whether each part of a live mixed cut has a weighted position of its own (written into ``row_live``).
 
-    The cut's weight maxima say so at once unless rl_weights has zeros in the cut; only those cuts are
-    read position by position.
+    The cut's weight maxima say so at once unless rl_weights has zeros in the cut (its minimum,
+    ``rl_lowest``, is not above 0); only those cuts are read position by position.
     """
-    rl = batch.rl_weights
-    assert rl is not None
     cuts = np.flatnonzero(candidates)
-    lowest = np.minimum.reduceat(rl, lo)[cuts] if len(lo) else rl[:0]
-    doubt = cuts[~(lowest > 0)]  # a zero (or negative) rl weight somewhere in the cut
+    doubt = cuts[~(rl_lowest[cuts] > 0)]  # a zero (or negative) rl weight somewhere in the cut
     if len(doubt) == 0:
         return
     tokens = batch.token_versions
@@ -292,26 +292,22 @@ def _mask_changes(mask: npt.NDArray[np.floating[Any]]) -> IntArray:
 
 
 # Non-negative finite floats, read as unsigned integers of the same width, are exactly those below
-# the bit pattern of +inf (the sign bit is the top bit; +0.0 is 0). One max per span over that view
-# then says both "every value finite and >= +0.0" and "some value non-zero".
+# the bit pattern of +inf (the sign bit is the top bit; +0.0 is 0), in the same order. One pass of max
+# and min per span over that view then says "every value finite and >= +0.0", gives the extrema,
+# and leaves NaN and signed zeros to the float path.
 _UNSIGNED_VIEW = {np.dtype(np.float32): (np.uint32, 0x7F800000), np.dtype(np.float64): (np.uint64, 0x7FF << 52)}
 
 
 def _span_extrema(values: npt.NDArray[Any], lo: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    """Per span maximum and minimum of ``values`` (as floats), read once in the common case.
-
-    When every value is finite and >= +0.0 the minimum is reported as zeros: only "non-zero" and
-    "finite" are asked of it, and zeros answer both the same way.
-    """
+    """Per span maximum and minimum of ``values`` (as floats), read once in the common case."""
     if len(lo) == 0:
         return values[:0], values[:0]
     view = _UNSIGNED_VIEW.get(values.dtype)
     if view is not None:
         unsigned, infinity = view
-        top = np.maximum.reduceat(values.view(unsigned), lo)
-        if bool((top < infinity).all()):
-            high = top.view(values.dtype)  # the same bits: the span maxima as floats
-            return high, np.zeros_like(high)
+        top, bottom = cut_extrema(values.view(unsigned), lo)
+        if bool((top < infinity).all()):  # the same order as the floats: the bits are the extrema
+            return top.view(values.dtype), bottom.view(values.dtype)
     return np.maximum.reduceat(values, lo), np.minimum.reduceat(values, lo)
 
 

@@ -112,10 +112,12 @@ def numpy_zero_spans(
     st.lists(st.integers(-1, 2), min_size=1, max_size=40),
     st.lists(st.tuples(st.integers(0, 39), st.integers(0, 8), st.sampled_from([0, 1, 2])), max_size=6),
     st.sampled_from([np.float16, np.float32, np.float64]),
+    st.booleans(),
 )
 def test_zero_spans_equals_a_masked_numpy_write(
-    values: list[int], rows: list[tuple[int, int, int]], dtype: Any
+    values: list[int], rows: list[tuple[int, int, int]], dtype: Any, few: bool
 ) -> None:
+    """Whatever ``count`` says (it only chooses between a branch and a select), the writes are the same."""
     tokens = np.array(values, dtype=np.int64)
     n = len(tokens)
     lo = np.array([min(a, n) for a, _, _ in rows], dtype=np.int64)
@@ -124,7 +126,8 @@ def test_zero_spans_equals_a_masked_numpy_write(
     rng = np.random.default_rng(len(rows))
     arrays = [rng.random(n).astype(dtype) + 1 for _ in range(3)]
     expected = [a.copy() for a in arrays]
-    zero_spans(arrays, tokens, lo, hi, part)
+    count = np.zeros(len(lo), dtype=np.int64) if few else hi - lo
+    zero_spans(arrays, tokens, lo, hi, part, count)
     numpy_zero_spans(expected, tokens, lo, hi, part)
     for got, want in zip(arrays, expected):
         assert got.tobytes() == want.tobytes()
@@ -135,7 +138,10 @@ def test_zero_spans_writes_positive_zero_and_leaves_the_rest() -> None:
     weights = np.array([0.5, 0.25, 2.0, 3.0, 4.0, 5.0], dtype=np.float32)
     tokens = np.array([3, -1, 3, -1, 4, 4], dtype=np.int64)
     # rows: the whole of [0, 3); the unlabelled positions of [3, 5); the labelled ones of [5, 6)
-    zero_spans([mask, weights], tokens, np.array([0, 3, 5]), np.array([3, 5, 6]), np.array([0, 2, 1], dtype=np.int8))
+    counts = np.array([3, 1, 1])
+    zero_spans(
+        [mask, weights], tokens, np.array([0, 3, 5]), np.array([3, 5, 6]), np.array([0, 2, 1], dtype=np.int8), counts
+    )
     assert mask.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
     assert not np.signbit(mask).any()  # -0.0 written as +0.0, as numpy's ``values[...] = 0`` does
     assert weights.tolist() == [0.0, 0.0, 0.0, 0.0, 4.0, 0.0]
@@ -143,5 +149,5 @@ def test_zero_spans_writes_positive_zero_and_leaves_the_rest() -> None:
 
 def test_zero_spans_without_token_labels_fills_whole_spans() -> None:
     mask = np.ones(10, dtype=np.float32)
-    zero_spans([mask], None, np.array([2, 7]), np.array([4, 9]), np.zeros(2, dtype=np.int8))
+    zero_spans([mask], None, np.array([2, 7]), np.array([4, 9]), np.zeros(2, dtype=np.int8), np.array([2, 2]))
     assert mask.tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 0, 1]
