@@ -336,7 +336,8 @@ class Sink:
             raise verdicts.errors[min(verdicts.errors)]
         invalid = verdicts.invalid
         for index, error in sorted(verdicts.errors.items()):
-            self._set_aside(error, batch.envs[index] if batch.envs is not None else None)
+            env = batch.envs[index] if batch.envs is not None else None
+            self._set_aside(error, env if isinstance(env, str) and env else None)  # a bad env counts under none
         keep = np.flatnonzero(~invalid)
         kept_ids = keep.tolist()
         if len(keep) == 0:
