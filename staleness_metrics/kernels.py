@@ -127,21 +127,25 @@ def _zero_spans(
     hi: IntArray,
     part: npt.NDArray[np.int8],
     count: IntArray,
+    zeros: tuple[Any, Any, Any, Any],
 ) -> None:  # pragma: no cover - compiled
+    z0, z1, z2, z3 = zeros
     for r in range(len(lo)):
         a = lo[r]
         b = hi[r]
         if a >= b:
             continue
-        if part[r] == 0:
-            b0[a:b] = 0
-            b1[a:b] = 0
-            b2[a:b] = 0
-            b3[a:b] = 0
+        if part[r] == 0:  # plain loops, not slice assignments: a slice costs more than a short span
+            for p in range(a, b):
+                b0[p] = z0
+            for p in range(a, b):
+                b1[p] = z1
+            for p in range(a, b):
+                b2[p] = z2
+            for p in range(a, b):
+                b3[p] = z3
             continue
         want = part[r] == 2
-        # Zeros of each view's own type: a literal 0 would make the select below a float64.
-        z0, z1, z2, z3 = b0[a] ^ b0[a], b1[a] ^ b1[a], b2[a] ^ b2[a], b3[a] ^ b3[a]
         if 4 * count[r] < b - a:  # few positions to write: a branch, rarely taken
             for p in range(a, b):
                 if (tokens[p] < 0) == want:
@@ -174,4 +178,6 @@ def zero_spans(
         return
     views = [values.view(_UNSIGNED_OF_SIZE[values.dtype.itemsize]) for values in arrays]
     views += [views[0]] * (4 - len(views))  # zeroing a position twice is harmless
-    _zero_spans(*views, _NO_TOKENS if tokens is None else tokens, lo, hi, part, count)
+    # Zeros of each view's own type: a literal 0 would make the selects float64.
+    zeros = tuple(view.dtype.type(0) for view in views)
+    _zero_spans(*views, _NO_TOKENS if tokens is None else tokens, lo, hi, part, count, zeros)

@@ -313,8 +313,10 @@ class Sink:
     def _groups_of(self, batch: RolloutBatch, rollouts: list[int]) -> IntArray:
         """Group index of each rollout, registering new groups (one of its own without group_id)."""
         assert batch.group_ids is not None and batch.agentic is not None
-        names = [batch.group_ids[i] for i in rollouts]
-        if all(name is None for name in names):  # singletons: one new group each, no lookups
+        names = (
+            batch.group_ids if len(rollouts) == batch.n_rollouts else list(map(batch.group_ids.__getitem__, rollouts))
+        )
+        if names.count(None) == len(names):  # singletons: one new group each, no lookups
             first = self._new_groups(len(rollouts))
             groups = np.arange(first, self._n_groups, dtype=np.int64)
         else:
@@ -354,9 +356,15 @@ class Sink:
         span_base = len(self._spans)
         row_base = len(self._rollouts)
         new_sample_offsets = np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
+        # Per-rollout lists are read through C-level map/zip, never an interpreted loop per rollout.
+        ids = batch.ids if len(keep) == batch.n_rollouts else list(map(batch.ids.__getitem__, kept_ids))
+        env_names = batch.envs if len(keep) == batch.n_rollouts else list(map(batch.envs.__getitem__, kept_ids))
         groups = self._groups_of(batch, kept_ids)
-        env_index = {name: self._env(name) for name in {batch.envs[i] for i in kept_ids}}
-        envs = np.array([env_index[batch.envs[i]] for i in kept_ids], dtype=np.int64)
+        env_index = {name: self._env(name) for name in set(env_names)}
+        if len(env_index) == 1:
+            envs = np.full(len(keep), next(iter(env_index.values())), dtype=np.int64)
+        else:
+            envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=len(keep))
         self._rollouts.append(
             chunk=np.full(len(keep), chunk), index=keep, status=np.full(len(keep), QUEUED),
             judged=np.full(len(keep), NEVER), frozen=batch.frozen[keep], dispatch=batch.dispatch_version[keep],
@@ -382,10 +390,9 @@ class Sink:
             version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
             sampled=spans.sampled[kept_spans], live=spans.live[kept_spans], part=spans.part[kept_spans],
         )  # fmt: skip
-        for offset, index in enumerate(kept_ids):
-            self._row_of[batch.ids[index]] = row_base + offset
-        self._ids.extend(batch.ids[i] for i in kept_ids)
-        self._seen_ids.update(batch.ids[i] for i in kept_ids)
+        self._row_of.update(zip(ids, range(row_base, row_base + len(keep))))
+        self._ids.extend(ids)
+        self._seen_ids.update(ids)
         self._queued += len(keep)
         live_samples = ~batch.frozen[keep][sample_rollout]
         self.tokens_entered += int(spans.n_sampled[samples][live_samples].sum())
