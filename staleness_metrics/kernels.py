@@ -8,10 +8,10 @@ the numpy formulation it replaced in ``tests/core/test_kernels.py``, checked equ
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
-import numba
 import numpy as np
 import numpy.typing as npt
 
@@ -24,12 +24,27 @@ _UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
-def _compiled(loop: Callable[..., Any]) -> Callable[..., Any]:
-    """Compile ``loop`` on first call for the argument types it gets; cached on disk across processes."""
-    return cast(Callable[..., Any], numba.njit(cache=True, nogil=True)(loop))
+class _CompiledOnFirstCall:
+    """``loop`` compiled by numba on its first call (numba is imported then, not with the package), for
+    the argument types it gets; the machine code is cached on disk across processes."""
+
+    def __init__(self, loop: Callable[..., Any]) -> None:
+        self._loop = loop
+        self._compiled: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> Any:
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    import numba
+
+                    self._compiled = numba.njit(cache=True, nogil=True)(self._loop)
+        assert self._compiled is not None
+        return self._compiled(*args)
 
 
-@_compiled
+@_CompiledOnFirstCall
 def _token_cuts(
     tokens: IntArray, pos_off: IntArray, samples: IntArray, changes: IntArray
 ) -> tuple[IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
@@ -91,7 +106,7 @@ def token_cuts(
     return result
 
 
-@_compiled
+@_CompiledOnFirstCall
 def _cut_extrema(
     values: npt.NDArray[Any], lo: IntArray
 ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:  # pragma: no cover - compiled
@@ -116,7 +131,7 @@ def cut_extrema(values: npt.NDArray[Any], lo: IntArray) -> tuple[npt.NDArray[Any
     return result
 
 
-@_compiled
+@_CompiledOnFirstCall
 def _zero_spans(
     b0: npt.NDArray[Any],
     b1: npt.NDArray[Any],
