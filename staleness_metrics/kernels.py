@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["cut_extrema", "token_cuts", "zero_spans"]
+__all__ = ["cut_extrema", "token_cuts", "warm_up", "zero_spans"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -196,3 +196,16 @@ def zero_spans(
     # Zeros of each view's own type: a literal 0 would make the selects float64.
     zeros = tuple(view.dtype.type(0) for view in views)
     _zero_spans(*views, _NO_TOKENS if tokens is None else tokens, lo, hi, part, count, zeros)
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) every loop for float32 and float64 arrays, so that the
+    first batch a process handles does not pay for it: a service calls this when it starts."""
+    tokens = np.array([0, -1, 1], dtype=np.int64)
+    offsets = np.array([0, 3], dtype=np.int64)
+    token_cuts(tokens, offsets, np.array([0], dtype=np.int64), np.zeros(0, dtype=np.int64))
+    for dtype in (np.float32, np.float64):
+        arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
+        cut_extrema(arrays[0].view(_UNSIGNED_OF_SIZE[arrays[0].dtype.itemsize]), np.array([0], dtype=np.int64))
+        lo, hi, count = np.array([0], dtype=np.int64), np.array([3], dtype=np.int64), np.array([1], dtype=np.int64)
+        zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
