@@ -241,6 +241,9 @@ def load_sink(sink: Sink, state: Mapping[str, Any]) -> None:
     sink._seen_ids = set(state["seen_ids"])
     sink._chunks = [None if c is None else decode_batch(c) for c in state["chunks"]]
     sink._chunk_open = [int(n) for n in state["chunk_open"]]
+    sink._closing = [
+        c for c, (batch, n) in enumerate(zip(sink._chunks, sink._chunk_open)) if n == 0 and batch is not None
+    ]
     sink._groups = {str(name): int(index) for name, index in state["groups"]}
     sink._n_groups = int(state["n_groups"])
     agentic = np.zeros(max(16, 2 * sink._n_groups), dtype=bool)

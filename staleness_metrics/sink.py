@@ -198,6 +198,7 @@ class Sink:
         self._seen_ids: set[str] = set()  # every id accepted in the run: ids are unique within a run
         self._chunks: list[RolloutBatch | None] = []
         self._chunk_open: list[int] = []  # rollouts of each chunk still queued
+        self._closing: list[int] = []  # chunks whose last rollout left: released at the next ship
         self._groups: dict[str, int] = {}
         self._group_agentic = np.zeros(16, dtype=bool)  # per group: a member that ever entered was agentic
         self._n_groups = 0
@@ -498,11 +499,15 @@ class Sink:
         chunks, counts = np.unique(self._rollouts["chunk"][rows], return_counts=True)
         for chunk, count in zip(chunks.tolist(), counts.tolist()):
             self._chunk_open[chunk] -= count
+            if self._chunk_open[chunk] == 0:
+                self._closing.append(chunk)
 
     def _release_chunks(self) -> None:
-        for chunk, still_open in enumerate(self._chunk_open):
-            if still_open == 0 and self._chunks[chunk] is not None:
-                self._chunks[chunk] = None
+        """Let go of the batches no queued rollout needs: only those that closed since the last ship, so a
+        ship costs nothing per batch ever added."""
+        for chunk in self._closing:
+            self._chunks[chunk] = None
+        self._closing = []
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""

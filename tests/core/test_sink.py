@@ -406,3 +406,32 @@ def test_a_columnar_batch_names_each_duplicate_id_and_bad_env_and_keeps_the_rest
     assert reasons == [("a", "id"), ("b", "env"), ("c", "env"), ("d", "env"), ("old", "id")]
     assert added == 2  # the first "a" and "e"
     assert s.ship(1).ids == ["old", "a", "e"]
+
+
+def test_a_batch_is_let_go_once_its_last_rollout_left_and_not_before() -> None:
+    import gc
+    import weakref
+
+    s = Sink(StalenessConfig(max_staleness=1), compact_min_rows=10_000)  # no compaction: release alone
+
+    def batch(ids: list[str], dispatch: int) -> RolloutBatch:
+        n = len(ids)
+        return RolloutBatch(
+            ids=ids, sample_offsets=np.arange(n + 1), position_offsets=np.arange(n + 1) * 2,
+            dispatch_version=np.full(n, dispatch), mask=np.ones(2 * n),
+        )  # fmt: skip
+
+    first, second = batch(["a", "b"], 0), batch(["c"], 0)
+    first_ref, second_ref = weakref.ref(first), weakref.ref(second)
+    s.add(first)
+    s.add(second)
+    del first, second
+    assert s.ship(1, ids=["a"]).ids == ["a"]
+    gc.collect()
+    assert first_ref() is not None and second_ref() is not None  # "b" still queued in the first batch
+    assert s.ship(2, ids=["b"]).ids == ["b"]
+    gc.collect()
+    assert first_ref() is None and second_ref() is not None
+    s.ship(4)  # "c" (version 0 at T = 3) is dropped by the sweep: its batch goes at this ship too
+    gc.collect()
+    assert second_ref() is None
