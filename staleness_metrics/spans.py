@@ -282,7 +282,9 @@ def _mask_changes(mask: npt.NDArray[np.floating[Any]]) -> IntArray:
     n = len(mask)
     if n < 2:
         return np.zeros(0, dtype=np.int64)
-    edges = np.linspace(1, n, num=5 if n >= PARALLEL_MIN_POSITIONS else 2, dtype=np.int64)
+    if n < PARALLEL_MIN_POSITIONS:  # one pass on this thread: no chunking to pay for
+        return (np.flatnonzero(mask[1:] != mask[:-1]) + 1).astype(np.int64)
+    edges = np.linspace(1, n, num=5, dtype=np.int64)
 
     def changes(a: int, b: int) -> IntArray:
         return np.flatnonzero(mask[a:b] != mask[a - 1 : b - 1]) + a
