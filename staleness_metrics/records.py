@@ -298,13 +298,8 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     return sample
 
 
-def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
-    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
-
-    ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a faster check of numbers).
-    """
-    if not isinstance(raw, Mapping):
-        raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
+def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
+    """The checked id, dispatch and completion versions (-1: none), source and agentic flag of a record."""
     rid_raw = raw.get("id")
     if not isinstance(rid_raw, str) or not rid_raw:
         raise TraceError(None if rid_raw is None else str(rid_raw), "id", "required non-empty string")
@@ -339,6 +334,17 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
         raise TraceError(rid, "completion_version", f"expected an integer, got {completion!r}")
     elif not 0 <= completion <= MAX_VERSION:
         raise TraceError(rid, "completion_version", f"must be in 0..{MAX_VERSION}, got {completion}")
+    return rid, dispatch, completion, source, agentic
+
+
+def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
+    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
+
+    ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a faster check of numbers).
+    """
+    if not isinstance(raw, Mapping):
+        raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
+    rid, dispatch, completion, source, agentic = check_head(raw)
     samples = raw.get("samples")
     if not isinstance(samples, list):
         raise TraceError(rid, "samples", "required list of samples")

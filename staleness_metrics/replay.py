@@ -14,6 +14,7 @@ from .columnar import RolloutBatch
 from .config import StalenessConfig
 from .errors import EventError, TraceError
 from .records import ParsedRollout, UnparsedRollout, pack, parse_or_error
+from .simd_records import LineReader
 from .sink import Shipment, Sink
 
 __all__ = [
@@ -31,7 +32,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Event:
-    """One line of an event stream: ``kind`` is ``rollout``, ``sweep`` or ``ship``."""
+    """One line of an event stream: ``kind`` is ``rollout``, ``sweep`` or ``ship``.
+
+    A rollout event holds its decoded record (``rollout``), or, read by ``read_events(parse=True)``,
+    the record already type-checked into arrays (``parsed``).
+    """
 
     line: int
     kind: str
@@ -39,6 +44,7 @@ class Event:
     step: int = 0
     ids: tuple[str, ...] | None = None
     booleans: bool = True  # a rollout line may hold JSON booleans (False: a faster check of its numbers)
+    parsed: ParsedRollout | None = None
 
 
 def _step(line: int, raw: dict[str, Any]) -> int:
@@ -67,11 +73,20 @@ def parse_event(line: int, raw: object) -> Event:
     raise EventError(line, f"unknown event type {kind!r} (expected rollout, sweep or ship)")
 
 
-def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes]) -> Iterator[Event]:
-    """Decode JSON lines (blank lines skipped) into events, checking steps never decrease."""
+def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: bool = False) -> Iterator[Event]:
+    """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
+
+    ``parse=True``: a valid rollout line given as bytes is read straight into arrays
+    (:mod:`.simd_records`) and its event holds ``parsed`` instead of ``rollout``; :func:`prepare` takes
+    either. Other lines are decoded as always.
+    """
     last_step = 0
+    reader = LineReader() if parse else None
     for number, text in enumerate(source, start=1):
         if not text or text.isspace():  # as ``not text.strip()``, without copying the line
+            continue
+        if reader is not None and isinstance(text, bytes) and (parsed := reader.rollout(text)) is not None:
+            yield Event(number, "rollout", parsed=parsed)
             continue
         try:
             raw = jsonio.loads(text)
@@ -112,7 +127,8 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
     for event in events:
         if event.kind == "rollout":
             lines.append(event.line)
-            items.append(parse_or_error(event.rollout or {}, booleans=event.booleans))
+            parsed = event.parsed
+            items.append(parsed if parsed is not None else parse_or_error(event.rollout or {}, booleans=event.booleans))
             if len(items) >= batch_size:
                 yield Added(tuple(lines), tuple(items))
                 lines, items = [], []

@@ -69,7 +69,7 @@ def open_events(
         is_events = path.is_file()  # unrecognisable content: the event reader names the bad line
     if is_events:
         handle: IO[bytes] = stack.enter_context(_open_with_progress(path, progress))
-        return read_events(handle), stack
+        return read_events(handle, parse=True), stack
     raws = detect_and_read(path, max_staleness=max_staleness)
     return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
 
