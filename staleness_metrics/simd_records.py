@@ -50,10 +50,9 @@ def _object(value: object) -> simdjson.Object:
 
 def _joined(buffers: list[Any], dtype: type) -> tuple[npt.NDArray[Any], list[npt.NDArray[Any]]]:
     """Copied-out lists of one kind as one array (checked by one reduction) and views of it, one per list."""
+    whole: npt.NDArray[Any] = np.frombuffer(buffers[0] if len(buffers) == 1 else b"".join(buffers), dtype=dtype)
     if len(buffers) == 1:
-        whole = np.frombuffer(buffers[0], dtype=dtype)
         return whole, [whole]
-    whole = np.frombuffer(b"".join(buffers), dtype=dtype)
     parts, start = [], 0
     for buffer in buffers:
         end = start + memoryview(buffer).nbytes // whole.itemsize
