@@ -407,7 +407,7 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
         given = [v for v in values if v is not None]
         if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
             # the usual case: the given parts in place, the fill everywhere else (no array per missing part)
-            out = np.full(int(position_offsets[-1]), fill, dtype=dtype)
+            out: npt.NDArray[Any] = np.full(int(position_offsets[-1]), fill, dtype=dtype)
             out[np.repeat(present, lengths)] = np.concatenate(given)
             return out, present
         parts = [v if v is not None else np.full(n, fill) for v, n in zip(values, lengths)]

@@ -73,6 +73,23 @@ def parse_event(line: int, raw: object) -> Event:
     raise EventError(line, f"unknown event type {kind!r} (expected rollout, sweep or ship)")
 
 
+def _decoded(number: int, text: str | bytes) -> Event:
+    """One line decoded by :func:`.jsonio.loads` and checked as an event."""
+    try:
+        raw = jsonio.loads(text)
+    except jsonio.DecodeError as error:
+        raise EventError(number, f"bad JSON: {error.msg}") from None
+    event = parse_event(number, raw)
+    if event.kind == "rollout":  # a line without true / false cannot hide a boolean among numbers
+        marks = (b"true", b"false") if isinstance(text, bytes) else ("true", "false")
+        booleans = marks[0] in text or marks[1] in text  # type: ignore[operator]
+        event = Event(number, "rollout", rollout=event.rollout, booleans=booleans)
+    return event
+
+
+_PARSE_LINES = 64  # rollout lines whose values are checked together (:meth:`LineReader.finish`)
+
+
 def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: bool = False) -> Iterator[Event]:
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
 
@@ -82,26 +99,32 @@ def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: b
     """
     last_step = 0
     reader = LineReader() if parse else None
+    taken: list[tuple[int, bytes]] = []
+
+    def finish() -> Iterator[Event]:
+        assert reader is not None
+        for (number, text), parsed in zip(taken, reader.finish()):
+            yield _decoded(number, text) if parsed is None else Event(number, "rollout", parsed=parsed)
+        taken.clear()
+
     for number, text in enumerate(source, start=1):
         if not text or text.isspace():  # as ``not text.strip()``, without copying the line
             continue
-        if reader is not None and isinstance(text, bytes) and (parsed := reader.rollout(text)) is not None:
-            yield Event(number, "rollout", parsed=parsed)
+        if reader is not None and isinstance(text, bytes) and reader.take(text):
+            taken.append((number, text))
+            if len(taken) >= _PARSE_LINES:
+                yield from finish()
             continue
-        try:
-            raw = jsonio.loads(text)
-        except jsonio.DecodeError as error:
-            raise EventError(number, f"bad JSON: {error.msg}") from None
-        event = parse_event(number, raw)
+        if taken:
+            yield from finish()
+        event = _decoded(number, text)
         if event.kind != "rollout":
             if event.step < last_step:
                 raise EventError(number, f"step {event.step} is below an earlier step {last_step}")
             last_step = event.step
-        else:  # a line without true / false cannot hide a boolean among numbers
-            marks = (b"true", b"false") if isinstance(text, bytes) else ("true", "false")
-            booleans = marks[0] in text or marks[1] in text  # type: ignore[operator]
-            event = Event(number, "rollout", rollout=event.rollout, booleans=booleans)
         yield event
+    if taken:
+        yield from finish()
 
 
 @dataclass(frozen=True)

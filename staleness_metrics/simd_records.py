@@ -16,6 +16,7 @@ count of ``[`` in the line rules out (every ``[`` must open a list this reader l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -48,20 +49,53 @@ def _object(value: object) -> simdjson.Object:
     return value
 
 
-def _joined(buffers: list[Any], dtype: type) -> tuple[npt.NDArray[Any], list[npt.NDArray[Any]]]:
-    """Copied-out lists of one kind as one array (checked by one reduction) and views of it, one per list."""
-    whole: npt.NDArray[Any] = np.frombuffer(buffers[0] if len(buffers) == 1 else b"".join(buffers), dtype=dtype)
-    if len(buffers) == 1:
-        return whole, [whole]
-    parts, start = [], 0
-    for buffer in buffers:
-        end = start + memoryview(buffer).nbytes // whole.itemsize
-        parts.append(whole[start:end])
-        start = end
-    return whole, parts
+class _Lists:
+    """Per-position lists of one kind copied out of the tape (raw bytes), with where each one goes."""
+
+    def __init__(self) -> None:
+        self.buffers: list[Any] = []
+        self.sizes: list[int] = []
+        self.owners: list[tuple[ParsedSample, str]] = []
+        self.lines: list[int] = []  # index of the line (within the reader's pending lines)
+
+    def extend(self, other: _Lists, line: int) -> None:
+        self.buffers += other.buffers
+        self.sizes += other.sizes
+        self.owners += other.owners
+        self.lines += [line] * len(other.buffers)
+
+    def clear(self) -> None:
+        self.buffers, self.sizes, self.owners, self.lines = [], [], [], []
+
+    def arrays(
+        self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool], refused: set[int]
+    ) -> tuple[npt.NDArray[Any], list[slice]]:
+        """One array of every list, and where each list is in it; adds to ``refused`` the lines of lists
+        that are ``bad`` (one check of all lists; each list is checked only when some is bad)."""
+        whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=dtype)
+        ends = np.cumsum(self.sizes).tolist()
+        where = [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+        if bad(whole):
+            refused.update(line for line, at in zip(self.lines, where) if bad(whole[at]))
+        return whole, where
 
 
-def _rollout(document: object, line: bytes) -> ParsedRollout:
+def _mask_bad(values: npt.NDArray[np.int64]) -> bool:
+    return bool(values.size and values.view(np.uint64).max() > 1)  # as unsigned, a negative value is huge
+
+
+def _version_bad(values: npt.NDArray[np.int64]) -> bool:
+    return bool(values.size and not (values.max() <= MAX_VERSION and values.min() >= -MAX_VERSION))
+
+
+def _float_bad(values: npt.NDArray[np.float64]) -> bool:
+    # float magnitudes of 2**63 or more (integers records._plain_floats sends down the checked path)
+    return bool(values.size and not (values.max() < _INT64_BOUND and values.min() > -_INT64_BOUND))
+
+
+def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, floats: _Lists) -> ParsedRollout:
+    """The line's record with its per-position lists copied into ``masks``, ``versions`` and ``floats``
+    (their values are checked, and the arrays filled in, by :meth:`LineReader.finish`)."""
     event = _object(document)
     if event.get("type") != "rollout":
         raise _NotPlain
@@ -78,18 +112,14 @@ def _rollout(document: object, line: bytes) -> ParsedRollout:
         raise _NotPlain
     rid, dispatch, completion, source, agentic = check_head(head)
 
-    # Copy every per-position list out of the tape, as :func:`.records._parse_sample` would read it.
     samples: list[ParsedSample] = []
-    masks: list[Any] = []
-    versions: list[Any] = []  # token versions and span pairs (flattened): one bound
-    version_owners: list[tuple[ParsedSample, str]] = []
-    floats: list[Any] = []
-    float_owners: list[tuple[ParsedSample, str]] = []
     lists = 1  # "samples" itself
     for item in items:
         sample = _object(item)
         parsed = ParsedSample(mask=_NO_MASK)
         labels = 0
+        n = -1
+        sizes: list[int] = []
         for key in sample:  # one lookup per field present (a lookup is a scan of the object's keys)
             value = sample[key]
             if value is None:
@@ -97,66 +127,41 @@ def _rollout(document: object, line: bytes) -> ParsedRollout:
                     raise _NotPlain
                 continue  # a null field is an absent one
             array = _array(value)
+            size = len(array)
             lists += 1
             if key in _FLOAT_FIELDS:
-                floats.append(array.as_buffer(of_type="d"))
-                float_owners.append((parsed, key))
+                kind = floats
+                buffer = array.as_buffer(of_type="d")
+                sizes.append(size)
             elif key == "mask":
-                masks.append(array.as_buffer(of_type="i"))
+                kind = masks
+                buffer = array.as_buffer(of_type="i")
+                n = size
             elif key == "token_versions":
-                versions.append(array.as_buffer(of_type="i"))
-                version_owners.append((parsed, key))
+                kind = versions
+                buffer = array.as_buffer(of_type="i")
+                sizes.append(size)
                 labels += 1
             elif key == "weight_versions":
                 # [version, start] pairs, flattened by as_buffer: each must be a list of two
                 for pair in array:
                     if type(pair) is not simdjson.Array or len(pair) != 2:
                         raise _NotPlain
-                versions.append(array.as_buffer(of_type="i"))
-                version_owners.append((parsed, key))
-                lists += len(array)
+                kind = versions
+                buffer = array.as_buffer(of_type="i")
+                lists += size
+                size *= 2
                 labels += 1
             else:
                 raise _NotPlain  # an unknown field
-        if labels > 1:  # both weight_versions and token_versions
-            raise _NotPlain
+            kind.buffers.append(buffer)
+            kind.sizes.append(size)
+            kind.owners.append((parsed, key))
+        if n < 0 or labels > 1 or any(size != n for size in sizes):
+            raise _NotPlain  # no mask; both kinds of labels; a list whose length is not the mask's
         samples.append(parsed)
-    if len(masks) != len(samples) or line.count(b"[") != lists:
-        # a sample without a mask; a nested list (as_buffer flattens it), or a "[" in a string
+    if line.count(b"[") != lists:  # a nested list (as_buffer flattens it), or a "[" in a string
         raise _NotPlain
-
-    # One reduction per kind of list: as unsigned, a negative mask value is huge; float magnitudes of
-    # 2**63 or more (integers that records._plain_floats sends down the checked path) go there too.
-    whole, mask_parts = _joined(masks, np.int64)
-    if whole.size and whole.view(np.uint64).max() > 1:
-        raise _NotPlain
-    for parsed, mask in zip(samples, mask_parts):
-        parsed.mask = mask.astype(np.int8)
-    if versions:
-        whole, version_parts = _joined(versions, np.int64)
-        if whole.size and not (whole.max() <= MAX_VERSION and whole.min() >= -MAX_VERSION):
-            raise _NotPlain
-        for (parsed, name), part in zip(version_owners, version_parts):
-            if name == "token_versions":
-                parsed.token_versions = part
-            else:
-                parsed.spans = part.reshape(-1, 2)
-    if floats:
-        whole, float_parts = _joined(floats, np.float64)
-        if whole.size and not (whole.max() < _INT64_BOUND and whole.min() > -_INT64_BOUND):
-            raise _NotPlain
-        for (parsed, name), part in zip(float_owners, float_parts):
-            if name == "logprobs":
-                parsed.logprobs = part
-            elif name == "trainer_logprobs":
-                parsed.trainer_logprobs = part
-            else:
-                parsed.weights[name] = part
-    for parsed in samples:
-        n = parsed.mask.size
-        per_position = (parsed.token_versions, parsed.logprobs, parsed.trainer_logprobs, *parsed.weights.values())
-        if any(values is not None and values.size != n for values in per_position):
-            raise _NotPlain
     return ParsedRollout(
         id=rid,
         dispatch_version=dispatch,
@@ -174,27 +179,71 @@ _NO_MASK = np.zeros(0, dtype=np.int8)
 
 
 class LineReader:
-    """Reads rollout event lines with one reused simdjson parser (not thread-safe: one per reader)."""
+    """Reads rollout event lines with one reused simdjson parser (not thread-safe: one per reader).
+
+    :meth:`take` reads a line's structure and copies its lists out; :meth:`finish` checks the values of
+    every line taken since the last finish at once (a few reductions over all their positions, instead
+    of several per line) and returns their records.
+    """
 
     def __init__(self) -> None:
         self._parser = simdjson.Parser()
+        self._rollouts: list[ParsedRollout] = []
+        self._masks, self._versions, self._floats = _Lists(), _Lists(), _Lists()
 
-    def rollout(self, line: bytes) -> ParsedRollout | None:
-        """The rollout of a plain, valid rollout event line; ``None``: let the general path read the line."""
+    def take(self, line: bytes) -> bool:
+        """Read a rollout event line if it is plain; ``False``: let the general path read it."""
         # a line not starting with "{" (a byte order mark simdjson would skip, blanks) or holding a
         # string escape (lone surrogates, which orjson refuses) is left to the general path
         if line[:1] != b"{" or b"\\" in line:
-            return None
+            return False
         try:
             document = self._parser.parse(line)
         except (ValueError, RuntimeError):
             # bad JSON, a number beyond 64 bits, invalid UTF-8: the general path says what it is. A fresh
             # parser, in case this one is still held by a proxy of an earlier line (never expected).
             self._parser = simdjson.Parser()
-            return None
+            return False
+        masks, versions, floats = _Lists(), _Lists(), _Lists()
         try:
-            return _rollout(document, line)
+            rollout = _rollout(document, line, masks, versions, floats)
         except (_NotPlain, TraceError, TypeError, ValueError, RuntimeError):
-            return None
+            return False
         finally:
             del document
+        index = len(self._rollouts)
+        self._rollouts.append(rollout)
+        self._masks.extend(masks, index)
+        self._versions.extend(versions, index)
+        self._floats.extend(floats, index)
+        return True
+
+    def finish(self) -> list[ParsedRollout | None]:
+        """The records of the lines taken, in order; ``None`` for a line whose values the general path
+        must read (a mask value not 0/1, a version beyond ±2**53, a float of magnitude 2**63 or more)."""
+        refused: set[int] = set()
+        whole, where = self._masks.arrays(np.int64, _mask_bad, refused)
+        narrow = whole.astype(np.int8)  # one conversion for every mask
+        for (parsed, _), at in zip(self._masks.owners, where):
+            parsed.mask = narrow[at]
+        whole, where = self._versions.arrays(np.int64, _version_bad, refused)
+        for (parsed, name), at in zip(self._versions.owners, where):
+            if name == "token_versions":
+                parsed.token_versions = whole[at]
+            else:
+                parsed.spans = whole[at].reshape(-1, 2)
+        whole, where = self._floats.arrays(np.float64, _float_bad, refused)
+        for (parsed, name), at in zip(self._floats.owners, where):
+            if name == "logprobs":
+                parsed.logprobs = whole[at]
+            elif name == "trainer_logprobs":
+                parsed.trainer_logprobs = whole[at]
+            else:
+                parsed.weights[name] = whole[at]
+        out: list[ParsedRollout | None] = [
+            None if index in refused else rollout for index, rollout in enumerate(self._rollouts)
+        ]
+        self._rollouts = []
+        for kind in (self._masks, self._versions, self._floats):
+            kind.clear()
+        return out

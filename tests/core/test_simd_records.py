@@ -62,8 +62,16 @@ def general(line: bytes) -> object:
     return parse_or_error(event["rollout"], booleans=b"true" in line or b"false" in line)
 
 
+def read_one(reader: LineReader, line: bytes) -> ParsedRollout | None:
+    """The line on its own: taken, then finished."""
+    if not reader.take(line):
+        return None
+    (parsed,) = reader.finish()
+    return parsed
+
+
 def check(line: bytes) -> ParsedRollout | None:
-    fast = LineReader().rollout(line)
+    fast = read_one(LineReader(), line)
     if fast is not None:
         assert_same_record(fast, general(line))
     return fast
@@ -265,7 +273,7 @@ def test_plain_lines_of_every_shape_take_this_path() -> None:
     ],
 )
 def test_lines_this_path_must_leave_to_the_general_one(line: bytes) -> None:
-    assert LineReader().rollout(line) is None
+    assert read_one(LineReader(), line) is None
 
 
 def test_one_reader_reads_many_lines_and_declined_ones_in_between() -> None:
@@ -273,7 +281,7 @@ def test_one_reader_reads_many_lines_and_declined_ones_in_between() -> None:
     reader = LineReader()
     good = _line({"mask": "[0, 1]", "logprobs": "[-1.5, -2]"})
     for line in [good, b"{", good, _line({"mask": "[true]"}), good, b'{"a": 1e400}', good]:
-        fast = reader.rollout(line)
+        fast = read_one(reader, line)
         assert (fast is not None) == (line == good)
         if fast is not None:
             assert_same_record(fast, general(line))
@@ -295,3 +303,26 @@ def test_read_events_parse_gives_the_events_of_the_general_read() -> None:
     assert fast[0].parsed is not None and fast[0].rollout is None
     assert_same_record(fast[0].parsed, general(lines[0]))
     assert fast[1].parsed is None and fast[1].rollout == plain[1].rollout and fast[1].booleans
+
+
+def test_values_checked_together_refuse_only_the_lines_that_hold_them() -> None:
+    """Lines taken together are checked by one reduction per kind of list; a mask of 2, a version
+    beyond 2**53 or a float of 2**63 declines its own line only, and the others keep their values."""
+    reader = LineReader()
+    good = [
+        _line({"mask": f"[0, {k % 2}]", "token_versions": f"[{k}, -1]", "logprobs": f"[-{k}.5, {k}]"}) for k in range(4)
+    ]
+    bad = [
+        _line({"mask": "[0, 2]", "logprobs": "[1, 1]"}),
+        _line({"mask": "[0, 1]", "token_versions": f"[0, {2**53 + 1}]"}),
+        _line({"mask": "[0, 1]", "weight_versions": f"[[{-(2**53) - 1}, 0]]"}),
+        _line({"mask": "[0, 1]", "ref_kl_weights": f"[0, {2**63}]"}),
+    ]
+    lines = [good[0], bad[0], good[1], bad[1], bad[2], good[2], bad[3], good[3]]
+    assert all(reader.take(line) for line in lines)
+    results = reader.finish()
+    assert [r is not None for r in results] == [line in good for line in lines]
+    for line, result in zip(lines, results):
+        if result is not None:
+            assert_same_record(result, general(line))
+    assert reader.finish() == []  # finished lines are forgotten
