@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-__all__ = ["DecodeError", "dumps", "loads"]
+__all__ = ["DecodeError", "dumps", "dumps_line", "loads"]
 
 DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
@@ -59,3 +59,8 @@ def dumps(value: Any) -> bytes:
     so that a value prints as the float64 the standard library printed before.
     """
     return orjson.dumps(value, default=_default, option=_OPTIONS)
+
+
+def dumps_line(value: Any) -> bytes:
+    """:func:`dumps` with a newline after it, written by the encoder (no copy of a long line to add it)."""
+    return orjson.dumps(value, default=_default, option=_OPTIONS | orjson.OPT_APPEND_NEWLINE)

@@ -93,16 +93,19 @@ def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> di
         assert batch.span_offsets is not None and batch.span_versions is not None
         assert batch.span_starts is not None
         a, b = int(batch.span_offsets[sample]), int(batch.span_offsets[sample + 1])
-        out["weight_versions"] = out_of(np.stack((batch.span_versions[a:b], batch.span_starts[a:b]), 1))
+        # a few pairs: Python lists cost less than a stacked array, and encode to the same JSON
+        out["weight_versions"] = [
+            list(pair) for pair in zip(batch.span_versions[a:b].tolist(), batch.span_starts[a:b].tolist())
+        ]
     elif batch.label_kind[sample] == LABELS_TOKENS:
         assert batch.token_versions is not None
         out["token_versions"] = out_of(np.ascontiguousarray(batch.token_versions[lo:hi], dtype=np.int64))
     for name in WEIGHT_FIELDS:
         values = getattr(batch, name)
         if values is not None and batch.present[name][sample]:
-            out[name] = out_of(values[lo:hi].astype(np.float64))
+            out[name] = out_of(values[lo:hi].astype(np.float64, copy=False))  # a view unless float32
     if batch.logprobs is not None and batch.present["logprobs"][sample]:
-        out["logprobs"] = out_of(batch.logprobs[lo:hi].astype(np.float64))
+        out["logprobs"] = out_of(batch.logprobs[lo:hi].astype(np.float64, copy=False))
     if batch.trainer_logprobs is not None and batch.present["trainer_logprobs"][sample]:
         values = batch.trainer_logprobs[lo:hi].astype(np.float64)
         # missing values are null; orjson writes a non-finite float of an array as null by itself

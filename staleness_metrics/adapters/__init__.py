@@ -115,7 +115,7 @@ def read_run(
     :func:`~staleness_metrics.replay.read_events`.
     """
     if detect_source(path) == "events":
-        with open(path, "rb") as handle:
+        with open(path, "rb", buffering=1 << 20) as handle:  # as the replay command reads it
             yield from read_events(handle, parse=parse)
         return
     yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step))

@@ -20,6 +20,7 @@ from .options import add_sink_options, config_from_args
 __all__ = ["register", "run"]
 
 PROGRESS_MIN_BYTES = 16 << 20
+READ_BUFFER = 1 << 20  # lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
 
 EPILOG = """\
 examples:
@@ -83,7 +84,7 @@ def _open_with_progress(path: Path, progress: bool | None) -> contextlib.Abstrac
             pass
         else:
             return rich.progress.open(path, "rb", description="replay", console=None)
-    return path.open("rb")
+    return path.open("rb", buffering=READ_BUFFER)
 
 
 @contextlib.contextmanager
@@ -136,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
             for shipment in run_events(events, sink):
                 ships += 1
                 if metrics_out is not None:
-                    metrics_out.write(jsonio.dumps(shipment.report.row()) + b"\n")
+                    metrics_out.write(jsonio.dumps_line(shipment.report.row()))
                 if batches_out is not None:
-                    batches_out.write(jsonio.dumps(shipment.batches_line(arrays=True)) + b"\n")
+                    batches_out.write(jsonio.dumps_line(shipment.batches_line(arrays=True)))
     except EventError as error:
         print(str(error), file=sys.stderr)
         return 2
