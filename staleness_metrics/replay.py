@@ -16,6 +16,8 @@ from .errors import EventError, TraceError
 from .records import ParsedRollout, UnparsedRollout, pack, parse_or_error
 from .simd_records import LineReader
 from .sink import Shipment, Sink
+from .spans import SpanTable, build_spans
+from .validation import Verdicts, check_batch
 
 __all__ = [
     "Added",
@@ -134,6 +136,7 @@ class Added:
     lines: tuple[int, ...]
     items: tuple[ParsedRollout | UnparsedRollout, ...]
     packed: RolloutBatch | None = None  # the parsed items packed once (:func:`pack_once`); runs add copies
+    checked: tuple[Verdicts, SpanTable] | None = None  # and checked once, as every run's sink checks them
 
 
 Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
@@ -169,12 +172,22 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
 
     Each run then adds a copy of the batch (a sink masks the arrays it holds in place) instead of
     packing the records again: one copy per array rather than a concatenation of every sample's.
+    The batch is also checked once (:func:`check_batch`, :func:`build_spans`): what a sink finds
+    depends only on the batch as it arrives and on the ids accepted before it, which are the same in
+    every run of the steps (a sink accepts every valid rollout it is given, whatever its bound).
     """
     out: list[Step] = []
+    accepted: set[str] = set()
     for step in steps:
         if isinstance(step, Added):
             parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
-            step = dataclasses.replace(step, packed=pack(parsed) if parsed else None)
+            packed = pack(parsed) if parsed else None
+            checked = None
+            if packed is not None:
+                verdicts = check_batch(packed, accepted)
+                checked = verdicts, build_spans(packed, verdicts)
+                accepted.update(packed.ids[i] for i in np.flatnonzero(~verdicts.invalid).tolist())
+            step = dataclasses.replace(step, packed=packed, checked=checked)
         out.append(step)
     return out
 
@@ -197,7 +210,7 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
     for step in steps:
         if isinstance(step, Added):
             try:
-                sink.add_parsed(step.items, None if step.packed is None else _copy(step.packed))
+                sink.add_parsed(step.items, None if step.packed is None else _copy(step.packed), step.checked)
             except TraceError:
                 # Strict mode added nothing: add one by one to find the offending line.
                 for line, item in zip(step.lines, step.items):

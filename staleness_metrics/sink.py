@@ -29,9 +29,9 @@ from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_err
 from .report import StepReport, Tally
 from .segments import expand_ranges, segment_sum
 from .shipped_positions import NOT_SAMPLED, ShippedSpans
-from .spans import PART_LABELLED, PART_UNLABELLED, build_spans
+from .spans import PART_LABELLED, PART_UNLABELLED, SpanTable, build_spans
 from .table import Table
-from .validation import check_batch
+from .validation import Verdicts, check_batch
 
 __all__ = ["Shipment", "ShippedRollout", "Sink"]
 
@@ -276,12 +276,19 @@ class Sink:
             items.append(parsed)
         return self.add_parsed(items)
 
-    def add_parsed(self, items: Sequence[ParsedRollout | UnparsedRollout], packed: RolloutBatch | None = None) -> int:
+    def add_parsed(
+        self,
+        items: Sequence[ParsedRollout | UnparsedRollout],
+        packed: RolloutBatch | None = None,
+        checked: tuple[Verdicts, SpanTable] | None = None,
+    ) -> int:
         """Queue records already type-checked by :func:`~staleness_metrics.records.parse_or_error` (in
         order, as :meth:`add` would): refused ones raise (strict) or are set aside (lenient).
 
         ``packed``: the parsed ones of ``items`` already packed (:func:`~staleness_metrics.records.pack`),
-        a batch this sink may keep and mask in place."""
+        a batch this sink may keep and mask in place. ``checked``: the batch's verdicts and spans as
+        :func:`check_batch` and :func:`build_spans` found them for a sink that had accepted the same ids
+        (:func:`~staleness_metrics.replay.pack_once`: what-if runs one stream at several bounds)."""
         parsed: list[ParsedRollout] = []
         for item in items:
             if isinstance(item, UnparsedRollout):
@@ -292,7 +299,7 @@ class Sink:
                 parsed.append(item)
         if not parsed:
             return 0
-        return self._add_batch(packed if packed is not None else pack(parsed))
+        return self._add_batch(packed if packed is not None else pack(parsed), checked)
 
     def _set_aside(self, error: TraceError, env: str | None) -> None:
         self._invalid.append(error)
@@ -333,9 +340,12 @@ class Sink:
         np.logical_or.at(self._group_agentic, groups, batch.agentic[rollouts])
         return groups
 
-    def _add_batch(self, batch: RolloutBatch) -> int:
-        verdicts = check_batch(batch, self._seen_ids)
-        spans = build_spans(batch, verdicts)
+    def _add_batch(self, batch: RolloutBatch, checked: tuple[Verdicts, SpanTable] | None = None) -> int:
+        if checked is not None:
+            verdicts, spans = checked
+        else:
+            verdicts = check_batch(batch, self._seen_ids)
+            spans = build_spans(batch, verdicts)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
         invalid = verdicts.invalid
