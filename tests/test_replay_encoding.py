@@ -11,10 +11,13 @@ lenient streams with invalid rollouts included.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from staleness_metrics import Sink, StalenessConfig, jsonio
 from staleness_metrics.cli import main as cli_main
@@ -189,3 +192,32 @@ def test_integers_beyond_64_bits_mean_what_the_standard_library_reads(field: str
     sink = Sink(StalenessConfig(strict=True))
     with pytest.raises(EventError, match=field):
         list(run_events(read_events([line.encode(), b'{"type": "ship", "step": 1}']), sink))
+
+
+_WEIGHT_VALUES = st.sampled_from([0.0, 1.0, -0.0, 0.5, 2.0, 1e-300, 1e300, math.inf, -1.0, math.nan, 5e-324])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    arrays=st.lists(st.lists(st.sampled_from([0.0, 1.0]), max_size=12), max_size=5),
+    odd=st.one_of(st.none(), st.tuples(st.integers(0, 4), st.integers(0, 11), _WEIGHT_VALUES)),
+)
+def test_zero_one_weights_are_written_as_orjson_writes_them(
+    arrays: list[list[float]], odd: tuple[int, int, float] | None
+) -> None:
+    """The table look-up writes each array exactly as orjson formats it, or declines when a value
+    (anywhere in the ship) is not 0.0 / 1.0: -0.0, NaN, other numbers."""
+    import numpy as np
+    import orjson
+
+    if odd is not None and odd[0] < len(arrays) and arrays[odd[0]]:
+        arrays[odd[0]][odd[1] % len(arrays[odd[0]])] = odd[2]
+    values = [np.array(a, dtype=np.float64) for a in arrays]
+    texts = jsonio.zero_one_floats(values)
+    zero_one = all(
+        np.float64(v).tobytes() in (np.float64(0).tobytes(), np.float64(1).tobytes()) for a in arrays for v in a
+    )
+    assert (texts is not None) == zero_one
+    if texts is not None:
+        assert [orjson.dumps(t) for t in texts] == [orjson.dumps(v, option=orjson.OPT_SERIALIZE_NUMPY) for v in values]
+        assert orjson.dumps({"w": texts}) == orjson.dumps({"w": values}, option=orjson.OPT_SERIALIZE_NUMPY)

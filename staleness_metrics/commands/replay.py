@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from .. import jsonio
+from ..columnar import WEIGHT_FIELDS
 from ..errors import ConfigError, EventError
 from ..replay import Event, parse_event, read_events, run_events
-from ..sink import Sink
+from ..sink import Shipment, Sink
 from .options import add_sink_options, config_from_args
 
 __all__ = ["register", "run"]
@@ -116,6 +117,20 @@ def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[bytes] | None]]:
         os.replace(temp, path)
 
 
+def batches_line_bytes(shipment: Shipment) -> bytes:
+    """The ``--batches-out`` line of a ship, its 0/1 weights written by table look-up
+    (:func:`.jsonio.zero_one_floats`: the same bytes as formatting each float)."""
+    line = shipment.batches_line(arrays=True)
+    samples = [sample for rollout in line["shipped"] for sample in rollout["samples"]]
+    for name in WEIGHT_FIELDS:
+        holders = [sample for sample in samples if name in sample]
+        texts = jsonio.zero_one_floats([sample[name] for sample in holders])
+        if texts is not None:
+            for sample, text in zip(holders, texts):
+                sample[name] = text
+    return jsonio.dumps_line(line)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, args.max_staleness)
@@ -139,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
                 if metrics_out is not None:
                     metrics_out.write(jsonio.dumps_line(shipment.report.row()))
                 if batches_out is not None:
-                    batches_out.write(jsonio.dumps_line(shipment.batches_line(arrays=True)))
+                    batches_out.write(batches_line_bytes(shipment))
     except EventError as error:
         print(str(error), file=sys.stderr)
         return 2
