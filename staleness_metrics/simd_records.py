@@ -58,11 +58,16 @@ class _Lists:
         self.owners: list[tuple[ParsedSample, str]] = []
         self.lines: list[int] = []  # index of the line (within the reader's pending lines)
 
-    def extend(self, other: _Lists, line: int) -> None:
-        self.buffers += other.buffers
-        self.sizes += other.sizes
-        self.owners += other.owners
-        self.lines += [line] * len(other.buffers)
+    def mark(self) -> int:
+        return len(self.buffers)
+
+    def close_line(self, mark: int, line: int) -> None:
+        """The lists appended since ``mark`` belong to line ``line``."""
+        self.lines += [line] * (len(self.buffers) - mark)
+
+    def drop_since(self, mark: int) -> None:
+        """Forget the lists of a line the general path will read."""
+        del self.buffers[mark:], self.sizes[mark:], self.owners[mark:]
 
     def clear(self) -> None:
         self.buffers, self.sizes, self.owners, self.lines = [], [], [], []
@@ -204,18 +209,20 @@ class LineReader:
             # parser, in case this one is still held by a proxy of an earlier line (never expected).
             self._parser = simdjson.Parser()
             return False
-        masks, versions, floats = _Lists(), _Lists(), _Lists()
+        kinds = (self._masks, self._versions, self._floats)
+        marks = [kind.mark() for kind in kinds]
         try:
-            rollout = _rollout(document, line, masks, versions, floats)
+            rollout = _rollout(document, line, *kinds)
         except (_NotPlain, TraceError, TypeError, ValueError, RuntimeError):
+            for kind, mark in zip(kinds, marks):
+                kind.drop_since(mark)
             return False
         finally:
             del document
         index = len(self._rollouts)
         self._rollouts.append(rollout)
-        self._masks.extend(masks, index)
-        self._versions.extend(versions, index)
-        self._floats.extend(floats, index)
+        for kind, mark in zip(kinds, marks):
+            kind.close_line(mark, index)
         return True
 
     def finish(self) -> list[ParsedRollout | None]:
