@@ -10,7 +10,7 @@ from typing import IO, Any
 import numpy as np
 
 from . import jsonio
-from .columnar import RolloutBatch
+from .columnar import WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .errors import EventError, TraceError
 from .records import ParsedRollout, UnparsedRollout, pack, parse_or_error
@@ -181,25 +181,40 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
     for step in steps:
         if isinstance(step, Added):
             parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
-            packed = pack(parsed) if parsed else None
+            packed = _share(pack(parsed)) if parsed else None
             checked = None
             if packed is not None:
                 verdicts = check_batch(packed, accepted)
-                checked = verdicts, build_spans(packed, verdicts)
+                spans = build_spans(packed, verdicts)
+                for f in dataclasses.fields(spans):  # shared by every run, like the packed arrays
+                    if isinstance(value := getattr(spans, f.name), np.ndarray):
+                        value.setflags(write=False)
+                checked = verdicts, spans
                 accepted.update(packed.ids[i] for i in np.flatnonzero(~verdicts.invalid).tolist())
             step = dataclasses.replace(step, packed=packed, checked=checked)
         out.append(step)
     return out
 
 
+_MASKED_FIELDS = ("mask", *WEIGHT_FIELDS)  # the arrays a sink writes (masks in place)
+
+
 def _copy(batch: RolloutBatch) -> RolloutBatch:
-    """A batch whose arrays are copies (ids, envs, group ids and echoes are shared: a sink only reads them)."""
-    arrays = {
-        f.name: value.copy()
-        for f in dataclasses.fields(batch)
-        if isinstance(value := getattr(batch, f.name), np.ndarray)
-    }
+    """A batch for one more run: copies of the arrays a sink masks in place, the others shared.
+
+    The shared arrays are made read-only (:func:`_share`), so that a sink that wrote into one would fail
+    loudly rather than change what the other runs read."""
+    arrays = {name: value.copy() for name in _MASKED_FIELDS if (value := getattr(batch, name)) is not None}
     return dataclasses.replace(batch, **arrays, present={k: v.copy() for k, v in batch.present.items()})
+
+
+def _share(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` with every array but the masked ones read-only (they are shared by :func:`_copy`)."""
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, np.ndarray) and f.name not in _MASKED_FIELDS:
+            value.setflags(write=False)
+    return batch
 
 
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
