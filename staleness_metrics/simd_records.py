@@ -42,11 +42,15 @@ def _array(value: object) -> simdjson.Array:
     return value
 
 
-def _object(value: object) -> simdjson.Object:
-    """A JSON object without repeated keys (simdjson's lookup finds the first, JSON readers keep the last)."""
-    if type(value) is not simdjson.Object or len(set(value)) != len(value):
+def _keys(value: object) -> list[str]:
+    """The keys of a JSON object without repeated keys (simdjson's lookup finds the first, JSON
+    readers keep the last)."""
+    if type(value) is not simdjson.Object:
         raise _NotPlain
-    return value
+    keys = list(value)
+    if len(set(keys)) != len(keys):
+        raise _NotPlain
+    return keys
 
 
 class _Lists:
@@ -101,12 +105,15 @@ def _float_bad(values: npt.NDArray[np.float64]) -> bool:
 def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, floats: _Lists) -> ParsedRollout:
     """The line's record with its per-position lists copied into ``masks``, ``versions`` and ``floats``
     (their values are checked, and the arrays filled in, by :meth:`LineReader.finish`)."""
-    event = _object(document)
-    if event.get("type") != "rollout":
+    _keys(document)
+    assert type(document) is simdjson.Object
+    if document.get("type") != "rollout":
         raise _NotPlain
-    raw = _object(event.get("rollout"))
+    raw = document.get("rollout")
+    keys = _keys(raw)
+    assert type(raw) is simdjson.Object
     head: dict[str, Any] = {}
-    for key in raw:  # document order, as the general path's echo keeps it
+    for key in keys:  # document order, as the general path's echo keeps it
         if key != "samples":
             value = raw[key]
             if type(value) is simdjson.Object or type(value) is simdjson.Array:
@@ -120,12 +127,14 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
     samples: list[ParsedSample] = []
     lists = 1  # "samples" itself
     for item in items:
-        sample = _object(item)
+        keys = _keys(item)
+        assert type(item) is simdjson.Object
+        sample = item
         parsed = ParsedSample(mask=_NO_MASK)
         labels = 0
         n = -1
         sizes: list[int] = []
-        for key in sample:  # one lookup per field present (a lookup is a scan of the object's keys)
+        for key in keys:  # one lookup per field present (a lookup is a scan of the object's keys)
             value = sample[key]
             if value is None:
                 if key == "mask":
