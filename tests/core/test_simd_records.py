@@ -269,6 +269,11 @@ def test_plain_lines_of_every_shape_take_this_path() -> None:
         _line({"mask": "[1]"}, head='"id": "r\\ud800", "dispatch_version": 3'),  # a lone surrogate
         b"\xef\xbb\xbf" + _line({"mask": "[1]"}),  # a byte order mark (simdjson skips it, orjson refuses)
         b'{"type": "ship", "step": 1}',
+        _line({"mask": "[1,]"}),  # not JSON, in any reader
+        _line({"mask": "[+1]"}),
+        _line({"mask": "[.5]"}),
+        _line({"mask": "[1]"}, head='"id": "r\t1", "dispatch_version": 3'),  # a raw control character
+        _line({"mask": "[1]"}) + b"\x0c",  # a form feed is not JSON whitespace
         _line({"mask": "[1]", "logprobs": f"[{2**63}]"}),  # what records._plain_floats sends to the checked path
     ],
 )
