@@ -17,7 +17,7 @@ count of ``[`` in the line rules out (every ``[`` must open a list this reader l
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -29,7 +29,13 @@ from .records import _INT64_BOUND, MAX_VERSION, ParsedRollout, ParsedSample, che
 
 __all__ = ["LineReader"]
 
-_FLOAT_FIELDS = (*WEIGHT_FIELDS, "logprobs", "trainer_logprobs")
+_MASKS, _VERSIONS, _FLOATS = 0, 1, 2  # the kinds of per-position lists, each checked by one rule
+_FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, as_buffer type)
+    "mask": (_MASKS, "i"),
+    "token_versions": (_VERSIONS, "i"),
+    "weight_versions": (_VERSIONS, "i"),
+    **{name: (_FLOATS, "d") for name in (*WEIGHT_FIELDS, "logprobs", "trainer_logprobs")},
+}
 
 
 class _NotPlain(Exception):
@@ -106,12 +112,11 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
     """The line's record with its per-position lists copied into ``masks``, ``versions`` and ``floats``
     (their values are checked, and the arrays filled in, by :meth:`LineReader.finish`)."""
     _keys(document)
-    assert type(document) is simdjson.Object
-    if document.get("type") != "rollout":
+    if cast(simdjson.Object, document).get("type") != "rollout":
         raise _NotPlain
-    raw = document.get("rollout")
+    raw = cast(simdjson.Object, document).get("rollout")
     keys = _keys(raw)
-    assert type(raw) is simdjson.Object
+    raw = cast(simdjson.Object, raw)
     head: dict[str, Any] = {}
     for key in keys:  # document order, as the general path's echo keeps it
         if key != "samples":
@@ -126,52 +131,45 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
 
     samples: list[ParsedSample] = []
     lists = 1  # "samples" itself
+    kinds = (masks, versions, floats)
     for item in items:
         keys = _keys(item)
-        assert type(item) is simdjson.Object
-        sample = item
+        sample = cast(simdjson.Object, item)
         parsed = ParsedSample(mask=_NO_MASK)
         labels = 0
-        n = -1
-        sizes: list[int] = []
+        sizes: list[int] = []  # lengths of the per-position lists, the mask's first
         for key in keys:  # one lookup per field present (a lookup is a scan of the object's keys)
             value = sample[key]
             if value is None:
                 if key == "mask":
                     raise _NotPlain
                 continue  # a null field is an absent one
-            array = _array(value)
-            size = len(array)
-            lists += 1
-            if key in _FLOAT_FIELDS:
-                kind = floats
-                buffer = array.as_buffer(of_type="d")
-                sizes.append(size)
-            elif key == "mask":
-                kind = masks
-                buffer = array.as_buffer(of_type="i")
-                n = size
-            elif key == "token_versions":
-                kind = versions
-                buffer = array.as_buffer(of_type="i")
-                sizes.append(size)
+            field = _FIELDS.get(key)
+            if field is None or type(value) is not simdjson.Array:
+                raise _NotPlain  # an unknown field, or not a list
+            slot, of_type = field
+            kind = kinds[slot]
+            kind.buffers.append(value.as_buffer(of_type=of_type))
+            size = len(value)
+            if slot == _VERSIONS:
                 labels += 1
-            elif key == "weight_versions":
-                # [version, start] pairs, flattened by as_buffer: each must be a list of two
-                for pair in array:
-                    if type(pair) is not simdjson.Array or len(pair) != 2:
-                        raise _NotPlain
-                kind = versions
-                buffer = array.as_buffer(of_type="i")
-                lists += size
-                size *= 2
-                labels += 1
+                if key == "weight_versions":
+                    # [version, start] pairs, flattened by as_buffer: each must be a list of two
+                    for pair in value:
+                        if type(pair) is not simdjson.Array or len(pair) != 2:
+                            raise _NotPlain
+                    lists += 1 + size  # the list of pairs and each pair
+                    size *= 2
+                else:
+                    sizes.append(size)
+            elif slot == _MASKS:
+                sizes.insert(0, size)
             else:
-                raise _NotPlain  # an unknown field
-            kind.buffers.append(buffer)
+                sizes.append(size)
             kind.sizes.append(size)
             kind.owners.append((parsed, key))
-        if n < 0 or labels > 1 or any(size != n for size in sizes):
+        lists += len(sizes)
+        if keys.count("mask") != 1 or labels > 1 or sizes.count(sizes[0]) != len(sizes):
             raise _NotPlain  # no mask; both kinds of labels; a list whose length is not the mask's
         samples.append(parsed)
     if line.count(b"[") != lists:  # a nested list (as_buffer flattens it), or a "[" in a string
