@@ -22,7 +22,7 @@ from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK, Decision, Judgement
 from .errors import TraceError
-from .masking import PositionMasker
+from .masking import mask_spans
 from .metrics import WindowCounts, compute_report
 from .policies import Policy, policy_for
 from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
@@ -196,7 +196,6 @@ class Sink:
             sample=np.int64, lo=np.int64, hi=np.int64, version=np.int64, labelled=np.bool_,
             sampled=np.int64, live=np.bool_, part=np.int8,
         )  # fmt: skip
-        self._masker = PositionMasker()
         self._ids: list[str] = []  # per rollout row
         self._row_of: dict[str, int] = {}  # queued (and recently resolved) rollouts by id
         self._seen_ids: set[str] = set()  # every id accepted in the run: ids are unique within a run
@@ -324,8 +323,10 @@ class Sink:
     def _groups_of(self, batch: RolloutBatch, rollouts: list[int]) -> IntArray:
         """Group index of each rollout, registering new groups (one of its own without group_id)."""
         assert batch.group_ids is not None and batch.agentic is not None
-        names = [batch.group_ids[i] for i in rollouts]
-        if all(name is None for name in names):  # singletons: one new group each, no lookups
+        names = (
+            batch.group_ids if len(rollouts) == batch.n_rollouts else list(map(batch.group_ids.__getitem__, rollouts))
+        )
+        if names.count(None) == len(names):  # singletons: one new group each, no lookups
             first = self._new_groups(len(rollouts))
             groups = np.arange(first, self._n_groups, dtype=np.int64)
         else:
@@ -350,7 +351,8 @@ class Sink:
             raise verdicts.errors[min(verdicts.errors)]
         invalid = verdicts.invalid
         for index, error in sorted(verdicts.errors.items()):
-            self._set_aside(error, batch.envs[index] if batch.envs is not None else None)
+            env = batch.envs[index] if batch.envs is not None else None
+            self._set_aside(error, env if isinstance(env, str) and env else None)  # a bad env counts under none
         keep = np.flatnonzero(~invalid)
         kept_ids = keep.tolist()
         if len(keep) == 0:
@@ -367,9 +369,15 @@ class Sink:
         span_base = len(self._spans)
         row_base = len(self._rollouts)
         new_sample_offsets = np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
+        # Per-rollout lists are read through C-level map/zip, never an interpreted loop per rollout.
+        ids = batch.ids if len(keep) == batch.n_rollouts else list(map(batch.ids.__getitem__, kept_ids))
+        env_names = batch.envs if len(keep) == batch.n_rollouts else list(map(batch.envs.__getitem__, kept_ids))
         groups = self._groups_of(batch, kept_ids)
-        env_index = {name: self._env(name) for name in {batch.envs[i] for i in kept_ids}}
-        envs = np.array([env_index[batch.envs[i]] for i in kept_ids], dtype=np.int64)
+        env_index = {name: self._env(name) for name in set(env_names)}
+        if len(env_index) == 1:
+            envs = np.full(len(keep), next(iter(env_index.values())), dtype=np.int64)
+        else:
+            envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=len(keep))
         self._rollouts.append(
             chunk=np.full(len(keep), chunk), index=keep, status=np.full(len(keep), QUEUED),
             judged=np.full(len(keep), NEVER), frozen=batch.frozen[keep], dispatch=batch.dispatch_version[keep],
@@ -395,10 +403,9 @@ class Sink:
             version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
             sampled=spans.sampled[kept_spans], live=spans.live[kept_spans], part=spans.part[kept_spans],
         )  # fmt: skip
-        for offset, index in enumerate(kept_ids):
-            self._row_of[batch.ids[index]] = row_base + offset
-        self._ids.extend(batch.ids[i] for i in kept_ids)
-        self._seen_ids.update(batch.ids[i] for i in kept_ids)
+        self._row_of.update(zip(ids, range(row_base, row_base + len(keep))))
+        self._ids.extend(ids)
+        self._seen_ids.update(ids)
         self._queued += len(keep)
         live_samples = ~batch.frozen[keep][sample_rollout]
         self.tokens_entered += int(spans.n_sampled[samples][live_samples].sum())
@@ -495,7 +502,8 @@ class Sink:
         rows = span_rows[hit]
         chunk_of = self._rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
         spans = self._spans
-        self._masker.mask(self._chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit])
+        count = judgement.sampled[hit]  # sampled positions are the whole span or part: mask-0 ones are never hit
+        mask_spans(self._chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit], count)
 
     def _leave(self, rows: IntArray, status: int) -> None:
         self._rollouts["status"][rows] = status
@@ -508,7 +516,6 @@ class Sink:
         for chunk, still_open in enumerate(self._chunk_open):
             if still_open == 0 and self._chunks[chunk] is not None:
                 self._chunks[chunk] = None
-                self._masker.forget()
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
@@ -595,7 +602,6 @@ class Sink:
         )  # fmt: skip
         self._spans = self._spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
         self._chunks = [self._chunks[c] for c in chunks.tolist()]
-        self._masker.forget()
         self._chunk_open = [self._chunk_open[c] for c in chunks.tolist()]
         self._ids = [self._ids[row] for row in keep.tolist()]
         self._row_of = {rid: row for row, rid in enumerate(self._ids)}

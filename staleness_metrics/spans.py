@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .kernels import cut_extrema, token_cuts
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 from .segments import expand_ranges, segment_max, segment_min, segment_sum
 from .validation import Verdicts
@@ -111,8 +112,10 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
     extrema = run_all([partial(_span_extrema, getattr(batch, name), lo) for name in present], n_positions)
     nonzero: dict[str, BoolArray | None] = dict.fromkeys(WEIGHT_FIELDS)
+    lowest: dict[str, npt.NDArray[Any]] = {}
     for name, (high, low) in zip(present, extrema):
         nonzero[name] = _nonzero_or_report(getattr(batch, name), name, high, low, lo, hi, kept, verdicts)
+        lowest[name] = low
     if batch.logprobs is not None and not np.isfinite(np.add.reduce(batch.logprobs)):
         offenders = np.flatnonzero(~np.isfinite(batch.logprobs))
         verdicts.positions(offenders[np.unique(np.searchsorted(lo, offenders, "right"), return_index=True)[1]].tolist(),
@@ -134,7 +137,7 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     count = np.where(part == PART_UNLABELLED, (hi - lo - labelled)[row_cut], count)
     row_live = live[row_cut]
     if rl is not None and (mixed & live).any():
-        _exact_part_liveness(batch, present, lo, hi, mixed & live, row_cut, part, row_live)
+        _exact_part_liveness(batch, present, lo, hi, lowest["rl_weights"], mixed & live, row_cut, part, row_live)
     keep_rows = kept[row_cut]
     row_cut, part, count, row_live = row_cut[keep_rows], part[keep_rows], count[keep_rows], row_live[keep_rows]
     lo, hi, label, side = lo[row_cut], hi[row_cut], np.where(part == PART_UNLABELLED, -1, label[row_cut]), side[row_cut]
@@ -187,42 +190,11 @@ def _token_cuts(batch: RolloutBatch, tokened: BoolArray, changes: IntArray) -> t
 
     A cut ends where the mask changes or a different label begins; unlabelled positions (-1) between
     two equal labels stay inside the cut, so scattered unlabelled positions do not multiply the cuts.
-    Work beyond the two comparisons of neighbours is per run of equal values, never per position.
+    One compiled pass over the positions (:func:`~staleness_metrics.kernels.token_cuts`).
     """
-    pos_off = batch.position_offsets
     tokens = batch.token_versions
     assert tokens is not None
-    n_positions = len(tokens)
-    segment_start = np.zeros(n_positions, dtype=bool)  # a new sample or a new mask value
-    segment_start[changes] = True
-    segment_start[pos_off[:-1][pos_off[:-1] < n_positions]] = True
-    boundary = np.empty(n_positions, dtype=bool)
-    boundary[0] = True
-    np.not_equal(tokens[1:], tokens[:-1], out=boundary[1:])
-    boundary |= segment_start
-    starts = np.flatnonzero(boundary)
-    if tokened.all():
-        ends = np.append(starts[1:], n_positions)
-    else:
-        run_sample = np.searchsorted(pos_off, starts, "right") - 1
-        chosen = tokened[run_sample]
-        starts, run_sample = starts[chosen], run_sample[chosen]
-        ends = np.minimum(np.append(starts[1:], n_positions), pos_off[run_sample + 1])
-    label = tokens[starts]
-    new_segment = segment_start[starts]
-    is_labelled = label >= 0
-    # Runs of one segment alternate between labels and -1: the label before a -1 run is two runs back.
-    before = np.full(len(starts), -2)
-    before[1:] = label[:-1]
-    two_back = np.full(len(starts), -2)
-    two_back[2:] = label[:-2]
-    unlabelled_run_began_segment = np.zeros(len(starts), dtype=bool)
-    unlabelled_run_began_segment[1:] = new_segment[:-1]
-    new_label = (before >= 0) | (~unlabelled_run_began_segment & (two_back != label))
-    new_cut = new_segment | (is_labelled & new_label)
-    first = np.flatnonzero(new_cut)
-    labelled = segment_sum(np.where(is_labelled, ends - starts, 0), np.append(first, len(starts)))
-    return starts[first], np.maximum.reduceat(label, first) if len(first) else label, labelled
+    return token_cuts(tokens, batch.position_offsets, np.flatnonzero(tokened), changes)
 
 
 def _exact_part_liveness(
@@ -230,6 +202,7 @@ def _exact_part_liveness(
     present: list[str],
     lo: IntArray,
     hi: IntArray,
+    rl_lowest: npt.NDArray[Any],
     candidates: BoolArray,
     row_cut: IntArray,
     part: npt.NDArray[np.int8],
@@ -237,14 +210,11 @@ def _exact_part_liveness(
 ) -> None:
     """Whether each part of a live mixed cut has a weighted position of its own (written into ``row_live``).
 
-    The cut's weight maxima say so at once unless rl_weights has zeros in the cut; only those cuts are
-    read position by position.
+    The cut's weight maxima say so at once unless rl_weights has zeros in the cut (its minimum,
+    ``rl_lowest``, is not above 0); only those cuts are read position by position.
     """
-    rl = batch.rl_weights
-    assert rl is not None
     cuts = np.flatnonzero(candidates)
-    lowest = np.minimum.reduceat(rl, lo)[cuts] if len(lo) else rl[:0]
-    doubt = cuts[~(lowest > 0)]  # a zero (or negative) rl weight somewhere in the cut
+    doubt = cuts[~(rl_lowest[cuts] > 0)]  # a zero (or negative) rl weight somewhere in the cut
     if len(doubt) == 0:
         return
     tokens = batch.token_versions
@@ -322,26 +292,22 @@ def _mask_changes(mask: npt.NDArray[np.floating[Any]]) -> IntArray:
 
 
 # Non-negative finite floats, read as unsigned integers of the same width, are exactly those below
-# the bit pattern of +inf (the sign bit is the top bit; +0.0 is 0). One max per span over that view
-# then says both "every value finite and >= +0.0" and "some value non-zero".
+# the bit pattern of +inf (the sign bit is the top bit; +0.0 is 0), in the same order. One pass of max
+# and min per span over that view then says "every value finite and >= +0.0", gives the extrema,
+# and leaves NaN and signed zeros to the float path.
 _UNSIGNED_VIEW = {np.dtype(np.float32): (np.uint32, 0x7F800000), np.dtype(np.float64): (np.uint64, 0x7FF << 52)}
 
 
 def _span_extrema(values: npt.NDArray[Any], lo: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    """Per span maximum and minimum of ``values`` (as floats), read once in the common case.
-
-    When every value is finite and >= +0.0 the minimum is reported as zeros: only "non-zero" and
-    "finite" are asked of it, and zeros answer both the same way.
-    """
+    """Per span maximum and minimum of ``values`` (as floats), read once in the common case."""
     if len(lo) == 0:
         return values[:0], values[:0]
     view = _UNSIGNED_VIEW.get(values.dtype)
     if view is not None:
         unsigned, infinity = view
-        top = np.maximum.reduceat(values.view(unsigned), lo)
-        if bool((top < infinity).all()):
-            high = top.view(values.dtype)  # the same bits: the span maxima as floats
-            return high, np.zeros_like(high)
+        top, bottom = cut_extrema(values.view(unsigned), lo)
+        if bool((top < infinity).all()):  # the same order as the floats: the bits are the extrema
+            return top.view(values.dtype), bottom.view(values.dtype)
     return np.maximum.reduceat(values, lo), np.minimum.reduceat(values, lo)
 
 

@@ -6,7 +6,8 @@ runs on the (rare) offenders, to name the rollout, the field and the reason.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -90,6 +91,15 @@ def _check_shapes(batch: RolloutBatch) -> None:
         raise ValueError("group_ids and envs must have one entry per rollout")
 
 
+def _plain_envs(envs: Sequence[Any]) -> bool:
+    """Whether every env is None or a non-empty string, judged on the distinct values."""
+    try:
+        distinct = set(envs)
+    except TypeError:  # an unhashable env: the loop names it
+        return False
+    return all(env is None or (type(env) is str and env) for env in distinct)
+
+
 def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> Verdicts:
     """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts.
 
@@ -99,15 +109,20 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
     _check_shapes(batch)
     verdicts = Verdicts(batch)
 
-    seen: set[str] = set()
-    for index, rid in enumerate(batch.ids):
-        if rid in known_ids or rid in seen:
-            verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
-        seen.add(rid)
+    # Set operations first (C speed); the loops that name offenders run only when there are some.
+    ids = batch.ids
+    if len(set(ids)) != len(ids) or not (isinstance(known_ids, (set, frozenset)) and known_ids.isdisjoint(ids)):
+        seen: set[str] = set()
+        for index, rid in enumerate(ids):
+            if rid in known_ids or rid in seen:
+                verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
+            seen.add(rid)
 
-    for index, env in enumerate(batch.envs or ()):
-        if env is not None and (not isinstance(env, str) or not env):
-            verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
+    envs = batch.envs or ()
+    if not _plain_envs(envs):
+        for index, env in enumerate(envs):
+            if env is not None and (not isinstance(env, str) or not env):
+                verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
 
     live = ~np.asarray(batch.frozen, dtype=bool)
     dispatch, completion = batch.dispatch_version, batch.completion_version

@@ -11,3 +11,11 @@ from hypothesis import HealthCheck, settings
 
 settings.register_profile("no-wall-clock", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("no-wall-clock")
+
+
+def pytest_sessionstart(session: object) -> None:
+    """Compile the engine's numba loops once, before any test: on a fresh machine the first compile
+    takes seconds, which would otherwise land inside whichever test (or served request) comes first."""
+    from staleness_metrics.kernels import warm_up
+
+    warm_up()

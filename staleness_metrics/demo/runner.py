@@ -31,6 +31,7 @@ from typing import IO, Any, TextIO
 from ..config import StalenessConfig
 from ..exporters import ConsoleExporter, Exporter, JsonlExporter
 from ..exporters.console import format_line
+from ..kernels import warm_up
 from ..mismatch import MismatchSums
 from ..monitor import StalenessMonitor
 from ..report import StepReport
@@ -288,6 +289,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     stop = threading.Event()
     interrupted = False
     try:
+        warm_up()  # the engine's compiled loops: seconds on a fresh install, better before the first step
         # Each exporter joins the list as soon as it exists, so that it is closed whatever happens next.
         prometheus = _prometheus(options.prometheus_port, say)
         exporters += [prometheus] if prometheus is not None else []

@@ -382,3 +382,27 @@ def test_a_huge_staleness_keeps_exact_metrics_and_a_bounded_histogram() -> None:
     assert m["staleness/token/mean"] == 3 * 2**52 / 4
     assert len(tally.token_histogram) == HISTOGRAM_TOP + 1
     assert tally.token_histogram[0] == 1 and tally.token_histogram[HISTOGRAM_TOP] == 3
+
+
+def test_a_columnar_batch_names_each_duplicate_id_and_bad_env_and_keeps_the_rest() -> None:
+    s = Sink(StalenessConfig(max_staleness=2, strict=False))
+    s.add(
+        RolloutBatch(ids=["old"], sample_offsets=[0, 1], position_offsets=[0, 2], dispatch_version=[0], mask=np.ones(2))
+    )
+    ids = ["a", "old", "a", "b", "c", "d", "e"]
+    envs: list[Any] = ["math", None, "math", "", ["code"], 7, "code"]
+    n = len(ids)
+    added = s.add(
+        RolloutBatch(
+            ids=ids,
+            envs=envs,
+            sample_offsets=np.arange(n + 1),
+            position_offsets=np.arange(n + 1) * 2,
+            dispatch_version=np.zeros(n, dtype=np.int64),
+            mask=np.ones(2 * n),
+        )
+    )
+    reasons = sorted((e.rollout_id, e.field) for e in s.invalid)
+    assert reasons == [("a", "id"), ("b", "env"), ("c", "env"), ("d", "env"), ("old", "id")]
+    assert added == 2  # the first "a" and "e"
+    assert s.ship(1).ids == ["old", "a", "e"]

@@ -1,0 +1,153 @@
+"""The compiled loops against the numpy formulations they replaced, on hand-made and random inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from staleness_metrics.kernels import token_cuts, zero_spans
+from staleness_metrics.segments import expand_ranges, segment_sum
+
+IntArray = npt.NDArray[np.int64]
+
+
+def numpy_token_cuts(
+    tokens: IntArray, pos_off: IntArray, tokened: npt.NDArray[np.bool_], changes: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """The engine's former numpy cuts: runs of equal values, then a decision per run."""
+    n_positions = len(tokens)
+    segment_start = np.zeros(n_positions, dtype=bool)
+    segment_start[changes] = True
+    segment_start[pos_off[:-1][pos_off[:-1] < n_positions]] = True
+    boundary = np.empty(n_positions, dtype=bool)
+    boundary[0] = True
+    np.not_equal(tokens[1:], tokens[:-1], out=boundary[1:])
+    boundary |= segment_start
+    starts = np.flatnonzero(boundary)
+    run_sample = np.searchsorted(pos_off, starts, "right") - 1
+    chosen = tokened[run_sample]
+    starts, run_sample = starts[chosen], run_sample[chosen]
+    ends = np.minimum(np.append(starts[1:], n_positions), pos_off[run_sample + 1])
+    label = tokens[starts]
+    new_segment = segment_start[starts]
+    is_labelled = label >= 0
+    before = np.full(len(starts), -2)
+    before[1:] = label[:-1]
+    two_back = np.full(len(starts), -2)
+    two_back[2:] = label[:-2]
+    unlabelled_run_began_segment = np.zeros(len(starts), dtype=bool)
+    unlabelled_run_began_segment[1:] = new_segment[:-1]
+    new_label = (before >= 0) | (~unlabelled_run_began_segment & (two_back != label))
+    new_cut = new_segment | (is_labelled & new_label)
+    first = np.flatnonzero(new_cut)
+    labelled = segment_sum(np.where(is_labelled, ends - starts, 0), np.append(first, len(starts)))
+    return starts[first], np.maximum.reduceat(label, first) if len(first) else label, labelled
+
+
+def mask_changes(mask: npt.NDArray[Any]) -> IntArray:
+    return (np.flatnonzero(mask[1:] != mask[:-1]) + 1).astype(np.int64)
+
+
+def test_unlabelled_positions_stay_in_the_cut_of_the_label_around_them() -> None:
+    tokens = np.array([5, -1, 5, -1, 6, -1, -1, 7], dtype=np.int64)
+    pos_off = np.array([0, 8], dtype=np.int64)
+    starts, labels, labelled = token_cuts(tokens, pos_off, np.array([0]), np.zeros(0, dtype=np.int64))
+    assert starts.tolist() == [0, 4, 7]
+    assert labels.tolist() == [5, 6, 7]
+    assert labelled.tolist() == [2, 1, 1]
+
+
+def test_a_mask_change_cuts_and_leading_unlabelled_positions_join_the_next_label() -> None:
+    tokens = np.array([5, 5, -1, 5, 6, -1, -1, -1], dtype=np.int64)
+    mask = np.array([0, 0, 1, 1, 1, 1, 1, 1], dtype=np.float32)
+    pos_off = np.array([0, 5, 8], dtype=np.int64)
+    starts, labels, labelled = token_cuts(tokens, pos_off, np.array([0, 1]), mask_changes(mask))
+    # sample 0: [0, 2) label 5 mask 0; [2, 4) a -1 then 5; [4, 5) label 6. Sample 1: only -1 positions.
+    assert starts.tolist() == [0, 2, 4, 5]
+    assert labels.tolist() == [5, 5, 6, -1]
+    assert labelled.tolist() == [2, 1, 1, 0]
+
+
+@st.composite
+def labelled_samples(draw: st.DrawFn) -> tuple[IntArray, IntArray, npt.NDArray[np.bool_], npt.NDArray[np.float32]]:
+    lengths = draw(st.lists(st.integers(0, 12), min_size=1, max_size=8))
+    total = sum(lengths)
+    tokens = np.array(draw(st.lists(st.integers(-1, 3), min_size=total, max_size=total)), dtype=np.int64)
+    mask = np.array(draw(st.lists(st.sampled_from([0.0, 1.0]), min_size=total, max_size=total)), dtype=np.float32)
+    tokened = np.array(draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths))))
+    pos_off = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    tokened &= np.diff(pos_off) > 0  # the engine passes non-empty samples only
+    return tokens, pos_off, tokened, mask
+
+
+@settings(max_examples=400, deadline=None)
+@given(labelled_samples())
+def test_token_cuts_equal_the_numpy_runs(case: tuple[IntArray, IntArray, npt.NDArray[np.bool_], Any]) -> None:
+    tokens, pos_off, tokened, mask = case
+    if len(tokens) == 0 or not tokened.any():
+        return
+    changes = mask_changes(mask)
+    got = token_cuts(tokens, pos_off, np.flatnonzero(tokened), changes)
+    want = numpy_token_cuts(tokens, pos_off, tokened, changes)
+    for g, w in zip(got, want):
+        assert g.tolist() == w.tolist()
+
+
+def numpy_zero_spans(
+    arrays: list[npt.NDArray[Any]], tokens: IntArray, lo: IntArray, hi: IntArray, part: npt.NDArray[np.int8]
+) -> None:
+    positions = expand_ranges(lo, hi)
+    row_part = np.repeat(part, hi - lo)
+    hit = (row_part == 0) | ((row_part == 2) == (tokens[positions] < 0))
+    for values in arrays:
+        values[positions[hit]] = 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(-1, 2), min_size=1, max_size=40),
+    st.lists(st.tuples(st.integers(0, 39), st.integers(0, 8), st.sampled_from([0, 1, 2])), max_size=6),
+    st.sampled_from([np.float16, np.float32, np.float64]),
+    st.booleans(),
+)
+def test_zero_spans_equals_a_masked_numpy_write(
+    values: list[int], rows: list[tuple[int, int, int]], dtype: Any, few: bool
+) -> None:
+    """Whatever ``count`` says (it only chooses between a branch and a select), the writes are the same."""
+    tokens = np.array(values, dtype=np.int64)
+    n = len(tokens)
+    lo = np.array([min(a, n) for a, _, _ in rows], dtype=np.int64)
+    hi = np.minimum(lo + np.array([w for _, w, _ in rows], dtype=np.int64), n)
+    part = np.array([p for _, _, p in rows], dtype=np.int8)
+    rng = np.random.default_rng(len(rows))
+    arrays = [rng.random(n).astype(dtype) + 1 for _ in range(3)]
+    expected = [a.copy() for a in arrays]
+    count = np.zeros(len(lo), dtype=np.int64) if few else hi - lo
+    zero_spans(arrays, tokens, lo, hi, part, count)
+    numpy_zero_spans(expected, tokens, lo, hi, part)
+    for got, want in zip(arrays, expected):
+        assert got.tobytes() == want.tobytes()
+
+
+def test_zero_spans_writes_positive_zero_and_leaves_the_rest() -> None:
+    mask = np.array([1.0, 1.0, -0.0, 1.0, 1.0, 1.0], dtype=np.float64)
+    weights = np.array([0.5, 0.25, 2.0, 3.0, 4.0, 5.0], dtype=np.float32)
+    tokens = np.array([3, -1, 3, -1, 4, 4], dtype=np.int64)
+    # rows: the whole of [0, 3); the unlabelled positions of [3, 5); the labelled ones of [5, 6)
+    counts = np.array([3, 1, 1])
+    zero_spans(
+        [mask, weights], tokens, np.array([0, 3, 5]), np.array([3, 5, 6]), np.array([0, 2, 1], dtype=np.int8), counts
+    )
+    assert mask.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert not np.signbit(mask).any()  # -0.0 written as +0.0, as numpy's ``values[...] = 0`` does
+    assert weights.tolist() == [0.0, 0.0, 0.0, 0.0, 4.0, 0.0]
+
+
+def test_zero_spans_without_token_labels_fills_whole_spans() -> None:
+    mask = np.ones(10, dtype=np.float32)
+    zero_spans([mask], None, np.array([2, 7]), np.array([4, 9]), np.zeros(2, dtype=np.int8), np.array([2, 2]))
+    assert mask.tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 0, 1]
