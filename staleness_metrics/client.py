@@ -28,6 +28,7 @@ from urllib.parse import quote
 
 import httpx
 
+from .client_transport import LoopbackTransport, is_loopback_url
 from .config import StalenessConfig
 from .errors import ConfigError, StalenessError, TraceError
 from .mismatch import MismatchSums
@@ -91,7 +92,9 @@ class ServiceError(StalenessError):
 
 class StalenessClient:
     """Talks to one service. ``retries``: extra attempts after a transient failure, ``backoff`` seconds
-    doubling between them. ``transport`` is for tests (e.g. ``httpx.MockTransport``)."""
+    doubling between them. ``transport`` is for tests (e.g. ``httpx.MockTransport``); by default a service
+    on loopback is reached through :class:`~staleness_metrics.client_transport.LoopbackTransport`, any
+    other through httpx's own transport."""
 
     def __init__(
         self,
@@ -104,6 +107,8 @@ class StalenessClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if transport is None and is_loopback_url(httpx.URL(base_url)):
+            transport = LoopbackTransport()  # a sidecar on this machine: the lighter HTTP/1.1 path
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
         self._retries = retries
         self._backoff = backoff

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-__all__ = ["DecodeError", "dumps", "dumps_line", "loads", "zero_one_floats"]
+__all__ = ["DecodeError", "dumps", "dumps_line", "has_long_integer", "loads", "zero_one_floats"]
 
 DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
@@ -31,14 +31,18 @@ _DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
 _LONG_NUMBER = b"0" * 19
 
 
+def has_long_integer(raw: bytes | bytearray) -> bool:
+    """True when ``raw`` holds a run of 19 digits or more: an integer orjson may read as a float."""
+    return _LONG_NUMBER in raw.translate(_DIGITS)
+
+
 def loads(text: str | bytes) -> Any:
     """Decode one JSON document; raises :class:`json.JSONDecodeError` (the standard library's message)."""
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
         return json.loads(text)
-    raw = text if isinstance(text, bytes) else text.encode()
-    if _LONG_NUMBER in raw.translate(_DIGITS):
+    if has_long_integer(text if isinstance(text, bytes) else text.encode()):
         return json.loads(text)
     return value
 

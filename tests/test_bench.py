@@ -59,9 +59,20 @@ def test_replay_bench_reports_positions_per_second_and_ratios() -> None:
 
 
 @pytest.mark.integration
-def test_service_bench_reports_latency_throughput_and_conservation() -> None:
-    result = run_bench("service.py", "--requests", "10", "--clients", "2", "--batches", "10")
-    for key in ("first_ms", "add_p50_ms", "add_p99_ms", "ship_p50_ms", "ship_p99_ms", "batches_per_second"):
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
+def test_service_bench_reports_latency_throughput_and_conservation(store: str) -> None:
+    persist = ["--persist"] if store == "sqlite" else []
+    result = run_bench("service.py", "--requests", "10", "--clients", "2", "--batches", "10", *persist)
+    assert result["store"] == store
+    for key in (
+        "first_ms",
+        "second_ms",
+        "add_p50_ms",
+        "add_p99_ms",
+        "ship_p50_ms",
+        "ship_p99_ms",
+        "batches_per_second",
+    ):
         assert positive(result[key]), key
     assert result["add_p50_ms"] <= result["add_p99_ms"]
     assert result["server_cpu_share"] >= 0 and math.isfinite(result["server_cpu_share"])

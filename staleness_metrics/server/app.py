@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from .. import __version__
@@ -110,6 +110,21 @@ def _responses(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, A
             "description": "Invalid request: the field and reason of each error; nothing was applied.",
         }
     return documented
+
+
+class JSONModelResponse(Response):
+    """A response model written to JSON by pydantic in one call.
+
+    Returning the model itself would make FastAPI validate it again against the route's response model,
+    turn it into Python dicts and lists, and encode those with the standard library: three passes over
+    an answer the handler has just built from validated values. Routes declare ``response_model`` for
+    the OpenAPI document, and FastAPI passes a returned ``Response`` through untouched.
+    """
+
+    media_type = "application/json"
+
+    def __init__(self, model: BaseModel, status_code: int = status.HTTP_200_OK) -> None:
+        super().__init__(model.__pydantic_serializer__.to_json(model), status_code=status_code)
 
 
 def _config_item(error: ConfigError) -> ErrorItem:
@@ -210,10 +225,10 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)
     _install_error_handlers(app)
 
-    @app.get("/healthz", tags=["service"])
-    def healthz() -> Health:
+    @app.get("/healthz", tags=["service"], response_model=Health)
+    async def healthz() -> Response:
         """Liveness: the service answers. Never needs a token."""
-        return Health(runs=len(registry.runs()))
+        return JSONModelResponse(Health(runs=len(registry.runs())))
 
     @app.get(
         "/metrics",
@@ -233,24 +248,29 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
         return Response(encoder(exposition), media_type=content_type)
 
-    @app.get("/v1/runs", tags=["runs"], dependencies=reads, responses=_responses(*read_errors, invalid=False))
-    def list_runs() -> RunList:
-        return RunList(runs=[run.info() for run in registry.runs()])
+    @app.get(
+        "/v1/runs",
+        tags=["runs"],
+        dependencies=reads,
+        response_model=RunList,
+        responses=_responses(*read_errors, invalid=False),
+    )
+    def list_runs() -> Response:
+        return JSONModelResponse(RunList(runs=[run.info() for run in registry.runs()]))
 
     @app.put(
         "/v1/runs/{run}",
         tags=["runs"],
         dependencies=writes,
         status_code=status.HTTP_201_CREATED,
+        response_model=RunInfo,
         responses={
             200: {"model": RunInfo, "description": "The run exists with this configuration."},
             **_responses(400, 401, 409, 413),
         },
         openapi_extra={"requestBody": {"content": {"application/json": {"schema": run_config_schema()}}}},
     )
-    def create_run(
-        run: RunName, response: Response, config: Annotated[dict[str, Any], Body(default_factory=dict)]
-    ) -> RunInfo:
+    def create_run(run: RunName, config: Annotated[dict[str, Any], Body(default_factory=dict)]) -> Response:
         """Create a run with its configuration (policy and bound); idempotent for the same configuration."""
         try:
             parsed = StalenessConfig.from_mapping(config)
@@ -258,13 +278,17 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
             raise RecordsInvalid([_config_item(error)]) from None
         _check_config_range(parsed)
         created_run, created = registry.create(run, parsed)
-        if not created:
-            response.status_code = status.HTTP_200_OK
-        return created_run.info()
+        return JSONModelResponse(created_run.info(), status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
-    @app.get("/v1/runs/{run}", tags=["runs"], dependencies=reads, responses=_responses(*read_errors, 404))
-    def get_run(run: RunName) -> RunInfo:
-        return registry.get(run).info()
+    @app.get(
+        "/v1/runs/{run}",
+        tags=["runs"],
+        dependencies=reads,
+        response_model=RunInfo,
+        responses=_responses(*read_errors, 404),
+    )
+    def get_run(run: RunName) -> Response:
+        return JSONModelResponse(registry.get(run).info())
 
     @app.delete(
         "/v1/runs/{run}",
@@ -283,12 +307,13 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         "/v1/runs/{run}/rollouts",
         tags=["rollouts"],
         dependencies=writes,
+        response_model=AddResult,
         responses=_responses(400, 401, 404, 409, 413),
         openapi_extra={
             "requestBody": {"required": True, "content": {"application/json": {"schema": ROLLOUT_BATCH_SCHEMA}}}
         },
     )
-    async def add_rollouts(run: RunName, request: Request) -> AddResult:
+    async def add_rollouts(run: RunName, request: Request) -> Response:
         """Queue finished rollouts. Records received before (same id and content) count as duplicates.
 
         Strict runs: an invalid record gets 422 naming its id, field and reason, and nothing of the batch
@@ -304,17 +329,25 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
             raise HTTPException(status.HTTP_400_BAD_REQUEST, "the client disconnected before the body ended") from None
         held = [body]
         del body
-        return await run_in_threadpool(_add_rollouts, registry, run, held)
+        return JSONModelResponse(await run_in_threadpool(_add_rollouts, registry, run, held))
 
     @app.post(
-        "/v1/runs/{run}/sweep", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413)
+        "/v1/runs/{run}/sweep",
+        tags=["rollouts"],
+        dependencies=writes,
+        response_model=RunInfo,
+        responses=_responses(400, 401, 404, 409, 413),
     )
-    def sweep(run: RunName, request: SweepRequest) -> RunInfo:
+    def sweep(run: RunName, request: SweepRequest) -> Response:
         """Apply the policy at ``step`` to the queue; its drops are reported with the next ship."""
-        return registry.get(run).sweep(request.step)
+        return JSONModelResponse(registry.get(run).sweep(request.step))
 
     @app.post(
-        "/v1/runs/{run}/ship", tags=["rollouts"], dependencies=writes, responses=_responses(400, 401, 404, 409, 413)
+        "/v1/runs/{run}/ship",
+        tags=["rollouts"],
+        dependencies=writes,
+        response_model=ShipResult,
+        responses=_responses(400, 401, 404, 409, 413),
     )
     def ship(
         run: RunName,
@@ -328,12 +361,16 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
                 description="Send the same key when retrying a ship: the run answers it once.",
             ),
         ] = None,
-    ) -> ShipResult:
+    ) -> Response:
         """Mask and ship the batch for ``step`` and publish its metrics to every exporter."""
-        return registry.get(run).ship(request, idempotency_key)
+        return JSONModelResponse(registry.get(run).ship(request, idempotency_key))
 
     @app.post(
-        "/v1/runs/{run}/mismatch", tags=["metrics"], dependencies=writes, responses=_responses(400, 401, 404, 413)
+        "/v1/runs/{run}/mismatch",
+        tags=["metrics"],
+        dependencies=writes,
+        response_model=MismatchResult,
+        responses=_responses(400, 401, 404, 413),
     )
     def record_mismatch(
         run: RunName,
@@ -347,22 +384,28 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
                 description="Send the same key when retrying a post: the run merges it once.",
             ),
         ] = None,
-    ) -> MismatchResult:
+    ) -> Response:
         """Merge trainer-side mismatch sums (SPEC 11) into a shipped step's total and publish it.
 
         Post one `MismatchSums.to_dict()` per rank or micro-batch: posts for one step merge. Invalid sums
         (a missing bucket, a negative count) or a step the run never shipped get 422 naming the field,
         and nothing is recorded.
         """
-        return registry.get(run).record_mismatch(request, idempotency_key)
+        return JSONModelResponse(registry.get(run).record_mismatch(request, idempotency_key))
 
-    @app.get("/v1/runs/{run}/steps", tags=["metrics"], dependencies=reads, responses=_responses(*read_errors, 404))
+    @app.get(
+        "/v1/runs/{run}/steps",
+        tags=["metrics"],
+        dependencies=reads,
+        response_model=StepsPage,
+        responses=_responses(*read_errors, 404),
+    )
     def steps(
         run: RunName,
         since: Annotated[int, Query(ge=0, le=MAX_STEP, description="Return the ships with step > since.")] = 0,
-    ) -> StepsPage:
+    ) -> Response:
         """The run's metrics history, one row per ship, oldest first."""
-        return StepsPage(run=run, steps=registry.get(run).steps(since))
+        return JSONModelResponse(StepsPage(run=run, steps=registry.get(run).steps(since)))
 
     @app.get(
         "/v1/runs/{run}/events",

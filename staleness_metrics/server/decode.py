@@ -3,8 +3,12 @@
 A large body is mostly one or two long per-position lists. The standard JSON reader builds them as lists of
 (shared, small) ints or of floats; here each long list is turned into one numpy array as soon as the body
 is parsed and the list is dropped, so the peak memory of a request is the body, one list at a time and the
-arrays, not every list at once. (``orjson`` is not used for this: building a 28M-item list, it peaks at
-three times the list's size.) Only lists whose items are all of the expected JSON types are converted, and
+arrays, not every list at once. Bodies up to :data:`FAST_DECODE_MAX_BYTES` (every small request) are
+decoded by orjson, as replay decodes its lines (:mod:`staleness_metrics.jsonio`), several times faster;
+larger ones by the standard library, because orjson building a 28M-item list peaks at three times the
+list's size. Where orjson refuses a body or might read it differently (``NaN``, lone surrogates, integers
+beyond 64 bits), the standard library decodes it, so a body means the same, and is refused with the same
+message, whichever decoder read it. Only lists whose items are all of the expected JSON types are converted, and
 only into a dtype that holds every value exactly; anything else stays a list, and the library's validation
 names the field, the position and the value as it always does.
 """
@@ -16,10 +20,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import orjson
 
-__all__ = ["COMPACT_MIN_LENGTH", "compact_records", "read_json"]
+from ..jsonio import has_long_integer
+
+__all__ = ["COMPACT_MIN_LENGTH", "FAST_DECODE_MAX_BYTES", "compact_records", "read_json"]
 
 COMPACT_MIN_LENGTH = 1024  # shorter lists cost little; they stay lists
+FAST_DECODE_MAX_BYTES = 1024 * 1024
 _INT_FIELDS = {"mask": np.int8, "token_versions": np.int64}
 _NOT_PER_POSITION = frozenset({"weight_versions"})
 
@@ -27,7 +35,17 @@ _NOT_PER_POSITION = frozenset({"weight_versions"})
 def read_json(held: list[bytearray]) -> Any:
     """The JSON value of the one body in ``held`` (``ValueError`` when it is not UTF-8 JSON). The bytes are
     released once decoded, before the parse builds its lists."""
-    text = held.pop().decode("utf-8")
+    body = held.pop()
+    if len(body) <= FAST_DECODE_MAX_BYTES:
+        try:
+            value = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass  # the standard library decides, and words the error
+        else:
+            if not has_long_integer(body):
+                return value
+    text = body.decode("utf-8")
+    del body
     return json.loads(text)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, status
@@ -134,11 +134,11 @@ async def _unauthorized(send: Send, detail: str, challenge: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def token_guard(token: str | None) -> Callable[..., None]:
+def token_guard(token: str | None) -> Callable[..., Awaitable[None]]:
     """A dependency accepting any request when ``token`` is None, else only ``Bearer <token>``."""
     expected = token.encode() if token else None
 
-    def require_token(
+    async def require_token(  # async: FastAPI runs it on the event loop, not through its thread pool
         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
     ) -> None:
         if expected is None:

@@ -269,3 +269,23 @@ def test_request_bodies_are_capped(start_server: Callable[..., ThreadServer], ch
 def test_healthz(http: httpx.Client) -> None:
     make_run(http)
     assert http.get("/healthz").json() == {"status": "ok", "version": "0.1.0", "runs": 1}
+
+
+def test_the_document_names_each_answers_model(server: ThreadServer) -> None:
+    """Handlers return their answers already written as JSON; the document still describes them."""
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    expected = {
+        ("/healthz", "get", "200"): "Health",
+        ("/v1/runs", "get", "200"): "RunList",
+        ("/v1/runs/{run}", "put", "201"): "RunInfo",
+        ("/v1/runs/{run}", "put", "200"): "RunInfo",
+        ("/v1/runs/{run}", "get", "200"): "RunInfo",
+        ("/v1/runs/{run}/rollouts", "post", "200"): "AddResult",
+        ("/v1/runs/{run}/sweep", "post", "200"): "RunInfo",
+        ("/v1/runs/{run}/ship", "post", "200"): "ShipResult",
+        ("/v1/runs/{run}/mismatch", "post", "200"): "MismatchResult",
+        ("/v1/runs/{run}/steps", "get", "200"): "StepsPage",
+    }
+    for (path, method, code), model in expected.items():
+        schema = paths[path][method]["responses"][code]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": f"#/components/schemas/{model}"}, (path, method, code)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import pytest
+
 from staleness_metrics.commands.serve import _listen
 
 
@@ -21,7 +23,10 @@ def test_the_listening_socket_names_tcp() -> None:
         assert sock.getsockname()[1] > 0
 
 
-def test_connections_accepted_by_asyncio_have_nodelay_on() -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_connections_accepted_by_the_event_loop_have_nodelay_on(loop: str) -> None:
+    """asyncio (uvicorn without the ``server`` extra) and uvloop (with it, uvicorn's choice)."""
+
     async def accept_one() -> int:
         accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
@@ -40,4 +45,8 @@ def test_connections_accepted_by_asyncio_have_nodelay_on() -> None:
                 writer.close()
         return value
 
-    assert asyncio.run(accept_one()) != 0
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        assert uvloop.run(accept_one()) != 0
+    else:
+        assert asyncio.run(accept_one()) != 0
