@@ -5,7 +5,9 @@
 Generates an event stream (rollouts of 1-2 samples of 256-1024 positions with a prompt of mask 0,
 ``weight_versions`` or ``token_versions`` labels, rl weights and log-probabilities; a ship every 64
 rollouts) into a temporary file, then times, alternately in the same process:
-- decoding every line with orjson (the decoder the replay uses), nothing else;
+- decoding every line with orjson into Python objects, nothing else (the goal's yardstick);
+- parsing every line with simdjson, nothing else (what the replay reads rollout lines with: it copies
+  the lists of numbers out of simdjson's tape, and decodes other lines with orjson);
 - ``staleness-metrics replay FILE --metrics-out M --batches-out B`` run in process;
 - ``staleness-metrics what-if FILE --max-staleness 0..8`` (nine bounds).
 Goals: replay <= 3x the decoder alone; nine what-if bounds <= 2x one replay.
@@ -23,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import simdjson
 
 from staleness_metrics.cli import main as cli_main
 
@@ -70,6 +73,14 @@ def decode_only(path: Path) -> None:
             orjson.loads(line)
 
 
+def parse_only(path: Path) -> None:
+    parser = simdjson.Parser()
+    with path.open("rb") as handle:
+        for line in handle:
+            document = parser.parse(line)
+            del document  # the parser is reused: no proxy of the last line may be left
+
+
 def replay_once(path: Path, folder: Path) -> None:
     code = cli_main(["replay", str(path), "--metrics-out", str(folder / "m.jsonl"),
                      "--batches-out", str(folder / "b.jsonl"), "--no-progress"])  # fmt: skip
@@ -100,10 +111,11 @@ def main() -> None:
         folder = Path(tmp)
         path = folder / "events.jsonl"
         positions = generate(path, args.positions)
-        decode = replay = what_if = math.inf
+        decode = parse = replay = what_if = math.inf
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             for _ in range(args.repeat):
                 decode = min(decode, best(lambda: decode_only(path)))
+                parse = min(parse, best(lambda: parse_only(path)))
                 replay = min(replay, best(lambda: replay_once(path, folder)))
                 what_if = min(what_if, best(lambda: what_if_once(path)))
         size = path.stat().st_size
@@ -111,6 +123,7 @@ def main() -> None:
         "positions": positions,
         "bytes": size,
         "decode_seconds": decode,
+        "parse_seconds": parse,
         "replay_seconds": replay,
         "what_if_seconds": what_if,
         "replay_positions_per_second": positions / replay,
@@ -122,6 +135,7 @@ def main() -> None:
         return
     print(f"stream: {positions} positions, {size / 2**20:.0f} MiB")
     print(f"decode alone (orjson)          {decode:7.2f} s")
+    print(f"parse alone (simdjson)         {parse:7.2f} s")
     print(f"replay --metrics-out --batches-out {replay:7.2f} s   {positions / replay / 1e6:.2f} M positions/s, "
           f"{replay / decode:.1f}x the decoder (goal <= 3x)")  # fmt: skip
     print(f"what-if 0..8 (nine bounds)     {what_if:7.2f} s   {what_if / replay:.1f}x one replay (goal <= 2x)")

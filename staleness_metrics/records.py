@@ -298,13 +298,8 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     return sample
 
 
-def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
-    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
-
-    ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a faster check of numbers).
-    """
-    if not isinstance(raw, Mapping):
-        raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
+def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
+    """The checked id, dispatch and completion versions (-1: none), source and agentic flag of a record."""
     rid_raw = raw.get("id")
     if not isinstance(rid_raw, str) or not rid_raw:
         raise TraceError(None if rid_raw is None else str(rid_raw), "id", "required non-empty string")
@@ -339,6 +334,17 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
         raise TraceError(rid, "completion_version", f"expected an integer, got {completion!r}")
     elif not 0 <= completion <= MAX_VERSION:
         raise TraceError(rid, "completion_version", f"must be in 0..{MAX_VERSION}, got {completion}")
+    return rid, dispatch, completion, source, agentic
+
+
+def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
+    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
+
+    ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a faster check of numbers).
+    """
+    if not isinstance(raw, Mapping):
+        raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
+    rid, dispatch, completion, source, agentic = check_head(raw)
     samples = raw.get("samples")
     if not isinstance(samples, list):
         raise TraceError(rid, "samples", "required list of samples")
@@ -389,11 +395,22 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
 
     # Sample arrays whose length is wrong are kept as given; validation reports them. Missing ones are
     # filled to the sample's length so the flat arrays stay aligned.
-    def column(get: Any, fill: float) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
-        present = np.array([get(s) is not None for s in samples], dtype=bool)
+    def column(
+        get: Any, fill: float, dtype: type = np.float64
+    ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
+        values = [get(s) for s in samples]
+        present = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
         if not present.any():
             return None, present
-        parts = [get(s) if get(s) is not None else np.full(n, fill) for s, n in zip(samples, lengths)]
+        if present.all():
+            return flat(values, dtype), present
+        given = [v for v in values if v is not None]
+        if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
+            # the usual case: the given parts in place, the fill everywhere else (no array per missing part)
+            out: npt.NDArray[Any] = np.full(int(position_offsets[-1]), fill, dtype=dtype)
+            out[np.repeat(present, lengths)] = np.concatenate(given)
+            return out, present
+        parts = [v if v is not None else np.full(n, fill) for v, n in zip(values, lengths)]
         return flat(parts, np.float64), present
 
     batch_weights: dict[str, npt.NDArray[Any] | None] = {}
@@ -409,7 +426,7 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
     trainer_logprobs, trainer_present = column(lambda s: s.trainer_logprobs, np.nan)
     if trainer_logprobs is not None:
         present["trainer_logprobs"] = trainer_present
-    token_versions, _ = column(lambda s: s.token_versions, -1)
+    token_versions, _ = column(lambda s: s.token_versions, -1, np.int64)  # within ±2**53: exact either way
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
     spans = np.concatenate(span_table) if span_table else np.zeros((0, 2), dtype=np.int64)
@@ -429,7 +446,7 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
         ref_kl_weights=batch_weights["ref_kl_weights"],
         logprobs=logprobs,
         trainer_logprobs=trainer_logprobs,
-        token_versions=None if token_versions is None else token_versions.astype(np.int64),
+        token_versions=None if token_versions is None else token_versions.astype(np.int64, copy=False),
         span_offsets=np.concatenate(([0], np.cumsum(span_counts, dtype=np.int64))),
         span_versions=spans[:, 0].copy(),
         span_starts=spans[:, 1].copy(),

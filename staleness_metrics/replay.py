@@ -10,11 +10,14 @@ from typing import IO, Any
 import numpy as np
 
 from . import jsonio
-from .columnar import RolloutBatch
+from .columnar import WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .errors import EventError, TraceError
 from .records import ParsedRollout, UnparsedRollout, pack, parse_or_error
+from .simd_records import LineReader
 from .sink import Shipment, Sink
+from .spans import SpanTable, build_spans
+from .validation import Verdicts, check_batch
 
 __all__ = [
     "Added",
@@ -31,7 +34,11 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Event:
-    """One line of an event stream: ``kind`` is ``rollout``, ``sweep`` or ``ship``."""
+    """One line of an event stream: ``kind`` is ``rollout``, ``sweep`` or ``ship``.
+
+    A rollout event holds its decoded record (``rollout``), or, read by ``read_events(parse=True)``,
+    the record already type-checked into arrays (``parsed``).
+    """
 
     line: int
     kind: str
@@ -39,6 +46,7 @@ class Event:
     step: int = 0
     ids: tuple[str, ...] | None = None
     booleans: bool = True  # a rollout line may hold JSON booleans (False: a faster check of its numbers)
+    parsed: ParsedRollout | None = None
 
 
 def _step(line: int, raw: dict[str, Any]) -> int:
@@ -67,26 +75,58 @@ def parse_event(line: int, raw: object) -> Event:
     raise EventError(line, f"unknown event type {kind!r} (expected rollout, sweep or ship)")
 
 
-def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes]) -> Iterator[Event]:
-    """Decode JSON lines (blank lines skipped) into events, checking steps never decrease."""
+def _decoded(number: int, text: str | bytes) -> Event:
+    """One line decoded by :func:`.jsonio.loads` and checked as an event."""
+    try:
+        raw = jsonio.loads(text)
+    except jsonio.DecodeError as error:
+        raise EventError(number, f"bad JSON: {error.msg}") from None
+    event = parse_event(number, raw)
+    if event.kind == "rollout":  # a line without true / false cannot hide a boolean among numbers
+        marks = (b"true", b"false") if isinstance(text, bytes) else ("true", "false")
+        booleans = marks[0] in text or marks[1] in text  # type: ignore[operator]
+        event = Event(number, "rollout", rollout=event.rollout, booleans=booleans)
+    return event
+
+
+_PARSE_LINES = 64  # rollout lines whose values are checked together (:meth:`LineReader.finish`)
+
+
+def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: bool = False) -> Iterator[Event]:
+    """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
+
+    ``parse=True``: a valid rollout line given as bytes is read straight into arrays
+    (:mod:`.simd_records`) and its event holds ``parsed`` instead of ``rollout``; :func:`prepare` takes
+    either. Other lines are decoded as always.
+    """
     last_step = 0
+    reader = LineReader() if parse else None
+    taken: list[tuple[int, bytes]] = []
+
+    def finish() -> Iterator[Event]:
+        assert reader is not None
+        for (number, text), parsed in zip(taken, reader.finish()):
+            yield _decoded(number, text) if parsed is None else Event(number, "rollout", parsed=parsed)
+        taken.clear()
+
     for number, text in enumerate(source, start=1):
         if not text or text.isspace():  # as ``not text.strip()``, without copying the line
             continue
-        try:
-            raw = jsonio.loads(text)
-        except jsonio.DecodeError as error:
-            raise EventError(number, f"bad JSON: {error.msg}") from None
-        event = parse_event(number, raw)
+        if reader is not None and isinstance(text, bytes) and reader.take(text):
+            taken.append((number, text))
+            if len(taken) >= _PARSE_LINES:
+                yield from finish()
+            continue
+        if taken:
+            yield from finish()
+        event = _decoded(number, text)
         if event.kind != "rollout":
             if event.step < last_step:
                 raise EventError(number, f"step {event.step} is below an earlier step {last_step}")
             last_step = event.step
-        else:  # a line without true / false cannot hide a boolean among numbers
-            marks = (b"true", b"false") if isinstance(text, bytes) else ("true", "false")
-            booleans = marks[0] in text or marks[1] in text  # type: ignore[operator]
-            event = Event(number, "rollout", rollout=event.rollout, booleans=booleans)
         yield event
+    if taken:
+        yield from finish()
 
 
 @dataclass(frozen=True)
@@ -96,6 +136,7 @@ class Added:
     lines: tuple[int, ...]
     items: tuple[ParsedRollout | UnparsedRollout, ...]
     packed: RolloutBatch | None = None  # the parsed items packed once (:func:`pack_once`); runs add copies
+    checked: tuple[Verdicts, SpanTable] | None = None  # and checked once, as every run's sink checks them
 
 
 Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
@@ -112,7 +153,8 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
     for event in events:
         if event.kind == "rollout":
             lines.append(event.line)
-            items.append(parse_or_error(event.rollout or {}, booleans=event.booleans))
+            parsed = event.parsed
+            items.append(parsed if parsed is not None else parse_or_error(event.rollout or {}, booleans=event.booleans))
             if len(items) >= batch_size:
                 yield Added(tuple(lines), tuple(items))
                 lines, items = [], []
@@ -130,24 +172,49 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
 
     Each run then adds a copy of the batch (a sink masks the arrays it holds in place) instead of
     packing the records again: one copy per array rather than a concatenation of every sample's.
+    The batch is also checked once (:func:`check_batch`, :func:`build_spans`): what a sink finds
+    depends only on the batch as it arrives and on the ids accepted before it, which are the same in
+    every run of the steps (a sink accepts every valid rollout it is given, whatever its bound).
     """
     out: list[Step] = []
+    accepted: set[str] = set()
     for step in steps:
         if isinstance(step, Added):
             parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
-            step = dataclasses.replace(step, packed=pack(parsed) if parsed else None)
+            packed = _share(pack(parsed)) if parsed else None
+            checked = None
+            if packed is not None:
+                verdicts = check_batch(packed, accepted)
+                spans = build_spans(packed, verdicts)
+                for f in dataclasses.fields(spans):  # shared by every run, like the packed arrays
+                    if isinstance(value := getattr(spans, f.name), np.ndarray):
+                        value.setflags(write=False)
+                checked = verdicts, spans
+                accepted.update(packed.ids[i] for i in np.flatnonzero(~verdicts.invalid).tolist())
+            step = dataclasses.replace(step, packed=packed, checked=checked)
         out.append(step)
     return out
 
 
+_MASKED_FIELDS = ("mask", *WEIGHT_FIELDS)  # the arrays a sink writes (masks in place)
+
+
 def _copy(batch: RolloutBatch) -> RolloutBatch:
-    """A batch whose arrays are copies (ids, envs, group ids and echoes are shared: a sink only reads them)."""
-    arrays = {
-        f.name: value.copy()
-        for f in dataclasses.fields(batch)
-        if isinstance(value := getattr(batch, f.name), np.ndarray)
-    }
+    """A batch for one more run: copies of the arrays a sink masks in place, the others shared.
+
+    The shared arrays are made read-only (:func:`_share`), so that a sink that wrote into one would fail
+    loudly rather than change what the other runs read."""
+    arrays = {name: value.copy() for name in _MASKED_FIELDS if (value := getattr(batch, name)) is not None}
     return dataclasses.replace(batch, **arrays, present={k: v.copy() for k, v in batch.present.items()})
+
+
+def _share(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` with every array but the masked ones read-only (they are shared by :func:`_copy`)."""
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, np.ndarray) and f.name not in _MASKED_FIELDS:
+            value.setflags(write=False)
+    return batch
 
 
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
@@ -158,7 +225,7 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
     for step in steps:
         if isinstance(step, Added):
             try:
-                sink.add_parsed(step.items, None if step.packed is None else _copy(step.packed))
+                sink.add_parsed(step.items, None if step.packed is None else _copy(step.packed), step.checked)
             except TraceError:
                 # Strict mode added nothing: add one by one to find the offending line.
                 for line, item in zip(step.lines, step.items):

@@ -29,9 +29,9 @@ from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_err
 from .report import StepReport, Tally
 from .segments import expand_ranges, segment_sum
 from .shipped_positions import NOT_SAMPLED, ShippedSpans
-from .spans import PART_LABELLED, PART_UNLABELLED, build_spans
+from .spans import PART_LABELLED, PART_UNLABELLED, SpanTable, build_spans
 from .table import Table
-from .validation import check_batch
+from .validation import Verdicts, check_batch
 
 __all__ = ["Shipment", "ShippedRollout", "Sink"]
 
@@ -93,16 +93,19 @@ def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> di
         assert batch.span_offsets is not None and batch.span_versions is not None
         assert batch.span_starts is not None
         a, b = int(batch.span_offsets[sample]), int(batch.span_offsets[sample + 1])
-        out["weight_versions"] = out_of(np.stack((batch.span_versions[a:b], batch.span_starts[a:b]), 1))
+        # a few pairs: Python lists cost less than a stacked array, and encode to the same JSON
+        out["weight_versions"] = [
+            list(pair) for pair in zip(batch.span_versions[a:b].tolist(), batch.span_starts[a:b].tolist())
+        ]
     elif batch.label_kind[sample] == LABELS_TOKENS:
         assert batch.token_versions is not None
         out["token_versions"] = out_of(np.ascontiguousarray(batch.token_versions[lo:hi], dtype=np.int64))
     for name in WEIGHT_FIELDS:
         values = getattr(batch, name)
         if values is not None and batch.present[name][sample]:
-            out[name] = out_of(values[lo:hi].astype(np.float64))
+            out[name] = out_of(values[lo:hi].astype(np.float64, copy=False))  # a view unless float32
     if batch.logprobs is not None and batch.present["logprobs"][sample]:
-        out["logprobs"] = out_of(batch.logprobs[lo:hi].astype(np.float64))
+        out["logprobs"] = out_of(batch.logprobs[lo:hi].astype(np.float64, copy=False))
     if batch.trainer_logprobs is not None and batch.present["trainer_logprobs"][sample]:
         values = batch.trainer_logprobs[lo:hi].astype(np.float64)
         # missing values are null; orjson writes a non-finite float of an array as null by itself
@@ -273,12 +276,19 @@ class Sink:
             items.append(parsed)
         return self.add_parsed(items)
 
-    def add_parsed(self, items: Sequence[ParsedRollout | UnparsedRollout], packed: RolloutBatch | None = None) -> int:
+    def add_parsed(
+        self,
+        items: Sequence[ParsedRollout | UnparsedRollout],
+        packed: RolloutBatch | None = None,
+        checked: tuple[Verdicts, SpanTable] | None = None,
+    ) -> int:
         """Queue records already type-checked by :func:`~staleness_metrics.records.parse_or_error` (in
         order, as :meth:`add` would): refused ones raise (strict) or are set aside (lenient).
 
         ``packed``: the parsed ones of ``items`` already packed (:func:`~staleness_metrics.records.pack`),
-        a batch this sink may keep and mask in place."""
+        a batch this sink may keep and mask in place. ``checked``: the batch's verdicts and spans as
+        :func:`check_batch` and :func:`build_spans` found them for a sink that had accepted the same ids
+        (:func:`~staleness_metrics.replay.pack_once`: what-if runs one stream at several bounds)."""
         parsed: list[ParsedRollout] = []
         for item in items:
             if isinstance(item, UnparsedRollout):
@@ -289,7 +299,7 @@ class Sink:
                 parsed.append(item)
         if not parsed:
             return 0
-        return self._add_batch(packed if packed is not None else pack(parsed))
+        return self._add_batch(packed if packed is not None else pack(parsed), checked)
 
     def _set_aside(self, error: TraceError, env: str | None) -> None:
         self._invalid.append(error)
@@ -332,9 +342,12 @@ class Sink:
         np.logical_or.at(self._group_agentic, groups, batch.agentic[rollouts])
         return groups
 
-    def _add_batch(self, batch: RolloutBatch) -> int:
-        verdicts = check_batch(batch, self._seen_ids)
-        spans = build_spans(batch, verdicts)
+    def _add_batch(self, batch: RolloutBatch, checked: tuple[Verdicts, SpanTable] | None = None) -> int:
+        if checked is not None:
+            verdicts, spans = checked
+        else:
+            verdicts = check_batch(batch, self._seen_ids)
+            spans = build_spans(batch, verdicts)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
         invalid = verdicts.invalid

@@ -199,7 +199,7 @@ def _steps_for(source: Source) -> Callable[[int], Iterable[Step]]:
     if isinstance(source, (str, Path)):
         if detect_source(source) == "prime-rl":
             return lambda bound: prepare(read_run(source, max_staleness=bound))
-        steps = pack_once(prepare(read_run(source)))
+        steps = pack_once(prepare(read_run(source, parse=True)))
     else:
         steps = pack_once(prepare(as_replay_events(source)))
     return lambda bound: steps

@@ -52,7 +52,7 @@ def test_engine_bench_prints_one_ratio_per_workload_and_policy() -> None:
 def test_replay_bench_reports_positions_per_second_and_ratios() -> None:
     result = run_bench("replay.py", "--positions", "20000", "--repeat", "1")
     assert result["positions"] >= 20000
-    for key in ("decode_seconds", "replay_seconds", "what_if_seconds", "replay_positions_per_second"):
+    for key in ("decode_seconds", "parse_seconds", "replay_seconds", "what_if_seconds", "replay_positions_per_second"):
         assert positive(result[key]), key
     assert result["replay_over_decode"] == pytest.approx(result["replay_seconds"] / result["decode_seconds"])
     assert result["what_if_over_replay"] == pytest.approx(result["what_if_seconds"] / result["replay_seconds"])

@@ -1,5 +1,6 @@
-"""The fast replay path (orjson, records parsed as they are read, arrays written natively) writes the
-same values as the standard-library path it replaced (issue 12).
+"""The fast replay path (simdjson / orjson, records parsed as they are read, arrays written natively)
+writes the same values as the standard-library path it replaced (issue 12), and the same bytes as the
+general path (every line decoded by orjson, batches encoded from lists).
 
 The oracle is the old path, kept here only: every event line decoded by ``json.loads``, rollouts
 added as dicts one event batch at a time, each ship encoded with ``json.dumps`` of plain lists. The
@@ -10,10 +11,13 @@ lenient streams with invalid rollouts included.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from staleness_metrics import Sink, StalenessConfig, jsonio
 from staleness_metrics.cli import main as cli_main
@@ -62,6 +66,53 @@ def old_path(lines: list[str], config: StalenessConfig) -> tuple[list[Any], list
     if pending:
         flush()
     return metrics, batches
+
+
+def general_path(events_path: Path, config: StalenessConfig) -> tuple[bytes, bytes] | str:
+    """The replay files as the general path writes them (or its error): every line decoded by orjson
+    (``read_events`` without ``parse``), the batches encoded from plain lists, not arrays."""
+    sink = Sink(config)
+    metrics, batches = [], []
+    try:
+        with events_path.open("rb") as handle:
+            for shipment in run_events(read_events(handle), sink):
+                metrics.append(jsonio.dumps(shipment.report.row()) + b"\n")
+                batches.append(jsonio.dumps(shipment.batches_line()) + b"\n")
+    except EventError as error:
+        return str(error)
+    return b"".join(metrics), b"".join(batches)
+
+
+@pytest.mark.parametrize("policy", ["token", "episode", "group", "xtuner"])
+@pytest.mark.parametrize("lenient", [False, True])
+def test_replay_files_are_the_bytes_of_the_general_path(
+    policy: str, lenient: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The replay command (rollout lines read by simdjson, arrays encoded natively) writes byte for
+    byte what the general path writes, and refuses a stream with the same message."""
+    parsed_lines = 0
+    for seed in range(40):
+        replay_config, events = random_stream(seed, policy, lenient=lenient, defects=2 if lenient else 0)
+        events_path = tmp_path / "events.jsonl"
+        write_events(events, events_path)
+        parsed_lines += sum(
+            e.parsed is not None for e in read_events(events_path.read_bytes().splitlines(), parse=True)
+        )
+        expected = general_path(events_path, _config(replay_config))
+        metrics_path, batches_path = tmp_path / "m.jsonl", tmp_path / "b.jsonl"
+        metrics_path.unlink(missing_ok=True)
+        batches_path.unlink(missing_ok=True)
+        argv = ["replay", str(events_path), *replay_config.cli_args(), "--metrics-out", str(metrics_path),
+                "--batches-out", str(batches_path), "--no-progress"]  # fmt: skip
+        code = cli_main(argv)
+        err = capsys.readouterr().err
+        if isinstance(expected, str):
+            assert code == 2 and err.strip() == expected, f"seed {seed}"
+            continue
+        assert code == 0, f"seed {seed}: {err}"
+        assert metrics_path.read_bytes() == expected[0], f"seed {seed}"
+        assert batches_path.read_bytes() == expected[1], f"seed {seed}"
+    assert parsed_lines > 100  # the fast read took most rollout lines: the comparison is not vacuous
 
 
 def _read(path: Path) -> list[Any]:
@@ -141,3 +192,32 @@ def test_integers_beyond_64_bits_mean_what_the_standard_library_reads(field: str
     sink = Sink(StalenessConfig(strict=True))
     with pytest.raises(EventError, match=field):
         list(run_events(read_events([line.encode(), b'{"type": "ship", "step": 1}']), sink))
+
+
+_WEIGHT_VALUES = st.sampled_from([0.0, 1.0, -0.0, 0.5, 2.0, 1e-300, 1e300, math.inf, -1.0, math.nan, 5e-324])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    arrays=st.lists(st.lists(st.sampled_from([0.0, 1.0]), max_size=12), max_size=5),
+    odd=st.one_of(st.none(), st.tuples(st.integers(0, 4), st.integers(0, 11), _WEIGHT_VALUES)),
+)
+def test_zero_one_weights_are_written_as_orjson_writes_them(
+    arrays: list[list[float]], odd: tuple[int, int, float] | None
+) -> None:
+    """The table look-up writes each array exactly as orjson formats it, or declines when a value
+    (anywhere in the ship) is not 0.0 / 1.0: -0.0, NaN, other numbers."""
+    import numpy as np
+    import orjson
+
+    if odd is not None and odd[0] < len(arrays) and arrays[odd[0]]:
+        arrays[odd[0]][odd[1] % len(arrays[odd[0]])] = odd[2]
+    values = [np.array(a, dtype=np.float64) for a in arrays]
+    texts = jsonio.zero_one_floats(values)
+    zero_one = all(
+        np.float64(v).tobytes() in (np.float64(0).tobytes(), np.float64(1).tobytes()) for a in arrays for v in a
+    )
+    assert (texts is not None) == zero_one
+    if texts is not None:
+        assert [orjson.dumps(t) for t in texts] == [orjson.dumps(v, option=orjson.OPT_SERIALIZE_NUMPY) for v in values]
+        assert orjson.dumps({"w": texts}) == orjson.dumps({"w": values}, option=orjson.OPT_SERIALIZE_NUMPY)

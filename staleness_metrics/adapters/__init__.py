@@ -106,10 +106,16 @@ def as_replay_events(events: Iterable[EventDict]) -> Iterator[Event]:
     return read_events(json.dumps(event) for event in events)
 
 
-def read_run(path: str | Path, *, max_staleness: int = 8, step: int | None = None) -> Iterator[Event]:
-    """:func:`detect_and_read` as checked replay events, ready for :func:`staleness_metrics.replay.replay`."""
+def read_run(
+    path: str | Path, *, max_staleness: int = 8, step: int | None = None, parse: bool = False
+) -> Iterator[Event]:
+    """:func:`detect_and_read` as checked replay events, ready for :func:`staleness_metrics.replay.replay`.
+
+    An event stream is read as bytes, as ``replay`` reads it; ``parse`` as in
+    :func:`~staleness_metrics.replay.read_events`.
+    """
     if detect_source(path) == "events":
-        with open(path, encoding="utf-8") as handle:
-            yield from read_events(handle)
+        with open(path, "rb", buffering=1 << 20) as handle:  # as the replay command reads it
+            yield from read_events(handle, parse=parse)
         return
     yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step))

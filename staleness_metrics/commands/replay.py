@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from .. import jsonio
+from ..columnar import WEIGHT_FIELDS
 from ..errors import ConfigError, EventError
 from ..replay import Event, parse_event, read_events, run_events
-from ..sink import Sink
+from ..sink import Shipment, Sink
 from .options import add_sink_options, config_from_args
 
 __all__ = ["register", "run"]
 
 PROGRESS_MIN_BYTES = 16 << 20
+READ_BUFFER = 1 << 20  # lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
 
 EPILOG = """\
 examples:
@@ -69,7 +71,7 @@ def open_events(
         is_events = path.is_file()  # unrecognisable content: the event reader names the bad line
     if is_events:
         handle: IO[bytes] = stack.enter_context(_open_with_progress(path, progress))
-        return read_events(handle), stack
+        return read_events(handle, parse=True), stack
     raws = detect_and_read(path, max_staleness=max_staleness)
     return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
 
@@ -83,7 +85,7 @@ def _open_with_progress(path: Path, progress: bool | None) -> contextlib.Abstrac
             pass
         else:
             return rich.progress.open(path, "rb", description="replay", console=None)
-    return path.open("rb")
+    return path.open("rb", buffering=READ_BUFFER)
 
 
 @contextlib.contextmanager
@@ -115,6 +117,20 @@ def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[bytes] | None]]:
         os.replace(temp, path)
 
 
+def batches_line_bytes(shipment: Shipment) -> bytes:
+    """The ``--batches-out`` line of a ship, its 0/1 weights written by table look-up
+    (:func:`.jsonio.zero_one_floats`: the same bytes as formatting each float)."""
+    line = shipment.batches_line(arrays=True)
+    samples = [sample for rollout in line["shipped"] for sample in rollout["samples"]]
+    for name in WEIGHT_FIELDS:
+        holders = [sample for sample in samples if name in sample]
+        texts = jsonio.zero_one_floats([sample[name] for sample in holders])
+        if texts is not None:
+            for sample, text in zip(holders, texts):
+                sample[name] = text
+    return jsonio.dumps_line(line)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, args.max_staleness)
@@ -136,9 +152,9 @@ def run(args: argparse.Namespace) -> int:
             for shipment in run_events(events, sink):
                 ships += 1
                 if metrics_out is not None:
-                    metrics_out.write(jsonio.dumps(shipment.report.row()) + b"\n")
+                    metrics_out.write(jsonio.dumps_line(shipment.report.row()))
                 if batches_out is not None:
-                    batches_out.write(jsonio.dumps(shipment.batches_line(arrays=True)) + b"\n")
+                    batches_out.write(batches_line_bytes(shipment))
     except EventError as error:
         print(str(error), file=sys.stderr)
         return 2
