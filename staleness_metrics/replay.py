@@ -9,12 +9,11 @@ from typing import IO, Any
 
 import numpy as np
 
-from . import jsonio
+from . import jsonio, simd_records
 from .columnar import WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .errors import EventError, TraceError
 from .records import ParsedRollout, UnparsedRollout, pack, parse_or_error
-from .simd_records import LineReader
 from .sink import Shipment, Sink
 from .spans import SpanTable, build_spans
 from .validation import Verdicts, check_batch
@@ -96,11 +95,11 @@ def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: b
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
 
     ``parse=True``: a valid rollout line given as bytes is read straight into arrays
-    (:mod:`.simd_records`) and its event holds ``parsed`` instead of ``rollout``; :func:`prepare` takes
-    either. Other lines are decoded as always.
+    (:mod:`.simd_records`, where pysimdjson is installed) and its event holds ``parsed`` instead of
+    ``rollout``; :func:`prepare` takes either. Other lines are decoded as always.
     """
     last_step = 0
-    reader = LineReader() if parse else None
+    reader = simd_records.LineReader() if parse and simd_records.AVAILABLE else None
     taken: list[tuple[int, bytes]] = []
 
     def finish() -> Iterator[Event]:

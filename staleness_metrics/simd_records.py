@@ -21,13 +21,19 @@ from typing import Any, Literal, cast
 
 import numpy as np
 import numpy.typing as npt
-import simdjson
+
+try:
+    import simdjson
+except ImportError:  # no wheel for this Python (3.14 and later, so far): every line takes the general path
+    simdjson = None  # type: ignore[assignment]
 
 from .columnar import WEIGHT_FIELDS
 from .errors import TraceError
 from .records import _INT64_BOUND, MAX_VERSION, ParsedRollout, ParsedSample, check_head
 
-__all__ = ["LineReader"]
+__all__ = ["AVAILABLE", "LineReader"]
+
+AVAILABLE = simdjson is not None  # False: replay reads every line by the general path, just slower
 
 _MASKS, _VERSIONS, _FLOATS = 0, 1, 2  # the kinds of per-position lists, each checked by one rule
 _FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, as_buffer type)

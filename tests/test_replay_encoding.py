@@ -221,3 +221,24 @@ def test_zero_one_weights_are_written_as_orjson_writes_them(
     if texts is not None:
         assert [orjson.dumps(t) for t in texts] == [orjson.dumps(v, option=orjson.OPT_SERIALIZE_NUMPY) for v in values]
         assert orjson.dumps({"w": texts}) == orjson.dumps({"w": values}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def test_without_pysimdjson_replay_reads_every_line_by_the_general_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """pysimdjson is not installed on every Python (no wheel for 3.14 yet): replay is then only slower."""
+    from staleness_metrics import simd_records
+
+    replay_config, events = random_stream(3, "token")
+    events_path = tmp_path / "events.jsonl"
+    write_events(events, events_path)
+    outputs = []
+    for available in (True, False):
+        monkeypatch.setattr(simd_records, "AVAILABLE", available)
+        read = list(read_events(events_path.read_bytes().splitlines(), parse=True))
+        assert any(e.parsed is not None for e in read) is available
+        metrics, batches = tmp_path / f"m{available}.jsonl", tmp_path / f"b{available}.jsonl"
+        assert cli_main(["replay", str(events_path), *replay_config.cli_args(), "--metrics-out", str(metrics),
+                         "--batches-out", str(batches)]) == 0  # fmt: skip
+        outputs.append((metrics.read_bytes(), batches.read_bytes()))
+    assert outputs[0] == outputs[1] and outputs[0][1]
