@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["cut_extrema", "token_cuts", "warm_up", "zero_spans"]
+__all__ = ["token_cuts", "warm_up", "zero_spans"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -107,31 +107,6 @@ def token_cuts(
 
 
 @_CompiledOnFirstCall
-def _cut_extrema(
-    values: npt.NDArray[Any], lo: IntArray
-) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:  # pragma: no cover - compiled
-    n = len(values)
-    m = len(lo)
-    top = np.empty(m, dtype=values.dtype)
-    bottom = np.empty(m, dtype=values.dtype)
-    for i in range(m):
-        a = lo[i]
-        b = lo[i + 1] if i + 1 < m else n
-        cut = values[a:b] if b > a else values[a : a + 1]
-        top[i] = cut.max()  # numba's own reductions: vectorised, and the second reads from cache
-        bottom[i] = cut.min()
-    return top, bottom
-
-
-def cut_extrema(values: npt.NDArray[Any], lo: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    """Maximum and minimum of ``values`` over each cut ``[lo[i], lo[i + 1])`` (the last runs to the end),
-    in one read: ``np.maximum.reduceat`` and ``np.minimum.reduceat`` (a cut that does not move forward
-    holds its first value). Meant for unsigned integers; floats would need NaN rules of their own."""
-    result: tuple[npt.NDArray[Any], npt.NDArray[Any]] = _cut_extrema(values, lo)
-    return result
-
-
-@_CompiledOnFirstCall
 def _zero_spans(
     b0: npt.NDArray[Any],
     b1: npt.NDArray[Any],
@@ -206,6 +181,5 @@ def warm_up() -> None:
     token_cuts(tokens, offsets, np.array([0], dtype=np.int64), np.zeros(0, dtype=np.int64))
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
-        cut_extrema(arrays[0].view(_UNSIGNED_OF_SIZE[arrays[0].dtype.itemsize]), np.array([0], dtype=np.int64))
         lo, hi, count = np.array([0], dtype=np.int64), np.array([3], dtype=np.int64), np.array([1], dtype=np.int64)
         zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)

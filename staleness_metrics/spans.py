@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
-from .kernels import cut_extrema, token_cuts
+from .kernels import token_cuts
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 from .segments import expand_ranges, segment_max, segment_min, segment_sum
 from .validation import Verdicts
@@ -110,7 +110,14 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
         verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
     is_sampled = value == 1
     present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
-    extrema = run_all([partial(_span_extrema, getattr(batch, name), lo) for name in present], n_positions)
+    # rl's minima tell which parts of a mixed cut carry a weight (_exact_part_liveness): read only then.
+    extrema = run_all(
+        [
+            partial(_span_extrema, getattr(batch, name), lo, name == "rl_weights" and bool(mixed.any()))
+            for name in present
+        ],
+        n_positions,
+    )
     nonzero: dict[str, BoolArray | None] = dict.fromkeys(WEIGHT_FIELDS)
     lowest: dict[str, npt.NDArray[Any]] = {}
     for name, (high, low) in zip(present, extrema):
@@ -294,21 +301,29 @@ def _mask_changes(mask: npt.NDArray[np.floating[Any]]) -> IntArray:
 
 
 # Non-negative finite floats, read as unsigned integers of the same width, are exactly those below
-# the bit pattern of +inf (the sign bit is the top bit; +0.0 is 0), in the same order. One pass of max
-# and min per span over that view then says "every value finite and >= +0.0", gives the extrema,
+# the bit pattern of +inf (the sign bit is the top bit; +0.0 is 0), in the same order. One max per
+# span over that view then says both "every value finite and >= +0.0" and "some value non-zero",
 # and leaves NaN and signed zeros to the float path.
 _UNSIGNED_VIEW = {np.dtype(np.float32): (np.uint32, 0x7F800000), np.dtype(np.float64): (np.uint64, 0x7FF << 52)}
 
 
-def _span_extrema(values: npt.NDArray[Any], lo: IntArray) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-    """Per span maximum and minimum of ``values`` (as floats), read once in the common case."""
+def _span_extrema(
+    values: npt.NDArray[Any], lo: IntArray, minima: bool = False
+) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+    """Per span maximum and minimum of ``values`` (as floats), read once in the common case.
+
+    When every value is finite and >= +0.0 the minimum is read only if ``minima`` is asked, and is
+    zeros otherwise: then only "non-zero" and "finite" are asked of it, and zeros answer both the same way.
+    """
     if len(lo) == 0:
         return values[:0], values[:0]
     view = _UNSIGNED_VIEW.get(values.dtype)
     if view is not None:
         unsigned, infinity = view
-        top, bottom = cut_extrema(values.view(unsigned), lo)
+        bits = values.view(unsigned)
+        top = np.maximum.reduceat(bits, lo)
         if bool((top < infinity).all()):  # the same order as the floats: the bits are the extrema
+            bottom = np.minimum.reduceat(bits, lo) if minima else np.zeros_like(top)
             return top.view(values.dtype), bottom.view(values.dtype)
     return np.maximum.reduceat(values, lo), np.minimum.reduceat(values, lo)
 
