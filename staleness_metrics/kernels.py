@@ -120,6 +120,7 @@ def _zero_spans(
     zeros: tuple[Any, Any, Any, Any],
 ) -> None:  # pragma: no cover - compiled
     z0, z1, z2, z3 = zeros
+    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*; spans imports this module, not the reverse)
     for r in range(len(lo)):
         a = lo[r]
         b = hi[r]

@@ -151,3 +151,9 @@ def test_zero_spans_without_token_labels_fills_whole_spans() -> None:
     mask = np.ones(10, dtype=np.float32)
     zero_spans([mask], None, np.array([2, 7]), np.array([4, 9]), np.zeros(2, dtype=np.int8), np.array([2, 2]))
     assert mask.tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 0, 1]
+
+
+def test_the_part_numbers_the_loop_reads_are_the_span_table_s() -> None:
+    from staleness_metrics.spans import PART_LABELLED, PART_UNLABELLED, PART_WHOLE
+
+    assert (PART_WHOLE, PART_LABELLED, PART_UNLABELLED) == (0, 1, 2)
