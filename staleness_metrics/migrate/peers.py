@@ -169,8 +169,9 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("skyrl", "max_staleness_steps", None, "skyrl 0.4.0 skyrl/train/config/config.py:1035",
             "a scheduling bound (capacity, so nothing is ever dropped); max_staleness masks and drops at ship time"),
     # -- AReaL 1.0.4 -------------------------------------------------------------------------------------------
-    PeerKey("areal", "sample_staleness_theta_avg", None, f"{_AREAL}:1082,1086,1093,1103", "current_version - version per "
-            "token (AReaL trains version g at global step g: T - v, token staleness) over behave_mask tokens, "
+    PeerKey("areal", "sample_staleness_theta_avg", None, f"{_AREAL}:1082,1086,1093,1103",
+            "current_version - version per token (AReaL trains version g at global step g: T - v, token "
+            "staleness) over behave_mask tokens, "
             f"averaged per loss call; {_AREAL_AGG}, so it is staleness/token/mean (token-weighted over the ship) "
             "only when one micro-batch carries the whole batch", segment=True),
     PeerKey("areal", "sample_staleness_theta_max", None, f"{_AREAL}:1093,1104", "T - v per token, maximum per "
