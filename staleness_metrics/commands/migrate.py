@@ -26,11 +26,13 @@ what it understands (by extension and content; --kind forces one):
                                    legacy line: {"step": S, "migrate/legacy_through_step": S}
   anything else                    references reported with line numbers, never edited
 
-other trainers' keys (--from verl|skyrl|areal|nemo-rl|roll|pipelinerl):
-  the same file kinds; a peer's key is renamed to this project's key only where the meaning is the
-  same (verl training/off_policy/trajectory_staleness/mean -> staleness/rollout/newest/mean); the
-  others are listed with the reason they differ (unit, newest vs oldest token, a share, a count).
-  The table, with the source file of every key: staleness_metrics/migrate/peers.py
+other trainers' keys (--from verl|skyrl|areal|trl|nemo-rl|roll|pipelinerl):
+  the same file kinds; a peer's key is renamed to this project's key only where it gives the same
+  number on the peer's own batches (verl training/off_policy/trajectory_staleness/mean ->
+  staleness/rollout/in_queue/mean, SkyRL async/staleness_mean and NeMo-RL train/avg_trajectory_age ->
+  staleness/rollout/mean); the others are listed with the reason they differ (aggregation, timing,
+  unit, a share, a count). The table, with the file and line of every key:
+  staleness_metrics/migrate/peers.py
 
 exit status: 0 nothing legacy left (or --diff/--write done), 1 legacy names remain (--check),
 2 usage error, or a file that could not be read, parsed or safely edited (it is never touched).

@@ -13,13 +13,24 @@ from collections.abc import Sequence
 from ..metric_table import metric_by_key
 from .model import Action, Options
 from .names import Hit, Scanned, Scanner, _apply
-from .peers import PeerKey, peer_keys
+from .peers import TRACKER_SUFFIXES, PeerKey, peer_keys
 
 __all__ = ["PeerScanner", "peer_lookup", "scanner_for"]
 
 
 def _alternation(names: Sequence[str]) -> str:
     return "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+
+
+_SUFFIX = "(?:" + _alternation(TRACKER_SUFFIXES) + ")?"
+
+
+def _bare(segment: str) -> str:
+    """A path segment without the tracker's ``__count`` suffix."""
+    for suffix in TRACKER_SUFFIXES:
+        if segment.endswith(suffix):
+            return segment[: -len(suffix)]
+    return segment
 
 
 def _hit(row: PeerKey, start: int, end: int, token: str, new: str | None) -> Hit:
@@ -40,7 +51,7 @@ class PeerScanner(Scanner):
         if whole:
             parts.append(rf"(?<![\w/.-])(?:{_alternation(whole)})(?![\w/.-])")
         if segments:
-            parts.append(rf"(?<![\w.-])(?:{_alternation(segments)})(?![\w.-])")
+            parts.append(rf"(?<![\w.-])(?:{_alternation(segments)}){_SUFFIX}(?![\w.-])")
         self._pattern = re.compile("|".join(parts)) if parts else None
         self._series = {
             key.replace("/", "_").replace("-", "_"): row for key, row in self.rows.items() if not row.segment
@@ -51,7 +62,7 @@ class PeerScanner(Scanner):
             return []
         hits = []
         for match in self._pattern.finditer(text):
-            row = self.rows[match.group()]
+            row = self.rows.get(match.group()) or self.rows[_bare(match.group())]
             hits.append(_hit(row, match.start(), match.end(), match.group(), row.new))
         return hits
 
@@ -105,6 +116,6 @@ def scanner_for(options: Options, *, prometheus: bool) -> Scanner:
 def peer_lookup(peer: str, name: str) -> PeerKey | None:
     """The row of a logged key ``name`` of ``peer``: the whole key, or a segment row inside it."""
     for row in peer_keys(peer):
-        if row.key == name or (row.segment and row.key in name.split("/")):
+        if row.key == name or (row.segment and row.key in {_bare(part) for part in name.split("/")}):
             return row
     return None

@@ -1,145 +1,263 @@
-"""Other trainers' staleness keys, for ``staleness-metrics migrate --from PEER`` (issue 14).
+"""Other trainers' staleness keys, for ``staleness-metrics migrate --from PEER`` (issues 14 and 21).
 
-One table, :data:`PEER_KEYS`: each key a peer framework logs (or a setting it reads), the source file it
-was read from, and either this project's key with the same meaning or the reason there is none. A key is
-renamed only when the meaning is the same (same quantity, same unit, same population up to this
-project's rule of leaving frozen rollouts out); every other key is reported with its reason and never
-renamed, so nobody's plot silently changes meaning.
+One table, :data:`PEER_KEYS`: each staleness key a peer framework logs (or a setting it reads), the file
+and line it is computed at, and either this project's key with the same value or the reason there is
+none. A key is renamed only when, on the peer's own batches read the way this project's adapters read
+them, our key gives the same number (same quantity, unit, population and aggregation); every other key is
+reported with its reason and never renamed, so nobody's plot silently changes meaning.
+``tests/migrate/test_peer_values.py`` computes each renamed key by the peer's own formula on a small
+batch and ours with the sink on the same data.
 
-Sources were read in the stored copies of the peers' repositories (``owner/repo@commit path``). Where
-the index held a key only in files it could not attribute to a repository, the source says so; where a
-peer logs no staleness key at all, only its settings are listed:
+Sources, the newest release each peer publishes where there is one (``pip install --no-deps``, paths
+inside the installed package), else the newest stored snapshot of its repository (``owner/repo@commit``):
 
-- AReaL logs no staleness metric in the stored sources: it bounds staleness before generation
-  (``max_head_offpolicyness``, a capacity rule in ``areal/core/staleness_manager.py``) and logs the
-  behaviour importance weight (a mismatch, SPEC 11), so nothing is renamed.
-- ROLL: only its setting ``async_generation_ratio`` was found; no logged staleness metric.
-- NeMo-RL: ``train/avg_trajectory_age`` was found only in NeMo-RL-derived files the index did not
-  attribute (the stored ``NVIDIA/NeMo-RL`` ``nemo_rl/algorithms/grpo.py`` predates async GRPO).
-- verl: the per-trajectory ``training/off_policy/*`` family was found in verl-derived trainer files the
-  index did not attribute; its definitions (``T - max_global_steps``, ``T - min_global_steps``,
-  ``max - min + 1``) are quoted from that code.
+- verl 0.9.1; AReaL 1.0.4 (``areal``); TRL 1.16.0 (``trl``); SkyRL 0.4.0 (``skyrl``, the wheel).
+- NeMo-RL: no release (PyPI's ``nemo-rl`` is an empty 0.0.0 placeholder): ``NVIDIA-NeMo/RL@7ea279ab``.
+- ROLL: not on PyPI (``roll`` there is another project): ``alibaba/ROLL@8eb27cc2``.
+- PipelineRL: not on PyPI: ``ServiceNow/PipelineRL@58d39345``.
+
+Not flagged: TRL's setting ``max_staleness`` (``async_grpo_config.py:360``) has this project's own
+setting name, so flagging it would flag every config of ours; TRL drops a row when ``fetch version -
+dispatch version > max_staleness`` at the moment its dataloader pulls it (see the ``sample/*`` rows).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["PEERS", "PEER_KEYS", "PeerKey", "peer_keys"]
+__all__ = ["PEERS", "PEER_KEYS", "TRACKER_SUFFIXES", "PeerKey", "peer_keys"]
+
+# AReaL's stats tracker logs ``<key>__count`` beside every scalar (areal/utils/stats_tracker.py:215).
+TRACKER_SUFFIXES: tuple[str, ...] = ("__count",)
 
 
 @dataclass(frozen=True)
 class PeerKey:
-    """One peer key: ``new`` is this project's key with the same meaning, None when it differs."""
+    """One peer key: ``new`` is this project's key with the same value, None when it differs."""
 
     peer: str
     key: str
     new: str | None
     source: str
     reason: str
-    # True: matched as one path segment of a longer logged key (AReaL's tracker adds scope prefixes
-    # and statistic suffixes around the names its code uses).
+    # True: matched as one path segment of a longer logged key (AReaL's tracker adds scope prefixes such as
+    # ``ppo_actor/update/version_stats/`` and suffixes such as ``/avg`` or ``__count`` around its names).
     segment: bool = False
 
 
-_VERL_FA = (
-    "volcengine/verl@0794432856e48e1c769b38899f6300ae9caa69ba verl/experimental/fully_async_policy/detach_utils.py"
-)
-_VERL_OP = (
-    "verl trainers' training/off_policy/* family: seen in stored verl-derived trainer code, "
-    "file not attributable in the index"
-)
-_SKYRL = "NovaSky-AI/SkyRL@3041820a8d70cb44c5b421b3ab53c44903d6f2fe skyrl-train/skyrl_train/fully_async_trainer.py"
-_AREAL_ACTOR = "inclusionAI/AReaL@5ac9adfdc8ed23c2e5a5c58d7ad2d8f0ae83b54e areal/engine/ppo/actor.py"
-_AREAL_STALE = "inclusionAI/AReaL@a4afec4b4690cfe69a0cbce0cf686c3f990d74a7 areal/core/staleness_manager.py"
-_NEMO = (
-    "NeMo-RL async GRPO replay buffer (sample() returns avg_trajectory_age): seen in stored NeMo-RL-derived "
-    "files, not attributable in the index"
-)
-_ROLL = "alibaba/ROLL@51e53586d87babf0bf02716eb6b77f4ee3de2e97 roll/configs/base_config.py"
-_PIPELINE = "ServiceNow/PipelineRL@a296c972810dcd576b9452618ef433c0fa1e1fc2 pipelinerl/finetune_loop.py"
+# -- where each key is computed ---------------------------------------------------------------------------
+_VERL = "verl 0.9.1 "
+_VERL_V1 = _VERL + "verl/trainer/ppo/v1/trainer_base.py"
+_VERL_RB = _VERL + "verl/trainer/ppo/v1/replay_buffer.py"
+_VERL_DU = _VERL + "verl/experimental/fully_async_policy/detach_utils.py"
+_VERL_FT = _VERL + "verl/experimental/fully_async_policy/fully_async_trainer.py"
+_VERL_RO = _VERL + "verl/experimental/fully_async_policy/fully_async_rollouter.py"
+_SKYRL = "skyrl 0.4.0 skyrl/train/fully_async_trainer.py"
+_AREAL = "areal 1.0.4 areal/trainer/ppo/actor.py"
+_AREAL_TRACKER = "areal/utils/stats_tracker.py:109-113,202-215"
+_TRL = "trl 1.16.0 trl/experimental/async_grpo/async_grpo_trainer.py"
+_TRL_DISTIL = "trl/experimental/async_distillation/async_distillation_trainer.py"
+_NEMO = "NVIDIA-NeMo/RL@7ea279abfbeb698b092856d0dab61e7cf39bc909 "
+_ROLL = "alibaba/ROLL@8eb27cc2dc34c4d1310b169d9b86d339004d811a "
+_PIPELINE = "ServiceNow/PipelineRL@58d393458625ad63ed539f2dcd072c85700c557f pipelinerl/finetune_loop.py"
 
+# -- reasons shared by several rows -----------------------------------------------------------------------
 _NO_MINIMA = "a minimum over trajectories; this project reports means and maxima only"
+_VERL_NEWEST = (
+    "(global_steps - 1) - max_global_steps per trajectory, mean over the batch: T minus the version of the "
+    "trajectory's last generate call (verl/workers/rollout/llm_server.py:325-327,349), i.e. T - completion "
+    "version. from_verl sets completion_version = max_global_steps, so staleness/rollout/in_queue "
+    "(Q = R - clamp(end - start, 0, R) = T - end) is this number on every verl batch; "
+    "staleness/rollout/newest (T - newest token label) is it only when per-token versions are passed, "
+    "since unlabelled tokens take the start version (a batch where verl logs 0.5 has newest 1.0)"
+)
+_VERL_WORST = (
+    "(global_steps - 1) - min_global_steps: T minus the version the trajectory's generation started at, "
+    "SPEC 6's R (from_verl's dispatch_version is min_global_steps)"
+)
+_AREAL_AGG = (
+    f"AReaL logs it with stats_tracker.scalar, which averages the value of every loss call ({_AREAL_TRACKER}): "
+    "one value per micro-batch and rank, then their plain mean"
+)
+_TRL_TIMING = (
+    "measured when the dataloader pulls the row, with the trainer's model_version at that moment; accelerate's "
+    "DataLoaderDispatcher pulls the next micro-batch before yielding the current one (accelerate "
+    "data_loader.py:906,930), so the first micro-batch of step s+1 is measured before the weight sync that ends "
+    "step s (one step less than at training) and lands in step s's logging window; per training row (one "
+    "RolloutSample per sequence, async_rollout_worker.py:1110-1121) with the group's first dispatch version "
+    "(async_rollout_worker.py:626)"
+)
 _PIPELINE_UNIT = (
     "unit is samples: PipelineRL versions its weights by the training samples seen "
     "(last_broadcasted_version = samples), not by optimizer steps"
 )
 
 PEER_KEYS: tuple[PeerKey, ...] = (
-    # -- verl --------------------------------------------------------------------------------------
-    PeerKey("verl", "training/off_policy/trajectory_staleness/mean", "staleness/rollout/newest/mean", _VERL_OP,
-            "(global_steps - 1) - max_global_steps per trajectory: T minus its newest version, mean over trajectories"),
-    PeerKey("verl", "training/off_policy/trajectory_staleness/max", "staleness/rollout/newest/max", _VERL_OP,
-            "T minus the trajectory's newest version, maximum"),
-    PeerKey("verl", "training/off_policy/trajectory_staleness/min", None, _VERL_OP, _NO_MINIMA),
-    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/mean", "staleness/rollout/mean", _VERL_OP,
-            "(global_steps - 1) - min_global_steps: T minus the oldest version, SPEC 6's R"),
-    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/max", "staleness/rollout/max", _VERL_OP,
-            "T minus the oldest version, maximum"),
-    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/min", None, _VERL_OP, _NO_MINIMA),
+    # -- verl 0.9.1 --------------------------------------------------------------------------------------------
+    PeerKey("verl", "training/off_policy/trajectory_staleness/mean", "staleness/rollout/in_queue/mean",
+            f"{_VERL_V1}:1979,1986", _VERL_NEWEST),
+    PeerKey("verl", "training/off_policy/trajectory_staleness/max", "staleness/rollout/in_queue/max",
+            f"{_VERL_V1}:1979,1987", "T - max_global_steps, maximum over the batch: staleness/rollout/in_queue/max "
+            "(see trajectory_staleness/mean for why not staleness/rollout/newest)"),
+    PeerKey("verl", "training/off_policy/trajectory_staleness/min", None, f"{_VERL_V1}:1979,1988", _NO_MINIMA),
+    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/mean", "staleness/rollout/mean",
+            f"{_VERL_V1}:1980,1989", _VERL_WORST),
+    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/max", "staleness/rollout/max",
+            f"{_VERL_V1}:1980,1990", "T - min_global_steps, maximum: staleness/rollout/max"),
+    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/min", None, f"{_VERL_V1}:1980,1991",
+            _NO_MINIMA),
     *(
-        PeerKey("verl", f"training/off_policy/trajectory_spans/{stat}", None, _VERL_OP,
-                "max - min + 1: a count of versions used, one more than the versions that passed in flight "
-                "(staleness/rollout/in_flight counts those)")
-        for stat in ("mean", "max", "min")
+        PeerKey("verl", f"training/off_policy/trajectory_spans/{stat}", None, f"{_VERL_V1}:1978,{line}",
+                "max_global_steps - min_global_steps + 1: a count of versions used, one more than the versions "
+                "that passed in flight (staleness/rollout/in_flight counts those)")
+        for stat, line in (("mean", 1983), ("max", 1984), ("min", 1985))
     ),
-    PeerKey("verl", "fully_async/partial/max_partial_span", "staleness/rollout/in_flight/max", _VERL_FA,
-            "max(param_version_end - param_version_start): versions that passed while a trajectory was generated"),
-    PeerKey("verl", "fully_async/partial/partial_ratio", None, _VERL_FA,
+    PeerKey("verl", "training/off_policy/evicted_samples", None, f"{_VERL_RB}:367",
+            "prompt groups evicted as stale by the replay buffer (max_off_policy_strategy drop): groups, not "
+            "rollouts (staleness/rollout/dropped counts rollouts)"),
+    *(
+        PeerKey("verl", f"training/off_policy/evicted_samples_staleness/{stat}", None, f"{_VERL_RB}:360-{line}",
+                "global_steps - the dataloader step of the prompt + 1, over evicted groups: the age of dropped "
+                "prompts counted from when they were loaded; this project measures only what it ships")
+        for stat, line in (("mean", 368), ("max", 369), ("min", 370))
+    ),
+    PeerKey("verl", "max_off_policy_threshold", None, f"{_VERL_RB}:520-529",
+            "evicts a prompt group when global_steps - its load step + 1 > threshold (or waits, strategy wait): "
+            "counted from prompt load, plus one; max_staleness bounds T - the sampling version"),
+    PeerKey("verl", "fully_async/partial/max_partial_span", "staleness/rollout/in_flight/max", f"{_VERL_DU}:151-158",
+            "max(|max_global_steps - min_global_steps|): versions that passed while a trajectory was generated; "
+            "from_verl's F = clamp(end - start, 0, R) is the same number"),
+    PeerKey("verl", "fully_async/partial/partial_ratio", None, f"{_VERL_DU}:157",
             "share of trajectories resumed under newer weights (end > start): a share, not a staleness"),
-    PeerKey("verl", "fully_async/partial/total_partial_num", None, _VERL_FA,
+    PeerKey("verl", "fully_async/partial/total_partial_num", None, f"{_VERL_DU}:156",
             "count of resumed trajectories, not a staleness"),
-    PeerKey("verl", "fully_async/count/stale_samples_processed", None, _VERL_FA,
-            "cumulative count of stale samples the trainer used (trained, not dropped)"),
-    PeerKey("verl", "fully_async/count/stale_trajectory_processed", None, _VERL_FA,
-            "cumulative count of stale trajectories the trainer used (trained, not dropped)"),
-    PeerKey("verl", "fully_async/count/dropped_stale_samples", None, _VERL_FA,
-            "cumulative over the run; staleness/sample/dropped is per ship window "
-            "(the cumulative count is the counter rl_staleness_samples_dropped_total)"),
-    PeerKey("verl", "fully_async/count/current_param_version", None, _VERL_FA,
+    PeerKey("verl", "fully_async/count/stale_trajectory_processed", None, f"{_VERL_FT}:1038-1043",
+            "cumulative count of trained trajectories with current_param_version - max_global_steps >= 1 "
+            "(trained, not dropped)"),
+    PeerKey("verl", "fully_async/count/stale_samples_processed", None, f"{_VERL_DU}:215",
+            "only named in MetricsAggregator's 'last' rule; nothing in verl 0.9.1 sets it"),
+    PeerKey("verl", "fully_async/count/dropped_stale_samples", None,
+            f"{_VERL_RO}:1014,1177 and verl/experimental/fully_async_policy/message_queue.py:66-71",
+            "cumulative count of samples pushed out of the full message queue (the oldest one goes): a capacity "
+            "drop, not a staleness bound; staleness/sample/dropped counts drops by max_staleness per ship window"),
+    PeerKey("verl", "fully_async/count/staleness_samples", None, f"{_VERL_RO}:605,952,1176",
+            "samples generated since the last parameter sync (active + queued): a capacity counter, not an age"),
+    PeerKey("verl", "fully_async/static/staleness_threshold", None, f"{_VERL_RO}:421,495,1181",
+            "the setting: generation may run staleness_threshold batches ahead (a capacity bound before "
+            "generation); max_staleness masks and drops by age at ship time"),
+    PeerKey("verl", "staleness_threshold", None, f"{_VERL_FT}:201 and {_VERL_RO}:421",
+            "async_training.staleness_threshold: a share of a batch that may be generated ahead, a capacity bound "
+            "before generation; max_staleness masks and drops by age at ship time"),
+    PeerKey("verl", "fully_async/count/current_param_version", None, f"{_VERL_FT}:1044",
             "the trainer's parameter version, not a staleness"),
-    # -- SkyRL -------------------------------------------------------------------------------------
-    PeerKey("skyrl", "async/staleness_mean", "staleness/rollout/mean", _SKYRL,
-            "global_step - global_step_when_scheduled per group = T - dispatch version; groups have equal "
-            "size, so the group mean is the rollout mean, and without per-token versions R = T - dispatch"),
-    PeerKey("skyrl", "async/staleness_max", "staleness/rollout/max", _SKYRL,
+    # -- SkyRL 0.4.0 -------------------------------------------------------------------------------------------
+    PeerKey("skyrl", "async/staleness_mean", "staleness/rollout/mean", f"{_SKYRL}:1002,1124",
+            "global_step - global_step_when_scheduled per group (scheduled at 920,939) = T - dispatch version "
+            "with dispatch_version = global_step_when_scheduled - 1 and the ship at step global_step; groups "
+            "have n_samples_per_prompt trajectories each, so the group mean is the rollout mean"),
+    PeerKey("skyrl", "async/staleness_max", "staleness/rollout/max", f"{_SKYRL}:1002,1125",
             "T - dispatch version, maximum over groups"),
-    PeerKey("skyrl", "async/staleness_min", None, _SKYRL, _NO_MINIMA),
-    PeerKey("skyrl", "async/staleness_ratio", None, _SKYRL,
+    PeerKey("skyrl", "async/staleness_min", None, f"{_SKYRL}:1126", _NO_MINIMA),
+    PeerKey("skyrl", "async/staleness_ratio", None, f"{_SKYRL}:1127",
             "share of groups with staleness > 0, not a mean lag"),
-    PeerKey("skyrl", "max_staleness_steps", None, _SKYRL,
+    PeerKey("skyrl", "async/staleness_violation_count", None, f"{_SKYRL}:1025-1033,1128",
+            "groups trained although older than max_staleness_steps (SkyRL warns and trains them); this project "
+            "masks or drops them, counted in staleness/rollout/dropped"),
+    PeerKey("skyrl", "async/num_groups_dropped", None, f"{_SKYRL}:569-573",
+            "zero-variance groups dropped by sample_full_batch: a reward filter, not staleness"),
+    PeerKey("skyrl", "async/keep_rate", None, f"{_SKYRL}:571-574", "share of groups kept by the zero-variance filter"),
+    PeerKey("skyrl", "max_staleness_steps", None, "skyrl 0.4.0 skyrl/train/config/config.py:1035",
             "a scheduling bound (capacity, so nothing is ever dropped); max_staleness masks and drops at ship time"),
-    # -- AReaL -------------------------------------------------------------------------------------
-    PeerKey("areal", "max_head_offpolicyness", None, _AREAL_STALE,
+    # -- AReaL 1.0.4 -------------------------------------------------------------------------------------------
+    PeerKey("areal", "sample_staleness_theta_avg", None, f"{_AREAL}:1082,1086,1093,1103",
+            "current_version - version per token (AReaL trains version g at global step g: T - v, token "
+            "staleness) over behave_mask tokens, "
+            f"averaged per loss call; {_AREAL_AGG}, so it is staleness/token/mean (token-weighted over the ship) "
+            "only when one micro-batch carries the whole batch", segment=True),
+    PeerKey("areal", "sample_staleness_theta_max", None, f"{_AREAL}:1093,1104", "T - v per token, maximum per "
+            f"loss call; {_AREAL_AGG}: a mean of micro-batch maxima, not the maximum (staleness/rollout/max)",
+            segment=True),
+    PeerKey("areal", "sample_staleness_theta_min", None, f"{_AREAL}:1093,1105", _NO_MINIMA, segment=True),
+    *(
+        PeerKey("areal", f"sample_staleness_proximal_{stat}", None, f"{_AREAL}:1081,1092,{line}",
+                "(current_version - 1) - version per token: the lag behind the proximal policy (the last "
+                f"broadcast weights), one less than token staleness; {_AREAL_AGG}", segment=True)
+        for stat, line in (("avg", 1100), ("max", 1101), ("min", 1102))
+    ),
+    PeerKey("areal", "v_theta", None, f"{_AREAL}:1082,1106", "a version, not a staleness", segment=True),
+    PeerKey("areal", "v_proximal", None, f"{_AREAL}:1081,1107", "a version, not a staleness", segment=True),
+    PeerKey("areal", "n_valid_generated_tokens", None, f"{_AREAL}:1086,1108", "a token count, not a staleness",
+            segment=True),
+    PeerKey("areal", "max_head_offpolicyness", None,
+            "areal 1.0.4 areal/api/cli_args.py:2113 and areal/infra/staleness_manager.py:92-112",
             "bounds admissions before generation ((bound + version + 1) x batch); max_staleness masks and drops "
             "what arrives too old"),
-    PeerKey("areal", "behave_imp_weight", None, _AREAL_ACTOR,
+    PeerKey("areal", "behave_imp_weight", None, f"{_AREAL}:539-545",
             "behaviour importance weight over all tokens: a policy mismatch, not a staleness "
             "(see staleness/mismatch/*, SPEC 11)", segment=True),
-    PeerKey("areal", "behave_approx_kl", None, _AREAL_ACTOR,
+    PeerKey("areal", "behave_approx_kl", None, f"{_AREAL}:539-545",
             "approximate KL to the behaviour policy over all tokens: a mismatch, not a staleness "
             "(see staleness/mismatch/*, SPEC 11)", segment=True),
-    # -- NeMo-RL -----------------------------------------------------------------------------------
-    PeerKey("nemo-rl", "train/avg_trajectory_age", None, _NEMO,
-            "steps since each prompt group's generation weight version, averaged over groups; NeMo-RL itself "
-            "tells this generation age from the policy age, and its step/version convention could not be "
-            "checked against SPEC 2 in the stored source"),
-    # -- ROLL --------------------------------------------------------------------------------------
-    PeerKey("roll", "async_generation_ratio", None, _ROLL,
+    # -- TRL 1.16.0 (async GRPO; the async distillation trainer logs the same keys) ---------------------------
+    PeerKey("trl", "sample/staleness_mean", None, f"{_TRL}:367-368,386 and {_TRL_DISTIL}:684",
+            f"model_version - the row's model_version, window mean (async_grpo_trainer.py:105); {_TRL_TIMING}; "
+            "staleness/rollout/mean is T - dispatch per rollout at the ship that trains it"),
+    PeerKey("trl", "sample/staleness_max", None, f"{_TRL}:367-368,387 and {_TRL_DISTIL}:685",
+            f"the same per-row value, window maximum (async_grpo_trainer.py:101-102); {_TRL_TIMING}"),
+    PeerKey("trl", "sample/dropped_stale_total", None, f"{_TRL}:369-372 and {_TRL_DISTIL}:667-670",
+            "rows dropped when pulled because fetch version - dispatch version > max_staleness, summed over the "
+            "logging window (a 'total' word sums, async_grpo_trainer.py:99-100): measured at fetch time, one "
+            "step early for prefetched rows; staleness/sample/dropped counts drops at the ship that would train"),
+    PeerKey("trl", "sample/time_in_queue_s", None, f"{_TRL}:383-384",
+            "seconds a row waited in the rollout queue: a time, not a count of versions"),
+    # -- NeMo-RL (no release) ----------------------------------------------------------------------------------
+    PeerKey("nemo-rl", "train/avg_trajectory_age", "staleness/rollout/mean",
+            f"{_NEMO}nemo_rl/algorithms/async_utils/replay_buffer.py:293-296, nemo_rl/algorithms/grpo.py:5293,5394",
+            "current_weight_version - mean generation weight version over the sampled prompt groups; "
+            "current_weight_version is the version trained (grpo.py:4539, += 1 after each refit at 4937) and the "
+            "generation version is the collector's version when the group was dispatched "
+            "(async_utils/trajectory_collector.py:516,543): T - dispatch, and groups have num_generations_per_prompt "
+            "trajectories each, so the group mean is the rollout mean"),
+    PeerKey("nemo-rl", "train/evicted_stale_prompt_groups", None,
+            f"{_NEMO}nemo_rl/algorithms/single_controller.py:878-882,1118,1201-1203",
+            "prompt groups evicted outside the staleness window: groups, not rollouts"),
+    PeerKey("nemo-rl", "train/aborted_stale_inflight_groups", None,
+            f"{_NEMO}nemo_rl/algorithms/single_controller.py:1113-1119,1201-1203",
+            "in-flight prompt groups aborted at a weight sync: groups, and before generation ended"),
+    PeerKey("nemo-rl", "max_trajectory_age_steps", None, f"{_NEMO}nemo_rl/algorithms/grpo.py:189",
+            "a setting: how far generation runs ahead and the age window of the replay buffer (a capacity bound "
+            "before generation)"),
+    PeerKey("nemo-rl", "max_staleness_versions", None,
+            f"{_NEMO}nemo_rl/algorithms/async_utils/staleness_sampler.py:490-504",
+            "a sampler setting (windowed / ready_first / weight_fifo): what it bounds depends on the sampler "
+            "(selection window or generation lead in dispatch batches)"),
+    # -- ROLL (no release) -------------------------------------------------------------------------------------
+    PeerKey("roll", "scheduler/off_policy_ratio", None,
+            f"{_ROLL}roll/distributed/scheduler/generate_scheduler.py:705-726",
+            "despite its name a mean lag: replay-buffer step at collection - the step the prompt began sampling, "
+            "mean over responses; every response of a prompt takes the prompt's begin step (ROLL's own comment, "
+            "generate_scheduler.py:933-934, says the real start can differ) and the step is ROLL's pipeline step, "
+            "so it is not T - each rollout's dispatch version"),
+    PeerKey("roll", "async_generation_ratio", None, f"{_ROLL}roll/configs/base_config.py:502",
             "how many steps generation may run ahead (an integer named a ratio): a bound on generation lead, "
             "not on the age of the data trained"),
-    # -- PipelineRL --------------------------------------------------------------------------------
-    PeerKey("pipelinerl", "stats/lag", None, _PIPELINE,
+    # -- PipelineRL (no release) -------------------------------------------------------------------------------
+    PeerKey("pipelinerl", "stats/lag", None, f"{_PIPELINE}:881",
             f"last broadcast version - oldest actor version in the batch; {_PIPELINE_UNIT}"),
-    PeerKey("pipelinerl", "stats/min_actor_version", None, _PIPELINE, f"a version, not a staleness; {_PIPELINE_UNIT}"),
-    PeerKey("pipelinerl", "stats/max_actor_version", None, _PIPELINE, f"a version, not a staleness; {_PIPELINE_UNIT}"),
-    PeerKey("pipelinerl", "stats/samples_too_old_to_queue", None, _PIPELINE,
+    PeerKey("pipelinerl", "stats/min_actor_version", None, f"{_PIPELINE}:877",
+            f"a version, not a staleness; {_PIPELINE_UNIT}"),
+    PeerKey("pipelinerl", "stats/max_actor_version", None, f"{_PIPELINE}:878",
+            f"a version, not a staleness; {_PIPELINE_UNIT}"),
+    PeerKey("pipelinerl", "stats/samples_too_old_to_queue", None, f"{_PIPELINE}:872",
             f"cumulative count of samples refused before queueing; {_PIPELINE_UNIT}"),
-    PeerKey("pipelinerl", "stats/samples_too_old_to_train", None, _PIPELINE,
-            f"cumulative count over the run (staleness/sample/dropped is per ship window); {_PIPELINE_UNIT}"),
+    PeerKey("pipelinerl", "stats/samples_too_old_to_train", None, f"{_PIPELINE}:680-684,873",
+            f"cumulative count over the run, counted but still trained (staleness/sample/dropped is per ship "
+            f"window and counts drops); {_PIPELINE_UNIT}"),
+    PeerKey("pipelinerl", "max_lag", None, f"{_PIPELINE}:680-684",
+            f"a setting: samples older than it are counted, not dropped, by the trainer; {_PIPELINE_UNIT}"),
 )  # fmt: skip
 
-PEERS: tuple[str, ...] = ("verl", "skyrl", "areal", "nemo-rl", "roll", "pipelinerl")
+PEERS: tuple[str, ...] = ("verl", "skyrl", "areal", "trl", "nemo-rl", "roll", "pipelinerl")
 
 
 def peer_keys(peer: str) -> tuple[PeerKey, ...]:

@@ -22,16 +22,17 @@ PEER_FIXTURES = FIXTURES / "peers"
 EXPECTED = {
     "verl": (
         {
-            "training/off_policy/trajectory_staleness/mean": "staleness/rollout/newest/mean",
-            "training/off_policy/trajectory_staleness/max": "staleness/rollout/newest/max",
+            "training/off_policy/trajectory_staleness/mean": "staleness/rollout/in_queue/mean",
+            "training/off_policy/trajectory_staleness/max": "staleness/rollout/in_queue/max",
             "training/off_policy/trajectory_staleness_worst/mean": "staleness/rollout/mean",
             "training/off_policy/trajectory_staleness_worst/max": "staleness/rollout/max",
             "fully_async/partial/max_partial_span": "staleness/rollout/in_flight/max",
-            "training_off_policy_trajectory_staleness_mean": "rl_staleness_rollout_newest_mean_steps",
+            "training_off_policy_trajectory_staleness_mean": "rl_staleness_rollout_in_queue_mean_steps",
             "training_off_policy_trajectory_staleness_worst_max": "rl_staleness_rollout_max_steps",
         },
         {"training_off_policy_trajectory_spans_mean", "fully_async/partial/partial_ratio",
-         "fully_async/count/dropped_stale_samples"},
+         "fully_async/count/dropped_stale_samples", "training/off_policy/evicted_samples_staleness/mean",
+         "fully_async/count/staleness_samples"},
     ),
     "skyrl": (
         {
@@ -43,9 +44,22 @@ EXPECTED = {
         {"async/staleness_min", "async/staleness_ratio", "async_staleness_ratio"},
     ),
     "areal": ({}, {"max_head_offpolicyness", "behave_imp_weight", "ppo_actor/update/behave_imp_weight/avg",
-                   "ppo_actor/update/behave_approx_kl/avg"}),
-    "nemo-rl": ({}, {"train/avg_trajectory_age", "train_avg_trajectory_age"}),
-    "roll": ({}, {"async_generation_ratio"}),
+                   "ppo_actor/update/behave_approx_kl/avg",
+                   "ppo_actor/update/version_stats/sample_staleness_theta_avg",
+                   "ppo_actor/update/version_stats/sample_staleness_theta_avg__count",
+                   "ppo_actor/update/version_stats/sample_staleness_theta_max",
+                   "ppo_actor/update/version_stats/sample_staleness_proximal_avg",
+                   "ppo_actor/update/version_stats/v_theta"}),
+    "trl": ({}, {"sample/staleness_mean", "sample/staleness_max", "sample/dropped_stale_total",
+                 "sample/time_in_queue_s", "sample_staleness_max"}),
+    "nemo-rl": (
+        {
+            "train/avg_trajectory_age": "staleness/rollout/mean",
+            "train_avg_trajectory_age": "rl_staleness_rollout_mean_steps",
+        },
+        set(),
+    ),
+    "roll": ({}, {"async_generation_ratio", "scheduler/off_policy_ratio"}),
     "pipelinerl": ({}, {"stats/lag", "stats_lag", "stats_min_actor_version", "stats/min_actor_version",
                         "stats/samples_too_old_to_train"}),
 }  # fmt: skip
