@@ -215,7 +215,7 @@ def test_typed_records_are_validated_like_dicts() -> None:
         ({"id": "r1", "source": "frozen", "dispatch_version": -1, "samples": [{"mask": [1]}]}, "dispatch_version"),
         (good(dispatch_version=2**70), "dispatch_version"),
         (with_sample(weight_versions=[[2**70, 0]]), "samples[0].weight_versions[0]"),
-        (with_sample(weight_versions=None, token_versions=[2**70, 1, 1, 1]), "samples[0].token_versions"),
+        (with_sample(weight_versions=None, token_versions=[2**70, 1, 1, 1]), "samples[0].token_versions[0]"),
     ],
 )
 def test_explicit_negative_and_huge_versions_are_refused(record: dict[str, Any], field: str) -> None:
