@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import array as _array_module
 from collections.abc import Iterable, Mapping, Sequence
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np

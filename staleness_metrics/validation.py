@@ -76,9 +76,8 @@ def _first_big_int(values: list[Any]) -> int | None:
     kinds = set(map(type, values))  # C-level passes; Python runs per item only on mixed or wide lists
     if int not in kinds:
         return None
-    if kinds <= {int, bool}:
-        if INT64_MIN <= min(values) and max(values) <= INT64_MAX:
-            return None
+    if kinds <= {int, bool} and min(values) >= INT64_MIN and max(values) <= INT64_MAX:
+        return None
     for index, value in enumerate(values):
         if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
             return index
@@ -226,7 +225,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
         if lone_surrogate("".join(map(str, texts))) is not None:  # one C-level pass; names offenders only then
             for index, text in enumerate(texts):
                 at = lone_surrogate(text) if isinstance(text, str) else None
-                if at is not None:
+                if isinstance(text, str) and at is not None:
                     verdicts.rollout(index, name, _surrogate_reason(text, at))
     if not _plain_envs(envs):
         for index, env in enumerate(envs):

@@ -195,7 +195,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def too_deep(request: Request, exc: Exception) -> JSONResponse:
         # The standard JSON reader recurses once per level: a body nested past the interpreter's limit
         # is unreadable JSON for this service, on every route (400, as for any body it cannot read).
-        return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
+        return JSONResponse(
+            {"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST
+        )
 
     app.add_exception_handler(RunError, run_error)
     app.add_exception_handler(RequestValidationError, invalid_request)

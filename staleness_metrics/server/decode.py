@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import gc
 import json
-from array import array
-from itertools import chain
 import re
 import threading
+from array import array
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -260,7 +260,7 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
             return np.frombuffer(array("q", flat), dtype=np.int64).reshape(-1, 2)
         if kinds == {int}:
             values = np.frombuffer(array("q", items), dtype=np.int64)
-            if field == "mask" and values.size and -128 <= values.min() and values.max() <= 127:
+            if field == "mask" and values.size and values.min() >= -128 and values.max() <= 127:
                 return values.astype(np.int8)  # 1 byte a position: a mask's text is 2
             return values
         if field in _INT_FIELDS:

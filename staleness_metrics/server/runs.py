@@ -446,7 +446,12 @@ class Run:
     @staticmethod
     def _unstorable_item(record: Mapping[str, Any], rid: str, index: int) -> ErrorItem:
         field, reason = unstorable(record) or ("rollout", "cannot be stored")
-        return ErrorItem(field=field, reason=f"{reason} (the run's journal could not store it)", rollout_id=printable_id(rid), index=index)
+        return ErrorItem(
+            field=field,
+            reason=f"{reason} (the run's journal could not store it)",
+            rollout_id=printable_id(rid),
+            index=index,
+        )
 
     @staticmethod
     def _range_error(records: list[dict[str, Any]], index_of: Mapping[str, int]) -> ErrorItem:
