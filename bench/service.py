@@ -1,6 +1,11 @@
 """Service benchmark: latency over one kept-alive connection, and throughput under 16 clients.
 
     python bench/service.py [--requests 300] [--clients 16] [--batches 100] [--persist] [--json]
+    python bench/service.py --memory [--body-mb 32] [--persist]
+
+``--memory`` measures instead the server's peak resident growth per request body (VmHWM reset through
+/proc/<pid>/clear_refs before each, Linux) for hostile and valid bodies of ``--body-mb``, and what an
+oversized header and idle connections cost (docs/service.md, "Limits").
 
 Starts ``staleness-metrics serve`` on a free loopback port (a real uvicorn process) and measures with
 the project's client (one connection reused per client):
@@ -19,6 +24,7 @@ Goal: p50 <= 3 ms on loopback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -56,7 +62,20 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=100, help="batches per client under load")
     parser.add_argument("--persist", action="store_true", help="journal to SQLite (fsync per write), not memory")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--memory", action="store_true", help="peak memory per body size and header cases")
+    parser.add_argument("--body-mb", type=int, default=32, help="body size of --memory, MiB")
     args = parser.parse_args()
+    if args.memory:
+        with tempfile.TemporaryDirectory(prefix="staleness-bench-") as data_dir:
+            store = ["--data-dir", data_dir] if args.persist else ["--in-memory"]
+            rows = serve_and_measure_memory(store, args.body_mb)
+        if args.json:
+            print(json.dumps(rows))
+        for row in rows:
+            print(f"{row['case']:28s} {row['bytes'] / 2**20:7.1f} MiB -> {row['status']} "
+                  f"peak +{row['peak_mb']:7.1f} MiB "
+                  f"({row['ratio']:.2f}x) {row['seconds']:.2f} s")  # fmt: skip
+        return
     with tempfile.TemporaryDirectory(prefix="staleness-bench-") as data_dir:
         store = ["--data-dir", data_dir] if args.persist else ["--in-memory"]
         result = serve_and_measure(store, args)
@@ -161,6 +180,78 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "rollouts_sent": sent,
         "conserved": accounted == sent and info["rollouts_received"] == sent,
     }
+
+
+def status_kb(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        match = re.search(rf"^{key}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    assert match is not None
+    return int(match.group(1))
+
+
+def memory_bodies(size: int) -> list[tuple[str, bytes]]:
+    per = 2000
+    one = (
+        '{"id":"r%d","dispatch_version":0,"samples":[{"mask":[' + ",".join(["1"] * per) + '],"logprobs":['
+        + ",".join(["-0.123456"] * per) + '],"weight_versions":[[0,0],[1,1000]]}]}'
+    )  # fmt: skip
+    return [
+        ("empty objects {} (413)", b'{"rollouts":[' + b"{}," * (size // 3) + b"{}]}"),
+        ("mask only, one rollout", b'{"rollouts":[{"id":"m","dispatch_version":0,"samples":[{"mask":['
+         + b"1," * (size // 2) + b"1]}]}]}"),
+        ("mask + logprobs + spans",
+         ('{"rollouts":[' + ",".join(one % i for i in range(size // len(one))) + "]}").encode()),
+        ("weight_versions pairs", b'{"rollouts":[{"id":"s","dispatch_version":0,"samples":[{"mask":[1],'
+         b'"weight_versions":[' + b"[0,0]," * (size // 6) + b"[0,0]]}]}]}"),
+    ]  # fmt: skip
+
+
+def serve_and_measure_memory(store: list[str], body_mb: int) -> list[dict[str, Any]]:
+    import socket
+
+    import httpx
+
+    size = body_mb * 2**20
+    server = subprocess.Popen(
+        [sys.executable, "-m", "staleness_metrics.cli", "serve", "--port", "0", "--log-level", "warning",
+         "--max-body-bytes", str(2 * size), *store],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    rows: list[dict[str, Any]] = []
+    try:
+        assert server.stdout is not None
+        match = re.search(r"http://127\.0\.0\.1:(\d+)", server.stdout.readline())
+        assert match, "the service did not say where it listens"
+        url, pid = f"http://127.0.0.1:{match.group(1)}", server.pid
+        with httpx.Client(base_url=url, timeout=600) as http:
+            for number, (case, body) in enumerate(memory_bodies(size)):
+                http.put(f"/v1/runs/m{number}", json={}).raise_for_status()
+                with open(f"/proc/{pid}/clear_refs", "w") as clear:
+                    clear.write("5")  # resets VmHWM to the current resident size
+                before, start = status_kb(pid, "VmRSS"), time.perf_counter()
+                answer = http.post(f"/v1/runs/m{number}/rollouts", content=body,
+                                   headers={"content-type": "application/json"})  # fmt: skip
+                seconds = time.perf_counter() - start
+                grown = (status_kb(pid, "VmHWM") - before) * 1024
+                rows.append({"case": case, "bytes": len(body), "status": answer.status_code,
+                             "peak_mb": grown / 2**20, "ratio": grown / len(body), "seconds": seconds})  # fmt: skip
+            before = status_kb(pid, "VmRSS")
+            with open(f"/proc/{pid}/clear_refs", "w") as clear:
+                clear.write("5")
+            start = time.perf_counter()
+            with socket.create_connection(("127.0.0.1", int(match.group(1)))) as sock:
+                head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (32 * 2**20) + b"\r\n\r\n"
+                with contextlib.suppress(OSError):  # the server closes once the cap is passed
+                    sock.sendall(head)
+                status = sock.recv(64).split(b" ")[1:2]
+            grown = (status_kb(pid, "VmHWM") - before) * 1024
+            rows.append({"case": "32 MiB header", "bytes": len(head), "status": int(status[0]) if status else 0,
+                         "peak_mb": grown / 2**20, "ratio": grown / len(head),
+                         "seconds": time.perf_counter() - start})  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return rows
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import array as _array_module
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy.typing as npt
 
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .errors import TraceError
+from .validation import INT64_MAX, INT64_MIN, check_text, printable_id
 
 __all__ = ["ParsedRollout", "Rollout", "Sample", "UnparsedRollout", "pack", "parse_rollout"]
 
@@ -140,6 +142,12 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
         array = np.array(value)
     except (ValueError, OverflowError):
         array = np.array(value, dtype=object)
+    if array.dtype.kind in "uOf" and array.size and not _within_int64(array):
+        # an integer beyond signed 64 bits (numpy reads it as uint64, an object or a float): no store
+        # keeps it exactly, and as a weight it would be silently rounded
+        for i, v in enumerate(value):
+            if _is_int(v) and not INT64_MIN <= v <= INT64_MAX:
+                raise TraceError(rid, f"{name}[{i}]", f"integer {v} is outside the signed 64-bit range")
     if array.ndim != 1 or (array.size and array.dtype.kind not in kinds):
         for i, v in enumerate(value):  # error path only: find the element to name
             ok = isinstance(v, bool) if "b" in kinds else False
@@ -155,6 +163,15 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
         position = next(i for i, v in enumerate(value) if isinstance(v, bool))
         raise TraceError(rid, f"{name}[{position}]", f"expected {expected}, got {value[position]!r}")
     return array
+
+
+def _within_int64(array: npt.NDArray[Any]) -> bool:
+    """Whether every value of a uint64, object or float array could be a signed 64-bit integer's
+    magnitude (False for NaN too: the caller then looks at the items themselves)."""
+    if array.dtype.kind == "O":
+        return False
+    bound = float(2**63)
+    return bool(array.max() < bound and array.min() >= -bound)
 
 
 def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
@@ -226,19 +243,42 @@ def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
     if array.dtype.kind == "b" or not array.size:
         return array.astype(np.int8, copy=False)
     # one reduction: as unsigned, a negative value is huge (the usual case is int64 from a JSON list)
-    unsigned = array.view(np.uint64) if array.dtype == np.int64 else array.astype(np.uint64)
+    # (an int8 array, as the service reads a long mask, is viewed the same way: no wider copy)
+    if array.dtype == np.int64:
+        unsigned = array.view(np.uint64)
+    elif array.dtype == np.int8:
+        unsigned = array.view(np.uint8)
+    else:
+        unsigned = array.astype(np.uint64)
     if unsigned.max() <= 1:
         return array.astype(np.int8, copy=False)
     bad = np.flatnonzero((array != 0) & (array != 1))
     if bad.size:
-        raise TraceError(rid, f"{name}[{bad[0]}]", f"expected 0, 1 or a boolean, got {value[bad[0]]!r}")  # type: ignore[index]
+        raise TraceError(rid, f"{name}[{bad[0]}]", f"expected 0, 1 or a boolean, got {array[bad[0]].item()!r}")
     return array.astype(np.int8, copy=False)
 
 
+def _only_ints(pairs: list[Any]) -> bool:
+    """Whether every item of every pair is an int (not a bool): C-level passes, no per-span Python code."""
+    try:
+        return set(map(type, chain.from_iterable(pairs))) == {int}
+    except TypeError:  # a pair that is not a list: the loop names it
+        return False
+
+
 def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.int64]:
+    if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == 2 and value.dtype.kind == "i":
+        # pairs already read as integers (the service reads a long span list straight into an array)
+        if value.size and (int(value.max()) > MAX_VERSION or int(value.min()) < -MAX_VERSION):
+            for i, pair in enumerate(value.tolist()):
+                if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
+                    raise TraceError(
+                        rid, f"{name}[{i}]", f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}"
+                    )
+        return value.astype(np.int64, copy=False)
     if not isinstance(value, list):
         raise TraceError(rid, name, f"expected a list of [version, start] pairs, got {type(value).__name__}")
-    if not booleans and value:  # no boolean can hide among the integers: check them all at once
+    if value and (not booleans or _only_ints(value)):  # no boolean hides among the integers: all at once
         try:
             pairs = np.array(value)
         except (ValueError, OverflowError):
@@ -302,14 +342,17 @@ def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
     """The checked id, dispatch and completion versions (-1: none), source and agentic flag of a record."""
     rid_raw = raw.get("id")
     if not isinstance(rid_raw, str) or not rid_raw:
-        raise TraceError(None if rid_raw is None else str(rid_raw), "id", "required non-empty string")
+        raise TraceError(None if rid_raw is None else printable_id(str(rid_raw)), "id", "required non-empty string")
+    check_text(rid_raw, "id", rid_raw)  # a store, an exporter or a JSON answer could not write it
     rid = rid_raw
     unknown = sorted(set(raw) - _ROLLOUT_FIELDS)
     if unknown:
         raise TraceError(rid, unknown[0], "unknown field")
     for name in ("group_id", "env"):
-        if raw.get(name) is not None and not isinstance(raw[name], str):
-            raise TraceError(rid, name, f"expected a string, got {raw[name]!r}")
+        if raw.get(name) is not None:
+            if not isinstance(raw[name], str):
+                raise TraceError(rid, name, f"expected a string, got {raw[name]!r}")
+            check_text(rid, name, raw[name])
     if raw.get("env") == "":  # an empty env would make a "staleness/env//..." key
         raise TraceError(rid, "env", "must be a non-empty string when present")
     source = raw.get("source", "live")

@@ -15,9 +15,111 @@ import numpy.typing as npt
 from .columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from .errors import TraceError
 
-__all__ = ["Verdicts", "check_batch", "check_versions_at_most"]
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "MAX_STORED_DEPTH",
+    "Verdicts",
+    "check_batch",
+    "check_text",
+    "check_versions_at_most",
+    "lone_surrogate",
+    "printable_id",
+    "unstorable",
+]
 
 IntArray = npt.NDArray[np.int64]
+
+# What a JSON store (the service's journal, a checkpoint, an exporter label) keeps exactly: strings that
+# are valid Unicode (UTF-8 cannot encode a lone surrogate such as "\ud800", which a JSON "\ud800" escape
+# decodes to), integers within signed 64 bits, and nesting orjson writes (it stops at 254 levels; a
+# record is never deeper than 5, so the bound leaves room for whatever wraps it).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STORED_DEPTH = 128
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in ``text`` (a code point U+D800..U+DFFF, which UTF-8 cannot
+    encode), else None. C speed: one encode attempt."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
+def _surrogate_reason(text: str, at: int) -> str:
+    return f"not valid Unicode: lone surrogate U+{ord(text[at]):04X} at character {at}"
+
+
+def check_text(rollout_id: str | None, field: str, text: str) -> None:
+    """Raise :class:`TraceError` naming ``field`` when ``text`` holds a lone surrogate (the rule of SPEC 3
+    strings: ``id``, ``group_id``, ``env``; replay and the service use it too)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise TraceError(printable_id(rollout_id), field, _surrogate_reason(text, at))
+
+
+def printable_id(rollout_id: str | None) -> str | None:
+    """``rollout_id`` with any lone surrogate written as a ``\\udXXX`` escape, so an error naming it can
+    itself be encoded (in a JSON answer, a log line, a journal)."""
+    if rollout_id is None or lone_surrogate(rollout_id) is None:
+        return rollout_id
+    return rollout_id.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+
+
+_PLAIN_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _first_big_int(values: list[Any]) -> int | None:
+    """Index of the first integer outside signed 64 bits in a list of scalars, else None."""
+    kinds = set(map(type, values))  # C-level passes; Python runs per item only on mixed or wide lists
+    if int not in kinds:
+        return None
+    if kinds <= {int, bool} and min(values) >= INT64_MIN and max(values) <= INT64_MAX:
+        return None
+    for index, value in enumerate(values):
+        if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+            return index
+    return None
+
+
+def unstorable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | None:
+    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep exactly: a
+    string or key with a lone surrogate, an integer outside signed 64 bits, nesting deeper than
+    :data:`MAX_STORED_DEPTH`; None when it all can be stored. Field paths read like the library's
+    (``samples[0].mask[3]``). Iterative (no recursion limit to hit); numpy arrays are always storable."""
+    stack: list[tuple[Any, str, int]] = [(value, path, depth)]
+    while stack:
+        item, where, level = stack.pop()
+        kind = type(item)
+        if kind is str:
+            at = lone_surrogate(item)
+            if at is not None:
+                return where or "value", _surrogate_reason(item, at)
+        elif kind is int:
+            if not INT64_MIN <= item <= INT64_MAX:
+                return where or "value", "integer outside the signed 64-bit range"
+        elif isinstance(item, dict):
+            if level >= MAX_STORED_DEPTH:
+                return where or "value", f"nested deeper than {MAX_STORED_DEPTH} levels"
+            children = []
+            for key, child in item.items():
+                name = f"{where}.{key}" if where else str(key)
+                if type(key) is str and lone_surrogate(key) is not None:
+                    return printable_id(name) or name, _surrogate_reason(key, lone_surrogate(key) or 0)
+                children.append((child, name, level + 1))
+            stack.extend(reversed(children))  # first field first, as the library reads them
+        elif isinstance(item, (list, tuple)):
+            if level >= MAX_STORED_DEPTH:
+                return where or "value", f"nested deeper than {MAX_STORED_DEPTH} levels"
+            if set(map(type, item)) <= _PLAIN_SCALARS:  # a per-position list: no per-item Python code
+                big = _first_big_int(list(item))
+                if big is not None:
+                    return f"{where}[{big}]", "integer outside the signed 64-bit range"
+                continue
+            stack.extend((item[i], f"{where}[{i}]", level + 1) for i in range(len(item) - 1, -1, -1))
+    return None
 
 
 class Verdicts:
@@ -30,7 +132,7 @@ class Verdicts:
 
     def rollout(self, index: int, field: str, reason: str) -> None:
         if index not in self.errors:
-            self.errors[index] = TraceError(self.batch.ids[index], field, reason)
+            self.errors[index] = TraceError(printable_id(self.batch.ids[index]), field, reason)
 
     def sample(self, sample: int, field: str, reason: str) -> None:
         rollout = int(self._sample_rollout[sample])
@@ -119,6 +221,12 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
             seen.add(rid)
 
     envs = batch.envs or ()
+    for name, texts in (("id", ids), ("group_id", batch.group_ids or ()), ("env", envs)):
+        if lone_surrogate("".join(map(str, texts))) is not None:  # one C-level pass; names offenders only then
+            for index, text in enumerate(texts):
+                at = lone_surrogate(text) if isinstance(text, str) else None
+                if isinstance(text, str) and at is not None:
+                    verdicts.rollout(index, name, _surrogate_reason(text, at))
     if not _plain_envs(envs):
         for index, env in enumerate(envs):
             if env is not None and (not isinstance(env, str) or not env):
@@ -156,18 +264,27 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
     return verdicts
 
 
+def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
+    """The first of ``spans`` (ascending) in each sample: a body of millions of bad spans costs one
+    Python step per sample, not per span."""
+    if spans.size == 0:
+        return []
+    _, first = np.unique(span_sample[spans], return_index=True)
+    return [int(span) for span in spans[first]]
+
+
 def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
     assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
     span_sample = np.repeat(np.arange(batch.n_samples), np.diff(offsets))
     lengths = np.diff(batch.position_offsets)[span_sample]
-    for span in np.flatnonzero(versions < -1):
+    for span in _first_of_each(span_sample, np.flatnonzero(versions < -1)):
         verdicts.sample(
             int(span_sample[span]),
             f"weight_versions[{span - offsets[span_sample[span]]}]",
             f"version {versions[span]} is negative (only -1 marks unlabelled)",
         )
-    for span in np.flatnonzero((starts < 0) | (starts >= lengths)):
+    for span in _first_of_each(span_sample, np.flatnonzero((starts < 0) | (starts >= lengths))):
         sample = int(span_sample[span])
         verdicts.sample(
             sample,
@@ -175,7 +292,7 @@ def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
             f"start {starts[span]} is outside 0..{lengths[span] - 1}",
         )
     same_sample = span_sample[1:] == span_sample[:-1]
-    for span in np.flatnonzero(same_sample & (starts[1:] <= starts[:-1])) + 1:
+    for span in _first_of_each(span_sample, np.flatnonzero(same_sample & (starts[1:] <= starts[:-1])) + 1):
         sample = int(span_sample[span])
         verdicts.sample(sample, f"weight_versions[{span - offsets[sample]}]", "span starts must strictly increase")
 

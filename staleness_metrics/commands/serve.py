@@ -60,6 +60,15 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--max-body-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
         help="largest request body accepted, 413 beyond (default: 64 MiB)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-header-bytes", type=int, default=64 * 1024, metavar="N",
+        help="largest request line and headers accepted, 431 beyond (default: 64 KiB)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--header-timeout", type=float, default=10.0, metavar="SECONDS",
+        help="close a connection whose request headers have not all arrived this long after it opened or "
+        "its request began (default: 10)",
+    )  # fmt: skip
     store = parser.add_mutually_exclusive_group()
     store.add_argument(
         "--data-dir", type=Path, default=Path(DEFAULT_DATA_DIR), metavar="DIR",
@@ -132,6 +141,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _header_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn options capping request headers: the guarded httptools protocol, or h11's own cap (it has
+    no header deadline) where httptools is not installed."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return {"http": "h11", "h11_max_incomplete_event_size": args.max_header_bytes}
+    from ..server.limits import header_limited_protocol
+
+    return {"http": header_limited_protocol(args.max_header_bytes, args.header_timeout)}
+
+
 def _fail(message: str, code: int) -> int:
     print(f"staleness-metrics serve: {message}", file=sys.stderr)
     return code
@@ -158,6 +179,10 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), 2)
     if args.max_body_bytes < 1:
         return _fail("--max-body-bytes must be >= 1", 2)
+    if args.max_header_bytes < 1024:
+        return _fail("--max-header-bytes must be >= 1024", 2)
+    if not args.header_timeout > 0:
+        return _fail("--header-timeout must be > 0", 2)
 
     otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
     exporters = ExportSettings(
@@ -194,7 +219,9 @@ def run(args: argparse.Namespace) -> int:
         f"data: {data_dir if data_dir is not None else 'in memory only'})",
         flush=True,
     )
-    config = uvicorn.Config(app, log_level=args.log_level, server_header=False, proxy_headers=False)
+    config = uvicorn.Config(
+        app, log_level=args.log_level, server_header=False, proxy_headers=False, **_header_limits(args)
+    )
     server = uvicorn.Server(config)
     with sock:
         server.run(sockets=[sock])

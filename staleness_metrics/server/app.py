@@ -34,7 +34,7 @@ from starlette.requests import ClientDisconnect
 from .. import __version__
 from ..config import StalenessConfig
 from ..errors import ConfigError
-from .decode import compact_records, read_json
+from .decode import BodyTooComplex, BodyTooDeep, compact_records, paused_gc, read_json
 from .exporting import ServiceCollector
 from .limits import BodySizeLimit
 from .methods import AllowHeader
@@ -62,6 +62,7 @@ from .runs import (
     NotPersisted,
     RecordConflict,
     RecordsInvalid,
+    Run,
     RunBroken,
     RunConflict,
     RunError,
@@ -152,27 +153,55 @@ _STATUS_OF: dict[type[Exception], int] = {
 }
 
 
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates written as escapes: an answer naming a bad string can be encoded."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _invalid_response(items: list[ErrorItem]) -> JSONResponse:
+    printable = [
+        item.model_copy(
+            update={
+                "field": _printable(item.field),
+                "reason": _printable(item.reason),
+                "rollout_id": None if item.rollout_id is None else _printable(item.rollout_id),
+            }
+        )
+        for item in items
+    ]
+    body = ValidationErrorBody(detail=printable)
+    return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     async def run_error(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, (RecordsInvalid, IdempotencyMismatch)):  # the 422 shape: field and reason
             items = (
                 exc.errors if isinstance(exc, RecordsInvalid) else [ErrorItem(field="Idempotency-Key", reason=str(exc))]
             )
-            body = ValidationErrorBody(detail=items)
-            return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
-        return JSONResponse({"detail": str(exc)}, status_code=_STATUS_OF.get(type(exc), status.HTTP_409_CONFLICT))
+            return _invalid_response(items)
+        detail = _printable(str(exc))
+        return JSONResponse({"detail": detail}, status_code=_STATUS_OF.get(type(exc), status.HTTP_409_CONFLICT))
 
     async def invalid_request(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        items = [
-            ErrorItem(field=".".join(str(part) for part in error.get("loc", ())), reason=str(error.get("msg", "")))
-            for error in exc.errors()
-        ]
-        body = ValidationErrorBody(detail=items)
-        return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+        return _invalid_response(
+            [
+                ErrorItem(field=".".join(str(part) for part in error.get("loc", ())), reason=str(error.get("msg", "")))
+                for error in exc.errors()
+            ]
+        )
+
+    async def too_deep(request: Request, exc: Exception) -> JSONResponse:
+        # The standard JSON reader recurses once per level: a body nested past the interpreter's limit
+        # is unreadable JSON for this service, on every route (400, as for any body it cannot read).
+        return JSONResponse(
+            {"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST
+        )
 
     app.add_exception_handler(RunError, run_error)
     app.add_exception_handler(RequestValidationError, invalid_request)
+    app.add_exception_handler(RecursionError, too_deep)
 
 
 ROLLOUT_BATCH_SCHEMA = RolloutBatchIn.model_json_schema()
@@ -180,8 +209,17 @@ ROLLOUT_BATCH_SCHEMA = RolloutBatchIn.model_json_schema()
 
 def _add_rollouts(registry: RunRegistry, run: str, held: list[bytearray]) -> AddResult:
     target = registry.get(run)  # 404 before parsing a body for a run that does not exist
+    with paused_gc():  # millions of new containers: see paused_gc
+        return _read_and_add(target, held)
+
+
+def _read_and_add(target: Run, held: list[bytearray]) -> AddResult:
     try:
         data = read_json(held)
+    except BodyTooComplex as error:  # refused before its values were built (the memory bound)
+        raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(error)) from None
+    except BodyTooDeep as error:  # as any route answers a body too deep for the JSON reader
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, str(error)) from None
     except ValueError as error:  # not UTF-8 (UnicodeDecodeError is a ValueError) or not JSON
         raise RequestValidationError(
             [{"loc": ("body",), "msg": f"JSON decode error: {error}", "type": "json_invalid"}]

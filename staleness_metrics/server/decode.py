@@ -1,52 +1,277 @@
-"""Reading a rollout batch body without keeping a Python object per position.
+"""Reading a rollout batch body in memory bounded by its size.
 
-A large body is mostly one or two long per-position lists. The standard JSON reader builds them as lists of
-(shared, small) ints or of floats; here each long list is turned into one numpy array as soon as the body
-is parsed and the list is dropped, so the peak memory of a request is the body, one list at a time and the
-arrays, not every list at once. Bodies up to :data:`FAST_DECODE_MAX_BYTES` (every small request) are
-decoded by orjson, as replay decodes its lines (:mod:`staleness_metrics.jsonio`), several times faster;
-larger ones by the standard library, because orjson building a 28M-item list peaks at three times the
-list's size. Where orjson refuses a body or might read it differently (``NaN``, lone surrogates, integers
-beyond 64 bits), the standard library decodes it, so a body means the same, and is refused with the same
-message, whichever decoder read it. Only lists whose items are all of the expected JSON types are converted, and
-only into a dtype that holds every value exactly; anything else stays a list, and the library's validation
-names the field, the position and the value as it always does.
+A large body is mostly a few long per-position lists. Built by a JSON reader, each number becomes a Python
+object (a float costs 32 bytes for its 4 to 10 bytes of text), and a body of small values (``{},`` repeated)
+costs 20 to 50 times its size before anything can refuse it. So a large body is read in three steps:
+
+1. **Long lists straight into arrays.** Each ``"<field>": [...]`` of a per-position field whose text is
+   only numbers (and ``null`` for ``trainer_logprobs``) is read piece by piece (orjson on about a
+   megabyte at a time) into one numpy array, and its text is replaced by a placeholder. Only lists whose
+   items are all of the field's JSON type are converted, into a dtype that holds every value exactly;
+   anything else stays text, and the library names the field, position and value as it always does.
+2. **A budget for the rest.** What remains (the *skeleton*: ids, versions, short lists) is counted before
+   it is parsed: every JSON value costs a Python object. A skeleton that would cost more than
+   :data:`SKELETON_ALLOWANCE` plus the body's size is refused (:class:`BodyTooComplex`, 413) before any
+   object is built.
+3. **The skeleton is parsed** by the standard library, and the placeholders are swapped for their arrays.
+
+Bodies up to :data:`FAST_DECODE_MAX_BYTES` are decoded whole by orjson (several times faster; at most a
+few tens of MB of objects), or by the standard library where orjson refuses a body or might read it
+differently (``NaN``, lone surrogates, integers beyond 64 bits), so a body means the same, and is refused
+with the same message, whichever decoder read it. A body nested past the interpreter's recursion limit is
+refused as unreadable (:class:`BodyTooDeep`, 400) on every route.
 """
 
 from __future__ import annotations
 
+import gc
 import json
-from collections.abc import Mapping
+import re
+import threading
+from array import array
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import orjson
 
 from ..jsonio import has_long_integer
 
-__all__ = ["COMPACT_MIN_LENGTH", "FAST_DECODE_MAX_BYTES", "compact_records", "read_json"]
+__all__ = [
+    "COMPACT_MIN_LENGTH",
+    "FAST_DECODE_MAX_BYTES",
+    "SKELETON_ALLOWANCE",
+    "BodyTooComplex",
+    "BodyTooDeep",
+    "compact_records",
+    "paused_gc",
+    "read_json",
+]
 
 COMPACT_MIN_LENGTH = 1024  # shorter lists cost little; they stay lists
 FAST_DECODE_MAX_BYTES = 1024 * 1024
-_INT_FIELDS = {"mask": np.int8, "token_versions": np.int64}
+# What the skeleton of a large body may cost in Python objects, besides the body's own size: ids, versions
+# and short lists of a few hundred thousand rollouts fit; a body of millions of tiny values does not.
+SKELETON_ALLOWANCE = 48 * 1024 * 1024
+_VALUE_COST = 72  # bytes of Python object per JSON value: a dict, list, str or float with its slot
+_PIECE_BYTES = 1024 * 1024  # text read into Python objects at once while a long list becomes an array
+_INT_FIELDS = {"mask": np.int8, "token_versions": np.int64}  # lists read by compact_records
 _NOT_PER_POSITION = frozenset({"weight_versions"})
+_FLOAT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs")
+_LIST_FIELDS = ("mask", "token_versions", "weight_versions", *_FLOAT_FIELDS)
+_THEN_A_LIST = re.compile(rb'"[ \t\r\n]*:[ \t\r\n]*\[')  # after a key's name: its closing quote, ":" and "["
+# Any byte outside what a list of the field's kind may hold ends the fast reading of that list.
+_NOT_NUMBERS = re.compile(rb"[^0-9eE+\-. \t\r\n,]")
+_NOT_NUMBERS_OR_NULL = re.compile(rb"[^0-9eE+\-. \t\r\n,nul]")
+_NOT_PAIRS = re.compile(rb"[^0-9\- \t\r\n,\[\]]")
+_PLACEHOLDER = "\x00#"  # a JSON text can only spell NUL as an escape, which a body using this path lacks
+
+
+_gc_lock = threading.Lock()
+_gc_pausers = 0
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused while a body is read and applied (re-enabled when the last
+    request that paused it is done).
+
+    Reading JSON builds containers (lists, dicts) by the million, and every few hundred new containers
+    the collector runs; every so often a full pass walks every live object of the process. Reading a
+    51 MB ``weight_versions`` body (8M two-item lists) spent minutes there, not in parsing. The objects
+    a request builds hold no cycles, and whatever they are is freed by reference counting as usual.
+    """
+    global _gc_pausers
+    with _gc_lock:
+        ours = _gc_pausers > 0 or gc.isenabled()  # else paused by someone else: leave it to them
+        if ours:
+            _gc_pausers += 1
+            gc.disable()
+    try:
+        yield
+    finally:
+        if ours:
+            with _gc_lock:
+                _gc_pausers -= 1
+                if _gc_pausers == 0:
+                    gc.enable()
+
+
+class BodyTooComplex(ValueError):
+    """A body whose JSON values would cost far more memory than its size (413)."""
+
+
+class BodyTooDeep(ValueError):
+    """A body nested too deeply to read (400)."""
 
 
 def read_json(held: list[bytearray]) -> Any:
-    """The JSON value of the one body in ``held`` (``ValueError`` when it is not UTF-8 JSON). The bytes are
-    released once decoded, before the parse builds its lists."""
+    """The JSON value of the one body in ``held`` (``ValueError`` when it is not UTF-8 JSON, one of its
+    subclasses when it is too deep or too costly to read). The bytes are released once decoded."""
     body = held.pop()
-    if len(body) <= FAST_DECODE_MAX_BYTES:
-        try:
-            value = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            pass  # the standard library decides, and words the error
-        else:
-            if not has_long_integer(body):
-                return value
-    text = body.decode("utf-8")
+    try:
+        if len(body) <= FAST_DECODE_MAX_BYTES:
+            try:
+                value = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                pass  # the standard library decides, and words the error
+            else:
+                if not has_long_integer(body):
+                    return value
+            text = body.decode("utf-8")
+            del body
+            return json.loads(text)
+        return _read_large(body)
+    except RecursionError:
+        raise BodyTooDeep("the body is nested too deeply to read") from None
+
+
+def _read_large(body: bytearray) -> Any:
+    arrays: list[npt.NDArray[Any]] = []
+    parts: list[bytes] = []
+    done = 0
+    if b"\\u0000" not in body:  # else a string could spell a placeholder: no list is read ahead
+        for key_at, field, start in _list_starts(body):
+            if key_at < done:
+                continue
+            converted = _convert(body, field, start)
+            if converted is None:
+                continue
+            array, end = converted
+            parts.append(bytes(body[done : start - 1]))
+            parts.append(b'"\\u0000#%d"' % len(arrays))  # the JSON spelling of the placeholder
+            arrays.append(array)
+            done = end
+    if not arrays:  # nothing read ahead: the body is its own skeleton
+        _check_budget(body, len(body))
+        text = body.decode("utf-8")
+        del body
+        return json.loads(text)
+    parts.append(bytes(body[done:]))
+    skeleton = b"".join(parts)
+    del parts
+    _check_budget(skeleton, len(body))
     del body
-    return json.loads(text)
+
+    def swap(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)  # a repeated key: the last wins, as in any JSON reader
+        for key, value in out.items():
+            if type(value) is str and value.startswith(_PLACEHOLDER):
+                out[key] = arrays[int(value[len(_PLACEHOLDER) :])]
+        return out
+
+    try:
+        return json.loads(skeleton.decode("utf-8"), object_pairs_hook=swap)
+    except json.JSONDecodeError as error:  # its position is the skeleton's, not the body's: not shown
+        raise ValueError(f"{error.msg} (the body is not valid JSON)") from None
+
+
+def _list_starts(body: bytearray) -> list[tuple[int, str, int]]:
+    """``(where the key starts, field, just after its "[")`` of every per-position field given a list,
+    in body order: found with ``bytes.find`` (memchr speed), not a regular expression over the body."""
+    starts = []
+    for field in _LIST_FIELDS:
+        key = b'"' + field.encode()
+        at = body.find(key)
+        while at >= 0:
+            then = _THEN_A_LIST.match(body, at + len(key))
+            if then is not None:
+                starts.append((at, field, then.end()))
+            at = body.find(key, at + len(key))
+    return sorted(starts)
+
+
+def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
+    values = skeleton.count(b",") + skeleton.count(b"{") + skeleton.count(b"[") + skeleton.count(b":")
+    cost = values * _VALUE_COST
+    if cost > SKELETON_ALLOWANCE + body_size:
+        raise BodyTooComplex(
+            f"the body holds about {values} JSON values outside long per-position number lists, which would "
+            f"take about {cost // 2**20} MiB to read; send the rollouts in smaller batches"
+        )
+
+
+def _list_end(body: bytearray, field: str, start: int) -> int | None:
+    """The index just past the ``]`` closing the list that starts at ``start``, when its text is plainly
+    numbers (pairs of integers for ``weight_versions``); None otherwise."""
+    if field == "weight_versions":
+        close = re.compile(rb"\][ \t\r\n]*\]").search(body, start)
+        if close is None or _NOT_PAIRS.search(body, start, close.start()) is not None:
+            return None
+        return close.end()
+    close_at = body.find(b"]", start)
+    if close_at < 0:
+        return None
+    pattern = _NOT_NUMBERS_OR_NULL if field == "trainer_logprobs" else _NOT_NUMBERS
+    if pattern.search(body, start, close_at) is not None:
+        return None
+    return close_at + 1
+
+
+def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any], int] | None:
+    end = _list_end(body, field, start)
+    if end is None or end - start < 2 * COMPACT_MIN_LENGTH:
+        return None
+    inner_end = end - 1  # the closing "]"
+    pieces: list[npt.NDArray[Any]] = []
+    at = start
+    while at < inner_end:
+        if field == "weight_versions":  # a piece ends with a pair's "]", the next starts after a comma
+            close = body.find(b"]", min(at + _PIECE_BYTES, inner_end - 1), inner_end)
+            cut = inner_end if close < 0 else close + 1
+            comma = body.find(b",", cut, inner_end)
+            after = inner_end if comma < 0 else comma + 1
+        else:
+            comma = body.find(b",", min(at + _PIECE_BYTES, inner_end), inner_end)
+            cut = inner_end if comma < 0 else comma
+            after = cut + 1
+        text = bytes(body[at:cut]).strip()
+        at = after
+        if not text or has_long_integer(text):
+            return None  # "[1,,2]", a trailing comma, or an integer orjson would read as a float
+        try:
+            items = orjson.loads(b"[" + text + b"]")
+        except orjson.JSONDecodeError:
+            return None  # the standard library reads the list, and words the error
+        del text
+        piece = _piece(field, items)
+        if piece is None:
+            return None
+        pieces.append(piece)
+    if not pieces:
+        return None
+    array = np.concatenate(pieces)  # numpy widens mixed pieces: int8 and int64 to int64, ints and floats to float64
+    return array, end
+
+
+def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
+    """One piece of a long list as an array of the field's kind, or None when it is not plainly that."""
+    kinds = set(map(type, items))
+    try:
+        if field == "weight_versions":
+            if not items or kinds != {list} or set(map(len, items)) != {2}:
+                return None
+            flat = list(chain.from_iterable(items))
+            if set(map(type, flat)) != {int}:
+                return None
+            return np.frombuffer(array("q", flat), dtype=np.int64).reshape(-1, 2)
+        if kinds == {int}:
+            values = np.frombuffer(array("q", items), dtype=np.int64)
+            if field == "mask" and values.size and values.min() >= -128 and values.max() <= 127:
+                return values.astype(np.int8)  # 1 byte a position: a mask's text is 2
+            return values
+        if field in _INT_FIELDS:
+            return None  # a float (or null) where integers belong: the library names it from the list
+        if kinds <= {int, float}:
+            return np.frombuffer(array("d", items), dtype=np.float64)
+        if field == "trainer_logprobs" and kinds <= {int, float, type(None)}:
+            return np.array([np.nan if item is None else item for item in items], dtype=np.float64)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return None
 
 
 def _compact(name: str, values: list[Any]) -> Any:

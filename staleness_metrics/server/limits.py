@@ -1,4 +1,6 @@
-"""Request body cap: an ASGI middleware that answers 413 as soon as a body is known to be too large.
+"""Request size caps: :class:`BodySizeLimit` for bodies, :func:`header_limited_protocol` for headers.
+
+Body cap: an ASGI middleware that answers 413 as soon as a body is known to be too large.
 
 It trusts neither ``Content-Length`` (checked first, for an answer before any byte is read) nor its
 absence: bytes are counted as they stream through to the application (chunked uploads included), never
@@ -8,11 +10,18 @@ disconnect, so it never parses a body that does not fit.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "BodySizeLimit"]
+__all__ = [
+    "DEFAULT_HEADER_TIMEOUT",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_HEADER_BYTES",
+    "BodySizeLimit",
+    "header_limited_protocol",
+]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -94,3 +103,89 @@ def _content_length(scope: Scope) -> int | None:
             except ValueError:
                 return None  # the server rejects a malformed header itself; counting still applies
     return None
+
+
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_HEADER_TIMEOUT = 10.0
+
+
+def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a cap on the request line and headers and a deadline for them.
+
+    httptools buffers a header line until it ends, however long, and uvicorn waits for headers without
+    a deadline: four 32 MB headers cost 180 MB, and 400 connections that never finish their headers
+    stay open for ever. Here the bytes a request sends before its headers end are counted as they
+    arrive (431 and close past ``max_header_bytes``), and a connection whose headers have not ended
+    ``header_timeout`` seconds after it opened, or after its request began, is closed (408 when it had
+    sent part of a request). Bodies are the body size cap's business (:class:`BodySizeLimit`).
+    """
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeaderLimitedProtocol(HttpToolsProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._awaiting_headers = True
+            self._header_bytes = 0
+            self._header_deadline: asyncio.TimerHandle | None = None
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            counting = self._awaiting_headers
+            if counting:
+                self._header_bytes += len(data)
+                if self._header_deadline is None:
+                    self._arm_header_deadline()
+            super().data_received(data)
+            if (
+                counting
+                and self._awaiting_headers
+                and self._header_bytes > max_header_bytes
+                and not self.transport.is_closing()
+            ):
+                self._refuse(431, b"Request Header Fields Too Large", "request line and headers over the size cap")
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._awaiting_headers = True
+
+        def on_headers_complete(self) -> None:
+            self._awaiting_headers = False
+            self._header_bytes = 0
+            self._disarm_header_deadline()
+            super().on_headers_complete()
+
+        def _arm_header_deadline(self) -> None:
+            self._header_deadline = self.loop.call_later(header_timeout, self._headers_too_slow)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_deadline = None
+            if not self._awaiting_headers or self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                self._arm_header_deadline()  # still answering the previous request: its turn first
+                return
+            if self._header_bytes:
+                self._refuse(408, b"Request Timeout", "the request's headers did not arrive in time")
+            else:
+                self.transport.close()  # an idle connection that never sent a request
+
+        def _refuse(self, code: int, phrase: bytes, detail: str) -> None:
+            self._disarm_header_deadline()
+            self._awaiting_headers = False
+            body = json.dumps({"detail": detail}).encode()
+            self.transport.write(
+                b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: close\r\n\r\n%s" % (code, phrase, len(body), body)
+            )
+            self.transport.close()
+
+    return HeaderLimitedProtocol

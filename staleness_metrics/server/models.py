@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic_core import PydanticCustomError
 
 from .. import __version__
 from ..config import StalenessConfig
 from ..mismatch import COUNT_FIELDS, LAG_BUCKETS, SUM_FIELDS
 from ..report import Tally
+from ..validation import lone_surrogate
 
 __all__ = [
     "MAX_STEP",
@@ -231,6 +233,20 @@ class ShipRequest(BaseModel):
     include_rollouts: bool = Field(
         default=False, description="Return the shipped rollouts, masked, with their dropped samples removed."
     )
+
+    @field_validator("ids")
+    @classmethod
+    def _storable_ids(cls, ids: list[str] | None) -> list[str] | None:
+        # the ship is journalled with its ids: a string the journal cannot write would break the run
+        for index, rid in enumerate(ids or ()):
+            at = lone_surrogate(rid)
+            if at is not None:
+                raise PydanticCustomError(
+                    "unstorable_id",
+                    "ids[{index}]: not valid Unicode: lone surrogate at character {at}",
+                    {"index": index, "at": at},
+                )
+        return ids
 
 
 class ShipResult(BaseModel):

@@ -38,6 +38,7 @@ from ..errors import TraceError
 from ..mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..monitor import StalenessMonitor
 from ..sink import Shipment
+from ..validation import printable_id, unstorable
 from .exporting import ExportSettings, RunExporters, build_exporters
 from .models import (
     AddResult,
@@ -117,12 +118,28 @@ class RecordsInvalid(RunError):
         self.errors = errors
 
 
+_DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
 def _digest(record: Mapping[str, Any]) -> bytes:
     # orjson writes one bytes object; json.dumps would first build a string per list item (per position).
     try:
-        canonical = orjson.dumps(record, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+        canonical = orjson.dumps(record, option=_DIGEST_OPTIONS)
     except orjson.JSONEncodeError:  # an integer beyond 64 bits: rejected later, with its path
         canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(canonical, digest_size=16).digest()
+
+
+def _stored_digest(record: Mapping[str, Any]) -> bytes | None:
+    """:func:`_digest` of a record the journal can store, None for one it cannot (a lone surrogate, an
+    integer beyond signed 64 bits, deep nesting). The common case is one strict orjson encoding, the one
+    the digest needs anyway; only a record it refuses is walked to find out why."""
+    try:
+        canonical = orjson.dumps(record, option=_DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
+    except orjson.JSONEncodeError:
+        if unstorable(record) is not None:
+            return None
+        return _digest(record)  # integers past 2**53 but within 64 bits: stored exactly all the same
     return hashlib.blake2b(canonical, digest_size=16).digest()
 
 
@@ -383,7 +400,9 @@ class Run:
                             )
                         ]
                     )
-                digest = _digest(record)
+                digest = _stored_digest(record)
+                if digest is None:  # refused before anything is applied: the journal could not write it
+                    raise RecordsInvalid([self._unstorable_item(record, rid, index)])
                 known = self._received.get(rid, digests.get(rid))
                 if known is None:
                     fresh.append(record)
@@ -423,6 +442,16 @@ class Run:
                 invalid=invalid,
                 queued=sink.queued,
             )
+
+    @staticmethod
+    def _unstorable_item(record: Mapping[str, Any], rid: str, index: int) -> ErrorItem:
+        field, reason = unstorable(record) or ("rollout", "cannot be stored")
+        return ErrorItem(
+            field=field,
+            reason=f"{reason} (the run's journal could not store it)",
+            rollout_id=printable_id(rid),
+            index=index,
+        )
 
     @staticmethod
     def _range_error(records: list[dict[str, Any]], index_of: Mapping[str, int]) -> ErrorItem:

@@ -215,7 +215,7 @@ def test_typed_records_are_validated_like_dicts() -> None:
         ({"id": "r1", "source": "frozen", "dispatch_version": -1, "samples": [{"mask": [1]}]}, "dispatch_version"),
         (good(dispatch_version=2**70), "dispatch_version"),
         (with_sample(weight_versions=[[2**70, 0]]), "samples[0].weight_versions[0]"),
-        (with_sample(weight_versions=None, token_versions=[2**70, 1, 1, 1]), "samples[0].token_versions"),
+        (with_sample(weight_versions=None, token_versions=[2**70, 1, 1, 1]), "samples[0].token_versions[0]"),
     ],
 )
 def test_explicit_negative_and_huge_versions_are_refused(record: dict[str, Any], field: str) -> None:
@@ -307,3 +307,51 @@ def test_group_policies_judge_every_queued_member_of_a_touched_group(config: Sta
     assert shipment.ids == []
     assert set(shipment.dropped_rollouts) == {"a", "b"}
     assert sink.queued == 1  # "other" (another group) is untouched
+
+
+# ---------------------------------------------------------------- what no store keeps (issue 19)
+
+
+@pytest.mark.parametrize("field", ["id", "group_id", "env"])
+def test_lone_surrogates_are_refused_naming_the_field(field: str) -> None:
+    record = {"id": "r", "dispatch_version": 0, "samples": [{"mask": [1]}], field: "x\ud800"}
+    with pytest.raises(TraceError) as caught:
+        Sink().add(record)
+    assert caught.value.field == field and "lone surrogate U+D800 at character 1" in caught.value.reason
+    assert caught.value.rollout_id == ("x\\ud800" if field == "id" else "r")  # printable in any log
+    lenient = Sink(StalenessConfig(strict=False))
+    assert lenient.add(record) == 0 and lenient.invalid[0].field == field
+    assert lenient.ship(1).report.tally.rollouts_invalid == 1
+
+
+def test_typed_records_with_lone_surrogates_are_refused() -> None:
+    from staleness_metrics import Rollout, Sample
+
+    with pytest.raises(TraceError) as caught:
+        Sink().add(Rollout("t", [Sample(mask=[1])], dispatch_version=0, env="\udfff"))
+    assert caught.value.field == "env"
+
+
+@pytest.mark.parametrize("value", [2**63, -(2**63) - 1, 2**70])
+def test_integers_beyond_64_bits_in_float_lists_are_refused(value: int) -> None:
+    record = {"id": "r", "dispatch_version": 0, "samples": [{"mask": [1, 1], "rl_weights": [0.5, value]}]}
+    with pytest.raises(TraceError) as caught:
+        Sink().add(record)
+    assert caught.value.field == "samples[0].rl_weights[1]" and "signed 64-bit" in caught.value.reason
+    lenient = Sink(StalenessConfig(strict=False))
+    assert lenient.add(record) == 0 and len(lenient.invalid) == 1
+
+
+def test_the_storable_check_replay_and_the_service_share() -> None:
+    from staleness_metrics.validation import lone_surrogate, unstorable
+
+    assert lone_surrogate("fine é 😀") is None and lone_surrogate("ab\udc00") == 2
+    assert unstorable({"id": "r", "samples": [{"mask": [1, 2**64]}]}) == (
+        "samples[0].mask[1]",
+        "integer outside the signed 64-bit range",
+    )
+    assert unstorable({"id": "r", "x": [2**63 - 1, -(2**63)]}) is None
+    deep: list[object] = []
+    for _ in range(200):
+        deep = [deep]
+    assert unstorable({"id": "r", "samples": deep}) is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -58,19 +59,34 @@ def test_bodies_read_as_the_standard_library_reads_them(body: bytes) -> None:
     assert outcome(service, body) == outcome(standard, body)
 
 
-def test_large_bodies_go_to_the_standard_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-    real = decode.orjson.loads
+def test_large_bodies_read_long_lists_straight_into_arrays() -> None:
+    """Above FAST_DECODE_MAX_BYTES, long per-position lists arrive as arrays holding exactly the list's
+    values (ints stay ints, nulls in trainer_logprobs are NaN); everything else reads as JSON says."""
+    n = FAST_DECODE_MAX_BYTES
+    sample = {"mask": [1, 0] * n, "logprobs": [-0.5, 1] * 1000, "trainer_logprobs": [None, -1.25] * 1000}
+    record = {"id": "r\u00e9", "group_id": None, "samples": [sample, {"mask": [1] * 10}]}
+    body = json.dumps({"rollouts": [record], "mask": [3] * 3000}).encode()
+    value = service(body)
+    read = value["rollouts"][0]["samples"][0]
+    assert read["mask"].dtype == np.int8 and read["mask"].tolist() == sample["mask"]
+    assert read["logprobs"].dtype == np.float64 and read["logprobs"].tolist() == sample["logprobs"]
+    assert np.isnan(read["trainer_logprobs"][0]) and read["trainer_logprobs"][1] == -1.25
+    assert value["rollouts"][0]["samples"][1] == {"mask": [1] * 10} and value["rollouts"][0]["id"] == "r\u00e9"
+    assert value["mask"].tolist() == [3] * 3000  # any key of that name: the same numbers
 
-    def counted(data: Any) -> Any:
-        calls.append(len(data))
-        return real(data)
 
-    monkeypatch.setattr(decode.orjson, "loads", counted)
-    small = json.dumps({"rollouts": [{"id": "r", "samples": [{"mask": [1] * 100}]}]}).encode()
-    large = json.dumps({"rollouts": [{"id": "r", "samples": [{"mask": [1] * FAST_DECODE_MAX_BYTES}]}]}).encode()
-    assert service(small) == standard(small) and calls == [len(small)]
-    assert service(large) == standard(large) and calls == [len(small)]  # orjson not called for it
+def test_a_large_body_of_tiny_values_is_refused_before_it_is_built() -> None:
+    body = b'{"rollouts":[' + b"{}," * FAST_DECODE_MAX_BYTES + b"{}]}"
+    with pytest.raises(decode.BodyTooComplex, match="smaller batches"):
+        service(body)
+
+
+def test_a_large_body_too_deep_to_read_is_refused() -> None:
+    body = (
+        b'{"rollouts":[' + b"[" * 100_000 + b"]" * 100_000 + b"], " + b'"x": "' + b"a" * FAST_DECODE_MAX_BYTES + b'"}'
+    )
+    with pytest.raises(decode.BodyTooDeep):
+        service(body)
 
 
 JSON = st.recursive(

@@ -3,6 +3,7 @@ tokens, no empty env, and bounded memory for a large valid body."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import subprocess
@@ -169,3 +170,172 @@ def test_two_services_cannot_share_a_data_directory(serve_process: Callable[...,
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 1 and f"another service is using {tmp_path}" in result.stderr
+
+
+# ---------------------------------------------------------------- what the journal cannot store (issue 19)
+
+LONE = "x\\ud800"  # the JSON text of a string with a lone surrogate
+
+
+def post_raw(http: httpx.Client, path: str, text: str) -> httpx.Response:
+    return http.post(path, content=text.encode(), headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_unstorable_records_get_422_and_the_run_keeps_serving(
+    serve_process: Callable[..., ServeProcess], tmp_path: Path, strict: bool
+) -> None:
+    served = serve_process(["--data-dir", str(tmp_path)])
+    cases = {
+        "id": f'{{"id": "{LONE}", "dispatch_version": 0, "samples": [{{"mask": [1]}}]}}',
+        "group_id": f'{{"id": "g", "group_id": "{LONE}", "dispatch_version": 0, "samples": [{{"mask": [1]}}]}}',
+        "env": f'{{"id": "e", "env": "{LONE}", "dispatch_version": 0, "samples": [{{"mask": [1]}}]}}',
+        "samples[0].mask[1]": '{"id": "b", "dispatch_version": 0, "samples": [{"mask": [1, 1180591620717411303424]}]}',
+        "samples[0].rl_weights[0]": '{"id": "w", "dispatch_version": 0, "samples": [{"mask": [1], '
+        '"rl_weights": [-99999999999999999999]}]}',
+    }
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        http.put("/v1/runs/exp", json={"strict": strict}).raise_for_status()
+        for field, record in cases.items():
+            answer = post_raw(http, "/v1/runs/exp/rollouts", f'{{"rollouts": [{record}]}}')
+            assert answer.status_code == 422, (field, answer.text)
+            [error] = answer.json()["detail"]
+            assert error["field"] == field
+            assert error["rollout_id"] == {"id": "x\\ud800"}.get(field, error["rollout_id"])  # printable
+            assert error["rollout_id"] is not None and error["index"] == 0
+        ship = post_raw(http, "/v1/runs/exp/ship", f'{{"step": 1, "ids": ["{LONE}"]}}')
+        assert ship.status_code == 422 and ship.json()["detail"][0]["field"] == "body.ids", ship.text
+        # nothing was applied, and the run answers reads and writes as before
+        assert http.get("/v1/runs/exp").json()["rollouts_received"] == 0
+        good = {"id": "ok", "dispatch_version": 0, "samples": [{"mask": [1, 1]}]}
+        assert http.post("/v1/runs/exp/rollouts", json={"rollouts": [good]}).json()["accepted"] == 1
+        assert http.post("/v1/runs/exp/ship", json={"step": 1}).json()["shipped"] == ["ok"]
+        assert http.get("/v1/runs/exp/steps").status_code == 200
+        assert len(list(http.get("/v1/runs/exp/events").iter_lines())) == 2
+        assert http.get("/metrics").status_code == 200
+
+
+def test_lenient_runs_still_set_aside_what_can_be_stored(server: ThreadServer) -> None:
+    with httpx.Client(base_url=server.url) as http:
+        http.put("/v1/runs/exp", json={"strict": False})
+        bad = {"id": "neg", "dispatch_version": 0, "samples": [{"mask": [1, 2]}]}
+        answer = http.post("/v1/runs/exp/rollouts", json={"rollouts": [bad]}).json()
+        assert answer["accepted"] == 0 and answer["invalid"][0]["field"] == "samples[0].mask[1]"
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [300, 5000])
+def test_deep_nesting_is_a_client_error_on_every_route(server: ThreadServer, depth: int) -> None:
+    deep = nested(depth)
+    bodies = {
+        ("PUT", "/v1/runs/new"): f'{{"policy": {deep}}}',
+        ("POST", "/v1/runs/exp/rollouts"): f'{{"rollouts": [{{"id": "r", "samples": {deep}}}]}}',
+        ("POST", "/v1/runs/exp/sweep"): f'{{"step": {deep}}}',
+        ("POST", "/v1/runs/exp/ship"): f'{{"step": 1, "ids": {deep}}}',
+        ("POST", "/v1/runs/exp/mismatch"): f'{{"step": 1, "sums": {{"lags": {deep}}}}}',
+    }
+    with httpx.Client(base_url=server.url) as http:
+        http.put("/v1/runs/exp", json={"strict": False})
+        for (method, path), text in bodies.items():
+            answer = http.request(method, path, content=text.encode(), headers={"content-type": "application/json"})
+            assert answer.status_code in (400, 422), (path, answer.status_code, answer.text[:200])
+            assert answer.status_code == (400 if depth > 1000 else 422), path  # one answer per depth
+        assert http.get("/v1/runs/exp").json()["queued"] == 0
+
+
+# ---------------------------------------------------------------- headers (issue 19)
+
+
+def raw_exchange(url: str, data: bytes, wait: float = 60) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        with contextlib.suppress(OSError):  # the server may close while a huge header is still being sent
+            sock.sendall(data)
+        sock.settimeout(wait)
+        answer = b""
+        try:
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except OSError:
+            pass
+        return answer
+
+
+def test_an_oversized_header_gets_431(serve_process: Callable[..., ServeProcess]) -> None:
+    served = serve_process(["--max-header-bytes", "16384"])
+    pid = served.process.pid
+    before = status_kb(pid, "VmRSS")
+    huge = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (8 * 1024 * 1024) + b"\r\n\r\n"
+    answer = raw_exchange(served.url, huge)
+    assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+    assert status_kb(pid, "VmHWM") - before < 8 * 1024  # never buffered: well under the 8 MB sent
+    with httpx.Client(base_url=served.url) as http:  # headers under the cap are served
+        assert http.get("/healthz", headers={"X-Fine": "a" * 8000}).status_code == 200
+
+
+def test_slow_headers_are_cut_off_while_the_service_answers(serve_process: Callable[..., ServeProcess]) -> None:
+    served = serve_process(["--header-timeout", "1"])
+    host, port = served.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(20)]
+    slow = socket.create_connection((host, int(port)))
+    slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    with httpx.Client(base_url=served.url) as http:
+        assert http.get("/healthz").status_code == 200  # answered meanwhile
+    slow.settimeout(60)
+    answer = b""
+    while chunk := slow.recv(65536):  # returns once the server closes the connection
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    for sock in idle:  # connections that never sent a request are closed too
+        sock.settimeout(60)
+        assert sock.recv(1) == b""
+        sock.close()
+    slow.close()
+
+
+# ---------------------------------------------------------------- memory per body (issue 19)
+
+
+def peak_growth(pid: int, send: Callable[[], httpx.Response]) -> tuple[httpx.Response, int]:
+    """The server's peak resident growth (bytes) while ``send`` runs: VmHWM reset first (clear_refs)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    before = status_kb(pid, "VmRSS")
+    answer = send()
+    return answer, (status_kb(pid, "VmHWM") - before) * 1024
+
+
+BASELINE = 48 * 1024 * 1024  # fixed costs of any large request (thread stacks, allocator arenas)
+
+
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_peak_memory_per_body_stays_within_three_times_its_size(
+    serve_process: Callable[..., ServeProcess], tmp_path: Path, store: str
+) -> None:
+    served = serve_process(["--max-body-bytes", str(64 * 2**20), *(["--data-dir", str(tmp_path)] * (store == "disk"))])
+    pid = served.process.pid
+    size = 32 * 2**20
+    empty_objects = b'{"rollouts":[' + b"{}," * (size // 3) + b"{}]}"
+    per = 2000
+    one = (
+        '{"id":"r%d","dispatch_version":0,"samples":[{"mask":[' + ",".join(["1"] * per) + '],"logprobs":['
+        + ",".join(["-0.123456"] * per) + '],"weight_versions":[[0,0],[1,1000]]}]}'
+    )  # fmt: skip
+    valid = ('{"rollouts":[' + ",".join(one % i for i in range(size // len(one))) + "]}").encode()
+    with httpx.Client(base_url=served.url, timeout=600) as http:
+        http.put("/v1/runs/big", json={}).raise_for_status()
+        for body, expected in ((empty_objects, 413), (valid, 200)):
+            answer, grown = peak_growth(
+                pid,
+                lambda body=body: http.post(
+                    "/v1/runs/big/rollouts", content=body, headers={"content-type": "application/json"}
+                ),
+            )
+            assert answer.status_code == expected, answer.text[:300]
+            # in memory: 3x the body; a data directory adds the journal row (orjson text of the records, and
+            # SQLite's copy of it while it writes): docs/service.md, "Limits", gives the measured figures
+            ratio = 3 if store == "memory" or expected == 413 else 6
+            assert grown < ratio * len(body) + BASELINE, f"{grown / len(body):.1f}x a {len(body)} byte body"
+        assert http.get("/v1/runs/big").json()["queued"] == len(valid) // len(one)
