@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import lzma
 import os
 import sys
 import tempfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -14,7 +16,7 @@ from typing import IO, Any
 from .. import jsonio
 from ..columnar import WEIGHT_FIELDS
 from ..errors import ConfigError, EventError
-from ..replay import Event, parse_event, read_events, run_events
+from ..replay import Event, is_event_file, open_decompressed, parse_event, read_events, run_events, stream_compression
 from ..sink import Shipment, Sink
 from .options import add_sink_options, config_from_args
 
@@ -32,7 +34,8 @@ examples:
 
 exit status: 0 on success; 2 on invalid input (strict) or a malformed event line,
 with a one-line message `line L: rollout 'ID': field F: reason`; no output file is
-written then.
+written then. EVENTS.jsonl may be gzip, bzip2 or xz compressed (known by its first
+bytes, whatever its name); a zstd file is refused (decompress it with zstd -d).
 """
 
 
@@ -61,16 +64,15 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 def open_events(
     path: Path, progress: bool | None = None, max_staleness: int = 8
 ) -> tuple[Iterator[Event], contextlib.ExitStack]:
-    """Events of a SPEC 9 stream, or of a run in another format the adapters understand."""
-    from ..adapters import detect_and_read, detect_source
+    """Events of a SPEC 9 stream (gzip, bzip2 or xz compressed or not), or of a run in another format
+    the adapters understand."""
+    from ..adapters import detect_and_read
 
     stack = contextlib.ExitStack()
-    try:
-        is_events = detect_source(path) == "events"
-    except ConfigError:
-        is_events = path.is_file()  # unrecognisable content: the event reader names the bad line
-    if is_events:
-        handle: IO[bytes] = stack.enter_context(_open_with_progress(path, progress))
+    if is_event_file(path):
+        compression = stream_compression(path)
+        raw: IO[bytes] = stack.enter_context(_open_with_progress(path, progress))
+        handle = stack.enter_context(open_decompressed(raw, compression))
         return read_events(handle, parse=True), stack
     raws = detect_and_read(path, max_staleness=max_staleness)
     return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
@@ -160,6 +162,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (ValueError, OSError) as error:
         print(f"staleness-metrics replay: {error}", file=sys.stderr)
+        return 2
+    except (EOFError, zlib.error, lzma.LZMAError) as error:  # gzip's, bzip2's and xz's damaged data
+        print(f"staleness-metrics replay: {args.events}: compressed data damaged or cut short ({error})", file=sys.stderr)
         return 2
     totals = sink.totals
     print(
