@@ -6,7 +6,9 @@ import bz2
 import dataclasses
 import gzip
 import lzma
-from collections.abc import Iterable, Iterator
+import zlib
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
@@ -18,7 +20,7 @@ from .columnar import WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .errors import ConfigError, EventError, TraceError
 from .records import ParsedRollout, UnparsedRollout, pack, parse_or_error
-from .sink import Shipment, Sink
+from .sink import MAX_STEP, Shipment, Sink
 from .spans import SpanTable, build_spans
 from .validation import Verdicts, check_batch
 
@@ -60,8 +62,8 @@ class Event:
 
 def _step(line: int, raw: dict[str, Any]) -> int:
     step = raw.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise EventError(line, f"'step' must be an integer >= 1, got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:  # as the sink's check
+        raise EventError(line, f"'step' must be an integer in 1..{MAX_STEP}, got {step!r}")
     return step
 
 
@@ -144,7 +146,9 @@ def _invalid_string(value: object) -> tuple[str, str] | None:
             stack.extend(reversed(entries))
         elif isinstance(item, list):
             stack.extend(
-                (sub, f"{where}[{i}]") for i, sub in reversed(list(enumerate(item))) if isinstance(sub, (str, dict, list))
+                (sub, f"{where}[{i}]")
+                for i, sub in reversed(list(enumerate(item)))
+                if isinstance(sub, (str, dict, list))
             )
     return None
 
@@ -188,7 +192,9 @@ def _unicode_checked(event: Event, text: str | bytes) -> Event:
     where, string = found
     raw = event.rollout
     record_id, env = raw.get("id"), raw.get("env")
-    error = TraceError(record_id if isinstance(record_id, str) else None, _escaped(where), _unicode_reason(text, string))
+    error = TraceError(
+        record_id if isinstance(record_id, str) else None, _escaped(where), _unicode_reason(text, string)
+    )
     unparsed = UnparsedRollout(error, env if isinstance(env, str) and _encodable(env) else None)
     return Event(event.line, "rollout", unparsed=unparsed)
 
@@ -423,8 +429,28 @@ def is_event_file(path: str | Path) -> bool:
         return Path(path).is_file()
 
 
-def read_event_path(path: str | Path, *, parse: bool = False) -> Iterator[Event]:
-    """The events of a SPEC 9 event stream file, decompressed if it is (:func:`stream_compression`)."""
+def read_event_path(
+    path: str | Path,
+    *,
+    parse: bool = False,
+    opener: Callable[[Path], AbstractContextManager[IO[bytes]]] | None = None,
+) -> Generator[Event, None, None]:
+    """The events of a SPEC 9 event stream file, decompressed if it is (:func:`stream_compression`).
+
+    ``opener`` opens the file's bytes (default: a buffered read); compressed data found damaged or cut
+    short raises :class:`ConfigError` naming the file.
+    """
+    path = Path(path)
     compression = stream_compression(path)
-    with open(path, "rb", buffering=1 << 20) as raw, open_decompressed(raw, compression) as handle:
-        yield from read_events(handle, parse=parse)
+    with (opener or _open_buffered)(path) as raw, open_decompressed(raw, compression) as handle:
+        if compression is None:
+            yield from read_events(handle, parse=parse)
+            return
+        try:
+            yield from read_events(handle, parse=parse)
+        except (EOFError, OSError, zlib.error, lzma.LZMAError) as error:
+            raise ConfigError(f"{path}: {compression} data damaged or cut short ({error})") from None
+
+
+def _open_buffered(path: Path) -> IO[bytes]:
+    return path.open("rb", buffering=1 << 20)  # lines of long samples are tens of KB

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import lzma
 import os
 import sys
 import tempfile
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -16,7 +14,7 @@ from typing import IO, Any
 from .. import jsonio
 from ..columnar import WEIGHT_FIELDS
 from ..errors import ConfigError, EventError
-from ..replay import Event, is_event_file, open_decompressed, parse_event, read_events, run_events, stream_compression
+from ..replay import Event, is_event_file, parse_event, read_event_path, run_events
 from ..sink import Shipment, Sink
 from .options import add_sink_options, config_from_args
 
@@ -70,10 +68,9 @@ def open_events(
 
     stack = contextlib.ExitStack()
     if is_event_file(path):
-        compression = stream_compression(path)
-        raw: IO[bytes] = stack.enter_context(_open_with_progress(path, progress))
-        handle = stack.enter_context(open_decompressed(raw, compression))
-        return read_events(handle, parse=True), stack
+        events = read_event_path(path, parse=True, opener=lambda p: _open_with_progress(p, progress))
+        stack.callback(events.close)  # closes the file even when the replay stops early
+        return events, stack
     raws = detect_and_read(path, max_staleness=max_staleness)
     return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
 
@@ -162,9 +159,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except (ValueError, OSError) as error:
         print(f"staleness-metrics replay: {error}", file=sys.stderr)
-        return 2
-    except (EOFError, zlib.error, lzma.LZMAError) as error:  # gzip's, bzip2's and xz's damaged data
-        print(f"staleness-metrics replay: {args.events}: compressed data damaged or cut short ({error})", file=sys.stderr)
         return 2
     totals = sink.totals
     print(
