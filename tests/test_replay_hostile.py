@@ -88,7 +88,7 @@ HOSTILE = [
             b'"samples": [{"mask": [1], "w\\ud800": [1]}]}}',
             AFTER,
             SHIP,
-        ),  # fmt: skip
+        ),
         "line 2: rollout 'k': field samples[0].w\\ud800: not valid Unicode (a lone surrogate \\ud800)",
     ),
     Hostile(
@@ -98,7 +98,7 @@ HOSTILE = [
             b'{"type": "rollout", "rollout": {"id": "n", "group_id": "\\ud800", "dispatch_version": 0, '
             b'"samples": [{"mask": [1], "rl_weights": [NaN]}]}}',
             SHIP,
-        ),  # fmt: skip
+        ),
         "line 2: rollout 'n': field group_id: not valid Unicode (a lone surrogate \\ud800)",
     ),
     Hostile(
