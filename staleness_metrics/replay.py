@@ -404,8 +404,8 @@ def stream_compression(path: str | Path) -> str | None:
 
 
 def open_decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
-    """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`); ``raw`` as it
-    is when ``None``. Closing the result leaves ``raw`` open."""
+    """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`); ``raw`` itself
+    when ``None``. Closing a decompressing reader leaves ``raw`` open."""
     if compression is None:
         return raw
     if compression == "gzip":
