@@ -18,7 +18,15 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-__all__ = ["DecodeError", "dumps", "dumps_line", "has_long_integer", "loads", "zero_one_floats"]
+__all__ = [
+    "DecodeError",
+    "dumps",
+    "dumps_line",
+    "has_long_integer",
+    "loads",
+    "loads_checked",
+    "zero_one_floats",
+]
 
 DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
@@ -38,13 +46,37 @@ def has_long_integer(raw: bytes | bytearray) -> bool:
 
 def loads(text: str | bytes) -> Any:
     """Decode one JSON document; raises :class:`json.JSONDecodeError` (the standard library's message)."""
+    return loads_checked(text)[0]
+
+
+def loads_checked(text: str | bytes) -> tuple[Any, bool]:
+    """:func:`loads`, and whether every string decoded is known to be valid Unicode.
+
+    ``True`` when orjson read the line (it refuses lone surrogates and invalid UTF-8). ``False`` when the
+    standard library read it: its strings may hold lone surrogates (a ``\\ud800`` escape, or a byte of
+    invalid UTF-8, decoded as the surrogate ``surrogateescape`` makes of it) for the caller to look for.
+    Bytes are decoded as UTF-8 here, never by the standard library's guess at their encoding (which
+    takes a line with NUL bytes for UTF-32); arrays or objects nested too deeply raise
+    :class:`json.JSONDecodeError` too, not :class:`RecursionError`.
+    """
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
-        return json.loads(text)
+        return _standard_loads(text), False
     if has_long_integer(text if isinstance(text, bytes) else text.encode()):
+        return _standard_loads(text), False
+    return value, True
+
+
+def _standard_loads(text: str | bytes) -> Any:
+    if isinstance(text, bytes):
+        # as json.loads reads UTF-8 (a byte order mark skipped); invalid bytes become lone surrogates
+        text = text.decode("utf-8-sig", "surrogateescape")
+    try:
         return json.loads(text)
-    return value
+    except RecursionError:
+        # orjson stops at 1024 levels, the standard library at the interpreter's recursion limit
+        raise json.JSONDecodeError("arrays or objects nested too deeply", text, 0) from None
 
 
 def _default(value: object) -> object:

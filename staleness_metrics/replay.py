@@ -2,32 +2,42 @@
 
 from __future__ import annotations
 
+import bz2
 import dataclasses
-from collections.abc import Iterable, Iterator
+import gzip
+import lzma
+import zlib
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import IO, Any
+from pathlib import Path
+from typing import IO, Any, cast
 
 import numpy as np
 
 from . import jsonio, simd_records
 from .columnar import WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
-from .errors import EventError, TraceError
+from .errors import ConfigError, EventError, TraceError
 from .records import ParsedRollout, UnparsedRollout, pack, parse_or_error
-from .sink import Shipment, Sink
+from .sink import MAX_STEP, Shipment, Sink
 from .spans import SpanTable, build_spans
 from .validation import Verdicts, check_batch
 
 __all__ = [
     "Added",
     "Event",
+    "is_event_file",
+    "open_decompressed",
     "pack_once",
     "parse_event",
     "prepare",
+    "read_event_path",
     "read_events",
     "replay",
     "run_events",
     "run_steps",
+    "stream_compression",
 ]
 
 
@@ -36,7 +46,8 @@ class Event:
     """One line of an event stream: ``kind`` is ``rollout``, ``sweep`` or ``ship``.
 
     A rollout event holds its decoded record (``rollout``), or, read by ``read_events(parse=True)``,
-    the record already type-checked into arrays (``parsed``).
+    the record already type-checked into arrays (``parsed``), or the record refused as it was read
+    (``unparsed``: a string that is not valid Unicode).
     """
 
     line: int
@@ -46,12 +57,13 @@ class Event:
     ids: tuple[str, ...] | None = None
     booleans: bool = True  # a rollout line may hold JSON booleans (False: a faster check of its numbers)
     parsed: ParsedRollout | None = None
+    unparsed: UnparsedRollout | None = None
 
 
 def _step(line: int, raw: dict[str, Any]) -> int:
     step = raw.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise EventError(line, f"'step' must be an integer >= 1, got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:  # as the sink's check
+        raise EventError(line, f"'step' must be an integer in 1..{MAX_STEP}, got {step!r}")
     return step
 
 
@@ -75,17 +87,116 @@ def parse_event(line: int, raw: object) -> Event:
 
 
 def _decoded(number: int, text: str | bytes) -> Event:
-    """One line decoded by :func:`.jsonio.loads` and checked as an event."""
+    """One line decoded by :func:`.jsonio.loads_checked` and checked as an event."""
     try:
-        raw = jsonio.loads(text)
+        raw, valid_unicode = jsonio.loads_checked(text)
     except jsonio.DecodeError as error:
-        raise EventError(number, f"bad JSON: {error.msg}") from None
+        raise EventError(number, _bad_json(text, error)) from None
     event = parse_event(number, raw)
-    if event.kind == "rollout":  # a line without true / false cannot hide a boolean among numbers
+    if not valid_unicode:
+        event = _unicode_checked(event, text)
+    if event.kind == "rollout" and event.unparsed is None:
+        # a line without true / false cannot hide a boolean among numbers
         marks = (b"true", b"false") if isinstance(text, bytes) else ("true", "false")
         booleans = marks[0] in text or marks[1] in text  # type: ignore[operator]
         event = Event(number, "rollout", rollout=event.rollout, booleans=booleans)
     return event
+
+
+def _bad_json(text: str | bytes, error: jsonio.DecodeError) -> str:
+    """Why a line is not JSON, naming a NUL byte or invalid UTF-8 (binary data, or text in another
+    encoding) rather than the parser's complaint about what followed."""
+    nul = text.find(b"\x00" if isinstance(text, bytes) else "\x00")  # type: ignore[arg-type]
+    if nul >= 0:
+        return f"a NUL byte at column {nul + 1}: not a line of UTF-8 JSON (binary data, or UTF-16/32 text?)"
+    if isinstance(text, bytes):
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return f"not valid UTF-8: byte 0x{text[bad.start]:02x} at column {bad.start + 1}"
+    return f"bad JSON: {error.msg}"
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _invalid_string(value: object) -> tuple[str, str] | None:
+    """The first string (key or value) in ``value`` that is not valid Unicode: ``(where, string)``,
+    ``where`` as the validation names fields (``env``, ``samples[0].mask``). Walked with a stack, not
+    recursion: a line may nest as deep as the decoder allows."""
+    stack: list[tuple[object, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return where, item
+        elif isinstance(item, dict):
+            entries = []
+            for key, sub in item.items():
+                name = f"{where}.{key}" if where else key
+                if not _encodable(key):
+                    return name, key
+                if isinstance(sub, (str, dict, list)):
+                    entries.append((sub, name))
+            stack.extend(reversed(entries))
+        elif isinstance(item, list):
+            stack.extend(
+                (sub, f"{where}[{i}]")
+                for i, sub in reversed(list(enumerate(item)))
+                if isinstance(sub, (str, dict, list))
+            )
+    return None
+
+
+def _escaped(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _unicode_reason(text: str | bytes, string: str) -> str:
+    """Why ``string`` is not valid Unicode: a byte of invalid UTF-8 in the line (decoded by
+    ``surrogateescape`` as U+DC80..U+DCFF), or a lone surrogate written as an escape."""
+    char = next(c for c in string if "\ud800" <= c <= "\udfff")
+    if isinstance(text, bytes) and "\udc80" <= char <= "\udcff" and not _is_utf8(text):
+        return f"not valid UTF-8 (byte 0x{ord(char) - 0xDC00:02x})"
+    return f"not valid Unicode (a lone surrogate \\u{ord(char):04x})"
+
+
+def _is_utf8(text: bytes) -> bool:
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _unicode_checked(event: Event, text: str | bytes) -> Event:
+    """``event`` (of a line the standard library decoded) with its strings checked: a rollout holding a
+    string that is not valid Unicode is refused as invalid input (set aside in lenient mode; strict mode
+    names the line, rollout and field), which no output could carry; a ship naming such an id is a
+    malformed line. Orjson decoded every other line, and it accepts valid Unicode only."""
+    if event.kind == "ship" and event.ids:
+        for rid in event.ids:
+            if not _encodable(rid):
+                raise EventError(event.line, f"'ids': {rid!r} is {_unicode_reason(text, rid)}")
+        return event
+    if event.kind != "rollout" or event.rollout is None:
+        return event
+    found = _invalid_string(event.rollout)
+    if found is None:
+        return event
+    where, string = found
+    raw = event.rollout
+    record_id, env = raw.get("id"), raw.get("env")
+    error = TraceError(
+        record_id if isinstance(record_id, str) else None, _escaped(where), _unicode_reason(text, string)
+    )
+    unparsed = UnparsedRollout(error, env if isinstance(env, str) and _encodable(env) else None)
+    return Event(event.line, "rollout", unparsed=unparsed)
 
 
 _PARSE_LINES = 64  # rollout lines whose values are checked together (:meth:`LineReader.finish`)
@@ -152,8 +263,8 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
     for event in events:
         if event.kind == "rollout":
             lines.append(event.line)
-            parsed = event.parsed
-            items.append(parsed if parsed is not None else parse_or_error(event.rollout or {}, booleans=event.booleans))
+            item = event.parsed if event.parsed is not None else event.unparsed
+            items.append(item if item is not None else parse_or_error(event.rollout or {}, booleans=event.booleans))
             if len(items) >= batch_size:
                 yield Added(tuple(lines), tuple(items))
                 lines, items = [], []
@@ -254,3 +365,92 @@ def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> It
 def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
     """Run a fresh sink with ``config`` over ``events``; one :class:`Shipment` per ship."""
     return list(run_events(events, Sink(config)))
+
+
+# Files that are not UTF-8 text, known by their first bytes. gzip, bzip2 and xz are read as they are
+# (the standard library decompresses them); the others are named, with how to make them readable.
+_READABLE = ("gzip", "bzip2", "xz")
+_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"\x1f\x8b", "gzip"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"PK\x03\x04", "zip"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\xfe\xff", "UTF-16"),
+    (b"\xff\xfe", "UTF-16"),
+)
+_HOW = {
+    "zstd": "compressed with zstd, which replay does not read: decompress it first (zstd -d {path})",
+    "zip": "a zip archive: extract the event stream first (unzip {path})",
+    "UTF-16": "UTF-16 text; replay reads UTF-8: convert it first (iconv -f UTF-16 -t UTF-8 {path})",
+    "UTF-32": "UTF-32 text; replay reads UTF-8: convert it first (iconv -f UTF-32 -t UTF-8 {path})",
+}
+
+
+def stream_compression(path: str | Path) -> str | None:
+    """``gzip``, ``bzip2`` or ``xz`` for a file compressed so (read by :func:`open_decompressed`), ``None``
+    for any other file; :class:`ConfigError` for one replay cannot read (zstd, zip, UTF-16/32 text),
+    saying what it is and how to make it readable."""
+    with open(path, "rb") as handle:
+        head = handle.read(6)
+    for magic, kind in _MAGIC:
+        if head.startswith(magic) and (kind != "bzip2" or head[3:4].isdigit()):
+            if kind in _READABLE:
+                return kind
+            raise ConfigError(f"{path}: {_HOW[kind].format(path=path)}")
+    return None
+
+
+def open_decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
+    """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`); ``raw`` itself
+    when ``None``. Closing a decompressing reader leaves ``raw`` open."""
+    if compression is None:
+        return raw
+    if compression == "gzip":
+        return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
+    if compression == "bzip2":
+        return bz2.BZ2File(raw)
+    return lzma.LZMAFile(raw)
+
+
+def is_event_file(path: str | Path) -> bool:
+    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file (an event stream is the
+    only input read compressed), a file whose first object has ``type``, or a file whose first line is
+    not readable JSON (the event reader then names the line and what is wrong with it)."""
+    from .adapters import detect_source  # the adapters read events through this module
+
+    if Path(path).is_file() and stream_compression(path) is not None:
+        return True
+    try:
+        return detect_source(path) == "events"
+    except (ValueError, RecursionError):  # ConfigError and UnicodeDecodeError are ValueErrors
+        return Path(path).is_file()
+
+
+def read_event_path(
+    path: str | Path,
+    *,
+    parse: bool = False,
+    opener: Callable[[Path], AbstractContextManager[IO[bytes]]] | None = None,
+) -> Generator[Event, None, None]:
+    """The events of a SPEC 9 event stream file, decompressed if it is (:func:`stream_compression`).
+
+    ``opener`` opens the file's bytes (default: a buffered read); compressed data found damaged or cut
+    short raises :class:`ConfigError` naming the file.
+    """
+    path = Path(path)
+    compression = stream_compression(path)
+    with (opener or _open_buffered)(path) as raw, open_decompressed(raw, compression) as handle:
+        if compression is None:
+            yield from read_events(handle, parse=parse)
+            return
+        try:
+            yield from read_events(handle, parse=parse)
+        except (EOFError, OSError, zlib.error, lzma.LZMAError) as error:
+            raise ConfigError(f"{path}: {compression} data damaged or cut short ({error})") from None
+
+
+def _open_buffered(path: Path) -> IO[bytes]:
+    return path.open("rb", buffering=1 << 20)  # lines of long samples are tens of KB

@@ -44,6 +44,11 @@ _FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, 
 }
 
 
+# simdjson's tape stores an array's element count in 24 bits, saturated: ``len()`` of a list of
+# 16,777,215 elements or more says 16,777,215 (the buffer copied out of it holds them all).
+_SATURATED = 0xFFFFFF
+
+
 class _NotPlain(Exception):
     """The line is not one this path reads exactly: the general path reads it."""
 
@@ -155,8 +160,11 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
                 raise _NotPlain  # an unknown field, or not a list
             slot, of_type = field
             kind = kinds[slot]
-            kind.buffers.append(value.as_buffer(of_type=of_type))
+            buffer = value.as_buffer(of_type=of_type)
+            kind.buffers.append(buffer)
             size = len(value)
+            if size >= _SATURATED:  # the tape's count stops there: the copied buffer has every element
+                size = memoryview(buffer).nbytes // 8 // (2 if key == "weight_versions" else 1)
             if slot == _VERSIONS:
                 labels += 1
                 if key == "weight_versions":

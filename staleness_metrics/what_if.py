@@ -41,7 +41,7 @@ from .adapters import EventDict, as_replay_events, detect_source, read_run
 from .config import StalenessConfig
 from .errors import ConfigError
 from .mismatch import MismatchSums, mismatch_sums
-from .replay import Step, pack_once, prepare, run_steps
+from .replay import Step, is_event_file, pack_once, prepare, read_event_path, run_steps
 from .report import Tally
 from .sink import Shipment, Sink
 
@@ -197,9 +197,12 @@ def _steps_for(source: Source) -> Callable[[int], Iterable[Step]]:
     replayed), so it is read again per bound; event streams and xtuner states are parsed once.
     """
     if isinstance(source, (str, Path)):
-        if detect_source(source) == "prime-rl":
+        if is_event_file(source):  # read as the replay command reads it (compressed or not)
+            steps = pack_once(prepare(read_event_path(source, parse=True)))
+        elif detect_source(source) == "prime-rl":
             return lambda bound: prepare(read_run(source, max_staleness=bound))
-        steps = pack_once(prepare(read_run(source, parse=True)))
+        else:
+            steps = pack_once(prepare(read_run(source, parse=True)))
     else:
         steps = pack_once(prepare(as_replay_events(source)))
     return lambda bound: steps

@@ -25,6 +25,7 @@ from staleness_metrics.errors import EventError, TraceError
 from staleness_metrics.replay import read_events, run_events
 from tests.reference.compare import write_events
 from tests.reference.streams import ReplayConfig, random_stream
+from tests.test_replay_hostile import BEFORE, HOSTILE, Hostile
 
 
 def _config(replay_config: ReplayConfig) -> StalenessConfig:
@@ -242,3 +243,29 @@ def test_without_pysimdjson_replay_reads_every_line_by_the_general_path(
                          "--batches-out", str(batches)]) == 0  # fmt: skip
         outputs.append((metrics.read_bytes(), batches.read_bytes()))
     assert outputs[0] == outputs[1] and outputs[0][1]
+
+
+@pytest.mark.parametrize("mode", ["--strict", "--lenient"])
+@pytest.mark.parametrize("case", HOSTILE, ids=[case.name for case in HOSTILE])
+def test_without_pysimdjson_hostile_files_end_the_same(
+    case: Hostile, mode: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Deep nesting, lone surrogates, invalid UTF-8, NUL bytes (tests/test_replay_hostile.py): the same
+    exit status, message and files whether simdjson reads the plain rollout lines around them or not."""
+    from staleness_metrics import simd_records
+
+    events_path = tmp_path / "events.jsonl"
+    events_path.write_bytes(case.content)
+    outcomes = []
+    for available in (True, False):
+        monkeypatch.setattr(simd_records, "AVAILABLE", available)
+        if case.content.startswith(BEFORE):  # a plain rollout line, which the fast path reads when on
+            first = next(read_events(case.content.splitlines()[:1], parse=True))
+            assert (first.parsed is not None) is available
+        metrics, batches = tmp_path / f"m{available}.jsonl", tmp_path / f"b{available}.jsonl"
+        code = cli_main(["replay", str(events_path), mode, "--env-breakdown", "--metrics-out", str(metrics),
+                         "--batches-out", str(batches)])  # fmt: skip
+        files = [path.read_bytes() if path.exists() else None for path in (metrics, batches)]
+        outcomes.append((code, capsys.readouterr().err, files))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == (0 if mode == "--lenient" and case.lenient is None else 2)

@@ -14,7 +14,7 @@ from typing import IO, Any
 from .. import jsonio
 from ..columnar import WEIGHT_FIELDS
 from ..errors import ConfigError, EventError
-from ..replay import Event, parse_event, read_events, run_events
+from ..replay import Event, is_event_file, parse_event, read_event_path, run_events
 from ..sink import Shipment, Sink
 from .options import add_sink_options, config_from_args
 
@@ -32,7 +32,8 @@ examples:
 
 exit status: 0 on success; 2 on invalid input (strict) or a malformed event line,
 with a one-line message `line L: rollout 'ID': field F: reason`; no output file is
-written then.
+written then. EVENTS.jsonl may be gzip, bzip2 or xz compressed (known by its first
+bytes, whatever its name); a zstd file is refused (decompress it with zstd -d).
 """
 
 
@@ -61,17 +62,15 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 def open_events(
     path: Path, progress: bool | None = None, max_staleness: int = 8
 ) -> tuple[Iterator[Event], contextlib.ExitStack]:
-    """Events of a SPEC 9 stream, or of a run in another format the adapters understand."""
-    from ..adapters import detect_and_read, detect_source
+    """Events of a SPEC 9 stream (gzip, bzip2 or xz compressed or not), or of a run in another format
+    the adapters understand."""
+    from ..adapters import detect_and_read
 
     stack = contextlib.ExitStack()
-    try:
-        is_events = detect_source(path) == "events"
-    except ConfigError:
-        is_events = path.is_file()  # unrecognisable content: the event reader names the bad line
-    if is_events:
-        handle: IO[bytes] = stack.enter_context(_open_with_progress(path, progress))
-        return read_events(handle, parse=True), stack
+    if is_event_file(path):
+        events = read_event_path(path, parse=True, opener=lambda p: _open_with_progress(p, progress))
+        stack.callback(events.close)  # closes the file even when the replay stops early
+        return events, stack
     raws = detect_and_read(path, max_staleness=max_staleness)
     return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
 
