@@ -593,8 +593,8 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
     groups: dict[str, int] = {}
     for i, pair in enumerate(sequence(state["groups"], join(path, "groups"))):
         name, index = sequence(pair, join(join(path, "groups"), i), 2)
-        name = string(name, join(join(path, "groups"), f"{i}][0"))
-        index = integer(index, join(join(path, "groups"), f"{i}][1"), 0, n_groups - 1)
+        name = string(name, join(join(join(path, "groups"), i), 0))
+        index = integer(index, join(join(join(path, "groups"), i), 1), 0, n_groups - 1)
         if name in groups:
             fail(join(join(path, "groups"), i), f"group {name!r} appears twice")
         groups[name] = index
