@@ -83,6 +83,8 @@ def fail(path: str, reason: str) -> NoReturn:
 def join(path: str, key: object) -> str:
     if isinstance(key, int):
         return f"{path}[{key}]"
+    if key == "":  # rollouts without an env are counted under ""
+        return f'{path}[""]'
     return f"{path}.{key}" if path else str(key)
 
 
@@ -185,13 +187,13 @@ def check_digests(state: Mapping[str, Any], path: str, skip: Collection[str] = (
             fail(join(path, key), "differs from the digest saved with it: the checkpoint was changed or damaged")
 
 
-def check_format(state: Any, what: str) -> Mapping[str, Any]:
+def check_format(state: Any, what: str, path: str = "") -> Mapping[str, Any]:
     """Refuse a checkpoint of another format version, or something that is not one."""
     if not isinstance(state, Mapping) or "format" not in state:
-        raise ConfigError(f"checkpoint: not a {what} checkpoint (no 'format' field)")
+        raise ConfigError(f"checkpoint: {join(path, 'format')}: missing: not a {what} checkpoint (no 'format' field)")
     if isinstance(state["format"], bool) or state["format"] not in READABLE_FORMATS:
         raise ConfigError(
-            f"checkpoint: unknown {what} checkpoint format {state['format']!r} "
+            f"checkpoint: {join(path, 'format')}: unknown {what} checkpoint format {state['format']!r} "
             f"(this version reads formats {', '.join(map(str, READABLE_FORMATS))})"
         )
     return state
@@ -204,7 +206,7 @@ def check_config(saved: Any, config: StalenessConfig, path: str = "config") -> N
     if differs:
         theirs = ", ".join(f"{name}={saved.get(name)!r}" for name in differs)
         ours = ", ".join(f"{name}={getattr(config, name)!r}" for name in differs)
-        raise ConfigError(f"checkpoint: saved with {theirs}, but this sink has {ours}")
+        fail(path, f"saved with {theirs}, but this sink has {ours}")
 
 
 # ---------------------------------------------------------------------- values
@@ -554,7 +556,7 @@ def _per_row(values: Sequence[Any], rows: npt.NDArray[np.int64]) -> list[Any]:
 def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], Mapping[str, Any]]:
     """Check a sink state and build what it holds as new objects: the sink's attributes by name, and the policy's
     checked state. Nothing of ``sink`` is changed (its tables only lend their column dtypes)."""
-    check_format(state, "sink")
+    check_format(state, "sink", path)
     state = keys(state, path, SINK_KEYS, ("digests",))
     if state["format"] != 1 and "digests" not in state:
         fail(join(path, "digests"), "missing")
