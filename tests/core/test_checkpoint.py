@@ -144,7 +144,7 @@ def test_checkpoint_lacking_a_column_is_refused_by_name() -> None:
     sink.add({"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]})
     state = sink.state_dict()
     del state["tables"]["samples"]["mask_below"]
-    with pytest.raises(ConfigError, match="tables.samples.mask_below: the table lacks this column"):
+    with pytest.raises(ConfigError, match=r"tables\.samples\.mask_below: the table lacks this column"):
         Sink().load_state_dict(state)
 
 

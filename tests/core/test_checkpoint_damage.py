@@ -61,7 +61,9 @@ def scenario(policy: str) -> tuple[StalenessConfig, list[Call], int]:
             {"id": "f", "source": "frozen", "samples": [{"mask": [1, 1]}]},
             {"id": "bad", "dispatch_version": "x", "samples": [{"mask": [1]}]},  # set aside (lenient)
         ]},
-        {"call": "add", "rollouts": [record("e", 1, env="math"), {"id": "t", "dispatch_version": 3, "samples": [spans]}]},
+        {"call": "add", "rollouts": [
+            record("e", 1, env="math"), {"id": "t", "dispatch_version": 3, "samples": [spans]},
+        ]},
         {"call": "sweep", "step": 4},
         # the cut: everything below depends on what the checkpoint holds
         {"call": "ship", "step": 4, "ids": ["c", "f"]},
