@@ -35,6 +35,7 @@ from .errors import ConfigError, TraceError
 from .metrics import WindowCounts
 from .mismatch import MismatchSums
 from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, StepReport, Tally
+from .segments import expand_ranges
 from .spans import PART_LABELLED, PART_UNLABELLED, PART_WHOLE
 from .table import Table
 
@@ -667,6 +668,9 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
         has_tokens[owned] = batch.token_versions is not None
         if not np.array_equal(s["label_kind"][owned], batch.label_kind[sample_in_batch[owned]]):
             fail(join(where_s, "label_kind"), f"disagrees with chunk {c}")
+        mask = batch.mask[expand_ranges(position_lo[owned], position_hi[owned])]
+        if ((mask != 0) & (mask != 1)).any():
+            fail(join(join(where, c), "mask"), "the mask values of queued rollouts are 0 or 1")
 
     # Samples and spans: spans tile each sample's rows and stay inside its positions in the batch.
     _offsets(np.concatenate((s["span_lo"][:1], s["span_hi"])) if len(s) else np.zeros(1, dtype=np.int64),

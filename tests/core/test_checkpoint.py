@@ -177,3 +177,54 @@ def test_mismatch_sums_and_shipped_steps_survive_a_checkpoint() -> None:
     resumed.record_mismatch(1, MismatchSums.zero())  # a rank reporting late for a step shipped before the save
     with pytest.raises(ValueError, match="no batch was shipped for step 2"):
         resumed.record_mismatch(2, MismatchSums.zero())
+
+
+def _resigned(state: dict[str, Any]) -> dict[str, Any]:
+    """A state changed and then given fresh digests, as if it had been saved that way (built wrongly)."""
+    from staleness_metrics.checkpoint import digests_of
+
+    sink = state["sink"]
+    sink["digests"] = digests_of({k: v for k, v in sink.items() if k != "digests"})
+    state["digests"] = digests_of({k: v for k, v in state.items() if k != "digests"}, skip=("sink",))
+    return state
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (lambda s: s["sink"].pop("window"), r"sink\.window: missing"),
+        (lambda s: s["sink"].update(queued=-5), r"sink\.queued: -5 is below 0"),
+        (lambda s: s["sink"].update(step=-3), r"sink\.step: -3 is below 0"),
+        (lambda s: s["sink"]["chunks"][0]["mask"]["array"]["data"].__setitem__(1, 7), r"sink\.chunks\[0\]\.mask: "),
+        (lambda s: s["sink"]["tables"]["rollouts"]["dispatch"].update(dtype="<f8"), r"rollouts\.dispatch\.dtype"),
+        (lambda s: s["sink"]["ids"].pop(), r"sink\.ids: 1 ids for 2 rollout rows"),
+        (lambda s: s["sink"].pop("chunks"), r"sink\.chunks: missing"),
+        (
+            lambda s: s["sink"]["tables"]["spans"]["hi"]["data"].pop(),
+            r"sink\.tables\.spans\.hi: 3 rows where the other columns have 4",
+        ),
+        (lambda s: s["sink"]["tables"]["spans"]["hi"]["data"].__setitem__(0, 99), r"sink\.tables\.spans\.lo: a span"),
+        (lambda s: s["exporters"]["prometheus"].pop("totals"), r"exporters\.prometheus\.totals: missing"),
+    ],
+)
+def test_a_bad_checkpoint_is_refused_by_key_and_leaves_the_monitor_as_it_was(damage: Any, named: str) -> None:
+    """The damages seen in the wild (issue 19), each with fresh digests so that the checks, not the digests,
+    must find it: refused by name, and the monitor it was loaded into ships like one never touched."""
+    config = StalenessConfig(policy="xtuner", max_staleness=2, retry_expired=True)
+
+    def monitor_with(ids: list[str]) -> StalenessMonitor:
+        monitor = new_monitor(config)
+        monitor.add([{"id": i, "group_id": "g", "dispatch_version": 1, "samples": [{"mask": [0, 1, 1]}]} for i in ids])
+        return monitor
+
+    state = json.loads(json.dumps(monitor_with(["a", "b"]).state_dict()))
+    damage(state)
+    target, untouched = monitor_with(["x"]), monitor_with(["x"])
+    with pytest.raises(ConfigError, match=named):
+        target.load_state_dict(_resigned(state))
+    assert play(target, [{"type": "ship", "step": 3}]) == play(untouched, [{"type": "ship", "step": 3}])
+    assert final_state(target) == final_state(untouched)
+    state = json.loads(json.dumps(monitor_with(["a", "b"]).state_dict()))
+    state["sink"]["step"] = 2  # plausible (the last step a sweep or ship used): only the digest can tell
+    with pytest.raises(ConfigError, match=r"sink\.step: differs from the digest saved with it"):
+        target.load_state_dict(state)

@@ -226,7 +226,7 @@ def test_every_damage_of_a_checkpoint_is_refused_by_name_and_changes_nothing(pol
     assert outcome["continues"]
 
 
-@pytest.mark.parametrize("policy", ["xtuner", "token"])
+@pytest.mark.parametrize("policy", ["xtuner"])  # the richest state (held groups, owed re-rollouts); costs most
 def test_wrongly_built_checkpoints_are_refused_by_name_or_load_harmlessly(policy: str) -> None:
     script = (
         f"import json, sys; sys.path.insert(0, {str(ROOT)!r})\n"

@@ -2,12 +2,13 @@
 
 The acceptance test runs the real ``serve`` command with a data directory and one run per policy (token,
 episode, group, xtuner with retries; strict and lenient), four concurrent clients and a coordinator that
-ships every run between phases. Snapshots are taken every few journal rows (``STALENESS_TEST_SNAPSHOT_EVERY``,
-read by tests/server/launch.py), so they land after every kind of write: adds, re-sent duplicates, ships
-whose sweep dropped rollouts, and a strict ship that was refused. It SIGKILLs the service mid-phase and
-once mid-ship, restarts it on the same directory, lets each client re-send what got no answer, and
-compares every run's ``/steps``, counters, ship answers and ``/metrics`` with a service that was never
-killed. Each run's exported events, replayed by ``staleness-metrics replay``, reproduce its ``/steps``.
+ships every run between phases. A snapshot is taken after every journal row
+(``STALENESS_TEST_SNAPSHOT_EVERY``, read by tests/server/launch.py), so one lands after every kind of
+write: adds, re-sent duplicates, ships whose sweep dropped a whole batch, and a strict ship refused after
+its sweep dropped one. It SIGKILLs the service mid-phase and once mid-ship, restarts it on the same
+directory, lets each client re-send what got no answer, and compares every run's ``/steps``, counters,
+ship answers and ``/metrics`` with a service that was never killed. Each run's exported events, replayed
+by ``staleness-metrics replay`` (no snapshots there), reproduce its ``/steps``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ PHASES = 6
 KILL_IN_PHASE = 2  # SIGKILL while the clients of this phase are sending
 KILL_AT_SHIP = 4  # and once while this phase's ships are in flight
 AHEAD_IN_PHASE = 3  # a rollout labelled above the phase's trained version: strict runs refuse that ship
-SNAPSHOTS_EVERY = 3  # journal rows between snapshots in the service under test
+SNAPSHOTS_EVERY = 1  # journal rows between snapshots in the services under test: one after every write
 
 
 def batch(client: int, phase: int) -> list[dict[str, Any]]:
@@ -57,6 +58,8 @@ def batch(client: int, phase: int) -> list[dict[str, Any]]:
     records = []
     for j in range(8):
         dispatch = rng.randint(max(0, phase - 3), phase)
+        if phase == AHEAD_IN_PHASE and client == 1:
+            dispatch = 0  # the whole batch is stale: the ship's sweep drops it before a strict run refuses the ship
         n = rng.randint(1, 6)
         later = min(dispatch + 1, phase)
         sample: dict[str, Any] = {"mask": [1] * n}
