@@ -636,8 +636,14 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
     position_hi = np.zeros(len(s), dtype=np.int64)
     has_tokens = np.zeros(len(s), dtype=bool)
     seen_pairs: set[tuple[int, int]] = set()
+    # Rows and samples grouped by chunk once (stable: in row order), not one scan of all rows per chunk.
+    row_order = np.argsort(chunk, kind="stable")
+    row_bounds = np.searchsorted(chunk[row_order], np.arange(len(chunks) + 1))
+    sample_chunk = chunk[sample_owner]
+    sample_order = np.argsort(sample_chunk, kind="stable")
+    sample_bounds = np.searchsorted(sample_chunk[sample_order], np.arange(len(chunks) + 1))
     for c, batch in enumerate(chunks):
-        mine = np.flatnonzero(chunk == c)
+        mine = row_order[row_bounds[c] : row_bounds[c + 1]]
         k = index[mine]
         if ((k < 0) | (k >= batch.n_rollouts)).any():
             fail(join(where_r, "index"), f"chunk {c} holds rollouts 0..{batch.n_rollouts - 1}")
@@ -661,7 +667,7 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
         for row, name in zip(mine.tolist(), _per_row(batch.group_ids, k)):
             if name is not None and groups.get(name) != int(r["group"][row]):
                 fail(join(where_r, "group"), f"row {row} is not in the group of {name!r}")
-        owned = np.flatnonzero(np.isin(sample_owner, mine))
+        owned = sample_order[sample_bounds[c] : sample_bounds[c + 1]]
         sample_in_batch[owned] = batch.sample_offsets[index[sample_owner[owned]]] + s["local"][owned]
         position_lo[owned] = batch.position_offsets[sample_in_batch[owned]]
         position_hi[owned] = batch.position_offsets[sample_in_batch[owned] + 1]

@@ -218,11 +218,13 @@ class Sink:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`."""
+        """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`. Taking it at any
+        moment changes nothing in the sink."""
         return save_sink(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`; a checkpoint of another policy or bound is a ``ConfigError``."""
+        """Continue from :meth:`state_dict`. All or nothing: a state that fails a check (or was taken under
+        another policy or bound) raises ``ConfigError`` naming the key path, and the sink stays as it was."""
         load_sink(self, state)
 
     # ------------------------------------------------------------------ add
