@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
+import orjson
 
 from .columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from .config import StalenessConfig
@@ -163,11 +164,16 @@ def _plain(value: Any) -> Any:
 
 
 def _digest(value: Any, path: str) -> str:
+    """A hash of ``value``'s canonical JSON (orjson: a tenth of the standard library's time on big arrays;
+    the standard library for what orjson refuses, such as integers beyond 64 bits in echoed records)."""
     try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain)
-    except (TypeError, ValueError, RecursionError) as exc:
-        fail(path, f"not plain data ({exc})")
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        text = orjson.dumps(value, default=_plain, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    except (TypeError, orjson.JSONEncodeError):
+        try:
+            text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain).encode()
+        except (TypeError, ValueError, RecursionError) as exc:
+            fail(path, f"not plain data ({exc})")
+    return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
 def digests_of(state: Mapping[str, Any], skip: Collection[str] = ()) -> dict[str, str]:
