@@ -30,7 +30,21 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from .checkpoint import FORMAT, check_format
+from .checkpoint import (
+    FORMAT,
+    check_digests,
+    check_format,
+    check_mismatch,
+    digests_of,
+    fail,
+    integer,
+    join,
+    keys,
+    mapping,
+    read_sink,
+    sequence,
+    string,
+)
 from .columnar import RolloutBatch
 from .config import StalenessConfig
 from .errors import ConfigError
@@ -133,7 +147,7 @@ class StalenessMonitor:
         Save it beside the trainer's checkpoint; :meth:`load_state_dict` in a new process continues.
         """
         with self._lock:
-            return {
+            state: dict[str, Any] = {
                 "format": FORMAT,
                 "run": self.run,
                 "sink": self.sink.state_dict(),
@@ -142,20 +156,65 @@ class StalenessMonitor:
                 "shipped_steps": sorted(self._shipped_steps),
                 "mismatch": [[step, sums.to_dict()] for step, sums in sorted(self._mismatch.items())],
             }
+        state["digests"] = digests_of(state, skip=("sink",))  # the sink's state carries its own
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`. A checkpoint of another policy or bound raises ``ConfigError``
-        (naming both); exporters continue their cumulative series from the saved values."""
+        """Continue from :meth:`state_dict`; exporters continue their cumulative series from the saved values.
+
+        All or nothing: the whole state is checked first (structure, types, ranges, that its parts agree, and
+        the digests saved with it), and a bad one raises ``ConfigError`` naming the key path and the reason,
+        with the monitor left exactly as it was. A checkpoint of another policy or bound is refused too
+        (naming both). An exporter of this monitor absent from the checkpoint starts its series afresh."""
         check_format(state, "monitor")
+        state = keys(state, "", ("format", "run", "sink", "exporters", "export_errors", "shipped_steps", "mismatch"),
+                     ("digests",))  # fmt: skip
+        if state["format"] != 1 and "digests" not in state:
+            fail("digests", "missing")
+        string(state["run"], "run")
         with self._lock:
-            self.sink.load_state_dict(state["sink"])
-            saved = state.get("exporters", {})
+            sink_attributes, policy_state = read_sink(self.sink, state["sink"], "sink")
+            saved = mapping(state["exporters"], "exporters")
+            loads: list[tuple[str, Stateful, Any]] = []
             for name, exporter in self._stateful().items():
                 if name in saved:
-                    exporter.load_state_dict(saved[name])
-            self.export_errors.restore(state.get("export_errors", {}))
-            self._shipped_steps = {int(step) for step in state.get("shipped_steps", ())}
-            self._mismatch = {int(step): MismatchSums.from_dict(sums) for step, sums in state.get("mismatch", ())}
+                    check = getattr(exporter, "check_state_dict", None)
+                    if check is not None:
+                        check(saved[name], join("exporters", name))
+                    loads.append((name, exporter, saved[name]))
+            errors = mapping(state["export_errors"], "export_errors")
+            error_counts = {string(name, "export_errors"): integer(n, join("export_errors", str(name)), 0)
+                            for name, n in errors.items()}  # fmt: skip
+            steps = sequence(state["shipped_steps"], "shipped_steps")
+            shipped = {
+                integer(step, join("shipped_steps", i), 1, sink_attributes["_step"]) for i, step in enumerate(steps)
+            }
+            if len(shipped) != len(steps):
+                fail("shipped_steps", "a step appears twice")
+            mismatch: dict[int, MismatchSums] = {}
+            for i, item in enumerate(sequence(state["mismatch"], "mismatch")):
+                step, sums = sequence(item, join("mismatch", i), 2)
+                step = integer(step, join(join("mismatch", i), 0), 1)
+                if step not in shipped or step in mismatch:
+                    fail(join(join("mismatch", i), 0), f"step {step} was not shipped, or appears twice")
+                mismatch[step] = check_mismatch(sums, join(join("mismatch", i), 1))
+            check_digests(state, "", skip=("sink",))
+            # Everything is checked: replace. Exporters that cannot check a state beforehand load first, so that
+            # one refusing leaves the monitor as it was.
+            loads.sort(key=lambda load: getattr(load[1], "check_state_dict", None) is not None)
+            for name, exporter, exporter_state in loads:
+                try:
+                    exporter.load_state_dict(exporter_state)
+                except ConfigError:
+                    raise
+                except Exception as exc:
+                    raise ConfigError(f"checkpoint: {join('exporters', name)}: {exc}") from exc
+            for attribute, value in sink_attributes.items():
+                setattr(self.sink, attribute, value)
+            self.sink.policy.load_state_dict(policy_state)
+            self.export_errors.restore(error_counts)
+            self._shipped_steps = shipped
+            self._mismatch = mismatch
 
     @contextmanager
     def absorbing(self) -> Iterator[None]:

@@ -218,11 +218,13 @@ class Sink:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`."""
+        """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`. Taking it at any
+        moment changes nothing in the sink."""
         return save_sink(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`; a checkpoint of another policy or bound is a ``ConfigError``."""
+        """Continue from :meth:`state_dict`. All or nothing: a state that fails a check (or was taken under
+        another policy or bound) raises ``ConfigError`` naming the key path, and the sink stays as it was."""
         load_sink(self, state)
 
     # ------------------------------------------------------------------ add
@@ -588,6 +590,13 @@ class Sink:
 
     def _compact(self) -> None:
         """Forget rollouts that left the sink: the tables keep only queued ones (bounded memory)."""
+        self._rollouts, self._samples, self._spans, self._chunks, self._chunk_open, self._ids = self._compacted()
+        self._row_of = {rid: row for row, rid in enumerate(self._ids)}
+        self._closing = []  # chunks closing now have no queued rollout: they are not kept
+
+    def _compacted(self) -> tuple[Table, Table, Table, list[RolloutBatch | None], list[int], list[str]]:
+        """The tables, chunks, open counts and ids of the queued rollouts only, renumbered: new objects (the
+        sink is not changed, so a checkpoint may take them at any moment)."""
         r, s = self._rollouts, self._samples
         keep = np.flatnonzero(r["status"] == QUEUED)
         sample_counts = r["sample_hi"][keep] - r["sample_lo"][keep]
@@ -597,19 +606,19 @@ class Sink:
         chunks = np.unique(r["chunk"][keep])
         sample_offsets = np.concatenate(([0], np.cumsum(sample_counts)))
         span_offsets = np.concatenate(([0], np.cumsum(span_counts)))
-        self._rollouts = r.take(
+        rollouts = r.take(
             keep, chunk=np.searchsorted(chunks, r["chunk"][keep]),
             sample_lo=sample_offsets[:-1], sample_hi=sample_offsets[1:],
         )  # fmt: skip
-        self._samples = s.take(
+        samples = s.take(
             sample_rows, rollout=np.repeat(np.arange(len(keep)), sample_counts),
             span_lo=span_offsets[:-1], span_hi=span_offsets[1:],
         )  # fmt: skip
-        self._spans = self._spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
-        self._chunks = [self._chunks[c] for c in chunks.tolist()]
-        self._chunk_open = [self._chunk_open[c] for c in chunks.tolist()]
-        self._ids = [self._ids[row] for row in keep.tolist()]
-        self._row_of = {rid: row for row, rid in enumerate(self._ids)}
+        spans = self._spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
+        return (
+            rollouts, samples, spans, [self._chunks[c] for c in chunks.tolist()],
+            [self._chunk_open[c] for c in chunks.tolist()], [self._ids[row] for row in keep.tolist()],
+        )  # fmt: skip
 
     def _shipped_rollouts(self, rows: IntArray) -> Callable[[], tuple[ShippedRollout, ...]]:
         """Capture what the shipped rollouts are now; build the objects only when asked."""

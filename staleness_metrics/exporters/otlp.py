@@ -321,6 +321,10 @@ class OtlpExporter(QueuedExporter[_Payload]):
         """The cumulative series of the run (a monitor checkpoint holds them)."""
         return self._state.state_dict()
 
+    def check_state_dict(self, state: Any, path: str) -> None:
+        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError`` naming the key path)."""
+        CumulativeState.check_state_dict(state, path)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the cumulative series (same start time) from ``state``."""
         self._state.load_state_dict(state)

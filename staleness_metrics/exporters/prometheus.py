@@ -166,6 +166,10 @@ class _PrometheusBase:
         with self._lock:
             return self._state.state_dict()
 
+    def check_state_dict(self, state: Any, path: str) -> None:
+        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError`` naming the key path)."""
+        CumulativeState.check_state_dict(state, path)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the counters from ``state`` and show its last ship again until the next one."""
         with self._lock:

@@ -215,17 +215,30 @@ class CumulativeState:
             "last_report": None if self._last_report is None else report_to_dict(self._last_report),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> Snapshot | None:
-        """Continue the cumulative series from ``state``; returns what the last report showed (None if none)."""
-        from ..checkpoint import report_from_dict, tally_from_dict
+    @staticmethod
+    def check_state_dict(state: Any, path: str) -> tuple[dict[str, Tally], MismatchSums | None, int, StepReport | None]:
+        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path): totals, sums, start, report."""
+        from ..checkpoint import check_mismatch, check_report, check_tally, integer, join, keys, mapping, string
 
-        self._totals = {env: tally_from_dict(tally) for env, tally in state["totals"].items()}
-        mismatch = state.get("mismatch")
-        self._mismatch = None if mismatch is None else MismatchSums.from_dict(mismatch)
-        self._start_ns = int(state["start_time_ns"])  # the same series: it was never reset
+        found = keys(state, path, ("totals", "mismatch", "start_time_ns", "last_report"))
+        totals = mapping(found["totals"], join(path, "totals"))
+        return (
+            {string(env, join(path, "totals")): check_tally(tally, join(join(path, "totals"), env))
+             for env, tally in totals.items()},
+            None if found["mismatch"] is None else check_mismatch(found["mismatch"], join(path, "mismatch")),
+            integer(found["start_time_ns"], join(path, "start_time_ns"), 0),
+            None if found["last_report"] is None else check_report(found["last_report"], join(path, "last_report")),
+        )  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> Snapshot | None:
+        """Continue the cumulative series from ``state``; returns what the last report showed (None if none).
+        A bad state raises ``ConfigError`` and changes nothing."""
+        totals, mismatch, start_ns, last = self.check_state_dict(state, "state")
+        self._totals = totals
+        self._mismatch = mismatch
+        self._start_ns = start_ns  # the same series: it was never reset
         self._last_ns = max(self._last_ns, self._start_ns)
-        last = state.get("last_report")
-        self._last_report = None if last is None else report_from_dict(last)
+        self._last_report = last
         if self._last_report is None:
             return None
         self._step = self._last_report.step

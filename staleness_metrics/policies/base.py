@@ -39,5 +39,15 @@ class Policy(ABC):
         """What the policy remembers between calls, as JSON-serialisable data (none for stateless ones)."""
         return {}
 
+    def check_state_dict(self, state: Any, path: str) -> Mapping[str, Any]:
+        """Check what :meth:`state_dict` returned before anything is loaded (raise
+        :class:`~staleness_metrics.errors.ConfigError` naming ``path`` and the key): :meth:`load_state_dict`
+        then cannot fail. A stateless policy's state is ``{}``; a policy that keeps state checks it here."""
+        from ..checkpoint import keys
+
+        if type(self).state_dict is Policy.state_dict:
+            return keys(state, path, ())
+        return keys(state, path, state.keys() if isinstance(state, Mapping) else ())
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (checked by :meth:`check_state_dict`)."""

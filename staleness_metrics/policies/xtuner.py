@@ -44,8 +44,14 @@ class XtunerPolicy(Policy):
     def state_dict(self) -> dict[str, Any]:
         return {"owed": self._owed.tolist()}
 
+    def check_state_dict(self, state: Any, path: str) -> Mapping[str, Any]:
+        from ..checkpoint import integer, join, keys, sequence
+
+        owed = sequence(keys(state, path, ("owed",))["owed"], join(path, "owed"))
+        return {"owed": [integer(n, join(join(path, "owed"), i), 0) for i, n in enumerate(owed)]}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._owed = np.asarray(state.get("owed", []), dtype=np.int64)
+        self._owed = np.asarray(state["owed"], dtype=np.int64)
 
     def _grow(self, size: int) -> None:
         if size > len(self._owed):

@@ -1,10 +1,15 @@
 """SPEC 13 for the service: every acknowledged write survives ``kill -9``; re-sent requests count once.
 
-The acceptance test runs the real ``serve`` command with a data directory, four concurrent clients and a
-coordinator that ships between phases; it SIGKILLs the service mid-phase (and once mid-ship), restarts it
-on the same directory, lets each client re-send what got no answer, and compares ``/steps``, the run's
-counters and ``/metrics`` with a service that was never killed. The run's exported events, replayed by
-``staleness-metrics replay``, reproduce ``/steps``.
+The acceptance test runs the real ``serve`` command with a data directory and one run per policy (token,
+episode, group, xtuner with retries; strict and lenient), four concurrent clients and a coordinator that
+ships every run between phases. A snapshot is taken after every journal row
+(``STALENESS_TEST_SNAPSHOT_EVERY``, read by tests/server/launch.py), so one lands after every kind of
+write: adds, re-sent duplicates, ships whose sweep dropped rollouts, and a strict ship refused after its
+sweep dropped the newest batch whole (saving used to renumber the batches but not that pending release).
+It SIGKILLs the service mid-phase and once mid-ship, restarts it on the same directory, lets each client
+re-send what got no answer, and compares every run's ``/steps``, counters, ship answers and ``/metrics``
+with a service that was never killed. Each run's exported events, replayed by ``staleness-metrics
+replay`` (no snapshots there), reproduce its ``/steps``.
 """
 
 from __future__ import annotations
@@ -34,34 +39,44 @@ pytestmark = pytest.mark.integration
 
 RUN = "durable"
 CONFIG = {"policy": "xtuner", "max_staleness": 1, "max_token_staleness": 0, "retry_expired": True, "strict": False}
+RUNS: dict[str, dict[str, Any]] = {
+    "token": {"policy": "token", "max_staleness": 1, "strict": True},
+    "episode": {"policy": "episode", "max_staleness": 1, "strict": False},
+    "group": {"policy": "group", "max_staleness": 1, "strict": True},
+    "xtuner": CONFIG,
+}
 CLIENTS = 4
-PHASES = 8
-KILL_IN_PHASE = 3  # SIGKILL while the clients of this phase are sending
-KILL_AT_SHIP = 6  # and once while this phase's ship is in flight
+PHASES = 6
+KILL_IN_PHASE = 2  # SIGKILL while the clients of this phase are sending
+KILL_AT_SHIP = 4  # and once while this phase's ships are in flight
+AHEAD_IN_PHASE = 3  # a rollout labelled above the phase's trained version: strict runs refuse that ship
+SNAPSHOTS_EVERY = 1  # journal rows between snapshots in the services under test: one after every write
 
 
-def batches(client: int, phase: int) -> list[list[dict[str, Any]]]:
-    """The batches one client sends in one phase (versions never above the phase's trained version)."""
+def batch(client: int, phase: int) -> list[dict[str, Any]]:
+    """What one client sends in one phase, as one batch (versions up to the phase's trained version)."""
     rng = random.Random(client * 1000 + phase)
-    out = []
-    for b in range(3):
-        records = []
-        for j in range(4):
-            dispatch = rng.randint(max(0, phase - 3), phase)
-            n = rng.randint(1, 6)
-            later = min(dispatch + 1, phase)
-            record: dict[str, Any] = {
-                "id": f"c{client}-p{phase}-b{b}-{j}",
-                "group_id": f"g{phase}-{(client + j) % 3}",
-                "env": rng.choice(["math", "code"]),
-                "dispatch_version": dispatch,
-                "samples": [{"mask": [1] * n, "weight_versions": [[dispatch, 0], [later, n // 2]] if n > 1 else None}],
-            }
-            if record["samples"][0]["weight_versions"] is None:
-                del record["samples"][0]["weight_versions"]
-            records.append(record)
-        out.append(records)
-    return out
+    records = []
+    for j in range(8):
+        dispatch = rng.randint(max(0, phase - 3), phase)
+        n = rng.randint(1, 6)
+        later = min(dispatch + 1, phase)
+        sample: dict[str, Any] = {"mask": [1] * n}
+        if n > 1:
+            sample["weight_versions"] = [[dispatch, 0], [later, n // 2]]
+        records.append({
+            "id": f"c{client}-p{phase}-{j}", "group_id": f"g{phase}-{(client + j) % 5}",
+            "env": rng.choice(["math", "code"]), "dispatch_version": dispatch, "samples": [sample],
+        })  # fmt: skip
+    if phase == AHEAD_IN_PHASE and client == 0:
+        records.append({"id": f"ahead-{phase}", "dispatch_version": phase + 1, "samples": [{"mask": [1, 1]}]})
+    return records
+
+
+# Sent last before the ship of AHEAD_IN_PHASE, so it is the newest batch: the ship's sweep drops all of it,
+# then strict runs refuse the ship, and a snapshot lands while the batch waits to be released.
+STALE = [{"id": f"stale-{j}", "group_id": f"stale-{j}", "dispatch_version": 0, "samples": [{"mask": [1]}]}
+         for j in range(3)]  # fmt: skip
 
 
 @dataclass
@@ -75,7 +90,8 @@ class Service:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def up(self) -> None:
-        self.process = self.start(["--data-dir", str(self.data_dir)])
+        env = {"STALENESS_TEST_SNAPSHOT_EVERY": str(SNAPSHOTS_EVERY)}
+        self.process = self.start(["--data-dir", str(self.data_dir)], env)
         self.generation += 1
 
     def kill(self) -> None:
@@ -88,87 +104,106 @@ class Service:
         assert self.process is not None
         return self.process.url
 
+    def died(self) -> bool:
+        return self.process is not None and self.process.process.poll() is not None
+
 
 def post(url: str, path: str, body: Any, headers: dict[str, str] | None = None) -> httpx.Response | None:
     """The answer, or None when the service died before answering (the client does not know the outcome)."""
     try:
-        response = httpx.post(url + path, json=body, headers=headers, timeout=60)
+        return httpx.post(url + path, json=body, headers=headers, timeout=60)
     except httpx.TransportError:
         return None
-    assert response.status_code == 200, response.text
-    return response
+
+
+def ship(url: str, run: str, phase: int, again: bool = False) -> httpx.Response | None:
+    key = f"ship-{phase}{'-again' if again else ''}"
+    return post(url, f"/v1/runs/{run}/ship", {"step": phase + 1 + again}, {"Idempotency-Key": key})
+
+
+def ship_all(service: Service, phase: int) -> None:
+    for run in RUNS:
+        ship(service.url, run, phase)
 
 
 def drive(service: Service, kill: bool) -> dict[str, Any]:
-    """Phases of concurrent adds, each closed by a ship with an idempotency key."""
-    put = httpx.put(f"{service.url}/v1/runs/{RUN}", json=CONFIG, timeout=60)
-    assert put.status_code == 201, put.text
-    ship_answers = []
+    """Phases of concurrent adds to every run, each closed by a ship of every run with an idempotency key."""
+    for run, config in RUNS.items():
+        put = httpx.put(f"{service.url}/v1/runs/{run}", json=config, timeout=60)
+        assert put.status_code == 201, put.text
+    ship_answers: dict[str, list[Any]] = {run: [] for run in RUNS}
     for phase in range(1, PHASES + 1):
         answered = threading.Semaphore(0)
         unanswered: list[tuple[str, Any]] = []
         url = service.url
 
-        def client(
-            index: int,
-            url: str = url,
-            phase: int = phase,
-            answered: threading.Semaphore = answered,
-            unanswered: list[tuple[str, Any]] = unanswered,
-        ) -> None:
-            for records in batches(index, phase):
-                body = {"rollouts": records}
-                if post(url, f"/v1/runs/{RUN}/rollouts", body) is None:
+        def client(index: int, url: str = url, phase: int = phase, answered: threading.Semaphore = answered,
+                   unanswered: list[tuple[str, Any]] = unanswered) -> None:  # fmt: skip
+            body = {"rollouts": batch(index, phase)}
+            for run in RUNS:
+                answer = post(url, f"/v1/runs/{run}/rollouts", body)
+                if answer is None:
                     with service.lock:
-                        unanswered.append(("/rollouts", body))
+                        unanswered.append((run, body))
                 else:
+                    assert answer.status_code == 200, answer.text
                     answered.release()
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
         for thread in threads:
             thread.start()
         if kill and phase == KILL_IN_PHASE:
-            for _ in range(5):  # some batches of this phase are in, others are not
+            for _ in range(CLIENTS * len(RUNS) // 2):  # some batches of this phase are in, others are not
                 answered.acquire()
             service.kill()
         for thread in threads:
             thread.join()
-        if service.process is not None and service.process.process.poll() is not None:
+        if service.died():
             service.up()
-            for path, body in unanswered:  # each client re-sends what it got no answer for
-                assert post(service.url, f"/v1/runs/{RUN}{path}", body) is not None
-        ship = {"step": phase + 1}
-        key = {"Idempotency-Key": f"ship-{phase}"}
+            for run, body in unanswered:  # each client re-sends what it got no answer for
+                answer = post(service.url, f"/v1/runs/{run}/rollouts", body)
+                assert answer is not None and answer.status_code == 200
+        if phase == AHEAD_IN_PHASE:
+            for run in RUNS:
+                answer = post(service.url, f"/v1/runs/{run}/rollouts", {"rollouts": STALE})
+                assert answer is not None and answer.status_code == 200
         if kill and phase == KILL_AT_SHIP:
-            sender = threading.Thread(target=post, args=(service.url, f"/v1/runs/{RUN}/ship", ship, key))
+            sender = threading.Thread(target=ship_all, args=(service, phase))
             sender.start()
-            service.kill()  # the ship may or may not have been applied: the client cannot tell
+            service.kill()  # some ships may have been applied, others not: the coordinator cannot tell
             sender.join()
             service.up()
-        answer = post(service.url, f"/v1/runs/{RUN}/ship", ship, key)
-        assert answer is not None
-        ship_answers.append({k: v for k, v in answer.json().items() if k != "replayed"})
+        # (again after a kill: an applied ship answers from its idempotency key). After the refused ship, a
+        # second one right away, before any add: it releases what the refused one's sweep dropped.
+        for again in (False, True) if phase == AHEAD_IN_PHASE else (False,):
+            for run in RUNS:
+                answer = ship(service.url, run, phase, again)
+                assert answer is not None
+                body = answer.json()
+                ship_answers[run].append((answer.status_code, {k: v for k, v in body.items() if k != "replayed"}))
     base = service.url
     metrics = httpx.get(f"{base}/metrics", timeout=60).text
     return {
-        "steps": httpx.get(f"{base}/v1/runs/{RUN}/steps", timeout=60).json(),
-        "info": httpx.get(f"{base}/v1/runs/{RUN}", timeout=60).json(),
+        "steps": {run: httpx.get(f"{base}/v1/runs/{run}/steps", timeout=60).json() for run in RUNS},
+        "info": {run: httpx.get(f"{base}/v1/runs/{run}", timeout=60).json() for run in RUNS},
         "metrics": sorted(line for line in metrics.splitlines() if line.startswith("rl_staleness")),
         "ships": ship_answers,
-        "events": httpx.get(f"{base}/v1/runs/{RUN}/events", timeout=60).text,
+        "events": {run: httpx.get(f"{base}/v1/runs/{run}/events", timeout=60).text for run in RUNS},
     }
 
 
-def comparable_ship(answer: dict[str, Any]) -> dict[str, Any]:
+def comparable_ship(answer: tuple[int, dict[str, Any]]) -> tuple[int, dict[str, Any]]:
     """Ship answers with their id lists as sets (concurrent clients add in any order)."""
-    out = dict(answer)
+    status, out = answer[0], dict(answer[1])
     for name in ("shipped", "dropped_rollouts", "held"):
-        out[name] = sorted(out[name])
-    out["dropped_samples"] = sorted(map(tuple, out["dropped_samples"]))
-    return out
+        if name in out:
+            out[name] = sorted(out[name])
+    if "dropped_samples" in out:
+        out["dropped_samples"] = sorted(map(tuple, out["dropped_samples"]))
+    return status, out
 
 
-def test_sigkill_mid_stream_loses_nothing_and_counts_nothing_twice(
+def test_sigkill_under_concurrent_load_changes_no_answer_counter_or_metric_under_any_policy(
     serve_process: Callable[..., ServeProcess], tmp_path: Path
 ) -> None:
     killed = Service(serve_process, tmp_path / "killed")
@@ -179,27 +214,34 @@ def test_sigkill_mid_stream_loses_nothing_and_counts_nothing_twice(
     expected = drive(survived, kill=False)
     assert killed.generation == 3 and survived.generation == 1
 
-    assert got["steps"] == expected["steps"]
-    assert len(got["steps"]["steps"]) == PHASES
-    resent = got["info"].pop("duplicates_ignored")  # re-sent records that had been applied before the kill
-    assert expected["info"].pop("duplicates_ignored") == 0 and resent % 4 == 0  # whole batches, counted once
-    assert got["info"] == expected["info"]
-    assert got["info"]["rollouts_received"] == CLIENTS * PHASES * 3 * 4  # nothing lost
-    assert got["metrics"] == expected["metrics"]  # the Prometheus counters continued, not restarted
-    assert [comparable_ship(a) for a in got["ships"]] == [comparable_ship(a) for a in expected["ships"]]
+    for run, config in RUNS.items():
+        assert got["steps"][run] == expected["steps"][run], run
+        assert len(got["steps"][run]["steps"]) == PHASES + 1 - config["strict"], run  # a strict run refused one
+        resent = got["info"][run].pop("duplicates_ignored")  # re-sent records applied before the kill
+        assert expected["info"][run].pop("duplicates_ignored") == 0
+        assert got["info"][run] == expected["info"][run], run
+        assert got["info"][run]["rollouts_received"] == CLIENTS * PHASES * 8 + 1 + len(STALE), run  # nothing lost
+        assert resent % 8 == 0, run  # whole batches, counted once
+        assert [comparable_ship(a) for a in got["ships"][run]] == [comparable_ship(a) for a in expected["ships"][run]]
+        refused = [status for status, _ in got["ships"][run] if status != 200]
+        assert len(refused) == (1 if config["strict"] else 0), run
 
-    # The persisted history replays to the same metrics (SPEC 9 events).
-    events = tmp_path / "events.jsonl"
-    events.write_text(got["events"])
-    metrics_out = tmp_path / "metrics.jsonl"
-    options = ["--policy", "xtuner", "--max-staleness", "1", "--max-token-staleness", "0", "--retry-expired"]
-    subprocess.run(
-        [sys.executable, "-m", "staleness_metrics.cli", "replay", str(events), *options, "--lenient",
-         "--metrics-out", str(metrics_out)],
-        cwd=ROOT, check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    replayed = [json.loads(line) for line in metrics_out.read_text().splitlines()]
-    assert replayed == [{"step": row["step"], **row["metrics"]} for row in got["steps"]["steps"]]
+        # The persisted history replays to the same metrics (SPEC 9 events).
+        events = tmp_path / f"{run}.jsonl"
+        events.write_text(got["events"][run])
+        metrics_out = tmp_path / f"{run}-metrics.jsonl"
+        options = ["--policy", config["policy"], "--max-staleness", str(config["max_staleness"])]
+        if run == "xtuner":
+            options += ["--max-token-staleness", "0", "--retry-expired"]
+        options.append("--strict" if config["strict"] else "--lenient")
+        subprocess.run(
+            [sys.executable, "-m", "staleness_metrics.cli", "replay", str(events), *options,
+             "--metrics-out", str(metrics_out)],
+            cwd=ROOT, check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        replayed = [json.loads(line) for line in metrics_out.read_text().splitlines()]
+        assert replayed == [{"step": row["step"], **row["metrics"]} for row in got["steps"][run]["steps"]], run
+    assert got["metrics"] == expected["metrics"]  # the Prometheus counters continued, not restarted
 
 
 def fill(registry: RunRegistry, writes: int) -> None:
