@@ -61,6 +61,7 @@ __all__ = [
     "NotPersisted",
     "RecordConflict",
     "RecordsInvalid",
+    "RestoreFailed",
     "Run",
     "RunBroken",
     "RunConflict",
@@ -107,6 +108,16 @@ class RunBroken(RunError):
 
 class NotPersisted(RunError):
     """The service keeps no history (``--in-memory``)."""
+
+
+class RestoreFailed(Exception):
+    """A stored run could not be loaded again at start (the message names the run and the row)."""
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, RunError | TraceError | ValueError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 class RecordsInvalid(RunError):
@@ -309,37 +320,55 @@ class Run:
         }
 
     def restore(self, stored: StoredRun) -> None:
-        """Load the latest snapshot and re-apply the journal after it (ships are not exported again)."""
+        """Load the latest snapshot and re-apply the journal after it (ships are not exported again).
+
+        Raises :class:`RestoreFailed` naming the stored row that could not be loaded or applied.
+        """
         self._restoring = True
         try:
             if stored.snapshot is not None:
-                state = stored.snapshot
-                if state.get("format") != RUN_STATE_FORMAT:
-                    raise ValueError(f"run {self.name!r}: unknown stored format {state.get('format')!r}")
-                self.monitor.load_state_dict(state["monitor"])
-                self._received = {rid: bytes.fromhex(digest) for rid, digest in state["received"].items()}
-                self._duplicates = int(state["duplicates"])
-                self._answers = OrderedDict(
-                    (key, ((fp[0], None if fp[1] is None else tuple(fp[1]), fp[2]), ShipResult.model_validate(answer)))
-                    for key, fp, answer in state["answers"]
-                )
-                self._mismatch = {
-                    int(step): _StepMismatch.of(int(posts), MismatchSums.from_dict(sums))
-                    for step, posts, sums in state.get("mismatch", [])
-                }
-                self._mismatch_answers = OrderedDict(
-                    (key, ((int(fp[0]), bytes.fromhex(fp[1])), MismatchResult.model_validate(answer)))
-                    for key, fp, answer in state.get("mismatch_answers", [])
-                )
-            self._history = [StepRow.model_validate(row) for row in stored.history]
+                try:
+                    self._load_snapshot(stored.snapshot)
+                except Exception as exc:
+                    where = f"snapshot (taken at journal row {stored.snapshot_seq})"
+                    raise RestoreFailed(f"run {self.name!r}: its {where} cannot be loaded: {_reason(exc)}") from exc
+            try:
+                self._history = [StepRow.model_validate(row) for row in stored.history]
+            except Exception as exc:
+                raise RestoreFailed(f"run {self.name!r}: a history row cannot be loaded: {_reason(exc)}") from exc
             self._seq = stored.snapshot_seq
             with self.monitor.absorbing():
                 for row in stored.tail:
-                    self._ops[row.op](row.request)
+                    try:
+                        self._ops[row.op](row.request)
+                    except Exception as exc:
+                        raise RestoreFailed(
+                            f"run {self.name!r}: its journal row {row.seq} ({row.op}) cannot be applied again: "
+                            f"{_reason(exc)}"
+                        ) from exc
                     self._seq = row.seq
                     self._rows_since_snapshot += 1
         finally:
             self._restoring = False
+
+    def _load_snapshot(self, state: Any) -> None:
+        if state.get("format") != RUN_STATE_FORMAT:
+            raise ValueError(f"unknown stored format {state.get('format')!r}")
+        self.monitor.load_state_dict(state["monitor"])
+        self._received = {rid: bytes.fromhex(digest) for rid, digest in state["received"].items()}
+        self._duplicates = int(state["duplicates"])
+        self._answers = OrderedDict(
+            (key, ((fp[0], None if fp[1] is None else tuple(fp[1]), fp[2]), ShipResult.model_validate(answer)))
+            for key, fp, answer in state["answers"]
+        )
+        self._mismatch = {
+            int(step): _StepMismatch.of(int(posts), MismatchSums.from_dict(sums))
+            for step, posts, sums in state.get("mismatch", [])
+        }
+        self._mismatch_answers = OrderedDict(
+            (key, ((int(fp[0]), bytes.fromhex(fp[1])), MismatchResult.model_validate(answer)))
+            for key, fp, answer in state.get("mismatch_answers", [])
+        )
 
     def _replay_add(self, request: Mapping[str, Any]) -> None:
         self.add(list(request["rollouts"]))
@@ -620,12 +649,24 @@ class RunRegistry:
             return run, True
 
     def restore(self) -> int:
-        """Load every stored run (at start-up, before serving); returns how many."""
+        """Load every stored run (at start-up, before serving); returns how many.
+
+        Stored data that cannot be loaded refuses the start (the store's error names the run and the row):
+        a run silently left out would look deleted, and its clients would start it again from nothing.
+        """
         stored_runs = self.store.load()
         for stored in stored_runs:
-            config = StalenessConfig(**stored.config)
+            try:
+                config = StalenessConfig(**stored.config)
+            except Exception as exc:
+                what = f"run {stored.name!r}: its configuration cannot be loaded: {_reason(exc)}"
+                raise self.store.damaged(what) from None
             run = Run(stored.name, config, build_exporters(stored.name, self.export_settings), self.store)
-            run.restore(stored)
+            try:
+                run.restore(stored)
+            except RestoreFailed as exc:
+                run.close()
+                raise self.store.damaged(str(exc)) from None
             with self._lock:
                 self._runs[stored.name] = run
         return len(stored_runs)
