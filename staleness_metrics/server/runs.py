@@ -614,8 +614,7 @@ class Run:
             if self._closed:
                 return
             self._closed = True
-        self.monitor.close()
-        self._exporters.finish(self.monitor.export_errors)
+        self.monitor.close()  # the exporters flush, and finish a W&B run of their own
 
 
 class RunRegistry:
