@@ -9,6 +9,7 @@ family, one series per run (the ``run`` label tells them apart).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -21,9 +22,13 @@ if TYPE_CHECKING:
 
     from ..exporters.prometheus import PrometheusExporter
 
-__all__ = ["ExportSettings", "RunExporters", "ServiceCollector", "build_exporters"]
+__all__ = ["ExportSettings", "RunExporters", "ServiceCollector", "build_exporters", "preload"]
 
 WandbMode = Literal["online", "offline"]
+
+# How long closing a run may wait for its W&B run to start and finish: a service shutting down is not a
+# trainer waiting, and a W&B run left unfinished loses its last rows (runs close in parallel).
+WANDB_CLOSE_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -82,10 +87,22 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
         try:
             from ..exporters.wandb import WandbExporter
 
-            exporters.others.append(WandbExporter(init_kwargs=_wandb_init(run, settings), own_run=True))
+            init = _wandb_init(run, settings)
+            exporters.others.append(WandbExporter(init_kwargs=init, own_run=True, close_timeout=WANDB_CLOSE_TIMEOUT))
         except Exception as exc:
             exporters.failures.append(("wandb", "the W&B run could not start", exc))
     return exporters
+
+
+def preload(settings: ExportSettings) -> None:
+    """Import the exporters' heavy dependencies once, at start, before any request is served.
+
+    ``import wandb`` builds its protobuf descriptors holding the GIL for seconds: done on an exporter's
+    worker while the service answers, it would stall every request for that long.
+    """
+    if settings.wandb_project is not None:
+        with contextlib.suppress(ImportError):  # reported per run, as an exporter that could not start
+            import wandb  # noqa: F401
 
 
 def _wandb_init(run: str, settings: ExportSettings) -> dict[str, Any]:

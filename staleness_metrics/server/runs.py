@@ -27,6 +27,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ from ..errors import TraceError
 from ..mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..monitor import StalenessMonitor
 from ..sink import Shipment
-from .exporting import ExportSettings, RunExporters, build_exporters
+from .exporting import ExportSettings, RunExporters, build_exporters, preload
 from .models import (
     AddResult,
     ErrorItem,
@@ -622,6 +623,7 @@ class RunRegistry:
 
     def __init__(self, export_settings: ExportSettings | None = None, store: Store | None = None) -> None:
         self.export_settings = export_settings or ExportSettings()
+        preload(self.export_settings)
         self.store = store or Store()
         self._runs: dict[str, Run] = {}
         self._lock = threading.Lock()  # guards the dict
@@ -702,5 +704,8 @@ class RunRegistry:
             self._runs.clear()
         for run in runs:
             run.checkpoint()
-            run.close()
+        # In parallel: each run's exporters may wait up to their close timeout for a receiver.
+        with ThreadPoolExecutor(max_workers=min(32, len(runs) or 1), thread_name_prefix="staleness-close") as pool:
+            for _ in pool.map(Run.close, runs):
+                pass
         self.store.close()
