@@ -47,6 +47,7 @@ __all__ = [
     "Store",
     "StoreDamaged",
     "StoredRun",
+    "checksum",
     "dumps",
     "loads",
 ]

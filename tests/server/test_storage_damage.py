@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import sqlite3
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
+import orjson
 import pytest
 
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.server import ExportSettings, RunRegistry
+from staleness_metrics.server import ExportSettings, RunRegistry, ServerSettings
 from staleness_metrics.server.models import ShipRequest
-from staleness_metrics.server.store import DATABASE_NAME, MANIFEST_NAME, SNAPSHOT_EVERY, SqliteStore
+from staleness_metrics.server.store import DATABASE_NAME, MANIFEST_NAME, SNAPSHOT_EVERY, SqliteStore, checksum
 
-from .conftest import ROOT, child_env, serve_command
+from .conftest import ROOT, ServeProcess, ThreadServer, child_env, serve_command
 
 pytestmark = pytest.mark.integration
 
@@ -158,3 +162,55 @@ def test_an_undecodable_row_of_an_old_database_is_named_at_the_migration(tmp_pat
     data = request_of(tmp_path, 3)
     edit_row(tmp_path, "UPDATE journal SET request = ? WHERE run = ? AND seq = 3", data[:-3], RUN)
     assert_refused(start(tmp_path), tmp_path, f"run {RUN!r}", "journal row 3", "is not valid JSON")
+
+
+def test_a_row_that_cannot_be_applied_again_makes_its_run_unavailable_and_healthz_names_it(
+    tmp_path: Path, serve_process: Callable[..., ServeProcess]
+) -> None:
+    """A row whose bytes are intact but which the run cannot apply (here: an operation this version does
+    not know) cannot be told at the checksum: the service starts, that run answers 503 with the row named,
+    /healthz answers 503 naming it, and the other runs are served."""
+    write_directory(tmp_path)
+    data = orjson.dumps({"step": 9})
+    with sqlite3.connect(tmp_path / DATABASE_NAME) as db:
+        db.execute(
+            "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, 13, 'rewind', ?, ?)",
+            (RUN, data, checksum("journal", RUN, 13, b"rewind\0" + data)),
+        )
+    served = serve_process(["--data-dir", str(tmp_path)])
+    with httpx.Client(base_url=served.url, timeout=60) as http:
+        health = http.get("/healthz")
+        assert health.status_code == 503
+        body = health.json()
+        assert body["status"] == "unavailable" and body["runs"] == 1 and list(body["unavailable"]) == [RUN]
+        assert "journal row 13 (rewind)" in body["unavailable"][RUN]
+        answer = http.get(f"/v1/runs/{RUN}")
+        assert answer.status_code == 503 and "journal row 13" in answer.json()["detail"]
+        assert http.get("/v1/runs/other").status_code == 200  # the other run is served
+        assert http.delete(f"/v1/runs/{RUN}").status_code == 204  # the way out the message names
+        assert http.get("/healthz").status_code == 200
+
+
+def test_healthz_names_a_run_that_could_not_persist_a_write(
+    tmp_path: Path, start_server: Callable[..., ThreadServer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = start_server(ServerSettings(data_dir=tmp_path))
+    store = server.app.state.runs.store
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.put("/v1/runs/fine", json={}).status_code == 201
+        assert http.put(f"/v1/runs/{RUN}", json={}).status_code == 201
+        assert http.get("/healthz").status_code == 200
+        write = store.append
+
+        def disk_full(run: str, *args: Any, **kwargs: Any) -> int:
+            if run == RUN:
+                raise OSError(28, "No space left on device")
+            return write(run, *args, **kwargs)
+
+        monkeypatch.setattr(store, "append", disk_full)
+        assert http.post(f"/v1/runs/{RUN}/rollouts", json={"rollouts": [rollout("a", 0)]}).status_code == 503
+        health = http.get("/healthz")
+        assert health.status_code == 503
+        assert list(health.json()["unavailable"]) == [RUN]
+        assert "No space left on device" in health.json()["unavailable"][RUN]
+        assert http.post("/v1/runs/fine/rollouts", json={"rollouts": [rollout("a", 0)]}).status_code == 200
