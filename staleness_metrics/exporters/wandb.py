@@ -28,6 +28,7 @@ instead of advancing the run's step.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import threading
 from collections.abc import Iterable, Mapping
@@ -133,6 +134,8 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
         own_run: bool = False,
     ) -> None:
+        if importlib.util.find_spec("wandb") is None:  # fail here, not on the worker for ever
+            raise ImportError("the W&B exporter needs wandb: pip install 'staleness-metrics[wandb]'")
         super().__init__()
         self._owns_run = False
         self._init_kwargs = dict(init_kwargs or {})

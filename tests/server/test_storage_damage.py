@@ -214,3 +214,9 @@ def test_healthz_names_a_run_that_could_not_persist_a_write(
         assert list(health.json()["unavailable"]) == [RUN]
         assert "No space left on device" in health.json()["unavailable"][RUN]
         assert http.post("/v1/runs/fine/rollouts", json={"rollouts": [rollout("a", 0)]}).status_code == 200
+
+
+def test_a_database_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
+    write_directory(tmp_path)
+    (tmp_path / DATABASE_NAME).write_bytes(b"\x00garbage" * 512)  # overwritten by something else
+    assert_refused(start(tmp_path), tmp_path, f"the database {tmp_path / DATABASE_NAME} cannot be read")
