@@ -97,8 +97,9 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
 def preload(settings: ExportSettings) -> None:
     """Import the exporters' heavy dependencies once, at start, before any request is served.
 
-    ``import wandb`` builds its protobuf descriptors holding the GIL for seconds: done on an exporter's
-    worker while the service answers, it would stall every request for that long.
+    ``import wandb`` takes seconds of CPU under the GIL: done on an exporter's worker while the service
+    answers, it would slow every request for that long (the first run's W&B start still runs while
+    serving, but it mostly waits on the ``wandb-core`` process).
     """
     if settings.wandb_project is not None:
         with contextlib.suppress(ImportError):  # reported per run, as an exporter that could not start
