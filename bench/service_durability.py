@@ -6,13 +6,17 @@ Reports:
 - writes per second (rollout batches and ships) with persistence on (SQLite, WAL, fsync per write)
   beside the same load on ``--in-memory``, and their ratio;
 - the server's peak memory for one large valid body: resident memory growth (peak ``VmHWM`` minus the
-  resident size before the request) as a multiple of the body's size.
+  resident size before the request) as a multiple of the body's size;
+- restart of a data directory of ``--runs`` runs (default 100, each with rollouts, ships and a journal
+  tail after its snapshot): seconds from starting the command until ``/healthz`` answers 200 with every
+  run available, and until the first read of the last run answers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -125,12 +129,76 @@ def peak_memory_for_body(positions: int, args: Sequence[str] = ("--in-memory",))
     }
 
 
+def fill_runs(url: str, runs: int, batches: int = 6) -> None:
+    """``runs`` runs, each with ``batches`` rollout batches and a ship after every other one."""
+    with httpx.Client(base_url=url, timeout=120) as http:
+        for r in range(runs):
+            run = f"run-{r:03d}"
+            http.put(f"/v1/runs/{run}", json={"max_staleness": 4}).raise_for_status()
+            for i in range(batches):
+                http.post(f"/v1/runs/{run}/rollouts", json={"rollouts": _rollouts(r, i)}).raise_for_status()
+                if i % 2 == 1:
+                    http.post(f"/v1/runs/{run}/ship", json={"step": i + 1}).raise_for_status()
+
+
+def restart_seconds(data_dir: str, runs: int) -> dict[str, float]:
+    """Start ``serve`` on a filled directory: seconds until /healthz is 200 and the last run answers."""
+    command = [sys.executable, "-m", "staleness_metrics.cli", "serve", "--port", "0", "--log-level", "warning"]
+    start = time.perf_counter()
+    process = subprocess.Popen(
+        [*command, "--data-dir", data_dir], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None
+        match = re.search(r"http://127\.0\.0\.1:\d+", process.stdout.readline())
+        if match is None:
+            raise RuntimeError(f"serve did not start: {process.stderr.read() if process.stderr else ''}")
+        listening = time.perf_counter() - start
+        cpu = _cpu_seconds(process.pid)
+        with httpx.Client(base_url=match.group(0), timeout=120) as http:
+            while http.get("/healthz").status_code != 200:
+                time.sleep(0.01)
+            healthy = time.perf_counter() - start
+            http.get(f"/v1/runs/run-{runs - 1:03d}").raise_for_status()
+            answered = time.perf_counter() - start
+    finally:
+        process.terminate()
+        process.wait()
+    return {"listening_s": listening, "healthy_s": healthy, "last_run_s": answered, "cpu_until_listening_s": cpu}
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` so far: the part of a start that does not depend on how busy
+    the machine is (wall time on a shared machine is this divided by the share of a core it got)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def restart_of_runs(runs: int, repeats: int = 3) -> dict[str, float]:
+    """The best of ``repeats`` restarts of a directory of ``runs`` runs (left by a clean shutdown)."""
+    with tempfile.TemporaryDirectory() as data_dir:
+        with serve(["--data-dir", data_dir]) as (url, _):
+            fill_runs(url, runs)
+        times = [restart_seconds(data_dir, runs) for _ in range(repeats)]
+    return {key: min(t[key] for t in times) for key in times[0]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--writes", type=int, default=400)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--positions", type=int, default=28_000_000, help="positions of the large body")
+    parser.add_argument("--runs", type=int, default=100, help="runs in the data directory of the restart row")
+    parser.add_argument("--only-restart", action="store_true", help="measure the restart row only")
     args = parser.parse_args(argv)
+    restart = restart_of_runs(args.runs)
+    print(
+        f"restart, {args.runs} runs: listening after {restart['listening_s']:.2f} s, /healthz 200 after "
+        f"{restart['healthy_s']:.2f} s, last run answered after {restart['last_run_s']:.2f} s; "
+        f"{restart['cpu_until_listening_s']:.2f} CPU s until listening (best of 3)"
+    )
+    if args.only_restart:
+        return 0
     rates = persisted_vs_in_memory(args.writes, args.clients)
     print(
         f"writes/s, {args.clients} clients: persisted {rates['persisted_writes_per_s']:.0f}, "

@@ -6,7 +6,10 @@ behind it wait. When the queue is full the **oldest** waiting payload is dropped
 export): after an outage the newest data matters most, and the cumulative exporters (Prometheus push,
 OTLP) carry their counters and histograms in every payload, so only intermediate gauge values are lost.
 ``close(timeout)`` stops accepting work, keeps sending (and retrying) until the queue is empty or the
-timeout passes, and counts what is left as dropped.
+timeout passes, and counts what is left as dropped. The timeout bounds the whole close, the exporter's own
+shutdown included (default :data:`DEFAULT_CLOSE_TIMEOUT`): a send stuck in I/O (a receiver that refuses,
+blackholes or answers slowly) is left to its daemon thread, which exits once the send gives up, and a
+shutdown that blocks is left to a daemon thread too, so the trainer never waits longer than the timeout.
 
 :class:`QueuedExporter` is the base of the exporters that queue (this module's
 :class:`BackgroundExporter`, JSONL, W&B, OTLP, Pushgateway): error counting, ``flush`` and a once-only
@@ -24,11 +27,12 @@ from typing import Generic, TypeVar
 from ..report import StepReport
 from .base import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
 
-__all__ = ["DEFAULT_QUEUE_SIZE", "BackgroundExporter", "ExportQueue", "QueuedExporter"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_QUEUE_SIZE", "BackgroundExporter", "ExportQueue", "QueuedExporter"]
 
 P = TypeVar("P")
 
 DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_CLOSE_TIMEOUT = 2.0  # seconds close() may take, shutdown included: the trainer is waiting
 
 FailureHandler = Callable[[str, "BaseException | None"], None]
 
@@ -39,6 +43,9 @@ class ExportQueue(Generic[P]):
     ``send`` raises to signal a failed attempt; the same payload is retried after a backoff that starts at
     ``retry_initial`` seconds and doubles up to ``retry_max``. Retries go on as long as the payload is
     within the bound (a permanently failing exporter ends up keeping the newest ``max_size`` payloads).
+
+    ``prepare``, when given, runs first on the worker thread (what is too slow to do on the caller's
+    thread, such as starting a W&B run); it is retried like a send until it succeeds, and payloads wait.
     """
 
     def __init__(
@@ -50,18 +57,20 @@ class ExportQueue(Generic[P]):
         max_size: int = DEFAULT_QUEUE_SIZE,
         retry_initial: float = 0.5,
         retry_max: float = 10.0,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         if max_size < 1:
             raise ValueError(f"max_size: must be >= 1, got {max_size}")
         self.name = name
         self._send = send
+        self._prepare = prepare
         self._on_failure = on_failure
         self._max_size = max_size
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self._cond = threading.Condition()
         self._pending: collections.deque[P] = collections.deque()
-        self._in_flight = False
+        self._in_flight = prepare is not None  # flush() waits for the preparation too
         self._closing = False  # no new payloads
         self._stopping = False  # worker exits after the current attempt
         self._sent = 0
@@ -119,8 +128,13 @@ class ExportQueue(Generic[P]):
                 self._cond.wait(remaining)
             return True
 
-    def close(self, timeout: float = 10.0) -> bool:
-        """Stop accepting payloads, send what is queued within ``timeout``; True when nothing was lost."""
+    def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT) -> bool:
+        """Stop accepting payloads, send what is queued within ``timeout``; True when nothing was lost.
+
+        Returns within ``timeout`` whatever the send does: a send still stuck in I/O then is left to the
+        (daemon) worker, which drops its payload and exits when the send returns.
+        """
+        deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -133,11 +147,26 @@ class ExportQueue(Generic[P]):
             self._cond.notify_all()
         if left:
             self._on_failure(f"closed with {left} reports unsent; dropped", None)
-        # A send stuck in I/O keeps the (daemon) worker alive; don't wait for it beyond a moment.
-        self._worker.join(timeout=0.0 if not flushed else max(timeout, 0.0))
+        self._worker.join(timeout=max(deadline - time.monotonic(), 0.0))
         return flushed
 
+    @property
+    def worker_alive(self) -> bool:
+        """Whether the worker thread still runs (a send stuck in I/O after ``close`` timed out)."""
+        return self._worker.is_alive()
+
+    @property
+    def worker_is_daemon(self) -> bool:
+        return self._worker.daemon
+
     def _run(self) -> None:
+        if self._prepare is not None:
+            try:
+                self._retry(self._prepare, "could not start; will retry")
+            finally:
+                with self._cond:
+                    self._in_flight = False
+                    self._cond.notify_all()
         while True:
             with self._cond:
                 while not self._pending and not self._stopping and not self._closing:
@@ -156,24 +185,29 @@ class ExportQueue(Generic[P]):
                     self._cond.notify_all()
 
     def _deliver(self, payload: P) -> None:
+        if self._retry(lambda: self._send(payload), "export failed; will retry"):
+            with self._cond:
+                self._sent += 1
+        else:
+            with self._cond:
+                self._dropped += 1
+
+    def _retry(self, attempt: Callable[[], None], failure: str) -> bool:
+        """Call ``attempt`` until it returns (True), backing off after each failure; False once stopping."""
         backoff = self._retry_initial
         while True:
             try:
-                self._send(payload)
+                attempt()
             except Exception as exc:
-                self._on_failure("export failed; will retry", exc)
+                self._on_failure(failure, exc)
             else:
-                with self._cond:
-                    self._sent += 1
-                return
+                return True
             with self._cond:
                 if self._stopping:
-                    self._dropped += 1
-                    return
+                    return False
                 self._cond.wait(backoff)  # close() wakes us up early
                 if self._stopping:
-                    self._dropped += 1
-                    return
+                    return False
             backoff = min(backoff * 2, self._retry_max)
 
 
@@ -186,7 +220,8 @@ class QueuedExporter(Generic[P]):
 
     A subclass sets ``name``, calls ``super().__init__()`` first, and :meth:`_start_queue` last, once
     everything its ``send`` needs is built (a constructor that raises then leaves no worker thread). It
-    releases its own resources in :meth:`_close_resources`, called after the queue is drained.
+    releases its own resources in :meth:`_close_resources`, called after the queue is drained, on a
+    daemon thread of its own so that a shutdown that blocks cannot hold ``close`` beyond its timeout.
     """
 
     name: str
@@ -203,11 +238,18 @@ class QueuedExporter(Generic[P]):
         retry_initial: float,
         retry_max: float,
         close_timeout: float,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         self._close_timeout = close_timeout
         self._closed = False
         self._queue: ExportQueue[P] = ExportQueue(
-            self.name, send, self._record_failure, max_size=max_queue, retry_initial=retry_initial, retry_max=retry_max
+            self.name,
+            send,
+            self._record_failure,
+            max_size=max_queue,
+            retry_initial=retry_initial,
+            retry_max=retry_max,
+            prepare=prepare,
         )
 
     def _record_failure(self, message: str, exc: BaseException | None) -> None:
@@ -224,12 +266,25 @@ class QueuedExporter(Generic[P]):
         """Wait until everything queued so far is sent (False when ``timeout`` passed first)."""
         return self._queue.flush(timeout)
 
-    def close(self) -> None:
+    @property
+    def queue(self) -> ExportQueue[P]:
+        """The queue and its worker (sent, dropped and pending counts)."""
+        return self._queue
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is queued and shut down, returning within ``timeout`` seconds (default: the
+        exporter's ``close_timeout``) whatever the receiver does; what is left unsent is counted dropped."""
         if self._closed:
             return
         self._closed = True
-        self._queue.close(self._close_timeout)
-        self._close_resources()
+        budget = self._close_timeout if timeout is None else timeout
+        deadline = time.monotonic() + max(budget, 0.0)
+        self._queue.close(budget)
+        shutdown = threading.Thread(target=self._close_resources, name=f"staleness-close-{self.name}", daemon=True)
+        shutdown.start()
+        shutdown.join(max(deadline - time.monotonic(), 0.0))
+        if shutdown.is_alive():
+            self._record_failure(f"shutdown did not finish within {budget:g} s; left to finish in the background", None)
 
     def _close_resources(self) -> None:
         """Release what the subclass holds besides the queue."""
@@ -250,7 +305,7 @@ class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
         max_queue: int = DEFAULT_QUEUE_SIZE,
         retry_initial: float = 0.5,
         retry_max: float = 10.0,
-        close_timeout: float = 10.0,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
     ) -> None:
         self.name = exporter.name
         super().__init__()

@@ -13,7 +13,7 @@ from typing import IO
 
 from .. import jsonio
 from ..report import StepReport
-from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
+from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import MismatchReport
 
 __all__ = ["JsonlExporter", "mismatch_row_json", "row_json"]
@@ -45,7 +45,7 @@ class JsonlExporter(QueuedExporter[str]):
         max_queue: int = DEFAULT_QUEUE_SIZE,
         retry_initial: float = 0.5,
         retry_max: float = 10.0,
-        close_timeout: float = 10.0,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
     ) -> None:
         super().__init__()
         self.path = Path(path)

@@ -30,7 +30,7 @@ from .. import __version__
 from ..errors import ConfigError
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import Counts, StepReport
-from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
+from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, MismatchReport
 from .state import CumulativeState, HistogramPoint, Snapshot, partition_by_env
 
@@ -269,7 +269,7 @@ class OtlpExporter(QueuedExporter[_Payload]):
         max_queue: int = DEFAULT_QUEUE_SIZE,
         retry_initial: float = 0.5,
         retry_max: float = 10.0,
-        close_timeout: float = 10.0,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
     ) -> None:
         super().__init__()
         self._meter_provider = meter_provider

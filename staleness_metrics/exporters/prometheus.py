@@ -26,7 +26,7 @@ from prometheus_client.utils import floatToGoString
 
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import StepReport
-from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
+from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, ExportErrors, MismatchReport
 from .state import CumulativeState, Snapshot
 
@@ -309,7 +309,7 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
         max_queue: int = DEFAULT_QUEUE_SIZE,
         retry_initial: float = 0.5,
         retry_max: float = 10.0,
-        close_timeout: float = 10.0,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
     ) -> None:
         super().__init__(registry)
         self._gateway = gateway

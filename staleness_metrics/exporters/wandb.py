@@ -1,7 +1,10 @@
 """Weights & Biases exporter: one history row per ship, under the metric table's W&B keys.
 
 - Uses the run you pass, else the active ``wandb.run``, else starts one (``wandb.init(**init_kwargs)``)
-  and finishes it on close.
+  and finishes it on close; ``own_run=True`` always starts one (a process logging several runs side by
+  side). Starting a run takes seconds (``import wandb``, the ``wandb-core`` process): it happens on the
+  exporter's worker thread, never on the caller's, and a failed start is counted and retried like a
+  failed ``log``. ``run`` is None until it started.
 - Each row carries ``step_key`` (default ``trainer/step``), declared with ``define_metric`` as the x-axis
   of every ``staleness/*`` key; maxima (rows with ``wandb_summary``) get ``summary="max"``.
 - Per-env keys (``staleness/env/<env>/...``, present in the report when the env breakdown is on) are
@@ -16,13 +19,17 @@
   during a migration window.
 
 Logging runs on a bounded background queue (a W&B call may block or raise); a failed ``log`` is counted
-and retried with the same row. Rows are logged without ``step=``: the x-axis is ``step_key``. If you log
+and retried with the same row. ``close`` returns within ``close_timeout`` (default 2 s): a ``finish`` that
+takes longer (an online run still uploading) goes on in the background, and W&B's own exit hook
+completes it when the process ends. Rows are logged without ``step=``: the x-axis is ``step_key``. If you log
 to the same run with explicit ``step=`` yourself, pass ``commit=False`` so our keys join your current row
 instead of advancing the run's step.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -32,7 +39,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, MetricDef, Source
 from ..report import StepReport
-from .background import DEFAULT_QUEUE_SIZE, QueuedExporter
+from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import ExportContext, MismatchReport
 
 __all__ = ["DEFAULT_STEP_KEY", "WandbExporter"]
@@ -44,6 +51,17 @@ _MAX_BINS = 512  # wandb.Histogram's limit
 _BY_KEY: dict[str, MetricDef] = WANDB_KEYS  # templated keys (per lag / length bucket) spelled out
 _HISTOGRAM_ROW = next(m for m in METRICS if m.source is Source.TOKEN_HISTOGRAM)
 _SCALAR_KEYS = {key for key, m in _BY_KEY.items() if m.source is not Source.TOKEN_HISTOGRAM}
+
+# wandb.init is not safe to call from two threads at once (several exporters starting their runs).
+_init_lock = threading.Lock()
+
+
+class _HistogramBins:
+    """A histogram's counts and edges, made into a ``wandb.Histogram`` on the worker (not the trainer)."""
+
+    def __init__(self, counts: list[int], edges: list[float]) -> None:
+        self.counts = counts
+        self.edges = edges
 
 
 def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
@@ -113,18 +131,21 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         max_queue: int = DEFAULT_QUEUE_SIZE,
         retry_initial: float = 0.5,
         retry_max: float = 10.0,
-        close_timeout: float = 30.0,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        own_run: bool = False,
     ) -> None:
-        import wandb
-
+        if importlib.util.find_spec("wandb") is None:  # fail here, not on the worker for ever
+            raise ImportError("the W&B exporter needs wandb: pip install 'staleness-metrics[wandb]'")
         super().__init__()
         self._owns_run = False
-        if run is None:
-            run = wandb.run
-        if run is None:
-            run = wandb.init(**dict(init_kwargs or {}))
-            self._owns_run = True
-        self.run = run
+        self._init_kwargs = dict(init_kwargs or {})
+        # No import of wandb here (seconds): without it imported, no W&B run can be active either.
+        if run is None and not own_run and "wandb" in sys.modules:
+            run = sys.modules["wandb"].run
+        self._run: Any | None = run
+        self._run_lock = threading.Lock()
+        self._finish_asked = False
+        self._finished = False
         self._step_key = step_key
         self._legacy = _legacy_selection(legacy_keys)
         self._histogram_key = _HISTOGRAM_ROW.wandb_key if histogram else None
@@ -139,7 +160,36 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             retry_initial=retry_initial,
             retry_max=retry_max,
             close_timeout=close_timeout,
+            prepare=None if run is not None else self._start_run,
         )
+
+    @property
+    def run(self) -> Any | None:
+        """The W&B run logged into (None while the exporter's own run is still starting)."""
+        return self._run
+
+    def _start_run(self) -> None:
+        import wandb
+
+        with _init_lock:
+            run = wandb.init(**self._init_kwargs)
+        with self._run_lock:
+            self._run, self._owns_run = run, True
+            finish_now = self._finish_asked  # close() gave up waiting for the start: don't leave the run open
+        if finish_now:
+            self._finish_run()
+
+    def _finish_run(self) -> None:
+        """Finish the exporter's own run, once; a run still starting is finished when it has started."""
+        with self._run_lock:
+            self._finish_asked = True
+            run = self._run if self._owns_run and not self._finished else None
+            self._finished = self._finished or run is not None
+        if run is not None:
+            try:
+                run.finish()
+            except Exception as exc:
+                self._errors.record(self.name, "finishing the W&B run failed", exc)
 
     def attach(self, context: ExportContext) -> None:
         """Share the monitor's export error counts (the W&B run itself names the run; the core already
@@ -164,12 +214,9 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         return row
 
     def export(self, report: StepReport) -> None:
-        import wandb
-
-        row = self.row(report)
+        row: dict[str, Any] = self.row(report)
         if self._histogram_key is not None and report.tally.token_histogram.any():
-            counts, edges = histogram_bins(report.tally.token_histogram)
-            row[self._histogram_key] = wandb.Histogram(np_histogram=(np.asarray(counts), np.asarray(edges)))
+            row[self._histogram_key] = _HistogramBins(*histogram_bins(report.tally.token_histogram))
         self._queue.put(row)
 
     def export_mismatch(self, report: MismatchReport) -> None:
@@ -185,11 +232,11 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         row = _BY_KEY.get(key) or _BY_KEY.get(self._legacy.get(key, "")) or self._env_rows.get(key)
         return None if row is None else row.wandb_summary
 
-    def _define(self, keys: Iterable[str]) -> None:
+    def _define(self, run: Any, keys: Iterable[str]) -> None:
         with self._define_lock:
             if not self._defined:
-                self.run.define_metric(self._step_key)
-                self.run.define_metric("staleness/*", step_metric=self._step_key)
+                run.define_metric(self._step_key)
+                run.define_metric("staleness/*", step_metric=self._step_key)
                 self._defined.add(self._step_key)
             for key in keys:
                 if key in self._defined or key == self._step_key:
@@ -197,16 +244,20 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
                 hidden = True if key in self._legacy else None
                 summary = self._summary_of(key)
                 if hidden or summary or not key.startswith("staleness/"):
-                    self.run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
+                    run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
                 self._defined.add(key)
 
     def _log(self, row: dict[str, Any]) -> None:
-        self._define(row)
-        self.run.log(row, commit=self._commit)
+        run = self._run
+        assert run is not None  # the worker started it before the first row
+        self._define(run, row)
+        logged = dict(row)  # the queued row stays as it is: a failed log is retried with it
+        for key, value in row.items():
+            if isinstance(value, _HistogramBins):
+                import wandb
+
+                logged[key] = wandb.Histogram(np_histogram=(np.asarray(value.counts), np.asarray(value.edges)))
+        run.log(logged, commit=self._commit)
 
     def _close_resources(self) -> None:
-        if self._owns_run:
-            try:
-                self.run.finish()
-            except Exception as exc:
-                self._errors.record(self.name, "finishing the W&B run failed", exc)
+        self._finish_run()

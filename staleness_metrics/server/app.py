@@ -263,10 +263,17 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)
     _install_error_handlers(app)
 
-    @app.get("/healthz", tags=["service"], response_model=Health)
+    @app.get(
+        "/healthz",
+        tags=["service"],
+        response_model=Health,
+        responses={503: {"model": Health, "description": "Some runs answer 503: `unavailable` names them."}},
+    )
     async def healthz() -> Response:
-        """Liveness: the service answers. Never needs a token."""
-        return JSONModelResponse(Health(runs=len(registry.runs())))
+        """The service answers, and every run does: 503 names the runs that answer 503. Never needs a token."""
+        unavailable = registry.unavailable()
+        health = Health(status="unavailable" if unavailable else "ok", runs=registry.count(), unavailable=unavailable)
+        return JSONModelResponse(health, status.HTTP_503_SERVICE_UNAVAILABLE if unavailable else status.HTTP_200_OK)
 
     @app.get(
         "/metrics",

@@ -9,7 +9,7 @@ family, one series per run (the ``run`` label tells them apart).
 
 from __future__ import annotations
 
-import threading
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -22,12 +22,13 @@ if TYPE_CHECKING:
 
     from ..exporters.prometheus import PrometheusExporter
 
-__all__ = ["ExportSettings", "RunExporters", "ServiceCollector", "build_exporters"]
+__all__ = ["ExportSettings", "RunExporters", "ServiceCollector", "build_exporters", "preload"]
 
 WandbMode = Literal["online", "offline"]
 
-# wandb.init is not safe to call from two threads at once.
-_wandb_lock = threading.Lock()
+# How long closing a run may wait for its W&B run to start and finish: a service shutting down is not a
+# trainer waiting, and a W&B run left unfinished loses its last rows (runs close in parallel).
+WANDB_CLOSE_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,6 @@ class RunExporters:
 
     prometheus: PrometheusExporter
     others: list[Exporter] = field(default_factory=list)
-    wandb_run: Any | None = None
     failures: list[tuple[str, str, BaseException]] = field(default_factory=list)
 
     @property
@@ -67,18 +67,12 @@ class RunExporters:
             errors.register(name)
             errors.record(name, message, exc)
 
-    def finish(self, errors: ExportErrors) -> None:
-        """After the monitor closed its exporters: finish the run's W&B run (its queue is flushed)."""
-        if self.wandb_run is None:
-            return
-        try:
-            self.wandb_run.finish()
-        except Exception as exc:
-            errors.record("wandb", "finishing the W&B run failed", exc)
-
 
 def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
-    """The exporters of a new run. An exporter that cannot start is left out and reported, never raised."""
+    """The exporters of a new run. An exporter that cannot start is left out and reported, never raised.
+
+    Nothing here waits on the network or on W&B: the W&B run starts on its exporter's worker thread.
+    """
     from ..exporters.prometheus import PrometheusExporter
 
     exporters = RunExporters(prometheus=PrometheusExporter(port=None))
@@ -91,29 +85,38 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
             exporters.failures.append(("otlp", "the OTLP exporter could not start", exc))
     if settings.wandb_project is not None:
         try:
-            exporters.wandb_run = _start_wandb_run(run, settings)
             from ..exporters.wandb import WandbExporter
 
-            exporters.others.append(WandbExporter(run=exporters.wandb_run))
+            init = _wandb_init(run, settings)
+            exporters.others.append(WandbExporter(init_kwargs=init, own_run=True, close_timeout=WANDB_CLOSE_TIMEOUT))
         except Exception as exc:
             exporters.failures.append(("wandb", "the W&B run could not start", exc))
     return exporters
 
 
-def _start_wandb_run(run: str, settings: ExportSettings) -> Any:
-    import wandb
+def preload(settings: ExportSettings) -> None:
+    """Import the exporters' heavy dependencies once, at start, before any request is served.
 
+    ``import wandb`` takes seconds of CPU under the GIL: done on an exporter's worker while the service
+    answers, it would slow every request for that long (the first run's W&B start still runs while
+    serving, but it mostly waits on the ``wandb-core`` process).
+    """
+    if settings.wandb_project is not None:
+        with contextlib.suppress(ImportError):  # reported per run, as an exporter that could not start
+            import wandb  # noqa: F401
+
+
+def _wandb_init(run: str, settings: ExportSettings) -> dict[str, Any]:
     init: dict[str, Any] = {
         "project": settings.wandb_project,
         "name": run,
         "reinit": "create_new",  # one W&B run per service run, side by side in this process
-        "settings": wandb.Settings(console="off", x_disable_stats=True),
+        "settings": {"console": "off", "x_disable_stats": True},  # a dict: no import of wandb here
     }
     for key, value in (("entity", settings.wandb_entity), ("mode", settings.wandb_mode), ("dir", settings.wandb_dir)):
         if value is not None:
             init[key] = value
-    with _wandb_lock:
-        return wandb.init(**init)
+    return init
 
 
 class ServiceCollector:

@@ -354,6 +354,9 @@ class StepsPage(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "unavailable"] = "ok"
     version: str = __version__
     runs: int
+    unavailable: dict[str, str] = Field(
+        default_factory=dict, description="Runs that answer 503, and why (the service answers 503 while any is)."
+    )

@@ -27,6 +27,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,7 @@ from ..mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..monitor import StalenessMonitor
 from ..sink import Shipment
 from ..validation import printable_id, unstorable
-from .exporting import ExportSettings, RunExporters, build_exporters
+from .exporting import ExportSettings, RunExporters, build_exporters, preload
 from .models import (
     AddResult,
     ErrorItem,
@@ -62,6 +63,7 @@ __all__ = [
     "NotPersisted",
     "RecordConflict",
     "RecordsInvalid",
+    "RestoreFailed",
     "Run",
     "RunBroken",
     "RunConflict",
@@ -108,6 +110,16 @@ class RunBroken(RunError):
 
 class NotPersisted(RunError):
     """The service keeps no history (``--in-memory``)."""
+
+
+class RestoreFailed(Exception):
+    """A stored run could not be loaded again at start (the message names the run and the row)."""
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, RunError | TraceError | ValueError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
 
 
 class RecordsInvalid(RunError):
@@ -271,6 +283,12 @@ class Run:
         """The Prometheus registry of this run's exporter."""
         return self._exporters.prometheus.registry
 
+    @property
+    def unavailable(self) -> str | None:
+        """Why the run takes no requests (a write it could not persist), or None."""
+        broken = self._broken
+        return None if broken is None else f"run {self.name!r} could not persist a write ({broken})"
+
     def _check_open(self) -> None:
         if self._closed:
             raise RunNotFound(f"run {self.name!r} was deleted")
@@ -326,37 +344,55 @@ class Run:
         }
 
     def restore(self, stored: StoredRun) -> None:
-        """Load the latest snapshot and re-apply the journal after it (ships are not exported again)."""
+        """Load the latest snapshot and re-apply the journal after it (ships are not exported again).
+
+        Raises :class:`RestoreFailed` naming the stored row that could not be loaded or applied.
+        """
         self._restoring = True
         try:
             if stored.snapshot is not None:
-                state = stored.snapshot
-                if state.get("format") != RUN_STATE_FORMAT:
-                    raise ValueError(f"run {self.name!r}: unknown stored format {state.get('format')!r}")
-                self.monitor.load_state_dict(state["monitor"])
-                self._received = {rid: bytes.fromhex(digest) for rid, digest in state["received"].items()}
-                self._duplicates = int(state["duplicates"])
-                self._answers = OrderedDict(
-                    (key, ((fp[0], None if fp[1] is None else tuple(fp[1]), fp[2]), ShipResult.model_validate(answer)))
-                    for key, fp, answer in state["answers"]
-                )
-                self._mismatch = {
-                    int(step): _StepMismatch.of(int(posts), MismatchSums.from_dict(sums))
-                    for step, posts, sums in state.get("mismatch", [])
-                }
-                self._mismatch_answers = OrderedDict(
-                    (key, ((int(fp[0]), bytes.fromhex(fp[1])), MismatchResult.model_validate(answer)))
-                    for key, fp, answer in state.get("mismatch_answers", [])
-                )
-            self._history = [StepRow.model_validate(row) for row in stored.history]
+                try:
+                    self._load_snapshot(stored.snapshot)
+                except Exception as exc:
+                    where = f"snapshot (taken at journal row {stored.snapshot_seq})"
+                    raise RestoreFailed(f"run {self.name!r}: its {where} cannot be loaded: {_reason(exc)}") from exc
+            try:
+                self._history = [StepRow.model_validate(row) for row in stored.history]
+            except Exception as exc:
+                raise RestoreFailed(f"run {self.name!r}: a history row cannot be loaded: {_reason(exc)}") from exc
             self._seq = stored.snapshot_seq
             with self.monitor.absorbing():
                 for row in stored.tail:
-                    self._ops[row.op](row.request)
+                    try:
+                        self._ops[row.op](row.request)
+                    except Exception as exc:
+                        raise RestoreFailed(
+                            f"run {self.name!r}: its journal row {row.seq} ({row.op}) cannot be applied again: "
+                            f"{_reason(exc)}"
+                        ) from exc
                     self._seq = row.seq
                     self._rows_since_snapshot += 1
         finally:
             self._restoring = False
+
+    def _load_snapshot(self, state: Any) -> None:
+        if state.get("format") != RUN_STATE_FORMAT:
+            raise ValueError(f"unknown stored format {state.get('format')!r}")
+        self.monitor.load_state_dict(state["monitor"])
+        self._received = {rid: bytes.fromhex(digest) for rid, digest in state["received"].items()}
+        self._duplicates = int(state["duplicates"])
+        self._answers = OrderedDict(
+            (key, ((fp[0], None if fp[1] is None else tuple(fp[1]), fp[2]), ShipResult.model_validate(answer)))
+            for key, fp, answer in state["answers"]
+        )
+        self._mismatch = {
+            int(step): _StepMismatch.of(int(posts), MismatchSums.from_dict(sums))
+            for step, posts, sums in state.get("mismatch", [])
+        }
+        self._mismatch_answers = OrderedDict(
+            (key, ((int(fp[0]), bytes.fromhex(fp[1])), MismatchResult.model_validate(answer)))
+            for key, fp, answer in state.get("mismatch_answers", [])
+        )
 
     def _replay_add(self, request: Mapping[str, Any]) -> None:
         self.add(list(request["rollouts"]))
@@ -614,19 +650,29 @@ class Run:
             if self._closed:
                 return
             self._closed = True
-        self.monitor.close()
-        self._exporters.finish(self.monitor.export_errors)
+        self.monitor.close()  # the exporters flush, and finish a W&B run of their own
 
 
 class RunRegistry:
-    """The runs of one service, by name."""
+    """The runs of one service, by name.
+
+    Stored runs are checked at start (:meth:`restore`: every row's checksum, every journal's sequence) and
+    then loaded in the background, so that a restart serves at once: a request for a run not loaded yet
+    loads it first. A run whose stored rows cannot be applied again is *unavailable*: its requests get
+    503 with the reason, and ``/healthz`` names it.
+    """
 
     def __init__(self, export_settings: ExportSettings | None = None, store: Store | None = None) -> None:
         self.export_settings = export_settings or ExportSettings()
+        preload(self.export_settings)
         self.store = store or Store()
         self._runs: dict[str, Run] = {}
-        self._lock = threading.Lock()  # guards the dict
+        self._pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}  # checked, not loaded yet
+        self._failed: dict[str, str] = {}  # runs whose stored rows could not be applied: why
+        self._lock = threading.Lock()  # guards the dicts
         self._creating = threading.Lock()  # one creation or deletion at a time (exporters start slowly)
+        self._loading = threading.Lock()  # one run loaded at a time (by the background thread or a request)
+        self._loader: threading.Thread | None = None
 
     def create(self, name: str, config: StalenessConfig) -> tuple[Run, bool]:
         """The run ``name``, created with ``config`` (True) or already there with the same config (False).
@@ -648,20 +694,85 @@ class RunRegistry:
                 self._runs[name] = run
             return run, True
 
-    def restore(self) -> int:
-        """Load every stored run (at start-up, before serving); returns how many."""
+    def restore(self, background: bool = True) -> int:
+        """Check every stored run (at start-up, before serving) and load them; returns how many.
+
+        Stored data that fails its checks refuses the start (the store's error names the run and the row):
+        a run silently left out would look deleted, and its clients would start it again from nothing.
+        The runs are then loaded on a background thread (``background``) or here.
+        """
         stored_runs = self.store.load()
+        pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}
         for stored in stored_runs:
-            config = StalenessConfig(**stored.config)
-            run = Run(stored.name, config, build_exporters(stored.name, self.export_settings), self.store)
-            run.restore(stored)
-            with self._lock:
-                self._runs[stored.name] = run
+            try:
+                config = StalenessConfig(**stored.config)
+            except Exception as exc:
+                what = f"run {stored.name!r}: its configuration cannot be loaded: {_reason(exc)}"
+                raise self.store.damaged(what) from None
+            pending[stored.name] = (config, stored)
+        with self._lock:
+            self._pending.update(pending)
+        if background and pending:
+            self._loader = threading.Thread(target=self._load_pending, name="staleness-restore", daemon=True)
+            self._loader.start()
+        else:
+            self._load_pending()
         return len(stored_runs)
+
+    def _load_pending(self) -> None:
+        while True:
+            with self._lock:
+                name = next(iter(self._pending), None)
+            if name is None:
+                return
+            self._load(name)
+
+    def _load(self, name: str) -> Run | None:
+        """Load the pending run ``name`` (None when it is not pending, or could not be loaded)."""
+        with self._loading:
+            with self._lock:
+                loaded = self._runs.get(name)
+                entry = self._pending.get(name)
+            if loaded is not None or entry is None:
+                return loaded
+            config, stored = entry
+            run = Run(name, config, build_exporters(name, self.export_settings), self.store)
+            try:
+                run.restore(stored)
+            except RestoreFailed as exc:
+                run.close()
+                reason = (
+                    f"{exc}. The run is unavailable: restore the data directory from a backup and restart, "
+                    f"or DELETE /v1/runs/{name} to drop it"
+                )
+                logger.error("%s", reason)
+                with self._lock:
+                    del self._pending[name]
+                    self._failed[name] = reason
+                return None
+            with self._lock:
+                del self._pending[name]
+                self._runs[name] = run
+            return run
+
+    def loaded(self, timeout: float | None = None) -> bool:
+        """Wait until every stored run is loaded (or found unavailable); False when ``timeout`` passed."""
+        loader = self._loader
+        if loader is not None:
+            loader.join(timeout)
+            return not loader.is_alive()
+        return True
 
     def _find(self, name: str) -> Run | None:
         with self._lock:
-            return self._runs.get(name)
+            run = self._runs.get(name)
+            if run is not None:
+                return run
+            failed = self._failed.get(name)
+            pending = name in self._pending
+        if failed is not None:
+            raise RunBroken(failed)
+        return self._load(name) if pending else None
 
     def get(self, name: str) -> Run:
         run = self._find(name)
@@ -669,8 +780,29 @@ class RunRegistry:
             raise RunNotFound(f"no run {name!r}: create it first with PUT /v1/runs/{name}")
         return run
 
+    def unavailable(self) -> dict[str, str]:
+        """The runs that take no requests, and why (a store that failed a write, or rows that failed to load)."""
+        with self._lock:
+            runs = list(self._runs.values())
+            out = dict(self._failed)
+        for run in runs:
+            reason = run.unavailable
+            if reason is not None:
+                out[run.name] = reason
+        return out
+
+    def count(self) -> int:
+        """How many runs the service holds (loaded or not yet), without waiting for any."""
+        with self._lock:
+            return len(self._runs) + len(self._pending)
+
     def delete(self, name: str) -> None:
         with self._creating:
+            with self._lock:
+                failed = self._failed.pop(name, None)
+            if failed is not None:  # an unavailable run can still be deleted (and its name used again)
+                self.store.delete_run(name)
+                return
             run = self.get(name)
             self.store.delete_run(name)
             with self._lock:
@@ -678,6 +810,8 @@ class RunRegistry:
         run.close()
 
     def runs(self) -> list[Run]:
+        """Every available run (loading the ones not loaded yet)."""
+        self._load_pending()
         with self._lock:
             return list(self._runs.values())
 
@@ -686,10 +820,14 @@ class RunRegistry:
 
     def close(self) -> None:
         """Close every run (service shutdown): their exporters flush."""
-        with self._creating, self._lock:
+        with self._creating, self._loading, self._lock:
             runs = list(self._runs.values())
             self._runs.clear()
+            self._pending.clear()  # not loaded: nothing of theirs to flush
         for run in runs:
             run.checkpoint()
-            run.close()
+        # In parallel: each run's exporters may wait up to their close timeout for a receiver.
+        with ThreadPoolExecutor(max_workers=min(32, len(runs) or 1), thread_name_prefix="staleness-close") as pool:
+            for _ in pool.map(Run.close, runs):
+                pass
         self.store.close()

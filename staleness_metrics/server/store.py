@@ -7,11 +7,26 @@ A ship's history row goes in the same transaction. Restart loads each run's late
 re-applies the journal rows after it, so restart time is bounded by one snapshot and a short journal
 tail, however long the run. The journal is kept whole: it is the run's history, exported as SPEC 9
 events (``GET /v1/runs/{run}/events``). See docs/decisions.md for why SQLite.
+
+Damage is refused at start, never loaded or silently skipped (:class:`StoreDamaged`, naming the run and the
+row, and how to start fresh on purpose):
+
+- every stored row (run config, journal row, history row, snapshot) carries a checksum of its bytes, its run
+  and its sequence number, checked before it is decoded: a flipped digit or a truncated row fails it;
+- a run's journal after its snapshot must continue the snapshot's sequence without a gap;
+- :data:`MANIFEST_NAME` beside the database names the runs the directory holds, so a database that went
+  missing, or came back empty or without some of them, is told apart from a new directory.
+
+Databases written before checksums (no ``checksum`` column, ``user_version`` 0) are migrated at the first
+start: every row must still decode, and is then stamped with its checksum (it is trusted as it is at that
+moment; damage from before the migration that still decodes cannot be told).
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -23,18 +38,23 @@ import orjson
 
 __all__ = [
     "DATABASE_NAME",
+    "MANIFEST_NAME",
     "SNAPSHOT_BYTES",
     "SNAPSHOT_EVERY",
     "JournalRow",
     "MemoryStore",
     "SqliteStore",
     "Store",
+    "StoreDamaged",
     "StoredRun",
+    "checksum",
     "dumps",
     "loads",
 ]
 
 DATABASE_NAME = "staleness.sqlite3"
+MANIFEST_NAME = "manifest.json"
+SCHEMA_VERSION = 1  # PRAGMA user_version: 1 = rows carry checksums
 SNAPSHOT_EVERY = 256  # journal rows between snapshots
 SNAPSHOT_BYTES = 64 * 1024 * 1024  # or this much journal, whichever comes first
 
@@ -45,6 +65,26 @@ def dumps(value: Any) -> bytes:
 
 def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
+
+
+class StoreDamaged(RuntimeError):
+    """The data directory does not hold what was written to it; the service refuses to start on it."""
+
+    def __init__(self, data_dir: Path, what: str) -> None:
+        super().__init__(
+            f"{what}. Refusing to start on damaged data: nothing was changed. To keep the data, restore "
+            f"{data_dir} from a backup; to start fresh on purpose, move it aside (mv {data_dir} "
+            f"{data_dir}.damaged) and start again: the service creates a new, empty directory."
+        )
+        self.data_dir = data_dir
+        self.what = what
+
+
+def checksum(table: str, run: str, seq: int, data: bytes) -> str:
+    """What a stored row must match: its bytes, and where it belongs (a row copied elsewhere fails too)."""
+    digest = hashlib.blake2b(data, digest_size=16)
+    digest.update(f"\0{table}\0{run}\0{seq}".encode())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -90,6 +130,10 @@ class Store:
     def journal(self, run: str) -> Iterator[JournalRow]:
         return iter(())
 
+    def damaged(self, what: str) -> Exception:
+        """The error that refuses a start on stored data that cannot be loaded (``what`` names the row)."""
+        return RuntimeError(what)
+
     def close(self) -> None:
         pass
 
@@ -97,13 +141,29 @@ class Store:
 MemoryStore = Store
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS runs (name TEXT PRIMARY KEY, config BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (name TEXT PRIMARY KEY, config BLOB NOT NULL, checksum TEXT);
 CREATE TABLE IF NOT EXISTS journal (
-    run TEXT NOT NULL, seq INTEGER NOT NULL, op TEXT NOT NULL, request BLOB NOT NULL, PRIMARY KEY (run, seq)
+    run TEXT NOT NULL, seq INTEGER NOT NULL, op TEXT NOT NULL, request BLOB NOT NULL, checksum TEXT,
+    PRIMARY KEY (run, seq)
 );
-CREATE TABLE IF NOT EXISTS history (run TEXT NOT NULL, seq INTEGER NOT NULL, row BLOB NOT NULL, PRIMARY KEY (run, seq));
-CREATE TABLE IF NOT EXISTS snapshots (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, state BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS history (
+    run TEXT NOT NULL, seq INTEGER NOT NULL, row BLOB NOT NULL, checksum TEXT, PRIMARY KEY (run, seq)
+);
+CREATE TABLE IF NOT EXISTS snapshots (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, state BLOB NOT NULL, checksum TEXT);
 """
+
+# The stored bytes of each table's rows, and how a row is named in a message.
+_DATA_COLUMN = {"runs": "config", "journal": "request", "history": "row", "snapshots": "state"}
+_ROW_NAME = {
+    "runs": "configuration",
+    "journal": "journal row {seq}",
+    "history": "history row {seq} (the ship journalled as row {seq})",
+    "snapshots": "snapshot (taken at journal row {seq})",
+}
+
+
+def _journal_bytes(op: str, request: bytes) -> bytes:
+    return op.encode() + b"\0" + request
 
 
 class SqliteStore(Store):
@@ -113,6 +173,7 @@ class SqliteStore(Store):
 
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir = data_dir
         # One service per directory: two would interleave their journals. The lock dies with the process
         # (kill -9 included), so a restart never finds a stale one.
         self._lock_file = open(data_dir / "lock", "a+b")  # noqa: SIM115 - held for the store's lifetime
@@ -121,13 +182,146 @@ class SqliteStore(Store):
         except BlockingIOError:
             self._lock_file.close()
             raise RuntimeError(f"another service is using {data_dir}") from None
+        try:
+            self._open(data_dir)
+        except BaseException:
+            self._lock_file.close()
+            raise
+
+    def _open(self, data_dir: Path) -> None:
         self.path = data_dir / DATABASE_NAME
+        self.manifest_path = data_dir / MANIFEST_NAME
+        manifest = self._read_manifest()
+        if manifest and not self.path.exists():  # connecting would create an empty one
+            raise StoreDamaged(
+                data_dir,
+                f"the database {self.path} is missing, but {self.manifest_path} says the directory holds "
+                f"{len(manifest)} run(s) ({_names(manifest)})",
+            )
         self._lock = threading.Lock()  # one connection, shared by the request threads
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
-        self._db.executescript(_SCHEMA)
+        try:
+            # Read before anything is written: a damaged database is left as it was found.
+            has_runs = self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'")
+            stored = set() if has_runs.fetchone() is None else {n for (n,) in self._db.execute("SELECT name FROM runs")}
+            missing = [name for name in manifest if name not in stored]
+            if missing:
+                what = "is empty" if not stored else f"holds {len(stored)} run(s) but not {_names(missing)}"
+                raise StoreDamaged(
+                    data_dir,
+                    f"the database {self.path} {what}, but {self.manifest_path} says the directory holds "
+                    f"{len(manifest)} run(s) ({_names(manifest)})",
+                )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
+            if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                self._migrate()
+        except sqlite3.DatabaseError as exc:  # not a database, or its pages are damaged
+            self._db.close()
+            raise StoreDamaged(data_dir, f"the database {self.path} cannot be read ({exc})") from None
+        except BaseException:
+            self._db.close()
+            raise
+        if sorted(stored) != sorted(manifest):
+            self._write_manifest(sorted(stored))  # a crash between a created run's commit and its manifest
 
+    # ------------------------------------------------------------------ manifest
+    def _read_manifest(self) -> list[str]:
+        try:
+            raw = self.manifest_path.read_bytes()
+        except FileNotFoundError:
+            return []
+        try:
+            manifest = loads(raw)
+            runs = manifest["runs"]
+            if not isinstance(runs, list) or not all(isinstance(name, str) for name in runs):
+                raise TypeError("runs: not a list of names")
+        except (ValueError, TypeError, KeyError) as exc:
+            raise StoreDamaged(self.data_dir, f"the manifest {self.manifest_path} cannot be read ({exc})") from None
+        return runs
+
+    def _write_manifest(self, runs: list[str]) -> None:
+        """Replace the manifest atomically (write, fsync, rename, fsync the directory)."""
+        data = dumps({"format": 1, "database": DATABASE_NAME, "runs": runs})
+        partial = self.manifest_path.with_suffix(".json.partial")
+        with open(partial, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(partial, self.manifest_path)
+        directory = os.open(self.data_dir, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def _manifest_runs(self) -> list[str]:
+        return [name for (name,) in self._db.execute("SELECT name FROM runs ORDER BY name")]
+
+    # ------------------------------------------------------------------ migration
+    def _migrate(self) -> None:
+        """Create the tables, or bring a database from before checksums up to :data:`SCHEMA_VERSION`."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    self._db.execute(statement)
+            for table, column in _DATA_COLUMN.items():
+                columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                if "checksum" not in columns:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN checksum TEXT")
+                self._stamp(table, column)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def _stamp(self, table: str, column: str) -> None:
+        """Checksum the rows written before checksums existed, once each still decodes."""
+        run_column, seq_column = ("name", "0") if table == "runs" else ("run", "seq")
+        op_column = "op" if table == "journal" else "NULL"
+        rows = self._db.execute(
+            f"SELECT rowid, {run_column}, {seq_column}, {op_column}, {column} FROM {table} WHERE checksum IS NULL"
+        ).fetchall()
+        for rowid, run, seq, op, data in rows:
+            self._decode(table, run, int(seq), data)
+            stamped = _journal_bytes(op, data) if op is not None else data
+            self._db.execute(
+                f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (checksum(table, run, int(seq), stamped), rowid)
+            )
+
+    # ------------------------------------------------------------------ checking rows
+    def damaged(self, what: str) -> Exception:
+        return StoreDamaged(self.data_dir, what)
+
+    def _damaged(self, table: str, run: str, seq: int, reason: str) -> StoreDamaged:
+        row = _ROW_NAME[table].format(seq=seq)
+        return StoreDamaged(self.data_dir, f"run {run!r}: its {row} in {self.path} {reason}")
+
+    def _decode(self, table: str, run: str, seq: int, data: Any) -> Any:
+        if not isinstance(data, bytes):
+            raise self._damaged(table, run, seq, f"holds {type(data).__name__}, not stored JSON")
+        try:
+            return loads(data)
+        except ValueError as exc:
+            raise self._damaged(table, run, seq, f"is not valid JSON ({exc})") from None
+
+    def _checked(self, table: str, run: str, seq: int, data: Any, stored: Any, op: str | None = None) -> Any:
+        """The decoded row, once its checksum matches."""
+        if not isinstance(data, bytes):
+            raise self._damaged(table, run, seq, f"holds {type(data).__name__}, not stored JSON")
+        expected = checksum(table, run, seq, _journal_bytes(op, data) if op is not None else data)
+        if stored != expected:
+            reason = (
+                "has no checksum"
+                if stored is None
+                else "fails its checksum (its bytes changed after they were written: a flipped or truncated value)"
+            )
+            raise self._damaged(table, run, seq, reason)
+        return self._decode(table, run, seq, data)
+
+    # ------------------------------------------------------------------ writes
     def _write(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -140,47 +334,87 @@ class SqliteStore(Store):
             self._db.execute("COMMIT")
 
     def create_run(self, name: str, config: dict[str, Any]) -> None:
-        self._write([("INSERT INTO runs (name, config) VALUES (?, ?)", (name, dumps(config)))])
+        data = dumps(config)
+        insert = "INSERT INTO runs (name, config, checksum) VALUES (?, ?, ?)"
+        self._write([(insert, (name, data, checksum("runs", name, 0, data)))])
+        with self._lock:  # after the commit: a crash in between leaves a run the manifest does not name yet
+            self._write_manifest(self._manifest_runs())
 
     def delete_run(self, name: str) -> None:
+        with self._lock:  # before the delete: a crash in between leaves a run the manifest no longer names
+            self._write_manifest([run for run in self._manifest_runs() if run != name])
         self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in _RUN_TABLES])
 
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
         data = dumps(request)
         statements: list[tuple[str, tuple[Any, ...]]] = [
-            ("INSERT INTO journal (run, seq, op, request) VALUES (?, ?, ?, ?)", (run, seq, op, data))
+            (
+                "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)",
+                (run, seq, op, data, checksum("journal", run, seq, _journal_bytes(op, data))),
+            )
         ]
         if history_row is not None:
-            statements.append(("INSERT INTO history (run, seq, row) VALUES (?, ?, ?)", (run, seq, dumps(history_row))))
+            row = dumps(history_row)
+            statements.append(
+                (
+                    "INSERT INTO history (run, seq, row, checksum) VALUES (?, ?, ?, ?)",
+                    (run, seq, row, checksum("history", run, seq, row)),
+                )
+            )
         self._write(statements)
         return len(data)
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
-        self._write([("INSERT OR REPLACE INTO snapshots (run, seq, state) VALUES (?, ?, ?)", (run, seq, dumps(state)))])
-
-    def load(self) -> list[StoredRun]:
-        with self._lock:
-            runs = self._db.execute("SELECT name, config FROM runs ORDER BY rowid").fetchall()
-            stored = []
-            for name, config in runs:
-                snap = self._db.execute("SELECT seq, state FROM snapshots WHERE run = ?", (name,)).fetchone()
-                seq = 0 if snap is None else int(snap[0])
-                history = [
-                    loads(row)
-                    for (row,) in self._db.execute(
-                        "SELECT row FROM history WHERE run = ? AND seq <= ? ORDER BY seq", (name, seq)
-                    )
-                ]
-                tail = [
-                    JournalRow(int(s), op, loads(request))
-                    for s, op, request in self._db.execute(
-                        "SELECT seq, op, request FROM journal WHERE run = ? AND seq > ? ORDER BY seq", (name, seq)
-                    )
-                ]
-                stored.append(
-                    StoredRun(name, loads(config), seq, None if snap is None else loads(snap[1]), history, tail)
+        data = dumps(state)
+        self._write(
+            [
+                (
+                    "INSERT OR REPLACE INTO snapshots (run, seq, state, checksum) VALUES (?, ?, ?, ?)",
+                    (run, seq, data, checksum("snapshots", run, seq, data)),
                 )
-            return stored
+            ]
+        )
+
+    # ------------------------------------------------------------------ reads
+    def load(self) -> list[StoredRun]:
+        """Every run, each row checked (:class:`StoreDamaged` names the first damaged one)."""
+        with self._lock:
+            runs = self._db.execute("SELECT name, config, checksum FROM runs ORDER BY rowid").fetchall()
+        return [self._load_run(name, config, check) for name, config, check in runs]
+
+    def _load_run(self, name: str, config_data: Any, config_check: Any) -> StoredRun:
+        config = self._checked("runs", name, 0, config_data, config_check)
+        with self._lock:
+            snap = self._db.execute("SELECT seq, state, checksum FROM snapshots WHERE run = ?", (name,)).fetchone()
+            seq = 0 if snap is None else int(snap[0])
+            history_rows = self._db.execute(
+                "SELECT seq, row, checksum FROM history WHERE run = ? AND seq <= ? ORDER BY seq", (name, seq)
+            ).fetchall()
+            journal_rows = self._db.execute(
+                "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq", (name, seq)
+            ).fetchall()
+            # The whole journal is the run's history (exported as events): its sequence is checked from
+            # row 1 by the primary key's index; rows before the snapshot are checksummed when exported.
+            count, last = self._db.execute("SELECT COUNT(*), MAX(seq) FROM journal WHERE run = ?", (name,)).fetchone()
+            gap = None
+            if count != (last or 0) or (last or 0) < seq:
+                gap = self._db.execute(
+                    "SELECT MIN(seq) FROM (SELECT 1 AS seq UNION ALL SELECT seq + 1 FROM journal WHERE run = ?) "
+                    "WHERE seq NOT IN (SELECT seq FROM journal WHERE run = ?)",
+                    (name, name),
+                ).fetchone()[0]
+        if gap is not None and gap <= max(seq, last or 0):
+            after = f"the journal jumps from row {gap - 1} to a later row" if gap <= (last or 0) else "it ends there"
+            if gap > (last or 0):
+                after += f", though the run's snapshot was taken at row {seq}"
+            raise self._damaged("journal", name, gap, f"is missing ({after}: a gap in its sequence)")
+        snapshot = None if snap is None else self._checked("snapshots", name, seq, snap[1], snap[2])
+        history = [self._checked("history", name, int(s), row, check) for s, row, check in history_rows]
+        tail = [
+            JournalRow(int(s), op, self._checked("journal", name, int(s), request, check, op))
+            for s, op, request, check in journal_rows
+        ]
+        return StoredRun(name, config, seq, snapshot, history, tail)
 
     def journal(self, run: str) -> Iterator[JournalRow]:
         """Every journal row of ``run``, oldest first, read page by page on a connection of its own."""
@@ -189,13 +423,13 @@ class SqliteStore(Store):
             after = 0
             while True:
                 page = reader.execute(
-                    "SELECT seq, op, request FROM journal WHERE run = ? AND seq > ? ORDER BY seq LIMIT 256",
+                    "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq LIMIT 256",
                     (run, after),
                 ).fetchall()
                 if not page:
                     return
-                for seq, op, request in page:
-                    yield JournalRow(int(seq), op, loads(request))
+                for seq, op, request, check in page:
+                    yield JournalRow(int(seq), op, self._checked("journal", run, int(seq), request, check, op))
                 after = int(page[-1][0])
         finally:
             reader.close()
@@ -204,6 +438,11 @@ class SqliteStore(Store):
         with self._lock:
             self._db.close()
         self._lock_file.close()
+
+
+def _names(runs: list[str]) -> str:
+    shown = ", ".join(repr(name) for name in runs[:5])
+    return shown + (f" and {len(runs) - 5} more" if len(runs) > 5 else "")
 
 
 _RUN_TABLES = (("runs", "name"), ("journal", "run"), ("history", "run"), ("snapshots", "run"))

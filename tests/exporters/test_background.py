@@ -154,3 +154,51 @@ def test_background_exporter_wraps_any_slow_exporter() -> None:
     inner.gate.set()
     wrapped.close()
     assert inner.steps == [1, 2, 3] and inner.closed
+
+
+class BlockingExporter:
+    """An exporter whose ``export`` and ``close`` block until released (a receiver that never answers)."""
+
+    name = "blocking"
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.exporting = threading.Event()
+        self.closing = threading.Event()
+
+    def export(self, report: StepReport) -> None:
+        self.exporting.set()
+        self.release.wait()
+
+    def close(self) -> None:
+        self.closing.set()
+        self.release.wait()
+
+
+def test_close_returns_with_a_send_stuck_in_io_and_leaves_it_to_a_daemon_worker() -> None:
+    """``close(timeout)`` bounds the whole close: the stuck send's payload is dropped, the worker abandoned."""
+    target, errors = Target(), ExportErrors()
+    target.gate.clear()
+    queue = make_queue(target, errors)
+    queue.put(0)
+    queue.put(1)
+    assert target.started.wait(60)  # send(0) is stuck
+    assert queue.close(timeout=0.05) is False  # returned although send(0) never will by itself
+    assert queue.worker_alive and queue.worker_is_daemon  # the process can still exit
+    assert queue.dropped == 1  # payload 1, never attempted
+    target.gate.set()  # the stuck send completes at last, and the worker exits instead of sending more
+    queue._worker.join(60)
+    assert not queue.worker_alive and target.sent == [0] and queue.dropped == 1
+
+
+def test_exporter_close_is_bounded_even_when_its_shutdown_blocks() -> None:
+    inner, errors = BlockingExporter(), ExportErrors()
+    exporter = BackgroundExporter(inner, retry_initial=0.01)
+    exporter.attach(ExportContext(errors=errors))
+    exporter.export(StepReport(1, 2, {}, Tally()))
+    assert inner.exporting.wait(60)
+    exporter.close(timeout=0.2)  # export and shutdown both blocked: close returns anyway
+    assert inner.closing.wait(60)  # the shutdown was started (on its own daemon thread)
+    assert errors.count("blocking") == 1  # the unfinished shutdown is counted (and logged)
+    assert exporter.queue.worker_is_daemon
+    inner.release.set()

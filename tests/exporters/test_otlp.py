@@ -319,3 +319,61 @@ def test_closing_twice_shuts_the_otlp_exporter_down_once() -> None:
     monitor.close()
     monitor.exporters[0].close()  # e.g. a finally block after the monitor's own close
     assert inner.shutdowns == 1  # a second shutdown makes the SDK log a warning
+
+
+# What close() took against a refusing receiver before it was bounded: the OpenTelemetry exporter's own
+# retry schedule (its 10 s default timeout). A bounded close must return well before that.
+UNBOUNDED_CLOSE = 10.0
+
+
+@pytest.mark.parametrize("behaviour", ["refusing", "blackholing", "slow"])
+def test_close_returns_within_its_timeout_whatever_the_receiver_does(behaviour: str) -> None:
+    import socket
+
+    listener: socket.socket | None = None
+    receiver: OtlpReceiver | None = None
+    if behaviour == "refusing":
+        endpoint = f"http://127.0.0.1:{free_port()}/v1/metrics"  # nothing listens: connection refused
+    elif behaviour == "blackholing":
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # the kernel completes the handshake; nobody ever reads or answers
+        endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}/v1/metrics"
+    else:
+        receiver = OtlpReceiver()
+        receiver.release.clear()  # reads the request, answers only when released
+        endpoint = receiver.endpoint
+    errors = ExportErrors()
+    exporter = OtlpExporter(endpoint=endpoint)  # the OpenTelemetry exporter's own 10 s timeout and retries
+    exporter.attach(ExportContext(run=RUN, errors=errors))
+    try:
+        exporter.export(hand_report(1, {"": [[1]]}))
+        if receiver is not None:
+            assert receiver.arrived.wait(60)
+        started = time.monotonic()
+        exporter.close(timeout=0.5)
+        took = time.monotonic() - started
+        assert took < UNBOUNDED_CLOSE / 2, f"close took {took:.1f} s"
+        assert exporter.queue.sent == 0 and exporter.queue.worker_is_daemon  # the send was left behind
+    finally:
+        if listener is not None:
+            listener.close()
+        if receiver is not None:
+            receiver.release.set()
+            receiver.stop()
+
+
+def test_default_close_timeout_is_at_most_two_seconds_and_bounds_close() -> None:
+    from staleness_metrics.exporters.background import DEFAULT_CLOSE_TIMEOUT
+
+    assert DEFAULT_CLOSE_TIMEOUT <= 2.0
+    exporter = OtlpExporter(endpoint=f"http://127.0.0.1:{free_port()}/v1/metrics")
+    monitor = StalenessMonitor(CONFIG, [exporter], run=RUN)
+    for records, step in ship_script(2):
+        monitor.add(records)
+        monitor.ship(step)
+    started = time.monotonic()
+    monitor.close()  # as a trainer's finally block does
+    took = time.monotonic() - started
+    assert took < UNBOUNDED_CLOSE / 2, f"close took {took:.1f} s"
+    assert monitor.export_errors.count("otlp") >= 1  # the reports it could not send are counted, not lost silently

@@ -24,6 +24,9 @@ TABLE_KEYS = set(WANDB_KEYS)  # templated keys spelled out per bucket
 MAX_KEYS = {key for key, m in WANDB_KEYS.items() if m.wandb_summary == "max"}
 HISTOGRAM_KEY = next(m for m in METRICS if m.source is Source.TOKEN_HISTOGRAM).wandb_key
 STEP_KEY = "trainer/step"
+# Starting and finishing an offline run takes seconds on a loaded machine: these tests read the finished
+# run file, so they give close() room for it (a hang guard, not a speed check).
+FINISH_TIMEOUT = 120.0
 
 
 def offline_init(directory: Path) -> dict[str, Any]:
@@ -86,7 +89,7 @@ class FakeRun:
 
 @pytest.mark.integration
 def test_offline_run_has_rows_axis_summaries_and_legacy_keys(tmp_path: Path) -> None:
-    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), legacy_keys=True)
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), legacy_keys=True, close_timeout=FINISH_TIMEOUT)
     expected: list[dict[str, Any]] = []
     with StalenessMonitor(CONFIG, [exporter], run="ignored-by-wandb") as monitor:
         for records, step in ship_script(3):
@@ -126,7 +129,7 @@ def test_offline_run_has_rows_axis_summaries_and_legacy_keys(tmp_path: Path) -> 
 @pytest.mark.integration
 def test_token_staleness_histogram_is_a_wandb_histogram(tmp_path: Path) -> None:
     assert HISTOGRAM_KEY == "staleness/token/histogram"
-    exporter = WandbExporter(init_kwargs=offline_init(tmp_path))
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), close_timeout=FINISH_TIMEOUT)
     histograms = []
     with StalenessMonitor(CONFIG, [exporter], run="r") as monitor:
         for records, step in ship_script(2):
@@ -223,7 +226,7 @@ def test_histogram_bins_centre_integer_staleness() -> None:
 def test_offline_run_holds_the_mismatch_keys_of_the_sink_and_of_the_live_path(tmp_path: Path) -> None:
     """SPEC 11: a ship whose records carry trainer log-probs logs the family with its step; sums the
     trainer records later (two ranks) add rows for the step holding the merged values."""
-    exporter = WandbExporter(init_kwargs=offline_init(tmp_path))
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), close_timeout=FINISH_TIMEOUT)
     rng = np.random.default_rng(3)
     lags = np.array([0, 0, 1, 2, 2, 5, 40, 100])
     sampler = -rng.random(len(lags))
@@ -255,3 +258,65 @@ def test_offline_run_holds_the_mismatch_keys_of_the_sink_and_of_the_live_path(tm
         "max": max(r["staleness/mismatch/excess_k3"] for r in everything)
     }
     assert MismatchSums.zero().metrics() == {}  # nothing covered: no keys at all
+
+
+class SlowInit:
+    """Stands in for ``wandb.init``: blocks until released (the seconds a real start takes), records the
+    thread it was called on, and returns a :class:`FakeRun`."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.called = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.run = FakeRun()
+
+    def __call__(self, **kwargs: Any) -> FakeRun:
+        self.thread = threading.current_thread()
+        self.called.set()
+        self.release.wait()
+        return self.run
+
+
+def test_constructing_never_waits_for_wandb_init(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The W&B run starts on the exporter's worker: construction and ships return while it starts."""
+    init = SlowInit()
+    monkeypatch.setattr(wandb, "init", init)
+    exporter = WandbExporter(init_kwargs={"project": "p"}, close_timeout=FINISH_TIMEOUT)
+    assert init.called.wait(60)  # wandb.init is running, blocked ...
+    assert init.thread is not threading.current_thread()  # ... on another thread than the caller's
+    assert exporter.run is None
+    exporter.export(hand_report(1, {"": [[1, 2]]}))  # returns while the run is still starting
+    assert init.run.rows == []
+    init.release.set()
+    assert exporter.flush(timeout=60)
+    assert exporter.run is init.run and [row[STEP_KEY] for row in init.run.rows] == [1]
+    exporter.close()
+    assert init.run.finished  # the exporter's own run is finished on close
+
+
+def test_close_does_not_wait_for_a_start_that_hangs_and_finishes_the_late_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    init = SlowInit()
+    monkeypatch.setattr(wandb, "init", init)
+    errors = ExportErrors()
+    exporter = WandbExporter(init_kwargs={"project": "p"})
+    exporter.attach(ExportContext(errors=errors))
+    exporter.export(hand_report(1, {"": [[1]]}))
+    assert init.called.wait(60)
+    exporter.close(timeout=0.2)  # returns although wandb.init has not
+    assert errors.count("wandb") >= 1  # the unsent row is counted as dropped
+    assert exporter.queue.worker_is_daemon
+    init.release.set()  # the start completes after close gave up on it: that run is finished, not leaked
+    exporter.queue._worker.join(60)
+    assert init.run.finished and init.run.rows == []
+
+
+def test_an_active_run_is_used_without_starting_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    active = FakeRun()
+    monkeypatch.setattr(wandb, "run", active)
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: pytest.fail("started a run although one is active"))
+    exporter = WandbExporter()
+    assert exporter.run is active
+    exporter.export(hand_report(2, {"": [[1]]}))
+    exporter.close(timeout=60)
+    assert [row[STEP_KEY] for row in active.rows] == [2] and not active.finished  # the caller's run stays open
+    monkeypatch.setattr(wandb, "run", None)

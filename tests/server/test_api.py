@@ -268,7 +268,7 @@ def test_request_bodies_are_capped(start_server: Callable[..., ThreadServer], ch
 
 def test_healthz(http: httpx.Client) -> None:
     make_run(http)
-    assert http.get("/healthz").json() == {"status": "ok", "version": "0.1.0", "runs": 1}
+    assert http.get("/healthz").json() == {"status": "ok", "version": "0.1.0", "runs": 1, "unavailable": {}}
 
 
 def test_the_document_names_each_answers_model(server: ThreadServer) -> None:

@@ -1,17 +1,20 @@
-"""The ``serve`` command line: help with examples, the defaults of SPEC 10, and start-up failures."""
+"""The ``serve`` command line: help with examples, the defaults of SPEC 10, start-up failures, restarts."""
 
 from __future__ import annotations
 
 import argparse
 import socket
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from staleness_metrics.commands import serve
 
-from .conftest import ROOT, child_env, serve_command
+from .conftest import ROOT, ServeProcess, child_env, serve_command
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -66,3 +69,40 @@ def test_an_empty_token_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
     empty.write_text("\n")
     assert serve.run(parse("--token-file", str(empty))) == 2  # not a service without a token
     assert f"cannot read the token file: {empty} is empty" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_a_restart_serves_every_stored_run_as_it_was(
+    tmp_path: Path, serve_process: Callable[..., ServeProcess]
+) -> None:
+    """Runs are loaded in the background after a restart; whichever is asked first is loaded first, and
+    each answers as before the restart (the last one asked first, /metrics after)."""
+    names = [f"run-{i}" for i in range(5)]
+    first = serve_process(["--data-dir", str(tmp_path)])
+    with httpx.Client(base_url=first.url, timeout=60) as http:
+        for i, name in enumerate(names):
+            assert http.put(f"/v1/runs/{name}", json={"max_staleness": 1 + i}).status_code == 201
+            records = [{"id": f"r{j}", "dispatch_version": 0, "samples": [{"mask": [1] * (j + 1)}]} for j in range(3)]
+            assert http.post(f"/v1/runs/{name}/rollouts", json={"rollouts": records}).status_code == 200
+            assert http.post(f"/v1/runs/{name}/ship", json={"step": 1 + i}).status_code == 200
+        before = {name: http.get(f"/v1/runs/{name}").json() for name in names}
+    first.stop()  # SIGTERM: a clean shutdown (a final snapshot of every run)
+
+    again = serve_process(["--data-dir", str(tmp_path)])
+    with httpx.Client(base_url=again.url, timeout=60) as http:
+        assert http.get(f"/v1/runs/{names[-1]}").json() == before[names[-1]]
+        health = http.get("/healthz")
+        assert health.status_code == 200 and health.json()["runs"] == len(names) and health.json()["unavailable"] == {}
+        assert {name: http.get(f"/v1/runs/{name}").json() for name in names} == before
+        assert {run["run"] for run in http.get("/v1/runs").json()["runs"]} == set(names)
+
+
+def test_the_command_line_imports_no_server_dependencies() -> None:
+    """``staleness-metrics --help`` and every other subcommand start without FastAPI, uvicorn or W&B:
+    the service imports them when it starts."""
+    code = (
+        "import sys, staleness_metrics.cli; "
+        "print(sorted(m for m in ('fastapi', 'uvicorn', 'wandb', 'opentelemetry', 'starlette') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
