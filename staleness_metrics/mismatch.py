@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .kernels import mismatch_runs
+
 __all__ = [
     "DEFAULT_BAND",
     "LAG_BUCKETS",
@@ -253,12 +255,42 @@ def mismatch_sums(
     for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
         if array is not None and len(array) != len(lag):
             raise ValueError(f"{name}: length {len(array)} differs from the lags' {len(lag)}")
-    totals = _Accumulator(lo, hi)
-    bool_flags = None if flags is None else flags.astype(bool, copy=False)
-    for start in range(0, len(lag), _CHUNK):
-        block = slice(start, start + _CHUNK)
-        totals.add(lag[block], sampler[block], trainer[block], None if bool_flags is None else bool_flags[block])
-    return totals.result()
+    bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)
+    if any(values.dtype.kind == "f" and values.dtype.itemsize > 8 for values in (sampler, trainer)):
+        # Wider than float64 (long double): the numpy blocks, which compute d in that precision.
+        totals = _Accumulator(lo, hi)
+        for start in range(0, len(lag), _CHUNK):
+            block = slice(start, start + _CHUNK)
+            totals.add(lag[block], sampler[block], trainer[block], None if bool_flags is None else bool_flags[block])
+        return totals.result()
+    # One compiled pass (kernels.mismatch_runs): float32 / float64 as they are, others as float64, which
+    # is what numpy's subtraction made of them; lags as int64 (unsigned ones beyond 2**62 are all "inf").
+    if lag.dtype.kind == "u":
+        lag = np.minimum(lag, np.uint64(1 << 62))
+    counts, sums, uncovered = mismatch_runs(
+        np.ascontiguousarray(lag, dtype=np.int64),
+        _float_for_kernel(sampler),
+        _float_for_kernel(trainer),
+        bool_flags,
+        lo,
+        hi,
+        _BOUNDS,
+        LOG_RATIO_CLAMP,
+    )
+    k3 = np.maximum(sums[2], 0.0)  # each term is >= 0; rounding of tiny ones must not make the sum negative
+    return MismatchSums._of(
+        dict(zip(COUNT_FIELDS, counts)),
+        {"sum_log_ratio": sums[0], "sum_abs_log_ratio": sums[1], "sum_k3": k3, "sum_ratio": sums[3],
+         "sum_ratio_sq": sums[4]},
+        int(uncovered),
+    )  # fmt: skip
+
+
+def _float_for_kernel(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """float32 and float64 as they are (contiguous); any other dtype as float64."""
+    if values.dtype in (np.float32, np.float64):
+        return np.ascontiguousarray(values)
+    return np.ascontiguousarray(values, dtype=np.float64)
 
 
 class _Accumulator:

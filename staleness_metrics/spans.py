@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
-from .kernels import token_cuts
+from .kernels import WEIGHT_NAN, WEIGHT_NONFINITE, WEIGHT_NONZERO, WEIGHT_NOT_POSITIVE, token_cuts, weight_flags
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 from .segments import expand_ranges, segment_max, segment_min, segment_sum
 from .validation import Verdicts
@@ -41,6 +41,7 @@ NO_VERSION_HIGH = np.iinfo(np.int64).max // 4
 # A span row holds every position of its range, or (a mixed cut of a token-labelled sample, whose
 # scattered -1 positions take the dispatch version) only its labelled or only its unlabelled positions.
 PART_WHOLE, PART_LABELLED, PART_UNLABELLED = 0, 1, 2
+_NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -80,21 +81,25 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     n_positions = batch.n_positions
     sample_rollout = np.repeat(np.arange(batch.n_rollouts), np.diff(batch.sample_offsets))
     valid_sample = ~verdicts.invalid[sample_rollout]
-    tokened = valid_sample & (batch.label_kind == LABELS_TOKENS) & (np.diff(pos_off) > 0)
+    nonempty = np.diff(pos_off) > 0
+    tokened = valid_sample & (batch.label_kind == LABELS_TOKENS) & nonempty
     mask = batch.mask
-    changes = _mask_changes(mask)
+    # Token-labelled samples find their mask changes in the compiled pass that cuts them; the others here.
+    changes = _mask_changes(mask) if bool((valid_sample & ~tokened & nonempty).any()) else _NO_POSITIONS
 
     # Cuts: the spans of one mask value that tile the flat arrays. Samples labelled per position get
     # theirs from runs of token_versions (scattered unlabelled positions do not cut them: they form the
     # cut's unlabelled part); every other sample from its version spans, refined where the mask changes.
     version_lo, version_label, version_kept = _version_spans(batch, valid_sample, tokened)
-    outside = ~tokened[np.searchsorted(pos_off, changes, "right") - 1] if tokened.any() else slice(None)
+    outside: BoolArray | slice = slice(None)
+    if tokened.any() and len(changes):
+        outside = ~tokened[np.searchsorted(pos_off, changes, "right") - 1]
     lo = np.union1d(version_lo, changes[outside]).astype(np.int64)
     of_version = np.searchsorted(version_lo, lo, "right") - 1
     label, kept = version_label[of_version], version_kept[of_version]
     labelled = np.full(len(lo), -1)  # labelled positions per cut; -1: all of them when the label is >= 0
     if tokened.any():
-        t_lo, t_label, t_labelled = _token_cuts(batch, tokened, changes)
+        t_lo, t_label, t_labelled = _token_cuts(batch, tokened)
         order = np.argsort(np.concatenate((lo, t_lo)), kind="stable")
         lo = np.concatenate((lo, t_lo))[order]
         label = np.concatenate((label, t_label))[order]
@@ -110,19 +115,10 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
         verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
     is_sampled = value == 1
     present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
-    # rl's minima tell which parts of a mixed cut carry a weight (_exact_part_liveness): read only then.
-    extrema = run_all(
-        [
-            partial(_span_extrema, getattr(batch, name), lo, name == "rl_weights" and bool(mixed.any()))
-            for name in present
-        ],
-        n_positions,
-    )
+    flags = run_all([partial(span_weight_flags, getattr(batch, name), lo, hi) for name in present], n_positions)
     nonzero: dict[str, BoolArray | None] = dict.fromkeys(WEIGHT_FIELDS)
-    lowest: dict[str, npt.NDArray[Any]] = {}
-    for name, (high, low) in zip(present, extrema):
-        nonzero[name] = _nonzero_or_report(getattr(batch, name), name, high, low, lo, hi, kept, verdicts)
-        lowest[name] = low
+    for name, bits in zip(present, flags):
+        nonzero[name] = _nonzero_or_report(getattr(batch, name), name, bits, lo, hi, kept, verdicts)
     if batch.logprobs is not None and not np.isfinite(np.add.reduce(batch.logprobs)):
         offenders = np.flatnonzero(~np.isfinite(batch.logprobs))
         verdicts.positions(offenders[np.unique(np.searchsorted(lo, offenders, "right"), return_index=True)[1]].tolist(),
@@ -144,7 +140,8 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     count = np.where(part == PART_UNLABELLED, (hi - lo - labelled)[row_cut], count)
     row_live = live[row_cut]
     if rl is not None and (mixed & live).any():
-        _exact_part_liveness(batch, present, lo, hi, lowest["rl_weights"], mixed & live, row_cut, part, row_live)
+        rl_positive = flags[present.index("rl_weights")] & (WEIGHT_NAN | WEIGHT_NOT_POSITIVE) == 0
+        _exact_part_liveness(batch, present, lo, hi, rl_positive, mixed & live, row_cut, part, row_live)
     keep_rows = kept[row_cut]
     row_cut, part, count, row_live = row_cut[keep_rows], part[keep_rows], count[keep_rows], row_live[keep_rows]
     lo, hi, label, side = lo[row_cut], hi[row_cut], np.where(part == PART_UNLABELLED, -1, label[row_cut]), side[row_cut]
@@ -192,16 +189,16 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     )
 
 
-def _token_cuts(batch: RolloutBatch, tokened: BoolArray, changes: IntArray) -> tuple[IntArray, IntArray, IntArray]:
+def _token_cuts(batch: RolloutBatch, tokened: BoolArray) -> tuple[IntArray, IntArray, IntArray]:
     """Cuts of the samples labelled per position: start, label (-1: none) and labelled positions of each.
 
     A cut ends where the mask changes or a different label begins; unlabelled positions (-1) between
     two equal labels stay inside the cut, so scattered unlabelled positions do not multiply the cuts.
-    One compiled pass over the positions (:func:`~staleness_metrics.kernels.token_cuts`).
+    One compiled pass over the labels and the mask (:func:`~staleness_metrics.kernels.token_cuts`).
     """
     tokens = batch.token_versions
     assert tokens is not None
-    return token_cuts(tokens, batch.position_offsets, np.flatnonzero(tokened), changes)
+    return token_cuts(tokens, batch.mask, batch.position_offsets, np.flatnonzero(tokened))
 
 
 def _exact_part_liveness(
@@ -209,7 +206,7 @@ def _exact_part_liveness(
     present: list[str],
     lo: IntArray,
     hi: IntArray,
-    rl_lowest: npt.NDArray[Any],
+    rl_positive: BoolArray,
     candidates: BoolArray,
     row_cut: IntArray,
     part: npt.NDArray[np.int8],
@@ -217,11 +214,11 @@ def _exact_part_liveness(
 ) -> None:
     """Whether each part of a live mixed cut has a weighted position of its own (written into ``row_live``).
 
-    The cut's weight maxima say so at once unless rl_weights has zeros in the cut (its minimum,
-    ``rl_lowest``, is not above 0); only those cuts are read position by position.
+    Both parts do at once when every rl weight of the cut is above 0 (``rl_positive``); only the other
+    cuts are read position by position.
     """
     cuts = np.flatnonzero(candidates)
-    doubt = cuts[~(rl_lowest[cuts] > 0)]  # a zero (or negative) rl weight somewhere in the cut
+    doubt = cuts[~rl_positive[cuts]]  # a zero (or negative, or NaN) rl weight somewhere in the cut
     if len(doubt) == 0:
         return
     tokens = batch.token_versions
@@ -307,6 +304,32 @@ def _mask_changes(mask: npt.NDArray[np.floating[Any]]) -> IntArray:
 _UNSIGNED_VIEW = {np.dtype(np.float32): (np.uint32, 0x7F800000), np.dtype(np.float64): (np.uint64, 0x7FF << 52)}
 
 
+def span_weight_flags(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.NDArray[np.uint8]:
+    """Per span (``lo``, ``hi``: the cuts, tiling the array) the ``kernels.WEIGHT_*`` bits of a weight array:
+    one compiled pass for float16/32/64 (:func:`~staleness_metrics.kernels.weight_flags`), else numpy."""
+    if len(lo) == 0:  # (``hi`` then still holds the end of the positions)
+        return np.zeros(0, dtype=np.uint8)
+    flags = weight_flags(values, lo, hi)
+    if flags is None:
+        flags = weight_flags_by_extrema(values, lo)
+    return flags
+
+
+def weight_flags_by_extrema(values: npt.NDArray[Any], lo: IntArray) -> npt.NDArray[np.uint8]:
+    """The ``kernels.WEIGHT_*`` bits per span from numpy's ``reduceat`` extrema (spans from each ``lo``
+    to the next): the engine's former formulation, kept for dtypes the compiled pass does not read."""
+    high, low = _span_extrema(values, lo, minima=True)
+    flags = np.zeros(len(lo), dtype=np.uint8)
+    if len(lo) == 0:
+        return flags
+    nan = np.isnan(high) | np.isnan(low)  # reduceat propagates NaN
+    flags[nan] |= WEIGHT_NAN | WEIGHT_NONZERO
+    flags[~(np.isfinite(high) & np.isfinite(low))] |= WEIGHT_NONFINITE
+    flags[(high > 0) | (low < 0)] |= WEIGHT_NONZERO
+    flags[~(low > 0)] |= WEIGHT_NOT_POSITIVE  # NaN is not > 0 either
+    return flags
+
+
 def _span_extrema(
     values: npt.NDArray[Any], lo: IntArray, minima: bool = False
 ) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
@@ -318,7 +341,7 @@ def _span_extrema(
     if len(lo) == 0:
         return values[:0], values[:0]
     view = _UNSIGNED_VIEW.get(values.dtype)
-    if view is not None:
+    if view is not None and values.flags.c_contiguous:
         unsigned, infinity = view
         bits = values.view(unsigned)
         top = np.maximum.reduceat(bits, lo)
@@ -331,18 +354,18 @@ def _span_extrema(
 def _nonzero_or_report(
     values: npt.NDArray[np.floating[Any]],
     name: str,
-    high: npt.NDArray[Any],
-    low: npt.NDArray[Any],
+    flags: npt.NDArray[np.uint8],
     lo: IntArray,
     hi: IntArray,
     kept: BoolArray,
     verdicts: Verdicts,
 ) -> BoolArray:
-    """Per span: whether the weight array holds a non-zero value. Non-finite extrema mean a
-    non-finite value: only then are positions searched, to name the first offender."""
-    broken = kept & ~(np.isfinite(high) & np.isfinite(low))
+    """Per span: whether the weight array holds a non-zero value (a span holding a NaN does not, as
+    numpy's extrema said). A non-finite value is searched for by position only in such spans, to name
+    the first offender."""
+    broken = kept & (flags & WEIGHT_NONFINITE != 0)
     for span in np.flatnonzero(broken).tolist():
         a, b = int(lo[span]), int(hi[span])
         verdicts.positions([a + int(np.flatnonzero(~np.isfinite(values[a:b]))[0])], name, "not a finite number")
-    nonzero: BoolArray = (high > 0) | (low < 0)
+    nonzero: BoolArray = flags & (WEIGHT_NONZERO | WEIGHT_NAN) == WEIGHT_NONZERO
     return nonzero

@@ -281,3 +281,96 @@ def test_a_ship_without_trainer_logprobs_has_no_family() -> None:
     shipment = sink.ship(1)
     assert shipment.report.mismatch is None
     assert not any(key.startswith("staleness/mismatch/") for key in shipment.metrics)
+
+
+# ---------------------------------------------------------------------------------------------- the compiled pass
+
+
+def numpy_mismatch_sums(
+    lags: np.ndarray, sampler: np.ndarray, trainer: np.ndarray, masked: np.ndarray | None, band: tuple[float, float]
+) -> MismatchSums:
+    """The former numpy formulation (blocks of runs, ``reduceat`` per quantity), kept as the reference."""
+    from staleness_metrics.mismatch import _CHUNK, _Accumulator
+
+    totals = _Accumulator(*band)
+    for start in range(0, len(lags), _CHUNK):
+        block = slice(start, start + _CHUNK)
+        totals.add(lags[block], sampler[block], trainer[block], None if masked is None else masked[block])
+    return totals.result()
+
+
+SPECIAL_LOGPROBS = [0.0, -1.0, -1e-9, -25.0, -100.0, float("nan"), float("inf"), float("-inf"), math.log(0.5), -50.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 400),
+    seed=st.integers(0, 2**32 - 1),
+    dtype=st.sampled_from([np.float32, np.float64, np.float16, np.int64]),
+    with_flags=st.booleans(),
+    band=st.sampled_from([(0.5, 2.0), (0.9, 1.1), (1.0, 1.0)]),
+    run_length=st.integers(1, 40),
+    specials=st.lists(st.sampled_from(SPECIAL_LOGPROBS), max_size=12),
+)
+def test_the_compiled_pass_equals_the_numpy_blocks(
+    n: int,
+    seed: int,
+    dtype: Any,
+    with_flags: bool,
+    band: tuple[float, float],
+    run_length: int,
+    specials: list[float],
+) -> None:
+    """Counts identical, float sums to float64 rounding, on lags in runs (negative ones outside), every
+    bucket, clamped and uncovered positions and each log-probability dtype."""
+    rng = np.random.default_rng(seed)
+    lags = np.repeat(rng.integers(-2, 120, size=n // run_length + 1), run_length)[:n]
+    sampler = rng.normal(-1, 2, n)
+    trainer = sampler + rng.normal(0, 0.7, n)
+    for value in specials:  # NaN, infinities, differences beyond the clamp, ratios on the band's edges
+        if n:
+            (sampler if rng.random() < 0.5 else trainer)[rng.integers(0, n)] = value
+    if dtype is np.int64:
+        sampler, trainer = np.round(sampler * 3), np.round(trainer * 3)
+        sampler, trainer = np.nan_to_num(sampler, posinf=9, neginf=-9), np.nan_to_num(trainer, posinf=9, neginf=-9)
+    with np.errstate(over="ignore", invalid="ignore"):
+        sampler, trainer = sampler.astype(dtype), trainer.astype(dtype)
+    masked = rng.random(n) < 0.3 if with_flags else None
+    got = mismatch_sums(lags, sampler, trainer, masked, band=band)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = numpy_mismatch_sums(lags, sampler, trainer, masked, band)
+    for name in ("tokens", "masked", "out_of_band"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name
+    assert got.uncovered == want.uncovered
+    # Float64 rounding of a bucket's sum: relative for sums of terms of one sign; for Σd (either sign) and
+    # Σk3 (the reference took Σr - n - Σd, the pass adds r - 1 - d) up to that of the largest terms, e^20.
+    cancelling = got.tokens * math.exp(20) * 1e-14
+    for name in ("sum_log_ratio", "sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq"):
+        g, w = getattr(got, name), getattr(want, name)
+        slack = cancelling if name in ("sum_log_ratio", "sum_k3") else 0.0
+        assert np.all(np.abs(g - w) <= 1e-11 * np.abs(w) + slack), (name, g, w)
+
+
+def test_the_compiled_pass_in_parallel_shares_equals_one_pass() -> None:
+    """Past a million positions the pass runs in shares on threads; runs cut by a share boundary add up."""
+    rng = np.random.default_rng(2)
+    n = (1 << 20) + 777
+    lags = np.repeat(rng.integers(-1, 70, size=n // 1000 + 1), 1000)[:n]
+    sampler = rng.normal(-1, 1, n).astype(np.float32)
+    trainer = (sampler + rng.normal(0, 0.1, n)).astype(np.float32)
+    trainer[rng.integers(0, n, 50)] = np.nan
+    masked = rng.random(n) < 0.5
+    got = mismatch_sums(lags, sampler, trainer, masked)
+    want = numpy_mismatch_sums(lags, sampler, trainer, masked, (0.5, 2.0))
+    for name in ("tokens", "masked", "out_of_band"):
+        assert np.array_equal(getattr(got, name), getattr(want, name))
+    assert got.uncovered == want.uncovered == int(np.sum(np.isnan(trainer) & (lags >= 0)))
+    for name in ("sum_log_ratio", "sum_abs_log_ratio", "sum_ratio", "sum_ratio_sq"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-12)
+    np.testing.assert_allclose(got.sum_k3, want.sum_k3, rtol=1e-9)  # Σ(r - 1 - d) per position, not Σr - n - Σd
+
+
+def test_unsigned_lags_beyond_int64_land_in_the_last_bucket() -> None:
+    lags = np.array([3, 2**63 + 5, 2**64 - 1], dtype=np.uint64)
+    sums = mismatch_sums(lags, [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
+    assert sums.tokens[3] == 1 and sums.tokens[-1] == 2
