@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .checkpoint import load_sink, save_sink
 from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK, Decision, Judgement
@@ -220,11 +219,15 @@ class Sink:
     def state_dict(self) -> dict[str, Any]:
         """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`. Taking it at any
         moment changes nothing in the sink."""
+        from .checkpoint import save_sink  # loaded by the first checkpoint, not by every import of the sink
+
         return save_sink(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`. All or nothing: a state that fails a check (or was taken under
         another policy or bound) raises ``ConfigError`` naming the key path, and the sink stays as it was."""
+        from .checkpoint import load_sink
+
         load_sink(self, state)
 
     # ------------------------------------------------------------------ add
