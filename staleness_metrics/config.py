@@ -8,7 +8,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .legacy import RENAMED_SETTINGS as _RENAMED
 
 __all__ = ["POLICY_NAMES", "PolicyName", "StalenessConfig"]
 
@@ -71,6 +70,8 @@ class StalenessConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> StalenessConfig:
         """Build from a parsed config table; unknown and renamed keys are errors, never ignored."""
+        from .legacy import RENAMED_SETTINGS as _RENAMED  # the legacy keys load only when a config file is read
+
         known = {f.name for f in fields(cls)}
         for key in data:
             if key in _RENAMED:
