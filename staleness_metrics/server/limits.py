@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_MAX_HEADER_BYTES",
     "BodySizeLimit",
     "header_limited_protocol",
+    "uvicorn_header_options",
 ]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -189,3 +190,16 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
             self.transport.close()
 
     return HeaderLimitedProtocol
+
+
+def uvicorn_header_options(
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, header_timeout: float = DEFAULT_HEADER_TIMEOUT
+) -> dict[str, Any]:
+    """``uvicorn.Config`` options capping request headers: the guarded httptools protocol
+    (:func:`header_limited_protocol`), or h11's own size cap (it has no header deadline) where httptools
+    is not installed."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return {"http": "h11", "h11_max_incomplete_event_size": max_header_bytes}
+    return {"http": header_limited_protocol(max_header_bytes, header_timeout)}

@@ -246,6 +246,24 @@ def test_deep_nesting_is_a_client_error_on_every_route(server: ThreadServer, dep
         assert http.get("/v1/runs/exp").json()["queued"] == 0
 
 
+def test_a_huge_or_deeply_nested_wrong_value_is_named_in_a_short_reason(server: ThreadServer) -> None:
+    """The reason quotes the start of the value, not all of it: a 600 KB value makes a short answer."""
+    deep: object = [1]
+    for _ in range(100):  # within what the journal stores (128 levels), wrong all the same
+        deep = [deep]
+    wide = {"id": "wide", "dispatch_version": 0, "samples": [{"mask": [1]}], "group_id": list(range(100_000))}
+    nested = {"id": "nested", "dispatch_version": 0, "samples": [{"mask": [1]}], "group_id": deep}
+    with httpx.Client(base_url=server.url) as http:
+        http.put("/v1/runs/exp", json={"strict": False})
+        answer = http.post("/v1/runs/exp/rollouts", json={"rollouts": [wide, nested]})
+        assert answer.status_code == 200
+        invalid = {item["rollout_id"]: item for item in answer.json()["invalid"]}
+    assert {rid: item["field"] for rid, item in invalid.items()} == {"wide": "group_id", "nested": "group_id"}
+    assert invalid["wide"]["reason"].startswith("expected a string, got [0, 1, 2, 3")
+    assert all(len(item["reason"]) < 400 for item in invalid.values())
+    assert "more characters" in invalid["wide"]["reason"]
+
+
 # ---------------------------------------------------------------- headers (issue 19)
 
 
