@@ -167,39 +167,6 @@ class Store:
         """Journal one write; returns the bytes written (0 when nothing is stored)."""
         return 0
 
-    def _append_chunked(self, run: str, seq: int, op: str, request: Chunked) -> int:
-        """One journal row written piece by piece into a blob of its size (SQLite's incremental blob
-        I/O): neither the row's text nor SQLite's copy of a bound value is ever whole in memory."""
-        digest = hashlib.blake2b(_journal_bytes(op, b""), digest_size=16)
-        size = 0
-        for piece in request.pieces():
-            digest.update(piece)
-            size += len(piece)
-        digest.update(f"\0journal\0{run}\0{seq}".encode())
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                cursor = self._db.execute(
-                    "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, zeroblob(?), ?)",
-                    (run, seq, op, size, digest.hexdigest()),
-                )
-                assert cursor.lastrowid is not None
-                with self._db.blobopen("journal", "request", cursor.lastrowid) as blob:
-                    buffer = bytearray()
-                    for piece in request.pieces():
-                        buffer += piece
-                        if len(buffer) >= PIECE_BYTES:
-                            blob.write(buffer)
-                            buffer.clear()
-                    blob.write(buffer)
-                    if blob.tell() != size:  # the pieces changed between the passes: never store that
-                        raise RuntimeError("a journal row's text changed while it was written")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
-        return size
-
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
         pass
 
@@ -448,6 +415,12 @@ class SqliteStore(Store):
     def _append_chunked(self, run: str, seq: int, op: str, request: Chunked) -> int:
         """One journal row written piece by piece into a blob of its size (SQLite's incremental blob
         I/O): neither the row's text nor SQLite's copy of a bound value is ever whole in memory."""
+        blob_open = getattr(self._db, "blobopen", None)  # Python 3.11+
+        if blob_open is None:  # the text whole, bound as usual
+            data = b"".join(request.pieces())
+            insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
+            self._write([(insert, (run, seq, op, data, checksum("journal", run, seq, _journal_bytes(op, data))))])
+            return len(data)
         digest = hashlib.blake2b(_journal_bytes(op, b""), digest_size=16)
         size = 0
         for piece in request.pieces():
@@ -462,7 +435,7 @@ class SqliteStore(Store):
                     (run, seq, op, size, digest.hexdigest()),
                 )
                 assert cursor.lastrowid is not None
-                with self._db.blobopen("journal", "request", cursor.lastrowid) as blob:
+                with blob_open("journal", "request", cursor.lastrowid) as blob:
                     buffer = bytearray()
                     for piece in request.pieces():
                         buffer += piece
