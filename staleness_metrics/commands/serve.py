@@ -196,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         exporters=exporters,
         data_dir=data_dir,
     )
+    from ..server.limits import return_large_frees_to_the_os
+
+    return_large_frees_to_the_os()  # a large body's memory goes back to the system once it is applied
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:

@@ -189,7 +189,7 @@ MemoryStore = Store
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (name TEXT PRIMARY KEY, config BLOB NOT NULL, checksum TEXT);
 CREATE TABLE IF NOT EXISTS journal (
-    run TEXT NOT NULL, seq INTEGER NOT NULL, op TEXT NOT NULL, request BLOB NOT NULL, checksum TEXT,
+    run TEXT NOT NULL, seq INTEGER NOT NULL, op TEXT NOT NULL, checksum TEXT, request BLOB NOT NULL,
     PRIMARY KEY (run, seq)
 );
 CREATE TABLE IF NOT EXISTS history (
@@ -262,6 +262,10 @@ class SqliteStore(Store):
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
             if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 self._migrate()
+            # A blob written in place must be the row's last column: SQLite builds any other in memory
+            # whole. Tables created before the column came last keep their order (and bind the text).
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(journal)")]
+            self._request_last = columns[-1:] == ["request"]
         except sqlite3.DatabaseError as exc:  # not a database, or its pages are damaged
             self._db.close()
             raise StoreDamaged(data_dir, f"the database {self.path} cannot be read ({exc})") from None
@@ -414,9 +418,10 @@ class SqliteStore(Store):
 
     def _append_chunked(self, run: str, seq: int, op: str, request: Chunked) -> int:
         """One journal row written piece by piece into a blob of its size (SQLite's incremental blob
-        I/O): neither the row's text nor SQLite's copy of a bound value is ever whole in memory."""
+        I/O, into the row's last column): neither the row's text nor SQLite's copy of a bound value is
+        ever whole in memory."""
         blob_open = getattr(self._db, "blobopen", None)  # Python 3.11+
-        if blob_open is None:  # the text whole, bound as usual
+        if blob_open is None or not self._request_last:  # the text whole, bound as usual
             data = b"".join(request.pieces())
             insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
             self._write([(insert, (run, seq, op, data, checksum("journal", run, seq, _journal_bytes(op, data))))])
