@@ -25,6 +25,7 @@ sink does.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
@@ -48,6 +49,7 @@ from .checkpoint import (
 from .columnar import RolloutBatch
 from .config import StalenessConfig
 from .errors import ConfigError
+from .exporters.background import DEFAULT_CLOSE_TIMEOUT
 from .exporters.base import (
     DEFAULT_RUN,
     ExportContext,
@@ -64,6 +66,15 @@ from .sink import Shipment, Sink
 __all__ = ["StalenessMonitor"]
 
 MISMATCH_STEPS_KEPT = 1024  # per-step totals kept for late calls; counters are cumulative regardless
+CLOSE_GRACE = 0.25  # seconds past the exporters' own close timeouts: an exporter returning at its timeout is on time
+
+
+def _close_bound(exporters: Iterable[Exporter]) -> float:
+    """How long ``close`` waits by default: the longest close timeout an exporter declares (exporters
+    that declare none are held to :data:`DEFAULT_CLOSE_TIMEOUT`), plus :data:`CLOSE_GRACE`."""
+    timeouts = [getattr(exporter, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for exporter in exporters]
+    declared = [float(t) for t in timeouts if isinstance(t, int | float) and not isinstance(t, bool)]
+    return max([DEFAULT_CLOSE_TIMEOUT, *declared]) + CLOSE_GRACE
 
 
 class StalenessMonitor:
@@ -279,17 +290,41 @@ class StalenessMonitor:
             except Exception as exc:
                 self.export_errors.record(exporter.name, "export raised", exc)
 
-    def close(self) -> None:
-        """Flush and close every exporter (each within its own timeout); safe to call twice."""
+    def close(self, timeout: float | None = None) -> None:
+        """Flush and close every exporter, all at once; safe to call twice.
+
+        Each exporter closes on a daemon thread of its own, so N exporters waiting for slow receivers cost
+        one close timeout, not N. The call returns within ``timeout`` seconds (default: the longest
+        ``close_timeout`` among the exporters, at least :data:`DEFAULT_CLOSE_TIMEOUT`, plus
+        :data:`CLOSE_GRACE`); an exporter whose ``close`` has not returned by then is counted and logged,
+        and left to finish in the background.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        for exporter in self.exporters:
-            try:
-                exporter.close()
-            except Exception as exc:
-                self.export_errors.record(exporter.name, "close raised", exc)
+        if not self.exporters:
+            return
+        bound = timeout if timeout is not None else _close_bound(self.exporters)
+        deadline = time.monotonic() + max(bound, 0.0)
+        closing = [
+            threading.Thread(target=self._close_one, args=(e,), name=f"staleness-close-{e.name}", daemon=True)
+            for e in self.exporters
+        ]
+        for thread in closing:
+            thread.start()
+        for exporter, thread in zip(self.exporters, closing, strict=True):
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            if thread.is_alive():
+                self.export_errors.record(
+                    exporter.name, f"close did not return within {bound:g} s; left to finish in the background"
+                )
+
+    def _close_one(self, exporter: Exporter) -> None:
+        try:
+            exporter.close()
+        except Exception as exc:
+            self.export_errors.record(exporter.name, "close raised", exc)
 
     def __enter__(self) -> StalenessMonitor:
         return self

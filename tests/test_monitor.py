@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -259,3 +260,58 @@ def test_sums_re_applied_while_absorbing_move_the_counters_and_publish_nothing()
     text = prometheus.exposition().decode()
     assert 'rl_staleness_mismatch_tokens_total{lag="2",run="resumed"} 2.0' in text
     assert monitor.mismatch(6) == sums
+
+
+# ---------------------------------------------------------------------------------------------- close
+
+
+class SlowToClose:
+    """An exporter whose ``close`` takes its whole ``close_timeout`` (a receiver that never answers)."""
+
+    def __init__(self, name: str, close_timeout: float) -> None:
+        self.name = name
+        self.close_timeout = close_timeout
+        self.closed = threading.Event()
+
+    def export(self, report: StepReport) -> None:
+        pass
+
+    def close(self) -> None:
+        time.sleep(self.close_timeout)
+        self.closed.set()
+
+
+class HangsOnClose:
+    """An exporter whose ``close`` never returns by itself (until the test releases it)."""
+
+    name = "hangs"
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def export(self, report: StepReport) -> None:
+        pass
+
+    def close(self) -> None:
+        self.entered.set()
+        self.release.wait()
+
+
+def test_close_closes_every_exporter_at_once_and_returns_despite_one_that_hangs() -> None:
+    timeout = 1.0
+    slow = [SlowToClose(f"slow-{n}", timeout) for n in range(4)]
+    hanging = HangsOnClose()
+    monitor = StalenessMonitor(CONFIG, [*slow, hanging])
+    started = time.monotonic()
+    monitor.close()
+    elapsed = time.monotonic() - started
+    try:
+        assert all(exporter.closed.is_set() for exporter in slow)  # every slow one finished its close
+        assert hanging.entered.is_set()  # the hanging one was asked to close too
+        # One after another, the slow ones alone would take 4 timeouts, and the hanging one for ever.
+        assert elapsed < 4 * timeout
+        assert monitor.export_errors.count("hangs") == 1  # the unfinished close is counted
+        assert all(monitor.export_errors.count(exporter.name) == 0 for exporter in slow)
+    finally:
+        hanging.release.set()

@@ -142,15 +142,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _header_limits(args: argparse.Namespace) -> dict[str, Any]:
-    """uvicorn options capping request headers: the guarded httptools protocol, or h11's own cap (it has
-    no header deadline) where httptools is not installed."""
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        return {"http": "h11", "h11_max_incomplete_event_size": args.max_header_bytes}
-    from ..server.limits import header_limited_protocol
+    from ..server.limits import uvicorn_header_options
 
-    return {"http": header_limited_protocol(args.max_header_bytes, args.header_timeout)}
+    return uvicorn_header_options(args.max_header_bytes, args.header_timeout)
 
 
 def _fail(message: str, code: int) -> int:
@@ -202,6 +196,9 @@ def run(args: argparse.Namespace) -> int:
         exporters=exporters,
         data_dir=data_dir,
     )
+    from ..server.limits import return_large_frees_to_the_os
+
+    return_large_frees_to_the_os()  # a large body's memory goes back to the system once it is applied
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:

@@ -267,6 +267,11 @@ class QueuedExporter(Generic[P]):
         return self._queue.flush(timeout)
 
     @property
+    def close_timeout(self) -> float:
+        """Seconds ``close()`` may take (the monitor waits that long for it)."""
+        return self._close_timeout
+
+    @property
     def queue(self) -> ExportQueue[P]:
         """The queue and its worker (sent, dropped and pending counts)."""
         return self._queue

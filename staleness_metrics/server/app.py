@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import orjson
-from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response, status
+from fastapi import Body, FastAPI, Header, HTTPException, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -70,7 +70,7 @@ from .runs import (
     RunRegistry,
     StepConflict,
 )
-from .security import TokenFirst, token_guard
+from .security import BEARER_SCHEME, TokenFirst
 from .settings import ServerSettings
 from .store import SqliteStore, Store
 
@@ -245,8 +245,10 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     exposition = CollectorRegistry(auto_describe=False)
     exposition.register(ServiceCollector(registry.registries))
 
-    writes = [Depends(token_guard(settings.token))]
-    reads = writes if settings.protect_reads else []
+    # Which routes the OpenAPI document shows as needing the token. TokenFirst checks it before routing:
+    # a per-route dependency would only check it again, on every request.
+    writes: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
+    reads = writes if settings.protect_reads else {}
     read_errors = (401,) if settings.protect_reads else ()
 
     @asynccontextmanager
@@ -256,6 +258,14 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
 
     app = FastAPI(title="staleness-metrics service", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.runs = registry
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:  # built at the first request for it, then kept
+            document = FastAPI.openapi(app)
+            document.setdefault("components", {}).setdefault("securitySchemes", {})["HTTPBearer"] = BEARER_SCHEME
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
     # The last added runs first: the token is checked before the body size, which is checked before any
     # handler reads the body.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
@@ -278,7 +288,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.get(
         "/metrics",
         tags=["service"],
-        dependencies=reads,
+        openapi_extra=reads,
         response_class=Response,
         responses={
             200: {
@@ -296,7 +306,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.get(
         "/v1/runs",
         tags=["runs"],
-        dependencies=reads,
+        openapi_extra=reads,
         response_model=RunList,
         responses=_responses(*read_errors, invalid=False),
     )
@@ -306,14 +316,13 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.put(
         "/v1/runs/{run}",
         tags=["runs"],
-        dependencies=writes,
         status_code=status.HTTP_201_CREATED,
         response_model=RunInfo,
         responses={
             200: {"model": RunInfo, "description": "The run exists with this configuration."},
             **_responses(400, 401, 409, 413),
         },
-        openapi_extra={"requestBody": {"content": {"application/json": {"schema": run_config_schema()}}}},
+        openapi_extra={**writes, "requestBody": {"content": {"application/json": {"schema": run_config_schema()}}}},
     )
     def create_run(run: RunName, config: Annotated[dict[str, Any], Body(default_factory=dict)]) -> Response:
         """Create a run with its configuration (policy and bound); idempotent for the same configuration."""
@@ -328,7 +337,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.get(
         "/v1/runs/{run}",
         tags=["runs"],
-        dependencies=reads,
+        openapi_extra=reads,
         response_model=RunInfo,
         responses=_responses(*read_errors, 404),
     )
@@ -338,7 +347,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.delete(
         "/v1/runs/{run}",
         tags=["runs"],
-        dependencies=writes,
+        openapi_extra=writes,
         status_code=status.HTTP_204_NO_CONTENT,
         response_class=Response,
         responses=_responses(401, 404),
@@ -351,11 +360,11 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.post(
         "/v1/runs/{run}/rollouts",
         tags=["rollouts"],
-        dependencies=writes,
         response_model=AddResult,
         responses=_responses(400, 401, 404, 409, 413),
         openapi_extra={
-            "requestBody": {"required": True, "content": {"application/json": {"schema": ROLLOUT_BATCH_SCHEMA}}}
+            **writes,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ROLLOUT_BATCH_SCHEMA}}},
         },
     )
     async def add_rollouts(run: RunName, request: Request) -> Response:
@@ -379,7 +388,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.post(
         "/v1/runs/{run}/sweep",
         tags=["rollouts"],
-        dependencies=writes,
+        openapi_extra=writes,
         response_model=RunInfo,
         responses=_responses(400, 401, 404, 409, 413),
     )
@@ -390,7 +399,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.post(
         "/v1/runs/{run}/ship",
         tags=["rollouts"],
-        dependencies=writes,
+        openapi_extra=writes,
         response_model=ShipResult,
         responses=_responses(400, 401, 404, 409, 413),
     )
@@ -413,7 +422,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.post(
         "/v1/runs/{run}/mismatch",
         tags=["metrics"],
-        dependencies=writes,
+        openapi_extra=writes,
         response_model=MismatchResult,
         responses=_responses(400, 401, 404, 413),
     )
@@ -441,7 +450,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.get(
         "/v1/runs/{run}/steps",
         tags=["metrics"],
-        dependencies=reads,
+        openapi_extra=reads,
         response_model=StepsPage,
         responses=_responses(*read_errors, 404),
     )
@@ -455,7 +464,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     @app.get(
         "/v1/runs/{run}/events",
         tags=["metrics"],
-        dependencies=reads,
+        openapi_extra=reads,
         response_class=StreamingResponse,
         responses={
             200: {

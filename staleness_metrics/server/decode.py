@@ -124,12 +124,15 @@ def read_json(held: list[bytearray]) -> Any:
             text = body.decode("utf-8")
             del body
             return json.loads(text)
-        return _read_large(body)
+        held.append(body)
+        del body  # _read_large drops the body once its lists are read: no reference here keeps it
+        return _read_large(held)
     except RecursionError:
         raise BodyTooDeep("the body is nested too deeply to read") from None
 
 
-def _read_large(body: bytearray) -> Any:
+def _read_large(held: list[bytearray]) -> Any:
+    body = held.pop()
     arrays: list[npt.NDArray[Any]] = []
     parts: list[bytes] = []
     done = 0

@@ -21,6 +21,8 @@ __all__ = [
     "DEFAULT_MAX_HEADER_BYTES",
     "BodySizeLimit",
     "header_limited_protocol",
+    "return_large_frees_to_the_os",
+    "uvicorn_header_options",
 ]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -189,3 +191,44 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
             self.transport.close()
 
     return HeaderLimitedProtocol
+
+
+def uvicorn_header_options(
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, header_timeout: float = DEFAULT_HEADER_TIMEOUT
+) -> dict[str, Any]:
+    """``uvicorn.Config`` options capping request headers: the guarded httptools protocol
+    (:func:`header_limited_protocol`), or h11's own size cap (it has no header deadline) where httptools
+    is not installed."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return {"http": "h11", "h11_max_incomplete_event_size": max_header_bytes}
+    return {"http": header_limited_protocol(max_header_bytes, header_timeout)}
+
+
+LARGE_ALLOCATION_BYTES = 1024 * 1024
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def return_large_frees_to_the_os() -> bool:
+    """Give every allocation of :data:`LARGE_ALLOCATION_BYTES` or more its own memory map (glibc), so that
+    freeing it returns it to the system at once. Returns False where this is not glibc.
+
+    glibc raises that threshold each time such a block is freed, up to 32 MiB: after the first large body
+    the next one's buffers (its text, its arrays) come from the heap, whose freed space stays resident, and
+    a body's peak then depends on what earlier requests left behind (a 32 MiB body: +55 MiB more with a
+    data directory than without one, from the journal's freed buffers). A fixed threshold keeps the peak
+    to what the request itself holds at once. Small requests allocate nothing that large.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES))

@@ -52,7 +52,7 @@ from .models import (
     StepRow,
     counts_of,
 )
-from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Store, StoredRun
+from .store import PIECE_BYTES, SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun, encoded_pieces
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -133,10 +133,34 @@ class RecordsInvalid(RunError):
 _DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
+def _holds_large_array(record: Mapping[str, Any]) -> bool:
+    """True when a sample of ``record`` holds an array (a long per-position list, see .decode) larger than
+    :data:`~.store.PIECE_BYTES`: its text is then hashed and journalled a piece at a time."""
+    samples = record.get("samples")
+    if not isinstance(samples, list):
+        return False
+    for sample in samples:
+        if isinstance(sample, dict):
+            for value in sample.values():
+                if isinstance(value, np.ndarray) and value.nbytes > PIECE_BYTES:
+                    return True
+    return False
+
+
+def _canonical_digest(record: Mapping[str, Any], option: int) -> bytes:
+    """The digest of ``orjson.dumps(record, option=option)``, hashed piece by piece for a large record."""
+    if not _holds_large_array(record):
+        return hashlib.blake2b(orjson.dumps(record, option=option), digest_size=16).digest()
+    digest = hashlib.blake2b(digest_size=16)
+    for piece in encoded_pieces(dict(record), option):
+        digest.update(piece)
+    return digest.digest()
+
+
 def _digest(record: Mapping[str, Any]) -> bytes:
-    # orjson writes one bytes object; json.dumps would first build a string per list item (per position).
+    # orjson writes bytes; json.dumps would first build a string per list item (per position).
     try:
-        canonical = orjson.dumps(record, option=_DIGEST_OPTIONS)
+        return _canonical_digest(record, _DIGEST_OPTIONS)
     except orjson.JSONEncodeError:  # an integer beyond 64 bits: rejected later, with its path
         canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.blake2b(canonical, digest_size=16).digest()
@@ -147,12 +171,35 @@ def _stored_digest(record: Mapping[str, Any]) -> bytes | None:
     integer beyond signed 64 bits, deep nesting). The common case is one strict orjson encoding, the one
     the digest needs anyway; only a record it refuses is walked to find out why."""
     try:
-        canonical = orjson.dumps(record, option=_DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
+        return _canonical_digest(record, _DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
     except orjson.JSONEncodeError:
         if unstorable(record) is not None:
             return None
         return _digest(record)  # integers past 2**53 but within 64 bits: stored exactly all the same
-    return hashlib.blake2b(canonical, digest_size=16).digest()
+
+
+_CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a record at a time
+
+
+def _add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
+    """The journal request of an add, ``{"rollouts": records, "duplicates": n}``: as a value for a small
+    add, as pieces of its text (see :class:`~.store.Chunked`) for many records or large arrays."""
+    large = [_holds_large_array(record) for record in records]
+    if len(records) <= _CHUNKED_ADD_RECORDS and not any(large):
+        return {"rollouts": records, "duplicates": duplicates}
+
+    def pieces() -> Iterator[bytes]:  # byte for byte orjson.dumps of the request
+        yield b'{"rollouts":['
+        for number, (record, is_large) in enumerate(zip(records, large, strict=True)):
+            if number:
+                yield b","
+            if is_large:
+                yield from encoded_pieces(record)
+            else:
+                yield orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
+        yield b'],"duplicates":%d}' % duplicates
+
+    return Chunked(pieces)
 
 
 def _trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
@@ -466,7 +513,7 @@ class Run:
             self._received.update(digests)
             self._duplicates += duplicates
             if fresh or duplicates:
-                self._journal("add", {"rollouts": fresh, "duplicates": duplicates})
+                self._journal("add", _add_row(fresh, duplicates))
             invalid = [
                 _trace_item(error, fresh_index.get(error.rollout_id) if error.rollout_id else None)
                 for error in sink.invalid[set_aside_before:]

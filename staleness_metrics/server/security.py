@@ -4,8 +4,8 @@
 - :class:`TokenFirst` is the ASGI middleware that checks ``Authorization: Bearer <token>`` in constant
   time on every write (and, when asked, every read) *before the body is read*: an unauthenticated client
   costs the service a header parse, never a body buffer or a JSON parse.
-- :func:`token_guard` is the same check as a FastAPI dependency; the routes declare it so the OpenAPI
-  document shows the bearer scheme (the middleware has answered by then).
+- :data:`BEARER_SCHEME` is how the OpenAPI document describes the token (the routes that need it name it;
+  no per-request dependency checks it again: the middleware has answered by then).
 - :func:`check_token` refuses blank tokens at start-up.
 """
 
@@ -14,15 +14,12 @@ from __future__ import annotations
 import ipaddress
 import json
 import secrets
-from collections.abc import Awaitable, Callable
-from typing import Annotated
-
-from fastapi import Depends, HTTPException, status
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from typing import Any
 
 from .limits import ASGIApp, Receive, Scope, Send
 
 __all__ = [
+    "BEARER_SCHEME",
     "OPEN_PATHS",
     "TOKEN_ENV",
     "BindRefused",
@@ -30,16 +27,17 @@ __all__ = [
     "check_bind",
     "check_token",
     "is_loopback",
-    "token_guard",
 ]
 
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"
 
-_bearer = HTTPBearer(
-    auto_error=False,
-    description=f"The service token (`serve --token` or `{TOKEN_ENV}`). Required on writes when the "
+# The OpenAPI security scheme of the token (components.securitySchemes.HTTPBearer).
+BEARER_SCHEME: dict[str, Any] = {
+    "type": "http",
+    "description": f"The service token (`serve --token` or `{TOKEN_ENV}`). Required on writes when the "
     "service has a token, and on reads too with `--protect-reads`.",
-)
+    "scheme": "bearer",
+}
 
 
 class BindRefused(Exception):
@@ -132,28 +130,3 @@ async def _unauthorized(send: Send, detail: str, challenge: str) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
-
-
-def token_guard(token: str | None) -> Callable[..., Awaitable[None]]:
-    """A dependency accepting any request when ``token`` is None, else only ``Bearer <token>``."""
-    expected = token.encode() if token else None
-
-    async def require_token(  # async: FastAPI runs it on the event loop, not through its thread pool
-        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-    ) -> None:
-        if expected is None:
-            return
-        if credentials is None:
-            raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED,
-                "missing bearer token (Authorization: Bearer <token>)",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        if not secrets.compare_digest(credentials.credentials.encode(), expected):
-            raise HTTPException(
-                status.HTTP_401_UNAUTHORIZED,
-                "invalid bearer token",
-                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
-            )
-
-    return require_token

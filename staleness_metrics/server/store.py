@@ -29,18 +29,21 @@ import hashlib
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 __all__ = [
     "DATABASE_NAME",
     "MANIFEST_NAME",
+    "PIECE_BYTES",
     "SNAPSHOT_BYTES",
     "SNAPSHOT_EVERY",
+    "Chunked",
     "JournalRow",
     "MemoryStore",
     "SqliteStore",
@@ -49,6 +52,7 @@ __all__ = [
     "StoredRun",
     "checksum",
     "dumps",
+    "encoded_pieces",
     "loads",
 ]
 
@@ -65,6 +69,48 @@ def dumps(value: Any) -> bytes:
 
 def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
+
+
+PIECE_BYTES = 1024 * 1024  # arrays larger than this are written a piece at a time
+
+
+def encoded_pieces(value: Any, option: int = orjson.OPT_SERIALIZE_NUMPY) -> Iterator[bytes]:
+    """``orjson.dumps(value, option=option)`` as consecutive pieces (their concatenation is byte for byte
+    the same text), so that a record holding arrays of millions of positions is hashed or stored without
+    its whole text in memory at once: an array larger than :data:`PIECE_BYTES` is written a block of rows
+    at a time. Raises ``orjson.JSONEncodeError`` as ``dumps`` would."""
+    if isinstance(value, dict) and all(type(key) is str for key in value):  # else orjson words the refusal
+        items = sorted(value.items()) if option & orjson.OPT_SORT_KEYS else value.items()
+        yield b"{"
+        for number, (key, item) in enumerate(items):
+            yield (b"," if number else b"") + orjson.dumps(key, option=option) + b":"
+            yield from encoded_pieces(item, option)
+        yield b"}"
+    elif isinstance(value, list) and any(isinstance(item, dict | list | np.ndarray) for item in value):
+        yield b"["
+        for number, item in enumerate(value):
+            if number:
+                yield b","
+            yield from encoded_pieces(item, option)
+        yield b"]"
+    elif isinstance(value, np.ndarray) and value.nbytes > PIECE_BYTES and value.ndim >= 1:
+        rows = max(1, PIECE_BYTES * len(value) // value.nbytes)
+        yield b"["
+        for start in range(0, len(value), rows):
+            text = orjson.dumps(value[start : start + rows], option=option)
+            yield (b"," if start else b"") + text[1:-1]
+        yield b"]"
+    else:
+        yield orjson.dumps(value, option=option)
+
+
+class Chunked:
+    """A journal request given as the pieces of its JSON text (see :func:`encoded_pieces`), written to
+    the store without its whole text in memory: ``pieces`` is called once to size and checksum the row
+    and once more to write it."""
+
+    def __init__(self, pieces: Callable[[], Iterable[bytes]]) -> None:
+        self.pieces = pieces
 
 
 class StoreDamaged(RuntimeError):
@@ -143,7 +189,7 @@ MemoryStore = Store
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (name TEXT PRIMARY KEY, config BLOB NOT NULL, checksum TEXT);
 CREATE TABLE IF NOT EXISTS journal (
-    run TEXT NOT NULL, seq INTEGER NOT NULL, op TEXT NOT NULL, request BLOB NOT NULL, checksum TEXT,
+    run TEXT NOT NULL, seq INTEGER NOT NULL, op TEXT NOT NULL, checksum TEXT, request BLOB NOT NULL,
     PRIMARY KEY (run, seq)
 );
 CREATE TABLE IF NOT EXISTS history (
@@ -216,6 +262,10 @@ class SqliteStore(Store):
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
             if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 self._migrate()
+            # A blob written in place must be the row's last column: SQLite builds any other in memory
+            # whole. Tables created before the column came last keep their order (and bind the text).
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(journal)")]
+            self._request_last = columns[-1:] == ["request"]
         except sqlite3.DatabaseError as exc:  # not a database, or its pages are damaged
             self._db.close()
             raise StoreDamaged(data_dir, f"the database {self.path} cannot be read ({exc})") from None
@@ -346,6 +396,8 @@ class SqliteStore(Store):
         self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in _RUN_TABLES])
 
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
+        if isinstance(request, Chunked):
+            return self._append_chunked(run, seq, op, request)
         data = dumps(request)
         statements: list[tuple[str, tuple[Any, ...]]] = [
             (
@@ -363,6 +415,46 @@ class SqliteStore(Store):
             )
         self._write(statements)
         return len(data)
+
+    def _append_chunked(self, run: str, seq: int, op: str, request: Chunked) -> int:
+        """One journal row written piece by piece into a blob of its size (SQLite's incremental blob
+        I/O, into the row's last column): neither the row's text nor SQLite's copy of a bound value is
+        ever whole in memory."""
+        blob_open = getattr(self._db, "blobopen", None)  # Python 3.11+
+        if blob_open is None or not self._request_last:  # the text whole, bound as usual
+            data = b"".join(request.pieces())
+            insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
+            self._write([(insert, (run, seq, op, data, checksum("journal", run, seq, _journal_bytes(op, data))))])
+            return len(data)
+        digest = hashlib.blake2b(_journal_bytes(op, b""), digest_size=16)
+        size = 0
+        for piece in request.pieces():
+            digest.update(piece)
+            size += len(piece)
+        digest.update(f"\0journal\0{run}\0{seq}".encode())
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                cursor = self._db.execute(
+                    "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, zeroblob(?), ?)",
+                    (run, seq, op, size, digest.hexdigest()),
+                )
+                assert cursor.lastrowid is not None
+                with blob_open("journal", "request", cursor.lastrowid) as blob:
+                    buffer = bytearray()
+                    for piece in request.pieces():
+                        buffer += piece
+                        if len(buffer) >= PIECE_BYTES:
+                            blob.write(buffer)
+                            buffer.clear()
+                    blob.write(buffer)
+                    if blob.tell() != size:  # the pieces changed between the passes: never store that
+                        raise RuntimeError("a journal row's text changed while it was written")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        return size
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
         data = dumps(state)

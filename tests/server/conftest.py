@@ -17,17 +17,19 @@ import pytest
 import uvicorn
 
 from staleness_metrics.server import ServerSettings, create_app
+from staleness_metrics.server.limits import uvicorn_header_options
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT = 60.0  # only guards against a hang; never asserted as a speed
 
 
 class ThreadServer:
-    """uvicorn serving the app on 127.0.0.1:<free port> in a background thread."""
+    """uvicorn serving the app on 127.0.0.1:<free port> in a background thread, with the header size cap
+    and deadline ``serve`` uses (its defaults)."""
 
     def __init__(self, settings: ServerSettings) -> None:
         self.app = create_app(settings)
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning")
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", **uvicorn_header_options())
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = ""

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.server import ExportSettings, RunRegistry
+from staleness_metrics.server import ExportSettings, RunRegistry, ServerSettings
 from staleness_metrics.server.models import ShipRequest
 from staleness_metrics.server.store import SNAPSHOT_EVERY, SqliteStore
 
@@ -303,3 +303,30 @@ def test_in_memory_service_has_no_events_to_export(server: ThreadServer) -> None
         response = http.get(f"/v1/runs/{RUN}/events")
         assert response.status_code == 409 and "--in-memory" in response.json()["detail"]
         assert http.get("/v1/runs/nope/events").status_code == 404
+
+
+def test_a_large_batch_journalled_a_piece_at_a_time_restores_and_is_recognised_when_re_sent(
+    tmp_path: Path, start_server: Callable[..., ThreadServer]
+) -> None:
+    """A batch with a 2M-position rollout and 300 small ones is hashed and journalled in pieces: after a
+    restart the run holds the same queue, and the same body sent again is all duplicates (its digests,
+    recomputed from the journal's lists, match those of the arrays the body was read into)."""
+    big = {"id": "big", "dispatch_version": 0, "samples": [{"mask": [1] * 2_000_000, "logprobs": [-0.5] * 2_000_000}]}
+    small = [{"id": f"s{n}", "dispatch_version": 0, "samples": [{"mask": [0, 1, 1]}]} for n in range(300)]
+    body = json.dumps({"rollouts": [big, *small]}).encode()
+    settings = ServerSettings(data_dir=tmp_path, max_body_bytes=2 * len(body))
+    headers = {"content-type": "application/json"}
+    first = start_server(settings)
+    with httpx.Client(base_url=first.url, timeout=120) as http:
+        http.put(f"/v1/runs/{RUN}", json={}).raise_for_status()
+        assert http.post(f"/v1/runs/{RUN}/rollouts", content=body, headers=headers).json()["accepted"] == 301
+        info = http.get(f"/v1/runs/{RUN}").json()
+    first.stop()
+    again = start_server(settings)
+    with httpx.Client(base_url=again.url, timeout=120) as http:
+        assert http.get(f"/v1/runs/{RUN}").json() == info
+        answer = http.post(f"/v1/runs/{RUN}/rollouts", content=body, headers=headers).json()
+        assert (answer["accepted"], answer["duplicates"]) == (0, 301)
+        events = [json.loads(line) for line in http.get(f"/v1/runs/{RUN}/events").text.splitlines()]
+    assert [event["rollout"]["id"] for event in events] == ["big", *(record["id"] for record in small)]
+    assert events[0]["rollout"] == big and events[1:] == [{"type": "rollout", "rollout": r} for r in small]

@@ -21,7 +21,14 @@ import pytest
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.server import ExportSettings, RunRegistry, ServerSettings
 from staleness_metrics.server.models import ShipRequest
-from staleness_metrics.server.store import DATABASE_NAME, MANIFEST_NAME, SNAPSHOT_EVERY, SqliteStore, checksum
+from staleness_metrics.server.store import (
+    DATABASE_NAME,
+    MANIFEST_NAME,
+    SNAPSHOT_EVERY,
+    Chunked,
+    SqliteStore,
+    checksum,
+)
 
 from .conftest import ROOT, ServeProcess, ThreadServer, child_env, serve_command
 
@@ -220,3 +227,27 @@ def test_a_database_file_that_is_not_a_database_is_refused(tmp_path: Path) -> No
     write_directory(tmp_path)
     (tmp_path / DATABASE_NAME).write_bytes(b"\x00garbage" * 512)  # overwritten by something else
     assert_refused(start(tmp_path), tmp_path, f"the database {tmp_path / DATABASE_NAME} cannot be read")
+
+
+@pytest.mark.parametrize("layout", ["request last", "checksum last (databases from before)"])
+def test_a_journal_row_written_a_piece_at_a_time_is_checked_and_loaded_as_written(tmp_path: Path, layout: str) -> None:
+    """Large adds are journalled in pieces (into a blob when the request is the row's last column, bound
+    whole otherwise): the row reads back as the same JSON and carries the checksum of its bytes."""
+    if layout != "request last":  # the table as the previous release created it
+        with sqlite3.connect(tmp_path / DATABASE_NAME) as db:
+            db.execute(
+                "CREATE TABLE journal (run TEXT NOT NULL, seq INTEGER NOT NULL, op TEXT NOT NULL, "
+                "request BLOB NOT NULL, checksum TEXT, PRIMARY KEY (run, seq))"
+            )
+    request = {"rollouts": [{"id": "r", "dispatch_version": 0, "samples": [{"mask": [1] * 600_000}]}], "duplicates": 0}
+    text = orjson.dumps(request)
+    pieces = [text[at : at + 100_000] for at in range(0, len(text), 100_000)]
+    store = SqliteStore(tmp_path)
+    store.create_run(RUN, {})
+    assert store.append(RUN, 1, "add", Chunked(lambda: iter(pieces))) == len(text)
+    store.close()
+    assert request_of(tmp_path, 1) == text
+    (stored,) = SqliteStore(tmp_path).load()  # checksum checked before the row is decoded
+    assert [(row.seq, row.op, row.request) for row in stored.tail] == [(1, "add", request)]
+    edit_row(tmp_path, "UPDATE journal SET request = ? WHERE run = ? AND seq = 1", text.replace(b"1]", b"0]"), RUN)
+    assert_refused(start(tmp_path), tmp_path, f"run {RUN!r}", "journal row 1", "fails its checksum")
