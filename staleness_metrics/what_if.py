@@ -24,9 +24,9 @@ they are left out), their sums merged over the run:
   numeric floor), over the whole run; ``None`` when no lag-0 token was trained.
 
 What the run's curve says about each bound (SPEC 14 over the whole run, :class:`RunCurve`): the SPEC 11
-sums of every shipped position (masked ones included) of the replay at the loosest bound tried (the one
-that drops the fewest samples), pooled over the run, give a floor (``lag0``, else ``min_lag``), the budget
-and the isotonic excess curve. Per bound:
+sums of every position the records hold, whatever the bound (a replay that drops nothing for staleness;
+masked positions count, as in SPEC 11), pooled over the run, give a floor (``lag0``, else ``min_lag``), the
+budget and the isotonic excess curve: what a token of each lag costs in this run. Per bound:
 
 - ``excess_at_bound``: the curve's ``ê`` at the largest lag not above the bound;
 - ``within_budget``: that ``ê`` is at most the budget. A bound below the curve's first lag is within it when
@@ -77,6 +77,7 @@ __all__ = [
     "what_if_with_curve",
 ]
 
+UNBOUNDED = 1 << 30  # a bound no lag reaches: the replay drops nothing for staleness
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 MAX_BOUNDS = 257
 
@@ -318,15 +319,22 @@ def what_if_with_curve(source: Source, bounds: Iterable[int], config: StalenessC
     base = config or StalenessConfig()
     steps_for = _steps_for(source)
     rows = []
-    loosest: tuple[int, MismatchSums | None] | None = None
-    for bound in bounds:
-        # The bound only masks and drops: adapting it while replaying would judge another bound.
+    unbounded: MismatchSums | None = None  # the sums of a replay that removed nothing, once one did
+
+    def replay_at(bound: int) -> tuple[Tally, MismatchSums | None, MismatchSums | None]:
+        # The bound only masks and drops here: adapting it while replaying would judge another bound.
         sink = Sink(dataclasses.replace(base, max_staleness=bound, adapt_every=None))
-        tally, cost, pooled = _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
+        return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
+
+    for bound in bounds:
+        tally, cost, pooled = replay_at(bound)
         rows.append(WhatIfRow.from_tally(bound, tally, cost))
-        if loosest is None or bound > loosest[0]:
-            loosest = (bound, pooled)
-    curve = run_curve(loosest[1] if loosest is not None else None, base)
+        if tally.tokens_dropped == 0 and tally.rollouts_held == 0:
+            unbounded = pooled
+    if unbounded is None and rows:
+        # Every bound tried dropped something: the curve needs every token the records hold, whatever the bound.
+        unbounded = replay_at(UNBOUNDED)[2]
+    curve = run_curve(unbounded, base)
     if curve is not None:
         suggested = curve.suggested
         rows = [
