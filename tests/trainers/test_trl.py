@@ -35,7 +35,26 @@ from staleness_metrics.report import StepReport  # noqa: E402
 
 PartialState()  # TRL's dataset logs through accelerate's logger, as inside its trainer (one CPU process here)
 
-WORDS = "<pad> <unk> what is two plus three four five six seven the answer it so yes no maybe".split()
+WORDS = [
+    "<pad>",
+    "<unk>",
+    "what",
+    "is",
+    "two",
+    "plus",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "the",
+    "answer",
+    "it",
+    "so",
+    "yes",
+    "no",
+    "maybe",
+]
 
 
 class Recorder:
