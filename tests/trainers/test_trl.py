@@ -30,8 +30,7 @@ from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 
 from staleness_metrics import StalenessConfig, StalenessMonitor, TraceError, mismatch_sums  # noqa: E402
 from staleness_metrics.adapters import trl as trl_adapter  # noqa: E402
-from staleness_metrics.exporters.base import MismatchReport  # noqa: E402
-from staleness_metrics.report import StepReport  # noqa: E402
+from tests.trainers.recording import Recorder  # noqa: E402
 
 PartialState()  # TRL's dataset logs through accelerate's logger, as inside its trainer (one CPU process here)
 
@@ -55,25 +54,6 @@ WORDS = [
     "no",
     "maybe",
 ]
-
-
-class Recorder:
-    """Keeps every report the monitor publishes (what an exporter receives)."""
-
-    name = "recorder"
-
-    def __init__(self) -> None:
-        self.reports: list[StepReport] = []
-        self.mismatch: list[MismatchReport] = []
-
-    def export(self, report: StepReport) -> None:
-        self.reports.append(report)
-
-    def export_mismatch(self, report: MismatchReport) -> None:
-        self.mismatch.append(report)
-
-    def close(self) -> None:
-        pass
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
