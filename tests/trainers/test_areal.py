@@ -79,7 +79,7 @@ class StandInEngine:
         )
 
 
-def rollout_batch(groups: list[list[list[int]]]) -> tuple[list[dict[str, Any]], StandInEngine]:
+def areal_rollouts(groups: list[list[list[int]]]) -> tuple[list[dict[str, Any]], StandInEngine]:
     """What ``prepare_batch`` returns: one ``[G, L]`` dict per prompt group, built by AReaL's own workflows."""
     tok = tokenizer()
     workflow = RLVRWorkflow(
@@ -140,18 +140,18 @@ GROUPS = [
 
 def test_the_one_call_masks_in_arealss_own_tensors_and_leaves_out_dropped_rows() -> None:
     global_step = 6
-    batch, engine = rollout_batch(GROUPS)
-    given = [traj["loss_mask"] for traj in batch]
+    rollout_batch, engine = areal_rollouts(GROUPS)
+    given = [traj["loss_mask"] for traj in rollout_batch]
     monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
 
-    rollout_batch_ = staleness.ship(monitor, batch, version=global_step)
+    rollout_batch = staleness.ship(monitor, rollout_batch, version=global_step)
 
-    assert len(rollout_batch_) == 2
-    first, second = rollout_batch_
+    assert len(rollout_batch) == 2
+    first, second = rollout_batch
     assert first["loss_mask"] is given[0]  # every row kept: AReaL's own tensor, masked in place
     assert first["loss_mask"].dtype == torch.int32 and given[0].dtype == torch.int32
     # the versions we read are the ones the engine stamped: T - staleness_lag on every sampled position
-    for traj in rollout_batch_:
+    for traj in rollout_batch:
         for row, versions in zip(traj["staleness_lag"], stamped_versions(engine, traj), strict=True):
             sampled = row >= 0
             assert (global_step - row[sampled]).tolist() == versions
@@ -163,14 +163,14 @@ def test_the_one_call_masks_in_arealss_own_tensors_and_leaves_out_dropped_rows()
     assert second["loss_mask"].shape[0] == 1 and second["rewards"].shape == (1,)
     assert stamped_versions(engine, second) == [[5, 5, 6]]
     # AReaL's own batching and advantage code take the returned list as it is
-    data, meta = concat_batch(rollout_batch_)
+    data, meta = concat_batch(rollout_batch)
     assert meta.traj_group_sizes == [3, 1]
     advantages = PPOActor(PPOActorConfig(), None)._compute_advantages(data)
     assert advantages["advantages"].shape == data["loss_mask"].shape
 
 
 def test_the_padded_dict_of_concat_batch_ships_like_the_list() -> None:
-    batch, _ = rollout_batch(GROUPS)
+    batch, _ = areal_rollouts(GROUPS)
     data, meta = concat_batch(batch)
     given = data["loss_mask"]
     shipped = staleness.ship(
@@ -178,7 +178,7 @@ def test_the_padded_dict_of_concat_batch_ships_like_the_list() -> None:
     )
     assert shipped is data and shipped["loss_mask"].shape[0] == 4  # 7 rows, 3 dropped
     listed, _ = concat_batch(
-        staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=2)), rollout_batch(GROUPS)[0], version=6)
+        staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=2)), areal_rollouts(GROUPS)[0], version=6)
     )
 
     # AReaL's concat pads every key with 0, staleness_lag too: read it where attention_mask holds tokens
@@ -193,7 +193,7 @@ def test_the_padded_dict_of_concat_batch_ships_like_the_list() -> None:
 def test_arealss_own_version_stats_against_ours() -> None:
     global_step = 6
     fresh = [[[6, 6, 6], [4, 4, 5, 5, 6]], [[5, 5, 6], [4, 5, 6, 6]]]  # nothing stale at max_staleness 2
-    batch, _ = rollout_batch(fresh)
+    batch, _ = areal_rollouts(fresh)
     recorder = Recorder()
     monitor = StalenessMonitor(StalenessConfig(max_staleness=2), [recorder])
     shipped = staleness.ship(monitor, batch, version=global_step)
@@ -215,7 +215,7 @@ def test_arealss_own_version_stats_against_ours() -> None:
 
 def test_after_masking_arealss_numbers_pair_each_version_with_the_next_tokens_mask() -> None:
     global_step = 6
-    batch, _ = rollout_batch(GROUPS)
+    batch, _ = areal_rollouts(GROUPS)
     recorder = Recorder()
     monitor = StalenessMonitor(StalenessConfig(max_staleness=2), [recorder])
     shipped = staleness.ship(monitor, batch, version=global_step)
@@ -235,18 +235,18 @@ def test_after_masking_arealss_numbers_pair_each_version_with_the_next_tokens_ma
 
 def test_spec11_sums_from_arealss_own_logprob_fields_through_staleness_lag() -> None:
     global_step = 6
-    batch, engine = rollout_batch(GROUPS)
+    rollout_batch, engine = areal_rollouts(GROUPS)
     monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
-    rollout_batch_ = staleness.ship(monitor, batch, version=global_step)
+    rollout_batch = staleness.ship(monitor, rollout_batch, version=global_step)
     expected = []
-    for traj in rollout_batch_:
+    for traj in rollout_batch:
         # compute_logp's output is aligned like AReaL's labels, torch.roll(input_ids, -1): position t holds
         # the log-probability of token t + 1. A stand-in trained policy drifting with the lag:
         per_token = traj["logprobs"] + 0.07 * traj["staleness_lag"].clamp(min=0).float()
         traj["prox_logp"] = torch.roll(per_token, shifts=-1, dims=-1)
         expected.append((traj["staleness_lag"], traj["logprobs"], per_token, traj["loss_mask"]))
 
-    for traj in rollout_batch_:
+    for traj in rollout_batch:
         masked = (traj["staleness_lag"] >= 0) & (traj["loss_mask"] == 0)
         sums = mismatch_sums(traj["staleness_lag"], traj["logprobs"], traj["prox_logp"].roll(1, -1), masked)
         monitor.record_mismatch(global_step + 1, sums)
@@ -261,7 +261,7 @@ def test_spec11_sums_from_arealss_own_logprob_fields_through_staleness_lag() -> 
     assert int(total.tokens.sum()) == sum(int((lag >= 0).sum()) for lag, *_ in expected)
     assert int(total.masked.sum()) == 2
     # the sampler log-probs are the engine's own, token by token
-    first = rollout_batch_[0]
+    first = rollout_batch[0]
     row = first["staleness_lag"][0] >= 0
     tokens = tuple(first["input_ids"][0][row].tolist())
     assert first["logprobs"][0][row].tolist() == pytest.approx(engine.sampler_logprobs[tokens])
@@ -275,7 +275,7 @@ def test_spec11_sums_from_arealss_own_logprob_fields_through_staleness_lag() -> 
 def test_the_epoch_step_instead_of_global_step_names_the_counter() -> None:
     steps_per_epoch, global_step = 4, 6
     step = global_step % steps_per_epoch  # AReaL's loop variable `step`
-    batch, _ = rollout_batch(GROUPS[:1])
+    batch, _ = areal_rollouts(GROUPS[:1])
     with pytest.raises(TraceError) as caught:
         staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=2)), batch, version=step)
     assert caught.value.field == "versions"
@@ -283,7 +283,7 @@ def test_the_epoch_step_instead_of_global_step_names_the_counter() -> None:
 
 
 def test_a_batch_without_versions_is_refused_by_arealss_name() -> None:
-    batch, _ = rollout_batch(GROUPS[:1])
+    batch, _ = areal_rollouts(GROUPS[:1])
     del batch[0]["versions"]
     with pytest.raises(TraceError) as caught:
         staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=2)), batch, version=6)
@@ -291,7 +291,7 @@ def test_a_batch_without_versions_is_refused_by_arealss_name() -> None:
 
 
 def test_the_group_policy_keeps_arealss_fixed_size_groups_for_its_group_normalisation() -> None:
-    batch, _ = rollout_batch([[[6, 6], [5, 6], [4, 4]], [[2, 2], [6, 6], [6, 6]]])
+    batch, _ = areal_rollouts([[[6, 6], [5, 6], [4, 4]], [[2, 2], [6, 6], [6, 6]]])
     shipped = staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=2, policy="group")), batch, version=6)
     # a group is kept or dropped whole, so AReaL's Normalization(group_size=3) slices the groups it should
     assert [traj["loss_mask"].shape[0] for traj in shipped] == [3]

@@ -7,6 +7,7 @@ import itertools
 import os
 import queue
 from collections import defaultdict
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # no
 from trl.experimental.async_grpo.packing import TreeRow  # noqa: E402
 
 from staleness_metrics import StalenessConfig, StalenessMonitor, TraceError, mismatch_sums  # noqa: E402
-from staleness_metrics.adapters import trl as trl_adapter  # noqa: E402
+from staleness_metrics.adapters import trl as staleness  # noqa: E402
 from tests.trainers.recording import Recorder  # noqa: E402
 
 PartialState()  # TRL's dataset logs through accelerate's logger, as inside its trainer (one CPU process here)
@@ -138,7 +139,7 @@ def test_kept_samples_and_trls_own_staleness_numbers_agree_with_ours() -> None:
     recorder = Recorder()
     monitor = StalenessMonitor(StalenessConfig(max_staleness=bound), [recorder])
     masks = [s.completion_mask for s in samples]
-    kept = trl_adapter.ship(monitor, samples, version=version)
+    kept = staleness.ship(monitor, samples, version=version)
 
     theirs, metrics = trl_dataset(list(samples), version, bound)
     yielded = drain(theirs)
@@ -172,8 +173,12 @@ def test_the_shipping_queue_feeds_trls_dataset_batcher_and_collator_with_lags_pe
     recorder = Recorder()
     monitor = StalenessMonitor(StalenessConfig(max_staleness=bound), [recorder])
     expected = [s for s in samples if version - s.model_version <= bound]
-    shipping = trl_adapter.ShippingQueue(inner, monitor, lambda: version, samples_per_step=len(expected))
-    dataset, metrics = trl_dataset(shipping, version, bound)
+    samples_per_step = len(expected)  # per_device_train_batch_size * gradient_accumulation_steps * num_processes
+    trainer = SimpleNamespace(rollout_queue=inner, model_version=version)  # the two attributes the lines read
+    trainer.rollout_queue = staleness.ShippingQueue(
+        trainer.rollout_queue, monitor, lambda: trainer.model_version, samples_per_step=samples_per_step
+    )
+    dataset, metrics = trl_dataset(trainer.rollout_queue, version, bound)
     batcher = FixedCountBatcher(dataset, num_processes=2, microbatch_size=len(expected))
     (rows,) = itertools.islice(iter(batcher), 1)
     assert metrics["sample/dropped_stale_total"] == []  # TRL finds nothing left to drop
@@ -182,24 +187,27 @@ def test_the_shipping_queue_feeds_trls_dataset_batcher_and_collator_with_lags_pe
     assert {report.step for report in recorder.reports} == {version + 1}
     assert sum(r.metrics["staleness/rollout/dropped"] for r in recorder.reports) == len(samples) - len(expected)
 
-    collate = trl_adapter.with_staleness_lag(DataCollatorForRollout(pad_token_id=0, num_processes=2))
-    batch = collate([rows])
-    selected = batch["token_index"] >= 0
-    lag = batch["staleness_lag"][selected]
-    segment = batch["segment_id"][selected]
+    data_collator = staleness.with_staleness_lag(DataCollatorForRollout(pad_token_id=0, num_processes=2))
+    inputs = data_collator([rows])
+    selected = inputs["token_index"] >= 0
+    lag = inputs["staleness_lag"][selected]
+    segment = inputs["segment_id"][selected]
     assert len(lag) == int(selected.sum()) and (lag >= 0).all()
     # each loss term's lag is the version its sample was generated at, seen from the trained version
-    row_of_term = torch.arange(batch["token_index"].shape[0])[:, None].expand_as(selected)[selected]
+    row_of_term = torch.arange(inputs["token_index"].shape[0])[:, None].expand_as(selected)[selected]
     for term in range(len(lag)):
         sample = rows[int(row_of_term[term])].samples[int(segment[term])]
         by_input = next(s for s in expected if s.input_ids is sample["input_ids"])
         assert int(lag[term]) == version - by_input.model_version
 
     # SPEC 11 from TRL's own fields: old_log_probs (sampler) against the trainer's log_probs of compute_loss
-    old_log_probs = batch["old_log_probs"][selected]
-    log_probs = old_log_probs + 0.05 * lag.float()  # what the trained weights give: drift grows with lag
-    sums = mismatch_sums(lag, old_log_probs, log_probs)
-    monitor.record_mismatch(version + 1, sums)
+    old_log_probs = inputs["old_log_probs"][selected]
+    log_probs = (old_log_probs + 0.05 * lag.float()).requires_grad_()  # the trained weights drift with lag
+    self = trainer  # the lines below are the ones that go into AsyncGRPOTrainer.compute_loss
+    lag = inputs["staleness_lag"][selected]
+    monitor.record_mismatch(self.model_version + 1, mismatch_sums(lag, old_log_probs, log_probs.detach()))
+    sums = monitor.mismatch(version + 1)
+    assert sums is not None
     direct = mismatch_sums(
         np.concatenate([np.full(int(s.completion_mask[1:].sum()), version - s.model_version) for s in expected]),
         np.concatenate([s.old_log_probs[1:][s.completion_mask[1:] != 0] for s in expected]),
@@ -219,13 +227,13 @@ def test_the_packed_lags_follow_treerow_pack_order_with_shared_prefixes() -> Non
     version = 3
     samples = samples_at([3, 2])
     monitor = StalenessMonitor(StalenessConfig(max_staleness=4))
-    kept = trl_adapter.ship(monitor, samples, version=version)
+    kept = staleness.ship(monitor, samples, version=version)
     dataset, _ = trl_dataset(kept, version, 4)
     row = TreeRow()
     for item in drain(dataset):
         row.add(item)
     packed = row.pack()
-    lags = trl_adapter.packed_staleness_lag(row)
+    lags = staleness.packed_staleness_lag(row)
     assert len(lags) == len(packed["token_index"]) == len(packed["old_log_probs"])
     by_segment = {i: version - kept[i].model_version for i in range(len(kept))}
     assert lags.tolist() == [by_segment[int(s)] for s in packed["segment_id"]]
@@ -238,7 +246,7 @@ def test_a_wrong_counter_names_the_one_to_pass() -> None:
     samples = samples_at([2, 3])
     monitor = StalenessMonitor(StalenessConfig(max_staleness=4))
     with pytest.raises(TraceError) as caught:
-        trl_adapter.ship(monitor, samples, version=2)  # e.g. model_version - 1, or an optimizer-step count
+        staleness.ship(monitor, samples, version=2)  # e.g. model_version - 1, or an optimizer-step count
     assert caught.value.field == "model_version"
     assert "self.model_version" in str(caught.value) and "above the trained version 2" in str(caught.value)
 
@@ -247,5 +255,5 @@ def test_a_sample_without_model_version_is_refused_by_name() -> None:
     samples = samples_at([1])
     samples[0].model_version = None
     with pytest.raises(TraceError) as caught:
-        trl_adapter.ship(StalenessMonitor(StalenessConfig(max_staleness=4)), samples, version=1)
+        staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=4)), samples, version=1)
     assert caught.value.field == "model_version"
