@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import importlib
 import uuid
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -42,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..columnar import RolloutBatch
-from ..errors import TraceError
+from ..errors import ConfigError, TraceError
 from ..padded import from_padded, padded_shipment
 
 if TYPE_CHECKING:
@@ -100,9 +99,6 @@ class _Group:
     rollouts: RolloutBatch
     mask: npt.NDArray[Any]  # data["loss_mask"] as numpy: its own memory, or a host copy of a device tensor
     host_copy: bool
-
-
-_held: weakref.WeakKeyDictionary[Any, dict[str, tuple[_Group, int]]] = weakref.WeakKeyDictionary()
 
 
 def _torch() -> Any:
@@ -217,41 +213,6 @@ def _rows_of(group: _Group, picked: list[tuple[int, npt.NDArray[np.int64]]]) -> 
     return out
 
 
-def _pad_right(value: Any, width: int, pad: int) -> Any:
-    """A ``[n, L]`` tensor or array right-padded to ``width`` columns (1-D ones as they are)."""
-    if value.ndim < 2 or int(value.shape[-1]) == width:
-        return value
-    extra = width - int(value.shape[-1])
-    if getattr(value, "detach", None) is not None:
-        torch = _torch()
-        return torch.nn.functional.pad(value, (0, extra), value=pad)
-    return np.pad(value, [(0, 0)] * (value.ndim - 1) + [(0, extra)], constant_values=pad)
-
-
-def _cat(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Dicts of ``[n_i, L_i]`` rows as one, right-padded with 0 (AReaL's ``concat_padded_tensors``), -1 in
-    ``staleness_lag``."""
-    if len(parts) == 1:
-        return parts[0]
-    out: dict[str, Any] = {}
-    for key in parts[0]:
-        values = [part[key] for part in parts]
-        first = values[0]
-        if isinstance(first, list):
-            out[key] = [item for value in values for item in value]
-        elif getattr(first, "ndim", None) is None:
-            out[key] = first
-        else:
-            width = max(int(value.shape[-1]) for value in values)
-            padded = [_pad_right(value, width, -1 if key == "staleness_lag" else 0) for value in values]
-            if getattr(first, "detach", None) is not None:
-                torch = _torch()
-                out[key] = torch.cat(padded)
-            else:
-                out[key] = np.concatenate(padded)
-    return out
-
-
 def ship(
     monitor: StalenessMonitor, batch: AReaLBatch, *, version: int, group_sizes: Sequence[int] | None = None
 ) -> AReaLBatch:
@@ -262,11 +223,16 @@ def ship(
     each row is its own group). The rollouts are added and shipped at step ``version + 1``; the masked
     ``loss_mask`` lands in AReaL's own tensors; rows dropped for staleness or held back are left out (a
     ``list`` loses the groups left empty; a dict is filtered in place); every kept dict gets
-    ``staleness_lag`` (int64 ``[G, L]``, the SPEC 11 lag of each sampled position, -1 elsewhere). Rows
-    held by an earlier call come back, after this call's, when a ship takes them.
+    ``staleness_lag`` (int64 ``[G, L]``, the SPEC 11 lag of each sampled position, -1 elsewhere). Only
+    ``xtuner`` with ``retry_expired`` holds rows back, until re-rollouts of their group arrive; AReaL re-rolls
+    nothing, so that configuration is refused (``ConfigError``) rather than holding rows for ever.
     """
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
         raise ValueError(f"version: expected AReaL's global_step (an integer >= 0), got {version!r}")
+    if monitor.config.policy == "xtuner" and monitor.config.retry_expired:
+        # Held rows wait for re-rollouts of their group; AReaL re-rolls nothing and its batches carry no group
+        # id that a later batch could name, so they would wait for ever.
+        raise ConfigError("retry_expired: AReaL does not re-roll expired rollouts; use retry_expired=False with AReaL")
     single = isinstance(batch, dict)
     given: list[Any] = [batch] if single else list(batch)
     if single and group_sizes is None:
@@ -279,45 +245,29 @@ def ship(
         shipment = monitor.ship(int(version) + 1)
     except TraceError as error:
         raise _renamed(error) from None
-    kept = _kept_rows(monitor, shipment, groups)
+    kept = _kept_rows(shipment, groups)
     if not single:
         return [_rows_of(group, picked) for group, picked in kept]  # type: ignore[return-value]
     assert isinstance(batch, dict)
-    if not kept or kept[0][0] is not groups[0]:
-        kept.insert(0, (groups[0], []))  # every row dropped or held: the dict keeps its keys, with 0 rows
-    batch.update(_cat([_rows_of(group, picked) for group, picked in kept]))
+    batch.update(_rows_of(groups[0], kept[0][1] if kept else []))  # no row left: the keys stay, with 0 rows
     return batch  # type: ignore[return-value]
 
 
 def _kept_rows(
-    monitor: StalenessMonitor, shipment: Shipment, groups: list[_Group]
+    shipment: Shipment, groups: list[_Group]
 ) -> list[tuple[_Group, list[tuple[int, npt.NDArray[np.int64]]]]]:
-    """Per group (this call's, then earlier held ones), the shipped rows with their lags; the held rows
-    of this ship remembered for the call that ships them."""
-    held = _held.setdefault(monitor, {})
+    """Per group of this call, the shipped rows with their lags (the mask written back where needed)."""
     by_batch = {id(group.rollouts): group for group in groups}
-    for earlier, _ in held.values():
-        by_batch.setdefault(id(earlier.rollouts), earlier)
     picked: dict[int, list[tuple[int, npt.NDArray[np.int64]]]] = {}
     lags, offsets = shipment.lags, shipment.lag_offsets
     sample = 0
     for rollout in shipment.rollouts:
-        group = by_batch.get(id(rollout.batch))
-        if group is not None and rollout.samples:
+        if id(rollout.batch) in by_batch and rollout.samples:
             lo, hi = int(offsets[sample]), int(offsets[sample + 1])
-            picked.setdefault(id(group.rollouts), []).append((rollout.index, lags[lo:hi]))
-            held.pop(rollout.id, None)
+            picked.setdefault(id(rollout.batch), []).append((rollout.index, lags[lo:hi]))
         sample += len(rollout.samples)
-    for rid in shipment.dropped_rollouts:
-        held.pop(rid, None)
-    now_held = set(shipment.held)
-    for group in groups:
-        for index, rid in enumerate(group.rollouts.ids):
-            if rid in now_held:
-                held[rid] = (group, index)
-    order = [*groups, *(g for g in by_batch.values() if g not in groups)]
     out = []
-    for group in order:
+    for group in groups:
         rows = picked.get(id(group.rollouts))
         if rows:
             _write_back(group)

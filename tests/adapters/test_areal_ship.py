@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics import Sink, StalenessConfig, StalenessMonitor, TraceError
+from staleness_metrics import ConfigError, Sink, StalenessConfig, StalenessMonitor, TraceError
 from staleness_metrics.adapters import areal
 from tests.adapters.test_areal import areal_batches, areal_sequence, concat_padded
 
@@ -129,3 +129,9 @@ def test_a_non_contiguous_loss_mask_still_receives_the_mask() -> None:
     out = areal.ship(StalenessMonitor(StalenessConfig(max_staleness=2)), [data], version=5)
     assert out[0]["loss_mask"] is given
     assert given.tolist() == [[0, 0, 1], [0, 1, 1]]
+
+
+def test_retry_expired_is_refused_since_areal_re_rolls_nothing() -> None:
+    config = StalenessConfig(policy="xtuner", max_staleness=2, retry_expired=True)
+    with pytest.raises(ConfigError, match="retry_expired"):
+        areal.ship(StalenessMonitor(config), [concat_padded([areal_sequence(2, [4], [0.0])])], version=5)
