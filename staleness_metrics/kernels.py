@@ -449,13 +449,16 @@ def _plain_positions(
     return not bad
 
 
+_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
+
+
 def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], tokens: IntArray | None) -> bool | None:
     """Whether every mask value is 0 or 1, every value of ``floats`` finite and every token version >= -1:
     one compiled pass (a small batch's checks in one call instead of a dozen numpy calls). ``None`` when
     the arrays are not 1-d contiguous float32/float64 (mask and floats of one type): the caller checks
     with numpy."""
     dtype = mask.dtype
-    if dtype not in _FLOAT_BITS or any(a.dtype != dtype or not a.flags.c_contiguous for a in (mask, *floats)):
+    if dtype not in _PLAIN_DTYPES or any(a.dtype != dtype or not a.flags.c_contiguous for a in (mask, *floats)):
         return None
     if mask.ndim != 1 or any(a.ndim != 1 for a in floats) or not mask.flags.c_contiguous:
         return None

@@ -369,6 +369,10 @@ class Sink:
         Strict mode raises :class:`TraceError` for the first invalid rollout and adds nothing;
         lenient mode sets invalid rollouts aside (counted) and queues the rest. Returns how many
         rollouts were queued.
+
+        A :class:`RolloutBatch`'s arrays belong to the sink from now on (it masks them in place): a small
+        batch that passes a quick check is queued at once and its positions are read at the next sweep or
+        ship, together with the batches added after it, so the cost of an add follows its size.
         """
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)

@@ -286,5 +286,6 @@ def test_plain_positions_leaves_other_types_to_numpy() -> None:
     ints = np.array([0, 1], dtype=np.int64)
     floats = np.array([0.0, 1.0])
     assert plain_positions(ints, [], None) is None
+    assert plain_positions(floats.astype(np.float16), [], None) is None
     assert plain_positions(floats, [floats.astype(np.float32)], None) is None  # the mask's type for all
     assert plain_positions(floats, [floats[::-1][::1].copy()], None) is True
