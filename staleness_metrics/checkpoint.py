@@ -731,6 +731,7 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
     policy_state = sink.policy.check_state_dict(state["policy"], join(path, "policy"))
     check_digests(state, path)
     attributes = {
+        "_staged": [], "_staged_rollouts": 0, "_staged_positions": 0,  # first: rollouts added since are the old state's
         "_rollouts": r, "_samples": s, "_spans": n, "_step": step, "_queued": queued, "tokens_entered": tokens_entered,
         "_ids": ids, "_row_of": {rid: row for row, rid in enumerate(ids)}, "_seen_ids": seen_ids, "_chunks": chunks,
         "_chunk_open": chunk_open, "_closing": [], "_groups": groups, "_n_groups": n_groups,

@@ -55,16 +55,18 @@ class Tally:
 
     def __add__(self, other: Tally) -> Tally:
         values: dict[str, object] = {}
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
+        for name in _TALLY_FIELDS:  # (names read once: dataclasses.fields costs more than the sums)
+            a, b = getattr(self, name), getattr(other, name)
             if isinstance(a, np.ndarray):
-                n = max(len(a), len(b))
-                merged = np.zeros(n, dtype=np.int64)
+                if len(a) == len(b):
+                    values[name] = (a + b).astype(np.int64, copy=False)
+                    continue
+                merged = np.zeros(max(len(a), len(b)), dtype=np.int64)
                 merged[: len(a)] += a
                 merged[: len(b)] += b
-                values[f.name] = merged
+                values[name] = merged
             else:
-                values[f.name] = a + b
+                values[name] = a + b
         return Tally(**values)  # type: ignore[arg-type]
 
     def __eq__(self, other: object) -> bool:
@@ -76,6 +78,9 @@ class Tally:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+_TALLY_FIELDS = tuple(f.name for f in fields(Tally))
 
 
 @dataclass(frozen=True)

@@ -125,14 +125,14 @@ class _Staged:
     chunk: int
     groups: npt.NDArray[np.int64]
     envs: npt.NDArray[np.int64]
+    # The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
+    # wherever both have an array are cut together (:func:`_concatenated` fills the missing ones).
+    kind: tuple[str | None, ...]
 
-    @property
-    def kind(self) -> tuple[str | None, ...]:
-        """The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
-        wherever both have an array are cut together (:func:`_concatenated` fills the missing ones)."""
-        batch = self.batch
-        arrays = (batch.mask, *(getattr(batch, name) for name in WEIGHT_FIELDS))
-        return tuple(None if a is None else a.dtype.str for a in arrays)  # (a dtype equals None: float64)
+
+def _kind(batch: RolloutBatch) -> tuple[str | None, ...]:
+    arrays = (batch.mask, batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
+    return tuple(None if a is None else a.dtype.str for a in arrays)  # (a dtype equals None: float64)
 
 
 def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) -> tuple[str | None, ...] | None:
@@ -254,9 +254,13 @@ class Sink:
         *,
         policy: Policy | None = None,
         compact_min_rows: int = COMPACT_MIN_ROWS,
+        env_reports: bool = True,
     ) -> None:
+        """``env_reports=False``: a ship's report covers the whole batch only (no ``env_metrics`` or
+        ``env_tally``, and no per-env keys), for a caller that reads the totals alone (what-if)."""
         self.config = config or StalenessConfig()
         self.compact_min_rows = compact_min_rows
+        self.env_reports = env_reports
         self.policy = policy or policy_for(self.config)
         self._rollouts = Table(
             chunk=np.int64, index=np.int64, status=np.int8, judged=np.int64, frozen=np.bool_,
@@ -365,6 +369,10 @@ class Sink:
         Strict mode raises :class:`TraceError` for the first invalid rollout and adds nothing;
         lenient mode sets invalid rollouts aside (counted) and queues the rest. Returns how many
         rollouts were queued.
+
+        A :class:`RolloutBatch`'s arrays belong to the sink from now on (it masks them in place): a small
+        batch that passes a quick check is queued at once and its positions are read at the next sweep or
+        ship, together with the batches added after it, so the cost of an add follows its size.
         """
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
@@ -440,7 +448,9 @@ class Sink:
                     if name is not None:
                         self._groups[name] = index
                 groups[k] = index
-        np.logical_or.at(self._group_agentic, groups, batch.agentic[rollouts])
+        agentic = batch.agentic if len(rollouts) == batch.n_rollouts else batch.agentic[rollouts]
+        if agentic.any():  # (an unbuffered ufunc.at costs more than the whole add of a small batch)
+            np.logical_or.at(self._group_agentic, groups, agentic)
         return groups
 
     def _add_batch(self, batch: RolloutBatch, checked: tuple[Verdicts, SpanTable] | None = None) -> int:
@@ -496,7 +506,7 @@ class Sink:
     def _stage(self, batch: RolloutBatch) -> int:
         """Queue a plainly valid small batch now; its table rows are built by :meth:`_build_staged`."""
         chunk, groups, envs = self._admit(batch, list(range(batch.n_rollouts)))
-        self._staged.append(_Staged(batch, chunk, groups, envs))
+        self._staged.append(_Staged(batch, chunk, groups, envs, _kind(batch)))
         self._staged_rollouts += batch.n_rollouts
         self._staged_positions += batch.n_positions
         if self._staged_positions > STAGE_FLUSH_POSITIONS:
@@ -744,7 +754,7 @@ class Sink:
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
         report = compute_report(
             shipped_slice, self._window, self.config.max_staleness, self._env_names, self.config.env_breakdown,
-            mismatch,
+            mismatch, per_env=self.env_reports,
         )  # fmt: skip
         shipment = Shipment(
             step=step,

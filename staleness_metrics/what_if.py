@@ -323,7 +323,9 @@ def what_if_with_curve(source: Source, bounds: Iterable[int], config: StalenessC
 
     def replay_at(bound: int) -> tuple[Tally, MismatchSums | None, MismatchSums | None]:
         # The bound only masks and drops here: adapting it while replaying would judge another bound.
-        sink = Sink(dataclasses.replace(base, max_staleness=bound, adapt_every=None))
+        sink = Sink(
+            dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False
+        )  # the totals are read
         return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
 
     for bound in bounds:
