@@ -241,7 +241,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     else:
         store = SqliteStore(settings.data_dir) if settings.data_dir is not None else Store()
         registry = RunRegistry(settings.exporters, store)
-        registry.restore()  # every stored run, before the first request
+        registry.restore(defer=True)  # every stored run checked before serving; loaded once it listens
     exposition = CollectorRegistry(auto_describe=False)
     exposition.register(ServiceCollector(registry.registries))
 
@@ -253,6 +253,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        registry.load_in_background()  # a request for a run not loaded yet loads it first
         yield
         await run_in_threadpool(registry.close)  # flushes every run's exporters
 
