@@ -129,9 +129,7 @@ class JSONModelResponse(Response):
 
 
 def _config_item(error: ConfigError) -> ErrorItem:
-    # ConfigError messages are "<setting>: <reason>".
-    name, sep, reason = str(error).partition(": ")
-    return ErrorItem(field=name, reason=reason) if sep else ErrorItem(field="config", reason=str(error))
+    return ErrorItem(field=error.field or "config", reason=error.reason)
 
 
 def _check_config_range(config: StalenessConfig) -> None:
