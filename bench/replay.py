@@ -30,8 +30,9 @@ import simdjson
 from staleness_metrics.cli import main as cli_main
 
 
-def generate(path: Path, positions: int, seed: int = 0) -> int:
-    """Write a stream of about ``positions`` positions; returns how many were written."""
+def generate(path: Path, positions: int, seed: int = 0, per_ship: int = 64) -> int:
+    """Write a stream of about ``positions`` positions, a ship every ``per_ship`` rollouts; returns how many
+    positions were written."""
     rng = np.random.default_rng(seed)
     written = rollouts = 0
     step = 1
@@ -60,7 +61,7 @@ def generate(path: Path, positions: int, seed: int = 0) -> int:
                       "dispatch_version": dispatch, "samples": samples}  # fmt: skip
             out.write(orjson.dumps({"type": "rollout", "rollout": record}) + b"\n")
             rollouts += 1
-            if rollouts % 64 == 0:
+            if rollouts % per_ship == 0:
                 step += 1
                 out.write(orjson.dumps({"type": "ship", "step": step}) + b"\n")
         out.write(orjson.dumps({"type": "ship", "step": step + 1}) + b"\n")

@@ -8,7 +8,6 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from .errors import ConfigError
-from .legacy import RENAMED_SETTINGS as _RENAMED
 
 __all__ = ["POLICY_NAMES", "PolicyName", "StalenessConfig"]
 
@@ -32,7 +31,10 @@ class StalenessConfig:
 
     ``max_staleness`` defaults to 8, as prime-rl. ``max_token_staleness``, ``sync_interval`` and
     ``retry_expired`` only matter to the ``xtuner`` policy. ``mismatch_band`` is the ratio band
-    ``[lo, hi]`` of SPEC 11's out-of-band share.
+    ``[lo, hi]`` of SPEC 11's out-of-band share. ``floor_min_tokens``, ``floor_max_age`` (steps),
+    ``cost_window`` (ships) and ``mismatch_budget`` (nats per token; None = the floor) choose the bound
+    (SPEC 14); ``adapt_every`` (ships; None = off), ``adapt_low`` and ``adapt_high`` adapt it (``token``
+    policy only).
     """
 
     policy: PolicyName = "token"
@@ -43,6 +45,13 @@ class StalenessConfig:
     strict: bool = True
     env_breakdown: bool = False
     mismatch_band: tuple[float, float] = (0.5, 2.0)
+    floor_min_tokens: int = 1000
+    floor_max_age: int = 100
+    cost_window: int = 20
+    mismatch_budget: float | None = None
+    adapt_every: int | None = None
+    adapt_low: int = 1
+    adapt_high: int = 16
 
     def __post_init__(self) -> None:
         if self.policy not in POLICY_NAMES:
@@ -63,6 +72,31 @@ class StalenessConfig:
         ):
             raise ConfigError(f"mismatch_band: expected [lo, hi] with 0 < lo <= hi, got {band!r}")
         object.__setattr__(self, "mismatch_band", (float(band[0]), float(band[1])))
+        _check_int("floor_min_tokens", self.floor_min_tokens, 1)
+        _check_int("floor_max_age", self.floor_max_age, 0)
+        _check_int("cost_window", self.cost_window, 1)
+        budget = self.mismatch_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget):
+                raise ConfigError(f"mismatch_budget: expected a finite number of nats per token, got {budget!r}")
+            if budget < 0:
+                raise ConfigError(f"mismatch_budget: must be >= 0, got {budget!r}")
+            object.__setattr__(self, "mismatch_budget", float(budget))
+        if self.adapt_every is not None:
+            _check_int("adapt_every", self.adapt_every, 1)
+        _check_int("adapt_low", self.adapt_low, 0)
+        _check_int("adapt_high", self.adapt_high, 0)
+        if self.adapt_low > self.adapt_high:
+            raise ConfigError(f"adapt_low: {self.adapt_low} is above adapt_high {self.adapt_high}")
+        if self.policy != "token":
+            for name, default in (("adapt_every", None), ("adapt_low", 1), ("adapt_high", 16)):
+                if getattr(self, name) != default:
+                    raise ConfigError(f"{name}: only the 'token' policy adapts its bound (policy is {self.policy!r})")
+        elif self.adapt_every is not None and not self.adapt_low <= self.max_staleness <= self.adapt_high:
+            raise ConfigError(
+                f"max_staleness: {self.max_staleness} is outside adapt_low..adapt_high "
+                f"{self.adapt_low}..{self.adapt_high}, where the adaptive bound starts"
+            )
         if self.policy != "xtuner":
             for name, default in (("max_token_staleness", None), ("sync_interval", 1), ("retry_expired", False)):
                 if getattr(self, name) != default:
@@ -71,6 +105,8 @@ class StalenessConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> StalenessConfig:
         """Build from a parsed config table; unknown and renamed keys are errors, never ignored."""
+        from .legacy import RENAMED_SETTINGS as _RENAMED  # the legacy keys load only when a config file is read
+
         known = {f.name for f in fields(cls)}
         for key in data:
             if key in _RENAMED:

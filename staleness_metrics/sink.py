@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .checkpoint import load_sink, save_sink
 from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK, Decision, Judgement
@@ -31,7 +30,7 @@ from .segments import expand_ranges, segment_sum
 from .shipped_positions import NOT_SAMPLED, ShippedSpans
 from .spans import PART_LABELLED, PART_UNLABELLED, SpanTable, build_spans
 from .table import Table
-from .validation import Verdicts, check_batch
+from .validation import Verdicts, check_batch, plainly_valid
 
 __all__ = ["Shipment", "ShippedRollout", "Sink"]
 
@@ -41,6 +40,11 @@ BoolArray = npt.NDArray[np.bool_]
 QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3
 MAX_STEP = 2**53
 COMPACT_MIN_ROWS = 4096  # below this many rows, forgetting is not worth a copy
+# A batch of at most this many positions that is plainly valid is queued at add with a few checks and
+# cut into spans later, with every batch added after it, in one pass (at the next sweep, ship or look at
+# the tables): the cost of a call follows its work, not a few hundred numpy calls per add.
+STAGE_MAX_POSITIONS = 1 << 16
+STAGE_FLUSH_POSITIONS = 1 << 20  # staged positions that make an add cut them at once (bounded memory)
 NEVER = -1
 
 
@@ -111,6 +115,79 @@ def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> di
         # missing values are null; orjson writes a non-finite float of an array as null by itself
         out["trainer_logprobs"] = values if arrays else [v if math.isfinite(v) else None for v in values.tolist()]
     return out
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A small batch queued by :meth:`Sink.add` whose spans are cut later (with the ones after it)."""
+
+    batch: RolloutBatch
+    chunk: int
+    groups: npt.NDArray[np.int64]
+    envs: npt.NDArray[np.int64]
+
+    @property
+    def kind(self) -> tuple[str | None, ...]:
+        """The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
+        wherever both have an array are cut together (:func:`_concatenated` fills the missing ones)."""
+        batch = self.batch
+        arrays = (batch.mask, *(getattr(batch, name) for name in WEIGHT_FIELDS))
+        return tuple(None if a is None else a.dtype.str for a in arrays)  # (a dtype equals None: float64)
+
+
+def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) -> tuple[str | None, ...] | None:
+    """The kind of a group of batches with ``kind`` joined by one with ``other``; None if they differ."""
+    if any(a is not None and b is not None and a != b for a, b in zip(kind, other)):
+        return None
+    return tuple(a if a is not None else b for a, b in zip(kind, other))
+
+
+def _joined_offsets(parts: Sequence[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
+    """Offsets into the concatenation of the parts the offsets ``parts`` index."""
+    bases = np.cumsum([0, *(int(p[-1]) for p in parts)])
+    return np.concatenate([*(p[:-1] + base for p, base in zip(parts, bases[:-1].tolist())), bases[-1:]])
+
+
+def _concatenated(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """One batch holding ``batches`` one after the other, with the arrays cutting spans reads (copies).
+
+    An array some batches lack is filled with what its absence means to the cut, so each sample's spans
+    are those of its own batch: rl weights 1.0 on the mask (0 elsewhere), ce and ref-KL weights 0,
+    ``token_versions`` -1 and no ``weight_versions`` spans (those samples' ``label_kind`` says they use
+    neither).
+    """
+
+    def joined(name: str, fill: Any = None) -> Any:
+        values = [getattr(b, name) for b in batches]
+        given = [v for v in values if v is not None]
+        if not given:
+            return None
+        dtype = given[0].dtype  # the group's (_joined_kind): a fill takes it, exactly (0, 1, -1)
+        return np.concatenate([v if v is not None else fill(b).astype(dtype) for v, b in zip(values, batches)])
+
+    columns: dict[str, Any] = {
+        "rl_weights": joined("rl_weights", lambda b: b.mask),
+        **{name: joined(name, lambda b: np.zeros(b.n_positions)) for name in ("ce_weights", "ref_kl_weights")},
+        "token_versions": joined("token_versions", lambda b: np.full(b.n_positions, -1, dtype=np.int64)),
+    }
+    if any(b.span_offsets is not None for b in batches):
+        none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        columns["span_offsets"] = _joined_offsets(
+            [b.span_offsets if b.span_offsets is not None else np.zeros(b.n_samples + 1, np.int64) for b in batches]
+        )
+        columns.update({name: joined(name, lambda b: none) for name in ("span_versions", "span_starts")})
+    return RolloutBatch(
+        ids=[rid for b in batches for rid in b.ids],
+        sample_offsets=_joined_offsets([b.sample_offsets for b in batches]),
+        position_offsets=_joined_offsets([b.position_offsets for b in batches]),
+        mask=joined("mask"),
+        dispatch_version=joined("dispatch_version"),
+        completion_version=joined("completion_version"),
+        frozen=joined("frozen"),
+        agentic=joined("agentic"),
+        label_kind=joined("label_kind"),
+        **columns,
+    )
 
 
 @dataclass(frozen=True)
@@ -214,17 +291,27 @@ class Sink:
         self.totals = Tally()
         # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
         # + dropped + still queued.
-        self.tokens_entered = 0
+        self._tokens_entered = 0
+        # Small batches queued (ids, groups, envs and chunks registered) whose table rows are not built yet.
+        self._staged: list[_Staged] = []
+        self._staged_rollouts = 0
+        self._staged_positions = 0
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`. Taking it at any
         moment changes nothing in the sink."""
+        self._build_staged()
+        from .checkpoint import save_sink  # loaded by the first checkpoint, not by every import of the sink
+
         return save_sink(self)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from :meth:`state_dict`. All or nothing: a state that fails a check (or was taken under
         another policy or bound) raises ``ConfigError`` naming the key path, and the sink stays as it was."""
+        from .checkpoint import load_sink
+
+        self._build_staged()  # a refused state leaves the sink as it was: staged rollouts now in its tables
         load_sink(self, state)
 
     # ------------------------------------------------------------------ add
@@ -236,12 +323,24 @@ class Sink:
     @property
     def tracked_rollouts(self) -> int:
         """Rollout rows held in memory: the queue plus those resolved since the last compaction."""
-        return len(self._rollouts)
+        return len(self._rollouts) + self._staged_rollouts
 
     @property
     def tokens_queued(self) -> int:
         """Sampled positions of live rollouts still queued (samples not dropped)."""
+        self._build_staged()
         return self._queued_tokens(np.flatnonzero(self._rollouts["status"] == QUEUED))
+
+    @property
+    def tokens_entered(self) -> int:
+        """Sampled positions of live rollouts accepted so far (set aside at ship: taken back out)."""
+        self._build_staged()
+        return self._tokens_entered
+
+    @tokens_entered.setter
+    def tokens_entered(self, value: int) -> None:
+        self._build_staged()
+        self._tokens_entered = value
 
     def _queued_tokens(self, rows: IntArray) -> int:
         r, s = self._rollouts, self._samples
@@ -345,6 +444,9 @@ class Sink:
         return groups
 
     def _add_batch(self, batch: RolloutBatch, checked: tuple[Verdicts, SpanTable] | None = None) -> int:
+        if checked is None and batch.n_positions <= STAGE_MAX_POSITIONS and plainly_valid(batch, self._seen_ids):
+            return self._stage(batch)
+        self._build_staged()
         if checked is not None:
             verdicts, spans = checked
         else:
@@ -363,26 +465,99 @@ class Sink:
         assert batch.frozen is not None and batch.agentic is not None and batch.group_ids is not None
         assert batch.envs is not None and batch.label_kind is not None
 
+        chunk, groups, envs = self._admit(batch, kept_ids)
+        self._append_rows(batch, spans, keep, np.full(len(keep), chunk), keep, groups, envs)
+        return len(keep)
+
+    def _admit(self, batch: RolloutBatch, kept_ids: list[int]) -> tuple[int, IntArray, IntArray]:
+        """Queue the rollouts ``kept_ids`` of ``batch`` by id, group and env (their table rows come after);
+        returns the batch's chunk and the rollouts' groups and envs."""
+        assert batch.envs is not None
         chunk = len(self._chunks)
         self._chunks.append(batch)
-        self._chunk_open.append(len(keep))
+        self._chunk_open.append(len(kept_ids))
+        row_base = len(self._rollouts) + self._staged_rollouts
+        # Per-rollout lists are read through C-level map/zip, never an interpreted loop per rollout.
+        every = len(kept_ids) == batch.n_rollouts
+        ids = batch.ids if every else list(map(batch.ids.__getitem__, kept_ids))
+        env_names = batch.envs if every else list(map(batch.envs.__getitem__, kept_ids))
+        groups = self._groups_of(batch, kept_ids)
+        env_index = {name: self._env(name) for name in set(env_names)}
+        if len(env_index) == 1:
+            envs = np.full(len(kept_ids), next(iter(env_index.values())), dtype=np.int64)
+        else:
+            envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=len(kept_ids))
+        self._row_of.update(zip(ids, range(row_base, row_base + len(kept_ids))))
+        self._ids.extend(ids)
+        self._seen_ids.update(ids)
+        self._queued += len(kept_ids)
+        return chunk, groups, envs
+
+    def _stage(self, batch: RolloutBatch) -> int:
+        """Queue a plainly valid small batch now; its table rows are built by :meth:`_build_staged`."""
+        chunk, groups, envs = self._admit(batch, list(range(batch.n_rollouts)))
+        self._staged.append(_Staged(batch, chunk, groups, envs))
+        self._staged_rollouts += batch.n_rollouts
+        self._staged_positions += batch.n_positions
+        if self._staged_positions > STAGE_FLUSH_POSITIONS:
+            self._build_staged()
+        return batch.n_rollouts
+
+    def _build_staged(self) -> None:
+        """Cut the staged batches into spans and append their rows: consecutive batches with the same
+        arrays in one pass over their concatenation (spans never cross a sample, so each sample's spans
+        are what its own batch would give), in the order they were added."""
+        staged, self._staged = self._staged, []
+        self._staged_rollouts = self._staged_positions = 0
+        start = 0
+        while start < len(staged):
+            end = start + 1
+            kind = staged[start].kind
+            while end < len(staged):
+                joined = _joined_kind(kind, staged[end].kind)
+                if joined is None:
+                    break
+                kind, end = joined, end + 1
+            self._append_staged(staged[start:end])
+            start = end
+
+    def _append_staged(self, staged: list[_Staged]) -> None:
+        batch = staged[0].batch if len(staged) == 1 else _concatenated([item.batch for item in staged])
+        verdicts = Verdicts(batch)
+        spans = build_spans(batch, verdicts)
+        assert not verdicts.errors, "a plainly valid batch was refused"  # plainly_valid may only err towards no
+        n_rollouts = [item.batch.n_rollouts for item in staged]
+        rollout_base = np.repeat(np.cumsum([0, *n_rollouts[:-1]]), n_rollouts)
+        chunks = np.repeat([item.chunk for item in staged], n_rollouts)
+        # spans at positions of the concatenation: back to their own batch's
+        position_base = np.repeat(np.cumsum([0, *(item.batch.n_positions for item in staged[:-1])]), n_rollouts)
+        groups = np.concatenate([item.groups for item in staged]) if len(staged) > 1 else staged[0].groups
+        envs = np.concatenate([item.envs for item in staged]) if len(staged) > 1 else staged[0].envs
+        keep = np.arange(batch.n_rollouts)
+        self._append_rows(batch, spans, keep, chunks, keep - rollout_base, groups, envs, position_base)
+
+    def _append_rows(
+        self,
+        batch: RolloutBatch,
+        spans: SpanTable,
+        keep: IntArray,
+        chunk: IntArray,
+        index: IntArray,
+        groups: IntArray,
+        envs: IntArray,
+        position_base: IntArray | None = None,
+    ) -> None:
+        """The table rows of rollouts ``keep`` of ``batch`` (cut into ``spans``): their chunks, their index in
+        it, and (``position_base``, per rollout) where their chunk starts in ``batch``'s positions."""
+        assert batch.frozen is not None and batch.label_kind is not None
         sample_lo, sample_hi = batch.sample_offsets[keep], batch.sample_offsets[keep + 1]
         samples = expand_ranges(sample_lo, sample_hi)
         sample_base = len(self._samples)
         span_base = len(self._spans)
         row_base = len(self._rollouts)
         new_sample_offsets = np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
-        # Per-rollout lists are read through C-level map/zip, never an interpreted loop per rollout.
-        ids = batch.ids if len(keep) == batch.n_rollouts else list(map(batch.ids.__getitem__, kept_ids))
-        env_names = batch.envs if len(keep) == batch.n_rollouts else list(map(batch.envs.__getitem__, kept_ids))
-        groups = self._groups_of(batch, kept_ids)
-        env_index = {name: self._env(name) for name in set(env_names)}
-        if len(env_index) == 1:
-            envs = np.full(len(keep), next(iter(env_index.values())), dtype=np.int64)
-        else:
-            envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=len(keep))
         self._rollouts.append(
-            chunk=np.full(len(keep), chunk), index=keep, status=np.full(len(keep), QUEUED),
+            chunk=chunk, index=index, status=np.full(len(keep), QUEUED),
             judged=np.full(len(keep), NEVER), frozen=batch.frozen[keep], dispatch=batch.dispatch_version[keep],
             completion=spans.completion[keep], group=groups, env=envs,
             sample_lo=sample_base + new_sample_offsets[:-1], sample_hi=sample_base + new_sample_offsets[1:],
@@ -401,19 +576,18 @@ class Sink:
             seq_min=spans.seq_min_version[samples], label_kind=batch.label_kind[samples],
         )  # fmt: skip
         span_sample_local = np.repeat(np.arange(len(samples)), span_hi - span_lo)
+        lo, hi = spans.lo[kept_spans], spans.hi[kept_spans]
+        if position_base is not None:
+            base = position_base[sample_rollout[span_sample_local]]
+            lo, hi = lo - base, hi - base
         self._spans.append(
-            sample=sample_base + span_sample_local, lo=spans.lo[kept_spans], hi=spans.hi[kept_spans],
+            sample=sample_base + span_sample_local, lo=lo, hi=hi,
             version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
             sampled=spans.sampled[kept_spans], live=spans.live[kept_spans], part=spans.part[kept_spans],
         )  # fmt: skip
-        self._row_of.update(zip(ids, range(row_base, row_base + len(keep))))
-        self._ids.extend(ids)
-        self._seen_ids.update(ids)
-        self._queued += len(keep)
         live_samples = ~batch.frozen[keep][sample_rollout]
-        self.tokens_entered += int(spans.n_sampled[samples][live_samples].sum())
+        self._tokens_entered += int(spans.n_sampled[samples][live_samples].sum())
         self.policy.observe_added(groups)
-        return len(keep)
 
     # ------------------------------------------------------------------ judge
     def _advance(self, step: int) -> None:
@@ -527,6 +701,7 @@ class Sink:
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
         self._advance(step)
+        self._build_staged()
         r = self._rollouts
         rows = np.flatnonzero((r["status"] == QUEUED) & (r["judged"] < step))
         if len(rows):
@@ -543,6 +718,7 @@ class Sink:
         if isinstance(ids, str):
             raise TypeError("ids must be a collection of rollout ids, not one string")
         self._advance(step)
+        self._build_staged()
         r = self._rollouts
         if ids is None:
             taken = np.flatnonzero(r["status"] == QUEUED)
@@ -703,6 +879,6 @@ class Sink:
             raise errors[0]
         for local, error in zip(np.flatnonzero(bad), errors):
             self._set_aside(error, self._env_names[int(r["env"][rows[local]])] or None)
-        self.tokens_entered -= self._queued_tokens(rows[bad])  # set aside: they never entered after all
+        self._tokens_entered -= self._queued_tokens(rows[bad])  # set aside: they never entered after all
         self._leave(rows[bad], INVALID)
         return rows[~bad]

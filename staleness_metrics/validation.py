@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
+from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from .errors import TraceError
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "check_text",
     "check_versions_at_most",
     "lone_surrogate",
+    "plainly_valid",
     "printable_id",
     "unstorable",
 ]
@@ -312,3 +313,99 @@ def check_versions_at_most(
             TraceError(ids[index], "samples", f"version {max_version[index]} is above the trained version {bound}"),
         )
     return errors
+
+
+def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> bool:
+    """Whether :func:`check_batch` and :func:`~staleness_metrics.spans.build_spans` would certainly find
+    nothing wrong with ``batch``: a few whole-array reductions, no offender named. False means "not sure"
+    (the exact checks then run and name what is wrong), so this may only ever err towards False.
+
+    It lets the sink take a small batch with a handful of numpy calls and cut its spans later, together
+    with the batches added after it (``Sink.add``: the cost of a call follows its work).
+    """
+    n_rollouts, n_samples, n_positions = batch.n_rollouts, batch.n_samples, batch.n_positions
+    mask, sample_offsets, position_offsets = batch.mask, batch.sample_offsets, batch.position_offsets
+    kind, tokens = batch.label_kind, batch.token_versions
+    dispatch, completion, frozen = batch.dispatch_version, batch.completion_version, batch.frozen
+    if (
+        mask.ndim != 1
+        or len(sample_offsets) != n_rollouts + 1
+        or len(position_offsets) == 0
+        or kind is None
+        or len(kind) != n_samples
+        or completion is None
+        or frozen is None
+        or batch.agentic is None
+        or any(len(v) != n_rollouts for v in (dispatch, completion, frozen, batch.agentic))
+        or len(batch.group_ids or ()) != n_rollouts
+        or len(batch.envs or ()) != n_rollouts
+        or any(v is not None and len(v) != n_positions for v in map(batch.__getattribute__, _PER_POSITION))
+    ):
+        return False
+    if n_rollouts == 0 or n_positions == 0:
+        return False  # nothing to gain; the exact path says what an empty batch means
+    ends = (int(sample_offsets[0]), int(sample_offsets[-1]), int(position_offsets[0]), int(position_offsets[-1]))
+    if ends != (0, n_samples, 0, n_positions):
+        return False
+    if n_rollouts > 1 and bool((sample_offsets[1:] < sample_offsets[:-1]).any()):
+        return False
+    if n_samples > 1 and bool((position_offsets[1:] < position_offsets[:-1]).any()):
+        return False
+    ids = batch.ids
+    if not (isinstance(known_ids, (set, frozenset)) and len(set(ids)) == n_rollouts and known_ids.isdisjoint(ids)):
+        return False
+    for texts in (ids, batch.group_ids or (), batch.envs or ()):
+        if lone_surrogate("".join(map(str, texts))) is not None:
+            return False
+    if not _plain_envs(batch.envs or ()):
+        return False
+    if int(dispatch.min()) < 0 or int(completion.min()) < -1:  # frozen ones too: -1 falls to the exact path
+        return False
+    if bool(((completion >= 0) & (completion < dispatch)).any()):
+        return False
+    if tokens is not None and int(tokens.min()) < -1:
+        return False
+    if batch.span_offsets is not None:
+        if not _plain_spans(batch):
+            return False
+    elif bool((kind == LABELS_SPANS).any()):
+        return False
+    if int(kind.min()) < LABELS_NONE or int(kind.max()) > LABELS_TOKENS:
+        return False
+    if tokens is None and bool((kind == LABELS_TOKENS).any()):
+        return False
+    # Position values (build_spans): a 0/1 mask, finite weights and log-probabilities. A finite sum says
+    # every value is finite (a NaN or an infinity makes it NaN or infinite; an overflow is only "not sure").
+    if np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) != n_positions:
+        return False
+    for name in (*_FINITE_POSITION_FLOATS,):
+        values = getattr(batch, name)
+        if values is not None and not np.isfinite(np.add.reduce(values)):
+            return False
+    return True
+
+
+_PER_POSITION = (*PER_POSITION_FLOATS, "token_versions")
+_FINITE_POSITION_FLOATS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs")  # trainer_logprobs: NaN = missing
+
+
+def _plain_spans(batch: RolloutBatch) -> bool:
+    """The ``weight_versions`` spans obey :func:`_check_spans`' rules (and the shapes it needs)."""
+    offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
+    if offsets is None or versions is None or starts is None:
+        return False
+    if len(offsets) != batch.n_samples + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != len(versions):
+        return False
+    if len(starts) != len(versions) or bool((offsets[1:] < offsets[:-1]).any()):
+        return False
+    if len(versions) == 0:
+        return True
+    if int(versions.min()) < -1 or int(starts.min()) < 0:
+        return False
+    counts = offsets[1:] - offsets[:-1]
+    span_end = np.repeat(batch.position_offsets[1:] - batch.position_offsets[:-1], counts)
+    if bool((starts >= span_end).any()):
+        return False
+    first = np.zeros(len(starts), dtype=bool)
+    first[offsets[:-1][counts > 0]] = True
+    return not bool((~first[1:] & (starts[1:] <= starts[:-1])).any())

@@ -1,16 +1,31 @@
 """Suite-wide settings.
 
-Hypothesis: no per-example deadline and no "too slow" health check. Both are wall-clock limits (200 ms
-per example by default), and the CI machine is shared and noisy: a slow example there says nothing about
-the code. Tests that set their own ``@settings`` inherit these defaults for what they leave out.
+Hypothesis profiles, chosen by the environment variable ``HYPOTHESIS_PROFILE`` (``dev`` when unset):
+
+- ``ci`` (``.ci/test``): hypothesis' default example counts, derandomized so that a failure on CI is the
+  same failure on a second run and on a laptop, with the reproduction blob printed;
+- ``dev``: a quarter of the examples, random, for a quick run while editing.
+
+Both have no per-example deadline and no "too slow" health check: those are wall-clock limits (200 ms per
+example by default) and the CI machine is shared and noisy, so a slow example there says nothing about
+the code. Every other health check stays on. Tests that set their own ``@settings`` inherit the profile
+for what they leave out.
+
+Tests run in parallel under pytest-xdist (``-n 2``): servers bind port 0 and write under ``tmp_path``;
+a test that cannot share the machine is marked ``serial`` and runs in the xdist group of that name.
 """
 
 from __future__ import annotations
 
+import os
+
+import pytest
 from hypothesis import HealthCheck, settings
 
-settings.register_profile("no-wall-clock", deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("no-wall-clock")
+_WALL_CLOCK = [HealthCheck.too_slow]
+settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None, suppress_health_check=_WALL_CLOCK)
+settings.register_profile("dev", max_examples=25, deadline=None, suppress_health_check=_WALL_CLOCK)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 def pytest_sessionstart(session: object) -> None:
@@ -19,3 +34,11 @@ def pytest_sessionstart(session: object) -> None:
     from staleness_metrics.kernels import warm_up
 
     warm_up()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``serial`` share one xdist group: the ``loadgroup`` scheduler runs them on one worker,
+    one after the other."""
+    for item in items:
+        if item.get_closest_marker("serial") is not None:
+            item.add_marker(pytest.mark.xdist_group("serial"))

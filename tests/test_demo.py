@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,13 +22,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics.adapters import as_replay_events
 from staleness_metrics.adapters.events import read_event_file
+from staleness_metrics.bound import BoundTracker
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.demo.trainer import DriftModel, SimulatedTrainer, shipped_mask
-from staleness_metrics.html_report import build_report
 from staleness_metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.replay import replay
+from staleness_metrics.run_dir import find_run
+from staleness_metrics.what_if import what_if_with_curve
 from tests.exporters.wandb_reader import find_run_file, read_run
 from tests.support.otlp import OtlpReceiver, metrics_by_name
 
@@ -109,7 +113,8 @@ def _rows_by_step(path: Path) -> dict[int, dict[str, Any]]:
 
 
 def _live_path_family(steps: int, config: StalenessConfig, seed: int = 0) -> dict[int, dict[str, float | int]]:
-    """The demo's pipeline and simulated trainer re-run in-process: each step's SPEC 11 keys."""
+    """The demo's pipeline and simulated trainer re-run in-process: each step's SPEC 11 keys from its sums
+    (the excess keys aside: their floor is SPEC 14's, checked on its own)."""
     monitor = StalenessMonitor(config)
     simulation, trainer = Simulation(seed), SimulatedTrainer(seed)
     family: dict[int, dict[str, float | int]] = {}
@@ -117,13 +122,19 @@ def _live_path_family(steps: int, config: StalenessConfig, seed: int = 0) -> dic
         monitor.add(events.rollouts)
         shipment = monitor.ship(events.step, events.ship_ids)
         simulation.forget(shipment.dropped_rollouts)
-        total = trainer.train(monitor, shipment)
-        family[events.step] = total.metrics() if total is not None else {}
+        trained = trainer.train(monitor, shipment)
+        family[events.step] = _family(trained.sums.metrics()) if trained is not None else {}
     return family
 
 
 def _family(row: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if k.startswith("staleness/mismatch/")}
+    """The SPEC 11 keys of a row that depend on the step's sums alone."""
+    whole = ("staleness/mismatch/k3", "staleness/mismatch/coverage")
+    return {
+        k: v
+        for k, v in row.items()
+        if k in whole or (k.startswith("staleness/mismatch/lag_") and not k.endswith("/excess_k3"))
+    }
 
 
 def test_a_taken_port_falls_back_to_a_free_one(tmp_path: Path) -> None:
@@ -213,33 +224,84 @@ def test_the_simulation_is_an_async_pipeline_and_a_seed_replays_it() -> None:
     assert len({len(s["mask"]) for r in rollouts for s in r["samples"]}) > 50  # varying lengths
 
 
-def test_the_demo_event_file_replays_to_the_metrics_it_logged(tmp_path: Path) -> None:
+def test_the_demo_directory_replays_to_the_metrics_it_logged_costs_included(tmp_path: Path) -> None:
     demo = _start_demo(tmp_path, "--steps", "20", "--speed", "0", "--no-wandb", "--max-staleness", "4")
-    _, err = demo.communicate()
+    out, err = demo.communicate()
     assert demo.returncode == 0, err
-    logged = _rows_by_step(tmp_path / "out" / "metrics.jsonl")
-    events = read_event_file(tmp_path / "out" / "events.jsonl")
-    config = StalenessConfig(max_staleness=4, env_breakdown=True)
+    directory = tmp_path / "out"
+    # The demo names one command, and that command needs nothing but the directory.
+    assert out.splitlines()[-1] == f"done: 20 steps. Next: staleness-metrics report {directory}"
+    named = [line for line in out.splitlines() if re.search(r"staleness-metrics (report|what-if|replay)", line)]
+    assert named == [out.splitlines()[-1]]
+    logged = _rows_by_step(directory / "metrics.jsonl")
+    run = find_run(directory)
+    assert run is not None and run.steps == 20 and run.staleness_config().max_staleness == 4
+    config = run.staleness_config()
+    # The event stream alone (what the orchestrator saw) replays to every key the orchestrator logged.
+    events = read_event_file(directory / "events.jsonl")
     replayed = [s.report.row() for s in replay(as_replay_events(events), config)]
     assert len(replayed) == 20
-    # The trainer's log-probabilities never enter the event stream (as in a real run): the replay has
-    # every key the orchestrator logged, and the mismatch family is the live path's, recomputed here.
-    costs = _live_path_family(20, config)
     for mine, theirs in zip(replayed, logged.values(), strict=True):
-        assert set(mine) == {k for k in theirs if not k.startswith("staleness/mismatch/")}
+        assert set(mine) == {k for k in theirs if not k.startswith(("staleness/mismatch/", "staleness/bound/"))}
         for key, value in mine.items():
             assert theirs[key] == pytest.approx(value), key
+    # Joined to the trainer's log-probabilities written beside them, the replay reports what staleness cost
+    # exactly as the live path logged it: the directory holds everything the cost needs.
+    with_costs = [s.report.row() for s in replay(as_replay_events(run.events_with_costs()), config)]
+    costs = _live_path_family(20, config)
+    for mine, theirs in zip(with_costs, logged.values(), strict=True):
+        assert _family(mine) == pytest.approx(_family(theirs)), mine["step"]
         assert _family(theirs) == pytest.approx(costs[mine["step"]])
+    # The sums the trainer posted are the ones behind the logged rows.
+    posted = dict(run.posted_sums())
+    assert list(posted) == list(range(1, 21))
+    assert all(_family(posted[step].metrics()) == pytest.approx(_family(row)) for step, row in logged.items())
     assert any(row.get("staleness/token/masked", 0) > 0 for row in logged.values())  # the bound bit at 4
-    # The nearly synchronous steps (17-20 of every 20) hold lag-0 tokens: the floor, so the excess shows.
-    assert {s for s, row in logged.items() if "staleness/mismatch/excess_k3" in row} & {17, 18, 19, 20}
-    # The report of the logged metrics (the command the demo prints last) shows what staleness cost.
-    page = build_report(tmp_path / "out" / "metrics.jsonl")
-    assert '<section id="what-staleness-costs">' in page
-    step = max(costs)
-    key = next(k for k in sorted(costs[step]) if k.startswith("staleness/mismatch/lag_") and k.endswith("/k3"))
-    lag = key.split("/")[2].removeprefix("lag_")
-    assert f"<title>lag {lag} at {step}: {costs[step][key]:.4g}</title>" in page
+
+
+def test_the_floor_is_measured_at_the_start_and_carried_so_every_step_has_an_excess(tmp_path: Path) -> None:
+    """Fully asynchronous: no step after the first has lag-0 tokens, yet SPEC 14 has a floor for each."""
+    demo = _start_demo(tmp_path, "--steps", "25", "--speed", "0", "--no-wandb")
+    _, err = demo.communicate()
+    assert demo.returncode == 0, err
+    run = find_run(tmp_path / "out")
+    assert run is not None
+    posted = run.posted_sums()
+    lag0 = {step: int(sums.tokens[0]) for step, sums in posted}
+    assert lag0[1] == posted[0][1].covered > 1000  # step 1 trains version 0 on version-0 tokens only
+    assert all(count < 1000 for step, count in lag0.items() if step > 1)  # never enough again: asynchronous
+    tracker = BoundTracker(run.staleness_config())
+    sources = {}
+    for step, sums in posted:
+        judged = tracker.observe(step, sums, 8)
+        assert judged is not None and judged.floor is not None
+        sources[step] = (judged.floor.source, judged.floor.age)
+    assert sources == {1: ("lag0", 0)} | {step: ("carried", step - 1) for step in range(2, 26)}
+
+
+def test_the_suggested_bound_is_where_the_drift_model_puts_it(tmp_path: Path) -> None:
+    """The README's expected suggestion, from the drift model's formula, against the demo's measured one."""
+    model = DriftModel()
+    expected = model.expected_suggested_bound()
+    assert expected == math.floor(model.floor / model.drift_per_version) == 5  # the README says 5
+    demo = _start_demo(tmp_path, "--steps", "30", "--speed", "0", "--no-wandb")
+    _, err = demo.communicate()
+    assert demo.returncode == 0, err
+    run = find_run(tmp_path / "out")
+    assert run is not None
+    tracker = BoundTracker(run.staleness_config())
+    judged = [tracker.observe(step, sums, 8) for step, sums in run.posted_sums()]
+    last = judged[-1]
+    assert last is not None and last.advice is not None
+    assert abs(last.advice.suggested - expected) <= 1
+    assert last.advice.crossed  # the data shows where the budget is crossed
+    # Inside the demo's lag range: lags above the suggestion were shipped (and cost more than the budget).
+    assert max(last.curve.lags) > last.advice.suggested
+    # What-if on the directory marks the same bound, pooled over the run.
+    result = what_if_with_curve(tmp_path / "out", range(11), run.staleness_config())
+    assert result.curve is not None and result.curve.suggested is not None
+    assert abs(result.curve.suggested - expected) <= 1
+    assert [row.max_staleness for row in result.rows if row.suggested] == [result.curve.suggested]
 
 
 def test_an_out_dir_that_cannot_be_made_is_a_message_not_a_traceback(tmp_path: Path) -> None:
@@ -256,14 +318,18 @@ def test_the_drift_model_grows_with_lag_and_policy_speed() -> None:
     lags = np.array([0, 1, 4, -1])
     assert model.sigma(lags, 20).tolist() == pytest.approx([0.05, np.hypot(0.05, 0.08), np.hypot(0.05, 0.32), 0.05])
     assert model.sigma(lags, 5)[2] == pytest.approx(np.hypot(0.05, 0.16))  # half speed during warm-up
+    assert DriftModel().sigma(lags, 1)[2] == pytest.approx(np.hypot(0.05, 0.036))  # the default: no warm-up
+    assert model.expected_suggested_bound() == 0  # 0.05 / 0.08 < 1: even lag 1 costs more than the floor
+    assert model.expected_suggested_bound(budget=0.08**2 * 3**2 / 2) == 3
 
     monitor = StalenessMonitor(StalenessConfig(max_staleness=100))
     simulation, trainer = Simulation(0), SimulatedTrainer(0, model=model)
     for _, events in zip(range(12), simulation.steps(), strict=False):
         monitor.add(events.rollouts)
         shipment = monitor.ship(events.step, events.ship_ids)
-        total = trainer.train(monitor, shipment)
-        assert total is not None and total == monitor.mismatch(events.step)
+        trained = trainer.train(monitor, shipment)
+        assert trained is not None and trained.sums == monitor.mismatch(events.step)
+        total = trained.sums
         assert total.sampled == shipment.report.tally.tokens_sampled  # every sampled position, covered
         assert len(shipped_mask(shipment)) == len(shipment.lags)
     assert total is not None

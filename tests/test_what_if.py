@@ -6,6 +6,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,16 @@ from staleness_metrics.config import PolicyName, StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.errors import ConfigError, EventError
 from staleness_metrics.replay import replay
-from staleness_metrics.what_if import WhatIfRow, parse_bounds, run_tally, tally_and_cost, what_if
+from staleness_metrics.what_if import (
+    WhatIfRow,
+    format_table,
+    parse_bounds,
+    run_tally,
+    tally_and_cost,
+    to_json,
+    what_if,
+    what_if_with_curve,
+)
 from tests.support.examples import EXAMPLES
 
 
@@ -192,3 +202,86 @@ def test_nine_bounds_from_one_parse_equal_nine_separate_replays(policy: str) -> 
         assert what_if(events, range(9), base) == separate, f"seed {seed}"
         compared += 1
     assert compared >= 10
+
+
+def _k3(d: float) -> float:
+    return math.exp(d) - 1 - d
+
+
+# Step 5 trains version 4. One rollout per lag, two tokens each with d = +x and -x (trainer minus sampler),
+# so the mean k3 of lag l is (k3(x) + k3(-x)) / 2 for its x: lag 1 is cheaper than lag 0 (noise), and lag 3
+# cheaper than lag 2 (a violation the isotonic fit pools).
+_SPREAD = {0: 0.1, 1: 0.05, 2: 0.2, 3: 0.15, 4: 0.3}
+_CURVE_EVENTS: list[dict[str, Any]] = [
+    *(
+        {"type": "rollout", "rollout": {"id": f"lag{lag}", "dispatch_version": 4 - lag, "samples": [{
+            "mask": [1, 1], "token_versions": [4 - lag, 4 - lag], "logprobs": [-1.0, -1.0],
+            "trainer_logprobs": [-1.0 + x, -1.0 - x]}]}}
+        for lag, x in _SPREAD.items()
+    ),
+    {"type": "ship", "step": 5},
+]  # fmt: skip
+
+
+def _mean_k3(lag: int) -> float:
+    return (_k3(_SPREAD[lag]) + _k3(-_SPREAD[lag])) / 2
+
+
+def test_each_bound_is_judged_by_the_runs_curve_computed_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
+    config = StalenessConfig(floor_min_tokens=2)
+    floor = _mean_k3(0)
+    raw = {lag: _mean_k3(lag) - floor for lag in (1, 2, 3, 4)}
+    pooled = (raw[2] + raw[3]) / 2  # equal token counts: the violators' plain mean
+    fitted = {1: raw[1], 2: pooled, 3: pooled, 4: raw[4]}
+    assert raw[1] < 0 < pooled <= raw[2] and raw[3] < raw[2]
+
+    # Budget = the floor: only lag 1 is within it; bound 0 trains only lag 0, below the curve's first
+    # point, which is within the budget (more lag cannot make a token cheaper).
+    result = what_if_with_curve(_CURVE_EVENTS, range(5), config)
+    assert result.curve is not None
+    assert (result.curve.floor.value, result.curve.floor.source, result.curve.budget) == (
+        pytest.approx(floor),
+        "lag0",
+        pytest.approx(floor),
+    )
+    assert result.curve.curve.lags == (1, 2, 3, 4)
+    assert list(result.curve.curve.fitted) == pytest.approx([fitted[lag] for lag in (1, 2, 3, 4)])
+    assert (result.curve.suggested, result.curve.crossed) == (1, True)
+    rows = {row.max_staleness: row for row in result.rows}
+    assert rows[0].excess_at_bound is None and rows[0].within_budget is True
+    for bound in (1, 2, 3, 4):
+        assert rows[bound].excess_at_bound == pytest.approx(fitted[bound])
+    assert [rows[b].within_budget for b in range(5)] == [True, True, False, False, False]
+    assert [rows[b].suggested for b in range(5)] == [False, True, False, False, False]
+
+    # A budget set between the pooled lags 2-3 and lag 4: the suggestion moves to 3.
+    budget = (pooled + raw[4]) / 2
+    result = what_if_with_curve(_CURVE_EVENTS, range(5), dataclasses.replace(config, mismatch_budget=budget))
+    assert result.curve is not None and result.curve.budget == budget
+    assert (result.curve.suggested, result.curve.crossed) == (3, True)
+    assert [row.within_budget for row in result.rows] == [True, True, True, True, False]
+    assert [row.suggested for row in result.rows] == [False, False, False, True, False]
+
+    # --json carries both per bound; the table marks the suggested bound.
+    as_json = {row["max_staleness"]: row for row in json.loads(to_json(result.rows))}
+    assert as_json[3]["suggested"] is True and as_json[3]["within_budget"] is True
+    assert as_json[4]["within_budget"] is False and as_json[4]["excess_at_bound"] == pytest.approx(raw[4])
+    lines = format_table(result.rows, result.curve).splitlines()
+    assert lines[0].split()[-5:] == ["excess", "at", "bound", "within", "budget"]
+    assert lines[2 + 3].endswith("yes <- suggested") and lines[2 + 4].endswith("no")
+    assert "suggested bound 3 (the largest lag within the budget)" in lines[-1]
+
+
+def test_a_budget_never_crossed_says_a_looser_bound_may_be_as_good() -> None:
+    config = StalenessConfig(floor_min_tokens=2, mismatch_budget=1.0)
+    result = what_if_with_curve(_CURVE_EVENTS, range(3), config)
+    assert result.curve is not None and (result.curve.suggested, result.curve.crossed) == (4, False)
+    assert [row.within_budget for row in result.rows] == [True, True, True]
+    assert not any(row.suggested for row in result.rows)  # 4 is outside the range tried
+    assert "a looser bound may be as good" in format_table(result.rows, result.curve)
+
+
+def test_without_enough_tokens_for_a_floor_no_bound_is_judged() -> None:
+    result = what_if_with_curve(_CURVE_EVENTS, range(3), StalenessConfig())  # floor_min_tokens 1000
+    assert result.curve is None
+    assert all((r.excess_at_bound, r.within_budget, r.suggested) == (None, None, None) for r in result.rows)

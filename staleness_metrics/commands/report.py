@@ -14,12 +14,17 @@ __all__ = ["register", "run"]
 
 EPILOG = """\
 examples:
+  staleness-metrics report staleness-demo                   # a run directory: every section, its settings
   staleness-metrics report events.jsonl -o report.html
   staleness-metrics report path/to/prime-rl-run --policy episode -o report.html
   staleness-metrics report metrics.jsonl -o report.html     # logged rows only: no histogram, no what-if
 
-RUN is an event stream, a prime-rl run directory, xtuner rollout states, or a metrics JSONL
-(--metrics-out, or logged rows with off_policy/* keys). The page needs no network to view.
+RUN is a run directory (with a run.json, as `staleness-metrics demo` writes: its events, the
+trainer's log-probabilities, the sums it posted and the rows it logged, replayed with the run's own
+settings unless options say otherwise), an event stream, a prime-rl run directory, xtuner rollout
+states, or a metrics JSONL (--metrics-out, or logged rows with off_policy/* keys). With what staleness
+cost (trainer log-probabilities, posted sums or logged SPEC 11 rows), the page shows the run's excess
+curve and the bound it suggests (SPEC 14). The page needs no network to view.
 """
 
 
@@ -49,12 +54,18 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..html_report import collect, render
+    from ..run_dir import find_run
     from ..what_if import parse_bounds
 
     bound = 8 if args.bound is None else args.bound
     try:
+        config = config_from_args(args, bound)
+        directory = find_run(args.run)
+        if directory is not None:  # the run's own settings, where the command line leaves them at their defaults
+            config = directory.merged_config(config)
+            bound = config.max_staleness
         bounds = parse_bounds(args.max_staleness or f"0..{max(8, bound)}")
-        data = collect(args.run, config_from_args(args, bound), bounds)
+        data = collect(args.run, config, bounds)
         if data.bound is None and args.bound is not None:
             data.bound = args.bound  # logged rows that do not say which bound they ran at
         page = render(data, args.title)

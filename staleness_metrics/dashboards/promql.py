@@ -4,7 +4,8 @@ Rows are looked up by ``MetricDef.name``; every Prometheus name comes from the t
 expression is built (so a rename in the table shows up in every generated file). Exposition semantics
 this relies on: every series has ``run``; counters and histograms are split by ``env`` (absent for
 rollouts without one), so totals are sums over ``env``; gauges have an overall series without ``env``
-plus, with the env breakdown on, one series per env.
+plus, with the env breakdown on, one series per env, and so have SPEC 12's length counters
+(:data:`~staleness_metrics.exporters.prometheus.BATCH_WIDE_COUNTERS`): their totals are the ``env=""`` series.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 
 from .. import metric_table
 from ..metric_table import MetricDef, MetricKind
+
+# Counters with a batch-wide series (env="") beside the per-env ones, as the exporter writes them.
+BATCH_WIDE_COUNTERS = frozenset({"length_samples", "length_sampled_tokens", "length_removed_tokens"})
 
 __all__ = ["Scope", "metric", "prometheus_name", "recorded_name"]
 
@@ -77,7 +81,7 @@ class Scope:
         if "env" in row.labels:
             if env is not None:
                 matchers.append(env)
-            elif row.kind is MetricKind.GAUGE:
+            elif row.kind is MetricKind.GAUGE or row.name in BATCH_WIDE_COUNTERS:
                 matchers.append('env=""')  # the overall series, not the per-env ones
             elif self.env is not None:
                 matchers.append(f'env=~"{self.env}"')

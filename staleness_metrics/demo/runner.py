@@ -4,7 +4,12 @@ Outputs, all under ``out_dir`` (default ``./staleness-demo``) unless given elsew
 
 - ``metrics.jsonl``: the metrics of each step (the JSONL exporter), with what staleness cost the simulated
   trainer (SPEC 11, recorded through the live path: see :mod:`.trainer`);
-- ``events.jsonl``: the run's event stream, for ``staleness-metrics replay`` / ``report`` / ``what-if``;
+- ``events.jsonl``: the run's event stream (the sampler's log-probabilities included), for
+  ``staleness-metrics replay`` / ``report`` / ``what-if``;
+- ``trainer-logprobs.jsonl``: the trainer's log-probabilities of every shipped rollout, and
+  ``mismatch-sums.jsonl``: the SPEC 11 sums it recorded per step (what staleness cost);
+- ``run.json``: which files these are and the settings of the run (:mod:`staleness_metrics.run_dir`), so
+  ``staleness-metrics report staleness-demo`` shows every section of the run from the directory alone;
 - ``wandb/``: an offline W&B run when ``wandb`` is installed (``wandb sync`` uploads it);
 - a Prometheus endpoint on 127.0.0.1 (``--prometheus-port``; if the port is taken, a free one);
 - OTLP, when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is set.
@@ -35,9 +40,10 @@ from ..kernels import warm_up
 from ..mismatch import MismatchSums
 from ..monitor import StalenessMonitor
 from ..report import StepReport
+from ..run_dir import write_run_file
 from ..sink import Shipment
 from .simulation import Simulation, StepEvents
-from .trainer import SimulatedTrainer
+from .trainer import SimulatedTrainer, TrainedBatch
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -157,7 +163,7 @@ class _LiveTable:
     def __exit__(self, *exc: object) -> None:
         self._live.__exit__(None, None, None)
 
-    def update(self, events: StepEvents, shipment: Shipment, totals: _Totals, cost: MismatchSums | None) -> None:
+    def update(self, events: StepEvents, shipment: Shipment, totals: _Totals, trained: TrainedBatch | None) -> None:
         from rich.table import Table
         from rich.text import Text
 
@@ -173,7 +179,8 @@ class _LiveTable:
             f"queue {events.queued} · in flight {events.in_flight} · "
             f"{c.policy} policy, max_staleness {c.max_staleness}",
             caption=f"run so far: {totals.shipped} live + {totals.frozen} frozen rollouts shipped, "
-            f"{totals.dropped} dropped, {masked} of sampled tokens masked" + _cost_caption(cost),
+            f"{totals.dropped} dropped, {masked} of sampled tokens masked"
+            + _cost_caption(None if trained is None else trained.sums),
         )
         for name in (
             "env",
@@ -225,7 +232,7 @@ def _cost_caption(cost: MismatchSums | None) -> str:
 
 
 class _EventLog:
-    """The run's SPEC 9 events, written as they happen."""
+    """A JSONL file of the run (events, trainer log-probabilities, sums), written as things happen."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -237,6 +244,27 @@ class _EventLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+class _TrainerLog:
+    """What the trainer computed, beside the events: its log-probabilities and the sums it recorded."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.logprobs = _EventLog(out_dir / "trainer-logprobs.jsonl")
+        self.sums = _EventLog(out_dir / "mismatch-sums.jsonl")
+
+    def write(self, batch: TrainedBatch) -> None:
+        self.logprobs.write(
+            [
+                {"step": batch.step, "id": rid, "trainer_logprobs": values}
+                for rid, values in batch.trainer_logprobs.items()
+            ]
+        )
+        self.sums.write([{"step": batch.step, "sums": batch.sums.to_dict()}])
+
+    def close(self) -> None:
+        self.logprobs.close()
+        self.sums.close()
 
 
 def _paced(steps: int, speed: float, stop: threading.Event) -> Iterator[int]:
@@ -280,6 +308,9 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = options.metrics_out or out_dir / "metrics.jsonl"
     events = _EventLog(out_dir / "events.jsonl")
+    trainer_log = _TrainerLog(out_dir)
+    files = {"events": events.path, "metrics": metrics_path, "trainer_logprobs": trainer_log.logprobs.path,
+             "mismatch_sums": trainer_log.sums.path}  # fmt: skip
     live = options.live if options.live is not None else (stream is None and out.isatty())
     live = live and importlib.util.find_spec("rich") is not None  # the table needs rich; plain lines do not
     exporters: list[Exporter] = [JsonlExporter(metrics_path)]
@@ -309,6 +340,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
             say(f"metrics URL: {url}")
         say(f"metrics file: {metrics_path}")
         say(f"events file: {events.path}")
+        write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed)
         if wandb_run is not None:
             say(f"W&B offline run: {Path(wandb_run.dir).parent} (upload with `wandb sync`)")
         if otlp is not None:
@@ -323,17 +355,20 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 monitor.add(step_events.rollouts)
                 shipment = monitor.ship(step_events.step, step_events.ship_ids)
                 simulation.forget(shipment.dropped_rollouts)
-                cost = trainer.train(monitor, shipment)  # trainer log-probs -> mismatch sums -> the exporters
+                trained = trainer.train(monitor, shipment)  # trainer log-probs -> mismatch sums -> the exporters
+                if trained is not None:
+                    trainer_log.write(trained)
                 totals.add(shipment.report)
                 shipped_steps += 1
                 if table is not None:
-                    table.update(step_events, shipment, totals, cost)
+                    table.update(step_events, shipment, totals, trained)
     except KeyboardInterrupt:
         interrupted = True
     finally:
         interrupted = interrupted or stop.is_set()
         with contextlib.suppress(KeyboardInterrupt):
             events.close()
+            trainer_log.close()
             if monitor is not None:
                 monitor.close()
             else:
@@ -344,16 +379,10 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                     wandb_run.finish()
                 except Exception as exc:  # W&B is a bonus here, as at start
                     say(f"W&B offline run not finished cleanly ({type(exc).__name__}: {exc})")
+    if monitor is not None:  # the steps the files hold, for whoever reads the directory
+        write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed, steps=shipped_steps)
     if interrupted:
         say(f"interrupted after {shipped_steps} steps; files are complete up to there")
-    config = options.config
-    replay_options = f" --policy {config.policy} --bound {config.max_staleness}"
-    if config.max_token_staleness is not None:
-        replay_options += f" --max-token-staleness {config.max_token_staleness}"
-    if config.sync_interval != 1:
-        replay_options += f" --sync-interval {config.sync_interval}"
-    say(f"done: {shipped_steps} steps. Next: staleness-metrics report {events.path}{replay_options} -o report.html")
-    # The trainer's log-probabilities never reach the event stream (as in a real run): what staleness
-    # cost is in the metrics the run logged.
-    say(f"what staleness cost the trainer: staleness-metrics report {metrics_path} -o cost.html")
+    # Everything the report needs is in the directory, the settings in its run.json: one command shows it all.
+    say(f"done: {shipped_steps} steps. Next: staleness-metrics report {out_dir}")
     return 130 if interrupted else 0

@@ -13,10 +13,12 @@ The model, in ticks of simulated time:
 - A share of groups is sampled by a frozen model (``source: frozen``, no version labels).
 - Finished rollouts wait in the queue; the trainer ships the oldest ``batch_rollouts`` of them as
   soon as it is idle and they are there, trains for ``train_ticks``, then publishes the next version.
-- Every ``sync_every`` steps the orchestrator runs ``sync_steps`` steps nearly synchronously (as around
-  an evaluation or a checkpoint): it buffers no more than one batch, so the trainer waits for rollouts
-  sampled by the newest weights. Those steps hold lag-0 tokens: the numeric floor of SPEC 11 that the
-  excess mismatch is measured against (a fully asynchronous step has none).
+- The pipeline is fully asynchronous from start to end: no step waits for fresh rollouts. Only the first
+  batch is all of version 0 (nothing was trained before it): step 1 trains version 0 on tokens of version
+  0, which is where the run measures its numeric floor (SPEC 14).
+- The engine returns the log-probability of each token it sampled (sample field ``logprobs``): drawn as
+  ``-Exponential(sampler_scale)`` (most tokens likely, a tail not), rounded to 6 decimals as an engine's
+  float32 output would be, from a generator of their own, so the pipeline's events do not depend on them.
 
 Everything is drawn from one seeded generator, so a seed gives the same events every time.
 """
@@ -56,8 +58,7 @@ class DemoSettings:
     load_delay_ticks: int = 3
     frozen_share: float = 0.1
     max_buffered: int = 224
-    sync_every: int = 20  # 0: never synchronous
-    sync_steps: int = 4
+    sampler_scale: float = 0.7  # mean of -logprob of a sampled token
     max_tokens: int = 8192
     envs: tuple[EnvProfile, ...] = (
         EnvProfile("math", 0.45, 220, 0.6),
@@ -113,6 +114,7 @@ class Simulation:
     def __init__(self, seed: int = 0, settings: DemoSettings | None = None) -> None:
         self.settings = settings or DemoSettings()
         self._rng = np.random.default_rng(seed)
+        self._logprob_rng = np.random.default_rng([seed, 7])  # its own stream: the events stay as they were
         self._workers = [_Worker() for _ in range(self.settings.workers)]
         self._waiting: deque[_Rollout] = deque()  # dispatched, not yet on a worker
         self._queue: deque[str] = deque()  # finished, not yet shipped (ids)
@@ -136,12 +138,6 @@ class Simulation:
     def _loaded(self) -> int:
         """The oldest version a worker still samples with (what a dispatch can count on)."""
         return min(w.version for w in self._workers)
-
-    @property
-    def _buffer_limit(self) -> int:
-        s = self.settings
-        synchronous = s.sync_every > 0 and (self._step - 1) % s.sync_every >= s.sync_every - s.sync_steps
-        return s.batch_rollouts if synchronous else s.max_buffered
 
     @property
     def in_flight(self) -> int:
@@ -171,7 +167,7 @@ class Simulation:
 
     def _dispatch(self) -> None:
         s = self.settings
-        while self.in_flight + len(self._queue) + s.group_size <= self._buffer_limit:
+        while self.in_flight + len(self._queue) + s.group_size <= s.max_buffered:
             self._groups += 1
             env = s.envs[int(self._rng.choice(len(s.envs), p=self._shares))]
             frozen = bool(self._rng.random() < s.frozen_share)
@@ -228,7 +224,8 @@ class Simulation:
                 # A multi-turn sample starts with the tool's output, which the policy did not sample.
                 tool = min(length - 1, int(self._rng.integers(2, 12)))
                 mask[:tool] = [0] * tool
-            sample: dict[str, Any] = {"mask": mask}
+            logprobs = np.round(-self._logprob_rng.exponential(self.settings.sampler_scale, length), 6)
+            sample: dict[str, Any] = {"mask": mask, "logprobs": logprobs.tolist()}
             if not rollout.frozen:
                 sample["weight_versions"] = _spans_of(rollout.spans, offset, length)
             samples.append(sample)

@@ -7,32 +7,35 @@ left, so the demo takes the live path of SPEC 11 exactly as a real trainer would
     sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)
     monitor.record_mismatch(step, sums)                      # per rank, or once with the ranks' sum
 
-**Drift model.** Per sampled position, the sampler's log-probability is ``-Exponential(0.7)`` (a
-token distribution where most tokens are likely and a tail is not). The trainer's log-probability of
-the same token, under the weights it trains this batch with, is the sampler's plus
-``d ~ Normal(-σ²/2, σ²)`` with
+**Drift model.** The sampler's log-probability of each token comes with the rollout (sample field
+``logprobs``, drawn by the simulated engine). The trainer's log-probability of the same token, under the
+weights it trains this batch with, is the sampler's plus ``d ~ Normal(-σ²/2, σ²)`` with
 
-    σ(ℓ, T)² = floor² + (speed(T) · ℓ)²,    speed(T) = drift_per_version · min(1, T / warmup_steps)
+    σ(ℓ)² = floor² + (speed · ℓ)²
 
 - ``floor`` (default 0.05 nats) is the numeric mismatch of two engines holding the same weights
   (different kernels and precisions): present at lag 0.
 - ``ℓ`` is the token's lag (``shipment.lags``): every version the policy moved since the token was
   sampled adds drift.
-- ``speed(T)`` is how far the policy moves per version at train step ``T``: it ramps up over
-  ``warmup_steps`` as the learning rate warms up, to ``drift_per_version`` (default 0.08 nats).
+- ``speed`` (``drift_per_version``, default 0.009 nats) is how far the policy moves per version (with
+  ``warmup_steps``, it ramps up from 0 over the first steps as a learning rate warms up; off by default).
 
 The mean ``-σ²/2`` keeps ``E[r] = 1`` for ``r = exp(d)``, as for true importance ratios; the expected
-k3 of a bucket is then ``σ²/2``, so the excess over the lag-0 floor is ``(speed · ℓ)² / 2``: it grows
-with the lag and with how fast the policy moves, which is what the new panels show.
+k3 of a lag is then exactly ``σ²/2``: the floor's k3 is ``floor²/2``, and the excess of lag ``ℓ`` over it
+is ``(speed · ℓ)² / 2``. With the default budget of SPEC 14 (the floor itself), the suggested bound is the
+largest lag with ``(speed · ℓ)² ≤ floor²``, that is ``⌊floor / speed⌋`` = 5 (0.05 / 0.009 = 5.56): see
+:meth:`DriftModel.expected_suggested_bound`.
 
 The trainer splits each batch over ``ranks`` (at sample boundaries), computes one sums object per rank
 as a data-parallel trainer would, adds them (``+``, exact) and records the step once, so row exporters
-(console, JSONL, W&B) get one mismatch row per step.
+(console, JSONL, W&B) get one mismatch row per step. Its log-probabilities are rounded to 6 decimals (an
+engine's float32 output), so the files the demo writes hold exactly the values the sums came from.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,8 +44,9 @@ import numpy.typing as npt
 from ..mismatch import MismatchSums, mismatch_sums
 from ..monitor import StalenessMonitor
 from ..sink import Shipment
+from ..what_if import shipped_values
 
-__all__ = ["DriftModel", "SimulatedTrainer", "shipped_mask"]
+__all__ = ["DriftModel", "SimulatedTrainer", "TrainedBatch", "shipped_mask"]
 
 
 @dataclass(frozen=True)
@@ -50,27 +54,46 @@ class DriftModel:
     """The parameters of the drift model (see the module docstring)."""
 
     floor: float = 0.05
-    drift_per_version: float = 0.08
-    warmup_steps: int = 10
-    sampler_scale: float = 0.7  # mean of -logprob of a sampled token
+    drift_per_version: float = 0.009
+    warmup_steps: int = 0
+
+    def speed(self, step: int) -> float:
+        """How far the policy moves per version at train ``step`` (nats of log-ratio standard deviation)."""
+        if self.warmup_steps <= 0:
+            return self.drift_per_version
+        return self.drift_per_version * min(1.0, step / self.warmup_steps)
 
     def sigma(self, lags: npt.NDArray[np.int64], step: int) -> npt.NDArray[np.float64]:
         """The standard deviation of the log-ratio of tokens of the given lags, at train ``step``."""
-        speed = self.drift_per_version * min(1.0, step / max(self.warmup_steps, 1))
-        result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (speed * np.maximum(lags, 0)) ** 2)
+        result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (self.speed(step) * np.maximum(lags, 0)) ** 2)
         return result
+
+    def expected_k3(self, lag: int, step: int) -> float:
+        """The expected k3 of tokens of ``lag`` at ``step``: σ² / 2."""
+        return float(self.sigma(np.array([lag]), step)[0]) ** 2 / 2
+
+    def expected_suggested_bound(self, budget: float | None = None) -> int:
+        """SPEC 14's suggested bound once the policy moves at full speed: the largest lag whose expected
+        excess ``(speed · ℓ)² / 2`` is within ``budget`` (default: the floor's k3, ``floor² / 2``)."""
+        beta = self.floor**2 / 2 if budget is None else budget
+        if self.drift_per_version <= 0:
+            raise ValueError("drift_per_version: must be > 0 for the excess to cross any budget")
+        return math.floor(math.sqrt(2 * beta) / self.drift_per_version)
 
 
 def shipped_mask(shipment: Shipment) -> npt.NDArray[np.bool_]:
     """The shipped samples' masks (as trained), concatenated in ship order: aligned with ``shipment.lags``."""
-    parts: list[npt.NDArray[np.bool_]] = []
-    for rollout in shipment.rollouts:
-        batch = rollout.batch
-        first = int(batch.sample_offsets[rollout.index])
-        for k in rollout.samples:
-            lo, hi = int(batch.position_offsets[first + k]), int(batch.position_offsets[first + k + 1])
-            parts.append(np.asarray(batch.mask[lo:hi], dtype=bool))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=bool)
+    return shipped_values(shipment, "mask") > 0
+
+
+@dataclass(frozen=True)
+class TrainedBatch:
+    """What the trainer computed for one ship: the step's sums (as recorded) and its log-probabilities per
+    shipped rollout, one list per sample of the rollout as added (``None`` for a sample not shipped)."""
+
+    step: int
+    sums: MismatchSums
+    trainer_logprobs: dict[str, list[list[float] | None]]
 
 
 class SimulatedTrainer:
@@ -82,16 +105,17 @@ class SimulatedTrainer:
         self._rng = np.random.default_rng([seed, 11])  # its own stream: the pipeline's events stay as they were
 
     def logprobs(self, shipment: Shipment) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """Sampler and trainer log-probabilities of every shipped position (aligned with ``shipment.lags``)."""
+        """Sampler (from the records) and trainer log-probabilities of every shipped position, aligned with
+        ``shipment.lags``."""
         lags = shipment.lags
-        sampler = -self._rng.exponential(self.model.sampler_scale, len(lags))
+        sampler = shipped_values(shipment, "logprobs")
         sigma = self.model.sigma(lags, shipment.step)
-        trainer = sampler + self._rng.normal(-(sigma**2) / 2, sigma)
+        trainer = np.round(sampler + self._rng.normal(-(sigma**2) / 2, sigma), 6)
         return sampler, trainer
 
-    def train(self, monitor: StalenessMonitor, shipment: Shipment) -> MismatchSums | None:
-        """The live path: sums per rank, merged and recorded with the monitor; returns the step's total
-        (None when the ship took nothing)."""
+    def train(self, monitor: StalenessMonitor, shipment: Shipment) -> TrainedBatch | None:
+        """The live path: sums per rank, merged and recorded with the monitor; returns the step's total and
+        the log-probabilities behind it (None when the ship took nothing)."""
         lags = shipment.lags
         if len(lags) == 0:
             return None
@@ -104,4 +128,21 @@ class SimulatedTrainer:
             mismatch_sums(lags[lo:hi], sampler[lo:hi], trainer[lo:hi], masked=masked[lo:hi])
             for lo, hi in itertools.pairwise(cuts)
         ]
-        return monitor.record_mismatch(shipment.step, sum(ranks, MismatchSums.zero()))
+        total = monitor.record_mismatch(shipment.step, sum(ranks, MismatchSums.zero()))
+        return TrainedBatch(shipment.step, total, _per_rollout(shipment, trainer))
+
+
+def _per_rollout(shipment: Shipment, values: npt.NDArray[np.float64]) -> dict[str, list[list[float] | None]]:
+    """``values`` (aligned with ``shipment.lags``) cut back into each shipped rollout's samples."""
+    out: dict[str, list[list[float] | None]] = {}
+    offsets = shipment.lag_offsets
+    shipped = 0
+    for rollout in shipment.rollouts:
+        batch = rollout.batch
+        count = int(batch.sample_offsets[rollout.index + 1] - batch.sample_offsets[rollout.index])
+        samples: list[list[float] | None] = [None] * count
+        for k in rollout.samples:
+            samples[k] = values[int(offsets[shipped]) : int(offsets[shipped + 1])].tolist()
+            shipped += 1
+        out[rollout.id] = samples
+    return out

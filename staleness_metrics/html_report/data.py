@@ -1,4 +1,10 @@
-"""What a report shows, gathered from a run input: per-step rows, histograms, what-if and comparison."""
+"""What a report shows, gathered from a run input: per-step rows, histograms, what-if and comparison.
+
+A run directory (:mod:`staleness_metrics.run_dir`, what ``staleness-metrics demo`` writes) gives everything
+it holds: its events joined to the trainer's log-probabilities are replayed (rows, histograms, what-if and
+the run's excess curve from the records), the rows its run logged fill in what the replay does not
+compute, and the sums the trainer posted give the curve when the records carry no trainer log-probabilities.
+"""
 
 from __future__ import annotations
 
@@ -10,17 +16,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..adapters import SourceKind, compare_prime_rl, detect_source, read_run
+from ..adapters import as_replay_events, compare_prime_rl, detect_source, read_run
 from ..adapters.events import iter_json_lines
 from ..adapters.prime_rl import ComparisonRow, has_rollouts
 from ..config import StalenessConfig
 from ..errors import EventError
 from ..metric_table import LEGACY_KEYS
+from ..mismatch import LAG_BUCKETS, MismatchSums
 from ..replay import replay
 from ..report import Tally
-from ..what_if import WhatIfRow, run_tally, what_if
+from ..run_dir import RunDirectory, find_run
+from ..what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_curve
 
-__all__ = ["ReportData", "collect", "metrics_rows"]
+__all__ = ["ReportData", "collect", "metrics_rows", "sums_from_rows"]
 
 _STEP_KEYS = ("step", "trainer/step")
 
@@ -30,7 +38,7 @@ class ReportData:
     """Everything one report draws. ``histograms`` and ``totals`` exist when rollouts were replayed."""
 
     source: str
-    kind: SourceKind
+    kind: str  # a SourceKind, or "run" for a run directory
     policy: str | None
     bound: int | None
     rows: list[dict[str, Any]]
@@ -38,6 +46,8 @@ class ReportData:
     totals: Tally | None = None
     what_if: list[WhatIfRow] = field(default_factory=list)
     comparison: list[ComparisonRow] = field(default_factory=list)
+    curve: RunCurve | None = None  # SPEC 14 over the whole run
+    curve_source: str = ""  # where the curve's sums came from, said under the figure
 
     @property
     def steps(self) -> list[int]:
@@ -83,15 +93,74 @@ def _is_step(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
+    """The per-lag token counts and k3 sums behind logged rows (``lag_<b>/tokens`` times ``lag_<b>/k3``),
+    added over the steps: enough for the floor and the excess curve, the other sums left at 0."""
+    sums = MismatchSums.zero()
+    found = False
+    for row in rows:
+        for index, bucket in enumerate(LAG_BUCKETS):
+            prefix = f"staleness/mismatch/lag_{bucket}"
+            tokens, k3 = row.get(f"{prefix}/tokens"), row.get(f"{prefix}/k3")
+            if isinstance(tokens, (int, float)) and isinstance(k3, (int, float)) and tokens > 0:
+                sums.tokens[index] += int(tokens)
+                sums.sum_k3[index] += float(k3) * int(tokens)
+                found = True
+    return sums if found else None
+
+
+def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` with every key the run logged for the same step that they lack (the rows win where both have
+    a key): a replay does not recompute what only the live path knew (the trainer's sums, when the records
+    lack them). Steps only the logged rows have are kept too."""
+    by_step = {int(row["step"]): dict(row) for row in rows}
+    for row in logged:
+        step = int(row["step"])
+        merged = by_step.setdefault(step, {"step": step})
+        for key, value in row.items():
+            merged.setdefault(key, value)
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
+    shipments = replay(as_replay_events(run.events_with_costs()), config)
+    data = ReportData(
+        str(run.root),
+        "run",
+        config.policy,
+        config.max_staleness,
+        [dict(s.report.row()) for s in shipments],
+        [s.report.tally.token_histogram for s in shipments],
+        run_tally(shipments),
+    )
+    if run.metrics is not None:
+        data.rows = _fill_from(data.rows, metrics_rows(run.metrics))
+    bounds = sorted({*what_if_bounds, config.max_staleness}) if what_if_bounds else [config.max_staleness]
+    result = what_if_with_curve(run.root, bounds, config)
+    data.what_if = result.rows if what_if_bounds else []
+    if result.curve is not None:
+        data.curve, data.curve_source = result.curve, "the records' trainer log-probabilities"
+    else:
+        posted = run.posted_sums()
+        pooled = sum((sums for _, sums in posted), MismatchSums.zero()) if posted else None
+        data.curve, data.curve_source = run_curve(pooled, config), "the sums the trainer posted"
+    return data
+
+
 def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[int] = ()) -> ReportData:
     """Replay ``run`` with ``config`` (or read its logged metrics) and gather what the report draws."""
+    directory = find_run(run)  # a run directory, or the event stream of one: the whole directory
+    if directory is not None:
+        return _collect_run_directory(directory, config, what_if_bounds)
     kind = detect_source(run)
     source = str(run)
     if kind == "metrics" or (kind == "prime-rl" and not has_rollouts(run)):
         path = Path(run) / "metrics.jsonl" if kind == "prime-rl" else Path(run)
         rows = metrics_rows(path)
         bounds = [r["staleness/max_staleness"] for r in rows if "staleness/max_staleness" in r]
-        return ReportData(source, kind, None, int(bounds[-1]) if bounds else None, rows)
+        data = ReportData(source, kind, None, int(bounds[-1]) if bounds else None, rows)
+        data.curve, data.curve_source = run_curve(sums_from_rows(rows), config), "the logged k3 and tokens by lag"
+        return data
     shipments = replay(read_run(run, max_staleness=config.max_staleness), config)
     data = ReportData(
         source,
@@ -104,7 +173,9 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
     )
     if what_if_bounds:
         bounds = sorted(set(what_if_bounds))
-        data.what_if = what_if(run, bounds, config)
+        result = what_if_with_curve(run, bounds, config)
+        data.what_if = result.rows
+        data.curve, data.curve_source = result.curve, "the records' trainer log-probabilities"
     if kind == "prime-rl" and (Path(run) / "metrics.jsonl").is_file():
         data.comparison = compare_prime_rl(run, [s.report for s in shipments])
     return data

@@ -11,6 +11,7 @@ import numpy as np
 from .. import __version__
 from ..adapters.prime_rl import ComparisonRow, comparison_summary
 from ..what_if import WhatIfRow
+from .choosing import render_choosing
 from .costs import render_costs
 from .data import ReportData
 from .svg import PALETTE, Rule, Series, bar_chart, heatmap, line_chart, message_chart
@@ -33,6 +34,7 @@ figcaption p, section.panel p { color: #56606b; margin: 0 0 8px; }
 svg { display: block; max-width: 100%; height: auto; font-size: 12px; fill: #39424b; }
 svg .grid { stroke: #e7ebef; } svg .axis { stroke: #7d8791; }
 svg .empty { fill: #f7f8fa; stroke: #dde2e7; } svg .note { font-size: 15px; fill: #56606b; }
+svg .point-note { font-size: 10px; fill: #8a5a00; }
 table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nums; }
 th, td { padding: 4px 8px; border-bottom: 1px solid #e7ebef; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
@@ -299,7 +301,8 @@ def render(data: ReportData, title: str = "Staleness report") -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>"
         f'<h1>{escape(title)}</h1><p class="meta">{" · ".join(meta)}</p>'
-        f"{_summary(data)}<p></p>{''.join(charts)}{render_costs(data)}{_comparison(data.comparison)}"
-        f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6, 9, 11 and 12.</p>'
+        f"{_summary(data)}<p></p>{''.join(charts)}{render_costs(data)}{render_choosing(data)}"
+        f"{_comparison(data.comparison)}"
+        f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6, 9, 11, 12 and 14.</p>'
         "</main></body></html>\n"
     )

@@ -15,7 +15,7 @@ from html import escape
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PALETTE", "Series", "bar_chart", "heatmap", "line_chart", "message_chart", "nice_ticks"]
+__all__ = ["PALETTE", "Rule", "Series", "bar_chart", "heatmap", "line_chart", "message_chart", "nice_ticks"]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf")
 WIDTH, HEIGHT = 920, 300
@@ -30,6 +30,8 @@ class Series:
     values: Sequence[float | None]
     color: str
     dashed: bool = False
+    notes: Sequence[str | None] | None = None  # per value, added to its hover title (token counts)
+    show_notes: bool = False  # also write each note beside its point
 
 
 @dataclass(frozen=True)
@@ -109,17 +111,17 @@ class _Frame:
         out.append(_y_title(mid, y_label))
         return out
 
-    def rule(self, rule: Rule, vertical: bool = False) -> list[str]:
+    def rule(self, rule: Rule, vertical: bool = False, row: int = 0) -> list[str]:
         if vertical:
             x = self.px(rule.value)
+            label_y = TOP + 12 + 15 * row  # one line of labels per rule, so two near rules stay readable
             return [
                 f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + self.plot_h}" stroke="{rule.color}" '
                 'stroke-dasharray="6 4" stroke-width="1.5"/>',
                 # Near the right edge the label goes on the line's left side.
-                f'<text x="{x - 4:.1f}" y="{TOP + 12}" text-anchor="end" fill="{rule.color}">'
-                f"{escape(rule.label)}</text>"
+                f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
                 if x > LEFT + self.plot_w - 80
-                else f'<text x="{x + 4:.1f}" y="{TOP + 12}" fill="{rule.color}">{escape(rule.label)}</text>',
+                else f'<text x="{x + 4:.1f}" y="{label_y}" fill="{rule.color}">{escape(rule.label)}</text>',
             ]
         y = self.py(rule.value)
         return [
@@ -203,24 +205,29 @@ def line_chart(
         dash = ' stroke-dasharray="5 3"' if s.dashed else ""
         run: list[str] = []
         dots = []
-        for xi, v in zip(x, s.values, strict=True):
+        notes = s.notes if s.notes is not None else [None] * len(x)
+        for xi, v, note in zip(x, s.values, notes, strict=True):
             if v is None or not math.isfinite(v):
                 body.extend(_polyline(run, s.color, dash))
                 run = []
                 continue
             px, py = frame.px(xi), frame.py(v)
             run.append(f"{px:.1f},{py:.1f}")
-            shown = _fmt(v, percent) if percent else f"{v:.4g}"
+            shown = (_fmt(v, percent) if percent else f"{v:.4g}") + (f" ({note})" if note else "")
             dots.append(
                 f'<circle cx="{px:.1f}" cy="{py:.1f}" r="{radius}" fill="{s.color}">'
-                f"<title>{escape(s.name)} at {_fmt(xi)}: {shown}</title></circle>"
+                f"<title>{escape(s.name)} at {_fmt(xi)}: {escape(shown)}</title></circle>"
             )
+            if s.show_notes and note:
+                dots.append(
+                    f'<text x="{px:.1f}" y="{py - 9:.1f}" text-anchor="middle" class="point-note">{escape(note)}</text>'
+                )
         body.extend(_polyline(run, s.color, dash))
         body.extend(dots)
     for r in rules:
         body.extend(frame.rule(r))
-    for r in vertical_rules:
-        body.extend(frame.rule(r, vertical=True))
+    for row, r in enumerate(vertical_rules):
+        body.extend(frame.rule(r, vertical=True, row=row))
     return _svg(label, body)
 
 

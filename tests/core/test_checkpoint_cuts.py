@@ -1,6 +1,6 @@
 """SPEC 13: a checkpoint may be taken after any call, and taking it changes nothing.
 
-One run of a random event stream (tests/reference/streams.py; rollouts added in small batches, trainer-side
+One run of a random event stream (tests/reference/streams.py; rollouts added in batches of 1-8, trainer-side
 mismatch sums recorded after some ships) saves ``state_dict()`` after every call: that run must ship
 exactly what a run that never saved ships. Monitors restored from those states (through JSON) and fed
 the rest of the calls must ship the same ``--batches-out`` lines and metrics, and end with the same
@@ -31,14 +31,15 @@ Call = dict[str, Any]
 
 
 def calls_of(events: list[dict[str, Any]], rng: random.Random) -> list[Call]:
-    """The events as monitor calls: consecutive rollouts added in batches of 1-3, and after some ships the
-    trainer's mismatch sums for that step (once or twice: ranks report separately)."""
+    """The events as monitor calls: consecutive rollouts added in batches of 1-8 (single adds among them; a
+    batch is one call, so one cut point: fewer restarts per stream, the same kinds of cut), and after some
+    ships the trainer's mismatch sums for that step (once or twice: ranks report separately)."""
     calls: list[Call] = []
     pending: list[dict[str, Any]] = []
 
     def flush() -> None:
         while pending:
-            size = rng.randint(1, 3)
+            size = rng.randint(1, 8)
             calls.append({"call": "add", "rollouts": pending[:size]})
             del pending[:size]
 

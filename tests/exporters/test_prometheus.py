@@ -15,8 +15,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from staleness_metrics.config import StalenessConfig
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
-from staleness_metrics.exporters.prometheus import PrometheusExporter, PrometheusPushExporter
+from staleness_metrics.exporters.prometheus import BATCH_WIDE_COUNTERS, PrometheusExporter, PrometheusPushExporter
 from staleness_metrics.metric_table import BUCKETS, METRICS, MetricKind, Source, metric_by_prometheus_name
 from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.report import StepReport, Tally
@@ -74,6 +75,9 @@ def test_gauges_counters_and_histograms_equal_the_report() -> None:
 
     total = first.tally + second.tally
     for row in COUNTER_ROWS:
+        if row.name in BATCH_WIDE_COUNTERS:  # env="" is the whole batch (test_length_counters_...)
+            assert sample(exp, row.prometheus_name or "", env="") == getattr(total, row.tally_field or ""), row.name
+            continue
         values = [
             sample(exp, row.prometheus_name or "", env=env) or 0.0 for env in ("", "math", "code")
         ]  # counters partition rollouts by env; the sum is the run's total
@@ -106,6 +110,54 @@ def test_without_env_breakdown_every_series_covers_the_whole_run() -> None:
     assert sample(exp, "rl_staleness_tokens_sampled_total", env="") == 5
     assert sample(exp, "rl_staleness_tokens_masked_total", env="") == 2
     assert sample(exp, "rl_staleness_token_mean_steps", env="") == report.metrics["staleness/token/mean"]
+
+
+def _length_lines(exp: PrometheusExporter) -> list[str]:
+    return [line for line in exp.exposition().decode().splitlines() if line.startswith("rl_staleness_length_")]
+
+
+def test_length_counters_have_a_batch_wide_series_beside_the_per_env_ones() -> None:
+    """SPEC 12 with the env breakdown: env="" is the whole batch, as for the gauges and the mismatch family (a
+    query over every env selects it instead of summing the envs); each named env has its own series."""
+    exp = PrometheusExporter(port=None)
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=0, env_breakdown=True), [exp], run=RUN)
+    monitor.add([
+        # lag 1 at step 2 (T = 1): masked by the bound 0; 3 and 2 sampled positions removed
+        {"id": "a", "env": "math", "dispatch_version": 0,
+         "samples": [{"mask": [1, 1, 1], "token_versions": [0, 0, 0]}]},
+        {"id": "c", "dispatch_version": 0, "samples": [{"mask": [1, 1], "token_versions": [0, 0]}]},
+        # lag 0: kept; 4 sampled positions after a prompt position
+        {"id": "b", "env": "code", "dispatch_version": 1,
+         "samples": [{"mask": [0, 1, 1, 1, 1], "token_versions": [-1, 1, 1, 1, 1]}]},
+    ])  # fmt: skip
+    monitor.ship(2)
+    monitor.close()
+    zero = ("4k", "16k", "inf")
+
+    def family(name: str, per_env: dict[str, dict[str, int]]) -> list[str]:
+        return [
+            f'rl_staleness_length_{name}_total{{env="{env}",length="{bucket}",run="{RUN}"}} {float(value)}'
+            for env, by_bucket in per_env.items()
+            for bucket, value in {**by_bucket, **dict.fromkeys(zero, 0)}.items()
+        ]
+
+    assert _length_lines(exp) == [
+        f'rl_staleness_length_samples_total{{env="",run="{RUN}"}} 3.0',
+        f'rl_staleness_length_samples_total{{env="code",run="{RUN}"}} 1.0',
+        f'rl_staleness_length_samples_total{{env="math",run="{RUN}"}} 1.0',
+        *family("sampled_tokens", {"": {"256": 9, "1k": 0}, "code": {"256": 4, "1k": 0}, "math": {"256": 3, "1k": 0}}),
+        *family("removed_tokens", {"": {"256": 5, "1k": 0}, "code": {"256": 0, "1k": 0}, "math": {"256": 3, "1k": 0}}),
+    ]
+    # Without a named env, env="" already is the whole batch: one series, as before.
+    plain = PrometheusExporter(port=None)
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=0, env_breakdown=True), [plain], run=RUN)
+    monitor.add([{"id": "c", "dispatch_version": 0, "samples": [{"mask": [1, 1], "token_versions": [0, 0]}]}])
+    monitor.ship(2)
+    monitor.close()
+    assert _length_lines(plain)[:2] == [
+        f'rl_staleness_length_samples_total{{env="",run="{RUN}"}} 1.0',
+        f'rl_staleness_length_sampled_tokens_total{{env="",length="256",run="{RUN}"}} 2.0',
+    ]
 
 
 def test_a_gauge_of_an_empty_population_is_not_exposed() -> None:
@@ -332,9 +384,11 @@ def test_real_prometheus_scrape_returns_the_metrics_dict_of_the_same_step(tmp_pa
                     == (shipment.metrics["staleness/rollout/held"])
                 )
 
-                # counters: cumulative over the run; summed over env they are the totals
+                # counters: cumulative over the run; summed over env they are the totals (the length
+                # counters' batch-wide env="" series is the total itself)
                 for row in COUNTER_ROWS:
-                    got_total = prom.query_value(f'sum(({row.prometheus_name}{{run="{RUN}"}}))')
+                    env = ',env=""' if row.name in BATCH_WIDE_COUNTERS else ""
+                    got_total = prom.query_value(f'sum(({row.prometheus_name}{{run="{RUN}"{env}}}))')
                     assert got_total == getattr(totals, row.tally_field or ""), row.name
 
                 # histogram quantiles: PromQL interpolates inside a 1-wide bucket, so ceil() = nearest rank

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html as html_module
 import json
 import re
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.support.programs import requires_program
 
@@ -71,6 +73,23 @@ def _chromium(*args: str) -> subprocess.CompletedProcess[str]:
 def console_messages(stderr: str) -> list[str]:
     """What the page logged to its console (script errors included)."""
     return [line for line in stderr.splitlines() if ":CONSOLE" in line]
+
+
+def probe(page: Path, script: str) -> Any:
+    """What ``script`` (a JavaScript expression) evaluates to in Chromium on a copy of ``page`` (without its
+    Content-Security-Policy, which forbids scripts), as JSON data."""
+    html = page.read_text(encoding="utf-8")
+    html = re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", html)
+    copy = page.with_name(page.stem + ".probe.html")
+    measure = (
+        '<script>const out = document.createElement("pre"); out.id = "measure"; '
+        f"out.textContent = JSON.stringify({script}); document.body.appendChild(out);</script>"
+    )
+    copy.write_text(html.replace("</body>", measure + "</body>"), encoding="utf-8")
+    result = _chromium(f"--window-size={WIDTH},1000", "--dump-dom", copy.as_uri())
+    match = re.search(r'<pre id="measure">(.*?)</pre>', result.stdout, re.S)
+    assert match, f"nothing measured: {result.stderr[-2000:]}"
+    return json.loads(html_module.unescape(match.group(1)))
 
 
 def chart_boxes(page: Path) -> tuple[int, list[Box]]:

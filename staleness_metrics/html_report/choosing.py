@@ -1,0 +1,194 @@
+"""The report's "Choosing the bound" section (SPEC 14 over the whole run).
+
+The run's sums pooled over every step give a floor, the raw excess ``e`` of each lag over it (with the
+tokens behind it), the isotonic curve ``ê`` and the budget; the figure draws them with the configured and
+the suggested bound, and beside it what each bound keeps (the what-if). A table gives the same numbers.
+Over steps, the suggestion of each ship (its window of ``cost_window`` ships) against the bound in force.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from ..what_if import RunCurve, WhatIfRow
+from .costs import has_costs
+from .data import ReportData
+from .svg import PALETTE, Rule, Series, line_chart, message_chart
+
+__all__ = ["render_choosing"]
+
+BUDGET_COLOUR = "#b00020"
+CONFIGURED_COLOUR = "#56606b"
+SUGGESTED_COLOUR = "#2ca02c"
+
+
+def _figure(key: str, title: str, caption: str, svg: str) -> str:
+    return (
+        f'<figure class="chart" id="chart-{key}" data-chart="{key}"><figcaption><h2>{escape(title)}</h2>'
+        f"<p>{caption}</p></figcaption>{svg}</figure>"
+    )
+
+
+def _bound_rules(bound: int | None, suggested: int | None) -> list[Rule]:
+    rules = []
+    if bound is not None:
+        rules.append(Rule(bound, f"configured bound {bound}", CONFIGURED_COLOUR))
+    if suggested is not None:
+        rules.append(Rule(suggested, f"suggested bound {suggested}", SUGGESTED_COLOUR))
+    return rules
+
+
+def _x_range(curve: RunCurve, bound: int | None, rows: list[WhatIfRow]) -> list[int]:
+    top = max([*curve.curve.lags, *([bound] if bound is not None else []), *(r.max_staleness for r in rows)])
+    return list(range(top + 1))
+
+
+def _curve_chart(data: ReportData, curve: RunCurve) -> str:
+    label = "Excess mismatch by lag, pooled over the run"
+    suggested = curve.suggested
+    xs = _x_range(curve, data.bound, data.what_if)
+    at = {lag: i for i, lag in enumerate(curve.curve.lags)}
+
+    def by_lag(values: tuple[float, ...]) -> list[float | None]:
+        return [values[at[x]] if x in at else None for x in xs]
+
+    notes = [f"{_tokens(curve.curve.tokens[at[x]])} tokens" if x in at else None for x in xs]
+    svg = line_chart(
+        label,
+        xs,
+        [
+            Series("curve ê (isotonic)", by_lag(curve.curve.fitted), PALETTE[0], notes=notes),
+            # Drawn last, on top: the measured points with the tokens behind each.
+            Series(
+                "raw excess e by lag", by_lag(curve.curve.raw), PALETTE[1], dashed=True, notes=notes, show_notes=True
+            ),
+        ],
+        x_label="token lag",
+        y_label="nats above the floor",
+        rules=[Rule(curve.budget, f"budget {curve.budget:.4g}", BUDGET_COLOUR)],
+        vertical_rules=_bound_rules(data.bound, suggested),
+    )
+    crossed = (
+        "The curve crosses the budget: the suggestion is the largest lag within it."
+        if curve.crossed
+        else "The curve stays within the budget at every lag seen: the suggestion is only the largest lag seen, "
+        "and a looser bound may be as good."
+    )
+    caption = (
+        f"Each lag's k3 minus the run's floor ({curve.floor.value:.4g} nats, {escape(curve.floor.source)}), over "
+        f"the run's sums pooled (from {escape(data.curve_source)}); dashed, the raw excess of each lag with at "
+        "least floor_min_tokens tokens, with the tokens behind it; solid, its isotonic fit (more lag cannot "
+        f"make a token cheaper). The budget is {curve.budget:.4g} nats. {crossed}"
+    )
+    return _figure("bound-curve", "Choosing the bound", caption, svg)
+
+
+def _kept_chart(data: ReportData, curve: RunCurve) -> str:
+    label = "Kept share per bound"
+    rows = data.what_if
+    if not rows:
+        svg = message_chart(label, "needs rollouts: logged metrics cannot be replayed at other bounds")
+    else:
+        xs = _x_range(curve, data.bound, rows)
+        kept = {r.max_staleness: r.kept_share for r in rows}
+        svg = line_chart(
+            label,
+            xs,
+            [Series("share of sampled tokens that trains", [kept.get(x) for x in xs], PALETTE[2])],
+            x_label="max_staleness",
+            y_label="kept share",
+            percent=True,
+            vertical_rules=_bound_rules(data.bound, curve.suggested),
+        )
+    caption = (
+        "Beside the curve, on the same axis: the share of the run's sampled tokens each bound lets train (the "
+        "run replayed at that bound). Between the bounds, the trade: what a looser bound keeps against what "
+        "its tokens cost."
+    )
+    return _figure("bound-kept", "What each bound keeps", caption, svg)
+
+
+def _tokens(count: int) -> str:
+    """A token count in a few characters: 950, 12.3k, 1.2M."""
+    if count >= 1_000_000:
+        return f"{count / 1_000_000:.3g}M"
+    return f"{count / 1000:.3g}k" if count >= 1000 else str(count)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _table(data: ReportData, curve: RunCurve) -> str:
+    kept = {r.max_staleness: r for r in data.what_if}
+    suggested = curve.suggested
+    head = (
+        "<tr><th>lag</th><th>tokens</th><th>raw excess e</th><th>curve ê</th><th>within budget</th>"
+        "<th>kept share at this bound</th></tr>"
+    )
+    body = []
+    for lag, tokens, raw, fitted in zip(
+        curve.curve.lags, curve.curve.tokens, curve.curve.raw, curve.curve.fitted, strict=True
+    ):
+        marks = [m for m, on in (("configured", lag == data.bound), ("suggested", lag == suggested)) if on]
+        row = kept.get(lag)
+        share = "-" if row is None or row.kept_share is None else f"{100 * row.kept_share:.2f}%"
+        body.append(
+            f'<tr{" class=current" if marks else ""} data-lag="{lag}"><td>{lag}'
+            f"{' (' + ', '.join(marks) + ')' if marks else ''}</td><td>{tokens:,}</td><td>{_num(raw)}</td>"
+            f"<td>{_num(fitted)}</td><td>{'yes' if fitted <= curve.budget else 'no'}</td><td>{share}</td></tr>"
+        )
+    return (
+        '<section class="panel" id="bound-table"><h2>The curve, lag by lag</h2><p>'
+        f"Floor {curve.floor.value:.4g} nats ({escape(curve.floor.source)}), budget {curve.budget:.4g} nats, "
+        f"configured bound {data.bound if data.bound is not None else '-'}, suggested bound "
+        f"{suggested if suggested is not None else '-'}.</p>"
+        f"<table>{head}{''.join(body)}</table></section>"
+    )
+
+
+def _over_steps(data: ReportData) -> str:
+    """Each ship's suggestion (over its window) against the bound it used, when the rows carry them."""
+    suggested = data.series("staleness/bound/suggested")
+    if not any(v is not None for v in suggested):
+        return ""
+    svg = line_chart(
+        "Suggested vs configured bound over steps",
+        data.steps,
+        [
+            Series("suggested (window of cost_window ships)", suggested, SUGGESTED_COLOUR),
+            Series("configured", data.series("staleness/max_staleness"), CONFIGURED_COLOUR, dashed=True),
+        ],
+        y_label="policy versions",
+    )
+    caption = (
+        "SPEC 14 per ship: the suggestion of the curve over the last cost_window ships, and the bound the ship "
+        "used (it moves only with the adaptive bound)."
+    )
+    return _figure("bound-over-steps", "Suggested vs configured over steps", caption, svg)
+
+
+def render_choosing(data: ReportData) -> str:
+    """The section, or ``""`` when the run says nothing about what staleness cost."""
+    curve = data.curve
+    if curve is None and not has_costs(data):
+        return ""
+    if curve is None or not curve.curve:
+        why = (
+            "no lag 1..16 has floor_min_tokens covered tokens over the run"
+            if curve is not None
+            else "no floor: no lag has floor_min_tokens covered tokens over the run"
+        )
+        charts = _figure(
+            "bound-curve", "Choosing the bound", "SPEC 14 over the whole run.", message_chart("Choosing the bound", why)
+        )
+    else:
+        charts = _curve_chart(data, curve) + _kept_chart(data, curve) + _table(data, curve)
+    intro = (
+        "What a token of each lag costs in this run, against the budget (SPEC 14): the suggested bound is the "
+        "largest lag whose cost stays within it."
+    )
+    return (
+        f'<section id="choosing-the-bound"><h2>Choosing the bound</h2><p class="meta">{intro}</p>'
+        f"{charts}{_over_steps(data)}</section>"
+    )

@@ -1,0 +1,38 @@
+"""The README's lines for AReaL and TRL are the ones tests/trainers runs, word for word (in order)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def snippets(trainer: str) -> list[list[str]]:
+    """The python blocks of the README's subsection for ``trainer``, as stripped non-empty lines."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index(f"**{trainer}** (`staleness_metrics.adapters.")
+    following = re.search(r"\n\*\*[A-Za-z-]+\*\* \(", readme[start + 1 :])
+    section = readme[start : start + 1 + following.start()] if following else readme[start:]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return [[line.strip() for line in block.splitlines() if line.strip()] for block in blocks]
+
+
+def contains_in_order(haystack: list[str], needle: list[str]) -> bool:
+    return any(haystack[i : i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
+
+
+@pytest.mark.parametrize(("trainer", "test_file"), [("AReaL", "test_areal.py"), ("TRL", "test_trl.py")])
+def test_every_readme_snippet_is_run_by_the_trainer_tests(trainer: str, test_file: str) -> None:
+    blocks = snippets(trainer)
+    assert len(blocks) >= 2, f"{trainer}: expected the call and the cost-family lines in the README"
+    source = (ROOT / "tests" / "trainers" / test_file).read_text(encoding="utf-8").splitlines()
+    tested = [line.split("  # ")[0].strip() for line in source]  # a trailing comment is not part of the line
+    tested = [line for line in tested if line]
+    for block in blocks:
+        imports = [line for line in block if line.startswith(("from ", "import "))]
+        lines = [line for line in block if line not in imports]
+        assert set(imports) <= set(tested), f"{trainer}: README imports not in {test_file}: {imports}"
+        assert contains_in_order(tested, lines), f"{trainer}: README lines not in {test_file}:\n" + "\n".join(lines)
