@@ -850,6 +850,23 @@ class RunRegistry:
                 out[run.name] = reason
         return out
 
+    def loading(self) -> bool:
+        """True while stored runs wait to be loaded (after a restart)."""
+        with self._lock:
+            return bool(self._pending)
+
+    def unavailable_once_loaded(self, timeout: float) -> dict[str, str]:
+        """:meth:`unavailable` once every stored run is loaded or found unavailable, waiting up to
+        ``timeout`` seconds (loading them now if nothing did yet); runs still loading then are named too."""
+        self.load_in_background()
+        self.loaded(timeout)
+        out = self.unavailable()
+        with self._lock:
+            pending = list(self._pending)
+        for name in pending:
+            out.setdefault(name, f"run {name!r} is still loading after the restart")
+        return out
+
     def count(self) -> int:
         """How many runs the service holds (loaded or not yet), without waiting for any."""
         with self._lock:
