@@ -14,7 +14,9 @@ the project's client (one connection reused per client):
 - batches/s with ``--clients`` concurrent clients each adding ``--batches`` batches of 4 rollouts
   (ships in between), and the server's CPU share meanwhile (its CPU seconds / wall seconds; 1.0 =
   one core busy): throughput bound by the server's CPU, not by waiting, shows as a high share;
-- conservation afterwards: every rollout sent is shipped, dropped or still queued, exactly once.
+- conservation afterwards: every rollout sent is shipped, dropped or still queued, exactly once;
+- the same small adds and ships on a run in this process (no HTTP): the part of a request's time that is
+  the run's and the library's.
 The service keeps its runs in memory (``--in-memory``) unless ``--persist`` is given: then it journals
 every write to SQLite in a temporary data directory, one fsynced commit per write (the ``serve``
 default), and the figures include the disk's fsync time.
@@ -90,6 +92,8 @@ def main() -> None:
     print(f"small add over one connection:  p50 {result['add_p50_ms']:.2f} ms, p99 {result['add_p99_ms']:.2f} ms "
           "(goal p50 <= 3 ms)")  # fmt: skip
     print(f"small ship over one connection: p50 {result['ship_p50_ms']:.2f} ms, p99 {result['ship_p99_ms']:.2f} ms")
+    print(f"the same calls in process (no HTTP): add p50 {result['in_process_add_p50_ms']:.2f} ms, "
+          f"ship p50 {result['in_process_ship_p50_ms']:.2f} ms")  # fmt: skip
     print(f"{args.clients} clients: {result['batches_per_second']:.0f} batches/s, server CPU share "
           f"{result['server_cpu_share']:.2f} of one core")  # fmt: skip
     print(f"conservation: {result['rollouts_sent']} rollouts sent = shipped + dropped + queued: {result['conserved']}")
@@ -168,7 +172,10 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     accounted = totals["rollouts_shipped"] + totals["rollouts_dropped"] + info["queued"]
     add_p50, add_p99 = quantiles(adds)
     ship_p50, ship_p99 = quantiles(ships)
+    in_process_add, in_process_ship = in_process(args.requests)
     return {
+        "in_process_add_p50_ms": in_process_add * 1e3,
+        "in_process_ship_p50_ms": in_process_ship * 1e3,
         "first_ms": first * 1e3,
         "second_ms": second * 1e3,
         "add_p50_ms": add_p50 * 1e3,
@@ -180,6 +187,27 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "rollouts_sent": sent,
         "conserved": accounted == sent and info["rollouts_received"] == sent,
     }
+
+
+def in_process(requests: int) -> tuple[float, float]:
+    """p50 of the same small adds and ships on a run of the service's registry in this process (no HTTP,
+    no JSON): what the run and the library cost, the rest of a request's time being the service's."""
+    from staleness_metrics.config import StalenessConfig
+    from staleness_metrics.server import RunRegistry
+    from staleness_metrics.server.models import ShipRequest
+
+    registry = RunRegistry()
+    run, _ = registry.create("in-process", StalenessConfig(max_staleness=4))
+    adds, ships = [], []
+    for i in range(requests):
+        start = time.perf_counter()
+        run.add([rollout(f"a{i}", 0)])
+        adds.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        run.ship(ShipRequest(step=1 + i // 10))
+        ships.append(time.perf_counter() - start)
+    registry.close()
+    return quantiles(adds)[0], quantiles(ships)[0]
 
 
 def status_kb(pid: int, key: str) -> int:

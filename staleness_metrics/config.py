@@ -110,10 +110,10 @@ class StalenessConfig:
         known = {f.name for f in fields(cls)}
         for key in data:
             if key in _RENAMED:
-                raise ConfigError(
-                    f"{key}: renamed to {_RENAMED[key]!r}; run `staleness-metrics migrate --write PATH` "
-                    "to update config files"
-                )
+                migrate = "run `staleness-metrics migrate --write PATH` to update config files"
+                reason = f"renamed to {_RENAMED[key]!r}; {migrate}"
+                raise ConfigError(f"{key}: {reason}", field=key, reason=reason)
             if key not in known:
-                raise ConfigError(f"{key}: unknown setting (known: {', '.join(sorted(known))})")
+                reason = f"unknown setting (known: {', '.join(sorted(known))})"
+                raise ConfigError(f"{key}: {reason}", field=key, reason=reason)
         return cls(**dict(data))

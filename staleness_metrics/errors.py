@@ -1,17 +1,12 @@
-"""Errors that name what was wrong: the rollout, the field and the reason."""
+"""Errors that name what was wrong: the rollout, the field and the reason.
+
+Every error carries them as attributes (``.field``, ``.reason``, and ``.rollout`` where there is one), so
+a caller (the service answering 422, a log line) reads them from the error, never back out of its message.
+"""
 
 from __future__ import annotations
 
 __all__ = ["MAX_REASON_CHARS", "ConfigError", "EventError", "StalenessError", "TraceError", "shortened"]
-
-
-class StalenessError(Exception):
-    """Base class of every error this package raises on purpose."""
-
-
-class ConfigError(StalenessError, ValueError):
-    """An invalid setting."""
-
 
 MAX_REASON_CHARS = 300  # a reason quoting a huge or deeply nested value shows its start
 
@@ -23,22 +18,55 @@ def shortened(text: str, limit: int = MAX_REASON_CHARS) -> str:
     return f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
+class StalenessError(Exception):
+    """Base class of every error this package raises on purpose.
+
+    ``field``: what was wrong (a setting, a record field such as ``samples[0].mask[3]``, an event line's
+    key), or None when the error is about the whole input; ``reason``: why; ``rollout``: the id of the
+    rollout at fault, where there is one.
+    """
+
+    field: str | None = None
+    reason: str = ""
+    rollout: str | None = None
+
+
+class ConfigError(StalenessError, ValueError):
+    """An invalid setting. ``ConfigError("<setting>: <reason>")`` names the setting in its message, and
+    the setting and the reason are its ``field`` and ``reason``; they can also be given apart
+    (``ConfigError("...", field="max_staleness", reason="...")``)."""
+
+    def __init__(self, message: str, *, field: str | None = None, reason: str | None = None) -> None:
+        super().__init__(message)
+        if field is None:  # the "<setting>: <reason>" form every setting check writes
+            name, sep, rest = message.partition(": ")
+            if sep and name and " " not in name:
+                field, reason = name, rest
+        self.field = field
+        self.reason = reason if reason is not None else message
+
+
 class TraceError(StalenessError, ValueError):
     """An invalid rollout record (SPEC 3). A ``reason`` longer than :data:`MAX_REASON_CHARS` (one quoting
     the whole of a huge value) is cut there: the field names where the value is."""
 
+    field: str
+
     def __init__(self, rollout_id: str | None, field: str, reason: str) -> None:
         reason = shortened(reason)
         self.rollout_id = rollout_id
+        self.rollout = rollout_id
         self.field = field
         self.reason = reason
         super().__init__(f"rollout {shortened(repr(rollout_id), 120)}: field {field}: {reason}")
 
 
 class EventError(StalenessError, ValueError):
-    """A malformed event line in a replay stream (bad JSON, unknown type, a step going back)."""
+    """A malformed event line in a replay stream (bad JSON, unknown type, a step going back); ``field`` is
+    ``line <n>``."""
 
     def __init__(self, line: int, reason: str) -> None:
         self.line = line
+        self.field = f"line {line}"
         self.reason = reason
         super().__init__(f"line {line}: {reason}")

@@ -129,9 +129,7 @@ class JSONModelResponse(Response):
 
 
 def _config_item(error: ConfigError) -> ErrorItem:
-    # ConfigError messages are "<setting>: <reason>".
-    name, sep, reason = str(error).partition(": ")
-    return ErrorItem(field=name, reason=reason) if sep else ErrorItem(field="config", reason=str(error))
+    return ErrorItem(field=error.field or "config", reason=error.reason)
 
 
 def _check_config_range(config: StalenessConfig) -> None:
@@ -205,6 +203,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 ROLLOUT_BATCH_SCHEMA = RolloutBatchIn.model_json_schema()
+HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
 
 
 def _add_rollouts(registry: RunRegistry, run: str, held: list[bytearray]) -> AddResult:
@@ -241,7 +240,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     else:
         store = SqliteStore(settings.data_dir) if settings.data_dir is not None else Store()
         registry = RunRegistry(settings.exporters, store)
-        registry.restore()  # every stored run, before the first request
+        registry.restore(defer=True)  # every stored run checked before serving; loaded once it listens
     exposition = CollectorRegistry(auto_describe=False)
     exposition.register(ServiceCollector(registry.registries))
 
@@ -253,6 +252,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        registry.load_in_background()  # a request for a run not loaded yet loads it first
         yield
         await run_in_threadpool(registry.close)  # flushes every run's exporters
 
@@ -280,8 +280,15 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         responses={503: {"model": Health, "description": "Some runs answer 503: `unavailable` names them."}},
     )
     async def healthz() -> Response:
-        """The service answers, and every run does: 503 names the runs that answer 503. Never needs a token."""
-        unavailable = registry.unavailable()
+        """The service answers, and every run does: 503 names the runs that answer 503. Never needs a token.
+
+        Just after a restart it answers once every stored run is loaded (or found unavailable), waiting up
+        to a few seconds: a run that cannot be loaded is only known then. Runs still loading after that
+        are named as such (503)."""
+        if registry.loading():
+            unavailable = await run_in_threadpool(registry.unavailable_once_loaded, HEALTH_LOADING_WAIT)
+        else:
+            unavailable = registry.unavailable()
         health = Health(status="unavailable" if unavailable else "ok", runs=registry.count(), unavailable=unavailable)
         return JSONModelResponse(health, status.HTTP_503_SERVICE_UNAVAILABLE if unavailable else status.HTTP_200_OK)
 

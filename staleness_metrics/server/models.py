@@ -358,5 +358,7 @@ class Health(BaseModel):
     version: str = __version__
     runs: int
     unavailable: dict[str, str] = Field(
-        default_factory=dict, description="Runs that answer 503, and why (the service answers 503 while any is)."
+        default_factory=dict,
+        description="Runs that answer 503, or still load after a restart, and why (the service answers 503 "
+        "while any is).",
     )

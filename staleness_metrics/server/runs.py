@@ -741,12 +741,14 @@ class RunRegistry:
                 self._runs[name] = run
             return run, True
 
-    def restore(self, background: bool = True) -> int:
+    def restore(self, background: bool = True, defer: bool = False) -> int:
         """Check every stored run (at start-up, before serving) and load them; returns how many.
 
         Stored data that fails its checks refuses the start (the store's error names the run and the row):
         a run silently left out would look deleted, and its clients would start it again from nothing.
-        The runs are then loaded on a background thread (``background``) or here.
+        The runs are then loaded on a background thread (``background``) or here; with ``defer``, by
+        :meth:`load_in_background` (the service calls it once it listens: loading before would share
+        the interpreter with the start and delay it) or on demand, by the first request for each.
         """
         stored_runs = self.store.load()
         pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}
@@ -759,12 +761,21 @@ class RunRegistry:
             pending[stored.name] = (config, stored)
         with self._lock:
             self._pending.update(pending)
-        if background and pending:
-            self._loader = threading.Thread(target=self._load_pending, name="staleness-restore", daemon=True)
-            self._loader.start()
+        if defer:
+            return len(stored_runs)
+        if background:
+            self.load_in_background()
         else:
             self._load_pending()
         return len(stored_runs)
+
+    def load_in_background(self) -> None:
+        """Load the stored runs not loaded yet on a daemon thread (once)."""
+        with self._lock:
+            if self._loader is not None or not self._pending:
+                return
+            self._loader = threading.Thread(target=self._load_pending, name="staleness-restore", daemon=True)
+        self._loader.start()
 
     def _load_pending(self) -> None:
         while True:
@@ -808,7 +819,8 @@ class RunRegistry:
         if loader is not None:
             loader.join(timeout)
             return not loader.is_alive()
-        return True
+        with self._lock:
+            return not self._pending  # deferred and not started: nothing loads them until asked
 
     def _find(self, name: str) -> Run | None:
         with self._lock:
@@ -836,6 +848,23 @@ class RunRegistry:
             reason = run.unavailable
             if reason is not None:
                 out[run.name] = reason
+        return out
+
+    def loading(self) -> bool:
+        """True while stored runs wait to be loaded (after a restart)."""
+        with self._lock:
+            return bool(self._pending)
+
+    def unavailable_once_loaded(self, timeout: float) -> dict[str, str]:
+        """:meth:`unavailable` once every stored run is loaded or found unavailable, waiting up to
+        ``timeout`` seconds (loading them now if nothing did yet); runs still loading then are named too."""
+        self.load_in_background()
+        self.loaded(timeout)
+        out = self.unavailable()
+        with self._lock:
+            pending = list(self._pending)
+        for name in pending:
+            out.setdefault(name, f"run {name!r} is still loading after the restart")
         return out
 
     def count(self) -> int:

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics.config import StalenessConfig
+from staleness_metrics.errors import ConfigError
 from staleness_metrics.server import ServerSettings
 from staleness_metrics.sink import Sink
 from tests.support.prometheus import promtool_check_metrics, requires_promtool
@@ -289,3 +290,18 @@ def test_the_document_names_each_answers_model(server: ThreadServer) -> None:
     for (path, method, code), model in expected.items():
         schema = paths[path][method]["responses"][code]["content"]["application/json"]["schema"]
         assert schema == {"$ref": f"#/components/schemas/{model}"}, (path, method, code)
+
+
+def test_a_config_error_is_answered_from_its_field_and_reason(server: ThreadServer) -> None:
+    """The 422 names the setting the library's ConfigError names (its .field), even one whose name has a
+    space, and its reason, word for word."""
+    with httpx.Client(base_url=server.url) as http:
+        for body in ({"max stale": 1}, {"policy": "nope"}, {"max_staleness": -1}):
+            with pytest.raises(ConfigError) as raised:
+                StalenessConfig.from_mapping(body)
+            answer = http.put("/v1/runs/cfg", json=body)
+            assert answer.status_code == 422
+            assert answer.json()["detail"] == [
+                {"field": raised.value.field, "reason": raised.value.reason, "rollout_id": None, "index": None}
+            ]
+            assert raised.value.field == next(iter(body))
