@@ -38,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .adapters import EventDict, as_replay_events, detect_source, read_run
+from .bound import select_floor
 from .config import StalenessConfig
 from .errors import ConfigError
 from .mismatch import MismatchSums, mismatch_sums
@@ -110,8 +111,13 @@ class WhatIfRow:
         return self.tokens_kept / total if total else None
 
     @classmethod
-    def from_tally(cls, bound: int, tally: Tally, cost: MismatchSums | None = None) -> WhatIfRow:
-        keys = cost.metrics() if cost is not None else {}
+    def from_tally(
+        cls, bound: int, tally: Tally, cost: MismatchSums | None = None, floor_min_tokens: int = 1000
+    ) -> WhatIfRow:
+        # The excess of what trained, over SPEC 14's floor of the same pooled tokens (lag 0, else the smallest
+        # lag with floor_min_tokens tokens).
+        floor = None if cost is None else select_floor(cost, 1, None, min_tokens=floor_min_tokens, max_age=0)
+        keys = cost.metrics(floor=None if floor is None else floor.value) if cost is not None else {}
         return cls(
             trained_covered=cost.covered if cost is not None else None,
             trained_k3=_float(keys.get("staleness/mismatch/k3")),
@@ -219,7 +225,8 @@ def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | Non
     rows = []
     for bound in bounds:
         sink = Sink(dataclasses.replace(base, max_staleness=bound))
-        rows.append(WhatIfRow.from_tally(bound, *tally_and_cost(run_steps(steps_for(bound), sink), base.mismatch_band)))
+        tally, cost = tally_and_cost(run_steps(steps_for(bound), sink), base.mismatch_band)
+        rows.append(WhatIfRow.from_tally(bound, tally, cost, base.floor_min_tokens))
     return rows
 
 
