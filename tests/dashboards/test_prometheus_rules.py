@@ -103,8 +103,6 @@ def test_alerts_have_severity_summary_description_and_for() -> None:
         "RLStalenessDroppedRolloutsHigh",
         "RLStalenessRolloutsAtBound",
         "RLStalenessMismatchExcessHigh",
-        "RLStalenessBoundTooLoose",
-        "RLStalenessBoundTooTight",
         "RLStalenessMetricsAbsent",
     }
     for alert in alerts:
