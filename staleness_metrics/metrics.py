@@ -12,9 +12,10 @@ from collections.abc import Mapping
 import numpy as np
 import numpy.typing as npt
 
+from .bound import ShipBound, mismatch_metrics
 from .decision import Judgement
 from .mismatch import MismatchSums
-from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, StepReport, Tally
+from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, MetricValue, StepReport, Tally
 from .segments import segment_max, segment_min, segment_sum
 from .spans import NO_VERSION_HIGH, NO_VERSION_LOW
 
@@ -222,19 +223,22 @@ def compute_report(
     env_names: Mapping[int, str],
     env_breakdown: bool,
     mismatch: MismatchSums | None = None,
+    bound: ShipBound | None = None,
 ) -> StepReport:
-    """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied."""
+    """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied.
+
+    ``bound`` is SPEC 14's view of ``mismatch`` (its floor, curve and advice, from the run's tracker)."""
     everything = np.ones(shipped.n_rollouts, dtype=bool)
-    metrics, tally = _population(shipped, everything, None, window, max_staleness)
+    population, tally = _population(shipped, everything, None, window, max_staleness)
+    metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
-        metrics.update(mismatch.metrics())
-    env_metrics: dict[str, dict[str, float | int]] = {}
+        metrics.update(mismatch_metrics(mismatch, bound))
+    env_metrics: dict[str, dict[str, MetricValue]] = {}
     env_tally: dict[str, Tally] = {}
     envs = set(np.unique(shipped.env).tolist()) | set(window.counts)
     for env in sorted(envs, key=lambda e: env_names[e]):
-        env_metrics[env_names[env]], env_tally[env_names[env]] = _population(
-            shipped, shipped.env == env, env, window, max_staleness
-        )
+        env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
+        env_metrics[env_names[env]] = dict(env_population)
     if env_breakdown:
         for name, values in env_metrics.items():
             if name:

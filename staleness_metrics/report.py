@@ -10,7 +10,10 @@ import numpy.typing as npt
 
 from .mismatch import MismatchSums
 
-__all__ = ["HISTOGRAM_TOP", "LENGTH_BUCKETS", "LENGTH_UPPER_BOUNDS", "StepReport", "Tally"]
+__all__ = ["HISTOGRAM_TOP", "LENGTH_BUCKETS", "LENGTH_UPPER_BOUNDS", "MetricValue", "StepReport", "Tally"]
+
+# A value of the metrics dict: numbers, and the one string key ``staleness/mismatch/floor_source`` (SPEC 14).
+MetricValue = float | int | str
 
 # Histograms hold one bucket per staleness up to this one, which counts everything at or above it:
 # far beyond any exported bucket (the table's top bound is 64), and a bound on memory whatever arrives.
@@ -90,12 +93,12 @@ class StepReport:
 
     step: int
     max_staleness: int
-    metrics: Mapping[str, float | int]
+    metrics: Mapping[str, MetricValue]
     tally: Tally
-    env_metrics: Mapping[str, Mapping[str, float | int]] = field(default_factory=dict)
+    env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
     env_tally: Mapping[str, Tally] = field(default_factory=dict)
     mismatch: MismatchSums | None = None
 
-    def row(self) -> dict[str, float | int]:
+    def row(self) -> dict[str, MetricValue]:
         """The ``--metrics-out`` line: ``{"step": S, <key>: <value>, ...}``."""
         return {"step": self.step, **self.metrics}

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .bound import BoundTracker, ShipBound
 from .checkpoint import load_sink, save_sink
 from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
@@ -24,9 +25,10 @@ from .decision import NO_MASK, Decision, Judgement
 from .errors import TraceError
 from .masking import mask_spans
 from .metrics import WindowCounts, compute_report
+from .mismatch import MismatchSums
 from .policies import Policy, policy_for
 from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
-from .report import StepReport, Tally
+from .report import MetricValue, StepReport, Tally
 from .segments import expand_ranges, segment_sum
 from .shipped_positions import NOT_SAMPLED, ShippedSpans
 from .spans import PART_LABELLED, PART_UNLABELLED, SpanTable, build_spans
@@ -149,7 +151,7 @@ class Shipment:
         return self._spans.lag_offsets() if self._spans is not None else np.zeros(1, dtype=np.int64)
 
     @property
-    def metrics(self) -> Mapping[str, float | int]:
+    def metrics(self) -> Mapping[str, MetricValue]:
         """The SPEC 6 metrics dict of this ship."""
         return self.report.metrics
 
@@ -212,6 +214,7 @@ class Sink:
         self._window = WindowCounts()
         self._invalid: list[TraceError] = []
         self.totals = Tally()
+        self.bound_tracker = BoundTracker(self.config)  # SPEC 14: the floor, the cost window, the adaptive bound
         # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
         # + dropped + still queued.
         self.tokens_entered = 0
@@ -524,6 +527,19 @@ class Sink:
             self._chunks[chunk] = None
         self._closing = []
 
+    def observe_mismatch(self, step: int, total: MismatchSums, *, merge: bool = False) -> ShipBound | None:
+        """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's total of a step so far, which
+        replaces what it gave for the step before); returns the ship's floor, curve and advice. An adapted bound
+        judges from the next sweep or ship."""
+        bound = self.bound_tracker.observe(step, total, merge=merge)
+        self.sync_bound()
+        return bound
+
+    def sync_bound(self) -> None:
+        """Let the policy judge with the tracker's bound (it moves only when the bound adapts)."""
+        if self.bound_tracker.adaptive:
+            self.policy.max_staleness = self.bound_tracker.bound
+
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
         self._advance(step)
@@ -566,9 +582,10 @@ class Sink:
         shipped_slice = self._slice(shipped, step)
         spans = self._shipped_spans(shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
+        judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)
+        bound = None if mismatch is None else self.observe_mismatch(step, mismatch)
         report = compute_report(
-            shipped_slice, self._window, self.config.max_staleness, self._env_names, self.config.env_breakdown,
-            mismatch,
+            shipped_slice, self._window, judged_with, self._env_names, self.config.env_breakdown, mismatch, bound,
         )  # fmt: skip
         shipment = Shipment(
             step=step,

@@ -137,8 +137,13 @@ class WhatIfRow:
         return self.tokens_kept / total if total else None
 
     @classmethod
-    def from_tally(cls, bound: int, tally: Tally, cost: MismatchSums | None = None) -> WhatIfRow:
-        keys = cost.metrics() if cost is not None else {}
+    def from_tally(
+        cls, bound: int, tally: Tally, cost: MismatchSums | None = None, floor_min_tokens: int = 1000
+    ) -> WhatIfRow:
+        # The excess of what trained, over SPEC 14's floor of the same pooled tokens (lag 0, else the smallest
+        # lag with floor_min_tokens tokens).
+        floor = None if cost is None else select_floor(cost, 1, None, min_tokens=floor_min_tokens, max_age=0)
+        keys = cost.metrics(floor=None if floor is None else floor.value) if cost is not None else {}
         return cls(
             trained_covered=cost.covered if cost is not None else None,
             trained_k3=_float(keys.get("staleness/mismatch/k3")),
@@ -330,7 +335,7 @@ def what_if_with_curve(source: Source, bounds: Iterable[int], config: StalenessC
 
     for bound in bounds:
         tally, cost, pooled = replay_at(bound)
-        rows.append(WhatIfRow.from_tally(bound, tally, cost))
+        rows.append(WhatIfRow.from_tally(bound, tally, cost, base.floor_min_tokens))
         if tally.tokens_dropped == 0 and tally.rollouts_held == 0:
             unbounded = pooled
     if unbounded is None and rows:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import POLICY_NAMES, StalenessConfig
 from ..errors import ConfigError
+from .options import add_bound_options, bound_settings
 
 __all__ = ["register", "run"]
 
@@ -58,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
     parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default: 0)")
+    add_bound_options(parser)
     parser.add_argument(
         "--prometheus-port", type=int, default=9487, metavar="P",
         help="metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)",
@@ -88,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             max_token_staleness=args.max_token_staleness,
             sync_interval=args.sync_interval,
             env_breakdown=True,
+            **bound_settings(args),
         )
     except ConfigError as error:
         print(f"staleness-metrics demo: {error}", file=sys.stderr)
