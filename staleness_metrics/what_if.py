@@ -31,7 +31,8 @@ budget and the isotonic excess curve: what a token of each lag costs in this run
 - ``excess_at_bound``: the curve's ``ê`` at the largest lag not above the bound;
 - ``within_budget``: that ``ê`` is at most the budget. A bound below the curve's first lag is within it when
   the first point is (more lag cannot make a token cheaper), unknown (``None``) otherwise;
-- ``suggested``: this bound is the suggested one (the largest lag of the curve within the budget).
+- ``suggested``: this bound is the suggested one (the largest lag of the curve within the budget);
+  ``suggested_bound``: the suggestion itself, which may lie outside the bounds tried.
 
 A run directory (:mod:`staleness_metrics.run_dir`) is read with its trainer log-probabilities, so the
 cost columns exist for the demo's own runs.
@@ -120,6 +121,7 @@ class WhatIfRow:
     excess_at_bound: float | None = None
     within_budget: bool | None = None
     suggested: bool | None = None  # None: the run has no curve
+    suggested_bound: int | None = None  # the run's suggestion, in the range tried or not
 
     @property
     def tokens_kept(self) -> int:
@@ -350,6 +352,7 @@ def what_if_with_curve(source: Source, bounds: Iterable[int], config: StalenessC
                 excess_at_bound=curve.excess_at(row.max_staleness),
                 within_budget=curve.within_budget(row.max_staleness),
                 suggested=suggested == row.max_staleness if suggested is not None else None,
+                suggested_bound=suggested,
             )
             for row in rows
         ]

@@ -280,7 +280,8 @@ def test_a_budget_never_crossed_says_a_looser_bound_may_be_as_good() -> None:
     result = what_if_with_curve(_CURVE_EVENTS, range(3), config)
     assert result.curve is not None and (result.curve.suggested, result.curve.crossed) == (4, False)
     assert [row.within_budget for row in result.rows] == [True, True, True]
-    assert not any(row.suggested for row in result.rows)  # 4 is outside the range tried
+    assert not any(row.suggested for row in result.rows)  # 4 is outside the range tried...
+    assert {json.loads(to_json(result.rows))[0]["suggested_bound"]} == {4}  # ...and --json still says it
     assert "a looser bound may be as good" in format_table(result.rows, result.curve)
 
 

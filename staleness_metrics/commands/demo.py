@@ -20,14 +20,19 @@ examples:
   staleness-metrics demo --speed 0 --prometheus-port 0    # as fast as possible, any free port
   curl -s http://127.0.0.1:9487/metrics | grep rl_staleness_   # while it runs
 
-The pipeline: inference workers that load new weights in the middle of responses, responses of
-varying length in three envs (math, code, a multi-turn agent), GRPO groups of 4, a share of
-frozen-model rollouts, a queue, and a trainer that ships a batch when it is free. Everything is
+The pipeline, fully asynchronous: inference workers that load new weights in the middle of
+responses, responses of varying length in three envs (math, code, a multi-turn agent), GRPO groups
+of 4, a share of frozen-model rollouts, a queue, and a trainer that ships a batch as soon as it is
+free. A simulated trainer computes its log-probabilities of every shipped token: what staleness
+costs, the floor measured at step 1 and the bound it suggests (5 with the defaults). Everything is
 drawn from --seed, so a seed replays the same run.
 
-Writes, under --out-dir: metrics.jsonl (one line per step), events.jsonl (the run's event stream,
-for `staleness-metrics report` / `what-if` / `replay`) and, when wandb is installed, an offline
-W&B run in wandb/. Exports OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set. Ctrl-C stops it cleanly.
+Writes a run directory, --out-dir: events.jsonl (the event stream, the engine's log-probabilities
+included), trainer-logprobs.jsonl and mismatch-sums.jsonl (what the trainer computed and posted),
+metrics.jsonl (one line per step), run.json (which files, which settings) and, when wandb is
+installed, an offline W&B run in wandb/. `staleness-metrics report OUT_DIR` shows all of it, and
+`what-if OUT_DIR` prices each bound. Exports OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set. Ctrl-C
+stops it cleanly.
 """
 
 
