@@ -124,7 +124,7 @@ def _live_path_family(steps: int, config: StalenessConfig, seed: int = 0) -> dic
         simulation.forget(shipment.dropped_rollouts)
         trained = trainer.train(monitor, shipment)
         published = monitor.mismatch_metrics(events.step) if trained is not None else None
-        family[events.step] = {k: v for k, v in (published or {}).items() if k.startswith("staleness/mismatch/")}
+        family[events.step] = _family(published or {})
     return family
 
 
@@ -274,7 +274,7 @@ def test_the_floor_is_measured_at_the_start_and_carried_so_every_step_has_an_exc
     tracker = BoundTracker(run.staleness_config())
     sources = {}
     for step, sums in posted:
-        judged = tracker.observe(step, sums, 8)
+        judged = tracker.observe(step, sums, bound=8)
         assert judged is not None and judged.floor is not None
         sources[step] = (judged.floor.source, judged.floor.age)
     assert sources == {1: ("lag0", 0)} | {step: ("carried", step - 1) for step in range(2, 26)}
@@ -293,7 +293,7 @@ def test_the_suggested_bound_is_where_the_drift_model_puts_it(
     run = find_run(tmp_path / "out")
     assert run is not None
     tracker = BoundTracker(run.staleness_config())
-    judged = [tracker.observe(step, sums, 8) for step, sums in run.posted_sums()]
+    judged = [tracker.observe(step, sums, bound=8) for step, sums in run.posted_sums()]
     last = judged[-1]
     assert last is not None and last.advice is not None
     assert abs(last.advice.suggested - expected) <= 1

@@ -202,7 +202,12 @@ def test_nine_bounds_from_one_parse_equal_nine_separate_replays(policy: str) -> 
             with pytest.raises(EventError):
                 what_if(events, range(9), base)
             continue
-        assert what_if(events, range(9), base) == separate, f"seed {seed}"
+        # The curve's judgement of each bound (excess_at_bound, within_budget, suggested) is tested apart.
+        replayed = [
+            dataclasses.replace(row, excess_at_bound=None, within_budget=None, suggested=None, suggested_bound=None)
+            for row in what_if(events, range(9), base)
+        ]
+        assert replayed == separate, f"seed {seed}"
         compared += 1
     assert compared >= 10
 
