@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -38,7 +38,15 @@ from ..columnar import RolloutBatch
 from ..errors import TraceError
 from ..sink import Shipment
 
-__all__ = ["ShipResult", "ShippedPart", "TrainerArray", "TrainerNames", "new_tensor_like", "ship_rows"]
+__all__ = [
+    "ShipResult",
+    "ShippedPart",
+    "TrainerArray",
+    "TrainerNames",
+    "new_tensor_like",
+    "ship_row_batches",
+    "ship_rows",
+]
 
 S = TypeVar("S")
 IntArray = npt.NDArray[np.int64]
@@ -227,6 +235,36 @@ def ship_rows(
     queued = [rid for rid in batch.ids if rid not in pending.owner]
     pending.entries[key] = _Entry(batch, source, write_back, len(queued))
     pending.owner.update(dict.fromkeys(queued, key))
+    try:
+        shipment: Shipment = monitor.ship(trained + 1, ids=list(pending.owner))
+    except TraceError as error:
+        entry = pending.entries.get(pending.owner.get(error.rollout_id or "", -1))
+        raise names.trace_error(error, None if entry is None else entry.row(error.rollout_id)) from error
+    except ValueError as error:
+        raise ValueError(f"version {trained}: {error} (pass {names.trainer}'s {names.counter})") from error
+    return ShipResult(shipment, _collect(pending, shipment))
+
+
+def ship_row_batches(
+    monitor: Any,
+    batches: Sequence[tuple[RolloutBatch, S, Callable[[], None] | None]],
+    *,
+    version: int,
+    names: TrainerNames,
+) -> ShipResult[S]:
+    """:func:`ship_rows` for a trainer batch held as several row batches (AReaL's ``list[dict]``, one
+    ``[G, L_g]`` dict per group): each ``(batch, source, write_back)`` is added, then one ship takes them
+    all, so the step gets one ship (one window, one export) however many parts the trainer's batch has."""
+    trained = _check_version(version, names)
+    pending = _PENDING.setdefault(monitor, _Pending())
+    for batch, source, write_back in batches:
+        try:
+            monitor.add(batch)
+        except TraceError as error:
+            raise names.trace_error(error, _Entry(batch, source, None, 0).row(error.rollout_id)) from error
+        queued = [rid for rid in batch.ids if rid not in pending.owner]
+        pending.entries[id(batch)] = _Entry(batch, source, write_back, len(queued))
+        pending.owner.update(dict.fromkeys(queued, id(batch)))
     try:
         shipment: Shipment = monitor.ship(trained + 1, ids=list(pending.owner))
     except TraceError as error:
