@@ -13,8 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def snippets(trainer: str) -> list[list[str]]:
     """The python blocks of the README's subsection for ``trainer``, as stripped non-empty lines."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index(f"**{trainer}** (`staleness_metrics.adapters.")
-    following = re.search(r"\n\*\*[A-Za-z-]+\*\* \(", readme[start + 1 :])
+    start = readme.index(f"\n#### {trainer}\n")
+    following = re.search(r"\n#{2,4} ", readme[start + 1 :])
     section = readme[start : start + 1 + following.start()] if following else readme[start:]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     return [[line.strip() for line in block.splitlines() if line.strip()] for block in blocks]
