@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -162,6 +164,28 @@ def test_kept_samples_and_trls_own_staleness_numbers_agree_with_ours() -> None:
     per_sample = [version - s.model_version for s in kept]
     tokens = [int(s.completion_mask.sum()) for s in kept]
     assert ours["staleness/token/mean"] == pytest.approx(np.average(per_sample, weights=tokens))
+
+
+@settings(max_examples=40, deadline=None)
+@given(versions=st.lists(st.integers(0, 8), min_size=1, max_size=6), ahead=st.integers(0, 3), bound=st.integers(0, 4))
+def test_trls_own_drop_rule_and_numbers_equal_ours_on_any_versions(versions: list[int], ahead: int, bound: int) -> None:
+    version = max(versions) + ahead
+    samples = samples_at(versions)
+    recorder = Recorder()
+    kept = staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=bound), [recorder]), samples, version=version)
+    dataset, metrics = trl_dataset(list(samples), version, bound)
+    assert [id(item["input_ids"]) for item in drain(dataset)] == [id(s.input_ids) for s in kept]
+    ours = recorder.reports[-1].metrics
+    dropped = metrics.get("sample/dropped_stale_total", [])
+    assert ours["staleness/rollout/dropped"] == (
+        _reduce_metric("sample/dropped_stale_total", dropped) if dropped else 0
+    )
+    if kept:
+        assert ours["staleness/rollout/max"] == _reduce_metric("sample/staleness_max", metrics["sample/staleness_max"])
+        mean = _reduce_metric("sample/staleness_mean", metrics["sample/staleness_mean"])
+        assert ours["staleness/rollout/mean"] == pytest.approx(mean)
+    else:
+        assert "staleness/rollout/mean" not in ours and not metrics["sample/staleness_mean"]
 
 
 def test_the_shipping_queue_feeds_trls_dataset_batcher_and_collator_with_lags_per_loss_term() -> None:
