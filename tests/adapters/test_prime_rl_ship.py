@@ -21,6 +21,7 @@ from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.adapters import prime_rl_live
 from staleness_metrics.errors import TraceError
 from staleness_metrics.exporters.jsonl import JsonlExporter
+from staleness_metrics.sink import Sink
 from tests.adapters.test_prime_rl_live import TrainingSample, sample
 from tests.support.examples import EXAMPLES
 
@@ -103,6 +104,42 @@ def test_a_tight_bound_drops_and_masks_in_the_samples_themselves() -> None:
     assert samples.shipment.dropped_rollouts == tuple(t for t, start in starts.items() if start < 2)
     assert all(s.mask == [False, True, True] for s in samples)
     assert all(np.array_equal(lag, [-1, 0, 0]) for lag in samples.staleness_lag)
+
+
+def test_the_readme_cost_lines_give_the_sinks_sums() -> None:
+    """prime-rl's cost family through ``staleness_lag`` equals what a sink sums when the same traces
+    arrive as SPEC 3 records carrying the trainer's log-probabilities."""
+    rng = np.random.default_rng(3)
+    monitor, reference = StalenessMonitor(StalenessConfig(max_staleness=1)), Sink(StalenessConfig(max_staleness=1))
+    compared = 0
+    for step in (1, 2, 3):
+        selected_by_trace, episode_by_trace = step_batch(step)
+        samples = run_readme_lines(monitor, step)
+        trainer_logprobs = [np.asarray(s.logprobs) + rng.normal(0, 0.05, len(s.logprobs)) for s in samples]
+        shipped_ids = [r.id for r in samples.shipment.rollouts]
+        records = []
+        for trace_id, episode in episode_by_trace.items():
+            policy = train_work(episode).policy
+            sample_record: dict[str, Any] = {"mask": [0, 1, 1], "logprobs": selected_by_trace[trace_id][0].logprobs}
+            if trace_id in shipped_ids:
+                sample_record["trainer_logprobs"] = trainer_logprobs[shipped_ids.index(trace_id)].tolist()
+            records.append(
+                {"id": trace_id, "dispatch_version": policy.start, "completion_version": policy.end,
+                 "samples": [sample_record]}
+            )  # fmt: skip
+        reference.add(records)
+        expected = reference.ship(step).report.mismatch
+        namespace: dict[str, Any] = {"monitor": monitor, "samples": samples, "step": step, "np": np}
+        namespace["trainer_logprobs"] = trainer_logprobs
+        exec(readme_block("prime-rl, the cost family"), namespace)
+        if expected is None:
+            assert int(namespace["sums"].tokens.sum()) == 0
+            continue
+        ours, sinks = namespace["sums"].to_dict(), expected.to_dict()
+        for bucket, values in sinks["lags"].items():
+            assert ours["lags"][bucket] == pytest.approx(values, rel=1e-12, abs=1e-12), (step, bucket)
+        compared += int(expected.tokens[1:].sum() > 0)  # a step with stale positions
+    assert compared >= 1
 
 
 def test_the_step_is_not_the_version() -> None:
