@@ -160,6 +160,7 @@ def ship(
     data: Any,
     *,
     version: int,
+    ids: Sequence[str] | None = None,
     token_versions: Any = None,
     env_key: str = "data_source",
 ) -> Any:
@@ -175,12 +176,16 @@ def ship(
     per-row entries (``global_token_num``, ``trajectory_param_versions``) recomputed as
     ``assemble_batch_from_rollout_samples`` does. ``batch["response_mask"]`` carries the masking, in
     ``data``'s own tensor (same dtype and device); ``batch["staleness_lag"]`` (int64, ``[B, Lr]``) the SPEC 11
-    lag of each sampled position, -1 elsewhere. ``token_versions`` ``[B, Lr]`` as in :func:`from_verl`.
+    lag of each sampled position, -1 elsewhere. ``ids`` and ``token_versions`` ``[B, Lr]`` as in
+    :func:`from_verl` (ids are unique within a run: pass them when a ``uid`` comes back in a later batch).
     """
     tensors, extras = data.batch, data.non_tensor_batch
     views = {name: TrainerArray(tensors[name]) for name in _READ if name in tensors.keys()}  # noqa: SIM118 (TensorDict refuses `in`)
     rollouts = from_verl(
-        ({name: view.array for name, view in views.items()}, extras), token_versions=token_versions, env_key=env_key
+        ({name: view.array for name, view in views.items()}, extras),
+        ids=ids,
+        token_versions=token_versions,
+        env_key=env_key,
     )
     mask_view = views.get("response_mask")
 
