@@ -22,8 +22,9 @@ and takes the start (SPEC 3's conservative rule) unless ``token_versions`` are p
 ``trajectory_staleness`` (``T - end``) is ``staleness/rollout/in_queue`` (``Q = R - clamp(end - start, 0, R)``).
 With per-token versions it is ``staleness/rollout/newest``.
 
-Where to call it: in the trainer's step, on the batch taken from the message queue, before the actor
-update; :func:`verl_response_mask` is the ``response_mask`` the loss reads after the ship.
+Where to call it: :func:`ship` in ``FullyAsyncTrainer.fit_step`` right after ``_fit_generate``, with
+``version=self.current_param_version`` (checked on verl 0.9.1's own batches in ``tests/trainers``). The
+lower-level pair is :func:`from_verl` then ``monitor.ship`` and :func:`verl_response_mask`.
 """
 
 from __future__ import annotations
