@@ -106,14 +106,18 @@ def from_verl(
     attention = None
     if "attention_mask" in tensors:
         attention = np.asarray(tensors["attention_mask"])[:, -width:]
-    start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
-    if start_end is None:
-        raise KeyError("verl batch: needs param_version_start/_end (or min/max_global_steps) in non_tensor_batch")
     uids = extras.get("uid")
     if ids is None:
         if uids is None:
             raise KeyError("verl batch: no uid in non_tensor_batch; pass ids")
         ids = verl_row_ids(list(uids))
+    start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
+    if start_end is None:
+        raise TraceError(
+            ids[0] if len(ids) else None,
+            "non_tensor_batch['min_global_steps']",
+            "missing (nor param_version_start): the batch carries no policy version of its trajectories",
+        )
     start = _versions(extras, start_end[0], ids)
     end = _versions(extras, start_end[1], ids) if start_end[1] in extras else None
     envs = extras.get(env_key)
