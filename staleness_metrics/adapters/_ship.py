@@ -21,6 +21,8 @@ raised again naming the trainer's own field and row (``non_tensor_batch['param_v
 for a version above ``version`` which of the trainer's counters to pass.
 
 Nothing here imports a trainer's package or torch at import time: tensors are told by their methods.
+The record of held rows and their trainer batches lives in this process only: after a restart from a
+checkpoint, rows held by the previous process stay queued in the restored sink and are not handed back.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ and takes the start (SPEC 3's conservative rule) unless ``token_versions`` are p
 ``trajectory_staleness`` (``T - end``) is ``staleness/rollout/in_queue`` (``Q = R - clamp(end - start, 0, R)``).
 With per-token versions it is ``staleness/rollout/newest``.
 
-Where to call it: in the trainer's step, on the batch taken from the message queue, before the actor
-update; :func:`verl_response_mask` is the ``response_mask`` the loss reads after the ship.
+Where to call it: :func:`ship` in ``FullyAsyncTrainer.fit_step`` right after ``_fit_generate``, with
+``version=self.current_param_version`` (checked on verl 0.9.1's own batches in ``tests/trainers``). The
+lower-level pair is :func:`from_verl` then ``monitor.ship`` and :func:`verl_response_mask`.
 """
 
 from __future__ import annotations
@@ -105,14 +106,18 @@ def from_verl(
     attention = None
     if "attention_mask" in tensors:
         attention = np.asarray(tensors["attention_mask"])[:, -width:]
-    start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
-    if start_end is None:
-        raise KeyError("verl batch: needs param_version_start/_end (or min/max_global_steps) in non_tensor_batch")
     uids = extras.get("uid")
     if ids is None:
         if uids is None:
             raise KeyError("verl batch: no uid in non_tensor_batch; pass ids")
         ids = verl_row_ids(list(uids))
+    start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
+    if start_end is None:
+        raise TraceError(
+            ids[0] if len(ids) else None,
+            "non_tensor_batch['min_global_steps']",
+            "missing (nor param_version_start): the batch carries no policy version of its trajectories",
+        )
     start = _versions(extras, start_end[0], ids)
     end = _versions(extras, start_end[1], ids) if start_end[1] in extras else None
     envs = extras.get(env_key)
@@ -160,6 +165,7 @@ def ship(
     data: Any,
     *,
     version: int,
+    ids: Sequence[str] | None = None,
     token_versions: Any = None,
     env_key: str = "data_source",
 ) -> Any:
@@ -175,12 +181,16 @@ def ship(
     per-row entries (``global_token_num``, ``trajectory_param_versions``) recomputed as
     ``assemble_batch_from_rollout_samples`` does. ``batch["response_mask"]`` carries the masking, in
     ``data``'s own tensor (same dtype and device); ``batch["staleness_lag"]`` (int64, ``[B, Lr]``) the SPEC 11
-    lag of each sampled position, -1 elsewhere. ``token_versions`` ``[B, Lr]`` as in :func:`from_verl`.
+    lag of each sampled position, -1 elsewhere. ``ids`` and ``token_versions`` ``[B, Lr]`` as in
+    :func:`from_verl` (ids are unique within a run: pass them when a ``uid`` comes back in a later batch).
     """
     tensors, extras = data.batch, data.non_tensor_batch
     views = {name: TrainerArray(tensors[name]) for name in _READ if name in tensors.keys()}  # noqa: SIM118 (TensorDict refuses `in`)
     rollouts = from_verl(
-        ({name: view.array for name, view in views.items()}, extras), token_versions=token_versions, env_key=env_key
+        ({name: view.array for name, view in views.items()}, extras),
+        ids=ids,
+        token_versions=token_versions,
+        env_key=env_key,
     )
     mask_view = views.get("response_mask")
 

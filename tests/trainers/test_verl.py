@@ -269,3 +269,42 @@ def test_spec11_sums_from_verl_log_probabilities_through_staleness_lag() -> None
     for bucket, values in sinks["lags"].items():  # counts exactly; sums to the last bits (summation order)
         assert ours["lags"][bucket] == pytest.approx(values, rel=1e-12, abs=1e-12)
     assert int(sums.tokens.sum()) == int((batch.batch["response_mask"] != 0).sum())
+
+
+def test_per_token_versions_mask_inside_verl_own_tensor() -> None:
+    """A trajectory resumed under newer weights (``max_global_steps > min_global_steps``) with its
+    per-token versions: the stale head is masked in ``data``'s own ``response_mask``, the row ships."""
+    data = verl_batch({"p": [(1, 2), (2, 2)]})
+    mask = data.batch["response_mask"]
+    versions = np.where(np.arange(RESPONSE_LENGTH) < 2, 1, 2)[None, :].repeat(2, axis=0)
+    versions[1] = 2
+    before = mask.clone()
+    shipped = verl_adapter.ship(
+        StalenessMonitor(StalenessConfig(max_staleness=1)), data, version=3, token_versions=versions
+    )
+    assert shipped is data and shipped.batch["response_mask"] is mask and mask.dtype == torch.int64
+    assert mask[0, :2].tolist() == [0, 0] and torch.equal(mask[0, 2:], before[0, 2:])
+    assert torch.equal(mask[1], before[1])
+    lag = shipped.batch["staleness_lag"]
+    assert lag[0, :2].tolist() == [2, 2] and lag[1][before[1] != 0].unique().tolist() == [1]
+
+
+def test_rows_held_back_come_back_as_verl_rows_with_the_call_that_ships_them() -> None:
+    """xtuner's rule with ``retry_expired``: a group whose member expired waits for its re-rollout; the
+    waiting rows come back, first, in the ``DataProto`` of the call that ships them."""
+    monitor = StalenessMonitor(StalenessConfig(policy="xtuner", max_staleness=1, retry_expired=True))
+    first = verl_batch({"q": [(0, 0), (3, 3), (3, 3)]})
+    held = verl_adapter.ship(monitor, first, version=3)
+    assert len(held) == 0 and held.batch["staleness_lag"].shape == (0, RESPONSE_LENGTH)
+    retry = rollout_sample(worker(), "q", [(3, 3)], ord("r")).full_batch  # the expired member, sampled again
+    retry.non_tensor_batch["uid"] = np.array(["uid_q"], dtype=object)
+    second = assemble_batch_from_rollout_samples(
+        [RolloutSample(full_batch=retry, sample_id="q-retry", epoch=0, rollout_status={})], None, None, None
+    )
+    second.non_tensor_batch["uid"] = np.array(["uid_q"], dtype=object)
+    shipped = verl_adapter.ship(monitor, second, version=3, ids=["uid_q/3"])  # ids are unique within a run
+    assert len(shipped) == 3 and list(shipped.non_tensor_batch["uid"]) == ["uid_q"] * 3
+    assert torch.equal(shipped.batch["responses"][:2], first.batch["responses"][1:])
+    assert torch.equal(shipped.batch["responses"][2], second.batch["responses"][0])
+    assert shipped.meta_info["global_token_num"] == shipped.batch["attention_mask"].sum(-1).tolist()
+    shipped.check_consistency()
