@@ -35,8 +35,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ..columnar import WEIGHT_FIELDS, RolloutBatch
+from ..sink import Shipment
+from ._ship import TrainerNames, ship_rows
 
-__all__ = ["PolicySpan", "from_training_samples", "shipped_samples"]
+__all__ = ["PolicySpan", "ShippedSamples", "from_training_samples", "policy_span", "ship", "shipped_samples"]
 
 PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start None = frozen
 
@@ -145,3 +147,72 @@ def _set(sample: Any, name: str, value: Any) -> None:
         sample[name] = value
     else:
         setattr(sample, name, value)
+
+
+_NAMES = TrainerNames(
+    "prime-rl",
+    "progress.step - 1 (batch `step` trains policy v{step-1})",
+    {
+        "dispatch_version": "policy.start of rollout_ids[...] #{row}",
+        "completion_version": "policy.end of rollout_ids[...] #{row}",
+        "mask": "TrainingSample.mask of rollout #{row}",
+    },
+)
+
+
+def policy_span(policy: Any) -> PolicySpan:
+    """``(start, end)`` of an episode's policy (``train_work(episode).policy``: an object or a dict with
+    ``start`` / ``end``); ``None`` (a frozen-model episode) gives ``(None, None)``."""
+    if policy is None:
+        return (None, None)
+    return (_get(policy, "start"), _get(policy, "end"))
+
+
+class ShippedSamples(list[Any]):
+    """The shipped ``TrainingSample`` objects (a plain list of them), plus what a msgspec struct cannot
+    carry: ``staleness_lag`` (one int64 array per sample, SPEC 11's lag of each position, -1 where not
+    sampled) and the ``shipment`` (metrics, drops, holds)."""
+
+    staleness_lag: list[npt.NDArray[np.int64]]
+    shipment: Shipment
+
+
+def ship(
+    monitor: Any,
+    samples: Sequence[Any],
+    *,
+    version: int,
+    rollout_ids: Sequence[str],
+    policy: Mapping[str, PolicySpan],
+    group_ids: Mapping[str, str] | None = None,
+) -> ShippedSamples:
+    """SPEC 15's one call for prime-rl: add the samples of a batch, ship them for ``version``, return the
+    samples to pack, with the masked ``mask`` and weights written into them and the dropped ones left out.
+
+    ``version`` is ``progress.step - 1``: prime-rl's ``progress.step`` is SPEC's step (batch ``step`` trains
+    policy ``v{step-1}``). ``rollout_ids`` / ``policy`` / ``group_ids`` as in :func:`from_training_samples`.
+    Samples held back by an earlier call come back, first, from the call that ships them.
+    """
+    batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids)
+    result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)
+    out = ShippedSamples()
+    lags: list[npt.NDArray[np.int64]] = []
+    for part in result.parts:
+        source, batch_of = part.source, part.batch
+        lag_iter = iter(part.lags)
+        for row, kept in zip(part.rows.tolist(), part.samples):
+            first = int(batch_of.sample_offsets[row])
+            for local in kept:
+                index = first + local
+                lo, hi = int(batch_of.position_offsets[index]), int(batch_of.position_offsets[index + 1])
+                sample = source[index]
+                _set(sample, "mask", (batch_of.mask[lo:hi] != 0).tolist())
+                for name in WEIGHT_FIELDS:
+                    values = getattr(batch_of, name)
+                    if values is not None and batch_of.present[name][index]:
+                        _set(sample, name, values[lo:hi].tolist())
+                out.append(sample)
+                lags.append(next(lag_iter))
+    out.staleness_lag = lags
+    out.shipment = result.shipment
+    return out

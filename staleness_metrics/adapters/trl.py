@@ -29,7 +29,6 @@ The SPEC 11 lag of every loss term of a packed row (:func:`packed_staleness_lag`
 
 from __future__ import annotations
 
-import importlib
 import queue
 import uuid
 import weakref
@@ -42,21 +41,28 @@ import numpy.typing as npt
 
 from ..columnar import RolloutBatch
 from ..errors import TraceError
+from ._ship import TrainerNames, new_tensor_like, ship_rows
 
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
 
 __all__ = ["ShippingQueue", "packed_staleness_lag", "ship", "staleness_lag_of", "with_staleness_lag"]
 
-COUNTER = (
-    "pass the trainer's self.model_version as version (the weights about to be trained; "
-    "0 before the first weight sync, 1 after it)"
-)
 
 # Lags of shipped samples, by the identity of their completion_mask array (RolloutSample has __slots__
 # and RolloutQueueDataset passes that very array on; the weak reference keeps a reused id from matching).
 _lags: dict[int, tuple[weakref.ref[Any], npt.NDArray[np.int64]]] = {}
-_held: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+NAMES = TrainerNames(
+    "TRL",
+    "self.model_version (the weights about to be trained: 0 before the first weight sync, 1 after it)",
+    {
+        "dispatch_version": "samples[{row}].model_version",
+        "mask": "samples[{row}].completion_mask",
+        "logprobs": "samples[{row}].old_log_probs",
+    },
+)
 
 
 def _numpy(value: Any) -> npt.NDArray[Any]:
@@ -65,32 +71,32 @@ def _numpy(value: Any) -> npt.NDArray[Any]:
     return np.asarray(value)
 
 
-def _read(samples: Sequence[Any]) -> tuple[RolloutBatch, list[npt.NDArray[Any]]]:
+def _read(samples: Sequence[Any]) -> RolloutBatch:
+    """One rollout of one sample per ``RolloutSample``: its mask, ``model_version`` and ``group_id``."""
     prefix = uuid.uuid4().hex[:12]
     ids = [f"trl-{prefix}/{k}" for k in range(len(samples))]
     masks, logprobs, versions, groups = [], [], [], []
-    for rid, sample in zip(ids, samples, strict=True):
+    for row, (rid, sample) in enumerate(zip(ids, samples, strict=True)):
         version = getattr(sample, "model_version", None)
         if version is None:
-            raise TraceError(rid, "model_version", "missing or None on the RolloutSample")
+            raise TraceError(rid, f"samples[{row}].model_version", "missing or None on the RolloutSample")
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-            raise TraceError(rid, "model_version", f"expected an integer >= 0, got {version!r}")
+            raise TraceError(rid, f"samples[{row}].model_version", f"expected an integer >= 0, got {version!r}")
         mask = _numpy(getattr(sample, "completion_mask", None))
         if mask.ndim != 1:
-            raise TraceError(rid, "completion_mask", f"expected one row, got shape {mask.shape}")
+            raise TraceError(rid, f"samples[{row}].completion_mask", f"expected one row, got shape {mask.shape}")
         old = getattr(sample, "old_log_probs", None)
         old_values = np.full(len(mask), np.nan) if old is None else _numpy(old).astype(np.float64)
         if old_values.shape != mask.shape:
-            raise TraceError(
-                rid, "old_log_probs", f"length {len(old_values)} differs from completion_mask's {len(mask)}"
-            )
+            reason = f"length {len(old_values)} differs from completion_mask's {len(mask)}"
+            raise TraceError(rid, f"samples[{row}].old_log_probs", reason)
         masks.append(mask)
         logprobs.append(old_values)
         versions.append(int(version))
         group = getattr(sample, "group_id", None)
         groups.append(None if group is None else f"trl-group-{group}")
     lengths = np.array([len(m) for m in masks], dtype=np.int64)
-    batch = RolloutBatch(
+    return RolloutBatch(
         ids=ids,
         sample_offsets=np.arange(len(samples) + 1, dtype=np.int64),
         position_offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
@@ -99,17 +105,15 @@ def _read(samples: Sequence[Any]) -> tuple[RolloutBatch, list[npt.NDArray[Any]]]
         group_ids=groups,
         logprobs=np.concatenate(logprobs) if logprobs else np.zeros(0),
     )
-    return batch, masks
 
 
 def _write_mask(sample: Any, values: npt.NDArray[Any]) -> None:
     """The shipped mask into the sample's own ``completion_mask`` (same object, same dtype)."""
     target = sample.completion_mask
-    if getattr(target, "detach", None) is not None:
-        torch = importlib.import_module("torch")
-        target.copy_(torch.from_numpy(values.astype(np.int64)).to(dtype=target.dtype, device=target.device))
-    else:
+    if isinstance(target, np.ndarray):
         target[...] = values
+    else:  # a tensor
+        target.copy_(new_tensor_like(target, values.astype(np.int64)).to(dtype=target.dtype))
 
 
 def _remember_lag(sample: Any, lag: npt.NDArray[np.int64]) -> None:
@@ -136,41 +140,16 @@ def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> 
     ship takes them. Each returned sample's lag is kept for :func:`staleness_lag_of` /
     :func:`packed_staleness_lag` (the slotted ``RolloutSample`` takes no new attribute).
     """
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-        raise ValueError(f"version: expected the trainer's model_version (an integer >= 0), got {version!r}")
-    batch, _ = _read(samples)
-    by_id: dict[str, Any] = dict(zip(batch.ids, samples, strict=True))
-    held = _held.setdefault(monitor, {})
-    monitor.add(batch)
-    try:
-        shipment = monitor.ship(int(version) + 1)
-    except TraceError as error:
-        field = "model_version" if "version" in error.field else error.field
-        reason = error.reason
-        if "above the trained version" in reason:
-            reason = f"{reason}; {COUNTER}"
-        raise TraceError(error.rollout_id, field, reason) from None
-    lags, offsets = shipment.lags, shipment.lag_offsets
+    batch = _read(samples)
+    result = ship_rows(monitor, batch, list(samples), version=version, names=NAMES)
     out: list[Any] = []
-    sample_index = 0
-    for rollout in shipment.rollouts:
-        sample = by_id.get(rollout.id)
-        if sample is None:
-            sample = held.pop(rollout.id, None)
-        if sample is not None and rollout.samples:
-            lo, hi = (
-                int(rollout.batch.position_offsets[rollout.index]),
-                int(rollout.batch.position_offsets[rollout.index + 1]),
-            )
-            _write_mask(sample, rollout.batch.mask[lo:hi])
-            _remember_lag(sample, lags[int(offsets[sample_index]) : int(offsets[sample_index + 1])])
+    for part in result.parts:
+        offsets = part.batch.position_offsets
+        for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row
+            sample = part.source[row]
+            _write_mask(sample, part.batch.mask[int(offsets[row]) : int(offsets[row + 1])])
+            _remember_lag(sample, lag)
             out.append(sample)
-        sample_index += len(rollout.samples)
-    for rid in shipment.dropped_rollouts:
-        held.pop(rid, None)
-    for rid in shipment.held:
-        if rid in by_id:
-            held[rid] = by_id[rid]
     return out
 
 
@@ -193,13 +172,12 @@ def with_staleness_lag(collator: Callable[[list[Any]], dict[str, Any]]) -> Calla
     def collate(examples: list[Any]) -> dict[str, Any]:
         batch = collator(examples)
         (rows,) = examples
-        torch = importlib.import_module("torch")
         index = batch["token_index"]
-        lag = torch.full(tuple(index.shape), -1, dtype=torch.int64)
+        lag = np.full(tuple(index.shape), -1, dtype=np.int64)
         for r, row in enumerate(rows):
             values = packed_staleness_lag(row)
-            lag[r, : len(values)] = torch.from_numpy(values)
-        batch["staleness_lag"] = lag
+            lag[r, : len(values)] = values
+        batch["staleness_lag"] = new_tensor_like(index, lag)
         return batch
 
     return collate

@@ -22,8 +22,9 @@ and takes the start (SPEC 3's conservative rule) unless ``token_versions`` are p
 ``trajectory_staleness`` (``T - end``) is ``staleness/rollout/in_queue`` (``Q = R - clamp(end - start, 0, R)``).
 With per-token versions it is ``staleness/rollout/newest``.
 
-Where to call it: in the trainer's step, on the batch taken from the message queue, before the actor
-update; :func:`verl_response_mask` is the ``response_mask`` the loss reads after the ship.
+Where to call it: :func:`ship` in ``FullyAsyncTrainer.fit_step`` right after ``_fit_generate``, with
+``version=self.current_param_version`` (checked on verl 0.9.1's own batches in ``tests/trainers``). The
+lower-level pair is :func:`from_verl` then ``monitor.ship`` and :func:`verl_response_mask`.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ import numpy as np
 import numpy.typing as npt
 
 from ..columnar import RolloutBatch
+from ..errors import TraceError
 from ..padded import from_padded, padded_shipment
+from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
-__all__ = ["from_verl", "verl_response_mask", "verl_row_ids"]
+__all__ = ["from_verl", "ship", "verl_response_mask", "verl_row_ids"]
 
 _VERSION_FIELDS = (("param_version_start", "param_version_end"), ("min_global_steps", "max_global_steps"))
 
@@ -47,6 +50,24 @@ def _parts(data: Any) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
         tensors, extras = data
         return tensors, extras
     return data.batch, data.non_tensor_batch
+
+
+def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.NDArray[np.int64]:
+    """A per-trajectory version field as int64; a ``None`` (a rollout server that never got
+    ``set_global_steps``: ``vllm_async_server.py`` starts ``global_steps`` as ``None``, and ``_postprocess``
+    always adds the key) is a ``TraceError`` naming the row, not numpy's bare ``TypeError``."""
+    values = extras[name]
+    if len(values) != len(ids):
+        raise ValueError(f"verl batch: non_tensor_batch[{name!r}] has {len(values)} rows for {len(ids)} ids")
+    missing = np.flatnonzero(np.array([v is None for v in values], dtype=bool))
+    if len(missing):
+        row = int(missing[0])
+        raise TraceError(
+            ids[row],
+            f"non_tensor_batch[{name!r}][{row}]",
+            "is None: the trajectory has no policy version (the rollout server never got set_global_steps)",
+        )
+    return np.asarray(values, dtype=np.int64)
 
 
 def verl_row_ids(uids: Sequence[Any]) -> list[str]:
@@ -85,16 +106,20 @@ def from_verl(
     attention = None
     if "attention_mask" in tensors:
         attention = np.asarray(tensors["attention_mask"])[:, -width:]
-    start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
-    if start_end is None:
-        raise KeyError("verl batch: needs param_version_start/_end (or min/max_global_steps) in non_tensor_batch")
-    start = np.asarray(extras[start_end[0]], dtype=np.int64)
-    end = np.asarray(extras[start_end[1]], dtype=np.int64) if start_end[1] in extras else None
     uids = extras.get("uid")
     if ids is None:
         if uids is None:
             raise KeyError("verl batch: no uid in non_tensor_batch; pass ids")
         ids = verl_row_ids(list(uids))
+    start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
+    if start_end is None:
+        raise TraceError(
+            ids[0] if len(ids) else None,
+            "non_tensor_batch['min_global_steps']",
+            "missing (nor param_version_start): the batch carries no policy version of its trajectories",
+        )
+    start = _versions(extras, start_end[0], ids)
+    end = _versions(extras, start_end[1], ids) if start_end[1] in extras else None
     envs = extras.get(env_key)
     return from_padded(
         ids,
@@ -114,3 +139,85 @@ def from_verl(
 def verl_response_mask(shipment: Any, batch: RolloutBatch) -> npt.NDArray[np.generic]:
     """The ``[B, Lr]`` ``response_mask`` after ``shipment``: masked positions and rows not shipped are 0."""
     return padded_shipment(shipment, batch).mask
+
+
+_READ = ("response_mask", "attention_mask", "responses", "rollout_log_probs", "old_log_probs")
+
+
+def _names(extras: Mapping[str, Any]) -> TrainerNames:
+    start, end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), _VERSION_FIELDS[1])
+    return TrainerNames(
+        "verl",
+        "current_param_version (fully async trainer; not global_steps, which counts local updates)",
+        {
+            "dispatch_version": f"non_tensor_batch[{start!r}][{{row}}]",
+            "completion_version": f"non_tensor_batch[{end!r}][{{row}}]",
+            "mask": "batch['response_mask'][{row}]",
+            "token_versions": "token_versions[{row}]",
+            "logprobs": "batch['rollout_log_probs'][{row}]",
+            "trainer_logprobs": "batch['old_log_probs'][{row}]",
+        },
+    )
+
+
+def ship(
+    monitor: Any,
+    data: Any,
+    *,
+    version: int,
+    ids: Sequence[str] | None = None,
+    token_versions: Any = None,
+    env_key: str = "data_source",
+) -> Any:
+    """SPEC 15's one call for verl: add the ``DataProto`` the trainer took from its queue, ship it for
+    ``version``, and return the ``DataProto`` to train on.
+
+    ``version`` is the policy version of the weights being trained: in the fully async trainer
+    ``self.current_param_version`` (it counts weight syncs, and it is what the rollout servers stamp into
+    ``min_global_steps`` / ``max_global_steps``), not ``self.global_steps``, which counts local updates
+    (``trigger_parameter_sync_step`` of them per sync). The returned batch holds the rows shipped, oldest
+    call first: ``data`` itself when all of its rows shipped and none held earlier comes back; else a
+    batch made by verl's own ``select_idxs`` / ``DataProto.concat``, with ``meta_info`` of ``data`` and its
+    per-row entries (``global_token_num``, ``trajectory_param_versions``) recomputed as
+    ``assemble_batch_from_rollout_samples`` does. ``batch["response_mask"]`` carries the masking, in
+    ``data``'s own tensor (same dtype and device); ``batch["staleness_lag"]`` (int64, ``[B, Lr]``) the SPEC 11
+    lag of each sampled position, -1 elsewhere. ``ids`` and ``token_versions`` ``[B, Lr]`` as in
+    :func:`from_verl` (ids are unique within a run: pass them when a ``uid`` comes back in a later batch).
+    """
+    tensors, extras = data.batch, data.non_tensor_batch
+    views = {name: TrainerArray(tensors[name]) for name in _READ if name in tensors.keys()}  # noqa: SIM118 (TensorDict refuses `in`)
+    rollouts = from_verl(
+        ({name: view.array for name, view in views.items()}, extras),
+        ids=ids,
+        token_versions=token_versions,
+        env_key=env_key,
+    )
+    mask_view = views.get("response_mask")
+
+    def write_back() -> None:
+        if mask_view is not None:
+            mask_view.write_back(rollouts.mask)
+
+    result = ship_rows(monitor, rollouts, data, version=version, names=_names(extras), write_back=write_back)
+    parts = []
+    for part in result.parts:
+        source = part.source
+        picked = source if part.every_row else source.select_idxs(part.rows)
+        picked.batch["staleness_lag"] = new_tensor_like(source.batch["response_mask"], part.lag_matrix())
+        parts.append(picked)
+    if len(parts) == 1 and parts[0] is data:
+        return data
+    if not parts:
+        empty = data.select_idxs(np.zeros(0, dtype=np.int64))
+        width = rollouts.padded.width if rollouts.padded is not None else 0
+        empty.batch["staleness_lag"] = new_tensor_like(tensors["response_mask"], np.zeros((0, width), np.int64))
+        parts = [empty]
+    # concat asserts equal meta_info across parts; the batch is this call's, so is its meta_info
+    bare = [type(p)(batch=p.batch, non_tensor_batch=p.non_tensor_batch, meta_info={}) for p in parts]
+    out = bare[0] if len(bare) == 1 else type(data).concat(bare)
+    out.meta_info = dict(data.meta_info)
+    if "attention_mask" in out.batch.keys() and "global_token_num" in out.meta_info:  # noqa: SIM118
+        out.meta_info["global_token_num"] = out.batch["attention_mask"].sum(dim=-1).tolist()
+    if "trajectory_param_versions" in out.meta_info and "max_global_steps" in out.non_tensor_batch:
+        out.meta_info["trajectory_param_versions"] = out.non_tensor_batch["max_global_steps"]
+    return out

@@ -109,17 +109,18 @@ def test_bad_input_names_arealss_field_and_counter() -> None:
     data = concat_padded([areal_sequence(2, [-1, -1], [0.0, 0.0])])
     with pytest.raises(TraceError) as caught:
         areal.ship(monitor, [data], version=3)
-    assert caught.value.field == "versions"
+    assert caught.value.field == "versions[0]"
     data = concat_padded([areal_sequence(2, [4], [0.0])])
     data["versions"] = None
     with pytest.raises(TraceError) as caught:
         areal.ship(monitor, [data], version=3)
-    assert caught.value.field == "versions" and "None" in caught.value.reason
+    assert caught.value.field == "versions[0]" and "None" in caught.value.reason
+    fresh_and_too_new = concat_padded([areal_sequence(2, [2], [0.0]), areal_sequence(2, [4], [0.0])])
     with pytest.raises(TraceError) as caught:
-        areal.ship(monitor, [concat_padded([areal_sequence(2, [4], [0.0])])], version=3)
-    assert caught.value.field == "versions" and "global_step" in caught.value.reason
+        areal.ship(monitor, [fresh_and_too_new], version=3)
+    assert caught.value.field == "versions[1]" and "global_step" in caught.value.reason
     with pytest.raises(ValueError, match="global_step"):
-        areal.ship(monitor, [data], version=-1)
+        areal.ship(monitor, [concat_padded([areal_sequence(2, [1], [0.0])])], version=-1)
 
 
 def test_a_non_contiguous_loss_mask_still_receives_the_mask() -> None:

@@ -62,10 +62,10 @@ def test_a_version_above_the_trained_one_names_the_counter() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
     with pytest.raises(TraceError) as caught:
         trl.ship(monitor, [sample(4, 0)], version=3)
-    assert caught.value.field == "model_version" and "self.model_version" in caught.value.reason
+    assert caught.value.field == "samples[0].model_version" and "self.model_version" in caught.value.reason
     with pytest.raises(TraceError, match="model_version"):
         trl.ship(monitor, [sample(None, 0)], version=3)
-    with pytest.raises(ValueError, match="model_version"):
+    with pytest.raises(TypeError, match=r"self\.model_version"):
         trl.ship(monitor, [sample(1, 0)], version=True)
 
 

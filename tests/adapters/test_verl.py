@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from staleness_metrics import StalenessConfig
 from staleness_metrics.adapters.verl import from_verl, verl_response_mask, verl_row_ids
+from staleness_metrics.errors import TraceError
 from tests.adapters.equivalence import compare_ships, shipped_records
 
 
@@ -100,7 +101,7 @@ def test_the_agent_loop_names_min_and_max_global_steps_are_read_too() -> None:
     assert batch.dispatch_version.tolist() == [5, 7, 2]
     assert batch.completion_version is not None and batch.completion_version.tolist() == [7, 7, 4]
     del extras["min_global_steps"]
-    with pytest.raises(KeyError, match="param_version_start"):
+    with pytest.raises(TraceError, match=r"non_tensor_batch\['min_global_steps'\].*param_version_start"):
         from_verl((data.batch, extras))
 
 

@@ -10,6 +10,8 @@ import logging
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("areal")
@@ -213,6 +215,50 @@ def test_arealss_own_version_stats_against_ours() -> None:
     )
 
 
+@st.composite
+def partial_rollouts(draw: st.DrawFn) -> list[list[list[int]]]:
+    """Groups of rows whose output versions never decrease (a partial rollout resumed under newer weights)."""
+    groups = []
+    for _ in range(draw(st.integers(1, 3))):
+        rows = []
+        for _ in range(draw(st.integers(1, 3))):
+            n = draw(st.integers(2, 5))
+            rows.append(sorted(draw(st.lists(st.integers(0, 6), min_size=n, max_size=n))))
+        groups.append(rows)
+    return groups
+
+
+@settings(max_examples=12, deadline=None)
+@given(groups=partial_rollouts(), ahead=st.integers(0, 2), bound=st.integers(0, 3))
+def test_on_any_partial_rollouts_versions_rows_and_arealss_numbers_agree(
+    groups: list[list[list[int]]], ahead: int, bound: int
+) -> None:
+    global_step = max(v for group in groups for row in group for v in row) + ahead
+    batch, engine = areal_rollouts(groups)
+    recorder = Recorder()
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound), [recorder])
+    shipped = staleness.ship(monitor, batch, version=global_step)
+    # the rows kept are the rows with a token fresh enough; each carries the versions the engine stamped
+    fresh = sorted(tuple(row) for group in groups for row in group if global_step - max(row) <= bound)
+    seen = sorted(tuple(v) for traj in shipped for v in stamped_versions(engine, traj))
+    assert seen == fresh
+    for traj in shipped:
+        for lag, versions in zip(traj["staleness_lag"], stamped_versions(engine, traj), strict=True):
+            assert (global_step - lag[lag >= 0]).tolist() == versions
+    if not shipped:
+        return
+    ours = recorder.reports[-1].metrics
+    theirs = areal_version_stats(shipped, current_version=global_step)
+    lag = torch.cat([traj["staleness_lag"].reshape(-1) for traj in shipped])
+    trains_next = torch.cat([torch.roll(traj["loss_mask"], -1, -1).reshape(-1) for traj in shipped]) != 0
+    population = lag[(lag >= 0) & trains_next].float()
+    if len(population):
+        assert theirs["version_stats/sample_staleness_theta_max"] == float(population.max())
+        assert theirs["version_stats/sample_staleness_theta_avg"] == pytest.approx(float(population.mean()))
+    if not (lag > bound).any():  # nothing masked: AReaL's maximum is ours (each row's oldest token is first)
+        assert theirs["version_stats/sample_staleness_theta_max"] == ours["staleness/rollout/max"]
+
+
 def test_after_masking_arealss_numbers_pair_each_version_with_the_next_tokens_mask() -> None:
     global_step = 6
     batch, _ = areal_rollouts(GROUPS)
@@ -278,7 +324,7 @@ def test_the_epoch_step_instead_of_global_step_names_the_counter() -> None:
     batch, _ = areal_rollouts(GROUPS[:1])
     with pytest.raises(TraceError) as caught:
         staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=2)), batch, version=step)
-    assert caught.value.field == "versions"
+    assert caught.value.field.startswith("versions[")
     assert "global_step" in str(caught.value) and "above the trained version 2" in str(caught.value)
 
 
@@ -287,7 +333,7 @@ def test_a_batch_without_versions_is_refused_by_arealss_name() -> None:
     del batch[0]["versions"]
     with pytest.raises(TraceError) as caught:
         staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=2)), batch, version=6)
-    assert caught.value.field == "versions"
+    assert caught.value.field == "versions[0]" and "missing" in caught.value.reason
 
 
 def test_the_group_policy_keeps_arealss_fixed_size_groups_for_its_group_normalisation() -> None:

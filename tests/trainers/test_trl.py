@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
@@ -164,6 +166,28 @@ def test_kept_samples_and_trls_own_staleness_numbers_agree_with_ours() -> None:
     assert ours["staleness/token/mean"] == pytest.approx(np.average(per_sample, weights=tokens))
 
 
+@settings(max_examples=40, deadline=None)
+@given(versions=st.lists(st.integers(0, 8), min_size=1, max_size=6), ahead=st.integers(0, 3), bound=st.integers(0, 4))
+def test_trls_own_drop_rule_and_numbers_equal_ours_on_any_versions(versions: list[int], ahead: int, bound: int) -> None:
+    version = max(versions) + ahead
+    samples = samples_at(versions)
+    recorder = Recorder()
+    kept = staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=bound), [recorder]), samples, version=version)
+    dataset, metrics = trl_dataset(list(samples), version, bound)
+    assert [id(item["input_ids"]) for item in drain(dataset)] == [id(s.input_ids) for s in kept]
+    ours = recorder.reports[-1].metrics
+    dropped = metrics.get("sample/dropped_stale_total", [])
+    assert ours["staleness/rollout/dropped"] == (
+        _reduce_metric("sample/dropped_stale_total", dropped) if dropped else 0
+    )
+    if kept:
+        assert ours["staleness/rollout/max"] == _reduce_metric("sample/staleness_max", metrics["sample/staleness_max"])
+        mean = _reduce_metric("sample/staleness_mean", metrics["sample/staleness_mean"])
+        assert ours["staleness/rollout/mean"] == pytest.approx(mean)
+    else:
+        assert "staleness/rollout/mean" not in ours and not metrics["sample/staleness_mean"]
+
+
 def test_the_shipping_queue_feeds_trls_dataset_batcher_and_collator_with_lags_per_loss_term() -> None:
     version, bound = 5, 1
     samples = samples_at([5, 4, 2, 5, 3, 4])
@@ -247,7 +271,8 @@ def test_a_wrong_counter_names_the_one_to_pass() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=4))
     with pytest.raises(TraceError) as caught:
         staleness.ship(monitor, samples, version=2)  # e.g. model_version - 1, or an optimizer-step count
-    assert caught.value.field == "model_version"
+    first_at_3 = next(i for i, s in enumerate(samples) if s.model_version == 3)
+    assert caught.value.field == f"samples[{first_at_3}].model_version"
     assert "self.model_version" in str(caught.value) and "above the trained version 2" in str(caught.value)
 
 
@@ -256,4 +281,4 @@ def test_a_sample_without_model_version_is_refused_by_name() -> None:
     samples[0].model_version = None
     with pytest.raises(TraceError) as caught:
         staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=4)), samples, version=1)
-    assert caught.value.field == "model_version"
+    assert caught.value.field == "samples[0].model_version"

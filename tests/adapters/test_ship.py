@@ -1,0 +1,67 @@
+"""SPEC 15's shared call on plain numpy batches: masks land in the caller's arrays, dropped rows are left
+out, held rows come back with the call that ships them, errors name the trainer's field and counter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from staleness_metrics import StalenessConfig, StalenessMonitor
+from staleness_metrics.adapters._ship import TrainerArray, TrainerNames, ship_rows
+from staleness_metrics.errors import TraceError
+from staleness_metrics.padded import from_padded
+
+NAMES = TrainerNames(
+    "demo", "policy_version", {"dispatch_version": "starts[{row}]", "token_versions": "versions[{row}]"}
+)
+
+
+def padded(ids: list[str], mask: list[list[int]], start: list[int], groups: list[str] | None = None):  # type: ignore[no-untyped-def]
+    array = np.array(mask, dtype=np.int64)
+    return array, from_padded(ids, array, dispatch_version=np.array(start), group_ids=groups)
+
+
+def test_masks_in_place_drops_left_out_and_lags_per_position() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
+    mask, batch = padded(["old", "mid", "new"], [[0, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 1]], [0, 3, 5])
+    result = ship_rows(monitor, batch, "source", version=5, names=NAMES)  # T = 5: lags 5, 2, 0
+    (part,) = result.parts
+    assert part.source == "source" and part.rows.tolist() == [1, 2] and not part.every_row
+    assert result.shipment.dropped_rollouts == ("old",)
+    assert part.lag_matrix().tolist() == [[2, 2, -1, -1], [-1, 0, 0, 0]]
+    assert mask[1:].tolist() == [[1, 1, 0, 0], [0, 1, 1, 1]]  # the caller's own array, kept rows unmasked
+
+
+def test_held_rows_come_back_with_the_call_that_ships_them() -> None:
+    config = StalenessConfig(policy="xtuner", max_staleness=1, retry_expired=True)
+    monitor = StalenessMonitor(config)
+    _, first = padded(["g-stale", "g-fresh"], [[1, 1], [1, 1]], [0, 4], groups=["g", "g"])
+    held = ship_rows(monitor, first, "first", version=4, names=NAMES)
+    assert held.parts == () and held.shipment.held == ("g-fresh",)
+    assert held.shipment.dropped_rollouts == ("g-stale",)
+    _, second = padded(["g-retry"], [[1, 1]], [4], groups=["g"])
+    shipped = ship_rows(monitor, second, "second", version=4, names=NAMES)
+    assert [(p.source, p.rows.tolist()) for p in shipped.parts] == [("first", [1]), ("second", [0])]
+    assert ship_rows(monitor, padded(["later"], [[1]], [4])[1], "third", version=4, names=NAMES).parts[0].every_row
+
+
+def test_a_version_above_the_trained_one_names_the_field_row_and_counter() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
+    _, batch = padded(["a", "b"], [[1], [1]], [1, 3])
+    with pytest.raises(TraceError) as caught:
+        ship_rows(monitor, batch, None, version=2, names=NAMES)
+    assert caught.value.rollout_id == "b" and caught.value.field == "starts[1]"
+    assert "pass demo's policy_version" in str(caught.value)
+    with pytest.raises(TypeError, match="policy_version"):
+        ship_rows(monitor, batch, None, version=None, names=NAMES)  # type: ignore[arg-type]
+
+
+def test_a_copy_is_written_back_into_the_caller_array() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=0))
+    owned = np.asfortranarray(np.array([[1, 1, 0], [0, 1, 1]], dtype=np.int32))  # not viewable flat
+    view = TrainerArray(owned)
+    batch = from_padded(
+        ["x", "y"], view.array, token_versions=np.array([[2, 3, 3], [3, 3, 3]]), attention_mask=np.ones((2, 3))
+    )
+    ship_rows(monitor, batch, owned, version=3, names=NAMES, write_back=lambda: view.write_back(batch.mask))
+    assert owned.tolist() == [[0, 1, 0], [0, 1, 1]] and owned.dtype == np.int32
