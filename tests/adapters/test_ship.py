@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.adapters._ship import TrainerArray, TrainerNames, ship_rows
@@ -65,3 +67,29 @@ def test_a_copy_is_written_back_into_the_caller_array() -> None:
     )
     ship_rows(monitor, batch, owned, version=3, names=NAMES, write_back=lambda: view.write_back(batch.mask))
     assert owned.tolist() == [[0, 1, 0], [0, 1, 1]] and owned.dtype == np.int32
+
+
+@given(
+    calls=st.lists(
+        st.lists(st.tuples(st.integers(0, 6), st.integers(1, 4)), min_size=1, max_size=5), min_size=1, max_size=4
+    ),
+    bound=st.integers(0, 3),
+)
+def test_every_row_entered_is_returned_once_or_dropped(calls: list[list[tuple[int, int]]], bound: int) -> None:
+    """Over several calls (versions never decreasing), each row comes back exactly once or is named dropped,
+    and its lags are ``T - start`` on its sampled positions, -1 elsewhere."""
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound))
+    version, returned, dropped = 6, [], []
+    for number, rows in enumerate(calls):
+        ids = [f"c{number}r{k}" for k in range(len(rows))]
+        mask = np.array([[1] * n + [0] * (4 - n) for _, n in rows], dtype=np.int64)
+        starts = np.array([start for start, _ in rows])
+        result = ship_rows(monitor, from_padded(ids, mask, dispatch_version=starts), ids, version=version, names=NAMES)
+        dropped += result.shipment.dropped_rollouts
+        for part in result.parts:
+            for row, lag in zip(part.rows.tolist(), part.lag_matrix()):
+                start, n = calls[int(part.source[row][1:].split("r")[0])][row]
+                assert lag.tolist() == [version - start] * n + [-1] * (4 - n)
+                returned.append(part.source[row])
+    entered = [f"c{number}r{k}" for number, rows in enumerate(calls) for k in range(len(rows))]
+    assert sorted(returned + dropped) == sorted(entered) and len(set(returned)) == len(returned)
