@@ -169,3 +169,28 @@ def test_otlp_gauges_over_the_wire_equal_the_latest_keys() -> None:
     assert "staleness/env/code/mismatch/floor" in both and "staleness/env/math/mismatch/floor" not in both
     math_keys = {k: v for k, v in envs_of(from_ship).items() if k.startswith("staleness/env/math/")}
     assert got == {**math_keys, **spec14(both)}
+
+
+def test_an_injected_meter_provider_gets_the_same_gauges() -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    exporter = OtlpExporter(meter_provider=provider)
+    monitor = StalenessMonitor(COSTS, [exporter], run=RUN)
+    for records, step in ship_script(2):
+        monitor.add(records)
+        shipment = monitor.ship(step)
+    assert exporter.flush(timeout=60)
+    data = reader.get_metrics_data()
+    assert data is not None
+    metrics = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    got: dict[str, MetricValue] = {}
+    for row in BOUND_ROWS:
+        assert row.otel_name is not None
+        points = [(dict(p.attributes), float(p.value)) for p in metrics[row.otel_name].data.data_points]
+        got.update(as_keys(row, points))
+    assert got == spec14(shipment.metrics)
+    monitor.close()
+    provider.shutdown()
