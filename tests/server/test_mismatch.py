@@ -272,6 +272,22 @@ def test_records_with_trainer_logprobs_report_the_family_as_the_library(http: ht
     assert expected["staleness/mismatch/coverage"] == pytest.approx(4 / 5)
 
 
+def test_a_run_configured_to_adapt_moves_its_bound_from_posted_sums(http: httpx.Client) -> None:
+    config = {"max_staleness": 3, "adapt_every": 1, "adapt_low": 1, "adapt_high": 4, "floor_min_tokens": 100,
+              "mismatch_budget": 0.01, "cost_window": 1}  # fmt: skip
+    shipped_run(http, step=4, config=config)
+    info = http.get("/v1/runs/exp").json()
+    assert {key: info["config"][key] for key in config} == config
+    sums = MismatchSums.zero().to_dict()
+    for lag, k3 in (("0", 0.001), ("1", 0.005), ("2", 0.05)):  # lag 2 costs more than the budget: suggested 1
+        sums["lags"][lag].update(tokens=100, sum_k3=100 * k3, sum_ratio=100.0, sum_ratio_sq=100.0)
+    answer = http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": sums}).json()
+    assert (answer["metrics"]["staleness/bound/suggested"], answer["metrics"]["staleness/bound/crossed"]) == (1, 1)
+    assert answer["metrics"]["staleness/mismatch/floor_source"] == "lag0"
+    ship = http.post("/v1/runs/exp/ship", json={"step": 5}).json()
+    assert ship["metrics"]["staleness/max_staleness"] == 2  # one step toward the suggestion, from the next ship
+
+
 def test_every_bucket_name_is_accepted(http: httpx.Client) -> None:
     shipped_run(http, step=4, config={"floor_min_tokens": 1})
     sums = MismatchSums.zero().to_dict()
