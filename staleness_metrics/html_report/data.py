@@ -31,6 +31,7 @@ from ..what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_cu
 __all__ = ["ReportData", "collect", "metrics_rows", "sums_from_rows"]
 
 _STEP_KEYS = ("step", "trainer/step")
+_STRING_SUFFIXES = ("/mismatch/floor_source",)  # the keys whose values are strings
 
 
 @dataclass
@@ -61,7 +62,8 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
     """A logged row's scalar staleness values, legacy keys renamed (a current key wins over its legacy twin).
 
     ``null`` is a step without that value and media objects (a logged W&B histogram) are not plotted;
-    anything else that is not a number is an error naming the line and the key.
+    anything else that is not a number (but the floor's source, a string) is an error naming the line and
+    the key.
     """
     out: dict[str, Any] = {}
     for key, value in row.items():
@@ -69,7 +71,9 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
         name = key if key.startswith("staleness/") else legacy.new if legacy is not None else None
         if name is None or value is None or isinstance(value, dict):
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if name.endswith(_STRING_SUFFIXES) and isinstance(value, str):
+            pass  # SPEC 14's floor source: a string in JSONL and W&B
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EventError(line, f"{path}: {key}: expected a number, got {value!r}")
         if key == name or name not in row:
             out[name] = value

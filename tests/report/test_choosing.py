@@ -3,6 +3,7 @@ bound" figure read back from headless Chromium."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -86,6 +87,11 @@ def test_the_report_of_a_demo_directory_shows_how_to_choose_the_bound(demo_direc
     assert result.curve is not None
     suggested = result.curve.suggested
     assert suggested is not None and abs(suggested - DriftModel().expected_suggested_bound()) <= 1
+
+    # Over steps, each ship's suggestion as the run logged it (its window of cost_window ships).
+    logged = [json.loads(line) for line in (demo_directory / "metrics.jsonl").read_text().splitlines()]
+    last_suggested = [row["staleness/bound/suggested"] for row in logged if "staleness/bound/suggested" in row][-1]
+    assert f"<title>suggested (window of cost_window ships) at 25: {last_suggested}</title>" in page.read_text()
 
     seen = probe(page, _FIGURE)
     # Every section, from one directory: staleness, what the run cost, and choosing the bound.
