@@ -8,6 +8,7 @@ lives in :class:`BoundTracker`, which owns and validates its own ``state_dict``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = [
     "advise",
     "bound_metrics",
     "budget_of",
+    "env_tracker_config",
     "excess_curve",
     "isotonic_increasing",
     "mismatch_metrics",
@@ -229,6 +231,11 @@ def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None, prefix: str = 
     if out and bound is not None:
         out.update(bound_metrics(bound, prefix))
     return out
+
+
+def env_tracker_config(config: StalenessConfig) -> StalenessConfig:
+    """The config of an env's tracker: the run's, without adaptation (the bound is the batch's)."""
+    return dataclasses.replace(config, adapt_every=None, adapt_low=1, adapt_high=16)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from .bound import FLOOR_SOURCES, BoundTracker
+from .bound import FLOOR_SOURCES, BoundTracker, env_tracker_config
 from .columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK
@@ -554,6 +554,7 @@ def save_sink(sink: Sink) -> dict[str, Any]:
         "totals": tally_to_dict(sink.totals),
         "policy": sink.policy.state_dict(),
         "bound": sink.bound_tracker.state_dict(),
+        "bound_envs": {env: tracker.state_dict() for env, tracker in sorted(sink.env_trackers.items())},
     }
     state["digests"] = digests_of(state)
     return state
@@ -567,7 +568,8 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
     """Check a sink state and build what it holds as new objects: the sink's attributes by name, and the policy's
     checked state. Nothing of ``sink`` is changed (its tables only lend their column dtypes)."""
     check_format(state, "sink", path)
-    state = keys(state, path, SINK_KEYS, ("digests", "bound"))  # "bound": SPEC 14's tracker (absent before it)
+    # "bound", "bound_envs": SPEC 14's trackers, the batch's and each env's (absent before SPEC 14)
+    state = keys(state, path, SINK_KEYS, ("digests", "bound", "bound_envs"))
     if state["format"] != 1 and "digests" not in state:
         fail(join(path, "digests"), "missing")
     check_config(state["config"], sink.config, join(path, "config"))
@@ -735,6 +737,13 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
     tracker = BoundTracker(sink.config)
     if "bound" in state:
         tracker.load_checked(tracker.check_state_dict(state["bound"], join(path, "bound")))
+    env_trackers: dict[str, BoundTracker] = {}
+    for env, env_state in mapping(state.get("bound_envs", {}), join(path, "bound_envs")).items():
+        where = join(join(path, "bound_envs"), string(env, join(path, "bound_envs")))
+        if not env:
+            fail(where, "an env tracker needs an env name")
+        env_trackers[env] = BoundTracker(env_tracker_config(sink.config))
+        env_trackers[env].load_checked(env_trackers[env].check_state_dict(env_state, where))
     check_digests(state, path)
     attributes = {
         "_rollouts": r, "_samples": s, "_spans": n, "_step": step, "_queued": queued, "tokens_entered": tokens_entered,
@@ -742,7 +751,7 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
         "_chunk_open": chunk_open, "_closing": [], "_groups": groups, "_n_groups": n_groups,
         "_group_agentic": group_agentic, "_env_index": {name: i for i, name in enumerate(envs)},
         "_env_names": {i: name or "" for i, name in enumerate(envs)}, "_window": window, "_invalid": invalid,
-        "totals": totals, "bound_tracker": tracker,
+        "totals": totals, "bound_tracker": tracker, "env_trackers": env_trackers,
     }  # fmt: skip
     return attributes, policy_state
 

@@ -678,7 +678,7 @@ METRICS: tuple[MetricDef, ...] = (
         "rl_staleness_mismatch_floor_nats",
         "rl.staleness.mismatch.floor",
         _NAT,
-        labels=("run", "source"),
+        labels=("run", "env", "source"),
         dimension=FLOOR_SOURCE,
     ),
     MetricDef(
@@ -690,7 +690,7 @@ METRICS: tuple[MetricDef, ...] = (
         None,
         None,
         "1",
-        labels=("run",),
+        labels=("run", "env"),
     ),
     MetricDef(
         "mismatch_floor_age",
@@ -701,7 +701,7 @@ METRICS: tuple[MetricDef, ...] = (
         "rl_staleness_mismatch_floor_age_steps",
         "rl.staleness.mismatch.floor_age",
         _STEP,
-        labels=("run",),
+        labels=("run", "env"),
         integer=True,
     ),
     MetricDef(
@@ -713,7 +713,7 @@ METRICS: tuple[MetricDef, ...] = (
         "rl_staleness_mismatch_budget_nats",
         "rl.staleness.mismatch.budget",
         _NAT,
-        labels=("run",),
+        labels=("run", "env"),
     ),
     MetricDef(
         "mismatch_curve",
@@ -725,7 +725,7 @@ METRICS: tuple[MetricDef, ...] = (
         "rl_staleness_mismatch_curve_nats",
         "rl.staleness.mismatch.curve",
         _NAT,
-        labels=("run", "lag"),
+        labels=("run", "env", "lag"),
         dimension=CURVE_LAG,
     ),
     MetricDef(
@@ -737,7 +737,7 @@ METRICS: tuple[MetricDef, ...] = (
         "rl_staleness_bound_suggested",
         "rl.staleness.bound.suggested",
         _STEP,
-        labels=("run",),
+        labels=("run", "env"),
         integer=True,
     ),
     MetricDef(
@@ -750,7 +750,7 @@ METRICS: tuple[MetricDef, ...] = (
         "rl_staleness_bound_crossed",
         "rl.staleness.bound.crossed",
         "1",
-        labels=("run",),
+        labels=("run", "env"),
         integer=True,
     ),
     MetricDef(
@@ -762,7 +762,7 @@ METRICS: tuple[MetricDef, ...] = (
         "rl_staleness_bound_excess_at_bound_nats",
         "rl.staleness.bound.excess_at_bound",
         _NAT,
-        labels=("run",),
+        labels=("run", "env"),
         wandb_summary="max",
     ),
     # SPEC 12: length bias of masking and drops, over shipped plus dropped samples.

@@ -224,6 +224,7 @@ def compute_report(
     env_breakdown: bool,
     mismatch: MismatchSums | None = None,
     bound: ShipBound | None = None,
+    env_costs: Mapping[str, tuple[MismatchSums, ShipBound | None]] | None = None,
 ) -> StepReport:
     """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied.
 
@@ -239,6 +240,8 @@ def compute_report(
     for env in sorted(envs, key=lambda e: env_names[e]):
         env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
         env_metrics[env_names[env]] = dict(env_population)
+    for name, (sums, env_bound) in (env_costs or {}).items():  # SPEC 11 and 14 per env (env breakdown)
+        env_metrics.setdefault(name, {}).update(mismatch_metrics(sums, env_bound))
     if env_breakdown:
         for name, values in env_metrics.items():
             if name:

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
+from .bound import mismatch_metrics
 from .checkpoint import (
     FORMAT,
     check_digests,
@@ -101,6 +102,7 @@ class StalenessMonitor:
         self._shipped_steps: set[int] = set()
         self._mismatch: dict[int, MismatchSums] = {}  # per step, merged over calls (the latest steps)
         self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}  # their keys, as last published
+        self._env_mismatch: dict[tuple[int, str], MismatchSums] = {}  # per step and env (the env breakdown)
 
     @property
     def config(self) -> StalenessConfig:
@@ -157,6 +159,9 @@ class StalenessMonitor:
                 "export_errors": self.export_errors.snapshot(),
                 "shipped_steps": sorted(self._shipped_steps),
                 "mismatch": [[step, sums.to_dict()] for step, sums in sorted(self._mismatch.items())],
+                "env_mismatch": [
+                    [step, env, sums.to_dict()] for (step, env), sums in sorted(self._env_mismatch.items())
+                ],
             }
         state["digests"] = digests_of(state, skip=("sink",))  # the sink's state carries its own
         return state
@@ -170,7 +175,7 @@ class StalenessMonitor:
         (naming both). An exporter of this monitor absent from the checkpoint starts its series afresh."""
         check_format(state, "monitor")
         state = keys(state, "", ("format", "run", "sink", "exporters", "export_errors", "shipped_steps", "mismatch"),
-                     ("digests",))  # fmt: skip
+                     ("digests", "env_mismatch"))  # fmt: skip
         if state["format"] != 1 and "digests" not in state:
             fail("digests", "missing")
         string(state["run"], "run")
@@ -200,6 +205,14 @@ class StalenessMonitor:
                 if step not in shipped or step in mismatch:
                     fail(join(join("mismatch", i), 0), f"step {step} was not shipped, or appears twice")
                 mismatch[step] = check_mismatch(sums, join(join("mismatch", i), 1))
+            env_mismatch: dict[tuple[int, str], MismatchSums] = {}
+            for i, item in enumerate(sequence(state.get("env_mismatch", []), "env_mismatch")):
+                where = join("env_mismatch", i)
+                step, env, sums = sequence(item, where, 3)
+                step, env = integer(step, join(where, 0), 1), string(env, join(where, 1))
+                if step not in shipped or not env or (step, env) in env_mismatch:
+                    fail(where, f"step {step} of env {env!r} was not shipped, has no env name, or appears twice")
+                env_mismatch[(step, env)] = check_mismatch(sums, join(where, 2))
             check_digests(state, "", skip=("sink",))
             # Everything is checked: replace. Exporters that cannot check a state beforehand load first, so that
             # one refusing leaves the monitor as it was.
@@ -218,6 +231,7 @@ class StalenessMonitor:
             self.export_errors.restore(error_counts)
             self._shipped_steps = shipped
             self._mismatch = mismatch
+            self._env_mismatch = env_mismatch
             self._mismatch_metrics = {}
 
     @contextmanager
@@ -232,15 +246,23 @@ class StalenessMonitor:
             with self._lock:
                 self._absorbing = False
 
-    def record_mismatch(self, step: int, sums: MismatchSums | Mapping[str, Any]) -> MismatchSums:
+    def record_mismatch(
+        self, step: int, sums: MismatchSums | Mapping[str, Any], env: str | None = None
+    ) -> MismatchSums:
         """Record trainer-side SPEC 11 sums for a shipped ``step`` and publish them; returns the step's total.
 
         ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from :func:`~staleness_metrics.mismatch_sums`)
         or its ``to_dict()`` form. Several calls for one step (one per rank or micro-batch) merge. A step
         never shipped, or a malformed dict, raises ``ValueError`` naming the field; nothing is recorded then.
+
+        ``env`` names the env the sums are of (one call per env and rank): they count in the step's batch-wide
+        total as any others, and with the env breakdown also in the env's, published under
+        ``staleness/env/<env>/mismatch/...`` and ``.../bound/...`` (an ``env`` label elsewhere).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ValueError(f"step: expected an integer >= 1, got {step!r}")
+        if env is not None and (not isinstance(env, str) or not env):
+            raise ValueError(f"env: expected a non-empty env name, got {env!r}")
         delta = sums if isinstance(sums, MismatchSums) else MismatchSums.from_dict(sums)
         with self._lock:
             if step not in self._shipped_steps:
@@ -250,7 +272,15 @@ class StalenessMonitor:
             while len(self._mismatch) > MISMATCH_STEPS_KEPT:
                 del self._mismatch[min(self._mismatch)]
             bound = self.sink.observe_mismatch(step, total, merge=True)
-            report = MismatchReport(step=step, sums=total, delta=delta, bound=bound)
+            env_metrics: dict[str, dict[str, MetricValue]] = {}
+            if env is not None and self.config.env_breakdown:
+                env_total = self._env_mismatch.get((step, env), MismatchSums.zero()) + delta
+                self._env_mismatch[(step, env)] = env_total
+                while len(self._env_mismatch) > MISMATCH_STEPS_KEPT:
+                    del self._env_mismatch[min(self._env_mismatch)]
+                env_bound = self.sink.observe_env_mismatch(step, env, env_total, merge=True)
+                env_metrics[env] = mismatch_metrics(env_total, env_bound)
+            report = MismatchReport(step=step, sums=total, delta=delta, bound=bound, env_metrics=env_metrics)
             self._mismatch_metrics[step] = report.metrics
             while len(self._mismatch_metrics) > MISMATCH_STEPS_KEPT:
                 del self._mismatch_metrics[min(self._mismatch_metrics)]

@@ -46,6 +46,7 @@ class ShippedSpans:
     mixed: BoolArray | None = None
     unlabelled_lag: IntArray | None = None
     unlabelled_masked: BoolArray | None = None
+    env: IntArray | None = None  # the env index of each span's rollout (the sink's numbering)
 
     def _unlabelled(self, rows: IntArray) -> tuple[IntArray, IntArray]:
         """For mixed spans among ``rows``: the indices (into the concatenation of ``rows``' positions)
@@ -89,10 +90,14 @@ class ShippedSpans:
     def carries_trainer_logprobs(self) -> bool:
         return any(self.batches[c].trainer_logprobs is not None for c in np.unique(self.chunk).tolist())
 
-    def mismatch(self, band: tuple[float, float]) -> MismatchSums:
-        """SPEC 11 sums over the sampled positions of live rollouts, from the records' log-probabilities."""
+    def mismatch(self, band: tuple[float, float], env: int | None = None) -> MismatchSums:
+        """SPEC 11 sums over the sampled positions of live rollouts, from the records' log-probabilities; of the
+        rollouts of one env (the sink's index) when ``env`` is given."""
         total = MismatchSums.zero()
         inside = self.lag >= 0
+        if env is not None:
+            assert self.env is not None
+            inside &= self.env == env
         for c in np.unique(self.chunk[inside]).tolist():
             rows = np.flatnonzero(inside & (self.chunk == c))
             lag, masked = self._per_position(rows)

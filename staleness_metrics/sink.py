@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .bound import BoundTracker, ShipBound
+from .bound import BoundTracker, ShipBound, env_tracker_config
 from .checkpoint import load_sink, save_sink
 from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
@@ -215,6 +215,7 @@ class Sink:
         self._invalid: list[TraceError] = []
         self.totals = Tally()
         self.bound_tracker = BoundTracker(self.config)  # SPEC 14: the floor, the cost window, the adaptive bound
+        self.env_trackers: dict[str, BoundTracker] = {}  # the same per env (env breakdown), without adaptation
         # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
         # + dropped + still queued.
         self.tokens_entered = 0
@@ -535,6 +536,16 @@ class Sink:
         self.sync_bound()
         return bound
 
+    def observe_env_mismatch(
+        self, step: int, env: str, total: MismatchSums, *, merge: bool = False, bound: int | None = None
+    ) -> ShipBound | None:
+        """The same for one env's sums (the env breakdown): its own floor, window and advice at the run's bound;
+        the bound adapts on the batch only."""
+        tracker = self.env_trackers.get(env)
+        if tracker is None:
+            tracker = self.env_trackers[env] = BoundTracker(env_tracker_config(self.config))
+        return tracker.observe(step, total, merge=merge, bound=self.bound_tracker.bound if bound is None else bound)
+
     def sync_bound(self) -> None:
         """Let the policy judge with the tracker's bound (it moves only when the bound adapts)."""
         if self.bound_tracker.adaptive:
@@ -583,9 +594,17 @@ class Sink:
         spans = self._shipped_spans(shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
         judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)
+        env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
+        if mismatch is not None and self.config.env_breakdown and spans.env is not None:
+            for env in np.unique(spans.env[spans.lag >= 0]).tolist():
+                name = self._env_names[env]
+                if name:  # SPEC 11 and 14 per env, from the records (rollouts without an env have no keys)
+                    sums = spans.mismatch(self.config.mismatch_band, env)
+                    env_costs[name] = (sums, self.observe_env_mismatch(step, name, sums, bound=judged_with))
         bound = None if mismatch is None else self.observe_mismatch(step, mismatch)
         report = compute_report(
             shipped_slice, self._window, judged_with, self._env_names, self.config.env_breakdown, mismatch, bound,
+            env_costs,
         )  # fmt: skip
         shipment = Shipment(
             step=step,
@@ -689,6 +708,7 @@ class Sink:
             mixed=(part == PART_LABELLED)[kept],
             unlabelled_lag=lag[partner][kept],
             unlabelled_masked=masked[partner][kept],
+            env=shipped.env[span_rollout][kept],
         )
 
     def _check_versions(self, rows: IntArray, step: int) -> IntArray:

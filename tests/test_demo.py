@@ -123,7 +123,8 @@ def _live_path_family(steps: int, config: StalenessConfig, seed: int = 0) -> dic
         shipment = monitor.ship(events.step, events.ship_ids)
         simulation.forget(shipment.dropped_rollouts)
         trained = trainer.train(monitor, shipment)
-        family[events.step] = _family(trained.sums.metrics()) if trained is not None else {}
+        published = monitor.mismatch_metrics(events.step) if trained is not None else None
+        family[events.step] = _family(published or {})
     return family
 
 

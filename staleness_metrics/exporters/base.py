@@ -63,11 +63,17 @@ class MismatchReport:
     sums: MismatchSums
     delta: MismatchSums
     bound: ShipBound | None = None  # SPEC 14 of ``sums``: the floor, the curve and the advice
+    # With the env breakdown, the keys of the env these sums were recorded for (its merged total), unprefixed.
+    env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
 
     @property
     def metrics(self) -> dict[str, MetricValue]:
-        """The row of ``sums``: SPEC 11 keys with the excess over SPEC 14's floor, then the SPEC 14 keys."""
-        return mismatch_metrics(self.sums, self.bound)
+        """The row of ``sums``: SPEC 11 keys with the excess over SPEC 14's floor, then the SPEC 14 keys, then
+        those of the env (``staleness/env/<env>/...``)."""
+        out = mismatch_metrics(self.sums, self.bound)
+        for env, keys in self.env_metrics.items():
+            out.update({f"staleness/env/{env}/{key.removeprefix('staleness/')}": v for key, v in keys.items()})
+        return out
 
 
 @runtime_checkable

@@ -187,7 +187,7 @@ class _PrometheusBase:
         with self._lock:  # reports are folded in order, one at a time
             if isinstance(report, MismatchReport):
                 # Counters add what this call brought; SPEC 14's gauges show the step's merged sums.
-                snapshot = self._state.apply_mismatch(report.delta, report.metrics)
+                snapshot = self._state.apply_mismatch(report.delta, report.metrics)  # the env's keys too
             else:
                 snapshot = self._state.apply(report)
             self.collector.update(snapshot)

@@ -164,36 +164,58 @@ _FLOOR_SOURCE_KEY = "staleness/mismatch/floor_source"
 
 
 _BOUND_KEYS = frozenset(key for m in _BOUND_GAUGES for key in m.wandb_keys)
+_ENV_PREFIX = "staleness/env/"
+
+
+def _split_env(key: str) -> tuple[str, str] | None:
+    """(env, batch-wide key) of a SPEC 14 key, its env ``""`` when it is batch-wide; None for other keys."""
+    if key in _BOUND_KEYS:
+        return "", key
+    if key.startswith(_ENV_PREFIX):
+        for bound_key in _BOUND_KEYS:
+            suffix = "/" + bound_key.removeprefix("staleness/")
+            if key.endswith(suffix) and len(key) > len(_ENV_PREFIX) + len(suffix):
+                return key[len(_ENV_PREFIX) : -len(suffix)], bound_key
+    return None
 
 
 def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
-    return {key: value for key, value in metrics.items() if key in _BOUND_KEYS}
+    """The SPEC 14 keys of a row, batch-wide and per env (``staleness/env/<env>/...``)."""
+    return {key: value for key, value in metrics.items() if _split_env(key) is not None}
 
 
 def _bound_gauges(
     metrics: Mapping[str, MetricValue] | None,
 ) -> tuple[dict[str, Mapping[str, Number]], dict[str, Mapping[BucketKey, Number]]]:
-    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family: plain, and labelled."""
-    plain: dict[str, Mapping[str, Number]] = {}
-    labelled: dict[str, Mapping[BucketKey, Number]] = {}
+    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family: plain, and labelled; the
+    batch's under env ``""`` and each env's (the env breakdown) under its name."""
+    by_env: dict[str, dict[str, MetricValue]] = {}
+    for key, value in (metrics or {}).items():
+        split = _split_env(key)
+        if split is not None:
+            by_env.setdefault(split[0], {})[split[1]] = value
+    plain: dict[str, dict[str, Number]] = {}
+    labelled: dict[str, dict[BucketKey, Number]] = {}
     for metric in _BOUND_GAUGES:
         if metric.prometheus_name is None and metric.otel_name is None:
             continue
         assert metric.wandb_key is not None
-        found = metrics or {}
-        if metric.dimension is None:
-            plain[metric.name] = {"": _as_number(metric, found[metric.wandb_key])} if metric.wandb_key in found else {}
-        elif metric.dimension.placeholder in metric.wandb_key:  # one key per bucket (the curve)
-            labelled[metric.name] = {
-                ("", value): _as_number(metric, found[key])
-                for key, value in zip(metric.wandb_keys, metric.dimension.values, strict=True)
-                if key in found
-            }
-        else:  # one key, its label from another key (the floor and its source)
-            source = found.get(_FLOOR_SOURCE_KEY)
-            present = metric.wandb_key in found and isinstance(source, str)
-            labelled[metric.name] = {("", str(source)): _as_number(metric, found[metric.wandb_key])} if present else {}
-    return plain, labelled
+        values: dict[str, Number] = plain.setdefault(metric.name, {}) if metric.dimension is None else {}
+        buckets: dict[BucketKey, Number] = labelled.setdefault(metric.name, {}) if metric.dimension else {}
+        for env in sorted(by_env):
+            found = by_env[env]
+            if metric.dimension is None:
+                if metric.wandb_key in found:
+                    values[env] = _as_number(metric, found[metric.wandb_key])
+            elif metric.dimension.placeholder in metric.wandb_key:  # one key per bucket (the curve)
+                for key, value in zip(metric.wandb_keys, metric.dimension.values, strict=True):
+                    if key in found:
+                        buckets[(env, value)] = _as_number(metric, found[key])
+            else:  # one key, its label from another key (the floor and its source)
+                source = found.get(_FLOOR_SOURCE_KEY)
+                if metric.wandb_key in found and isinstance(source, str):
+                    buckets[(env, source)] = _as_number(metric, found[metric.wandb_key])
+    return dict(plain), dict(labelled)
 
 
 def _histogram_of(metric: MetricDef, tally: Tally) -> Counts:
@@ -322,8 +344,11 @@ class CumulativeState:
         """Fold in trainer-side sums (the live path): the counters move, the last ship's gauges stay; SPEC 14's
         gauges take ``metrics``, the keys of the step's merged sums (``MismatchReport.metrics``)."""
         self._add_mismatch(delta)
-        if metrics is not None:
-            self._bound_metrics = _bound_keys(metrics)
+        if metrics is not None:  # the batch's keys, and the env's when the sums were of one env; other envs stay
+            new = _bound_keys(metrics)
+            envs = {"", *(split[0] for split in map(_split_env, new) if split is not None)}
+            kept = {k: v for k, v in (self._bound_metrics or {}).items() if (_split_env(k) or ("",))[0] not in envs}
+            self._bound_metrics = {**kept, **new}
         return self._snapshot({env: Tally() for env in self._totals}, delta)
 
     def _add_mismatch(self, sums: MismatchSums) -> None:

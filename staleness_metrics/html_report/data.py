@@ -19,6 +19,7 @@ import numpy.typing as npt
 from ..adapters import as_replay_events, compare_prime_rl, detect_source, read_run
 from ..adapters.events import iter_json_lines
 from ..adapters.prime_rl import ComparisonRow, has_rollouts
+from ..bound import FLOOR_SOURCES
 from ..config import StalenessConfig
 from ..errors import EventError
 from ..metric_table import LEGACY_KEYS
@@ -31,7 +32,6 @@ from ..what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_cu
 __all__ = ["ReportData", "collect", "metrics_rows", "sums_from_rows"]
 
 _STEP_KEYS = ("step", "trainer/step")
-_STRING_SUFFIXES = ("/mismatch/floor_source",)  # the keys whose values are strings
 
 
 @dataclass
@@ -71,8 +71,9 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
         name = key if key.startswith("staleness/") else legacy.new if legacy is not None else None
         if name is None or value is None or isinstance(value, dict):
             continue
-        if name.endswith(_STRING_SUFFIXES) and isinstance(value, str):
-            pass  # SPEC 14's floor source: a string in JSONL and W&B
+        if key.endswith("/floor_source"):  # SPEC 14's one string value
+            if value not in FLOOR_SOURCES:
+                raise EventError(line, f"{path}: {key}: expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EventError(line, f"{path}: {key}: expected a number, got {value!r}")
         if key == name or name not in row:

@@ -188,3 +188,36 @@ def test_an_adapted_bound_does_not_load_into_a_config_without_adaptation() -> No
     plain = Sink(StalenessConfig(max_staleness=3, floor_min_tokens=1, cost_window=1, mismatch_budget=0.01))
     with pytest.raises(ConfigError, match=r"bound\.bound: adapted to 2, but this config has max_staleness=3"):
         plain.load_state_dict(state)
+
+
+def test_live_sums_given_per_env_report_each_env_under_its_prefix_and_add_to_the_batch() -> None:
+    config = StalenessConfig(max_staleness=8, floor_min_tokens=100, env_breakdown=True, mismatch_budget=0.004)
+    math_sums = sums_of({0: (100, 0.001), 1: (100, 0.003), 2: (100, 0.009)})
+    code_sums = sums_of({0: (100, 0.002), 1: (100, 0.003)})
+    with StalenessMonitor(config) as monitor:
+        monitor.ship(1)
+        monitor.ship(2)
+        monitor.record_mismatch(1, math_sums, env="math")
+        monitor.record_mismatch(2, math_sums, env="math")
+        monitor.record_mismatch(2, code_sums, env="code")
+        keys = monitor.mismatch_metrics(2)
+        assert keys is not None
+        # code: floor 0.002 (its own lag 0), curve lag 1 = 0.001 <= budget 0.004: suggested 1, not crossed
+        assert keys["staleness/env/code/mismatch/floor"] == 0.002
+        assert keys["staleness/env/code/mismatch/curve/lag_1"] == pytest.approx(0.001)
+        assert (keys["staleness/env/code/bound/suggested"], keys["staleness/env/code/bound/crossed"]) == (1, 0)
+        # the batch: both envs' sums of step 2 merged (lag 0: 200 tokens of k3 0.0015)
+        assert keys["staleness/mismatch/lag_0/tokens"] == 200
+        assert keys["staleness/mismatch/floor"] == pytest.approx(0.0015, rel=1e-12)
+        state = json.loads(json.dumps(monitor.state_dict()))
+        assert set(state["sink"]["bound_envs"]) == {"math", "code"}
+        resumed = StalenessMonitor(config)
+        resumed.load_state_dict(state)
+        # more sums of math at step 2 merge with what it had: its window holds steps 1 and 2 (merged)
+        monitor.record_mismatch(2, math_sums, env="math")
+        resumed.record_mismatch(2, math_sums, env="math")
+        assert resumed.mismatch_metrics(2) == monitor.mismatch_metrics(2)
+        assert resumed.mismatch_metrics(2)["staleness/env/math/mismatch/lag_2/tokens"] == 200  # type: ignore[index]
+        with pytest.raises(ValueError, match="env: expected a non-empty env name"):
+            monitor.record_mismatch(2, math_sums, env="")
+        resumed.close()

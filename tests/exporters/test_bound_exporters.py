@@ -39,10 +39,22 @@ def _no_otel_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+BATCH_KEYS = {key for row in METRICS if row.source is Source.BOUND for key in row.wandb_keys}
+
+
+def is_spec14(key: str) -> bool:
+    """A SPEC 14 key, batch-wide or of an env (``staleness/env/<env>/...``, the env breakdown)."""
+    tails = {"/" + k.removeprefix("staleness/") for k in BATCH_KEYS}
+    return key in BATCH_KEYS or (key.startswith("staleness/env/") and any(key.endswith(t) for t in tails))
+
+
 def spec14(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
     """The SPEC 14 keys of a row, numbers as floats (as Prometheus and OTLP carry them)."""
-    keys = {key for row in METRICS if row.source is Source.BOUND for key in row.wandb_keys}
-    return {k: v if isinstance(v, str) else float(v) for k, v in metrics.items() if k in keys}
+    return {k: v if isinstance(v, str) else float(v) for k, v in metrics.items() if is_spec14(k)}
+
+
+def envs_of(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
+    return {k: v for k, v in metrics.items() if k.startswith("staleness/env/")}
 
 
 def as_keys(row: MetricDef, points: list[tuple[dict[str, str], float]]) -> dict[str, MetricValue]:
@@ -50,13 +62,18 @@ def as_keys(row: MetricDef, points: list[tuple[dict[str, str], float]]) -> dict[
     assert row.wandb_key is not None
     out: dict[str, MetricValue] = {}
     for labels, value in points:
+        env = labels.get("env", "")
+
+        def key(batch_key: str, env: str = env) -> str:
+            return f"staleness/env/{env}/{batch_key.removeprefix('staleness/')}" if env else batch_key
+
         if row.dimension is None:
-            out[row.wandb_key] = value
+            out[key(row.wandb_key)] = value
         elif row.dimension.label == "source":
-            out[row.wandb_key] = value
-            out[FLOOR_SOURCE] = labels["source"]
+            out[key(row.wandb_key)] = value
+            out[key(FLOOR_SOURCE)] = labels["source"]
         else:
-            out[row.wandb_key.replace(row.dimension.placeholder, labels[row.dimension.label])] = value
+            out[key(row.wandb_key.replace(row.dimension.placeholder, labels[row.dimension.label]))] = value
     return out
 
 
@@ -84,7 +101,9 @@ def test_scraped_gauges_equal_the_jsonl_keys_of_the_sink_and_of_the_live_path(tm
                 for row in BOUND_ROWS:
                     result = prom.query(f'{row.prometheus_name}{{run="{RUN}"}}')
                     for series in result:
-                        assert set(series["metric"]) - {"__name__", "job", "instance"} == set(row.labels)
+                        # the batch's series have env "": no label; each env's carry it (the env breakdown)
+                        labels = set(series["metric"]) - {"__name__", "job", "instance"}
+                        assert labels == set(row.labels) - ({"env"} if "env" not in series["metric"] else set())
                     out.update(as_keys(row, [(r["metric"], float(r["value"][1])) for r in result]))
                 return out
 
@@ -93,13 +112,15 @@ def test_scraped_gauges_equal_the_jsonl_keys_of_the_sink_and_of_the_live_path(tm
                 shipment = monitor.ship(step)
             expected.append(spec14(shipment.metrics))
             assert {FLOOR_SOURCE, "staleness/bound/suggested"} <= set(expected[-1])  # the sink path
+            assert "staleness/env/math/mismatch/floor" in expected[-1]  # and per env, from the records
             prom.wait_until(lambda: scraped() == expected[-1])
 
             monitor.record_mismatch(shipment.step, live_sums(1))
             monitor.record_mismatch(shipment.step, live_sums(2))  # a second rank: the step's merged sums
             live = monitor.mismatch_metrics(shipment.step)
             assert live is not None
-            expected.append(spec14(live))
+            # The trainer's sums (no env) replace the batch's gauges; the envs' stay those of the ship.
+            expected.append({**envs_of(expected[-1]), **spec14(live)})
             assert expected[-1] != expected[-2] and expected[-1]["staleness/bound/crossed"] == 1.0
             prom.wait_until(lambda: scraped() == expected[-1])
             # Only the curve's lags are exposed: none left over from the sink path's curve.
@@ -108,7 +129,7 @@ def test_scraped_gauges_equal_the_jsonl_keys_of_the_sink_and_of_the_live_path(tm
         monitor.close()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     with_spec14 = [spec14(row) for row in rows if FLOOR_SOURCE in row]
-    assert with_spec14[-1] == expected[-1]  # the live line of the merged step
+    assert with_spec14[-1] == spec14(live)  # the live line of the merged step
     assert expected[0] in with_spec14  # the ship's line
     assert all(isinstance(row[FLOOR_SOURCE], str) for row in rows if FLOOR_SOURCE in row)
 
@@ -122,6 +143,9 @@ def test_otlp_gauges_over_the_wire_equal_the_latest_keys() -> None:
         from_ship = spec14(shipment.metrics)
         monitor.record_mismatch(shipment.step, live_sums(3))
         live = monitor.mismatch_metrics(shipment.step)
+        # a trainer that gives its sums per env too: that env's gauges follow them
+        monitor.record_mismatch(shipment.step, live_sums(4), env="code")
+        both = monitor.mismatch_metrics(shipment.step)
         monitor.close()  # flushes
         recorded = server.drain_metrics()
     assert live is not None and from_ship != spec14(live)
@@ -136,8 +160,12 @@ def test_otlp_gauges_over_the_wire_equal_the_latest_keys() -> None:
         points = []
         for point in metric.gauge.data_points:
             attributes = attributes_of(point)
-            assert attributes["run"] == RUN and set(attributes) == set(row.labels), row.name
+            expected_attributes = set(row.labels) - ({"env"} if "env" not in attributes else set())
+            assert attributes["run"] == RUN and set(attributes) == expected_attributes, row.name
             value = float(point.as_int if point.WhichOneof("value") == "as_int" else point.as_double)
             points.append((attributes, value))
         got.update(as_keys(row, points))
-    assert got == spec14(live)
+    assert live is not None and both is not None
+    assert "staleness/env/code/mismatch/floor" in both and "staleness/env/math/mismatch/floor" not in both
+    math_keys = {k: v for k, v in envs_of(from_ship).items() if k.startswith("staleness/env/math/")}
+    assert got == {**math_keys, **spec14(both)}

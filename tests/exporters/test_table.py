@@ -139,10 +139,11 @@ def test_spec14_gauges_carry_their_label_with_the_spec_values() -> None:
     rows = {m.prometheus_name: m for m in METRICS if m.prometheus_name in SPEC14_PROMETHEUS}
     for name, label in SPEC14_PROMETHEUS.items():
         row = rows[name]
+        # env: each env's keys with the env breakdown (the batch's series have env "": no label in Prometheus)
         if label is None:
-            assert row.dimension is None and row.labels == ("run",), name
+            assert row.dimension is None and row.labels == ("run", "env"), name
         else:
-            assert row.dimension is not None and row.dimension.label == label and row.labels == ("run", label)
+            assert row.dimension is not None and row.dimension.label == label and row.labels == ("run", "env", label)
     assert rows["rl_staleness_mismatch_floor_nats"].dimension.values == ("lag0", "carried", "min_lag")  # type: ignore[union-attr]
     assert rows["rl_staleness_mismatch_curve_nats"].dimension.values == tuple(str(b) for b in range(1, 17))  # type: ignore[union-attr]
 

@@ -392,9 +392,8 @@ class ReferenceSink:
         self.window = Window()
         # SPEC 14: the bound in force, the last ships with SPEC 11 sums, the last lag-0 floor, the adaptation.
         self.bound = config.max_staleness
-        self.cost_ships: list[Buckets] = []
-        self.last_lag0: tuple[float, int] | None = None
-        self.ships_with_curve = 0
+        self.costs = Costs()  # the batch's
+        self.env_costs: dict[str, Costs] = {}  # each env's (env breakdown), which never adapt the bound
 
     # -- add -------------------------------------------------------------------------------------
     def add(self, rollout: Rollout) -> None:
@@ -574,11 +573,11 @@ class ReferenceSink:
         return metrics, batch
 
     # -- what staleness costs and choosing the bound (SPEC 11, SPEC 14) ---------------------------------
-    def _costs(self, step: int, buckets: Buckets | None) -> dict[str, Any]:
+    def _costs(self, step: int, buckets: Buckets | None, state: Costs, bound: int, adapt: bool) -> dict[str, Any]:
         if buckets is None or not any(entry[0] for name, entry in buckets.items() if name):
             return {}
         c = self.config
-        self.cost_ships = [*self.cost_ships, buckets][-c.cost_window :]
+        state.ships = [*state.ships, buckets][-c.cost_window :]
 
         def tokens(ship: Buckets, name: str) -> float:
             return ship[name][0] if name in ship else 0
@@ -586,9 +585,9 @@ class ReferenceSink:
         floor: float | None = None
         if tokens(buckets, "0") >= c.floor_min_tokens:
             floor, source, age = buckets["0"][1] / buckets["0"][0], "lag0", 0
-            self.last_lag0 = (floor, step)
-        elif self.last_lag0 is not None and step - self.last_lag0[1] <= c.floor_max_age:
-            floor, source, age = self.last_lag0[0], "carried", step - self.last_lag0[1]
+            state.last_lag0 = (floor, step)
+        elif state.last_lag0 is not None and step - state.last_lag0[1] <= c.floor_max_age:
+            floor, source, age = state.last_lag0[0], "carried", step - state.last_lag0[1]
         else:
             for name in LAG_NAMES:
                 if tokens(buckets, name) >= c.floor_min_tokens:
@@ -604,9 +603,9 @@ class ReferenceSink:
         out["staleness/mismatch/budget"] = budget
         lags, excess, weights = [], [], []
         for lag in range(1, 17):
-            n = sum(tokens(ship, str(lag)) for ship in self.cost_ships)
+            n = sum(tokens(ship, str(lag)) for ship in state.ships)
             if n >= c.floor_min_tokens:
-                k3 = sum(ship[str(lag)][1] for ship in self.cost_ships if str(lag) in ship)
+                k3 = sum(ship[str(lag)][1] for ship in state.ships if str(lag) in ship)
                 lags.append(lag)
                 excess.append(k3 / n - floor)
                 weights.append(n)
@@ -620,12 +619,12 @@ class ReferenceSink:
         crossed = any(value > budget for value in fitted)
         out["staleness/bound/suggested"] = suggested
         out["staleness/bound/crossed"] = int(crossed)
-        at_bound = [value for lag, value in zip(lags, fitted) if lag <= self.bound]
+        at_bound = [value for lag, value in zip(lags, fitted) if lag <= bound]
         if at_bound:
             out["staleness/bound/excess_at_bound"] = at_bound[-1]
-        if c.adapt_every is not None:
-            self.ships_with_curve += 1
-            if self.ships_with_curve % c.adapt_every == 0:
+        if adapt and c.adapt_every is not None:
+            state.ships_with_curve += 1
+            if state.ships_with_curve % c.adapt_every == 0:
                 if crossed and suggested != self.bound:
                     self.bound += 1 if suggested > self.bound else -1
                 elif not crossed and suggested >= self.bound:
@@ -639,9 +638,14 @@ class ReferenceSink:
         metrics.update(
             _slice_metrics(step, shipped, self.window.dropped_rollouts, self.window.dropped_samples, held, "staleness/")
         )
-        metrics["staleness/max_staleness"] = self.bound
-        buckets = _mismatch_buckets(step, shipped)
-        metrics.update(self._costs(step, buckets))
+        metrics["staleness/max_staleness"] = bound = self.bound
+        env_costs: dict[str, dict[str, Any]] = {}
+        if self.config.env_breakdown:  # each env's SPEC 11 / 14 keys, at the bound this ship used
+            for env in dict.fromkeys(r.env for r in shipped if r.env is not None):
+                state = self.env_costs.setdefault(env, Costs())
+                env_buckets = _mismatch_buckets(step, [r for r in shipped if r.env == env])
+                env_costs[env] = self._costs(step, env_buckets, state, bound, adapt=False)
+        metrics.update(self._costs(step, _mismatch_buckets(step, shipped), self.costs, bound, adapt=True))
         if self.config.env_breakdown:
             envs: list[str] = []
             everything = [
@@ -665,6 +669,8 @@ class ReferenceSink:
                     )
                 )
                 metrics[f"staleness/env/{env}/max_staleness"] = metrics["staleness/max_staleness"]
+                for key, value in env_costs.get(env, {}).items():
+                    metrics[f"staleness/env/{env}/{key.removeprefix('staleness/')}"] = value
         return metrics
 
 
@@ -784,6 +790,15 @@ def _lag_bucket(lag: int) -> str:
     if lag <= 16:
         return str(lag)
     return "32" if lag <= 32 else "64" if lag <= 64 else "inf"
+
+
+@dataclass
+class Costs:
+    """SPEC 14's run-long state: the last ships with SPEC 11 sums, the last lag-0 floor, ships with a curve."""
+
+    ships: list[dict[str, list[float]]] = field(default_factory=list)
+    last_lag0: tuple[float, int] | None = None
+    ships_with_curve: int = 0
 
 
 Buckets = dict[str, list[float]]  # bucket -> [tokens, k3, |d|, out of band, r, r^2], plus "" -> [sampled]
