@@ -128,6 +128,7 @@ _TOKEN = "{token}"
 _ROLLOUT = "{rollout}"
 _SAMPLE = "{sample}"
 _NAT = "{nat}"  # natural units of information (log-ratios and KL)
+_FLAG = "{flag}"  # a 0/1 gauge (unit "1" would make the collector name it ..._ratio)
 _LAG_LABELS = ("run", "lag")
 _LENGTH_LABELS = ("run", "env", "length")
 
@@ -749,7 +750,7 @@ METRICS: tuple[MetricDef, ...] = (
         "staleness/bound/crossed",
         "rl_staleness_bound_crossed",
         "rl.staleness.bound.crossed",
-        "1",
+        _FLAG,
         labels=("run", "env"),
         integer=True,
     ),

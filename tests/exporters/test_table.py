@@ -104,7 +104,7 @@ SPEC11_12_PROMETHEUS = {
     "rl_staleness_length_samples_total": None,  # extension: makes the mean lengths exact in PromQL
 }
 SPEC11_LAGS = ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12", "13", "14", "15", "16", "32", "64")
-UCUM = {"{step}", "1", "{token}", "{rollout}", "{sample}", "{error}", "{nat}"}
+UCUM = {"{step}", "1", "{token}", "{rollout}", "{sample}", "{error}", "{nat}", "{flag}"}
 
 WANDB_KEYS = set(metric_table.WANDB_KEYS)
 
