@@ -278,6 +278,11 @@ def test_the_floor_is_measured_at_the_start_and_carried_so_every_step_has_an_exc
         assert judged is not None and judged.floor is not None
         sources[step] = (judged.floor.source, judged.floor.age)
     assert sources == {1: ("lag0", 0)} | {step: ("carried", step - 1) for step in range(2, 26)}
+    # What the run logged says the same, and every step after the first reports its excess.
+    rows = _rows_by_step(tmp_path / "out" / "metrics.jsonl")
+    logged = {s: (r["staleness/mismatch/floor_source"], r["staleness/mismatch/floor_age"]) for s, r in rows.items()}
+    assert logged == sources
+    assert all("staleness/mismatch/excess_k3" in rows[step] for step in range(2, 26))
 
 
 def test_the_suggested_bound_is_where_the_drift_model_puts_it(
@@ -297,6 +302,9 @@ def test_the_suggested_bound_is_where_the_drift_model_puts_it(
     last = judged[-1]
     assert last is not None and last.advice is not None
     assert abs(last.advice.suggested - expected) <= 1
+    # The demo's own measurement, as it logged it: the same suggestion.
+    rows = _rows_by_step(tmp_path / "out" / "metrics.jsonl")
+    assert rows[30]["staleness/bound/suggested"] == last.advice.suggested
     assert last.advice.crossed  # the data shows where the budget is crossed
     # Inside the demo's lag range: lags above the suggestion were shipped (and cost more than the budget).
     assert max(last.curve.lags) > last.advice.suggested

@@ -202,12 +202,13 @@ def test_nine_bounds_from_one_parse_equal_nine_separate_replays(policy: str) -> 
             with pytest.raises(EventError):
                 what_if(events, range(9), base)
             continue
-        # The curve's judgement of each bound (excess_at_bound, within_budget, suggested) is tested apart.
-        replayed = [
-            dataclasses.replace(row, excess_at_bound=None, within_budget=None, suggested=None, suggested_bound=None)
-            for row in what_if(events, range(9), base)
+        # The run's curve judges each row besides (tests below); the replayed figures are the separate replays'.
+        judged = what_if(events, range(9), base)
+        unjudged = [
+            dataclasses.replace(r, excess_at_bound=None, within_budget=None, suggested=None, suggested_bound=None)
+            for r in judged
         ]
-        assert replayed == separate, f"seed {seed}"
+        assert unjudged == separate, f"seed {seed}"
         compared += 1
     assert compared >= 10
 

@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TextIO
@@ -37,7 +37,6 @@ from ..config import StalenessConfig
 from ..exporters import ConsoleExporter, Exporter, JsonlExporter
 from ..exporters.console import format_line
 from ..kernels import warm_up
-from ..mismatch import MismatchSums
 from ..monitor import StalenessMonitor
 from ..report import StepReport
 from ..run_dir import write_run_file
@@ -163,7 +162,9 @@ class _LiveTable:
     def __exit__(self, *exc: object) -> None:
         self._live.__exit__(None, None, None)
 
-    def update(self, events: StepEvents, shipment: Shipment, totals: _Totals, trained: TrainedBatch | None) -> None:
+    def update(
+        self, events: StepEvents, shipment: Shipment, totals: _Totals, cost: Mapping[str, object] | None
+    ) -> None:
         from rich.table import Table
         from rich.text import Text
 
@@ -179,8 +180,7 @@ class _LiveTable:
             f"queue {events.queued} · in flight {events.in_flight} · "
             f"{c.policy} policy, max_staleness {c.max_staleness}",
             caption=f"run so far: {totals.shipped} live + {totals.frozen} frozen rollouts shipped, "
-            f"{totals.dropped} dropped, {masked} of sampled tokens masked"
-            + _cost_caption(None if trained is None else trained.sums),
+            f"{totals.dropped} dropped, {masked} of sampled tokens masked" + _cost_caption(cost),
         )
         for name in (
             "env",
@@ -221,14 +221,22 @@ class _LiveTable:
         self._live.update(table, refresh=True)
 
 
-def _cost_caption(cost: MismatchSums | None) -> str:
-    """What staleness cost the simulated trainer at this step (SPEC 11), for the live table."""
-    keys = cost.metrics() if cost is not None else {}
-    if "staleness/mismatch/k3" not in keys:
+def _cost_caption(metrics: Mapping[str, object] | None) -> str:
+    """What staleness cost the simulated trainer at this step (SPEC 11) and the bound it suggests (SPEC 14)."""
+    keys = metrics or {}
+    k3 = keys.get("staleness/mismatch/k3")
+    if not isinstance(k3, float):
         return ""
-    text = f"\ntrainer mismatch k3 {keys['staleness/mismatch/k3']:.4f}"
+    text = f"\ntrainer mismatch k3 {k3:.4f}"
+    floor = keys.get("staleness/mismatch/floor")
+    if not isinstance(floor, float):
+        return text + " (no floor yet)"
+    text += f", floor {floor:.4g} ({keys.get('staleness/mismatch/floor_source')})"
     excess = keys.get("staleness/mismatch/excess_k3")
-    return text + (f", excess over lag 0 {excess:.4f}" if excess is not None else " (no lag-0 tokens: no floor)")
+    text += f", excess {excess:.4g}" if isinstance(excess, float) else ""
+    at_bound, suggested = keys.get("staleness/bound/excess_at_bound"), keys.get("staleness/bound/suggested")
+    text += f", at the bound {at_bound:.4g}" if isinstance(at_bound, float) else ""
+    return text + (f", suggested bound {suggested}" if suggested is not None else "")
 
 
 class _EventLog:
@@ -361,7 +369,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 totals.add(shipment.report)
                 shipped_steps += 1
                 if table is not None:
-                    table.update(step_events, shipment, totals, trained)
+                    table.update(step_events, shipment, totals, monitor.mismatch_metrics(shipment.step))
     except KeyboardInterrupt:
         interrupted = True
     finally:

@@ -29,10 +29,24 @@ def _figure(key: str, title: str, caption: str, svg: str) -> str:
     )
 
 
-def _bound_rules(bound: int | None, suggested: int | None) -> list[Rule]:
+def _bound_in_force(data: ReportData) -> int | None:
+    """The bound of the run's last step (it differs from the configured one when the bound adapted)."""
+    used = [v for v in data.series("staleness/max_staleness") if isinstance(v, (int, float))]
+    return int(used[-1]) if used else data.bound
+
+
+def _bound_label(data: ReportData) -> str:
+    last = _bound_in_force(data)
+    if last is not None and data.bound is not None and last != data.bound:
+        return f"bound in force {last} (adapted from {data.bound})"
+    return f"configured bound {last}"
+
+
+def _bound_rules(data: ReportData, suggested: int | None) -> list[Rule]:
     rules = []
+    bound = _bound_in_force(data)
     if bound is not None:
-        rules.append(Rule(bound, f"configured bound {bound}", CONFIGURED_COLOUR))
+        rules.append(Rule(bound, _bound_label(data), CONFIGURED_COLOUR))
     if suggested is not None:
         rules.append(Rule(suggested, f"suggested bound {suggested}", SUGGESTED_COLOUR))
     return rules
@@ -46,7 +60,7 @@ def _x_range(curve: RunCurve, bound: int | None, rows: list[WhatIfRow]) -> list[
 def _curve_chart(data: ReportData, curve: RunCurve) -> str:
     label = "Excess mismatch by lag, pooled over the run"
     suggested = curve.suggested
-    xs = _x_range(curve, data.bound, data.what_if)
+    xs = _x_range(curve, _bound_in_force(data), data.what_if)
     at = {lag: i for i, lag in enumerate(curve.curve.lags)}
 
     def by_lag(values: tuple[float, ...]) -> list[float | None]:
@@ -66,7 +80,7 @@ def _curve_chart(data: ReportData, curve: RunCurve) -> str:
         x_label="token lag",
         y_label="nats above the floor",
         rules=[Rule(curve.budget, f"budget {curve.budget:.4g}", BUDGET_COLOUR)],
-        vertical_rules=_bound_rules(data.bound, suggested),
+        vertical_rules=_bound_rules(data, suggested),
     )
     crossed = (
         "The curve crosses the budget: the suggestion is the largest lag within it."
@@ -89,7 +103,7 @@ def _kept_chart(data: ReportData, curve: RunCurve) -> str:
     if not rows:
         svg = message_chart(label, "needs rollouts: logged metrics cannot be replayed at other bounds")
     else:
-        xs = _x_range(curve, data.bound, rows)
+        xs = _x_range(curve, _bound_in_force(data), rows)
         kept = {r.max_staleness: r.kept_share for r in rows}
         svg = line_chart(
             label,
@@ -98,7 +112,7 @@ def _kept_chart(data: ReportData, curve: RunCurve) -> str:
             x_label="max_staleness",
             y_label="kept share",
             percent=True,
-            vertical_rules=_bound_rules(data.bound, curve.suggested),
+            vertical_rules=_bound_rules(data, curve.suggested),
         )
     caption = (
         "Beside the curve, on the same axis: the share of the run's sampled tokens each bound lets train (the "
@@ -121,7 +135,8 @@ def _num(value: float | None) -> str:
 
 def _table(data: ReportData, curve: RunCurve) -> str:
     kept = {r.max_staleness: r for r in data.what_if}
-    suggested = curve.suggested
+    suggested, bound = curve.suggested, _bound_in_force(data)
+    bound_mark = "configured" if bound == data.bound else "bound in force"
     head = (
         "<tr><th>lag</th><th>tokens</th><th>raw excess e</th><th>curve ê</th><th>within budget</th>"
         "<th>kept share at this bound</th></tr>"
@@ -130,7 +145,7 @@ def _table(data: ReportData, curve: RunCurve) -> str:
     for lag, tokens, raw, fitted in zip(
         curve.curve.lags, curve.curve.tokens, curve.curve.raw, curve.curve.fitted, strict=True
     ):
-        marks = [m for m, on in (("configured", lag == data.bound), ("suggested", lag == suggested)) if on]
+        marks = [m for m, on in ((bound_mark, lag == bound), ("suggested", lag == suggested)) if on]
         row = kept.get(lag)
         share = "-" if row is None or row.kept_share is None else f"{100 * row.kept_share:.2f}%"
         body.append(
@@ -141,7 +156,7 @@ def _table(data: ReportData, curve: RunCurve) -> str:
     return (
         '<section class="panel" id="bound-table"><h2>The curve, lag by lag</h2><p>'
         f"Floor {curve.floor.value:.4g} nats ({escape(curve.floor.source)}), budget {curve.budget:.4g} nats, "
-        f"configured bound {data.bound if data.bound is not None else '-'}, suggested bound "
+        f"{_bound_label(data) if bound is not None else 'configured bound -'}, suggested bound "
         f"{suggested if suggested is not None else '-'}.</p>"
         f"<table>{head}{''.join(body)}</table></section>"
     )

@@ -62,7 +62,8 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
     """A logged row's scalar staleness values, legacy keys renamed (a current key wins over its legacy twin).
 
     ``null`` is a step without that value and media objects (a logged W&B histogram) are not plotted;
-    anything else that is not a number is an error naming the line and the key.
+    anything else that is not a number (but the floor's source, a string) is an error naming the line and
+    the key.
     """
     out: dict[str, Any] = {}
     for key, value in row.items():

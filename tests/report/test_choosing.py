@@ -3,6 +3,7 @@ bound" figure read back from headless Chromium."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -87,6 +88,11 @@ def test_the_report_of_a_demo_directory_shows_how_to_choose_the_bound(demo_direc
     suggested = result.curve.suggested
     assert suggested is not None and abs(suggested - DriftModel().expected_suggested_bound()) <= 1
 
+    # Over steps, each ship's suggestion as the run logged it (its window of cost_window ships).
+    logged = [json.loads(line) for line in (demo_directory / "metrics.jsonl").read_text().splitlines()]
+    last_suggested = [row["staleness/bound/suggested"] for row in logged if "staleness/bound/suggested" in row][-1]
+    assert f"<title>suggested (window of cost_window ships) at 25: {last_suggested}</title>" in page.read_text()
+
     seen = probe(page, _FIGURE)
     # Every section, from one directory: staleness, what the run cost, and choosing the bound.
     assert seen["sections"][:3] == ["what-if-table", "what-staleness-costs", "choosing-the-bound"]
@@ -150,3 +156,23 @@ def test_the_logged_rows_alone_give_the_same_curve(demo_directory: Path, tmp_pat
     for lag, fitted in zip(curve.curve.lags, curve.curve.fitted, strict=True):
         assert f'<tr data-lag="{lag}">' in html or f'<tr class=current data-lag="{lag}">' in html
         assert f"<td>{fitted:.4g}</td>" in html
+
+
+def test_an_adaptive_run_marks_the_bound_in_force_at_its_end(tmp_path: Path) -> None:
+    """With --adapt-every, the demo's bound walks from 8 to the suggestion (SPEC 14); the report marks the bound
+    the run ended with, and says where it started."""
+    out = tmp_path / "adaptive"
+    command = [sys.executable, "-m", "staleness_metrics.cli", "demo", "--steps", "30", "--speed", "0", "--no-wandb",
+               "--prometheus-port", "0", "--adapt-every", "3", "--out-dir", str(out)]  # fmt: skip
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
+    environment["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    bounds = [row["staleness/max_staleness"] for row in logged if "staleness/max_staleness" in row]
+    assert bounds[0] == 8 and bounds[-1] < 8  # it walked down
+    page = tmp_path / "adaptive.html"
+    assert main(["report", str(out), "-o", str(page)]) == 0
+    html = page.read_text()
+    assert f"bound in force {bounds[-1]} (adapted from 8)" in html
+    assert f'data-lag="{bounds[-1]}"><td>{bounds[-1]} (bound in force' in html

@@ -197,7 +197,7 @@ def test_a_run_with_trainer_logprobs_shows_what_staleness_costs(tmp_path: Path) 
     assert '<section id="what-staleness-costs"><h2>What staleness costs</h2>' in html
     image, boxes = _render(page, tmp_path)
     # With enough tokens per lag for a floor and a curve, "Choosing the bound" follows (tests/report/test_choosing.py).
-    assert list(boxes) == CHARTS + COST_CHARTS + ["bound-curve", "bound-kept"]
+    assert list(boxes) == CHARTS + COST_CHARTS + ["bound-curve", "bound-kept", "bound-over-steps"]
     for key in COST_CHARTS:
         pixels = _pixels(image, boxes[key])
         assert boxes[key].w > 600 and boxes[key].h > 150
