@@ -48,7 +48,7 @@ from .checkpoint import (
 )
 from .columnar import RolloutBatch
 from .config import StalenessConfig
-from .errors import ConfigError
+from .errors import ConfigError, FieldError
 from .exporters.background import DEFAULT_CLOSE_TIMEOUT
 from .exporters.base import (
     DEFAULT_RUN,
@@ -247,11 +247,13 @@ class StalenessMonitor:
         never shipped, or a malformed dict, raises ``ValueError`` naming the field; nothing is recorded then.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise ValueError(f"step: expected an integer >= 1, got {step!r}")
+            raise FieldError("step", f"expected an integer >= 1, got {step!r}")
         delta = sums if isinstance(sums, MismatchSums) else MismatchSums.from_dict(sums)
         with self._lock:
             if step not in self._shipped_steps:
-                raise ValueError(f"step: no batch was shipped for step {step}; mismatch sums belong to a shipped step")
+                raise FieldError(
+                    "step", f"no batch was shipped for step {step}; mismatch sums belong to a shipped step"
+                )
             total = self._mismatch.get(step, MismatchSums.zero()) + delta
             self._mismatch[step] = total
             while len(self._mismatch) > MISMATCH_STEPS_KEPT:
