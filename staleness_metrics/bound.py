@@ -11,12 +11,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from .config import StalenessConfig
 from .mismatch import LAG_BUCKETS, MismatchSums
+from .report import MetricValue
+
+if TYPE_CHECKING:  # the config module imports the metric table, which imports this one
+    from .config import StalenessConfig
 
 __all__ = [
     "CURVE_BUCKETS",
@@ -33,6 +36,7 @@ __all__ = [
     "budget_of",
     "excess_curve",
     "isotonic_increasing",
+    "mismatch_metrics",
     "select_floor",
 ]
 
@@ -195,12 +199,12 @@ class ShipBound:
     bound: int  # the bound this ship was judged with
 
 
-def bound_metrics(result: ShipBound, prefix: str = "staleness/") -> dict[str, float | int | str]:
+def bound_metrics(result: ShipBound, prefix: str = "staleness/") -> dict[str, MetricValue]:
     """The SPEC 14 keys of a ship (``floor_source`` a string); empty when there is no floor."""
     floor = result.floor
     if floor is None or result.budget is None:
         return {}
-    out: dict[str, float | int | str] = {
+    out: dict[str, MetricValue] = {
         f"{prefix}mismatch/floor": floor.value,
         f"{prefix}mismatch/floor_age": floor.age,
         f"{prefix}mismatch/floor_source": floor.source,
@@ -217,9 +221,19 @@ def bound_metrics(result: ShipBound, prefix: str = "staleness/") -> dict[str, fl
     return out
 
 
+def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None, prefix: str = "staleness/") -> dict[str, MetricValue]:
+    """A ship's SPEC 11 keys with their excess over SPEC 14's floor, then the SPEC 14 keys; empty when
+    nothing is covered (without ``bound`` or a floor: no excess and no SPEC 14 key)."""
+    floor = None if bound is None or bound.floor is None else bound.floor.value
+    out: dict[str, MetricValue] = dict(sums.metrics(prefix, floor=floor))
+    if out and bound is not None:
+        out.update(bound_metrics(bound, prefix))
+    return out
+
+
 @dataclass(frozen=True)
 class _TrackerState:
-    window: dict[int, MismatchSums]
+    window: list[tuple[int, MismatchSums]]
     last_lag0: tuple[float, int] | None
     bound: int
     toward_change: int
@@ -227,17 +241,19 @@ class _TrackerState:
 
 
 class BoundTracker:
-    """The run-long state of SPEC 14, one per run: the last ``cost_window`` ships' sums (by step), the last
-    ``lag0`` floor and its step, and the adaptive bound with the count toward its next change.
+    """The run-long state of SPEC 14, one per run: the sums of the last ``cost_window`` ships that carried
+    SPEC 11 sums (with their steps, oldest first), the last ``lag0`` floor and its step, and the adaptive
+    bound with the count toward its next change.
 
-    :meth:`observe` takes a ship's total sums; calling it again for the same step (the live path merges
-    several calls per step) replaces that step's sums. A ship counts toward adaptation once: the first
-    time its step, later than every step counted before, produces a curve.
+    :meth:`observe` takes a ship's total sums. The sink calls it once per ship (two ships of one step are two
+    ships); the live path calls it with ``merge=True`` each time more sums of a step arrive, which replaces
+    that step's entry, and a step counts toward adaptation once (the first time it produced a curve, when it
+    is later than every step counted before).
     """
 
     def __init__(self, config: StalenessConfig) -> None:
         self.config = config
-        self._window: dict[int, MismatchSums] = {}
+        self._window: list[tuple[int, MismatchSums]] = []
         self._last_lag0: tuple[float, int] | None = None
         self._bound = config.max_staleness
         self._toward_change = 0
@@ -262,38 +278,61 @@ class BoundTracker:
         """``(floor, step)`` of the most recent ship with a ``lag0`` floor."""
         return self._last_lag0
 
-    def window_steps(self, step: int) -> list[int]:
-        """Steps of the window of a ship at ``step``: the last ``cost_window`` kept steps up to it."""
-        return sorted(s for s in self._window if s <= step)[-self.config.cost_window :]
+    @property
+    def window(self) -> list[tuple[int, MismatchSums]]:
+        """``(step, sums)`` of the ships kept for the window, oldest first."""
+        return list(self._window)
 
-    def window_sums(self, step: int) -> MismatchSums:
-        """The sums of the window of a ship at ``step`` (sums add, so the window is exact)."""
+    def window_sums(self, upto: int | None = None) -> MismatchSums:
+        """The sums of the window ending at entry ``upto`` (default: the latest): it and the ``cost_window - 1``
+        entries before it. Sums add, so the window is exact."""
+        end = len(self._window) if upto is None else upto + 1
         total = MismatchSums.zero()
-        for s in self.window_steps(step):
-            total = total + self._window[s]
+        for _, sums in self._window[max(0, end - self.config.cost_window) : end]:
+            total = total + sums
         return total
 
-    def observe(self, step: int, sums: MismatchSums, bound: int) -> ShipBound | None:
-        """Record ``sums`` as the total of the ship at ``step``, judged with ``bound``, and derive its SPEC 14
-        values; ``None`` when the ship carries no covered position (it reports no section 11 family)."""
+    def _enter(self, step: int, sums: MismatchSums, merge: bool) -> int:
+        """Put the ship in the window; returns its index there."""
+        if merge:
+            for i in range(len(self._window) - 1, -1, -1):
+                if self._window[i][0] == step:
+                    self._window[i] = (step, sums)
+                    return i
+        at = len(self._window)
+        while at > 0 and self._window[at - 1][0] > step:  # a late step of the live path goes in step order
+            at -= 1
+        self._window.insert(at, (step, sums))
+        if len(self._window) > self.config.cost_window:
+            del self._window[0]
+            at -= 1
+        return at
+
+    def observe(
+        self, step: int, sums: MismatchSums, *, merge: bool = False, bound: int | None = None
+    ) -> ShipBound | None:
+        """Record ``sums`` as the total of the ship at ``step`` and derive its SPEC 14 values, with
+        ``excess_at_bound`` at ``bound`` (default: the bound in force, before this ship adapts it). ``merge``:
+        the sums are a step's total so far (the live path), replacing that step's entry. ``None`` when the ship
+        carries no covered position (it reports no SPEC 11 family and stays out of the window)."""
         if sums.covered == 0:
             return None
         config = self.config
-        self._window[step] = sums
-        while len(self._window) > config.cost_window:
-            del self._window[min(self._window)]
-        floor = select_floor(
-            sums, step, self._last_lag0, min_tokens=config.floor_min_tokens, max_age=config.floor_max_age
-        )
+        bound = self._bound if bound is None else bound
+        at = self._enter(step, sums, merge)
+        last = self._last_lag0
+        floor = select_floor(sums, step, last, min_tokens=config.floor_min_tokens, max_age=config.floor_max_age)
         if floor is None:
             return ShipBound(None, None, Curve((), (), (), ()), None, bound)
-        if floor.source == "lag0" and (self._last_lag0 is None or step >= self._last_lag0[1]):
+        if floor.source == "lag0" and (last is None or step >= last[1]):
             self._last_lag0 = (floor.value, step)
         budget = budget_of(config.mismatch_budget, floor.value)
-        curve = excess_curve(self.window_sums(step), floor.value, min_tokens=config.floor_min_tokens)
+        # A ship that left the window at once (a very late step of the live path) is its own window.
+        window = self.window_sums(at) if at >= 0 else sums
+        curve = excess_curve(window, floor.value, min_tokens=config.floor_min_tokens)
         advice = advise(curve, budget, bound)
-        if advice is not None and config.adapt_every is not None and step > self._last_counted:
-            self._last_counted = step
+        if advice is not None and config.adapt_every is not None and (not merge or step > self._last_counted):
+            self._last_counted = max(self._last_counted, step)
             self._toward_change += 1
             if self._toward_change >= config.adapt_every:
                 self._toward_change = 0
@@ -305,7 +344,7 @@ class BoundTracker:
         """Plain JSON-able state; :meth:`load_state_dict` takes it back."""
         return {
             "format": TRACKER_FORMAT,
-            "window": [[step, sums.to_dict()] for step, sums in sorted(self._window.items())],
+            "window": [[step, sums.to_dict()] for step, sums in self._window],
             "last_lag0": None if self._last_lag0 is None else [self._last_lag0[0], self._last_lag0[1]],
             "bound": self._bound,
             "toward_change": self._toward_change,
@@ -320,20 +359,22 @@ class BoundTracker:
         found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))
         if found["format"] != TRACKER_FORMAT:
             fail(join(path, "format"), f"unknown format {found['format']!r} (expected {TRACKER_FORMAT})")
-        window: dict[int, MismatchSums] = {}
+        window: list[tuple[int, MismatchSums]] = []
         for i, item in enumerate(sequence(found["window"], join(path, "window"))):
             where = join(join(path, "window"), i)
             step, data = sequence(item, where, 2)
             step = integer(step, join(where, 0), 1)
-            if window and step <= max(window):
-                fail(join(where, 0), f"step {step} does not follow the previous step {max(window)}")
+            if window and step < window[-1][0]:
+                fail(join(where, 0), f"step {step} is below the previous step {window[-1][0]}")
             try:
-                window[step] = MismatchSums.from_dict(data)
+                sums = MismatchSums.from_dict(data)
             except ValueError as exc:
                 fail(join(where, 1), str(exc))
+            if sums.covered == 0:
+                fail(join(where, 1), "no covered position: such a ship never enters the window")
+            window.append((step, sums))
         # A smaller cost_window than the run had: the window keeps its latest ships.
-        for step in sorted(window)[: max(0, len(window) - self.config.cost_window)]:
-            del window[step]
+        window = window[-self.config.cost_window :]
         last_lag0: tuple[float, int] | None = None
         if found["last_lag0"] is not None:
             where = join(path, "last_lag0")
@@ -354,15 +395,13 @@ class BoundTracker:
         else:
             toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, config.adapt_every - 1)
             if not config.adapt_low <= bound <= config.adapt_high:
-                fail(
-                    join(path, "bound"),
-                    f"{bound} is outside adapt_low..adapt_high {config.adapt_low}..{config.adapt_high}",
-                )
+                limits = f"{config.adapt_low}..{config.adapt_high}"
+                fail(join(path, "bound"), f"{bound} is outside adapt_low..adapt_high {limits}")
         return _TrackerState(window, last_lag0, bound, toward_change, last_counted)
 
     def load_checked(self, state: _TrackerState) -> None:
         """Take a state :meth:`check_state_dict` built (cannot fail)."""
-        self._window = dict(state.window)
+        self._window = list(state.window)
         self._last_lag0 = state.last_lag0
         self._bound = state.bound
         self._toward_change = state.toward_change

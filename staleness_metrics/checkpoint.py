@@ -29,13 +29,14 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
+from .bound import FLOOR_SOURCES, BoundTracker
 from .columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK
 from .errors import ConfigError, TraceError
 from .metrics import WindowCounts
 from .mismatch import MismatchSums
-from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, StepReport, Tally
+from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, MetricValue, StepReport, Tally
 from .segments import expand_ranges
 from .spans import PART_LABELLED, PART_UNLABELLED, PART_WHOLE
 from .table import Table
@@ -49,6 +50,7 @@ __all__ = [
     "check_config",
     "check_digests",
     "check_format",
+    "check_metrics",
     "check_report",
     "check_tally",
     "decode_array",
@@ -551,6 +553,7 @@ def save_sink(sink: Sink) -> dict[str, Any]:
         "invalid": [[e.rollout_id, e.field, e.reason] for e in sink._invalid],
         "totals": tally_to_dict(sink.totals),
         "policy": sink.policy.state_dict(),
+        "bound": sink.bound_tracker.state_dict(),
     }
     state["digests"] = digests_of(state)
     return state
@@ -564,7 +567,7 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
     """Check a sink state and build what it holds as new objects: the sink's attributes by name, and the policy's
     checked state. Nothing of ``sink`` is changed (its tables only lend their column dtypes)."""
     check_format(state, "sink", path)
-    state = keys(state, path, SINK_KEYS, ("digests",))
+    state = keys(state, path, SINK_KEYS, ("digests", "bound"))  # "bound": SPEC 14's tracker (absent before it)
     if state["format"] != 1 and "digests" not in state:
         fail(join(path, "digests"), "missing")
     check_config(state["config"], sink.config, join(path, "config"))
@@ -729,14 +732,18 @@ def read_sink(sink: Sink, state: Any, path: str = "") -> tuple[dict[str, Any], M
         fail(join(path, "tokens_entered"), f"{tokens_entered}, but shipped, dropped and queued positions add to "
              f"{accounted}")  # fmt: skip
     policy_state = sink.policy.check_state_dict(state["policy"], join(path, "policy"))
+    tracker = BoundTracker(sink.config)
+    if "bound" in state:
+        tracker.load_checked(tracker.check_state_dict(state["bound"], join(path, "bound")))
     check_digests(state, path)
     attributes = {
+        "_staged": [], "_staged_rollouts": 0, "_staged_positions": 0,  # first: rollouts added since are the old state's
         "_rollouts": r, "_samples": s, "_spans": n, "_step": step, "_queued": queued, "tokens_entered": tokens_entered,
         "_ids": ids, "_row_of": {rid: row for row, rid in enumerate(ids)}, "_seen_ids": seen_ids, "_chunks": chunks,
         "_chunk_open": chunk_open, "_closing": [], "_groups": groups, "_n_groups": n_groups,
         "_group_agentic": group_agentic, "_env_index": {name: i for i, name in enumerate(envs)},
         "_env_names": {i: name or "" for i, name in enumerate(envs)}, "_window": window, "_invalid": invalid,
-        "totals": totals,
+        "totals": totals, "bound_tracker": tracker,
     }  # fmt: skip
     return attributes, policy_state
 
@@ -748,6 +755,7 @@ def load_sink(sink: Sink, state: Any, path: str = "") -> None:
     for name, value in attributes.items():
         setattr(sink, name, value)
     sink.policy.load_state_dict(policy_state)
+    sink.sync_bound()
 
 
 def report_to_dict(report: StepReport) -> dict[str, Any]:
@@ -769,10 +777,18 @@ def check_mismatch(data: Any, path: str) -> MismatchSums:
         fail(path, str(exc))
 
 
-def _metrics(data: Any, path: str) -> dict[str, float | int]:
-    out: dict[str, float | int] = {}
+def check_metrics(data: Any, path: str) -> dict[str, MetricValue]:
+    """A metrics dict: numbers by key, and SPEC 14's floor source (a string)."""
+    return _metrics(data, path)
+
+
+def _metrics(data: Any, path: str) -> dict[str, MetricValue]:
+    out: dict[str, MetricValue] = {}
     for key, value in mapping(data, path).items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if str(key).endswith("/floor_source"):  # SPEC 14's one string value
+            if value not in FLOOR_SOURCES:
+                fail(join(path, str(key)), f"expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(join(path, str(key)), f"expected a number, got {_kind(value)}")
         out[string(key, path)] = value
     return out

@@ -54,7 +54,7 @@ class ShipResult(TypedDict):
     dropped_samples: list[list[Any]]
     held: list[str]
     invalid: list[dict[str, Any]]
-    metrics: dict[str, float | int]
+    metrics: dict[str, float | int | str]
     counts: dict[str, int]
     rollouts: list[dict[str, Any]] | None
     lags: list[list[list[int]]] | None
@@ -64,7 +64,7 @@ class ShipResult(TypedDict):
 class StepRow(TypedDict):
     ship: int
     step: int
-    metrics: dict[str, float | int]
+    metrics: dict[str, float | int | str]
     counts: dict[str, int]
     token_histogram: list[int]
     rollout_histogram: list[int]
@@ -76,7 +76,7 @@ class MismatchResult(TypedDict):
     step: int
     posts: int
     tokens: int
-    metrics: dict[str, float | int]
+    metrics: dict[str, float | int | str]
     replayed: bool
 
 

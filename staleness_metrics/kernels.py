@@ -21,8 +21,8 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "mismatch_runs", "token_cuts",
-    "warm_up", "weight_flags", "zero_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "mismatch_runs", "plain_positions",
+    "token_cuts", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -434,6 +434,38 @@ def mismatch_runs(
     return counts, sums, sum(p[2] for p in parts)
 
 
+@_CompiledOnFirstCall
+def _plain_positions(
+    mask: npt.NDArray[Any], floats: tuple[npt.NDArray[Any], ...], tokens: IntArray
+) -> bool:  # pragma: no cover - compiled
+    bad = False
+    for x in mask:
+        bad |= (x != 0) & (x != 1)  # NaN too
+    for values in floats:  # (a homogeneous tuple: numba unrolls it)
+        for x in values:
+            bad |= not math.isfinite(x)
+    for t in tokens:
+        bad |= t < -1
+    return not bad
+
+
+_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
+
+
+def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], tokens: IntArray | None) -> bool | None:
+    """Whether every mask value is 0 or 1, every value of ``floats`` finite and every token version >= -1:
+    one compiled pass (a small batch's checks in one call instead of a dozen numpy calls). ``None`` when
+    the arrays are not 1-d contiguous float32/float64 (mask and floats of one type): the caller checks
+    with numpy."""
+    dtype = mask.dtype
+    if dtype not in _PLAIN_DTYPES or any(a.dtype != dtype or not a.flags.c_contiguous for a in (mask, *floats)):
+        return None
+    if mask.ndim != 1 or any(a.ndim != 1 for a in floats) or not mask.flags.c_contiguous:
+        return None
+    result: bool = _plain_positions(mask, tuple(floats) or (mask[:0],), _NO_TOKENS if tokens is None else tokens)
+    return result
+
+
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for float32 and float64 arrays, so that the
     first batch a process handles does not pay for it: a service calls this when it starts."""
@@ -447,3 +479,5 @@ def warm_up() -> None:
         zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
         mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)
         mismatch_runs(tokens, arrays[0], arrays[1], None, 0.5, 2.0, offsets, 20.0)
+        for floats in range(4):
+            plain_positions(arrays[0], arrays[1 : 1 + floats], tokens)

@@ -10,11 +10,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from .bound import FLOOR_SOURCES
 from .mismatch import LAG_BUCKETS
 from .report import LENGTH_BUCKETS
 
 __all__ = [
     "BUCKETS",
+    "CURVE_LAG",
+    "FLOOR_SOURCE",
     "LAG",
     "LEGACY_KEYS",
     "LENGTH",
@@ -49,6 +52,9 @@ class Source(str, enum.Enum):
     # SPEC 11 sums: report.mismatch (sink path) or MismatchReport.delta (live path), field <mismatch_field>:
     # an array over the lag buckets (rows with a dimension) or the uncovered count
     MISMATCH = "mismatch"
+    # SPEC 14 keys (report.metrics[wandb_key] or MismatchReport.metrics) of the latest ship that reported the
+    # SPEC 11 family: a ship without it leaves them as they were (a live run's ships carry none themselves).
+    BOUND = "bound"
 
 
 # Integer staleness buckets: exact per-level counts for the common range, coarse tail.
@@ -74,6 +80,9 @@ class Dimension:
 
 
 LAG = Dimension("lag", LAG_BUCKETS, (*LAG_BUCKETS[:-1], "+Inf"), "{lag}")
+# SPEC 14: the excess curve's buckets (lags 1..16) and the floor's source.
+CURVE_LAG = Dimension("lag", LAG_BUCKETS[1:17], LAG_BUCKETS[1:17], "{lag}")
+FLOOR_SOURCE = Dimension("source", FLOOR_SOURCES, FLOOR_SOURCES, "{source}")
 LENGTH = Dimension("length", LENGTH_BUCKETS, LENGTH_BUCKETS, "{length}")
 
 
@@ -137,7 +146,8 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         "max_staleness",
-        "Configured staleness bound (max_staleness), in policy versions.",
+        "The staleness bound the ship was judged with (max_staleness, or where adaptation moved it), in policy "
+        "versions.",
         Source.METRIC,
         MetricKind.GAUGE,
         "staleness/max_staleness",
@@ -609,7 +619,8 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         "mismatch_excess_k3_by_lag",
-        "Mean k3 of a lag bucket minus that of lag 0 (the numeric floor): what staleness costs at that lag.",
+        "Mean k3 of a lag bucket minus the floor (SPEC 14; lag 0 of the ship when it has enough tokens): what "
+        "staleness costs at that lag.",
         Source.METRIC,
         MetricKind.GAUGE,
         "staleness/mismatch/lag_{lag}/excess_k3",
@@ -634,7 +645,7 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         "mismatch_excess_k3",
-        "Mean k3 of the positions at lag 1 or more minus that of lag 0.",
+        "Mean k3 of the positions at lag 1 or more minus the floor (SPEC 14).",
         Source.METRIC,
         MetricKind.GAUGE,
         "staleness/mismatch/excess_k3",
@@ -654,6 +665,105 @@ METRICS: tuple[MetricDef, ...] = (
         None,
         "1",
         labels=("run",),
+    ),
+    # SPEC 14: choosing the bound. Gauges of the latest ship that reported the SPEC 11 family.
+    MetricDef(
+        "mismatch_floor",
+        "The engines' numeric mismatch floor (mean k3) the excess is measured against; source lag0 (this ship's "
+        "lag-0 tokens), carried (an earlier ship's) or min_lag (the smallest lag with enough tokens: an upper "
+        "bound on the floor).",
+        Source.BOUND,
+        MetricKind.GAUGE,
+        "staleness/mismatch/floor",
+        "rl_staleness_mismatch_floor_nats",
+        "rl.staleness.mismatch.floor",
+        _NAT,
+        labels=("run", "source"),
+        dimension=FLOOR_SOURCE,
+    ),
+    MetricDef(
+        "mismatch_floor_source",
+        "Where the floor came from: lag0, carried or min_lag (a string; a label or attribute elsewhere).",
+        Source.BOUND,
+        MetricKind.GAUGE,
+        "staleness/mismatch/floor_source",
+        None,
+        None,
+        "1",
+        labels=("run",),
+    ),
+    MetricDef(
+        "mismatch_floor_age",
+        "Steps since the ship that measured the floor (0 for lag0 and min_lag).",
+        Source.BOUND,
+        MetricKind.GAUGE,
+        "staleness/mismatch/floor_age",
+        "rl_staleness_mismatch_floor_age_steps",
+        "rl.staleness.mismatch.floor_age",
+        _STEP,
+        labels=("run",),
+        integer=True,
+    ),
+    MetricDef(
+        "mismatch_budget",
+        "The mismatch budget: the excess a token may cost (mismatch_budget, or the floor when none is set).",
+        Source.BOUND,
+        MetricKind.GAUGE,
+        "staleness/mismatch/budget",
+        "rl_staleness_mismatch_budget_nats",
+        "rl.staleness.mismatch.budget",
+        _NAT,
+        labels=("run",),
+    ),
+    MetricDef(
+        "mismatch_curve",
+        "Excess k3 over the floor by lag, pooled over the last cost_window ships and made non-decreasing in lag "
+        "(weighted isotonic regression); lags 1..16 with at least floor_min_tokens tokens.",
+        Source.BOUND,
+        MetricKind.GAUGE,
+        "staleness/mismatch/curve/lag_{lag}",
+        "rl_staleness_mismatch_curve_nats",
+        "rl.staleness.mismatch.curve",
+        _NAT,
+        labels=("run", "lag"),
+        dimension=CURVE_LAG,
+    ),
+    MetricDef(
+        "bound_suggested",
+        "The largest lag whose excess stays within the budget (0 when the first lag of the curve is above it).",
+        Source.BOUND,
+        MetricKind.GAUGE,
+        "staleness/bound/suggested",
+        "rl_staleness_bound_suggested",
+        "rl.staleness.bound.suggested",
+        _STEP,
+        labels=("run",),
+        integer=True,
+    ),
+    MetricDef(
+        "bound_crossed",
+        "1 when some lag of the curve costs more than the budget (the suggestion is where), else 0 (the "
+        "suggestion is only the largest lag seen).",
+        Source.BOUND,
+        MetricKind.GAUGE,
+        "staleness/bound/crossed",
+        "rl_staleness_bound_crossed",
+        "rl.staleness.bound.crossed",
+        "1",
+        labels=("run",),
+        integer=True,
+    ),
+    MetricDef(
+        "bound_excess_at_bound",
+        "The curve's excess at the largest lag not above the configured bound: what the bound lets train.",
+        Source.BOUND,
+        MetricKind.GAUGE,
+        "staleness/bound/excess_at_bound",
+        "rl_staleness_bound_excess_at_bound_nats",
+        "rl.staleness.bound.excess_at_bound",
+        _NAT,
+        labels=("run",),
+        wandb_summary="max",
     ),
     # SPEC 12: length bias of masking and drops, over shipped plus dropped samples.
     MetricDef(

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 import numpy as np
 import numpy.typing as npt
 
+from .bound import ShipBound, mismatch_metrics
 from .decision import Judgement
 from .mismatch import MismatchSums
-from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, StepReport, Tally
+from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, MetricValue, StepReport, Tally
 from .segments import segment_max, segment_min, segment_sum
 from .spans import NO_VERSION_HIGH, NO_VERSION_LOW
 
@@ -85,8 +86,16 @@ def _nearest_rank(values: IntArray, counts: IntArray, numerator: int, denominato
 
 def _distribution(values: IntArray, weights: IntArray) -> tuple[IntArray, IntArray]:
     """Sorted distinct values and their total weights."""
+    if len(values) and int(values.max()) - (low := int(values.min())) < _DIRECT_RANGE:
+        # a few staleness values (the usual case): counted by value, no sort
+        totals = np.bincount(values - low, weights=weights).astype(np.int64)
+        present = np.flatnonzero(np.bincount(values - low))
+        return (present + low).astype(np.int64), totals[present]
     distinct, inverse = np.unique(values, return_inverse=True)
     return distinct, np.bincount(inverse, weights=weights, minlength=len(distinct)).astype(np.int64)
+
+
+_DIRECT_RANGE = 4096
 
 
 def _histogram(distinct: IntArray, counts: IntArray) -> IntArray:
@@ -222,19 +231,24 @@ def compute_report(
     env_names: Mapping[int, str],
     env_breakdown: bool,
     mismatch: MismatchSums | None = None,
+    bound: ShipBound | None = None,
+    per_env: bool = True,
 ) -> StepReport:
-    """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied."""
+    """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied
+    (``per_env=False``: the whole population only).
+
+    ``bound`` is SPEC 14's view of ``mismatch`` (its floor, curve and advice, from the run's tracker)."""
     everything = np.ones(shipped.n_rollouts, dtype=bool)
-    metrics, tally = _population(shipped, everything, None, window, max_staleness)
+    population, tally = _population(shipped, everything, None, window, max_staleness)
+    metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
-        metrics.update(mismatch.metrics())
-    env_metrics: dict[str, dict[str, float | int]] = {}
+        metrics.update(mismatch_metrics(mismatch, bound))
+    env_metrics: dict[str, dict[str, MetricValue]] = {}
     env_tally: dict[str, Tally] = {}
-    envs = set(np.unique(shipped.env).tolist()) | set(window.counts)
+    envs = set(np.unique(shipped.env).tolist()) | set(window.counts) if per_env else set()
     for env in sorted(envs, key=lambda e: env_names[e]):
-        env_metrics[env_names[env]], env_tally[env_names[env]] = _population(
-            shipped, shipped.env == env, env, window, max_staleness
-        )
+        env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
+        env_metrics[env_names[env]] = dict(env_population)
     if env_breakdown:
         for name, values in env_metrics.items():
             if name:

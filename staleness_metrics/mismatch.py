@@ -175,14 +175,18 @@ class MismatchSums:
         )
 
     # ------------------------------------------------------------------ the W&B keys
-    def metrics(self, prefix: str = "staleness/") -> dict[str, float | int]:
-        """The SPEC 11 keys; empty when nothing is covered. Buckets without tokens are left out."""
+    def metrics(self, prefix: str = "staleness/", floor: float | None = None) -> dict[str, float | int]:
+        """The SPEC 11 keys; empty when nothing is covered. Buckets without tokens are left out.
+
+        The excess keys are measured against ``floor`` (SPEC 14's floor of the ship, from
+        :class:`~staleness_metrics.bound.BoundTracker` or :func:`~staleness_metrics.bound.select_floor`)
+        and left out without one; bucket ``0`` never has one.
+        """
         covered = self.covered
         if covered == 0:
             return {}
         out: dict[str, float | int] = {}
         k3 = np.divide(self.sum_k3, self.tokens, out=np.zeros(N_BUCKETS), where=self.tokens > 0)
-        floor = float(k3[0]) if self.tokens[0] > 0 else None
         for i in np.flatnonzero(self.tokens).tolist():
             n = int(self.tokens[i])
             key = f"{prefix}mismatch/lag_{LAG_BUCKETS[i]}/"
@@ -191,7 +195,7 @@ class MismatchSums:
             out[key + "abs_log_ratio"] = float(self.sum_abs_log_ratio[i] / n)
             out[key + "out_of_band"] = float(int(self.out_of_band[i]) / n)
             out[key + "ess"] = _ess(float(self.sum_ratio[i]), float(self.sum_ratio_sq[i]), n)
-            if floor is not None:
+            if floor is not None and i > 0:
                 out[key + "excess_k3"] = float(k3[i]) - floor
         out[f"{prefix}mismatch/k3"] = float(self.sum_k3.sum() / covered)
         stale_tokens = int(self.tokens[1:].sum())

@@ -61,6 +61,7 @@ from .exporters.base import (
     Stateful,
 )
 from .mismatch import MismatchSums
+from .report import MetricValue
 from .sink import Shipment, Sink
 
 __all__ = ["StalenessMonitor"]
@@ -110,6 +111,7 @@ class StalenessMonitor:
         self._absorbing = False
         self._shipped_steps: set[int] = set()
         self._mismatch: dict[int, MismatchSums] = {}  # per step, merged over calls (the latest steps)
+        self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}  # their keys, as last published
 
     @property
     def config(self) -> StalenessConfig:
@@ -223,9 +225,11 @@ class StalenessMonitor:
             for attribute, value in sink_attributes.items():
                 setattr(self.sink, attribute, value)
             self.sink.policy.load_state_dict(policy_state)
+            self.sink.sync_bound()
             self.export_errors.restore(error_counts)
             self._shipped_steps = shipped
             self._mismatch = mismatch
+            self._mismatch_metrics = {}
 
     @contextmanager
     def absorbing(self) -> Iterator[None]:
@@ -258,7 +262,11 @@ class StalenessMonitor:
             self._mismatch[step] = total
             while len(self._mismatch) > MISMATCH_STEPS_KEPT:
                 del self._mismatch[min(self._mismatch)]
-            report = MismatchReport(step=step, sums=total, delta=delta)
+            bound = self.sink.observe_mismatch(step, total, merge=True)
+            report = MismatchReport(step=step, sums=total, delta=delta, bound=bound)
+            self._mismatch_metrics[step] = report.metrics
+            while len(self._mismatch_metrics) > MISMATCH_STEPS_KEPT:
+                del self._mismatch_metrics[min(self._mismatch_metrics)]
             if self._absorbing:  # published before a restart: the counters catch up, nothing is sent again
                 for stateful in self._stateful().values():
                     stateful.absorb_mismatch(report)
@@ -276,6 +284,13 @@ class StalenessMonitor:
         """The trainer-side sums recorded for ``step`` so far (None when none were)."""
         with self._lock:
             return self._mismatch.get(step)
+
+    def mismatch_metrics(self, step: int) -> dict[str, MetricValue] | None:
+        """The keys the last :meth:`record_mismatch` of ``step`` published in this process (SPEC 11 with the
+        excess over SPEC 14's floor, and SPEC 14's keys); None when none was recorded since it started."""
+        with self._lock:
+            found = self._mismatch_metrics.get(step)
+            return None if found is None else dict(found)
 
     def _export(self, shipment: Shipment) -> None:
         if self._absorbing:

@@ -10,7 +10,10 @@ import numpy.typing as npt
 
 from .mismatch import MismatchSums
 
-__all__ = ["HISTOGRAM_TOP", "LENGTH_BUCKETS", "LENGTH_UPPER_BOUNDS", "StepReport", "Tally"]
+__all__ = ["HISTOGRAM_TOP", "LENGTH_BUCKETS", "LENGTH_UPPER_BOUNDS", "MetricValue", "StepReport", "Tally"]
+
+# A value of the metrics dict: numbers, and the one string key ``staleness/mismatch/floor_source`` (SPEC 14).
+MetricValue = float | int | str
 
 # Histograms hold one bucket per staleness up to this one, which counts everything at or above it:
 # far beyond any exported bucket (the table's top bound is 64), and a bound on memory whatever arrives.
@@ -55,16 +58,18 @@ class Tally:
 
     def __add__(self, other: Tally) -> Tally:
         values: dict[str, object] = {}
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
+        for name in _TALLY_FIELDS:  # (names read once: dataclasses.fields costs more than the sums)
+            a, b = getattr(self, name), getattr(other, name)
             if isinstance(a, np.ndarray):
-                n = max(len(a), len(b))
-                merged = np.zeros(n, dtype=np.int64)
+                if len(a) == len(b):
+                    values[name] = (a + b).astype(np.int64, copy=False)
+                    continue
+                merged = np.zeros(max(len(a), len(b)), dtype=np.int64)
                 merged[: len(a)] += a
                 merged[: len(b)] += b
-                values[f.name] = merged
+                values[name] = merged
             else:
-                values[f.name] = a + b
+                values[name] = a + b
         return Tally(**values)  # type: ignore[arg-type]
 
     def __eq__(self, other: object) -> bool:
@@ -76,6 +81,9 @@ class Tally:
         )
 
     __hash__ = None  # type: ignore[assignment]
+
+
+_TALLY_FIELDS = tuple(f.name for f in fields(Tally))
 
 
 @dataclass(frozen=True)
@@ -90,12 +98,12 @@ class StepReport:
 
     step: int
     max_staleness: int
-    metrics: Mapping[str, float | int]
+    metrics: Mapping[str, MetricValue]
     tally: Tally
-    env_metrics: Mapping[str, Mapping[str, float | int]] = field(default_factory=dict)
+    env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
     env_tally: Mapping[str, Tally] = field(default_factory=dict)
     mismatch: MismatchSums | None = None
 
-    def row(self) -> dict[str, float | int]:
+    def row(self) -> dict[str, MetricValue]:
         """The ``--metrics-out`` line: ``{"step": S, <key>: <value>, ...}``."""
         return {"step": self.step, **self.metrics}

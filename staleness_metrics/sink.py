@@ -17,15 +17,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .bound import BoundTracker, ShipBound
 from .columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .config import StalenessConfig
 from .decision import NO_MASK, Decision, Judgement
 from .errors import TraceError
 from .masking import mask_spans
 from .metrics import WindowCounts, compute_report
+from .mismatch import MismatchSums
 from .policies import Policy, policy_for
 from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
-from .report import StepReport, Tally
+from .report import MetricValue, StepReport, Tally
 from .segments import expand_ranges, segment_sum
 from .shipped_positions import NOT_SAMPLED, ShippedSpans
 from .spans import PART_LABELLED, PART_UNLABELLED, SpanTable, build_spans
@@ -125,14 +127,14 @@ class _Staged:
     chunk: int
     groups: npt.NDArray[np.int64]
     envs: npt.NDArray[np.int64]
+    # The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
+    # wherever both have an array are cut together (:func:`_concatenated` fills the missing ones).
+    kind: tuple[str | None, ...]
 
-    @property
-    def kind(self) -> tuple[str | None, ...]:
-        """The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
-        wherever both have an array are cut together (:func:`_concatenated` fills the missing ones)."""
-        batch = self.batch
-        arrays = (batch.mask, *(getattr(batch, name) for name in WEIGHT_FIELDS))
-        return tuple(None if a is None else a.dtype.str for a in arrays)  # (a dtype equals None: float64)
+
+def _kind(batch: RolloutBatch) -> tuple[str | None, ...]:
+    arrays = (batch.mask, batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
+    return tuple(None if a is None else a.dtype.str for a in arrays)  # (a dtype equals None: float64)
 
 
 def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) -> tuple[str | None, ...] | None:
@@ -226,7 +228,7 @@ class Shipment:
         return self._spans.lag_offsets() if self._spans is not None else np.zeros(1, dtype=np.int64)
 
     @property
-    def metrics(self) -> Mapping[str, float | int]:
+    def metrics(self) -> Mapping[str, MetricValue]:
         """The SPEC 6 metrics dict of this ship."""
         return self.report.metrics
 
@@ -254,9 +256,13 @@ class Sink:
         *,
         policy: Policy | None = None,
         compact_min_rows: int = COMPACT_MIN_ROWS,
+        env_reports: bool = True,
     ) -> None:
+        """``env_reports=False``: a ship's report covers the whole batch only (no ``env_metrics`` or
+        ``env_tally``, and no per-env keys), for a caller that reads the totals alone (what-if)."""
         self.config = config or StalenessConfig()
         self.compact_min_rows = compact_min_rows
+        self.env_reports = env_reports
         self.policy = policy or policy_for(self.config)
         self._rollouts = Table(
             chunk=np.int64, index=np.int64, status=np.int8, judged=np.int64, frozen=np.bool_,
@@ -289,6 +295,7 @@ class Sink:
         self._window = WindowCounts()
         self._invalid: list[TraceError] = []
         self.totals = Tally()
+        self.bound_tracker = BoundTracker(self.config)  # SPEC 14: the floor, the cost window, the adaptive bound
         # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
         # + dropped + still queued.
         self._tokens_entered = 0
@@ -365,6 +372,10 @@ class Sink:
         Strict mode raises :class:`TraceError` for the first invalid rollout and adds nothing;
         lenient mode sets invalid rollouts aside (counted) and queues the rest. Returns how many
         rollouts were queued.
+
+        A :class:`RolloutBatch`'s arrays belong to the sink from now on (it masks them in place): a small
+        batch that passes a quick check is queued at once and its positions are read at the next sweep or
+        ship, together with the batches added after it, so the cost of an add follows its size.
         """
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
@@ -440,7 +451,9 @@ class Sink:
                     if name is not None:
                         self._groups[name] = index
                 groups[k] = index
-        np.logical_or.at(self._group_agentic, groups, batch.agentic[rollouts])
+        agentic = batch.agentic if len(rollouts) == batch.n_rollouts else batch.agentic[rollouts]
+        if agentic.any():  # (an unbuffered ufunc.at costs more than the whole add of a small batch)
+            np.logical_or.at(self._group_agentic, groups, agentic)
         return groups
 
     def _add_batch(self, batch: RolloutBatch, checked: tuple[Verdicts, SpanTable] | None = None) -> int:
@@ -496,7 +509,7 @@ class Sink:
     def _stage(self, batch: RolloutBatch) -> int:
         """Queue a plainly valid small batch now; its table rows are built by :meth:`_build_staged`."""
         chunk, groups, envs = self._admit(batch, list(range(batch.n_rollouts)))
-        self._staged.append(_Staged(batch, chunk, groups, envs))
+        self._staged.append(_Staged(batch, chunk, groups, envs, _kind(batch)))
         self._staged_rollouts += batch.n_rollouts
         self._staged_positions += batch.n_positions
         if self._staged_positions > STAGE_FLUSH_POSITIONS:
@@ -698,6 +711,19 @@ class Sink:
             self._chunks[chunk] = None
         self._closing = []
 
+    def observe_mismatch(self, step: int, total: MismatchSums, *, merge: bool = False) -> ShipBound | None:
+        """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's total of a step so far, which
+        replaces what it gave for the step before); returns the ship's floor, curve and advice. An adapted bound
+        judges from the next sweep or ship."""
+        bound = self.bound_tracker.observe(step, total, merge=merge)
+        self.sync_bound()
+        return bound
+
+    def sync_bound(self) -> None:
+        """Let the policy judge with the tracker's bound (it moves only when the bound adapts)."""
+        if self.bound_tracker.adaptive:
+            self.policy.max_staleness = self.bound_tracker.bound
+
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
         self._advance(step)
@@ -742,9 +768,11 @@ class Sink:
         shipped_slice = self._slice(shipped, step)
         spans = self._shipped_spans(shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
+        judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)
+        bound = None if mismatch is None else self.observe_mismatch(step, mismatch)
         report = compute_report(
-            shipped_slice, self._window, self.config.max_staleness, self._env_names, self.config.env_breakdown,
-            mismatch,
+            shipped_slice, self._window, judged_with, self._env_names, self.config.env_breakdown, mismatch, bound,
+            per_env=self.env_reports,
         )  # fmt: skip
         shipment = Shipment(
             step=step,

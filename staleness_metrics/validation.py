@@ -14,6 +14,7 @@ import numpy.typing as npt
 
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from .errors import TraceError
+from .kernels import plain_positions
 
 __all__ = [
     "INT64_MAX",
@@ -359,30 +360,34 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
             return False
     if not _plain_envs(batch.envs or ()):
         return False
-    if int(dispatch.min()) < 0 or int(completion.min()) < -1:  # frozen ones too: -1 falls to the exact path
+    # Per-rollout and per-sample values of a small batch: Python over short lists costs less than numpy calls.
+    dispatches, completions = dispatch.tolist(), completion.tolist()
+    if min(dispatches) < 0 or min(completions) < -1:  # frozen ones too: -1 falls to the exact path
         return False
-    if bool(((completion >= 0) & (completion < dispatch)).any()):
+    if any(0 <= c < d for c, d in zip(completions, dispatches)):
         return False
-    if tokens is not None and int(tokens.min()) < -1:
+    kinds = set(kind.tolist())
+    if not kinds <= {LABELS_NONE, LABELS_SPANS, LABELS_TOKENS}:
+        return False
+    if tokens is None and LABELS_TOKENS in kinds:
         return False
     if batch.span_offsets is not None:
         if not _plain_spans(batch):
             return False
-    elif bool((kind == LABELS_SPANS).any()):
+    elif LABELS_SPANS in kinds:
         return False
-    if int(kind.min()) < LABELS_NONE or int(kind.max()) > LABELS_TOKENS:
+    # Position values (build_spans): a 0/1 mask, finite weights and log-probabilities, token versions >= -1
+    # (check_batch). One compiled pass, or numpy: a finite sum says every value is finite (a NaN or an
+    # infinity makes it NaN or infinite; an overflow is only "not sure").
+    floats = [values for name in _FINITE_POSITION_FLOATS if (values := getattr(batch, name)) is not None]
+    plain = plain_positions(mask, floats, tokens)
+    if plain is not None:
+        return plain
+    if tokens is not None and int(tokens.min()) < -1:
         return False
-    if tokens is None and bool((kind == LABELS_TOKENS).any()):
-        return False
-    # Position values (build_spans): a 0/1 mask, finite weights and log-probabilities. A finite sum says
-    # every value is finite (a NaN or an infinity makes it NaN or infinite; an overflow is only "not sure").
     if np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) != n_positions:
         return False
-    for name in (*_FINITE_POSITION_FLOATS,):
-        values = getattr(batch, name)
-        if values is not None and not np.isfinite(np.add.reduce(values)):
-            return False
-    return True
+    return all(np.isfinite(np.add.reduce(values)) for values in floats)
 
 
 _PER_POSITION = (*PER_POSITION_FLOATS, "token_versions")
@@ -396,10 +401,12 @@ def _plain_spans(batch: RolloutBatch) -> bool:
         return False
     if len(offsets) != batch.n_samples + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != len(versions):
         return False
-    if len(starts) != len(versions) or bool((offsets[1:] < offsets[:-1]).any()):
+    if len(starts) != len(versions):
         return False
     if len(versions) == 0:
-        return True
+        return not bool((offsets[1:] != 0).any())
+    if bool((offsets[1:] < offsets[:-1]).any()):
+        return False
     if int(versions.min()) < -1 or int(starts.min()) < 0:
         return False
     counts = offsets[1:] - offsets[:-1]

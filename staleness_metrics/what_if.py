@@ -31,7 +31,8 @@ budget and the isotonic excess curve: what a token of each lag costs in this run
 - ``excess_at_bound``: the curve's ``ê`` at the largest lag not above the bound;
 - ``within_budget``: that ``ê`` is at most the budget. A bound below the curve's first lag is within it when
   the first point is (more lag cannot make a token cheaper), unknown (``None``) otherwise;
-- ``suggested``: this bound is the suggested one (the largest lag of the curve within the budget).
+- ``suggested``: this bound is the suggested one (the largest lag of the curve within the budget);
+  ``suggested_bound``: the suggestion itself, which may lie outside the bounds tried.
 
 A run directory (:mod:`staleness_metrics.run_dir`) is read with its trainer log-probabilities, so the
 cost columns exist for the demo's own runs.
@@ -120,6 +121,7 @@ class WhatIfRow:
     excess_at_bound: float | None = None
     within_budget: bool | None = None
     suggested: bool | None = None  # None: the run has no curve
+    suggested_bound: int | None = None  # the run's suggestion, in the range tried or not
 
     @property
     def tokens_kept(self) -> int:
@@ -135,8 +137,13 @@ class WhatIfRow:
         return self.tokens_kept / total if total else None
 
     @classmethod
-    def from_tally(cls, bound: int, tally: Tally, cost: MismatchSums | None = None) -> WhatIfRow:
-        keys = cost.metrics() if cost is not None else {}
+    def from_tally(
+        cls, bound: int, tally: Tally, cost: MismatchSums | None = None, floor_min_tokens: int = 1000
+    ) -> WhatIfRow:
+        # The excess of what trained, over SPEC 14's floor of the same pooled tokens (lag 0, else the smallest
+        # lag with floor_min_tokens tokens).
+        floor = None if cost is None else select_floor(cost, 1, None, min_tokens=floor_min_tokens, max_age=0)
+        keys = cost.metrics(floor=None if floor is None else floor.value) if cost is not None else {}
         return cls(
             trained_covered=cost.covered if cost is not None else None,
             trained_k3=_float(keys.get("staleness/mismatch/k3")),
@@ -323,12 +330,14 @@ def what_if_with_curve(source: Source, bounds: Iterable[int], config: StalenessC
 
     def replay_at(bound: int) -> tuple[Tally, MismatchSums | None, MismatchSums | None]:
         # The bound only masks and drops here: adapting it while replaying would judge another bound.
-        sink = Sink(dataclasses.replace(base, max_staleness=bound, adapt_every=None))
+        sink = Sink(
+            dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False
+        )  # the totals are read
         return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
 
     for bound in bounds:
         tally, cost, pooled = replay_at(bound)
-        rows.append(WhatIfRow.from_tally(bound, tally, cost))
+        rows.append(WhatIfRow.from_tally(bound, tally, cost, base.floor_min_tokens))
         if tally.tokens_dropped == 0 and tally.rollouts_held == 0:
             unbounded = pooled
     if unbounded is None and rows:
@@ -343,6 +352,7 @@ def what_if_with_curve(source: Source, bounds: Iterable[int], config: StalenessC
                 excess_at_bound=curve.excess_at(row.max_staleness),
                 within_budget=curve.within_budget(row.max_staleness),
                 suggested=suggested == row.max_staleness if suggested is not None else None,
+                suggested_bound=suggested,
             )
             for row in rows
         ]

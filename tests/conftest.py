@@ -11,8 +11,10 @@ example by default) and the CI machine is shared and noisy, so a slow example th
 the code. Every other health check stays on. Tests that set their own ``@settings`` inherit the profile
 for what they leave out.
 
-Tests run in parallel under pytest-xdist (``-n 2``): servers bind port 0 and write under ``tmp_path``;
-a test that cannot share the machine is marked ``serial`` and runs in the xdist group of that name.
+Tests run in parallel under pytest-xdist (``-n 2 --dist loadgroup``, ``.ci/test``): servers bind port 0
+(or a free port, retried when taken) and write under ``tmp_path``. Tests marked ``serial`` never run at
+the same time as each other: they share one xdist group, so one worker runs them in turn (the benchmark
+runs, each of which wants the machine's cores to itself).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def pytest_sessionstart(session: object) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked ``serial`` share one xdist group: the ``loadgroup`` scheduler runs them on one worker,
-    one after the other."""
+    one after the other (without xdist the marker changes nothing)."""
     for item in items:
         if item.get_closest_marker("serial") is not None:
             item.add_marker(pytest.mark.xdist_group("serial"))

@@ -14,6 +14,8 @@ import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
+pytestmark = pytest.mark.serial  # each benchmark run wants the cores; under xdist one worker runs them in turn
+
 
 def run_bench(name: str, *args: str) -> dict[str, Any]:
     done = subprocess.run(
@@ -86,3 +88,18 @@ def test_mismatch_bench_reports_a_ratio_to_the_dense_pass() -> None:
     assert positive(result["dense_s"]) and positive(result["sums_s"])
     assert result["ratio"] == pytest.approx(result["sums_s"] / result["dense_s"])
     assert result["goal"] == 1.5
+
+
+def test_calls_bench_reports_each_cost_against_its_yardstick() -> None:
+    result = run_bench("calls.py", "--positions", "20000", "--python-positions", "5000", "--repeat", "1")
+    assert result["positions"] >= 20000
+    assert result["adds_ratio"] == pytest.approx(result["adds_singles_seconds"] / result["adds_together_seconds"])
+    assert result["replay_small_over_big"] == pytest.approx(
+        result["replay_small_seconds"] / result["replay_big_seconds"]
+    )
+    for key in ("replay_over_python", "what_if_small_over_replay", "what_if_big_over_replay", "import_sink_ratio"):
+        assert positive(result[key]), key
+    assert result["import_ratio"] == pytest.approx(result["import_package_seconds"] / result["import_numpy_seconds"])
+    assert result["goals"] == {
+        "adds": 2.0, "replay_small_over_big": 2.0, "replay_over_python": 8.0, "what_if": 2.0, "import": 1.0,
+    }  # fmt: skip

@@ -53,16 +53,19 @@ def events(tmp_path: Path) -> Path:
 
 def test_replay_reports_the_family_computed_by_hand(events: Path, tmp_path: Path) -> None:
     out = tmp_path / "metrics.jsonl"
-    assert main(["replay", str(events), "--max-staleness", "8", "--metrics-out", str(out)]) == 0
+    argv = ["replay", str(events), "--max-staleness", "8", "--floor-min-tokens", "1", "--metrics-out", str(out)]
+    assert main(argv) == 0
     [row] = [json.loads(line) for line in out.read_text().splitlines()]
-    family = {k: v for k, v in row.items() if k.startswith("staleness/mismatch/")}
+    family = {k: v for k, v in row.items() if k.startswith(("staleness/mismatch/", "staleness/bound/"))}
+    # SPEC 14: lag 0's one token is the floor (floor_min_tokens 1), and the budget: the floor
+    # (0.0048) is crossed from lag 1 on (0.0065 more): the suggestion is 0; bound 8 is past lag 2.
+    assert family.pop("staleness/mismatch/floor_source") == "lag0"
     expected = {
         "staleness/mismatch/lag_0/tokens": 1,
         "staleness/mismatch/lag_0/k3": K3_0,
         "staleness/mismatch/lag_0/abs_log_ratio": 0.1,
         "staleness/mismatch/lag_0/out_of_band": 0.0,
         "staleness/mismatch/lag_0/ess": 1.0,
-        "staleness/mismatch/lag_0/excess_k3": 0.0,
         "staleness/mismatch/lag_1/tokens": 3,
         "staleness/mismatch/lag_1/k3": K3_1,
         "staleness/mismatch/lag_1/abs_log_ratio": 0.25 / 3,
@@ -78,12 +81,20 @@ def test_replay_reports_the_family_computed_by_hand(events: Path, tmp_path: Path
         "staleness/mismatch/k3": (K3_0 + 3 * K3_1 + 2 * K3_2) / 6,
         "staleness/mismatch/excess_k3": (3 * K3_1 + 2 * K3_2) / 5 - K3_0,
         "staleness/mismatch/coverage": 6 / 7,
+        "staleness/mismatch/floor": K3_0,
+        "staleness/mismatch/floor_age": 0,
+        "staleness/mismatch/budget": K3_0,
+        "staleness/mismatch/curve/lag_1": K3_1 - K3_0,
+        "staleness/mismatch/curve/lag_2": K3_2 - K3_0,
+        "staleness/bound/suggested": 0,
+        "staleness/bound/crossed": 1,
+        "staleness/bound/excess_at_bound": K3_2 - K3_0,
     }
     assert family == pytest.approx(expected, rel=1e-12, abs=1e-15)
 
 
 def test_what_if_adds_the_cost_of_what_each_bound_lets_train(events: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["what-if", str(events), "--max-staleness", "0..2", "--json"]) == 0
+    assert main(["what-if", str(events), "--max-staleness", "0..2", "--floor-min-tokens", "1", "--json"]) == 0
     rows = {r["max_staleness"]: r for r in json.loads(capsys.readouterr().out)}
     # Bound 0 masks every lag >= 1: only c's covered lag-0 token trains; no stale token, so no excess.
     assert (rows[0]["trained_covered"], rows[0]["trained_excess_k3"]) == (1, None)
@@ -97,7 +108,7 @@ def test_what_if_adds_the_cost_of_what_each_bound_lets_train(events: Path, capsy
     assert rows[2]["trained_k3"] == pytest.approx((K3_0 + 3 * K3_1 + 2 * K3_2) / 6)
     assert rows[2]["trained_excess_k3"] == pytest.approx((3 * K3_1 + 2 * K3_2) / 5 - K3_0)
 
-    assert main(["what-if", str(events), "--max-staleness", "1,2"]) == 0
+    assert main(["what-if", str(events), "--max-staleness", "1,2", "--floor-min-tokens", "1"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[-6:] == ["held", "trained", "k3", "trained", "excess", "k3"]
     assert table[2].split()[-2:] == [f"{(K3_0 + 3 * K3_1) / 4:.4g}", f"{K3_1 - K3_0:.4g}"]

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from staleness_metrics.adapters import as_replay_events
 from staleness_metrics.adapters.events import read_event_file
 from staleness_metrics.bound import BoundTracker
+from staleness_metrics.cli import main
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.demo.trainer import DriftModel, SimulatedTrainer, shipped_mask
@@ -30,7 +31,6 @@ from staleness_metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.replay import replay
 from staleness_metrics.run_dir import find_run
-from staleness_metrics.what_if import what_if_with_curve
 from tests.exporters.wandb_reader import find_run_file, read_run
 from tests.support.otlp import OtlpReceiver, metrics_by_name
 
@@ -123,7 +123,8 @@ def _live_path_family(steps: int, config: StalenessConfig, seed: int = 0) -> dic
         shipment = monitor.ship(events.step, events.ship_ids)
         simulation.forget(shipment.dropped_rollouts)
         trained = trainer.train(monitor, shipment)
-        family[events.step] = _family(trained.sums.metrics()) if trained is not None else {}
+        published = monitor.mismatch_metrics(events.step) if trained is not None else None
+        family[events.step] = {k: v for k, v in (published or {}).items() if k.startswith("staleness/mismatch/")}
     return family
 
 
@@ -279,7 +280,9 @@ def test_the_floor_is_measured_at_the_start_and_carried_so_every_step_has_an_exc
     assert sources == {1: ("lag0", 0)} | {step: ("carried", step - 1) for step in range(2, 26)}
 
 
-def test_the_suggested_bound_is_where_the_drift_model_puts_it(tmp_path: Path) -> None:
+def test_the_suggested_bound_is_where_the_drift_model_puts_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The README's expected suggestion, from the drift model's formula, against the demo's measured one."""
     model = DriftModel()
     expected = model.expected_suggested_bound()
@@ -297,11 +300,15 @@ def test_the_suggested_bound_is_where_the_drift_model_puts_it(tmp_path: Path) ->
     assert last.advice.crossed  # the data shows where the budget is crossed
     # Inside the demo's lag range: lags above the suggestion were shipped (and cost more than the budget).
     assert max(last.curve.lags) > last.advice.suggested
-    # What-if on the directory marks the same bound, pooled over the run.
-    result = what_if_with_curve(tmp_path / "out", range(11), run.staleness_config())
-    assert result.curve is not None and result.curve.suggested is not None
-    assert abs(result.curve.suggested - expected) <= 1
-    assert [row.max_staleness for row in result.rows if row.suggested] == [result.curve.suggested]
+    # What-if on the directory (its settings from run.json, the trainer's log-probabilities joined) marks the
+    # same bound, pooled over the run; --json carries it.
+    assert main(["what-if", str(tmp_path / "out"), "--max-staleness", "0..10", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    (pooled,) = {row["suggested_bound"] for row in rows}
+    assert abs(pooled - expected) <= 1
+    assert [row["max_staleness"] for row in rows if row["suggested"]] == [pooled]
+    assert [row["within_budget"] for row in rows] == [b <= pooled for b in range(11)]
+    assert all(row["trained_k3"] is not None for row in rows)  # the cost columns, from the directory alone
 
 
 def test_an_out_dir_that_cannot_be_made_is_a_message_not_a_traceback(tmp_path: Path) -> None:

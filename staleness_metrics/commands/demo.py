@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config import POLICY_NAMES, StalenessConfig
 from ..errors import ConfigError
+from .options import add_bound_options, bound_settings
 
 __all__ = ["register", "run"]
 
@@ -19,14 +20,19 @@ examples:
   staleness-metrics demo --speed 0 --prometheus-port 0    # as fast as possible, any free port
   curl -s http://127.0.0.1:9487/metrics | grep rl_staleness_   # while it runs
 
-The pipeline: inference workers that load new weights in the middle of responses, responses of
-varying length in three envs (math, code, a multi-turn agent), GRPO groups of 4, a share of
-frozen-model rollouts, a queue, and a trainer that ships a batch when it is free. Everything is
+The pipeline, fully asynchronous: inference workers that load new weights in the middle of
+responses, responses of varying length in three envs (math, code, a multi-turn agent), GRPO groups
+of 4, a share of frozen-model rollouts, a queue, and a trainer that ships a batch as soon as it is
+free. A simulated trainer computes its log-probabilities of every shipped token: what staleness
+costs, the floor measured at step 1 and the bound it suggests (5 with the defaults). Everything is
 drawn from --seed, so a seed replays the same run.
 
-Writes, under --out-dir: metrics.jsonl (one line per step), events.jsonl (the run's event stream,
-for `staleness-metrics report` / `what-if` / `replay`) and, when wandb is installed, an offline
-W&B run in wandb/. Exports OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set. Ctrl-C stops it cleanly.
+Writes a run directory, --out-dir: events.jsonl (the event stream, the engine's log-probabilities
+included), trainer-logprobs.jsonl and mismatch-sums.jsonl (what the trainer computed and posted),
+metrics.jsonl (one line per step), run.json (which files, which settings) and, when wandb is
+installed, an offline W&B run in wandb/. `staleness-metrics report OUT_DIR` shows all of it, and
+`what-if OUT_DIR` prices each bound. Exports OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set. Ctrl-C
+stops it cleanly.
 """
 
 
@@ -53,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
     parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default: 0)")
+    add_bound_options(parser)
     parser.add_argument(
         "--prometheus-port", type=int, default=9487, metavar="P",
         help="metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)",
@@ -83,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             max_token_staleness=args.max_token_staleness,
             sync_interval=args.sync_interval,
             env_breakdown=True,
+            **bound_settings(args),
         )
     except ConfigError as error:
         print(f"staleness-metrics demo: {error}", file=sys.stderr)

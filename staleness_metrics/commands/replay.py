@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not path.resolve().parent.is_dir():
             print(f"staleness-metrics replay: {option} {path}: its folder does not exist", file=sys.stderr)
             return 2
-    sink = Sink(config)
+    sink = Sink(config, env_reports=config.env_breakdown)  # per-env figures are written only with the breakdown
     ships = 0
     try:
         events, stack = open_events(args.events, args.progress, config.max_staleness)

@@ -16,7 +16,7 @@ from typing import Any
 from .. import metric_table
 from ..metric_table import MetricKind
 
-__all__ = ["collector_config", "collector_prometheus_name", "renames", "render_collector_config"]
+__all__ = ["collector_config", "collector_prometheus_name", "renames", "render_collector_config", "unit_cleared"]
 
 OTLP_HTTP = "127.0.0.1:4318"
 OTLP_GRPC = "127.0.0.1:4317"
@@ -75,9 +75,26 @@ def renames() -> list[tuple[str, str]]:
     return pairs
 
 
+def unit_cleared() -> list[str]:
+    """Table Prometheus names of gauges with unit ``1`` that are not ratios (SPEC 14's 0/1 ``crossed`` flag):
+    the collector's exporter would add ``_ratio`` to them whatever their name, so after the rename their
+    unit is cleared (a ``transform`` processor), and the name stays the table's."""
+    return [
+        row.prometheus_name
+        for row in metric_table.METRICS
+        if row.otel_name is not None
+        and row.prometheus_name is not None
+        and row.kind is MetricKind.GAUGE
+        and row.otel_unit == "1"
+        and not row.prometheus_name.endswith("_ratio")
+    ]
+
+
 def collector_config() -> dict[str, Any]:
     """The collector config as data."""
     rename = "metricstransform/staleness-names"
+    units = "transform/staleness-units"
+    cleared = unit_cleared()
     return {
         "receivers": {"otlp": {"protocols": {"http": {"endpoint": OTLP_HTTP}, "grpc": {"endpoint": OTLP_GRPC}}}},
         "processors": {
@@ -88,6 +105,20 @@ def collector_config() -> dict[str, Any]:
                     for otel, prom in renames()
                 ]
             },
+            **(
+                {
+                    units: {
+                        "metric_statements": [
+                            {
+                                "context": "metric",
+                                "statements": [f'set(unit, "") where name == "{name}"' for name in cleared],
+                            }
+                        ]
+                    }
+                }
+                if cleared
+                else {}
+            ),
             "batch": {},
         },
         "exporters": {
@@ -102,7 +133,7 @@ def collector_config() -> dict[str, Any]:
             "pipelines": {
                 "metrics": {
                     "receivers": ["otlp"],
-                    "processors": ["memory_limiter", rename, "batch"],
+                    "processors": ["memory_limiter", rename, *([units] if cleared else []), "batch"],
                     "exporters": ["prometheus"],
                 }
             }

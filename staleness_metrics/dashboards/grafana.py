@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import metric_table
-from .promql import Scope, prometheus_name
+from .promql import Scope, metric, prometheus_name
 
 __all__ = ["DASHBOARDS", "Grid", "fleet_dashboard", "staleness_dashboard"]
 
@@ -794,6 +794,136 @@ def _what_staleness_costs(grid: Grid, s: Scope, merged: Scope) -> None:
     _length_bias(grid, s, w=12, h=8)
 
 
+_BOUND_NOTE = (
+    "SPEC 14, from the gauges of the last ship with trainer-vs-sampler sums: the curve is the excess k3 over the "
+    "floor by lag, pooled over the last cost_window ships and made non-decreasing; the budget is "
+    "mismatch_budget, or the floor."
+)
+
+
+def _curve_lags() -> tuple[str, ...]:
+    dimension = metric("mismatch_curve").dimension
+    assert dimension is not None
+    return tuple(dimension.values)
+
+
+def _choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
+    """SPEC 14: the excess curve against the budget, the configured and suggested bounds, and the floor."""
+    grid.row("Choosing the bound")
+    grid.add(
+        timeseries(
+            "Excess curve by lag vs budget",
+            "The excess curve at each lag (one line per lag), the budget drawn dashed red, and the curve at the "
+            "two bounds: at the configured bound (what the bound lets train; above the budget, the bound is too "
+            f"loose) and at the suggested bound (the largest lag within the budget). {_BOUND_NOTE}",
+            NATS,
+            [
+                Target(s.gauge("mismatch_curve", extra_by=("lag",)), "{{run}} lag {{lag}}"),
+                Target(s.gauge("mismatch_budget"), "{{run}} budget"),
+                Target(s.gauge("bound_excess_at_bound"), "{{run}} at the configured bound"),
+                Target(s.curve_at_suggested(_curve_lags()), "{{run}} at the suggested bound"),
+            ],
+            minimum=0,
+            overrides=[_bound_override("budget"), *_marked_overrides()],
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Suggested vs configured bound",
+            "The bound the curve suggests against the configured max_staleness (dashed red). Below it while the "
+            "curve crosses the budget: the bound lets train tokens that cost more than the budget; 2 or more "
+            f"above it while tokens are masked: the bound masks tokens that cost less. {_BOUND_NOTE}",
+            VERSIONS,
+            [Target(s.gauge("bound_suggested"), "{{run}} suggested"), bound],
+            minimum=0,
+            overrides=[_bound_override()],
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Floor by source",
+            "The engines' numeric mismatch the excess is measured against, labelled by where it came from: "
+            "lag0 (this ship's lag-0 tokens), carried (an earlier ship's, within floor_max_age) or min_lag (the "
+            "smallest lag with enough tokens: an upper bound on the floor, so the excess is a lower bound).",
+            NATS,
+            [Target(s.gauge("mismatch_floor", extra_by=("source",)), "{{run}} {{source}}")],
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+    grid.add(
+        timeseries(
+            "Floor age and budget crossed",
+            "Steps since the ship that measured the floor (a carried floor ages until floor_max_age), and 1 when "
+            "the curve crosses the budget at some lag (the suggestion is where), else 0 (the suggestion is only "
+            "the largest lag seen).",
+            COUNT,
+            [
+                Target(s.gauge("mismatch_floor_age"), "{{run}} floor age (steps)"),
+                Target(s.gauge("bound_crossed"), "{{run}} crossed"),
+            ],
+            minimum=0,
+        ),
+        w=12,
+        h=8,
+    )
+
+
+def _marked_overrides() -> list[Json]:
+    """The curve at the two bounds drawn thick, in the colours of the report's bounds."""
+    return [
+        {
+            "matcher": {"id": "byRegexp", "options": f".* at the {which} bound$"},
+            "properties": [
+                {"id": "custom.lineWidth", "value": 3},
+                {"id": "color", "value": {"fixedColor": colour, "mode": "fixed"}},
+            ],
+        }
+        for which, colour in (("configured", "dark-orange"), ("suggested", "green"))
+    ]
+
+
+def _fleet_bounds(grid: Grid, s: Scope) -> None:
+    """SPEC 14 per run: suggested vs configured, and the curve at the configured bound against the budget."""
+    grid.row("Choosing the bound")
+    grid.add(
+        timeseries(
+            "Suggested vs configured bound per run",
+            f"Each run's suggested bound and its configured max_staleness (dashed red). {_BOUND_NOTE}",
+            VERSIONS,
+            [
+                Target(s.gauge("bound_suggested"), "{{run}} suggested"),
+                Target(s.gauge("max_staleness"), "{{run}} bound"),
+            ],
+            minimum=0,
+            overrides=[_bound_override()],
+        ),
+        w=12,
+        h=7,
+    )
+    grid.add(
+        timeseries(
+            "Excess at the bound vs budget per run",
+            "Each run's excess curve at its configured bound against its budget (dashed red): above it, the bound "
+            f"lets train tokens that cost more than the budget. {_BOUND_NOTE}",
+            NATS,
+            [
+                Target(s.gauge("bound_excess_at_bound"), "{{run}} at the configured bound"),
+                Target(s.gauge("mismatch_budget"), "{{run}} budget"),
+            ],
+            minimum=0,
+            overrides=[_bound_override("budget"), *_marked_overrides()[:1]],
+        ),
+        w=12,
+        h=7,
+    )
+
+
 def _fleet_costs(grid: Grid, s: Scope) -> None:
     """What staleness costs across the fleet: per run, and merged over every selected run."""
     f = FLEET_WIDE
@@ -859,6 +989,7 @@ def staleness_dashboard() -> Json:
     _pipeline_health(grid, s)
     _per_env(grid, s)
     _what_staleness_costs(grid, s, FLEET_WIDE)
+    _choosing_the_bound(grid, s, bound)
     return _dashboard(
         "rl-staleness",
         "RL staleness",
@@ -886,6 +1017,8 @@ def fleet_dashboard() -> Json:
         ("Label coverage", RATIO, Target(_label_coverage(s))),
         ("Export errors/s", PER_SECOND, Target(s.rate("export_errors"))),
         ("Excess k3", NATS, Target(s.excess_k3())),
+        ("Suggested bound", VERSIONS, Target(s.gauge("bound_suggested"))),
+        ("Excess at bound", NATS, Target(s.gauge("bound_excess_at_bound"))),
         ("Trained length", TOKENS, Target(s.trained_length_mean())),
     ]
     grid.add(
@@ -938,6 +1071,7 @@ def fleet_dashboard() -> Json:
     ):
         grid.add(timeseries(title, description, unit, targets, minimum=0, maximum=top), w=8, h=7)
     _fleet_costs(grid, s)
+    _fleet_bounds(grid, s)
     return _dashboard(
         "rl-staleness-fleet",
         "RL staleness fleet",

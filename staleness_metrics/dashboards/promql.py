@@ -91,10 +91,13 @@ class Scope:
     def _by(self, *extra: str) -> str:
         return f"by ({', '.join((*self.by, *extra))})"
 
-    def gauge(self, name: str, *, per_env: bool = False) -> str:
-        """A gauge's overall series (or its per-env series), kept per ``by`` labels with ``max``."""
+    def gauge(
+        self, name: str, *, per_env: bool = False, extra_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()
+    ) -> str:
+        """A gauge's overall series (or its per-env series), kept per ``by`` labels (and ``extra_by``, such as
+        SPEC 14's ``lag`` or ``source``) with ``max``; ``extra`` adds matchers."""
         if not per_env:
-            return f"max {self._by()} ({self.selector(name)})"
+            return f"max {self._by(*extra_by)} ({self.selector(name, extra=extra)})"
         picked = f'env=~"{self.env or ".+"}", env!=""'
         return f"max {self._by('env')} ({self.selector(name, env=picked)})"
 
@@ -165,6 +168,17 @@ class Scope:
         """The same with masked positions and dropped samples counted as 0: what trains."""
         kept = f"{self.rate('length_sampled_tokens')} - {self.rate('length_removed_tokens')}"
         return f"({kept}) / ({self.rate('length_samples')} > 0)"
+
+    # ------------------------------------------------------------------ SPEC 14, from the gauges of the last ship
+    def curve_at_suggested(self, lags: tuple[str, ...]) -> str:
+        """The excess curve at the suggested bound: PromQL cannot read a label from a value, so one term per
+        lag of the curve, kept where the suggestion equals it."""
+        suggested, on = self.gauge("bound_suggested"), ", ".join(self.by)
+        terms = []
+        for lag in lags:
+            at_lag = self.gauge("mismatch_curve", extra=(f'lag="{lag}"',))
+            terms.append(f"({at_lag} and on ({on}) {suggested} == {lag})")
+        return " or ".join(terms)
 
     def removed_share_by_length(self) -> str:
         """Share of sampled positions masked or dropped, per length bucket of their sample."""

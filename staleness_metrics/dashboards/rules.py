@@ -40,6 +40,11 @@ class Thresholds:
     absent_for: str = "5m"
     excess_k3: float = 0.01  # nats of mean k3 above the lag-0 floor, at a lag within max_staleness
     excess_for: str = "15m"
+    # SPEC 14: the bound against the run's excess curve and budget.
+    bound_loose_for: str = "15m"  # excess_at_bound above the budget this long
+    bound_tight_margin: int = 2  # the suggestion this many steps above max_staleness ...
+    bound_tight_masked: float = 0.01  # ... while more than this share of the last batch is masked
+    bound_tight_for: str = "30m"
 
 
 # SPEC 11 / 12 derived series: one recording rule each. The level names the labels kept (job_run_lag keeps
@@ -176,6 +181,7 @@ def _alerts(t: Thresholds) -> list[Json]:
             f"above the lag-0 floor (threshold {t.excess_k3:g}). The policy moves too far within the bound: "
             "lower max_staleness, sync weights more often, or lower the learning rate.",
         ),
+        *_bound_alerts(t, where),
         _alert(
             "RLStalenessMetricsAbsent",
             f"absent_over_time({prometheus_name('train_step')}[{t.absent_window}])",
@@ -184,6 +190,38 @@ def _alerts(t: Thresholds) -> list[Json]:
             "No staleness metrics for " + t.absent_window,
             f"Prometheus has scraped no {prometheus_name('train_step')} series for {t.absent_window}: the "
             "trainer's exporter is down, unreachable, or no run is training.",
+        ),
+    ]
+
+
+def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
+    """SPEC 14's two alerts, from the gauges of the latest ship with the SPEC 11 family."""
+    at_bound, budget = _SCOPE.gauge("bound_excess_at_bound"), _SCOPE.gauge("mismatch_budget")
+    suggested, crossed = _SCOPE.gauge("bound_suggested"), _SCOPE.gauge("bound_crossed")
+    bound, masked = _SCOPE.gauge("max_staleness"), _SCOPE.gauge("token_masked")
+    return [
+        _alert(
+            "RLStalenessBoundTooLoose",
+            f"{at_bound} > on (job, run) {budget}",
+            t.bound_loose_for,
+            "warning",
+            "The staleness bound of run {{ $labels.run }} lets train tokens that cost more than its mismatch budget",
+            f"For {t.bound_loose_for}, the excess mismatch curve of {where} has stood at "
+            '{{ printf "%.4g" $value }} nats at the largest lag max_staleness lets train, above the budget '
+            "(mismatch_budget, or the engines' floor when none is set). Lower max_staleness to the suggested "
+            "bound (rl_staleness_bound_suggested), or turn on the adaptive bound (adapt_every).",
+        ),
+        _alert(
+            "RLStalenessBoundTooTight",
+            f"({suggested} >= on (job, run) {bound} + {t.bound_tight_margin}) and on (job, run) ({crossed} == 1) "
+            f"and on (job, run) ({masked} > {t.bound_tight_masked})",
+            t.bound_tight_for,
+            "warning",
+            "The staleness bound of run {{ $labels.run }} masks tokens that cost less than its mismatch budget",
+            f"For {t.bound_tight_for}, the excess curve of {where} has stayed within the budget up to lag "
+            f"{{{{ $value }}}}, at least {t.bound_tight_margin} above max_staleness, while more than "
+            f"{t.bound_tight_masked:.0%} of the last batch's tokens were masked: the bound throws away tokens "
+            "staleness does not make costly. Raise max_staleness toward the suggested bound.",
         ),
     ]
 

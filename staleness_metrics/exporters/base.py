@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ..bound import ShipBound, mismatch_metrics
 from ..mismatch import MismatchSums
-from ..report import StepReport
+from ..report import MetricValue, StepReport
 
 __all__ = [
     "DEFAULT_RUN",
@@ -61,6 +62,12 @@ class MismatchReport:
     step: int
     sums: MismatchSums
     delta: MismatchSums
+    bound: ShipBound | None = None  # SPEC 14 of ``sums``: the floor, the curve and the advice
+
+    @property
+    def metrics(self) -> dict[str, MetricValue]:
+        """The row of ``sums``: SPEC 11 keys with the excess over SPEC 14's floor, then the SPEC 14 keys."""
+        return mismatch_metrics(self.sums, self.bound)
 
 
 @runtime_checkable

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import TextIO
 
-from ..report import StepReport
+from ..report import MetricValue, StepReport
 from .base import MismatchReport
 
 __all__ = ["ConsoleExporter", "format_line", "format_mismatch_line"]
 
 _EXCESS_K3 = "staleness/mismatch/excess_k3"
+_FLOOR = "staleness/mismatch/floor"
+_AT_BOUND = "staleness/bound/excess_at_bound"
+_SUGGESTED = "staleness/bound/suggested"
 
 
 def format_line(report: StepReport) -> str:
@@ -38,15 +42,36 @@ def format_line(report: StepReport) -> str:
         parts.append(f"held {held} rollouts")
     if _EXCESS_K3 in metrics:  # SPEC 11: what staleness costs, when the records carried trainer log-probs
         parts.append(f"excess k3 {float(metrics[_EXCESS_K3]):.4g}")
+    parts.extend(_bound_parts(metrics))
     return " | ".join(parts)
 
 
-def format_mismatch_line(report: MismatchReport) -> str:
-    """``step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0%`` for trainer-side sums.
+def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
+    """SPEC 14 on the step's line: ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (crossed)``."""
+    if _FLOOR not in metrics:
+        return []
+    source = metrics.get("staleness/mismatch/floor_source", "")
+    age = int(metrics.get("staleness/mismatch/floor_age", 0))
+    floor = f"floor {float(metrics[_FLOOR]):.4g} {source}" + (f" {age} steps ago" if age else "")
+    at_bound = metrics.get(_AT_BOUND)
+    parts = [floor, f"at bound {float(at_bound):.4g}" if at_bound is not None else "at bound -"]
+    if _SUGGESTED in metrics:
+        crossed = int(metrics.get("staleness/bound/crossed", 0))
+        parts.append(
+            f"suggested {int(metrics[_SUGGESTED])}" + (" (budget crossed)" if crossed else " (largest lag seen)")
+        )
+    else:
+        parts.append("suggested -")
+    return parts
 
-    The step's sums merged so far; ``-`` where a key is absent (no lag-0 or no stale token yet).
+
+def format_mismatch_line(report: MismatchReport) -> str:
+    """``step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0% | floor 0.0008 lag0 | at bound 0.0003
+    | suggested 6 (budget crossed)`` for trainer-side sums.
+
+    The step's sums merged so far; ``-`` where a key is absent (no floor, no stale token or no curve yet).
     """
-    metrics = report.sums.metrics()
+    metrics = report.metrics
 
     def number(key: str) -> str:
         return f"{float(metrics[key]):.4g}" if key in metrics else "-"
@@ -60,6 +85,7 @@ def format_mismatch_line(report: MismatchReport) -> str:
             f"mismatch k3 {number('staleness/mismatch/k3')}",
             f"excess k3 {number(_EXCESS_K3)}",
             f"coverage {coverage}",
+            *_bound_parts(metrics),
         ]
     )
 

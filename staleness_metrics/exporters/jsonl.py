@@ -1,6 +1,6 @@
 """JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format), flushed per line.
 
-Trainer-side mismatch sums recorded for a step (the live path) add a line ``{"step": S, <SPEC 11 keys>}``
+Trainer-side mismatch sums recorded for a step (the live path) add a line ``{"step": S, <SPEC 11/14 keys>}``
 holding the step's sums merged so far: the last line of a step is its total.
 """
 
@@ -25,8 +25,9 @@ def row_json(report: StepReport) -> str:
 
 
 def mismatch_row_json(report: MismatchReport) -> str:
-    """A live mismatch report's ``{"step": S, <SPEC 11 key>: <value>, ...}`` line (the step's merged sums)."""
-    return jsonio.dumps({"step": report.step, **report.sums.metrics()}).decode()
+    """A live mismatch report's ``{"step": S, <SPEC 11 and 14 key>: <value>, ...}`` line (the step's merged
+    sums; ``staleness/mismatch/floor_source`` is a string)."""
+    return jsonio.dumps({"step": report.step, **report.metrics}).decode()
 
 
 class JsonlExporter(QueuedExporter[str]):

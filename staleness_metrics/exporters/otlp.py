@@ -140,7 +140,13 @@ def build_metrics_data(
     for row in _PUBLISHED:
         assert row.otel_name is not None
         data: Any
-        if row.kind is MetricKind.GAUGE:
+        if row.kind is MetricKind.GAUGE and row.dimension is not None:
+            points = [
+                NumberDataPoint(_attributes(row, run, env, bucket), start_ns, now, value)
+                for (env, bucket), value in sorted(snapshot.bucketed_gauges.get(row.name, {}).items())
+            ]
+            data = Gauge(data_points=points)
+        elif row.kind is MetricKind.GAUGE:
             values = snapshot.gauges[row.name]
             points = [
                 NumberDataPoint(_attributes(row, run, env), start_ns, now, value)
@@ -233,7 +239,10 @@ class _InstrumentRecorder:
         run = snapshot.run
         for row in _PUBLISHED:
             instrument = self._instruments[row.name]
-            if row.kind is MetricKind.GAUGE:
+            if row.kind is MetricKind.GAUGE and row.dimension is not None:
+                for (env, bucket), value in snapshot.bucketed_gauges.get(row.name, {}).items():
+                    instrument.set(value, _attributes(row, run, env, bucket))
+            elif row.kind is MetricKind.GAUGE:
                 for env, value in snapshot.gauges[row.name].items():
                     instrument.set(value, _attributes(row, run, env))
             elif row.kind is MetricKind.COUNTER and row.dimension is not None:
@@ -335,7 +344,7 @@ class OtlpExporter(QueuedExporter[_Payload]):
 
     def absorb_mismatch(self, report: MismatchReport) -> None:
         """Fold trainer-side sums exported before a restart into the run totals, without sending them again."""
-        self._state.apply_mismatch(report.delta)
+        self._state.apply_mismatch(report.delta, report.metrics)
 
     def export(self, report: StepReport) -> None:
         snapshot = self._state.apply(report)  # cheap: bucket sums; the OTLP encoding happens on send
@@ -355,7 +364,7 @@ class OtlpExporter(QueuedExporter[_Payload]):
     def export_mismatch(self, report: MismatchReport) -> None:
         """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and send."""
         try:
-            snapshot = self._state.apply_mismatch(report.delta)
+            snapshot = self._state.apply_mismatch(report.delta, report.metrics)
         except Exception as exc:  # never into the trainer
             self._errors.record(self.name, "mismatch sums not exported", exc)
             return

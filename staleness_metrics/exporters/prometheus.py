@@ -88,7 +88,10 @@ def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
         if metric.source is Source.EXPORTER:
             continue
         family = _family(metric)
-        if isinstance(family, GaugeMetricFamily):
+        if isinstance(family, GaugeMetricFamily) and metric.dimension is not None:
+            for (env, bucket), value in snapshot.bucketed_gauges.get(metric.name, {}).items():
+                family.add_metric(_label_values(metric, snapshot.run, env, bucket), float(value))
+        elif isinstance(family, GaugeMetricFamily):
             for env, value in snapshot.gauges[metric.name].items():
                 family.add_metric(_label_values(metric, snapshot.run, env), float(value))
         elif isinstance(family, CounterMetricFamily) and metric.dimension is not None:
@@ -183,7 +186,8 @@ class _PrometheusBase:
     def _apply(self, report: StepReport | MismatchReport) -> Snapshot:
         with self._lock:  # reports are folded in order, one at a time
             if isinstance(report, MismatchReport):
-                snapshot = self._state.apply_mismatch(report.delta)  # counters add what this call brought
+                # Counters add what this call brought; SPEC 14's gauges show the step's merged sums.
+                snapshot = self._state.apply_mismatch(report.delta, report.metrics)
             else:
                 snapshot = self._state.apply(report)
             self.collector.update(snapshot)

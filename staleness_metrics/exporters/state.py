@@ -18,6 +18,9 @@ Label conventions (documented for dashboards):
   dimension, zeros included, so a rate works from a bucket's first increment. The mismatch families
   (no ``env``: the trainer's sums are per step, not per env) appear once the first sums arrived, from a
   ship's records (``StepReport.mismatch``) or from the trainer (:meth:`CumulativeState.apply_mismatch`).
+- SPEC 14's gauges (floor, budget, curve, bound advice) show the latest report that carried the SPEC 11
+  family, a ship's or the trainer's; a ship without the family leaves them as they were. The floor has a
+  ``source`` label, the curve a ``lag`` label (only the lags of the curve are exposed).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..mismatch import MismatchSums
-from ..report import Counts, StepReport, Tally
+from ..report import Counts, MetricValue, StepReport, Tally
 
 __all__ = ["BucketKey", "CumulativeState", "HistogramPoint", "Snapshot", "bucket_counts", "partition_by_env"]
 
@@ -124,6 +127,8 @@ class Snapshot:
     # Counters with a bucket label (rows with a dimension): name -> (env, exported bucket value) -> value.
     bucketed: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
     bucketed_deltas: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
+    # Gauges with a label besides env (SPEC 14's floor by source, curve by lag): name -> (env, value) -> value.
+    bucketed_gauges: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
 
 
 def _as_number(metric: MetricDef, value: object) -> Number:
@@ -152,6 +157,43 @@ def _gauge_values(metric: MetricDef, report: StepReport, by_env: bool) -> dict[s
                 if env:
                     values[env] = _as_number(metric, getattr(tally, metric.tally_field))
     return values
+
+
+_BOUND_GAUGES = tuple(m for m in METRICS if m.source is Source.BOUND and m.kind is MetricKind.GAUGE)
+_FLOOR_SOURCE_KEY = "staleness/mismatch/floor_source"
+
+
+_BOUND_KEYS = frozenset(key for m in _BOUND_GAUGES for key in m.wandb_keys)
+
+
+def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
+    return {key: value for key, value in metrics.items() if key in _BOUND_KEYS}
+
+
+def _bound_gauges(
+    metrics: Mapping[str, MetricValue] | None,
+) -> tuple[dict[str, Mapping[str, Number]], dict[str, Mapping[BucketKey, Number]]]:
+    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family: plain, and labelled."""
+    plain: dict[str, Mapping[str, Number]] = {}
+    labelled: dict[str, Mapping[BucketKey, Number]] = {}
+    for metric in _BOUND_GAUGES:
+        if metric.prometheus_name is None and metric.otel_name is None:
+            continue
+        assert metric.wandb_key is not None
+        found = metrics or {}
+        if metric.dimension is None:
+            plain[metric.name] = {"": _as_number(metric, found[metric.wandb_key])} if metric.wandb_key in found else {}
+        elif metric.dimension.placeholder in metric.wandb_key:  # one key per bucket (the curve)
+            labelled[metric.name] = {
+                ("", value): _as_number(metric, found[key])
+                for key, value in zip(metric.wandb_keys, metric.dimension.values, strict=True)
+                if key in found
+            }
+        else:  # one key, its label from another key (the floor and its source)
+            source = found.get(_FLOOR_SOURCE_KEY)
+            present = metric.wandb_key in found and isinstance(source, str)
+            labelled[metric.name] = {("", str(source)): _as_number(metric, found[metric.wandb_key])} if present else {}
+    return plain, labelled
 
 
 def _histogram_of(metric: MetricDef, tally: Tally) -> Counts:
@@ -203,6 +245,7 @@ class CumulativeState:
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
         self._last_report: StepReport | None = None
+        self._bound_metrics: dict[str, MetricValue] | None = None  # keys of the latest report with SPEC 11
 
     def state_dict(self) -> dict[str, Any]:
         """The run totals, the mismatch sums and the last report (for the gauges) as JSON-serialisable data."""
@@ -213,27 +256,44 @@ class CumulativeState:
             "mismatch": None if self._mismatch is None else self._mismatch.to_dict(),
             "start_time_ns": self._start_ns,
             "last_report": None if self._last_report is None else report_to_dict(self._last_report),
+            "bound_metrics": self._bound_metrics,
         }
 
     @staticmethod
-    def check_state_dict(state: Any, path: str) -> tuple[dict[str, Tally], MismatchSums | None, int, StepReport | None]:
-        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path): totals, sums, start, report."""
-        from ..checkpoint import check_mismatch, check_report, check_tally, integer, join, keys, mapping, string
+    def check_state_dict(
+        state: Any, path: str
+    ) -> tuple[dict[str, Tally], MismatchSums | None, int, StepReport | None, dict[str, MetricValue] | None]:
+        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path): totals, sums, start, report,
+        and the SPEC 14 keys of the latest report with SPEC 11 (absent from states saved before SPEC 14)."""
+        from ..checkpoint import (
+            check_metrics,
+            check_mismatch,
+            check_report,
+            check_tally,
+            integer,
+            join,
+            keys,
+            mapping,
+            string,
+        )  # fmt: skip
 
-        found = keys(state, path, ("totals", "mismatch", "start_time_ns", "last_report"))
+        found = keys(state, path, ("totals", "mismatch", "start_time_ns", "last_report"), ("bound_metrics",))
         totals = mapping(found["totals"], join(path, "totals"))
+        bound = found.get("bound_metrics")
         return (
             {string(env, join(path, "totals")): check_tally(tally, join(join(path, "totals"), env))
              for env, tally in totals.items()},
             None if found["mismatch"] is None else check_mismatch(found["mismatch"], join(path, "mismatch")),
             integer(found["start_time_ns"], join(path, "start_time_ns"), 0),
             None if found["last_report"] is None else check_report(found["last_report"], join(path, "last_report")),
+            None if bound is None else check_metrics(bound, join(path, "bound_metrics")),
         )  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> Snapshot | None:
         """Continue the cumulative series from ``state``; returns what the last report showed (None if none).
         A bad state raises ``ConfigError`` and changes nothing."""
-        totals, mismatch, start_ns, last = self.check_state_dict(state, "state")
+        totals, mismatch, start_ns, last, bound = self.check_state_dict(state, "state")
+        self._bound_metrics = bound
         self._totals = totals
         self._mismatch = mismatch
         self._start_ns = start_ns  # the same series: it was never reset
@@ -252,14 +312,18 @@ class CumulativeState:
             self._totals[env] = self._totals.get(env, Tally()) + tally
         if report.mismatch is not None:
             self._add_mismatch(report.mismatch)
+            self._bound_metrics = _bound_keys(report.metrics)
         self._step = report.step
         self._last_report = report
         self._gauges = {m.name: _gauge_values(m, report, self.by_env) for m in _PUBLISHED_GAUGES}
         return self._snapshot(window, report.mismatch)
 
-    def apply_mismatch(self, delta: MismatchSums) -> Snapshot:
-        """Fold in trainer-side sums (the live path): the counters move, the last ship's gauges stay."""
+    def apply_mismatch(self, delta: MismatchSums, metrics: Mapping[str, MetricValue] | None = None) -> Snapshot:
+        """Fold in trainer-side sums (the live path): the counters move, the last ship's gauges stay; SPEC 14's
+        gauges take ``metrics``, the keys of the step's merged sums (``MismatchReport.metrics``)."""
         self._add_mismatch(delta)
+        if metrics is not None:
+            self._bound_metrics = _bound_keys(metrics)
         return self._snapshot({env: Tally() for env in self._totals}, delta)
 
     def _add_mismatch(self, sums: MismatchSums) -> None:
@@ -299,19 +363,21 @@ class CumulativeState:
                     histogram_deltas[metric.name] = {
                         env: bucket_counts(_histogram_of(metric, t)) for env, t in window.items()
                     }
+        bound_plain, bound_labelled = _bound_gauges(self._bound_metrics)
         snapshot = Snapshot(
             run=self.run,
             step=self._step,
             start_time_ns=self._start_ns,
             previous_time_ns=self._last_ns,
             time_ns=now,
-            gauges=self._gauges,
+            gauges={**self._gauges, **bound_plain},
             counters=counters,
             counter_deltas=counter_deltas,
             histograms=histograms,
             histogram_deltas=histogram_deltas,
             bucketed=bucketed,
             bucketed_deltas=bucketed_deltas,
+            bucketed_gauges=bound_labelled,
         )
         self._last_ns = now
         return snapshot

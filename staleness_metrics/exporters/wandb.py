@@ -220,9 +220,9 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         self._queue.put(row)
 
     def export_mismatch(self, report: MismatchReport) -> None:
-        """A row of the step's trainer-side SPEC 11 keys (merged over every call for the step so far)."""
+        """A row of the step's trainer-side SPEC 11 and SPEC 14 keys (merged over every call for the step so far)."""
         try:
-            row: dict[str, Any] = {self._step_key: report.step, **report.sums.metrics()}
+            row: dict[str, Any] = {self._step_key: report.step, **report.metrics}
         except Exception as exc:  # never into the trainer
             self._errors.record(self.name, "mismatch sums not logged", exc)
             return

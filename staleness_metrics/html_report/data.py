@@ -19,6 +19,7 @@ import numpy.typing as npt
 from ..adapters import as_replay_events, compare_prime_rl, detect_source, read_run
 from ..adapters.events import iter_json_lines
 from ..adapters.prime_rl import ComparisonRow, has_rollouts
+from ..bound import FLOOR_SOURCES
 from ..config import StalenessConfig
 from ..errors import EventError
 from ..metric_table import LEGACY_KEYS
@@ -69,7 +70,10 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
         name = key if key.startswith("staleness/") else legacy.new if legacy is not None else None
         if name is None or value is None or isinstance(value, dict):
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if key.endswith("/floor_source"):  # SPEC 14's one string value
+            if value not in FLOOR_SOURCES:
+                raise EventError(line, f"{path}: {key}: expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EventError(line, f"{path}: {key}: expected a number, got {value!r}")
         if key == name or name not in row:
             out[name] = value

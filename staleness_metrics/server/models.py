@@ -260,7 +260,7 @@ class ShipResult(BaseModel):
     dropped_samples: list[tuple[str, int]] = Field(description="[rollout id, sample index as added] pairs.")
     held: list[str]
     invalid: list[ErrorItem] = Field(description="Rollouts set aside as invalid in this window (lenient).")
-    metrics: dict[str, float | int] = Field(description="The SPEC 6 metrics dict of the step.")
+    metrics: dict[str, float | int | str] = Field(description="The SPEC 6 metrics dict of the step.")
     counts: Counts
     rollouts: list[dict[str, Any]] | None = Field(
         default=None, description="With include_rollouts: the shipped rollouts as SPEC 3 records, masked."
@@ -280,7 +280,7 @@ class StepRow(BaseModel):
 
     ship: int
     step: int
-    metrics: dict[str, float | int] = Field(
+    metrics: dict[str, float | int | str] = Field(
         description="The SPEC 6 metrics of the ship; on the last ship of a step with posted mismatch sums, "
         "the SPEC 11 keys of their merged total (staleness/mismatch/...)."
     )
@@ -342,7 +342,9 @@ class MismatchResult(BaseModel):
     step: int
     posts: int = Field(description="Posts merged into the step's total so far (replays not counted).")
     tokens: int = Field(description="Covered positions of the step's merged total.")
-    metrics: dict[str, float | int] = Field(description="SPEC 11 keys of the merged total (staleness/mismatch/...).")
+    metrics: dict[str, float | int | str] = Field(
+        description="SPEC 11 and SPEC 14 keys of the merged total (staleness/mismatch/..., staleness/bound/...)."
+    )
     replayed: bool = Field(
         default=False, description="True when this is the stored answer to a repeated Idempotency-Key."
     )

@@ -38,6 +38,7 @@ from ..config import StalenessConfig
 from ..errors import StalenessError, TraceError
 from ..mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..monitor import StalenessMonitor
+from ..report import MetricValue
 from ..sink import Shipment
 from ..validation import printable_id, unstorable
 from .exporting import ExportSettings, RunExporters, build_exporters, preload
@@ -269,22 +270,25 @@ def _lags_by_rollout(shipment: Shipment) -> list[list[list[int]]]:
     return out
 
 
+_MISMATCH_PREFIXES = ("staleness/mismatch/", "staleness/bound/")
+
+
 @dataclass(frozen=True)
 class _StepMismatch:
     """The posted sums of one step: how many posts, their total, and its keys and dict (made once)."""
 
     posts: int
     total: MismatchSums
-    metrics: dict[str, float | int]
+    metrics: dict[str, MetricValue]
     sums: dict[str, Any]
 
     @classmethod
-    def of(cls, posts: int, total: MismatchSums) -> _StepMismatch:
-        return cls(posts, total, total.metrics(), total.to_dict())
+    def of(cls, posts: int, total: MismatchSums, metrics: dict[str, MetricValue]) -> _StepMismatch:
+        return cls(posts, total, metrics, total.to_dict())
 
     def on(self, row: StepRow) -> StepRow:
-        """``row`` with these keys in place of any mismatch keys the ship computed, and the sums."""
-        kept = {key: value for key, value in row.metrics.items() if not key.startswith("staleness/mismatch/")}
+        """``row`` with these keys in place of any SPEC 11 / SPEC 14 keys the ship computed, and the sums."""
+        kept = {key: value for key, value in row.metrics.items() if not key.startswith(_MISMATCH_PREFIXES)}
         return row.model_copy(update={"metrics": {**kept, **self.metrics}, "mismatch": self.sums})
 
 
@@ -381,7 +385,8 @@ class Run:
                 for key, (fp, answer) in self._answers.items()
             ],
             # Posted mismatch sums (SPEC 11) per step, and the answers to their idempotency keys.
-            "mismatch": [[step, m.posts, m.sums] for step, m in self._mismatch.items()],
+            # The keys published with them too: SPEC 14's floor and window are of the moment they were posted.
+            "mismatch": [[step, m.posts, m.sums, m.metrics] for step, m in self._mismatch.items()],
             "mismatch_answers": [
                 [key, [fp[0], fp[1].hex()], answer.model_dump(mode="json")]
                 for key, (fp, answer) in self._mismatch_answers.items()
@@ -430,10 +435,12 @@ class Run:
             (key, ((fp[0], None if fp[1] is None else tuple(fp[1]), fp[2]), ShipResult.model_validate(answer)))
             for key, fp, answer in state["answers"]
         )
-        self._mismatch = {
-            int(step): _StepMismatch.of(int(posts), MismatchSums.from_dict(sums))
-            for step, posts, sums in state.get("mismatch", [])
-        }
+        self._mismatch = {}
+        for step, posts, sums, *published in state.get("mismatch", []):
+            total = MismatchSums.from_dict(sums)
+            # A snapshot from before SPEC 14 kept no keys: the SPEC 11 ones, without a floor.
+            metrics = dict(published[0]) if published else dict(total.metrics())
+            self._mismatch[int(step)] = _StepMismatch.of(int(posts), total, metrics)
         self._mismatch_answers = OrderedDict(
             (key, ((int(fp[0]), bytes.fromhex(fp[1])), MismatchResult.model_validate(answer)))
             for key, fp, answer in state.get("mismatch_answers", [])
@@ -638,7 +645,8 @@ class Run:
                 self.monitor.record_mismatch(request.step, delta)
             except ValueError as error:  # a step never shipped: "step: ..."
                 raise RecordsInvalid([_field_item(error, "step")]) from None
-            merged = self._mismatch[request.step] = _StepMismatch.of(posts + 1, total)
+            metrics = self.monitor.mismatch_metrics(request.step) or {}
+            merged = self._mismatch[request.step] = _StepMismatch.of(posts + 1, total, metrics)
             answer = MismatchResult(
                 run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )

@@ -151,7 +151,7 @@ def test_adaptation_steps() -> None:
 
 def test_bound_metrics_keys_and_types() -> None:
     tracker = BoundTracker(StalenessConfig(max_staleness=2, floor_min_tokens=100))
-    ship = tracker.observe(1, sums_of({0: (100, 0.001), 1: (100, 0.0015), 3: (200, 0.004)}), 2)
+    ship = tracker.observe(1, sums_of({0: (100, 0.001), 1: (100, 0.0015), 3: (200, 0.004)}))
     assert ship is not None
     assert bound_metrics(ship) == pytest.approx({
         "staleness/mismatch/floor": 0.001,
@@ -200,26 +200,28 @@ def test_config_defaults() -> None:
 def test_window_holds_the_last_cost_window_ships() -> None:
     tracker = BoundTracker(StalenessConfig(cost_window=2, floor_min_tokens=100))
     # Step 1 measures the floor 0.001; lag 1 has 60 tokens per ship: on the curve once two ships add up.
-    first = tracker.observe(1, sums_of({0: (100, 0.001), 1: (60, 0.003)}), 8)
+    first = tracker.observe(1, sums_of({0: (100, 0.001), 1: (60, 0.003)}))
     assert first is not None and first.curve.lags == ()
-    second = tracker.observe(2, sums_of({1: (60, 0.005)}), 8)
+    second = tracker.observe(2, sums_of({1: (60, 0.005)}))
     assert second is not None and second.floor is not None and second.floor.source == "carried"
     assert second.curve.lags == (1,) and second.curve.fitted == pytest.approx((0.004 - 0.001,))
     # Step 3: the window is steps 2 and 3 (cost_window 2); step 1's tokens left it.
-    third = tracker.observe(3, sums_of({1: (40, 0.011)}), 8)
+    third = tracker.observe(3, sums_of({1: (40, 0.011)}))
     assert third is not None and third.curve.fitted == pytest.approx(((60 * 0.005 + 40 * 0.011) / 100 - 0.001,))
-    assert tracker.window_steps(3) == [2, 3]
+    assert [step for step, _ in tracker.window] == [2, 3]
     # A ship without a covered position reports nothing and does not enter the window.
-    assert tracker.observe(4, MismatchSums.zero(), 8) is None
-    assert tracker.window_steps(4) == [2, 3]
+    assert tracker.observe(4, MismatchSums.zero()) is None
+    assert [step for step, _ in tracker.window] == [2, 3]
 
 
-def test_observing_a_step_again_replaces_its_sums() -> None:
+def test_two_ships_of_one_step_are_two_ships_unless_merged() -> None:
     tracker = BoundTracker(StalenessConfig(floor_min_tokens=100))
-    tracker.observe(1, sums_of({0: (100, 0.001)}), 8)
-    tracker.observe(2, sums_of({1: (50, 0.002)}), 8)
-    ship = tracker.observe(2, sums_of({1: (100, 0.002)}), 8)
-    assert tracker.window_sums(2).tokens[1] == 100
+    tracker.observe(1, sums_of({0: (100, 0.001)}))
+    tracker.observe(2, sums_of({1: (50, 0.002)}))
+    tracker.observe(2, sums_of({1: (50, 0.002)}))  # a second ship at step 2 (the sink)
+    assert tracker.window_sums().tokens[1] == 100
+    ship = tracker.observe(2, sums_of({1: (80, 0.002)}), merge=True)  # the trainer's total of step 2 so far
+    assert tracker.window_sums().tokens[1] == 130
     assert ship is not None and ship.curve.lags == (1,)
 
 
@@ -242,12 +244,12 @@ def test_window_sums_are_the_sums_of_its_ships(
     for gap, buckets in ships:
         step += gap
         sums = sums_of(buckets)
-        tracker.observe(step, sums, 8)
+        tracker.observe(step, sums)
         if sums.covered:
             observed.append(sums)
     expected = MismatchSums.zero()
     for sums in observed[-window:]:
         expected = expected + sums
-    got = tracker.window_sums(step)
+    got = tracker.window_sums()
     assert got.tokens.tolist() == expected.tokens.tolist()
     assert got == expected  # added in the same order: equal to the last bit

@@ -15,6 +15,7 @@ from staleness_metrics.kernels import (
     WEIGHT_NONFINITE,
     WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
+    plain_positions,
     token_cuts,
     weight_flags,
     zero_spans,
@@ -256,3 +257,35 @@ def test_weight_flags_leave_other_dtypes_to_numpy() -> None:
     assert weight_flags(np.ones(6, dtype=np.float32)[::2], np.array([0]), np.array([3])) is None
     with pytest.raises(IndexError, match="outside the array"):
         weight_flags(np.ones(3, dtype=np.float32), np.array([0]), np.array([5]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from([np.float32, np.float64]),
+    mask=st.lists(st.sampled_from([0.0, 1.0, 1.0, 0.5, -0.0, float("nan")]), min_size=0, max_size=40),
+    weights=st.lists(st.sampled_from([0.0, 2.5, -1.0, float("inf"), float("-inf"), float("nan")]), max_size=40),
+    tokens=st.lists(st.integers(-3, 4), max_size=40),
+    floats=st.integers(0, 3),
+)
+def test_plain_positions_equals_the_numpy_checks(
+    dtype: Any, mask: list[float], weights: list[float], tokens: list[int], floats: int
+) -> None:
+    mask_array = np.asarray(mask, dtype=dtype)
+    n = len(mask)
+    arrays = [np.resize(np.asarray(weights or [1.0], dtype=dtype), n) for _ in range(floats)]
+    token_array = np.resize(np.asarray(tokens or [0], dtype=np.int64), n)
+    expected = (
+        bool(np.all((mask_array == 0) | (mask_array == 1)))
+        and all(bool(np.isfinite(a).all()) for a in arrays)
+        and bool((token_array >= -1).all())
+    )
+    assert plain_positions(mask_array, arrays, token_array) is expected
+
+
+def test_plain_positions_leaves_other_types_to_numpy() -> None:
+    ints = np.array([0, 1], dtype=np.int64)
+    floats = np.array([0.0, 1.0])
+    assert plain_positions(ints, [], None) is None
+    assert plain_positions(floats.astype(np.float16), [], None) is None
+    assert plain_positions(floats, [floats.astype(np.float32)], None) is None  # the mask's type for all
+    assert plain_positions(floats, [floats[::-1][::1].copy()], None) is True

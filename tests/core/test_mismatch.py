@@ -33,12 +33,12 @@ def test_hand_computed_keys_of_one_batch() -> None:
     sampler = [-1.0, -1.0, -2.0, -2.0, -1.0]
     trainer = [-0.9, -1.1, -1.5, -1.0, -2.0]
     d = [t - s for t, s in zip(trainer, sampler)]
-    metrics = mismatch_sums(lags, sampler, trainer, masked=[False, False, True, False, True]).metrics()
-
     floor = (k3(d[0]) + k3(d[1])) / 2
+    metrics = mismatch_sums(lags, sampler, trainer, masked=[False, False, True, False, True]).metrics(floor=floor)
+
     assert metrics["staleness/mismatch/lag_0/tokens"] == 2
     assert metrics["staleness/mismatch/lag_0/k3"] == pytest.approx(floor, rel=1e-12)
-    assert metrics["staleness/mismatch/lag_0/excess_k3"] == 0.0
+    assert "staleness/mismatch/lag_0/excess_k3" not in metrics  # SPEC 14: every bucket but 0
     assert metrics["staleness/mismatch/lag_3/k3"] == pytest.approx((k3(d[2]) + k3(d[3])) / 2, rel=1e-12)
     assert metrics["staleness/mismatch/lag_3/excess_k3"] == pytest.approx((k3(d[2]) + k3(d[3])) / 2 - floor)
     assert metrics["staleness/mismatch/lag_3/abs_log_ratio"] == pytest.approx(0.75)
@@ -82,16 +82,16 @@ def test_nothing_covered_leaves_the_family_out() -> None:
     assert mismatch_sums([], [], []).metrics() == {}
 
 
-def test_an_empty_lag_zero_bucket_has_no_excess_keys() -> None:
-    metrics = mismatch_sums([2, 5], [-1.0, -1.0], [-1.2, -0.7]).metrics()
+def test_without_a_floor_there_are_no_excess_keys() -> None:
+    metrics = mismatch_sums([0, 2, 5], [-1.0, -1.0, -1.0], [-1.0, -1.2, -0.7]).metrics()
     assert "staleness/mismatch/excess_k3" not in metrics
     assert not any(key.endswith("/excess_k3") for key in metrics)
     assert metrics["staleness/mismatch/lag_2/tokens"] == 1
 
 
 def test_only_lag_zero_has_no_overall_excess() -> None:
-    metrics = mismatch_sums([0, 0], [-1.0, -1.0], [-1.2, -0.7]).metrics()
-    assert metrics["staleness/mismatch/lag_0/excess_k3"] == 0.0
+    metrics = mismatch_sums([0, 0], [-1.0, -1.0], [-1.2, -0.7]).metrics(floor=0.01)
+    assert not any(key.endswith("excess_k3") for key in metrics)
     assert "staleness/mismatch/excess_k3" not in metrics
 
 
@@ -223,7 +223,7 @@ def test_a_ship_reports_the_family_from_its_records_and_its_lags_line_up() -> No
     assert metrics["staleness/mismatch/coverage"] == 2 / 5  # a's unlabelled position and b have no trainer value
     assert shipment.report.mismatch is not None
     assert shipment.report.mismatch.masked[3] == 2  # both covered positions were masked (v=0 < bound 1)
-    assert "staleness/mismatch/excess_k3" not in metrics  # no covered lag-0 position
+    assert "staleness/mismatch/excess_k3" not in metrics  # 2 covered tokens: no floor (floor_min_tokens 1000)
     records = [r.record() for r in shipment.rollouts]
     assert records[0]["samples"][0]["trainer_logprobs"] == [None, -1.5, None, -0.5]
 

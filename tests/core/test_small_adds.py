@@ -113,3 +113,33 @@ def test_the_quick_check_never_passes_what_the_exact_checks_refuse(data: st.Data
         verdicts = check_batch(batch, known)
         build_spans(batch, verdicts)
         assert not verdicts.errors
+
+
+def _record(rid: str, dispatch: int = 0) -> dict[str, Any]:
+    return {"id": rid, "dispatch_version": dispatch, "samples": [{"mask": [0, 1, 1], "rl_weights": [0, 1, 1]}]}
+
+
+@pytest.mark.parametrize("through", ["sink", "monitor"])
+def test_loading_a_checkpoint_forgets_small_adds_not_yet_cut(through: str) -> None:
+    """Rollouts added (and queued without being cut yet) before a load belong to the state the load replaces."""
+    from staleness_metrics import StalenessMonitor
+
+    config = StalenessConfig(max_staleness=2)
+
+    def owner() -> Any:
+        return Sink(config) if through == "sink" else StalenessMonitor(config, [])
+
+    saved = owner()
+    saved.add([_record("a"), _record("b")])
+    state = saved.state_dict()
+    live, fresh = owner(), owner()
+    live.add(_record("x"))  # queued, not cut yet
+    for target in (live, fresh):
+        target.load_state_dict(state)
+    sinks = [t if isinstance(t, Sink) else t.sink for t in (live, fresh)]
+    assert [s.queued for s in sinks] == [2, 2]
+    assert sinks[0].tokens_entered == sinks[1].tokens_entered == 4
+    shipped = [s.ship(1) for s in sinks]
+    assert shipped[0].ids == shipped[1].ids == ["a", "b"]
+    assert shipped[0].batches_line() == shipped[1].batches_line()
+    assert sinks[0].add(_record("x")) == 1  # its id was never accepted by the loaded state

@@ -284,3 +284,49 @@ def test_what_staleness_costs_panels_divide_rates_of_sums(name: str) -> None:
     assert (
         "^ 2" in ess["targets"][0]["expr"] and "rl_staleness_mismatch_ratio_squared_total" in ess["targets"][0]["expr"]
     )
+
+
+def test_choosing_the_bound_row_draws_the_curve_against_the_budget_with_both_bounds() -> None:
+    """SPEC 14's row: the curve by lag, the budget dashed red, the curve at the configured and at the suggested
+    bound drawn thick; the suggestion against the configured bound over time; the floor by its source."""
+    detailed = DASHBOARDS["staleness.json"]
+    assert "Choosing the bound" in [p["title"] for p in detailed["panels"] if p["type"] == "row"]
+    by_title = {p["title"]: p for p in panels(detailed)}
+    curve = by_title["Excess curve by lag vs budget"]
+    assert [t["legendFormat"] for t in curve["targets"]] == [
+        "{{run}} lag {{lag}}",
+        "{{run}} budget",
+        "{{run}} at the configured bound",
+        "{{run}} at the suggested bound",
+    ]
+    families = [metric_names(fill(t["expr"], PLACEHOLDERS)) for t in curve["targets"]]
+    assert families[:3] == [
+        ["rl_staleness_mismatch_curve_nats"],
+        ["rl_staleness_mismatch_budget_nats"],
+        ["rl_staleness_bound_excess_at_bound_nats"],
+    ]
+    assert "by (run, lag)" in curve["targets"][0]["expr"]
+    # The curve at the suggested bound: one term per lag of the curve, kept where the suggestion equals it.
+    terms = curve["targets"][3]["expr"].split(" or ")
+    assert [re.search(r'lag="(\d+)"', t).group(1) for t in terms] == [str(lag) for lag in range(1, 17)]  # type: ignore[union-attr]
+    assert all(t.endswith(f"== {lag})") and "rl_staleness_bound_suggested{" in t for lag, t in enumerate(terms, 1))
+    overrides = {o["matcher"]["options"]: o["properties"] for o in curve["fieldConfig"]["overrides"]}
+    assert {"id": "color", "value": {"fixedColor": "red", "mode": "fixed"}} in overrides[".* budget$"]
+    for which in ("configured", "suggested"):
+        assert {"id": "custom.lineWidth", "value": 3} in overrides[f".* at the {which} bound$"]
+    bounds = by_title["Suggested vs configured bound"]
+    assert [metric_names(t["expr"]) for t in bounds["targets"]] == [
+        ["rl_staleness_bound_suggested"],
+        ["rl_staleness_max_staleness"],
+    ]
+    assert [o["matcher"]["options"] for o in bounds["fieldConfig"]["overrides"]] == [".* bound$"]
+    floor = by_title["Floor by source"]
+    assert (
+        floor["targets"][0]["legendFormat"] == "{{run}} {{source}}"
+        and "by (run, source)" in floor["targets"][0]["expr"]
+    )
+    # The fleet: per run, and two columns of the runs table.
+    fleet = {p["title"]: p for p in panels(DASHBOARDS["staleness-fleet.json"])}
+    assert {"Suggested vs configured bound per run", "Excess at the bound vs budget per run"} <= set(fleet)
+    organize = next(t for t in fleet["Runs"]["transformations"] if t["id"] == "organize")
+    assert {"Suggested bound", "Excess at bound"} <= set(organize["options"]["renameByName"].values())

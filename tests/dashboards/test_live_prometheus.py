@@ -227,3 +227,36 @@ class _paused:
     def __exit__(self, *exc: object) -> None:
         self.live.exporter.export = self.original  # type: ignore[method-assign]
         self.gate.set()
+
+
+def test_choosing_the_bound_panels_draw_the_last_ships_curve_budget_and_bounds(live: Live) -> None:
+    """SPEC 14's row: the curve by lag against the budget, the curve at the configured and at the suggested
+    bound, and the suggestion beside the bound: the numbers of the ship the exporter serves."""
+    by_title = {p["title"]: p for p in panels(dashboards()["staleness.json"])}
+    curve_panel, bounds_panel = by_title["Excess curve by lag vs budget"], by_title["Suggested vs configured bound"]
+    live.prometheus.wait_until(lambda: live.last is not None and "staleness/bound/suggested" in live.last.metrics)
+    with _paused(live):
+        last = live.last
+        assert last is not None
+
+        def scraped() -> bool:
+            step = live.prometheus.query_value(f'rl_staleness_train_step{{run="{RUN}"}}')
+            return step == last.step
+
+        live.prometheus.wait_until(scraped)
+        curve, budget, at_bound, at_suggested = (
+            live.prometheus.query(fill(t["expr"], live.values)) for t in curve_panel["targets"]
+        )
+        suggested_shown, bound_shown = (
+            live.prometheus.query_value(fill(t["expr"], live.values)) for t in bounds_panel["targets"]
+        )
+    metrics = last.metrics
+    expected_curve = {
+        key.rsplit("lag_", 1)[1]: value for key, value in metrics.items() if key.startswith("staleness/mismatch/curve/")
+    }
+    assert {r["metric"]["lag"]: float(r["value"][1]) for r in curve} == pytest.approx(expected_curve)
+    assert [float(r["value"][1]) for r in budget] == pytest.approx([metrics["staleness/mismatch/budget"]])
+    assert [float(r["value"][1]) for r in at_bound] == pytest.approx([metrics["staleness/bound/excess_at_bound"]])
+    suggested = metrics["staleness/bound/suggested"]
+    assert suggested_shown == suggested and bound_shown == MAX_STALENESS
+    assert [float(r["value"][1]) for r in at_suggested] == pytest.approx([expected_curve[str(suggested)]])

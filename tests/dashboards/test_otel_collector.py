@@ -7,6 +7,7 @@ the OTLP side is the real exporter sending over the wire to a loopback receiver.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,20 @@ def test_otlp_through_the_collector_gives_the_scrape_exporters_names(received: d
         p["transforms"] for name, p in load_config()["processors"].items() if name.startswith("metricstransform")
     )
     renamed = {t["include"]: t["new_name"] for t in transforms if t["match_type"] == "strict"}
+    # after the rename, the transform processor clears the unit of the gauges that are not ratios
+    statements = [
+        statement
+        for name, processor in load_config()["processors"].items()
+        if name.startswith("transform")
+        for group in processor["metric_statements"]
+        for statement in group["statements"]
+    ]
+    cleared = {re.fullmatch(r'set\(unit, ""\) where name == "([^"]+)"', s).group(1) for s in statements}  # type: ignore[union-attr]
+    assert "rl_staleness_bound_crossed" in cleared  # a 0/1 flag, not a ratio
     via_collector = {
-        collector_prometheus_name(renamed.get(name, name), metric.unit, _kind(metric))
+        collector_prometheus_name(
+            renamed.get(name, name), "" if renamed.get(name, name) in cleared else metric.unit, _kind(metric)
+        )
         for name, metric in received.items()
     }
 

@@ -66,6 +66,27 @@ def test_promtool_unit_tests_catch_a_wrong_excess_threshold(promtool: str, tmp_p
     assert "RLStalenessMismatchExcessHigh" in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    ("thresholds", "alert"),
+    [
+        (Thresholds(bound_tight_margin=3), "RLStalenessBoundTooTight"),  # r1's suggestion 10 is only 2 above
+        (Thresholds(bound_tight_masked=0.05), "RLStalenessBoundTooTight"),  # r1 masks 5%: not above 0.05
+        (Thresholds(bound_loose_for="25m"), "RLStalenessBoundTooLoose"),  # still pending at 20m
+    ],
+)
+def test_promtool_unit_tests_pin_the_bound_alerts(
+    promtool: str, tmp_path: Path, thresholds: Thresholds, alert: str
+) -> None:
+    """SPEC 14's alerts: their firing scenarios are the near side of each threshold."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / RULES.name).write_text(render_rules(thresholds))
+    for test in RULE_TESTS:
+        shutil.copy(test, tmp_path / "tests" / test.name)
+    result = run(promtool, "test", "rules", *(p.name for p in RULE_TESTS), cwd=tmp_path / "tests")
+    assert result.returncode == 1
+    assert alert in result.stdout + result.stderr
+
+
 def test_the_mismatch_alert_only_looks_at_lags_within_the_bound() -> None:
     """One term per lag bucket above 0, each gated by the run's max_staleness at the bucket's smallest lag."""
     (alert,) = (a for a in rule_groups()["groups"][1]["rules"] if a["alert"] == "RLStalenessMismatchExcessHigh")
@@ -103,6 +124,8 @@ def test_alerts_have_severity_summary_description_and_for() -> None:
         "RLStalenessDroppedRolloutsHigh",
         "RLStalenessRolloutsAtBound",
         "RLStalenessMismatchExcessHigh",
+        "RLStalenessBoundTooLoose",
+        "RLStalenessBoundTooTight",
         "RLStalenessMetricsAbsent",
     }
     for alert in alerts:

@@ -16,6 +16,8 @@ MAX_STALENESS = 3
 ROLLOUTS_PER_STEP = 6
 TOKENS = 12
 DRIFT_PER_LAG = 0.1
+FLOOR_MIN_TOKENS = 4
+BUDGET = 0.01
 
 
 def rollouts(step: int, rng: np.random.Generator) -> list[dict[str, Any]]:
@@ -54,7 +56,12 @@ class Traffic:
     """A sink fed step after step; each :meth:`next_report` adds one step's rollouts and ships them."""
 
     def __init__(self, seed: int = 7) -> None:
-        self.sink = Sink(StalenessConfig(max_staleness=MAX_STALENESS, env_breakdown=True))
+        # SPEC 14 on this small traffic: a floor and curve points from a few tokens, and a budget the curve
+        # crosses after lag 2 (its excess grows as (0.1 lag)^2 / 6), so the suggestion is a lag of the curve.
+        config = StalenessConfig(
+            max_staleness=MAX_STALENESS, env_breakdown=True, floor_min_tokens=FLOOR_MIN_TOKENS, mismatch_budget=BUDGET
+        )
+        self.sink = Sink(config)
         self.rng = np.random.default_rng(seed)
         self.step = 0
 

@@ -4,6 +4,7 @@ console rows; nothing raises into the trainer."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
+from staleness_metrics.bound import BoundTracker, mismatch_metrics
 from staleness_metrics.exporters.background import BackgroundExporter
 from staleness_metrics.exporters.base import ExportContext, ExportErrors, MismatchReport
 from staleness_metrics.exporters.console import ConsoleExporter, format_line, format_mismatch_line
@@ -32,6 +34,9 @@ from tests.support.prometheus import promtool_check_metrics, requires_promtool
 
 RUN = "exp-1"
 MISMATCH_ROWS = [m for m in METRICS if m.source is Source.MISMATCH]
+
+
+COSTS = dataclasses.replace(CONFIG, floor_min_tokens=2)  # SPEC 14 from hand_sums' few tokens
 
 
 def hand_sums() -> MismatchSums:
@@ -232,30 +237,43 @@ def test_otlp_meter_provider_path_adds_each_increment_once() -> None:
 def test_jsonl_writes_a_row_per_live_report(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     exporter = JsonlExporter(path)
-    with StalenessMonitor(CONFIG, [exporter], run=RUN) as monitor:
+    with StalenessMonitor(COSTS, [exporter], run=RUN) as monitor:
         monitor.ship(1)
         monitor.record_mismatch(1, hand_sums())
         monitor.record_mismatch(1, hand_sums())
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 1, 1]
-    assert lines[1] == {"step": 1, **hand_sums().metrics()}
-    assert lines[2] == {"step": 1, **(hand_sums() + hand_sums()).metrics()}  # the step's merged sums
+    # The floor is lag 0's k3 (4 tokens >= floor_min_tokens 2): 0.5 / 4; lag 1 (k3 0.375) is the curve.
+    spec14 = {
+        "staleness/mismatch/floor": 0.125, "staleness/mismatch/floor_age": 0,
+        "staleness/mismatch/floor_source": "lag0", "staleness/mismatch/budget": 0.125,
+        "staleness/mismatch/curve/lag_1": 0.25, "staleness/bound/suggested": 0, "staleness/bound/crossed": 1,
+        "staleness/bound/excess_at_bound": 0.25,
+    }  # fmt: skip
+    assert lines[1] == {"step": 1, **hand_sums().metrics(floor=0.125), **spec14}
+    # The step's merged sums (they replace the step's entry in the window: the same means).
+    assert lines[2] == {"step": 1, **(hand_sums() + hand_sums()).metrics(floor=0.125), **spec14}
     assert lines[2]["staleness/mismatch/lag_inf/tokens"] == 2
     assert lines[2]["staleness/mismatch/excess_k3"] == pytest.approx((0.75 + 2.0) / 3 - 0.5 / 4)
 
 
 def test_console_shows_excess_k3_when_present_and_a_line_for_live_sums() -> None:
     report = hand_report(12, {"": [[3, 1, 0], [2]]}, masked={"": 1}, dropped={"": 2})
-    with_cost = StepReport(**{**report.__dict__, "metrics": {**report.metrics, **hand_sums().metrics()}})
+    bound = BoundTracker(COSTS).observe(12, hand_sums())
+    with_cost = StepReport(**{**report.__dict__, "metrics": {**report.metrics, **mismatch_metrics(hand_sums(), bound)}})
     excess = (0.75 + 2.0) / 3 - 0.5 / 4
+    spec14 = "floor 0.125 lag0 | at bound 0.25 | suggested 0 (budget crossed)"
     assert format_line(with_cost) == (
         f"step 12 | Max Staleness 3 | token mean 1.50 | masked 25.0% | dropped 2 rollouts | excess k3 {excess:.4g}"
+        f" | {spec14}"
     )
     assert format_line(report).endswith("dropped 2 rollouts")  # no trainer log-probs: no column
-    live = MismatchReport(7, sums=hand_sums(), delta=hand_sums())
-    assert (
-        format_mismatch_line(live) == f"step 7 | mismatch k3 {3.25 / 7:.4g} | excess k3 {excess:.4g} | coverage 70.0%"
+    live = MismatchReport(7, sums=hand_sums(), delta=hand_sums(), bound=bound)
+    assert format_mismatch_line(live) == (
+        f"step 7 | mismatch k3 {3.25 / 7:.4g} | excess k3 {excess:.4g} | coverage 70.0% | {spec14}"
     )
+    no_floor = MismatchReport(7, sums=hand_sums(), delta=hand_sums())
+    assert format_mismatch_line(no_floor) == f"step 7 | mismatch k3 {3.25 / 7:.4g} | excess k3 - | coverage 70.0%"
     only_floor = mismatch_sums([0, 0], [-1.0, -1.0], [-1.0, -1.1])
     assert format_mismatch_line(MismatchReport(8, only_floor, only_floor)).split(" | ")[2] == "excess k3 -"
     stream = io.StringIO()

@@ -47,6 +47,13 @@ def live_sums(rng: np.random.Generator, n: int) -> MismatchSums:
     return mismatch_sums(lags, sampler, trainer, masked=lags > CONFIG.max_staleness)
 
 
+def lag0_metrics(sums: MismatchSums) -> dict[str, float | int]:
+    """The W&B keys of ``sums`` with the excess over their own lag-0 k3 (SPEC 14's ``lag0`` floor over the same
+    sums), which is what the recording rules derive from rates; the rules' lag 0 is the floor minus itself."""
+    floor = float(sums.sum_k3[0]) / int(sums.tokens[0])
+    return {**sums.metrics(floor=floor), "staleness/mismatch/lag_0/excess_k3": 0.0}
+
+
 def by_label(result: list[dict[str, object]], label: str) -> dict[str, float]:
     return {r["metric"].get(label, ""): float(r["value"][1]) for r in result}  # type: ignore[index, union-attr]
 
@@ -98,7 +105,7 @@ def test_recording_rules_over_the_scraped_sums_give_the_wandb_values(tmp_path: P
                 live = live_sums(nrng, 500)  # the live path, for the same step
                 monitor.record_mismatch(step, live)
                 total = total + live
-            expected = total.metrics()
+            expected = lag0_metrics(total)
             assert expected["staleness/mismatch/lag_0/tokens"] > 0 and "staleness/mismatch/excess_k3" in expected
 
             def recorded(key: str, label: str = "") -> dict[str, float]:
@@ -183,7 +190,7 @@ def test_two_processes_merged_by_prometheus_rates_equal_the_merged_runs_wandb_va
                     monitor.record_mismatch(step, live)
                     sums[i] = sums[i] + live
             assert all(p.flush(timeout=60) for p in pushers)
-            merged = (sums[0] + sums[1]).metrics()
+            merged = lag0_metrics(sums[0] + sums[1])
             covered = (sums[0] + sums[1]).covered
             prom.wait_until(
                 lambda: prom.query_value(f'sum(rl_staleness_mismatch_tokens_total{{run=~"{both}"}})') == covered
@@ -205,13 +212,13 @@ def test_two_processes_merged_by_prometheus_rates_equal_the_merged_runs_wandb_va
             for run, own in zip(runs, sums, strict=True):
                 rule = f'{MISMATCH_RECORDS["k3_by_lag"]}{{run="{run}"}}'
                 prom.wait_until(lambda rule=rule, own=own: by_label(prom.query(rule), "lag") == approx(
-                    wandb_by_lag(own.metrics(), "k3")
+                    wandb_by_lag(lag0_metrics(own), "k3")
                 ))  # fmt: skip
                 # The excess rule reads recorded series: it may trail the k3 rule by one evaluation.
                 excess_rule = f'{MISMATCH_RECORDS["excess_k3"]}{{run="{run}"}}'
                 prom.wait_until(lambda rule=excess_rule: prom.query_value(rule) is not None)
                 excess = prom.query_value(excess_rule)
-                assert excess == pytest.approx(own.metrics()["staleness/mismatch/excess_k3"], rel=REL)
+                assert excess == pytest.approx(lag0_metrics(own)["staleness/mismatch/excess_k3"], rel=REL)
             # what a per-process average would give is not the merged value: the sums matter
             naive = np.mean([s.metrics()["staleness/mismatch/k3"] for s in sums])
             assert naive != pytest.approx(merged["staleness/mismatch/k3"], rel=1e-6)

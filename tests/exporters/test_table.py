@@ -80,6 +80,16 @@ SPEC8_PROMETHEUS = {
     "rl_staleness_export_errors_total": "counter",
 }
 # SPEC 11 and 12 counters, with their bucket label (None: no bucket label)
+# SPEC 14: gauges, with the label besides run each carries.
+SPEC14_PROMETHEUS = {
+    "rl_staleness_mismatch_floor_nats": "source",
+    "rl_staleness_mismatch_floor_age_steps": None,
+    "rl_staleness_mismatch_budget_nats": None,
+    "rl_staleness_mismatch_curve_nats": "lag",
+    "rl_staleness_bound_suggested": None,
+    "rl_staleness_bound_crossed": None,
+    "rl_staleness_bound_excess_at_bound_nats": None,
+}
 SPEC11_12_PROMETHEUS = {
     "rl_staleness_mismatch_tokens_total": "lag",
     "rl_staleness_mismatch_masked_tokens_total": "lag",
@@ -118,7 +128,23 @@ def test_every_spec6_metric_is_in_the_table() -> None:
 
 def test_every_spec8_prometheus_family_is_in_the_table_with_its_type() -> None:
     table = {m.prometheus_name: m.kind.value for m in METRICS if m.prometheus_name is not None}
-    assert table == {**SPEC8_PROMETHEUS, **dict.fromkeys(SPEC11_12_PROMETHEUS, "counter")}
+    assert table == {
+        **SPEC8_PROMETHEUS,
+        **dict.fromkeys(SPEC11_12_PROMETHEUS, "counter"),
+        **dict.fromkeys(SPEC14_PROMETHEUS, "gauge"),
+    }
+
+
+def test_spec14_gauges_carry_their_label_with_the_spec_values() -> None:
+    rows = {m.prometheus_name: m for m in METRICS if m.prometheus_name in SPEC14_PROMETHEUS}
+    for name, label in SPEC14_PROMETHEUS.items():
+        row = rows[name]
+        if label is None:
+            assert row.dimension is None and row.labels == ("run",), name
+        else:
+            assert row.dimension is not None and row.dimension.label == label and row.labels == ("run", label)
+    assert rows["rl_staleness_mismatch_floor_nats"].dimension.values == ("lag0", "carried", "min_lag")  # type: ignore[union-attr]
+    assert rows["rl_staleness_mismatch_curve_nats"].dimension.values == tuple(str(b) for b in range(1, 17))  # type: ignore[union-attr]
 
 
 def test_spec11_and_12_counters_carry_their_bucket_label_with_the_spec_values() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,8 @@ from staleness_metrics.mismatch import MismatchSums, mismatch_sums
 from staleness_metrics.monitor import StalenessMonitor
 from tests.exporters.reports import CONFIG, hand_report, ship_script
 from tests.exporters.wandb_reader import find_run_file, read_run
+
+COSTS = dataclasses.replace(CONFIG, floor_min_tokens=2)  # SPEC 14 from the scripts' few tokens
 
 TABLE_KEYS = set(WANDB_KEYS)  # templated keys spelled out per bucket
 MAX_KEYS = {key for key, m in WANDB_KEYS.items() if m.wandb_summary == "max"}
@@ -91,7 +94,7 @@ class FakeRun:
 def test_offline_run_has_rows_axis_summaries_and_legacy_keys(tmp_path: Path) -> None:
     exporter = WandbExporter(init_kwargs=offline_init(tmp_path), legacy_keys=True, close_timeout=FINISH_TIMEOUT)
     expected: list[dict[str, Any]] = []
-    with StalenessMonitor(CONFIG, [exporter], run="ignored-by-wandb") as monitor:
+    with StalenessMonitor(COSTS, [exporter], run="ignored-by-wandb") as monitor:
         for records, step in ship_script(3):
             monitor.add(records)
             shipment = monitor.ship(step)
@@ -103,7 +106,10 @@ def test_offline_run_has_rows_axis_summaries_and_legacy_keys(tmp_path: Path) -> 
     assert [r[STEP_KEY] for r in rows] == [e[STEP_KEY] for e in expected]
     for row, want in zip(rows, expected, strict=True):
         for key, value in want.items():
-            assert row[key] == pytest.approx(value, abs=0), key
+            if isinstance(value, str):  # SPEC 14's floor source: a string in W&B
+                assert row[key] == value, key
+            else:
+                assert row[key] == pytest.approx(value, abs=0), key
         assert all(allowed_key(k) for k in row), [k for k in row if not allowed_key(k)]
         # the legacy dual-write carries the same values under the old keys
         for old, entry in LEGACY_KEYS.items():
@@ -233,25 +239,35 @@ def test_offline_run_holds_the_mismatch_keys_of_the_sink_and_of_the_live_path(tm
     trainer = sampler + 0.1 * lags / 10 + rng.normal(0, 0.01, len(lags))
     rank0 = mismatch_sums(lags[:5], sampler[:5], trainer[:5], masked=lags[:5] > 3)
     rank1 = mismatch_sums(lags[5:], sampler[5:], trainer[5:], masked=lags[5:] > 3)
-    with StalenessMonitor(CONFIG, [exporter], run="r") as monitor:
+    with StalenessMonitor(COSTS, [exporter], run="r") as monitor:
         shipped = []
         for records, step in ship_script(2):
             monitor.add(records)
             shipped.append(monitor.ship(step))
         monitor.record_mismatch(shipped[-1].step, rank0)
+        live0 = monitor.mismatch_metrics(shipped[-1].step)
         monitor.record_mismatch(shipped[-1].step, rank1)
+        live = monitor.mismatch_metrics(shipped[-1].step)
     run = read_run(find_run_file(tmp_path))
     rows = [r for r in run.history if STEP_KEY in r]
     assert [r[STEP_KEY] for r in rows] == [shipped[0].step, shipped[1].step, shipped[1].step, shipped[1].step]
     for row, shipment in zip(rows, shipped, strict=False):  # the sink path: the ship's own keys
         assert shipment.report.mismatch is not None
-        family = shipment.report.mismatch.metrics()
+        family = {
+            k: v for k, v in shipment.metrics.items() if k.startswith(("staleness/mismatch/", "staleness/bound/"))
+        }
+        assert "staleness/mismatch/floor" in family and isinstance(family["staleness/mismatch/floor_source"], str)
         assert family and {k: row[k] for k in family} == family
-    merged = (rank0 + rank1).metrics()
+    # The live rows: the step's merged sums, their excess over SPEC 14's floor, and SPEC 14's keys.
+    assert live0 is not None and live is not None
+    floor = live["staleness/mismatch/floor"]
+    assert isinstance(floor, float) and live["staleness/mismatch/floor_source"] in ("lag0", "carried", "min_lag")
+    merged = (rank0 + rank1).metrics(floor=floor)
+    assert merged.items() <= live.items()
     assert merged["staleness/mismatch/lag_inf/tokens"] == merged["staleness/mismatch/lag_64/tokens"] == 1
     assert "staleness/mismatch/lag_32/tokens" not in merged  # 40 is in 33..64, 100 above 64
-    assert {k: v for k, v in rows[-1].items() if k.startswith("staleness/")} == merged
-    assert {k: v for k, v in rows[-2].items() if k.startswith("staleness/")} == rank0.metrics()
+    assert {k: v for k, v in rows[-1].items() if k.startswith("staleness/")} == live
+    assert {k: v for k, v in rows[-2].items() if k.startswith("staleness/")} == live0
     assert run.metrics["staleness/mismatch/excess_k3"].summary_max
     everything = [r for r in rows if "staleness/mismatch/excess_k3" in r]
     assert run.summary["staleness/mismatch/excess_k3"] == {

@@ -32,8 +32,14 @@ from .spec_reference import (
 from .streams import ReplayConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-INT_KEYS = ("max", "p50", "p90", "p99", "dropped", "held", "max_staleness", "tokens")
-FLOAT_KEYS = ("mean", "masked", "unlabelled", "k3", "excess_k3", "abs_log_ratio", "out_of_band", "ess", "coverage")
+INT_KEYS = (
+    "max", "p50", "p90", "p99", "dropped", "held", "max_staleness", "tokens", "floor_age", "suggested", "crossed",
+)  # fmt: skip
+FLOAT_KEYS = (
+    "mean", "masked", "unlabelled", "k3", "excess_k3", "abs_log_ratio", "out_of_band", "ess", "coverage", "floor",
+    "budget", "excess_at_bound", *(f"lag_{lag}" for lag in range(1, 17)),  # the last part of curve/lag_<b>
+)  # fmt: skip
+STRING_KEYS = ("floor_source",)
 BATCH_KEYS = {"step", "shipped", "dropped_rollouts", "dropped_samples", "held"}
 
 
@@ -117,6 +123,8 @@ def _key_kind(key: str) -> str:
         return "int"
     if last in FLOAT_KEYS:
         return "float"
+    if last in STRING_KEYS:
+        return "string"
     return "unknown"
 
 
@@ -125,6 +133,8 @@ def _same_number(expected: Any, got: Any, kind: str) -> bool:
         return type(got) is int and got == expected
     if kind == "float":
         return type(got) is float and math.isclose(got, expected, rel_tol=1e-12, abs_tol=1e-15)
+    if kind == "string":
+        return type(got) is str and got == expected
     return bool(got == expected)
 
 

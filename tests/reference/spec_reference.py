@@ -366,6 +366,13 @@ class Config:
     retry_expired: bool
     lenient: bool
     env_breakdown: bool
+    floor_min_tokens: int = 1000
+    floor_max_age: int = 100
+    cost_window: int = 20
+    mismatch_budget: float | None = None
+    adapt_every: int | None = None
+    adapt_low: int = 1
+    adapt_high: int = 16
 
 
 @dataclass
@@ -383,6 +390,11 @@ class ReferenceSink:
         self.agentic_groups: set[tuple[str, str]] = set()
         self.owed: dict[tuple[str, str], int] = {}
         self.window = Window()
+        # SPEC 14: the bound in force, the last ships with SPEC 11 sums, the last lag-0 floor, the adaptation.
+        self.bound = config.max_staleness
+        self.cost_ships: list[Buckets] = []
+        self.last_lag0: tuple[float, int] | None = None
+        self.ships_with_curve = 0
 
     # -- add -------------------------------------------------------------------------------------
     def add(self, rollout: Rollout) -> None:
@@ -428,7 +440,7 @@ class ReferenceSink:
 
     def _judge_token(self, step: int, targets: list[Rollout]) -> None:
         t = step - 1
-        bound = t - self.config.max_staleness
+        bound = t - self.bound
         for rollout in targets:
             if rollout.frozen or rollout.state != "queued":
                 continue
@@ -561,14 +573,75 @@ class ReferenceSink:
         self.window = Window()
         return metrics, batch
 
+    # -- what staleness costs and choosing the bound (SPEC 11, SPEC 14) ---------------------------------
+    def _costs(self, step: int, buckets: Buckets | None) -> dict[str, Any]:
+        if buckets is None or not any(entry[0] for name, entry in buckets.items() if name):
+            return {}
+        c = self.config
+        self.cost_ships = [*self.cost_ships, buckets][-c.cost_window :]
+
+        def tokens(ship: Buckets, name: str) -> float:
+            return ship[name][0] if name in ship else 0
+
+        floor: float | None = None
+        if tokens(buckets, "0") >= c.floor_min_tokens:
+            floor, source, age = buckets["0"][1] / buckets["0"][0], "lag0", 0
+            self.last_lag0 = (floor, step)
+        elif self.last_lag0 is not None and step - self.last_lag0[1] <= c.floor_max_age:
+            floor, source, age = self.last_lag0[0], "carried", step - self.last_lag0[1]
+        else:
+            for name in LAG_NAMES:
+                if tokens(buckets, name) >= c.floor_min_tokens:
+                    floor, source, age = buckets[name][1] / buckets[name][0], "min_lag", 0
+                    break
+        out = _mismatch_metrics(buckets, floor)
+        if floor is None:
+            return out
+        budget = floor if c.mismatch_budget is None else c.mismatch_budget
+        out["staleness/mismatch/floor"] = floor
+        out["staleness/mismatch/floor_age"] = age
+        out["staleness/mismatch/floor_source"] = source
+        out["staleness/mismatch/budget"] = budget
+        lags, excess, weights = [], [], []
+        for lag in range(1, 17):
+            n = sum(tokens(ship, str(lag)) for ship in self.cost_ships)
+            if n >= c.floor_min_tokens:
+                k3 = sum(ship[str(lag)][1] for ship in self.cost_ships if str(lag) in ship)
+                lags.append(lag)
+                excess.append(k3 / n - floor)
+                weights.append(n)
+        fitted = _pooled(excess, weights)
+        for lag, value in zip(lags, fitted):
+            out[f"staleness/mismatch/curve/lag_{lag}"] = value
+        if not lags:
+            return out
+        within = [lag for lag, value in zip(lags, fitted) if value <= budget]
+        suggested = max(within) if within else 0
+        crossed = any(value > budget for value in fitted)
+        out["staleness/bound/suggested"] = suggested
+        out["staleness/bound/crossed"] = int(crossed)
+        at_bound = [value for lag, value in zip(lags, fitted) if lag <= self.bound]
+        if at_bound:
+            out["staleness/bound/excess_at_bound"] = at_bound[-1]
+        if c.adapt_every is not None:
+            self.ships_with_curve += 1
+            if self.ships_with_curve % c.adapt_every == 0:
+                if crossed and suggested != self.bound:
+                    self.bound += 1 if suggested > self.bound else -1
+                elif not crossed and suggested >= self.bound:
+                    self.bound += 1
+                self.bound = max(c.adapt_low, min(c.adapt_high, self.bound))
+        return out
+
     # -- metrics (SPEC 6) ------------------------------------------------------------------------
     def _metrics(self, step: int, shipped: list[Rollout], held: list[Rollout]) -> dict[str, Any]:
         metrics: dict[str, Any] = {"step": step}
         metrics.update(
             _slice_metrics(step, shipped, self.window.dropped_rollouts, self.window.dropped_samples, held, "staleness/")
         )
-        metrics["staleness/max_staleness"] = self.config.max_staleness
-        metrics.update(_mismatch_metrics(step, shipped))
+        metrics["staleness/max_staleness"] = self.bound
+        buckets = _mismatch_buckets(step, shipped)
+        metrics.update(self._costs(step, buckets))
         if self.config.env_breakdown:
             envs: list[str] = []
             everything = [
@@ -591,7 +664,7 @@ class ReferenceSink:
                         f"staleness/env/{env}/",
                     )
                 )
-                metrics[f"staleness/env/{env}/max_staleness"] = self.config.max_staleness
+                metrics[f"staleness/env/{env}/max_staleness"] = metrics["staleness/max_staleness"]
         return metrics
 
 
@@ -689,18 +762,39 @@ def _length_metrics(
     return out
 
 
+LAG_NAMES = (*(str(b) for b in range(17)), "32", "64", "inf")
+
+
+def _pooled(values: list[float], weights: list[float]) -> list[float]:
+    """Weighted isotonic (non-decreasing) fit: pool the first adjacent pair of blocks out of order, again and
+    again, until none is."""
+    blocks = [[v * w, w, 1] for v, w in zip(values, weights)]  # [Σ w·v, Σ w, points]
+    while True:
+        for i in range(len(blocks) - 1):
+            if blocks[i][0] / blocks[i][1] > blocks[i + 1][0] / blocks[i + 1][1]:
+                a, b = blocks[i], blocks.pop(i + 1)
+                blocks[i] = [a[0] + b[0], a[1] + b[1], a[2] + b[2]]
+                break
+        else:
+            break
+    return [block[0] / block[1] for block in blocks for _ in range(int(block[2]))]
+
+
 def _lag_bucket(lag: int) -> str:
     if lag <= 16:
         return str(lag)
     return "32" if lag <= 32 else "64" if lag <= 64 else "inf"
 
 
-def _mismatch_metrics(step: int, shipped: list[Rollout]) -> dict[str, Any]:
-    """SPEC 11 (R18), position by position."""
+Buckets = dict[str, list[float]]  # bucket -> [tokens, k3, |d|, out of band, r, r^2], plus "" -> [sampled]
+
+
+def _mismatch_buckets(step: int, shipped: list[Rollout]) -> Buckets | None:
+    """SPEC 11 (R18), position by position: the sums per lag bucket (None when no sample has trainer values)."""
     t = step - 1
     population = [r for r in shipped if not r.frozen]
     if not any(s.trainer_logprobs is not None for r in population for s in r.kept_samples()):
-        return {}
+        return None
     buckets: dict[str, list[float]] = {}  # bucket -> [tokens, k3, |d|, out of band, r, r^2]
     sampled = covered = 0
     k3_all = 0.0
@@ -726,21 +820,31 @@ def _mismatch_metrics(step: int, shipped: list[Rollout]) -> dict[str, Any]:
                 entry[3] += r < 0.5 or r > 2.0
                 entry[4] += r
                 entry[5] += r * r
+    buckets[""] = [sampled, k3_all]
+    return buckets
+
+
+def _mismatch_metrics(buckets: Buckets, floor: float | None) -> dict[str, Any]:
+    """The SPEC 11 keys of a ship's buckets, the excess against SPEC 14's floor."""
+    sampled, k3_all = buckets[""]
+    covered = sum(entry[0] for name, entry in buckets.items() if name)
     if covered == 0:
         return {}
     out: dict[str, Any] = {}
-    floor = buckets["0"][1] / buckets["0"][0] if "0" in buckets else None
-    for name, (n, k3, absd, oob, ratio, ratio_sq) in buckets.items():
+    for name, entry in buckets.items():
+        if not name:
+            continue
+        n, k3, absd, oob, ratio, ratio_sq = entry
         key = f"staleness/mismatch/lag_{name}/"
         out[key + "tokens"] = n
         out[key + "k3"] = k3 / n
         out[key + "abs_log_ratio"] = absd / n
         out[key + "out_of_band"] = oob / n
         out[key + "ess"] = ratio * ratio / (n * ratio_sq)
-        if floor is not None:
+        if floor is not None and name != "0":
             out[key + "excess_k3"] = k3 / n - floor
     out["staleness/mismatch/k3"] = k3_all / covered
-    stale = [(n, k3) for name, (n, k3, *_) in buckets.items() if name != "0"]
+    stale = [(entry[0], entry[1]) for name, entry in buckets.items() if name not in ("0", "")]
     if floor is not None and stale:
         out["staleness/mismatch/excess_k3"] = sum(k for _, k in stale) / sum(n for n, _ in stale) - floor
     out["staleness/mismatch/coverage"] = covered / sampled
@@ -785,6 +889,7 @@ def replay_reference(
     retry_expired: bool = False,
     lenient: bool = False,
     env_breakdown: bool = False,
+    **bound: Any,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Replay parsed events (line L = index + 1); returns (metrics lines, batches lines).
 
@@ -801,6 +906,7 @@ def replay_reference(
         retry_expired=retry_expired,
         lenient=lenient,
         env_breakdown=env_breakdown,
+        **bound,  # SPEC 14's settings: floor_min_tokens, floor_max_age, cost_window, mismatch_budget, adapt_*
     )
     sink = ReferenceSink(config)
     metrics_lines: list[dict[str, Any]] = []

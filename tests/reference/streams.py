@@ -15,6 +15,7 @@ given so far, so only the deliberately invalid ones (``with_defects``) trip the 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,6 +84,25 @@ class ReplayConfig:
     retry_expired: bool = False
     lenient: bool = False
     env_breakdown: bool = False
+    # SPEC 14, small enough for the streams' few tokens to give floors and curves.
+    floor_min_tokens: int = 1000
+    floor_max_age: int = 100
+    cost_window: int = 20
+    mismatch_budget: float | None = None
+    adapt_every: int | None = None
+    adapt_low: int = 1
+    adapt_high: int = 16
+
+    def bound_options(self) -> dict[str, Any]:
+        return {
+            "floor_min_tokens": self.floor_min_tokens,
+            "floor_max_age": self.floor_max_age,
+            "cost_window": self.cost_window,
+            "mismatch_budget": self.mismatch_budget,
+            "adapt_every": self.adapt_every,
+            "adapt_low": self.adapt_low,
+            "adapt_high": self.adapt_high,
+        }
 
     def cli_args(self) -> list[str]:
         args = ["--policy", self.policy, "--max-staleness", str(self.max_staleness)]
@@ -95,6 +115,9 @@ class ReplayConfig:
         args.append("--lenient" if self.lenient else "--strict")
         if self.env_breakdown:
             args.append("--env-breakdown")
+        for name, value in self.bound_options().items():
+            if value is not None:
+                args += ["--" + name.replace("_", "-"), repr(value) if isinstance(value, float) else str(value)]
         return args
 
     def reference_options(self) -> dict[str, Any]:
@@ -106,6 +129,7 @@ class ReplayConfig:
             "retry_expired": self.retry_expired,
             "lenient": self.lenient,
             "env_breakdown": self.env_breakdown,
+            **self.bound_options(),
         }
 
     def thresholds(self) -> list[int]:
@@ -120,6 +144,25 @@ class ReplayConfig:
 
 
 def random_config(chooser: Chooser, policy: str, lenient: bool = False) -> ReplayConfig:
+    return dataclasses.replace(_random_config(chooser, policy, lenient), **_random_bound(chooser, policy))
+
+
+def _random_bound(chooser: Chooser, policy: str) -> dict[str, Any]:
+    """SPEC 14 settings the streams' handful of tokens exercise: floors of every source, curves, adaptation."""
+    if chooser.chance(20):
+        return {}  # the defaults: no floor from so few tokens, so no SPEC 14 key
+    bound: dict[str, Any] = {
+        "floor_min_tokens": chooser.integer(1, 3),
+        "floor_max_age": chooser.integer(0, 4),
+        "cost_window": chooser.integer(1, 6),
+        "mismatch_budget": None if chooser.chance(50) else chooser.integer(0, 8) / 16,
+    }
+    if policy == "token" and chooser.chance(50):
+        bound.update(adapt_every=chooser.integer(1, 2), adapt_low=0, adapt_high=chooser.integer(4, 6))
+    return bound
+
+
+def _random_config(chooser: Chooser, policy: str, lenient: bool = False) -> ReplayConfig:
     max_staleness = chooser.integer(0, 4)
     if policy != "xtuner":
         return ReplayConfig(
@@ -213,9 +256,11 @@ class _StreamBuilder:
                     if n and ch.chance(70):  # a ce/ref-KL weight on a mask-0 (prompt) position
                         values[ch.integer(0, n - 1)] = 1.0
                 sample[name] = values
-        if ch.chance(15):
+        # A stream that exercises SPEC 14 (small floor_min_tokens) carries both log-probabilities mostly.
+        costs = self.config.floor_min_tokens < 1000
+        if ch.chance(80 if costs else 15):
             sample["logprobs"] = [-0.125 * ch.integer(0, 40) for _ in range(n)]
-        if ch.chance(20):  # SPEC 11: nulls are uncovered positions
+        if ch.chance(80 if costs else 20):  # SPEC 11: nulls are uncovered positions
             sample["trainer_logprobs"] = [None if ch.chance(10) else -0.125 * ch.integer(0, 40) for _ in range(n)]
         return sample
 

@@ -128,3 +128,25 @@ def test_the_report_of_a_demo_directory_shows_how_to_choose_the_bound(demo_direc
         pixels = _pixels(image, by_key[key])
         for colour in colours:
             assert _count(pixels, colour) >= 20, (key, colour)
+
+
+def test_the_logged_rows_alone_give_the_same_curve(demo_directory: Path, tmp_path: Path) -> None:
+    """A single file keeps working: the run's metrics.jsonl carries each step's k3 and tokens by lag, which
+    pool into the same floor, curve and suggestion as the directory's sums."""
+    run = find_run(demo_directory)
+    assert run is not None
+    config = run.staleness_config()
+    result = what_if_with_curve(demo_directory, range(9), config)
+    assert result.curve is not None
+    page = tmp_path / "rows.html"
+    assert main(["report", str(demo_directory / "metrics.jsonl"), "-o", str(page)]) == 0
+    html = page.read_text()
+    curve = result.curve
+    assert (
+        f"Floor {curve.floor.value:.4g} nats (lag0), budget {curve.budget:.4g} nats, configured bound 8, "
+        f"suggested bound {curve.suggested}." in html
+    )
+    assert "from the logged k3 and tokens by lag" in html
+    for lag, fitted in zip(curve.curve.lags, curve.curve.fitted, strict=True):
+        assert f'<tr data-lag="{lag}">' in html or f'<tr class=current data-lag="{lag}">' in html
+        assert f"<td>{fitted:.4g}</td>" in html

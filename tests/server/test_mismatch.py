@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics import MismatchSums, mismatch_sums
+from staleness_metrics.bound import BoundTracker, mismatch_metrics
 from staleness_metrics.client import ServiceError, StalenessClient
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.mismatch import LAG_BUCKETS
@@ -68,8 +69,10 @@ def http(server: ThreadServer) -> Iterator[httpx.Client]:
         yield client
 
 
-def shipped_run(http: httpx.Client, run: str = "exp", step: int = 4) -> dict[str, Any]:
-    assert http.put(f"/v1/runs/{run}", json={"max_staleness": 8}).status_code == 201
+def shipped_run(
+    http: httpx.Client, run: str = "exp", step: int = 4, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    assert http.put(f"/v1/runs/{run}", json=config or {"max_staleness": 8}).status_code == 201
     rollouts = [rollout("a", 1, [1, 2, 3]), rollout("b", 3, [3, 3])]
     assert http.post(f"/v1/runs/{run}/rollouts", json={"rollouts": rollouts}).status_code == 200
     response = http.post(f"/v1/runs/{run}/ship", json={"step": step, "include_rollouts": True})
@@ -94,7 +97,8 @@ def test_ship_returns_the_lags_a_trainer_needs(http: httpx.Client) -> None:
 
 
 def test_concurrent_posts_for_one_step_merge_exactly(server: ThreadServer, http: httpx.Client) -> None:
-    shipped_run(http, step=4)
+    config = {"max_staleness": 8, "floor_min_tokens": 40}  # SPEC 14 from the merged posts' tokens
+    shipped_run(http, step=4, config=config)
     posts = [rank_sums(seed) for seed in range(24)]
     answers: list[int] = []
     errors: list[BaseException] = []
@@ -122,11 +126,14 @@ def test_concurrent_posts_for_one_step_merge_exactly(server: ThreadServer, http:
         expected = expected + MismatchSums.from_dict(sums)
     row = step_row(http, 4)
     assert row["mismatch"] == expected.to_dict()
-    family = {k: v for k, v in row["metrics"].items() if k.startswith("staleness/mismatch/")}
-    assert family == expected.metrics()
-    assert {"staleness/mismatch/lag_0/k3", "staleness/mismatch/lag_inf/ess", "staleness/mismatch/excess_k3"} <= set(
-        family
-    )
+    family = {k: v for k, v in row["metrics"].items() if k.startswith(("staleness/mismatch/", "staleness/bound/"))}
+    # As the library computes them from the merged total: SPEC 11 over SPEC 14's floor, and SPEC 14's keys.
+    assert family == mismatch_metrics(expected, BoundTracker(StalenessConfig(**config)).observe(4, expected))
+    assert {
+        "staleness/mismatch/lag_0/k3", "staleness/mismatch/lag_inf/ess", "staleness/mismatch/excess_k3",
+        "staleness/mismatch/floor", "staleness/bound/suggested",
+    } <= set(family)  # fmt: skip
+    assert family["staleness/mismatch/floor_source"] == "lag0"
     # The ship's own SPEC 6 keys are still there.
     assert row["metrics"]["staleness/rollout/max"] == 2 and row["metrics"]["staleness/max_staleness"] == 8
 
@@ -246,14 +253,14 @@ def test_posts_need_the_token_and_fit_the_size_cap(start_server: Callable[..., T
 
 
 def test_records_with_trainer_logprobs_report_the_family_as_the_library(http: httpx.Client) -> None:
-    assert http.put("/v1/runs/exp", json={"max_staleness": 8}).status_code == 201
+    assert http.put("/v1/runs/exp", json={"max_staleness": 8, "floor_min_tokens": 3}).status_code == 201
     records = [
         rollout("a", 1, [1, 2, 3], trainer=[-1.25, None, -0.5]),  # one uncovered position
         rollout("b", 3, [3, 3], trainer=[-1.0, -2.0]),
     ]
     assert http.post("/v1/runs/exp/rollouts", json={"rollouts": records}).status_code == 200
     metrics = http.post("/v1/runs/exp/ship", json={"step": 4}).json()["metrics"]
-    sink = Sink(StalenessConfig(max_staleness=8))
+    sink = Sink(StalenessConfig(max_staleness=8, floor_min_tokens=3))
     sink.add(records)
     expected = {k: v for k, v in sink.ship(4).metrics.items() if k.startswith("staleness/mismatch/")}
     assert {k: v for k, v in metrics.items() if k.startswith("staleness/mismatch/")} == expected
@@ -266,7 +273,7 @@ def test_records_with_trainer_logprobs_report_the_family_as_the_library(http: ht
 
 
 def test_every_bucket_name_is_accepted(http: httpx.Client) -> None:
-    shipped_run(http, step=4)
+    shipped_run(http, step=4, config={"floor_min_tokens": 1})
     sums = MismatchSums.zero().to_dict()
     for i, name in enumerate(LAG_BUCKETS):
         sums["lags"][name].update(
