@@ -6,7 +6,15 @@ a caller (the service answering 422, a log line) reads them from the error, neve
 
 from __future__ import annotations
 
-__all__ = ["MAX_REASON_CHARS", "ConfigError", "EventError", "StalenessError", "TraceError", "shortened"]
+__all__ = [
+    "MAX_REASON_CHARS",
+    "ConfigError",
+    "EventError",
+    "FieldError",
+    "StalenessError",
+    "TraceError",
+    "shortened",
+]
 
 MAX_REASON_CHARS = 300  # a reason quoting a huge or deeply nested value shows its start
 
@@ -44,6 +52,16 @@ class ConfigError(StalenessError, ValueError):
                 field, reason = name, rest
         self.field = field
         self.reason = reason if reason is not None else message
+
+
+class FieldError(StalenessError, ValueError):
+    """A value the library refuses, other than a setting or a record: mismatch sums (SPEC 11) and the step
+    they are posted for. The message is ``"<field>: <reason>"`` (the reason alone without a field)."""
+
+    def __init__(self, field: str | None, reason: str) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason)
+        self.field = field
+        self.reason = reason
 
 
 class TraceError(StalenessError, ValueError):

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .errors import FieldError
 from .kernels import mismatch_runs
 
 __all__ = [
@@ -138,34 +139,35 @@ class MismatchSums:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MismatchSums:
-        """Inverse of :meth:`to_dict`; raises ``ValueError`` naming the field at fault."""
+        """Inverse of :meth:`to_dict`; raises :class:`~staleness_metrics.errors.FieldError` (a ``ValueError``)
+        naming the field at fault."""
         if not isinstance(data, Mapping):
-            raise ValueError(f"mismatch sums: expected an object, got {type(data).__name__}")
+            raise FieldError(None, f"mismatch sums: expected an object, got {type(data).__name__}")
         if data.get("format", DICT_FORMAT) != DICT_FORMAT:
-            raise ValueError(f"format: unknown mismatch sums format {data.get('format')!r} (expected {DICT_FORMAT})")
+            raise FieldError("format", f"unknown mismatch sums format {data.get('format')!r} (expected {DICT_FORMAT})")
         uncovered = _count("uncovered", data.get("uncovered"))
         lags = data.get("lags")
         if not isinstance(lags, Mapping):
-            raise ValueError("lags: required object with one entry per lag bucket")
+            raise FieldError("lags", "required object with one entry per lag bucket")
         unknown = sorted(set(lags) - set(LAG_BUCKETS))
         if unknown:
-            raise ValueError(f"lags.{unknown[0]}: unknown lag bucket (buckets are {', '.join(LAG_BUCKETS)})")
+            raise FieldError(f"lags.{unknown[0]}", f"unknown lag bucket (buckets are {', '.join(LAG_BUCKETS)})")
         columns: dict[str, list[Any]] = {f: [] for f in (*COUNT_FIELDS, *SUM_FIELDS)}
         for name in LAG_BUCKETS:
             bucket = lags.get(name)
             if not isinstance(bucket, Mapping):
-                raise ValueError(f"lags.{name}: missing lag bucket")
+                raise FieldError(f"lags.{name}", "missing lag bucket")
             for f in COUNT_FIELDS:
                 columns[f].append(_count(f"lags.{name}.{f}", bucket.get(f)))
             for f in SUM_FIELDS:
                 columns[f].append(_finite(f"lags.{name}.{f}", bucket.get(f)))
             for f in ("masked", "out_of_band"):
                 if columns[f][-1] > columns["tokens"][-1]:
-                    raise ValueError(f"lags.{name}.{f}: {columns[f][-1]} exceeds tokens {columns['tokens'][-1]}")
+                    raise FieldError(f"lags.{name}.{f}", f"{columns[f][-1]} exceeds tokens {columns['tokens'][-1]}")
             nonnegative = ("sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
             for f in nonnegative:
                 if columns[f][-1] < 0:
-                    raise ValueError(f"lags.{name}.{f}: must be >= 0, got {columns[f][-1]!r}")
+                    raise FieldError(f"lags.{name}.{f}", f"must be >= 0, got {columns[f][-1]!r}")
         return cls._of(
             {f: np.asarray(columns[f], dtype=np.int64) for f in COUNT_FIELDS},
             {f: np.asarray(columns[f], dtype=np.float64) for f in SUM_FIELDS},
@@ -212,15 +214,15 @@ def _ess(sum_ratio: float, sum_ratio_sq: float, tokens: int) -> float:
 
 def _count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
+        raise FieldError(name, f"expected a non-negative integer, got {value!r}")
     if value < 0:
-        raise ValueError(f"{name}: must be >= 0, got {value}")
+        raise FieldError(name, f"must be >= 0, got {value}")
     return value
 
 
 def _finite(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite number, got {value!r}")
+        raise FieldError(name, f"expected a finite number, got {value!r}")
     return float(value)
 
 

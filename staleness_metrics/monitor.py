@@ -49,7 +49,7 @@ from .checkpoint import (
 )
 from .columnar import RolloutBatch
 from .config import StalenessConfig
-from .errors import ConfigError
+from .errors import ConfigError, FieldError
 from .exporters.background import DEFAULT_CLOSE_TIMEOUT
 from .exporters.base import (
     DEFAULT_RUN,
@@ -271,13 +271,15 @@ class StalenessMonitor:
         ``staleness/env/<env>/mismatch/...`` and ``.../bound/...`` (an ``env`` label elsewhere).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-            raise ValueError(f"step: expected an integer >= 1, got {step!r}")
+            raise FieldError("step", f"expected an integer >= 1, got {step!r}")
         if env is not None and (not isinstance(env, str) or not env):
-            raise ValueError(f"env: expected a non-empty env name, got {env!r}")
+            raise FieldError("env", f"expected a non-empty env name, got {env!r}")
         delta = sums if isinstance(sums, MismatchSums) else MismatchSums.from_dict(sums)
         with self._lock:
             if step not in self._shipped_steps:
-                raise ValueError(f"step: no batch was shipped for step {step}; mismatch sums belong to a shipped step")
+                raise FieldError(
+                    "step", f"no batch was shipped for step {step}; mismatch sums belong to a shipped step"
+                )
             total = self._mismatch.get(step, MismatchSums.zero()) + delta
             self._mismatch[step] = total
             while len(self._mismatch) > MISMATCH_STEPS_KEPT:

@@ -13,9 +13,10 @@ import pytest
 
 from staleness_metrics import mismatch_sums
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.errors import ConfigError, TraceError
+from staleness_metrics.errors import ConfigError, FieldError, TraceError
 from staleness_metrics.exporters import ConsoleExporter, JsonlExporter, PrometheusExporter
 from staleness_metrics.exporters.base import ExportContext, MismatchReport
+from staleness_metrics.mismatch import MismatchSums
 from staleness_metrics.monitor import StalenessMonitor
 from staleness_metrics.report import StepReport
 from staleness_metrics.sink import Sink
@@ -315,3 +316,21 @@ def test_close_closes_every_exporter_at_once_and_returns_despite_one_that_hangs(
         assert all(monitor.export_errors.count(exporter.name) == 0 for exporter in slow)
     finally:
         hanging.release.set()
+
+
+def test_errors_name_their_field_as_attributes_and_stay_value_errors() -> None:
+    """The service answers 422 from ``.field`` and ``.reason``; callers catching ValueError still do."""
+    monitor = StalenessMonitor(CONFIG, [])
+    sums = mismatch_sums([0], [-1.0], [-1.0])
+    with pytest.raises(ValueError) as unshipped:
+        monitor.record_mismatch(7, sums)
+    assert isinstance(unshipped.value, FieldError) and unshipped.value.field == "step"
+    assert str(unshipped.value) == f"step: {unshipped.value.reason}"
+    broken = sums.to_dict()
+    del broken["lags"]["3"]
+    with pytest.raises(FieldError) as missing:
+        MismatchSums.from_dict(broken)
+    assert (missing.value.field, missing.value.reason) == ("lags.3", "missing lag bucket")
+    with pytest.raises(ConfigError) as setting:
+        StalenessConfig.from_mapping({"max_staleness": -1})
+    assert setting.value.field == "max_staleness" and str(setting.value).endswith(setting.value.reason)

@@ -35,7 +35,7 @@ import numpy as np
 import orjson
 
 from ..config import StalenessConfig
-from ..errors import TraceError
+from ..errors import StalenessError, TraceError
 from ..mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..monitor import StalenessMonitor
 from ..report import MetricValue
@@ -226,14 +226,12 @@ def _out_of_range(value: Any, path: str) -> str | None:
     return None
 
 
-def _field_item(message: str, default_field: str) -> ErrorItem:
-    """An ErrorItem from a library message of the form "<field>: <reason>"."""
-    name, sep, reason = message.partition(": ")
-    return (
-        ErrorItem(field=name, reason=reason)
-        if sep and " " not in name
-        else ErrorItem(field=default_field, reason=message)
-    )
+def _field_item(error: ValueError, default_field: str) -> ErrorItem:
+    """An ErrorItem from the library's error: its ``field`` and ``reason`` (``default_field`` and the
+    whole message for an error that names no field)."""
+    if isinstance(error, StalenessError) and error.field:
+        return ErrorItem(field=error.field, reason=error.reason)
+    return ErrorItem(field=default_field, reason=str(error))
 
 
 def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
@@ -244,7 +242,7 @@ def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
     try:
         parsed = MismatchSums.from_dict(sums)
     except ValueError as error:
-        item = _field_item(str(error), "sums")
+        item = _field_item(error, "sums")
         if item.field != "sums":
             item = item.model_copy(update={"field": f"sums.{item.field}"})
         raise RecordsInvalid([item]) from None
@@ -646,7 +644,7 @@ class Run:
             try:
                 self.monitor.record_mismatch(request.step, delta)
             except ValueError as error:  # a step never shipped: "step: ..."
-                raise RecordsInvalid([_field_item(str(error), "step")]) from None
+                raise RecordsInvalid([_field_item(error, "step")]) from None
             metrics = self.monitor.mismatch_metrics(request.step) or {}
             merged = self._mismatch[request.step] = _StepMismatch.of(posts + 1, total, metrics)
             answer = MismatchResult(
