@@ -1,0 +1,162 @@
+"""``migrate --from PEER`` on the numbers each peer's own code computes from a batch its own code built.
+
+For verl, AReaL and TRL: the batch comes from the trainer's own pipeline (the builders of
+``test_verl.py``, ``test_areal.py`` and ``test_trl.py``), the peer's staleness numbers from its own
+functions (or, where its method needs a cluster, its own lines applied to its own batch), and ours from
+the metrics published when the trainer's adapter ``ship``s that batch. Those numbers go into a metrics
+history under the peer's key names, ``staleness-metrics migrate --from PEER --write`` rewrites it, and:
+every renamed key now holds exactly our metric's value; every key the table keeps (its meaning differs)
+stays with its value untouched and the test shows the number it differs from.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from staleness_metrics import StalenessConfig, StalenessMonitor
+from staleness_metrics.migrate.history import MARKER_KEY
+from staleness_metrics.migrate.peer_names import peer_lookup
+from tests.migrate.cli import Run, migrate
+from tests.trainers.recording import Recorder
+
+
+def migrated(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, peer: str, logged: dict[str, float], step: int
+) -> tuple[dict[str, Any], Run]:
+    """``logged`` as the peer's tracker writes it (one history line), after ``migrate --from peer --write``."""
+    history = tmp_path / "metrics.jsonl"
+    history.write_text(json.dumps({"step": step, **{k: float(v) for k, v in logged.items()}}) + "\n")
+    run = migrate(capsys, "--from", peer, "--write", str(history))
+    lines = [json.loads(line) for line in history.read_text().splitlines()]
+    data = [line for line in lines if MARKER_KEY not in line]
+    assert len(data) == 1, lines
+    return data[0], run
+
+
+def check_migration(
+    peer: str, logged: dict[str, float], after: dict[str, Any], ours: dict[str, Any], run: Run
+) -> tuple[dict[str, str], set[str]]:
+    """Renamed keys hold our value; kept keys hold the peer's, untouched and named in the report.
+
+    Returns the renames (peer key -> ours) and the kept keys, so each test can show what the kept ones
+    differ from.
+    """
+    renamed: dict[str, str] = {}
+    kept: set[str] = set()
+    for key, value in logged.items():
+        row = peer_lookup(peer, key)
+        assert row is not None, f"{peer} logs {key}, which the table does not list"
+        if row.new is None:
+            kept.add(key)
+            assert after[key] == pytest.approx(float(value)), key  # the peer's value, untouched
+            assert key in run.out, (key, run.out)  # reported with its reason
+        else:
+            renamed[key] = row.new
+            assert key not in after, key
+            assert after[row.new] == pytest.approx(float(ours[row.new])), (key, row.new)
+            assert after[row.new] == pytest.approx(float(value)), (key, row.new)
+    return renamed, kept
+
+
+def _no_minimum_published(ours: dict[str, Any]) -> None:
+    """The table keeps minima: this project publishes means and maxima, no minimum to rename to."""
+    assert not [key for key in ours if key.endswith("/min")]
+
+
+# -- verl 0.9.1 -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def verl_tests() -> ModuleType:
+    pytest.importorskip("verl")
+    from tests.trainers import test_verl
+
+    return test_verl
+
+
+# one prompt group per sample; a trajectory resumed across two syncs ((0, 2)) makes a share of resumed
+# trajectories differ from the mean number of versions passed in flight
+VERL_GROUPS = {
+    "a": [(0, 0), (0, 2), (0, 1)],
+    "b": [(2, 2), (2, 3), (3, 3)],
+    "c": [(3, 3), (3, 3), (4, 4)],
+}
+
+
+def test_migrate_from_verl_on_verl_own_batch(
+    verl_tests: ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    data = verl_tests.verl_batch(VERL_GROUPS)  # assemble_batch_from_rollout_samples, verl's fully async path
+    global_steps = 5  # the v1 trainer's counter; its staleness is against global_steps - 1 = T
+    # verl's own assembly computes the partial-rollout statistics (detach_utils.py:151-158) into meta_info
+    logged: dict[str, float] = {
+        key: float(data.meta_info[key])
+        for key in (
+            "fully_async/partial/total_partial_num",
+            "fully_async/partial/partial_ratio",
+            "fully_async/partial/max_partial_span",
+        )
+    }
+    # Its trajectory staleness is computed in RayPPOTrainer._compute_metrics (trainer/ppo/v1/trainer_base.py:
+    # 1868-1991), which first reads the batch from the TransferQueue store (tq.kv_batch_get, :1882-1890): a
+    # running cluster. Its lines, verbatim, on the same per-trajectory stamps of this DataProto (the tags it
+    # reads at :1897-1898 are these non_tensor_batch fields):
+    min_global_steps = np.array(list(data.non_tensor_batch["min_global_steps"]), dtype=int)
+    max_global_steps = np.array(list(data.non_tensor_batch["max_global_steps"]), dtype=int)
+    trajectory_spans = max_global_steps - min_global_steps + 1  # :1978
+    trajectory_staleness = (global_steps - 1) - max_global_steps  # :1979
+    trajectory_staleness_worst = (global_steps - 1) - min_global_steps  # :1980
+    for name, values in (
+        ("trajectory_spans", trajectory_spans),
+        ("trajectory_staleness", trajectory_staleness),
+        ("trajectory_staleness_worst", trajectory_staleness_worst),
+    ):
+        for stat in ("mean", "max", "min"):  # :1983-1991
+            logged[f"training/off_policy/{name}/{stat}"] = float(getattr(values, stat)())
+
+    recorder = Recorder()
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=8), [recorder])
+    shipped = verl_tests.verl_adapter.ship(monitor, data, version=global_steps - 1)
+    assert len(shipped) == len(min_global_steps)  # nothing dropped: both sides see the same population
+    ours = dict(recorder.reports[-1].metrics)
+
+    after, run = migrated(capsys, tmp_path, "verl", logged, global_steps)
+    renamed, kept = check_migration("verl", logged, after, ours, run)
+    assert renamed == {
+        "training/off_policy/trajectory_staleness/mean": "staleness/rollout/in_queue/mean",
+        "training/off_policy/trajectory_staleness/max": "staleness/rollout/in_queue/max",
+        "training/off_policy/trajectory_staleness_worst/mean": "staleness/rollout/mean",
+        "training/off_policy/trajectory_staleness_worst/max": "staleness/rollout/max",
+        "fully_async/partial/max_partial_span": "staleness/rollout/in_flight/max",
+    }
+    # the newest version a trajectory saw: not our newest-token key, whose unlabelled tokens take the start
+    assert ours["staleness/rollout/newest/mean"] != pytest.approx(
+        logged["training/off_policy/trajectory_staleness/mean"]
+    )
+
+    # what each kept key differs from, on this batch
+    spans = "training/off_policy/trajectory_spans"
+    assert logged[f"{spans}/mean"] == pytest.approx(ours["staleness/rollout/in_flight/mean"] + 1)  # versions used
+    assert logged[f"{spans}/max"] == ours["staleness/rollout/in_flight/max"] + 1
+    resumed_share = logged["fully_async/partial/partial_ratio"]
+    assert resumed_share == pytest.approx(3 / 9) and ours["staleness/rollout/in_flight/mean"] == pytest.approx(4 / 9)
+    assert logged["fully_async/partial/total_partial_num"] == 3  # trajectories, not versions (4 passed in flight)
+    _no_minimum_published(ours)
+    for name in ("trajectory_spans", "trajectory_staleness", "trajectory_staleness_worst"):
+        key = f"training/off_policy/{name}/min"
+        assert logged[key] < logged[f"training/off_policy/{name}/mean"]
+    assert kept == {
+        f"training/off_policy/{name}/{stat}"
+        for name, stats in (
+            ("trajectory_spans", ("mean", "max", "min")),
+            ("trajectory_staleness", ("min",)),
+            ("trajectory_staleness_worst", ("min",)),
+        )
+        for stat in stats
+    } | {"fully_async/partial/total_partial_num", "fully_async/partial/partial_ratio"}
