@@ -160,3 +160,94 @@ def test_migrate_from_verl_on_verl_own_batch(
         )
         for stat in stats
     } | {"fully_async/partial/total_partial_num", "fully_async/partial/partial_ratio"}
+
+
+# -- AReaL 1.0.4 -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def areal_tests() -> ModuleType:
+    pytest.importorskip("areal")
+    from tests.trainers import test_areal
+
+    return test_areal
+
+
+# output-token versions per row, per prompt group; at global_step 6 with max_staleness 4 nothing is stale
+AREAL_GROUPS = [[[6, 6, 6], [4, 4, 5, 5, 6]], [[5, 5, 6], [4, 5, 6, 6]], [[3, 4, 5], [6, 6]]]
+
+
+def areal_ppo_update_stats(shipped: list[dict[str, Any]], current_version: int, minibatches: int) -> dict[str, float]:
+    """What AReaL's actor logs for one ``ppo_update`` (trainer/ppo/actor.py:252-365), on CPU.
+
+    Its own ``concat_batch``, ``_compute_advantages`` and ``split_padded_tensor_dict_into_mb_list`` (with
+    ``ppo_n_minibatches``), then its ``grpo_loss_fn`` once per minibatch inside the tracker scopes
+    ``ppo_actor`` / ``update``; only ``engine.train_batch`` is left out (it needs a model), which calls the
+    loss once per micro-batch: one call per minibatch here. Exported by its own tracker.
+    """
+    from areal.api.cli_args import MicroBatchSpec, PPOActorConfig
+    from areal.trainer.ppo.actor import PPOActor, grpo_loss_fn
+    from areal.utils import stats_tracker
+    from areal.utils.data import concat_batch, split_padded_tensor_dict_into_mb_list
+
+    data, _ = concat_batch(shipped)
+    advantages = PPOActor(PPOActorConfig(), None)._compute_advantages(data)
+    split = split_padded_tensor_dict_into_mb_list(advantages, mb_spec=MicroBatchSpec(n_mbs=minibatches))
+    assert len(split.mbs) == minibatches
+    stats_tracker.export_all(reset=True)
+    with stats_tracker.scope("ppo_actor"), stats_tracker.scope("update"):
+        for mb in split.mbs:
+            grpo_loss_fn(
+                logprobs=mb["logprobs"].clone(),
+                entropy=mb["logprobs"].new_zeros(mb["logprobs"].shape),
+                input_data=mb,
+                eps_clip=0.2,
+                eps_clip_higher=None,
+                c_clip=None,
+                current_version=current_version,
+            )
+    return {k: v for k, v in stats_tracker.export_all(reset=True).items() if "/version_stats/" in k}
+
+
+def test_migrate_from_areal_on_areal_own_batch(
+    areal_tests: ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    global_step = 6  # AReaL trains version g at global step g: its current_version, our T
+    batch, _ = areal_tests.areal_rollouts(AREAL_GROUPS)  # RLVRWorkflow + GroupedRolloutWorkflow
+    recorder = Recorder()
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=4), [recorder])
+    shipped = areal_tests.staleness.ship(monitor, batch, version=global_step)
+    ours = dict(recorder.reports[-1].metrics)
+    logged = areal_ppo_update_stats(shipped, global_step, minibatches=2)
+    scope = "ppo_actor/update/version_stats/"
+
+    after, run = migrated(capsys, tmp_path, "areal", logged, global_step)
+    renamed, kept = check_migration("areal", logged, after, ours, run)
+    assert renamed == {}
+    assert kept == set(logged)
+    assert {f"{scope}sample_staleness_{p}_{s}" for p in ("theta", "proximal") for s in ("avg", "max", "min")} <= kept
+
+    # its per-token population: versions >= 0 where the loss mask rolled by -1 trains (actor.py:1086-1090)
+    lags = [traj["staleness_lag"] for traj in shipped]
+    trains_next = [traj["loss_mask"].roll(-1, -1) != 0 for traj in shipped]
+    assert ours["staleness/rollout/max"] == 3 and ours["staleness/token/mean"] == pytest.approx(0.85)
+    # a mean of the two minibatches' means, not our token mean over the ship
+    assert logged[f"{scope}sample_staleness_theta_avg"] == pytest.approx(8 / 7)
+    assert logged[f"{scope}sample_staleness_theta_avg"] != pytest.approx(ours["staleness/token/mean"])
+    # a mean of the two minibatches' maxima (3 and 2), not the maximum
+    assert logged[f"{scope}sample_staleness_theta_max"] == 2.5 != ours["staleness/rollout/max"]
+    assert max(int(lag[(lag >= 0) & mask].max()) for lag, mask in zip(lags, trains_next, strict=True)) == 3
+    # proximal: one less per token, against the last broadcast weights
+    for stat in ("avg", "max", "min"):
+        theta, proximal = (
+            logged[f"{scope}sample_staleness_theta_{stat}"],
+            logged[f"{scope}sample_staleness_proximal_{stat}"],
+        )
+        assert proximal == pytest.approx(theta - 1)
+    _no_minimum_published(ours)
+    # versions and counts, not staleness: the trained version and the one before, token counts, loss calls
+    assert logged[f"{scope}v_theta"] == global_step and logged[f"{scope}v_proximal"] == global_step - 1
+    population = sum(int(((lag >= 0) & mask).sum()) for lag, mask in zip(lags, trains_next, strict=True))
+    assert logged[f"{scope}n_valid_generated_tokens"] == pytest.approx(population / 2)  # per loss call
+    assert logged[f"{scope}n_valid_tokens"] == sum(int(traj["loss_mask"].roll(-1, -1).sum()) for traj in shipped)
+    assert {logged[k] for k in logged if k.endswith("__count")} == {2}
