@@ -11,9 +11,12 @@ stays with its value untouched and the test shows the number it differs from.
 
 from __future__ import annotations
 
+import itertools
 import json
+import queue
+from collections import defaultdict, deque
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -22,21 +25,24 @@ import pytest
 from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.migrate.history import MARKER_KEY
 from staleness_metrics.migrate.peer_names import peer_lookup
+from staleness_metrics.migrate.peers import peer_keys
 from tests.migrate.cli import Run, migrate
 from tests.trainers.recording import Recorder
 
 
 def migrated(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path, peer: str, logged: dict[str, float], step: int
-) -> tuple[dict[str, Any], Run]:
-    """``logged`` as the peer's tracker writes it (one history line), after ``migrate --from peer --write``."""
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, peer: str, logged: list[tuple[int, dict[str, float]]]
+) -> tuple[list[dict[str, Any]], Run]:
+    """``logged`` (step, metrics) as the peer's tracker writes them, after ``migrate --from peer --write``."""
     history = tmp_path / "metrics.jsonl"
-    history.write_text(json.dumps({"step": step, **{k: float(v) for k, v in logged.items()}}) + "\n")
+    history.write_text(
+        "".join(json.dumps({"step": step, **{k: float(v) for k, v in line.items()}}) + "\n" for step, line in logged)
+    )
     run = migrate(capsys, "--from", peer, "--write", str(history))
     lines = [json.loads(line) for line in history.read_text().splitlines()]
     data = [line for line in lines if MARKER_KEY not in line]
-    assert len(data) == 1, lines
-    return data[0], run
+    assert [line["step"] for line in data] == [step for step, _ in logged]
+    return data, run
 
 
 def check_migration(
@@ -126,7 +132,7 @@ def test_migrate_from_verl_on_verl_own_batch(
     assert len(shipped) == len(min_global_steps)  # nothing dropped: both sides see the same population
     ours = dict(recorder.reports[-1].metrics)
 
-    after, run = migrated(capsys, tmp_path, "verl", logged, global_steps)
+    (after,), run = migrated(capsys, tmp_path, "verl", [(global_steps, logged)])
     renamed, kept = check_migration("verl", logged, after, ours, run)
     assert renamed == {
         "training/off_policy/trajectory_staleness/mean": "staleness/rollout/in_queue/mean",
@@ -221,7 +227,7 @@ def test_migrate_from_areal_on_areal_own_batch(
     logged = areal_ppo_update_stats(shipped, global_step, minibatches=2)
     scope = "ppo_actor/update/version_stats/"
 
-    after, run = migrated(capsys, tmp_path, "areal", logged, global_step)
+    (after,), run = migrated(capsys, tmp_path, "areal", [(global_step, logged)])
     renamed, kept = check_migration("areal", logged, after, ours, run)
     assert renamed == {}
     assert kept == set(logged)
@@ -251,3 +257,125 @@ def test_migrate_from_areal_on_areal_own_batch(
     assert logged[f"{scope}n_valid_generated_tokens"] == pytest.approx(population / 2)  # per loss call
     assert logged[f"{scope}n_valid_tokens"] == sum(int(traj["loss_mask"].roll(-1, -1).sum()) for traj in shipped)
     assert {logged[k] for k in logged if k.endswith("__count")} == {2}
+
+
+# -- TRL 1.16.0 ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trl_tests() -> ModuleType:
+    pytest.importorskip("trl")
+    from tests.trainers import test_trl
+
+    return test_trl
+
+
+def trl_training_run(
+    trl_tests: ModuleType, samples: list[Any], *, max_staleness: int, microbatch: int
+) -> list[tuple[int, dict[str, float], list[Any]]]:
+    """AsyncGRPOTrainer's data path and step order on CPU, one process, no model.
+
+    The dataloader is built as ``get_train_dataloader`` builds it (async_grpo_trainer.py:1419-1475):
+    ``RolloutQueueDataset`` over the rollout queue, ``FixedCountBatcher``, ``DataCollatorForRollout``,
+    prepared by accelerate (a ``DataLoaderDispatcher``: the dataset is iterable). Each optimizer step takes
+    one micro-batch (gradient_accumulation_steps 1), trains it at ``model_version``, then the step-end
+    callback syncs the weights (``_sync_weight``: ``model_version += 1``, :1797; the first sync is at
+    train begin, :232) and the log that follows reduces the step's window with TRL's own ``_reduce_metric``
+    (``log``, :1698-1721, logging_steps 1). Returns, per step: the step, TRL's logged staleness keys, and
+    the samples trained with the version they were trained at.
+    """
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+    from trl.experimental.async_grpo.async_grpo_trainer import (
+        DataCollatorForRollout,
+        FixedCountBatcher,
+        RolloutQueueDataset,
+        _reduce_metric,
+    )
+
+    rollout_queue: queue.Queue[Any] = queue.Queue()
+    for sample in samples:
+        rollout_queue.put(sample)
+    trainer = SimpleNamespace(model_version=0)
+    metrics: dict[str, list[Any]] = defaultdict(list)
+
+    def check_health(_stale_after_s: float) -> None:
+        raise trl_tests.Drained  # the queue is empty: the run is over
+
+    dataset = RolloutQueueDataset(
+        rollout_queue=rollout_queue,
+        model_version_fn=lambda: trainer.model_version,
+        check_health_fn=check_health,
+        stale_after_s=60.0,
+        metrics=metrics,
+        max_staleness=max_staleness,
+        poll_interval_s=0.001,
+    )
+    collated: deque[list[int]] = deque()  # ids of the samples in each micro-batch, in the order collated
+    collator = DataCollatorForRollout(pad_token_id=0, num_processes=1)
+
+    def collate(batch: list[Any]) -> Any:
+        collated.append([id(item["input_ids"]) for row in batch[0] for item in row.samples])
+        return collator(batch)
+
+    loader = Accelerator(cpu=True).prepare(
+        DataLoader(FixedCountBatcher(dataset, 1, microbatch), batch_size=1, collate_fn=collate, num_workers=0)
+    )
+    by_id = {id(sample.input_ids): sample for sample in samples}
+    logged_keys = {row.key for row in peer_keys("trl")}
+    trainer.model_version += 1  # _TrainBeginCallback: the cold weight sync
+    steps = []
+    batches = iter(loader)
+    for step in itertools.count(1):
+        try:
+            next(batches)
+        except trl_tests.Drained:
+            break
+        trained = [by_id[i] for i in collated.popleft()]
+        trained_at = trainer.model_version
+        trainer.model_version += 1  # on_step_end: _sync_weight
+        window = {key: _reduce_metric(key, values) for key, values in metrics.items() if key in logged_keys and values}
+        metrics.clear()  # log() clears the window
+        steps.append((step, window, [(sample, trained_at) for sample in trained]))
+    return steps
+
+
+def test_migrate_from_trl_on_trl_own_training_run(
+    trl_tests: ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from staleness_metrics.adapters import trl as staleness
+
+    bound = 1
+    samples = trl_tests.samples_at([1, 1, 2, 2, 3])  # RolloutSamples: 5 at version 1, 6 at 2, 3 at 3
+    steps = trl_training_run(trl_tests, samples, max_staleness=bound, microbatch=2)
+    assert [step for step, _, _ in steps] == [1, 2, 3, 4]
+
+    # ours: each micro-batch shipped by the adapter at the version it is trained at (SPEC's T)
+    recorder = Recorder()
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound), [recorder])
+    ours = []
+    for _, _, trained in steps:
+        staleness.ship(monitor, [sample for sample, _ in trained], version=trained[0][1])
+        ours.append(dict(recorder.reports[-1].metrics))
+
+    logged = [(step, window) for step, window, _ in steps]
+    after, run = migrated(capsys, tmp_path, "trl", logged)
+    for (_, window), line, metrics in zip(logged, after, ours, strict=True):
+        renamed, kept = check_migration("trl", window, line, metrics, run)
+        assert renamed == {} and kept == set(window)
+
+    theirs_mean = [window["sample/staleness_mean"] for _, window in logged]
+    theirs_max = [window["sample/staleness_max"] for _, window in logged]
+    theirs_dropped = [window.get("sample/dropped_stale_total", 0.0) for _, window in logged]
+    # TRL measures a row when its dataloader pulls it, and accelerate's dispatcher pulls the next micro-batch
+    # before yielding the current one: from step 2 on, the rows trained were measured one sync early
+    assert theirs_mean == [0.0, 0.5, 1.0, 1.0]
+    assert theirs_max == [0.0, 1.0, 1.0, 1.0]
+    assert [m.get("staleness/rollout/mean") for m in ours] == [0.0, 1.0, 1.0, None]
+    assert [m.get("staleness/rollout/max") for m in ours] == [0, 1, 1, None]  # step 4 trains nothing of ours
+    # TRL trains rows one version past its own bound, which its window never shows
+    trained_lags = [max(at - sample.model_version for sample, at in trained) for _, _, trained in steps]
+    assert trained_lags == [0, 1, 2, 2] and max(theirs_max) == bound
+    # drops: counted at pull time in another step's window, where ours drop at the ship that would train
+    assert theirs_dropped == [0.0, 0.0, 0.0, 3.0]
+    assert [m["staleness/rollout/dropped"] for m in ours] == [0, 0, 1, 2]
