@@ -6,7 +6,8 @@ none. A key is renamed only when, on the peer's own batches read the way this pr
 them, our key gives the same number (same quantity, unit, population and aggregation); every other key is
 reported with its reason and never renamed, so nobody's plot silently changes meaning.
 ``tests/migrate/test_peer_values.py`` computes each renamed key by the peer's own formula on a small
-batch and ours with the sink on the same data.
+batch and ours with the sink on the same data; ``tests/trainers/test_migrate_values.py`` does it for
+verl, AReaL and TRL with batches and numbers from their own packages, through ``migrate --from``.
 
 Sources, the newest release each peer publishes where there is one (``pip install --no-deps``, paths
 inside the installed package), else the newest stored snapshot of its repository (``owner/repo@commit``):
