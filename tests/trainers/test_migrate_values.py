@@ -15,6 +15,7 @@ import itertools
 import json
 import queue
 from collections import defaultdict, deque
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -271,7 +272,12 @@ def trl_tests() -> ModuleType:
 
 
 def trl_training_run(
-    trl_tests: ModuleType, samples: list[Any], *, max_staleness: int, microbatch: int
+    trl_tests: ModuleType,
+    samples: list[Any],
+    *,
+    max_staleness: int,
+    microbatch: int,
+    wrap_queue: Callable[[Any, Any], Any] | None = None,
 ) -> list[tuple[int, dict[str, float], list[Any]]]:
     """AsyncGRPOTrainer's data path and step order on CPU, one process, no model.
 
@@ -282,7 +288,8 @@ def trl_training_run(
     callback syncs the weights (``_sync_weight``: ``model_version += 1``, :1797; the first sync is at
     train begin, :232) and the log that follows reduces the step's window with TRL's own ``_reduce_metric``
     (``log``, :1698-1721, logging_steps 1). Returns, per step: the step, TRL's logged staleness keys, and
-    the samples trained with the version they were trained at.
+    the samples trained with the version they were trained at. ``wrap_queue(queue, trainer)`` replaces
+    ``trainer.rollout_queue`` before the dataloader is built (the README's lines).
     """
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
@@ -302,8 +309,9 @@ def trl_training_run(
     def check_health(_stale_after_s: float) -> None:
         raise trl_tests.Drained  # the queue is empty: the run is over
 
+    trainer.rollout_queue = rollout_queue if wrap_queue is None else wrap_queue(rollout_queue, trainer)
     dataset = RolloutQueueDataset(
-        rollout_queue=rollout_queue,
+        rollout_queue=trainer.rollout_queue,
         model_version_fn=lambda: trainer.model_version,
         check_health_fn=check_health,
         stale_after_s=60.0,
@@ -379,3 +387,25 @@ def test_migrate_from_trl_on_trl_own_training_run(
     # drops: counted at pull time in another step's window, where ours drop at the ship that would train
     assert theirs_dropped == [0.0, 0.0, 0.0, 3.0]
     assert [m["staleness/rollout/dropped"] for m in ours] == [0, 0, 1, 2]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ShippingQueue ships when TRL's dataset pulls a sample; accelerate's dataloader pulls the next "
+    "micro-batch before the weight sync that ends the step, so that micro-batch is shipped at version v "
+    "and trained at v + 1 (adapters/trl.py; open)",
+)
+def test_behind_the_readme_queue_no_row_trains_past_max_staleness(trl_tests: ModuleType) -> None:
+    from staleness_metrics.adapters import trl as staleness
+
+    bound = 1
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound))
+
+    def readme_lines(rollout_queue: Any, trainer: Any) -> Any:
+        return staleness.ShippingQueue(rollout_queue, monitor, lambda: trainer.model_version, samples_per_step=2)
+
+    steps = trl_training_run(
+        trl_tests, trl_tests.samples_at([1, 1, 2, 2, 3]), max_staleness=bound, microbatch=2, wrap_queue=readme_lines
+    )
+    trained_lags = [at - sample.model_version for _, _, trained in steps for sample, at in trained]
+    assert max(trained_lags) <= bound, trained_lags
