@@ -6,7 +6,8 @@ none. A key is renamed only when, on the peer's own batches read the way this pr
 them, our key gives the same number (same quantity, unit, population and aggregation); every other key is
 reported with its reason and never renamed, so nobody's plot silently changes meaning.
 ``tests/migrate/test_peer_values.py`` computes each renamed key by the peer's own formula on a small
-batch and ours with the sink on the same data.
+batch and ours with the sink on the same data; ``tests/trainers/test_migrate_values.py`` does it for
+verl, AReaL and TRL with batches and numbers from their own packages, through ``migrate --from``.
 
 Sources, the newest release each peer publishes where there is one (``pip install --no-deps``, paths
 inside the installed package), else the newest stored snapshot of its repository (``owner/repo@commit``):
@@ -40,7 +41,7 @@ class PeerKey:
     new: str | None
     source: str
     reason: str
-    # True: matched as one path segment of a longer logged key (AReaL's tracker adds scope prefixes such as
+    # True: matched as whole path segments of a longer logged key (AReaL's tracker adds scope prefixes such as
     # ``ppo_actor/update/version_stats/`` and suffixes such as ``/avg`` or ``__count`` around its names).
     segment: bool = False
 
@@ -188,6 +189,9 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("areal", "v_proximal", None, f"{_AREAL}:1081,1107", "a version, not a staleness", segment=True),
     PeerKey("areal", "n_valid_generated_tokens", None, f"{_AREAL}:1086,1108", "a token count, not a staleness",
             segment=True),
+    PeerKey("areal", "version_stats/n_valid_tokens", None, f"{_AREAL}:1079",
+            "the tracker's denominator in the version_stats scope: tokens whose next token trains (loss_mask "
+            "rolled by -1), summed over loss calls; a token count, not a staleness", segment=True),
     PeerKey("areal", "max_head_offpolicyness", None,
             "areal 1.0.4 areal/api/cli_args.py:2113 and areal/infra/staleness_manager.py:92-112",
             "bounds admissions before generation ((bound + version + 1) x batch); max_staleness masks and drops "

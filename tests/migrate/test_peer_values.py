@@ -60,6 +60,7 @@ UPSTREAM_KEYS: dict[str, dict[str, str]] = {
         "v_theta": "areal/trainer/ppo/actor.py:1106",
         "v_proximal": "areal/trainer/ppo/actor.py:1107",
         "n_valid_generated_tokens": "areal/trainer/ppo/actor.py:1108",
+        "version_stats/n_valid_tokens": "areal/trainer/ppo/actor.py:1079",
         "behave_imp_weight": "areal/trainer/ppo/actor.py:542",
         "behave_approx_kl": "areal/trainer/ppo/actor.py:543",
         "max_head_offpolicyness": "areal/api/cli_args.py:2113",
@@ -312,3 +313,14 @@ def test_trl_measures_staleness_when_it_pulls_a_row_so_it_is_reported_not_rename
     assert without_prefetch == ours  # TRL's formula is ours; only the moment it is taken differs
     assert logged != ours
     assert not any(row.new for row in PEER_KEYS if row.peer == "trl")
+
+
+def test_areal_version_stats_denominator_is_matched_only_inside_its_scope() -> None:
+    from staleness_metrics.migrate.peer_names import peer_lookup
+
+    # the tracker's n_valid_tokens under version_stats (actor.py:1079) is listed; the same name under
+    # other scopes (the loss's own denominators) is not a staleness key at all
+    row = peer_lookup("areal", "ppo_actor/update/version_stats/n_valid_tokens")
+    assert row is not None and row.new is None and "1079" in row.source
+    assert peer_lookup("areal", "ppo_actor/update/n_valid_tokens") is None
+    assert peer_lookup("areal", "ppo_actor/update/compute_logp/n_valid_tokens") is None
