@@ -12,7 +12,8 @@ honoured by the OpenTelemetry exporters themselves (``OTEL_EXPORTER_OTLP_[METRIC
 ``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``, ``_PROTOCOL``,
 ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``), and the resource takes
 ``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME``; ``service.name`` defaults to ``staleness-metrics``.
-``run`` (and ``env``, for named envs) are metric attributes.
+``run`` (and ``env``, for named envs) are metric attributes. The SPEC 12 length counters also have a
+batch-wide point (no ``env``) beside the per-env ones when the env breakdown names envs, as in Prometheus.
 
 Injected ``meter_provider``: the metrics are recorded through that provider's instruments (sync gauges,
 counters, histograms with the table's buckets as advisory boundaries) and its own readers export them.
@@ -27,12 +28,20 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
+from ..dashboards.promql import BATCH_WIDE_COUNTERS
 from ..errors import ConfigError
 from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import Counts, StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, MismatchReport
-from .state import CumulativeState, HistogramPoint, Snapshot, partition_by_env
+from .state import (
+    CumulativeState,
+    HistogramPoint,
+    Snapshot,
+    batch_wide_buckets,
+    batch_wide_counts,
+    partition_by_env,
+)
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
@@ -155,6 +164,8 @@ def build_metrics_data(
             data = Gauge(data_points=points)
         elif row.kind is MetricKind.COUNTER and row.dimension is not None:
             buckets = (snapshot.bucketed_deltas if delta else snapshot.bucketed).get(row.name, {})
+            if row.name in BATCH_WIDE_COUNTERS:
+                buckets = batch_wide_buckets(buckets)
             points = [
                 NumberDataPoint(_attributes(row, run, env, bucket), start_ns, now, _number(row, total))
                 for (env, bucket), total in buckets.items()
@@ -162,6 +173,8 @@ def build_metrics_data(
             data = Sum(data_points=points, aggregation_temporality=temporality, is_monotonic=True)
         elif row.kind is MetricKind.COUNTER:
             counts = (snapshot.counter_deltas if delta else snapshot.counters).get(row.name, {})
+            if row.name in BATCH_WIDE_COUNTERS:
+                counts = batch_wide_counts(counts)
             points = [
                 NumberDataPoint(_attributes(row, run, env), start_ns, now, count)
                 for env, count in sorted(counts.items())
@@ -246,10 +259,16 @@ class _InstrumentRecorder:
                 for env, value in snapshot.gauges[row.name].items():
                     instrument.set(value, _attributes(row, run, env))
             elif row.kind is MetricKind.COUNTER and row.dimension is not None:
-                for (env, bucket), amount in snapshot.bucketed_deltas.get(row.name, {}).items():
+                amounts = snapshot.bucketed_deltas.get(row.name, {})
+                if row.name in BATCH_WIDE_COUNTERS:
+                    amounts = batch_wide_buckets(amounts)
+                for (env, bucket), amount in amounts.items():
                     instrument.add(amount, _attributes(row, run, env, bucket))
             elif row.kind is MetricKind.COUNTER:
-                for env, count in snapshot.counter_deltas.get(row.name, {}).items():
+                deltas = snapshot.counter_deltas.get(row.name, {})
+                if row.name in BATCH_WIDE_COUNTERS:
+                    deltas = batch_wide_counts(deltas)
+                for env, count in deltas.items():
                     instrument.add(count, _attributes(row, run, env))
             else:
                 for env, counts in histograms.get(row.name, {}).items():

@@ -29,7 +29,7 @@ from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, ExportErrors, MismatchReport
-from .state import BucketKey, CumulativeState, Number, Snapshot
+from .state import CumulativeState, Snapshot, batch_wide_buckets, batch_wide_counts
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -59,28 +59,6 @@ def _label_values(metric: MetricDef, run: str, env: str, bucket: str = "") -> li
     return [values[label] for label in metric.labels]
 
 
-# SPEC 12's length counters (BATCH_WIDE_COUNTERS): a batch-wide series (env="") beside the per-env ones, as
-# the gauges and the mismatch family have, so a query over the whole batch selects env="" instead of summing.
-
-
-def _batch_wide_counts(counts: Mapping[str, int]) -> dict[str, int]:
-    """Per-env counts with env "" replaced by their sum over every env, first, when some env is named
-    (without one, env "" already is the whole batch)."""
-    if set(counts) <= {""}:
-        return dict(counts)
-    return {"": sum(counts.values()), **{env: count for env, count in counts.items() if env}}
-
-
-def _batch_wide_buckets(values: Mapping[BucketKey, Number]) -> dict[BucketKey, Number]:
-    """:func:`_batch_wide_counts` for every bucket of a dimensioned counter."""
-    if {env for env, _ in values} <= {""}:
-        return dict(values)
-    whole: dict[BucketKey, Number] = {}
-    for (_, bucket), value in values.items():
-        whole[("", bucket)] = whole.get(("", bucket), 0) + value
-    return {**whole, **{key: value for key, value in values.items() if key[0]}}
-
-
 def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
     """The ship's metric families (all table rows with a Prometheus name, export errors aside)."""
     families: list[Metric] = []
@@ -97,13 +75,13 @@ def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
         elif isinstance(family, CounterMetricFamily) and metric.dimension is not None:
             bucketed = snapshot.bucketed.get(metric.name, {})
             if metric.name in BATCH_WIDE_COUNTERS:
-                bucketed = _batch_wide_buckets(bucketed)
+                bucketed = batch_wide_buckets(bucketed)
             for (env, bucket), total in bucketed.items():
                 family.add_metric(_label_values(metric, snapshot.run, env, bucket), float(total))
         elif isinstance(family, CounterMetricFamily):
             counts = snapshot.counters.get(metric.name, {})
             if metric.name in BATCH_WIDE_COUNTERS:
-                counts = _batch_wide_counts(counts)
+                counts = batch_wide_counts(counts)
             for env, count in counts.items():
                 family.add_metric(_label_values(metric, snapshot.run, env), float(count))
         else:

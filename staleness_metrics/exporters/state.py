@@ -37,7 +37,16 @@ from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..mismatch import MismatchSums
 from ..report import Counts, MetricValue, StepReport, Tally
 
-__all__ = ["BucketKey", "CumulativeState", "HistogramPoint", "Snapshot", "bucket_counts", "partition_by_env"]
+__all__ = [
+    "BucketKey",
+    "CumulativeState",
+    "HistogramPoint",
+    "Snapshot",
+    "batch_wide_buckets",
+    "batch_wide_counts",
+    "bucket_counts",
+    "partition_by_env",
+]
 
 Number = int | float
 
@@ -108,6 +117,29 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
 
 
 BucketKey = tuple[str, str]  # (env, the dimension's exported label value)
+
+
+# SPEC 12's length counters (dashboards.promql.BATCH_WIDE_COUNTERS): a batch-wide series (env "") beside the
+# per-env ones in Prometheus and OTLP, as the gauges have, so a query over the whole batch selects it instead
+# of summing.
+
+
+def batch_wide_counts(counts: Mapping[str, int]) -> dict[str, int]:
+    """Per-env counts with env "" replaced by their sum over every env, first, when some env is named
+    (without one, env "" already is the whole batch)."""
+    if set(counts) <= {""}:
+        return dict(counts)
+    return {"": sum(counts.values()), **{env: count for env, count in counts.items() if env}}
+
+
+def batch_wide_buckets(values: Mapping[BucketKey, Number]) -> dict[BucketKey, Number]:
+    """:func:`batch_wide_counts` for every bucket of a dimensioned counter."""
+    if {env for env, _ in values} <= {""}:
+        return dict(values)
+    whole: dict[BucketKey, Number] = {}
+    for (_, bucket), value in values.items():
+        whole[("", bucket)] = whole.get(("", bucket), 0) + value
+    return {**whole, **{key: value for key, value in values.items() if key[0]}}
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
   and finishes it on close; ``own_run=True`` always starts one (a process logging several runs side by
   side). Starting a run takes seconds (``import wandb``, the ``wandb-core`` process): it happens on the
   exporter's worker thread, never on the caller's, and a failed start is counted and retried like a
-  failed ``log``. ``run`` is None until it started.
+  failed ``log``. ``run`` is None until it started. With the histogram on, the worker also imports wandb
+  first for a run you pass (instant when your code imported it; a stand-in run object does not).
 - Each row carries ``step_key`` (default ``trainer/step``), declared with ``define_metric`` as the x-axis
   of every ``staleness/*`` key; maxima (rows with ``wandb_summary``) get ``summary="max"``.
 - Per-env keys (``staleness/env/<env>/...``, present in the report when the env breakdown is on) are
@@ -160,13 +161,22 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             retry_initial=retry_initial,
             retry_max=retry_max,
             close_timeout=close_timeout,
-            prepare=None if run is not None else self._start_run,
+            prepare=self._prepare_worker if run is None or self._histogram_key is not None else None,
         )
 
     @property
     def run(self) -> Any | None:
         """The W&B run logged into (None while the exporter's own run is still starting)."""
         return self._run
+
+    def _prepare_worker(self) -> None:
+        """First thing on the worker: import wandb (seconds, for ``wandb.Histogram``) before the first row
+        rather than inside its send, so ``flush`` and ``pending`` count it and the ships overlap with it;
+        then start the run when none was given."""
+        import wandb  # noqa: F401  (a run passed in already imported it: instant)
+
+        if self._run is None:
+            self._start_run()
 
     def _start_run(self) -> None:
         import wandb

@@ -14,6 +14,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.test._otlp_test_server import OtlpProtoTestServer
 
+from staleness_metrics.config import StalenessConfig
+from staleness_metrics.dashboards.promql import BATCH_WIDE_COUNTERS
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.state import bucket_counts
@@ -101,6 +103,8 @@ def test_what_arrives_over_http_matches_the_table_and_the_metrics_dict() -> None
             assert metric.sum.is_monotonic and metric.sum.aggregation_temporality == CUMULATIVE, name
             by_bucket: dict[str, float] = {}
             for point in metric.sum.data_points:
+                if row.name in BATCH_WIDE_COUNTERS and "env" in attributes_of(point):
+                    continue  # the point without env is the whole batch (test_length_counters_...)
                 bucket = attributes_of(point)[row.dimension.label]
                 by_bucket[bucket] = by_bucket.get(bucket, 0.0) + value(point)
             assert list(by_bucket) == list(row.dimension.values), name  # every bucket, in order
@@ -121,7 +125,10 @@ def test_what_arrives_over_http_matches_the_table_and_the_metrics_dict() -> None
         elif row.kind is MetricKind.COUNTER and row.source is Source.TALLY:
             assert metric.sum.is_monotonic
             assert metric.sum.aggregation_temporality == CUMULATIVE
-            assert sum(value(p) for p in points.values()) == getattr(totals, row.tally_field or ""), name
+            if row.name in BATCH_WIDE_COUNTERS:
+                assert value(points[""]) == getattr(totals, row.tally_field or ""), name
+            else:  # counters partition rollouts by env; the sum is the run's total
+                assert sum(value(p) for p in points.values()) == getattr(totals, row.tally_field or ""), name
         elif row.kind is MetricKind.HISTOGRAM:
             assert metric.histogram.aggregation_temporality == CUMULATIVE
             for point in points.values():
@@ -288,6 +295,92 @@ def test_injected_meter_provider_records_through_its_instruments() -> None:
     assert hist[""].count == 3
     exporter.close()
     provider.shutdown()
+
+
+LENGTH_RECORDS = [
+    # lag 1 at step 2 (T = 1): masked by the bound 0; 3 and 2 sampled positions removed
+    {"id": "a", "env": "math", "dispatch_version": 0, "samples": [{"mask": [1, 1, 1], "token_versions": [0, 0, 0]}]},
+    {"id": "c", "dispatch_version": 0, "samples": [{"mask": [1, 1], "token_versions": [0, 0]}]},
+    # lag 0: kept; 4 sampled positions after a prompt position
+    {"id": "b", "env": "code", "dispatch_version": 1,
+     "samples": [{"mask": [0, 1, 1, 1, 1], "token_versions": [-1, 1, 1, 1, 1]}]},
+]  # fmt: skip
+# (metric, env, length bucket) -> value; env "" is the whole batch, the buckets not listed are 0
+LENGTH_EXPECTED = {
+    ("rl.staleness.length.samples", "", None): 3,
+    ("rl.staleness.length.samples", "code", None): 1,
+    ("rl.staleness.length.samples", "math", None): 1,
+    ("rl.staleness.length.sampled_tokens", "", "256"): 9,
+    ("rl.staleness.length.sampled_tokens", "code", "256"): 4,
+    ("rl.staleness.length.sampled_tokens", "math", "256"): 3,
+    ("rl.staleness.length.removed_tokens", "", "256"): 5,
+    ("rl.staleness.length.removed_tokens", "math", "256"): 3,
+}
+
+
+def _length_points(points: list[tuple[str, dict[str, str], float]]) -> dict[tuple[str, str, str | None], float]:
+    return {
+        (name, attributes.get("env", ""), attributes.get("length")): number
+        for name, attributes, number in points
+        if name.startswith("rl.staleness.length.") and number
+    }
+
+
+def test_length_counters_have_a_batch_wide_point_beside_the_per_env_ones() -> None:
+    """SPEC 12 with the env breakdown, as in Prometheus: the point without env is the whole batch (a query over
+    every env selects it instead of summing), each named env has its own; over a real OTLP receiver and
+    through an injected meter provider."""
+    config = StalenessConfig(max_staleness=0, env_breakdown=True)
+    with OtlpProtoTestServer() as server:
+        monitor = StalenessMonitor(config, [OtlpExporter(endpoint=server.metrics_endpoint)], run=RUN)
+        monitor.add(LENGTH_RECORDS)
+        monitor.ship(2)
+        monitor.close()
+        recorded = server.drain_metrics()
+    last: dict[str, Any] = {r.metric.name: r.metric for r in recorded}
+    sent = [
+        (name, attributes_of(p), value(p)) for name, metric in last.items() if metric.WhichOneof("data") == "sum"
+        for p in metric.sum.data_points
+    ]  # fmt: skip
+    assert _length_points(sent) == LENGTH_EXPECTED
+    for name, attributes, _ in sent:
+        if name == "rl.staleness.length.sampled_tokens" and "env" not in attributes:  # every bucket is there
+            assert attributes["length"] in ("256", "1k", "4k", "16k", "inf")
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    exporter = OtlpExporter(meter_provider=provider)
+    monitor = StalenessMonitor(config, [exporter], run=RUN)
+    monitor.add(LENGTH_RECORDS)
+    monitor.ship(2)
+    assert exporter.flush(timeout=60)
+    data = reader.get_metrics_data()
+    assert data is not None
+    recorded_points = [
+        (m.name, dict(p.attributes), p.value)
+        for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        if m.name.startswith("rl.staleness.length.") for p in m.data.data_points
+    ]  # fmt: skip
+    assert _length_points(recorded_points) == LENGTH_EXPECTED
+    monitor.close()
+    provider.shutdown()
+
+    # Without a named env, the point without env already is the whole batch: one point, as before.
+    capture = InMemoryMetricReader()
+    plain_provider = MeterProvider(metric_readers=[capture])
+    monitor = StalenessMonitor(config, [OtlpExporter(meter_provider=plain_provider)], run=RUN)
+    monitor.add([LENGTH_RECORDS[1]])
+    monitor.ship(2)
+    monitor.close()
+    plain = capture.get_metrics_data()
+    assert plain is not None
+    samples = [
+        (dict(p.attributes), p.value)
+        for rm in plain.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        if m.name == "rl.staleness.length.samples" for p in m.data.data_points
+    ]  # fmt: skip
+    assert samples == [({"run": RUN}, 1)]
+    plain_provider.shutdown()
 
 
 def test_invalid_protocol_is_a_config_error() -> None:
