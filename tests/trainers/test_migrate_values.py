@@ -409,3 +409,26 @@ def test_behind_the_readme_queue_no_row_trains_past_max_staleness(trl_tests: Mod
     )
     trained_lags = [at - sample.model_version for _, _, trained in steps for sample, at in trained]
     assert max(trained_lags) <= bound, trained_lags
+
+
+def test_behind_the_readme_queue_a_bound_one_lower_keeps_rows_within_max_staleness(trl_tests: ModuleType) -> None:
+    """The README's way around the prefetch: the monitor's bound one below the wanted one (FixedCountBatcher)."""
+    from staleness_metrics.adapters import trl as staleness
+
+    bound = 1
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound - 1))
+
+    def readme_lines(rollout_queue: Any, trainer: Any) -> Any:
+        return staleness.ShippingQueue(rollout_queue, monitor, lambda: trainer.model_version, samples_per_step=2)
+
+    steps = trl_training_run(
+        trl_tests, trl_tests.samples_at([1, 1, 2, 2, 3]), max_staleness=bound, microbatch=2, wrap_queue=readme_lines
+    )
+    trained = [(sample, at) for _, _, rows in steps for sample, at in rows]
+    assert trained, "nothing trained"
+    trained_lags = [at - sample.model_version for sample, at in trained]
+    assert max(trained_lags) <= bound, trained_lags
+    # the reported lag is the one at the ship: the first micro-batch trains at it, each prefetched one a version later
+    shipped_lags = [int(staleness.staleness_lag_of(sample.completion_mask).max()) for sample, _ in trained]
+    gaps = [t - s for t, s in zip(trained_lags, shipped_lags, strict=True)]
+    assert gaps == [0, 0] + [1] * (len(gaps) - 2), (trained_lags, shipped_lags)
