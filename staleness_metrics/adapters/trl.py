@@ -189,8 +189,14 @@ class ShippingQueue:
     ``get`` takes the samples waiting in the queue (at least one, waiting as ``queue.get`` does), at most
     as many as the current optimizer step still takes (``samples_per_step``, TRL's
     ``per_device_train_batch_size * gradient_accumulation_steps * num_processes``), ships them at
-    ``version()`` and returns them one by one. Sized so, a ship is trained at the version it was shipped
-    at. When a ship keeps nothing, ``get`` raises ``queue.Empty``, as an empty queue does, and TRL asks again.
+    ``version()`` and returns them one by one, so one ship never spans two optimizer steps. When a ship keeps
+    nothing, ``get`` raises ``queue.Empty``, as an empty queue does, and TRL asks again.
+
+    A sample is judged when the dataloader pulls it, not when it is trained: accelerate's
+    ``DataLoaderDispatcher`` pulls the next micro-batch before handing out the current one, so a micro-batch
+    pulled at version ``v`` trains at ``v + 1`` when a weight sync ends the step in between (up to ``v + 2``
+    behind ``TokenBudgetBatcher``, which pulls the sample that closes a micro-batch one micro-batch earlier).
+    The README's TRL section gives the gap and the bound that keeps trained rows within ``max_staleness``.
     """
 
     def __init__(

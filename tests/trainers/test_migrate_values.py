@@ -278,6 +278,7 @@ def trl_training_run(
     max_staleness: int,
     microbatch: int,
     wrap_queue: Callable[[Any, Any], Any] | None = None,
+    token_budget: int = 0,
 ) -> list[tuple[int, dict[str, float], list[Any]]]:
     """AsyncGRPOTrainer's data path and step order on CPU, one process, no model.
 
@@ -289,7 +290,8 @@ def trl_training_run(
     train begin, :232) and the log that follows reduces the step's window with TRL's own ``_reduce_metric``
     (``log``, :1698-1721, logging_steps 1). Returns, per step: the step, TRL's logged staleness keys, and
     the samples trained with the version they were trained at. ``wrap_queue(queue, trainer)`` replaces
-    ``trainer.rollout_queue`` before the dataloader is built (the README's lines).
+    ``trainer.rollout_queue`` before the dataloader is built (the README's lines). ``token_budget > 0``
+    batches with ``TokenBudgetBatcher`` (TRL's default), as ``get_train_dataloader`` does.
     """
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
@@ -297,6 +299,7 @@ def trl_training_run(
         DataCollatorForRollout,
         FixedCountBatcher,
         RolloutQueueDataset,
+        TokenBudgetBatcher,
         _reduce_metric,
     )
 
@@ -326,9 +329,12 @@ def trl_training_run(
         collated.append([id(item["input_ids"]) for row in batch[0] for item in row.samples])
         return collator(batch)
 
-    loader = Accelerator(cpu=True).prepare(
-        DataLoader(FixedCountBatcher(dataset, 1, microbatch), batch_size=1, collate_fn=collate, num_workers=0)
+    batcher = (
+        TokenBudgetBatcher(dataset, 1, token_budget, metrics)
+        if token_budget > 0
+        else FixedCountBatcher(dataset, 1, microbatch)
     )
+    loader = Accelerator(cpu=True).prepare(DataLoader(batcher, batch_size=1, collate_fn=collate, num_workers=0))
     by_id = {id(sample.input_ids): sample for sample in samples}
     logged_keys = {row.key for row in peer_keys("trl")}
     trainer.model_version += 1  # _TrainBeginCallback: the cold weight sync
@@ -409,3 +415,54 @@ def test_behind_the_readme_queue_no_row_trains_past_max_staleness(trl_tests: Mod
     )
     trained_lags = [at - sample.model_version for _, _, trained in steps for sample, at in trained]
     assert max(trained_lags) <= bound, trained_lags
+
+
+def test_behind_the_readme_queue_a_bound_one_lower_keeps_rows_within_max_staleness(trl_tests: ModuleType) -> None:
+    """The README's way around the prefetch: the monitor's bound one below the wanted one (FixedCountBatcher)."""
+    from staleness_metrics.adapters import trl as staleness
+
+    bound = 1
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound - 1))
+
+    def readme_lines(rollout_queue: Any, trainer: Any) -> Any:
+        return staleness.ShippingQueue(rollout_queue, monitor, lambda: trainer.model_version, samples_per_step=2)
+
+    steps = trl_training_run(
+        trl_tests, trl_tests.samples_at([1, 1, 2, 2, 3]), max_staleness=bound, microbatch=2, wrap_queue=readme_lines
+    )
+    trained = [(sample, at) for _, _, rows in steps for sample, at in rows]
+    assert trained, "nothing trained"
+    trained_lags = [at - sample.model_version for sample, at in trained]
+    assert max(trained_lags) <= bound, trained_lags
+    # the reported lag is the one at the ship: the first micro-batch trains at it, each prefetched one a version later
+    shipped_lags = [int(staleness.staleness_lag_of(sample.completion_mask).max()) for sample, _ in trained]
+    gaps = [t - s for t, s in zip(trained_lags, shipped_lags, strict=True)]
+    assert gaps == [0, 0] + [1] * (len(gaps) - 2), (trained_lags, shipped_lags)
+
+
+def test_behind_the_readme_queue_token_budget_batches_train_up_to_two_versions_after_the_ship(
+    trl_tests: ModuleType,
+) -> None:
+    """TokenBudgetBatcher pulls the sample that closes a micro-batch into the next one: the README's gap of 2."""
+    from staleness_metrics.adapters import trl as staleness
+
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=8))
+
+    def readme_lines(rollout_queue: Any, trainer: Any) -> Any:
+        return staleness.ShippingQueue(rollout_queue, monitor, lambda: trainer.model_version, samples_per_step=1)
+
+    steps = trl_training_run(
+        trl_tests,
+        trl_tests.samples_at([1] * 8),
+        max_staleness=8,
+        microbatch=1,
+        wrap_queue=readme_lines,
+        token_budget=12,
+    )
+    trained = [(sample, at) for _, _, rows in steps for sample, at in rows]
+    assert len(trained) > 10, "too few micro-batches trained"  # the last one is still open when the queue drains
+    gaps = [
+        at - sample.model_version - int(staleness.staleness_lag_of(sample.completion_mask).max())
+        for sample, at in trained
+    ]
+    assert set(gaps) == {0, 1, 2}, gaps
