@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -455,8 +456,11 @@ _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no 
 def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], tokens: IntArray | None) -> bool | None:
     """Whether every mask value is 0 or 1, every value of ``floats`` finite and every token version >= -1:
     one compiled pass (a small batch's checks in one call instead of a dozen numpy calls). ``None`` when
-    the arrays are not 1-d contiguous float32/float64 (mask and floats of one type): the caller checks
-    with numpy."""
+    the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), or while no compiled
+    loop is loaded yet: the caller checks with numpy (microseconds), so that a check never makes a cold
+    process import numba (a second or more, e.g. inside a service's restore of its runs)."""
+    if "numba" not in sys.modules:
+        return None
     dtype = mask.dtype
     if dtype not in _PLAIN_DTYPES or any(a.dtype != dtype or not a.flags.c_contiguous for a in (mask, *floats)):
         return None

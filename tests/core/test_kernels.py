@@ -17,6 +17,7 @@ from staleness_metrics.kernels import (
     WEIGHT_NOT_POSITIVE,
     plain_positions,
     token_cuts,
+    warm_up,
     weight_flags,
     zero_spans,
 )
@@ -270,6 +271,7 @@ def test_weight_flags_leave_other_dtypes_to_numpy() -> None:
 def test_plain_positions_equals_the_numpy_checks(
     dtype: Any, mask: list[float], weights: list[float], tokens: list[int], floats: int
 ) -> None:
+    warm_up()
     mask_array = np.asarray(mask, dtype=dtype)
     n = len(mask)
     arrays = [np.resize(np.asarray(weights or [1.0], dtype=dtype), n) for _ in range(floats)]
@@ -283,6 +285,7 @@ def test_plain_positions_equals_the_numpy_checks(
 
 
 def test_plain_positions_leaves_other_types_to_numpy() -> None:
+    warm_up()  # (a cold process checks with numpy rather than import numba for it)
     ints = np.array([0, 1], dtype=np.int64)
     floats = np.array([0.0, 1.0])
     assert plain_positions(ints, [], None) is None
