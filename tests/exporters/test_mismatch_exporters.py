@@ -76,7 +76,7 @@ def family_text(exposition: str, family: str) -> str:
 
 
 def zero_lags(family: str, skip: tuple[str, ...]) -> list[str]:
-    return [f'{family}{{lag="{v}",run="{RUN}"}} 0.0' for v in LAG.values if v not in skip]
+    return [f'{family}{{env="",lag="{v}",run="{RUN}"}} 0.0' for v in LAG.values if v not in skip]
 
 
 def test_exposition_text_of_a_hand_made_report() -> None:
@@ -91,10 +91,10 @@ def test_exposition_text_of_a_hand_made_report() -> None:
             f"# HELP {tokens} Covered sampled positions (trainer and sampler log-probabilities both known), "
             "per token lag bucket.",
             f"# TYPE {tokens} counter",
-            f'{tokens}{{lag="0",run="{RUN}"}} 4.0',
-            f'{tokens}{{lag="1",run="{RUN}"}} 2.0',
+            f'{tokens}{{env="",lag="0",run="{RUN}"}} 4.0',
+            f'{tokens}{{env="",lag="1",run="{RUN}"}} 2.0',
             *zero_lags(tokens, ("0", "1", "+Inf")),
-            f'{tokens}{{lag="+Inf",run="{RUN}"}} 1.0',
+            f'{tokens}{{env="",lag="+Inf",run="{RUN}"}} 1.0',
         ]
     )
     for family, lag0, lag1, top in (
@@ -108,17 +108,17 @@ def test_exposition_text_of_a_hand_made_report() -> None:
         lines = family_text(text, family).splitlines()
         assert lines[1] == f"# TYPE {family} counter"
         assert lines[2:] == [
-            f'{family}{{lag="0",run="{RUN}"}} {lag0}',
-            f'{family}{{lag="1",run="{RUN}"}} {lag1}',
+            f'{family}{{env="",lag="0",run="{RUN}"}} {lag0}',
+            f'{family}{{env="",lag="1",run="{RUN}"}} {lag1}',
             *zero_lags(family, ("0", "1", "+Inf")),
-            f'{family}{{lag="+Inf",run="{RUN}"}} {top}',
+            f'{family}{{env="",lag="+Inf",run="{RUN}"}} {top}',
         ], family
     uncovered = "rl_staleness_mismatch_uncovered_tokens_total"
     assert family_text(text, uncovered) == (
         f"# HELP {uncovered} Sampled positions lacking a trainer or sampler log-probability (left out of the "
         "mismatch sums).\n"
         f"# TYPE {uncovered} counter\n"
-        f'{uncovered}{{run="{RUN}"}} 3.0'
+        f'{uncovered}{{env="",run="{RUN}"}} 3.0'
     )
     samples = "rl_staleness_length_samples_total"
     assert family_text(text, samples).splitlines()[2:] == [f'{samples}{{env="",run="{RUN}"}} 3.0']
@@ -142,7 +142,8 @@ def test_a_run_without_trainer_logprobs_exposes_no_mismatch_family() -> None:
 
 
 def counter(exporter: PrometheusExporter, family: str, **labels: str) -> float | None:
-    return exporter.registry.get_sample_value(family, {"run": RUN, **labels})
+    batch_wide = {"env": ""} if family.startswith("rl_staleness_mismatch_") else {}  # the batch's series
+    return exporter.registry.get_sample_value(family, {"run": RUN, **batch_wide, **labels})
 
 
 def test_both_sources_add_to_the_same_counters_and_gauges_stay() -> None:
@@ -377,7 +378,7 @@ def test_counters_of_two_processes_add_up_to_those_of_the_whole(
         for i, value in enumerate(values):
             labels = {row.dimension.label: value} if row.dimension is not None else {}
             got = sum(
-                e.registry.get_sample_value(row.prometheus_name or "", {"run": r, **labels}) or 0.0
+                e.registry.get_sample_value(row.prometheus_name or "", {"run": r, "env": "", **labels}) or 0.0
                 for r, e in exporters
             )
             field = getattr(whole, row.mismatch_field or "")

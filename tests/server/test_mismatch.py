@@ -390,7 +390,8 @@ def test_posts_survive_a_restart_from_snapshot_and_journal(tmp_path: Path) -> No
         request = MismatchRequest(step=1 + i % 2, sums=rank_sums(i % 7))
         run.record_mismatch(request, idempotency_key=f"k{i}")
     before = [row.model_dump() for row in run.steps()]
-    counters = run.registry.get_sample_value("rl_staleness_mismatch_tokens_total", {"run": "exp", "lag": "3"})
+    batch_lag3 = {"run": "exp", "env": "", "lag": "3"}
+    counters = run.registry.get_sample_value("rl_staleness_mismatch_tokens_total", batch_lag3)
     registry.store.close()
 
     stored = {r.name: r for r in SqliteStore(tmp_path).load()}["exp"]
@@ -403,7 +404,7 @@ def test_posts_survive_a_restart_from_snapshot_and_journal(tmp_path: Path) -> No
     assert again.monitor.mismatch(1) == MismatchSums.from_dict(before[0]["mismatch"])
     assert counters is not None and counters > 0  # the Prometheus counters come back exact
     restored_counters = again.registry.get_sample_value(
-        "rl_staleness_mismatch_tokens_total", {"run": "exp", "lag": "3"}
+        "rl_staleness_mismatch_tokens_total", {"run": "exp", "env": "", "lag": "3"}
     )
     assert restored_counters == counters
     # Keys from the snapshot and from the tail still answer once.
