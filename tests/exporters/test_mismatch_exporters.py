@@ -384,3 +384,69 @@ def test_counters_of_two_processes_add_up_to_those_of_the_whole(
             field = getattr(whole, row.mismatch_field or "")
             want = float(field[i] if row.dimension is not None else field)
             assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (row.name, value)
+
+
+def _per_env_monitor(exporters: list[Any]) -> StalenessMonitor:
+    """Step 2 shipped (no trainer log-probs in the records), then sums recorded per env and without one:
+    math lags 0, 1, 1 (one uncovered), code lag 2, and a lag-1 position of no env."""
+    monitor = StalenessMonitor(dataclasses.replace(CONFIG, env_breakdown=True), exporters, run=RUN)
+    monitor.add([
+        {"id": "m", "env": "math", "dispatch_version": 1, "samples": [{"mask": [1], "token_versions": [1]}]},
+        {"id": "c", "env": "code", "dispatch_version": 1, "samples": [{"mask": [1], "token_versions": [1]}]},
+    ])  # fmt: skip
+    monitor.ship(2)
+    monitor.record_mismatch(2, mismatch_sums([0, 1, 1, 1], [-1.0] * 4, [-1.0, -1.5, -0.5, np.nan]), env="math")
+    monitor.record_mismatch(2, mismatch_sums([2], [-1.0], [-2.0]), env="code")
+    monitor.record_mismatch(2, mismatch_sums([1], [-1.0], [-1.0]))
+    return monitor
+
+
+# (env, lag) -> tokens: env "" is the batch (every call), each env only the sums recorded for it.
+PER_ENV_TOKENS = {("", "0"): 1, ("", "1"): 3, ("", "2"): 1, ("code", "2"): 1, ("math", "0"): 1, ("math", "1"): 2}
+
+
+def test_sums_recorded_per_env_get_their_own_counter_series_beside_the_batch_wide_one() -> None:
+    """Issue 22 item 6 (SPEC 11 with the env breakdown): an ``env`` label on the mismatch counters, the
+    batch-wide series (env="") carrying every call's sums."""
+    exporter = PrometheusExporter(port=None)
+    _per_env_monitor([exporter]).close()
+    text = exporter.exposition().decode()
+    tokens = "rl_staleness_mismatch_tokens_total"
+    nonzero = [line for line in family_text(text, tokens).splitlines()[2:] if not line.endswith(" 0.0")]
+    assert nonzero == [
+        f'{tokens}{{env="{env}",lag="{lag}",run="{RUN}"}} {float(n)}' for (env, lag), n in PER_ENV_TOKENS.items()
+    ]
+    uncovered = "rl_staleness_mismatch_uncovered_tokens_total"
+    assert family_text(text, uncovered).splitlines()[2:] == [
+        f'{uncovered}{{env="",run="{RUN}"}} 1.0',
+        f'{uncovered}{{env="code",run="{RUN}"}} 0.0',
+        f'{uncovered}{{env="math",run="{RUN}"}} 1.0',
+    ]
+    # every lag bucket of each series is there (a rate over it never starts from a missing series)
+    assert len(family_text(text, tokens).splitlines()[2:]) == 3 * len(LAG.values)
+
+
+def test_otlp_sends_the_per_env_mismatch_points_beside_the_batch_wide_ones() -> None:
+    with OtlpReceiver() as receiver:  # the owned pipeline, over the wire
+        _per_env_monitor([OtlpExporter(endpoint=receiver.endpoint)]).close()
+        requests = receiver.wait_for(4)  # the ship and the three calls
+    metric = metrics_by_name(requests[-1])["rl.staleness.mismatch.tokens"]
+    sent = [(attributes_of(p), p.as_int) for p in metric.sum.data_points]
+    assert {(a.get("env", ""), a["lag"]): n for a, n in sent if n} == PER_ENV_TOKENS
+    assert all(a["run"] == RUN for a, _ in sent)
+
+    reader = InMemoryMetricReader()  # an injected provider: its instruments add each call's increments
+    provider = MeterProvider(metric_readers=[reader])
+    exporter = OtlpExporter(meter_provider=provider)
+    monitor = _per_env_monitor([exporter])
+    assert exporter.flush(timeout=60)
+    data = reader.get_metrics_data()
+    assert data is not None
+    [recorded] = [
+        m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        if m.name == "rl.staleness.mismatch.tokens"
+    ]  # fmt: skip
+    points = {(p.attributes.get("env", ""), p.attributes["lag"]): p.value for p in recorded.data.data_points}
+    assert {key: n for key, n in points.items() if n} == PER_ENV_TOKENS
+    monitor.close()
+    provider.shutdown()
