@@ -390,10 +390,13 @@ class CumulativeState:
         if report.mismatch is not None:
             self._add_mismatch(report.mismatch)
             self._bound_metrics = _bound_keys(report.metrics)
+        env_delta = dict(report.env_mismatch) if self.by_env else {}
+        for env, sums in env_delta.items():
+            self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + sums
         self._step = report.step
         self._last_report = report
         self._gauges = {m.name: _gauge_values(m, report, self.by_env) for m in _PUBLISHED_GAUGES}
-        return self._snapshot(window, report.mismatch)
+        return self._snapshot(window, report.mismatch, env_delta)
 
     def apply_mismatch(
         self, delta: MismatchSums, metrics: Mapping[str, MetricValue] | None = None, env: str | None = None

@@ -450,3 +450,22 @@ def test_otlp_sends_the_per_env_mismatch_points_beside_the_batch_wide_ones() -> 
     assert {key: n for key, n in points.items() if n} == PER_ENV_TOKENS
     monitor.close()
     provider.shutdown()
+
+
+def test_records_with_trainer_logprobs_give_each_env_its_counter_series() -> None:
+    """From records (the sink path), each named env's SPEC 11 sums feed its series; env="" stays the batch."""
+    exporter = PrometheusExporter(port=None)
+    batch, per_env = MismatchSums.zero(), dict[str, MismatchSums]()
+    with StalenessMonitor(CONFIG, [exporter], run=RUN) as monitor:
+        for records, step in ship_script(3):
+            monitor.add(records)
+            report = monitor.ship(step).report
+            assert report.mismatch is not None
+            batch = batch + report.mismatch
+            for env, sums in report.env_mismatch.items():
+                per_env[env] = per_env.get(env, MismatchSums.zero()) + sums
+    assert set(per_env) == {"math", "code"}
+    for env, sums in {"": batch, **per_env}.items():
+        got = [counter(exporter, "rl_staleness_mismatch_tokens_total", env=env, lag=v) for v in LAG.values]
+        assert got == [float(n) for n in sums.tokens], env
+        assert counter(exporter, "rl_staleness_mismatch_uncovered_tokens_total", env=env) == sums.uncovered, env
