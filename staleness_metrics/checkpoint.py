@@ -776,6 +776,7 @@ def report_to_dict(report: StepReport) -> dict[str, Any]:
         "env_metrics": {env: dict(values) for env, values in report.env_metrics.items()},
         "env_tally": {env: tally_to_dict(tally) for env, tally in report.env_tally.items()},
         "mismatch": None if report.mismatch is None else report.mismatch.to_dict(),
+        "env_mismatch": {env: sums.to_dict() for env, sums in report.env_mismatch.items()},
     }
 
 
@@ -805,7 +806,13 @@ def _metrics(data: Any, path: str) -> dict[str, MetricValue]:
 
 def check_report(data: Any, path: str) -> StepReport:
     """A :class:`StepReport` from :func:`report_to_dict`, checked."""
-    found = keys(data, path, ("step", "max_staleness", "metrics", "tally", "env_metrics", "env_tally", "mismatch"))
+    found = keys(
+        data,
+        path,
+        ("step", "max_staleness", "metrics", "tally", "env_metrics", "env_tally", "mismatch"),
+        ("env_mismatch",),  # absent from reports saved before it existed
+    )
+    env_mismatch = mapping(found.get("env_mismatch", {}), join(path, "env_mismatch"))
     env_metrics = mapping(found["env_metrics"], join(path, "env_metrics"))
     env_tally = mapping(found["env_tally"], join(path, "env_tally"))
     return StepReport(
@@ -822,6 +829,10 @@ def check_report(data: Any, path: str) -> StepReport:
             for env, tally in env_tally.items()
         },
         mismatch=None if found["mismatch"] is None else check_mismatch(found["mismatch"], join(path, "mismatch")),
+        env_mismatch={
+            string(env, join(path, "env_mismatch")): check_mismatch(sums, join(join(path, "env_mismatch"), env))
+            for env, sums in env_mismatch.items()
+        },
     )
 
 

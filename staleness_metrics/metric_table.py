@@ -129,7 +129,7 @@ _ROLLOUT = "{rollout}"
 _SAMPLE = "{sample}"
 _NAT = "{nat}"  # natural units of information (log-ratios and KL)
 _FLAG = "{flag}"  # a 0/1 gauge (unit "1" would make the collector name it ..._ratio)
-_LAG_LABELS = ("run", "lag")
+_LAG_LABELS = ("run", "env", "lag")  # env: the per-env series of live sums given per env
 _LENGTH_LABELS = ("run", "env", "length")
 
 METRICS: tuple[MetricDef, ...] = (
@@ -565,7 +565,7 @@ METRICS: tuple[MetricDef, ...] = (
         "rl_staleness_mismatch_uncovered_tokens_total",
         "rl.staleness.mismatch.uncovered_tokens",
         _TOKEN,
-        labels=("run",),
+        labels=("run", "env"),
         integer=True,
         mismatch_field="uncovered",
     ),

@@ -264,4 +264,5 @@ def compute_report(
         env_metrics=env_metrics,
         env_tally=env_tally,
         mismatch=mismatch,
+        env_mismatch={name: sums for name, (sums, _) in (env_costs or {}).items()},
     )

@@ -293,7 +293,14 @@ class StalenessMonitor:
                     del self._env_mismatch[min(self._env_mismatch)]
                 env_bound = self.sink.observe_env_mismatch(step, env, env_total, merge=True)
                 env_metrics[env] = mismatch_metrics(env_total, env_bound)
-            report = MismatchReport(step=step, sums=total, delta=delta, bound=bound, env_metrics=env_metrics)
+            report = MismatchReport(
+                step=step,
+                sums=total,
+                delta=delta,
+                bound=bound,
+                env_metrics=env_metrics,
+                env=env if env_metrics else None,
+            )
             self._mismatch_metrics[step] = report.metrics
             while len(self._mismatch_metrics) > MISMATCH_STEPS_KEPT:
                 del self._mismatch_metrics[min(self._mismatch_metrics)]

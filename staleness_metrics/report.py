@@ -103,6 +103,8 @@ class StepReport:
     env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
     env_tally: Mapping[str, Tally] = field(default_factory=dict)
     mismatch: MismatchSums | None = None
+    # With the env breakdown, each named env's SPEC 11 sums from the records (the counters' per-env series).
+    env_mismatch: Mapping[str, MismatchSums] = field(default_factory=dict)
 
     def row(self) -> dict[str, MetricValue]:
         """The ``--metrics-out`` line: ``{"step": S, <key>: <value>, ...}``."""

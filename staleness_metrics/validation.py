@@ -27,6 +27,7 @@ __all__ = [
     "lone_surrogate",
     "plainly_valid",
     "printable_id",
+    "surrogate_reason",
     "unstorable",
 ]
 
@@ -50,7 +51,7 @@ def lone_surrogate(text: str) -> int | None:
     return None
 
 
-def _surrogate_reason(text: str, at: int) -> str:
+def surrogate_reason(text: str, at: int) -> str:
     return f"not valid Unicode: lone surrogate U+{ord(text[at]):04X} at character {at}"
 
 
@@ -59,7 +60,7 @@ def check_text(rollout_id: str | None, field: str, text: str) -> None:
     strings: ``id``, ``group_id``, ``env``; replay and the service use it too)."""
     at = lone_surrogate(text)
     if at is not None:
-        raise TraceError(printable_id(rollout_id), field, _surrogate_reason(text, at))
+        raise TraceError(printable_id(rollout_id), field, surrogate_reason(text, at))
 
 
 def printable_id(rollout_id: str | None) -> str | None:
@@ -98,7 +99,7 @@ def unstorable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | 
         if kind is str:
             at = lone_surrogate(item)
             if at is not None:
-                return where or "value", _surrogate_reason(item, at)
+                return where or "value", surrogate_reason(item, at)
         elif kind is int:
             if not INT64_MIN <= item <= INT64_MAX:
                 return where or "value", "integer outside the signed 64-bit range"
@@ -109,7 +110,7 @@ def unstorable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | 
             for key, child in item.items():
                 name = f"{where}.{key}" if where else str(key)
                 if type(key) is str and lone_surrogate(key) is not None:
-                    return printable_id(name) or name, _surrogate_reason(key, lone_surrogate(key) or 0)
+                    return printable_id(name) or name, surrogate_reason(key, lone_surrogate(key) or 0)
                 children.append((child, name, level + 1))
             stack.extend(reversed(children))  # first field first, as the library reads them
         elif isinstance(item, (list, tuple)):
@@ -228,7 +229,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
             for index, text in enumerate(texts):
                 at = lone_surrogate(text) if isinstance(text, str) else None
                 if isinstance(text, str) and at is not None:
-                    verdicts.rollout(index, name, _surrogate_reason(text, at))
+                    verdicts.rollout(index, name, surrogate_reason(text, at))
     if not _plain_envs(envs):
         for index, env in enumerate(envs):
             if env is not None and (not isinstance(env, str) or not env):

@@ -26,6 +26,7 @@ from staleness_metrics.bound import BoundTracker
 from staleness_metrics.cli import main
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
+from staleness_metrics.demo.runner import _cost_caption
 from staleness_metrics.demo.trainer import DriftModel, SimulatedTrainer, shipped_mask
 from staleness_metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.monitor import StalenessMonitor
@@ -355,3 +356,24 @@ def test_the_drift_model_grows_with_lag_and_policy_speed() -> None:
         lag = int(LAG_BUCKETS[i])
         assert k3[i] == pytest.approx(float(model.sigma(np.array([lag]), 12)[0]) ** 2 / 2, rel=0.15)
     assert all(k3[a] < k3[b] for a, b in itertools.pairwise(filled))
+
+
+def test_the_live_caption_shows_the_excess_the_monitor_published() -> None:
+    """The console caption reads what the monitor published for the step (SPEC 11 over SPEC 14's floor), so a
+    fully asynchronous run shows its excess, the excess at the bound and the suggestion after step 1."""
+    monitor = StalenessMonitor(StalenessConfig(env_breakdown=True))
+    simulation, trainer = Simulation(0), SimulatedTrainer(0)
+    captions = {}
+    for _, events in zip(range(6), simulation.steps(), strict=False):
+        monitor.add(events.rollouts)
+        shipment = monitor.ship(events.step, events.ship_ids)
+        trainer.train(monitor, shipment)
+        published = monitor.mismatch_metrics(events.step)
+        assert published is not None
+        captions[events.step] = (_cost_caption(published), published)
+    for step in range(2, 7):
+        caption, published = captions[step]
+        excess = published["staleness/mismatch/excess_k3"]
+        assert isinstance(excess, float)
+        assert f", excess {excess:.4g}" in caption and "(carried)" in caption, caption
+        assert f", suggested bound {published['staleness/bound/suggested']}" in caption

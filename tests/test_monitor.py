@@ -259,7 +259,7 @@ def test_sums_re_applied_while_absorbing_move_the_counters_and_publish_nothing()
         assert monitor.record_mismatch(6, sums) == sums
     assert recorder.mismatch == []  # not published again
     text = prometheus.exposition().decode()
-    assert 'rl_staleness_mismatch_tokens_total{lag="2",run="resumed"} 2.0' in text
+    assert 'rl_staleness_mismatch_tokens_total{env="",lag="2",run="resumed"} 2.0' in text
     assert monitor.mismatch(6) == sums
 
 

@@ -15,8 +15,12 @@ from dataclasses import dataclass
 from .. import metric_table
 from ..metric_table import MetricDef, MetricKind
 
-# Counters with a batch-wide series (env="") beside the per-env ones, as the exporter writes them.
-BATCH_WIDE_COUNTERS = frozenset({"length_samples", "length_sampled_tokens", "length_removed_tokens"})
+# Counters with a batch-wide series (env="") beside the per-env ones, as the exporter writes them: SPEC 12's
+# length counters and SPEC 11's mismatch family (per env when the trainer's sums are given per env).
+BATCH_WIDE_COUNTERS = frozenset(
+    {"length_samples", "length_sampled_tokens", "length_removed_tokens"}
+    | {row.name for row in metric_table.METRICS if row.source is metric_table.Source.MISMATCH}
+)
 
 __all__ = ["Scope", "metric", "prometheus_name", "recorded_name"]
 

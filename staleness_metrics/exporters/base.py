@@ -65,6 +65,8 @@ class MismatchReport:
     bound: ShipBound | None = None  # SPEC 14 of ``sums``: the floor, the curve and the advice
     # With the env breakdown, the keys of the env these sums were recorded for (its merged total), unprefixed.
     env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
+    # The env ``delta`` was recorded for, with the env breakdown (the counters' per-env series add it).
+    env: str | None = None
 
     @property
     def metrics(self) -> dict[str, MetricValue]:

@@ -54,6 +54,9 @@ DEFAULT_SERVICE_NAME = "staleness-metrics"
 SCOPE_NAME = "staleness_metrics"
 PROTOCOLS = ("http/protobuf", "grpc")
 
+# The length counters' batch-wide series is the sum of the per-env ones; the mismatch family's already is the
+# batch's sums (the per-env ones are the part recorded per env).
+_SUMMED_BATCH_WIDE = frozenset(name for name in BATCH_WIDE_COUNTERS if name.startswith("length_"))
 _PUBLISHED = tuple(m for m in METRICS if m.otel_name is not None and m.source is not Source.EXPORTER)
 _ERRORS_ROW = next(m for m in METRICS if m.source is Source.EXPORTER)
 
@@ -164,7 +167,7 @@ def build_metrics_data(
             data = Gauge(data_points=points)
         elif row.kind is MetricKind.COUNTER and row.dimension is not None:
             buckets = (snapshot.bucketed_deltas if delta else snapshot.bucketed).get(row.name, {})
-            if row.name in BATCH_WIDE_COUNTERS:
+            if row.name in _SUMMED_BATCH_WIDE:
                 buckets = batch_wide_buckets(buckets)
             points = [
                 NumberDataPoint(_attributes(row, run, env, bucket), start_ns, now, _number(row, total))
@@ -173,7 +176,7 @@ def build_metrics_data(
             data = Sum(data_points=points, aggregation_temporality=temporality, is_monotonic=True)
         elif row.kind is MetricKind.COUNTER:
             counts = (snapshot.counter_deltas if delta else snapshot.counters).get(row.name, {})
-            if row.name in BATCH_WIDE_COUNTERS:
+            if row.name in _SUMMED_BATCH_WIDE:
                 counts = batch_wide_counts(counts)
             points = [
                 NumberDataPoint(_attributes(row, run, env), start_ns, now, count)
@@ -260,13 +263,13 @@ class _InstrumentRecorder:
                     instrument.set(value, _attributes(row, run, env))
             elif row.kind is MetricKind.COUNTER and row.dimension is not None:
                 amounts = snapshot.bucketed_deltas.get(row.name, {})
-                if row.name in BATCH_WIDE_COUNTERS:
+                if row.name in _SUMMED_BATCH_WIDE:
                     amounts = batch_wide_buckets(amounts)
                 for (env, bucket), amount in amounts.items():
                     instrument.add(amount, _attributes(row, run, env, bucket))
             elif row.kind is MetricKind.COUNTER:
                 deltas = snapshot.counter_deltas.get(row.name, {})
-                if row.name in BATCH_WIDE_COUNTERS:
+                if row.name in _SUMMED_BATCH_WIDE:
                     deltas = batch_wide_counts(deltas)
                 for env, count in deltas.items():
                     instrument.add(count, _attributes(row, run, env))
@@ -363,7 +366,7 @@ class OtlpExporter(QueuedExporter[_Payload]):
 
     def absorb_mismatch(self, report: MismatchReport) -> None:
         """Fold trainer-side sums exported before a restart into the run totals, without sending them again."""
-        self._state.apply_mismatch(report.delta, report.metrics)
+        self._state.apply_mismatch(report.delta, report.metrics, report.env)
 
     def export(self, report: StepReport) -> None:
         snapshot = self._state.apply(report)  # cheap: bucket sums; the OTLP encoding happens on send
@@ -383,7 +386,7 @@ class OtlpExporter(QueuedExporter[_Payload]):
     def export_mismatch(self, report: MismatchReport) -> None:
         """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and send."""
         try:
-            snapshot = self._state.apply_mismatch(report.delta, report.metrics)
+            snapshot = self._state.apply_mismatch(report.delta, report.metrics, report.env)
         except Exception as exc:  # never into the trainer
             self._errors.record(self.name, "mismatch sums not exported", exc)
             return

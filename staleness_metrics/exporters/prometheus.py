@@ -39,6 +39,9 @@ __all__ = ["BATCH_WIDE_COUNTERS", "DEFAULT_PORT", "PrometheusExporter", "Prometh
 DEFAULT_PORT = 9487
 
 _LE: list[str] = [floatToGoString(b) for b in BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
+# The length counters' batch-wide series is the sum of the per-env ones; the mismatch family's already is the
+# batch's sums (the per-env ones are the part recorded per env).
+_SUMMED_BATCH_WIDE = frozenset(name for name in BATCH_WIDE_COUNTERS if name.startswith("length_"))
 _PUBLISHED = tuple(m for m in METRICS if m.prometheus_name is not None)
 
 
@@ -74,13 +77,13 @@ def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
                 family.add_metric(_label_values(metric, snapshot.run, env), float(value))
         elif isinstance(family, CounterMetricFamily) and metric.dimension is not None:
             bucketed = snapshot.bucketed.get(metric.name, {})
-            if metric.name in BATCH_WIDE_COUNTERS:
+            if metric.name in _SUMMED_BATCH_WIDE:
                 bucketed = batch_wide_buckets(bucketed)
             for (env, bucket), total in bucketed.items():
                 family.add_metric(_label_values(metric, snapshot.run, env, bucket), float(total))
         elif isinstance(family, CounterMetricFamily):
             counts = snapshot.counters.get(metric.name, {})
-            if metric.name in BATCH_WIDE_COUNTERS:
+            if metric.name in _SUMMED_BATCH_WIDE:
                 counts = batch_wide_counts(counts)
             for env, count in counts.items():
                 family.add_metric(_label_values(metric, snapshot.run, env), float(count))
@@ -165,7 +168,7 @@ class _PrometheusBase:
         with self._lock:  # reports are folded in order, one at a time
             if isinstance(report, MismatchReport):
                 # Counters add what this call brought; SPEC 14's gauges show the step's merged sums.
-                snapshot = self._state.apply_mismatch(report.delta, report.metrics)  # the env's keys too
+                snapshot = self._state.apply_mismatch(report.delta, report.metrics, report.env)  # the env's keys too
             else:
                 snapshot = self._state.apply(report)
             self.collector.update(snapshot)

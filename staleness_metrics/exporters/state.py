@@ -263,16 +263,23 @@ _PUBLISHED_GAUGES = tuple(
 
 
 def _bucketed_of(
-    metric: MetricDef, tallies: Mapping[str, Tally], mismatch: MismatchSums | None
+    metric: MetricDef,
+    tallies: Mapping[str, Tally],
+    mismatch: MismatchSums | None,
+    env_mismatch: Mapping[str, MismatchSums] | None = None,
 ) -> dict[BucketKey, Number]:
-    """A dimensioned counter's values per (env, bucket value); every bucket present (zeros included)."""
+    """A dimensioned counter's values per (env, bucket value); every bucket present (zeros included). The
+    mismatch family: the batch's sums under env "", then each env's (live sums given per env)."""
     assert metric.dimension is not None
     values = metric.dimension.values
     if metric.source is Source.MISMATCH:
         if mismatch is None:
             return {}
-        array = getattr(mismatch, metric.mismatch_field or "")
-        return {("", value): _as_number(metric, array[i]) for i, value in enumerate(values)}
+        out_sums: dict[BucketKey, Number] = {}
+        for env, sums in {"": mismatch, **dict(sorted((env_mismatch or {}).items()))}.items():
+            array = getattr(sums, metric.mismatch_field or "")
+            out_sums.update({(env, value): _as_number(metric, array[i]) for i, value in enumerate(values)})
+        return out_sums
     out: dict[BucketKey, Number] = {}
     for env, tally in tallies.items():
         array = getattr(tally, metric.tally_field or "")
@@ -294,6 +301,7 @@ class CumulativeState:
         self.deltas = deltas  # also fill the per-report increments (OTLP delta temporality)
         self._totals: dict[str, Tally] = {}
         self._mismatch: MismatchSums | None = None  # SPEC 11 sums over the run, once any arrived
+        self._env_mismatch: dict[str, MismatchSums] = {}  # with the env breakdown: live sums given per env
         self._gauges: dict[str, Mapping[str, Number]] = {m.name: {} for m in _PUBLISHED_GAUGES}  # of the last ship
         self._step = 0
         self._start_ns = time.time_ns()
@@ -311,14 +319,23 @@ class CumulativeState:
             "start_time_ns": self._start_ns,
             "last_report": None if self._last_report is None else report_to_dict(self._last_report),
             "bound_metrics": self._bound_metrics,
+            "env_mismatch": {env: sums.to_dict() for env, sums in self._env_mismatch.items()},
         }
 
     @staticmethod
     def check_state_dict(
         state: Any, path: str
-    ) -> tuple[dict[str, Tally], MismatchSums | None, int, StepReport | None, dict[str, MetricValue] | None]:
+    ) -> tuple[
+        dict[str, Tally],
+        MismatchSums | None,
+        int,
+        StepReport | None,
+        dict[str, MetricValue] | None,
+        dict[str, MismatchSums],
+    ]:
         """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path): totals, sums, start, report,
-        and the SPEC 14 keys of the latest report with SPEC 11 (absent from states saved before SPEC 14)."""
+        the SPEC 14 keys of the latest report with SPEC 11 (absent from states saved before SPEC 14) and the
+        per-env sums (absent from states saved before they existed)."""
         from ..checkpoint import (
             check_metrics,
             check_mismatch,
@@ -331,9 +348,13 @@ class CumulativeState:
             string,
         )  # fmt: skip
 
-        found = keys(state, path, ("totals", "mismatch", "start_time_ns", "last_report"), ("bound_metrics",))
+        found = keys(
+            state, path, ("totals", "mismatch", "start_time_ns", "last_report"), ("bound_metrics", "env_mismatch")
+        )
         totals = mapping(found["totals"], join(path, "totals"))
         bound = found.get("bound_metrics")
+        env_path = join(path, "env_mismatch")
+        env_sums = mapping(found.get("env_mismatch", {}), env_path)
         return (
             {string(env, join(path, "totals")): check_tally(tally, join(join(path, "totals"), env))
              for env, tally in totals.items()},
@@ -341,13 +362,15 @@ class CumulativeState:
             integer(found["start_time_ns"], join(path, "start_time_ns"), 0),
             None if found["last_report"] is None else check_report(found["last_report"], join(path, "last_report")),
             None if bound is None else check_metrics(bound, join(path, "bound_metrics")),
+            {string(env, env_path): check_mismatch(sums, join(env_path, env)) for env, sums in env_sums.items()},
         )  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> Snapshot | None:
         """Continue the cumulative series from ``state``; returns what the last report showed (None if none).
         A bad state raises ``ConfigError`` and changes nothing."""
-        totals, mismatch, start_ns, last, bound = self.check_state_dict(state, "state")
+        totals, mismatch, start_ns, last, bound, env_mismatch = self.check_state_dict(state, "state")
         self._bound_metrics = bound
+        self._env_mismatch = env_mismatch
         self._totals = totals
         self._mismatch = mismatch
         self._start_ns = start_ns  # the same series: it was never reset
@@ -367,26 +390,41 @@ class CumulativeState:
         if report.mismatch is not None:
             self._add_mismatch(report.mismatch)
             self._bound_metrics = _bound_keys(report.metrics)
+        env_delta = dict(report.env_mismatch) if self.by_env else {}
+        for env, sums in env_delta.items():
+            self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + sums
         self._step = report.step
         self._last_report = report
         self._gauges = {m.name: _gauge_values(m, report, self.by_env) for m in _PUBLISHED_GAUGES}
-        return self._snapshot(window, report.mismatch)
+        return self._snapshot(window, report.mismatch, env_delta)
 
-    def apply_mismatch(self, delta: MismatchSums, metrics: Mapping[str, MetricValue] | None = None) -> Snapshot:
+    def apply_mismatch(
+        self, delta: MismatchSums, metrics: Mapping[str, MetricValue] | None = None, env: str | None = None
+    ) -> Snapshot:
         """Fold in trainer-side sums (the live path): the counters move, the last ship's gauges stay; SPEC 14's
-        gauges take ``metrics``, the keys of the step's merged sums (``MismatchReport.metrics``)."""
+        gauges take ``metrics``, the keys of the step's merged sums (``MismatchReport.metrics``). Sums of one
+        ``env`` also count in that env's series (with the env breakdown)."""
         self._add_mismatch(delta)
+        env_delta = None
+        if env and self.by_env:
+            self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + delta
+            env_delta = {env: delta}
         if metrics is not None:  # the batch's keys, and the env's when the sums were of one env; other envs stay
             new = _bound_keys(metrics)
             envs = {"", *(split[0] for split in map(_split_env, new) if split is not None)}
             kept = {k: v for k, v in (self._bound_metrics or {}).items() if (_split_env(k) or ("",))[0] not in envs}
             self._bound_metrics = {**kept, **new}
-        return self._snapshot({env: Tally() for env in self._totals}, delta)
+        return self._snapshot({env: Tally() for env in self._totals}, delta, env_delta)
 
     def _add_mismatch(self, sums: MismatchSums) -> None:
         self._mismatch = sums if self._mismatch is None else self._mismatch + sums
 
-    def _snapshot(self, window: Mapping[str, Tally], mismatch_delta: MismatchSums | None) -> Snapshot:
+    def _snapshot(
+        self,
+        window: Mapping[str, Tally],
+        mismatch_delta: MismatchSums | None,
+        env_mismatch_delta: Mapping[str, MismatchSums] | None = None,
+    ) -> Snapshot:
         totals = {env: self._totals[env] for env in sorted(self._totals)}
         window = {env: window[env] for env in sorted(window)}
         # The increment of the mismatch counters: none before the first sums, zero for a ship without any.
@@ -400,14 +438,28 @@ class CumulativeState:
         bucketed_deltas: dict[str, Mapping[BucketKey, Number]] = {}
         for metric in METRICS:
             if metric.kind is MetricKind.COUNTER and metric.dimension is not None:
-                bucketed[metric.name] = _bucketed_of(metric, totals, self._mismatch)
+                bucketed[metric.name] = _bucketed_of(metric, totals, self._mismatch, self._env_mismatch)
                 if self.deltas:
-                    bucketed_deltas[metric.name] = _bucketed_of(metric, window, delta)
+                    bucketed_deltas[metric.name] = _bucketed_of(metric, window, delta, env_mismatch_delta)
             elif metric.kind is MetricKind.COUNTER and metric.source is Source.MISMATCH:
                 sums_field = metric.mismatch_field or ""
-                counters[metric.name] = {} if self._mismatch is None else {"": int(getattr(self._mismatch, sums_field))}
+                counters[metric.name] = (
+                    {}
+                    if self._mismatch is None
+                    else {
+                        env: int(getattr(sums, sums_field))
+                        for env, sums in {"": self._mismatch, **dict(sorted(self._env_mismatch.items()))}.items()
+                    }
+                )
                 if self.deltas:
-                    counter_deltas[metric.name] = {} if delta is None else {"": int(getattr(delta, sums_field))}
+                    counter_deltas[metric.name] = (
+                        {}
+                        if delta is None
+                        else {
+                            env: int(getattr(sums, sums_field))
+                            for env, sums in {"": delta, **dict(env_mismatch_delta or {})}.items()
+                        }
+                    )
             elif metric.kind is MetricKind.COUNTER and metric.source is Source.TALLY:
                 field_name = metric.tally_field
                 assert field_name is not None

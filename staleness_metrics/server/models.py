@@ -333,6 +333,13 @@ class MismatchRequest(BaseModel):
         description="The sums as MismatchSums.to_dict() gives them; validated by the library.",
         json_schema_extra=MISMATCH_SUMS_SCHEMA,
     )
+    env: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The env these sums are of (one post per env and rank). They count in the step's total as "
+        "any others and, with the env breakdown, in the env's: staleness/env/<env>/mismatch/... and the env "
+        "label of the mismatch counters. A non-empty string, as a rollout's env.",
+    )
 
 
 class MismatchResult(BaseModel):

@@ -40,7 +40,7 @@ from ..mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..monitor import StalenessMonitor
 from ..report import MetricValue
 from ..sink import Shipment
-from ..validation import printable_id, unstorable
+from ..validation import lone_surrogate, printable_id, surrogate_reason, unstorable
 from .exporting import ExportSettings, RunExporters, build_exporters, preload
 from .models import (
     AddResult,
@@ -625,7 +625,9 @@ class Run:
     def record_mismatch(self, request: MismatchRequest, idempotency_key: str | None = None) -> MismatchResult:
         """Merge trainer-side sums into ``request.step``'s total and publish it; all or nothing."""
         delta = _parse_sums(request.sums)
-        fingerprint = (request.step, _digest(delta.to_dict()))
+        if request.env is not None and (at := lone_surrogate(request.env)) is not None:
+            raise RecordsInvalid([ErrorItem(field="env", reason=surrogate_reason(request.env, at))])
+        fingerprint = (request.step, _digest({"env": request.env, "sums": delta.to_dict()}))
         with self._lock:
             self._check_open()
             if idempotency_key is not None and idempotency_key in self._mismatch_answers:
@@ -642,7 +644,7 @@ class Run:
             if not all(np.isfinite(getattr(total, name)).all() for name in SUM_FIELDS):
                 raise RecordsInvalid([ErrorItem(field="sums", reason="the step's merged sums overflow a float64")])
             try:
-                self.monitor.record_mismatch(request.step, delta)
+                self.monitor.record_mismatch(request.step, delta, env=request.env)
             except ValueError as error:  # a step never shipped: "step: ..."
                 raise RecordsInvalid([_field_item(error, "step")]) from None
             metrics = self.monitor.mismatch_metrics(request.step) or {}

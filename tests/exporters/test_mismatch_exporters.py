@@ -76,7 +76,7 @@ def family_text(exposition: str, family: str) -> str:
 
 
 def zero_lags(family: str, skip: tuple[str, ...]) -> list[str]:
-    return [f'{family}{{lag="{v}",run="{RUN}"}} 0.0' for v in LAG.values if v not in skip]
+    return [f'{family}{{env="",lag="{v}",run="{RUN}"}} 0.0' for v in LAG.values if v not in skip]
 
 
 def test_exposition_text_of_a_hand_made_report() -> None:
@@ -91,10 +91,10 @@ def test_exposition_text_of_a_hand_made_report() -> None:
             f"# HELP {tokens} Covered sampled positions (trainer and sampler log-probabilities both known), "
             "per token lag bucket.",
             f"# TYPE {tokens} counter",
-            f'{tokens}{{lag="0",run="{RUN}"}} 4.0',
-            f'{tokens}{{lag="1",run="{RUN}"}} 2.0',
+            f'{tokens}{{env="",lag="0",run="{RUN}"}} 4.0',
+            f'{tokens}{{env="",lag="1",run="{RUN}"}} 2.0',
             *zero_lags(tokens, ("0", "1", "+Inf")),
-            f'{tokens}{{lag="+Inf",run="{RUN}"}} 1.0',
+            f'{tokens}{{env="",lag="+Inf",run="{RUN}"}} 1.0',
         ]
     )
     for family, lag0, lag1, top in (
@@ -108,17 +108,17 @@ def test_exposition_text_of_a_hand_made_report() -> None:
         lines = family_text(text, family).splitlines()
         assert lines[1] == f"# TYPE {family} counter"
         assert lines[2:] == [
-            f'{family}{{lag="0",run="{RUN}"}} {lag0}',
-            f'{family}{{lag="1",run="{RUN}"}} {lag1}',
+            f'{family}{{env="",lag="0",run="{RUN}"}} {lag0}',
+            f'{family}{{env="",lag="1",run="{RUN}"}} {lag1}',
             *zero_lags(family, ("0", "1", "+Inf")),
-            f'{family}{{lag="+Inf",run="{RUN}"}} {top}',
+            f'{family}{{env="",lag="+Inf",run="{RUN}"}} {top}',
         ], family
     uncovered = "rl_staleness_mismatch_uncovered_tokens_total"
     assert family_text(text, uncovered) == (
         f"# HELP {uncovered} Sampled positions lacking a trainer or sampler log-probability (left out of the "
         "mismatch sums).\n"
         f"# TYPE {uncovered} counter\n"
-        f'{uncovered}{{run="{RUN}"}} 3.0'
+        f'{uncovered}{{env="",run="{RUN}"}} 3.0'
     )
     samples = "rl_staleness_length_samples_total"
     assert family_text(text, samples).splitlines()[2:] == [f'{samples}{{env="",run="{RUN}"}} 3.0']
@@ -142,7 +142,8 @@ def test_a_run_without_trainer_logprobs_exposes_no_mismatch_family() -> None:
 
 
 def counter(exporter: PrometheusExporter, family: str, **labels: str) -> float | None:
-    return exporter.registry.get_sample_value(family, {"run": RUN, **labels})
+    batch_wide = {"env": ""} if family.startswith("rl_staleness_mismatch_") else {}  # the batch's series
+    return exporter.registry.get_sample_value(family, {"run": RUN, **batch_wide, **labels})
 
 
 def test_both_sources_add_to_the_same_counters_and_gauges_stay() -> None:
@@ -377,9 +378,94 @@ def test_counters_of_two_processes_add_up_to_those_of_the_whole(
         for i, value in enumerate(values):
             labels = {row.dimension.label: value} if row.dimension is not None else {}
             got = sum(
-                e.registry.get_sample_value(row.prometheus_name or "", {"run": r, **labels}) or 0.0
+                e.registry.get_sample_value(row.prometheus_name or "", {"run": r, "env": "", **labels}) or 0.0
                 for r, e in exporters
             )
             field = getattr(whole, row.mismatch_field or "")
             want = float(field[i] if row.dimension is not None else field)
             assert got == pytest.approx(want, rel=1e-9, abs=1e-12), (row.name, value)
+
+
+def _per_env_monitor(exporters: list[Any]) -> StalenessMonitor:
+    """Step 2 shipped (no trainer log-probs in the records), then sums recorded per env and without one:
+    math lags 0, 1, 1 (one uncovered), code lag 2, and a lag-1 position of no env."""
+    monitor = StalenessMonitor(dataclasses.replace(CONFIG, env_breakdown=True), exporters, run=RUN)
+    monitor.add([
+        {"id": "m", "env": "math", "dispatch_version": 1, "samples": [{"mask": [1], "token_versions": [1]}]},
+        {"id": "c", "env": "code", "dispatch_version": 1, "samples": [{"mask": [1], "token_versions": [1]}]},
+    ])  # fmt: skip
+    monitor.ship(2)
+    monitor.record_mismatch(2, mismatch_sums([0, 1, 1, 1], [-1.0] * 4, [-1.0, -1.5, -0.5, np.nan]), env="math")
+    monitor.record_mismatch(2, mismatch_sums([2], [-1.0], [-2.0]), env="code")
+    monitor.record_mismatch(2, mismatch_sums([1], [-1.0], [-1.0]))
+    return monitor
+
+
+# (env, lag) -> tokens: env "" is the batch (every call), each env only the sums recorded for it.
+PER_ENV_TOKENS = {("", "0"): 1, ("", "1"): 3, ("", "2"): 1, ("code", "2"): 1, ("math", "0"): 1, ("math", "1"): 2}
+
+
+def test_sums_recorded_per_env_get_their_own_counter_series_beside_the_batch_wide_one() -> None:
+    """Issue 22 item 6 (SPEC 11 with the env breakdown): an ``env`` label on the mismatch counters, the
+    batch-wide series (env="") carrying every call's sums."""
+    exporter = PrometheusExporter(port=None)
+    _per_env_monitor([exporter]).close()
+    text = exporter.exposition().decode()
+    tokens = "rl_staleness_mismatch_tokens_total"
+    nonzero = [line for line in family_text(text, tokens).splitlines()[2:] if not line.endswith(" 0.0")]
+    assert nonzero == [
+        f'{tokens}{{env="{env}",lag="{lag}",run="{RUN}"}} {float(n)}' for (env, lag), n in PER_ENV_TOKENS.items()
+    ]
+    uncovered = "rl_staleness_mismatch_uncovered_tokens_total"
+    assert family_text(text, uncovered).splitlines()[2:] == [
+        f'{uncovered}{{env="",run="{RUN}"}} 1.0',
+        f'{uncovered}{{env="code",run="{RUN}"}} 0.0',
+        f'{uncovered}{{env="math",run="{RUN}"}} 1.0',
+    ]
+    # every lag bucket of each series is there (a rate over it never starts from a missing series)
+    assert len(family_text(text, tokens).splitlines()[2:]) == 3 * len(LAG.values)
+
+
+def test_otlp_sends_the_per_env_mismatch_points_beside_the_batch_wide_ones() -> None:
+    with OtlpReceiver() as receiver:  # the owned pipeline, over the wire
+        _per_env_monitor([OtlpExporter(endpoint=receiver.endpoint)]).close()
+        requests = receiver.wait_for(4)  # the ship and the three calls
+    metric = metrics_by_name(requests[-1])["rl.staleness.mismatch.tokens"]
+    sent = [(attributes_of(p), p.as_int) for p in metric.sum.data_points]
+    assert {(a.get("env", ""), a["lag"]): n for a, n in sent if n} == PER_ENV_TOKENS
+    assert all(a["run"] == RUN for a, _ in sent)
+
+    reader = InMemoryMetricReader()  # an injected provider: its instruments add each call's increments
+    provider = MeterProvider(metric_readers=[reader])
+    exporter = OtlpExporter(meter_provider=provider)
+    monitor = _per_env_monitor([exporter])
+    assert exporter.flush(timeout=60)
+    data = reader.get_metrics_data()
+    assert data is not None
+    [recorded] = [
+        m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+        if m.name == "rl.staleness.mismatch.tokens"
+    ]  # fmt: skip
+    points = {(p.attributes.get("env", ""), p.attributes["lag"]): p.value for p in recorded.data.data_points}
+    assert {key: n for key, n in points.items() if n} == PER_ENV_TOKENS
+    monitor.close()
+    provider.shutdown()
+
+
+def test_records_with_trainer_logprobs_give_each_env_its_counter_series() -> None:
+    """From records (the sink path), each named env's SPEC 11 sums feed its series; env="" stays the batch."""
+    exporter = PrometheusExporter(port=None)
+    batch, per_env = MismatchSums.zero(), dict[str, MismatchSums]()
+    with StalenessMonitor(CONFIG, [exporter], run=RUN) as monitor:
+        for records, step in ship_script(3):
+            monitor.add(records)
+            report = monitor.ship(step).report
+            assert report.mismatch is not None
+            batch = batch + report.mismatch
+            for env, sums in report.env_mismatch.items():
+                per_env[env] = per_env.get(env, MismatchSums.zero()) + sums
+    assert set(per_env) == {"math", "code"}
+    for env, sums in {"": batch, **per_env}.items():
+        got = [counter(exporter, "rl_staleness_mismatch_tokens_total", env=env, lag=v) for v in LAG.values]
+        assert got == [float(n) for n in sums.tokens], env
+        assert counter(exporter, "rl_staleness_mismatch_uncovered_tokens_total", env=env) == sums.uncovered, env

@@ -158,11 +158,11 @@ def test_spec11_and_12_counters_carry_their_bucket_label_with_the_spec_values() 
             assert row.dimension is None, name
             continue
         assert row.dimension is not None and row.dimension.label == label and label in row.labels, name
-        if label == "lag":  # SPEC 11: 0..16, 32, 64, +Inf; no env (the trainer's sums are per step)
-            assert row.dimension.values == (*SPEC11_LAGS, "+Inf") and "env" not in row.labels, name
+        if label == "lag":  # SPEC 11: 0..16, 32, 64, +Inf; env: the per-env series of sums given per env
+            assert row.dimension.values == (*SPEC11_LAGS, "+Inf") and row.labels == ("run", "env", "lag"), name
         else:  # SPEC 12: the length bucket names themselves
             assert row.dimension.values == ("256", "1k", "4k", "16k", "inf") and "env" in row.labels, name
-    assert "run" in rows["rl_staleness_mismatch_uncovered_tokens_total"].labels
+    assert rows["rl_staleness_mismatch_uncovered_tokens_total"].labels == ("run", "env")
 
 
 def test_templated_wandb_keys_spell_out_every_bucket_and_cover_what_the_core_writes() -> None:

@@ -3,6 +3,7 @@ shipped step, they merge exactly, a retried post counts once, and bad posts reco
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -390,7 +391,8 @@ def test_posts_survive_a_restart_from_snapshot_and_journal(tmp_path: Path) -> No
         request = MismatchRequest(step=1 + i % 2, sums=rank_sums(i % 7))
         run.record_mismatch(request, idempotency_key=f"k{i}")
     before = [row.model_dump() for row in run.steps()]
-    counters = run.registry.get_sample_value("rl_staleness_mismatch_tokens_total", {"run": "exp", "lag": "3"})
+    batch_lag3 = {"run": "exp", "env": "", "lag": "3"}
+    counters = run.registry.get_sample_value("rl_staleness_mismatch_tokens_total", batch_lag3)
     registry.store.close()
 
     stored = {r.name: r for r in SqliteStore(tmp_path).load()}["exp"]
@@ -403,7 +405,7 @@ def test_posts_survive_a_restart_from_snapshot_and_journal(tmp_path: Path) -> No
     assert again.monitor.mismatch(1) == MismatchSums.from_dict(before[0]["mismatch"])
     assert counters is not None and counters > 0  # the Prometheus counters come back exact
     restored_counters = again.registry.get_sample_value(
-        "rl_staleness_mismatch_tokens_total", {"run": "exp", "lag": "3"}
+        "rl_staleness_mismatch_tokens_total", {"run": "exp", "env": "", "lag": "3"}
     )
     assert restored_counters == counters
     # Keys from the snapshot and from the tail still answer once.
@@ -412,3 +414,41 @@ def test_posts_survive_a_restart_from_snapshot_and_journal(tmp_path: Path) -> No
         assert replay.replayed
     assert [row.model_dump() for row in again.steps()] == before
     restored.close()
+
+
+def test_sums_posted_per_env_reach_the_env_keys_and_counters(http: httpx.Client) -> None:
+    """Issue 22 item 6: a post may name the env its sums are of; with the env breakdown they count in the
+    step's total and in the env's (its keys in the answer, its series in Prometheus); a bad env is refused."""
+    assert http.put("/v1/runs/exp", json={"max_staleness": 8, "env_breakdown": True}).status_code == 201
+    records = [{**rollout("a", 3, [3, 3]), "env": "math"}, {**rollout("b", 3, [3]), "env": "code"}]
+    assert http.post("/v1/runs/exp/rollouts", json={"rollouts": records}).status_code == 200
+    assert http.post("/v1/runs/exp/ship", json={"step": 4}).status_code == 200
+    math = dyadic(mismatch_sums([0, 1, 1], [-1.0] * 3, [-1.0, -1.5, -0.5]))
+    code = dyadic(mismatch_sums([2], [-1.0], [-2.0]))
+    for sums, env in ((math, "math"), (code, "code")):
+        response = http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": sums, "env": env})
+        assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["tokens"] == 4 and answer["posts"] == 2
+    assert answer["metrics"]["staleness/env/code/mismatch/lag_2/tokens"] == 1
+    assert answer["metrics"]["staleness/mismatch/lag_1/tokens"] == 2
+
+    families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    tokens = {
+        (s.labels["env"], s.labels["lag"]): s.value
+        for s in families["rl_staleness_mismatch_tokens"].samples
+        if s.name.endswith("_total") and s.labels.get("run") == "exp" and s.value
+    }
+    assert tokens == {("", "0"): 1, ("", "1"): 2, ("", "2"): 1, ("math", "0"): 1, ("math", "1"): 2, ("code", "2"): 1}
+
+    for env in ("", 7, "\ud800"):
+        bad = http.post(
+            "/v1/runs/exp/mismatch",
+            content=json.dumps({"step": 4, "sums": code, "env": env}),
+            headers={"content-type": "application/json"},
+        )
+        assert bad.status_code == 422, env
+        [error] = bad.json()["detail"]
+        # the schema names it body.env (as other schema errors), the library's check env (as sums, step)
+        assert error["field"].removeprefix("body.") == "env" and error["reason"], (env, error)
+    assert http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": code}).json()["posts"] == 3  # nothing recorded
