@@ -226,25 +226,7 @@ def ship_rows(
     ``write_back`` is called after a ship that shipped rows of ``batch`` (this call's or a later one's),
     to copy masked values into trainer arrays the sink could not mask in place.
     """
-    trained = _check_version(version, names)
-    pending = _PENDING.setdefault(monitor, _Pending())
-    try:
-        monitor.add(batch)
-    except TraceError as error:
-        row = _Entry(batch, source, None, 0).row(error.rollout_id)
-        raise names.trace_error(error, row) from error
-    key = id(batch)
-    queued = [rid for rid in batch.ids if rid not in pending.owner]
-    pending.entries[key] = _Entry(batch, source, write_back, len(queued))
-    pending.owner.update(dict.fromkeys(queued, key))
-    try:
-        shipment: Shipment = monitor.ship(trained + 1, ids=list(pending.owner))
-    except TraceError as error:
-        entry = pending.entries.get(pending.owner.get(error.rollout_id or "", -1))
-        raise names.trace_error(error, None if entry is None else entry.row(error.rollout_id)) from error
-    except ValueError as error:
-        raise ValueError(f"version {trained}: {error} (pass {names.trainer}'s {names.counter})") from error
-    return ShipResult(shipment, _collect(pending, shipment))
+    return ship_row_batches(monitor, [(batch, source, write_back)], version=version, names=names)
 
 
 def ship_row_batches(
