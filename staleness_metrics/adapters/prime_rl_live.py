@@ -130,16 +130,20 @@ def shipped_samples(shipment: Any, batch: RolloutBatch, samples: Sequence[Any]) 
             continue
         first = int(batch.sample_offsets[rollout.index])
         for local in rollout.samples:
-            index = first + local
-            lo, hi = int(batch.position_offsets[index]), int(batch.position_offsets[index + 1])
-            sample = samples[index]
-            _set(sample, "mask", (batch.mask[lo:hi] != 0).tolist())
-            for name in WEIGHT_FIELDS:
-                values = getattr(batch, name)
-                if values is not None and batch.present[name][index]:
-                    _set(sample, name, values[lo:hi].tolist())
-            out.append(sample)
+            out.append(_written_back(samples, batch, first + local))
     return out
+
+
+def _written_back(samples: Sequence[Any], batch: RolloutBatch, index: int) -> Any:
+    """Sample ``index`` of ``samples`` with the masked ``mask`` and weights of ``batch`` written into it."""
+    lo, hi = int(batch.position_offsets[index]), int(batch.position_offsets[index + 1])
+    sample = samples[index]
+    _set(sample, "mask", (batch.mask[lo:hi] != 0).tolist())
+    for name in WEIGHT_FIELDS:
+        values = getattr(batch, name)
+        if values is not None and batch.present[name][index]:
+            _set(sample, name, values[lo:hi].tolist())
+    return sample
 
 
 def _set(sample: Any, name: str, value: Any) -> None:
@@ -203,15 +207,7 @@ def ship(
         for row, kept in zip(part.rows.tolist(), part.samples):
             first = int(batch_of.sample_offsets[row])
             for local in kept:
-                index = first + local
-                lo, hi = int(batch_of.position_offsets[index]), int(batch_of.position_offsets[index + 1])
-                sample = source[index]
-                _set(sample, "mask", (batch_of.mask[lo:hi] != 0).tolist())
-                for name in WEIGHT_FIELDS:
-                    values = getattr(batch_of, name)
-                    if values is not None and batch_of.present[name][index]:
-                        _set(sample, name, values[lo:hi].tolist())
-                out.append(sample)
+                out.append(_written_back(source, batch_of, first + local))
                 lags.append(next(lag_iter))
     out.staleness_lag = lags
     out.shipment = result.shipment
