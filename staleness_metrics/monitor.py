@@ -32,22 +32,22 @@ from types import TracebackType
 from typing import Any
 
 from .config import StalenessConfig
-from .engine.checkpoint import (
+from .engine.checkpoint import check_mismatch, read_sink
+from .engine.shipment import Shipment
+from .engine.sink import Sink
+from .engine.state_checks import (
     FORMAT,
     check_digests,
     check_format,
-    check_mismatch,
     digests_of,
     fail,
     integer,
     join,
     keys,
     mapping,
-    read_sink,
     sequence,
     string,
 )
-from .engine.sink import Shipment, Sink
 from .errors import ConfigError, FieldError
 from .exporters.background import DEFAULT_CLOSE_TIMEOUT
 from .exporters.base import (
