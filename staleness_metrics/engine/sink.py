@@ -24,13 +24,13 @@ from ..records.columnar import LABELS_SPANS, RolloutBatch
 from ..records.model import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from ..records.validation import Verdicts, check_batch, plainly_valid
 from .decision import Decision, Judgement
-from .masking import mask_spans
+from .judging import apply_decision, judgement_of, with_groups
 from .policies import Policy, policy_for
-from .queue import COMPACT_MIN_ROWS, DROPPED, INVALID, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
-from .segments import expand_ranges, segment_sum
+from .queue import COMPACT_MIN_ROWS, INVALID, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
+from .segments import expand_ranges
 from .shipment import Shipment, ShippedRollout
-from .shipped_positions import NOT_SAMPLED, ShippedSpans
-from .spans import PART_LABELLED, PART_UNLABELLED, SpanTable, build_spans
+from .shipped_positions import shipped_spans
+from .spans import SpanTable, build_spans
 
 if TYPE_CHECKING:
     from .checkpoint import SinkState
@@ -224,90 +224,13 @@ class Sink:
             raise ValueError(f"step {step} is below the previous step {self._step}: steps never decrease")
         self._step = int(step)
 
-    def _with_groups(self, rows: IntArray) -> IntArray:
-        """``rows`` plus every queued member of their groups (for policies that judge groups)."""
-        if not self.policy.judges_groups or len(rows) == 0:
-            return rows
-        queued = np.flatnonzero(self.queue.rollouts["status"] == QUEUED)
-        members = queued[np.isin(self.queue.rollouts["group"][queued], self.queue.rollouts["group"][rows])]
-        return np.union1d(rows, members)
-
-    def _slice(self, rows: IntArray, step: int) -> Judgement:
-        r, s, n = self.queue.rollouts, self.queue.samples, self.queue.spans
-        sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
-        span_rows = expand_ranges(s["span_lo"][sample_rows], s["span_hi"][sample_rows])
-        sample_counts = r["sample_hi"][rows] - r["sample_lo"][rows]
-        span_counts = s["span_hi"][sample_rows] - s["span_lo"][sample_rows]
-        group = r["group"][rows]
-        return Judgement(
-            step=step, rows=rows, frozen=r["frozen"][rows], env=r["env"][rows], dispatch=r["dispatch"][rows],
-            completion=r["completion"][rows], group=group, group_agentic=self.queue.group_agentic[group],
-            sample_offsets=np.concatenate(([0], np.cumsum(sample_counts))),
-            sample_rows=sample_rows, sample_rollout=np.repeat(np.arange(len(rows)), sample_counts),
-            mask_below=s["mask_below"][sample_rows], dropped=s["dropped"][sample_rows],
-            had_train=s["had_train"][sample_rows], unmaskable=s["unmaskable"][sample_rows],
-            n_sampled=s["n_sampled"][sample_rows], n_unlabelled=s["n_unlabelled"][sample_rows],
-            max_sampled_version=s["max_sampled"][sample_rows], seq_min_version=s["seq_min"][sample_rows],
-            span_offsets=np.concatenate(([0], np.cumsum(span_counts))),
-            span_sample=np.repeat(np.arange(len(sample_rows)), span_counts), version=n["version"][span_rows],
-            labelled=n["labelled"][span_rows], sampled=n["sampled"][span_rows], live=n["live"][span_rows],
-        )  # fmt: skip
-
     def _judge(self, rows: IntArray, step: int) -> tuple[Judgement, Decision]:
         """Apply the policy at ``step`` to queued ``rows``; returns the slice and the decision."""
-        judgement = self._slice(rows, step)
+        judgement = judgement_of(self.queue, rows, step)
         decision = self.policy.decide(judgement)
-        self._apply(judgement, decision)
+        apply_decision(self.queue, self._window, judgement, decision)
         self.queue.rollouts["judged"][rows] = step
         return judgement, decision
-
-    def _apply(self, judgement: Judgement, decision: Decision) -> None:
-        samples = self.queue.samples
-        rows, sample_rows = judgement.rows, judgement.sample_rows
-        raised = decision.mask_below > judgement.mask_below
-        if raised.any():
-            self._mask_positions(judgement, np.maximum(decision.mask_below, judgement.mask_below), raised)
-        samples["mask_below"][sample_rows] = np.maximum(judgement.mask_below, decision.mask_below)
-
-        drop_rollout = decision.drop_rollout & ~judgement.frozen
-        drop_sample = (decision.drop_sample | drop_rollout[judgement.sample_rollout]) & ~judgement.dropped
-        if drop_sample.any():
-            local = np.flatnonzero(drop_sample)
-            samples["dropped"][sample_rows[local]] = True
-            env = judgement.env[judgement.sample_rollout[local]]
-            self._window.add(env, "samples_dropped")
-            self._window.add(env, "tokens_dropped", judgement.n_sampled[local])
-            self._window.add_dropped_lengths(env, judgement.n_sampled[local])
-            ids = self.queue.ids
-            self._window.dropped_samples.extend(
-                (ids[rows[judgement.sample_rollout[i]]], int(samples["local"][sample_rows[i]])) for i in local
-            )
-        if drop_rollout.any():
-            gone = rows[drop_rollout]
-            self._window.add(judgement.env[drop_rollout], "rollouts_dropped")
-            self._window.dropped_rollouts.extend(self.queue.ids[i] for i in gone)
-            self.queue.leave(gone, DROPPED)
-
-    def _mask_positions(self, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
-        """Zero newly stale sampled positions in mask and the three weight arrays, in place."""
-        old = judgement.mask_below[judgement.span_sample]
-        new = mask_below[judgement.span_sample]
-        stale = judgement.version < new
-        hit = raised[judgement.span_sample] & stale & (judgement.version >= old) & (judgement.sampled > 0)
-        if not hit.any():
-            return
-        s = self.queue.samples
-        span_rows = expand_ranges(s["span_lo"][judgement.sample_rows], s["span_hi"][judgement.sample_rows])
-        part = self.queue.spans["part"][span_rows]
-        # The two parts of a mixed span are adjacent rows: when both are stale now, the whole range goes.
-        partner = np.arange(len(part)) + (part == PART_LABELLED) - (part == PART_UNLABELLED)
-        whole = stale[partner]
-        hit &= ~((part == PART_UNLABELLED) & hit[partner])  # its labelled part fills the range already
-        rows = span_rows[hit]
-        chunk_of = self.queue.rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
-        spans = self.queue.spans
-        count = judgement.sampled[hit]  # sampled positions are the whole span or part: mask-0 ones are never hit
-        mask_spans(self.queue.chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit], count)
 
     def observe_mismatch(self, step: int, total: MismatchSums, *, merge: bool = False) -> ShipBound | None:
         """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's total of a step so far, which
@@ -339,7 +262,7 @@ class Sink:
         r = self.queue.rollouts
         rows = np.flatnonzero((r["status"] == QUEUED) & (r["judged"] < step))
         if len(rows):
-            self._judge(self._with_groups(rows), step)
+            self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)
 
     # ------------------------------------------------------------------ ship
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
@@ -365,7 +288,7 @@ class Sink:
         hold = np.zeros(len(taken), dtype=bool)
         if len(taken) and self.policy.holds:
             # The sweep judged everything at this step already; judging again only decides the holds.
-            judgement, decision = self._judge(self._with_groups(taken), step)
+            judgement, decision = self._judge(with_groups(self.queue, taken, self.policy.judges_groups), step)
             taken = taken[r["status"][taken] == QUEUED]
             hold = np.isin(taken, judgement.rows[decision.hold_rollout])
         held, shipped = taken[hold], taken[~hold]
@@ -373,8 +296,8 @@ class Sink:
         self._window.held.extend(self.queue.ids[i] for i in held)
         self.queue.leave(shipped, SHIPPED)
 
-        shipped_slice = self._slice(shipped, step)
-        spans = self._shipped_spans(shipped_slice)
+        shipped_slice = judgement_of(self.queue, shipped, step)
+        spans = shipped_spans(self.queue, shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
         judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)
         env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
@@ -431,37 +354,6 @@ class Sink:
             return tuple(out)
 
         return build
-
-    def _shipped_spans(self, shipped: Judgement) -> ShippedSpans:
-        """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11)."""
-        s, n = self.queue.samples, self.queue.spans
-        span_rows = expand_ranges(s["span_lo"][shipped.sample_rows], s["span_hi"][shipped.sample_rows])
-        kept_sample = ~shipped.dropped
-        part = n["part"][span_rows]
-        kept = kept_sample[shipped.span_sample] & (part != PART_UNLABELLED)  # a mixed span once, by its first row
-        span_rollout = shipped.sample_rollout[shipped.span_sample]
-        in_population = ~shipped.frozen[span_rollout] & (shipped.sampled > 0)
-        lag = np.where(in_population, shipped.trained_version - shipped.version, NOT_SAMPLED)
-        masked = shipped.version < shipped.mask_below[shipped.span_sample]
-        partner = np.minimum(np.arange(len(part)) + 1, max(len(part) - 1, 0))  # the unlabelled part follows
-        chunks = self.queue.rollouts["chunk"][shipped.rows]
-        used = np.unique(chunks)
-        batches = [self.queue.chunks[c] for c in used.tolist()]
-        assert all(b is not None for b in batches)
-        spans_per_sample = segment_sum(kept.astype(np.int64), shipped.span_offsets)[kept_sample]
-        return ShippedSpans(
-            batches=batches,
-            chunk=np.searchsorted(used, chunks[span_rollout])[kept],
-            lo=n["lo"][span_rows][kept],
-            hi=n["hi"][span_rows][kept],
-            lag=lag[kept],
-            masked=masked[kept],
-            sample_offsets=np.concatenate(([0], np.cumsum(spans_per_sample))),
-            mixed=(part == PART_LABELLED)[kept],
-            unlabelled_lag=lag[partner][kept],
-            unlabelled_masked=masked[partner][kept],
-            env=shipped.env[span_rollout][kept],
-        )
 
     def _check_versions(self, rows: IntArray, step: int) -> IntArray:
         """Ship-time rule: no version above the trained one. Returns the rows that pass."""
