@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .app import create_app
 from .exporting import ExportSettings
-from .runs import RunRegistry
+from .registry import RunRegistry
 from .settings import ServerSettings
 
 __all__ = ["ExportSettings", "RunRegistry", "ServerSettings", "create_app"]

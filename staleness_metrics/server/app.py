@@ -35,6 +35,17 @@ from .. import __version__
 from ..config import StalenessConfig
 from ..errors import ConfigError
 from .decode import BodyTooComplex, BodyTooDeep, compact_records, paused_gc, read_json
+from .errors import (
+    IdempotencyMismatch,
+    NotPersisted,
+    RecordConflict,
+    RecordsInvalid,
+    RunBroken,
+    RunConflict,
+    RunError,
+    RunNotFound,
+    StepConflict,
+)
 from .exporting import ServiceCollector
 from .limits import BodySizeLimit
 from .methods import AllowHeader
@@ -57,19 +68,8 @@ from .models import (
     ValidationErrorBody,
     run_config_schema,
 )
-from .runs import (
-    IdempotencyMismatch,
-    NotPersisted,
-    RecordConflict,
-    RecordsInvalid,
-    Run,
-    RunBroken,
-    RunConflict,
-    RunError,
-    RunNotFound,
-    RunRegistry,
-    StepConflict,
-)
+from .registry import RunRegistry
+from .runs import Run
 from .security import BEARER_SCHEME, TokenFirst
 from .settings import ServerSettings
 from .store import SqliteStore, Store

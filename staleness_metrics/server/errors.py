@@ -1,0 +1,116 @@
+"""The service's errors: what a run refuses and why, and the library's errors as the items of an answer.
+
+Each :class:`RunError` subclass is one status code (``app.py`` maps them); an invalid request is
+:class:`RecordsInvalid`, carrying the :class:`~.models.ErrorItem`\ s of the library's errors (their
+``field`` and ``reason``, never parsed back out of a message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import StalenessError, TraceError
+from .models import ErrorItem
+
+__all__ = [
+    "IdempotencyMismatch",
+    "NotPersisted",
+    "RecordConflict",
+    "RecordsInvalid",
+    "RestoreFailed",
+    "RunBroken",
+    "RunConflict",
+    "RunError",
+    "RunNotFound",
+    "StepConflict",
+    "field_item",
+    "out_of_range",
+    "reason_of",
+    "trace_item",
+]
+
+INT64_RANGE = (-(2**63), 2**63 - 1)
+
+
+class RunError(Exception):
+    """A request the run cannot honour; the app maps each subclass to a status code."""
+
+
+class RunNotFound(RunError):
+    pass
+
+
+class RunConflict(RunError):
+    """The run exists with another configuration."""
+
+
+class RecordConflict(RunError):
+    """A rollout id was received before with different content."""
+
+
+class StepConflict(RunError):
+    """A step below the run's latest step (steps never decrease)."""
+
+
+class IdempotencyMismatch(RunError):
+    """An idempotency key re-used for a different ship."""
+
+
+class RunBroken(RunError):
+    """A write could not be persisted: the run's memory is ahead of its store, so it takes no more writes."""
+
+
+class NotPersisted(RunError):
+    """The service keeps no history (``--in-memory``)."""
+
+
+class RestoreFailed(Exception):
+    """A stored run could not be loaded again at start (the message names the run and the row)."""
+
+
+def reason_of(exc: BaseException) -> str:
+    """How a restore failure names its cause: the message of a deliberate error, else the type too."""
+    if isinstance(exc, RunError | TraceError | ValueError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+class RecordsInvalid(RunError):
+    """Invalid records or ship-time versions; nothing of the request was applied."""
+
+    def __init__(self, errors: list[ErrorItem]) -> None:
+        super().__init__("; ".join(f"{e.rollout_id!r}: {e.field}: {e.reason}" for e in errors))
+        self.errors = errors
+
+
+def trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
+    """The error item of a refused rollout: its id, field and reason, and its place in the request."""
+    return ErrorItem(field=error.field, reason=error.reason, rollout_id=error.rollout_id, index=index)
+
+
+def out_of_range(value: Any, path: str) -> str | None:
+    """Path of the first integer in ``value`` outside int64 (the sink's integer width), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return path if not INT64_RANGE[0] <= value <= INT64_RANGE[1] else None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = out_of_range(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = out_of_range(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def field_item(error: ValueError, default_field: str) -> ErrorItem:
+    """An ErrorItem from the library's error: its ``field`` and ``reason`` (``default_field`` and the
+    whole message for an error that names no field)."""
+    if isinstance(error, StalenessError) and error.field:
+        return ErrorItem(field=error.field, reason=error.reason)
+    return ErrorItem(field=default_field, reason=str(error))

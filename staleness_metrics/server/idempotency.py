@@ -1,0 +1,159 @@
+"""Exactly-once for the service's writes: digests of records, and answers kept by ``Idempotency-Key``.
+
+A rollout is counted once by its id and the digest of its content (:func:`stored_digest`). A ship or a
+mismatch post with an idempotency key gets the first answer again when it is retried (``replayed``), and a
+409 when the key comes back with another request; :class:`Answers` keeps the last
+:data:`IDEMPOTENCY_KEYS_KEPT` of them per run and endpoint, by what identifies a request
+(:class:`ShipFingerprint`, :class:`MismatchFingerprint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, NamedTuple, TypeVar
+
+import numpy as np
+import orjson
+from pydantic import BaseModel
+
+from ..records.validation import unstorable
+from .errors import IdempotencyMismatch
+from .store import PIECE_BYTES, encoded_pieces
+
+__all__ = [
+    "IDEMPOTENCY_KEYS_KEPT",
+    "Answers",
+    "MismatchFingerprint",
+    "ShipFingerprint",
+    "holds_large_array",
+    "record_digest",
+    "stored_digest",
+]
+
+IDEMPOTENCY_KEYS_KEPT = 1024
+
+
+_DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+def holds_large_array(record: Mapping[str, Any]) -> bool:
+    """True when a sample of ``record`` holds an array (a long per-position list, see .decode) larger than
+    :data:`~.store.PIECE_BYTES`: its text is then hashed and journalled a piece at a time."""
+    samples = record.get("samples")
+    if not isinstance(samples, list):
+        return False
+    for sample in samples:
+        if isinstance(sample, dict):
+            for value in sample.values():
+                if isinstance(value, np.ndarray) and value.nbytes > PIECE_BYTES:
+                    return True
+    return False
+
+
+def _canonical_digest(record: Mapping[str, Any], option: int) -> bytes:
+    """The digest of ``orjson.dumps(record, option=option)``, hashed piece by piece for a large record."""
+    if not holds_large_array(record):
+        return hashlib.blake2b(orjson.dumps(record, option=option), digest_size=16).digest()
+    digest = hashlib.blake2b(digest_size=16)
+    for piece in encoded_pieces(dict(record), option):
+        digest.update(piece)
+    return digest.digest()
+
+
+def record_digest(record: Mapping[str, Any]) -> bytes:
+    """The digest of a record's canonical JSON: the same content, the same digest."""
+    # orjson writes bytes; json.dumps would first build a string per list item (per position).
+    try:
+        return _canonical_digest(record, _DIGEST_OPTIONS)
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits: rejected later, with its path
+        canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(canonical, digest_size=16).digest()
+
+
+def stored_digest(record: Mapping[str, Any]) -> bytes | None:
+    """:func:`record_digest` of a record the journal can store, None for one it cannot (a lone surrogate, an
+    integer beyond signed 64 bits, deep nesting). The common case is one strict orjson encoding, the one
+    the digest needs anyway; only a record it refuses is walked to find out why."""
+    try:
+        return _canonical_digest(record, _DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
+    except orjson.JSONEncodeError:
+        if unstorable(record) is not None:
+            return None
+        return record_digest(record)  # integers past 2**53 but within 64 bits: stored exactly all the same
+
+
+class ShipFingerprint(NamedTuple):
+    """What makes two ship requests the same one."""
+
+    step: int
+    ids: tuple[str, ...] | None
+    include_rollouts: bool
+
+    def to_json(self) -> list[Any]:
+        return [self.step, None if self.ids is None else list(self.ids), self.include_rollouts]
+
+    @classmethod
+    def from_json(cls, data: Any) -> ShipFingerprint:
+        return cls(data[0], None if data[1] is None else tuple(data[1]), data[2])
+
+
+class MismatchFingerprint(NamedTuple):
+    """What makes two mismatch posts the same one: the step and the digest of the env and sums."""
+
+    step: int
+    digest: bytes
+
+    def to_json(self) -> list[Any]:
+        return [self.step, self.digest.hex()]
+
+    @classmethod
+    def from_json(cls, data: Any) -> MismatchFingerprint:
+        return cls(int(data[0]), bytes.fromhex(data[1]))
+
+
+F = TypeVar("F", ShipFingerprint, MismatchFingerprint)
+A = TypeVar("A", bound=BaseModel)
+
+
+class Answers(Generic[F, A]):
+    """The answers of one endpoint of a run by idempotency key, the newest :data:`IDEMPOTENCY_KEYS_KEPT`.
+
+    ``different`` names another request in the 409 (``"a different ship"``); ``fingerprint`` and ``answer``
+    read a stored entry back.
+    """
+
+    def __init__(self, different: str, fingerprint: Callable[[Any], F], answer: type[A]) -> None:
+        self.different = different
+        self._fingerprint: Callable[[Any], F] = fingerprint
+        self._answer = answer
+        self._answers: OrderedDict[str, tuple[F, A]] = OrderedDict()
+
+    def replay(self, key: str | None, fingerprint: F) -> A | None:
+        """The first answer to ``key`` (marked ``replayed``), None for a new key; the key with another request
+        raises :class:`~.errors.IdempotencyMismatch`."""
+        if key is None or key not in self._answers:
+            return None
+        first, answer = self._answers[key]
+        if first != fingerprint:
+            raise IdempotencyMismatch(f"Idempotency-Key {key!r} was used for {self.different} of this run")
+        return answer.model_copy(update={"replayed": True})
+
+    def remember(self, key: str | None, fingerprint: F, answer: A) -> None:
+        if key is None:
+            return
+        self._answers[key] = (fingerprint, answer)
+        while len(self._answers) > IDEMPOTENCY_KEYS_KEPT:
+            self._answers.popitem(last=False)
+
+    def to_json(self) -> list[list[Any]]:
+        """``[[key, fingerprint, answer], ...]``, oldest first (as a run's snapshot keeps them)."""
+        return [[key, fp.to_json(), answer.model_dump(mode="json")] for key, (fp, answer) in self._answers.items()]
+
+    def load_json(self, items: Any) -> None:
+        """Replace the kept answers with :meth:`to_json`'s ``items``."""
+        self._answers = OrderedDict(
+            (key, (self._fingerprint(fp), self._answer.model_validate(answer))) for key, fp, answer in items
+        )

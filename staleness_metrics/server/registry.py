@@ -1,0 +1,232 @@
+"""The runs of one service by name: created, restored at start (in the background), found, deleted."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from ..config import StalenessConfig
+from .errors import RestoreFailed, RunBroken, RunConflict, RunNotFound, reason_of
+from .exporting import ExportSettings, build_exporters, preload
+from .runs import Run
+from .store import Store, StoredRun
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+__all__ = ["RunRegistry"]
+
+logger = logging.getLogger("staleness_metrics.server")
+
+
+class RunRegistry:
+    """The runs of one service, by name.
+
+    Stored runs are checked at start (:meth:`restore`: every row's checksum, every journal's sequence) and
+    then loaded in the background, so that a restart serves at once: a request for a run not loaded yet
+    loads it first. A run whose stored rows cannot be applied again is *unavailable*: its requests get
+    503 with the reason, and ``/healthz`` names it.
+    """
+
+    def __init__(self, export_settings: ExportSettings | None = None, store: Store | None = None) -> None:
+        self.export_settings = export_settings or ExportSettings()
+        preload(self.export_settings)
+        self.store = store or Store()
+        self._runs: dict[str, Run] = {}
+        self._pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}  # checked, not loaded yet
+        self._failed: dict[str, str] = {}  # runs whose stored rows could not be applied: why
+        self._lock = threading.Lock()  # guards the dicts
+        self._creating = threading.Lock()  # one creation or deletion at a time (exporters start slowly)
+        self._loading = threading.Lock()  # one run loaded at a time (by the background thread or a request)
+        self._loader: threading.Thread | None = None
+
+    def create(self, name: str, config: StalenessConfig) -> tuple[Run, bool]:
+        """The run ``name``, created with ``config`` (True) or already there with the same config (False).
+
+        Raises :class:`RunConflict` when it exists with another configuration.
+        """
+        with self._creating:
+            existing = self._find(name)
+            if existing is not None:
+                if existing.config != config:
+                    raise RunConflict(
+                        f"run {name!r} exists with another configuration ({asdict(existing.config)}); "
+                        "delete it first or pick another name"
+                    )
+                return existing, False
+            self.store.create_run(name, asdict(config))  # persisted before the 201
+            run = Run(name, config, build_exporters(name, self.export_settings), self.store)
+            with self._lock:
+                self._runs[name] = run
+            return run, True
+
+    def restore(self, background: bool = True, defer: bool = False) -> int:
+        """Check every stored run (at start-up, before serving) and load them; returns how many.
+
+        Stored data that fails its checks refuses the start (the store's error names the run and the row):
+        a run silently left out would look deleted, and its clients would start it again from nothing.
+        The runs are then loaded on a background thread (``background``) or here; with ``defer``, by
+        :meth:`load_in_background` (the service calls it once it listens: loading before would share
+        the interpreter with the start and delay it) or on demand, by the first request for each.
+        """
+        stored_runs = self.store.load()
+        pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}
+        for stored in stored_runs:
+            try:
+                config = StalenessConfig(**stored.config)
+            except Exception as exc:
+                what = f"run {stored.name!r}: its configuration cannot be loaded: {reason_of(exc)}"
+                raise self.store.damaged(what) from None
+            pending[stored.name] = (config, stored)
+        with self._lock:
+            self._pending.update(pending)
+        if defer:
+            return len(stored_runs)
+        if background:
+            self.load_in_background()
+        else:
+            self._load_pending()
+        return len(stored_runs)
+
+    def load_in_background(self) -> None:
+        """Load the stored runs not loaded yet on a daemon thread (once)."""
+        with self._lock:
+            if self._loader is not None or not self._pending:
+                return
+            self._loader = threading.Thread(target=self._load_pending, name="staleness-restore", daemon=True)
+        self._loader.start()
+
+    def _load_pending(self) -> None:
+        while True:
+            with self._lock:
+                name = next(iter(self._pending), None)
+            if name is None:
+                return
+            self._load(name)
+
+    def _load(self, name: str) -> Run | None:
+        """Load the pending run ``name`` (None when it is not pending, or could not be loaded)."""
+        with self._loading:
+            with self._lock:
+                loaded = self._runs.get(name)
+                entry = self._pending.get(name)
+            if loaded is not None or entry is None:
+                return loaded
+            config, stored = entry
+            run = Run(name, config, build_exporters(name, self.export_settings), self.store)
+            try:
+                run.restore(stored)
+            except RestoreFailed as exc:
+                run.close()
+                reason = (
+                    f"{exc}. The run is unavailable: restore the data directory from a backup and restart, "
+                    f"or DELETE /v1/runs/{name} to drop it"
+                )
+                logger.error("%s", reason)
+                with self._lock:
+                    del self._pending[name]
+                    self._failed[name] = reason
+                return None
+            with self._lock:
+                del self._pending[name]
+                self._runs[name] = run
+            return run
+
+    def loaded(self, timeout: float | None = None) -> bool:
+        """Wait until every stored run is loaded (or found unavailable); False when ``timeout`` passed."""
+        loader = self._loader
+        if loader is not None:
+            loader.join(timeout)
+            return not loader.is_alive()
+        with self._lock:
+            return not self._pending  # deferred and not started: nothing loads them until asked
+
+    def _find(self, name: str) -> Run | None:
+        with self._lock:
+            run = self._runs.get(name)
+            if run is not None:
+                return run
+            failed = self._failed.get(name)
+            pending = name in self._pending
+        if failed is not None:
+            raise RunBroken(failed)
+        return self._load(name) if pending else None
+
+    def get(self, name: str) -> Run:
+        run = self._find(name)
+        if run is None:
+            raise RunNotFound(f"no run {name!r}: create it first with PUT /v1/runs/{name}")
+        return run
+
+    def unavailable(self) -> dict[str, str]:
+        """The runs that take no requests, and why (a store that failed a write, or rows that failed to load)."""
+        with self._lock:
+            runs = list(self._runs.values())
+            out = dict(self._failed)
+        for run in runs:
+            reason = run.unavailable
+            if reason is not None:
+                out[run.name] = reason
+        return out
+
+    def loading(self) -> bool:
+        """True while stored runs wait to be loaded (after a restart)."""
+        with self._lock:
+            return bool(self._pending)
+
+    def unavailable_once_loaded(self, timeout: float) -> dict[str, str]:
+        """:meth:`unavailable` once every stored run is loaded or found unavailable, waiting up to
+        ``timeout`` seconds (loading them now if nothing did yet); runs still loading then are named too."""
+        self.load_in_background()
+        self.loaded(timeout)
+        out = self.unavailable()
+        with self._lock:
+            pending = list(self._pending)
+        for name in pending:
+            out.setdefault(name, f"run {name!r} is still loading after the restart")
+        return out
+
+    def count(self) -> int:
+        """How many runs the service holds (loaded or not yet), without waiting for any."""
+        with self._lock:
+            return len(self._runs) + len(self._pending)
+
+    def delete(self, name: str) -> None:
+        with self._creating:
+            with self._lock:
+                failed = self._failed.pop(name, None)
+            if failed is not None:  # an unavailable run can still be deleted (and its name used again)
+                self.store.delete_run(name)
+                return
+            run = self.get(name)
+            self.store.delete_run(name)
+            with self._lock:
+                del self._runs[name]
+        run.close()
+
+    def runs(self) -> list[Run]:
+        """Every available run (loading the ones not loaded yet)."""
+        self._load_pending()
+        with self._lock:
+            return list(self._runs.values())
+
+    def registries(self) -> Iterable[CollectorRegistry]:
+        return [run.registry for run in self.runs()]
+
+    def close(self) -> None:
+        """Close every run (service shutdown): their exporters flush."""
+        with self._creating, self._loading, self._lock:
+            runs = list(self._runs.values())
+            self._runs.clear()
+            self._pending.clear()  # not loaded: nothing of theirs to flush
+        for run in runs:
+            run.checkpoint()
+        # In parallel: each run's exporters may wait up to their close timeout for a receiver.
+        with ThreadPoolExecutor(max_workers=min(32, len(runs) or 1), thread_name_prefix="staleness-close") as pool:
+            for _ in pool.map(Run.close, runs):
+                pass
+        self.store.close()
