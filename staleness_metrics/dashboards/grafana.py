@@ -1,35 +1,34 @@
 """Grafana dashboards as plain dicts, built from the metric table (the vLLM generator pattern).
 
 Two dashboards: ``staleness`` (one or a few runs in detail) and ``staleness-fleet`` (many runs side by
-side). Every query comes from :mod:`.promql`, so the JSON follows the table. Panels are placed on the
-24-column grid by :class:`Grid`, which also numbers them.
+side), written in the panel language of :mod:`.panels`. Every query comes from :mod:`.promql`, so the JSON
+follows the table.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from .panels import (
+    COUNT,
+    NATS,
+    PER_MINUTE,
+    PER_SECOND,
+    PER_STEP,
+    RATIO,
+    TOKENS,
+    VERSIONS,
+    Grid,
+    Json,
+    Target,
+    bound_override,
+    dashboard,
+    heatmap,
+    stat,
+    table,
+    timeseries,
+)
+from .promql import Scope, metric
 
-from ..metrics import metric_table
-from .promql import Scope, metric, prometheus_name
-
-__all__ = ["DASHBOARDS", "Grid", "fleet_dashboard", "staleness_dashboard"]
-
-Json = dict[str, Any]
-
-DATASOURCE: Json = {"type": "prometheus", "uid": "${datasource}"}
-
-# Staleness is a difference of policy versions (train steps); Grafana has no such unit, so a suffix.
-VERSIONS = "suffix: versions"
-RATIO = "percentunit"
-COUNT = "short"
-PER_STEP = "suffix: /step"
-PER_MINUTE = "suffix: /min"
-PER_SECOND = "suffix: /s"
-NATS = "suffix: nats"  # k3 mismatch is a KL estimate in natural units
-TOKENS = "suffix: tokens"
+__all__ = ["DASHBOARDS", "FLEET_WIDE", "SCOPE", "fleet_dashboard", "staleness_dashboard"]
 
 # The selectors of every dashboard query; gauges pick env="" themselves (see promql.Scope).
 SCOPE = Scope(
@@ -42,322 +41,6 @@ FLEET_WIDE = Scope(matchers=SCOPE.matchers, env=SCOPE.env, by=(), window=SCOPE.w
 
 _QUANTILES = ((0.5, "p50"), (0.9, "p90"), (0.99, "p99"))
 _NO_ENV = "(no env)"
-
-
-@dataclass(frozen=True)
-class Target:
-    """One query of a panel."""
-
-    expr: str
-    legend: str = "{{run}}"
-    instant: bool = False
-    table: bool = False
-    heatmap: bool = False
-
-    def render(self, ref_id: str) -> Json:
-        fmt = "table" if self.table else "heatmap" if self.heatmap else "time_series"
-        return {
-            "datasource": DATASOURCE,
-            "editorMode": "code",
-            "expr": self.expr,
-            "format": fmt,
-            "instant": self.instant,
-            "legendFormat": self.legend,
-            "range": not self.instant,
-            "refId": ref_id,
-        }
-
-
-def _families(targets: Sequence[Target]) -> list[str]:
-    """The table's Prometheus families queried by ``targets``, in table order."""
-    exprs = " ".join(t.expr for t in targets)
-    return [
-        row.prometheus_name
-        for row in metric_table.METRICS
-        if row.prometheus_name and re.search(rf"\b{row.prometheus_name}(_bucket)?\{{", exprs)
-    ]
-
-
-def _panel(
-    kind: str,
-    title: str,
-    description: str,
-    unit: str,
-    targets: Sequence[Target],
-    *,
-    options: Json,
-    custom: Json | None = None,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    decimals: int | None = None,
-    overrides: Sequence[Json] = (),
-) -> Json:
-    metrics = ", ".join(f"`{name}`" for name in _families(targets))
-    defaults: Json = {
-        "color": {"mode": "palette-classic"},
-        "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]},
-        "unit": unit,
-    }
-    if custom is not None:
-        defaults["custom"] = custom
-    for key, value in (("min", minimum), ("max", maximum), ("decimals", decimals)):
-        if value is not None:
-            defaults[key] = value
-    return {
-        "type": kind,
-        "title": title,
-        "description": f"{description} Metrics: {metrics}.",
-        "datasource": DATASOURCE,
-        "targets": [t.render(chr(ord("A") + i)) for i, t in enumerate(targets)],
-        "fieldConfig": {"defaults": defaults, "overrides": list(overrides)},
-        "options": options,
-    }
-
-
-_LEGEND = {"calcs": ["lastNotNull", "max"], "displayMode": "table", "placement": "bottom", "showLegend": True}
-
-
-def timeseries(
-    title: str,
-    description: str,
-    unit: str,
-    targets: Sequence[Target],
-    *,
-    stacked: bool = False,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    overrides: Sequence[Json] = (),
-) -> Json:
-    custom = {
-        "drawStyle": "line",
-        "lineInterpolation": "stepAfter",  # values change at ships, and hold in between
-        "lineWidth": 1,
-        "fillOpacity": 40 if stacked else 0,
-        "showPoints": "never",
-        "spanNulls": False,
-        "stacking": {"group": "A", "mode": "normal" if stacked else "none"},
-    }
-    options = {"legend": _LEGEND, "tooltip": {"mode": "multi", "sort": "desc"}}
-    return _panel(
-        "timeseries",
-        title,
-        description,
-        unit,
-        targets,
-        options=options,
-        custom=custom,
-        minimum=minimum,
-        maximum=maximum,
-        overrides=overrides,
-    )
-
-
-def stat(title: str, description: str, unit: str, target: Target, *, decimals: int | None = None) -> Json:
-    options = {
-        "colorMode": "value",
-        "graphMode": "area",
-        "justifyMode": "auto",
-        "orientation": "auto",
-        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-        "textMode": "auto",
-    }
-    return _panel("stat", title, description, unit, [target], options=options, decimals=decimals)
-
-
-def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: str = "auto") -> Json:
-    """``rows="le"``: each series is one row, named by its bucket's upper bound (Grafana's "time series
-    buckets"), for values that are not counts to de-accumulate."""
-    options = {
-        "calculate": False,  # Prometheus buckets already are the cells
-        "cellGap": 1,
-        "color": {
-            "mode": "scheme",
-            "scheme": "Oranges",
-            "scale": "exponential",
-            "exponent": 0.5,
-            "steps": 64,
-        },
-        "legend": {"show": True},
-        "rowsFrame": {"layout": rows},
-        "tooltip": {"mode": "single", "yHistogram": True},
-        "yAxis": {"axisPlacement": "left", "unit": y_unit},
-    }
-    return _panel("heatmap", title, description, COUNT, [target], options=options)
-
-
-def table(title: str, description: str, columns: Sequence[tuple[str, str, Target]]) -> Json:
-    """One row per run: each column is an instant query, joined on ``run`` by Grafana's merge."""
-    targets = [target for _, _, target in columns]
-    renames = {f"Value #{chr(ord('A') + i)}": name for i, (name, _, _) in enumerate(columns)}
-    overrides = [
-        {"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": unit}]}
-        for name, unit, _ in columns
-    ]
-    panel = _panel(
-        "table",
-        title,
-        description,
-        COUNT,
-        targets,
-        options={"cellHeight": "sm", "showHeader": True, "sortBy": [{"displayName": "run", "desc": False}]},
-        overrides=overrides,
-    )
-    panel["transformations"] = [
-        {"id": "merge", "options": {}},
-        {"id": "organize", "options": {"excludeByName": {"Time": True}, "renameByName": renames}},
-    ]
-    return panel
-
-
-def _bound_override(suffix: str = "bound") -> Json:
-    """Draws the configured bound as a dashed red line."""
-    return {
-        "matcher": {"id": "byRegexp", "options": f".* {suffix}$"},
-        "properties": [
-            {"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}},
-            {"id": "color", "value": {"fixedColor": "red", "mode": "fixed"}},
-        ],
-    }
-
-
-@dataclass
-class Grid:
-    """Lays panels left to right on Grafana's 24-column grid, wrapping to a new line, and numbers them."""
-
-    panels: list[Json] = field(default_factory=list)
-    x: int = 0
-    y: int = 0
-    line_height: int = 0
-
-    def _new_line(self) -> None:
-        self.y += self.line_height
-        self.x = 0
-        self.line_height = 0
-
-    def row(self, title: str) -> None:
-        if self.x:
-            self._new_line()
-        self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, w=24, h=1)
-
-    def add(self, panel: Json, *, w: int, h: int) -> None:
-        if self.x + w > 24:
-            self._new_line()
-        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
-        panel["id"] = len(self.panels) + 1
-        self.panels.append(panel)
-        self.x += w
-        self.line_height = max(self.line_height, h)
-        if self.x == 24:
-            self._new_line()
-
-
-def _variables() -> list[Json]:
-    train_step = prometheus_name("train_step")
-    tokens = prometheus_name("tokens_sampled")
-
-    def query(name: str, label: str, definition: str, description: str) -> Json:
-        return {
-            "type": "query",
-            "name": name,
-            "label": label,
-            "description": description,
-            "datasource": DATASOURCE,
-            "definition": definition,
-            "query": {"query": definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
-            "refresh": 2,  # on time range change: new runs appear without a reload
-            "includeAll": True,
-            "allValue": ".*",
-            "multi": True,
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-            "options": [],
-            "regex": "",
-            "sort": 1,
-            "hide": 0,
-        }
-
-    return [
-        {
-            "type": "datasource",
-            "name": "datasource",
-            "label": "Data source",
-            "query": "prometheus",
-            "current": {},
-            "options": [],
-            "refresh": 1,
-            "regex": "",
-            "hide": 0,
-        },
-        query("job", "Job", f"label_values({train_step}, job)", "Prometheus scrape job."),
-        query(
-            "instance",
-            "Instance",
-            f'label_values({train_step}{{job=~"$job"}}, instance)',
-            "Scraped process.",
-        ),
-        query(
-            "run",
-            "Run",
-            f'label_values({train_step}{{job=~"$job", instance=~"$instance"}}, run)',
-            "Training run (the exporter's run name).",
-        ),
-        query(
-            "env",
-            "Env",
-            f'label_values({tokens}{{job=~"$job", instance=~"$instance", run=~"$run"}}, env)',
-            "Environment / task. Filters counter and histogram panels (All: every env, rollouts "
-            "without one included) and picks the series of the per-env panels; the other gauge panels "
-            "always show the overall value of the last ship.",
-        ),
-    ]
-
-
-def _dashboard(uid: str, title: str, description: str, panels: list[Json], other: tuple[str, str]) -> Json:
-    return {
-        "uid": uid,
-        "title": title,
-        "description": description,
-        "tags": ["rl", "staleness", "staleness-metrics"],
-        "editable": True,
-        "graphTooltip": 1,  # shared crosshair: a step lines up across panels
-        "schemaVersion": 39,
-        "version": 1,
-        "time": {"from": "now-1h", "to": "now"},
-        "timepicker": {},
-        "timezone": "browser",
-        "refresh": "30s",
-        "fiscalYearStartMonth": 0,
-        "liveNow": False,
-        "weekStart": "",
-        "links": [
-            {
-                "type": "link",
-                "title": other[1],
-                "url": f"/d/{other[0]}",
-                "keepTime": True,
-                "includeVars": True,
-                "icon": "dashboard",
-                "asDropdown": False,
-                "targetBlank": False,
-                "tags": [],
-                "tooltip": "",
-            }
-        ],
-        "annotations": {
-            "list": [
-                {
-                    "builtIn": 1,
-                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
-                    "enable": True,
-                    "hide": True,
-                    "iconColor": "rgba(0, 211, 255, 1)",
-                    "name": "Annotations & Alerts",
-                    "type": "dashboard",
-                }
-            ]
-        },
-        "templating": {"list": _variables()},
-        "panels": panels,
-    }
 
 
 def _no_env_label(expr: str) -> str:
@@ -425,7 +108,7 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
             VERSIONS,
             [Target(s.gauge("token_mean"), "{{run}} mean"), bound],
             minimum=0,
-            overrides=[_bound_override()],
+            overrides=[bound_override()],
         ),
         w=12,
         h=8,
@@ -486,7 +169,7 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
                 bound,
             ],
             minimum=0,
-            overrides=[_bound_override()],
+            overrides=[bound_override()],
         ),
         w=12,
         h=8,
@@ -824,7 +507,7 @@ def _choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
                 Target(s.curve_at_suggested(_curve_lags()), "{{run}} at the suggested bound"),
             ],
             minimum=0,
-            overrides=[_bound_override("budget"), *_marked_overrides()],
+            overrides=[bound_override("budget"), *_marked_overrides()],
         ),
         w=12,
         h=8,
@@ -838,7 +521,7 @@ def _choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
             VERSIONS,
             [Target(s.gauge("bound_suggested"), "{{run}} suggested"), bound],
             minimum=0,
-            overrides=[_bound_override()],
+            overrides=[bound_override()],
         ),
         w=12,
         h=8,
@@ -901,7 +584,7 @@ def _fleet_bounds(grid: Grid, s: Scope) -> None:
                 Target(s.gauge("max_staleness"), "{{run}} bound"),
             ],
             minimum=0,
-            overrides=[_bound_override()],
+            overrides=[bound_override()],
         ),
         w=12,
         h=7,
@@ -917,7 +600,7 @@ def _fleet_bounds(grid: Grid, s: Scope) -> None:
                 Target(s.gauge("mismatch_budget"), "{{run}} budget"),
             ],
             minimum=0,
-            overrides=[_bound_override("budget"), *_marked_overrides()[:1]],
+            overrides=[bound_override("budget"), *_marked_overrides()[:1]],
         ),
         w=12,
         h=7,
@@ -990,7 +673,7 @@ def staleness_dashboard() -> Json:
     _per_env(grid, s)
     _what_staleness_costs(grid, s, FLEET_WIDE)
     _choosing_the_bound(grid, s, bound)
-    return _dashboard(
+    return dashboard(
         "rl-staleness",
         "RL staleness",
         "How stale the data of asynchronous RL training is, where the age comes from and what the "
@@ -1072,7 +755,7 @@ def fleet_dashboard() -> Json:
         grid.add(timeseries(title, description, unit, targets, minimum=0, maximum=top), w=8, h=7)
     _fleet_costs(grid, s)
     _fleet_bounds(grid, s)
-    return _dashboard(
+    return dashboard(
         "rl-staleness-fleet",
         "RL staleness fleet",
         "Many asynchronous RL runs side by side: staleness, masking, drops and pipeline health per run. "

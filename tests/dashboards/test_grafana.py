@@ -10,7 +10,7 @@ from typing import Any
 import promql_parser
 import pytest
 
-from staleness_metrics.dashboards.grafana import DATASOURCE
+from staleness_metrics.dashboards.panels import DATASOURCE
 from staleness_metrics.metrics import metric_table
 
 from .grafana_queries import (

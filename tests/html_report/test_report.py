@@ -196,7 +196,7 @@ def test_a_run_with_trainer_logprobs_shows_what_staleness_costs(tmp_path: Path) 
     html = page.read_text()
     assert '<section id="what-staleness-costs"><h2>What staleness costs</h2>' in html
     image, boxes = _render(page, tmp_path)
-    # With enough tokens per lag for a floor and a curve, "Choosing the bound" follows (tests/report/test_choosing.py).
+    # With enough tokens per lag for a floor and a curve, "Choosing the bound" follows (test_choosing.py).
     assert list(boxes) == CHARTS + COST_CHARTS + ["bound-curve", "bound-kept", "bound-over-steps"]
     for key in COST_CHARTS:
         pixels = _pixels(image, boxes[key])

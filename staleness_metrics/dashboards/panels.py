@@ -1,0 +1,369 @@
+"""The panel language of the generated Grafana dashboards: units, query targets, the panel kinds
+(:func:`timeseries`, :func:`stat`, :func:`heatmap`, :func:`table`), the 24-column :class:`Grid` that places and
+numbers them, and the dashboard frame (:func:`variables`, :func:`dashboard`). :mod:`.grafana` writes the two
+dashboards in it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..metrics import metric_table
+from .promql import prometheus_name
+
+__all__ = [
+    "COUNT",
+    "DATASOURCE",
+    "NATS",
+    "PER_MINUTE",
+    "PER_SECOND",
+    "PER_STEP",
+    "RATIO",
+    "TOKENS",
+    "VERSIONS",
+    "Grid",
+    "Json",
+    "Target",
+    "bound_override",
+    "dashboard",
+    "families",
+    "heatmap",
+    "make_panel",
+    "stat",
+    "table",
+    "timeseries",
+    "variables",
+]
+
+Json = dict[str, Any]
+
+DATASOURCE: Json = {"type": "prometheus", "uid": "${datasource}"}
+
+# Staleness is a difference of policy versions (train steps); Grafana has no such unit, so a suffix.
+VERSIONS = "suffix: versions"
+RATIO = "percentunit"
+COUNT = "short"
+PER_STEP = "suffix: /step"
+PER_MINUTE = "suffix: /min"
+PER_SECOND = "suffix: /s"
+NATS = "suffix: nats"  # k3 mismatch is a KL estimate in natural units
+TOKENS = "suffix: tokens"
+
+
+@dataclass(frozen=True)
+class Target:
+    """One query of a panel."""
+
+    expr: str
+    legend: str = "{{run}}"
+    instant: bool = False
+    table: bool = False
+    heatmap: bool = False
+
+    def render(self, ref_id: str) -> Json:
+        fmt = "table" if self.table else "heatmap" if self.heatmap else "time_series"
+        return {
+            "datasource": DATASOURCE,
+            "editorMode": "code",
+            "expr": self.expr,
+            "format": fmt,
+            "instant": self.instant,
+            "legendFormat": self.legend,
+            "range": not self.instant,
+            "refId": ref_id,
+        }
+
+
+def families(targets: Sequence[Target]) -> list[str]:
+    """The table's Prometheus families queried by ``targets``, in table order."""
+    exprs = " ".join(t.expr for t in targets)
+    return [
+        row.prometheus_name
+        for row in metric_table.METRICS
+        if row.prometheus_name and re.search(rf"\b{row.prometheus_name}(_bucket)?\{{", exprs)
+    ]
+
+
+def make_panel(
+    kind: str,
+    title: str,
+    description: str,
+    unit: str,
+    targets: Sequence[Target],
+    *,
+    options: Json,
+    custom: Json | None = None,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    decimals: int | None = None,
+    overrides: Sequence[Json] = (),
+) -> Json:
+    metrics = ", ".join(f"`{name}`" for name in families(targets))
+    defaults: Json = {
+        "color": {"mode": "palette-classic"},
+        "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]},
+        "unit": unit,
+    }
+    if custom is not None:
+        defaults["custom"] = custom
+    for key, value in (("min", minimum), ("max", maximum), ("decimals", decimals)):
+        if value is not None:
+            defaults[key] = value
+    return {
+        "type": kind,
+        "title": title,
+        "description": f"{description} Metrics: {metrics}.",
+        "datasource": DATASOURCE,
+        "targets": [t.render(chr(ord("A") + i)) for i, t in enumerate(targets)],
+        "fieldConfig": {"defaults": defaults, "overrides": list(overrides)},
+        "options": options,
+    }
+
+
+LEGEND = {"calcs": ["lastNotNull", "max"], "displayMode": "table", "placement": "bottom", "showLegend": True}
+
+
+def timeseries(
+    title: str,
+    description: str,
+    unit: str,
+    targets: Sequence[Target],
+    *,
+    stacked: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    overrides: Sequence[Json] = (),
+) -> Json:
+    custom = {
+        "drawStyle": "line",
+        "lineInterpolation": "stepAfter",  # values change at ships, and hold in between
+        "lineWidth": 1,
+        "fillOpacity": 40 if stacked else 0,
+        "showPoints": "never",
+        "spanNulls": False,
+        "stacking": {"group": "A", "mode": "normal" if stacked else "none"},
+    }
+    options = {"legend": LEGEND, "tooltip": {"mode": "multi", "sort": "desc"}}
+    return make_panel(
+        "timeseries",
+        title,
+        description,
+        unit,
+        targets,
+        options=options,
+        custom=custom,
+        minimum=minimum,
+        maximum=maximum,
+        overrides=overrides,
+    )
+
+
+def stat(title: str, description: str, unit: str, target: Target, *, decimals: int | None = None) -> Json:
+    options = {
+        "colorMode": "value",
+        "graphMode": "area",
+        "justifyMode": "auto",
+        "orientation": "auto",
+        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "textMode": "auto",
+    }
+    return make_panel("stat", title, description, unit, [target], options=options, decimals=decimals)
+
+
+def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: str = "auto") -> Json:
+    """``rows="le"``: each series is one row, named by its bucket's upper bound (Grafana's "time series
+    buckets"), for values that are not counts to de-accumulate."""
+    options = {
+        "calculate": False,  # Prometheus buckets already are the cells
+        "cellGap": 1,
+        "color": {
+            "mode": "scheme",
+            "scheme": "Oranges",
+            "scale": "exponential",
+            "exponent": 0.5,
+            "steps": 64,
+        },
+        "legend": {"show": True},
+        "rowsFrame": {"layout": rows},
+        "tooltip": {"mode": "single", "yHistogram": True},
+        "yAxis": {"axisPlacement": "left", "unit": y_unit},
+    }
+    return make_panel("heatmap", title, description, COUNT, [target], options=options)
+
+
+def table(title: str, description: str, columns: Sequence[tuple[str, str, Target]]) -> Json:
+    """One row per run: each column is an instant query, joined on ``run`` by Grafana's merge."""
+    targets = [target for _, _, target in columns]
+    renames = {f"Value #{chr(ord('A') + i)}": name for i, (name, _, _) in enumerate(columns)}
+    overrides = [
+        {"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": unit}]}
+        for name, unit, _ in columns
+    ]
+    panel = make_panel(
+        "table",
+        title,
+        description,
+        COUNT,
+        targets,
+        options={"cellHeight": "sm", "showHeader": True, "sortBy": [{"displayName": "run", "desc": False}]},
+        overrides=overrides,
+    )
+    panel["transformations"] = [
+        {"id": "merge", "options": {}},
+        {"id": "organize", "options": {"excludeByName": {"Time": True}, "renameByName": renames}},
+    ]
+    return panel
+
+
+def bound_override(suffix: str = "bound") -> Json:
+    """Draws the configured bound as a dashed red line."""
+    return {
+        "matcher": {"id": "byRegexp", "options": f".* {suffix}$"},
+        "properties": [
+            {"id": "custom.lineStyle", "value": {"dash": [10, 10], "fill": "dash"}},
+            {"id": "color", "value": {"fixedColor": "red", "mode": "fixed"}},
+        ],
+    }
+
+
+@dataclass
+class Grid:
+    """Lays panels left to right on Grafana's 24-column grid, wrapping to a new line, and numbers them."""
+
+    panels: list[Json] = field(default_factory=list)
+    x: int = 0
+    y: int = 0
+    line_height: int = 0
+
+    def _new_line(self) -> None:
+        self.y += self.line_height
+        self.x = 0
+        self.line_height = 0
+
+    def row(self, title: str) -> None:
+        if self.x:
+            self._new_line()
+        self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, w=24, h=1)
+
+    def add(self, panel: Json, *, w: int, h: int) -> None:
+        if self.x + w > 24:
+            self._new_line()
+        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
+        panel["id"] = len(self.panels) + 1
+        self.panels.append(panel)
+        self.x += w
+        self.line_height = max(self.line_height, h)
+        if self.x == 24:
+            self._new_line()
+
+
+def variables() -> list[Json]:
+    train_step = prometheus_name("train_step")
+    tokens = prometheus_name("tokens_sampled")
+
+    def query(name: str, label: str, definition: str, description: str) -> Json:
+        return {
+            "type": "query",
+            "name": name,
+            "label": label,
+            "description": description,
+            "datasource": DATASOURCE,
+            "definition": definition,
+            "query": {"query": definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "refresh": 2,  # on time range change: new runs appear without a reload
+            "includeAll": True,
+            "allValue": ".*",
+            "multi": True,
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+            "options": [],
+            "regex": "",
+            "sort": 1,
+            "hide": 0,
+        }
+
+    return [
+        {
+            "type": "datasource",
+            "name": "datasource",
+            "label": "Data source",
+            "query": "prometheus",
+            "current": {},
+            "options": [],
+            "refresh": 1,
+            "regex": "",
+            "hide": 0,
+        },
+        query("job", "Job", f"label_values({train_step}, job)", "Prometheus scrape job."),
+        query(
+            "instance",
+            "Instance",
+            f'label_values({train_step}{{job=~"$job"}}, instance)',
+            "Scraped process.",
+        ),
+        query(
+            "run",
+            "Run",
+            f'label_values({train_step}{{job=~"$job", instance=~"$instance"}}, run)',
+            "Training run (the exporter's run name).",
+        ),
+        query(
+            "env",
+            "Env",
+            f'label_values({tokens}{{job=~"$job", instance=~"$instance", run=~"$run"}}, env)',
+            "Environment / task. Filters counter and histogram panels (All: every env, rollouts "
+            "without one included) and picks the series of the per-env panels; the other gauge panels "
+            "always show the overall value of the last ship.",
+        ),
+    ]
+
+
+def dashboard(uid: str, title: str, description: str, panels: list[Json], other: tuple[str, str]) -> Json:
+    return {
+        "uid": uid,
+        "title": title,
+        "description": description,
+        "tags": ["rl", "staleness", "staleness-metrics"],
+        "editable": True,
+        "graphTooltip": 1,  # shared crosshair: a step lines up across panels
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "browser",
+        "refresh": "30s",
+        "fiscalYearStartMonth": 0,
+        "liveNow": False,
+        "weekStart": "",
+        "links": [
+            {
+                "type": "link",
+                "title": other[1],
+                "url": f"/d/{other[0]}",
+                "keepTime": True,
+                "includeVars": True,
+                "icon": "dashboard",
+                "asDropdown": False,
+                "targetBlank": False,
+                "tags": [],
+                "tooltip": "",
+            }
+        ],
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "templating": {"list": variables()},
+        "panels": panels,
+    }
