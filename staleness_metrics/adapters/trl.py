@@ -326,8 +326,9 @@ class TrainTimeShipping:
 
         def batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             batches, count = get_batch_samples(epoch_iterator, num_batches, device)
-            ids = tuple(_microbatch_id(batch) for batch in batches)
-            self._step_of.update(dict.fromkeys(ids, ids))
+            if trainer.accelerator.is_main_process:  # the one that ships
+                ids = tuple(_microbatch_id(batch) for batch in batches)
+                self._step_of.update(dict.fromkeys(ids, ids))
             return batches, count
 
         def step(model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
