@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ..columnar import RolloutBatch
 from ..errors import ConfigError, TraceError
+from ..records.columnar import RolloutBatch
 from ._ship import TrainerNames, new_tensor_like, ship_rows
 
 if TYPE_CHECKING:
