@@ -470,7 +470,7 @@ def test_the_readme_lines_void_stale_samples_in_the_micro_batch_trl_trains(
     calls = train(trainer)
     assert len(calls) >= 4 and all(call.own_tensors for call in calls)  # TRL's own tensors, masked in place
 
-    voided_any = False
+    voided_any = unscored_any = False
     for call in calls:
         before, now = call.terms(by_logprob, "fetched"), call.terms(by_logprob)
         stale = [s for s in before if call.version - s.model_version > bound]
@@ -482,11 +482,18 @@ def test_the_readme_lines_void_stale_samples_in_the_micro_batch_trl_trains(
         assert int(voided.sum()) + int(call.placeholder.sum()) == len(stale)
         assert (call.seen["advantages"][voided | call.placeholder] == 0).all()
         voided_any = voided_any or bool(stale)
+        # positions that only voided terms read are no longer scored (shift_labels -100); the others keep theirs
+        read_before = call.fetched["token_index"][call.fetched["token_index"] >= 0].tolist()
+        read_now = call.seen["token_index"][call.seen["token_index"] >= 0].tolist()
+        labels_before, labels_now = call.fetched["shift_labels"][0], call.seen["shift_labels"][0]
+        assert all(labels_now[p] == -100 for p in set(read_before) - set(read_now))
+        unscored_any = unscored_any or bool(set(read_before) - set(read_now))
+        assert all(labels_now[p] == labels_before[p] != -100 for p in read_now)
         # TRL normalises its loss by global_n_tokens: the terms trained
         assert call.seen["global_n_tokens"].tolist() == [float(len(now))]
         # each of them carries the lag it is trained at
         assert call.seen["staleness_lag"][call.trained].tolist() == [call.version - s.model_version for s in now]
-    assert voided_any, "no micro-batch held a sample TRL's pull-time rule let through"
+    assert voided_any and unscored_any, "no micro-batch held a sample TRL's pull-time rule let through"
     assert max(trained_lags(calls, by_logprob)) <= bound
     # one ship per optimizer step (one micro-batch each here), at the version compute_loss then trained
     assert [report.step for report in recorder.reports] == [call.version + 1 for call in calls]
