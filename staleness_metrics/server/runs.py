@@ -35,7 +35,7 @@ import numpy as np
 import orjson
 
 from ..config import StalenessConfig
-from ..engine.sink import Shipment
+from ..engine.shipment import Shipment
 from ..errors import StalenessError, TraceError
 from ..metrics.mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..metrics.report import MetricValue
