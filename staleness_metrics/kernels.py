@@ -14,7 +14,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -22,8 +22,8 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "mismatch_runs", "plain_positions",
-    "token_cuts", "warm_up", "weight_flags", "zero_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "TokenSpans", "fusable_weights",
+    "mismatch_runs", "plain_positions", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -32,6 +32,7 @@ BoolArray = npt.NDArray[np.bool_]
 _UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
+_NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
 _BLOCK = 64  # positions the cut loop checks at once for a cut (one vector pass)
 _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
@@ -57,12 +58,22 @@ class _CompiledOnFirstCall:
 
 
 @_CompiledOnFirstCall
-def _token_cuts(
-    tokens: IntArray, mask: npt.NDArray[Any], pos_off: IntArray, samples: IntArray
-) -> tuple[IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
+def _token_spans(
+    tokens: IntArray,
+    mask: npt.NDArray[Any],
+    pos_off: IntArray,
+    samples: IntArray,
+    weights: tuple[npt.NDArray[Any], ...],
+    n_weights: int,
+    sign: np.uint64,
+    infinity: np.uint64,
+) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]:  # pragma: no cover - compiled
     n = len(tokens)
     if len(mask) != n:
         raise ValueError("token_cuts: token_versions and mask differ in length")
+    for w in range(n_weights):
+        if len(weights[w]) != n:
+            raise ValueError("token_cuts: a weight array and token_versions differ in length")
     total = 0
     end = 0
     for s in samples:  # checked before any read: a damaged offset must not read or write out of bounds
@@ -77,39 +88,54 @@ def _token_cuts(
     starts = np.empty(total + 1, dtype=np.int64)  # a cut holds at least one position: k <= total
     labels = np.empty_like(starts)
     labelled = np.empty_like(starts)
+    flags = np.zeros((n_weights, total + 1), dtype=np.uint8)
+    # The weight bits (see _weight_flags) of each cut, read while its sample is in cache.
+    one = np.uint64(1)
+    magnitude = sign - one
+    at_least_inf = sign - infinity
+    above_inf = at_least_inf - one
+    below = 0  # labels below -1 seen (a value rule of SPEC 3, checked by the caller when any)
     k = 0
     for s in samples:
         a = pos_off[s]
         length = pos_off[s + 1] - a
         if length == 0:
             continue
+        first_cut = k
         tok = tokens[a : a + length]  # slices: in bounds by the checks above, and no negative-index fix-up
         m = mask[a : a + length]
         starts[k] = a
         cut_label = tok[0]  # -1: none yet (leading -1 positions join the first label)
         count = 1 if cut_label >= 0 else 0
+        below += cut_label < -1
         i = 1
         while i < length:
             end = min(i + _BLOCK, length)
-            # A vector pass over the block: does anything cut here? Mostly not: then only count.
+            # Slices of the block (and of the positions before it): indices from 0, so no negative-index
+            # fix-up per position and the check below is one vector pass. Does anything cut here? Mostly
+            # not: then only count.
+            block_tok = tok[i:end]
+            block_mask = m[i:end]
+            before_mask = m[i - 1 : end - 1]
             cuts = 0
             block_labelled = 0
-            for q in range(i, end):
-                t = tok[q]
+            for q in range(end - i):
+                t = block_tok[q]
                 is_labelled = t >= 0
-                cuts += (m[q] != m[q - 1]) | (is_labelled & (t != cut_label))
+                cuts += (block_mask[q] != before_mask[q]) | (is_labelled & (t != cut_label))
                 block_labelled += is_labelled
+                below += t < -1
             if cuts == 0:
                 count += block_labelled
                 i = end
                 continue
-            for q in range(i, end):  # the block holds a cut: position by position
-                t = tok[q]
-                if m[q] != m[q - 1]:  # the mask changes (NaN differs from everything, as numpy's !=)
+            for q in range(end - i):  # the block holds a cut: position by position
+                t = block_tok[q]
+                if block_mask[q] != before_mask[q]:  # the mask changes (NaN differs from everything, as numpy's !=)
                     labels[k] = cut_label
                     labelled[k] = count
                     k += 1
-                    starts[k] = a + q
+                    starts[k] = a + i + q
                     cut_label = -1
                     count = 0
                 is_labelled = t >= 0
@@ -118,7 +144,7 @@ def _token_cuts(
                         labels[k] = cut_label
                         labelled[k] = count
                         k += 1
-                        starts[k] = a + q
+                        starts[k] = a + i + q
                         count = 0
                     cut_label = t
                 count += is_labelled  # no branch on the label itself: -1 positions come at random
@@ -126,7 +152,33 @@ def _token_cuts(
         labels[k] = cut_label
         labelled[k] = count
         k += 1
-    return starts[:k].copy(), labels[:k].copy(), labelled[:k].copy()
+        for w in range(n_weights):
+            bits = weights[w]
+            for c in range(first_cut, k):
+                cut_end = starts[c + 1] if c + 1 < k else a + length
+                seg = bits[starts[c] : cut_end]
+                any_bits = np.uint64(0)
+                any_inf = np.uint64(0)
+                any_nan = np.uint64(0)
+                any_not_positive = np.uint64(0)
+                for q in range(len(seg)):  # integer ORs only: one vector pass over the cut
+                    u = np.uint64(seg[q])
+                    y = u & magnitude
+                    any_bits |= y
+                    any_inf |= y + at_least_inf
+                    any_nan |= y + above_inf
+                    any_not_positive |= u | (y - one)
+                bits_of_cut = 0
+                if any_bits != 0:
+                    bits_of_cut |= 1
+                if any_inf & sign:
+                    bits_of_cut |= 2
+                if any_nan & sign:
+                    bits_of_cut |= 4 | 8
+                if any_not_positive & sign:
+                    bits_of_cut |= 8
+                flags[w, c] = bits_of_cut
+    return starts[:k].copy(), labels[:k].copy(), labelled[:k].copy(), flags[:, :k].copy(), below
 
 
 def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -140,15 +192,42 @@ def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return runs
 
 
-def token_cuts(
-    tokens: IntArray, mask: npt.NDArray[Any], pos_off: IntArray, samples: IntArray
-) -> tuple[IntArray, IntArray, IntArray]:
+def fusable_weights(weights: Sequence[npt.NDArray[Any]]) -> bool:
+    """Whether :func:`token_spans` reads the bits of ``weights`` in its pass: 1-d contiguous arrays of one
+    float dtype (float16/32/64). Others get their bits from :func:`weight_flags` or numpy."""
+    if not weights:
+        return True
+    dtype = weights[0].dtype
+    return dtype in _FLOAT_BITS and all(w.dtype == dtype and w.ndim == 1 and w.flags.c_contiguous for w in weights)
+
+
+class TokenSpans(NamedTuple):
+    """What :func:`token_spans` finds: per cut its start, label (-1: none), labelled positions and the
+    ``WEIGHT_*`` bits of each weight array (one row per array); and how many labels are below -1."""
+
+    starts: IntArray
+    labels: IntArray
+    labelled: IntArray
+    flags: npt.NDArray[np.uint8]
+    below: int
+
+
+def token_spans(
+    tokens: IntArray,
+    mask: npt.NDArray[Any],
+    pos_off: IntArray,
+    samples: IntArray,
+    weights: Sequence[npt.NDArray[Any]] = (),
+) -> TokenSpans:
     """Cuts of the (increasing) ``samples`` labelled per position: start, label and count of labelled
-    positions of each.
+    positions of each, the ``WEIGHT_*`` bits of each of ``weights`` per cut (as :func:`weight_flags`;
+    the arrays must pass :func:`fusable_weights`), and the count of labels below -1 (the caller checks
+    them: the cuts then treat such a label as unlabelled).
 
     A cut starts with its sample, wherever the mask differs from the previous position's, and where a
     label differs from the cut's label. ``-1`` positions never start a cut: they belong to the cut they
-    fall in, so a cut holds one label (or none: -1) and the unlabelled positions around it. Large inputs
+    fall in, so a cut holds one label (or none: -1) and the unlabelled positions around it. One pass
+    reads the labels and the mask, then each cut's weights while the sample is in cache. Large inputs
     are cut in parallel, a share of the samples per thread (the loop releases the GIL).
 
     Raises ``IndexError`` / ``ValueError`` on offsets that are out of order or point beyond the arrays
@@ -156,23 +235,49 @@ def token_cuts(
     """
     samples = np.ascontiguousarray(samples, dtype=np.int64)
     mask = _comparable_mask(mask)
+    views: tuple[npt.NDArray[Any], ...]
+    if weights:
+        if not fusable_weights(weights):
+            raise ValueError("token_spans: weights of one float dtype, 1-d and contiguous")
+        sign, infinity = _FLOAT_BITS[weights[0].dtype]
+        views = tuple(w.view(_UNSIGNED_OF_SIZE[w.dtype.itemsize]) for w in weights)
+    else:
+        sign, infinity = _FLOAT_BITS[np.dtype(np.float32)]
+        views = (_NO_WEIGHTS,)
+    n_weights = len(weights)
+    constants = (np.uint64(sign), np.uint64(infinity))
     n = len(tokens)
     if len(samples) < 2 or n < PARALLEL_MIN_POSITIONS:
-        one: tuple[IntArray, IntArray, IntArray] = _token_cuts(tokens, mask, pos_off, samples)
-        return one
+        return TokenSpans(*_token_spans(tokens, mask, pos_off, samples, views, n_weights, *constants))
     # Shares of about equal positions (the offsets are checked again inside each share).
     ends = np.clip(pos_off[np.clip(samples + 1, 0, len(pos_off) - 1)], 0, None)
     edges = np.unique(np.searchsorted(ends, np.linspace(0, ends[-1], num=_SHARES + 1)[1:-1], "left"))
     bounds = [0, *(int(e) + 1 for e in edges if 0 <= e < len(samples) - 1), len(samples)]
-    tasks = [partial(_token_cuts, tokens, mask, pos_off, samples[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
-    parts: list[tuple[IntArray, IntArray, IntArray]] = run_all(tasks, n)
+    tasks = [
+        partial(_token_spans, tokens, mask, pos_off, samples[a:b], views, n_weights, *constants)
+        for a, b in itertools.pairwise(bounds) if b > a
+    ]  # fmt: skip
+    parts: list[tuple[IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]] = run_all(tasks, n)
     if len(parts) == 1:
-        return parts[0]
-    return (
+        return TokenSpans(*parts[0])
+    return TokenSpans(
         np.concatenate([p[0] for p in parts]),
         np.concatenate([p[1] for p in parts]),
         np.concatenate([p[2] for p in parts]),
+        np.concatenate([p[3] for p in parts], axis=1),
+        sum(p[4] for p in parts),
     )
+
+
+def token_cuts(
+    tokens: IntArray, mask: npt.NDArray[Any], pos_off: IntArray, samples: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """The cuts of :func:`token_spans` alone: start, label and count of labelled positions of each.
+
+    Raises ``IndexError`` / ``ValueError`` on offsets that are out of order or point beyond the arrays.
+    """
+    found = token_spans(tokens, mask, pos_off, samples)
+    return found.starts, found.labels, found.labelled
 
 
 @_CompiledOnFirstCall
@@ -252,7 +357,21 @@ def zero_spans(
     views += [views[0]] * (4 - len(views))  # zeroing a position twice is harmless
     # Zeros of each view's own type: a literal 0 would make the selects float64.
     zeros = tuple(view.dtype.type(0) for view in views)
-    _zero_spans(*views, _NO_TOKENS if tokens is None else tokens, lo, hi, part, count, zeros)
+    labels = _NO_TOKENS if tokens is None else tokens
+    written = np.cumsum(hi - lo)
+    total = int(written[-1])
+    if total < PARALLEL_MIN_POSITIONS:
+        _zero_spans(*views, labels, lo, hi, part, count, zeros)
+        return
+    # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the shares
+    # never write the same position.
+    edges = np.searchsorted(written, np.linspace(0, total, num=_SHARES + 1)[1:-1], "left").tolist()
+    bounds = [0, *edges, len(lo)]
+    tasks = [
+        partial(_zero_spans, *views, labels, lo[a:b], hi[a:b], part[a:b], count[a:b], zeros)
+        for a, b in itertools.pairwise(bounds) if b > a
+    ]  # fmt: skip
+    run_all(tasks, total)
 
 
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
@@ -479,6 +598,8 @@ def warm_up() -> None:
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))
+        for weights in range(1, 4):
+            token_spans(tokens, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1 : 1 + weights])
         weight_flags(arrays[1], lo, hi)
         zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
         mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)

@@ -30,9 +30,9 @@ from .records import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_err
 from .report import MetricValue, StepReport, Tally
 from .segments import expand_ranges, segment_sum
 from .shipped_positions import NOT_SAMPLED, ShippedSpans
-from .spans import PART_LABELLED, PART_UNLABELLED, SpanTable, build_spans
+from .spans import PART_LABELLED, PART_UNLABELLED, SpanTable, build_spans, checked_spans
 from .table import Table
-from .validation import Verdicts, check_batch, plainly_valid
+from .validation import Verdicts, plainly_valid
 
 __all__ = ["Shipment", "ShippedRollout", "Sink"]
 
@@ -464,8 +464,7 @@ class Sink:
         if checked is not None:
             verdicts, spans = checked
         else:
-            verdicts = check_batch(batch, self._seen_ids)
-            spans = build_spans(batch, verdicts)
+            verdicts, spans = checked_spans(batch, self._seen_ids)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
         invalid = verdicts.invalid
