@@ -15,55 +15,55 @@ import typing  # a module, as importlib: the names it holds are not exported
 __version__ = "0.1.0"
 
 if typing.TYPE_CHECKING:
-    from .columnar import RolloutBatch
     from .config import StalenessConfig
-    from .decision import Decision, Judgement
+    from .engine.decision import Decision, Judgement
+    from .engine.policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
+    from .engine.sink import Shipment, ShippedRollout, Sink
     from .errors import ConfigError, EventError, StalenessError, TraceError
-    from .metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
-    from .mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
+    from .metrics.metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
+    from .metrics.mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
+    from .metrics.report import StepReport, Tally
     from .monitor import StalenessMonitor
-    from .padded import PaddedShipment, padded_shipment
-    from .policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
-    from .records import Rollout, Sample
-    from .replay import read_events, run_events
-    from .report import StepReport, Tally
-    from .sink import Shipment, ShippedRollout, Sink
+    from .records.columnar import RolloutBatch
+    from .records.model import Rollout, Sample
+    from .records.padded import PaddedShipment, padded_shipment
+    from .replay.stream import read_events, run_events
 
 # public name -> the module (relative to this package) that defines it
 _HOME = {
-    "RolloutBatch": ".columnar",
+    "RolloutBatch": ".records.columnar",
     "StalenessConfig": ".config",
-    "Decision": ".decision",
-    "Judgement": ".decision",
+    "Decision": ".engine.decision",
+    "Judgement": ".engine.decision",
     "ConfigError": ".errors",
     "EventError": ".errors",
     "StalenessError": ".errors",
     "TraceError": ".errors",
-    "LEGACY_KEYS": ".metric_table",
-    "METRICS": ".metric_table",
-    "LegacyKey": ".metric_table",
-    "MetricDef": ".metric_table",
-    "MetricKind": ".metric_table",
-    "LAG_BUCKETS": ".mismatch",
-    "MismatchSums": ".mismatch",
-    "mismatch_sums": ".mismatch",
+    "LEGACY_KEYS": ".metrics.metric_table",
+    "METRICS": ".metrics.metric_table",
+    "LegacyKey": ".metrics.metric_table",
+    "MetricDef": ".metrics.metric_table",
+    "MetricKind": ".metrics.metric_table",
+    "LAG_BUCKETS": ".metrics.mismatch",
+    "MismatchSums": ".metrics.mismatch",
+    "mismatch_sums": ".metrics.mismatch",
     "StalenessMonitor": ".monitor",
-    "PaddedShipment": ".padded",
-    "padded_shipment": ".padded",
-    "EpisodePolicy": ".policies",
-    "GroupPolicy": ".policies",
-    "Policy": ".policies",
-    "TokenPolicy": ".policies",
-    "XtunerPolicy": ".policies",
-    "Rollout": ".records",
-    "Sample": ".records",
-    "read_events": ".replay",
-    "run_events": ".replay",
-    "StepReport": ".report",
-    "Tally": ".report",
-    "Shipment": ".sink",
-    "ShippedRollout": ".sink",
-    "Sink": ".sink",
+    "PaddedShipment": ".records.padded",
+    "padded_shipment": ".records.padded",
+    "EpisodePolicy": ".engine.policies",
+    "GroupPolicy": ".engine.policies",
+    "Policy": ".engine.policies",
+    "TokenPolicy": ".engine.policies",
+    "XtunerPolicy": ".engine.policies",
+    "Rollout": ".records.model",
+    "Sample": ".records.model",
+    "read_events": ".replay.stream",
+    "run_events": ".replay.stream",
+    "StepReport": ".metrics.report",
+    "Tally": ".metrics.report",
+    "Shipment": ".engine.sink",
+    "ShippedRollout": ".engine.sink",
+    "Sink": ".engine.sink",
 }
 
 __all__ = [

@@ -30,7 +30,7 @@ import httpx
 
 from .config import StalenessConfig
 from .errors import ConfigError, StalenessError, TraceError
-from .mismatch import MismatchSums
+from .metrics.mismatch import MismatchSums
 
 __all__ = ["AddResult", "MismatchResult", "ServiceError", "ShipResult", "StalenessClient", "StepRow"]
 

@@ -105,7 +105,7 @@ class StalenessConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> StalenessConfig:
         """Build from a parsed config table; unknown and renamed keys are errors, never ignored."""
-        from .legacy import RENAMED_SETTINGS as _RENAMED  # the legacy keys load only when a config file is read
+        from .migrate.legacy import RENAMED_SETTINGS as _RENAMED  # the legacy keys load only when a config file is read
 
         known = {f.name for f in fields(cls)}
         for key in data:

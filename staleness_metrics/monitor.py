@@ -31,8 +31,8 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any
 
-from .bound import mismatch_metrics
-from .checkpoint import (
+from .config import StalenessConfig
+from .engine.checkpoint import (
     FORMAT,
     check_digests,
     check_format,
@@ -47,8 +47,7 @@ from .checkpoint import (
     sequence,
     string,
 )
-from .columnar import RolloutBatch
-from .config import StalenessConfig
+from .engine.sink import Shipment, Sink
 from .errors import ConfigError, FieldError
 from .exporters.background import DEFAULT_CLOSE_TIMEOUT
 from .exporters.base import (
@@ -61,9 +60,10 @@ from .exporters.base import (
     MonitorAware,
     Stateful,
 )
-from .mismatch import MismatchSums
-from .report import MetricValue
-from .sink import Shipment, Sink
+from .metrics.bound import mismatch_metrics
+from .metrics.mismatch import MismatchSums
+from .metrics.report import MetricValue
+from .records.columnar import RolloutBatch
 
 __all__ = ["StalenessMonitor"]
 
@@ -80,7 +80,7 @@ def _close_bound(exporters: Iterable[Exporter]) -> float:
 
 
 class StalenessMonitor:
-    """Owns a :class:`~staleness_metrics.sink.Sink` and a list of exporters.
+    """Owns a :class:`~staleness_metrics.engine.sink.Sink` and a list of exporters.
 
     ``run`` labels every Prometheus series and OTLP point. Pass ``sink`` to use a sink you built
     (e.g. with a custom policy); its config is then the monitor's. Safe to call from several threads

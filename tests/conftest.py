@@ -33,7 +33,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 def pytest_sessionstart(session: object) -> None:
     """Compile the engine's numba loops once, before any test: on a fresh machine the first compile
     takes seconds, which would otherwise land inside whichever test (or served request) comes first."""
-    from staleness_metrics.kernels import warm_up
+    from staleness_metrics.engine.kernels import warm_up
 
     warm_up()
 

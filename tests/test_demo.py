@@ -20,18 +20,18 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from staleness_metrics.adapters import as_replay_events
-from staleness_metrics.adapters.events import read_event_file
-from staleness_metrics.bound import BoundTracker
 from staleness_metrics.cli import main
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.demo.runner import _cost_caption
 from staleness_metrics.demo.trainer import DriftModel, SimulatedTrainer, shipped_mask
-from staleness_metrics.mismatch import LAG_BUCKETS
+from staleness_metrics.metrics.bound import BoundTracker
+from staleness_metrics.metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.monitor import StalenessMonitor
-from staleness_metrics.replay import replay
-from staleness_metrics.run_dir import find_run
+from staleness_metrics.replay.run_dir import find_run
+from staleness_metrics.replay.sources import as_replay_events
+from staleness_metrics.replay.sources.events import read_event_file
+from staleness_metrics.replay.stream import replay
 from tests.exporters.wandb_reader import find_run_file, read_run
 from tests.support.otlp import OtlpReceiver, metrics_by_name
 

@@ -13,13 +13,13 @@ import pytest
 
 from staleness_metrics import mismatch_sums
 from staleness_metrics.config import StalenessConfig
+from staleness_metrics.engine.sink import Sink
 from staleness_metrics.errors import ConfigError, FieldError, TraceError
 from staleness_metrics.exporters import ConsoleExporter, JsonlExporter, PrometheusExporter
 from staleness_metrics.exporters.base import ExportContext, MismatchReport
-from staleness_metrics.mismatch import MismatchSums
+from staleness_metrics.metrics.mismatch import MismatchSums
+from staleness_metrics.metrics.report import StepReport
 from staleness_metrics.monitor import StalenessMonitor
-from staleness_metrics.report import StepReport
-from staleness_metrics.sink import Sink
 from tests.exporters.reports import CONFIG, ship_script
 
 # SPEC 3 example: positions 0-1 sampled by version 3, position 2 by version 4 (mask 0 there)

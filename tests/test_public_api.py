@@ -61,9 +61,18 @@ def test_import_loads_no_reader_exporter_or_service_module() -> None:
     JSON readers, the service, the dashboards and the legacy keys come in when first used."""
     code = "import sys, json, staleness_metrics; print(json.dumps(sorted(sys.modules)))"
     loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True).stdout))
-    heavy = {"numpy", "orjson", "simdjson", "numba", "staleness_metrics.replay", "staleness_metrics.server",
-             "staleness_metrics.dashboards", "staleness_metrics.legacy", "staleness_metrics.sink"}  # fmt: skip
+    heavy = {"numpy", "orjson", "simdjson", "numba", "staleness_metrics.replay.stream",
+             "staleness_metrics.server", "staleness_metrics.dashboards", "staleness_metrics.migrate.legacy",
+             "staleness_metrics.engine.sink"}  # fmt: skip
     assert not heavy & loaded
     code = "import sys, json; from staleness_metrics import Sink; print(json.dumps(sorted(sys.modules)))"
     loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True).stdout))
-    assert not {"simdjson", "staleness_metrics.replay", "staleness_metrics.server", "staleness_metrics.legacy"} & loaded
+    assert (
+        not {
+            "simdjson",
+            "staleness_metrics.replay.stream",
+            "staleness_metrics.server",
+            "staleness_metrics.migrate.legacy",
+        }
+        & loaded
+    )

@@ -1,121 +1,12 @@
-"""Inputs from real runs turned into the SPEC 9 event stream.
+"""Live trainer integrations (SPEC 15): each module takes its trainer's own batch shapes to the sink and
+the shipment back, ``staleness_metrics.adapters.<trainer>.ship``.
 
-:func:`detect_and_read` picks the reader by what ``path`` is:
+- :mod:`.verl`, :mod:`.areal`, :mod:`.trl`, :mod:`.prime_rl_live`; :mod:`._ship`, what they share.
 
-- a directory: a prime-rl run directory (:mod:`.prime_rl`);
-- a JSONL file whose first object has ``type``: the generic event stream of SPEC 9;
-- a JSONL file whose first object (or first list's first object) has ``response_ids``: xtuner rollout
-  states (:mod:`.xtuner`);
-- a JSONL file of logged rows with ``step`` (``--metrics-out``, W&B exports, prime-rl ``metrics.jsonl``):
-  metrics only, which ``report`` can plot but nothing can replay.
+Recorded runs (prime-rl run directories, xtuner states, event files) are read by
+:mod:`staleness_metrics.replay.sources`. Nothing is imported here: a trainer pays for its own module only.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-from collections.abc import Iterable, Iterator
-from pathlib import Path
-from typing import Literal
-
-from ..errors import ConfigError
-from ..replay import Event, read_events
-from .events import EventDict, read_event_file
-from .prime_rl import ComparisonRow, compare_prime_rl, is_prime_rl_run, read_prime_rl, read_prime_rl_metrics
-from .xtuner import read_xtuner_states
-
-_log = logging.getLogger(__name__)
-
-__all__ = [
-    "ComparisonRow",
-    "EventDict",
-    "SourceKind",
-    "as_replay_events",
-    "compare_prime_rl",
-    "detect_and_read",
-    "detect_source",
-    "read_prime_rl",
-    "read_prime_rl_metrics",
-    "read_run",
-    "read_xtuner_states",
-]
-
-SourceKind = Literal["prime-rl", "events", "xtuner", "metrics"]
-
-
-def _first_object(path: Path) -> object:
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                try:
-                    value: object = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ConfigError(f"{path}: line {number} is not JSON ({error.msg})") from None
-                return value[0] if isinstance(value, list) and value else value
-    raise ConfigError(f"{path}: the file is empty")
-
-
-def detect_source(path: str | Path) -> SourceKind:
-    """What kind of run input ``path`` is (``ConfigError`` when it is none of them)."""
-    root = Path(path)
-    if root.is_dir():
-        if is_prime_rl_run(root):
-            return "prime-rl"
-        raise ConfigError(f"{root}: a directory without rollouts/step_N/train or metrics.jsonl")
-    if not root.is_file():
-        raise ConfigError(f"{root}: no such file or directory")
-    first = _first_object(root)
-    if isinstance(first, dict):
-        if "type" in first:
-            return "events"
-        if "response_ids" in first or "response_model_steps" in first:
-            return "xtuner"
-        if "step" in first:
-            return "metrics"
-    raise ConfigError(
-        f"{root}: not an event stream (objects with 'type'), xtuner states ('response_ids') or logged metrics ('step')"
-    )
-
-
-def detect_and_read(path: str | Path, *, max_staleness: int = 8, step: int | None = None) -> Iterator[EventDict]:
-    """The SPEC 9 events of a run input, whatever its format.
-
-    ``max_staleness`` is the bound the events will be replayed at (a prime-rl directory needs it to
-    tell its stale unshipped episodes from the ones discarded for other reasons); ``step`` is the
-    ship step of an xtuner states file (default: its newest version + 1).
-    """
-    kind = detect_source(path)
-    if kind == "prime-rl":
-        return read_prime_rl(path, max_staleness=max_staleness)
-    if kind == "xtuner":
-        read = read_xtuner_states(path, step=step)
-        if read.skipped:  # said, not hidden: states that are not `completed` never enter the sink
-            left_out = ", ".join(f"{count} {status}" for status, count in sorted(read.skipped.items()))
-            _log.warning("%s: left out xtuner states that are not completed: %s", path, left_out)
-        return iter(read)
-    if kind == "events":
-        return read_event_file(path)
-    raise ConfigError(
-        f"{path}: holds logged metrics, not events; `staleness-metrics report` can plot it, "
-        "replay needs rollouts (an event stream, a prime-rl run directory or xtuner states)"
-    )
-
-
-def as_replay_events(events: Iterable[EventDict]) -> Iterator[Event]:
-    """Event dicts as the replay's checked events (the same checks as a JSONL file gets)."""
-    return read_events(json.dumps(event) for event in events)
-
-
-def read_run(
-    path: str | Path, *, max_staleness: int = 8, step: int | None = None, parse: bool = False
-) -> Iterator[Event]:
-    """:func:`detect_and_read` as checked replay events, ready for :func:`staleness_metrics.replay.replay`.
-
-    An event stream is read as bytes, as ``replay`` reads it; ``parse`` as in
-    :func:`~staleness_metrics.replay.read_events`.
-    """
-    if detect_source(path) == "events":
-        with open(path, "rb", buffering=1 << 20) as handle:  # as the replay command reads it
-            yield from read_events(handle, parse=parse)
-        return
-    yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step))
+__all__: list[str] = []

@@ -2,7 +2,7 @@
 
 An adapter's ``ship(monitor, batch, *, version)`` does three things of its own and leaves the rest here:
 
-1. it reads the trainer's batch into a :class:`~staleness_metrics.columnar.RolloutBatch` whose arrays are
+1. it reads the trainer's batch into a :class:`~staleness_metrics.records.columnar.RolloutBatch` whose arrays are
    the trainer's own where they can be (wrap each one in :class:`TrainerArray` to get a numpy view and
    the way back);
 2. it calls :func:`ship_rows` with that batch, the trainer's batch as ``source`` and the
@@ -36,9 +36,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..columnar import RolloutBatch
+from ..engine.sink import Shipment
 from ..errors import TraceError
-from ..sink import Shipment
+from ..records.columnar import RolloutBatch
 
 __all__ = [
     "ShipResult",
@@ -171,7 +171,7 @@ class ShippedPart(Generic[S]):
 
 @dataclass(frozen=True)
 class ShipResult(Generic[S]):
-    """A ship seen per trainer batch: the :class:`~staleness_metrics.sink.Shipment` (metrics, drops,
+    """A ship seen per trainer batch: the :class:`~staleness_metrics.engine.sink.Shipment` (metrics, drops,
     holds) and its shipped rows as :class:`ShippedPart` s, oldest call first."""
 
     shipment: Shipment

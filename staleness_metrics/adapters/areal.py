@@ -38,9 +38,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..columnar import RolloutBatch
 from ..errors import ConfigError, TraceError
-from ..padded import from_padded, padded_shipment
+from ..records.columnar import RolloutBatch
+from ..records.padded import from_padded, padded_shipment
 from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_row_batches
 
 if TYPE_CHECKING:

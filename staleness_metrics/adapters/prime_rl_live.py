@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..columnar import WEIGHT_FIELDS, RolloutBatch
-from ..sink import Shipment
+from ..engine.sink import Shipment
+from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ._ship import TrainerNames, ship_rows
 
 __all__ = ["PolicySpan", "ShippedSamples", "from_training_samples", "policy_span", "ship", "shipped_samples"]

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..columnar import RolloutBatch
 from ..errors import TraceError
-from ..padded import from_padded, padded_shipment
+from ..records.columnar import RolloutBatch
+from ..records.padded import from_padded, padded_shipment
 from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 __all__ = ["from_verl", "ship", "verl_response_mask", "verl_row_ids"]

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import metric_table
+from ..metrics import metric_table
 from .promql import Scope, metric, prometheus_name
 
 __all__ = ["DASHBOARDS", "Grid", "fleet_dashboard", "staleness_dashboard"]

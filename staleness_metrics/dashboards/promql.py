@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import metric_table
-from ..metric_table import MetricDef, MetricKind
+from ..metrics import metric_table
+from ..metrics.metric_table import MetricDef, MetricKind
 
 # Counters with a batch-wide series (env="") beside the per-env ones, as the exporter writes them: SPEC 12's
 # length counters and SPEC 11's mismatch family (per env when the trainer's sums are given per env).

@@ -13,8 +13,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .. import metric_table
-from ..metric_table import MetricDef
+from ..metrics import metric_table
+from ..metrics.metric_table import MetricDef
 
 __all__ = [
     "SECTION",

@@ -8,7 +8,7 @@ Outputs, all under ``out_dir`` (default ``./staleness-demo``) unless given elsew
   ``staleness-metrics replay`` / ``report`` / ``what-if``;
 - ``trainer-logprobs.jsonl``: the trainer's log-probabilities of every shipped rollout, and
   ``mismatch-sums.jsonl``: the SPEC 11 sums it recorded per step (what staleness cost);
-- ``run.json``: which files these are and the settings of the run (:mod:`staleness_metrics.run_dir`), so
+- ``run.json``: which files these are and the settings of the run (:mod:`staleness_metrics.replay.run_dir`), so
   ``staleness-metrics report staleness-demo`` shows every section of the run from the directory alone;
 - ``wandb/``: an offline W&B run when ``wandb`` is installed (``wandb sync`` uploads it);
 - a Prometheus endpoint on 127.0.0.1 (``--prometheus-port``; if the port is taken, a free one);
@@ -34,13 +34,13 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from ..config import StalenessConfig
+from ..engine.kernels import warm_up
+from ..engine.sink import Shipment
 from ..exporters import ConsoleExporter, Exporter, JsonlExporter
 from ..exporters.console import format_line
-from ..kernels import warm_up
+from ..metrics.report import StepReport
 from ..monitor import StalenessMonitor
-from ..report import StepReport
-from ..run_dir import write_run_file
-from ..sink import Shipment
+from ..replay.run_dir import write_run_file
 from .simulation import Simulation, StepEvents
 from .trainer import SimulatedTrainer, TrainedBatch
 

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ..mismatch import MismatchSums, mismatch_sums
+from ..engine.sink import Shipment
+from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..monitor import StalenessMonitor
-from ..sink import Shipment
-from ..what_if import shipped_values
+from ..replay.what_if import shipped_values
 
 __all__ = ["DriftModel", "SimulatedTrainer", "TrainedBatch", "shipped_mask"]
 

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from ..report import StepReport
+from ..metrics.report import StepReport
 from .base import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_QUEUE_SIZE", "BackgroundExporter", "ExportQueue", "QueuedExporter"]

@@ -1,6 +1,6 @@
 """What every exporter is, and how export failures are counted and logged.
 
-An exporter renders a :class:`~staleness_metrics.report.StepReport` under the names of the metric table.
+An exporter renders a :class:`~staleness_metrics.metrics.report.StepReport` under the names of the metric table.
 The training loop must never wait for, nor see an exception from, an exporter: network exporters queue
 their work (see :mod:`staleness_metrics.exporters.background`) and every failure ends up here, counted
 per exporter (``rl_staleness_export_errors_total``) and logged at most once per interval.
@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from ..bound import ShipBound, mismatch_metrics
-from ..mismatch import MismatchSums
-from ..report import MetricValue, StepReport
+from ..metrics.bound import ShipBound, mismatch_metrics
+from ..metrics.mismatch import MismatchSums
+from ..metrics.report import MetricValue, StepReport
 
 __all__ = [
     "DEFAULT_RUN",

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Mapping
 from typing import TextIO
 
-from ..report import MetricValue, StepReport
+from ..metrics.report import MetricValue, StepReport
 from .base import MismatchReport
 
 __all__ = ["ConsoleExporter", "format_line", "format_mismatch_line"]

@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 from typing import IO
 
-from .. import jsonio
-from ..report import StepReport
+from ..metrics.report import StepReport
+from ..records import jsonio
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import MismatchReport
 

@@ -1,7 +1,7 @@
 """OTLP exporter: the metric table as OpenTelemetry metrics, sent once per ship.
 
 Default (owned pipeline): each ship becomes one OTLP export of gauges (``Gauge``), counters (monotonic
-``Sum``) and explicit-bucket histograms (``Histogram`` over :data:`~staleness_metrics.metric_table.BUCKETS`),
+``Sum``) and explicit-bucket histograms (``Histogram`` over :data:`~staleness_metrics.metrics.metric_table.BUCKETS`),
 built from the cumulative run state: the histograms come from the core's bucket counts, so a ship costs
 the same however many tokens it had. Export runs on a bounded background queue; a failed export is
 counted and retried, and since counters and histograms are cumulative (the default temporality) every
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from ..dashboards.promql import BATCH_WIDE_COUNTERS
 from ..errors import ConfigError
-from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
-from ..report import Counts, StepReport
+from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..metrics.report import Counts, StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, MismatchReport
 from .state import (

@@ -25,8 +25,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
 from ..dashboards.promql import BATCH_WIDE_COUNTERS
-from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
-from ..report import StepReport
+from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, ExportErrors, MismatchReport
 from .state import CumulativeState, Snapshot, batch_wide_buckets, batch_wide_counts

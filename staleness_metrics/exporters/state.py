@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from ..metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
-from ..mismatch import MismatchSums
-from ..report import Counts, MetricValue, StepReport, Tally
+from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..metrics.mismatch import MismatchSums
+from ..metrics.report import Counts, MetricValue, StepReport, Tally
 
 __all__ = [
     "BucketKey",
@@ -311,7 +311,7 @@ class CumulativeState:
 
     def state_dict(self) -> dict[str, Any]:
         """The run totals, the mismatch sums and the last report (for the gauges) as JSON-serialisable data."""
-        from ..checkpoint import report_to_dict, tally_to_dict
+        from ..engine.checkpoint import report_to_dict, tally_to_dict
 
         return {
             "totals": {env: tally_to_dict(tally) for env, tally in self._totals.items()},
@@ -336,7 +336,7 @@ class CumulativeState:
         """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path): totals, sums, start, report,
         the SPEC 14 keys of the latest report with SPEC 11 (absent from states saved before SPEC 14) and the
         per-env sums (absent from states saved before they existed)."""
-        from ..checkpoint import (
+        from ..engine.checkpoint import (
             check_metrics,
             check_mismatch,
             check_report,

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, MetricDef, Source
-from ..report import StepReport
+from ..metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, MetricDef, Source
+from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import ExportContext, MismatchReport
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from html import escape
 
-from ..what_if import RunCurve, WhatIfRow
+from ..replay.what_if import RunCurve, WhatIfRow
 from .costs import has_costs
 from .data import ReportData
 from .svg import PALETTE, Rule, Series, line_chart, message_chart

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from html import escape
 
-from ..mismatch import LAG_BUCKETS
+from ..metrics.mismatch import LAG_BUCKETS
 from .data import ReportData
 from .svg import PALETTE, Series, line_chart, message_chart
 

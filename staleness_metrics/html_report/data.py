@@ -1,6 +1,6 @@
 """What a report shows, gathered from a run input: per-step rows, histograms, what-if and comparison.
 
-A run directory (:mod:`staleness_metrics.run_dir`, what ``staleness-metrics demo`` writes) gives everything
+A run directory (:mod:`staleness_metrics.replay.run_dir`, what ``staleness-metrics demo`` writes) gives everything
 it holds: its events joined to the trainer's log-probabilities are replayed (rows, histograms, what-if and
 the run's excess curve from the records), the rows its run logged fill in what the replay does not
 compute, and the sums the trainer posted give the curve when the records carry no trainer log-probabilities.
@@ -16,18 +16,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..adapters import as_replay_events, compare_prime_rl, detect_source, read_run
-from ..adapters.events import iter_json_lines
-from ..adapters.prime_rl import ComparisonRow, has_rollouts
-from ..bound import FLOOR_SOURCES
 from ..config import StalenessConfig
 from ..errors import EventError
-from ..metric_table import LEGACY_KEYS
-from ..mismatch import LAG_BUCKETS, MismatchSums
-from ..replay import replay
-from ..report import Tally
-from ..run_dir import RunDirectory, find_run
-from ..what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_curve
+from ..metrics.bound import FLOOR_SOURCES
+from ..metrics.metric_table import LEGACY_KEYS
+from ..metrics.mismatch import LAG_BUCKETS, MismatchSums
+from ..metrics.report import Tally
+from ..replay.run_dir import RunDirectory, find_run
+from ..replay.sources import as_replay_events, compare_prime_rl, detect_source, read_run
+from ..replay.sources.events import iter_json_lines
+from ..replay.sources.prime_rl import ComparisonRow, has_rollouts
+from ..replay.stream import replay
+from ..replay.what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_curve
 
 __all__ = ["ReportData", "collect", "metrics_rows", "sums_from_rows"]
 

@@ -9,8 +9,8 @@ from html import escape
 import numpy as np
 
 from .. import __version__
-from ..adapters.prime_rl import ComparisonRow, comparison_summary
-from ..what_if import WhatIfRow
+from ..replay.sources.prime_rl import ComparisonRow, comparison_summary
+from ..replay.what_if import WhatIfRow
 from .choosing import render_choosing
 from .costs import render_costs
 from .data import ReportData

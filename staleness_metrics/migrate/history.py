@@ -14,9 +14,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from ..legacy import in_legacy_namespace, migrate_key
-from ..metric_table import LegacyKey
+from ..metrics.metric_table import LegacyKey
 from .json_syntax import JSON, parse_json_nodes
+from .legacy import in_legacy_namespace, migrate_key
 from .model import Action, FileKind, FileResult, Finding, Options
 from .peer_names import peer_lookup
 from .tree import Edit, Mapping, apply_edits

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ..legacy import DEFAULT_PROMETHEUS_PREFIXES
+from .legacy import DEFAULT_PROMETHEUS_PREFIXES
 
 __all__ = ["Action", "FileKind", "FileResult", "Finding", "MissingParser", "Options"]
 

@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .. import legacy
+from . import legacy
 from .model import Action
 
 __all__ = ["Context", "Hit", "Scanned", "Scanner"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from ..metric_table import metric_by_key
+from ..metrics.metric_table import metric_by_key
 from .model import Action, Options
 from .names import Hit, Scanned, Scanner, _apply
 from .peers import TRACKER_SUFFIXES, PeerKey, peer_keys

@@ -38,7 +38,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from ..jsonio import has_long_integer
+from ..records.jsonio import has_long_integer
 
 __all__ = [
     "COMPACT_MIN_LENGTH",

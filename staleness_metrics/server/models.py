@@ -15,9 +15,9 @@ from pydantic_core import PydanticCustomError
 
 from .. import __version__
 from ..config import StalenessConfig
-from ..mismatch import COUNT_FIELDS, LAG_BUCKETS, SUM_FIELDS
-from ..report import Tally
-from ..validation import lone_surrogate
+from ..metrics.mismatch import COUNT_FIELDS, LAG_BUCKETS, SUM_FIELDS
+from ..metrics.report import Tally
+from ..records.validation import lone_surrogate
 
 __all__ = [
     "MAX_STEP",

@@ -35,12 +35,12 @@ import numpy as np
 import orjson
 
 from ..config import StalenessConfig
+from ..engine.sink import Shipment
 from ..errors import StalenessError, TraceError
-from ..mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
+from ..metrics.mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
+from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
-from ..report import MetricValue
-from ..sink import Shipment
-from ..validation import lone_surrogate, printable_id, surrogate_reason, unstorable
+from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
 from .exporting import ExportSettings, RunExporters, build_exporters, preload
 from .models import (
     AddResult,

@@ -19,9 +19,9 @@ import pytest
 
 from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.adapters import prime_rl_live
+from staleness_metrics.engine.sink import Sink
 from staleness_metrics.errors import TraceError
 from staleness_metrics.exporters.jsonl import JsonlExporter
-from staleness_metrics.sink import Sink
 from tests.adapters.test_prime_rl_live import TrainingSample, sample
 from tests.support.examples import EXAMPLES
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.adapters._ship import TrainerArray, TrainerNames, ship_rows
 from staleness_metrics.errors import TraceError
-from staleness_metrics.padded import from_padded
+from staleness_metrics.records.padded import from_padded
 
 NAMES = TrainerNames(
     "demo", "policy_version", {"dispatch_version": "starts[{row}]", "token_versions": "versions[{row}]"}

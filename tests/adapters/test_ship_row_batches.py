@@ -9,7 +9,7 @@ import pytest
 from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.adapters._ship import TrainerNames, ship_row_batches
 from staleness_metrics.errors import TraceError
-from staleness_metrics.padded import from_padded
+from staleness_metrics.records.padded import from_padded
 
 NAMES = TrainerNames("demo", "policy_version", {"dispatch_version": "starts[{row}]"})
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from staleness_metrics import StalenessConfig, StalenessMonitor
-from staleness_metrics.padded import from_padded
+from staleness_metrics.records.padded import from_padded
 
 
 @given(

@@ -1,16 +1,15 @@
-"""``trl.ship`` and ``ShippingQueue`` on samples shaped like TRL's slotted ``RolloutSample`` (the real package
-runs in tests/trainers): drops, held samples coming back, lags, and one ship per step behind the queue."""
+"""``trl.ship`` on samples shaped like TRL's slotted ``RolloutSample`` (the real package and ``AsyncGRPOTrainer``
+run in tests/trainers): drops, held samples coming back, lags; ``ship_at_train_time``'s refusal of holds."""
 
 from __future__ import annotations
 
-import queue
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
 
-from staleness_metrics import StalenessConfig, StalenessMonitor, TraceError
+from staleness_metrics import ConfigError, StalenessConfig, StalenessMonitor, TraceError
 from staleness_metrics.adapters import trl
 
 
@@ -69,32 +68,8 @@ def test_a_version_above_the_trained_one_names_the_counter() -> None:
         trl.ship(monitor, [sample(1, 0)], version=True)
 
 
-def test_the_queue_ships_once_per_step_and_never_across_a_weight_sync() -> None:
-    inner: queue.Queue[Any] = queue.Queue()
-    for s in [sample(2, 0), sample(0, 1), sample(2, 2), sample(2, 3), sample(3, 4), sample(3, 5), sample(3, 6)]:
-        inner.put(s)
-    exports: list[int] = []
-
-    class Steps:
-        name = "steps"
-
-        def export(self, report: Any) -> None:
-            exports.append(report.step)
-
-        def close(self) -> None:
-            pass
-
-    trainer = {"model_version": 2}
-    shipping = trl.ShippingQueue(
-        inner, StalenessMonitor(StalenessConfig(max_staleness=1), [Steps()]), lambda: trainer["model_version"],
-        samples_per_step=3,
-    )  # fmt: skip
-    first_step = [shipping.get(timeout=0) for _ in range(3)]
-    assert [s.group_id for s in first_step] == [0, 2, 3]  # group 1 (version 0) dropped, a second ship refills
-    trainer["model_version"] = 3  # a weight sync between steps
-    second_step = [shipping.get(timeout=0) for _ in range(3)]
-    assert [s.model_version for s in second_step] == [3, 3, 3]
-    assert exports == [3, 3, 4]
-    with pytest.raises(queue.Empty):
-        shipping.get(timeout=0)
-    assert shipping.qsize() == 0 and shipping.empty()
+def test_the_train_time_hook_refuses_a_policy_that_holds_rows_back() -> None:
+    monitor = StalenessMonitor(StalenessConfig(policy="xtuner", max_staleness=2, retry_expired=True))
+    with pytest.raises(ConfigError, match="retry_expired") as caught:
+        trl.ship_at_train_time(object(), monitor)  # a packed micro-batch cannot take a held sample back later
+    assert caught.value.field == "policy"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from staleness_metrics import metric_table
-from staleness_metrics.commands import dashboards as command
+from staleness_metrics.cli.commands import dashboards as command
 from staleness_metrics.dashboards.artifacts import generated_files, stale_files
+from staleness_metrics.metrics import metric_table
 
 ROOT = Path(__file__).resolve().parents[2]
 

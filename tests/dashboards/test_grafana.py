@@ -10,8 +10,8 @@ from typing import Any
 import promql_parser
 import pytest
 
-from staleness_metrics import metric_table
 from staleness_metrics.dashboards.grafana import DATASOURCE
+from staleness_metrics.metrics import metric_table
 
 from .grafana_queries import (
     dashboards,

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from staleness_metrics.dashboards.rules import rule_groups
 from staleness_metrics.exporters.base import ExportContext
 from staleness_metrics.exporters.prometheus import PrometheusExporter
-from staleness_metrics.report import StepReport
+from staleness_metrics.metrics.report import StepReport
 from tests.support.prometheus import PrometheusServer, RulesPrometheusServer, requires_prometheus
 
 from .grafana_queries import dashboards, fill, label_values_query, metric_names, panels, targets

@@ -18,7 +18,7 @@ from staleness_metrics.dashboards.collector import collector_prometheus_name
 from staleness_metrics.exporters.base import ExportContext
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.prometheus import PrometheusExporter
-from staleness_metrics.metric_table import MetricKind
+from staleness_metrics.metrics.metric_table import MetricKind
 from tests.support.otlp import OtlpReceiver, attributes_of, metrics_by_name
 
 from .traffic import Traffic

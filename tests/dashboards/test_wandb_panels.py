@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from staleness_metrics.commands import wandb_workspace as command
+from staleness_metrics.cli.commands import wandb_workspace as command
 from staleness_metrics.dashboards.wandb_panels import (
     SECTION,
     MissingApiKey,
@@ -20,7 +20,7 @@ from staleness_metrics.dashboards.wandb_panels import (
     workspace_spec,
 )
 from staleness_metrics.exporters.wandb import DEFAULT_STEP_KEY
-from staleness_metrics.metric_table import METRICS, Source
+from staleness_metrics.metrics.metric_table import METRICS, Source
 
 from .traffic import Traffic
 

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.report import StepReport
-from staleness_metrics.sink import Sink
+from staleness_metrics.engine.sink import Sink
+from staleness_metrics.metrics.report import StepReport
 
 ENVS = ("math", "code", None)
 MAX_STALENESS = 3

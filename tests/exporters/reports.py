@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.report import StepReport, Tally
+from staleness_metrics.metrics.report import StepReport, Tally
 
 # A bound the random rollouts cross often: masking, sample drops and rollout drops all happen.
 CONFIG = StalenessConfig(max_staleness=3, env_breakdown=True)

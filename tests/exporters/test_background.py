@@ -9,7 +9,7 @@ import pytest
 
 from staleness_metrics.exporters.background import BackgroundExporter, ExportQueue
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
-from staleness_metrics.report import StepReport, Tally
+from staleness_metrics.metrics.report import StepReport, Tally
 
 
 class Target:

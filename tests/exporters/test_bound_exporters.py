@@ -16,10 +16,10 @@ from opentelemetry.test._otlp_test_server import OtlpProtoTestServer
 from staleness_metrics.exporters.jsonl import JsonlExporter
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.prometheus import PrometheusExporter
-from staleness_metrics.metric_table import METRICS, MetricDef, Source
-from staleness_metrics.mismatch import MismatchSums, mismatch_sums
+from staleness_metrics.metrics.metric_table import METRICS, MetricDef, Source
+from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
+from staleness_metrics.metrics.report import MetricValue
 from staleness_metrics.monitor import StalenessMonitor
-from staleness_metrics.report import MetricValue
 from tests.exporters.reports import CONFIG, ship_script
 from tests.support.otlp import attributes_of
 from tests.support.prometheus import PrometheusServer, requires_prometheus

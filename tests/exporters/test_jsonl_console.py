@@ -10,8 +10,8 @@ import numpy as np
 
 from staleness_metrics.exporters.console import ConsoleExporter, format_line
 from staleness_metrics.exporters.jsonl import JsonlExporter
+from staleness_metrics.metrics.report import StepReport, Tally
 from staleness_metrics.monitor import StalenessMonitor
-from staleness_metrics.report import StepReport, Tally
 from tests.exporters.reports import CONFIG, hand_report, ship_script
 
 

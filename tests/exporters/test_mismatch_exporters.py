@@ -17,17 +17,17 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from staleness_metrics.bound import BoundTracker, mismatch_metrics
 from staleness_metrics.exporters.background import BackgroundExporter
 from staleness_metrics.exporters.base import ExportContext, ExportErrors, MismatchReport
 from staleness_metrics.exporters.console import ConsoleExporter, format_line, format_mismatch_line
 from staleness_metrics.exporters.jsonl import JsonlExporter
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.prometheus import PrometheusExporter
-from staleness_metrics.metric_table import LAG, METRICS, Source
-from staleness_metrics.mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
+from staleness_metrics.metrics.bound import BoundTracker, mismatch_metrics
+from staleness_metrics.metrics.metric_table import LAG, METRICS, Source
+from staleness_metrics.metrics.mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
+from staleness_metrics.metrics.report import StepReport, Tally
 from staleness_metrics.monitor import StalenessMonitor
-from staleness_metrics.report import StepReport, Tally
 from tests.exporters.reports import CONFIG, hand_report, ship_script
 from tests.support.otlp import OtlpReceiver, attributes_of, metrics_by_name
 from tests.support.prometheus import promtool_check_metrics, requires_promtool

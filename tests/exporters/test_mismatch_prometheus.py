@@ -19,10 +19,10 @@ import pytest
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.dashboards.rules import MISMATCH_RECORDS
 from staleness_metrics.exporters.prometheus import PrometheusExporter, PrometheusPushExporter
-from staleness_metrics.metric_table import LAG, LENGTH
-from staleness_metrics.mismatch import MismatchSums, mismatch_sums
+from staleness_metrics.metrics.metric_table import LAG, LENGTH
+from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
+from staleness_metrics.metrics.report import Tally
 from staleness_metrics.monitor import StalenessMonitor
-from staleness_metrics.report import Tally
 from tests.dashboards.grafana_queries import dashboards, fill, panels
 from tests.exporters.reports import random_rollouts
 from tests.support.prometheus import (

@@ -19,10 +19,10 @@ from staleness_metrics.dashboards.promql import BATCH_WIDE_COUNTERS
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.state import bucket_counts
-from staleness_metrics.metric_table import BUCKETS, METRICS, MetricKind, Source
-from staleness_metrics.mismatch import MismatchSums
+from staleness_metrics.metrics.metric_table import BUCKETS, METRICS, MetricKind, Source
+from staleness_metrics.metrics.mismatch import MismatchSums
+from staleness_metrics.metrics.report import Tally
 from staleness_metrics.monitor import StalenessMonitor
-from staleness_metrics.report import Tally
 from tests.exporters.reports import CONFIG, hand_report, ship_script
 from tests.support.otlp import OtlpReceiver, attributes_of, metrics_by_name
 from tests.support.prometheus import free_port

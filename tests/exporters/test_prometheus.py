@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.prometheus import BATCH_WIDE_COUNTERS, PrometheusExporter, PrometheusPushExporter
-from staleness_metrics.metric_table import BUCKETS, METRICS, MetricKind, Source, metric_by_prometheus_name
+from staleness_metrics.metrics.metric_table import BUCKETS, METRICS, MetricKind, Source, metric_by_prometheus_name
+from staleness_metrics.metrics.report import StepReport, Tally
 from staleness_metrics.monitor import StalenessMonitor
-from staleness_metrics.report import StepReport, Tally
 from tests.exporters.reports import CONFIG, hand_report, nearest_rank, ship_script
 from tests.support.prometheus import (
     PrometheusServer,
@@ -179,7 +179,7 @@ def test_every_series_has_the_run_label_and_every_family_is_in_the_table() -> No
             monitor.add(records)
             monitor.ship(step)
         families = list(text_string_to_metric_families(exp.exposition().decode()))
-    # SPEC 14's gauges need SPEC 11 sums, which this script has none of (tests/core/test_bound_exporters.py).
+    # SPEC 14's gauges need SPEC 11 sums, which this script has none of (tests/exporters/test_bound_exporters.py).
     published = {m.prometheus_name for m in METRICS if m.prometheus_name is not None and m.source is not Source.BOUND}
     exposed = {f.name + ("_total" if f.type == "counter" else "") for f in families}
     assert exposed == published

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from staleness_metrics.exporters.state import CumulativeState, bucket_counts, partition_by_env
-from staleness_metrics.metric_table import BUCKETS
-from staleness_metrics.report import Tally
+from staleness_metrics.metrics.metric_table import BUCKETS
+from staleness_metrics.metrics.report import Tally
 from tests.exporters.reports import hand_report
 
 
@@ -57,7 +57,7 @@ def test_snapshots_accumulate_counters_and_keep_last_gauges() -> None:
 def test_live_mismatch_sums_move_only_the_mismatch_counters_and_deltas_add_up() -> None:
     """A trainer's sums (the live path) add to the mismatch counters; the tally counters, histograms and
     the last ship's gauges stay, and their deltas are 0 (OTLP delta temporality must not re-send a ship)."""
-    from staleness_metrics.mismatch import mismatch_sums
+    from staleness_metrics.metrics.mismatch import mismatch_sums
 
     state = CumulativeState("r", deltas=True)
     before = state.apply(hand_report(1, {"": [[1, 2]]}))

@@ -10,13 +10,13 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from prometheus_client.parser import text_string_to_metric_families
 
-from staleness_metrics import metric_table
 from staleness_metrics.exporters.background import QueuedExporter
 from staleness_metrics.exporters.jsonl import JsonlExporter
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.prometheus import PrometheusExporter
 from staleness_metrics.exporters.wandb import WandbExporter
-from staleness_metrics.metric_table import LEGACY_KEYS, METRICS, MetricKind
+from staleness_metrics.metrics import metric_table
+from staleness_metrics.metrics.metric_table import LEGACY_KEYS, METRICS, MetricKind
 from staleness_metrics.monitor import StalenessMonitor
 from tests.exporters.reports import CONFIG, ship_script
 

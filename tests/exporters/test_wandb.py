@@ -15,8 +15,8 @@ import wandb
 from staleness_metrics.errors import ConfigError
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.wandb import WandbExporter, histogram_bins
-from staleness_metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, Source
-from staleness_metrics.mismatch import MismatchSums, mismatch_sums
+from staleness_metrics.metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, Source
+from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
 from staleness_metrics.monitor import StalenessMonitor
 from tests.exporters.reports import CONFIG, hand_report, ship_script
 from tests.exporters.wandb_reader import find_run_file, read_run

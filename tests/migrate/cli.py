@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from staleness_metrics.commands import COMMANDS
-from staleness_metrics.commands import migrate as migrate_command
+from staleness_metrics.cli.commands import COMMANDS
+from staleness_metrics.cli.commands import migrate as migrate_command
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics import legacy
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.errors import ConfigError
-from staleness_metrics.metric_table import LEGACY_KEYS, METRICS
+from staleness_metrics.metrics.metric_table import LEGACY_KEYS, METRICS
+from staleness_metrics.migrate import legacy
 from staleness_metrics.migrate.model import Action
 from staleness_metrics.migrate.names import Context, Scanner
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from staleness_metrics.metric_table import metric_by_key
+from staleness_metrics.metrics.metric_table import metric_by_key
 from staleness_metrics.migrate.peers import PEER_KEYS, PEERS, peer_keys
 from tests.migrate.cli import FIXTURES, migrate
 

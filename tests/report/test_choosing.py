@@ -16,9 +16,9 @@ from PIL import Image
 from staleness_metrics.cli import main
 from staleness_metrics.demo.trainer import DriftModel
 from staleness_metrics.html_report.svg import PALETTE
-from staleness_metrics.mismatch import MismatchSums
-from staleness_metrics.run_dir import find_run
-from staleness_metrics.what_if import what_if_with_curve
+from staleness_metrics.metrics.mismatch import MismatchSums
+from staleness_metrics.replay.run_dir import find_run
+from staleness_metrics.replay.what_if import what_if_with_curve
 
 from .chromium import chart_boxes, probe, requires_chromium, screenshot
 from .test_report import _count, _pixels

@@ -12,14 +12,14 @@ import numpy.typing as npt
 import pytest
 from PIL import Image
 
-from staleness_metrics.adapters import as_replay_events
-from staleness_metrics.adapters.events import read_event_file
-from staleness_metrics.commands import report as report_command
+from staleness_metrics.cli.commands import report as report_command
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.html_report.svg import PALETTE, heatmap
-from staleness_metrics.replay import replay
-from staleness_metrics.what_if import what_if
+from staleness_metrics.replay.sources import as_replay_events
+from staleness_metrics.replay.sources.events import read_event_file
+from staleness_metrics.replay.stream import replay
+from staleness_metrics.replay.what_if import what_if
 from tests.support.examples import EXAMPLES
 
 from .chromium import Box, chart_boxes, requires_chromium, screenshot

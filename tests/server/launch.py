@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from staleness_metrics.commands import serve
+from staleness_metrics.cli.commands import serve
 from staleness_metrics.server import runs
 
 

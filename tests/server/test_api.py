@@ -10,9 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics.config import StalenessConfig
+from staleness_metrics.engine.sink import Sink
 from staleness_metrics.errors import ConfigError
 from staleness_metrics.server import ServerSettings
-from staleness_metrics.sink import Sink
 from tests.support.prometheus import promtool_check_metrics, requires_promtool
 
 from .conftest import ThreadServer

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from staleness_metrics.commands import serve
+from staleness_metrics.cli.commands import serve
 
 from .conftest import ROOT, ServeProcess, child_env, serve_command
 

@@ -81,7 +81,7 @@ def costly_rollout(
 def test_fleet_mismatch_by_lag_from_rates_equals_the_merged_runs_values(server: ThreadServer, tmp_path: Path) -> None:
     """Several runs behind one service (one scrape target): the fleet dashboard's k3 and excess by lag, from
     rates of the summed counters, equal the values of the runs' merged sums (their /steps rows, merged)."""
-    from staleness_metrics.metric_table import LAG
+    from staleness_metrics.metrics.metric_table import LAG
     from tests.dashboards.grafana_queries import dashboards, fill, panels
 
     rng = np.random.default_rng(4)

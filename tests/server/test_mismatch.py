@@ -15,14 +15,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics import MismatchSums, mismatch_sums
-from staleness_metrics.bound import BoundTracker, mismatch_metrics
 from staleness_metrics.client import ServiceError, StalenessClient
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.mismatch import LAG_BUCKETS
+from staleness_metrics.engine.sink import Sink
+from staleness_metrics.metrics.bound import BoundTracker, mismatch_metrics
+from staleness_metrics.metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.server import ExportSettings, RunRegistry, ServerSettings
 from staleness_metrics.server.models import MismatchRequest, ShipRequest
 from staleness_metrics.server.store import SNAPSHOT_EVERY, SqliteStore
-from staleness_metrics.sink import Sink
 
 from .conftest import ThreadServer
 from .test_client import LosesFirstAnswers

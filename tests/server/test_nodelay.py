@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from staleness_metrics.commands.serve import _listen
+from staleness_metrics.cli.commands.serve import _listen
 
 
 def test_the_listening_socket_names_tcp() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from staleness_metrics.exporters.base import MismatchReport
-from staleness_metrics.report import StepReport
+from staleness_metrics.metrics.report import StepReport
 
 
 class Recorder:

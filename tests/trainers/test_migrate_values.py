@@ -15,7 +15,6 @@ import itertools
 import json
 import queue
 from collections import defaultdict, deque
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -271,13 +270,17 @@ def trl_tests() -> ModuleType:
     return test_trl
 
 
+@pytest.fixture(scope="module")
+def tiny_model(trl_tests: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(trl_tests.save_tiny_model(tmp_path_factory.mktemp("tiny-llama")))
+
+
 def trl_training_run(
     trl_tests: ModuleType,
     samples: list[Any],
     *,
     max_staleness: int,
     microbatch: int,
-    wrap_queue: Callable[[Any, Any], Any] | None = None,
     token_budget: int = 0,
 ) -> list[tuple[int, dict[str, float], list[Any]]]:
     """AsyncGRPOTrainer's data path and step order on CPU, one process, no model.
@@ -289,8 +292,7 @@ def trl_training_run(
     callback syncs the weights (``_sync_weight``: ``model_version += 1``, :1797; the first sync is at
     train begin, :232) and the log that follows reduces the step's window with TRL's own ``_reduce_metric``
     (``log``, :1698-1721, logging_steps 1). Returns, per step: the step, TRL's logged staleness keys, and
-    the samples trained with the version they were trained at. ``wrap_queue(queue, trainer)`` replaces
-    ``trainer.rollout_queue`` before the dataloader is built (the README's lines). ``token_budget > 0``
+    the samples trained with the version they were trained at. ``token_budget > 0``
     batches with ``TokenBudgetBatcher`` (TRL's default), as ``get_train_dataloader`` does.
     """
     from accelerate import Accelerator
@@ -312,7 +314,7 @@ def trl_training_run(
     def check_health(_stale_after_s: float) -> None:
         raise trl_tests.Drained  # the queue is empty: the run is over
 
-    trainer.rollout_queue = rollout_queue if wrap_queue is None else wrap_queue(rollout_queue, trainer)
+    trainer.rollout_queue = rollout_queue
     dataset = RolloutQueueDataset(
         rollout_queue=trainer.rollout_queue,
         model_version_fn=lambda: trainer.model_version,
@@ -395,74 +397,63 @@ def test_migrate_from_trl_on_trl_own_training_run(
     assert [m["staleness/rollout/dropped"] for m in ours] == [0, 0, 1, 2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ShippingQueue ships when TRL's dataset pulls a sample; accelerate's dataloader pulls the next "
-    "micro-batch before the weight sync that ends the step, so that micro-batch is shipped at version v "
-    "and trained at v + 1 (adapters/trl.py; open)",
-)
-def test_behind_the_readme_queue_no_row_trains_past_max_staleness(trl_tests: ModuleType) -> None:
-    from staleness_metrics.adapters import trl as staleness
-
-    bound = 1
-    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound))
-
-    def readme_lines(rollout_queue: Any, trainer: Any) -> Any:
-        return staleness.ShippingQueue(rollout_queue, monitor, lambda: trainer.model_version, samples_per_step=2)
-
-    steps = trl_training_run(
-        trl_tests, trl_tests.samples_at([1, 1, 2, 2, 3]), max_staleness=bound, microbatch=2, wrap_queue=readme_lines
-    )
-    trained_lags = [at - sample.model_version for _, _, trained in steps for sample, at in trained]
-    assert max(trained_lags) <= bound, trained_lags
-
-
-def test_behind_the_readme_queue_a_bound_one_lower_keeps_rows_within_max_staleness(trl_tests: ModuleType) -> None:
-    """The README's way around the prefetch: the monitor's bound one below the wanted one (FixedCountBatcher)."""
-    from staleness_metrics.adapters import trl as staleness
-
-    bound = 1
-    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound - 1))
-
-    def readme_lines(rollout_queue: Any, trainer: Any) -> Any:
-        return staleness.ShippingQueue(rollout_queue, monitor, lambda: trainer.model_version, samples_per_step=2)
-
-    steps = trl_training_run(
-        trl_tests, trl_tests.samples_at([1, 1, 2, 2, 3]), max_staleness=bound, microbatch=2, wrap_queue=readme_lines
-    )
-    trained = [(sample, at) for _, _, rows in steps for sample, at in rows]
-    assert trained, "nothing trained"
-    trained_lags = [at - sample.model_version for sample, at in trained]
-    assert max(trained_lags) <= bound, trained_lags
-    # the reported lag is the one at the ship: the first micro-batch trains at it, each prefetched one a version later
-    shipped_lags = [int(staleness.staleness_lag_of(sample.completion_mask).max()) for sample, _ in trained]
-    gaps = [t - s for t, s in zip(trained_lags, shipped_lags, strict=True)]
-    assert gaps == [0, 0] + [1] * (len(gaps) - 2), (trained_lags, shipped_lags)
-
-
-def test_behind_the_readme_queue_token_budget_batches_train_up_to_two_versions_after_the_ship(
-    trl_tests: ModuleType,
+def test_behind_the_readme_lines_no_row_trains_past_max_staleness(
+    trl_tests: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model: str
 ) -> None:
-    """TokenBudgetBatcher pulls the sample that closes a micro-batch into the next one: the README's gap of 2."""
+    """TRL's own AsyncGRPOTrainer, its dataloader prepared by accelerate: every row trains within the bound
+    with the README's lines; without them TRL trains rows past its own max_staleness (it judges at the pull)."""
     from staleness_metrics.adapters import trl as staleness
 
-    monitor = StalenessMonitor(StalenessConfig(max_staleness=8))
+    bound = 1
 
-    def readme_lines(rollout_queue: Any, trainer: Any) -> Any:
-        return staleness.ShippingQueue(rollout_queue, monitor, lambda: trainer.model_version, samples_per_step=1)
+    def run(with_lines: bool) -> list[int]:
+        samples = trl_tests.samples_at([1, 1, 2, 2, 3])
+        trainer = trl_tests.async_grpo_trainer(
+            tiny_model, tmp_path / str(with_lines), samples, monkeypatch,
+            max_staleness=bound, per_device_train_batch_size=2, token_budget=0,
+        )  # fmt: skip
+        if with_lines:
+            staleness.ship_at_train_time(trainer, StalenessMonitor(StalenessConfig(max_staleness=bound)))
+        calls = trl_tests.train(trainer)
+        return list(trl_tests.trained_lags(calls, trl_tests.by_old_log_prob(samples)))
 
-    steps = trl_training_run(
-        trl_tests,
-        trl_tests.samples_at([1] * 8),
-        max_staleness=8,
-        microbatch=1,
-        wrap_queue=readme_lines,
-        token_budget=12,
-    )
-    trained = [(sample, at) for _, _, rows in steps for sample, at in rows]
-    assert len(trained) > 10, "too few micro-batches trained"  # the last one is still open when the queue drains
-    gaps = [
-        at - sample.model_version - int(staleness.staleness_lag_of(sample.completion_mask).max())
-        for sample, at in trained
-    ]
-    assert set(gaps) == {0, 1, 2}, gaps
+    assert max(run(with_lines=False)) == bound + 1  # accelerate's prefetch: pulled at v, trained at v + 1
+    lags = run(with_lines=True)
+    assert lags and max(lags) <= bound, lags
+
+
+def test_behind_the_readme_lines_token_budget_batches_train_within_max_staleness_at_the_lag_reported(
+    trl_tests: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model: str
+) -> None:
+    """TokenBudgetBatcher (TRL's default) pulls the sample that closes a micro-batch one micro-batch earlier
+    still: without the README's lines TRL trains rows two versions past its bound; with them each row is
+    judged, and its lag reported, at the version it trains at."""
+    from staleness_metrics.adapters import trl as staleness
+
+    bound = 1
+
+    def run(with_lines: bool) -> list[tuple[int, list[int]]]:
+        """Per micro-batch: the lag of each term when trained, and the lag it carries in staleness_lag."""
+        samples = trl_tests.samples_at([1, 1, 2, 2, 3, 3, 4, 4])
+        by_logprob = trl_tests.by_old_log_prob(samples)
+        trainer = trl_tests.async_grpo_trainer(
+            tiny_model, tmp_path / str(with_lines), samples, monkeypatch,
+            max_staleness=bound, per_device_train_batch_size=1, token_budget=12,
+        )  # fmt: skip
+        if with_lines:
+            staleness.ship_at_train_time(trainer, StalenessMonitor(StalenessConfig(max_staleness=bound)))
+        calls = trl_tests.train(trainer)
+        assert len(calls) >= 4, "too few micro-batches trained"
+        return [
+            (call.version - sample.model_version, lag)
+            for call in calls
+            for sample, lag in zip(
+                call.terms(by_logprob), call.seen.get("staleness_lag", call.seen["token_index"])[call.trained].tolist(),
+                strict=True,
+            )
+        ]  # fmt: skip
+
+    assert max(trained for trained, _ in run(with_lines=False)) == bound + 2
+    terms = run(with_lines=True)
+    assert terms and max(trained for trained, _ in terms) <= bound
+    assert all(trained == reported for trained, reported in terms)  # staleness_lag is the lag trained at

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from staleness_metrics import StalenessConfig, StalenessMonitor  # noqa: E402
 from staleness_metrics.adapters._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows  # noqa: E402
-from staleness_metrics.padded import from_padded  # noqa: E402
+from staleness_metrics.records.padded import from_padded  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float32])

@@ -1,13 +1,14 @@
-"""TRL 1.16.0's asynchronous GRPO, from its own package: RolloutSample, RolloutQueueDataset, the batcher,
-TreeRow.pack and DataCollatorForRollout, with :mod:`staleness_metrics.adapters.trl` at the rollout queue."""
+"""TRL 1.16.0's asynchronous GRPO, from its own package: RolloutSample, RolloutQueueDataset, TreeRow.pack and
+DataCollatorForRollout with :func:`staleness_metrics.adapters.trl.ship`, and AsyncGRPOTrainer itself, trained on
+CPU, with :func:`~staleness_metrics.adapters.trl.ship_at_train_time` (the README's lines)."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import queue
 from collections import defaultdict
-from types import SimpleNamespace
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402  (after t
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 from trl.experimental.async_grpo.async_grpo_trainer import (  # noqa: E402
     DataCollatorForRollout,
-    FixedCountBatcher,
     RolloutQueueDataset,
     _reduce_metric,
 )
@@ -188,65 +188,6 @@ def test_trls_own_drop_rule_and_numbers_equal_ours_on_any_versions(versions: lis
         assert "staleness/rollout/mean" not in ours and not metrics["sample/staleness_mean"]
 
 
-def test_the_shipping_queue_feeds_trls_dataset_batcher_and_collator_with_lags_per_loss_term() -> None:
-    version, bound = 5, 1
-    samples = samples_at([5, 4, 2, 5, 3, 4])
-    inner: queue.Queue[Any] = queue.Queue()
-    for sample in samples:
-        inner.put(sample)
-    recorder = Recorder()
-    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound), [recorder])
-    expected = [s for s in samples if version - s.model_version <= bound]
-    samples_per_step = len(expected)  # per_device_train_batch_size * gradient_accumulation_steps * num_processes
-    trainer = SimpleNamespace(rollout_queue=inner, model_version=version)  # the two attributes the lines read
-    trainer.rollout_queue = staleness.ShippingQueue(
-        trainer.rollout_queue, monitor, lambda: trainer.model_version, samples_per_step=samples_per_step
-    )
-    dataset, metrics = trl_dataset(trainer.rollout_queue, version, bound)
-    batcher = FixedCountBatcher(dataset, num_processes=2, microbatch_size=len(expected))
-    (rows,) = itertools.islice(iter(batcher), 1)
-    assert metrics["sample/dropped_stale_total"] == []  # TRL finds nothing left to drop
-    assert sorted(id(s["input_ids"]) for r in rows for s in r.samples) == sorted(id(s.input_ids) for s in expected)
-    # every ship of the step is at the trained version; the drops it made are the samples TRL would drop
-    assert {report.step for report in recorder.reports} == {version + 1}
-    assert sum(r.metrics["staleness/rollout/dropped"] for r in recorder.reports) == len(samples) - len(expected)
-
-    data_collator = staleness.with_staleness_lag(DataCollatorForRollout(pad_token_id=0, num_processes=2))
-    inputs = data_collator([rows])
-    selected = inputs["token_index"] >= 0
-    lag = inputs["staleness_lag"][selected]
-    segment = inputs["segment_id"][selected]
-    assert len(lag) == int(selected.sum()) and (lag >= 0).all()
-    # each loss term's lag is the version its sample was generated at, seen from the trained version
-    row_of_term = torch.arange(inputs["token_index"].shape[0])[:, None].expand_as(selected)[selected]
-    for term in range(len(lag)):
-        sample = rows[int(row_of_term[term])].samples[int(segment[term])]
-        by_input = next(s for s in expected if s.input_ids is sample["input_ids"])
-        assert int(lag[term]) == version - by_input.model_version
-
-    # SPEC 11 from TRL's own fields: old_log_probs (sampler) against the trainer's log_probs of compute_loss
-    old_log_probs = inputs["old_log_probs"][selected]
-    log_probs = (old_log_probs + 0.05 * lag.float()).requires_grad_()  # the trained weights drift with lag
-    self = trainer  # the lines below are the ones that go into AsyncGRPOTrainer.compute_loss
-    lag = inputs["staleness_lag"][selected]
-    monitor.record_mismatch(self.model_version + 1, mismatch_sums(lag, old_log_probs, log_probs.detach()))
-    sums = monitor.mismatch(version + 1)
-    assert sums is not None
-    direct = mismatch_sums(
-        np.concatenate([np.full(int(s.completion_mask[1:].sum()), version - s.model_version) for s in expected]),
-        np.concatenate([s.old_log_probs[1:][s.completion_mask[1:] != 0] for s in expected]),
-        np.concatenate(
-            [
-                s.old_log_probs[1:][s.completion_mask[1:] != 0] + np.float32(0.05 * (version - s.model_version))
-                for s in expected
-            ]
-        ),
-    )
-    assert sums.tokens.tolist() == direct.tokens.tolist() and int(sums.tokens.sum()) == len(lag)
-    assert sums.metrics() == pytest.approx(direct.metrics())
-    assert recorder.mismatch[-1].step == version + 1
-
-
 def test_the_packed_lags_follow_treerow_pack_order_with_shared_prefixes() -> None:
     version = 3
     samples = samples_at([3, 2])
@@ -282,3 +223,383 @@ def test_a_sample_without_model_version_is_refused_by_name() -> None:
     with pytest.raises(TraceError) as caught:
         staleness.ship(StalenessMonitor(StalenessConfig(max_staleness=4)), samples, version=1)
     assert caught.value.field == "samples[0].model_version"
+
+
+# -- AsyncGRPOTrainer itself, trained on CPU ----------------------------------------------------------------
+
+
+class Drains(queue.Queue[Any]):
+    """The rollout buffer of the worker below: once empty, the run is over (no poll timeout to wait out)."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        try:
+            return super().get(block=False)
+        except queue.Empty:
+            raise Drained from None
+
+
+class QueuedRollouts:
+    """A rollout worker through TRL's ``RolloutWorkerProtocol`` (its injection point, "e.g. a stub in tests"):
+    no generation, its buffer holds the given ``RolloutSample`` s from the start, oldest version first, as a
+    worker running ahead leaves them (the tests' versions are never ahead of the trainer when pulled)."""
+
+    def __init__(self, samples: list[Any]) -> None:
+        self.rollout_buffer = Drains()
+        for sample in samples:
+            self.rollout_buffer.put(sample)
+        self.metrics_queue: queue.Queue[Any] = queue.Queue()
+
+    def update_model_version(self, model_version: int) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def check_health(self, stale_after_s: float) -> None:
+        pass
+
+
+class NoWeightTransfer:
+    """TRL's ``WeightTransferProtocol`` with no inference server: a weight sync only bumps ``model_version``."""
+
+    def init_weight_transfer(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def send_weights(self, iterator: Any) -> None:
+        for _ in iterator:
+            pass
+
+    def resume(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        pass
+
+
+def tree_attention_on_cpu(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    *,
+    tree_kv_index: Any,
+    tree_cu_seqlens_q: Any,
+    tree_cu_seqlens_k: Any,
+    tree_max_seqlen_q: int,
+    tree_max_seqlen_k: int,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """``packing.tree_attention`` without its CUDA kernel (flash-attn 3 from the hub): each segment's queries
+    attend causally, aligned to the end, to the K/V of the segment's root-to-segment path only."""
+    q, k, v = (x.transpose(1, 2)[0] for x in (query, key, value))  # [tokens, heads, dim]
+    k, v = k.index_select(0, tree_kv_index), v.index_select(0, tree_kv_index)
+    repeat = q.shape[1] // k.shape[1]
+    out = []
+    for segment in range(len(tree_cu_seqlens_q) - 1):
+        q_lo, q_hi = int(tree_cu_seqlens_q[segment]), int(tree_cu_seqlens_q[segment + 1])
+        k_lo, k_hi = int(tree_cu_seqlens_k[segment]), int(tree_cu_seqlens_k[segment + 1])
+        causal = torch.ones(q_hi - q_lo, k_hi - k_lo, dtype=torch.bool).tril((k_hi - k_lo) - (q_hi - q_lo))
+        heads = [x.repeat_interleave(repeat, 1).transpose(0, 1) for x in (k[k_lo:k_hi], v[k_lo:k_hi])]
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q[q_lo:q_hi].transpose(0, 1), *heads, attn_mask=causal, scale=scaling
+        )
+        out.append(attended.transpose(0, 1))
+    return torch.cat(out).unsqueeze(0), None
+
+
+def save_tiny_model(path: Any) -> str:
+    """A one-layer Llama over the offline vocabulary, saved where ``AsyncGRPOTrainer(model=path)`` loads it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def async_grpo_trainer(
+    model: str, output_dir: Any, samples: list[Any], monkeypatch: pytest.MonkeyPatch, **config: Any
+) -> Any:
+    """TRL's own ``AsyncGRPOTrainer`` on CPU, its rollout worker's buffer holding ``samples``.
+
+    AsyncGRPO runs on GPUs only; two device calls are replaced so it runs here: the peak-FLOPs lookup
+    (``torch.cuda.get_device_name``, for MFU metrics) and the flash-attn 3 kernel of its tree attention.
+    """
+    from datasets import Dataset
+    from transformers import AttentionInterface
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import async_grpo_trainer as module
+    from trl.experimental.async_grpo.packing import TREE_ATTENTION
+
+    monkeypatch.setattr(module, "get_peak_flops_per_device", lambda accelerator, dtype: None)
+    args = AsyncGRPOConfig(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        max_steps=100,  # the run ends when the worker's buffer is empty
+        disable_tqdm=True,
+        seed=0,
+        **config,
+    )
+    trainer = AsyncGRPOTrainer(
+        model,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": [[{"role": "user", "content": "what is two plus three"}]] * 4}),
+        processing_class=tokenizer(),
+        rollout_worker=QueuedRollouts(samples),
+        weight_transfer=NoWeightTransfer(),
+    )
+    AttentionInterface.register(TREE_ATTENTION, tree_attention_on_cpu)  # after __init__, which registers the kernel
+    return trainer
+
+
+LOSS_KEYS = ("token_index", "old_log_probs", "advantages", "segment_id", "shift_labels", "global_n_tokens")
+
+
+@dataclass
+class LossCall:
+    """One micro-batch as TRL's ``compute_loss`` got it."""
+
+    version: int  # trainer.model_version when compute_loss ran
+    fetched: dict[str, Any]  # LOSS_KEYS as the dataloader handed the micro-batch out (copies)
+    seen: dict[str, Any]  # LOSS_KEYS and staleness_lag as compute_loss got them (copies)
+    own_tensors: bool  # compute_loss got the very tensors the dataloader handed out
+
+    @property
+    def trained(self) -> Any:
+        """The loss terms trained: selected by compute_loss (``token_index >= 0``), with a lag once shipped."""
+        if "staleness_lag" not in self.seen:  # a run without the README's lines
+            return self.seen["token_index"] >= 0
+        return (self.seen["token_index"] >= 0) & (self.seen["staleness_lag"] >= 0)
+
+    @property
+    def placeholder(self) -> Any:
+        """A term compute_loss selects without a lag: the one a row keeps, at advantage 0, once all are void."""
+        return (self.seen["token_index"] >= 0) & (self.seen["staleness_lag"] < 0)
+
+    def terms(self, by_logprob: dict[float, Any], when: str = "seen") -> list[Any]:
+        """The sample of each loss term trained (or, ``when="fetched"``, of each term as fetched), in order."""
+        selected = self.trained if when == "seen" else self.fetched["token_index"] >= 0
+        tensors = self.seen if when == "seen" else self.fetched
+        return [by_logprob[float(x)] for x in tensors["old_log_probs"][selected]]
+
+
+def by_old_log_prob(samples: list[Any]) -> dict[float, Any]:
+    """Each completion token's sample, by its generator log-probability (random, so one sample each)."""
+    out = {float(s.old_log_probs[p]): s for s in samples for p in np.flatnonzero(s.completion_mask[1:]) + 1}
+    assert len(out) == sum(int(s.completion_mask[1:].sum()) for s in samples)
+    return out
+
+
+def train(
+    trainer: Any, during_loss: Callable[[Any, dict[str, Any], Any, LossCall], None] | None = None
+) -> list[LossCall]:
+    """``trainer.train()`` until the worker's buffer is empty, keeping each micro-batch's tensors as the
+    dataloader handed them out (``get_batch_samples``) and as ``compute_loss`` got them."""
+    calls: list[LossCall] = []
+    fetched: dict[int, tuple[Any, dict[str, Any]]] = {}
+    get_batch_samples, compute_loss = trainer.get_batch_samples, trainer.compute_loss
+
+    def fetch(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+        batches, count = get_batch_samples(epoch_iterator, num_batches, device)
+        for batch in batches:
+            fetched[id(batch["token_index"])] = (batch["token_index"], {k: batch[k].clone() for k in LOSS_KEYS})
+        return batches, count
+
+    def loss(model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        tensor, before = fetched.pop(id(inputs["token_index"]))
+        seen = {k: inputs[k].clone() for k in (*LOSS_KEYS, "staleness_lag") if k in inputs}
+        calls.append(LossCall(trainer.model_version, before, seen, tensor is inputs["token_index"]))
+        value = compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if during_loss is not None:
+            during_loss(model, inputs, value, calls[-1])
+        return value
+
+    trainer.get_batch_samples, trainer.compute_loss = fetch, loss
+    with pytest.raises(Drained):
+        trainer.train()
+    return calls
+
+
+def unique(samples: list[Any]) -> list[Any]:
+    """Each sample once, in order (RolloutSample is an unhashable dataclass)."""
+    return list({id(s): s for s in samples}.values())
+
+
+def trained_lags(calls: list[LossCall], by_logprob: dict[float, Any]) -> list[int]:
+    """The lag each trained sample was trained at: the version compute_loss ran at minus its model_version."""
+    return [call.version - sample.model_version for call in calls for sample in unique(call.terms(by_logprob))]
+
+
+def test_the_readme_lines_void_stale_samples_in_the_micro_batch_trl_trains(
+    tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bound = 1
+    samples = samples_at([1, 1, 2, 2, 3])
+    by_logprob = by_old_log_prob(samples)
+    trainer = async_grpo_trainer(
+        tiny_model, tmp_path, samples, monkeypatch, max_staleness=bound, per_device_train_batch_size=2, token_budget=0
+    )
+    recorder = Recorder()
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound), [recorder])
+    staleness.ship_at_train_time(trainer, monitor)
+    calls = train(trainer)
+    assert len(calls) >= 4 and all(call.own_tensors for call in calls)  # TRL's own tensors, masked in place
+
+    voided_any = False
+    for call in calls:
+        before, now = call.terms(by_logprob, "fetched"), call.terms(by_logprob)
+        stale = [s for s in before if call.version - s.model_version > bound]
+        # the terms trained are exactly those of the samples within the bound at the version trained
+        assert now == [s for s in before if call.version - s.model_version <= bound]
+        # the others left token_index (compute_loss's `selected`), but for one kept at advantage 0 when none is left
+        voided = (call.fetched["token_index"] >= 0) & (call.seen["token_index"] < 0)
+        assert int(call.placeholder.sum()) == (0 if now else 1)
+        assert int(voided.sum()) + int(call.placeholder.sum()) == len(stale)
+        assert (call.seen["advantages"][voided | call.placeholder] == 0).all()
+        voided_any = voided_any or bool(stale)
+        # TRL normalises its loss by global_n_tokens: the terms trained
+        assert call.seen["global_n_tokens"].tolist() == [float(len(now))]
+        # each of them carries the lag it is trained at
+        assert call.seen["staleness_lag"][call.trained].tolist() == [call.version - s.model_version for s in now]
+    assert voided_any, "no micro-batch held a sample TRL's pull-time rule let through"
+    assert max(trained_lags(calls, by_logprob)) <= bound
+    # one ship per optimizer step (one micro-batch each here), at the version compute_loss then trained
+    assert [report.step for report in recorder.reports] == [call.version + 1 for call in calls]
+    assert trainer.staleness_shipping.versions == [call.version for call in calls]
+    # what the monitor dropped is what left the micro-batches (TRL's own pull-time drops never reach it)
+    dropped = sum(report.metrics["staleness/rollout/dropped"] for report in recorder.reports)
+    trained_or_dropped = {id(s) for call in calls for s in call.terms(by_logprob, "fetched")}
+    assert dropped == len(trained_or_dropped) - len({id(s) for call in calls for s in call.terms(by_logprob)})
+
+
+def test_a_voided_sample_adds_nothing_to_trls_loss_or_gradient(
+    tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL's compute_loss on the micro-batch with a voided sample equals its loss on the kept samples alone,
+    packed by TRL's own dataset, TreeRow and collator: the same value, the same gradient."""
+    bound = 1
+    samples = samples_at([1, 1, 2, 2, 3])
+    by_logprob = by_old_log_prob(samples)
+    trainer = async_grpo_trainer(
+        tiny_model, tmp_path, samples, monkeypatch, max_staleness=bound, per_device_train_batch_size=2, token_budget=0
+    )
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound))
+    staleness.ship_at_train_time(trainer, monitor)
+    compared: list[float] = []
+    compute_loss = trainer.compute_loss  # TRL's own, unwrapped
+
+    def compare(model: Any, inputs: dict[str, Any], loss: Any, call: LossCall) -> None:
+        kept = unique(call.terms(by_logprob))
+        if len(kept) == len(unique(call.terms(by_logprob, "fetched"))):
+            return  # nothing voided in this micro-batch
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, retain_graph=True)
+        if not kept:  # every sample voided: the loss and its gradient are zero
+            assert float(loss.detach()) == 0.0 and all(not grad.any() for grad in grads)
+            compared.append(0.0)
+            return
+        dataset, _ = trl_dataset(kept, trainer.model_version, bound)
+        row = TreeRow()
+        for item in drain(dataset):
+            row.add(item)
+        alone = DataCollatorForRollout(pad_token_id=0, num_processes=1)([[row]])
+        alone_loss = compute_loss(model, alone)
+        alone_grads = torch.autograd.grad(alone_loss, params)
+        assert float(loss.detach()) == pytest.approx(float(alone_loss.detach()), rel=1e-5, abs=1e-7)
+        for grad, alone_grad in zip(grads, alone_grads, strict=True):
+            torch.testing.assert_close(grad, alone_grad, rtol=1e-4, atol=1e-7)
+        compared.append(float(loss.detach()))
+
+    train(trainer, compare)
+    assert len(compared) >= 2 and 0.0 in compared, compared  # one partly voided micro-batch, one wholly
+
+
+def trl_log_probs(model: Any, inputs: dict[str, Any]) -> Any:
+    """The trainer's log-probability of each selected loss term, computed as ``AsyncGRPOTrainer.compute_loss``
+    computes its ``log_probs`` (async_grpo_trainer.py:1497-1523), with the model being trained."""
+    mask_bool = inputs["attention_mask"].bool()
+    selected = inputs["token_index"] >= 0
+    tree_kwargs = {
+        key: inputs[key][inputs[key] >= 0] for key in ("tree_kv_index", "tree_cu_seqlens_q", "tree_cu_seqlens_k")
+    }
+    tree_kwargs["tree_max_seqlen_q"], tree_kwargs["tree_max_seqlen_k"] = inputs["tree_max_seqlens"][0].tolist()
+    outputs = model(
+        input_ids=inputs["input_ids"][mask_bool].unsqueeze(0),
+        position_ids=inputs["position_ids"][mask_bool].unsqueeze(0),
+        shift_labels=inputs["shift_labels"][mask_bool].unsqueeze(0),
+        fused_lm_head=True,
+        **tree_kwargs,
+    )
+    return outputs.log_probs.flatten()[inputs["token_index"][selected]]
+
+
+def test_with_gradient_accumulation_each_step_ships_once_at_the_version_it_trains_and_costs_add_up(
+    tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bound = 1
+    samples = samples_at([1, 1, 2, 2, 3, 3])
+    by_logprob = by_old_log_prob(samples)
+    trainer = async_grpo_trainer(
+        tiny_model, tmp_path, samples, monkeypatch,
+        max_staleness=bound, per_device_train_batch_size=2, gradient_accumulation_steps=2, token_budget=0,
+    )  # fmt: skip
+    recorder = Recorder()
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=bound), [recorder])
+    staleness.ship_at_train_time(trainer, monitor)
+    seen: list[tuple[Any, Any]] = []
+
+    def cost_family(model: Any, inputs: dict[str, Any], loss: Any, call: LossCall) -> None:
+        selected = inputs["token_index"] >= 0
+        old_log_probs = inputs["old_log_probs"][selected]
+        log_probs = trl_log_probs(model, inputs)
+        self = trainer  # the lines below are the ones that go into AsyncGRPOTrainer.compute_loss, after log_probs
+        lag = inputs["staleness_lag"][selected]
+        monitor.record_mismatch(self.model_version + 1, mismatch_sums(lag, old_log_probs, log_probs.detach()))
+        trained = (lag >= 0).numpy()
+        seen.append((old_log_probs.numpy()[trained], log_probs.detach().numpy()[trained]))
+
+    calls = train(trainer, cost_family)
+    # get_batch_samples fetches a whole optimizer step before training it: the steps trained are whole
+    assert len(calls) >= 4 and len(calls) % 2 == 0
+    steps = [calls[k : k + 2] for k in range(0, len(calls), 2)]
+    assert all(first.version == second.version for first, second in steps)
+    # one ship per optimizer step, at the version compute_loss then trains (TRL's model_version, bumped per step)
+    versions = [first.version for first, _ in steps]
+    assert trainer.staleness_shipping.versions == versions == list(range(1, len(steps) + 1))
+    assert [report.step for report in recorder.reports] == [v + 1 for v in versions]
+    assert max(trained_lags(calls, by_logprob)) <= bound
+
+    # the cost family: per step, over the terms trained, each at the lag it trained at
+    for k, (version, step) in enumerate(zip(versions, steps, strict=True)):
+        lags = np.concatenate([[call.version - s.model_version for s in call.terms(by_logprob)] for call in step])
+        old = np.concatenate([seen[2 * k + j][0] for j in range(2)])
+        new = np.concatenate([seen[2 * k + j][1] for j in range(2)])
+        direct = mismatch_sums(lags.astype(np.int64), old, new)
+        sums = monitor.mismatch(version + 1)
+        assert sums is not None and int(sums.tokens.sum()) == len(lags) > 0
+        assert sums.tokens.tolist() == direct.tokens.tolist()
+        assert sums.metrics() == pytest.approx(direct.metrics())

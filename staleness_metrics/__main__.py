@@ -1,0 +1,9 @@
+"""``python -m staleness_metrics``: the console script."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli.main import main
+
+sys.exit(main())

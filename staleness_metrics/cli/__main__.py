@@ -1,0 +1,9 @@
+"""``python -m staleness_metrics.cli``: the console script."""
+
+from __future__ import annotations
+
+import sys
+
+from .main import main
+
+sys.exit(main())

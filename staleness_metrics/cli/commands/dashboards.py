@@ -1,0 +1,85 @@
+"""``staleness-metrics dashboards``: write the Grafana dashboards, rules and W&B panel spec, or check them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register", "run"]
+
+EPILOG = """\
+examples:
+  staleness-metrics dashboards                 # regenerate under the current directory
+  staleness-metrics dashboards --check         # exit 1 if a committed file is out of date (CI)
+  staleness-metrics dashboards --out /tmp/gen  # write a fresh copy elsewhere
+
+files (relative to --out):
+  dashboards/staleness.json, dashboards/staleness-fleet.json   Grafana dashboards (import them)
+  dashboards/wandb-workspace.json                             W&B panel spec (see wandb-workspace)
+  exporters/prometheus/staleness.rules.yml                    recording rules and alerts
+  exporters/otel/collector.yaml                               example OpenTelemetry Collector config
+"""
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "dashboards",
+        help="write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
+        description="Render the Grafana dashboards, the Prometheus recording/alerting rules, the W&B panel "
+        "spec and the example OpenTelemetry Collector config from the metric table.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("."),
+        metavar="DIR",
+        help="project root the files are written under (default: the current directory)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 and list the files that are missing or out of date",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ImportError as exc:
+        print(
+            f"staleness-metrics dashboards: needs {exc.name or exc}: pip install 'staleness-metrics[cli]'",
+            file=sys.stderr,
+        )
+    except OSError as exc:
+        print(f"staleness-metrics dashboards: {exc}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ...dashboards.artifacts import stale_files, write_files
+
+    root: Path = args.out
+    if args.check:
+        stale = stale_files(root)
+        if stale:
+            print(
+                f"{len(stale)} generated file(s) out of date under {root}; "
+                "regenerate with `staleness-metrics dashboards`:",
+                file=sys.stderr,
+            )
+            for path in stale:
+                print(f"  {path}", file=sys.stderr)
+            return 1
+        print(f"generated files under {root} are up to date")
+        return 0
+    changed = write_files(root)
+    for path in changed:
+        print(f"wrote {root / path}")
+    if not changed:
+        print(f"generated files under {root} are up to date")
+    return 0

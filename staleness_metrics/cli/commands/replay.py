@@ -1,0 +1,170 @@
+"""``staleness-metrics replay``: run the sink over a recorded event stream (SPEC 9)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from ...engine.sink import Shipment, Sink
+from ...errors import ConfigError, EventError
+from ...records import jsonio
+from ...records.columnar import WEIGHT_FIELDS
+from ...replay.stream import Event, is_event_file, parse_event, read_event_path, run_events
+from .options import add_sink_options, config_from_args
+
+__all__ = ["register", "run"]
+
+PROGRESS_MIN_BYTES = 16 << 20
+READ_BUFFER = 1 << 20  # lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
+
+EPILOG = """\
+examples:
+  staleness-metrics replay events.jsonl --metrics-out metrics.jsonl
+  staleness-metrics replay events.jsonl --policy xtuner --max-staleness 2 \\
+      --max-token-staleness 1 --retry-expired --batches-out batches.jsonl
+  staleness-metrics replay path/to/prime-rl-run --policy episode
+
+exit status: 0 on success; 2 on invalid input (strict) or a malformed event line,
+with a one-line message `line L: rollout 'ID': field F: reason`; no output file is
+written then. EVENTS.jsonl may be gzip, bzip2 or xz compressed (known by its first
+bytes, whatever its name); a zstd file is refused (decompress it with zstd -d).
+"""
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "replay",
+        help="run the sink over a recorded event stream",
+        description="Replay a recorded event stream (or a prime-rl run directory, or xtuner rollout "
+        "states) through the masking engine and write its metrics and batches.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("events", type=Path, metavar="EVENTS.jsonl|RUN_DIR")
+    parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
+    add_sink_options(parser)
+    parser.add_argument("--env-breakdown", action="store_true", help="add staleness/env/<env>/... keys")
+    parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="one metrics line per ship")
+    parser.add_argument("--batches-out", type=Path, metavar="FILE", help="one shipped-batch line per ship")
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bar (default: on a terminal, for inputs over 16 MiB)",
+    )  # fmt: skip
+    parser.set_defaults(func=run)
+
+
+def open_events(
+    path: Path, progress: bool | None = None, max_staleness: int = 8
+) -> tuple[Iterator[Event], contextlib.ExitStack]:
+    """Events of a SPEC 9 stream (gzip, bzip2 or xz compressed or not), or of a run in another format
+    the adapters understand."""
+    from ...replay.sources import detect_and_read
+
+    stack = contextlib.ExitStack()
+    if is_event_file(path):
+        events = read_event_path(path, parse=True, opener=lambda p: _open_with_progress(p, progress))
+        stack.callback(events.close)  # closes the file even when the replay stops early
+        return events, stack
+    raws = detect_and_read(path, max_staleness=max_staleness)
+    return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
+
+
+def _open_with_progress(path: Path, progress: bool | None) -> contextlib.AbstractContextManager[IO[bytes]]:
+    show = progress if progress is not None else (sys.stderr.isatty() and path.stat().st_size > PROGRESS_MIN_BYTES)
+    if show:
+        try:
+            import rich.progress
+        except ImportError:
+            pass
+        else:
+            return rich.progress.open(path, "rb", description="replay", console=None)
+    return path.open("rb", buffering=READ_BUFFER)
+
+
+@contextlib.contextmanager
+def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[bytes] | None]]:
+    """Open temp files beside each path (binary); they replace the paths only if the block succeeds."""
+    handles: list[IO[bytes] | None] = []
+    temps: list[tuple[str, Path]] = []
+    try:
+        for path in paths:
+            if path is None:
+                handles.append(None)
+                continue
+            fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+            temps.append((temp, path))
+            handles.append(os.fdopen(fd, "wb"))
+        yield handles
+    except BaseException:
+        for handle in handles:
+            if handle is not None:
+                handle.close()
+        for temp, _ in temps:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+        raise
+    for handle in handles:
+        if handle is not None:
+            handle.close()
+    for temp, path in temps:
+        os.replace(temp, path)
+
+
+def batches_line_bytes(shipment: Shipment) -> bytes:
+    """The ``--batches-out`` line of a ship, its 0/1 weights written by table look-up
+    (:func:`.jsonio.zero_one_floats`: the same bytes as formatting each float)."""
+    line = shipment.batches_line(arrays=True)
+    samples = [sample for rollout in line["shipped"] for sample in rollout["samples"]]
+    for name in WEIGHT_FIELDS:
+        holders = [sample for sample in samples if name in sample]
+        texts = jsonio.zero_one_floats([sample[name] for sample in holders])
+        if texts is not None:
+            for sample, text in zip(holders, texts):
+                sample[name] = text
+    return jsonio.dumps_line(line)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args, args.max_staleness)
+    except ConfigError as error:
+        print(f"staleness-metrics replay: {error}", file=sys.stderr)
+        return 2
+    if not args.events.exists():
+        print(f"staleness-metrics replay: {args.events}: no such file or directory", file=sys.stderr)
+        return 2
+    for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
+        if path is not None and not path.resolve().parent.is_dir():
+            print(f"staleness-metrics replay: {option} {path}: its folder does not exist", file=sys.stderr)
+            return 2
+    sink = Sink(config, env_reports=config.env_breakdown)  # per-env figures are written only with the breakdown
+    ships = 0
+    try:
+        events, stack = open_events(args.events, args.progress, config.max_staleness)
+        with stack, atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out):
+            for shipment in run_events(events, sink):
+                ships += 1
+                if metrics_out is not None:
+                    metrics_out.write(jsonio.dumps_line(shipment.report.row()))
+                if batches_out is not None:
+                    batches_out.write(batches_line_bytes(shipment))
+    except EventError as error:
+        print(str(error), file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as error:
+        print(f"staleness-metrics replay: {error}", file=sys.stderr)
+        return 2
+    totals = sink.totals
+    print(
+        f"replayed {ships} ships: {totals.rollouts_shipped} rollouts shipped, {totals.rollouts_dropped} dropped, "
+        f"{totals.tokens_masked}/{totals.tokens_sampled} sampled tokens masked, "
+        f"{totals.rollouts_invalid} invalid set aside",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,225 @@
+"""``staleness-metrics serve``: the sidecar service (one sink per run behind an HTTP API)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_DATA_DIR", "DEFAULT_HOST", "DEFAULT_PORT", "register", "run"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 9487
+DEFAULT_DATA_DIR = "staleness-data"
+TOKEN_ENV = "STALENESS_METRICS_TOKEN"  # also in server.security, which needs fastapi to import
+OTLP_ENDPOINT_ENVS = ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+
+EPILOG = f"""\
+examples:
+  staleness-metrics serve                                   # http://127.0.0.1:9487, no token needed
+  {TOKEN_ENV}=$(openssl rand -hex 32) staleness-metrics serve --host 0.0.0.0
+  staleness-metrics serve --otlp-endpoint http://127.0.0.1:4318/v1/metrics --wandb-project rl --wandb-mode offline
+
+  curl -X PUT localhost:9487/v1/runs/exp-42 -H 'content-type: application/json' -d '{{"max_staleness": 4}}'
+  curl -X POST localhost:9487/v1/runs/exp-42/rollouts -H 'content-type: application/json' \\
+       -d '{{"rollouts": [{{"id": "r1", "dispatch_version": 0, "samples": [{{"mask": [1, 1]}}]}}]}}'
+  curl -X POST localhost:9487/v1/runs/exp-42/ship -H 'content-type: application/json' -d '{{"step": 2}}'
+  curl localhost:9487/v1/runs/exp-42/steps?since=0; curl localhost:9487/metrics
+
+Off loopback the service refuses to start without a token; with a token every write needs
+'Authorization: Bearer <token>'. Prefer the environment variable or --token-file to --token (command
+lines are visible to other users of the machine). The API is described at /docs and /openapi.json;
+see docs/service.md for when to use the service and how a fleet scales out.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
+        description="Run the staleness service: per-run sinks behind an HTTP API (FastAPI on uvicorn), "
+        "with /metrics for Prometheus and optional OTLP and W&B exporters for every run.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)"
+    )
+    parser.add_argument(
+        "--token", default=None, help=f"bearer token required on writes (default: ${TOKEN_ENV}, if set)"
+    )
+    parser.add_argument("--token-file", type=Path, metavar="FILE", help="read the token from FILE")
+    parser.add_argument(
+        "--protect-reads", action="store_true", help="require the token on reads too (/healthz stays open)"
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
+        help="largest request body accepted, 413 beyond (default: 64 MiB)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-header-bytes", type=int, default=64 * 1024, metavar="N",
+        help="largest request line and headers accepted, 431 beyond (default: 64 KiB)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--header-timeout", type=float, default=10.0, metavar="SECONDS",
+        help="close a connection whose request headers have not all arrived this long after it opened or "
+        "its request began (default: 10)",
+    )  # fmt: skip
+    store = parser.add_mutually_exclusive_group()
+    store.add_argument(
+        "--data-dir", type=Path, default=Path(DEFAULT_DATA_DIR), metavar="DIR",
+        help=f"persist every acknowledged write here and restore the runs at start (default: ./{DEFAULT_DATA_DIR})",
+    )  # fmt: skip
+    store.add_argument(
+        "--in-memory", action="store_true", help="keep runs in memory only: a restart or crash loses them"
+    )
+    otlp = parser.add_argument_group("OTLP (every run, besides /metrics)")
+    otlp.add_argument(
+        "--otlp-endpoint", metavar="URL",
+        help="send OTLP metrics there (default: on when OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set)",
+    )  # fmt: skip
+    otlp.add_argument("--otlp-protocol", choices=("http/protobuf", "grpc"), help="default: http/protobuf")
+    wandb = parser.add_argument_group("Weights & Biases (one W&B run per service run)")
+    wandb.add_argument("--wandb-project", metavar="NAME", help="log every run to this W&B project")
+    wandb.add_argument("--wandb-entity", metavar="NAME")
+    wandb.add_argument("--wandb-mode", choices=("online", "offline"), help="default: $WANDB_MODE, else online")
+    wandb.add_argument("--wandb-dir", metavar="DIR", help="where W&B writes its run files")
+    parser.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn log level (default: info)",
+    )  # fmt: skip
+    parser.set_defaults(func=run)
+
+
+def _blank(token: str, where: str) -> str:
+    if not token.strip():  # a blank token is no secret: refuse rather than serve with it or without one
+        raise ValueError(f"refusing a blank token from {where}: give a real secret (e.g. $(openssl rand -hex 32))")
+    return token
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if args.token is not None:
+        return _blank(str(args.token), "--token")
+    if args.token_file is not None:
+        try:
+            token: str = args.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the token file: {exc}") from None
+        if not token:  # asked for a token: serving without one would be a silent downgrade
+            raise ValueError(f"cannot read the token file: {args.token_file} is empty")
+        return token
+    from_env = os.environ.get(TOKEN_ENV)
+    if not from_env:  # unset or empty: no token (an empty variable is how shells unset it)
+        return None
+    return _blank(from_env, TOKEN_ENV)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (bound here so that port 0 can report the port it got).
+
+    Created with the protocol named (``IPPROTO_TCP``, not 0 as ``socket.create_server`` leaves it):
+    accepted sockets inherit it, and asyncio sets ``TCP_NODELAY`` only on sockets that say TCP. Without
+    it a response written in two sends (headers, then body) waits for the client's delayed ACK: about
+    40 ms on every request after the first on a kept-alive connection.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[
+        0
+    ]
+    sock = socket.socket(family, kind, proto)
+    try:
+        if os.name != "nt":  # a restarted service can take its port back while old connections linger
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _header_limits(args: argparse.Namespace) -> dict[str, Any]:
+    from ...server.limits import uvicorn_header_options
+
+    return uvicorn_header_options(args.max_header_bytes, args.header_timeout)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"staleness-metrics serve: {message}", file=sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from ...server import ExportSettings, ServerSettings, create_app
+        from ...server.security import BindRefused, check_bind
+    except ImportError as exc:
+        return _fail(f"{exc}; install the server extra: pip install 'staleness-metrics[server]'", 2)
+
+    try:
+        token = _token(args)
+    except (OSError, ValueError) as exc:  # unreadable, empty, not UTF-8, or blank
+        return _fail(str(exc), 2)
+    if not 0 <= args.port <= 65535:  # the socket layer would wrap a larger number around silently
+        return _fail(f"--port must be 0..65535, got {args.port}", 2)
+    try:
+        check_bind(args.host, token)
+    except BindRefused as exc:
+        return _fail(str(exc), 2)
+    if args.max_body_bytes < 1:
+        return _fail("--max-body-bytes must be >= 1", 2)
+    if args.max_header_bytes < 1024:
+        return _fail("--max-header-bytes must be >= 1024", 2)
+    if not args.header_timeout > 0:
+        return _fail("--header-timeout must be > 0", 2)
+
+    otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
+    exporters = ExportSettings(
+        otlp=otlp,
+        otlp_endpoint=args.otlp_endpoint,
+        otlp_protocol=args.otlp_protocol,
+        wandb_project=args.wandb_project,
+        wandb_entity=args.wandb_entity,
+        wandb_mode=args.wandb_mode,
+        wandb_dir=args.wandb_dir,
+    )
+    data_dir = None if args.in_memory else args.data_dir
+    settings = ServerSettings(
+        token=token,
+        protect_reads=args.protect_reads,
+        max_body_bytes=args.max_body_bytes,
+        exporters=exporters,
+        data_dir=data_dir,
+    )
+    from ...server.limits import return_large_frees_to_the_os
+
+    return_large_frees_to_the_os()  # a large body's memory goes back to the system once it is applied
+    try:
+        sock = _listen(args.host, args.port)
+    except OSError as exc:
+        return _fail(f"cannot listen on {args.host}:{args.port}: {exc}", 1)
+    try:
+        app = create_app(settings)  # restores the stored runs, before the URL is announced
+    except Exception as exc:  # an unreadable or foreign data directory: say so rather than start empty
+        sock.close()
+        return _fail(f"cannot load the data directory {data_dir}: {exc}", 1)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"staleness-metrics service on http://{shown}:{port} (API: /docs; metrics: /metrics; "
+        f"token: {'required on writes' if token else 'none (loopback only)'}; "
+        f"data: {data_dir if data_dir is not None else 'in memory only'})",
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app, log_level=args.log_level, server_header=False, proxy_headers=False, **_header_limits(args)
+    )
+    server = uvicorn.Server(config)
+    with sock:
+        server.run(sockets=[sock])
+    return 0

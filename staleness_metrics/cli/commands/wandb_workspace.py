@@ -1,0 +1,50 @@
+"""``staleness-metrics wandb-workspace``: save the "Staleness" W&B workspace to a project."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = ["register", "run"]
+
+EPILOG = """\
+example:
+  WANDB_API_KEY=... staleness-metrics wandb-workspace --entity my-team --project async-rl
+
+Needs network access and WANDB_API_KEY; the panels are the ones in dashboards/wandb-workspace.json.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "wandb-workspace",
+        help="save a W&B workspace with a Staleness section to a project (needs WANDB_API_KEY)",
+        description="Build the W&B workspace with the Staleness section (the Grafana views over the "
+        "W&B keys) and save it as a new view of a project.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--entity", required=True, help="W&B entity (user or team)")
+    parser.add_argument("--project", required=True, help="W&B project")
+    parser.add_argument("--name", default="RL staleness", help="name of the saved view (default: %(default)s)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ...dashboards.artifacts import WANDB_X_AXIS
+    from ...dashboards.wandb_panels import MissingApiKey, save
+
+    try:
+        url = save(args.entity, args.project, x_axis=WANDB_X_AXIS, name=args.name)
+    except MissingApiKey as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(
+            f"error: {exc.name or exc}: install the W&B extra (pip install 'staleness-metrics[wandb]')",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"saved W&B workspace: {url}")
+    return 0

@@ -1,0 +1,71 @@
+"""``staleness-metrics what-if``: the same run replayed at a range of bounds."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ...errors import ConfigError, EventError
+from .options import add_sink_options, config_from_args
+
+__all__ = ["register", "run"]
+
+EPILOG = """\
+examples:
+  staleness-metrics what-if events.jsonl --max-staleness 0..8
+  staleness-metrics what-if path/to/prime-rl-run --policy episode --max-staleness 0..8 --json
+  staleness-metrics what-if xtuner-states.jsonl --policy xtuner --max-token-staleness 1 --max-staleness 0..4
+  staleness-metrics what-if staleness-demo                # a run directory: its settings, with the cost columns
+
+Per bound: masked = masked / sampled tokens of the shipped batches over the run; tokens kept =
+sampled tokens that train (sampled - masked); kept share = kept / (shipped + dropped sampled tokens);
+dropped rollouts and samples; live rollouts shipped; held = held rollouts summed over ships.
+With trainer log-probabilities (records with trainer_logprobs, or a run directory with its
+trainer-logprobs file): the k3 of what each bound lets train, and what the run's excess curve (SPEC 14,
+pooled over the run) says: the excess at each bound, whether it is within the budget, and the suggested
+bound. --json carries the same per bound (excess_at_bound, within_budget, suggested).
+"""
+
+
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
+    parser = subparsers.add_parser(
+        "what-if",
+        help="masked / dropped / kept for each bound",
+        description="Replay a run (event stream, prime-rl run directory or xtuner states) at every "
+        "max_staleness of a range and show what would have been masked, dropped and kept.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("events", type=Path, metavar="EVENTS", help="an event stream, run directory or run input")
+    parser.add_argument(
+        "--max-staleness",
+        default="0..8",
+        metavar="A..B",
+        help="bounds to try: A..B, N or N,M,... (default: 0..8)",
+    )
+    add_sink_options(parser)
+    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ...replay.run_dir import find_run
+    from ...replay.what_if import format_table, parse_bounds, to_json, what_if_with_curve
+
+    try:
+        bounds = parse_bounds(args.max_staleness)
+        config = config_from_args(args, bounds[0] if bounds else 0)
+        run_dir = find_run(args.events)
+        if run_dir is not None:  # the run's own settings, where the command line leaves them at their defaults
+            config = run_dir.merged_config(config)
+        result = what_if_with_curve(run_dir.root if run_dir is not None else args.events, bounds, config)
+    except EventError as error:
+        print(str(error), file=sys.stderr)
+        return 2
+    except (ConfigError, ValueError, OSError) as error:
+        print(f"staleness-metrics what-if: {error}", file=sys.stderr)
+        return 2
+    print(to_json(result.rows) if args.json else format_table(result.rows, result.curve))
+    return 0

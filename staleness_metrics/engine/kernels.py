@@ -1,0 +1,608 @@
+"""Compiled single passes over positions, for the shapes numpy cannot do in a constant number of passes.
+
+Per-position ``token_versions`` with scattered ``-1`` positions or labels that change often make
+"find the runs, then reduce per run" cost a dozen numpy passes over arrays as long as the runs are
+many. These loops (compiled once by numba, cached on disk) read each position once instead. Each has
+the numpy formulation it replaced in ``tests/engine/test_kernels.py``, checked equal on random inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from .parallel import PARALLEL_MIN_POSITIONS, run_all
+
+__all__ = [
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "TokenSpans", "fusable_weights",
+    "mismatch_runs", "plain_positions", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
+]  # fmt: skip
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+_UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+_NO_FLAGS = np.zeros(0, dtype=np.uint8)
+_NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
+_BLOCK = 64  # positions the cut loop checks at once for a cut (one vector pass)
+_SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
+
+
+class _CompiledOnFirstCall:
+    """``loop`` compiled by numba on its first call (numba is imported then, not with the package), for
+    the argument types it gets; the machine code is cached on disk across processes."""
+
+    def __init__(self, loop: Callable[..., Any]) -> None:
+        self._loop = loop
+        self._compiled: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any) -> Any:
+        if self._compiled is None:
+            with self._lock:
+                if self._compiled is None:
+                    import numba
+
+                    self._compiled = numba.njit(cache=True, nogil=True)(self._loop)
+        assert self._compiled is not None
+        return self._compiled(*args)
+
+
+@_CompiledOnFirstCall
+def _token_spans(
+    tokens: IntArray,
+    mask: npt.NDArray[Any],
+    pos_off: IntArray,
+    samples: IntArray,
+    weights: tuple[npt.NDArray[Any], ...],
+    n_weights: int,
+    sign: np.uint64,
+    infinity: np.uint64,
+) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]:  # pragma: no cover - compiled
+    n = len(tokens)
+    if len(mask) != n:
+        raise ValueError("token_cuts: token_versions and mask differ in length")
+    for w in range(n_weights):
+        if len(weights[w]) != n:
+            raise ValueError("token_cuts: a weight array and token_versions differ in length")
+    total = 0
+    end = 0
+    for s in samples:  # checked before any read: a damaged offset must not read or write out of bounds
+        if s < 0 or s + 1 >= len(pos_off):
+            raise IndexError("token_cuts: a sample index beyond the position offsets")
+        a = pos_off[s]
+        b = pos_off[s + 1]
+        if a < end or b < a or b > n:
+            raise ValueError("token_cuts: position offsets out of order or beyond the arrays")
+        end = b
+        total += b - a
+    starts = np.empty(total + 1, dtype=np.int64)  # a cut holds at least one position: k <= total
+    labels = np.empty_like(starts)
+    labelled = np.empty_like(starts)
+    flags = np.zeros((n_weights, total + 1), dtype=np.uint8)
+    # The weight bits (see _weight_flags) of each cut, read while its sample is in cache.
+    one = np.uint64(1)
+    magnitude = sign - one
+    at_least_inf = sign - infinity
+    above_inf = at_least_inf - one
+    below = 0  # labels below -1 seen (a value rule of SPEC 3, checked by the caller when any)
+    k = 0
+    for s in samples:
+        a = pos_off[s]
+        length = pos_off[s + 1] - a
+        if length == 0:
+            continue
+        first_cut = k
+        tok = tokens[a : a + length]  # slices: in bounds by the checks above, and no negative-index fix-up
+        m = mask[a : a + length]
+        starts[k] = a
+        cut_label = tok[0]  # -1: none yet (leading -1 positions join the first label)
+        count = 1 if cut_label >= 0 else 0
+        below += cut_label < -1
+        i = 1
+        while i < length:
+            end = min(i + _BLOCK, length)
+            # Slices of the block (and of the positions before it): indices from 0, so no negative-index
+            # fix-up per position and the check below is one vector pass. Does anything cut here? Mostly
+            # not: then only count.
+            block_tok = tok[i:end]
+            block_mask = m[i:end]
+            before_mask = m[i - 1 : end - 1]
+            cuts = 0
+            block_labelled = 0
+            for q in range(end - i):
+                t = block_tok[q]
+                is_labelled = t >= 0
+                cuts += (block_mask[q] != before_mask[q]) | (is_labelled & (t != cut_label))
+                block_labelled += is_labelled
+                below += t < -1
+            if cuts == 0:
+                count += block_labelled
+                i = end
+                continue
+            for q in range(end - i):  # the block holds a cut: position by position
+                t = block_tok[q]
+                if block_mask[q] != before_mask[q]:  # the mask changes (NaN differs from everything, as numpy's !=)
+                    labels[k] = cut_label
+                    labelled[k] = count
+                    k += 1
+                    starts[k] = a + i + q
+                    cut_label = -1
+                    count = 0
+                is_labelled = t >= 0
+                if is_labelled & (t != cut_label):  # -1 positions carry the cut's label on: they never cut
+                    if cut_label >= 0:  # a different label: -1 positions before it stay behind
+                        labels[k] = cut_label
+                        labelled[k] = count
+                        k += 1
+                        starts[k] = a + i + q
+                        count = 0
+                    cut_label = t
+                count += is_labelled  # no branch on the label itself: -1 positions come at random
+            i = end
+        labels[k] = cut_label
+        labelled[k] = count
+        k += 1
+        for w in range(n_weights):
+            bits = weights[w]
+            for c in range(first_cut, k):
+                cut_end = starts[c + 1] if c + 1 < k else a + length
+                seg = bits[starts[c] : cut_end]
+                any_bits = np.uint64(0)
+                any_inf = np.uint64(0)
+                any_nan = np.uint64(0)
+                any_not_positive = np.uint64(0)
+                for q in range(len(seg)):  # integer ORs only: one vector pass over the cut
+                    u = np.uint64(seg[q])
+                    y = u & magnitude
+                    any_bits |= y
+                    any_inf |= y + at_least_inf
+                    any_nan |= y + above_inf
+                    any_not_positive |= u | (y - one)
+                bits_of_cut = 0
+                if any_bits != 0:
+                    bits_of_cut |= 1
+                if any_inf & sign:
+                    bits_of_cut |= 2
+                if any_nan & sign:
+                    bits_of_cut |= 4 | 8
+                if any_not_positive & sign:
+                    bits_of_cut |= 8
+                flags[w, c] = bits_of_cut
+    return starts[:k].copy(), labels[:k].copy(), labelled[:k].copy(), flags[:, :k].copy(), below
+
+
+def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """The mask in a dtype the loop compares as numpy does: float32/64, integers and booleans as they
+    are; any other dtype (float16, long double) as run numbers, equal exactly where numpy's ``!=`` says
+    no change from the previous position."""
+    if mask.dtype.kind in "biu" or mask.dtype in (np.float32, np.float64):
+        return mask
+    runs = np.zeros(len(mask), dtype=np.int64)
+    np.cumsum(mask[1:] != mask[:-1], out=runs[1:])
+    return runs
+
+
+def fusable_weights(weights: Sequence[npt.NDArray[Any]]) -> bool:
+    """Whether :func:`token_spans` reads the bits of ``weights`` in its pass: 1-d contiguous arrays of one
+    float dtype (float16/32/64). Others get their bits from :func:`weight_flags` or numpy."""
+    if not weights:
+        return True
+    dtype = weights[0].dtype
+    return dtype in _FLOAT_BITS and all(w.dtype == dtype and w.ndim == 1 and w.flags.c_contiguous for w in weights)
+
+
+class TokenSpans(NamedTuple):
+    """What :func:`token_spans` finds: per cut its start, label (-1: none), labelled positions and the
+    ``WEIGHT_*`` bits of each weight array (one row per array); and how many labels are below -1."""
+
+    starts: IntArray
+    labels: IntArray
+    labelled: IntArray
+    flags: npt.NDArray[np.uint8]
+    below: int
+
+
+def token_spans(
+    tokens: IntArray,
+    mask: npt.NDArray[Any],
+    pos_off: IntArray,
+    samples: IntArray,
+    weights: Sequence[npt.NDArray[Any]] = (),
+) -> TokenSpans:
+    """Cuts of the (increasing) ``samples`` labelled per position: start, label and count of labelled
+    positions of each, the ``WEIGHT_*`` bits of each of ``weights`` per cut (as :func:`weight_flags`;
+    the arrays must pass :func:`fusable_weights`), and the count of labels below -1 (the caller checks
+    them: the cuts then treat such a label as unlabelled).
+
+    A cut starts with its sample, wherever the mask differs from the previous position's, and where a
+    label differs from the cut's label. ``-1`` positions never start a cut: they belong to the cut they
+    fall in, so a cut holds one label (or none: -1) and the unlabelled positions around it. One pass
+    reads the labels and the mask, then each cut's weights while the sample is in cache. Large inputs
+    are cut in parallel, a share of the samples per thread (the loop releases the GIL).
+
+    Raises ``IndexError`` / ``ValueError`` on offsets that are out of order or point beyond the arrays
+    (the loop checks them before it reads or writes anything).
+    """
+    samples = np.ascontiguousarray(samples, dtype=np.int64)
+    mask = _comparable_mask(mask)
+    views: tuple[npt.NDArray[Any], ...]
+    if weights:
+        if not fusable_weights(weights):
+            raise ValueError("token_spans: weights of one float dtype, 1-d and contiguous")
+        sign, infinity = _FLOAT_BITS[weights[0].dtype]
+        views = tuple(w.view(_UNSIGNED_OF_SIZE[w.dtype.itemsize]) for w in weights)
+    else:
+        sign, infinity = _FLOAT_BITS[np.dtype(np.float32)]
+        views = (_NO_WEIGHTS,)
+    n_weights = len(weights)
+    constants = (np.uint64(sign), np.uint64(infinity))
+    n = len(tokens)
+    if len(samples) < 2 or n < PARALLEL_MIN_POSITIONS:
+        return TokenSpans(*_token_spans(tokens, mask, pos_off, samples, views, n_weights, *constants))
+    # Shares of about equal positions (the offsets are checked again inside each share).
+    ends = np.clip(pos_off[np.clip(samples + 1, 0, len(pos_off) - 1)], 0, None)
+    edges = np.unique(np.searchsorted(ends, np.linspace(0, ends[-1], num=_SHARES + 1)[1:-1], "left"))
+    bounds = [0, *(int(e) + 1 for e in edges if 0 <= e < len(samples) - 1), len(samples)]
+    tasks = [
+        partial(_token_spans, tokens, mask, pos_off, samples[a:b], views, n_weights, *constants)
+        for a, b in itertools.pairwise(bounds) if b > a
+    ]  # fmt: skip
+    parts: list[tuple[IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]] = run_all(tasks, n)
+    if len(parts) == 1:
+        return TokenSpans(*parts[0])
+    return TokenSpans(
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        np.concatenate([p[2] for p in parts]),
+        np.concatenate([p[3] for p in parts], axis=1),
+        sum(p[4] for p in parts),
+    )
+
+
+def token_cuts(
+    tokens: IntArray, mask: npt.NDArray[Any], pos_off: IntArray, samples: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """The cuts of :func:`token_spans` alone: start, label and count of labelled positions of each.
+
+    Raises ``IndexError`` / ``ValueError`` on offsets that are out of order or point beyond the arrays.
+    """
+    found = token_spans(tokens, mask, pos_off, samples)
+    return found.starts, found.labels, found.labelled
+
+
+@_CompiledOnFirstCall
+def _zero_spans(
+    b0: npt.NDArray[Any],
+    b1: npt.NDArray[Any],
+    b2: npt.NDArray[Any],
+    b3: npt.NDArray[Any],
+    tokens: IntArray,
+    lo: IntArray,
+    hi: IntArray,
+    part: npt.NDArray[np.int8],
+    count: IntArray,
+    zeros: tuple[Any, Any, Any, Any],
+) -> None:  # pragma: no cover - compiled
+    z0, z1, z2, z3 = zeros
+    n = len(b0)
+    if len(b1) != n or len(b2) != n or len(b3) != n:
+        raise ValueError("zero_spans: the arrays differ in length")
+    rows = len(lo)
+    if len(hi) != rows or len(part) != rows or len(count) != rows:
+        raise ValueError("zero_spans: lo, hi, part and count differ in length")
+    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*; spans imports this module, not the reverse)
+    for r in range(rows):
+        a = lo[r]
+        b = hi[r]
+        if a >= b:
+            continue
+        if a < 0 or b > n or (part[r] != 0 and b > len(tokens)):
+            raise IndexError("zero_spans: a span lies outside the arrays")
+        # Loops over slices: in bounds by the check above, with no negative-index fix-up per position,
+        # so LLVM makes each a memset or a vector select.
+        s0, s1, s2, s3 = b0[a:b], b1[a:b], b2[a:b], b3[a:b]
+        if part[r] == 0:
+            for i in range(b - a):
+                s0[i] = z0
+            for i in range(b - a):
+                s1[i] = z1
+            for i in range(b - a):
+                s2[i] = z2
+            for i in range(b - a):
+                s3[i] = z3
+            continue
+        want = part[r] == 2
+        tok = tokens[a:b]
+        if 4 * count[r] < b - a:  # few positions to write: a branch, rarely taken
+            for i in range(b - a):
+                if (tok[i] < 0) == want:
+                    s0[i], s1[i], s2[i], s3[i] = z0, z1, z2, z3
+            continue
+        for i in range(b - a):  # many: unconditional stores of a select, no branch to mispredict
+            keep = (tok[i] < 0) != want
+            s0[i] = s0[i] if keep else z0
+            s1[i] = s1[i] if keep else z1
+            s2[i] = s2[i] if keep else z2
+            s3[i] = s3[i] if keep else z3
+
+
+def zero_spans(
+    arrays: Sequence[npt.NDArray[Any]],
+    tokens: IntArray | None,
+    lo: IntArray,
+    hi: IntArray,
+    part: npt.NDArray[np.int8],
+    count: IntArray,
+) -> None:
+    """Set to 0, in place, in each of ``arrays`` (one to four of the same length): every position of
+    ``[lo[r], hi[r])`` where ``part[r]`` is 0 (the whole span), else its unlabelled positions
+    (``tokens < 0``) where ``part[r]`` is 2 and its labelled ones where it is 1; ``count[r]`` is how
+    many positions that is (it only chooses how to write them).
+
+    Written through unsigned views of the same width: zero bits are 0 (+0.0) in every numeric dtype.
+    """
+    if len(lo) == 0:
+        return
+    views = [values.view(_UNSIGNED_OF_SIZE[values.dtype.itemsize]) for values in arrays]
+    views += [views[0]] * (4 - len(views))  # zeroing a position twice is harmless
+    # Zeros of each view's own type: a literal 0 would make the selects float64.
+    zeros = tuple(view.dtype.type(0) for view in views)
+    labels = _NO_TOKENS if tokens is None else tokens
+    written = np.cumsum(hi - lo)
+    total = int(written[-1])
+    if total < PARALLEL_MIN_POSITIONS:
+        _zero_spans(*views, labels, lo, hi, part, count, zeros)
+        return
+    # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the shares
+    # never write the same position.
+    edges = np.searchsorted(written, np.linspace(0, total, num=_SHARES + 1)[1:-1], "left").tolist()
+    bounds = [0, *edges, len(lo)]
+    tasks = [
+        partial(_zero_spans, *views, labels, lo[a:b], hi[a:b], part[a:b], count[a:b], zeros)
+        for a, b in itertools.pairwise(bounds) if b > a
+    ]  # fmt: skip
+    run_all(tasks, total)
+
+
+# Per span facts of a weight array, as bits of one byte each (see weight_flags).
+WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
+# Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers of their width.
+_FLOAT_BITS = {np.dtype(np.float16): (1 << 15, 0x7C00), np.dtype(np.float32): (1 << 31, 0x7F800000),
+               np.dtype(np.float64): (1 << 63, 0x7FF << 52)}  # fmt: skip
+
+
+@_CompiledOnFirstCall
+def _weight_flags(
+    bits: npt.NDArray[Any], lo: IntArray, hi: IntArray, sign: np.uint64, infinity: np.uint64
+) -> npt.NDArray[np.uint8]:  # pragma: no cover - compiled
+    n = len(bits)
+    rows = len(lo)
+    if len(hi) != rows:
+        raise ValueError("weight_flags: lo and hi differ in length")
+    out = np.zeros(rows, dtype=np.uint8)
+    one = np.uint64(1)
+    magnitude = sign - one
+    at_least_inf = sign - infinity  # y + at_least_inf has the sign bit exactly when y >= +inf's bits
+    above_inf = at_least_inf - one  # ... when y > +inf's bits: a NaN
+    for r in range(rows):
+        a = lo[r]
+        b = hi[r]
+        if a >= b:
+            continue
+        if a < 0 or b > n:
+            raise IndexError("weight_flags: a span lies outside the array")
+        seg = bits[a:b]  # a slice: in bounds, no negative-index fix-up, so the loop is vectorised
+        any_bits = np.uint64(0)
+        any_inf = np.uint64(0)
+        any_nan = np.uint64(0)
+        any_not_positive = np.uint64(0)
+        # Integer ORs only (no compare, no branch): one vector pass over the span.
+        for i in range(b - a):
+            u = np.uint64(seg[i])
+            y = u & magnitude
+            any_bits |= y
+            any_inf |= y + at_least_inf
+            any_nan |= y + above_inf
+            any_not_positive |= u | (y - one)  # the sign bit set, or y == 0 (wraps to all ones)
+        flags = 0
+        if any_bits != 0:
+            flags |= 1
+        if any_inf & sign:
+            flags |= 2
+        if any_nan & sign:
+            flags |= 4 | 8  # NaN is not > 0 either
+        if any_not_positive & sign:
+            flags |= 8
+        out[r] = flags
+    return out
+
+
+def weight_flags(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.NDArray[np.uint8] | None:
+    """Per span ``[lo[r], hi[r])`` of a float16/32/64 array, the bits: ``WEIGHT_NONZERO`` (a value
+    other than +-0.0, NaN included), ``WEIGHT_NONFINITE`` (a NaN or an infinity), ``WEIGHT_NAN`` and
+    ``WEIGHT_NOT_POSITIVE`` (a value that is not > 0: a zero, a negative sign bit or a NaN).
+
+    One pass of integer ORs over each value's bits. ``None`` for other dtypes and non-contiguous arrays,
+    which the caller reduces with numpy. Raises ``IndexError`` on a span outside the array.
+    """
+    constants = _FLOAT_BITS.get(values.dtype)
+    if constants is None or not values.flags.c_contiguous or values.ndim != 1:
+        return None
+    sign, infinity = constants
+    bits = values.view(_UNSIGNED_OF_SIZE[values.dtype.itemsize])
+    flags: npt.NDArray[np.uint8] = _weight_flags(bits, lo, hi, np.uint64(sign), np.uint64(infinity))
+    return flags
+
+
+@_CompiledOnFirstCall
+def _mismatch_runs(
+    lag: IntArray,
+    sampler: npt.NDArray[Any],
+    trainer: npt.NDArray[Any],
+    flags: npt.NDArray[np.uint8],
+    has_flags: bool,
+    bounds: IntArray,
+    band_lo: float,
+    band_hi: float,
+    clamp: float,
+) -> tuple[IntArray, npt.NDArray[np.float64], int]:  # pragma: no cover - compiled
+    n = len(lag)
+    if len(sampler) != n or len(trainer) != n or (has_flags and len(flags) != n):
+        raise ValueError("mismatch_runs: the arrays differ in length")
+    n_buckets = len(bounds) + 1
+    counts = np.zeros((3, n_buckets), dtype=np.int64)  # tokens, masked, out_of_band
+    sums = np.zeros((5, n_buckets), dtype=np.float64)  # d, |d|, r - 1 - d, r, r^2
+    uncovered = 0
+    i = 0
+    while i < n:  # one run of equal lag at a time: its bucket is found once
+        run_lag = lag[i]
+        j = i + 1
+        while j < n and lag[j] == run_lag:
+            j += 1
+        if run_lag < 0:  # not a sampled position of a live rollout: outside the population
+            i = j
+            continue
+        bucket = 0
+        while bucket < n_buckets - 1 and bounds[bucket] < run_lag:  # numpy's searchsorted(bounds, lag, "left")
+            bucket += 1
+        s = sampler[i:j]  # slices: in bounds, no negative-index fix-up per position
+        t = trainer[i:j]
+        tokens = 0
+        masked = 0
+        out_of_band = 0
+        sum_d = 0.0
+        sum_abs = 0.0
+        sum_k3 = 0.0
+        sum_r = 0.0
+        sum_r2 = 0.0
+        for p in range(j - i):
+            d = np.float64(t[p]) - np.float64(s[p])
+            if not math.isfinite(d):  # either value NaN or infinite: uncovered, never an error
+                uncovered += 1
+                continue
+            d = min(max(d, -clamp), clamp)
+            r = math.exp(d)
+            tokens += 1
+            if has_flags:
+                masked += flags[i + p] != 0
+            out_of_band += (r < band_lo) | (r > band_hi)
+            sum_d += d
+            sum_abs += abs(d)
+            sum_k3 += r - 1.0 - d
+            sum_r += r
+            sum_r2 += r * r
+        counts[0, bucket] += tokens
+        counts[1, bucket] += masked
+        counts[2, bucket] += out_of_band
+        sums[0, bucket] += sum_d
+        sums[1, bucket] += sum_abs
+        sums[2, bucket] += sum_k3
+        sums[3, bucket] += sum_r
+        sums[4, bucket] += sum_r2
+        i = j
+    return counts, sums, uncovered
+
+
+def mismatch_runs(
+    lag: IntArray,
+    sampler: npt.NDArray[Any],
+    trainer: npt.NDArray[Any],
+    flags: npt.NDArray[np.bool_] | npt.NDArray[np.uint8] | None,
+    band_lo: float,
+    band_hi: float,
+    bounds: IntArray,
+    clamp: float,
+) -> tuple[IntArray, npt.NDArray[np.float64], int]:
+    """SPEC 11's per-bucket sums of one call in one pass: ``counts`` (tokens, masked, out of band) and
+    ``sums`` (d, \|d\|, r - 1 - d, r, r\ :sup:`2`) per bucket (``searchsorted(bounds, lag, "left")``),
+    and the uncovered positions. ``lag`` is int64; the log-probabilities float32 or float64 (each read as
+    float64); ``flags`` one byte (or bool) per position or ``None``. Positions with a negative lag are
+    skipped, those where the difference is not finite are uncovered; ``d`` is clamped to ``±clamp``.
+    Large inputs are summed in parallel shares (the loop releases the GIL), then added.
+
+    Raises ``ValueError`` when the arrays differ in length.
+    """
+    flag_bytes = _NO_FLAGS if flags is None else flags.view(np.uint8)
+    has_flags = flags is not None
+    n = len(lag)
+    if n < PARALLEL_MIN_POSITIONS:
+        one: tuple[IntArray, npt.NDArray[np.float64], int] = _mismatch_runs(
+            lag, sampler, trainer, flag_bytes, has_flags, bounds, band_lo, band_hi, clamp
+        )
+        return one
+    if len(sampler) != n or len(trainer) != n or (has_flags and len(flag_bytes) != n):
+        raise ValueError("mismatch_runs: the arrays differ in length")
+    edges = np.linspace(0, n, num=_SHARES + 1, dtype=np.int64).tolist()
+    tasks = [
+        partial(_mismatch_runs, lag[a:b], sampler[a:b], trainer[a:b], flag_bytes[a:b] if has_flags else flag_bytes,
+                has_flags, bounds, band_lo, band_hi, clamp)
+        for a, b in itertools.pairwise(edges)
+    ]  # fmt: skip
+    parts: list[tuple[IntArray, npt.NDArray[np.float64], int]] = run_all(tasks, n)
+    counts = np.sum([p[0] for p in parts], axis=0)
+    sums = np.sum([p[1] for p in parts], axis=0)
+    return counts, sums, sum(p[2] for p in parts)
+
+
+@_CompiledOnFirstCall
+def _plain_positions(
+    mask: npt.NDArray[Any], floats: tuple[npt.NDArray[Any], ...], tokens: IntArray
+) -> bool:  # pragma: no cover - compiled
+    bad = False
+    for x in mask:
+        bad |= (x != 0) & (x != 1)  # NaN too
+    for values in floats:  # (a homogeneous tuple: numba unrolls it)
+        for x in values:
+            bad |= not math.isfinite(x)
+    for t in tokens:
+        bad |= t < -1
+    return not bad
+
+
+_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
+
+
+def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], tokens: IntArray | None) -> bool | None:
+    """Whether every mask value is 0 or 1, every value of ``floats`` finite and every token version >= -1:
+    one compiled pass (a small batch's checks in one call instead of a dozen numpy calls). ``None`` when
+    the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), or while no compiled
+    loop is loaded yet: the caller checks with numpy (microseconds), so that a check never makes a cold
+    process import numba (a second or more, e.g. inside a service's restore of its runs)."""
+    if "numba" not in sys.modules:
+        return None
+    dtype = mask.dtype
+    if dtype not in _PLAIN_DTYPES or any(a.dtype != dtype or not a.flags.c_contiguous for a in (mask, *floats)):
+        return None
+    if mask.ndim != 1 or any(a.ndim != 1 for a in floats) or not mask.flags.c_contiguous:
+        return None
+    result: bool = _plain_positions(mask, tuple(floats) or (mask[:0],), _NO_TOKENS if tokens is None else tokens)
+    return result
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) every loop for float32 and float64 arrays, so that the
+    first batch a process handles does not pay for it: a service calls this when it starts."""
+    tokens = np.array([0, -1, 1], dtype=np.int64)
+    offsets = np.array([0, 3], dtype=np.int64)
+    lo, hi, count = np.array([0], dtype=np.int64), np.array([3], dtype=np.int64), np.array([1], dtype=np.int64)
+    for dtype in (np.float32, np.float64):
+        arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
+        token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))
+        for weights in range(1, 4):
+            token_spans(tokens, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1 : 1 + weights])
+        weight_flags(arrays[1], lo, hi)
+        zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
+        mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)
+        mismatch_runs(tokens, arrays[0], arrays[1], None, 0.5, 2.0, offsets, 20.0)
+        for floats in range(4):
+            plain_positions(arrays[0], arrays[1 : 1 + floats], tokens)

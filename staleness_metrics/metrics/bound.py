@@ -1,0 +1,419 @@
+"""Choosing the bound (SPEC 14): the floor, the excess curve over lag, the budget and the suggested bound.
+
+Every function here is pure and works on :class:`~staleness_metrics.metrics.mismatch.MismatchSums`, so the sink
+(replay), the live path (``record_mismatch``), the report and the what-if all derive the same numbers from
+the same sums. The run-long state (the window of recent ships, the last ``lag0`` floor, the adaptive bound)
+lives in :class:`BoundTracker`, which owns and validates its own ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from .mismatch import LAG_BUCKETS, MismatchSums
+from .report import MetricValue
+
+if TYPE_CHECKING:  # the config module imports the metric table, which imports this one
+    from ..config import StalenessConfig
+
+__all__ = [
+    "CURVE_BUCKETS",
+    "FLOOR_SOURCES",
+    "BoundAdvice",
+    "BoundTracker",
+    "Curve",
+    "Floor",
+    "FloorSource",
+    "ShipBound",
+    "adapt_bound",
+    "advise",
+    "bound_metrics",
+    "budget_of",
+    "env_tracker_config",
+    "excess_curve",
+    "isotonic_increasing",
+    "mismatch_metrics",
+    "select_floor",
+]
+
+FloorSource = Literal["lag0", "carried", "min_lag"]
+FLOOR_SOURCES: tuple[FloorSource, ...] = ("lag0", "carried", "min_lag")
+# The curve's buckets: lags 1..16, one lag each (bucket index == lag for these).
+CURVE_BUCKETS: tuple[int, ...] = tuple(range(1, 17))
+TRACKER_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The engines' numeric mismatch (k3, nats per token) a ship's excess is measured against.
+
+    ``step`` is the step of the ship that measured it; ``age`` this ship's step minus that one.
+    """
+
+    value: float
+    source: FloorSource
+    step: int
+    age: int
+
+
+def _k3(sums: MismatchSums, index: int) -> float:
+    return float(sums.sum_k3[index]) / int(sums.tokens[index])
+
+
+def select_floor(
+    sums: MismatchSums,
+    step: int,
+    last_lag0: tuple[float, int] | None,
+    *,
+    min_tokens: int,
+    max_age: int,
+) -> Floor | None:
+    """The floor of a ship at ``step`` (SPEC 14), the first rule that applies.
+
+    ``last_lag0`` is ``(floor, step)`` of the most recent earlier ship of the run with a ``lag0`` floor.
+    1. ``lag0``: bucket 0 of this ship has ``min_tokens`` covered tokens: its k3.
+    2. ``carried``: ``last_lag0`` measured at most ``max_age`` steps before ``step``.
+    3. ``min_lag``: the smallest bucket of this ship with ``min_tokens`` covered tokens: its k3 (an upper
+       bound on the floor, so every excess from it is a lower bound).
+    4. ``None``: no floor.
+    """
+    if int(sums.tokens[0]) >= min_tokens:
+        return Floor(_k3(sums, 0), "lag0", step, 0)
+    if last_lag0 is not None:
+        value, measured = last_lag0
+        if 0 <= step - measured <= max_age:
+            return Floor(value, "carried", measured, step - measured)
+    enough = np.flatnonzero(sums.tokens >= min_tokens)
+    if enough.size:
+        return Floor(_k3(sums, int(enough[0])), "min_lag", step, 0)
+    return None
+
+
+def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """Weighted least-squares non-decreasing fit (pool-adjacent-violators).
+
+    Minimises Σ wᵢ (ŷᵢ - yᵢ)² subject to ŷ non-decreasing. Adjacent values that violate the order are
+    pooled into their weighted mean, repeatedly, until none does; ties are left as they are. Weights must
+    be positive.
+    """
+    if len(values) != len(weights):
+        raise ValueError(f"weights: length {len(weights)} differs from the values' {len(values)}")
+    # Each block: [weighted mean, total weight, number of points].
+    blocks: list[list[float]] = []
+    for value, weight in zip(values, weights, strict=True):
+        if not weight > 0:
+            raise ValueError(f"weights: must be > 0, got {weight!r}")
+        blocks.append([float(value), float(weight), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight_last, count = blocks.pop()
+            previous = blocks[-1]
+            total = previous[1] + weight_last
+            previous[0] = (previous[0] * previous[1] + mean * weight_last) / total
+            previous[1] = total
+            previous[2] += count
+    fitted: list[float] = []
+    for mean, _, count in blocks:
+        fitted.extend([mean] * int(count))
+    return fitted
+
+
+@dataclass(frozen=True)
+class Curve:
+    """The excess curve of a window: per lag bucket with enough tokens, the raw excess ``e``, its token
+    count and the isotonic fit ``ê`` (all in lag order)."""
+
+    lags: tuple[int, ...]
+    tokens: tuple[int, ...]
+    raw: tuple[float, ...]
+    fitted: tuple[float, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.lags)
+
+
+def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curve:
+    """``e(b)`` = the window's k3 of bucket ``b`` minus ``floor`` for each ``b`` in 1..16 with at least
+    ``min_tokens`` covered tokens in the window, and its isotonic fit weighted by those token counts."""
+    lags = tuple(b for b in CURVE_BUCKETS if int(window.tokens[b]) >= min_tokens)
+    tokens = tuple(int(window.tokens[b]) for b in lags)
+    raw = tuple(_k3(window, b) - floor for b in lags)
+    fitted = tuple(isotonic_increasing(raw, [float(n) for n in tokens]))
+    return Curve(lags, tokens, raw, fitted)
+
+
+def budget_of(mismatch_budget: float | None, floor: float) -> float:
+    """``β``: the configured budget, or the floor itself (staleness may cost what the engines already do)."""
+    return floor if mismatch_budget is None else float(mismatch_budget)
+
+
+@dataclass(frozen=True)
+class BoundAdvice:
+    """What a curve says about the bound.
+
+    ``suggested``: the largest lag of the curve with ``ê ≤ β`` (0 when the first is above). ``crossed``:
+    some lag of the curve is above ``β``. ``excess_at_bound``: ``ê`` of the largest lag of the curve not
+    above the configured bound (``None`` when every lag of the curve is above it).
+    """
+
+    suggested: int
+    crossed: bool
+    excess_at_bound: float | None
+
+
+def advise(curve: Curve, budget: float, bound: int) -> BoundAdvice | None:
+    """The bound keys of SPEC 14 for ``curve``; ``None`` when the curve is empty."""
+    if not curve:
+        return None
+    within = [lag for lag, fitted in zip(curve.lags, curve.fitted, strict=True) if fitted <= budget]
+    # ê is non-decreasing, so the lags within budget are a prefix of the curve.
+    suggested = within[-1] if within else 0
+    crossed = len(within) < len(curve.lags)
+    at_bound = [fitted for lag, fitted in zip(curve.lags, curve.fitted, strict=True) if lag <= bound]
+    return BoundAdvice(suggested, crossed, at_bound[-1] if at_bound else None)
+
+
+def adapt_bound(bound: int, advice: BoundAdvice, low: int, high: int) -> int:
+    """One step of SPEC 14's adaptation: toward ``suggested`` when the budget is crossed; up when it is not
+    and ``suggested ≥ bound`` (a looser bound may be as good); always within ``[low, high]``."""
+    if advice.crossed:
+        moved = bound + (advice.suggested > bound) - (advice.suggested < bound)
+    elif advice.suggested >= bound:
+        moved = bound + 1
+    else:
+        moved = bound
+    return min(max(moved, low), high)
+
+
+@dataclass(frozen=True)
+class ShipBound:
+    """Everything SPEC 14 says about one ship: its floor, the budget, the curve and the advice."""
+
+    floor: Floor | None
+    budget: float | None
+    curve: Curve
+    advice: BoundAdvice | None
+    bound: int  # the bound this ship was judged with
+
+
+def bound_metrics(result: ShipBound, prefix: str = "staleness/") -> dict[str, MetricValue]:
+    """The SPEC 14 keys of a ship (``floor_source`` a string); empty when there is no floor."""
+    floor = result.floor
+    if floor is None or result.budget is None:
+        return {}
+    out: dict[str, MetricValue] = {
+        f"{prefix}mismatch/floor": floor.value,
+        f"{prefix}mismatch/floor_age": floor.age,
+        f"{prefix}mismatch/floor_source": floor.source,
+        f"{prefix}mismatch/budget": result.budget,
+    }
+    for lag, fitted in zip(result.curve.lags, result.curve.fitted, strict=True):
+        out[f"{prefix}mismatch/curve/lag_{LAG_BUCKETS[lag]}"] = fitted
+    advice = result.advice
+    if advice is not None:
+        out[f"{prefix}bound/suggested"] = advice.suggested
+        out[f"{prefix}bound/crossed"] = int(advice.crossed)
+        if advice.excess_at_bound is not None:
+            out[f"{prefix}bound/excess_at_bound"] = advice.excess_at_bound
+    return out
+
+
+def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None, prefix: str = "staleness/") -> dict[str, MetricValue]:
+    """A ship's SPEC 11 keys with their excess over SPEC 14's floor, then the SPEC 14 keys; empty when
+    nothing is covered (without ``bound`` or a floor: no excess and no SPEC 14 key)."""
+    floor = None if bound is None or bound.floor is None else bound.floor.value
+    out: dict[str, MetricValue] = dict(sums.metrics(prefix, floor=floor))
+    if out and bound is not None:
+        out.update(bound_metrics(bound, prefix))
+    return out
+
+
+def env_tracker_config(config: StalenessConfig) -> StalenessConfig:
+    """The config of an env's tracker: the run's, without adaptation (the bound is the batch's)."""
+    return dataclasses.replace(config, adapt_every=None, adapt_low=1, adapt_high=16)
+
+
+@dataclass(frozen=True)
+class _TrackerState:
+    window: list[tuple[int, MismatchSums]]
+    last_lag0: tuple[float, int] | None
+    bound: int
+    toward_change: int
+    last_counted: int
+
+
+class BoundTracker:
+    """The run-long state of SPEC 14, one per run: the sums of the last ``cost_window`` ships that carried
+    SPEC 11 sums (with their steps, oldest first), the last ``lag0`` floor and its step, and the adaptive
+    bound with the count toward its next change.
+
+    :meth:`observe` takes a ship's total sums. The sink calls it once per ship (two ships of one step are two
+    ships); the live path calls it with ``merge=True`` each time more sums of a step arrive, which replaces
+    that step's entry, and a step counts toward adaptation once (the first time it produced a curve, when it
+    is later than every step counted before).
+    """
+
+    def __init__(self, config: StalenessConfig) -> None:
+        self.config = config
+        self._window: list[tuple[int, MismatchSums]] = []
+        self._last_lag0: tuple[float, int] | None = None
+        self._bound = config.max_staleness
+        self._toward_change = 0
+        self._last_counted = 0
+
+    @property
+    def adaptive(self) -> bool:
+        return self.config.adapt_every is not None
+
+    @property
+    def bound(self) -> int:
+        """The bound in force: ``max_staleness``, or where adaptation moved it."""
+        return self._bound
+
+    @property
+    def toward_change(self) -> int:
+        """Ships with a curve counted since the bound last had a chance to move."""
+        return self._toward_change
+
+    @property
+    def last_lag0(self) -> tuple[float, int] | None:
+        """``(floor, step)`` of the most recent ship with a ``lag0`` floor."""
+        return self._last_lag0
+
+    @property
+    def window(self) -> list[tuple[int, MismatchSums]]:
+        """``(step, sums)`` of the ships kept for the window, oldest first."""
+        return list(self._window)
+
+    def window_sums(self, upto: int | None = None) -> MismatchSums:
+        """The sums of the window ending at entry ``upto`` (default: the latest): it and the ``cost_window - 1``
+        entries before it. Sums add, so the window is exact."""
+        end = len(self._window) if upto is None else upto + 1
+        total = MismatchSums.zero()
+        for _, sums in self._window[max(0, end - self.config.cost_window) : end]:
+            total = total + sums
+        return total
+
+    def _enter(self, step: int, sums: MismatchSums, merge: bool) -> int:
+        """Put the ship in the window; returns its index there."""
+        if merge:
+            for i in range(len(self._window) - 1, -1, -1):
+                if self._window[i][0] == step:
+                    self._window[i] = (step, sums)
+                    return i
+        at = len(self._window)
+        while at > 0 and self._window[at - 1][0] > step:  # a late step of the live path goes in step order
+            at -= 1
+        self._window.insert(at, (step, sums))
+        if len(self._window) > self.config.cost_window:
+            del self._window[0]
+            at -= 1
+        return at
+
+    def observe(
+        self, step: int, sums: MismatchSums, *, merge: bool = False, bound: int | None = None
+    ) -> ShipBound | None:
+        """Record ``sums`` as the total of the ship at ``step`` and derive its SPEC 14 values, with
+        ``excess_at_bound`` at ``bound`` (default: the bound in force, before this ship adapts it). ``merge``:
+        the sums are a step's total so far (the live path), replacing that step's entry. ``None`` when the ship
+        carries no covered position (it reports no SPEC 11 family and stays out of the window)."""
+        if sums.covered == 0:
+            return None
+        config = self.config
+        bound = self._bound if bound is None else bound
+        at = self._enter(step, sums, merge)
+        last = self._last_lag0
+        floor = select_floor(sums, step, last, min_tokens=config.floor_min_tokens, max_age=config.floor_max_age)
+        if floor is None:
+            return ShipBound(None, None, Curve((), (), (), ()), None, bound)
+        if floor.source == "lag0" and (last is None or step >= last[1]):
+            self._last_lag0 = (floor.value, step)
+        budget = budget_of(config.mismatch_budget, floor.value)
+        # A ship that left the window at once (a very late step of the live path) is its own window.
+        window = self.window_sums(at) if at >= 0 else sums
+        curve = excess_curve(window, floor.value, min_tokens=config.floor_min_tokens)
+        advice = advise(curve, budget, bound)
+        if advice is not None and config.adapt_every is not None and (not merge or step > self._last_counted):
+            self._last_counted = max(self._last_counted, step)
+            self._toward_change += 1
+            if self._toward_change >= config.adapt_every:
+                self._toward_change = 0
+                self._bound = adapt_bound(self._bound, advice, config.adapt_low, config.adapt_high)
+        return ShipBound(floor, budget, curve, advice, bound)
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """Plain JSON-able state; :meth:`load_state_dict` takes it back."""
+        return {
+            "format": TRACKER_FORMAT,
+            "window": [[step, sums.to_dict()] for step, sums in self._window],
+            "last_lag0": None if self._last_lag0 is None else [self._last_lag0[0], self._last_lag0[1]],
+            "bound": self._bound,
+            "toward_change": self._toward_change,
+            "last_counted": self._last_counted,
+        }
+
+    def check_state_dict(self, state: Any, path: str = "bound") -> _TrackerState:
+        """Check ``state`` against this tracker's config and build what it holds, changing nothing;
+        ``ConfigError`` names the key path and the reason."""
+        from ..engine.checkpoint import fail, integer, join, keys, sequence
+
+        found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))
+        if found["format"] != TRACKER_FORMAT:
+            fail(join(path, "format"), f"unknown format {found['format']!r} (expected {TRACKER_FORMAT})")
+        window: list[tuple[int, MismatchSums]] = []
+        for i, item in enumerate(sequence(found["window"], join(path, "window"))):
+            where = join(join(path, "window"), i)
+            step, data = sequence(item, where, 2)
+            step = integer(step, join(where, 0), 1)
+            if window and step < window[-1][0]:
+                fail(join(where, 0), f"step {step} is below the previous step {window[-1][0]}")
+            try:
+                sums = MismatchSums.from_dict(data)
+            except ValueError as exc:
+                fail(join(where, 1), str(exc))
+            if sums.covered == 0:
+                fail(join(where, 1), "no covered position: such a ship never enters the window")
+            window.append((step, sums))
+        # A smaller cost_window than the run had: the window keeps its latest ships.
+        window = window[-self.config.cost_window :]
+        last_lag0: tuple[float, int] | None = None
+        if found["last_lag0"] is not None:
+            where = join(path, "last_lag0")
+            value, step = sequence(found["last_lag0"], where, 2)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                fail(join(where, 0), f"expected a finite number >= 0, got {value!r}")
+            last_lag0 = (float(value), integer(step, join(where, 1), 1))
+        config = self.config
+        bound = integer(found["bound"], join(path, "bound"), 0)
+        last_counted = integer(found["last_counted"], join(path, "last_counted"), 0)
+        if config.adapt_every is None:
+            toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, 0)
+            if bound != config.max_staleness:
+                fail(
+                    join(path, "bound"),
+                    f"adapted to {bound}, but this config has max_staleness={config.max_staleness} and no adapt_every",
+                )
+        else:
+            toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, config.adapt_every - 1)
+            if not config.adapt_low <= bound <= config.adapt_high:
+                limits = f"{config.adapt_low}..{config.adapt_high}"
+                fail(join(path, "bound"), f"{bound} is outside adapt_low..adapt_high {limits}")
+        return _TrackerState(window, last_lag0, bound, toward_change, last_counted)
+
+    def load_checked(self, state: _TrackerState) -> None:
+        """Take a state :meth:`check_state_dict` built (cannot fail)."""
+        self._window = list(state.window)
+        self._last_lag0 = state.last_lag0
+        self._bound = state.bound
+        self._toward_change = state.toward_change
+        self._last_counted = state.last_counted
+
+    def load_state_dict(self, state: Any) -> None:
+        """Continue from :meth:`state_dict`: all checked first, then swapped."""
+        self.load_checked(self.check_state_dict(state))

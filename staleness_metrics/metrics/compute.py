@@ -1,0 +1,268 @@
+"""The metrics of a ship (SPEC 6), computed from the engine's decision and nothing else.
+
+Input is the judgement slice of the shipped rollouts after the sink applied the decision: each
+sample's ``mask_below`` and ``dropped`` are what the masking did, so the numbers agree with it by
+construction. Every statistic is a reduction over spans; no position is read here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+from ..engine.decision import Judgement
+from ..engine.segments import segment_max, segment_min, segment_sum
+from ..engine.spans import NO_VERSION_HIGH, NO_VERSION_LOW
+from .bound import ShipBound, mismatch_metrics
+from .mismatch import MismatchSums
+from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, MetricValue, StepReport, Tally
+
+__all__ = ["WindowCounts", "compute_report"]
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+QUANTILES = (("p50", 50, 100), ("p90", 90, 100), ("p99", 99, 100))
+_LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
+
+
+def length_bucket_totals(lengths: IntArray, amounts: IntArray) -> IntArray:
+    """Per SPEC 12 length bucket, the sum of ``amounts`` over samples by their sampled length (0: none)."""
+    inside = lengths > 0
+    buckets = np.searchsorted(_LENGTH_BOUNDS, lengths[inside], "left")
+    return np.bincount(buckets, weights=amounts[inside], minlength=len(LENGTH_BUCKETS)).astype(np.int64)
+
+
+class WindowCounts:
+    """Drops, holds and invalid rollouts since the last ship, per env index."""
+
+    FIELDS = ("rollouts_dropped", "samples_dropped", "tokens_dropped", "rollouts_held", "rollouts_invalid")
+
+    def __init__(self) -> None:
+        self.counts: dict[int, dict[str, int]] = {}
+        self.dropped_lengths: dict[int, IntArray] = {}  # per env: dropped sampled positions per length bucket
+        self.dropped_rollouts: list[str] = []
+        self.dropped_samples: list[tuple[str, int]] = []
+        self.held: list[str] = []
+
+    def add(self, env: IntArray, name: str, amounts: IntArray | None = None) -> None:
+        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry."""
+        if len(env) == 0:
+            return
+        weights = np.ones(len(env), dtype=np.int64) if amounts is None else amounts
+        totals = np.bincount(env, weights=weights)
+        for index in np.flatnonzero(totals):
+            bucket = self.counts.setdefault(int(index), dict.fromkeys(self.FIELDS, 0))
+            bucket[name] += int(totals[index])
+
+    def add_dropped_lengths(self, env: IntArray, lengths: IntArray) -> None:
+        """Dropped samples' sampled positions, by the samples' length bucket (SPEC 12)."""
+        for index in np.unique(env).tolist():
+            here = env == index
+            totals = length_bucket_totals(lengths[here], lengths[here])
+            self.dropped_lengths[index] = self.dropped_lengths.get(index, 0) + totals
+
+    def dropped_by_length(self, env: int | None) -> IntArray:
+        if env is None:
+            return sum(self.dropped_lengths.values(), np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
+        return self.dropped_lengths.get(env, np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
+
+    def get(self, env: int | None, name: str) -> int:
+        if env is None:
+            return sum(bucket[name] for bucket in self.counts.values())
+        return self.counts.get(env, {}).get(name, 0)
+
+
+def _nearest_rank(values: IntArray, counts: IntArray, numerator: int, denominator: int) -> int:
+    """The ceil(p * N)-th smallest value, p = numerator / denominator (exact integer maths).
+
+    ``values`` are sorted distinct values, ``counts`` how often each occurs.
+    """
+    rank = max(1, -(-numerator * int(counts.sum()) // denominator))
+    return int(values[np.searchsorted(np.cumsum(counts), rank)])
+
+
+def _distribution(values: IntArray, weights: IntArray) -> tuple[IntArray, IntArray]:
+    """Sorted distinct values and their total weights."""
+    if len(values) and int(values.max()) - (low := int(values.min())) < _DIRECT_RANGE:
+        # a few staleness values (the usual case): counted by value, no sort
+        totals = np.bincount(values - low, weights=weights).astype(np.int64)
+        present = np.flatnonzero(np.bincount(values - low))
+        return (present + low).astype(np.int64), totals[present]
+    distinct, inverse = np.unique(values, return_inverse=True)
+    return distinct, np.bincount(inverse, weights=weights, minlength=len(distinct)).astype(np.int64)
+
+
+_DIRECT_RANGE = 4096
+
+
+def _histogram(distinct: IntArray, counts: IntArray) -> IntArray:
+    """Integer-bucket histogram (index = staleness); the last index counts all from HISTOGRAM_TOP up,
+    so a wild version number cannot make it huge."""
+    if len(distinct) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.bincount(np.minimum(distinct, HISTOGRAM_TOP), weights=counts).astype(np.int64)
+
+
+def _exact_dot(a: IntArray, b: IntArray) -> int:
+    """``sum(a * b)`` without int64 overflow (Python integers only when it could overflow)."""
+    if len(a) == 0:
+        return 0
+    if int(np.abs(a).max()) * int(np.abs(b).sum()) < 2**62:
+        return int(np.dot(a, b))
+    return sum(x * y for x, y in zip(a.tolist(), b.tolist()))
+
+
+def _newest_staleness(slice_: Judgement, span_in: BoolArray, live_rollout: BoolArray) -> IntArray:
+    """``T - max(v)`` per live rollout over its shipped sampled positions (dispatch version when none):
+    the freshest token's age, verl's trajectory staleness, beside SPEC 6's oldest-token ``R``."""
+    newest_span = np.where(span_in & (slice_.sampled > 0), slice_.version, NO_VERSION_LOW)
+    newest_sample = segment_max(newest_span, slice_.span_offsets, NO_VERSION_LOW)
+    newest = segment_max(newest_sample, slice_.sample_offsets, NO_VERSION_LOW)
+    newest = np.where(newest == NO_VERSION_LOW, slice_.dispatch, newest)[live_rollout]
+    return slice_.trained_version - newest
+
+
+def _population(
+    slice_: Judgement,
+    rollout_in: BoolArray,
+    env: int | None,
+    window: WindowCounts,
+    max_staleness: int,
+) -> tuple[dict[str, float | int], Tally]:
+    """Metrics and tally of the live shipped rollouts selected by ``rollout_in``."""
+    t = slice_.trained_version
+    live_rollout = rollout_in & ~slice_.frozen
+    sample_in = live_rollout[slice_.sample_rollout] & ~slice_.dropped
+    span_in = sample_in[slice_.span_sample]
+
+    sampled = np.where(span_in, slice_.sampled, 0)
+    staleness = t - slice_.version
+    masked_spans = np.where(slice_.version < slice_.mask_below[slice_.span_sample], sampled, 0)
+    tokens = int(sampled.sum())
+    unlabelled = int(np.where(slice_.labelled, 0, sampled).sum())
+    token_values, token_counts = _distribution(staleness[sampled > 0], sampled[sampled > 0])
+
+    # Rollout staleness: oldest shipped sampled position, the dispatch version when there is none.
+    oldest_span = np.where(span_in & (slice_.sampled > 0), slice_.version, NO_VERSION_HIGH)
+    oldest_sample = segment_min(oldest_span, slice_.span_offsets, NO_VERSION_HIGH)
+    oldest = segment_min(oldest_sample, slice_.sample_offsets, NO_VERSION_HIGH)
+    oldest = np.where(oldest == NO_VERSION_HIGH, slice_.dispatch, oldest)[live_rollout]
+    rollout = t - oldest
+    in_flight = np.clip(slice_.completion[live_rollout] - oldest, 0, rollout)
+    in_queue = rollout - in_flight
+    rollout_values, rollout_counts = _distribution(rollout, np.ones(len(rollout), dtype=np.int64))
+    newest = _newest_staleness(slice_, span_in, live_rollout)
+
+    metrics: dict[str, float | int] = {}
+    if tokens:
+        metrics["staleness/token/mean"] = _exact_dot(staleness, sampled) / tokens
+        metrics["staleness/token/masked"] = float(int(masked_spans.sum()) / tokens)
+        metrics["staleness/token/unlabelled"] = float(unlabelled / tokens)
+        for name, numerator, denominator in QUANTILES:
+            metrics[f"staleness/token/{name}"] = _nearest_rank(token_values, token_counts, numerator, denominator)
+    if len(rollout):
+        for key, values in (("", rollout), ("in_flight/", in_flight), ("in_queue/", in_queue)):
+            metrics[f"staleness/rollout/{key}mean"] = int(values.sum()) / len(values)
+            metrics[f"staleness/rollout/{key}max"] = int(values.max())
+        metrics["staleness/rollout/newest/mean"] = int(newest.sum()) / len(newest)
+        metrics["staleness/rollout/newest/max"] = int(newest.max())
+    length_samples, length_sampled, length_removed = _length_bias(slice_, sample_in, masked_spans, env, window)
+    metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
+    metrics["staleness/rollout/dropped"] = window.get(env, "rollouts_dropped")
+    metrics["staleness/sample/dropped"] = window.get(env, "samples_dropped")
+    metrics["staleness/rollout/held"] = window.get(env, "rollouts_held")
+    metrics["staleness/max_staleness"] = max_staleness
+
+    tally = Tally(
+        tokens_sampled=tokens,
+        tokens_masked=int(masked_spans.sum()),
+        tokens_unlabelled=unlabelled,
+        tokens_dropped=window.get(env, "tokens_dropped"),
+        samples_dropped=window.get(env, "samples_dropped"),
+        rollouts_dropped=window.get(env, "rollouts_dropped"),
+        rollouts_shipped=int(live_rollout.sum()),
+        rollouts_frozen=int((rollout_in & slice_.frozen).sum()),
+        rollouts_held=window.get(env, "rollouts_held"),
+        rollouts_invalid=window.get(env, "rollouts_invalid"),
+        token_histogram=_histogram(token_values, token_counts),
+        rollout_histogram=_histogram(rollout_values, rollout_counts),
+        length_samples=length_samples,
+        length_sampled=length_sampled,
+        length_removed=length_removed,
+    )
+    return metrics, tally
+
+
+def _length_bias(
+    slice_: Judgement, sample_in: BoolArray, masked_spans: IntArray, env: int | None, window: WindowCounts
+) -> tuple[int, IntArray, IntArray]:
+    """SPEC 12 over the shipped samples (``sample_in``) plus the window's dropped samples: how many samples,
+    and per length bucket their sampled positions and how many of those were masked or dropped."""
+    lengths = np.where(sample_in, slice_.n_sampled, 0)
+    masked = segment_sum(masked_spans, slice_.span_offsets)
+    dropped = window.dropped_by_length(env)
+    samples = int(sample_in.sum()) + window.get(env, "samples_dropped")
+    sampled = length_bucket_totals(lengths, lengths) + dropped
+    removed = length_bucket_totals(lengths, masked) + dropped
+    return samples, sampled, removed
+
+
+def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[str, float | int]:
+    if samples == 0:
+        return {}
+    total = int(sampled.sum())
+    metrics: dict[str, float | int] = {
+        "staleness/length/sampled/mean": total / samples,
+        "staleness/length/trained/mean": (total - int(removed.sum())) / samples,
+    }
+    for name, n, gone in zip(LENGTH_BUCKETS, sampled.tolist(), removed.tolist()):
+        if n:
+            metrics[f"staleness/length/bucket_{name}/masked"] = gone / n
+    return metrics
+
+
+def compute_report(
+    shipped: Judgement,
+    window: WindowCounts,
+    max_staleness: int,
+    env_names: Mapping[int, str],
+    env_breakdown: bool,
+    mismatch: MismatchSums | None = None,
+    bound: ShipBound | None = None,
+    env_costs: Mapping[str, tuple[MismatchSums, ShipBound | None]] | None = None,
+    per_env: bool = True,
+) -> StepReport:
+    """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied
+    (``per_env=False``: the whole population only).
+
+    ``bound`` is SPEC 14's view of ``mismatch`` (its floor, curve and advice, from the run's tracker)."""
+    everything = np.ones(shipped.n_rollouts, dtype=bool)
+    population, tally = _population(shipped, everything, None, window, max_staleness)
+    metrics: dict[str, MetricValue] = dict(population)
+    if mismatch is not None:
+        metrics.update(mismatch_metrics(mismatch, bound))
+    env_metrics: dict[str, dict[str, MetricValue]] = {}
+    env_tally: dict[str, Tally] = {}
+    envs = set(np.unique(shipped.env).tolist()) | set(window.counts) if per_env else set()
+    for env in sorted(envs, key=lambda e: env_names[e]):
+        env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
+        env_metrics[env_names[env]] = dict(env_population)
+    for name, (sums, env_bound) in (env_costs or {}).items():  # SPEC 11 and 14 per env (env breakdown)
+        env_metrics.setdefault(name, {}).update(mismatch_metrics(sums, env_bound))
+    if env_breakdown:
+        for name, values in env_metrics.items():
+            if name:
+                metrics.update({f"staleness/env/{name}/{key[len('staleness/') :]}": v for key, v in values.items()})
+    return StepReport(
+        step=shipped.step,
+        max_staleness=max_staleness,
+        metrics=metrics,
+        tally=tally,
+        env_metrics=env_metrics,
+        env_tally=env_tally,
+        mismatch=mismatch,
+        env_mismatch={name: sums for name, (sums, _) in (env_costs or {}).items()},
+    )

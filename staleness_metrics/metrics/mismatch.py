@@ -1,0 +1,371 @@
+"""What staleness costs (SPEC 11): trainer-vs-sampler mismatch split by token lag.
+
+Per position ``d = trainer_logprob - sampler_logprob`` (clamped to ±20) and ``r = exp(d)``; per lag
+bucket the sums below add exactly across micro-batches, ranks and processes (counts exactly, float sums
+up to float64 rounding), so every ratio (k3, ESS, out-of-band share, the excess over the lag-0 floor) is
+derived from merged sums, never averaged.
+
+The same function serves the sink (replay: records that carry ``trainer_logprobs``) and the live path
+(a trainer in another process turns a shipment's lags and its own log-probabilities into sums).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..engine.kernels import mismatch_runs
+from ..errors import FieldError
+
+__all__ = [
+    "DEFAULT_BAND",
+    "LAG_BUCKETS",
+    "LAG_UPPER_BOUNDS",
+    "LOG_RATIO_CLAMP",
+    "MismatchSums",
+    "lag_bucket",
+    "mismatch_sums",
+]
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float64]
+
+# Buckets 0..16 one lag each, then 17..32, 33..64, > 64 (named by their upper bound, as SPEC 8's histograms).
+LAG_UPPER_BOUNDS: tuple[int, ...] = (*range(17), 32, 64)
+LAG_BUCKETS: tuple[str, ...] = (*(str(b) for b in LAG_UPPER_BOUNDS), "inf")
+N_BUCKETS = len(LAG_BUCKETS)
+LOG_RATIO_CLAMP = 20.0
+DEFAULT_BAND = (0.5, 2.0)
+DICT_FORMAT = 1
+_BOUNDS = np.asarray(LAG_UPPER_BOUNDS, dtype=np.int64)
+_CHUNK = 1 << 16  # positions per block: the float64 intermediates stay in L2
+
+COUNT_FIELDS = ("tokens", "masked", "out_of_band")
+SUM_FIELDS = ("sum_log_ratio", "sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
+
+
+def lag_bucket(lags: npt.ArrayLike) -> IntArray:
+    """Bucket index (into :data:`LAG_BUCKETS`) of each lag (lags are >= 0)."""
+    return np.searchsorted(_BOUNDS, np.asarray(lags, dtype=np.int64), "left").astype(np.int64)
+
+
+def _zeros_int() -> IntArray:
+    return np.zeros(N_BUCKETS, dtype=np.int64)
+
+
+def _zeros_float() -> FloatArray:
+    return np.zeros(N_BUCKETS, dtype=np.float64)
+
+
+@dataclass(frozen=True, eq=False)
+class MismatchSums:
+    """Per-lag-bucket sums of SPEC 11 (arrays of length ``len(LAG_BUCKETS)``) plus ``uncovered``.
+
+    ``tokens`` counts covered positions, ``masked`` those of them the policy masked, ``out_of_band``
+    those whose ratio lies outside the band; ``uncovered`` counts sampled positions lacking a value.
+    """
+
+    tokens: IntArray
+    masked: IntArray
+    out_of_band: IntArray
+    sum_log_ratio: FloatArray
+    sum_abs_log_ratio: FloatArray
+    sum_k3: FloatArray
+    sum_ratio: FloatArray
+    sum_ratio_sq: FloatArray
+    uncovered: int = 0
+
+    @classmethod
+    def zero(cls) -> MismatchSums:
+        return cls._of({f: _zeros_int() for f in COUNT_FIELDS}, {f: _zeros_float() for f in SUM_FIELDS}, 0)
+
+    @classmethod
+    def _of(cls, counts: Mapping[str, IntArray], sums: Mapping[str, FloatArray], uncovered: int) -> MismatchSums:
+        return cls(
+            tokens=counts["tokens"],
+            masked=counts["masked"],
+            out_of_band=counts["out_of_band"],
+            sum_log_ratio=sums["sum_log_ratio"],
+            sum_abs_log_ratio=sums["sum_abs_log_ratio"],
+            sum_k3=sums["sum_k3"],
+            sum_ratio=sums["sum_ratio"],
+            sum_ratio_sq=sums["sum_ratio_sq"],
+            uncovered=uncovered,
+        )
+
+    @property
+    def covered(self) -> int:
+        return int(self.tokens.sum())
+
+    @property
+    def sampled(self) -> int:
+        """Positions of the population: covered plus uncovered."""
+        return self.covered + self.uncovered
+
+    def __add__(self, other: MismatchSums) -> MismatchSums:
+        if not isinstance(other, MismatchSums):
+            return NotImplemented
+        return MismatchSums._of(
+            {f: getattr(self, f) + getattr(other, f) for f in COUNT_FIELDS},
+            {f: getattr(self, f) + getattr(other, f) for f in SUM_FIELDS},
+            self.uncovered + other.uncovered,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MismatchSums):
+            return NotImplemented
+        return self.uncovered == other.uncovered and all(
+            np.array_equal(getattr(self, name), getattr(other, name)) for name in (*COUNT_FIELDS, *SUM_FIELDS)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    # ------------------------------------------------------------------ the small dict
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form: ``{"format": 1, "uncovered": n, "lags": {"0": {...}, ..., "inf": {...}}}``."""
+        lags = {
+            name: {
+                **{f: int(getattr(self, f)[i]) for f in COUNT_FIELDS},
+                **{f: float(getattr(self, f)[i]) for f in SUM_FIELDS},
+            }
+            for i, name in enumerate(LAG_BUCKETS)
+        }
+        return {"format": DICT_FORMAT, "uncovered": int(self.uncovered), "lags": lags}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> MismatchSums:
+        """Inverse of :meth:`to_dict`; raises :class:`~staleness_metrics.errors.FieldError` (a ``ValueError``)
+        naming the field at fault."""
+        if not isinstance(data, Mapping):
+            raise FieldError(None, f"mismatch sums: expected an object, got {type(data).__name__}")
+        if data.get("format", DICT_FORMAT) != DICT_FORMAT:
+            raise FieldError("format", f"unknown mismatch sums format {data.get('format')!r} (expected {DICT_FORMAT})")
+        uncovered = _count("uncovered", data.get("uncovered"))
+        lags = data.get("lags")
+        if not isinstance(lags, Mapping):
+            raise FieldError("lags", "required object with one entry per lag bucket")
+        unknown = sorted(set(lags) - set(LAG_BUCKETS))
+        if unknown:
+            raise FieldError(f"lags.{unknown[0]}", f"unknown lag bucket (buckets are {', '.join(LAG_BUCKETS)})")
+        columns: dict[str, list[Any]] = {f: [] for f in (*COUNT_FIELDS, *SUM_FIELDS)}
+        for name in LAG_BUCKETS:
+            bucket = lags.get(name)
+            if not isinstance(bucket, Mapping):
+                raise FieldError(f"lags.{name}", "missing lag bucket")
+            for f in COUNT_FIELDS:
+                columns[f].append(_count(f"lags.{name}.{f}", bucket.get(f)))
+            for f in SUM_FIELDS:
+                columns[f].append(_finite(f"lags.{name}.{f}", bucket.get(f)))
+            for f in ("masked", "out_of_band"):
+                if columns[f][-1] > columns["tokens"][-1]:
+                    raise FieldError(f"lags.{name}.{f}", f"{columns[f][-1]} exceeds tokens {columns['tokens'][-1]}")
+            nonnegative = ("sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
+            for f in nonnegative:
+                if columns[f][-1] < 0:
+                    raise FieldError(f"lags.{name}.{f}", f"must be >= 0, got {columns[f][-1]!r}")
+        return cls._of(
+            {f: np.asarray(columns[f], dtype=np.int64) for f in COUNT_FIELDS},
+            {f: np.asarray(columns[f], dtype=np.float64) for f in SUM_FIELDS},
+            uncovered,
+        )
+
+    # ------------------------------------------------------------------ the W&B keys
+    def metrics(self, prefix: str = "staleness/", floor: float | None = None) -> dict[str, float | int]:
+        """The SPEC 11 keys; empty when nothing is covered. Buckets without tokens are left out.
+
+        The excess keys are measured against ``floor`` (SPEC 14's floor of the ship, from
+        :class:`~staleness_metrics.metrics.bound.BoundTracker` or :func:`~staleness_metrics.metrics.bound.select_floor`)
+        and left out without one; bucket ``0`` never has one.
+        """
+        covered = self.covered
+        if covered == 0:
+            return {}
+        out: dict[str, float | int] = {}
+        k3 = np.divide(self.sum_k3, self.tokens, out=np.zeros(N_BUCKETS), where=self.tokens > 0)
+        for i in np.flatnonzero(self.tokens).tolist():
+            n = int(self.tokens[i])
+            key = f"{prefix}mismatch/lag_{LAG_BUCKETS[i]}/"
+            out[key + "tokens"] = n
+            out[key + "k3"] = float(k3[i])
+            out[key + "abs_log_ratio"] = float(self.sum_abs_log_ratio[i] / n)
+            out[key + "out_of_band"] = float(int(self.out_of_band[i]) / n)
+            out[key + "ess"] = _ess(float(self.sum_ratio[i]), float(self.sum_ratio_sq[i]), n)
+            if floor is not None and i > 0:
+                out[key + "excess_k3"] = float(k3[i]) - floor
+        out[f"{prefix}mismatch/k3"] = float(self.sum_k3.sum() / covered)
+        stale_tokens = int(self.tokens[1:].sum())
+        if floor is not None and stale_tokens:
+            out[f"{prefix}mismatch/excess_k3"] = float(self.sum_k3[1:].sum() / stale_tokens) - floor
+        out[f"{prefix}mismatch/coverage"] = covered / self.sampled
+        return out
+
+
+def _ess(sum_ratio: float, sum_ratio_sq: float, tokens: int) -> float:
+    """(Σr)² / (n Σr²): 1 when every ratio is equal, towards 1/n when one dominates."""
+    if sum_ratio_sq <= 0:
+        return 1.0
+    return min(1.0, sum_ratio * sum_ratio / (tokens * sum_ratio_sq))
+
+
+def _count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FieldError(name, f"expected a non-negative integer, got {value!r}")
+    if value < 0:
+        raise FieldError(name, f"must be >= 0, got {value}")
+    return value
+
+
+def _finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise FieldError(name, f"expected a finite number, got {value!r}")
+    return float(value)
+
+
+def _flat(name: str, values: npt.ArrayLike, kinds: str) -> npt.NDArray[Any]:
+    """``values`` as a flat array (``[B, L]`` reads row by row) whose dtype kind is one of ``kinds``."""
+    array = np.asarray(values).reshape(-1)
+    if array.size and array.dtype.kind not in kinds:
+        raise ValueError(f"{name}: expected {'integers' if kinds == 'iu' else 'numbers'}, got dtype {array.dtype}")
+    return array
+
+
+def mismatch_sums(
+    lags: npt.ArrayLike,
+    sampler_logprobs: npt.ArrayLike,
+    trainer_logprobs: npt.ArrayLike,
+    masked: npt.ArrayLike | None = None,
+    *,
+    band: tuple[float, float] = DEFAULT_BAND,
+) -> MismatchSums:
+    """Sums of SPEC 11 over positions: one call, one pass over the arrays.
+
+    ``lags`` is a shipment's per-position lag (``Shipment.lags``): positions with a negative lag are not
+    sampled positions of a live rollout and are skipped. The log-probability arrays are aligned with it
+    (numpy arrays or anything ``np.asarray`` takes, such as a CPU torch tensor, any float dtype); a
+    position where either is NaN or infinite is uncovered. ``masked`` flags the positions the policy
+    masked (for instance ``shipped_mask == 0``); they are counted in the sums and apart in ``masked``.
+    Arrays of shape ``[B, L]`` are read flat.
+    """
+    lo, hi = band
+    if not (0 < lo <= hi and math.isfinite(hi)):
+        raise ValueError(f"band: expected 0 < lo <= hi, got {band!r}")
+    lag = _flat("lags", lags, "iu")
+    sampler = _flat("sampler_logprobs", sampler_logprobs, "fiu")
+    trainer = _flat("trainer_logprobs", trainer_logprobs, "fiu")
+    flags = None if masked is None else _flat("masked", masked, "biu")
+    for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
+        if array is not None and len(array) != len(lag):
+            raise ValueError(f"{name}: length {len(array)} differs from the lags' {len(lag)}")
+    bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)
+    if any(values.dtype.kind == "f" and values.dtype.itemsize > 8 for values in (sampler, trainer)):
+        # Wider than float64 (long double): the numpy blocks, which compute d in that precision.
+        totals = _Accumulator(lo, hi)
+        for start in range(0, len(lag), _CHUNK):
+            block = slice(start, start + _CHUNK)
+            totals.add(lag[block], sampler[block], trainer[block], None if bool_flags is None else bool_flags[block])
+        return totals.result()
+    # One compiled pass (kernels.mismatch_runs): float32 / float64 as they are, others as float64, which
+    # is what numpy's subtraction made of them; lags as int64 (unsigned ones beyond 2**62 are all "inf").
+    if lag.dtype.kind == "u":
+        lag = np.minimum(lag, np.uint64(1 << 62))
+    counts, sums, uncovered = mismatch_runs(
+        np.ascontiguousarray(lag, dtype=np.int64),
+        _float_for_kernel(sampler),
+        _float_for_kernel(trainer),
+        bool_flags,
+        lo,
+        hi,
+        _BOUNDS,
+        LOG_RATIO_CLAMP,
+    )
+    k3 = np.maximum(sums[2], 0.0)  # each term is >= 0; rounding of tiny ones must not make the sum negative
+    return MismatchSums._of(
+        dict(zip(COUNT_FIELDS, counts)),
+        {"sum_log_ratio": sums[0], "sum_abs_log_ratio": sums[1], "sum_k3": k3, "sum_ratio": sums[3],
+         "sum_ratio_sq": sums[4]},
+        int(uncovered),
+    )  # fmt: skip
+
+
+def _float_for_kernel(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """float32 and float64 as they are (contiguous); any other dtype as float64."""
+    if values.dtype in (np.float32, np.float64):
+        return np.ascontiguousarray(values)
+    return np.ascontiguousarray(values, dtype=np.float64)
+
+
+class _Accumulator:
+    """Block-wise sums. Lags come in runs (a sample's span of one version), so each quantity is reduced per
+    run of equal lag with one ``reduceat`` and only the runs are binned: no per-position bucketing. Positions
+    outside the population (lag < 0) form runs of their own, which are left out whole."""
+
+    def __init__(self, lo: float, hi: float) -> None:
+        self.counts = {f: _zeros_int() for f in COUNT_FIELDS}
+        self.sums = {f: _zeros_float() for f in SUM_FIELDS}
+        self.uncovered = 0
+        self.lo, self.hi = lo, hi
+
+    def add(
+        self,
+        lag: npt.NDArray[Any],
+        sampler: npt.NDArray[Any],
+        trainer: npt.NDArray[Any],
+        flags: npt.NDArray[Any] | None,
+    ) -> None:
+        if len(lag) == 0:
+            return
+        starts = np.concatenate(([0], np.flatnonzero(lag[1:] != lag[:-1]) + 1))
+        run_lag = lag[starts]
+        inside = run_lag >= 0
+        if not inside.any():
+            return
+        bucket = np.searchsorted(_BOUNDS, run_lag[inside], "left")
+
+        def per_bucket(values: npt.NDArray[Any], dtype: type) -> npt.NDArray[Any]:
+            runs = np.add.reduceat(values, starts, dtype=dtype)[inside]
+            return np.bincount(bucket, weights=runs, minlength=N_BUCKETS).astype(dtype)
+
+        d = trainer.astype(np.float64)
+        d -= sampler  # NaN / inf propagate: those positions are uncovered
+        high, low = float(d.max()), float(d.min())  # NaN if any is NaN: one pass answers both questions
+        everywhere = math.isfinite(high) and math.isfinite(low)
+        finite = None if everywhere else np.isfinite(d)
+        if finite is None:
+            run_lengths = np.diff(np.append(starts, len(lag)))[inside]
+            tokens = np.bincount(bucket, weights=run_lengths, minlength=N_BUCKETS).astype(np.int64)
+        else:
+            d[~finite] = 0.0  # adds nothing to Σd and Σ|d|; the ratio is zeroed below
+            tokens = per_bucket(finite, np.int64)
+            run_lengths = np.diff(np.append(starts, len(lag)))[inside]
+            self.uncovered += int(run_lengths.sum()) - int(tokens.sum())
+        if not everywhere or high > LOG_RATIO_CLAMP or low < -LOG_RATIO_CLAMP:
+            np.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=d)
+        r = np.exp(d)
+        out_of_band = r < self.lo
+        out_of_band |= r > self.hi
+        if finite is not None:
+            r[~finite] = 0.0
+            out_of_band &= finite
+        counts, sums = self.counts, self.sums
+        counts["tokens"] += tokens
+        if flags is not None:
+            counts["masked"] += per_bucket(flags if finite is None else flags & finite, np.int64)
+        counts["out_of_band"] += per_bucket(out_of_band, np.int64)
+        sum_d = per_bucket(d, np.float64)
+        sum_r = per_bucket(r, np.float64)
+        sums["sum_log_ratio"] += sum_d
+        sums["sum_ratio"] += sum_r
+        # Σ(r - 1 - d) = Σr - n - Σd: exact in exact arithmetic, and per run the float error is far below k3.
+        sums["sum_k3"] += np.maximum(sum_r - tokens - sum_d, 0.0)
+        np.abs(d, out=d)
+        sums["sum_abs_log_ratio"] += per_bucket(d, np.float64)
+        np.multiply(r, r, out=r)
+        sums["sum_ratio_sq"] += per_bucket(r, np.float64)
+
+    def result(self) -> MismatchSums:
+        return MismatchSums._of(self.counts, self.sums, self.uncovered)

@@ -1,0 +1,312 @@
+"""What a legacy name is called now (SPEC 7): W&B keys, Prometheus names, the setting and the console label.
+
+The W&B keys and their fate come from the metric table (``LEGACY_KEYS``). This module adds, as data, the
+other names the rename touched: the orchestrator setting, the console label, the dispatcher key families
+that have no replacement, and the Prometheus names older exporters published. Nothing here derives one
+name from another at run time: each old name is spelled out, and its new name is looked up in the table.
+
+Legacy Prometheus names. Older exporters (prime-rl style) published each W&B key with ``/`` replaced by
+``_`` (``off_policy/in_flight/max`` -> ``off_policy_in_flight_max``; prometheus_client escapes ``/`` to ``_``
+by itself), counters with a ``_total`` suffix, and sometimes under a namespace prefix. The bare names are
+listed in :data:`LEGACY_PROMETHEUS_NAMES`; a name is also recognised behind one of the prefixes passed to
+:func:`migrate_prometheus_name` (by default :data:`DEFAULT_PROMETHEUS_PREFIXES`, prime-rl's
+``orchestrator_``). prime-rl's own orchestrator exporter published its dispatcher gauges as
+``orchestrator_off_policy_level_{min,mean,max}``; they are listed too, and are removed like the
+``dispatcher/off_policy_level/*`` keys they mirror.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from ..metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, LegacyKey, MetricKind, metric_by_key
+
+__all__ = [
+    "CONSOLE_LABELS",
+    "CURRENT_KEYS",
+    "CURRENT_PROMETHEUS_NAMES",
+    "DEFAULT_PROMETHEUS_PREFIXES",
+    "LEGACY_KEYS",
+    "LEGACY_NAMESPACE",
+    "LEGACY_PROMETHEUS_NAMES",
+    "REMOVED_KEY_FAMILIES",
+    "RENAMED_SETTINGS",
+    "RENAMED_SETTING_FLAGS",
+    "LegacyKey",
+    "LegacyPrometheusName",
+    "RegexFlavor",
+    "RegexRewrite",
+    "current_key",
+    "in_legacy_namespace",
+    "is_current_key",
+    "migrate_key",
+    "migrate_prometheus_name",
+    "rewrite_key_regex",
+]
+
+RENAMED_SETTINGS: Mapping[str, str] = {"max_off_policy_steps": "max_staleness"}
+"""Orchestrator settings that were renamed (old -> new), as config files spell them."""
+
+RENAMED_SETTING_FLAGS: Mapping[str, str] = {"max-off-policy-steps": "max-staleness"}
+"""The same settings as command lines spell them (``--orchestrator.max-off-policy-steps 8``)."""
+
+CONSOLE_LABELS: Mapping[str, str] = {"Max Off-Policy": "Max Staleness"}
+"""Labels of the per-step console line that were renamed (old -> new)."""
+
+_DISPATCHER_REASON = LEGACY_KEYS["dispatcher/off_policy/mean"].reason
+
+REMOVED_KEY_FAMILIES: Mapping[str, str] = {
+    "dispatcher/off_policy/": _DISPATCHER_REASON,
+    "dispatcher/off_policy_level/": _DISPATCHER_REASON,
+    "dispatcher/staleness/": _DISPATCHER_REASON,
+}
+"""Key prefixes whose keys are all removed (``dispatcher/off_policy/*``: no replacement), and why."""
+
+LEGACY_NAMESPACE = "off_policy/"
+"""The old W&B namespace: a key under it that is not in the table is a legacy key without a known mapping."""
+
+CURRENT_KEYS: frozenset[str] = frozenset(WANDB_KEYS)
+"""The W&B keys of the metric table (SPEC 6, 11, 12; templated keys spelled out per bucket)."""
+
+_ENV_KEY_PREFIX = "staleness/env/"  # per-env breakdowns repeat the current keys under this prefix
+
+LEGACY_PROMETHEUS_NAMES: Mapping[str, str] = {
+    # old Prometheus name -> the legacy W&B key it published
+    "off_policy_mean": "off_policy/mean",
+    "off_policy_max": "off_policy/max",
+    "off_policy_in_flight_mean": "off_policy/in_flight/mean",
+    "off_policy_in_flight_max": "off_policy/in_flight/max",
+    "off_policy_in_queue_mean": "off_policy/in_queue/mean",
+    "off_policy_in_queue_max": "off_policy/in_queue/max",
+    "off_policy_token_mean": "off_policy/token/mean",
+    "off_policy_token_masked": "off_policy/token/masked",
+    "off_policy_token_max": "off_policy/token/max",
+    "off_policy_dropped": "off_policy/dropped",
+    "off_policy_dropped_total": "off_policy/dropped",
+    "dispatcher_off_policy_mean": "dispatcher/off_policy/mean",
+    "dispatcher_off_policy_max": "dispatcher/off_policy/max",
+    "dispatcher_off_policy_level_mean": "dispatcher/off_policy_level/mean",
+    "dispatcher_off_policy_level_max": "dispatcher/off_policy_level/max",
+    "staleness_mean": "staleness/mean",
+    "staleness_max": "staleness/max",
+    "staleness_in_flight_mean": "staleness/in_flight/mean",
+    "staleness_in_flight_max": "staleness/in_flight/max",
+    "staleness_in_queue_mean": "staleness/in_queue/mean",
+    "staleness_in_queue_max": "staleness/in_queue/max",
+    "staleness_token_max": "staleness/token/max",
+    "staleness_dropped": "staleness/dropped",
+    "staleness_dropped_total": "staleness/dropped",
+    "dispatcher_staleness_mean": "dispatcher/staleness/mean",
+    "dispatcher_staleness_max": "dispatcher/staleness/max",
+    # prime-rl's orchestrator exporter (gauges fed from its off_policy_level/all/* dispatcher stats)
+    "orchestrator_off_policy_level_min": "dispatcher/off_policy_level/min",
+    "orchestrator_off_policy_level_mean": "dispatcher/off_policy_level/mean",
+    "orchestrator_off_policy_level_max": "dispatcher/off_policy_level/max",
+}
+"""Legacy Prometheus names (bare, without a namespace prefix) -> the legacy W&B key each one published."""
+
+DEFAULT_PROMETHEUS_PREFIXES: tuple[str, ...] = ("orchestrator_",)
+"""Namespace prefixes a legacy Prometheus name may carry (prime-rl's orchestrator exporter)."""
+
+
+def _series_names() -> frozenset[str]:
+    names: set[str] = set()
+    for metric in METRICS:
+        if metric.prometheus_name is None:
+            continue
+        names.add(metric.prometheus_name)
+        if metric.kind is MetricKind.HISTOGRAM:
+            # the exposition format's own series of a histogram family
+            names.update(metric.prometheus_name + suffix for suffix in ("_bucket", "_sum", "_count"))
+    return frozenset(names)
+
+
+CURRENT_PROMETHEUS_NAMES: frozenset[str] = _series_names()
+"""Every series name the Prometheus exporter publishes (histogram series included)."""
+
+
+def is_current_key(key: str) -> bool:
+    """Whether ``key`` is a W&B key of the current naming (a table key or a per-env breakdown of one)."""
+    return key in CURRENT_KEYS or key.startswith(_ENV_KEY_PREFIX)
+
+
+def migrate_key(key: str) -> LegacyKey | None:
+    """What the W&B key ``key`` is now: its :class:`LegacyKey` when it is a legacy key, else None.
+
+    ``LegacyKey.new`` is the new key, or None when the key was removed (``reason`` says why). Keys of a
+    removed family (``dispatcher/off_policy/<anything>``) are removed too. Current keys and keys this
+    project never named return None.
+    """
+    found = LEGACY_KEYS.get(key)
+    if found is not None:
+        return found
+    for prefix, reason in REMOVED_KEY_FAMILIES.items():
+        if key.startswith(prefix) and len(key) > len(prefix):
+            return LegacyKey(key, None, reason)
+    return None
+
+
+def current_key(key: str) -> str | None:
+    """The key to use now for ``key``: the new key of a legacy key, None when removed, else ``key`` itself."""
+    legacy = migrate_key(key)
+    return key if legacy is None else legacy.new
+
+
+def in_legacy_namespace(key: str) -> bool:
+    """Whether ``key`` sits in the old ``off_policy/`` namespace (known to the table or not)."""
+    return key.startswith(LEGACY_NAMESPACE)
+
+
+@dataclass(frozen=True)
+class LegacyPrometheusName:
+    """What an old Prometheus series name became.
+
+    ``legacy_key`` is the W&B key the old name published; ``new`` is the ``rl_staleness_*`` family that
+    publishes its replacement now, or None when the metric was removed (``reason`` says why).
+    """
+
+    old: str
+    legacy_key: str
+    new: str | None
+    reason: str
+
+
+_COUNTER_NOTE = "was a per-step gauge, is now a cumulative counter: wrap it in increase() or rate()"
+
+
+def migrate_prometheus_name(
+    name: str, prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES
+) -> LegacyPrometheusName | None:
+    """What the Prometheus series ``name`` is now, or None when it is not a legacy name.
+
+    ``name`` may carry one of ``prefixes`` before a bare legacy name. Current names never count as legacy.
+    """
+    if name in CURRENT_PROMETHEUS_NAMES:
+        return None
+    candidates = [name]
+    candidates += [name[len(p) :] for p in sorted(set(prefixes), key=len, reverse=True) if p and name.startswith(p)]
+    for bare in candidates:
+        old_key = LEGACY_PROMETHEUS_NAMES.get(bare)
+        if old_key is None:
+            continue
+        legacy = migrate_key(old_key)
+        assert legacy is not None, f"{bare} names {old_key}, which is not a legacy key"
+        if legacy.new is None:
+            return LegacyPrometheusName(name, old_key, None, legacy.reason)
+        metric = metric_by_key(legacy.new)
+        assert metric.prometheus_name is not None, f"{legacy.new} has no Prometheus name"
+        reason = legacy.reason or "renamed"
+        if metric.kind is MetricKind.COUNTER and not bare.endswith("_total"):
+            reason = _COUNTER_NOTE
+        return LegacyPrometheusName(name, old_key, metric.prometheus_name, reason)
+    return None
+
+
+RegexFlavor = Literal["wandb", "prometheus"]
+"""``wandb``: a W&B panel regex over W&B keys (matches anywhere in a key, like JavaScript's ``test``).
+``prometheus``: a ``__name__=~`` regex over series names (anchored at both ends, like RE2 in Prometheus)."""
+
+
+@dataclass(frozen=True)
+class RegexRewrite:
+    """A legacy key regex and what it becomes.
+
+    ``matched`` lists the legacy names the old pattern matched, ``removed`` those of them that have no
+    replacement. ``pattern`` matches exactly the new names of the others; it is None when every matched
+    name was removed (the panel or selector has nothing left to show).
+    """
+
+    old: str
+    pattern: str | None
+    matched: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
+def _legacy_candidates(flavor: RegexFlavor, prefixes: Iterable[str]) -> dict[str, str | None]:
+    if flavor == "wandb":
+        return {old: legacy.new for old, legacy in LEGACY_KEYS.items()}
+    found: dict[str, str | None] = {}
+    for bare in LEGACY_PROMETHEUS_NAMES:
+        for name in [bare, *(p + bare for p in prefixes if p)]:
+            migrated = migrate_prometheus_name(name, prefixes)
+            if migrated is not None:
+                found[name] = migrated.new
+    return found
+
+
+def _matches(compiled: re.Pattern[str], name: str, flavor: RegexFlavor) -> bool:
+    if flavor == "wandb":
+        return compiled.search(name) is not None
+    return compiled.fullmatch(name) is not None
+
+
+@dataclass
+class _Trie:
+    terminal: bool = False
+    children: dict[str, _Trie] | None = None
+
+
+def _trie_pattern(names: Iterable[str], sep: str) -> str:
+    root = _Trie(children={})
+    for name in names:
+        node = root
+        for segment in name.split(sep):
+            assert node.children is not None
+            node = node.children.setdefault(segment, _Trie(children={}))
+        node.terminal = True
+
+    def render(children: dict[str, _Trie]) -> str:
+        alternatives = []
+        for segment in sorted(children):
+            child = children[segment]
+            tail = ""
+            if child.children:
+                tail = re.escape(sep) + render(child.children)
+                if child.terminal:
+                    tail = f"(?:{tail})?"
+            alternatives.append(re.escape(segment) + tail)
+        return alternatives[0] if len(alternatives) == 1 else "(?:" + "|".join(alternatives) + ")"
+
+    assert root.children is not None
+    return render(root.children)
+
+
+def rewrite_key_regex(
+    pattern: str, flavor: RegexFlavor = "wandb", prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES
+) -> RegexRewrite | None:
+    """Rewrite a regex over metric names so it matches the new names of the legacy names it matched.
+
+    Returns None when the pattern is not a legacy pattern: it does not mention ``off_policy`` or
+    ``staleness``, matches no legacy name, or already matches a current name (``staleness/.*`` keeps
+    working as it is). The new pattern is the exact set of new names, written compactly
+    (``^staleness/rollout/(?:max|mean)$`` for W&B, anchors implied for Prometheus). Names the old pattern
+    matched that no table knows (``off_policy/custom``) cannot be carried over. Raises ``ValueError``
+    when a legacy-looking pattern is not a valid regular expression.
+    """
+    if "off_policy" not in pattern and "staleness" not in pattern:
+        return None
+    prefixes = tuple(prefixes)
+    try:
+        compiled = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"not a regular expression this tool can read: {exc}") from exc
+    current = CURRENT_KEYS if flavor == "wandb" else CURRENT_PROMETHEUS_NAMES
+    if any(_matches(compiled, name, flavor) for name in current):
+        return None
+    legacy = _legacy_candidates(flavor, prefixes)
+    matched = sorted(name for name in legacy if _matches(compiled, name, flavor))
+    if not matched:
+        return None
+    removed = tuple(name for name in matched if legacy[name] is None)
+    targets = sorted({new for name in matched if (new := legacy[name]) is not None})
+    if not targets:
+        return RegexRewrite(pattern, None, tuple(matched), removed)
+    new_pattern = "^" + _trie_pattern(targets, "/") + "$" if flavor == "wandb" else _trie_pattern(targets, "_")
+    # The rewrite must match exactly the targets among all known names, and no legacy name.
+    check = re.compile(new_pattern)
+    hits = {name for name in (*current, *legacy) if _matches(check, name, flavor)}
+    assert hits == set(targets), f"rewrite of {pattern!r} matches {sorted(hits)}, not {targets}"
+    return RegexRewrite(pattern, new_pattern, tuple(matched), removed)

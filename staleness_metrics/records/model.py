@@ -1,0 +1,499 @@
+"""Rollout records (SPEC 3) as dicts / JSON: type checks and packing into a :class:`RolloutBatch`.
+
+This module checks what JSON can get wrong (types, shapes, required fields). Value rules (0/1 masks,
+lengths, span order, finite weights, version ranges) are checked once, on the columnar form, by
+:mod:`staleness_metrics.records.validation`, whichever way the rollouts arrived.
+"""
+
+from __future__ import annotations
+
+import array as _array_module
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import chain
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import TraceError
+from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .validation import INT64_MAX, INT64_MIN, check_text, printable_id
+
+__all__ = ["ParsedRollout", "Rollout", "Sample", "UnparsedRollout", "pack", "parse_rollout"]
+
+_ROLLOUT_FIELDS = {
+    "id",
+    "group_id",
+    "env",
+    "source",
+    "dispatch_version",
+    "completion_version",
+    "agentic",
+    "samples",
+}
+_SAMPLE_FIELDS = {"mask", "weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs", "trainer_logprobs"}
+
+
+def _plain(values: Any) -> Any:
+    """Lists of Python scalars from sequences or numpy arrays (the record form is JSON-like)."""
+    if values is None:
+        return None
+    if isinstance(values, np.ndarray):
+        return values.tolist()
+    return [_plain(v) if isinstance(v, (list, tuple, np.ndarray)) else v for v in values]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A training sample as a typed object (the same fields as the SPEC 3 record)."""
+
+    mask: Sequence[int] | npt.NDArray[Any]
+    weight_versions: Sequence[Sequence[int]] | None = None
+    token_versions: Sequence[int] | npt.NDArray[Any] | None = None
+    rl_weights: Sequence[float] | npt.NDArray[Any] | None = None
+    ce_weights: Sequence[float] | npt.NDArray[Any] | None = None
+    ref_kl_weights: Sequence[float] | npt.NDArray[Any] | None = None
+    logprobs: Sequence[float] | npt.NDArray[Any] | None = None
+    trainer_logprobs: Sequence[float | None] | npt.NDArray[Any] | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        record = {"mask": _plain(self.mask)}
+        for name in ("weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs", "trainer_logprobs"):
+            if getattr(self, name) is not None:
+                record[name] = _plain(getattr(self, name))
+        return record
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A rollout as a typed object; :meth:`Sink.add` validates it exactly like a dict record."""
+
+    id: str
+    samples: Sequence[Sample]
+    dispatch_version: int | None = None
+    completion_version: int | None = None
+    group_id: str | None = None
+    env: str | None = None
+    source: str = "live"
+    agentic: bool = False
+
+    def to_record(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"id": self.id, "samples": [s.to_record() for s in self.samples]}
+        for name in ("dispatch_version", "completion_version", "group_id", "env"):
+            if getattr(self, name) is not None:
+                record[name] = getattr(self, name)
+        if self.source != "live":
+            record["source"] = self.source
+        if self.agentic:
+            record["agentic"] = True
+        return record
+
+
+@dataclass
+class ParsedSample:
+    mask: npt.NDArray[np.int8]
+    spans: npt.NDArray[np.int64] | None = None  # shape (k, 2): version, start
+    token_versions: npt.NDArray[np.int64] | None = None
+    weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
+    logprobs: npt.NDArray[np.float64] | None = None
+    trainer_logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing
+
+
+@dataclass
+class ParsedRollout:
+    id: str
+    dispatch_version: int
+    completion_version: int
+    frozen: bool
+    agentic: bool
+    group_id: str | None
+    env: str | None
+    samples: list[ParsedSample]
+    echo: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class UnparsedRollout:
+    """A record :func:`parse_rollout` refused: its error, and its env (counted per env when set aside)."""
+
+    error: TraceError
+    env: str | None
+
+
+MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _array(rid: str, name: str, value: object, kinds: str, expected: str, booleans: bool = True) -> npt.NDArray[Any]:
+    """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced.
+
+    ``booleans=False`` says the caller knows no boolean can be in ``value`` (its JSON text has none):
+    the per-element search for one is skipped.
+    """
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds.replace("b", ""):
+        return value  # already exact (the service turns long lists into arrays as it reads them)
+    if not isinstance(value, list):
+        raise TraceError(rid, name, f"expected {expected}, got {type(value).__name__}")
+    try:
+        array = np.array(value)
+    except (ValueError, OverflowError):
+        array = np.array(value, dtype=object)
+    if array.dtype.kind in "uOf" and array.size and not _within_int64(array):
+        # an integer beyond signed 64 bits (numpy reads it as uint64, an object or a float): no store
+        # keeps it exactly, and as a weight it would be silently rounded
+        for i, v in enumerate(value):
+            if _is_int(v) and not INT64_MIN <= v <= INT64_MAX:
+                raise TraceError(rid, f"{name}[{i}]", f"integer {v} is outside the signed 64-bit range")
+    if array.ndim != 1 or (array.size and array.dtype.kind not in kinds):
+        for i, v in enumerate(value):  # error path only: find the element to name
+            ok = isinstance(v, bool) if "b" in kinds else False
+            if "i" in kinds:
+                ok = ok or (isinstance(v, int) and not isinstance(v, bool))
+            if "f" in kinds:
+                ok = ok or (isinstance(v, (int, float)) and not isinstance(v, bool))
+            if not ok:
+                raise TraceError(rid, f"{name}[{i}]", f"expected {expected}, got {v!r}")
+        raise TraceError(rid, name, f"expected {expected}")
+    if booleans and "b" not in kinds and array.dtype.kind != "b" and bool in map(type, value):
+        # numpy reads True as 1: a boolean where a number belongs would be silently coerced
+        position = next(i for i, v in enumerate(value) if isinstance(v, bool))
+        raise TraceError(rid, f"{name}[{position}]", f"expected {expected}, got {value[position]!r}")
+    return array
+
+
+def _within_int64(array: npt.NDArray[Any]) -> bool:
+    """Whether every value of a uint64, object or float array could be a signed 64-bit integer's
+    magnitude (False for NaN too: the caller then looks at the items themselves)."""
+    if array.dtype.kind == "O":
+        return False
+    bound = float(2**63)
+    return bool(array.max() < bound and array.min() >= -bound)
+
+
+def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
+    """A list of ints within int64 at C speed (what :func:`_array` reads it as); None otherwise.
+
+    ``array('q', ...)`` refuses floats, strings, nulls, lists and integers beyond int64. A boolean is
+    an int to it: callers that refuse booleans use this only when the text has none.
+    """
+    if type(value) is not list or not value:
+        return None
+    try:
+        return np.frombuffer(_array_module.array("q", value), dtype=np.int64)
+    except (TypeError, OverflowError):
+        return None
+
+
+def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.int64]:
+    fast = None if booleans else _plain_ints(value)
+    array = fast if fast is not None else _array(rid, name, value, "iu", "a list of integers", booleans)
+    if array.size and (array.max() > MAX_VERSION or array.min() < -MAX_VERSION):
+        raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
+    return array.astype(np.int64, copy=False)
+
+
+_INT64_BOUND = 2.0**63
+
+
+def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
+    """A list the caller knows holds no boolean, read at C speed; None if not plainly numbers.
+
+    ``array('d', ...)`` takes ints and floats only (a string, null, list or object raises), each
+    converted as ``float()`` does: what :func:`_array` then ``astype`` gives for lists of ints and
+    floats. Integers of 2**63 or more (which :func:`_array` may read as uint64 or objects) and NaN go
+    down the checked path, which decides and names the error as before.
+    """
+    if type(value) is not list:
+        return None
+    try:
+        array = np.frombuffer(_array_module.array("d", value), dtype=np.float64)
+    except (TypeError, OverflowError):
+        return None
+    if array.size and not (array.max() < _INT64_BOUND and array.min() > -_INT64_BOUND):  # NaN fails too
+        return None
+    return array
+
+
+def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
+    if not booleans and (fast := _plain_floats(value)) is not None:
+        return fast
+    return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
+
+
+def _optional_float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
+    """Numbers or nulls (null -> NaN: a missing value, not an error)."""
+    if not booleans and (fast := _plain_floats(value)) is not None:
+        return fast
+    if isinstance(value, list) and None in value:
+        values = [v for v in value if v is not None]  # only lists with nulls take this path
+        checked = _array(rid, name, values, "iuf", "a list of numbers or nulls")
+        out = np.full(len(value), np.nan)
+        out[np.fromiter((v is not None for v in value), dtype=bool, count=len(value))] = checked
+        return out
+    return _array(rid, name, value, "iuf", "a list of numbers or nulls").astype(np.float64)
+
+
+def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
+    fast = _plain_ints(value)  # booleans are allowed here: 0/1 either way
+    array = fast if fast is not None else _array(rid, name, value, "biu", "a list of 0/1 or booleans")
+    if array.dtype.kind == "b" or not array.size:
+        return array.astype(np.int8, copy=False)
+    # one reduction: as unsigned, a negative value is huge (the usual case is int64 from a JSON list)
+    # (an int8 array, as the service reads a long mask, is viewed the same way: no wider copy)
+    if array.dtype == np.int64:
+        unsigned = array.view(np.uint64)
+    elif array.dtype == np.int8:
+        unsigned = array.view(np.uint8)
+    else:
+        unsigned = array.astype(np.uint64)
+    if unsigned.max() <= 1:
+        return array.astype(np.int8, copy=False)
+    bad = np.flatnonzero((array != 0) & (array != 1))
+    if bad.size:
+        raise TraceError(rid, f"{name}[{bad[0]}]", f"expected 0, 1 or a boolean, got {array[bad[0]].item()!r}")
+    return array.astype(np.int8, copy=False)
+
+
+def _only_ints(pairs: list[Any]) -> bool:
+    """Whether every item of every pair is an int (not a bool): C-level passes, no per-span Python code."""
+    try:
+        return set(map(type, chain.from_iterable(pairs))) == {int}
+    except TypeError:  # a pair that is not a list: the loop names it
+        return False
+
+
+def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.int64]:
+    if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == 2 and value.dtype.kind == "i":
+        # pairs already read as integers (the service reads a long span list straight into an array)
+        if value.size and (int(value.max()) > MAX_VERSION or int(value.min()) < -MAX_VERSION):
+            for i, pair in enumerate(value.tolist()):
+                if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
+                    raise TraceError(
+                        rid, f"{name}[{i}]", f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}"
+                    )
+        return value.astype(np.int64, copy=False)
+    if not isinstance(value, list):
+        raise TraceError(rid, name, f"expected a list of [version, start] pairs, got {type(value).__name__}")
+    if value and (not booleans or _only_ints(value)):  # no boolean hides among the integers: all at once
+        try:
+            pairs = np.array(value)
+        except (ValueError, OverflowError):
+            pairs = None
+        if (
+            pairs is not None
+            and pairs.ndim == 2
+            and pairs.shape[1] == 2
+            and pairs.dtype.kind == "i"
+            and int(pairs.max()) <= MAX_VERSION
+            and int(pairs.min()) >= -MAX_VERSION
+        ):
+            return pairs.astype(np.int64, copy=False)
+    for i, pair in enumerate(value):  # one check per span, not per token
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
+            raise TraceError(rid, f"{name}[{i}]", f"expected a [version, start] pair of integers, got {pair!r}")
+        if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
+            raise TraceError(rid, f"{name}[{i}]", f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}")
+    return np.array(value, dtype=np.int64).reshape(-1, 2)
+
+
+def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> ParsedSample:
+    where = f"samples[{index}]"
+    if not isinstance(raw, Mapping):
+        raise TraceError(rid, where, f"expected an object, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - _SAMPLE_FIELDS)
+    if unknown:
+        raise TraceError(rid, f"{where}.{unknown[0]}", "unknown field")
+    if "mask" not in raw:
+        raise TraceError(rid, f"{where}.mask", "required field is missing")
+    sample = ParsedSample(mask=_mask(rid, f"{where}.mask", raw["mask"]))
+    if raw.get("weight_versions") is not None and raw.get("token_versions") is not None:
+        raise TraceError(rid, f"{where}.token_versions", "both weight_versions and token_versions are given")
+    if raw.get("weight_versions") is not None:
+        sample.spans = _spans(rid, f"{where}.weight_versions", raw["weight_versions"], booleans)
+    if raw.get("token_versions") is not None:
+        sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"], booleans)
+    for name in WEIGHT_FIELDS:
+        if raw.get(name) is not None:
+            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans)
+    if raw.get("logprobs") is not None:
+        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans)
+    if raw.get("trainer_logprobs") is not None:
+        sample.trainer_logprobs = _optional_float_list(
+            rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], booleans
+        )
+    n = len(sample.mask)
+    per_position = {
+        **sample.weights,
+        "logprobs": sample.logprobs,
+        "trainer_logprobs": sample.trainer_logprobs,
+        "token_versions": sample.token_versions,
+    }
+    for name, values in per_position.items():
+        if values is not None and len(values) != n:
+            raise TraceError(rid, f"{where}.{name}", f"length {len(values)} differs from the mask's {n}")
+    return sample
+
+
+def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
+    """The checked id, dispatch and completion versions (-1: none), source and agentic flag of a record."""
+    rid_raw = raw.get("id")
+    if not isinstance(rid_raw, str) or not rid_raw:
+        raise TraceError(None if rid_raw is None else printable_id(str(rid_raw)), "id", "required non-empty string")
+    check_text(rid_raw, "id", rid_raw)  # a store, an exporter or a JSON answer could not write it
+    rid = rid_raw
+    unknown = sorted(set(raw) - _ROLLOUT_FIELDS)
+    if unknown:
+        raise TraceError(rid, unknown[0], "unknown field")
+    for name in ("group_id", "env"):
+        if raw.get(name) is not None:
+            if not isinstance(raw[name], str):
+                raise TraceError(rid, name, f"expected a string, got {raw[name]!r}")
+            check_text(rid, name, raw[name])
+    if raw.get("env") == "":  # an empty env would make a "staleness/env//..." key
+        raise TraceError(rid, "env", "must be a non-empty string when present")
+    source = raw.get("source", "live")
+    if source not in ("live", "frozen"):
+        raise TraceError(rid, "source", f"expected 'live' or 'frozen', got {source!r}")
+    agentic = raw.get("agentic", False)
+    if not isinstance(agentic, bool):
+        raise TraceError(rid, "agentic", f"expected a boolean, got {agentic!r}")
+    dispatch = raw.get("dispatch_version")
+    if dispatch is None:
+        if source == "live":
+            raise TraceError(rid, "dispatch_version", "required on a live rollout")
+        dispatch = -1
+    elif not _is_int(dispatch):
+        raise TraceError(rid, "dispatch_version", f"expected an integer, got {dispatch!r}")
+    elif not 0 <= dispatch <= MAX_VERSION:
+        raise TraceError(rid, "dispatch_version", f"must be in 0..{MAX_VERSION}, got {dispatch}")
+    completion = raw.get("completion_version")
+    if completion is None:
+        completion = -1
+    elif not _is_int(completion):
+        raise TraceError(rid, "completion_version", f"expected an integer, got {completion!r}")
+    elif not 0 <= completion <= MAX_VERSION:
+        raise TraceError(rid, "completion_version", f"must be in 0..{MAX_VERSION}, got {completion}")
+    return rid, dispatch, completion, source, agentic
+
+
+def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
+    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
+
+    ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a faster check of numbers).
+    """
+    if not isinstance(raw, Mapping):
+        raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
+    rid, dispatch, completion, source, agentic = check_head(raw)
+    samples = raw.get("samples")
+    if not isinstance(samples, list):
+        raise TraceError(rid, "samples", "required list of samples")
+    if not samples:
+        raise TraceError(rid, "samples", "must hold at least one sample")
+    echo = {k: v for k, v in raw.items() if k != "samples"}
+    return ParsedRollout(
+        id=rid,
+        dispatch_version=dispatch,
+        completion_version=completion,
+        frozen=source == "frozen",
+        agentic=agentic,
+        group_id=raw.get("group_id"),
+        env=raw.get("env"),
+        samples=[_parse_sample(rid, i, s, booleans) for i, s in enumerate(samples)],
+        echo=echo,
+    )
+
+
+def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:
+    """:func:`parse_rollout`, with a refused record returned (not raised) as an :class:`UnparsedRollout`."""
+    try:
+        return parse_rollout(raw, booleans=booleans)
+    except TraceError as error:
+        env = raw.get("env") if isinstance(raw, Mapping) else None
+        return UnparsedRollout(error, env if isinstance(env, str) else None)
+
+
+def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
+    """Concatenate parsed rollouts into one columnar batch (values are validated by the sink)."""
+    rollouts = list(rollouts)
+    samples = [s for r in rollouts for s in r.samples]
+    lengths = [len(s.mask) for s in samples]
+    position_offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    sample_offsets = np.concatenate(([0], np.cumsum([len(r.samples) for r in rollouts], dtype=np.int64)))
+
+    def flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
+        return np.concatenate(values).astype(dtype, copy=False) if values else np.zeros(0, dtype=dtype)
+
+    mask = flat([s.mask for s in samples], np.float64)
+    label_kind = np.array(
+        [
+            LABELS_SPANS if s.spans is not None else LABELS_TOKENS if s.token_versions is not None else LABELS_NONE
+            for s in samples
+        ],
+        dtype=np.int8,
+    )
+
+    # Sample arrays whose length is wrong are kept as given; validation reports them. Missing ones are
+    # filled to the sample's length so the flat arrays stay aligned.
+    def column(
+        get: Any, fill: float, dtype: type = np.float64
+    ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
+        values = [get(s) for s in samples]
+        present = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+        if not present.any():
+            return None, present
+        if present.all():
+            return flat(values, dtype), present
+        given = [v for v in values if v is not None]
+        if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
+            # the usual case: the given parts in place, the fill everywhere else (no array per missing part)
+            out: npt.NDArray[Any] = np.full(int(position_offsets[-1]), fill, dtype=dtype)
+            out[np.repeat(present, lengths)] = np.concatenate(given)
+            return out, present
+        parts = [v if v is not None else np.full(n, fill) for v, n in zip(values, lengths)]
+        return flat(parts, np.float64), present
+
+    batch_weights: dict[str, npt.NDArray[Any] | None] = {}
+    present: dict[str, npt.NDArray[np.bool_]] = {}
+    for name in WEIGHT_FIELDS:
+        values, flags = column(lambda s, name=name: s.weights.get(name), 1.0 if name == "rl_weights" else 0.0)
+        batch_weights[name] = values
+        if values is not None:
+            present[name] = flags
+    logprobs, logprobs_present = column(lambda s: s.logprobs, 0.0)
+    if logprobs is not None:
+        present["logprobs"] = logprobs_present
+    trainer_logprobs, trainer_present = column(lambda s: s.trainer_logprobs, np.nan)
+    if trainer_logprobs is not None:
+        present["trainer_logprobs"] = trainer_present
+    token_versions, _ = column(lambda s: s.token_versions, -1, np.int64)  # within ±2**53: exact either way
+    span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
+    span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
+    spans = np.concatenate(span_table) if span_table else np.zeros((0, 2), dtype=np.int64)
+    return RolloutBatch(
+        ids=[r.id for r in rollouts],
+        sample_offsets=sample_offsets,
+        position_offsets=position_offsets,
+        mask=mask,
+        dispatch_version=np.array([r.dispatch_version for r in rollouts], dtype=np.int64),
+        completion_version=np.array([r.completion_version for r in rollouts], dtype=np.int64),
+        frozen=np.array([r.frozen for r in rollouts], dtype=bool),
+        agentic=np.array([r.agentic for r in rollouts], dtype=bool),
+        group_ids=[r.group_id for r in rollouts],
+        envs=[r.env for r in rollouts],
+        rl_weights=batch_weights["rl_weights"],
+        ce_weights=batch_weights["ce_weights"],
+        ref_kl_weights=batch_weights["ref_kl_weights"],
+        logprobs=logprobs,
+        trainer_logprobs=trainer_logprobs,
+        token_versions=None if token_versions is None else token_versions.astype(np.int64, copy=False),
+        span_offsets=np.concatenate(([0], np.cumsum(span_counts, dtype=np.int64))),
+        span_versions=spans[:, 0].copy(),
+        span_starts=spans[:, 1].copy(),
+        label_kind=label_kind,
+        present=present,
+        echo=[r.echo for r in rollouts],
+    )

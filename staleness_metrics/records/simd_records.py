@@ -1,0 +1,277 @@
+"""Rollout event lines read straight into arrays by simdjson (the replay's fast path, issue 12).
+
+orjson turns every number of a line into a Python object, which :mod:`.records` then copies into an
+array: for a stream of long samples most of a replay went into building and reading those objects.
+simdjson parses the line into its own tape, and ``Array.as_buffer`` copies a list of numbers out of it
+at C speed, so the per-position lists become arrays without a Python object per position.
+
+This path only ever *accepts* a plain, valid rollout line, and produces exactly the
+:class:`~.records.ParsedRollout` the general path (:func:`.jsonio.loads` then
+:func:`.records.parse_rollout`) gives for it; anything else (a ship or sweep event, an invalid or odd
+record, a boolean or null among numbers, a string escape, a JSON error) returns ``None`` and the line is
+read by the general path, which decides and names errors as it always did. ``as_buffer`` refuses
+booleans, nulls, strings and objects, and integers beyond 64 bits; it flattens nested lists, which a
+count of ``[`` in the line rules out (every ``[`` must open a list this reader looked at).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, cast
+
+import numpy as np
+import numpy.typing as npt
+
+try:
+    import simdjson
+except ImportError:  # no wheel for this Python (3.14 and later, so far): every line takes the general path
+    simdjson = None  # type: ignore[assignment]
+
+from ..errors import TraceError
+from .columnar import WEIGHT_FIELDS
+from .model import _INT64_BOUND, MAX_VERSION, ParsedRollout, ParsedSample, check_head
+
+__all__ = ["AVAILABLE", "LineReader"]
+
+AVAILABLE = simdjson is not None  # False: replay reads every line by the general path, just slower
+
+_MASKS, _VERSIONS, _FLOATS = 0, 1, 2  # the kinds of per-position lists, each checked by one rule
+_FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, as_buffer type)
+    "mask": (_MASKS, "i"),
+    "token_versions": (_VERSIONS, "i"),
+    "weight_versions": (_VERSIONS, "i"),
+    **{name: (_FLOATS, "d") for name in (*WEIGHT_FIELDS, "logprobs", "trainer_logprobs")},
+}
+
+
+# simdjson's tape stores an array's element count in 24 bits, saturated: ``len()`` of a list of
+# 16,777,215 elements or more says 16,777,215 (the buffer copied out of it holds them all).
+_SATURATED = 0xFFFFFF
+
+
+class _NotPlain(Exception):
+    """The line is not one this path reads exactly: the general path reads it."""
+
+
+def _array(value: object) -> simdjson.Array:
+    if type(value) is not simdjson.Array:
+        raise _NotPlain
+    return value
+
+
+def _keys(value: object) -> list[str]:
+    """The keys of a JSON object without repeated keys (simdjson's lookup finds the first, JSON
+    readers keep the last)."""
+    if type(value) is not simdjson.Object:
+        raise _NotPlain
+    keys = list(value)
+    if len(set(keys)) != len(keys):
+        raise _NotPlain
+    return keys
+
+
+class _Lists:
+    """Per-position lists of one kind copied out of the tape (raw bytes), with where each one goes."""
+
+    def __init__(self) -> None:
+        self.buffers: list[Any] = []
+        self.sizes: list[int] = []
+        self.owners: list[tuple[ParsedSample, str]] = []
+        self.lines: list[int] = []  # index of the line (within the reader's pending lines)
+
+    def mark(self) -> int:
+        return len(self.buffers)
+
+    def close_line(self, mark: int, line: int) -> None:
+        """The lists appended since ``mark`` belong to line ``line``."""
+        self.lines += [line] * (len(self.buffers) - mark)
+
+    def drop_since(self, mark: int) -> None:
+        """Forget the lists of a line the general path will read."""
+        del self.buffers[mark:], self.sizes[mark:], self.owners[mark:]
+
+    def clear(self) -> None:
+        self.buffers, self.sizes, self.owners, self.lines = [], [], [], []
+
+    def arrays(
+        self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool], refused: set[int]
+    ) -> tuple[npt.NDArray[Any], list[slice]]:
+        """One array of every list, and where each list is in it; adds to ``refused`` the lines of lists
+        that are ``bad`` (one check of all lists; each list is checked only when some is bad)."""
+        whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=dtype)
+        ends = np.cumsum(self.sizes).tolist()
+        where = [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+        if bad(whole):
+            refused.update(line for line, at in zip(self.lines, where) if bad(whole[at]))
+        return whole, where
+
+
+def _mask_bad(values: npt.NDArray[np.int64]) -> bool:
+    return bool(values.size and values.view(np.uint64).max() > 1)  # as unsigned, a negative value is huge
+
+
+def _version_bad(values: npt.NDArray[np.int64]) -> bool:
+    return bool(values.size and not (values.max() <= MAX_VERSION and values.min() >= -MAX_VERSION))
+
+
+def _float_bad(values: npt.NDArray[np.float64]) -> bool:
+    # float magnitudes of 2**63 or more (integers records._plain_floats sends down the checked path)
+    return bool(values.size and not (values.max() < _INT64_BOUND and values.min() > -_INT64_BOUND))
+
+
+def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, floats: _Lists) -> ParsedRollout:
+    """The line's record with its per-position lists copied into ``masks``, ``versions`` and ``floats``
+    (their values are checked, and the arrays filled in, by :meth:`LineReader.finish`)."""
+    _keys(document)
+    if cast(simdjson.Object, document).get("type") != "rollout":
+        raise _NotPlain
+    raw = cast(simdjson.Object, document).get("rollout")
+    keys = _keys(raw)
+    raw = cast(simdjson.Object, raw)
+    head: dict[str, Any] = {}
+    for key in keys:  # document order, as the general path's echo keeps it
+        if key != "samples":
+            value = raw[key]
+            if type(value) is simdjson.Object or type(value) is simdjson.Array:
+                raise _NotPlain
+            head[key] = value
+    items = _array(raw.get("samples"))
+    if not len(items):
+        raise _NotPlain
+    rid, dispatch, completion, source, agentic = check_head(head)
+
+    samples: list[ParsedSample] = []
+    lists = 1  # "samples" itself
+    kinds = (masks, versions, floats)
+    for item in items:
+        keys = _keys(item)
+        sample = cast(simdjson.Object, item)
+        parsed = ParsedSample(mask=_NO_MASK)
+        labels = 0
+        sizes: list[int] = []  # lengths of the per-position lists, the mask's first
+        for key in keys:  # one lookup per field present (a lookup is a scan of the object's keys)
+            value = sample[key]
+            if value is None:
+                if key == "mask":
+                    raise _NotPlain
+                continue  # a null field is an absent one
+            field = _FIELDS.get(key)
+            if field is None or type(value) is not simdjson.Array:
+                raise _NotPlain  # an unknown field, or not a list
+            slot, of_type = field
+            kind = kinds[slot]
+            buffer = value.as_buffer(of_type=of_type)
+            kind.buffers.append(buffer)
+            size = len(value)
+            if size >= _SATURATED:  # the tape's count stops there: the copied buffer has every element
+                size = memoryview(buffer).nbytes // 8 // (2 if key == "weight_versions" else 1)
+            if slot == _VERSIONS:
+                labels += 1
+                if key == "weight_versions":
+                    # [version, start] pairs, flattened by as_buffer: each must be a list of two
+                    for pair in value:
+                        if type(pair) is not simdjson.Array or len(pair) != 2:
+                            raise _NotPlain
+                    lists += 1 + size  # the list of pairs and each pair
+                    size *= 2
+                else:
+                    sizes.append(size)
+            elif slot == _MASKS:
+                sizes.insert(0, size)
+            else:
+                sizes.append(size)
+            kind.sizes.append(size)
+            kind.owners.append((parsed, key))
+        lists += len(sizes)
+        if keys.count("mask") != 1 or labels > 1 or sizes.count(sizes[0]) != len(sizes):
+            raise _NotPlain  # no mask; both kinds of labels; a list whose length is not the mask's
+        samples.append(parsed)
+    if line.count(b"[") != lists:  # a nested list (as_buffer flattens it), or a "[" in a string
+        raise _NotPlain
+    return ParsedRollout(
+        id=rid,
+        dispatch_version=dispatch,
+        completion_version=completion,
+        frozen=source == "frozen",
+        agentic=agentic,
+        group_id=head.get("group_id"),
+        env=head.get("env"),
+        samples=samples,
+        echo=head,
+    )
+
+
+_NO_MASK = np.zeros(0, dtype=np.int8)
+
+
+class LineReader:
+    """Reads rollout event lines with one reused simdjson parser (not thread-safe: one per reader).
+
+    :meth:`take` reads a line's structure and copies its lists out; :meth:`finish` checks the values of
+    every line taken since the last finish at once (a few reductions over all their positions, instead
+    of several per line) and returns their records.
+    """
+
+    def __init__(self) -> None:
+        self._parser = simdjson.Parser()
+        self._rollouts: list[ParsedRollout] = []
+        self._masks, self._versions, self._floats = _Lists(), _Lists(), _Lists()
+
+    def take(self, line: bytes) -> bool:
+        """Read a rollout event line if it is plain; ``False``: let the general path read it."""
+        # a line not starting with "{" (a byte order mark simdjson would skip, blanks) or holding a
+        # string escape (lone surrogates, which orjson refuses) is left to the general path
+        if line[:1] != b"{" or b"\\" in line:
+            return False
+        try:
+            document = self._parser.parse(line)
+        except (ValueError, RuntimeError):
+            # bad JSON, a number beyond 64 bits, invalid UTF-8: the general path says what it is. A fresh
+            # parser, in case this one is still held by a proxy of an earlier line (never expected).
+            self._parser = simdjson.Parser()
+            return False
+        kinds = (self._masks, self._versions, self._floats)
+        marks = [kind.mark() for kind in kinds]
+        try:
+            rollout = _rollout(document, line, *kinds)
+        except (_NotPlain, TraceError, TypeError, ValueError, RuntimeError):
+            for kind, mark in zip(kinds, marks):
+                kind.drop_since(mark)
+            return False
+        finally:
+            del document
+        index = len(self._rollouts)
+        self._rollouts.append(rollout)
+        for kind, mark in zip(kinds, marks):
+            kind.close_line(mark, index)
+        return True
+
+    def finish(self) -> list[ParsedRollout | None]:
+        """The records of the lines taken, in order; ``None`` for a line whose values the general path
+        must read (a mask value not 0/1, a version beyond ±2**53, a float of magnitude 2**63 or more)."""
+        refused: set[int] = set()
+        whole, where = self._masks.arrays(np.int64, _mask_bad, refused)
+        narrow = whole.astype(np.int8)  # one conversion for every mask
+        for (parsed, _), at in zip(self._masks.owners, where):
+            parsed.mask = narrow[at]
+        whole, where = self._versions.arrays(np.int64, _version_bad, refused)
+        for (parsed, name), at in zip(self._versions.owners, where):
+            if name == "token_versions":
+                parsed.token_versions = whole[at]
+            else:
+                parsed.spans = whole[at].reshape(-1, 2)
+        whole, where = self._floats.arrays(np.float64, _float_bad, refused)
+        for (parsed, name), at in zip(self._floats.owners, where):
+            if name == "logprobs":
+                parsed.logprobs = whole[at]
+            elif name == "trainer_logprobs":
+                parsed.trainer_logprobs = whole[at]
+            else:
+                parsed.weights[name] = whole[at]
+        out: list[ParsedRollout | None] = [
+            None if index in refused else rollout for index, rollout in enumerate(self._rollouts)
+        ]
+        self._rollouts = []
+        for kind in (self._masks, self._versions, self._floats):
+            kind.clear()
+        return out

@@ -1,0 +1,420 @@
+"""Value rules of SPEC 3, checked once on the columnar form, vectorised.
+
+Each rule finds its offending positions / samples / rollouts with one numpy expression; Python only
+runs on the (rare) offenders, to name the rollout, the field and the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..engine.kernels import plain_positions
+from ..errors import TraceError
+from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
+
+__all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
+    "MAX_STORED_DEPTH",
+    "Verdicts",
+    "check_batch",
+    "check_text",
+    "check_versions_at_most",
+    "lone_surrogate",
+    "plainly_valid",
+    "printable_id",
+    "surrogate_reason",
+    "unstorable",
+]
+
+IntArray = npt.NDArray[np.int64]
+
+# What a JSON store (the service's journal, a checkpoint, an exporter label) keeps exactly: strings that
+# are valid Unicode (UTF-8 cannot encode a lone surrogate such as "\ud800", which a JSON "\ud800" escape
+# decodes to), integers within signed 64 bits, and nesting orjson writes (it stops at 254 levels; a
+# record is never deeper than 5, so the bound leaves room for whatever wraps it).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STORED_DEPTH = 128
+
+
+def lone_surrogate(text: str) -> int | None:
+    """The index of the first lone surrogate in ``text`` (a code point U+D800..U+DFFF, which UTF-8 cannot
+    encode), else None. C speed: one encode attempt."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
+def surrogate_reason(text: str, at: int) -> str:
+    return f"not valid Unicode: lone surrogate U+{ord(text[at]):04X} at character {at}"
+
+
+def check_text(rollout_id: str | None, field: str, text: str) -> None:
+    """Raise :class:`TraceError` naming ``field`` when ``text`` holds a lone surrogate (the rule of SPEC 3
+    strings: ``id``, ``group_id``, ``env``; replay and the service use it too)."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise TraceError(printable_id(rollout_id), field, surrogate_reason(text, at))
+
+
+def printable_id(rollout_id: str | None) -> str | None:
+    """``rollout_id`` with any lone surrogate written as a ``\\udXXX`` escape, so an error naming it can
+    itself be encoded (in a JSON answer, a log line, a journal)."""
+    if rollout_id is None or lone_surrogate(rollout_id) is None:
+        return rollout_id
+    return rollout_id.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+
+
+_PLAIN_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _first_big_int(values: list[Any]) -> int | None:
+    """Index of the first integer outside signed 64 bits in a list of scalars, else None."""
+    kinds = set(map(type, values))  # C-level passes; Python runs per item only on mixed or wide lists
+    if int not in kinds:
+        return None
+    if kinds <= {int, bool} and min(values) >= INT64_MIN and max(values) <= INT64_MAX:
+        return None
+    for index, value in enumerate(values):
+        if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+            return index
+    return None
+
+
+def unstorable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | None:
+    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep exactly: a
+    string or key with a lone surrogate, an integer outside signed 64 bits, nesting deeper than
+    :data:`MAX_STORED_DEPTH`; None when it all can be stored. Field paths read like the library's
+    (``samples[0].mask[3]``). Iterative (no recursion limit to hit); numpy arrays are always storable."""
+    stack: list[tuple[Any, str, int]] = [(value, path, depth)]
+    while stack:
+        item, where, level = stack.pop()
+        kind = type(item)
+        if kind is str:
+            at = lone_surrogate(item)
+            if at is not None:
+                return where or "value", surrogate_reason(item, at)
+        elif kind is int:
+            if not INT64_MIN <= item <= INT64_MAX:
+                return where or "value", "integer outside the signed 64-bit range"
+        elif isinstance(item, dict):
+            if level >= MAX_STORED_DEPTH:
+                return where or "value", f"nested deeper than {MAX_STORED_DEPTH} levels"
+            children = []
+            for key, child in item.items():
+                name = f"{where}.{key}" if where else str(key)
+                if type(key) is str and lone_surrogate(key) is not None:
+                    return printable_id(name) or name, surrogate_reason(key, lone_surrogate(key) or 0)
+                children.append((child, name, level + 1))
+            stack.extend(reversed(children))  # first field first, as the library reads them
+        elif isinstance(item, (list, tuple)):
+            if level >= MAX_STORED_DEPTH:
+                return where or "value", f"nested deeper than {MAX_STORED_DEPTH} levels"
+            if set(map(type, item)) <= _PLAIN_SCALARS:  # a per-position list: no per-item Python code
+                big = _first_big_int(list(item))
+                if big is not None:
+                    return f"{where}[{big}]", "integer outside the signed 64-bit range"
+                continue
+            stack.extend((item[i], f"{where}[{i}]", level + 1) for i in range(len(item) - 1, -1, -1))
+    return None
+
+
+class Verdicts:
+    """The first error found for each invalid rollout of a batch (rollout index -> error)."""
+
+    def __init__(self, batch: RolloutBatch) -> None:
+        self.batch = batch
+        self.errors: dict[int, TraceError] = {}
+        self._sample_rollout = np.searchsorted(batch.sample_offsets, np.arange(batch.n_samples), "right") - 1
+
+    def rollout(self, index: int, field: str, reason: str) -> None:
+        if index not in self.errors:
+            self.errors[index] = TraceError(printable_id(self.batch.ids[index]), field, reason)
+
+    def sample(self, sample: int, field: str, reason: str) -> None:
+        rollout = int(self._sample_rollout[sample])
+        local = sample - int(self.batch.sample_offsets[rollout])
+        self.rollout(rollout, f"samples[{local}].{field}", reason)
+
+    def positions(self, positions: Iterable[int], field: str, describe: str) -> None:
+        """Report offending flat positions (first one per rollout)."""
+        offsets = self.batch.position_offsets
+        for position in positions:
+            sample = int(np.searchsorted(offsets, position, "right") - 1)
+            rollout = int(self._sample_rollout[sample])
+            if rollout in self.errors:
+                continue
+            self.sample(sample, field, f"position {position - int(offsets[sample])}: {describe}")
+
+    @property
+    def invalid(self) -> npt.NDArray[np.bool_]:
+        flags = np.zeros(self.batch.n_rollouts, dtype=bool)
+        flags[list(self.errors)] = True
+        return flags
+
+
+def _first_per_rollout(batch: RolloutBatch, positions: IntArray) -> IntArray:
+    """Keep the first offending position of each sample: bounds the Python work on bad input."""
+    if positions.size == 0:
+        return positions
+    samples = np.searchsorted(batch.position_offsets, positions, "right") - 1
+    _, first = np.unique(samples, return_index=True)
+    return positions[first]
+
+
+def _check_shapes(batch: RolloutBatch) -> None:
+    """Structural consistency of the arrays themselves: a caller bug, not a bad rollout."""
+    n_positions = batch.n_positions
+    if batch.mask.ndim != 1:
+        raise ValueError("mask must be a 1-d array")
+    for name, offsets, total in (
+        ("sample_offsets", batch.sample_offsets, batch.n_samples),
+        ("position_offsets", batch.position_offsets, n_positions),
+    ):
+        if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+            raise ValueError(f"{name} must start at 0, never decrease and end at {total}")
+    if len(batch.sample_offsets) != batch.n_rollouts + 1:
+        raise ValueError("sample_offsets must have one entry per rollout plus one")
+    for name in ("dispatch_version", "completion_version", "frozen", "agentic"):
+        if len(getattr(batch, name)) != batch.n_rollouts:
+            raise ValueError(f"{name} must have one entry per rollout")
+    for name in (*PER_POSITION_FLOATS, "token_versions"):
+        values = getattr(batch, name)
+        if values is not None and len(values) != n_positions:
+            raise ValueError(f"{name} must have one entry per position ({n_positions})")
+    if batch.span_offsets is not None:
+        assert batch.span_versions is not None and batch.span_starts is not None
+        if len(batch.span_offsets) != batch.n_samples + 1 or batch.span_offsets[-1] != len(batch.span_versions):
+            raise ValueError("span_offsets must have one entry per sample plus one and end at the span count")
+    if len(batch.group_ids or ()) != batch.n_rollouts or len(batch.envs or ()) != batch.n_rollouts:
+        raise ValueError("group_ids and envs must have one entry per rollout")
+
+
+def _plain_envs(envs: Sequence[Any]) -> bool:
+    """Whether every env is None or a non-empty string, judged on the distinct values."""
+    try:
+        distinct = set(envs)
+    except TypeError:  # an unhashable env: the loop names it
+        return False
+    return all(env is None or (type(env) is str and env) for env in distinct)
+
+
+def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
+    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts.
+
+    The rules on position values (0/1 mask, finite weights) are checked by
+    :func:`staleness_metrics.engine.spans.build_spans`, which reads the positions anyway; so are the token
+    versions (>= -1) without ``token_values`` (:func:`staleness_metrics.engine.spans.checked_spans`).
+    """
+    _check_shapes(batch)
+    verdicts = Verdicts(batch)
+
+    # Set operations first (C speed); the loops that name offenders run only when there are some.
+    ids = batch.ids
+    if len(set(ids)) != len(ids) or not (isinstance(known_ids, (set, frozenset)) and known_ids.isdisjoint(ids)):
+        seen: set[str] = set()
+        for index, rid in enumerate(ids):
+            if rid in known_ids or rid in seen:
+                verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
+            seen.add(rid)
+
+    envs = batch.envs or ()
+    for name, texts in (("id", ids), ("group_id", batch.group_ids or ()), ("env", envs)):
+        if lone_surrogate("".join(map(str, texts))) is not None:  # one C-level pass; names offenders only then
+            for index, text in enumerate(texts):
+                at = lone_surrogate(text) if isinstance(text, str) else None
+                if isinstance(text, str) and at is not None:
+                    verdicts.rollout(index, name, surrogate_reason(text, at))
+    if not _plain_envs(envs):
+        for index, env in enumerate(envs):
+            if env is not None and (not isinstance(env, str) or not env):
+                verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
+
+    live = ~np.asarray(batch.frozen, dtype=bool)
+    dispatch, completion = batch.dispatch_version, batch.completion_version
+    assert completion is not None
+    for index in np.flatnonzero(live & (dispatch < 0)).tolist():
+        verdicts.rollout(int(index), "dispatch_version", f"must be >= 0 on a live rollout, got {dispatch[index]}")
+    for index in np.flatnonzero(~live & (dispatch < -1)).tolist():
+        verdicts.rollout(int(index), "dispatch_version", f"must be >= 0, got {dispatch[index]}")
+    for index in np.flatnonzero(completion < -1).tolist():
+        verdicts.rollout(int(index), "completion_version", f"must be >= 0, got {completion[index]}")
+    for index in np.flatnonzero((completion >= 0) & (dispatch >= 0) & (completion < dispatch)).tolist():
+        verdicts.rollout(
+            int(index),
+            "completion_version",
+            f"{completion[index]} is below dispatch_version {dispatch[index]}",
+        )
+
+    kind = batch.label_kind
+    assert kind is not None
+    if batch.token_versions is not None and token_values:
+        tokens = batch.token_versions
+        bad = tokens[:0]
+        if tokens.min(initial=0) < -1:  # one read in the common case; where only on bad input
+            sample_has_tokens = np.repeat(kind == LABELS_TOKENS, np.diff(batch.position_offsets))
+            bad = np.flatnonzero(sample_has_tokens & (tokens < -1))
+        verdicts.positions(_first_per_rollout(batch, bad), "token_versions", "versions are >= 0 or -1")
+    if batch.span_offsets is not None:
+        _check_spans(batch, verdicts)
+    elif np.any(kind == LABELS_SPANS):
+        raise ValueError("label_kind names spans but no span arrays are given")
+    return verdicts
+
+
+def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
+    """The first of ``spans`` (ascending) in each sample: a body of millions of bad spans costs one
+    Python step per sample, not per span."""
+    if spans.size == 0:
+        return []
+    _, first = np.unique(span_sample[spans], return_index=True)
+    return [int(span) for span in spans[first]]
+
+
+def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
+    assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
+    offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
+    span_sample = np.repeat(np.arange(batch.n_samples), np.diff(offsets))
+    lengths = np.diff(batch.position_offsets)[span_sample]
+    for span in _first_of_each(span_sample, np.flatnonzero(versions < -1)):
+        verdicts.sample(
+            int(span_sample[span]),
+            f"weight_versions[{span - offsets[span_sample[span]]}]",
+            f"version {versions[span]} is negative (only -1 marks unlabelled)",
+        )
+    for span in _first_of_each(span_sample, np.flatnonzero((starts < 0) | (starts >= lengths))):
+        sample = int(span_sample[span])
+        verdicts.sample(
+            sample,
+            f"weight_versions[{span - offsets[sample]}]",
+            f"start {starts[span]} is outside 0..{lengths[span] - 1}",
+        )
+    same_sample = span_sample[1:] == span_sample[:-1]
+    for span in _first_of_each(span_sample, np.flatnonzero(same_sample & (starts[1:] <= starts[:-1])) + 1):
+        sample = int(span_sample[span])
+        verdicts.sample(sample, f"weight_versions[{span - offsets[sample]}]", "span starts must strictly increase")
+
+
+def check_versions_at_most(
+    ids: list[str], max_version: IntArray, dispatch: IntArray, bound: int
+) -> dict[int, TraceError]:
+    """Ship-time rule: no label (nor dispatch version) may be above ``T``; returns offenders."""
+    errors: dict[int, TraceError] = {}
+    for index in np.flatnonzero(dispatch > bound):
+        errors[int(index)] = TraceError(
+            ids[index], "dispatch_version", f"version {dispatch[index]} is above the trained version {bound}"
+        )
+    for index in np.flatnonzero(max_version > bound):
+        errors.setdefault(
+            int(index),
+            TraceError(ids[index], "samples", f"version {max_version[index]} is above the trained version {bound}"),
+        )
+    return errors
+
+
+def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> bool:
+    """Whether :func:`check_batch` and :func:`~staleness_metrics.engine.spans.build_spans` would certainly find
+    nothing wrong with ``batch``: a few whole-array reductions, no offender named. False means "not sure"
+    (the exact checks then run and name what is wrong), so this may only ever err towards False.
+
+    It lets the sink take a small batch with a handful of numpy calls and cut its spans later, together
+    with the batches added after it (``Sink.add``: the cost of a call follows its work).
+    """
+    n_rollouts, n_samples, n_positions = batch.n_rollouts, batch.n_samples, batch.n_positions
+    mask, sample_offsets, position_offsets = batch.mask, batch.sample_offsets, batch.position_offsets
+    kind, tokens = batch.label_kind, batch.token_versions
+    dispatch, completion, frozen = batch.dispatch_version, batch.completion_version, batch.frozen
+    if (
+        mask.ndim != 1
+        or len(sample_offsets) != n_rollouts + 1
+        or len(position_offsets) == 0
+        or kind is None
+        or len(kind) != n_samples
+        or completion is None
+        or frozen is None
+        or batch.agentic is None
+        or any(len(v) != n_rollouts for v in (dispatch, completion, frozen, batch.agentic))
+        or len(batch.group_ids or ()) != n_rollouts
+        or len(batch.envs or ()) != n_rollouts
+        or any(v is not None and len(v) != n_positions for v in map(batch.__getattribute__, _PER_POSITION))
+    ):
+        return False
+    if n_rollouts == 0 or n_positions == 0:
+        return False  # nothing to gain; the exact path says what an empty batch means
+    ends = (int(sample_offsets[0]), int(sample_offsets[-1]), int(position_offsets[0]), int(position_offsets[-1]))
+    if ends != (0, n_samples, 0, n_positions):
+        return False
+    if n_rollouts > 1 and bool((sample_offsets[1:] < sample_offsets[:-1]).any()):
+        return False
+    if n_samples > 1 and bool((position_offsets[1:] < position_offsets[:-1]).any()):
+        return False
+    ids = batch.ids
+    if not (isinstance(known_ids, (set, frozenset)) and len(set(ids)) == n_rollouts and known_ids.isdisjoint(ids)):
+        return False
+    for texts in (ids, batch.group_ids or (), batch.envs or ()):
+        if lone_surrogate("".join(map(str, texts))) is not None:
+            return False
+    if not _plain_envs(batch.envs or ()):
+        return False
+    # Per-rollout and per-sample values of a small batch: Python over short lists costs less than numpy calls.
+    dispatches, completions = dispatch.tolist(), completion.tolist()
+    if min(dispatches) < 0 or min(completions) < -1:  # frozen ones too: -1 falls to the exact path
+        return False
+    if any(0 <= c < d for c, d in zip(completions, dispatches)):
+        return False
+    kinds = set(kind.tolist())
+    if not kinds <= {LABELS_NONE, LABELS_SPANS, LABELS_TOKENS}:
+        return False
+    if tokens is None and LABELS_TOKENS in kinds:
+        return False
+    if batch.span_offsets is not None:
+        if not _plain_spans(batch):
+            return False
+    elif LABELS_SPANS in kinds:
+        return False
+    # Position values (build_spans): a 0/1 mask, finite weights and log-probabilities, token versions >= -1
+    # (check_batch). One compiled pass, or numpy: a finite sum says every value is finite (a NaN or an
+    # infinity makes it NaN or infinite; an overflow is only "not sure").
+    floats = [values for name in _FINITE_POSITION_FLOATS if (values := getattr(batch, name)) is not None]
+    plain = plain_positions(mask, floats, tokens)
+    if plain is not None:
+        return plain
+    if tokens is not None and int(tokens.min()) < -1:
+        return False
+    if np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) != n_positions:
+        return False
+    return all(np.isfinite(np.add.reduce(values)) for values in floats)
+
+
+_PER_POSITION = (*PER_POSITION_FLOATS, "token_versions")
+_FINITE_POSITION_FLOATS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs")  # trainer_logprobs: NaN = missing
+
+
+def _plain_spans(batch: RolloutBatch) -> bool:
+    """The ``weight_versions`` spans obey :func:`_check_spans`' rules (and the shapes it needs)."""
+    offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
+    if offsets is None or versions is None or starts is None:
+        return False
+    if len(offsets) != batch.n_samples + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != len(versions):
+        return False
+    if len(starts) != len(versions):
+        return False
+    if len(versions) == 0:
+        return not bool((offsets[1:] != 0).any())
+    if bool((offsets[1:] < offsets[:-1]).any()):
+        return False
+    if int(versions.min()) < -1 or int(starts.min()) < 0:
+        return False
+    counts = offsets[1:] - offsets[:-1]
+    span_end = np.repeat(batch.position_offsets[1:] - batch.position_offsets[:-1], counts)
+    if bool((starts >= span_end).any()):
+        return False
+    first = np.zeros(len(starts), dtype=bool)
+    first[offsets[:-1][counts > 0]] = True
+    return not bool((~first[1:] & (starts[1:] <= starts[:-1])).any())

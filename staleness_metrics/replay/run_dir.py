@@ -1,0 +1,194 @@
+"""A run directory: what a run wrote beside its event stream, named by a ``run.json``.
+
+``staleness-metrics demo`` writes one; ``report`` and ``what-if`` read it. ``run.json`` says which files
+there are (every path relative to the directory) and the settings the run used::
+
+    {"format": "staleness-metrics run", "version": 1, "run": "staleness-demo",
+     "config": {"policy": "token", "max_staleness": 8, ...},         # StalenessConfig fields
+     "files": {"events": "events.jsonl",                              # SPEC 9 events (required)
+               "metrics": "metrics.jsonl",                            # the rows every step logged
+               "trainer_logprobs": "trainer-logprobs.jsonl",          # what the trainer computed
+               "mismatch_sums": "mismatch-sums.jsonl"},               # the SPEC 11 sums it recorded
+     "steps": 60}
+
+- ``trainer_logprobs``: one line per shipped rollout, ``{"step": S, "id": ID, "trainer_logprobs": [...]}``
+  with one list per sample of the rollout as it was added (``null`` for a sample not shipped). They are
+  joined to the rollouts of the event stream as the samples' ``trainer_logprobs`` (SPEC 11), so a replay
+  of the directory reports what staleness cost, as the live path did.
+- ``mismatch_sums``: one line per step, ``{"step": S, "sums": MismatchSums.to_dict()}``: the sums the
+  trainer recorded (posted) for that step.
+
+Every file but the events is optional: a reader shows what is there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ..config import StalenessConfig
+from ..errors import ConfigError, EventError
+from ..metrics.mismatch import MismatchSums
+from .sources.events import EventDict, iter_json_lines, read_event_file
+
+__all__ = ["RUN_FILE", "RUN_FORMAT", "RunDirectory", "find_run", "write_run_file"]
+
+RUN_FILE = "run.json"
+RUN_FORMAT = "staleness-metrics run"
+_FILES = ("events", "metrics", "trainer_logprobs", "mismatch_sums")
+
+
+@dataclass(frozen=True)
+class RunDirectory:
+    """A run directory as its ``run.json`` describes it (paths resolved; absent optional files are None)."""
+
+    root: Path
+    name: str
+    config: Mapping[str, Any]
+    events: Path
+    metrics: Path | None = None
+    trainer_logprobs: Path | None = None
+    mismatch_sums: Path | None = None
+    steps: int | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def staleness_config(self, **overrides: Any) -> StalenessConfig:
+        """The run's settings as a :class:`StalenessConfig`, ``overrides`` applied (``ConfigError`` names
+        ``run.json`` when a setting is not one)."""
+        known = {f.name for f in fields(StalenessConfig)}
+        settings = {k: v for k, v in self.config.items() if k in known}
+        settings.update(overrides)
+        try:
+            return StalenessConfig.from_mapping(settings)
+        except ConfigError as error:
+            raise ConfigError(f"{self.root / RUN_FILE}: config: {error}") from None
+
+    def merged_config(self, given: StalenessConfig) -> StalenessConfig:
+        """The run's settings, except those ``given`` (from a command line) sets apart from the defaults."""
+        defaults = StalenessConfig()
+        overrides = {
+            f.name: getattr(given, f.name)
+            for f in fields(StalenessConfig)
+            if getattr(given, f.name) != getattr(defaults, f.name)
+        }
+        return self.staleness_config(**overrides)
+
+    def events_with_costs(self) -> Iterator[EventDict]:
+        """The event stream, each shipped rollout's samples carrying the trainer's log-probabilities."""
+        logprobs = self._trainer_logprobs()
+        for event in read_event_file(self.events):
+            if logprobs and event.get("type") == "rollout" and isinstance(event.get("rollout"), dict):
+                rollout = event["rollout"]
+                found = logprobs.get(rollout.get("id")) if isinstance(rollout.get("id"), str) else None
+                samples = rollout.get("samples")
+                if found is not None and isinstance(samples, list):
+                    joined = [
+                        {**sample, "trainer_logprobs": values} if values is not None and isinstance(sample, dict)
+                        else sample
+                        for sample, values in zip(samples, found, strict=False)
+                    ]  # fmt: skip
+                    event = {**event, "rollout": {**rollout, "samples": [*joined, *samples[len(joined) :]]}}
+            yield event
+
+    def _trainer_logprobs(self) -> dict[str, list[Any]]:
+        if self.trainer_logprobs is None:
+            return {}
+        out: dict[str, list[Any]] = {}
+        for line, value in iter_json_lines(self.trainer_logprobs):
+            if not (isinstance(value, dict) and isinstance(value.get("id"), str)):
+                raise EventError(line, f"{self.trainer_logprobs}: expected an object with a string 'id'")
+            samples = value.get("trainer_logprobs")
+            if not isinstance(samples, list):
+                raise EventError(line, f"{self.trainer_logprobs}: rollout {value['id']!r}: field trainer_logprobs: "
+                                 "expected a list (one entry per sample)")  # fmt: skip
+            out[value["id"]] = samples
+        return out
+
+    def posted_sums(self) -> list[tuple[int, MismatchSums]]:
+        """The SPEC 11 sums the trainer recorded, per step (empty without the file)."""
+        if self.mismatch_sums is None:
+            return []
+        out: list[tuple[int, MismatchSums]] = []
+        for line, value in iter_json_lines(self.mismatch_sums):
+            if not (isinstance(value, dict) and isinstance(value.get("step"), int) and "sums" in value):
+                raise EventError(line, f'{self.mismatch_sums}: expected {{"step": S, "sums": {{...}}}}')
+            try:
+                out.append((value["step"], MismatchSums.from_dict(value["sums"])))
+            except (ConfigError, TypeError, ValueError, KeyError) as error:
+                raise EventError(line, f"{self.mismatch_sums}: step {value['step']}: sums: {error}") from None
+        return out
+
+
+def _read(root: Path) -> RunDirectory:
+    path = root / RUN_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: bad JSON ({error.msg} at line {error.lineno})") from None
+    if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
+        raise ConfigError(f'{path}: not a run file (expected "format": "{RUN_FORMAT}")')
+    files = data.get("files")
+    config = data.get("config", {})
+    if not isinstance(files, dict) or not isinstance(files.get("events"), str):
+        raise ConfigError(f"{path}: files.events: expected the event stream's file name")
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path}: config: expected an object of StalenessConfig settings")
+    resolved: dict[str, Path | None] = {}
+    for name in _FILES:
+        value = files.get(name)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"{path}: files.{name}: expected a file name, got {value!r}")
+        file = root / value if value is not None else None
+        resolved[name] = file if file is not None and file.is_file() else None
+    events = resolved.pop("events")
+    if events is None:
+        raise ConfigError(f"{path}: files.events: {root / files['events']} does not exist")
+    steps = data.get("steps")
+    return RunDirectory(
+        root=root,
+        name=str(data.get("run", root.name)),
+        config=config,
+        events=events,
+        steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
+        extra={k: v for k, v in data.items() if k not in {"format", "version", "run", "config", "files", "steps"}},
+        **resolved,
+    )
+
+
+def find_run(path: str | Path) -> RunDirectory | None:
+    """The run directory ``path`` is, or whose event stream it is; None when it is neither."""
+    target = Path(path)
+    if target.is_dir():
+        return _read(target) if (target / RUN_FILE).is_file() else None
+    if target.is_file() and (target.parent / RUN_FILE).is_file():
+        run = _read(target.parent)
+        if run.events.resolve() == target.resolve():
+            return run
+    return None
+
+
+def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping[str, Path], **extra: Any) -> Path:
+    """Write ``root/run.json`` naming ``files`` (kept relative to ``root`` where they are under it)."""
+    config_data = {f.name: getattr(config, f.name) for f in fields(StalenessConfig)}
+    config_data["mismatch_band"] = list(config.mismatch_band)
+
+    def relative(file: Path) -> str:
+        try:
+            return str(file.resolve().relative_to(root.resolve()))
+        except ValueError:
+            return str(file.resolve())
+
+    data = {
+        "format": RUN_FORMAT,
+        "version": 1,
+        "run": run,
+        "config": config_data,
+        "files": {name: relative(file) for name, file in files.items()},
+        **extra,
+    }
+    path = root / RUN_FILE
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return path

@@ -1,0 +1,35 @@
+"""Reading JSONL files line by line into plain dicts, with the line number in every error."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ...errors import EventError
+
+__all__ = ["EventDict", "iter_json_lines", "read_event_file"]
+
+# One SPEC 9 event as a plain dict: {"type": "rollout" | "sweep" | "ship", ...}.
+EventDict = dict[str, Any]
+
+
+def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """``(line_number, value)`` for every non-blank line; bad JSON raises ``EventError`` naming the file."""
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                raise EventError(number, f"{path}: bad JSON ({error.msg} at column {error.colno})") from None
+
+
+def read_event_file(path: str | Path) -> Iterator[EventDict]:
+    """The SPEC 9 event stream of a JSONL file, as dicts (the sink validates their content)."""
+    for number, value in iter_json_lines(path):
+        if not isinstance(value, dict):
+            raise EventError(number, f"expected a JSON object, got {type(value).__name__}")
+        yield value

@@ -1,0 +1,310 @@
+"""prime-rl run directories as a SPEC 9 event stream, and the comparison with their logged values.
+
+A run directory holds, per train step ``N``:
+
+- ``rollouts/step_N/train/all/traces.jsonl``: every episode that arrived while batch ``N`` was
+  collecting (one episode record a line, errored and discarded ones included);
+- ``rollouts/step_N/train/effective/traces.jsonl``: the episodes batch ``N`` shipped (the same
+  records again);
+- ``metrics.jsonl``: one logged row a line with ``step`` and the older ``off_policy/*`` keys.
+
+What the example run (made with prime-rl's own record code) shows, checked step by step against its
+``metrics.jsonl``:
+
+- ``off_policy/*`` are computed over the **effective** episodes only, **one value per episode**
+  (not per trace): ``total = max(0, T - policy.start)``, ``in_flight = min(total, max(0, policy.end -
+  policy.start))``, ``in_queue = total - in_flight``, with ``T = N - 1``; maxima are logged as floats.
+  That is SPEC 6's rollout staleness with the dispatch version as the only label, so one episode
+  becomes one rollout (dispatch = ``policy.start``, completion = ``policy.end``).
+- An episode with no ``policy`` (a frozen-model episode) counts as ``(0, 0, 0)`` in prime-rl's means
+  and maxima; SPEC leaves frozen rollouts out of every staleness statistic. The two agree exactly on
+  steps that shipped no frozen episode; :func:`compare_prime_rl` converts the recomputed values back
+  to prime-rl's rule (``mean * live / (live + frozen)``) to show that the difference is that rule
+  and nothing else.
+- Episodes in ``all`` but not in ``effective`` never reappear in a later step: prime-rl discarded
+  them when the batch shipped (stale, errored, or no learning signal). Only the stale ones are the
+  sink's business, so an unshipped episode enters the stream only when it is stale at its arrival
+  step under the bound being replayed (``T - policy.start > max_staleness``, prime-rl's
+  ``min_fresh_version`` rule): the sweep of that step's ship then drops it and counts it. The others
+  are left out (they would otherwise sit in the queue and be counted as stale drops steps later).
+  An episode that ships at a later step than it arrived (buffered) is added at arrival and named by
+  the later ship.
+- The records carry no per-token data. Each trace becomes one sample with a single sampled,
+  unlabelled position (``mask [1]``), so token figures are per trace, every position is unlabelled
+  (``staleness/token/unlabelled`` = 1) and rollout staleness falls back to the dispatch version.
+- prime-rl's ``off_policy/dropped`` counts what its sink voided since the last ship; the example run
+  dropped nothing, so whether it counted episodes or traces could not be checked against it
+  (``staleness/rollout/dropped`` counts rollouts, ``staleness/sample/dropped`` samples).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ...errors import EventError, TraceError
+from ...metrics.metric_table import LEGACY_KEYS
+from ...metrics.report import StepReport
+from .events import EventDict, iter_json_lines
+
+__all__ = [
+    "ComparisonRow",
+    "EpisodeInfo",
+    "compare_prime_rl",
+    "comparison_summary",
+    "episode_rollout",
+    "has_rollouts",
+    "is_prime_rl_run",
+    "read_prime_rl",
+    "read_prime_rl_metrics",
+]
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_MEAN_KEYS = frozenset(
+    {"staleness/rollout/mean", "staleness/rollout/in_flight/mean", "staleness/rollout/in_queue/mean"}
+)
+_MAX_KEYS = frozenset({"staleness/rollout/max", "staleness/rollout/in_flight/max", "staleness/rollout/in_queue/max"})
+
+
+@dataclass(frozen=True)
+class EpisodeInfo:
+    """What the replay needs of one episode record (the rest of the record is not kept)."""
+
+    id: str
+    rollout: dict[str, Any]
+    frozen: bool
+    start: object  # policy.start as recorded (validated by the sink)
+
+
+def is_prime_rl_run(path: str | Path) -> bool:
+    """A directory with ``rollouts/step_N/train`` folders or a ``metrics.jsonl``."""
+    root = Path(path)
+    return root.is_dir() and (bool(_step_dirs(root)) or (root / "metrics.jsonl").is_file())
+
+
+def has_rollouts(path: str | Path) -> bool:
+    """Whether a run directory holds episode records (not only ``metrics.jsonl``)."""
+    return bool(_step_dirs(Path(path)))
+
+
+def episode_rollout(record: Mapping[str, Any]) -> EpisodeInfo:
+    """One episode record -> one SPEC 3 rollout (each trace one single-position unlabelled sample)."""
+    episode_id = record.get("id")
+    if not isinstance(episode_id, str) or not episode_id:
+        raise TraceError(None, "id", f"expected a non-empty string, got {episode_id!r}")
+    traces = record.get("traces")
+    if not isinstance(traces, list):
+        raise TraceError(episode_id, "traces", f"expected a list, got {type(traces).__name__}")
+    rollout: dict[str, Any] = {"id": episode_id, "samples": [{"mask": [1]} for _ in traces]}
+    group = record.get("group")
+    if isinstance(group, Mapping) and group.get("id") is not None:
+        rollout["group_id"] = str(group["id"])
+    env = record.get("env")
+    if isinstance(env, Mapping) and env.get("name"):
+        rollout["env"] = str(env["name"])
+    run = record.get("run")
+    work = run.get("work") if isinstance(run, Mapping) else None
+    policy = work.get("policy") if isinstance(work, Mapping) else None
+    if policy is None:
+        # No policy span: sampled by a frozen model (prime-rl's episode_staleness returns 0s).
+        rollout["source"] = "frozen"
+        return EpisodeInfo(episode_id, rollout, True, None)
+    if not isinstance(policy, Mapping):
+        raise TraceError(episode_id, "run.work.policy", f"expected an object, got {type(policy).__name__}")
+    rollout["dispatch_version"] = policy.get("start")
+    if policy.get("end") is not None:
+        rollout["completion_version"] = policy["end"]
+    return EpisodeInfo(episode_id, rollout, False, policy.get("start"))
+
+
+def _step_dirs(root: Path) -> dict[int, Path]:
+    rollouts = root / "rollouts"
+    if not rollouts.is_dir():
+        return {}
+    found = {}
+    for child in rollouts.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and (child / "train").is_dir():
+            found[int(match.group(1))] = child / "train"
+    return found
+
+
+def _episodes(path: Path) -> Iterator[EpisodeInfo]:
+    if not path.is_file():
+        return
+    for number, value in iter_json_lines(path):
+        if not isinstance(value, dict):
+            raise EventError(number, f"{path}: expected an episode object, got {type(value).__name__}")
+        try:
+            info = episode_rollout(value)
+        except TraceError as error:  # the record cannot become a rollout: say which file and line
+            raise EventError(number, f"{path}: {error}") from error
+        yield info
+
+
+def _stale(info: EpisodeInfo, step: int, max_staleness: int) -> bool:
+    start = info.start
+    if isinstance(start, bool) or not isinstance(start, int):
+        return True  # let the sink name what is wrong with it
+    return (step - 1) - start > max_staleness
+
+
+def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[EventDict]:
+    """The run as SPEC 9 events: per step, arrivals as ``rollout`` events, then ``ship`` of the effective ids.
+
+    ``max_staleness`` is the bound the stream will be replayed at: it decides which unshipped
+    episodes enter the stream (see the module docs).
+    """
+    root = Path(run_dir)
+    steps = _step_dirs(root)
+    if not steps:
+        raise EventError(0, f"{root}: no rollouts/step_N/train folders (not a prime-rl run directory)")
+    shipped: dict[int, list[str]] = {}
+    ships_at: dict[str, int] = {}
+    for step in sorted(steps):
+        effective = steps[step] / "effective" / "traces.jsonl"
+        if effective.is_file():
+            ids = [info.id for info in _episodes(effective)]
+            shipped[step] = ids
+            for episode_id in ids:
+                ships_at.setdefault(episode_id, step)
+    added: set[str] = set()
+    for step in sorted(steps):
+        for info in _episodes(steps[step] / "all" / "traces.jsonl"):
+            if info.id in ships_at or (not info.frozen and _stale(info, step, max_staleness)):
+                added.add(info.id)
+                yield {"type": "rollout", "rollout": info.rollout}
+        if step not in shipped:
+            continue
+        # Shipped episodes whose arrival was not recorded enter just before their ship.
+        for info in _episodes(steps[step] / "effective" / "traces.jsonl"):
+            if info.id not in added:
+                added.add(info.id)
+                yield {"type": "rollout", "rollout": info.rollout}
+        yield {"type": "ship", "step": step, "ids": shipped[step]}
+
+
+def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """``metrics.jsonl`` rows by step (rows of one step merged in file order; rows without step skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    rows: dict[int, dict[str, Any]] = {}
+    if not path.is_file():
+        return rows
+    for _, value in iter_json_lines(path):
+        if isinstance(value, dict) and isinstance(value.get("step"), int):
+            rows.setdefault(value["step"], {}).update(value)
+    return rows
+
+
+def _shipped_counts(run_dir: Path) -> dict[int, tuple[int, int]]:
+    """``(live, frozen)`` episodes per step in the effective files."""
+    counts = {}
+    for step, train in _step_dirs(run_dir).items():
+        infos = list(_episodes(train / "effective" / "traces.jsonl"))
+        frozen = sum(info.frozen for info in infos)
+        counts[step] = (len(infos) - frozen, frozen)
+    return counts
+
+
+Status = Literal["match", "frozen_rule", "missing", "mismatch"]
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    """One logged ``off_policy/*`` value beside its recomputation.
+
+    ``legacy_rule`` is the recomputed value converted to prime-rl's rule (frozen episodes counted as
+    staleness 0); ``status`` says how the logged value relates: ``match`` (equals the SPEC value),
+    ``frozen_rule`` (differs only because this step shipped frozen episodes: it equals
+    ``legacy_rule``), ``missing`` (no recomputed value), ``mismatch`` (anything else).
+    """
+
+    step: int
+    legacy_key: str
+    key: str
+    historical: float
+    recomputed: float | None
+    legacy_rule: float | None
+    live: int
+    frozen: int
+    status: Status
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> float | None:
+    if frozen == 0:
+        return value
+    if key in _MEAN_KEYS:
+        return 0.0 if value is None or live + frozen == 0 else value * live / (live + frozen)
+    if key in _MAX_KEYS:
+        return 0.0 if value is None else max(value, 0.0)
+    return value
+
+
+def compare_prime_rl(
+    run_dir: str | Path,
+    metrics: Sequence[StepReport] | Sequence[Mapping[str, Any]],
+    *,
+    historical: Mapping[int, Mapping[str, Any]] | None = None,
+) -> list[ComparisonRow]:
+    """Put the recomputed keys beside the run's logged ``off_policy/*`` values, step by step.
+
+    ``metrics`` are the replay's reports (or ``--metrics-out`` rows with ``step``). The live / frozen
+    counts come from the reports' tallies when given, else from the run's effective files.
+    ``historical`` defaults to the run's ``metrics.jsonl``.
+    """
+    root = Path(run_dir)
+    logged = historical if historical is not None else read_prime_rl_metrics(root)
+    recomputed: dict[int, Mapping[str, Any]] = {}
+    counts: dict[int, tuple[int, int]] = {}
+    for item in metrics:
+        if isinstance(item, StepReport):
+            recomputed[item.step] = item.metrics
+            counts[item.step] = (item.tally.rollouts_shipped, item.tally.rollouts_frozen)
+        else:
+            recomputed[int(item["step"])] = item
+    if len(counts) < len(recomputed):
+        for step, pair in _shipped_counts(root).items():
+            counts.setdefault(step, pair)
+    rows = []
+    for step in sorted(logged):
+        live, frozen = counts.get(step, (0, 0))
+        for legacy_key, value in logged[step].items():
+            mapping = LEGACY_KEYS.get(legacy_key)
+            if mapping is None or mapping.new is None or not isinstance(value, (int, float)):
+                continue
+            new = recomputed.get(step, {}).get(mapping.new)
+            new_value = float(new) if isinstance(new, (int, float)) else None
+            converted = _legacy_value(mapping.new, new_value, live, frozen)
+            status: Status
+            if _close(float(value), new_value):
+                status = "match"
+            elif frozen and _close(float(value), converted):
+                status = "frozen_rule"
+            elif new_value is None:
+                status = "missing"
+            else:
+                status = "mismatch"
+            rows.append(
+                ComparisonRow(step, legacy_key, mapping.new, float(value), new_value, converted, live, frozen, status)
+            )
+    return rows
+
+
+def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
+    """Steps by outcome: ``match`` (every key equal), ``frozen_rule``, ``missing``, ``mismatch``."""
+    worst: dict[int, int] = {}
+    order: tuple[Status, ...] = ("match", "frozen_rule", "missing", "mismatch")
+    for row in rows:
+        worst[row.step] = max(worst.get(row.step, 0), order.index(row.status))
+    summary: dict[str, list[int]] = {name: [] for name in order}
+    for step in sorted(worst):
+        summary[order[worst[step]]].append(step)
+    return summary

@@ -1,0 +1,117 @@
+"""xtuner rollout states as a SPEC 9 event stream.
+
+An xtuner ``RolloutState`` (as serialised to JSON) is one rollout with one sample:
+
+- ``response_mask`` -> ``mask`` (``null`` means every response position is trainable);
+- ``response_model_steps`` -> ``token_versions`` (the policy version that sampled each position);
+- ``group_id`` -> ``group_id`` (the prompt's GRPO group), ``task_name`` -> ``env``;
+- ``dispatch_version`` = the oldest version in ``response_model_steps`` (a partial rollout keeps the
+  versions of the tokens sampled before it was paused, so its first tokens carry the dispatch);
+  ``completion_version`` = the newest;
+- ``logprobs`` are carried over; ``agentic`` is set when the state used tools (``tools`` or
+  ``tool_calls`` not empty), since xtuner then masks over the whole sequence.
+- The id is ``uid`` (else ``rollout_id``, else the line number).
+
+Only states whose ``status`` is ``completed`` enter the sink by default: ``aborted`` ones are partial
+rollouts that will resume generating (not finished yet), ``expired`` ones were already judged stale by
+xtuner and go back for a re-rollout, ``filtered`` / ``failed`` ones never train. Pass ``statuses`` to
+take others. A file holds the states of one batch: the events end with one ``ship`` at ``step``,
+which defaults to the newest version in the file + 1 (the step that trains on that version).
+A line may hold one state or a list of states (one prompt group).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...errors import EventError
+from .events import EventDict, iter_json_lines
+
+__all__ = ["XtunerRead", "read_xtuner_states", "state_rollout"]
+
+DEFAULT_STATUSES = ("completed",)
+
+
+def _versions(steps: object) -> list[int]:
+    if not isinstance(steps, list):
+        return []
+    return [v for v in steps if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+
+
+def state_rollout(state: Mapping[str, Any], fallback_id: str) -> dict[str, Any]:
+    """One rollout state -> one SPEC 3 rollout dict (the sink validates lengths and types)."""
+    ident = next((state[k] for k in ("uid", "rollout_id") if state.get(k) is not None), fallback_id)
+    response_ids = state.get("response_ids")
+    mask = state.get("response_mask")
+    if mask is None:
+        mask = [1] * len(response_ids) if isinstance(response_ids, list) else []
+    sample: dict[str, Any] = {"mask": mask}
+    steps = state.get("response_model_steps")
+    if steps is not None:
+        sample["token_versions"] = steps
+    if state.get("logprobs") is not None:
+        sample["logprobs"] = state["logprobs"]
+    rollout: dict[str, Any] = {"id": str(ident), "samples": [sample]}
+    versions = _versions(steps)
+    if versions:
+        rollout["dispatch_version"] = min(versions)
+        rollout["completion_version"] = max(versions)
+    if state.get("group_id") is not None:
+        rollout["group_id"] = str(state["group_id"])
+    if state.get("task_name"):
+        rollout["env"] = str(state["task_name"])
+    if state.get("tools") or state.get("tool_calls"):
+        rollout["agentic"] = True
+    return rollout
+
+
+@dataclass
+class XtunerRead:
+    """The events of one states file and what was left out, by status."""
+
+    events: list[EventDict]
+    step: int
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[EventDict]:
+        return iter(self.events)
+
+
+def _states(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    if isinstance(source, (str, Path)):
+        for number, value in iter_json_lines(source):
+            members = value if isinstance(value, list) else [value]
+            for index, state in enumerate(members):
+                if not isinstance(state, dict):
+                    raise EventError(number, f"expected a rollout state object, got {type(state).__name__}")
+                yield (f"line{number}" if len(members) == 1 else f"line{number}.{index}"), state
+    else:
+        for index, state in enumerate(source):
+            yield f"state{index}", state
+
+
+def read_xtuner_states(
+    source: str | Path | Iterable[Mapping[str, Any]],
+    *,
+    step: int | None = None,
+    statuses: Collection[str] = DEFAULT_STATUSES,
+) -> XtunerRead:
+    """Rollout events for the states with a taken ``status``, then one ship at ``step``."""
+    wanted = {s.lower() for s in statuses}
+    events: list[EventDict] = []
+    skipped: dict[str, int] = {}
+    newest = -1
+    for fallback, state in _states(source):
+        status = str(state.get("status", "completed")).lower()
+        if status not in wanted:
+            skipped[status] = skipped.get(status, 0) + 1
+            continue
+        rollout = state_rollout(state, fallback)
+        newest = max([newest, *_versions(state.get("response_model_steps"))])
+        events.append({"type": "rollout", "rollout": rollout})
+    ship_step = step if step is not None else max(newest + 1, 1)
+    events.append({"type": "ship", "step": ship_step})
+    return XtunerRead(events, ship_step, skipped)

@@ -1,0 +1,455 @@
+"""Replay of a recorded event stream (SPEC 9): the sink run over JSON lines, no service, no network."""
+
+from __future__ import annotations
+
+import bz2
+import dataclasses
+import gzip
+import lzma
+import zlib
+from collections.abc import Callable, Generator, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, cast
+
+import numpy as np
+
+from ..config import StalenessConfig
+from ..engine.sink import MAX_STEP, Shipment, Sink
+from ..engine.spans import SpanTable, checked_spans
+from ..errors import ConfigError, EventError, TraceError
+from ..records import jsonio, simd_records
+from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
+from ..records.model import ParsedRollout, UnparsedRollout, pack, parse_or_error
+from ..records.validation import Verdicts
+
+__all__ = [
+    "Added",
+    "Event",
+    "is_event_file",
+    "open_decompressed",
+    "pack_once",
+    "parse_event",
+    "prepare",
+    "read_event_path",
+    "read_events",
+    "replay",
+    "run_events",
+    "run_steps",
+    "stream_compression",
+]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One line of an event stream: ``kind`` is ``rollout``, ``sweep`` or ``ship``.
+
+    A rollout event holds its decoded record (``rollout``), or, read by ``read_events(parse=True)``,
+    the record already type-checked into arrays (``parsed``), or the record refused as it was read
+    (``unparsed``: a string that is not valid Unicode).
+    """
+
+    line: int
+    kind: str
+    rollout: dict[str, Any] | None = None
+    step: int = 0
+    ids: tuple[str, ...] | None = None
+    booleans: bool = True  # a rollout line may hold JSON booleans (False: a faster check of its numbers)
+    parsed: ParsedRollout | None = None
+    unparsed: UnparsedRollout | None = None
+
+
+def _step(line: int, raw: dict[str, Any]) -> int:
+    step = raw.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:  # as the sink's check
+        raise EventError(line, f"'step' must be an integer in 1..{MAX_STEP}, got {step!r}")
+    return step
+
+
+def parse_event(line: int, raw: object) -> Event:
+    """Check one decoded event object; raises :class:`EventError` naming the line."""
+    if not isinstance(raw, dict):
+        raise EventError(line, f"expected a JSON object, got {type(raw).__name__}")
+    kind = raw.get("type")
+    if kind == "rollout":
+        if not isinstance(raw.get("rollout"), dict):
+            raise EventError(line, "a rollout event needs a 'rollout' object")
+        return Event(line, "rollout", rollout=raw["rollout"])
+    if kind == "sweep":
+        return Event(line, "sweep", step=_step(line, raw))
+    if kind == "ship":
+        ids = raw.get("ids")
+        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+            raise EventError(line, "'ids' must be a list of strings")
+        return Event(line, "ship", step=_step(line, raw), ids=None if ids is None else tuple(ids))
+    raise EventError(line, f"unknown event type {kind!r} (expected rollout, sweep or ship)")
+
+
+def _decoded(number: int, text: str | bytes) -> Event:
+    """One line decoded by :func:`.jsonio.loads_checked` and checked as an event."""
+    try:
+        raw, valid_unicode = jsonio.loads_checked(text)
+    except jsonio.DecodeError as error:
+        raise EventError(number, _bad_json(text, error)) from None
+    event = parse_event(number, raw)
+    if not valid_unicode:
+        event = _unicode_checked(event, text)
+    if event.kind == "rollout" and event.unparsed is None:
+        # a line without true / false cannot hide a boolean among numbers
+        marks = (b"true", b"false") if isinstance(text, bytes) else ("true", "false")
+        booleans = marks[0] in text or marks[1] in text  # type: ignore[operator]
+        event = Event(number, "rollout", rollout=event.rollout, booleans=booleans)
+    return event
+
+
+def _bad_json(text: str | bytes, error: jsonio.DecodeError) -> str:
+    """Why a line is not JSON, naming a NUL byte or invalid UTF-8 (binary data, or text in another
+    encoding) rather than the parser's complaint about what followed."""
+    nul = text.find(b"\x00" if isinstance(text, bytes) else "\x00")  # type: ignore[arg-type]
+    if nul >= 0:
+        return f"a NUL byte at column {nul + 1}: not a line of UTF-8 JSON (binary data, or UTF-16/32 text?)"
+    if isinstance(text, bytes):
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            return f"not valid UTF-8: byte 0x{text[bad.start]:02x} at column {bad.start + 1}"
+    return f"bad JSON: {error.msg}"
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _invalid_string(value: object) -> tuple[str, str] | None:
+    """The first string (key or value) in ``value`` that is not valid Unicode: ``(where, string)``,
+    ``where`` as the validation names fields (``env``, ``samples[0].mask``). Walked with a stack, not
+    recursion: a line may nest as deep as the decoder allows."""
+    stack: list[tuple[object, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not _encodable(item):
+                return where, item
+        elif isinstance(item, dict):
+            entries = []
+            for key, sub in item.items():
+                name = f"{where}.{key}" if where else key
+                if not _encodable(key):
+                    return name, key
+                if isinstance(sub, (str, dict, list)):
+                    entries.append((sub, name))
+            stack.extend(reversed(entries))
+        elif isinstance(item, list):
+            stack.extend(
+                (sub, f"{where}[{i}]")
+                for i, sub in reversed(list(enumerate(item)))
+                if isinstance(sub, (str, dict, list))
+            )
+    return None
+
+
+def _escaped(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _unicode_reason(text: str | bytes, string: str) -> str:
+    """Why ``string`` is not valid Unicode: a byte of invalid UTF-8 in the line (decoded by
+    ``surrogateescape`` as U+DC80..U+DCFF), or a lone surrogate written as an escape."""
+    char = next(c for c in string if "\ud800" <= c <= "\udfff")
+    if isinstance(text, bytes) and "\udc80" <= char <= "\udcff" and not _is_utf8(text):
+        return f"not valid UTF-8 (byte 0x{ord(char) - 0xDC00:02x})"
+    return f"not valid Unicode (a lone surrogate \\u{ord(char):04x})"
+
+
+def _is_utf8(text: bytes) -> bool:
+    try:
+        text.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _unicode_checked(event: Event, text: str | bytes) -> Event:
+    """``event`` (of a line the standard library decoded) with its strings checked: a rollout holding a
+    string that is not valid Unicode is refused as invalid input (set aside in lenient mode; strict mode
+    names the line, rollout and field), which no output could carry; a ship naming such an id is a
+    malformed line. Orjson decoded every other line, and it accepts valid Unicode only."""
+    if event.kind == "ship" and event.ids:
+        for rid in event.ids:
+            if not _encodable(rid):
+                raise EventError(event.line, f"'ids': {rid!r} is {_unicode_reason(text, rid)}")
+        return event
+    if event.kind != "rollout" or event.rollout is None:
+        return event
+    found = _invalid_string(event.rollout)
+    if found is None:
+        return event
+    where, string = found
+    raw = event.rollout
+    record_id, env = raw.get("id"), raw.get("env")
+    error = TraceError(
+        record_id if isinstance(record_id, str) else None, _escaped(where), _unicode_reason(text, string)
+    )
+    unparsed = UnparsedRollout(error, env if isinstance(env, str) and _encodable(env) else None)
+    return Event(event.line, "rollout", unparsed=unparsed)
+
+
+_PARSE_LINES = 64  # rollout lines whose values are checked together (:meth:`LineReader.finish`)
+
+
+def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: bool = False) -> Iterator[Event]:
+    """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
+
+    ``parse=True``: a valid rollout line given as bytes is read straight into arrays
+    (:mod:`.simd_records`, where pysimdjson is installed) and its event holds ``parsed`` instead of
+    ``rollout``; :func:`prepare` takes either. Other lines are decoded as always.
+    """
+    last_step = 0
+    reader = simd_records.LineReader() if parse and simd_records.AVAILABLE else None
+    taken: list[tuple[int, bytes]] = []
+
+    def finish() -> Iterator[Event]:
+        assert reader is not None
+        for (number, text), parsed in zip(taken, reader.finish()):
+            yield _decoded(number, text) if parsed is None else Event(number, "rollout", parsed=parsed)
+        taken.clear()
+
+    for number, text in enumerate(source, start=1):
+        if not text or text.isspace():  # as ``not text.strip()``, without copying the line
+            continue
+        if reader is not None and isinstance(text, bytes) and reader.take(text):
+            taken.append((number, text))
+            if len(taken) >= _PARSE_LINES:
+                yield from finish()
+            continue
+        if taken:
+            yield from finish()
+        event = _decoded(number, text)
+        if event.kind != "rollout":
+            if event.step < last_step:
+                raise EventError(number, f"step {event.step} is below an earlier step {last_step}")
+            last_step = event.step
+        yield event
+    if taken:
+        yield from finish()
+
+
+@dataclass(frozen=True)
+class Added:
+    """Consecutive rollout events, type-checked into columnar-ready records (no JSON objects kept)."""
+
+    lines: tuple[int, ...]
+    items: tuple[ParsedRollout | UnparsedRollout, ...]
+    packed: RolloutBatch | None = None  # the parsed items packed once (:func:`pack_once`); runs add copies
+    checked: tuple[Verdicts, SpanTable] | None = None  # and checked once, as every run's sink checks them
+
+
+Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
+
+
+def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
+    """Events as the sink's steps: each rollout parsed as it is read, consecutive ones added together.
+
+    The steps do not depend on the sink's settings, so one prepared stream can be run by several sinks
+    (:func:`run_steps`); every run packs its own copy of the arrays.
+    """
+    lines: list[int] = []
+    items: list[ParsedRollout | UnparsedRollout] = []
+    for event in events:
+        if event.kind == "rollout":
+            lines.append(event.line)
+            item = event.parsed if event.parsed is not None else event.unparsed
+            items.append(item if item is not None else parse_or_error(event.rollout or {}, booleans=event.booleans))
+            if len(items) >= batch_size:
+                yield Added(tuple(lines), tuple(items))
+                lines, items = [], []
+            continue
+        if items:
+            yield Added(tuple(lines), tuple(items))
+            lines, items = [], []
+        yield event
+    if items:
+        yield Added(tuple(lines), tuple(items))
+
+
+def pack_once(steps: Iterable[Step]) -> list[Step]:
+    """The steps with each :class:`Added`'s parsed rollouts packed into a batch, for several runs.
+
+    Each run then adds a copy of the batch (a sink masks the arrays it holds in place) instead of
+    packing the records again: one copy per array rather than a concatenation of every sample's.
+    The batch is also checked once (:func:`check_batch`, :func:`build_spans`): what a sink finds
+    depends only on the batch as it arrives and on the ids accepted before it, which are the same in
+    every run of the steps (a sink accepts every valid rollout it is given, whatever its bound).
+    """
+    out: list[Step] = []
+    accepted: set[str] = set()
+    for step in steps:
+        if isinstance(step, Added):
+            parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
+            packed = _share(pack(parsed)) if parsed else None
+            checked = None
+            if packed is not None:
+                verdicts, spans = checked_spans(packed, accepted)
+                for f in dataclasses.fields(spans):  # shared by every run, like the packed arrays
+                    if isinstance(value := getattr(spans, f.name), np.ndarray):
+                        value.setflags(write=False)
+                checked = verdicts, spans
+                accepted.update(packed.ids[i] for i in np.flatnonzero(~verdicts.invalid).tolist())
+            step = dataclasses.replace(step, packed=packed, checked=checked)
+        out.append(step)
+    return out
+
+
+_MASKED_FIELDS = ("mask", *WEIGHT_FIELDS)  # the arrays a sink writes (masks in place)
+
+
+def _copy(batch: RolloutBatch) -> RolloutBatch:
+    """A batch for one more run: copies of the arrays a sink masks in place, the others shared.
+
+    The shared arrays are made read-only (:func:`_share`), so that a sink that wrote into one would fail
+    loudly rather than change what the other runs read."""
+    arrays = {name: value.copy() for name in _MASKED_FIELDS if (value := getattr(batch, name)) is not None}
+    return dataclasses.replace(batch, **arrays, present={k: v.copy() for k, v in batch.present.items()})
+
+
+def _share(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` with every array but the masked ones read-only (they are shared by :func:`_copy`)."""
+    for f in dataclasses.fields(batch):
+        value = getattr(batch, f.name)
+        if isinstance(value, np.ndarray) and f.name not in _MASKED_FIELDS:
+            value.setflags(write=False)
+    return batch
+
+
+def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
+    """Run prepared steps through ``sink``, yielding each ship's result as it happens.
+
+    A rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
+    """
+    for step in steps:
+        if isinstance(step, Added):
+            try:
+                sink.add_parsed(step.items, None if step.packed is None else _copy(step.packed), step.checked)
+            except TraceError:
+                # Strict mode added nothing: add one by one to find the offending line.
+                for line, item in zip(step.lines, step.items):
+                    try:
+                        sink.add_parsed((item,))
+                    except TraceError as error:
+                        raise EventError(line, str(error)) from error
+            continue
+        try:
+            if step.kind == "sweep":
+                sink.sweep(step.step)
+            else:
+                yield sink.ship(step.step, step.ids)
+        except TraceError as error:
+            raise EventError(step.line, str(error)) from error
+
+
+def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> Iterator[Shipment]:
+    """Feed events to ``sink``, yielding each ship's result as it happens.
+
+    Consecutive rollout events are added together (one columnar batch, same outcome as one by one).
+    A rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
+    """
+    return run_steps(prepare(events, batch_size), sink)
+
+
+def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
+    """Run a fresh sink with ``config`` over ``events``; one :class:`Shipment` per ship."""
+    return list(run_events(events, Sink(config)))
+
+
+# Files that are not UTF-8 text, known by their first bytes. gzip, bzip2 and xz are read as they are
+# (the standard library decompresses them); the others are named, with how to make them readable.
+_READABLE = ("gzip", "bzip2", "xz")
+_MAGIC: tuple[tuple[bytes, str], ...] = (
+    (b"\x1f\x8b", "gzip"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+    (b"PK\x03\x04", "zip"),
+    (b"\x00\x00\xfe\xff", "UTF-32"),
+    (b"\xff\xfe\x00\x00", "UTF-32"),
+    (b"\xfe\xff", "UTF-16"),
+    (b"\xff\xfe", "UTF-16"),
+)
+_HOW = {
+    "zstd": "compressed with zstd, which replay does not read: decompress it first (zstd -d {path})",
+    "zip": "a zip archive: extract the event stream first (unzip {path})",
+    "UTF-16": "UTF-16 text; replay reads UTF-8: convert it first (iconv -f UTF-16 -t UTF-8 {path})",
+    "UTF-32": "UTF-32 text; replay reads UTF-8: convert it first (iconv -f UTF-32 -t UTF-8 {path})",
+}
+
+
+def stream_compression(path: str | Path) -> str | None:
+    """``gzip``, ``bzip2`` or ``xz`` for a file compressed so (read by :func:`open_decompressed`), ``None``
+    for any other file; :class:`ConfigError` for one replay cannot read (zstd, zip, UTF-16/32 text),
+    saying what it is and how to make it readable."""
+    with open(path, "rb") as handle:
+        head = handle.read(6)
+    for magic, kind in _MAGIC:
+        if head.startswith(magic) and (kind != "bzip2" or head[3:4].isdigit()):
+            if kind in _READABLE:
+                return kind
+            raise ConfigError(f"{path}: {_HOW[kind].format(path=path)}")
+    return None
+
+
+def open_decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
+    """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`); ``raw`` itself
+    when ``None``. Closing a decompressing reader leaves ``raw`` open."""
+    if compression is None:
+        return raw
+    if compression == "gzip":
+        return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
+    if compression == "bzip2":
+        return bz2.BZ2File(raw)
+    return lzma.LZMAFile(raw)
+
+
+def is_event_file(path: str | Path) -> bool:
+    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file (an event stream is the
+    only input read compressed), a file whose first object has ``type``, or a file whose first line is
+    not readable JSON (the event reader then names the line and what is wrong with it)."""
+    from .sources import detect_source  # the adapters read events through this module
+
+    if Path(path).is_file() and stream_compression(path) is not None:
+        return True
+    try:
+        return detect_source(path) == "events"
+    except (ValueError, RecursionError):  # ConfigError and UnicodeDecodeError are ValueErrors
+        return Path(path).is_file()
+
+
+def read_event_path(
+    path: str | Path,
+    *,
+    parse: bool = False,
+    opener: Callable[[Path], AbstractContextManager[IO[bytes]]] | None = None,
+) -> Generator[Event, None, None]:
+    """The events of a SPEC 9 event stream file, decompressed if it is (:func:`stream_compression`).
+
+    ``opener`` opens the file's bytes (default: a buffered read); compressed data found damaged or cut
+    short raises :class:`ConfigError` naming the file.
+    """
+    path = Path(path)
+    compression = stream_compression(path)
+    with (opener or _open_buffered)(path) as raw, open_decompressed(raw, compression) as handle:
+        if compression is None:
+            yield from read_events(handle, parse=parse)
+            return
+        try:
+            yield from read_events(handle, parse=parse)
+        except (EOFError, OSError, zlib.error, lzma.LZMAError) as error:
+            raise ConfigError(f"{path}: {compression} data damaged or cut short ({error})") from None
+
+
+def _open_buffered(path: Path) -> IO[bytes]:
+    return path.open("rb", buffering=1 << 20)  # lines of long samples are tens of KB

@@ -1,0 +1,441 @@
+"""What if the bound were different: the same run replayed at each ``max_staleness`` of a range.
+
+Every figure is a sum of the replay's own per-ship tallies over the whole run, so the row of the bound
+a run used equals what ``replay`` reports for it:
+
+- ``tokens_sampled``: sampled positions of the shipped live samples, masked ones included;
+- ``tokens_masked``: those of them masked for staleness;
+- ``masked_ratio`` = ``tokens_masked / tokens_sampled`` (``staleness/token/masked`` over the run);
+- ``tokens_kept`` = ``tokens_sampled - tokens_masked``: the sampled positions that train;
+- ``tokens_dropped``: sampled positions of samples dropped for staleness;
+- ``kept_share`` = ``tokens_kept / (tokens_sampled + tokens_dropped)``: of the sampled positions
+  that were shipped or dropped, the share that trains;
+- ``rollouts_dropped``, ``samples_dropped``, ``rollouts_shipped`` (live): counts over the run;
+- ``rollouts_held``: held rollouts summed over ships (one held across two ships counts twice).
+
+What the bound costs (SPEC 11; only when the records carry ``trainer_logprobs``), over the **trained
+covered tokens**: the sampled positions of shipped live samples that the bound left unmasked and that
+carry both log-probabilities (masked positions and dropped samples are what the bound removed, so
+they are left out), their sums merged over the run:
+
+- ``trained_covered``: how many such tokens;
+- ``trained_k3``: their mean k3 (``r - 1 - log r``);
+- ``trained_excess_k3``: the mean k3 of those with lag >= 1 minus the mean k3 of those with lag 0 (the
+  numeric floor), over the whole run; ``None`` when no lag-0 token was trained.
+
+What the run's curve says about each bound (SPEC 14 over the whole run, :class:`RunCurve`): the SPEC 11
+sums of every position the records hold, whatever the bound (a replay that drops nothing for staleness;
+masked positions count, as in SPEC 11), pooled over the run, give a floor (``lag0``, else ``min_lag``), the
+budget and the isotonic excess curve: what a token of each lag costs in this run. Per bound:
+
+- ``excess_at_bound``: the curve's ``ê`` at the largest lag not above the bound;
+- ``within_budget``: that ``ê`` is at most the budget. A bound below the curve's first lag is within it when
+  the first point is (more lag cannot make a token cheaper), unknown (``None``) otherwise;
+- ``suggested``: this bound is the suggested one (the largest lag of the curve within the budget);
+  ``suggested_bound``: the suggestion itself, which may lie outside the bounds tried.
+
+A run directory (:mod:`staleness_metrics.replay.run_dir`) is read with its trainer log-probabilities, so the
+cost columns exist for the demo's own runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..config import StalenessConfig
+from ..engine.sink import Shipment, Sink
+from ..errors import ConfigError
+from ..metrics.bound import Curve, Floor, advise, budget_of, excess_curve, select_floor
+from ..metrics.mismatch import MismatchSums, mismatch_sums
+from ..metrics.report import Tally
+from .run_dir import find_run
+from .sources import EventDict, as_replay_events, detect_source, read_run
+from .stream import Step, is_event_file, pack_once, prepare, read_event_path, run_steps
+
+__all__ = [
+    "RunCurve",
+    "WhatIf",
+    "WhatIfRow",
+    "describe_curve",
+    "format_table",
+    "parse_bounds",
+    "run_curve",
+    "run_tally",
+    "shipped_values",
+    "tally_and_cost",
+    "to_json",
+    "trained_cost",
+    "what_if",
+    "what_if_with_curve",
+]
+
+UNBOUNDED = 1 << 30  # a bound no lag reaches: the replay drops nothing for staleness
+_RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
+MAX_BOUNDS = 257
+
+
+def parse_bounds(text: str) -> list[int]:
+    """``"0..8"`` (inclusive), ``"4"`` or ``"0,2,4"`` -> sorted distinct bounds."""
+    match = _RANGE.match(text)
+    if match:
+        low, high = int(match.group(1)), int(match.group(2))
+        if low > high:
+            raise ConfigError(f"max_staleness range {text!r}: the start is above the end")
+        bounds = list(range(low, high + 1))
+    else:
+        try:
+            bounds = sorted({int(part) for part in text.split(",")})
+        except ValueError:
+            raise ConfigError(f"max_staleness: expected A..B, N or N,M,..., got {text!r}") from None
+    if any(b < 0 for b in bounds):
+        raise ConfigError(f"max_staleness: bounds must be >= 0, got {text!r}")
+    if len(bounds) > MAX_BOUNDS:
+        raise ConfigError(f"max_staleness: at most {MAX_BOUNDS} bounds at once, got {len(bounds)}")
+    return bounds
+
+
+@dataclass(frozen=True)
+class WhatIfRow:
+    """The run replayed at one bound (see the module docs for each figure)."""
+
+    max_staleness: int
+    tokens_sampled: int
+    tokens_masked: int
+    tokens_dropped: int
+    rollouts_shipped: int
+    rollouts_dropped: int
+    samples_dropped: int
+    rollouts_held: int
+    trained_covered: int | None = None
+    trained_k3: float | None = None
+    trained_excess_k3: float | None = None
+    excess_at_bound: float | None = None
+    within_budget: bool | None = None
+    suggested: bool | None = None  # None: the run has no curve
+    suggested_bound: int | None = None  # the run's suggestion, in the range tried or not
+
+    @property
+    def tokens_kept(self) -> int:
+        return self.tokens_sampled - self.tokens_masked
+
+    @property
+    def masked_ratio(self) -> float | None:
+        return self.tokens_masked / self.tokens_sampled if self.tokens_sampled else None
+
+    @property
+    def kept_share(self) -> float | None:
+        total = self.tokens_sampled + self.tokens_dropped
+        return self.tokens_kept / total if total else None
+
+    @classmethod
+    def from_tally(
+        cls, bound: int, tally: Tally, cost: MismatchSums | None = None, floor_min_tokens: int = 1000
+    ) -> WhatIfRow:
+        # The excess of what trained, over SPEC 14's floor of the same pooled tokens (lag 0, else the smallest
+        # lag with floor_min_tokens tokens).
+        floor = None if cost is None else select_floor(cost, 1, None, min_tokens=floor_min_tokens, max_age=0)
+        keys = cost.metrics(floor=None if floor is None else floor.value) if cost is not None else {}
+        return cls(
+            trained_covered=cost.covered if cost is not None else None,
+            trained_k3=_float(keys.get("staleness/mismatch/k3")),
+            trained_excess_k3=_float(keys.get("staleness/mismatch/excess_k3")),
+            max_staleness=bound,
+            tokens_sampled=tally.tokens_sampled,
+            tokens_masked=tally.tokens_masked,
+            tokens_dropped=tally.tokens_dropped,
+            rollouts_shipped=tally.rollouts_shipped,
+            rollouts_dropped=tally.rollouts_dropped,
+            samples_dropped=tally.samples_dropped,
+            rollouts_held=tally.rollouts_held,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self),
+            "tokens_kept": self.tokens_kept,
+            "masked_ratio": self.masked_ratio,
+            "kept_share": self.kept_share,
+        }
+
+
+@dataclass(frozen=True)
+class RunCurve:
+    """SPEC 14 over a whole run: the floor, the budget and the excess curve of the run's pooled sums."""
+
+    floor: Floor
+    budget: float
+    curve: Curve
+    sums: MismatchSums
+
+    @property
+    def suggested(self) -> int | None:
+        """The largest lag of the curve within the budget (0 when the first is above); None without a curve."""
+        advice = advise(self.curve, self.budget, 0)
+        return None if advice is None else advice.suggested
+
+    @property
+    def crossed(self) -> bool | None:
+        """Whether some lag of the curve is above the budget; None without a curve."""
+        advice = advise(self.curve, self.budget, 0)
+        return None if advice is None else advice.crossed
+
+    def excess_at(self, bound: int) -> float | None:
+        """``ê`` of the largest lag of the curve not above ``bound`` (None when there is none)."""
+        advice = advise(self.curve, self.budget, bound)
+        return None if advice is None else advice.excess_at_bound
+
+    def within_budget(self, bound: int) -> bool | None:
+        """Whether the tokens ``bound`` lets train cost at most the budget, by the curve (see the module docs)."""
+        if not self.curve:
+            return None
+        at_bound = self.excess_at(bound)
+        if at_bound is not None:
+            return at_bound <= self.budget
+        return True if self.curve.fitted[0] <= self.budget else None
+
+
+def run_curve(sums: MismatchSums | None, config: StalenessConfig) -> RunCurve | None:
+    """The curve of ``sums`` pooled over a run (None when they give no floor)."""
+    if sums is None or sums.covered == 0:
+        return None
+    floor = select_floor(sums, 0, None, min_tokens=config.floor_min_tokens, max_age=config.floor_max_age)
+    if floor is None:
+        return None
+    curve = excess_curve(sums, floor.value, min_tokens=config.floor_min_tokens)
+    return RunCurve(floor, budget_of(config.mismatch_budget, floor.value), curve, sums)
+
+
+def _float(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
+    """The shipped samples' ``name`` array (``mask``, ``logprobs``, ``trainer_logprobs``) concatenated in
+    ship order, aligned with ``shipment.lags``; NaN where a sample lacks it. One slice per sample."""
+    parts: list[npt.NDArray[np.float64]] = []
+    for rollout in shipment.rollouts:
+        batch = rollout.batch
+        first = int(batch.sample_offsets[rollout.index])
+        values = getattr(batch, name)
+        present = batch.present.get(name)
+        for k in rollout.samples:
+            lo, hi = int(batch.position_offsets[first + k]), int(batch.position_offsets[first + k + 1])
+            if values is None or (present is not None and not present[first + k]):
+                parts.append(np.full(hi - lo, np.nan))
+            else:
+                parts.append(np.asarray(values[lo:hi], dtype=np.float64))
+    return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def trained_cost(shipment: Shipment, band: tuple[float, float]) -> MismatchSums | None:
+    """SPEC 11 sums over the covered positions the ship trains (unmasked sampled positions of its live
+    samples); ``None`` when no shipped record carries ``trainer_logprobs``."""
+    if shipment.report.mismatch is None:  # the sink found no trainer_logprobs: skip building the rollouts
+        return None
+    trains = shipped_values(shipment, "mask") > 0
+    lags = np.where(trains, shipment.lags, -1)  # masked positions leave the population
+    sampler = shipped_values(shipment, "logprobs")
+    return mismatch_sums(lags, sampler, shipped_values(shipment, "trainer_logprobs"), band=band)
+
+
+def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> tuple[Tally, MismatchSums | None]:
+    """:func:`run_tally` and the merged :func:`trained_cost` of the ships, in one pass."""
+    tally, cost, _ = _tally_cost_and_sums(shipments, band)
+    return tally, cost
+
+
+def _tally_cost_and_sums(
+    shipments: Iterable[Shipment], band: tuple[float, float]
+) -> tuple[Tally, MismatchSums | None, MismatchSums | None]:
+    """:func:`tally_and_cost` and the ships' own SPEC 11 sums (every shipped position) pooled."""
+    tally: Tally = Tally()
+    cost: MismatchSums | None = None
+    pooled: MismatchSums | None = None
+    for shipment in shipments:
+        tally = tally + shipment.report.tally
+        ship_cost = trained_cost(shipment, band)
+        if ship_cost is not None:
+            cost = ship_cost if cost is None else cost + ship_cost
+        sums = shipment.report.mismatch
+        if sums is not None:
+            pooled = sums if pooled is None else pooled + sums
+    return tally, cost, pooled
+
+
+def run_tally(shipments: Iterable[Shipment]) -> Tally:
+    """The sum of every ship's tally."""
+    total = Tally()
+    for shipment in shipments:
+        total = total + shipment.report.tally
+    return total
+
+
+Source = str | Path | Sequence[EventDict]
+
+
+def _steps_for(source: Source) -> Callable[[int], Iterable[Step]]:
+    """The prepared steps to replay at each bound: parsed once, unless the input depends on the bound.
+
+    A prime-rl run directory does (which unshipped episodes were stale depends on the bound being
+    replayed), so it is read again per bound; event streams and xtuner states are parsed once.
+    """
+    if isinstance(source, (str, Path)):
+        run = find_run(source)
+        if run is not None:  # the events joined to the trainer's log-probabilities
+            steps = pack_once(prepare(as_replay_events(run.events_with_costs())))
+        elif is_event_file(source):  # read as the replay command reads it (compressed or not)
+            steps = pack_once(prepare(read_event_path(source, parse=True)))
+        elif detect_source(source) == "prime-rl":
+            return lambda bound: prepare(read_run(source, max_staleness=bound))
+        else:
+            steps = pack_once(prepare(read_run(source, parse=True)))
+    else:
+        steps = pack_once(prepare(as_replay_events(source)))
+    return lambda bound: steps
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    """The rows of every bound and the run's curve (None when the run has no trainer log-probabilities)."""
+
+    rows: list[WhatIfRow]
+    curve: RunCurve | None
+
+
+def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | None = None) -> list[WhatIfRow]:
+    """Replay ``source`` (a run input path, a run directory, or event dicts) at every bound, other settings
+    from ``config``; see :func:`what_if_with_curve`."""
+    return what_if_with_curve(source, bounds, config).rows
+
+
+def what_if_with_curve(source: Source, bounds: Iterable[int], config: StalenessConfig | None = None) -> WhatIf:
+    """The rows of :func:`what_if` and the run's curve, each row judged by it.
+
+    The input is decoded, type-checked and packed into batches once; each bound runs a fresh sink over
+    copies of the batches, so every row equals a separate replay at that bound.
+    """
+    base = config or StalenessConfig()
+    steps_for = _steps_for(source)
+    rows = []
+    unbounded: MismatchSums | None = None  # the sums of a replay that removed nothing, once one did
+
+    def replay_at(bound: int) -> tuple[Tally, MismatchSums | None, MismatchSums | None]:
+        # The bound only masks and drops here: adapting it while replaying would judge another bound.
+        sink = Sink(
+            dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False
+        )  # the totals are read
+        return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
+
+    for bound in bounds:
+        tally, cost, pooled = replay_at(bound)
+        rows.append(WhatIfRow.from_tally(bound, tally, cost, base.floor_min_tokens))
+        if tally.tokens_dropped == 0 and tally.rollouts_held == 0:
+            unbounded = pooled
+    if unbounded is None and rows:
+        # Every bound tried dropped something: the curve needs every token the records hold, whatever the bound.
+        unbounded = replay_at(UNBOUNDED)[2]
+    curve = run_curve(unbounded, base)
+    if curve is not None:
+        suggested = curve.suggested
+        rows = [
+            dataclasses.replace(
+                row,
+                excess_at_bound=curve.excess_at(row.max_staleness),
+                within_budget=curve.within_budget(row.max_staleness),
+                suggested=suggested == row.max_staleness if suggested is not None else None,
+                suggested_bound=suggested,
+            )
+            for row in rows
+        ]
+    return WhatIf(rows, curve)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def _cost(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _verdict(row: WhatIfRow) -> str:
+    mark = "yes" if row.within_budget else "no" if row.within_budget is not None else "-"
+    return mark + (" <- suggested" if row.suggested else "")
+
+
+def format_table(rows: Sequence[WhatIfRow], curve: RunCurve | None = None) -> str:
+    """The rows as an aligned text table: the cost columns when the run has trainer log-probs, and with
+    ``curve`` what it says of each bound, the suggested one marked, and a line saying where it comes from."""
+    costs = any(r.trained_covered is not None for r in rows)
+    judged = curve is not None and bool(curve.curve)
+    header: tuple[str, ...] = (
+        "max_staleness",
+        "masked",
+        "tokens masked",
+        "tokens kept",
+        "kept share",
+        "rollouts dropped",
+        "samples dropped",
+        "rollouts shipped",
+        "held",
+        *(("trained k3", "trained excess k3") if costs else ()),
+        *(("excess at bound", "within budget") if judged else ()),
+    )
+    body = [
+        (
+            str(r.max_staleness),
+            _percent(r.masked_ratio),
+            str(r.tokens_masked),
+            str(r.tokens_kept),
+            _percent(r.kept_share),
+            str(r.rollouts_dropped),
+            str(r.samples_dropped),
+            str(r.rollouts_shipped),
+            str(r.rollouts_held),
+            *((_cost(r.trained_k3), _cost(r.trained_excess_k3)) if costs else ()),
+            *((_cost(r.excess_at_bound), _verdict(r)) if judged else ()),
+        )
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in (header, *body)) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in (header, *body)]
+    table = [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
+    if curve is not None:
+        table.append("")
+        table.append(describe_curve(curve))
+    return "\n".join(table)
+
+
+def describe_curve(curve: RunCurve) -> str:
+    """One paragraph: the run's floor, budget, curve and suggestion (SPEC 14 over the whole run)."""
+    text = (
+        "The run's curve (SPEC 14, sums pooled over the run): "
+        f"floor {curve.floor.value:.4g} nats ({curve.floor.source}), budget {curve.budget:.4g} nats"
+    )
+    if not curve.curve:
+        return text + "; no lag 1..16 has enough tokens for a curve, so no suggestion."
+    points = ", ".join(
+        f"lag {lag}: {fitted:.4g}" for lag, fitted in zip(curve.curve.lags, curve.curve.fitted, strict=True)
+    )
+    suggested = curve.suggested
+    verdict = (
+        f"suggested bound {suggested} (the largest lag within the budget)"
+        if curve.crossed
+        else f"suggested bound {suggested}: every lag of the curve is within the budget, so a looser bound may be "
+        "as good"
+    )
+    return f"{text}; excess curve {points}; {verdict}."
+
+
+def to_json(rows: Sequence[WhatIfRow]) -> str:
+    """The rows as a JSON list (one object per bound)."""
+    return json.dumps([row.as_dict() for row in rows], indent=2)

@@ -1,0 +1,230 @@
+"""SPEC 13: a monitor saved and loaded elsewhere continues exactly like one never stopped.
+
+Held groups, the open window, a new process, strict JSON, refused formats and configs. Cuts at every
+call of random streams are in test_checkpoint_cuts.py; damaged checkpoints in test_checkpoint_damage.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from staleness_metrics import ConfigError, Sink, StalenessConfig, StalenessMonitor
+from staleness_metrics.exporters.prometheus import PrometheusExporter
+from tests.reference.streams import ReplayConfig, random_stream
+
+POLICIES = ("token", "episode", "group", "xtuner")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config_of(c: ReplayConfig) -> StalenessConfig:
+    return StalenessConfig(
+        policy=c.policy,  # type: ignore[arg-type]
+        max_staleness=c.max_staleness,
+        max_token_staleness=c.max_token_staleness,
+        sync_interval=c.sync_interval,
+        retry_expired=c.retry_expired,
+        strict=not c.lenient,
+        env_breakdown=c.env_breakdown,
+    )
+
+
+def new_monitor(config: StalenessConfig) -> StalenessMonitor:
+    return StalenessMonitor(config, [PrometheusExporter(port=None)], run="ckpt")
+
+
+def play(monitor: StalenessMonitor, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run events; one output per ship: its metrics dict and its ``--batches-out`` line."""
+    out = []
+    for event in events:
+        if event["type"] == "rollout":
+            monitor.add(event["rollout"])
+        elif event["type"] == "sweep":
+            monitor.sweep(event["step"])
+        else:
+            shipment = monitor.ship(event["step"], event.get("ids"))
+            out.append({"metrics": dict(shipment.metrics), "batch": shipment.batches_line()})
+    return out
+
+
+def final_state(monitor: StalenessMonitor) -> dict[str, Any]:
+    """What a user reads at the end: counters, histograms, queue and the exporter's cumulative series."""
+    sink = monitor.sink
+    exporter = monitor.exporters[0]
+    assert isinstance(exporter, PrometheusExporter)
+    snapshot = exporter.last_snapshot
+    return {
+        "totals": {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in vars(sink.totals).items()},
+        "queued": sink.queued,
+        "tokens_queued": sink.tokens_queued,
+        "tokens_entered": sink.tokens_entered,
+        "step": sink.step,
+        "counters": None if snapshot is None else snapshot.counters,
+        "histograms": None if snapshot is None else snapshot.histograms,
+    }
+
+
+def test_checkpoint_keeps_held_groups_and_the_open_window() -> None:
+    """xtuner with retry: a group held at the save still waits for its re-rollout after the load, and drops
+    swept after the last ship are reported by the first ship after the load."""
+    config = StalenessConfig(policy="xtuner", max_staleness=1, retry_expired=True)
+    sink = Sink(config)
+    sink.add([
+        {"id": "old", "group_id": "g", "dispatch_version": 0, "samples": [{"mask": [1]}]},
+        {"id": "new", "group_id": "g", "dispatch_version": 2, "samples": [{"mask": [1]}]},
+        {"id": "lone", "dispatch_version": 0, "samples": [{"mask": [1, 1]}]},
+    ])  # fmt: skip
+    first = sink.ship(3)
+    assert first.held == ("new",) and set(first.dropped_rollouts) == {"old", "lone"}
+    sink.add({"id": "x", "dispatch_version": 1, "samples": [{"mask": [1]}]})
+    sink.sweep(4)  # x expires: reported with the next ship
+    resumed = Sink(config)
+    resumed.load_state_dict(json.loads(json.dumps(sink.state_dict())))
+    assert resumed.queued == 1  # "new", still held
+    held_again = resumed.ship(4)
+    assert held_again.held == ("new",) and held_again.dropped_rollouts == ("x",)
+    resumed.add({"id": "retry", "group_id": "g", "dispatch_version": 3, "samples": [{"mask": [1]}]})
+    assert sorted(resumed.ship(4).ids) == ["new", "retry"]
+    with pytest.raises(Exception, match="duplicate id"):
+        resumed.add({"id": "x", "dispatch_version": 3, "samples": [{"mask": [1]}]})  # ids stay unique
+
+
+def test_resume_in_a_new_process(tmp_path: Path) -> None:
+    """The checkpoint file is all a new interpreter needs (the way a trainer resumes)."""
+    config, events = random_stream(7, "xtuner")
+    ships = [i for i, e in enumerate(events) if e["type"] == "ship"]
+    cut = ships[len(ships) // 2] + 1
+    whole = new_monitor(config_of(config))
+    expected = play(whole, events)[len(ships) // 2 + 1 :]
+    first = new_monitor(config_of(config))
+    play(first, events[:cut])
+    checkpoint = tmp_path / "staleness.json"
+    checkpoint.write_text(json.dumps(first.state_dict()))
+    (tmp_path / "rest.json").write_text(json.dumps(events[cut:]))
+    script = f"""
+import json, sys
+sys.path.insert(0, {str(ROOT)!r})
+from tests.engine.test_checkpoint import new_monitor, play, final_state
+from staleness_metrics import StalenessConfig
+monitor = new_monitor(StalenessConfig(**{json.dumps(vars(config_of(config)))}))
+monitor.load_state_dict(json.load(open({str(checkpoint)!r})))
+out = play(monitor, json.load(open({str(tmp_path / "rest.json")!r})))
+print(json.dumps({{"ships": out, "final": final_state(monitor)}}, default=str))
+"""
+    script = script.replace("true", "True").replace("false", "False").replace("null", "None")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout)
+    assert result["ships"] == json.loads(json.dumps(expected))
+    assert result["final"] == json.loads(json.dumps(final_state(whole), default=str))
+
+
+def test_unknown_format_and_config_mismatch_are_clear_errors() -> None:
+    monitor = StalenessMonitor(StalenessConfig(policy="group", max_staleness=4))
+    state = monitor.state_dict()
+    with pytest.raises(ConfigError, match=r"unknown monitor checkpoint format 99 \(this version reads formats 1, 2\)"):
+        StalenessMonitor(StalenessConfig(policy="group", max_staleness=4)).load_state_dict({**state, "format": 99})
+    with pytest.raises(ConfigError, match="no 'format' field"):
+        Sink().load_state_dict({})
+    other = StalenessMonitor(StalenessConfig(policy="token", max_staleness=8))
+    with pytest.raises(ConfigError) as caught:
+        other.load_state_dict(state)
+    message = str(caught.value)
+    assert "policy='group', max_staleness=4" in message and "policy='token', max_staleness=8" in message
+    # how input is read may change on resume; how it is judged may not
+    StalenessMonitor(StalenessConfig(policy="group", max_staleness=4, strict=False)).load_state_dict(state)
+
+
+def test_checkpoint_lacking_a_column_is_refused_by_name() -> None:
+    sink = Sink()
+    sink.add({"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]})
+    state = sink.state_dict()
+    del state["tables"]["samples"]["mask_below"]
+    with pytest.raises(ConfigError, match=r"tables\.samples\.mask_below: the table lacks this column"):
+        Sink().load_state_dict(state)
+
+
+def test_missing_trainer_logprobs_stay_missing_across_a_checkpoint() -> None:
+    """NaN marks a missing trainer log-probability (SPEC 11); JSON has no NaN, the checkpoint keeps it."""
+    record = {
+        "id": "a",
+        "dispatch_version": 0,
+        "samples": [{"mask": [1, 1, 1], "trainer_logprobs": [None, -0.5, None]}],
+    }
+    sink = Sink()
+    sink.add(record)
+    text = json.dumps(sink.state_dict(), allow_nan=False)  # strict JSON
+    resumed = Sink()
+    resumed.load_state_dict(json.loads(text))
+    [shipped] = resumed.ship(1).rollouts
+    assert shipped.record()["samples"][0]["trainer_logprobs"] == [None, -0.5, None]
+
+
+def test_mismatch_sums_and_shipped_steps_survive_a_checkpoint() -> None:
+    from staleness_metrics.metrics.mismatch import MismatchSums
+
+    monitor = StalenessMonitor(StalenessConfig())
+    monitor.add({"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]})
+    monitor.ship(1)
+    monitor.record_mismatch(1, MismatchSums.zero())
+    resumed = StalenessMonitor(StalenessConfig())
+    resumed.load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+    assert resumed.mismatch(1) == MismatchSums.zero()
+    resumed.record_mismatch(1, MismatchSums.zero())  # a rank reporting late for a step shipped before the save
+    with pytest.raises(ValueError, match="no batch was shipped for step 2"):
+        resumed.record_mismatch(2, MismatchSums.zero())
+
+
+def _resigned(state: dict[str, Any]) -> dict[str, Any]:
+    """A state changed and then given fresh digests, as if it had been saved that way (built wrongly)."""
+    from staleness_metrics.engine.checkpoint import digests_of
+
+    sink = state["sink"]
+    sink["digests"] = digests_of({k: v for k, v in sink.items() if k != "digests"})
+    state["digests"] = digests_of({k: v for k, v in state.items() if k != "digests"}, skip=("sink",))
+    return state
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (lambda s: s["sink"].pop("window"), r"sink\.window: missing"),
+        (lambda s: s["sink"].update(queued=-5), r"sink\.queued: -5 is below 0"),
+        (lambda s: s["sink"].update(step=-3), r"sink\.step: -3 is below 0"),
+        (lambda s: s["sink"]["chunks"][0]["mask"]["array"]["data"].__setitem__(1, 7), r"sink\.chunks\[0\]\.mask: "),
+        (lambda s: s["sink"]["tables"]["rollouts"]["dispatch"].update(dtype="<f8"), r"rollouts\.dispatch\.dtype"),
+        (lambda s: s["sink"]["ids"].pop(), r"sink\.ids: 1 ids for 2 rollout rows"),
+        (lambda s: s["sink"].pop("chunks"), r"sink\.chunks: missing"),
+        (
+            lambda s: s["sink"]["tables"]["spans"]["hi"]["data"].pop(),
+            r"sink\.tables\.spans\.hi: 3 rows where the other columns have 4",
+        ),
+        (lambda s: s["sink"]["tables"]["spans"]["hi"]["data"].__setitem__(0, 99), r"sink\.tables\.spans\.lo: a span"),
+        (lambda s: s["exporters"]["prometheus"].pop("totals"), r"exporters\.prometheus\.totals: missing"),
+    ],
+)
+def test_a_bad_checkpoint_is_refused_by_key_and_leaves_the_monitor_as_it_was(damage: Any, named: str) -> None:
+    """The damages seen in the wild (issue 19), each with fresh digests so that the checks, not the digests,
+    must find it: refused by name, and the monitor it was loaded into ships like one never touched."""
+    config = StalenessConfig(policy="xtuner", max_staleness=2, retry_expired=True)
+
+    def monitor_with(ids: list[str]) -> StalenessMonitor:
+        monitor = new_monitor(config)
+        monitor.add([{"id": i, "group_id": "g", "dispatch_version": 1, "samples": [{"mask": [0, 1, 1]}]} for i in ids])
+        return monitor
+
+    state = json.loads(json.dumps(monitor_with(["a", "b"]).state_dict()))
+    damage(state)
+    target, untouched = monitor_with(["x"]), monitor_with(["x"])
+    with pytest.raises(ConfigError, match=named):
+        target.load_state_dict(_resigned(state))
+    assert play(target, [{"type": "ship", "step": 3}]) == play(untouched, [{"type": "ship", "step": 3}])
+    assert final_state(target) == final_state(untouched)
+    state = json.loads(json.dumps(monitor_with(["a", "b"]).state_dict()))
+    state["sink"]["step"] = 2  # plausible (the last step a sweep or ship used): only the digest can tell
+    with pytest.raises(ConfigError, match=r"sink\.step: differs from the digest saved with it"):
+        target.load_state_dict(state)

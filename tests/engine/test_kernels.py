@@ -1,0 +1,369 @@
+"""The compiled loops against the numpy formulations they replaced, on hand-made and random inputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from staleness_metrics.engine.kernels import (
+    WEIGHT_NAN,
+    WEIGHT_NONFINITE,
+    WEIGHT_NONZERO,
+    WEIGHT_NOT_POSITIVE,
+    fusable_weights,
+    plain_positions,
+    token_cuts,
+    token_spans,
+    warm_up,
+    weight_flags,
+    zero_spans,
+)
+from staleness_metrics.engine.segments import expand_ranges, segment_sum
+from staleness_metrics.engine.spans import weight_flags_by_extrema
+
+IntArray = npt.NDArray[np.int64]
+
+
+def numpy_token_cuts(
+    tokens: IntArray, pos_off: IntArray, tokened: npt.NDArray[np.bool_], changes: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """The engine's former numpy cuts: runs of equal values, then a decision per run."""
+    n_positions = len(tokens)
+    segment_start = np.zeros(n_positions, dtype=bool)
+    segment_start[changes] = True
+    segment_start[pos_off[:-1][pos_off[:-1] < n_positions]] = True
+    boundary = np.empty(n_positions, dtype=bool)
+    boundary[0] = True
+    np.not_equal(tokens[1:], tokens[:-1], out=boundary[1:])
+    boundary |= segment_start
+    starts = np.flatnonzero(boundary)
+    run_sample = np.searchsorted(pos_off, starts, "right") - 1
+    chosen = tokened[run_sample]
+    starts, run_sample = starts[chosen], run_sample[chosen]
+    ends = np.minimum(np.append(starts[1:], n_positions), pos_off[run_sample + 1])
+    label = tokens[starts]
+    new_segment = segment_start[starts]
+    is_labelled = label >= 0
+    before = np.full(len(starts), -2)
+    before[1:] = label[:-1]
+    two_back = np.full(len(starts), -2)
+    two_back[2:] = label[:-2]
+    unlabelled_run_began_segment = np.zeros(len(starts), dtype=bool)
+    unlabelled_run_began_segment[1:] = new_segment[:-1]
+    new_label = (before >= 0) | (~unlabelled_run_began_segment & (two_back != label))
+    new_cut = new_segment | (is_labelled & new_label)
+    first = np.flatnonzero(new_cut)
+    labelled = segment_sum(np.where(is_labelled, ends - starts, 0), np.append(first, len(starts)))
+    return starts[first], np.maximum.reduceat(label, first) if len(first) else label, labelled
+
+
+def mask_changes(mask: npt.NDArray[Any]) -> IntArray:
+    return (np.flatnonzero(mask[1:] != mask[:-1]) + 1).astype(np.int64)
+
+
+def test_unlabelled_positions_stay_in_the_cut_of_the_label_around_them() -> None:
+    tokens = np.array([5, -1, 5, -1, 6, -1, -1, 7], dtype=np.int64)
+    pos_off = np.array([0, 8], dtype=np.int64)
+    starts, labels, labelled = token_cuts(tokens, np.ones(8, dtype=np.float32), pos_off, np.array([0]))
+    assert starts.tolist() == [0, 4, 7]
+    assert labels.tolist() == [5, 6, 7]
+    assert labelled.tolist() == [2, 1, 1]
+
+
+def test_a_mask_change_cuts_and_leading_unlabelled_positions_join_the_next_label() -> None:
+    tokens = np.array([5, 5, -1, 5, 6, -1, -1, -1], dtype=np.int64)
+    mask = np.array([0, 0, 1, 1, 1, 1, 1, 1], dtype=np.float32)
+    pos_off = np.array([0, 5, 8], dtype=np.int64)
+    starts, labels, labelled = token_cuts(tokens, mask, pos_off, np.array([0, 1]))
+    # sample 0: [0, 2) label 5 mask 0; [2, 4) a -1 then 5; [4, 5) label 6. Sample 1: only -1 positions.
+    assert starts.tolist() == [0, 2, 4, 5]
+    assert labels.tolist() == [5, 5, 6, -1]
+    assert labelled.tolist() == [2, 1, 1, 0]
+
+
+@st.composite
+def labelled_samples(draw: st.DrawFn) -> tuple[IntArray, IntArray, npt.NDArray[np.bool_], npt.NDArray[np.float32]]:
+    # Lengths past the loop's 32-position blocks, so blocks with and without a cut both occur.
+    lengths = draw(st.lists(st.integers(0, 80), min_size=1, max_size=8))
+    total = sum(lengths)
+    tokens = np.array(draw(st.lists(st.integers(-1, 3), min_size=total, max_size=total)), dtype=np.int64)
+    if draw(st.booleans()):  # long runs of one label, as real labels come
+        tokens = np.where(tokens < 0, tokens, np.maximum.accumulate(np.maximum(tokens, 0)))
+    values = st.sampled_from([0.0, 1.0, 1.0, 1.0, 0.5, float("nan"), -0.0])  # invalid values must cut as numpy's !=
+    dtype = draw(st.sampled_from([np.float32, np.float64, np.float16]))
+    mask = np.array(draw(st.lists(values, min_size=total, max_size=total)), dtype=dtype)
+    tokened = np.array(draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths))))
+    pos_off = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    tokened &= np.diff(pos_off) > 0  # the engine passes non-empty samples only
+    return tokens, pos_off, tokened, mask
+
+
+@settings(max_examples=400, deadline=None)
+@given(labelled_samples())
+def test_token_cuts_equal_the_numpy_runs(case: tuple[IntArray, IntArray, npt.NDArray[np.bool_], Any]) -> None:
+    tokens, pos_off, tokened, mask = case
+    if len(tokens) == 0 or not tokened.any():
+        return
+    got = token_cuts(tokens, mask, pos_off, np.flatnonzero(tokened))
+    want = numpy_token_cuts(tokens, pos_off, tokened, mask_changes(mask))
+    for g, w in zip(got, want):
+        assert g.tolist() == w.tolist()
+
+
+def test_token_cuts_in_parallel_shares_equal_one_pass() -> None:
+    """Past PARALLEL_MIN_POSITIONS the samples are cut in shares on threads: the same cuts, in order."""
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(0, 3000, size=1500)
+    pos_off = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    total = int(pos_off[-1])
+    tokens = np.minimum(rng.integers(0, 4, size=total), 3).astype(np.int64)
+    tokens = np.where(rng.random(total) < 0.3, -1, np.sort(tokens))
+    mask = (rng.random(total) < 0.999).astype(np.float32)
+    tokened = (lengths > 0) & (rng.random(len(lengths)) < 0.9)
+    got = token_cuts(tokens, mask, pos_off, np.flatnonzero(tokened))
+    want = numpy_token_cuts(tokens, pos_off, tokened, mask_changes(mask))
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    labelled_samples(),
+    st.lists(st.sampled_from([0.0, -0.0, 1.0, 0.5, -2.0, float("inf"), float("nan")]), min_size=1, max_size=7),
+    st.integers(1, 3),
+    st.sampled_from([np.float16, np.float32, np.float64]),
+    st.integers(-4, -2),
+)
+def test_token_spans_read_each_cut_s_weight_bits_as_weight_flags_does(
+    case: tuple[IntArray, IntArray, npt.NDArray[np.bool_], Any],
+    pattern: list[float],
+    n_weights: int,
+    dtype: Any,
+    wild_label: int,
+) -> None:
+    """The cuts of the fused pass are token_cuts'; its bits per cut are weight_flags' over [start, next start);
+    it counts the labels below -1 of the samples it cuts (and only those)."""
+    tokens, pos_off, tokened, mask = case
+    if len(tokens) == 0 or not tokened.any():
+        return
+    weights = [np.resize(np.asarray(pattern[k:] + pattern[:k], dtype=dtype), len(tokens)) for k in range(n_weights)]
+    samples = np.flatnonzero(tokened)
+    found = token_spans(tokens, mask, pos_off, samples, weights)
+    cuts = token_cuts(tokens, mask, pos_off, samples)
+    for got, want in zip(found[:3], cuts):
+        assert got.tolist() == want.tolist()
+    # A cut ends where the next begins, or where its sample ends.
+    sample_end = pos_off[np.searchsorted(pos_off, found.starts, "right")]
+    ends = np.minimum(np.append(found.starts[1:], len(tokens)), sample_end)
+    assert found.flags.shape == (n_weights, len(found.starts))
+    for values, bits in zip(weights, found.flags):
+        want_bits = weight_flags(values, found.starts, ends)
+        assert want_bits is not None
+        assert bits.tolist() == want_bits.tolist()
+    assert found.below == 0
+    wild = tokens.copy()
+    wild[pos_off[samples[-1]]] = wild_label  # the first position of the last sample cut
+    assert token_spans(wild, mask, pos_off, samples, weights).below == 1
+    outside = np.flatnonzero(~np.isin(np.searchsorted(pos_off, np.arange(len(tokens)), "right") - 1, samples))
+    if len(outside):
+        wild = tokens.copy()
+        wild[outside] = wild_label
+        assert token_spans(wild, mask, pos_off, samples, weights).below == 0
+
+
+def test_token_spans_in_parallel_shares_equal_one_pass() -> None:
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(0, 3000, size=1500)
+    pos_off = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    total = int(pos_off[-1])
+    tokens = np.where(rng.random(total) < 0.3, -1, np.sort(rng.integers(0, 4, size=total))).astype(np.int64)
+    tokens[rng.integers(0, total, size=3)] = -7
+    mask = (rng.random(total) < 0.999).astype(np.float32)
+    weights = [np.where(rng.random(total) < 0.01, 0.0, rng.random(total)).astype(np.float32) for _ in range(3)]
+    weights[1][rng.integers(0, total, size=5)] = np.nan
+    samples = np.flatnonzero((lengths > 0) & (rng.random(len(lengths)) < 0.9))
+    found = token_spans(tokens, mask, pos_off, samples, weights)  # shares on threads
+    one = [token_spans(tokens, mask, pos_off, samples[k : k + 1], weights) for k in range(len(samples))]
+    assert np.array_equal(found.starts, np.concatenate([p.starts for p in one]))
+    assert np.array_equal(found.flags, np.concatenate([p.flags for p in one], axis=1))
+    assert found.below == sum(p.below for p in one)
+
+
+def test_token_spans_read_weights_of_one_float_dtype_only() -> None:
+    ones32, ones64 = np.ones(4, dtype=np.float32), np.ones(4)
+    assert fusable_weights([]) and fusable_weights([ones32, ones32]) and fusable_weights([ones64])
+    assert not fusable_weights([ones32, ones64])
+    assert not fusable_weights([np.ones(8, dtype=np.float32)[::2]])
+    assert not fusable_weights([np.ones(4, dtype=np.int64)])
+    with pytest.raises(ValueError, match="one float dtype"):
+        token_spans(np.zeros(4, dtype=np.int64), ones32, np.array([0, 4]), np.array([0]), [ones32, ones64])
+
+
+def test_token_cuts_refuse_damaged_offsets_instead_of_writing_out_of_bounds() -> None:
+    tokens = np.array([1, 1, 2, 2], dtype=np.int64)
+    mask = np.ones(4, dtype=np.float32)
+    with pytest.raises(ValueError, match="beyond the arrays"):
+        token_cuts(tokens, mask, np.array([0, 2, 9], dtype=np.int64), np.array([0, 1]))
+    with pytest.raises(ValueError, match="out of order"):
+        token_cuts(tokens, mask, np.array([0, 3, 2, 4], dtype=np.int64), np.array([0, 1, 2]))
+    with pytest.raises(IndexError, match="sample index"):
+        token_cuts(tokens, mask, np.array([0, 4], dtype=np.int64), np.array([0, 1]))
+    with pytest.raises(ValueError, match="differ in length"):
+        token_cuts(tokens, mask[:3], np.array([0, 4], dtype=np.int64), np.array([0]))
+
+
+def numpy_zero_spans(
+    arrays: list[npt.NDArray[Any]], tokens: IntArray, lo: IntArray, hi: IntArray, part: npt.NDArray[np.int8]
+) -> None:
+    positions = expand_ranges(lo, hi)
+    row_part = np.repeat(part, hi - lo)
+    hit = (row_part == 0) | ((row_part == 2) == (tokens[positions] < 0))
+    for values in arrays:
+        values[positions[hit]] = 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(-1, 2), min_size=1, max_size=40),
+    st.lists(st.tuples(st.integers(0, 39), st.integers(0, 8), st.sampled_from([0, 1, 2])), max_size=6),
+    st.sampled_from([np.float16, np.float32, np.float64]),
+    st.booleans(),
+)
+def test_zero_spans_equals_a_masked_numpy_write(
+    values: list[int], rows: list[tuple[int, int, int]], dtype: Any, few: bool
+) -> None:
+    """Whatever ``count`` says (it only chooses between a branch and a select), the writes are the same."""
+    tokens = np.array(values, dtype=np.int64)
+    n = len(tokens)
+    lo = np.array([min(a, n) for a, _, _ in rows], dtype=np.int64)
+    hi = np.minimum(lo + np.array([w for _, w, _ in rows], dtype=np.int64), n)
+    part = np.array([p for _, _, p in rows], dtype=np.int8)
+    rng = np.random.default_rng(len(rows))
+    arrays = [rng.random(n).astype(dtype) + 1 for _ in range(3)]
+    expected = [a.copy() for a in arrays]
+    count = np.zeros(len(lo), dtype=np.int64) if few else hi - lo
+    zero_spans(arrays, tokens, lo, hi, part, count)
+    numpy_zero_spans(expected, tokens, lo, hi, part)
+    for got, want in zip(arrays, expected):
+        assert got.tobytes() == want.tobytes()
+
+
+def test_zero_spans_writes_positive_zero_and_leaves_the_rest() -> None:
+    mask = np.array([1.0, 1.0, -0.0, 1.0, 1.0, 1.0], dtype=np.float64)
+    weights = np.array([0.5, 0.25, 2.0, 3.0, 4.0, 5.0], dtype=np.float32)
+    tokens = np.array([3, -1, 3, -1, 4, 4], dtype=np.int64)
+    # rows: the whole of [0, 3); the unlabelled positions of [3, 5); the labelled ones of [5, 6)
+    counts = np.array([3, 1, 1])
+    zero_spans(
+        [mask, weights], tokens, np.array([0, 3, 5]), np.array([3, 5, 6]), np.array([0, 2, 1], dtype=np.int8), counts
+    )
+    assert mask.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert not np.signbit(mask).any()  # -0.0 written as +0.0, as numpy's ``values[...] = 0`` does
+    assert weights.tolist() == [0.0, 0.0, 0.0, 0.0, 4.0, 0.0]
+
+
+def test_zero_spans_without_token_labels_fills_whole_spans() -> None:
+    mask = np.ones(10, dtype=np.float32)
+    zero_spans([mask], None, np.array([2, 7]), np.array([4, 9]), np.zeros(2, dtype=np.int8), np.array([2, 2]))
+    assert mask.tolist() == [1, 1, 0, 0, 1, 1, 1, 0, 0, 1]
+
+
+def test_the_part_numbers_the_loop_reads_are_the_span_table_s() -> None:
+    from staleness_metrics.engine.spans import PART_LABELLED, PART_UNLABELLED, PART_WHOLE
+
+    assert (PART_WHOLE, PART_LABELLED, PART_UNLABELLED) == (0, 1, 2)
+
+
+def test_zero_spans_refuse_a_span_outside_the_arrays() -> None:
+    """A damaged checkpoint once crashed the process through a kernel writing out of bounds."""
+    values = np.ones(4, dtype=np.float32)
+    lo, hi = np.array([2], dtype=np.int64), np.array([9], dtype=np.int64)
+    with pytest.raises(IndexError, match="outside the arrays"):
+        zero_spans([values], None, lo, hi, np.zeros(1, dtype=np.int8), np.array([7]))
+    with pytest.raises(IndexError, match="outside the arrays"):
+        zero_spans([values], None, np.array([-3]), np.array([1]), np.zeros(1, dtype=np.int8), np.array([4]))
+    with pytest.raises(IndexError, match="outside the arrays"):  # a part reads the labels: they must be long enough
+        zero_spans([values], np.zeros(2, dtype=np.int64), np.array([0]), np.array([4]), np.ones(1, dtype=np.int8),
+                   np.array([4]))  # fmt: skip
+    with pytest.raises(ValueError, match="differ in length"):
+        zero_spans([values, np.ones(3, dtype=np.float32)], None, np.array([0]), np.array([1]),
+                   np.zeros(1, dtype=np.int8), np.array([1]))  # fmt: skip
+    assert values.tolist() == [1.0] * 4  # nothing was written before the refusal
+
+
+SPECIAL_WEIGHTS = [0.0, -0.0, 1.0, 0.5, -2.0, 1e-40, -1e-310, float("inf"), float("-inf"), float("nan"), 3e38]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from(SPECIAL_WEIGHTS) | st.floats(allow_nan=True), min_size=1, max_size=90),
+    st.lists(st.integers(1, 89), max_size=8),
+    st.sampled_from([np.float16, np.float32, np.float64]),
+    st.booleans(),
+)
+def test_weight_flags_equal_the_numpy_extrema(
+    values: list[float], cuts: list[int], dtype: Any, negative_nan: bool
+) -> None:
+    """The compiled bits per span say what numpy's per-span maxima and minima said, for every kind of value."""
+    with np.errstate(over="ignore"):
+        array = np.array(values, dtype=dtype)
+    if negative_nan:  # NaN with the sign bit set: still a NaN
+        array[np.isnan(array)] = -np.abs(array[np.isnan(array)])
+    lo = np.unique(np.concatenate(([0], [c for c in cuts if c < len(array)]))).astype(np.int64)
+    hi = np.append(lo[1:], len(array)).astype(np.int64)
+    got = weight_flags(array, lo, hi)
+    assert got is not None
+    want = weight_flags_by_extrema(array, lo)
+    assert got.tolist() == want.tolist()
+    for r in range(len(lo)):  # and what each bit means, read from the values themselves
+        span = array[lo[r] : hi[r]].astype(np.float64)
+        assert bool(got[r] & WEIGHT_NONZERO) == bool((span != 0).any())
+        assert bool(got[r] & WEIGHT_NONFINITE) == bool((~np.isfinite(span)).any())
+        assert bool(got[r] & WEIGHT_NAN) == bool(np.isnan(span).any())
+        assert bool(got[r] & WEIGHT_NOT_POSITIVE) == bool((~(span > 0)).any())
+
+
+def test_weight_flags_leave_other_dtypes_to_numpy() -> None:
+    assert weight_flags(np.ones(3, dtype=np.int64), np.array([0]), np.array([3])) is None
+    assert weight_flags(np.ones(6, dtype=np.float32)[::2], np.array([0]), np.array([3])) is None
+    with pytest.raises(IndexError, match="outside the array"):
+        weight_flags(np.ones(3, dtype=np.float32), np.array([0]), np.array([5]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from([np.float32, np.float64]),
+    mask=st.lists(st.sampled_from([0.0, 1.0, 1.0, 0.5, -0.0, float("nan")]), min_size=0, max_size=40),
+    weights=st.lists(st.sampled_from([0.0, 2.5, -1.0, float("inf"), float("-inf"), float("nan")]), max_size=40),
+    tokens=st.lists(st.integers(-3, 4), max_size=40),
+    floats=st.integers(0, 3),
+)
+def test_plain_positions_equals_the_numpy_checks(
+    dtype: Any, mask: list[float], weights: list[float], tokens: list[int], floats: int
+) -> None:
+    warm_up()
+    mask_array = np.asarray(mask, dtype=dtype)
+    n = len(mask)
+    arrays = [np.resize(np.asarray(weights or [1.0], dtype=dtype), n) for _ in range(floats)]
+    token_array = np.resize(np.asarray(tokens or [0], dtype=np.int64), n)
+    expected = (
+        bool(np.all((mask_array == 0) | (mask_array == 1)))
+        and all(bool(np.isfinite(a).all()) for a in arrays)
+        and bool((token_array >= -1).all())
+    )
+    assert plain_positions(mask_array, arrays, token_array) is expected
+
+
+def test_plain_positions_leaves_other_types_to_numpy() -> None:
+    warm_up()  # (a cold process checks with numpy rather than import numba for it)
+    ints = np.array([0, 1], dtype=np.int64)
+    floats = np.array([0.0, 1.0])
+    assert plain_positions(ints, [], None) is None
+    assert plain_positions(floats.astype(np.float16), [], None) is None
+    assert plain_positions(floats, [floats.astype(np.float32)], None) is None  # the mask's type for all
+    assert plain_positions(floats, [floats[::-1][::1].copy()], None) is True

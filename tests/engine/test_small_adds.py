@@ -1,0 +1,151 @@
+"""Small adds are queued with a few checks and cut into spans later, together (``Sink.add``): a run that
+adds rollouts one at a time decides, masks and reports exactly what the same run does with every batch
+cut as it arrives, and the quick check that lets a batch be queued so never passes a batch the exact
+checks refuse."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import staleness_metrics.engine.sink as sink_module
+from staleness_metrics import RolloutBatch, Sink, StalenessConfig
+from staleness_metrics.engine.spans import build_spans
+from staleness_metrics.errors import StalenessError
+from staleness_metrics.records import validation
+from staleness_metrics.records.model import ParsedRollout, pack, parse_or_error
+from staleness_metrics.records.validation import check_batch, plainly_valid
+from tests.engine.test_checkpoint import POLICIES, config_of
+from tests.reference.streams import DrawChooser, SeededChooser, generate_events, random_config
+
+
+def play(config: StalenessConfig, events: list[dict[str, Any]], batching: random.Random) -> list[Any]:
+    """Every call's outcome (an error's message included), the shipped arrays as masked, the sink's counts."""
+    sink = Sink(config, compact_min_rows=batching.choice((0, 4096)))
+    seen: list[Any] = []
+    added: list[RolloutBatch] = []
+    pending: list[dict[str, Any]] = []
+
+    def add_pending() -> None:
+        while pending:
+            size = batching.choice((1, 1, 1, 2, 5))
+            records = pending[:size]
+            del pending[:size]
+            parsed = [parse_or_error(r) for r in records]
+            batch = pack([p for p in parsed if isinstance(p, ParsedRollout)]) if batching.random() < 0.5 else None
+            try:
+                if batch is not None and len(batch.ids) == len(records):
+                    added.append(batch)  # a RolloutBatch the caller keeps: its arrays are masked in place
+                    seen.append(sink.add(batch))
+                else:
+                    seen.append(sink.add(records))
+            except (StalenessError, ValueError) as error:
+                seen.append(f"{type(error).__name__}: {error}")
+            if batching.random() < 0.2:
+                seen.append((sink.queued, sink.tracked_rollouts, sink.tokens_queued, sink.tokens_entered))
+
+    for event in events:
+        if event["type"] == "rollout":
+            pending.append(event["rollout"])
+            continue
+        add_pending()
+        try:
+            if event["type"] == "sweep":
+                sink.sweep(event["step"])
+                continue
+            shipment = sink.ship(event["step"], event.get("ids"))
+            seen.append((dict(shipment.metrics), shipment.batches_line(), shipment.lags.tolist()))
+        except (StalenessError, ValueError) as error:
+            seen.append(f"{type(error).__name__}: {error}")
+    add_pending()
+    seen.append((sink.queued, sink.tokens_queued, sink.tokens_entered, vars(sink.totals).__repr__()))
+    seen.append([b.mask.tolist() for b in added])
+    return seen
+
+
+def check_same(config: StalenessConfig, events: list[dict[str, Any]], seed: int) -> None:
+    staged = play(config, events, random.Random(seed))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sink_module, "STAGE_MAX_POSITIONS", -1)  # every batch cut as it arrives
+        direct = play(config, events, random.Random(seed))
+    assert staged == direct
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_single_adds_decide_as_batches_cut_on_arrival(policy: str) -> None:
+    for seed in range(6):
+        chooser = SeededChooser(seed * 11 + len(policy))
+        config = random_config(chooser, policy, lenient=seed % 2 == 1)
+        check_same(config_of(config), generate_events(chooser, config, defects=seed % 3), seed)
+
+
+@settings(max_examples=40)  # each example plays a stream twice; the seeded test above adds six per policy
+@given(data=st.data())
+def test_drawn_streams_decide_the_same_staged_or_not(data: st.DataObject) -> None:
+    chooser = DrawChooser(data.draw)
+    policy = data.draw(st.sampled_from(POLICIES), label="policy")
+    config = random_config(chooser, policy, data.draw(st.booleans(), label="lenient"))
+    events = generate_events(chooser, config, defects=data.draw(st.integers(0, 2), label="defects"))
+    check_same(config_of(config), events, data.draw(st.integers(0, 2**16), label="batching"))
+
+
+@settings(max_examples=60)
+@given(data=st.data())
+def test_the_quick_check_never_passes_what_the_exact_checks_refuse(data: st.DataObject) -> None:
+    chooser = DrawChooser(data.draw)
+    config = random_config(chooser, data.draw(st.sampled_from(POLICIES), label="policy"), lenient=True)
+    events = generate_events(chooser, config, defects=data.draw(st.integers(0, 2), label="defects"))
+    parsed = [parse_or_error(e["rollout"]) for e in events if e["type"] == "rollout"]
+    records = [p for p in parsed if isinstance(p, ParsedRollout)]
+    if not records:
+        return
+    batch = pack(records)
+    known = set(data.draw(st.lists(st.sampled_from(list(batch.ids)), max_size=2), label="known ids"))
+    if data.draw(st.booleans(), label="damage a value"):
+        field = data.draw(st.sampled_from(["mask", "rl_weights", "logprobs", "token_versions"]), label="field")
+        values = getattr(batch, field)
+        if values is not None and len(values):
+            at = data.draw(st.integers(0, len(values) - 1), label="position")
+            values[at] = -2 if field == "token_versions" else data.draw(st.sampled_from([np.nan, np.inf, 0.5, 2.0]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(validation, "plain_positions", lambda *arrays: None)  # numpy's checks, as a cold process
+        by_numpy = plainly_valid(batch, known)
+    if plainly_valid(batch, known) or by_numpy:
+        verdicts = check_batch(batch, known)
+        build_spans(batch, verdicts)
+        assert not verdicts.errors
+
+
+def _record(rid: str, dispatch: int = 0) -> dict[str, Any]:
+    return {"id": rid, "dispatch_version": dispatch, "samples": [{"mask": [0, 1, 1], "rl_weights": [0, 1, 1]}]}
+
+
+@pytest.mark.parametrize("through", ["sink", "monitor"])
+def test_loading_a_checkpoint_forgets_small_adds_not_yet_cut(through: str) -> None:
+    """Rollouts added (and queued without being cut yet) before a load belong to the state the load replaces."""
+    from staleness_metrics import StalenessMonitor
+
+    config = StalenessConfig(max_staleness=2)
+
+    def owner() -> Any:
+        return Sink(config) if through == "sink" else StalenessMonitor(config, [])
+
+    saved = owner()
+    saved.add([_record("a"), _record("b")])
+    state = saved.state_dict()
+    live, fresh = owner(), owner()
+    live.add(_record("x"))  # queued, not cut yet
+    for target in (live, fresh):
+        target.load_state_dict(state)
+    sinks = [t if isinstance(t, Sink) else t.sink for t in (live, fresh)]
+    assert [s.queued for s in sinks] == [2, 2]
+    assert sinks[0].tokens_entered == sinks[1].tokens_entered == 4
+    shipped = [s.ship(1) for s in sinks]
+    assert shipped[0].ids == shipped[1].ids == ["a", "b"]
+    assert shipped[0].batches_line() == shipped[1].batches_line()
+    assert sinks[0].add(_record("x")) == 1  # its id was never accepted by the loaded state

@@ -1,0 +1,297 @@
+"""``what-if``: the run replayed at each bound; at the run's own bound it equals the replay."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from staleness_metrics.cli import main
+from staleness_metrics.cli.commands import what_if as what_if_command
+from staleness_metrics.config import PolicyName, StalenessConfig
+from staleness_metrics.demo import Simulation
+from staleness_metrics.errors import ConfigError, EventError
+from staleness_metrics.replay.sources import as_replay_events, detect_and_read, read_xtuner_states
+from staleness_metrics.replay.stream import replay
+from staleness_metrics.replay.what_if import (
+    WhatIfRow,
+    format_table,
+    parse_bounds,
+    run_tally,
+    tally_and_cost,
+    to_json,
+    what_if,
+    what_if_with_curve,
+)
+from tests.support.examples import EXAMPLES
+
+
+def _what_if_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="staleness-metrics")
+    what_if_command.register(parser.add_subparsers())
+    args = parser.parse_args(["what-if", *argv])
+    code = args.func(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _demo_events(steps: int = 25, seed: int = 1) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for _, step in zip(range(steps), Simulation(seed).steps(), strict=False):
+        events.extend(step.events())
+    return events
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_bounds_are_parsed_as_written() -> None:
+    assert parse_bounds("0..3") == [0, 1, 2, 3]
+    assert parse_bounds(" 2 .. 2 ") == [2]
+    assert parse_bounds("4") == [4]
+    assert parse_bounds("8,2,4,2") == [2, 4, 8]
+    for bad in ("3..1", "a..b", "x", "-1", "1,,2"):
+        with pytest.raises(ConfigError):
+            parse_bounds(bad)
+
+
+def _sampled_per_ship(events: list[dict[str, Any]], lines: list[dict[str, Any]]) -> list[int]:
+    """Sampled positions (as they arrived) of each ship's live samples, from the original events."""
+    original = {e["rollout"]["id"]: e["rollout"] for e in events if e["type"] == "rollout"}
+    dropped = {(i, k) for line in lines for i, k in line["dropped_samples"]}
+    return [
+        sum(
+            sum(sample["mask"])
+            for r in line["shipped"]
+            if original[r["id"]].get("source") != "frozen"
+            for k, sample in enumerate(original[r["id"]]["samples"])
+            if (r["id"], k) not in dropped
+        )
+        for line in lines
+    ]
+
+
+@pytest.mark.parametrize(
+    ("run", "policy", "bound"),
+    [
+        ("prime-rl-run", "episode", 3),
+        ("prime-rl-run", "token", 5),
+        ("xtuner-states.jsonl", "token", 1),
+        ("demo", "token", 2),
+    ],
+)
+def test_what_if_at_the_replayed_bound_equals_the_replay(
+    tmp_path: Path, run: str, policy: PolicyName, bound: int
+) -> None:
+    source = EXAMPLES / run
+    if run == "demo":
+        source = tmp_path / "events.jsonl"
+        source.write_text("".join(json.dumps(e) + "\n" for e in _demo_events(steps=15)))
+    metrics, batches = tmp_path / "metrics.jsonl", tmp_path / "batches.jsonl"
+    argv = ["replay", str(source), "--policy", policy, "--max-staleness", str(bound)]
+    assert main([*argv, "--metrics-out", str(metrics), "--batches-out", str(batches)]) == 0
+    rows, lines = _jsonl(metrics), _jsonl(batches)
+    (mine,) = what_if(source, [bound], StalenessConfig(policy=policy))
+    assert mine.max_staleness == bound
+    assert mine.rollouts_dropped == sum(r["staleness/rollout/dropped"] for r in rows) > 0
+    assert mine.samples_dropped == sum(r["staleness/sample/dropped"] for r in rows)
+    assert mine.samples_dropped == sum(len(line["dropped_samples"]) for line in lines)
+    assert mine.rollouts_held == sum(r["staleness/rollout/held"] for r in rows)
+    # The replay's per-ship masked ratios, weighted by each ship's sampled tokens, give the run's figures.
+    sampled = _sampled_per_ship(list(detect_and_read(source, max_staleness=bound)), lines)
+    masked = sum(r.get("staleness/token/masked", 0.0) * n for r, n in zip(rows, sampled, strict=True))
+    assert mine.tokens_sampled == sum(sampled)
+    assert mine.tokens_masked == round(masked)
+    assert mine.tokens_kept == sum(sampled) - round(masked)
+
+
+def test_the_xtuner_example_at_its_bound_matches_the_one_ship_the_replay_reports(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    argv = [
+        "replay",
+        str(EXAMPLES / "xtuner-states.jsonl"),
+        "--max-staleness",
+        "1",
+        "--metrics-out",
+        str(metrics),
+    ]
+    assert main(argv) == 0
+    (row,) = _jsonl(metrics)
+    (mine,) = what_if(EXAMPLES / "xtuner-states.jsonl", [1])
+    assert mine.masked_ratio == pytest.approx(row["staleness/token/masked"])
+    assert mine.rollouts_dropped == row["staleness/rollout/dropped"] == 2
+    assert mine.tokens_kept == mine.tokens_sampled - mine.tokens_masked
+
+
+def test_a_looser_bound_never_drops_or_masks_more_on_the_demo_run() -> None:
+    events = _demo_events(steps=12)
+    kept = copy.deepcopy(events)
+    rows = what_if(events, range(11))
+    assert events == kept  # the caller's event dicts are not masked in place
+    dropped = [r.rollouts_dropped for r in rows]
+    masked = [r.tokens_masked + r.tokens_dropped for r in rows]
+    assert dropped == sorted(dropped, reverse=True) and dropped[0] > 0
+    assert masked == sorted(masked, reverse=True) and masked[0] > masked[-1]
+    # Each row is the replay at that bound.
+    for row in (rows[1], rows[5]):
+        tally = run_tally(replay(as_replay_events(events), StalenessConfig(max_staleness=row.max_staleness)))
+        assert (row.tokens_sampled, row.tokens_masked, row.rollouts_dropped) == (
+            tally.tokens_sampled,
+            tally.tokens_masked,
+            tally.rollouts_dropped,
+        )
+
+
+def test_the_command_prints_a_table_or_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _what_if_cli(capsys, str(EXAMPLES / "xtuner-states.jsonl"), "--max-staleness", "0..3")
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert lines[0].split()[0] == "max_staleness" and len(lines) == 2 + 4
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1", "2", "3"]
+    code, out, _ = _what_if_cli(
+        capsys, str(EXAMPLES / "xtuner-states.jsonl"), "--max-staleness", "1", "--policy", "xtuner", "--json"
+    )
+    assert code == 0
+    (row,) = json.loads(out)
+    (expected,) = what_if(EXAMPLES / "xtuner-states.jsonl", [1], StalenessConfig(policy="xtuner"))
+    assert row == expected.as_dict()
+
+
+def test_the_command_explains_bad_input(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = _what_if_cli(capsys, str(EXAMPLES / "xtuner-states.jsonl"), "--max-staleness", "5..2")
+    assert code == 2 and "start is above the end" in err
+    code, _, err = _what_if_cli(capsys, str(tmp_path / "missing.jsonl"))
+    assert code == 2 and "no such file" in err
+    states = read_xtuner_states(EXAMPLES / "xtuner-states.jsonl").events
+    states[0]["rollout"]["samples"][0]["mask"] = [2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps(e) + "\n" for e in states))
+    code, _, err = _what_if_cli(capsys, str(bad))
+    assert code == 2 and "line 1" in err and "rollout '1'" in err
+
+
+@pytest.mark.parametrize("policy", ["token", "episode", "group", "xtuner"])
+def test_nine_bounds_from_one_parse_equal_nine_separate_replays(policy: str) -> None:
+    """what-if parses the stream once and runs every bound over the parsed records; each row must equal
+    a replay from scratch at that bound (random streams, lenient ones with invalid rollouts too)."""
+    from tests.reference.streams import random_stream
+
+    compared = 0
+    for seed in range(12):
+        lenient = seed % 2 == 0  # invalid rollouts set aside in half the streams
+        replay_config, events = random_stream(seed, policy, lenient=lenient, defects=2 if lenient else 0)
+        options = replay_config.reference_options()
+        # Every bound 0..8 from the start: the adaptive bound (SPEC 14) would move away from some of them.
+        kept = {k: v for k, v in options.items() if k != "lenient" and not k.startswith("adapt_")}
+        base = StalenessConfig(**kept, strict=not lenient)
+        separate = []
+        try:
+            for bound in range(9):
+                shipments = replay(as_replay_events(events), dataclasses.replace(base, max_staleness=bound))
+                # The cost of what each bound trains (SPEC 11) must match too: the streams carry trainer log-probs.
+                tally, cost = tally_and_cost(shipments, base.mismatch_band)
+                separate.append(WhatIfRow.from_tally(bound, tally, cost, base.floor_min_tokens))
+        except EventError:
+            with pytest.raises(EventError):
+                what_if(events, range(9), base)
+            continue
+        # The run's curve judges each row besides (tests below); the replayed figures are the separate replays'.
+        judged = what_if(events, range(9), base)
+        unjudged = [
+            dataclasses.replace(r, excess_at_bound=None, within_budget=None, suggested=None, suggested_bound=None)
+            for r in judged
+        ]
+        assert unjudged == separate, f"seed {seed}"
+        compared += 1
+    assert compared >= 10
+
+
+def _k3(d: float) -> float:
+    return math.exp(d) - 1 - d
+
+
+# Step 5 trains version 4. One rollout per lag, two tokens each with d = +x and -x (trainer minus sampler),
+# so the mean k3 of lag l is (k3(x) + k3(-x)) / 2 for its x: lag 1 is cheaper than lag 0 (noise), and lag 3
+# cheaper than lag 2 (a violation the isotonic fit pools).
+_SPREAD = {0: 0.1, 1: 0.05, 2: 0.2, 3: 0.15, 4: 0.3}
+_CURVE_EVENTS: list[dict[str, Any]] = [
+    *(
+        {"type": "rollout", "rollout": {"id": f"lag{lag}", "dispatch_version": 4 - lag, "samples": [{
+            "mask": [1, 1], "token_versions": [4 - lag, 4 - lag], "logprobs": [-1.0, -1.0],
+            "trainer_logprobs": [-1.0 + x, -1.0 - x]}]}}
+        for lag, x in _SPREAD.items()
+    ),
+    {"type": "ship", "step": 5},
+]  # fmt: skip
+
+
+def _mean_k3(lag: int) -> float:
+    return (_k3(_SPREAD[lag]) + _k3(-_SPREAD[lag])) / 2
+
+
+def test_each_bound_is_judged_by_the_runs_curve_computed_by_hand(capsys: pytest.CaptureFixture[str]) -> None:
+    config = StalenessConfig(floor_min_tokens=2)
+    floor = _mean_k3(0)
+    raw = {lag: _mean_k3(lag) - floor for lag in (1, 2, 3, 4)}
+    pooled = (raw[2] + raw[3]) / 2  # equal token counts: the violators' plain mean
+    fitted = {1: raw[1], 2: pooled, 3: pooled, 4: raw[4]}
+    assert raw[1] < 0 < pooled <= raw[2] and raw[3] < raw[2]
+
+    # Budget = the floor: only lag 1 is within it; bound 0 trains only lag 0, below the curve's first
+    # point, which is within the budget (more lag cannot make a token cheaper).
+    result = what_if_with_curve(_CURVE_EVENTS, range(5), config)
+    assert result.curve is not None
+    assert (result.curve.floor.value, result.curve.floor.source, result.curve.budget) == (
+        pytest.approx(floor),
+        "lag0",
+        pytest.approx(floor),
+    )
+    assert result.curve.curve.lags == (1, 2, 3, 4)
+    assert list(result.curve.curve.fitted) == pytest.approx([fitted[lag] for lag in (1, 2, 3, 4)])
+    assert (result.curve.suggested, result.curve.crossed) == (1, True)
+    rows = {row.max_staleness: row for row in result.rows}
+    assert rows[0].excess_at_bound is None and rows[0].within_budget is True
+    for bound in (1, 2, 3, 4):
+        assert rows[bound].excess_at_bound == pytest.approx(fitted[bound])
+    assert [rows[b].within_budget for b in range(5)] == [True, True, False, False, False]
+    assert [rows[b].suggested for b in range(5)] == [False, True, False, False, False]
+
+    # A budget set between the pooled lags 2-3 and lag 4: the suggestion moves to 3.
+    budget = (pooled + raw[4]) / 2
+    result = what_if_with_curve(_CURVE_EVENTS, range(5), dataclasses.replace(config, mismatch_budget=budget))
+    assert result.curve is not None and result.curve.budget == budget
+    assert (result.curve.suggested, result.curve.crossed) == (3, True)
+    assert [row.within_budget for row in result.rows] == [True, True, True, True, False]
+    assert [row.suggested for row in result.rows] == [False, False, False, True, False]
+
+    # --json carries both per bound; the table marks the suggested bound.
+    as_json = {row["max_staleness"]: row for row in json.loads(to_json(result.rows))}
+    assert as_json[3]["suggested"] is True and as_json[3]["within_budget"] is True
+    assert as_json[4]["within_budget"] is False and as_json[4]["excess_at_bound"] == pytest.approx(raw[4])
+    lines = format_table(result.rows, result.curve).splitlines()
+    assert lines[0].split()[-5:] == ["excess", "at", "bound", "within", "budget"]
+    assert lines[2 + 3].endswith("yes <- suggested") and lines[2 + 4].endswith("no")
+    assert "suggested bound 3 (the largest lag within the budget)" in lines[-1]
+
+
+def test_a_budget_never_crossed_says_a_looser_bound_may_be_as_good() -> None:
+    config = StalenessConfig(floor_min_tokens=2, mismatch_budget=1.0)
+    result = what_if_with_curve(_CURVE_EVENTS, range(3), config)
+    assert result.curve is not None and (result.curve.suggested, result.curve.crossed) == (4, False)
+    assert [row.within_budget for row in result.rows] == [True, True, True]
+    assert not any(row.suggested for row in result.rows)  # 4 is outside the range tried...
+    assert {json.loads(to_json(result.rows))[0]["suggested_bound"]} == {4}  # ...and --json still says it
+    assert "a looser bound may be as good" in format_table(result.rows, result.curve)
+
+
+def test_without_enough_tokens_for_a_floor_no_bound_is_judged() -> None:
+    result = what_if_with_curve(_CURVE_EVENTS, range(3), StalenessConfig())  # floor_min_tokens 1000
+    assert result.curve is None
+    assert all((r.excess_at_bound, r.within_budget, r.suggested) == (None, None, None) for r in result.rows)
