@@ -12,7 +12,7 @@ import itertools
 import math
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -39,20 +39,39 @@ _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
 class _CompiledOnFirstCall:
     """``loop`` compiled by numba on its first call (numba is imported then, not with the package), for
-    the argument types it gets; the machine code is cached on disk across processes."""
+    the argument types it gets; the machine code is cached on disk across processes.
 
-    def __init__(self, loop: Callable[..., Any]) -> None:
+    ``options`` are numba's (``error_model="numpy"``: a float division by zero gives inf or NaN as in
+    numpy, with no check that stops LLVM from vectorising the loop). ``helpers`` are loops the loop
+    calls by a module-level name, compiled first with their own options (``fastmath={"reassoc"}`` lets
+    LLVM add a sum in vector lanes, which only the helper may do: the loop's own arithmetic stays exact).
+    """
+
+    def __init__(
+        self,
+        loop: Callable[..., Any] | None = None,
+        *,
+        helpers: Mapping[str, tuple[Callable[..., Any], Mapping[str, Any]]] | None = None,
+        **options: Any,
+    ) -> None:
         self._loop = loop
+        self._helpers = dict(helpers or {})
+        self._options = options
         self._compiled: Callable[..., Any] | None = None
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
+        if self._loop is None:  # used as @_CompiledOnFirstCall(options): this call passes the loop
+            (loop,) = args
+            return _CompiledOnFirstCall(loop, helpers=self._helpers, **self._options)
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
                     import numba
 
-                    self._compiled = numba.njit(cache=True, nogil=True)(self._loop)
+                    for name, (helper, options) in self._helpers.items():
+                        self._loop.__globals__[name] = numba.njit(cache=True, nogil=True, **options)(helper)
+                    self._compiled = numba.njit(cache=True, nogil=True, **self._options)(self._loop)
         assert self._compiled is not None
         return self._compiled(*args)
 
@@ -444,7 +463,56 @@ def weight_flags(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.ND
     return flags
 
 
-@_CompiledOnFirstCall
+# exp(x) for |x| <= 20 as fdlibm's e_exp.c computes it (within 1 ulp of the C library's): x = k ln2 + r,
+# |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), a rational approximation of exp(r), then 2^k.
+# Written in the loop, it is vectorised; the C library's exp is a call per position.
+_LN2_HI, _LN2_LO, _INV_LN2 = 6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.44269504088896338700e00
+_EXP_P1, _EXP_P2, _EXP_P3 = 1.66666666666666019037e-01, -2.77777777770155933842e-03, 6.61375632143793436117e-05
+_EXP_P4, _EXP_P5 = -1.65339022054652515390e-06, 4.13813679705723846039e-08
+_NEAR = 2.0**-40  # a ratio this close (relative) to a band edge is compared again with the C library's exp
+_MISMATCH_BLOCK = 1024  # positions computed at once into buffers that stay in L1
+_SHORT_RUN = 16  # runs of equal lag shorter than this are added position by position
+
+
+def _run_sums(
+    d: npt.NDArray[np.float64],
+    k3: npt.NDArray[np.float64],
+    r: npt.NDArray[np.float64],
+    covered: npt.NDArray[np.uint8],
+    masked: npt.NDArray[np.uint8],
+    out_of_band: npt.NDArray[np.uint8],
+    a: int,
+    b: int,
+) -> tuple[float, float, float, float, float, int, int, int]:  # pragma: no cover - compiled
+    """Sums over ``[a, b)`` of the buffers (compiled with reassociation: the float sums go in vector lanes)."""
+    ds, ks, rs = d[a:b], k3[a:b], r[a:b]
+    cs, ms, os = covered[a:b], masked[a:b], out_of_band[a:b]
+    sum_d = 0.0
+    sum_abs = 0.0
+    sum_k3 = 0.0
+    sum_r = 0.0
+    sum_r2 = 0.0
+    tokens = 0
+    n_masked = 0
+    n_out = 0
+    for p in range(b - a):
+        x = ds[p]
+        y = rs[p]
+        sum_d += x
+        sum_abs += abs(x)
+        sum_k3 += ks[p]
+        sum_r += y
+        sum_r2 += y * y
+        tokens += cs[p]
+        n_masked += ms[p]
+        n_out += os[p]
+    return sum_d, sum_abs, sum_k3, sum_r, sum_r2, tokens, n_masked, n_out
+
+
+_run_sums_compiled: Any = None  # _run_sums, compiled when _mismatch_runs is
+
+
+@_CompiledOnFirstCall(error_model="numpy", helpers={"_run_sums_compiled": (_run_sums, {"fastmath": {"reassoc"}})})
 def _mismatch_runs(
     lag: IntArray,
     sampler: npt.NDArray[Any],
@@ -463,53 +531,108 @@ def _mismatch_runs(
     counts = np.zeros((3, n_buckets), dtype=np.int64)  # tokens, masked, out_of_band
     sums = np.zeros((5, n_buckets), dtype=np.float64)  # d, |d|, r - 1 - d, r, r^2
     uncovered = 0
-    i = 0
-    while i < n:  # one run of equal lag at a time: its bucket is found once
-        run_lag = lag[i]
-        j = i + 1
-        while j < n and lag[j] == run_lag:
-            j += 1
-        if run_lag < 0:  # not a sampled position of a live rollout: outside the population
-            i = j
-            continue
-        bucket = 0
-        while bucket < n_buckets - 1 and bounds[bucket] < run_lag:  # numpy's searchsorted(bounds, lag, "left")
-            bucket += 1
-        s = sampler[i:j]  # slices: in bounds, no negative-index fix-up per position
-        t = trainer[i:j]
-        tokens = 0
-        masked = 0
-        out_of_band = 0
-        sum_d = 0.0
-        sum_abs = 0.0
-        sum_k3 = 0.0
-        sum_r = 0.0
-        sum_r2 = 0.0
-        for p in range(j - i):
+    block = _MISMATCH_BLOCK
+    d_buf = np.empty(block, dtype=np.float64)
+    k3_buf = np.empty(block, dtype=np.float64)
+    r_buf = np.empty(block, dtype=np.float64)
+    covered_buf = np.empty(block, dtype=np.uint8)
+    masked_buf = np.empty(block, dtype=np.uint8)
+    out_buf = np.empty(block, dtype=np.uint8)
+    no_flags = np.zeros(block, dtype=np.uint8)
+    near_lo, near_lo_top = band_lo * (1.0 - _NEAR), band_lo * (1.0 + _NEAR)
+    near_hi, near_hi_top = band_hi * (1.0 - _NEAR), band_hi * (1.0 + _NEAR)
+    last_lag = -1
+    bucket = 0
+    for start in range(0, n, block):
+        end = min(start + block, n)
+        width = end - start
+        lags = lag[start:end]  # slices: in bounds, no negative-index fix-up per position
+        s = sampler[start:end]
+        t = trainer[start:end]
+        f = flags[start:end] if has_flags else no_flags[:width]
+        # Every position of the block at once (one vector pass, no branch): those outside the population
+        # (lag < 0) are computed too and left out below.
+        near = 0
+        for p in range(width):
             d = np.float64(t[p]) - np.float64(s[p])
-            if not math.isfinite(d):  # either value NaN or infinite: uncovered, never an error
-                uncovered += 1
+            finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
+            d = d if d < clamp else clamp
+            d = d if d > -clamp else -clamp
+            d = d if finite else 0.0
+            k = math.floor(d * _INV_LN2 + 0.5)
+            high = d - k * _LN2_HI
+            low = k * _LN2_LO
+            x = high - low
+            xx = x * x
+            c = x - xx * (_EXP_P1 + xx * (_EXP_P2 + xx * (_EXP_P3 + xx * (_EXP_P4 + xx * _EXP_P5))))
+            y = 1.0 - ((low - (x * c) / (2.0 - c)) - high)
+            r = y * np.int64((np.int64(k) + 1023) << 52).view(np.float64)  # y * 2^k, exact
+            r = r if finite else 0.0
+            d_buf[p] = d
+            r_buf[p] = r
+            k3_buf[p] = r - 1.0 - d if finite else 0.0
+            covered_buf[p] = finite
+            masked_buf[p] = finite & (f[p] != 0)
+            out_buf[p] = finite & ((r < band_lo) | (r > band_hi))
+            near += ((r > near_lo) & (r < near_lo_top)) | ((r > near_hi) & (r < near_hi_top))
+        if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
+            for p in range(width):
+                r = r_buf[p]
+                if ((r > near_lo) & (r < near_lo_top)) | ((r > near_hi) & (r < near_hi_top)):
+                    exact = math.exp(d_buf[p])
+                    out_buf[p] = covered_buf[p] & ((exact < band_lo) | (exact > band_hi))
+        p = 0
+        while p < width:  # one run of equal lag at a time: its bucket is found once
+            run_lag = lags[p]
+            q = p + 1
+            while q < width:  # the run's end: 64 positions compared at once, then one by one
+                top = min(q + 64, width)
+                ahead = lags[q:top]
+                differ = 0
+                for i in range(top - q):
+                    differ += ahead[i] != run_lag
+                if differ == 0:
+                    q = top
+                    continue
+                i = 0
+                while ahead[i] == run_lag:
+                    i += 1
+                q += i
+                break
+            if run_lag < 0:  # not a sampled position of a live rollout: outside the population
+                p = q
                 continue
-            d = min(max(d, -clamp), clamp)
-            r = math.exp(d)
-            tokens += 1
-            if has_flags:
-                masked += flags[i + p] != 0
-            out_of_band += (r < band_lo) | (r > band_hi)
-            sum_d += d
-            sum_abs += abs(d)
-            sum_k3 += r - 1.0 - d
-            sum_r += r
-            sum_r2 += r * r
-        counts[0, bucket] += tokens
-        counts[1, bucket] += masked
-        counts[2, bucket] += out_of_band
-        sums[0, bucket] += sum_d
-        sums[1, bucket] += sum_abs
-        sums[2, bucket] += sum_k3
-        sums[3, bucket] += sum_r
-        sums[4, bucket] += sum_r2
-        i = j
+            if run_lag != last_lag:  # numpy's searchsorted(bounds, lag, "left")
+                bucket = 0
+                while bucket < n_buckets - 1 and bounds[bucket] < run_lag:
+                    bucket += 1
+                last_lag = run_lag
+            if q - p >= _SHORT_RUN:
+                sum_d, sum_abs, sum_k3, sum_r, sum_r2, tokens, n_masked, n_out = _run_sums_compiled(
+                    d_buf, k3_buf, r_buf, covered_buf, masked_buf, out_buf, p, q
+                )
+            else:
+                sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+                tokens = n_masked = n_out = 0
+                for i in range(p, q):
+                    sum_d += d_buf[i]
+                    sum_abs += abs(d_buf[i])
+                    sum_k3 += k3_buf[i]
+                    sum_r += r_buf[i]
+                    sum_r2 += r_buf[i] * r_buf[i]
+                    tokens += covered_buf[i]
+                    n_masked += masked_buf[i]
+                    n_out += out_buf[i]
+            counts[0, bucket] += tokens
+            counts[1, bucket] += n_masked
+            counts[2, bucket] += n_out
+            sums[0, bucket] += sum_d
+            sums[1, bucket] += sum_abs
+            sums[2, bucket] += sum_k3
+            sums[3, bucket] += sum_r
+            sums[4, bucket] += sum_r2
+            uncovered += (q - p) - tokens
+            p = q
     return counts, sums, uncovered
 
 
@@ -527,11 +650,16 @@ def mismatch_runs(
     ``sums`` (d, \|d\|, r - 1 - d, r, r\ :sup:`2`) per bucket (``searchsorted(bounds, lag, "left")``),
     and the uncovered positions. ``lag`` is int64; the log-probabilities float32 or float64 (each read as
     float64); ``flags`` one byte (or bool) per position or ``None``. Positions with a negative lag are
-    skipped, those where the difference is not finite are uncovered; ``d`` is clamped to ``±clamp``.
-    Large inputs are summed in parallel shares (the loop releases the GIL), then added.
+    skipped, those where the difference is not finite are uncovered; ``d`` is clamped to ``±clamp``
+    (at most 700: ``exp`` is computed in the loop for the arguments of a float64 result). The float sums
+    are those of a sequential pass to float64 rounding: ``r`` within one ulp of the C library's ``exp``,
+    added in vector lanes; the counts are exact (a ratio on a band edge is compared again with the C
+    library's ``exp``). Large inputs are summed in parallel shares (the loop releases the GIL), then added.
 
-    Raises ``ValueError`` when the arrays differ in length.
+    Raises ``ValueError`` when the arrays differ in length or ``clamp`` is out of range.
     """
+    if not 0 <= clamp <= 700:
+        raise ValueError(f"mismatch_runs: clamp {clamp} outside 0..700")
     flag_bytes = _NO_FLAGS if flags is None else flags.view(np.uint8)
     has_flags = flags is not None
     n = len(lag)
