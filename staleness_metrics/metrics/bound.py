@@ -12,17 +12,15 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from ..config import StalenessConfig
 from . import keys
 from .buckets import CURVE_BUCKETS, FLOOR_SOURCES, LAG_BUCKETS, FloorSource
 from .mismatch import MismatchSums
 from .report import MetricValue
-
-if TYPE_CHECKING:  # the config module imports the metric table, which imports this one
-    from ..config import StalenessConfig
 
 __all__ = [
     "CURVE_BUCKETS",
