@@ -47,6 +47,7 @@ from ..metrics.metric_table import (
     WANDB_KEYS,
     MetricDef,
     Source,
+    env_key,
 )
 from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
@@ -97,10 +98,9 @@ def _row_of_env_key(key: str, report: StepReport) -> MetricDef | None:
     for env, env_metrics in report.env_metrics.items():
         prefix = f"{ENV_KEY_PREFIX}{env}/"
         if env and key.startswith(prefix):
-            rest = key[len(prefix) :]
             for table_key in env_metrics:
                 row = _BY_KEY.get(table_key)
-                if row is not None and table_key.split("/", 1)[-1] == rest:
+                if row is not None and env_key(env, table_key) == key:
                     return row
     return None
 

@@ -59,6 +59,10 @@ class ReportData:
         return [row.get(key) for row in self.rows]
 
 
+# The floor's source and its per-env twins (``staleness/env/<env>/mismatch/floor_source``) end so.
+_FLOOR_SOURCE_SUFFIX = "/" + keys.MISMATCH_FLOOR_SOURCE.removeprefix(KEY_PREFIX)
+
+
 def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str, Any]:
     """A logged row's scalar staleness values, legacy keys renamed (a current key wins over its legacy twin).
 
@@ -72,7 +76,7 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
         name = key if key.startswith(KEY_PREFIX) else legacy.new if legacy is not None else None
         if name is None or value is None or isinstance(value, dict):
             continue
-        if key.endswith("/floor_source"):  # SPEC 14's one string value
+        if key.endswith(_FLOOR_SOURCE_SUFFIX):  # SPEC 14's one string value
             if value not in FLOOR_SOURCES:
                 raise EventError(line, f"{path}: {key}: expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
