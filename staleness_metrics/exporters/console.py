@@ -12,11 +12,6 @@ from .base import MismatchReport
 
 __all__ = ["ConsoleExporter", "format_line", "format_mismatch_line"]
 
-_EXCESS_K3 = keys.MISMATCH_EXCESS_K3
-_FLOOR = keys.MISMATCH_FLOOR
-_AT_BOUND = keys.BOUND_EXCESS_AT_BOUND
-_SUGGESTED = keys.BOUND_SUGGESTED
-
 
 def format_line(report: StepReport) -> str:
     """``step 12 | Max Staleness 3 | token mean 1.42 | masked 3.1% | dropped 2 rollouts``.
@@ -41,26 +36,25 @@ def format_line(report: StepReport) -> str:
     held = int(metrics.get(keys.ROLLOUTS_HELD, 0))
     if held:
         parts.append(f"held {held} rollouts")
-    if _EXCESS_K3 in metrics:  # SPEC 11: what staleness costs, when the records carried trainer log-probs
-        parts.append(f"excess k3 {float(metrics[_EXCESS_K3]):.4g}")
+    if keys.MISMATCH_EXCESS_K3 in metrics:  # SPEC 11: what staleness costs, when the records carried trainer log-probs
+        parts.append(f"excess k3 {float(metrics[keys.MISMATCH_EXCESS_K3]):.4g}")
     parts.extend(_bound_parts(metrics))
     return " | ".join(parts)
 
 
 def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
     """SPEC 14 on the step's line: ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (crossed)``."""
-    if _FLOOR not in metrics:
+    if keys.MISMATCH_FLOOR not in metrics:
         return []
     source = metrics.get(keys.MISMATCH_FLOOR_SOURCE, "")
     age = int(metrics.get(keys.MISMATCH_FLOOR_AGE, 0))
-    floor = f"floor {float(metrics[_FLOOR]):.4g} {source}" + (f" {age} steps ago" if age else "")
-    at_bound = metrics.get(_AT_BOUND)
+    floor = f"floor {float(metrics[keys.MISMATCH_FLOOR]):.4g} {source}" + (f" {age} steps ago" if age else "")
+    at_bound = metrics.get(keys.BOUND_EXCESS_AT_BOUND)
     parts = [floor, f"at bound {float(at_bound):.4g}" if at_bound is not None else "at bound -"]
-    if _SUGGESTED in metrics:
+    if keys.BOUND_SUGGESTED in metrics:
         crossed = int(metrics.get(keys.BOUND_CROSSED, 0))
-        parts.append(
-            f"suggested {int(metrics[_SUGGESTED])}" + (" (budget crossed)" if crossed else " (largest lag seen)")
-        )
+        advice = " (budget crossed)" if crossed else " (largest lag seen)"
+        parts.append(f"suggested {int(metrics[keys.BOUND_SUGGESTED])}{advice}")
     else:
         parts.append("suggested -")
     return parts
@@ -84,7 +78,7 @@ def format_mismatch_line(report: MismatchReport) -> str:
         [
             f"step {report.step}",
             f"mismatch k3 {number(keys.MISMATCH_K3)}",
-            f"excess k3 {number(_EXCESS_K3)}",
+            f"excess k3 {number(keys.MISMATCH_EXCESS_K3)}",
             f"coverage {coverage}",
             *_bound_parts(metrics),
         ]

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..metrics import keys
+from ..metrics.keys import MISMATCH_FLOOR_SOURCE
 from ..metrics.metric_table import BUCKETS, ENV_KEY_PREFIX, KEY_PREFIX, METRICS, MetricDef, MetricKind, Source
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Counts, MetricValue, StepReport, Tally
@@ -193,7 +193,7 @@ def _gauge_values(metric: MetricDef, report: StepReport, by_env: bool) -> dict[s
 
 
 _BOUND_GAUGES = tuple(m for m in METRICS if m.source is Source.BOUND and m.kind is MetricKind.GAUGE)
-_FLOOR_SOURCE_KEY = keys.MISMATCH_FLOOR_SOURCE
+_FLOOR_SOURCE_KEY = MISMATCH_FLOOR_SOURCE
 
 
 _BOUND_KEYS = frozenset(key for m in _BOUND_GAUGES for key in m.wandb_keys)
