@@ -10,6 +10,8 @@ seen; comments are not code and prose that merely mentions a key in the middle o
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -153,3 +155,19 @@ def test_the_key_constants_cover_the_table() -> None:
 
 def test_env_keys_repeat_the_batch_key_under_the_env() -> None:
     assert env_key("math", keys.TOKEN_MEAN) == ENV_KEY_PREFIX + "math/" + keys.TOKEN_MEAN.removeprefix(KEY_PREFIX)
+
+
+def test_reading_the_catalogue_imports_no_computation() -> None:
+    """Dashboards, the migration tool and the exporters' names read the table without numpy or the engine."""
+    code = (
+        "import sys; import staleness_metrics.metrics.keys; "
+        "print(sorted(m for m in sys.modules if m.startswith(('numpy', 'staleness_metrics'))))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert ast.literal_eval(loaded) == [
+        "staleness_metrics",
+        "staleness_metrics.metrics",
+        "staleness_metrics.metrics.buckets",
+        "staleness_metrics.metrics.keys",
+        "staleness_metrics.metrics.metric_table",
+    ]
