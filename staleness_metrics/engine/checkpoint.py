@@ -112,7 +112,10 @@ def check_tally(data: Any, path: str) -> Tally:
             items = sequence(found[name], where)
             if len(items) > _TALLY_ARRAY_LENGTHS[name]:
                 fail(where, f"{len(items)} buckets, more than the {_TALLY_ARRAY_LENGTHS[name]} there are")
-            values[name] = np.asarray([integer(v, join(where, i), 0) for i, v in enumerate(items)], dtype=np.int64)
+            if set(map(type, items)) <= {int} and (not items or min(items) >= 0):  # the usual case, at C speed
+                values[name] = np.asarray(items, dtype=np.int64)
+            else:  # the loop names the offending bucket
+                values[name] = np.asarray([integer(v, join(where, i), 0) for i, v in enumerate(items)], dtype=np.int64)
         else:
             values[name] = integer(found[name], where, 0)
     return Tally(**values)

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from ..engine.state_checks import arrays_left_as_numpy
 from .errors import RunBroken
 from .idempotency import holds_large_array
 from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, encoded_pieces
@@ -79,7 +80,9 @@ class Journal:
 
     def snapshot(self) -> None:
         try:
-            self.store.save_snapshot(self.run, self.seq, self._state())
+            with arrays_left_as_numpy():  # the queue's arrays written by orjson, never as Python lists
+                state = self._state()
+            self.store.save_snapshot(self.run, self.seq, state)
         except Exception:  # the journal still holds everything: a restart replays a longer tail
             logger.exception("run %s: snapshot failed", self.run)
             return
