@@ -231,6 +231,10 @@ def memory_bodies(size: int) -> list[tuple[str, bytes]]:
          ('{"rollouts":[' + ",".join(one % i for i in range(size // len(one))) + "]}").encode()),
         ("weight_versions pairs", b'{"rollouts":[{"id":"s","dispatch_version":0,"samples":[{"mask":[1],'
          b'"weight_versions":[' + b"[0,0]," * (size // 6) + b"[0,0]]}]}]}"),
+        ("mask + 0/1 rl_weights", b'{"rollouts":[{"id":"w","dispatch_version":0,"samples":[{"mask":['
+         + b"1," * (size // 4) + b'1],"rl_weights":[' + b"1," * (size // 4) + b"1]}]}]}"),
+        ("mask + token_versions", b'{"rollouts":[{"id":"t","dispatch_version":0,"samples":[{"mask":['
+         + b"1," * (size // 4) + b'1],"token_versions":[' + b"0," * (size // 4) + b"0]}]}]}"),
     ]  # fmt: skip
 
 
