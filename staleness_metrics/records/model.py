@@ -208,7 +208,7 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
     return array.astype(np.int64, copy=False)
 
 
-_INT64_BOUND = 2.0**63
+INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
 
 
 def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
@@ -225,7 +225,7 @@ def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
         array = np.frombuffer(_array_module.array("d", value), dtype=np.float64)
     except (TypeError, OverflowError):
         return None
-    if array.size and not (array.max() < _INT64_BOUND and array.min() > -_INT64_BOUND):  # NaN fails too
+    if array.size and not (array.max() < INT64_BOUND and array.min() > -INT64_BOUND):  # NaN fails too
         return None
     return array
 

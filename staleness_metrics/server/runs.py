@@ -35,8 +35,8 @@ import numpy as np
 import orjson
 
 from ..config import StalenessConfig
-from ..engine.checkpoint import arrays_left_as_numpy
-from ..engine.sink import Shipment
+from ..engine.shipment import Shipment
+from ..engine.state_checks import arrays_left_as_numpy
 from ..errors import StalenessError, TraceError
 from ..metrics.mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..metrics.report import MetricValue

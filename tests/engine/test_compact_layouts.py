@@ -59,7 +59,7 @@ def _ship_twice(threshold: int) -> tuple[Any, ...]:
         patch.setattr(records_module, "COMPACT_MASK_MIN_POSITIONS", threshold)
         sink = Sink(StalenessConfig(max_staleness=1, policy="token"))
         sink.add(_long_rollouts(1 << 20))
-        mask_dtype = sink._chunks[0].mask.dtype
+        mask_dtype = sink.queue.chunks[0].mask.dtype
         shipment = sink.ship(5)
         return mask_dtype, dict(shipment.metrics), shipment.batches_line(), shipment.lags.tolist()
 
