@@ -22,7 +22,7 @@ from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Tally
 from ..records.columnar import LABELS_SPANS, RolloutBatch
 from ..records.model import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
-from ..records.validation import Verdicts, check_batch, plainly_valid
+from ..records.validation import Verdicts, plainly_valid
 from .decision import Decision, Judgement
 from .judging import apply_decision, judgement_of, with_groups
 from .policies import Policy, policy_for
@@ -30,7 +30,7 @@ from .queue import COMPACT_MIN_ROWS, INVALID, QUEUED, SHIPPED, STAGE_MAX_POSITIO
 from .segments import expand_ranges
 from .shipment import Shipment, ShippedRollout
 from .shipped_positions import shipped_spans
-from .spans import SpanTable, build_spans
+from .spans import SpanTable, checked_spans
 
 if TYPE_CHECKING:
     from .checkpoint import SinkState
@@ -199,8 +199,7 @@ class Sink:
         if checked is not None:
             verdicts, spans = checked
         else:
-            verdicts = check_batch(batch, self.queue.seen_ids)
-            spans = build_spans(batch, verdicts)
+            verdicts, spans = checked_spans(batch, self.queue.seen_ids)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
         invalid = verdicts.invalid

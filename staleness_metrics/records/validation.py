@@ -206,11 +206,12 @@ def _plain_envs(envs: Sequence[Any]) -> bool:
     return all(env is None or (type(env) is str and env) for env in distinct)
 
 
-def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> Verdicts:
+def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
     """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts.
 
     The rules on position values (0/1 mask, finite weights) are checked by
-    :func:`staleness_metrics.engine.spans.build_spans`, which reads the positions anyway.
+    :func:`staleness_metrics.engine.spans.build_spans`, which reads the positions anyway; so are the token
+    versions (>= -1) without ``token_values`` (:func:`staleness_metrics.engine.spans.checked_spans`).
     """
     _check_shapes(batch)
     verdicts = Verdicts(batch)
@@ -254,7 +255,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
 
     kind = batch.label_kind
     assert kind is not None
-    if batch.token_versions is not None:
+    if batch.token_versions is not None and token_values:
         tokens = batch.token_versions
         bad = tokens[:0]
         if tokens.min(initial=0) < -1:  # one read in the common case; where only on bad input

@@ -18,12 +18,12 @@ import numpy as np
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..engine.sink import MAX_STEP, Sink
-from ..engine.spans import SpanTable, build_spans
+from ..engine.spans import SpanTable, checked_spans
 from ..errors import ConfigError, EventError, TraceError
 from ..records import jsonio, simd_records
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ..records.model import ParsedRollout, UnparsedRollout, pack, parse_or_error
-from ..records.validation import Verdicts, check_batch
+from ..records.validation import Verdicts
 
 __all__ = [
     "Added",
@@ -294,8 +294,7 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
             packed = _share(pack(parsed)) if parsed else None
             checked = None
             if packed is not None:
-                verdicts = check_batch(packed, accepted)
-                spans = build_spans(packed, verdicts)
+                verdicts, spans = checked_spans(packed, accepted)
                 for f in dataclasses.fields(spans):  # shared by every run, like the packed arrays
                     if isinstance(value := getattr(spans, f.name), np.ndarray):
                         value.setflags(write=False)

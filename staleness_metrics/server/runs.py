@@ -38,6 +38,7 @@ from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..engine.state_checks import arrays_left_as_numpy
 from ..errors import StalenessError, TraceError
+from ..metrics.metric_table import BOUND_KEY_PREFIX, MISMATCH_KEY_PREFIX
 from ..metrics.mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
@@ -271,7 +272,7 @@ def _lags_by_rollout(shipment: Shipment) -> list[list[list[int]]]:
     return out
 
 
-_MISMATCH_PREFIXES = ("staleness/mismatch/", "staleness/bound/")
+_MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
 
 
 @dataclass(frozen=True)
