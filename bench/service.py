@@ -231,6 +231,10 @@ def memory_bodies(size: int) -> list[tuple[str, bytes]]:
          ('{"rollouts":[' + ",".join(one % i for i in range(size // len(one))) + "]}").encode()),
         ("weight_versions pairs", b'{"rollouts":[{"id":"s","dispatch_version":0,"samples":[{"mask":[1],'
          b'"weight_versions":[' + b"[0,0]," * (size // 6) + b"[0,0]]}]}]}"),
+        ("mask + 0/1 rl_weights", b'{"rollouts":[{"id":"w","dispatch_version":0,"samples":[{"mask":['
+         + b"1," * (size // 4) + b'1],"rl_weights":[' + b"1," * (size // 4) + b"1]}]}]}"),
+        ("mask + token_versions", b'{"rollouts":[{"id":"t","dispatch_version":0,"samples":[{"mask":['
+         + b"1," * (size // 4) + b'1],"token_versions":[' + b"0," * (size // 4) + b"0]}]}]}"),
     ]  # fmt: skip
 
 
@@ -252,6 +256,14 @@ def serve_and_measure_memory(store: list[str], body_mb: int) -> list[dict[str, A
         assert match, "the service did not say where it listens"
         url, pid = f"http://127.0.0.1:{match.group(1)}", server.pid
         with httpx.Client(base_url=url, timeout=600) as http:
+            # The engine's compiled loops load numba once per process (about 100 MB resident), at the first
+            # batch large enough to use them: loaded here, so that each row is its body's own cost.
+            http.put("/v1/runs/warm", json={}).raise_for_status()
+            n = 70_000  # above the sink's staging limit: cut and checked at once
+            warm = {"id": "w", "dispatch_version": 0,
+                    "samples": [{"mask": [1] * n, "rl_weights": [1.0] * n, "token_versions": [0] * n}]}  # fmt: skip
+            http.post("/v1/runs/warm/rollouts", json={"rollouts": [warm]}).raise_for_status()
+            http.post("/v1/runs/warm/ship", json={"step": 1}).raise_for_status()
             for number, (case, body) in enumerate(memory_bodies(size)):
                 http.put(f"/v1/runs/m{number}", json={}).raise_for_status()
                 with open(f"/proc/{pid}/clear_refs", "w") as clear:

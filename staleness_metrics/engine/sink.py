@@ -159,7 +159,9 @@ class Sink:
             if isinstance(parsed, UnparsedRollout) and self.config.strict:
                 raise parsed.error
             items.append(parsed)
-        return self.add_parsed(items)
+        parsed_here = [item for item in items if isinstance(item, ParsedRollout)]
+        # parsed here for this batch alone: it may take the arrays the parse made without copying them
+        return self.add_parsed(items, pack(parsed_here, adopt=True) if parsed_here else None)
 
     def add_parsed(
         self,

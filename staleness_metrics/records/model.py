@@ -106,6 +106,9 @@ class ParsedSample:
     weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
     logprobs: npt.NDArray[np.float64] | None = None
     trainer_logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing
+    # The per-position arrays the parse made (shared with no caller's record), which pack(adopt=True) may
+    # hand to the batch without a copy.
+    fresh: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -335,6 +338,15 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
         sample.trainer_logprobs = _optional_float_list(
             rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], booleans
         )
+    for name, values in (
+        *sample.weights.items(),
+        ("logprobs", sample.logprobs),
+        ("trainer_logprobs", sample.trainer_logprobs),
+        ("token_versions", sample.token_versions),
+    ):
+        given = raw.get(name)
+        if values is not None and not (isinstance(given, np.ndarray) and np.may_share_memory(values, given)):
+            sample.fresh.add(name)
     n = len(sample.mask)
     per_position = {
         **sample.weights,
@@ -434,8 +446,12 @@ def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | Unp
         return UnparsedRollout(error, env if isinstance(env, str) else None)
 
 
-def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
-    """Concatenate parsed rollouts into one columnar batch (values are validated by the sink)."""
+def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBatch:
+    """Concatenate parsed rollouts into one columnar batch (values are validated by the sink).
+
+    ``adopt``: the parsed rollouts are seen by nobody else (the caller parsed them for this batch): a
+    column of one sample whose array the parse made is taken as it is, not copied (a long weight list
+    read as integers is a float64 array already; a copy was 8 more bytes a position)."""
     rollouts = list(rollouts)
     samples = [s for r in rollouts for s in r.samples]
     lengths = [len(s.mask) for s in samples]
@@ -462,13 +478,16 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
     # Sample arrays whose length is wrong are kept as given; validation reports them. Missing ones are
     # filled to the sample's length so the flat arrays stay aligned.
     def column(
-        get: Any, fill: float, dtype: type = np.float64
+        name: str, get: Any, fill: float, dtype: type = np.float64
     ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
         values = [get(s) for s in samples]
         present = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
         if not present.any():
             return None, present
         if present.all():
+            only = values[0]
+            if adopt and len(values) == 1 and name in samples[0].fresh and only.dtype == dtype and only.ndim == 1:
+                return only, present
             return flat(values, dtype), present
         given = [v for v in values if v is not None]
         if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
@@ -482,17 +501,19 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
     batch_weights: dict[str, npt.NDArray[Any] | None] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in WEIGHT_FIELDS:
-        values, flags = column(lambda s, name=name: s.weights.get(name), 1.0 if name == "rl_weights" else 0.0)
+        values, flags = column(name, lambda s, name=name: s.weights.get(name), 1.0 if name == "rl_weights" else 0.0)
         batch_weights[name] = values
         if values is not None:
             present[name] = flags
-    logprobs, logprobs_present = column(lambda s: s.logprobs, 0.0)
+    logprobs, logprobs_present = column("logprobs", lambda s: s.logprobs, 0.0)
     if logprobs is not None:
         present["logprobs"] = logprobs_present
-    trainer_logprobs, trainer_present = column(lambda s: s.trainer_logprobs, np.nan)
+    trainer_logprobs, trainer_present = column("trainer_logprobs", lambda s: s.trainer_logprobs, np.nan)
     if trainer_logprobs is not None:
         present["trainer_logprobs"] = trainer_present
-    token_versions, _ = column(lambda s: s.token_versions, -1, np.int64)  # within ±2**53: exact either way
+    token_versions, _ = column(
+        "token_versions", lambda s: s.token_versions, -1, np.int64
+    )  # within ±2**53: exact either way
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
     none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)

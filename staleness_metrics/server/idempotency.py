@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from ..records.validation import unstorable
 from .errors import IdempotencyMismatch
-from .store import PIECE_BYTES, encoded_pieces
+from .store import PIECE_ITEMS, encoded_pieces
 
 __all__ = [
     "IDEMPOTENCY_KEYS_KEPT",
@@ -41,14 +41,14 @@ _DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 def holds_large_array(record: Mapping[str, Any]) -> bool:
     """True when a sample of ``record`` holds an array (a long per-position list, see .decode) larger than
-    :data:`~.store.PIECE_BYTES`: its text is then hashed and journalled a piece at a time."""
+    :data:`~.store.PIECE_ITEMS` values: its text is then hashed and journalled a piece at a time."""
     samples = record.get("samples")
     if not isinstance(samples, list):
         return False
     for sample in samples:
         if isinstance(sample, dict):
             for value in sample.values():
-                if isinstance(value, np.ndarray) and value.nbytes > PIECE_BYTES:
+                if isinstance(value, np.ndarray) and value.size > PIECE_ITEMS:
                     return True
     return False
 

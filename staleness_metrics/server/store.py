@@ -41,6 +41,7 @@ __all__ = [
     "DATABASE_NAME",
     "MANIFEST_NAME",
     "PIECE_BYTES",
+    "PIECE_ITEMS",
     "SNAPSHOT_BYTES",
     "SNAPSHOT_EVERY",
     "Chunked",
@@ -71,13 +72,17 @@ def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
 
 
-PIECE_BYTES = 1024 * 1024  # arrays larger than this are written a piece at a time
+PIECE_BYTES = 1024 * 1024  # journal text written into SQLite at once
+# Arrays of more values than this are encoded a piece of this many values at a time: orjson reserves an
+# output buffer for the longest text of each value (about 32 bytes for an int8, 70 for a float64); only
+# the pages written become resident, but a piece cut by bytes reserved 32 MB for 1M int8 values.
+PIECE_ITEMS = 1 << 16
 
 
 def encoded_pieces(value: Any, option: int = orjson.OPT_SERIALIZE_NUMPY) -> Iterator[bytes]:
     """``orjson.dumps(value, option=option)`` as consecutive pieces (their concatenation is byte for byte
     the same text), so that a record holding arrays of millions of positions is hashed or stored without
-    its whole text in memory at once: an array larger than :data:`PIECE_BYTES` is written a block of rows
+    its whole text in memory at once: an array of more than :data:`PIECE_ITEMS` values is written a block of rows
     at a time. Raises ``orjson.JSONEncodeError`` as ``dumps`` would."""
     if isinstance(value, dict) and all(type(key) is str for key in value):  # else orjson words the refusal
         items = sorted(value.items()) if option & orjson.OPT_SORT_KEYS else value.items()
@@ -93,8 +98,8 @@ def encoded_pieces(value: Any, option: int = orjson.OPT_SERIALIZE_NUMPY) -> Iter
                 yield b","
             yield from encoded_pieces(item, option)
         yield b"]"
-    elif isinstance(value, np.ndarray) and value.nbytes > PIECE_BYTES and value.ndim >= 1:
-        rows = max(1, PIECE_BYTES * len(value) // value.nbytes)
+    elif isinstance(value, np.ndarray) and value.size > PIECE_ITEMS and value.ndim >= 1:
+        rows = max(1, PIECE_ITEMS * len(value) // value.size)
         yield b"["
         for start in range(0, len(value), rows):
             text = orjson.dumps(value[start : start + rows], option=option)

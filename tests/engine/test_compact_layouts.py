@@ -151,3 +151,24 @@ def test_span_checks_in_pieces_name_what_one_pass_names(data: st.DataObject) -> 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(validation_module, "_SPAN_PIECE", piece)
             assert {i: str(e) for i, e in check_batch(batch).errors.items()} == one_pass
+
+
+def test_a_batch_takes_the_arrays_its_parse_made_and_never_a_callers() -> None:
+    """``pack(adopt=True)`` (what ``Sink.add`` does with records it parses) takes a float column the parse
+    made from integers without copying it; an array the caller gave is copied, so masking never writes
+    into the caller's record."""
+    n = 8
+    from_ints = parse_rollout({"id": "a", "dispatch_version": 0, "samples": [{"mask": [1] * n, "rl_weights": [1] * n}]})
+    made = from_ints.samples[0].weights["rl_weights"]
+    assert pack([from_ints], adopt=True).rl_weights is made
+    assert pack([from_ints]).rl_weights is not made
+    callers = np.ones(n)
+    given = parse_rollout({"id": "b", "dispatch_version": 0, "samples": [{"mask": [1] * n, "rl_weights": callers}]})
+    assert not np.may_share_memory(pack([given], adopt=True).rl_weights, callers)
+
+    sink = Sink(StalenessConfig(max_staleness=1, policy="token"))
+    sample = {"mask": np.ones(n, dtype=np.int64), "rl_weights": callers, "weight_versions": [[0, 0], [2, 4]]}
+    sink.add({"id": "half", "dispatch_version": 0, "samples": [sample]})
+    shipment = sink.ship(3)  # trained version 2: the positions of version 0 are masked
+    assert shipment.metrics["staleness/token/masked"] == 0.5
+    assert callers.tolist() == [1.0] * n and sample["mask"].tolist() == [1] * n

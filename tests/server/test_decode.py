@@ -77,6 +77,27 @@ def test_large_bodies_read_long_lists_straight_into_arrays() -> None:
     assert value["mask"].tolist() == [3] * 3000  # any key of that name: the same numbers
 
 
+def test_long_integer_lists_are_read_in_the_smallest_exact_dtype() -> None:
+    """Versions, span pairs and integer weights are read compactly (int32, int8) while every value fits,
+    and into a wider dtype, exactly, when a later piece holds a value that does not: the values are the
+    list's either way (a digest of the record, and the library, read the same numbers)."""
+    n = 400_000  # text of several pieces
+    tokens = [i % 7 for i in range(n)]
+    late_big = [*tokens[:-1], 2**40]
+    weights = [1, 0] * (n // 2)
+    late_float = [*weights[:-1], 0.25]
+    pairs = [[v, i] for i, v in enumerate(tokens[: n // 4])]
+    sample = {"mask": [1] * n, "token_versions": tokens, "rl_weights": weights, "ce_weights": late_float}
+    other = {"mask": [1] * n, "token_versions": late_big, "weight_versions": pairs}
+    value = service(json.dumps({"rollouts": [{"id": "r", "samples": [sample, other]}]}).encode())
+    first, second = value["rollouts"][0]["samples"]
+    expected_dtypes = {"token_versions": np.int32, "rl_weights": np.int8, "ce_weights": np.float64}
+    for name, dtype in expected_dtypes.items():
+        assert first[name].dtype == dtype and first[name].tolist() == sample[name]
+    assert second["token_versions"].dtype == np.int64 and second["token_versions"].tolist() == late_big
+    assert second["weight_versions"].dtype == np.int32 and second["weight_versions"].tolist() == pairs
+
+
 def test_a_large_body_of_tiny_values_is_refused_before_it_is_built() -> None:
     body = b'{"rollouts":[' + b"{}," * FAST_DECODE_MAX_BYTES + b"{}]}"
     with pytest.raises(decode.BodyTooComplex, match="smaller batches"):
