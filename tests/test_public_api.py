@@ -45,6 +45,15 @@ def test_every_export_is_usable() -> None:
     assert shipment.ids == ["r0"]
     assert len(METRICS) > 0
     assert issubclass(TraceError, staleness_metrics.StalenessError)
+    # every deliberate refusal is a StalenessError naming its field, catchable by its public class
+    try:
+        staleness_metrics.mismatch_sums([0, 1], [0.0, 0.0], [0.0])
+    except staleness_metrics.FieldError as error:
+        assert error.field == "trainer_logprobs" and isinstance(error, staleness_metrics.StalenessError)
+    else:
+        raise AssertionError("mismatch_sums took arrays of different lengths")
+    for name in ("FieldTypeError", "MissingFieldError"):
+        assert issubclass(getattr(staleness_metrics, name), staleness_metrics.StalenessError)
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError
+
 __all__ = ["PEERS", "PEER_KEYS", "TRACKER_SUFFIXES", "PeerKey", "peer_keys"]
 
 # AReaL's stats tracker logs ``<key>__count`` beside every scalar (areal/utils/stats_tracker.py:215).
@@ -265,7 +267,9 @@ PEERS: tuple[str, ...] = ("verl", "skyrl", "areal", "trl", "nemo-rl", "roll", "p
 
 
 def peer_keys(peer: str) -> tuple[PeerKey, ...]:
-    """The table rows of one peer (``ValueError`` for a peer the table does not know)."""
+    """The table rows of one peer (:class:`~staleness_metrics.errors.ConfigError`, a ``ValueError``, for a peer
+    the table does not know)."""
     if peer not in PEERS:
-        raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+        known = ", ".join(PEERS)
+        raise ConfigError(f"unknown peer {peer!r}; known: {known}", field="peer", reason=f"unknown (known: {known})")
     return tuple(row for row in PEER_KEYS if row.peer == peer)
