@@ -36,7 +36,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.sink import Shipment
+from ..engine.shipment import Shipment
 from ..errors import FieldError, FieldTypeError, TraceError
 from ..records.columnar import RolloutBatch
 
@@ -171,7 +171,7 @@ class ShippedPart(Generic[S]):
 
 @dataclass(frozen=True)
 class ShipResult(Generic[S]):
-    """A ship seen per trainer batch: the :class:`~staleness_metrics.engine.sink.Shipment` (metrics, drops,
+    """A ship seen per trainer batch: the :class:`~staleness_metrics.engine.shipment.Shipment` (metrics, drops,
     holds) and its shipped rows as :class:`ShippedPart` s, oldest call first."""
 
     shipment: Shipment
@@ -206,7 +206,7 @@ def _check_version(version: object, names: TrainerNames) -> int:
         raise FieldTypeError(
             "version",
             f"expected an int (the policy version being trained: {names.trainer}'s {names.counter}), "
-            f"got {type(version).__name__}",
+            f"got {type(version).__name__}"
         )
     if version < 0:
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")

@@ -307,13 +307,13 @@ class TrainTimeShipping:
         self.trainer = trainer
         self.monitor = monitor
         self.versions: list[int] = []
-        self._versions = _VersionsByMask()
+        self._pulled = _VersionsByMask()
         self._ids = itertools.count()
         self._collated: dict[int, _MicroBatch] = {}  # by micro-batch id, until its step ships
         self._step_of: dict[int, tuple[int, ...]] = {}  # micro-batch id -> the ids of its optimizer step
         self._decided: dict[int, npt.NDArray[np.int64]] = {}  # micro-batch id -> _MicroBatch.decide
         if getattr(trainer, "rollout_queue", None) is not None:  # rank 0 only
-            trainer.rollout_queue = _RecordingQueue(trainer.rollout_queue, self._versions)
+            trainer.rollout_queue = _RecordingQueue(trainer.rollout_queue, self._pulled)
         get_train_dataloader = trainer.get_train_dataloader
         get_batch_samples = trainer.get_batch_samples
         training_step = trainer.training_step
@@ -328,8 +328,9 @@ class TrainTimeShipping:
 
         def batch_samples(epoch_iterator: Any, num_batches: int, device: Any) -> Any:
             batches, count = get_batch_samples(epoch_iterator, num_batches, device)
-            ids = tuple(_microbatch_id(batch) for batch in batches)
-            self._step_of.update(dict.fromkeys(ids, ids))
+            if trainer.accelerator.is_main_process:  # the one that ships
+                ids = tuple(_microbatch_id(batch) for batch in batches)
+                self._step_of.update(dict.fromkeys(ids, ids))
             return batches, count
 
         def step(model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> Any:
@@ -355,7 +356,7 @@ class TrainTimeShipping:
                     mask = item["completion_mask"]
                     samples.append(
                         _Pulled(
-                            item["input_ids"], mask, item["old_log_probs"], item["group_id"], self._versions.take(mask)
+                            item["input_ids"], mask, item["old_log_probs"], item["group_id"], self._pulled.take(mask)
                         )
                     )
                     positions.append(np.flatnonzero(_numpy(mask)[1:] != 0) + 1)  # TreeRow.pack's loss terms

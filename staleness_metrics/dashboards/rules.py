@@ -209,7 +209,7 @@ def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
             f"For {t.bound_loose_for}, the excess mismatch curve of {where} has stood at "
             '{{ printf "%.4g" $value }} nats at the largest lag max_staleness lets train, above the budget '
             "(mismatch_budget, or the engines' floor when none is set). Lower max_staleness to the suggested "
-            "bound (rl_staleness_bound_suggested), or turn on the adaptive bound (adapt_every).",
+            f"bound ({prometheus_name('bound_suggested')}), or turn on the adaptive bound (adapt_every).",
         ),
         _alert(
             "RLStalenessBoundTooTight",

@@ -35,9 +35,10 @@ from typing import IO, Any, TextIO
 
 from ..config import StalenessConfig
 from ..engine.kernels import warm_up
-from ..engine.sink import Shipment
+from ..engine.shipment import Shipment
 from ..exporters import ConsoleExporter, Exporter, JsonlExporter
 from ..exporters.console import format_line
+from ..metrics import keys
 from ..metrics.report import StepReport
 from ..monitor import StalenessMonitor
 from ..replay.run_dir import write_run_file
@@ -199,19 +200,19 @@ class _LiveTable:
             def get(key: str, fmt: str) -> str:
                 return format(metrics[key], fmt) if key in metrics else "-"
 
-            ratio = metrics.get("staleness/token/masked")
+            ratio = metrics.get(keys.TOKEN_MASKED)
             shipped = f"{tally.rollouts_shipped}" + (
                 f" (+{tally.rollouts_frozen} frozen)" if tally.rollouts_frozen else ""
             )
             table.add_row(
                 name,
                 shipped,
-                get("staleness/token/mean", ".2f"),
-                get("staleness/token/p99", "d"),
+                get(keys.TOKEN_MEAN, ".2f"),
+                get(keys.TOKEN_P99, "d"),
                 "-" if ratio is None else f"{100 * ratio:.1f}%",
-                get("staleness/rollout/max", "d"),
-                get("staleness/rollout/in_flight/mean", ".2f"),
-                get("staleness/rollout/in_queue/mean", ".2f"),
+                get(keys.ROLLOUT_MAX, "d"),
+                get(keys.ROLLOUT_IN_FLIGHT_MEAN, ".2f"),
+                get(keys.ROLLOUT_IN_QUEUE_MEAN, ".2f"),
                 str(tally.rollouts_dropped),
             )
 
@@ -223,18 +224,18 @@ class _LiveTable:
 
 def _cost_caption(metrics: Mapping[str, object] | None) -> str:
     """What staleness cost the simulated trainer at this step (SPEC 11) and the bound it suggests (SPEC 14)."""
-    keys = metrics or {}
-    k3 = keys.get("staleness/mismatch/k3")
+    row = metrics or {}
+    k3 = row.get(keys.MISMATCH_K3)
     if not isinstance(k3, float):
         return ""
     text = f"\ntrainer mismatch k3 {k3:.4f}"
-    floor = keys.get("staleness/mismatch/floor")
+    floor = row.get(keys.MISMATCH_FLOOR)
     if not isinstance(floor, float):
         return text + " (no floor yet)"
-    text += f", floor {floor:.4g} ({keys.get('staleness/mismatch/floor_source')})"
-    excess = keys.get("staleness/mismatch/excess_k3")
+    text += f", floor {floor:.4g} ({row.get(keys.MISMATCH_FLOOR_SOURCE)})"
+    excess = row.get(keys.MISMATCH_EXCESS_K3)
     text += f", excess {excess:.4g}" if isinstance(excess, float) else ""
-    at_bound, suggested = keys.get("staleness/bound/excess_at_bound"), keys.get("staleness/bound/suggested")
+    at_bound, suggested = row.get(keys.BOUND_EXCESS_AT_BOUND), row.get(keys.BOUND_SUGGESTED)
     text += f", at the bound {at_bound:.4g}" if isinstance(at_bound, float) else ""
     return text + (f", suggested bound {suggested}" if suggested is not None else "")
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ..metrics.bound import ShipBound, mismatch_metrics
+from ..metrics.metric_table import env_key
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import MetricValue, StepReport
 
@@ -74,7 +75,7 @@ class MismatchReport:
         those of the env (``staleness/env/<env>/...``)."""
         out = mismatch_metrics(self.sums, self.bound)
         for env, keys in self.env_metrics.items():
-            out.update({f"staleness/env/{env}/{key.removeprefix('staleness/')}": v for key, v in keys.items()})
+            out.update({env_key(env, key): v for key, v in keys.items()})
         return out
 
 

@@ -6,15 +6,11 @@ import sys
 from collections.abc import Mapping
 from typing import TextIO
 
+from ..metrics import keys
 from ..metrics.report import MetricValue, StepReport
 from .base import MismatchReport
 
 __all__ = ["ConsoleExporter", "format_line", "format_mismatch_line"]
-
-_EXCESS_K3 = "staleness/mismatch/excess_k3"
-_FLOOR = "staleness/mismatch/floor"
-_AT_BOUND = "staleness/bound/excess_at_bound"
-_SUGGESTED = "staleness/bound/suggested"
 
 
 def format_line(report: StepReport) -> str:
@@ -28,38 +24,37 @@ def format_line(report: StepReport) -> str:
         return format(metrics[key], fmt) if key in metrics else "-"
 
     masked = "-"
-    if "staleness/token/masked" in metrics:
-        masked = f"{float(metrics['staleness/token/masked']) * 100:.1f}%"
+    if keys.TOKEN_MASKED in metrics:
+        masked = f"{float(metrics[keys.TOKEN_MASKED]) * 100:.1f}%"
     parts = [
         f"step {report.step}",
-        f"Max Staleness {number('staleness/rollout/max', 'd')}",
-        f"token mean {number('staleness/token/mean', '.2f')}",
+        f"Max Staleness {number(keys.ROLLOUT_MAX, 'd')}",
+        f"token mean {number(keys.TOKEN_MEAN, '.2f')}",
         f"masked {masked}",
-        f"dropped {int(metrics.get('staleness/rollout/dropped', 0))} rollouts",
+        f"dropped {int(metrics.get(keys.ROLLOUTS_DROPPED, 0))} rollouts",
     ]
-    held = int(metrics.get("staleness/rollout/held", 0))
+    held = int(metrics.get(keys.ROLLOUTS_HELD, 0))
     if held:
         parts.append(f"held {held} rollouts")
-    if _EXCESS_K3 in metrics:  # SPEC 11: what staleness costs, when the records carried trainer log-probs
-        parts.append(f"excess k3 {float(metrics[_EXCESS_K3]):.4g}")
+    if keys.MISMATCH_EXCESS_K3 in metrics:  # SPEC 11: what staleness costs, when the records carried trainer log-probs
+        parts.append(f"excess k3 {float(metrics[keys.MISMATCH_EXCESS_K3]):.4g}")
     parts.extend(_bound_parts(metrics))
     return " | ".join(parts)
 
 
 def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
     """SPEC 14 on the step's line: ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (crossed)``."""
-    if _FLOOR not in metrics:
+    if keys.MISMATCH_FLOOR not in metrics:
         return []
-    source = metrics.get("staleness/mismatch/floor_source", "")
-    age = int(metrics.get("staleness/mismatch/floor_age", 0))
-    floor = f"floor {float(metrics[_FLOOR]):.4g} {source}" + (f" {age} steps ago" if age else "")
-    at_bound = metrics.get(_AT_BOUND)
+    source = metrics.get(keys.MISMATCH_FLOOR_SOURCE, "")
+    age = int(metrics.get(keys.MISMATCH_FLOOR_AGE, 0))
+    floor = f"floor {float(metrics[keys.MISMATCH_FLOOR]):.4g} {source}" + (f" {age} steps ago" if age else "")
+    at_bound = metrics.get(keys.BOUND_EXCESS_AT_BOUND)
     parts = [floor, f"at bound {float(at_bound):.4g}" if at_bound is not None else "at bound -"]
-    if _SUGGESTED in metrics:
-        crossed = int(metrics.get("staleness/bound/crossed", 0))
-        parts.append(
-            f"suggested {int(metrics[_SUGGESTED])}" + (" (budget crossed)" if crossed else " (largest lag seen)")
-        )
+    if keys.BOUND_SUGGESTED in metrics:
+        crossed = int(metrics.get(keys.BOUND_CROSSED, 0))
+        advice = " (budget crossed)" if crossed else " (largest lag seen)"
+        parts.append(f"suggested {int(metrics[keys.BOUND_SUGGESTED])}{advice}")
     else:
         parts.append("suggested -")
     return parts
@@ -77,13 +72,13 @@ def format_mismatch_line(report: MismatchReport) -> str:
         return f"{float(metrics[key]):.4g}" if key in metrics else "-"
 
     coverage = "-"
-    if "staleness/mismatch/coverage" in metrics:
-        coverage = f"{float(metrics['staleness/mismatch/coverage']) * 100:.1f}%"
+    if keys.MISMATCH_COVERAGE in metrics:
+        coverage = f"{float(metrics[keys.MISMATCH_COVERAGE]) * 100:.1f}%"
     return " | ".join(
         [
             f"step {report.step}",
-            f"mismatch k3 {number('staleness/mismatch/k3')}",
-            f"excess k3 {number(_EXCESS_K3)}",
+            f"mismatch k3 {number(keys.MISMATCH_K3)}",
+            f"excess k3 {number(keys.MISMATCH_EXCESS_K3)}",
             f"coverage {coverage}",
             *_bound_parts(metrics),
         ]

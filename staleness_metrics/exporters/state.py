@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..metrics.keys import MISMATCH_FLOOR_SOURCE
+from ..metrics.metric_table import BUCKETS, ENV_KEY_PREFIX, KEY_PREFIX, METRICS, MetricDef, MetricKind, Source
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Counts, MetricValue, StepReport, Tally
 
@@ -192,22 +193,21 @@ def _gauge_values(metric: MetricDef, report: StepReport, by_env: bool) -> dict[s
 
 
 _BOUND_GAUGES = tuple(m for m in METRICS if m.source is Source.BOUND and m.kind is MetricKind.GAUGE)
-_FLOOR_SOURCE_KEY = "staleness/mismatch/floor_source"
+_FLOOR_SOURCE_KEY = MISMATCH_FLOOR_SOURCE
 
 
 _BOUND_KEYS = frozenset(key for m in _BOUND_GAUGES for key in m.wandb_keys)
-_ENV_PREFIX = "staleness/env/"
 
 
 def _split_env(key: str) -> tuple[str, str] | None:
     """(env, batch-wide key) of a SPEC 14 key, its env ``""`` when it is batch-wide; None for other keys."""
     if key in _BOUND_KEYS:
         return "", key
-    if key.startswith(_ENV_PREFIX):
+    if key.startswith(ENV_KEY_PREFIX):
         for bound_key in _BOUND_KEYS:
-            suffix = "/" + bound_key.removeprefix("staleness/")
-            if key.endswith(suffix) and len(key) > len(_ENV_PREFIX) + len(suffix):
-                return key[len(_ENV_PREFIX) : -len(suffix)], bound_key
+            suffix = "/" + bound_key.removeprefix(KEY_PREFIX)
+            if key.endswith(suffix) and len(key) > len(ENV_KEY_PREFIX) + len(suffix):
+                return key[len(ENV_KEY_PREFIX) : -len(suffix)], bound_key
     return None
 
 
@@ -336,17 +336,8 @@ class CumulativeState:
         """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path): totals, sums, start, report,
         the SPEC 14 keys of the latest report with SPEC 11 (absent from states saved before SPEC 14) and the
         per-env sums (absent from states saved before they existed)."""
-        from ..engine.checkpoint import (
-            check_metrics,
-            check_mismatch,
-            check_report,
-            check_tally,
-            integer,
-            join,
-            keys,
-            mapping,
-            string,
-        )  # fmt: skip
+        from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
+        from ..engine.state_checks import integer, join, keys, mapping, string
 
         found = keys(
             state, path, ("totals", "mismatch", "start_time_ns", "last_report"), ("bound_metrics", "env_mismatch")

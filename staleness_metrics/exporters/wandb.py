@@ -38,7 +38,17 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, MetricDef, Source
+from ..metrics.metric_table import (
+    ENV_KEY_PREFIX,
+    KEY_GLOB,
+    KEY_PREFIX,
+    LEGACY_KEYS,
+    METRICS,
+    WANDB_KEYS,
+    MetricDef,
+    Source,
+    env_key,
+)
 from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import ExportContext, MismatchReport
@@ -46,7 +56,6 @@ from .base import ExportContext, MismatchReport
 __all__ = ["DEFAULT_STEP_KEY", "WandbExporter"]
 
 DEFAULT_STEP_KEY = "trainer/step"
-_ENV_PREFIX = "staleness/env/"
 _MAX_BINS = 512  # wandb.Histogram's limit
 
 _BY_KEY: dict[str, MetricDef] = WANDB_KEYS  # templated keys (per lag / length bucket) spelled out
@@ -84,15 +93,14 @@ def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
 
 def _row_of_env_key(key: str, report: StepReport) -> MetricDef | None:
     """The table row behind a per-env key of the report (None when the key is not one)."""
-    if not key.startswith(_ENV_PREFIX):
+    if not key.startswith(ENV_KEY_PREFIX):
         return None
     for env, env_metrics in report.env_metrics.items():
-        prefix = f"{_ENV_PREFIX}{env}/"
+        prefix = f"{ENV_KEY_PREFIX}{env}/"
         if env and key.startswith(prefix):
-            rest = key[len(prefix) :]
             for table_key in env_metrics:
                 row = _BY_KEY.get(table_key)
-                if row is not None and table_key.split("/", 1)[-1] == rest:
+                if row is not None and env_key(env, table_key) == key:
                     return row
     return None
 
@@ -246,14 +254,14 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         with self._define_lock:
             if not self._defined:
                 run.define_metric(self._step_key)
-                run.define_metric("staleness/*", step_metric=self._step_key)
+                run.define_metric(KEY_GLOB, step_metric=self._step_key)
                 self._defined.add(self._step_key)
             for key in keys:
                 if key in self._defined or key == self._step_key:
                     continue
                 hidden = True if key in self._legacy else None
                 summary = self._summary_of(key)
-                if hidden or summary or not key.startswith("staleness/"):
+                if hidden or summary or not key.startswith(KEY_PREFIX):
                     run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
                 self._defined.add(key)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from html import escape
 
+from ..metrics import keys
 from ..replay.what_if import RunCurve, WhatIfRow
 from .costs import has_costs
 from .data import ReportData
@@ -31,7 +32,7 @@ def _figure(key: str, title: str, caption: str, svg: str) -> str:
 
 def _bound_in_force(data: ReportData) -> int | None:
     """The bound of the run's last step (it differs from the configured one when the bound adapted)."""
-    used = [v for v in data.series("staleness/max_staleness") if isinstance(v, (int, float))]
+    used = [v for v in data.series(keys.MAX_STALENESS) if isinstance(v, (int, float))]
     return int(used[-1]) if used else data.bound
 
 
@@ -164,7 +165,7 @@ def _table(data: ReportData, curve: RunCurve) -> str:
 
 def _over_steps(data: ReportData) -> str:
     """Each ship's suggestion (over its window) against the bound it used, when the rows carry them."""
-    suggested = data.series("staleness/bound/suggested")
+    suggested = data.series(keys.BOUND_SUGGESTED)
     if not any(v is not None for v in suggested):
         return ""
     svg = line_chart(
@@ -172,7 +173,7 @@ def _over_steps(data: ReportData) -> str:
         data.steps,
         [
             Series("suggested (window of cost_window ships)", suggested, SUGGESTED_COLOUR),
-            Series("configured", data.series("staleness/max_staleness"), CONFIGURED_COLOUR, dashed=True),
+            Series("configured", data.series(keys.MAX_STALENESS), CONFIGURED_COLOUR, dashed=True),
         ],
         y_label="policy versions",
     )

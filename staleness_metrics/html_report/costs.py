@@ -9,27 +9,28 @@ ones logged or replayed: a run-wide figure would need the sums, which rows do no
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from html import escape
 
-from ..metrics.mismatch import LAG_BUCKETS
+from ..metrics import keys
+from ..metrics.buckets import LAG_BUCKETS, LENGTH_BUCKETS
+from ..metrics.metric_table import MISMATCH_KEY_PREFIX
 from .data import ReportData
 from .svg import PALETTE, Series, line_chart, message_chart
 
 __all__ = ["LENGTH_BUCKETS", "MAX_LAG_LINES", "has_costs", "lag_buckets_shown", "render_costs"]
 
-MISMATCH_PREFIX = "staleness/mismatch/"
-LENGTH_BUCKETS = ("256", "1k", "4k", "16k", "inf")  # SPEC 12
 MAX_LAG_LINES = 6  # one colour per line, and a legend that fits the chart's width
 
 
 def has_costs(data: ReportData) -> bool:
     """True when some row carries a SPEC 11 key: the section is drawn only then."""
-    return any(key.startswith(MISMATCH_PREFIX) for row in data.rows for key in row)
+    return any(key.startswith(MISMATCH_KEY_PREFIX) for row in data.rows for key in row)
 
 
 def lag_buckets_shown(data: ReportData) -> list[str]:
     """The lag buckets drawn: the :data:`MAX_LAG_LINES` with the most covered tokens, in lag order."""
-    tokens = {b: sum(row.get(f"{MISMATCH_PREFIX}lag_{b}/tokens", 0) for row in data.rows) for b in LAG_BUCKETS}
+    tokens = {b: sum(row.get(keys.MISMATCH_TOKENS_BY_LAG[b], 0) for row in data.rows) for b in LAG_BUCKETS}
     busiest = sorted((b for b in LAG_BUCKETS if tokens[b] > 0), key=lambda b: -tokens[b])[:MAX_LAG_LINES]
     return [b for b in LAG_BUCKETS if b in busiest]
 
@@ -42,10 +43,10 @@ def _lag_name(bucket: str) -> str:
     return "lag > 64" if bucket == "inf" else f"lag {bucket}"
 
 
-def _by_lag(data: ReportData, buckets: list[str], stat: str, skip: str | None = None) -> list[Series]:
+def _by_lag(data: ReportData, buckets: list[str], stat: Mapping[str, str], skip: str | None = None) -> list[Series]:
     """One line per bucket; a bucket keeps its colour from chart to chart."""
     return [
-        Series(_lag_name(b), data.series(f"{MISMATCH_PREFIX}lag_{b}/{stat}"), PALETTE[i % len(PALETTE)])
+        Series(_lag_name(b), data.series(stat[b]), PALETTE[i % len(PALETTE)])
         for i, b in enumerate(buckets)
         if b != skip
     ]
@@ -59,7 +60,12 @@ def _figure(key: str, title: str, caption: str, svg: str) -> str:
 
 
 def _k3_chart(data: ReportData, buckets: list[str]) -> str:
-    svg = line_chart("Mismatch k3 by token lag over steps", data.steps, _by_lag(data, buckets, "k3"), y_label="nats")
+    svg = line_chart(
+        "Mismatch k3 by token lag over steps",
+        data.steps,
+        _by_lag(data, buckets, keys.MISMATCH_K3_BY_LAG),
+        y_label="nats",
+    )
     caption = (
         "Mean k3 = r - 1 - log r of the covered tokens of each lag (r = trainer / sampler probability; "
         "the estimator of prime-rl's <code>mismatch_kl</code>). Lag 0 is the engines' numeric floor."
@@ -69,12 +75,12 @@ def _k3_chart(data: ReportData, buckets: list[str]) -> str:
 
 def _excess_chart(data: ReportData, buckets: list[str]) -> str:
     label = "Excess k3 over the lag-0 floor, by lag"
-    if not any(f"{MISMATCH_PREFIX}excess_k3" in row for row in data.rows):
+    if not any(keys.MISMATCH_EXCESS_K3 in row for row in data.rows):
         svg = message_chart(label, "no step had lag-0 tokens: the numeric floor is unknown")
     else:
         series = [
-            Series("all stale tokens", data.series(f"{MISMATCH_PREFIX}excess_k3"), "#1d2329", dashed=True),
-            *_by_lag(data, buckets, "excess_k3", skip="0"),
+            Series("all stale tokens", data.series(keys.MISMATCH_EXCESS_K3), "#1d2329", dashed=True),
+            *_by_lag(data, buckets, keys.MISMATCH_EXCESS_K3_BY_LAG, skip="0"),
         ]
         svg = line_chart(label, data.steps, series, y_label="nats above lag 0")
     caption = (
@@ -89,7 +95,7 @@ def _ess_chart(data: ReportData, buckets: list[str]) -> str:
     svg = line_chart(
         "Effective sample size by token lag over steps",
         data.steps,
-        _by_lag(data, buckets, "ess"),
+        _by_lag(data, buckets, keys.MISMATCH_ESS_BY_LAG),
         y_label="normalised ESS",
         y_max=1.0,
     )
@@ -105,8 +111,8 @@ def _length_chart(data: ReportData) -> str:
         "Mean response length: sampled vs trained",
         data.steps,
         [
-            Series("sampled", data.series("staleness/length/sampled/mean"), PALETTE[0]),
-            Series("trained (masked and dropped count 0)", data.series("staleness/length/trained/mean"), PALETTE[3]),
+            Series("sampled", data.series(keys.LENGTH_SAMPLED_MEAN), PALETTE[0]),
+            Series("trained (masked and dropped count 0)", data.series(keys.LENGTH_TRAINED_MEAN), PALETTE[3]),
         ],
         y_label="sampled positions per sample",
     )
@@ -119,7 +125,7 @@ def _length_chart(data: ReportData) -> str:
 
 def _removed_chart(data: ReportData) -> str:
     series = [
-        Series(f"length {'> 16k' if b == 'inf' else '≤ ' + b}", data.series(f"staleness/length/bucket_{b}/masked"), c)
+        Series(f"length {'> 16k' if b == 'inf' else '≤ ' + b}", data.series(keys.LENGTH_REMOVED_SHARE_BY_LENGTH[b]), c)
         for b, c in zip(LENGTH_BUCKETS, PALETTE, strict=False)
     ]
     svg = line_chart(

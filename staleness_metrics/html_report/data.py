@@ -18,8 +18,9 @@ import numpy.typing as npt
 
 from ..config import StalenessConfig
 from ..errors import EventError
+from ..metrics import keys
 from ..metrics.bound import FLOOR_SOURCES
-from ..metrics.metric_table import LEGACY_KEYS
+from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS
 from ..metrics.mismatch import LAG_BUCKETS, MismatchSums
 from ..metrics.report import Tally
 from ..replay.run_dir import RunDirectory, find_run
@@ -58,6 +59,10 @@ class ReportData:
         return [row.get(key) for row in self.rows]
 
 
+# The floor's source and its per-env twins (``staleness/env/<env>/mismatch/floor_source``) end so.
+_FLOOR_SOURCE_SUFFIX = "/" + keys.MISMATCH_FLOOR_SOURCE.removeprefix(KEY_PREFIX)
+
+
 def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str, Any]:
     """A logged row's scalar staleness values, legacy keys renamed (a current key wins over its legacy twin).
 
@@ -68,10 +73,10 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
     out: dict[str, Any] = {}
     for key, value in row.items():
         legacy = LEGACY_KEYS.get(key)
-        name = key if key.startswith("staleness/") else legacy.new if legacy is not None else None
+        name = key if key.startswith(KEY_PREFIX) else legacy.new if legacy is not None else None
         if name is None or value is None or isinstance(value, dict):
             continue
-        if key.endswith("/floor_source"):  # SPEC 14's one string value
+        if key.endswith(_FLOOR_SOURCE_SUFFIX):  # SPEC 14's one string value
             if value not in FLOOR_SOURCES:
                 raise EventError(line, f"{path}: {key}: expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -105,8 +110,7 @@ def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
     found = False
     for row in rows:
         for index, bucket in enumerate(LAG_BUCKETS):
-            prefix = f"staleness/mismatch/lag_{bucket}"
-            tokens, k3 = row.get(f"{prefix}/tokens"), row.get(f"{prefix}/k3")
+            tokens, k3 = row.get(keys.MISMATCH_TOKENS_BY_LAG[bucket]), row.get(keys.MISMATCH_K3_BY_LAG[bucket])
             if isinstance(tokens, (int, float)) and isinstance(k3, (int, float)) and tokens > 0:
                 sums.tokens[index] += int(tokens)
                 sums.sum_k3[index] += float(k3) * int(tokens)
@@ -162,7 +166,7 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
     if kind == "metrics" or (kind == "prime-rl" and not has_rollouts(run)):
         path = Path(run) / "metrics.jsonl" if kind == "prime-rl" else Path(run)
         rows = metrics_rows(path)
-        bounds = [r["staleness/max_staleness"] for r in rows if "staleness/max_staleness" in r]
+        bounds = [r[keys.MAX_STALENESS] for r in rows if keys.MAX_STALENESS in r]
         data = ReportData(source, kind, None, int(bounds[-1]) if bounds else None, rows)
         data.curve, data.curve_source = run_curve(sums_from_rows(rows), config), "the logged k3 and tokens by lag"
         return data

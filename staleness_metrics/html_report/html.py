@@ -9,6 +9,7 @@ from html import escape
 import numpy as np
 
 from .. import __version__
+from ..metrics import keys
 from ..replay.sources.prime_rl import ComparisonRow, comparison_summary
 from ..replay.what_if import WhatIfRow
 from .choosing import render_choosing
@@ -76,7 +77,7 @@ def _quantile(histogram: np.ndarray, q: float) -> int | None:
 
 def _summary(data: ReportData) -> str:
     cells: list[tuple[str, str]] = [("steps shipped", _num(len(data.rows)))]
-    maxima = [r["staleness/rollout/max"] for r in data.rows if "staleness/rollout/max" in r]
+    maxima = [r[keys.ROLLOUT_MAX] for r in data.rows if keys.ROLLOUT_MAX in r]
     if data.totals is not None:
         t = data.totals
         hist = t.token_histogram
@@ -92,7 +93,7 @@ def _summary(data: ReportData) -> str:
             ("token staleness p99", _num(_quantile(hist, 0.99))),
         ]
     else:
-        dropped = sum(int(r.get("staleness/rollout/dropped", 0)) for r in data.rows)
+        dropped = sum(int(r.get(keys.ROLLOUTS_DROPPED, 0)) for r in data.rows)
         cells += [("rollouts dropped", _num(dropped))]
     cells.append(("largest rollout staleness", _num(max(maxima)) if maxima else "-"))
     return '<div class="summary">' + "".join(f"<div>{escape(k)}<b>{v}</b></div>" for k, v in cells) + "</div>"
@@ -104,12 +105,12 @@ def _token_chart(data: ReportData) -> str:
         "Token staleness over steps",
         data.steps,
         [
-            Series("mean", data.series("staleness/token/mean"), PALETTE[0]),
-            Series("p50", data.series("staleness/token/p50"), PALETTE[2], dashed=True),
-            Series("p90", data.series("staleness/token/p90"), PALETTE[1], dashed=True),
-            Series("p99", data.series("staleness/token/p99"), PALETTE[4], dashed=True),
+            Series("mean", data.series(keys.TOKEN_MEAN), PALETTE[0]),
+            Series("p50", data.series(keys.TOKEN_P50), PALETTE[2], dashed=True),
+            Series("p90", data.series(keys.TOKEN_P90), PALETTE[1], dashed=True),
+            Series("p99", data.series(keys.TOKEN_P99), PALETTE[4], dashed=True),
             # SPEC 6: the largest token staleness is the largest rollout staleness.
-            Series("max", data.series("staleness/rollout/max"), PALETTE[5]),
+            Series("max", data.series(keys.ROLLOUT_MAX), PALETTE[5]),
         ],
         y_label="policy versions",
         rules=rules,
@@ -125,7 +126,7 @@ def _masked_chart(data: ReportData) -> str:
     svg = line_chart(
         "Masked ratio over steps",
         data.steps,
-        [Series("masked share", data.series("staleness/token/masked"), PALETTE[3])],
+        [Series("masked share", data.series(keys.TOKEN_MASKED), PALETTE[3])],
         y_label="share of sampled tokens",
         percent=True,
     )
@@ -138,8 +139,8 @@ def _in_flight_chart(data: ReportData) -> str:
         "Rollout staleness: in flight and in queue",
         data.steps,
         [
-            Series("in flight (mean)", data.series("staleness/rollout/in_flight/mean"), PALETTE[0]),
-            Series("in queue (mean)", data.series("staleness/rollout/in_queue/mean"), PALETTE[1]),
+            Series("in flight (mean)", data.series(keys.ROLLOUT_IN_FLIGHT_MEAN), PALETTE[0]),
+            Series("in queue (mean)", data.series(keys.ROLLOUT_IN_QUEUE_MEAN), PALETTE[1]),
         ],
         stacked=True,
         y_label="policy versions",
@@ -158,9 +159,9 @@ def _dropped_chart(data: ReportData) -> str:
         "Dropped and held counts over steps",
         data.steps,
         [
-            Series("rollouts dropped", data.series("staleness/rollout/dropped"), PALETTE[3]),
-            Series("samples dropped", data.series("staleness/sample/dropped"), PALETTE[5]),
-            Series("rollouts held", data.series("staleness/rollout/held"), PALETTE[6]),
+            Series("rollouts dropped", data.series(keys.ROLLOUTS_DROPPED), PALETTE[3]),
+            Series("samples dropped", data.series(keys.SAMPLES_DROPPED), PALETTE[5]),
+            Series("rollouts held", data.series(keys.ROLLOUTS_HELD), PALETTE[6]),
         ],
         stacked=False,
         y_label="count per ship window",

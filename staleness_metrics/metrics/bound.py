@@ -12,16 +12,25 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import numpy as np
 
+from ..config import StalenessConfig
 from ..errors import FieldError
-from .mismatch import LAG_BUCKETS, MismatchSums
+from .buckets import CURVE_BUCKETS, FLOOR_SOURCES, LAG_BUCKETS, FloorSource
+from .keys import (
+    BOUND_CROSSED,
+    BOUND_EXCESS_AT_BOUND,
+    BOUND_SUGGESTED,
+    MISMATCH_BUDGET,
+    MISMATCH_CURVE_BY_LAG,
+    MISMATCH_FLOOR,
+    MISMATCH_FLOOR_AGE,
+    MISMATCH_FLOOR_SOURCE,
+)
+from .mismatch import MismatchSums
 from .report import MetricValue
-
-if TYPE_CHECKING:  # the config module imports the metric table, which imports this one
-    from ..config import StalenessConfig
 
 __all__ = [
     "CURVE_BUCKETS",
@@ -43,10 +52,6 @@ __all__ = [
     "select_floor",
 ]
 
-FloorSource = Literal["lag0", "carried", "min_lag"]
-FLOOR_SOURCES: tuple[FloorSource, ...] = ("lag0", "carried", "min_lag")
-# The curve's buckets: lags 1..16, one lag each (bucket index == lag for these).
-CURVE_BUCKETS: tuple[int, ...] = tuple(range(1, 17))
 TRACKER_FORMAT = 1
 
 
@@ -202,35 +207,35 @@ class ShipBound:
     bound: int  # the bound this ship was judged with
 
 
-def bound_metrics(result: ShipBound, prefix: str = "staleness/") -> dict[str, MetricValue]:
+def bound_metrics(result: ShipBound) -> dict[str, MetricValue]:
     """The SPEC 14 keys of a ship (``floor_source`` a string); empty when there is no floor."""
     floor = result.floor
     if floor is None or result.budget is None:
         return {}
     out: dict[str, MetricValue] = {
-        f"{prefix}mismatch/floor": floor.value,
-        f"{prefix}mismatch/floor_age": floor.age,
-        f"{prefix}mismatch/floor_source": floor.source,
-        f"{prefix}mismatch/budget": result.budget,
+        MISMATCH_FLOOR: floor.value,
+        MISMATCH_FLOOR_AGE: floor.age,
+        MISMATCH_FLOOR_SOURCE: floor.source,
+        MISMATCH_BUDGET: result.budget,
     }
     for lag, fitted in zip(result.curve.lags, result.curve.fitted, strict=True):
-        out[f"{prefix}mismatch/curve/lag_{LAG_BUCKETS[lag]}"] = fitted
+        out[MISMATCH_CURVE_BY_LAG[LAG_BUCKETS[lag]]] = fitted
     advice = result.advice
     if advice is not None:
-        out[f"{prefix}bound/suggested"] = advice.suggested
-        out[f"{prefix}bound/crossed"] = int(advice.crossed)
+        out[BOUND_SUGGESTED] = advice.suggested
+        out[BOUND_CROSSED] = int(advice.crossed)
         if advice.excess_at_bound is not None:
-            out[f"{prefix}bound/excess_at_bound"] = advice.excess_at_bound
+            out[BOUND_EXCESS_AT_BOUND] = advice.excess_at_bound
     return out
 
 
-def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None, prefix: str = "staleness/") -> dict[str, MetricValue]:
+def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None) -> dict[str, MetricValue]:
     """A ship's SPEC 11 keys with their excess over SPEC 14's floor, then the SPEC 14 keys; empty when
     nothing is covered (without ``bound`` or a floor: no excess and no SPEC 14 key)."""
     floor = None if bound is None or bound.floor is None else bound.floor.value
-    out: dict[str, MetricValue] = dict(sums.metrics(prefix, floor=floor))
+    out: dict[str, MetricValue] = dict(sums.metrics(floor=floor))
     if out and bound is not None:
-        out.update(bound_metrics(bound, prefix))
+        out.update(bound_metrics(bound))
     return out
 
 
@@ -362,7 +367,7 @@ class BoundTracker:
     def check_state_dict(self, state: Any, path: str = "bound") -> _TrackerState:
         """Check ``state`` against this tracker's config and build what it holds, changing nothing;
         ``ConfigError`` names the key path and the reason."""
-        from ..engine.checkpoint import fail, integer, join, keys, sequence
+        from ..engine.state_checks import fail, integer, join, keys, sequence
 
         found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))
         if found["format"] != TRACKER_FORMAT:

@@ -15,7 +15,9 @@ import numpy.typing as npt
 from ..engine.decision import Judgement
 from ..engine.segments import segment_max, segment_min, segment_sum
 from ..engine.spans import NO_VERSION_HIGH, NO_VERSION_LOW
+from . import keys
 from .bound import ShipBound, mismatch_metrics
+from .metric_table import env_key
 from .mismatch import MismatchSums
 from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, MetricValue, StepReport, Tally
 
@@ -24,7 +26,7 @@ __all__ = ["WindowCounts", "compute_report"]
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
-QUANTILES = (("p50", 50, 100), ("p90", 90, 100), ("p99", 99, 100))
+QUANTILES = ((keys.TOKEN_P50, 50, 100), (keys.TOKEN_P90, 90, 100), (keys.TOKEN_P99, 99, 100))
 _LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
 
 
@@ -158,23 +160,26 @@ def _population(
 
     metrics: dict[str, float | int] = {}
     if tokens:
-        metrics["staleness/token/mean"] = _exact_dot(staleness, sampled) / tokens
-        metrics["staleness/token/masked"] = float(int(masked_spans.sum()) / tokens)
-        metrics["staleness/token/unlabelled"] = float(unlabelled / tokens)
-        for name, numerator, denominator in QUANTILES:
-            metrics[f"staleness/token/{name}"] = _nearest_rank(token_values, token_counts, numerator, denominator)
+        metrics[keys.TOKEN_MEAN] = _exact_dot(staleness, sampled) / tokens
+        metrics[keys.TOKEN_MASKED] = float(int(masked_spans.sum()) / tokens)
+        metrics[keys.TOKEN_UNLABELLED] = float(unlabelled / tokens)
+        for key, numerator, denominator in QUANTILES:
+            metrics[key] = _nearest_rank(token_values, token_counts, numerator, denominator)
     if len(rollout):
-        for key, values in (("", rollout), ("in_flight/", in_flight), ("in_queue/", in_queue)):
-            metrics[f"staleness/rollout/{key}mean"] = int(values.sum()) / len(values)
-            metrics[f"staleness/rollout/{key}max"] = int(values.max())
-        metrics["staleness/rollout/newest/mean"] = int(newest.sum()) / len(newest)
-        metrics["staleness/rollout/newest/max"] = int(newest.max())
+        for mean_key, max_key, values in (
+            (keys.ROLLOUT_MEAN, keys.ROLLOUT_MAX, rollout),
+            (keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_FLIGHT_MAX, in_flight),
+            (keys.ROLLOUT_IN_QUEUE_MEAN, keys.ROLLOUT_IN_QUEUE_MAX, in_queue),
+            (keys.ROLLOUT_NEWEST_MEAN, keys.ROLLOUT_NEWEST_MAX, newest),
+        ):
+            metrics[mean_key] = int(values.sum()) / len(values)
+            metrics[max_key] = int(values.max())
     length_samples, length_sampled, length_removed = _length_bias(slice_, sample_in, masked_spans, env, window)
     metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
-    metrics["staleness/rollout/dropped"] = window.get(env, "rollouts_dropped")
-    metrics["staleness/sample/dropped"] = window.get(env, "samples_dropped")
-    metrics["staleness/rollout/held"] = window.get(env, "rollouts_held")
-    metrics["staleness/max_staleness"] = max_staleness
+    metrics[keys.ROLLOUTS_DROPPED] = window.get(env, "rollouts_dropped")
+    metrics[keys.SAMPLES_DROPPED] = window.get(env, "samples_dropped")
+    metrics[keys.ROLLOUTS_HELD] = window.get(env, "rollouts_held")
+    metrics[keys.MAX_STALENESS] = max_staleness
 
     tally = Tally(
         tokens_sampled=tokens,
@@ -215,12 +220,12 @@ def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[
         return {}
     total = int(sampled.sum())
     metrics: dict[str, float | int] = {
-        "staleness/length/sampled/mean": total / samples,
-        "staleness/length/trained/mean": (total - int(removed.sum())) / samples,
+        keys.LENGTH_SAMPLED_MEAN: total / samples,
+        keys.LENGTH_TRAINED_MEAN: (total - int(removed.sum())) / samples,
     }
     for name, n, gone in zip(LENGTH_BUCKETS, sampled.tolist(), removed.tolist()):
         if n:
-            metrics[f"staleness/length/bucket_{name}/masked"] = gone / n
+            metrics[keys.LENGTH_REMOVED_SHARE_BY_LENGTH[name]] = gone / n
     return metrics
 
 
@@ -262,7 +267,7 @@ def compute_report(
     if env_breakdown:
         for name, values in env_metrics.items():
             if name:
-                metrics.update({f"staleness/env/{name}/{key[len('staleness/') :]}": v for key, v in values.items()})
+                metrics.update({env_key(name, key): v for key, v in values.items()})
     return StepReport(
         step=shipped.step,
         max_staleness=max_staleness,

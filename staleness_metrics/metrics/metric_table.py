@@ -1,35 +1,51 @@
-"""The one table of metric definitions (SPEC 8).
+"""The metric catalogue: the one table of metric definitions (SPEC 6-8, 11, 12, 14) and of the legacy names.
 
-Every exporter, dashboard, rule file and the migration tool read this table. No name is ever derived
-from another at run time: each row spells out the W&B key, the Prometheus family, the OpenTelemetry
-instrument and the legacy keys explicitly.
+Every ``"staleness/..."`` string of the package is written here and nowhere else (a test reads the package's
+syntax trees to hold that). Every exporter, dashboard, rule file, report and the migration tool read this
+table; code that writes or reads one key names it through :mod:`staleness_metrics.metrics.keys`. No name is
+ever derived from another at run time: each row spells out its W&B key, Prometheus family, OpenTelemetry
+instrument and legacy keys.
+
+Adding a metric: one :class:`MetricDef` row under its SPEC section (keyword arguments only), a constant in
+:mod:`~staleness_metrics.metrics.keys` when code writes it, and ``staleness-metrics dashboards`` to
+regenerate the generated files. Only :mod:`.buckets` is imported, so reading the table stays cheap.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .bound import FLOOR_SOURCES
-from .mismatch import LAG_BUCKETS
-from .report import LENGTH_BUCKETS
+from .buckets import BUCKETS, FLOOR_SOURCES, LAG_BUCKETS, LENGTH_BUCKETS
 
 __all__ = [
+    "BOUND_KEY_PREFIX",
     "BUCKETS",
     "CURVE_LAG",
+    "ENV_KEY_PREFIX",
     "FLOOR_SOURCE",
+    "KEY_GLOB",
+    "KEY_PREFIX",
     "LAG",
     "LEGACY_KEYS",
+    "LEGACY_NAMESPACE",
+    "LEGACY_PROMETHEUS_NAMES",
     "LENGTH",
     "METRICS",
+    "MISMATCH_KEY_PREFIX",
+    "REMOVED_KEYS",
+    "REMOVED_KEY_FAMILIES",
     "WANDB_KEYS",
     "Dimension",
     "LegacyKey",
     "MetricDef",
     "MetricKind",
     "Source",
+    "env_key",
     "metric_by_key",
     "metric_by_prometheus_name",
+    "metric_named",
 ]
 
 
@@ -57,11 +73,25 @@ class Source(str, enum.Enum):
     BOUND = "bound"
 
 
-# Integer staleness buckets: exact per-level counts for the common range, coarse tail.
-BUCKETS: tuple[float, ...] = (*[float(b) for b in range(17)], 32.0, 64.0)
+# ---- the namespace of the W&B keys (SPEC 6) ----
+KEY_PREFIX = "staleness/"
+"""Every current W&B key starts with this."""
+KEY_GLOB = "staleness/*"
+"""The W&B glob of every current key (``define_metric``)."""
+ENV_KEY_PREFIX = "staleness/env/"
+"""Per-env breakdowns repeat the batch's keys under ``staleness/env/<env>/`` (:func:`env_key`)."""
+MISMATCH_KEY_PREFIX = "staleness/mismatch/"
+"""The SPEC 11 keys and SPEC 14's floor, budget and curve."""
+BOUND_KEY_PREFIX = "staleness/bound/"
+"""SPEC 14's advice."""
 
 
-@dataclass(frozen=True)
+def env_key(env: str, key: str) -> str:
+    """The per-env twin of the batch-wide ``key`` for ``env`` (``staleness/env/<env>/token/mean``)."""
+    return f"{ENV_KEY_PREFIX}{env}/{key.removeprefix(KEY_PREFIX)}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class Dimension:
     """A bucket label of a family of series (SPEC 11 lag buckets, SPEC 12 length buckets).
 
@@ -79,16 +109,16 @@ class Dimension:
         assert len(self.buckets) == len(self.values)
 
 
-LAG = Dimension("lag", LAG_BUCKETS, (*LAG_BUCKETS[:-1], "+Inf"), "{lag}")
+LAG = Dimension(label="lag", buckets=LAG_BUCKETS, values=(*LAG_BUCKETS[:-1], "+Inf"), placeholder="{lag}")
 # SPEC 14: the excess curve's buckets (lags 1..16) and the floor's source.
-CURVE_LAG = Dimension("lag", LAG_BUCKETS[1:17], LAG_BUCKETS[1:17], "{lag}")
-FLOOR_SOURCE = Dimension("source", FLOOR_SOURCES, FLOOR_SOURCES, "{source}")
-LENGTH = Dimension("length", LENGTH_BUCKETS, LENGTH_BUCKETS, "{length}")
+CURVE_LAG = Dimension(label="lag", buckets=LAG_BUCKETS[1:17], values=LAG_BUCKETS[1:17], placeholder="{lag}")
+FLOOR_SOURCE = Dimension(label="source", buckets=FLOOR_SOURCES, values=FLOOR_SOURCES, placeholder="{source}")
+LENGTH = Dimension(label="length", buckets=LENGTH_BUCKETS, values=LENGTH_BUCKETS, placeholder="{length}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MetricDef:
-    """One metric as every exporter names it.
+    """One metric as every exporter names it (keyword arguments only: a row reads as what it says).
 
     ``wandb_key`` is the SPEC 6 key (None: not logged to W&B). ``prometheus_name`` /``otel_name`` are
     None where that exporter does not publish the metric (quantiles, for instance, come from the
@@ -96,13 +126,13 @@ class MetricDef:
     """
 
     name: str  # stable identifier used in code and docs
-    description: str
-    source: Source
-    kind: MetricKind
     wandb_key: str | None
     prometheus_name: str | None
     otel_name: str | None
     otel_unit: str
+    kind: MetricKind
+    source: Source
+    description: str
     labels: tuple[str, ...] = ("run", "env")
     integer: bool = False  # values are integers (maxima, quantiles, counts)
     tally_field: str | None = None
@@ -122,6 +152,12 @@ class MetricDef:
             return (self.wandb_key,)
         return tuple(self.wandb_key.replace(self.dimension.placeholder, b) for b in self.dimension.buckets)
 
+    @property
+    def keys_by_bucket(self) -> dict[str, str]:
+        """A templated row's W&B key of each bucket (``{"0": "staleness/mismatch/lag_0/k3", ...}``)."""
+        assert self.dimension is not None and self.wandb_key is not None, f"{self.name} has no W&B key per bucket"
+        return dict(zip(self.dimension.buckets, self.wandb_keys, strict=True))
+
 
 _STEP = "{step}"
 _TOKEN = "{token}"
@@ -132,729 +168,758 @@ _FLAG = "{flag}"  # a 0/1 gauge (unit "1" would make the collector name it ..._r
 _LAG_LABELS = ("run", "env", "lag")  # env: the per-env series of live sums given per env
 _LENGTH_LABELS = ("run", "env", "length")
 
+# The order of the rows is the order of every exporter's output and of the generated files.
 METRICS: tuple[MetricDef, ...] = (
+    # ---- SPEC 6: the metrics of a ship (W&B keys), with their Prometheus / OpenTelemetry names (SPEC 8) ----
     MetricDef(
-        "train_step",
-        "Train step of the last shipped batch.",
-        Source.STEP,
-        MetricKind.GAUGE,
-        None,
-        "rl_staleness_train_step",
-        "rl.staleness.train.step",
-        _STEP,
+        name="train_step",
+        wandb_key=None,
+        prometheus_name="rl_staleness_train_step",
+        otel_name="rl.staleness.train.step",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.STEP,
         labels=("run",),
         integer=True,
+        description="Train step of the last shipped batch.",
     ),
     MetricDef(
-        "max_staleness",
-        "The staleness bound the ship was judged with (max_staleness, or where adaptation moved it), in policy "
-        "versions.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/max_staleness",
-        "rl_staleness_max_staleness",
-        "rl.staleness.max_staleness",
-        _STEP,
+        name="max_staleness",
+        wandb_key="staleness/max_staleness",
+        prometheus_name="rl_staleness_max_staleness",
+        otel_name="rl.staleness.max_staleness",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=("run",),
         integer=True,
+        description=(
+            "The staleness bound the ship was judged with (max_staleness, or where adaptation moved it), in policy "
+            "versions."
+        ),
     ),
     MetricDef(
-        "token_mean",
-        "Mean token staleness over the sampled positions of the shipped batch, in policy versions.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/token/mean",
-        "rl_staleness_token_mean_steps",
-        "rl.staleness.token.mean",
-        _STEP,
+        name="token_mean",
+        wandb_key="staleness/token/mean",
+        prometheus_name="rl_staleness_token_mean_steps",
+        otel_name="rl.staleness.token.mean",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         legacy_keys=("off_policy/token/mean",),
+        description="Mean token staleness over the sampled positions of the shipped batch, in policy versions.",
     ),
     MetricDef(
-        "token_masked",
-        "Share of the shipped batch's sampled positions that are masked for staleness.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/token/masked",
-        "rl_staleness_token_masked_ratio",
-        "rl.staleness.token.masked_ratio",
-        "1",
+        name="token_masked",
+        wandb_key="staleness/token/masked",
+        prometheus_name="rl_staleness_token_masked_ratio",
+        otel_name="rl.staleness.token.masked_ratio",
+        otel_unit="1",
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         legacy_keys=("off_policy/token/masked",),
+        description="Share of the shipped batch's sampled positions that are masked for staleness.",
     ),
     MetricDef(
-        "token_unlabelled",
-        "Share of the shipped batch's sampled positions that had no version label.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/token/unlabelled",
-        None,
-        None,
-        "1",
+        name="token_unlabelled",
+        wandb_key="staleness/token/unlabelled",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit="1",
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
+        description="Share of the shipped batch's sampled positions that had no version label.",
     ),
     MetricDef(
-        "token_p50",
-        "Median token staleness (nearest rank).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/token/p50",
-        None,
-        None,
-        _STEP,
+        name="token_p50",
+        wandb_key="staleness/token/p50",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         integer=True,
+        description="Median token staleness (nearest rank).",
     ),
     MetricDef(
-        "token_p90",
-        "90th percentile token staleness (nearest rank).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/token/p90",
-        None,
-        None,
-        _STEP,
+        name="token_p90",
+        wandb_key="staleness/token/p90",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         integer=True,
+        description="90th percentile token staleness (nearest rank).",
     ),
     MetricDef(
-        "token_p99",
-        "99th percentile token staleness (nearest rank).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/token/p99",
-        None,
-        None,
-        _STEP,
+        name="token_p99",
+        wandb_key="staleness/token/p99",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         integer=True,
+        description="99th percentile token staleness (nearest rank).",
     ),
     MetricDef(
-        "rollout_mean",
-        "Mean rollout staleness R = T - min(version) over shipped live rollouts.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/rollout/mean",
-        "rl_staleness_rollout_mean_steps",
-        "rl.staleness.rollout.mean",
-        _STEP,
+        name="rollout_mean",
+        wandb_key="staleness/rollout/mean",
+        prometheus_name="rl_staleness_rollout_mean_steps",
+        otel_name="rl.staleness.rollout.mean",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         legacy_keys=("off_policy/mean", "staleness/mean"),
+        description="Mean rollout staleness R = T - min(version) over shipped live rollouts.",
     ),
     MetricDef(
-        "rollout_max",
-        "Largest rollout staleness in the shipped batch (equals the largest token staleness).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/rollout/max",
-        "rl_staleness_rollout_max_steps",
-        "rl.staleness.rollout.max",
-        _STEP,
+        name="rollout_max",
+        wandb_key="staleness/rollout/max",
+        prometheus_name="rl_staleness_rollout_max_steps",
+        otel_name="rl.staleness.rollout.max",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         integer=True,
         wandb_summary="max",
         legacy_keys=("off_policy/max", "staleness/max"),
+        description="Largest rollout staleness in the shipped batch (equals the largest token staleness).",
     ),
     MetricDef(
-        "rollout_in_flight_mean",
-        "Mean in-flight staleness (versions that passed while the rollout was generated).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/rollout/in_flight/mean",
-        "rl_staleness_rollout_in_flight_mean_steps",
-        "rl.staleness.rollout.in_flight.mean",
-        _STEP,
+        name="rollout_in_flight_mean",
+        wandb_key="staleness/rollout/in_flight/mean",
+        prometheus_name="rl_staleness_rollout_in_flight_mean_steps",
+        otel_name="rl.staleness.rollout.in_flight.mean",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         legacy_keys=("off_policy/in_flight/mean", "staleness/in_flight/mean"),
+        description="Mean in-flight staleness (versions that passed while the rollout was generated).",
     ),
     MetricDef(
-        "rollout_in_flight_max",
-        "Largest in-flight staleness in the shipped batch.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/rollout/in_flight/max",
-        "rl_staleness_rollout_in_flight_max_steps",
-        "rl.staleness.rollout.in_flight.max",
-        _STEP,
+        name="rollout_in_flight_max",
+        wandb_key="staleness/rollout/in_flight/max",
+        prometheus_name="rl_staleness_rollout_in_flight_max_steps",
+        otel_name="rl.staleness.rollout.in_flight.max",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         integer=True,
         wandb_summary="max",
         legacy_keys=("off_policy/in_flight/max", "staleness/in_flight/max"),
+        description="Largest in-flight staleness in the shipped batch.",
     ),
     MetricDef(
-        "rollout_in_queue_mean",
-        "Mean in-queue staleness (versions that passed while the finished rollout waited).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/rollout/in_queue/mean",
-        "rl_staleness_rollout_in_queue_mean_steps",
-        "rl.staleness.rollout.in_queue.mean",
-        _STEP,
+        name="rollout_in_queue_mean",
+        wandb_key="staleness/rollout/in_queue/mean",
+        prometheus_name="rl_staleness_rollout_in_queue_mean_steps",
+        otel_name="rl.staleness.rollout.in_queue.mean",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         legacy_keys=("off_policy/in_queue/mean", "staleness/in_queue/mean"),
+        description="Mean in-queue staleness (versions that passed while the finished rollout waited).",
     ),
     MetricDef(
-        "rollout_in_queue_max",
-        "Largest in-queue staleness in the shipped batch.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/rollout/in_queue/max",
-        "rl_staleness_rollout_in_queue_max_steps",
-        "rl.staleness.rollout.in_queue.max",
-        _STEP,
+        name="rollout_in_queue_max",
+        wandb_key="staleness/rollout/in_queue/max",
+        prometheus_name="rl_staleness_rollout_in_queue_max_steps",
+        otel_name="rl.staleness.rollout.in_queue.max",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         integer=True,
         wandb_summary="max",
         legacy_keys=("off_policy/in_queue/max", "staleness/in_queue/max"),
+        description="Largest in-queue staleness in the shipped batch.",
     ),
     MetricDef(
-        "rollout_newest_mean",
-        "Mean newest-token rollout staleness T - max(version) over shipped live rollouts (verl's trajectory "
-        "staleness; the rollout mean uses the oldest token).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/rollout/newest/mean",
-        "rl_staleness_rollout_newest_mean_steps",
-        "rl.staleness.rollout.newest.mean",
-        _STEP,
+        name="rollout_newest_mean",
+        wandb_key="staleness/rollout/newest/mean",
+        prometheus_name="rl_staleness_rollout_newest_mean_steps",
+        otel_name="rl.staleness.rollout.newest.mean",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
+        description=(
+            "Mean newest-token rollout staleness T - max(version) over shipped live rollouts (verl's trajectory "
+            "staleness; the rollout mean uses the oldest token)."
+        ),
     ),
     MetricDef(
-        "rollout_newest_max",
-        "Largest newest-token rollout staleness T - max(version) in the shipped batch.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/rollout/newest/max",
-        "rl_staleness_rollout_newest_max_steps",
-        "rl.staleness.rollout.newest.max",
-        _STEP,
+        name="rollout_newest_max",
+        wandb_key="staleness/rollout/newest/max",
+        prometheus_name="rl_staleness_rollout_newest_max_steps",
+        otel_name="rl.staleness.rollout.newest.max",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         integer=True,
         wandb_summary="max",
+        description="Largest newest-token rollout staleness T - max(version) in the shipped batch.",
     ),
     MetricDef(
-        "rollouts_dropped",
-        "Live rollouts dropped for staleness (per ship window in W&B; cumulative elsewhere).",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        "staleness/rollout/dropped",
-        "rl_staleness_rollouts_dropped_total",
-        "rl.staleness.rollouts.dropped",
-        _ROLLOUT,
+        name="rollouts_dropped",
+        wandb_key="staleness/rollout/dropped",
+        prometheus_name="rl_staleness_rollouts_dropped_total",
+        otel_name="rl.staleness.rollouts.dropped",
+        otel_unit=_ROLLOUT,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="rollouts_dropped",
         legacy_keys=("off_policy/dropped", "staleness/dropped"),
+        description="Live rollouts dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
     MetricDef(
-        "samples_dropped",
-        "Samples dropped for staleness (per ship window in W&B; cumulative elsewhere).",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        "staleness/sample/dropped",
-        "rl_staleness_samples_dropped_total",
-        "rl.staleness.samples.dropped",
-        _SAMPLE,
+        name="samples_dropped",
+        wandb_key="staleness/sample/dropped",
+        prometheus_name="rl_staleness_samples_dropped_total",
+        otel_name="rl.staleness.samples.dropped",
+        otel_unit=_SAMPLE,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="samples_dropped",
+        description="Samples dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
     MetricDef(
-        "rollouts_held",
-        "Rollouts held back at the last ship (xtuner policy with retry_expired).",
-        Source.TALLY,
-        MetricKind.GAUGE,
-        "staleness/rollout/held",
-        "rl_staleness_rollouts_held",
-        "rl.staleness.rollouts.held",
-        _ROLLOUT,
+        name="rollouts_held",
+        wandb_key="staleness/rollout/held",
+        prometheus_name="rl_staleness_rollouts_held",
+        otel_name="rl.staleness.rollouts.held",
+        otel_unit=_ROLLOUT,
+        kind=MetricKind.GAUGE,
+        source=Source.TALLY,
         integer=True,
         tally_field="rollouts_held",
+        description="Rollouts held back at the last ship (xtuner policy with retry_expired).",
+    ),
+    # ---- SPEC 8: the histograms and counters behind SPEC 6 (Prometheus / OpenTelemetry; sums that merge) ----
+    MetricDef(
+        name="token_staleness",
+        wandb_key="staleness/token/histogram",
+        prometheus_name="rl_staleness_token_steps",
+        otel_name="rl.staleness.token.steps",
+        otel_unit=_STEP,
+        kind=MetricKind.HISTOGRAM,
+        source=Source.TOKEN_HISTOGRAM,
+        description="Token staleness of shipped sampled positions, in policy versions (integer buckets).",
     ),
     MetricDef(
-        "token_staleness",
-        "Token staleness of shipped sampled positions, in policy versions (integer buckets).",
-        Source.TOKEN_HISTOGRAM,
-        MetricKind.HISTOGRAM,
-        "staleness/token/histogram",
-        "rl_staleness_token_steps",
-        "rl.staleness.token.steps",
-        _STEP,
+        name="rollout_staleness",
+        wandb_key=None,
+        prometheus_name="rl_staleness_rollout_steps",
+        otel_name="rl.staleness.rollout.steps",
+        otel_unit=_STEP,
+        kind=MetricKind.HISTOGRAM,
+        source=Source.ROLLOUT_HISTOGRAM,
+        description="Rollout staleness of shipped live rollouts, in policy versions (integer buckets).",
     ),
     MetricDef(
-        "rollout_staleness",
-        "Rollout staleness of shipped live rollouts, in policy versions (integer buckets).",
-        Source.ROLLOUT_HISTOGRAM,
-        MetricKind.HISTOGRAM,
-        None,
-        "rl_staleness_rollout_steps",
-        "rl.staleness.rollout.steps",
-        _STEP,
-    ),
-    MetricDef(
-        "tokens_sampled",
-        "Sampled positions of shipped live samples, masked ones included.",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_tokens_sampled_total",
-        "rl.staleness.tokens.sampled",
-        _TOKEN,
+        name="tokens_sampled",
+        wandb_key=None,
+        prometheus_name="rl_staleness_tokens_sampled_total",
+        otel_name="rl.staleness.tokens.sampled",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="tokens_sampled",
+        description="Sampled positions of shipped live samples, masked ones included.",
     ),
     MetricDef(
-        "tokens_masked",
-        "Shipped sampled positions masked for staleness.",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_tokens_masked_total",
-        "rl.staleness.tokens.masked",
-        _TOKEN,
+        name="tokens_masked",
+        wandb_key=None,
+        prometheus_name="rl_staleness_tokens_masked_total",
+        otel_name="rl.staleness.tokens.masked",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="tokens_masked",
+        description="Shipped sampled positions masked for staleness.",
     ),
     MetricDef(
-        "tokens_dropped",
-        "Sampled positions of samples dropped for staleness.",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_tokens_dropped_total",
-        "rl.staleness.tokens.dropped",
-        _TOKEN,
+        name="tokens_dropped",
+        wandb_key=None,
+        prometheus_name="rl_staleness_tokens_dropped_total",
+        otel_name="rl.staleness.tokens.dropped",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="tokens_dropped",
+        description="Sampled positions of samples dropped for staleness.",
     ),
     MetricDef(
-        "tokens_unlabelled",
-        "Shipped sampled positions without a version label (they take the dispatch version).",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_tokens_unlabelled_total",
-        "rl.staleness.tokens.unlabelled",
-        _TOKEN,
+        name="tokens_unlabelled",
+        wandb_key=None,
+        prometheus_name="rl_staleness_tokens_unlabelled_total",
+        otel_name="rl.staleness.tokens.unlabelled",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="tokens_unlabelled",
+        description="Shipped sampled positions without a version label (they take the dispatch version).",
     ),
     MetricDef(
-        "rollouts_shipped",
-        "Live rollouts shipped to the trainer.",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_rollouts_shipped_total",
-        "rl.staleness.rollouts.shipped",
-        _ROLLOUT,
+        name="rollouts_shipped",
+        wandb_key=None,
+        prometheus_name="rl_staleness_rollouts_shipped_total",
+        otel_name="rl.staleness.rollouts.shipped",
+        otel_unit=_ROLLOUT,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="rollouts_shipped",
+        description="Live rollouts shipped to the trainer.",
     ),
     MetricDef(
-        "rollouts_frozen",
-        "Frozen-model rollouts shipped (never masked, left out of staleness statistics).",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_rollouts_frozen_total",
-        "rl.staleness.rollouts.frozen",
-        _ROLLOUT,
+        name="rollouts_frozen",
+        wandb_key=None,
+        prometheus_name="rl_staleness_rollouts_frozen_total",
+        otel_name="rl.staleness.rollouts.frozen",
+        otel_unit=_ROLLOUT,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="rollouts_frozen",
+        description="Frozen-model rollouts shipped (never masked, left out of staleness statistics).",
     ),
     MetricDef(
-        "rollouts_invalid",
-        "Rollouts set aside as invalid (lenient mode).",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_rollouts_invalid_total",
-        "rl.staleness.rollouts.invalid",
-        _ROLLOUT,
+        name="rollouts_invalid",
+        wandb_key=None,
+        prometheus_name="rl_staleness_rollouts_invalid_total",
+        otel_name="rl.staleness.rollouts.invalid",
+        otel_unit=_ROLLOUT,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="rollouts_invalid",
+        description="Rollouts set aside as invalid (lenient mode).",
     ),
-    # SPEC 11: what staleness costs. Counters are the mergeable sums; every ratio is derived from them
+    # ---- SPEC 11: what staleness costs. Counters are the mergeable sums; every ratio is derived from them ----
     # (PromQL over rates, the core for W&B), so the W&B-only rows below have no Prometheus / OTel name.
     MetricDef(
-        "mismatch_tokens",
-        "Covered sampled positions (trainer and sampler log-probabilities both known), per token lag bucket.",
-        Source.MISMATCH,
-        MetricKind.COUNTER,
-        "staleness/mismatch/lag_{lag}/tokens",
-        "rl_staleness_mismatch_tokens_total",
-        "rl.staleness.mismatch.tokens",
-        _TOKEN,
+        name="mismatch_tokens",
+        wandb_key="staleness/mismatch/lag_{lag}/tokens",
+        prometheus_name="rl_staleness_mismatch_tokens_total",
+        otel_name="rl.staleness.mismatch.tokens",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.MISMATCH,
         labels=_LAG_LABELS,
         integer=True,
         dimension=LAG,
         mismatch_field="tokens",
+        description=(
+            "Covered sampled positions (trainer and sampler log-probabilities both known), per token lag bucket."
+        ),
     ),
     MetricDef(
-        "mismatch_masked",
-        "Covered sampled positions masked by the staleness policy, per token lag bucket.",
-        Source.MISMATCH,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_mismatch_masked_tokens_total",
-        "rl.staleness.mismatch.masked_tokens",
-        _TOKEN,
+        name="mismatch_masked",
+        wandb_key=None,
+        prometheus_name="rl_staleness_mismatch_masked_tokens_total",
+        otel_name="rl.staleness.mismatch.masked_tokens",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.MISMATCH,
         labels=_LAG_LABELS,
         integer=True,
         dimension=LAG,
         mismatch_field="masked",
+        description="Covered sampled positions masked by the staleness policy, per token lag bucket.",
     ),
     MetricDef(
-        "mismatch_kl",
-        "Sum of the k3 estimator r - 1 - log r of trainer/sampler mismatch (r = trainer/sampler probability), "
-        "per token lag bucket, in nats.",
-        Source.MISMATCH,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_mismatch_kl_nats_total",
-        "rl.staleness.mismatch.kl",
-        _NAT,
+        name="mismatch_kl",
+        wandb_key=None,
+        prometheus_name="rl_staleness_mismatch_kl_nats_total",
+        otel_name="rl.staleness.mismatch.kl",
+        otel_unit=_NAT,
+        kind=MetricKind.COUNTER,
+        source=Source.MISMATCH,
         labels=_LAG_LABELS,
         dimension=LAG,
         mismatch_field="sum_k3",
+        description=(
+            "Sum of the k3 estimator r - 1 - log r of trainer/sampler mismatch (r = trainer/sampler probability), "
+            "per token lag bucket, in nats."
+        ),
     ),
     MetricDef(
-        "mismatch_abs_log_ratio",
-        "Sum of |log r| of trainer/sampler mismatch, per token lag bucket, in nats.",
-        Source.MISMATCH,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_mismatch_abs_log_ratio_nats_total",
-        "rl.staleness.mismatch.abs_log_ratio",
-        _NAT,
+        name="mismatch_abs_log_ratio",
+        wandb_key=None,
+        prometheus_name="rl_staleness_mismatch_abs_log_ratio_nats_total",
+        otel_name="rl.staleness.mismatch.abs_log_ratio",
+        otel_unit=_NAT,
+        kind=MetricKind.COUNTER,
+        source=Source.MISMATCH,
         labels=_LAG_LABELS,
         dimension=LAG,
         mismatch_field="sum_abs_log_ratio",
+        description="Sum of |log r| of trainer/sampler mismatch, per token lag bucket, in nats.",
     ),
     MetricDef(
-        "mismatch_ratio",
-        "Sum of the importance ratios r = trainer/sampler probability, per token lag bucket.",
-        Source.MISMATCH,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_mismatch_ratio_total",
-        "rl.staleness.mismatch.ratio",
-        "1",
+        name="mismatch_ratio",
+        wandb_key=None,
+        prometheus_name="rl_staleness_mismatch_ratio_total",
+        otel_name="rl.staleness.mismatch.ratio",
+        otel_unit="1",
+        kind=MetricKind.COUNTER,
+        source=Source.MISMATCH,
         labels=_LAG_LABELS,
         dimension=LAG,
         mismatch_field="sum_ratio",
+        description="Sum of the importance ratios r = trainer/sampler probability, per token lag bucket.",
     ),
     MetricDef(
-        "mismatch_ratio_squared",
-        "Sum of the squared importance ratios r^2, per token lag bucket.",
-        Source.MISMATCH,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_mismatch_ratio_squared_total",
-        "rl.staleness.mismatch.ratio_squared",
-        "1",
+        name="mismatch_ratio_squared",
+        wandb_key=None,
+        prometheus_name="rl_staleness_mismatch_ratio_squared_total",
+        otel_name="rl.staleness.mismatch.ratio_squared",
+        otel_unit="1",
+        kind=MetricKind.COUNTER,
+        source=Source.MISMATCH,
         labels=_LAG_LABELS,
         dimension=LAG,
         mismatch_field="sum_ratio_sq",
+        description="Sum of the squared importance ratios r^2, per token lag bucket.",
     ),
     MetricDef(
-        "mismatch_out_of_band",
-        "Covered sampled positions whose importance ratio lies outside the mismatch band, per token lag bucket.",
-        Source.MISMATCH,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_mismatch_out_of_band_tokens_total",
-        "rl.staleness.mismatch.out_of_band_tokens",
-        _TOKEN,
+        name="mismatch_out_of_band",
+        wandb_key=None,
+        prometheus_name="rl_staleness_mismatch_out_of_band_tokens_total",
+        otel_name="rl.staleness.mismatch.out_of_band_tokens",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.MISMATCH,
         labels=_LAG_LABELS,
         integer=True,
         dimension=LAG,
         mismatch_field="out_of_band",
+        description=(
+            "Covered sampled positions whose importance ratio lies outside the mismatch band, per token lag bucket."
+        ),
     ),
     MetricDef(
-        "mismatch_uncovered",
-        "Sampled positions lacking a trainer or sampler log-probability (left out of the mismatch sums).",
-        Source.MISMATCH,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_mismatch_uncovered_tokens_total",
-        "rl.staleness.mismatch.uncovered_tokens",
-        _TOKEN,
+        name="mismatch_uncovered",
+        wandb_key=None,
+        prometheus_name="rl_staleness_mismatch_uncovered_tokens_total",
+        otel_name="rl.staleness.mismatch.uncovered_tokens",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.MISMATCH,
         labels=("run", "env"),
         integer=True,
         mismatch_field="uncovered",
+        description="Sampled positions lacking a trainer or sampler log-probability (left out of the mismatch sums).",
     ),
     MetricDef(
-        "mismatch_k3_by_lag",
-        "Mean k3 mismatch of the covered positions of a lag bucket (prime-rl's mismatch_kl, split by lag).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/mismatch/lag_{lag}/k3",
-        None,
-        None,
-        _NAT,
+        name="mismatch_k3_by_lag",
+        wandb_key="staleness/mismatch/lag_{lag}/k3",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_NAT,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=_LAG_LABELS,
         wandb_summary="max",
         dimension=LAG,
+        description="Mean k3 mismatch of the covered positions of a lag bucket (prime-rl's mismatch_kl, split by lag).",
     ),
     MetricDef(
-        "mismatch_abs_log_ratio_by_lag",
-        "Mean |log r| of the covered positions of a lag bucket.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/mismatch/lag_{lag}/abs_log_ratio",
-        None,
-        None,
-        _NAT,
+        name="mismatch_abs_log_ratio_by_lag",
+        wandb_key="staleness/mismatch/lag_{lag}/abs_log_ratio",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_NAT,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=_LAG_LABELS,
         dimension=LAG,
+        description="Mean |log r| of the covered positions of a lag bucket.",
     ),
     MetricDef(
-        "mismatch_out_of_band_by_lag",
-        "Share of the covered positions of a lag bucket whose ratio lies outside the mismatch band.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/mismatch/lag_{lag}/out_of_band",
-        None,
-        None,
-        "1",
+        name="mismatch_out_of_band_by_lag",
+        wandb_key="staleness/mismatch/lag_{lag}/out_of_band",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit="1",
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=_LAG_LABELS,
         dimension=LAG,
+        description="Share of the covered positions of a lag bucket whose ratio lies outside the mismatch band.",
     ),
     MetricDef(
-        "mismatch_ess_by_lag",
-        "Normalised effective sample size (sum r)^2 / (n sum r^2) of a lag bucket, in (0, 1].",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/mismatch/lag_{lag}/ess",
-        None,
-        None,
-        "1",
+        name="mismatch_ess_by_lag",
+        wandb_key="staleness/mismatch/lag_{lag}/ess",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit="1",
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=_LAG_LABELS,
         dimension=LAG,
+        description="Normalised effective sample size (sum r)^2 / (n sum r^2) of a lag bucket, in (0, 1].",
     ),
     MetricDef(
-        "mismatch_excess_k3_by_lag",
-        "Mean k3 of a lag bucket minus the floor (SPEC 14; lag 0 of the ship when it has enough tokens): what "
-        "staleness costs at that lag.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/mismatch/lag_{lag}/excess_k3",
-        None,
-        None,
-        _NAT,
+        name="mismatch_excess_k3_by_lag",
+        wandb_key="staleness/mismatch/lag_{lag}/excess_k3",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_NAT,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=_LAG_LABELS,
         wandb_summary="max",
         dimension=LAG,
+        description=(
+            "Mean k3 of a lag bucket minus the floor (SPEC 14; lag 0 of the ship when it has enough tokens): what "
+            "staleness costs at that lag."
+        ),
     ),
     MetricDef(
-        "mismatch_k3",
-        "Mean k3 mismatch over every covered position.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/mismatch/k3",
-        None,
-        None,
-        _NAT,
+        name="mismatch_k3",
+        wandb_key="staleness/mismatch/k3",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_NAT,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=("run",),
         wandb_summary="max",
+        description="Mean k3 mismatch over every covered position.",
     ),
     MetricDef(
-        "mismatch_excess_k3",
-        "Mean k3 of the positions at lag 1 or more minus the floor (SPEC 14).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/mismatch/excess_k3",
-        None,
-        None,
-        _NAT,
+        name="mismatch_excess_k3",
+        wandb_key="staleness/mismatch/excess_k3",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_NAT,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=("run",),
         wandb_summary="max",
+        description="Mean k3 of the positions at lag 1 or more minus the floor (SPEC 14).",
     ),
     MetricDef(
-        "mismatch_coverage",
-        "Share of sampled positions with both log-probabilities (covered by the mismatch sums).",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/mismatch/coverage",
-        None,
-        None,
-        "1",
+        name="mismatch_coverage",
+        wandb_key="staleness/mismatch/coverage",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit="1",
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=("run",),
+        description="Share of sampled positions with both log-probabilities (covered by the mismatch sums).",
     ),
-    # SPEC 14: choosing the bound. Gauges of the latest ship that reported the SPEC 11 family.
+    # ---- SPEC 14: choosing the bound. Gauges of the latest ship that reported the SPEC 11 family ----
     MetricDef(
-        "mismatch_floor",
-        "The engines' numeric mismatch floor (mean k3) the excess is measured against; source lag0 (this ship's "
-        "lag-0 tokens), carried (an earlier ship's) or min_lag (the smallest lag with enough tokens: an upper "
-        "bound on the floor).",
-        Source.BOUND,
-        MetricKind.GAUGE,
-        "staleness/mismatch/floor",
-        "rl_staleness_mismatch_floor_nats",
-        "rl.staleness.mismatch.floor",
-        _NAT,
+        name="mismatch_floor",
+        wandb_key="staleness/mismatch/floor",
+        prometheus_name="rl_staleness_mismatch_floor_nats",
+        otel_name="rl.staleness.mismatch.floor",
+        otel_unit=_NAT,
+        kind=MetricKind.GAUGE,
+        source=Source.BOUND,
         labels=("run", "env", "source"),
         dimension=FLOOR_SOURCE,
+        description=(
+            "The engines' numeric mismatch floor (mean k3) the excess is measured against; source lag0 (this ship's "
+            "lag-0 tokens), carried (an earlier ship's) or min_lag (the smallest lag with enough tokens: an upper "
+            "bound on the floor)."
+        ),
     ),
     MetricDef(
-        "mismatch_floor_source",
-        "Where the floor came from: lag0, carried or min_lag (a string; a label or attribute elsewhere).",
-        Source.BOUND,
-        MetricKind.GAUGE,
-        "staleness/mismatch/floor_source",
-        None,
-        None,
-        "1",
+        name="mismatch_floor_source",
+        wandb_key="staleness/mismatch/floor_source",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit="1",
+        kind=MetricKind.GAUGE,
+        source=Source.BOUND,
         labels=("run", "env"),
+        description="Where the floor came from: lag0, carried or min_lag (a string; a label or attribute elsewhere).",
     ),
     MetricDef(
-        "mismatch_floor_age",
-        "Steps since the ship that measured the floor (0 for lag0 and min_lag).",
-        Source.BOUND,
-        MetricKind.GAUGE,
-        "staleness/mismatch/floor_age",
-        "rl_staleness_mismatch_floor_age_steps",
-        "rl.staleness.mismatch.floor_age",
-        _STEP,
+        name="mismatch_floor_age",
+        wandb_key="staleness/mismatch/floor_age",
+        prometheus_name="rl_staleness_mismatch_floor_age_steps",
+        otel_name="rl.staleness.mismatch.floor_age",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.BOUND,
         labels=("run", "env"),
         integer=True,
+        description="Steps since the ship that measured the floor (0 for lag0 and min_lag).",
     ),
     MetricDef(
-        "mismatch_budget",
-        "The mismatch budget: the excess a token may cost (mismatch_budget, or the floor when none is set).",
-        Source.BOUND,
-        MetricKind.GAUGE,
-        "staleness/mismatch/budget",
-        "rl_staleness_mismatch_budget_nats",
-        "rl.staleness.mismatch.budget",
-        _NAT,
+        name="mismatch_budget",
+        wandb_key="staleness/mismatch/budget",
+        prometheus_name="rl_staleness_mismatch_budget_nats",
+        otel_name="rl.staleness.mismatch.budget",
+        otel_unit=_NAT,
+        kind=MetricKind.GAUGE,
+        source=Source.BOUND,
         labels=("run", "env"),
+        description=(
+            "The mismatch budget: the excess a token may cost (mismatch_budget, or the floor when none is set)."
+        ),
     ),
     MetricDef(
-        "mismatch_curve",
-        "Excess k3 over the floor by lag, pooled over the last cost_window ships and made non-decreasing in lag "
-        "(weighted isotonic regression); lags 1..16 with at least floor_min_tokens tokens.",
-        Source.BOUND,
-        MetricKind.GAUGE,
-        "staleness/mismatch/curve/lag_{lag}",
-        "rl_staleness_mismatch_curve_nats",
-        "rl.staleness.mismatch.curve",
-        _NAT,
+        name="mismatch_curve",
+        wandb_key="staleness/mismatch/curve/lag_{lag}",
+        prometheus_name="rl_staleness_mismatch_curve_nats",
+        otel_name="rl.staleness.mismatch.curve",
+        otel_unit=_NAT,
+        kind=MetricKind.GAUGE,
+        source=Source.BOUND,
         labels=("run", "env", "lag"),
         dimension=CURVE_LAG,
+        description=(
+            "Excess k3 over the floor by lag, pooled over the last cost_window ships and made non-decreasing in lag "
+            "(weighted isotonic regression); lags 1..16 with at least floor_min_tokens tokens."
+        ),
     ),
     MetricDef(
-        "bound_suggested",
-        "The largest lag whose excess stays within the budget (0 when the first lag of the curve is above it).",
-        Source.BOUND,
-        MetricKind.GAUGE,
-        "staleness/bound/suggested",
-        "rl_staleness_bound_suggested",
-        "rl.staleness.bound.suggested",
-        _STEP,
+        name="bound_suggested",
+        wandb_key="staleness/bound/suggested",
+        prometheus_name="rl_staleness_bound_suggested",
+        otel_name="rl.staleness.bound.suggested",
+        otel_unit=_STEP,
+        kind=MetricKind.GAUGE,
+        source=Source.BOUND,
         labels=("run", "env"),
         integer=True,
+        description=(
+            "The largest lag whose excess stays within the budget (0 when the first lag of the curve is above it)."
+        ),
     ),
     MetricDef(
-        "bound_crossed",
-        "1 when some lag of the curve costs more than the budget (the suggestion is where), else 0 (the "
-        "suggestion is only the largest lag seen).",
-        Source.BOUND,
-        MetricKind.GAUGE,
-        "staleness/bound/crossed",
-        "rl_staleness_bound_crossed",
-        "rl.staleness.bound.crossed",
-        _FLAG,
+        name="bound_crossed",
+        wandb_key="staleness/bound/crossed",
+        prometheus_name="rl_staleness_bound_crossed",
+        otel_name="rl.staleness.bound.crossed",
+        otel_unit=_FLAG,
+        kind=MetricKind.GAUGE,
+        source=Source.BOUND,
         labels=("run", "env"),
         integer=True,
+        description=(
+            "1 when some lag of the curve costs more than the budget (the suggestion is where), else 0 (the "
+            "suggestion is only the largest lag seen)."
+        ),
     ),
     MetricDef(
-        "bound_excess_at_bound",
-        "The curve's excess at the largest lag not above the configured bound: what the bound lets train.",
-        Source.BOUND,
-        MetricKind.GAUGE,
-        "staleness/bound/excess_at_bound",
-        "rl_staleness_bound_excess_at_bound_nats",
-        "rl.staleness.bound.excess_at_bound",
-        _NAT,
+        name="bound_excess_at_bound",
+        wandb_key="staleness/bound/excess_at_bound",
+        prometheus_name="rl_staleness_bound_excess_at_bound_nats",
+        otel_name="rl.staleness.bound.excess_at_bound",
+        otel_unit=_NAT,
+        kind=MetricKind.GAUGE,
+        source=Source.BOUND,
         labels=("run", "env"),
         wandb_summary="max",
+        description="The curve's excess at the largest lag not above the configured bound: what the bound lets train.",
     ),
-    # SPEC 12: length bias of masking and drops, over shipped plus dropped samples.
+    # ---- SPEC 12: length bias of masking and drops, over shipped plus dropped samples ----
     MetricDef(
-        "length_samples",
-        "Samples behind the length-bias counters: shipped live samples plus samples dropped for staleness.",
-        Source.TALLY,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_length_samples_total",
-        "rl.staleness.length.samples",
-        _SAMPLE,
+        name="length_samples",
+        wandb_key=None,
+        prometheus_name="rl_staleness_length_samples_total",
+        otel_name="rl.staleness.length.samples",
+        otel_unit=_SAMPLE,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY,
         integer=True,
         tally_field="length_samples",
+        description="Samples behind the length-bias counters: shipped live samples plus samples dropped for staleness.",
     ),
     MetricDef(
-        "length_sampled_tokens",
-        "Sampled positions of shipped and dropped live samples, by the sample's sampled length bucket.",
-        Source.TALLY_BUCKETS,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_length_sampled_tokens_total",
-        "rl.staleness.length.sampled_tokens",
-        _TOKEN,
+        name="length_sampled_tokens",
+        wandb_key=None,
+        prometheus_name="rl_staleness_length_sampled_tokens_total",
+        otel_name="rl.staleness.length.sampled_tokens",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY_BUCKETS,
         labels=_LENGTH_LABELS,
         integer=True,
         tally_field="length_sampled",
         dimension=LENGTH,
+        description="Sampled positions of shipped and dropped live samples, by the sample's sampled length bucket.",
     ),
     MetricDef(
-        "length_removed_tokens",
-        "Sampled positions of shipped and dropped live samples that were masked or dropped for staleness, "
-        "by the sample's sampled length bucket.",
-        Source.TALLY_BUCKETS,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_length_removed_tokens_total",
-        "rl.staleness.length.removed_tokens",
-        _TOKEN,
+        name="length_removed_tokens",
+        wandb_key=None,
+        prometheus_name="rl_staleness_length_removed_tokens_total",
+        otel_name="rl.staleness.length.removed_tokens",
+        otel_unit=_TOKEN,
+        kind=MetricKind.COUNTER,
+        source=Source.TALLY_BUCKETS,
         labels=_LENGTH_LABELS,
         integer=True,
         tally_field="length_removed",
         dimension=LENGTH,
+        description=(
+            "Sampled positions of shipped and dropped live samples that were masked or dropped for staleness, "
+            "by the sample's sampled length bucket."
+        ),
     ),
     MetricDef(
-        "length_sampled_mean",
-        "Mean sampled length (positions) of the shipped and dropped live samples of the window.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/length/sampled/mean",
-        None,
-        None,
-        _TOKEN,
+        name="length_sampled_mean",
+        wandb_key="staleness/length/sampled/mean",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_TOKEN,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
+        description="Mean sampled length (positions) of the shipped and dropped live samples of the window.",
     ),
     MetricDef(
-        "length_trained_mean",
-        "The same mean with masked positions and dropped samples counted as 0: the length that trains.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/length/trained/mean",
-        None,
-        None,
-        _TOKEN,
+        name="length_trained_mean",
+        wandb_key="staleness/length/trained/mean",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit=_TOKEN,
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
+        description="The same mean with masked positions and dropped samples counted as 0: the length that trains.",
     ),
     MetricDef(
-        "length_removed_share",
-        "Share of the sampled positions masked or dropped, over samples of a length bucket.",
-        Source.METRIC,
-        MetricKind.GAUGE,
-        "staleness/length/bucket_{length}/masked",
-        None,
-        None,
-        "1",
+        name="length_removed_share",
+        wandb_key="staleness/length/bucket_{length}/masked",
+        prometheus_name=None,
+        otel_name=None,
+        otel_unit="1",
+        kind=MetricKind.GAUGE,
+        source=Source.METRIC,
         labels=_LENGTH_LABELS,
         dimension=LENGTH,
+        description="Share of the sampled positions masked or dropped, over samples of a length bucket.",
     ),
+    # ---- SPEC 8: the exporters' own health ----
     MetricDef(
-        "export_errors",
-        "Failed exports, per exporter.",
-        Source.EXPORTER,
-        MetricKind.COUNTER,
-        None,
-        "rl_staleness_export_errors_total",
-        "rl.staleness.export.errors",
-        "{error}",
+        name="export_errors",
+        wandb_key=None,
+        prometheus_name="rl_staleness_export_errors_total",
+        otel_name="rl.staleness.export.errors",
+        otel_unit="{error}",
+        kind=MetricKind.COUNTER,
+        source=Source.EXPORTER,
         labels=("run", "exporter"),
         integer=True,
+        description="Failed exports, per exporter.",
     ),
 )
 
 
+# ---- SPEC 7: legacy keys and the rename ----
 @dataclass(frozen=True)
 class LegacyKey:
     """What an old W&B key became: a new key, or ``None`` with the reason it was removed."""
@@ -864,31 +929,91 @@ class LegacyKey:
     reason: str = ""
 
 
+LEGACY_NAMESPACE = "off_policy/"
+"""The old W&B namespace: a key under it that is not in the table is a legacy key without a known mapping."""
+
+_EQUALS_ROLLOUT_MAX = "equals staleness/rollout/max (rollout staleness includes masked positions)"
+_DISPATCHER = "live dispatcher gauge with no replacement"
+
+REMOVED_KEYS: tuple[LegacyKey, ...] = (
+    LegacyKey(old="off_policy/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
+    LegacyKey(old="staleness/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
+    LegacyKey(old="dispatcher/off_policy/mean", new=None, reason=_DISPATCHER),
+    LegacyKey(old="dispatcher/off_policy/max", new=None, reason=_DISPATCHER),
+    LegacyKey(old="dispatcher/off_policy_level/mean", new=None, reason=_DISPATCHER),
+    LegacyKey(old="dispatcher/off_policy_level/max", new=None, reason=_DISPATCHER),
+    LegacyKey(old="dispatcher/staleness/mean", new=None, reason=_DISPATCHER),
+    LegacyKey(old="dispatcher/staleness/max", new=None, reason=_DISPATCHER),
+)
+"""Legacy W&B keys with no replacement, and why (the renamed ones are the rows' ``legacy_keys``)."""
+
+REMOVED_KEY_FAMILIES: Mapping[str, str] = {
+    "dispatcher/off_policy/": _DISPATCHER,
+    "dispatcher/off_policy_level/": _DISPATCHER,
+    "dispatcher/staleness/": _DISPATCHER,
+}
+"""Key prefixes whose keys are all removed (``dispatcher/off_policy/*``: no replacement), and why."""
+
+LEGACY_PROMETHEUS_NAMES: Mapping[str, str] = {
+    # old Prometheus name -> the legacy W&B key it published
+    "off_policy_mean": "off_policy/mean",
+    "off_policy_max": "off_policy/max",
+    "off_policy_in_flight_mean": "off_policy/in_flight/mean",
+    "off_policy_in_flight_max": "off_policy/in_flight/max",
+    "off_policy_in_queue_mean": "off_policy/in_queue/mean",
+    "off_policy_in_queue_max": "off_policy/in_queue/max",
+    "off_policy_token_mean": "off_policy/token/mean",
+    "off_policy_token_masked": "off_policy/token/masked",
+    "off_policy_token_max": "off_policy/token/max",
+    "off_policy_dropped": "off_policy/dropped",
+    "off_policy_dropped_total": "off_policy/dropped",
+    "dispatcher_off_policy_mean": "dispatcher/off_policy/mean",
+    "dispatcher_off_policy_max": "dispatcher/off_policy/max",
+    "dispatcher_off_policy_level_mean": "dispatcher/off_policy_level/mean",
+    "dispatcher_off_policy_level_max": "dispatcher/off_policy_level/max",
+    "staleness_mean": "staleness/mean",
+    "staleness_max": "staleness/max",
+    "staleness_in_flight_mean": "staleness/in_flight/mean",
+    "staleness_in_flight_max": "staleness/in_flight/max",
+    "staleness_in_queue_mean": "staleness/in_queue/mean",
+    "staleness_in_queue_max": "staleness/in_queue/max",
+    "staleness_token_max": "staleness/token/max",
+    "staleness_dropped": "staleness/dropped",
+    "staleness_dropped_total": "staleness/dropped",
+    "dispatcher_staleness_mean": "dispatcher/staleness/mean",
+    "dispatcher_staleness_max": "dispatcher/staleness/max",
+    # prime-rl's orchestrator exporter (gauges fed from its off_policy_level/all/* dispatcher stats)
+    "orchestrator_off_policy_level_min": "dispatcher/off_policy_level/min",
+    "orchestrator_off_policy_level_mean": "dispatcher/off_policy_level/mean",
+    "orchestrator_off_policy_level_max": "dispatcher/off_policy_level/max",
+}
+"""Legacy Prometheus names (bare, without a namespace prefix) -> the legacy W&B key each one published."""
+
+
 def _legacy_table() -> dict[str, LegacyKey]:
     table: dict[str, LegacyKey] = {}
     for metric in METRICS:
         for old in metric.legacy_keys:
             assert metric.wandb_key is not None
             table[old] = LegacyKey(old, metric.wandb_key)
-    removed = {
-        "off_policy/token/max": "equals staleness/rollout/max (rollout staleness includes masked positions)",
-        "staleness/token/max": "equals staleness/rollout/max (rollout staleness includes masked positions)",
-    }
-    dispatcher = "live dispatcher gauge with no replacement"
-    for stem in ("dispatcher/off_policy", "dispatcher/off_policy_level", "dispatcher/staleness"):
-        for stat in ("mean", "max"):
-            removed[f"{stem}/{stat}"] = dispatcher
-    for old, reason in removed.items():
-        table[old] = LegacyKey(old, None, reason)
+    table.update({removed.old: removed for removed in REMOVED_KEYS})
     return table
 
 
 LEGACY_KEYS: dict[str, LegacyKey] = _legacy_table()
+"""Every legacy W&B key: what it is now (a row's key) or why it was removed."""
 
+# ---- lookups ----
 # Every W&B key spelled out, templated rows expanded once here (never derived from another name later).
 WANDB_KEYS: dict[str, MetricDef] = {key: m for m in METRICS for key in m.wandb_keys}
 _BY_KEY = WANDB_KEYS
 _BY_PROM = {m.prometheus_name: m for m in METRICS if m.prometheus_name is not None}
+_BY_NAME = {m.name: m for m in METRICS}
+
+
+def metric_named(name: str) -> MetricDef:
+    """The row of a stable identifier (``"token_mean"``; ``KeyError`` when the table has none)."""
+    return _BY_NAME[name]
 
 
 def metric_by_key(key: str) -> MetricDef:

@@ -21,6 +21,8 @@ import numpy.typing as npt
 
 from ..engine.kernels import mismatch_runs
 from ..errors import FieldError
+from . import keys
+from .buckets import LAG_BUCKETS, LAG_UPPER_BOUNDS, N_BUCKETS
 
 __all__ = [
     "DEFAULT_BAND",
@@ -35,10 +37,6 @@ __all__ = [
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 
-# Buckets 0..16 one lag each, then 17..32, 33..64, > 64 (named by their upper bound, as SPEC 8's histograms).
-LAG_UPPER_BOUNDS: tuple[int, ...] = (*range(17), 32, 64)
-LAG_BUCKETS: tuple[str, ...] = (*(str(b) for b in LAG_UPPER_BOUNDS), "inf")
-N_BUCKETS = len(LAG_BUCKETS)
 LOG_RATIO_CLAMP = 20.0
 DEFAULT_BAND = (0.5, 2.0)
 DICT_FORMAT = 1
@@ -175,7 +173,7 @@ class MismatchSums:
         )
 
     # ------------------------------------------------------------------ the W&B keys
-    def metrics(self, prefix: str = "staleness/", floor: float | None = None) -> dict[str, float | int]:
+    def metrics(self, floor: float | None = None) -> dict[str, float | int]:
         """The SPEC 11 keys; empty when nothing is covered. Buckets without tokens are left out.
 
         The excess keys are measured against ``floor`` (SPEC 14's floor of the ship, from
@@ -189,19 +187,19 @@ class MismatchSums:
         k3 = np.divide(self.sum_k3, self.tokens, out=np.zeros(N_BUCKETS), where=self.tokens > 0)
         for i in np.flatnonzero(self.tokens).tolist():
             n = int(self.tokens[i])
-            key = f"{prefix}mismatch/lag_{LAG_BUCKETS[i]}/"
-            out[key + "tokens"] = n
-            out[key + "k3"] = float(k3[i])
-            out[key + "abs_log_ratio"] = float(self.sum_abs_log_ratio[i] / n)
-            out[key + "out_of_band"] = float(int(self.out_of_band[i]) / n)
-            out[key + "ess"] = _ess(float(self.sum_ratio[i]), float(self.sum_ratio_sq[i]), n)
+            bucket = LAG_BUCKETS[i]
+            out[keys.MISMATCH_TOKENS_BY_LAG[bucket]] = n
+            out[keys.MISMATCH_K3_BY_LAG[bucket]] = float(k3[i])
+            out[keys.MISMATCH_ABS_LOG_RATIO_BY_LAG[bucket]] = float(self.sum_abs_log_ratio[i] / n)
+            out[keys.MISMATCH_OUT_OF_BAND_BY_LAG[bucket]] = float(int(self.out_of_band[i]) / n)
+            out[keys.MISMATCH_ESS_BY_LAG[bucket]] = _ess(float(self.sum_ratio[i]), float(self.sum_ratio_sq[i]), n)
             if floor is not None and i > 0:
-                out[key + "excess_k3"] = float(k3[i]) - floor
-        out[f"{prefix}mismatch/k3"] = float(self.sum_k3.sum() / covered)
+                out[keys.MISMATCH_EXCESS_K3_BY_LAG[bucket]] = float(k3[i]) - floor
+        out[keys.MISMATCH_K3] = float(self.sum_k3.sum() / covered)
         stale_tokens = int(self.tokens[1:].sum())
         if floor is not None and stale_tokens:
-            out[f"{prefix}mismatch/excess_k3"] = float(self.sum_k3[1:].sum() / stale_tokens) - floor
-        out[f"{prefix}mismatch/coverage"] = covered / self.sampled
+            out[keys.MISMATCH_EXCESS_K3] = float(self.sum_k3[1:].sum() / stale_tokens) - floor
+        out[keys.MISMATCH_COVERAGE] = covered / self.sampled
         return out
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import numpy.typing as npt
 
+from .buckets import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS
 from .mismatch import MismatchSums
 
 __all__ = ["HISTOGRAM_TOP", "LENGTH_BUCKETS", "LENGTH_UPPER_BOUNDS", "MetricValue", "StepReport", "Tally"]
@@ -15,13 +16,6 @@ __all__ = ["HISTOGRAM_TOP", "LENGTH_BUCKETS", "LENGTH_UPPER_BOUNDS", "MetricValu
 # A value of the metrics dict: numbers, and the one string key ``staleness/mismatch/floor_source`` (SPEC 14).
 MetricValue = float | int | str
 
-# Histograms hold one bucket per staleness up to this one, which counts everything at or above it:
-# far beyond any exported bucket (the table's top bound is 64), and a bound on memory whatever arrives.
-HISTOGRAM_TOP = 4096
-
-# SPEC 12: samples by their count of sampled positions, 1..256, 257..1024, ..., above 16384.
-LENGTH_UPPER_BOUNDS: tuple[int, ...] = (256, 1024, 4096, 16384)
-LENGTH_BUCKETS: tuple[str, ...] = ("256", "1k", "4k", "16k", "inf")
 
 Counts = npt.NDArray[np.int64]
 

@@ -1,9 +1,10 @@
 """What a legacy name is called now (SPEC 7): W&B keys, Prometheus names, the setting and the console label.
 
-The W&B keys and their fate come from the metric table (``LEGACY_KEYS``). This module adds, as data, the
-other names the rename touched: the orchestrator setting, the console label, the dispatcher key families
-that have no replacement, and the Prometheus names older exporters published. Nothing here derives one
-name from another at run time: each old name is spelled out, and its new name is looked up in the table.
+The legacy W&B keys and their fate, the dispatcher key families that have no replacement and the Prometheus
+names older exporters published are the catalogue's (:mod:`staleness_metrics.metrics.metric_table`, SPEC 7).
+This module adds, as data, the other names the rename touched (the orchestrator setting, the console label)
+and the look-ups. Nothing here derives one name from another at run time: each old name is spelled out, and
+its new name is looked up in the table.
 
 Legacy Prometheus names. Older exporters (prime-rl style) published each W&B key with ``/`` replaced by
 ``_`` (``off_policy/in_flight/max`` -> ``off_policy_in_flight_max``; prometheus_client escapes ``/`` to ``_``
@@ -22,7 +23,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from ..metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, LegacyKey, MetricKind, metric_by_key
+from ..config import RENAMED_SETTINGS
+from ..metrics.metric_table import (
+    ENV_KEY_PREFIX,
+    LEGACY_KEYS,
+    LEGACY_NAMESPACE,
+    LEGACY_PROMETHEUS_NAMES,
+    METRICS,
+    REMOVED_KEY_FAMILIES,
+    WANDB_KEYS,
+    LegacyKey,
+    MetricKind,
+    metric_by_key,
+)
 
 __all__ = [
     "CONSOLE_LABELS",
@@ -47,66 +60,14 @@ __all__ = [
     "rewrite_key_regex",
 ]
 
-RENAMED_SETTINGS: Mapping[str, str] = {"max_off_policy_steps": "max_staleness"}
-"""Orchestrator settings that were renamed (old -> new), as config files spell them."""
-
 RENAMED_SETTING_FLAGS: Mapping[str, str] = {"max-off-policy-steps": "max-staleness"}
 """The same settings as command lines spell them (``--orchestrator.max-off-policy-steps 8``)."""
 
 CONSOLE_LABELS: Mapping[str, str] = {"Max Off-Policy": "Max Staleness"}
 """Labels of the per-step console line that were renamed (old -> new)."""
 
-_DISPATCHER_REASON = LEGACY_KEYS["dispatcher/off_policy/mean"].reason
-
-REMOVED_KEY_FAMILIES: Mapping[str, str] = {
-    "dispatcher/off_policy/": _DISPATCHER_REASON,
-    "dispatcher/off_policy_level/": _DISPATCHER_REASON,
-    "dispatcher/staleness/": _DISPATCHER_REASON,
-}
-"""Key prefixes whose keys are all removed (``dispatcher/off_policy/*``: no replacement), and why."""
-
-LEGACY_NAMESPACE = "off_policy/"
-"""The old W&B namespace: a key under it that is not in the table is a legacy key without a known mapping."""
-
 CURRENT_KEYS: frozenset[str] = frozenset(WANDB_KEYS)
 """The W&B keys of the metric table (SPEC 6, 11, 12; templated keys spelled out per bucket)."""
-
-_ENV_KEY_PREFIX = "staleness/env/"  # per-env breakdowns repeat the current keys under this prefix
-
-LEGACY_PROMETHEUS_NAMES: Mapping[str, str] = {
-    # old Prometheus name -> the legacy W&B key it published
-    "off_policy_mean": "off_policy/mean",
-    "off_policy_max": "off_policy/max",
-    "off_policy_in_flight_mean": "off_policy/in_flight/mean",
-    "off_policy_in_flight_max": "off_policy/in_flight/max",
-    "off_policy_in_queue_mean": "off_policy/in_queue/mean",
-    "off_policy_in_queue_max": "off_policy/in_queue/max",
-    "off_policy_token_mean": "off_policy/token/mean",
-    "off_policy_token_masked": "off_policy/token/masked",
-    "off_policy_token_max": "off_policy/token/max",
-    "off_policy_dropped": "off_policy/dropped",
-    "off_policy_dropped_total": "off_policy/dropped",
-    "dispatcher_off_policy_mean": "dispatcher/off_policy/mean",
-    "dispatcher_off_policy_max": "dispatcher/off_policy/max",
-    "dispatcher_off_policy_level_mean": "dispatcher/off_policy_level/mean",
-    "dispatcher_off_policy_level_max": "dispatcher/off_policy_level/max",
-    "staleness_mean": "staleness/mean",
-    "staleness_max": "staleness/max",
-    "staleness_in_flight_mean": "staleness/in_flight/mean",
-    "staleness_in_flight_max": "staleness/in_flight/max",
-    "staleness_in_queue_mean": "staleness/in_queue/mean",
-    "staleness_in_queue_max": "staleness/in_queue/max",
-    "staleness_token_max": "staleness/token/max",
-    "staleness_dropped": "staleness/dropped",
-    "staleness_dropped_total": "staleness/dropped",
-    "dispatcher_staleness_mean": "dispatcher/staleness/mean",
-    "dispatcher_staleness_max": "dispatcher/staleness/max",
-    # prime-rl's orchestrator exporter (gauges fed from its off_policy_level/all/* dispatcher stats)
-    "orchestrator_off_policy_level_min": "dispatcher/off_policy_level/min",
-    "orchestrator_off_policy_level_mean": "dispatcher/off_policy_level/mean",
-    "orchestrator_off_policy_level_max": "dispatcher/off_policy_level/max",
-}
-"""Legacy Prometheus names (bare, without a namespace prefix) -> the legacy W&B key each one published."""
 
 DEFAULT_PROMETHEUS_PREFIXES: tuple[str, ...] = ("orchestrator_",)
 """Namespace prefixes a legacy Prometheus name may carry (prime-rl's orchestrator exporter)."""
@@ -130,7 +91,7 @@ CURRENT_PROMETHEUS_NAMES: frozenset[str] = _series_names()
 
 def is_current_key(key: str) -> bool:
     """Whether ``key`` is a W&B key of the current naming (a table key or a per-env breakdown of one)."""
-    return key in CURRENT_KEYS or key.startswith(_ENV_KEY_PREFIX)
+    return key in CURRENT_KEYS or key.startswith(ENV_KEY_PREFIX)
 
 
 def migrate_key(key: str) -> LegacyKey | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..metrics import keys
 
 __all__ = ["PEERS", "PEER_KEYS", "TRACKER_SUFFIXES", "PeerKey", "peer_keys"]
 
@@ -97,15 +98,15 @@ _PIPELINE_UNIT = (
 
 PEER_KEYS: tuple[PeerKey, ...] = (
     # -- verl 0.9.1 --------------------------------------------------------------------------------------------
-    PeerKey("verl", "training/off_policy/trajectory_staleness/mean", "staleness/rollout/in_queue/mean",
+    PeerKey("verl", "training/off_policy/trajectory_staleness/mean", keys.ROLLOUT_IN_QUEUE_MEAN,
             f"{_VERL_V1}:1979,1986", _VERL_NEWEST),
-    PeerKey("verl", "training/off_policy/trajectory_staleness/max", "staleness/rollout/in_queue/max",
+    PeerKey("verl", "training/off_policy/trajectory_staleness/max", keys.ROLLOUT_IN_QUEUE_MAX,
             f"{_VERL_V1}:1979,1987", "T - max_global_steps, maximum over the batch: staleness/rollout/in_queue/max "
             "(see trajectory_staleness/mean for why not staleness/rollout/newest)"),
     PeerKey("verl", "training/off_policy/trajectory_staleness/min", None, f"{_VERL_V1}:1979,1988", _NO_MINIMA),
-    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/mean", "staleness/rollout/mean",
+    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/mean", keys.ROLLOUT_MEAN,
             f"{_VERL_V1}:1980,1989", _VERL_WORST),
-    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/max", "staleness/rollout/max",
+    PeerKey("verl", "training/off_policy/trajectory_staleness_worst/max", keys.ROLLOUT_MAX,
             f"{_VERL_V1}:1980,1990", "T - min_global_steps, maximum: staleness/rollout/max"),
     PeerKey("verl", "training/off_policy/trajectory_staleness_worst/min", None, f"{_VERL_V1}:1980,1991",
             _NO_MINIMA),
@@ -127,7 +128,7 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("verl", "max_off_policy_threshold", None, f"{_VERL_RB}:520-529",
             "evicts a prompt group when global_steps - its load step + 1 > threshold (or waits, strategy wait): "
             "counted from prompt load, plus one; max_staleness bounds T - the sampling version"),
-    PeerKey("verl", "fully_async/partial/max_partial_span", "staleness/rollout/in_flight/max", f"{_VERL_DU}:151-158",
+    PeerKey("verl", "fully_async/partial/max_partial_span", keys.ROLLOUT_IN_FLIGHT_MAX, f"{_VERL_DU}:151-158",
             "max(|max_global_steps - min_global_steps|): versions that passed while a trajectory was generated; "
             "from_verl's F = clamp(end - start, 0, R) is the same number"),
     PeerKey("verl", "fully_async/partial/partial_ratio", None, f"{_VERL_DU}:157",
@@ -154,11 +155,11 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("verl", "fully_async/count/current_param_version", None, f"{_VERL_FT}:1044",
             "the trainer's parameter version, not a staleness"),
     # -- SkyRL 0.4.0 -------------------------------------------------------------------------------------------
-    PeerKey("skyrl", "async/staleness_mean", "staleness/rollout/mean", f"{_SKYRL}:1002,1124",
+    PeerKey("skyrl", "async/staleness_mean", keys.ROLLOUT_MEAN, f"{_SKYRL}:1002,1124",
             "global_step - global_step_when_scheduled per group (scheduled at 920,939) = T - dispatch version "
             "with dispatch_version = global_step_when_scheduled - 1 and the ship at step global_step; groups "
             "have n_samples_per_prompt trajectories each, so the group mean is the rollout mean"),
-    PeerKey("skyrl", "async/staleness_max", "staleness/rollout/max", f"{_SKYRL}:1002,1125",
+    PeerKey("skyrl", "async/staleness_max", keys.ROLLOUT_MAX, f"{_SKYRL}:1002,1125",
             "T - dispatch version, maximum over groups"),
     PeerKey("skyrl", "async/staleness_min", None, f"{_SKYRL}:1126", _NO_MINIMA),
     PeerKey("skyrl", "async/staleness_ratio", None, f"{_SKYRL}:1127",
@@ -217,7 +218,7 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("trl", "sample/time_in_queue_s", None, f"{_TRL}:383-384",
             "seconds a row waited in the rollout queue: a time, not a count of versions"),
     # -- NeMo-RL (no release) ----------------------------------------------------------------------------------
-    PeerKey("nemo-rl", "train/avg_trajectory_age", "staleness/rollout/mean",
+    PeerKey("nemo-rl", "train/avg_trajectory_age", keys.ROLLOUT_MEAN,
             f"{_NEMO}nemo_rl/algorithms/async_utils/replay_buffer.py:293-296, nemo_rl/algorithms/grpo.py:5293,5394",
             "current_weight_version - mean generation weight version over the sampled prompt groups; "
             "current_weight_version is the version trained (grpo.py:4539, += 1 after each refit at 4937) and the "
@@ -267,8 +268,7 @@ PEERS: tuple[str, ...] = ("verl", "skyrl", "areal", "trl", "nemo-rl", "roll", "p
 
 
 def peer_keys(peer: str) -> tuple[PeerKey, ...]:
-    """The table rows of one peer (:class:`~staleness_metrics.errors.ConfigError`, a ``ValueError``, for a peer
-    the table does not know)."""
+    """The table rows of one peer (``ValueError`` for a peer the table does not know)."""
     if peer not in PEERS:
         known = ", ".join(PEERS)
         raise ConfigError(f"unknown peer {peer!r}; known: {known}", field="peer", reason=f"unknown (known: {known})")

@@ -16,7 +16,8 @@ from typing import IO, Any, cast
 import numpy as np
 
 from ..config import StalenessConfig
-from ..engine.sink import MAX_STEP, Shipment, Sink
+from ..engine.shipment import Shipment
+from ..engine.sink import MAX_STEP, Sink
 from ..engine.spans import SpanTable, checked_spans
 from ..errors import ConfigError, EventError, TraceError
 from ..records import jsonio, simd_records
@@ -27,7 +28,6 @@ from ..records.validation import Verdicts
 __all__ = [
     "Added",
     "Event",
-    "is_event_file",
     "open_decompressed",
     "pack_once",
     "parse_event",
@@ -412,20 +412,6 @@ def open_decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
     if compression == "bzip2":
         return bz2.BZ2File(raw)
     return lzma.LZMAFile(raw)
-
-
-def is_event_file(path: str | Path) -> bool:
-    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file (an event stream is the
-    only input read compressed), a file whose first object has ``type``, or a file whose first line is
-    not readable JSON (the event reader then names the line and what is wrong with it)."""
-    from .sources import detect_source  # the adapters read events through this module
-
-    if Path(path).is_file() and stream_compression(path) is not None:
-        return True
-    try:
-        return detect_source(path) == "events"
-    except (ValueError, RecursionError):  # ConfigError and UnicodeDecodeError are ValueErrors
-        return Path(path).is_file()
 
 
 def read_event_path(

@@ -52,14 +52,16 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import StalenessConfig
-from ..engine.sink import Shipment, Sink
+from ..engine.shipment import Shipment
+from ..engine.sink import Sink
 from ..errors import ConfigError
+from ..metrics import keys
 from ..metrics.bound import Curve, Floor, advise, budget_of, excess_curve, select_floor
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..metrics.report import Tally
 from .run_dir import find_run
-from .sources import EventDict, as_replay_events, detect_source, read_run
-from .stream import Step, is_event_file, pack_once, prepare, read_event_path, run_steps
+from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
+from .stream import Step, pack_once, prepare, read_event_path, run_steps
 
 __all__ = [
     "RunCurve",
@@ -143,11 +145,11 @@ class WhatIfRow:
         # The excess of what trained, over SPEC 14's floor of the same pooled tokens (lag 0, else the smallest
         # lag with floor_min_tokens tokens).
         floor = None if cost is None else select_floor(cost, 1, None, min_tokens=floor_min_tokens, max_age=0)
-        keys = cost.metrics(floor=None if floor is None else floor.value) if cost is not None else {}
+        cost_keys = cost.metrics(floor=None if floor is None else floor.value) if cost is not None else {}
         return cls(
             trained_covered=cost.covered if cost is not None else None,
-            trained_k3=_float(keys.get("staleness/mismatch/k3")),
-            trained_excess_k3=_float(keys.get("staleness/mismatch/excess_k3")),
+            trained_k3=_float(cost_keys.get(keys.MISMATCH_K3)),
+            trained_excess_k3=_float(cost_keys.get(keys.MISMATCH_EXCESS_K3)),
             max_staleness=bound,
             tokens_sampled=tally.tokens_sampled,
             tokens_masked=tally.tokens_masked,

@@ -4,8 +4,10 @@ CPU, with :func:`~staleness_metrics.adapters.trl.ship_at_train_time` (the README
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import socket
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -359,10 +361,9 @@ def async_grpo_trainer(
         report_to="none",
         save_strategy="no",
         logging_steps=1,
-        max_steps=100,  # the run ends when the worker's buffer is empty
         disable_tqdm=True,
         seed=0,
-        **config,
+        **{"max_steps": 100, **config},  # by default the run ends when the worker's buffer is empty
     )
     trainer = AsyncGRPOTrainer(
         model,
@@ -469,7 +470,7 @@ def test_the_readme_lines_void_stale_samples_in_the_micro_batch_trl_trains(
     calls = train(trainer)
     assert len(calls) >= 4 and all(call.own_tensors for call in calls)  # TRL's own tensors, masked in place
 
-    voided_any = False
+    voided_any = unscored_any = False
     for call in calls:
         before, now = call.terms(by_logprob, "fetched"), call.terms(by_logprob)
         stale = [s for s in before if call.version - s.model_version > bound]
@@ -481,11 +482,18 @@ def test_the_readme_lines_void_stale_samples_in_the_micro_batch_trl_trains(
         assert int(voided.sum()) + int(call.placeholder.sum()) == len(stale)
         assert (call.seen["advantages"][voided | call.placeholder] == 0).all()
         voided_any = voided_any or bool(stale)
+        # positions that only voided terms read are no longer scored (shift_labels -100); the others keep theirs
+        read_before = call.fetched["token_index"][call.fetched["token_index"] >= 0].tolist()
+        read_now = call.seen["token_index"][call.seen["token_index"] >= 0].tolist()
+        labels_before, labels_now = call.fetched["shift_labels"][0], call.seen["shift_labels"][0]
+        assert all(labels_now[p] == -100 for p in set(read_before) - set(read_now))
+        unscored_any = unscored_any or bool(set(read_before) - set(read_now))
+        assert all(labels_now[p] == labels_before[p] != -100 for p in read_now)
         # TRL normalises its loss by global_n_tokens: the terms trained
         assert call.seen["global_n_tokens"].tolist() == [float(len(now))]
         # each of them carries the lag it is trained at
         assert call.seen["staleness_lag"][call.trained].tolist() == [call.version - s.model_version for s in now]
-    assert voided_any, "no micro-batch held a sample TRL's pull-time rule let through"
+    assert voided_any and unscored_any, "no micro-batch held a sample TRL's pull-time rule let through"
     assert max(trained_lags(calls, by_logprob)) <= bound
     # one ship per optimizer step (one micro-batch each here), at the version compute_loss then trained
     assert [report.step for report in recorder.reports] == [call.version + 1 for call in calls]
@@ -603,3 +611,69 @@ def test_with_gradient_accumulation_each_step_ships_once_at_the_version_it_train
         assert sums is not None and int(sums.tokens.sum()) == len(lags) > 0
         assert sums.tokens.tolist() == direct.tokens.tolist()
         assert sums.metrics() == pytest.approx(direct.metrics())
+
+
+def train_on_rank(rank: int, port: int, model: str, out: str) -> None:
+    """One of two CPU processes (gloo) of ``AsyncGRPOTrainer`` with the README's lines; what each
+    ``compute_loss`` got goes to ``out/<rank>.json``."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    monkeypatch = pytest.MonkeyPatch()
+    samples = samples_at([1, 1, 2, 2, 3, 3, 4, 4])  # the same objects on both ranks; only rank 0's worker is used
+    trainer = async_grpo_trainer(
+        model, os.path.join(out, str(rank)), samples, monkeypatch,
+        max_staleness=1, per_device_train_batch_size=1, token_budget=0, max_steps=4,
+    )  # fmt: skip
+    assert trainer.accelerator.num_processes == 2
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=1))
+    staleness.ship_at_train_time(trainer, monitor)
+    seen = []
+    compute_loss = trainer.compute_loss
+
+    def loss(model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        selected = inputs["token_index"] >= 0
+        seen.append(
+            {
+                "model_version": trainer.model_version,
+                "old_log_probs": inputs["old_log_probs"][selected].tolist(),
+                "staleness_lag": inputs["staleness_lag"][selected].tolist(),
+                "global_n_tokens": float(inputs["global_n_tokens"][0]),
+            }
+        )
+        return compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    trainer.compute_loss = loss
+    trainer.train()
+    with open(os.path.join(out, f"{rank}.json"), "w") as file:
+        json.dump({"seen": seen, "versions": trainer.staleness_shipping.versions}, file)
+
+
+def test_with_two_processes_rank_0_ships_and_every_rank_trains_its_row_of_the_decision(
+    tiny_model: str, tmp_path: Any
+) -> None:
+    """Only rank 0 collates and bumps model_version (TRL's own code): its decision reaches every rank's row."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.multiprocessing.spawn(train_on_rank, args=(port, tiny_model, str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    by_logprob = by_old_log_prob(samples_at([1, 1, 2, 2, 3, 3, 4, 4]))
+    by_value = {value: sample.model_version for value, sample in by_logprob.items()}
+    versions = ranks[0]["versions"]
+    assert versions == [1, 2, 3, 4] and ranks[1]["versions"] == []  # one ship per step, on rank 0 only
+    assert {seen["model_version"] for seen in ranks[1]["seen"]} == {0}  # TRL bumps it on rank 0 only
+    placeholders = 0
+    for step, version in enumerate(versions):
+        rows = [rank["seen"][step] for rank in ranks]
+        trained = [(lag, value) for row in rows for lag, value in zip(row["staleness_lag"], row["old_log_probs"])]
+        kept = [(lag, value) for lag, value in trained if lag >= 0]
+        # each rank's kept terms carry rank 0's lag, trained within the bound
+        assert all(lag == version - by_value[value] <= 1 for lag, value in kept)
+        # global_n_tokens, TRL's normaliser, counts the kept terms of both rows, on both ranks
+        assert [row["global_n_tokens"] for row in rows] == [float(len(kept))] * 2
+        for row in rows:  # a row with nothing kept keeps one term at lag -1 (advantage 0)
+            if not [lag for lag in row["staleness_lag"] if lag >= 0]:
+                assert row["staleness_lag"] == [-1]
+                placeholders += 1
+    assert placeholders >= 2, "no row lost all its terms"
+    assert any(lag > 0 for lag in ranks[1]["seen"][1]["staleness_lag"])  # rank 1 could not have judged that

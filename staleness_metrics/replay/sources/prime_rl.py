@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ...errors import EventError, TraceError
+from ...metrics import keys
 from ...metrics.metric_table import LEGACY_KEYS
 from ...metrics.report import StepReport
 from .events import EventDict, iter_json_lines
@@ -64,10 +65,8 @@ __all__ = [
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_MEAN_KEYS = frozenset(
-    {"staleness/rollout/mean", "staleness/rollout/in_flight/mean", "staleness/rollout/in_queue/mean"}
-)
-_MAX_KEYS = frozenset({"staleness/rollout/max", "staleness/rollout/in_flight/max", "staleness/rollout/in_queue/max"})
+_MEAN_KEYS = frozenset({keys.ROLLOUT_MEAN, keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_QUEUE_MEAN})
+_MAX_KEYS = frozenset({keys.ROLLOUT_MAX, keys.ROLLOUT_IN_FLIGHT_MAX, keys.ROLLOUT_IN_QUEUE_MAX})
 
 
 @dataclass(frozen=True)

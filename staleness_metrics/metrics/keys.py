@@ -1,0 +1,113 @@
+"""The W&B keys code writes or reads by name, each looked up in the catalogue by its row's stable identifier.
+
+:mod:`.metric_table` is the one place a key is spelled; these constants are read from it when this module is
+imported (a renamed or missing row fails at import, and tests/metrics/test_catalogue_lint.py checks that
+every key of the table has its constant here). Rows with a bucket dimension give a mapping from the bucket
+name (:mod:`.buckets`) to its key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .metric_table import metric_named
+
+__all__ = [
+    "BOUND_CROSSED",
+    "BOUND_EXCESS_AT_BOUND",
+    "BOUND_SUGGESTED",
+    "LENGTH_REMOVED_SHARE_BY_LENGTH",
+    "LENGTH_SAMPLED_MEAN",
+    "LENGTH_TRAINED_MEAN",
+    "MAX_STALENESS",
+    "MISMATCH_ABS_LOG_RATIO_BY_LAG",
+    "MISMATCH_BUDGET",
+    "MISMATCH_COVERAGE",
+    "MISMATCH_CURVE_BY_LAG",
+    "MISMATCH_ESS_BY_LAG",
+    "MISMATCH_EXCESS_K3",
+    "MISMATCH_EXCESS_K3_BY_LAG",
+    "MISMATCH_FLOOR",
+    "MISMATCH_FLOOR_AGE",
+    "MISMATCH_FLOOR_SOURCE",
+    "MISMATCH_K3",
+    "MISMATCH_K3_BY_LAG",
+    "MISMATCH_OUT_OF_BAND_BY_LAG",
+    "MISMATCH_TOKENS_BY_LAG",
+    "ROLLOUTS_DROPPED",
+    "ROLLOUTS_HELD",
+    "ROLLOUT_IN_FLIGHT_MAX",
+    "ROLLOUT_IN_FLIGHT_MEAN",
+    "ROLLOUT_IN_QUEUE_MAX",
+    "ROLLOUT_IN_QUEUE_MEAN",
+    "ROLLOUT_MAX",
+    "ROLLOUT_MEAN",
+    "ROLLOUT_NEWEST_MAX",
+    "ROLLOUT_NEWEST_MEAN",
+    "SAMPLES_DROPPED",
+    "TOKEN_HISTOGRAM",
+    "TOKEN_MASKED",
+    "TOKEN_MEAN",
+    "TOKEN_P50",
+    "TOKEN_P90",
+    "TOKEN_P99",
+    "TOKEN_UNLABELLED",
+]
+
+
+def _key(name: str) -> str:
+    key = metric_named(name).wandb_key
+    assert key is not None, f"the row {name} has no W&B key"
+    return key
+
+
+def _by_bucket(name: str) -> Mapping[str, str]:
+    return metric_named(name).keys_by_bucket
+
+
+# SPEC 6: the metrics of a ship
+MAX_STALENESS = _key("max_staleness")
+TOKEN_MEAN = _key("token_mean")
+TOKEN_MASKED = _key("token_masked")
+TOKEN_UNLABELLED = _key("token_unlabelled")
+TOKEN_P50 = _key("token_p50")
+TOKEN_P90 = _key("token_p90")
+TOKEN_P99 = _key("token_p99")
+ROLLOUT_MEAN = _key("rollout_mean")
+ROLLOUT_MAX = _key("rollout_max")
+ROLLOUT_IN_FLIGHT_MEAN = _key("rollout_in_flight_mean")
+ROLLOUT_IN_FLIGHT_MAX = _key("rollout_in_flight_max")
+ROLLOUT_IN_QUEUE_MEAN = _key("rollout_in_queue_mean")
+ROLLOUT_IN_QUEUE_MAX = _key("rollout_in_queue_max")
+ROLLOUT_NEWEST_MEAN = _key("rollout_newest_mean")
+ROLLOUT_NEWEST_MAX = _key("rollout_newest_max")
+ROLLOUTS_DROPPED = _key("rollouts_dropped")
+SAMPLES_DROPPED = _key("samples_dropped")
+ROLLOUTS_HELD = _key("rollouts_held")
+TOKEN_HISTOGRAM = _key("token_staleness")
+
+# SPEC 11: what staleness costs
+MISMATCH_TOKENS_BY_LAG = _by_bucket("mismatch_tokens")
+MISMATCH_K3_BY_LAG = _by_bucket("mismatch_k3_by_lag")
+MISMATCH_ABS_LOG_RATIO_BY_LAG = _by_bucket("mismatch_abs_log_ratio_by_lag")
+MISMATCH_OUT_OF_BAND_BY_LAG = _by_bucket("mismatch_out_of_band_by_lag")
+MISMATCH_ESS_BY_LAG = _by_bucket("mismatch_ess_by_lag")
+MISMATCH_EXCESS_K3_BY_LAG = _by_bucket("mismatch_excess_k3_by_lag")
+MISMATCH_K3 = _key("mismatch_k3")
+MISMATCH_EXCESS_K3 = _key("mismatch_excess_k3")
+MISMATCH_COVERAGE = _key("mismatch_coverage")
+
+# SPEC 14: choosing the bound
+MISMATCH_FLOOR = _key("mismatch_floor")
+MISMATCH_FLOOR_SOURCE = _key("mismatch_floor_source")
+MISMATCH_FLOOR_AGE = _key("mismatch_floor_age")
+MISMATCH_BUDGET = _key("mismatch_budget")
+MISMATCH_CURVE_BY_LAG = _by_bucket("mismatch_curve")
+BOUND_SUGGESTED = _key("bound_suggested")
+BOUND_CROSSED = _key("bound_crossed")
+BOUND_EXCESS_AT_BOUND = _key("bound_excess_at_bound")
+
+# SPEC 12: length bias of masking and drops
+LENGTH_SAMPLED_MEAN = _key("length_sampled_mean")
+LENGTH_TRAINED_MEAN = _key("length_trained_mean")
+LENGTH_REMOVED_SHARE_BY_LENGTH = _by_bucket("length_removed_share")
