@@ -41,7 +41,9 @@ def test_every_export_resolves_to_what_its_module_defines() -> None:
 
 
 # Every export by the kind of thing the README documents it as.
-EXCEPTIONS = {"StalenessError", "ConfigError", "EventError", "TraceError"}
+EXCEPTIONS = {
+    "StalenessError", "ConfigError", "EventError", "TraceError", "FieldError", "FieldTypeError", "MissingFieldError",
+}  # fmt: skip
 POLICIES = {"TokenPolicy": "token", "EpisodePolicy": "episode", "GroupPolicy": "group", "XtunerPolicy": "xtuner"}
 CLASSES = {
     "Decision", "Judgement", "LegacyKey", "MetricDef", "MismatchSums", "PaddedShipment", "Rollout", "RolloutBatch",
@@ -142,8 +144,6 @@ def test_every_export_is_usable() -> None:
         assert error.field == "trainer_logprobs" and isinstance(error, staleness_metrics.StalenessError)
     else:
         raise AssertionError("mismatch_sums took arrays of different lengths")
-    for name in ("FieldTypeError", "MissingFieldError"):
-        assert issubclass(getattr(staleness_metrics, name), staleness_metrics.StalenessError)
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

@@ -206,7 +206,7 @@ def _check_version(version: object, names: TrainerNames) -> int:
         raise FieldTypeError(
             "version",
             f"expected an int (the policy version being trained: {names.trainer}'s {names.counter}), "
-            f"got {type(version).__name__}"
+            f"got {type(version).__name__}",
         )
     if version < 0:
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
