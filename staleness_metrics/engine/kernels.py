@@ -3,7 +3,8 @@
 Per-position ``token_versions`` with scattered ``-1`` positions or labels that change often make
 "find the runs, then reduce per run" cost a dozen numpy passes over arrays as long as the runs are
 many. These loops (compiled once by numba, cached on disk) read each position once instead. Each has
-the numpy formulation it replaced in ``tests/engine/test_kernels.py``, checked equal on random inputs.
+the numpy formulation it replaced in ``tests/engine/test_kernels.py`` (the mismatch pass: in
+``tests/metrics/test_mismatch.py``), checked equal on random inputs.
 """
 
 from __future__ import annotations
