@@ -20,7 +20,15 @@ if typing.TYPE_CHECKING:
     from .engine.policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
     from .engine.shipment import Shipment, ShippedRollout
     from .engine.sink import Sink
-    from .errors import ConfigError, EventError, StalenessError, TraceError
+    from .errors import (
+        ConfigError,
+        EventError,
+        FieldError,
+        FieldTypeError,
+        MissingFieldError,
+        StalenessError,
+        TraceError,
+    )
     from .metrics.metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
     from .metrics.mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
     from .metrics.report import StepReport, Tally
@@ -38,6 +46,9 @@ _HOME = {
     "Judgement": ".engine.decision",
     "ConfigError": ".errors",
     "EventError": ".errors",
+    "FieldError": ".errors",
+    "FieldTypeError": ".errors",
+    "MissingFieldError": ".errors",
     "StalenessError": ".errors",
     "TraceError": ".errors",
     "LEGACY_KEYS": ".metrics.metric_table",
@@ -75,12 +86,15 @@ __all__ = [
     "Decision",
     "EpisodePolicy",
     "EventError",
+    "FieldError",
+    "FieldTypeError",
     "GroupPolicy",
     "Judgement",
     "LegacyKey",
     "MetricDef",
     "MetricKind",
     "MismatchSums",
+    "MissingFieldError",
     "PaddedShipment",
     "Policy",
     "Rollout",

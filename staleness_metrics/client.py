@@ -29,7 +29,7 @@ from urllib.parse import quote
 import httpx
 
 from .config import StalenessConfig
-from .errors import ConfigError, StalenessError, TraceError
+from .errors import ConfigError, FieldTypeError, StalenessError, TraceError
 from .metrics.mismatch import MismatchSums
 
 __all__ = ["AddResult", "MismatchResult", "ServiceError", "ShipResult", "StalenessClient", "StepRow"]
@@ -148,7 +148,7 @@ class StalenessClient:
         """
         body: dict[str, Any] = {"step": step, "include_rollouts": include_rollouts}
         if isinstance(ids, str):  # list("r-1") would ship "r", "-" and "1"
-            raise TypeError(f"ids: expected an iterable of rollout ids, got the string {ids!r}")
+            raise FieldTypeError("ids", f"expected an iterable of rollout ids, got the string {ids!r}")
         if ids is not None:
             body["ids"] = list(ids)
         key = idempotency_key or uuid.uuid4().hex

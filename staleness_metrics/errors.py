@@ -11,6 +11,8 @@ __all__ = [
     "ConfigError",
     "EventError",
     "FieldError",
+    "FieldTypeError",
+    "MissingFieldError",
     "StalenessError",
     "TraceError",
     "shortened",
@@ -54,14 +56,45 @@ class ConfigError(StalenessError, ValueError):
         self.reason = reason if reason is not None else message
 
 
-class FieldError(StalenessError, ValueError):
-    """A value the library refuses, other than a setting or a record: mismatch sums (SPEC 11) and the step
-    they are posted for. The message is ``"<field>: <reason>"`` (the reason alone without a field)."""
+def _field_message(field: str | None, reason: str) -> str:
+    return f"{field}: {reason}" if field else reason
 
-    def __init__(self, field: str | None, reason: str) -> None:
-        super().__init__(f"{field}: {reason}" if field else reason)
+
+class FieldError(StalenessError, ValueError):
+    """A value the library refuses, other than a setting or a record: an argument (an array of the wrong
+    shape or dtype, a step), mismatch sums (SPEC 11) and the step they are posted for. The message is
+    ``"<field>: <reason>"`` (the reason alone without a field); ``rollout`` names the rollout at fault
+    where there is one."""
+
+    def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
+        super().__init__(_field_message(field, reason))
         self.field = field
         self.reason = reason
+        self.rollout = rollout
+
+
+class FieldTypeError(StalenessError, TypeError):
+    """An argument of the wrong type (a ``TypeError``): ``field`` names the argument."""
+
+    def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
+        super().__init__(_field_message(field, reason))
+        self.field = field
+        self.reason = reason
+        self.rollout = rollout
+
+
+class MissingFieldError(StalenessError, KeyError):
+    """A key a trainer's batch or a call's mapping lacks (a ``KeyError``): ``field`` names the key, and the
+    message reads as the other errors' (a plain ``KeyError`` quotes it)."""
+
+    def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
+        super().__init__(_field_message(field, reason))
+        self.field = field
+        self.reason = reason
+        self.rollout = rollout
+
+    def __str__(self) -> str:
+        return _field_message(self.field, self.reason)
 
 
 class TraceError(StalenessError, ValueError):

@@ -41,7 +41,9 @@ def test_every_export_resolves_to_what_its_module_defines() -> None:
 
 
 # Every export by the kind of thing the README documents it as.
-EXCEPTIONS = {"StalenessError", "ConfigError", "EventError", "TraceError"}
+EXCEPTIONS = {
+    "StalenessError", "ConfigError", "EventError", "TraceError", "FieldError", "FieldTypeError", "MissingFieldError",
+}  # fmt: skip
 POLICIES = {"TokenPolicy": "token", "EpisodePolicy": "episode", "GroupPolicy": "group", "XtunerPolicy": "xtuner"}
 CLASSES = {
     "Decision", "Judgement", "LegacyKey", "MetricDef", "MismatchSums", "PaddedShipment", "Rollout", "RolloutBatch",
@@ -135,6 +137,13 @@ def test_every_export_is_usable() -> None:
         assert isinstance(error, staleness_metrics.StalenessError) and error.rollout_id == "bad"
     else:
         raise AssertionError("a mask value of 2 was accepted")
+    # every deliberate refusal is a StalenessError naming its field, catchable by its public class
+    try:
+        mismatch_sums([0, 1], [0.0, 0.0], [0.0])
+    except staleness_metrics.FieldError as error:
+        assert error.field == "trainer_logprobs" and isinstance(error, staleness_metrics.StalenessError)
+    else:
+        raise AssertionError("mismatch_sums took arrays of different lengths")
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:

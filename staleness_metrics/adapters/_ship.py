@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..engine.shipment import Shipment
-from ..errors import TraceError
+from ..errors import FieldError, FieldTypeError, TraceError
 from ..records.columnar import RolloutBatch
 
 __all__ = [
@@ -103,7 +103,7 @@ class TrainerArray:
         elif _is_tensor(value):
             self.array, self.shared = value.detach().cpu().numpy(), False
         else:
-            raise TypeError(f"expected a numpy array or a tensor, got {type(value).__name__}")
+            raise FieldTypeError(None, f"expected a numpy array or a tensor, got {type(value).__name__}")
 
     def write_back(self, masked: npt.NDArray[Any]) -> None:
         """Make the trainer's object hold ``masked`` (the sink's flat view or copy of :attr:`array`)."""
@@ -162,7 +162,7 @@ class ShippedPart(Generic[S]):
     def lag_matrix(self) -> npt.NDArray[np.int64]:
         """``[len(rows), L]`` lags of a padded batch (one sample per row, all of width ``L``)."""
         if self.batch.padded is None:
-            raise ValueError("lag_matrix: the batch was not built by from_padded")
+            raise FieldError("lag_matrix", "the batch was not built by from_padded")
         width = self.batch.padded.width
         if not self.lags:
             return np.zeros((0, width), dtype=np.int64)
@@ -203,12 +203,13 @@ _PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
 
 def _check_version(version: object, names: TrainerNames) -> int:
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-        raise TypeError(
-            f"version: expected an int (the policy version being trained: {names.trainer}'s {names.counter}), "
-            f"got {type(version).__name__}"
+        raise FieldTypeError(
+            "version",
+            f"expected an int (the policy version being trained: {names.trainer}'s {names.counter}), "
+            f"got {type(version).__name__}",
         )
     if version < 0:
-        raise ValueError(f"version: {version} is negative; pass {names.trainer}'s {names.counter}")
+        raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
     return int(version)
 
 
@@ -255,7 +256,7 @@ def ship_row_batches(
         entry = pending.entries.get(pending.owner.get(error.rollout_id or "", -1))
         raise names.trace_error(error, None if entry is None else entry.row(error.rollout_id)) from error
     except ValueError as error:
-        raise ValueError(f"version {trained}: {error} (pass {names.trainer}'s {names.counter})") from error
+        raise FieldError("version", f"{trained}: {error} (pass {names.trainer}'s {names.counter})") from error
     return ShipResult(shipment, _collect(pending, shipment))
 
 

@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..engine.shipment import Shipment
-from ..errors import ConfigError, TraceError
+from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
 from ..records.padded import from_padded, padded_shipment
 from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_row_batches
@@ -67,7 +67,7 @@ def from_areal(
     """
     for key in ("loss_mask", "versions"):
         if key not in batch:
-            raise KeyError(f"AReaL batch: missing {key!r} (present: {sorted(batch)})")
+            raise MissingFieldError(key, f"missing from the AReaL batch (present: {sorted(batch)})")
     return from_padded(
         ids,
         batch["loss_mask"],
@@ -105,7 +105,7 @@ def _read_group(
 ) -> tuple[RolloutBatch, dict[str, Any], Callable[[], None]]:
     """One of AReaL's ``[G, L]`` dicts as rows for the sink, its ``loss_mask`` the sink's mask."""
     if not isinstance(data, dict):
-        raise TypeError(f"AReaL batch: expected a dict of tensors per group, got {type(data).__name__}")
+        raise FieldTypeError("data", f"AReaL batch: expected a dict of tensors per group, got {type(data).__name__}")
     prefix = f"areal-{uuid.uuid4().hex[:12]}"
     for key in ("loss_mask", "versions"):
         if data.get(key) is None:
@@ -121,7 +121,7 @@ def _read_group(
     else:
         sizes = [int(n) for n in group_sizes]
         if sum(sizes) != rows or any(n < 1 for n in sizes):
-            raise ValueError(f"group_sizes: {sizes} do not add up to the batch's {rows} rows")
+            raise FieldError("group_sizes", f"{sizes} do not add up to the batch's {rows} rows")
         group_ids = [f"{prefix}/g{g}" for g, n in enumerate(sizes) for _ in range(n)]
     attention, logprobs = data.get("attention_mask"), data.get("logprobs")
     try:

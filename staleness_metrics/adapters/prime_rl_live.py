@@ -35,6 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..engine.shipment import Shipment
+from ..errors import FieldError, MissingFieldError
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ._ship import TrainerNames, ship_rows
 
@@ -68,7 +69,7 @@ def from_training_samples(
     adjacent, in branch order. ``policy`` maps each rollout id to its ``(policy.start, policy.end)``.
     """
     if len(rollout_ids) != len(samples):
-        raise ValueError(f"rollout_ids: {len(rollout_ids)} ids for {len(samples)} samples")
+        raise FieldError("rollout_ids", f"{len(rollout_ids)} ids for {len(samples)} samples")
     ids: list[str] = []
     starts: list[int] = []
     for index, rid in enumerate(rollout_ids):
@@ -76,10 +77,10 @@ def from_training_samples(
             ids.append(rid)
             starts.append(index)
     if len(set(ids)) != len(ids):
-        raise ValueError("rollout_ids: the samples of one rollout must be adjacent")
+        raise FieldError("rollout_ids", "the samples of one rollout must be adjacent")
     missing = [rid for rid in ids if rid not in policy]
     if missing:
-        raise KeyError(f"policy: no (start, end) for rollout {missing[0]!r}")
+        raise MissingFieldError("policy", f"no (start, end) for rollout {missing[0]!r}", rollout=missing[0])
 
     masks = [np.asarray(_get(s, "mask"), dtype=np.float32) for s in samples]
     lengths = np.array([len(m) for m in masks], dtype=np.int64)

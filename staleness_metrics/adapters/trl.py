@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, TraceError
+from ..errors import ConfigError, FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
 from ._ship import TrainerNames, new_tensor_like, ship_rows
 
@@ -139,7 +139,9 @@ def staleness_lag_of(completion_mask: Any) -> npt.NDArray[np.int64]:
     of it), found by its ``completion_mask``: ``T - model_version`` on completion tokens, -1 elsewhere."""
     found = _lags.get(id(completion_mask))
     if found is None or found[0]() is not completion_mask:
-        raise KeyError("completion_mask: this sample did not come through staleness_metrics.adapters.trl.ship")
+        raise MissingFieldError(
+            "completion_mask", "this sample did not come through staleness_metrics.adapters.trl.ship"
+        )
     return found[1]
 
 
@@ -293,7 +295,7 @@ class TrainTimeShipping:
 
     def __init__(self, trainer: Any, monitor: StalenessMonitor) -> None:
         if getattr(trainer, "staleness_shipping", None) is not None:
-            raise ValueError("ship_at_train_time: this trainer ships already (call it once per trainer)")
+            raise FieldError("ship_at_train_time", "this trainer ships already (call it once per trainer)")
         if monitor.sink.policy.holds:
             raise ConfigError(
                 "ship_at_train_time: the policy holds rollouts back (xtuner with retry_expired), and a packed TRL "

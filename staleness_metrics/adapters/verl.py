@@ -36,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..engine.shipment import Shipment
-from ..errors import TraceError
+from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
 from ..records.padded import from_padded, padded_shipment
 from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
@@ -59,7 +59,7 @@ def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.N
     always adds the key) is a ``TraceError`` naming the row, not numpy's bare ``TypeError``."""
     values = extras[name]
     if len(values) != len(ids):
-        raise ValueError(f"verl batch: non_tensor_batch[{name!r}] has {len(values)} rows for {len(ids)} ids")
+        raise FieldError(f"non_tensor_batch[{name!r}]", f"verl batch: {len(values)} rows for {len(ids)} ids")
     missing = np.flatnonzero(np.array([v is None for v in values], dtype=bool))
     if len(missing):
         row = int(missing[0])
@@ -102,7 +102,7 @@ def from_verl(
     elif "responses" in tensors and "attention_mask" in tensors:
         mask = np.asarray(tensors["attention_mask"])[:, -np.asarray(tensors["responses"]).shape[1] :]
     else:
-        raise KeyError("verl batch: needs response_mask, or responses and attention_mask")
+        raise MissingFieldError("response_mask", "verl batch: needs response_mask, or responses and attention_mask")
     width = mask.shape[1]
     attention = None
     if "attention_mask" in tensors:
@@ -110,7 +110,7 @@ def from_verl(
     uids = extras.get("uid")
     if ids is None:
         if uids is None:
-            raise KeyError("verl batch: no uid in non_tensor_batch; pass ids")
+            raise MissingFieldError("uid", "verl batch: no uid in non_tensor_batch; pass ids")
         ids = verl_row_ids(list(uids))
     start_end = next(((a, b) for a, b in _VERSION_FIELDS if a in extras), None)
     if start_end is None:

@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..engine.shipment import Shipment
+from ..errors import ConfigError
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..monitor import StalenessMonitor
 from ..replay.what_if import shipped_values
@@ -77,7 +78,7 @@ class DriftModel:
         excess ``(speed · ℓ)² / 2`` is within ``budget`` (default: the floor's k3, ``floor² / 2``)."""
         beta = self.floor**2 / 2 if budget is None else budget
         if self.drift_per_version <= 0:
-            raise ValueError("drift_per_version: must be > 0 for the excess to cross any budget")
+            raise ConfigError("drift_per_version: must be > 0 for the excess to cross any budget")
         return math.floor(math.sqrt(2 * beta) / self.drift_per_version)
 
 

@@ -3,7 +3,8 @@
 Per-position ``token_versions`` with scattered ``-1`` positions or labels that change often make
 "find the runs, then reduce per run" cost a dozen numpy passes over arrays as long as the runs are
 many. These loops (compiled once by numba, cached on disk) read each position once instead. Each has
-the numpy formulation it replaced in ``tests/engine/test_kernels.py``, checked equal on random inputs.
+the numpy formulation it replaced in ``tests/engine/test_kernels.py`` (the mismatch pass: in
+``tests/metrics/test_mismatch.py``), checked equal on random inputs.
 """
 
 from __future__ import annotations
@@ -42,20 +43,21 @@ class _CompiledOnFirstCall:
     the argument types it gets; the machine code is cached on disk across processes.
 
     ``options`` are numba's (``error_model="numpy"``: a float division by zero gives inf or NaN as in
-    numpy, with no check that stops LLVM from vectorising the loop). ``helpers`` are loops the loop
+    numpy, with no check that stops LLVM from vectorising the loop). ``callees`` are loops the loop
     calls by a module-level name, compiled first with their own options (``fastmath={"reassoc"}`` lets
-    LLVM add a sum in vector lanes, which only the helper may do: the loop's own arithmetic stays exact).
+    LLVM add a sum in vector lanes, which only such a callee may do: the loop's own arithmetic stays
+    exact).
     """
 
     def __init__(
         self,
         loop: Callable[..., Any] | None = None,
         *,
-        helpers: Mapping[str, tuple[Callable[..., Any], Mapping[str, Any]]] | None = None,
+        callees: Mapping[str, tuple[Callable[..., Any], Mapping[str, Any]]] | None = None,
         **options: Any,
     ) -> None:
         self._loop = loop
-        self._helpers = dict(helpers or {})
+        self._callees = dict(callees or {})
         self._options = options
         self._compiled: Callable[..., Any] | None = None
         self._lock = threading.Lock()
@@ -63,14 +65,14 @@ class _CompiledOnFirstCall:
     def __call__(self, *args: Any) -> Any:
         if self._loop is None:  # used as @_CompiledOnFirstCall(options): this call passes the loop
             (loop,) = args
-            return _CompiledOnFirstCall(loop, helpers=self._helpers, **self._options)
+            return _CompiledOnFirstCall(loop, callees=self._callees, **self._options)
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
                     import numba
 
-                    for name, (helper, options) in self._helpers.items():
-                        self._loop.__globals__[name] = numba.njit(cache=True, nogil=True, **options)(helper)
+                    for name, (callee, options) in self._callees.items():
+                        self._loop.__globals__[name] = numba.njit(cache=True, nogil=True, **options)(callee)
                     self._compiled = numba.njit(cache=True, nogil=True, **self._options)(self._loop)
         assert self._compiled is not None
         return self._compiled(*args)
@@ -512,7 +514,7 @@ def _run_sums(
 _run_sums_compiled: Any = None  # _run_sums, compiled when _mismatch_runs is
 
 
-@_CompiledOnFirstCall(error_model="numpy", helpers={"_run_sums_compiled": (_run_sums, {"fastmath": {"reassoc"}})})
+@_CompiledOnFirstCall(error_model="numpy", callees={"_run_sums_compiled": (_run_sums, {"fastmath": {"reassoc"}})})
 def _mismatch_runs(
     lag: IntArray,
     sampler: npt.NDArray[Any],

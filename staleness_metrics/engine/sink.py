@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import StalenessConfig
-from ..errors import TraceError
+from ..errors import FieldError, FieldTypeError, TraceError
 from ..metrics.bound import BoundTracker, ShipBound, env_tracker_config
 from ..metrics.compute import WindowCounts, compute_report
 from ..metrics.mismatch import MismatchSums
@@ -220,9 +220,9 @@ class Sink:
     # ------------------------------------------------------------------ judge
     def _advance(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 1 <= step <= MAX_STEP:
-            raise ValueError(f"step must be an integer in 1..{MAX_STEP}, got {step!r}")
+            raise FieldError("step", f"must be an integer in 1..{MAX_STEP}, got {step!r}")
         if step < self._step:
-            raise ValueError(f"step {step} is below the previous step {self._step}: steps never decrease")
+            raise FieldError("step", f"{step} is below the previous step {self._step}: steps never decrease")
         self._step = int(step)
 
     def _judge(self, rows: IntArray, step: int) -> tuple[Judgement, Decision]:
@@ -274,7 +274,7 @@ class Sink:
         mode sets them aside.
         """
         if isinstance(ids, str):
-            raise TypeError("ids must be a collection of rollout ids, not one string")
+            raise FieldTypeError("ids", "must be a collection of rollout ids, not one string")
         self._advance(step)
         self.queue.build_staged()
         r = self.queue.rollouts

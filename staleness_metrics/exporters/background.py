@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from ..errors import ConfigError
 from ..metrics.report import StepReport
 from .base import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
 
@@ -60,7 +61,7 @@ class ExportQueue(Generic[P]):
         prepare: Callable[[], None] | None = None,
     ) -> None:
         if max_size < 1:
-            raise ValueError(f"max_size: must be >= 1, got {max_size}")
+            raise ConfigError(f"max_size: must be >= 1, got {max_size}")
         self.name = name
         self._send = send
         self._prepare = prepare

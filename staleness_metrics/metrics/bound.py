@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..config import StalenessConfig
+from ..errors import FieldError
 from .buckets import CURVE_BUCKETS, FLOOR_SOURCES, LAG_BUCKETS, FloorSource
 from .keys import (
     BOUND_CROSSED,
@@ -108,12 +109,12 @@ def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> li
     be positive.
     """
     if len(values) != len(weights):
-        raise ValueError(f"weights: length {len(weights)} differs from the values' {len(values)}")
+        raise FieldError("weights", f"length {len(weights)} differs from the values' {len(values)}")
     # Each block: [weighted mean, total weight, number of points].
     blocks: list[list[float]] = []
     for value, weight in zip(values, weights, strict=True):
         if not weight > 0:
-            raise ValueError(f"weights: must be > 0, got {weight!r}")
+            raise FieldError("weights", f"must be > 0, got {weight!r}")
         blocks.append([float(value), float(weight), 1.0])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             mean, weight_last, count = blocks.pop()

@@ -252,6 +252,13 @@ def compute_report(
     env_metrics: dict[str, dict[str, MetricValue]] = {}
     env_tally: dict[str, Tally] = {}
     envs = set(np.unique(shipped.env).tolist()) | set(window.counts) if per_env else set()
+    if len(envs) == 1 and set(window.dropped_lengths) <= envs:
+        # One env holds every shipped rollout and every count of the window: its population is the whole
+        # (the same inputs to the same sums), so it is not computed twice.
+        (env,) = envs
+        env_tally[env_names[env]] = tally
+        env_metrics[env_names[env]] = dict(population)
+        envs = set()
     for env in sorted(envs, key=lambda e: env_names[e]):
         env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
         env_metrics[env_names[env]] = dict(env_population)

@@ -228,7 +228,7 @@ def _flat(name: str, values: npt.ArrayLike, kinds: str) -> npt.NDArray[Any]:
     """``values`` as a flat array (``[B, L]`` reads row by row) whose dtype kind is one of ``kinds``."""
     array = np.asarray(values).reshape(-1)
     if array.size and array.dtype.kind not in kinds:
-        raise ValueError(f"{name}: expected {'integers' if kinds == 'iu' else 'numbers'}, got dtype {array.dtype}")
+        raise FieldError(name, f"expected {'integers' if kinds == 'iu' else 'numbers'}, got dtype {array.dtype}")
     return array
 
 
@@ -251,14 +251,14 @@ def mismatch_sums(
     """
     lo, hi = band
     if not (0 < lo <= hi and math.isfinite(hi)):
-        raise ValueError(f"band: expected 0 < lo <= hi, got {band!r}")
+        raise FieldError("band", f"expected 0 < lo <= hi, got {band!r}")
     lag = _flat("lags", lags, "iu")
     sampler = _flat("sampler_logprobs", sampler_logprobs, "fiu")
     trainer = _flat("trainer_logprobs", trainer_logprobs, "fiu")
     flags = None if masked is None else _flat("masked", masked, "biu")
     for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
         if array is not None and len(array) != len(lag):
-            raise ValueError(f"{name}: length {len(array)} differs from the lags' {len(lag)}")
+            raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
     bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)
     if any(values.dtype.kind == "f" and values.dtype.itemsize > 8 for values in (sampler, trainer)):
         # Wider than float64 (long double): the numpy blocks, which compute d in that precision.

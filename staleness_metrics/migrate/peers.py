@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from ..metrics import keys
 
 __all__ = ["PEERS", "PEER_KEYS", "TRACKER_SUFFIXES", "PeerKey", "peer_keys"]
@@ -269,5 +270,6 @@ PEERS: tuple[str, ...] = ("verl", "skyrl", "areal", "trl", "nemo-rl", "roll", "p
 def peer_keys(peer: str) -> tuple[PeerKey, ...]:
     """The table rows of one peer (``ValueError`` for a peer the table does not know)."""
     if peer not in PEERS:
-        raise ValueError(f"unknown peer {peer!r}; known: {', '.join(PEERS)}")
+        known = ", ".join(PEERS)
+        raise ConfigError(f"unknown peer {peer!r}; known: {known}", field="peer", reason=f"unknown (known: {known})")
     return tuple(row for row in PEER_KEYS if row.peer == peer)

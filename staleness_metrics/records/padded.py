@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import FieldError
 from .columnar import WEIGHT_FIELDS, RolloutBatch
 from .padded_rows import PaddedLayout, padded_columns
 
@@ -62,7 +63,7 @@ def padded_shipment(shipment: Shipment, batch: RolloutBatch) -> PaddedShipment:
     """
     layout = batch.padded
     if layout is None:
-        raise ValueError("padded_shipment: the batch was not built by from_padded")
+        raise FieldError("batch", "padded_shipment reads a batch built by from_padded; this one was not")
     picked = [r.index for r in shipment.rollouts if r.batch is batch and r.samples]
     shipped = np.zeros(layout.rows, dtype=bool)
     shipped[np.asarray(picked, dtype=np.int64)] = True

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import TraceError
+from ..errors import FieldError, TraceError
 
 __all__ = ["PaddedLayout", "padded_columns"]
 
@@ -44,16 +44,16 @@ class PaddedLayout:
 def _matrix(name: str, values: Any, shape: tuple[int, int] | None) -> npt.NDArray[Any]:
     array = np.asarray(values)
     if array.ndim != 2:
-        raise ValueError(f"{name}: expected a [B, L] array, got shape {array.shape}")
+        raise FieldError(name, f"expected a [B, L] array, got shape {array.shape}")
     if shape is not None and array.shape != shape:
-        raise ValueError(f"{name}: shape {array.shape} differs from the mask's {shape}")
+        raise FieldError(name, f"shape {array.shape} differs from the mask's {shape}")
     return array
 
 
 def _row_vector(name: str, values: Any, rows: int) -> npt.NDArray[Any]:
     array = np.asarray(values)
     if array.shape != (rows,):
-        raise ValueError(f"{name}: expected {rows} values (one per row), got shape {array.shape}")
+        raise FieldError(name, f"expected {rows} values (one per row), got shape {array.shape}")
     return array
 
 
@@ -62,7 +62,7 @@ def _row_list(name: str, values: Sequence[Any] | None, rows: int) -> list[Any] |
         return None
     out = list(values)
     if len(out) != rows:
-        raise ValueError(f"{name}: expected {rows} values (one per row), got {len(out)}")
+        raise FieldError(name, f"expected {rows} values (one per row), got {len(out)}")
     return out
 
 
@@ -84,7 +84,7 @@ def _valid_region(
     """Where the tokens are; None when every position holds one."""
     rows, width = shape
     if lengths is not None and attention_mask is not None:
-        raise ValueError("give either lengths or attention_mask, not both")
+        raise FieldError("lengths", "give either lengths or attention_mask, not both")
     if attention_mask is not None:
         valid: BoolArray = _matrix("attention_mask", attention_mask, shape) != 0
         return _Region(valid)
@@ -92,14 +92,14 @@ def _valid_region(
         return None
     length = _row_vector("lengths", lengths, rows).astype(np.int64)
     if ((length < 0) | (length > width)).any():
-        raise ValueError(f"lengths: every length must lie in 0..{width}")
+        raise FieldError("lengths", f"every length must lie in 0..{width}")
     columns = np.arange(width, dtype=np.int64)
     full = np.full(rows, width, dtype=np.int64)
     if padding_side == "right":
         return _Region(columns[None, :] < length[:, None], length, full)
     if padding_side == "left":
         return _Region(columns[None, :] >= (width - length)[:, None], np.zeros(rows, dtype=np.int64), width - length)
-    raise ValueError(f"padding_side: expected 'right' or 'left', got {padding_side!r}")
+    raise FieldError("padding_side", f"expected 'right' or 'left', got {padding_side!r}")
 
 
 _SIGN_FREE = {2: (np.uint16, 0x7FFF), 4: (np.uint32, 0x7FFFFFFF), 8: (np.uint64, 0x7FFFFFFFFFFFFFFF)}
@@ -136,7 +136,7 @@ def _label_spans(labels: npt.NDArray[Any], region: _Region | None) -> tuple[IntA
     """Per-position labels as version spans (offsets, versions, starts): one span wherever the label or
     the validity changes, -1 for unlabelled (any negative) and padding. No [B, L] copy is made."""
     if labels.dtype.kind not in "iu":
-        raise ValueError(f"token_versions: expected integers, got {labels.dtype}")
+        raise FieldError("token_versions", f"expected integers, got {labels.dtype}")
     rows, width = labels.shape
     if width == 0:
         empty = np.zeros(0, dtype=np.int64)

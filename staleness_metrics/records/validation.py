@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..engine.kernels import plain_positions
-from ..errors import TraceError
+from ..errors import FieldError, TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 
 __all__ = [
@@ -173,28 +173,29 @@ def _check_shapes(batch: RolloutBatch) -> None:
     """Structural consistency of the arrays themselves: a caller bug, not a bad rollout."""
     n_positions = batch.n_positions
     if batch.mask.ndim != 1:
-        raise ValueError("mask must be a 1-d array")
+        raise FieldError("mask", "must be a 1-d array")
     for name, offsets, total in (
         ("sample_offsets", batch.sample_offsets, batch.n_samples),
         ("position_offsets", batch.position_offsets, n_positions),
     ):
         if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
-            raise ValueError(f"{name} must start at 0, never decrease and end at {total}")
+            raise FieldError(name, f"must start at 0, never decrease and end at {total}")
     if len(batch.sample_offsets) != batch.n_rollouts + 1:
-        raise ValueError("sample_offsets must have one entry per rollout plus one")
+        raise FieldError("sample_offsets", "must have one entry per rollout plus one")
     for name in ("dispatch_version", "completion_version", "frozen", "agentic"):
         if len(getattr(batch, name)) != batch.n_rollouts:
-            raise ValueError(f"{name} must have one entry per rollout")
+            raise FieldError(name, "must have one entry per rollout")
     for name in (*PER_POSITION_FLOATS, "token_versions"):
         values = getattr(batch, name)
         if values is not None and len(values) != n_positions:
-            raise ValueError(f"{name} must have one entry per position ({n_positions})")
+            raise FieldError(name, f"must have one entry per position ({n_positions})")
     if batch.span_offsets is not None:
         assert batch.span_versions is not None and batch.span_starts is not None
         if len(batch.span_offsets) != batch.n_samples + 1 or batch.span_offsets[-1] != len(batch.span_versions):
-            raise ValueError("span_offsets must have one entry per sample plus one and end at the span count")
+            raise FieldError("span_offsets", "must have one entry per sample plus one and end at the span count")
     if len(batch.group_ids or ()) != batch.n_rollouts or len(batch.envs or ()) != batch.n_rollouts:
-        raise ValueError("group_ids and envs must have one entry per rollout")
+        wrong = "group_ids" if len(batch.group_ids or ()) != batch.n_rollouts else "envs"
+        raise FieldError(wrong, "group_ids and envs must have one entry per rollout")
 
 
 def _plain_envs(envs: Sequence[Any]) -> bool:
@@ -265,7 +266,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
     if batch.span_offsets is not None:
         _check_spans(batch, verdicts)
     elif np.any(kind == LABELS_SPANS):
-        raise ValueError("label_kind names spans but no span arrays are given")
+        raise FieldError("label_kind", "names spans but no span arrays are given")
     return verdicts
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics import StalenessConfig, TraceError
+from staleness_metrics import MissingFieldError, StalenessConfig, TraceError
 from staleness_metrics.adapters.areal import areal_loss_mask, from_areal
 from tests.adapters.equivalence import compare_ships, shipped_records
 
@@ -118,5 +118,7 @@ def test_a_row_without_any_version_needs_a_dispatch_version() -> None:
         from_areal(arrays, ["x"])
     assert caught.value.rollout_id == "x" and caught.value.field == "dispatch_version"
     assert from_areal(arrays, ["x"], dispatch_version=[3]).dispatch_version.tolist() == [3]
-    with pytest.raises(KeyError, match="versions"):
+    with pytest.raises(KeyError, match="versions") as missing:
         from_areal({"loss_mask": arrays["loss_mask"]}, ["x"])
+    assert isinstance(missing.value, MissingFieldError) and missing.value.field == "versions"
+    assert str(missing.value).startswith("versions: missing from the AReaL batch")

@@ -435,3 +435,26 @@ def test_a_batch_is_let_go_once_its_last_rollout_left_and_not_before() -> None:
     s.ship(4)  # "c" (version 0 at T = 3) is dropped by the sweep: its batch goes at this ship too
     gc.collect()
     assert second_ref() is None
+
+
+@pytest.mark.parametrize("second_env", [None, "code"])
+def test_one_env_s_report_is_the_whole_population_s(second_env: str | None) -> None:
+    """With every rollout (shipped, dropped or held) in one env, that env's metrics and tally are the whole
+    ship's; with a second env, each env's counts add up to the whole."""
+    sink = Sink(StalenessConfig(policy="token", max_staleness=1))
+    records = [
+        {"id": f"r{i}", "env": second_env if (second_env and i % 3 == 0) else "math", "dispatch_version": i % 4,
+         "samples": [{"mask": [0, 1, 1, 1], "token_versions": [-1, i % 4, -1, 3]},
+                     {"mask": [1, 1], "rl_weights": [0.0, 0.0] if i == 5 else [1.0, 1.0]}]}
+        for i in range(12)
+    ]  # fmt: skip
+    sink.add(records)
+    report = sink.ship(5).report
+    assert report.tally.tokens_sampled > 0 and report.tally.samples_dropped > 0
+    if second_env is None:
+        assert report.env_tally == {"math": report.tally}
+        assert report.env_metrics["math"] == {k: v for k, v in report.metrics.items() if "/env/" not in k}
+    else:
+        assert set(report.env_tally) == {"math", "code"}
+        for name in ("tokens_sampled", "tokens_masked", "samples_dropped", "rollouts_shipped"):
+            assert sum(getattr(t, name) for t in report.env_tally.values()) == getattr(report.tally, name)

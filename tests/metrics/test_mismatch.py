@@ -12,7 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics import LAG_BUCKETS, MismatchSums, Sink, StalenessConfig, TraceError, mismatch_sums
+from staleness_metrics import (
+    LAG_BUCKETS,
+    FieldError,
+    MismatchSums,
+    Sink,
+    StalenessConfig,
+    StalenessError,
+    TraceError,
+    mismatch_sums,
+)
 from staleness_metrics.metrics.mismatch import LAG_UPPER_BOUNDS
 
 
@@ -112,10 +121,21 @@ def test_array_likes_and_two_dimensional_batches() -> None:
 
 
 def test_wrong_lengths_name_the_field() -> None:
+    """Each refusal is a FieldError (a StalenessError, and a ValueError as before) naming the argument."""
+    calls: list[tuple[str, Any]] = [
+        ("trainer_logprobs", lambda: mismatch_sums([0, 1], [0.0, 0.0], [0.0])),
+        ("masked", lambda: mismatch_sums([0, 1], [0.0, 0.0], [0.0, 0.0], masked=[True, False, True])),
+        ("lags", lambda: mismatch_sums([0.5], [0.0], [0.0])),
+        ("sampler_logprobs", lambda: mismatch_sums([0], ["x"], [0.0])),
+        ("band", lambda: mismatch_sums([0], [0.0], [0.0], band=(0.0, 1.0))),
+    ]
+    for field, call in calls:
+        with pytest.raises(FieldError) as caught:
+            call()
+        assert caught.value.field == field and isinstance(caught.value, (ValueError, StalenessError))
+        assert str(caught.value).startswith(f"{field}: ") and caught.value.reason in str(caught.value)
     with pytest.raises(ValueError, match="trainer_logprobs: length 1 differs"):
         mismatch_sums([0, 1], [0.0, 0.0], [0.0])
-    with pytest.raises(ValueError, match="masked: length 3"):
-        mismatch_sums([0, 1], [0.0, 0.0], [0.0, 0.0], masked=[True, False, True])
     with pytest.raises(ValueError, match="lags: expected integers"):
         mismatch_sums([0.5], [0.0], [0.0])
 

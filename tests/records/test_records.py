@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from staleness_metrics import RolloutBatch, Sink, StalenessConfig, TraceError
+from staleness_metrics import FieldError, FieldTypeError, RolloutBatch, Sink, StalenessConfig, TraceError
 
 
 def good(rid: str = "r1", **extra: Any) -> dict[str, Any]:
@@ -226,9 +226,13 @@ def test_explicit_negative_and_huge_versions_are_refused(record: dict[str, Any],
 
 def test_a_huge_step_is_refused_and_leaves_the_sink_usable() -> None:
     sink = Sink()
-    with pytest.raises(ValueError, match="step must be"):
+    with pytest.raises(FieldError, match="step: must be") as caught:
         sink.ship(10**30)
+    assert caught.value.field == "step" and isinstance(caught.value, ValueError)
     assert sink.ship(3).step == 3
+    with pytest.raises(FieldError, match="never decrease") as caught:
+        sink.ship(2)
+    assert caught.value.field == "step"
 
 
 @pytest.mark.parametrize(
@@ -248,8 +252,9 @@ def test_booleans_are_not_numbers(sample: dict[str, Any], field: str) -> None:
 def test_ship_refuses_a_single_string_of_ids() -> None:
     sink = Sink()
     sink.add(good("r-1"))
-    with pytest.raises(TypeError, match="not one string"):
+    with pytest.raises(FieldTypeError, match="not one string") as caught:
         sink.ship(5, ids="r-1")
+    assert caught.value.field == "ids" and isinstance(caught.value, TypeError)
     assert sink.queued == 1
 
 
