@@ -18,7 +18,8 @@ if typing.TYPE_CHECKING:
     from .config import StalenessConfig
     from .engine.decision import Decision, Judgement
     from .engine.policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
-    from .engine.sink import Shipment, ShippedRollout, Sink
+    from .engine.shipment import Shipment, ShippedRollout
+    from .engine.sink import Sink
     from .errors import ConfigError, EventError, StalenessError, TraceError
     from .metrics.metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
     from .metrics.mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
@@ -61,8 +62,8 @@ _HOME = {
     "run_events": ".replay.stream",
     "StepReport": ".metrics.report",
     "Tally": ".metrics.report",
-    "Shipment": ".engine.sink",
-    "ShippedRollout": ".engine.sink",
+    "Shipment": ".engine.shipment",
+    "ShippedRollout": ".engine.shipment",
     "Sink": ".engine.sink",
 }
 

@@ -9,12 +9,14 @@ from typing import Any, Literal
 
 from .errors import ConfigError
 
-__all__ = ["POLICY_NAMES", "PolicyName", "StalenessConfig"]
+__all__ = ["POLICY_NAMES", "RENAMED_SETTINGS", "PolicyName", "StalenessConfig"]
 
 PolicyName = Literal["token", "episode", "group", "xtuner"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("token", "episode", "group", "xtuner")
 
 
+RENAMED_SETTINGS: Mapping[str, str] = {"max_off_policy_steps": "max_staleness"}
+"""Orchestrator settings that were renamed (old -> new), as config files spell them (``migrate`` rewrites them)."""
 MAX_SETTING = 2**53  # far beyond any run; keeps every threshold exact in int64 arithmetic
 
 
@@ -105,13 +107,11 @@ class StalenessConfig:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> StalenessConfig:
         """Build from a parsed config table; unknown and renamed keys are errors, never ignored."""
-        from .migrate.legacy import RENAMED_SETTINGS as _RENAMED  # the legacy keys load only when a config file is read
-
         known = {f.name for f in fields(cls)}
         for key in data:
-            if key in _RENAMED:
+            if key in RENAMED_SETTINGS:
                 migrate = "run `staleness-metrics migrate --write PATH` to update config files"
-                reason = f"renamed to {_RENAMED[key]!r}; {migrate}"
+                reason = f"renamed to {RENAMED_SETTINGS[key]!r}; {migrate}"
                 raise ConfigError(f"{key}: {reason}", field=key, reason=reason)
             if key not in known:
                 reason = f"unknown setting (known: {', '.join(sorted(known))})"

@@ -32,22 +32,22 @@ from types import TracebackType
 from typing import Any
 
 from .config import StalenessConfig
-from .engine.checkpoint import (
+from .engine.checkpoint import check_mismatch
+from .engine.shipment import Shipment
+from .engine.sink import Sink
+from .engine.state_checks import (
     FORMAT,
     check_digests,
     check_format,
-    check_mismatch,
     digests_of,
     fail,
     integer,
     join,
     keys,
     mapping,
-    read_sink,
     sequence,
     string,
 )
-from .engine.sink import Shipment, Sink
 from .errors import ConfigError, FieldError
 from .exporters.background import DEFAULT_CLOSE_TIMEOUT
 from .exporters.base import (
@@ -191,7 +191,7 @@ class StalenessMonitor:
             fail("digests", "missing")
         string(state["run"], "run")
         with self._lock:
-            sink_attributes, policy_state = read_sink(self.sink, state["sink"], "sink")
+            sink_state = self.sink.check_state_dict(state["sink"], "sink")
             saved = mapping(state["exporters"], "exporters")
             loads: list[tuple[str, Stateful, Any]] = []
             for name, exporter in self._stateful().items():
@@ -204,9 +204,7 @@ class StalenessMonitor:
             error_counts = {string(name, "export_errors"): integer(n, join("export_errors", str(name)), 0)
                             for name, n in errors.items()}  # fmt: skip
             steps = sequence(state["shipped_steps"], "shipped_steps")
-            shipped = {
-                integer(step, join("shipped_steps", i), 1, sink_attributes["_step"]) for i, step in enumerate(steps)
-            }
+            shipped = {integer(step, join("shipped_steps", i), 1, sink_state.step) for i, step in enumerate(steps)}
             if len(shipped) != len(steps):
                 fail("shipped_steps", "a step appears twice")
             mismatch: dict[int, MismatchSums] = {}
@@ -235,10 +233,7 @@ class StalenessMonitor:
                     raise
                 except Exception as exc:
                     raise ConfigError(f"checkpoint: {join('exporters', name)}: {exc}") from exc
-            for attribute, value in sink_attributes.items():
-                setattr(self.sink, attribute, value)
-            self.sink.policy.load_state_dict(policy_state)
-            self.sink.sync_bound()
+            self.sink.load_checked(sink_state)
             self.export_errors.restore(error_counts)
             self._shipped_steps = shipped
             self._mismatch = mismatch

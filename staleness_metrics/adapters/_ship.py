@@ -36,7 +36,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.sink import Shipment
+from ..engine.shipment import Shipment
 from ..errors import TraceError
 from ..records.columnar import RolloutBatch
 
@@ -171,7 +171,7 @@ class ShippedPart(Generic[S]):
 
 @dataclass(frozen=True)
 class ShipResult(Generic[S]):
-    """A ship seen per trainer batch: the :class:`~staleness_metrics.engine.sink.Shipment` (metrics, drops,
+    """A ship seen per trainer batch: the :class:`~staleness_metrics.engine.shipment.Shipment` (metrics, drops,
     holds) and its shipped rows as :class:`ShippedPart` s, oldest call first."""
 
     shipment: Shipment

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from ..engine.shipment import Shipment
 from ..errors import ConfigError, TraceError
 from ..records.columnar import RolloutBatch
 from ..records.padded import from_padded, padded_shipment
@@ -79,7 +80,7 @@ def from_areal(
     )
 
 
-def areal_loss_mask(shipment: Any, batch: RolloutBatch) -> npt.NDArray[np.generic]:
+def areal_loss_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.generic]:
     """The ``[B, L]`` ``loss_mask`` after ``shipment``: masked positions and rows not shipped are 0."""
     return padded_shipment(shipment, batch).mask
 

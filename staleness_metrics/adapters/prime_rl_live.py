@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.sink import Shipment
+from ..engine.shipment import Shipment
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ._ship import TrainerNames, ship_rows
 
@@ -121,7 +121,7 @@ def from_training_samples(
     )
 
 
-def shipped_samples(shipment: Any, batch: RolloutBatch, samples: Sequence[Any]) -> list[Any]:
+def shipped_samples(shipment: Shipment, batch: RolloutBatch, samples: Sequence[Any]) -> list[Any]:
     """The samples of ``batch`` that ``shipment`` shipped, in ship order, with the masked ``mask`` and
     weights written back into them (``samples`` is the list given to :func:`from_training_samples`)."""
     out: list[Any] = []

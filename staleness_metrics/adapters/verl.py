@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..engine.shipment import Shipment
 from ..errors import TraceError
 from ..records.columnar import RolloutBatch
 from ..records.padded import from_padded, padded_shipment
@@ -136,7 +137,7 @@ def from_verl(
     )
 
 
-def verl_response_mask(shipment: Any, batch: RolloutBatch) -> npt.NDArray[np.generic]:
+def verl_response_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.generic]:
     """The ``[B, Lr]`` ``response_mask`` after ``shipment``: masked positions and rows not shipped are 0."""
     return padded_shipment(shipment, batch).mask
 

@@ -35,7 +35,7 @@ from typing import IO, Any, TextIO
 
 from ..config import StalenessConfig
 from ..engine.kernels import warm_up
-from ..engine.sink import Shipment
+from ..engine.shipment import Shipment
 from ..exporters import ConsoleExporter, Exporter, JsonlExporter
 from ..exporters.console import format_line
 from ..metrics import keys

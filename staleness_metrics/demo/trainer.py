@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.sink import Shipment
+from ..engine.shipment import Shipment
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..monitor import StalenessMonitor
 from ..replay.what_if import shipped_values

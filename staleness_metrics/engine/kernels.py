@@ -12,9 +12,9 @@ import itertools
 import math
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -22,8 +22,8 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "mismatch_runs", "plain_positions",
-    "token_cuts", "warm_up", "weight_flags", "zero_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "TokenSpans", "fusable_weights",
+    "mismatch_runs", "plain_positions", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -32,37 +32,67 @@ BoolArray = npt.NDArray[np.bool_]
 _UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
+_NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
 _BLOCK = 64  # positions the cut loop checks at once for a cut (one vector pass)
 _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
 
 class _CompiledOnFirstCall:
     """``loop`` compiled by numba on its first call (numba is imported then, not with the package), for
-    the argument types it gets; the machine code is cached on disk across processes."""
+    the argument types it gets; the machine code is cached on disk across processes.
 
-    def __init__(self, loop: Callable[..., Any]) -> None:
+    ``options`` are numba's (``error_model="numpy"``: a float division by zero gives inf or NaN as in
+    numpy, with no check that stops LLVM from vectorising the loop). ``helpers`` are loops the loop
+    calls by a module-level name, compiled first with their own options (``fastmath={"reassoc"}`` lets
+    LLVM add a sum in vector lanes, which only the helper may do: the loop's own arithmetic stays exact).
+    """
+
+    def __init__(
+        self,
+        loop: Callable[..., Any] | None = None,
+        *,
+        helpers: Mapping[str, tuple[Callable[..., Any], Mapping[str, Any]]] | None = None,
+        **options: Any,
+    ) -> None:
         self._loop = loop
+        self._helpers = dict(helpers or {})
+        self._options = options
         self._compiled: Callable[..., Any] | None = None
         self._lock = threading.Lock()
 
     def __call__(self, *args: Any) -> Any:
+        if self._loop is None:  # used as @_CompiledOnFirstCall(options): this call passes the loop
+            (loop,) = args
+            return _CompiledOnFirstCall(loop, helpers=self._helpers, **self._options)
         if self._compiled is None:
             with self._lock:
                 if self._compiled is None:
                     import numba
 
-                    self._compiled = numba.njit(cache=True, nogil=True)(self._loop)
+                    for name, (helper, options) in self._helpers.items():
+                        self._loop.__globals__[name] = numba.njit(cache=True, nogil=True, **options)(helper)
+                    self._compiled = numba.njit(cache=True, nogil=True, **self._options)(self._loop)
         assert self._compiled is not None
         return self._compiled(*args)
 
 
 @_CompiledOnFirstCall
-def _token_cuts(
-    tokens: IntArray, mask: npt.NDArray[Any], pos_off: IntArray, samples: IntArray
-) -> tuple[IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
+def _token_spans(
+    tokens: IntArray,
+    mask: npt.NDArray[Any],
+    pos_off: IntArray,
+    samples: IntArray,
+    weights: tuple[npt.NDArray[Any], ...],
+    n_weights: int,
+    sign: np.uint64,
+    infinity: np.uint64,
+) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]:  # pragma: no cover - compiled
     n = len(tokens)
     if len(mask) != n:
         raise ValueError("token_cuts: token_versions and mask differ in length")
+    for w in range(n_weights):
+        if len(weights[w]) != n:
+            raise ValueError("token_cuts: a weight array and token_versions differ in length")
     total = 0
     end = 0
     for s in samples:  # checked before any read: a damaged offset must not read or write out of bounds
@@ -77,39 +107,54 @@ def _token_cuts(
     starts = np.empty(total + 1, dtype=np.int64)  # a cut holds at least one position: k <= total
     labels = np.empty_like(starts)
     labelled = np.empty_like(starts)
+    flags = np.zeros((n_weights, total + 1), dtype=np.uint8)
+    # The weight bits (see _weight_flags) of each cut, read while its sample is in cache.
+    one = np.uint64(1)
+    magnitude = sign - one
+    at_least_inf = sign - infinity
+    above_inf = at_least_inf - one
+    below = 0  # labels below -1 seen (a value rule of SPEC 3, checked by the caller when any)
     k = 0
     for s in samples:
         a = pos_off[s]
         length = pos_off[s + 1] - a
         if length == 0:
             continue
+        first_cut = k
         tok = tokens[a : a + length]  # slices: in bounds by the checks above, and no negative-index fix-up
         m = mask[a : a + length]
         starts[k] = a
         cut_label = tok[0]  # -1: none yet (leading -1 positions join the first label)
         count = 1 if cut_label >= 0 else 0
+        below += cut_label < -1
         i = 1
         while i < length:
             end = min(i + _BLOCK, length)
-            # A vector pass over the block: does anything cut here? Mostly not: then only count.
+            # Slices of the block (and of the positions before it): indices from 0, so no negative-index
+            # fix-up per position and the check below is one vector pass. Does anything cut here? Mostly
+            # not: then only count.
+            block_tok = tok[i:end]
+            block_mask = m[i:end]
+            before_mask = m[i - 1 : end - 1]
             cuts = 0
             block_labelled = 0
-            for q in range(i, end):
-                t = tok[q]
+            for q in range(end - i):
+                t = block_tok[q]
                 is_labelled = t >= 0
-                cuts += (m[q] != m[q - 1]) | (is_labelled & (t != cut_label))
+                cuts += (block_mask[q] != before_mask[q]) | (is_labelled & (t != cut_label))
                 block_labelled += is_labelled
+                below += t < -1
             if cuts == 0:
                 count += block_labelled
                 i = end
                 continue
-            for q in range(i, end):  # the block holds a cut: position by position
-                t = tok[q]
-                if m[q] != m[q - 1]:  # the mask changes (NaN differs from everything, as numpy's !=)
+            for q in range(end - i):  # the block holds a cut: position by position
+                t = block_tok[q]
+                if block_mask[q] != before_mask[q]:  # the mask changes (NaN differs from everything, as numpy's !=)
                     labels[k] = cut_label
                     labelled[k] = count
                     k += 1
-                    starts[k] = a + q
+                    starts[k] = a + i + q
                     cut_label = -1
                     count = 0
                 is_labelled = t >= 0
@@ -118,7 +163,7 @@ def _token_cuts(
                         labels[k] = cut_label
                         labelled[k] = count
                         k += 1
-                        starts[k] = a + q
+                        starts[k] = a + i + q
                         count = 0
                     cut_label = t
                 count += is_labelled  # no branch on the label itself: -1 positions come at random
@@ -126,7 +171,33 @@ def _token_cuts(
         labels[k] = cut_label
         labelled[k] = count
         k += 1
-    return starts[:k].copy(), labels[:k].copy(), labelled[:k].copy()
+        for w in range(n_weights):
+            bits = weights[w]
+            for c in range(first_cut, k):
+                cut_end = starts[c + 1] if c + 1 < k else a + length
+                seg = bits[starts[c] : cut_end]
+                any_bits = np.uint64(0)
+                any_inf = np.uint64(0)
+                any_nan = np.uint64(0)
+                any_not_positive = np.uint64(0)
+                for q in range(len(seg)):  # integer ORs only: one vector pass over the cut
+                    u = np.uint64(seg[q])
+                    y = u & magnitude
+                    any_bits |= y
+                    any_inf |= y + at_least_inf
+                    any_nan |= y + above_inf
+                    any_not_positive |= u | (y - one)
+                bits_of_cut = 0
+                if any_bits != 0:
+                    bits_of_cut |= 1
+                if any_inf & sign:
+                    bits_of_cut |= 2
+                if any_nan & sign:
+                    bits_of_cut |= 4 | 8
+                if any_not_positive & sign:
+                    bits_of_cut |= 8
+                flags[w, c] = bits_of_cut
+    return starts[:k].copy(), labels[:k].copy(), labelled[:k].copy(), flags[:, :k].copy(), below
 
 
 def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -140,15 +211,42 @@ def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return runs
 
 
-def token_cuts(
-    tokens: IntArray, mask: npt.NDArray[Any], pos_off: IntArray, samples: IntArray
-) -> tuple[IntArray, IntArray, IntArray]:
+def fusable_weights(weights: Sequence[npt.NDArray[Any]]) -> bool:
+    """Whether :func:`token_spans` reads the bits of ``weights`` in its pass: 1-d contiguous arrays of one
+    float dtype (float16/32/64). Others get their bits from :func:`weight_flags` or numpy."""
+    if not weights:
+        return True
+    dtype = weights[0].dtype
+    return dtype in _FLOAT_BITS and all(w.dtype == dtype and w.ndim == 1 and w.flags.c_contiguous for w in weights)
+
+
+class TokenSpans(NamedTuple):
+    """What :func:`token_spans` finds: per cut its start, label (-1: none), labelled positions and the
+    ``WEIGHT_*`` bits of each weight array (one row per array); and how many labels are below -1."""
+
+    starts: IntArray
+    labels: IntArray
+    labelled: IntArray
+    flags: npt.NDArray[np.uint8]
+    below: int
+
+
+def token_spans(
+    tokens: IntArray,
+    mask: npt.NDArray[Any],
+    pos_off: IntArray,
+    samples: IntArray,
+    weights: Sequence[npt.NDArray[Any]] = (),
+) -> TokenSpans:
     """Cuts of the (increasing) ``samples`` labelled per position: start, label and count of labelled
-    positions of each.
+    positions of each, the ``WEIGHT_*`` bits of each of ``weights`` per cut (as :func:`weight_flags`;
+    the arrays must pass :func:`fusable_weights`), and the count of labels below -1 (the caller checks
+    them: the cuts then treat such a label as unlabelled).
 
     A cut starts with its sample, wherever the mask differs from the previous position's, and where a
     label differs from the cut's label. ``-1`` positions never start a cut: they belong to the cut they
-    fall in, so a cut holds one label (or none: -1) and the unlabelled positions around it. Large inputs
+    fall in, so a cut holds one label (or none: -1) and the unlabelled positions around it. One pass
+    reads the labels and the mask, then each cut's weights while the sample is in cache. Large inputs
     are cut in parallel, a share of the samples per thread (the loop releases the GIL).
 
     Raises ``IndexError`` / ``ValueError`` on offsets that are out of order or point beyond the arrays
@@ -156,23 +254,49 @@ def token_cuts(
     """
     samples = np.ascontiguousarray(samples, dtype=np.int64)
     mask = _comparable_mask(mask)
+    views: tuple[npt.NDArray[Any], ...]
+    if weights:
+        if not fusable_weights(weights):
+            raise ValueError("token_spans: weights of one float dtype, 1-d and contiguous")
+        sign, infinity = _FLOAT_BITS[weights[0].dtype]
+        views = tuple(w.view(_UNSIGNED_OF_SIZE[w.dtype.itemsize]) for w in weights)
+    else:
+        sign, infinity = _FLOAT_BITS[np.dtype(np.float32)]
+        views = (_NO_WEIGHTS,)
+    n_weights = len(weights)
+    constants = (np.uint64(sign), np.uint64(infinity))
     n = len(tokens)
     if len(samples) < 2 or n < PARALLEL_MIN_POSITIONS:
-        one: tuple[IntArray, IntArray, IntArray] = _token_cuts(tokens, mask, pos_off, samples)
-        return one
+        return TokenSpans(*_token_spans(tokens, mask, pos_off, samples, views, n_weights, *constants))
     # Shares of about equal positions (the offsets are checked again inside each share).
     ends = np.clip(pos_off[np.clip(samples + 1, 0, len(pos_off) - 1)], 0, None)
     edges = np.unique(np.searchsorted(ends, np.linspace(0, ends[-1], num=_SHARES + 1)[1:-1], "left"))
     bounds = [0, *(int(e) + 1 for e in edges if 0 <= e < len(samples) - 1), len(samples)]
-    tasks = [partial(_token_cuts, tokens, mask, pos_off, samples[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
-    parts: list[tuple[IntArray, IntArray, IntArray]] = run_all(tasks, n)
+    tasks = [
+        partial(_token_spans, tokens, mask, pos_off, samples[a:b], views, n_weights, *constants)
+        for a, b in itertools.pairwise(bounds) if b > a
+    ]  # fmt: skip
+    parts: list[tuple[IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]] = run_all(tasks, n)
     if len(parts) == 1:
-        return parts[0]
-    return (
+        return TokenSpans(*parts[0])
+    return TokenSpans(
         np.concatenate([p[0] for p in parts]),
         np.concatenate([p[1] for p in parts]),
         np.concatenate([p[2] for p in parts]),
+        np.concatenate([p[3] for p in parts], axis=1),
+        sum(p[4] for p in parts),
     )
+
+
+def token_cuts(
+    tokens: IntArray, mask: npt.NDArray[Any], pos_off: IntArray, samples: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """The cuts of :func:`token_spans` alone: start, label and count of labelled positions of each.
+
+    Raises ``IndexError`` / ``ValueError`` on offsets that are out of order or point beyond the arrays.
+    """
+    found = token_spans(tokens, mask, pos_off, samples)
+    return found.starts, found.labels, found.labelled
 
 
 @_CompiledOnFirstCall
@@ -252,7 +376,21 @@ def zero_spans(
     views += [views[0]] * (4 - len(views))  # zeroing a position twice is harmless
     # Zeros of each view's own type: a literal 0 would make the selects float64.
     zeros = tuple(view.dtype.type(0) for view in views)
-    _zero_spans(*views, _NO_TOKENS if tokens is None else tokens, lo, hi, part, count, zeros)
+    labels = _NO_TOKENS if tokens is None else tokens
+    written = np.cumsum(hi - lo)
+    total = int(written[-1])
+    if total < PARALLEL_MIN_POSITIONS:
+        _zero_spans(*views, labels, lo, hi, part, count, zeros)
+        return
+    # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the shares
+    # never write the same position.
+    edges = np.searchsorted(written, np.linspace(0, total, num=_SHARES + 1)[1:-1], "left").tolist()
+    bounds = [0, *edges, len(lo)]
+    tasks = [
+        partial(_zero_spans, *views, labels, lo[a:b], hi[a:b], part[a:b], count[a:b], zeros)
+        for a, b in itertools.pairwise(bounds) if b > a
+    ]  # fmt: skip
+    run_all(tasks, total)
 
 
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
@@ -325,7 +463,56 @@ def weight_flags(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.ND
     return flags
 
 
-@_CompiledOnFirstCall
+# exp(x) for |x| <= 20 as fdlibm's e_exp.c computes it (within 1 ulp of the C library's): x = k ln2 + r,
+# |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), a rational approximation of exp(r), then 2^k.
+# Written in the loop, it is vectorised; the C library's exp is a call per position.
+_LN2_HI, _LN2_LO, _INV_LN2 = 6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.44269504088896338700e00
+_EXP_P1, _EXP_P2, _EXP_P3 = 1.66666666666666019037e-01, -2.77777777770155933842e-03, 6.61375632143793436117e-05
+_EXP_P4, _EXP_P5 = -1.65339022054652515390e-06, 4.13813679705723846039e-08
+_NEAR = 2.0**-40  # a ratio this close (relative) to a band edge is compared again with the C library's exp
+_MISMATCH_BLOCK = 1024  # positions computed at once into buffers that stay in L1
+_SHORT_RUN = 16  # runs of equal lag shorter than this are added position by position
+
+
+def _run_sums(
+    d: npt.NDArray[np.float64],
+    k3: npt.NDArray[np.float64],
+    r: npt.NDArray[np.float64],
+    covered: npt.NDArray[np.uint8],
+    masked: npt.NDArray[np.uint8],
+    out_of_band: npt.NDArray[np.uint8],
+    a: int,
+    b: int,
+) -> tuple[float, float, float, float, float, int, int, int]:  # pragma: no cover - compiled
+    """Sums over ``[a, b)`` of the buffers (compiled with reassociation: the float sums go in vector lanes)."""
+    ds, ks, rs = d[a:b], k3[a:b], r[a:b]
+    cs, ms, os = covered[a:b], masked[a:b], out_of_band[a:b]
+    sum_d = 0.0
+    sum_abs = 0.0
+    sum_k3 = 0.0
+    sum_r = 0.0
+    sum_r2 = 0.0
+    tokens = 0
+    n_masked = 0
+    n_out = 0
+    for p in range(b - a):
+        x = ds[p]
+        y = rs[p]
+        sum_d += x
+        sum_abs += abs(x)
+        sum_k3 += ks[p]
+        sum_r += y
+        sum_r2 += y * y
+        tokens += cs[p]
+        n_masked += ms[p]
+        n_out += os[p]
+    return sum_d, sum_abs, sum_k3, sum_r, sum_r2, tokens, n_masked, n_out
+
+
+_run_sums_compiled: Any = None  # _run_sums, compiled when _mismatch_runs is
+
+
+@_CompiledOnFirstCall(error_model="numpy", helpers={"_run_sums_compiled": (_run_sums, {"fastmath": {"reassoc"}})})
 def _mismatch_runs(
     lag: IntArray,
     sampler: npt.NDArray[Any],
@@ -344,53 +531,108 @@ def _mismatch_runs(
     counts = np.zeros((3, n_buckets), dtype=np.int64)  # tokens, masked, out_of_band
     sums = np.zeros((5, n_buckets), dtype=np.float64)  # d, |d|, r - 1 - d, r, r^2
     uncovered = 0
-    i = 0
-    while i < n:  # one run of equal lag at a time: its bucket is found once
-        run_lag = lag[i]
-        j = i + 1
-        while j < n and lag[j] == run_lag:
-            j += 1
-        if run_lag < 0:  # not a sampled position of a live rollout: outside the population
-            i = j
-            continue
-        bucket = 0
-        while bucket < n_buckets - 1 and bounds[bucket] < run_lag:  # numpy's searchsorted(bounds, lag, "left")
-            bucket += 1
-        s = sampler[i:j]  # slices: in bounds, no negative-index fix-up per position
-        t = trainer[i:j]
-        tokens = 0
-        masked = 0
-        out_of_band = 0
-        sum_d = 0.0
-        sum_abs = 0.0
-        sum_k3 = 0.0
-        sum_r = 0.0
-        sum_r2 = 0.0
-        for p in range(j - i):
+    block = _MISMATCH_BLOCK
+    d_buf = np.empty(block, dtype=np.float64)
+    k3_buf = np.empty(block, dtype=np.float64)
+    r_buf = np.empty(block, dtype=np.float64)
+    covered_buf = np.empty(block, dtype=np.uint8)
+    masked_buf = np.empty(block, dtype=np.uint8)
+    out_buf = np.empty(block, dtype=np.uint8)
+    no_flags = np.zeros(block, dtype=np.uint8)
+    near_lo, near_lo_top = band_lo * (1.0 - _NEAR), band_lo * (1.0 + _NEAR)
+    near_hi, near_hi_top = band_hi * (1.0 - _NEAR), band_hi * (1.0 + _NEAR)
+    last_lag = -1
+    bucket = 0
+    for start in range(0, n, block):
+        end = min(start + block, n)
+        width = end - start
+        lags = lag[start:end]  # slices: in bounds, no negative-index fix-up per position
+        s = sampler[start:end]
+        t = trainer[start:end]
+        f = flags[start:end] if has_flags else no_flags[:width]
+        # Every position of the block at once (one vector pass, no branch): those outside the population
+        # (lag < 0) are computed too and left out below.
+        near = 0
+        for p in range(width):
             d = np.float64(t[p]) - np.float64(s[p])
-            if not math.isfinite(d):  # either value NaN or infinite: uncovered, never an error
-                uncovered += 1
+            finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
+            d = d if d < clamp else clamp
+            d = d if d > -clamp else -clamp
+            d = d if finite else 0.0
+            k = math.floor(d * _INV_LN2 + 0.5)
+            high = d - k * _LN2_HI
+            low = k * _LN2_LO
+            x = high - low
+            xx = x * x
+            c = x - xx * (_EXP_P1 + xx * (_EXP_P2 + xx * (_EXP_P3 + xx * (_EXP_P4 + xx * _EXP_P5))))
+            y = 1.0 - ((low - (x * c) / (2.0 - c)) - high)
+            r = y * np.int64((np.int64(k) + 1023) << 52).view(np.float64)  # y * 2^k, exact
+            r = r if finite else 0.0
+            d_buf[p] = d
+            r_buf[p] = r
+            k3_buf[p] = r - 1.0 - d if finite else 0.0
+            covered_buf[p] = finite
+            masked_buf[p] = finite & (f[p] != 0)
+            out_buf[p] = finite & ((r < band_lo) | (r > band_hi))
+            near += ((r > near_lo) & (r < near_lo_top)) | ((r > near_hi) & (r < near_hi_top))
+        if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
+            for p in range(width):
+                r = r_buf[p]
+                if ((r > near_lo) & (r < near_lo_top)) | ((r > near_hi) & (r < near_hi_top)):
+                    exact = math.exp(d_buf[p])
+                    out_buf[p] = covered_buf[p] & ((exact < band_lo) | (exact > band_hi))
+        p = 0
+        while p < width:  # one run of equal lag at a time: its bucket is found once
+            run_lag = lags[p]
+            q = p + 1
+            while q < width:  # the run's end: 64 positions compared at once, then one by one
+                top = min(q + 64, width)
+                ahead = lags[q:top]
+                differ = 0
+                for i in range(top - q):
+                    differ += ahead[i] != run_lag
+                if differ == 0:
+                    q = top
+                    continue
+                i = 0
+                while ahead[i] == run_lag:
+                    i += 1
+                q += i
+                break
+            if run_lag < 0:  # not a sampled position of a live rollout: outside the population
+                p = q
                 continue
-            d = min(max(d, -clamp), clamp)
-            r = math.exp(d)
-            tokens += 1
-            if has_flags:
-                masked += flags[i + p] != 0
-            out_of_band += (r < band_lo) | (r > band_hi)
-            sum_d += d
-            sum_abs += abs(d)
-            sum_k3 += r - 1.0 - d
-            sum_r += r
-            sum_r2 += r * r
-        counts[0, bucket] += tokens
-        counts[1, bucket] += masked
-        counts[2, bucket] += out_of_band
-        sums[0, bucket] += sum_d
-        sums[1, bucket] += sum_abs
-        sums[2, bucket] += sum_k3
-        sums[3, bucket] += sum_r
-        sums[4, bucket] += sum_r2
-        i = j
+            if run_lag != last_lag:  # numpy's searchsorted(bounds, lag, "left")
+                bucket = 0
+                while bucket < n_buckets - 1 and bounds[bucket] < run_lag:
+                    bucket += 1
+                last_lag = run_lag
+            if q - p >= _SHORT_RUN:
+                sum_d, sum_abs, sum_k3, sum_r, sum_r2, tokens, n_masked, n_out = _run_sums_compiled(
+                    d_buf, k3_buf, r_buf, covered_buf, masked_buf, out_buf, p, q
+                )
+            else:
+                sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+                tokens = n_masked = n_out = 0
+                for i in range(p, q):
+                    sum_d += d_buf[i]
+                    sum_abs += abs(d_buf[i])
+                    sum_k3 += k3_buf[i]
+                    sum_r += r_buf[i]
+                    sum_r2 += r_buf[i] * r_buf[i]
+                    tokens += covered_buf[i]
+                    n_masked += masked_buf[i]
+                    n_out += out_buf[i]
+            counts[0, bucket] += tokens
+            counts[1, bucket] += n_masked
+            counts[2, bucket] += n_out
+            sums[0, bucket] += sum_d
+            sums[1, bucket] += sum_abs
+            sums[2, bucket] += sum_k3
+            sums[3, bucket] += sum_r
+            sums[4, bucket] += sum_r2
+            uncovered += (q - p) - tokens
+            p = q
     return counts, sums, uncovered
 
 
@@ -408,11 +650,16 @@ def mismatch_runs(
     ``sums`` (d, \|d\|, r - 1 - d, r, r\ :sup:`2`) per bucket (``searchsorted(bounds, lag, "left")``),
     and the uncovered positions. ``lag`` is int64; the log-probabilities float32 or float64 (each read as
     float64); ``flags`` one byte (or bool) per position or ``None``. Positions with a negative lag are
-    skipped, those where the difference is not finite are uncovered; ``d`` is clamped to ``±clamp``.
-    Large inputs are summed in parallel shares (the loop releases the GIL), then added.
+    skipped, those where the difference is not finite are uncovered; ``d`` is clamped to ``±clamp``
+    (at most 700: ``exp`` is computed in the loop for the arguments of a float64 result). The float sums
+    are those of a sequential pass to float64 rounding: ``r`` within one ulp of the C library's ``exp``,
+    added in vector lanes; the counts are exact (a ratio on a band edge is compared again with the C
+    library's ``exp``). Large inputs are summed in parallel shares (the loop releases the GIL), then added.
 
-    Raises ``ValueError`` when the arrays differ in length.
+    Raises ``ValueError`` when the arrays differ in length or ``clamp`` is out of range.
     """
+    if not 0 <= clamp <= 700:
+        raise ValueError(f"mismatch_runs: clamp {clamp} outside 0..700")
     flag_bytes = _NO_FLAGS if flags is None else flags.view(np.uint8)
     has_flags = flags is not None
     n = len(lag)
@@ -479,6 +726,8 @@ def warm_up() -> None:
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))
+        for weights in range(1, 4):
+            token_spans(tokens, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1 : 1 + weights])
         weight_flags(arrays[1], lo, hi)
         zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
         mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)

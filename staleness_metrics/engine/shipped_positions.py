@@ -15,9 +15,12 @@ import numpy.typing as npt
 
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..records.columnar import RolloutBatch
-from .segments import expand_ranges
+from .decision import Judgement
+from .queue import RolloutQueue
+from .segments import expand_ranges, segment_sum
+from .spans import PART_LABELLED, PART_UNLABELLED
 
-__all__ = ["NOT_SAMPLED", "ShippedSpans"]
+__all__ = ["NOT_SAMPLED", "ShippedSpans", "shipped_spans"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -132,4 +135,36 @@ def _chunk_sums(
         _values(batch, "trainer_logprobs", lo, positions, lengths),
         masked,
         band=band,
+    )
+
+
+def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
+    """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11)."""
+    s, n = queue.samples, queue.spans
+    span_rows = expand_ranges(s["span_lo"][shipped.sample_rows], s["span_hi"][shipped.sample_rows])
+    kept_sample = ~shipped.dropped
+    part = n["part"][span_rows]
+    kept = kept_sample[shipped.span_sample] & (part != PART_UNLABELLED)  # a mixed span once, by its first row
+    span_rollout = shipped.sample_rollout[shipped.span_sample]
+    in_population = ~shipped.frozen[span_rollout] & (shipped.sampled > 0)
+    lag = np.where(in_population, shipped.trained_version - shipped.version, NOT_SAMPLED)
+    masked = shipped.version < shipped.mask_below[shipped.span_sample]
+    partner = np.minimum(np.arange(len(part)) + 1, max(len(part) - 1, 0))  # the unlabelled part follows
+    chunks = queue.rollouts["chunk"][shipped.rows]
+    used = np.unique(chunks)
+    batches = [queue.chunks[c] for c in used.tolist()]
+    assert all(b is not None for b in batches)
+    spans_per_sample = segment_sum(kept.astype(np.int64), shipped.span_offsets)[kept_sample]
+    return ShippedSpans(
+        batches=batches,
+        chunk=np.searchsorted(used, chunks[span_rollout])[kept],
+        lo=n["lo"][span_rows][kept],
+        hi=n["hi"][span_rows][kept],
+        lag=lag[kept],
+        masked=masked[kept],
+        sample_offsets=np.concatenate(([0], np.cumsum(spans_per_sample))),
+        mixed=(part == PART_LABELLED)[kept],
+        unlabelled_lag=lag[partner][kept],
+        unlabelled_masked=masked[partner][kept],
+        env=shipped.env[span_rollout][kept],
     )

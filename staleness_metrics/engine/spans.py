@@ -15,6 +15,7 @@ per change of value; nothing sorts or hashes per-position data.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Container
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -23,13 +24,23 @@ import numpy as np
 import numpy.typing as npt
 
 from ..records.columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
-from ..records.validation import Verdicts
-from .kernels import WEIGHT_NAN, WEIGHT_NONFINITE, WEIGHT_NONZERO, WEIGHT_NOT_POSITIVE, token_cuts, weight_flags
+from ..records.validation import Verdicts, check_batch
+from .kernels import (
+    WEIGHT_NAN,
+    WEIGHT_NONFINITE,
+    WEIGHT_NONZERO,
+    WEIGHT_NOT_POSITIVE,
+    TokenSpans,
+    fusable_weights,
+    token_spans,
+    weight_flags,
+)
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 from .segments import expand_ranges, segment_max, segment_min, segment_sum
 
 __all__ = [
     "NO_VERSION_HIGH", "NO_VERSION_LOW", "PART_LABELLED", "PART_UNLABELLED", "PART_WHOLE", "SpanTable", "build_spans",
+    "checked_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -70,11 +81,35 @@ class SpanTable:
     completion: IntArray
 
 
-def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
+class _TokenVersionBelowMinusOne(Exception):
+    """A token version below -1 in a sample :func:`build_spans` cut (only raised when asked to check them)."""
+
+
+def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> tuple[Verdicts, SpanTable]:
+    """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`: the invalid rollouts and
+    the spans of the others.
+
+    The rule on token versions (>= -1) is checked in the pass that cuts them rather than in a pass of
+    its own. When that pass finds an offender, or the batch has other errors, the checks run again in
+    their usual order, so the first error named for each rollout is the same either way.
+    """
+    verdicts = check_batch(batch, known_ids, token_values=False)
+    if not verdicts.errors:
+        try:
+            return verdicts, build_spans(batch, verdicts, token_values=False)
+        except _TokenVersionBelowMinusOne:
+            pass
+    verdicts = check_batch(batch, known_ids)
+    return verdicts, build_spans(batch, verdicts)
+
+
+def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool = True) -> SpanTable:
     """Cut every sample of ``batch`` into spans of one version label and one mask value.
 
     Also checks the position values (0/1 mask, finite weights and log-probabilities) and reports
-    offenders into ``verdicts``. Samples of rollouts already invalid there get no spans.
+    offenders into ``verdicts``. Samples of rollouts already invalid there get no spans. Without
+    ``token_values`` (the caller did not check that token versions are >= -1), raises
+    ``_TokenVersionBelowMinusOne`` when a sample it cuts has one (:func:`checked_spans`).
     """
     pos_off = batch.position_offsets
     n_samples = batch.n_samples
@@ -98,13 +133,23 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     of_version = np.searchsorted(version_lo, lo, "right") - 1
     label, kept = version_label[of_version], version_kept[of_version]
     labelled = np.full(len(lo), -1)  # labelled positions per cut; -1: all of them when the label is >= 0
+    present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
+    weights = [getattr(batch, name) for name in present]
+    token_flags: npt.NDArray[np.uint8] | None = None  # the weight bits of the token cuts, from their pass
+    from_tokens: BoolArray | None = None
     if tokened.any():
-        t_lo, t_label, t_labelled = _token_cuts(batch, tokened)
+        found = _token_spans(batch, tokened, weights if fusable_weights(weights) else [])
+        if found.below and not token_values:
+            raise _TokenVersionBelowMinusOne
+        t_lo = found.starts
         order = np.argsort(np.concatenate((lo, t_lo)), kind="stable")
+        from_tokens = np.concatenate((np.zeros(len(lo), dtype=bool), np.ones(len(t_lo), dtype=bool)))[order]
         lo = np.concatenate((lo, t_lo))[order]
-        label = np.concatenate((label, t_label))[order]
+        label = np.concatenate((label, found.labels))[order]
         kept = np.concatenate((kept, np.ones(len(t_lo), dtype=bool)))[order]
-        labelled = np.concatenate((labelled, t_labelled))[order]
+        labelled = np.concatenate((labelled, found.labelled))[order]
+        if len(found.flags) == len(weights) and weights:
+            token_flags = found.flags
     hi = np.append(lo[1:], n_positions).astype(np.int64)
     labelled = np.where(labelled < 0, np.where(label >= 0, hi - lo, 0), labelled)
     mixed = (labelled > 0) & (labelled < hi - lo)
@@ -114,8 +159,11 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     if bad.any():
         verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
     is_sampled = value == 1
-    present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
-    flags = run_all([partial(span_weight_flags, getattr(batch, name), lo, hi) for name in present], n_positions)
+    flags: list[npt.NDArray[np.uint8]]
+    if token_flags is not None and from_tokens is not None:
+        flags = _merged_flags(weights, token_flags, from_tokens, lo, hi)
+    else:
+        flags = run_all([partial(span_weight_flags, values, lo, hi) for values in weights], n_positions)
     nonzero: dict[str, BoolArray | None] = dict.fromkeys(WEIGHT_FIELDS)
     for name, bits in zip(present, flags):
         nonzero[name] = _nonzero_or_report(getattr(batch, name), name, bits, lo, hi, kept, verdicts)
@@ -189,16 +237,41 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts) -> SpanTable:
     )
 
 
-def _token_cuts(batch: RolloutBatch, tokened: BoolArray) -> tuple[IntArray, IntArray, IntArray]:
-    """Cuts of the samples labelled per position: start, label (-1: none) and labelled positions of each.
+def _token_spans(batch: RolloutBatch, tokened: BoolArray, weights: list[npt.NDArray[Any]]) -> TokenSpans:
+    """Cuts of the samples labelled per position: start, label (-1: none) and labelled positions of each,
+    and the weight bits of each cut of ``weights`` (empty: none read).
 
     A cut ends where the mask changes or a different label begins; unlabelled positions (-1) between
     two equal labels stay inside the cut, so scattered unlabelled positions do not multiply the cuts.
-    One compiled pass over the labels and the mask (:func:`~staleness_metrics.engine.kernels.token_cuts`).
+    One compiled pass over the labels and the mask, then each cut's weights while it is in cache
+    (:func:`~staleness_metrics.engine.kernels.token_spans`).
     """
     tokens = batch.token_versions
     assert tokens is not None
-    return token_cuts(tokens, batch.mask, batch.position_offsets, np.flatnonzero(tokened))
+    return token_spans(tokens, batch.mask, batch.position_offsets, np.flatnonzero(tokened), weights)
+
+
+def _merged_flags(
+    weights: list[npt.NDArray[Any]],
+    token_flags: npt.NDArray[np.uint8],
+    from_tokens: BoolArray,
+    lo: IntArray,
+    hi: IntArray,
+) -> list[npt.NDArray[np.uint8]]:
+    """The weight bits of every cut: those of the token cuts (``from_tokens``) from their pass, the others'
+    read now (one compiled pass over those cuts only)."""
+    others = np.flatnonzero(~from_tokens)
+    if len(others) == 0:
+        return list(token_flags)
+    merged = []
+    for values, bits in zip(weights, token_flags):
+        flags = np.empty(len(lo), dtype=np.uint8)
+        flags[from_tokens] = bits
+        other_flags = weight_flags(values, lo[others], hi[others])
+        assert other_flags is not None  # fusable weights are float16/32/64, contiguous: the compiled pass reads them
+        flags[others] = other_flags
+        merged.append(flags)
+    return merged
 
 
 def _exact_part_liveness(

@@ -336,17 +336,8 @@ class CumulativeState:
         """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path): totals, sums, start, report,
         the SPEC 14 keys of the latest report with SPEC 11 (absent from states saved before SPEC 14) and the
         per-env sums (absent from states saved before they existed)."""
-        from ..engine.checkpoint import (
-            check_metrics,
-            check_mismatch,
-            check_report,
-            check_tally,
-            integer,
-            join,
-            keys,
-            mapping,
-            string,
-        )  # fmt: skip
+        from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
+        from ..engine.state_checks import integer, join, keys, mapping, string
 
         found = keys(
             state, path, ("totals", "mismatch", "start_time_ns", "last_report"), ("bound_metrics", "env_mismatch")

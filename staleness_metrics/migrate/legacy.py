@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from ..config import RENAMED_SETTINGS
 from ..metrics.metric_table import (
     ENV_KEY_PREFIX,
     LEGACY_KEYS,
@@ -58,9 +59,6 @@ __all__ = [
     "migrate_prometheus_name",
     "rewrite_key_regex",
 ]
-
-RENAMED_SETTINGS: Mapping[str, str] = {"max_off_policy_steps": "max_staleness"}
-"""Orchestrator settings that were renamed (old -> new), as config files spell them."""
 
 RENAMED_SETTING_FLAGS: Mapping[str, str] = {"max-off-policy-steps": "max-staleness"}
 """The same settings as command lines spell them (``--orchestrator.max-off-policy-steps 8``)."""

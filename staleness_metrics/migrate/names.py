@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from . import legacy
 from .model import Action
 
-__all__ = ["Context", "Hit", "Scanned", "Scanner"]
+__all__ = ["Context", "Hit", "Scanned", "Scanner", "apply_renames"]
 
 
 class Context(enum.Enum):
@@ -127,7 +127,7 @@ class Scanner:
 
     def _scan_text(self, text: str) -> Scanned:
         hits = self._text_hits(text)
-        return Scanned(_apply(text, hits), tuple(hits))
+        return Scanned(apply_renames(text, hits), tuple(hits))
 
     # -- Prometheus -------------------------------------------------------------------------------------
 
@@ -175,7 +175,7 @@ class Scanner:
                 label, operator = significant[index - 2][1], significant[index - 1][1]
                 if label == "__name__" and operator in ("=", "!=", "=~", "!~"):
                     hits.extend(self._name_matcher_hits(token, start, regex=operator in ("=~", "!~")))
-        return Scanned(_apply(text, hits), tuple(hits))
+        return Scanned(apply_renames(text, hits), tuple(hits))
 
     def _name_matcher_hits(self, literal: str, start: int, *, regex: bool) -> list[Hit]:
         body = literal[1:-1]
@@ -207,7 +207,8 @@ class Scanner:
         return Scanned(rewrite.pattern, (hit,))
 
 
-def _apply(text: str, hits: Sequence[Hit]) -> str:
+def apply_renames(text: str, hits: Sequence[Hit]) -> str:
+    """``text`` with every rename among ``hits`` applied (other hits only reported)."""
     parts: list[str] = []
     position = 0
     for hit in sorted(hits, key=lambda h: h.start):

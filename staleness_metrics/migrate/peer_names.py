@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ..metrics.metric_table import metric_by_key
 from .model import Action, Options
-from .names import Hit, Scanned, Scanner, _apply
+from .names import Hit, Scanned, Scanner, apply_renames
 from .peers import TRACKER_SUFFIXES, PeerKey, peer_keys
 
 __all__ = ["PeerScanner", "peer_lookup", "scanner_for"]
@@ -81,7 +81,7 @@ class PeerScanner(Scanner):
         hits = tuple(
             h for h in scanned.hits if h.action is not Action.MANUAL or h.reason.startswith(f"{self._peer()}:")
         )
-        return Scanned(_apply(text, hits), hits)
+        return Scanned(apply_renames(text, hits), hits)
 
     def _peer(self) -> str:
         return next(iter(self.rows.values())).peer if self.rows else ""

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from .padded import PaddedLayout
+from .padded_rows import PaddedLayout, padded_columns
 
 __all__ = ["PER_POSITION_FLOATS", "WEIGHT_FIELDS", "RolloutBatch"]
 
@@ -119,10 +118,9 @@ class RolloutBatch:
 
     @classmethod
     def from_padded(cls, ids: Sequence[str], mask: Any, **columns: Any) -> RolloutBatch:
-        """One rollout per row of ``[B, L]`` arrays: see :func:`staleness_metrics.records.padded.from_padded`."""
-        from .padded import from_padded
-
-        return from_padded(ids, mask, **columns)
+        """One rollout per row of ``[B, L]`` arrays: the arguments of
+        :func:`~staleness_metrics.records.padded_rows.padded_columns`."""
+        return cls(**padded_columns(ids, mask, **columns))
 
     @property
     def n_rollouts(self) -> int:

@@ -18,9 +18,17 @@ import numpy.typing as npt
 
 from ..errors import TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
-from .validation import INT64_MAX, INT64_MIN, check_text, printable_id
+from .validation import INT64_MAX, INT64_MIN, check_text, printable_id, span_fault
 
-__all__ = ["ParsedRollout", "Rollout", "Sample", "UnparsedRollout", "pack", "parse_rollout"]
+__all__ = [
+    "COMPACT_MASK_MIN_POSITIONS",
+    "ParsedRollout",
+    "Rollout",
+    "Sample",
+    "UnparsedRollout",
+    "pack",
+    "parse_rollout",
+]
 
 _ROLLOUT_FIELDS = {
     "id",
@@ -93,7 +101,7 @@ class Rollout:
 @dataclass
 class ParsedSample:
     mask: npt.NDArray[np.int8]
-    spans: npt.NDArray[np.int64] | None = None  # shape (k, 2): version, start
+    spans: npt.NDArray[np.signedinteger[Any]] | None = None  # shape (k, 2): version, start (int32 or int64)
     token_versions: npt.NDArray[np.int64] | None = None
     weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
     logprobs: npt.NDArray[np.float64] | None = None
@@ -122,6 +130,7 @@ class UnparsedRollout:
 
 
 MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
+COMPACT_MASK_MIN_POSITIONS = 1 << 20  # a packed batch of this many positions keeps its mask as int8
 
 
 def _is_int(value: object) -> bool:
@@ -196,7 +205,7 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
     return array.astype(np.int64, copy=False)
 
 
-_INT64_BOUND = 2.0**63
+INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
 
 
 def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
@@ -213,7 +222,7 @@ def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
         array = np.frombuffer(_array_module.array("d", value), dtype=np.float64)
     except (TypeError, OverflowError):
         return None
-    if array.size and not (array.max() < _INT64_BOUND and array.min() > -_INT64_BOUND):  # NaN fails too
+    if array.size and not (array.max() < INT64_BOUND and array.min() > -INT64_BOUND):  # NaN fails too
         return None
     return array
 
@@ -266,16 +275,17 @@ def _only_ints(pairs: list[Any]) -> bool:
         return False
 
 
-def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.int64]:
+def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
     if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == 2 and value.dtype.kind == "i":
-        # pairs already read as integers (the service reads a long span list straight into an array)
+        # pairs already read as integers (the service reads a long span list straight into an array, of
+        # int32 where every value fits): kept in their dtype, widened by pack into the batch's columns
         if value.size and (int(value.max()) > MAX_VERSION or int(value.min()) < -MAX_VERSION):
             for i, pair in enumerate(value.tolist()):
                 if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
                     raise TraceError(
                         rid, f"{name}[{i}]", f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}"
                     )
-        return value.astype(np.int64, copy=False)
+        return value if value.dtype in (np.int32, np.int64) else value.astype(np.int64)
     if not isinstance(value, list):
         raise TraceError(rid, name, f"expected a list of [version, start] pairs, got {type(value).__name__}")
     if value and (not booleans or _only_ints(value)):  # no boolean hides among the integers: all at once
@@ -335,6 +345,14 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     for name, values in per_position.items():
         if values is not None and len(values) != n:
             raise TraceError(rid, f"{where}.{name}", f"length {len(values)} differs from the mask's {n}")
+    if sample.spans is not None and len(sample.spans) > n:
+        # Starts strictly increase within 0..n-1: more spans than positions break a rule. Refused here, with
+        # the fault the batch checks would name, before the batch's span tables are built (5.6M spans of a
+        # one-position sample would cost gigabytes of tables to refuse).
+        fault = span_fault(sample.spans, n)
+        if fault is not None:
+            span, reason = fault
+            raise TraceError(rid, f"{where}.weight_versions[{span}]", reason)
     return sample
 
 
@@ -427,7 +445,12 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
     def flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
         return np.concatenate(values).astype(dtype, copy=False) if values else np.zeros(0, dtype=dtype)
 
-    mask = flat([s.mask for s in samples], np.float64)
+    # A 0/1 mask as the engine computes with it (float64, like the weights) in a batch of ordinary size;
+    # from COMPACT_MASK_MIN_POSITIONS on, as parsed (int8): 1 byte a position instead of 8, for a mask
+    # whose JSON text is 2 bytes a position. The engine reads either dtype the same (integer masks are
+    # columnar input too); small batches keep float64 for the one-pass checks of small adds.
+    mask_dtype = np.int8 if position_offsets[-1] >= COMPACT_MASK_MIN_POSITIONS else np.float64
+    mask = flat([s.mask for s in samples], mask_dtype)
     label_kind = np.array(
         [
             LABELS_SPANS if s.spans is not None else LABELS_TOKENS if s.token_versions is not None else LABELS_NONE
@@ -472,7 +495,10 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
     token_versions, _ = column(lambda s: s.token_versions, -1, np.int64)  # within ±2**53: exact either way
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
-    spans = np.concatenate(span_table) if span_table else np.zeros((0, 2), dtype=np.int64)
+    none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+    # each column straight from the pairs' columns (never a joined (k, 2) copy besides them)
+    span_versions = np.concatenate([t[:, 0] for t in span_table], dtype=np.int64) if span_table else none
+    span_starts = np.concatenate([t[:, 1] for t in span_table], dtype=np.int64) if span_table else none
     return RolloutBatch(
         ids=[r.id for r in rollouts],
         sample_offsets=sample_offsets,
@@ -491,8 +517,8 @@ def pack(rollouts: Iterable[ParsedRollout]) -> RolloutBatch:
         trainer_logprobs=trainer_logprobs,
         token_versions=None if token_versions is None else token_versions.astype(np.int64, copy=False),
         span_offsets=np.concatenate(([0], np.cumsum(span_counts, dtype=np.int64))),
-        span_versions=spans[:, 0].copy(),
-        span_starts=spans[:, 1].copy(),
+        span_versions=span_versions,
+        span_starts=span_starts,
         label_kind=label_kind,
         present=present,
         echo=[r.echo for r in rollouts],

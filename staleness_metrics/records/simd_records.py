@@ -29,7 +29,7 @@ except ImportError:  # no wheel for this Python (3.14 and later, so far): every 
 
 from ..errors import TraceError
 from .columnar import WEIGHT_FIELDS
-from .model import _INT64_BOUND, MAX_VERSION, ParsedRollout, ParsedSample, check_head
+from .model import INT64_BOUND, MAX_VERSION, ParsedRollout, ParsedSample, check_head
 
 __all__ = ["AVAILABLE", "LineReader"]
 
@@ -116,7 +116,7 @@ def _version_bad(values: npt.NDArray[np.int64]) -> bool:
 
 def _float_bad(values: npt.NDArray[np.float64]) -> bool:
     # float magnitudes of 2**63 or more (integers records._plain_floats sends down the checked path)
-    return bool(values.size and not (values.max() < _INT64_BOUND and values.min() > -_INT64_BOUND))
+    return bool(values.size and not (values.max() < INT64_BOUND and values.min() > -INT64_BOUND))
 
 
 def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, floats: _Lists) -> ParsedRollout:

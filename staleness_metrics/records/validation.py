@@ -27,6 +27,7 @@ __all__ = [
     "lone_surrogate",
     "plainly_valid",
     "printable_id",
+    "span_fault",
     "surrogate_reason",
     "unstorable",
 ]
@@ -205,11 +206,12 @@ def _plain_envs(envs: Sequence[Any]) -> bool:
     return all(env is None or (type(env) is str and env) for env in distinct)
 
 
-def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> Verdicts:
+def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
     """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts.
 
     The rules on position values (0/1 mask, finite weights) are checked by
-    :func:`staleness_metrics.engine.spans.build_spans`, which reads the positions anyway.
+    :func:`staleness_metrics.engine.spans.build_spans`, which reads the positions anyway; so are the token
+    versions (>= -1) without ``token_values`` (:func:`staleness_metrics.engine.spans.checked_spans`).
     """
     _check_shapes(batch)
     verdicts = Verdicts(batch)
@@ -253,7 +255,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
 
     kind = batch.label_kind
     assert kind is not None
-    if batch.token_versions is not None:
+    if batch.token_versions is not None and token_values:
         tokens = batch.token_versions
         bad = tokens[:0]
         if tokens.min(initial=0) < -1:  # one read in the common case; where only on bad input
@@ -267,6 +269,20 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset()) ->
     return verdicts
 
 
+_SPAN_PIECE = 1 << 18  # spans checked at once: the temporaries stay a few MB whatever the span count
+
+
+def _negative_version(version: Any) -> str:
+    return f"version {version} is negative (only -1 marks unlabelled)"
+
+
+def _start_outside(start: Any, length: Any) -> str:
+    return f"start {start} is outside 0..{length - 1}"
+
+
+_STARTS_NOT_INCREASING = "span starts must strictly increase"
+
+
 def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
     """The first of ``spans`` (ascending) in each sample: a body of millions of bad spans costs one
     Python step per sample, not per span."""
@@ -277,27 +293,62 @@ def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
 
 
 def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
+    """The span rules, a piece of :data:`_SPAN_PIECE` spans at a time (per-span tables of a piece only);
+    offenders are reported rule by rule, each in span order, as one pass over all spans would."""
     assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
-    span_sample = np.repeat(np.arange(batch.n_samples), np.diff(offsets))
-    lengths = np.diff(batch.position_offsets)[span_sample]
-    for span in _first_of_each(span_sample, np.flatnonzero(versions < -1)):
-        verdicts.sample(
-            int(span_sample[span]),
-            f"weight_versions[{span - offsets[span_sample[span]]}]",
-            f"version {versions[span]} is negative (only -1 marks unlabelled)",
-        )
-    for span in _first_of_each(span_sample, np.flatnonzero((starts < 0) | (starts >= lengths))):
-        sample = int(span_sample[span])
-        verdicts.sample(
-            sample,
-            f"weight_versions[{span - offsets[sample]}]",
-            f"start {starts[span]} is outside 0..{lengths[span] - 1}",
-        )
-    same_sample = span_sample[1:] == span_sample[:-1]
-    for span in _first_of_each(span_sample, np.flatnonzero(same_sample & (starts[1:] <= starts[:-1])) + 1):
-        sample = int(span_sample[span])
-        verdicts.sample(sample, f"weight_versions[{span - offsets[sample]}]", "span starts must strictly increase")
+    sample_lengths = np.diff(batch.position_offsets)
+    found: tuple[list[int], list[int], list[int]] = ([], [], [])
+    for a in range(0, len(versions), _SPAN_PIECE):
+        b = min(a + _SPAN_PIECE, len(versions))
+        lo = max(a - 1, 0)  # the span before the piece: its start is compared with the piece's first
+        window_sample = np.searchsorted(offsets, np.arange(lo, b), "right") - 1
+        span_sample = window_sample[a - lo :]
+        lengths = sample_lengths[span_sample]
+        found[0].extend(a + s for s in _first_of_each(span_sample, np.flatnonzero(versions[a:b] < -1)))
+        outside = (starts[a:b] < 0) | (starts[a:b] >= lengths)
+        found[1].extend(a + s for s in _first_of_each(span_sample, np.flatnonzero(outside)))
+        same_sample = window_sample[1:] == window_sample[:-1]
+        falling = np.flatnonzero(same_sample & (starts[lo + 1 : b] <= starts[lo : b - 1])) + (lo + 1 - a)
+        found[2].extend(a + s for s in _first_of_each(span_sample, falling))
+    span_sample_of = np.searchsorted(offsets, np.array([*found[0], *found[1], *found[2]], dtype=np.int64), "right") - 1
+    sample_of = dict(zip([*found[0], *found[1], *found[2]], span_sample_of.tolist(), strict=True))
+    for rule, spans in enumerate(found):
+        for span in spans:
+            sample = sample_of[span]
+            field = f"weight_versions[{span - offsets[sample]}]"
+            if rule == 0:
+                verdicts.sample(sample, field, _negative_version(versions[span]))
+            elif rule == 1:
+                verdicts.sample(sample, field, _start_outside(starts[span], sample_lengths[sample]))
+            else:
+                verdicts.sample(sample, field, _STARTS_NOT_INCREASING)
+
+
+def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[int, str] | None:
+    """The first fault :func:`check_batch` finds in one sample's ``[version, start]`` pairs (``(k, 2)``)
+    over ``length`` positions, as ``(span, reason)``, or None: the same rules in the same order, a piece
+    of :data:`_SPAN_PIECE` spans at a time (a sample with more spans than positions is refused this way
+    before its span table is built)."""
+    versions, starts = pairs[:, 0], pairs[:, 1]
+    for rule in range(3):
+        for a in range(0, len(pairs), _SPAN_PIECE):
+            b = min(a + _SPAN_PIECE, len(pairs))
+            if rule == 0:
+                hits = np.flatnonzero(versions[a:b] < -1)
+            elif rule == 1:
+                hits = np.flatnonzero((starts[a:b] < 0) | (starts[a:b] >= length))
+            else:
+                lo = max(a - 1, 0)
+                hits = np.flatnonzero(starts[lo + 1 : b] <= starts[lo : b - 1]) + (lo + 1 - a)
+            if hits.size:
+                span = a + int(hits[0])
+                if rule == 0:
+                    return span, _negative_version(versions[span])
+                if rule == 1:
+                    return span, _start_outside(starts[span], length)
+                return span, _STARTS_NOT_INCREASING
+    return None
 
 
 def check_versions_at_most(

@@ -16,18 +16,18 @@ from typing import IO, Any, cast
 import numpy as np
 
 from ..config import StalenessConfig
-from ..engine.sink import MAX_STEP, Shipment, Sink
-from ..engine.spans import SpanTable, build_spans
+from ..engine.shipment import Shipment
+from ..engine.sink import MAX_STEP, Sink
+from ..engine.spans import SpanTable, checked_spans
 from ..errors import ConfigError, EventError, TraceError
 from ..records import jsonio, simd_records
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ..records.model import ParsedRollout, UnparsedRollout, pack, parse_or_error
-from ..records.validation import Verdicts, check_batch
+from ..records.validation import Verdicts
 
 __all__ = [
     "Added",
     "Event",
-    "is_event_file",
     "open_decompressed",
     "pack_once",
     "parse_event",
@@ -294,8 +294,7 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
             packed = _share(pack(parsed)) if parsed else None
             checked = None
             if packed is not None:
-                verdicts = check_batch(packed, accepted)
-                spans = build_spans(packed, verdicts)
+                verdicts, spans = checked_spans(packed, accepted)
                 for f in dataclasses.fields(spans):  # shared by every run, like the packed arrays
                     if isinstance(value := getattr(spans, f.name), np.ndarray):
                         value.setflags(write=False)
@@ -413,20 +412,6 @@ def open_decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
     if compression == "bzip2":
         return bz2.BZ2File(raw)
     return lzma.LZMAFile(raw)
-
-
-def is_event_file(path: str | Path) -> bool:
-    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file (an event stream is the
-    only input read compressed), a file whose first object has ``type``, or a file whose first line is
-    not readable JSON (the event reader then names the line and what is wrong with it)."""
-    from .sources import detect_source  # the adapters read events through this module
-
-    if Path(path).is_file() and stream_compression(path) is not None:
-        return True
-    try:
-        return detect_source(path) == "events"
-    except (ValueError, RecursionError):  # ConfigError and UnicodeDecodeError are ValueErrors
-        return Path(path).is_file()
 
 
 def read_event_path(

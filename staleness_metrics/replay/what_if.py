@@ -52,15 +52,16 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import StalenessConfig
-from ..engine.sink import Shipment, Sink
+from ..engine.shipment import Shipment
+from ..engine.sink import Sink
 from ..errors import ConfigError
 from ..metrics import keys
 from ..metrics.bound import Curve, Floor, advise, budget_of, excess_curve, select_floor
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..metrics.report import Tally
 from .run_dir import find_run
-from .sources import EventDict, as_replay_events, detect_source, read_run
-from .stream import Step, is_event_file, pack_once, prepare, read_event_path, run_steps
+from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
+from .stream import Step, pack_once, prepare, read_event_path, run_steps
 
 __all__ = [
     "RunCurve",

@@ -57,8 +57,9 @@ FAST_DECODE_MAX_BYTES = 1024 * 1024
 # and short lists of a few hundred thousand rollouts fit; a body of millions of tiny values does not.
 SKELETON_ALLOWANCE = 48 * 1024 * 1024
 _VALUE_COST = 72  # bytes of Python object per JSON value: a dict, list, str or float with its slot
-_PIECE_BYTES = 1024 * 1024  # text read into Python objects at once while a long list becomes an array
+_PIECE_BYTES = 256 * 1024  # text read into Python objects at once while a long list becomes an array
 _INT_FIELDS = {"mask": np.int8, "token_versions": np.int64}  # lists read by compact_records
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _NOT_PER_POSITION = frozenset({"weight_versions"})
 _FLOAT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs")
 _LIST_FIELDS = ("mask", "token_versions", "weight_versions", *_FLOAT_FIELDS)
@@ -219,10 +220,15 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
     if end is None or end - start < 2 * COMPACT_MIN_LENGTH:
         return None
     inner_end = end - 1  # the closing "]"
-    pieces: list[npt.NDArray[Any]] = []
+    pairs = field == "weight_versions"
+    # The item count, from the text's separators: the array is allocated once, at its final size, and
+    # each piece written into it (a list of pieces joined at the end would hold every item twice).
+    count = body.count(b"[", start, inner_end) if pairs else body.count(b",", start, inner_end) + 1
+    out: npt.NDArray[Any] | None = None
+    filled = 0
     at = start
     while at < inner_end:
-        if field == "weight_versions":  # a piece ends with a pair's "]", the next starts after a comma
+        if pairs:  # a piece ends with a pair's "]", the next starts after a comma
             close = body.find(b"]", min(at + _PIECE_BYTES, inner_end - 1), inner_end)
             cut = inner_end if close < 0 else close + 1
             comma = body.find(b",", cut, inner_end)
@@ -241,13 +247,20 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
             return None  # the standard library reads the list, and words the error
         del text
         piece = _piece(field, items)
-        if piece is None:
+        del items
+        if piece is None or filled + len(piece) > count:
             return None
-        pieces.append(piece)
-    if not pieces:
+        if out is None:
+            out = np.empty((count, *piece.shape[1:]), dtype=piece.dtype)
+        elif piece.dtype != out.dtype:  # as numpy joins mixed pieces: int8, int64 to int64; ints, floats to float64
+            wider = np.empty(out.shape, dtype=np.result_type(out, piece))
+            wider[:filled] = out[:filled]
+            out = wider
+        out[filled : filled + len(piece)] = piece
+        filled += len(piece)
+    if out is None or filled != count:
         return None
-    array = np.concatenate(pieces)  # numpy widens mixed pieces: int8 and int64 to int64, ints and floats to float64
-    return array, end
+    return out, end
 
 
 def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
@@ -260,7 +273,10 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
             flat = list(chain.from_iterable(items))
             if set(map(type, flat)) != {int}:
                 return None
-            return np.frombuffer(array("q", flat), dtype=np.int64).reshape(-1, 2)
+            pairs = np.frombuffer(array("q", flat), dtype=np.int64).reshape(-1, 2)
+            if pairs.size and pairs.min() >= _INT32_MIN and pairs.max() <= _INT32_MAX:
+                return pairs.astype(np.int32)  # 8 bytes a pair where "[0,0]," is 6 of text
+            return pairs
         if kinds == {int}:
             values = np.frombuffer(array("q", items), dtype=np.int64)
             if field == "mask" and values.size and values.min() >= -128 and values.max() <= 127:

@@ -35,7 +35,8 @@ import numpy as np
 import orjson
 
 from ..config import StalenessConfig
-from ..engine.sink import Shipment
+from ..engine.shipment import Shipment
+from ..engine.state_checks import arrays_left_as_numpy
 from ..errors import StalenessError, TraceError
 from ..metrics.metric_table import BOUND_KEY_PREFIX, MISMATCH_KEY_PREFIX
 from ..metrics.mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
@@ -367,7 +368,9 @@ class Run:
 
     def _snapshot(self) -> None:
         try:
-            self._store.save_snapshot(self.name, self._seq, self.state_dict())
+            with arrays_left_as_numpy():  # the queue's arrays written by orjson, never as Python lists
+                state = self.state_dict()
+            self._store.save_snapshot(self.name, self._seq, state)
         except Exception:  # the journal still holds everything: a restart replays a longer tail
             logger.exception("run %s: snapshot failed", self.name)
             return

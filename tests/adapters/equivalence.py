@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from staleness_metrics import RolloutBatch, Sink, StalenessConfig
-from staleness_metrics.engine.sink import Shipment
+from staleness_metrics.engine.shipment import Shipment
 
 
 @dataclass

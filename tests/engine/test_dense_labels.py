@@ -126,7 +126,7 @@ def test_scattered_unlabelled_positions_stay_inside_one_span() -> None:
     )  # fmt: skip
     sink = Sink(StalenessConfig(max_staleness=3))
     sink.add(batch)
-    assert len(sink._spans) <= 2  # one span: its labelled part and its unlabelled part
+    assert len(sink.queue.spans) <= 2  # one span: its labelled part and its unlabelled part
     shipment = sink.ship(8)
     assert shipment.metrics["staleness/token/masked"] == 1000 / 3000
     assert shipment.metrics["staleness/token/unlabelled"] == 1000 / 3000

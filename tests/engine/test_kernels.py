@@ -15,8 +15,10 @@ from staleness_metrics.engine.kernels import (
     WEIGHT_NONFINITE,
     WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
+    fusable_weights,
     plain_positions,
     token_cuts,
+    token_spans,
     warm_up,
     weight_flags,
     zero_spans,
@@ -127,6 +129,79 @@ def test_token_cuts_in_parallel_shares_equal_one_pass() -> None:
     want = numpy_token_cuts(tokens, pos_off, tokened, mask_changes(mask))
     for g, w in zip(got, want):
         assert np.array_equal(g, w)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    labelled_samples(),
+    st.lists(st.sampled_from([0.0, -0.0, 1.0, 0.5, -2.0, float("inf"), float("nan")]), min_size=1, max_size=7),
+    st.integers(1, 3),
+    st.sampled_from([np.float16, np.float32, np.float64]),
+    st.integers(-4, -2),
+)
+def test_token_spans_read_each_cut_s_weight_bits_as_weight_flags_does(
+    case: tuple[IntArray, IntArray, npt.NDArray[np.bool_], Any],
+    pattern: list[float],
+    n_weights: int,
+    dtype: Any,
+    wild_label: int,
+) -> None:
+    """The cuts of the fused pass are token_cuts'; its bits per cut are weight_flags' over [start, next start);
+    it counts the labels below -1 of the samples it cuts (and only those)."""
+    tokens, pos_off, tokened, mask = case
+    if len(tokens) == 0 or not tokened.any():
+        return
+    weights = [np.resize(np.asarray(pattern[k:] + pattern[:k], dtype=dtype), len(tokens)) for k in range(n_weights)]
+    samples = np.flatnonzero(tokened)
+    found = token_spans(tokens, mask, pos_off, samples, weights)
+    cuts = token_cuts(tokens, mask, pos_off, samples)
+    for got, want in zip(found[:3], cuts):
+        assert got.tolist() == want.tolist()
+    # A cut ends where the next begins, or where its sample ends.
+    sample_end = pos_off[np.searchsorted(pos_off, found.starts, "right")]
+    ends = np.minimum(np.append(found.starts[1:], len(tokens)), sample_end)
+    assert found.flags.shape == (n_weights, len(found.starts))
+    for values, bits in zip(weights, found.flags):
+        want_bits = weight_flags(values, found.starts, ends)
+        assert want_bits is not None
+        assert bits.tolist() == want_bits.tolist()
+    assert found.below == 0
+    wild = tokens.copy()
+    wild[pos_off[samples[-1]]] = wild_label  # the first position of the last sample cut
+    assert token_spans(wild, mask, pos_off, samples, weights).below == 1
+    outside = np.flatnonzero(~np.isin(np.searchsorted(pos_off, np.arange(len(tokens)), "right") - 1, samples))
+    if len(outside):
+        wild = tokens.copy()
+        wild[outside] = wild_label
+        assert token_spans(wild, mask, pos_off, samples, weights).below == 0
+
+
+def test_token_spans_in_parallel_shares_equal_one_pass() -> None:
+    rng = np.random.default_rng(11)
+    lengths = rng.integers(0, 3000, size=1500)
+    pos_off = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    total = int(pos_off[-1])
+    tokens = np.where(rng.random(total) < 0.3, -1, np.sort(rng.integers(0, 4, size=total))).astype(np.int64)
+    tokens[rng.integers(0, total, size=3)] = -7
+    mask = (rng.random(total) < 0.999).astype(np.float32)
+    weights = [np.where(rng.random(total) < 0.01, 0.0, rng.random(total)).astype(np.float32) for _ in range(3)]
+    weights[1][rng.integers(0, total, size=5)] = np.nan
+    samples = np.flatnonzero((lengths > 0) & (rng.random(len(lengths)) < 0.9))
+    found = token_spans(tokens, mask, pos_off, samples, weights)  # shares on threads
+    one = [token_spans(tokens, mask, pos_off, samples[k : k + 1], weights) for k in range(len(samples))]
+    assert np.array_equal(found.starts, np.concatenate([p.starts for p in one]))
+    assert np.array_equal(found.flags, np.concatenate([p.flags for p in one], axis=1))
+    assert found.below == sum(p.below for p in one)
+
+
+def test_token_spans_read_weights_of_one_float_dtype_only() -> None:
+    ones32, ones64 = np.ones(4, dtype=np.float32), np.ones(4)
+    assert fusable_weights([]) and fusable_weights([ones32, ones32]) and fusable_weights([ones64])
+    assert not fusable_weights([ones32, ones64])
+    assert not fusable_weights([np.ones(8, dtype=np.float32)[::2]])
+    assert not fusable_weights([np.ones(4, dtype=np.int64)])
+    with pytest.raises(ValueError, match="one float dtype"):
+        token_spans(np.zeros(4, dtype=np.int64), ones32, np.array([0, 4]), np.array([0]), [ones32, ones64])
 
 
 def test_token_cuts_refuse_damaged_offsets_instead_of_writing_out_of_bounds() -> None:

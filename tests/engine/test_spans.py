@@ -56,3 +56,58 @@ def test_negative_weights_on_mask0_positions_keep_the_sample() -> None:
     sink.add(batch)
     shipment = sink.ship(3)
     assert shipment.metrics["staleness/sample/dropped"] == 0 and shipment.metrics["staleness/token/masked"] == 1.0
+
+
+def test_token_versions_below_minus_one_are_named_as_the_separate_check_names_them() -> None:
+    """The sink checks token versions in the pass that cuts them; the first error of each rollout is the one
+    the checks in their usual order name (a bad version before a bad span start or a bad mask value)."""
+    from staleness_metrics.engine.spans import build_spans, checked_spans
+    from staleness_metrics.records.validation import check_batch
+
+    # r0 fine; r1 a version -3; r2 a span starting past its sample and (next sample) a version -2;
+    # r3 a mask value 0.5 and a version -5; r4 a duplicate id only.
+    lengths = [3, 3, 2, 3, 3, 3]
+    tokens = np.array([0, 1, 1, 0, -3, 1, 0, 0, 0, -2, 0, 0, -5, 1, 0, 0, 0], dtype=np.int64)
+    mask = np.ones(17, dtype=np.float32)
+    mask[11] = 0.5
+    batch = RolloutBatch(
+        ids=["r0", "r1", "r2", "r3", "r0"],
+        sample_offsets=np.array([0, 1, 2, 4, 5, 6]),
+        position_offsets=np.concatenate(([0], np.cumsum(lengths))),
+        mask=mask,
+        rl_weights=np.ones(17, dtype=np.float32),
+        dispatch_version=np.zeros(5, dtype=np.int64),
+        token_versions=tokens,
+        span_offsets=np.array([0, 0, 0, 1, 1, 1, 1]),
+        span_versions=np.array([0]),
+        span_starts=np.array([5]),
+        label_kind=np.array([2, 2, 1, 2, 2, 2], dtype=np.int8),
+    )
+    verdicts, spans = checked_spans(batch)
+    old = check_batch(batch)
+    old_spans = build_spans(batch, old)
+    assert {i: str(e) for i, e in verdicts.errors.items()} == {i: str(e) for i, e in old.errors.items()}
+    assert verdicts.errors[1].field == "samples[0].token_versions"
+    assert verdicts.errors[2].field == "samples[1].token_versions"
+    assert verdicts.errors[3].field == "samples[0].token_versions"
+    assert verdicts.errors[4].field == "id"
+    assert spans.lo.tolist() == old_spans.lo.tolist() and spans.version.tolist() == old_spans.version.tolist()
+
+    clean = RolloutBatch(
+        ids=["a", "b"], sample_offsets=np.array([0, 1, 2]), position_offsets=np.array([0, 3, 6]),
+        mask=np.ones(6, dtype=np.float32), dispatch_version=np.zeros(2, dtype=np.int64),
+        token_versions=np.array([0, -1, 1, 1, 1, -1]),
+    )  # fmt: skip
+    wild = RolloutBatch(
+        ids=["a", "b"], sample_offsets=np.array([0, 1, 2]), position_offsets=np.array([0, 3, 6]),
+        mask=np.array([1, 1, 0.5, 1, 1, 1], dtype=np.float32), dispatch_version=np.zeros(2, dtype=np.int64),
+        token_versions=np.array([0, -1, -4, 1, 1, -1]),
+    )  # fmt: skip
+    verdicts, spans = checked_spans(wild)  # only the cutting pass sees the -4: the checks run again in order
+    assert [str(e) for e in verdicts.errors.values()] == [str(e) for e in check_batch(wild).errors.values()]
+    assert verdicts.errors[0].field == "samples[0].token_versions" and list(verdicts.errors) == [0]
+    verdicts, spans = checked_spans(clean)
+    assert not verdicts.errors and spans.lo.tolist() == build_spans(clean, check_batch(clean)).lo.tolist()
+    assert [str(e) for e in checked_spans(clean, {"b"})[0].errors.values()] == [
+        str(e) for e in check_batch(clean, {"b"}).errors.values()
+    ]

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleness_metrics import LAG_BUCKETS, MismatchSums, Sink, StalenessConfig, TraceError, mismatch_sums
+from staleness_metrics.metrics.mismatch import LAG_UPPER_BOUNDS
 
 
 def k3(d: float) -> float:
@@ -374,3 +375,46 @@ def test_unsigned_lags_beyond_int64_land_in_the_last_bucket() -> None:
     lags = np.array([3, 2**63 + 5, 2**64 - 1], dtype=np.uint64)
     sums = mismatch_sums(lags, [0.0, 0.0, 0.0], [0.0, 0.0, 0.0])
     assert sums.tokens[3] == 1 and sums.tokens[-1] == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    edge=st.sampled_from([0.5, 2.0, 0.9, 1.1]),
+    steps=st.lists(st.integers(-40, 40), min_size=1, max_size=300),
+    run_length=st.integers(1, 40),
+)
+def test_ratios_on_a_band_edge_fall_where_the_c_library_s_exp_puts_them(
+    edge: float, steps: list[int], run_length: int
+) -> None:
+    """The pass computes exp in its own loop (within one ulp of the C library's); a ratio within a few ulps
+    of a band edge is counted in or out of band exactly as ``math.exp`` says, so counts never change."""
+    d = np.array([math.log(edge) + k * 2.0**-52 for k in steps])
+    n = len(d)
+    lags = np.repeat(np.arange(n // run_length + 1), run_length)[:n]
+    band = (0.5, 2.0) if edge in (0.5, 2.0) else (0.9, 1.1)
+    sums = mismatch_sums(lags, np.zeros(n), d, band=band)
+    ratios = [math.exp(x) for x in d.tolist()]
+    outside = np.array([r < band[0] or r > band[1] for r in ratios])
+    want = np.bincount(np.searchsorted(np.asarray(LAG_UPPER_BOUNDS), lags, "left"), weights=outside,
+                       minlength=len(LAG_BUCKETS)).astype(np.int64)  # fmt: skip
+    assert sums.out_of_band.tolist() == want.tolist()
+    assert sums.tokens.sum() == n
+    np.testing.assert_allclose(sums.sum_ratio.sum(), math.fsum(ratios), rtol=1e-13)
+
+
+def test_a_ratio_the_pass_rounds_apart_from_the_c_library_is_counted_as_the_c_library_rounds_it() -> None:
+    """Where the pass's own exp and ``math.exp`` differ in the last bit, a band edge set between the two
+    still counts the position as ``math.exp`` puts it."""
+    rng = np.random.default_rng(5)
+    found = 0
+    for x in rng.uniform(-3, 3, 400).tolist():
+        own = float(mismatch_sums([0], [0.0], [x]).sum_ratio[0])
+        exact = math.exp(x)
+        if own == exact:
+            continue
+        found += 1
+        band = (exact, 4 * exact) if own < exact else (exact / 4, exact)  # the pass's r lies just outside
+        sums = mismatch_sums([0, 0, 0], [0.0, 0.0, 0.0], [x, x, x], band=band)
+        assert sums.out_of_band[0] == 0
+        assert abs(own - exact) <= math.ulp(exact)
+    assert found > 0

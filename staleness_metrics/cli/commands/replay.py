@@ -11,11 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from ...engine.sink import Shipment, Sink
+from ...engine.shipment import Shipment
+from ...engine.sink import Sink
 from ...errors import ConfigError, EventError
 from ...records import jsonio
 from ...records.columnar import WEIGHT_FIELDS
-from ...replay.stream import Event, is_event_file, parse_event, read_event_path, run_events
+from ...replay.sources import is_event_file
+from ...replay.stream import Event, parse_event, read_event_path, run_events
 from .options import add_sink_options, config_from_args
 
 __all__ = ["register", "run"]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from ...errors import ConfigError
-from ..stream import Event, read_events
+from ..stream import Event, read_events, stream_compression
 from .events import EventDict, read_event_file
 from .prime_rl import ComparisonRow, compare_prime_rl, is_prime_rl_run, read_prime_rl, read_prime_rl_metrics
 from .xtuner import read_xtuner_states
@@ -34,6 +34,7 @@ __all__ = [
     "compare_prime_rl",
     "detect_and_read",
     "detect_source",
+    "is_event_file",
     "read_prime_rl",
     "read_prime_rl_metrics",
     "read_run",
@@ -75,6 +76,18 @@ def detect_source(path: str | Path) -> SourceKind:
     raise ConfigError(
         f"{root}: not an event stream (objects with 'type'), xtuner states ('response_ids') or logged metrics ('step')"
     )
+
+
+def is_event_file(path: str | Path) -> bool:
+    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file (an event stream is the
+    only input read compressed), a file whose first object has ``type``, or a file whose first line is
+    not readable JSON (the event reader then names the line and what is wrong with it)."""
+    if Path(path).is_file() and stream_compression(path) is not None:
+        return True
+    try:
+        return detect_source(path) == "events"
+    except (ValueError, RecursionError):  # ConfigError and UnicodeDecodeError are ValueErrors
+        return Path(path).is_file()
 
 
 def detect_and_read(path: str | Path, *, max_staleness: int = 8, step: int | None = None) -> Iterator[EventDict]:

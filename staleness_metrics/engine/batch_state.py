@@ -1,0 +1,181 @@
+"""The plain-data form of what the queue stores (SPEC 13): the batches rollouts arrived in and the growable
+tables, written field by field and column by column with their dtypes, and read back checked.
+
+Generic by name: a column added to a table or a field added to
+:class:`~staleness_metrics.records.columnar.RolloutBatch` is saved without a change here, and a state lacking
+one the code now has is refused by name rather than loaded wrongly.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
+from ..records.padded_rows import PaddedLayout
+from .state_checks import decode_array, encode_array, fail, integer, join, keys, kind_of, mapping, sequence, strings
+from .table import Table
+
+__all__ = ["check_offsets", "decode_batch", "decode_table", "encode_batch", "encode_table", "encode_value"]
+
+INT64 = np.dtype(np.int64)
+
+
+def encode_value(value: Any) -> Any:
+    """One batch field (or window value) as ``{form: data}``: an array with its dtype, a dict, a list, fields."""
+    if isinstance(value, np.ndarray):
+        return {"array": encode_array(value)}
+    if isinstance(value, dict):
+        return {"dict": {key: encode_value(item) for key, item in value.items()}}
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+        if items and isinstance(items[0], (dict, list)):  # echo records: the state shares nothing with the sink
+            items = copy.deepcopy(items)
+        return {"list": items}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # the padded layout
+        return {"fields": dataclasses.asdict(value)}
+    return {"value": value}
+
+
+def _decode_value(encoded: Any, path: str, wanted: str) -> Any:
+    """One encoded batch field of the form ``wanted`` ("array", "list", "dict", "fields"), or ``{"value": null}``."""
+    found = mapping(encoded, path)
+    if len(found) != 1 or next(iter(found)) not in (wanted, "value"):
+        fail(path, f"expected {{{wanted!r}: ...}} or {{'value': null}}, got the keys {sorted(map(str, found))}")
+    if "value" in found:
+        if found["value"] is not None:
+            fail(join(path, "value"), f"expected null, got {kind_of(found['value'])}")
+        return None
+    return found[wanted]
+
+
+def encode_batch(batch: RolloutBatch) -> dict[str, Any]:
+    """Every field of a batch, by name (arrays with their dtype)."""
+    return {f.name: encode_value(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+
+
+_BATCH_FORMS = {
+    "ids": "list", "group_ids": "list", "envs": "list", "echo": "list", "present": "dict", "padded": "fields",
+}  # fmt: skip
+_BATCH_INTS = ("sample_offsets", "position_offsets", "dispatch_version", "completion_version", "token_versions",
+               "span_offsets", "span_versions", "span_starts")  # fmt: skip
+_BATCH_OPTIONAL = {"completion_version", "frozen", "agentic", "group_ids", "envs", "token_versions", "span_offsets",
+                   "span_versions", "span_starts", "label_kind", "echo", "padded", *PER_POSITION_FLOATS}  # fmt: skip
+
+
+def check_offsets(values: npt.NDArray[np.int64], path: str, length: int, end: int) -> None:
+    """``values`` are ``length`` offsets from 0 to ``end``, never decreasing."""
+    if len(values) != length:
+        fail(path, f"{len(values)} offsets where {length} are needed")
+    if values[0] != 0 or values[-1] != end or (np.diff(values) < 0).any():
+        fail(path, f"offsets must rise from 0 to {end}")
+
+
+def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
+    """The batch of :func:`encode_batch`, checked: every length and offset agrees, so no write can stray."""
+    names = [f.name for f in dataclasses.fields(RolloutBatch)]
+    found = keys(encoded, path, names)
+    raw: dict[str, Any] = {}
+    for name in names:
+        where = join(path, name)
+        form = _BATCH_FORMS.get(name, "array")
+        value = _decode_value(found[name], where, form)
+        if value is None:
+            if name not in _BATCH_OPTIONAL:
+                fail(where, "missing (null)")
+        elif form == "array":
+            value = decode_array(value, join(where, "array"), INT64 if name in _BATCH_INTS else None)
+        elif name == "present":
+            present = mapping(value, join(where, "dict"))
+            value = {}
+            for key, item in present.items():
+                if key not in PER_POSITION_FLOATS:
+                    fail(join(join(where, "dict"), str(key)), "unknown array")
+                item = _decode_value(item, join(join(where, "dict"), key), "array")
+                value[key] = decode_array(item, join(join(join(where, "dict"), key), "array"), np.bool_)
+        elif name == "padded":
+            fields_ = keys(value, join(where, "fields"), ("rows", "width"))
+            value = PaddedLayout(
+                integer(fields_["rows"], join(where, "fields.rows"), 0),
+                integer(fields_["width"], join(where, "fields.width"), 0),
+            )
+        elif name == "echo":
+            records = sequence(value, join(where, "list"))
+            for i, record in enumerate(records):
+                mapping(record, join(join(where, "list"), i))
+            value = copy.deepcopy(list(records))
+        else:
+            value = strings(value, join(where, "list"), optional=name != "ids")
+        raw[name] = value
+    n_rollouts = len(raw["ids"])
+    if len(raw["position_offsets"]) == 0:
+        fail(join(path, "position_offsets"), "at least one offset is needed")
+    check_offsets(
+        raw["position_offsets"], join(path, "position_offsets"), len(raw["position_offsets"]), len(raw["mask"])
+    )
+    n_samples = len(raw["position_offsets"]) - 1
+    n_positions = len(raw["mask"])
+    check_offsets(raw["sample_offsets"], join(path, "sample_offsets"), n_rollouts + 1, n_samples)
+    for name in ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo"):
+        if raw[name] is not None and len(raw[name]) != n_rollouts:
+            fail(join(path, name), f"{len(raw[name])} entries for {n_rollouts} rollouts")
+    for name in ("frozen", "agentic"):
+        if raw[name] is not None and raw[name].dtype != np.bool_:
+            fail(join(path, name), "expected a bool array")
+    for name in ("token_versions", *PER_POSITION_FLOATS):
+        if raw[name] is not None and len(raw[name]) != n_positions:
+            fail(join(path, name), f"{len(raw[name])} entries for {n_positions} positions")
+        if raw[name] is not None and name not in raw["present"] and name != "token_versions":
+            fail(join(path, "present"), f"lacks {name!r}")
+    for name, values in raw["present"].items():
+        if len(values) != n_samples:
+            fail(join(path, f"present.{name}"), f"{len(values)} entries for {n_samples} samples")
+    spans = [raw[name] is None for name in ("span_offsets", "span_versions", "span_starts")]
+    if any(spans) and not all(spans):
+        fail(join(path, "span_offsets"), "span offsets, versions and starts go together")
+    if not any(spans):
+        n_spans = len(raw["span_versions"])
+        check_offsets(raw["span_offsets"], join(path, "span_offsets"), n_samples + 1, n_spans)
+        if len(raw["span_starts"]) != n_spans:
+            fail(join(path, "span_starts"), f"{len(raw['span_starts'])} entries for {n_spans} spans")
+    kind = raw["label_kind"]
+    if kind is not None:
+        if kind.dtype != np.int8 or len(kind) != n_samples:
+            fail(join(path, "label_kind"), f"expected {n_samples} int8 entries")
+        if ((kind < 0) | (kind > LABELS_TOKENS)).any():
+            fail(join(path, "label_kind"), "values are 0 (none), 1 (spans) or 2 (token versions)")
+        if (kind == LABELS_SPANS).any() and raw["span_offsets"] is None:
+            fail(join(path, "label_kind"), "a sample labelled by spans, in a batch without spans")
+        if (kind == LABELS_TOKENS).any() and raw["token_versions"] is None:
+            fail(join(path, "label_kind"), "a sample labelled per token, in a batch without token versions")
+    try:
+        return RolloutBatch(**raw)
+    except (TypeError, ValueError) as exc:  # pragma: no cover - every field was checked above
+        fail(path, str(exc))
+
+
+def encode_table(table: Table) -> dict[str, Any]:
+    return {name: encode_array(table[name]) for name in table.names}
+
+
+def decode_table(encoded: Any, like: Table, path: str) -> Table:
+    """A table with the columns (and dtypes) of ``like`` filled from ``encoded``, all of one length."""
+    found = mapping(encoded, path)
+    missing = sorted(set(like.names) - set(found))
+    extra = sorted(set(found) - set(like.names), key=str)
+    if missing or extra:
+        name = (missing or extra)[0]
+        fail(join(path, str(name)), f"the table {'lacks this column' if missing else 'has no such column'}")
+    columns = {name: decode_array(found[name], join(path, name), like[name].dtype) for name in like.names}
+    lengths = {len(values) for values in columns.values()}
+    if len(lengths) > 1:
+        name = next(name for name, values in columns.items() if len(values) != len(columns[like.names[0]]))
+        fail(join(path, name), f"{len(columns[name])} rows where the other columns have {len(columns[like.names[0]])}")
+    table = Table(**{name: like[name].dtype for name in like.names})
+    if columns and len(next(iter(columns.values()))):
+        table.append(**columns)
+    return table

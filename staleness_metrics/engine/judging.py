@@ -1,0 +1,107 @@
+"""Judging queued rollouts (SPEC 5): the slice a policy sees, and its decision written back.
+
+:func:`judgement_of` reads the queue's rows into a :class:`~.decision.Judgement`; the policy decides; and
+:func:`apply_decision` raises masking thresholds (zeroing newly stale positions in place, :func:`mask_positions`)
+and drops samples and rollouts, counting them in the open window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from ..metrics.compute import WindowCounts
+from .decision import Decision, Judgement
+from .masking import mask_spans
+from .queue import DROPPED, QUEUED, RolloutQueue
+from .segments import expand_ranges
+from .spans import PART_LABELLED, PART_UNLABELLED
+
+__all__ = ["apply_decision", "judgement_of", "mask_positions", "with_groups"]
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+def with_groups(queue: RolloutQueue, rows: IntArray, judges_groups: bool) -> IntArray:
+    """``rows`` plus every queued member of their groups (for policies that judge groups)."""
+    if not judges_groups or len(rows) == 0:
+        return rows
+    queued = np.flatnonzero(queue.rollouts["status"] == QUEUED)
+    members = queued[np.isin(queue.rollouts["group"][queued], queue.rollouts["group"][rows])]
+    return np.union1d(rows, members)
+
+
+def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
+    """The columnar slice of queued ``rows`` a policy judges at ``step``."""
+    r, s, n = queue.rollouts, queue.samples, queue.spans
+    sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
+    span_rows = expand_ranges(s["span_lo"][sample_rows], s["span_hi"][sample_rows])
+    sample_counts = r["sample_hi"][rows] - r["sample_lo"][rows]
+    span_counts = s["span_hi"][sample_rows] - s["span_lo"][sample_rows]
+    group = r["group"][rows]
+    return Judgement(
+        step=step, rows=rows, frozen=r["frozen"][rows], env=r["env"][rows], dispatch=r["dispatch"][rows],
+        completion=r["completion"][rows], group=group, group_agentic=queue.group_agentic[group],
+        sample_offsets=np.concatenate(([0], np.cumsum(sample_counts))),
+        sample_rows=sample_rows, sample_rollout=np.repeat(np.arange(len(rows)), sample_counts),
+        mask_below=s["mask_below"][sample_rows], dropped=s["dropped"][sample_rows],
+        had_train=s["had_train"][sample_rows], unmaskable=s["unmaskable"][sample_rows],
+        n_sampled=s["n_sampled"][sample_rows], n_unlabelled=s["n_unlabelled"][sample_rows],
+        max_sampled_version=s["max_sampled"][sample_rows], seq_min_version=s["seq_min"][sample_rows],
+        span_offsets=np.concatenate(([0], np.cumsum(span_counts))),
+        span_sample=np.repeat(np.arange(len(sample_rows)), span_counts), version=n["version"][span_rows],
+        labelled=n["labelled"][span_rows], sampled=n["sampled"][span_rows], live=n["live"][span_rows],
+    )  # fmt: skip
+
+
+def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgement, decision: Decision) -> None:
+    """Write ``decision`` into the queue: raised thresholds masked in place, drops counted in ``window`` (rollouts
+    dropped leave the queue)."""
+    samples = queue.samples
+    rows, sample_rows = judgement.rows, judgement.sample_rows
+    raised = decision.mask_below > judgement.mask_below
+    if raised.any():
+        mask_positions(queue, judgement, np.maximum(decision.mask_below, judgement.mask_below), raised)
+    samples["mask_below"][sample_rows] = np.maximum(judgement.mask_below, decision.mask_below)
+
+    drop_rollout = decision.drop_rollout & ~judgement.frozen
+    drop_sample = (decision.drop_sample | drop_rollout[judgement.sample_rollout]) & ~judgement.dropped
+    if drop_sample.any():
+        local = np.flatnonzero(drop_sample)
+        samples["dropped"][sample_rows[local]] = True
+        env = judgement.env[judgement.sample_rollout[local]]
+        window.add(env, "samples_dropped")
+        window.add(env, "tokens_dropped", judgement.n_sampled[local])
+        window.add_dropped_lengths(env, judgement.n_sampled[local])
+        ids = queue.ids
+        window.dropped_samples.extend(
+            (ids[rows[judgement.sample_rollout[i]]], int(samples["local"][sample_rows[i]])) for i in local
+        )
+    if drop_rollout.any():
+        gone = rows[drop_rollout]
+        window.add(judgement.env[drop_rollout], "rollouts_dropped")
+        window.dropped_rollouts.extend(queue.ids[i] for i in gone)
+        queue.leave(gone, DROPPED)
+
+
+def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
+    """Zero newly stale sampled positions in mask and the three weight arrays, in place."""
+    old = judgement.mask_below[judgement.span_sample]
+    new = mask_below[judgement.span_sample]
+    stale = judgement.version < new
+    hit = raised[judgement.span_sample] & stale & (judgement.version >= old) & (judgement.sampled > 0)
+    if not hit.any():
+        return
+    s = queue.samples
+    span_rows = expand_ranges(s["span_lo"][judgement.sample_rows], s["span_hi"][judgement.sample_rows])
+    part = queue.spans["part"][span_rows]
+    # The two parts of a mixed span are adjacent rows: when both are stale now, the whole range goes.
+    partner = np.arange(len(part)) + (part == PART_LABELLED) - (part == PART_UNLABELLED)
+    whole = stale[partner]
+    hit &= ~((part == PART_UNLABELLED) & hit[partner])  # its labelled part fills the range already
+    rows = span_rows[hit]
+    chunk_of = queue.rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
+    spans = queue.spans
+    count = judgement.sampled[hit]  # sampled positions are the whole span or part: mask-0 ones are never hit
+    mask_spans(queue.chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit], count)

@@ -1,0 +1,590 @@
+"""The queue of a sink (SPEC 4): the rollouts waiting to ship and what the engine keeps of them.
+
+Three growable tables (rollouts, samples, spans) hold one row per queued rollout, sample and span; the
+batches the rollouts arrived in are kept whole (their positions are masked in place) until no queued
+rollout needs them. The queue registers ids, groups and envs as rollouts enter, lets rows leave (shipped,
+dropped, set aside), forgets them in bulk (:meth:`RolloutQueue.compact`), and saves and restores all of
+it (:meth:`RolloutQueue.state_dict`, :meth:`RolloutQueue.read_state`): the object that owns the fields
+is the one that writes and checks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..records.columnar import RolloutBatch
+from ..records.validation import Verdicts
+from .batch_state import check_offsets, decode_batch, decode_table, encode_batch, encode_table
+from .decision import NO_MASK
+from .segments import expand_ranges
+from .spans import PART_LABELLED, PART_UNLABELLED, PART_WHOLE, SpanTable, build_spans
+from .state_checks import boolean, fail, integer, join, keys, sequence, string, strings
+from .table import Table
+
+__all__ = ["COMPACT_MIN_ROWS", "DROPPED", "INVALID", "NEVER", "QUEUED", "SHIPPED", "RolloutQueue"]
+
+IntArray = npt.NDArray[np.int64]
+
+QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3  # a rollout row's status
+COMPACT_MIN_ROWS = 4096  # below this many rows, forgetting is not worth a copy
+# A batch of at most this many positions that is plainly valid is queued at add with a few checks and
+# cut into spans later, with every batch added after it, in one pass (at the next sweep, ship or look at
+# the tables): the cost of a call follows its work, not a few hundred numpy calls per add.
+STAGE_MAX_POSITIONS = 1 << 16
+STAGE_FLUSH_POSITIONS = 1 << 20  # staged positions that make an add cut them at once (bounded memory)
+NEVER = -1  # the step of a rollout not judged yet
+QUEUE_KEYS = (
+    "queued", "tokens_entered", "tables", "ids", "seen_ids", "chunks", "chunk_open", "groups", "group_agentic",
+    "n_groups", "envs",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A small batch queued by :meth:`Sink.add` whose spans are cut later (with the ones after it)."""
+
+    batch: RolloutBatch
+    chunk: int
+    groups: npt.NDArray[np.int64]
+    envs: npt.NDArray[np.int64]
+    # The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
+    # wherever both have an array are cut together (:func:`_concatenated` fills the missing ones).
+    kind: tuple[str | None, ...]
+
+
+def _kind(batch: RolloutBatch) -> tuple[str | None, ...]:
+    arrays = (batch.mask, batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
+    return tuple(None if a is None else a.dtype.str for a in arrays)  # (a dtype equals None: float64)
+
+
+def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) -> tuple[str | None, ...] | None:
+    """The kind of a group of batches with ``kind`` joined by one with ``other``; None if they differ."""
+    if any(a is not None and b is not None and a != b for a, b in zip(kind, other)):
+        return None
+    return tuple(a if a is not None else b for a, b in zip(kind, other))
+
+
+def _joined_offsets(parts: Sequence[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
+    """Offsets into the concatenation of the parts the offsets ``parts`` index."""
+    bases = np.cumsum([0, *(int(p[-1]) for p in parts)])
+    return np.concatenate([*(p[:-1] + base for p, base in zip(parts, bases[:-1].tolist())), bases[-1:]])
+
+
+def _concatenated(batches: Sequence[RolloutBatch]) -> RolloutBatch:
+    """One batch holding ``batches`` one after the other, with the arrays cutting spans reads (copies).
+
+    An array some batches lack is filled with what its absence means to the cut, so each sample's spans
+    are those of its own batch: rl weights 1.0 on the mask (0 elsewhere), ce and ref-KL weights 0,
+    ``token_versions`` -1 and no ``weight_versions`` spans (those samples' ``label_kind`` says they use
+    neither).
+    """
+
+    def joined(name: str, fill: Any = None) -> Any:
+        values = [getattr(b, name) for b in batches]
+        given = [v for v in values if v is not None]
+        if not given:
+            return None
+        dtype = given[0].dtype  # the group's (_joined_kind): a fill takes it, exactly (0, 1, -1)
+        return np.concatenate([v if v is not None else fill(b).astype(dtype) for v, b in zip(values, batches)])
+
+    columns: dict[str, Any] = {
+        "rl_weights": joined("rl_weights", lambda b: b.mask),
+        **{name: joined(name, lambda b: np.zeros(b.n_positions)) for name in ("ce_weights", "ref_kl_weights")},
+        "token_versions": joined("token_versions", lambda b: np.full(b.n_positions, -1, dtype=np.int64)),
+    }
+    if any(b.span_offsets is not None for b in batches):
+        none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
+        columns["span_offsets"] = _joined_offsets(
+            [b.span_offsets if b.span_offsets is not None else np.zeros(b.n_samples + 1, np.int64) for b in batches]
+        )
+        columns.update({name: joined(name, lambda b: none) for name in ("span_versions", "span_starts")})
+    return RolloutBatch(
+        ids=[rid for b in batches for rid in b.ids],
+        sample_offsets=_joined_offsets([b.sample_offsets for b in batches]),
+        position_offsets=_joined_offsets([b.position_offsets for b in batches]),
+        mask=joined("mask"),
+        dispatch_version=joined("dispatch_version"),
+        completion_version=joined("completion_version"),
+        frozen=joined("frozen"),
+        agentic=joined("agentic"),
+        label_kind=joined("label_kind"),
+        **columns,
+    )
+
+
+def _per_row(values: Sequence[Any], rows: npt.NDArray[np.int64]) -> list[Any]:
+    return [values[i] for i in rows.tolist()]
+
+
+class RolloutQueue:
+    """The rows of the queued rollouts (and of those resolved since the last :meth:`compact`), their batches,
+    and the ids, groups and envs of the run. ``observe_added`` is told the groups of every rollout whose rows
+    are built (the policy's hook)."""
+
+    def __init__(self, observe_added: Callable[[IntArray], None]) -> None:
+        self.rollouts = Table(
+            chunk=np.int64, index=np.int64, status=np.int8, judged=np.int64, frozen=np.bool_,
+            dispatch=np.int64, completion=np.int64, group=np.int64, env=np.int64,
+            sample_lo=np.int64, sample_hi=np.int64,
+        )  # fmt: skip
+        self.samples = Table(
+            rollout=np.int64, local=np.int64, span_lo=np.int64, span_hi=np.int64, mask_below=np.int64,
+            dropped=np.bool_, had_train=np.bool_, unmaskable=np.bool_, n_sampled=np.int64,
+            n_unlabelled=np.int64, max_label=np.int64, max_sampled=np.int64, seq_min=np.int64,
+            label_kind=np.int8,
+        )  # fmt: skip
+        self.spans = Table(
+            sample=np.int64, lo=np.int64, hi=np.int64, version=np.int64, labelled=np.bool_,
+            sampled=np.int64, live=np.bool_, part=np.int8,
+        )  # fmt: skip
+        self.ids: list[str] = []  # per rollout row
+        self.row_of: dict[str, int] = {}  # queued (and recently resolved) rollouts by id
+        self.seen_ids: set[str] = set()  # every id accepted in the run: ids are unique within a run
+        self.chunks: list[RolloutBatch | None] = []
+        self.chunk_open: list[int] = []  # rollouts of each chunk still queued
+        self.closing: list[int] = []  # chunks whose last rollout left: released at the next ship
+        self.groups: dict[str, int] = {}
+        self.group_agentic = np.zeros(16, dtype=bool)  # per group: a member that ever entered was agentic
+        self.n_groups = 0
+        self.env_index: dict[str | None, int] = {None: 0}
+        self.env_names: dict[int, str] = {0: ""}
+        self.queued = 0
+        # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
+        # + dropped + still queued.
+        self._tokens_entered = 0
+        # Small batches queued (ids, groups, envs and chunks registered) whose table rows are not built yet.
+        self._staged: list[_Staged] = []
+        self._staged_rollouts = 0
+        self._staged_positions = 0
+        self._observe_added = observe_added
+
+    @property
+    def tracked_rollouts(self) -> int:
+        """Rollout rows held in memory: the queue plus those resolved since the last compaction."""
+        return len(self.rollouts) + self._staged_rollouts
+
+    @property
+    def tokens_entered(self) -> int:
+        """Sampled positions of live rollouts accepted so far (set aside at ship: taken back out)."""
+        self.build_staged()
+        return self._tokens_entered
+
+    @tokens_entered.setter
+    def tokens_entered(self, value: int) -> None:
+        self.build_staged()
+        self._tokens_entered = value
+
+    def env(self, name: str | None) -> int:
+        if name not in self.env_index:
+            self.env_index[name] = len(self.env_index)
+            self.env_names[self.env_index[name]] = name or ""
+        return self.env_index[name]
+
+    def _new_groups(self, count: int) -> int:
+        """Register ``count`` new groups; returns the index of the first."""
+        first = self.n_groups
+        self.n_groups += count
+        if self.n_groups > len(self.group_agentic):
+            grown = np.zeros(2 * self.n_groups, dtype=bool)
+            grown[:first] = self.group_agentic[:first]
+            self.group_agentic = grown
+        return first
+
+    def _groups_of(self, batch: RolloutBatch, rollouts: list[int]) -> IntArray:
+        """Group index of each rollout, registering new groups (one of its own without group_id)."""
+        assert batch.group_ids is not None and batch.agentic is not None
+        names = (
+            batch.group_ids if len(rollouts) == batch.n_rollouts else list(map(batch.group_ids.__getitem__, rollouts))
+        )
+        if names.count(None) == len(names):  # singletons: one new group each, no lookups
+            first = self._new_groups(len(rollouts))
+            groups = np.arange(first, self.n_groups, dtype=np.int64)
+        else:
+            groups = np.empty(len(rollouts), dtype=np.int64)
+            for k, name in enumerate(names):
+                index = None if name is None else self.groups.get(name)
+                if index is None:
+                    index = self._new_groups(1)
+                    if name is not None:
+                        self.groups[name] = index
+                groups[k] = index
+        agentic = batch.agentic if len(rollouts) == batch.n_rollouts else batch.agentic[rollouts]
+        if agentic.any():  # (an unbuffered ufunc.at costs more than the whole add of a small batch)
+            np.logical_or.at(self.group_agentic, groups, agentic)
+        return groups
+
+    def admit(self, batch: RolloutBatch, kept_ids: list[int]) -> tuple[int, IntArray, IntArray]:
+        """Queue the rollouts ``kept_ids`` of ``batch`` by id, group and env (their table rows come after);
+        returns the batch's chunk and the rollouts' groups and envs."""
+        assert batch.envs is not None
+        chunk = len(self.chunks)
+        self.chunks.append(batch)
+        self.chunk_open.append(len(kept_ids))
+        row_base = len(self.rollouts) + self._staged_rollouts
+        # Per-rollout lists are read through C-level map/zip, never an interpreted loop per rollout.
+        every = len(kept_ids) == batch.n_rollouts
+        ids = batch.ids if every else list(map(batch.ids.__getitem__, kept_ids))
+        env_names = batch.envs if every else list(map(batch.envs.__getitem__, kept_ids))
+        groups = self._groups_of(batch, kept_ids)
+        env_index = {name: self.env(name) for name in set(env_names)}
+        if len(env_index) == 1:
+            envs = np.full(len(kept_ids), next(iter(env_index.values())), dtype=np.int64)
+        else:
+            envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=len(kept_ids))
+        self.row_of.update(zip(ids, range(row_base, row_base + len(kept_ids))))
+        self.ids.extend(ids)
+        self.seen_ids.update(ids)
+        self.queued += len(kept_ids)
+        return chunk, groups, envs
+
+    def stage(self, batch: RolloutBatch) -> int:
+        """Queue a plainly valid small batch now; its table rows are built by :meth:`_build_staged`."""
+        chunk, groups, envs = self.admit(batch, list(range(batch.n_rollouts)))
+        self._staged.append(_Staged(batch, chunk, groups, envs, _kind(batch)))
+        self._staged_rollouts += batch.n_rollouts
+        self._staged_positions += batch.n_positions
+        if self._staged_positions > STAGE_FLUSH_POSITIONS:
+            self.build_staged()
+        return batch.n_rollouts
+
+    def build_staged(self) -> None:
+        """Cut the staged batches into spans and append their rows: consecutive batches with the same
+        arrays in one pass over their concatenation (spans never cross a sample, so each sample's spans
+        are what its own batch would give), in the order they were added."""
+        staged, self._staged = self._staged, []
+        self._staged_rollouts = self._staged_positions = 0
+        start = 0
+        while start < len(staged):
+            end = start + 1
+            kind = staged[start].kind
+            while end < len(staged):
+                joined = _joined_kind(kind, staged[end].kind)
+                if joined is None:
+                    break
+                kind, end = joined, end + 1
+            self._append_staged(staged[start:end])
+            start = end
+
+    def _append_staged(self, staged: list[_Staged]) -> None:
+        batch = staged[0].batch if len(staged) == 1 else _concatenated([item.batch for item in staged])
+        verdicts = Verdicts(batch)
+        spans = build_spans(batch, verdicts)
+        assert not verdicts.errors, "a plainly valid batch was refused"  # plainly_valid may only err towards no
+        n_rollouts = [item.batch.n_rollouts for item in staged]
+        rollout_base = np.repeat(np.cumsum([0, *n_rollouts[:-1]]), n_rollouts)
+        chunks = np.repeat([item.chunk for item in staged], n_rollouts)
+        # spans at positions of the concatenation: back to their own batch's
+        position_base = np.repeat(np.cumsum([0, *(item.batch.n_positions for item in staged[:-1])]), n_rollouts)
+        groups = np.concatenate([item.groups for item in staged]) if len(staged) > 1 else staged[0].groups
+        envs = np.concatenate([item.envs for item in staged]) if len(staged) > 1 else staged[0].envs
+        keep = np.arange(batch.n_rollouts)
+        self.append_rows(batch, spans, keep, chunks, keep - rollout_base, groups, envs, position_base)
+
+    def append_rows(
+        self,
+        batch: RolloutBatch,
+        spans: SpanTable,
+        keep: IntArray,
+        chunk: IntArray,
+        index: IntArray,
+        groups: IntArray,
+        envs: IntArray,
+        position_base: IntArray | None = None,
+    ) -> None:
+        """The table rows of rollouts ``keep`` of ``batch`` (cut into ``spans``): their chunks, their index in
+        it, and (``position_base``, per rollout) where their chunk starts in ``batch``'s positions."""
+        assert batch.frozen is not None and batch.label_kind is not None
+        sample_lo, sample_hi = batch.sample_offsets[keep], batch.sample_offsets[keep + 1]
+        samples = expand_ranges(sample_lo, sample_hi)
+        sample_base = len(self.samples)
+        span_base = len(self.spans)
+        row_base = len(self.rollouts)
+        new_sample_offsets = np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
+        self.rollouts.append(
+            chunk=chunk, index=index, status=np.full(len(keep), QUEUED),
+            judged=np.full(len(keep), NEVER), frozen=batch.frozen[keep], dispatch=batch.dispatch_version[keep],
+            completion=spans.completion[keep], group=groups, env=envs,
+            sample_lo=sample_base + new_sample_offsets[:-1], sample_hi=sample_base + new_sample_offsets[1:],
+        )  # fmt: skip
+        sample_rollout = np.repeat(np.arange(len(keep)), sample_hi - sample_lo)
+        span_lo, span_hi = spans.span_offsets[samples], spans.span_offsets[samples + 1]
+        kept_spans = expand_ranges(span_lo, span_hi)
+        new_span_offsets = np.concatenate(([0], np.cumsum(span_hi - span_lo)))
+        self.samples.append(
+            rollout=row_base + sample_rollout, local=samples - batch.sample_offsets[keep][sample_rollout],
+            span_lo=span_base + new_span_offsets[:-1], span_hi=span_base + new_span_offsets[1:],
+            mask_below=np.full(len(samples), NO_MASK), dropped=np.zeros(len(samples), dtype=bool),
+            had_train=spans.had_train[samples], unmaskable=spans.unmaskable[samples],
+            n_sampled=spans.n_sampled[samples], n_unlabelled=spans.n_unlabelled[samples],
+            max_label=spans.max_label[samples], max_sampled=spans.max_sampled_version[samples],
+            seq_min=spans.seq_min_version[samples], label_kind=batch.label_kind[samples],
+        )  # fmt: skip
+        span_sample_local = np.repeat(np.arange(len(samples)), span_hi - span_lo)
+        lo, hi = spans.lo[kept_spans], spans.hi[kept_spans]
+        if position_base is not None:
+            base = position_base[sample_rollout[span_sample_local]]
+            lo, hi = lo - base, hi - base
+        self.spans.append(
+            sample=sample_base + span_sample_local, lo=lo, hi=hi,
+            version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
+            sampled=spans.sampled[kept_spans], live=spans.live[kept_spans], part=spans.part[kept_spans],
+        )  # fmt: skip
+        live_samples = ~batch.frozen[keep][sample_rollout]
+        self._tokens_entered += int(spans.n_sampled[samples][live_samples].sum())
+        self._observe_added(groups)
+
+    def queued_tokens(self, rows: IntArray) -> int:
+        r, s = self.rollouts, self.samples
+        sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
+        live = ~r["frozen"][s["rollout"][sample_rows]] & ~s["dropped"][sample_rows]
+        return int(s["n_sampled"][sample_rows][live].sum())
+
+    def leave(self, rows: IntArray, status: int) -> None:
+        self.rollouts["status"][rows] = status
+        self.queued -= len(rows)
+        chunks, counts = np.unique(self.rollouts["chunk"][rows], return_counts=True)
+        for chunk, count in zip(chunks.tolist(), counts.tolist()):
+            self.chunk_open[chunk] -= count
+            if self.chunk_open[chunk] == 0:
+                self.closing.append(chunk)
+
+    def release_chunks(self) -> None:
+        """Let go of the batches no queued rollout needs: only those that closed since the last ship, so a
+        ship costs nothing per batch ever added."""
+        for chunk in self.closing:
+            self.chunks[chunk] = None
+        self.closing = []
+
+    def compact(self) -> None:
+        """Forget rollouts that left the sink: the tables keep only queued ones (bounded memory)."""
+        self.rollouts, self.samples, self.spans, self.chunks, self.chunk_open, self.ids = self.compacted()
+        self.row_of = {rid: row for row, rid in enumerate(self.ids)}
+        self.closing = []  # chunks closing now have no queued rollout: they are not kept
+
+    def compacted(self) -> tuple[Table, Table, Table, list[RolloutBatch | None], list[int], list[str]]:
+        """The tables, chunks, open counts and ids of the queued rollouts only, renumbered: new objects (the
+        sink is not changed, so a checkpoint may take them at any moment)."""
+        r, s = self.rollouts, self.samples
+        keep = np.flatnonzero(r["status"] == QUEUED)
+        sample_counts = r["sample_hi"][keep] - r["sample_lo"][keep]
+        sample_rows = expand_ranges(r["sample_lo"][keep], r["sample_hi"][keep])
+        span_counts = s["span_hi"][sample_rows] - s["span_lo"][sample_rows]
+        span_rows = expand_ranges(s["span_lo"][sample_rows], s["span_hi"][sample_rows])
+        chunks = np.unique(r["chunk"][keep])
+        sample_offsets = np.concatenate(([0], np.cumsum(sample_counts)))
+        span_offsets = np.concatenate(([0], np.cumsum(span_counts)))
+        rollouts = r.take(
+            keep, chunk=np.searchsorted(chunks, r["chunk"][keep]),
+            sample_lo=sample_offsets[:-1], sample_hi=sample_offsets[1:],
+        )  # fmt: skip
+        samples = s.take(
+            sample_rows, rollout=np.repeat(np.arange(len(keep)), sample_counts),
+            span_lo=span_offsets[:-1], span_hi=span_offsets[1:],
+        )  # fmt: skip
+        spans = self.spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
+        return (
+            rollouts, samples, spans, [self.chunks[c] for c in chunks.tolist()],
+            [self.chunk_open[c] for c in chunks.tolist()], [self.ids[row] for row in keep.tolist()],
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The queue as plain data: a compacted copy (the queued rollouts only, renumbered, with the batches they
+        need); the queue is left as it was."""
+        self.build_staged()
+        rollouts, samples, spans, chunks, chunk_open, ids = self.compacted()
+        envs = sorted(self.env_index.items(), key=lambda item: item[1])
+        return {
+            "queued": self.queued,
+            "tokens_entered": self._tokens_entered,
+            "tables": {
+                "rollouts": encode_table(rollouts),
+                "samples": encode_table(samples),
+                "spans": encode_table(spans),
+            },
+            "ids": ids,
+            "seen_ids": sorted(self.seen_ids),
+            "chunks": [encode_batch(batch) for batch in chunks if batch is not None],  # a queued rollout's never is
+            "chunk_open": chunk_open,
+            "groups": [list(item) for item in sorted(self.groups.items(), key=lambda item: item[1])],
+            "group_agentic": self.group_agentic[: self.n_groups].tolist(),
+            "n_groups": self.n_groups,
+            "envs": [name for name, _ in envs],
+        }
+
+    def read_state(self, state: Mapping[str, Any], path: str = "", step: int = 0) -> RolloutQueue:
+        """A new queue holding :meth:`state_dict`'s ``state`` (the :data:`QUEUE_KEYS` of it), checked: structure,
+        dtypes, ranges, and that ids, rows, chunks and counts agree, so no later write can stray. ``step`` is the
+        latest step of the sink that saved it (no row was judged after it). This queue is not changed (its tables
+        only lend their column dtypes); a bad state raises ``ConfigError`` naming the key path."""
+        tables = keys(state["tables"], join(path, "tables"), ("rollouts", "samples", "spans"))
+        r = decode_table(tables["rollouts"], self.rollouts, join(path, "tables.rollouts"))
+        s = decode_table(tables["samples"], self.samples, join(path, "tables.samples"))
+        n = decode_table(tables["spans"], self.spans, join(path, "tables.spans"))
+        rows, where_r, where_s, where_n = (
+            len(r),
+            join(path, "tables.rollouts"),
+            join(path, "tables.samples"),
+            join(path, "tables.spans"),
+        )
+        ids = strings(state["ids"], join(path, "ids"), unique=True)
+        if len(ids) != rows:
+            fail(join(path, "ids"), f"{len(ids)} ids for {rows} rollout rows")
+        queued = integer(state["queued"], join(path, "queued"), 0)
+        if queued != rows:
+            fail(join(path, "queued"), f"{queued}, but the checkpoint holds {rows} queued rollouts")
+        seen = strings(state["seen_ids"], join(path, "seen_ids"), unique=True)
+        seen_ids = set(seen)
+        if not seen_ids.issuperset(ids):
+            fail(join(path, "seen_ids"), f"lacks the queued id {next(i for i in ids if i not in seen_ids)!r}")
+
+        where = join(path, "chunks")
+        chunks = [decode_batch(c, join(where, i)) for i, c in enumerate(sequence(state["chunks"], where))]
+        open_ = sequence(state["chunk_open"], join(path, "chunk_open"), len(chunks))
+        chunk_open = [integer(v, join(join(path, "chunk_open"), i), 1) for i, v in enumerate(open_)]
+
+        n_groups = integer(state["n_groups"], join(path, "n_groups"), 0)
+        agentic = sequence(state["group_agentic"], join(path, "group_agentic"), n_groups)
+        group_agentic = np.zeros(max(16, 2 * n_groups), dtype=bool)
+        group_agentic[:n_groups] = [boolean(v, join(join(path, "group_agentic"), i)) for i, v in enumerate(agentic)]
+        groups: dict[str, int] = {}
+        for i, pair in enumerate(sequence(state["groups"], join(path, "groups"))):
+            name, index = sequence(pair, join(join(path, "groups"), i), 2)
+            name = string(name, join(join(join(path, "groups"), i), 0))
+            index = integer(index, join(join(join(path, "groups"), i), 1), 0, n_groups - 1)
+            if name in groups:
+                fail(join(join(path, "groups"), i), f"group {name!r} appears twice")
+            groups[name] = index
+        if len(set(groups.values())) != len(groups):
+            fail(join(path, "groups"), "two group names share an index")
+        envs = strings(state["envs"], join(path, "envs"), optional=True, unique=True)
+        if not envs or envs[0] is not None:
+            fail(join(path, "envs"), "the first env is null (rollouts without one)")
+
+        # Rollout rows: queued, each one rollout of a chunk, agreeing with what that chunk says of it.
+        status = r["status"]
+        if (status != QUEUED).any():
+            fail(join(where_r, "status"), "a checkpoint holds queued rollouts only")
+        chunk, index = r["chunk"], r["index"]
+        if ((chunk < 0) | (chunk >= len(chunks))).any():
+            fail(join(where_r, "chunk"), f"values are chunk numbers, 0..{len(chunks) - 1}")
+        if np.bincount(chunk, minlength=len(chunks)).tolist() != chunk_open:
+            fail(join(path, "chunk_open"), "does not count the queued rollouts of each chunk")
+        for name, values, high in (("judged", r["judged"], step), ("group", r["group"], n_groups - 1),
+                                   ("env", r["env"], len(envs) - 1)):  # fmt: skip
+            low = NEVER if name == "judged" else 0
+            if rows and (int(values.min()) < low or int(values.max()) > high):
+                fail(join(where_r, name), f"values lie in {low}..{high}")
+        check_offsets(np.concatenate((r["sample_lo"][:1], r["sample_hi"])) if rows else np.zeros(1, dtype=np.int64),
+                 join(where_r, "sample_hi"), rows + 1, len(s))  # fmt: skip
+        if (r["sample_lo"][1:] != r["sample_hi"][:-1]).any():
+            fail(join(where_r, "sample_lo"), "each rollout's samples start where the previous one's end")
+        sample_counts = r["sample_hi"] - r["sample_lo"]
+        sample_owner = np.repeat(np.arange(rows), sample_counts)
+        if not np.array_equal(s["rollout"], sample_owner):
+            fail(join(where_s, "rollout"), "does not name the rollout row each sample belongs to")
+        expected_local = np.arange(len(s)) - r["sample_lo"][sample_owner]
+        if not np.array_equal(s["local"], expected_local):
+            fail(join(where_s, "local"), "samples are numbered 0, 1, ... within their rollout")
+        sample_in_batch = np.zeros(len(s), dtype=np.int64)
+        position_lo = np.zeros(len(s), dtype=np.int64)
+        position_hi = np.zeros(len(s), dtype=np.int64)
+        has_tokens = np.zeros(len(s), dtype=bool)
+        seen_pairs: set[tuple[int, int]] = set()
+        # Rows and samples grouped by chunk once (stable: in row order), not one scan of all rows per chunk.
+        row_order = np.argsort(chunk, kind="stable")
+        row_bounds = np.searchsorted(chunk[row_order], np.arange(len(chunks) + 1))
+        sample_chunk = chunk[sample_owner]
+        sample_order = np.argsort(sample_chunk, kind="stable")
+        sample_bounds = np.searchsorted(sample_chunk[sample_order], np.arange(len(chunks) + 1))
+        for c, batch in enumerate(chunks):
+            mine = row_order[row_bounds[c] : row_bounds[c + 1]]
+            k = index[mine]
+            if ((k < 0) | (k >= batch.n_rollouts)).any():
+                fail(join(where_r, "index"), f"chunk {c} holds rollouts 0..{batch.n_rollouts - 1}")
+            if len(np.unique(k)) != len(k):
+                fail(join(where_r, "index"), f"one rollout of chunk {c} is queued twice")
+            seen_pairs.update(zip([c] * len(k), k.tolist()))
+            assert batch.frozen is not None and batch.group_ids is not None and batch.envs is not None
+            assert batch.label_kind is not None
+            checks = (
+                ("id", _per_row(batch.ids, k), _per_row(ids, mine)),
+                ("frozen", batch.frozen[k].tolist(), r["frozen"][mine].tolist()),
+                ("dispatch", batch.dispatch_version[k].tolist(), r["dispatch"][mine].tolist()),
+                ("env", _per_row(batch.envs, k), [envs[e] for e in r["env"][mine].tolist()]),
+                (
+                    "sample_hi",
+                    np.diff(batch.sample_offsets)[k].tolist(),
+                    (r["sample_hi"] - r["sample_lo"])[mine].tolist(),
+                ),
+            )
+            for name, theirs, ours in checks:
+                if theirs != ours:
+                    row = int(mine[next(i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b)])
+                    key = "ids" if name == "id" else f"tables.rollouts.{name}"
+                    fail(join(path, key), f"row {row} disagrees with rollout {int(index[row])} of chunk {c}")
+            for row, name in zip(mine.tolist(), _per_row(batch.group_ids, k)):
+                if name is not None and groups.get(name) != int(r["group"][row]):
+                    fail(join(where_r, "group"), f"row {row} is not in the group of {name!r}")
+            owned = sample_order[sample_bounds[c] : sample_bounds[c + 1]]
+            sample_in_batch[owned] = batch.sample_offsets[index[sample_owner[owned]]] + s["local"][owned]
+            position_lo[owned] = batch.position_offsets[sample_in_batch[owned]]
+            position_hi[owned] = batch.position_offsets[sample_in_batch[owned] + 1]
+            has_tokens[owned] = batch.token_versions is not None
+            if not np.array_equal(s["label_kind"][owned], batch.label_kind[sample_in_batch[owned]]):
+                fail(join(where_s, "label_kind"), f"disagrees with chunk {c}")
+            mask = batch.mask[expand_ranges(position_lo[owned], position_hi[owned])]
+            if ((mask != 0) & (mask != 1)).any():
+                fail(join(join(where, c), "mask"), "the mask values of queued rollouts are 0 or 1")
+
+        # Samples and spans: spans tile each sample's rows and stay inside its positions in the batch.
+        check_offsets(np.concatenate((s["span_lo"][:1], s["span_hi"])) if len(s) else np.zeros(1, dtype=np.int64),
+                 join(where_s, "span_hi"), len(s) + 1, len(n))  # fmt: skip
+        if (s["span_lo"][1:] != s["span_hi"][:-1]).any():
+            fail(join(where_s, "span_lo"), "each sample's spans start where the previous one's end")
+        if ((s["mask_below"] < NO_MASK) | (s["mask_below"] > max(step, 0))).any():
+            fail(join(where_s, "mask_below"), f"thresholds lie in {NO_MASK}..{step}")
+        if ((s["n_sampled"] < 0) | (s["n_unlabelled"] < 0) | (s["n_unlabelled"] > s["n_sampled"])).any():
+            fail(join(where_s, "n_unlabelled"), "counts are 0..n_sampled")
+        if (s["n_sampled"] > position_hi - position_lo).any():
+            fail(join(where_s, "n_sampled"), "more sampled positions than the sample has")
+        span_owner = np.repeat(np.arange(len(s)), s["span_hi"] - s["span_lo"])
+        if not np.array_equal(n["sample"], span_owner):
+            fail(join(where_n, "sample"), "does not name the sample row each span belongs to")
+        lo, hi, part = n["lo"], n["hi"], n["part"]
+        if ((lo < position_lo[span_owner]) | (hi < lo) | (hi > position_hi[span_owner])).any():
+            fail(join(where_n, "lo"), "a span reaches outside its sample's positions")
+        if ((n["sampled"] < 0) | (n["sampled"] > hi - lo)).any():
+            fail(join(where_n, "sampled"), "more sampled positions than the span has")
+        if ((part != PART_WHOLE) & (part != PART_LABELLED) & (part != PART_UNLABELLED)).any():
+            fail(join(where_n, "part"), "values are 0 (whole), 1 (labelled) and 2 (unlabelled)")
+        first, second = np.flatnonzero(part == PART_LABELLED), np.flatnonzero(part == PART_UNLABELLED)
+        if not np.array_equal(first + 1, second) or not np.array_equal(
+            span_owner[first], span_owner[second[: len(first)]]
+        ):
+            fail(join(where_n, "part"), "a labelled part is followed by its unlabelled part, in the same sample")
+        if ((part != PART_WHOLE) & ~has_tokens[span_owner]).any():
+            fail(join(where_n, "part"), "a mixed span in a batch without token versions")
+        if len(seen_pairs) != rows:  # pragma: no cover - follows from the per-chunk uniqueness
+            fail(join(where_r, "index"), "one rollout is queued twice")
+        tokens_entered = integer(state["tokens_entered"], join(path, "tokens_entered"), 0)
+
+        queue = RolloutQueue(self._observe_added)
+        queue.rollouts, queue.samples, queue.spans = r, s, n
+        queue.ids, queue.row_of, queue.seen_ids = ids, {rid: row for row, rid in enumerate(ids)}, seen_ids
+        queue.chunks, queue.chunk_open = list(chunks), chunk_open
+        queue.groups, queue.n_groups, queue.group_agentic = groups, n_groups, group_agentic
+        queue.env_index = {name: i for i, name in enumerate(envs)}
+        queue.env_names = {i: name or "" for i, name in enumerate(envs)}
+        queue.queued, queue._tokens_entered = queued, tokens_entered
+        return queue
+
+    def load_state_dict(self, state: Mapping[str, Any], path: str = "", step: int = 0) -> None:
+        """Continue from :meth:`state_dict`: all of it (:meth:`read_state` checks it first), or nothing."""
+        checked = self.read_state(state, path, step)
+        vars(self).update(vars(checked))

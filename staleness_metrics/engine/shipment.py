@@ -1,0 +1,148 @@
+"""What a ship hands back (SPEC 4): the :class:`Shipment` and its :class:`ShippedRollout`\ s, and their form as
+SPEC 3 records (``--batches-out``, SPEC 9).
+
+Its own module so that everything taking a shipment (the trainer adapters, the padded way back, the replay)
+names its type without importing the queue that makes it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import TraceError
+from ..metrics.report import MetricValue, StepReport
+from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .shipped_positions import ShippedSpans
+
+__all__ = ["Shipment", "ShippedRollout"]
+
+
+@dataclass(frozen=True)
+class ShippedRollout:
+    """One shipped rollout: its arrays are views of the arrays it arrived in, masked in place."""
+
+    id: str
+    batch: RolloutBatch
+    index: int  # rollout index within ``batch``
+    samples: tuple[int, ...]  # indices (within the rollout) of the samples shipped
+
+    def record(self, arrays: bool = False) -> dict[str, Any]:
+        """The rollout as a SPEC 3 record: masked arrays, dropped samples removed.
+
+        Per-position fields are lists, or with ``arrays`` numpy arrays of the same values (for an
+        encoder that writes arrays natively).
+        """
+        batch, index = self.batch, self.index
+        if batch.echo is not None:
+            record = dict(batch.echo[index])
+        else:
+            record = {"id": self.id}
+            for name, values in (("group_id", batch.group_ids), ("env", batch.envs)):
+                if values is not None and values[index] is not None:
+                    record[name] = values[index]
+            assert batch.frozen is not None and batch.agentic is not None and batch.completion_version is not None
+            if batch.frozen[index]:
+                record["source"] = "frozen"
+            if batch.dispatch_version[index] >= 0:
+                record["dispatch_version"] = int(batch.dispatch_version[index])
+            if batch.completion_version[index] >= 0:
+                record["completion_version"] = int(batch.completion_version[index])
+            if batch.agentic[index]:
+                record["agentic"] = True
+        first = int(batch.sample_offsets[index])
+        record["samples"] = [_sample_record(batch, first + k, arrays) for k in self.samples]
+        return record
+
+
+def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> dict[str, Any]:
+    lo, hi = int(batch.position_offsets[sample]), int(batch.position_offsets[sample + 1])
+
+    def out_of(values: npt.NDArray[Any]) -> Any:
+        return values if arrays else values.tolist()
+
+    out: dict[str, Any] = {"mask": out_of(batch.mask[lo:hi].astype(np.int64))}
+    assert batch.label_kind is not None
+    if batch.label_kind[sample] == LABELS_SPANS:
+        assert batch.span_offsets is not None and batch.span_versions is not None
+        assert batch.span_starts is not None
+        a, b = int(batch.span_offsets[sample]), int(batch.span_offsets[sample + 1])
+        # a few pairs: Python lists cost less than a stacked array, and encode to the same JSON
+        out["weight_versions"] = [
+            list(pair) for pair in zip(batch.span_versions[a:b].tolist(), batch.span_starts[a:b].tolist())
+        ]
+    elif batch.label_kind[sample] == LABELS_TOKENS:
+        assert batch.token_versions is not None
+        out["token_versions"] = out_of(np.ascontiguousarray(batch.token_versions[lo:hi], dtype=np.int64))
+    for name in WEIGHT_FIELDS:
+        values = getattr(batch, name)
+        if values is not None and batch.present[name][sample]:
+            out[name] = out_of(values[lo:hi].astype(np.float64, copy=False))  # a view unless float32
+    if batch.logprobs is not None and batch.present["logprobs"][sample]:
+        out["logprobs"] = out_of(batch.logprobs[lo:hi].astype(np.float64, copy=False))
+    if batch.trainer_logprobs is not None and batch.present["trainer_logprobs"][sample]:
+        values = batch.trainer_logprobs[lo:hi].astype(np.float64)
+        # missing values are null; orjson writes a non-finite float of an array as null by itself
+        out["trainer_logprobs"] = values if arrays else [v if math.isfinite(v) else None for v in values.tolist()]
+    return out
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """A shipped batch with its metrics, and what left the sink for staleness in its window.
+
+    ``rollouts`` is built on first access: an orchestrator that trains on its own (masked in place)
+    arrays never pays for per-rollout objects.
+    """
+
+    step: int
+    report: StepReport
+    dropped_rollouts: tuple[str, ...]
+    dropped_samples: tuple[tuple[str, int], ...]
+    held: tuple[str, ...]
+    invalid: tuple[TraceError, ...] = field(default=())
+    _build_rollouts: Callable[[], tuple[ShippedRollout, ...]] = field(default=tuple, repr=False, compare=False)
+    _spans: ShippedSpans | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def rollouts(self) -> tuple[ShippedRollout, ...]:
+        """The shipped rollouts, in ship order, with their kept samples."""
+        return self._build_rollouts()
+
+    @cached_property
+    def lags(self) -> npt.NDArray[np.int64]:
+        """The lag ``T - v`` of every shipped position (SPEC 11), aligned with the shipped samples' arrays
+        concatenated in ship order (:attr:`rollouts`, then their samples); ``-1`` where a position is not
+        a sampled position of a live rollout. Send it with the batch to a trainer that computes
+        :func:`~staleness_metrics.mismatch_sums` from its own log-probabilities."""
+        return self._spans.lags() if self._spans is not None else np.zeros(0, dtype=np.int64)
+
+    @cached_property
+    def lag_offsets(self) -> npt.NDArray[np.int64]:
+        """Where each shipped sample starts in :attr:`lags` (one more entry than shipped samples)."""
+        return self._spans.lag_offsets() if self._spans is not None else np.zeros(1, dtype=np.int64)
+
+    @property
+    def metrics(self) -> Mapping[str, MetricValue]:
+        """The SPEC 6 metrics dict of this ship."""
+        return self.report.metrics
+
+    @property
+    def ids(self) -> list[str]:
+        return [r.id for r in self.rollouts]
+
+    def batches_line(self, arrays: bool = False) -> dict[str, Any]:
+        """The ``--batches-out`` line of this ship (SPEC 9); ``arrays`` as in :meth:`ShippedRollout.record`."""
+        return {
+            "step": self.step,
+            "shipped": [r.record(arrays) for r in self.rollouts],
+            "dropped_rollouts": list(self.dropped_rollouts),
+            "dropped_samples": [list(s) for s in self.dropped_samples],
+            "held": list(self.held),
+        }

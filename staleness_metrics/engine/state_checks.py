@@ -1,0 +1,260 @@
+"""The checked reading and exact writing of checkpoint states (SPEC 13), for every object that saves its own.
+
+A state is plain data (ints, floats, strings, booleans, None, lists and dicts). Reading one back checks each
+value as it goes and refuses the first wrong one with ``ConfigError("checkpoint: <key path>: <reason>")``;
+arrays are written with their dtype (:func:`encode_array`) and read back exactly (:func:`decode_array`); a
+digest per top-level key (:func:`digests_of`) catches a value changed to another plausible one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, NoReturn
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+
+from ..errors import ConfigError
+
+__all__ = [
+    "FORMAT",
+    "READABLE_FORMATS",
+    "arrays_left_as_numpy",
+    "boolean",
+    "check_digests",
+    "check_format",
+    "decode_array",
+    "digests_of",
+    "encode_array",
+    "fail",
+    "integer",
+    "join",
+    "keys",
+    "kind_of",
+    "mapping",
+    "sequence",
+    "string",
+    "strings",
+]
+
+FORMAT = 2
+# Format 1 (before digests) still loads: everything is checked but the digests it does not have.
+READABLE_FORMATS = (1, 2)
+
+
+# ---------------------------------------------------------------------- checking helpers
+def fail(path: str, reason: str) -> NoReturn:
+    """Refuse a checkpoint, naming the key path and the reason."""
+    raise ConfigError(f"checkpoint: {path or 'state'}: {reason}")
+
+
+def join(path: str, key: object) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    if key == "":  # rollouts without an env are counted under ""
+        return f'{path}[""]'
+    return f"{path}.{key}" if path else str(key)
+
+
+def kind_of(value: object) -> str:
+    """How a refusal names the JSON kind of ``value``."""
+    return "null" if value is None else type(value).__name__
+
+
+def mapping(value: object, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        fail(path, f"expected an object, got {kind_of(value)}")
+    return value
+
+
+def keys(value: object, path: str, required: Collection[str], optional: Collection[str] = ()) -> Mapping[str, Any]:
+    """``value`` as a mapping holding every ``required`` key, and no key outside ``required``/``optional``."""
+    found = mapping(value, path)
+    for key in required:
+        if key not in found:
+            fail(join(path, key), "missing")
+    for key in found:
+        if key not in required and key not in optional:
+            fail(join(path, str(key)), "unknown key")
+    return found
+
+
+def integer(value: object, path: str, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        fail(path, f"expected an integer, got {kind_of(value)}")
+    number = int(value)
+    if low is not None and number < low:
+        fail(path, f"{number} is below {low}")
+    if high is not None and number > high:
+        fail(path, f"{number} is above {high}")
+    return number
+
+
+def boolean(value: object, path: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        fail(path, f"expected true or false, got {kind_of(value)}")
+    return bool(value)
+
+
+def string(value: object, path: str, optional: bool = False) -> Any:
+    if not (isinstance(value, str) or (optional and value is None)):
+        fail(path, f"expected a string{' or null' if optional else ''}, got {kind_of(value)}")
+    return value
+
+
+def sequence(value: object, path: str, length: int | None = None) -> Sequence[Any]:
+    if not isinstance(value, (list, tuple)):
+        fail(path, f"expected a list, got {kind_of(value)}")
+    if length is not None and len(value) != length:
+        fail(path, f"{len(value)} entries where {length} are needed")
+    return value
+
+
+def strings(value: object, path: str, optional: bool = False, unique: bool = False) -> list[Any]:
+    items = sequence(value, path)
+    bad = next((i for i, item in enumerate(items) if not (isinstance(item, str) or (optional and item is None))), None)
+    if bad is not None:
+        string(items[bad], join(path, bad), optional)
+    out = list(items)
+    if unique and len(set(out)) != len(out):
+        seen: set[Any] = set()
+        repeated = next(item for item in out if item in seen or seen.add(item))  # type: ignore[func-returns-value]
+        fail(path, f"{repeated!r} appears twice")
+    return out
+
+
+# ---------------------------------------------------------------------- digests
+def _plain(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    return repr(value)
+
+
+def _digest(value: Any, path: str) -> str:
+    """A hash of ``value``'s canonical JSON (orjson: a tenth of the standard library's time on big arrays;
+    the standard library for what orjson refuses, such as integers beyond 64 bits in echoed records)."""
+    try:
+        text = orjson.dumps(value, default=_plain, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    except (TypeError, orjson.JSONEncodeError):
+        try:
+            text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain).encode()
+        except (TypeError, ValueError, RecursionError) as exc:
+            fail(path, f"not plain data ({exc})")
+    return hashlib.blake2b(text, digest_size=16).hexdigest()
+
+
+def digests_of(state: Mapping[str, Any], skip: Collection[str] = ()) -> dict[str, str]:
+    """A digest of each top-level value (but ``skip``): loading checks them, so a value changed after the save
+    (by hand, by a damaged file) is refused by its key even where it would look plausible."""
+    return {key: _digest(value, key) for key, value in state.items() if key not in skip}
+
+
+def check_digests(state: Mapping[str, Any], path: str, skip: Collection[str] = ()) -> None:
+    """Refuse a format-2 state whose values differ from the digests saved with them (format 1 has none)."""
+    if state["format"] == 1:
+        return
+    saved = keys(state["digests"], join(path, "digests"), [k for k in state if k not in skip and k != "digests"])
+    for key, value in state.items():
+        if key in skip or key == "digests":
+            continue
+        if saved[key] != _digest(value, join(path, key)):
+            fail(join(path, key), "differs from the digest saved with it: the checkpoint was changed or damaged")
+
+
+def check_format(state: Any, what: str, path: str = "") -> Mapping[str, Any]:
+    """Refuse a checkpoint of another format version, or something that is not one."""
+    if not isinstance(state, Mapping) or "format" not in state:
+        raise ConfigError(f"checkpoint: {join(path, 'format')}: missing: not a {what} checkpoint (no 'format' field)")
+    if isinstance(state["format"], bool) or state["format"] not in READABLE_FORMATS:
+        raise ConfigError(
+            f"checkpoint: {join(path, 'format')}: unknown {what} checkpoint format {state['format']!r} "
+            f"(this version reads formats {', '.join(map(str, READABLE_FORMATS))})"
+        )
+    return state
+
+
+# ---------------------------------------------------------------------- values
+_NUMPY_DATA: ContextVar[bool] = ContextVar("numpy_data", default=False)
+# dtypes whose numpy text in orjson is byte for byte that of their list (float32 is written shorter)
+_SAME_TEXT_AS_LIST = frozenset(
+    np.dtype(t)
+    for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64, np.float64)
+)
+
+
+@contextmanager
+def arrays_left_as_numpy() -> Iterator[None]:
+    """Within it, :func:`encode_array` leaves ``data`` as the contiguous numpy array (of the dtypes orjson
+    writes exactly as it writes their list) instead of a list: for a writer that serialises with orjson's
+    ``OPT_SERIALIZE_NUMPY`` (the service's snapshots), a state of millions of queued positions then costs
+    its text, not a Python object per value (8 to 32 bytes each). The text, and so every digest, is the
+    same either way."""
+    token = _NUMPY_DATA.set(True)
+    try:
+        yield
+    finally:
+        _NUMPY_DATA.reset(token)
+
+
+def encode_array(values: npt.NDArray[Any]) -> dict[str, Any]:
+    """An array as ``{"dtype", "data"}``, exactly. JSON has no NaN or infinity: non-finite floats (NaN means
+    "missing" in ``trainer_logprobs``) are written as 0 with their positions listed beside."""
+    out: dict[str, Any] = {"dtype": values.dtype.str}
+    if values.dtype.kind == "f" and not np.isfinite(values).all():
+        for name, where in (
+            ("nan", np.isnan(values)),
+            ("posinf", np.isposinf(values)),
+            ("neginf", np.isneginf(values)),
+        ):
+            if where.any():
+                out[name] = np.flatnonzero(where).tolist()
+        values = np.where(np.isfinite(values), values, 0)
+    if _NUMPY_DATA.get() and values.ndim == 1 and values.dtype in _SAME_TEXT_AS_LIST:
+        out["data"] = np.ascontiguousarray(values)
+    else:
+        out["data"] = values.tolist()
+    return out
+
+
+_RAW_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "fiu"}  # what list items may parse as, per target kind
+_KIND_NAMES = {"b": "true/false", "i": "integer", "u": "integer", "f": "numeric"}
+
+
+def decode_array(encoded: Any, path: str = "array", dtype: npt.DTypeLike | None = None) -> npt.NDArray[Any]:
+    """The array of :func:`encode_array`; ``dtype`` is the one it must have (else any flat numeric one)."""
+    found = keys(encoded, path, ("dtype", "data"), ("nan", "posinf", "neginf"))
+    name = string(found["dtype"], join(path, "dtype"))
+    try:
+        target = np.dtype(name)
+    except (TypeError, ValueError):
+        fail(join(path, "dtype"), f"{name!r} is not a numpy dtype")
+    if dtype is not None and target != np.dtype(dtype):
+        fail(join(path, "dtype"), f"{name!r} where {np.dtype(dtype).str!r} is kept")
+    if target.kind not in _RAW_KINDS or target.itemsize not in (1, 2, 4, 8) or target.shape:
+        fail(join(path, "dtype"), f"{name!r} is not a numeric dtype")
+    data = sequence(found["data"], join(path, "data"))
+    try:
+        raw = np.asarray(data) if len(data) else np.zeros(0, dtype=target)
+    except (TypeError, ValueError, OverflowError):
+        fail(join(path, "data"), f"expected a flat list of {_KIND_NAMES[target.kind]} values")
+    if raw.ndim != 1 or (raw.dtype.kind not in _RAW_KINDS[target.kind] and len(raw)):
+        fail(join(path, "data"), f"expected a flat list of {_KIND_NAMES[target.kind]} values")
+    if target.kind in "iu" and len(raw):
+        info = np.iinfo(target)
+        low, high = int(raw.min()), int(raw.max())
+        if low < info.min or high > info.max:
+            fail(join(path, "data"), f"{low if low < info.min else high} does not fit {name!r}")
+    values = raw.astype(target)
+    for key, fill in (("nan", np.nan), ("posinf", np.inf), ("neginf", -np.inf)):
+        if key in found:
+            if target.kind != "f":
+                fail(join(path, key), "only float arrays have non-finite values")
+            where = sequence(found[key], join(path, key))
+            positions = [integer(p, join(join(path, key), i), 0, len(values) - 1) for i, p in enumerate(where)]
+            values[np.asarray(positions, dtype=np.int64)] = fill
+    return values

@@ -1,0 +1,277 @@
+"""Padded ``[B, L]`` batches, the shape every trainer holds, read into the columns of a
+:class:`~staleness_metrics.records.columnar.RolloutBatch` (:mod:`.padded` is the public face, and the way back).
+
+One row is one rollout with one sample. The sample spans the whole row, padding included: padding
+positions carry mask 0, so they are never sampled and never masked, and the rollout's decisions and
+metrics equal those of the same rollout given as a SPEC 3 record of its valid positions only. Because
+the rows keep their width, the flat arrays of the batch are the caller's own ``[B, L]`` arrays
+reshaped (a view whenever the array is C-contiguous), so the sink masks the caller's arrays in
+place; :func:`~staleness_metrics.records.padded.padded_shipment` gives the way back in any case.
+
+What reads ``B x L``: one OR-reduce per checked array (mask, ce and ref-KL weights) to make sure no
+padding position carries anything, and one comparison of neighbouring labels that turns per-token
+versions into version spans (padding and any negative label become -1), so no ``[B, L]`` copy is made.
+Nothing loops over rows in Python except building the ids list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import TraceError
+
+__all__ = ["PaddedLayout", "padded_columns"]
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+_FIELD = "samples[0].{}"  # every row is the one sample of its rollout
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """How a batch built by :func:`from_padded` maps back to its ``[B, L]`` rows."""
+
+    rows: int
+    width: int
+
+
+def _matrix(name: str, values: Any, shape: tuple[int, int] | None) -> npt.NDArray[Any]:
+    array = np.asarray(values)
+    if array.ndim != 2:
+        raise ValueError(f"{name}: expected a [B, L] array, got shape {array.shape}")
+    if shape is not None and array.shape != shape:
+        raise ValueError(f"{name}: shape {array.shape} differs from the mask's {shape}")
+    return array
+
+
+def _row_vector(name: str, values: Any, rows: int) -> npt.NDArray[Any]:
+    array = np.asarray(values)
+    if array.shape != (rows,):
+        raise ValueError(f"{name}: expected {rows} values (one per row), got shape {array.shape}")
+    return array
+
+
+def _row_list(name: str, values: Sequence[Any] | None, rows: int) -> list[Any] | None:
+    if values is None:
+        return None
+    out = list(values)
+    if len(out) != rows:
+        raise ValueError(f"{name}: expected {rows} values (one per row), got {len(out)}")
+    return out
+
+
+@dataclass(frozen=True)
+class _Region:
+    """Which positions hold tokens: ``valid`` [B, L]; for ``lengths`` also each row's padding columns."""
+
+    valid: BoolArray
+    pad_lo: IntArray | None = None  # padding is columns pad_lo .. pad_hi - 1 of each row
+    pad_hi: IntArray | None = None
+
+
+def _valid_region(
+    shape: tuple[int, int],
+    lengths: Any,
+    attention_mask: Any,
+    padding_side: Literal["right", "left"],
+) -> _Region | None:
+    """Where the tokens are; None when every position holds one."""
+    rows, width = shape
+    if lengths is not None and attention_mask is not None:
+        raise ValueError("give either lengths or attention_mask, not both")
+    if attention_mask is not None:
+        valid: BoolArray = _matrix("attention_mask", attention_mask, shape) != 0
+        return _Region(valid)
+    if lengths is None:
+        return None
+    length = _row_vector("lengths", lengths, rows).astype(np.int64)
+    if ((length < 0) | (length > width)).any():
+        raise ValueError(f"lengths: every length must lie in 0..{width}")
+    columns = np.arange(width, dtype=np.int64)
+    full = np.full(rows, width, dtype=np.int64)
+    if padding_side == "right":
+        return _Region(columns[None, :] < length[:, None], length, full)
+    if padding_side == "left":
+        return _Region(columns[None, :] >= (width - length)[:, None], np.zeros(rows, dtype=np.int64), width - length)
+    raise ValueError(f"padding_side: expected 'right' or 'left', got {padding_side!r}")
+
+
+_SIGN_FREE = {2: (np.uint16, 0x7FFF), 4: (np.uint32, 0x7FFFFFFF), 8: (np.uint64, 0x7FFFFFFFFFFFFFFF)}
+
+
+def _padding_rows_nonzero(values: npt.NDArray[Any], region: _Region) -> BoolArray:
+    """Per row, whether ``values`` is nonzero on a padding position.
+
+    With row lengths the padding is one run per row: one read of the array as unsigned integers,
+    OR-reduced per run, no temporary (-0.0 counts as zero). Otherwise the general masked test.
+    """
+    rows, width = values.shape
+    kind, size = values.dtype.kind, values.dtype.itemsize
+    if region.pad_lo is None or region.pad_hi is None or kind not in "biuf" or (kind == "f" and size not in _SIGN_FREE):
+        return ((~region.valid) & (values != 0)).any(axis=1)  # type: ignore[no-any-return]
+    flat = np.ascontiguousarray(values).reshape(-1)
+    unsigned = flat.view(np.uint8 if kind == "b" else np.dtype(f"u{size}"))
+    base = np.arange(rows, dtype=np.int64) * width
+    lo, hi = base + region.pad_lo, base + region.pad_hi
+    bounds = np.unique(np.concatenate((lo, hi)))
+    bounds = bounds[bounds < len(flat)]
+    out = np.zeros(rows, dtype=bool)
+    if len(bounds) == 0:
+        return out
+    runs = np.bitwise_or.reduceat(unsigned, bounds)
+    if kind == "f":
+        runs &= _SIGN_FREE[size][1]
+    nonempty = hi > lo
+    out[nonempty] = runs[np.searchsorted(bounds, lo[nonempty])] != 0
+    return out
+
+
+def _label_spans(labels: npt.NDArray[Any], region: _Region | None) -> tuple[IntArray, IntArray, IntArray]:
+    """Per-position labels as version spans (offsets, versions, starts): one span wherever the label or
+    the validity changes, -1 for unlabelled (any negative) and padding. No [B, L] copy is made."""
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"token_versions: expected integers, got {labels.dtype}")
+    rows, width = labels.shape
+    if width == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return np.zeros(rows + 1, dtype=np.int64), empty, empty
+    keys = np.arange(rows, dtype=np.int64) * width
+    if width > 1:
+        change = labels[:, 1:] != labels[:, :-1]
+        if region is not None:
+            change |= region.valid[:, 1:] != region.valid[:, :-1]
+        at = np.flatnonzero(change)
+        keys = np.sort(np.concatenate((keys, (at // (width - 1)) * width + at % (width - 1) + 1)))
+    row, column = keys // width, keys % width
+    versions = np.maximum(labels[row, column].astype(np.int64), -1)
+    if region is not None:
+        versions = np.where(region.valid[row, column], versions, -1)
+    offsets = np.concatenate(([0], np.cumsum(np.bincount(row, minlength=rows)))).astype(np.int64)
+    return offsets, versions, column
+
+
+def padded_columns(
+    ids: Sequence[str],
+    mask: Any,
+    *,
+    dispatch_version: Any = None,
+    token_versions: Any = None,
+    completion_version: Any = None,
+    lengths: Any = None,
+    attention_mask: Any = None,
+    padding_side: Literal["right", "left"] = "right",
+    rl_weights: Any = None,
+    ce_weights: Any = None,
+    ref_kl_weights: Any = None,
+    logprobs: Any = None,
+    trainer_logprobs: Any = None,
+    group_ids: Sequence[str | None] | None = None,
+    envs: Sequence[str | None] | None = None,
+    frozen: Any = None,
+    agentic: Any = None,
+) -> dict[str, Any]:
+    """The :class:`~staleness_metrics.records.columnar.RolloutBatch` fields of ``B`` rollouts from ``[B, L]``
+    arrays (numpy or any array-like): the arguments of its constructor.
+
+    - ``mask``: the loss / response mask, 1 (or True) on positions sampled by the policy.
+    - ``token_versions`` ``[B, L]``: the policy version that sampled each position, any negative value
+      meaning unlabelled (AReaL's prompt ``-1``); or only ``dispatch_version`` ``[B]`` per row.
+      ``dispatch_version`` defaults to the oldest label among the row's valid positions (a partial
+      rollout keeps the versions of its first tokens); a live row with neither raises ``TraceError``.
+    - ``lengths`` ``[B]`` with ``padding_side``, or ``attention_mask`` ``[B, L]``: which positions hold
+      tokens. Labels on padding are ignored; a padding position with mask 1 (or a ce / ref-KL weight)
+      raises ``TraceError``. Without either, every position holds a token.
+    - ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, ``logprobs``, ``trainer_logprobs`` (NaN where
+      missing, SPEC 11) ``[B, L]``; ``ids``,
+      ``group_ids``, ``envs``, ``frozen``, ``agentic`` per row.
+
+    The mask and weight arrays are masked in place by the sink when they can be viewed flat (numpy
+    arrays and CPU tensors that are C-contiguous); :func:`~staleness_metrics.records.padded.padded_shipment` reads
+    them back either way.
+    """
+    mask_2d = _matrix("mask", mask, None)
+    shape: tuple[int, int] = (int(mask_2d.shape[0]), int(mask_2d.shape[1]))
+    rows, width = shape
+    id_list = _row_list("ids", ids, rows)
+    assert id_list is not None
+    region = _valid_region(shape, lengths, attention_mask, padding_side)
+
+    arrays: dict[str, npt.NDArray[Any]] = {}
+    for name, values in (
+        ("rl_weights", rl_weights),
+        ("ce_weights", ce_weights),
+        ("ref_kl_weights", ref_kl_weights),
+        ("logprobs", logprobs),
+        ("trainer_logprobs", trainer_logprobs),
+    ):
+        if values is not None:
+            arrays[name] = _matrix(name, values, shape)
+
+    if region is not None:
+        for name, values in (
+            ("mask", mask_2d),
+            *((n, arrays[n]) for n in ("ce_weights", "ref_kl_weights") if n in arrays),
+        ):
+            bad = _padding_rows_nonzero(values, region)
+            if bad.any():
+                row = int(np.flatnonzero(bad)[0])
+                raise TraceError(id_list[row], _FIELD.format(name), "nonzero on a padding position")
+
+    frozen_rows = np.zeros(rows, dtype=bool) if frozen is None else _row_vector("frozen", frozen, rows).astype(bool)
+    spans: tuple[IntArray, IntArray, IntArray] | None = None
+    if token_versions is not None:
+        spans = _label_spans(_matrix("token_versions", token_versions, shape), region)
+    if dispatch_version is not None:
+        dispatch = _row_vector("dispatch_version", dispatch_version, rows).astype(np.int64)
+    elif spans is not None:
+        span_offsets, span_versions, _ = spans
+        big = np.iinfo(np.int64).max
+        oldest = np.full(rows, big, dtype=np.int64)
+        has = np.diff(span_offsets) > 0
+        if len(span_versions):
+            labelled = np.where(span_versions >= 0, span_versions, big)
+            oldest[has] = np.minimum.reduceat(labelled, span_offsets[:-1][has])
+        missing = (oldest == big) & ~frozen_rows
+        if missing.any():
+            row = int(np.flatnonzero(missing)[0])
+            raise TraceError(
+                id_list[row], "dispatch_version", "no version label on the row and no dispatch_version given"
+            )
+        dispatch = np.where(oldest == big, -1, oldest)
+    else:
+        if not frozen_rows.all():
+            row = int(np.flatnonzero(~frozen_rows)[0])
+            raise TraceError(id_list[row], "dispatch_version", "required: give dispatch_version or token_versions")
+        dispatch = np.full(rows, -1, dtype=np.int64)
+
+    offsets = np.arange(rows + 1, dtype=np.int64)
+    flat = {name: values.reshape(-1) for name, values in arrays.items()}
+    return dict(
+        ids=id_list,
+        sample_offsets=offsets,
+        position_offsets=offsets * width,
+        mask=mask_2d.reshape(-1),
+        dispatch_version=dispatch,
+        completion_version=None
+        if completion_version is None
+        else _row_vector("completion_version", completion_version, rows),
+        frozen=frozen_rows,
+        agentic=None if agentic is None else _row_vector("agentic", agentic, rows).astype(bool),
+        group_ids=_row_list("group_ids", group_ids, rows),
+        envs=_row_list("envs", envs, rows),
+        span_offsets=None if spans is None else spans[0],
+        span_versions=None if spans is None else spans[1],
+        span_starts=None if spans is None else spans[2],
+        rl_weights=flat.get("rl_weights"),
+        ce_weights=flat.get("ce_weights"),
+        ref_kl_weights=flat.get("ref_kl_weights"),
+        logprobs=flat.get("logprobs"),
+        trainer_logprobs=flat.get("trainer_logprobs"),
+        padded=PaddedLayout(rows, width),
+    )
