@@ -1,10 +1,11 @@
 """The metric catalogue: the one table of metric definitions (SPEC 6-8, 11, 12, 14) and of the legacy names.
 
-Every ``"staleness/..."`` string of the package is written here and nowhere else (a test reads the package's
-syntax trees to hold that). Every exporter, dashboard, rule file, report and the migration tool read this
-table; code that writes or reads one key names it through :mod:`staleness_metrics.metrics.keys`. No name is
-ever derived from another at run time: each row spells out its W&B key, Prometheus family, OpenTelemetry
-instrument and legacy keys.
+Every W&B key (``"staleness/..."``), Prometheus family, OpenTelemetry instrument and legacy name of the package
+is written here and nowhere else (tests/metrics/test_catalogue_lint.py reads the package's syntax trees to
+hold that). Every exporter, dashboard, rule file, report and the migration tool read this table; code that
+writes or reads one key names it through :mod:`staleness_metrics.metrics.keys`. No name is ever derived
+from another at run time: each row spells out its W&B key, Prometheus family, OpenTelemetry instrument and
+legacy keys.
 
 Adding a metric: one :class:`MetricDef` row under its SPEC section (keyword arguments only), a constant in
 :mod:`~staleness_metrics.metrics.keys` when code writes it, and ``staleness-metrics dashboards`` to
