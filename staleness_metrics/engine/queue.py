@@ -64,6 +64,8 @@ def _kind(batch: RolloutBatch) -> tuple[str | None, ...]:
 
 def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) -> tuple[str | None, ...] | None:
     """The kind of a group of batches with ``kind`` joined by one with ``other``; None if they differ."""
+    if kind == other:  # the usual case, one C-level comparison
+        return kind
     if any(a is not None and b is not None and a != b for a, b in zip(kind, other)):
         return None
     return tuple(a if a is not None else b for a, b in zip(kind, other))
@@ -71,8 +73,14 @@ def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) ->
 
 def _joined_offsets(parts: Sequence[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
     """Offsets into the concatenation of the parts the offsets ``parts`` index."""
+    if len(parts) == 1:
+        only: npt.NDArray[np.int64] = parts[0].copy()
+        return only
     bases = np.cumsum([0, *(int(p[-1]) for p in parts)])
-    return np.concatenate([*(p[:-1] + base for p, base in zip(parts, bases[:-1].tolist())), bases[-1:]])
+    # One addition over the joined parts, not one per part (a ship of many single-rollout adds joins dozens).
+    starts = np.concatenate([p[:-1] for p in parts])
+    starts += np.repeat(bases[:-1], [len(p) - 1 for p in parts]).astype(starts.dtype, copy=False)
+    return np.concatenate([starts, bases[-1:].astype(starts.dtype, copy=False)])
 
 
 def _concatenated(batches: Sequence[RolloutBatch]) -> RolloutBatch:
@@ -89,6 +97,8 @@ def _concatenated(batches: Sequence[RolloutBatch]) -> RolloutBatch:
         given = [v for v in values if v is not None]
         if not given:
             return None
+        if len(given) == len(values):  # every batch has it (the usual case)
+            return np.concatenate(given)
         dtype = given[0].dtype  # the group's (_joined_kind): a fill takes it, exactly (0, 1, -1)
         return np.concatenate([v if v is not None else fill(b).astype(dtype) for v, b in zip(values, batches)])
 

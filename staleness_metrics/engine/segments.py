@@ -13,7 +13,9 @@ BoolArray = npt.NDArray[np.bool_]
 
 def segment_sum(values: npt.NDArray[np.generic], offsets: IntArray) -> IntArray:
     """Sum of ``values[offsets[i]:offsets[i+1]]`` for every segment (0 for empty ones)."""
-    totals = np.concatenate(([0], np.cumsum(values, dtype=np.int64)))
+    totals = np.empty(len(values) + 1, dtype=np.int64)  # one allocation: a leading 0, then the running sum
+    totals[0] = 0
+    np.cumsum(values, dtype=np.int64, out=totals[1:])
     return totals[offsets[1:]] - totals[offsets[:-1]]
 
 
@@ -24,7 +26,9 @@ def _segment_reduce(ufunc: np.ufunc, values: IntArray, offsets: IntArray, empty:
         return out
     starts = offsets[:-1]
     nonempty = offsets[1:] > starts
-    if nonempty.any():
+    if nonempty.all():  # the usual case: no selection to build
+        out[:] = ufunc.reduceat(values, starts)
+    elif nonempty.any():
         out[nonempty] = ufunc.reduceat(values, starts[nonempty])
         # reduceat runs to the next *given* start; empty segments were left out so that holds.
     return out
@@ -52,9 +56,12 @@ def segment_of(offsets: IntArray) -> IntArray:
 
 def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:
     """Concatenation of ``arange(lo[i], hi[i])`` without a Python loop."""
+    if len(lo) == 1:  # one range (a small ship's usual case): the arange itself
+        return np.arange(int(lo[0]), max(int(lo[0]), int(hi[0])), dtype=np.int64)
     lengths = hi - lo
-    total = int(lengths.sum())
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if len(ends) else 0
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    starts = np.repeat(lo - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    starts = np.repeat(lo - (ends - lengths), lengths)
     return starts + np.arange(total, dtype=np.int64)
