@@ -176,15 +176,16 @@ def main() -> None:
         f"{result['adds_ratio']:.1f}x (goal <= 2x)"
     )
     print(
-        f"replay, a ship every 8 / every 512 rollouts ({positions} positions): {times['replay_small']:.2f} / "
+        f"replay, a ship every {args.per_ship} / every 512 rollouts ({positions} positions): "
+        f"{times['replay_small']:.2f} / "
         f"{times['replay_big']:.2f} s = {result['replay_small_over_big']:.1f}x (goal <= 2x)"
     )
     print(
-        f"replay (ship every 8) over a per-position Python replay: {result['replay_over_python']:.0f}x faster "
-        "(goal >= 8x)"
+        f"replay (ship every {args.per_ship}) over a per-position Python replay: "
+        f"{result['replay_over_python']:.0f}x faster (goal >= 8x)"
     )
     print(
-        f"what-if 0..8 / one replay: every 8 {result['what_if_small_over_replay']:.1f}x, every 512 "
+        f"what-if 0..8 / one replay: every {args.per_ship} {result['what_if_small_over_replay']:.1f}x, every 512 "
         f"{result['what_if_big_over_replay']:.1f}x (goal <= 2x)"
     )
     print(f"import staleness_metrics / import numpy: {package_import * 1e3:.1f} / {numpy_import * 1e3:.0f} ms = "
