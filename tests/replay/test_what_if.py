@@ -339,3 +339,17 @@ def test_a_run_without_trainer_logprobs_has_no_curve_on_any_process_count() -> N
         assert result.curve is None
         assert [r.rollouts_shipped for r in result.rows] == [1, 2, 3]
         assert all(r.trained_covered is None for r in result.rows)
+
+
+def test_an_invalid_rollout_in_strict_mode_is_named_alike_on_two_processes() -> None:
+    events: list[dict[str, Any]] = [
+        {"type": "rollout", "rollout": {"id": "a", "dispatch_version": 0, "samples": [{"mask": [1, 1]}]}},
+        {"type": "rollout", "rollout": {"id": "b", "dispatch_version": 0, "samples": [{"mask": [1, "x"]}]}},
+        {"type": "ship", "step": 1},
+    ]
+    messages = []
+    for processes in (1, 2):
+        with pytest.raises(EventError) as error:
+            what_if_with_curve(events, range(4), StalenessConfig(strict=True), processes=processes)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and "line 2" in messages[0] and "'b'" in messages[0]
