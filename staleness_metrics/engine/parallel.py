@@ -12,21 +12,33 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-__all__ = ["PARALLEL_MIN_POSITIONS", "run_all"]
+__all__ = ["PARALLEL_MIN_POSITIONS", "POOL_THREAD_PREFIX", "run_all"]
 
 T = TypeVar("T")
 
 PARALLEL_MIN_POSITIONS = 1 << 20  # below about a million positions, threads cost more than they save
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
+POOL_THREAD_PREFIX = "staleness-metrics"  # the pool's thread names (a fork may copy a process holding them)
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's pool threads are not there, so a first use starts a new pool."""
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="staleness-metrics")
+            _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix=POOL_THREAD_PREFIX)
         return _pool
 
 

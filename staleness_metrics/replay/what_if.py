@@ -42,7 +42,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pickle
 import re
+import signal
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +56,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import StalenessConfig
+from ..engine.parallel import POOL_THREAD_PREFIX
 from ..engine.shipment import Shipment
 from ..engine.sink import Sink
 from ..errors import ConfigError
@@ -61,9 +66,10 @@ from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..metrics.report import Tally
 from .run_dir import find_run
 from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
-from .stream import Step, pack_once, prepare, read_event_path, run_steps
+from .stream import Added, Step, pack_once, prepare, read_event_path, run_steps
 
 __all__ = [
+    "FORK_MIN_POSITIONS",
     "RunCurve",
     "WhatIf",
     "WhatIfRow",
@@ -284,8 +290,9 @@ def run_tally(shipments: Iterable[Shipment]) -> Tally:
 Source = str | Path | Sequence[EventDict]
 
 
-def _steps_for(source: Source) -> Callable[[int], Iterable[Step]]:
-    """The prepared steps to replay at each bound: parsed once, unless the input depends on the bound.
+def _steps_for(source: Source) -> tuple[Callable[[int], Iterable[Step]], list[Step] | None]:
+    """The prepared steps to replay at each bound: parsed once, unless the input depends on the bound;
+    and the steps themselves when they are the same for every bound (``None`` otherwise).
 
     A prime-rl run directory does (which unshipped episodes were stale depends on the bound being
     replayed), so it is read again per bound; event streams and xtuner states are parsed once.
@@ -297,12 +304,98 @@ def _steps_for(source: Source) -> Callable[[int], Iterable[Step]]:
         elif is_event_file(source):  # read as the replay command reads it (compressed or not)
             steps = pack_once(prepare(read_event_path(source, parse=True)))
         elif detect_source(source) == "prime-rl":
-            return lambda bound: prepare(read_run(source, max_staleness=bound))
+            return (lambda bound: prepare(read_run(source, max_staleness=bound))), None
         else:
             steps = pack_once(prepare(read_run(source, parse=True)))
     else:
         steps = pack_once(prepare(as_replay_events(source)))
-    return lambda bound: steps
+    return (lambda bound: steps), steps
+
+
+def _carries_trainer_logprobs(steps: Sequence[Step] | None) -> bool:
+    """Whether some record of ``steps`` may carry ``trainer_logprobs`` (True when the steps are unknown).
+
+    Without them no replay has SPEC 11 sums, so the run has no curve whatever the bound."""
+    if steps is None:
+        return True
+    return any(isinstance(s, Added) and s.packed is not None and s.packed.trainer_logprobs is not None for s in steps)
+
+
+def _positions(steps: Sequence[Step] | None) -> int | None:
+    """The positions the steps hold (None when the steps depend on the bound)."""
+    if steps is None:
+        return None
+    return sum(int(s.packed.position_offsets[-1]) for s in steps if isinstance(s, Added) and s.packed is not None)
+
+
+FORK_MIN_POSITIONS = 1 << 17  # below this, a fork and its hand-back cost about what a second core saves
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _fork_safe() -> bool:
+    """A fork copies the calling thread only: safe when every other thread is the engine's idle pool
+    (:mod:`..engine.parallel`, forgotten in the child), unsafe when the caller runs threads of its own."""
+    if not hasattr(os, "fork"):
+        return False
+    current = threading.current_thread()
+    return all(t is current or t.name.startswith(POOL_THREAD_PREFIX) for t in threading.enumerate())
+
+
+Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
+
+
+def _replay_until_error(jobs: Sequence[int], replay_at: Callable[[int], Replayed]) -> dict[int, Replayed]:
+    """``replay_at`` of each job in order, up to the first that raises (left out: its caller raises it)."""
+    done: dict[int, Replayed] = {}
+    for job in jobs:
+        try:
+            done[job] = replay_at(job)
+        except Exception:
+            break
+    return done
+
+
+def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed]) -> dict[int, Replayed]:
+    """``replay_at`` of the jobs, the first half in a forked child, the second half here, on two cores.
+
+    Each bound runs its own sink over the same read-only steps, so a process per half computes exactly
+    what one process would. A job that raised, those after it in its half, and the child's half should the
+    child fail, are left out: the caller replays them in order, raising what a run in order raises."""
+    half = (len(jobs) + 1) // 2
+    first, second = list(jobs[:half]), list(jobs[half:])
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its half's results, pickled down the pipe; nothing else of the parent runs
+        code = 0
+        try:
+            os.close(read_end)
+            with os.fdopen(write_end, "wb") as out:
+                pickle.dump(_replay_until_error(first, replay_at), out, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    reader = os.fdopen(read_end, "rb")
+    waited = False
+    try:
+        mine = _replay_until_error(second, replay_at)
+        data = reader.read()
+        os.waitpid(pid, 0)
+        waited = True
+    finally:
+        reader.close()
+        if not waited:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    theirs: dict[int, Replayed] = pickle.loads(data) if data else {}  # written by our own child
+    return {**theirs, **mine}
 
 
 @dataclass(frozen=True)
@@ -319,32 +412,51 @@ def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | Non
     return what_if_with_curve(source, bounds, config).rows
 
 
-def what_if_with_curve(source: Source, bounds: Iterable[int], config: StalenessConfig | None = None) -> WhatIf:
+def what_if_with_curve(
+    source: Source, bounds: Iterable[int], config: StalenessConfig | None = None, *, processes: int | None = None
+) -> WhatIf:
     """The rows of :func:`what_if` and the run's curve, each row judged by it.
 
     The input is decoded, type-checked and packed into batches once; each bound runs a fresh sink over
-    copies of the batches, so every row equals a separate replay at that bound.
+    copies of the batches, so every row equals a separate replay at that bound. ``processes=2`` replays
+    half the bounds in a forked process, on a second core (``None``: where the machine has two cores and
+    the run at least :data:`FORK_MIN_POSITIONS` positions; ``1``: all here). The rows are the same.
     """
     base = config or StalenessConfig()
-    steps_for = _steps_for(source)
+    bounds = list(bounds)
+    steps_for, shared_steps = _steps_for(source)
     rows = []
     unbounded: MismatchSums | None = None  # the sums of a replay that removed nothing, once one did
 
-    def replay_at(bound: int) -> tuple[Tally, MismatchSums | None, MismatchSums | None]:
+    def replay_at(bound: int) -> Replayed:
         # The bound only masks and drops here: adapting it while replaying would judge another bound.
         sink = Sink(
             dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False
         )  # the totals are read
         return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
 
+    # Without trainer log-probabilities no replay has SPEC 11 sums: the run has no curve, at any bound.
+    costs = _carries_trainer_logprobs(shared_steps)
+    if processes is None:
+        positions = _positions(shared_steps)
+        processes = 2 if positions is None or positions >= FORK_MIN_POSITIONS else 1
+        processes = min(processes, _usable_cores())
+    jobs: list[int] = bounds
+    if processes >= 2 and len(bounds) >= 2 and _fork_safe():
+        # On two cores the replay that removes nothing runs beside the others, used only where a run of the
+        # bounds in order would run it (when every bound removed something).
+        jobs = [*bounds, UNBOUNDED] if costs else bounds
+        replayed = _replay_split(jobs, replay_at)
+    else:
+        replayed = {}
     for bound in bounds:
-        tally, cost, pooled = replay_at(bound)
+        tally, cost, pooled = replayed[bound] if bound in replayed else replay_at(bound)
         rows.append(WhatIfRow.from_tally(bound, tally, cost, base.floor_min_tokens))
         if tally.tokens_dropped == 0 and tally.rollouts_held == 0:
             unbounded = pooled
-    if unbounded is None and rows:
+    if unbounded is None and rows and costs:
         # Every bound tried dropped something: the curve needs every token the records hold, whatever the bound.
-        unbounded = replay_at(UNBOUNDED)[2]
+        unbounded = (replayed[UNBOUNDED] if UNBOUNDED in replayed else replay_at(UNBOUNDED))[2]
     curve = run_curve(unbounded, base)
     if curve is not None:
         suggested = curve.suggested

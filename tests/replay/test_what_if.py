@@ -295,3 +295,61 @@ def test_without_enough_tokens_for_a_floor_no_bound_is_judged() -> None:
     result = what_if_with_curve(_CURVE_EVENTS, range(3), StalenessConfig())  # floor_min_tokens 1000
     assert result.curve is None
     assert all((r.excess_at_bound, r.within_budget, r.suggested) == (None, None, None) for r in result.rows)
+
+
+@pytest.mark.parametrize("policy", ["token", "group"])
+def test_bounds_replayed_on_two_processes_give_what_one_process_gives(policy: str) -> None:
+    """Half the bounds replayed in a forked process: the same rows, the same curve, the same error raised."""
+    from tests.reference.streams import random_stream
+
+    raised = 0
+    for seed in range(8):
+        lenient = seed % 2 == 0
+        replay_config, events = random_stream(seed, policy, lenient=lenient, defects=2 if lenient else 0)
+        options = replay_config.reference_options()
+        kept = {k: v for k, v in options.items() if k != "lenient" and not k.startswith("adapt_")}
+        base = StalenessConfig(**{**kept, "floor_min_tokens": 2}, strict=not lenient)
+        try:
+            alone = what_if_with_curve(events, range(9), base, processes=1)
+        except EventError as error:
+            with pytest.raises(EventError) as forked:
+                what_if_with_curve(events, range(9), base, processes=2)
+            assert str(forked.value) == str(error)
+            raised += 1
+            continue
+        # Bounds that each drop something leave the curve to the replay that removes nothing, run beside them.
+        for bounds in (range(9), range(2)):
+            assert what_if_with_curve(events, bounds, base, processes=2) == what_if_with_curve(
+                events, bounds, base, processes=1
+            ), f"seed {seed}"
+        assert alone.rows == what_if_with_curve(events, range(9), base, processes=2).rows
+    assert raised < 8
+
+
+def test_a_run_without_trainer_logprobs_has_no_curve_on_any_process_count() -> None:
+    events = [e for e in _CURVE_EVENTS if e["type"] == "ship"] + [
+        {"type": "rollout", "rollout": {**copy.deepcopy(e["rollout"]), "samples": [
+            {k: v for k, v in s.items() if k != "trainer_logprobs"} for s in e["rollout"]["samples"]]}}
+        for e in _CURVE_EVENTS if e["type"] == "rollout"
+    ]  # fmt: skip
+    events = events[1:] + events[:1]  # the rollouts, then the ship
+    config = StalenessConfig(floor_min_tokens=2)
+    for processes in (1, 2):
+        result = what_if_with_curve(events, range(3), config, processes=processes)
+        assert result.curve is None
+        assert [r.rollouts_shipped for r in result.rows] == [1, 2, 3]
+        assert all(r.trained_covered is None for r in result.rows)
+
+
+def test_an_invalid_rollout_in_strict_mode_is_named_alike_on_two_processes() -> None:
+    events: list[dict[str, Any]] = [
+        {"type": "rollout", "rollout": {"id": "a", "dispatch_version": 0, "samples": [{"mask": [1, 1]}]}},
+        {"type": "rollout", "rollout": {"id": "b", "dispatch_version": 0, "samples": [{"mask": [1, "x"]}]}},
+        {"type": "ship", "step": 1},
+    ]
+    messages = []
+    for processes in (1, 2):
+        with pytest.raises(EventError) as error:
+            what_if_with_curve(events, range(4), StalenessConfig(strict=True), processes=processes)
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and "line 2" in messages[0] and "'b'" in messages[0]
