@@ -56,8 +56,8 @@ def segment_of(offsets: IntArray) -> IntArray:
 
 def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:
     """Concatenation of ``arange(lo[i], hi[i])`` without a Python loop."""
-    if len(lo) == 1:  # one range (a small ship's usual case): the arange itself
-        return np.arange(int(lo[0]), max(int(lo[0]), int(hi[0])), dtype=np.int64)
+    if len(lo) == 1 and hi[0] >= lo[0]:  # one range (a small ship's usual case): the arange itself
+        return np.arange(int(lo[0]), int(hi[0]), dtype=np.int64)
     lengths = hi - lo
     ends = np.cumsum(lengths)
     total = int(ends[-1]) if len(ends) else 0

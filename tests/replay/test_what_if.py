@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -298,10 +299,24 @@ def test_without_enough_tokens_for_a_floor_no_bound_is_judged() -> None:
 
 
 @pytest.mark.parametrize("policy", ["token", "group"])
-def test_bounds_replayed_on_two_processes_give_what_one_process_gives(policy: str) -> None:
+def test_bounds_replayed_on_two_processes_give_what_one_process_gives(
+    policy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Half the bounds replayed in a forked process: the same rows, the same curve, the same error raised."""
+    from staleness_metrics.replay import what_if as what_if_module
     from tests.reference.streams import random_stream
 
+    if not what_if_module._fork_safe():
+        pytest.skip("threads of other tests are running in this process: what-if would not fork")
+    real_fork, forks = os.fork, []
+
+    def counted_fork() -> int:
+        pid = real_fork()
+        if pid:  # the parent's count: the child exits without returning here
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(os, "fork", counted_fork)
     raised = 0
     for seed in range(8):
         lenient = seed % 2 == 0
@@ -324,6 +339,7 @@ def test_bounds_replayed_on_two_processes_give_what_one_process_gives(policy: st
             ), f"seed {seed}"
         assert alone.rows == what_if_with_curve(events, range(9), base, processes=2).rows
     assert raised < 8
+    assert forks, "processes=2 never forked: the comparison above was one process against itself"
 
 
 def test_a_run_without_trainer_logprobs_has_no_curve_on_any_process_count() -> None:
