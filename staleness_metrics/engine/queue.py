@@ -10,8 +10,11 @@ is the one that writes and checks them.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from itertools import chain, repeat
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -134,15 +137,16 @@ def _concatenated(staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH) -> Ro
     """
     batches = [item.batch for item in staged]
     n_positions = sum(item.n_positions for item in staged)
+    sample_counts = [item.n_samples for item in staged]
 
     def joined(name: str, fill: Any = None) -> Any:
-        values = [getattr(b, name) for b in batches]
-        given = [v for v in values if v is not None]
-        if not given:
+        values = list(map(attrgetter(name), batches))  # (C-level passes over the batches, no Python loop)
+        missing = sum(map(operator.is_, values, repeat(None)))
+        if missing == len(values):
             return None
-        if len(given) != len(values):
-            dtype = given[0].dtype  # the group's (_joined_kind): a fill takes it, exactly (0, 1, -1)
-            values = [v if v is not None else fill(b).astype(dtype) for v, b in zip(values, batches)]
+        if missing:
+            dtype = next(v for v in values if v is not None).dtype  # the group's (_joined_kind): a fill takes it
+            values = [v if v is not None else fill(b).astype(dtype) for v, b in zip(values, batches)]  # exactly
         if name in _POSITION_ARRAYS:
             return scratch.join(name, values, n_positions)
         return np.concatenate(values)
@@ -152,22 +156,24 @@ def _concatenated(staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH) -> Ro
         **{name: joined(name, lambda b: np.zeros(b.n_positions)) for name in ("ce_weights", "ref_kl_weights")},
         "token_versions": joined("token_versions", lambda b: np.full(b.n_positions, -1, dtype=np.int64)),
     }
-    if any(b.span_offsets is not None for b in batches):
+    span_offsets = list(map(attrgetter("span_offsets"), batches))
+    if sum(map(operator.is_, span_offsets, repeat(None))) != len(span_offsets):
         none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         columns["span_offsets"] = _joined_offsets(
-            [b.span_offsets if b.span_offsets is not None else np.zeros(b.n_samples + 1, np.int64) for b in batches],
-            [item.n_samples for item in staged],
+            [o if o is not None else np.zeros(b.n_samples + 1, np.int64) for o, b in zip(span_offsets, batches)],
+            sample_counts,
         )
         columns.update({name: joined(name, lambda b: none) for name in ("span_versions", "span_starts")})
+    ids = list(chain.from_iterable(map(attrgetter("ids"), batches)))
+    # (``agentic``, ``group_ids`` and ``envs`` are not joined: the cut reads none of them)
     return RolloutBatch(
-        ids=[rid for b in batches for rid in b.ids],
-        sample_offsets=_joined_offsets([b.sample_offsets for b in batches], [b.n_rollouts for b in batches]),
-        position_offsets=_joined_offsets([b.position_offsets for b in batches], [item.n_samples for item in staged]),
+        ids=ids,
+        sample_offsets=_joined_offsets(list(map(attrgetter("sample_offsets"), batches)), [len(b.ids) for b in batches]),
+        position_offsets=_joined_offsets(list(map(attrgetter("position_offsets"), batches)), sample_counts),
         mask=joined("mask"),
         dispatch_version=joined("dispatch_version"),
         completion_version=joined("completion_version"),
         frozen=joined("frozen"),
-        agentic=joined("agentic"),
         label_kind=joined("label_kind"),
         **columns,
     )
