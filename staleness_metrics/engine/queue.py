@@ -344,14 +344,18 @@ class RolloutQueue:
         verdicts = Verdicts(batch)
         spans = build_spans(batch, verdicts)
         assert not verdicts.errors, "a plainly valid batch was refused"  # plainly_valid may only err towards no
-        n_rollouts = [item.batch.n_rollouts for item in staged]
+        keep = np.arange(len(batch.ids))
+        if len(staged) == 1:  # one batch (a replay's add between two ships): its own rows, nothing to shift
+            only = staged[0]
+            self.append_rows(batch, spans, keep, np.full(len(keep), only.chunk), keep, only.groups, only.envs)
+            return
+        n_rollouts = [len(item.batch.ids) for item in staged]
         rollout_base = np.repeat(np.cumsum([0, *n_rollouts[:-1]]), n_rollouts)
         chunks = np.repeat([item.chunk for item in staged], n_rollouts)
         # spans at positions of the concatenation: back to their own batch's
-        position_base = np.repeat(np.cumsum([0, *(item.batch.n_positions for item in staged[:-1])]), n_rollouts)
-        groups = np.concatenate([item.groups for item in staged]) if len(staged) > 1 else staged[0].groups
-        envs = np.concatenate([item.envs for item in staged]) if len(staged) > 1 else staged[0].envs
-        keep = np.arange(batch.n_rollouts)
+        position_base = np.repeat(np.cumsum([0, *(item.n_positions for item in staged[:-1])]), n_rollouts)
+        groups = np.concatenate([item.groups for item in staged])
+        envs = np.concatenate([item.envs for item in staged])
         self.append_rows(batch, spans, keep, chunks, keep - rollout_base, groups, envs, position_base)
 
     def append_rows(
@@ -368,43 +372,57 @@ class RolloutQueue:
         """The table rows of rollouts ``keep`` of ``batch`` (cut into ``spans``): their chunks, their index in
         it, and (``position_base``, per rollout) where their chunk starts in ``batch``'s positions."""
         assert batch.frozen is not None and batch.label_kind is not None
-        sample_lo, sample_hi = batch.sample_offsets[keep], batch.sample_offsets[keep + 1]
-        samples = expand_ranges(sample_lo, sample_hi)
-        sample_base = len(self.samples)
-        span_base = len(self.spans)
-        row_base = len(self.rollouts)
-        new_sample_offsets = np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
+        every = len(keep) == len(batch.ids)  # (then the rows are the batch's own: no selection to build)
+        offsets = batch.sample_offsets
+        sample_lo, sample_hi = (offsets[:-1], offsets[1:]) if every else (offsets[keep], offsets[keep + 1])
+        samples = np.arange(batch.n_samples) if every else expand_ranges(sample_lo, sample_hi)
+        span_lo, span_hi = spans.span_offsets[samples], spans.span_offsets[samples + 1]
+        kept_spans = np.arange(len(spans.lo)) if every else expand_ranges(span_lo, span_hi)
+        sample_base, span_base, row_base = len(self.samples), len(self.spans), len(self.rollouts)
+        # Offsets start at 0 (checked): the batch's own, shifted, when every rollout is kept.
+        new_sample_offsets = sample_base + (
+            offsets if every else np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
+        )
+        new_span_offsets = span_base + (
+            spans.span_offsets if every else np.concatenate(([0], np.cumsum(span_hi - span_lo)))
+        )
+
+        def of_rollouts(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return values if every else values[keep]
+
+        def of_samples(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return values if every else values[samples]
+
+        def of_spans(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return values if every else values[kept_spans]
+
+        frozen = of_rollouts(batch.frozen)
         self.rollouts.append(
-            chunk=chunk, index=index, status=np.full(len(keep), QUEUED),
-            judged=np.full(len(keep), NEVER), frozen=batch.frozen[keep], dispatch=batch.dispatch_version[keep],
-            completion=spans.completion[keep], group=groups, env=envs,
-            sample_lo=sample_base + new_sample_offsets[:-1], sample_hi=sample_base + new_sample_offsets[1:],
+            chunk=chunk, index=index, status=QUEUED, judged=NEVER, frozen=frozen,
+            dispatch=of_rollouts(batch.dispatch_version), completion=of_rollouts(spans.completion), group=groups,
+            env=envs, sample_lo=new_sample_offsets[:-1], sample_hi=new_sample_offsets[1:],
         )  # fmt: skip
         sample_rollout = np.repeat(np.arange(len(keep)), sample_hi - sample_lo)
-        span_lo, span_hi = spans.span_offsets[samples], spans.span_offsets[samples + 1]
-        kept_spans = expand_ranges(span_lo, span_hi)
-        new_span_offsets = np.concatenate(([0], np.cumsum(span_hi - span_lo)))
+        n_sampled = of_samples(spans.n_sampled)
         self.samples.append(
-            rollout=row_base + sample_rollout, local=samples - batch.sample_offsets[keep][sample_rollout],
-            span_lo=span_base + new_span_offsets[:-1], span_hi=span_base + new_span_offsets[1:],
-            mask_below=np.full(len(samples), NO_MASK), dropped=np.zeros(len(samples), dtype=bool),
-            had_train=spans.had_train[samples], unmaskable=spans.unmaskable[samples],
-            n_sampled=spans.n_sampled[samples], n_unlabelled=spans.n_unlabelled[samples],
-            max_label=spans.max_label[samples], max_sampled=spans.max_sampled_version[samples],
-            seq_min=spans.seq_min_version[samples], label_kind=batch.label_kind[samples],
+            rollout=row_base + sample_rollout, local=samples - sample_lo[sample_rollout],
+            span_lo=new_span_offsets[:-1], span_hi=new_span_offsets[1:], mask_below=NO_MASK, dropped=False,
+            had_train=of_samples(spans.had_train), unmaskable=of_samples(spans.unmaskable), n_sampled=n_sampled,
+            n_unlabelled=of_samples(spans.n_unlabelled), max_label=of_samples(spans.max_label),
+            max_sampled=of_samples(spans.max_sampled_version), seq_min=of_samples(spans.seq_min_version),
+            label_kind=of_samples(batch.label_kind),
         )  # fmt: skip
-        span_sample_local = np.repeat(np.arange(len(samples)), span_hi - span_lo)
-        lo, hi = spans.lo[kept_spans], spans.hi[kept_spans]
+        span_sample_local = spans.sample if every else np.repeat(np.arange(len(samples)), span_hi - span_lo)
+        lo, hi = of_spans(spans.lo), of_spans(spans.hi)
         if position_base is not None:
             base = position_base[sample_rollout[span_sample_local]]
             lo, hi = lo - base, hi - base
         self.spans.append(
             sample=sample_base + span_sample_local, lo=lo, hi=hi,
-            version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
-            sampled=spans.sampled[kept_spans], live=spans.live[kept_spans], part=spans.part[kept_spans],
+            version=of_spans(spans.version), labelled=of_spans(spans.label) >= 0,
+            sampled=of_spans(spans.sampled), live=of_spans(spans.live), part=of_spans(spans.part),
         )  # fmt: skip
-        live_samples = ~batch.frozen[keep][sample_rollout]
-        self._tokens_entered += int(spans.n_sampled[samples][live_samples].sum())
+        self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
         self._observe_added(groups)
 
     def queued_tokens(self, rows: IntArray) -> int:

@@ -24,7 +24,7 @@ from ..records.columnar import LABELS_SPANS, RolloutBatch
 from ..records.model import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from ..records.validation import Verdicts, plainly_valid
 from .decision import Decision, Judgement
-from .judging import apply_decision, judgement_of, with_groups
+from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
 from .queue import COMPACT_MIN_ROWS, INVALID, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
 from .segments import expand_ranges
@@ -258,12 +258,17 @@ class Sink:
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
+        self._sweep(step)
+
+    def _sweep(self, step: int) -> Judgement | None:
+        """:meth:`sweep`; returns the slice it judged (None: nothing to judge)."""
         self._advance(step)
         self.queue.build_staged()
         r = self.queue.rollouts
         rows = np.flatnonzero((r["status"] == QUEUED) & (r["judged"] < step))
-        if len(rows):
-            self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)
+        if len(rows) == 0:
+            return None
+        return self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)[0]
 
     # ------------------------------------------------------------------ ship
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
@@ -284,20 +289,20 @@ class Sink:
             named = [self.queue.row_of[i] for i in ids if i in self.queue.row_of]
             taken = np.unique(np.array(named, dtype=np.int64))
             taken = taken[r["status"][taken] == QUEUED]
-        self.sweep(step)
+        judged = self._sweep(step)  # (when it judged exactly the rollouts shipped, their slice is read from it)
         taken = self._check_versions(taken[r["status"][taken] == QUEUED], step)
         hold = np.zeros(len(taken), dtype=bool)
         if len(taken) and self.policy.holds:
             # The sweep judged everything at this step already; judging again only decides the holds.
-            judgement, decision = self._judge(with_groups(self.queue, taken, self.policy.judges_groups), step)
+            judged, decision = self._judge(with_groups(self.queue, taken, self.policy.judges_groups), step)
             taken = taken[r["status"][taken] == QUEUED]
-            hold = np.isin(taken, judgement.rows[decision.hold_rollout])
+            hold = np.isin(taken, judged.rows[decision.hold_rollout])
         held, shipped = taken[hold], taken[~hold]
         self._window.add(r["env"][held], "rollouts_held")
         self._window.held.extend(self.queue.ids[i] for i in held)
         self.queue.leave(shipped, SHIPPED)
 
-        shipped_slice = judgement_of(self.queue, shipped, step)
+        shipped_slice = judgement_again(self.queue, judged, shipped, step)
         spans = shipped_spans(self.queue, shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
         judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)

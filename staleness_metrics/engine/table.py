@@ -26,11 +26,12 @@ class Table:
         return tuple(self._columns)
 
     def append(self, **values: npt.ArrayLike) -> int:
-        """Append equal-length arrays for every column; returns the index of the first new row."""
-        if set(values) != set(self._columns):
+        """Append equal-length arrays for every column (a scalar: that value in every new row; at least one
+        column is an array); returns the index of the first new row."""
+        if values.keys() != self._columns.keys():
             raise KeyError(f"expected columns {sorted(self._columns)}, got {sorted(values)}")
         arrays = {name: np.asarray(v) for name, v in values.items()}
-        n = len(next(iter(arrays.values())))
+        n = len(next(a for a in arrays.values() if a.ndim))
         start = self._size
         needed = start + n
         for name, column in self._columns.items():
