@@ -367,12 +367,12 @@ class Sink:
         r, s = self.queue.rollouts, self.queue.samples
         bad_dispatch = r["dispatch"][rows] > trained  # frozen rollouts too: every version is checked
         sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
-        counts = r["sample_hi"][rows] - r["sample_lo"][rows]
         bad_sample = s["max_label"][sample_rows] > trained
+        if not (bad_dispatch.any() or bad_sample.any()):  # (the usual case: nothing to name)
+            return rows
+        counts = r["sample_hi"][rows] - r["sample_lo"][rows]
         bad_label = np.bincount(np.repeat(np.arange(len(rows)), counts)[bad_sample], minlength=len(rows)) > 0
         bad = bad_dispatch | bad_label
-        if not bad.any():
-            return rows
         errors = []
         for local in np.flatnonzero(bad):
             row = int(rows[local])

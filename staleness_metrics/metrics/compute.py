@@ -159,8 +159,16 @@ class _Shipped:
                              NO_VERSION_LOW)  # fmt: skip
         newest = np.where(newest == NO_VERSION_LOW, slice_.dispatch, newest)
         self.rollout = t - oldest
-        self.in_flight = np.clip(slice_.completion - oldest, 0, self.rollout)
+        self.in_flight = np.minimum(np.maximum(slice_.completion - oldest, 0), self.rollout)  # (np.clip, cheaper)
         self.newest = t - newest
+
+
+_ROLLOUT_KEYS = (
+    (keys.ROLLOUT_MEAN, keys.ROLLOUT_MAX),
+    (keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_FLIGHT_MAX),
+    (keys.ROLLOUT_IN_QUEUE_MEAN, keys.ROLLOUT_IN_QUEUE_MAX),
+    (keys.ROLLOUT_NEWEST_MEAN, keys.ROLLOUT_NEWEST_MAX),
+)
 
 
 def _population(
@@ -207,14 +215,11 @@ def _population(
         for (key, _, _), value in zip(QUANTILES, _nearest_ranks(token_values, token_counts)):
             metrics[key] = value
     if len(rollout):
-        for mean_key, max_key, values in (
-            (keys.ROLLOUT_MEAN, keys.ROLLOUT_MAX, rollout),
-            (keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_FLIGHT_MAX, in_flight),
-            (keys.ROLLOUT_IN_QUEUE_MEAN, keys.ROLLOUT_IN_QUEUE_MAX, in_queue),
-            (keys.ROLLOUT_NEWEST_MEAN, keys.ROLLOUT_NEWEST_MAX, newest),
-        ):
-            metrics[mean_key] = int(values.sum()) / len(values)
-            metrics[max_key] = int(values.max())
+        per_rollout = np.stack((rollout, in_flight, in_queue, newest))  # (one sum and one max for the four)
+        for (mean_key, max_key), total, top in zip(_ROLLOUT_KEYS, per_rollout.sum(axis=1).tolist(),
+                                                   per_rollout.max(axis=1).tolist()):  # fmt: skip
+            metrics[mean_key] = total / len(rollout)
+            metrics[max_key] = top
     length_samples, length_sampled, length_removed = _length_bias(slice_, sample_in, masked_per_sample, env, window)
     metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
     metrics[keys.ROLLOUTS_DROPPED] = window.get(env, "rollouts_dropped")
