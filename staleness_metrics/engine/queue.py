@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, repeat
 from operator import attrgetter
@@ -434,8 +435,12 @@ class RolloutQueue:
     def leave(self, rows: IntArray, status: int) -> None:
         self.rollouts["status"][rows] = status
         self.queued -= len(rows)
-        chunks, counts = np.unique(self.rollouts["chunk"][rows], return_counts=True)
-        for chunk, count in zip(chunks.tolist(), counts.tolist()):
+        chunks = self.rollouts["chunk"][rows]
+        if len(chunks) <= 256:  # (a few rollouts: counted over a list, where numpy's sort costs more)
+            counted = sorted(Counter(chunks.tolist()).items())
+        else:
+            counted = list(zip(*(a.tolist() for a in np.unique(chunks, return_counts=True))))
+        for chunk, count in counted:
             self.chunk_open[chunk] -= count
             if self.chunk_open[chunk] == 0:
                 self.closing.append(chunk)

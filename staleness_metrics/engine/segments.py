@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["expand_ranges", "segment_any", "segment_max", "segment_min", "segment_of", "segment_sum"]
+__all__ = ["distinct", "expand_ranges", "segment_any", "segment_max", "segment_min", "segment_of", "segment_sum"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -65,3 +65,11 @@ def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:
         return np.zeros(0, dtype=np.int64)
     starts = np.repeat(lo - (ends - lengths), lengths)
     return starts + np.arange(total, dtype=np.int64)
+
+
+def distinct(values: IntArray) -> list[int]:
+    """The distinct values, ascending (``np.unique(values).tolist()``): over a list when there are few, where a
+    sort in numpy costs more than Python's."""
+    if len(values) <= 256:
+        return sorted(set(values.tolist()))
+    return np.unique(values).tolist()  # type: ignore[no-any-return]

@@ -27,7 +27,7 @@ from .decision import Decision, Judgement
 from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
 from .queue import COMPACT_MIN_ROWS, INVALID, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
-from .segments import expand_ranges
+from .segments import distinct, expand_ranges
 from .shipment import Shipment, ShippedRollout
 from .shipped_positions import shipped_spans
 from .spans import SpanTable, checked_spans
@@ -308,7 +308,7 @@ class Sink:
         judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)
         env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
         if mismatch is not None and self.config.env_breakdown and spans.env is not None:
-            for env in np.unique(spans.env[spans.lag >= 0]).tolist():
+            for env in distinct(spans.env[spans.lag >= 0]):
                 name = self.queue.env_names[env]
                 if name:  # SPEC 11 and 14 per env, from the records (rollouts without an env have no keys)
                     sums = spans.mismatch(self.config.mismatch_band, env)
@@ -347,7 +347,7 @@ class Sink:
         local = s["local"][sample_rows][kept]
         ids = [self.queue.ids[row] for row in rows.tolist()]
         chunk = r["chunk"][rows]
-        batches = {c: self.queue.chunks[c] for c in np.unique(chunk).tolist()}
+        batches = {c: self.queue.chunks[c] for c in distinct(chunk)}
         index = r["index"][rows]
 
         def build() -> tuple[ShippedRollout, ...]:

@@ -300,7 +300,7 @@ def compute_report(
         metrics.update(mismatch_metrics(mismatch, bound))
     env_metrics: dict[str, dict[str, MetricValue]] = {}
     env_tally: dict[str, Tally] = {}
-    envs = set(np.unique(shipped.env).tolist()) | set(window.counts) if per_env else set()
+    envs = set(shipped.env.tolist()) | set(window.counts) if per_env else set()
     if len(envs) == 1 and set(window.dropped_lengths) <= envs:
         # One env holds every shipped rollout and every count of the window: its population is the whole
         # (the same inputs to the same sums), so it is not computed twice.
