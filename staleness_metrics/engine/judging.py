@@ -7,7 +7,7 @@ and drops samples and rollouts, counting them in the open window.
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 
 import numpy as np
 import numpy.typing as npt
@@ -63,8 +63,10 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
     s = queue.samples
-    sample_rows = judgement.sample_rows
-    return dataclasses.replace(judgement, mask_below=s["mask_below"][sample_rows], dropped=s["dropped"][sample_rows])
+    again = copy.copy(judgement)  # (a frozen dataclass: its two fields set as its __init__ would)
+    object.__setattr__(again, "mask_below", s["mask_below"][judgement.sample_rows])
+    object.__setattr__(again, "dropped", s["dropped"][judgement.sample_rows])
+    return again
 
 
 def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgement, decision: Decision) -> None:
