@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 import numpy.typing as npt
 
@@ -58,6 +60,10 @@ def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:
     """Concatenation of ``arange(lo[i], hi[i])`` without a Python loop."""
     if len(lo) == 1 and hi[0] >= lo[0]:  # one range (a small ship's usual case): the arange itself
         return np.arange(int(lo[0]), int(hi[0]), dtype=np.int64)
+    if 1 < len(lo) <= 64:  # a few ranges, often end to end (a ship's rows, their samples): one arange then
+        starts, ends = lo.tolist(), hi.tolist()  # (Python over short lists costs less than numpy calls)
+        if starts[1:] == ends[:-1] and all(map(operator.le, starts, ends)):
+            return np.arange(starts[0], ends[-1], dtype=np.int64)
     lengths = hi - lo
     ends = np.cumsum(lengths)
     total = int(ends[-1]) if len(ends) else 0
