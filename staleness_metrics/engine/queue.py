@@ -81,13 +81,16 @@ def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) ->
     return tuple(a if a is not None else b for a, b in zip(kind, other))
 
 
-def _joined_offsets(parts: Sequence[npt.NDArray[np.int64]], counts: Sequence[int]) -> npt.NDArray[np.int64]:
+def _joined_offsets(
+    parts: Sequence[npt.NDArray[np.int64]], counts: Sequence[int], ends: Sequence[int] | None = None
+) -> npt.NDArray[np.int64]:
     """Offsets into the concatenation of the parts the offsets ``parts`` index (``counts``: each part's
-    entries minus one)."""
+    entries minus one; ``ends``: each part's last entry, when known)."""
     if len(parts) == 1:
         only: npt.NDArray[np.int64] = parts[0].copy()
         return only
-    ends = [int(p[-1]) for p in parts]
+    if ends is None:
+        ends = [int(p[-1]) for p in parts]
     if counts.count(1) == len(counts):  # one entry each (a single-sample rollout): the running ends alone
         return np.cumsum([0, *ends], dtype=np.int64)
     bases = np.cumsum([0, *ends])
@@ -125,6 +128,8 @@ class _Scratch(threading.local):
 
 
 _SCRATCH = _Scratch()
+# Arrays every staged batch has (plainly_valid checked them): joined without looking for a missing one.
+_ALWAYS_GIVEN = frozenset({"mask", "dispatch_version", "completion_version", "frozen", "label_kind"})
 
 
 def _concatenated(staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH) -> RolloutBatch:
@@ -142,7 +147,7 @@ def _concatenated(staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH) -> Ro
 
     def joined(name: str, fill: Any = None) -> Any:
         values = list(map(attrgetter(name), batches))  # (C-level passes over the batches, no Python loop)
-        missing = sum(map(operator.is_, values, repeat(None)))
+        missing = 0 if name in _ALWAYS_GIVEN else sum(map(operator.is_, values, repeat(None)))
         if missing == len(values):
             return None
         if missing:
@@ -169,8 +174,13 @@ def _concatenated(staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH) -> Ro
     # (``agentic``, ``group_ids`` and ``envs`` are not joined: the cut reads none of them)
     return RolloutBatch(
         ids=ids,
-        sample_offsets=_joined_offsets(list(map(attrgetter("sample_offsets"), batches)), [len(b.ids) for b in batches]),
-        position_offsets=_joined_offsets(list(map(attrgetter("position_offsets"), batches)), sample_counts),
+        # (a staged batch's offsets end at its sample and position counts: plainly_valid checked them)
+        sample_offsets=_joined_offsets(
+            list(map(attrgetter("sample_offsets"), batches)), [len(b.ids) for b in batches], sample_counts
+        ),
+        position_offsets=_joined_offsets(
+            list(map(attrgetter("position_offsets"), batches)), sample_counts, [item.n_positions for item in staged]
+        ),
         mask=joined("mask"),
         dispatch_version=joined("dispatch_version"),
         completion_version=joined("completion_version"),

@@ -427,16 +427,18 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
             return False
     elif len(set(ids)) != n_rollouts or not known_ids.isdisjoint(ids):
         return False
-    for texts in (ids, group_ids, envs):
-        if lone_surrogate("".join(map(str, texts))) is not None:
-            return False
+    if lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None:
+        return False  # (one encode for all: a lone surrogate stays one when strings are joined)
     if not _plain_envs(envs):
         return False
     # Per-rollout and per-sample values of a small batch: Python over short lists costs less than numpy calls.
     dispatches, completions = dispatch.tolist(), completion.tolist()
     if min(dispatches) < 0 or min(completions) < -1:  # frozen ones too: -1 falls to the exact path
         return False
-    if any(0 <= c < d for c, d in zip(completions, dispatches)):
+    if n_rollouts == 1:
+        if 0 <= completions[0] < dispatches[0]:
+            return False
+    elif any(0 <= c < d for c, d in zip(completions, dispatches)):
         return False
     kinds = set(kind.tolist())
     if not kinds <= _LABEL_KINDS:
