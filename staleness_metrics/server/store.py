@@ -19,7 +19,9 @@ row, and how to start fresh on purpose):
 
 Databases written before checksums (no ``checksum`` column, ``user_version`` 0) are migrated at the first
 start: every row must still decode, and is then stamped with its checksum (it is trusted as it is at that
-moment; damage from before the migration that still decodes cannot be told).
+moment; damage from before the migration that still decodes cannot be told). Databases of ``user_version``
+1 have their snapshots table rebuilt with the state as the row's last column, where SQLite writes a blob in
+place: a snapshot's text is written a piece at a time, never whole in memory (:meth:`SqliteStore.save_snapshot`).
 """
 
 from __future__ import annotations
