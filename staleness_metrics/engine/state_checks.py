@@ -157,37 +157,76 @@ class NestedTooDeep(ValueError):
     """Raised by :func:`json_pieces` past its ``max_depth``: encode the value whole instead."""
 
 
+class _HoldsNumpy(Exception):
+    """A value met a numpy object while written without numpy support: it is written in pieces."""
+
+
 def json_pieces(
     value: Any, option: int, default: Callable[[Any], Any] | None = None, max_depth: int | None = None
 ) -> Iterator[bytes]:
     """``orjson.dumps(value, default=default, option=option)`` as consecutive pieces whose concatenation is
     that text byte for byte, so that a value holding arrays of millions of values (a checkpoint's queue, a
-    long record) is hashed or stored without its whole text in memory at once. Dicts and lists holding
-    containers are written an item at a time, an array of more than :data:`PIECE_ITEMS` values a block
-    of rows at a time. Raises what ``orjson.dumps`` raises, and :class:`NestedTooDeep` when the value
-    nests past ``max_depth`` containers."""
+    long record) is hashed or stored without its whole text in memory at once.
+
+    A dict, list or tuple holding no numpy object is written whole, by one orjson call (its text is no
+    larger than its Python objects); one that holds some is written an item at a time, and an array of
+    more than :data:`PIECE_ITEMS` values a block of rows at a time. Raises what ``orjson.dumps`` raises,
+    and :class:`NestedTooDeep` when it would follow more than ``max_depth`` containers."""
     sort_keys = bool(option & orjson.OPT_SORT_KEYS)
+    plain_option = option & ~orjson.OPT_SERIALIZE_NUMPY
 
     def whole(item: Any) -> bytes:
         return orjson.dumps(item, default=default, option=option)
 
-    def pieces(item: Any, depth: int) -> Iterator[bytes]:
+    def no_numpy(item: Any) -> Any:
+        if isinstance(item, np.ndarray | np.generic):
+            raise _HoldsNumpy
+        if default is None:
+            raise TypeError(f"Type is not JSON serializable: {type(item).__name__}")
+        return default(item)
+
+    def without_numpy(item: Any, path: tuple[type, ...]) -> bytes | None:
+        """``item``'s text if it holds no numpy object, else None. It is written inside containers of the
+        kinds of its ``path`` (then cut out), so that orjson refuses it exactly where it would refuse it
+        inside the whole value (orjson limits nesting)."""
+        wrapped, head, tail = item, 0, 0
+        for kind in reversed(path):
+            if kind is dict:
+                wrapped, head, tail = {"": wrapped}, head + 4, tail + 1  # {"":...}
+            else:
+                wrapped, head, tail = kind((wrapped,)), head + 1, tail + 1  # [...]
+        try:
+            text = orjson.dumps(wrapped, default=no_numpy, option=plain_option)
+        except orjson.JSONEncodeError as exc:
+            if isinstance(exc.__cause__, _HoldsNumpy):
+                return None
+            raise
+        return text[head : len(text) - tail] if path else text
+
+    def pieces(item: Any, depth: int, path: tuple[type, ...]) -> Iterator[bytes]:
         if max_depth is not None and depth > max_depth:
             raise NestedTooDeep(f"nested more than {max_depth} levels")
-        if isinstance(item, dict) and all(type(key) is str for key in item):  # else orjson words the refusal
-            entries = sorted(item.items()) if sort_keys else item.items()
-            yield b"{"
-            for number, (key, entry) in enumerate(entries):
-                yield (b"," if number else b"") + whole(key) + b":"
-                yield from pieces(entry, depth + 1)
-            yield b"}"
-        elif isinstance(item, list | tuple) and any(isinstance(entry, _CONTAINERS) for entry in item):
-            yield b"["
-            for number, entry in enumerate(item):
-                if number:
-                    yield b","
-                yield from pieces(entry, depth + 1)
-            yield b"]"
+        if isinstance(item, dict | list | tuple):
+            text = without_numpy(item, path)
+            if text is not None:
+                yield text
+            elif isinstance(item, dict) and all(type(key) is str for key in item):  # else orjson words the refusal
+                inner = (*path, dict)
+                yield b"{"
+                for number, (key, entry) in enumerate(sorted(item.items()) if sort_keys else item.items()):
+                    yield (b"," if number else b"") + whole(key) + b":"
+                    yield from pieces(entry, depth + 1, inner)
+                yield b"}"
+            elif isinstance(item, list | tuple) and any(isinstance(entry, _CONTAINERS) for entry in item):
+                inner = (*path, list if isinstance(item, list) else tuple)
+                yield b"["
+                for number, entry in enumerate(item):
+                    if number:
+                        yield b","
+                    yield from pieces(entry, depth + 1, inner)
+                yield b"]"
+            else:
+                yield whole(item)
         elif (
             isinstance(item, np.ndarray)
             and item.size > PIECE_ITEMS
@@ -204,7 +243,7 @@ def json_pieces(
         else:
             yield whole(item)
 
-    return pieces(value, 0)
+    return pieces(value, 0, ())
 
 
 # ---------------------------------------------------------------------- digests

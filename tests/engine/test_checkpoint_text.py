@@ -112,6 +112,19 @@ def test_digests_are_those_of_the_whole_text(value: Any) -> None:
     assert digests_of({"value": value}) == {"value": former_digest(value)}
 
 
+def outcome(write: Any) -> bytes | type[Exception]:
+    try:
+        return bytes(write())
+    except (NestedTooDeep, orjson.JSONEncodeError) as exc:
+        return type(exc)
+
+
+def deep_outcomes(value: Any) -> tuple[bytes | type[Exception], bytes | type[Exception]]:
+    """What the pieces give (joined) and what orjson gives whole: a text or the error raised."""
+    pieces = outcome(lambda: b"".join(json_pieces(value, SORTED_NUMPY, max_depth=PIECED_DEPTH)))
+    return pieces, outcome(lambda: orjson.dumps(value, option=SORTED_NUMPY))
+
+
 @pytest.mark.parametrize("depth", [*range(PIECED_DEPTH - 2, PIECED_DEPTH + 2), 253, 254, 255, 256, 400])
 def test_deep_values_have_the_digest_they_had(depth: int) -> None:
     """orjson refuses past 254 levels (the standard library writes those); pieces stop well before that,
@@ -119,13 +132,22 @@ def test_deep_values_have_the_digest_they_had(depth: int) -> None:
     standard library escapes non-ASCII text and hands arrays to ``default``)."""
     value = nested(depth, {"text": "é", "array": np.ones(_BIG, dtype=np.int8)})
     assert digests_of({"value": value}) == {"value": former_digest(value)}
+    pieces, whole = deep_outcomes(value)
     if depth + 1 > PIECED_DEPTH:  # the leaf's values are one level below its dict
-        with pytest.raises(NestedTooDeep):
-            b"".join(json_pieces(value, SORTED_NUMPY, max_depth=PIECED_DEPTH))
+        assert pieces in (NestedTooDeep, whole)  # NestedTooDeep: the caller writes it whole
     else:
-        assert b"".join(json_pieces(value, SORTED_NUMPY, max_depth=PIECED_DEPTH)) == orjson.dumps(
-            value, option=SORTED_NUMPY
-        )
+        assert pieces == whole and isinstance(whole, bytes)
+
+
+@pytest.mark.parametrize("depth", [250, 251, 252, 253, 254, 255])
+def test_a_deep_part_beside_an_array_is_refused_where_orjson_refuses_the_whole(depth: int) -> None:
+    """A part without arrays is written by one orjson call, inside containers of the kinds around it, so
+    orjson's nesting limit applies to it as within the whole value."""
+    value = {"array": np.ones(_BIG, dtype=np.int8), "deep": [nested(depth, "é")]}
+    assert digests_of({"value": value}) == {"value": former_digest(value)}
+    pieces, whole = deep_outcomes(value)
+    assert pieces == whole
+    assert (whole is orjson.JSONEncodeError) == (depth + 2 > 254)  # the value, its list, then depth levels
 
 
 def queued_monitor(positions: int) -> StalenessMonitor:
