@@ -4,8 +4,10 @@
     python bench/service.py --memory [--body-mb 32] [--persist]
 
 ``--memory`` measures instead the server's peak resident growth per request body (VmHWM reset through
-/proc/<pid>/clear_refs before each, Linux) for hostile and valid bodies of ``--body-mb``, and what an
-oversized header and idle connections cost (docs/service.md, "Limits").
+/proc/<pid>/clear_refs before each, Linux) for hostile and valid bodies of ``--body-mb``, for the last of
+the mask-only bodies queued in one run until their journal passes the snapshot threshold (with
+``--persist`` that request also writes the run's snapshot), and what an oversized header and idle
+connections cost (docs/service.md, "Limits").
 
 Starts ``staleness-metrics serve`` on a free loopback port (a real uvicorn process) and measures with
 the project's client (one connection reused per client):
