@@ -471,50 +471,38 @@ def weight_flags(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.ND
 _LN2_HI, _LN2_LO, _INV_LN2 = 6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.44269504088896338700e00
 _EXP_P1, _EXP_P2, _EXP_P3 = 1.66666666666666019037e-01, -2.77777777770155933842e-03, 6.61375632143793436117e-05
 _EXP_P4, _EXP_P5 = -1.65339022054652515390e-06, 4.13813679705723846039e-08
-_NEAR = 2.0**-40  # a ratio this close (relative) to a band edge is compared again with the C library's exp
-_MISMATCH_BLOCK = 1024  # positions computed at once into buffers that stay in L1
-_SHORT_RUN = 16  # runs of equal lag shorter than this are added position by position
+_SHIFTER = 1.5 * 2.0**52  # added to an integer-valued float below 2^51, leaves it in the low mantissa bits
+# A log-ratio this close to the log of a band edge is compared again with the C library's exp; farther,
+# its side of the edge is the side of exp(d) (log's and exp's rounding are far below it)
+_NEAR = 2.0**-39
 
 
-def _run_sums(
-    d: npt.NDArray[np.float64],
-    k3: npt.NDArray[np.float64],
-    r: npt.NDArray[np.float64],
-    covered: npt.NDArray[np.uint8],
-    masked: npt.NDArray[np.uint8],
-    out_of_band: npt.NDArray[np.uint8],
-    a: int,
-    b: int,
-) -> tuple[float, float, float, float, float, int, int, int]:  # pragma: no cover - compiled
-    """Sums over ``[a, b)`` of the buffers (compiled with reassociation: the float sums go in vector lanes)."""
-    ds, ks, rs = d[a:b], k3[a:b], r[a:b]
-    cs, ms, os = covered[a:b], masked[a:b], out_of_band[a:b]
-    sum_d = 0.0
-    sum_abs = 0.0
-    sum_k3 = 0.0
-    sum_r = 0.0
-    sum_r2 = 0.0
-    tokens = 0
-    n_masked = 0
-    n_out = 0
-    for p in range(b - a):
-        x = ds[p]
-        y = rs[p]
-        sum_d += x
-        sum_abs += abs(x)
-        sum_k3 += ks[p]
-        sum_r += y
-        sum_r2 += y * y
-        tokens += cs[p]
-        n_masked += ms[p]
-        n_out += os[p]
-    return sum_d, sum_abs, sum_k3, sum_r, sum_r2, tokens, n_masked, n_out
+def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
+    """``r = exp(d)`` for ``|d| <= 700`` (fdlibm's e_exp.c, within one ulp of the C library's) and the k3
+    term ``r - 1 - d``. Compiled without reassociation, so the reduction keeps its order even where it is
+    inlined into a loop that sums in vector lanes; ``k`` is rounded to nearest (a tie either way is exact
+    enough) and the polynomial is evaluated in Estrin's order: a shorter chain of dependent operations."""
+    k = np.rint(d * _INV_LN2)
+    high = d - k * _LN2_HI
+    low = k * _LN2_LO
+    x = high - low
+    xx = x * x
+    x4 = xx * xx
+    c = x - xx * ((_EXP_P1 + xx * _EXP_P2) + x4 * ((_EXP_P3 + xx * _EXP_P4) + x4 * _EXP_P5))
+    y = 1.0 - ((low - (x * c) / (2.0 - c)) - high)
+    # 2^k from k's bits in the mantissa of k + 1.5 * 2^52 (no float-to-integer conversion: any d gives
+    # a value, which a loop may compute for positions it then discards)
+    scale = np.int64((np.float64(k + _SHIFTER).view(np.int64) + 1023) << 52).view(np.float64)
+    r = y * scale  # exact
+    return r, r - 1.0 - d
 
 
-_run_sums_compiled: Any = None  # _run_sums, compiled when _mismatch_runs is
+_ratio_compiled: Any = None  # _ratio, compiled when _mismatch_runs is
 
 
-@_CompiledOnFirstCall(error_model="numpy", callees={"_run_sums_compiled": (_run_sums, {"fastmath": {"reassoc"}})})
+@_CompiledOnFirstCall(
+    error_model="numpy", fastmath={"reassoc"}, callees={"_ratio_compiled": (_ratio, {"error_model": "numpy"})}
+)
 def _mismatch_runs(
     lag: IntArray,
     sampler: npt.NDArray[Any],
@@ -526,6 +514,8 @@ def _mismatch_runs(
     band_hi: float,
     clamp: float,
 ) -> tuple[IntArray, npt.NDArray[np.float64], int]:  # pragma: no cover - compiled
+    # Compiled with reassociation: the sums go in vector lanes (float64 rounding apart from a sequential
+    # pass); exp and the k3 term are _ratio's, compiled without it.
     n = len(lag)
     if len(sampler) != n or len(trainer) != n or (has_flags and len(flags) != n):
         raise ValueError("mismatch_runs: the arrays differ in length")
@@ -533,108 +523,109 @@ def _mismatch_runs(
     counts = np.zeros((3, n_buckets), dtype=np.int64)  # tokens, masked, out_of_band
     sums = np.zeros((5, n_buckets), dtype=np.float64)  # d, |d|, r - 1 - d, r, r^2
     uncovered = 0
-    block = _MISMATCH_BLOCK
-    d_buf = np.empty(block, dtype=np.float64)
-    k3_buf = np.empty(block, dtype=np.float64)
-    r_buf = np.empty(block, dtype=np.float64)
-    covered_buf = np.empty(block, dtype=np.uint8)
-    masked_buf = np.empty(block, dtype=np.uint8)
-    out_buf = np.empty(block, dtype=np.uint8)
-    no_flags = np.zeros(block, dtype=np.uint8)
-    near_lo, near_lo_top = band_lo * (1.0 - _NEAR), band_lo * (1.0 + _NEAR)
-    near_hi, near_hi_top = band_hi * (1.0 - _NEAR), band_hi * (1.0 + _NEAR)
+    # The band in log space: d outside [log_lo, log_hi] is out of band, except d within _NEAR of an edge,
+    # where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r: they
+    # do not wait for the exp.
+    log_lo = math.log(band_lo) if band_lo > 0 else -np.inf
+    log_hi = math.log(band_hi) if band_hi > 0 else -np.inf
+    near_lo, near_lo_top = log_lo - _NEAR, log_lo + _NEAR
+    near_hi, near_hi_top = log_hi - _NEAR, log_hi + _NEAR
     last_lag = -1
     bucket = 0
-    for start in range(0, n, block):
-        end = min(start + block, n)
-        width = end - start
-        lags = lag[start:end]  # slices: in bounds, no negative-index fix-up per position
-        s = sampler[start:end]
-        t = trainer[start:end]
-        f = flags[start:end] if has_flags else no_flags[:width]
-        # Every position of the block at once (one vector pass, no branch): those outside the population
-        # (lag < 0) are computed too and left out below.
-        near = 0
-        for p in range(width):
-            d = np.float64(t[p]) - np.float64(s[p])
-            finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
-            d = d if d < clamp else clamp
-            d = d if d > -clamp else -clamp
-            d = d if finite else 0.0
-            k = math.floor(d * _INV_LN2 + 0.5)
-            high = d - k * _LN2_HI
-            low = k * _LN2_LO
-            x = high - low
-            xx = x * x
-            c = x - xx * (_EXP_P1 + xx * (_EXP_P2 + xx * (_EXP_P3 + xx * (_EXP_P4 + xx * _EXP_P5))))
-            y = 1.0 - ((low - (x * c) / (2.0 - c)) - high)
-            r = y * np.int64((np.int64(k) + 1023) << 52).view(np.float64)  # y * 2^k, exact
-            r = r if finite else 0.0
-            d_buf[p] = d
-            r_buf[p] = r
-            k3_buf[p] = r - 1.0 - d if finite else 0.0
-            covered_buf[p] = finite
-            masked_buf[p] = finite & (f[p] != 0)
-            out_buf[p] = finite & ((r < band_lo) | (r > band_hi))
-            near += ((r > near_lo) & (r < near_lo_top)) | ((r > near_hi) & (r < near_hi_top))
-        if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
-            for p in range(width):
-                r = r_buf[p]
-                if ((r > near_lo) & (r < near_lo_top)) | ((r > near_hi) & (r < near_hi_top)):
-                    exact = math.exp(d_buf[p])
-                    out_buf[p] = covered_buf[p] & ((exact < band_lo) | (exact > band_hi))
-        p = 0
-        while p < width:  # one run of equal lag at a time: its bucket is found once
-            run_lag = lags[p]
-            q = p + 1
-            while q < width:  # the run's end: 64 positions compared at once, then one by one
-                top = min(q + 64, width)
-                ahead = lags[q:top]
-                differ = 0
-                for i in range(top - q):
-                    differ += ahead[i] != run_lag
-                if differ == 0:
-                    q = top
-                    continue
-                i = 0
-                while ahead[i] == run_lag:
-                    i += 1
-                q += i
-                break
-            if run_lag < 0:  # not a sampled position of a live rollout: outside the population
-                p = q
+    p = 0
+    while p < n:  # one run of equal lag at a time: its bucket is found once
+        run_lag = lag[p]
+        q = p + 1
+        while q < n:  # the run's end: 64 positions compared at once, then one by one
+            top = min(q + 64, n)
+            ahead = lag[q:top]
+            differ = 0
+            for i in range(top - q):
+                differ += ahead[i] != run_lag
+            if differ == 0:
+                q = top
                 continue
-            if run_lag != last_lag:  # numpy's searchsorted(bounds, lag, "left")
-                bucket = 0
-                while bucket < n_buckets - 1 and bounds[bucket] < run_lag:
-                    bucket += 1
-                last_lag = run_lag
-            if q - p >= _SHORT_RUN:
-                sum_d, sum_abs, sum_k3, sum_r, sum_r2, tokens, n_masked, n_out = _run_sums_compiled(
-                    d_buf, k3_buf, r_buf, covered_buf, masked_buf, out_buf, p, q
-                )
-            else:
-                sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
-                tokens = n_masked = n_out = 0
-                for i in range(p, q):
-                    sum_d += d_buf[i]
-                    sum_abs += abs(d_buf[i])
-                    sum_k3 += k3_buf[i]
-                    sum_r += r_buf[i]
-                    sum_r2 += r_buf[i] * r_buf[i]
-                    tokens += covered_buf[i]
-                    n_masked += masked_buf[i]
-                    n_out += out_buf[i]
-            counts[0, bucket] += tokens
-            counts[1, bucket] += n_masked
-            counts[2, bucket] += n_out
-            sums[0, bucket] += sum_d
-            sums[1, bucket] += sum_abs
-            sums[2, bucket] += sum_k3
-            sums[3, bucket] += sum_r
-            sums[4, bucket] += sum_r2
-            uncovered += (q - p) - tokens
+            i = 0
+            while ahead[i] == run_lag:
+                i += 1
+            q += i
+            break
+        if run_lag < 0:  # not a sampled position of a live rollout: outside the population
             p = q
+            continue
+        if run_lag != last_lag:  # numpy's searchsorted(bounds, lag, "left")
+            bucket = 0
+            while bucket < n_buckets - 1 and bounds[bucket] < run_lag:
+                bucket += 1
+            last_lag = run_lag
+        s = sampler[p:q]  # slices: in bounds, no negative-index fix-up per position
+        t = trainer[p:q]
+        # The usual run: every difference finite and within the clamp, no ratio near a band edge. One
+        # vector pass with no per-position branch or select; anything else is computed again below.
+        sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+        unusual = 0
+        n_out = 0
+        near = 0
+        for i in range(q - p):
+            d = np.float64(t[i]) - np.float64(s[i])
+            unusual += not (abs(d) <= clamp)  # NaN, infinite or to be clamped: the run is computed again
+            r, k3 = _ratio_compiled(d)
+            sum_d += d
+            sum_abs += abs(d)
+            sum_k3 += k3
+            sum_r += r
+            sum_r2 += r * r
+            n_out += (d < log_lo) | (d > log_hi)
+            near += ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top))
+        tokens = q - p
+        n_masked = 0
+        if unusual == 0:
+            if has_flags:
+                f = flags[p:q]
+                for i in range(q - p):
+                    n_masked += f[i] != 0
+        else:  # position by position: non-finite differences are uncovered, the others clamped
+            sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+            tokens = 0
+            n_out = 0
+            near = 0
+            for i in range(q - p):
+                d = np.float64(t[i]) - np.float64(s[i])
+                finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
+                d = min(max(d, -clamp), clamp) if finite else 0.0
+                r, k3 = _ratio_compiled(d)
+                r = r if finite else 0.0
+                sum_d += d
+                sum_abs += abs(d)
+                sum_k3 += k3 if finite else 0.0
+                sum_r += r
+                sum_r2 += r * r
+                tokens += finite
+                if has_flags:
+                    n_masked += finite & (flags[p + i] != 0)
+                n_out += finite & ((d < log_lo) | (d > log_hi))
+                near += finite & (((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)))
+        if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
+            n_out = 0
+            for i in range(q - p):
+                d = np.float64(t[i]) - np.float64(s[i])
+                if abs(d) < np.inf:
+                    d = min(max(d, -clamp), clamp)
+                    if ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)):
+                        r = math.exp(d)
+                        n_out += (r < band_lo) | (r > band_hi)
+                    else:
+                        n_out += (d < log_lo) | (d > log_hi)
+        counts[0, bucket] += tokens
+        counts[1, bucket] += n_masked
+        counts[2, bucket] += n_out
+        sums[0, bucket] += sum_d
+        sums[1, bucket] += sum_abs
+        sums[2, bucket] += sum_k3
+        sums[3, bucket] += sum_r
+        sums[4, bucket] += sum_r2
+        uncovered += (q - p) - tokens
+        p = q
     return counts, sums, uncovered
 
 
