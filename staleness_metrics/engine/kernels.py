@@ -178,6 +178,14 @@ def _token_spans(
             for c in range(first_cut, k):
                 cut_end = starts[c + 1] if c + 1 < k else a + length
                 seg = bits[starts[c] : cut_end]
+                # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1; 0 wraps to the top).
+                # Two operations per value; any other cut is read again for each bit.
+                top = np.uint64(0)
+                for q in range(len(seg)):
+                    top = max(top, np.uint64(seg[q]) - one)
+                if top < infinity - one:
+                    flags[w, c] = 1
+                    continue
                 any_bits = np.uint64(0)
                 any_inf = np.uint64(0)
                 any_nan = np.uint64(0)
