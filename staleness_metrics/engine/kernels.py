@@ -34,6 +34,7 @@ _UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 _NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
+_NO_WIDE_WEIGHTS = np.zeros(0, dtype=np.uint64)
 _BLOCK = 64  # positions the cut loop checks at once for a cut (one vector pass)
 _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
@@ -92,9 +93,8 @@ def _token_spans(
     n = len(tokens)
     if len(mask) != n:
         raise ValueError("token_cuts: token_versions and mask differ in length")
-    for w in range(n_weights):
-        if len(weights[w]) != n:
-            raise ValueError("token_cuts: a weight array and token_versions differ in length")
+    if n_weights > 0 and (len(weights[0]) != n or len(weights[1]) != n or len(weights[2]) != n):
+        raise ValueError("token_cuts: a weight array and token_versions differ in length")
     total = 0
     end = 0
     for s in samples:  # checked before any read: a damaged offset must not read or write out of bounds
@@ -173,19 +173,27 @@ def _token_spans(
         labels[k] = cut_label
         labelled[k] = count
         k += 1
-        for w in range(n_weights):
-            bits = weights[w]
-            for c in range(first_cut, k):
-                cut_end = starts[c + 1] if c + 1 < k else a + length
-                seg = bits[starts[c] : cut_end]
-                # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1; 0 wraps to the top).
-                # Two operations per value; any other cut is read again for each bit.
-                top = np.uint64(0)
-                for q in range(len(seg)):
-                    top = max(top, np.uint64(seg[q]) - one)
-                if top < infinity - one:
+        if n_weights == 0:
+            continue
+        w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
+        limit = infinity - one
+        for c in range(first_cut, k):
+            cut_start = starts[c]
+            cut_end = starts[c + 1] if c + 1 < k else a + length
+            s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
+            # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1; 0 wraps to the top). One
+            # pass over the three arrays at once, two operations per value; any other cut is read again.
+            top0 = top1 = top2 = np.uint64(0)
+            for q in range(cut_end - cut_start):
+                top0 = max(top0, np.uint64(s0[q]) - one)
+                top1 = max(top1, np.uint64(s1[q]) - one)
+                top2 = max(top2, np.uint64(s2[q]) - one)
+            if (top0 < limit) & (top1 < limit) & (top2 < limit):
+                for w in range(n_weights):
                     flags[w, c] = 1
-                    continue
+                continue
+            for w in range(n_weights):
+                seg = weights[w][cut_start:cut_end]
                 any_bits = np.uint64(0)
                 any_inf = np.uint64(0)
                 any_nan = np.uint64(0)
@@ -227,7 +235,11 @@ def fusable_weights(weights: Sequence[npt.NDArray[Any]]) -> bool:
     if not weights:
         return True
     dtype = weights[0].dtype
-    return dtype in _FLOAT_BITS and all(w.dtype == dtype and w.ndim == 1 and w.flags.c_contiguous for w in weights)
+    return (
+        len(weights) <= 3
+        and dtype in _FLOAT_BITS
+        and all(w.dtype == dtype and w.ndim == 1 and w.flags.c_contiguous for w in weights)
+    )
 
 
 class TokenSpans(NamedTuple):
@@ -270,9 +282,12 @@ def token_spans(
             raise ValueError("token_spans: weights of one float dtype, 1-d and contiguous")
         sign, infinity = _FLOAT_BITS[weights[0].dtype]
         views = tuple(w.view(_UNSIGNED_OF_SIZE[w.dtype.itemsize]) for w in weights)
+        views += (views[0],) * (3 - len(views))  # always three: one compiled loop per dtype
     else:
-        sign, infinity = _FLOAT_BITS[np.dtype(np.float32)]
-        views = (_NO_WEIGHTS,)
+        # (empty arrays of the mask's width: the loop compiled for that float dtype's weights serves)
+        wide = getattr(mask, "dtype", None) == np.float64
+        sign, infinity = _FLOAT_BITS[np.dtype(np.float64 if wide else np.float32)]
+        views = (_NO_WIDE_WEIGHTS if wide else _NO_WEIGHTS,) * 3
     n_weights = len(weights)
     constants = (np.uint64(sign), np.uint64(infinity))
     n = len(tokens)
@@ -727,8 +742,7 @@ def warm_up() -> None:
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))
-        for weights in range(1, 4):
-            token_spans(tokens, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1 : 1 + weights])
+        token_spans(tokens, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1:])  # (1-3 weights alike)
         weight_flags(arrays[1], lo, hi)
         zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
         mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)
