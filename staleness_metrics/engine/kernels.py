@@ -35,7 +35,7 @@ _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 _NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
 _NO_WIDE_WEIGHTS = np.zeros(0, dtype=np.uint64)
-_BLOCK = 64  # positions the cut loop checks at once for a cut (one vector pass)
+_BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
 
@@ -140,36 +140,45 @@ def _token_spans(
             before_mask = m[i - 1 : end - 1]
             cuts = 0
             block_labelled = 0
+            block_below = 0
             for q in range(end - i):
                 t = block_tok[q]
                 is_labelled = t >= 0
                 cuts += (block_mask[q] != before_mask[q]) | (is_labelled & (t != cut_label))
                 block_labelled += is_labelled
-                below += t < -1
+                block_below += t < -1
             if cuts == 0:
                 count += block_labelled
+                below += block_below
                 i = end
                 continue
-            for q in range(end - i):  # the block holds a cut: position by position
-                t = block_tok[q]
-                if block_mask[q] != before_mask[q]:  # the mask changes (NaN differs from everything, as numpy's !=)
+            # The block holds a cut: walk to the first one (the same test, with no branch on whether a
+            # position is labelled: -1 positions come at random), cut there, and check again after it.
+            q = i
+            while (m[q] == m[q - 1]) & (((tok[q] ^ cut_label) & ~(tok[q] >> 63)) == 0):
+                count += tok[q] >= 0
+                below += tok[q] < -1
+                q += 1
+            t = tok[q]
+            below += t < -1
+            if m[q] != m[q - 1]:  # the mask changes (NaN differs from everything, as numpy's !=)
+                labels[k] = cut_label
+                labelled[k] = count
+                k += 1
+                starts[k] = a + q
+                cut_label = -1
+                count = 0
+            is_labelled = t >= 0
+            if is_labelled & (t != cut_label):  # -1 positions carry the cut's label on: they never cut
+                if cut_label >= 0:  # a different label: -1 positions before it stay behind
                     labels[k] = cut_label
                     labelled[k] = count
                     k += 1
-                    starts[k] = a + i + q
-                    cut_label = -1
+                    starts[k] = a + q
                     count = 0
-                is_labelled = t >= 0
-                if is_labelled & (t != cut_label):  # -1 positions carry the cut's label on: they never cut
-                    if cut_label >= 0:  # a different label: -1 positions before it stay behind
-                        labels[k] = cut_label
-                        labelled[k] = count
-                        k += 1
-                        starts[k] = a + i + q
-                        count = 0
-                    cut_label = t
-                count += is_labelled  # no branch on the label itself: -1 positions come at random
-            i = end
+                cut_label = t
+            count += is_labelled
+            i = q + 1
         labels[k] = cut_label
         labelled[k] = count
         k += 1
