@@ -23,8 +23,9 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "TokenSpans", "fusable_weights",
-    "mismatch_runs", "plain_positions", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "SpanRows", "TokenSpans",
+    "fusable_weights", "mismatch_runs", "plain_positions", "span_rows", "token_cuts", "token_spans", "warm_up",
+    "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -427,6 +428,155 @@ def zero_spans(
     run_all(tasks, total)
 
 
+class SpanRows(NamedTuple):
+    """The span table :func:`span_rows` writes: per row, then per sample (see ``spans.SpanTable``)."""
+
+    sample: IntArray
+    lo: IntArray
+    hi: IntArray
+    label: IntArray
+    version: IntArray
+    part: npt.NDArray[np.int8]
+    sampled: IntArray
+    live: BoolArray
+    span_offsets: IntArray
+    n_sampled: IntArray
+    n_unlabelled: IntArray
+    unmaskable: BoolArray
+    had_train: BoolArray
+    max_label: IntArray
+    max_sampled_version: IntArray
+    seq_min_version: IntArray
+
+
+@_CompiledOnFirstCall
+def _span_rows(
+    lo: IntArray,
+    hi: IntArray,
+    label: IntArray,
+    labelled: IntArray,
+    kept: BoolArray,
+    sampled: BoolArray,
+    live_labelled: BoolArray,
+    live_unlabelled: BoolArray,
+    side: BoolArray,
+    pos_off: IntArray,
+    dispatch: IntArray,
+    no_low: int,
+    no_high: int,
+) -> tuple[Any, ...]:  # pragma: no cover - compiled
+    cuts = len(lo)
+    n_samples = len(pos_off) - 1
+    if (len(hi) != cuts or len(label) != cuts or len(labelled) != cuts or len(kept) != cuts or len(sampled) != cuts
+            or len(live_labelled) != cuts or len(live_unlabelled) != cuts or len(side) != cuts):  # fmt: skip
+        raise ValueError("span_rows: the cut arrays differ in length")
+    if len(dispatch) != n_samples:
+        raise ValueError("span_rows: one dispatch version per sample expected")
+    n_rows = 0
+    for c in range(cuts):
+        if kept[c]:
+            if not (0 <= lo[c] < hi[c] <= pos_off[n_samples]):
+                raise IndexError("span_rows: a cut outside the positions")
+            n_rows += 2 if (labelled[c] > 0) & (labelled[c] < hi[c] - lo[c]) else 1
+    row_sample = np.empty(n_rows, dtype=np.int64)
+    row_lo = np.empty(n_rows, dtype=np.int64)
+    row_hi = np.empty(n_rows, dtype=np.int64)
+    row_label = np.empty(n_rows, dtype=np.int64)
+    row_version = np.empty(n_rows, dtype=np.int64)
+    row_part = np.empty(n_rows, dtype=np.int8)
+    row_sampled = np.empty(n_rows, dtype=np.int64)
+    row_live = np.empty(n_rows, dtype=np.bool_)
+    span_offsets = np.zeros(n_samples + 1, dtype=np.int64)
+    n_sampled = np.zeros(n_samples, dtype=np.int64)
+    n_unlabelled = np.zeros(n_samples, dtype=np.int64)
+    unmaskable = np.zeros(n_samples, dtype=np.bool_)
+    had_train = np.zeros(n_samples, dtype=np.bool_)
+    max_label = np.full(n_samples, -1, dtype=np.int64)
+    max_sampled = np.full(n_samples, no_low, dtype=np.int64)
+    seq_min = np.full(n_samples, no_high, dtype=np.int64)
+    s = 0
+    r = 0
+    for c in range(cuts):
+        if not kept[c]:
+            continue
+        a = lo[c]
+        while s + 1 < n_samples and pos_off[s + 1] <= a:  # the sample holding the cut (cuts come in order)
+            s += 1
+        width = hi[c] - a
+        n_labelled = labelled[c]
+        mixed = (n_labelled > 0) & (n_labelled < width)
+        # One row per cut; a mixed cut's labelled part, then its unlabelled part (spans.PART_*: 0 whole,
+        # 1 labelled, 2 unlabelled; spans imports this module, not the reverse).
+        for half in range(2 if mixed else 1):
+            if mixed and half == 0:
+                part, lab, count, alive = 1, label[c], n_labelled, live_labelled[c]
+            elif mixed:
+                part, lab, count, alive = 2, np.int64(-1), width - n_labelled, live_unlabelled[c]
+            else:
+                part, lab, count, alive = 0, label[c], width, live_labelled[c]
+            version = lab if lab >= 0 else dispatch[s]
+            positions = count if sampled[c] else 0
+            row_sample[r] = s
+            row_lo[r] = a
+            row_hi[r] = hi[c]
+            row_label[r] = lab
+            row_version[r] = version
+            row_part[r] = part
+            row_sampled[r] = positions
+            row_live[r] = alive
+            r += 1
+            span_offsets[s + 1] += 1
+            n_sampled[s] += positions
+            if lab < 0:
+                n_unlabelled[s] += positions
+            unmaskable[s] |= side[c]
+            had_train[s] |= alive
+            max_label[s] = max(max_label[s], lab)
+            if positions > 0:
+                max_sampled[s] = max(max_sampled[s], version)
+            if (lab >= 0) | (positions > 0):
+                seq_min[s] = min(seq_min[s], version)
+    for i in range(n_samples):
+        span_offsets[i + 1] += span_offsets[i]
+        had_train[i] |= unmaskable[i]
+    return (row_sample, row_lo, row_hi, row_label, row_version, row_part, row_sampled, row_live, span_offsets,
+            n_sampled, n_unlabelled, unmaskable, had_train, max_label, max_sampled, seq_min)  # fmt: skip
+
+
+def span_rows(
+    lo: IntArray,
+    hi: IntArray,
+    label: IntArray,
+    labelled: IntArray,
+    kept: BoolArray,
+    sampled: BoolArray,
+    live_labelled: BoolArray,
+    live_unlabelled: BoolArray,
+    side: BoolArray,
+    pos_off: IntArray,
+    dispatch: IntArray,
+    no_version: tuple[int, int],
+) -> SpanRows:
+    """The rows of a span table from the cuts that tile the positions (``lo``/``hi``, in order), in one
+    pass: one row per ``kept`` cut, two per mixed cut (``0 < labelled < hi - lo``: its labelled part,
+    then its unlabelled part, label -1), each row's sample (by ``pos_off``), version (the label, or the
+    sample's ``dispatch`` version), sampled positions (where the cut is ``sampled``), liveness
+    (``live_labelled`` for a whole cut or a labelled part, ``live_unlabelled`` for an unlabelled part);
+    and per sample the row offsets and the reductions ``spans.SpanTable`` keeps (``side``: a weight on
+    an unsampled cut; ``no_version``: the low and high "no version" values).
+
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on a kept cut outside the positions.
+    """
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
+    found = _span_rows(
+        as_int(lo), as_int(hi), as_int(label), as_int(labelled), as_bool(kept), as_bool(sampled),
+        as_bool(live_labelled), as_bool(live_unlabelled), as_bool(side), as_int(pos_off), as_int(dispatch),
+        int(no_version[0]), int(no_version[1]),
+    )  # fmt: skip
+    return SpanRows(*found)
+
+
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
 # Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers of their width.
@@ -748,6 +898,8 @@ def warm_up() -> None:
     tokens = np.array([0, -1, 1], dtype=np.int64)
     offsets = np.array([0, 3], dtype=np.int64)
     lo, hi, count = np.array([0], dtype=np.int64), np.array([3], dtype=np.int64), np.array([1], dtype=np.int64)
+    yes = np.ones(1, dtype=bool)
+    span_rows(lo, hi, count, count, yes, yes, yes, yes, ~yes, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))
