@@ -34,6 +34,9 @@ _UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 _NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
+_NO_WEIGHTS_64 = np.zeros(0, dtype=np.uint64)
+_FUSED_WEIGHTS = 3  # weight arrays token_spans passes its loop (rl, ce and ref_kl weights; padded to it)
+_PLAIN_FLOATS = 4  # float arrays plain_positions passes its loop (the weights and logprobs; padded to it)
 _BLOCK = 64  # positions the cut loop checks at once for a cut (one vector pass)
 _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
@@ -264,8 +267,11 @@ def token_spans(
         views = tuple(w.view(_UNSIGNED_OF_SIZE[w.dtype.itemsize]) for w in weights)
     else:
         sign, infinity = _FLOAT_BITS[np.dtype(np.float32)]
-        views = (_NO_WEIGHTS,)
+        views = (_NO_WEIGHTS_64 if mask.dtype.itemsize == 8 else _NO_WEIGHTS,)  # (the usual weights' width)
     n_weights = len(weights)
+    # Padded to the engine's three weight arrays (the loop reads the first n_weights): one compiled loop
+    # per mask and weight dtype, not one more per count of weights.
+    views += (views[0],) * (_FUSED_WEIGHTS - len(views))
     constants = (np.uint64(sign), np.uint64(infinity))
     n = len(tokens)
     if len(samples) < 2 or n < PARALLEL_MIN_POSITIONS:
@@ -715,7 +721,8 @@ def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], 
         return None
     if mask.ndim != 1 or any(a.ndim != 1 for a in floats) or not mask.flags.c_contiguous:
         return None
-    result: bool = _plain_positions(mask, tuple(floats) or (mask[:0],), _NO_TOKENS if tokens is None else tokens)
+    padded = (*floats, *(mask[:0],) * (_PLAIN_FLOATS - len(floats)))  # (an empty array: nothing to check)
+    result: bool = _plain_positions(mask, padded, _NO_TOKENS if tokens is None else tokens)
     return result
 
 
