@@ -36,6 +36,7 @@ _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 _NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
 _NO_WIDE_WEIGHTS = np.zeros(0, dtype=np.uint64)
+_PLAIN_FLOATS = 4  # float arrays plain_positions passes its loop (the weights and logprobs; padded to it)
 _BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
@@ -888,7 +889,8 @@ def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], 
         return None
     if mask.ndim != 1 or any(a.ndim != 1 for a in floats) or not mask.flags.c_contiguous:
         return None
-    result: bool = _plain_positions(mask, tuple(floats) or (mask[:0],), _NO_TOKENS if tokens is None else tokens)
+    padded = (*floats, *(mask[:0],) * (_PLAIN_FLOATS - len(floats)))  # (an empty array: nothing to check)
+    result: bool = _plain_positions(mask, padded, _NO_TOKENS if tokens is None else tokens)
     return result
 
 
