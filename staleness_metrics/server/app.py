@@ -12,15 +12,15 @@ Routes (see the OpenAPI document at ``/openapi.json``, browsable at ``/docs``):
 
 Handlers are plain functions: FastAPI runs them on its thread pool, and each run serializes its own
 calls (see :mod:`.runs`). Small adds and ships to a run held in memory are the exception: they run on
-the event loop when the run is free at once (see :func:`_quickly`).
+the event loop when the run is free at once (see :mod:`.quick`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import orjson
 from fastapi import Body, FastAPI, Header, HTTPException, Path, Query, Request, Response, status
@@ -69,6 +69,7 @@ from .models import (
     ValidationErrorBody,
     run_config_schema,
 )
+from .quick import QUICK_BODY_BYTES, QuickLane, quickly
 from .registry import RunRegistry
 from .runs import Run
 from .security import BEARER_SCHEME, TokenFirst
@@ -76,8 +77,6 @@ from .settings import ServerSettings
 from .store import SqliteStore, Store
 
 __all__ = ["create_app"]
-
-T = TypeVar("T")
 
 DESCRIPTION = """\
 A sidecar that keeps one staleness sink per run and publishes its metrics, for orchestrators written in
@@ -209,28 +208,6 @@ ROLLOUT_BATCH_SCHEMA = RolloutBatchIn.model_json_schema()
 HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
 
 
-QUICK_BODY_BYTES = 64 * 1024  # an add body up to this size is read and applied in about a millisecond
-
-
-def _quickly(registry: RunRegistry, run: str, call: Callable[[Run], T]) -> tuple[bool, T | None]:
-    """``(True, call(run))`` when the call can be made on the event loop, ``(False, None)`` when it must go
-    to a worker thread.
-
-    The hop to the thread pool and back is two thread wake-ups, which on a busy machine each wait for a
-    core: for a small request, about as long as its own work. So a small request is answered on the event
-    loop when that cannot stall the other connections: the run is held in memory (a write to a data
-    directory waits for the disk, and finding a run there may load it) and :meth:`Run.quick` says its lock
-    is free at once and its queue small. Errors are raised as from the worker.
-    """
-    if registry.store.persistent:
-        return False, None
-    target = registry.get(run)
-    with target.quick() as free:
-        if free:
-            return True, call(target)
-    return False, None
-
-
 def _add_rollouts(registry: RunRegistry, run: str, held: list[bytearray]) -> AddResult:
     target = registry.get(run)  # 404 before parsing a body for a run that does not exist
     with paused_gc():  # millions of new containers: see paused_gc
@@ -292,7 +269,14 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
 
     app.openapi = openapi  # type: ignore[method-assign]
     # The last added runs first: the token is checked before the body size, which is checked before any
-    # handler reads the body.
+    # handler (or the quick lane) reads the body.
+    app.add_middleware(
+        QuickLane,
+        registry=registry,
+        add=_read_and_add,
+        respond=JSONModelResponse,
+        handlers=lambda: app.exception_handlers,
+    )
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(AllowHeader, routes=lambda: app.routes)
     app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)
@@ -416,7 +400,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         held = [body]
         if len(body) <= QUICK_BODY_BYTES:
             with paused_gc():
-                done, result = _quickly(registry, run, lambda target: _read_and_add(target, held))
+                done, result = quickly(registry, run, lambda target: _read_and_add(target, held))
             if done:
                 assert result is not None
                 return JSONModelResponse(result)
@@ -455,7 +439,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         ] = None,
     ) -> Response:
         """Mask and ship the batch for ``step`` and publish its metrics to every exporter."""
-        done, result = _quickly(registry, run, lambda target: target.ship(request, idempotency_key))
+        done, result = quickly(registry, run, lambda target: target.ship(request, idempotency_key))
         if not done:
             result = await run_in_threadpool(lambda: registry.get(run).ship(request, idempotency_key))
         assert result is not None
