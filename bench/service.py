@@ -4,8 +4,10 @@
     python bench/service.py --memory [--body-mb 32] [--persist]
 
 ``--memory`` measures instead the server's peak resident growth per request body (VmHWM reset through
-/proc/<pid>/clear_refs before each, Linux) for hostile and valid bodies of ``--body-mb``, and what an
-oversized header and idle connections cost (docs/service.md, "Limits").
+/proc/<pid>/clear_refs before each, Linux) for hostile and valid bodies of ``--body-mb``, for the last of
+the mask-only bodies queued in one run until their journal passes the snapshot threshold (with
+``--persist`` that request also writes the run's snapshot), and what an oversized header and idle
+connections cost (docs/service.md, "Limits").
 
 Starts ``staleness-metrics serve`` on a free loopback port (a real uvicorn process) and measures with
 the project's client (one connection reused per client):
@@ -83,11 +85,11 @@ def main() -> None:
     if args.memory:
         with tempfile.TemporaryDirectory(prefix="staleness-bench-") as data_dir:
             store = ["--data-dir", data_dir] if args.persist else ["--in-memory"]
-            rows = serve_and_measure_memory(store, args.body_mb)
+            rows = serve_and_measure_memory(store, args.body_mb, data_dir if args.persist else None)
         if args.json:
             print(json.dumps(rows))
         for row in rows:
-            print(f"{row['case']:28s} {row['bytes'] / 2**20:7.1f} MiB -> {row['status']} "
+            print(f"{row['case']:34s} {row['bytes'] / 2**20:7.1f} MiB -> {row['status']} "
                   f"peak +{row['peak_mb']:7.1f} MiB "
                   f"({row['ratio']:.2f}x) {row['seconds']:.2f} s")  # fmt: skip
         return
@@ -259,10 +261,25 @@ def memory_bodies(size: int) -> list[tuple[str, bytes]]:
     ]  # fmt: skip
 
 
-def serve_and_measure_memory(store: list[str], body_mb: int) -> list[dict[str, Any]]:
+def snapshot_seq(data_dir: str | None, run: str) -> int | None:
+    """The journal row at which ``run``'s latest snapshot was taken (None: none, or no data directory)."""
+    if data_dir is None:
+        return None
+    import sqlite3
+
+    from staleness_metrics.server.store import DATABASE_NAME
+
+    with contextlib.closing(sqlite3.connect(os.path.join(data_dir, DATABASE_NAME))) as db:
+        row = db.execute("SELECT seq FROM snapshots WHERE run = ?", (run,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def serve_and_measure_memory(store: list[str], body_mb: int, data_dir: str | None = None) -> list[dict[str, Any]]:
     import socket
 
     import httpx
+
+    from staleness_metrics.server.store import SNAPSHOT_BYTES
 
     size = body_mb * 2**20
     server = subprocess.Popen(
@@ -296,6 +313,24 @@ def serve_and_measure_memory(store: list[str], body_mb: int) -> list[dict[str, A
                 grown = (status_kb(pid, "VmHWM") - before) * 1024
                 rows.append({"case": case, "bytes": len(body), "status": answer.status_code,
                              "peak_mb": grown / 2**20, "ratio": grown / len(body), "seconds": seconds})  # fmt: skip
+            # Mask-only bodies queued in one run until their journal passes SNAPSHOT_BYTES: with a data
+            # directory the last request also writes the run's snapshot (the whole queue's text), measured.
+            _, mask_body = memory_bodies(size)[1]
+            count = -(-SNAPSHOT_BYTES // len(mask_body))  # two bodies of 32 MiB
+            http.put("/v1/runs/snapshot", json={}).raise_for_status()
+            for number in range(count):
+                body = mask_body.replace(b'"id":"m"', b'"id":"m%d"' % number, 1)
+                with open(f"/proc/{pid}/clear_refs", "w") as clear:
+                    clear.write("5")
+                before, start = status_kb(pid, "VmRSS"), time.perf_counter()
+                answer = http.post("/v1/runs/snapshot/rollouts", content=body,
+                                   headers={"content-type": "application/json"})  # fmt: skip
+                seconds = time.perf_counter() - start
+                grown = (status_kb(pid, "VmHWM") - before) * 1024
+            taken = snapshot_seq(data_dir, "snapshot")
+            case = f"mask only, body {count} in a run" + (", snapshot" if taken == count else "")
+            rows.append({"case": case, "bytes": len(body), "status": answer.status_code,
+                         "peak_mb": grown / 2**20, "ratio": grown / len(body), "seconds": seconds})  # fmt: skip
             before = status_kb(pid, "VmRSS")
             with open(f"/proc/{pid}/clear_refs", "w") as clear:
                 clear.write("5")
