@@ -119,21 +119,26 @@ def test_the_quick_lane_answers_as_the_routes_do(server: ThreadServer) -> None:
     with httpx.Client(base_url=server.url, timeout=HANG_GUARD) as http:
         for run in ("lane", "route"):
             assert http.put(f"/v1/runs/{run}", json={"max_staleness": 1, "policy": "token"}).status_code == 201
-        steps: list[tuple[str, Callable[[str], httpx.Response]]] = [
-            ("add", lambda run: _routed_add(http, run, [rollout("r1"), rollout("r2", version=1)])),
-            ("add again", lambda run: _routed_add(http, run, [rollout("r1"), rollout("r3")])),  # a duplicate
-            ("conflict", lambda run: _routed_add(http, run, [rollout("r1", positions=20)])),  # 409
-            ("invalid", lambda run: _routed_add(http, run, [{"id": "bad", "samples": [{"mask": [2]}]}])),  # 422
-            ("ship", lambda run: _routed_ship(http, run, {"step": 2, "include_rollouts": True}, key="k1")),
-            ("replayed", lambda run: _routed_ship(http, run, {"step": 2, "include_rollouts": True}, key="k1")),
-            ("other ship, same key", lambda run: _routed_ship(http, run, {"step": 3}, key="k1")),  # 422
-            ("step below", lambda run: _routed_ship(http, run, {"step": 1})),  # 409
-            ("ship by ids", lambda run: _routed_ship(http, run, {"step": 3, "ids": ["r3", "nothing"]})),
+        steps: list[tuple[str, int, Callable[[str], httpx.Response]]] = [
+            ("add", 200, lambda run: _routed_add(http, run, [rollout("r1"), rollout("r2", version=1)])),
+            ("a duplicate", 200, lambda run: _routed_add(http, run, [rollout("r1"), rollout("r3")])),
+            ("an id again, other content", 409, lambda run: _routed_add(http, run, [rollout("r1", positions=20)])),
+            ("an invalid record", 422, lambda run: _routed_add(http, run, [{"id": "bad", "samples": [{"mask": [2]}]}])),
+            ("ship", 200, lambda run: _routed_ship(http, run, {"step": 2, "include_rollouts": True}, key="k1")),
+            ("its retry", 200, lambda run: _routed_ship(http, run, {"step": 2, "include_rollouts": True}, key="k1")),
+            ("another ship, same key", 422, lambda run: _routed_ship(http, run, {"step": 3}, key="k1")),
+            ("a step below", 409, lambda run: _routed_ship(http, run, {"step": 1})),
+            ("a ship by ids", 200, lambda run: _routed_ship(http, run, {"step": 3, "ids": ["r3", "nothing"]})),
         ]
-        for what, call in steps:
+        answers: dict[str, Any] = {}
+        for what, status, call in steps:
             lane, route = call("lane"), call("route")
-            assert lane.status_code in (200, 409, 422), what
+            assert lane.status_code == status, what
             _same(lane, route)
+            answers[what] = lane.json()
+        assert answers["a duplicate"]["duplicates"] == 1 and answers["a duplicate"]["accepted"] == 1
+        assert sorted(answers["ship"]["shipped"]) == ["r1", "r2", "r3"] and answers["ship"]["rollouts"]
+        assert answers["its retry"]["replayed"] and not answers["ship"]["replayed"]
         missing_lane = _routed_ship(http, "lane-missing", {"step": 1})
         missing_route = _routed_ship(http, "route-missing", {"step": 1})
         assert missing_lane.status_code == 404
