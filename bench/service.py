@@ -17,6 +17,9 @@ the project's client (one connection reused per client):
   (ships in between), and the server's CPU share meanwhile (its CPU seconds / wall seconds; 1.0 =
   one core busy): throughput bound by the server's CPU, not by waiting, shows as a high share;
 - conservation afterwards: every rollout sent is shipped, dropped or still queued, exactly once;
+- the server's CPU time per small add and ship (all its threads, from /proc; the mean over the timed
+  pairs after the first): the service's own cost, which waiting for a core on a shared machine inflates
+  less than it does the latencies;
 - the same small adds and ships on a run in this process (no HTTP): the part of a request's time that is
   the run's and the library's.
 The service keeps its runs in memory (``--in-memory``) unless ``--persist`` is given: then it journals
@@ -54,7 +57,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def quantiles(times: list[float]) -> tuple[float, float]:
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of a process, in nanoseconds (Linux schedstat: finer than /proc/<pid>/stat's
+    ticks, so that one small request's share can be read)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+            total += int(stat.read().split()[0])
+    return total
+
+
+def quantiles(times: list[float] | list[int]) -> tuple[float, float]:
     times = sorted(times)
     return times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))]
 
@@ -94,6 +107,7 @@ def main() -> None:
     print(f"small add over one connection:  p50 {result['add_p50_ms']:.2f} ms, p99 {result['add_p99_ms']:.2f} ms "
           "(goal p50 <= 3 ms)")  # fmt: skip
     print(f"small ship over one connection: p50 {result['ship_p50_ms']:.2f} ms, p99 {result['ship_p99_ms']:.2f} ms")
+    print(f"server CPU per small add + small ship: {result['pair_server_cpu_ms']:.2f} ms")
     print(f"the same calls in process (no HTTP): add p50 {result['in_process_add_p50_ms']:.2f} ms, "
           f"ship p50 {result['in_process_ship_p50_ms']:.2f} ms")  # fmt: skip
     print(f"{args.clients} clients: {result['batches_per_second']:.0f} batches/s, server CPU share "
@@ -139,13 +153,17 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         client.add("latency", [rollout("second", 0)])
         second = time.perf_counter() - start
         adds, ships = [], []
+        add_cpu: list[float] = []  # the server's CPU time during each request: its own cost, whatever the load
+        ship_cpu: list[float] = []
         for i in range(args.requests):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), cpu_ns(pid)
             client.add("latency", [rollout(f"a{i}", 0)])
             adds.append(time.perf_counter() - start)
-            start = time.perf_counter()
+            add_cpu.append(cpu_ns(pid) - cpu_start)
+            start, cpu_start = time.perf_counter(), cpu_ns(pid)
             client.ship("latency", 1 + i // 10)
             ships.append(time.perf_counter() - start)
+            ship_cpu.append(cpu_ns(pid) - cpu_start)
 
         client.create_run("load", {"max_staleness": 2})
         step = [1]
@@ -184,6 +202,9 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "add_p99_ms": add_p99 * 1e3,
         "ship_p50_ms": ship_p50 * 1e3,
         "ship_p99_ms": ship_p99 * 1e3,
+        # Per pair: work a request leaves for after its answer is counted in the next one's time. Without the
+        # first ship, which loads what ships need once per process.
+        "pair_server_cpu_ms": (sum(add_cpu[1:]) + sum(ship_cpu[1:])) / max(1, len(ship_cpu) - 1) / 1e6,
         "batches_per_second": args.clients * args.batches / wall,
         "server_cpu_share": cpu / wall,
         "rollouts_sent": sent,
