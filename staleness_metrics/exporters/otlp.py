@@ -37,6 +37,7 @@ from .base import DEFAULT_RUN, ExportContext, MismatchReport
 from .state import (
     CumulativeState,
     HistogramPoint,
+    LazySnapshot,
     Snapshot,
     batch_wide_buckets,
     batch_wide_counts,
@@ -61,7 +62,7 @@ _PUBLISHED = tuple(m for m in METRICS if m.otel_name is not None and m.source is
 _ERRORS_ROW = next(m for m in METRICS if m.source is Source.EXPORTER)
 
 # A queued ship: its snapshot, plus its histogram windows when recording through an injected provider.
-_Payload = tuple[Snapshot, Mapping[str, Mapping[str, Counts]] | None]
+_Payload = tuple[LazySnapshot, Mapping[str, Mapping[str, Counts]] | None]
 
 
 class OtlpExportError(RuntimeError):
@@ -362,14 +363,14 @@ class OtlpExporter(QueuedExporter[_Payload]):
 
     def absorb(self, report: StepReport) -> None:
         """Fold a report exported before a restart into the run totals, without sending it again."""
-        self._state.apply(report)
+        self._state.fold(report)  # never read: no series computed
 
     def absorb_mismatch(self, report: MismatchReport) -> None:
         """Fold trainer-side sums exported before a restart into the run totals, without sending them again."""
-        self._state.apply_mismatch(report.delta, report.metrics, report.env)
+        self._state.fold_mismatch(report.delta, report.metrics, report.env)
 
     def export(self, report: StepReport) -> None:
-        snapshot = self._state.apply(report)  # cheap: bucket sums; the OTLP encoding happens on send
+        snapshot = self._state.fold(report)  # cheap: the series are computed and encoded on send
         if self._recorder is not None:
             windows = {
                 row.name: {
@@ -386,14 +387,15 @@ class OtlpExporter(QueuedExporter[_Payload]):
     def export_mismatch(self, report: MismatchReport) -> None:
         """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and send."""
         try:
-            snapshot = self._state.apply_mismatch(report.delta, report.metrics, report.env)
+            snapshot = self._state.fold_mismatch(report.delta, report.metrics, report.env)
         except Exception as exc:  # never into the trainer
             self._errors.record(self.name, "mismatch sums not exported", exc)
             return
         self._queue.put((snapshot, {} if self._recorder is not None else None))
 
     def _send(self, payload: _Payload) -> None:
-        snapshot, windows = payload
+        pending, windows = payload
+        snapshot = pending.get()  # on this worker thread, off the training loop
         if self._recorder is not None:
             assert windows is not None
             self._recorder.record(snapshot, windows)

@@ -1,8 +1,8 @@
 """Prometheus exporters: a scrape endpoint (HTTP server or ASGI app) and a Pushgateway mode.
 
 Both render the metric table through one custom collector that holds the last ship's immutable
-snapshot, swapped under a lock on each export and rendered at scrape time: a scrape sees one ship,
-never two, and a ship costs no rendering.
+snapshot, swapped under a lock on each export and built and rendered at scrape time: a scrape sees one
+ship, never two, and a ship costs only folding in what it changed (no series computed, no rendering).
 Histograms are built from the core's bucket counts, never by observing each token. Every series has a
 ``run`` label; see :mod:`staleness_metrics.exporters.state` for the ``env`` label conventions.
 
@@ -29,7 +29,7 @@ from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Sour
 from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, ExportErrors, MismatchReport
-from .state import CumulativeState, Snapshot, batch_wide_buckets, batch_wide_counts
+from .state import CumulativeState, LazySnapshot, Snapshot, batch_wide_buckets, batch_wide_counts
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -104,17 +104,17 @@ class StalenessCollector:
         self._errors = errors
         self._run = run
         self._lock = threading.Lock()
-        self._snapshot: Snapshot | None = None
+        self._snapshot: LazySnapshot | None = None
 
-    def update(self, snapshot: Snapshot) -> None:
+    def update(self, snapshot: LazySnapshot) -> None:
         with self._lock:
             self._snapshot = snapshot
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
             snapshot = self._snapshot
-        if snapshot is not None:  # immutable: rendering it outside the lock is safe
-            yield from render_families(snapshot)
+        if snapshot is not None:  # immutable inputs: building and rendering it outside the lock is safe
+            yield from render_families(snapshot.get())
         yield self._error_family()
 
     def describe(self) -> Iterable[Metric]:
@@ -142,7 +142,7 @@ class _PrometheusBase:
         self._errors.register(self.name)
         self._lock = threading.Lock()
         self._state = CumulativeState(self._run)
-        self._last: Snapshot | None = None
+        self._last: LazySnapshot | None = None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.collector = StalenessCollector(lambda: self._errors, lambda: self._run)
         self.registry.register(self.collector)
@@ -162,18 +162,18 @@ class _PrometheusBase:
     @property
     def last_snapshot(self) -> Snapshot | None:
         """What the last export published (None before the first)."""
-        return self._last
+        last = self._last
+        return None if last is None else last.get()
 
-    def _apply(self, report: StepReport | MismatchReport) -> Snapshot:
+    def _apply(self, report: StepReport | MismatchReport) -> None:
         with self._lock:  # reports are folded in order, one at a time
             if isinstance(report, MismatchReport):
                 # Counters add what this call brought; SPEC 14's gauges show the step's merged sums.
-                snapshot = self._state.apply_mismatch(report.delta, report.metrics, report.env)  # the env's keys too
+                snapshot = self._state.fold_mismatch(report.delta, report.metrics, report.env)  # the env's keys too
             else:
-                snapshot = self._state.apply(report)
+                snapshot = self._state.fold(report)
             self.collector.update(snapshot)
             self._last = snapshot
-        return snapshot
 
     def state_dict(self) -> dict[str, Any]:
         """The cumulative counters and histograms of the run (a monitor checkpoint holds them)."""

@@ -1,8 +1,10 @@
 """Cumulative per-run state behind the Prometheus and OTLP exporters, as immutable snapshots.
 
 Each report is folded in once; the result is a :class:`Snapshot` that holds every value a scrape or
-an OTLP export shows, so a reader never mixes two ships. Which rows exist, their kinds and their
-sources come from the metric table only.
+an OTLP export shows, so a reader never mixes two ships. A ship only folds in what it brought and keeps
+the immutable inputs (:class:`LazySnapshot`): the snapshot's series are computed when a reader (a
+scrape, an OTLP send) first asks, so a ship's export cost follows what it changed, not the number of
+series. Which rows exist, their kinds and their sources come from the metric table only.
 
 Label conventions (documented for dashboards):
 
@@ -26,6 +28,7 @@ Label conventions (documented for dashboards):
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -42,6 +45,7 @@ __all__ = [
     "BucketKey",
     "CumulativeState",
     "HistogramPoint",
+    "LazySnapshot",
     "Snapshot",
     "batch_wide_buckets",
     "batch_wide_counts",
@@ -105,6 +109,16 @@ def _subtract(a: Tally, b: Tally) -> Tally:
     return Tally(**values)  # type: ignore[arg-type]
 
 
+def _is_empty(tally: Tally) -> bool:
+    """``tally == Tally()`` without trimming every array (a ship's path)."""
+    return not any(
+        value.any() if isinstance(value, np.ndarray) else value for value in (getattr(tally, f.name) for f in _FIELDS)
+    )
+
+
+_FIELDS = fields(Tally)
+
+
 def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally]:
     """The window's tallies split by env; ``""`` = rollouts without env plus whatever no env covers."""
     if not by_env or not report.env_tally:
@@ -112,7 +126,7 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
     parts = dict(report.env_tally)
     covered = sum(parts.values(), Tally())
     residual = _subtract(report.tally, covered)
-    if residual != Tally():
+    if not _is_empty(residual):
         parts[""] = parts.get("", Tally()) + residual
     return parts
 
@@ -289,10 +303,11 @@ def _bucketed_of(
 
 
 class CumulativeState:
-    """Folds reports into run totals and returns a new immutable :class:`Snapshot` each time.
+    """Folds reports into run totals and returns a new immutable :class:`Snapshot` each time (built at
+    once by :meth:`apply`, on first read by :meth:`fold`).
 
-    Not thread-safe by itself: callers serialize :meth:`apply` and :meth:`apply_mismatch` (the exporters
-    hold a lock).
+    Not thread-safe by itself: callers serialize the folds (the exporters hold a lock); a
+    :class:`LazySnapshot` may be read from any thread.
     """
 
     def __init__(self, run: str, by_env: bool = False, deltas: bool = False) -> None:
@@ -302,7 +317,7 @@ class CumulativeState:
         self._totals: dict[str, Tally] = {}
         self._mismatch: MismatchSums | None = None  # SPEC 11 sums over the run, once any arrived
         self._env_mismatch: dict[str, MismatchSums] = {}  # with the env breakdown: live sums given per env
-        self._gauges: dict[str, Mapping[str, Number]] = {m.name: {} for m in _PUBLISHED_GAUGES}  # of the last ship
+        self._gauge_report: StepReport | None = None  # the last ship's report: the gauges show it
         self._step = 0
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
@@ -356,7 +371,7 @@ class CumulativeState:
             {string(env, env_path): check_mismatch(sums, join(env_path, env)) for env, sums in env_sums.items()},
         )  # fmt: skip
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> Snapshot | None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> LazySnapshot | None:
         """Continue the cumulative series from ``state``; returns what the last report showed (None if none).
         A bad state raises ``ConfigError`` and changes nothing."""
         totals, mismatch, start_ns, last, bound, env_mismatch = self.check_state_dict(state, "state")
@@ -370,11 +385,23 @@ class CumulativeState:
         if self._last_report is None:
             return None
         self._step = self._last_report.step
-        self._gauges = {m.name: _gauge_values(m, self._last_report, self.by_env) for m in _PUBLISHED_GAUGES}
+        self._gauge_report = self._last_report
         return self._snapshot({}, None)
 
     def apply(self, report: StepReport) -> Snapshot:
         """Fold in a ship: its tallies, its gauges and, when its records carried them, its mismatch sums."""
+        return self.fold(report).get()
+
+    def apply_mismatch(
+        self, delta: MismatchSums, metrics: Mapping[str, MetricValue] | None = None, env: str | None = None
+    ) -> Snapshot:
+        """Fold in trainer-side sums (the live path): the counters move, the last ship's gauges stay; SPEC 14's
+        gauges take ``metrics``, the keys of the step's merged sums (``MismatchReport.metrics``). Sums of one
+        ``env`` also count in that env's series (with the env breakdown)."""
+        return self.fold_mismatch(delta, metrics, env).get()
+
+    def fold(self, report: StepReport) -> LazySnapshot:
+        """:meth:`apply`, its snapshot built when first read: a ship costs what it changed, not every series."""
         window = partition_by_env(report, self.by_env)
         for env, tally in window.items():
             self._totals[env] = self._totals.get(env, Tally()) + tally
@@ -386,15 +413,13 @@ class CumulativeState:
             self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + sums
         self._step = report.step
         self._last_report = report
-        self._gauges = {m.name: _gauge_values(m, report, self.by_env) for m in _PUBLISHED_GAUGES}
+        self._gauge_report = report
         return self._snapshot(window, report.mismatch, env_delta)
 
-    def apply_mismatch(
+    def fold_mismatch(
         self, delta: MismatchSums, metrics: Mapping[str, MetricValue] | None = None, env: str | None = None
-    ) -> Snapshot:
-        """Fold in trainer-side sums (the live path): the counters move, the last ship's gauges stay; SPEC 14's
-        gauges take ``metrics``, the keys of the step's merged sums (``MismatchReport.metrics``). Sums of one
-        ``env`` also count in that env's series (with the env breakdown)."""
+    ) -> LazySnapshot:
+        """:meth:`apply_mismatch`, its snapshot built when first read."""
         self._add_mismatch(delta)
         env_delta = None
         if env and self.by_env:
@@ -405,7 +430,7 @@ class CumulativeState:
             envs = {"", *(split[0] for split in map(_split_env, new) if split is not None)}
             kept = {k: v for k, v in (self._bound_metrics or {}).items() if (_split_env(k) or ("",))[0] not in envs}
             self._bound_metrics = {**kept, **new}
-        return self._snapshot({env: Tally() for env in self._totals}, delta, env_delta)
+        return self._snapshot({env: Tally() for env in self._totals} if self.deltas else {}, delta, env_delta)
 
     def _add_mismatch(self, sums: MismatchSums) -> None:
         self._mismatch = sums if self._mismatch is None else self._mismatch + sums
@@ -415,69 +440,146 @@ class CumulativeState:
         window: Mapping[str, Tally],
         mismatch_delta: MismatchSums | None,
         env_mismatch_delta: Mapping[str, MismatchSums] | None = None,
-    ) -> Snapshot:
-        totals = {env: self._totals[env] for env in sorted(self._totals)}
-        window = {env: window[env] for env in sorted(window)}
+    ) -> LazySnapshot:
+        """What the state holds now, kept for a later build (every piece is immutable or a copy)."""
         # The increment of the mismatch counters: none before the first sums, zero for a ship without any.
         delta = mismatch_delta if mismatch_delta is not None or self._mismatch is None else MismatchSums.zero()
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
-        counters: dict[str, Mapping[str, int]] = {}
-        counter_deltas: dict[str, Mapping[str, int]] = {}
-        histograms: dict[str, Mapping[str, HistogramPoint]] = {}
-        histogram_deltas: dict[str, Mapping[str, HistogramPoint]] = {}
-        bucketed: dict[str, Mapping[BucketKey, Number]] = {}
-        bucketed_deltas: dict[str, Mapping[BucketKey, Number]] = {}
-        for metric in METRICS:
-            if metric.kind is MetricKind.COUNTER and metric.dimension is not None:
-                bucketed[metric.name] = _bucketed_of(metric, totals, self._mismatch, self._env_mismatch)
-                if self.deltas:
-                    bucketed_deltas[metric.name] = _bucketed_of(metric, window, delta, env_mismatch_delta)
-            elif metric.kind is MetricKind.COUNTER and metric.source is Source.MISMATCH:
-                sums_field = metric.mismatch_field or ""
-                counters[metric.name] = (
-                    {}
-                    if self._mismatch is None
-                    else {
-                        env: int(getattr(sums, sums_field))
-                        for env, sums in {"": self._mismatch, **dict(sorted(self._env_mismatch.items()))}.items()
-                    }
-                )
-                if self.deltas:
-                    counter_deltas[metric.name] = (
-                        {}
-                        if delta is None
-                        else {
-                            env: int(getattr(sums, sums_field))
-                            for env, sums in {"": delta, **dict(env_mismatch_delta or {})}.items()
-                        }
-                    )
-            elif metric.kind is MetricKind.COUNTER and metric.source is Source.TALLY:
-                field_name = metric.tally_field
-                assert field_name is not None
-                counters[metric.name] = {env: int(getattr(t, field_name)) for env, t in totals.items()}
-                if self.deltas:
-                    counter_deltas[metric.name] = {env: int(getattr(t, field_name)) for env, t in window.items()}
-            elif metric.kind is MetricKind.HISTOGRAM:
-                histograms[metric.name] = {env: bucket_counts(_histogram_of(metric, t)) for env, t in totals.items()}
-                if self.deltas:
-                    histogram_deltas[metric.name] = {
-                        env: bucket_counts(_histogram_of(metric, t)) for env, t in window.items()
-                    }
-        bound_plain, bound_labelled = _bound_gauges(self._bound_metrics)
-        snapshot = Snapshot(
+        pending = _Pending(
             run=self.run,
+            by_env=self.by_env,
+            deltas=self.deltas,
             step=self._step,
             start_time_ns=self._start_ns,
             previous_time_ns=self._last_ns,
             time_ns=now,
-            gauges={**self._gauges, **bound_plain},
-            counters=counters,
-            counter_deltas=counter_deltas,
-            histograms=histograms,
-            histogram_deltas=histogram_deltas,
-            bucketed=bucketed,
-            bucketed_deltas=bucketed_deltas,
-            bucketed_gauges=bound_labelled,
+            totals=dict(self._totals),
+            window=window if self.deltas else {},
+            mismatch=self._mismatch,
+            env_mismatch=dict(self._env_mismatch),
+            mismatch_delta=delta,
+            env_mismatch_delta=env_mismatch_delta,
+            gauge_report=self._gauge_report,
+            bound_metrics=self._bound_metrics,
         )
         self._last_ns = now
-        return snapshot
+        return LazySnapshot(pending)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """The inputs of one ship's :class:`Snapshot`, captured when the ship is folded in."""
+
+    run: str
+    by_env: bool
+    deltas: bool
+    step: int
+    start_time_ns: int
+    previous_time_ns: int
+    time_ns: int
+    totals: Mapping[str, Tally]
+    window: Mapping[str, Tally]
+    mismatch: MismatchSums | None
+    env_mismatch: Mapping[str, MismatchSums]
+    mismatch_delta: MismatchSums | None
+    env_mismatch_delta: Mapping[str, MismatchSums] | None
+    gauge_report: StepReport | None
+    bound_metrics: Mapping[str, MetricValue] | None
+
+
+class LazySnapshot:
+    """One ship's :class:`Snapshot`, built on first :meth:`get` (a scrape, an OTLP send) and kept.
+
+    A ship only captures its inputs, so its cost follows what it changed; the series are computed when a
+    reader asks, once, and never for a ship no reader saw. Safe to read from several threads.
+    """
+
+    __slots__ = ("_built", "_lock", "_pending")
+
+    def __init__(self, pending: _Pending) -> None:
+        self._pending: _Pending | None = pending
+        self._built: Snapshot | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Snapshot:
+        built = self._built
+        if built is not None:
+            return built
+        with self._lock:  # one build even when two scrapes arrive together
+            if self._built is None:
+                assert self._pending is not None
+                self._built = _build(self._pending)
+                self._pending = None  # the inputs are no longer needed
+            return self._built
+
+
+def _build(pending: _Pending) -> Snapshot:
+    totals = {env: pending.totals[env] for env in sorted(pending.totals)}
+    window = {env: pending.window[env] for env in sorted(pending.window)}
+    delta = pending.mismatch_delta
+    env_mismatch_delta = pending.env_mismatch_delta
+    mismatch = pending.mismatch
+    env_mismatch = pending.env_mismatch
+    deltas = pending.deltas
+    counters: dict[str, Mapping[str, int]] = {}
+    counter_deltas: dict[str, Mapping[str, int]] = {}
+    histograms: dict[str, Mapping[str, HistogramPoint]] = {}
+    histogram_deltas: dict[str, Mapping[str, HistogramPoint]] = {}
+    bucketed: dict[str, Mapping[BucketKey, Number]] = {}
+    bucketed_deltas: dict[str, Mapping[BucketKey, Number]] = {}
+    for metric in METRICS:
+        if metric.kind is MetricKind.COUNTER and metric.dimension is not None:
+            bucketed[metric.name] = _bucketed_of(metric, totals, mismatch, env_mismatch)
+            if deltas:
+                bucketed_deltas[metric.name] = _bucketed_of(metric, window, delta, env_mismatch_delta)
+        elif metric.kind is MetricKind.COUNTER and metric.source is Source.MISMATCH:
+            sums_field = metric.mismatch_field or ""
+            counters[metric.name] = (
+                {}
+                if mismatch is None
+                else {
+                    env: int(getattr(sums, sums_field))
+                    for env, sums in {"": mismatch, **dict(sorted(env_mismatch.items()))}.items()
+                }
+            )
+            if deltas:
+                counter_deltas[metric.name] = (
+                    {}
+                    if delta is None
+                    else {
+                        env: int(getattr(sums, sums_field))
+                        for env, sums in {"": delta, **dict(env_mismatch_delta or {})}.items()
+                    }
+                )
+        elif metric.kind is MetricKind.COUNTER and metric.source is Source.TALLY:
+            field_name = metric.tally_field
+            assert field_name is not None
+            counters[metric.name] = {env: int(getattr(t, field_name)) for env, t in totals.items()}
+            if deltas:
+                counter_deltas[metric.name] = {env: int(getattr(t, field_name)) for env, t in window.items()}
+        elif metric.kind is MetricKind.HISTOGRAM:
+            histograms[metric.name] = {env: bucket_counts(_histogram_of(metric, t)) for env, t in totals.items()}
+            if deltas:
+                histogram_deltas[metric.name] = {
+                    env: bucket_counts(_histogram_of(metric, t)) for env, t in window.items()
+                }
+    report = pending.gauge_report
+    gauges: dict[str, Mapping[str, Number]] = {
+        m.name: {} if report is None else _gauge_values(m, report, pending.by_env) for m in _PUBLISHED_GAUGES
+    }
+    bound_plain, bound_labelled = _bound_gauges(pending.bound_metrics)
+    return Snapshot(
+        run=pending.run,
+        step=pending.step,
+        start_time_ns=pending.start_time_ns,
+        previous_time_ns=pending.previous_time_ns,
+        time_ns=pending.time_ns,
+        gauges={**gauges, **bound_plain},
+        counters=counters,
+        counter_deltas=counter_deltas,
+        histograms=histograms,
+        histogram_deltas=histogram_deltas,
+        bucketed=bucketed,
+        bucketed_deltas=bucketed_deltas,
+        bucketed_gauges=bound_labelled,
+    )
