@@ -81,3 +81,23 @@ def test_live_mismatch_sums_move_only_the_mismatch_counters_and_deltas_add_up() 
     assert after.bucketed["mismatch_tokens"] == tokens
     assert set(after.bucketed_deltas["mismatch_tokens"].values()) == {0}
     assert after.counter_deltas["mismatch_uncovered"] == {"": 0}
+
+
+def test_a_folded_ship_read_later_shows_that_ship_and_equals_an_applied_one() -> None:
+    """A queued OTLP send or a late scrape reads a ship's snapshot after later ships were folded in: it still
+    shows that ship, value for value what :meth:`CumulativeState.apply` gives at once."""
+    reports = [hand_report(1, {"math": [[1, 2]]}), hand_report(2, {"": [[4]], "code": [[0, 5]]}),
+               hand_report(3, {"math": [[3]]}, dropped={"code": 1})]  # fmt: skip
+    folding, applying = CumulativeState("r", by_env=True, deltas=True), CumulativeState("r", by_env=True, deltas=True)
+    pending = [folding.fold(report) for report in reports]  # nothing read until every ship is in
+    applied = [applying.apply(report) for report in reports]
+    timeless = ("start_time_ns", "previous_time_ns", "time_ns")
+    for lazy, eager in zip(pending, applied, strict=True):
+        snapshot = lazy.get()
+        assert snapshot is lazy.get()  # built once
+        assert {k: v for k, v in snapshot.__dict__.items() if k not in timeless} == {
+            k: v for k, v in eager.__dict__.items() if k not in timeless
+        }
+    first = pending[0].get()
+    assert first.counters["tokens_sampled"] == {"math": 2} and first.step == 1
+    assert [p.get().time_ns for p in pending] == sorted({p.get().time_ns for p in pending})  # ship order kept
