@@ -27,7 +27,9 @@ Label conventions (documented for dashboards):
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import threading
 import time
 from collections.abc import Mapping
@@ -93,10 +95,13 @@ def bucket_counts(histogram: Counts) -> HistogramPoint:
     )
 
 
+_FIELDS = fields(Tally)
+
+
 def _subtract(a: Tally, b: Tally) -> Tally:
     """``a - b`` field by field, floored at 0 (per-env tallies never exceed the whole window's)."""
     values: dict[str, object] = {}
-    for f in fields(Tally):
+    for f in _FIELDS:
         x, y = getattr(a, f.name), getattr(b, f.name)
         if isinstance(x, np.ndarray):
             n = max(len(x), len(y))
@@ -116,15 +121,12 @@ def _is_empty(tally: Tally) -> bool:
     )
 
 
-_FIELDS = fields(Tally)
-
-
 def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally]:
     """The window's tallies split by env; ``""`` = rollouts without env plus whatever no env covers."""
     if not by_env or not report.env_tally:
         return {"": report.tally}
     parts = dict(report.env_tally)
-    covered = sum(parts.values(), Tally())
+    covered = functools.reduce(operator.add, parts.values())  # not from Tally(): one addition less
     residual = _subtract(report.tally, covered)
     if not _is_empty(residual):
         parts[""] = parts.get("", Tally()) + residual
