@@ -6,12 +6,13 @@ narrow array is handed to them a piece of at most about :data:`PIECE_POSITIONS` 
 widened to int64, so the widened copy costs a few MiB whatever the batch's length (and the loops keep
 the one specialisation they are compiled for).
 
-A piece of a long sample ends only where the cut loop cuts anyway, or where it would merely continue a
-cut with the same label (the two halves are then joined again): at a position ``p`` whose version and
-the previous one are both labels (>= 0), or where the mask changes and the version at ``p`` is a label
-or -1. There the loop started on ``p`` finds exactly what one pass would, so the cuts, labels, labelled
-counts and weight bits (ORs over a cut's positions) are those of one pass. A sample with no such
-position (labels below -1 or -1 throughout) is read as one piece.
+A piece of a long sample starts on a version that is a label or -1 (never on a label below -1). Where
+the mask changes there, one pass cuts there too. Elsewhere one pass was in a cut (label ``L``) when the
+piece began one (label ``F``, the first label it met): the two are one cut (labelled counts add up,
+weight bits OR: each bit says "some position of the cut") unless ``L`` and ``F`` are different labels;
+then one pass cuts where ``F`` first appears, and the unlabelled positions before it (with their weight
+bits) join the cut before. So the cuts, labels, labelled counts, weight bits and labels below -1 are
+one pass's. A sample with no version >= -1 to start a piece on is read as one piece.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import TokenSpans, token_spans, zero_spans
+from .kernels import TokenSpans, token_spans, weight_flags, zero_spans
 
 __all__ = ["PIECE_POSITIONS", "narrow", "token_spans_in_pieces", "zero_spans_in_pieces"]
 
@@ -35,9 +36,9 @@ def narrow(tokens: npt.NDArray[Any] | None) -> bool:
     return tokens is not None and tokens.dtype != np.int64
 
 
-def _piece_ends(tokens: npt.NDArray[Any], mask: npt.NDArray[Any], a: int, b: int, size: int) -> list[int]:
+def _piece_ends(tokens: npt.NDArray[Any], a: int, b: int, size: int) -> list[int]:
     """Where the pieces of the sample ``[a, b)`` end: after at least half of ``size`` positions, at the
-    first position that may start a piece (see the module's docstring); ``b`` last."""
+    first version that is a label or -1 (a piece never starts on a label below -1); ``b`` last."""
     ends: list[int] = []
     at = a
     half = max(size // 2, 1)
@@ -46,11 +47,7 @@ def _piece_ends(tokens: npt.NDArray[Any], mask: npt.NDArray[Any], a: int, b: int
         lo = at + half
         while found < 0 and lo < b:
             hi = min(lo + half, b)
-            here = tokens[lo:hi]
-            before = tokens[lo - 1 : hi - 1]
-            changes = mask[lo:hi] != mask[lo - 1 : hi - 1]
-            may_start = ((here >= 0) & (before >= 0)) | (changes & (here >= -1))
-            hits = np.flatnonzero(may_start)
+            hits = np.flatnonzero(tokens[lo:hi] >= -1)
             if len(hits):
                 found = lo + int(hits[0])
             lo = hi
@@ -76,22 +73,17 @@ def token_spans_in_pieces(
     samples = np.asarray(samples, dtype=np.int64)
     if len(samples) and (int(samples.min()) < 0 or int(samples.max()) + 1 >= len(pos_off)):
         raise IndexError("token_cuts: a sample index beyond the position offsets")
-    # Pieces (start, end, joins the cut before it), in sample order.
+    # Pieces (start, end, whether it continues its sample where the mask does not change), in sample order.
     pieces: list[tuple[int, int, bool]] = []
     for s in samples.tolist():
         a, b = int(pos_off[s]), int(pos_off[s + 1])
         start = a
-        for end in _piece_ends(tokens, mask, a, b, size):
-            joins = (
-                start > a
-                and mask[start] == mask[start - 1]
-                and int(tokens[start]) == int(tokens[start - 1])
-                and int(tokens[start]) >= 0
-            )
-            pieces.append((start, end, joins))
+        for end in _piece_ends(tokens, a, b, size):
+            pieces.append((start, end, start > a and not bool(mask[start] != mask[start - 1])))
             start = end
     found: list[TokenSpans] = []
-    first_of_piece: list[IntArray] = []  # per cut found, whether it starts a piece that joins the cut before
+    cut_ends: list[IntArray] = []  # where each cut found ends (the next one's start, or its piece's end)
+    continues: list[IntArray] = []  # per cut found, whether it starts a piece that continues its sample
     at = 0
     while at < len(pieces):  # consecutive pieces read together, up to about ``size`` positions from the first
         lo = pieces[at][0]
@@ -110,12 +102,11 @@ def token_spans_in_pieces(
         )
         found.append(part._replace(starts=part.starts + lo))
         piece_of_cut = np.searchsorted(offsets[0::2], part.starts, "right") - 1
-        joins = np.array([j for _, _, j in group], dtype=bool)
-        first = np.zeros(len(part.starts), dtype=bool)
+        first = np.ones(len(part.starts), dtype=bool)
         first[1:] = piece_of_cut[1:] != piece_of_cut[:-1]
-        if len(first):
-            first[0] = True
-        first_of_piece.append(first & joins[piece_of_cut])
+        continues.append(first & np.array([c for _, _, c in group], dtype=bool)[piece_of_cut])
+        next_start = np.append(part.starts[1:], hi - lo)
+        cut_ends.append(np.minimum(next_start, offsets[1::2][piece_of_cut]) + lo)
         at = until
     if not found:  # no sample: what the loop gives for none
         none = np.zeros(0, dtype=np.int64)
@@ -125,17 +116,40 @@ def token_spans_in_pieces(
     labelled = np.concatenate([p.labelled for p in found])
     flags = np.concatenate([p.flags for p in found], axis=1)
     below = sum(p.below for p in found)
-    merged = np.concatenate(first_of_piece)
-    if not merged.any():
+    ends = np.concatenate(cut_ends)
+    keep = np.ones(len(starts), dtype=bool)
+    head = -1  # the cut that the positions before the current one belong to, in one pass
+    for i in np.flatnonzero(np.concatenate(continues)).tolist():
+        # The piece starting at cut i began on a version >= -1 with the mask unchanged. One pass would
+        # have been in the cut before it (label ``before``); the piece began a cut with label ``after``.
+        head = i - 1 if keep[i - 1] else head
+        before, after = int(labels[head]), int(labels[i])
+        if before >= 0 and after >= 0 and before != after:
+            # One pass cuts where ``after`` first appears: the unlabelled positions before it (none when
+            # the piece began on it) stay in the cut before, with their weight bits.
+            p = int(starts[i])
+            q = p + int(np.flatnonzero(tokens[p : int(ends[i])] >= 0)[0])
+            if q > p:
+                for w, values in enumerate(weights):
+                    flags[w, head] |= _bits(values, p, q)
+                    flags[w, i] = _bits(values, q, int(ends[i]))
+                starts[i] = q
+            continue
+        # Otherwise one pass runs on: the two are one cut, with the first label found (counts add up,
+        # bits OR).
+        labels[head] = after if before < 0 and after >= 0 else before
+        labelled[head] += labelled[i]
+        flags[:, head] |= flags[:, i]
+        keep[i] = False
+    if keep.all():
         return TokenSpans(starts, labels, labelled, flags, below)
-    keep = np.flatnonzero(~merged)  # each cut joined to the one before it: counts add up, bits OR
-    return TokenSpans(
-        starts[keep],
-        labels[keep],
-        np.add.reduceat(labelled, keep),
-        np.bitwise_or.reduceat(flags, keep, axis=1) if len(flags) else flags[:, keep],
-        below,
-    )
+    return TokenSpans(starts[keep], labels[keep], labelled[keep], flags[:, keep], below)
+
+
+def _bits(values: npt.NDArray[Any], lo: int, hi: int) -> int:
+    bits = weight_flags(values, np.array([lo], dtype=np.int64), np.array([hi], dtype=np.int64))
+    assert bits is not None  # fusable weights (float16/32/64, contiguous): the compiled pass reads them
+    return int(bits[0])
 
 
 def zero_spans_in_pieces(
