@@ -395,6 +395,8 @@ def test_peak_memory_per_body_stays_within_three_times_its_size(
             # 3x the body, with a data directory too: its journal row is hashed and written a piece at a
             # time (docs/service.md, "Limits", gives the measured figures)
             assert grown < 3 * len(body) + BASELINE, f"{grown / len(body):.1f}x a {len(body)} byte body"
+            if run == "tokens":  # small versions stay int8 in the queue, cut a piece at a time: about 1.6x
+                assert grown < 2.5 * len(body), f"{grown / len(body):.2f}x a {len(body)} byte body"
             if expected == 422:
                 [error] = answer.json()["detail"]
                 assert (error["rollout_id"], error["field"], error["reason"]) == (
