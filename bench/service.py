@@ -4,8 +4,10 @@
     python bench/service.py --memory [--body-mb 32] [--persist]
 
 ``--memory`` measures instead the server's peak resident growth per request body (VmHWM reset through
-/proc/<pid>/clear_refs before each, Linux) for hostile and valid bodies of ``--body-mb``, and what an
-oversized header and idle connections cost (docs/service.md, "Limits").
+/proc/<pid>/clear_refs before each, Linux) for hostile and valid bodies of ``--body-mb``, for the last of
+the mask-only bodies queued in one run until their journal passes the snapshot threshold (with
+``--persist`` that request also writes the run's snapshot), and what an oversized header and idle
+connections cost (docs/service.md, "Limits").
 
 Starts ``staleness-metrics serve`` on a free loopback port (a real uvicorn process) and measures with
 the project's client (one connection reused per client):
@@ -15,6 +17,9 @@ the project's client (one connection reused per client):
   (ships in between), and the server's CPU share meanwhile (its CPU seconds / wall seconds; 1.0 =
   one core busy): throughput bound by the server's CPU, not by waiting, shows as a high share;
 - conservation afterwards: every rollout sent is shipped, dropped or still queued, exactly once;
+- the server's CPU time per small add and ship (all its threads, from /proc; the mean over the timed
+  pairs after the first): the service's own cost, which waiting for a core on a shared machine inflates
+  less than it does the latencies;
 - the same small adds and ships on a run in this process (no HTTP): the part of a request's time that is
   the run's and the library's.
 The service keeps its runs in memory (``--in-memory``) unless ``--persist`` is given: then it journals
@@ -52,7 +57,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def quantiles(times: list[float]) -> tuple[float, float]:
+def cpu_ns(pid: int) -> int:
+    """CPU time of every thread of a process, in nanoseconds (Linux schedstat: finer than /proc/<pid>/stat's
+    ticks, so that one small request's share can be read)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+            total += int(stat.read().split()[0])
+    return total
+
+
+def quantiles(times: list[float] | list[int]) -> tuple[float, float]:
     times = sorted(times)
     return times[len(times) // 2], times[min(len(times) - 1, int(len(times) * 0.99))]
 
@@ -70,11 +85,11 @@ def main() -> None:
     if args.memory:
         with tempfile.TemporaryDirectory(prefix="staleness-bench-") as data_dir:
             store = ["--data-dir", data_dir] if args.persist else ["--in-memory"]
-            rows = serve_and_measure_memory(store, args.body_mb)
+            rows = serve_and_measure_memory(store, args.body_mb, data_dir if args.persist else None)
         if args.json:
             print(json.dumps(rows))
         for row in rows:
-            print(f"{row['case']:28s} {row['bytes'] / 2**20:7.1f} MiB -> {row['status']} "
+            print(f"{row['case']:34s} {row['bytes'] / 2**20:7.1f} MiB -> {row['status']} "
                   f"peak +{row['peak_mb']:7.1f} MiB "
                   f"({row['ratio']:.2f}x) {row['seconds']:.2f} s")  # fmt: skip
         return
@@ -92,6 +107,7 @@ def main() -> None:
     print(f"small add over one connection:  p50 {result['add_p50_ms']:.2f} ms, p99 {result['add_p99_ms']:.2f} ms "
           "(goal p50 <= 3 ms)")  # fmt: skip
     print(f"small ship over one connection: p50 {result['ship_p50_ms']:.2f} ms, p99 {result['ship_p99_ms']:.2f} ms")
+    print(f"server CPU per small add + small ship: {result['pair_server_cpu_ms']:.2f} ms")
     print(f"the same calls in process (no HTTP): add p50 {result['in_process_add_p50_ms']:.2f} ms, "
           f"ship p50 {result['in_process_ship_p50_ms']:.2f} ms")  # fmt: skip
     print(f"{args.clients} clients: {result['batches_per_second']:.0f} batches/s, server CPU share "
@@ -137,13 +153,17 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         client.add("latency", [rollout("second", 0)])
         second = time.perf_counter() - start
         adds, ships = [], []
+        add_cpu: list[float] = []  # the server's CPU time during each request: its own cost, whatever the load
+        ship_cpu: list[float] = []
         for i in range(args.requests):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), cpu_ns(pid)
             client.add("latency", [rollout(f"a{i}", 0)])
             adds.append(time.perf_counter() - start)
-            start = time.perf_counter()
+            add_cpu.append(cpu_ns(pid) - cpu_start)
+            start, cpu_start = time.perf_counter(), cpu_ns(pid)
             client.ship("latency", 1 + i // 10)
             ships.append(time.perf_counter() - start)
+            ship_cpu.append(cpu_ns(pid) - cpu_start)
 
         client.create_run("load", {"max_staleness": 2})
         step = [1]
@@ -182,6 +202,9 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
         "add_p99_ms": add_p99 * 1e3,
         "ship_p50_ms": ship_p50 * 1e3,
         "ship_p99_ms": ship_p99 * 1e3,
+        # Per pair: work a request leaves for after its answer is counted in the next one's time. Without the
+        # first ship, which loads what ships need once per process.
+        "pair_server_cpu_ms": (sum(add_cpu[1:]) + sum(ship_cpu[1:])) / max(1, len(ship_cpu) - 1) / 1e6,
         "batches_per_second": args.clients * args.batches / wall,
         "server_cpu_share": cpu / wall,
         "rollouts_sent": sent,
@@ -238,10 +261,25 @@ def memory_bodies(size: int) -> list[tuple[str, bytes]]:
     ]  # fmt: skip
 
 
-def serve_and_measure_memory(store: list[str], body_mb: int) -> list[dict[str, Any]]:
+def snapshot_seq(data_dir: str | None, run: str) -> int | None:
+    """The journal row at which ``run``'s latest snapshot was taken (None: none, or no data directory)."""
+    if data_dir is None:
+        return None
+    import sqlite3
+
+    from staleness_metrics.server.store import DATABASE_NAME
+
+    with contextlib.closing(sqlite3.connect(os.path.join(data_dir, DATABASE_NAME))) as db:
+        row = db.execute("SELECT seq FROM snapshots WHERE run = ?", (run,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def serve_and_measure_memory(store: list[str], body_mb: int, data_dir: str | None = None) -> list[dict[str, Any]]:
     import socket
 
     import httpx
+
+    from staleness_metrics.server.store import SNAPSHOT_BYTES
 
     size = body_mb * 2**20
     server = subprocess.Popen(
@@ -275,6 +313,24 @@ def serve_and_measure_memory(store: list[str], body_mb: int) -> list[dict[str, A
                 grown = (status_kb(pid, "VmHWM") - before) * 1024
                 rows.append({"case": case, "bytes": len(body), "status": answer.status_code,
                              "peak_mb": grown / 2**20, "ratio": grown / len(body), "seconds": seconds})  # fmt: skip
+            # Mask-only bodies queued in one run until their journal passes SNAPSHOT_BYTES: with a data
+            # directory the last request also writes the run's snapshot (the whole queue's text), measured.
+            _, mask_body = memory_bodies(size)[1]
+            count = -(-SNAPSHOT_BYTES // len(mask_body))  # two bodies of 32 MiB
+            http.put("/v1/runs/snapshot", json={}).raise_for_status()
+            for number in range(count):
+                body = mask_body.replace(b'"id":"m"', b'"id":"m%d"' % number, 1)
+                with open(f"/proc/{pid}/clear_refs", "w") as clear:
+                    clear.write("5")
+                before, start = status_kb(pid, "VmRSS"), time.perf_counter()
+                answer = http.post("/v1/runs/snapshot/rollouts", content=body,
+                                   headers={"content-type": "application/json"})  # fmt: skip
+                seconds = time.perf_counter() - start
+                grown = (status_kb(pid, "VmHWM") - before) * 1024
+            taken = snapshot_seq(data_dir, "snapshot")
+            case = f"mask only, body {count} in a run" + (", snapshot" if taken == count else "")
+            rows.append({"case": case, "bytes": len(body), "status": answer.status_code,
+                         "peak_mb": grown / 2**20, "ratio": grown / len(body), "seconds": seconds})  # fmt: skip
             before = status_kb(pid, "VmRSS")
             with open(f"/proc/{pid}/clear_refs", "w") as clear:
                 clear.write("5")

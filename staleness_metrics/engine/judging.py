@@ -7,6 +7,8 @@ and drops samples and rollouts, counting them in the open window.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import numpy.typing as npt
 
@@ -17,7 +19,7 @@ from .queue import DROPPED, QUEUED, RolloutQueue
 from .segments import expand_ranges
 from .spans import PART_LABELLED, PART_UNLABELLED
 
-__all__ = ["apply_decision", "judgement_of", "mask_positions", "with_groups"]
+__all__ = ["apply_decision", "judgement_again", "judgement_of", "mask_positions", "with_groups"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -53,6 +55,18 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
         span_sample=np.repeat(np.arange(len(sample_rows)), span_counts), version=n["version"][span_rows],
         labelled=n["labelled"][span_rows], sampled=n["sampled"][span_rows], live=n["live"][span_rows],
     )  # fmt: skip
+
+
+def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntArray, step: int) -> Judgement:
+    """:func:`judgement_of` ``rows`` at ``step``, from ``judgement`` when that judged the very same rows at the
+    same step: only what applying a decision changes since (thresholds and dropped samples) is read again."""
+    if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
+        return judgement_of(queue, rows, step)
+    s = queue.samples
+    again = copy.copy(judgement)  # (a frozen dataclass: its two fields set as its __init__ would)
+    object.__setattr__(again, "mask_below", s["mask_below"][judgement.sample_rows])
+    object.__setattr__(again, "dropped", s["dropped"][judgement.sample_rows])
+    return again
 
 
 def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgement, decision: Decision) -> None:

@@ -23,8 +23,9 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "TokenSpans", "fusable_weights",
-    "mismatch_runs", "plain_positions", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "SpanRows", "TokenSpans",
+    "fusable_weights", "mismatch_runs", "plain_positions", "span_rows", "token_cuts", "token_spans", "warm_up",
+    "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -34,10 +35,9 @@ _UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 _NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
-_NO_WEIGHTS_64 = np.zeros(0, dtype=np.uint64)
-_FUSED_WEIGHTS = 3  # weight arrays token_spans passes its loop (rl, ce and ref_kl weights; padded to it)
+_NO_WIDE_WEIGHTS = np.zeros(0, dtype=np.uint64)
 _PLAIN_FLOATS = 4  # float arrays plain_positions passes its loop (the weights and logprobs; padded to it)
-_BLOCK = 64  # positions the cut loop checks at once for a cut (one vector pass)
+_BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
 
@@ -95,9 +95,8 @@ def _token_spans(
     n = len(tokens)
     if len(mask) != n:
         raise ValueError("token_cuts: token_versions and mask differ in length")
-    for w in range(n_weights):
-        if len(weights[w]) != n:
-            raise ValueError("token_cuts: a weight array and token_versions differ in length")
+    if n_weights > 0 and (len(weights[0]) != n or len(weights[1]) != n or len(weights[2]) != n):
+        raise ValueError("token_cuts: a weight array and token_versions differ in length")
     total = 0
     end = 0
     for s in samples:  # checked before any read: a damaged offset must not read or write out of bounds
@@ -143,44 +142,69 @@ def _token_spans(
             before_mask = m[i - 1 : end - 1]
             cuts = 0
             block_labelled = 0
+            block_below = 0
             for q in range(end - i):
                 t = block_tok[q]
                 is_labelled = t >= 0
                 cuts += (block_mask[q] != before_mask[q]) | (is_labelled & (t != cut_label))
                 block_labelled += is_labelled
-                below += t < -1
+                block_below += t < -1
             if cuts == 0:
                 count += block_labelled
+                below += block_below
                 i = end
                 continue
-            for q in range(end - i):  # the block holds a cut: position by position
-                t = block_tok[q]
-                if block_mask[q] != before_mask[q]:  # the mask changes (NaN differs from everything, as numpy's !=)
+            # The block holds a cut: walk to the first one (the same test, with no branch on whether a
+            # position is labelled: -1 positions come at random), cut there, and check again after it.
+            q = i
+            while (m[q] == m[q - 1]) & (((tok[q] ^ cut_label) & ~(tok[q] >> 63)) == 0):
+                count += tok[q] >= 0
+                below += tok[q] < -1
+                q += 1
+            t = tok[q]
+            below += t < -1
+            if m[q] != m[q - 1]:  # the mask changes (NaN differs from everything, as numpy's !=)
+                labels[k] = cut_label
+                labelled[k] = count
+                k += 1
+                starts[k] = a + q
+                cut_label = -1
+                count = 0
+            is_labelled = t >= 0
+            if is_labelled & (t != cut_label):  # -1 positions carry the cut's label on: they never cut
+                if cut_label >= 0:  # a different label: -1 positions before it stay behind
                     labels[k] = cut_label
                     labelled[k] = count
                     k += 1
-                    starts[k] = a + i + q
-                    cut_label = -1
+                    starts[k] = a + q
                     count = 0
-                is_labelled = t >= 0
-                if is_labelled & (t != cut_label):  # -1 positions carry the cut's label on: they never cut
-                    if cut_label >= 0:  # a different label: -1 positions before it stay behind
-                        labels[k] = cut_label
-                        labelled[k] = count
-                        k += 1
-                        starts[k] = a + i + q
-                        count = 0
-                    cut_label = t
-                count += is_labelled  # no branch on the label itself: -1 positions come at random
-            i = end
+                cut_label = t
+            count += is_labelled
+            i = q + 1
         labels[k] = cut_label
         labelled[k] = count
         k += 1
-        for w in range(n_weights):
-            bits = weights[w]
-            for c in range(first_cut, k):
-                cut_end = starts[c + 1] if c + 1 < k else a + length
-                seg = bits[starts[c] : cut_end]
+        if n_weights == 0:
+            continue
+        w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
+        limit = infinity - one
+        for c in range(first_cut, k):
+            cut_start = starts[c]
+            cut_end = starts[c + 1] if c + 1 < k else a + length
+            s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
+            # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1; 0 wraps to the top). One
+            # pass over the three arrays at once, two operations per value; any other cut is read again.
+            top0 = top1 = top2 = np.uint64(0)
+            for q in range(cut_end - cut_start):
+                top0 = max(top0, np.uint64(s0[q]) - one)
+                top1 = max(top1, np.uint64(s1[q]) - one)
+                top2 = max(top2, np.uint64(s2[q]) - one)
+            if (top0 < limit) & (top1 < limit) & (top2 < limit):
+                for w in range(n_weights):
+                    flags[w, c] = 1
+                continue
+            for w in range(n_weights):
+                seg = weights[w][cut_start:cut_end]
                 any_bits = np.uint64(0)
                 any_inf = np.uint64(0)
                 any_nan = np.uint64(0)
@@ -222,7 +246,11 @@ def fusable_weights(weights: Sequence[npt.NDArray[Any]]) -> bool:
     if not weights:
         return True
     dtype = weights[0].dtype
-    return dtype in _FLOAT_BITS and all(w.dtype == dtype and w.ndim == 1 and w.flags.c_contiguous for w in weights)
+    return (
+        len(weights) <= 3
+        and dtype in _FLOAT_BITS
+        and all(w.dtype == dtype and w.ndim == 1 and w.flags.c_contiguous for w in weights)
+    )
 
 
 class TokenSpans(NamedTuple):
@@ -265,13 +293,13 @@ def token_spans(
             raise ValueError("token_spans: weights of one float dtype, 1-d and contiguous")
         sign, infinity = _FLOAT_BITS[weights[0].dtype]
         views = tuple(w.view(_UNSIGNED_OF_SIZE[w.dtype.itemsize]) for w in weights)
+        views += (views[0],) * (3 - len(views))  # always three: one compiled loop per dtype
     else:
-        sign, infinity = _FLOAT_BITS[np.dtype(np.float32)]
-        views = (_NO_WEIGHTS_64 if mask.dtype.itemsize == 8 else _NO_WEIGHTS,)  # (the usual weights' width)
+        # (empty arrays of the mask's width: the loop compiled for that float dtype's weights serves)
+        wide = getattr(mask, "dtype", None) == np.float64
+        sign, infinity = _FLOAT_BITS[np.dtype(np.float64 if wide else np.float32)]
+        views = (_NO_WIDE_WEIGHTS if wide else _NO_WEIGHTS,) * 3
     n_weights = len(weights)
-    # Padded to the engine's three weight arrays (the loop reads the first n_weights): one compiled loop
-    # per mask and weight dtype, not one more per count of weights.
-    views += (views[0],) * (_FUSED_WEIGHTS - len(views))
     constants = (np.uint64(sign), np.uint64(infinity))
     n = len(tokens)
     if len(samples) < 2 or n < PARALLEL_MIN_POSITIONS:
@@ -401,6 +429,155 @@ def zero_spans(
     run_all(tasks, total)
 
 
+class SpanRows(NamedTuple):
+    """The span table :func:`span_rows` writes: per row, then per sample (see ``spans.SpanTable``)."""
+
+    sample: IntArray
+    lo: IntArray
+    hi: IntArray
+    label: IntArray
+    version: IntArray
+    part: npt.NDArray[np.int8]
+    sampled: IntArray
+    live: BoolArray
+    span_offsets: IntArray
+    n_sampled: IntArray
+    n_unlabelled: IntArray
+    unmaskable: BoolArray
+    had_train: BoolArray
+    max_label: IntArray
+    max_sampled_version: IntArray
+    seq_min_version: IntArray
+
+
+@_CompiledOnFirstCall
+def _span_rows(
+    lo: IntArray,
+    hi: IntArray,
+    label: IntArray,
+    labelled: IntArray,
+    kept: BoolArray,
+    sampled: BoolArray,
+    live_labelled: BoolArray,
+    live_unlabelled: BoolArray,
+    side: BoolArray,
+    pos_off: IntArray,
+    dispatch: IntArray,
+    no_low: int,
+    no_high: int,
+) -> tuple[Any, ...]:  # pragma: no cover - compiled
+    cuts = len(lo)
+    n_samples = len(pos_off) - 1
+    if (len(hi) != cuts or len(label) != cuts or len(labelled) != cuts or len(kept) != cuts or len(sampled) != cuts
+            or len(live_labelled) != cuts or len(live_unlabelled) != cuts or len(side) != cuts):  # fmt: skip
+        raise ValueError("span_rows: the cut arrays differ in length")
+    if len(dispatch) != n_samples:
+        raise ValueError("span_rows: one dispatch version per sample expected")
+    n_rows = 0
+    for c in range(cuts):
+        if kept[c]:
+            if not (0 <= lo[c] < hi[c] <= pos_off[n_samples]):
+                raise IndexError("span_rows: a cut outside the positions")
+            n_rows += 2 if (labelled[c] > 0) & (labelled[c] < hi[c] - lo[c]) else 1
+    row_sample = np.empty(n_rows, dtype=np.int64)
+    row_lo = np.empty(n_rows, dtype=np.int64)
+    row_hi = np.empty(n_rows, dtype=np.int64)
+    row_label = np.empty(n_rows, dtype=np.int64)
+    row_version = np.empty(n_rows, dtype=np.int64)
+    row_part = np.empty(n_rows, dtype=np.int8)
+    row_sampled = np.empty(n_rows, dtype=np.int64)
+    row_live = np.empty(n_rows, dtype=np.bool_)
+    span_offsets = np.zeros(n_samples + 1, dtype=np.int64)
+    n_sampled = np.zeros(n_samples, dtype=np.int64)
+    n_unlabelled = np.zeros(n_samples, dtype=np.int64)
+    unmaskable = np.zeros(n_samples, dtype=np.bool_)
+    had_train = np.zeros(n_samples, dtype=np.bool_)
+    max_label = np.full(n_samples, -1, dtype=np.int64)
+    max_sampled = np.full(n_samples, no_low, dtype=np.int64)
+    seq_min = np.full(n_samples, no_high, dtype=np.int64)
+    s = 0
+    r = 0
+    for c in range(cuts):
+        if not kept[c]:
+            continue
+        a = lo[c]
+        while s + 1 < n_samples and pos_off[s + 1] <= a:  # the sample holding the cut (cuts come in order)
+            s += 1
+        width = hi[c] - a
+        n_labelled = labelled[c]
+        mixed = (n_labelled > 0) & (n_labelled < width)
+        # One row per cut; a mixed cut's labelled part, then its unlabelled part (spans.PART_*: 0 whole,
+        # 1 labelled, 2 unlabelled; spans imports this module, not the reverse).
+        for half in range(2 if mixed else 1):
+            if mixed and half == 0:
+                part, lab, count, alive = 1, label[c], n_labelled, live_labelled[c]
+            elif mixed:
+                part, lab, count, alive = 2, np.int64(-1), width - n_labelled, live_unlabelled[c]
+            else:
+                part, lab, count, alive = 0, label[c], width, live_labelled[c]
+            version = lab if lab >= 0 else dispatch[s]
+            positions = count if sampled[c] else 0
+            row_sample[r] = s
+            row_lo[r] = a
+            row_hi[r] = hi[c]
+            row_label[r] = lab
+            row_version[r] = version
+            row_part[r] = part
+            row_sampled[r] = positions
+            row_live[r] = alive
+            r += 1
+            span_offsets[s + 1] += 1
+            n_sampled[s] += positions
+            if lab < 0:
+                n_unlabelled[s] += positions
+            unmaskable[s] |= side[c]
+            had_train[s] |= alive
+            max_label[s] = max(max_label[s], lab)
+            if positions > 0:
+                max_sampled[s] = max(max_sampled[s], version)
+            if (lab >= 0) | (positions > 0):
+                seq_min[s] = min(seq_min[s], version)
+    for i in range(n_samples):
+        span_offsets[i + 1] += span_offsets[i]
+        had_train[i] |= unmaskable[i]
+    return (row_sample, row_lo, row_hi, row_label, row_version, row_part, row_sampled, row_live, span_offsets,
+            n_sampled, n_unlabelled, unmaskable, had_train, max_label, max_sampled, seq_min)  # fmt: skip
+
+
+def span_rows(
+    lo: IntArray,
+    hi: IntArray,
+    label: IntArray,
+    labelled: IntArray,
+    kept: BoolArray,
+    sampled: BoolArray,
+    live_labelled: BoolArray,
+    live_unlabelled: BoolArray,
+    side: BoolArray,
+    pos_off: IntArray,
+    dispatch: IntArray,
+    no_version: tuple[int, int],
+) -> SpanRows:
+    """The rows of a span table from the cuts that tile the positions (``lo``/``hi``, in order), in one
+    pass: one row per ``kept`` cut, two per mixed cut (``0 < labelled < hi - lo``: its labelled part,
+    then its unlabelled part, label -1), each row's sample (by ``pos_off``), version (the label, or the
+    sample's ``dispatch`` version), sampled positions (where the cut is ``sampled``), liveness
+    (``live_labelled`` for a whole cut or a labelled part, ``live_unlabelled`` for an unlabelled part);
+    and per sample the row offsets and the reductions ``spans.SpanTable`` keeps (``side``: a weight on
+    an unsampled cut; ``no_version``: the low and high "no version" values).
+
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on a kept cut outside the positions.
+    """
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
+    found = _span_rows(
+        as_int(lo), as_int(hi), as_int(label), as_int(labelled), as_bool(kept), as_bool(sampled),
+        as_bool(live_labelled), as_bool(live_unlabelled), as_bool(side), as_int(pos_off), as_int(dispatch),
+        int(no_version[0]), int(no_version[1]),
+    )  # fmt: skip
+    return SpanRows(*found)
+
+
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
 # Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers of their width.
@@ -477,50 +654,38 @@ def weight_flags(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.ND
 _LN2_HI, _LN2_LO, _INV_LN2 = 6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.44269504088896338700e00
 _EXP_P1, _EXP_P2, _EXP_P3 = 1.66666666666666019037e-01, -2.77777777770155933842e-03, 6.61375632143793436117e-05
 _EXP_P4, _EXP_P5 = -1.65339022054652515390e-06, 4.13813679705723846039e-08
-_NEAR = 2.0**-40  # a ratio this close (relative) to a band edge is compared again with the C library's exp
-_MISMATCH_BLOCK = 1024  # positions computed at once into buffers that stay in L1
-_SHORT_RUN = 16  # runs of equal lag shorter than this are added position by position
+_SHIFTER = 1.5 * 2.0**52  # added to an integer-valued float below 2^51, leaves it in the low mantissa bits
+# A log-ratio this close to the log of a band edge is compared again with the C library's exp; farther,
+# its side of the edge is the side of exp(d) (log's and exp's rounding are far below it)
+_NEAR = 2.0**-39
 
 
-def _run_sums(
-    d: npt.NDArray[np.float64],
-    k3: npt.NDArray[np.float64],
-    r: npt.NDArray[np.float64],
-    covered: npt.NDArray[np.uint8],
-    masked: npt.NDArray[np.uint8],
-    out_of_band: npt.NDArray[np.uint8],
-    a: int,
-    b: int,
-) -> tuple[float, float, float, float, float, int, int, int]:  # pragma: no cover - compiled
-    """Sums over ``[a, b)`` of the buffers (compiled with reassociation: the float sums go in vector lanes)."""
-    ds, ks, rs = d[a:b], k3[a:b], r[a:b]
-    cs, ms, os = covered[a:b], masked[a:b], out_of_band[a:b]
-    sum_d = 0.0
-    sum_abs = 0.0
-    sum_k3 = 0.0
-    sum_r = 0.0
-    sum_r2 = 0.0
-    tokens = 0
-    n_masked = 0
-    n_out = 0
-    for p in range(b - a):
-        x = ds[p]
-        y = rs[p]
-        sum_d += x
-        sum_abs += abs(x)
-        sum_k3 += ks[p]
-        sum_r += y
-        sum_r2 += y * y
-        tokens += cs[p]
-        n_masked += ms[p]
-        n_out += os[p]
-    return sum_d, sum_abs, sum_k3, sum_r, sum_r2, tokens, n_masked, n_out
+def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
+    """``r = exp(d)`` for ``|d| <= 700`` (fdlibm's e_exp.c, within one ulp of the C library's) and the k3
+    term ``r - 1 - d``. Compiled without reassociation, so the reduction keeps its order even where it is
+    inlined into a loop that sums in vector lanes; ``k`` is rounded to nearest (a tie either way is exact
+    enough) and the polynomial is evaluated in Estrin's order: a shorter chain of dependent operations."""
+    k = np.rint(d * _INV_LN2)
+    high = d - k * _LN2_HI
+    low = k * _LN2_LO
+    x = high - low
+    xx = x * x
+    x4 = xx * xx
+    c = x - xx * ((_EXP_P1 + xx * _EXP_P2) + x4 * ((_EXP_P3 + xx * _EXP_P4) + x4 * _EXP_P5))
+    y = 1.0 - ((low - (x * c) / (2.0 - c)) - high)
+    # 2^k from k's bits in the mantissa of k + 1.5 * 2^52 (no float-to-integer conversion: any d gives
+    # a value, which a loop may compute for positions it then discards)
+    scale = np.int64((np.float64(k + _SHIFTER).view(np.int64) + 1023) << 52).view(np.float64)
+    r = y * scale  # exact
+    return r, r - 1.0 - d
 
 
-_run_sums_compiled: Any = None  # _run_sums, compiled when _mismatch_runs is
+_ratio_compiled: Any = None  # _ratio, compiled when _mismatch_runs is
 
 
-@_CompiledOnFirstCall(error_model="numpy", callees={"_run_sums_compiled": (_run_sums, {"fastmath": {"reassoc"}})})
+@_CompiledOnFirstCall(
+    error_model="numpy", fastmath={"reassoc"}, callees={"_ratio_compiled": (_ratio, {"error_model": "numpy"})}
+)
 def _mismatch_runs(
     lag: IntArray,
     sampler: npt.NDArray[Any],
@@ -532,6 +697,8 @@ def _mismatch_runs(
     band_hi: float,
     clamp: float,
 ) -> tuple[IntArray, npt.NDArray[np.float64], int]:  # pragma: no cover - compiled
+    # Compiled with reassociation: the sums go in vector lanes (float64 rounding apart from a sequential
+    # pass); exp and the k3 term are _ratio's, compiled without it.
     n = len(lag)
     if len(sampler) != n or len(trainer) != n or (has_flags and len(flags) != n):
         raise ValueError("mismatch_runs: the arrays differ in length")
@@ -539,108 +706,109 @@ def _mismatch_runs(
     counts = np.zeros((3, n_buckets), dtype=np.int64)  # tokens, masked, out_of_band
     sums = np.zeros((5, n_buckets), dtype=np.float64)  # d, |d|, r - 1 - d, r, r^2
     uncovered = 0
-    block = _MISMATCH_BLOCK
-    d_buf = np.empty(block, dtype=np.float64)
-    k3_buf = np.empty(block, dtype=np.float64)
-    r_buf = np.empty(block, dtype=np.float64)
-    covered_buf = np.empty(block, dtype=np.uint8)
-    masked_buf = np.empty(block, dtype=np.uint8)
-    out_buf = np.empty(block, dtype=np.uint8)
-    no_flags = np.zeros(block, dtype=np.uint8)
-    near_lo, near_lo_top = band_lo * (1.0 - _NEAR), band_lo * (1.0 + _NEAR)
-    near_hi, near_hi_top = band_hi * (1.0 - _NEAR), band_hi * (1.0 + _NEAR)
+    # The band in log space: d outside [log_lo, log_hi] is out of band, except d within _NEAR of an edge,
+    # where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r: they
+    # do not wait for the exp.
+    log_lo = math.log(band_lo) if band_lo > 0 else -np.inf
+    log_hi = math.log(band_hi) if band_hi > 0 else -np.inf
+    near_lo, near_lo_top = log_lo - _NEAR, log_lo + _NEAR
+    near_hi, near_hi_top = log_hi - _NEAR, log_hi + _NEAR
     last_lag = -1
     bucket = 0
-    for start in range(0, n, block):
-        end = min(start + block, n)
-        width = end - start
-        lags = lag[start:end]  # slices: in bounds, no negative-index fix-up per position
-        s = sampler[start:end]
-        t = trainer[start:end]
-        f = flags[start:end] if has_flags else no_flags[:width]
-        # Every position of the block at once (one vector pass, no branch): those outside the population
-        # (lag < 0) are computed too and left out below.
-        near = 0
-        for p in range(width):
-            d = np.float64(t[p]) - np.float64(s[p])
-            finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
-            d = d if d < clamp else clamp
-            d = d if d > -clamp else -clamp
-            d = d if finite else 0.0
-            k = math.floor(d * _INV_LN2 + 0.5)
-            high = d - k * _LN2_HI
-            low = k * _LN2_LO
-            x = high - low
-            xx = x * x
-            c = x - xx * (_EXP_P1 + xx * (_EXP_P2 + xx * (_EXP_P3 + xx * (_EXP_P4 + xx * _EXP_P5))))
-            y = 1.0 - ((low - (x * c) / (2.0 - c)) - high)
-            r = y * np.int64((np.int64(k) + 1023) << 52).view(np.float64)  # y * 2^k, exact
-            r = r if finite else 0.0
-            d_buf[p] = d
-            r_buf[p] = r
-            k3_buf[p] = r - 1.0 - d if finite else 0.0
-            covered_buf[p] = finite
-            masked_buf[p] = finite & (f[p] != 0)
-            out_buf[p] = finite & ((r < band_lo) | (r > band_hi))
-            near += ((r > near_lo) & (r < near_lo_top)) | ((r > near_hi) & (r < near_hi_top))
-        if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
-            for p in range(width):
-                r = r_buf[p]
-                if ((r > near_lo) & (r < near_lo_top)) | ((r > near_hi) & (r < near_hi_top)):
-                    exact = math.exp(d_buf[p])
-                    out_buf[p] = covered_buf[p] & ((exact < band_lo) | (exact > band_hi))
-        p = 0
-        while p < width:  # one run of equal lag at a time: its bucket is found once
-            run_lag = lags[p]
-            q = p + 1
-            while q < width:  # the run's end: 64 positions compared at once, then one by one
-                top = min(q + 64, width)
-                ahead = lags[q:top]
-                differ = 0
-                for i in range(top - q):
-                    differ += ahead[i] != run_lag
-                if differ == 0:
-                    q = top
-                    continue
-                i = 0
-                while ahead[i] == run_lag:
-                    i += 1
-                q += i
-                break
-            if run_lag < 0:  # not a sampled position of a live rollout: outside the population
-                p = q
+    p = 0
+    while p < n:  # one run of equal lag at a time: its bucket is found once
+        run_lag = lag[p]
+        q = p + 1
+        while q < n:  # the run's end: 64 positions compared at once, then one by one
+            top = min(q + 64, n)
+            ahead = lag[q:top]
+            differ = 0
+            for i in range(top - q):
+                differ += ahead[i] != run_lag
+            if differ == 0:
+                q = top
                 continue
-            if run_lag != last_lag:  # numpy's searchsorted(bounds, lag, "left")
-                bucket = 0
-                while bucket < n_buckets - 1 and bounds[bucket] < run_lag:
-                    bucket += 1
-                last_lag = run_lag
-            if q - p >= _SHORT_RUN:
-                sum_d, sum_abs, sum_k3, sum_r, sum_r2, tokens, n_masked, n_out = _run_sums_compiled(
-                    d_buf, k3_buf, r_buf, covered_buf, masked_buf, out_buf, p, q
-                )
-            else:
-                sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
-                tokens = n_masked = n_out = 0
-                for i in range(p, q):
-                    sum_d += d_buf[i]
-                    sum_abs += abs(d_buf[i])
-                    sum_k3 += k3_buf[i]
-                    sum_r += r_buf[i]
-                    sum_r2 += r_buf[i] * r_buf[i]
-                    tokens += covered_buf[i]
-                    n_masked += masked_buf[i]
-                    n_out += out_buf[i]
-            counts[0, bucket] += tokens
-            counts[1, bucket] += n_masked
-            counts[2, bucket] += n_out
-            sums[0, bucket] += sum_d
-            sums[1, bucket] += sum_abs
-            sums[2, bucket] += sum_k3
-            sums[3, bucket] += sum_r
-            sums[4, bucket] += sum_r2
-            uncovered += (q - p) - tokens
+            i = 0
+            while ahead[i] == run_lag:
+                i += 1
+            q += i
+            break
+        if run_lag < 0:  # not a sampled position of a live rollout: outside the population
             p = q
+            continue
+        if run_lag != last_lag:  # numpy's searchsorted(bounds, lag, "left")
+            bucket = 0
+            while bucket < n_buckets - 1 and bounds[bucket] < run_lag:
+                bucket += 1
+            last_lag = run_lag
+        s = sampler[p:q]  # slices: in bounds, no negative-index fix-up per position
+        t = trainer[p:q]
+        # The usual run: every difference finite and within the clamp, no ratio near a band edge. One
+        # vector pass with no per-position branch or select; anything else is computed again below.
+        sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+        unusual = 0
+        n_out = 0
+        near = 0
+        for i in range(q - p):
+            d = np.float64(t[i]) - np.float64(s[i])
+            unusual += not (abs(d) <= clamp)  # NaN, infinite or to be clamped: the run is computed again
+            r, k3 = _ratio_compiled(d)
+            sum_d += d
+            sum_abs += abs(d)
+            sum_k3 += k3
+            sum_r += r
+            sum_r2 += r * r
+            n_out += (d < log_lo) | (d > log_hi)
+            near += ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top))
+        tokens = q - p
+        n_masked = 0
+        if unusual == 0:
+            if has_flags:
+                f = flags[p:q]
+                for i in range(q - p):
+                    n_masked += f[i] != 0
+        else:  # position by position: non-finite differences are uncovered, the others clamped
+            sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+            tokens = 0
+            n_out = 0
+            near = 0
+            for i in range(q - p):
+                d = np.float64(t[i]) - np.float64(s[i])
+                finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
+                d = min(max(d, -clamp), clamp) if finite else 0.0
+                r, k3 = _ratio_compiled(d)
+                r = r if finite else 0.0
+                sum_d += d
+                sum_abs += abs(d)
+                sum_k3 += k3 if finite else 0.0
+                sum_r += r
+                sum_r2 += r * r
+                tokens += finite
+                if has_flags:
+                    n_masked += finite & (flags[p + i] != 0)
+                n_out += finite & ((d < log_lo) | (d > log_hi))
+                near += finite & (((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)))
+        if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
+            n_out = 0
+            for i in range(q - p):
+                d = np.float64(t[i]) - np.float64(s[i])
+                if abs(d) < np.inf:
+                    d = min(max(d, -clamp), clamp)
+                    if ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)):
+                        r = math.exp(d)
+                        n_out += (r < band_lo) | (r > band_hi)
+                    else:
+                        n_out += (d < log_lo) | (d > log_hi)
+        counts[0, bucket] += tokens
+        counts[1, bucket] += n_masked
+        counts[2, bucket] += n_out
+        sums[0, bucket] += sum_d
+        sums[1, bucket] += sum_abs
+        sums[2, bucket] += sum_k3
+        sums[3, bucket] += sum_r
+        sums[4, bucket] += sum_r2
+        uncovered += (q - p) - tokens
+        p = q
     return counts, sums, uncovered
 
 
@@ -732,11 +900,12 @@ def warm_up() -> None:
     tokens = np.array([0, -1, 1], dtype=np.int64)
     offsets = np.array([0, 3], dtype=np.int64)
     lo, hi, count = np.array([0], dtype=np.int64), np.array([3], dtype=np.int64), np.array([1], dtype=np.int64)
+    yes = np.ones(1, dtype=bool)
+    span_rows(lo, hi, count, count, yes, yes, yes, yes, ~yes, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))
-        for weights in range(1, 4):
-            token_spans(tokens, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1 : 1 + weights])
+        token_spans(tokens, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1:])  # (1-3 weights alike)
         weight_flags(arrays[1], lo, hi)
         zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
         mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)

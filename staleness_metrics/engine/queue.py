@@ -10,9 +10,13 @@ is the one that writes and checks them.
 
 from __future__ import annotations
 
+import operator
+import threading
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from itertools import chain, repeat
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -44,8 +48,7 @@ QUEUE_KEYS = (
 )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class _Staged:
+class _Staged(NamedTuple):
     """A small batch queued by :meth:`Sink.add` whose spans are cut later (with the ones after it)."""
 
     batch: RolloutBatch
@@ -55,11 +58,18 @@ class _Staged:
     # The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
     # wherever both have an array are cut together (:func:`_concatenated` fills the missing ones).
     kind: tuple[str | None, ...]
+    n_samples: int
+    n_positions: int
 
 
 def _kind(batch: RolloutBatch) -> tuple[str | None, ...]:
-    arrays = (batch.mask, batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
-    return tuple(None if a is None else a.dtype.str for a in arrays)  # (a dtype equals None: float64)
+    rl, ce, ref_kl = batch.rl_weights, batch.ce_weights, batch.ref_kl_weights  # (a dtype equals None: float64)
+    return (
+        batch.mask.dtype.str,
+        None if rl is None else rl.dtype.str,
+        None if ce is None else ce.dtype.str,
+        None if ref_kl is None else ref_kl.dtype.str,
+    )
 
 
 def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) -> tuple[str | None, ...] | None:
@@ -71,57 +81,110 @@ def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) ->
     return tuple(a if a is not None else b for a, b in zip(kind, other))
 
 
-def _joined_offsets(parts: Sequence[npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
-    """Offsets into the concatenation of the parts the offsets ``parts`` index."""
+def _joined_offsets(
+    parts: Sequence[npt.NDArray[np.int64]], counts: Sequence[int], ends: Sequence[int] | None = None
+) -> npt.NDArray[np.int64]:
+    """Offsets into the concatenation of the parts the offsets ``parts`` index (``counts``: each part's
+    entries minus one; ``ends``: each part's last entry, when known)."""
     if len(parts) == 1:
         only: npt.NDArray[np.int64] = parts[0].copy()
         return only
-    bases = np.cumsum([0, *(int(p[-1]) for p in parts)])
+    if ends is None:
+        ends = [int(p[-1]) for p in parts]
+    if counts.count(1) == len(counts):  # one entry each (a single-sample rollout): the running ends alone
+        return np.cumsum([0, *ends], dtype=np.int64)
+    bases = np.cumsum([0, *ends])
     # One addition over the joined parts, not one per part (a ship of many single-rollout adds joins dozens).
     starts = np.concatenate([p[:-1] for p in parts])
-    starts += np.repeat(bases[:-1], [len(p) - 1 for p in parts]).astype(starts.dtype, copy=False)
+    starts += np.repeat(bases[:-1], counts).astype(starts.dtype, copy=False)
     return np.concatenate([starts, bases[-1:].astype(starts.dtype, copy=False)])
 
 
-def _concatenated(batches: Sequence[RolloutBatch]) -> RolloutBatch:
-    """One batch holding ``batches`` one after the other, with the arrays cutting spans reads (copies).
+# Per-position arrays of the staged batches up to this many elements are joined into buffers kept between
+# ships (one set per thread, shared by the sinks it runs): memory the process has touched already, where a
+# fresh array of a few hundred kB costs more in page faults than the copy itself. Larger joins take fresh
+# arrays (bounded memory: a few MB per thread at most).
+SCRATCH_MAX_ELEMENTS = 1 << 17
+_POSITION_ARRAYS = ("mask", "rl_weights", "ce_weights", "ref_kl_weights", "token_versions")
+
+
+class _Scratch(threading.local):
+    """The buffers the per-position arrays of staged batches are joined into, one per array name (and thread)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, npt.NDArray[Any]] = {}
+
+    def join(self, name: str, arrays: list[npt.NDArray[Any]], total: int) -> npt.NDArray[Any]:
+        """``np.concatenate(arrays)`` (arrays of one dtype, ``total`` elements in all), in the kept buffer
+        of ``name`` when it is small enough. The result is valid until the next join of ``name``."""
+        dtype = arrays[0].dtype
+        if total > SCRATCH_MAX_ELEMENTS:
+            return np.concatenate(arrays)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or len(buffer) < total:
+            size = min(SCRATCH_MAX_ELEMENTS, max(total, 2 * len(buffer) if buffer is not None else total))
+            buffer = self._buffers[name] = np.empty(size, dtype=dtype)
+        return np.concatenate(arrays, out=buffer[:total])
+
+
+_SCRATCH = _Scratch()
+# Arrays every staged batch has (plainly_valid checked them): joined without looking for a missing one.
+_ALWAYS_GIVEN = frozenset({"mask", "dispatch_version", "completion_version", "frozen", "label_kind"})
+
+
+def _concatenated(staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH) -> RolloutBatch:
+    """One batch holding the staged batches one after the other, with the arrays cutting spans reads
+    (copies; the per-position ones in ``scratch``, so the batch is valid until the next join there).
 
     An array some batches lack is filled with what its absence means to the cut, so each sample's spans
     are those of its own batch: rl weights 1.0 on the mask (0 elsewhere), ce and ref-KL weights 0,
     ``token_versions`` -1 and no ``weight_versions`` spans (those samples' ``label_kind`` says they use
     neither).
     """
+    batches = [item.batch for item in staged]
+    n_positions = sum(item.n_positions for item in staged)
+    sample_counts = [item.n_samples for item in staged]
 
     def joined(name: str, fill: Any = None) -> Any:
-        values = [getattr(b, name) for b in batches]
-        given = [v for v in values if v is not None]
-        if not given:
+        values = list(map(attrgetter(name), batches))  # (C-level passes over the batches, no Python loop)
+        missing = 0 if name in _ALWAYS_GIVEN else sum(map(operator.is_, values, repeat(None)))
+        if missing == len(values):
             return None
-        if len(given) == len(values):  # every batch has it (the usual case)
-            return np.concatenate(given)
-        dtype = given[0].dtype  # the group's (_joined_kind): a fill takes it, exactly (0, 1, -1)
-        return np.concatenate([v if v is not None else fill(b).astype(dtype) for v, b in zip(values, batches)])
+        if missing:
+            dtype = next(v for v in values if v is not None).dtype  # the group's (_joined_kind): a fill takes it
+            values = [v if v is not None else fill(b).astype(dtype) for v, b in zip(values, batches)]  # exactly
+        if name in _POSITION_ARRAYS:
+            return scratch.join(name, values, n_positions)
+        return np.concatenate(values)
 
     columns: dict[str, Any] = {
         "rl_weights": joined("rl_weights", lambda b: b.mask),
         **{name: joined(name, lambda b: np.zeros(b.n_positions)) for name in ("ce_weights", "ref_kl_weights")},
         "token_versions": joined("token_versions", lambda b: np.full(b.n_positions, -1, dtype=np.int64)),
     }
-    if any(b.span_offsets is not None for b in batches):
+    span_offsets = list(map(attrgetter("span_offsets"), batches))
+    if sum(map(operator.is_, span_offsets, repeat(None))) != len(span_offsets):
         none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         columns["span_offsets"] = _joined_offsets(
-            [b.span_offsets if b.span_offsets is not None else np.zeros(b.n_samples + 1, np.int64) for b in batches]
+            [o if o is not None else np.zeros(b.n_samples + 1, np.int64) for o, b in zip(span_offsets, batches)],
+            sample_counts,
         )
         columns.update({name: joined(name, lambda b: none) for name in ("span_versions", "span_starts")})
+    ids = list(chain.from_iterable(map(attrgetter("ids"), batches)))
+    # (``agentic``, ``group_ids`` and ``envs`` are not joined: the cut reads none of them)
     return RolloutBatch(
-        ids=[rid for b in batches for rid in b.ids],
-        sample_offsets=_joined_offsets([b.sample_offsets for b in batches]),
-        position_offsets=_joined_offsets([b.position_offsets for b in batches]),
+        ids=ids,
+        # (a staged batch's offsets end at its sample and position counts: plainly_valid checked them)
+        sample_offsets=_joined_offsets(
+            list(map(attrgetter("sample_offsets"), batches)), [len(b.ids) for b in batches], sample_counts
+        ),
+        position_offsets=_joined_offsets(
+            list(map(attrgetter("position_offsets"), batches)), sample_counts, [item.n_positions for item in staged]
+        ),
         mask=joined("mask"),
         dispatch_version=joined("dispatch_version"),
         completion_version=joined("completion_version"),
         frozen=joined("frozen"),
-        agentic=joined("agentic"),
         label_kind=joined("label_kind"),
         **columns,
     )
@@ -205,17 +268,17 @@ class RolloutQueue:
             self.group_agentic = grown
         return first
 
-    def _groups_of(self, batch: RolloutBatch, rollouts: list[int]) -> IntArray:
-        """Group index of each rollout, registering new groups (one of its own without group_id)."""
+    def _groups_of(self, batch: RolloutBatch, rollouts: list[int] | None) -> IntArray:
+        """Group index of each rollout (None: every rollout of the batch), registering new groups (one of
+        its own without group_id)."""
         assert batch.group_ids is not None and batch.agentic is not None
-        names = (
-            batch.group_ids if len(rollouts) == batch.n_rollouts else list(map(batch.group_ids.__getitem__, rollouts))
-        )
-        if names.count(None) == len(names):  # singletons: one new group each, no lookups
-            first = self._new_groups(len(rollouts))
+        names = batch.group_ids if rollouts is None else list(map(batch.group_ids.__getitem__, rollouts))
+        count = len(names)
+        if names.count(None) == count:  # singletons: one new group each, no lookups
+            first = self._new_groups(count)
             groups = np.arange(first, self.n_groups, dtype=np.int64)
         else:
-            groups = np.empty(len(rollouts), dtype=np.int64)
+            groups = np.empty(count, dtype=np.int64)
             for k, name in enumerate(names):
                 index = None if name is None else self.groups.get(name)
                 if index is None:
@@ -223,44 +286,51 @@ class RolloutQueue:
                     if name is not None:
                         self.groups[name] = index
                 groups[k] = index
-        agentic = batch.agentic if len(rollouts) == batch.n_rollouts else batch.agentic[rollouts]
-        if agentic.any():  # (an unbuffered ufunc.at costs more than the whole add of a small batch)
+        agentic = batch.agentic if rollouts is None else batch.agentic[rollouts]
+        # (an unbuffered ufunc.at costs more than the whole add of a small batch; a list of a few, less than .any())
+        if agentic.any() if count > 8 else any(agentic.tolist()):
             np.logical_or.at(self.group_agentic, groups, agentic)
         return groups
 
-    def admit(self, batch: RolloutBatch, kept_ids: list[int]) -> tuple[int, IntArray, IntArray]:
-        """Queue the rollouts ``kept_ids`` of ``batch`` by id, group and env (their table rows come after);
-        returns the batch's chunk and the rollouts' groups and envs."""
+    def admit(self, batch: RolloutBatch, kept_ids: list[int] | None = None) -> tuple[int, IntArray, IntArray]:
+        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all of them) by id, group and env (their table
+        rows come after); returns the batch's chunk and the rollouts' groups and envs."""
         assert batch.envs is not None
+        if kept_ids is not None and len(kept_ids) == len(batch.ids):
+            kept_ids = None
         chunk = len(self.chunks)
         self.chunks.append(batch)
-        self.chunk_open.append(len(kept_ids))
         row_base = len(self.rollouts) + self._staged_rollouts
         # Per-rollout lists are read through C-level map/zip, never an interpreted loop per rollout.
-        every = len(kept_ids) == batch.n_rollouts
-        ids = batch.ids if every else list(map(batch.ids.__getitem__, kept_ids))
-        env_names = batch.envs if every else list(map(batch.envs.__getitem__, kept_ids))
+        ids = batch.ids if kept_ids is None else list(map(batch.ids.__getitem__, kept_ids))
+        env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))
+        count = len(ids)
+        self.chunk_open.append(count)
         groups = self._groups_of(batch, kept_ids)
-        env_index = {name: self.env(name) for name in set(env_names)}
-        if len(env_index) == 1:
-            envs = np.full(len(kept_ids), next(iter(env_index.values())), dtype=np.int64)
+        if count == 1:
+            envs = np.array([self.env(env_names[0])], dtype=np.int64)
         else:
-            envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=len(kept_ids))
-        self.row_of.update(zip(ids, range(row_base, row_base + len(kept_ids))))
+            env_index = {name: self.env(name) for name in set(env_names)}
+            if len(env_index) == 1:
+                envs = np.full(count, next(iter(env_index.values())), dtype=np.int64)
+            else:
+                envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=count)
+        self.row_of.update(zip(ids, range(row_base, row_base + count)))
         self.ids.extend(ids)
         self.seen_ids.update(ids)
-        self.queued += len(kept_ids)
+        self.queued += count
         return chunk, groups, envs
 
     def stage(self, batch: RolloutBatch) -> int:
         """Queue a plainly valid small batch now; its table rows are built by :meth:`_build_staged`."""
-        chunk, groups, envs = self.admit(batch, list(range(batch.n_rollouts)))
-        self._staged.append(_Staged(batch, chunk, groups, envs, _kind(batch)))
-        self._staged_rollouts += batch.n_rollouts
-        self._staged_positions += batch.n_positions
+        chunk, groups, envs = self.admit(batch)
+        n_rollouts, n_samples, n_positions = len(batch.ids), len(batch.position_offsets) - 1, len(batch.mask)
+        self._staged.append(_Staged(batch, chunk, groups, envs, _kind(batch), n_samples, n_positions))
+        self._staged_rollouts += n_rollouts
+        self._staged_positions += n_positions
         if self._staged_positions > STAGE_FLUSH_POSITIONS:
             self.build_staged()
-        return batch.n_rollouts
+        return n_rollouts
 
     def build_staged(self) -> None:
         """Cut the staged batches into spans and append their rows: consecutive batches with the same
@@ -281,18 +351,22 @@ class RolloutQueue:
             start = end
 
     def _append_staged(self, staged: list[_Staged]) -> None:
-        batch = staged[0].batch if len(staged) == 1 else _concatenated([item.batch for item in staged])
+        batch = staged[0].batch if len(staged) == 1 else _concatenated(staged)
         verdicts = Verdicts(batch)
         spans = build_spans(batch, verdicts)
         assert not verdicts.errors, "a plainly valid batch was refused"  # plainly_valid may only err towards no
-        n_rollouts = [item.batch.n_rollouts for item in staged]
+        keep = np.arange(len(batch.ids))
+        if len(staged) == 1:  # one batch (a replay's add between two ships): its own rows, nothing to shift
+            only = staged[0]
+            self.append_rows(batch, spans, keep, np.full(len(keep), only.chunk), keep, only.groups, only.envs)
+            return
+        n_rollouts = [len(item.batch.ids) for item in staged]
         rollout_base = np.repeat(np.cumsum([0, *n_rollouts[:-1]]), n_rollouts)
         chunks = np.repeat([item.chunk for item in staged], n_rollouts)
         # spans at positions of the concatenation: back to their own batch's
-        position_base = np.repeat(np.cumsum([0, *(item.batch.n_positions for item in staged[:-1])]), n_rollouts)
-        groups = np.concatenate([item.groups for item in staged]) if len(staged) > 1 else staged[0].groups
-        envs = np.concatenate([item.envs for item in staged]) if len(staged) > 1 else staged[0].envs
-        keep = np.arange(batch.n_rollouts)
+        position_base = np.repeat(np.cumsum([0, *(item.n_positions for item in staged[:-1])]), n_rollouts)
+        groups = np.concatenate([item.groups for item in staged])
+        envs = np.concatenate([item.envs for item in staged])
         self.append_rows(batch, spans, keep, chunks, keep - rollout_base, groups, envs, position_base)
 
     def append_rows(
@@ -309,43 +383,57 @@ class RolloutQueue:
         """The table rows of rollouts ``keep`` of ``batch`` (cut into ``spans``): their chunks, their index in
         it, and (``position_base``, per rollout) where their chunk starts in ``batch``'s positions."""
         assert batch.frozen is not None and batch.label_kind is not None
-        sample_lo, sample_hi = batch.sample_offsets[keep], batch.sample_offsets[keep + 1]
-        samples = expand_ranges(sample_lo, sample_hi)
-        sample_base = len(self.samples)
-        span_base = len(self.spans)
-        row_base = len(self.rollouts)
-        new_sample_offsets = np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
+        every = len(keep) == len(batch.ids)  # (then the rows are the batch's own: no selection to build)
+        offsets = batch.sample_offsets
+        sample_lo, sample_hi = (offsets[:-1], offsets[1:]) if every else (offsets[keep], offsets[keep + 1])
+        samples = np.arange(batch.n_samples) if every else expand_ranges(sample_lo, sample_hi)
+        span_lo, span_hi = spans.span_offsets[samples], spans.span_offsets[samples + 1]
+        kept_spans = np.arange(len(spans.lo)) if every else expand_ranges(span_lo, span_hi)
+        sample_base, span_base, row_base = len(self.samples), len(self.spans), len(self.rollouts)
+        # Offsets start at 0 (checked): the batch's own, shifted, when every rollout is kept.
+        new_sample_offsets = sample_base + (
+            offsets if every else np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
+        )
+        new_span_offsets = span_base + (
+            spans.span_offsets if every else np.concatenate(([0], np.cumsum(span_hi - span_lo)))
+        )
+
+        def of_rollouts(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return values if every else values[keep]
+
+        def of_samples(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return values if every else values[samples]
+
+        def of_spans(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
+            return values if every else values[kept_spans]
+
+        frozen = of_rollouts(batch.frozen)
         self.rollouts.append(
-            chunk=chunk, index=index, status=np.full(len(keep), QUEUED),
-            judged=np.full(len(keep), NEVER), frozen=batch.frozen[keep], dispatch=batch.dispatch_version[keep],
-            completion=spans.completion[keep], group=groups, env=envs,
-            sample_lo=sample_base + new_sample_offsets[:-1], sample_hi=sample_base + new_sample_offsets[1:],
+            chunk=chunk, index=index, status=QUEUED, judged=NEVER, frozen=frozen,
+            dispatch=of_rollouts(batch.dispatch_version), completion=of_rollouts(spans.completion), group=groups,
+            env=envs, sample_lo=new_sample_offsets[:-1], sample_hi=new_sample_offsets[1:],
         )  # fmt: skip
         sample_rollout = np.repeat(np.arange(len(keep)), sample_hi - sample_lo)
-        span_lo, span_hi = spans.span_offsets[samples], spans.span_offsets[samples + 1]
-        kept_spans = expand_ranges(span_lo, span_hi)
-        new_span_offsets = np.concatenate(([0], np.cumsum(span_hi - span_lo)))
+        n_sampled = of_samples(spans.n_sampled)
         self.samples.append(
-            rollout=row_base + sample_rollout, local=samples - batch.sample_offsets[keep][sample_rollout],
-            span_lo=span_base + new_span_offsets[:-1], span_hi=span_base + new_span_offsets[1:],
-            mask_below=np.full(len(samples), NO_MASK), dropped=np.zeros(len(samples), dtype=bool),
-            had_train=spans.had_train[samples], unmaskable=spans.unmaskable[samples],
-            n_sampled=spans.n_sampled[samples], n_unlabelled=spans.n_unlabelled[samples],
-            max_label=spans.max_label[samples], max_sampled=spans.max_sampled_version[samples],
-            seq_min=spans.seq_min_version[samples], label_kind=batch.label_kind[samples],
+            rollout=row_base + sample_rollout, local=samples - sample_lo[sample_rollout],
+            span_lo=new_span_offsets[:-1], span_hi=new_span_offsets[1:], mask_below=NO_MASK, dropped=False,
+            had_train=of_samples(spans.had_train), unmaskable=of_samples(spans.unmaskable), n_sampled=n_sampled,
+            n_unlabelled=of_samples(spans.n_unlabelled), max_label=of_samples(spans.max_label),
+            max_sampled=of_samples(spans.max_sampled_version), seq_min=of_samples(spans.seq_min_version),
+            label_kind=of_samples(batch.label_kind),
         )  # fmt: skip
-        span_sample_local = np.repeat(np.arange(len(samples)), span_hi - span_lo)
-        lo, hi = spans.lo[kept_spans], spans.hi[kept_spans]
+        span_sample_local = spans.sample if every else np.repeat(np.arange(len(samples)), span_hi - span_lo)
+        lo, hi = of_spans(spans.lo), of_spans(spans.hi)
         if position_base is not None:
             base = position_base[sample_rollout[span_sample_local]]
             lo, hi = lo - base, hi - base
         self.spans.append(
             sample=sample_base + span_sample_local, lo=lo, hi=hi,
-            version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
-            sampled=spans.sampled[kept_spans], live=spans.live[kept_spans], part=spans.part[kept_spans],
+            version=of_spans(spans.version), labelled=of_spans(spans.label) >= 0,
+            sampled=of_spans(spans.sampled), live=of_spans(spans.live), part=of_spans(spans.part),
         )  # fmt: skip
-        live_samples = ~batch.frozen[keep][sample_rollout]
-        self._tokens_entered += int(spans.n_sampled[samples][live_samples].sum())
+        self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
         self._observe_added(groups)
 
     def queued_tokens(self, rows: IntArray) -> int:
@@ -357,8 +445,12 @@ class RolloutQueue:
     def leave(self, rows: IntArray, status: int) -> None:
         self.rollouts["status"][rows] = status
         self.queued -= len(rows)
-        chunks, counts = np.unique(self.rollouts["chunk"][rows], return_counts=True)
-        for chunk, count in zip(chunks.tolist(), counts.tolist()):
+        chunks = self.rollouts["chunk"][rows]
+        if len(chunks) <= 256:  # (a few rollouts: counted over a list, where numpy's sort costs more)
+            counted = sorted(Counter(chunks.tolist()).items())
+        else:
+            counted = list(zip(*(a.tolist() for a in np.unique(chunks, return_counts=True))))
+        for chunk, count in counted:
             self.chunk_open[chunk] -= count
             if self.chunk_open[chunk] == 0:
                 self.closing.append(chunk)

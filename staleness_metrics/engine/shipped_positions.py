@@ -17,7 +17,7 @@ from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..records.columnar import RolloutBatch
 from .decision import Judgement
 from .queue import RolloutQueue
-from .segments import expand_ranges, segment_sum
+from .segments import distinct, expand_ranges, segment_sum
 from .spans import PART_LABELLED, PART_UNLABELLED
 
 __all__ = ["NOT_SAMPLED", "ShippedSpans", "shipped_spans"]
@@ -58,7 +58,7 @@ class ShippedSpans:
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(self.hi[rows] - self.lo[rows])))
         found, owners = [], []
-        for c in np.unique(self.chunk[rows][self.mixed[rows]]).tolist():
+        for c in distinct(self.chunk[rows][self.mixed[rows]]):
             tokens = self.batches[c].token_versions
             assert tokens is not None
             local = np.flatnonzero(self.mixed[rows] & (self.chunk[rows] == c))
@@ -91,7 +91,7 @@ class ShippedSpans:
         return lengths[self.sample_offsets]
 
     def carries_trainer_logprobs(self) -> bool:
-        return any(self.batches[c].trainer_logprobs is not None for c in np.unique(self.chunk).tolist())
+        return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.chunk))
 
     def mismatch(self, band: tuple[float, float], env: int | None = None) -> MismatchSums:
         """SPEC 11 sums over the sampled positions of live rollouts, from the records' log-probabilities; of the
@@ -101,7 +101,7 @@ class ShippedSpans:
         if env is not None:
             assert self.env is not None
             inside &= self.env == env
-        for c in np.unique(self.chunk[inside]).tolist():
+        for c in distinct(self.chunk[inside]):
             rows = np.flatnonzero(inside & (self.chunk == c))
             lag, masked = self._per_position(rows)
             total = total + _chunk_sums(self.batches[c], self.lo[rows], self.hi[rows], lag, masked, band)
@@ -151,9 +151,12 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
     masked = shipped.version < shipped.mask_below[shipped.span_sample]
     partner = np.minimum(np.arange(len(part)) + 1, max(len(part) - 1, 0))  # the unlabelled part follows
     chunks = queue.rollouts["chunk"][shipped.rows]
-    used = np.unique(chunks)
-    batches = [queue.chunks[c] for c in used.tolist()]
-    assert all(b is not None for b in batches)
+    used = distinct(chunks)
+    batches: list[RolloutBatch] = []
+    for c in used:
+        batch = queue.chunks[c]
+        assert batch is not None  # a queued rollout's batch is kept
+        batches.append(batch)
     spans_per_sample = segment_sum(kept.astype(np.int64), shipped.span_offsets)[kept_sample]
     return ShippedSpans(
         batches=batches,

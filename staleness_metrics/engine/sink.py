@@ -24,10 +24,10 @@ from ..records.columnar import LABELS_SPANS, RolloutBatch
 from ..records.model import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from ..records.validation import Verdicts, plainly_valid
 from .decision import Decision, Judgement
-from .judging import apply_decision, judgement_of, with_groups
+from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
 from .queue import COMPACT_MIN_ROWS, INVALID, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
-from .segments import expand_ranges
+from .segments import distinct, expand_ranges
 from .shipment import Shipment, ShippedRollout
 from .shipped_positions import shipped_spans
 from .spans import SpanTable, checked_spans
@@ -258,12 +258,17 @@ class Sink:
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
+        self._sweep(step)
+
+    def _sweep(self, step: int) -> Judgement | None:
+        """:meth:`sweep`; returns the slice it judged (None: nothing to judge)."""
         self._advance(step)
         self.queue.build_staged()
         r = self.queue.rollouts
         rows = np.flatnonzero((r["status"] == QUEUED) & (r["judged"] < step))
-        if len(rows):
-            self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)
+        if len(rows) == 0:
+            return None
+        return self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)[0]
 
     # ------------------------------------------------------------------ ship
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
@@ -284,26 +289,26 @@ class Sink:
             named = [self.queue.row_of[i] for i in ids if i in self.queue.row_of]
             taken = np.unique(np.array(named, dtype=np.int64))
             taken = taken[r["status"][taken] == QUEUED]
-        self.sweep(step)
+        judged = self._sweep(step)  # (when it judged exactly the rollouts shipped, their slice is read from it)
         taken = self._check_versions(taken[r["status"][taken] == QUEUED], step)
         hold = np.zeros(len(taken), dtype=bool)
         if len(taken) and self.policy.holds:
             # The sweep judged everything at this step already; judging again only decides the holds.
-            judgement, decision = self._judge(with_groups(self.queue, taken, self.policy.judges_groups), step)
+            judged, decision = self._judge(with_groups(self.queue, taken, self.policy.judges_groups), step)
             taken = taken[r["status"][taken] == QUEUED]
-            hold = np.isin(taken, judgement.rows[decision.hold_rollout])
+            hold = np.isin(taken, judged.rows[decision.hold_rollout])
         held, shipped = taken[hold], taken[~hold]
         self._window.add(r["env"][held], "rollouts_held")
         self._window.held.extend(self.queue.ids[i] for i in held)
         self.queue.leave(shipped, SHIPPED)
 
-        shipped_slice = judgement_of(self.queue, shipped, step)
+        shipped_slice = judgement_again(self.queue, judged, shipped, step)
         spans = shipped_spans(self.queue, shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
         judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)
         env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
         if mismatch is not None and self.config.env_breakdown and spans.env is not None:
-            for env in np.unique(spans.env[spans.lag >= 0]).tolist():
+            for env in distinct(spans.env[spans.lag >= 0]):
                 name = self.queue.env_names[env]
                 if name:  # SPEC 11 and 14 per env, from the records (rollouts without an env have no keys)
                     sums = spans.mismatch(self.config.mismatch_band, env)
@@ -342,7 +347,7 @@ class Sink:
         local = s["local"][sample_rows][kept]
         ids = [self.queue.ids[row] for row in rows.tolist()]
         chunk = r["chunk"][rows]
-        batches = {c: self.queue.chunks[c] for c in np.unique(chunk).tolist()}
+        batches = {c: self.queue.chunks[c] for c in distinct(chunk)}
         index = r["index"][rows]
 
         def build() -> tuple[ShippedRollout, ...]:
@@ -362,12 +367,12 @@ class Sink:
         r, s = self.queue.rollouts, self.queue.samples
         bad_dispatch = r["dispatch"][rows] > trained  # frozen rollouts too: every version is checked
         sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
-        counts = r["sample_hi"][rows] - r["sample_lo"][rows]
         bad_sample = s["max_label"][sample_rows] > trained
+        if not (bad_dispatch.any() or bad_sample.any()):  # (the usual case: nothing to name)
+            return rows
+        counts = r["sample_hi"][rows] - r["sample_lo"][rows]
         bad_label = np.bincount(np.repeat(np.arange(len(rows)), counts)[bad_sample], minlength=len(rows)) > 0
         bad = bad_dispatch | bad_label
-        if not bad.any():
-            return rows
         errors = []
         for local in np.flatnonzero(bad):
             row = int(rows[local])

@@ -32,11 +32,13 @@ from .kernels import (
     WEIGHT_NOT_POSITIVE,
     TokenSpans,
     fusable_weights,
+    span_rows,
     token_spans,
     weight_flags,
 )
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
-from .segments import expand_ranges, segment_max, segment_min, segment_sum
+from .segments import expand_ranges, segment_max
+from .token_pieces import narrow, token_spans_in_pieces
 
 __all__ = [
     "NO_VERSION_HIGH", "NO_VERSION_LOW", "PART_LABELLED", "PART_UNLABELLED", "PART_WHOLE", "SpanTable", "build_spans",
@@ -112,7 +114,6 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     ``_TokenVersionBelowMinusOne`` when a sample it cuts has one (:func:`checked_spans`).
     """
     pos_off = batch.position_offsets
-    n_samples = batch.n_samples
     n_positions = batch.n_positions
     sample_rollout = np.repeat(np.arange(batch.n_rollouts), np.diff(batch.sample_offsets))
     valid_sample = ~verdicts.invalid[sample_rollout]
@@ -179,36 +180,16 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     live = is_sampled.copy() if rl is None else is_sampled & (rl | other)  # no rl_weights: 1.0 on the mask
     side = ~is_sampled & other
 
-    # Rows: one per cut, two per mixed cut (its labelled part, then its unlabelled part).
-    row_cut = np.repeat(np.arange(len(lo)), 1 + mixed)
-    part = np.zeros(len(row_cut), dtype=np.int8)
-    second = np.flatnonzero(mixed) + np.arange(1, int(mixed.sum()) + 1)
-    part[second - 1], part[second] = PART_LABELLED, PART_UNLABELLED
-    count = np.where(part == PART_LABELLED, labelled[row_cut], hi[row_cut] - lo[row_cut])
-    count = np.where(part == PART_UNLABELLED, (hi - lo - labelled)[row_cut], count)
-    row_live = live[row_cut]
+    # Rows: one per kept cut, two per mixed cut (its labelled part, then its unlabelled part), and the
+    # per-sample reductions, in one compiled pass over the cuts.
+    live_labelled, live_unlabelled = live, live
     if rl is not None and (mixed & live).any():
         rl_positive = flags[present.index("rl_weights")] & (WEIGHT_NAN | WEIGHT_NOT_POSITIVE) == 0
-        _exact_part_liveness(batch, present, lo, hi, rl_positive, mixed & live, row_cut, part, row_live)
-    keep_rows = kept[row_cut]
-    row_cut, part, count, row_live = row_cut[keep_rows], part[keep_rows], count[keep_rows], row_live[keep_rows]
-    lo, hi, label, side = lo[row_cut], hi[row_cut], np.where(part == PART_UNLABELLED, -1, label[row_cut]), side[row_cut]
-    sampled = np.where(is_sampled[row_cut], count, 0).astype(np.int64)
-    live = row_live
-    sample = (np.searchsorted(pos_off, lo, "right") - 1).astype(np.int64)
-    span_offsets = np.concatenate(([0], np.cumsum(np.bincount(sample, minlength=n_samples)))).astype(np.int64)
-    dispatch = batch.dispatch_version[sample_rollout][sample]
-    version = np.where(label >= 0, label, dispatch)
-
-    n_sampled = segment_sum(sampled, span_offsets)
-    n_unlabelled = segment_sum(np.where(label < 0, sampled, 0), span_offsets)
-    unmaskable = segment_sum(side, span_offsets) > 0
-    had_train = unmaskable | (segment_sum(live, span_offsets) > 0)
-    max_label = segment_max(label, span_offsets, -1)
-    has_sampled = sampled > 0
-    max_sampled = segment_max(np.where(has_sampled, version, NO_VERSION_LOW), span_offsets, NO_VERSION_LOW)
-    seq_counts = (label >= 0) | has_sampled
-    seq_min = segment_min(np.where(seq_counts, version, NO_VERSION_HIGH), span_offsets, NO_VERSION_HIGH)
+        live_labelled, live_unlabelled = _exact_part_liveness(batch, present, lo, hi, rl_positive, live, mixed)
+    hi = hi[: len(lo)]  # (with no cut, hi held the end of the positions)
+    rows = span_rows(lo, hi, label, labelled, kept, is_sampled, live_labelled, live_unlabelled, side, pos_off,
+                     batch.dispatch_version[sample_rollout], (NO_VERSION_LOW, NO_VERSION_HIGH))  # fmt: skip
+    max_sampled = rows.max_sampled_version
 
     completion = batch.completion_version
     assert completion is not None
@@ -217,22 +198,22 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         completion >= 0, completion, np.where(newest > NO_VERSION_LOW, newest, batch.dispatch_version)
     )
     return SpanTable(
-        sample=sample,
-        lo=lo,
-        hi=hi,
-        label=label,
-        version=version,
-        part=part,
-        sampled=sampled,
-        live=live,
-        span_offsets=span_offsets,
-        n_sampled=n_sampled,
-        n_unlabelled=n_unlabelled,
-        unmaskable=unmaskable,
-        had_train=had_train,
-        max_label=max_label,
+        sample=rows.sample,
+        lo=rows.lo,
+        hi=rows.hi,
+        label=rows.label,
+        version=rows.version,
+        part=rows.part,
+        sampled=rows.sampled,
+        live=rows.live,
+        span_offsets=rows.span_offsets,
+        n_sampled=rows.n_sampled,
+        n_unlabelled=rows.n_unlabelled,
+        unmaskable=rows.unmaskable,
+        had_train=rows.had_train,
+        max_label=rows.max_label,
         max_sampled_version=max_sampled,
-        seq_min_version=seq_min,
+        seq_min_version=rows.seq_min_version,
         completion=completion.astype(np.int64),
     )
 
@@ -248,7 +229,8 @@ def _token_spans(batch: RolloutBatch, tokened: BoolArray, weights: list[npt.NDAr
     """
     tokens = batch.token_versions
     assert tokens is not None
-    return token_spans(tokens, batch.mask, batch.position_offsets, np.flatnonzero(tokened), weights)
+    spans_of = token_spans_in_pieces if narrow(tokens) else token_spans  # narrow: read as int64 a piece at a time
+    return spans_of(tokens, batch.mask, batch.position_offsets, np.flatnonzero(tokened), weights)
 
 
 def _merged_flags(
@@ -280,20 +262,19 @@ def _exact_part_liveness(
     lo: IntArray,
     hi: IntArray,
     rl_positive: BoolArray,
-    candidates: BoolArray,
-    row_cut: IntArray,
-    part: npt.NDArray[np.int8],
-    row_live: BoolArray,
-) -> None:
-    """Whether each part of a live mixed cut has a weighted position of its own (written into ``row_live``).
+    live: BoolArray,
+    mixed: BoolArray,
+) -> tuple[BoolArray, BoolArray]:
+    """Per cut, whether its labelled and its unlabelled part has a weighted position of its own: as ``live``
+    as the cut, except for live ``mixed`` cuts with an rl weight that is not above 0 somewhere
+    (``rl_positive`` false), whose positions are read one by one.
 
-    Both parts do at once when every rl weight of the cut is above 0 (``rl_positive``); only the other
-    cuts are read position by position.
-    """
-    cuts = np.flatnonzero(candidates)
+    Both parts are live at once when every rl weight of the cut is above 0."""
+    cuts = np.flatnonzero(mixed & live)
     doubt = cuts[~rl_positive[cuts]]  # a zero (or negative, or NaN) rl weight somewhere in the cut
+    labelled_part, unlabelled_part = live.copy(), live.copy()
     if len(doubt) == 0:
-        return
+        return labelled_part, unlabelled_part
     tokens = batch.token_versions
     assert tokens is not None
     positions = expand_ranges(lo[doubt], hi[doubt])
@@ -303,11 +284,8 @@ def _exact_part_liveness(
     owner = np.repeat(np.arange(len(doubt)), hi[doubt] - lo[doubt])
     key = 2 * owner + (tokens[positions] < 0)
     alive = np.bincount(key[weighted], minlength=2 * len(doubt)) > 0
-    slot = np.full(len(lo), -1)
-    slot[doubt] = np.arange(len(doubt))
-    rows = np.flatnonzero(slot[row_cut] >= 0)
-    rows = rows[part[rows] != PART_WHOLE]
-    row_live[rows] = alive[2 * slot[row_cut[rows]] + (part[rows] == PART_UNLABELLED)]
+    labelled_part[doubt], unlabelled_part[doubt] = alive[0::2], alive[1::2]
+    return labelled_part, unlabelled_part
 
 
 def _version_spans(

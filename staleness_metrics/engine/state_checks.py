@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, NoReturn
@@ -23,7 +23,10 @@ from ..errors import ConfigError
 
 __all__ = [
     "FORMAT",
+    "PIECED_DEPTH",
+    "PIECE_ITEMS",
     "READABLE_FORMATS",
+    "NestedTooDeep",
     "arrays_left_as_numpy",
     "boolean",
     "check_digests",
@@ -34,6 +37,7 @@ __all__ = [
     "fail",
     "integer",
     "join",
+    "json_pieces",
     "keys",
     "kind_of",
     "mapping",
@@ -128,6 +132,120 @@ def strings(value: object, path: str, optional: bool = False, unique: bool = Fal
     return out
 
 
+# ---------------------------------------------------------------------- JSON text in pieces
+# Arrays of more values than this are encoded a piece of this many values at a time: orjson reserves an
+# output buffer for the longest text of each value (about 32 bytes for an int8, 70 for a float64); only
+# the pages written become resident, but a piece cut by bytes reserved 32 MB for 1M int8 values.
+PIECE_ITEMS = 1 << 16
+# Nesting that :func:`json_pieces` follows when given a limit: far below orjson's own (254 levels), so
+# that text it writes in pieces is text orjson would have written whole, never past the point where
+# orjson refuses. Deeper values are for the caller to encode whole.
+PIECED_DEPTH = 100
+# The arrays orjson writes natively (C-contiguous, native byte order): one of them cut into blocks of rows
+# is the same text. Any other goes to orjson whole, to be refused or handed to ``default`` as it would be.
+_PIECED_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+              np.float32, np.float64)
+)  # fmt: skip
+
+
+_CONTAINERS = (dict, list, tuple, np.ndarray)
+
+
+class NestedTooDeep(ValueError):
+    """Raised by :func:`json_pieces` past its ``max_depth``: encode the value whole instead."""
+
+
+class _HoldsNumpy(Exception):
+    """A value met a numpy object while written without numpy support: it is written in pieces."""
+
+
+def json_pieces(
+    value: Any, option: int, default: Callable[[Any], Any] | None = None, max_depth: int | None = None
+) -> Iterator[bytes]:
+    """``orjson.dumps(value, default=default, option=option)`` as consecutive pieces whose concatenation is
+    that text byte for byte, so that a value holding arrays of millions of values (a checkpoint's queue, a
+    long record) is hashed or stored without its whole text in memory at once.
+
+    A dict, list or tuple holding no numpy object is written whole, by one orjson call (its text is no
+    larger than its Python objects); one that holds some is written an item at a time, and an array of
+    more than :data:`PIECE_ITEMS` values a block of rows at a time. Raises what ``orjson.dumps`` raises,
+    and :class:`NestedTooDeep` when it would follow more than ``max_depth`` containers."""
+    sort_keys = bool(option & orjson.OPT_SORT_KEYS)
+    plain_option = option & ~orjson.OPT_SERIALIZE_NUMPY
+
+    def whole(item: Any) -> bytes:
+        return orjson.dumps(item, default=default, option=option)
+
+    def no_numpy(item: Any) -> Any:
+        if isinstance(item, np.ndarray | np.generic):
+            raise _HoldsNumpy
+        if default is None:
+            raise TypeError(f"Type is not JSON serializable: {type(item).__name__}")
+        return default(item)
+
+    def without_numpy(item: Any, path: tuple[type, ...]) -> bytes | None:
+        """``item``'s text if it holds no numpy object, else None. It is written inside containers of the
+        kinds of its ``path`` (then cut out), so that orjson refuses it exactly where it would refuse it
+        inside the whole value (orjson limits nesting)."""
+        wrapped, head, tail = item, 0, 0
+        for kind in reversed(path):
+            if kind is dict:
+                wrapped, head, tail = {"": wrapped}, head + 4, tail + 1  # {"":...}
+            else:
+                wrapped, head, tail = kind((wrapped,)), head + 1, tail + 1  # [...]
+        try:
+            text = orjson.dumps(wrapped, default=no_numpy, option=plain_option)
+        except orjson.JSONEncodeError as exc:
+            if isinstance(exc.__cause__, _HoldsNumpy):
+                return None
+            raise
+        return text[head : len(text) - tail] if path else text
+
+    def pieces(item: Any, depth: int, path: tuple[type, ...]) -> Iterator[bytes]:
+        if max_depth is not None and depth > max_depth:
+            raise NestedTooDeep(f"nested more than {max_depth} levels")
+        if isinstance(item, dict | list | tuple):
+            text = without_numpy(item, path)
+            if text is not None:
+                yield text
+            elif isinstance(item, dict) and all(type(key) is str for key in item):  # else orjson words the refusal
+                inner = (*path, dict)
+                yield b"{"
+                for number, (key, entry) in enumerate(sorted(item.items()) if sort_keys else item.items()):
+                    yield (b"," if number else b"") + whole(key) + b":"
+                    yield from pieces(entry, depth + 1, inner)
+                yield b"}"
+            elif isinstance(item, list | tuple) and any(isinstance(entry, _CONTAINERS) for entry in item):
+                inner = (*path, list if isinstance(item, list) else tuple)
+                yield b"["
+                for number, entry in enumerate(item):
+                    if number:
+                        yield b","
+                    yield from pieces(entry, depth + 1, inner)
+                yield b"]"
+            else:
+                yield whole(item)
+        elif (
+            isinstance(item, np.ndarray)
+            and item.size > PIECE_ITEMS
+            and item.ndim >= 1
+            and item.dtype in _PIECED_DTYPES
+            and item.flags.c_contiguous
+        ):
+            rows = max(1, PIECE_ITEMS * len(item) // item.size)
+            yield b"["
+            for start in range(0, len(item), rows):
+                text = whole(item[start : start + rows])
+                yield (b"," if start else b"") + text[1:-1]
+            yield b"]"
+        else:
+            yield whole(item)
+
+    return pieces(value, 0, ())
+
+
 # ---------------------------------------------------------------------- digests
 def _plain(value: Any) -> Any:
     if isinstance(value, np.generic):
@@ -135,16 +253,35 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
+_DIGEST_OPTION = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
 def _digest(value: Any, path: str) -> str:
     """A hash of ``value``'s canonical JSON (orjson: a tenth of the standard library's time on big arrays;
-    the standard library for what orjson refuses, such as integers beyond 64 bits in echoed records)."""
+    the standard library for what orjson refuses, such as integers beyond 64 bits in echoed records).
+    The text is hashed a piece at a time (:func:`json_pieces`): a state of millions of queued positions
+    costs no copy of its text."""
+    digest = hashlib.blake2b(digest_size=16)
     try:
-        text = orjson.dumps(value, default=_plain, option=orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+        for piece in json_pieces(value, _DIGEST_OPTION, default=_plain, max_depth=PIECED_DEPTH):
+            digest.update(piece)
+        return digest.hexdigest()
+    except NestedTooDeep:
+        pass
     except (TypeError, orjson.JSONEncodeError):
-        try:
-            text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain).encode()
-        except (TypeError, ValueError, RecursionError) as exc:
-            fail(path, f"not plain data ({exc})")
+        return _standard_digest(value, path)
+    try:  # deeper than the pieces follow: whole, so that orjson refuses exactly where it always did
+        text = orjson.dumps(value, default=_plain, option=_DIGEST_OPTION)
+    except (TypeError, orjson.JSONEncodeError):
+        return _standard_digest(value, path)
+    return hashlib.blake2b(text, digest_size=16).hexdigest()
+
+
+def _standard_digest(value: Any, path: str) -> str:
+    try:
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain).encode()
+    except (TypeError, ValueError, RecursionError) as exc:
+        fail(path, f"not plain data ({exc})")
     return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 

@@ -26,19 +26,21 @@ class Table:
         return tuple(self._columns)
 
     def append(self, **values: npt.ArrayLike) -> int:
-        """Append equal-length arrays for every column; returns the index of the first new row."""
-        if set(values) != set(self._columns):
+        """Append equal-length arrays for every column (a scalar: that value in every new row; at least one
+        column is an array); returns the index of the first new row."""
+        if values.keys() != self._columns.keys():
             raise KeyError(f"expected columns {sorted(self._columns)}, got {sorted(values)}")
-        arrays = {name: np.asarray(v) for name, v in values.items()}
-        n = len(next(iter(arrays.values())))
+        n = len(next(v for v in values.values() if np.ndim(v)))  # type: ignore[arg-type]
         start = self._size
         needed = start + n
-        for name, column in self._columns.items():
-            if needed > len(column):
+        columns = self._columns
+        if needed > len(next(iter(columns.values()))):  # (every column has the same capacity)
+            for name, column in columns.items():
                 grown = np.zeros(max(needed, 2 * len(column)), dtype=column.dtype)
                 grown[:start] = column[:start]
-                self._columns[name] = column = grown
-            column[start:needed] = arrays[name]
+                columns[name] = grown
+        for name, column in columns.items():
+            column[start:needed] = values[name]
         self._size = needed
         return start
 

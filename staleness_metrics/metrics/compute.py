@@ -77,23 +77,28 @@ class WindowCounts:
         return self.counts.get(env, {}).get(name, 0)
 
 
-def _nearest_rank(values: IntArray, counts: IntArray, numerator: int, denominator: int) -> int:
-    """The ceil(p * N)-th smallest value, p = numerator / denominator (exact integer maths).
+def _nearest_ranks(values: IntArray, counts: IntArray) -> list[int]:
+    """The :data:`QUANTILES`' nearest ranks: the ceil(p * N)-th smallest value each (exact integer maths).
 
-    ``values`` are sorted distinct values, ``counts`` how often each occurs.
-    """
-    rank = max(1, -(-numerator * int(counts.sum()) // denominator))
-    return int(values[np.searchsorted(np.cumsum(counts), rank)])
+    ``values`` are sorted distinct values, ``counts`` how often each occurs."""
+    running = np.cumsum(counts)
+    total = int(running[-1])
+    ranks = [max(1, -(-numerator * total // denominator)) for _, numerator, denominator in QUANTILES]
+    return values[np.searchsorted(running, ranks)].tolist()  # type: ignore[no-any-return]
 
 
-def _distribution(values: IntArray, weights: IntArray) -> tuple[IntArray, IntArray]:
-    """Sorted distinct values and their total weights."""
+def _distribution(values: IntArray, weights: IntArray | None) -> tuple[IntArray, IntArray]:
+    """Sorted distinct values and their total weights (None: one each)."""
     if len(values) and int(values.max()) - (low := int(values.min())) < _DIRECT_RANGE:
         # a few staleness values (the usual case): counted by value, no sort
-        totals = np.bincount(values - low, weights=weights).astype(np.int64)
-        present = np.flatnonzero(np.bincount(values - low))
-        return (present + low).astype(np.int64), totals[present]
+        shifted = values - low
+        counted = np.bincount(shifted)
+        present = np.flatnonzero(counted)
+        totals = counted if weights is None else np.bincount(shifted, weights=weights).astype(np.int64)
+        return present + low, totals[present]
     distinct, inverse = np.unique(values, return_inverse=True)
+    if weights is None:
+        return distinct, np.bincount(inverse, minlength=len(distinct))
     return distinct, np.bincount(inverse, weights=weights, minlength=len(distinct)).astype(np.int64)
 
 
@@ -105,6 +110,10 @@ def _histogram(distinct: IntArray, counts: IntArray) -> IntArray:
     so a wild version number cannot make it huge."""
     if len(distinct) == 0:
         return np.zeros(0, dtype=np.int64)
+    if int(distinct[0]) >= 0 and int(distinct[-1]) < HISTOGRAM_TOP:  # (sorted) nothing to fold into the top
+        histogram = np.zeros(int(distinct[-1]) + 1, dtype=np.int64)
+        histogram[distinct] = counts
+        return histogram
     return np.bincount(np.minimum(distinct, HISTOGRAM_TOP), weights=counts).astype(np.int64)
 
 
@@ -117,64 +126,101 @@ def _exact_dot(a: IntArray, b: IntArray) -> int:
     return sum(x * y for x, y in zip(a.tolist(), b.tolist()))
 
 
-def _newest_staleness(slice_: Judgement, span_in: BoolArray, live_rollout: BoolArray) -> IntArray:
-    """``T - max(v)`` per live rollout over its shipped sampled positions (dispatch version when none):
-    the freshest token's age, verl's trajectory staleness, beside SPEC 6's oldest-token ``R``."""
-    newest_span = np.where(span_in & (slice_.sampled > 0), slice_.version, NO_VERSION_LOW)
-    newest_sample = segment_max(newest_span, slice_.span_offsets, NO_VERSION_LOW)
-    newest = segment_max(newest_sample, slice_.sample_offsets, NO_VERSION_LOW)
-    newest = np.where(newest == NO_VERSION_LOW, slice_.dispatch, newest)[live_rollout]
-    return slice_.trained_version - newest
+class _Shipped:
+    """What every population of a ship reads, computed once over all its live rollouts: a population (the
+    whole ship, or the rollouts of one env) then selects from these instead of reducing its spans again.
+
+    A rollout's own numbers (its oldest and newest shipped version, its in-flight time) and a sample's
+    (its masked positions) depend on its spans alone, so they are the same in every population holding it.
+    """
+
+    def __init__(self, slice_: Judgement) -> None:
+        t = slice_.trained_version
+        self.slice = slice_
+        self.live_rollout = ~slice_.frozen
+        self.span_rollout = slice_.sample_rollout[slice_.span_sample]
+        self.sample_in = self.live_rollout[slice_.sample_rollout] & ~slice_.dropped
+        span_in = self.sample_in[slice_.span_sample]
+        self.sampled = np.where(span_in, slice_.sampled, 0)
+        self.staleness = t - slice_.version
+        self.masked = np.where(slice_.version < slice_.mask_below[slice_.span_sample], self.sampled, 0)
+        self.masked_per_sample = segment_sum(self.masked, slice_.span_offsets)
+
+        # Rollout staleness: oldest shipped sampled position, the dispatch version when there is none; and
+        # ``T - max(v)`` over the same positions: the freshest token's age, verl's trajectory staleness,
+        # beside SPEC 6's oldest-token ``R``.
+        has_sampled = span_in & (slice_.sampled > 0)
+        oldest_span = np.where(has_sampled, slice_.version, NO_VERSION_HIGH)
+        oldest = segment_min(segment_min(oldest_span, slice_.span_offsets, NO_VERSION_HIGH), slice_.sample_offsets,
+                             NO_VERSION_HIGH)  # fmt: skip
+        oldest = np.where(oldest == NO_VERSION_HIGH, slice_.dispatch, oldest)
+        newest_span = np.where(has_sampled, slice_.version, NO_VERSION_LOW)
+        newest = segment_max(segment_max(newest_span, slice_.span_offsets, NO_VERSION_LOW), slice_.sample_offsets,
+                             NO_VERSION_LOW)  # fmt: skip
+        newest = np.where(newest == NO_VERSION_LOW, slice_.dispatch, newest)
+        self.rollout = t - oldest
+        self.in_flight = np.minimum(np.maximum(slice_.completion - oldest, 0), self.rollout)  # (np.clip, cheaper)
+        self.newest = t - newest
+
+
+_ROLLOUT_KEYS = (
+    (keys.ROLLOUT_MEAN, keys.ROLLOUT_MAX),
+    (keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_FLIGHT_MAX),
+    (keys.ROLLOUT_IN_QUEUE_MEAN, keys.ROLLOUT_IN_QUEUE_MAX),
+    (keys.ROLLOUT_NEWEST_MEAN, keys.ROLLOUT_NEWEST_MAX),
+)
 
 
 def _population(
-    slice_: Judgement,
-    rollout_in: BoolArray,
+    shipped: _Shipped,
+    rollout_in: BoolArray | None,
     env: int | None,
     window: WindowCounts,
     max_staleness: int,
 ) -> tuple[dict[str, float | int], Tally]:
-    """Metrics and tally of the live shipped rollouts selected by ``rollout_in``."""
-    t = slice_.trained_version
-    live_rollout = rollout_in & ~slice_.frozen
-    sample_in = live_rollout[slice_.sample_rollout] & ~slice_.dropped
-    span_in = sample_in[slice_.span_sample]
-
-    sampled = np.where(span_in, slice_.sampled, 0)
-    staleness = t - slice_.version
-    masked_spans = np.where(slice_.version < slice_.mask_below[slice_.span_sample], sampled, 0)
+    """Metrics and tally of the live shipped rollouts selected by ``rollout_in`` (None: all of them)."""
+    slice_ = shipped.slice
+    if rollout_in is None:
+        live_rollout, sample_in, sampled, masked_spans = (
+            shipped.live_rollout, shipped.sample_in, shipped.sampled, shipped.masked,
+        )  # fmt: skip
+        masked_per_sample = shipped.masked_per_sample
+        frozen_in = int(slice_.frozen.sum())
+    else:
+        live_rollout = rollout_in & shipped.live_rollout
+        sample_in = shipped.sample_in & rollout_in[slice_.sample_rollout]
+        span_in = rollout_in[shipped.span_rollout]
+        sampled = np.where(span_in, shipped.sampled, 0)
+        masked_spans = np.where(span_in, shipped.masked, 0)
+        masked_per_sample = np.where(sample_in, shipped.masked_per_sample, 0)
+        frozen_in = int((rollout_in & slice_.frozen).sum())
+    staleness = shipped.staleness
     tokens = int(sampled.sum())
+    masked = int(masked_spans.sum())
     unlabelled = int(np.where(slice_.labelled, 0, sampled).sum())
-    token_values, token_counts = _distribution(staleness[sampled > 0], sampled[sampled > 0])
+    present = sampled > 0
+    token_values, token_counts = _distribution(staleness[present], sampled[present])
 
-    # Rollout staleness: oldest shipped sampled position, the dispatch version when there is none.
-    oldest_span = np.where(span_in & (slice_.sampled > 0), slice_.version, NO_VERSION_HIGH)
-    oldest_sample = segment_min(oldest_span, slice_.span_offsets, NO_VERSION_HIGH)
-    oldest = segment_min(oldest_sample, slice_.sample_offsets, NO_VERSION_HIGH)
-    oldest = np.where(oldest == NO_VERSION_HIGH, slice_.dispatch, oldest)[live_rollout]
-    rollout = t - oldest
-    in_flight = np.clip(slice_.completion[live_rollout] - oldest, 0, rollout)
+    rollout = shipped.rollout[live_rollout]
+    in_flight = shipped.in_flight[live_rollout]
     in_queue = rollout - in_flight
-    rollout_values, rollout_counts = _distribution(rollout, np.ones(len(rollout), dtype=np.int64))
-    newest = _newest_staleness(slice_, span_in, live_rollout)
+    rollout_values, rollout_counts = _distribution(rollout, None)
+    newest = shipped.newest[live_rollout]
 
     metrics: dict[str, float | int] = {}
     if tokens:
         metrics[keys.TOKEN_MEAN] = _exact_dot(staleness, sampled) / tokens
-        metrics[keys.TOKEN_MASKED] = float(int(masked_spans.sum()) / tokens)
+        metrics[keys.TOKEN_MASKED] = float(masked / tokens)
         metrics[keys.TOKEN_UNLABELLED] = float(unlabelled / tokens)
-        for key, numerator, denominator in QUANTILES:
-            metrics[key] = _nearest_rank(token_values, token_counts, numerator, denominator)
+        for (key, _, _), value in zip(QUANTILES, _nearest_ranks(token_values, token_counts)):
+            metrics[key] = value
     if len(rollout):
-        for mean_key, max_key, values in (
-            (keys.ROLLOUT_MEAN, keys.ROLLOUT_MAX, rollout),
-            (keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_FLIGHT_MAX, in_flight),
-            (keys.ROLLOUT_IN_QUEUE_MEAN, keys.ROLLOUT_IN_QUEUE_MAX, in_queue),
-            (keys.ROLLOUT_NEWEST_MEAN, keys.ROLLOUT_NEWEST_MAX, newest),
-        ):
-            metrics[mean_key] = int(values.sum()) / len(values)
-            metrics[max_key] = int(values.max())
-    length_samples, length_sampled, length_removed = _length_bias(slice_, sample_in, masked_spans, env, window)
+        per_rollout = np.stack((rollout, in_flight, in_queue, newest))  # (one sum and one max for the four)
+        for (mean_key, max_key), total, top in zip(_ROLLOUT_KEYS, per_rollout.sum(axis=1).tolist(),
+                                                   per_rollout.max(axis=1).tolist()):  # fmt: skip
+            metrics[mean_key] = total / len(rollout)
+            metrics[max_key] = top
+    length_samples, length_sampled, length_removed = _length_bias(slice_, sample_in, masked_per_sample, env, window)
     metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
     metrics[keys.ROLLOUTS_DROPPED] = window.get(env, "rollouts_dropped")
     metrics[keys.SAMPLES_DROPPED] = window.get(env, "samples_dropped")
@@ -183,13 +229,13 @@ def _population(
 
     tally = Tally(
         tokens_sampled=tokens,
-        tokens_masked=int(masked_spans.sum()),
+        tokens_masked=masked,
         tokens_unlabelled=unlabelled,
         tokens_dropped=window.get(env, "tokens_dropped"),
         samples_dropped=window.get(env, "samples_dropped"),
         rollouts_dropped=window.get(env, "rollouts_dropped"),
-        rollouts_shipped=int(live_rollout.sum()),
-        rollouts_frozen=int((rollout_in & slice_.frozen).sum()),
+        rollouts_shipped=len(rollout),
+        rollouts_frozen=frozen_in,
         rollouts_held=window.get(env, "rollouts_held"),
         rollouts_invalid=window.get(env, "rollouts_invalid"),
         token_histogram=_histogram(token_values, token_counts),
@@ -202,16 +248,19 @@ def _population(
 
 
 def _length_bias(
-    slice_: Judgement, sample_in: BoolArray, masked_spans: IntArray, env: int | None, window: WindowCounts
+    slice_: Judgement, sample_in: BoolArray, masked: IntArray, env: int | None, window: WindowCounts
 ) -> tuple[int, IntArray, IntArray]:
-    """SPEC 12 over the shipped samples (``sample_in``) plus the window's dropped samples: how many samples,
-    and per length bucket their sampled positions and how many of those were masked or dropped."""
+    """SPEC 12 over the shipped samples (``sample_in``; ``masked``: their masked positions) plus the window's
+    dropped samples: how many samples, and per length bucket their sampled positions and how many of those
+    were masked or dropped."""
     lengths = np.where(sample_in, slice_.n_sampled, 0)
-    masked = segment_sum(masked_spans, slice_.span_offsets)
     dropped = window.dropped_by_length(env)
     samples = int(sample_in.sum()) + window.get(env, "samples_dropped")
-    sampled = length_bucket_totals(lengths, lengths) + dropped
-    removed = length_bucket_totals(lengths, masked) + dropped
+    inside = lengths > 0
+    buckets = np.searchsorted(_LENGTH_BOUNDS, lengths[inside], "left")
+    # (float sums of integers far below 2**53: exact)
+    sampled = np.bincount(buckets, weights=lengths[inside], minlength=len(LENGTH_BUCKETS)).astype(np.int64) + dropped
+    removed = np.bincount(buckets, weights=masked[inside], minlength=len(LENGTH_BUCKETS)).astype(np.int64) + dropped
     return samples, sampled, removed
 
 
@@ -244,14 +293,14 @@ def compute_report(
     (``per_env=False``: the whole population only).
 
     ``bound`` is SPEC 14's view of ``mismatch`` (its floor, curve and advice, from the run's tracker)."""
-    everything = np.ones(shipped.n_rollouts, dtype=bool)
-    population, tally = _population(shipped, everything, None, window, max_staleness)
+    common = _Shipped(shipped)
+    population, tally = _population(common, None, None, window, max_staleness)
     metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
         metrics.update(mismatch_metrics(mismatch, bound))
     env_metrics: dict[str, dict[str, MetricValue]] = {}
     env_tally: dict[str, Tally] = {}
-    envs = set(np.unique(shipped.env).tolist()) | set(window.counts) if per_env else set()
+    envs = set(shipped.env.tolist()) | set(window.counts) if per_env else set()
     if len(envs) == 1 and set(window.dropped_lengths) <= envs:
         # One env holds every shipped rollout and every count of the window: its population is the whole
         # (the same inputs to the same sums), so it is not computed twice.
@@ -260,7 +309,7 @@ def compute_report(
         env_metrics[env_names[env]] = dict(population)
         envs = set()
     for env in sorted(envs, key=lambda e: env_names[e]):
-        env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
+        env_population, env_tally[env_names[env]] = _population(common, shipped.env == env, env, window, max_staleness)
         env_metrics[env_names[env]] = dict(env_population)
     for name, (sums, env_bound) in (env_costs or {}).items():  # SPEC 11 and 14 per env (env breakdown)
         env_metrics.setdefault(name, {}).update(mismatch_metrics(sums, env_bound))

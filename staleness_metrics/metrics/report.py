@@ -51,19 +51,17 @@ class Tally:
     length_removed: Counts = field(default_factory=_empty_counts)  # of those, masked or dropped
 
     def __add__(self, other: Tally) -> Tally:
-        values: dict[str, object] = {}
-        for name in _TALLY_FIELDS:  # (names read once: dataclasses.fields costs more than the sums)
+        # (names read once: dataclasses.fields costs more than the sums)
+        values: dict[str, object] = {name: getattr(self, name) + getattr(other, name) for name in _COUNT_FIELDS}
+        for name in _COUNTS_FIELDS:
             a, b = getattr(self, name), getattr(other, name)
-            if isinstance(a, np.ndarray):
-                if len(a) == len(b):
-                    values[name] = (a + b).astype(np.int64, copy=False)
-                    continue
-                merged = np.zeros(max(len(a), len(b)), dtype=np.int64)
-                merged[: len(a)] += a
-                merged[: len(b)] += b
-                values[name] = merged
-            else:
-                values[name] = a + b
+            if len(a) == len(b):
+                values[name] = (a + b).astype(np.int64, copy=False)
+                continue
+            merged = np.zeros(max(len(a), len(b)), dtype=np.int64)
+            merged[: len(a)] += a
+            merged[: len(b)] += b
+            values[name] = merged
         return Tally(**values)  # type: ignore[arg-type]
 
     def __eq__(self, other: object) -> bool:
@@ -77,7 +75,8 @@ class Tally:
     __hash__ = None  # type: ignore[assignment]
 
 
-_TALLY_FIELDS = tuple(f.name for f in fields(Tally))
+_COUNTS_FIELDS = tuple(f.name for f in fields(Tally) if f.type == "Counts")  # arrays, added by index
+_COUNT_FIELDS = tuple(f.name for f in fields(Tally) if f.name not in _COUNTS_FIELDS)  # numbers
 
 
 @dataclass(frozen=True)

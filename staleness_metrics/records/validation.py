@@ -6,6 +6,7 @@ runs on the (rare) offenders, to name the rollout, the field and the reason.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
@@ -377,50 +378,70 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
     It lets the sink take a small batch with a handful of numpy calls and cut its spans later, together
     with the batches added after it (``Sink.add``: the cost of a call follows its work).
     """
-    n_rollouts, n_samples, n_positions = batch.n_rollouts, batch.n_samples, batch.n_positions
-    mask, sample_offsets, position_offsets = batch.mask, batch.sample_offsets, batch.position_offsets
-    kind, tokens = batch.label_kind, batch.token_versions
+    ids, mask, sample_offsets, position_offsets = batch.ids, batch.mask, batch.sample_offsets, batch.position_offsets
+    n_rollouts, n_samples, n_positions = len(ids), len(position_offsets) - 1, len(mask)
+    kind, tokens, group_ids, envs = batch.label_kind, batch.token_versions, batch.group_ids, batch.envs
     dispatch, completion, frozen = batch.dispatch_version, batch.completion_version, batch.frozen
-    if (
-        mask.ndim != 1
-        or len(sample_offsets) != n_rollouts + 1
-        or len(position_offsets) == 0
-        or kind is None
-        or len(kind) != n_samples
-        or completion is None
-        or frozen is None
-        or batch.agentic is None
-        or any(len(v) != n_rollouts for v in (dispatch, completion, frozen, batch.agentic))
-        or len(batch.group_ids or ()) != n_rollouts
-        or len(batch.envs or ()) != n_rollouts
-        or any(v is not None and len(v) != n_positions for v in map(batch.__getattribute__, _PER_POSITION))
-    ):
-        return False
+    agentic = batch.agentic
     if n_rollouts == 0 or n_positions == 0:
         return False  # nothing to gain; the exact path says what an empty batch means
-    ends = (int(sample_offsets[0]), int(sample_offsets[-1]), int(position_offsets[0]), int(position_offsets[-1]))
-    if ends != (0, n_samples, 0, n_positions):
+    if (
+        mask.ndim != 1
+        or kind is None
+        or completion is None
+        or frozen is None
+        or agentic is None
+        or group_ids is None
+        or envs is None
+        or len(sample_offsets) != n_rollouts + 1
+        or len(kind) != n_samples
+        or not n_rollouts == len(dispatch) == len(completion) == len(frozen) == len(agentic)
+        or not n_rollouts == len(group_ids) == len(envs)
+    ):
         return False
-    if n_rollouts > 1 and bool((sample_offsets[1:] < sample_offsets[:-1]).any()):
-        return False
-    if n_samples > 1 and bool((position_offsets[1:] < position_offsets[:-1]).any()):
-        return False
-    ids = batch.ids
-    if not (isinstance(known_ids, (set, frozenset)) and len(set(ids)) == n_rollouts and known_ids.isdisjoint(ids)):
-        return False
-    for texts in (ids, batch.group_ids or (), batch.envs or ()):
-        if lone_surrogate("".join(map(str, texts))) is not None:
+    # The per-position arrays given (the ones checked finite first), each as long as the mask.
+    floats = [v for v in (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights, batch.logprobs) if v is not None]
+    trainer_logprobs = batch.trainer_logprobs
+    for values in (*floats, tokens, trainer_logprobs):
+        if values is not None and len(values) != n_positions:
             return False
-    if not _plain_envs(batch.envs or ()):
+    # Offsets: from 0 to the end, never decreasing. Small arrays read as lists (a numpy call costs more).
+    if n_rollouts + n_samples <= 64:
+        samples, positions = sample_offsets.tolist(), position_offsets.tolist()
+        if samples[0] != 0 or samples[-1] != n_samples or positions[0] != 0 or positions[-1] != n_positions:
+            return False
+        if (n_rollouts > 1 and samples != sorted(samples)) or (n_samples > 1 and positions != sorted(positions)):
+            return False
+    else:
+        ends = (int(sample_offsets[0]), int(sample_offsets[-1]), int(position_offsets[0]), int(position_offsets[-1]))
+        if ends != (0, n_samples, 0, n_positions):
+            return False
+        if bool((sample_offsets[1:] < sample_offsets[:-1]).any()):
+            return False
+        if bool((position_offsets[1:] < position_offsets[:-1]).any()):
+            return False
+    if not isinstance(known_ids, (set, frozenset)):
+        return False
+    if n_rollouts == 1:
+        if ids[0] in known_ids:
+            return False
+    elif len(set(ids)) != n_rollouts or not known_ids.isdisjoint(ids):
+        return False
+    if lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None:
+        return False  # (one encode for all: a lone surrogate stays one when strings are joined)
+    if not _plain_envs(envs):
         return False
     # Per-rollout and per-sample values of a small batch: Python over short lists costs less than numpy calls.
     dispatches, completions = dispatch.tolist(), completion.tolist()
     if min(dispatches) < 0 or min(completions) < -1:  # frozen ones too: -1 falls to the exact path
         return False
-    if any(0 <= c < d for c, d in zip(completions, dispatches)):
+    if n_rollouts == 1:
+        if 0 <= completions[0] < dispatches[0]:
+            return False
+    elif any(0 <= c < d for c, d in zip(completions, dispatches)):
         return False
     kinds = set(kind.tolist())
-    if not kinds <= {LABELS_NONE, LABELS_SPANS, LABELS_TOKENS}:
+    if not kinds <= _LABEL_KINDS:
         return False
     if tokens is None and LABELS_TOKENS in kinds:
         return False
@@ -432,7 +453,6 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
     # Position values (build_spans): a 0/1 mask, finite weights and log-probabilities, token versions >= -1
     # (check_batch). One compiled pass, or numpy: a finite sum says every value is finite (a NaN or an
     # infinity makes it NaN or infinite; an overflow is only "not sure").
-    floats = [values for name in _FINITE_POSITION_FLOATS if (values := getattr(batch, name)) is not None]
     plain = plain_positions(mask, floats, tokens)
     if plain is not None:
         return plain
@@ -443,8 +463,23 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
     return all(np.isfinite(np.add.reduce(values)) for values in floats)
 
 
-_PER_POSITION = (*PER_POSITION_FLOATS, "token_versions")
-_FINITE_POSITION_FLOATS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs")  # trainer_logprobs: NaN = missing
+_LABEL_KINDS = frozenset({LABELS_NONE, LABELS_SPANS, LABELS_TOKENS})
+
+
+def _plain_few_spans(offsets: list[int], versions: list[int], starts: list[int], positions: list[int]) -> bool:
+    """:func:`_plain_spans` over lists (the offsets' ends and lengths already checked)."""
+    if min(versions) < -1:
+        return False
+    for sample, (a, b) in enumerate(itertools.pairwise(offsets)):
+        if b < a:
+            return False
+        if b > a:  # starts within the sample, increasing: the first >= 0, the last below its length
+            mine = starts[a:b]
+            if mine[0] < 0 or mine[-1] >= positions[sample + 1] - positions[sample]:
+                return False
+            if any(x >= y for x, y in itertools.pairwise(mine)):
+                return False
+    return True
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
@@ -458,6 +493,8 @@ def _plain_spans(batch: RolloutBatch) -> bool:
         return False
     if len(versions) == 0:
         return not bool((offsets[1:] != 0).any())
+    if len(versions) + len(offsets) <= 256:  # a few spans: Python over lists costs less than numpy calls
+        return _plain_few_spans(offsets.tolist(), versions.tolist(), starts.tolist(), batch.position_offsets.tolist())
     if bool((offsets[1:] < offsets[:-1]).any()):
         return False
     if int(versions.min()) < -1 or int(starts.min()) < 0:

@@ -11,7 +11,8 @@ Routes (see the OpenAPI document at ``/openapi.json``, browsable at ``/docs``):
 - ``GET /metrics``: the Prometheus exposition of every run; ``GET /healthz``.
 
 Handlers are plain functions: FastAPI runs them on its thread pool, and each run serializes its own
-calls (see :mod:`.runs`).
+calls (see :mod:`.runs`). Small adds and ships to a run held in memory are the exception: they run on
+the event loop when the run is free at once (see :mod:`.quick`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from .models import (
     ValidationErrorBody,
     run_config_schema,
 )
+from .quick import QUICK_BODY_BYTES, QuickLane, quickly
 from .registry import RunRegistry
 from .runs import Run
 from .security import BEARER_SCHEME, TokenFirst
@@ -267,7 +269,14 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
 
     app.openapi = openapi  # type: ignore[method-assign]
     # The last added runs first: the token is checked before the body size, which is checked before any
-    # handler reads the body.
+    # handler (or the quick lane) reads the body.
+    app.add_middleware(
+        QuickLane,
+        registry=registry,
+        add=_read_and_add,
+        respond=JSONModelResponse,
+        handlers=lambda: app.exception_handlers,
+    )
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(AllowHeader, routes=lambda: app.routes)
     app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)
@@ -389,6 +398,12 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         except ClientDisconnect:  # gone, or cut off by the body size cap (which has answered 413)
             raise HTTPException(status.HTTP_400_BAD_REQUEST, "the client disconnected before the body ended") from None
         held = [body]
+        if len(body) <= QUICK_BODY_BYTES:
+            with paused_gc():
+                done, result = quickly(registry, run, lambda target: _read_and_add(target, held))
+            if done:
+                assert result is not None
+                return JSONModelResponse(result)
         del body
         return JSONModelResponse(await run_in_threadpool(_add_rollouts, registry, run, held))
 
@@ -410,7 +425,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         response_model=ShipResult,
         responses=_responses(400, 401, 404, 409, 413),
     )
-    def ship(
+    async def ship(
         run: RunName,
         request: ShipRequest,
         idempotency_key: Annotated[
@@ -424,7 +439,11 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         ] = None,
     ) -> Response:
         """Mask and ship the batch for ``step`` and publish its metrics to every exporter."""
-        return JSONModelResponse(registry.get(run).ship(request, idempotency_key))
+        done, result = quickly(registry, run, lambda target: target.ship(request, idempotency_key))
+        if not done:
+            result = await run_in_threadpool(lambda: registry.get(run).ship(request, idempotency_key))
+        assert result is not None
+        return JSONModelResponse(result)
 
     @app.post(
         "/v1/runs/{run}/mismatch",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +70,23 @@ from .store import Store, StoredRun
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["RUN_STATE_FORMAT", "Run"]
+__all__ = ["QUICK_MAX_POSITIONS", "QUICK_MAX_ROLLOUTS", "RUN_STATE_FORMAT", "Run"]
 
 RUN_STATE_FORMAT = 1
+# A run whose queue holds at most this much ships in a few milliseconds (see Run.quick).
+QUICK_MAX_ROLLOUTS = 512
+QUICK_MAX_POSITIONS = 65_536
+
+
+def _positions_of(records: list[dict[str, Any]]) -> int:
+    """The positions of ``records`` (mask lengths), as the sink accepted them."""
+    total = 0
+    for record in records:
+        for sample in record.get("samples") or ():
+            mask = sample.get("mask") if isinstance(sample, dict) else None
+            if isinstance(mask, (list, np.ndarray)):
+                total += len(mask)
+    return total
 
 
 def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
@@ -141,7 +156,9 @@ class Run:
         self._exporters = exporters
         self.monitor = StalenessMonitor(config, exporters.all, run=name)
         exporters.report_failures(self.monitor.export_errors)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by the calls made under Run.quick
+        # Positions added since the queue was last seen empty: at least what it holds (see Run.quick).
+        self._positions_bound = 0
         self._received: dict[str, bytes] = {}  # rollout id -> digest of the record
         self._duplicates = 0
         self._history: list[StepRow] = []
@@ -184,6 +201,26 @@ class Run:
         if self._journal.broken is not None:
             broken = self._journal.broken
             raise RunBroken(f"run {self.name!r} could not persist a write ({broken}); restart the service to reload it")
+
+    @contextmanager
+    def quick(self) -> Iterator[bool]:
+        """True, holding the run's lock, when it was free at once and the queue is small enough for a ship
+        of a few milliseconds (:data:`QUICK_MAX_ROLLOUTS`, :data:`QUICK_MAX_POSITIONS`); False, not holding
+        it, otherwise.
+
+        The service then calls the run on its event loop rather than on a worker thread (the hop to the
+        worker and back costs a small request about as much as its own work). Never waiting for the lock
+        there is what makes that safe: a run busy with a large batch stalls its own callers, which go to a
+        worker, not every connection. The queue's positions are bounded by those added since it was last
+        empty, so the bound is never below what a ship would read.
+        """
+        if not self._lock.acquire(blocking=False):
+            yield False
+            return
+        try:
+            yield (self._positions_bound <= QUICK_MAX_POSITIONS and self.monitor.sink.queued <= QUICK_MAX_ROLLOUTS)
+        finally:
+            self._lock.release()
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
@@ -237,6 +274,8 @@ class Run:
         if state.get("format") != RUN_STATE_FORMAT:
             raise ValueError(f"unknown stored format {state.get('format')!r}")
         self.monitor.load_state_dict(state["monitor"])
+        # The snapshot does not say how many positions its queue holds: none, or too many to tell.
+        self._positions_bound = 0 if self.monitor.sink.queued == 0 else QUICK_MAX_POSITIONS + 1
         self._received = {rid: bytes.fromhex(digest) for rid, digest in state["received"].items()}
         self._duplicates = int(state["duplicates"])
         self._answers.load_json(state["answers"])
@@ -319,6 +358,7 @@ class Run:
                 raise RecordsInvalid([self._range_error(fresh, fresh_index)]) from None
             self._received.update(digests)
             self._duplicates += duplicates
+            self._positions_bound += _positions_of(fresh)
             if fresh or duplicates:
                 self._journal.write("add", add_row(fresh, duplicates))
             invalid = [
@@ -363,6 +403,8 @@ class Run:
             self._check_open()
             self._check_step(step)
             self.monitor.sweep(step)
+            if self.monitor.sink.queued == 0:
+                self._positions_bound = 0
             self._journal.write("sweep", {"step": step})
             return self._info()
 
@@ -383,6 +425,8 @@ class Run:
                 # The ship swept at its step before it refused: that much happened and is journalled.
                 self._journal.write("sweep", {"step": request.step})
                 raise RecordsInvalid([trace_item(error)]) from None
+            if self.monitor.sink.queued == 0:
+                self._positions_bound = 0
             report = shipment.report
             number = len(self._history) + 1
             counts = counts_of(report.tally)
@@ -411,10 +455,11 @@ class Run:
                 lags=_lags_by_rollout(shipment) if request.include_rollouts else None,
             )
             self._answers.remember(idempotency_key, fingerprint, answer)
+            stored = self._store.persistent  # the rows are only built for a store that keeps them
             self._journal.write(
                 "ship",
-                {"request": request.model_dump(mode="json"), "key": idempotency_key},
-                history_row=row.model_dump(mode="json"),
+                {"request": request.model_dump(mode="json"), "key": idempotency_key} if stored else None,
+                history_row=row.model_dump(mode="json") if stored else None,
             )
             return answer
 

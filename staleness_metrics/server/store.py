@@ -19,7 +19,9 @@ row, and how to start fresh on purpose):
 
 Databases written before checksums (no ``checksum`` column, ``user_version`` 0) are migrated at the first
 start: every row must still decode, and is then stamped with its checksum (it is trusted as it is at that
-moment; damage from before the migration that still decodes cannot be told).
+moment; damage from before the migration that still decodes cannot be told). Databases of ``user_version``
+1 have their snapshots table rebuilt with the state as the row's last column, where SQLite writes a blob in
+place: a snapshot's text is written a piece at a time, never whole in memory (:meth:`SqliteStore.save_snapshot`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
+
+from ..engine.state_checks import PIECE_ITEMS, PIECED_DEPTH, NestedTooDeep, json_pieces
 
 __all__ = [
     "DATABASE_NAME",
@@ -59,7 +62,7 @@ __all__ = [
 
 DATABASE_NAME = "staleness.sqlite3"
 MANIFEST_NAME = "manifest.json"
-SCHEMA_VERSION = 1  # PRAGMA user_version: 1 = rows carry checksums
+SCHEMA_VERSION = 2  # PRAGMA user_version: 1 = rows carry checksums, 2 = a snapshot's state is its last column
 SNAPSHOT_EVERY = 256  # journal rows between snapshots
 SNAPSHOT_BYTES = 64 * 1024 * 1024  # or this much journal, whichever comes first
 
@@ -72,41 +75,16 @@ def loads(data: bytes | str) -> Any:
     return orjson.loads(data)
 
 
-PIECE_BYTES = 1024 * 1024  # journal text written into SQLite at once
-# Arrays of more values than this are encoded a piece of this many values at a time: orjson reserves an
-# output buffer for the longest text of each value (about 32 bytes for an int8, 70 for a float64); only
-# the pages written become resident, but a piece cut by bytes reserved 32 MB for 1M int8 values.
-PIECE_ITEMS = 1 << 16
+PIECE_BYTES = 1024 * 1024  # journal or snapshot text written into SQLite at once
 
 
 def encoded_pieces(value: Any, option: int = orjson.OPT_SERIALIZE_NUMPY) -> Iterator[bytes]:
     """``orjson.dumps(value, option=option)`` as consecutive pieces (their concatenation is byte for byte
     the same text), so that a record holding arrays of millions of positions is hashed or stored without
-    its whole text in memory at once: an array of more than :data:`PIECE_ITEMS` values is written a block of rows
-    at a time. Raises ``orjson.JSONEncodeError`` as ``dumps`` would."""
-    if isinstance(value, dict) and all(type(key) is str for key in value):  # else orjson words the refusal
-        items = sorted(value.items()) if option & orjson.OPT_SORT_KEYS else value.items()
-        yield b"{"
-        for number, (key, item) in enumerate(items):
-            yield (b"," if number else b"") + orjson.dumps(key, option=option) + b":"
-            yield from encoded_pieces(item, option)
-        yield b"}"
-    elif isinstance(value, list) and any(isinstance(item, dict | list | np.ndarray) for item in value):
-        yield b"["
-        for number, item in enumerate(value):
-            if number:
-                yield b","
-            yield from encoded_pieces(item, option)
-        yield b"]"
-    elif isinstance(value, np.ndarray) and value.size > PIECE_ITEMS and value.ndim >= 1:
-        rows = max(1, PIECE_ITEMS * len(value) // value.size)
-        yield b"["
-        for start in range(0, len(value), rows):
-            text = orjson.dumps(value[start : start + rows], option=option)
-            yield (b"," if start else b"") + text[1:-1]
-        yield b"]"
-    else:
-        yield orjson.dumps(value, option=option)
+    its whole text in memory at once: an array of more than :data:`PIECE_ITEMS` values is written a block
+    of rows at a time (:func:`~staleness_metrics.engine.state_checks.json_pieces`). Raises
+    ``orjson.JSONEncodeError`` as ``dumps`` would."""
+    return json_pieces(value, option)
 
 
 class Chunked:
@@ -200,8 +178,16 @@ CREATE TABLE IF NOT EXISTS journal (
 CREATE TABLE IF NOT EXISTS history (
     run TEXT NOT NULL, seq INTEGER NOT NULL, row BLOB NOT NULL, checksum TEXT, PRIMARY KEY (run, seq)
 );
-CREATE TABLE IF NOT EXISTS snapshots (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, state BLOB NOT NULL, checksum TEXT);
+CREATE TABLE IF NOT EXISTS snapshots (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL);
 """
+# A blob is written in place (incremental blob I/O) only as its row's last column: SQLite builds any other
+# in memory whole. Snapshots before schema 2 kept the state ahead of the checksum: the migration reorders.
+_SNAPSHOTS_REORDERED = (
+    "CREATE TABLE snapshots_reordered (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL)",
+    "INSERT INTO snapshots_reordered (run, seq, checksum, state) SELECT run, seq, checksum, state FROM snapshots",
+    "DROP TABLE snapshots",
+    "ALTER TABLE snapshots_reordered RENAME TO snapshots",
+)
 
 # The stored bytes of each table's rows, and how a row is named in a message.
 _DATA_COLUMN = {"runs": "config", "journal": "request", "history": "row", "snapshots": "state"}
@@ -271,6 +257,8 @@ class SqliteStore(Store):
             # whole. Tables created before the column came last keep their order (and bind the text).
             columns = [row[1] for row in self._db.execute("PRAGMA table_info(journal)")]
             self._request_last = columns[-1:] == ["request"]
+            columns = [row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")]
+            self._state_last = columns[-1:] == ["state"]  # always, since the migration to schema 2
         except sqlite3.DatabaseError as exc:  # not a database, or its pages are damaged
             self._db.close()
             raise StoreDamaged(data_dir, f"the database {self.path} cannot be read ({exc})") from None
@@ -315,7 +303,8 @@ class SqliteStore(Store):
 
     # ------------------------------------------------------------------ migration
     def _migrate(self) -> None:
-        """Create the tables, or bring a database from before checksums up to :data:`SCHEMA_VERSION`."""
+        """Create the tables, or bring an older database up to :data:`SCHEMA_VERSION`: rows from before
+        checksums are stamped, and the snapshots table gets its state as the last column."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
             for statement in _SCHEMA.split(";"):
@@ -326,6 +315,9 @@ class SqliteStore(Store):
                 if "checksum" not in columns:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN checksum TEXT")
                 self._stamp(table, column)
+            if [row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")][-1] != "state":
+                for statement in _SNAPSHOTS_REORDERED:
+                    self._db.execute(statement)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except BaseException:
             self._db.execute("ROLLBACK")
@@ -425,52 +417,67 @@ class SqliteStore(Store):
         """One journal row written piece by piece into a blob of its size (SQLite's incremental blob
         I/O, into the row's last column): neither the row's text nor SQLite's copy of a bound value is
         ever whole in memory."""
-        blob_open = getattr(self._db, "blobopen", None)  # Python 3.11+
-        if blob_open is None or not self._request_last:  # the text whole, bound as usual
+        if getattr(self._db, "blobopen", None) is None or not self._request_last:  # the text whole, bound
             data = b"".join(request.pieces())
             insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
             self._write([(insert, (run, seq, op, data, checksum("journal", run, seq, _journal_bytes(op, data))))])
             return len(data)
-        digest = hashlib.blake2b(_journal_bytes(op, b""), digest_size=16)
-        size = 0
-        for piece in request.pieces():
-            digest.update(piece)
-            size += len(piece)
-        digest.update(f"\0journal\0{run}\0{seq}".encode())
+        size, check = _sized("journal", run, seq, request.pieces(), _journal_bytes(op, b""))
+        insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, zeroblob(?))"
+        self._write_in_place("journal", "request", (insert, (run, seq, op, check, size)), request.pieces, size)
+        return size
+
+    def _write_in_place(
+        self,
+        table: str,
+        column: str,
+        insert: tuple[str, tuple[Any, ...]],
+        pieces: Callable[[], Iterable[bytes]],
+        size: int,
+    ) -> None:
+        """Insert a row whose last column ``column`` is ``zeroblob(size)``, then write ``pieces()`` into it
+        :data:`PIECE_BYTES` at a time, in one transaction."""
+        blob_open = getattr(self._db, "blobopen", None)  # Python 3.11+: the callers bind the text whole before
+        assert blob_open is not None
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                cursor = self._db.execute(
-                    "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, zeroblob(?), ?)",
-                    (run, seq, op, size, digest.hexdigest()),
-                )
+                cursor = self._db.execute(*insert)
                 assert cursor.lastrowid is not None
-                with blob_open("journal", "request", cursor.lastrowid) as blob:
+                with blob_open(table, column, cursor.lastrowid) as blob:
                     buffer = bytearray()
-                    for piece in request.pieces():
+                    for piece in pieces():
                         buffer += piece
                         if len(buffer) >= PIECE_BYTES:
                             blob.write(buffer)
                             buffer.clear()
                     blob.write(buffer)
                     if blob.tell() != size:  # the pieces changed between the passes: never store that
-                        raise RuntimeError("a journal row's text changed while it was written")
+                        raise RuntimeError(f"a {table} row's text changed while it was written")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
-        return size
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
+        """The run's state as its JSON text (``dumps(state)``, byte for byte), written in place a piece at a
+        time: hashed once to size and checksum it, encoded again into the blob, never whole in memory."""
+        insert = "INSERT OR REPLACE INTO snapshots (run, seq, checksum, state) VALUES (?, ?, ?, {})"
+
+        def pieces() -> Iterator[bytes]:
+            return json_pieces(state, orjson.OPT_SERIALIZE_NUMPY, max_depth=PIECED_DEPTH)
+
+        if getattr(self._db, "blobopen", None) is not None and self._state_last:  # Python 3.11+
+            try:
+                size, check = _sized("snapshots", run, seq, pieces())
+            except NestedTooDeep:  # encoded whole below, as orjson does (or refuses) it
+                pass
+            else:
+                self._write_in_place("snapshots", "state", (insert.format("zeroblob(?)"), (run, seq, check, size)),
+                                     pieces, size)  # fmt: skip
+                return
         data = dumps(state)
-        self._write(
-            [
-                (
-                    "INSERT OR REPLACE INTO snapshots (run, seq, state, checksum) VALUES (?, ?, ?, ?)",
-                    (run, seq, data, checksum("snapshots", run, seq, data)),
-                )
-            ]
-        )
+        self._write([(insert.format("?"), (run, seq, checksum("snapshots", run, seq, data), data))])
 
     # ------------------------------------------------------------------ reads
     def load(self) -> list[StoredRun]:
@@ -535,6 +542,17 @@ class SqliteStore(Store):
         with self._lock:
             self._db.close()
         self._lock_file.close()
+
+
+def _sized(table: str, run: str, seq: int, pieces: Iterable[bytes], prefix: bytes = b"") -> tuple[int, str]:
+    """The size of the text ``pieces`` make, and the :func:`checksum` of ``prefix`` and that text."""
+    digest = hashlib.blake2b(prefix, digest_size=16)
+    size = 0
+    for piece in pieces:
+        digest.update(piece)
+        size += len(piece)
+    digest.update(f"\0{table}\0{run}\0{seq}".encode())
+    return size, digest.hexdigest()
 
 
 def _names(runs: list[str]) -> str:

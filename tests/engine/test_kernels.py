@@ -17,13 +17,14 @@ from staleness_metrics.engine.kernels import (
     WEIGHT_NOT_POSITIVE,
     fusable_weights,
     plain_positions,
+    span_rows,
     token_cuts,
     token_spans,
     warm_up,
     weight_flags,
     zero_spans,
 )
-from staleness_metrics.engine.segments import expand_ranges, segment_sum
+from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_min, segment_sum
 from staleness_metrics.engine.spans import weight_flags_by_extrema
 
 IntArray = npt.NDArray[np.int64]
@@ -367,3 +368,90 @@ def test_plain_positions_leaves_other_types_to_numpy() -> None:
     assert plain_positions(floats.astype(np.float16), [], None) is None
     assert plain_positions(floats, [floats.astype(np.float32)], None) is None  # the mask's type for all
     assert plain_positions(floats, [floats[::-1][::1].copy()], None) is True
+
+
+# ---------------------------------------------------------------------------------------------- span rows
+
+
+NO_VERSION = (-(1 << 60), 1 << 60)
+
+
+def numpy_span_rows(
+    lo: IntArray,
+    hi: IntArray,
+    label: IntArray,
+    labelled: IntArray,
+    kept: npt.NDArray[np.bool_],
+    sampled: npt.NDArray[np.bool_],
+    live_labelled: npt.NDArray[np.bool_],
+    live_unlabelled: npt.NDArray[np.bool_],
+    side: npt.NDArray[np.bool_],
+    pos_off: IntArray,
+    dispatch: IntArray,
+) -> dict[str, npt.NDArray[Any]]:
+    """``spans.build_spans``' former numpy steps from the cuts to the span table."""
+    mixed = (labelled > 0) & (labelled < hi - lo)
+    row_cut = np.repeat(np.arange(len(lo)), 1 + mixed)
+    part = np.zeros(len(row_cut), dtype=np.int8)
+    second = np.flatnonzero(mixed) + np.arange(1, int(mixed.sum()) + 1)
+    part[second - 1], part[second] = 1, 2
+    count = np.where(part == 1, labelled[row_cut], hi[row_cut] - lo[row_cut])
+    count = np.where(part == 2, (hi - lo - labelled)[row_cut], count)
+    row_live = np.where(part == 2, live_unlabelled[row_cut], live_labelled[row_cut])
+    keep_rows = kept[row_cut]
+    row_cut, part, count, row_live = row_cut[keep_rows], part[keep_rows], count[keep_rows], row_live[keep_rows]
+    row_label = np.where(part == 2, -1, label[row_cut])
+    row_sampled = np.where(sampled[row_cut], count, 0).astype(np.int64)
+    sample = (np.searchsorted(pos_off, lo[row_cut], "right") - 1).astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum(np.bincount(sample, minlength=len(pos_off) - 1)))).astype(np.int64)
+    version = np.where(row_label >= 0, row_label, dispatch[sample])
+    has_sampled = row_sampled > 0
+    unmaskable = segment_sum(side[row_cut], offsets) > 0
+    low, high = NO_VERSION
+    return {
+        "sample": sample, "lo": lo[row_cut], "hi": hi[row_cut], "label": row_label, "version": version,
+        "part": part, "sampled": row_sampled, "live": row_live, "span_offsets": offsets,
+        "n_sampled": segment_sum(row_sampled, offsets),
+        "n_unlabelled": segment_sum(np.where(row_label < 0, row_sampled, 0), offsets),
+        "unmaskable": unmaskable, "had_train": unmaskable | (segment_sum(row_live, offsets) > 0),
+        "max_label": segment_max(row_label, offsets, -1),
+        "max_sampled_version": segment_max(np.where(has_sampled, version, low), offsets, low),
+        "seq_min_version": segment_min(np.where((row_label >= 0) | has_sampled, version, high), offsets, high),
+    }  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), samples=st.integers(0, 12), cut_share=st.floats(0.0, 0.3))
+def test_span_rows_equal_the_numpy_steps(seed: int, samples: int, cut_share: float) -> None:
+    """Rows (one per kept cut, two per mixed cut), their sample, version and sampled positions, and every
+    per-sample reduction equal the numpy steps ``build_spans`` took, with empty samples, cuts left out,
+    mixed cuts and unlabelled ones."""
+    rng = np.random.default_rng(seed)
+    pos_off = np.concatenate(([0], np.cumsum(rng.integers(0, 40, samples) * (rng.random(samples) < 0.8))))
+    n = int(pos_off[-1])
+    starts = np.zeros(n, dtype=bool)
+    starts[pos_off[:-1][np.diff(pos_off) > 0]] = True  # every nonempty sample starts a cut
+    starts |= rng.random(n) < cut_share
+    lo = np.flatnonzero(starts).astype(np.int64)
+    cuts = len(lo)
+    hi = np.append(lo[1:], n)[:cuts].astype(np.int64)
+    label = rng.integers(-1, 6, cuts)
+    labelled = np.where(rng.random(cuts) < 0.5, rng.integers(0, 1 + hi - lo), np.where(label >= 0, hi - lo, 0))
+    flags = [rng.random(cuts) < p for p in (0.8, 0.7, 0.6, 0.5, 0.2)]
+    dispatch = rng.integers(0, 4, samples)
+    arrays = (lo, hi, label, labelled, *flags, pos_off, dispatch)
+    got = span_rows(*arrays, NO_VERSION)
+    want = numpy_span_rows(*arrays)
+    for name, values in want.items():
+        mine = getattr(got, name)
+        assert mine.dtype == values.dtype and mine.tolist() == values.tolist(), name
+
+
+def test_span_rows_refuse_a_cut_outside_the_positions() -> None:
+    one = np.ones(1, dtype=bool)
+    with pytest.raises(IndexError, match="outside the positions"):
+        span_rows(np.array([0]), np.array([9]), np.array([1]), np.array([9]), one, one, one, one, ~one,
+                  np.array([0, 4]), np.array([0]), NO_VERSION)  # fmt: skip
+    with pytest.raises(ValueError, match="differ in length"):
+        span_rows(np.array([0]), np.array([4, 5]), np.array([1]), np.array([4]), one, one, one, one, ~one,
+                  np.array([0, 4]), np.array([0]), NO_VERSION)  # fmt: skip
