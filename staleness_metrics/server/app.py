@@ -390,7 +390,14 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         "/v1/runs/{run}/rollouts",
         tags=["rollouts"],
         response_model=AddResult,
-        responses=_responses(400, 401, 404, 409, 413),
+        responses={
+            **_responses(400, 401, 404, 409, 413),
+            413: {
+                "model": ErrorMessage | ValidationErrorBody,
+                "description": _ERRORS[413] + " Or more span rows than the body's size allows (serve "
+                "--body-bytes-per-span-row): then `detail` names the rollout, field and reason as a 422 does.",
+            },
+        },
         openapi_extra={
             **writes,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ROLLOUT_BATCH_SCHEMA}}},
