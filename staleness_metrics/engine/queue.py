@@ -410,9 +410,14 @@ class RolloutQueue:
                 envs = np.full(count, next(iter(env_index.values())), dtype=np.int64)
             else:
                 envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=count)
-        self.row_of.update(zip(ids, range(row_base, row_base + count)))
-        self.ids.extend(ids)
-        self.seen_ids.update(ids)
+        if count == 1:  # (a single-rollout add: no iterators to build)
+            self.row_of[ids[0]] = row_base
+            self.ids.append(ids[0])
+            self.seen_ids.add(ids[0])
+        else:
+            self.row_of.update(zip(ids, range(row_base, row_base + count)))
+            self.ids.extend(ids)
+            self.seen_ids.update(ids)
         self.queued += count
         return chunk, groups, envs
 
