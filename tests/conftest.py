@@ -78,30 +78,16 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Compile the engine's numba loops once, before any test: on a fresh machine the first compile
     takes seconds, which would otherwise land inside whichever test (or served request) comes first.
 
-    Under xdist the controller compiles them, on a thread, while its workers start and collect the tests
-    (seconds of import and assertion rewriting); each worker then waits for it (a file lock) and loads the
-    loops from numba's disk cache in a fraction of a second. So they are compiled once, not once per
-    process at the same time (numba's cache index is not safe against two processes adding different
-    loops to it at once). Without xdist, or without ``fcntl``, the process compiles them itself."""
-    if not _is_xdist_controller(session.config) or fcntl is None:
-        if not hasattr(session.config, "workerinput"):
-            _warm_up()
-        return
-    handle, path = tempfile.mkstemp(prefix="staleness-warm-up-", suffix=".lock")
-    fcntl.flock(handle, fcntl.LOCK_EX)  # taken before any worker starts: the workers wait for the thread
-    session.config.stash[_WARM_UP_LOCK] = path
-
-    def compile_then_release() -> None:
-        try:
-            _warm_up()
-        except Exception:  # (each worker then compiles for itself, and reports what fails in its tests)
-            pass
-        finally:
-            os.unlink(path)  # (a worker that opens the file later finds the compile done)
-            fcntl.flock(handle, fcntl.LOCK_UN)
-            os.close(handle)
-
-    threading.Thread(target=compile_then_release, name="warm-up", daemon=True).start()
+    Under xdist the controller compiles them, on a thread, while its workers collect the tests (seconds
+    of imports and assertion rewriting); each worker then waits for it (a file lock) and loads the loops
+    from numba's disk cache in a fraction of a second. So they are compiled once, not once per process
+    (and never by two processes at once: numba's cache index is not safe against two processes adding
+    different loops to it at the same time). Without xdist, or without ``fcntl``, the process compiles
+    them itself, here."""
+    if _is_xdist_controller(session.config) and fcntl is not None:
+        session.config.stash[_WARM_UP] = _ControllerWarmUp()
+    elif not hasattr(session.config, "workerinput"):
+        _warm_up()
 
 
 def _warm_up() -> None:
@@ -110,15 +96,64 @@ def _warm_up() -> None:
     warm_up()
 
 
-_WARM_UP_LOCK = pytest.StashKey[str]()
+class _ControllerWarmUp:
+    """The xdist controller's compile: the lock is taken before any worker starts; the compile runs on a
+    thread from the moment the first worker is up (started before, it would slow the workers' start:
+    the compile holds the GIL that the controller's start of the workers needs)."""
+
+    def __init__(self) -> None:
+        assert fcntl is not None
+        self.handle, self.path = tempfile.mkstemp(prefix="staleness-warm-up-", suffix=".lock")
+        fcntl.flock(self.handle, fcntl.LOCK_EX)
+        self.started = False
+        self.released = False
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            threading.Thread(target=self._compile_then_release, name="warm-up", daemon=True).start()
+
+    def _compile_then_release(self) -> None:
+        try:
+            _warm_up()
+        except Exception:  # (each worker then compiles for itself, and reports what fails in its tests)
+            pass
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        assert fcntl is not None
+        if not self.released:
+            self.released = True
+            os.unlink(self.path)  # (a worker that opens the file later finds the compile done)
+            fcntl.flock(self.handle, fcntl.LOCK_UN)
+            os.close(self.handle)
+
+
+_WARM_UP = pytest.StashKey[_ControllerWarmUp]()
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
     """Tell each xdist worker where the controller's warm-up lock is."""
-    path = node.config.stash.get(_WARM_UP_LOCK, None)
-    if path is not None:
-        node.workerinput["staleness_warm_up_lock"] = path
+    warm_up = node.config.stash.get(_WARM_UP, None)
+    if warm_up is not None:
+        node.workerinput["staleness_warm_up_lock"] = warm_up.path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodeready(node: Any) -> None:
+    """The first worker is up: the controller starts compiling."""
+    warm_up = node.config.stash.get(_WARM_UP, None)
+    if warm_up is not None:
+        warm_up.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """No worker came up: the lock is let go all the same."""
+    warm_up = session.config.stash.get(_WARM_UP, None)
+    if warm_up is not None and not warm_up.started:
+        warm_up.release()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -55,7 +55,11 @@ def _decode_value(encoded: Any, path: str, wanted: str) -> Any:
 
 def encode_batch(batch: RolloutBatch) -> dict[str, Any]:
     """Every field of a batch, by name (arrays with their dtype)."""
-    return {f.name: encode_value(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+    encoded = {f.name: encode_value(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
+    if batch.token_versions is not None and batch.token_versions.dtype != INT64:
+        # versions a long batch kept narrow (records.model.pack) are the int64 a state holds: same numbers
+        encoded["token_versions"]["array"]["dtype"] = INT64.str
+    return encoded
 
 
 _BATCH_FORMS = {

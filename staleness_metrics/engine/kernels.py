@@ -874,6 +874,7 @@ def _plain_positions(
 
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
+_PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}  # (read-only: never written)
 
 
 def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], tokens: IntArray | None) -> bool | None:
@@ -885,12 +886,15 @@ def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], 
     if "numba" not in sys.modules:
         return None
     dtype = mask.dtype
-    if dtype not in _PLAIN_DTYPES or any(a.dtype != dtype or not a.flags.c_contiguous for a in (mask, *floats)):
+    empty = _PLAIN_PADDING.get(dtype)
+    if empty is None or mask.ndim != 1 or not mask.flags.c_contiguous:
         return None
-    if mask.ndim != 1 or any(a.ndim != 1 for a in floats) or not mask.flags.c_contiguous:
-        return None
-    padded = (*floats, *(mask[:0],) * (_PLAIN_FLOATS - len(floats)))  # (an empty array: nothing to check)
-    result: bool = _plain_positions(mask, padded, _NO_TOKENS if tokens is None else tokens)
+    for values in floats:  # (a loop, not any() over a generator: this runs once per small add)
+        if values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous:
+            return None
+    padded = (*floats, *(empty,) * (_PLAIN_FLOATS - len(floats)))  # (an empty array: nothing to check)
+    loop = _plain_positions._compiled or _plain_positions  # (the compiled loop itself once it is loaded)
+    result: bool = loop(mask, padded, _NO_TOKENS if tokens is None else tokens)
     return result
 
 

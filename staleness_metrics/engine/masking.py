@@ -18,6 +18,7 @@ import numpy.typing as npt
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from .kernels import zero_spans
 from .spans import PART_WHOLE
+from .token_pieces import narrow, zero_spans_in_pieces
 
 __all__ = ["mask_spans"]
 
@@ -47,4 +48,6 @@ def mask_spans(
         rows = np.flatnonzero(chunk == c)
         batch = chunks[c]
         assert batch is not None
-        zero_spans(position_arrays(batch), batch.token_versions, lo[rows], hi[rows], part[rows], count[rows])
+        tokens = batch.token_versions
+        zero = zero_spans_in_pieces if tokens is not None and narrow(tokens) else zero_spans
+        zero(position_arrays(batch), tokens, lo[rows], hi[rows], part[rows], count[rows])

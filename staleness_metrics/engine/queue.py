@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from itertools import chain, repeat
@@ -62,13 +63,24 @@ class _Staged(NamedTuple):
     n_positions: int
 
 
+# The ``str`` of each dtype met (``dtype.str`` builds a new string each time: ≈ 0.5 µs, on every small add).
+_DTYPE_STRS: dict[np.dtype[Any], str] = {}
+
+
+def _dtype_str(dtype: np.dtype[Any]) -> str:
+    name = _DTYPE_STRS.get(dtype)
+    if name is None:
+        name = _DTYPE_STRS[dtype] = dtype.str
+    return name
+
+
 def _kind(batch: RolloutBatch) -> tuple[str | None, ...]:
     rl, ce, ref_kl = batch.rl_weights, batch.ce_weights, batch.ref_kl_weights  # (a dtype equals None: float64)
     return (
-        batch.mask.dtype.str,
-        None if rl is None else rl.dtype.str,
-        None if ce is None else ce.dtype.str,
-        None if ref_kl is None else ref_kl.dtype.str,
+        _dtype_str(batch.mask.dtype),
+        None if rl is None else _dtype_str(rl.dtype),
+        None if ce is None else _dtype_str(ce.dtype),
+        None if ref_kl is None else _dtype_str(ref_kl.dtype),
     )
 
 
@@ -128,11 +140,91 @@ class _Scratch(threading.local):
 
 
 _SCRATCH = _Scratch()
+
+
+class _Gathered:
+    """The per-position arrays of a queue's staged batches, copied one after the other as each is staged, so a
+    ship cuts them without joining dozens of small arrays. One per thread, lent to one queue at a time (from its
+    second staged batch to :meth:`RolloutQueue.build_staged`): memory the process has touched already, like
+    :class:`_Scratch`. It holds every staged batch only while they all share one kind, have the same arrays and
+    no ``span_offsets`` (the usual stream of single-rollout adds); any other batch ends it (``complete`` False)
+    and the staged batches are joined at the ship instead."""
+
+    def __init__(self) -> None:
+        self.owner: weakref.ref[RolloutQueue] | None = None
+        self.buffers: dict[str, npt.NDArray[Any]] = {}
+        self.names: tuple[str, ...] = ()
+        self.kind: tuple[str | None, ...] = ()
+        self.length = 0
+        self.complete = False
+
+    def lent_to(self, queue: RolloutQueue) -> bool:
+        owner = self.owner() if self.owner is not None else None
+        return owner is queue
+
+    def begin(self, queue: RolloutQueue, batch: RolloutBatch, kind: tuple[str | None, ...]) -> bool:
+        """Lend this to ``queue`` for the staged batches from ``batch`` on; False when another queue holds it."""
+        owner = self.owner() if self.owner is not None else None
+        if owner is not None and owner is not queue:
+            return False
+        self.owner, self.kind, self.length, self.complete = weakref.ref(queue), kind, 0, True
+        self.names = tuple(name for name in _POSITION_ARRAYS if getattr(batch, name) is not None)
+        if not self.append(batch, kind):
+            self.owner = None
+            return False
+        return True
+
+    def append(self, batch: RolloutBatch, kind: tuple[str | None, ...]) -> bool:
+        """Copy ``batch``'s per-position arrays after the ones held; False (and ``complete`` False) when it
+        does not fit."""
+        n = len(batch.mask)
+        end = self.length + n
+        if (
+            kind != self.kind
+            or batch.span_offsets is not None
+            or (batch.token_versions is None) == ("token_versions" in self.names)
+            or end > SCRATCH_MAX_ELEMENTS
+        ):
+            self.complete = False
+            return False
+        buffers = self.buffers
+        for name in self.names:
+            values = getattr(batch, name)
+            buffer = buffers.get(name)
+            if buffer is None or buffer.dtype != values.dtype or len(buffer) < end:
+                if self.length and (buffer is None or buffer.dtype != values.dtype):
+                    self.complete = False  # (token versions of another integer type than the ones held)
+                    return False
+                size = max(end, 2 * len(buffer) if buffer is not None else end)
+                grown = np.empty(min(SCRATCH_MAX_ELEMENTS, size), values.dtype)
+                if self.length and buffer is not None:
+                    grown[: self.length] = buffer[: self.length]
+                buffer = buffers[name] = grown
+            buffer[self.length : end] = values
+        self.length = end
+        return True
+
+    def release(self) -> dict[str, npt.NDArray[Any]] | None:
+        """The held arrays (views valid until the next :meth:`begin`; None when they are not all the staged
+        batches), and this free for the next queue."""
+        held = {name: self.buffers[name][: self.length] for name in self.names} if self.complete else None
+        self.owner, self.complete = None, False
+        return held
+
+
+class _GatheredPerThread(threading.local):
+    def __init__(self) -> None:
+        self.gathered = _Gathered()
+
+
+_GATHERED = _GatheredPerThread()
 # Arrays every staged batch has (plainly_valid checked them): joined without looking for a missing one.
 _ALWAYS_GIVEN = frozenset({"mask", "dispatch_version", "completion_version", "frozen", "label_kind"})
 
 
-def _concatenated(staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH) -> RolloutBatch:
+def _concatenated(
+    staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH, held: Mapping[str, npt.NDArray[Any]] | None = None
+) -> RolloutBatch:
     """One batch holding the staged batches one after the other, with the arrays cutting spans reads
     (copies; the per-position ones in ``scratch``, so the batch is valid until the next join there).
 
@@ -146,6 +238,8 @@ def _concatenated(staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH) -> Ro
     sample_counts = [item.n_samples for item in staged]
 
     def joined(name: str, fill: Any = None) -> Any:
+        if held is not None and name in _POSITION_ARRAYS:  # copied at add (every batch has it, or none)
+            return held.get(name)
         values = list(map(attrgetter(name), batches))  # (C-level passes over the batches, no Python loop)
         missing = 0 if name in _ALWAYS_GIVEN else sum(map(operator.is_, values, repeat(None)))
         if missing == len(values):
@@ -234,6 +328,7 @@ class RolloutQueue:
         self._staged: list[_Staged] = []
         self._staged_rollouts = 0
         self._staged_positions = 0
+        self._gathered: _Gathered | None = None  # the thread's copies of the staged batches' positions
         self._observe_added = observe_added
 
     @property
@@ -315,9 +410,14 @@ class RolloutQueue:
                 envs = np.full(count, next(iter(env_index.values())), dtype=np.int64)
             else:
                 envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=count)
-        self.row_of.update(zip(ids, range(row_base, row_base + count)))
-        self.ids.extend(ids)
-        self.seen_ids.update(ids)
+        if count == 1:  # (a single-rollout add: no iterators to build)
+            self.row_of[ids[0]] = row_base
+            self.ids.append(ids[0])
+            self.seen_ids.add(ids[0])
+        else:
+            self.row_of.update(zip(ids, range(row_base, row_base + count)))
+            self.ids.extend(ids)
+            self.seen_ids.update(ids)
         self.queued += count
         return chunk, groups, envs
 
@@ -325,7 +425,13 @@ class RolloutQueue:
         """Queue a plainly valid small batch now; its table rows are built by :meth:`_build_staged`."""
         chunk, groups, envs = self.admit(batch)
         n_rollouts, n_samples, n_positions = len(batch.ids), len(batch.position_offsets) - 1, len(batch.mask)
-        self._staged.append(_Staged(batch, chunk, groups, envs, _kind(batch), n_samples, n_positions))
+        kind = _kind(batch)
+        if len(self._staged) == 1:  # (a lone staged batch is cut as it is: copied from the second one on)
+            first, gathered = self._staged[0], _GATHERED.gathered
+            self._gathered = gathered if gathered.begin(self, first.batch, first.kind) else None
+        if self._gathered is not None and self._gathered.complete:
+            self._gathered.append(batch, kind)
+        self._staged.append(_Staged(batch, chunk, groups, envs, kind, n_samples, n_positions))
         self._staged_rollouts += n_rollouts
         self._staged_positions += n_positions
         if self._staged_positions > STAGE_FLUSH_POSITIONS:
@@ -338,6 +444,11 @@ class RolloutQueue:
         are what its own batch would give), in the order they were added."""
         staged, self._staged = self._staged, []
         self._staged_rollouts = self._staged_positions = 0
+        gathered, self._gathered = self._gathered, None
+        held = gathered.release() if gathered is not None and gathered.lent_to(self) else None
+        if held is not None and len(staged) > 1:  # every staged batch, of one kind, copied one after the other
+            self._append_staged(staged, held)
+            return
         start = 0
         while start < len(staged):
             end = start + 1
@@ -350,8 +461,8 @@ class RolloutQueue:
             self._append_staged(staged[start:end])
             start = end
 
-    def _append_staged(self, staged: list[_Staged]) -> None:
-        batch = staged[0].batch if len(staged) == 1 else _concatenated(staged)
+    def _append_staged(self, staged: list[_Staged], held: dict[str, npt.NDArray[Any]] | None = None) -> None:
+        batch = staged[0].batch if len(staged) == 1 else _concatenated(staged, held=held)
         verdicts = Verdicts(batch)
         spans = build_spans(batch, verdicts)
         assert not verdicts.errors, "a plainly valid batch was refused"  # plainly_valid may only err towards no

@@ -38,6 +38,7 @@ from .kernels import (
 )
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 from .segments import expand_ranges, segment_max
+from .token_pieces import narrow, token_spans_in_pieces
 
 __all__ = [
     "NO_VERSION_HIGH", "NO_VERSION_LOW", "PART_LABELLED", "PART_UNLABELLED", "PART_WHOLE", "SpanTable", "build_spans",
@@ -228,7 +229,8 @@ def _token_spans(batch: RolloutBatch, tokened: BoolArray, weights: list[npt.NDAr
     """
     tokens = batch.token_versions
     assert tokens is not None
-    return token_spans(tokens, batch.mask, batch.position_offsets, np.flatnonzero(tokened), weights)
+    spans_of = token_spans_in_pieces if narrow(tokens) else token_spans  # narrow: read as int64 a piece at a time
+    return spans_of(tokens, batch.mask, batch.position_offsets, np.flatnonzero(tokened), weights)
 
 
 def _merged_flags(

@@ -102,7 +102,7 @@ class Rollout:
 class ParsedSample:
     mask: npt.NDArray[np.int8]
     spans: npt.NDArray[np.signedinteger[Any]] | None = None  # shape (k, 2): version, start (int32 or int64)
-    token_versions: npt.NDArray[np.int64] | None = None
+    token_versions: npt.NDArray[np.signedinteger[Any]] | None = None  # int64, or as parsed (int8/16/32)
     weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
     logprobs: npt.NDArray[np.float64] | None = None
     trainer_logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing
@@ -200,13 +200,18 @@ def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
         return None
 
 
-def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.int64]:
+def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
+    """Versions as signed integers: an array already read as a narrower signed dtype (the service reads a
+    long list of small versions as int8) stays so, as :func:`pack` may keep it; anything else is int64."""
     fast = None if booleans else _plain_ints(value)
     array = fast if fast is not None else _array(rid, name, value, "iu", "a list of integers", booleans)
     if array.size and (array.max() > MAX_VERSION or array.min() < -MAX_VERSION):
         raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
-    return array.astype(np.int64, copy=False)
+    return array if array.dtype in _NARROW_VERSIONS else array.astype(np.int64, copy=False)
 
+
+# Signed dtypes a sample's token versions may keep from the parse (exact: they are integers either way).
+_NARROW_VERSIONS = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
 
 INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
 
@@ -511,16 +516,22 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     trainer_logprobs, trainer_present = column("trainer_logprobs", lambda s: s.trainer_logprobs, np.nan)
     if trainer_logprobs is not None:
         present["trainer_logprobs"] = trainer_present
-    token_versions, _ = column(
-        "token_versions", lambda s: s.token_versions, -1, np.int64
-    )  # within ±2**53: exact either way
+    # Token versions as the engine cuts with them (int64) in a batch of ordinary size; from
+    # COMPACT_MASK_MIN_POSITIONS on, in the narrowest signed dtype the parse gave every sample (a long
+    # list of small versions: int8, 1 byte a position for the 2 of "0," instead of 8). The cut reads a
+    # narrow array a bounded piece at a time as int64 (engine.token_pieces): the same cuts.
+    given_versions = [s.token_versions for s in samples if s.token_versions is not None]
+    versions_dtype: Any = np.int64
+    if mask_dtype is np.int8 and given_versions and all(v.dtype in _NARROW_VERSIONS for v in given_versions):
+        versions_dtype = np.result_type(*given_versions, np.int8)  # -1 (the fill) fits every one
+    token_versions, _ = column("token_versions", lambda s: s.token_versions, -1, versions_dtype)
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
     none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
     # each column straight from the pairs' columns (never a joined (k, 2) copy besides them)
     span_versions = np.concatenate([t[:, 0] for t in span_table], dtype=np.int64) if span_table else none
     span_starts = np.concatenate([t[:, 1] for t in span_table], dtype=np.int64) if span_table else none
-    return RolloutBatch(
+    batch = RolloutBatch(
         ids=[r.id for r in rollouts],
         sample_offsets=sample_offsets,
         position_offsets=position_offsets,
@@ -536,7 +547,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         ref_kl_weights=batch_weights["ref_kl_weights"],
         logprobs=logprobs,
         trainer_logprobs=trainer_logprobs,
-        token_versions=None if token_versions is None else token_versions.astype(np.int64, copy=False),
+        token_versions=None if token_versions is None else _wide_versions(token_versions),
         span_offsets=np.concatenate(([0], np.cumsum(span_counts, dtype=np.int64))),
         span_versions=span_versions,
         span_starts=span_starts,
@@ -544,3 +555,12 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         present=present,
         echo=[r.echo for r in rollouts],
     )
+    if token_versions is not None and token_versions.dtype in _NARROW_VERSIONS:
+        # kept narrow (above): set after the constructor, which makes a caller's versions int64
+        batch.token_versions = token_versions  # type: ignore[assignment]
+    return batch
+
+
+def _wide_versions(versions: npt.NDArray[Any]) -> npt.NDArray[np.int64] | None:
+    """What the batch's constructor gets: int64 versions, or None for narrow ones (set after it)."""
+    return None if versions.dtype in _NARROW_VERSIONS else versions.astype(np.int64, copy=False)

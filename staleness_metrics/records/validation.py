@@ -201,6 +201,9 @@ def _check_shapes(batch: RolloutBatch) -> None:
 
 def _plain_envs(envs: Sequence[Any]) -> bool:
     """Whether every env is None or a non-empty string, judged on the distinct values."""
+    if len(envs) == 1:  # (a single-rollout add: no set to build)
+        env = envs[0]
+        return env is None or (type(env) is str and env != "")
     try:
         distinct = set(envs)
     except TypeError:  # an unhashable env: the loop names it

@@ -45,6 +45,7 @@ from .errors import (
     RunConflict,
     RunError,
     RunNotFound,
+    SpanRowsTooMany,
     StepConflict,
 )
 from .exporting import ServiceCollector
@@ -74,6 +75,7 @@ from .registry import RunRegistry
 from .runs import Run
 from .security import BEARER_SCHEME, TokenFirst
 from .settings import ServerSettings
+from .span_rows import check_span_rows
 from .store import SqliteStore, Store
 
 __all__ = ["create_app"]
@@ -158,7 +160,7 @@ def _printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _invalid_response(items: list[ErrorItem]) -> JSONResponse:
+def _invalid_response(items: list[ErrorItem], status_code: int = status.HTTP_422_UNPROCESSABLE_CONTENT) -> JSONResponse:
     printable = [
         item.model_copy(
             update={
@@ -170,7 +172,7 @@ def _invalid_response(items: list[ErrorItem]) -> JSONResponse:
         for item in items
     ]
     body = ValidationErrorBody(detail=printable)
-    return JSONResponse(body.model_dump(), status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+    return JSONResponse(body.model_dump(), status_code=status_code)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -179,7 +181,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             items = (
                 exc.errors if isinstance(exc, RecordsInvalid) else [ErrorItem(field="Idempotency-Key", reason=str(exc))]
             )
-            return _invalid_response(items)
+            too_large = isinstance(exc, SpanRowsTooMany)  # a size limit, named as an invalid record is
+            return _invalid_response(items, status.HTTP_413_CONTENT_TOO_LARGE if too_large else 422)
         detail = _printable(str(exc))
         return JSONResponse({"detail": detail}, status_code=_STATUS_OF.get(type(exc), status.HTTP_409_CONFLICT))
 
@@ -208,13 +211,14 @@ ROLLOUT_BATCH_SCHEMA = RolloutBatchIn.model_json_schema()
 HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
 
 
-def _add_rollouts(registry: RunRegistry, run: str, held: list[bytearray]) -> AddResult:
+def _add_rollouts(registry: RunRegistry, run: str, held: list[bytearray], bytes_per_span_row: int) -> AddResult:
     target = registry.get(run)  # 404 before parsing a body for a run that does not exist
     with paused_gc():  # millions of new containers: see paused_gc
-        return _read_and_add(target, held)
+        return _read_and_add(target, held, bytes_per_span_row)
 
 
-def _read_and_add(target: Run, held: list[bytearray]) -> AddResult:
+def _read_and_add(target: Run, held: list[bytearray], bytes_per_span_row: int) -> AddResult:
+    body_bytes = sum(len(part) for part in held)
     try:
         data = read_json(held)
     except BodyTooComplex as error:  # refused before its values were built (the memory bound)
@@ -231,6 +235,11 @@ def _read_and_add(target: Run, held: list[bytearray]) -> AddResult:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
     del data
     compact_records(batch.rollouts)
+    # before the queue builds any span table: a row per run of one mask value and version (see .span_rows)
+    exceeded = check_span_rows(batch.rollouts, body_bytes, bytes_per_span_row)
+    if exceeded is not None:
+        rollout_id, field, reason = exceeded.rollout_id, exceeded.field, exceeded.reason
+        raise SpanRowsTooMany([ErrorItem(field=field, reason=reason, rollout_id=rollout_id, index=exceeded.index)])
     return target.add(batch.rollouts)
 
 
@@ -268,12 +277,16 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
+
     # The last added runs first: the token is checked before the body size, which is checked before any
     # handler (or the quick lane) reads the body.
+    def read_and_add(target: Run, held: list[bytearray]) -> AddResult:
+        return _read_and_add(target, held, settings.body_bytes_per_span_row)
+
     app.add_middleware(
         QuickLane,
         registry=registry,
-        add=_read_and_add,
+        add=read_and_add,
         respond=JSONModelResponse,
         handlers=lambda: app.exception_handlers,
     )
@@ -377,7 +390,14 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         "/v1/runs/{run}/rollouts",
         tags=["rollouts"],
         response_model=AddResult,
-        responses=_responses(400, 401, 404, 409, 413),
+        responses={
+            **_responses(400, 401, 404, 409, 413),
+            413: {
+                "model": ErrorMessage | ValidationErrorBody,
+                "description": _ERRORS[413] + " Or more span rows than the body's size allows (serve "
+                "--body-bytes-per-span-row): then `detail` names the rollout, field and reason as a 422 does.",
+            },
+        },
         openapi_extra={
             **writes,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ROLLOUT_BATCH_SCHEMA}}},
@@ -400,12 +420,13 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         held = [body]
         if len(body) <= QUICK_BODY_BYTES:
             with paused_gc():
-                done, result = quickly(registry, run, lambda target: _read_and_add(target, held))
+                done, result = quickly(registry, run, lambda target: read_and_add(target, held))
             if done:
                 assert result is not None
                 return JSONModelResponse(result)
         del body
-        return JSONModelResponse(await run_in_threadpool(_add_rollouts, registry, run, held))
+        added = await run_in_threadpool(_add_rollouts, registry, run, held, settings.body_bytes_per_span_row)
+        return JSONModelResponse(added)
 
     @app.post(
         "/v1/runs/{run}/sweep",

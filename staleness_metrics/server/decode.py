@@ -279,12 +279,13 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
             return pairs
         if kinds == {int}:
             values = np.frombuffer(array("q", items), dtype=np.int64)
-            if field != "token_versions" and values.size and values.min() >= -128 and values.max() <= 127:
-                # 1 byte a position for a mask's text of 2, or a weight list of small integers (the
-                # library reads it as float64 either way; its text, and so its digest, is the same)
+            if values.size and values.min() >= -128 and values.max() <= 127:
+                # 1 byte a position for a mask's text of 2, small versions (a long batch keeps them so),
+                # or a weight list of small integers (the library reads it as float64 either way; its
+                # text, and so its digest, is the same)
                 return values.astype(np.int8)
             if field == "token_versions" and values.size and values.min() >= _INT32_MIN and values.max() <= _INT32_MAX:
-                return values.astype(np.int32)  # versions: 4 bytes a position (the library widens them to int64)
+                return values.astype(np.int32)  # versions: 4 bytes a position (as kept in a long batch)
             return values
         if field in _INT_FIELDS:
             return None  # a float (or null) where integers belong: the library names it from the list

@@ -23,6 +23,7 @@ __all__ = [
     "RunConflict",
     "RunError",
     "RunNotFound",
+    "SpanRowsTooMany",
     "StepConflict",
     "field_item",
     "out_of_range",
@@ -82,6 +83,11 @@ class RecordsInvalid(RunError):
     def __init__(self, errors: list[ErrorItem]) -> None:
         super().__init__("; ".join(f"{e.rollout_id!r}: {e.field}: {e.reason}" for e in errors))
         self.errors = errors
+
+
+class SpanRowsTooMany(RecordsInvalid):
+    """A body cutting more span rows than its size allows: a size limit (413), answered in the shape of
+    an invalid request (its rollout, field and reason); nothing of it was applied."""
 
 
 def trace_item(error: TraceError, index: int | None = None) -> ErrorItem:

@@ -16,9 +16,11 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 __all__ = [
+    "DEFAULT_BODY_BYTES_PER_SPAN_ROW",
     "DEFAULT_HEADER_TIMEOUT",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_HEADER_BYTES",
+    "SPAN_ROW_FLOOR",
     "BodySizeLimit",
     "header_limited_protocol",
     "return_large_frees_to_the_os",
@@ -26,6 +28,10 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# A body may cut one span row (a run of one mask value and one version: 60-130 bytes of the queue's span
+# table) per this many bytes of its size, and always SPAN_ROW_FLOOR rows (see .span_rows).
+DEFAULT_BODY_BYTES_PER_SPAN_ROW = 128
+SPAN_ROW_FLOOR = 65_536
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

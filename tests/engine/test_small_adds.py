@@ -149,3 +149,52 @@ def test_loading_a_checkpoint_forgets_small_adds_not_yet_cut(through: str) -> No
     assert shipped[0].ids == shipped[1].ids == ["a", "b"]
     assert shipped[0].batches_line() == shipped[1].batches_line()
     assert sinks[0].add(_record("x")) == 1  # its id was never accepted by the loaded state
+
+
+def _small_batch(rid: str, rng: random.Random, step: int) -> RolloutBatch:
+    """One rollout of a few positions: mostly float32 arrays with rl weights and token versions, now and
+    then float64 ones or one of them missing (a batch of another kind among the staged ones)."""
+    n = rng.randint(2, 9)
+    odd = rng.random() < 0.1
+    dtype = rng.choice((np.float32, np.float64)) if odd else np.float32
+    mask = np.ones(n, dtype=dtype)
+    mask[: rng.randint(0, n - 1)] = 0
+    tokens = np.sort(np.array([rng.randint(max(step - 4, 0), step - 1) for _ in range(n)], dtype=np.int64))
+    return RolloutBatch(
+        ids=[rid], sample_offsets=np.arange(2), position_offsets=np.array([0, n]), mask=mask,
+        dispatch_version=np.array([max(step - 4, 0)]), rl_weights=None if odd and rng.random() < 0.5 else mask * 2,
+        token_versions=None if odd and rng.random() < 0.5 else tokens,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sinks_adding_in_turn_on_one_thread_decide_as_each_alone(seed: int) -> None:
+    """Small adds to several sinks in turn (their staged positions kept in the thread's buffers, lent to one
+    sink at a time) ship, mask and count what each sink does when it is the only one."""
+    config = StalenessConfig(policy="token", max_staleness=1)
+    names = ("a", "b", "c")
+    outcomes: dict[str, list[Any]] = {}
+    for together in (False, True):
+        rng = random.Random(seed)
+        plan = [(step, name) for step in range(2, 7) for _ in range(rng.randint(1, 12)) for name in names]
+        sinks = {name: Sink(config) for name in names}
+        seen: dict[str, list[Any]] = {name: [] for name in names}
+        for only in [None] if together else names:
+            batches: dict[str, list[RolloutBatch]] = {name: [] for name in names}
+            draw = random.Random(seed + 1)
+            for i, (step, name) in enumerate(plan):
+                batch = _small_batch(f"{name}{i}", draw, step)
+                if only is None or name == only:
+                    batches[name].append(batch)
+                    seen[name].append(sinks[name].add(batch))
+                if i + 1 == len(plan) or plan[i + 1][0] != step:  # the last add of a step: ship every sink
+                    for ship_name in names[::-1] if step % 2 else names:
+                        if only is None or ship_name == only:
+                            shipment = sinks[ship_name].ship(step)
+                            seen[ship_name].append((dict(shipment.metrics), shipment.batches_line()))
+            for name in names:
+                if only is None or name == only:
+                    seen[name].append([b.mask.tolist() for b in batches[name]])
+        outcomes[str(together)] = [seen[name] for name in names]
+    assert outcomes["True"] == outcomes["False"]
+    assert any(1 in mask for mask in outcomes["True"][0][-1])  # (some positions were trained, as sent)

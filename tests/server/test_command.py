@@ -64,6 +64,26 @@ def test_a_port_beyond_65535_is_refused_not_wrapped(capsys: pytest.CaptureFixtur
     assert "--port must be 0..65535, got 99999" in capsys.readouterr().err
 
 
+def test_a_negative_span_row_allowance_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve.run(parse("--body-bytes-per-span-row", "-1")) == 2
+    assert "--body-bytes-per-span-row must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_the_span_row_allowance_is_the_command_lines(serve_process: Callable[..., ServeProcess]) -> None:
+    """100,000 mask flips: more rows than a 200 KB body may cut by default (65,536), queued with no cap."""
+    flips = {"id": "f", "dispatch_version": 0, "samples": [{"mask": [0, 1] * 50_000}]}
+    for flag, expected in ((), 413), (("--body-bytes-per-span-row", "0"), 200):
+        served = serve_process(list(flag))
+        with httpx.Client(base_url=served.url, timeout=120) as http:
+            http.put("/v1/runs/exp", json={}).raise_for_status()
+            answer = http.post("/v1/runs/exp/rollouts", json={"rollouts": [flips]})
+        assert answer.status_code == expected, answer.text[:300]
+        if expected == 413:
+            [error] = answer.json()["detail"]
+            assert (error["rollout_id"], error["field"]) == ("f", "samples[0].mask")
+
+
 def test_an_empty_token_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "token"
     empty.write_text("\n")

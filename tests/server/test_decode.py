@@ -78,7 +78,7 @@ def test_large_bodies_read_long_lists_straight_into_arrays() -> None:
 
 
 def test_long_integer_lists_are_read_in_the_smallest_exact_dtype() -> None:
-    """Versions, span pairs and integer weights are read compactly (int32, int8) while every value fits,
+    """Versions, span pairs and integer weights are read compactly (int8, int32) while every value fits,
     and into a wider dtype, exactly, when a later piece holds a value that does not: the values are the
     list's either way (a digest of the record, and the library, read the same numbers)."""
     n = 400_000  # text of several pieces
@@ -91,7 +91,7 @@ def test_long_integer_lists_are_read_in_the_smallest_exact_dtype() -> None:
     other = {"mask": [1] * n, "token_versions": late_big, "weight_versions": pairs}
     value = service(json.dumps({"rollouts": [{"id": "r", "samples": [sample, other]}]}).encode())
     first, second = value["rollouts"][0]["samples"]
-    expected_dtypes = {"token_versions": np.int32, "rl_weights": np.int8, "ce_weights": np.float64}
+    expected_dtypes = {"token_versions": np.int8, "rl_weights": np.int8, "ce_weights": np.float64}
     for name, dtype in expected_dtypes.items():
         assert first[name].dtype == dtype and first[name].tolist() == sample[name]
     assert second["token_versions"].dtype == np.int64 and second["token_versions"].tolist() == late_big

@@ -395,6 +395,8 @@ def test_peak_memory_per_body_stays_within_three_times_its_size(
             # 3x the body, with a data directory too: its journal row is hashed and written a piece at a
             # time (docs/service.md, "Limits", gives the measured figures)
             assert grown < 3 * len(body) + BASELINE, f"{grown / len(body):.1f}x a {len(body)} byte body"
+            if run == "tokens":  # small versions stay int8 in the queue, cut a piece at a time: about 1.6x
+                assert grown < 2.5 * len(body), f"{grown / len(body):.2f}x a {len(body)} byte body"
             if expected == 422:
                 [error] = answer.json()["detail"]
                 assert (error["rollout_id"], error["field"], error["reason"]) == (
@@ -429,3 +431,66 @@ def test_peak_memory_per_body_stays_within_three_times_its_size(
         for run in ("weights", "tokens"):
             shipped = http.post(f"/v1/runs/{run}/ship", json={"step": 1}).json()
             assert shipped["counts"]["tokens_sampled"] == quarter + 1
+
+
+def _runs(values: tuple[bytes, bytes], run: int, positions: int) -> bytes:
+    """``positions`` comma-separated values, alternating between the two every ``run`` positions."""
+    pair = (values[0] + b",") * run + (values[1] + b",") * run
+    return (pair * (positions // (2 * run) + 1))[: 2 * positions - 1]
+
+
+def test_a_body_cutting_a_span_row_per_position_gets_413_within_three_times_its_size(
+    serve_process: Callable[..., ServeProcess],
+) -> None:
+    """Valid bodies whose mask or versions change at every position would each hold about 60 bytes of span
+    table per position (2 bytes of body): refused before any table is built, naming rollout, field and
+    reason; a body of the same size with runs of realistic length, and a small alternating one, are queued."""
+    served = serve_process(["--max-body-bytes", str(64 * 2**20)])
+    pid = served.process.pid
+    size = 12 * 2**20
+    half = size // 2
+
+    def body(rid: str, sample: bytes) -> bytes:
+        return b'{"rollouts":[{"id":"%s","dispatch_version":0,"samples":[{%s}]}]}' % (rid.encode(), sample)
+
+    mask_flips = body("m", b'"mask":[' + _runs((b"0", b"1"), 1, half) + b"]")
+    ones = b'"mask":[' + _runs((b"1", b"1"), 1, half // 2) + b"]"
+    version_flips = body("t", ones + b',"token_versions":[' + _runs((b"0", b"1"), 1, half // 2) + b"]")
+    # a multi-turn rollout: the mask changes every 100 positions, the version every 1000
+    turn_mask = b'"mask":[' + _runs((b"1", b"0"), 100, half // 2) + b"]"
+    turns = body("r", turn_mask + b',"token_versions":[' + _runs((b"3", b"4"), 1000, half // 2) + b"]")
+    # one span row per 140 bytes of body, just within the default allowance (one per 128)
+    near_cap = body("c", b'"mask":[' + _runs((b"1", b"0"), 70, half) + b"]")
+    small = body("s", b'"mask":[' + _runs((b"0", b"1"), 1, 60_000) + b"]")  # under the 65,536 rows always allowed
+    with httpx.Client(base_url=served.url, timeout=600) as http:
+        http.put("/v1/runs/warm", json={}).raise_for_status()  # numba loaded first, as in the test above
+        n = 70_000
+        warm_mask = ([1] * 50 + [0] * 50) * (n // 100)  # a mask that changes and versions: every compiled loop
+        warm = {"id": "w", "dispatch_version": 0, "samples": [{"mask": warm_mask, "token_versions": [0] * n}]}
+        http.post("/v1/runs/warm/rollouts", json={"rollouts": [warm]}).raise_for_status()
+        cases = (
+            ("mask", mask_flips, 413, "m", "samples[0].mask"),
+            ("versions", version_flips, 413, "t", "samples[0].token_versions"),
+            ("turns", turns, 200, "", ""),
+            ("cap", near_cap, 200, "", ""),
+            ("small", small, 200, "", ""),
+        )
+        for run, sent, expected, rollout, field in cases:
+            http.put(f"/v1/runs/{run}", json={}).raise_for_status()
+            answer, grown = peak_growth(
+                pid,
+                lambda sent=sent, run=run: http.post(
+                    f"/v1/runs/{run}/rollouts", content=sent, headers={"content-type": "application/json"}
+                ),
+            )
+            assert answer.status_code == expected, answer.text[:300]
+            # 1.8x for each 12 MiB body (the parse): the refused ones build no span table (docs/service.md)
+            allowance = 3 * len(sent) + (BASELINE if len(sent) < 2**20 else 0)
+            assert grown < allowance, f"{run}: {grown / len(sent):.1f}x a {len(sent)} byte body"
+            if expected == 413:
+                [error] = answer.json()["detail"]
+                assert (error["rollout_id"], error["field"], error["index"]) == (rollout, field, 0)
+                assert "span rows" in error["reason"] and "--body-bytes-per-span-row" in error["reason"]
+                assert http.get(f"/v1/runs/{run}").json()["queued"] == 0  # nothing of it was applied
+            else:
+                assert answer.json()["accepted"] == 1

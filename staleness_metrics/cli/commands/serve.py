@@ -61,6 +61,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         help="largest request body accepted, 413 beyond (default: 64 MiB)",
     )  # fmt: skip
     parser.add_argument(
+        "--body-bytes-per-span-row", type=int, default=128, metavar="N",
+        help="a rollouts body may cut one span row (a run of one mask value and one version) per N bytes of "
+        "its size, and always 65,536; 413 beyond (default: 128; 0: no cap)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-header-bytes", type=int, default=64 * 1024, metavar="N",
         help="largest request line and headers accepted, 431 beyond (default: 64 KiB)",
     )  # fmt: skip
@@ -173,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc), 2)
     if args.max_body_bytes < 1:
         return _fail("--max-body-bytes must be >= 1", 2)
+    if args.body_bytes_per_span_row < 0:
+        return _fail("--body-bytes-per-span-row must be >= 0", 2)
     if args.max_header_bytes < 1024:
         return _fail("--max-header-bytes must be >= 1024", 2)
     if not args.header_timeout > 0:
@@ -193,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         token=token,
         protect_reads=args.protect_reads,
         max_body_bytes=args.max_body_bytes,
+        body_bytes_per_span_row=args.body_bytes_per_span_row,
         exporters=exporters,
         data_dir=data_dir,
     )

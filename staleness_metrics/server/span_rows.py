@@ -1,0 +1,152 @@
+"""How many span rows a body may cut, counted before the queue builds any table.
+
+The queue keeps one row per span of a sample: a run of positions with one mask value and one version
+(SPEC 3's ``weight_versions`` spans, or the runs of ``token_versions``, cut again where the mask changes).
+A row costs about 60 to 130 bytes across the span table's columns, so a valid body whose versions or mask
+change at every position (``0,1,0,1,...``: 2 bytes of text a position) would cost some 60 times its size.
+A body may cut one row per :data:`~.limits.DEFAULT_BODY_BYTES_PER_SPAN_ROW` bytes of its size, and never
+fewer than :data:`~.limits.SPAN_ROW_FLOOR` rows (a small body's rows cost little); beyond, it is refused
+(413) naming the rollout and field that passed the allowance.
+
+What is counted, per sample, is an upper bound of its rows: one, plus every position where the mask
+differs from the previous position's, plus every labelled position (``token_versions`` other than -1)
+whose label differs from the previous label (unlabelled positions never cut), plus one per
+``weight_versions`` span; and never more than the sample's positions (each row starts at a position of
+its own: a sample with more spans than positions breaks a rule, and the library refuses it, naming the
+span, before building any table). The arrays are read a piece of :data:`PIECE_POSITIONS` at a time, so
+the count's temporaries stay a few MiB.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .limits import SPAN_ROW_FLOOR
+
+__all__ = ["PIECE_POSITIONS", "SpanRowsExceeded", "allowed_span_rows", "check_span_rows"]
+
+PIECE_POSITIONS = 1 << 20  # positions compared at once: a 1 MiB bool and at most 8 MiB of indices
+
+
+@dataclass(frozen=True)
+class SpanRowsExceeded:
+    """The rollout and field at which a body's span rows passed its allowance, and why."""
+
+    rollout_id: str | None
+    index: int  # the rollout's place in the body
+    field: str
+    reason: str
+
+
+def allowed_span_rows(body_bytes: int, body_bytes_per_row: int) -> int:
+    """The span rows a body of ``body_bytes`` may cut (``body_bytes_per_row`` 0: no cap)."""
+    if body_bytes_per_row <= 0:
+        return -1
+    return max(SPAN_ROW_FLOOR, body_bytes // body_bytes_per_row)
+
+
+def _length(values: Any) -> int:
+    return len(values) if isinstance(values, Sequence | np.ndarray) and not isinstance(values, str) else 0
+
+
+def _numbers(values: Any) -> npt.NDArray[Any] | None:
+    """``values`` as a 1-d numeric array, or None when they are not (the library refuses them, naming why)."""
+    if isinstance(values, np.ndarray):
+        array = values
+    elif isinstance(values, list):
+        try:
+            array = np.asarray(values)
+        except (ValueError, TypeError, OverflowError):
+            return None
+    else:
+        return None
+    return array if array.ndim == 1 and array.dtype.kind in "biuf" else None
+
+
+def _value_changes(values: npt.NDArray[Any]) -> int:
+    """Positions whose value differs from the previous position's."""
+    changes = 0
+    for start in range(1, len(values), PIECE_POSITIONS):
+        end = min(start + PIECE_POSITIONS, len(values))
+        changes += int(np.count_nonzero(values[start:end] != values[start - 1 : end - 1]))
+    return changes
+
+
+def _label_changes(labels: npt.NDArray[Any]) -> int:
+    """Labelled positions (not -1) whose label differs from the previous label."""
+    changes = 0
+    last: Any = None
+    for start in range(0, len(labels), PIECE_POSITIONS):
+        labelled = labels[start : start + PIECE_POSITIONS]
+        labelled = labelled[labelled != -1]
+        if len(labelled) == 0:
+            continue
+        changes += int(np.count_nonzero(labelled[1:] != labelled[:-1]))
+        if last is not None and labelled[0] != last:
+            changes += 1
+        last = labelled[-1]
+    return changes
+
+
+def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
+    """An upper bound of the rows ``sample`` cuts, and the field that cuts the most of them."""
+    spans = _length(sample.get("weight_versions"))
+    positions = max(_length(sample.get("mask")), _length(sample.get("token_versions")))
+    mask = _numbers(sample.get("mask"))
+    labels = _numbers(sample.get("token_versions"))
+    by_field = {
+        "mask": 0 if mask is None else _value_changes(mask),
+        "token_versions": 0 if labels is None else _label_changes(labels),
+        "weight_versions": spans,
+    }
+    rows = min(1 + by_field["mask"] + by_field["token_versions"] + spans, max(1, positions))
+    return rows, max(by_field, key=lambda name: by_field[name])
+
+
+def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> SpanRowsExceeded | None:
+    """Where the rollouts of a body of ``body_bytes`` pass the span rows it may cut, else None.
+
+    First a bound from lengths alone (the positions of each sample: most bodies stop there), then the
+    count of changes, rollout by rollout, up to the rollout that passes the allowance."""
+    allowed = allowed_span_rows(body_bytes, body_bytes_per_row)
+    if allowed < 0 or not isinstance(records, list):
+        return None
+    samples_of = [
+        (position, record, list(enumerate(record["samples"])))
+        for position, record in enumerate(records)
+        if isinstance(record, Mapping) and isinstance(record.get("samples"), list)
+    ]
+    by_length = sum(
+        max(1, _length(s.get("mask")), _length(s.get("token_versions")))
+        for _, _, samples in samples_of
+        for _, s in samples
+        if isinstance(s, Mapping)
+    )
+    if by_length <= allowed:
+        return None
+    total = 0
+    for position, record, samples in samples_of:
+        for index, sample in samples:
+            if not isinstance(sample, Mapping):
+                continue
+            rows, field = _sample_rows(sample)
+            total += rows
+            if total > allowed:
+                rid = record.get("id")
+                return SpanRowsExceeded(
+                    rollout_id=None if rid is None else str(rid),
+                    index=position,
+                    field=f"samples[{index}].{field}",
+                    reason=(
+                        f"the body cuts more than {allowed:,} span rows (runs of one mask value and one "
+                        f"version; this rollout brings them to {total:,}): a body of {body_bytes:,} bytes may "
+                        f"cut one per {body_bytes_per_row} bytes, at least {SPAN_ROW_FLOOR:,} "
+                        "(serve --body-bytes-per-span-row)"
+                    ),
+                )
+    return None
