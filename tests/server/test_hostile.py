@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from staleness_metrics.records.model import COMPACT_MASK_MIN_POSITIONS
 from staleness_metrics.server import ServerSettings
 from staleness_metrics.server.store import DATABASE_NAME
 
@@ -83,13 +84,18 @@ def test_unauthenticated_writes_get_401_before_the_body_is_read(serve_process: C
 
 
 def test_a_large_valid_body_costs_a_small_multiple_of_its_size(serve_process: Callable[..., ServeProcess]) -> None:
-    """One rollout of 8M positions: peak resident growth stays within 8x the body (docs/service.md states
-    the figure bench/service_durability.py measures)."""
+    """One rollout of 8M positions: peak resident growth stays within 3x the body (docs/service.md, "Limits",
+    gives the measured figure), numba's one-time load (about 100 MB a process, on
+    the first batch that reaches a compiled loop) taken before, as docs/service.md counts it apart."""
     positions = 8_000_000
     body = b'{"rollouts":[{"id":"big","dispatch_version":0,"samples":[{"mask":[' + b"1," * (positions - 1) + b"1]}]}]}"
     served = serve_process(["--max-body-bytes", str(len(body))])
     pid = served.process.pid
     with httpx.Client(base_url=served.url, timeout=600) as http:
+        http.put("/v1/runs/warm", json={}).raise_for_status()
+        # as long as a batch whose mask is kept as int8: its cut takes the very loops the big one's does
+        warm = {"id": "w", "dispatch_version": 0, "samples": [{"mask": [1] * COMPACT_MASK_MIN_POSITIONS}]}
+        http.post("/v1/runs/warm/rollouts", json={"rollouts": [warm]}).raise_for_status()
         http.put("/v1/runs/big", json={}).raise_for_status()
         before = status_kb(pid, "VmRSS") * 1024
         added = http.post("/v1/runs/big/rollouts", content=body, headers={"content-type": "application/json"})
@@ -97,7 +103,7 @@ def test_a_large_valid_body_costs_a_small_multiple_of_its_size(serve_process: Ca
         peak = status_kb(pid, "VmHWM") * 1024
         shipped = http.post("/v1/runs/big/ship", json={"step": 1}).json()
         assert shipped["counts"]["tokens_sampled"] == positions
-    assert (peak - before) / len(body) < 8
+    assert (peak - before) / len(body) < 3
 
 
 def test_long_lists_read_as_arrays_give_the_same_errors_and_duplicates(server: ThreadServer) -> None:
