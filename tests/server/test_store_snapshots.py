@@ -18,7 +18,6 @@ import numpy as np
 import orjson
 import pytest
 
-from staleness_metrics.config import StalenessConfig
 from staleness_metrics.server import ExportSettings, RunRegistry
 from staleness_metrics.server.models import ShipRequest
 from staleness_metrics.server.store import (
@@ -31,7 +30,7 @@ from staleness_metrics.server.store import (
     dumps,
 )
 
-RUN = "exp-7"
+from .test_storage_damage import RUN, write_directory
 
 
 def stored_snapshot(data_dir: Path, run: str = RUN) -> tuple[int, bytes, str]:
@@ -117,22 +116,6 @@ def test_a_large_snapshot_is_never_one_text_in_memory(tmp_path: Path) -> None:
     assert peak < len(text) / 5, f"{peak} bytes traced saving {len(text)} bytes of text"
 
 
-def rollout(rid: str, version: int) -> dict[str, object]:
-    return {"id": rid, "dispatch_version": version, "samples": [{"mask": [1, 1, 1], "weight_versions": [[version, 0]]}]}
-
-
-def write_directory(data_dir: Path, rows: int) -> None:
-    """A run of ``rows`` journal rows (adds, a ship every fourth), left as after kill -9 (no final snapshot)."""
-    registry = RunRegistry(ExportSettings(), SqliteStore(data_dir))
-    run, _ = registry.create(RUN, StalenessConfig(max_staleness=2))
-    for i in range(rows):
-        if i % 4 == 3:
-            run.ship(ShipRequest(step=i // 4 + 1))
-        else:
-            run.add([rollout(f"r{i}", i // 4)])
-    registry.store.close()
-
-
 def as_schema_1(data_dir: Path) -> None:
     """The snapshots table as releases before schema 2 created it: the state ahead of the checksum."""
     with sqlite3.connect(data_dir / DATABASE_NAME) as db:
@@ -148,7 +131,7 @@ def as_schema_1(data_dir: Path) -> None:
 def restored_answers(data_dir: Path) -> tuple[Any, ...]:
     """What a restart of ``data_dir`` serves: the run's info, and the answer to its next ship."""
     registry = RunRegistry(ExportSettings(), SqliteStore(data_dir))
-    assert registry.restore(background=False) == 1
+    assert registry.restore(background=False) == 2  # RUN and an empty one
     run = registry.get(RUN)
     info = run.info().model_dump()
     shipped = run.ship(ShipRequest(step=SNAPSHOT_EVERY)).model_dump()
