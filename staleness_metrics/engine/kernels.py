@@ -81,7 +81,14 @@ class _CompiledOnFirstCall:
         return self._compiled(*args)
 
 
-@_CompiledOnFirstCall
+def _grown(values: IntArray, used: int, capacity: int) -> IntArray:  # pragma: no cover - compiled
+    """``values``' first ``used`` entries in a new array of ``capacity`` (a callee of ``_token_spans``)."""
+    wider = np.empty(capacity, dtype=values.dtype)
+    wider[:used] = values[:used]
+    return wider
+
+
+@_CompiledOnFirstCall(callees={"_grown": (_grown, {})})
 def _token_spans(
     tokens: IntArray,
     mask: npt.NDArray[Any],
@@ -108,10 +115,14 @@ def _token_spans(
             raise ValueError("token_cuts: position offsets out of order or beyond the arrays")
         end = b
         total += b - a
-    starts = np.empty(total + 1, dtype=np.int64)  # a cut holds at least one position: k <= total
+    # Outputs sized by the cuts, not the positions: room for the next sample's worst case (a cut per
+    # position), doubled when short. (Arrays of one entry per position cost page faults and numba's
+    # zeroing of the flags, in every parallel share: more than the cut loop's own reads.)
+    capacity = min(total + 1, max(64, 8 * len(samples)))
+    starts = np.empty(capacity, dtype=np.int64)
     labels = np.empty_like(starts)
     labelled = np.empty_like(starts)
-    flags = np.zeros((n_weights, total + 1), dtype=np.uint8)
+    flags = np.empty((n_weights, capacity), dtype=np.uint8)  # (every cut's bits are written)
     # The weight bits (see _weight_flags) of each cut, read while its sample is in cache.
     one = np.uint64(1)
     magnitude = sign - one
@@ -124,6 +135,14 @@ def _token_spans(
         length = pos_off[s + 1] - a
         if length == 0:
             continue
+        if k + length + 1 > len(starts):  # this sample may cut at each position
+            capacity = max(2 * len(starts), k + length + 1)
+            starts = _grown(starts, k, capacity)
+            labels = _grown(labels, k, capacity)
+            labelled = _grown(labelled, k, capacity)
+            wider = np.empty((n_weights, capacity), dtype=np.uint8)
+            wider[:, :k] = flags[:, :k]
+            flags = wider
         first_cut = k
         tok = tokens[a : a + length]  # slices: in bounds by the checks above, and no negative-index fix-up
         m = mask[a : a + length]

@@ -195,6 +195,31 @@ def test_token_spans_in_parallel_shares_equal_one_pass() -> None:
     assert found.below == sum(p.below for p in one)
 
 
+def test_token_spans_with_more_cuts_than_their_first_room_equal_the_numpy_runs() -> None:
+    """The outputs start with room for a few cuts per sample and grow: samples that cut at almost every
+    position (alternating labels and mask) make them grow many times, between samples and within one."""
+    rng = np.random.default_rng(5)
+    lengths = np.concatenate((rng.integers(1, 40, size=300), [5000], rng.integers(1, 40, size=300)))
+    pos_off = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    total = int(pos_off[-1])
+    tokens = np.where(rng.random(total) < 0.2, -1, rng.integers(0, 3, size=total)).astype(np.int64)
+    mask = (rng.random(total) < 0.7).astype(np.float32)
+    weights = [np.where(rng.random(total) < 0.3, 0.0, rng.random(total)).astype(np.float32) for _ in range(2)]
+    tokened = rng.random(len(lengths)) < 0.95
+    samples = np.flatnonzero(tokened)
+    found = token_spans(tokens, mask, pos_off, samples, weights)
+    want = numpy_token_cuts(tokens, pos_off, tokened, mask_changes(mask))
+    assert len(found.starts) > 8 * len(samples)  # past the first room several times over
+    for got, expected in zip(found[:3], want):
+        assert got.tolist() == expected.tolist()
+    sample_end = pos_off[np.searchsorted(pos_off, found.starts, "right")]
+    ends = np.minimum(np.append(found.starts[1:], total), sample_end)
+    for values, bits in zip(weights, found.flags):
+        want_bits = weight_flags(values, found.starts, ends)
+        assert want_bits is not None
+        assert bits.tolist() == want_bits.tolist()
+
+
 def test_token_spans_read_weights_of_one_float_dtype_only() -> None:
     ones32, ones64 = np.ones(4, dtype=np.float32), np.ones(4)
     assert fusable_weights([]) and fusable_weights([ones32, ones32]) and fusable_weights([ones64])
