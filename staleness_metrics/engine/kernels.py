@@ -23,9 +23,9 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "SpanRows", "TokenSpans",
-    "fusable_weights", "mismatch_runs", "plain_positions", "span_rows", "token_cuts", "token_spans", "warm_up",
-    "weight_flags", "zero_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "ShippedRows", "SpanRows",
+    "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "shipped_rows", "span_rows", "token_cuts",
+    "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -597,6 +597,147 @@ def span_rows(
     return SpanRows(*found)
 
 
+class ShippedRows(NamedTuple):
+    """The kept span rows of a ship as :func:`shipped_rows` writes them (see ``shipped_positions.ShippedSpans``)."""
+
+    chunk: IntArray
+    lo: IntArray
+    hi: IntArray
+    lag: IntArray
+    masked: BoolArray
+    sample_offsets: IntArray
+    mixed: BoolArray
+    unlabelled_lag: IntArray
+    unlabelled_masked: BoolArray
+    env: IntArray
+
+
+@_CompiledOnFirstCall
+def _shipped_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    kept_sample: BoolArray,
+    sample_rollout: IntArray,
+    mask_below: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    frozen: BoolArray,
+    rollout_chunk: IntArray,
+    rollout_env: IntArray,
+    part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+    trained: int,
+    not_sampled: int,
+) -> tuple[Any, ...]:  # pragma: no cover - compiled
+    n_samples = len(span_lo)
+    if len(span_hi) != n_samples or len(kept_sample) != n_samples or len(sample_rollout) != n_samples:
+        raise ValueError("shipped_rows: the sample arrays differ in length")
+    if len(mask_below) != n_samples:
+        raise ValueError("shipped_rows: the sample arrays differ in length")
+    n_rollouts = len(frozen)
+    if len(rollout_chunk) != n_rollouts or len(rollout_env) != n_rollouts:
+        raise ValueError("shipped_rows: the rollout arrays differ in length")
+    table_rows = len(part)
+    if len(table_lo) != table_rows or len(table_hi) != table_rows:
+        raise ValueError("shipped_rows: the span table's columns differ in length")
+    n = 0
+    for k in range(n_samples):  # checked before any read: the rows, samples and rollouts named exist
+        if not (0 <= span_lo[k] <= span_hi[k] <= table_rows):
+            raise IndexError("shipped_rows: a sample's span rows outside the span table")
+        if not (0 <= sample_rollout[k] < n_rollouts):
+            raise IndexError("shipped_rows: a sample of no rollout")
+        n += span_hi[k] - span_lo[k]
+    if len(version) != n or len(sampled) != n:
+        raise ValueError("shipped_rows: one version and one sampled count per span row expected")
+    # Per row (in judgement order): lag and masked flag, read by a row and by the labelled part before it.
+    lag = np.empty(n, dtype=np.int64)
+    masked = np.empty(n, dtype=np.bool_)
+    n_kept = 0
+    kept_samples = 0
+    i = 0
+    for k in range(n_samples):
+        rollout = sample_rollout[k]
+        live = not frozen[rollout]
+        for r in range(span_lo[k], span_hi[k]):
+            lag[i] = trained - version[i] if live and sampled[i] > 0 else not_sampled
+            masked[i] = version[i] < mask_below[k]
+            n_kept += kept_sample[k] and part[r] != 2  # a mixed span once, by its first row (spans.PART_*)
+            i += 1
+        kept_samples += kept_sample[k]
+    chunk = np.empty(n_kept, dtype=np.int64)
+    lo = np.empty(n_kept, dtype=np.int64)
+    hi = np.empty(n_kept, dtype=np.int64)
+    out_lag = np.empty(n_kept, dtype=np.int64)
+    out_masked = np.empty(n_kept, dtype=np.bool_)
+    mixed = np.empty(n_kept, dtype=np.bool_)
+    unlabelled_lag = np.empty(n_kept, dtype=np.int64)
+    unlabelled_masked = np.empty(n_kept, dtype=np.bool_)
+    env = np.empty(n_kept, dtype=np.int64)
+    sample_offsets = np.zeros(kept_samples + 1, dtype=np.int64)
+    last = max(n - 1, 0)
+    i = 0
+    j = 0
+    kept_k = 0
+    for k in range(n_samples):
+        rollout = sample_rollout[k]
+        for r in range(span_lo[k], span_hi[k]):
+            if kept_sample[k] and part[r] != 2:
+                partner = min(i + 1, last)  # the unlabelled part follows its labelled part
+                chunk[j] = rollout_chunk[rollout]
+                lo[j] = table_lo[r]
+                hi[j] = table_hi[r]
+                out_lag[j] = lag[i]
+                out_masked[j] = masked[i]
+                mixed[j] = part[r] == 1
+                unlabelled_lag[j] = lag[partner]
+                unlabelled_masked[j] = masked[partner]
+                env[j] = rollout_env[rollout]
+                j += 1
+            i += 1
+        if kept_sample[k]:
+            kept_k += 1
+            sample_offsets[kept_k] = j
+    return chunk, lo, hi, out_lag, out_masked, sample_offsets, mixed, unlabelled_lag, unlabelled_masked, env
+
+
+def shipped_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    kept_sample: BoolArray,
+    sample_rollout: IntArray,
+    mask_below: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    frozen: BoolArray,
+    rollout_chunk: IntArray,
+    rollout_env: IntArray,
+    part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+    trained: int,
+    not_sampled: int,
+) -> ShippedRows:
+    """The span rows of shipped samples, in one pass: the samples' rows ``[span_lo[k], span_hi[k])`` of a span
+    table (``part``, ``table_lo``, ``table_hi``), ``version`` and ``sampled`` per row in that order; each row's
+    lag (``trained - version`` where its rollout is not ``frozen`` and it has sampled positions, else
+    ``not_sampled``) and masked flag (``version < mask_below`` of its sample). Kept are the rows of
+    ``kept_sample`` samples that are not an unlabelled part; for each, its chunk and env (by its sample's
+    rollout), range, lag, masked flag, whether it is a labelled part, the next row's lag and masked flag (a
+    labelled part's unlabelled part), and per kept sample the offsets of its kept rows.
+
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts outside them.
+    """
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
+    found = _shipped_rows(
+        as_int(span_lo), as_int(span_hi), as_bool(kept_sample), as_int(sample_rollout), as_int(mask_below),
+        as_int(version), as_int(sampled), as_bool(frozen), as_int(rollout_chunk), as_int(rollout_env),
+        np.ascontiguousarray(part, dtype=np.int8), as_int(table_lo), as_int(table_hi), int(trained), int(not_sampled),
+    )  # fmt: skip
+    return ShippedRows(*found)
+
+
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
 # Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers of their width.
@@ -925,6 +1066,7 @@ def warm_up() -> None:
     lo, hi, count = np.array([0], dtype=np.int64), np.array([3], dtype=np.int64), np.array([1], dtype=np.int64)
     yes = np.ones(1, dtype=bool)
     span_rows(lo, hi, count, count, yes, yes, yes, yes, ~yes, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
+    shipped_rows(lo, count, yes, lo, count, count, count, ~yes, lo, lo, np.zeros(1, np.int8), lo, hi, 2, -1)
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))
