@@ -24,8 +24,8 @@ from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
     "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "ShippedRows", "SpanRows",
-    "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "shipped_rows", "span_rows", "token_cuts",
-    "token_spans", "warm_up", "weight_flags", "zero_spans",
+    "StaleRows", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "shipped_rows", "span_rows",
+    "stale_rows", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -738,6 +738,122 @@ def shipped_rows(
     return ShippedRows(*found)
 
 
+class StaleRows(NamedTuple):
+    """The span rows a decision newly masks, as :func:`stale_rows` finds them (what ``zero_spans`` writes)."""
+
+    chunk: IntArray
+    lo: IntArray
+    hi: IntArray
+    part: npt.NDArray[np.int8]
+    positions: IntArray  # the sampled positions of each (the whole range's or its part's)
+
+
+@_CompiledOnFirstCall
+def _stale_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    sample_rollout: IntArray,
+    old_below: IntArray,
+    new_below: IntArray,
+    raised: BoolArray,
+    version: IntArray,
+    sampled: IntArray,
+    rollout_chunk: IntArray,
+    part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.int8], IntArray]:  # pragma: no cover - compiled
+    n_samples = len(span_lo)
+    if (len(span_hi) != n_samples or len(sample_rollout) != n_samples or len(old_below) != n_samples
+            or len(new_below) != n_samples or len(raised) != n_samples):  # fmt: skip
+        raise ValueError("stale_rows: the sample arrays differ in length")
+    table_rows = len(part)
+    if len(table_lo) != table_rows or len(table_hi) != table_rows:
+        raise ValueError("stale_rows: the span table's columns differ in length")
+    n = 0
+    for k in range(n_samples):  # checked before any read: the rows and rollouts named exist
+        if not (0 <= span_lo[k] <= span_hi[k] <= table_rows):
+            raise IndexError("stale_rows: a sample's span rows outside the span table")
+        if not (0 <= sample_rollout[k] < len(rollout_chunk)):
+            raise IndexError("stale_rows: a sample of no rollout")
+        n += span_hi[k] - span_lo[k]
+    if len(version) != n or len(sampled) != n:
+        raise ValueError("stale_rows: one version and one sampled count per span row expected")
+    # Per row (in judgement order): stale at the new threshold, and newly masked (hit).
+    stale = np.empty(n, dtype=np.bool_)
+    hit = np.empty(n, dtype=np.bool_)
+    row_of = np.empty(n, dtype=np.int64)  # the row in the span table
+    i = 0
+    for k in range(n_samples):
+        for r in range(span_lo[k], span_hi[k]):
+            stale[i] = version[i] < new_below[k]
+            hit[i] = raised[k] & stale[i] & (version[i] >= old_below[k]) & (sampled[i] > 0)
+            row_of[i] = r
+            i += 1
+    # The two parts of a mixed span are adjacent rows (spans.PART_*: 1 labelled, then 2 unlabelled): when
+    # both are stale now the whole range goes, written once by the labelled part's row.
+    count = 0
+    for i in range(n):
+        p = part[row_of[i]]
+        partner = i + (p == 1) - (p == 2)
+        if partner < 0 or partner >= n:
+            raise IndexError("stale_rows: a part of a mixed span without its other part")
+        if hit[i] and not (p == 2 and hit[partner]):
+            count += 1
+    out_chunk = np.empty(count, dtype=np.int64)
+    out_lo = np.empty(count, dtype=np.int64)
+    out_hi = np.empty(count, dtype=np.int64)
+    out_part = np.empty(count, dtype=np.int8)
+    out_count = np.empty(count, dtype=np.int64)
+    j = 0
+    i = 0
+    for k in range(n_samples):
+        for r in range(span_lo[k], span_hi[k]):
+            p = part[r]
+            partner = i + (p == 1) - (p == 2)
+            if hit[i] and not (p == 2 and hit[partner]):
+                out_chunk[j] = rollout_chunk[sample_rollout[k]]
+                out_lo[j] = table_lo[r]
+                out_hi[j] = table_hi[r]
+                out_part[j] = 0 if stale[partner] else p
+                out_count[j] = sampled[i]
+                j += 1
+            i += 1
+    return out_chunk, out_lo, out_hi, out_part, out_count
+
+
+def stale_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    sample_rollout: IntArray,
+    old_below: IntArray,
+    new_below: IntArray,
+    raised: BoolArray,
+    version: IntArray,
+    sampled: IntArray,
+    rollout_chunk: IntArray,
+    part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+) -> StaleRows:
+    """The span rows a decision newly masks, in one pass over the judged samples' rows ``[span_lo[k],
+    span_hi[k])`` of a span table (``part``, ``table_lo``, ``table_hi``; ``version`` and ``sampled`` per row
+    in that order): rows with sampled positions of a ``raised`` sample whose version is at or above the
+    sample's ``old_below`` threshold and below its ``new_below``. Each with its chunk (by its sample's
+    rollout), range, part (0, the whole range, when both parts of a mixed span are stale: then only the
+    labelled part's row is given) and its sampled positions.
+
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts outside them.
+    """
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    found = _stale_rows(
+        as_int(span_lo), as_int(span_hi), as_int(sample_rollout), as_int(old_below), as_int(new_below),
+        np.ascontiguousarray(raised, dtype=np.bool_), as_int(version), as_int(sampled), as_int(rollout_chunk),
+        np.ascontiguousarray(part, dtype=np.int8), as_int(table_lo), as_int(table_hi),
+    )  # fmt: skip
+    return StaleRows(*found)
+
+
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
 # Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers of their width.
@@ -1067,6 +1183,7 @@ def warm_up() -> None:
     yes = np.ones(1, dtype=bool)
     span_rows(lo, hi, count, count, yes, yes, yes, yes, ~yes, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
     shipped_rows(lo, count, yes, lo, count, count, count, ~yes, lo, lo, np.zeros(1, np.int8), lo, hi, 2, -1)
+    stale_rows(lo, count, lo, lo, hi, yes, count, count, lo, np.zeros(1, np.int8), lo, hi)
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))

@@ -19,6 +19,7 @@ from staleness_metrics.engine.kernels import (
     plain_positions,
     shipped_rows,
     span_rows,
+    stale_rows,
     token_cuts,
     token_spans,
     warm_up,
@@ -567,3 +568,85 @@ def test_shipped_rows_refuse_rows_outside_the_table() -> None:
     with pytest.raises(ValueError, match="one version"):
         shipped_rows(0 * one, 2 * one, ~no, 0 * one, one, one, one, no, one, one, part, one.repeat(2), one.repeat(2),
                      2, -1)  # fmt: skip
+
+
+def numpy_stale_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    sample_rollout: IntArray,
+    old_below: IntArray,
+    new_below: IntArray,
+    raised: npt.NDArray[np.bool_],
+    version: IntArray,
+    sampled: IntArray,
+    rollout_chunk: IntArray,
+    table_part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+) -> dict[str, npt.NDArray[Any]]:
+    """``judging.mask_positions``' and ``masking.mask_spans``' former numpy steps to the rows they write."""
+    span_sample = np.repeat(np.arange(len(span_lo)), span_hi - span_lo)
+    old, new = old_below[span_sample], new_below[span_sample]
+    stale = version < new
+    hit = raised[span_sample] & stale & (version >= old) & (sampled > 0)
+    span_rows = expand_ranges(span_lo, span_hi)
+    part = table_part[span_rows]
+    partner = np.arange(len(part)) + (part == 1) - (part == 2)
+    whole = stale[partner]
+    hit &= ~((part == 2) & hit[partner])
+    rows = span_rows[hit]
+    return {
+        "chunk": rollout_chunk[sample_rollout[span_sample[hit]]], "lo": table_lo[rows], "hi": table_hi[rows],
+        "part": np.where(whole[hit], 0, part[hit]).astype(np.int8), "positions": sampled[hit],
+    }  # fmt: skip
+
+
+def random_span_table(
+    rng: np.random.Generator, table_rows: int, rollouts: int
+) -> tuple[npt.NDArray[np.int8], IntArray, IntArray, IntArray]:
+    """A span table's parts (a labelled part followed by its unlabelled part, in one sample) and the span rows
+    of some samples in any order, each sample's rollout (ascending), as a judgement lists them."""
+    part = np.zeros(table_rows, dtype=np.int8)
+    second = np.flatnonzero(rng.random(max(table_rows - 1, 0)) < 0.3) + 1
+    second = second[np.diff(np.concatenate(([-2], second))) > 1]  # parts never overlap
+    part[second - 1], part[second] = 1, 2
+    n_cuts = min(max(table_rows - 1, 0), int(rng.integers(0, 10)))
+    cuts = np.sort(rng.choice(np.arange(1, table_rows), size=n_cuts, replace=False))
+    cuts = cuts[part[cuts] != 2]  # a sample starts at a whole row or a labelled part
+    edges = np.concatenate(([0], cuts, [table_rows])).astype(np.int64)
+    order = rng.permutation(len(edges) - 1)
+    span_lo, span_hi = edges[:-1][order], edges[1:][order]
+    if not rollouts:
+        return part, span_lo[:0], span_hi[:0], np.zeros(0, dtype=np.int64)
+    return part, span_lo, span_hi, np.sort(rng.integers(0, rollouts, len(span_lo)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rollouts=st.integers(0, 8), table_rows=st.integers(0, 60))
+def test_stale_rows_equal_the_numpy_steps(seed: int, rollouts: int, table_rows: int) -> None:
+    """The rows a decision newly masks (thresholds raised on some samples, rows already masked at the old
+    threshold, unsampled rows, mixed spans with one or both parts stale) equal the numpy steps of
+    ``mask_positions``, with a part written whole when its other part is stale too."""
+    rng = np.random.default_rng(seed)
+    part, span_lo, span_hi, sample_rollout = random_span_table(rng, table_rows, rollouts)
+    n_samples, n = len(span_lo), int((span_hi - span_lo).sum())
+    old_below = rng.integers(-1, 4, n_samples)
+    args = (
+        span_lo, span_hi, sample_rollout, old_below, old_below + rng.integers(0, 4, n_samples),
+        rng.random(n_samples) < 0.8, rng.integers(0, 8, n), rng.integers(0, 3, n) * (rng.random(n) < 0.8),
+        rng.integers(0, 3, rollouts), part, rng.integers(0, 1000, table_rows), rng.integers(0, 1000, table_rows),
+    )  # fmt: skip
+    got = stale_rows(*args)
+    want = numpy_stale_rows(*args)
+    for name, values in want.items():
+        mine = getattr(got, name)
+        assert mine.dtype == values.dtype and mine.tolist() == values.tolist(), name
+
+
+def test_stale_rows_refuse_rows_outside_the_table() -> None:
+    one, yes = np.ones(1, dtype=np.int64), np.ones(1, dtype=bool)
+    part = np.zeros(2, dtype=np.int8)
+    with pytest.raises(IndexError, match="outside the span table"):
+        stale_rows(one, 3 * one, 0 * one, one, one, yes, one, one, one, part, one.repeat(2), one.repeat(2))
+    with pytest.raises(IndexError, match="without its other part"):
+        stale_rows(0 * one, one, 0 * one, one, one, yes, one, one, one, part + 1, one.repeat(2), one.repeat(2))
