@@ -23,9 +23,9 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "ShippedRows", "SpanRows",
-    "StaleRows", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "shipped_rows", "span_rows",
-    "stale_rows", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "ShippedFacts", "ShippedRows",
+    "SpanRows", "StaleRows", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "shipped_facts",
+    "shipped_rows", "span_rows", "stale_rows", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -854,6 +854,132 @@ def stale_rows(
     return StaleRows(*found)
 
 
+class ShippedFacts(NamedTuple):
+    """What every population of a ship's report reads, as :func:`shipped_facts` finds it."""
+
+    span_rollout: IntArray
+    sample_in: BoolArray
+    sampled: IntArray
+    staleness: IntArray
+    masked: IntArray
+    masked_per_sample: IntArray
+    rollout: IntArray
+    in_flight: IntArray
+    newest: IntArray
+
+
+@_CompiledOnFirstCall
+def _shipped_facts(
+    sample_offsets: IntArray,
+    span_offsets: IntArray,
+    frozen: BoolArray,
+    dispatch: IntArray,
+    completion: IntArray,
+    dropped: BoolArray,
+    mask_below: IntArray,
+    sampled: IntArray,
+    version: IntArray,
+    trained: int,
+    no_low: int,
+    no_high: int,
+) -> tuple[Any, ...]:  # pragma: no cover - compiled
+    n_rollouts = len(frozen)
+    n_samples = len(dropped)
+    n = len(version)
+    if len(dispatch) != n_rollouts or len(completion) != n_rollouts or len(sample_offsets) != n_rollouts + 1:
+        raise ValueError("shipped_facts: the rollout arrays differ in length")
+    if len(mask_below) != n_samples or len(span_offsets) != n_samples + 1 or len(sampled) != n:
+        raise ValueError("shipped_facts: the sample or span arrays differ in length")
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples:
+        raise ValueError("shipped_facts: sample offsets that do not span the samples")
+    if span_offsets[0] != 0 or span_offsets[n_samples] != n:
+        raise ValueError("shipped_facts: span offsets that do not span the spans")
+    for i in range(n_rollouts):
+        if sample_offsets[i + 1] < sample_offsets[i]:
+            raise ValueError("shipped_facts: sample offsets out of order")
+    for k in range(n_samples):
+        if span_offsets[k + 1] < span_offsets[k]:
+            raise ValueError("shipped_facts: span offsets out of order")
+    span_rollout = np.empty(n, dtype=np.int64)
+    sample_in = np.empty(n_samples, dtype=np.bool_)
+    out_sampled = np.empty(n, dtype=np.int64)
+    staleness = np.empty(n, dtype=np.int64)
+    masked = np.empty(n, dtype=np.int64)
+    masked_per_sample = np.empty(n_samples, dtype=np.int64)
+    rollout = np.empty(n_rollouts, dtype=np.int64)
+    in_flight = np.empty(n_rollouts, dtype=np.int64)
+    newest = np.empty(n_rollouts, dtype=np.int64)
+    for i in range(n_rollouts):
+        live = not frozen[i]
+        # Oldest and newest sampled shipped version: per sample first (no_high / no_low when it has no
+        # span), then over the rollout's samples, as two segment reductions would.
+        oldest_of_rollout = no_high
+        newest_of_rollout = no_low
+        for k in range(sample_offsets[i], sample_offsets[i + 1]):
+            inside = live and not dropped[k]
+            sample_in[k] = inside
+            masked_here = 0
+            oldest_of_sample = no_high
+            newest_of_sample = no_low
+            for j in range(span_offsets[k], span_offsets[k + 1]):
+                v = version[j]
+                positions = sampled[j] if inside else 0
+                span_rollout[j] = i
+                out_sampled[j] = positions
+                staleness[j] = trained - v
+                hidden = positions if v < mask_below[k] else 0
+                masked[j] = hidden
+                masked_here += hidden
+                has_sampled = inside and sampled[j] > 0
+                old_v = v if has_sampled else no_high
+                new_v = v if has_sampled else no_low
+                oldest_of_sample = old_v if j == span_offsets[k] else min(oldest_of_sample, old_v)
+                newest_of_sample = new_v if j == span_offsets[k] else max(newest_of_sample, new_v)
+            masked_per_sample[k] = masked_here
+            first = k == sample_offsets[i]
+            oldest_of_rollout = oldest_of_sample if first else min(oldest_of_rollout, oldest_of_sample)
+            newest_of_rollout = newest_of_sample if first else max(newest_of_rollout, newest_of_sample)
+        oldest = dispatch[i] if oldest_of_rollout == no_high else oldest_of_rollout
+        newest_version = dispatch[i] if newest_of_rollout == no_low else newest_of_rollout
+        rollout[i] = trained - oldest
+        in_flight[i] = min(max(completion[i] - oldest, 0), rollout[i])
+        newest[i] = trained - newest_version
+    return span_rollout, sample_in, out_sampled, staleness, masked, masked_per_sample, rollout, in_flight, newest
+
+
+def shipped_facts(
+    sample_offsets: IntArray,
+    span_offsets: IntArray,
+    frozen: BoolArray,
+    dispatch: IntArray,
+    completion: IntArray,
+    dropped: BoolArray,
+    mask_below: IntArray,
+    sampled: IntArray,
+    version: IntArray,
+    trained: int,
+    no_version: tuple[int, int],
+) -> ShippedFacts:
+    """Per span, sample and rollout of a ship (rollouts' samples by ``sample_offsets``, samples' spans by
+    ``span_offsets``), in one pass: each span's rollout, sampled positions counted (0 outside: a frozen
+    rollout or a dropped sample), staleness (``trained - version``) and masked positions (those sampled,
+    below its sample's ``mask_below``); per sample whether it counts and its masked positions; per rollout
+    its staleness ``trained - oldest``, time in flight (``completion - oldest`` within 0..staleness) and
+    newest token's staleness, the oldest and newest over counted sampled spans (the dispatch version when
+    none). ``no_version``: the low and high "no version" values.
+
+    Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
+    """
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
+    found = _shipped_facts(
+        as_int(sample_offsets), as_int(span_offsets), as_bool(frozen), as_int(dispatch), as_int(completion),
+        as_bool(dropped), as_int(mask_below), as_int(sampled), as_int(version), int(trained), int(no_version[0]),
+        int(no_version[1]),
+    )  # fmt: skip
+    return ShippedFacts(*found)
+
+
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
 # Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers of their width.
@@ -1184,6 +1310,7 @@ def warm_up() -> None:
     span_rows(lo, hi, count, count, yes, yes, yes, yes, ~yes, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
     shipped_rows(lo, count, yes, lo, count, count, count, ~yes, lo, lo, np.zeros(1, np.int8), lo, hi, 2, -1)
     stale_rows(lo, count, lo, lo, hi, yes, count, count, lo, np.zeros(1, np.int8), lo, hi)
+    shipped_facts(np.array([0, 1]), np.array([0, 1]), ~yes, lo, hi, ~yes, hi, count, lo, 3, (-(1 << 60), 1 << 60))
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))

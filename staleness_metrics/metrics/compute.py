@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..engine.decision import Judgement
-from ..engine.segments import segment_max, segment_min, segment_sum
+from ..engine.kernels import shipped_facts
 from ..engine.spans import NO_VERSION_HIGH, NO_VERSION_LOW
 from . import keys
 from .bound import ShipBound, mismatch_metrics
@@ -135,32 +135,25 @@ class _Shipped:
     """
 
     def __init__(self, slice_: Judgement) -> None:
-        t = slice_.trained_version
-        self.slice = slice_
-        self.live_rollout = ~slice_.frozen
-        self.span_rollout = slice_.sample_rollout[slice_.span_sample]
-        self.sample_in = self.live_rollout[slice_.sample_rollout] & ~slice_.dropped
-        span_in = self.sample_in[slice_.span_sample]
-        self.sampled = np.where(span_in, slice_.sampled, 0)
-        self.staleness = t - slice_.version
-        self.masked = np.where(slice_.version < slice_.mask_below[slice_.span_sample], self.sampled, 0)
-        self.masked_per_sample = segment_sum(self.masked, slice_.span_offsets)
-
         # Rollout staleness: oldest shipped sampled position, the dispatch version when there is none; and
         # ``T - max(v)`` over the same positions: the freshest token's age, verl's trajectory staleness,
-        # beside SPEC 6's oldest-token ``R``.
-        has_sampled = span_in & (slice_.sampled > 0)
-        oldest_span = np.where(has_sampled, slice_.version, NO_VERSION_HIGH)
-        oldest = segment_min(segment_min(oldest_span, slice_.span_offsets, NO_VERSION_HIGH), slice_.sample_offsets,
-                             NO_VERSION_HIGH)  # fmt: skip
-        oldest = np.where(oldest == NO_VERSION_HIGH, slice_.dispatch, oldest)
-        newest_span = np.where(has_sampled, slice_.version, NO_VERSION_LOW)
-        newest = segment_max(segment_max(newest_span, slice_.span_offsets, NO_VERSION_LOW), slice_.sample_offsets,
-                             NO_VERSION_LOW)  # fmt: skip
-        newest = np.where(newest == NO_VERSION_LOW, slice_.dispatch, newest)
-        self.rollout = t - oldest
-        self.in_flight = np.minimum(np.maximum(slice_.completion - oldest, 0), self.rollout)  # (np.clip, cheaper)
-        self.newest = t - newest
+        # beside SPEC 6's oldest-token ``R``. One compiled pass over the spans (kernels.shipped_facts).
+        self.slice = slice_
+        self.live_rollout = ~slice_.frozen
+        facts = shipped_facts(
+            slice_.sample_offsets, slice_.span_offsets, slice_.frozen, slice_.dispatch, slice_.completion,
+            slice_.dropped, slice_.mask_below, slice_.sampled, slice_.version, slice_.trained_version,
+            (NO_VERSION_LOW, NO_VERSION_HIGH),
+        )  # fmt: skip
+        self.span_rollout = facts.span_rollout
+        self.sample_in = facts.sample_in
+        self.sampled = facts.sampled
+        self.staleness = facts.staleness
+        self.masked = facts.masked
+        self.masked_per_sample = facts.masked_per_sample
+        self.rollout = facts.rollout
+        self.in_flight = facts.in_flight
+        self.newest = facts.newest
 
 
 _ROLLOUT_KEYS = (
