@@ -23,8 +23,8 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "ShippedFacts", "ShippedRows",
-    "SpanRows", "StaleRows", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "shipped_facts",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "PopulationSums", "ShippedRows",
+    "SpanRows", "StaleRows", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "population_sums",
     "shipped_rows", "span_rows", "stale_rows", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
@@ -854,130 +854,198 @@ def stale_rows(
     return StaleRows(*found)
 
 
-class ShippedFacts(NamedTuple):
-    """What every population of a ship's report reads, as :func:`shipped_facts` finds it."""
+class PopulationSums(NamedTuple):
+    """What :func:`population_sums` finds over the selected rollouts of a shipped slice."""
 
-    span_rollout: IntArray
-    sample_in: BoolArray
-    sampled: IntArray
-    staleness: IntArray
-    masked: IntArray
-    masked_per_sample: IntArray
-    rollout: IntArray
-    in_flight: IntArray
-    newest: IntArray
+    tokens: int  # sampled positions of their live, kept samples
+    masked: int  # of those, below their sample's threshold
+    unlabelled: int  # of those, on unlabelled spans
+    frozen: int  # selected frozen rollouts
+    samples: int  # their live, kept samples
+    token_dot: int | None  # sum of staleness x sampled positions (None: int64 could overflow)
+    low: int  # the smallest staleness of a span with sampled positions
+    counts: IntArray | None  # sampled positions per staleness low, low + 1, ... (None: none, or too wide a range)
+    rollout: IntArray  # per selected live rollout: T - its oldest shipped sampled version (dispatch when none)
+    in_flight: IntArray  # its completion - that version, within 0..rollout
+    newest: IntArray  # T - its newest shipped sampled version (dispatch when none)
+    length_sampled: IntArray  # per length bucket (by a sample's sampled positions): sampled positions
+    length_removed: IntArray  # of those, masked
 
 
 @_CompiledOnFirstCall
-def _shipped_facts(
-    sample_offsets: IntArray,
-    span_offsets: IntArray,
+def _population_sums(
+    t: int,
+    rollout_in: BoolArray,
     frozen: BoolArray,
     dispatch: IntArray,
     completion: IntArray,
+    sample_offsets: IntArray,
     dropped: BoolArray,
     mask_below: IntArray,
-    sampled: IntArray,
+    n_sampled: IntArray,
+    span_offsets: IntArray,
     version: IntArray,
-    trained: int,
-    no_low: int,
-    no_high: int,
-) -> tuple[Any, ...]:  # pragma: no cover - compiled
+    sampled: IntArray,
+    labelled: BoolArray,
+    length_bounds: IntArray,
+    direct_range: int,
+) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
     n_rollouts = len(frozen)
     n_samples = len(dropped)
-    n = len(version)
-    if len(dispatch) != n_rollouts or len(completion) != n_rollouts or len(sample_offsets) != n_rollouts + 1:
-        raise ValueError("shipped_facts: the rollout arrays differ in length")
-    if len(mask_below) != n_samples or len(span_offsets) != n_samples + 1 or len(sampled) != n:
-        raise ValueError("shipped_facts: the sample or span arrays differ in length")
-    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples:
-        raise ValueError("shipped_facts: sample offsets that do not span the samples")
-    if span_offsets[0] != 0 or span_offsets[n_samples] != n:
-        raise ValueError("shipped_facts: span offsets that do not span the spans")
-    for i in range(n_rollouts):
-        if sample_offsets[i + 1] < sample_offsets[i]:
-            raise ValueError("shipped_facts: sample offsets out of order")
+    n_spans = len(version)
+    if len(rollout_in) != n_rollouts or len(dispatch) != n_rollouts or len(completion) != n_rollouts:
+        raise ValueError("population_sums: rollout arrays differ in length")
+    if len(sample_offsets) != n_rollouts + 1 or len(mask_below) != n_samples or len(n_sampled) != n_samples:
+        raise ValueError("population_sums: sample arrays differ in length")
+    if len(span_offsets) != n_samples + 1 or len(sampled) != n_spans or len(labelled) != n_spans:
+        raise ValueError("population_sums: span arrays differ in length")
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
+        raise ValueError("population_sums: offsets do not cover the arrays")
+    if span_offsets[n_samples] != n_spans:
+        raise ValueError("population_sums: offsets do not cover the arrays")
+    for r in range(n_rollouts):
+        if sample_offsets[r + 1] < sample_offsets[r]:
+            raise ValueError("population_sums: offsets out of order")
     for k in range(n_samples):
         if span_offsets[k + 1] < span_offsets[k]:
-            raise ValueError("shipped_facts: span offsets out of order")
-    span_rollout = np.empty(n, dtype=np.int64)
-    sample_in = np.empty(n_samples, dtype=np.bool_)
-    out_sampled = np.empty(n, dtype=np.int64)
-    staleness = np.empty(n, dtype=np.int64)
-    masked = np.empty(n, dtype=np.int64)
-    masked_per_sample = np.empty(n_samples, dtype=np.int64)
-    rollout = np.empty(n_rollouts, dtype=np.int64)
-    in_flight = np.empty(n_rollouts, dtype=np.int64)
-    newest = np.empty(n_rollouts, dtype=np.int64)
-    for i in range(n_rollouts):
-        live = not frozen[i]
-        # Oldest and newest sampled shipped version: per sample first (no_high / no_low when it has no
-        # span), then over the rollout's samples, as two segment reductions would.
-        oldest_of_rollout = no_high
-        newest_of_rollout = no_low
-        for k in range(sample_offsets[i], sample_offsets[i + 1]):
-            inside = live and not dropped[k]
-            sample_in[k] = inside
+            raise ValueError("population_sums: offsets out of order")
+    # [tokens, masked, unlabelled, frozen, samples, dot, dot fits, low, any present]
+    totals = np.zeros(9, dtype=np.int64)
+    n_buckets = len(length_bounds) + 1
+    length_sampled = np.zeros(n_buckets, dtype=np.int64)
+    length_removed = np.zeros(n_buckets, dtype=np.int64)
+    selected = 0
+    for r in range(n_rollouts):
+        if rollout_in[r] and not frozen[r]:
+            selected += 1
+    rollout = np.empty(selected, dtype=np.int64)
+    in_flight = np.empty(selected, dtype=np.int64)
+    newest = np.empty(selected, dtype=np.int64)
+    low = 0
+    high = 0
+    largest = 0  # the largest |staleness| of a span with sampled positions
+    present = False
+    at = 0
+    for r in range(n_rollouts):
+        if not rollout_in[r]:
+            continue
+        if frozen[r]:
+            totals[3] += 1
+            continue
+        oldest = dispatch[r]
+        freshest = dispatch[r]
+        found = False
+        for s in range(sample_offsets[r], sample_offsets[r + 1]):
+            if dropped[s]:
+                continue
+            totals[4] += 1
             masked_here = 0
-            oldest_of_sample = no_high
-            newest_of_sample = no_low
-            for j in range(span_offsets[k], span_offsets[k + 1]):
-                v = version[j]
-                positions = sampled[j] if inside else 0
-                span_rollout[j] = i
-                out_sampled[j] = positions
-                staleness[j] = trained - v
-                hidden = positions if v < mask_below[k] else 0
-                masked[j] = hidden
-                masked_here += hidden
-                has_sampled = inside and sampled[j] > 0
-                old_v = v if has_sampled else no_high
-                new_v = v if has_sampled else no_low
-                oldest_of_sample = old_v if j == span_offsets[k] else min(oldest_of_sample, old_v)
-                newest_of_sample = new_v if j == span_offsets[k] else max(newest_of_sample, new_v)
-            masked_per_sample[k] = masked_here
-            first = k == sample_offsets[i]
-            oldest_of_rollout = oldest_of_sample if first else min(oldest_of_rollout, oldest_of_sample)
-            newest_of_rollout = newest_of_sample if first else max(newest_of_rollout, newest_of_sample)
-        oldest = dispatch[i] if oldest_of_rollout == no_high else oldest_of_rollout
-        newest_version = dispatch[i] if newest_of_rollout == no_low else newest_of_rollout
-        rollout[i] = trained - oldest
-        in_flight[i] = min(max(completion[i] - oldest, 0), rollout[i])
-        newest[i] = trained - newest_version
-    return span_rollout, sample_in, out_sampled, staleness, masked, masked_per_sample, rollout, in_flight, newest
+            for k in range(span_offsets[s], span_offsets[s + 1]):
+                count = sampled[k]
+                if count <= 0:
+                    continue
+                v = version[k]
+                if not found:
+                    oldest = v
+                    freshest = v
+                    found = True
+                else:
+                    oldest = min(oldest, v)
+                    freshest = max(freshest, v)
+                staleness = t - v
+                if not present:
+                    low = staleness
+                    high = staleness
+                    present = True
+                else:
+                    low = min(low, staleness)
+                    high = max(high, staleness)
+                largest = max(largest, abs(staleness))
+                totals[0] += count
+                if not labelled[k]:
+                    totals[2] += count
+                if v < mask_below[s]:
+                    masked_here += count
+            totals[1] += masked_here
+            length = n_sampled[s]
+            if length > 0:
+                bucket = 0
+                while bucket < n_buckets - 1 and length_bounds[bucket] < length:
+                    bucket += 1
+                length_sampled[bucket] += length
+                length_removed[bucket] += masked_here
+        rollout[at] = t - oldest
+        flight = completion[r] - oldest
+        flight = max(flight, 0)
+        in_flight[at] = min(flight, t - oldest)
+        newest[at] = t - freshest
+        at += 1
+    # sum(staleness x count) fits in int64 when |staleness| x tokens does (every partial sum is below it)
+    fits = largest == 0 or totals[0] <= (2**62 - 1) // largest
+    counts = np.zeros(0, dtype=np.int64)
+    if present:
+        totals[7] = low
+        totals[8] = 1
+        direct = high - low < direct_range
+        if direct:
+            counts = np.zeros(high - low + 1, dtype=np.int64)
+        if fits or direct:
+            dot = 0
+            for r in range(n_rollouts):
+                if not rollout_in[r] or frozen[r]:
+                    continue
+                for s in range(sample_offsets[r], sample_offsets[r + 1]):
+                    if dropped[s]:
+                        continue
+                    for k in range(span_offsets[s], span_offsets[s + 1]):
+                        count = sampled[k]
+                        if count <= 0:
+                            continue
+                        if fits:
+                            dot += (t - version[k]) * count
+                        if direct:
+                            counts[t - version[k] - low] += count
+            totals[5] = dot
+    totals[6] = 1 if fits else 0
+    return totals, counts, rollout, in_flight, newest, length_sampled, length_removed
 
 
-def shipped_facts(
-    sample_offsets: IntArray,
-    span_offsets: IntArray,
+def population_sums(
+    trained_version: int,
+    rollout_in: BoolArray,
     frozen: BoolArray,
     dispatch: IntArray,
     completion: IntArray,
+    sample_offsets: IntArray,
     dropped: BoolArray,
     mask_below: IntArray,
-    sampled: IntArray,
+    n_sampled: IntArray,
+    span_offsets: IntArray,
     version: IntArray,
-    trained: int,
-    no_version: tuple[int, int],
-) -> ShippedFacts:
-    """Per span, sample and rollout of a ship (rollouts' samples by ``sample_offsets``, samples' spans by
-    ``span_offsets``), in one pass: each span's rollout, sampled positions counted (0 outside: a frozen
-    rollout or a dropped sample), staleness (``trained - version``) and masked positions (those sampled,
-    below its sample's ``mask_below``); per sample whether it counts and its masked positions; per rollout
-    its staleness ``trained - oldest``, time in flight (``completion - oldest`` within 0..staleness) and
-    newest token's staleness, the oldest and newest over counted sampled spans (the dispatch version when
-    none). ``no_version``: the low and high "no version" values.
+    sampled: IntArray,
+    labelled: BoolArray,
+    length_bounds: IntArray,
+    direct_range: int,
+) -> PopulationSums:
+    """The sums of a ship's metrics over the rollouts selected by ``rollout_in``, in one pass over their spans
+    (a slice as ``decision.Judgement`` holds it: rollouts, samples by ``sample_offsets``, spans by
+    ``span_offsets``). Frozen rollouts are only counted; dropped samples are left out. A sample's length
+    bucket is the first of ``length_bounds`` at or above its sampled positions (the last bucket past them
+    all); samples with none are in no bucket. ``counts`` is given when the staleness values of spans with
+    sampled positions lie within ``direct_range``.
 
     Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
     """
-    as_int = partial(np.ascontiguousarray, dtype=np.int64)
-    as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
-    found = _shipped_facts(
-        as_int(sample_offsets), as_int(span_offsets), as_bool(frozen), as_int(dispatch), as_int(completion),
-        as_bool(dropped), as_int(mask_below), as_int(sampled), as_int(version), int(trained), int(no_version[0]),
-        int(no_version[1]),
+    found = _population_sums(
+        int(trained_version), rollout_in, frozen, dispatch, completion, sample_offsets, dropped, mask_below,
+        n_sampled, span_offsets, version, sampled, labelled, length_bounds, int(direct_range),
     )  # fmt: skip
-    return ShippedFacts(*found)
+    totals, counts, rollout, in_flight, newest, length_sampled, length_removed = found
+    tokens, masked, unlabelled, n_frozen, samples, dot, fits, low, present = totals.tolist()
+    return PopulationSums(
+        tokens, masked, unlabelled, n_frozen, samples, dot if fits and present else (0 if not present else None),
+        low, counts if present and len(counts) else None, rollout, in_flight, newest, length_sampled, length_removed,
+    )  # fmt: skip
 
 
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
@@ -1310,7 +1378,8 @@ def warm_up() -> None:
     span_rows(lo, hi, count, count, yes, yes, yes, yes, ~yes, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
     shipped_rows(lo, count, yes, lo, count, count, count, ~yes, lo, lo, np.zeros(1, np.int8), lo, hi, 2, -1)
     stale_rows(lo, count, lo, lo, hi, yes, count, count, lo, np.zeros(1, np.int8), lo, hi)
-    shipped_facts(np.array([0, 1]), np.array([0, 1]), ~yes, lo, hi, ~yes, hi, count, lo, 3, (-(1 << 60), 1 << 60))
+    population_sums(1, yes, ~yes, count, count, np.array([0, 1]), ~yes, count, count, np.array([0, 1]), count, count,
+                    yes, np.array([256]), 4096)  # fmt: skip
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))

@@ -17,7 +17,6 @@ from staleness_metrics.engine.kernels import (
     WEIGHT_NOT_POSITIVE,
     fusable_weights,
     plain_positions,
-    shipped_facts,
     shipped_rows,
     span_rows,
     stale_rows,
@@ -651,72 +650,3 @@ def test_stale_rows_refuse_rows_outside_the_table() -> None:
         stale_rows(one, 3 * one, 0 * one, one, one, yes, one, one, one, part, one.repeat(2), one.repeat(2))
     with pytest.raises(IndexError, match="without its other part"):
         stale_rows(0 * one, one, 0 * one, one, one, yes, one, one, one, part + 1, one.repeat(2), one.repeat(2))
-
-
-def numpy_shipped_facts(
-    sample_offsets: IntArray,
-    span_offsets: IntArray,
-    frozen: npt.NDArray[np.bool_],
-    dispatch: IntArray,
-    completion: IntArray,
-    dropped: npt.NDArray[np.bool_],
-    mask_below: IntArray,
-    sampled: IntArray,
-    version: IntArray,
-    t: int,
-    no_version: tuple[int, int],
-) -> dict[str, npt.NDArray[Any]]:
-    """``metrics.compute._Shipped``'s former numpy steps."""
-    low, high = no_version
-    sample_rollout = np.repeat(np.arange(len(frozen)), np.diff(sample_offsets))
-    span_sample = np.repeat(np.arange(len(dropped)), np.diff(span_offsets))
-    live_rollout = ~frozen
-    span_rollout = sample_rollout[span_sample]
-    sample_in = live_rollout[sample_rollout] & ~dropped
-    span_in = sample_in[span_sample]
-    counted = np.where(span_in, sampled, 0)
-    masked = np.where(version < mask_below[span_sample], counted, 0)
-    has_sampled = span_in & (sampled > 0)
-    oldest = segment_min(segment_min(np.where(has_sampled, version, high), span_offsets, high), sample_offsets, high)
-    oldest = np.where(oldest == high, dispatch, oldest)
-    newest = segment_max(segment_max(np.where(has_sampled, version, low), span_offsets, low), sample_offsets, low)
-    newest = np.where(newest == low, dispatch, newest)
-    rollout = t - oldest
-    return {
-        "span_rollout": span_rollout, "sample_in": sample_in, "sampled": counted, "staleness": t - version,
-        "masked": masked, "masked_per_sample": segment_sum(masked, span_offsets), "rollout": rollout,
-        "in_flight": np.minimum(np.maximum(completion - oldest, 0), rollout), "newest": t - newest,
-    }  # fmt: skip
-
-
-@settings(max_examples=150, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), rollouts=st.integers(0, 8))
-def test_shipped_facts_equal_the_numpy_steps(seed: int, rollouts: int) -> None:
-    """A ship's per-span, per-sample and per-rollout facts (frozen rollouts, dropped samples, rollouts and
-    samples without spans or without sampled positions, completion before or after the oldest version)
-    equal the numpy steps of the report's ``_Shipped``."""
-    rng = np.random.default_rng(seed)
-    sample_offsets = np.concatenate(([0], np.cumsum(rng.integers(0, 4, rollouts)))).astype(np.int64)
-    n_samples = int(sample_offsets[-1])
-    span_offsets = np.concatenate(([0], np.cumsum(rng.integers(0, 5, n_samples)))).astype(np.int64)
-    n = int(span_offsets[-1])
-    dispatch = rng.integers(-1, 6, rollouts)
-    args = (
-        sample_offsets, span_offsets, rng.random(rollouts) < 0.2, dispatch, dispatch + rng.integers(-2, 4, rollouts),
-        rng.random(n_samples) < 0.2, rng.integers(-1, 9, n_samples), rng.integers(0, 4, n) * (rng.random(n) < 0.7),
-        rng.integers(0, 9, n), 9, NO_VERSION,
-    )  # fmt: skip
-    got = shipped_facts(*args)
-    want = numpy_shipped_facts(*args)
-    for name, values in want.items():
-        mine = getattr(got, name)
-        assert mine.dtype == values.dtype and mine.tolist() == values.tolist(), name
-
-
-def test_shipped_facts_refuse_offsets_that_do_not_tile_the_spans() -> None:
-    one, no = np.ones(1, dtype=np.int64), np.zeros(1, dtype=bool)
-    with pytest.raises(ValueError, match="span offsets that do not span"):
-        shipped_facts(np.array([0, 1]), np.array([0, 3]), no, one, one, no, one, one, one, 3, NO_VERSION)
-    with pytest.raises(ValueError, match="out of order"):
-        shipped_facts(np.array([0, 2, 1]), np.array([0, 1]), ~no.repeat(2), one.repeat(2), one.repeat(2), no, one,
-                      one, one, 3, NO_VERSION)  # fmt: skip
