@@ -51,6 +51,16 @@ def test_engine_bench_prints_one_ratio_per_workload_and_policy() -> None:
     assert result["goals"] == {"token": 3.0, "xtuner": 4.0}
 
 
+def test_engine_bench_runs_the_workloads_asked_for_in_cpu_time() -> None:
+    result = run_bench("engine.py", "--scale", "0.01", "--repeat", "1", "--clock", "cpu", "--only", "1024 x 8192, 1")
+    assert [row["workload"] for row in result["rows"]] == [
+        "token_versions 1024 x 8192, 1% unlabelled",
+        "token_versions 1024 x 8192, 10% unlabelled",
+    ]
+    assert all(positive(row["token"]) and positive(row["xtuner"]) for row in result["rows"])
+    assert result["clock"] == "cpu" and result["goals"] == {"token": 3.0, "xtuner": 4.0}
+
+
 def test_replay_bench_reports_positions_per_second_and_ratios() -> None:
     result = run_bench("replay.py", "--positions", "20000", "--repeat", "1")
     assert result["positions"] >= 20000
