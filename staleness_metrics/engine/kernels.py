@@ -206,19 +206,21 @@ def _token_spans(
         if n_weights == 0:
             continue
         w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
-        limit = infinity - one
         for c in range(first_cut, k):
             cut_start = starts[c]
             cut_end = starts[c + 1] if c + 1 < k else a + length
             s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
-            # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1; 0 wraps to the top). One
-            # pass over the three arrays at once, two operations per value; any other cut is read again.
-            top0 = top1 = top2 = np.uint64(0)
-            for q in range(cut_end - cut_start):
-                top0 = max(top0, np.uint64(s0[q]) - one)
-                top1 = max(top1, np.uint64(s1[q]) - one)
-                top2 = max(top2, np.uint64(s2[q]) - one)
-            if (top0 < limit) & (top1 < limit) & (top2 < limit):
+            # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1). One pass over the three
+            # arrays at once, a min and a max per value in the values' own width (as many lanes per vector
+            # as the bits allow: no widening); any other cut is read again. (A cut holds a position.)
+            low0, low1, low2 = s0[0], s1[0], s2[0]
+            top0, top1, top2 = low0, low1, low2
+            for q in range(1, cut_end - cut_start):
+                low0, top0 = min(low0, s0[q]), max(top0, s0[q])
+                low1, top1 = min(low1, s1[q]), max(top1, s1[q])
+                low2, top2 = min(low2, s2[q]), max(top2, s2[q])
+            lowest = min(low0, low1, low2)
+            if (lowest > 0) & (top0 < infinity) & (top1 < infinity) & (top2 < infinity):
                 for w in range(n_weights):
                     flags[w, c] = 1
                 continue
