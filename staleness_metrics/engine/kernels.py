@@ -413,11 +413,11 @@ def zero_spans(
     # Zeros of each view's own type: a literal 0 would make the selects float64.
     zeros = tuple(view.dtype.type(0) for view in views)
     labels = _NO_TOKENS if tokens is None else tokens
-    written = np.cumsum(hi - lo)
-    total = int(written[-1])
+    total = int((hi - lo).sum())
     if total < PARALLEL_MIN_POSITIONS:
         _zero_spans(*views, labels, lo, hi, part, count, zeros)
         return
+    written = (hi - lo).cumsum()
     # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the shares
     # never write the same position.
     edges = np.searchsorted(written, np.linspace(0, total, num=_SHARES + 1)[1:-1], "left").tolist()
