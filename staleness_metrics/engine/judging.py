@@ -7,8 +7,6 @@ and drops samples and rollouts, counting them in the open window.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import numpy.typing as npt
 
@@ -60,7 +58,8 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
     s = queue.samples
-    again = copy.copy(judgement)  # (a frozen dataclass: its two fields set as its __init__ would)
+    again = object.__new__(Judgement)  # (a frozen dataclass: a copy, its two fields set as its __init__ would)
+    again.__dict__.update(judgement.__dict__)
     object.__setattr__(again, "mask_below", s["mask_below"][judgement.sample_rows])
     object.__setattr__(again, "dropped", s["dropped"][judgement.sample_rows])
     return again
