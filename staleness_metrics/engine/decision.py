@@ -56,7 +56,6 @@ class Judgement:
     span_offsets: IntArray
     # spans
     span_sample: IntArray
-    span_rows: IntArray  # the sink's row of each span
     version: IntArray
     labelled: BoolArray
     sampled: IntArray

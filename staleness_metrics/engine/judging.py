@@ -12,10 +12,9 @@ import numpy.typing as npt
 
 from ..metrics.compute import WindowCounts
 from .decision import Decision, Judgement
-from .kernels import slice_rows
+from .kernels import slice_rows, stale_rows
 from .masking import mask_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
-from .spans import PART_LABELLED, PART_UNLABELLED
 
 __all__ = ["apply_decision", "judgement_again", "judgement_of", "mask_positions", "with_groups"]
 
@@ -46,7 +45,7 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
         had_train=s["had_train"][sample_rows], unmaskable=s["unmaskable"][sample_rows],
         n_sampled=s["n_sampled"][sample_rows], n_unlabelled=s["n_unlabelled"][sample_rows],
         max_sampled_version=s["max_sampled"][sample_rows], seq_min_version=s["seq_min"][sample_rows],
-        span_offsets=cut.span_offsets, span_sample=cut.span_sample, span_rows=span_rows,
+        span_offsets=cut.span_offsets, span_sample=cut.span_sample,
         version=n["version"][span_rows], labelled=n["labelled"][span_rows], sampled=n["sampled"][span_rows],
         live=n["live"][span_rows],
     )  # fmt: skip
@@ -96,21 +95,13 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
 
 
 def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
-    """Zero newly stale sampled positions in mask and the three weight arrays, in place."""
-    old = judgement.mask_below[judgement.span_sample]
-    new = mask_below[judgement.span_sample]
-    stale = judgement.version < new
-    hit = raised[judgement.span_sample] & stale & (judgement.version >= old) & (judgement.sampled > 0)
-    if not hit.any():
-        return
-    span_rows = judgement.span_rows
-    part = queue.spans["part"][span_rows]
-    # The two parts of a mixed span are adjacent rows: when both are stale now, the whole range goes.
-    partner = np.arange(len(part)) + (part == PART_LABELLED) - (part == PART_UNLABELLED)
-    whole = stale[partner]
-    hit &= ~((part == PART_UNLABELLED) & hit[partner])  # its labelled part fills the range already
-    rows = span_rows[hit]
-    chunk_of = queue.rollouts["chunk"][judgement.rows][judgement.sample_rollout[judgement.span_sample[hit]]]
-    spans = queue.spans
-    count = judgement.sampled[hit]  # sampled positions are the whole span or part: mask-0 ones are never hit
-    mask_spans(queue.chunks, chunk_of, spans["lo"][rows], spans["hi"][rows], part[hit], whole[hit], count)
+    """Zero newly stale sampled positions in mask and the three weight arrays, in place: the rows to write
+    found by one compiled pass over the judged span rows (:func:`~staleness_metrics.engine.kernels.stale_rows`)."""
+    s, spans = queue.samples, queue.spans
+    found = stale_rows(
+        s["span_lo"][judgement.sample_rows], s["span_hi"][judgement.sample_rows], judgement.sample_rollout,
+        judgement.mask_below, mask_below, raised, judgement.version, judgement.sampled,
+        queue.rollouts["chunk"][judgement.rows], spans["part"], spans["lo"], spans["hi"],
+    )  # fmt: skip
+    if len(found.lo):
+        mask_spans(queue.chunks, found.chunk, found.lo, found.hi, found.part, found.positions)

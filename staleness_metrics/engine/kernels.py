@@ -23,9 +23,10 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "PopulationSums", "SliceRows",
-    "SpanRows", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "population_sums",
-    "slice_rows", "span_rows", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "PopulationSums", "ShippedRows",
+    "SliceRows", "SpanRows", "StaleRows", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions",
+    "population_sums", "shipped_rows", "slice_rows", "span_rows", "stale_rows", "token_cuts", "token_spans",
+    "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -81,7 +82,14 @@ class _CompiledOnFirstCall:
         return self._compiled(*args)
 
 
-@_CompiledOnFirstCall
+def _grown(values: IntArray, used: int, capacity: int) -> IntArray:  # pragma: no cover - compiled
+    """``values``' first ``used`` entries in a new array of ``capacity`` (a callee of ``_token_spans``)."""
+    wider = np.empty(capacity, dtype=values.dtype)
+    wider[:used] = values[:used]
+    return wider
+
+
+@_CompiledOnFirstCall(callees={"_grown": (_grown, {})})
 def _token_spans(
     tokens: IntArray,
     mask: npt.NDArray[Any],
@@ -108,10 +116,14 @@ def _token_spans(
             raise ValueError("token_cuts: position offsets out of order or beyond the arrays")
         end = b
         total += b - a
-    starts = np.empty(total + 1, dtype=np.int64)  # a cut holds at least one position: k <= total
+    # Outputs sized by the cuts, not the positions: room for the next sample's worst case (a cut per
+    # position), doubled when short. (Arrays of one entry per position cost page faults and numba's
+    # zeroing of the flags, in every parallel share: more than the cut loop's own reads.)
+    capacity = min(total + 1, max(64, 8 * len(samples)))
+    starts = np.empty(capacity, dtype=np.int64)
     labels = np.empty_like(starts)
     labelled = np.empty_like(starts)
-    flags = np.zeros((n_weights, total + 1), dtype=np.uint8)
+    flags = np.empty((n_weights, capacity), dtype=np.uint8)  # (every cut's bits are written)
     # The weight bits (see _weight_flags) of each cut, read while its sample is in cache.
     one = np.uint64(1)
     magnitude = sign - one
@@ -124,6 +136,14 @@ def _token_spans(
         length = pos_off[s + 1] - a
         if length == 0:
             continue
+        if k + length + 1 > len(starts):  # this sample may cut at each position
+            capacity = max(2 * len(starts), k + length + 1)
+            starts = _grown(starts, k, capacity)
+            labels = _grown(labels, k, capacity)
+            labelled = _grown(labelled, k, capacity)
+            wider = np.empty((n_weights, capacity), dtype=np.uint8)
+            wider[:, :k] = flags[:, :k]
+            flags = wider
         first_cut = k
         tok = tokens[a : a + length]  # slices: in bounds by the checks above, and no negative-index fix-up
         m = mask[a : a + length]
@@ -652,6 +672,263 @@ def slice_rows(
     return SliceRows(*_slice_rows(rows, sample_lo, sample_hi, span_lo, span_hi))
 
 
+class ShippedRows(NamedTuple):
+    """The kept span rows of a ship as :func:`shipped_rows` writes them (see ``shipped_positions.ShippedSpans``)."""
+
+    chunk: IntArray
+    lo: IntArray
+    hi: IntArray
+    lag: IntArray
+    masked: BoolArray
+    sample_offsets: IntArray
+    mixed: BoolArray
+    unlabelled_lag: IntArray
+    unlabelled_masked: BoolArray
+    env: IntArray
+
+
+@_CompiledOnFirstCall
+def _shipped_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    kept_sample: BoolArray,
+    sample_rollout: IntArray,
+    mask_below: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    frozen: BoolArray,
+    rollout_chunk: IntArray,
+    rollout_env: IntArray,
+    part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+    trained: int,
+    not_sampled: int,
+) -> tuple[Any, ...]:  # pragma: no cover - compiled
+    n_samples = len(span_lo)
+    if len(span_hi) != n_samples or len(kept_sample) != n_samples or len(sample_rollout) != n_samples:
+        raise ValueError("shipped_rows: the sample arrays differ in length")
+    if len(mask_below) != n_samples:
+        raise ValueError("shipped_rows: the sample arrays differ in length")
+    n_rollouts = len(frozen)
+    if len(rollout_chunk) != n_rollouts or len(rollout_env) != n_rollouts:
+        raise ValueError("shipped_rows: the rollout arrays differ in length")
+    table_rows = len(part)
+    if len(table_lo) != table_rows or len(table_hi) != table_rows:
+        raise ValueError("shipped_rows: the span table's columns differ in length")
+    n = 0
+    for k in range(n_samples):  # checked before any read: the rows, samples and rollouts named exist
+        if not (0 <= span_lo[k] <= span_hi[k] <= table_rows):
+            raise IndexError("shipped_rows: a sample's span rows outside the span table")
+        if not (0 <= sample_rollout[k] < n_rollouts):
+            raise IndexError("shipped_rows: a sample of no rollout")
+        n += span_hi[k] - span_lo[k]
+    if len(version) != n or len(sampled) != n:
+        raise ValueError("shipped_rows: one version and one sampled count per span row expected")
+    # Per row (in judgement order): lag and masked flag, read by a row and by the labelled part before it.
+    lag = np.empty(n, dtype=np.int64)
+    masked = np.empty(n, dtype=np.bool_)
+    n_kept = 0
+    kept_samples = 0
+    i = 0
+    for k in range(n_samples):
+        rollout = sample_rollout[k]
+        live = not frozen[rollout]
+        for r in range(span_lo[k], span_hi[k]):
+            lag[i] = trained - version[i] if live and sampled[i] > 0 else not_sampled
+            masked[i] = version[i] < mask_below[k]
+            n_kept += kept_sample[k] and part[r] != 2  # a mixed span once, by its first row (spans.PART_*)
+            i += 1
+        kept_samples += kept_sample[k]
+    chunk = np.empty(n_kept, dtype=np.int64)
+    lo = np.empty(n_kept, dtype=np.int64)
+    hi = np.empty(n_kept, dtype=np.int64)
+    out_lag = np.empty(n_kept, dtype=np.int64)
+    out_masked = np.empty(n_kept, dtype=np.bool_)
+    mixed = np.empty(n_kept, dtype=np.bool_)
+    unlabelled_lag = np.empty(n_kept, dtype=np.int64)
+    unlabelled_masked = np.empty(n_kept, dtype=np.bool_)
+    env = np.empty(n_kept, dtype=np.int64)
+    sample_offsets = np.zeros(kept_samples + 1, dtype=np.int64)
+    last = max(n - 1, 0)
+    i = 0
+    j = 0
+    kept_k = 0
+    for k in range(n_samples):
+        rollout = sample_rollout[k]
+        for r in range(span_lo[k], span_hi[k]):
+            if kept_sample[k] and part[r] != 2:
+                partner = min(i + 1, last)  # the unlabelled part follows its labelled part
+                chunk[j] = rollout_chunk[rollout]
+                lo[j] = table_lo[r]
+                hi[j] = table_hi[r]
+                out_lag[j] = lag[i]
+                out_masked[j] = masked[i]
+                mixed[j] = part[r] == 1
+                unlabelled_lag[j] = lag[partner]
+                unlabelled_masked[j] = masked[partner]
+                env[j] = rollout_env[rollout]
+                j += 1
+            i += 1
+        if kept_sample[k]:
+            kept_k += 1
+            sample_offsets[kept_k] = j
+    return chunk, lo, hi, out_lag, out_masked, sample_offsets, mixed, unlabelled_lag, unlabelled_masked, env
+
+
+def shipped_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    kept_sample: BoolArray,
+    sample_rollout: IntArray,
+    mask_below: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    frozen: BoolArray,
+    rollout_chunk: IntArray,
+    rollout_env: IntArray,
+    part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+    trained: int,
+    not_sampled: int,
+) -> ShippedRows:
+    """The span rows of shipped samples, in one pass: the samples' rows ``[span_lo[k], span_hi[k])`` of a span
+    table (``part``, ``table_lo``, ``table_hi``), ``version`` and ``sampled`` per row in that order; each row's
+    lag (``trained - version`` where its rollout is not ``frozen`` and it has sampled positions, else
+    ``not_sampled``) and masked flag (``version < mask_below`` of its sample). Kept are the rows of
+    ``kept_sample`` samples that are not an unlabelled part; for each, its chunk and env (by its sample's
+    rollout), range, lag, masked flag, whether it is a labelled part, the next row's lag and masked flag (a
+    labelled part's unlabelled part), and per kept sample the offsets of its kept rows.
+
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts outside them.
+    """
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
+    found = _shipped_rows(
+        as_int(span_lo), as_int(span_hi), as_bool(kept_sample), as_int(sample_rollout), as_int(mask_below),
+        as_int(version), as_int(sampled), as_bool(frozen), as_int(rollout_chunk), as_int(rollout_env),
+        np.ascontiguousarray(part, dtype=np.int8), as_int(table_lo), as_int(table_hi), int(trained), int(not_sampled),
+    )  # fmt: skip
+    return ShippedRows(*found)
+
+
+class StaleRows(NamedTuple):
+    """The span rows a decision newly masks, as :func:`stale_rows` finds them (what ``zero_spans`` writes)."""
+
+    chunk: IntArray
+    lo: IntArray
+    hi: IntArray
+    part: npt.NDArray[np.int8]
+    positions: IntArray  # the sampled positions of each (the whole range's or its part's)
+
+
+@_CompiledOnFirstCall
+def _stale_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    sample_rollout: IntArray,
+    old_below: IntArray,
+    new_below: IntArray,
+    raised: BoolArray,
+    version: IntArray,
+    sampled: IntArray,
+    rollout_chunk: IntArray,
+    part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.int8], IntArray]:  # pragma: no cover - compiled
+    n_samples = len(span_lo)
+    if (len(span_hi) != n_samples or len(sample_rollout) != n_samples or len(old_below) != n_samples
+            or len(new_below) != n_samples or len(raised) != n_samples):  # fmt: skip
+        raise ValueError("stale_rows: the sample arrays differ in length")
+    table_rows = len(part)
+    if len(table_lo) != table_rows or len(table_hi) != table_rows:
+        raise ValueError("stale_rows: the span table's columns differ in length")
+    n = 0
+    for k in range(n_samples):  # checked before any read: the rows and rollouts named exist
+        if not (0 <= span_lo[k] <= span_hi[k] <= table_rows):
+            raise IndexError("stale_rows: a sample's span rows outside the span table")
+        if not (0 <= sample_rollout[k] < len(rollout_chunk)):
+            raise IndexError("stale_rows: a sample of no rollout")
+        n += span_hi[k] - span_lo[k]
+    if len(version) != n or len(sampled) != n:
+        raise ValueError("stale_rows: one version and one sampled count per span row expected")
+    # Per row (in judgement order): stale at the new threshold, and newly masked (hit).
+    stale = np.empty(n, dtype=np.bool_)
+    hit = np.empty(n, dtype=np.bool_)
+    row_of = np.empty(n, dtype=np.int64)  # the row in the span table
+    i = 0
+    for k in range(n_samples):
+        for r in range(span_lo[k], span_hi[k]):
+            stale[i] = version[i] < new_below[k]
+            hit[i] = raised[k] & stale[i] & (version[i] >= old_below[k]) & (sampled[i] > 0)
+            row_of[i] = r
+            i += 1
+    # The two parts of a mixed span are adjacent rows (spans.PART_*: 1 labelled, then 2 unlabelled): when
+    # both are stale now the whole range goes, written once by the labelled part's row.
+    count = 0
+    for i in range(n):
+        p = part[row_of[i]]
+        partner = i + (p == 1) - (p == 2)
+        if partner < 0 or partner >= n:
+            raise IndexError("stale_rows: a part of a mixed span without its other part")
+        if hit[i] and not (p == 2 and hit[partner]):
+            count += 1
+    out_chunk = np.empty(count, dtype=np.int64)
+    out_lo = np.empty(count, dtype=np.int64)
+    out_hi = np.empty(count, dtype=np.int64)
+    out_part = np.empty(count, dtype=np.int8)
+    out_count = np.empty(count, dtype=np.int64)
+    j = 0
+    i = 0
+    for k in range(n_samples):
+        for r in range(span_lo[k], span_hi[k]):
+            p = part[r]
+            partner = i + (p == 1) - (p == 2)
+            if hit[i] and not (p == 2 and hit[partner]):
+                out_chunk[j] = rollout_chunk[sample_rollout[k]]
+                out_lo[j] = table_lo[r]
+                out_hi[j] = table_hi[r]
+                out_part[j] = 0 if stale[partner] else p
+                out_count[j] = sampled[i]
+                j += 1
+            i += 1
+    return out_chunk, out_lo, out_hi, out_part, out_count
+
+
+def stale_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    sample_rollout: IntArray,
+    old_below: IntArray,
+    new_below: IntArray,
+    raised: BoolArray,
+    version: IntArray,
+    sampled: IntArray,
+    rollout_chunk: IntArray,
+    part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+) -> StaleRows:
+    """The span rows a decision newly masks, in one pass over the judged samples' rows ``[span_lo[k],
+    span_hi[k])`` of a span table (``part``, ``table_lo``, ``table_hi``; ``version`` and ``sampled`` per row
+    in that order): rows with sampled positions of a ``raised`` sample whose version is at or above the
+    sample's ``old_below`` threshold and below its ``new_below``. Each with its chunk (by its sample's
+    rollout), range, part (0, the whole range, when both parts of a mixed span are stale: then only the
+    labelled part's row is given) and its sampled positions.
+
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts outside them.
+    """
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    found = _stale_rows(
+        as_int(span_lo), as_int(span_hi), as_int(sample_rollout), as_int(old_below), as_int(new_below),
+        np.ascontiguousarray(raised, dtype=np.bool_), as_int(version), as_int(sampled), as_int(rollout_chunk),
+        np.ascontiguousarray(part, dtype=np.int8), as_int(table_lo), as_int(table_hi),
+    )  # fmt: skip
+    return StaleRows(*found)
+
+
 class PopulationSums(NamedTuple):
     """What :func:`population_sums` finds over the selected rollouts of a shipped slice."""
 
@@ -1175,6 +1452,8 @@ def warm_up() -> None:
     yes = np.ones(1, dtype=bool)
     span_rows(lo, hi, count, count, yes, yes, yes, yes, ~yes, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
     slice_rows(np.array([0]), np.array([0]), np.array([1]), np.array([0]), np.array([1]))
+    shipped_rows(lo, count, yes, lo, count, count, count, ~yes, lo, lo, np.zeros(1, np.int8), lo, hi, 2, -1)
+    stale_rows(lo, count, lo, lo, hi, yes, count, count, lo, np.zeros(1, np.int8), lo, hi)
     population_sums(1, yes, ~yes, count, count, np.array([0, 1]), ~yes, count, count, np.array([0, 1]), count, count,
                     yes, np.array([256]), 4096)  # fmt: skip
     for dtype in (np.float32, np.float64):

@@ -17,14 +17,11 @@ import numpy.typing as npt
 
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from .kernels import zero_spans
-from .segments import distinct
-from .spans import PART_WHOLE
 from .token_pieces import narrow, zero_spans_in_pieces
 
 __all__ = ["mask_spans"]
 
 IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 
 def position_arrays(batch: RolloutBatch) -> list[npt.NDArray[Any]]:
@@ -38,20 +35,28 @@ def mask_spans(
     lo: IntArray,
     hi: IntArray,
     part: npt.NDArray[np.int8],
-    whole: BoolArray,
     count: IntArray,
 ) -> None:
     """Zero the positions of the given span rows of the sink's batches (``chunks``, indexed by
-    ``chunk``): every position of ``[lo, hi)`` where ``whole``, else only the positions of the row's
-    part (labelled or unlabelled), ``count`` positions."""
-    part = np.where(whole, PART_WHOLE, part).astype(np.int8)
-    used = distinct(chunk)
-    for c in used:
-        batch = chunks[c]
-        assert batch is not None
-        tokens = batch.token_versions
-        rows = slice(None) if len(used) == 1 else (chunk == c).nonzero()[0]  # (one batch: every row)
-        if tokens is not None and narrow(tokens):
-            zero_spans_in_pieces(position_arrays(batch), tokens, lo[rows], hi[rows], part[rows], count[rows])
-        else:
-            zero_spans(position_arrays(batch), tokens, lo[rows], hi[rows], part[rows], count[rows])
+    ``chunk``): every position of ``[lo, hi)`` where ``part`` is ``PART_WHOLE``, else only the positions
+    of the row's part (labelled or unlabelled), ``count`` positions."""
+    if len(chunk) == 0:
+        return
+    first = int(chunk[0])
+    if bool((chunk == first).all()):  # (the usual case: no rows to select per chunk)
+        _zero_in(chunks[first], lo, hi, part, count)
+        return
+    for c in np.unique(chunk).tolist():
+        rows = np.flatnonzero(chunk == c)
+        _zero_in(chunks[c], lo[rows], hi[rows], part[rows], count[rows])
+
+
+def _zero_in(
+    batch: RolloutBatch | None, lo: IntArray, hi: IntArray, part: npt.NDArray[np.int8], count: IntArray
+) -> None:
+    assert batch is not None
+    tokens = batch.token_versions
+    if tokens is not None and narrow(tokens):
+        zero_spans_in_pieces(position_arrays(batch), tokens, lo, hi, part, count)
+    else:
+        zero_spans(position_arrays(batch), tokens, lo, hi, part, count)

@@ -16,9 +16,9 @@ import numpy.typing as npt
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..records.columnar import RolloutBatch
 from .decision import Judgement
+from .kernels import shipped_rows
 from .queue import RolloutQueue
-from .segments import distinct, expand_ranges, segment_sum
-from .spans import PART_LABELLED, PART_UNLABELLED
+from .segments import distinct, expand_ranges
 
 __all__ = ["NOT_SAMPLED", "ShippedSpans", "shipped_spans"]
 
@@ -139,17 +139,9 @@ def _chunk_sums(
 
 
 def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
-    """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11)."""
-    n = queue.spans
-    span_rows = shipped.span_rows
-    kept_sample = ~shipped.dropped
-    part = n["part"][span_rows]
-    kept = kept_sample[shipped.span_sample] & (part != PART_UNLABELLED)  # a mixed span once, by its first row
-    span_rollout = shipped.sample_rollout[shipped.span_sample]
-    in_population = ~shipped.frozen[span_rollout] & (shipped.sampled > 0)
-    lag = np.where(in_population, shipped.trained_version - shipped.version, NOT_SAMPLED)
-    masked = shipped.version < shipped.mask_below[shipped.span_sample]
-    partner = np.minimum(np.arange(len(part)) + 1, max(len(part) - 1, 0))  # the unlabelled part follows
+    """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11): one compiled
+    pass over the shipped samples' span rows (:func:`~staleness_metrics.engine.kernels.shipped_rows`)."""
+    s, n = queue.samples, queue.spans
     chunks = queue.rollouts["chunk"][shipped.rows]
     used = distinct(chunks)
     batches: list[RolloutBatch] = []
@@ -157,17 +149,21 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
         batch = queue.chunks[c]
         assert batch is not None  # a queued rollout's batch is kept
         batches.append(batch)
-    spans_per_sample = segment_sum(kept.astype(np.int64), shipped.span_offsets)[kept_sample]
+    rows = shipped_rows(
+        s["span_lo"][shipped.sample_rows], s["span_hi"][shipped.sample_rows], ~shipped.dropped, shipped.sample_rollout,
+        shipped.mask_below, shipped.version, shipped.sampled, shipped.frozen, np.searchsorted(used, chunks),
+        shipped.env, n["part"], n["lo"], n["hi"], shipped.trained_version, NOT_SAMPLED,
+    )  # fmt: skip
     return ShippedSpans(
         batches=batches,
-        chunk=np.searchsorted(used, chunks[span_rollout])[kept],
-        lo=n["lo"][span_rows][kept],
-        hi=n["hi"][span_rows][kept],
-        lag=lag[kept],
-        masked=masked[kept],
-        sample_offsets=np.concatenate(([0], np.cumsum(spans_per_sample))),
-        mixed=(part == PART_LABELLED)[kept],
-        unlabelled_lag=lag[partner][kept],
-        unlabelled_masked=masked[partner][kept],
-        env=shipped.env[span_rollout][kept],
+        chunk=rows.chunk,
+        lo=rows.lo,
+        hi=rows.hi,
+        lag=rows.lag,
+        masked=rows.masked,
+        sample_offsets=rows.sample_offsets,
+        mixed=rows.mixed,
+        unlabelled_lag=rows.unlabelled_lag,
+        unlabelled_masked=rows.unlabelled_masked,
+        env=rows.env,
     )

@@ -143,12 +143,17 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         if found.below and not token_values:
             raise _TokenVersionBelowMinusOne
         t_lo = found.starts
-        order = np.argsort(np.concatenate((lo, t_lo)), kind="stable")
-        from_tokens = np.concatenate((np.zeros(len(lo), dtype=bool), np.ones(len(t_lo), dtype=bool)))[order]
-        lo = np.concatenate((lo, t_lo))[order]
-        label = np.concatenate((label, found.labels))[order]
-        kept = np.concatenate((kept, np.ones(len(t_lo), dtype=bool)))[order]
-        labelled = np.concatenate((labelled, found.labelled))[order]
+        if len(lo) == 0:  # every sample labelled per position (the usual token_versions batch): no merge
+            from_tokens = np.ones(len(t_lo), dtype=bool)
+            lo, label, labelled = t_lo, found.labels, found.labelled
+            kept = np.ones(len(t_lo), dtype=bool)
+        else:
+            order = np.argsort(np.concatenate((lo, t_lo)), kind="stable")
+            from_tokens = np.concatenate((np.zeros(len(lo), dtype=bool), np.ones(len(t_lo), dtype=bool)))[order]
+            lo = np.concatenate((lo, t_lo))[order]
+            label = np.concatenate((label, found.labels))[order]
+            kept = np.concatenate((kept, np.ones(len(t_lo), dtype=bool)))[order]
+            labelled = np.concatenate((labelled, found.labelled))[order]
         if len(found.flags) == len(weights) and weights:
             token_flags = found.flags
     hi = np.append(lo[1:], n_positions).astype(np.int64)

@@ -211,6 +211,17 @@ def _plain_envs(envs: Sequence[Any]) -> bool:
     return all(env is None or (type(env) is str and env) for env in distinct)
 
 
+def _strings_joined(texts: Sequence[Any]) -> str:
+    """The strings of ``texts`` joined (what the surrogate check reads): one C-level join when every item
+    is a string, none for a column of ``None`` (no group ids or envs), and only the strings otherwise."""
+    try:
+        return "".join(texts)
+    except TypeError:
+        if texts.count(None) == len(texts):
+            return ""
+        return "".join([text for text in texts if isinstance(text, str)])
+
+
 def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
     """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts.
 
@@ -232,7 +243,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
 
     envs = batch.envs or ()
     for name, texts in (("id", ids), ("group_id", batch.group_ids or ()), ("env", envs)):
-        if lone_surrogate("".join(map(str, texts))) is not None:  # one C-level pass; names offenders only then
+        if lone_surrogate(_strings_joined(texts)) is not None:  # one C-level pass; names offenders only then
             for index, text in enumerate(texts):
                 at = lone_surrogate(text) if isinstance(text, str) else None
                 if isinstance(text, str) and at is not None:

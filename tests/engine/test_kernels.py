@@ -17,7 +17,9 @@ from staleness_metrics.engine.kernels import (
     WEIGHT_NOT_POSITIVE,
     fusable_weights,
     plain_positions,
+    shipped_rows,
     span_rows,
+    stale_rows,
     token_cuts,
     token_spans,
     warm_up,
@@ -193,6 +195,31 @@ def test_token_spans_in_parallel_shares_equal_one_pass() -> None:
     assert np.array_equal(found.starts, np.concatenate([p.starts for p in one]))
     assert np.array_equal(found.flags, np.concatenate([p.flags for p in one], axis=1))
     assert found.below == sum(p.below for p in one)
+
+
+def test_token_spans_with_more_cuts_than_their_first_room_equal_the_numpy_runs() -> None:
+    """The outputs start with room for a few cuts per sample and grow: samples that cut at almost every
+    position (alternating labels and mask) make them grow many times, between samples and within one."""
+    rng = np.random.default_rng(5)
+    lengths = np.concatenate((rng.integers(1, 40, size=300), [5000], rng.integers(1, 40, size=300)))
+    pos_off = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    total = int(pos_off[-1])
+    tokens = np.where(rng.random(total) < 0.2, -1, rng.integers(0, 3, size=total)).astype(np.int64)
+    mask = (rng.random(total) < 0.7).astype(np.float32)
+    weights = [np.where(rng.random(total) < 0.3, 0.0, rng.random(total)).astype(np.float32) for _ in range(2)]
+    tokened = rng.random(len(lengths)) < 0.95
+    samples = np.flatnonzero(tokened)
+    found = token_spans(tokens, mask, pos_off, samples, weights)
+    want = numpy_token_cuts(tokens, pos_off, tokened, mask_changes(mask))
+    assert len(found.starts) > 8 * len(samples)  # past the first room several times over
+    for got, expected in zip(found[:3], want):
+        assert got.tolist() == expected.tolist()
+    sample_end = pos_off[np.searchsorted(pos_off, found.starts, "right")]
+    ends = np.minimum(np.append(found.starts[1:], total), sample_end)
+    for values, bits in zip(weights, found.flags):
+        want_bits = weight_flags(values, found.starts, ends)
+        assert want_bits is not None
+        assert bits.tolist() == want_bits.tolist()
 
 
 def test_token_spans_read_weights_of_one_float_dtype_only() -> None:
@@ -455,3 +482,171 @@ def test_span_rows_refuse_a_cut_outside_the_positions() -> None:
     with pytest.raises(ValueError, match="differ in length"):
         span_rows(np.array([0]), np.array([4, 5]), np.array([1]), np.array([4]), one, one, one, one, ~one,
                   np.array([0, 4]), np.array([0]), NO_VERSION)  # fmt: skip
+
+
+def numpy_shipped_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    kept_sample: npt.NDArray[np.bool_],
+    sample_rollout: IntArray,
+    mask_below: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    frozen: npt.NDArray[np.bool_],
+    rollout_chunk: IntArray,
+    rollout_env: IntArray,
+    table_part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+    trained: int,
+    not_sampled: int,
+) -> dict[str, npt.NDArray[Any]]:
+    """``shipped_positions.shipped_spans``' former numpy steps from the shipped samples to their kept rows."""
+    span_rows = expand_ranges(span_lo, span_hi)
+    span_offsets = np.concatenate(([0], np.cumsum(span_hi - span_lo)))
+    span_sample = np.repeat(np.arange(len(span_lo)), span_hi - span_lo)
+    part = table_part[span_rows]
+    kept = kept_sample[span_sample] & (part != 2)
+    span_rollout = sample_rollout[span_sample]
+    in_population = ~frozen[span_rollout] & (sampled > 0)
+    lag = np.where(in_population, trained - version, not_sampled)
+    masked = version < mask_below[span_sample]
+    partner = np.minimum(np.arange(len(part)) + 1, max(len(part) - 1, 0))
+    spans_per_sample = segment_sum(kept.astype(np.int64), span_offsets)[kept_sample]
+    return {
+        "chunk": rollout_chunk[span_rollout][kept], "lo": table_lo[span_rows][kept], "hi": table_hi[span_rows][kept],
+        "lag": lag[kept], "masked": masked[kept], "sample_offsets": np.concatenate(([0], np.cumsum(spans_per_sample))),
+        "mixed": (part == 1)[kept], "unlabelled_lag": lag[partner][kept], "unlabelled_masked": masked[partner][kept],
+        "env": rollout_env[span_rollout][kept],
+    }  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rollouts=st.integers(0, 8), table_rows=st.integers(0, 60))
+def test_shipped_rows_equal_the_numpy_steps(seed: int, rollouts: int, table_rows: int) -> None:
+    """The kept rows of a ship (samples in any order of a span table, dropped samples, frozen rollouts,
+    mixed spans whose unlabelled part follows, unsampled rows) and their per-sample offsets equal the numpy
+    steps ``shipped_spans`` took, including the next row read past a sample's last row."""
+    rng = np.random.default_rng(seed)
+    # The table: runs of rows per sample, some rows a labelled part followed by its unlabelled part.
+    part = np.zeros(table_rows, dtype=np.int8)
+    second = np.flatnonzero(rng.random(max(table_rows - 1, 0)) < 0.3) + 1
+    second = second[np.diff(np.concatenate(([-2], second))) > 1]  # parts never overlap
+    part[second - 1], part[second] = 1, 2
+    n_cuts = min(max(table_rows - 1, 0), int(rng.integers(0, 10)))
+    cuts = np.sort(rng.choice(np.arange(1, table_rows), size=n_cuts, replace=False))
+    cuts = cuts[part[cuts] != 2]  # a sample starts at a whole row or a labelled part
+    edges = np.concatenate(([0], cuts, [table_rows])).astype(np.int64)
+    order = rng.permutation(len(edges) - 1)
+    span_lo, span_hi = edges[:-1][order], edges[1:][order]
+    n_samples = len(span_lo)
+    sample_rollout = np.sort(rng.integers(0, max(rollouts, 1), n_samples)) if rollouts else np.zeros(0, np.int64)
+    if not rollouts:
+        span_lo, span_hi, n_samples = span_lo[:0], span_hi[:0], 0
+    n = int((span_hi - span_lo).sum())
+    args = (
+        span_lo, span_hi, rng.random(n_samples) < 0.8, sample_rollout, rng.integers(0, 6, n_samples),
+        rng.integers(0, 8, n), rng.integers(0, 3, n) * (rng.random(n) < 0.7), rng.random(rollouts) < 0.3,
+        rng.integers(0, 3, rollouts), rng.integers(0, 4, rollouts), part, rng.integers(0, 1000, table_rows),
+        rng.integers(0, 1000, table_rows), 9, -1,
+    )  # fmt: skip
+    got = shipped_rows(*args)
+    want = numpy_shipped_rows(*args)
+    for name, values in want.items():
+        mine = getattr(got, name)
+        assert mine.dtype == values.dtype and mine.tolist() == values.tolist(), name
+
+
+def test_shipped_rows_refuse_rows_outside_the_table() -> None:
+    one, no = np.ones(1, dtype=np.int64), np.zeros(1, dtype=bool)
+    part = np.zeros(2, dtype=np.int8)
+    with pytest.raises(IndexError, match="outside the span table"):
+        shipped_rows(np.array([1]), np.array([3]), ~no, 0 * one, one, one, one, no, one, one, part,
+                     one.repeat(2), one.repeat(2), 2, -1)  # fmt: skip
+    with pytest.raises(IndexError, match="no rollout"):
+        shipped_rows(0 * one, one, ~no, one, one, one, one, no, one, one, part, one.repeat(2), one.repeat(2), 2, -1)
+    with pytest.raises(ValueError, match="one version"):
+        shipped_rows(0 * one, 2 * one, ~no, 0 * one, one, one, one, no, one, one, part, one.repeat(2), one.repeat(2),
+                     2, -1)  # fmt: skip
+
+
+def numpy_stale_rows(
+    span_lo: IntArray,
+    span_hi: IntArray,
+    sample_rollout: IntArray,
+    old_below: IntArray,
+    new_below: IntArray,
+    raised: npt.NDArray[np.bool_],
+    version: IntArray,
+    sampled: IntArray,
+    rollout_chunk: IntArray,
+    table_part: npt.NDArray[np.int8],
+    table_lo: IntArray,
+    table_hi: IntArray,
+) -> dict[str, npt.NDArray[Any]]:
+    """``judging.mask_positions``' and ``masking.mask_spans``' former numpy steps to the rows they write."""
+    span_sample = np.repeat(np.arange(len(span_lo)), span_hi - span_lo)
+    old, new = old_below[span_sample], new_below[span_sample]
+    stale = version < new
+    hit = raised[span_sample] & stale & (version >= old) & (sampled > 0)
+    span_rows = expand_ranges(span_lo, span_hi)
+    part = table_part[span_rows]
+    partner = np.arange(len(part)) + (part == 1) - (part == 2)
+    whole = stale[partner]
+    hit &= ~((part == 2) & hit[partner])
+    rows = span_rows[hit]
+    return {
+        "chunk": rollout_chunk[sample_rollout[span_sample[hit]]], "lo": table_lo[rows], "hi": table_hi[rows],
+        "part": np.where(whole[hit], 0, part[hit]).astype(np.int8), "positions": sampled[hit],
+    }  # fmt: skip
+
+
+def random_span_table(
+    rng: np.random.Generator, table_rows: int, rollouts: int
+) -> tuple[npt.NDArray[np.int8], IntArray, IntArray, IntArray]:
+    """A span table's parts (a labelled part followed by its unlabelled part, in one sample) and the span rows
+    of some samples in any order, each sample's rollout (ascending), as a judgement lists them."""
+    part = np.zeros(table_rows, dtype=np.int8)
+    second = np.flatnonzero(rng.random(max(table_rows - 1, 0)) < 0.3) + 1
+    second = second[np.diff(np.concatenate(([-2], second))) > 1]  # parts never overlap
+    part[second - 1], part[second] = 1, 2
+    n_cuts = min(max(table_rows - 1, 0), int(rng.integers(0, 10)))
+    cuts = np.sort(rng.choice(np.arange(1, table_rows), size=n_cuts, replace=False))
+    cuts = cuts[part[cuts] != 2]  # a sample starts at a whole row or a labelled part
+    edges = np.concatenate(([0], cuts, [table_rows])).astype(np.int64)
+    order = rng.permutation(len(edges) - 1)
+    span_lo, span_hi = edges[:-1][order], edges[1:][order]
+    if not rollouts:
+        return part, span_lo[:0], span_hi[:0], np.zeros(0, dtype=np.int64)
+    return part, span_lo, span_hi, np.sort(rng.integers(0, rollouts, len(span_lo)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rollouts=st.integers(0, 8), table_rows=st.integers(0, 60))
+def test_stale_rows_equal_the_numpy_steps(seed: int, rollouts: int, table_rows: int) -> None:
+    """The rows a decision newly masks (thresholds raised on some samples, rows already masked at the old
+    threshold, unsampled rows, mixed spans with one or both parts stale) equal the numpy steps of
+    ``mask_positions``, with a part written whole when its other part is stale too."""
+    rng = np.random.default_rng(seed)
+    part, span_lo, span_hi, sample_rollout = random_span_table(rng, table_rows, rollouts)
+    n_samples, n = len(span_lo), int((span_hi - span_lo).sum())
+    old_below = rng.integers(-1, 4, n_samples)
+    args = (
+        span_lo, span_hi, sample_rollout, old_below, old_below + rng.integers(0, 4, n_samples),
+        rng.random(n_samples) < 0.8, rng.integers(0, 8, n), rng.integers(0, 3, n) * (rng.random(n) < 0.8),
+        rng.integers(0, 3, rollouts), part, rng.integers(0, 1000, table_rows), rng.integers(0, 1000, table_rows),
+    )  # fmt: skip
+    got = stale_rows(*args)
+    want = numpy_stale_rows(*args)
+    for name, values in want.items():
+        mine = getattr(got, name)
+        assert mine.dtype == values.dtype and mine.tolist() == values.tolist(), name
+
+
+def test_stale_rows_refuse_rows_outside_the_table() -> None:
+    one, yes = np.ones(1, dtype=np.int64), np.ones(1, dtype=bool)
+    part = np.zeros(2, dtype=np.int8)
+    with pytest.raises(IndexError, match="outside the span table"):
+        stale_rows(one, 3 * one, 0 * one, one, one, yes, one, one, one, part, one.repeat(2), one.repeat(2))
+    with pytest.raises(IndexError, match="without its other part"):
+        stale_rows(0 * one, one, 0 * one, one, one, yes, one, one, one, part + 1, one.repeat(2), one.repeat(2))
