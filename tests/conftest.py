@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -171,7 +172,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _warm_up()  # (from the disk cache; compiled here if the controller could not)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def _set_node_id(item: pytest.Item, nodeid: str) -> None:
+    """Give ``item`` the node id ``nodeid``: pytest 9 keeps it structured in ``_id`` (``_nodeid``, which
+    xdist still sets, is read by no one), earlier versions as the string ``_nodeid``."""
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(nodeid)
+    else:
+        item._nodeid = nodeid
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest tests first (``_LONGEST_FIRST``); tests marked ``serial`` share one xdist group: the
     ``loadgroup`` scheduler runs them on one worker, one after the other (without xdist the marker
     changes nothing)."""
@@ -182,7 +194,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 return position
         return len(_LONGEST_FIRST)
 
+    # schemathesis makes a test per API operation, named ``test_x[POST /v1/runs/{run}/ship]``, but under
+    # pytest 9 each gets the node id of the function alone; xdist hands tests out by node id, and ran the
+    # first operation only. Each gets its name back in its node id.
+    counts = Counter(item.nodeid for item in items)
+    for item in items:
+        if counts[item.nodeid] > 1 and item.parent is not None and item.name != item.nodeid.rsplit("::", 1)[-1]:
+            _set_node_id(item, f"{item.parent.nodeid}::{item.name}")
     items.sort(key=rank)  # (stable: the rest keep their order)
+    loadgroup = bool(getattr(config.option, "loadgroup", False))
     for item in items:
         if item.get_closest_marker("serial") is not None:
             item.add_marker(pytest.mark.xdist_group("serial"))
+            if loadgroup:  # the group in the node id, where xdist's scheduler reads it (as xdist would set it)
+                _set_node_id(item, f"{item.nodeid}@serial")

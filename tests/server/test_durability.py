@@ -32,7 +32,7 @@ from staleness_metrics.server import ExportSettings, RunRegistry, ServerSettings
 from staleness_metrics.server.models import ShipRequest
 from staleness_metrics.server.store import SNAPSHOT_EVERY, SqliteStore
 
-from .conftest import ServeProcess, ThreadServer
+from .conftest import TLS, ServeProcess, ThreadServer
 
 pytestmark = pytest.mark.integration
 
@@ -50,10 +50,6 @@ KILL_IN_PHASE = 2  # SIGKILL while the clients of this phase are sending
 KILL_AT_SHIP = 4  # and once while this phase's ships are in flight
 AHEAD_IN_PHASE = 3  # a rollout labelled above the phase's trained version: strict runs refuse that ship
 SNAPSHOTS_EVERY = 1  # journal rows between snapshots in the services under test: one after every write
-# Each request below is a fresh client and connection, as a client that got no answer retries; they share
-# one TLS context (the services speak plain HTTP), which httpx would otherwise build per request from the
-# CA bundle: ≈ 40 ms each, most of the test's time over its few hundred requests.
-TLS = httpx.create_ssl_context()
 
 
 def batch(client: int, phase: int) -> list[dict[str, Any]]:
