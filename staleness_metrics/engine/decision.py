@@ -56,6 +56,7 @@ class Judgement:
     span_offsets: IntArray
     # spans
     span_sample: IntArray
+    span_rows: IntArray  # the sink's row of each span
     version: IntArray
     labelled: BoolArray
     sampled: IntArray

@@ -23,9 +23,9 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "SpanRows", "TokenSpans",
-    "fusable_weights", "mismatch_runs", "plain_positions", "span_rows", "token_cuts", "token_spans", "warm_up",
-    "weight_flags", "zero_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "PopulationSums", "SliceRows",
+    "SpanRows", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "population_sums",
+    "slice_rows", "span_rows", "token_cuts", "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -413,11 +413,11 @@ def zero_spans(
     # Zeros of each view's own type: a literal 0 would make the selects float64.
     zeros = tuple(view.dtype.type(0) for view in views)
     labels = _NO_TOKENS if tokens is None else tokens
-    written = np.cumsum(hi - lo)
-    total = int(written[-1])
+    total = int((hi - lo).sum())
     if total < PARALLEL_MIN_POSITIONS:
         _zero_spans(*views, labels, lo, hi, part, count, zeros)
         return
+    written = (hi - lo).cumsum()
     # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the shares
     # never write the same position.
     edges = np.searchsorted(written, np.linspace(0, total, num=_SHARES + 1)[1:-1], "left").tolist()
@@ -576,6 +576,274 @@ def span_rows(
         int(no_version[0]), int(no_version[1]),
     )  # fmt: skip
     return SpanRows(*found)
+
+
+class SliceRows(NamedTuple):
+    """The sample and span rows of some rollouts of the sink, in order, with local offsets (see
+    :func:`slice_rows`)."""
+
+    sample_rows: IntArray
+    sample_offsets: IntArray  # per rollout, into sample_rows
+    sample_rollout: IntArray  # per sample, its local rollout
+    span_rows: IntArray
+    span_offsets: IntArray  # per sample, into span_rows
+    span_sample: IntArray  # per span, its local sample
+
+
+@_CompiledOnFirstCall
+def _slice_rows(
+    rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
+) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
+    n_rollouts = len(sample_lo)
+    n_samples = len(span_lo)
+    if len(sample_hi) != n_rollouts or len(span_hi) != n_samples:
+        raise ValueError("slice_rows: lo and hi differ in length")
+    samples = 0
+    for row in rows:
+        if row < 0 or row >= n_rollouts:
+            raise IndexError("slice_rows: a rollout row outside the table")
+        a = sample_lo[row]
+        b = sample_hi[row]
+        if a < 0 or b < a or b > n_samples:
+            raise IndexError("slice_rows: a sample range outside the table")
+        samples += b - a
+    sample_rows = np.empty(samples, dtype=np.int64)
+    sample_offsets = np.empty(len(rows) + 1, dtype=np.int64)
+    sample_rollout = np.empty(samples, dtype=np.int64)
+    sample_offsets[0] = 0
+    at = 0
+    spans = 0
+    for i in range(len(rows)):
+        for k in range(sample_lo[rows[i]], sample_hi[rows[i]]):
+            a = span_lo[k]
+            b = span_hi[k]
+            if a < 0 or b < a:
+                raise IndexError("slice_rows: a span range out of order")
+            sample_rows[at] = k
+            sample_rollout[at] = i
+            spans += b - a
+            at += 1
+        sample_offsets[i + 1] = at
+    span_rows = np.empty(spans, dtype=np.int64)
+    span_offsets = np.empty(samples + 1, dtype=np.int64)
+    span_sample = np.empty(spans, dtype=np.int64)
+    span_offsets[0] = 0
+    at = 0
+    for j in range(samples):
+        k = sample_rows[j]
+        for row in range(span_lo[k], span_hi[k]):
+            span_rows[at] = row
+            span_sample[at] = j
+            at += 1
+        span_offsets[j + 1] = at
+    return sample_rows, sample_offsets, sample_rollout, span_rows, span_offsets, span_sample
+
+
+def slice_rows(
+    rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
+) -> SliceRows:
+    """For the rollouts at ``rows`` (rows of a table whose samples are ``sample_lo[row]:sample_hi[row]``, each
+    with spans ``span_lo[k]:span_hi[k]``): their sample rows in order, offsets per rollout and each sample's
+    rollout; then the same for the samples' span rows. One pass instead of a range expansion, two offset
+    sums and two repeats per level.
+
+    Raises ``ValueError`` on lo and hi of different lengths, ``IndexError`` on a row or range outside the table.
+    """
+    return SliceRows(*_slice_rows(rows, sample_lo, sample_hi, span_lo, span_hi))
+
+
+class PopulationSums(NamedTuple):
+    """What :func:`population_sums` finds over the selected rollouts of a shipped slice."""
+
+    tokens: int  # sampled positions of their live, kept samples
+    masked: int  # of those, below their sample's threshold
+    unlabelled: int  # of those, on unlabelled spans
+    frozen: int  # selected frozen rollouts
+    samples: int  # their live, kept samples
+    token_dot: int | None  # sum of staleness x sampled positions (None: int64 could overflow)
+    low: int  # the smallest staleness of a span with sampled positions
+    counts: IntArray | None  # sampled positions per staleness low, low + 1, ... (None: none, or too wide a range)
+    rollout: IntArray  # per selected live rollout: T - its oldest shipped sampled version (dispatch when none)
+    in_flight: IntArray  # its completion - that version, within 0..rollout
+    newest: IntArray  # T - its newest shipped sampled version (dispatch when none)
+    length_sampled: IntArray  # per length bucket (by a sample's sampled positions): sampled positions
+    length_removed: IntArray  # of those, masked
+
+
+@_CompiledOnFirstCall
+def _population_sums(
+    t: int,
+    rollout_in: BoolArray,
+    frozen: BoolArray,
+    dispatch: IntArray,
+    completion: IntArray,
+    sample_offsets: IntArray,
+    dropped: BoolArray,
+    mask_below: IntArray,
+    n_sampled: IntArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    labelled: BoolArray,
+    length_bounds: IntArray,
+    direct_range: int,
+) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
+    n_rollouts = len(frozen)
+    n_samples = len(dropped)
+    n_spans = len(version)
+    if len(rollout_in) != n_rollouts or len(dispatch) != n_rollouts or len(completion) != n_rollouts:
+        raise ValueError("population_sums: rollout arrays differ in length")
+    if len(sample_offsets) != n_rollouts + 1 or len(mask_below) != n_samples or len(n_sampled) != n_samples:
+        raise ValueError("population_sums: sample arrays differ in length")
+    if len(span_offsets) != n_samples + 1 or len(sampled) != n_spans or len(labelled) != n_spans:
+        raise ValueError("population_sums: span arrays differ in length")
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
+        raise ValueError("population_sums: offsets do not cover the arrays")
+    if span_offsets[n_samples] != n_spans:
+        raise ValueError("population_sums: offsets do not cover the arrays")
+    for r in range(n_rollouts):
+        if sample_offsets[r + 1] < sample_offsets[r]:
+            raise ValueError("population_sums: offsets out of order")
+    for k in range(n_samples):
+        if span_offsets[k + 1] < span_offsets[k]:
+            raise ValueError("population_sums: offsets out of order")
+    # [tokens, masked, unlabelled, frozen, samples, dot, dot fits, low, any present]
+    totals = np.zeros(9, dtype=np.int64)
+    n_buckets = len(length_bounds) + 1
+    length_sampled = np.zeros(n_buckets, dtype=np.int64)
+    length_removed = np.zeros(n_buckets, dtype=np.int64)
+    selected = 0
+    for r in range(n_rollouts):
+        if rollout_in[r] and not frozen[r]:
+            selected += 1
+    rollout = np.empty(selected, dtype=np.int64)
+    in_flight = np.empty(selected, dtype=np.int64)
+    newest = np.empty(selected, dtype=np.int64)
+    low = 0
+    high = 0
+    largest = 0  # the largest |staleness| of a span with sampled positions
+    present = False
+    at = 0
+    for r in range(n_rollouts):
+        if not rollout_in[r]:
+            continue
+        if frozen[r]:
+            totals[3] += 1
+            continue
+        oldest = dispatch[r]
+        freshest = dispatch[r]
+        found = False
+        for s in range(sample_offsets[r], sample_offsets[r + 1]):
+            if dropped[s]:
+                continue
+            totals[4] += 1
+            masked_here = 0
+            for k in range(span_offsets[s], span_offsets[s + 1]):
+                count = sampled[k]
+                if count <= 0:
+                    continue
+                v = version[k]
+                if not found:
+                    oldest = v
+                    freshest = v
+                    found = True
+                else:
+                    oldest = min(oldest, v)
+                    freshest = max(freshest, v)
+                staleness = t - v
+                if not present:
+                    low = staleness
+                    high = staleness
+                    present = True
+                else:
+                    low = min(low, staleness)
+                    high = max(high, staleness)
+                largest = max(largest, abs(staleness))
+                totals[0] += count
+                if not labelled[k]:
+                    totals[2] += count
+                if v < mask_below[s]:
+                    masked_here += count
+            totals[1] += masked_here
+            length = n_sampled[s]
+            if length > 0:
+                bucket = 0
+                while bucket < n_buckets - 1 and length_bounds[bucket] < length:
+                    bucket += 1
+                length_sampled[bucket] += length
+                length_removed[bucket] += masked_here
+        rollout[at] = t - oldest
+        flight = completion[r] - oldest
+        flight = max(flight, 0)
+        in_flight[at] = min(flight, t - oldest)
+        newest[at] = t - freshest
+        at += 1
+    # sum(staleness x count) fits in int64 when |staleness| x tokens does (every partial sum is below it)
+    fits = largest == 0 or totals[0] <= (2**62 - 1) // largest
+    counts = np.zeros(0, dtype=np.int64)
+    if present:
+        totals[7] = low
+        totals[8] = 1
+        direct = high - low < direct_range
+        if direct:
+            counts = np.zeros(high - low + 1, dtype=np.int64)
+        if fits or direct:
+            dot = 0
+            for r in range(n_rollouts):
+                if not rollout_in[r] or frozen[r]:
+                    continue
+                for s in range(sample_offsets[r], sample_offsets[r + 1]):
+                    if dropped[s]:
+                        continue
+                    for k in range(span_offsets[s], span_offsets[s + 1]):
+                        count = sampled[k]
+                        if count <= 0:
+                            continue
+                        if fits:
+                            dot += (t - version[k]) * count
+                        if direct:
+                            counts[t - version[k] - low] += count
+            totals[5] = dot
+    totals[6] = 1 if fits else 0
+    return totals, counts, rollout, in_flight, newest, length_sampled, length_removed
+
+
+def population_sums(
+    trained_version: int,
+    rollout_in: BoolArray,
+    frozen: BoolArray,
+    dispatch: IntArray,
+    completion: IntArray,
+    sample_offsets: IntArray,
+    dropped: BoolArray,
+    mask_below: IntArray,
+    n_sampled: IntArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    labelled: BoolArray,
+    length_bounds: IntArray,
+    direct_range: int,
+) -> PopulationSums:
+    """The sums of a ship's metrics over the rollouts selected by ``rollout_in``, in one pass over their spans
+    (a slice as ``decision.Judgement`` holds it: rollouts, samples by ``sample_offsets``, spans by
+    ``span_offsets``). Frozen rollouts are only counted; dropped samples are left out. A sample's length
+    bucket is the first of ``length_bounds`` at or above its sampled positions (the last bucket past them
+    all); samples with none are in no bucket. ``counts`` is given when the staleness values of spans with
+    sampled positions lie within ``direct_range``.
+
+    Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
+    """
+    found = _population_sums(
+        int(trained_version), rollout_in, frozen, dispatch, completion, sample_offsets, dropped, mask_below,
+        n_sampled, span_offsets, version, sampled, labelled, length_bounds, int(direct_range),
+    )  # fmt: skip
+    totals, counts, rollout, in_flight, newest, length_sampled, length_removed = found
+    tokens, masked, unlabelled, n_frozen, samples, dot, fits, low, present = totals.tolist()
+    return PopulationSums(
+        tokens, masked, unlabelled, n_frozen, samples, dot if fits and present else (0 if not present else None),
+        low, counts if present and len(counts) else None, rollout, in_flight, newest, length_sampled, length_removed,
+    )  # fmt: skip
 
 
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
@@ -906,6 +1174,9 @@ def warm_up() -> None:
     lo, hi, count = np.array([0], dtype=np.int64), np.array([3], dtype=np.int64), np.array([1], dtype=np.int64)
     yes = np.ones(1, dtype=bool)
     span_rows(lo, hi, count, count, yes, yes, yes, yes, ~yes, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
+    slice_rows(np.array([0]), np.array([0]), np.array([1]), np.array([0]), np.array([1]))
+    population_sums(1, yes, ~yes, count, count, np.array([0, 1]), ~yes, count, count, np.array([0, 1]), count, count,
+                    yes, np.array([256]), 4096)  # fmt: skip
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))

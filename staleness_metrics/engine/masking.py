@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from .kernels import zero_spans
+from .segments import distinct
 from .spans import PART_WHOLE
 from .token_pieces import narrow, zero_spans_in_pieces
 
@@ -44,10 +45,13 @@ def mask_spans(
     ``chunk``): every position of ``[lo, hi)`` where ``whole``, else only the positions of the row's
     part (labelled or unlabelled), ``count`` positions."""
     part = np.where(whole, PART_WHOLE, part).astype(np.int8)
-    for c in np.unique(chunk).tolist():
-        rows = np.flatnonzero(chunk == c)
+    used = distinct(chunk)
+    for c in used:
         batch = chunks[c]
         assert batch is not None
         tokens = batch.token_versions
-        zero = zero_spans_in_pieces if tokens is not None and narrow(tokens) else zero_spans
-        zero(position_arrays(batch), tokens, lo[rows], hi[rows], part[rows], count[rows])
+        rows = slice(None) if len(used) == 1 else (chunk == c).nonzero()[0]  # (one batch: every row)
+        if tokens is not None and narrow(tokens):
+            zero_spans_in_pieces(position_arrays(batch), tokens, lo[rows], hi[rows], part[rows], count[rows])
+        else:
+            zero_spans(position_arrays(batch), tokens, lo[rows], hi[rows], part[rows], count[rows])

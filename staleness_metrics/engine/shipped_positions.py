@@ -140,8 +140,8 @@ def _chunk_sums(
 
 def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
     """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11)."""
-    s, n = queue.samples, queue.spans
-    span_rows = expand_ranges(s["span_lo"][shipped.sample_rows], s["span_hi"][shipped.sample_rows])
+    n = queue.spans
+    span_rows = shipped.span_rows
     kept_sample = ~shipped.dropped
     part = n["part"][span_rows]
     kept = kept_sample[shipped.span_sample] & (part != PART_UNLABELLED)  # a mixed span once, by its first row

@@ -7,14 +7,14 @@ construction. Every statistic is a reduction over spans; no position is read her
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 
 import numpy as np
 import numpy.typing as npt
 
 from ..engine.decision import Judgement
-from ..engine.segments import segment_max, segment_min, segment_sum
-from ..engine.spans import NO_VERSION_HIGH, NO_VERSION_LOW
+from ..engine.kernels import population_sums
 from . import keys
 from .bound import ShipBound, mismatch_metrics
 from .metric_table import env_key
@@ -28,6 +28,7 @@ BoolArray = npt.NDArray[np.bool_]
 
 QUANTILES = ((keys.TOKEN_P50, 50, 100), (keys.TOKEN_P90, 90, 100), (keys.TOKEN_P99, 99, 100))
 _LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
+_FEW = 64  # entries summed over Python lists rather than numpy arrays
 
 
 def length_bucket_totals(lengths: IntArray, amounts: IntArray) -> IntArray:
@@ -50,17 +51,33 @@ class WindowCounts:
         self.held: list[str] = []
 
     def add(self, env: IntArray, name: str, amounts: IntArray | None = None) -> None:
-        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry."""
+        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry (an env whose entries add
+        up to 0 gets no counts)."""
         if len(env) == 0:
             return
-        weights = np.ones(len(env), dtype=np.int64) if amounts is None else amounts
-        totals = np.bincount(env, weights=weights)
-        for index in np.flatnonzero(totals):
-            bucket = self.counts.setdefault(int(index), dict.fromkeys(self.FIELDS, 0))
-            bucket[name] += int(totals[index])
+        if len(env) <= _FEW:  # (Python over a short list costs less than numpy calls)
+            totals: dict[int, int] = {}
+            for index, amount in zip(env.tolist(), [1] * len(env) if amounts is None else amounts.tolist()):
+                totals[index] = totals.get(index, 0) + amount
+            found = [(index, total) for index, total in totals.items() if total]
+        else:
+            weights = np.ones(len(env), dtype=np.int64) if amounts is None else amounts
+            summed = np.bincount(env, weights=weights)
+            found = [(int(index), int(summed[index])) for index in np.flatnonzero(summed)]
+        for index, total in found:
+            bucket = self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))
+            bucket[name] += total
 
     def add_dropped_lengths(self, env: IntArray, lengths: IntArray) -> None:
         """Dropped samples' sampled positions, by the samples' length bucket (SPEC 12)."""
+        if len(env) <= _FEW:
+            for index, length in zip(env.tolist(), lengths.tolist()):
+                totals = self.dropped_lengths.get(index)
+                if totals is None:
+                    totals = self.dropped_lengths[index] = np.zeros(len(LENGTH_BUCKETS), dtype=np.int64)
+                if length > 0:
+                    totals[bisect.bisect_left(LENGTH_UPPER_BOUNDS, length)] += length
+            return
         for index in np.unique(env).tolist():
             here = env == index
             totals = length_bucket_totals(lengths[here], lengths[here])
@@ -126,43 +143,6 @@ def _exact_dot(a: IntArray, b: IntArray) -> int:
     return sum(x * y for x, y in zip(a.tolist(), b.tolist()))
 
 
-class _Shipped:
-    """What every population of a ship reads, computed once over all its live rollouts: a population (the
-    whole ship, or the rollouts of one env) then selects from these instead of reducing its spans again.
-
-    A rollout's own numbers (its oldest and newest shipped version, its in-flight time) and a sample's
-    (its masked positions) depend on its spans alone, so they are the same in every population holding it.
-    """
-
-    def __init__(self, slice_: Judgement) -> None:
-        t = slice_.trained_version
-        self.slice = slice_
-        self.live_rollout = ~slice_.frozen
-        self.span_rollout = slice_.sample_rollout[slice_.span_sample]
-        self.sample_in = self.live_rollout[slice_.sample_rollout] & ~slice_.dropped
-        span_in = self.sample_in[slice_.span_sample]
-        self.sampled = np.where(span_in, slice_.sampled, 0)
-        self.staleness = t - slice_.version
-        self.masked = np.where(slice_.version < slice_.mask_below[slice_.span_sample], self.sampled, 0)
-        self.masked_per_sample = segment_sum(self.masked, slice_.span_offsets)
-
-        # Rollout staleness: oldest shipped sampled position, the dispatch version when there is none; and
-        # ``T - max(v)`` over the same positions: the freshest token's age, verl's trajectory staleness,
-        # beside SPEC 6's oldest-token ``R``.
-        has_sampled = span_in & (slice_.sampled > 0)
-        oldest_span = np.where(has_sampled, slice_.version, NO_VERSION_HIGH)
-        oldest = segment_min(segment_min(oldest_span, slice_.span_offsets, NO_VERSION_HIGH), slice_.sample_offsets,
-                             NO_VERSION_HIGH)  # fmt: skip
-        oldest = np.where(oldest == NO_VERSION_HIGH, slice_.dispatch, oldest)
-        newest_span = np.where(has_sampled, slice_.version, NO_VERSION_LOW)
-        newest = segment_max(segment_max(newest_span, slice_.span_offsets, NO_VERSION_LOW), slice_.sample_offsets,
-                             NO_VERSION_LOW)  # fmt: skip
-        newest = np.where(newest == NO_VERSION_LOW, slice_.dispatch, newest)
-        self.rollout = t - oldest
-        self.in_flight = np.minimum(np.maximum(slice_.completion - oldest, 0), self.rollout)  # (np.clip, cheaper)
-        self.newest = t - newest
-
-
 _ROLLOUT_KEYS = (
     (keys.ROLLOUT_MEAN, keys.ROLLOUT_MAX),
     (keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_FLIGHT_MAX),
@@ -171,45 +151,51 @@ _ROLLOUT_KEYS = (
 )
 
 
+def _population_spans(slice_: Judgement, rollout_in: BoolArray) -> BoolArray:
+    """The spans with sampled positions of the selected live rollouts' kept samples (for the rare sums done
+    in numpy: a staleness range too wide to count by value, or a dot product beyond int64)."""
+    sample_in = (rollout_in & ~slice_.frozen)[slice_.sample_rollout] & ~slice_.dropped
+    return sample_in[slice_.span_sample] & (slice_.sampled > 0)
+
+
 def _population(
-    shipped: _Shipped,
-    rollout_in: BoolArray | None,
+    slice_: Judgement,
+    rollout_in: BoolArray,
     env: int | None,
     window: WindowCounts,
     max_staleness: int,
 ) -> tuple[dict[str, float | int], Tally]:
-    """Metrics and tally of the live shipped rollouts selected by ``rollout_in`` (None: all of them)."""
-    slice_ = shipped.slice
-    if rollout_in is None:
-        live_rollout, sample_in, sampled, masked_spans = (
-            shipped.live_rollout, shipped.sample_in, shipped.sampled, shipped.masked,
-        )  # fmt: skip
-        masked_per_sample = shipped.masked_per_sample
-        frozen_in = int(slice_.frozen.sum())
-    else:
-        live_rollout = rollout_in & shipped.live_rollout
-        sample_in = shipped.sample_in & rollout_in[slice_.sample_rollout]
-        span_in = rollout_in[shipped.span_rollout]
-        sampled = np.where(span_in, shipped.sampled, 0)
-        masked_spans = np.where(span_in, shipped.masked, 0)
-        masked_per_sample = np.where(sample_in, shipped.masked_per_sample, 0)
-        frozen_in = int((rollout_in & slice_.frozen).sum())
-    staleness = shipped.staleness
-    tokens = int(sampled.sum())
-    masked = int(masked_spans.sum())
-    unlabelled = int(np.where(slice_.labelled, 0, sampled).sum())
-    present = sampled > 0
-    token_values, token_counts = _distribution(staleness[present], sampled[present])
+    """Metrics and tally of the live shipped rollouts selected by ``rollout_in``.
 
-    rollout = shipped.rollout[live_rollout]
-    in_flight = shipped.in_flight[live_rollout]
+    A rollout's own numbers (its oldest and newest shipped version, its in-flight time) depend on its spans
+    alone, so they are the same in every population holding it; one compiled pass sums a population."""
+    t = slice_.trained_version
+    sums = population_sums(
+        t, rollout_in, slice_.frozen, slice_.dispatch, slice_.completion, slice_.sample_offsets, slice_.dropped,
+        slice_.mask_below, slice_.n_sampled, slice_.span_offsets, slice_.version, slice_.sampled, slice_.labelled,
+        _LENGTH_BOUNDS, _DIRECT_RANGE,
+    )  # fmt: skip
+    tokens, masked, unlabelled = sums.tokens, sums.masked, sums.unlabelled
+    if sums.counts is not None:
+        present = np.flatnonzero(sums.counts)
+        token_values, token_counts = present + sums.low, sums.counts[present]
+    elif tokens:
+        spans = _population_spans(slice_, rollout_in)
+        token_values, token_counts = _distribution(t - slice_.version[spans], slice_.sampled[spans])
+    else:
+        token_values, token_counts = _distribution(np.zeros(0, dtype=np.int64), None)
+
+    rollout, in_flight, newest = sums.rollout, sums.in_flight, sums.newest
     in_queue = rollout - in_flight
     rollout_values, rollout_counts = _distribution(rollout, None)
-    newest = shipped.newest[live_rollout]
 
     metrics: dict[str, float | int] = {}
     if tokens:
-        metrics[keys.TOKEN_MEAN] = _exact_dot(staleness, sampled) / tokens
+        dot = sums.token_dot
+        if dot is None:  # beyond int64: Python integers
+            spans = _population_spans(slice_, rollout_in)
+            dot = _exact_dot(t - slice_.version[spans], slice_.sampled[spans])
+        metrics[keys.TOKEN_MEAN] = dot / tokens
         metrics[keys.TOKEN_MASKED] = float(masked / tokens)
         metrics[keys.TOKEN_UNLABELLED] = float(unlabelled / tokens)
         for (key, _, _), value in zip(QUANTILES, _nearest_ranks(token_values, token_counts)):
@@ -220,7 +206,10 @@ def _population(
                                                    per_rollout.max(axis=1).tolist()):  # fmt: skip
             metrics[mean_key] = total / len(rollout)
             metrics[max_key] = top
-    length_samples, length_sampled, length_removed = _length_bias(slice_, sample_in, masked_per_sample, env, window)
+    # SPEC 12 over the shipped samples plus the window's dropped samples
+    dropped = window.dropped_by_length(env)
+    length_samples = sums.samples + window.get(env, "samples_dropped")
+    length_sampled, length_removed = sums.length_sampled + dropped, sums.length_removed + dropped
     metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
     metrics[keys.ROLLOUTS_DROPPED] = window.get(env, "rollouts_dropped")
     metrics[keys.SAMPLES_DROPPED] = window.get(env, "samples_dropped")
@@ -235,7 +224,7 @@ def _population(
         samples_dropped=window.get(env, "samples_dropped"),
         rollouts_dropped=window.get(env, "rollouts_dropped"),
         rollouts_shipped=len(rollout),
-        rollouts_frozen=frozen_in,
+        rollouts_frozen=sums.frozen,
         rollouts_held=window.get(env, "rollouts_held"),
         rollouts_invalid=window.get(env, "rollouts_invalid"),
         token_histogram=_histogram(token_values, token_counts),
@@ -245,23 +234,6 @@ def _population(
         length_removed=length_removed,
     )
     return metrics, tally
-
-
-def _length_bias(
-    slice_: Judgement, sample_in: BoolArray, masked: IntArray, env: int | None, window: WindowCounts
-) -> tuple[int, IntArray, IntArray]:
-    """SPEC 12 over the shipped samples (``sample_in``; ``masked``: their masked positions) plus the window's
-    dropped samples: how many samples, and per length bucket their sampled positions and how many of those
-    were masked or dropped."""
-    lengths = np.where(sample_in, slice_.n_sampled, 0)
-    dropped = window.dropped_by_length(env)
-    samples = int(sample_in.sum()) + window.get(env, "samples_dropped")
-    inside = lengths > 0
-    buckets = np.searchsorted(_LENGTH_BOUNDS, lengths[inside], "left")
-    # (float sums of integers far below 2**53: exact)
-    sampled = np.bincount(buckets, weights=lengths[inside], minlength=len(LENGTH_BUCKETS)).astype(np.int64) + dropped
-    removed = np.bincount(buckets, weights=masked[inside], minlength=len(LENGTH_BUCKETS)).astype(np.int64) + dropped
-    return samples, sampled, removed
 
 
 def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[str, float | int]:
@@ -293,8 +265,7 @@ def compute_report(
     (``per_env=False``: the whole population only).
 
     ``bound`` is SPEC 14's view of ``mismatch`` (its floor, curve and advice, from the run's tracker)."""
-    common = _Shipped(shipped)
-    population, tally = _population(common, None, None, window, max_staleness)
+    population, tally = _population(shipped, np.ones(shipped.n_rollouts, dtype=bool), None, window, max_staleness)
     metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
         metrics.update(mismatch_metrics(mismatch, bound))
@@ -309,7 +280,7 @@ def compute_report(
         env_metrics[env_names[env]] = dict(population)
         envs = set()
     for env in sorted(envs, key=lambda e: env_names[e]):
-        env_population, env_tally[env_names[env]] = _population(common, shipped.env == env, env, window, max_staleness)
+        env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
         env_metrics[env_names[env]] = dict(env_population)
     for name, (sums, env_bound) in (env_costs or {}).items():  # SPEC 11 and 14 per env (env breakdown)
         env_metrics.setdefault(name, {}).update(mismatch_metrics(sums, env_bound))

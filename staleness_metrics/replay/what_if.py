@@ -350,33 +350,51 @@ def _fork_safe() -> bool:
 Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 
 
-def _replay_until_error(jobs: Sequence[int], replay_at: Callable[[int], Replayed]) -> dict[int, Replayed]:
-    """``replay_at`` of each job in order, up to the first that raises (left out: its caller raises it)."""
+def _removes_nothing(replayed: Replayed) -> bool:
+    """Whether a replay masked, dropped and held nothing for staleness. Every policy is monotonic in the bound
+    (SPEC 5), so a larger bound then judges every ship alike: its replay is this one, figure for figure."""
+    tally = replayed[0]
+    return not (
+        tally.tokens_masked or tally.tokens_dropped or tally.samples_dropped or tally.rollouts_dropped
+        or tally.rollouts_held
+    )  # fmt: skip
+
+
+def _replay_until_error(
+    jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool = False
+) -> dict[int, Replayed]:
+    """``replay_at`` of each job in order, up to the first that raises (left out: its caller raises it);
+    ``ascending`` (jobs in increasing order, the same steps at every bound): also up to the first that
+    removed nothing, whose figures every later job shares."""
     done: dict[int, Replayed] = {}
     for job in jobs:
         try:
             done[job] = replay_at(job)
         except Exception:
             break
+        if ascending and _removes_nothing(done[job]):
+            break
     return done
 
 
-def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed]) -> dict[int, Replayed]:
-    """``replay_at`` of the jobs, the first half in a forked child, the second half here, on two cores.
+def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool) -> dict[int, Replayed]:
+    """``replay_at`` of the jobs, every other one in a forked child and the rest here, on two cores.
 
-    Each bound runs its own sink over the same read-only steps, so a process per half computes exactly
-    what one process would. A job that raised, those after it in its half, and the child's half should the
-    child fail, are left out: the caller replays them in order, raising what a run in order raises."""
-    half = (len(jobs) + 1) // 2
-    first, second = list(jobs[:half]), list(jobs[half:])
+    Each bound runs its own sink over the same read-only steps, so a process per share computes exactly
+    what one process would. Each share runs as :func:`_replay_until_error` runs it (``ascending``: jobs in
+    increasing order, interleaved so that both shares reach the first bound that removes nothing about
+    together). A job that raised, those after it in its share, and the child's share should the child fail,
+    are left out: the caller replays them in order, raising what a run in order raises."""
+    first, second = list(jobs[::2]), list(jobs[1::2])
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: its half's results, pickled down the pipe; nothing else of the parent runs
+    if pid == 0:  # the child: its share's results, pickled down the pipe; nothing else of the parent runs
         code = 0
         try:
             os.close(read_end)
             with os.fdopen(write_end, "wb") as out:
-                pickle.dump(_replay_until_error(first, replay_at), out, protocol=pickle.HIGHEST_PROTOCOL)
+                done = _replay_until_error(first, replay_at, ascending=ascending)
+                pickle.dump(done, out, protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException:
             code = 1
         finally:
@@ -385,7 +403,7 @@ def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed]) -> 
     reader = os.fdopen(read_end, "rb")
     waited = False
     try:
-        mine = _replay_until_error(second, replay_at)
+        mine = _replay_until_error(second, replay_at, ascending=ascending)
         data = reader.read()
         os.waitpid(pid, 0)
         waited = True
@@ -396,6 +414,12 @@ def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed]) -> 
             os.waitpid(pid, 0)
     theirs: dict[int, Replayed] = pickle.loads(data) if data else {}  # written by our own child
     return {**theirs, **mine}
+
+
+def _shared_figures(bound: int, replayed: dict[int, Replayed]) -> Replayed | None:
+    """The figures of a smaller bound whose replay removed nothing (then ``bound`` replays the same), if any."""
+    below = [b for b, figures in replayed.items() if b < bound and _removes_nothing(figures)]
+    return replayed[max(below)] if below else None
 
 
 @dataclass(frozen=True)
@@ -441,16 +465,21 @@ def what_if_with_curve(
         positions = _positions(shared_steps)
         processes = 2 if positions is None or positions >= FORK_MIN_POSITIONS else 1
         processes = min(processes, _usable_cores())
-    jobs: list[int] = bounds
+    # With the same steps at every bound, bounds are replayed in increasing order and those above the first
+    # that removed nothing share its figures (monotonic policies, SPEC 5: the same decisions at every ship).
+    ascending = shared_steps is not None
+    jobs = sorted(set(bounds)) if ascending else list(bounds)
     if processes >= 2 and len(bounds) >= 2 and _fork_safe():
         # On two cores the replay that removes nothing runs beside the others, used only where a run of the
         # bounds in order would run it (when every bound removed something).
-        jobs = [*bounds, UNBOUNDED] if costs else bounds
-        replayed = _replay_split(jobs, replay_at)
+        replayed = _replay_split([*jobs, UNBOUNDED] if costs else jobs, replay_at, ascending=ascending)
     else:
-        replayed = {}
+        replayed = _replay_until_error(jobs, replay_at, ascending=True) if ascending else {}
     for bound in bounds:
-        tally, cost, pooled = replayed[bound] if bound in replayed else replay_at(bound)
+        figures = replayed.get(bound) or (_shared_figures(bound, replayed) if ascending else None)
+        if figures is None:
+            figures = replayed[bound] = replay_at(bound)
+        tally, cost, pooled = figures
         rows.append(WhatIfRow.from_tally(bound, tally, cost, base.floor_min_tokens))
         if tally.tokens_dropped == 0 and tally.rollouts_held == 0:
             unbounded = pooled
