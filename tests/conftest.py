@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -46,11 +47,12 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 _LONGEST_FIRST = (
     "tests/replay/test_replay_hostile.py::test_a_sample_longer_than_2_24_positions_is_replayed_whole",
     "tests/server/test_hostile.py::test_peak_memory_per_body_stays_within_three_times_its_size",
-    "tests/server/test_durability.py::test_sigkill_under_concurrent_load_changes_no_answer_counter_or_metric_under_any_policy",
     "tests/server/test_load.py::test_concurrent_clients_lose_and_double_nothing",
+    "tests/server/test_schemathesis.py::test_api_conforms_and_never_fails[POST /v1/runs/{run}/mismatch]",
     "tests/engine/test_kernels.py::test_token_spans_read_each_cut_s_weight_bits_as_weight_flags_does",
     "tests/test_demo.py::test_the_suggested_bound_is_where_the_drift_model_puts_it",
     "tests/replay/test_what_if.py::test_nine_bounds_from_one_parse_equal_nine_separate_replays",
+    "tests/server/test_durability.py::test_sigkill_under_concurrent_load_changes_no_answer_counter_or_metric_under_any_policy",
     "tests/html_report/test_choosing.py",  # (its demo directory is a module fixture: the file's tests together)
     "tests/test_demo.py::test_the_demo_directory_replays_to_the_metrics_it_logged_costs_included",
     "tests/test_replay_crosscheck.py::test_hypothesis_streams_match_the_reference",
@@ -66,6 +68,7 @@ _LONGEST_FIRST = (
     "tests/engine/test_kernels.py::test_token_cuts_equal_the_numpy_runs",
     "tests/records/test_simd_records.py::test_a_line_is_read_as_the_general_path_reads_it_or_left_to_it",
     "tests/exporters/test_mismatch_exporters.py::test_counters_of_two_processes_add_up_to_those_of_the_whole",
+    "tests/server/test_schemathesis.py",
 )
 
 
@@ -171,7 +174,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _warm_up()  # (from the disk cache; compiled here if the controller could not)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def _set_node_id(item: pytest.Item, nodeid: str) -> None:
+    """Give ``item`` the node id ``nodeid``: pytest 9 keeps it structured in ``_id`` (``_nodeid``, which
+    xdist still sets, is read by no one), earlier versions as the string ``_nodeid``."""
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(nodeid)
+    else:
+        item._nodeid = nodeid
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The longest tests first (``_LONGEST_FIRST``); tests marked ``serial`` share one xdist group: the
     ``loadgroup`` scheduler runs them on one worker, one after the other (without xdist the marker
     changes nothing)."""
@@ -182,7 +196,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 return position
         return len(_LONGEST_FIRST)
 
+    # schemathesis makes a test per API operation, named ``test_x[POST /v1/runs/{run}/ship]``, but under
+    # pytest 9 each gets the node id of the function alone; xdist hands tests out by node id, and ran the
+    # first operation only. Each gets its name back in its node id.
+    counts = Counter(item.nodeid for item in items)
+    for item in items:
+        if counts[item.nodeid] > 1 and item.parent is not None and item.name != item.nodeid.rsplit("::", 1)[-1]:
+            _set_node_id(item, f"{item.parent.nodeid}::{item.name}")
     items.sort(key=rank)  # (stable: the rest keep their order)
+    loadgroup = bool(getattr(config.option, "loadgroup", False))
     for item in items:
         if item.get_closest_marker("serial") is not None:
             item.add_marker(pytest.mark.xdist_group("serial"))
+            if loadgroup:  # the group in the node id, where xdist's scheduler reads it (as xdist would set it)
+                _set_node_id(item, f"{item.nodeid}@serial")

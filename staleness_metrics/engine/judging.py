@@ -7,17 +7,14 @@ and drops samples and rollouts, counting them in the open window.
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import numpy.typing as npt
 
 from ..metrics.compute import WindowCounts
 from .decision import Decision, Judgement
-from .kernels import stale_rows
+from .kernels import slice_rows, stale_rows
 from .masking import mask_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
-from .segments import expand_ranges
 
 __all__ = ["apply_decision", "judgement_again", "judgement_of", "mask_positions", "with_groups"]
 
@@ -37,23 +34,20 @@ def with_groups(queue: RolloutQueue, rows: IntArray, judges_groups: bool) -> Int
 def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
     """The columnar slice of queued ``rows`` a policy judges at ``step``."""
     r, s, n = queue.rollouts, queue.samples, queue.spans
-    sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
-    span_rows = expand_ranges(s["span_lo"][sample_rows], s["span_hi"][sample_rows])
-    sample_counts = r["sample_hi"][rows] - r["sample_lo"][rows]
-    span_counts = s["span_hi"][sample_rows] - s["span_lo"][sample_rows]
+    cut = slice_rows(rows, r["sample_lo"], r["sample_hi"], s["span_lo"], s["span_hi"])
+    sample_rows, span_rows = cut.sample_rows, cut.span_rows
     group = r["group"][rows]
     return Judgement(
         step=step, rows=rows, frozen=r["frozen"][rows], env=r["env"][rows], dispatch=r["dispatch"][rows],
         completion=r["completion"][rows], group=group, group_agentic=queue.group_agentic[group],
-        sample_offsets=np.concatenate(([0], np.cumsum(sample_counts))),
-        sample_rows=sample_rows, sample_rollout=np.repeat(np.arange(len(rows)), sample_counts),
+        sample_offsets=cut.sample_offsets, sample_rows=sample_rows, sample_rollout=cut.sample_rollout,
         mask_below=s["mask_below"][sample_rows], dropped=s["dropped"][sample_rows],
         had_train=s["had_train"][sample_rows], unmaskable=s["unmaskable"][sample_rows],
         n_sampled=s["n_sampled"][sample_rows], n_unlabelled=s["n_unlabelled"][sample_rows],
         max_sampled_version=s["max_sampled"][sample_rows], seq_min_version=s["seq_min"][sample_rows],
-        span_offsets=np.concatenate(([0], np.cumsum(span_counts))),
-        span_sample=np.repeat(np.arange(len(sample_rows)), span_counts), version=n["version"][span_rows],
-        labelled=n["labelled"][span_rows], sampled=n["sampled"][span_rows], live=n["live"][span_rows],
+        span_offsets=cut.span_offsets, span_sample=cut.span_sample,
+        version=n["version"][span_rows], labelled=n["labelled"][span_rows], sampled=n["sampled"][span_rows],
+        live=n["live"][span_rows],
     )  # fmt: skip
 
 
@@ -63,7 +57,8 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
     s = queue.samples
-    again = copy.copy(judgement)  # (a frozen dataclass: its two fields set as its __init__ would)
+    again = object.__new__(Judgement)  # (a frozen dataclass: a copy, its two fields set as its __init__ would)
+    again.__dict__.update(judgement.__dict__)
     object.__setattr__(again, "mask_below", s["mask_below"][judgement.sample_rows])
     object.__setattr__(again, "dropped", s["dropped"][judgement.sample_rows])
     return again

@@ -17,7 +17,7 @@ def segment_sum(values: npt.NDArray[np.generic], offsets: IntArray) -> IntArray:
     """Sum of ``values[offsets[i]:offsets[i+1]]`` for every segment (0 for empty ones)."""
     totals = np.empty(len(values) + 1, dtype=np.int64)  # one allocation: a leading 0, then the running sum
     totals[0] = 0
-    np.cumsum(values, dtype=np.int64, out=totals[1:])
+    values.cumsum(dtype=np.int64, out=totals[1:])
     return totals[offsets[1:]] - totals[offsets[:-1]]
 
 

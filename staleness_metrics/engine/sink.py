@@ -326,7 +326,7 @@ class Sink:
             dropped_samples=tuple(self._window.dropped_samples),
             held=tuple(self._window.held),
             invalid=tuple(self._invalid),
-            _build_rollouts=self._shipped_rollouts(shipped),
+            _build_rollouts=self._shipped_rollouts(shipped_slice),
             _spans=spans,
         )
         self.totals = self.totals + report.tally
@@ -337,15 +337,15 @@ class Sink:
             self.queue.compact()
         return shipment
 
-    def _shipped_rollouts(self, rows: IntArray) -> Callable[[], tuple[ShippedRollout, ...]]:
-        """Capture what the shipped rollouts are now; build the objects only when asked."""
-        r, s = self.queue.rollouts, self.queue.samples
-        counts = r["sample_hi"][rows] - r["sample_lo"][rows]
-        sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
-        kept = ~s["dropped"][sample_rows]
-        owner = np.repeat(np.arange(len(rows)), counts)[kept]
-        local = s["local"][sample_rows][kept]
+    def _shipped_rollouts(self, shipped: Judgement) -> Callable[[], tuple[ShippedRollout, ...]]:
+        """Capture what the shipped rollouts are now (the slice read after the decision); build the objects
+        only when asked."""
+        rows = shipped.rows
+        kept = ~shipped.dropped
+        owner = shipped.sample_rollout[kept]
+        local = self.queue.samples["local"][shipped.sample_rows[kept]]
         ids = [self.queue.ids[row] for row in rows.tolist()]
+        r = self.queue.rollouts
         chunk = r["chunk"][rows]
         batches = {c: self.queue.chunks[c] for c in distinct(chunk)}
         index = r["index"][rows]

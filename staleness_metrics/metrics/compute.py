@@ -7,6 +7,7 @@ construction. Every statistic is a reduction over spans; no position is read her
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 
 import numpy as np
@@ -27,6 +28,7 @@ BoolArray = npt.NDArray[np.bool_]
 
 QUANTILES = ((keys.TOKEN_P50, 50, 100), (keys.TOKEN_P90, 90, 100), (keys.TOKEN_P99, 99, 100))
 _LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
+_FEW = 64  # entries summed over Python lists rather than numpy arrays
 
 
 def length_bucket_totals(lengths: IntArray, amounts: IntArray) -> IntArray:
@@ -49,17 +51,33 @@ class WindowCounts:
         self.held: list[str] = []
 
     def add(self, env: IntArray, name: str, amounts: IntArray | None = None) -> None:
-        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry."""
+        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry (an env whose entries add
+        up to 0 gets no counts)."""
         if len(env) == 0:
             return
-        weights = np.ones(len(env), dtype=np.int64) if amounts is None else amounts
-        totals = np.bincount(env, weights=weights)
-        for index in np.flatnonzero(totals):
-            bucket = self.counts.setdefault(int(index), dict.fromkeys(self.FIELDS, 0))
-            bucket[name] += int(totals[index])
+        if len(env) <= _FEW:  # (Python over a short list costs less than numpy calls)
+            totals: dict[int, int] = {}
+            for index, amount in zip(env.tolist(), [1] * len(env) if amounts is None else amounts.tolist()):
+                totals[index] = totals.get(index, 0) + amount
+            found = [(index, total) for index, total in totals.items() if total]
+        else:
+            weights = np.ones(len(env), dtype=np.int64) if amounts is None else amounts
+            summed = np.bincount(env, weights=weights)
+            found = [(int(index), int(summed[index])) for index in np.flatnonzero(summed)]
+        for index, total in found:
+            bucket = self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))
+            bucket[name] += total
 
     def add_dropped_lengths(self, env: IntArray, lengths: IntArray) -> None:
         """Dropped samples' sampled positions, by the samples' length bucket (SPEC 12)."""
+        if len(env) <= _FEW:
+            for index, length in zip(env.tolist(), lengths.tolist()):
+                totals = self.dropped_lengths.get(index)
+                if totals is None:
+                    totals = self.dropped_lengths[index] = np.zeros(len(LENGTH_BUCKETS), dtype=np.int64)
+                if length > 0:
+                    totals[bisect.bisect_left(LENGTH_UPPER_BOUNDS, length)] += length
+            return
         for index in np.unique(env).tolist():
             here = env == index
             totals = length_bucket_totals(lengths[here], lengths[here])

@@ -199,6 +199,11 @@ def _check_shapes(batch: RolloutBatch) -> None:
         raise FieldError(wrong, "group_ids and envs must have one entry per rollout")
 
 
+def _ascii(text: object) -> bool:
+    """None, or an ASCII string (no surrogate to look for: CPython knows it without reading the string)."""
+    return text is None or (type(text) is str and text.isascii())
+
+
 def _plain_envs(envs: Sequence[Any]) -> bool:
     """Whether every env is None or a non-empty string, judged on the distinct values."""
     if len(envs) == 1:  # (a single-rollout add: no set to build)
@@ -441,7 +446,9 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
             return False
     elif len(set(ids)) != n_rollouts or not known_ids.isdisjoint(ids):
         return False
-    if lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None:
+    if not (n_rollouts == 1 and _ascii(ids[0]) and _ascii(group_ids[0]) and _ascii(envs[0])) and (
+        lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None
+    ):
         return False  # (one encode for all: a lone surrogate stays one when strings are joined)
     if not _plain_envs(envs):
         return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bz2
+import copy
 import dataclasses
 import gzip
 import lzma
@@ -313,8 +314,12 @@ def _copy(batch: RolloutBatch) -> RolloutBatch:
 
     The shared arrays are made read-only (:func:`_share`), so that a sink that wrote into one would fail
     loudly rather than change what the other runs read."""
-    arrays = {name: value.copy() for name in _MASKED_FIELDS if (value := getattr(batch, name)) is not None}
-    return dataclasses.replace(batch, **arrays, present={k: v.copy() for k, v in batch.present.items()})
+    copied = copy.copy(batch)  # (checked and converted once already: no __post_init__ again)
+    for name in _MASKED_FIELDS:
+        if (value := getattr(batch, name)) is not None:
+            setattr(copied, name, value.copy())
+    copied.present = {k: v.copy() for k, v in batch.present.items()}
+    return copied
 
 
 def _share(batch: RolloutBatch) -> RolloutBatch:

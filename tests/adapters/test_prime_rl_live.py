@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import pytest
@@ -92,24 +93,44 @@ def test_samples_of_one_rollout_must_be_adjacent_and_have_a_policy_span() -> Non
         from_training_samples(samples, ["a", "a", "b"], {"a": (0, 0)})
 
 
+# The strategies are built once (per length), not inside each draw: the same draws and examples, without
+# hypothesis building and validating strategies per drawn sample (most of this test's time).
+TRACE_COUNTS = st.integers(1, 5)
+STARTS = st.integers(0, 6) | st.none()
+SPREADS = st.integers(0, 2)
+SAMPLE_COUNTS = st.integers(1, 3)
+LENGTHS = st.integers(0, 6)
+ENVS = st.sampled_from(["math", "code"])
+
+
+@cache
+def masks(n: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(0, 1), min_size=n, max_size=n)
+
+
+@cache
+def weight_lists(n: int) -> st.SearchStrategy[list[float]]:
+    return st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n)
+
+
 @st.composite
 def traces(draw: st.DrawFn) -> tuple[list[TrainingSample], list[str], dict[str, tuple[int | None, int | None]]]:
     samples: list[TrainingSample] = []
     rollout_ids: list[str] = []
     policy: dict[str, tuple[int | None, int | None]] = {}
-    for t in range(draw(st.integers(1, 5))):
+    for t in range(draw(TRACE_COUNTS)):
         rid = f"trace-{t}"
-        start = draw(st.integers(0, 6) | st.none())
-        policy[rid] = (start, None if start is None else start + draw(st.integers(0, 2)))
-        for _ in range(draw(st.integers(1, 3))):
-            n = draw(st.integers(0, 6))
-            mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+        start = draw(STARTS)
+        policy[rid] = (start, None if start is None else start + draw(SPREADS))
+        for _ in range(draw(SAMPLE_COUNTS)):
+            n = draw(LENGTHS)
+            mask = draw(masks(n))
             weights = {
-                name: draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
+                name: draw(weight_lists(n))
                 for name in ("rl_weights", "ce_weights", "ref_kl_weights")
                 if draw(st.booleans())
             }
-            samples.append(sample(mask, env=draw(st.sampled_from(["math", "code"])), **weights))
+            samples.append(sample(mask, env=draw(ENVS), **weights))
             rollout_ids.append(rid)
     return samples, rollout_ids, policy
 

@@ -10,6 +10,7 @@ weight then decides whether a sample still has something to train).
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -20,56 +21,91 @@ from staleness_metrics import RolloutBatch, Sink, StalenessConfig
 from tests.reference.compare import check_stream
 from tests.reference.streams import ReplayConfig
 
+# The strategies are built once (per argument), not inside each draw: the same draws and examples,
+# without hypothesis building and validating a strategy per drawn position (most of this test's time).
+LENGTHS = st.integers(1, 24)
+UNLABELLED_SHARES = st.sampled_from([0.0, 0.1, 0.5, 0.9])
+UNIT = st.floats(0, 1)
+MASK_KINDS = st.sampled_from(["ones", "prompt", "random"])
+BITS = st.integers(0, 1)
+WEIGHT_PATTERNS = st.sampled_from(["none", "random", "labelled only", "unlabelled only"])
+WEIGHTS = st.sampled_from([0.0, 0.0, 0.5, 1.0])
+
+
+@cache
+def label_lists(low: int, high: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(low, high), min_size=1, max_size=3)
+
+
+@cache
+def one_of(labels: tuple[int, ...]) -> st.SearchStrategy[int]:
+    return st.sampled_from(labels)
+
 
 @st.composite
 def dense_sample(draw: st.DrawFn, dispatch: int, newest: int) -> dict[str, Any]:
-    n = draw(st.integers(1, 24))
-    unlabelled = draw(st.sampled_from([0.0, 0.1, 0.5, 0.9]))
-    labels = draw(st.lists(st.integers(max(dispatch - 2, 0), max(newest, dispatch)), min_size=1, max_size=3))
+    n = draw(LENGTHS)
+    unlabelled = draw(UNLABELLED_SHARES)
+    labels = draw(label_lists(max(dispatch - 2, 0), max(newest, dispatch)))
     versions = []
     for _ in range(n):
-        if draw(st.floats(0, 1)) < unlabelled:
+        if draw(UNIT) < unlabelled:
             versions.append(-1)
         else:
-            versions.append(draw(st.sampled_from(labels)))
-    mask_kind = draw(st.sampled_from(["ones", "prompt", "random"]))
+            versions.append(draw(one_of(tuple(labels))))
+    mask_kind = draw(MASK_KINDS)
     if mask_kind == "ones":
         mask = [1] * n
     elif mask_kind == "prompt":
         cut = draw(st.integers(0, n))
         mask = [0] * cut + [1] * (n - cut)
     else:
-        mask = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
+        mask = draw(st.lists(BITS, min_size=n, max_size=n))
     sample: dict[str, Any] = {"mask": mask, "token_versions": versions}
     for name in ("rl_weights", "ce_weights", "ref_kl_weights"):
-        pattern = draw(st.sampled_from(["none", "random", "labelled only", "unlabelled only"]))
+        pattern = draw(WEIGHT_PATTERNS)
         if pattern == "random":
-            sample[name] = draw(st.lists(st.sampled_from([0.0, 0.0, 0.5, 1.0]), min_size=n, max_size=n))
+            sample[name] = draw(st.lists(WEIGHTS, min_size=n, max_size=n))
         elif pattern != "none":  # only one part of a span carries a weight
             on = -1 if pattern == "unlabelled only" else None
             sample[name] = [float((v == -1) == (on == -1)) for v in versions]
     return sample
 
 
+@cache
+def sample_lists(dispatch: int, newest: int) -> st.SearchStrategy[list[dict[str, Any]]]:
+    return st.lists(dense_sample(dispatch, newest), min_size=1, max_size=3)
+
+
+FIRST_STEPS = st.integers(2, 6)
+EVENT_COUNTS = st.integers(1, 12)
+ONE_IN_FOUR = st.integers(0, 3)
+GROUPS = st.sampled_from(["g1", "g2"])
+ONE_IN_SIX = st.integers(0, 5)
+STEP_GAPS = st.integers(0, 3)
+CALLS = st.sampled_from(["sweep", "ship"])
+LAST_GAPS = st.integers(0, 4)
+
+
 @st.composite
 def dense_streams(draw: st.DrawFn) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
-    step = draw(st.integers(2, 6))
-    for i in range(draw(st.integers(1, 12))):
-        if draw(st.integers(0, 3)):
+    step = draw(FIRST_STEPS)
+    for i in range(draw(EVENT_COUNTS)):
+        if draw(ONE_IN_FOUR):
             dispatch = draw(st.integers(0, max(step - 2, 0)))
             record: dict[str, Any] = {"id": f"r{i}", "dispatch_version": dispatch}
-            samples = st.lists(dense_sample(dispatch, step - 1), min_size=1, max_size=3)
+            samples = sample_lists(dispatch, step - 1)
             record["samples"] = draw(samples)
             if draw(st.booleans()):
-                record["group_id"] = draw(st.sampled_from(["g1", "g2"]))
-            if draw(st.integers(0, 5)) == 0:
+                record["group_id"] = draw(GROUPS)
+            if draw(ONE_IN_SIX) == 0:
                 record["agentic"] = True
             events.append({"type": "rollout", "rollout": record})
         else:
-            step += draw(st.integers(0, 3))
-            events.append({"type": draw(st.sampled_from(["sweep", "ship"])), "step": step})
-    events.append({"type": "ship", "step": step + draw(st.integers(0, 4))})
+            step += draw(STEP_GAPS)
+            events.append({"type": draw(CALLS), "step": step})
+    events.append({"type": "ship", "step": step + draw(LAST_GAPS)})
     return events
 
 

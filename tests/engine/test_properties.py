@@ -15,59 +15,84 @@ from hypothesis import strategies as st
 
 from staleness_metrics import Sink, StalenessConfig
 
+# The strategies are built once, here, not inside each draw: the draws and the examples are the same,
+# without hypothesis building and validating a strategy per drawn sample (most of this test's time).
+LENGTHS = st.integers(0, 7)
+MASK_BITS = st.integers(0, 1)
+LABEL_KINDS = st.sampled_from(["none", "spans", "tokens"])
+WEIGHT_VALUES = st.sampled_from([0.0, 0.5, 1.0])
+MAX_DISPATCH = 8
+MAX_EVENTS = 25
+# per dispatch version: a version label drawn around it, or -1 (none)
+LABELS = [st.integers(max(dispatch - 3, 0), dispatch + 3) | st.just(-1) for dispatch in range(MAX_DISPATCH + 1)]
+
 
 @st.composite
 def samples(draw: st.DrawFn, dispatch: int) -> dict[str, Any]:
-    n = draw(st.integers(0, 7))
-    sample: dict[str, Any] = {"mask": draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))}
-    version = st.integers(max(dispatch - 3, 0), dispatch + 3)
-    kind = draw(st.sampled_from(["none", "spans", "tokens"]))
+    n = draw(LENGTHS)
+    sample: dict[str, Any] = {"mask": draw(st.lists(MASK_BITS, min_size=n, max_size=n))}
+    kind = draw(LABEL_KINDS)
     if kind == "tokens":
-        sample["token_versions"] = draw(st.lists(version | st.just(-1), min_size=n, max_size=n))
+        sample["token_versions"] = draw(st.lists(LABELS[dispatch], min_size=n, max_size=n))
     elif kind == "spans" and n:
         starts = sorted(draw(st.sets(st.integers(0, n - 1), max_size=3)))
-        sample["weight_versions"] = [[draw(version | st.just(-1)), s] for s in starts]
+        sample["weight_versions"] = [[draw(LABELS[dispatch]), s] for s in starts]
     for name in ("rl_weights", "ce_weights", "ref_kl_weights"):
         if draw(st.booleans()):
-            sample[name] = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0]), min_size=n, max_size=n))
+            sample[name] = draw(st.lists(WEIGHT_VALUES, min_size=n, max_size=n))
     return sample
+
+
+DISPATCHES = st.integers(0, MAX_DISPATCH)
+SAMPLE_LISTS = [st.lists(samples(dispatch), min_size=1, max_size=3) for dispatch in range(MAX_DISPATCH + 1)]
+GROUPS = st.sampled_from(["g1", "g2", "g3"])
+ONE_IN_TEN = st.integers(0, 9)
+COMPLETION_LAGS = st.integers(0, 3)
+ENVS = st.sampled_from([None, "math", "code"])
 
 
 @st.composite
 def rollouts(draw: st.DrawFn, rid: str) -> dict[str, Any]:
-    dispatch = draw(st.integers(0, 8))
+    dispatch = draw(DISPATCHES)
     record: dict[str, Any] = {"id": rid, "dispatch_version": dispatch}
-    record["samples"] = draw(st.lists(samples(dispatch), min_size=1, max_size=3))
+    record["samples"] = draw(SAMPLE_LISTS[dispatch])
     if draw(st.booleans()):
-        record["group_id"] = draw(st.sampled_from(["g1", "g2", "g3"]))
-    if draw(st.integers(0, 9)) == 0:
+        record["group_id"] = draw(GROUPS)
+    if draw(ONE_IN_TEN) == 0:
         record["source"] = "frozen"
-    if draw(st.integers(0, 9)) == 0:
+    if draw(ONE_IN_TEN) == 0:
         record["agentic"] = True
     if draw(st.booleans()):
-        record["completion_version"] = dispatch + draw(st.integers(0, 3))
-    env = draw(st.sampled_from([None, "math", "code"]))
+        record["completion_version"] = dispatch + draw(COMPLETION_LAGS)
+    env = draw(ENVS)
     if env:
         record["env"] = env
     return record
 
 
+ROLLOUTS = [rollouts(f"r{i}") for i in range(MAX_EVENTS)]
+FIRST_STEPS = st.integers(1, 4)
+EVENT_COUNTS = st.integers(1, MAX_EVENTS)
+EVENT_KINDS = st.integers(0, 9)
+STEP_GAPS = st.integers(0, 2)
+
+
 @st.composite
 def streams(draw: st.DrawFn) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
-    step = draw(st.integers(1, 4))
-    for i in range(draw(st.integers(1, 25))):
-        choice = draw(st.integers(0, 9))
+    step = draw(FIRST_STEPS)
+    for i in range(draw(EVENT_COUNTS)):
+        choice = draw(EVENT_KINDS)
         if choice < 6:
-            events.append({"type": "rollout", "rollout": draw(rollouts(f"r{i}"))})
+            events.append({"type": "rollout", "rollout": draw(ROLLOUTS[i])})
         else:
-            step += draw(st.integers(0, 2))
+            step += draw(STEP_GAPS)
             kind = "sweep" if choice == 6 else "ship"
             event: dict[str, Any] = {"type": kind, "step": step}
             if kind == "ship" and draw(st.booleans()):
                 event["ids"] = [f"r{j}" for j in draw(st.sets(st.integers(0, i + 1), max_size=4))]
             events.append(event)
-    events.append({"type": "ship", "step": step + draw(st.integers(0, 2))})
+    events.append({"type": "ship", "step": step + draw(STEP_GAPS)})
     return events
 
 

@@ -12,6 +12,7 @@ the same error).
 from __future__ import annotations
 
 import json
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -31,39 +32,59 @@ _ELEMENTS = st.one_of(
 )
 
 
+# The strategies are built once (per argument), not inside each draw: the same draws and examples,
+# without hypothesis building and validating strategies per drawn list (most of this test's time).
+_BITS = st.integers(0, 1)
+_NUMBERS = st.floats(-10, 10, allow_nan=False) | st.integers(-5, 5)
+_ODD_COUNTS = st.integers(1, 3)
+
+
+@cache
+def _plain_lists(n: int, ints: bool) -> st.SearchStrategy[list[Any]]:
+    return st.lists(_BITS if ints else _NUMBERS, min_size=n, max_size=n)
+
+
 @st.composite
 def float_lists(draw: st.DrawFn, n: int, ints: bool = False) -> list[Any]:
-    numbers = st.integers(0, 1) if ints else st.floats(-10, 10, allow_nan=False) | st.integers(-5, 5)
-    plain = draw(st.lists(numbers, min_size=n, max_size=n))
+    plain = draw(_plain_lists(n, ints))
     if n and draw(st.booleans()):  # a few odd elements among plain numbers
-        for _ in range(draw(st.integers(1, 3))):
+        for _ in range(draw(_ODD_COUNTS)):
             plain[draw(st.integers(0, n - 1))] = draw(_ELEMENTS)
     return plain
+
+
+_float_lists = cache(float_lists)
+_SAMPLE_COUNTS = st.integers(1, 3)
+_LENGTHS = st.integers(0, 6)
+_ONE_IN_TEN = st.integers(0, 9)
+_IDS = st.sampled_from(["r1", 'r"1', "r\\1", "r\u00e91"])
+_ENVS = st.sampled_from(["math", "a,b"])
+_NOTES = st.sampled_from(["x", ["y", "z"], 3])
 
 
 @st.composite
 def lines(draw: st.DrawFn) -> str:
     samples = []
-    for _ in range(draw(st.integers(1, 3))):
-        n = draw(st.integers(0, 6))
-        sample: dict[str, Any] = {"mask": draw(float_lists(n, ints=True))}
+    for _ in range(draw(_SAMPLE_COUNTS)):
+        n = draw(_LENGTHS)
+        sample: dict[str, Any] = {"mask": draw(_float_lists(n, ints=True))}
         if draw(st.booleans()):
-            sample["token_versions"] = draw(float_lists(n, ints=True))
+            sample["token_versions"] = draw(_float_lists(n, ints=True))
         for name in ("rl_weights", "ce_weights", "logprobs", "trainer_logprobs"):
             if draw(st.booleans()):
-                sample[name] = draw(float_lists(n if draw(st.integers(0, 9)) else n + 1))
-        if draw(st.integers(0, 9)) == 0:
+                sample[name] = draw(_float_lists(n if draw(_ONE_IN_TEN) else n + 1))
+        if draw(_ONE_IN_TEN) == 0:
             sample["extra"] = "x"  # an unknown field holding a string
         samples.append(sample)
-    record: dict[str, Any] = {"id": draw(st.sampled_from(["r1", 'r"1', "r\\1", "r\u00e91"])), "samples": samples}
+    record: dict[str, Any] = {"id": draw(_IDS), "samples": samples}
     record["dispatch_version"] = 2
     if draw(st.booleans()):
-        record["env"] = draw(st.sampled_from(["math", "a,b"]))
+        record["env"] = draw(_ENVS)
     if draw(st.booleans()):
         record["agentic"] = draw(st.booleans())
     event: dict[str, Any] = {"type": "rollout", "rollout": record}
     if draw(st.booleans()):
-        event["note"] = draw(st.sampled_from(["x", ["y", "z"], 3]))  # event fields the replay ignores
+        event["note"] = draw(_NOTES)  # event fields the replay ignores
     return json.dumps(event, ensure_ascii=draw(st.booleans()))
 
 

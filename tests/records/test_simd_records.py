@@ -85,25 +85,33 @@ def check(line: bytes) -> ParsedRollout | None:
 
 # -- numbers as text -------------------------------------------------------------------------------
 
+# The strategies here are built once, not inside each draw: the same draws and examples, without
+# hypothesis building and validating strategies per drawn number (most of these tests' time).
 _DECIMALS = st.from_regex(r"-?(0|[1-9][0-9]{0,30})(\.[0-9]{1,40})?([eE][+-]?[0-9]{1,3})?", fullmatch=True)
+_NUMBER_KINDS = st.integers(0, 4)
+_INTEGERS = st.integers(-(2**64), 2**64)
+_FLOATS = st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([-0.0, 5e-324, 2.2250738585072014e-308])
+_PRECISIONS = st.integers(1, 25)
+_FORMATS = st.sampled_from("eEg")
 
 
 @st.composite
 def number_texts(draw: st.DrawFn) -> str:
     """A JSON number as some writer would spell it: shortest repr, fixed digits, long decimals, ints."""
-    kind = draw(st.integers(0, 4))
+    kind = draw(_NUMBER_KINDS)
     if kind == 4:
-        return str(draw(st.integers(-(2**64), 2**64)))
+        return str(draw(_INTEGERS))
     if kind == 3:
         return draw(_DECIMALS)
-    x = draw(
-        st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from([-0.0, 5e-324, 2.2250738585072014e-308])
-    )
+    x = draw(_FLOATS)
     if kind == 0:
         return repr(x)
     if kind == 1:
         return orjson.dumps(x).decode()
-    return f"{x:.{draw(st.integers(1, 25))}{draw(st.sampled_from('eEg'))}}"
+    return f"{x:.{draw(_PRECISIONS)}{draw(_FORMATS)}}"
+
+
+_NUMBER_TEXTS = number_texts()
 
 
 def _line(texts: dict[str, str], head: str = '"id": "r1", "dispatch_version": 3') -> bytes:
@@ -168,38 +176,19 @@ _ODD = st.sampled_from(
 )
 
 
-@st.composite
-def rollout_lines(draw: st.DrawFn) -> bytes:
-    samples = []
-    for _ in range(draw(st.integers(1, 3))):
-        n = draw(st.integers(0, 5))
-        fields: dict[str, list[str] | str] = {"mask": [draw(st.sampled_from(["0", "1"])) for _ in range(n)]}
-        label = draw(st.integers(0, 3))
-        if label in (1, 3):
-            fields["token_versions"] = [draw(st.sampled_from(["-1", "0", "2", "7"])) for _ in range(n)]
-        if label in (2, 3):
-            pairs = [
-                f"[{v}, {s}]" for v, s in zip(sorted(draw(st.lists(st.integers(0, 5), max_size=3))), range(0, 9, 3))
-            ]
-            fields["weight_versions"] = "[" + ", ".join(pairs) + "]"
-        for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs"):
-            if draw(st.booleans()):
-                size = n if draw(st.integers(0, 9)) else n + 1
-                fields[name] = [draw(number_texts()) for _ in range(size)]
-        if draw(st.integers(0, 3)) == 0:  # one odd element, or a null field, or an odd field
-            name = draw(st.sampled_from(sorted(fields)))
-            if isinstance(fields[name], list) and fields[name] and draw(st.booleans()):
-                elements = list(fields[name])
-                elements[draw(st.integers(0, len(elements) - 1))] = draw(_ODD)
-                fields[name] = elements
-            else:
-                fields[name] = draw(st.sampled_from(["null", '"x"', "3", "[[0], [1]]", "{}"]))
-        if draw(st.integers(0, 19)) == 0:
-            fields["extra"] = "1"
-        text = {k: v if isinstance(v, str) else "[" + ", ".join(v) + "]" for k, v in fields.items()}
-        samples.append("{" + ", ".join(f'"{k}": {v}' for k, v in text.items()) + "}")
-    ids = ['"r1"', '"r[1]"', '"r\\u00e91"', '"r\u00e91"', '"r\\"1"', '""', "7"]  # escapes, raw UTF-8, "["
-    head = ['"id": ' + draw(st.sampled_from(ids))]
+_SAMPLE_COUNTS = st.integers(1, 3)
+_LENGTHS = st.integers(0, 5)
+_MASK_TEXTS = st.sampled_from(["0", "1"])
+_LABEL_KINDS = st.integers(0, 3)
+_VERSION_TEXTS = st.sampled_from(["-1", "0", "2", "7"])
+_SPAN_VERSIONS = st.lists(st.integers(0, 5), max_size=3)
+_ONE_IN_TEN = st.integers(0, 9)
+_ONE_IN_FOUR = st.integers(0, 3)
+_ONE_IN_TWENTY = st.integers(0, 19)
+_ODD_FIELDS = st.sampled_from(["null", '"x"', "3", "[[0], [1]]", "{}"])
+_IDS = st.sampled_from(['"r1"', '"r[1]"', '"r\\u00e91"', '"r\u00e91"', '"r\\"1"', '""', "7"])  # escapes, raw UTF-8, "["
+_HEAD_FIELDS = [
+    (name, st.sampled_from(options))
     for name, options in (
         ("dispatch_version", ["0", "3", "-1", "1.0", "null", "true", str(2**63), str(2**64)]),
         ("completion_version", ["4", "null", "2.5"]),
@@ -208,19 +197,57 @@ def rollout_lines(draw: st.DrawFn) -> bytes:
         ("source", ['"live"', '"frozen"', '"other"']),
         ("agentic", ["true", "false", "0"]),
         ("weird", ["1"]),
-    ):
-        if draw(st.integers(0, 2)) == 0 if name != "dispatch_version" else draw(st.integers(0, 4)):
-            head.append(f'"{name}": {draw(st.sampled_from(options))}')
-    if draw(st.integers(0, 9)) == 0:
+    )
+]
+_ONE_IN_THREE = st.integers(0, 2)
+_FOUR_IN_FIVE = st.integers(0, 4)
+_EVENT_EXTRAS = st.sampled_from(['"note": [1]', '"note": "x"', '"type": "ship"'])
+_SPACINGS = st.sampled_from(["", " ", "\t"])
+_LINE_ENDS = st.sampled_from(["", "\n", "\r\n", " "])
+
+
+@st.composite
+def rollout_lines(draw: st.DrawFn) -> bytes:
+    samples = []
+    for _ in range(draw(_SAMPLE_COUNTS)):
+        n = draw(_LENGTHS)
+        fields: dict[str, list[str] | str] = {"mask": [draw(_MASK_TEXTS) for _ in range(n)]}
+        label = draw(_LABEL_KINDS)
+        if label in (1, 3):
+            fields["token_versions"] = [draw(_VERSION_TEXTS) for _ in range(n)]
+        if label in (2, 3):
+            pairs = [f"[{v}, {s}]" for v, s in zip(sorted(draw(_SPAN_VERSIONS)), range(0, 9, 3))]
+            fields["weight_versions"] = "[" + ", ".join(pairs) + "]"
+        for name in ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs"):
+            if draw(st.booleans()):
+                size = n if draw(_ONE_IN_TEN) else n + 1
+                fields[name] = [draw(_NUMBER_TEXTS) for _ in range(size)]
+        if draw(_ONE_IN_FOUR) == 0:  # one odd element, or a null field, or an odd field
+            name = draw(st.sampled_from(sorted(fields)))
+            if isinstance(fields[name], list) and fields[name] and draw(st.booleans()):
+                elements = list(fields[name])
+                elements[draw(st.integers(0, len(elements) - 1))] = draw(_ODD)
+                fields[name] = elements
+            else:
+                fields[name] = draw(_ODD_FIELDS)
+        if draw(_ONE_IN_TWENTY) == 0:
+            fields["extra"] = "1"
+        text = {k: v if isinstance(v, str) else "[" + ", ".join(v) + "]" for k, v in fields.items()}
+        samples.append("{" + ", ".join(f'"{k}": {v}' for k, v in text.items()) + "}")
+    head = ['"id": ' + draw(_IDS)]
+    for name, options in _HEAD_FIELDS:
+        if draw(_ONE_IN_THREE) == 0 if name != "dispatch_version" else draw(_FOUR_IN_FIVE):
+            head.append(f'"{name}": {draw(options)}')
+    if draw(_ONE_IN_TEN) == 0:
         head.append(head[0].replace("r1", "r2"))  # a repeated key
     order = draw(st.permutations(range(len(head) + 1)))
     parts = [*head, '"samples": [' + ", ".join(samples) + "]"]
     rollout = "{" + ", ".join(parts[i] for i in order) + "}"
     event = ['"type": "rollout"', f'"rollout": {rollout}']
-    if draw(st.integers(0, 9)) == 0:
-        event.append(draw(st.sampled_from(['"note": [1]', '"note": "x"', '"type": "ship"'])))
-    spacing = draw(st.sampled_from(["", " ", "\t"]))
-    return ("{" + ("," + spacing).join(event) + "}" + draw(st.sampled_from(["", "\n", "\r\n", " "]))).encode()
+    if draw(_ONE_IN_TEN) == 0:
+        event.append(draw(_EVENT_EXTRAS))
+    spacing = draw(_SPACINGS)
+    return ("{" + ("," + spacing).join(event) + "}" + draw(_LINE_ENDS)).encode()
 
 
 @settings(max_examples=600, deadline=None)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 
@@ -21,6 +22,10 @@ from staleness_metrics.server.limits import uvicorn_header_options
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT = 60.0  # only guards against a hang; never asserted as a speed
+# One TLS context for the tests' one-off requests (``httpx.get(..., verify=TLS)``): httpx otherwise builds
+# one per call from the CA bundle (40-150 ms each), most of the time of a test that makes hundreds of them.
+# The services under test speak plain HTTP; the context is only what httpx wants to have.
+TLS = httpx.create_ssl_context()
 
 
 class ThreadServer:

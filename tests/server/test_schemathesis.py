@@ -18,7 +18,7 @@ from schemathesis.checks import positive_data_acceptance
 
 from staleness_metrics.server import ServerSettings, create_app
 
-from .conftest import ThreadServer
+from .conftest import TLS, ThreadServer
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def test_the_server_serves_the_document_under_test(service: ThreadServer) -> Non
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_api_conforms_and_never_fails(case: schemathesis.Case[Any], service: ThreadServer) -> None:
     # Keep the example run alive (an example DELETE may have removed it) so generated requests reach a run.
-    httpx.put(f"{service.url}/v1/runs/{EXAMPLE_RUN}", json={}, headers=AUTH)
+    httpx.put(f"{service.url}/v1/runs/{EXAMPLE_RUN}", json={}, headers=AUTH, verify=TLS)
     # Every check but positive_data_acceptance: schema-valid is not enough to be accepted. The library's
     # value rules (per-position lists as long as the mask, increasing span starts, versions at most the
     # trained one, the xtuner-only options) cannot be written in JSON Schema, and a repeated

@@ -21,7 +21,8 @@ class TokenPolicy(Policy):
         left = judgement.trainable_after(mask_below)
         drop_sample = live & ~judgement.dropped & judgement.had_train & ~left
         gone = (judgement.dropped | drop_sample).astype(np.int64)
-        all_gone = segment_sum(gone, judgement.sample_offsets) == np.diff(judgement.sample_offsets)
+        offsets = judgement.sample_offsets
+        all_gone = segment_sum(gone, offsets) == offsets[1:] - offsets[:-1]
         return Decision(
             mask_below=mask_below,
             drop_sample=drop_sample,

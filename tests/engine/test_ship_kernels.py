@@ -1,5 +1,6 @@
-"""``kernels.population_sums``: one compiled pass summing a ship's population, against the numpy steps it
-replaced (per-span selections, segment reductions per sample and rollout, bucket counts)."""
+"""The compiled passes of a ship against the numpy steps they replaced: ``kernels.slice_rows`` (range
+expansions, offset sums and repeats) and ``kernels.population_sums`` (per-span selections, segment
+reductions per sample and rollout, bucket counts)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleness_metrics import Sink, StalenessConfig
-from staleness_metrics.engine.kernels import population_sums
-from staleness_metrics.engine.segments import segment_max, segment_min, segment_sum
+from staleness_metrics.engine.kernels import population_sums, slice_rows
+from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_min, segment_sum
 from staleness_metrics.metrics import keys
 
 IntArray = npt.NDArray[np.int64]
@@ -56,7 +57,8 @@ def numpy_population(t: int, rollout_in: BoolArray, a: dict[str, Any]) -> dict[s
         "in_flight": np.minimum(np.maximum(a["completion"] - oldest, 0), rollout)[live].tolist(),
         "newest": (t - newest)[live].tolist(),
         "length_sampled": np.bincount(buckets, weights=lengths[inside], minlength=5).astype(np.int64).tolist(),
-        "length_removed": np.bincount(buckets, weights=masked_per_sample[inside], minlength=5).astype(np.int64).tolist(),
+        "length_removed": np.bincount(buckets, weights=masked_per_sample[inside], minlength=5)
+        .astype(np.int64).tolist(),
     }  # fmt: skip
 
 
@@ -116,7 +118,7 @@ def test_population_sums_equal_the_numpy_steps(seed: int, rollouts: int, spread:
 
 
 def test_a_dot_product_beyond_int64_is_left_to_python_integers() -> None:
-    t, rollout_in, a = random_slice(7, 6, 3)
+    t, _, a = random_slice(7, 6, 3)
     a["version"] = a["version"] - (1 << 61)  # staleness near 2**61: a few tokens overflow int64
     got = population_sums(
         t, np.ones(6, dtype=bool), a["frozen"], a["dispatch"], a["completion"], a["sample_offsets"], a["dropped"],
@@ -144,3 +146,34 @@ def test_a_ship_of_far_apart_versions_reports_exact_quantiles_and_mean() -> None
     assert metrics[keys.TOKEN_MEAN] == (3 * 6000 + 0) / 4
     assert (metrics[keys.TOKEN_P50], metrics[keys.TOKEN_P90]) == (6000, 6000)
     assert metrics[keys.ROLLOUT_MAX] == 6000 and metrics[keys.ROLLOUT_MEAN] == 3000
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rollouts=st.integers(0, 12), taken=st.integers(0, 12))
+def test_slice_rows_equal_the_range_expansions(seed: int, rollouts: int, taken: int) -> None:
+    rng = np.random.default_rng(seed)
+    per_rollout = rng.integers(0, 4, rollouts)
+    sample_hi = np.cumsum(per_rollout).astype(np.int64)
+    sample_lo = sample_hi - per_rollout
+    per_sample = rng.integers(0, 5, int(per_rollout.sum()))
+    span_hi = np.cumsum(per_sample).astype(np.int64)
+    span_lo = span_hi - per_sample
+    rows = rng.permutation(rollouts)[: min(taken, rollouts)].astype(np.int64)
+    got = slice_rows(rows, sample_lo, sample_hi, span_lo, span_hi)
+    sample_rows = expand_ranges(sample_lo[rows], sample_hi[rows])
+    sample_counts = sample_hi[rows] - sample_lo[rows]
+    span_counts = span_hi[sample_rows] - span_lo[sample_rows]
+    assert got.sample_rows.tolist() == sample_rows.tolist()
+    assert got.sample_offsets.tolist() == [0, *np.cumsum(sample_counts).tolist()]
+    assert got.sample_rollout.tolist() == np.repeat(np.arange(len(rows)), sample_counts).tolist()
+    assert got.span_rows.tolist() == expand_ranges(span_lo[sample_rows], span_hi[sample_rows]).tolist()
+    assert got.span_offsets.tolist() == [0, *np.cumsum(span_counts).tolist()]
+    assert got.span_sample.tolist() == np.repeat(np.arange(len(sample_rows)), span_counts).tolist()
+
+
+def test_slice_rows_refuse_a_row_outside_the_table() -> None:
+    lo, hi = np.array([0, 1], dtype=np.int64), np.array([1, 2], dtype=np.int64)
+    with pytest.raises(IndexError, match="outside"):
+        slice_rows(np.array([2], dtype=np.int64), lo, hi, lo, hi)
+    with pytest.raises(IndexError, match="outside"):
+        slice_rows(np.array([0], dtype=np.int64), lo, np.array([3, 2], dtype=np.int64), lo, hi)
