@@ -106,7 +106,9 @@ def _nearest_ranks(values: IntArray, counts: IntArray) -> list[int]:
 
 def _distribution(values: IntArray, weights: IntArray | None) -> tuple[IntArray, IntArray]:
     """Sorted distinct values and their total weights (None: one each)."""
-    if len(values) and int(values.max()) - (low := int(values.min())) < _DIRECT_RANGE:
+    if len(values) == 0:  # (a ship that dropped everything)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if int(values.max()) - (low := int(values.min())) < _DIRECT_RANGE:
         # a few staleness values (the usual case): counted by value, no sort
         shifted = values - low
         counted = np.bincount(shifted)
@@ -183,7 +185,7 @@ def _population(
         spans = _population_spans(slice_, rollout_in)
         token_values, token_counts = _distribution(t - slice_.version[spans], slice_.sampled[spans])
     else:
-        token_values, token_counts = _distribution(np.zeros(0, dtype=np.int64), None)
+        token_values = token_counts = np.zeros(0, dtype=np.int64)
 
     rollout, in_flight, newest = sums.rollout, sums.in_flight, sums.newest
     in_queue = rollout - in_flight
