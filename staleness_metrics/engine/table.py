@@ -30,7 +30,7 @@ class Table:
         column is an array); returns the index of the first new row."""
         if values.keys() != self._columns.keys():
             raise KeyError(f"expected columns {sorted(self._columns)}, got {sorted(values)}")
-        n = len(next(v for v in values.values() if np.ndim(v)))  # type: ignore[arg-type]
+        n = next(len(v) for v in values.values() if isinstance(v, np.ndarray) and v.ndim)
         start = self._size
         needed = start + n
         columns = self._columns
