@@ -89,35 +89,17 @@ def test_a_mask_change_cuts_and_leading_unlabelled_positions_join_the_next_label
     assert labelled.tolist() == [2, 1, 1, 0]
 
 
-DIGITS_PER_DRAW = 16
-
-
-def digits(draw: st.DrawFn, count: int, base: int) -> IntArray:
-    """``count`` digits in ``[0, base)``, drawn 16 at a time as one integer: the same arrays as a list of
-    ``count`` drawn digits, for a sixteenth of hypothesis' bookkeeping per drawn value (which, at a few
-    hundred positions per example, was most of these tests' time). A drawn integer shrinks towards 0,
-    and so do its digits."""
-    draws = -(-count // DIGITS_PER_DRAW)
-    numbers = draw(st.lists(st.integers(0, base**DIGITS_PER_DRAW - 1), min_size=draws, max_size=draws))
-    powers = np.uint64(base) ** np.arange(DIGITS_PER_DRAW, dtype=np.uint64)
-    packed = np.array(numbers, dtype=np.uint64).reshape(-1, 1)
-    return ((packed // powers) % np.uint64(base)).ravel()[:count].astype(np.int64)
-
-
-LABEL_OF_DIGIT = np.array([0, 1, 2, 3, -1], dtype=np.int64)  # labels -1..3, digit 0 the simplest: 0
-MASK_VALUES = [0.0, 1.0, 1.0, 1.0, 0.5, float("nan"), -0.0]  # invalid values must cut as numpy's !=
-
-
 @st.composite
 def labelled_samples(draw: st.DrawFn) -> tuple[IntArray, IntArray, npt.NDArray[np.bool_], npt.NDArray[np.float32]]:
     # Lengths past the loop's 32-position blocks, so blocks with and without a cut both occur.
     lengths = draw(st.lists(st.integers(0, 80), min_size=1, max_size=8))
     total = sum(lengths)
-    tokens = LABEL_OF_DIGIT[digits(draw, total, len(LABEL_OF_DIGIT))]
+    tokens = np.array(draw(st.lists(st.integers(-1, 3), min_size=total, max_size=total)), dtype=np.int64)
     if draw(st.booleans()):  # long runs of one label, as real labels come
         tokens = np.where(tokens < 0, tokens, np.maximum.accumulate(np.maximum(tokens, 0)))
+    values = st.sampled_from([0.0, 1.0, 1.0, 1.0, 0.5, float("nan"), -0.0])  # invalid values must cut as numpy's !=
     dtype = draw(st.sampled_from([np.float32, np.float64, np.float16]))
-    mask = np.array(MASK_VALUES, dtype=dtype)[digits(draw, total, len(MASK_VALUES))]
+    mask = np.array(draw(st.lists(values, min_size=total, max_size=total)), dtype=dtype)
     tokened = np.array(draw(st.lists(st.booleans(), min_size=len(lengths), max_size=len(lengths))))
     pos_off = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     tokened &= np.diff(pos_off) > 0  # the engine passes non-empty samples only
