@@ -15,9 +15,11 @@ per change of value; nothing sorts or hashes per-position data.
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_right
 from collections.abc import Container
 from dataclasses import dataclass
 from functools import partial
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -55,6 +57,8 @@ NO_VERSION_HIGH = np.iinfo(np.int64).max // 4
 # scattered -1 positions take the dispatch version) only its labelled or only its unlabelled positions.
 PART_WHOLE, PART_LABELLED, PART_UNLABELLED = 0, 1, 2
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
+# Up to these many samples and mask changes a batch's cuts are assembled in Python lists (_few_cuts).
+_FEW_SAMPLES, _FEW_CUTS = 64, 256
 
 
 @dataclass
@@ -126,19 +130,25 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     # Cuts: the spans of one mask value that tile the flat arrays. Samples labelled per position get
     # theirs from runs of token_versions (scattered unlabelled positions do not cut them: they form the
     # cut's unlabelled part); every other sample from its version spans, refined where the mask changes.
-    version_lo, version_label, version_kept = _version_spans(batch, valid_sample, tokened)
-    outside: BoolArray | slice = slice(None)
-    if tokened.any() and len(changes):
-        outside = ~tokened[np.searchsorted(pos_off, changes, "right") - 1]
-    lo = np.union1d(version_lo, changes[outside]).astype(np.int64)
-    of_version = np.searchsorted(version_lo, lo, "right") - 1
-    label, kept = version_label[of_version], version_kept[of_version]
-    labelled = np.full(len(lo), -1)  # labelled positions per cut; -1: all of them when the label is >= 0
+    few = batch.n_samples <= _FEW_SAMPLES and len(changes) <= _FEW_CUTS
+    if few:  # (a small batch: the same cuts from Python lists, cheaper there than a dozen numpy calls)
+        lo_list, label_list, kept_list = _few_cuts(batch, valid_sample, tokened, changes)
+        lo = np.array(lo_list, dtype=np.int64)
+    else:
+        version_lo, version_label, version_kept = _version_spans(batch, valid_sample, tokened)
+        outside: BoolArray | slice = slice(None)
+        if tokened.any() and len(changes):
+            outside = ~tokened[np.searchsorted(pos_off, changes, "right") - 1]
+        lo = np.union1d(version_lo, changes[outside]).astype(np.int64)
+        of_version = np.searchsorted(version_lo, lo, "right") - 1
+        label, kept = version_label[of_version], version_kept[of_version]
+        labelled = np.full(len(lo), -1)  # labelled positions per cut; -1: all of them when the label is >= 0
     present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
     weights = [getattr(batch, name) for name in present]
     token_flags: npt.NDArray[np.uint8] | None = None  # the weight bits of the token cuts, from their pass
     from_tokens: BoolArray | None = None
-    if tokened.any():
+    any_tokened = bool(tokened.any())
+    if any_tokened:
         found = _token_spans(batch, tokened, weights if fusable_weights(weights) else [])
         if found.below and not token_values:
             raise _TokenVersionBelowMinusOne
@@ -147,7 +157,12 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
             from_tokens = np.ones(len(t_lo), dtype=bool)
             lo, label, labelled = t_lo, found.labels, found.labelled
             kept = np.ones(len(t_lo), dtype=bool)
+        elif few and len(t_lo) <= _FEW_CUTS:
+            lo, label, kept, labelled, from_tokens = _few_merged(lo_list, label_list, kept_list, found)
         else:
+            if few:
+                label, kept = np.array(label_list, dtype=np.int64), np.array(kept_list, dtype=bool)
+                labelled = np.full(len(lo), -1)
             order = np.argsort(np.concatenate((lo, t_lo)), kind="stable")
             from_tokens = np.concatenate((np.zeros(len(lo), dtype=bool), np.ones(len(t_lo), dtype=bool)))[order]
             lo = np.concatenate((lo, t_lo))[order]
@@ -156,6 +171,9 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
             labelled = np.concatenate((labelled, found.labelled))[order]
         if len(found.flags) == len(weights) and weights:
             token_flags = found.flags
+    elif few:
+        label, kept = np.array(label_list, dtype=np.int64), np.array(kept_list, dtype=bool)
+        labelled = np.full(len(lo), -1)
     hi = np.append(lo[1:], n_positions).astype(np.int64)
     labelled = np.where(labelled < 0, np.where(label >= 0, hi - lo, 0), labelled)
     mixed = (labelled > 0) & (labelled < hi - lo)
@@ -335,6 +353,70 @@ def _version_spans(
     lo = np.concatenate(starts).astype(np.int64)
     order = np.argsort(lo, kind="stable")
     return lo[order], np.concatenate(labels).astype(np.int64)[order], np.concatenate(keep)[order]
+
+
+def _few_cuts(
+    batch: RolloutBatch, valid_sample: BoolArray, tokened: BoolArray, changes: IntArray
+) -> tuple[list[int], list[int], list[bool]]:
+    """The cuts of the samples not labelled per position, as :func:`_version_spans` and the mask changes
+    outside ``tokened`` samples give them (start, label, keep flag), in Python lists: for a small batch,
+    where a few list steps cost less than the numpy calls of the general path. The same cuts in the
+    same order (stable sorts, the last of equal starts labels a cut, as ``searchsorted(..., "right")``)."""
+    offsets: list[int] = batch.position_offsets.tolist()
+    kinds = batch.label_kind
+    assert kinds is not None
+    samples = range(len(offsets) - 1)
+    nonempty = [offsets[i] < offsets[i + 1] for i in samples]
+    valid: list[bool] = valid_sample.tolist()
+    usable = [v and not t for v, t in zip(valid, tokened.tolist())]
+    kind: list[int] = kinds.tolist()
+    # in the order _version_spans concatenates them: fillers, unlabelled samples, spans, span prefixes
+    version: list[tuple[int, int, bool]] = [(offsets[i], -1, False) for i in samples if nonempty[i] and not valid[i]]
+    version += [(offsets[i], -1, True) for i in samples if nonempty[i] and usable[i] and kind[i] == LABELS_NONE]
+    spanned = [i for i in samples if usable[i] and kind[i] == LABELS_SPANS]
+    if spanned:
+        assert batch.span_offsets is not None and batch.span_versions is not None
+        assert batch.span_starts is not None
+        span_offsets: list[int] = batch.span_offsets.tolist()
+        span_starts: list[int] = batch.span_starts.tolist()
+        span_versions: list[int] = batch.span_versions.tolist()
+        for i in spanned:
+            first, last = span_offsets[i], span_offsets[i + 1]
+            version += [(offsets[i] + span_starts[k], span_versions[k], True) for k in range(first, last)]
+        version += [
+            (offsets[i], -1, True)
+            for i in spanned
+            if nonempty[i] and (span_offsets[i] == span_offsets[i + 1] or span_starts[span_offsets[i]] > 0)
+        ]
+    version.sort(key=itemgetter(0))
+    version_lo = [start for start, _, _ in version]
+    found: list[int] = changes.tolist()
+    if found and any(tokened.tolist()):
+        tokened_list: list[bool] = tokened.tolist()
+        found = [c for c in found if not tokened_list[bisect_right(offsets, c) - 1]]
+    starts = sorted(set(version_lo).union(found)) if found else sorted(set(version_lo))
+    of_version = [version[bisect_right(version_lo, start) - 1] for start in starts]
+    return starts, [label for _, label, _ in of_version], [kept for _, _, kept in of_version]
+
+
+def _few_merged(
+    lo: list[int], label: list[int], kept: list[bool], found: TokenSpans
+) -> tuple[IntArray, IntArray, BoolArray, IntArray, BoolArray]:
+    """The cuts of :func:`_few_cuts` and the token cuts ``found`` in one order (a stable sort on the
+    starts): start, label, keep flag, labelled positions (-1: all when labelled) and whether each is a token cut."""
+    starts = lo + found.starts.tolist()
+    order = sorted(range(len(starts)), key=starts.__getitem__)
+    labels = label + found.labels.tolist()
+    keep = kept + [True] * len(found.starts)
+    labelled = [-1] * len(lo) + found.labelled.tolist()
+    n_version = len(lo)
+    return (
+        np.array([starts[i] for i in order], dtype=np.int64),
+        np.array([labels[i] for i in order], dtype=np.int64),
+        np.array([keep[i] for i in order], dtype=bool),
+        np.array([labelled[i] for i in order], dtype=np.int64),
+        np.array([i >= n_version for i in order], dtype=bool),
+    )
 
 
 def _mask_changes(mask: npt.NDArray[np.floating[Any]]) -> IntArray:
