@@ -120,7 +120,7 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     pos_off = batch.position_offsets
     n_positions = batch.n_positions
     sample_rollout = np.repeat(np.arange(batch.n_rollouts), np.diff(batch.sample_offsets))
-    valid_sample = ~verdicts.invalid[sample_rollout]
+    valid_sample = ~verdicts.invalid[sample_rollout] if verdicts.errors else np.ones(len(sample_rollout), dtype=bool)
     nonempty = np.diff(pos_off) > 0
     tokened = valid_sample & (batch.label_kind == LABELS_TOKENS) & nonempty
     mask = batch.mask
@@ -216,10 +216,13 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
 
     completion = batch.completion_version
     assert completion is not None
-    newest = segment_max(max_sampled, batch.sample_offsets, NO_VERSION_LOW)
-    completion = np.where(
-        completion >= 0, completion, np.where(newest > NO_VERSION_LOW, newest, batch.dispatch_version)
-    )
+    if few:  # the same choice per rollout, over Python lists
+        completion = np.array(_few_completions(completion, max_sampled, batch), dtype=np.int64)
+    else:
+        newest = segment_max(max_sampled, batch.sample_offsets, NO_VERSION_LOW)
+        completion = np.where(
+            completion >= 0, completion, np.where(newest > NO_VERSION_LOW, newest, batch.dispatch_version)
+        )
     return SpanTable(
         sample=rows.sample,
         lo=rows.lo,
@@ -397,6 +400,20 @@ def _few_cuts(
     starts = sorted(set(version_lo).union(found)) if found else sorted(set(version_lo))
     of_version = [version[bisect_right(version_lo, start) - 1] for start in starts]
     return starts, [label for _, label, _ in of_version], [kept for _, _, kept in of_version]
+
+
+def _few_completions(completion: IntArray, max_sampled: IntArray, batch: RolloutBatch) -> list[int]:
+    """Per rollout its completion version: the given one (>= 0), else the newest sampled version of its
+    samples, else its dispatch version."""
+    newest: list[int] = max_sampled.tolist()
+    offsets: list[int] = batch.sample_offsets.tolist()
+    chosen: list[int] = []
+    for given, dispatch, first, last in zip(
+        completion.tolist(), batch.dispatch_version.tolist(), offsets, offsets[1:], strict=False
+    ):
+        sampled = max(newest[first:last], default=NO_VERSION_LOW)
+        chosen.append(given if given >= 0 else sampled if sampled > NO_VERSION_LOW else dispatch)
+    return chosen
 
 
 def _few_merged(
