@@ -147,8 +147,8 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     weights = [getattr(batch, name) for name in present]
     token_flags: npt.NDArray[np.uint8] | None = None  # the weight bits of the token cuts, from their pass
     from_tokens: BoolArray | None = None
-    any_tokened = bool(tokened.any())
-    if any_tokened:
+    resolved: tuple[IntArray, IntArray, BoolArray] | None = None  # hi, labelled, mixed when already found
+    if tokened.any():
         found = _token_spans(batch, tokened, weights if fusable_weights(weights) else [])
         if found.below and not token_values:
             raise _TokenVersionBelowMinusOne
@@ -158,7 +158,9 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
             lo, label, labelled = t_lo, found.labels, found.labelled
             kept = np.ones(len(t_lo), dtype=bool)
         elif few and len(t_lo) <= _FEW_CUTS:
-            lo, label, kept, labelled, from_tokens = _few_merged(lo_list, label_list, kept_list, found)
+            merged, from_token_list = _few_merged(lo_list, label_list, kept_list, found)
+            lo, label, kept, resolved = _few_arrays(*merged, n_positions)
+            from_tokens = np.array(from_token_list, dtype=bool)
         else:
             if few:
                 label, kept = np.array(label_list, dtype=np.int64), np.array(kept_list, dtype=bool)
@@ -172,11 +174,13 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         if len(found.flags) == len(weights) and weights:
             token_flags = found.flags
     elif few:
-        label, kept = np.array(label_list, dtype=np.int64), np.array(kept_list, dtype=bool)
-        labelled = np.full(len(lo), -1)
-    hi = np.append(lo[1:], n_positions).astype(np.int64)
-    labelled = np.where(labelled < 0, np.where(label >= 0, hi - lo, 0), labelled)
-    mixed = (labelled > 0) & (labelled < hi - lo)
+        lo, label, kept, resolved = _few_arrays(lo_list, label_list, kept_list, [-1] * len(lo_list), n_positions)
+    if resolved is not None:
+        hi, labelled, mixed = resolved
+    else:
+        hi = np.append(lo[1:], n_positions).astype(np.int64)
+        labelled = np.where(labelled < 0, np.where(label >= 0, hi - lo, 0), labelled)
+        mixed = (labelled > 0) & (labelled < hi - lo)
 
     value = mask[lo]
     bad = kept & (value != 0) & (value != 1)
@@ -418,21 +422,45 @@ def _few_completions(completion: IntArray, max_sampled: IntArray, batch: Rollout
 
 def _few_merged(
     lo: list[int], label: list[int], kept: list[bool], found: TokenSpans
-) -> tuple[IntArray, IntArray, BoolArray, IntArray, BoolArray]:
+) -> tuple[tuple[list[int], list[int], list[bool], list[int]], list[bool]]:
     """The cuts of :func:`_few_cuts` and the token cuts ``found`` in one order (a stable sort on the
-    starts): start, label, keep flag, labelled positions (-1: all when labelled) and whether each is a token cut."""
+    starts): start, label, keep flag and labelled positions (-1: all when labelled) of each; and
+    whether each is a token cut."""
     starts = lo + found.starts.tolist()
     order = sorted(range(len(starts)), key=starts.__getitem__)
     labels = label + found.labels.tolist()
     keep = kept + [True] * len(found.starts)
     labelled = [-1] * len(lo) + found.labelled.tolist()
     n_version = len(lo)
+    merged = (
+        [starts[i] for i in order],
+        [labels[i] for i in order],
+        [keep[i] for i in order],
+        [labelled[i] for i in order],
+    )
+    return merged, [i >= n_version for i in order]
+
+
+def _few_arrays(
+    starts: list[int], labels: list[int], keep: list[bool], labelled: list[int], n_positions: int
+) -> tuple[IntArray, IntArray, BoolArray, tuple[IntArray, IntArray, BoolArray]]:
+    """The cut arrays of a small batch from its lists: start, label, keep flag, end (the next start; the
+    end of the positions with no cut), labelled positions (-1 resolved: all of the cut when it is
+    labelled, else none) and whether the cut is mixed (some of its positions labelled, not all)."""
+    ends = [*starts[1:], n_positions]
+    counts = [
+        (end - start if label >= 0 else 0) if count < 0 else count
+        for start, end, label, count in zip(starts, ends, labels, labelled, strict=False)
+    ]
     return (
-        np.array([starts[i] for i in order], dtype=np.int64),
-        np.array([labels[i] for i in order], dtype=np.int64),
-        np.array([keep[i] for i in order], dtype=bool),
-        np.array([labelled[i] for i in order], dtype=np.int64),
-        np.array([i >= n_version for i in order], dtype=bool),
+        np.array(starts, dtype=np.int64),
+        np.array(labels, dtype=np.int64),
+        np.array(keep, dtype=bool),
+        (
+            np.array(ends, dtype=np.int64),
+            np.array(counts, dtype=np.int64),
+            np.array([0 < n < end - start for start, end, n in zip(starts, ends, counts, strict=False)], dtype=bool),
+        ),
     )
 
 
