@@ -119,7 +119,7 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     """
     pos_off = batch.position_offsets
     n_positions = batch.n_positions
-    sample_rollout = np.repeat(np.arange(batch.n_rollouts), np.diff(batch.sample_offsets))
+    sample_rollout = _sample_rollout(batch.sample_offsets, batch.n_rollouts)
     valid_sample = ~verdicts.invalid[sample_rollout] if verdicts.errors else np.ones(len(sample_rollout), dtype=bool)
     nonempty = np.diff(pos_off) > 0
     tokened = valid_sample & (batch.label_kind == LABELS_TOKENS) & nonempty
@@ -272,14 +272,15 @@ def _merged_flags(
 ) -> list[npt.NDArray[np.uint8]]:
     """The weight bits of every cut: those of the token cuts (``from_tokens``) from their pass, the others'
     read now (one compiled pass over those cuts only)."""
-    others = np.flatnonzero(~from_tokens)
-    if len(others) == 0:
+    others = ~from_tokens
+    if not others.any():
         return list(token_flags)
     merged = []
+    other_lo, other_hi = lo[others], hi[others]
     for values, bits in zip(weights, token_flags):
         flags = np.empty(len(lo), dtype=np.uint8)
         flags[from_tokens] = bits
-        other_flags = weight_flags(values, lo[others], hi[others])
+        other_flags = weight_flags(values, other_lo, other_hi)
         assert other_flags is not None  # fusable weights are float16/32/64, contiguous: the compiled pass reads them
         flags[others] = other_flags
         merged.append(flags)
@@ -300,11 +301,10 @@ def _exact_part_liveness(
     (``rl_positive`` false), whose positions are read one by one.
 
     Both parts are live at once when every rl weight of the cut is above 0."""
-    cuts = np.flatnonzero(mixed & live)
-    doubt = cuts[~rl_positive[cuts]]  # a zero (or negative, or NaN) rl weight somewhere in the cut
-    labelled_part, unlabelled_part = live.copy(), live.copy()
+    doubt = np.flatnonzero(mixed & live & ~rl_positive)  # a zero (or negative, or NaN) rl weight somewhere in the cut
     if len(doubt) == 0:
-        return labelled_part, unlabelled_part
+        return live, live
+    labelled_part, unlabelled_part = live.copy(), live.copy()
     tokens = batch.token_versions
     assert tokens is not None
     positions = expand_ranges(lo[doubt], hi[doubt])
@@ -360,6 +360,15 @@ def _version_spans(
     lo = np.concatenate(starts).astype(np.int64)
     order = np.argsort(lo, kind="stable")
     return lo[order], np.concatenate(labels).astype(np.int64)[order], np.concatenate(keep)[order]
+
+
+def _sample_rollout(sample_offsets: IntArray, n_rollouts: int) -> IntArray:
+    """Per sample the index of its rollout (a short Python pass for a few rollouts: cheaper than ``np.repeat``)."""
+    offsets: list[int] = sample_offsets.tolist() if n_rollouts <= _FEW_SAMPLES else []
+    counts = [b - a for a, b in itertools.pairwise(offsets)]
+    if len(counts) != n_rollouts or min(counts, default=0) < 0:  # (many; or numpy names the broken offsets)
+        return np.repeat(np.arange(n_rollouts), np.diff(sample_offsets))
+    return np.array([rollout for rollout, count in enumerate(counts) for _ in range(count)], dtype=np.intp)
 
 
 def _few_cuts(
@@ -547,7 +556,7 @@ def _nonzero_or_report(
     numpy's extrema said). A non-finite value is searched for by position only in such spans, to name
     the first offender."""
     broken = kept & (flags & WEIGHT_NONFINITE != 0)
-    for span in np.flatnonzero(broken).tolist():
+    for span in np.flatnonzero(broken).tolist() if broken.any() else ():
         a, b = int(lo[span]), int(hi[span])
         verdicts.positions([a + int(np.flatnonzero(~np.isfinite(values[a:b]))[0])], name, "not a finite number")
     nonzero: BoolArray = flags & (WEIGHT_NONZERO | WEIGHT_NAN) == WEIGHT_NONZERO
