@@ -149,7 +149,10 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     from_tokens: BoolArray | None = None
     resolved: tuple[IntArray, IntArray, BoolArray] | None = None  # hi, labelled, mixed when already found
     if tokened.any():
-        found = _token_spans(batch, tokened, weights if fusable_weights(weights) else [])
+        # A small batch with other cuts too reads every cut's weights in one pass below rather than
+        # merging the token cuts' bits with the others' (the bits are the same either way).
+        read_weights = fusable_weights(weights) and not (few and len(lo))
+        found = _token_spans(batch, tokened, weights if read_weights else [])
         if found.below and not token_values:
             raise _TokenVersionBelowMinusOne
         t_lo = found.starts
@@ -158,9 +161,7 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
             lo, label, labelled = t_lo, found.labels, found.labelled
             kept = np.ones(len(t_lo), dtype=bool)
         elif few and len(t_lo) <= _FEW_CUTS:
-            merged, from_token_list = _few_merged(lo_list, label_list, kept_list, found)
-            lo, label, kept, resolved = _few_arrays(*merged, n_positions)
-            from_tokens = np.array(from_token_list, dtype=bool)
+            lo, label, kept, resolved = _few_arrays(*_few_merged(lo_list, label_list, kept_list, found), n_positions)
         else:
             if few:
                 label, kept = np.array(label_list, dtype=np.int64), np.array(kept_list, dtype=bool)
@@ -431,23 +432,20 @@ def _few_completions(completion: IntArray, max_sampled: IntArray, batch: Rollout
 
 def _few_merged(
     lo: list[int], label: list[int], kept: list[bool], found: TokenSpans
-) -> tuple[tuple[list[int], list[int], list[bool], list[int]], list[bool]]:
+) -> tuple[list[int], list[int], list[bool], list[int]]:
     """The cuts of :func:`_few_cuts` and the token cuts ``found`` in one order (a stable sort on the
-    starts): start, label, keep flag and labelled positions (-1: all when labelled) of each; and
-    whether each is a token cut."""
+    starts): start, label, keep flag and labelled positions (-1: all when labelled) of each."""
     starts = lo + found.starts.tolist()
     order = sorted(range(len(starts)), key=starts.__getitem__)
     labels = label + found.labels.tolist()
     keep = kept + [True] * len(found.starts)
     labelled = [-1] * len(lo) + found.labelled.tolist()
-    n_version = len(lo)
-    merged = (
+    return (
         [starts[i] for i in order],
         [labels[i] for i in order],
         [keep[i] for i in order],
         [labelled[i] for i in order],
     )
-    return merged, [i >= n_version for i in order]
 
 
 def _few_arrays(
