@@ -20,7 +20,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from functools import partial
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -121,18 +121,24 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     n_positions = batch.n_positions
     sample_rollout = _sample_rollout(batch.sample_offsets, batch.n_rollouts)
     valid_sample = ~verdicts.invalid[sample_rollout] if verdicts.errors else np.ones(len(sample_rollout), dtype=bool)
-    nonempty = np.diff(pos_off) > 0
-    tokened = valid_sample & (batch.label_kind == LABELS_TOKENS) & nonempty
     mask = batch.mask
+    few_samples = _few_samples(batch, valid_sample)
+    if few_samples is not None:  # (the same flags from Python lists)
+        tokened = np.array(few_samples.tokened, dtype=bool)
+        others_nonempty = few_samples.others_nonempty
+    else:
+        nonempty = np.diff(pos_off) > 0
+        tokened = valid_sample & (batch.label_kind == LABELS_TOKENS) & nonempty
+        others_nonempty = bool((valid_sample & ~tokened & nonempty).any())
     # Token-labelled samples find their mask changes in the compiled pass that cuts them; the others here.
-    changes = _mask_changes(mask) if bool((valid_sample & ~tokened & nonempty).any()) else _NO_POSITIONS
+    changes = _mask_changes(mask) if others_nonempty else _NO_POSITIONS
 
     # Cuts: the spans of one mask value that tile the flat arrays. Samples labelled per position get
     # theirs from runs of token_versions (scattered unlabelled positions do not cut them: they form the
     # cut's unlabelled part); every other sample from its version spans, refined where the mask changes.
-    few = batch.n_samples <= _FEW_SAMPLES and len(changes) <= _FEW_CUTS
-    if few:  # (a small batch: the same cuts from Python lists, cheaper there than a dozen numpy calls)
-        lo_list, label_list, kept_list = _few_cuts(batch, valid_sample, tokened, changes)
+    few = few_samples is not None and len(changes) <= _FEW_CUTS
+    if few_samples is not None and few:  # (a small batch: the same cuts from Python lists, cheaper there)
+        lo_list, label_list, kept_list = _few_cuts(batch, few_samples, changes)
         lo = np.array(lo_list, dtype=np.int64)
     else:
         version_lo, version_label, version_kept = _version_spans(batch, valid_sample, tokened)
@@ -201,12 +207,14 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         verdicts.positions(offenders[np.unique(np.searchsorted(lo, offenders, "right"), return_index=True)[1]].tolist(),
                            "logprobs", "not a finite number")  # fmt: skip
     rl = nonzero["rl_weights"]
-    other = np.zeros(len(lo), dtype=bool)  # a ce or ref-KL weight
-    for name in ("ce_weights", "ref_kl_weights"):
-        if nonzero[name] is not None:
-            other |= nonzero[name]
-    live = is_sampled.copy() if rl is None else is_sampled & (rl | other)  # no rl_weights: 1.0 on the mask
-    side = ~is_sampled & other
+    others = [weighted for name in ("ce_weights", "ref_kl_weights") if (weighted := nonzero[name]) is not None]
+    if others:
+        other = others[0] | others[1] if len(others) == 2 else others[0]  # a ce or ref-KL weight
+        live = is_sampled.copy() if rl is None else is_sampled & (rl | other)  # no rl_weights: 1.0 on the mask
+        side = ~is_sampled & other
+    else:  # (no ce or ref-KL weight: no cut has one)
+        live = is_sampled.copy() if rl is None else is_sampled & rl
+        side = np.zeros(len(lo), dtype=bool)
 
     # Rows: one per kept cut, two per mixed cut (its labelled part, then its unlabelled part), and the
     # per-sample reductions, in one compiled pass over the cuts.
@@ -245,7 +253,7 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         max_label=rows.max_label,
         max_sampled_version=max_sampled,
         seq_min_version=rows.seq_min_version,
-        completion=completion.astype(np.int64),
+        completion=completion.astype(np.int64, copy=False),
     )
 
 
@@ -372,21 +380,43 @@ def _sample_rollout(sample_offsets: IntArray, n_rollouts: int) -> IntArray:
     return np.array([rollout for rollout, count in enumerate(counts) for _ in range(count)], dtype=np.intp)
 
 
-def _few_cuts(
-    batch: RolloutBatch, valid_sample: BoolArray, tokened: BoolArray, changes: IntArray
-) -> tuple[list[int], list[int], list[bool]]:
+class _FewSamples(NamedTuple):
+    """Per-sample flags of a small batch as Python lists (:func:`_few_samples`)."""
+
+    offsets: list[int]  # position offsets
+    valid: list[bool]
+    nonempty: list[bool]
+    kind: list[int]
+    tokened: list[bool]  # valid, non-empty and labelled per position
+    others_nonempty: bool  # some valid non-empty sample is not labelled per position
+
+
+def _few_samples(batch: RolloutBatch, valid_sample: BoolArray) -> _FewSamples | None:
+    """The per-sample flags :func:`build_spans` needs, from Python lists when the batch has few samples
+    (``None`` otherwise, or when the arrays' lengths disagree: numpy then says so)."""
+    if batch.n_samples > _FEW_SAMPLES:
+        return None
+    kinds = batch.label_kind
+    assert kinds is not None
+    offsets: list[int] = batch.position_offsets.tolist()
+    valid: list[bool] = valid_sample.tolist()
+    kind: list[int] = kinds.tolist()
+    if not len(valid) == len(kind) == len(offsets) - 1:
+        return None
+    nonempty = [a < b for a, b in itertools.pairwise(offsets)]
+    tokened = [v and k == LABELS_TOKENS and n for v, k, n in zip(valid, kind, nonempty, strict=True)]
+    others = any(v and not t and n for v, t, n in zip(valid, tokened, nonempty, strict=True))
+    return _FewSamples(offsets, valid, nonempty, kind, tokened, others)
+
+
+def _few_cuts(batch: RolloutBatch, flags: _FewSamples, changes: IntArray) -> tuple[list[int], list[int], list[bool]]:
     """The cuts of the samples not labelled per position, as :func:`_version_spans` and the mask changes
     outside ``tokened`` samples give them (start, label, keep flag), in Python lists: for a small batch,
     where a few list steps cost less than the numpy calls of the general path. The same cuts in the
     same order (stable sorts, the last of equal starts labels a cut, as ``searchsorted(..., "right")``)."""
-    offsets: list[int] = batch.position_offsets.tolist()
-    kinds = batch.label_kind
-    assert kinds is not None
+    offsets, valid, nonempty, kind, tokened = flags[:5]
     samples = range(len(offsets) - 1)
-    nonempty = [offsets[i] < offsets[i + 1] for i in samples]
-    valid: list[bool] = valid_sample.tolist()
-    usable = [v and not t for v, t in zip(valid, tokened.tolist())]
-    kind: list[int] = kinds.tolist()
+    usable = [v and not t for v, t in zip(valid, tokened, strict=True)]
     # in the order _version_spans concatenates them: fillers, unlabelled samples, spans, span prefixes
     version: list[tuple[int, int, bool]] = [(offsets[i], -1, False) for i in samples if nonempty[i] and not valid[i]]
     version += [(offsets[i], -1, True) for i in samples if nonempty[i] and usable[i] and kind[i] == LABELS_NONE]
@@ -408,9 +438,8 @@ def _few_cuts(
     version.sort(key=itemgetter(0))
     version_lo = [start for start, _, _ in version]
     found: list[int] = changes.tolist()
-    if found and any(tokened.tolist()):
-        tokened_list: list[bool] = tokened.tolist()
-        found = [c for c in found if not tokened_list[bisect_right(offsets, c) - 1]]
+    if found and any(tokened):
+        found = [c for c in found if not tokened[bisect_right(offsets, c) - 1]]
     starts = sorted(set(version_lo).union(found)) if found else sorted(set(version_lo))
     of_version = [version[bisect_right(version_lo, start) - 1] for start in starts]
     return starts, [label for _, label, _ in of_version], [kept for _, _, kept in of_version]
