@@ -57,10 +57,10 @@ def small_batches(draw: st.DrawFn) -> RolloutBatch:
     """A batch of 1-5 rollouts of 1-3 samples of 0-9 positions, each sample unlabelled, labelled by
     spans (now and then out of order or past its end) or per position; masks with runs and a stray
     0.5; weights of one or of mixed float widths with zeros, signs, NaN and infinities; now and then a
-    repeated id (an invalid rollout)."""
+    repeated id (an invalid rollout) or a rollout without samples."""
     n_rollouts = draw(st.integers(1, 5))
     wild = int(draw(st.integers(0, 3)) == 0)
-    per_rollout = [draw(st.integers(1, 3)) for _ in range(n_rollouts)]
+    per_rollout = [draw(st.integers(0 if wild else 1, 3)) for _ in range(n_rollouts)]
     n_samples = sum(per_rollout)
     lengths = [draw(st.integers(0, 9)) for _ in range(n_samples)]
     n = sum(lengths)
