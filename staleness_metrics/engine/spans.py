@@ -190,9 +190,10 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         mixed = (labelled > 0) & (labelled < hi - lo)
 
     value = mask[lo]
-    bad = kept & (value != 0) & (value != 1)
-    if bad.any():
-        verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
+    if not few or any(v != 0 and v != 1 for v in value.tolist()):  # (a small batch looks over a short list first)
+        bad = kept & (value != 0) & (value != 1)
+        if bad.any():
+            verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
     is_sampled = value == 1
     flags: list[npt.NDArray[np.uint8]]
     if token_flags is not None and from_tokens is not None:
@@ -219,9 +220,9 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     # Rows: one per kept cut, two per mixed cut (its labelled part, then its unlabelled part), and the
     # per-sample reductions, in one compiled pass over the cuts.
     live_labelled, live_unlabelled = live, live
-    if rl is not None and (mixed & live).any():
-        rl_positive = flags[present.index("rl_weights")] & (WEIGHT_NAN | WEIGHT_NOT_POSITIVE) == 0
-        live_labelled, live_unlabelled = _exact_part_liveness(batch, present, lo, hi, rl_positive, live, mixed)
+    if rl is not None:
+        rl_doubtful = flags[present.index("rl_weights")] & (WEIGHT_NAN | WEIGHT_NOT_POSITIVE) != 0
+        live_labelled, live_unlabelled = _exact_part_liveness(batch, present, lo, hi, rl_doubtful, live, mixed)
     hi = hi[: len(lo)]  # (with no cut, hi held the end of the positions)
     rows = span_rows(lo, hi, label, labelled, kept, is_sampled, live_labelled, live_unlabelled, side, pos_off,
                      batch.dispatch_version[sample_rollout], (NO_VERSION_LOW, NO_VERSION_HIGH))  # fmt: skip
@@ -301,16 +302,16 @@ def _exact_part_liveness(
     present: list[str],
     lo: IntArray,
     hi: IntArray,
-    rl_positive: BoolArray,
+    rl_doubtful: BoolArray,
     live: BoolArray,
     mixed: BoolArray,
 ) -> tuple[BoolArray, BoolArray]:
     """Per cut, whether its labelled and its unlabelled part has a weighted position of its own: as ``live``
     as the cut, except for live ``mixed`` cuts with an rl weight that is not above 0 somewhere
-    (``rl_positive`` false), whose positions are read one by one.
+    (``rl_doubtful``), whose positions are read one by one.
 
     Both parts are live at once when every rl weight of the cut is above 0."""
-    doubt = np.flatnonzero(mixed & live & ~rl_positive)  # a zero (or negative, or NaN) rl weight somewhere in the cut
+    doubt = np.flatnonzero(mixed & live & rl_doubtful)  # a zero (or negative, or NaN) rl weight somewhere in the cut
     if len(doubt) == 0:
         return live, live
     labelled_part, unlabelled_part = live.copy(), live.copy()
@@ -506,7 +507,7 @@ def _mask_changes(mask: npt.NDArray[np.floating[Any]]) -> IntArray:
     if n < 2:
         return np.zeros(0, dtype=np.int64)
     if n < PARALLEL_MIN_POSITIONS:  # one pass on this thread: no chunking to pay for
-        return (np.flatnonzero(mask[1:] != mask[:-1]) + 1).astype(np.int64)
+        return (np.flatnonzero(mask[1:] != mask[:-1]) + 1).astype(np.int64, copy=False)
     edges = np.linspace(1, n, num=5, dtype=np.int64)
 
     def changes(a: int, b: int) -> IntArray:
