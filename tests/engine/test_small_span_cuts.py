@@ -1,7 +1,8 @@
 """The span table of a small batch, cut from Python lists (``spans._few_cuts``), equals the one the
 numpy formulation cut before: every array and dtype, and every error reported, on random small
 batches holding each kind of label, bad values and invalid rollouts. The former formulation is kept
-here, verbatim, as the oracle (the general path of :func:`build_spans` still runs it for large batches)."""
+here, verbatim, as the oracle (the compiled passes and the leaf helpers it calls are the module's own);
+the general path of :func:`build_spans`, which large batches take, is checked against it too."""
 
 from __future__ import annotations
 
