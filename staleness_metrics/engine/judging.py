@@ -16,7 +16,7 @@ from .kernels import slice_rows, stale_rows
 from .masking import mask_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
 
-__all__ = ["apply_decision", "judgement_again", "judgement_of", "mask_positions", "with_groups"]
+__all__ = ["apply_decision", "judgement_after", "judgement_again", "judgement_of", "mask_positions", "with_groups"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -37,7 +37,8 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
     cut = slice_rows(rows, r["sample_lo"], r["sample_hi"], s["span_lo"], s["span_hi"])
     sample_rows, span_rows = cut.sample_rows, cut.span_rows
     group = r["group"][rows]
-    return Judgement(
+    judgement = object.__new__(Judgement)  # (every field given: the frozen __init__'s setattr per field skipped)
+    judgement.__dict__.update(
         step=step, rows=rows, frozen=r["frozen"][rows], env=r["env"][rows], dispatch=r["dispatch"][rows],
         completion=r["completion"][rows], group=group, group_agentic=queue.group_agentic[group],
         sample_offsets=cut.sample_offsets, sample_rows=sample_rows, sample_rollout=cut.sample_rollout,
@@ -49,6 +50,7 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
         version=n["version"][span_rows], labelled=n["labelled"][span_rows], sampled=n["sampled"][span_rows],
         live=n["live"][span_rows],
     )  # fmt: skip
+    return judgement
 
 
 def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntArray, step: int) -> Judgement:
@@ -56,11 +58,16 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
     same step: only what applying a decision changes since (thresholds and dropped samples) is read again."""
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
+    return judgement_after(queue, judgement)
+
+
+def judgement_after(queue: RolloutQueue, judgement: Judgement) -> Judgement:
+    """``judgement`` once its decision was applied: the thresholds and dropped samples read again."""
     s = queue.samples
     again = object.__new__(Judgement)  # (a frozen dataclass: a copy, its two fields set as its __init__ would)
     again.__dict__.update(judgement.__dict__)
-    object.__setattr__(again, "mask_below", s["mask_below"][judgement.sample_rows])
-    object.__setattr__(again, "dropped", s["dropped"][judgement.sample_rows])
+    again.__dict__["mask_below"] = s["mask_below"][judgement.sample_rows]
+    again.__dict__["dropped"] = s["dropped"][judgement.sample_rows]
     return again
 
 

@@ -23,10 +23,13 @@ import numpy.typing as npt
 from .parallel import PARALLEL_MIN_POSITIONS, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "PopulationSums", "ShippedRows",
-    "SliceRows", "SpanRows", "StaleRows", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions",
-    "population_sums", "shipped_rows", "slice_rows", "span_rows", "stale_rows", "token_cuts", "token_spans",
-    "warm_up", "weight_flags", "zero_spans",
+    "MAX_IN_FLIGHT", "MAX_IN_QUEUE", "MAX_NEWEST", "MAX_ROLLOUT", "ROLLOUT_BINS", "SUM_DOT", "SUM_FROZEN",
+    "SUM_IN_FLIGHT", "SUM_IN_QUEUE", "SUM_LIVE", "SUM_MASKED", "SUM_NEWEST", "SUM_QUANTILES", "SUM_ROLLOUT",
+    "SUM_SAMPLES", "SUM_TOKENS", "SUM_UNLABELLED", "TOKEN_BINS", "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO",
+    "WEIGHT_NOT_POSITIVE", "PopulationSummary", "PopulationSums", "ShippedRows", "SliceRows", "SpanRows", "StaleRows",
+    "TokenDecision", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "population_summary",
+    "population_sums", "shipped_rows", "slice_rows", "span_rows", "stale_rows", "token_cuts", "token_decision",
+    "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -1125,6 +1128,333 @@ def population_sums(
     )  # fmt: skip
 
 
+class TokenDecision(NamedTuple):
+    """What :func:`token_decision` decides (``decision.Decision``'s first three arrays)."""
+
+    mask_below: IntArray
+    drop_sample: BoolArray
+    drop_rollout: BoolArray
+
+
+@_CompiledOnFirstCall
+def _token_decision(
+    bound: int,
+    no_mask: int,
+    frozen: BoolArray,
+    sample_offsets: IntArray,
+    mask_below: IntArray,
+    dropped: BoolArray,
+    had_train: BoolArray,
+    unmaskable: BoolArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    live: BoolArray,
+) -> tuple[IntArray, BoolArray, BoolArray]:  # pragma: no cover - compiled
+    n_rollouts = len(frozen)
+    n_samples = len(mask_below)
+    n_spans = len(version)
+    if len(sample_offsets) != n_rollouts + 1 or len(span_offsets) != n_samples + 1:
+        raise ValueError("token_decision: offsets of the wrong length")
+    if len(dropped) != n_samples or len(had_train) != n_samples or len(unmaskable) != n_samples:
+        raise ValueError("token_decision: sample arrays differ in length")
+    if len(live) != n_spans:
+        raise ValueError("token_decision: span arrays differ in length")
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
+        raise ValueError("token_decision: offsets do not cover the arrays")
+    if span_offsets[n_samples] != n_spans:
+        raise ValueError("token_decision: offsets do not cover the arrays")
+    for r in range(n_rollouts):
+        if sample_offsets[r + 1] < sample_offsets[r]:
+            raise ValueError("token_decision: offsets out of order")
+    for k in range(n_samples):
+        if span_offsets[k + 1] < span_offsets[k]:
+            raise ValueError("token_decision: offsets out of order")
+    new_below = np.empty(n_samples, dtype=np.int64)
+    drop_sample = np.zeros(n_samples, dtype=np.bool_)
+    drop_rollout = np.zeros(n_rollouts, dtype=np.bool_)
+    for r in range(n_rollouts):
+        is_live = not frozen[r]
+        gone = 0
+        for k in range(sample_offsets[r], sample_offsets[r + 1]):
+            below = max(mask_below[k], bound if is_live else no_mask)
+            new_below[k] = below
+            left = unmaskable[k]
+            if not left:
+                for i in range(span_offsets[k], span_offsets[k + 1]):
+                    if live[i] and version[i] >= below:
+                        left = True
+                        break
+            drop = is_live and not dropped[k] and had_train[k] and not left
+            drop_sample[k] = drop
+            gone += dropped[k] or drop
+        drop_rollout[r] = is_live and gone == sample_offsets[r + 1] - sample_offsets[r]
+    return new_below, drop_sample, drop_rollout
+
+
+def token_decision(
+    bound: int,
+    no_mask: int,
+    frozen: BoolArray,
+    sample_offsets: IntArray,
+    mask_below: IntArray,
+    dropped: BoolArray,
+    had_train: BoolArray,
+    unmaskable: BoolArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    live: BoolArray,
+) -> TokenDecision:
+    """The ``token`` policy over a judged slice (rollouts, samples by ``sample_offsets``, spans by
+    ``span_offsets``), in one pass: each sample of a live (not ``frozen``) rollout masks below
+    ``max(mask_below, bound)`` (a frozen one's keeps ``max(mask_below, no_mask)``); a live rollout's sample
+    not yet ``dropped`` that ``had_train`` is dropped when it is not ``unmaskable`` and none of its ``live``
+    spans has a version at or above its new threshold; a live rollout whose samples are all dropped (or that
+    has none) is dropped.
+
+    Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
+    """
+    found = _token_decision(
+        int(bound), int(no_mask), frozen, sample_offsets, mask_below, dropped, had_train, unmaskable, span_offsets,
+        version, live,
+    )  # fmt: skip
+    return TokenDecision(*found)
+
+
+# Where :func:`population_summary` writes each number in the array it returns (its four arrays follow them).
+(SUM_TOKENS, SUM_MASKED, SUM_UNLABELLED, SUM_FROZEN, SUM_SAMPLES, SUM_DOT, SUM_LIVE, SUM_ROLLOUT, MAX_ROLLOUT,
+ SUM_IN_FLIGHT, MAX_IN_FLIGHT, SUM_IN_QUEUE, MAX_IN_QUEUE, SUM_NEWEST, MAX_NEWEST, TOKEN_BINS, ROLLOUT_BINS,
+ SUM_QUANTILES) = range(18)  # fmt: skip
+
+
+class PopulationSummary(NamedTuple):
+    """What :func:`population_summary` finds: the numbers (indexed by the ``SUM_*`` / ``MAX_*`` constants,
+    then one nearest-rank staleness per quantile asked) and four arrays."""
+
+    numbers: list[int]
+    length_sampled: IntArray  # per length bucket (by a sample's sampled positions): sampled positions
+    length_removed: IntArray  # of those, masked
+    token_histogram: IntArray  # sampled positions per staleness 0, 1, ..., the last counting all from ``top`` up
+    rollout_histogram: IntArray  # live rollouts per staleness (their oldest shipped version's), folded alike
+
+
+@_CompiledOnFirstCall
+def _population_summary(
+    t: int,
+    rollout_in: BoolArray,
+    frozen: BoolArray,
+    dispatch: IntArray,
+    completion: IntArray,
+    sample_offsets: IntArray,
+    dropped: BoolArray,
+    mask_below: IntArray,
+    n_sampled: IntArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    labelled: BoolArray,
+    length_bounds: IntArray,
+    direct_range: int,
+    top: int,
+    quantiles: IntArray,
+) -> IntArray:  # pragma: no cover - compiled
+    n_rollouts = len(frozen)
+    n_samples = len(dropped)
+    n_spans = len(version)
+    if len(rollout_in) != n_rollouts or len(dispatch) != n_rollouts or len(completion) != n_rollouts:
+        raise ValueError("population_summary: rollout arrays differ in length")
+    if len(sample_offsets) != n_rollouts + 1 or len(mask_below) != n_samples or len(n_sampled) != n_samples:
+        raise ValueError("population_summary: sample arrays differ in length")
+    if len(span_offsets) != n_samples + 1 or len(sampled) != n_spans or len(labelled) != n_spans:
+        raise ValueError("population_summary: span arrays differ in length")
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
+        raise ValueError("population_summary: offsets do not cover the arrays")
+    if span_offsets[n_samples] != n_spans:
+        raise ValueError("population_summary: offsets do not cover the arrays")
+    for r in range(n_rollouts):
+        if sample_offsets[r + 1] < sample_offsets[r]:
+            raise ValueError("population_summary: offsets out of order")
+    for k in range(n_samples):
+        if span_offsets[k + 1] < span_offsets[k]:
+            raise ValueError("population_summary: offsets out of order")
+    n_quantiles = len(quantiles)
+    head = SUM_QUANTILES + n_quantiles
+    n_buckets = len(length_bounds) + 1
+    totals = np.zeros(head, dtype=np.int64)
+    length_sampled = np.zeros(n_buckets, dtype=np.int64)
+    length_removed = np.zeros(n_buckets, dtype=np.int64)
+    rollout_hist = np.zeros(top + 1, dtype=np.int64)
+    low = 0
+    high = 0
+    largest = 0  # the largest |staleness| of a span with sampled positions
+    present = False
+    rollout_top = -1
+    counts = np.zeros(0, dtype=np.int64)
+    for r in range(n_rollouts):
+        if not rollout_in[r]:
+            continue
+        if frozen[r]:
+            totals[SUM_FROZEN] += 1
+            continue
+        oldest = dispatch[r]
+        freshest = dispatch[r]
+        found = False
+        for s in range(sample_offsets[r], sample_offsets[r + 1]):
+            if dropped[s]:
+                continue
+            totals[SUM_SAMPLES] += 1
+            masked_here = 0
+            for k in range(span_offsets[s], span_offsets[s + 1]):
+                count = sampled[k]
+                if count <= 0:
+                    continue
+                v = version[k]
+                if not found:
+                    oldest = v
+                    freshest = v
+                    found = True
+                else:
+                    oldest = min(oldest, v)
+                    freshest = max(freshest, v)
+                staleness = t - v
+                if not present:
+                    low = staleness
+                    high = staleness
+                    present = True
+                else:
+                    low = min(low, staleness)
+                    high = max(high, staleness)
+                largest = max(largest, abs(staleness))
+                totals[SUM_TOKENS] += count
+                if not labelled[k]:
+                    totals[SUM_UNLABELLED] += count
+                if v < mask_below[s]:
+                    masked_here += count
+            totals[SUM_MASKED] += masked_here
+            length = n_sampled[s]
+            if length > 0:
+                bucket = 0
+                while bucket < n_buckets - 1 and length_bounds[bucket] < length:
+                    bucket += 1
+                length_sampled[bucket] += length
+                length_removed[bucket] += masked_here
+        rollout = t - oldest
+        in_flight = min(max(completion[r] - oldest, 0), rollout)
+        in_queue = rollout - in_flight
+        newest = t - freshest
+        if rollout < 0:
+            return np.zeros(0, dtype=np.int64)  # a staleness below 0: the caller's general path
+        first = totals[SUM_LIVE] == 0
+        totals[SUM_LIVE] += 1
+        totals[SUM_ROLLOUT] += rollout
+        totals[SUM_IN_FLIGHT] += in_flight
+        totals[SUM_IN_QUEUE] += in_queue
+        totals[SUM_NEWEST] += newest
+        totals[MAX_ROLLOUT] = rollout if first else max(totals[MAX_ROLLOUT], rollout)
+        totals[MAX_IN_FLIGHT] = in_flight if first else max(totals[MAX_IN_FLIGHT], in_flight)
+        totals[MAX_IN_QUEUE] = in_queue if first else max(totals[MAX_IN_QUEUE], in_queue)
+        totals[MAX_NEWEST] = newest if first else max(totals[MAX_NEWEST], newest)
+        folded = min(rollout, top)
+        rollout_hist[folded] += 1
+        rollout_top = max(rollout_top, folded)
+    token_top = -1
+    if present:
+        # the general path: a staleness below 0, too wide a range to count by value, or a dot beyond int64
+        if low < 0 or high - low >= direct_range or (largest > 0 and totals[SUM_TOKENS] > (2**62 - 1) // largest):
+            return np.zeros(0, dtype=np.int64)
+        counts = np.zeros(high - low + 1, dtype=np.int64)
+        dot = 0
+        for r in range(n_rollouts):
+            if not rollout_in[r] or frozen[r]:
+                continue
+            for s in range(sample_offsets[r], sample_offsets[r + 1]):
+                if dropped[s]:
+                    continue
+                for k in range(span_offsets[s], span_offsets[s + 1]):
+                    count = sampled[k]
+                    if count > 0:
+                        dot += (t - version[k]) * count
+                        counts[t - version[k] - low] += count
+        totals[SUM_DOT] = dot
+        token_top = min(high, top)
+        total = totals[SUM_TOKENS]
+        for q in range(n_quantiles):
+            numerator = quantiles[q, 0]
+            denominator = quantiles[q, 1]
+            # ceil(numerator * total / denominator) without the product, which may not fit in int64
+            whole = total // denominator
+            rest = total % denominator
+            rank = max(1, numerator * whole + (numerator * rest + denominator - 1) // denominator)
+            running = 0
+            for i in range(len(counts)):
+                running += counts[i]
+                if running >= rank:
+                    totals[SUM_QUANTILES + q] = low + i
+                    break
+    totals[TOKEN_BINS] = token_top + 1
+    totals[ROLLOUT_BINS] = rollout_top + 1
+    out = np.empty(head + 2 * n_buckets + token_top + 1 + rollout_top + 1, dtype=np.int64)
+    out[:head] = totals
+    at = head
+    out[at : at + n_buckets] = length_sampled
+    at += n_buckets
+    out[at : at + n_buckets] = length_removed
+    at += n_buckets
+    if present:
+        out[at : at + token_top + 1] = 0
+        for i in range(len(counts)):
+            out[at + min(low + i, top)] += counts[i]
+    at += token_top + 1
+    out[at : at + rollout_top + 1] = rollout_hist[: rollout_top + 1]
+    return out
+
+
+def population_summary(
+    trained_version: int,
+    rollout_in: BoolArray,
+    frozen: BoolArray,
+    dispatch: IntArray,
+    completion: IntArray,
+    sample_offsets: IntArray,
+    dropped: BoolArray,
+    mask_below: IntArray,
+    n_sampled: IntArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    labelled: BoolArray,
+    length_bounds: IntArray,
+    direct_range: int,
+    top: int,
+    quantiles: IntArray,
+) -> PopulationSummary | None:
+    """What a ship reports of the rollouts selected by ``rollout_in`` (the inputs of :func:`population_sums`),
+    in one pass and one array back: the sums of :func:`population_sums`, the count, sum and maximum of the
+    live rollouts' staleness, in-flight and in-queue times and newest staleness, the nearest-rank staleness of
+    each ``quantiles`` row (numerator, denominator: the ceil(p * N)-th smallest sampled position's), and the
+    token and rollout histograms (index = staleness, the last index ``top`` counting all above it).
+
+    None where the general path is needed: a staleness below 0, staleness values of sampled positions that
+    span ``direct_range`` or more, or a staleness x positions sum that could overflow int64.
+
+    Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
+    """
+    out = _population_summary(
+        int(trained_version), rollout_in, frozen, dispatch, completion, sample_offsets, dropped, mask_below,
+        n_sampled, span_offsets, version, sampled, labelled, length_bounds, int(direct_range), int(top), quantiles,
+    )  # fmt: skip
+    if not len(out):
+        return None
+    head = SUM_QUANTILES + len(quantiles)
+    n_buckets = len(length_bounds) + 1
+    numbers: list[int] = out[:head].tolist()
+    tokens_at = head + 2 * n_buckets
+    rollouts_at = tokens_at + numbers[TOKEN_BINS]
+    return PopulationSummary(
+        numbers, out[head : head + n_buckets], out[head + n_buckets : tokens_at], out[tokens_at:rollouts_at],
+        out[rollouts_at : rollouts_at + numbers[ROLLOUT_BINS]],
+    )  # fmt: skip
+
+
 # Per span facts of a weight array, as bits of one byte each (see weight_flags).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
 # Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers of their width.
@@ -1458,6 +1788,9 @@ def warm_up() -> None:
     stale_rows(lo, count, lo, lo, hi, yes, count, count, lo, np.zeros(1, np.int8), lo, hi)
     population_sums(1, yes, ~yes, count, count, np.array([0, 1]), ~yes, count, count, np.array([0, 1]), count, count,
                     yes, np.array([256]), 4096)  # fmt: skip
+    token_decision(1, -9, ~yes, np.array([0, 1]), count, ~yes, yes, ~yes, np.array([0, 1]), count, yes)
+    population_summary(1, yes, ~yes, count, count, np.array([0, 1]), ~yes, count, count, np.array([0, 1]), count,
+                       count, yes, np.array([256]), 4096, 4096, np.array([[50, 100]]))  # fmt: skip
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))

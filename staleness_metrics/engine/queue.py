@@ -330,6 +330,9 @@ class RolloutQueue:
         self._staged_positions = 0
         self._gathered: _Gathered | None = None  # the thread's copies of the staged batches' positions
         self._observe_added = observe_added
+        # No row before this one is queued (rows enter at the end and never return to the queue): where
+        # :meth:`queued_rows` starts to look, so a ship reads the rows added since, not the table.
+        self._first_queued = 0
 
     @property
     def tracked_rollouts(self) -> int:
@@ -547,6 +550,15 @@ class RolloutQueue:
         self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
         self._observe_added(groups)
 
+    def queued_rows(self) -> IntArray:
+        """The rows of the queued rollouts, ascending (staged ones not included: :meth:`build_staged` first)."""
+        start = self._first_queued
+        rows = np.flatnonzero(self.rollouts["status"][start:] == QUEUED)
+        if start:
+            rows += start
+        self._first_queued = int(rows[0]) if len(rows) else len(self.rollouts)
+        return rows
+
     def queued_tokens(self, rows: IntArray) -> int:
         r, s = self.rollouts, self.samples
         sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
@@ -577,6 +589,7 @@ class RolloutQueue:
         """Forget rollouts that left the sink: the tables keep only queued ones (bounded memory)."""
         self.rollouts, self.samples, self.spans, self.chunks, self.chunk_open, self.ids = self.compacted()
         self.row_of = {rid: row for row, rid in enumerate(self.ids)}
+        self._first_queued = 0  # (renumbered)
         self.closing = []  # chunks closing now have no queued rollout: they are not kept
 
     def compacted(self) -> tuple[Table, Table, Table, list[RolloutBatch | None], list[int], list[str]]:

@@ -24,7 +24,7 @@ from ..records.columnar import LABELS_SPANS, RolloutBatch
 from ..records.model import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from ..records.validation import Verdicts, plainly_valid
 from .decision import Decision, Judgement
-from .judging import apply_decision, judgement_again, judgement_of, with_groups
+from .judging import apply_decision, judgement_after, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
 from .queue import COMPACT_MIN_ROWS, INVALID, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
 from .segments import distinct, expand_ranges
@@ -260,12 +260,14 @@ class Sink:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
         self._sweep(step)
 
-    def _sweep(self, step: int) -> Judgement | None:
-        """:meth:`sweep`; returns the slice it judged (None: nothing to judge)."""
+    def _sweep(self, step: int, queued: IntArray | None = None) -> Judgement | None:
+        """:meth:`sweep`; returns the slice it judged (None: nothing to judge). ``queued``: the queued rows,
+        when the caller found them at this step already."""
         self._advance(step)
         self.queue.build_staged()
-        r = self.queue.rollouts
-        rows = np.flatnonzero((r["status"] == QUEUED) & (r["judged"] < step))
+        if queued is None:
+            queued = self.queue.queued_rows()
+        rows = queued[self.queue.rollouts["judged"][queued] < step]
         if len(rows) == 0:
             return None
         return self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)[0]
@@ -281,28 +283,41 @@ class Sink:
         if isinstance(ids, str):
             raise FieldTypeError("ids", "must be a collection of rollout ids, not one string")
         self._advance(step)
-        self.queue.build_staged()
-        r = self.queue.rollouts
+        queue = self.queue
+        queue.build_staged()
+        r = queue.rollouts
+        queued = queue.queued_rows()
         if ids is None:
-            taken = np.flatnonzero(r["status"] == QUEUED)
+            taken = queued
         else:
-            named = [self.queue.row_of[i] for i in ids if i in self.queue.row_of]
+            named = [queue.row_of[i] for i in ids if i in queue.row_of]
             taken = np.unique(np.array(named, dtype=np.int64))
             taken = taken[r["status"][taken] == QUEUED]
-        judged = self._sweep(step)  # (when it judged exactly the rollouts shipped, their slice is read from it)
-        taken = self._check_versions(taken[r["status"][taken] == QUEUED], step)
-        hold = np.zeros(len(taken), dtype=bool)
+        before = queue.queued
+        judged = self._sweep(step, queued)  # (when it judged exactly the rollouts shipped, their slice is read from it)
+        # The usual ship: everything queued, all of it judged by this sweep, none dropped (the slice is the ship's)
+        whole = ids is None and judged is not None and len(judged.rows) == len(queued) and queue.queued == before
+        if queue.queued != before:  # the sweep dropped some
+            taken = taken[r["status"][taken] == QUEUED]
+        taken = self._check_versions(taken, step, judged if whole else None)
+        whole = whole and len(taken) == len(queued)  # (none set aside for its versions)
         if len(taken) and self.policy.holds:
             # The sweep judged everything at this step already; judging again only decides the holds.
-            judged, decision = self._judge(with_groups(self.queue, taken, self.policy.judges_groups), step)
+            judged, decision = self._judge(with_groups(queue, taken, self.policy.judges_groups), step)
             taken = taken[r["status"][taken] == QUEUED]
             hold = np.isin(taken, judged.rows[decision.hold_rollout])
-        held, shipped = taken[hold], taken[~hold]
-        self._window.add(r["env"][held], "rollouts_held")
-        self._window.held.extend(self.queue.ids[i] for i in held)
-        self.queue.leave(shipped, SHIPPED)
+            held, shipped = taken[hold], taken[~hold]
+            self._window.add(r["env"][held], "rollouts_held")
+            self._window.held.extend(queue.ids[i] for i in held)
+            whole = False
+        else:
+            shipped = taken
+        queue.leave(shipped, SHIPPED)
 
-        shipped_slice = judgement_again(self.queue, judged, shipped, step)
+        if whole and judged is not None:
+            shipped_slice = judgement_after(queue, judged)
+        else:
+            shipped_slice = judgement_again(queue, judged, shipped, step)
         spans = shipped_spans(self.queue, shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
         judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)
@@ -361,10 +376,15 @@ class Sink:
 
         return build
 
-    def _check_versions(self, rows: IntArray, step: int) -> IntArray:
-        """Ship-time rule: no version above the trained one. Returns the rows that pass."""
+    def _check_versions(self, rows: IntArray, step: int, judged: Judgement | None = None) -> IntArray:
+        """Ship-time rule: no version above the trained one. Returns the rows that pass. ``judged``: the slice
+        of exactly ``rows`` (their versions are read from it)."""
         trained = step - 1
         r, s = self.queue.rollouts, self.queue.samples
+        if judged is not None:  # (the usual ship: nothing to name, found in two maxima)
+            newest_label = int(s["max_label"][judged.sample_rows].max(initial=trained))
+            if not len(rows) or (int(judged.dispatch.max()) <= trained and newest_label <= trained):
+                return rows
         bad_dispatch = r["dispatch"][rows] > trained  # frozen rollouts too: every version is checked
         sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
         bad_sample = s["max_label"][sample_rows] > trained

@@ -13,8 +13,9 @@ from collections.abc import Mapping
 import numpy as np
 import numpy.typing as npt
 
+from ..engine import kernels
 from ..engine.decision import Judgement
-from ..engine.kernels import population_sums
+from ..engine.kernels import population_summary, population_sums
 from . import keys
 from .bound import ShipBound, mismatch_metrics
 from .metric_table import env_key
@@ -29,6 +30,8 @@ BoolArray = npt.NDArray[np.bool_]
 QUANTILES = ((keys.TOKEN_P50, 50, 100), (keys.TOKEN_P90, 90, 100), (keys.TOKEN_P99, 99, 100))
 _LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
 _FEW = 64  # entries summed over Python lists rather than numpy arrays
+_QUANTILE_FRACTIONS = np.array([(numerator, denominator) for _, numerator, denominator in QUANTILES], dtype=np.int64)
+_NO_LENGTHS = np.zeros(len(LENGTH_BUCKETS), dtype=np.int64)
 
 
 def length_bucket_totals(lengths: IntArray, amounts: IntArray) -> IntArray:
@@ -170,7 +173,90 @@ def _population(
     """Metrics and tally of the live shipped rollouts selected by ``rollout_in``.
 
     A rollout's own numbers (its oldest and newest shipped version, its in-flight time) depend on its spans
-    alone, so they are the same in every population holding it; one compiled pass sums a population."""
+    alone, so they are the same in every population holding it; one compiled pass finds every number of a
+    population (:func:`~staleness_metrics.engine.kernels.population_summary`), so a small ship costs a few
+    Python steps."""
+    found = population_summary(
+        slice_.step - 1, rollout_in, slice_.frozen, slice_.dispatch, slice_.completion, slice_.sample_offsets,
+        slice_.dropped, slice_.mask_below, slice_.n_sampled, slice_.span_offsets, slice_.version, slice_.sampled,
+        slice_.labelled, _LENGTH_BOUNDS, _DIRECT_RANGE, HISTOGRAM_TOP, _QUANTILE_FRACTIONS,
+    )  # fmt: skip
+    if found is None:
+        return _population_in_numpy(slice_, rollout_in, env, window, max_staleness)
+    numbers = found.numbers
+    tokens, masked = numbers[kernels.SUM_TOKENS], numbers[kernels.SUM_MASKED]
+    unlabelled = numbers[kernels.SUM_UNLABELLED]
+    metrics: dict[str, float | int] = {}
+    if tokens:
+        metrics[keys.TOKEN_MEAN] = numbers[kernels.SUM_DOT] / tokens
+        metrics[keys.TOKEN_MASKED] = masked / tokens
+        metrics[keys.TOKEN_UNLABELLED] = unlabelled / tokens
+        for (key, _, _), value in zip(QUANTILES, numbers[kernels.SUM_QUANTILES :]):
+            metrics[key] = value
+    live = numbers[kernels.SUM_LIVE]
+    if live:
+        for (mean_key, max_key), total, top in _rollout_numbers(numbers):
+            metrics[mean_key] = total / live
+            metrics[max_key] = top
+    # SPEC 12 over the shipped samples plus the window's dropped samples
+    samples = numbers[kernels.SUM_SAMPLES]
+    if window.counts or window.dropped_lengths:
+        dropped = window.dropped_by_length(env)
+        samples_dropped = window.get(env, "samples_dropped")
+        length_samples = samples + samples_dropped
+        length_sampled, length_removed = found.length_sampled + dropped, found.length_removed + dropped
+        rollouts_dropped, rollouts_held = window.get(env, "rollouts_dropped"), window.get(env, "rollouts_held")
+        tokens_dropped, rollouts_invalid = window.get(env, "tokens_dropped"), window.get(env, "rollouts_invalid")
+    else:  # (nothing dropped, held or set aside since the last ship: the usual case)
+        length_samples, length_sampled, length_removed = samples, found.length_sampled, found.length_removed
+        samples_dropped = rollouts_dropped = rollouts_held = tokens_dropped = rollouts_invalid = 0
+    metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
+    metrics[keys.ROLLOUTS_DROPPED] = rollouts_dropped
+    metrics[keys.SAMPLES_DROPPED] = samples_dropped
+    metrics[keys.ROLLOUTS_HELD] = rollouts_held
+    metrics[keys.MAX_STALENESS] = max_staleness
+
+    tally = object.__new__(Tally)  # (every field given: the frozen __init__'s setattr per field skipped)
+    tally.__dict__.update(
+        tokens_sampled=tokens,
+        tokens_masked=masked,
+        tokens_unlabelled=unlabelled,
+        tokens_dropped=tokens_dropped,
+        samples_dropped=samples_dropped,
+        rollouts_dropped=rollouts_dropped,
+        rollouts_shipped=live,
+        rollouts_frozen=numbers[kernels.SUM_FROZEN],
+        rollouts_held=rollouts_held,
+        rollouts_invalid=rollouts_invalid,
+        token_histogram=found.token_histogram,
+        rollout_histogram=found.rollout_histogram,
+        length_samples=length_samples,
+        length_sampled=length_sampled,
+        length_removed=length_removed,
+    )
+    return metrics, tally
+
+
+def _rollout_numbers(numbers: list[int]) -> zip[tuple[tuple[str, str], int, int]]:
+    """The four per-rollout numbers' keys, sums and maxima, in :data:`_ROLLOUT_KEYS` order."""
+    return zip(
+        _ROLLOUT_KEYS,
+        (numbers[kernels.SUM_ROLLOUT], numbers[kernels.SUM_IN_FLIGHT], numbers[kernels.SUM_IN_QUEUE],
+         numbers[kernels.SUM_NEWEST]),
+        (numbers[kernels.MAX_ROLLOUT], numbers[kernels.MAX_IN_FLIGHT], numbers[kernels.MAX_IN_QUEUE],
+         numbers[kernels.MAX_NEWEST]),
+    )  # fmt: skip
+
+
+def _population_in_numpy(
+    slice_: Judgement,
+    rollout_in: BoolArray,
+    env: int | None,
+    window: WindowCounts,
+    max_staleness: int,
+) -> tuple[dict[str, float | int], Tally]:
+    """:func:`_population` where its one compiled pass declines (a staleness below 0, a range of staleness
+    too wide to count by value, a sum beyond int64): the sums in a compiled pass, the rest in numpy."""
     t = slice_.trained_version
     sums = population_sums(
         t, rollout_in, slice_.frozen, slice_.dispatch, slice_.completion, slice_.sample_offsets, slice_.dropped,
@@ -241,12 +327,13 @@ def _population(
 def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[str, float | int]:
     if samples == 0:
         return {}
-    total = int(sampled.sum())
+    sampled_list, removed_list = sampled.tolist(), removed.tolist()  # (a few buckets: summed as Python integers)
+    total = sum(sampled_list)
     metrics: dict[str, float | int] = {
         keys.LENGTH_SAMPLED_MEAN: total / samples,
-        keys.LENGTH_TRAINED_MEAN: (total - int(removed.sum())) / samples,
+        keys.LENGTH_TRAINED_MEAN: (total - sum(removed_list)) / samples,
     }
-    for name, n, gone in zip(LENGTH_BUCKETS, sampled.tolist(), removed.tolist()):
+    for name, n, gone in zip(LENGTH_BUCKETS, sampled_list, removed_list):
         if n:
             metrics[keys.LENGTH_REMOVED_SHARE_BY_LENGTH[name]] = gone / n
     return metrics

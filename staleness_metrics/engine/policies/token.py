@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..decision import NO_MASK, Decision, Judgement
-from ..segments import segment_sum
+from ..kernels import token_decision
 from .base import Policy
 
 __all__ = ["TokenPolicy"]
@@ -15,17 +15,17 @@ class TokenPolicy(Policy):
     name = "token"
 
     def decide(self, judgement: Judgement) -> Decision:
-        bound = judgement.trained_version - self.max_staleness  # staleness == max_staleness trains
-        live = ~judgement.frozen[judgement.sample_rollout]
-        mask_below = np.maximum(judgement.mask_below, np.where(live, bound, NO_MASK))
-        left = judgement.trainable_after(mask_below)
-        drop_sample = live & ~judgement.dropped & judgement.had_train & ~left
-        gone = (judgement.dropped | drop_sample).astype(np.int64)
-        offsets = judgement.sample_offsets
-        all_gone = segment_sum(gone, offsets) == offsets[1:] - offsets[:-1]
+        """Each live rollout's samples mask below ``T - max_staleness`` (staleness == max_staleness trains); a
+        sample left with nothing to train is dropped, and a rollout left with no sample. One compiled pass
+        (:func:`~staleness_metrics.engine.kernels.token_decision`)."""
+        found = token_decision(
+            judgement.trained_version - self.max_staleness, NO_MASK, judgement.frozen, judgement.sample_offsets,
+            judgement.mask_below, judgement.dropped, judgement.had_train, judgement.unmaskable,
+            judgement.span_offsets, judgement.version, judgement.live,
+        )  # fmt: skip
         return Decision(
-            mask_below=mask_below,
-            drop_sample=drop_sample,
-            drop_rollout=~judgement.frozen & all_gone,
-            hold_rollout=np.zeros(judgement.n_rollouts, dtype=bool),
+            mask_below=found.mask_below,
+            drop_sample=found.drop_sample,
+            drop_rollout=found.drop_rollout,
+            hold_rollout=np.zeros(len(found.drop_rollout), dtype=bool),
         )
