@@ -76,11 +76,16 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
     dropped leave the queue)."""
     samples = queue.samples
     rows, sample_rows = judgement.rows, judgement.sample_rows
+    mask_below = np.maximum(judgement.mask_below, decision.mask_below)
     raised = decision.mask_below > judgement.mask_below
-    if raised.any():
-        mask_positions(queue, judgement, np.maximum(decision.mask_below, judgement.mask_below), raised)
-    samples["mask_below"][sample_rows] = np.maximum(judgement.mask_below, decision.mask_below)
+    # A sampled span's version is at least its sample's ``seq_min_version``: when no raised sample's is below its
+    # new threshold, no position becomes stale (the usual sweep of a run within its bound: nothing to look for).
+    if raised.any() and (raised & (judgement.seq_min_version < mask_below)).any():
+        mask_positions(queue, judgement, mask_below, raised)
+    samples["mask_below"][sample_rows] = mask_below
 
+    if not (decision.drop_sample.any() or decision.drop_rollout.any()):  # (nothing dropped: the usual case)
+        return
     drop_rollout = decision.drop_rollout & ~judgement.frozen
     drop_sample = (decision.drop_sample | drop_rollout[judgement.sample_rollout]) & ~judgement.dropped
     if drop_sample.any():

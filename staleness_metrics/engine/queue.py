@@ -593,10 +593,13 @@ class RolloutQueue:
             sample=sample_base + spans.sample, lo=spans.lo, hi=spans.hi, version=spans.version,
             labelled=spans.label >= 0, sampled=spans.sampled, live=spans.live, part=spans.part,
         )  # fmt: skip
-        if frozen.any():
-            self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
+        if n_samples <= 64:  # (Python over short lists costs less than numpy calls)
+            if True in frozen.tolist():
+                self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
+            else:
+                self._tokens_entered += sum(n_sampled.tolist())
         else:
-            self._tokens_entered += int(n_sampled.sum())
+            self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
         self._observe_added(groups)
 
     def queued_rows(self) -> IntArray:

@@ -2,13 +2,13 @@
 trainer in another process) and the SPEC 11 sums from log-probabilities the records carry.
 
 The sink describes a ship by its spans (runs of one version inside one sample, wholly sampled or not);
-this module expands them to positions only when asked, in one vectorised pass per chunk.
+this module finds a ship's spans and expands them to positions only when asked, in one vectorised pass per chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -16,7 +16,7 @@ import numpy.typing as npt
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..records.columnar import RolloutBatch
 from .decision import Judgement
-from .kernels import shipped_rows
+from .kernels import ShippedRows, shipped_rows
 from .queue import RolloutQueue
 from .segments import distinct, expand_ranges
 
@@ -28,7 +28,6 @@ BoolArray = npt.NDArray[np.bool_]
 NOT_SAMPLED = -1  # the lag of a position outside SPEC 11's population (mask 0 as arrived, or frozen)
 
 
-@dataclass(frozen=True)
 class ShippedSpans:
     """The spans of a ship's kept samples, in ship order (rollouts, then samples, then positions).
 
@@ -36,25 +35,65 @@ class ShippedSpans:
     ``masked`` says the policy masked the span; ``chunk`` indexes ``batches``; ``sample_offsets`` groups
     the spans per shipped sample. A span of a ``token_versions`` sample may hold scattered unlabelled
     positions (``mixed``): ``lag`` and ``masked`` are then its labelled positions', ``unlabelled_lag``
-    and ``unlabelled_masked`` those of its positions whose token version is -1.
+    and ``unlabelled_masked`` those of its positions whose token version is -1; ``env`` is the env index of
+    each span's rollout (the sink's numbering).
+
+    The spans are found on first use (``find``: one compiled pass over what the ship read), so a ship whose
+    lags and log-probability sums nobody asks for never pays for them.
     """
 
-    batches: Sequence[RolloutBatch]
-    chunk: IntArray
-    lo: IntArray
-    hi: IntArray
-    lag: IntArray
-    masked: BoolArray
-    sample_offsets: IntArray
-    mixed: BoolArray | None = None
-    unlabelled_lag: IntArray | None = None
-    unlabelled_masked: BoolArray | None = None
-    env: IntArray | None = None  # the env index of each span's rollout (the sink's numbering)
+    def __init__(self, batches: Sequence[RolloutBatch], find: Callable[[], ShippedRows]) -> None:
+        self.batches = batches
+        self._find = find
+
+    @cached_property
+    def _rows(self) -> ShippedRows:
+        return self._find()
+
+    @property
+    def chunk(self) -> IntArray:
+        return self._rows.chunk
+
+    @property
+    def lo(self) -> IntArray:
+        return self._rows.lo
+
+    @property
+    def hi(self) -> IntArray:
+        return self._rows.hi
+
+    @property
+    def lag(self) -> IntArray:
+        return self._rows.lag
+
+    @property
+    def masked(self) -> BoolArray:
+        return self._rows.masked
+
+    @property
+    def sample_offsets(self) -> IntArray:
+        return self._rows.sample_offsets
+
+    @property
+    def mixed(self) -> BoolArray:
+        return self._rows.mixed
+
+    @property
+    def unlabelled_lag(self) -> IntArray:
+        return self._rows.unlabelled_lag
+
+    @property
+    def unlabelled_masked(self) -> BoolArray:
+        return self._rows.unlabelled_masked
+
+    @property
+    def env(self) -> IntArray:
+        return self._rows.env
 
     def _unlabelled(self, rows: IntArray) -> tuple[IntArray, IntArray]:
         """For mixed spans among ``rows``: the indices (into the concatenation of ``rows``' positions)
         of their unlabelled positions, and the row (index into ``rows``) of each."""
-        if self.mixed is None or not self.mixed[rows].any():
+        if not self.mixed[rows].any():
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(self.hi[rows] - self.lo[rows])))
         found, owners = [], []
@@ -76,7 +115,6 @@ class ShippedSpans:
         lag, masked = np.repeat(self.lag[rows], lengths), np.repeat(self.masked[rows], lengths)
         at, owner = self._unlabelled(rows)
         if len(at):
-            assert self.unlabelled_lag is not None and self.unlabelled_masked is not None
             lag[at] = self.unlabelled_lag[rows][owner]
             masked[at] = self.unlabelled_masked[rows][owner]
         return lag, masked
@@ -91,6 +129,9 @@ class ShippedSpans:
         return lengths[self.sample_offsets]
 
     def carries_trainer_logprobs(self) -> bool:
+        """Whether a batch of a shipped span carries the trainer's log-probabilities (SPEC 11's sums)."""
+        if all(batch.trainer_logprobs is None for batch in self.batches):  # (no span needs finding to say no)
+            return False
         return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.chunk))
 
     def mismatch(self, band: tuple[float, float], env: int | None = None) -> MismatchSums:
@@ -99,7 +140,6 @@ class ShippedSpans:
         total = MismatchSums.zero()
         inside = self.lag >= 0
         if env is not None:
-            assert self.env is not None
             inside &= self.env == env
         for c in distinct(self.chunk[inside]):
             rows = np.flatnonzero(inside & (self.chunk == c))
@@ -149,23 +189,17 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
         batch = queue.chunks[c]
         assert batch is not None  # a queued rollout's batch is kept
         batches.append(batch)
-    # each rollout's chunk as an index into ``batches`` (one batch: the usual ship between two adds)
-    chunk_index = np.zeros(len(chunks), dtype=np.int64) if len(used) == 1 else np.searchsorted(used, chunks)
-    rows = shipped_rows(
-        s["span_lo"][shipped.sample_rows], s["span_hi"][shipped.sample_rows], ~shipped.dropped, shipped.sample_rollout,
-        shipped.mask_below, shipped.version, shipped.sampled, shipped.frozen, chunk_index,
-        shipped.env, n["part"], n["lo"], n["hi"], shipped.trained_version, NOT_SAMPLED,
-    )  # fmt: skip
-    return ShippedSpans(
-        batches=batches,
-        chunk=rows.chunk,
-        lo=rows.lo,
-        hi=rows.hi,
-        lag=rows.lag,
-        masked=rows.masked,
-        sample_offsets=rows.sample_offsets,
-        mixed=rows.mixed,
-        unlabelled_lag=rows.unlabelled_lag,
-        unlabelled_masked=rows.unlabelled_masked,
-        env=rows.env,
-    )
+    sample_rows, table = shipped.sample_rows, (s["span_lo"], s["span_hi"], n["part"], n["lo"], n["hi"])
+
+    def find() -> ShippedRows:
+        # (table columns as they were at the ship: rows are only ever appended to them, never rewritten)
+        span_lo, span_hi, part, lo, hi = table
+        # each rollout's chunk as an index into ``batches`` (one batch: the usual ship between two adds)
+        chunk_index = np.zeros(len(chunks), dtype=np.int64) if len(used) == 1 else np.searchsorted(used, chunks)
+        return shipped_rows(
+            span_lo[sample_rows], span_hi[sample_rows], ~shipped.dropped, shipped.sample_rollout, shipped.mask_below,
+            shipped.version, shipped.sampled, shipped.frozen, chunk_index, shipped.env, part, lo, hi,
+            shipped.trained_version, NOT_SAMPLED,
+        )  # fmt: skip
+
+    return ShippedSpans(batches, find)

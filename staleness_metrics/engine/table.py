@@ -14,8 +14,10 @@ class Table:
     """Named numpy columns of equal length that grow by appending whole arrays."""
 
     def __init__(self, **dtypes: npt.DTypeLike) -> None:
+        self._capacity = 16
         self._columns: dict[str, npt.NDArray[Any]] = {name: np.zeros(16, dtype=d) for name, d in dtypes.items()}
         self._size = 0
+        self._views: dict[str, npt.NDArray[Any]] = {}  # the live rows of the columns read since the last append
 
     def __len__(self) -> int:
         return self._size
@@ -28,20 +30,27 @@ class Table:
     def append(self, **values: npt.ArrayLike) -> int:
         """Append equal-length arrays for every column (a scalar: that value in every new row; at least one
         column is an array); returns the index of the first new row."""
-        if values.keys() != self._columns.keys():
-            raise KeyError(f"expected columns {sorted(self._columns)}, got {sorted(values)}")
-        n = next(len(v) for v in values.values() if isinstance(v, np.ndarray) and v.ndim)
+        columns = self._columns
+        if values.keys() != columns.keys():
+            raise KeyError(f"expected columns {sorted(columns)}, got {sorted(values)}")
+        for value in values.values():
+            if isinstance(value, np.ndarray) and value.ndim:
+                n = len(value)
+                break
+        else:
+            raise ValueError("at least one column must be an array")
         start = self._size
         needed = start + n
-        columns = self._columns
-        if needed > len(next(iter(columns.values()))):  # (every column has the same capacity)
+        if needed > self._capacity:  # (every column has the same capacity)
+            self._capacity = max(needed, 2 * self._capacity)
             for name, column in columns.items():
-                grown = np.zeros(max(needed, 2 * len(column)), dtype=column.dtype)
+                grown = np.zeros(self._capacity, dtype=column.dtype)
                 grown[:start] = column[:start]
                 columns[name] = grown
         for name, column in columns.items():
             column[start:needed] = values[name]
         self._size = needed
+        self._views = {}
         return start
 
     def take(self, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> Table:
@@ -51,5 +60,9 @@ class Table:
         return taken
 
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
-        """The live rows of a column (a view: writes go to the table)."""
-        return self._columns[name][: self._size]
+        """The live rows of a column (a view: writes go to the table). (A ship reads a few dozen columns: each
+        view is made once per length.)"""
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = self._columns[name][: self._size]
+        return view
