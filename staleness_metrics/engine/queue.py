@@ -498,6 +498,9 @@ class RolloutQueue:
         it, and (``position_base``, per rollout) where their chunk starts in ``batch``'s positions."""
         assert batch.frozen is not None and batch.label_kind is not None
         every = len(keep) == len(batch.ids)  # (then the rows are the batch's own: no selection to build)
+        if every and position_base is None:
+            self._append_every(batch, spans, chunk, index, groups, envs)
+            return
         offsets = batch.sample_offsets
         sample_lo, sample_hi = (offsets[:-1], offsets[1:]) if every else (offsets[keep], offsets[keep + 1])
         samples = np.arange(batch.n_samples) if every else expand_ranges(sample_lo, sample_hi)
@@ -550,6 +553,52 @@ class RolloutQueue:
         self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
         self._observe_added(groups)
 
+    def _append_every(
+        self, batch: RolloutBatch, spans: SpanTable, chunk: IntArray, index: IntArray, groups: IntArray, envs: IntArray
+    ) -> None:
+        """:meth:`append_rows` of every rollout of ``batch`` at its own positions: the batch's arrays as they are."""
+        assert batch.frozen is not None and batch.label_kind is not None
+        offsets, n_rollouts = batch.sample_offsets, len(batch.ids)
+        sample_base, span_base, row_base = len(self.samples), len(self.spans), len(self.rollouts)
+        new_sample_offsets = sample_base + offsets  # (offsets start at 0: checked)
+        new_span_offsets = span_base + spans.span_offsets
+        frozen = batch.frozen
+        self.rollouts.append(
+            chunk=chunk, index=index, status=QUEUED, judged=NEVER, frozen=frozen, dispatch=batch.dispatch_version,
+            completion=spans.completion, group=groups, env=envs, sample_lo=new_sample_offsets[:-1],
+            sample_hi=new_sample_offsets[1:],
+        )  # fmt: skip
+        n_samples = batch.n_samples
+        if n_samples != n_rollouts:
+            one_each = False
+        elif n_rollouts <= 64:  # (a short list compared in Python costs less than numpy calls)
+            one_each = offsets.tolist() == list(range(n_rollouts + 1))
+        else:
+            one_each = bool((offsets == np.arange(n_rollouts + 1)).all())
+        if one_each:  # (a sample per rollout, the usual record: no repeat to build)
+            sample_rollout = np.arange(n_rollouts)
+            local: IntArray | int = 0
+        else:
+            sample_rollout = np.repeat(np.arange(n_rollouts), offsets[1:] - offsets[:-1])
+            local = np.arange(n_samples) - offsets[:-1][sample_rollout]
+        n_sampled = spans.n_sampled
+        self.samples.append(
+            rollout=row_base + sample_rollout, local=local, span_lo=new_span_offsets[:-1],
+            span_hi=new_span_offsets[1:], mask_below=NO_MASK, dropped=False, had_train=spans.had_train,
+            unmaskable=spans.unmaskable, n_sampled=n_sampled, n_unlabelled=spans.n_unlabelled,
+            max_label=spans.max_label, max_sampled=spans.max_sampled_version, seq_min=spans.seq_min_version,
+            label_kind=batch.label_kind,
+        )  # fmt: skip
+        self.spans.append(
+            sample=sample_base + spans.sample, lo=spans.lo, hi=spans.hi, version=spans.version,
+            labelled=spans.label >= 0, sampled=spans.sampled, live=spans.live, part=spans.part,
+        )  # fmt: skip
+        if frozen.any():
+            self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
+        else:
+            self._tokens_entered += int(n_sampled.sum())
+        self._observe_added(groups)
+
     def queued_rows(self) -> IntArray:
         """The rows of the queued rollouts, ascending (staged ones not included: :meth:`build_staged` first)."""
         start = self._first_queued
@@ -570,7 +619,11 @@ class RolloutQueue:
         self.queued -= len(rows)
         chunks = self.rollouts["chunk"][rows]
         if len(chunks) <= 256:  # (a few rollouts: counted over a list, where numpy's sort costs more)
-            counted = sorted(Counter(chunks.tolist()).items())
+            listed = chunks.tolist()
+            if listed and listed.count(listed[0]) == len(listed):  # (one chunk: a ship of one batch)
+                counted = [(listed[0], len(listed))]
+            else:
+                counted = sorted(Counter(listed).items())
         else:
             counted = list(zip(*(a.tolist() for a in np.unique(chunks, return_counts=True))))
         for chunk, count in counted:

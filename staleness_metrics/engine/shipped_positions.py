@@ -149,9 +149,11 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
         batch = queue.chunks[c]
         assert batch is not None  # a queued rollout's batch is kept
         batches.append(batch)
+    # each rollout's chunk as an index into ``batches`` (one batch: the usual ship between two adds)
+    chunk_index = np.zeros(len(chunks), dtype=np.int64) if len(used) == 1 else np.searchsorted(used, chunks)
     rows = shipped_rows(
         s["span_lo"][shipped.sample_rows], s["span_hi"][shipped.sample_rows], ~shipped.dropped, shipped.sample_rollout,
-        shipped.mask_below, shipped.version, shipped.sampled, shipped.frozen, np.searchsorted(used, chunks),
+        shipped.mask_below, shipped.version, shipped.sampled, shipped.frozen, chunk_index,
         shipped.env, n["part"], n["lo"], n["hi"], shipped.trained_version, NOT_SAMPLED,
     )  # fmt: skip
     return ShippedSpans(

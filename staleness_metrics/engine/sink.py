@@ -202,14 +202,17 @@ class Sink:
             verdicts, spans = checked_spans(batch, self.queue.seen_ids)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
-        invalid = verdicts.invalid
-        for index, error in sorted(verdicts.errors.items()):
-            env = batch.envs[index] if batch.envs is not None else None
-            self._set_aside(error, env if isinstance(env, str) and env else None)  # a bad env counts under none
-        keep = np.flatnonzero(~invalid)
-        kept_ids = keep.tolist()
-        if len(keep) == 0:
-            return 0
+        kept_ids: list[int] | None = None  # (None: every rollout of the batch)
+        if verdicts.errors:
+            for index, error in sorted(verdicts.errors.items()):
+                env = batch.envs[index] if batch.envs is not None else None
+                self._set_aside(error, env if isinstance(env, str) and env else None)  # a bad env counts under none
+            keep = np.flatnonzero(~verdicts.invalid)
+            kept_ids = keep.tolist()
+            if len(keep) == 0:
+                return 0
+        else:
+            keep = np.arange(batch.n_rollouts)
         assert batch.frozen is not None and batch.agentic is not None and batch.group_ids is not None
         assert batch.envs is not None and batch.label_kind is not None
 
