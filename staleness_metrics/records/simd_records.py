@@ -146,7 +146,7 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
         keys = _keys(item)
         sample = cast(simdjson.Object, item)
         parsed = ParsedSample(mask=_NO_MASK)
-        labels = 0
+        labels = pairs = 0
         sizes: list[int] = []  # lengths of the per-position lists, the mask's first
         for key in keys:  # one lookup per field present (a lookup is a scan of the object's keys)
             value = sample[key]
@@ -172,6 +172,7 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
                         if type(pair) is not simdjson.Array or len(pair) != 2:
                             raise _NotPlain
                     lists += 1 + size  # the list of pairs and each pair
+                    pairs = size
                     size *= 2
                 else:
                     sizes.append(size)
@@ -184,6 +185,8 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
         lists += len(sizes)
         if keys.count("mask") != 1 or labels > 1 or sizes.count(sizes[0]) != len(sizes):
             raise _NotPlain  # no mask; both kinds of labels; a list whose length is not the mask's
+        if pairs > sizes[0]:
+            raise _NotPlain  # more spans than positions: the general path names the span at fault
         samples.append(parsed)
     if line.count(b"[") != lists:  # a nested list (as_buffer flattens it), or a "[" in a string
         raise _NotPlain

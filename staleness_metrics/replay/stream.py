@@ -234,8 +234,7 @@ def read_events(
             assert reader is not None
             results = iter(reader.finish())
             pending[:] = [
-                (item[0], item[1], next(results)) if type(item) is tuple and len(item) == 2 else item
-                for item in pending
+                _checked(item, next(results)) if type(item) is tuple and len(item) == 2 else item for item in pending
             ]
             taken = 0
         waiting = pending[:upto]
@@ -288,6 +287,12 @@ def read_events(
         if len(pending) >= _PENDING_EVENTS:
             yield from flush(settled)
     yield from flush(None)
+
+
+def _checked(taken: Any, parsed: ParsedRollout | None) -> tuple[int, bytes, ParsedRollout | None]:
+    """A taken line once its values are checked: its text is kept only for the general path to read."""
+    number, text = taken
+    return number, text if parsed is None else b"", parsed
 
 
 _PENDING_EVENTS = 4 * _PARSE_LINES  # events held by read_ahead at most (but for the lines of one run)

@@ -126,7 +126,7 @@ def batches_line_bytes(shipment: Shipment) -> bytes:
     samples = [sample for rollout in line["shipped"] for sample in rollout["samples"]]
     for name in WEIGHT_FIELDS:
         holders = [sample for sample in samples if name in sample]
-        texts = jsonio.zero_one_floats([sample[name] for sample in holders])
+        texts = jsonio.zero_one_floats([sample[name] for sample in holders]) if holders else None
         if texts is not None:
             for sample, text in zip(holders, texts):
                 sample[name] = text
