@@ -62,35 +62,37 @@ class ShippedRollout:
 
 
 def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> dict[str, Any]:
-    lo, hi = int(batch.position_offsets[sample]), int(batch.position_offsets[sample + 1])
-
-    def out_of(values: npt.NDArray[Any]) -> Any:
-        return values if arrays else values.tolist()
-
-    out: dict[str, Any] = {"mask": out_of(batch.mask[lo:hi].astype(np.int64))}
+    lo, hi = batch.position_offsets[sample : sample + 2].tolist()
+    mask = batch.mask[lo:hi].astype(np.int64)
+    out: dict[str, Any] = {"mask": mask if arrays else mask.tolist()}
     assert batch.label_kind is not None
-    if batch.label_kind[sample] == LABELS_SPANS:
+    kind = batch.label_kind[sample]
+    if kind == LABELS_SPANS:
         assert batch.span_offsets is not None and batch.span_versions is not None
         assert batch.span_starts is not None
-        a, b = int(batch.span_offsets[sample]), int(batch.span_offsets[sample + 1])
+        a, b = batch.span_offsets[sample : sample + 2].tolist()
         # a few pairs: Python lists cost less than a stacked array, and encode to the same JSON
         out["weight_versions"] = [
             list(pair) for pair in zip(batch.span_versions[a:b].tolist(), batch.span_starts[a:b].tolist())
         ]
-    elif batch.label_kind[sample] == LABELS_TOKENS:
+    elif kind == LABELS_TOKENS:
         assert batch.token_versions is not None
-        out["token_versions"] = out_of(np.ascontiguousarray(batch.token_versions[lo:hi], dtype=np.int64))
-    for name in WEIGHT_FIELDS:
+        versions = np.ascontiguousarray(batch.token_versions[lo:hi], dtype=np.int64)
+        out["token_versions"] = versions if arrays else versions.tolist()
+    present = batch.present
+    for name in _ARRAY_FIELDS:  # (a view unless float32)
         values = getattr(batch, name)
-        if values is not None and batch.present[name][sample]:
-            out[name] = out_of(values[lo:hi].astype(np.float64, copy=False))  # a view unless float32
-    if batch.logprobs is not None and batch.present["logprobs"][sample]:
-        out["logprobs"] = out_of(batch.logprobs[lo:hi].astype(np.float64, copy=False))
-    if batch.trainer_logprobs is not None and batch.present["trainer_logprobs"][sample]:
+        if values is not None and present[name][sample]:
+            part = values[lo:hi].astype(np.float64, copy=False)
+            out[name] = part if arrays else part.tolist()
+    if batch.trainer_logprobs is not None and present["trainer_logprobs"][sample]:
         values = batch.trainer_logprobs[lo:hi].astype(np.float64)
         # missing values are null; orjson writes a non-finite float of an array as null by itself
         out["trainer_logprobs"] = values if arrays else [v if math.isfinite(v) else None for v in values.tolist()]
     return out
+
+
+_ARRAY_FIELDS = (*WEIGHT_FIELDS, "logprobs")  # written as they are (trainer_logprobs: missing ones as null)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import array as _array_module
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any
 
 import numpy as np
@@ -456,22 +456,26 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
 
     ``adopt``: the parsed rollouts are seen by nobody else (the caller parsed them for this batch): a
     column of one sample whose array the parse made is taken as it is, not copied (a long weight list
-    read as integers is a float64 array already; a copy was 8 more bytes a position)."""
+    read as integers is a float64 array already; a copy was 8 more bytes a position).
+
+    Offsets and flags are summed and listed in Python, and each column is one numpy call: a replay that
+    ships every few rollouts packs a few samples at a time, where a numpy call costs more than its work.
+    """
     rollouts = list(rollouts)
     samples = [s for r in rollouts for s in r.samples]
     lengths = [len(s.mask) for s in samples]
-    position_offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
-    sample_offsets = np.concatenate(([0], np.cumsum([len(r.samples) for r in rollouts], dtype=np.int64)))
-
-    def flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
-        return np.concatenate(values).astype(dtype, copy=False) if values else np.zeros(0, dtype=dtype)
+    ends = list(accumulate(lengths))
+    starts = [0, *ends]
+    total = ends[-1] if ends else 0
+    position_offsets = np.array(starts, dtype=np.int64)
+    sample_offsets = np.array([0, *accumulate(len(r.samples) for r in rollouts)], dtype=np.int64)
 
     # A 0/1 mask as the engine computes with it (float64, like the weights) in a batch of ordinary size;
     # from COMPACT_MASK_MIN_POSITIONS on, as parsed (int8): 1 byte a position instead of 8, for a mask
     # whose JSON text is 2 bytes a position. The engine reads either dtype the same (integer masks are
     # columnar input too); small batches keep float64 for the one-pass checks of small adds.
-    mask_dtype = np.int8 if position_offsets[-1] >= COMPACT_MASK_MIN_POSITIONS else np.float64
-    mask = flat([s.mask for s in samples], mask_dtype)
+    mask_dtype = np.int8 if total >= COMPACT_MASK_MIN_POSITIONS else np.float64
+    mask = _flat([s.mask for s in samples], mask_dtype)
     label_kind = np.array(
         [
             LABELS_SPANS if s.spans is not None else LABELS_TOKENS if s.token_versions is not None else LABELS_NONE
@@ -483,48 +487,52 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     # Sample arrays whose length is wrong are kept as given; validation reports them. Missing ones are
     # filled to the sample's length so the flat arrays stay aligned.
     def column(
-        name: str, get: Any, fill: float, dtype: type = np.float64
+        name: str, values: list[npt.NDArray[Any] | None], fill: float, dtype: type = np.float64
     ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
-        values = [get(s) for s in samples]
-        present = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
-        if not present.any():
-            return None, present
-        if present.all():
-            only = values[0]
+        given = [v for v in values if v is not None]
+        if not given:
+            return None, _NONE_PRESENT
+        if len(given) == len(values):
+            present = np.ones(len(values), dtype=bool)
+            only = given[0]
             if adopt and len(values) == 1 and name in samples[0].fresh and only.dtype == dtype and only.ndim == 1:
                 return only, present
-            return flat(values, dtype), present
-        given = [v for v in values if v is not None]
+            return _flat(given, dtype), present
+        present = np.array([v is not None for v in values], dtype=bool)
         if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
             # the usual case: the given parts in place, the fill everywhere else (no array per missing part)
-            out: npt.NDArray[Any] = np.full(int(position_offsets[-1]), fill, dtype=dtype)
-            out[np.repeat(present, lengths)] = np.concatenate(given)
+            out: npt.NDArray[Any] = np.full(total, fill, dtype=dtype)
+            for v, start, end in zip(values, starts, ends):
+                if v is not None:
+                    out[start:end] = v
             return out, present
         parts = [v if v is not None else np.full(n, fill) for v, n in zip(values, lengths)]
-        return flat(parts, np.float64), present
+        return _flat(parts, np.float64), present
 
     batch_weights: dict[str, npt.NDArray[Any] | None] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in WEIGHT_FIELDS:
-        values, flags = column(name, lambda s, name=name: s.weights.get(name), 1.0 if name == "rl_weights" else 0.0)
+        values, flags = column(name, [s.weights.get(name) for s in samples], 1.0 if name == "rl_weights" else 0.0)
         batch_weights[name] = values
         if values is not None:
             present[name] = flags
-    logprobs, logprobs_present = column("logprobs", lambda s: s.logprobs, 0.0)
+    logprobs, logprobs_present = column("logprobs", [s.logprobs for s in samples], 0.0)
     if logprobs is not None:
         present["logprobs"] = logprobs_present
-    trainer_logprobs, trainer_present = column("trainer_logprobs", lambda s: s.trainer_logprobs, np.nan)
+    trainer_logprobs, trainer_present = column("trainer_logprobs", [s.trainer_logprobs for s in samples], np.nan)
     if trainer_logprobs is not None:
         present["trainer_logprobs"] = trainer_present
     # Token versions as the engine cuts with them (int64) in a batch of ordinary size; from
     # COMPACT_MASK_MIN_POSITIONS on, in the narrowest signed dtype the parse gave every sample (a long
     # list of small versions: int8, 1 byte a position for the 2 of "0," instead of 8). The cut reads a
     # narrow array a bounded piece at a time as int64 (engine.token_pieces): the same cuts.
-    given_versions = [s.token_versions for s in samples if s.token_versions is not None]
+    given_versions = [s.token_versions for s in samples]
     versions_dtype: Any = np.int64
-    if mask_dtype is np.int8 and given_versions and all(v.dtype in _NARROW_VERSIONS for v in given_versions):
-        versions_dtype = np.result_type(*given_versions, np.int8)  # -1 (the fill) fits every one
-    token_versions, _ = column("token_versions", lambda s: s.token_versions, -1, versions_dtype)
+    if mask_dtype is np.int8:
+        narrow = [v for v in given_versions if v is not None]
+        if narrow and all(v.dtype in _NARROW_VERSIONS for v in narrow):
+            versions_dtype = np.result_type(*narrow, np.int8)  # -1 (the fill) fits every one
+    token_versions, _ = column("token_versions", given_versions, -1, versions_dtype)
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
     none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
@@ -548,7 +556,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         logprobs=logprobs,
         trainer_logprobs=trainer_logprobs,
         token_versions=None if token_versions is None else _wide_versions(token_versions),
-        span_offsets=np.concatenate(([0], np.cumsum(span_counts, dtype=np.int64))),
+        span_offsets=np.array([0, *accumulate(span_counts)], dtype=np.int64),
         span_versions=span_versions,
         span_starts=span_starts,
         label_kind=label_kind,
@@ -559,6 +567,15 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         # kept narrow (above): set after the constructor, which makes a caller's versions int64
         batch.token_versions = token_versions  # type: ignore[assignment]
     return batch
+
+
+_NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)  # (a column no sample has: no flags kept)
+
+
+def _flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
+    """The arrays end to end as ``dtype``, in one call (each cast as ``astype`` would: integers and
+    floats exactly; narrower integers only where every value fits, as :func:`pack` chooses)."""
+    return np.concatenate(values, dtype=dtype, casting="unsafe") if values else np.zeros(0, dtype=dtype)
 
 
 def _wide_versions(versions: npt.NDArray[Any]) -> npt.NDArray[np.int64] | None:

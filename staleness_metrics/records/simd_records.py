@@ -16,7 +16,9 @@ count of ``[`` in the line rules out (every ``[`` must open a list this reader l
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
+from itertools import accumulate
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -77,33 +79,30 @@ class _Lists:
         self.buffers: list[Any] = []
         self.sizes: list[int] = []
         self.owners: list[tuple[ParsedSample, str]] = []
-        self.lines: list[int] = []  # index of the line (within the reader's pending lines)
-
-    def mark(self) -> int:
-        return len(self.buffers)
-
-    def close_line(self, mark: int, line: int) -> None:
-        """The lists appended since ``mark`` belong to line ``line``."""
-        self.lines += [line] * (len(self.buffers) - mark)
+        self.firsts: list[int] = []  # per line taken (in the reader's order), the index of its first list
 
     def drop_since(self, mark: int) -> None:
         """Forget the lists of a line the general path will read."""
         del self.buffers[mark:], self.sizes[mark:], self.owners[mark:]
 
     def clear(self) -> None:
-        self.buffers, self.sizes, self.owners, self.lines = [], [], [], []
+        self.buffers, self.sizes, self.owners, self.firsts = [], [], [], []
 
     def arrays(
         self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool], refused: set[int]
-    ) -> tuple[npt.NDArray[Any], list[slice]]:
-        """One array of every list, and where each list is in it; adds to ``refused`` the lines of lists
-        that are ``bad`` (one check of all lists; each list is checked only when some is bad)."""
+    ) -> tuple[npt.NDArray[Any], list[int], list[int]]:
+        """One array of every list, and where each list starts and ends in it; adds to ``refused`` the
+        lines of lists that are ``bad`` (one check of all lists; each list is checked only when some is
+        bad). The offsets are Python integers summed in Python: a few lists per line, where a numpy call
+        would cost more than the sum."""
         whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=dtype)
-        ends = np.cumsum(self.sizes).tolist()
-        where = [slice(a, b) for a, b in zip([0, *ends[:-1]], ends)]
+        ends = list(accumulate(self.sizes))
+        starts = [0, *ends]
         if bad(whole):
-            refused.update(line for line, at in zip(self.lines, where) if bad(whole[at]))
-        return whole, where
+            for at, (start, end) in enumerate(zip(starts, ends)):
+                if bad(whole[start:end]):
+                    refused.add(bisect_right(self.firsts, at) - 1)  # the line that holds list ``at``
+        return whole, starts, ends
 
 
 def _mask_bad(values: npt.NDArray[np.int64]) -> bool:
@@ -147,7 +146,7 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
         keys = _keys(item)
         sample = cast(simdjson.Object, item)
         parsed = ParsedSample(mask=_NO_MASK)
-        labels = 0
+        labels = pairs = 0
         sizes: list[int] = []  # lengths of the per-position lists, the mask's first
         for key in keys:  # one lookup per field present (a lookup is a scan of the object's keys)
             value = sample[key]
@@ -173,6 +172,7 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
                         if type(pair) is not simdjson.Array or len(pair) != 2:
                             raise _NotPlain
                     lists += 1 + size  # the list of pairs and each pair
+                    pairs = size
                     size *= 2
                 else:
                     sizes.append(size)
@@ -185,6 +185,8 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
         lists += len(sizes)
         if keys.count("mask") != 1 or labels > 1 or sizes.count(sizes[0]) != len(sizes):
             raise _NotPlain  # no mask; both kinds of labels; a list whose length is not the mask's
+        if pairs > sizes[0]:
+            raise _NotPlain  # more spans than positions: the general path names the span at fault
         samples.append(parsed)
     if line.count(b"[") != lists:  # a nested list (as_buffer flattens it), or a "[" in a string
         raise _NotPlain
@@ -220,8 +222,9 @@ class LineReader:
     def take(self, line: bytes) -> bool:
         """Read a rollout event line if it is plain; ``False``: let the general path read it."""
         # a line not starting with "{" (a byte order mark simdjson would skip, blanks) or holding a
-        # string escape (lone surrogates, which orjson refuses) is left to the general path
-        if line[:1] != b"{" or b"\\" in line:
+        # string escape (lone surrogates, which orjson refuses) is left to the general path; so is one
+        # without the text "rollout" (its type could not be "rollout": a ship or sweep line, not parsed)
+        if line[:1] != b"{" or b"\\" in line or b'"rollout"' not in line:
             return False
         try:
             document = self._parser.parse(line)
@@ -230,44 +233,45 @@ class LineReader:
             # parser, in case this one is still held by a proxy of an earlier line (never expected).
             self._parser = simdjson.Parser()
             return False
-        kinds = (self._masks, self._versions, self._floats)
-        marks = [kind.mark() for kind in kinds]
+        masks, versions, floats = self._masks, self._versions, self._floats
+        marks = len(masks.buffers), len(versions.buffers), len(floats.buffers)
         try:
-            rollout = _rollout(document, line, *kinds)
+            rollout = _rollout(document, line, masks, versions, floats)
         except (_NotPlain, TraceError, TypeError, ValueError, RuntimeError):
-            for kind, mark in zip(kinds, marks):
-                kind.drop_since(mark)
+            masks.drop_since(marks[0])
+            versions.drop_since(marks[1])
+            floats.drop_since(marks[2])
             return False
         finally:
             del document
-        index = len(self._rollouts)
         self._rollouts.append(rollout)
-        for kind, mark in zip(kinds, marks):
-            kind.close_line(mark, index)
+        masks.firsts.append(marks[0])
+        versions.firsts.append(marks[1])
+        floats.firsts.append(marks[2])
         return True
 
     def finish(self) -> list[ParsedRollout | None]:
         """The records of the lines taken, in order; ``None`` for a line whose values the general path
         must read (a mask value not 0/1, a version beyond ±2**53, a float of magnitude 2**63 or more)."""
         refused: set[int] = set()
-        whole, where = self._masks.arrays(np.int64, _mask_bad, refused)
+        whole, starts, ends = self._masks.arrays(np.int64, _mask_bad, refused)
         narrow = whole.astype(np.int8)  # one conversion for every mask
-        for (parsed, _), at in zip(self._masks.owners, where):
-            parsed.mask = narrow[at]
-        whole, where = self._versions.arrays(np.int64, _version_bad, refused)
-        for (parsed, name), at in zip(self._versions.owners, where):
+        for (parsed, _), start, end in zip(self._masks.owners, starts, ends):
+            parsed.mask = narrow[start:end]
+        whole, starts, ends = self._versions.arrays(np.int64, _version_bad, refused)
+        for (parsed, name), start, end in zip(self._versions.owners, starts, ends):
             if name == "token_versions":
-                parsed.token_versions = whole[at]
+                parsed.token_versions = whole[start:end]
             else:
-                parsed.spans = whole[at].reshape(-1, 2)
-        whole, where = self._floats.arrays(np.float64, _float_bad, refused)
-        for (parsed, name), at in zip(self._floats.owners, where):
+                parsed.spans = whole[start:end].reshape(-1, 2)
+        whole, starts, ends = self._floats.arrays(np.float64, _float_bad, refused)
+        for (parsed, name), start, end in zip(self._floats.owners, starts, ends):
             if name == "logprobs":
-                parsed.logprobs = whole[at]
+                parsed.logprobs = whole[start:end]
             elif name == "trainer_logprobs":
-                parsed.trainer_logprobs = whole[at]
+                parsed.trainer_logprobs = whole[start:end]
             else:
-                parsed.weights[name] = whole[at]
+                parsed.weights[name] = whole[start:end]
         out: list[ParsedRollout | None] = [
             None if index in refused else rollout for index, rollout in enumerate(self._rollouts)
         ]

@@ -203,41 +203,99 @@ def _unicode_checked(event: Event, text: str | bytes) -> Event:
 _PARSE_LINES = 64  # rollout lines whose values are checked together (:meth:`LineReader.finish`)
 
 
-def read_events(source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: bool = False) -> Iterator[Event]:
+def read_events(
+    source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: bool = False, read_ahead: bool = False
+) -> Iterator[Event]:
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
 
     ``parse=True``: a valid rollout line given as bytes is read straight into arrays
     (:mod:`.simd_records`, where pysimdjson is installed) and its event holds ``parsed`` instead of
     ``rollout``; :func:`prepare` takes either. Other lines are decoded as always.
+
+    ``read_ahead=True`` (with ``parse``): the values of rollout lines are checked together across ship and
+    sweep lines too, so an event may be yielded up to 64 rollout lines after it was read (a stream that
+    ships every few rollouts checks 64 lines at a time, not a few). For a file read to its end: the same
+    events, and an error of a line or of the file raised after the same events as without it; not for a
+    live stream whose ships are awaited as they come.
     """
     last_step = 0
     reader = simd_records.LineReader() if parse and simd_records.AVAILABLE else None
-    taken: list[tuple[int, bytes]] = []
+    # Lines read and not yet yielded, in order: events, and the lines the reader took, as (number, text)
+    # until their values are checked, then (number, text, record or None for the general path).
+    pending: list[Event | tuple[int, bytes] | tuple[int, bytes, ParsedRollout | None]] = []
+    taken = 0  # lines of ``pending`` taken and not checked yet
+    run = 0  # rollout lines taken since the last line decoded here (what a read without read_ahead counts)
+    settled = 0  # pending[:settled] is what a read without read_ahead would have yielded by now
 
-    def finish() -> Iterator[Event]:
-        assert reader is not None
-        for (number, text), parsed in zip(taken, reader.finish()):
-            yield _decoded(number, text) if parsed is None else Event(number, "rollout", parsed=parsed)
-        taken.clear()
+    def flush(upto: int | None) -> Iterator[Event]:
+        """Check the values of the lines taken; yield ``pending[:upto]`` (``None``: all of it)."""
+        nonlocal taken, settled
+        if taken:
+            assert reader is not None
+            results = iter(reader.finish())
+            pending[:] = [
+                _checked(item, next(results)) if type(item) is tuple and len(item) == 2 else item for item in pending
+            ]
+            taken = 0
+        waiting = pending[:upto]
+        del pending[:upto]
+        settled = 0  # (pending keeps at most lines taken after the last settled one)
+        for item in waiting:
+            if isinstance(item, Event):
+                yield item
+            else:
+                number, text, parsed = cast(tuple[int, bytes, ParsedRollout | None], item)
+                yield _decoded(number, text) if parsed is None else Event(number, "rollout", parsed=parsed)
 
-    for number, text in enumerate(source, start=1):
+    lines = enumerate(source, start=1)
+    while True:
+        try:
+            number, text = next(lines)
+        except StopIteration:
+            break
+        except Exception:
+            yield from flush(settled)  # a damaged file: what was read before it, as without read_ahead
+            raise
         if not text or text.isspace():  # as ``not text.strip()``, without copying the line
             continue
         if reader is not None and isinstance(text, bytes) and reader.take(text):
-            taken.append((number, text))
-            if len(taken) >= _PARSE_LINES:
-                yield from finish()
+            pending.append((number, text))
+            taken += 1
+            run += 1
+            if run >= _PARSE_LINES:  # a read without read_ahead checks and yields them now
+                run, settled = 0, len(pending)
+            if taken >= _PARSE_LINES or len(pending) >= _PENDING_EVENTS:
+                yield from flush(settled)
             continue
-        if taken:
-            yield from finish()
-        event = _decoded(number, text)
-        if event.kind != "rollout":
-            if event.step < last_step:
-                raise EventError(number, f"step {event.step} is below an earlier step {last_step}")
-            last_step = event.step
-        yield event
-    if taken:
-        yield from finish()
+        run = 0
+        if pending and not read_ahead:
+            yield from flush(None)
+        try:
+            event = _decoded(number, text)
+            if event.kind != "rollout":
+                if event.step < last_step:
+                    raise EventError(number, f"step {event.step} is below an earlier step {last_step}")
+                last_step = event.step
+        except EventError:
+            yield from flush(None)  # the events of the lines before it first
+            raise
+        if not pending:
+            yield event
+            continue
+        pending.append(event)
+        settled = len(pending)
+        if len(pending) >= _PENDING_EVENTS:
+            yield from flush(settled)
+    yield from flush(None)
+
+
+def _checked(taken: Any, parsed: ParsedRollout | None) -> tuple[int, bytes, ParsedRollout | None]:
+    """A taken line once its values are checked: its text is kept only for the general path to read."""
+    number, text = taken
+    return number, text if parsed is None else b"", parsed
+
+
+_PENDING_EVENTS = 4 * _PARSE_LINES  # events held by read_ahead at most (but for the lines of one run)
 
 
 @dataclass(frozen=True)
@@ -423,21 +481,23 @@ def read_event_path(
     path: str | Path,
     *,
     parse: bool = False,
+    read_ahead: bool = False,
     opener: Callable[[Path], AbstractContextManager[IO[bytes]]] | None = None,
 ) -> Generator[Event, None, None]:
     """The events of a SPEC 9 event stream file, decompressed if it is (:func:`stream_compression`).
 
-    ``opener`` opens the file's bytes (default: a buffered read); compressed data found damaged or cut
-    short raises :class:`ConfigError` naming the file.
+    ``parse`` and ``read_ahead`` as :func:`read_events` takes them; ``opener`` opens the file's bytes
+    (default: a buffered read); compressed data found damaged or cut short raises :class:`ConfigError`
+    naming the file.
     """
     path = Path(path)
     compression = stream_compression(path)
     with (opener or _open_buffered)(path) as raw, open_decompressed(raw, compression) as handle:
         if compression is None:
-            yield from read_events(handle, parse=parse)
+            yield from read_events(handle, parse=parse, read_ahead=read_ahead)
             return
         try:
-            yield from read_events(handle, parse=parse)
+            yield from read_events(handle, parse=parse, read_ahead=read_ahead)
         except (EOFError, OSError, zlib.error, lzma.LZMAError) as error:
             raise ConfigError(f"{path}: {compression} data damaged or cut short ({error})") from None
 

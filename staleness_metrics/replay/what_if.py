@@ -302,7 +302,7 @@ def _steps_for(source: Source) -> tuple[Callable[[int], Iterable[Step]], list[St
         if run is not None:  # the events joined to the trainer's log-probabilities
             steps = pack_once(prepare(as_replay_events(run.events_with_costs())))
         elif is_event_file(source):  # read as the replay command reads it (compressed or not)
-            steps = pack_once(prepare(read_event_path(source, parse=True)))
+            steps = pack_once(prepare(read_event_path(source, parse=True, read_ahead=True)))
         elif detect_source(source) == "prime-rl":
             return (lambda bound: prepare(read_run(source, max_staleness=bound))), None
         else:

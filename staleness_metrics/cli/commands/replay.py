@@ -70,7 +70,8 @@ def open_events(
 
     stack = contextlib.ExitStack()
     if is_event_file(path):
-        events = read_event_path(path, parse=True, opener=lambda p: _open_with_progress(p, progress))
+        # read ahead: the outputs are written when the whole stream has been replayed
+        events = read_event_path(path, parse=True, read_ahead=True, opener=lambda p: _open_with_progress(p, progress))
         stack.callback(events.close)  # closes the file even when the replay stops early
         return events, stack
     raws = detect_and_read(path, max_staleness=max_staleness)
@@ -125,7 +126,7 @@ def batches_line_bytes(shipment: Shipment) -> bytes:
     samples = [sample for rollout in line["shipped"] for sample in rollout["samples"]]
     for name in WEIGHT_FIELDS:
         holders = [sample for sample in samples if name in sample]
-        texts = jsonio.zero_one_floats([sample[name] for sample in holders])
+        texts = jsonio.zero_one_floats([sample[name] for sample in holders]) if holders else None
         if texts is not None:
             for sample, text in zip(holders, texts):
                 sample[name] = text
