@@ -33,7 +33,7 @@ import operator
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -95,41 +95,14 @@ def bucket_counts(histogram: Counts) -> HistogramPoint:
     )
 
 
-_FIELDS = fields(Tally)
-
-
-def _subtract(a: Tally, b: Tally) -> Tally:
-    """``a - b`` field by field, floored at 0 (per-env tallies never exceed the whole window's)."""
-    values: dict[str, object] = {}
-    for f in _FIELDS:
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, np.ndarray):
-            n = max(len(x), len(y))
-            diff = np.zeros(n, dtype=np.int64)
-            diff[: len(x)] += x
-            diff[: len(y)] -= y
-            values[f.name] = np.maximum(diff, 0)
-        else:
-            values[f.name] = max(x - y, 0)
-    return Tally(**values)  # type: ignore[arg-type]
-
-
-def _is_empty(tally: Tally) -> bool:
-    """``tally == Tally()`` without trimming every array (a ship's path)."""
-    return not any(
-        value.any() if isinstance(value, np.ndarray) else value for value in (getattr(tally, f.name) for f in _FIELDS)
-    )
-
-
 def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally]:
     """The window's tallies split by env; ``""`` = rollouts without env plus whatever no env covers."""
     if not by_env or not report.env_tally:
         return {"": report.tally}
     parts = dict(report.env_tally)
     covered = functools.reduce(operator.add, parts.values())  # not from Tally(): one addition less
-    residual = _subtract(report.tally, covered)
-    if not _is_empty(residual):
-        parts[""] = parts.get("", Tally()) + residual
+    if not report.tally.within(covered):  # (usually every rollout of the window is in its env's tally)
+        parts[""] = parts.get("", Tally()) + report.tally.excess_over(covered)
     return parts
 
 

@@ -67,6 +67,36 @@ class Tally:
         total.__dict__.update(values)
         return total
 
+    def excess_over(self, other: Tally) -> Tally:
+        """``self - other`` field by field, floored at 0 (the part of a window's tally no env's covers)."""
+        mine, theirs = self.__dict__, other.__dict__
+        values: dict[str, object] = {name: max(mine[name] - theirs[name], 0) for name in _COUNT_FIELDS}
+        for name in _COUNTS_FIELDS:
+            a, b = mine[name], theirs[name]
+            if len(a) == len(b):
+                values[name] = np.maximum(a - b, 0).astype(np.int64, copy=False)
+                continue
+            diff = np.zeros(max(len(a), len(b)), dtype=np.int64)
+            diff[: len(a)] += a
+            diff[: len(b)] -= b
+            values[name] = np.maximum(diff, 0)
+        excess = object.__new__(Tally)
+        excess.__dict__.update(values)
+        return excess
+
+    def within(self, other: Tally) -> bool:
+        """Whether every number of ``self`` is at most ``other``'s (the arrays index by index): then
+        :meth:`excess_over` is empty."""
+        mine, theirs = self.__dict__, other.__dict__
+        if any(mine[name] > theirs[name] for name in _COUNT_FIELDS):
+            return False
+        for name in _COUNTS_FIELDS:
+            a, b = mine[name], theirs[name]
+            n = min(len(a), len(b))
+            if (len(a) > n and a[n:].any()) or (a[:n] > b[:n]).any():
+                return False
+        return True
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Tally):
             return NotImplemented

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
 
 from staleness_metrics.exporters.state import CumulativeState, bucket_counts, partition_by_env
 from staleness_metrics.metrics.metric_table import BUCKETS
@@ -101,3 +105,39 @@ def test_a_folded_ship_read_later_shows_that_ship_and_equals_an_applied_one() ->
     first = pending[0].get()
     assert first.counters["tokens_sampled"] == {"math": 2} and first.step == 1
     assert [p.get().time_ns for p in pending] == sorted({p.get().time_ns for p in pending})  # ship order kept
+
+
+_COUNTS = st.lists(st.integers(0, 50), max_size=6).map(lambda values: np.array(values, dtype=np.int64))
+
+
+@st.composite
+def _tallies(draw: st.DrawFn) -> Tally:
+    return Tally(
+        **{f.name: draw(_COUNTS if f.type == "Counts" else st.integers(0, 50)) for f in fields(Tally)}  # type: ignore[arg-type]
+    )
+
+
+def _floored_difference(a: Tally, b: Tally) -> Tally:
+    """The definition: field by field, the arrays index by index (the shorter one read as zeros)."""
+    values: dict[str, object] = {}
+    for f in fields(Tally):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            n = max(len(x), len(y))
+            values[f.name] = np.maximum(np.pad(x, (0, n - len(x))) - np.pad(y, (0, n - len(y))), 0)
+        else:
+            values[f.name] = max(x - y, 0)
+    return Tally(**values)  # type: ignore[arg-type]
+
+
+@given(_tallies(), _tallies())
+def test_a_window_s_excess_over_its_envs_is_the_floored_difference_and_within_says_when_it_is_empty(
+    window: Tally, covered: Tally
+) -> None:
+    excess = window.excess_over(covered)
+    expected = _floored_difference(window, covered)
+    for f in fields(Tally):  # exact arrays, lengths included (== trims trailing zeros)
+        mine, theirs = getattr(excess, f.name), getattr(expected, f.name)
+        assert np.array_equal(mine, theirs) if isinstance(mine, np.ndarray) else mine == theirs, f.name
+    assert window.within(covered) == (excess == Tally())
+    assert window.within(window) and window.excess_over(window) == Tally()
