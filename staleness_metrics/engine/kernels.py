@@ -952,7 +952,124 @@ class PopulationSums(NamedTuple):
     length_removed: IntArray  # of those, masked
 
 
-@_CompiledOnFirstCall
+# Where :func:`population_summary` writes each number in the array it returns (its four arrays follow them).
+(SUM_TOKENS, SUM_MASKED, SUM_UNLABELLED, SUM_FROZEN, SUM_SAMPLES, SUM_DOT, SUM_LIVE, SUM_ROLLOUT, MAX_ROLLOUT,
+ SUM_IN_FLIGHT, MAX_IN_FLIGHT, SUM_IN_QUEUE, MAX_IN_QUEUE, SUM_NEWEST, MAX_NEWEST, TOKEN_BINS, ROLLOUT_BINS,
+ SUM_QUANTILES) = range(18)  # fmt: skip
+
+
+def _check_population(
+    rollout_in: BoolArray,
+    frozen: BoolArray,
+    dispatch: IntArray,
+    completion: IntArray,
+    sample_offsets: IntArray,
+    dropped: BoolArray,
+    mask_below: IntArray,
+    n_sampled: IntArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    labelled: BoolArray,
+) -> None:  # pragma: no cover - compiled
+    """The checks of a population pass's arrays (a callee of ``_population_sums`` and ``_population_summary``)."""
+    n_rollouts = len(frozen)
+    n_samples = len(dropped)
+    n_spans = len(version)
+    if len(rollout_in) != n_rollouts or len(dispatch) != n_rollouts or len(completion) != n_rollouts:
+        raise ValueError("population: rollout arrays differ in length")
+    if len(sample_offsets) != n_rollouts + 1 or len(mask_below) != n_samples or len(n_sampled) != n_samples:
+        raise ValueError("population: sample arrays differ in length")
+    if len(span_offsets) != n_samples + 1 or len(sampled) != n_spans or len(labelled) != n_spans:
+        raise ValueError("population: span arrays differ in length")
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
+        raise ValueError("population: offsets do not cover the arrays")
+    if span_offsets[n_samples] != n_spans:
+        raise ValueError("population: offsets do not cover the arrays")
+    for r in range(n_rollouts):
+        if sample_offsets[r + 1] < sample_offsets[r]:
+            raise ValueError("population: offsets out of order")
+    for k in range(n_samples):
+        if span_offsets[k + 1] < span_offsets[k]:
+            raise ValueError("population: offsets out of order")
+
+
+def _walk_live_rollout(
+    r: int,
+    t: int,
+    dispatch: IntArray,
+    sample_offsets: IntArray,
+    dropped: BoolArray,
+    mask_below: IntArray,
+    n_sampled: IntArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    sampled: IntArray,
+    labelled: BoolArray,
+    length_bounds: IntArray,
+    totals: IntArray,
+    length_sampled: IntArray,
+    length_removed: IntArray,
+    extent: IntArray,
+) -> tuple[int, int]:  # pragma: no cover - compiled
+    """Add live rollout ``r``'s kept samples and their spans with sampled positions to ``totals`` (at the
+    ``SUM_*`` places of tokens, masked, unlabelled and samples, which ``_population_sums`` shares), the
+    length buckets and ``extent`` (the lowest, highest and largest absolute staleness, and 1 once any is
+    seen); returns the rollout's oldest and newest sampled version (its dispatch version for both when it
+    has none). A callee of ``_population_sums`` and ``_population_summary``."""
+    n_buckets = len(length_bounds) + 1
+    oldest = dispatch[r]
+    freshest = dispatch[r]
+    found = False
+    for s in range(sample_offsets[r], sample_offsets[r + 1]):
+        if dropped[s]:
+            continue
+        totals[SUM_SAMPLES] += 1
+        masked_here = 0
+        for k in range(span_offsets[s], span_offsets[s + 1]):
+            count = sampled[k]
+            if count <= 0:
+                continue
+            v = version[k]
+            if not found:
+                oldest = v
+                freshest = v
+                found = True
+            else:
+                oldest = min(oldest, v)
+                freshest = max(freshest, v)
+            staleness = t - v
+            if extent[3] == 0:
+                extent[0] = staleness
+                extent[1] = staleness
+                extent[3] = 1
+            else:
+                extent[0] = min(extent[0], staleness)
+                extent[1] = max(extent[1], staleness)
+            extent[2] = max(extent[2], abs(staleness))
+            totals[SUM_TOKENS] += count
+            if not labelled[k]:
+                totals[SUM_UNLABELLED] += count
+            if v < mask_below[s]:
+                masked_here += count
+        totals[SUM_MASKED] += masked_here
+        length = n_sampled[s]
+        if length > 0:
+            bucket = 0
+            while bucket < n_buckets - 1 and length_bounds[bucket] < length:
+                bucket += 1
+            length_sampled[bucket] += length
+            length_removed[bucket] += masked_here
+    return oldest, freshest
+
+
+_POPULATION_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
+    "_check_population": (_check_population, {}),
+    "_walk_live_rollout": (_walk_live_rollout, {}),
+}
+
+
+@_CompiledOnFirstCall(callees=_POPULATION_CALLEES)
 def _population_sums(
     t: int,
     rollout_in: BoolArray,
@@ -970,25 +1087,11 @@ def _population_sums(
     length_bounds: IntArray,
     direct_range: int,
 ) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
+    _check_population(
+        rollout_in, frozen, dispatch, completion, sample_offsets, dropped, mask_below, n_sampled, span_offsets,
+        version, sampled, labelled,
+    )  # fmt: skip
     n_rollouts = len(frozen)
-    n_samples = len(dropped)
-    n_spans = len(version)
-    if len(rollout_in) != n_rollouts or len(dispatch) != n_rollouts or len(completion) != n_rollouts:
-        raise ValueError("population_sums: rollout arrays differ in length")
-    if len(sample_offsets) != n_rollouts + 1 or len(mask_below) != n_samples or len(n_sampled) != n_samples:
-        raise ValueError("population_sums: sample arrays differ in length")
-    if len(span_offsets) != n_samples + 1 or len(sampled) != n_spans or len(labelled) != n_spans:
-        raise ValueError("population_sums: span arrays differ in length")
-    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
-        raise ValueError("population_sums: offsets do not cover the arrays")
-    if span_offsets[n_samples] != n_spans:
-        raise ValueError("population_sums: offsets do not cover the arrays")
-    for r in range(n_rollouts):
-        if sample_offsets[r + 1] < sample_offsets[r]:
-            raise ValueError("population_sums: offsets out of order")
-    for k in range(n_samples):
-        if span_offsets[k + 1] < span_offsets[k]:
-            raise ValueError("population_sums: offsets out of order")
     # [tokens, masked, unlabelled, frozen, samples, dot, dot fits, low, any present]
     totals = np.zeros(9, dtype=np.int64)
     n_buckets = len(length_bounds) + 1
@@ -1001,10 +1104,7 @@ def _population_sums(
     rollout = np.empty(selected, dtype=np.int64)
     in_flight = np.empty(selected, dtype=np.int64)
     newest = np.empty(selected, dtype=np.int64)
-    low = 0
-    high = 0
-    largest = 0  # the largest |staleness| of a span with sampled positions
-    present = False
+    extent = np.zeros(4, dtype=np.int64)  # _walk_live_rollout's lowest, highest and largest |staleness|, any
     at = 0
     for r in range(n_rollouts):
         if not rollout_in[r]:
@@ -1012,54 +1112,17 @@ def _population_sums(
         if frozen[r]:
             totals[3] += 1
             continue
-        oldest = dispatch[r]
-        freshest = dispatch[r]
-        found = False
-        for s in range(sample_offsets[r], sample_offsets[r + 1]):
-            if dropped[s]:
-                continue
-            totals[4] += 1
-            masked_here = 0
-            for k in range(span_offsets[s], span_offsets[s + 1]):
-                count = sampled[k]
-                if count <= 0:
-                    continue
-                v = version[k]
-                if not found:
-                    oldest = v
-                    freshest = v
-                    found = True
-                else:
-                    oldest = min(oldest, v)
-                    freshest = max(freshest, v)
-                staleness = t - v
-                if not present:
-                    low = staleness
-                    high = staleness
-                    present = True
-                else:
-                    low = min(low, staleness)
-                    high = max(high, staleness)
-                largest = max(largest, abs(staleness))
-                totals[0] += count
-                if not labelled[k]:
-                    totals[2] += count
-                if v < mask_below[s]:
-                    masked_here += count
-            totals[1] += masked_here
-            length = n_sampled[s]
-            if length > 0:
-                bucket = 0
-                while bucket < n_buckets - 1 and length_bounds[bucket] < length:
-                    bucket += 1
-                length_sampled[bucket] += length
-                length_removed[bucket] += masked_here
+        oldest, freshest = _walk_live_rollout(
+            r, t, dispatch, sample_offsets, dropped, mask_below, n_sampled, span_offsets, version, sampled, labelled,
+            length_bounds, totals, length_sampled, length_removed, extent,
+        )  # fmt: skip
         rollout[at] = t - oldest
         flight = completion[r] - oldest
         flight = max(flight, 0)
         in_flight[at] = min(flight, t - oldest)
         newest[at] = t - freshest
         at += 1
+    low, high, largest, present = extent[0], extent[1], extent[2], extent[3] != 0
     # sum(staleness x count) fits in int64 when |staleness| x tokens does (every partial sum is below it)
     fits = largest == 0 or totals[0] <= (2**62 - 1) // largest
     counts = np.zeros(0, dtype=np.int64)
@@ -1220,12 +1283,6 @@ def token_decision(
     return TokenDecision(*found)
 
 
-# Where :func:`population_summary` writes each number in the array it returns (its four arrays follow them).
-(SUM_TOKENS, SUM_MASKED, SUM_UNLABELLED, SUM_FROZEN, SUM_SAMPLES, SUM_DOT, SUM_LIVE, SUM_ROLLOUT, MAX_ROLLOUT,
- SUM_IN_FLIGHT, MAX_IN_FLIGHT, SUM_IN_QUEUE, MAX_IN_QUEUE, SUM_NEWEST, MAX_NEWEST, TOKEN_BINS, ROLLOUT_BINS,
- SUM_QUANTILES) = range(18)  # fmt: skip
-
-
 class PopulationSummary(NamedTuple):
     """What :func:`population_summary` finds: the numbers (indexed by the ``SUM_*`` / ``MAX_*`` constants,
     then one nearest-rank staleness per quantile asked) and four arrays."""
@@ -1237,7 +1294,7 @@ class PopulationSummary(NamedTuple):
     rollout_histogram: IntArray  # live rollouts per staleness (their oldest shipped version's), folded alike
 
 
-@_CompiledOnFirstCall
+@_CompiledOnFirstCall(callees=_POPULATION_CALLEES)
 def _population_summary(
     t: int,
     rollout_in: BoolArray,
@@ -1257,25 +1314,11 @@ def _population_summary(
     top: int,
     quantiles: IntArray,
 ) -> IntArray:  # pragma: no cover - compiled
+    _check_population(
+        rollout_in, frozen, dispatch, completion, sample_offsets, dropped, mask_below, n_sampled, span_offsets,
+        version, sampled, labelled,
+    )  # fmt: skip
     n_rollouts = len(frozen)
-    n_samples = len(dropped)
-    n_spans = len(version)
-    if len(rollout_in) != n_rollouts or len(dispatch) != n_rollouts or len(completion) != n_rollouts:
-        raise ValueError("population_summary: rollout arrays differ in length")
-    if len(sample_offsets) != n_rollouts + 1 or len(mask_below) != n_samples or len(n_sampled) != n_samples:
-        raise ValueError("population_summary: sample arrays differ in length")
-    if len(span_offsets) != n_samples + 1 or len(sampled) != n_spans or len(labelled) != n_spans:
-        raise ValueError("population_summary: span arrays differ in length")
-    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
-        raise ValueError("population_summary: offsets do not cover the arrays")
-    if span_offsets[n_samples] != n_spans:
-        raise ValueError("population_summary: offsets do not cover the arrays")
-    for r in range(n_rollouts):
-        if sample_offsets[r + 1] < sample_offsets[r]:
-            raise ValueError("population_summary: offsets out of order")
-    for k in range(n_samples):
-        if span_offsets[k + 1] < span_offsets[k]:
-            raise ValueError("population_summary: offsets out of order")
     n_quantiles = len(quantiles)
     head = SUM_QUANTILES + n_quantiles
     n_buckets = len(length_bounds) + 1
@@ -1283,10 +1326,7 @@ def _population_summary(
     length_sampled = np.zeros(n_buckets, dtype=np.int64)
     length_removed = np.zeros(n_buckets, dtype=np.int64)
     rollout_hist = np.zeros(top + 1, dtype=np.int64)
-    low = 0
-    high = 0
-    largest = 0  # the largest |staleness| of a span with sampled positions
-    present = False
+    extent = np.zeros(4, dtype=np.int64)  # _walk_live_rollout's lowest, highest and largest |staleness|, any
     rollout_top = -1
     counts = np.zeros(0, dtype=np.int64)
     for r in range(n_rollouts):
@@ -1295,48 +1335,10 @@ def _population_summary(
         if frozen[r]:
             totals[SUM_FROZEN] += 1
             continue
-        oldest = dispatch[r]
-        freshest = dispatch[r]
-        found = False
-        for s in range(sample_offsets[r], sample_offsets[r + 1]):
-            if dropped[s]:
-                continue
-            totals[SUM_SAMPLES] += 1
-            masked_here = 0
-            for k in range(span_offsets[s], span_offsets[s + 1]):
-                count = sampled[k]
-                if count <= 0:
-                    continue
-                v = version[k]
-                if not found:
-                    oldest = v
-                    freshest = v
-                    found = True
-                else:
-                    oldest = min(oldest, v)
-                    freshest = max(freshest, v)
-                staleness = t - v
-                if not present:
-                    low = staleness
-                    high = staleness
-                    present = True
-                else:
-                    low = min(low, staleness)
-                    high = max(high, staleness)
-                largest = max(largest, abs(staleness))
-                totals[SUM_TOKENS] += count
-                if not labelled[k]:
-                    totals[SUM_UNLABELLED] += count
-                if v < mask_below[s]:
-                    masked_here += count
-            totals[SUM_MASKED] += masked_here
-            length = n_sampled[s]
-            if length > 0:
-                bucket = 0
-                while bucket < n_buckets - 1 and length_bounds[bucket] < length:
-                    bucket += 1
-                length_sampled[bucket] += length
-                length_removed[bucket] += masked_here
+        oldest, freshest = _walk_live_rollout(
+            r, t, dispatch, sample_offsets, dropped, mask_below, n_sampled, span_offsets, version, sampled, labelled,
+            length_bounds, totals, length_sampled, length_removed, extent,
+        )  # fmt: skip
         rollout = t - oldest
         in_flight = min(max(completion[r] - oldest, 0), rollout)
         in_queue = rollout - in_flight
@@ -1356,6 +1358,7 @@ def _population_summary(
         folded = min(rollout, top)
         rollout_hist[folded] += 1
         rollout_top = max(rollout_top, folded)
+    low, high, largest, present = extent[0], extent[1], extent[2], extent[3] != 0
     token_top = -1
     if present:
         # the general path: a staleness below 0, too wide a range to count by value, or a dot beyond int64
