@@ -447,6 +447,13 @@ def numpy_span_rows(
     }  # fmt: skip
 
 
+def assert_same_rows(got: Any, want: dict[str, npt.NDArray[Any]]) -> None:
+    """Every array of ``want`` equals the kernel result's field of that name, dtype included."""
+    for name, values in want.items():
+        mine = getattr(got, name)
+        assert mine.dtype == values.dtype and mine.tolist() == values.tolist(), name
+
+
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), samples=st.integers(0, 12), cut_share=st.floats(0.0, 0.3))
 def test_span_rows_equal_the_numpy_steps(seed: int, samples: int, cut_share: float) -> None:
@@ -469,9 +476,7 @@ def test_span_rows_equal_the_numpy_steps(seed: int, samples: int, cut_share: flo
     arrays = (lo, hi, label, labelled, *flags, pos_off, dispatch)
     got = span_rows(*arrays, NO_VERSION)
     want = numpy_span_rows(*arrays)
-    for name, values in want.items():
-        mine = getattr(got, name)
-        assert mine.dtype == values.dtype and mine.tolist() == values.tolist(), name
+    assert_same_rows(got, want)
 
 
 def test_span_rows_refuse_a_cut_outside_the_positions() -> None:
@@ -552,9 +557,7 @@ def test_shipped_rows_equal_the_numpy_steps(seed: int, rollouts: int, table_rows
     )  # fmt: skip
     got = shipped_rows(*args)
     want = numpy_shipped_rows(*args)
-    for name, values in want.items():
-        mine = getattr(got, name)
-        assert mine.dtype == values.dtype and mine.tolist() == values.tolist(), name
+    assert_same_rows(got, want)
 
 
 def test_shipped_rows_refuse_rows_outside_the_table() -> None:
@@ -638,9 +641,7 @@ def test_stale_rows_equal_the_numpy_steps(seed: int, rollouts: int, table_rows: 
     )  # fmt: skip
     got = stale_rows(*args)
     want = numpy_stale_rows(*args)
-    for name, values in want.items():
-        mine = getattr(got, name)
-        assert mine.dtype == values.dtype and mine.tolist() == values.tolist(), name
+    assert_same_rows(got, want)
 
 
 def test_stale_rows_refuse_rows_outside_the_table() -> None:
