@@ -13,9 +13,8 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from itertools import chain, repeat
+from itertools import repeat
 from operator import attrgetter
 from typing import Any, NamedTuple
 
@@ -59,6 +58,7 @@ class _Staged(NamedTuple):
     # The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
     # wherever both have an array are cut together (:func:`_concatenated` fills the missing ones).
     kind: tuple[str | None, ...]
+    n_rollouts: int
     n_samples: int
     n_positions: int
 
@@ -222,20 +222,45 @@ _GATHERED = _GatheredPerThread()
 _ALWAYS_GIVEN = frozenset({"mask", "dispatch_version", "completion_version", "frozen", "label_kind"})
 
 
+class _Joined(NamedTuple):
+    """Where the staged batches sit in their concatenation: per batch, its first rollout, sample and position."""
+
+    rollouts: IntArray
+    samples: IntArray
+    positions: IntArray
+    singles: bool  # every batch one rollout of one sample (a trainer adding per rollout): the starts are 0..n
+
+
+def _joined_starts(staged: Sequence[_Staged]) -> _Joined:
+    n = len(staged)
+    n_rollouts = list(map(attrgetter("n_rollouts"), staged))
+    n_samples = list(map(attrgetter("n_samples"), staged))
+    positions = np.cumsum([0, *map(attrgetter("n_positions"), staged)])
+    if sum(n_rollouts) == n and sum(n_samples) == n:  # (counts are >= 1: plainly_valid checked them)
+        ones = np.arange(n + 1)
+        return _Joined(ones, ones, positions, True)
+    return _Joined(np.cumsum([0, *n_rollouts]), np.cumsum([0, *n_samples]), positions, False)
+
+
 def _concatenated(
-    staged: Sequence[_Staged], scratch: _Scratch = _SCRATCH, held: Mapping[str, npt.NDArray[Any]] | None = None
+    staged: Sequence[_Staged],
+    ids: list[str],
+    starts: _Joined,
+    scratch: _Scratch = _SCRATCH,
+    held: Mapping[str, npt.NDArray[Any]] | None = None,
 ) -> RolloutBatch:
-    """One batch holding the staged batches one after the other, with the arrays cutting spans reads
-    (copies; the per-position ones in ``scratch``, so the batch is valid until the next join there).
+    """One batch holding the staged batches one after the other (``ids``: theirs, in order), with the arrays
+    cutting spans reads (copies; the per-position ones in ``scratch``, so the batch is valid until the next join
+    there, or ``held``: copied at add).
 
     An array some batches lack is filled with what its absence means to the cut, so each sample's spans
     are those of its own batch: rl weights 1.0 on the mask (0 elsewhere), ce and ref-KL weights 0,
     ``token_versions`` -1 and no ``weight_versions`` spans (those samples' ``label_kind`` says they use
     neither).
     """
-    batches = [item.batch for item in staged]
-    n_positions = sum(item.n_positions for item in staged)
-    sample_counts = [item.n_samples for item in staged]
+    batches = list(map(attrgetter("batch"), staged))
+    n_positions = int(starts.positions[-1])
+    sample_counts = list(map(attrgetter("n_samples"), staged))
 
     def joined(name: str, fill: Any = None) -> Any:
         if held is not None and name in _POSITION_ARRAYS:  # copied at add (every batch has it, or none)
@@ -256,7 +281,7 @@ def _concatenated(
         **{name: joined(name, lambda b: np.zeros(b.n_positions)) for name in ("ce_weights", "ref_kl_weights")},
         "token_versions": joined("token_versions", lambda b: np.full(b.n_positions, -1, dtype=np.int64)),
     }
-    span_offsets = list(map(attrgetter("span_offsets"), batches))
+    span_offsets = [] if held is not None else list(map(attrgetter("span_offsets"), batches))  # (held: none has)
     if sum(map(operator.is_, span_offsets, repeat(None))) != len(span_offsets):
         none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
         columns["span_offsets"] = _joined_offsets(
@@ -264,17 +289,22 @@ def _concatenated(
             sample_counts,
         )
         columns.update({name: joined(name, lambda b: none) for name in ("span_versions", "span_starts")})
-    ids = list(chain.from_iterable(map(attrgetter("ids"), batches)))
+    if starts.singles:  # (the offsets are the starts themselves)
+        sample_offsets, position_offsets = starts.samples, starts.positions
+    else:  # (a staged batch's offsets end at its sample and position counts: plainly_valid checked them)
+        sample_offsets = _joined_offsets(
+            list(map(attrgetter("sample_offsets"), batches)), list(map(attrgetter("n_rollouts"), staged)),
+            sample_counts,
+        )  # fmt: skip
+        position_offsets = _joined_offsets(
+            list(map(attrgetter("position_offsets"), batches)), sample_counts,
+            list(map(attrgetter("n_positions"), staged)),
+        )  # fmt: skip
     # (``agentic``, ``group_ids`` and ``envs`` are not joined: the cut reads none of them)
     return RolloutBatch(
         ids=ids,
-        # (a staged batch's offsets end at its sample and position counts: plainly_valid checked them)
-        sample_offsets=_joined_offsets(
-            list(map(attrgetter("sample_offsets"), batches)), [len(b.ids) for b in batches], sample_counts
-        ),
-        position_offsets=_joined_offsets(
-            list(map(attrgetter("position_offsets"), batches)), sample_counts, [item.n_positions for item in staged]
-        ),
+        sample_offsets=sample_offsets,
+        position_offsets=position_offsets,
         mask=joined("mask"),
         dispatch_version=joined("dispatch_version"),
         completion_version=joined("completion_version"),
@@ -434,7 +464,7 @@ class RolloutQueue:
             self._gathered = gathered if gathered.begin(self, first.batch, first.kind) else None
         if self._gathered is not None and self._gathered.complete:
             self._gathered.append(batch, kind)
-        self._staged.append(_Staged(batch, chunk, groups, envs, kind, n_samples, n_positions))
+        self._staged.append(_Staged(batch, chunk, groups, envs, kind, n_rollouts, n_samples, n_positions))
         self._staged_rollouts += n_rollouts
         self._staged_positions += n_positions
         if self._staged_positions > STAGE_FLUSH_POSITIONS:
@@ -465,23 +495,34 @@ class RolloutQueue:
             start = end
 
     def _append_staged(self, staged: list[_Staged], held: dict[str, npt.NDArray[Any]] | None = None) -> None:
-        batch = staged[0].batch if len(staged) == 1 else _concatenated(staged, held=held)
+        if len(staged) == 1:  # one batch (a replay's add between two ships): its own rows, nothing to shift
+            only = staged[0]
+            batch = only.batch
+            verdicts = Verdicts(batch)
+            spans = build_spans(batch, verdicts)
+            assert not verdicts.errors, "a plainly valid batch was refused"  # plainly_valid may only err towards no
+            keep = np.arange(len(batch.ids))
+            self.append_rows(batch, spans, keep, np.full(len(keep), only.chunk), keep, only.groups, only.envs)
+            return
+        starts = _joined_starts(staged)
+        first = len(self.rollouts)  # (the staged rollouts' ids are the last ones admitted)
+        batch = _concatenated(staged, self.ids[first : first + int(starts.rollouts[-1])], starts, held=held)
         verdicts = Verdicts(batch)
         spans = build_spans(batch, verdicts)
         assert not verdicts.errors, "a plainly valid batch was refused"  # plainly_valid may only err towards no
         keep = np.arange(len(batch.ids))
-        if len(staged) == 1:  # one batch (a replay's add between two ships): its own rows, nothing to shift
-            only = staged[0]
-            self.append_rows(batch, spans, keep, np.full(len(keep), only.chunk), keep, only.groups, only.envs)
-            return
-        n_rollouts = [len(item.batch.ids) for item in staged]
-        rollout_base = np.repeat(np.cumsum([0, *n_rollouts[:-1]]), n_rollouts)
-        chunks = np.repeat([item.chunk for item in staged], n_rollouts)
-        # spans at positions of the concatenation: back to their own batch's
-        position_base = np.repeat(np.cumsum([0, *(item.n_positions for item in staged[:-1])]), n_rollouts)
-        groups = np.concatenate([item.groups for item in staged])
-        envs = np.concatenate([item.envs for item in staged])
-        self.append_rows(batch, spans, keep, chunks, keep - rollout_base, groups, envs, position_base)
+        chunks = np.fromiter(map(attrgetter("chunk"), staged), dtype=np.int64, count=len(staged))
+        if starts.singles:  # (a rollout per batch: each the first of its own)
+            index, position_base = np.zeros(len(staged), dtype=np.int64), starts.positions[:-1]
+        else:
+            n_rollouts = np.diff(starts.rollouts)
+            index = keep - np.repeat(starts.rollouts[:-1], n_rollouts)
+            chunks = np.repeat(chunks, n_rollouts)
+            position_base = np.repeat(starts.positions[:-1], n_rollouts)
+        groups = np.concatenate(list(map(attrgetter("groups"), staged)))
+        envs = np.concatenate(list(map(attrgetter("envs"), staged)))
+        # (spans at positions of the concatenation: ``position_base`` takes them back to their own batch's)
+        self.append_rows(batch, spans, keep, chunks, index, groups, envs, position_base)
 
     def append_rows(
         self,
@@ -498,65 +539,58 @@ class RolloutQueue:
         it, and (``position_base``, per rollout) where their chunk starts in ``batch``'s positions."""
         assert batch.frozen is not None and batch.label_kind is not None
         every = len(keep) == len(batch.ids)  # (then the rows are the batch's own: no selection to build)
-        if every and position_base is None:
-            self._append_every(batch, spans, chunk, index, groups, envs)
+        if every:
+            self._append_every(batch, spans, chunk, index, groups, envs, position_base)
             return
         offsets = batch.sample_offsets
-        sample_lo, sample_hi = (offsets[:-1], offsets[1:]) if every else (offsets[keep], offsets[keep + 1])
-        samples = np.arange(batch.n_samples) if every else expand_ranges(sample_lo, sample_hi)
+        sample_lo, sample_hi = offsets[keep], offsets[keep + 1]
+        samples = expand_ranges(sample_lo, sample_hi)
         span_lo, span_hi = spans.span_offsets[samples], spans.span_offsets[samples + 1]
-        kept_spans = np.arange(len(spans.lo)) if every else expand_ranges(span_lo, span_hi)
+        kept_spans = expand_ranges(span_lo, span_hi)
         sample_base, span_base, row_base = len(self.samples), len(self.spans), len(self.rollouts)
-        # Offsets start at 0 (checked): the batch's own, shifted, when every rollout is kept.
-        new_sample_offsets = sample_base + (
-            offsets if every else np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
-        )
-        new_span_offsets = span_base + (
-            spans.span_offsets if every else np.concatenate(([0], np.cumsum(span_hi - span_lo)))
-        )
-
-        def of_rollouts(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
-            return values if every else values[keep]
-
-        def of_samples(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
-            return values if every else values[samples]
-
-        def of_spans(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
-            return values if every else values[kept_spans]
-
-        frozen = of_rollouts(batch.frozen)
+        new_sample_offsets = sample_base + np.concatenate(([0], np.cumsum(sample_hi - sample_lo)))
+        new_span_offsets = span_base + np.concatenate(([0], np.cumsum(span_hi - span_lo)))
+        frozen = batch.frozen[keep]
         self.rollouts.append(
             chunk=chunk, index=index, status=QUEUED, judged=NEVER, frozen=frozen,
-            dispatch=of_rollouts(batch.dispatch_version), completion=of_rollouts(spans.completion), group=groups,
+            dispatch=batch.dispatch_version[keep], completion=spans.completion[keep], group=groups,
             env=envs, sample_lo=new_sample_offsets[:-1], sample_hi=new_sample_offsets[1:],
         )  # fmt: skip
         sample_rollout = np.repeat(np.arange(len(keep)), sample_hi - sample_lo)
-        n_sampled = of_samples(spans.n_sampled)
+        n_sampled = spans.n_sampled[samples]
         self.samples.append(
             rollout=row_base + sample_rollout, local=samples - sample_lo[sample_rollout],
             span_lo=new_span_offsets[:-1], span_hi=new_span_offsets[1:], mask_below=NO_MASK, dropped=False,
-            had_train=of_samples(spans.had_train), unmaskable=of_samples(spans.unmaskable), n_sampled=n_sampled,
-            n_unlabelled=of_samples(spans.n_unlabelled), max_label=of_samples(spans.max_label),
-            max_sampled=of_samples(spans.max_sampled_version), seq_min=of_samples(spans.seq_min_version),
-            label_kind=of_samples(batch.label_kind),
+            had_train=spans.had_train[samples], unmaskable=spans.unmaskable[samples], n_sampled=n_sampled,
+            n_unlabelled=spans.n_unlabelled[samples], max_label=spans.max_label[samples],
+            max_sampled=spans.max_sampled_version[samples], seq_min=spans.seq_min_version[samples],
+            label_kind=batch.label_kind[samples],
         )  # fmt: skip
-        span_sample_local = spans.sample if every else np.repeat(np.arange(len(samples)), span_hi - span_lo)
-        lo, hi = of_spans(spans.lo), of_spans(spans.hi)
+        lo, hi = spans.lo[kept_spans], spans.hi[kept_spans]
+        span_sample = np.repeat(np.arange(len(samples)), span_hi - span_lo)
         if position_base is not None:
-            base = position_base[sample_rollout[span_sample_local]]
+            base = position_base[sample_rollout[span_sample]]
             lo, hi = lo - base, hi - base
         self.spans.append(
-            sample=sample_base + span_sample_local, lo=lo, hi=hi,
-            version=of_spans(spans.version), labelled=of_spans(spans.label) >= 0,
-            sampled=of_spans(spans.sampled), live=of_spans(spans.live), part=of_spans(spans.part),
+            sample=sample_base + span_sample, lo=lo, hi=hi,
+            version=spans.version[kept_spans], labelled=spans.label[kept_spans] >= 0,
+            sampled=spans.sampled[kept_spans], live=spans.live[kept_spans], part=spans.part[kept_spans],
         )  # fmt: skip
         self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
         self._observe_added(groups)
 
     def _append_every(
-        self, batch: RolloutBatch, spans: SpanTable, chunk: IntArray, index: IntArray, groups: IntArray, envs: IntArray
+        self,
+        batch: RolloutBatch,
+        spans: SpanTable,
+        chunk: IntArray,
+        index: IntArray,
+        groups: IntArray,
+        envs: IntArray,
+        position_base: IntArray | None,
     ) -> None:
-        """:meth:`append_rows` of every rollout of ``batch`` at its own positions: the batch's arrays as they are."""
+        """:meth:`append_rows` of every rollout of ``batch``: the batch's arrays as they are (spans moved by
+        their rollout's ``position_base``, when given)."""
         assert batch.frozen is not None and batch.label_kind is not None
         offsets, n_rollouts = batch.sample_offsets, len(batch.ids)
         sample_base, span_base, row_base = len(self.samples), len(self.spans), len(self.rollouts)
@@ -589,9 +623,13 @@ class RolloutQueue:
             max_label=spans.max_label, max_sampled=spans.max_sampled_version, seq_min=spans.seq_min_version,
             label_kind=batch.label_kind,
         )  # fmt: skip
+        lo, hi = spans.lo, spans.hi
+        if position_base is not None:
+            base = position_base[sample_rollout[spans.sample]]
+            lo, hi = lo - base, hi - base
         self.spans.append(
-            sample=sample_base + spans.sample, lo=spans.lo, hi=spans.hi, version=spans.version,
-            labelled=spans.label >= 0, sampled=spans.sampled, live=spans.live, part=spans.part,
+            sample=sample_base + spans.sample, lo=lo, hi=hi, version=spans.version, labelled=spans.label >= 0,
+            sampled=spans.sampled, live=spans.live, part=spans.part,
         )  # fmt: skip
         if n_samples <= 64:  # (Python over short lists costs less than numpy calls)
             if True in frozen.tolist():
@@ -621,18 +659,25 @@ class RolloutQueue:
         self.rollouts["status"][rows] = status
         self.queued -= len(rows)
         chunks = self.rollouts["chunk"][rows]
-        if len(chunks) <= 256:  # (a few rollouts: counted over a list, where numpy's sort costs more)
+        chunk_open, closing = self.chunk_open, self.closing
+        if len(chunks) <= 256:  # (a few rollouts: one step each over a list, where numpy's sort costs more)
             listed = chunks.tolist()
             if listed and listed.count(listed[0]) == len(listed):  # (one chunk: a ship of one batch)
-                counted = [(listed[0], len(listed))]
-            else:
-                counted = sorted(Counter(listed).items())
-        else:
-            counted = list(zip(*(a.tolist() for a in np.unique(chunks, return_counts=True))))
-        for chunk, count in counted:
-            self.chunk_open[chunk] -= count
-            if self.chunk_open[chunk] == 0:
-                self.closing.append(chunk)
+                chunk = listed[0]
+                chunk_open[chunk] -= len(listed)
+                if not chunk_open[chunk]:
+                    closing.append(chunk)
+                return
+            for chunk in listed:  # (each rollout of its own chunk: a ship of single-rollout adds)
+                left = chunk_open[chunk] - 1
+                chunk_open[chunk] = left
+                if not left:
+                    closing.append(chunk)
+            return
+        for chunk, count in zip(*(a.tolist() for a in np.unique(chunks, return_counts=True))):
+            chunk_open[chunk] -= count
+            if not chunk_open[chunk]:
+                closing.append(chunk)
 
     def release_chunks(self) -> None:
         """Let go of the batches no queued rollout needs: only those that closed since the last ship, so a
