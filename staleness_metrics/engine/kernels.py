@@ -26,10 +26,10 @@ __all__ = [
     "MAX_IN_FLIGHT", "MAX_IN_QUEUE", "MAX_NEWEST", "MAX_ROLLOUT", "ROLLOUT_BINS", "SUM_DOT", "SUM_FROZEN",
     "SUM_IN_FLIGHT", "SUM_IN_QUEUE", "SUM_LIVE", "SUM_MASKED", "SUM_NEWEST", "SUM_QUANTILES", "SUM_ROLLOUT",
     "SUM_SAMPLES", "SUM_TOKENS", "SUM_UNLABELLED", "TOKEN_BINS", "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO",
-    "WEIGHT_NOT_POSITIVE", "PopulationSummary", "PopulationSums", "ShippedRows", "SliceRows", "SpanRows", "StaleRows",
-    "TokenDecision", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions", "population_summary",
-    "population_sums", "shipped_rows", "slice_rows", "span_rows", "stale_rows", "token_cuts", "token_decision",
-    "token_spans", "warm_up", "weight_flags", "zero_spans",
+    "WEIGHT_NOT_POSITIVE", "PopulationSummary", "PopulationSums", "PositionCopies", "ShippedRows", "SliceRows",
+    "SpanRows", "StaleRows", "TokenDecision", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions",
+    "population_summary", "population_sums", "shipped_rows", "slice_rows", "span_rows", "stale_rows", "token_cuts",
+    "token_decision", "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -1740,7 +1740,12 @@ def mismatch_runs(
 
 @_CompiledOnFirstCall
 def _plain_positions(
-    mask: npt.NDArray[Any], floats: tuple[npt.NDArray[Any], ...], tokens: IntArray
+    mask: npt.NDArray[Any],
+    floats: tuple[npt.NDArray[Any], ...],
+    tokens: IntArray,
+    copies: tuple[npt.NDArray[Any], ...],
+    token_copy: IntArray,
+    start: int,
 ) -> bool:  # pragma: no cover - compiled
     bad = False
     for x in mask:
@@ -1750,18 +1755,50 @@ def _plain_positions(
             bad |= not math.isfinite(x)
     for t in tokens:
         bad |= t < -1
-    return not bad
+    if bad:
+        return False
+    n = len(mask)
+    for k in range(len(copies)):  # (the mask, then the weights: ``floats``' first entries; empty: none)
+        source = mask if k == 0 else floats[k - 1]
+        if len(copies[k]) and len(source) == n:
+            copies[k][start : start + n] = source
+    if len(token_copy) and len(tokens) == n:
+        token_copy[start : start + n] = tokens
+    return True
 
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
 _PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}  # (read-only: never written)
+_NO_COPIES = {dtype: (empty,) * _PLAIN_FLOATS for dtype, empty in _PLAIN_PADDING.items()}  # (the mask, 3 weights)
 
 
-def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], tokens: IntArray | None) -> bool | None:
-    """Whether every mask value is 0 or 1, every value of ``floats`` finite and every token version >= -1:
-    one compiled pass (a small batch's checks in one call instead of a dozen numpy calls). ``None`` when
-    the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), or while no compiled
-    loop is loaded yet: the caller checks with numpy (microseconds), so that a check never makes a cold
+class PositionCopies(NamedTuple):
+    """Where :func:`plain_positions` copies plain positions to, from element ``start`` on: an array for the mask
+    and for each of the three weights, and one for the token versions, of the mask's type (an empty array, or an
+    array the batch lacks: not copied)."""
+
+    mask_and_weights: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
+    token_versions: IntArray
+    start: int
+
+
+Weights = tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | None, npt.NDArray[Any] | None]
+
+
+def plain_positions(
+    mask: npt.NDArray[Any],
+    weights: Weights,
+    logprobs: npt.NDArray[Any] | None,
+    tokens: IntArray | None,
+    into: PositionCopies | None = None,
+) -> bool | None:
+    """Whether every mask value is 0 or 1, every value of the ``weights`` (rl, ce, ref-KL: None where absent)
+    and ``logprobs`` finite and every token version >= -1: one compiled pass (a small batch's checks in one call
+    instead of a dozen numpy calls). When they are and ``into`` is given, the mask, the weights and the token
+    versions are copied there in the same call (a sink gathering small adds).
+
+    ``None`` when the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), or while no
+    compiled loop is loaded yet: the caller checks with numpy (microseconds), so that a check never makes a cold
     process import numba (a second or more, e.g. inside a service's restore of its runs)."""
     if "numba" not in sys.modules:
         return None
@@ -1769,12 +1806,17 @@ def plain_positions(mask: npt.NDArray[Any], floats: Sequence[npt.NDArray[Any]], 
     empty = _PLAIN_PADDING.get(dtype)
     if empty is None or mask.ndim != 1 or not mask.flags.c_contiguous:
         return None
-    for values in floats:  # (a loop, not any() over a generator: this runs once per small add)
+    rl, ce, ref_kl = weights  # (written out: this runs once per small add)
+    floats = (
+        empty if rl is None else rl, empty if ce is None else ce, empty if ref_kl is None else ref_kl,
+        empty if logprobs is None else logprobs,
+    )  # fmt: skip
+    for values in floats:
         if values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous:
             return None
-    padded = (*floats, *(empty,) * (_PLAIN_FLOATS - len(floats)))  # (an empty array: nothing to check)
+    copies, token_copy, start = (_NO_COPIES[dtype], _NO_TOKENS, 0) if into is None else into
     loop = _plain_positions._compiled or _plain_positions  # (the compiled loop itself once it is loaded)
-    result: bool = loop(mask, padded, _NO_TOKENS if tokens is None else tokens)
+    result: bool = loop(mask, floats, _NO_TOKENS if tokens is None else tokens, copies, token_copy, start)
     return result
 
 
@@ -1802,5 +1844,8 @@ def warm_up() -> None:
         zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
         mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)
         mismatch_runs(tokens, arrays[0], arrays[1], None, 0.5, 2.0, offsets, 20.0)
-        for floats in range(4):
-            plain_positions(arrays[0], arrays[1 : 1 + floats], tokens)
+        weights = (arrays[1], arrays[2], arrays[3])
+        plain_positions(arrays[0], weights, None, tokens)
+        copies = PositionCopies((np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype)),
+                                np.empty(3, np.int64), 0)  # fmt: skip
+        plain_positions(arrays[0], weights, arrays[0], tokens, copies)

@@ -14,17 +14,18 @@ import operator
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from ..records.columnar import RolloutBatch
-from ..records.validation import Verdicts
+from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
+from ..records.validation import Verdicts, plain_positions_of
 from .batch_state import check_offsets, decode_batch, decode_table, encode_batch, encode_table
 from .decision import NO_MASK
+from .kernels import PositionCopies
 from .segments import expand_ranges
 from .spans import PART_LABELLED, PART_UNLABELLED, PART_WHOLE, SpanTable, build_spans
 from .state_checks import boolean, fail, integer, join, keys, sequence, string, strings
@@ -53,8 +54,8 @@ class _Staged(NamedTuple):
 
     batch: RolloutBatch
     chunk: int
-    groups: npt.NDArray[np.int64]
-    envs: npt.NDArray[np.int64]
+    groups: list[int]
+    envs: list[int]
     # The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
     # wherever both have an array are cut together (:func:`_concatenated` fills the missing ones).
     kind: tuple[str | None, ...]
@@ -118,6 +119,7 @@ def _joined_offsets(
 # arrays (bounded memory: a few MB per thread at most).
 SCRATCH_MAX_ELEMENTS = 1 << 17
 _POSITION_ARRAYS = ("mask", "rl_weights", "ce_weights", "ref_kl_weights", "token_versions")
+_NO_TOKENS: IntArray = np.zeros(0, dtype=np.int64)
 
 
 class _Scratch(threading.local):
@@ -148,13 +150,16 @@ class _Gathered:
     second staged batch to :meth:`RolloutQueue.build_staged`): memory the process has touched already, like
     :class:`_Scratch`. It holds every staged batch only while they all share one kind, have the same arrays and
     no ``span_offsets`` (the usual stream of single-rollout adds); any other batch ends it (``complete`` False)
-    and the staged batches are joined at the ship instead."""
+    and the staged batches are joined at the ship instead. A batch is copied by the compiled pass that checks its
+    positions (:func:`~staleness_metrics.records.validation.plain_positions_of`), to where :meth:`into` says."""
 
     def __init__(self) -> None:
         self.owner: weakref.ref[RolloutQueue] | None = None
-        self.buffers: dict[str, npt.NDArray[Any]] = {}
+        self.buffers: dict[tuple[str, np.dtype[Any]], npt.NDArray[Any]] = {}  # each SCRATCH_MAX_ELEMENTS long
         self.names: tuple[str, ...] = ()
         self.kind: tuple[str | None, ...] = ()
+        self.copies: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]] = (_NO_TOKENS,) * 4
+        self.token_copy: IntArray = _NO_TOKENS  # (empty: the staged batches have no token versions)
         self.length = 0
         self.complete = False
 
@@ -162,52 +167,53 @@ class _Gathered:
         owner = self.owner() if self.owner is not None else None
         return owner is queue
 
+    def _buffer(self, name: str, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+        buffer = self.buffers.get((name, dtype))
+        if buffer is None:  # (pages are touched as they are written: the unused end costs nothing)
+            buffer = self.buffers[name, dtype] = np.empty(SCRATCH_MAX_ELEMENTS, dtype=dtype)
+        return buffer
+
     def begin(self, queue: RolloutQueue, batch: RolloutBatch, kind: tuple[str | None, ...]) -> bool:
-        """Lend this to ``queue`` for the staged batches from ``batch`` on; False when another queue holds it."""
+        """Lend this to ``queue`` for the staged batches from ``batch`` on (copied now); False when another queue
+        holds it or ``batch`` does not fit."""
         owner = self.owner() if self.owner is not None else None
-        if owner is not None and owner is not queue:
+        n = len(batch.mask)
+        if (owner is not None and owner is not queue) or batch.span_offsets is not None or n > SCRATCH_MAX_ELEMENTS:
             return False
-        self.owner, self.kind, self.length, self.complete = weakref.ref(queue), kind, 0, True
+        self.owner, self.kind, self.length, self.complete = weakref.ref(queue), kind, n, True
         self.names = tuple(name for name in _POSITION_ARRAYS if getattr(batch, name) is not None)
-        if not self.append(batch, kind):
-            self.owner = None
-            return False
+        held = {name: self._buffer(name, getattr(batch, name).dtype) for name in self.names}
+        for name, buffer in held.items():
+            buffer[:n] = getattr(batch, name)
+        none = np.zeros(0, dtype=batch.mask.dtype)  # (not copied: the kind says no staged batch has it)
+        rl, ce, ref_kl = (held.get(name, none) for name in WEIGHT_FIELDS)
+        self.copies = (held["mask"], rl, ce, ref_kl)
+        self.token_copy = held.get("token_versions", _NO_TOKENS)
         return True
 
-    def append(self, batch: RolloutBatch, kind: tuple[str | None, ...]) -> bool:
-        """Copy ``batch``'s per-position arrays after the ones held; False (and ``complete`` False) when it
-        does not fit."""
-        n = len(batch.mask)
-        end = self.length + n
+    def into(self, batch: RolloutBatch, kind: tuple[str | None, ...]) -> PositionCopies | None:
+        """Where ``batch``'s positions go when it is staged next; None (and ``complete`` False) when it does not
+        fit. :meth:`advance` once they are copied."""
         if (
             kind != self.kind
             or batch.span_offsets is not None
-            or (batch.token_versions is None) == ("token_versions" in self.names)
-            or end > SCRATCH_MAX_ELEMENTS
+            or (batch.token_versions is None) == bool(len(self.token_copy))
+            or self.length + len(batch.mask) > SCRATCH_MAX_ELEMENTS
         ):
             self.complete = False
-            return False
-        buffers = self.buffers
-        for name in self.names:
-            values = getattr(batch, name)
-            buffer = buffers.get(name)
-            if buffer is None or buffer.dtype != values.dtype or len(buffer) < end:
-                if self.length and (buffer is None or buffer.dtype != values.dtype):
-                    self.complete = False  # (token versions of another integer type than the ones held)
-                    return False
-                size = max(end, 2 * len(buffer) if buffer is not None else end)
-                grown = np.empty(min(SCRATCH_MAX_ELEMENTS, size), values.dtype)
-                if self.length and buffer is not None:
-                    grown[: self.length] = buffer[: self.length]
-                buffer = buffers[name] = grown
-            buffer[self.length : end] = values
-        self.length = end
-        return True
+            return None
+        return PositionCopies(self.copies, self.token_copy, self.length)
+
+    def advance(self, copied: int) -> None:
+        self.length += copied
 
     def release(self) -> dict[str, npt.NDArray[Any]] | None:
         """The held arrays (views valid until the next :meth:`begin`; None when they are not all the staged
         batches), and this free for the next queue."""
-        held = {name: self.buffers[name][: self.length] for name in self.names} if self.complete else None
+        held = None
+        if self.complete:
+            copies = dict(zip(_POSITION_ARRAYS, (*self.copies, self.token_copy)))
+            held = {name: copies[name][: self.length] for name in self.names}
         self.owner, self.complete = None, False
         return held
 
@@ -396,7 +402,7 @@ class RolloutQueue:
             self.group_agentic = grown
         return first
 
-    def _groups_of(self, batch: RolloutBatch, rollouts: list[int] | None) -> IntArray:
+    def _groups_of(self, batch: RolloutBatch, rollouts: list[int] | None) -> list[int]:
         """Group index of each rollout (None: every rollout of the batch), registering new groups (one of
         its own without group_id)."""
         assert batch.group_ids is not None and batch.agentic is not None
@@ -404,25 +410,26 @@ class RolloutQueue:
         count = len(names)
         if names.count(None) == count:  # singletons: one new group each, no lookups
             first = self._new_groups(count)
-            groups = np.arange(first, self.n_groups, dtype=np.int64)
+            groups = list(range(first, self.n_groups))
         else:
-            groups = np.empty(count, dtype=np.int64)
-            for k, name in enumerate(names):
+            groups = []
+            for name in names:
                 index = None if name is None else self.groups.get(name)
                 if index is None:
                     index = self._new_groups(1)
                     if name is not None:
                         self.groups[name] = index
-                groups[k] = index
+                groups.append(index)
         agentic = batch.agentic if rollouts is None else batch.agentic[rollouts]
         # (an unbuffered ufunc.at costs more than the whole add of a small batch; a list of a few, less than .any())
         if agentic.any() if count > 8 else any(agentic.tolist()):
             np.logical_or.at(self.group_agentic, groups, agentic)
         return groups
 
-    def admit(self, batch: RolloutBatch, kept_ids: list[int] | None = None) -> tuple[int, IntArray, IntArray]:
+    def admit(self, batch: RolloutBatch, kept_ids: list[int] | None = None) -> tuple[int, list[int], list[int]]:
         """Queue the rollouts ``kept_ids`` of ``batch`` (None: all of them) by id, group and env (their table
-        rows come after); returns the batch's chunk and the rollouts' groups and envs."""
+        rows come after); returns the batch's chunk and the rollouts' groups and envs (lists: a single-rollout add
+        builds no array)."""
         assert batch.envs is not None
         if kept_ids is not None and len(kept_ids) == len(batch.ids):
             kept_ids = None
@@ -436,13 +443,10 @@ class RolloutQueue:
         self.chunk_open.append(count)
         groups = self._groups_of(batch, kept_ids)
         if count == 1:
-            envs = np.array([self.env(env_names[0])], dtype=np.int64)
+            envs = [self.env(env_names[0])]
         else:
             env_index = {name: self.env(name) for name in set(env_names)}
-            if len(env_index) == 1:
-                envs = np.full(count, next(iter(env_index.values())), dtype=np.int64)
-            else:
-                envs = np.fromiter(map(env_index.__getitem__, env_names), dtype=np.int64, count=count)
+            envs = [*env_index.values()] * count if len(env_index) == 1 else list(map(env_index.__getitem__, env_names))
         if count == 1:  # (a single-rollout add: no iterators to build)
             self.row_of[ids[0]] = row_base
             self.ids.append(ids[0])
@@ -454,16 +458,22 @@ class RolloutQueue:
         self.queued += count
         return chunk, groups, envs
 
-    def stage(self, batch: RolloutBatch) -> int:
-        """Queue a plainly valid small batch now; its table rows are built by :meth:`_build_staged`."""
-        chunk, groups, envs = self.admit(batch)
-        n_rollouts, n_samples, n_positions = len(batch.ids), len(batch.position_offsets) - 1, len(batch.mask)
+    def stage(self, batch: RolloutBatch) -> int | None:
+        """Queue a small batch :func:`~staleness_metrics.records.validation.plainly_valid` passed (its positions
+        not yet read) once its positions are plain too: how many rollouts it queued, or None (nothing queued) when
+        they are not, and the exact checks are to say why. Its table rows are built by :meth:`build_staged`."""
         kind = _kind(batch)
         if len(self._staged) == 1:  # (a lone staged batch is cut as it is: copied from the second one on)
-            first, gathered = self._staged[0], _GATHERED.gathered
-            self._gathered = gathered if gathered.begin(self, first.batch, first.kind) else None
-        if self._gathered is not None and self._gathered.complete:
-            self._gathered.append(batch, kind)
+            first, lent = self._staged[0], _GATHERED.gathered
+            self._gathered = lent if lent.begin(self, first.batch, first.kind) else None
+        gathered = self._gathered
+        into = gathered.into(batch, kind) if gathered is not None and gathered.complete else None
+        if not plain_positions_of(batch, into):
+            return None
+        n_rollouts, n_samples, n_positions = len(batch.ids), len(batch.position_offsets) - 1, len(batch.mask)
+        if gathered is not None and into is not None:
+            gathered.advance(n_positions)
+        chunk, groups, envs = self.admit(batch)
         self._staged.append(_Staged(batch, chunk, groups, envs, kind, n_rollouts, n_samples, n_positions))
         self._staged_rollouts += n_rollouts
         self._staged_positions += n_positions
@@ -502,7 +512,8 @@ class RolloutQueue:
             spans = build_spans(batch, verdicts)
             assert not verdicts.errors, "a plainly valid batch was refused"  # plainly_valid may only err towards no
             keep = np.arange(len(batch.ids))
-            self.append_rows(batch, spans, keep, np.full(len(keep), only.chunk), keep, only.groups, only.envs)
+            groups, envs = np.array(only.groups, dtype=np.int64), np.array(only.envs, dtype=np.int64)
+            self.append_rows(batch, spans, keep, np.full(len(keep), only.chunk), keep, groups, envs)
             return
         starts = _joined_starts(staged)
         first = len(self.rollouts)  # (the staged rollouts' ids are the last ones admitted)
@@ -519,8 +530,9 @@ class RolloutQueue:
             index = keep - np.repeat(starts.rollouts[:-1], n_rollouts)
             chunks = np.repeat(chunks, n_rollouts)
             position_base = np.repeat(starts.positions[:-1], n_rollouts)
-        groups = np.concatenate(list(map(attrgetter("groups"), staged)))
-        envs = np.concatenate(list(map(attrgetter("envs"), staged)))
+        n = len(keep)
+        groups = np.fromiter(chain.from_iterable(map(attrgetter("groups"), staged)), dtype=np.int64, count=n)
+        envs = np.fromiter(chain.from_iterable(map(attrgetter("envs"), staged)), dtype=np.int64, count=n)
         # (spans at positions of the concatenation: ``position_base`` takes them back to their own batch's)
         self.append_rows(batch, spans, keep, chunks, index, groups, envs, position_base)
 

@@ -193,8 +193,14 @@ class Sink:
         self._window.add(np.array([self.queue.env(env)]), "rollouts_invalid")
 
     def _add_batch(self, batch: RolloutBatch, checked: tuple[Verdicts, SpanTable] | None = None) -> int:
-        if checked is None and batch.n_positions <= STAGE_MAX_POSITIONS and plainly_valid(batch, self.queue.seen_ids):
-            return self.queue.stage(batch)
+        if (
+            checked is None
+            and batch.n_positions <= STAGE_MAX_POSITIONS
+            and plainly_valid(batch, self.queue.seen_ids, positions=False)
+        ):
+            staged = self.queue.stage(batch)  # (it reads the positions)
+            if staged is not None:
+                return staged
         self.queue.build_staged()
         if checked is not None:
             verdicts, spans = checked
@@ -217,7 +223,10 @@ class Sink:
         assert batch.envs is not None and batch.label_kind is not None
 
         chunk, groups, envs = self.queue.admit(batch, kept_ids)
-        self.queue.append_rows(batch, spans, keep, np.full(len(keep), chunk), keep, groups, envs)
+        self.queue.append_rows(
+            batch, spans, keep, np.full(len(keep), chunk), keep, np.array(groups, dtype=np.int64),
+            np.array(envs, dtype=np.int64),
+        )  # fmt: skip
         return len(keep)
 
     # ------------------------------------------------------------------ judge

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.kernels import plain_positions
+from ..engine.kernels import PositionCopies, plain_positions
 from ..errors import FieldError, TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 
@@ -26,6 +26,7 @@ __all__ = [
     "check_text",
     "check_versions_at_most",
     "lone_surrogate",
+    "plain_positions_of",
     "plainly_valid",
     "printable_id",
     "span_fault",
@@ -389,13 +390,14 @@ def check_versions_at_most(
     return errors
 
 
-def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> bool:
+def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:
     """Whether :func:`check_batch` and :func:`~staleness_metrics.engine.spans.build_spans` would certainly find
     nothing wrong with ``batch``: a few whole-array reductions, no offender named. False means "not sure"
     (the exact checks then run and name what is wrong), so this may only ever err towards False.
 
     It lets the sink take a small batch with a handful of numpy calls and cut its spans later, together
-    with the batches added after it (``Sink.add``: the cost of a call follows its work).
+    with the batches added after it (``Sink.add``: the cost of a call follows its work). ``positions=False``
+    leaves the position values to the caller (:func:`plain_positions_of`, which may copy them as it reads).
     """
     ids, mask, sample_offsets, position_offsets = batch.ids, batch.mask, batch.sample_offsets, batch.position_offsets
     n_rollouts, n_samples, n_positions = len(ids), len(position_offsets) - 1, len(mask)
@@ -418,18 +420,17 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
         or not n_rollouts == len(group_ids) == len(envs)
     ):
         return False
-    # The per-position arrays given (the ones checked finite first), each as long as the mask.
-    floats = [v for v in (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights, batch.logprobs) if v is not None]
-    trainer_logprobs = batch.trainer_logprobs
-    for values in (*floats, tokens, trainer_logprobs):
+    # The per-position arrays given, each as long as the mask.
+    for values in (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights, batch.logprobs, tokens,
+                   batch.trainer_logprobs):  # fmt: skip
         if values is not None and len(values) != n_positions:
             return False
     # Offsets: from 0 to the end, never decreasing. Small arrays read as lists (a numpy call costs more).
     if n_rollouts + n_samples <= 64:
-        samples, positions = sample_offsets.tolist(), position_offsets.tolist()
-        if samples[0] != 0 or samples[-1] != n_samples or positions[0] != 0 or positions[-1] != n_positions:
+        starts, ends = sample_offsets.tolist(), position_offsets.tolist()
+        if starts[0] != 0 or starts[-1] != n_samples or ends[0] != 0 or ends[-1] != n_positions:
             return False
-        if (n_rollouts > 1 and samples != sorted(samples)) or (n_samples > 1 and positions != sorted(positions)):
+        if (n_rollouts > 1 and starts != sorted(starts)) or (n_samples > 1 and ends != sorted(ends)):
             return False
     else:
         ends = (int(sample_offsets[0]), int(sample_offsets[-1]), int(position_offsets[0]), int(position_offsets[-1]))
@@ -471,17 +472,33 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
             return False
     elif LABELS_SPANS in kinds:
         return False
-    # Position values (build_spans): a 0/1 mask, finite weights and log-probabilities, token versions >= -1
-    # (check_batch). One compiled pass, or numpy: a finite sum says every value is finite (a NaN or an
-    # infinity makes it NaN or infinite; an overflow is only "not sure").
-    plain = plain_positions(mask, floats, tokens)
+    return not positions or plain_positions_of(batch)
+
+
+def plain_positions_of(batch: RolloutBatch, into: PositionCopies | None = None) -> bool:
+    """The position values :func:`plainly_valid` asks for (build_spans' and check_batch's): a 0/1 mask, finite
+    weights and log-probabilities, token versions >= -1 (the arrays' lengths checked already). When they are and
+    ``into`` is given, the mask, weights and token versions are copied there as well.
+
+    One compiled pass, or numpy: a finite sum says every value is finite (a NaN or an infinity makes it NaN or
+    infinite; an overflow is only "not sure")."""
+    mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
+    weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
+    plain = plain_positions(mask, weights, logprobs, tokens, into)
     if plain is not None:
         return plain
     if tokens is not None and int(tokens.min()) < -1:
         return False
-    if np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) != n_positions:
+    if np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) != len(mask):
         return False
-    return all(np.isfinite(np.add.reduce(values)) for values in floats)
+    if not all(np.isfinite(np.add.reduce(v)) for v in (*weights, logprobs) if v is not None):
+        return False
+    if into is not None:
+        end = into.start + len(mask)
+        for values, copy in zip((mask, *weights, tokens), (*into.mask_and_weights, into.token_versions)):
+            if values is not None and len(copy):
+                copy[into.start : end] = values
+    return True
 
 
 _LABEL_KINDS = frozenset({LABELS_NONE, LABELS_SPANS, LABELS_TOKENS})

@@ -15,6 +15,7 @@ from staleness_metrics.engine.kernels import (
     WEIGHT_NONFINITE,
     WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
+    PositionCopies,
     fusable_weights,
     plain_positions,
     shipped_rows,
@@ -369,32 +370,54 @@ def test_weight_flags_leave_other_dtypes_to_numpy() -> None:
     mask=st.lists(st.sampled_from([0.0, 1.0, 1.0, 0.5, -0.0, float("nan")]), min_size=0, max_size=40),
     weights=st.lists(st.sampled_from([0.0, 2.5, -1.0, float("inf"), float("-inf"), float("nan")]), max_size=40),
     tokens=st.lists(st.integers(-3, 4), max_size=40),
-    floats=st.integers(0, 3),
+    given_arrays=st.tuples(*[st.booleans()] * 5),  # rl, ce, ref-KL, logprobs, token versions
+    copied_at=st.none() | st.integers(0, 5),
 )
-def test_plain_positions_equals_the_numpy_checks(
-    dtype: Any, mask: list[float], weights: list[float], tokens: list[int], floats: int
+def test_plain_positions_equals_the_numpy_checks_and_copies_only_plain_positions(
+    dtype: Any,
+    mask: list[float],
+    weights: list[float],
+    tokens: list[int],
+    given_arrays: tuple[bool, ...],
+    copied_at: int | None,
 ) -> None:
     warm_up()
     mask_array = np.asarray(mask, dtype=dtype)
     n = len(mask)
-    arrays = [np.resize(np.asarray(weights or [1.0], dtype=dtype), n) for _ in range(floats)]
-    token_array = np.resize(np.asarray(tokens or [0], dtype=np.int64), n)
+    floats = [
+        np.resize(np.asarray(weights[k:] or [1.0], dtype=dtype), n) if given_arrays[k] else None for k in range(4)
+    ]
+    token_array = np.resize(np.asarray(tokens or [0], dtype=np.int64), n) if given_arrays[4] else None
     expected = (
         bool(np.all((mask_array == 0) | (mask_array == 1)))
-        and all(bool(np.isfinite(a).all()) for a in arrays)
-        and bool((token_array >= -1).all())
+        and all(bool(np.isfinite(a).all()) for a in floats if a is not None)
+        and (token_array is None or bool((token_array >= -1).all()))
     )
-    assert plain_positions(mask_array, arrays, token_array) is expected
+    if copied_at is None:
+        assert plain_positions(mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array) is expected
+        return
+    # Copies go to element ``copied_at`` on of arrays longer than the batch, only when every value is plain.
+    size = copied_at + n + 3
+    destinations = (*(np.full(size, 7, dtype=dtype) for _ in range(4)),)
+    token_destination = np.full(size, 7, dtype=np.int64)
+    into = PositionCopies(destinations, token_destination, copied_at)
+    assert plain_positions(mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array, into) is expected
+    for source, destination in zip([mask_array, *floats[:3], token_array], [*destinations, token_destination]):
+        untouched = np.full(size, 7, dtype=destination.dtype)
+        if expected and source is not None:
+            untouched[copied_at : copied_at + n] = source
+        np.testing.assert_array_equal(destination, untouched)
 
 
 def test_plain_positions_leaves_other_types_to_numpy() -> None:
     warm_up()  # (a cold process checks with numpy rather than import numba for it)
     ints = np.array([0, 1], dtype=np.int64)
     floats = np.array([0.0, 1.0])
-    assert plain_positions(ints, [], None) is None
-    assert plain_positions(floats.astype(np.float16), [], None) is None
-    assert plain_positions(floats, [floats.astype(np.float32)], None) is None  # the mask's type for all
-    assert plain_positions(floats, [floats[::-1][::1].copy()], None) is True
+    assert plain_positions(ints, (None, None, None), None, None) is None
+    assert plain_positions(floats.astype(np.float16), (None, None, None), None, None) is None
+    assert plain_positions(floats, (floats.astype(np.float32), None, None), None, None) is None  # the mask's type
+    assert plain_positions(floats, (None, None, None), floats.astype(np.float32), None) is None
+    assert plain_positions(floats, (floats[::-1][::1].copy(), None, None), None, None) is True
 
 
 # ---------------------------------------------------------------------------------------------- span rows
