@@ -1773,13 +1773,12 @@ _NO_COPIES = {dtype: (empty,) * _PLAIN_FLOATS for dtype, empty in _PLAIN_PADDING
 
 
 class PositionCopies(NamedTuple):
-    """Where :func:`plain_positions` copies plain positions to, from element ``start`` on: an array for the mask
-    and for each of the three weights, and one for the token versions, of the mask's type (an empty array, or an
-    array the batch lacks: not copied)."""
+    """Where :func:`plain_positions` copies plain positions to: an array for the mask and for each of the three
+    weights, of the mask's type, and one for the token versions (an empty array, or an array the batch lacks:
+    not copied)."""
 
     mask_and_weights: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
     token_versions: IntArray
-    start: int
 
 
 Weights = tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | None, npt.NDArray[Any] | None]
@@ -1791,11 +1790,12 @@ def plain_positions(
     logprobs: npt.NDArray[Any] | None,
     tokens: IntArray | None,
     into: PositionCopies | None = None,
+    start: int = 0,
 ) -> bool | None:
     """Whether every mask value is 0 or 1, every value of the ``weights`` (rl, ce, ref-KL: None where absent)
     and ``logprobs`` finite and every token version >= -1: one compiled pass (a small batch's checks in one call
     instead of a dozen numpy calls). When they are and ``into`` is given, the mask, the weights and the token
-    versions are copied there in the same call (a sink gathering small adds).
+    versions are copied there, from element ``start`` on, in the same call (a sink gathering small adds).
 
     ``None`` when the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), or while no
     compiled loop is loaded yet: the caller checks with numpy (microseconds), so that a check never makes a cold
@@ -1812,9 +1812,9 @@ def plain_positions(
         empty if logprobs is None else logprobs,
     )  # fmt: skip
     for values in floats:
-        if values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous:
+        if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
             return None
-    copies, token_copy, start = (_NO_COPIES[dtype], _NO_TOKENS, 0) if into is None else into
+    copies, token_copy = (_NO_COPIES[dtype], _NO_TOKENS) if into is None else into
     loop = _plain_positions._compiled or _plain_positions  # (the compiled loop itself once it is loaded)
     result: bool = loop(mask, floats, _NO_TOKENS if tokens is None else tokens, copies, token_copy, start)
     return result
@@ -1847,5 +1847,5 @@ def warm_up() -> None:
         weights = (arrays[1], arrays[2], arrays[3])
         plain_positions(arrays[0], weights, None, tokens)
         copies = PositionCopies((np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype)),
-                                np.empty(3, np.int64), 0)  # fmt: skip
+                                np.empty(3, np.int64))  # fmt: skip
         plain_positions(arrays[0], weights, arrays[0], tokens, copies)

@@ -64,25 +64,20 @@ class _Staged(NamedTuple):
     n_positions: int
 
 
-# The ``str`` of each dtype met (``dtype.str`` builds a new string each time: ≈ 0.5 µs, on every small add).
-_DTYPE_STRS: dict[np.dtype[Any], str] = {}
-
-
-def _dtype_str(dtype: np.dtype[Any]) -> str:
-    name = _DTYPE_STRS.get(dtype)
-    if name is None:
-        name = _DTYPE_STRS[dtype] = dtype.str
-    return name
+# The ``str`` of each dtype met (``dtype.str`` builds a new string each time: ≈ 0.5 µs, on every small add), and
+# None's (no such array).
+_DTYPE_STRS: dict[np.dtype[Any] | None, str | None] = {None: None}
 
 
 def _kind(batch: RolloutBatch) -> tuple[str | None, ...]:
-    rl, ce, ref_kl = batch.rl_weights, batch.ce_weights, batch.ref_kl_weights  # (a dtype equals None: float64)
-    return (
-        _dtype_str(batch.mask.dtype),
-        None if rl is None else _dtype_str(rl.dtype),
-        None if ce is None else _dtype_str(ce.dtype),
-        None if ref_kl is None else _dtype_str(ref_kl.dtype),
-    )
+    """The batch's kind: its mask's and weights' element types, as strings (a dtype equals None: float64)."""
+    arrays = (batch.mask, batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
+    dtypes = [None if values is None else values.dtype for values in arrays]
+    try:
+        return tuple(map(_DTYPE_STRS.__getitem__, dtypes))  # (one C-level pass: this runs once per small add)
+    except KeyError:
+        _DTYPE_STRS.update((dtype, dtype.str) for dtype in dtypes if dtype is not None)
+        return tuple(map(_DTYPE_STRS.__getitem__, dtypes))
 
 
 def _joined_kind(kind: tuple[str | None, ...], other: tuple[str | None, ...]) -> tuple[str | None, ...] | None:
@@ -158,8 +153,8 @@ class _Gathered:
         self.buffers: dict[tuple[str, np.dtype[Any]], npt.NDArray[Any]] = {}  # each SCRATCH_MAX_ELEMENTS long
         self.names: tuple[str, ...] = ()
         self.kind: tuple[str | None, ...] = ()
-        self.copies: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]] = (_NO_TOKENS,) * 4
-        self.token_copy: IntArray = _NO_TOKENS  # (empty: the staged batches have no token versions)
+        # (empty arrays: the staged batches have no such array)
+        self.targets = PositionCopies((_NO_TOKENS, _NO_TOKENS, _NO_TOKENS, _NO_TOKENS), _NO_TOKENS)
         self.length = 0
         self.complete = False
 
@@ -187,22 +182,21 @@ class _Gathered:
             buffer[:n] = getattr(batch, name)
         none = np.zeros(0, dtype=batch.mask.dtype)  # (not copied: the kind says no staged batch has it)
         rl, ce, ref_kl = (held.get(name, none) for name in WEIGHT_FIELDS)
-        self.copies = (held["mask"], rl, ce, ref_kl)
-        self.token_copy = held.get("token_versions", _NO_TOKENS)
+        self.targets = PositionCopies((held["mask"], rl, ce, ref_kl), held.get("token_versions", _NO_TOKENS))
         return True
 
     def into(self, batch: RolloutBatch, kind: tuple[str | None, ...]) -> PositionCopies | None:
-        """Where ``batch``'s positions go when it is staged next; None (and ``complete`` False) when it does not
-        fit. :meth:`advance` once they are copied."""
+        """Where ``batch``'s positions go when it is staged next (from element :attr:`length` on); None (and
+        ``complete`` False) when it does not fit. :meth:`advance` once they are copied."""
         if (
             kind != self.kind
             or batch.span_offsets is not None
-            or (batch.token_versions is None) == bool(len(self.token_copy))
+            or (batch.token_versions is None) == bool(len(self.targets.token_versions))
             or self.length + len(batch.mask) > SCRATCH_MAX_ELEMENTS
         ):
             self.complete = False
             return None
-        return PositionCopies(self.copies, self.token_copy, self.length)
+        return self.targets
 
     def advance(self, copied: int) -> None:
         self.length += copied
@@ -212,7 +206,7 @@ class _Gathered:
         batches), and this free for the next queue."""
         held = None
         if self.complete:
-            copies = dict(zip(_POSITION_ARRAYS, (*self.copies, self.token_copy)))
+            copies = dict(zip(_POSITION_ARRAYS, (*self.targets.mask_and_weights, self.targets.token_versions)))
             held = {name: copies[name][: self.length] for name in self.names}
         self.owner, self.complete = None, False
         return held
@@ -430,12 +424,24 @@ class RolloutQueue:
         """Queue the rollouts ``kept_ids`` of ``batch`` (None: all of them) by id, group and env (their table
         rows come after); returns the batch's chunk and the rollouts' groups and envs (lists: a single-rollout add
         builds no array)."""
-        assert batch.envs is not None
+        assert batch.envs is not None and batch.group_ids is not None and batch.agentic is not None
+        chunk = len(self.chunks)
+        row_base = len(self.rollouts) + self._staged_rollouts
+        if kept_ids is None and len(batch.ids) == 1:  # (a single-rollout add, the way some trainers add: no lists)
+            rid, env_name = batch.ids[0], batch.envs[0]
+            env = self.env_index.get(env_name)
+            self.chunks.append(batch)
+            self.chunk_open.append(1)
+            self.row_of[rid] = row_base
+            self.ids.append(rid)
+            self.seen_ids.add(rid)
+            self.queued += 1
+            own_group = batch.group_ids[0] is None and not batch.agentic[0]
+            groups = [self._new_groups(1)] if own_group else self._groups_of(batch, None)
+            return chunk, groups, [self.env(env_name) if env is None else env]
         if kept_ids is not None and len(kept_ids) == len(batch.ids):
             kept_ids = None
-        chunk = len(self.chunks)
         self.chunks.append(batch)
-        row_base = len(self.rollouts) + self._staged_rollouts
         # Per-rollout lists are read through C-level map/zip, never an interpreted loop per rollout.
         ids = batch.ids if kept_ids is None else list(map(batch.ids.__getitem__, kept_ids))
         env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))
@@ -447,14 +453,9 @@ class RolloutQueue:
         else:
             env_index = {name: self.env(name) for name in set(env_names)}
             envs = [*env_index.values()] * count if len(env_index) == 1 else list(map(env_index.__getitem__, env_names))
-        if count == 1:  # (a single-rollout add: no iterators to build)
-            self.row_of[ids[0]] = row_base
-            self.ids.append(ids[0])
-            self.seen_ids.add(ids[0])
-        else:
-            self.row_of.update(zip(ids, range(row_base, row_base + count)))
-            self.ids.extend(ids)
-            self.seen_ids.update(ids)
+        self.row_of.update(zip(ids, range(row_base, row_base + count)))
+        self.ids.extend(ids)
+        self.seen_ids.update(ids)
         self.queued += count
         return chunk, groups, envs
 
@@ -468,7 +469,7 @@ class RolloutQueue:
             self._gathered = lent if lent.begin(self, first.batch, first.kind) else None
         gathered = self._gathered
         into = gathered.into(batch, kind) if gathered is not None and gathered.complete else None
-        if not plain_positions_of(batch, into):
+        if not plain_positions_of(batch, into, gathered.length if gathered is not None else 0):
             return None
         n_rollouts, n_samples, n_positions = len(batch.ids), len(batch.position_offsets) - 1, len(batch.mask)
         if gathered is not None and into is not None:

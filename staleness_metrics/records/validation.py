@@ -475,16 +475,16 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
     return not positions or plain_positions_of(batch)
 
 
-def plain_positions_of(batch: RolloutBatch, into: PositionCopies | None = None) -> bool:
+def plain_positions_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
     """The position values :func:`plainly_valid` asks for (build_spans' and check_batch's): a 0/1 mask, finite
     weights and log-probabilities, token versions >= -1 (the arrays' lengths checked already). When they are and
-    ``into`` is given, the mask, weights and token versions are copied there as well.
+    ``into`` is given, the mask, weights and token versions are copied there (from element ``start`` on) as well.
 
     One compiled pass, or numpy: a finite sum says every value is finite (a NaN or an infinity makes it NaN or
     infinite; an overflow is only "not sure")."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
-    plain = plain_positions(mask, weights, logprobs, tokens, into)
+    plain = plain_positions(mask, weights, logprobs, tokens, into, start)
     if plain is not None:
         return plain
     if tokens is not None and int(tokens.min()) < -1:
@@ -494,10 +494,9 @@ def plain_positions_of(batch: RolloutBatch, into: PositionCopies | None = None) 
     if not all(np.isfinite(np.add.reduce(v)) for v in (*weights, logprobs) if v is not None):
         return False
     if into is not None:
-        end = into.start + len(mask)
         for values, copy in zip((mask, *weights, tokens), (*into.mask_and_weights, into.token_versions)):
             if values is not None and len(copy):
-                copy[into.start : end] = values
+                copy[start : start + len(mask)] = values
     return True
 
 

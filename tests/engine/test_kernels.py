@@ -400,8 +400,11 @@ def test_plain_positions_equals_the_numpy_checks_and_copies_only_plain_positions
     size = copied_at + n + 3
     destinations = (*(np.full(size, 7, dtype=dtype) for _ in range(4)),)
     token_destination = np.full(size, 7, dtype=np.int64)
-    into = PositionCopies(destinations, token_destination, copied_at)
-    assert plain_positions(mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array, into) is expected
+    into = PositionCopies(destinations, token_destination)
+    assert (
+        plain_positions(mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array, into, copied_at)
+        is expected
+    )
     for source, destination in zip([mask_array, *floats[:3], token_array], [*destinations, token_destination]):
         untouched = np.full(size, 7, dtype=destination.dtype)
         if expected and source is not None:
