@@ -26,10 +26,10 @@ __all__ = [
     "MAX_IN_FLIGHT", "MAX_IN_QUEUE", "MAX_NEWEST", "MAX_ROLLOUT", "ROLLOUT_BINS", "SUM_DOT", "SUM_FROZEN",
     "SUM_IN_FLIGHT", "SUM_IN_QUEUE", "SUM_LIVE", "SUM_MASKED", "SUM_NEWEST", "SUM_QUANTILES", "SUM_ROLLOUT",
     "SUM_SAMPLES", "SUM_TOKENS", "SUM_UNLABELLED", "TOKEN_BINS", "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO",
-    "WEIGHT_NOT_POSITIVE", "PopulationSummary", "PopulationSums", "PositionCopies", "ShippedRows", "SliceRows",
-    "SpanRows", "StaleRows", "TokenDecision", "TokenSpans", "fusable_weights", "mismatch_runs", "plain_positions",
-    "population_summary", "population_sums", "shipped_rows", "slice_rows", "span_rows", "stale_rows", "token_cuts",
-    "token_decision", "token_spans", "warm_up", "weight_flags", "zero_spans",
+    "WEIGHT_NOT_POSITIVE", "PlainRows", "PopulationSummary", "PopulationSums", "PositionCopies", "ShippedRows",
+    "SliceRows", "SpanRows", "StaleRows", "TokenDecision", "TokenSpans", "fusable_weights", "mismatch_runs",
+    "plain_values", "population_summary", "population_sums", "shipped_rows", "slice_rows", "span_rows", "stale_rows",
+    "token_cuts", "token_decision", "token_spans", "warm_up", "weight_flags", "zero_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -40,7 +40,7 @@ _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 _NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
 _NO_WIDE_WEIGHTS = np.zeros(0, dtype=np.uint64)
-_PLAIN_FLOATS = 4  # float arrays plain_positions passes its loop (the weights and logprobs; padded to it)
+_PLAIN_FLOATS = 4  # float arrays plain_values passes its loop (the weights and logprobs; padded to it)
 _BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
@@ -1739,7 +1739,14 @@ def mismatch_runs(
 
 
 @_CompiledOnFirstCall
-def _plain_positions(
+def _plain_values(
+    n_rollouts: int,
+    sample_offsets: IntArray,
+    position_offsets: IntArray,
+    dispatch: IntArray,
+    completion: IntArray,
+    label_kind: npt.NDArray[np.int8],
+    labels: int,
     mask: npt.NDArray[Any],
     floats: tuple[npt.NDArray[Any], ...],
     tokens: IntArray,
@@ -1747,6 +1754,27 @@ def _plain_positions(
     token_copy: IntArray,
     start: int,
 ) -> bool:  # pragma: no cover - compiled
+    n_samples, n = len(position_offsets) - 1, len(mask)
+    if (
+        n_samples < 0
+        or len(sample_offsets) != n_rollouts + 1
+        or len(dispatch) != n_rollouts
+        or len(completion) != n_rollouts
+        or len(label_kind) != n_samples
+    ):
+        return False  # (the lengths every read below relies on)
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples:
+        return False
+    if position_offsets[0] != 0 or position_offsets[n_samples] != n:
+        return False
+    for i in range(n_rollouts):  # offsets never decreasing; versions as check_batch wants them
+        d, c = dispatch[i], completion[i]
+        if sample_offsets[i + 1] < sample_offsets[i] or d < 0 or c < -1 or 0 <= c < d:
+            return False  # (frozen ones too: -1 falls to the exact path)
+    for j in range(n_samples):
+        kind = label_kind[j]
+        if position_offsets[j + 1] < position_offsets[j] or kind < 0 or kind > 2 or not (labels >> kind) & 1:
+            return False
     bad = False
     for x in mask:
         bad |= (x != 0) & (x != 1)  # NaN too
@@ -1757,7 +1785,6 @@ def _plain_positions(
         bad |= t < -1
     if bad:
         return False
-    n = len(mask)
     for k in range(len(copies)):  # (the mask, then the weights: ``floats``' first entries; empty: none)
         source = mask if k == 0 else floats[k - 1]
         if len(copies[k]) and len(source) == n:
@@ -1768,12 +1795,13 @@ def _plain_positions(
 
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
+_INT8 = np.dtype(np.int8)
 _PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}  # (read-only: never written)
 _NO_COPIES = {dtype: (empty,) * _PLAIN_FLOATS for dtype, empty in _PLAIN_PADDING.items()}  # (the mask, 3 weights)
 
 
 class PositionCopies(NamedTuple):
-    """Where :func:`plain_positions` copies plain positions to: an array for the mask and for each of the three
+    """Where :func:`plain_values` copies plain positions to: an array for the mask and for each of the three
     weights, of the mask's type, and one for the token versions (an empty array, or an array the batch lacks:
     not copied)."""
 
@@ -1781,10 +1809,25 @@ class PositionCopies(NamedTuple):
     token_versions: IntArray
 
 
+class PlainRows(NamedTuple):
+    """The rollout and sample arrays of a batch :func:`plain_values` reads: ``labels`` has bit ``k`` set when
+    label kind ``k`` may appear (none always; spans when the batch has ``weight_versions`` spans, token versions
+    when it has ``token_versions``)."""
+
+    n_rollouts: int
+    sample_offsets: IntArray
+    position_offsets: IntArray
+    dispatch: IntArray
+    completion: IntArray
+    label_kind: npt.NDArray[np.int8]
+    labels: int
+
+
 Weights = tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | None, npt.NDArray[Any] | None]
 
 
-def plain_positions(
+def plain_values(
+    rows: PlainRows,
     mask: npt.NDArray[Any],
     weights: Weights,
     logprobs: npt.NDArray[Any] | None,
@@ -1792,10 +1835,13 @@ def plain_positions(
     into: PositionCopies | None = None,
     start: int = 0,
 ) -> bool | None:
-    """Whether every mask value is 0 or 1, every value of the ``weights`` (rl, ce, ref-KL: None where absent)
-    and ``logprobs`` finite and every token version >= -1: one compiled pass (a small batch's checks in one call
-    instead of a dozen numpy calls). When they are and ``into`` is given, the mask, the weights and the token
-    versions are copied there, from element ``start`` on, in the same call (a sink gathering small adds).
+    """Whether a batch's values are plain, in one compiled pass (a small batch's checks in one call instead of a
+    few dozen Python steps): ``rows``' offsets run from 0 to the sample and position counts, never decreasing,
+    dispatch versions are >= 0, completion versions >= -1 and not below a non-negative dispatch, label kinds are
+    allowed; every mask value is 0 or 1, every value of the ``weights`` (rl, ce, ref-KL: None where absent) and
+    ``logprobs`` finite and every token version >= -1. When they are and ``into`` is given, the mask, the weights
+    and the token versions are copied there, from element ``start`` on, in the same call (a sink gathering small
+    adds). The per-position arrays must be as long as the mask (the caller checks).
 
     ``None`` when the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), or while no
     compiled loop is loaded yet: the caller checks with numpy (microseconds), so that a check never makes a cold
@@ -1806,6 +1852,11 @@ def plain_positions(
     empty = _PLAIN_PADDING.get(dtype)
     if empty is None or mask.ndim != 1 or not mask.flags.c_contiguous:
         return None
+    _, sample_offsets, position_offsets, dispatch, completion, label_kind, _ = rows
+    if label_kind.dtype != _INT8 or not (
+        sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1
+    ):
+        return None  # (other shapes and types: Python says)
     rl, ce, ref_kl = weights  # (written out: this runs once per small add)
     floats = (
         empty if rl is None else rl, empty if ce is None else ce, empty if ref_kl is None else ref_kl,
@@ -1815,8 +1866,8 @@ def plain_positions(
         if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
             return None
     copies, token_copy = (_NO_COPIES[dtype], _NO_TOKENS) if into is None else into
-    loop = _plain_positions._compiled or _plain_positions  # (the compiled loop itself once it is loaded)
-    result: bool = loop(mask, floats, _NO_TOKENS if tokens is None else tokens, copies, token_copy, start)
+    loop = _plain_values._compiled or _plain_values  # (the compiled loop itself once it is loaded)
+    result: bool = loop(*rows, mask, floats, _NO_TOKENS if tokens is None else tokens, copies, token_copy, start)
     return result
 
 
@@ -1845,7 +1896,8 @@ def warm_up() -> None:
         mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)
         mismatch_runs(tokens, arrays[0], arrays[1], None, 0.5, 2.0, offsets, 20.0)
         weights = (arrays[1], arrays[2], arrays[3])
-        plain_positions(arrays[0], weights, None, tokens)
+        rows = PlainRows(1, np.array([0, 1]), offsets, count, count, np.array([2], dtype=np.int8), 0b111)
+        plain_values(rows, arrays[0], weights, None, tokens)
         copies = PositionCopies((np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype)),
                                 np.empty(3, np.int64))  # fmt: skip
-        plain_positions(arrays[0], weights, arrays[0], tokens, copies)
+        plain_values(rows, arrays[0], weights, arrays[0], tokens, copies)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.kernels import PositionCopies, plain_positions
+from ..engine.kernels import PlainRows, PositionCopies, plain_values
 from ..errors import FieldError, TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 
@@ -26,7 +26,7 @@ __all__ = [
     "check_text",
     "check_versions_at_most",
     "lone_surrogate",
-    "plain_positions_of",
+    "plain_values_of",
     "plainly_valid",
     "printable_id",
     "span_fault",
@@ -397,13 +397,11 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
 
     It lets the sink take a small batch with a handful of numpy calls and cut its spans later, together
     with the batches added after it (``Sink.add``: the cost of a call follows its work). ``positions=False``
-    leaves the position values to the caller (:func:`plain_positions_of`, which may copy them as it reads).
+    leaves the values in the arrays to the caller (:func:`plain_values_of`, which may copy positions as it reads).
     """
-    ids, mask, sample_offsets, position_offsets = batch.ids, batch.mask, batch.sample_offsets, batch.position_offsets
-    n_rollouts, n_samples, n_positions = len(ids), len(position_offsets) - 1, len(mask)
-    kind, tokens, group_ids, envs = batch.label_kind, batch.token_versions, batch.group_ids, batch.envs
-    dispatch, completion, frozen = batch.dispatch_version, batch.completion_version, batch.frozen
-    agentic = batch.agentic
+    ids, mask, tokens, group_ids, envs = batch.ids, batch.mask, batch.token_versions, batch.group_ids, batch.envs
+    kind, completion, frozen, agentic = batch.label_kind, batch.completion_version, batch.frozen, batch.agentic
+    n_rollouts, n_positions = len(ids), len(mask)
     if n_rollouts == 0 or n_positions == 0:
         return False  # nothing to gain; the exact path says what an empty batch means
     if (
@@ -414,17 +412,63 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
         or agentic is None
         or group_ids is None
         or envs is None
-        or len(sample_offsets) != n_rollouts + 1
-        or len(kind) != n_samples
-        or not n_rollouts == len(dispatch) == len(completion) == len(frozen) == len(agentic)
-        or not n_rollouts == len(group_ids) == len(envs)
+        or not n_rollouts == len(frozen) == len(agentic) == len(group_ids) == len(envs)
     ):
-        return False
+        return False  # (the other arrays' lengths: plain_values_of)
     # The per-position arrays given, each as long as the mask.
     for values in (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights, batch.logprobs, tokens,
                    batch.trainer_logprobs):  # fmt: skip
         if values is not None and len(values) != n_positions:
             return False
+    if not isinstance(known_ids, (set, frozenset)):
+        return False
+    if n_rollouts == 1:
+        if ids[0] in known_ids:
+            return False
+    elif len(set(ids)) != n_rollouts or not known_ids.isdisjoint(ids):
+        return False
+    if not (n_rollouts == 1 and _ascii(ids[0]) and _ascii(group_ids[0]) and _ascii(envs[0])) and (
+        lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None
+    ):
+        return False  # (one encode for all: a lone surrogate stays one when strings are joined)
+    if not _plain_envs(envs):
+        return False
+    return not positions or plain_values_of(batch)
+
+
+def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
+    """The values in the arrays of a batch :func:`plainly_valid` passed with ``positions=False``: offsets from 0
+    to the end, never decreasing; versions and label kinds check_batch takes; ``weight_versions`` spans as
+    build_spans wants them; a 0/1 mask, finite weights and log-probabilities, token versions >= -1. When they are
+    plain and ``into`` is given, the mask, weights and token versions are copied there (from element ``start``
+    on) as well.
+
+    One compiled pass (:func:`~staleness_metrics.engine.kernels.plain_values`), or Python and numpy: a finite sum
+    says every value is finite (a NaN or an infinity makes it NaN or infinite; an overflow is only "not sure")."""
+    mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
+    weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
+    kind, has_spans = batch.label_kind, batch.span_offsets is not None
+    assert kind is not None and batch.completion_version is not None  # (plainly_valid checked them)
+    labels = 1 << LABELS_NONE | has_spans << LABELS_SPANS | (tokens is not None) << LABELS_TOKENS
+    rows = PlainRows(len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version,
+                     batch.completion_version, kind, labels)  # fmt: skip
+    plain = plain_values(rows, mask, weights, logprobs, tokens, into, start)
+    if plain is None:
+        plain = _plain_values(batch, into, start)
+    return plain and (not has_spans or _plain_spans(batch))
+
+
+def _plain_values(batch: RolloutBatch, into: PositionCopies | None, start: int) -> bool:
+    """:func:`plain_values_of` without the compiled loop (and without the spans)."""
+    mask, tokens = batch.mask, batch.token_versions
+    sample_offsets, position_offsets = batch.sample_offsets, batch.position_offsets
+    dispatch, completion, kind = batch.dispatch_version, batch.completion_version, batch.label_kind
+    assert kind is not None and completion is not None  # (plainly_valid checked them)
+    n_rollouts, n_samples, n_positions = len(batch.ids), len(position_offsets) - 1, len(mask)
+    if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(kind) != n_samples:
+        return False
+    if not n_rollouts == len(dispatch) == len(completion):
+        return False
     # Offsets: from 0 to the end, never decreasing. Small arrays read as lists (a numpy call costs more).
     if n_rollouts + n_samples <= 64:
         starts, ends = sample_offsets.tolist(), position_offsets.tolist()
@@ -440,19 +484,6 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
             return False
         if bool((position_offsets[1:] < position_offsets[:-1]).any()):
             return False
-    if not isinstance(known_ids, (set, frozenset)):
-        return False
-    if n_rollouts == 1:
-        if ids[0] in known_ids:
-            return False
-    elif len(set(ids)) != n_rollouts or not known_ids.isdisjoint(ids):
-        return False
-    if not (n_rollouts == 1 and _ascii(ids[0]) and _ascii(group_ids[0]) and _ascii(envs[0])) and (
-        lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None
-    ):
-        return False  # (one encode for all: a lone surrogate stays one when strings are joined)
-    if not _plain_envs(envs):
-        return False
     # Per-rollout and per-sample values of a small batch: Python over short lists costs less than numpy calls.
     dispatches, completions = dispatch.tolist(), completion.tolist()
     if min(dispatches) < 0 or min(completions) < -1:  # frozen ones too: -1 falls to the exact path
@@ -467,36 +498,19 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
         return False
     if tokens is None and LABELS_TOKENS in kinds:
         return False
-    if batch.span_offsets is not None:
-        if not _plain_spans(batch):
-            return False
-    elif LABELS_SPANS in kinds:
+    if batch.span_offsets is None and LABELS_SPANS in kinds:
         return False
-    return not positions or plain_positions_of(batch)
-
-
-def plain_positions_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
-    """The position values :func:`plainly_valid` asks for (build_spans' and check_batch's): a 0/1 mask, finite
-    weights and log-probabilities, token versions >= -1 (the arrays' lengths checked already). When they are and
-    ``into`` is given, the mask, weights and token versions are copied there (from element ``start`` on) as well.
-
-    One compiled pass, or numpy: a finite sum says every value is finite (a NaN or an infinity makes it NaN or
-    infinite; an overflow is only "not sure")."""
-    mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
-    weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
-    plain = plain_positions(mask, weights, logprobs, tokens, into, start)
-    if plain is not None:
-        return plain
     if tokens is not None and int(tokens.min()) < -1:
         return False
-    if np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) != len(mask):
+    if np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) != n_positions:
         return False
-    if not all(np.isfinite(np.add.reduce(v)) for v in (*weights, logprobs) if v is not None):
+    weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
+    if not all(np.isfinite(np.add.reduce(v)) for v in (*weights, batch.logprobs) if v is not None):
         return False
     if into is not None:
         for values, copy in zip((mask, *weights, tokens), (*into.mask_and_weights, into.token_versions)):
             if values is not None and len(copy):
-                copy[start : start + len(mask)] = values
+                copy[start : start + n_positions] = values
     return True
 
 

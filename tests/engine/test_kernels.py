@@ -15,9 +15,10 @@ from staleness_metrics.engine.kernels import (
     WEIGHT_NONFINITE,
     WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
+    PlainRows,
     PositionCopies,
     fusable_weights,
-    plain_positions,
+    plain_values,
     shipped_rows,
     span_rows,
     stale_rows,
@@ -364,6 +365,12 @@ def test_weight_flags_leave_other_dtypes_to_numpy() -> None:
         weight_flags(np.ones(3, dtype=np.float32), np.array([0]), np.array([5]))
 
 
+def one_sample(n: int, tokens: bool) -> PlainRows:
+    """The rows of one rollout of one sample of ``n`` positions (labelled by token versions when ``tokens``)."""
+    kind = np.array([2 if tokens else 0], dtype=np.int8)
+    return PlainRows(1, np.array([0, 1]), np.array([0, n]), np.array([0]), np.array([-1]), kind, 0b101)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     dtype=st.sampled_from([np.float32, np.float64]),
@@ -373,7 +380,7 @@ def test_weight_flags_leave_other_dtypes_to_numpy() -> None:
     given_arrays=st.tuples(*[st.booleans()] * 5),  # rl, ce, ref-KL, logprobs, token versions
     copied_at=st.none() | st.integers(0, 5),
 )
-def test_plain_positions_equals_the_numpy_checks_and_copies_only_plain_positions(
+def test_plain_values_equals_the_numpy_checks_and_copies_only_plain_positions(
     dtype: Any,
     mask: list[float],
     weights: list[float],
@@ -393,18 +400,17 @@ def test_plain_positions_equals_the_numpy_checks_and_copies_only_plain_positions
         and all(bool(np.isfinite(a).all()) for a in floats if a is not None)
         and (token_array is None or bool((token_array >= -1).all()))
     )
+    rows = one_sample(n, given_arrays[4])
     if copied_at is None:
-        assert plain_positions(mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array) is expected
+        assert plain_values(rows, mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array) is expected
         return
     # Copies go to element ``copied_at`` on of arrays longer than the batch, only when every value is plain.
     size = copied_at + n + 3
     destinations = (*(np.full(size, 7, dtype=dtype) for _ in range(4)),)
     token_destination = np.full(size, 7, dtype=np.int64)
     into = PositionCopies(destinations, token_destination)
-    assert (
-        plain_positions(mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array, into, copied_at)
-        is expected
-    )
+    weights = (floats[0], floats[1], floats[2])
+    assert plain_values(rows, mask_array, weights, floats[3], token_array, into, copied_at) is expected
     for source, destination in zip([mask_array, *floats[:3], token_array], [*destinations, token_destination]):
         untouched = np.full(size, 7, dtype=destination.dtype)
         if expected and source is not None:
@@ -412,15 +418,41 @@ def test_plain_positions_equals_the_numpy_checks_and_copies_only_plain_positions
         np.testing.assert_array_equal(destination, untouched)
 
 
-def test_plain_positions_leaves_other_types_to_numpy() -> None:
+def test_plain_values_leaves_other_types_to_python() -> None:
     warm_up()  # (a cold process checks with numpy rather than import numba for it)
     ints = np.array([0, 1], dtype=np.int64)
     floats = np.array([0.0, 1.0])
-    assert plain_positions(ints, (None, None, None), None, None) is None
-    assert plain_positions(floats.astype(np.float16), (None, None, None), None, None) is None
-    assert plain_positions(floats, (floats.astype(np.float32), None, None), None, None) is None  # the mask's type
-    assert plain_positions(floats, (None, None, None), floats.astype(np.float32), None) is None
-    assert plain_positions(floats, (floats[::-1][::1].copy(), None, None), None, None) is True
+    rows = one_sample(2, False)
+    assert plain_values(rows, ints, (None, None, None), None, None) is None
+    assert plain_values(rows, floats.astype(np.float16), (None, None, None), None, None) is None
+    assert plain_values(rows, floats, (floats.astype(np.float32), None, None), None, None) is None  # the mask's type
+    assert plain_values(rows, floats, (None, None, None), floats.astype(np.float32), None) is None
+    assert plain_values(rows, floats, (floats[::-1][::1].copy(), None, None), None, None) is True
+
+
+def test_plain_values_reads_offsets_versions_and_label_kinds() -> None:
+    warm_up()
+    mask, none = np.ones(4), (None, None, None)
+
+    def plain(**changed: Any) -> bool | None:
+        rows = PlainRows(2, np.array([0, 1, 2]), np.array([0, 2, 4]), np.array([0, 1]), np.array([-1, 3]),
+                         np.array([0, 2], dtype=np.int8), 0b101)._replace(**changed)  # fmt: skip
+        return plain_values(rows, mask, none, None, np.zeros(4, dtype=np.int64))
+
+    assert plain() is True
+    assert plain(sample_offsets=np.array([0, 2, 2])) is True  # (a rollout of no sample is valid)
+    assert plain(sample_offsets=np.array([0, 3, 2])) is False  # back
+    assert plain(sample_offsets=np.array([0, 1])) is False  # one entry short (the lengths come first)
+    assert plain(position_offsets=np.array([0, 3, 2])) is False
+    assert plain(position_offsets=np.array([0, 2, 5])) is False  # not the mask's length
+    assert plain(dispatch=np.array([-1, 1])) is False
+    assert plain(completion=np.array([-2, 3])) is False
+    assert plain(completion=np.array([-1, 0])) is False  # below its dispatch
+    assert plain(label_kind=np.array([0, 1], dtype=np.int8)) is False  # spans the batch does not have
+    assert plain(label_kind=np.array([0, 1], dtype=np.int8), labels=0b111) is True
+    assert plain(label_kind=np.array([0, 3], dtype=np.int8)) is False
+    assert plain(label_kind=np.array([0, 2])) is None  # (not int8: Python checks it)
+    assert plain(dispatch=np.array([[0, 1]])) is None  # (not 1-d)
 
 
 # ---------------------------------------------------------------------------------------------- span rows
