@@ -26,7 +26,7 @@ __all__ = [
     "MAX_IN_FLIGHT", "MAX_IN_QUEUE", "MAX_NEWEST", "MAX_ROLLOUT", "ROLLOUT_BINS", "SUM_DOT", "SUM_FROZEN",
     "SUM_IN_FLIGHT", "SUM_IN_QUEUE", "SUM_LIVE", "SUM_MASKED", "SUM_NEWEST", "SUM_QUANTILES", "SUM_ROLLOUT",
     "SUM_SAMPLES", "SUM_TOKENS", "SUM_UNLABELLED", "TOKEN_BINS", "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO",
-    "WEIGHT_NOT_POSITIVE", "PlainRows", "PopulationSummary", "PopulationSums", "PositionCopies", "ShippedRows",
+    "WEIGHT_NOT_POSITIVE", "PopulationSummary", "PopulationSums", "PositionCopies", "ShippedRows",
     "SliceRows", "SpanRows", "StaleRows", "TokenDecision", "TokenSpans", "fusable_weights", "mismatch_runs",
     "plain_values", "population_summary", "population_sums", "shipped_rows", "slice_rows", "span_rows", "stale_rows",
     "token_cuts", "token_decision", "token_spans", "warm_up", "weight_flags", "zero_spans",
@@ -40,7 +40,6 @@ _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 _NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
 _NO_WIDE_WEIGHTS = np.zeros(0, dtype=np.uint64)
-_PLAIN_FLOATS = 4  # float arrays plain_values passes its loop (the weights and logprobs; padded to it)
 _BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 _SHARES = 4  # parallel shares of a large input: even work for 2-4 threads
 
@@ -1738,7 +1737,21 @@ def mismatch_runs(
     return counts, sums, sum(p[2] for p in parts)
 
 
-@_CompiledOnFirstCall
+def _finite(values: npt.NDArray[Any]) -> bool:  # pragma: no cover - compiled
+    """Whether every value is finite (a callee of ``_plain_values``: one vector pass)."""
+    bad = False
+    for x in values:
+        bad |= not math.isfinite(x)
+    return not bad
+
+
+def _copy_to(copy: npt.NDArray[Any], values: npt.NDArray[Any], start: int, n: int) -> None:  # pragma: no cover
+    """``values`` into ``copy`` from ``start`` on, when both are there (an empty array is not; a callee)."""
+    if len(copy) and len(values) == n:
+        copy[start : start + n] = values
+
+
+@_CompiledOnFirstCall(callees={"_finite": (_finite, {}), "_copy_to": (_copy_to, {})})
 def _plain_values(
     n_rollouts: int,
     sample_offsets: IntArray,
@@ -1748,12 +1761,19 @@ def _plain_values(
     label_kind: npt.NDArray[np.int8],
     labels: int,
     mask: npt.NDArray[Any],
-    floats: tuple[npt.NDArray[Any], ...],
+    rl: npt.NDArray[Any],
+    ce: npt.NDArray[Any],
+    ref_kl: npt.NDArray[Any],
+    logprobs: npt.NDArray[Any],
     tokens: IntArray,
-    copies: tuple[npt.NDArray[Any], ...],
+    mask_copy: npt.NDArray[Any],
+    rl_copy: npt.NDArray[Any],
+    ce_copy: npt.NDArray[Any],
+    ref_kl_copy: npt.NDArray[Any],
     token_copy: IntArray,
     start: int,
 ) -> bool:  # pragma: no cover - compiled
+    # (flat arguments, no tuples: the call itself is most of the cost of a small batch's check)
     n_samples, n = len(position_offsets) - 1, len(mask)
     if (
         n_samples < 0
@@ -1778,26 +1798,21 @@ def _plain_values(
     bad = False
     for x in mask:
         bad |= (x != 0) & (x != 1)  # NaN too
-    for values in floats:  # (a homogeneous tuple: numba unrolls it)
-        for x in values:
-            bad |= not math.isfinite(x)
     for t in tokens:
         bad |= t < -1
-    if bad:
+    if bad or not (_finite(rl) and _finite(ce) and _finite(ref_kl) and _finite(logprobs)):
         return False
-    for k in range(len(copies)):  # (the mask, then the weights: ``floats``' first entries; empty: none)
-        source = mask if k == 0 else floats[k - 1]
-        if len(copies[k]) and len(source) == n:
-            copies[k][start : start + n] = source
-    if len(token_copy) and len(tokens) == n:
-        token_copy[start : start + n] = tokens
+    _copy_to(mask_copy, mask, start, n)
+    _copy_to(rl_copy, rl, start, n)
+    _copy_to(ce_copy, ce, start, n)
+    _copy_to(ref_kl_copy, ref_kl, start, n)
+    _copy_to(token_copy, tokens, start, n)
     return True
 
 
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
 _INT8 = np.dtype(np.int8)
 _PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}  # (read-only: never written)
-_NO_COPIES = {dtype: (empty,) * _PLAIN_FLOATS for dtype, empty in _PLAIN_PADDING.items()}  # (the mask, 3 weights)
 
 
 class PositionCopies(NamedTuple):
@@ -1809,25 +1824,21 @@ class PositionCopies(NamedTuple):
     token_versions: IntArray
 
 
-class PlainRows(NamedTuple):
-    """The rollout and sample arrays of a batch :func:`plain_values` reads: ``labels`` has bit ``k`` set when
-    label kind ``k`` may appear (none always; spans when the batch has ``weight_versions`` spans, token versions
-    when it has ``token_versions``)."""
-
-    n_rollouts: int
-    sample_offsets: IntArray
-    position_offsets: IntArray
-    dispatch: IntArray
-    completion: IntArray
-    label_kind: npt.NDArray[np.int8]
-    labels: int
-
+_NO_COPIES = {
+    dtype: PositionCopies((empty, empty, empty, empty), _NO_TOKENS) for dtype, empty in _PLAIN_PADDING.items()
+}  # (nothing copied)
 
 Weights = tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | None, npt.NDArray[Any] | None]
 
 
 def plain_values(
-    rows: PlainRows,
+    n_rollouts: int,
+    sample_offsets: IntArray,
+    position_offsets: IntArray,
+    dispatch: IntArray,
+    completion: IntArray,
+    label_kind: npt.NDArray[np.int8],
+    labels: int,
     mask: npt.NDArray[Any],
     weights: Weights,
     logprobs: npt.NDArray[Any] | None,
@@ -1836,38 +1847,38 @@ def plain_values(
     start: int = 0,
 ) -> bool | None:
     """Whether a batch's values are plain, in one compiled pass (a small batch's checks in one call instead of a
-    few dozen Python steps): ``rows``' offsets run from 0 to the sample and position counts, never decreasing,
+    few dozen Python steps): its offsets run from 0 to the sample and position counts, never decreasing,
     dispatch versions are >= 0, completion versions >= -1 and not below a non-negative dispatch, label kinds are
-    allowed; every mask value is 0 or 1, every value of the ``weights`` (rl, ce, ref-KL: None where absent) and
-    ``logprobs`` finite and every token version >= -1. When they are and ``into`` is given, the mask, the weights
-    and the token versions are copied there, from element ``start`` on, in the same call (a sink gathering small
-    adds). The per-position arrays must be as long as the mask (the caller checks).
+    allowed (``labels`` has bit ``k`` set when kind ``k`` may appear); every mask value is 0 or 1, every value of
+    the ``weights`` (rl, ce, ref-KL: None where absent) and ``logprobs`` finite and every token version >= -1.
+    When they are and ``into`` is given, the mask, the weights and the token versions are copied there, from
+    element ``start`` on, in the same call (a sink gathering small adds). The per-position arrays must be as long
+    as the mask (the caller checks).
 
-    ``None`` when the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), or while no
-    compiled loop is loaded yet: the caller checks with numpy (microseconds), so that a check never makes a cold
-    process import numba (a second or more, e.g. inside a service's restore of its runs)."""
+    ``None`` when the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), the label
+    kinds not int8, or while no compiled loop is loaded yet: the caller checks with Python and numpy
+    (microseconds), so that a check never makes a cold process import numba (a second or more, e.g. inside a
+    service's restore of its runs)."""
     if "numba" not in sys.modules:
         return None
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
-    if empty is None or mask.ndim != 1 or not mask.flags.c_contiguous:
+    if empty is None or mask.ndim != 1 or not mask.flags.c_contiguous or label_kind.dtype != _INT8:
         return None
-    _, sample_offsets, position_offsets, dispatch, completion, label_kind, _ = rows
-    if label_kind.dtype != _INT8 or not (
-        sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1
-    ):
-        return None  # (other shapes and types: Python says)
+    if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1:
+        return None  # (other shapes: Python says)
     rl, ce, ref_kl = weights  # (written out: this runs once per small add)
-    floats = (
-        empty if rl is None else rl, empty if ce is None else ce, empty if ref_kl is None else ref_kl,
-        empty if logprobs is None else logprobs,
-    )  # fmt: skip
-    for values in floats:
+    rl, ce, ref_kl = empty if rl is None else rl, empty if ce is None else ce, empty if ref_kl is None else ref_kl
+    logprobs = empty if logprobs is None else logprobs
+    for values in (rl, ce, ref_kl, logprobs):
         if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
             return None
-    copies, token_copy = (_NO_COPIES[dtype], _NO_TOKENS) if into is None else into
+    (mask_copy, rl_copy, ce_copy, ref_kl_copy), token_copy = _NO_COPIES[dtype] if into is None else into
     loop = _plain_values._compiled or _plain_values  # (the compiled loop itself once it is loaded)
-    result: bool = loop(*rows, mask, floats, _NO_TOKENS if tokens is None else tokens, copies, token_copy, start)
+    result: bool = loop(
+        n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels, mask, rl, ce, ref_kl,
+        logprobs, _NO_TOKENS if tokens is None else tokens, mask_copy, rl_copy, ce_copy, ref_kl_copy, token_copy, start,
+    )  # fmt: skip
     return result
 
 
@@ -1896,8 +1907,8 @@ def warm_up() -> None:
         mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)
         mismatch_runs(tokens, arrays[0], arrays[1], None, 0.5, 2.0, offsets, 20.0)
         weights = (arrays[1], arrays[2], arrays[3])
-        rows = PlainRows(1, np.array([0, 1]), offsets, count, count, np.array([2], dtype=np.int8), 0b111)
-        plain_values(rows, arrays[0], weights, None, tokens)
+        rows = (1, np.array([0, 1]), offsets, count, count, np.array([2], dtype=np.int8), 0b111)
+        plain_values(*rows, arrays[0], weights, None, tokens)
         copies = PositionCopies((np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype)),
                                 np.empty(3, np.int64))  # fmt: skip
-        plain_values(rows, arrays[0], weights, arrays[0], tokens, copies)
+        plain_values(*rows, arrays[0], weights, arrays[0], tokens, copies)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.kernels import PlainRows, PositionCopies, plain_values
+from ..engine.kernels import PositionCopies, plain_values
 from ..errors import FieldError, TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 
@@ -450,9 +450,10 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
     assert kind is not None and batch.completion_version is not None  # (plainly_valid checked them)
     labels = 1 << LABELS_NONE | has_spans << LABELS_SPANS | (tokens is not None) << LABELS_TOKENS
-    rows = PlainRows(len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version,
-                     batch.completion_version, kind, labels)  # fmt: skip
-    plain = plain_values(rows, mask, weights, logprobs, tokens, into, start)
+    plain = plain_values(
+        len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version, batch.completion_version,
+        kind, labels, mask, weights, logprobs, tokens, into, start,
+    )  # fmt: skip
     if plain is None:
         plain = _plain_values(batch, into, start)
     return plain and (not has_spans or _plain_spans(batch))

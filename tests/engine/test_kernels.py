@@ -15,7 +15,6 @@ from staleness_metrics.engine.kernels import (
     WEIGHT_NONFINITE,
     WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
-    PlainRows,
     PositionCopies,
     fusable_weights,
     plain_values,
@@ -365,10 +364,14 @@ def test_weight_flags_leave_other_dtypes_to_numpy() -> None:
         weight_flags(np.ones(3, dtype=np.float32), np.array([0]), np.array([5]))
 
 
-def one_sample(n: int, tokens: bool) -> PlainRows:
-    """The rows of one rollout of one sample of ``n`` positions (labelled by token versions when ``tokens``)."""
+Rows = tuple[int, IntArray, IntArray, IntArray, IntArray, npt.NDArray[np.int8], int]
+
+
+def one_sample(n: int, tokens: bool) -> Rows:
+    """The rollout and sample arguments of ``plain_values`` for one rollout of one sample of ``n`` positions
+    (labelled by token versions when ``tokens``)."""
     kind = np.array([2 if tokens else 0], dtype=np.int8)
-    return PlainRows(1, np.array([0, 1]), np.array([0, n]), np.array([0]), np.array([-1]), kind, 0b101)
+    return 1, np.array([0, 1]), np.array([0, n]), np.array([0]), np.array([-1]), kind, 0b101
 
 
 @settings(max_examples=200, deadline=None)
@@ -402,7 +405,7 @@ def test_plain_values_equals_the_numpy_checks_and_copies_only_plain_positions(
     )
     rows = one_sample(n, given_arrays[4])
     if copied_at is None:
-        assert plain_values(rows, mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array) is expected
+        assert plain_values(*rows, mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array) is expected
         return
     # Copies go to element ``copied_at`` on of arrays longer than the batch, only when every value is plain.
     size = copied_at + n + 3
@@ -410,7 +413,7 @@ def test_plain_values_equals_the_numpy_checks_and_copies_only_plain_positions(
     token_destination = np.full(size, 7, dtype=np.int64)
     into = PositionCopies(destinations, token_destination)
     weights = (floats[0], floats[1], floats[2])
-    assert plain_values(rows, mask_array, weights, floats[3], token_array, into, copied_at) is expected
+    assert plain_values(*rows, mask_array, weights, floats[3], token_array, into, copied_at) is expected
     for source, destination in zip([mask_array, *floats[:3], token_array], [*destinations, token_destination]):
         untouched = np.full(size, 7, dtype=destination.dtype)
         if expected and source is not None:
@@ -423,11 +426,11 @@ def test_plain_values_leaves_other_types_to_python() -> None:
     ints = np.array([0, 1], dtype=np.int64)
     floats = np.array([0.0, 1.0])
     rows = one_sample(2, False)
-    assert plain_values(rows, ints, (None, None, None), None, None) is None
-    assert plain_values(rows, floats.astype(np.float16), (None, None, None), None, None) is None
-    assert plain_values(rows, floats, (floats.astype(np.float32), None, None), None, None) is None  # the mask's type
-    assert plain_values(rows, floats, (None, None, None), floats.astype(np.float32), None) is None
-    assert plain_values(rows, floats, (floats[::-1][::1].copy(), None, None), None, None) is True
+    assert plain_values(*rows, ints, (None, None, None), None, None) is None
+    assert plain_values(*rows, floats.astype(np.float16), (None, None, None), None, None) is None
+    assert plain_values(*rows, floats, (floats.astype(np.float32), None, None), None, None) is None  # the mask's type
+    assert plain_values(*rows, floats, (None, None, None), floats.astype(np.float32), None) is None
+    assert plain_values(*rows, floats, (floats[::-1][::1].copy(), None, None), None, None) is True
 
 
 def test_plain_values_reads_offsets_versions_and_label_kinds() -> None:
@@ -435,9 +438,10 @@ def test_plain_values_reads_offsets_versions_and_label_kinds() -> None:
     mask, none = np.ones(4), (None, None, None)
 
     def plain(**changed: Any) -> bool | None:
-        rows = PlainRows(2, np.array([0, 1, 2]), np.array([0, 2, 4]), np.array([0, 1]), np.array([-1, 3]),
-                         np.array([0, 2], dtype=np.int8), 0b101)._replace(**changed)  # fmt: skip
-        return plain_values(rows, mask, none, None, np.zeros(4, dtype=np.int64))
+        rows = {"n_rollouts": 2, "sample_offsets": np.array([0, 1, 2]), "position_offsets": np.array([0, 2, 4]),
+                "dispatch": np.array([0, 1]), "completion": np.array([-1, 3]),
+                "label_kind": np.array([0, 2], dtype=np.int8), "labels": 0b101} | changed  # fmt: skip
+        return plain_values(**rows, mask=mask, weights=none, logprobs=None, tokens=np.zeros(4, dtype=np.int64))
 
     assert plain() is True
     assert plain(sample_offsets=np.array([0, 2, 2])) is True  # (a rollout of no sample is valid)
