@@ -7,8 +7,11 @@ this module finds a ship's spans and expands them to positions only when asked, 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from functools import cached_property
+from itertools import repeat
+from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -130,7 +133,8 @@ class ShippedSpans:
 
     def carries_trainer_logprobs(self) -> bool:
         """Whether a batch of a shipped span carries the trainer's log-probabilities (SPEC 11's sums)."""
-        if all(batch.trainer_logprobs is None for batch in self.batches):  # (no span needs finding to say no)
+        absent = sum(map(operator.is_, map(attrgetter("trainer_logprobs"), self.batches), repeat(None)))
+        if absent == len(self.batches):  # (no span needs finding to say no)
             return False
         return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.chunk))
 
@@ -184,11 +188,8 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
     s, n = queue.samples, queue.spans
     chunks = queue.rollouts["chunk"][shipped.rows]
     used = distinct(chunks)
-    batches: list[RolloutBatch] = []
-    for c in used:
-        batch = queue.chunks[c]
-        assert batch is not None  # a queued rollout's batch is kept
-        batches.append(batch)
+    batches = [batch for batch in map(queue.chunks.__getitem__, used) if batch is not None]
+    assert len(batches) == len(used)  # a queued rollout's batch is kept
     sample_rows, table = shipped.sample_rows, (s["span_lo"], s["span_hi"], n["part"], n["lo"], n["hi"])
 
     def find() -> ShippedRows:

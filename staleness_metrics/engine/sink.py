@@ -371,10 +371,11 @@ class Sink:
         kept = ~shipped.dropped
         owner = shipped.sample_rollout[kept]
         local = self.queue.samples["local"][shipped.sample_rows[kept]]
-        ids = [self.queue.ids[row] for row in rows.tolist()]
+        ids = list(map(self.queue.ids.__getitem__, rows.tolist()))
         r = self.queue.rollouts
         chunk = r["chunk"][rows]
-        batches = {c: self.queue.chunks[c] for c in distinct(chunk)}
+        used = distinct(chunk)
+        batches = dict(zip(used, map(self.queue.chunks.__getitem__, used)))
         index = r["index"][rows]
 
         def build() -> tuple[ShippedRollout, ...]:
