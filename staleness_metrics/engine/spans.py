@@ -86,6 +86,21 @@ class SpanTable:
     # per rollout
     completion: IntArray
 
+    def rollouts_in(self, batch: RolloutBatch, start: int, stop: int) -> SpanTable:
+        """The spans of rollouts ``start`` to ``stop - 1`` of ``batch`` (the batch they were cut from), as
+        :meth:`RolloutBatch.rollouts_in` gives those rollouts: samples and positions counted from theirs."""
+        s0, s1 = int(batch.sample_offsets[start]), int(batch.sample_offsets[stop])
+        p0, t0, t1 = int(batch.position_offsets[s0]), int(self.span_offsets[s0]), int(self.span_offsets[s1])
+        return SpanTable(
+            sample=self.sample[t0:t1] - s0, lo=self.lo[t0:t1] - p0, hi=self.hi[t0:t1] - p0,
+            label=self.label[t0:t1], version=self.version[t0:t1], part=self.part[t0:t1],
+            sampled=self.sampled[t0:t1], live=self.live[t0:t1], span_offsets=self.span_offsets[s0 : s1 + 1] - t0,
+            n_sampled=self.n_sampled[s0:s1], n_unlabelled=self.n_unlabelled[s0:s1], unmaskable=self.unmaskable[s0:s1],
+            had_train=self.had_train[s0:s1], max_label=self.max_label[s0:s1],
+            max_sampled_version=self.max_sampled_version[s0:s1], seq_min_version=self.seq_min_version[s0:s1],
+            completion=self.completion[start:stop],
+        )  # fmt: skip
+
 
 class _TokenVersionBelowMinusOne(Exception):
     """A token version below -1 in a sample :func:`build_spans` cut (only raised when asked to check them)."""

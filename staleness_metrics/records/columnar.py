@@ -7,6 +7,7 @@ same form by :mod:`staleness_metrics.records.model`.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,31 @@ class RolloutBatch:
         """One rollout per row of ``[B, L]`` arrays: the arguments of
         :func:`~staleness_metrics.records.padded_rows.padded_columns`."""
         return cls(**padded_columns(ids, mask, **columns))
+
+    def rollouts_in(self, start: int, stop: int) -> RolloutBatch:
+        """Rollouts ``start`` to ``stop - 1`` as a batch of views of this one's arrays (offsets from 0): masking
+        it masks these positions. A padded batch's rows are not kept (``padded`` is None)."""
+        s0, s1 = int(self.sample_offsets[start]), int(self.sample_offsets[stop])
+        p0, p1 = int(self.position_offsets[s0]), int(self.position_offsets[s1])
+        part = copy.copy(self)  # (checked and converted already: no __post_init__ again)
+        part.ids = self.ids[start:stop]
+        part.sample_offsets = self.sample_offsets[start : stop + 1] - s0
+        part.position_offsets = self.position_offsets[s0 : s1 + 1] - p0
+        for name in ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo"):
+            if (values := getattr(self, name)) is not None:
+                setattr(part, name, values[start:stop])
+        for name in (*PER_POSITION_FLOATS, "mask", "token_versions"):
+            if (values := getattr(self, name)) is not None:
+                setattr(part, name, values[p0:p1])
+        if self.label_kind is not None:
+            part.label_kind = self.label_kind[s0:s1]
+        if self.span_offsets is not None and self.span_versions is not None and self.span_starts is not None:
+            t0, t1 = int(self.span_offsets[s0]), int(self.span_offsets[s1])
+            part.span_offsets = self.span_offsets[s0 : s1 + 1] - t0
+            part.span_versions, part.span_starts = self.span_versions[t0:t1], self.span_starts[t0:t1]
+        part.present = {name: flags[s0:s1] for name, flags in self.present.items()}
+        part.padded = None
+        return part
 
     @property
     def n_rollouts(self) -> int:

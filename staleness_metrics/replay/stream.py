@@ -29,6 +29,7 @@ from ..records.validation import Verdicts
 __all__ = [
     "Added",
     "Event",
+    "cut_ahead",
     "open_decompressed",
     "pack_once",
     "parse_event",
@@ -306,6 +307,7 @@ class Added:
     items: tuple[ParsedRollout | UnparsedRollout, ...]
     packed: RolloutBatch | None = None  # the parsed items packed once (:func:`pack_once`); runs add copies
     checked: tuple[Verdicts, SpanTable] | None = None  # and checked once, as every run's sink checks them
+    owned: bool = False  # ``packed`` is for one run, which masks it in place (:func:`cut_ahead`): no copy
 
 
 Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
@@ -389,6 +391,91 @@ def _share(batch: RolloutBatch) -> RolloutBatch:
     return batch
 
 
+# Consecutive small adds, across the sweeps and ships between them, are packed and cut together up to this many
+# positions (:func:`cut_ahead`): a stream that ships every few rollouts cuts its spans a few times per 100 ships.
+CUT_AHEAD_POSITIONS = 1 << 16
+_CUT_AHEAD_STEPS = 4096  # (and at most this many steps held back)
+
+
+def _columns(items: tuple[ParsedRollout | UnparsedRollout, ...]) -> tuple[tuple[bool, ...] | None, int]:
+    """Which optional per-position arrays every sample of ``items`` has (rl, ce and ref-KL weights, log-probabilities,
+    the trainer's), and how many positions they hold; None when some samples have an array and some not (packing
+    them with others would fill it in), or an item is refused."""
+    parsed = [item for item in items if isinstance(item, ParsedRollout)]
+    if len(parsed) != len(items):
+        return None, 0
+    samples = [sample for item in parsed for sample in item.samples]
+    size = sum(len(sample.mask) for sample in samples)
+    found = []
+    for given in (
+        *([sample.weights.get(name) is not None for sample in samples] for name in WEIGHT_FIELDS),
+        [sample.logprobs is not None for sample in samples],
+        [sample.trainer_logprobs is not None for sample in samples],
+    ):
+        if not given or any(given) != all(given):
+            return None, size
+        found.append(given[0])
+    return tuple(found), size
+
+
+def cut_ahead(steps: Iterable[Step], sink: Sink, max_positions: int = CUT_AHEAD_POSITIONS) -> Iterator[Step]:
+    """``steps`` for one run of ``sink``, with the rollouts of consecutive small adds (and the sweeps and ships
+    between them) packed into one batch and checked and cut into spans at once: each add then takes its rollouts'
+    part of both (views), where a sink would have cut each add's few rollouts at its next ship.
+
+    The same decisions and outputs as adding them one add at a time: the spans of a sample are those of its own
+    batch, each add's part holds exactly the arrays its own pack would (a window ends where the arrays its samples
+    carry change), and the ids the sink accepted before the window are the ones the check knows. A window with
+    any refused rollout is added as it came (the sink names the errors at their add)."""
+    window: list[Step] = []
+    adds: list[Added] = []
+    positions, columns = 0, None
+
+    def flush() -> Iterator[Step]:
+        nonlocal window, adds, positions, columns
+        held, added = window, adds
+        window, adds, positions, columns = [], [], 0, None
+        if len(added) < 2:  # (one add: nothing to share)
+            yield from held
+            return
+        rollouts = [item for step in added for item in step.items if isinstance(item, ParsedRollout)]
+        batch = pack(rollouts)
+        verdicts, spans = checked_spans(batch, sink.queue.seen_ids)
+        if verdicts.errors:
+            yield from held
+            return
+        start = 0
+        for step in held:
+            if isinstance(step, Added):
+                stop = start + len(step.items)
+                part = batch.rollouts_in(start, stop)
+                checked = Verdicts(part), spans.rollouts_in(batch, start, stop)
+                step = dataclasses.replace(step, packed=part, checked=checked, owned=True)
+                start = stop
+            yield step
+
+    for step in steps:
+        if not isinstance(step, Added):
+            if window:
+                window.append(step)
+                if len(window) >= _CUT_AHEAD_STEPS:
+                    yield from flush()
+            else:
+                yield step
+            continue
+        found, size = _columns(step.items) if step.packed is None else (None, 0)
+        if found is None or size >= max_positions:
+            yield from flush()
+            yield step
+            continue
+        if (columns is not None and found != columns) or positions + size > max_positions:
+            yield from flush()
+        window.append(step)
+        adds.append(step)
+        positions, columns = positions + size, found
+    yield from flush()
+
+
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
     """Run prepared steps through ``sink``, yielding each ship's result as it happens.
 
@@ -397,7 +484,8 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
     for step in steps:
         if isinstance(step, Added):
             try:
-                sink.add_parsed(step.items, None if step.packed is None else _copy(step.packed), step.checked)
+                packed = step.packed if step.packed is None or step.owned else _copy(step.packed)
+                sink.add_parsed(step.items, packed, step.checked)
             except TraceError:
                 # Strict mode added nothing: add one by one to find the offending line.
                 for line, item in zip(step.lines, step.items):
@@ -421,7 +509,7 @@ def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> It
     Consecutive rollout events are added together (one columnar batch, same outcome as one by one).
     A rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
     """
-    return run_steps(prepare(events, batch_size), sink)
+    return run_steps(cut_ahead(prepare(events, batch_size), sink), sink)
 
 
 def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
