@@ -8,7 +8,7 @@ import dataclasses
 import gzip
 import lzma
 import zlib
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Container, Generator, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -346,24 +346,37 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
     The batch is also checked once (:func:`check_batch`, :func:`build_spans`): what a sink finds
     depends only on the batch as it arrives and on the ids accepted before it, which are the same in
     every run of the steps (a sink accepts every valid rollout it is given, whatever its bound).
+    Consecutive small adds are packed and cut together, as :func:`cut_ahead` does, each taking its part.
     """
     out: list[Step] = []
     accepted: set[str] = set()
-    for step in steps:
-        if isinstance(step, Added):
-            parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
-            packed = _share(pack(parsed)) if parsed else None
-            checked = None
-            if packed is not None:
-                verdicts, spans = checked_spans(packed, accepted)
-                for f in dataclasses.fields(spans):  # shared by every run, like the packed arrays
-                    if isinstance(value := getattr(spans, f.name), np.ndarray):
-                        value.setflags(write=False)
-                checked = verdicts, spans
-                accepted.update(packed.ids[i] for i in np.flatnonzero(~verdicts.invalid).tolist())
-            step = dataclasses.replace(step, packed=packed, checked=checked)
-        out.append(step)
+    for item in _in_windows(steps, CUT_AHEAD_POSITIONS):
+        cut = _cut_window(item, accepted, shared=True) if isinstance(item, list) else None
+        if cut is not None:  # (every rollout of the window accepted)
+            out.extend(cut)
+            for step in cut:
+                if isinstance(step, Added) and step.packed is not None:
+                    accepted.update(step.packed.ids)
+            continue
+        for step in item if isinstance(item, list) else (item,):
+            if isinstance(step, Added):
+                parsed = [entry for entry in step.items if isinstance(entry, ParsedRollout)]
+                packed = _share(pack(parsed)) if parsed else None
+                checked = None
+                if packed is not None:
+                    verdicts, spans = checked_spans(packed, accepted)
+                    _read_only(spans)
+                    checked = verdicts, spans
+                    accepted.update(packed.ids[i] for i in np.flatnonzero(~verdicts.invalid).tolist())
+                step = dataclasses.replace(step, packed=packed, checked=checked)
+            out.append(step)
     return out
+
+
+def _read_only(spans: SpanTable) -> None:
+    for f in dataclasses.fields(spans):  # shared by every run, like the packed arrays
+        if isinstance(value := getattr(spans, f.name), np.ndarray):
+            value.setflags(write=False)
 
 
 _MASKED_FIELDS = ("mask", *WEIGHT_FIELDS)  # the arrays a sink writes (masks in place)
@@ -418,6 +431,63 @@ def _columns(items: tuple[ParsedRollout | UnparsedRollout, ...]) -> tuple[tuple[
     return tuple(found), size
 
 
+def _in_windows(steps: Iterable[Step], max_positions: int) -> Iterator[Step | list[Step]]:
+    """``steps`` as they come, but runs of consecutive small adds whose samples carry the same arrays, with the
+    sweeps and ships between them, gathered into windows (lists) of at most ``max_positions`` positions. A window
+    is handed on when the step after it is read, before any step after it is."""
+    window: list[Step] = []
+    positions, columns = 0, None
+    for step in steps:
+        if not isinstance(step, Added):
+            if not window:
+                yield step
+                continue
+            window.append(step)
+            if len(window) >= _CUT_AHEAD_STEPS:
+                yield window
+                window, positions, columns = [], 0, None
+            continue
+        found, size = _columns(step.items) if step.packed is None else (None, 0)
+        if window and (found is None or found != columns or positions + size > max_positions):
+            yield window
+            window, positions, columns = [], 0, None
+        if found is None or size >= max_positions:
+            yield step
+            continue
+        window.append(step)
+        positions, columns = positions + size, found
+    if window:
+        yield window
+
+
+def _cut_window(window: list[Step], known: Container[str], *, shared: bool = False) -> list[Step] | None:
+    """The window's steps with each add given its part (views) of the window's rollouts packed, checked and cut
+    into spans at once; None when that cut refuses a rollout (each add then goes its own way, which names the
+    error at its add), or the window holds a single add. ``known``: the ids accepted before the window.
+    ``shared``: for several runs (:func:`pack_once`): the arrays read-only, each run adding copies."""
+    adds = [step for step in window if isinstance(step, Added)]
+    if len(adds) < 2:
+        return None
+    batch = pack([item for step in adds for item in step.items if isinstance(item, ParsedRollout)])
+    verdicts, spans = checked_spans(batch, known)
+    if verdicts.errors:
+        return None
+    if shared:
+        _share(batch)
+        _read_only(spans)
+    out: list[Step] = []
+    start = 0
+    for step in window:
+        if isinstance(step, Added):
+            stop = start + len(step.items)
+            part = batch.rollouts_in(start, stop)
+            checked = Verdicts(part), spans.rollouts_in(batch, start, stop)
+            step = dataclasses.replace(step, packed=part, checked=checked, owned=not shared)
+            start = stop
+        out.append(step)
+    return out
+
+
 def cut_ahead(steps: Iterable[Step], sink: Sink, max_positions: int = CUT_AHEAD_POSITIONS) -> Iterator[Step]:
     """``steps`` for one run of ``sink``, with the rollouts of consecutive small adds (and the sweeps and ships
     between them) packed into one batch and checked and cut into spans at once: each add then takes its rollouts'
@@ -427,53 +497,11 @@ def cut_ahead(steps: Iterable[Step], sink: Sink, max_positions: int = CUT_AHEAD_
     batch, each add's part holds exactly the arrays its own pack would (a window ends where the arrays its samples
     carry change), and the ids the sink accepted before the window are the ones the check knows. A window with
     any refused rollout is added as it came (the sink names the errors at their add)."""
-    window: list[Step] = []
-    adds: list[Added] = []
-    positions, columns = 0, None
-
-    def flush() -> Iterator[Step]:
-        nonlocal window, adds, positions, columns
-        held, added = window, adds
-        window, adds, positions, columns = [], [], 0, None
-        if len(added) < 2:  # (one add: nothing to share)
-            yield from held
-            return
-        rollouts = [item for step in added for item in step.items if isinstance(item, ParsedRollout)]
-        batch = pack(rollouts)
-        verdicts, spans = checked_spans(batch, sink.queue.seen_ids)
-        if verdicts.errors:
-            yield from held
-            return
-        start = 0
-        for step in held:
-            if isinstance(step, Added):
-                stop = start + len(step.items)
-                part = batch.rollouts_in(start, stop)
-                checked = Verdicts(part), spans.rollouts_in(batch, start, stop)
-                step = dataclasses.replace(step, packed=part, checked=checked, owned=True)
-                start = stop
-            yield step
-
-    for step in steps:
-        if not isinstance(step, Added):
-            if window:
-                window.append(step)
-                if len(window) >= _CUT_AHEAD_STEPS:
-                    yield from flush()
-            else:
-                yield step
-            continue
-        found, size = _columns(step.items) if step.packed is None else (None, 0)
-        if found is None or size >= max_positions:
-            yield from flush()
-            yield step
-            continue
-        if (columns is not None and found != columns) or positions + size > max_positions:
-            yield from flush()
-        window.append(step)
-        adds.append(step)
-        positions, columns = positions + size, found
-    yield from flush()
+    for item in _in_windows(steps, max_positions):
+        if isinstance(item, list):
+            yield from _cut_window(item, sink.queue.seen_ids) or item
+        else:
+            yield item
 
 
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:

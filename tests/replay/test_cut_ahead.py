@@ -5,7 +5,7 @@ those of the same events added one add at a time, however the windows fall."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -14,17 +14,25 @@ from hypothesis import strategies as st
 
 from staleness_metrics import Sink
 from staleness_metrics.errors import EventError
-from staleness_metrics.replay.stream import Added, Step, cut_ahead, parse_event, prepare, run_steps
+from staleness_metrics.replay import stream
+from staleness_metrics.replay.stream import Added, Step, cut_ahead, pack_once, parse_event, prepare, run_steps
 from tests.engine.test_checkpoint import POLICIES, config_of
 from tests.reference.streams import DrawChooser, generate_events, random_config
 
 
-def outcome(raw: list[dict[str, Any]], config: Any, window: int | None, batch_size: int) -> list[Any]:
+def outcome(
+    raw: list[dict[str, Any]], config: Any, window: int | None, batch_size: int, shared: bool = False
+) -> list[Any]:
     """What a replay of ``raw`` gives: per ship its metrics, records and lags; the error that stopped it; totals.
-    ``window``: positions of the cut ahead (None: every add cut by the sink itself)."""
+    ``window``: positions of the cut ahead (None: every add cut by the sink itself); ``shared``: the steps packed
+    for several runs, as ``what-if`` packs them (:func:`pack_once`)."""
     sink = Sink(config)
-    steps: Iterator[Step] = prepare((parse_event(n, event) for n, event in enumerate(raw, 1)), batch_size)
-    if window is not None:
+    steps: Iterable[Step] = prepare((parse_event(n, event) for n, event in enumerate(raw, 1)), batch_size)
+    if shared:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(stream, "CUT_AHEAD_POSITIONS", window or 0)
+            steps = pack_once(steps)
+    elif window is not None:
         steps = cut_ahead(steps, sink, window)
     seen: list[Any] = []
     try:
@@ -48,7 +56,9 @@ def test_a_replay_cut_ahead_gives_what_adds_cut_one_at_a_time_give(data: st.Data
     window = data.draw(st.sampled_from([8, 40, 200, 1 << 16]), label="window positions")
     batch_size = data.draw(st.sampled_from([1, 2, 512]), label="batch size")
     config = config_of(replay_config)
-    assert outcome(raw, config, window, batch_size) == outcome(raw, config, None, batch_size)
+    one_at_a_time = outcome(raw, config, None, batch_size)
+    assert outcome(raw, config, window, batch_size) == one_at_a_time
+    assert outcome(raw, config, window, batch_size, shared=True) == one_at_a_time
 
 
 def small_stream(rollouts: int, per_ship: int, bad: int | None = None) -> list[dict[str, Any]]:
