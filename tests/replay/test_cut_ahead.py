@@ -5,7 +5,7 @@ those of the same events added one add at a time, however the windows fall."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +15,17 @@ from hypothesis import strategies as st
 from staleness_metrics import Sink
 from staleness_metrics.errors import EventError
 from staleness_metrics.replay import stream
-from staleness_metrics.replay.stream import Added, Step, cut_ahead, pack_once, parse_event, prepare, run_steps
+from staleness_metrics.replay.stream import (
+    Added,
+    Event,
+    Step,
+    cut_ahead,
+    pack_once,
+    parse_event,
+    prepare,
+    run_events,
+    run_steps,
+)
 from tests.engine.test_checkpoint import POLICIES, config_of
 from tests.reference.streams import DrawChooser, generate_events, random_config
 
@@ -110,3 +120,29 @@ def test_small_adds_share_one_cut_and_a_refused_rollout_leaves_its_window_to_the
         assert [error for ship in cut[:-1] for error in ship[3]] == [refused]
     else:  # the replay stops at its line (rollout 40 follows 13 ships)
         assert cut[-2] == f"line {40 + 1 + 13}: {refused}"
+
+
+def test_run_events_hands_a_ship_on_before_reading_on_unless_asked_to_read_ahead() -> None:
+    from staleness_metrics import StalenessConfig
+
+    config = StalenessConfig(policy="token", max_staleness=1)
+    raw = small_stream(30, 3)  # rollouts on lines 1-3, the first ship on line 4
+
+    def results(read_ahead: bool) -> tuple[int, list[Any]]:
+        read: list[int] = []
+
+        def events() -> Iterator[Event]:
+            for number, event in enumerate(raw, 1):
+                read.append(number)
+                yield parse_event(number, event)
+
+        shipments = run_events(events(), Sink(config), read_ahead=read_ahead)
+        first = next(shipments)
+        lines_read = read[-1]
+        every = [first, *shipments]
+        return lines_read, [(dict(s.metrics), s.batches_line(), s.lags.tolist()) for s in every]
+
+    live, recorded = results(False), results(True)
+    assert live[0] == 4  # a live stream's ship comes as soon as its line is read
+    assert recorded[0] == len(raw)  # the whole (short) stream is one window
+    assert live[1] == recorded[1] and len(live[1]) == 10
