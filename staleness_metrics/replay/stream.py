@@ -438,24 +438,22 @@ def _in_windows(steps: Iterable[Step], max_positions: int) -> Iterator[Step | li
     window: list[Step] = []
     positions, columns = 0, None
     for step in steps:
-        if not isinstance(step, Added):
-            if not window:
-                yield step
-                continue
-            window.append(step)
-            if len(window) >= _CUT_AHEAD_STEPS:
+        if isinstance(step, Added):
+            found, size = _columns(step.items) if step.packed is None else (None, 0)
+            if window and (found is None or found != columns or positions + size > max_positions):
                 yield window
                 window, positions, columns = [], 0, None
-            continue
-        found, size = _columns(step.items) if step.packed is None else (None, 0)
-        if window and (found is None or found != columns or positions + size > max_positions):
-            yield window
-            window, positions, columns = [], 0, None
-        if found is None or size >= max_positions:
+            if found is None or size >= max_positions:
+                yield step
+                continue
+            positions, columns = positions + size, found
+        elif not window:
             yield step
             continue
         window.append(step)
-        positions, columns = positions + size, found
+        if len(window) >= _CUT_AHEAD_STEPS:  # (adds of empty samples, or many ships between them)
+            yield window
+            window, positions, columns = [], 0, None
     if window:
         yield window
 

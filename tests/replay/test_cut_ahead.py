@@ -109,6 +109,10 @@ def test_small_adds_share_one_cut_and_a_refused_rollout_leaves_its_window_to_the
     config = StalenessConfig(policy="token", max_staleness=1, strict=not lenient)
     # 30 adds of 3 rollouts (24 positions each): windows of 64 positions hold 2 adds, the last one alone
     assert owned_adds(small_stream(90, 3), config, 64) == [True] * 30
+    with pytest.MonkeyPatch.context() as patch:  # at most 2 steps held: an add and the ship after it, alone
+        patch.setattr(stream, "_CUT_AHEAD_STEPS", 2)
+        assert owned_adds(small_stream(90, 3), config, 64) == [False] * 30
+        assert outcome(small_stream(90, 3), config, 64, 512) == outcome(small_stream(90, 3), config, None, 512)
     # rollout 40 refused: its window (adds 13 and 14) is added as it came, and named at its own add
     raw = small_stream(90, 3, bad=40)
     if lenient:
