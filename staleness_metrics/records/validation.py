@@ -171,11 +171,19 @@ def _first_per_rollout(batch: RolloutBatch, positions: IntArray) -> IntArray:
     return positions[first]
 
 
+_ARRAY_FIELDS = (
+    "mask", "sample_offsets", "position_offsets", "dispatch_version", "completion_version", "frozen", "agentic",
+    "label_kind", *PER_POSITION_FLOATS, "token_versions", "span_offsets", "span_versions", "span_starts",
+)  # fmt: skip
+
+
 def _check_shapes(batch: RolloutBatch) -> None:
     """Structural consistency of the arrays themselves: a caller bug, not a bad rollout."""
     n_positions = batch.n_positions
-    if batch.mask.ndim != 1:
-        raise FieldError("mask", "must be a 1-d array")
+    for name in _ARRAY_FIELDS:
+        values = getattr(batch, name)
+        if values is not None and np.ndim(values) != 1:
+            raise FieldError(name, "must be a 1-d array")
     for name, offsets, total in (
         ("sample_offsets", batch.sample_offsets, batch.n_samples),
         ("position_offsets", batch.position_offsets, n_positions),
@@ -413,12 +421,13 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
         or group_ids is None
         or envs is None
         or not n_rollouts == len(frozen) == len(agentic) == len(group_ids) == len(envs)
+        or not frozen.ndim == agentic.ndim == 1
     ):
-        return False  # (the other arrays' lengths: plain_values_of)
-    # The per-position arrays given, each as long as the mask.
+        return False  # (the other arrays' lengths and shapes: plain_values_of)
+    # The per-position arrays given, each a 1-d array as long as the mask.
     for values in (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights, batch.logprobs, tokens,
                    batch.trainer_logprobs):  # fmt: skip
-        if values is not None and len(values) != n_positions:
+        if values is not None and (len(values) != n_positions or values.ndim != 1):
             return False
     if not isinstance(known_ids, (set, frozenset)):
         return False
@@ -466,6 +475,8 @@ def _plain_values(batch: RolloutBatch, into: PositionCopies | None, start: int) 
     dispatch, completion, kind = batch.dispatch_version, batch.completion_version, batch.label_kind
     assert kind is not None and completion is not None  # (plainly_valid checked them)
     n_rollouts, n_samples, n_positions = len(batch.ids), len(position_offsets) - 1, len(mask)
+    if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == kind.ndim == 1:
+        return False  # (the exact checks name the shape)
     if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(kind) != n_samples:
         return False
     if not n_rollouts == len(dispatch) == len(completion):
