@@ -370,17 +370,24 @@ _COST_NOTE = (
     "From rates of the trainer-vs-sampler mismatch sums (SPEC 11), summed over processes before dividing, "
     "so the value is the merged run's over the rate window."
 )
+_FLOOR_NOTE = (
+    "The floor is each run's SPEC 14 floor (rl_staleness_mismatch_floor_nats, its latest ship's): the k3 of "
+    "that ship's lag-0 tokens, carried from an earlier ship that had them, or the k3 of the smallest lag with "
+    "enough tokens (an upper bound, so the excess is then a lower bound). Over one ship this is the ship's "
+    "excess_k3 key; over a longer window, the token-weighted mean of its ships' excess over the latest floor."
+)
 _LENGTH_NOTE = (
     "Over shipped live samples plus samples dropped for staleness (SPEC 12), from rates of the length counters."
 )
 
 
 def _excess_heatmap(merged: Scope, whose: str) -> Json:
-    """Excess k3 over the lag-0 floor: one row per lag bucket, one column per rate window."""
+    """Excess k3 over the floor: one row per lag bucket from 1, one column per rate window."""
     return heatmap(
-        "Excess k3 over the lag-0 floor by lag",
-        f"Mean k3 of each lag bucket minus that of lag 0 ({whose}). Lag 0 is the numeric floor the engines "
-        f"show with the same weights; the excess, lag by lag, is what staleness costs. {_COST_NOTE}",
+        "Excess k3 over the floor by lag",
+        f"Mean k3 of each lag bucket from 1 up minus the floor ({whose}, each run's tokens over its own "
+        "floor): the engines' numeric mismatch, present with the same weights; the excess, lag by lag, is what "
+        f"staleness costs. {_FLOOR_NOTE} {_COST_NOTE}",
         "short",
         Target(merged.excess_k3_by_lag(), "{{lag}}"),
         rows="le",  # lag buckets are named by their largest lag
@@ -440,8 +447,8 @@ def _what_staleness_costs(grid: Grid, s: Scope, merged: Scope) -> None:
     grid.add(
         timeseries(
             "Excess k3 of stale tokens",
-            "Mean k3 of every token at lag 1 or more minus the lag-0 floor: one number for what staleness "
-            f"costs the run. {_COST_NOTE}",
+            "Mean k3 of every token at lag 1 or more minus the run's floor: one number for what staleness "
+            f"costs the run. {_FLOOR_NOTE} {_COST_NOTE}",
             NATS,
             [Target(s.excess_k3(), "{{run}}")],
         ),
@@ -614,7 +621,7 @@ def _fleet_costs(grid: Grid, s: Scope) -> None:
     grid.add(
         timeseries(
             "Excess k3 of stale tokens per run",
-            f"Mean k3 of the tokens at lag 1 or more minus the lag-0 floor, per run. {_COST_NOTE}",
+            f"Mean k3 of the tokens at lag 1 or more minus the run's floor, per run. {_FLOOR_NOTE} {_COST_NOTE}",
             NATS,
             [Target(s.excess_k3())],
         ),
@@ -707,7 +714,8 @@ def fleet_dashboard() -> Json:
     grid.add(
         table(
             "Runs",
-            "One line per run: the last shipped batch's gauges and the rates over the dashboard's rate window.",
+            "One line per run: the last shipped batch's gauges and the rates over the dashboard's rate window; "
+            "the excess k3 is over each run's floor (SPEC 14: measured at lag 0, carried, or the smallest lag's).",
             [(name, unit, Target(t.expr, "", instant=True, table=True)) for name, unit, t in columns],
         ),
         w=24,

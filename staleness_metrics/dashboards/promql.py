@@ -10,6 +10,7 @@ plus, with the env breakdown on, one series per env, and so have SPEC 12's lengt
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..metrics import metric_table
@@ -79,7 +80,7 @@ class Scope:
 
     def selector(self, name: str, *, suffix: str = "", env: str | None = None, extra: tuple[str, ...] = ()) -> str:
         """``family{matchers}``; ``env`` overrides the scope's env matcher for this selector, ``extra`` adds
-        matchers (``lag="0"``)."""
+        matchers (``lag!="0"``)."""
         row = metric(name)
         matchers = [*self.matchers, *extra]
         if "env" in row.labels:
@@ -146,17 +147,41 @@ class Scope:
         return f"{numerator} / ({self.rate('mismatch_tokens', extra_by=by, extra=extra)} > 0)"
 
     def mismatch_floor(self) -> str:
-        """Mean k3 of lag 0: the engines' numeric mismatch, present without any staleness."""
-        return self.per_lag_token("mismatch_kl", by_lag=False, extra=('lag="0"',))
+        """SPEC 14's floor of each run (kept per ``by`` labels and run): the gauge of its latest ship with SPEC 11
+        sums, whatever its source (``lag0``, ``carried`` or ``min_lag``), so a fully asynchronous run, which has
+        no lag-0 token after its first steps, has one too."""
+        return self._per_run().gauge("mismatch_floor")
+
+    def _per_run(self) -> Scope:
+        """This scope kept per run as well: each run's excess is over its own floor."""
+        return self if "run" in self.by else dataclasses.replace(self, by=(*self.by, "run"))
+
+    def _excess(self, *, by_lag: bool) -> str:
+        """Mean k3 of the tokens at lag 1 or more (per lag bucket, or all of them) minus the run's floor.
+
+        Per run, over the window: (Σk3 / tokens) - floor, SPEC 11's ``excess_k3`` keys computed from the
+        window's sums and the latest floor. Several runs merged: each run's tokens count over its own floor,
+        Σ (Σk3 - tokens · floor) / Σ tokens over the runs that have a floor (a run without one has no excess,
+        as it has no excess key)."""
+        by = ("lag",) if by_lag else ()
+        stale = ('lag!="0"',)  # lag 0 has no excess key: it is where the floor is measured
+        run = self._per_run()
+        on = f"on ({', '.join(run.by)})"
+        floor = self.mismatch_floor()
+        if run is self:
+            return f"{self.per_lag_token('mismatch_kl', by_lag=by_lag, extra=stale)} - {on} group_left () {floor}"
+        tokens = f"({run.rate('mismatch_tokens', extra_by=by, extra=stale)} and {on} {floor})"
+        above = f"{run.rate('mismatch_kl', extra_by=by, extra=stale)} - {tokens} * {on} group_left () {floor}"
+        return f"sum {self._by(*by)} ({above}) / (sum {self._by(*by)} ({tokens}) > 0)"
 
     def excess_k3_by_lag(self) -> str:
-        """Mean k3 of each lag bucket minus the lag-0 floor over the same window (0 at lag 0)."""
-        return f"{self.per_lag_token('mismatch_kl')} - ignoring (lag) group_left () ({self.mismatch_floor()})"
+        """Mean k3 of each lag bucket from 1 up minus the run's floor over the window (SPEC 11
+        ``lag_<b>/excess_k3``)."""
+        return self._excess(by_lag=True)
 
     def excess_k3(self) -> str:
-        """Mean k3 of every token at lag 1 or more minus the lag-0 floor (SPEC 11 ``excess_k3``)."""
-        stale = self.per_lag_token("mismatch_kl", by_lag=False, extra=('lag!="0"',))
-        return f"({stale}) - ({self.mismatch_floor()})"
+        """Mean k3 of every token at lag 1 or more minus the run's floor (SPEC 11 ``excess_k3``)."""
+        return self._excess(by_lag=False)
 
     def ess_by_lag(self) -> str:
         """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket, from the rates of the sums."""

@@ -38,7 +38,7 @@ class Thresholds:
     at_bound_for: str = "30m"  # rollout staleness at or above max_staleness this long
     absent_window: str = "10m"  # no train step series for this long
     absent_for: str = "5m"
-    excess_k3: float = 0.01  # nats of mean k3 above the lag-0 floor, at a lag within max_staleness
+    excess_k3: float = 0.01  # nats of mean k3 above the run's floor (SPEC 14), at a lag within max_staleness
     excess_for: str = "15m"
     # SPEC 14: the bound against the run's excess curve and budget.
     bound_loose_for: str = "15m"  # excess_at_bound above the budget this long
@@ -90,7 +90,7 @@ def _within_bound(series: str, threshold: float) -> str:
     terms = [
         f'({series}{{lag="{value}"}} > {threshold} and on (job, run) {bound} >= {low})'
         for value, low in zip(LAG.values, lowest, strict=True)
-        if low > 0  # lag 0 is the floor itself
+        if low > 0  # lag 0 has no excess: the floor is measured there
     ]
     return " or ".join(terms)
 
@@ -178,8 +178,9 @@ def _alerts(t: Thresholds) -> list[Json]:
             "{{ $labels.lag }}",
             f"Over the last {WINDOW}, tokens of {where} at lag {{{{ $labels.lag }}}}, which max_staleness lets "
             'train, show a mean k3 mismatch between trainer and sampler {{ printf "%.4f" $value }} nats '
-            f"above the lag-0 floor (threshold {t.excess_k3:g}). The policy moves too far within the bound: "
-            "lower max_staleness, sync weights more often, or lower the learning rate.",
+            "above the run's floor (the engines' numeric mismatch: measured at lag 0, carried from an earlier "
+            f"ship, or the smallest lag's, an upper bound; threshold {t.excess_k3:g}). The policy moves too far "
+            "within the bound: lower max_staleness, sync weights more often, or lower the learning rate.",
         ),
         *_bound_alerts(t, where),
         _alert(

@@ -84,12 +84,15 @@ def _cost_panels() -> list[PanelSpec]:
         PanelSpec(
             "Excess k3 of stale tokens",
             (wandb_key("mismatch_excess_k3"), wandb_key("mismatch_k3")),
-            notes="Mean k3 of tokens at lag >= 1 minus the lag-0 floor, and the mean k3 over every token.",
+            notes="Mean k3 of tokens at lag >= 1 minus the floor (SPEC 14), and the mean k3 over every token.",
         ),
         PanelSpec(
-            "Excess k3 over the lag-0 floor by lag",
+            "Excess k3 over the floor by lag",
             metric_regex=per_bucket_regex("mismatch_excess_k3_by_lag"),
-            notes="What staleness costs at each lag: the mismatch above the engines' numeric floor.",
+            notes=(
+                "What staleness costs at each lag: the mismatch above the engines' numeric floor (SPEC 14: "
+                "measured at lag 0, carried from an earlier ship, or the smallest lag's)."
+            ),
         ),
         PanelSpec("Mismatch k3 by lag", metric_regex=per_bucket_regex("mismatch_k3_by_lag")),
         PanelSpec(

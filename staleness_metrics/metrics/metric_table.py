@@ -680,8 +680,8 @@ METRICS: tuple[MetricDef, ...] = (
         wandb_summary="max",
         dimension=LAG,
         description=(
-            "Mean k3 of a lag bucket minus the floor (SPEC 14; lag 0 of the ship when it has enough tokens): what "
-            "staleness costs at that lag."
+            "Mean k3 of a lag bucket minus the run's floor (SPEC 14: this ship's lag-0 k3, carried from an earlier "
+            "ship, or the smallest lag's): what staleness costs at that lag."
         ),
     ),
     MetricDef(

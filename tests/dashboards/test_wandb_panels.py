@@ -66,7 +66,7 @@ def test_per_bucket_panels_match_the_bucket_keys_the_core_logs(logged_keys: set[
     """SPEC 11 / 12 families: one key per lag or length bucket, matched by the row's template."""
     bucket_panels = {s.title: s for s in panels() if s.metric_regex and "per env" not in s.title}
     assert set(bucket_panels) == {
-        "Excess k3 over the lag-0 floor by lag",
+        "Excess k3 over the floor by lag",
         "Mismatch k3 by lag",
         "Effective sample size by lag",
         "Out-of-band share by lag",

@@ -32,7 +32,8 @@ from tests.support.prometheus import (
     requires_pushgateway,
 )
 
-CONFIG = StalenessConfig(max_staleness=3)  # no env breakdown: every length series is env=""
+# No env breakdown: every length series is env="". A few lag-0 tokens per step give SPEC 14's floor.
+CONFIG = StalenessConfig(max_staleness=3, floor_min_tokens=2)
 REL = 1e-9  # Prometheus sums series in no fixed order: float rounding only
 
 pytestmark = [pytest.mark.integration, requires_prometheus]
@@ -47,11 +48,25 @@ def live_sums(rng: np.random.Generator, n: int) -> MismatchSums:
     return mismatch_sums(lags, sampler, trainer, masked=lags > CONFIG.max_staleness)
 
 
-def lag0_metrics(sums: MismatchSums) -> dict[str, float | int]:
-    """The W&B keys of ``sums`` with the excess over their own lag-0 k3 (SPEC 14's ``lag0`` floor over the same
-    sums), which is what the recording rules derive from rates; the rules' lag 0 is the floor minus itself."""
-    floor = float(sums.sum_k3[0]) / int(sums.tokens[0])
-    return {**sums.metrics(floor=floor), "staleness/mismatch/lag_0/excess_k3": 0.0}
+def floor_of(monitor: StalenessMonitor, step: int) -> float:
+    """SPEC 14's floor of the step's merged trainer sums: what the floor gauge shows after the step."""
+    metrics = monitor.mismatch_metrics(step)
+    assert metrics is not None
+    return float(metrics["staleness/mismatch/floor"])
+
+
+def merged_excess(parts: list[tuple[MismatchSums, float]]) -> dict[str, float]:
+    """The excess the fleet panels show over several runs: each run's tokens over its own floor,
+    Σ (Σk3 - tokens · floor) / Σ tokens, per lag bucket from 1 (keyed by the lag label) and over every stale
+    token (key "")."""
+    out = {}
+    for i, value in enumerate(LAG.values[1:], start=1):
+        tokens = sum(int(s.tokens[i]) for s, _ in parts)
+        if tokens:
+            out[value] = sum(float(s.sum_k3[i]) - int(s.tokens[i]) * f for s, f in parts) / tokens
+    stale = sum(int(s.tokens[1:].sum()) for s, _ in parts)
+    out[""] = sum(float(s.sum_k3[1:].sum()) - int(s.tokens[1:].sum()) * f for s, f in parts) / stale
+    return out
 
 
 def by_label(result: list[dict[str, object]], label: str) -> dict[str, float]:
@@ -105,8 +120,11 @@ def test_recording_rules_over_the_scraped_sums_give_the_wandb_values(tmp_path: P
                 live = live_sums(nrng, 500)  # the live path, for the same step
                 monitor.record_mismatch(step, live)
                 total = total + live
-            expected = lag0_metrics(total)
-            assert expected["staleness/mismatch/lag_0/tokens"] > 0 and "staleness/mismatch/excess_k3" in expected
+            # Over the window, the excess is the window's k3 minus the latest floor (the floor gauge): SPEC 11's
+            # excess keys of the window's sums over that floor.
+            floor = floor_of(monitor, 13)
+            expected = total.metrics(floor=floor)
+            assert "staleness/mismatch/excess_k3" in expected and "staleness/mismatch/lag_0/excess_k3" not in expected
 
             def recorded(key: str, label: str = "") -> dict[str, float]:
                 return by_label(prom.query(f'{MISMATCH_RECORDS[key]}{{run="{run}"}}'), label)
@@ -118,6 +136,7 @@ def test_recording_rules_over_the_scraped_sums_give_the_wandb_values(tmp_path: P
                 ) == approx({"": expected["staleness/mismatch/excess_k3"]})
 
             prom.wait_until(settled)
+            assert prom.query_value(f'rl_staleness_mismatch_floor_nats{{run="{run}"}}') == floor
             assert recorded("k3_by_lag", "lag") == approx(wandb_by_lag(expected, "k3"))
             assert recorded("excess_k3_by_lag", "lag") == approx(wandb_by_lag(expected, "excess_k3"))
             assert recorded("ess_by_lag", "lag") == approx(wandb_by_lag(expected, "ess"))
@@ -140,7 +159,7 @@ def test_recording_rules_over_the_scraped_sums_give_the_wandb_values(tmp_path: P
 
 FLEET_PANELS = {
     "k3": "Fleet mismatch k3 by lag",
-    "excess_k3": "Excess k3 over the lag-0 floor by lag",
+    "excess_k3": "Excess k3 over the floor by lag",
     "ess": "Fleet effective sample size by lag",
     "out_of_band": "Fleet out-of-band share by lag",
     "removed": "Removed share by length bucket (fleet)",
@@ -190,7 +209,9 @@ def test_two_processes_merged_by_prometheus_rates_equal_the_merged_runs_wandb_va
                     monitor.record_mismatch(step, live)
                     sums[i] = sums[i] + live
             assert all(p.flush(timeout=60) for p in pushers)
-            merged = lag0_metrics(sums[0] + sums[1])
+            merged = (sums[0] + sums[1]).metrics()
+            floors = [floor_of(monitor, 11) for monitor in monitors]
+            excess = merged_excess(list(zip(sums, floors, strict=True)))
             covered = (sums[0] + sums[1]).covered
             prom.wait_until(
                 lambda: prom.query_value(f'sum(rl_staleness_mismatch_tokens_total{{run=~"{both}"}})') == covered
@@ -204,21 +225,25 @@ def test_two_processes_merged_by_prometheus_rates_equal_the_merged_runs_wandb_va
                 return fleet("k3", "lag") == approx(wandb_by_lag(merged, "k3"))
 
             prom.wait_until(settled)
-            for stat in ("k3", "excess_k3", "ess", "out_of_band"):
+            for stat in ("k3", "ess", "out_of_band"):
                 assert fleet(stat, "lag") == approx(wandb_by_lag(merged, stat)), stat
+            # the excess: each run's tokens over its own floor (its floor gauge), merged
+            assert floors[0] != floors[1]
+            assert fleet("excess_k3", "lag") == approx({k: v for k, v in excess.items() if k})
             merged_length = length_values(tallies[0] + tallies[1])
             assert fleet("removed", "length") == approx(merged_length["removed"])  # type: ignore[arg-type]
             # per run, the recording rules give each process's own values
-            for run, own in zip(runs, sums, strict=True):
+            for run, own, floor in zip(runs, sums, floors, strict=True):
                 rule = f'{MISMATCH_RECORDS["k3_by_lag"]}{{run="{run}"}}'
                 prom.wait_until(lambda rule=rule, own=own: by_label(prom.query(rule), "lag") == approx(
-                    wandb_by_lag(lag0_metrics(own), "k3")
+                    wandb_by_lag(own.metrics(), "k3")
                 ))  # fmt: skip
                 # The excess rule reads recorded series: it may trail the k3 rule by one evaluation.
                 excess_rule = f'{MISMATCH_RECORDS["excess_k3"]}{{run="{run}"}}'
                 prom.wait_until(lambda rule=excess_rule: prom.query_value(rule) is not None)
-                excess = prom.query_value(excess_rule)
-                assert excess == pytest.approx(lag0_metrics(own)["staleness/mismatch/excess_k3"], rel=REL)
+                assert prom.query_value(excess_rule) == pytest.approx(
+                    own.metrics(floor=floor)["staleness/mismatch/excess_k3"], rel=REL
+                )
             # what a per-process average would give is not the merged value: the sums matter
             naive = np.mean([s.metrics()["staleness/mismatch/k3"] for s in sums])
             assert naive != pytest.approx(merged["staleness/mismatch/k3"], rel=1e-6)

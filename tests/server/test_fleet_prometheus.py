@@ -120,7 +120,7 @@ def test_fleet_mismatch_by_lag_from_rates_equals_the_merged_runs_values(server: 
         (heat,) = (
             p
             for p in panels(dashboards()["staleness-fleet.json"])
-            if p["title"] == "Excess k3 over the lag-0 floor by lag"
+            if p["title"] == "Excess k3 over the floor by lag"
         )
         values = {"job": "service", "instance": ".*", "run": "cost-.*", "env": ".*", "__rate_interval": "5m"}
 
