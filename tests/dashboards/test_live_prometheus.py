@@ -1,12 +1,15 @@
 """The dashboards and rules against the real thing: the Prometheus exporter on loopback, scraped by a real
-Prometheus 2.42 with the generated rules loaded. Every panel query, with its variables filled in as
-Grafana would, must return data; the numbers on the stat panels must be the core's."""
+Prometheus 2.42 with the generated rules loaded, of a fully asynchronous run (no lag-0 token after step 1,
+as the README's demo). Every panel query, with its variables filled in as Grafana would, must return data;
+the numbers on the stat panels and the excess over SPEC 14's floor must be the core's (the JSONL rows)."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,12 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics.dashboards.rules import rule_groups
 from staleness_metrics.exporters.base import ExportContext
+from staleness_metrics.exporters.jsonl import JsonlExporter
 from staleness_metrics.exporters.prometheus import PrometheusExporter
+from staleness_metrics.metrics.metric_table import LAG
 from staleness_metrics.metrics.report import StepReport
 from tests.support.prometheus import PrometheusServer, RulesPrometheusServer, requires_prometheus
 
 from .grafana_queries import dashboards, fill, label_values_query, metric_names, panels, targets
-from .traffic import MAX_STALENESS, Traffic
+from .traffic import FLOOR_MAX_AGE, MAX_STALENESS, Traffic
 
 JOB = "rl-trainer"
 RUN = "e2e-run"
@@ -35,12 +40,21 @@ class Live:
     exporter: PrometheusExporter
     traffic: Traffic
     values: dict[str, str]  # Grafana variables as a user picking this run would have them
+    jsonl: JsonlExporter  # the same ships' rows, as --metrics-out writes them
     last: StepReport | None = None
+
+    def rows(self) -> dict[int, dict[str, Any]]:
+        """The JSONL rows written so far, by step."""
+        assert self.jsonl.flush(timeout=60)
+        return {row["step"]: row for row in map(json.loads, self.jsonl.path.read_text().splitlines())}
 
 
 def _drive(live: Live, stop: threading.Event) -> None:
     while not stop.wait(SHIP_EVERY):
         report = live.traffic.next_report()
+        if report.step > 1:  # fully asynchronous: lag-0 tokens only at step 1
+            assert report.mismatch is not None and int(report.mismatch.tokens[0]) == 0
+        live.jsonl.export(report)
         live.exporter.export(report)
         live.last = report
 
@@ -60,7 +74,8 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         "env": ".*",  # "All"
         "__rate_interval": RATE_INTERVAL,
     }
-    state = Live(prometheus, exporter, Traffic(), values)
+    jsonl = JsonlExporter(Path(tmp_path_factory.mktemp("jsonl")) / "metrics.jsonl")
+    state = Live(prometheus, exporter, Traffic(), values, jsonl)
     stop = threading.Event()
     driver = threading.Thread(target=_drive, args=(state, stop), daemon=True)
     try:
@@ -73,6 +88,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
         driver.join()
         prometheus.stop()
         exporter.close()
+        jsonl.close()
 
 
 def _panel_queries() -> list[tuple[str, str, str]]:
@@ -89,6 +105,76 @@ def _empty(live: Live, queries: list[tuple[str, str, str]], values: dict[str, st
         for name, title, expr in queries
         if not live.prometheus.query(fill(expr, values))
     ]
+
+
+def _excess_targets() -> list[tuple[str, str, str]]:
+    """(dashboard, panel, expression) of every view of the excess k3 over the floor: the two panels of each
+    dashboard and the fleet table's column."""
+    found = []
+    for name, dashboard in dashboards().items():
+        for panel, target in targets(dashboard):
+            if "rl_staleness_mismatch_floor_nats" in target["expr"] and "rl_staleness_mismatch_kl" in target["expr"]:
+                found.append((name, panel["title"], target["expr"]))
+    return found
+
+
+def _query_at(live: Live, expr: str, at: float) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = live.prometheus.api("query", query=fill(expr, live.values), time=f"{at:.3f}")[
+        "result"
+    ]
+    return result
+
+
+@pytest.mark.parametrize("source", ["carried", "min_lag"])
+def test_excess_over_the_floor_equals_the_jsonl_keys_of_the_ship_in_the_window(live: Live, source: str) -> None:
+    """The excess views subtract SPEC 14's floor gauge, so a fully asynchronous run has them, whatever the
+    floor's source: carried from step 1's lag-0 tokens, then (after floor_max_age steps) the smallest lag's.
+
+    What they equal: over the rate window, (Σk3 / tokens of the window's increments) - the latest floor. Over a
+    window holding one ship that is the ship's own ``excess_k3`` keys; over more ships, the token-weighted mean
+    of their excess keys while the floor held (a carried floor), and the window's k3 over the newest floor
+    otherwise. Here the trainer is held until the window has no increment, then one ship goes through: every
+    excess view, evaluated at the scrape that has it, equals that ship's JSONL keys (float rounding only: every
+    series of one target shares its scrape times, so a rate's extrapolation cancels in the ratio)."""
+    first = 3 if source == "carried" else FLOOR_MAX_AGE + 3
+    live.prometheus.wait_until(lambda: live.traffic.step >= first, timeout=120)
+    views = _excess_targets()
+    assert {(name, title) for name, title, _ in views} == {
+        ("staleness.json", "Excess k3 over the floor by lag"),
+        ("staleness.json", "Excess k3 of stale tokens"),
+        ("staleness-fleet.json", "Excess k3 over the floor by lag"),
+        ("staleness-fleet.json", "Excess k3 of stale tokens per run"),
+        ("staleness-fleet.json", "Runs"),
+    }
+    quiet = f'sum(increase(rl_staleness_mismatch_tokens_total{{run="{RUN}"}}[{RATE_INTERVAL}]))'
+    with _paused(live) as trainer:
+        live.prometheus.wait_until(lambda: live.prometheus.query_value(quiet) == 0, timeout=120)
+        report = trainer.step()
+        step = f'rl_staleness_train_step{{run="{RUN}"}}'
+        scraped = f"timestamp({step}) and {step} == {report.step}"
+        live.prometheus.wait_until(lambda: live.prometheus.query_value(scraped) is not None)
+        at = live.prometheus.query_value(scraped)
+        assert at is not None
+        shown = {(name, title): _query_at(live, expr, at) for name, title, expr in views}
+        floor = _query_at(live, f'rl_staleness_mismatch_floor_nats{{run="{RUN}", env=""}}', at)
+    row = live.rows()[report.step]
+    assert row["staleness/mismatch/floor_source"] == source
+    # one floor series, of the ship's source: the run's floor, read back exactly
+    assert [(r["metric"]["source"], float(r["value"][1])) for r in floor] == [(source, row["staleness/mismatch/floor"])]
+    by_lag = {
+        value: row[f"staleness/mismatch/lag_{bucket}/excess_k3"]
+        for bucket, value in zip(LAG.buckets, LAG.values, strict=True)
+        if f"staleness/mismatch/lag_{bucket}/excess_k3" in row
+    }
+    assert len(by_lag) >= 2 and "0" not in by_lag
+    for (name, title), result in shown.items():
+        if "by lag" in title:
+            got = {r["metric"]["lag"]: float(r["value"][1]) for r in result}
+            assert got == pytest.approx(by_lag, rel=1e-9, abs=1e-12), (name, title)
+        else:
+            assert [float(r["value"][1]) for r in result] == pytest.approx(
+                [row["staleness/mismatch/excess_k3"]], rel=1e-9, abs=1e-12
+            ), (name, title)
 
 
 def test_every_panel_query_returns_data(live: Live) -> None:
@@ -206,27 +292,38 @@ def test_stat_panels_show_the_core_numbers_once_the_trainer_stops(live: Live) ->
 
 
 class _paused:
-    """Holds the traffic driver between ships (it owns the exporter's next export)."""
+    """Holds the traffic driver between ships (it owns the exporter's next export); :meth:`step` lets one
+    more ship through."""
 
     def __init__(self, live: Live) -> None:
         self.live = live
         self.original = live.exporter.export
-        self.gate = threading.Event()
+        self.permits = threading.Semaphore(0)
         self.waiting = threading.Event()
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _paused:
         def blocked(report: StepReport) -> None:
             self.waiting.set()
-            self.gate.wait()
+            self.permits.acquire()
             self.original(report)
 
         self.live.exporter.export = blocked  # type: ignore[method-assign]
         # the ship in progress, if any, is done: live.last stays put (the timeout only guards a hang)
         assert self.waiting.wait(120), "the traffic driver stopped shipping"
+        return self
+
+    def step(self) -> StepReport:
+        """Export the ship that waits; returns it once the driver waits with the next one."""
+        self.waiting.clear()
+        self.permits.release()
+        assert self.waiting.wait(120), "the traffic driver stopped shipping"
+        last = self.live.last
+        assert last is not None
+        return last
 
     def __exit__(self, *exc: object) -> None:
         self.live.exporter.export = self.original  # type: ignore[method-assign]
-        self.gate.set()
+        self.permits.release()
 
 
 def test_choosing_the_bound_panels_draw_the_last_ships_curve_budget_and_bounds(live: Live) -> None:

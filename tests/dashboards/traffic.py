@@ -1,5 +1,9 @@
 """Deterministic rollouts that exercise every metric: masking, drops, unlabelled tokens, envs and none, and
-trainer log-probabilities that drift from the sampler's with the token lag (SPEC 11), one missing per sample."""
+trainer log-probabilities that drift from the sampler's with the token lag (SPEC 11), one missing per sample.
+
+The run is fully asynchronous, as the README's demo: step 1 trains version 0 on tokens of version 0, and no
+later step has a token at lag 0. SPEC 14's floor is then measured at step 1, carried for ``FLOOR_MAX_AGE``
+steps, and bounded by the smallest lag after that (source ``lag0``, ``carried``, then ``min_lag``)."""
 
 from __future__ import annotations
 
@@ -17,19 +21,20 @@ ROLLOUTS_PER_STEP = 6
 TOKENS = 12
 DRIFT_PER_LAG = 0.1
 FLOOR_MIN_TOKENS = 2
+FLOOR_MAX_AGE = 40  # steps: at 4 ships a second the carried floor gives way to min_lag after about 10 s
 BUDGET = 0.01
 
 
 def rollouts(step: int, rng: np.random.Generator) -> list[dict[str, Any]]:
-    """The rollouts finished for ``step``: lags up to 6 versions, so with a bound of 3 some tokens are
-    masked and some rollouts dropped (never all); two leading positions per sample carry no version
-    label."""
+    """The rollouts finished for ``step``: lags 1 to 6 versions after step 1 (none at lag 0), so with a bound
+    of 3 some tokens are masked and some rollouts dropped (never all); two leading positions per sample carry
+    no version label."""
     version = step - 1
     made = []
     for i in range(ROLLOUTS_PER_STEP):
-        lag = 0 if i == 0 else int(rng.integers(0, 7))  # one fresh rollout: every ship has tokens
+        lag = 1 if i == 0 else int(rng.integers(1, 7))  # one rollout one version behind: every ship has tokens
         dispatch = max(0, version - lag)
-        newer = min(version, dispatch + 1)
+        newer = max(dispatch, min(version - 1, dispatch + 1))  # finished before the last weight update
         spans = [[dispatch, 2]] if newer == dispatch else [[dispatch, 2], [newer, 7]]
         rollout: dict[str, Any] = {
             "id": f"s{step}-r{i}",
@@ -60,7 +65,11 @@ class Traffic:
         # curve; a budget the curve crosses after lag 2 (its excess grows as (0.1 lag)^2 / 6), so the suggestion
         # is a lag of the curve.
         config = StalenessConfig(
-            max_staleness=MAX_STALENESS, env_breakdown=True, floor_min_tokens=FLOOR_MIN_TOKENS, mismatch_budget=BUDGET
+            max_staleness=MAX_STALENESS,
+            env_breakdown=True,
+            floor_min_tokens=FLOOR_MIN_TOKENS,
+            floor_max_age=FLOOR_MAX_AGE,
+            mismatch_budget=BUDGET,
         )
         self.sink = Sink(config)
         self.rng = np.random.default_rng(seed)
