@@ -15,8 +15,9 @@ honoured by the OpenTelemetry exporters themselves (``OTEL_EXPORTER_OTLP_[METRIC
 ``run`` (and ``env``, for named envs) are metric attributes. The SPEC 12 length counters also have a
 batch-wide point (no ``env``) beside the per-env ones when the env breakdown names envs, as in Prometheus.
 
-Injected ``meter_provider``: the metrics are recorded through that provider's instruments (sync gauges,
-counters, histograms with the table's buckets as advisory boundaries) and its own readers export them.
+Injected ``meter_provider``: the metrics are recorded through that provider's instruments (observable gauges
+that report the latest ship's series only, counters, histograms with the table's buckets as advisory
+boundaries) and its own readers export them.
 The OpenTelemetry API has no weighted ``record``, so histograms then cost one ``record`` per token and
 rollout (done on the background thread); prefer the owned pipeline for large batches.
 """
@@ -24,7 +25,7 @@ rollout (done on the background thread); prefer the owned pipeline for large bat
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
@@ -45,7 +46,7 @@ from .state import (
 )
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import MeterProvider
+    from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
     from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricExporter, MetricsData
     from opentelemetry.sdk.resources import Resource
 
@@ -234,15 +235,24 @@ def _make_metric_exporter(
 
 
 class _InstrumentRecorder:
-    """Records snapshots through a caller's MeterProvider (the injected-provider path)."""
+    """Records snapshots through a caller's MeterProvider (the injected-provider path).
+
+    Gauges are observable: their callbacks yield the latest recorded snapshot's series and nothing else, so a
+    series that stopped being current (a floor source that changed, a lag that left the curve, an env the last
+    ship did not have) is no longer exported. A synchronous gauge would keep reporting its last value for every
+    attribute set it ever saw (the SDK keeps it under cumulative temporality).
+    """
 
     def __init__(self, provider: MeterProvider) -> None:
         meter = provider.get_meter(SCOPE_NAME, __version__)
         self._instruments: dict[str, Any] = {}
+        self._latest: Snapshot | None = None  # swapped whole: a collection reads one snapshot
         for row in _PUBLISHED:
             assert row.otel_name is not None
             if row.kind is MetricKind.GAUGE:
-                instrument: Any = meter.create_gauge(row.otel_name, row.otel_unit, row.description)
+                instrument: Any = meter.create_observable_gauge(
+                    row.otel_name, [self._observer(row)], row.otel_unit, row.description
+                )
             elif row.kind is MetricKind.COUNTER:
                 instrument = meter.create_counter(row.otel_name, row.otel_unit, row.description)
             else:
@@ -252,17 +262,28 @@ class _InstrumentRecorder:
                 )  # fmt: skip
             self._instruments[row.name] = instrument
 
+    def _observer(self, row: MetricDef) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            from opentelemetry.metrics import Observation
+
+            snapshot = self._latest
+            if snapshot is None:
+                return []
+            run = snapshot.run
+            if row.dimension is not None:
+                labelled = snapshot.bucketed_gauges.get(row.name, {})
+                return [Observation(v, _attributes(row, run, env, bucket)) for (env, bucket), v in labelled.items()]
+            return [Observation(v, _attributes(row, run, env)) for env, v in snapshot.gauges[row.name].items()]
+
+        return observe
+
     def record(self, snapshot: Snapshot, histograms: Mapping[str, Mapping[str, Counts]]) -> None:
         run = snapshot.run
         for row in _PUBLISHED:
             instrument = self._instruments[row.name]
-            if row.kind is MetricKind.GAUGE and row.dimension is not None:
-                for (env, bucket), value in snapshot.bucketed_gauges.get(row.name, {}).items():
-                    instrument.set(value, _attributes(row, run, env, bucket))
-            elif row.kind is MetricKind.GAUGE:
-                for env, value in snapshot.gauges[row.name].items():
-                    instrument.set(value, _attributes(row, run, env))
-            elif row.kind is MetricKind.COUNTER and row.dimension is not None:
+            if row.kind is MetricKind.GAUGE:
+                continue  # observed at collection time, from self._latest
+            if row.kind is MetricKind.COUNTER and row.dimension is not None:
                 amounts = snapshot.bucketed_deltas.get(row.name, {})
                 if row.name in _SUMMED_BATCH_WIDE:
                     amounts = batch_wide_buckets(amounts)
@@ -280,6 +301,7 @@ class _InstrumentRecorder:
                     for staleness, count in enumerate(counts):
                         for _ in range(int(count)):
                             instrument.record(staleness, attributes)
+        self._latest = snapshot  # the gauges show this ship from the next collection on
 
 
 class OtlpExporter(QueuedExporter[_Payload]):

@@ -23,6 +23,10 @@ Label conventions (documented for dashboards):
 - SPEC 14's gauges (floor, budget, curve, bound advice) show the latest report that carried the SPEC 11
   family, a ship's or the trainer's; a ship without the family leaves them as they were. The floor has a
   ``source`` label, the curve a ``lag`` label (only the lags of the curve are exposed).
+- A snapshot holds only the current series, and both exporters render it whole (Prometheus through a custom
+  collector, OTLP as one export or through observable gauges): a series that stops being current (the floor
+  of a source it no longer has, a lag that left the curve, an env the last ship did not have) is no longer
+  exported, rather than kept at its last value.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ def costly_rollout(
 
 def test_fleet_mismatch_by_lag_from_rates_equals_the_merged_runs_values(server: ThreadServer, tmp_path: Path) -> None:
     """Several runs behind one service (one scrape target): the fleet dashboard's k3 and excess by lag, from
-    rates of the summed counters, equal the values of the runs' merged sums (their /steps rows, merged)."""
+    rates of the summed counters, equal the values of the runs' merged sums (their /steps rows, merged); the
+    excess counts each run's tokens over its own floor (SPEC 14's floor gauge)."""
     from staleness_metrics.metrics.metric_table import LAG
     from tests.dashboards.grafana_queries import dashboards, fill, panels
 
@@ -91,7 +92,7 @@ def test_fleet_mismatch_by_lag_from_rates_equals_the_merged_runs_values(server: 
         PrometheusServer(tmp_path, targets=[server.url.removeprefix("http://")], job="service") as prom,
     ):
         for run in runs:  # first ship: every position uncovered, so the families start at 0
-            http.put(f"/v1/runs/{run}", json={"max_staleness": 4})
+            http.put(f"/v1/runs/{run}", json={"max_staleness": 4, "floor_min_tokens": 2})
             http.post(
                 f"/v1/runs/{run}/rollouts", json={"rollouts": [costly_rollout(f"{run}-0", 0, 0, rng, covered=False)]}
             )
@@ -101,6 +102,7 @@ def test_fleet_mismatch_by_lag_from_rates_equals_the_merged_runs_values(server: 
 
         tokens: dict[str, float] = {}
         k3_sums: dict[str, float] = {}
+        above_floor: dict[str, float] = {}  # Σ over runs of tokens · (k3 - the run's floor)
         for run, (dispatch, newest) in runs.items():
             records = [costly_rollout(f"{run}-{i}", dispatch, newest, rng, covered=True) for i in range(1, 5)]
             http.post(f"/v1/runs/{run}/rollouts", json={"rollouts": records})
@@ -110,17 +112,17 @@ def test_fleet_mismatch_by_lag_from_rates_equals_the_merged_runs_values(server: 
                     n = row["metrics"].get(f"staleness/mismatch/lag_{bucket}/tokens")
                     if n:
                         tokens[value] = tokens.get(value, 0) + n
-                        k3_sums[value] = (
-                            k3_sums.get(value, 0.0) + n * row["metrics"][f"staleness/mismatch/lag_{bucket}/k3"]
-                        )
+                        k3 = row["metrics"][f"staleness/mismatch/lag_{bucket}/k3"]
+                        k3_sums[value] = k3_sums.get(value, 0.0) + n * k3
+                        if bucket != "0":
+                            floor = row["metrics"]["staleness/mismatch/floor"]
+                            above_floor[value] = above_floor.get(value, 0.0) + n * (k3 - floor)
         merged_k3 = {lag: k3_sums[lag] / tokens[lag] for lag in tokens}
         assert "0" in merged_k3 and len(merged_k3) >= 4
 
         (panel,) = (p for p in panels(dashboards()["staleness-fleet.json"]) if p["title"] == "Fleet mismatch k3 by lag")
         (heat,) = (
-            p
-            for p in panels(dashboards()["staleness-fleet.json"])
-            if p["title"] == "Excess k3 over the floor by lag"
+            p for p in panels(dashboards()["staleness-fleet.json"]) if p["title"] == "Excess k3 over the floor by lag"
         )
         values = {"job": "service", "instance": ".*", "run": "cost-.*", "env": ".*", "__rate_interval": "5m"}
 
@@ -131,4 +133,5 @@ def test_fleet_mismatch_by_lag_from_rates_equals_the_merged_runs_values(server: 
         prom.wait_until(lambda: prom.query_value('sum(rl_staleness_mismatch_tokens_total{run=~"cost-.*"})') == total)
         prom.wait_until(lambda: by_lag(panel["targets"][0]["expr"]) == pytest.approx(merged_k3, rel=1e-9))
         excess = by_lag(heat["targets"][0]["expr"])
-        assert excess == pytest.approx({lag: k3 - merged_k3["0"] for lag, k3 in merged_k3.items()}, rel=1e-9, abs=1e-15)
+        expected = {lag: above / tokens[lag] for lag, above in above_floor.items()}
+        assert excess == pytest.approx(expected, rel=1e-9, abs=1e-15)
