@@ -2,7 +2,7 @@
 mismatch family, that is when the run has trainer log-probabilities (records that carry
 ``trainer_logprobs``, or logged metrics of a trainer that recorded its mismatch sums).
 
-Charts, all over steps: k3 by lag, the excess k3 over the lag-0 floor by lag, the ESS by lag, and the
+Charts, all over steps: k3 by lag, the excess k3 over the floor (SPEC 14) by lag, the ESS by lag, and the
 length bias (trained vs sampled mean length; removed share by length bucket). Per-step values are the
 ones logged or replayed: a run-wide figure would need the sums, which rows do not carry.
 """
@@ -68,25 +68,28 @@ def _k3_chart(data: ReportData, buckets: list[str]) -> str:
     )
     caption = (
         "Mean k3 = r - 1 - log r of the covered tokens of each lag (r = trainer / sampler probability; "
-        "the estimator of prime-rl's <code>mismatch_kl</code>). Lag 0 is the engines' numeric floor."
+        "the estimator of prime-rl's <code>mismatch_kl</code>). Lag 0, when a step has it, shows the engines' "
+        "numeric floor."
     )
     return _figure("mismatch-k3", "Mismatch by lag", caption, svg)
 
 
 def _excess_chart(data: ReportData, buckets: list[str]) -> str:
-    label = "Excess k3 over the lag-0 floor, by lag"
+    label = "Excess k3 over the floor, by lag"
     if not any(keys.MISMATCH_EXCESS_K3 in row for row in data.rows):
-        svg = message_chart(label, "no step had lag-0 tokens: the numeric floor is unknown")
+        svg = message_chart(label, "no step had a floor: too few tokens at lag 0 or at any lag (floor_min_tokens)")
     else:
         series = [
             Series("all stale tokens", data.series(keys.MISMATCH_EXCESS_K3), "#1d2329", dashed=True),
             *_by_lag(data, buckets, keys.MISMATCH_EXCESS_K3_BY_LAG, skip="0"),
         ]
-        svg = line_chart(label, data.steps, series, y_label="nats above lag 0")
+        svg = line_chart(label, data.steps, series, y_label="nats above the floor")
     caption = (
-        "What staleness costs: each lag's k3 minus the lag-0 k3 of the same step. Near zero, stale tokens "
-        "cost nothing beyond numerics; growing with the lag, the bound is letting in tokens the policy has "
-        "moved away from."
+        "What staleness costs: each lag's k3 minus the run's floor at that step (SPEC 14): the k3 of the step's "
+        "lag-0 tokens, carried from an earlier step that had them (at most floor_max_age steps), or else the k3 "
+        "of the smallest lag with enough tokens, an upper bound on the floor (the excess is then a lower bound). "
+        "Near zero, stale tokens cost nothing beyond numerics; growing with the lag, the bound is letting in "
+        "tokens the policy has moved away from."
     )
     return _figure("mismatch-excess", "Excess mismatch by lag", caption, svg)
 
@@ -144,8 +147,9 @@ def render_costs(data: ReportData) -> str:
     charts += [_length_chart(data), _removed_chart(data)]
     intro = (
         "Trainer and sampler log-probabilities compared token by token, split by token lag (SPEC 11): the "
-        "lag-0 tokens give the numeric floor, the excess over it is what staleness costs. Below, what the "
-        "bound removed, by response length (SPEC 12)."
+        "engines' numeric floor (SPEC 14: measured on lag-0 tokens, carried, or bounded by the smallest lag) "
+        "and the excess over it, which is what staleness costs. Below, what the bound removed, by response "
+        "length (SPEC 12)."
     )
     return (
         f'<section id="what-staleness-costs"><h2>What staleness costs</h2><p class="meta">{intro}</p>'

@@ -232,7 +232,8 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
         "highlighted row is the bound replayed above."
         + (
             " Trained k3: mean k3 of the covered tokens the bound lets train; excess: of those with lag "
-            "&ge; 1 over those with lag 0."
+            "&ge; 1 over the floor of the same tokens (SPEC 14: their lag-0 k3 when enough trained, else the "
+            "k3 of the smallest lag with enough, an upper bound)."
             if costs
             else ""
         )

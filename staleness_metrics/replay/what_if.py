@@ -20,8 +20,9 @@ they are left out), their sums merged over the run:
 
 - ``trained_covered``: how many such tokens;
 - ``trained_k3``: their mean k3 (``r - 1 - log r``);
-- ``trained_excess_k3``: the mean k3 of those with lag >= 1 minus the mean k3 of those with lag 0 (the
-  numeric floor), over the whole run; ``None`` when no lag-0 token was trained.
+- ``trained_excess_k3``: the mean k3 of those with lag >= 1 minus SPEC 14's floor of the same pooled tokens
+  (their lag-0 k3 when at least ``floor_min_tokens`` trained, else the k3 of the smallest lag with that many,
+  an upper bound on the floor), over the whole run; ``None`` when there is no floor or no stale token.
 
 What the run's curve says about each bound (SPEC 14 over the whole run, :class:`RunCurve`): the SPEC 11
 sums of every position the records hold, whatever the bound (a replay that drops nothing for staleness;

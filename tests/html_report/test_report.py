@@ -232,7 +232,7 @@ def test_logged_metrics_with_the_family_show_the_section_and_a_missing_floor_say
     logged.write_text("".join(json.dumps(r) + "\n" for r in rows))
     html = _report(tmp_path, logged).read_text()
     assert 'id="what-staleness-costs"' in html
-    assert "no step had lag-0 tokens: the numeric floor is unknown" in html
+    assert "no step had a floor: too few tokens at lag 0 or at any lag (floor_min_tokens)" in html
     assert "<title>lag 3 at 2: 0.02</title>" in html and "<title>lag 2 at 1: 0.01</title>" in html
 
 

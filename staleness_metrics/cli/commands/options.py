@@ -26,7 +26,8 @@ def add_bound_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--floor-max-age", type=int, default=defaults.floor_max_age, metavar="STEPS",
-        help=f"carry a lag-0 floor this many steps at most (default: {defaults.floor_max_age})",
+        help=f"carry a floor measured at lag 0 this many steps at most, then bound it by the smallest lag "
+        f"(default: {defaults.floor_max_age})",
     )  # fmt: skip
     group.add_argument(
         "--cost-window", type=int, default=defaults.cost_window, metavar="SHIPS",
