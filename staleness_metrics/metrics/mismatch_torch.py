@@ -163,7 +163,7 @@ def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.
             raise FieldError(name, f"expected {kind}, got {type(value).__name__} ({exc})") from None
     if tensor.numel() and not _KINDS[kind](tensor.dtype):
         raise FieldError(name, f"expected {kind}, got dtype {tensor.dtype}")
-    return tensor.to(device)
+    return tensor if tensor.device == device else tensor.to(device)
 
 
 def _as_int64(lag: torch.Tensor) -> torch.Tensor:

@@ -130,4 +130,3 @@ def test_the_packed_tensor_goes_where_the_backend_reduces(backend: str, device: 
 def test_nccl_reduces_on_the_current_cuda_device(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert _device_for("nccl") == torch.device("cuda", 3)
-
