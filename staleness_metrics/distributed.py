@@ -95,4 +95,4 @@ def _unpack(total: np.ndarray[Any, np.dtype[np.float64]], world: int) -> Mismatc
     rows = total[2:].reshape(len(_FIELDS), N_BUCKETS)
     counts = {name: rows[i].astype(np.int64) for i, name in enumerate(COUNT_FIELDS)}
     floats = {name: rows[len(COUNT_FIELDS) + i].copy() for i, name in enumerate(SUM_FIELDS)}
-    return MismatchSums._of(counts, floats, int(total[1]))
+    return MismatchSums(**counts, **floats, uncovered=int(total[1]))

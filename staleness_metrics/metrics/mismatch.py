@@ -267,9 +267,12 @@ def mismatch_sums(
     # The one seam: tensors go to the torch module, which only a caller that already imported torch reaches.
     torch = sys.modules.get("torch")
     if torch is not None and any(isinstance(value, torch.Tensor) for value in arrays.values()):
-        from .mismatch_torch import tensor_sums
+        from . import mismatch_torch
 
-        return tensor_sums(arrays, lo, hi)
+        device = mismatch_torch.device_of(arrays)
+        if device.type == "cpu":  # the compiled pass, on views of the tensors' memory
+            return array_sums(mismatch_torch.host_views(arrays), lo, hi)
+        return _of_pass(*mismatch_torch.device_sums(arrays, lo, hi, device, LOG_RATIO_CLAMP))
     return array_sums(arrays, lo, hi)
 
 
@@ -305,12 +308,17 @@ def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
         _BOUNDS,
         LOG_RATIO_CLAMP,
     )
+    return _of_pass(counts, sums, int(uncovered))
+
+
+def _of_pass(counts: IntArray, sums: FloatArray, uncovered: int) -> MismatchSums:
+    """The sums from a pass's ``[3, buckets]`` counts and ``[5, buckets]`` float sums (both passes' layout)."""
     k3 = np.maximum(sums[2], 0.0)  # each term is >= 0; rounding of tiny ones must not make the sum negative
     return MismatchSums._of(
         dict(zip(COUNT_FIELDS, counts)),
         {"sum_log_ratio": sums[0], "sum_abs_log_ratio": sums[1], "sum_k3": k3, "sum_ratio": sums[3],
          "sum_ratio_sq": sums[4]},
-        int(uncovered),
+        uncovered,
     )  # fmt: skip
 
 

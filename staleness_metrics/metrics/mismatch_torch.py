@@ -1,14 +1,17 @@
 """SPEC 11's sums of torch tensors, on the tensors' own device.
 
-:func:`~staleness_metrics.metrics.mismatch.mismatch_sums` hands its arguments here when any of them is a
+:func:`~staleness_metrics.metrics.mismatch.mismatch_sums` comes here when any of its arguments is a
 ``torch.Tensor`` (it looks in ``sys.modules``, so a caller without tensors never imports torch). Tensors on
-the CPU are read through zero-copy numpy views by the compiled pass, which gives exactly what numpy arrays
-give. Tensors on an accelerator (CUDA, ...) are summed there with torch operations in float64: per-token
-arrays never leave the device; the per-bucket sums come back in one transfer of a ``[10, buckets]``
-float64 tensor. The counts are exact and equal to the compiled pass's; the float sums agree with it to
-float64 rounding (torch's ``exp`` and the order of the additions differ). A ratio within 2**-39 of a band
-edge is compared with the C library's ``exp``, as the compiled pass does: those few positions (normally
-none) are fetched after the sums.
+the CPU are handed back as zero-copy numpy views (:func:`host_views`) for the compiled pass, which gives
+exactly what numpy arrays give. Tensors on an accelerator (CUDA, ...) are summed there with torch
+operations in float64 (:func:`device_sums`): per-token arrays never leave the device; the per-bucket sums
+come back in one transfer of a ``[10, buckets]`` float64 tensor. The counts are exact and equal to the
+compiled pass's; the float sums agree with it to float64 rounding (torch's ``exp`` and the order of the
+additions differ). A ratio within 2**-39 of a band edge is compared with the C library's ``exp``, as the
+compiled pass does: those few positions (normally none) are fetched after the sums.
+
+This module does not import :mod:`.mismatch` (which imports it): it returns the arrays the compiled pass
+returns, and ``mismatch_sums`` makes them a ``MismatchSums`` the same way.
 """
 
 from __future__ import annotations
@@ -22,29 +25,54 @@ import torch
 
 from ..errors import FieldError
 from .buckets import LAG_UPPER_BOUNDS, N_BUCKETS
-from .mismatch import COUNT_FIELDS, LOG_RATIO_CLAMP, SUM_FIELDS, MismatchSums, array_sums
 
-__all__ = ["PACKED_ROWS", "device_sums", "packed_sums", "tensor_sums"]
+__all__ = ["PACKED_ROWS", "device_of", "device_sums", "host_views", "packed_sums"]
 
 # Rows of the packed per-bucket tensor: covered tokens, masked, out of band (edges apart), uncovered, near a
-# band edge, then Σd, Σ|d|, Σk3, Σr, Σr² (the order of SUM_FIELDS).
-PACKED_ROWS = ("tokens", "masked", "out_of_band", "uncovered", "near_edge", *SUM_FIELDS)
+# band edge, then the float sums of d, |d|, k3, r, r² (the order of MismatchSums' float fields).
+PACKED_ROWS = ("tokens", "masked", "out_of_band", "uncovered", "near_edge", "d", "abs_d", "k3", "r", "r2")
+_COUNTS = 3  # the first rows are MismatchSums' counts, in its order
+_SUMS = slice(5, 10)
 _NEAR = 2.0**-39  # the compiled pass's margin: farther from an edge, the side of d is the side of exp(d)
 _INT64_MAX = torch.iinfo(torch.int64).max
+IntArray = np.ndarray[Any, np.dtype[np.int64]]
+FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
 
-def tensor_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
-    """The sums of ``arrays`` (``lags``, ``sampler_logprobs``, ``trainer_logprobs``, ``masked``), at least one
-    a tensor: CPU data through the compiled pass, accelerator tensors on their device."""
-    device = _device_of(arrays)
-    if device.type == "cpu":
-        return array_sums({name: _host_view(value) for name, value in arrays.items()}, lo, hi)
-    return device_sums(arrays, lo, hi, device)
+def device_of(arrays: Mapping[str, Any]) -> torch.device:
+    """The device the sums are computed on: the trainer log-probabilities' if a tensor, else the first
+    tensor's. A tensor on another accelerator is refused (``FieldError`` naming it); CPU data is copied to
+    the device, never the other way."""
+    tensors = {name: value for name, value in arrays.items() if isinstance(value, torch.Tensor)}
+    device: torch.device = tensors.get("trainer_logprobs", next(iter(tensors.values()))).device
+    for name, tensor in tensors.items():
+        if tensor.device != device and tensor.device.type != "cpu":
+            raise FieldError(name, f"a tensor on {tensor.device}, the log-probabilities are on {device}")
+    return device
 
 
-def device_sums(arrays: Mapping[str, Any], lo: float, hi: float, device: torch.device) -> MismatchSums:
-    """The sums computed with torch on ``device`` (any device, the CPU included: the tests compare it with
-    the compiled pass there). Non-tensor arguments and CPU tensors are copied to ``device`` first."""
+def host_views(arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """CPU tensors as numpy arrays sharing their memory (detached; bfloat16, which numpy lacks, widened to
+    float32 exactly); other values as they are."""
+    views = {}
+    for name, value in arrays.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if value.dtype == torch.bfloat16:
+                value = value.to(torch.float32)
+            value = value.resolve_conj().resolve_neg().numpy()
+        views[name] = value
+    return views
+
+
+def device_sums(
+    arrays: Mapping[str, Any], lo: float, hi: float, device: torch.device, clamp: float
+) -> tuple[IntArray, FloatArray, int]:
+    """The sums of ``arrays`` (``lags``, ``sampler_logprobs``, ``trainer_logprobs``, ``masked``) computed with
+    torch on ``device`` (any device, the CPU included: the tests compare it with the compiled pass there),
+    as the compiled pass returns them: counts ``[3, buckets]`` (tokens, masked, out of band), float sums
+    ``[5, buckets]`` (d, |d|, k3, r, r²) and the uncovered positions. Non-tensor arguments and CPU tensors
+    are copied to ``device`` first; ``FieldError`` names an argument of the wrong length or dtype."""
     lag, sampler, trainer, flags = (
         _on_device(name, arrays.get(name), device, kind)
         for name, kind in (("lags", "integers"), ("sampler_logprobs", "numbers"),
@@ -55,11 +83,19 @@ def device_sums(arrays: Mapping[str, Any], lo: float, hi: float, device: torch.d
         if tensor is not None and tensor.numel() != lag.numel():
             raise FieldError(name, f"length {tensor.numel()} differs from the lags' {lag.numel()}")
     with torch.no_grad():
-        packed, d, bucket, near = packed_sums(lag, sampler, trainer, flags, lo, hi)
+        packed, d, bucket, near = packed_sums(lag, sampler, trainer, flags, (lo, hi), clamp)
     if device.type == "meta":
         raise FieldError("trainer_logprobs", "tensors on the meta device have no values to sum")
     host = packed.to("cpu").numpy()  # the one transfer: [10, buckets] float64
-    return _unpack(host, d, bucket, near, lo, hi)
+    counts = host[:_COUNTS].astype(np.int64)
+    if host[PACKED_ROWS.index("near_edge")].any():
+        # A ratio on a band edge: its side is the C library exp's answer, as in the compiled pass. Only
+        # these positions (a handful at most) are fetched.
+        index = near.nonzero().reshape(-1)
+        for value, b in zip(d[index].tolist(), bucket[index].tolist(), strict=True):
+            ratio = math.exp(value)
+            counts[2, b] += ratio < lo or ratio > hi
+    return counts, host[_SUMS].copy(), int(host[PACKED_ROWS.index("uncovered")].sum())
 
 
 def packed_sums(
@@ -67,8 +103,8 @@ def packed_sums(
     sampler: torch.Tensor,
     trainer: torch.Tensor,
     flags: torch.Tensor | None,
-    lo: float,
-    hi: float,
+    band: tuple[float, float],
+    clamp: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The per-bucket rows of :data:`PACKED_ROWS` as one float64 ``[10, buckets]`` tensor on the inputs'
     device, with the clamped log-ratios, the buckets and the near-edge flags (kept on the device for the
@@ -79,9 +115,9 @@ def packed_sums(
     inside = lag >= 0  # a negative lag is not a sampled position of a live rollout: outside the population
     finite = torch.isfinite(d)
     covered = inside & finite
-    d = torch.where(covered, d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), 0.0)
+    d = torch.where(covered, d.clamp(-clamp, clamp), 0.0)
     r = torch.where(covered, torch.exp(d), 0.0)
-    log_lo, log_hi = math.log(lo), math.log(hi)
+    log_lo, log_hi = math.log(band[0]), math.log(band[1])
     near = covered & (((d - log_lo).abs() < _NEAR) | ((d - log_hi).abs() < _NEAR))
     out = covered & ((d < log_lo) | (d > log_hi)) & ~near
     masked = torch.zeros_like(covered) if flags is None else covered & (flags.reshape(-1) != 0)
@@ -100,47 +136,7 @@ def packed_sums(
     return packed, d, bucket, near
 
 
-def _unpack(
-    host: np.ndarray[Any, Any], d: torch.Tensor, bucket: torch.Tensor, near: torch.Tensor, lo: float, hi: float
-) -> MismatchSums:
-    counts = {name: host[i].astype(np.int64) for i, name in enumerate(COUNT_FIELDS)}
-    if host[PACKED_ROWS.index("near_edge")].any():
-        # A ratio on a band edge: its side is the C library exp's answer, as in the compiled pass. Only
-        # these positions (a handful at most) are fetched.
-        index = near.nonzero().reshape(-1)
-        for value, b in zip(d[index].tolist(), bucket[index].tolist(), strict=True):
-            ratio = math.exp(value)
-            counts["out_of_band"][b] += ratio < lo or ratio > hi
-    sums = {name: host[len(PACKED_ROWS) - len(SUM_FIELDS) + i].copy() for i, name in enumerate(SUM_FIELDS)}
-    # each k3 term is >= 0; rounding of tiny ones must not make the sum negative
-    sums["sum_k3"] = np.maximum(sums["sum_k3"], 0.0)
-    return MismatchSums._of(counts, sums, int(host[PACKED_ROWS.index("uncovered")].sum()))
-
-
 # ---------------------------------------------------------------------------------------------- arguments
-
-
-def _device_of(arrays: Mapping[str, Any]) -> torch.device:
-    """The device the sums are computed on: the trainer log-probabilities' if a tensor, else the first
-    tensor's. A tensor on another accelerator is refused (no device-to-device guess); CPU data is copied
-    to the device, never the other way."""
-    tensors = {name: value for name, value in arrays.items() if isinstance(value, torch.Tensor)}
-    device = tensors.get("trainer_logprobs", next(iter(tensors.values()))).device
-    for name, tensor in tensors.items():
-        if tensor.device != device and tensor.device.type != "cpu":
-            raise FieldError(name, f"a tensor on {tensor.device}, the log-probabilities are on {device}")
-    return device
-
-
-def _host_view(value: Any) -> Any:
-    """A CPU tensor as a numpy array sharing its memory (detached; bfloat16, which numpy lacks, widened to
-    float32 exactly); anything else as it is."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    value = value.detach()
-    if value.dtype == torch.bfloat16:
-        value = value.to(torch.float32)
-    return value.resolve_conj().resolve_neg().numpy()
 
 
 _KINDS = {
