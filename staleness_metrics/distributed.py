@@ -47,12 +47,12 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
     (gloo, MPI, UCC, or a ``"cpu:gloo,cuda:nccl"`` pair) and on the current accelerator otherwise (NCCL:
     ``torch.cuda.current_device()``, which must be the rank's own GPU, as for any NCCL collective).
 
-    Raises :class:`~staleness_metrics.errors.FieldError` when ``sums`` is not a ``MismatchSums`` or its
-    counts could overflow the reduction, and when the ranks disagree on the lag buckets;
+    Raises :class:`~staleness_metrics.errors.FieldError` naming the argument (or its field) when ``sums`` is
+    not a ``MismatchSums`` of numpy arrays, one value per lag bucket, or its counts could overflow the
+    reduction, and when the ranks disagree on the lag buckets;
     :class:`~staleness_metrics.errors.ConfigError` when torch.distributed is not initialised.
     """
-    if not isinstance(sums, MismatchSums):
-        raise FieldError("sums", f"expected MismatchSums (from mismatch_sums), got {type(sums).__name__}")
+    rows = _checked(sums)
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             "all_reduce needs an initialised torch.distributed (torch.distributed.init_process_group)",
@@ -60,7 +60,7 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
             reason="torch.distributed is not initialised",
         )
     world = dist.get_world_size(group)
-    packed = _pack(sums, world)
+    packed = _pack(sums, rows, world)
     tensor = torch.from_numpy(packed).to(_device_for(dist.get_backend(group)))
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return _unpack(tensor.cpu().numpy(), world)
@@ -79,14 +79,27 @@ def _device_for(backend: str) -> torch.device:
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
-def _pack(sums: MismatchSums, world: int) -> np.ndarray[Any, np.dtype[np.float64]]:
-    counts = [sums.uncovered, *(int(getattr(sums, name).max(initial=0)) for name in COUNT_FIELDS)]
-    if max(counts) * world >= _EXACT:  # a partial total beyond 2**53 would round
-        raise FieldError("sums", f"counts up to {max(counts)} on {world} ranks exceed what float64 adds exactly")
-    fields = [np.asarray(getattr(sums, name), dtype=np.float64) for name in _FIELDS]
-    if any(field.shape != (N_BUCKETS,) for field in fields):
-        raise FieldError("sums", f"expected {N_BUCKETS} lag buckets per field")
-    return np.concatenate([[_FINGERPRINT, float(sums.uncovered)], *fields])
+def _checked(sums: MismatchSums) -> list[np.ndarray[Any, np.dtype[np.float64]]]:
+    """The fields as float64 rows, each checked: a bad one is named before any rank waits on the others."""
+    if not isinstance(sums, MismatchSums):
+        raise FieldError("sums", f"expected MismatchSums (from mismatch_sums), got {type(sums).__name__}")
+    rows = []
+    for name in _FIELDS:
+        value = getattr(sums, name)
+        if not isinstance(value, np.ndarray) or value.shape != (N_BUCKETS,):
+            got = f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}"
+            raise FieldError(f"sums.{name}", f"expected a numpy array of {N_BUCKETS} lag buckets, got {got}")
+        rows.append(value.astype(np.float64))
+    if isinstance(sums.uncovered, bool) or not isinstance(sums.uncovered, (int, np.integer)):
+        raise FieldError("sums.uncovered", f"expected an integer, got {type(sums.uncovered).__name__}")
+    return rows
+
+
+def _pack(sums: MismatchSums, rows: list[np.ndarray[Any, np.dtype[np.float64]]], world: int) -> Any:
+    largest = max(int(sums.uncovered), *(int(getattr(sums, name).max()) for name in COUNT_FIELDS))
+    if largest * world >= _EXACT:  # a partial total beyond 2**53 would round
+        raise FieldError("sums", f"counts up to {largest} on {world} ranks exceed what float64 adds exactly")
+    return np.concatenate([[_FINGERPRINT, float(sums.uncovered)], *rows])
 
 
 def _unpack(total: np.ndarray[Any, np.dtype[np.float64]], world: int) -> MismatchSums:

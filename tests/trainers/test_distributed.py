@@ -105,6 +105,13 @@ def test_bad_arguments_and_an_uninitialised_group_raise_the_project_errors(monke
     with pytest.raises(FieldError) as caught:
         all_reduce({"format": 1})  # type: ignore[arg-type]
     assert caught.value.field == "sums" and "MismatchSums" in caught.value.reason
+    zero = MismatchSums.zero()
+    on_device = MismatchSums(**{**vars(zero), "sum_k3": torch.zeros(len(zero.sum_k3), dtype=torch.float64)})
+    with pytest.raises(FieldError) as caught:
+        all_reduce(on_device)  # a tensor where the sums hold numpy arrays: named before any collective
+    assert caught.value.field == "sums.sum_k3" and "Tensor" in caught.value.reason
+    with pytest.raises(FieldError, match=r"sums\.tokens"):
+        all_reduce(MismatchSums(**{**vars(zero), "tokens": zero.tokens[:5]}))
     assert not dist.is_initialized()  # the group lives in the spawned processes only
     with pytest.raises(ConfigError, match="init_process_group"):
         all_reduce(MismatchSums.zero())
