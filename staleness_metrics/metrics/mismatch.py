@@ -12,6 +12,7 @@ The same function serves the sink (replay: records that carry ``trainer_logprobs
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -244,18 +245,44 @@ def mismatch_sums(
 
     ``lags`` is a shipment's per-position lag (``Shipment.lags``): positions with a negative lag are not
     sampled positions of a live rollout and are skipped. The log-probability arrays are aligned with it
-    (numpy arrays or anything ``np.asarray`` takes, such as a CPU torch tensor, any float dtype); a
-    position where either is NaN or infinite is uncovered. ``masked`` flags the positions the policy
-    masked (for instance ``shipped_mask == 0``); they are counted in the sums and apart in ``masked``.
-    Arrays of shape ``[B, L]`` are read flat.
+    (numpy arrays, anything ``np.asarray`` takes, or torch tensors; any float dtype); a position where
+    either is NaN or infinite is uncovered. ``masked`` flags the positions the policy masked (for instance
+    ``shipped_mask == 0``); they are counted in the sums and apart in ``masked``. Arrays of shape
+    ``[B, L]`` are read flat.
+
+    Torch tensors are summed where they are: on the CPU through the same compiled pass as numpy arrays
+    (zero-copy views, so the same numbers); on a GPU with torch operations in float64 on that device,
+    bringing back only the per-bucket sums (one small transfer). The counts are exact either way, the float
+    sums equal to float64 rounding. Numpy arrays or CPU tensors passed with GPU tensors (a shipment's lags,
+    say) are copied to the GPU; a tensor on another GPU is refused.
+
+    Raises :class:`~staleness_metrics.errors.FieldError` (a ``ValueError``) naming the argument at fault:
+    lengths that differ, a dtype of the wrong kind, a bad ``band``.
     """
     lo, hi = band
     if not (0 < lo <= hi and math.isfinite(hi)):
         raise FieldError("band", f"expected 0 < lo <= hi, got {band!r}")
-    lag = _flat("lags", lags, "iu")
-    sampler = _flat("sampler_logprobs", sampler_logprobs, "fiu")
-    trainer = _flat("trainer_logprobs", trainer_logprobs, "fiu")
-    flags = None if masked is None else _flat("masked", masked, "biu")
+    arrays = {"lags": lags, "sampler_logprobs": sampler_logprobs, "trainer_logprobs": trainer_logprobs,
+              "masked": masked}  # fmt: skip
+    # The one seam: tensors go to the torch module, which only a caller that already imported torch reaches.
+    torch = sys.modules.get("torch")
+    if torch is not None and any(isinstance(value, torch.Tensor) for value in arrays.values()):
+        from . import mismatch_torch
+
+        device = mismatch_torch.device_of(arrays)
+        if device.type == "cpu":  # the compiled pass, on views of the tensors' memory
+            return array_sums(mismatch_torch.host_views(arrays), lo, hi)
+        return _of_pass(*mismatch_torch.device_sums(arrays, lo, hi, device, LOG_RATIO_CLAMP))
+    return array_sums(arrays, lo, hi)
+
+
+def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
+    """:func:`mismatch_sums` of host arrays (``lags``, ``sampler_logprobs``, ``trainer_logprobs``,
+    ``masked``), the band already checked: the compiled pass."""
+    lag = _flat("lags", arrays["lags"], "iu")
+    sampler = _flat("sampler_logprobs", arrays["sampler_logprobs"], "fiu")
+    trainer = _flat("trainer_logprobs", arrays["trainer_logprobs"], "fiu")
+    flags = None if arrays["masked"] is None else _flat("masked", arrays["masked"], "biu")
     for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
         if array is not None and len(array) != len(lag):
             raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
@@ -281,12 +308,17 @@ def mismatch_sums(
         _BOUNDS,
         LOG_RATIO_CLAMP,
     )
+    return _of_pass(counts, sums, int(uncovered))
+
+
+def _of_pass(counts: IntArray, sums: FloatArray, uncovered: int) -> MismatchSums:
+    """The sums from a pass's ``[3, buckets]`` counts and ``[5, buckets]`` float sums (both passes' layout)."""
     k3 = np.maximum(sums[2], 0.0)  # each term is >= 0; rounding of tiny ones must not make the sum negative
     return MismatchSums._of(
         dict(zip(COUNT_FIELDS, counts)),
         {"sum_log_ratio": sums[0], "sum_abs_log_ratio": sums[1], "sum_k3": k3, "sum_ratio": sums[3],
          "sum_ratio_sq": sums[4]},
-        int(uncovered),
+        uncovered,
     )  # fmt: skip
 
 

@@ -15,7 +15,8 @@ inside the installed package), else the newest stored snapshot of its repository
 - verl 0.9.1; AReaL 1.0.4 (``areal``); TRL 1.16.0 (``trl``); SkyRL 0.4.0 (``skyrl``, the wheel).
 - NeMo-RL: no release (PyPI's ``nemo-rl`` is an empty 0.0.0 placeholder): ``NVIDIA-NeMo/RL@7ea279ab``.
 - ROLL: not on PyPI (``roll`` there is another project): ``alibaba/ROLL@8eb27cc2``.
-- PipelineRL: not on PyPI: ``ServiceNow/PipelineRL@58d39345``.
+- PipelineRL: not on PyPI: ``ServiceNow/PipelineRL@58d39345``. Its ``stats/lag_mean`` and ``stats/lag_max``
+  (issue 32) are not in that snapshot, which logs ``stats/lag``; their rows cite the lag they summarise.
 
 Not flagged: TRL's setting ``max_staleness`` (``async_grpo_config.py:360``) has this project's own
 setting name, so flagging it would flag every config of ours; TRL drops a row when ``fetch version -
@@ -251,6 +252,12 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     # -- PipelineRL (no release) -------------------------------------------------------------------------------
     PeerKey("pipelinerl", "stats/lag", None, f"{_PIPELINE}:881",
             f"last broadcast version - oldest actor version in the batch; {_PIPELINE_UNIT}"),
+    *(
+        PeerKey("pipelinerl", f"stats/lag_{stat}", None, f"{_PIPELINE}:680-689,881 (the per-batch lag)",
+                f"the {word} over the step's batches of last broadcast version - batch version, a lag in samples "
+                f"where this project counts policy versions: no equivalent; {_PIPELINE_UNIT}")
+        for stat, word in (("mean", "mean"), ("max", "maximum"))
+    ),
     PeerKey("pipelinerl", "stats/min_actor_version", None, f"{_PIPELINE}:877",
             f"a version, not a staleness; {_PIPELINE_UNIT}"),
     PeerKey("pipelinerl", "stats/max_actor_version", None, f"{_PIPELINE}:878",

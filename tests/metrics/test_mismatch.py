@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -438,3 +440,16 @@ def test_a_ratio_the_pass_rounds_apart_from_the_c_library_is_counted_as_the_c_li
         assert sums.out_of_band[0] == 0
         assert abs(own - exact) <= math.ulp(exact)
     assert found > 0
+
+
+def test_arrays_never_load_the_torch_module() -> None:
+    """The seam: numpy arrays and lists take the compiled pass; the torch code (and torch) is loaded only for
+    a caller holding tensors (tests/trainers/test_mismatch_torch.py covers that side where torch exists)."""
+    code = (
+        "import sys; from staleness_metrics import mismatch_sums; "
+        "mismatch_sums([0, 1], [0.0, 0.0], [0.0, 1.0]); mismatch_sums(np.array([2]), np.zeros(1), np.ones(1)); "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.endswith('mismatch_torch')))"
+    )
+    done = subprocess.run([sys.executable, "-c", "import numpy as np; " + code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

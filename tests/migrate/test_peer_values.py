@@ -84,6 +84,9 @@ UPSTREAM_KEYS: dict[str, dict[str, str]] = {
     },
     "pipelinerl": {  # ServiceNow/PipelineRL@58d39345, pipelinerl/finetune_loop.py
         "stats/lag": "finetune_loop.py:881",
+        # Named in issue 32, not in this snapshot: summaries of the same per-batch lag (680-689, 881).
+        "stats/lag_mean": "issue 32",
+        "stats/lag_max": "issue 32",
         "stats/min_actor_version": "finetune_loop.py:877",
         "stats/max_actor_version": "finetune_loop.py:878",
         "stats/samples_too_old_to_queue": "finetune_loop.py:872",

@@ -61,7 +61,7 @@ EXPECTED = {
     ),
     "roll": ({}, {"async_generation_ratio", "scheduler/off_policy_ratio"}),
     "pipelinerl": ({}, {"stats/lag", "stats_lag", "stats_min_actor_version", "stats/min_actor_version",
-                        "stats/samples_too_old_to_train"}),
+                        "stats/samples_too_old_to_train", "stats/lag_mean", "stats/lag_max", "stats_lag_max"}),
 }  # fmt: skip
 
 
