@@ -2,7 +2,7 @@
 
 Per position ``d = trainer_logprob - sampler_logprob`` (clamped to ±20) and ``r = exp(d)``; per lag
 bucket the sums below add exactly across micro-batches, ranks and processes (counts exactly, float sums
-up to float64 rounding), so every ratio (k3, ESS, out-of-band share, the excess over the lag-0 floor) is
+up to float64 rounding), so every ratio (k3, ESS, out-of-band share, the excess over SPEC 14's floor) is
 derived from merged sums, never averaged.
 
 The same function serves the sink (replay: records that carry ``trainer_logprobs``) and the live path
