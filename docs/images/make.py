@@ -26,8 +26,10 @@ PICTURES = {
     "report-costs.png": ("#what-staleness-costs", 1500),
     "report-bound.png": ("#choosing-the-bound", 1500),
 }
-FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--force-device-scale-factor=1", "--hide-scrollbars")  # fmt: skip
+FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--force-device-scale-factor=1", "--hide-scrollbars",
+)  # fmt: skip
 
 
 def chromium(*args: str) -> str:
