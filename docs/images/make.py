@@ -22,10 +22,11 @@ HERE = Path(__file__).resolve().parent
 WIDTH = 1100
 # picture -> the element of the report it shows (a CSS selector), and the most of it kept (CSS pixels)
 PICTURES = {
-    "report-overview.png": ("body", 1250),
-    "report-costs.png": ("#what-staleness-costs", 1500),
+    "report-overview.png": ("body", 1080),
+    "report-costs.png": ("#what-staleness-costs", 940),
     "report-bound.png": ("#choosing-the-bound", 1500),
 }
+MARGIN = 16  # CSS pixels kept above a section
 FLAGS = (
     "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--force-device-scale-factor=1", "--hide-scrollbars",
@@ -78,7 +79,8 @@ def main() -> None:
         with Image.open(full) as image:
             for name, (_, most) in PICTURES.items():
                 top, tall = measured[name]
-                crop = image.crop((0, top, WIDTH, top + min(tall, most))).convert("RGB")
+                top = max(top - MARGIN, 0)
+                crop = image.crop((0, top, WIDTH, top + min(tall + MARGIN, most))).convert("RGB")
                 crop.quantize(colors=128).save(HERE / name, optimize=True)
                 print(f"wrote {HERE / name} ({crop.height} px)")
 
