@@ -10,6 +10,7 @@ import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,3 +85,29 @@ def test_the_docs_spec_is_the_contract() -> None:
     shared = ROOT.parent / "shared" / "SPEC.md"
     if shared.is_file():
         assert ours == shared.read_text(encoding="utf-8"), f"docs/SPEC.md differs from {shared}"
+
+
+def _hook(name: str) -> Any:
+    if importlib.util.find_spec("griffe") is None:
+        missing_program("griffe is not installed (pip install -e '.[docs]')")
+    spec = importlib.util.spec_from_file_location(f"docs_hook_{name}", ROOT / "docs" / "hooks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sphinx_roles_become_code_spans_and_literal_blocks_stay_blocks() -> None:
+    plain = _hook("sphinx_roles").plain
+    text = "Raises :class:`~staleness_metrics.errors.TraceError` from :meth:`.Sink.add`; see :mod:`numpy`.\n\nExample::"
+    assert plain(text) == "Raises `TraceError` from `Sink.add`; see `numpy`.\n\nExample:"
+    assert plain("Before\n\n::\n\n    code") == "Before\n\n\n    code"
+
+
+def test_a_page_another_change_adds_gets_its_nav_slot_only_when_it_exists(tmp_path: Path) -> None:
+    on_config = _hook("nav").on_config
+    config = {"docs_dir": str(tmp_path), "nav": [{"Trainers": ["trainers/index.md"]}]}
+    assert on_config(config)["nav"] == [{"Trainers": ["trainers/index.md"]}]
+    (tmp_path / "multi-gpu.md").write_text("# Multi-GPU\n")
+    assert on_config(config)["nav"] == [{"Trainers": ["trainers/index.md", {"Multi-GPU": "multi-gpu.md"}]}]
+    assert on_config(config)["nav"] == [{"Trainers": ["trainers/index.md", {"Multi-GPU": "multi-gpu.md"}]}]

@@ -11,7 +11,7 @@ import griffe
 
 ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj|const):`(~?)([^`]+)`")
 LITERAL = re.compile(r"(\S)::$", re.M)  # "Example::" -> "Example:"; a lone "::" line goes
-LONE_LITERAL = re.compile(r"^\s*::\s*$", re.M)
+LONE_LITERAL = re.compile(r"^[ \t]*::[ \t]*\n", re.M)
 
 
 def _role(match: re.Match[str]) -> str:
