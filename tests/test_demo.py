@@ -289,10 +289,10 @@ def test_the_floor_is_measured_at_the_start_and_carried_so_every_step_has_an_exc
 def test_the_suggested_bound_is_where_the_drift_model_puts_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The README's expected suggestion, from the drift model's formula, against the demo's measured one."""
+    """The suggestion docs/getting-started.md expects, from the drift model's formula, against the measured one."""
     model = DriftModel()
     expected = model.expected_suggested_bound()
-    assert expected == math.floor(model.floor / model.drift_per_version) == 5  # the README says 5
+    assert expected == math.floor(model.floor / model.drift_per_version) == 5  # docs/getting-started.md says 5
     demo = _start_demo(tmp_path, "--steps", "30", "--speed", "0", "--no-wandb")
     _, err = demo.communicate()
     assert demo.returncode == 0, err

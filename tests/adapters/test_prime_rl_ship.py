@@ -1,4 +1,4 @@
-"""SPEC 15's call for prime-rl, the README's lines run as they sit in ``TrainSink.process_batch``.
+"""SPEC 15's call for prime-rl, the lines of its docs page run as they sit in ``TrainSink.process_batch``.
 
 prime-rl is not on PyPI, so its types cannot be imported here: the episodes are those of the example run
 (``tests/examples/prime-rl-run``, written by prime-rl's own record code), read as attribute objects, and
@@ -26,11 +26,12 @@ from tests.adapters.test_prime_rl_live import TrainingSample, sample
 from tests.support.examples import EXAMPLES
 
 RUN = EXAMPLES / "prime-rl-run"
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "trainers" / "prime-rl.md"
 
 
-def readme_block(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
+def page_block(title: str) -> str:
+    """The first ```python block after ``title`` on prime-rl's page of the docs."""
+    text = PAGE.read_text(encoding="utf-8")
     return re.search(r"```python\n(.*?)```", text[text.index(title) :], re.S).group(1)  # type: ignore[union-attr]
 
 
@@ -70,7 +71,7 @@ def run_readme_lines(monitor: StalenessMonitor, step: int) -> Any:
         "selected_by_trace": selected_by_trace,
         "train_work": train_work,
     }
-    exec(readme_block("prime-rl, the lines to add"), namespace)
+    exec(page_block("prime-rl, the lines to add"), namespace)
     return namespace["samples"]
 
 
@@ -131,7 +132,7 @@ def test_the_readme_cost_lines_give_the_sinks_sums() -> None:
         expected = reference.ship(step).report.mismatch
         namespace: dict[str, Any] = {"monitor": monitor, "samples": samples, "step": step, "np": np}
         namespace["trainer_logprobs"] = trainer_logprobs
-        exec(readme_block("prime-rl, the cost family"), namespace)
+        exec(page_block("prime-rl, the cost family"), namespace)
         if expected is None:
             assert int(namespace["sums"].tokens.sum()) == 0
             continue

@@ -1,4 +1,4 @@
-"""The README's SkyRL mapping: ``dispatch_version = global_step_when_scheduled - 1`` and a ship at step
+"""The SkyRL mapping of its docs page: ``dispatch_version = global_step_when_scheduled - 1`` and a ship at step
 ``global_step`` reproduce SkyRL's ``async/staleness_mean`` / ``_max`` (``skyrl/train/fully_async_trainer.py``
 @ a9564572, :997 and :1117-1118, computed per group; groups of one size here, so per rollout is the same)."""
 

@@ -42,7 +42,7 @@ from staleness_metrics.errors import TraceError  # noqa: E402
 from staleness_metrics.exporters.jsonl import JsonlExporter  # noqa: E402
 
 PROMPT_LENGTH, RESPONSE_LENGTH = 6, 8
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "trainers" / "verl.md"
 
 
 def tokenizer() -> PreTrainedTokenizerFast:
@@ -116,9 +116,9 @@ GROUPS = {
 }
 
 
-def readme_block(title: str) -> str:
-    """The first ```python block after the README heading ``title``: the test runs what the README says."""
-    text = README.read_text(encoding="utf-8")
+def page_block(title: str) -> str:
+    """The first ```python block after ``title`` on verl's page of the docs: the test runs what the page says."""
+    text = PAGE.read_text(encoding="utf-8")
     after = text[text.index(title) :]
     return re.search(r"```python\n(.*?)```", after, re.S).group(1)  # type: ignore[union-attr]
 
@@ -192,12 +192,12 @@ def test_trigger_parameter_sync_step_4_global_steps_is_not_the_version() -> None
     )
     assert len(wrong) == 0  # the wrong counter: every trajectory looks 7 versions old and is dropped
 
-    # the README's lines, as they run in FullyAsyncTrainer.fit_step
+    # the page's lines, as they run in FullyAsyncTrainer.fit_step
     data = verl_batch(fresh)
     tokens = int(data.batch["response_mask"].sum())
     monitor = StalenessMonitor(StalenessConfig(max_staleness=4))
     namespace: dict[str, Any] = {"self": trainer, "batch": data, "monitor": monitor}
-    exec(readme_block("verl, the lines to add"), namespace)
+    exec(page_block("verl, the lines to add"), namespace)
     right = namespace["batch"]
     assert len(right) == 6 and int(right.batch["response_mask"].sum()) == tokens
 
@@ -243,7 +243,7 @@ def test_verl_trajectory_staleness_against_ours(tmp_path: Path) -> None:
 
 
 def test_spec11_sums_from_verl_log_probabilities_through_staleness_lag() -> None:
-    """The README's three lines, on verl's own ``rollout_log_probs`` and an ``old_log_probs`` of the shape
+    """The page's three lines, on verl's own ``rollout_log_probs`` and an ``old_log_probs`` of the shape
     the actor's recompute writes, give the sums the sink takes when the batch carries both fields."""
     rng = np.random.default_rng(7)
     noise = torch.from_numpy(rng.normal(0, 0.1, (9, RESPONSE_LENGTH))).float()
@@ -254,7 +254,7 @@ def test_spec11_sums_from_verl_log_probabilities_through_staleness_lag() -> None
     # _fit_compute_log_prob adds the actor's log-probabilities of the shipped rows
     batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"] + noise[3:]
     namespace: dict[str, Any] = {"monitor": monitor, "batch": batch, "step": step}
-    exec(readme_block("verl, the cost family"), namespace)
+    exec(page_block("verl, the cost family"), namespace)
     sums = namespace["sums"]
 
     carried = verl_batch(GROUPS)  # the same batch, carrying old_log_probs when it ships

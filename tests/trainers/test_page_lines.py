@@ -1,4 +1,6 @@
-"""The README's lines for AReaL and TRL are the ones tests/trainers runs, word for word (in order)."""
+"""The lines of the AReaL and TRL pages of the docs are the ones tests/trainers runs, word for word (in order).
+
+The pages' complete examples (blocks marked ``<!-- runs... -->``) run on their own (test_docs_examples.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def snippets(trainer: str) -> list[list[str]]:
-    """The python blocks of the README's subsection for ``trainer``, as stripped non-empty lines."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index(f"\n#### {trainer}\n")
-    following = re.search(r"\n#{2,4} ", readme[start + 1 :])
-    section = readme[start : start + 1 + following.start()] if following else readme[start:]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    return [[line.strip() for line in block.splitlines() if line.strip()] for block in blocks]
+def snippets(page: str) -> list[list[str]]:
+    """The python snippets of ``docs/trainers/<page>.md`` (not the complete examples), as stripped non-empty
+    lines."""
+    text = (ROOT / "docs" / "trainers" / f"{page}.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"(?:^|\n)([^\n]*)\n```python\n(.*?)```", text, flags=re.S)
+    return [
+        [line.strip() for line in block.splitlines() if line.strip()]
+        for before, block in blocks
+        if not before.startswith("<!-- runs")
+    ]
 
 
 def imported(lines: list[str]) -> set[tuple[str, str]]:
@@ -38,10 +42,10 @@ def contains_in_order(haystack: list[str], needle: list[str]) -> bool:
     return any(haystack[i : i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
 
 
-@pytest.mark.parametrize(("trainer", "test_file"), [("AReaL", "test_areal.py"), ("TRL", "test_trl.py")])
-def test_every_readme_snippet_is_run_by_the_trainer_tests(trainer: str, test_file: str) -> None:
+@pytest.mark.parametrize(("trainer", "test_file"), [("areal", "test_areal.py"), ("trl", "test_trl.py")])
+def test_every_page_snippet_is_run_by_the_trainer_tests(trainer: str, test_file: str) -> None:
     blocks = snippets(trainer)
-    assert len(blocks) >= 2, f"{trainer}: expected the call and the cost-family lines in the README"
+    assert len(blocks) >= 2, f"{trainer}: expected the call and the cost-family lines on the page"
     source = (ROOT / "tests" / "trainers" / test_file).read_text(encoding="utf-8").splitlines()
     tested = [line.split("  # ")[0].strip() for line in source]  # a trailing comment is not part of the line
     tested = [line for line in tested if line]
@@ -49,5 +53,5 @@ def test_every_readme_snippet_is_run_by_the_trainer_tests(trainer: str, test_fil
         imports = [line for line in block if line.startswith(("from ", "import "))]
         lines = [line for line in block if line not in imports]
         missing = imported(imports) - imported(tested)
-        assert not missing, f"{trainer}: README imports not imported by {test_file}: {sorted(missing)}"
-        assert contains_in_order(tested, lines), f"{trainer}: README lines not in {test_file}:\n" + "\n".join(lines)
+        assert not missing, f"{trainer}: page imports not imported by {test_file}: {sorted(missing)}"
+        assert contains_in_order(tested, lines), f"{trainer}: page lines not in {test_file}:\n" + "\n".join(lines)
