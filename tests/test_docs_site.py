@@ -102,12 +102,3 @@ def test_sphinx_roles_become_code_spans_and_literal_blocks_stay_blocks() -> None
     text = "Raises :class:`~staleness_metrics.errors.TraceError` from :meth:`.Sink.add`; see :mod:`numpy`.\n\nExample::"
     assert plain(text) == "Raises `TraceError` from `Sink.add`; see `numpy`.\n\nExample:"
     assert plain("Before\n\n::\n\n    code") == "Before\n\n\n    code"
-
-
-def test_a_page_another_change_adds_gets_its_nav_slot_only_when_it_exists(tmp_path: Path) -> None:
-    on_config = _hook("nav").on_config
-    config = {"docs_dir": str(tmp_path), "nav": [{"Trainers": ["trainers/index.md"]}]}
-    assert on_config(config)["nav"] == [{"Trainers": ["trainers/index.md"]}]
-    (tmp_path / "multi-gpu.md").write_text("# Multi-GPU\n")
-    assert on_config(config)["nav"] == [{"Trainers": ["trainers/index.md", {"Multi-GPU": "multi-gpu.md"}]}]
-    assert on_config(config)["nav"] == [{"Trainers": ["trainers/index.md", {"Multi-GPU": "multi-gpu.md"}]}]
