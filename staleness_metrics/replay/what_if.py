@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
-import pickle
 import re
-import signal
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -378,42 +378,38 @@ def _replay_until_error(
     return done
 
 
+# The replay of the pool's worker: handed over by the fork itself (an initializer's arguments are not pickled
+# under the fork context), so that the worker shares the prepared steps copy-on-write.
+_inherited: Callable[[int], Replayed] | None = None
+
+
+def _inherit(replay_at: Callable[[int], Replayed]) -> None:
+    global _inherited
+    _inherited = replay_at
+
+
+def _replay_share(jobs: Sequence[int], ascending: bool) -> dict[int, Replayed]:
+    assert _inherited is not None, "run in a worker started by _replay_split"
+    return _replay_until_error(jobs, _inherited, ascending=ascending)
+
+
 def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool) -> dict[int, Replayed]:
-    """``replay_at`` of the jobs, every other one in a forked child and the rest here, on two cores.
+    """``replay_at`` of the jobs, every other one in a forked worker and the rest here, on two cores.
 
     Each bound runs its own sink over the same read-only steps, so a process per share computes exactly
     what one process would. Each share runs as :func:`_replay_until_error` runs it (``ascending``: jobs in
     increasing order, interleaved so that both shares reach the first bound that removes nothing about
-    together). A job that raised, those after it in its share, and the child's share should the child fail,
+    together). A job that raised, those after it in its share, and the worker's share should the worker fail,
     are left out: the caller replays them in order, raising what a run in order raises."""
     first, second = list(jobs[::2]), list(jobs[1::2])
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: its share's results, pickled down the pipe; nothing else of the parent runs
-        code = 0
-        try:
-            os.close(read_end)
-            with os.fdopen(write_end, "wb") as out:
-                done = _replay_until_error(first, replay_at, ascending=ascending)
-                pickle.dump(done, out, protocol=pickle.HIGHEST_PROTOCOL)
-        except BaseException:
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    reader = os.fdopen(read_end, "rb")
-    waited = False
-    try:
+    fork = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(1, mp_context=fork, initializer=_inherit, initargs=(replay_at,)) as pool:
+        share = pool.submit(_replay_share, first, ascending)
         mine = _replay_until_error(second, replay_at, ascending=ascending)
-        data = reader.read()
-        os.waitpid(pid, 0)
-        waited = True
-    finally:
-        reader.close()
-        if not waited:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    theirs: dict[int, Replayed] = pickle.loads(data) if data else {}  # written by our own child
+        try:
+            theirs = share.result()
+        except Exception:  # the worker died (BrokenProcessPool) or its answer could not be read
+            theirs = {}
     return {**theirs, **mine}
 
 

@@ -3,9 +3,7 @@ small, so that a run busy with a long call never stalls the other connections.""
 
 from __future__ import annotations
 
-import json
 import threading
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -88,61 +86,3 @@ def test_quick_only_when_the_lock_is_free_and_the_queue_small() -> None:
     with run.quick() as free:
         assert not free
     registry.close()
-
-
-def _routed_ship(http: httpx.Client, run: str, body: dict[str, Any], key: str | None = None) -> httpx.Response:
-    """The ship as the quick lane takes it, or (a content type it leaves to the route) as the route does."""
-    headers = (
-        {"content-type": "application/json"}
-        if run.startswith("lane")
-        else {"content-type": "application/json; charset=utf-8"}
-    )
-    if key is not None:
-        headers["Idempotency-Key"] = key
-    return http.post(f"/v1/runs/{run}/ship", content=json.dumps(body).encode(), headers=headers)
-
-
-def _routed_add(http: httpx.Client, run: str, records: list[dict[str, Any]]) -> httpx.Response:
-    """The add with a length (the lane takes it) or streamed without one (the lane leaves it to the route)."""
-    body = json.dumps({"rollouts": records}).encode()
-    content: bytes | Iterator[bytes] = body if run.startswith("lane") else iter([body])
-    return http.post(f"/v1/runs/{run}/rollouts", content=content, headers={"content-type": "application/json"})
-
-
-def _same(lane: httpx.Response, route: httpx.Response) -> None:
-    assert lane.status_code == route.status_code
-    assert lane.headers.get("content-type") == route.headers.get("content-type")
-    assert lane.content.replace(b"lane", b"RUN") == route.content.replace(b"route", b"RUN")
-
-
-def test_the_quick_lane_answers_as_the_routes_do(server: ThreadServer) -> None:
-    with httpx.Client(base_url=server.url, timeout=HANG_GUARD) as http:
-        for run in ("lane", "route"):
-            assert http.put(f"/v1/runs/{run}", json={"max_staleness": 1, "policy": "token"}).status_code == 201
-        steps: list[tuple[str, int, Callable[[str], httpx.Response]]] = [
-            ("add", 200, lambda run: _routed_add(http, run, [rollout("r1"), rollout("r2", version=1)])),
-            ("a duplicate", 200, lambda run: _routed_add(http, run, [rollout("r1"), rollout("r3")])),
-            ("an id again, other content", 409, lambda run: _routed_add(http, run, [rollout("r1", positions=20)])),
-            ("an invalid record", 422, lambda run: _routed_add(http, run, [{"id": "bad", "samples": [{"mask": [2]}]}])),
-            ("ship", 200, lambda run: _routed_ship(http, run, {"step": 2, "include_rollouts": True}, key="k1")),
-            ("its retry", 200, lambda run: _routed_ship(http, run, {"step": 2, "include_rollouts": True}, key="k1")),
-            ("another ship, same key", 422, lambda run: _routed_ship(http, run, {"step": 3}, key="k1")),
-            ("a step below", 409, lambda run: _routed_ship(http, run, {"step": 1})),
-            ("a ship by ids", 200, lambda run: _routed_ship(http, run, {"step": 3, "ids": ["r3", "nothing"]})),
-        ]
-        answers: dict[str, Any] = {}
-        for what, status, call in steps:
-            lane, route = call("lane"), call("route")
-            assert lane.status_code == status, what
-            _same(lane, route)
-            answers[what] = lane.json()
-        assert answers["a duplicate"]["duplicates"] == 1 and answers["a duplicate"]["accepted"] == 1
-        assert sorted(answers["ship"]["shipped"]) == ["r1", "r2", "r3"] and answers["ship"]["rollouts"]
-        assert answers["its retry"]["replayed"] and not answers["ship"]["replayed"]
-        missing_lane = _routed_ship(http, "lane-missing", {"step": 1})
-        missing_route = _routed_ship(http, "route-missing", {"step": 1})
-        assert missing_lane.status_code == 404
-        _same(missing_lane, missing_route)
-        lane_steps, route_steps = http.get("/v1/runs/lane/steps"), http.get("/v1/runs/route/steps")
-        _same(lane_steps, route_steps)
-        assert [row["ship"] for row in lane_steps.json()["steps"]] == [1, 2]

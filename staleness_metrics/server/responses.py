@@ -1,0 +1,129 @@
+"""How the service answers: models written to JSON in one call, the error bodies, and their OpenAPI entries.
+
+Every error body is ``{"detail": "..."}``, or, where a field is at fault (422, and a span-row cap's 413),
+``{"detail": [{"field", "reason", "rollout_id", "index"}, ...]}`` (:class:`.ValidationErrorBody`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request, Response, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from .errors import (
+    IdempotencyMismatch,
+    NotPersisted,
+    RecordConflict,
+    RecordsInvalid,
+    RunBroken,
+    RunConflict,
+    RunError,
+    RunNotFound,
+    SpanRowsTooMany,
+    StepConflict,
+)
+from .models import ErrorItem, ErrorMessage, ValidationErrorBody
+
+__all__ = ["ERRORS", "EXCEPTION_HANDLERS", "JSONModelResponse", "documented"]
+
+ERRORS: dict[int, str] = {
+    400: "The body could not be read (not UTF-8 JSON).",
+    401: "Missing or wrong bearer token.",
+    404: "No such run (create it with PUT /v1/runs/{run}).",
+    409: "Conflicts with the run's state.",
+    413: "Request body larger than the service accepts.",
+}
+
+
+def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route answering ``codes`` (and 422 when ``invalid``)."""
+    answers: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorMessage, "description": ERRORS[code]} for code in codes
+    }
+    if invalid:
+        answers[422] = {
+            "model": ValidationErrorBody,
+            "description": "Invalid request: the field and reason of each error; nothing was applied.",
+        }
+    return answers
+
+
+class JSONModelResponse(Response):
+    """A response model written to JSON by pydantic in one call.
+
+    Returning the model itself would make FastAPI validate it again against the route's response model,
+    turn it into Python dicts and lists, and encode those with the standard library: three passes over
+    an answer the handler has just built from validated values. Routes declare ``response_model`` for
+    the OpenAPI document, and FastAPI passes a returned ``Response`` through untouched.
+    """
+
+    media_type = "application/json"
+
+    def __init__(self, model: BaseModel, status_code: int = status.HTTP_200_OK) -> None:
+        super().__init__(model.__pydantic_serializer__.to_json(model), status_code=status_code)
+
+
+_STATUS_OF: dict[type[Exception], int] = {
+    RunNotFound: status.HTTP_404_NOT_FOUND,
+    RunConflict: status.HTTP_409_CONFLICT,
+    RecordConflict: status.HTTP_409_CONFLICT,
+    StepConflict: status.HTTP_409_CONFLICT,
+    NotPersisted: status.HTTP_409_CONFLICT,
+    RunBroken: status.HTTP_503_SERVICE_UNAVAILABLE,
+}
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates written as escapes: an answer naming a bad string can be encoded."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _invalid(items: list[ErrorItem], status_code: int = status.HTTP_422_UNPROCESSABLE_CONTENT) -> JSONResponse:
+    printable = [
+        item.model_copy(
+            update={
+                "field": _printable(item.field),
+                "reason": _printable(item.reason),
+                "rollout_id": None if item.rollout_id is None else _printable(item.rollout_id),
+            }
+        )
+        for item in items
+    ]
+    return JSONResponse(ValidationErrorBody(detail=printable).model_dump(), status_code=status_code)
+
+
+async def _run_error(request: Request, exc: Exception) -> JSONResponse:
+    if isinstance(exc, (RecordsInvalid, IdempotencyMismatch)):  # the 422 shape: field and reason
+        items = exc.errors if isinstance(exc, RecordsInvalid) else [ErrorItem(field="Idempotency-Key", reason=str(exc))]
+        too_large = isinstance(exc, SpanRowsTooMany)  # a size limit, named as an invalid record is
+        return _invalid(items, status.HTTP_413_CONTENT_TOO_LARGE if too_large else 422)
+    return JSONResponse(
+        {"detail": _printable(str(exc))}, status_code=_STATUS_OF.get(type(exc), status.HTTP_409_CONFLICT)
+    )
+
+
+async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return _invalid(
+        [
+            ErrorItem(field=".".join(str(part) for part in error.get("loc", ())), reason=str(error.get("msg", "")))
+            for error in exc.errors()
+        ]
+    )
+
+
+async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
+    # The standard JSON reader recurses once per level: a body nested past the interpreter's limit is
+    # unreadable JSON for this service, on every route (400, as for any body it cannot read).
+    return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
+
+
+# The application's exception handlers (``FastAPI(exception_handlers=...)``).
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    RunError: _run_error,
+    RequestValidationError: _invalid_request,
+    RecursionError: _too_deep,
+}
