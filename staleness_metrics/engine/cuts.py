@@ -10,7 +10,7 @@ equal on random inputs.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -39,6 +39,101 @@ _FLOAT_BITS = {np.dtype(np.float16): (1 << 15, 0x7C00), np.dtype(np.float32): (1
                np.dtype(np.float64): (1 << 63, 0x7FF << 52)}  # fmt: skip
 
 
+def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> int:  # pragma: no cover - compiled
+    """The ``WEIGHT_*`` bits of one span's values read as unsigned integers of their width (``sign``, ``infinity``:
+    the sign bit and +inf's bits). Integer ORs only (no compare, no branch): one vector pass over the span. A
+    callee of ``_weight_flags`` and ``_cut_flags``."""
+    one = np.uint64(1)
+    magnitude = sign - one
+    at_least_inf = sign - infinity  # y + at_least_inf has the sign bit exactly when y >= +inf's bits
+    above_inf = at_least_inf - one  # ... when y > +inf's bits: a NaN
+    any_bits = np.uint64(0)
+    any_inf = np.uint64(0)
+    any_nan = np.uint64(0)
+    any_not_positive = np.uint64(0)
+    for i in range(len(seg)):
+        u = np.uint64(seg[i])
+        y = u & magnitude
+        any_bits |= y
+        any_inf |= y + at_least_inf
+        any_nan |= y + above_inf
+        any_not_positive |= u | (y - one)  # the sign bit set, or y == 0 (wraps to all ones)
+    flags = 0
+    if any_bits != 0:
+        flags |= 1
+    if any_inf & sign:
+        flags |= 2
+    if any_nan & sign:
+        flags |= 4 | 8  # NaN is not > 0 either
+    if any_not_positive & sign:
+        flags |= 8
+    return flags
+
+
+def _cut_flags(
+    weights: tuple[npt.NDArray[Any], ...],
+    n_weights: int,
+    starts: IntArray,
+    cuts: tuple[int, int, int],
+    flags: npt.NDArray[np.uint8],
+    sign: np.uint64,
+    infinity: np.uint64,
+) -> None:  # pragma: no cover - compiled
+    """Into ``flags``, the ``WEIGHT_*`` bits of each weight array on the cuts ``first`` to ``k - 1`` of one sample
+    (``cuts``: first, k, the sample's end), read while the sample is in cache. A callee of ``_token_spans``."""
+    first, k, end = cuts
+    w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
+    for c in range(first, k):
+        cut_start = starts[c]
+        cut_end = starts[c + 1] if c + 1 < k else end
+        s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
+        # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1). One pass over the three
+        # arrays at once, a min and a max per value in the values' own width (as many lanes per vector
+        # as the bits allow: no widening); any other cut is read again. (A cut holds a position.)
+        low0, low1, low2 = s0[0], s1[0], s2[0]
+        top0, top1, top2 = low0, low1, low2
+        for q in range(1, cut_end - cut_start):
+            low0, top0 = min(low0, s0[q]), max(top0, s0[q])
+            low1, top1 = min(low1, s1[q]), max(top1, s1[q])
+            low2, top2 = min(low2, s2[q]), max(top2, s2[q])
+        lowest = min(low0, low1, low2)
+        if (lowest > 0) & (top0 < infinity) & (top1 < infinity) & (top2 < infinity):
+            for w in range(n_weights):
+                flags[w, c] = 1
+            continue
+        for w in range(n_weights):
+            flags[w, c] = _span_bits(weights[w][cut_start:cut_end], sign, infinity)
+
+
+def _checked_positions(
+    tokens: IntArray,
+    mask: npt.NDArray[Any],
+    pos_off: IntArray,
+    samples: IntArray,
+    weights: tuple[npt.NDArray[Any], ...],
+    n_weights: int,
+) -> int:  # pragma: no cover - compiled
+    """The positions of ``samples``, once their offsets and the arrays' lengths are checked: checked before any
+    read, so a damaged offset never reads or writes out of bounds (a callee of ``_token_spans``)."""
+    n = len(tokens)
+    if len(mask) != n:
+        raise ValueError("token_cuts: token_versions and mask differ in length")
+    if n_weights > 0 and (len(weights[0]) != n or len(weights[1]) != n or len(weights[2]) != n):
+        raise ValueError("token_cuts: a weight array and token_versions differ in length")
+    total = 0
+    end = 0
+    for s in samples:
+        if s < 0 or s + 1 >= len(pos_off):
+            raise IndexError("token_cuts: a sample index beyond the position offsets")
+        a = pos_off[s]
+        b = pos_off[s + 1]
+        if a < end or b < a or b > n:
+            raise ValueError("token_cuts: position offsets out of order or beyond the arrays")
+        end = b
+        total += b - a
+    return total
+
+
 def _grown(values: IntArray, used: int, capacity: int) -> IntArray:  # pragma: no cover - compiled
     """``values``' first ``used`` entries in a new array of ``capacity`` (a callee of ``_token_spans``)."""
     wider = np.empty(capacity, dtype=values.dtype)
@@ -46,7 +141,15 @@ def _grown(values: IntArray, used: int, capacity: int) -> IntArray:  # pragma: n
     return wider
 
 
-@CompiledLoop(callees={"_grown": (_grown, {})})
+_CUT_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
+    "_checked_positions": (_checked_positions, {}),
+    "_grown": (_grown, {}),
+    "_span_bits": (_span_bits, {}),
+    "_cut_flags": (_cut_flags, {}),
+}
+
+
+@CompiledLoop(callees=_CUT_CALLEES)
 def _token_spans(
     tokens: IntArray,
     mask: npt.NDArray[Any],
@@ -57,22 +160,7 @@ def _token_spans(
     sign: np.uint64,
     infinity: np.uint64,
 ) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]:  # pragma: no cover - compiled
-    n = len(tokens)
-    if len(mask) != n:
-        raise ValueError("token_cuts: token_versions and mask differ in length")
-    if n_weights > 0 and (len(weights[0]) != n or len(weights[1]) != n or len(weights[2]) != n):
-        raise ValueError("token_cuts: a weight array and token_versions differ in length")
-    total = 0
-    end = 0
-    for s in samples:  # checked before any read: a damaged offset must not read or write out of bounds
-        if s < 0 or s + 1 >= len(pos_off):
-            raise IndexError("token_cuts: a sample index beyond the position offsets")
-        a = pos_off[s]
-        b = pos_off[s + 1]
-        if a < end or b < a or b > n:
-            raise ValueError("token_cuts: position offsets out of order or beyond the arrays")
-        end = b
-        total += b - a
+    total = _checked_positions(tokens, mask, pos_off, samples, weights, n_weights)
     # Outputs sized by the cuts, not the positions: room for the next sample's worst case (a cut per
     # position), doubled when short. (Arrays of one entry per position cost page faults and numba's
     # zeroing of the flags, in every parallel share: more than the cut loop's own reads.)
@@ -81,11 +169,6 @@ def _token_spans(
     labels = np.empty_like(starts)
     labelled = np.empty_like(starts)
     flags = np.empty((n_weights, capacity), dtype=np.uint8)  # (every cut's bits are written)
-    # The weight bits (see _weight_flags) of each cut, read while its sample is in cache.
-    one = np.uint64(1)
-    magnitude = sign - one
-    at_least_inf = sign - infinity
-    above_inf = at_least_inf - one
     below = 0  # labels below -1 seen (a value rule of SPEC 3, checked by the caller when any)
     k = 0
     for s in samples:
@@ -161,50 +244,8 @@ def _token_spans(
         labels[k] = cut_label
         labelled[k] = count
         k += 1
-        if n_weights == 0:
-            continue
-        w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
-        for c in range(first_cut, k):
-            cut_start = starts[c]
-            cut_end = starts[c + 1] if c + 1 < k else a + length
-            s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
-            # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1). One pass over the three
-            # arrays at once, a min and a max per value in the values' own width (as many lanes per vector
-            # as the bits allow: no widening); any other cut is read again. (A cut holds a position.)
-            low0, low1, low2 = s0[0], s1[0], s2[0]
-            top0, top1, top2 = low0, low1, low2
-            for q in range(1, cut_end - cut_start):
-                low0, top0 = min(low0, s0[q]), max(top0, s0[q])
-                low1, top1 = min(low1, s1[q]), max(top1, s1[q])
-                low2, top2 = min(low2, s2[q]), max(top2, s2[q])
-            lowest = min(low0, low1, low2)
-            if (lowest > 0) & (top0 < infinity) & (top1 < infinity) & (top2 < infinity):
-                for w in range(n_weights):
-                    flags[w, c] = 1
-                continue
-            for w in range(n_weights):
-                seg = weights[w][cut_start:cut_end]
-                any_bits = np.uint64(0)
-                any_inf = np.uint64(0)
-                any_nan = np.uint64(0)
-                any_not_positive = np.uint64(0)
-                for q in range(len(seg)):  # integer ORs only: one vector pass over the cut
-                    u = np.uint64(seg[q])
-                    y = u & magnitude
-                    any_bits |= y
-                    any_inf |= y + at_least_inf
-                    any_nan |= y + above_inf
-                    any_not_positive |= u | (y - one)
-                bits_of_cut = 0
-                if any_bits != 0:
-                    bits_of_cut |= 1
-                if any_inf & sign:
-                    bits_of_cut |= 2
-                if any_nan & sign:
-                    bits_of_cut |= 4 | 8
-                if any_not_positive & sign:
-                    bits_of_cut |= 8
-                flags[w, c] = bits_of_cut
+        if n_weights > 0:
+            _cut_flags(weights, n_weights, starts, (first_cut, k, a + length), flags, sign, infinity)
     return starts[:k].copy(), labels[:k].copy(), labelled[:k].copy(), flags[:, :k].copy(), below
 
 
@@ -314,7 +355,7 @@ def token_cuts(
     return found.starts, found.labels, found.labelled
 
 
-@CompiledLoop
+@CompiledLoop(callees={"_span_bits": (_span_bits, {})})
 def _weight_flags(
     bits: npt.NDArray[Any], lo: IntArray, hi: IntArray, sign: np.uint64, infinity: np.uint64
 ) -> npt.NDArray[np.uint8]:  # pragma: no cover - compiled
@@ -323,10 +364,6 @@ def _weight_flags(
     if len(hi) != rows:
         raise ValueError("weight_flags: lo and hi differ in length")
     out = np.zeros(rows, dtype=np.uint8)
-    one = np.uint64(1)
-    magnitude = sign - one
-    at_least_inf = sign - infinity  # y + at_least_inf has the sign bit exactly when y >= +inf's bits
-    above_inf = at_least_inf - one  # ... when y > +inf's bits: a NaN
     for r in range(rows):
         a = lo[r]
         b = hi[r]
@@ -334,29 +371,7 @@ def _weight_flags(
             continue
         if a < 0 or b > n:
             raise IndexError("weight_flags: a span lies outside the array")
-        seg = bits[a:b]  # a slice: in bounds, no negative-index fix-up, so the loop is vectorised
-        any_bits = np.uint64(0)
-        any_inf = np.uint64(0)
-        any_nan = np.uint64(0)
-        any_not_positive = np.uint64(0)
-        # Integer ORs only (no compare, no branch): one vector pass over the span.
-        for i in range(b - a):
-            u = np.uint64(seg[i])
-            y = u & magnitude
-            any_bits |= y
-            any_inf |= y + at_least_inf
-            any_nan |= y + above_inf
-            any_not_positive |= u | (y - one)  # the sign bit set, or y == 0 (wraps to all ones)
-        flags = 0
-        if any_bits != 0:
-            flags |= 1
-        if any_inf & sign:
-            flags |= 2
-        if any_nan & sign:
-            flags |= 4 | 8  # NaN is not > 0 either
-        if any_not_positive & sign:
-            flags |= 8
-        out[r] = flags
+        out[r] = _span_bits(bits[a:b], sign, infinity)  # (a slice: in bounds, no negative-index fix-up)
     return out
 
 
