@@ -232,6 +232,31 @@ def test_the_layer_check_finds_an_import_up_the_layers_and_a_loop(tmp_path: Path
     ]
 
 
+def parameter_counts(package: Path = PACKAGE) -> dict[str, int]:
+    """``module:function`` -> how many parameters it takes (``self`` / ``cls`` left out), for every function."""
+    counts = {}
+    for module, path in _modules(package).items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+                names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+                counts[f"{module}:{node.name}"] = len([n for n in names[:1] if n not in ("self", "cls")] + names[1:])
+    return counts
+
+
+def test_few_functions_take_twelve_parameters_or_more() -> None:
+    """Issue 33: at most four functions of 12 parameters or more (16 before; a compiled loop takes small groups
+    of arrays, a ``NamedTuple`` at its Python face and plain tuples to the loop)."""
+    many = sorted(name for name, count in parameter_counts().items() if count >= 12)
+    assert len(many) <= 4, many
+
+
+def test_parameters_are_counted(tmp_path: Path) -> None:
+    package = _fake_package(tmp_path, {"m.py": "class C:\n    def f(self, a, *b, c, **d): ...\ndef g(x, y=1): ...\n"})
+    assert parameter_counts(package) == {"pkg.m:f": 4, "pkg.m:g": 2}
+
+
 def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
