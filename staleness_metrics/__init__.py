@@ -18,7 +18,7 @@ if typing.TYPE_CHECKING:
     from .config import StalenessConfig
     from .engine.decision import Decision, Judgement
     from .engine.policies import EpisodePolicy, GroupPolicy, Policy, TokenPolicy, XtunerPolicy
-    from .engine.shipment import Shipment, ShippedRollout
+    from .engine.shipment import PaddedShipment, Shipment, ShippedRollout, padded_shipment
     from .engine.sink import Sink
     from .errors import (
         ConfigError,
@@ -35,7 +35,6 @@ if typing.TYPE_CHECKING:
     from .monitor import StalenessMonitor
     from .records.columnar import RolloutBatch
     from .records.model import Rollout, Sample
-    from .records.padded import PaddedShipment, padded_shipment
     from .replay.stream import read_events, run_events
 
 # public name -> the module (relative to this package) that defines it
@@ -60,8 +59,8 @@ _HOME = {
     "MismatchSums": ".metrics.mismatch",
     "mismatch_sums": ".metrics.mismatch",
     "StalenessMonitor": ".monitor",
-    "PaddedShipment": ".records.padded",
-    "padded_shipment": ".records.padded",
+    "PaddedShipment": ".engine.shipment",
+    "padded_shipment": ".engine.shipment",
     "EpisodePolicy": ".engine.policies",
     "GroupPolicy": ".engine.policies",
     "Policy": ".engine.policies",

@@ -35,19 +35,6 @@ from .config import StalenessConfig
 from .engine.checkpoint import check_mismatch
 from .engine.shipment import Shipment
 from .engine.sink import Sink
-from .engine.state_checks import (
-    FORMAT,
-    check_digests,
-    check_format,
-    digests_of,
-    fail,
-    integer,
-    join,
-    keys,
-    mapping,
-    sequence,
-    string,
-)
 from .errors import ConfigError, FieldError
 from .exporters.background import DEFAULT_CLOSE_TIMEOUT
 from .exporters.base import (
@@ -64,6 +51,19 @@ from .metrics.bound import mismatch_metrics
 from .metrics.mismatch import MismatchSums
 from .metrics.report import MetricValue
 from .records.columnar import RolloutBatch
+from .state_checks import (
+    FORMAT,
+    check_digests,
+    check_format,
+    digests_of,
+    fail,
+    integer,
+    join,
+    keys,
+    mapping,
+    sequence,
+    string,
+)
 
 __all__ = ["StalenessMonitor"]
 

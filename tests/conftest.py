@@ -94,7 +94,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def _warm_up() -> None:
-    from staleness_metrics.engine.kernels import warm_up
+    from staleness_metrics.engine.warm_up import warm_up
 
     warm_up()
 

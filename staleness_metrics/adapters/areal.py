@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.shipment import Shipment
+from ..engine.shipment import Shipment, padded_shipment
 from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
-from ..records.padded import from_padded, padded_shipment
+from ..records.padded import from_padded
 from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_row_batches
 
 if TYPE_CHECKING:

@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.shipment import Shipment
+from ..engine.shipment import Shipment, padded_shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
-from ..records.padded import from_padded, padded_shipment
+from ..records.padded import from_padded
 from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 __all__ = ["from_verl", "ship", "verl_response_mask", "verl_row_ids"]

@@ -5,7 +5,7 @@ expression is built (so a rename in the table shows up in every generated file).
 this relies on: every series has ``run``; counters and histograms are split by ``env`` (absent for
 rollouts without one), so totals are sums over ``env``; gauges have an overall series without ``env``
 plus, with the env breakdown on, one series per env, and so have SPEC 12's length counters
-(:data:`~staleness_metrics.exporters.prometheus.BATCH_WIDE_COUNTERS`): their totals are the ``env=""`` series.
+(:data:`~staleness_metrics.metrics.metric_table.BATCH_WIDE_COUNTERS`): their totals are the ``env=""`` series.
 """
 
 from __future__ import annotations
@@ -14,14 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..metrics import metric_table
-from ..metrics.metric_table import MetricDef, MetricKind
-
-# Counters with a batch-wide series (env="") beside the per-env ones, as the exporter writes them: SPEC 12's
-# length counters and SPEC 11's mismatch family (per env when the trainer's sums are given per env).
-BATCH_WIDE_COUNTERS = frozenset(
-    {"length_samples", "length_sampled_tokens", "length_removed_tokens"}
-    | {row.name for row in metric_table.METRICS if row.source is metric_table.Source.MISMATCH}
-)
+from ..metrics.metric_table import BATCH_WIDE_COUNTERS, MetricDef, MetricKind
 
 __all__ = ["Scope", "metric", "prometheus_name", "recorded_name"]
 

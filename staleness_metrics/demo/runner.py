@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import IO, Any, TextIO
 
 from ..config import StalenessConfig
-from ..engine.kernels import warm_up
 from ..engine.shipment import Shipment
+from ..engine.warm_up import warm_up
 from ..exporters import ConsoleExporter, Exporter, JsonlExporter
 from ..exporters.console import format_line
 from ..metrics import keys

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from ..records.padded_rows import PaddedLayout
-from .state_checks import decode_array, encode_array, fail, integer, join, keys, kind_of, mapping, sequence, strings
+from ..state_checks import decode_array, encode_array, fail, integer, join, keys, kind_of, mapping, sequence, strings
 from .table import Table
 
 __all__ = ["check_offsets", "decode_batch", "decode_table", "encode_batch", "encode_table", "encode_value"]

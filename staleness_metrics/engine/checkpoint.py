@@ -30,10 +30,7 @@ from ..metrics.bound import FLOOR_SOURCES, BoundTracker, env_tracker_config
 from ..metrics.compute import WindowCounts
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import HISTOGRAM_TOP, LENGTH_BUCKETS, MetricValue, StepReport, Tally
-from .batch_state import encode_value
-from .policies import Policy
-from .queue import QUEUE_KEYS, RolloutQueue
-from .state_checks import (
+from ..state_checks import (
     FORMAT,
     check_digests,
     check_format,
@@ -49,6 +46,9 @@ from .state_checks import (
     string,
     strings,
 )
+from .batch_state import encode_value
+from .policies import Policy
+from .queue import QUEUE_KEYS, RolloutQueue
 
 __all__ = [
     "JUDGING_SETTINGS",

@@ -7,16 +7,23 @@ and drops samples and rollouts, counting them in the open window.
 
 from __future__ import annotations
 
+from functools import partial
+from typing import NamedTuple
+
 import numpy as np
 import numpy.typing as npt
 
+from ..compiled import CompiledLoop
 from ..metrics.compute import WindowCounts
 from .decision import Decision, Judgement
-from .kernels import slice_rows, stale_rows
 from .masking import mask_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
+from .spans import SampleSpans, SpanRanges
 
-__all__ = ["apply_decision", "judgement_after", "judgement_again", "judgement_of", "mask_positions", "with_groups"]
+__all__ = [
+    "SliceRows", "StaleRows", "apply_decision", "judgement_after", "judgement_again", "judgement_of", "mask_positions",
+    "slice_rows", "stale_rows", "with_groups",
+]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -108,12 +115,194 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
 
 def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
     """Zero newly stale sampled positions in mask and the three weight arrays, in place: the rows to write
-    found by one compiled pass over the judged span rows (:func:`~staleness_metrics.engine.kernels.stale_rows`)."""
+    found by one compiled pass over the judged span rows (:func:`stale_rows`)."""
     s, spans = queue.samples, queue.spans
-    found = stale_rows(
-        s["span_lo"][judgement.sample_rows], s["span_hi"][judgement.sample_rows], judgement.sample_rollout,
-        judgement.mask_below, mask_below, raised, judgement.version, judgement.sampled,
-        queue.rollouts["chunk"][judgement.rows], spans["part"], spans["lo"], spans["hi"],
-    )  # fmt: skip
+    samples = SampleSpans(s["span_lo"][judgement.sample_rows], s["span_hi"][judgement.sample_rows],
+                          judgement.sample_rollout)  # fmt: skip
+    table, thresholds = SpanRanges(spans["part"], spans["lo"], spans["hi"]), (judgement.mask_below, mask_below, raised)
+    chunk = queue.rollouts["chunk"][judgement.rows]
+    found = stale_rows(samples, table, judgement.version, judgement.sampled, thresholds, chunk)
     if len(found.lo):
         mask_spans(queue.chunks, found.chunk, found.lo, found.hi, found.part, found.positions)
+
+
+class SliceRows(NamedTuple):
+    """The sample and span rows of some rollouts of the sink, in order, with local offsets (see
+    :func:`slice_rows`)."""
+
+    sample_rows: IntArray
+    sample_offsets: IntArray  # per rollout, into sample_rows
+    sample_rollout: IntArray  # per sample, its local rollout
+    span_rows: IntArray
+    span_offsets: IntArray  # per sample, into span_rows
+    span_sample: IntArray  # per span, its local sample
+
+
+@CompiledLoop
+def _slice_rows(
+    rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
+) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
+    n_rollouts = len(sample_lo)
+    n_samples = len(span_lo)
+    if len(sample_hi) != n_rollouts or len(span_hi) != n_samples:
+        raise ValueError("slice_rows: lo and hi differ in length")
+    samples = 0
+    for row in rows:
+        if row < 0 or row >= n_rollouts:
+            raise IndexError("slice_rows: a rollout row outside the table")
+        a = sample_lo[row]
+        b = sample_hi[row]
+        if a < 0 or b < a or b > n_samples:
+            raise IndexError("slice_rows: a sample range outside the table")
+        samples += b - a
+    sample_rows = np.empty(samples, dtype=np.int64)
+    sample_offsets = np.empty(len(rows) + 1, dtype=np.int64)
+    sample_rollout = np.empty(samples, dtype=np.int64)
+    sample_offsets[0] = 0
+    at = 0
+    spans = 0
+    for i in range(len(rows)):
+        for k in range(sample_lo[rows[i]], sample_hi[rows[i]]):
+            a = span_lo[k]
+            b = span_hi[k]
+            if a < 0 or b < a:
+                raise IndexError("slice_rows: a span range out of order")
+            sample_rows[at] = k
+            sample_rollout[at] = i
+            spans += b - a
+            at += 1
+        sample_offsets[i + 1] = at
+    span_rows = np.empty(spans, dtype=np.int64)
+    span_offsets = np.empty(samples + 1, dtype=np.int64)
+    span_sample = np.empty(spans, dtype=np.int64)
+    span_offsets[0] = 0
+    at = 0
+    for j in range(samples):
+        k = sample_rows[j]
+        for row in range(span_lo[k], span_hi[k]):
+            span_rows[at] = row
+            span_sample[at] = j
+            at += 1
+        span_offsets[j + 1] = at
+    return sample_rows, sample_offsets, sample_rollout, span_rows, span_offsets, span_sample
+
+
+def slice_rows(
+    rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
+) -> SliceRows:
+    """For the rollouts at ``rows`` (rows of a table whose samples are ``sample_lo[row]:sample_hi[row]``, each
+    with spans ``span_lo[k]:span_hi[k]``): their sample rows in order, offsets per rollout and each sample's
+    rollout; then the same for the samples' span rows. One pass instead of a range expansion, two offset
+    sums and two repeats per level.
+
+    Raises ``ValueError`` on lo and hi of different lengths, ``IndexError`` on a row or range outside the table.
+    """
+    return SliceRows(*_slice_rows(rows, sample_lo, sample_hi, span_lo, span_hi))
+
+
+class StaleRows(NamedTuple):
+    """The span rows a decision newly masks, as :func:`stale_rows` finds them (what ``zero_spans`` writes)."""
+
+    chunk: IntArray
+    lo: IntArray
+    hi: IntArray
+    part: npt.NDArray[np.int8]
+    positions: IntArray  # the sampled positions of each (the whole range's or its part's)
+
+
+@CompiledLoop
+def _stale_rows(
+    samples: tuple[IntArray, IntArray, IntArray],
+    table: tuple[npt.NDArray[np.int8], IntArray, IntArray],
+    version: IntArray,
+    sampled: IntArray,
+    thresholds: tuple[IntArray, IntArray, BoolArray],
+    rollout_chunk: IntArray,
+) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.int8], IntArray]:  # pragma: no cover - compiled
+    span_lo, span_hi, sample_rollout = samples
+    part, table_lo, table_hi = table
+    old_below, new_below, raised = thresholds
+    n_samples = len(span_lo)
+    if (len(span_hi) != n_samples or len(sample_rollout) != n_samples or len(old_below) != n_samples
+            or len(new_below) != n_samples or len(raised) != n_samples):  # fmt: skip
+        raise ValueError("stale_rows: the sample arrays differ in length")
+    table_rows = len(part)
+    if len(table_lo) != table_rows or len(table_hi) != table_rows:
+        raise ValueError("stale_rows: the span table's columns differ in length")
+    n = 0
+    for k in range(n_samples):  # checked before any read: the rows and rollouts named exist
+        if not (0 <= span_lo[k] <= span_hi[k] <= table_rows):
+            raise IndexError("stale_rows: a sample's span rows outside the span table")
+        if not (0 <= sample_rollout[k] < len(rollout_chunk)):
+            raise IndexError("stale_rows: a sample of no rollout")
+        n += span_hi[k] - span_lo[k]
+    if len(version) != n or len(sampled) != n:
+        raise ValueError("stale_rows: one version and one sampled count per span row expected")
+    # Per row (in judgement order): stale at the new threshold, and newly masked (hit).
+    stale = np.empty(n, dtype=np.bool_)
+    hit = np.empty(n, dtype=np.bool_)
+    row_of = np.empty(n, dtype=np.int64)  # the row in the span table
+    i = 0
+    for k in range(n_samples):
+        for r in range(span_lo[k], span_hi[k]):
+            stale[i] = version[i] < new_below[k]
+            hit[i] = raised[k] & stale[i] & (version[i] >= old_below[k]) & (sampled[i] > 0)
+            row_of[i] = r
+            i += 1
+    # The two parts of a mixed span are adjacent rows (spans.PART_*: 1 labelled, then 2 unlabelled): when
+    # both are stale now the whole range goes, written once by the labelled part's row.
+    count = 0
+    for i in range(n):
+        p = part[row_of[i]]
+        partner = i + (p == 1) - (p == 2)
+        if partner < 0 or partner >= n:
+            raise IndexError("stale_rows: a part of a mixed span without its other part")
+        if hit[i] and not (p == 2 and hit[partner]):
+            count += 1
+    out_chunk = np.empty(count, dtype=np.int64)
+    out_lo = np.empty(count, dtype=np.int64)
+    out_hi = np.empty(count, dtype=np.int64)
+    out_part = np.empty(count, dtype=np.int8)
+    out_count = np.empty(count, dtype=np.int64)
+    j = 0
+    i = 0
+    for k in range(n_samples):
+        for r in range(span_lo[k], span_hi[k]):
+            p = part[r]
+            partner = i + (p == 1) - (p == 2)
+            if hit[i] and not (p == 2 and hit[partner]):
+                out_chunk[j] = rollout_chunk[sample_rollout[k]]
+                out_lo[j] = table_lo[r]
+                out_hi[j] = table_hi[r]
+                out_part[j] = 0 if stale[partner] else p
+                out_count[j] = sampled[i]
+                j += 1
+            i += 1
+    return out_chunk, out_lo, out_hi, out_part, out_count
+
+
+def stale_rows(
+    samples: SampleSpans,
+    table: SpanRanges,
+    version: IntArray,
+    sampled: IntArray,
+    thresholds: tuple[IntArray, IntArray, BoolArray],
+    rollout_chunk: IntArray,
+) -> StaleRows:
+    """The span rows a decision newly masks, in one pass over the judged ``samples``' rows of the span ``table``
+    (``version`` and ``sampled`` per row in that order): rows with sampled positions of a raised sample whose
+    version is at or above the sample's old threshold and below its new one (``thresholds``: old, new, raised,
+    per sample). Each with its chunk (by its sample's rollout), range, part (0, the whole range, when both parts
+    of a mixed span are stale: then only the labelled part's row is given) and its sampled positions.
+
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts outside them.
+    """
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    old_below, new_below, raised = thresholds
+    found = _stale_rows(
+        (as_int(samples.span_lo), as_int(samples.span_hi), as_int(samples.sample_rollout)),
+        (np.ascontiguousarray(table.part, dtype=np.int8), as_int(table.lo), as_int(table.hi)), as_int(version),
+        as_int(sampled), (as_int(old_below), as_int(new_below), np.ascontiguousarray(raised, dtype=np.bool_)),
+        as_int(rollout_chunk),
+    )  # fmt: skip
+    return StaleRows(*found)

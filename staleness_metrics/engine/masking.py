@@ -9,19 +9,24 @@ One compiled pass over the masked spans of a batch does both.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from ..compiled import UNSIGNED_OF_SIZE, CompiledLoop
+from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
-from .kernels import zero_spans
-from .token_pieces import narrow, zero_spans_in_pieces
+from .token_pieces import PIECE_POSITIONS, narrow
 
-__all__ = ["mask_spans"]
+__all__ = ["mask_spans", "zero_spans", "zero_spans_in_pieces"]
 
 IntArray = npt.NDArray[np.int64]
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
 def position_arrays(batch: RolloutBatch) -> list[npt.NDArray[Any]]:
@@ -60,3 +65,142 @@ def _zero_in(
         zero_spans_in_pieces(position_arrays(batch), tokens, lo, hi, part, count)
     else:
         zero_spans(position_arrays(batch), tokens, lo, hi, part, count)
+
+
+@CompiledLoop
+def _zero_spans(
+    b0: npt.NDArray[Any],
+    b1: npt.NDArray[Any],
+    b2: npt.NDArray[Any],
+    b3: npt.NDArray[Any],
+    tokens: IntArray,
+    lo: IntArray,
+    hi: IntArray,
+    part: npt.NDArray[np.int8],
+    count: IntArray,
+    zeros: tuple[Any, Any, Any, Any],
+) -> None:  # pragma: no cover - compiled
+    z0, z1, z2, z3 = zeros
+    n = len(b0)
+    if len(b1) != n or len(b2) != n or len(b3) != n:
+        raise ValueError("zero_spans: the arrays differ in length")
+    rows = len(lo)
+    if len(hi) != rows or len(part) != rows or len(count) != rows:
+        raise ValueError("zero_spans: lo, hi, part and count differ in length")
+    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*; spans imports this module, not the reverse)
+    for r in range(rows):
+        a = lo[r]
+        b = hi[r]
+        if a >= b:
+            continue
+        if a < 0 or b > n or (part[r] != 0 and b > len(tokens)):
+            raise IndexError("zero_spans: a span lies outside the arrays")
+        # Loops over slices: in bounds by the check above, with no negative-index fix-up per position,
+        # so LLVM makes each a memset or a vector select.
+        s0, s1, s2, s3 = b0[a:b], b1[a:b], b2[a:b], b3[a:b]
+        if part[r] == 0:
+            for i in range(b - a):
+                s0[i] = z0
+            for i in range(b - a):
+                s1[i] = z1
+            for i in range(b - a):
+                s2[i] = z2
+            for i in range(b - a):
+                s3[i] = z3
+            continue
+        want = part[r] == 2
+        tok = tokens[a:b]
+        if 4 * count[r] < b - a:  # few positions to write: a branch, rarely taken
+            for i in range(b - a):
+                if (tok[i] < 0) == want:
+                    s0[i], s1[i], s2[i], s3[i] = z0, z1, z2, z3
+            continue
+        for i in range(b - a):  # many: unconditional stores of a select, no branch to mispredict
+            keep = (tok[i] < 0) != want
+            s0[i] = s0[i] if keep else z0
+            s1[i] = s1[i] if keep else z1
+            s2[i] = s2[i] if keep else z2
+            s3[i] = s3[i] if keep else z3
+
+
+def zero_spans(
+    arrays: Sequence[npt.NDArray[Any]],
+    tokens: IntArray | None,
+    lo: IntArray,
+    hi: IntArray,
+    part: npt.NDArray[np.int8],
+    count: IntArray,
+) -> None:
+    """Set to 0, in place, in each of ``arrays`` (one to four of the same length): every position of
+    ``[lo[r], hi[r])`` where ``part[r]`` is 0 (the whole span), else its unlabelled positions
+    (``tokens < 0``) where ``part[r]`` is 2 and its labelled ones where it is 1; ``count[r]`` is how
+    many positions that is (it only chooses how to write them).
+
+    Written through unsigned views of the same width: zero bits are 0 (+0.0) in every numeric dtype.
+    """
+    if len(lo) == 0:
+        return
+    views = [values.view(UNSIGNED_OF_SIZE[values.dtype.itemsize]) for values in arrays]
+    views += [views[0]] * (4 - len(views))  # zeroing a position twice is harmless
+    # Zeros of each view's own type: a literal 0 would make the selects float64.
+    zeros = tuple(view.dtype.type(0) for view in views)
+    labels = _NO_TOKENS if tokens is None else tokens
+    total = int((hi - lo).sum())
+    if total < PARALLEL_MIN_POSITIONS:
+        _zero_spans(*views, labels, lo, hi, part, count, zeros)
+        return
+    written = (hi - lo).cumsum()
+    # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the shares
+    # never write the same position.
+    edges = np.searchsorted(written, np.linspace(0, total, num=SHARES + 1)[1:-1], "left").tolist()
+    bounds = [0, *edges, len(lo)]
+    tasks = [
+        partial(_zero_spans, *views, labels, lo[a:b], hi[a:b], part[a:b], count[a:b], zeros)
+        for a, b in itertools.pairwise(bounds) if b > a
+    ]  # fmt: skip
+    run_all(tasks, total)
+
+
+def zero_spans_in_pieces(
+    arrays: Sequence[npt.NDArray[Any]],
+    tokens: npt.NDArray[Any],
+    lo: IntArray,
+    hi: IntArray,
+    part: npt.NDArray[np.int8],
+    count: IntArray,
+    size: int | None = None,
+) -> None:
+    """:func:`zero_spans` with narrow ``tokens``: whole spans as they are
+    (they read no version), the others a range of ``size`` positions at a time with its versions as int64
+    (:data:`PIECE_POSITIONS` by default)."""
+    size = size or PIECE_POSITIONS
+    whole = part == 0
+    if whole.any():
+        rows = np.flatnonzero(whole)
+        zero_spans(arrays, None, lo[rows], hi[rows], part[rows], count[rows])
+    rows = np.flatnonzero(~whole & (hi > lo))
+    if len(rows) == 0:
+        return
+    if int(lo[rows].min()) < 0 or int(hi[rows].max()) > len(tokens):
+        raise IndexError("zero_spans: a span lies outside the arrays")
+    first = lo[rows] // size
+    last = (hi[rows] - 1) // size
+    repeats = last - first + 1
+    row = np.repeat(rows, repeats)
+    index = np.arange(len(row)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
+    window = np.repeat(first, repeats) + index
+    order = np.argsort(window, kind="stable")
+    windows, bounds = np.unique(window[order], return_index=True)
+    for w, a, b in zip(windows.tolist(), bounds.tolist(), [*bounds[1:].tolist(), len(order)], strict=True):
+        these = order[a:b]
+        base = w * size
+        end = min(base + size, len(tokens))
+        r = row[these]
+        zero_spans(
+            [values[base:end] for values in arrays],
+            tokens[base:end].astype(np.int64),
+            np.maximum(lo[r], base) - base,
+            np.minimum(hi[r], end) - base,
+            part[r],
+            count[r],
+        )

@@ -22,13 +22,13 @@ import numpy as np
 import numpy.typing as npt
 
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
+from ..records.plain_values import PositionCopies
 from ..records.validation import Verdicts, plain_values_of
+from ..state_checks import boolean, fail, integer, join, keys, sequence, string, strings
 from .batch_state import check_offsets, decode_batch, decode_table, encode_batch, encode_table
 from .decision import NO_MASK
-from .kernels import PositionCopies
 from .segments import expand_ranges
 from .spans import PART_LABELLED, PART_UNLABELLED, PART_WHOLE, SpanTable, build_spans
-from .state_checks import boolean, fail, integer, join, keys, sequence, string, strings
 from .table import Table
 
 __all__ = ["COMPACT_MIN_ROWS", "DROPPED", "INVALID", "NEVER", "QUEUED", "SHIPPED", "RolloutQueue"]

@@ -1,8 +1,8 @@
 """What a ship hands back (SPEC 4): the :class:`Shipment` and its :class:`ShippedRollout`\ s, and their form as
 SPEC 3 records (``--batches-out``, SPEC 9).
 
-Its own module so that everything taking a shipment (the trainer adapters, the padded way back, the replay)
-names its type without importing the queue that makes it.
+Its own module so that everything taking a shipment (the trainer adapters, the replay) names its type without
+importing the queue that makes it; :func:`padded_shipment` is the way back to a padded batch's ``[B, L]`` arrays.
 """
 
 from __future__ import annotations
@@ -16,12 +16,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import TraceError
+from ..errors import FieldError, TraceError
 from ..metrics.report import MetricValue, StepReport
 from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from .shipped_positions import ShippedSpans
 
-__all__ = ["Shipment", "ShippedRollout"]
+__all__ = ["PaddedShipment", "Shipment", "ShippedRollout", "padded_shipment"]
+
+BoolArray = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -148,3 +150,45 @@ class Shipment:
             "dropped_samples": [list(s) for s in self.dropped_samples],
             "held": list(self.held),
         }
+
+
+@dataclass(frozen=True)
+class PaddedShipment:
+    """A ship seen as the caller's ``[B, L]`` arrays.
+
+    ``shipped[i]`` says whether row ``i`` was shipped by this ship (its sample kept). ``mask`` and each
+    present weight array are the masked values of shipped rows and 0 on every other row (dropped,
+    held, still queued or shipped earlier), so the loss reads them as they are.
+    """
+
+    shipped: BoolArray
+    mask: npt.NDArray[Any]
+    rl_weights: npt.NDArray[Any] | None
+    ce_weights: npt.NDArray[Any] | None
+    ref_kl_weights: npt.NDArray[Any] | None
+
+
+def padded_shipment(shipment: Shipment, batch: RolloutBatch) -> PaddedShipment:
+    """The ``[B, L]`` arrays the loss reads after ``shipment``, for rows of ``batch`` (from
+    :func:`~staleness_metrics.records.padded.from_padded`).
+
+    Rows of other batches in the same ship are ignored.
+    """
+    layout = batch.padded
+    if layout is None:
+        raise FieldError("batch", "padded_shipment reads a batch built by from_padded; this one was not")
+    picked = [r.index for r in shipment.rollouts if r.batch is batch and r.samples]
+    shipped = np.zeros(layout.rows, dtype=bool)
+    shipped[np.asarray(picked, dtype=np.int64)] = True
+    keep = shipped[:, None]
+    shape = (layout.rows, layout.width)
+
+    def read_back(values: npt.NDArray[Any] | None) -> npt.NDArray[Any] | None:
+        if values is None:
+            return None
+        return np.where(keep, values.reshape(shape), np.zeros((), dtype=values.dtype))
+
+    mask = read_back(batch.mask)
+    assert mask is not None
+    weights = {name: read_back(getattr(batch, name)) for name in WEIGHT_FIELDS}
+    return PaddedShipment(shipped=shipped, mask=mask, **weights)

@@ -9,21 +9,23 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from functools import cached_property
+from functools import cached_property, partial
 from itertools import repeat
 from operator import attrgetter
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from ..compiled import CompiledLoop
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..records.columnar import RolloutBatch
 from .decision import Judgement
-from .kernels import ShippedRows, shipped_rows
 from .queue import RolloutQueue
 from .segments import distinct, expand_ranges
+from .spans import SampleSpans, SpanRanges
 
-__all__ = ["NOT_SAMPLED", "ShippedSpans", "shipped_spans"]
+__all__ = ["NOT_SAMPLED", "ShippedRows", "ShippedSpans", "shipped_rows", "shipped_spans"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -184,7 +186,7 @@ def _chunk_sums(
 
 def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
     """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11): one compiled
-    pass over the shipped samples' span rows (:func:`~staleness_metrics.engine.kernels.shipped_rows`)."""
+    pass over the shipped samples' span rows (:func:`shipped_rows`)."""
     s, n = queue.samples, queue.spans
     chunks = queue.rollouts["chunk"][shipped.rows]
     used = distinct(chunks)
@@ -198,9 +200,142 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
         # each rollout's chunk as an index into ``batches`` (one batch: the usual ship between two adds)
         chunk_index = np.zeros(len(chunks), dtype=np.int64) if len(used) == 1 else np.searchsorted(used, chunks)
         return shipped_rows(
-            span_lo[sample_rows], span_hi[sample_rows], ~shipped.dropped, shipped.sample_rollout, shipped.mask_below,
-            shipped.version, shipped.sampled, shipped.frozen, chunk_index, shipped.env, part, lo, hi,
-            shipped.trained_version, NOT_SAMPLED,
+            SampleSpans(span_lo[sample_rows], span_hi[sample_rows], shipped.sample_rollout), SpanRanges(part, lo, hi),
+            shipped.version, shipped.sampled, (~shipped.dropped, shipped.mask_below),
+            (shipped.frozen, chunk_index, shipped.env), shipped.trained_version,
         )  # fmt: skip
 
     return ShippedSpans(batches, find)
+
+
+class ShippedRows(NamedTuple):
+    """The kept span rows of a ship as :func:`shipped_rows` writes them (see ``shipped_positions.ShippedSpans``)."""
+
+    chunk: IntArray
+    lo: IntArray
+    hi: IntArray
+    lag: IntArray
+    masked: BoolArray
+    sample_offsets: IntArray
+    mixed: BoolArray
+    unlabelled_lag: IntArray
+    unlabelled_masked: BoolArray
+    env: IntArray
+
+
+@CompiledLoop
+def _shipped_rows(
+    samples: tuple[IntArray, IntArray, IntArray],
+    table: tuple[npt.NDArray[np.int8], IntArray, IntArray],
+    version: IntArray,
+    sampled: IntArray,
+    per_sample: tuple[BoolArray, IntArray],
+    per_rollout: tuple[BoolArray, IntArray, IntArray],
+    trained: int,
+    not_sampled: int,
+) -> tuple[Any, ...]:  # pragma: no cover - compiled
+    span_lo, span_hi, sample_rollout = samples
+    part, table_lo, table_hi = table
+    kept_sample, mask_below = per_sample
+    frozen, rollout_chunk, rollout_env = per_rollout
+    n_samples = len(span_lo)
+    if len(span_hi) != n_samples or len(kept_sample) != n_samples or len(sample_rollout) != n_samples:
+        raise ValueError("shipped_rows: the sample arrays differ in length")
+    if len(mask_below) != n_samples:
+        raise ValueError("shipped_rows: the sample arrays differ in length")
+    n_rollouts = len(frozen)
+    if len(rollout_chunk) != n_rollouts or len(rollout_env) != n_rollouts:
+        raise ValueError("shipped_rows: the rollout arrays differ in length")
+    table_rows = len(part)
+    if len(table_lo) != table_rows or len(table_hi) != table_rows:
+        raise ValueError("shipped_rows: the span table's columns differ in length")
+    n = 0
+    for k in range(n_samples):  # checked before any read: the rows, samples and rollouts named exist
+        if not (0 <= span_lo[k] <= span_hi[k] <= table_rows):
+            raise IndexError("shipped_rows: a sample's span rows outside the span table")
+        if not (0 <= sample_rollout[k] < n_rollouts):
+            raise IndexError("shipped_rows: a sample of no rollout")
+        n += span_hi[k] - span_lo[k]
+    if len(version) != n or len(sampled) != n:
+        raise ValueError("shipped_rows: one version and one sampled count per span row expected")
+    # Per row (in judgement order): lag and masked flag, read by a row and by the labelled part before it.
+    lag = np.empty(n, dtype=np.int64)
+    masked = np.empty(n, dtype=np.bool_)
+    n_kept = 0
+    kept_samples = 0
+    i = 0
+    for k in range(n_samples):
+        rollout = sample_rollout[k]
+        live = not frozen[rollout]
+        for r in range(span_lo[k], span_hi[k]):
+            lag[i] = trained - version[i] if live and sampled[i] > 0 else not_sampled
+            masked[i] = version[i] < mask_below[k]
+            n_kept += kept_sample[k] and part[r] != 2  # a mixed span once, by its first row (spans.PART_*)
+            i += 1
+        kept_samples += kept_sample[k]
+    chunk = np.empty(n_kept, dtype=np.int64)
+    lo = np.empty(n_kept, dtype=np.int64)
+    hi = np.empty(n_kept, dtype=np.int64)
+    out_lag = np.empty(n_kept, dtype=np.int64)
+    out_masked = np.empty(n_kept, dtype=np.bool_)
+    mixed = np.empty(n_kept, dtype=np.bool_)
+    unlabelled_lag = np.empty(n_kept, dtype=np.int64)
+    unlabelled_masked = np.empty(n_kept, dtype=np.bool_)
+    env = np.empty(n_kept, dtype=np.int64)
+    sample_offsets = np.zeros(kept_samples + 1, dtype=np.int64)
+    last = max(n - 1, 0)
+    i = 0
+    j = 0
+    kept_k = 0
+    for k in range(n_samples):
+        rollout = sample_rollout[k]
+        for r in range(span_lo[k], span_hi[k]):
+            if kept_sample[k] and part[r] != 2:
+                partner = min(i + 1, last)  # the unlabelled part follows its labelled part
+                chunk[j] = rollout_chunk[rollout]
+                lo[j] = table_lo[r]
+                hi[j] = table_hi[r]
+                out_lag[j] = lag[i]
+                out_masked[j] = masked[i]
+                mixed[j] = part[r] == 1
+                unlabelled_lag[j] = lag[partner]
+                unlabelled_masked[j] = masked[partner]
+                env[j] = rollout_env[rollout]
+                j += 1
+            i += 1
+        if kept_sample[k]:
+            kept_k += 1
+            sample_offsets[kept_k] = j
+    return chunk, lo, hi, out_lag, out_masked, sample_offsets, mixed, unlabelled_lag, unlabelled_masked, env
+
+
+def shipped_rows(
+    samples: SampleSpans,
+    table: SpanRanges,
+    version: IntArray,
+    sampled: IntArray,
+    per_sample: tuple[BoolArray, IntArray],
+    per_rollout: tuple[BoolArray, IntArray, IntArray],
+    trained: int,
+) -> ShippedRows:
+    """The span rows of shipped ``samples``, in one pass over their rows of the span ``table`` (``version`` and
+    ``sampled`` per row in that order); ``per_sample``: whether each is kept, and its masking threshold;
+    ``per_rollout``: whether each is frozen, its chunk and its env. Each row's lag (``trained - version`` where
+    its rollout is not frozen and it has sampled positions, else :data:`NOT_SAMPLED`) and masked flag (``version``
+    below its sample's threshold). Kept are the rows of kept samples that are not an unlabelled part; for each,
+    its chunk and env (by its sample's rollout), range, lag, masked flag, whether it is a labelled part, the next
+    row's lag and masked flag (a labelled part's unlabelled part), and per kept sample the offsets of its kept
+    rows.
+
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts outside them.
+    """
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
+    (kept_sample, mask_below), (frozen, rollout_chunk, rollout_env) = per_sample, per_rollout
+    found = _shipped_rows(
+        (as_int(samples.span_lo), as_int(samples.span_hi), as_int(samples.sample_rollout)),
+        (np.ascontiguousarray(table.part, dtype=np.int8), as_int(table.lo), as_int(table.hi)), as_int(version),
+        as_int(sampled), (as_bool(kept_sample), as_int(mask_below)),
+        (as_bool(frozen), as_int(rollout_chunk), as_int(rollout_env)), int(trained), NOT_SAMPLED,
+    )  # fmt: skip
+    return ShippedRows(*found)

@@ -25,26 +25,27 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from ..parallel import PARALLEL_MIN_POSITIONS, run_all
 from ..records.columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
 from ..records.validation import Verdicts, check_batch
-from .kernels import (
+from .cuts import (
     WEIGHT_NAN,
     WEIGHT_NONFINITE,
     WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
+    CutFlags,
     TokenSpans,
     fusable_weights,
     span_rows,
     token_spans,
     weight_flags,
 )
-from .parallel import PARALLEL_MIN_POSITIONS, run_all
 from .segments import expand_ranges, segment_max
 from .token_pieces import narrow, token_spans_in_pieces
 
 __all__ = [
-    "NO_VERSION_HIGH", "NO_VERSION_LOW", "PART_LABELLED", "PART_UNLABELLED", "PART_WHOLE", "SpanTable", "build_spans",
-    "checked_spans",
+    "NO_VERSION_HIGH", "NO_VERSION_LOW", "PART_LABELLED", "PART_UNLABELLED", "PART_WHOLE", "SampleSpans", "SpanRanges",
+    "SpanTable", "build_spans", "checked_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -100,6 +101,23 @@ class SpanTable:
             max_sampled_version=self.max_sampled_version[s0:s1], seq_min_version=self.seq_min_version[s0:s1],
             completion=self.completion[start:stop],
         )  # fmt: skip
+
+
+class SpanRanges(NamedTuple):
+    """The span table's columns a compiled pass over span rows reads: each row's part and range."""
+
+    part: npt.NDArray[np.int8]
+    lo: IntArray
+    hi: IntArray
+
+
+class SampleSpans(NamedTuple):
+    """Judged samples as a compiled pass over their span rows reads them: each sample's rows
+    ``[span_lo, span_hi)`` of the span table (in judgement order) and its local rollout."""
+
+    span_lo: IntArray
+    span_hi: IntArray
+    sample_rollout: IntArray
 
 
 class _TokenVersionBelowMinusOne(Exception):
@@ -239,8 +257,9 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         rl_doubtful = flags[present.index("rl_weights")] & (WEIGHT_NAN | WEIGHT_NOT_POSITIVE) != 0
         live_labelled, live_unlabelled = _exact_part_liveness(batch, present, lo, hi, rl_doubtful, live, mixed)
     hi = hi[: len(lo)]  # (with no cut, hi held the end of the positions)
-    rows = span_rows(lo, hi, label, labelled, kept, is_sampled, live_labelled, live_unlabelled, side, pos_off,
-                     batch.dispatch_version[sample_rollout], (NO_VERSION_LOW, NO_VERSION_HIGH))  # fmt: skip
+    cut_flags = CutFlags(kept, is_sampled, live_labelled, live_unlabelled, side)
+    rows = span_rows(lo, hi, label, labelled, cut_flags, pos_off, batch.dispatch_version[sample_rollout],
+                     (NO_VERSION_LOW, NO_VERSION_HIGH))  # fmt: skip
     max_sampled = rows.max_sampled_version
 
     completion = batch.completion_version
@@ -280,7 +299,7 @@ def _token_spans(batch: RolloutBatch, tokened: BoolArray, weights: list[npt.NDAr
     A cut ends where the mask changes or a different label begins; unlabelled positions (-1) between
     two equal labels stay inside the cut, so scattered unlabelled positions do not multiply the cuts.
     One compiled pass over the labels and the mask, then each cut's weights while it is in cache
-    (:func:`~staleness_metrics.engine.kernels.token_spans`).
+    (:func:`~staleness_metrics.engine.cuts.token_spans`).
     """
     tokens = batch.token_versions
     assert tokens is not None
@@ -540,8 +559,8 @@ _UNSIGNED_VIEW = {np.dtype(np.float32): (np.uint32, 0x7F800000), np.dtype(np.flo
 
 
 def span_weight_flags(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.NDArray[np.uint8]:
-    """Per span (``lo``, ``hi``: the cuts, tiling the array) the ``kernels.WEIGHT_*`` bits of a weight array:
-    one compiled pass for float16/32/64 (:func:`~staleness_metrics.engine.kernels.weight_flags`), else numpy."""
+    """Per span (``lo``, ``hi``: the cuts, tiling the array) the ``cuts.WEIGHT_*`` bits of a weight array:
+    one compiled pass for float16/32/64 (:func:`~staleness_metrics.engine.cuts.weight_flags`), else numpy."""
     if len(lo) == 0:  # (``hi`` then still holds the end of the positions)
         return np.zeros(0, dtype=np.uint8)
     flags = weight_flags(values, lo, hi)
@@ -551,7 +570,7 @@ def span_weight_flags(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> n
 
 
 def weight_flags_by_extrema(values: npt.NDArray[Any], lo: IntArray) -> npt.NDArray[np.uint8]:
-    """The ``kernels.WEIGHT_*`` bits per span from numpy's ``reduceat`` extrema (spans from each ``lo``
+    """The ``cuts.WEIGHT_*`` bits per span from numpy's ``reduceat`` extrema (spans from each ``lo``
     to the next): the engine's former formulation, kept for dtypes the compiled pass does not read."""
     high, low = _span_extrema(values, lo, minima=True)
     flags = np.zeros(len(lo), dtype=np.uint8)

@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import TokenSpans, token_spans, weight_flags, zero_spans
+from .cuts import TokenSpans, token_spans, weight_flags
 
-__all__ = ["PIECE_POSITIONS", "narrow", "token_spans_in_pieces", "zero_spans_in_pieces"]
+__all__ = ["PIECE_POSITIONS", "narrow", "token_spans_in_pieces"]
 
 IntArray = npt.NDArray[np.int64]
 PIECE_POSITIONS = 1 << 20  # 8 MiB of int64 versions at once
@@ -67,7 +67,7 @@ def token_spans_in_pieces(
     weights: Sequence[npt.NDArray[Any]] = (),
     size: int | None = None,
 ) -> TokenSpans:
-    """:func:`~staleness_metrics.engine.kernels.token_spans` of narrow ``tokens``, the same result
+    """:func:`~staleness_metrics.engine.cuts.token_spans` of narrow ``tokens``, the same result
     (``size``: positions widened at once, :data:`PIECE_POSITIONS` by default)."""
     size = size or PIECE_POSITIONS
     samples = np.asarray(samples, dtype=np.int64)
@@ -150,48 +150,3 @@ def _bits(values: npt.NDArray[Any], lo: int, hi: int) -> int:
     bits = weight_flags(values, np.array([lo], dtype=np.int64), np.array([hi], dtype=np.int64))
     assert bits is not None  # fusable weights (float16/32/64, contiguous): the compiled pass reads them
     return int(bits[0])
-
-
-def zero_spans_in_pieces(
-    arrays: Sequence[npt.NDArray[Any]],
-    tokens: npt.NDArray[Any],
-    lo: IntArray,
-    hi: IntArray,
-    part: npt.NDArray[np.int8],
-    count: IntArray,
-    size: int | None = None,
-) -> None:
-    """:func:`~staleness_metrics.engine.kernels.zero_spans` with narrow ``tokens``: whole spans as they are
-    (they read no version), the others a range of ``size`` positions at a time with its versions as int64
-    (:data:`PIECE_POSITIONS` by default)."""
-    size = size or PIECE_POSITIONS
-    whole = part == 0
-    if whole.any():
-        rows = np.flatnonzero(whole)
-        zero_spans(arrays, None, lo[rows], hi[rows], part[rows], count[rows])
-    rows = np.flatnonzero(~whole & (hi > lo))
-    if len(rows) == 0:
-        return
-    if int(lo[rows].min()) < 0 or int(hi[rows].max()) > len(tokens):
-        raise IndexError("zero_spans: a span lies outside the arrays")
-    first = lo[rows] // size
-    last = (hi[rows] - 1) // size
-    repeats = last - first + 1
-    row = np.repeat(rows, repeats)
-    index = np.arange(len(row)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
-    window = np.repeat(first, repeats) + index
-    order = np.argsort(window, kind="stable")
-    windows, bounds = np.unique(window[order], return_index=True)
-    for w, a, b in zip(windows.tolist(), bounds.tolist(), [*bounds[1:].tolist(), len(order)], strict=True):
-        these = order[a:b]
-        base = w * size
-        end = min(base + size, len(tokens))
-        r = row[these]
-        zero_spans(
-            [values[base:end] for values in arrays],
-            tokens[base:end].astype(np.int64),
-            np.maximum(lo[r], base) - base,
-            np.minimum(hi[r], end) - base,
-            part[r],
-            count[r],
-        )

@@ -24,8 +24,7 @@ from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from ..dashboards.promql import BATCH_WIDE_COUNTERS
-from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..metrics.metric_table import BATCH_WIDE_COUNTERS, BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, ExportErrors, MismatchReport

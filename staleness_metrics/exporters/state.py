@@ -113,7 +113,7 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
 BucketKey = tuple[str, str]  # (env, the dimension's exported label value)
 
 
-# SPEC 12's length counters (dashboards.promql.BATCH_WIDE_COUNTERS): a batch-wide series (env "") beside the
+# SPEC 12's length counters (metric_table.BATCH_WIDE_COUNTERS): a batch-wide series (env "") beside the
 # per-env ones in Prometheus and OTLP, as the gauges have, so a query over the whole batch selects it instead
 # of summing.
 
@@ -331,7 +331,7 @@ class CumulativeState:
         the SPEC 14 keys of the latest report with SPEC 11 (absent from states saved before SPEC 14) and the
         per-env sums (absent from states saved before they existed)."""
         from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
-        from ..engine.state_checks import integer, join, keys, mapping, string
+        from ..state_checks import integer, join, keys, mapping, string
 
         found = keys(
             state, path, ("totals", "mismatch", "start_time_ns", "last_report"), ("bound_metrics", "env_mismatch")

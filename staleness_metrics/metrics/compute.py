@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from ..engine import kernels
-from ..engine.decision import Judgement
-from ..engine.kernels import population_summary, population_sums
 from . import keys
 from .bound import ShipBound, mismatch_metrics
 from .metric_table import env_key
 from .mismatch import MismatchSums
+from .population import PopulationColumns, PopulationSummary, population_summary, population_sums
 from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, MetricValue, StepReport, Tally
 
-__all__ = ["WindowCounts", "compute_report"]
+__all__ = ["ShippedSlice", "WindowCounts", "columns_of", "compute_report"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -32,6 +31,54 @@ _LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
 _FEW = 64  # entries summed over Python lists rather than numpy arrays
 _QUANTILE_FRACTIONS = np.array([(numerator, denominator) for _, numerator, denominator in QUANTILES], dtype=np.int64)
 _NO_LENGTHS = np.zeros(len(LENGTH_BUCKETS), dtype=np.int64)
+
+
+class ShippedSlice(Protocol):
+    """What the metrics read of a shipped slice (``engine.decision.Judgement`` is one): its rollouts, their
+    samples by ``sample_offsets`` and the samples' spans by ``span_offsets``, after the decision was applied."""
+
+    @property
+    def step(self) -> int: ...
+    @property
+    def trained_version(self) -> int: ...
+    @property
+    def n_rollouts(self) -> int: ...
+    @property
+    def env(self) -> IntArray: ...
+    @property
+    def frozen(self) -> BoolArray: ...
+    @property
+    def dispatch(self) -> IntArray: ...
+    @property
+    def completion(self) -> IntArray: ...
+    @property
+    def sample_offsets(self) -> IntArray: ...
+    @property
+    def sample_rollout(self) -> IntArray: ...
+    @property
+    def dropped(self) -> BoolArray: ...
+    @property
+    def mask_below(self) -> IntArray: ...
+    @property
+    def n_sampled(self) -> IntArray: ...
+    @property
+    def span_offsets(self) -> IntArray: ...
+    @property
+    def span_sample(self) -> IntArray: ...
+    @property
+    def version(self) -> IntArray: ...
+    @property
+    def sampled(self) -> IntArray: ...
+    @property
+    def labelled(self) -> BoolArray: ...
+
+
+def columns_of(slice_: ShippedSlice) -> PopulationColumns:
+    """The columns of ``slice_`` a population pass reads."""
+    return PopulationColumns(
+        slice_.frozen, slice_.dispatch, slice_.completion, slice_.sample_offsets, slice_.dropped, slice_.mask_below,
+        slice_.n_sampled, slice_.span_offsets, slice_.version, slice_.sampled, slice_.labelled,
+    )  # fmt: skip
 
 
 def length_bucket_totals(lengths: IntArray, amounts: IntArray) -> IntArray:
@@ -156,7 +203,7 @@ _ROLLOUT_KEYS = (
 )
 
 
-def _population_spans(slice_: Judgement, rollout_in: BoolArray) -> BoolArray:
+def _population_spans(slice_: ShippedSlice, rollout_in: BoolArray) -> BoolArray:
     """The spans with sampled positions of the selected live rollouts' kept samples (for the rare sums done
     in numpy: a staleness range too wide to count by value, or a dot product beyond int64)."""
     sample_in = (rollout_in & ~slice_.frozen)[slice_.sample_rollout] & ~slice_.dropped
@@ -164,7 +211,7 @@ def _population_spans(slice_: Judgement, rollout_in: BoolArray) -> BoolArray:
 
 
 def _population(
-    slice_: Judgement,
+    slice_: ShippedSlice,
     rollout_in: BoolArray,
     env: int | None,
     window: WindowCounts,
@@ -174,32 +221,29 @@ def _population(
 
     A rollout's own numbers (its oldest and newest shipped version, its in-flight time) depend on its spans
     alone, so they are the same in every population holding it; one compiled pass finds every number of a
-    population (:func:`~staleness_metrics.engine.kernels.population_summary`), so a small ship costs a few
+    population (:func:`~staleness_metrics.metrics.population.population_summary`), so a small ship costs a few
     Python steps."""
+    limits = (_DIRECT_RANGE, HISTOGRAM_TOP)
     found = population_summary(
-        slice_.step - 1, rollout_in, slice_.frozen, slice_.dispatch, slice_.completion, slice_.sample_offsets,
-        slice_.dropped, slice_.mask_below, slice_.n_sampled, slice_.span_offsets, slice_.version, slice_.sampled,
-        slice_.labelled, _LENGTH_BOUNDS, _DIRECT_RANGE, HISTOGRAM_TOP, _QUANTILE_FRACTIONS,
-    )  # fmt: skip
+        slice_.trained_version, rollout_in, columns_of(slice_), _LENGTH_BOUNDS, limits, _QUANTILE_FRACTIONS
+    )
     if found is None:
         return _population_in_numpy(slice_, rollout_in, env, window, max_staleness)
-    numbers = found.numbers
-    tokens, masked = numbers[kernels.SUM_TOKENS], numbers[kernels.SUM_MASKED]
-    unlabelled = numbers[kernels.SUM_UNLABELLED]
+    tokens, masked, unlabelled = found.tokens, found.masked, found.unlabelled
     metrics: dict[str, float | int] = {}
     if tokens:
-        metrics[keys.TOKEN_MEAN] = numbers[kernels.SUM_DOT] / tokens
+        metrics[keys.TOKEN_MEAN] = found.token_dot / tokens
         metrics[keys.TOKEN_MASKED] = masked / tokens
         metrics[keys.TOKEN_UNLABELLED] = unlabelled / tokens
-        for (key, _, _), value in zip(QUANTILES, numbers[kernels.SUM_QUANTILES :]):
+        for (key, _, _), value in zip(QUANTILES, found.quantiles):
             metrics[key] = value
-    live = numbers[kernels.SUM_LIVE]
+    live = found.live
     if live:
-        for (mean_key, max_key), total, top in _rollout_numbers(numbers):
+        for (mean_key, max_key), total, top in _rollout_numbers(found):
             metrics[mean_key] = total / live
             metrics[max_key] = top
     # SPEC 12 over the shipped samples plus the window's dropped samples
-    samples = numbers[kernels.SUM_SAMPLES]
+    samples = found.samples
     if window.counts or window.dropped_lengths:
         dropped = window.dropped_by_length(env)
         samples_dropped = window.get(env, "samples_dropped")
@@ -225,7 +269,7 @@ def _population(
         samples_dropped=samples_dropped,
         rollouts_dropped=rollouts_dropped,
         rollouts_shipped=live,
-        rollouts_frozen=numbers[kernels.SUM_FROZEN],
+        rollouts_frozen=found.frozen,
         rollouts_held=rollouts_held,
         rollouts_invalid=rollouts_invalid,
         token_histogram=found.token_histogram,
@@ -237,19 +281,17 @@ def _population(
     return metrics, tally
 
 
-def _rollout_numbers(numbers: list[int]) -> zip[tuple[tuple[str, str], int, int]]:
+def _rollout_numbers(found: PopulationSummary) -> zip[tuple[tuple[str, str], int, int]]:
     """The four per-rollout numbers' keys, sums and maxima, in :data:`_ROLLOUT_KEYS` order."""
     return zip(
         _ROLLOUT_KEYS,
-        (numbers[kernels.SUM_ROLLOUT], numbers[kernels.SUM_IN_FLIGHT], numbers[kernels.SUM_IN_QUEUE],
-         numbers[kernels.SUM_NEWEST]),
-        (numbers[kernels.MAX_ROLLOUT], numbers[kernels.MAX_IN_FLIGHT], numbers[kernels.MAX_IN_QUEUE],
-         numbers[kernels.MAX_NEWEST]),
-    )  # fmt: skip
+        (found.rollout_sum, found.in_flight_sum, found.in_queue_sum, found.newest_sum),
+        (found.rollout_max, found.in_flight_max, found.in_queue_max, found.newest_max),
+    )
 
 
 def _population_in_numpy(
-    slice_: Judgement,
+    slice_: ShippedSlice,
     rollout_in: BoolArray,
     env: int | None,
     window: WindowCounts,
@@ -258,11 +300,7 @@ def _population_in_numpy(
     """:func:`_population` where its one compiled pass declines (a staleness below 0, a range of staleness
     too wide to count by value, a sum beyond int64): the sums in a compiled pass, the rest in numpy."""
     t = slice_.trained_version
-    sums = population_sums(
-        t, rollout_in, slice_.frozen, slice_.dispatch, slice_.completion, slice_.sample_offsets, slice_.dropped,
-        slice_.mask_below, slice_.n_sampled, slice_.span_offsets, slice_.version, slice_.sampled, slice_.labelled,
-        _LENGTH_BOUNDS, _DIRECT_RANGE,
-    )  # fmt: skip
+    sums = population_sums(t, rollout_in, columns_of(slice_), _LENGTH_BOUNDS, _DIRECT_RANGE)
     tokens, masked, unlabelled = sums.tokens, sums.masked, sums.unlabelled
     if sums.counts is not None:
         present = np.flatnonzero(sums.counts)
@@ -340,7 +378,7 @@ def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[
 
 
 def compute_report(
-    shipped: Judgement,
+    shipped: ShippedSlice,
     window: WindowCounts,
     max_staleness: int,
     env_names: Mapping[int, str],

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .buckets import BUCKETS, FLOOR_SOURCES, LAG_BUCKETS, LENGTH_BUCKETS
 
 __all__ = [
+    "BATCH_WIDE_COUNTERS",
     "BOUND_KEY_PREFIX",
     "BUCKETS",
     "CURVE_LAG",
@@ -1025,3 +1026,11 @@ def metric_by_key(key: str) -> MetricDef:
 def metric_by_prometheus_name(name: str) -> MetricDef:
     """The row of a Prometheus family name (``KeyError`` when the table has none)."""
     return _BY_PROM[name]
+
+
+# Counters with a batch-wide series (env="") beside the per-env ones, as the exporters write them: SPEC 12's
+# length counters and SPEC 11's mismatch family (per env when the trainer's sums are given per env).
+BATCH_WIDE_COUNTERS = frozenset(
+    {"length_samples", "length_sampled_tokens", "length_removed_tokens"}
+    | {row.name for row in METRICS if row.source is Source.MISMATCH}
+)

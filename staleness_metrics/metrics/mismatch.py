@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.kernels import mismatch_runs
 from ..errors import FieldError
 from . import keys
 from .buckets import LAG_BUCKETS, LAG_UPPER_BOUNDS, N_BUCKETS
+from .mismatch_kernel import mismatch_runs
 
 __all__ = [
     "DEFAULT_BAND",

@@ -79,7 +79,7 @@ class RolloutBatch:
     present: dict[str, BoolArray] = field(default_factory=dict)
     # Record fields to echo back in shipped output (dict-sourced rollouts); None = build from columns.
     echo: list[dict[str, Any]] | None = None
-    # Set by from_padded: the [B, L] rows the flat arrays came from (padded.padded_shipment reads it).
+    # Set by from_padded: the [B, L] rows the flat arrays came from (engine.shipment.padded_shipment reads it).
     padded: PaddedLayout | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:

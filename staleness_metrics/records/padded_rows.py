@@ -1,12 +1,12 @@
 """Padded ``[B, L]`` batches, the shape every trainer holds, read into the columns of a
-:class:`~staleness_metrics.records.columnar.RolloutBatch` (:mod:`.padded` is the public face, and the way back).
+:class:`~staleness_metrics.records.columnar.RolloutBatch` (:mod:`.padded` is the public face).
 
 One row is one rollout with one sample. The sample spans the whole row, padding included: padding
 positions carry mask 0, so they are never sampled and never masked, and the rollout's decisions and
 metrics equal those of the same rollout given as a SPEC 3 record of its valid positions only. Because
 the rows keep their width, the flat arrays of the batch are the caller's own ``[B, L]`` arrays
 reshaped (a view whenever the array is C-contiguous), so the sink masks the caller's arrays in
-place; :func:`~staleness_metrics.records.padded.padded_shipment` gives the way back in any case.
+place; :func:`~staleness_metrics.engine.shipment.padded_shipment` gives the way back in any case.
 
 What reads ``B x L``: one OR-reduce per checked array (mask, ce and ref-KL weights) to make sure no
 padding position carries anything, and one comparison of neighbouring labels that turns per-token
@@ -192,7 +192,7 @@ def padded_columns(
       ``group_ids``, ``envs``, ``frozen``, ``agentic`` per row.
 
     The mask and weight arrays are masked in place by the sink when they can be viewed flat (numpy
-    arrays and CPU tensors that are C-contiguous); :func:`~staleness_metrics.records.padded.padded_shipment` reads
+    arrays and CPU tensors that are C-contiguous); :func:`~staleness_metrics.engine.shipment.padded_shipment` reads
     them back either way.
     """
     mask_2d = _matrix("mask", mask, None)

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.kernels import PositionCopies, plain_values
 from ..errors import FieldError, TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
+from .plain_values import BatchRows, PositionCopies, plain_values
 
 __all__ = [
     "INT64_MAX",
@@ -452,17 +452,16 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
     plain and ``into`` is given, the mask, weights and token versions are copied there (from element ``start``
     on) as well.
 
-    One compiled pass (:func:`~staleness_metrics.engine.kernels.plain_values`), or Python and numpy: a finite sum
+    One compiled pass (:func:`~staleness_metrics.records.plain_values.plain_values`), or Python and numpy: a finite sum
     says every value is finite (a NaN or an infinity makes it NaN or infinite; an overflow is only "not sure")."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
     assert kind is not None and batch.completion_version is not None  # (plainly_valid checked them)
     labels = 1 << LABELS_NONE | has_spans << LABELS_SPANS | (tokens is not None) << LABELS_TOKENS
-    plain = plain_values(
-        len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version, batch.completion_version,
-        kind, labels, mask, weights, logprobs, tokens, into, start,
-    )  # fmt: skip
+    rows = BatchRows(len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version,
+                     batch.completion_version, kind, labels)  # fmt: skip
+    plain = plain_values(rows, mask, weights, logprobs, tokens, into, start)
     if plain is None:
         plain = _plain_values(batch, into, start)
     return plain and (not has_spans or _plain_spans(batch))

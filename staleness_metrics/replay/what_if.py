@@ -57,7 +57,6 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import StalenessConfig
-from ..engine.parallel import POOL_THREAD_PREFIX
 from ..engine.shipment import Shipment
 from ..engine.sink import Sink
 from ..errors import ConfigError
@@ -65,6 +64,7 @@ from ..metrics import keys
 from ..metrics.bound import Curve, Floor, advise, budget_of, excess_curve, select_floor
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..metrics.report import Tally
+from ..parallel import POOL_THREAD_PREFIX
 from .run_dir import find_run
 from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
 from .stream import Added, Step, pack_once, prepare, read_event_path, run_steps

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from ..engine.state_checks import arrays_left_as_numpy
+from ..state_checks import arrays_left_as_numpy
 from .errors import RunBroken
 from .idempotency import holds_large_array
 from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, encoded_pieces

@@ -38,7 +38,7 @@ from typing import Any
 
 import orjson
 
-from ..engine.state_checks import PIECE_ITEMS, PIECED_DEPTH, NestedTooDeep, json_pieces
+from ..state_checks import PIECE_ITEMS, PIECED_DEPTH, NestedTooDeep, json_pieces
 
 __all__ = [
     "DATABASE_NAME",

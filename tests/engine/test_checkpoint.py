@@ -181,7 +181,7 @@ def test_mismatch_sums_and_shipped_steps_survive_a_checkpoint() -> None:
 
 def _resigned(state: dict[str, Any]) -> dict[str, Any]:
     """A state changed and then given fresh digests, as if it had been saved that way (built wrongly)."""
-    from staleness_metrics.engine.state_checks import digests_of
+    from staleness_metrics.state_checks import digests_of
 
     sink = state["sink"]
     sink["digests"] = digests_of({k: v for k, v in sink.items() if k != "digests"})

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from staleness_metrics import ConfigError, StalenessConfig, StalenessMonitor
-from staleness_metrics.engine.state_checks import digests_of
+from staleness_metrics.state_checks import digests_of
 from tests.engine.test_checkpoint import ROOT, final_state, new_monitor
 from tests.engine.test_checkpoint_cuts import Call, apply
 

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleness_metrics import StalenessConfig, StalenessMonitor
-from staleness_metrics.engine.state_checks import (
+from staleness_metrics.state_checks import (
     PIECE_ITEMS,
     PIECED_DEPTH,
     NestedTooDeep,

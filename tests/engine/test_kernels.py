@@ -10,27 +10,69 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics.engine.kernels import (
+from staleness_metrics.engine import cuts, judging, shipped_positions
+from staleness_metrics.engine.cuts import (
     WEIGHT_NAN,
     WEIGHT_NONFINITE,
     WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
-    PositionCopies,
+    CutFlags,
     fusable_weights,
-    plain_values,
-    shipped_rows,
-    span_rows,
-    stale_rows,
     token_cuts,
     token_spans,
-    warm_up,
     weight_flags,
-    zero_spans,
 )
+from staleness_metrics.engine.masking import zero_spans
 from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_min, segment_sum
-from staleness_metrics.engine.spans import weight_flags_by_extrema
+from staleness_metrics.engine.spans import SampleSpans, SpanRanges, weight_flags_by_extrema
+from staleness_metrics.engine.warm_up import warm_up
+from staleness_metrics.records import plain_values as plain
+from staleness_metrics.records.plain_values import PositionCopies
 
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+# The loops' arguments spelt out one by one, as the numpy formulations below take them.
+def span_rows(
+    lo: IntArray, hi: IntArray, label: IntArray, labelled: IntArray, kept: BoolArray, sampled: BoolArray,
+    live_labelled: BoolArray, live_unlabelled: BoolArray, side: BoolArray, pos_off: IntArray, dispatch: IntArray,
+    no_version: tuple[int, int],
+) -> cuts.SpanRows:  # fmt: skip
+    flags = CutFlags(kept, sampled, live_labelled, live_unlabelled, side)
+    return cuts.span_rows(lo, hi, label, labelled, flags, pos_off, dispatch, no_version)
+
+
+def shipped_rows(
+    span_lo: IntArray, span_hi: IntArray, kept_sample: BoolArray, sample_rollout: IntArray, mask_below: IntArray,
+    version: IntArray, sampled: IntArray, frozen: BoolArray, rollout_chunk: IntArray, rollout_env: IntArray,
+    part: npt.NDArray[np.int8], table_lo: IntArray, table_hi: IntArray, trained: int, not_sampled: int,
+) -> shipped_positions.ShippedRows:  # fmt: skip
+    assert not_sampled == shipped_positions.NOT_SAMPLED
+    return shipped_positions.shipped_rows(
+        SampleSpans(span_lo, span_hi, sample_rollout), SpanRanges(part, table_lo, table_hi), version, sampled,
+        (kept_sample, mask_below), (frozen, rollout_chunk, rollout_env), trained,
+    )  # fmt: skip
+
+
+def stale_rows(
+    span_lo: IntArray, span_hi: IntArray, sample_rollout: IntArray, old_below: IntArray, new_below: IntArray,
+    raised: BoolArray, version: IntArray, sampled: IntArray, rollout_chunk: IntArray, part: npt.NDArray[np.int8],
+    table_lo: IntArray, table_hi: IntArray,
+) -> judging.StaleRows:  # fmt: skip
+    return judging.stale_rows(
+        SampleSpans(span_lo, span_hi, sample_rollout), SpanRanges(part, table_lo, table_hi), version, sampled,
+        (old_below, new_below, raised), rollout_chunk,
+    )  # fmt: skip
+
+
+def plain_values(
+    n_rollouts: int, sample_offsets: IntArray, position_offsets: IntArray, dispatch: IntArray, completion: IntArray,
+    label_kind: npt.NDArray[np.int8], labels: int, mask: npt.NDArray[Any], weights: plain.Weights,
+    logprobs: npt.NDArray[Any] | None, tokens: IntArray | None, into: PositionCopies | None = None, start: int = 0,
+) -> bool | None:  # fmt: skip
+    rows = plain.BatchRows(n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels)
+    return plain.plain_values(rows, mask, weights, logprobs, tokens, into, start)
 
 
 def numpy_token_cuts(

@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 import staleness_metrics.engine.token_pieces as pieces_module
 import staleness_metrics.records.model as records_module
 from staleness_metrics import Sink, StalenessConfig
-from staleness_metrics.engine.kernels import token_spans, zero_spans
-from staleness_metrics.engine.token_pieces import token_spans_in_pieces, zero_spans_in_pieces
+from staleness_metrics.engine.cuts import token_spans
+from staleness_metrics.engine.masking import zero_spans, zero_spans_in_pieces
+from staleness_metrics.engine.token_pieces import token_spans_in_pieces
 from staleness_metrics.records.model import pack, parse_rollout
 from tests.engine.test_checkpoint import POLICIES, config_of
 from tests.engine.test_small_adds import play

@@ -1,5 +1,5 @@
-"""The compiled passes of a ship against the numpy steps they replaced: ``kernels.slice_rows`` (range
-expansions, offset sums and repeats) and ``kernels.population_sums`` (per-span selections, segment
+"""The compiled passes of a ship against the numpy steps they replaced: ``judging.slice_rows`` (range
+expansions, offset sums and repeats) and ``metrics.population.population_sums`` (per-span selections, segment
 reductions per sample and rollout, bucket counts)."""
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleness_metrics import Sink, StalenessConfig
-from staleness_metrics.engine.kernels import population_sums, slice_rows
+from staleness_metrics.engine.judging import slice_rows
 from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_min, segment_sum
 from staleness_metrics.metrics import keys
+from staleness_metrics.metrics.population import PopulationColumns, population_sums
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -85,12 +86,13 @@ def random_slice(seed: int, rollouts: int, spread: int) -> tuple[int, BoolArray,
     return t, rng.random(rollouts) < 0.8, a
 
 
+def columns(a: dict[str, Any]) -> PopulationColumns:
+    """The slice's columns a population pass reads."""
+    return PopulationColumns(**{name: a[name] for name in PopulationColumns._fields})
+
+
 def compare(t: int, rollout_in: BoolArray, a: dict[str, Any], direct_range: int = 4096) -> None:
-    got = population_sums(
-        t, rollout_in, a["frozen"], a["dispatch"], a["completion"], a["sample_offsets"], a["dropped"],
-        a["mask_below"], a["n_sampled"], a["span_offsets"], a["version"], a["sampled"], a["labelled"], BOUNDS,
-        direct_range,
-    )  # fmt: skip
+    got = population_sums(t, rollout_in, columns(a), BOUNDS, direct_range)
     want = numpy_population(t, rollout_in, a)
     assert (got.tokens, got.masked, got.unlabelled, got.frozen, got.samples) == (
         want["tokens"], want["masked"], want["unlabelled"], want["frozen"], want["samples"],
@@ -120,10 +122,7 @@ def test_population_sums_equal_the_numpy_steps(seed: int, rollouts: int, spread:
 def test_a_dot_product_beyond_int64_is_left_to_python_integers() -> None:
     t, _, a = random_slice(7, 6, 3)
     a["version"] = a["version"] - (1 << 61)  # staleness near 2**61: a few tokens overflow int64
-    got = population_sums(
-        t, np.ones(6, dtype=bool), a["frozen"], a["dispatch"], a["completion"], a["sample_offsets"], a["dropped"],
-        a["mask_below"], a["n_sampled"], a["span_offsets"], a["version"], a["sampled"], a["labelled"], BOUNDS, 4096,
-    )  # fmt: skip
+    got = population_sums(t, np.ones(6, dtype=bool), columns(a), BOUNDS, 4096)
     assert got.tokens > 4 and got.token_dot is None
 
 

@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 
 from staleness_metrics import RolloutBatch
 from staleness_metrics.engine import spans
-from staleness_metrics.engine.kernels import (
+from staleness_metrics.engine.cuts import (
     WEIGHT_NAN,
     WEIGHT_NOT_POSITIVE,
+    CutFlags,
     fusable_weights,
     span_rows,
     weight_flags,
 )
-from staleness_metrics.engine.parallel import run_all
 from staleness_metrics.engine.segments import expand_ranges, segment_max
 from staleness_metrics.engine.spans import (
     _NO_POSITIONS,
@@ -38,6 +38,7 @@ from staleness_metrics.engine.spans import (
     build_spans,
     span_weight_flags,
 )
+from staleness_metrics.parallel import run_all
 from staleness_metrics.records.columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS
 from staleness_metrics.records.validation import Verdicts, check_batch
 
@@ -255,8 +256,9 @@ def former_build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values:
         rl_positive = flags[present.index("rl_weights")] & (WEIGHT_NAN | WEIGHT_NOT_POSITIVE) == 0
         live_labelled, live_unlabelled = former_exact_part_liveness(batch, present, lo, hi, rl_positive, live, mixed)
     hi = hi[: len(lo)]  # (with no cut, hi held the end of the positions)
-    rows = span_rows(lo, hi, label, labelled, kept, is_sampled, live_labelled, live_unlabelled, side, pos_off,
-                     batch.dispatch_version[sample_rollout], (NO_VERSION_LOW, NO_VERSION_HIGH))  # fmt: skip
+    cut_flags = CutFlags(kept, is_sampled, live_labelled, live_unlabelled, side)
+    rows = span_rows(lo, hi, label, labelled, cut_flags, pos_off, batch.dispatch_version[sample_rollout],
+                     (NO_VERSION_LOW, NO_VERSION_HIGH))  # fmt: skip
     max_sampled = rows.max_sampled_version
 
     completion = batch.completion_version

@@ -1,4 +1,4 @@
-"""The ``token`` policy's compiled pass (``kernels.token_decision``) against the numpy steps it replaced, on
+"""The ``token`` policy's compiled pass (``policies.token.token_decision``) against the numpy steps it replaced, on
 random slices; and the policy's decisions on a sink unchanged (the reference cross-checks hold the rest)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleness_metrics.engine.decision import NO_MASK
-from staleness_metrics.engine.kernels import token_decision
+from staleness_metrics.engine.policies.token import token_decision
 from staleness_metrics.engine.segments import segment_any, segment_sum
 
 IntArray = npt.NDArray[np.int64]

@@ -15,11 +15,10 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.test._otlp_test_server import OtlpProtoTestServer
 
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.dashboards.promql import BATCH_WIDE_COUNTERS
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.state import bucket_counts
-from staleness_metrics.metrics.metric_table import BUCKETS, METRICS, MetricKind, Source
+from staleness_metrics.metrics.metric_table import BATCH_WIDE_COUNTERS, BUCKETS, METRICS, MetricKind, Source
 from staleness_metrics.metrics.mismatch import MismatchSums
 from staleness_metrics.metrics.report import Tally
 from staleness_metrics.monitor import StalenessMonitor

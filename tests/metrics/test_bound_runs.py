@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from staleness_metrics import ConfigError, Sink, StalenessConfig, StalenessMonitor
-from staleness_metrics.engine.state_checks import digests_of
+from staleness_metrics.state_checks import digests_of
 from tests.metrics.test_bound import sums_of
 
 COSTLY = (0.01, 0.02, 0.3, 0.5)  # d = trainer - sampler log-prob at lags 0, 1, 2, 3

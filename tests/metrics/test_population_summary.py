@@ -1,4 +1,4 @@
-"""A ship's population in one compiled pass (``kernels.population_summary``) against the steps it replaced: the
+"""A ship's population in one compiled pass (``population.population_summary``) against the steps it replaced: the
 sums pass with the rest in numpy (``compute._population_in_numpy``), on random slices and windows: every metric
 (value and type) and every tally field equal."""
 
@@ -12,11 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics.engine import kernels as k
-from staleness_metrics.engine.kernels import population_summary
 from staleness_metrics.metrics import compute
 from staleness_metrics.metrics.compute import WindowCounts
-from tests.engine.test_ship_kernels import BOUNDS, numpy_population, random_slice
+from staleness_metrics.metrics.population import population_summary
+from tests.engine.test_ship_kernels import BOUNDS, columns, numpy_population, random_slice
 
 
 def as_slice(t: int, a: dict[str, Any]) -> Any:
@@ -80,41 +79,33 @@ def test_the_summary_sums_equal_the_numpy_sums(seed: int, rollouts: int, spread:
     a["version"] = np.minimum(a["version"], t)  # a ship's versions: none above the trained one
     a["dispatch"] = np.minimum(a["dispatch"], t)
     quantiles = np.array([[50, 100], [90, 100], [99, 100], [1, 3]], dtype=np.int64)
-    got = population_summary(
-        t, rollout_in, a["frozen"], a["dispatch"], a["completion"], a["sample_offsets"], a["dropped"],
-        a["mask_below"], a["n_sampled"], a["span_offsets"], a["version"], a["sampled"], a["labelled"], BOUNDS,
-        4096, 64, quantiles,
-    )  # fmt: skip
+    got = population_summary(t, rollout_in, columns(a), BOUNDS, (4096, 64), quantiles)
     want = numpy_population(t, rollout_in, a)
     if want["by_staleness"] and max(want["by_staleness"]) - min(want["by_staleness"]) >= 4096:
         assert got is None  # too wide a range to count by value: the numpy steps
         return
     assert got is not None
-    numbers = got.numbers
-    assert [
-        numbers[k.SUM_TOKENS],
-        numbers[k.SUM_MASKED],
-        numbers[k.SUM_UNLABELLED],
-        numbers[k.SUM_FROZEN],
-        numbers[k.SUM_SAMPLES],
-    ] == [want[name] for name in ("tokens", "masked", "unlabelled", "frozen", "samples")]
-    assert numbers[k.SUM_DOT] == want["token_dot"]
+    assert [got.tokens, got.masked, got.unlabelled, got.frozen, got.samples] == [
+        want[name] for name in ("tokens", "masked", "unlabelled", "frozen", "samples")
+    ]
+    assert got.token_dot == want["token_dot"]
     rollout, in_flight, newest = (np.array(want[k], dtype=np.int64) for k in ("rollout", "in_flight", "newest"))
     in_queue = rollout - in_flight
-    assert numbers[k.SUM_LIVE] == len(rollout)
+    assert got.live == len(rollout)
     for total, top, values in (
-        (k.SUM_ROLLOUT, k.MAX_ROLLOUT, rollout),
-        (k.SUM_IN_FLIGHT, k.MAX_IN_FLIGHT, in_flight),
-        (k.SUM_IN_QUEUE, k.MAX_IN_QUEUE, in_queue),
-        (k.SUM_NEWEST, k.MAX_NEWEST, newest),
+        (got.rollout_sum, got.rollout_max, rollout),
+        (got.in_flight_sum, got.in_flight_max, in_flight),
+        (got.in_queue_sum, got.in_queue_max, in_queue),
+        (got.newest_sum, got.newest_max, newest),
     ):
-        assert numbers[total] == int(values.sum())
-        assert not len(values) or numbers[top] == int(values.max())
+        assert total == int(values.sum())
+        assert not len(values) or top == int(values.max())
     values = sorted(v for v, c in want["by_staleness"].items() for _ in range(c))
+    assert len(got.quantiles) == (len(quantiles) if values else 0)
     for q, (numerator, denominator) in enumerate(quantiles.tolist()):
         if values:
             rank = max(1, -(-numerator * len(values) // denominator))
-            assert numbers[k.SUM_QUANTILES + q] == values[rank - 1]
+            assert got.quantiles[q] == values[rank - 1]
     token_histogram = np.zeros(min(max(values), 64) + 1 if values else 0, dtype=np.int64)
     for v in values:
         token_histogram[min(v, 64)] += 1
@@ -130,9 +121,6 @@ def test_a_staleness_below_zero_is_left_to_the_general_path() -> None:
     t, _, a = random_slice(5, 6, 3)
     a["dispatch"] = a["dispatch"] + 2 * t + 10  # rollouts without sampled spans then report a negative staleness
     a["sampled"] = np.zeros_like(a["sampled"])
-    got = population_summary(
-        t, np.ones(6, dtype=bool), np.zeros(6, dtype=bool), a["dispatch"], a["completion"], a["sample_offsets"],
-        a["dropped"], a["mask_below"], a["n_sampled"], a["span_offsets"], a["version"], a["sampled"], a["labelled"],
-        BOUNDS, 4096, 64, np.array([[50, 100]], dtype=np.int64),
-    )  # fmt: skip
+    a["frozen"] = np.zeros(6, dtype=bool)
+    got = population_summary(t, np.ones(6, dtype=bool), columns(a), BOUNDS, (4096, 64), np.array([[50, 100]]))
     assert got is None

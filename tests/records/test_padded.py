@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 from staleness_metrics import RolloutBatch, Sink, StalenessConfig, TraceError
-from staleness_metrics.records.padded import padded_shipment
+from staleness_metrics.engine.shipment import padded_shipment
 from tests.adapters.equivalence import compare_ships, shipped_records
 
 WEIGHTS = ("rl_weights", "ce_weights")

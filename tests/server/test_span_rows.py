@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics.engine.kernels import token_spans
+from staleness_metrics.engine.cuts import token_spans
 from staleness_metrics.server import span_rows
 from staleness_metrics.server.limits import SPAN_ROW_FLOOR
 from staleness_metrics.server.span_rows import allowed_span_rows, check_span_rows

@@ -43,7 +43,7 @@ class Policy(ABC):
         """Check what :meth:`state_dict` returned before anything is loaded (raise
         :class:`~staleness_metrics.errors.ConfigError` naming ``path`` and the key): :meth:`load_state_dict`
         then cannot fail. A stateless policy's state is ``{}``; a policy that keeps state checks it here."""
-        from ..state_checks import keys
+        from ...state_checks import keys
 
         if type(self).state_dict is Policy.state_dict:
             return keys(state, path, ())

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import numpy as np
+from typing import NamedTuple
 
+import numpy as np
+import numpy.typing as npt
+
+from ...compiled import CompiledLoop
 from ..decision import NO_MASK, Decision, Judgement
-from ..kernels import token_decision
 from .base import Policy
 
-__all__ = ["TokenPolicy"]
+__all__ = ["TokenDecision", "TokenPolicy", "token_decision"]
+
+IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 
 
 class TokenPolicy(Policy):
@@ -17,7 +23,7 @@ class TokenPolicy(Policy):
     def decide(self, judgement: Judgement) -> Decision:
         """Each live rollout's samples mask below ``T - max_staleness`` (staleness == max_staleness trains); a
         sample left with nothing to train is dropped, and a rollout left with no sample. One compiled pass
-        (:func:`~staleness_metrics.engine.kernels.token_decision`)."""
+        (:func:`token_decision`)."""
         found = token_decision(
             judgement.trained_version - self.max_staleness, NO_MASK, judgement.frozen, judgement.sample_offsets,
             judgement.mask_below, judgement.dropped, judgement.had_train, judgement.unmaskable,
@@ -29,3 +35,95 @@ class TokenPolicy(Policy):
             drop_rollout=found.drop_rollout,
             hold_rollout=np.zeros(len(found.drop_rollout), dtype=bool),
         )
+
+
+class TokenDecision(NamedTuple):
+    """What :func:`token_decision` decides (``decision.Decision``'s first three arrays)."""
+
+    mask_below: IntArray
+    drop_sample: BoolArray
+    drop_rollout: BoolArray
+
+
+@CompiledLoop
+def _token_decision(
+    bound: int,
+    no_mask: int,
+    frozen: BoolArray,
+    sample_offsets: IntArray,
+    mask_below: IntArray,
+    dropped: BoolArray,
+    had_train: BoolArray,
+    unmaskable: BoolArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    live: BoolArray,
+) -> tuple[IntArray, BoolArray, BoolArray]:  # pragma: no cover - compiled
+    n_rollouts = len(frozen)
+    n_samples = len(mask_below)
+    n_spans = len(version)
+    if len(sample_offsets) != n_rollouts + 1 or len(span_offsets) != n_samples + 1:
+        raise ValueError("token_decision: offsets of the wrong length")
+    if len(dropped) != n_samples or len(had_train) != n_samples or len(unmaskable) != n_samples:
+        raise ValueError("token_decision: sample arrays differ in length")
+    if len(live) != n_spans:
+        raise ValueError("token_decision: span arrays differ in length")
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
+        raise ValueError("token_decision: offsets do not cover the arrays")
+    if span_offsets[n_samples] != n_spans:
+        raise ValueError("token_decision: offsets do not cover the arrays")
+    for r in range(n_rollouts):
+        if sample_offsets[r + 1] < sample_offsets[r]:
+            raise ValueError("token_decision: offsets out of order")
+    for k in range(n_samples):
+        if span_offsets[k + 1] < span_offsets[k]:
+            raise ValueError("token_decision: offsets out of order")
+    new_below = np.empty(n_samples, dtype=np.int64)
+    drop_sample = np.zeros(n_samples, dtype=np.bool_)
+    drop_rollout = np.zeros(n_rollouts, dtype=np.bool_)
+    for r in range(n_rollouts):
+        is_live = not frozen[r]
+        gone = 0
+        for k in range(sample_offsets[r], sample_offsets[r + 1]):
+            below = max(mask_below[k], bound if is_live else no_mask)
+            new_below[k] = below
+            left = unmaskable[k]
+            if not left:
+                for i in range(span_offsets[k], span_offsets[k + 1]):
+                    if live[i] and version[i] >= below:
+                        left = True
+                        break
+            drop = is_live and not dropped[k] and had_train[k] and not left
+            drop_sample[k] = drop
+            gone += dropped[k] or drop
+        drop_rollout[r] = is_live and gone == sample_offsets[r + 1] - sample_offsets[r]
+    return new_below, drop_sample, drop_rollout
+
+
+def token_decision(
+    bound: int,
+    no_mask: int,
+    frozen: BoolArray,
+    sample_offsets: IntArray,
+    mask_below: IntArray,
+    dropped: BoolArray,
+    had_train: BoolArray,
+    unmaskable: BoolArray,
+    span_offsets: IntArray,
+    version: IntArray,
+    live: BoolArray,
+) -> TokenDecision:
+    """The ``token`` policy over a judged slice (rollouts, samples by ``sample_offsets``, spans by
+    ``span_offsets``), in one pass: each sample of a live (not ``frozen``) rollout masks below
+    ``max(mask_below, bound)`` (a frozen one's keeps ``max(mask_below, no_mask)``); a live rollout's sample
+    not yet ``dropped`` that ``had_train`` is dropped when it is not ``unmaskable`` and none of its ``live``
+    spans has a version at or above its new threshold; a live rollout whose samples are all dropped (or that
+    has none) is dropped.
+
+    Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
+    """
+    found = _token_decision(
+        int(bound), int(no_mask), frozen, sample_offsets, mask_below, dropped, had_train, unmaskable, span_offsets,
+        version, live,
+    )  # fmt: skip
+    return TokenDecision(*found)

@@ -45,7 +45,7 @@ class XtunerPolicy(Policy):
         return {"owed": self._owed.tolist()}
 
     def check_state_dict(self, state: Any, path: str) -> Mapping[str, Any]:
-        from ..state_checks import integer, join, keys, sequence
+        from ...state_checks import integer, join, keys, sequence
 
         owed = sequence(keys(state, path, ("owed",))["owed"], join(path, "owed"))
         return {"owed": [integer(n, join(join(path, "owed"), i), 0) for i, n in enumerate(owed)]}

@@ -1,7 +1,8 @@
-"""Run independent numpy passes over large arrays on a small shared thread pool.
+"""Run independent passes over large arrays on a small shared thread pool.
 
-numpy releases the GIL inside its loops, so reading several position arrays at once uses the
-machine's cores; small inputs stay on the calling thread, where a hand-off would cost more.
+numpy releases the GIL inside its loops, and so do the compiled loops (:mod:`.compiled`), so reading several
+position arrays at once uses the machine's cores; small inputs stay on the calling thread, where a hand-off
+would cost more.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-__all__ = ["PARALLEL_MIN_POSITIONS", "POOL_THREAD_PREFIX", "run_all"]
+__all__ = ["PARALLEL_MIN_POSITIONS", "POOL_THREAD_PREFIX", "SHARES", "run_all"]
 
 T = TypeVar("T")
 
 PARALLEL_MIN_POSITIONS = 1 << 20  # below about a million positions, threads cost more than they save
+SHARES = 4  # parallel shares of a large input for a compiled loop: even work for 2-4 threads
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 POOL_THREAD_PREFIX = "staleness-metrics"  # the pool's thread names (a fork may copy a process holding them)
 _pool: ThreadPoolExecutor | None = None

@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 __all__ = [
     "FORMAT",

@@ -1,0 +1,50 @@
+"""Every compiled loop of the package compiled (or loaded from numba's disk cache) before the first batch."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..metrics.mismatch_kernel import mismatch_runs
+from ..metrics.population import PopulationColumns, population_summary, population_sums
+from ..records.plain_values import BatchRows, PositionCopies, plain_values
+from .cuts import CutFlags, span_rows, token_cuts, token_spans, weight_flags
+from .judging import slice_rows, stale_rows
+from .masking import zero_spans
+from .policies.token import token_decision
+from .shipped_positions import shipped_rows
+from .spans import SampleSpans, SpanRanges
+
+__all__ = ["warm_up"]
+
+
+def warm_up() -> None:
+    """Compile (or load from the disk cache) every loop for float32 and float64 arrays, so that the
+    first batch a process handles does not pay for it: a service calls this when it starts."""
+    tokens = np.array([0, -1, 1], dtype=np.int64)
+    offsets = np.array([0, 3], dtype=np.int64)
+    lo, hi, count = np.array([0], dtype=np.int64), np.array([3], dtype=np.int64), np.array([1], dtype=np.int64)
+    yes = np.ones(1, dtype=bool)
+    span_rows(lo, hi, count, count, CutFlags(yes, yes, yes, yes, ~yes), np.array([0, 3]), count, (-(1 << 60), 1 << 60))
+    slice_rows(np.array([0]), np.array([0]), np.array([1]), np.array([0]), np.array([1]))
+    samples, table = SampleSpans(lo, count, lo), SpanRanges(np.zeros(1, np.int8), lo, hi)
+    shipped_rows(samples, table, count, count, (yes, count), (~yes, lo, lo), 2)
+    stale_rows(samples, table, count, count, (lo, hi, yes), lo)
+    columns = PopulationColumns(~yes, count, count, np.array([0, 1]), ~yes, count, count, np.array([0, 1]), count,
+                                count, yes)  # fmt: skip
+    population_sums(1, yes, columns, np.array([256]), 4096)
+    population_summary(1, yes, columns, np.array([256]), (4096, 4096), np.array([[50, 100]]))
+    token_decision(1, -9, ~yes, np.array([0, 1]), count, ~yes, yes, ~yes, np.array([0, 1]), count, yes)
+    for dtype in (np.float32, np.float64):
+        arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
+        token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))
+        token_spans(tokens, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1:])  # (1-3 weights alike)
+        weight_flags(arrays[1], lo, hi)
+        zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
+        mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)
+        mismatch_runs(tokens, arrays[0], arrays[1], None, 0.5, 2.0, offsets, 20.0)
+        weights = (arrays[1], arrays[2], arrays[3])
+        rows = BatchRows(1, np.array([0, 1]), offsets, count, count, np.array([2], dtype=np.int8), 0b111)
+        plain_values(rows, arrays[0], weights, None, tokens)
+        copies = PositionCopies((np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype)),
+                                np.empty(3, np.int64))  # fmt: skip
+        plain_values(rows, arrays[0], weights, arrays[0], tokens, copies)

@@ -1,0 +1,234 @@
+"""SPEC 11's mismatch sums of one call in one compiled pass over the positions (the loop behind
+:func:`~staleness_metrics.metrics.mismatch.mismatch_sums`).
+
+The numpy formulation it replaced is in ``tests/metrics/test_mismatch.py``, checked equal on random inputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from functools import partial
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..compiled import CompiledLoop
+from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
+
+__all__ = ["mismatch_runs"]
+
+IntArray = npt.NDArray[np.int64]
+
+_NO_FLAGS = np.zeros(0, dtype=np.uint8)
+
+
+# exp(x) for |x| <= 20 as fdlibm's e_exp.c computes it (within 1 ulp of the C library's): x = k ln2 + r,
+# |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), a rational approximation of exp(r), then 2^k.
+# Written in the loop, it is vectorised; the C library's exp is a call per position.
+_LN2_HI, _LN2_LO, _INV_LN2 = 6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.44269504088896338700e00
+_EXP_P1, _EXP_P2, _EXP_P3 = 1.66666666666666019037e-01, -2.77777777770155933842e-03, 6.61375632143793436117e-05
+_EXP_P4, _EXP_P5 = -1.65339022054652515390e-06, 4.13813679705723846039e-08
+_SHIFTER = 1.5 * 2.0**52  # added to an integer-valued float below 2^51, leaves it in the low mantissa bits
+# A log-ratio this close to the log of a band edge is compared again with the C library's exp; farther,
+# its side of the edge is the side of exp(d) (log's and exp's rounding are far below it)
+_NEAR = 2.0**-39
+
+
+def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
+    """``r = exp(d)`` for ``|d| <= 700`` (fdlibm's e_exp.c, within one ulp of the C library's) and the k3
+    term ``r - 1 - d``. Compiled without reassociation, so the reduction keeps its order even where it is
+    inlined into a loop that sums in vector lanes; ``k`` is rounded to nearest (a tie either way is exact
+    enough) and the polynomial is evaluated in Estrin's order: a shorter chain of dependent operations."""
+    k = np.rint(d * _INV_LN2)
+    high = d - k * _LN2_HI
+    low = k * _LN2_LO
+    x = high - low
+    xx = x * x
+    x4 = xx * xx
+    c = x - xx * ((_EXP_P1 + xx * _EXP_P2) + x4 * ((_EXP_P3 + xx * _EXP_P4) + x4 * _EXP_P5))
+    y = 1.0 - ((low - (x * c) / (2.0 - c)) - high)
+    # 2^k from k's bits in the mantissa of k + 1.5 * 2^52 (no float-to-integer conversion: any d gives
+    # a value, which a loop may compute for positions it then discards)
+    scale = np.int64((np.float64(k + _SHIFTER).view(np.int64) + 1023) << 52).view(np.float64)
+    r = y * scale  # exact
+    return r, r - 1.0 - d
+
+
+_ratio_compiled: Any = None  # _ratio, compiled when _mismatch_runs is
+
+
+@CompiledLoop(
+    error_model="numpy", fastmath={"reassoc"}, callees={"_ratio_compiled": (_ratio, {"error_model": "numpy"})}
+)
+def _mismatch_runs(
+    lag: IntArray,
+    sampler: npt.NDArray[Any],
+    trainer: npt.NDArray[Any],
+    flags: npt.NDArray[np.uint8],
+    has_flags: bool,
+    bounds: IntArray,
+    band_lo: float,
+    band_hi: float,
+    clamp: float,
+) -> tuple[IntArray, npt.NDArray[np.float64], int]:  # pragma: no cover - compiled
+    # Compiled with reassociation: the sums go in vector lanes (float64 rounding apart from a sequential
+    # pass); exp and the k3 term are _ratio's, compiled without it.
+    n = len(lag)
+    if len(sampler) != n or len(trainer) != n or (has_flags and len(flags) != n):
+        raise ValueError("mismatch_runs: the arrays differ in length")
+    n_buckets = len(bounds) + 1
+    counts = np.zeros((3, n_buckets), dtype=np.int64)  # tokens, masked, out_of_band
+    sums = np.zeros((5, n_buckets), dtype=np.float64)  # d, |d|, r - 1 - d, r, r^2
+    uncovered = 0
+    # The band in log space: d outside [log_lo, log_hi] is out of band, except d within _NEAR of an edge,
+    # where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r: they
+    # do not wait for the exp.
+    log_lo = math.log(band_lo) if band_lo > 0 else -np.inf
+    log_hi = math.log(band_hi) if band_hi > 0 else -np.inf
+    near_lo, near_lo_top = log_lo - _NEAR, log_lo + _NEAR
+    near_hi, near_hi_top = log_hi - _NEAR, log_hi + _NEAR
+    last_lag = -1
+    bucket = 0
+    p = 0
+    while p < n:  # one run of equal lag at a time: its bucket is found once
+        run_lag = lag[p]
+        q = p + 1
+        while q < n:  # the run's end: 64 positions compared at once, then one by one
+            top = min(q + 64, n)
+            ahead = lag[q:top]
+            differ = 0
+            for i in range(top - q):
+                differ += ahead[i] != run_lag
+            if differ == 0:
+                q = top
+                continue
+            i = 0
+            while ahead[i] == run_lag:
+                i += 1
+            q += i
+            break
+        if run_lag < 0:  # not a sampled position of a live rollout: outside the population
+            p = q
+            continue
+        if run_lag != last_lag:  # numpy's searchsorted(bounds, lag, "left")
+            bucket = 0
+            while bucket < n_buckets - 1 and bounds[bucket] < run_lag:
+                bucket += 1
+            last_lag = run_lag
+        s = sampler[p:q]  # slices: in bounds, no negative-index fix-up per position
+        t = trainer[p:q]
+        # The usual run: every difference finite and within the clamp, no ratio near a band edge. One
+        # vector pass with no per-position branch or select; anything else is computed again below.
+        sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+        unusual = 0
+        n_out = 0
+        near = 0
+        for i in range(q - p):
+            d = np.float64(t[i]) - np.float64(s[i])
+            unusual += not (abs(d) <= clamp)  # NaN, infinite or to be clamped: the run is computed again
+            r, k3 = _ratio_compiled(d)
+            sum_d += d
+            sum_abs += abs(d)
+            sum_k3 += k3
+            sum_r += r
+            sum_r2 += r * r
+            n_out += (d < log_lo) | (d > log_hi)
+            near += ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top))
+        tokens = q - p
+        n_masked = 0
+        if unusual == 0:
+            if has_flags:
+                f = flags[p:q]
+                for i in range(q - p):
+                    n_masked += f[i] != 0
+        else:  # position by position: non-finite differences are uncovered, the others clamped
+            sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+            tokens = 0
+            n_out = 0
+            near = 0
+            for i in range(q - p):
+                d = np.float64(t[i]) - np.float64(s[i])
+                finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
+                d = min(max(d, -clamp), clamp) if finite else 0.0
+                r, k3 = _ratio_compiled(d)
+                r = r if finite else 0.0
+                sum_d += d
+                sum_abs += abs(d)
+                sum_k3 += k3 if finite else 0.0
+                sum_r += r
+                sum_r2 += r * r
+                tokens += finite
+                if has_flags:
+                    n_masked += finite & (flags[p + i] != 0)
+                n_out += finite & ((d < log_lo) | (d > log_hi))
+                near += finite & (((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)))
+        if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
+            n_out = 0
+            for i in range(q - p):
+                d = np.float64(t[i]) - np.float64(s[i])
+                if abs(d) < np.inf:
+                    d = min(max(d, -clamp), clamp)
+                    if ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)):
+                        r = math.exp(d)
+                        n_out += (r < band_lo) | (r > band_hi)
+                    else:
+                        n_out += (d < log_lo) | (d > log_hi)
+        counts[0, bucket] += tokens
+        counts[1, bucket] += n_masked
+        counts[2, bucket] += n_out
+        sums[0, bucket] += sum_d
+        sums[1, bucket] += sum_abs
+        sums[2, bucket] += sum_k3
+        sums[3, bucket] += sum_r
+        sums[4, bucket] += sum_r2
+        uncovered += (q - p) - tokens
+        p = q
+    return counts, sums, uncovered
+
+
+def mismatch_runs(
+    lag: IntArray,
+    sampler: npt.NDArray[Any],
+    trainer: npt.NDArray[Any],
+    flags: npt.NDArray[np.bool_] | npt.NDArray[np.uint8] | None,
+    band_lo: float,
+    band_hi: float,
+    bounds: IntArray,
+    clamp: float,
+) -> tuple[IntArray, npt.NDArray[np.float64], int]:
+    """SPEC 11's per-bucket sums of one call in one pass: ``counts`` (tokens, masked, out of band) and
+    ``sums`` (d, \|d\|, r - 1 - d, r, r\ :sup:`2`) per bucket (``searchsorted(bounds, lag, "left")``),
+    and the uncovered positions. ``lag`` is int64; the log-probabilities float32 or float64 (each read as
+    float64); ``flags`` one byte (or bool) per position or ``None``. Positions with a negative lag are
+    skipped, those where the difference is not finite are uncovered; ``d`` is clamped to ``±clamp``
+    (at most 700: ``exp`` is computed in the loop for the arguments of a float64 result). The float sums
+    are those of a sequential pass to float64 rounding: ``r`` within one ulp of the C library's ``exp``,
+    added in vector lanes; the counts are exact (a ratio on a band edge is compared again with the C
+    library's ``exp``). Large inputs are summed in parallel shares (the loop releases the GIL), then added.
+
+    Raises ``ValueError`` when the arrays differ in length or ``clamp`` is out of range.
+    """
+    if not 0 <= clamp <= 700:
+        raise ValueError(f"mismatch_runs: clamp {clamp} outside 0..700")
+    flag_bytes = _NO_FLAGS if flags is None else flags.view(np.uint8)
+    has_flags = flags is not None
+    n = len(lag)
+    if n < PARALLEL_MIN_POSITIONS:
+        one: tuple[IntArray, npt.NDArray[np.float64], int] = _mismatch_runs(
+            lag, sampler, trainer, flag_bytes, has_flags, bounds, band_lo, band_hi, clamp
+        )
+        return one
+    if len(sampler) != n or len(trainer) != n or (has_flags and len(flag_bytes) != n):
+        raise ValueError("mismatch_runs: the arrays differ in length")
+    edges = np.linspace(0, n, num=SHARES + 1, dtype=np.int64).tolist()
+    tasks = [
+        partial(_mismatch_runs, lag[a:b], sampler[a:b], trainer[a:b], flag_bytes[a:b] if has_flags else flag_bytes,
+                has_flags, bounds, band_lo, band_hi, clamp)
+        for a, b in itertools.pairwise(edges)
+    ]  # fmt: skip
+    parts: list[tuple[IntArray, npt.NDArray[np.float64], int]] = run_all(tasks, n)
+    counts = np.sum([p[0] for p in parts], axis=0)
+    sums = np.sum([p[1] for p in parts], axis=0)
+    return counts, sums, sum(p[2] for p in parts)

@@ -1,0 +1,175 @@
+"""The quick check of a batch's values: whether every offset, version, label kind, mask value, weight,
+log-probability and token version is plain, in one compiled pass (a small batch's checks in one call instead
+of a few dozen Python steps), copying the positions where a sink gathers small adds in the same pass.
+
+The exact checks that name what is wrong are :mod:`.validation`'s; this pass only says "plain" or "not".
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from ..compiled import CompiledLoop
+
+__all__ = ["BatchRows", "PositionCopies", "Weights", "plain_values"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+def _finite(values: npt.NDArray[Any]) -> bool:  # pragma: no cover - compiled
+    """Whether every value is finite (a callee of ``_plain_values``: one vector pass)."""
+    bad = False
+    for x in values:
+        bad |= not math.isfinite(x)
+    return not bad
+
+
+def _copy_to(copy: npt.NDArray[Any], values: npt.NDArray[Any], start: int, n: int) -> None:  # pragma: no cover
+    """``values`` into ``copy`` from ``start`` on, when both are there (an empty array is not; a callee)."""
+    if len(copy) and len(values) == n:
+        copy[start : start + n] = values
+
+
+def _plain_rows(
+    n_rollouts: int,
+    offsets: tuple[IntArray, IntArray, IntArray, IntArray],
+    label_kind: npt.NDArray[np.int8],
+    labels: int,
+) -> bool:  # pragma: no cover - compiled
+    """The rollout and sample rows of :func:`_plain_values` (a callee)."""
+    sample_offsets, position_offsets, dispatch, completion = offsets
+    n_samples = len(position_offsets) - 1
+    if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(dispatch) != n_rollouts:
+        return False  # (the lengths every read below relies on)
+    if len(completion) != n_rollouts or len(label_kind) != n_samples:
+        return False
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or position_offsets[0] != 0:
+        return False
+    for i in range(n_rollouts):  # offsets never decreasing; versions as check_batch wants them
+        d, c = dispatch[i], completion[i]
+        if sample_offsets[i + 1] < sample_offsets[i] or d < 0 or c < -1 or 0 <= c < d:
+            return False  # (frozen ones too: -1 falls to the exact path)
+    for j in range(n_samples):
+        kind = label_kind[j]
+        if position_offsets[j + 1] < position_offsets[j] or kind < 0 or kind > 2 or not (labels >> kind) & 1:
+            return False
+    return True
+
+
+@CompiledLoop(callees={"_finite": (_finite, {}), "_copy_to": (_copy_to, {}), "_plain_rows": (_plain_rows, {})})
+def _plain_values(
+    n_rollouts: int,
+    offsets: tuple[IntArray, IntArray, IntArray, IntArray],
+    label_kind: npt.NDArray[np.int8],
+    labels: int,
+    values: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]],
+    tokens: IntArray,
+    copies: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]],
+    token_copy: IntArray,
+    start: int,
+) -> bool:  # pragma: no cover - compiled
+    # (tuples of arrays of one type, not named tuples: the call itself is most of the cost of a small batch's
+    # check, and numba types a plain tuple as fast as flat arguments)
+    mask, rl, ce, ref_kl, logprobs = values
+    n = len(mask)
+    if not _plain_rows(n_rollouts, offsets, label_kind, labels) or offsets[1][len(offsets[1]) - 1] != n:
+        return False
+    bad = False
+    for x in mask:
+        bad |= (x != 0) & (x != 1)  # NaN too
+    for t in tokens:
+        bad |= t < -1
+    if bad or not (_finite(rl) and _finite(ce) and _finite(ref_kl) and _finite(logprobs)):
+        return False
+    mask_copy, rl_copy, ce_copy, ref_kl_copy = copies
+    _copy_to(mask_copy, mask, start, n)
+    _copy_to(rl_copy, rl, start, n)
+    _copy_to(ce_copy, ce, start, n)
+    _copy_to(ref_kl_copy, ref_kl, start, n)
+    _copy_to(token_copy, tokens, start, n)
+    return True
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
+_INT8 = np.dtype(np.int8)
+_PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}  # (read-only: never written)
+
+
+class BatchRows(NamedTuple):
+    """The rollout and sample rows of a batch :func:`plain_values` reads (``labels`` has bit ``k`` set when
+    label kind ``k`` may appear)."""
+
+    n_rollouts: int
+    sample_offsets: IntArray
+    position_offsets: IntArray
+    dispatch: IntArray
+    completion: IntArray
+    label_kind: npt.NDArray[np.int8]
+    labels: int
+
+
+class PositionCopies(NamedTuple):
+    """Where :func:`plain_values` copies plain positions to: an array for the mask and for each of the three
+    weights, of the mask's type, and one for the token versions (an empty array, or an array the batch lacks:
+    not copied)."""
+
+    mask_and_weights: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
+    token_versions: IntArray
+
+
+_NO_COPIES = {
+    dtype: PositionCopies((empty, empty, empty, empty), _NO_TOKENS) for dtype, empty in _PLAIN_PADDING.items()
+}  # (nothing copied)
+
+Weights = tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | None, npt.NDArray[Any] | None]
+
+
+def plain_values(
+    rows: BatchRows,
+    mask: npt.NDArray[Any],
+    weights: Weights,
+    logprobs: npt.NDArray[Any] | None,
+    tokens: IntArray | None,
+    into: PositionCopies | None = None,
+    start: int = 0,
+) -> bool | None:
+    """Whether a batch's values are plain, in one compiled pass: its offsets (``rows``) run from 0 to the sample
+    and position counts, never decreasing, dispatch versions are >= 0, completion versions >= -1 and not below a
+    non-negative dispatch, label kinds are allowed; every mask value is 0 or 1, every value of the ``weights``
+    (rl, ce, ref-KL: None where absent) and ``logprobs`` finite and every token version >= -1. When they are and
+    ``into`` is given, the mask, the weights and the token versions are copied there, from element ``start`` on,
+    in the same call (a sink gathering small adds). The per-position arrays must be as long as the mask (the
+    caller checks).
+
+    ``None`` when the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), the label
+    kinds not int8, or while no compiled loop is loaded yet: the caller checks with Python and numpy
+    (microseconds), so that a check never makes a cold process import numba (a second or more, e.g. inside a
+    service's restore of its runs)."""
+    if "numba" not in sys.modules:
+        return None
+    dtype = mask.dtype
+    empty = _PLAIN_PADDING.get(dtype)
+    n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows
+    if empty is None or mask.ndim != 1 or not mask.flags.c_contiguous or label_kind.dtype != _INT8:
+        return None
+    if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1:
+        return None  # (other shapes: Python says)
+    rl, ce, ref_kl = weights  # (written out: this runs once per small add)
+    rl, ce, ref_kl = empty if rl is None else rl, empty if ce is None else ce, empty if ref_kl is None else ref_kl
+    logprobs = empty if logprobs is None else logprobs
+    for values in (rl, ce, ref_kl, logprobs):
+        if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
+            return None
+    copies, token_copy = _NO_COPIES[dtype] if into is None else into
+    loop = _plain_values.loaded()  # (the compiled loop itself once it is loaded)
+    result: bool = loop(
+        n_rollouts, (sample_offsets, position_offsets, dispatch, completion), label_kind, labels,
+        (mask, rl, ce, ref_kl, logprobs), _NO_TOKENS if tokens is None else tokens, copies, token_copy, start,
+    )  # fmt: skip
+    return result
