@@ -294,7 +294,7 @@ def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
             block = slice(start, start + _CHUNK)
             totals.add(lag[block], sampler[block], trainer[block], None if bool_flags is None else bool_flags[block])
         return totals.result()
-    # One compiled pass (kernels.mismatch_runs): float32 / float64 as they are, others as float64, which
+    # One compiled pass (mismatch_kernel.mismatch_runs): float32 / float64 as they are, others as float64, which
     # is what numpy's subtraction made of them; lags as int64 (unsigned ones beyond 2**62 are all "inf").
     if lag.dtype.kind == "u":
         lag = np.minimum(lag, np.uint64(1 << 62))

@@ -341,7 +341,7 @@ def _usable_cores() -> int:
 
 def _fork_safe() -> bool:
     """A fork copies the calling thread only: safe when every other thread is the engine's idle pool
-    (:mod:`..engine.parallel`, forgotten in the child), unsafe when the caller runs threads of its own."""
+    (:mod:`staleness_metrics.parallel`, forgotten in the child), unsafe when the caller runs threads of its own."""
     if not hasattr(os, "fork"):
         return False
     current = threading.current_thread()

@@ -82,7 +82,7 @@ def encoded_pieces(value: Any, option: int = orjson.OPT_SERIALIZE_NUMPY) -> Iter
     """``orjson.dumps(value, option=option)`` as consecutive pieces (their concatenation is byte for byte
     the same text), so that a record holding arrays of millions of positions is hashed or stored without
     its whole text in memory at once: an array of more than :data:`PIECE_ITEMS` values is written a block
-    of rows at a time (:func:`~staleness_metrics.engine.state_checks.json_pieces`). Raises
+    of rows at a time (:func:`~staleness_metrics.state_checks.json_pieces`). Raises
     ``orjson.JSONEncodeError`` as ``dumps`` would."""
     return json_pieces(value, option)
 
