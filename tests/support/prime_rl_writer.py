@@ -432,21 +432,27 @@ def off_policy_metrics(
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
+    """prime-rl's ``Tensors.compute_stats`` over the concatenated per-token values: torch's ``median`` (the
+    lower middle value) and ``std`` (unbiased)."""
     n = len(values)
     mean = sum(values) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
-    return {"mean": mean, "std": std, "max": max(values)}
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else math.nan
+    ordered = sorted(values)
+    return {"mean": mean, "median": ordered[(n - 1) // 2], "std": std, "min": ordered[0], "max": ordered[-1]}
 
 
 def mismatch_kl_metrics(per_env: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    """The trainer's ``mismatch_kl/{all,<env>}/{mean,std,max}`` from per-token k3 values by env."""
+    """The trainer's ``mismatch_kl/{all,<env>}/{mean,median,std,min,max}`` from per-token k3 values by env
+    (per token, over every trained sample's loss-mask positions, frozen samples included); a non-finite
+    value is left out of the row, as prime-rl's ``sanitize`` does."""
     metrics: dict[str, float] = {}
     everything = [v for values in per_env.values() for v in values]
     if not everything:
         return metrics
     for name, values in [("all", everything), *sorted(per_env.items())]:
         if values:
-            metrics |= {f"mismatch_kl/{name}/{stat}": value for stat, value in _stats(values).items()}
+            stats = _stats(values).items()
+            metrics |= {f"mismatch_kl/{name}/{stat}": value for stat, value in stats if math.isfinite(value)}
     return metrics
 
 
