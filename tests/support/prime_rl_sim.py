@@ -19,7 +19,8 @@ The model (all seeded, so a config always writes the same bytes):
   floor_sigma^2 * (1 + drift_per_lag * lag)``, so the k3 of lag ``l`` is ``cosh(sigma(l)) - 1``: its excess over
   the lag-0 floor is ``drift_per_lag * l`` floors, and with the budget = the floor the suggested bound is
   ``floor(1 / drift_per_lag)`` (:attr:`SimConfig.suggested_bound`). The first batch is all lag 0 and large
-  enough (at least ``floor_min_tokens`` = 1000 covered tokens) to measure the floor, as SPEC 14 expects of a run. Frozen samples drift by ``frozen_sigma``.
+  enough (at least ``floor_min_tokens`` = 1000 covered tokens) to measure the floor, as SPEC 14 expects of a
+  run. Frozen samples drift by ``frozen_sigma``.
   Every ``truncate_every``-th wordle sample is truncated inside its last node (a shorter trainer stream).
 - ``relaunch_at``: the run crashes after ship ``relaunch_at - 1`` (in-flight and buffered episodes are lost;
   ``tear`` leaves a torn line) and a new writer appends from step ``relaunch_at`` on.
@@ -27,11 +28,13 @@ The model (all seeded, so a config always writes the same bytes):
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import verifiers.v1 as vf
 
@@ -112,15 +115,25 @@ class SimRun:
         return {t.id: e.episode for e in self.episodes.values() for t in e.episode.traces}
 
 
+async def _await(result: Awaitable[None]) -> None:
+    await result
+
+
 class _Sim:
-    def __init__(self, root: Path, config: SimConfig) -> None:
+    def __init__(self, root: Path, config: SimConfig, observers: Sequence[Any] = ()) -> None:
         self.config = config
+        self.observers = list(observers)
         self.rng = random.Random(config.seed)
         self.run = SimRun(root, config, self._versions())
         self.pending: list[SimEpisode] = []  # arrived, not yet decided
         self.clock = 1.75e9
         self.writer = self._writer()
         self.counter = 0
+
+    def _tell(self, method: str, *args: Any) -> None:
+        """What prime-rl hands every registered monitor (``await monitor.<method>(...)``)."""
+        for observer in self.observers:
+            asyncio.run(_await(getattr(observer, method)(*args)))
 
     def _writer(self) -> PrimeRunWriter:
         c = self.config
@@ -158,8 +171,14 @@ class _Sim:
         reward = float(self.rng.random() < 0.5)
         agents = 2 if env == "code" else 1
         traces = [
-            make_trace(f"{eid}-t{i}", self._nodes(env), reward=reward, start_time=self.clock + i,
-                       token_base=1000 * i, errored=errored and i == 0)  # fmt: skip
+            make_trace(
+                f"{eid}-t{i}",
+                self._nodes(env),
+                reward=reward,
+                start_time=self.clock + i,
+                token_base=1000 * i,
+                errored=errored and i == 0,
+            )
             for i in range(agents)
         ]
         return make_episode(eid, traces, env=env, step=step, policy=policy, group=group, kind=kind)  # type: ignore[arg-type]
@@ -179,7 +198,9 @@ class _Sim:
             group = f"s{step}g{g}"
             members = []
             for _ in range(c.group_size):
-                delay = 0 if kind == "eval" or step == 1 else self.rng.choices(range(9), [35, 30, 15, 8, 4, 3, 2, 2, 1])[0]
+                delay = (
+                    0 if kind == "eval" or step == 1 else self.rng.choices(range(9), [35, 30, 15, 8, 4, 3, 2, 2, 1])[0]
+                )
                 arrival = step + delay
                 end = self.run.versions.get(arrival, self.run.versions[c.steps])
                 episode = self._episode(step, env, group, (v, end) if live else None, kind)
@@ -215,6 +236,7 @@ class _Sim:
                 batch = [e for e in arrived if e.kind == kind]
                 if batch:
                     self.writer.log_episodes([e.episode for e in batch], step, kind=kind)
+                    self._tell("log", [e.episode for e in batch], step, kind, "all")
                     for e in batch:
                         self.run.episodes[e.episode.id] = e
             self.pending += [e for e in arrived if e.kind == "train"]
@@ -255,17 +277,20 @@ class _Sim:
                 keep.append(e)
         self.pending = keep
         if evals:
-            self.writer.ship([e.episode for e in evals], step)
+            self._tell("log", [e.episode for e in evals], step, "eval", "effective")
+            self._tell("log_annotations", self.writer.ship([e.episode for e in evals], step))
         if not shipped:
             return
         for e in shipped:
             self._advantages(e)
         episodes = [e.episode for e in shipped]
         self.run.shipped[step] = [e.id for e in episodes]
-        self.writer.ship(episodes, step)
+        self._tell("log", episodes, step, "train", "effective")
+        self._tell("log_annotations", self.writer.ship(episodes, step))
         metrics = off_policy_metrics(episodes, step, dropped_traces, prefix=c.metric_prefix)
         self.run.orch_metrics[step] = metrics
         self.writer.log_metrics({**metrics, "step": step}, step, "orch")
+        self._tell("log", {**metrics, "step": step}, step)
         self._train(step, episodes)
 
     def _train(self, step: int, episodes: list[vf.Episode]) -> None:
@@ -291,6 +316,7 @@ class _Sim:
             return sampler + (sigma if position % 2 == 0 else -sigma)
 
         trained = self.writer.train(episodes, step, logprob=logprob, truncate=truncate)
+        self._tell("log_annotations", trained.updates)
         for update in trained.updates:
             for branch in update["branches"]:
                 self.run.trainer_streams[(update["trace_id"], branch["index"])] = branch["trainer_logprobs"]
@@ -301,6 +327,9 @@ class _Sim:
         self.writer.log_metrics(metrics, step, "trainer")
 
 
-def simulate(root: str | Path, config: SimConfig | None = None) -> SimRun:
-    """Write the simulated run under ``root`` and return what it wrote."""
-    return _Sim(Path(root), config or SimConfig()).simulate()
+def simulate(root: str | Path, config: SimConfig | None = None, observers: Sequence[Any] = ()) -> SimRun:
+    """Write the simulated run under ``root`` and return what it wrote. ``observers`` are prime-rl monitors
+    (its ``Monitor`` interface) handed the same calls as the file monitor, in the same order: episodes as
+    they arrive (``subset="all"``) and as they ship (``"effective"``), the orchestrator's and the
+    trainer's updates (``log_annotations``), the metrics rows."""
+    return _Sim(Path(root), config or SimConfig(), observers).simulate()

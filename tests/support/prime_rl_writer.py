@@ -512,10 +512,7 @@ class PrimeRunWriter:
     def _stream(self, name: str) -> tuple[ChunkedStream | SingleStream, BinaryIO]:
         """``"stream"`` or an annotation producer: the stream and its index, opened on first use."""
         if name not in self._streams:
-            if name == "stream":
-                base = self.traces / "stream"
-            else:
-                base = self.traces / "annotations" / name
+            base = self.traces / "stream" if name == "stream" else self.traces / "annotations" / name
             stream: ChunkedStream | SingleStream
             if self.layout == "chunked":
                 stream = ChunkedStream(base, self.chunk_bytes, self.compress, self.frame_bytes)
@@ -685,4 +682,3 @@ class PrimeRunWriter:
             index.close()
         self._streams.clear()
         self.metrics.close()
-
