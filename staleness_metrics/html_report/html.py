@@ -267,8 +267,8 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
             lines.append(f"Steps {text}: {', '.join(map(str, summary[name]))}.")
     if approximate:
         lines.append(
-            "mismatch_kl is prime-rl's trainer k3 (the mean over samples of each sample's mean, frozen samples "
-            "included) from its full-precision log-probabilities; the records hold them rounded to 4 decimals, so "
+            "mismatch_kl is prime-rl's trainer k3 per trained token (frozen samples included) from its full-precision "
+            "log-probabilities; the records hold them rounded to 4 decimals, so "
             "these agree to within 5% (or 2e-5 nats), not exactly."
         )
     shown = [r for r in rows if r.status != "match"]

@@ -9,10 +9,11 @@ current layout (``orch``, ``trainer``, ...): rows of one step are merged. Compar
   per episode, a frozen-model episode counting as 0; SPEC 9 replays one rollout per **trace** and leaves
   frozen rollouts out. ``legacy_rule`` is prime-rl's rule recomputed from the same records: a logged value
   equal to it but not to ours differs for that reason alone (``prime_rl_rule``);
-- the trainer's ``mismatch_kl/<all|env>/mean`` and ``/max``: prime-rl's loss takes, per trained sample,
-  the mean of ``exp(d) - d - 1`` over its loss-mask tokens, then the mean (or max) over samples, frozen
-  samples included; SPEC 11's ``staleness/mismatch/k3`` is token-weighted over the covered tokens of live
-  rollouts, ``d`` clamped to [-20, 20]. ``legacy_rule`` is prime-rl's estimator recomputed from the records'
+- the trainer's ``mismatch_kl/<all|env>/{mean,std,min,max}``: prime-rl's trainer takes ``exp(d) - d - 1``
+  (``d`` = trainer - sampler log-probability) per token over every trained sample's loss-mask tokens,
+  frozen samples included, and logs the statistics of those tokens (``Tensors.compute_stats``); SPEC 11's
+  ``staleness/mismatch/k3`` is the same per-token mean over the covered tokens of live rollouts, ``d``
+  clamped to [-20, 20]. ``legacy_rule`` is prime-rl's statistic recomputed from the records'
   log-probabilities, which prime-rl rounds to 4 decimals where its trainer used full precision: mismatch
   values agree to within :data:`MISMATCH_TOLERANCE`, not exactly.
 """
@@ -57,6 +58,16 @@ MISMATCH_PREFIX = "mismatch_kl/"
 MISMATCH_TOLERANCE = (0.05, 2e-5)  # (relative, absolute): per-token log-probabilities rounded to 4 decimals
 
 Status = Literal["match", "prime_rl_rule", "missing", "mismatch"]
+
+# Why a logged value differs from ours (ComparisonRow.note), one reason a clause.
+PER_EPISODE = "prime-rl averages over episodes, SPEC 9 over traces"
+FROZEN = "prime-rl counts frozen-model episodes as staleness 0, SPEC leaves them out"
+FROZEN_TOKENS = "prime-rl's mismatch_kl includes the tokens of frozen-model samples, SPEC 11 only live ones"
+NO_KEY = "no SPEC key holds this statistic: prime-rl's rule recomputed from the records"
+DROPPED = (
+    "prime-rl's dropped counts what its own bound voided, and the records do not say why an episode never shipped: "
+    "SPEC 9 drops every never-shipped episode that was stale at its arrival under the bound replayed"
+)
 
 
 @dataclass(frozen=True)
@@ -136,15 +147,18 @@ def _staleness_row(
     recomputed = float(new) if isinstance(new, (int, float)) else None
     live, frozen = counts
     legacy = _rule_value(key, rule) if rule is not None else _legacy_value(key, recomputed, live, frozen)
-    note = ""
+    reasons = []
     if rule is not None and rule.live_traces != rule.live:
-        note = f"{rule.live_traces} live traces in {rule.live} live episodes: prime-rl counts per episode"
+        reasons.append(PER_EPISODE)
     if frozen:
-        note = "; ".join(filter(None, [note, f"prime-rl counts {frozen} frozen episodes as staleness 0"]))
+        reasons.append(FROZEN)
+    if key == keys.ROLLOUTS_DROPPED:
+        reasons = [DROPPED]
+    note = "; ".join(reasons)
     status: Status
     if _close(value, recomputed):
         status = "match"
-    elif (frozen or note) and _close(value, legacy):
+    elif reasons and _close(value, legacy):
         status = "prime_rl_rule"
     elif recomputed is None:
         status = "missing"
@@ -157,14 +171,14 @@ def _mismatch_row(
     step: int, logged_key: str, value: float, ours: Mapping[str, Any], rule: StepRule | None
 ) -> ComparisonRow | None:
     parts = logged_key.removeprefix(MISMATCH_PREFIX).split("/")
-    if parts[-1] not in ("mean", "max"):
+    stat = parts[-1]
+    if stat not in ("mean", "std", "min", "max"):
         return None
     scope = "/".join(parts[:-1]) or "all"
     key = keys.MISMATCH_K3 if scope == "all" else env_key(scope, keys.MISMATCH_K3)
-    new = ours.get(key) if parts[-1] == "mean" else None
+    new = ours.get(key) if stat == "mean" else None
     recomputed = float(new) if isinstance(new, (int, float)) else None
-    samples = rule.sample_k3.get(scope, []) if rule is not None else []
-    legacy = (sum(samples) / len(samples) if parts[-1] == "mean" else max(samples)) if samples else None
+    legacy = rule.k3[scope].value(stat) if rule is not None and scope in rule.k3 else None
     live, frozen = (rule.live, rule.frozen) if rule is not None else (0, 0)
     status: Status
     if _close(value, recomputed, MISMATCH_TOLERANCE):
@@ -175,12 +189,9 @@ def _mismatch_row(
         status = "missing"
     else:
         status = "mismatch"
-    note = (
-        "prime-rl: the mean over samples of each sample's mean k3, frozen samples included; ours: token-weighted "
-        "over covered tokens of live rollouts"
-    )
+    note = NO_KEY if recomputed is None else FROZEN_TOKENS if frozen else ""
     return ComparisonRow(
-        step, logged_key, key if parts[-1] == "mean" else "", value, recomputed, legacy, live, frozen, status, note
+        step, logged_key, key if stat == "mean" else "", value, recomputed, legacy, live, frozen, status, note
     )
 
 
@@ -230,11 +241,14 @@ def compare_prime_rl(
 
 
 def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
-    """Steps by outcome: ``match`` (every key equal), ``prime_rl_rule``, ``missing``, ``mismatch``."""
+    """Steps by outcome: ``match`` (every value equal to ours, or with no value of ours and equal to prime-rl's
+    rule), ``prime_rl_rule``, ``missing``, ``mismatch``."""
     worst: dict[int, int] = {}
     order: tuple[Status, ...] = ("match", "prime_rl_rule", "missing", "mismatch")
     for row in rows:
-        worst[row.step] = max(worst.get(row.step, 0), order.index(row.status))
+        # a statistic no SPEC key holds, reproduced by prime-rl's rule, says nothing against our values
+        reproduced = row.recomputed is None and row.status == "prime_rl_rule"
+        worst[row.step] = max(worst.get(row.step, 0), 0 if reproduced else order.index(row.status))
     summary: dict[str, list[int]] = {name: [] for name in order}
     for step in sorted(worst):
         summary[order[worst[step]]].append(step)
@@ -242,29 +256,30 @@ def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
 
 
 def describe_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
-    """A few lines for a terminal: where the logged values agree with ours, and why the others differ."""
-    if not rows:
-        return []
-    summary = comparison_summary(rows)
-    steps = sorted({row.step for row in rows})
-    families = sorted({"mismatch_kl/*" if r.legacy_key.startswith(MISMATCH_PREFIX) else "off_policy/*" for r in rows})
-    lines = [
-        f"prime-rl's logged {' and '.join(families)} vs recomputed: {len(summary['match'])} of {len(steps)} steps agree"
-    ]
-    if summary["prime_rl_rule"]:
-        why = sorted({row.note for row in rows if row.status == "prime_rl_rule" and row.note})
-        lines.append(
-            f"  steps {_steps(summary['prime_rl_rule'])} equal prime-rl's own rule recomputed from the records: "
-            + "; ".join(why)
-        )
-    if summary["missing"]:
-        lines.append(f"  steps {_steps(summary['missing'])}: a logged value with nothing recomputed")
-    if summary["mismatch"]:
-        first = next(row for row in rows if row.status == "mismatch")
-        lines.append(
-            f"  steps {_steps(summary['mismatch'])} differ (first: step {first.step} {first.legacy_key} logged "
-            f"{first.historical:.6g}, recomputed {first.recomputed}, prime-rl rule {first.legacy_rule})"
-        )
+    """A few lines for a terminal: per family of logged keys, the steps where every value equals ours, those
+    where the others equal prime-rl's own rule recomputed from the records (and why the rules differ), and
+    those that differ otherwise."""
+    lines = []
+    for family, prefix in (("off_policy/* (or staleness/*)", None), ("mismatch_kl/*", MISMATCH_PREFIX)):
+        mine = [r for r in rows if (prefix is not None) == r.legacy_key.startswith(MISMATCH_PREFIX)]
+        if not mine:
+            continue
+        summary = comparison_summary(mine)
+        steps = len({r.step for r in mine})
+        text = f"prime-rl's logged {family}: {len(summary['match'])} of {steps} steps equal ours"
+        if summary["prime_rl_rule"]:
+            text += f", {len(summary['prime_rl_rule'])} equal prime-rl's own rule recomputed from the records"
+        if prefix is not None:
+            text += " (to within the records' 4-decimal rounding)"
+        lines.append(text)
+        reasons = sorted({part for r in mine if r.status != "match" and r.note for part in r.note.split("; ")})
+        lines.extend(f"  why: {reason}" for reason in reasons)
+        if summary["mismatch"]:
+            first = next(r for r in mine if r.status == "mismatch")
+            lines.append(
+                f"  steps {_steps(summary['mismatch'])} differ (first: step {first.step} {first.legacy_key} logged "
+                f"{first.historical:.6g}, ours {first.recomputed}, prime-rl's rule {first.legacy_rule})"
+            )
     return lines
 
 

@@ -16,8 +16,8 @@ alongside (:mod:`.annotations`), and yields checked replay events:
   out and counted.
 
 The reader also keeps, per ship step, prime-rl's own rule for its logged values (per episode, frozen
-episodes as staleness 0; ``mismatch_kl`` as a mean over samples of each sample's mean k3, frozen samples
-included), for :mod:`.compare`. Damage (SPEC 9) goes to a :class:`~.damage.Damage`: strict mode raises
+episodes as staleness 0; ``mismatch_kl`` per token over every trained sample, frozen ones included), for
+:mod:`.compare`. Damage (SPEC 9) goes to a :class:`~.damage.Damage`: strict mode raises
 :class:`~staleness_metrics.errors.EventError` naming the file, line and reason.
 
 Memory: the facts of every trace the updates name (a few numbers each), the trainer's streams read ahead of
@@ -26,12 +26,14 @@ the episode stream (the steps in flight) and one episode at a time; never the ru
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from ....errors import ConfigError
 from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout
@@ -44,7 +46,37 @@ from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head
 from .index import IndexCheck
 from .layout import TracesLayout, find_layout
 
-__all__ = ["PrimeRlRead", "ReadNotes", "StepRule", "read_run_events"]
+__all__ = ["K3Stats", "PrimeRlRead", "ReadNotes", "StepRule", "read_run_events"]
+
+
+@dataclass
+class K3Stats:
+    """prime-rl's ``mismatch_kl`` statistics of one scope (``all`` or an env): per token over the trained
+    samples' loss-mask tokens (here: their covered sampled positions), frozen samples included."""
+
+    tokens: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+    low: float = math.inf
+    high: float = -math.inf
+
+    def add(self, k3: npt.NDArray[np.float64]) -> None:
+        if k3.size:
+            self.tokens += int(k3.size)
+            self.total += float(k3.sum())
+            self.squares += float(np.square(k3).sum())
+            self.low, self.high = min(self.low, float(k3.min())), max(self.high, float(k3.max()))
+
+    def value(self, stat: str) -> float | None:
+        """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens (or an unknown stat)."""
+        if not self.tokens:
+            return None
+        mean = self.total / self.tokens
+        if stat == "std":
+            if self.tokens < 2:
+                return None
+            return math.sqrt(max(0.0, (self.squares - self.tokens * mean * mean) / (self.tokens - 1)))
+        return {"mean": mean, "min": self.low, "max": self.high}.get(stat)
 
 
 @dataclass
@@ -56,8 +88,7 @@ class StepRule:
     total: list[int] = field(default_factory=list)  # per episode, frozen ones as 0
     in_flight: list[int] = field(default_factory=list)
     in_queue: list[int] = field(default_factory=list)
-    # mismatch_kl: per env ("all" too), the per-sample mean k3 of the shipped samples, frozen included
-    sample_k3: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    k3: dict[str, K3Stats] = field(default_factory=lambda: defaultdict(K3Stats))  # per env, and "all"
     live_traces: int = 0
 
 
@@ -92,16 +123,14 @@ class ReadNotes:
         return ", ".join(f"{count} {text}" for count, text in parts if count)
 
 
-def _k3_per_sample(sample: ParsedSample) -> float | None:
-    """prime-rl's ``mismatch_kl`` of one sample: the mean of ``exp(d) - d - 1`` over its covered sampled
-    positions (prime-rl's loss mask), ``d`` = trainer - sampler log-probability."""
+def _token_k3(sample: ParsedSample) -> npt.NDArray[np.float64]:
+    """prime-rl's per-token mismatch ``exp(d) - d - 1`` over a sample's covered sampled positions (its loss
+    mask), ``d`` = trainer - sampler log-probability, unclamped as prime-rl computes it."""
     if sample.logprobs is None or sample.trainer_logprobs is None:
-        return None
+        return np.zeros(0)
     keep = (sample.mask == 1) & np.isfinite(sample.trainer_logprobs)
-    if not keep.any():
-        return None
-    d = sample.trainer_logprobs[keep] - sample.logprobs[keep]
-    return float(np.mean(np.expm1(d) - d))
+    d: npt.NDArray[np.float64] = sample.trainer_logprobs[keep] - sample.logprobs[keep]
+    return np.asarray(np.expm1(d) - d, dtype=np.float64)
 
 
 class PrimeRlRead:
@@ -287,11 +316,10 @@ class PrimeRlRead:
         rule = self.notes.steps.setdefault(step, StepRule())
         if isinstance(rollout, ParsedRollout):
             for sample in rollout.samples:
-                k3 = _k3_per_sample(sample)
-                if k3 is not None:
-                    rule.sample_k3["all"].append(k3)
-                    if episode.env is not None:
-                        rule.sample_k3[episode.env].append(k3)
+                k3 = _token_k3(sample)
+                rule.k3["all"].add(k3)
+                if episode.env is not None:
+                    rule.k3[episode.env].add(k3)
             rule.live_traces += not rollout.frozen
         if trace is not next((t for t in episode.traces if t.ok), None):
             return
