@@ -122,6 +122,7 @@ class RunWriter:
         key = str(base)
         if not self.chunked:
             path = base.with_name(base.name + ".jsonl")
+            path.parent.mkdir(parents=True, exist_ok=True)
             offset = path.stat().st_size if path.is_file() else 0
             with path.open("ab") as out:
                 out.write(line)
