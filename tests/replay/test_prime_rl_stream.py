@@ -20,8 +20,8 @@ from staleness_metrics.errors import EventError
 from staleness_metrics.records.model import ParsedRollout
 from staleness_metrics.replay.sources import detect_source, read_run_events
 from staleness_metrics.replay.sources.prime_rl import fold_streams
-from staleness_metrics.replay.sources.prime_rl.episodes import Stream
 from staleness_metrics.replay.sources.prime_rl.compare import compare_prime_rl, describe_comparison
+from staleness_metrics.replay.sources.prime_rl.episodes import Stream
 from staleness_metrics.replay.stream import Event, replay
 from tests.replay.prime_rl_runs import RunWriter, episode, node, seekable_zstd, trace
 
@@ -37,8 +37,9 @@ def _rollouts(events: list[Event]) -> dict[str, ParsedRollout]:
 
 
 def _plan(events: list[Event]) -> list[tuple[str, object]]:
-    return [("add", e.parsed.id if e.parsed else None) if e.kind == "rollout" else ("ship", (e.step, e.ids))
-            for e in events]  # fmt: skip
+    return [
+        ("add", e.parsed.id if e.parsed else None) if e.kind == "rollout" else ("ship", (e.step, e.ids)) for e in events
+    ]
 
 
 def _simple_run(root: Path, **writer: Any) -> RunWriter:
@@ -174,8 +175,13 @@ def test_bad_per_token_fields_name_the_trace_node_and_field(tmp_path: Path, extr
 def test_events_of_a_run_in_arrival_order_with_ships_between(tmp_path: Path, writer: dict[str, Any]) -> None:
     _simple_run(tmp_path, **writer)
     events = _events(tmp_path)
-    assert _plan(events) == [("add", "t0"), ("add", "t1"), ("ship", (1, ("t0", "t1"))), ("add", "t2"),
-                             ("ship", (2, ("t2",)))]  # fmt: skip
+    assert _plan(events) == [
+        ("add", "t0"),
+        ("add", "t1"),
+        ("ship", (1, ("t0", "t1"))),
+        ("add", "t2"),
+        ("ship", (2, ("t2",))),
+    ]
     t0 = _rollouts(events)["t0"]
     assert (t0.dispatch_version, t0.completion_version, t0.group_id, t0.env) == (0, 0, "g", "math")
     assert detect_source(tmp_path) == "prime-rl"
@@ -190,12 +196,15 @@ def test_sealed_chunks_of_several_frames_read_as_plain_ones(tmp_path: Path) -> N
     w = _simple_run(sealed, chunk_lines=2)
     w.seal("stream", frame_bytes=64)  # many frames per chunk
     w.seal("annotations/trainer", frame_bytes=64)
-    assert sorted(p.name for p in (sealed / "monitors/file/traces/stream").iterdir()) == ["00000.jsonl.zst",
-                                                                                          "00001.jsonl.zst"]  # fmt: skip
+    assert sorted(p.name for p in (sealed / "monitors/file/traces/stream").iterdir()) == [
+        "00000.jsonl.zst",
+        "00001.jsonl.zst",
+    ]
     a, b = _events(plain), _events(sealed)
     assert _plan(a) == _plan(b)
-    np.testing.assert_array_equal(_rollouts(a)["t0"].samples[0].trainer_logprobs,
-                                  _rollouts(b)["t0"].samples[0].trainer_logprobs)  # fmt: skip
+    np.testing.assert_array_equal(
+        _rollouts(a)["t0"].samples[0].trainer_logprobs, _rollouts(b)["t0"].samples[0].trainer_logprobs
+    )
 
 
 def test_a_sealed_chunk_beside_its_plain_twin_is_read_once(tmp_path: Path) -> None:
@@ -261,8 +270,14 @@ def test_eval_errored_frozen_and_never_shipped_episodes(tmp_path: Path) -> None:
     w.ship(12, "tlate")
     read = read_run_events(tmp_path, max_staleness=8)
     events = list(read)
-    assert _plan(events) == [("add", "tfz"), ("add", "tok"), ("ship", (1, ("tfz", "tok"))), ("add", "tstale"),
-                             ("add", "tlate"), ("ship", (12, ("tlate",)))]  # fmt: skip
+    assert _plan(events) == [
+        ("add", "tfz"),
+        ("add", "tok"),
+        ("ship", (1, ("tfz", "tok"))),
+        ("add", "tstale"),
+        ("add", "tlate"),
+        ("ship", (12, ("tlate",))),
+    ]
     assert _rollouts(events)["tfz"].frozen
     notes = read.notes
     assert (notes.eval_episodes, notes.errored_traces, notes.frozen_unshipped, notes.unshipped_left_out) == (1, 1, 1, 1)
@@ -339,7 +354,9 @@ def test_damage_strict_names_file_line_reason_and_lenient_counts_it(tmp_path: Pa
     assert read.notes.damage.summary()
 
 
-def test_replay_cli_strict_exits_2_and_lenient_says_what_it_set_aside(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_replay_cli_strict_exits_2_and_lenient_says_what_it_set_aside(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = _damaged(tmp_path, "not_episode")
     assert main(["replay", str(root)]) == 2
     assert "not an episode record" in capsys.readouterr().err
@@ -352,8 +369,10 @@ def test_replay_cli_strict_exits_2_and_lenient_says_what_it_set_aside(tmp_path: 
 
 def test_comparison_with_prime_rl_logged_values_per_episode_frozen_and_mismatch(tmp_path: Path) -> None:
     w = RunWriter(tmp_path)
-    two = [trace("a0", [node(1), node(2, [0, 1], [-1.0, -1.0], parent=0)], arrival=3),
-           trace("a1", [node(1), node(2, [0, 1], [-1.0, -1.0], parent=0)], arrival=3)]  # fmt: skip
+    two = [
+        trace("a0", [node(1), node(2, [0, 1], [-1.0, -1.0], parent=0)], arrival=3),
+        trace("a1", [node(1), node(2, [0, 1], [-1.0, -1.0], parent=0)], arrival=3),
+    ]
     w.episode(episode("A", two, (0, 2)))  # one episode, two traces: total 2, in flight 2
     w.episode(episode("B", [trace("b0", [node(1), node(2, [0, 1], [-1.0, -1.0], parent=0)], arrival=3)], (2, 2)))
     w.episode(episode("F", [trace("f0", [node(1), node(1, [0], [-1.0], parent=0)], arrival=3)], None))
@@ -363,8 +382,15 @@ def test_comparison_with_prime_rl_logged_values_per_episode_frozen_and_mismatch(
     w.trainer("f0", 0, [None, -0.5])
     k3 = [math.expm1(0.1) - 0.1, math.expm1(-0.1) + 0.1, math.expm1(0.5) - 0.5]
     prime_mean = (3 * (k3[0] + k3[1]) + k3[2]) / 7  # per token, the frozen sample's token included
-    w.metrics({"step": 3, "producer": "orch", "off_policy/mean": (2 + 0 + 0) / 3, "off_policy/max": 2.0,
-               "off_policy/dropped": 0})  # fmt: skip
+    w.metrics(
+        {
+            "step": 3,
+            "producer": "orch",
+            "off_policy/mean": (2 + 0 + 0) / 3,
+            "off_policy/max": 2.0,
+            "off_policy/dropped": 0,
+        }
+    )
     w.metrics({"step": 3, "producer": "trainer", "mismatch_kl/all/mean": prime_mean, "mismatch_kl/all/max": k3[2]})
     read = read_run_events(tmp_path)
     shipments = replay(iter(read), StalenessConfig(floor_min_tokens=1))

@@ -241,13 +241,13 @@ def compare_prime_rl(
 
 
 def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
-    """Steps by outcome: ``match`` (every value equal to ours, or with no value of ours and equal to prime-rl's
-    rule), ``prime_rl_rule``, ``missing``, ``mismatch``."""
+    """Steps by outcome: ``match`` (every value equal to ours, or a statistic no SPEC key holds equal to
+    prime-rl's rule), ``prime_rl_rule``, ``missing``, ``mismatch``."""
     worst: dict[int, int] = {}
     order: tuple[Status, ...] = ("match", "prime_rl_rule", "missing", "mismatch")
     for row in rows:
         # a statistic no SPEC key holds, reproduced by prime-rl's rule, says nothing against our values
-        reproduced = row.recomputed is None and row.status == "prime_rl_rule"
+        reproduced = row.note == NO_KEY and row.status == "prime_rl_rule"
         worst[row.step] = max(worst.get(row.step, 0), 0 if reproduced else order.index(row.status))
     summary: dict[str, list[int]] = {name: [] for name in order}
     for step in sorted(worst):
