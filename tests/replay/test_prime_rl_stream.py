@@ -410,3 +410,19 @@ def test_comparison_with_prime_rl_logged_values_per_episode_frozen_and_mismatch(
     assert "prime-rl averages over episodes, SPEC 9 over traces" in text
     assert "frozen-model episodes as staleness 0" in text
     assert "tokens of frozen-model samples" in text
+
+
+def test_without_simdjson_the_reader_gives_the_same_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from staleness_metrics.replay.sources.prime_rl import lazy
+
+    w = _simple_run(tmp_path, chunk_lines=2)
+    w.seal()
+    fast = _events(tmp_path)
+    monkeypatch.setattr(lazy, "simdjson", None)  # orjson reads every line (Python 3.14 and later, so far)
+    slow = _events(tmp_path)
+    assert _plan(fast) == _plan(slow)
+    for a, b in zip(_rollouts(fast).values(), _rollouts(slow).values(), strict=True):
+        for x, y in zip(a.samples, b.samples, strict=True):
+            np.testing.assert_array_equal(x.mask, y.mask)
+            np.testing.assert_array_equal(x.logprobs, y.logprobs)
+            np.testing.assert_array_equal(x.trainer_logprobs, y.trainer_logprobs)

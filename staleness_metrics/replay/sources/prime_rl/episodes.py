@@ -238,7 +238,8 @@ def _node(trace_id: str, index: int, doc: object, count: int) -> _Node:
     where = f"nodes[{index}]"
     if not lazy.is_object(doc):
         raise _field(trace_id, where, "expected an object")
-    parent = lazy.get(doc, "parent")
+    present = lazy.keys(doc)
+    parent = lazy.get(doc, "parent") if "parent" in present else None
     if parent is not None and (_int(parent) is None or not 0 <= parent < count or parent == index):
         raise _field(trace_id, f"{where}.parent", f"expected the index of another node, got {lazy.to_python(parent)!r}")
     tokens, mask_doc = lazy.get(doc, "token_ids"), lazy.get(doc, "mask")
@@ -258,19 +259,20 @@ def _node(trace_id: str, index: int, doc: object, count: int) -> _Node:
         logprobs = _compact_floats(trace_id, f"{where}.logprobs", logprobs_doc, sampled, nulls=False)
         if not np.all(np.isfinite(logprobs)):
             raise _field(trace_id, f"{where}.logprobs", "values must be finite")
-    trainer_doc = lazy.get(doc, "trainer_logprobs")
+    trainer_doc = lazy.get(doc, "trainer_logprobs") if "trainer_logprobs" in present else None
     trainer = None
     if sampled and trainer_doc is not None:
         trainer = _compact_floats(trace_id, f"{where}.trainer_logprobs", trainer_doc, sampled, nulls=True)
-    links = lazy.get(doc, "semantic_parents")
+    links: Any = lazy.get(doc, "semantic_parents") if "semantic_parents" in present else None
     attempt, resumes = False, []
-    if lazy.is_array(links):
+    if links is not None and lazy.is_array(links):
         for link in links:
             kind, target = lazy.get(link, "type"), _int(lazy.get(link, "node"))
             attempt = attempt or kind == "compaction_attempt"
             if kind == "compaction" and target is not None:
                 resumes.append(target)
-    versions = _versions(trace_id, where, doc, sampled) if sampled else None
+    labelled = sampled and ("weight_versions" in present or "token_versions" in present)
+    versions = _versions(trace_id, where, doc, sampled) if labelled else None
     return _Node(parent, mask, logprobs, trainer, versions, attempt, resumes)
 
 

@@ -35,6 +35,7 @@ __all__ = [
     "get",
     "is_array",
     "is_object",
+    "keys",
     "length",
     "to_python",
 ]
@@ -79,6 +80,13 @@ def get(value: object, key: str) -> Any:
     return value.get(key) if isinstance(value, Mapping) else None
 
 
+def keys(value: object) -> set[str]:
+    """The keys of an object (empty for anything else)."""
+    if simdjson is not None and type(value) is simdjson.Object:
+        return set(value.keys())
+    return set(value) if isinstance(value, Mapping) else set()
+
+
 def length(value: object) -> int:
     """Elements of an array (simdjson's count saturates at 2**24 - 1: read the buffer beyond that)."""
     size = len(value)  # type: ignore[arg-type]
@@ -105,6 +113,10 @@ def _list(value: object) -> list[Any]:
     raise TypeError(f"expected a list, got {type(value).__name__}")
 
 
+_NUMBERS = frozenset({int, float})
+_NUMBERS_OR_NULL = frozenset({int, float, type(None)})
+
+
 def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
     """A list of numbers as float64 (``nulls``: null -> NaN); ``TypeError`` for anything else."""
     if simdjson is not None and type(value) is simdjson.Array:
@@ -113,11 +125,13 @@ def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
         except (TypeError, ValueError):  # a null, boolean or string among them (or no numbers at all)
             pass
     items = _list(value)
-    if not nulls and None in items:
-        raise TypeError("null among the numbers")
-    if any(isinstance(v, (bool, str)) or (v is not None and not isinstance(v, (int, float))) for v in items):
-        raise TypeError("expected numbers")
-    return np.array(items, dtype=np.float64) if items else np.zeros(0)
+    kinds = set(map(type, items))  # a C loop: bool is its own type, so booleans are refused too
+    if not kinds <= (_NUMBERS_OR_NULL if nulls else _NUMBERS):
+        raise TypeError("null among the numbers" if type(None) in kinds and not nulls else "expected numbers")
+    try:
+        return np.array(items, dtype=np.float64) if items else np.zeros(0)
+    except OverflowError:
+        raise TypeError("a number beyond float range") from None
 
 
 def as_ints(value: object) -> npt.NDArray[np.int64]:
@@ -139,9 +153,10 @@ def as_ints(value: object) -> npt.NDArray[np.int64]:
 def as_bools(value: object) -> npt.NDArray[np.bool_]:
     """A list of booleans (or 0/1) as bool; ``TypeError`` for anything else."""
     items = _list(value)
-    array = np.array(items) if items else np.zeros(0, dtype=bool)
-    if array.dtype == np.bool_:
-        return array
-    if array.dtype.kind in "iu" and not any(isinstance(v, bool) for v in items) and np.all((array == 0) | (array == 1)):
-        return array.astype(bool)
-    raise TypeError("expected booleans")
+    size, true = len(items), items.count(True)  # C loops (``count`` compares by value: 1 == True)
+    false = items.count(False)
+    if true + false != size:
+        raise TypeError("expected booleans")
+    if true == size or false == size:  # a node samples all its tokens or none (the common layout)
+        return np.full(size, true == size, dtype=bool)
+    return np.array(items, dtype=bool)
