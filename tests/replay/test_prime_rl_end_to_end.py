@@ -18,7 +18,7 @@ from staleness_metrics.replay.stream import replay
 from tests.support.examples import EXAMPLES
 
 pytest.importorskip("verifiers")
-from tests.support.prime_rl_writer import NodeSpec, PrimeRunWriter, make_episode, make_trace  # noqa: E402
+from tests.support.prime_rl_writer import NodeSpec, PrimeRunWriter, make_episode, make_trace
 
 EXAMPLE = EXAMPLES / "prime-rl-run-current"
 
@@ -49,7 +49,7 @@ def test_labels_shared_nodes_and_a_cut_trainer_stream_from_verifiers_records(tmp
     metrics = shipments[0].report.metrics
     # T = 3. a: sampled positions 5-8 (node 1) lags 2 (unlabelled: dispatch 1), 1, 1, 0; 12-13 (node 3) lag 2.
     # b: branch 0 positions 2-4 lag 1, 6 lag 1; branch 1 positions 7-8 only (node 1 trained in branch 0): lag 1.
-    lags = [2, 1, 1, 0, 2, 2] + [1, 1, 1, 1] + [1, 1]
+    lags = [2, 1, 1, 0, 2, 2, 1, 1, 1, 1, 1, 1]  # a: 6 positions, b: 4 then 2
     assert metrics["staleness/token/mean"] == pytest.approx(sum(lags) / len(lags))
     assert metrics["staleness/token/unlabelled"] == pytest.approx(9 / 12)
     assert metrics["staleness/rollout/max"] == 2 and metrics["staleness/rollout/newest/max"] == 1
