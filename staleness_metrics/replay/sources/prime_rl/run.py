@@ -303,7 +303,7 @@ class PrimeRlRead:
         if rollout is None:
             notes.untrainable += 1
             return None
-        if shipped is not None:
+        if shipped is not None and self.layout.metrics is not None:  # (only a run that logged has values to compare)
             self._rule(shipped, episode, trace, rollout)
         if isinstance(rollout, UnparsedRollout):
             return Event(number, "rollout", unparsed=rollout)
