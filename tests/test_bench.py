@@ -70,6 +70,15 @@ def test_replay_bench_reports_positions_per_second_and_ratios() -> None:
     assert result["what_if_over_replay"] == pytest.approx(result["what_if_seconds"] / result["replay_seconds"])
 
 
+def test_prime_rl_bench_reports_the_ratio_to_decoding_and_peak_memory() -> None:
+    result = run_bench("prime_rl.py", "--episodes", "40", "--chunk-mib", "1")
+    assert result["episodes"] == 40 and result["stream_bytes"] > 0 and result["tokens"] > 0
+    for key in ("decode_seconds", "replay_seconds", "decode_peak_rss", "replay_peak_rss", "tokens_per_second"):
+        assert positive(result[key]), key
+    assert result["replay_over_decode"] == pytest.approx(result["replay_seconds"] / result["decode_seconds"])
+    assert result["held_peak"] >= 0
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("store", ["memory", "sqlite"])
 def test_service_bench_reports_latency_throughput_and_conservation(store: str) -> None:

@@ -38,7 +38,9 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"engine"}),
     frozenset({"exporters"}),
     frozenset({"monitor"}),
-    frozenset({"replay", "adapters", "server", "cli", "demo", "html_report", "dashboards", "migrate", "client", "distributed"}),
+    frozenset(
+        {"replay", "adapters", "server", "cli", "demo", "html_report", "dashboards", "migrate", "client", "distributed"}
+    ),
     frozenset({"__init__", "__main__"}),
 )
 

@@ -24,9 +24,17 @@ from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS
 from ..metrics.mismatch import LAG_BUCKETS, MismatchSums
 from ..metrics.report import Tally
 from ..replay.run_dir import RunDirectory, find_run
-from ..replay.sources import as_replay_events, compare_prime_rl, detect_source, read_run
+from ..replay.sources import (
+    PrimeRlRead,
+    as_replay_events,
+    compare_prime_rl,
+    detect_source,
+    is_current_layout,
+    read_run,
+    read_run_events,
+)
 from ..replay.sources.events import iter_json_lines
-from ..replay.sources.prime_rl import ComparisonRow, has_rollouts
+from ..replay.sources.prime_rl import ComparisonRow, has_rollouts, read_prime_rl_metrics
 from ..replay.stream import replay
 from ..replay.what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_curve
 
@@ -50,6 +58,7 @@ class ReportData:
     comparison: list[ComparisonRow] = field(default_factory=list)
     curve: RunCurve | None = None  # SPEC 14 over the whole run
     curve_source: str = ""  # where the curve's sums came from, said under the figure
+    read_notes: list[str] = field(default_factory=list)  # what the reader of a prime-rl run left out or set aside
 
     @property
     def steps(self) -> list[int]:
@@ -170,7 +179,12 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         data = ReportData(source, kind, None, int(bounds[-1]) if bounds else None, rows)
         data.curve, data.curve_source = run_curve(sums_from_rows(rows), config), "the logged k3 and tokens by lag"
         return data
-    shipments = replay(read_run(run, max_staleness=config.max_staleness), config)
+    read: PrimeRlRead | None = None
+    if kind == "prime-rl" and is_current_layout(run):
+        read = read_run_events(run, max_staleness=config.max_staleness, strict=config.strict)
+        shipments = replay(iter(read), config)
+    else:
+        shipments = replay(read_run(run, max_staleness=config.max_staleness, strict=config.strict), config)
     data = ReportData(
         source,
         kind,
@@ -185,6 +199,8 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         result = what_if_with_curve(run, bounds, config)
         data.what_if = result.rows
         data.curve, data.curve_source = result.curve, "the records' trainer log-probabilities"
-    if kind == "prime-rl" and (Path(run) / "metrics.jsonl").is_file():
-        data.comparison = compare_prime_rl(run, [s.report for s in shipments])
+    if kind == "prime-rl" and read_prime_rl_metrics(run):
+        data.comparison = compare_prime_rl(run, [s.report for s in shipments], notes=read.notes if read else None)
+    if read is not None:
+        data.read_notes = [line for line in (read.notes.left_out(), read.notes.damage.summary()) if line]
     return data

@@ -40,7 +40,7 @@ table { border-collapse: collapse; width: 100%; font-variant-numeric: tabular-nu
 th, td { padding: 4px 8px; border-bottom: 1px solid #e7ebef; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 tr.current td { background: #fff4e5; font-weight: 600; }
-td.frozen_rule { color: #8a5a00; } td.mismatch, td.missing { color: #b00020; font-weight: 600; }
+td.prime_rl_rule { color: #8a5a00; } td.mismatch, td.missing { color: #b00020; font-weight: 600; }
 .summary { display: grid; grid-template-columns: repeat(4, 1fr); gap: 8px; }
 .summary div { background: #fff; border: 1px solid #dde2e7; border-radius: 6px; padding: 8px 10px; }
 .summary b { display: block; font-size: 18px; }
@@ -246,15 +246,32 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
         return ""
     summary = comparison_summary(rows)
     steps = sorted({r.step for r in rows})
-    lines = [f"{len(summary['match'])} of {len(steps)} logged steps equal the recomputed values exactly."]
-    if summary["frozen_rule"]:
+    approximate = any(r.legacy_key.startswith("mismatch_kl/") for r in rows)
+    lines = [
+        f"{len(summary['match'])} of {len(steps)} logged steps equal the recomputed values"
+        + (" (mismatch_kl to within the rounding of the records)." if approximate else " exactly.")
+    ]
+    if summary["prime_rl_rule"]:
+        notes = sorted({r.note for r in rows if r.status == "prime_rl_rule" and r.note})
         lines.append(
-            "Steps where the logged values differ only because prime-rl counted frozen-model episodes as "
-            f"staleness 0 (SPEC leaves them out): {', '.join(map(str, summary['frozen_rule']))}."
+            "Steps where the logged values differ only by prime-rl's own rule, recomputed from the same records "
+            f"(column 'prime-rl rule'): {', '.join(map(str, summary['prime_rl_rule']))}. Why: "
+            + (
+                "; ".join(notes)
+                if notes
+                else "prime-rl counts frozen-model episodes as staleness 0 (SPEC leaves them out)"
+            )
+            + "."
         )
     for name, text in (("missing", "without a recomputed value"), ("mismatch", "that differ otherwise")):
         if summary[name]:
             lines.append(f"Steps {text}: {', '.join(map(str, summary[name]))}.")
+    if approximate:
+        lines.append(
+            "mismatch_kl is prime-rl's trainer k3 per trained token (frozen samples included) from its full-precision "
+            "log-probabilities; the records hold them rounded to 4 decimals, so "
+            "these agree to within 5% (or 2e-5 nats), not exactly."
+        )
     shown = [r for r in rows if r.status != "match"]
     head = (
         "<tr><th>step</th><th>logged key</th><th>current key</th><th>logged</th><th>recomputed</th>"
@@ -266,7 +283,7 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
             f"<tr><td>{r.step}</td><td>{escape(r.legacy_key)}</td><td>{escape(r.key)}</td>"
             f"<td>{_num(r.historical, 6)}</td><td>{_num(r.recomputed, 6)}</td>"
             f"<td>{_num(r.legacy_rule, 6)}</td>"
-            f'<td>{r.live} / {r.frozen}</td><td class="{r.status}">{r.status}</td></tr>'
+            f'<td>{r.live} / {r.frozen}</td><td class="{r.status}">{r.status.replace("_", " ")}</td></tr>'
         )
 
     differing = f"<table>{head}{''.join(line(r) for r in shown)}</table>" if shown else ""
@@ -303,7 +320,8 @@ def render(data: ReportData, title: str = "Staleness report") -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>"
         f'<h1>{escape(title)}</h1><p class="meta">{" · ".join(meta)}</p>'
-        f"{_summary(data)}<p></p>{''.join(charts)}{render_costs(data)}{render_choosing(data)}"
+        + "".join(f'<p class="meta">prime-rl run: {escape(note)}</p>' for note in data.read_notes)
+        + f"{_summary(data)}<p></p>{''.join(charts)}{render_costs(data)}{render_choosing(data)}"
         f"{_comparison(data.comparison)}"
         f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6, 9, 11, 12 and 14.</p>'
         "</main></body></html>\n"

@@ -291,7 +291,7 @@ def run_tally(shipments: Iterable[Shipment]) -> Tally:
 Source = str | Path | Sequence[EventDict]
 
 
-def _steps_for(source: Source) -> tuple[Callable[[int], Iterable[Step]], list[Step] | None]:
+def _steps_for(source: Source, strict: bool = True) -> tuple[Callable[[int], Iterable[Step]], list[Step] | None]:
     """The prepared steps to replay at each bound: parsed once, unless the input depends on the bound;
     and the steps themselves when they are the same for every bound (``None`` otherwise).
 
@@ -305,7 +305,7 @@ def _steps_for(source: Source) -> tuple[Callable[[int], Iterable[Step]], list[St
         elif is_event_file(source):  # read as the replay command reads it (compressed or not)
             steps = pack_once(prepare(read_event_path(source, parse=True, read_ahead=True)))
         elif detect_source(source) == "prime-rl":
-            return (lambda bound: prepare(read_run(source, max_staleness=bound))), None
+            return (lambda bound: prepare(read_run(source, max_staleness=bound, strict=strict))), None
         else:
             steps = pack_once(prepare(read_run(source, parse=True)))
     else:
@@ -445,7 +445,7 @@ def what_if_with_curve(
     """
     base = config or StalenessConfig()
     bounds = list(bounds)
-    steps_for, shared_steps = _steps_for(source)
+    steps_for, shared_steps = _steps_for(source, base.strict)
     rows = []
     unbounded: MismatchSums | None = None  # the sums of a replay that removed nothing, once one did
 

@@ -121,13 +121,13 @@ def test_frozen_episodes_show_as_the_difference_they_are(tmp_path: Path) -> None
 
     rows = compare_prime_rl(run, [s.report for s in shipments])
     summary = comparison_summary(rows)
-    assert summary["frozen_rule"] == [4, 7, 13]
+    assert summary["prime_rl_rule"] == [4, 7, 13]
     assert summary["match"] == [s for s in range(1, 21) if s not in (4, 7, 13)]
     assert summary["mismatch"] == summary["missing"] == []
     step7 = {r.legacy_key: r for r in rows if r.step == 7}
     mean = step7["off_policy/mean"]
     # The logged value is prime-rl's (frozen as 0, over 5 episodes); the recomputed one is SPEC's.
-    assert mean.status == "frozen_rule"
+    assert mean.status == "prime_rl_rule"
     assert mean.historical == pytest.approx(9 / 5) and mean.recomputed == pytest.approx(9 / 4)
     assert mean.legacy_rule == pytest.approx(mean.historical)
     assert step7["off_policy/max"].status == "match"  # max is 3 either way: the frozen 0 changes nothing

@@ -75,7 +75,8 @@ def runnable(environment: str | None) -> dict[str, list[Block]]:
 
 
 def run_page(blocks_of_page: list[Block], directory: Path) -> None:
-    """Run a page's blocks in order in ``directory``, with this interpreter and the package of this tree."""
+    """Run a page's blocks in order in ``directory``, with this interpreter and the package of this tree
+    (``tests/examples`` reachable from ``directory`` as from the repository's root)."""
     bin_dir = str(Path(sys.executable).parent)
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_EXPORTER_OTLP")}
     env.update(
@@ -84,6 +85,11 @@ def run_page(blocks_of_page: list[Block], directory: Path) -> None:
         WANDB_MODE="offline",
         MPLBACKEND="Agg",
     )
+    # Pages name the repository's example runs by their path from its root, as a reader of a clone would.
+    examples = directory / "tests" / "examples"
+    if not examples.exists():
+        examples.parent.mkdir(parents=True, exist_ok=True)
+        examples.symlink_to(ROOT / "tests" / "examples", target_is_directory=True)
     for i, block in enumerate(blocks_of_page):
         where = f"{block.page}:{block.line}"
         if block.language == "python":

@@ -9,16 +9,20 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ...engine.shipment import Shipment
 from ...engine.sink import Sink
 from ...errors import ConfigError, EventError
+from ...metrics.report import StepReport
 from ...records import jsonio
 from ...records.columnar import WEIGHT_FIELDS
 from ...replay.sources import is_event_file
 from ...replay.stream import Event, parse_event, read_event_path, run_events
 from .options import add_sink_options, config_from_args
+
+if TYPE_CHECKING:
+    from ...replay.sources import PrimeRlRead
 
 __all__ = ["register", "run"]
 
@@ -31,6 +35,7 @@ examples:
   staleness-metrics replay events.jsonl --policy xtuner --max-staleness 2 \\
       --max-token-staleness 1 --retry-expired --batches-out batches.jsonl
   staleness-metrics replay path/to/prime-rl-run --policy episode
+  staleness-metrics replay path/to/prime-rl-run --lenient     # its monitors/file/traces (current layout)
 
 exit status: 0 on success; 2 on invalid input (strict) or a malformed event line,
 with a one-line message `line L: rollout 'ID': field F: reason`; no output file is
@@ -62,20 +67,40 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def open_events(
-    path: Path, progress: bool | None = None, max_staleness: int = 8
-) -> tuple[Iterator[Event], contextlib.ExitStack]:
+    path: Path, progress: bool | None = None, max_staleness: int = 8, strict: bool = True
+) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
     """Events of a SPEC 9 stream (gzip, bzip2 or xz compressed or not), or of a run in another format
-    the adapters understand."""
-    from ...replay.sources import detect_and_read
+    the adapters understand; and the reader of a prime-rl run in the current layout (its notes)."""
+    from ...replay.sources import detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()
     if is_event_file(path):
         # read ahead: the outputs are written when the whole stream has been replayed
         events = read_event_path(path, parse=True, read_ahead=True, opener=lambda p: _open_with_progress(p, progress))
         stack.callback(events.close)  # closes the file even when the replay stops early
-        return events, stack
+        return events, stack, None
+    if path.is_dir() and is_current_layout(path):
+        read = read_run_events(path, max_staleness=max_staleness, strict=strict)
+        return iter(read), stack, read
     raws = detect_and_read(path, max_staleness=max_staleness)
-    return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack
+    return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack, None
+
+
+def _prime_rl_lines(path: Path, read: PrimeRlRead | None, reports: list[StepReport]) -> list[str]:
+    """What a prime-rl run's reader left out or set aside, and its logged values against the replay's."""
+    from ...replay.sources import compare_prime_rl, is_prime_rl_run
+    from ...replay.sources.prime_rl.compare import describe_comparison
+
+    if not (path.is_dir() and is_prime_rl_run(path)):
+        return []
+    lines = []
+    if read is not None:
+        if read.notes.left_out():
+            lines.append(f"left out (SPEC 9): {read.notes.left_out()}")
+        if read.notes.damage.total:
+            lines.append(f"set aside as damaged (--lenient): {read.notes.damage.summary()}")
+    rows = compare_prime_rl(path, reports, notes=read.notes if read is not None else None)
+    return lines + describe_comparison(rows)
 
 
 def _open_with_progress(path: Path, progress: bool | None) -> contextlib.AbstractContextManager[IO[bytes]]:
@@ -148,11 +173,15 @@ def run(args: argparse.Namespace) -> int:
             return 2
     sink = Sink(config, env_reports=config.env_breakdown)  # per-env figures are written only with the breakdown
     ships = 0
+    reports: list[StepReport] = []
+    prime_rl = args.events.is_dir()
     try:
-        events, stack = open_events(args.events, args.progress, config.max_staleness)
+        events, stack, read = open_events(args.events, args.progress, config.max_staleness, config.strict)
         with stack, atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out):
             for shipment in run_events(events, sink, read_ahead=True):  # (written when the whole stream is read)
                 ships += 1
+                if prime_rl:
+                    reports.append(shipment.report)
                 if metrics_out is not None:
                     metrics_out.write(jsonio.dumps_line(shipment.report.row()))
                 if batches_out is not None:
@@ -170,4 +199,7 @@ def run(args: argparse.Namespace) -> int:
         f"{totals.rollouts_invalid} invalid set aside",
         file=sys.stderr,
     )
+    if prime_rl:
+        for line in _prime_rl_lines(args.events, read, reports):
+            print(line, file=sys.stderr)
     return 0

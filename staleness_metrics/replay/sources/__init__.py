@@ -2,7 +2,8 @@
 
 :func:`detect_and_read` picks the reader by what ``path`` is:
 
-- a directory: a prime-rl run directory (:mod:`.prime_rl`);
+- a directory: a prime-rl run directory, current layout (``monitors/file/traces/``) or older
+  (``rollouts/step_N``) (:mod:`.prime_rl`);
 - a JSONL file whose first object has ``type``: the generic event stream of SPEC 9;
 - a JSONL file whose first object (or first list's first object) has ``response_ids``: xtuner rollout
   states (:mod:`.xtuner`);
@@ -18,10 +19,19 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
-from ...errors import ConfigError
+from ...errors import ConfigError, EventError
 from ..stream import Event, read_events, stream_compression
 from .events import EventDict, read_event_file
-from .prime_rl import ComparisonRow, compare_prime_rl, is_prime_rl_run, read_prime_rl, read_prime_rl_metrics
+from .prime_rl import (
+    ComparisonRow,
+    PrimeRlRead,
+    compare_prime_rl,
+    is_current_layout,
+    is_prime_rl_run,
+    read_prime_rl,
+    read_prime_rl_metrics,
+    read_run_events,
+)
 from .xtuner import read_xtuner_states
 
 _log = logging.getLogger(__name__)
@@ -29,15 +39,19 @@ _log = logging.getLogger(__name__)
 __all__ = [
     "ComparisonRow",
     "EventDict",
+    "PrimeRlRead",
     "SourceKind",
     "as_replay_events",
     "compare_prime_rl",
     "detect_and_read",
     "detect_source",
+    "is_current_layout",
     "is_event_file",
+    "is_prime_rl_run",
     "read_prime_rl",
     "read_prime_rl_metrics",
     "read_run",
+    "read_run_events",
     "read_xtuner_states",
 ]
 
@@ -62,7 +76,10 @@ def detect_source(path: str | Path) -> SourceKind:
     if root.is_dir():
         if is_prime_rl_run(root):
             return "prime-rl"
-        raise ConfigError(f"{root}: a directory without rollouts/step_N/train or metrics.jsonl")
+        raise ConfigError(
+            f"{root}: not a prime-rl run directory (no monitors/file/traces/stream, traces/stream.jsonl, "
+            "rollouts/step_N/train or metrics.jsonl)"
+        )
     if not root.is_file():
         raise ConfigError(f"{root}: no such file or directory")
     first = _first_object(root)
@@ -90,14 +107,19 @@ def is_event_file(path: str | Path) -> bool:
         return Path(path).is_file()
 
 
-def detect_and_read(path: str | Path, *, max_staleness: int = 8, step: int | None = None) -> Iterator[EventDict]:
+def detect_and_read(
+    path: str | Path, *, max_staleness: int = 8, step: int | None = None, strict: bool = True
+) -> Iterator[EventDict]:
     """The SPEC 9 events of a run input, whatever its format.
 
     ``max_staleness`` is the bound the events will be replayed at (a prime-rl directory needs it to
     tell its stale unshipped episodes from the ones discarded for other reasons); ``step`` is the
-    ship step of an xtuner states file (default: its newest version + 1).
+    ship step of an xtuner states file (default: its newest version + 1); ``strict``: a damaged
+    prime-rl run (current layout) stops with an error, else its damage is set aside and counted.
     """
     kind = detect_source(path)
+    if kind == "prime-rl" and is_current_layout(path):
+        return (_event_dict(event) for event in read_run_events(path, max_staleness=max_staleness, strict=strict))
     if kind == "prime-rl":
         return read_prime_rl(path, max_staleness=max_staleness)
     if kind == "xtuner":
@@ -114,21 +136,51 @@ def detect_and_read(path: str | Path, *, max_staleness: int = 8, step: int | Non
     )
 
 
+def _event_dict(event: Event) -> EventDict:
+    """A checked event back as its SPEC 9 dict (a refused rollout as the record it was built from)."""
+    if event.kind != "rollout":
+        return {"type": event.kind, "step": event.step, **({"ids": list(event.ids)} if event.ids is not None else {})}
+    if event.parsed is None:
+        assert event.unparsed is not None
+        error = event.unparsed.error  # rebuilt as a record the checks refuse the same way
+        raise EventError(event.line, str(error))
+    rollout = dict(event.parsed.echo)
+    rollout["samples"] = [
+        {
+            "mask": sample.mask.tolist(),
+            **({"token_versions": sample.token_versions.tolist()} if sample.token_versions is not None else {}),
+            **({"logprobs": sample.logprobs.tolist()} if sample.logprobs is not None else {}),
+            **(
+                {"trainer_logprobs": [None if v != v else v for v in sample.trainer_logprobs.tolist()]}
+                if sample.trainer_logprobs is not None
+                else {}
+            ),
+        }
+        for sample in event.parsed.samples
+    ]
+    return {"type": "rollout", "rollout": rollout}
+
+
 def as_replay_events(events: Iterable[EventDict]) -> Iterator[Event]:
     """Event dicts as the replay's checked events (the same checks as a JSONL file gets)."""
     return read_events(json.dumps(event) for event in events)
 
 
 def read_run(
-    path: str | Path, *, max_staleness: int = 8, step: int | None = None, parse: bool = False
+    path: str | Path, *, max_staleness: int = 8, step: int | None = None, parse: bool = False, strict: bool = True
 ) -> Iterator[Event]:
     """:func:`detect_and_read` as checked replay events, ready for :func:`staleness_metrics.replay.stream.replay`.
 
     An event stream is read as bytes, as ``replay`` reads it; ``parse`` as in
-    :func:`~staleness_metrics.replay.stream.read_events`.
+    :func:`~staleness_metrics.replay.stream.read_events`. A prime-rl run in the current layout gives its
+    events as read (:func:`read_run_events`), rollouts already parsed.
     """
-    if detect_source(path) == "events":
+    kind = detect_source(path)
+    if kind == "prime-rl" and is_current_layout(path):
+        yield from read_run_events(path, max_staleness=max_staleness, strict=strict)
+        return
+    if kind == "events":
         with open(path, "rb", buffering=1 << 20) as handle:  # as the replay command reads it
             yield from read_events(handle, parse=parse)
         return
-    yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step))
+    yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step, strict=strict))

@@ -1,4 +1,4 @@
-"""prime-rl run directories as a SPEC 9 event stream, and the comparison with their logged values.
+"""prime-rl run directories in the older layout (``rollouts/step_N``) as a SPEC 9 event stream.
 
 A run directory holds, per train step ``N``:
 
@@ -39,34 +39,25 @@ What the example run (made with prime-rl's own record code) shows, checked step 
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from ...errors import EventError, TraceError
-from ...metrics import keys
-from ...metrics.metric_table import LEGACY_KEYS
-from ...metrics.report import StepReport
-from .events import EventDict, iter_json_lines
+from ....errors import EventError, TraceError
+from ..events import EventDict, iter_json_lines
 
 __all__ = [
-    "ComparisonRow",
     "EpisodeInfo",
-    "compare_prime_rl",
-    "comparison_summary",
     "episode_rollout",
     "has_rollouts",
     "is_prime_rl_run",
     "read_prime_rl",
-    "read_prime_rl_metrics",
+    "shipped_counts",
 ]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_MEAN_KEYS = frozenset({keys.ROLLOUT_MEAN, keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_QUEUE_MEAN})
-_MAX_KEYS = frozenset({keys.ROLLOUT_MAX, keys.ROLLOUT_IN_FLIGHT_MAX, keys.ROLLOUT_IN_QUEUE_MAX})
 
 
 @dataclass(frozen=True)
@@ -187,19 +178,7 @@ def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[Ev
         yield {"type": "ship", "step": step, "ids": shipped[step]}
 
 
-def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """``metrics.jsonl`` rows by step (rows of one step merged in file order; rows without step skipped)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    rows: dict[int, dict[str, Any]] = {}
-    if not path.is_file():
-        return rows
-    for _, value in iter_json_lines(path):
-        if isinstance(value, dict) and isinstance(value.get("step"), int):
-            rows.setdefault(value["step"], {}).update(value)
-    return rows
-
-
-def _shipped_counts(run_dir: Path) -> dict[int, tuple[int, int]]:
+def shipped_counts(run_dir: Path) -> dict[int, tuple[int, int]]:
     """``(live, frozen)`` episodes per step in the effective files."""
     counts = {}
     for step, train in _step_dirs(run_dir).items():
@@ -207,103 +186,3 @@ def _shipped_counts(run_dir: Path) -> dict[int, tuple[int, int]]:
         frozen = sum(info.frozen for info in infos)
         counts[step] = (len(infos) - frozen, frozen)
     return counts
-
-
-Status = Literal["match", "frozen_rule", "missing", "mismatch"]
-
-
-@dataclass(frozen=True)
-class ComparisonRow:
-    """One logged ``off_policy/*`` value beside its recomputation.
-
-    ``legacy_rule`` is the recomputed value converted to prime-rl's rule (frozen episodes counted as
-    staleness 0); ``status`` says how the logged value relates: ``match`` (equals the SPEC value),
-    ``frozen_rule`` (differs only because this step shipped frozen episodes: it equals
-    ``legacy_rule``), ``missing`` (no recomputed value), ``mismatch`` (anything else).
-    """
-
-    step: int
-    legacy_key: str
-    key: str
-    historical: float
-    recomputed: float | None
-    legacy_rule: float | None
-    live: int
-    frozen: int
-    status: Status
-
-
-def _close(a: float | None, b: float | None) -> bool:
-    return a is not None and b is not None and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
-
-
-def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> float | None:
-    if frozen == 0:
-        return value
-    if key in _MEAN_KEYS:
-        return 0.0 if value is None or live + frozen == 0 else value * live / (live + frozen)
-    if key in _MAX_KEYS:
-        return 0.0 if value is None else max(value, 0.0)
-    return value
-
-
-def compare_prime_rl(
-    run_dir: str | Path,
-    metrics: Sequence[StepReport] | Sequence[Mapping[str, Any]],
-    *,
-    historical: Mapping[int, Mapping[str, Any]] | None = None,
-) -> list[ComparisonRow]:
-    """Put the recomputed keys beside the run's logged ``off_policy/*`` values, step by step.
-
-    ``metrics`` are the replay's reports (or ``--metrics-out`` rows with ``step``). The live / frozen
-    counts come from the reports' tallies when given, else from the run's effective files.
-    ``historical`` defaults to the run's ``metrics.jsonl``.
-    """
-    root = Path(run_dir)
-    logged = historical if historical is not None else read_prime_rl_metrics(root)
-    recomputed: dict[int, Mapping[str, Any]] = {}
-    counts: dict[int, tuple[int, int]] = {}
-    for item in metrics:
-        if isinstance(item, StepReport):
-            recomputed[item.step] = item.metrics
-            counts[item.step] = (item.tally.rollouts_shipped, item.tally.rollouts_frozen)
-        else:
-            recomputed[int(item["step"])] = item
-    if len(counts) < len(recomputed):
-        for step, pair in _shipped_counts(root).items():
-            counts.setdefault(step, pair)
-    rows = []
-    for step in sorted(logged):
-        live, frozen = counts.get(step, (0, 0))
-        for legacy_key, value in logged[step].items():
-            mapping = LEGACY_KEYS.get(legacy_key)
-            if mapping is None or mapping.new is None or not isinstance(value, (int, float)):
-                continue
-            new = recomputed.get(step, {}).get(mapping.new)
-            new_value = float(new) if isinstance(new, (int, float)) else None
-            converted = _legacy_value(mapping.new, new_value, live, frozen)
-            status: Status
-            if _close(float(value), new_value):
-                status = "match"
-            elif frozen and _close(float(value), converted):
-                status = "frozen_rule"
-            elif new_value is None:
-                status = "missing"
-            else:
-                status = "mismatch"
-            rows.append(
-                ComparisonRow(step, legacy_key, mapping.new, float(value), new_value, converted, live, frozen, status)
-            )
-    return rows
-
-
-def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
-    """Steps by outcome: ``match`` (every key equal), ``frozen_rule``, ``missing``, ``mismatch``."""
-    worst: dict[int, int] = {}
-    order: tuple[Status, ...] = ("match", "frozen_rule", "missing", "mismatch")
-    for row in rows:
-        worst[row.step] = max(worst.get(row.step, 0), order.index(row.status))
-    summary: dict[str, list[int]] = {name: [] for name in order}
-    for step in sorted(worst):
-        summary[order[worst[step]]].append(step)
-    return summary

@@ -1,0 +1,259 @@
+"""A prime-rl monitor that feeds a :class:`~staleness_metrics.StalenessMonitor`: the live numbers of a run, with
+one line in prime-rl's orchestrator and nothing else changed.
+
+prime-rl (from its PR #3444 on) hands every registered monitor what its file monitor writes
+(``prime_rl/monitors/base.py``): ``log(data, step, kind, subset)`` with a metrics dict or episodes,
+``log_episodes(episodes, step, kind, subset)`` (``subset="all"``: every episode as it arrives;
+``"effective"``: the cohort shipped at ``step``), ``log_annotations(updates)`` (trace updates: the
+orchestrator's ship updates, the trainer's ``trainer_logprobs``), ``log_metrics``, ``log_live``,
+``log_eval_plan``, ``log_eval_epoch``, ``init`` and ``finalize``. :class:`PrimeRlMonitor` has them all,
+duck typed: its methods do their work at once and return an awaitable, so prime-rl's ``await
+monitor.log(...)`` and an older synchronous call both work. Nothing of prime-rl or verifiers is imported:
+an episode is read through ``to_record()`` (verifiers' own serialisation, rounded as the file monitor
+rounds it), else ``model_dump(mode="json", exclude_none=True)``, else as a dict.
+
+In the orchestrator, after ``await monitors.setup(...)``::
+
+    monitors.MONITORS.append(PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=8), [PrometheusExporter()])))
+
+What it does is the replay's reading of a recorded run (SPEC 9, :mod:`staleness_metrics.replay.sources.prime_rl`),
+through the same conversion of an episode record (``episode_head`` / ``trace_rollout``), so the live numbers
+equal a replay of the same run:
+
+- ``subset="all"``, ``kind="train"``: a trace of an episode that did not error and that is stale at its
+  arrival step under the bound (``(A - 1) - policy.start > max_staleness``) is added at once: the sink drops
+  and counts it at the next sweep, as the replay does;
+- ``subset="effective"``, ``kind="train"`` at step ``N``: the shipped traces not added yet are added, then
+  ``ship(N, ids)``; the shipment is kept in :attr:`PrimeRlMonitor.shipments`;
+- ``log_annotations``: the trainer's updates (``trainer_logprobs`` per branch) of shipped traces become
+  SPEC 11's sums of their ship step, recorded once the trainer's flush of that step arrives (one call per
+  trainer step, as prime-rl's ``AnnotationWriter.flush`` makes it): ``monitor.record_mismatch``. In prime-rl
+  the trainer's updates go to the trainer's own monitors, another process: register a second
+  :class:`PrimeRlMonitor` there only if it sees the episodes too, else read the cost after the fact
+  (``staleness-metrics report RUN``). Updates without ``trainer_logprobs`` (the orchestrator's) are ignored.
+- Eval episodes, metrics rows, live deltas and eval plans are ignored.
+
+The one case where live and replay differ: a trace that arrives fresh, waits in prime-rl's buffer and becomes
+stale under this bound before it ships (possible only when ``max_staleness`` is below prime-rl's own bound):
+the replay drops it at the first ship it is stale at, live at the ship that names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..engine.shipment import Shipment
+from ..errors import FieldError
+from ..metrics.mismatch import MismatchSums, mismatch_sums
+from ..monitor import StalenessMonitor
+from ..records.model import ParsedRollout, UnparsedRollout, pack
+from ..replay.sources.prime_rl.episodes import EpisodeHead, Stream, TraceHead, episode_head, trace_rollout
+
+__all__ = ["PrimeRlMonitor", "episode_record"]
+
+KEEP_STEPS = 16  # shipped traces kept for the trainer's updates: the steps the trainer may lag behind
+
+
+class _Done:
+    """An already finished awaitable: ``await`` it or drop it."""
+
+    def __await__(self) -> Iterator[None]:
+        return iter(())
+
+
+_DONE = _Done()
+
+
+def episode_record(episode: Any, float_decimals: int | None = 4) -> Mapping[str, Any]:
+    """An episode as its JSON record: verifiers' ``to_record(float_decimals=...)``, a pydantic model's
+    ``model_dump``, or the mapping itself."""
+    to_record = getattr(episode, "to_record", None)
+    if callable(to_record):
+        record = to_record(float_decimals=float_decimals)
+    elif callable(getattr(episode, "model_dump", None)):
+        record = episode.model_dump(mode="json", exclude_none=True)
+    else:
+        record = episode
+    if not isinstance(record, Mapping):
+        raise FieldError(
+            "episodes", f"expected an episode (a verifiers Episode or a dict), got {type(episode).__name__}"
+        )
+    return record
+
+
+@dataclass
+class _Shipped:
+    """A shipped trace, kept for the trainer's updates: its record and, per kept sample, lags and masked flags."""
+
+    step: int
+    env: str | None
+    episode: EpisodeHead
+    trace: TraceHead
+    samples: tuple[int, ...]
+    lags: list[npt.NDArray[np.int64]]
+    masked: list[npt.NDArray[np.bool_]]
+    updates: dict[int, list[Stream]] = field(default_factory=dict)
+
+
+class PrimeRlMonitor:
+    """prime-rl's monitor interface over a :class:`StalenessMonitor` (see the module docs).
+
+    ``float_decimals`` is the rounding of the records (prime-rl's ``monitors.file.float_decimals``, 4 by
+    default), so the sampler's log-probabilities are those a replay of the written run reads.
+    """
+
+    run_id: str | None = None  # prime-rl asks every monitor for an external run id
+
+    def __init__(self, monitor: StalenessMonitor, *, float_decimals: int | None = 4) -> None:
+        self.monitor = monitor
+        self.float_decimals = float_decimals
+        self.shipments: dict[int, Shipment] = {}
+        self._added: set[str] = set()  # traces in the sink, not shipped yet
+        self._shipped: dict[str, _Shipped] = {}
+        self._recorded: set[int] = set()  # steps whose trainer sums were recorded
+
+    # ------------------------------------------------------------------ prime-rl's interface
+    def init(self, **kwargs: Any) -> _Done:
+        return _DONE
+
+    def log(self, data: Any, step: int | None, kind: str = "train", subset: str = "effective") -> _Done:
+        if isinstance(data, Mapping):
+            return self.log_metrics(data, step)
+        episodes = data if isinstance(data, list | tuple) else [data]
+        if step is None:
+            raise FieldError("step", "episodes are logged with the step of their batch")
+        return self.log_episodes(episodes, step, kind, subset)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None) -> _Done:
+        return _DONE
+
+    def log_episodes(self, episodes: Sequence[Any], step: int, kind: str, subset: str) -> _Done:
+        if kind != "train":
+            return _DONE
+        if subset == "all":
+            self._arrive(episodes, step)
+        elif subset == "effective":
+            self._ship(episodes, step)
+        return _DONE
+
+    def log_annotations(self, updates: Sequence[Mapping[str, Any]]) -> _Done:
+        steps: set[int] = set()
+        for number, update in enumerate(updates):
+            shipped = self._shipped.get(str(update.get("trace_id")))
+            branches = update.get("branches") or []
+            streams: list[tuple[int, list[Any]]] = []
+            for branch in branches if isinstance(branches, list) else []:
+                index = branch.get("index") if isinstance(branch, Mapping) else None
+                values = branch.get("trainer_logprobs") if isinstance(branch, Mapping) else None
+                if isinstance(index, int) and isinstance(values, list):
+                    streams.append((index, values))
+            if shipped is None or not streams:
+                continue
+            for index, values in streams:
+                array = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+                shipped.updates.setdefault(index, []).append(Stream(array, "live", number))
+            steps.add(shipped.step)
+        for step in sorted(steps - self._recorded):
+            self._record(step)
+        return _DONE
+
+    def log_live(self, events: Sequence[Mapping[str, Any]]) -> _Done:
+        return _DONE
+
+    def log_eval_plan(self, *args: Any, **kwargs: Any) -> _Done:
+        return _DONE
+
+    def log_eval_epoch(self, *args: Any, **kwargs: Any) -> _Done:
+        return _DONE
+
+    def finalize(self) -> _Done:
+        self.monitor.close()
+        return _DONE
+
+    # ------------------------------------------------------------------ the work
+    def _traces(self, episodes: Iterable[Any]) -> Iterator[tuple[EpisodeHead, TraceHead]]:
+        """Each trace of a train episode that did not error, with its episode's head."""
+        for episode in episodes:
+            head = episode_head(episode_record(episode, self.float_decimals))
+            if head.kind != "train" or not head.ok:
+                continue
+            for trace in head.traces:
+                if trace.ok:
+                    yield head, trace
+
+    def _add(self, head: EpisodeHead, trace: TraceHead) -> bool:
+        rollout, _ = trace_rollout(head, trace)
+        if rollout is None:
+            return False
+        if isinstance(rollout, UnparsedRollout):
+            if self.monitor.config.strict:
+                raise rollout.error
+            self.monitor.sink.add_parsed((rollout,))  # set aside and counted, as the replay's sink does
+            return False
+        self.monitor.add(pack([rollout]))
+        self._added.add(trace.id)
+        return True
+
+    def _arrive(self, episodes: Sequence[Any], step: int) -> None:
+        bound = self.monitor.config.max_staleness
+        for head, trace in self._traces(episodes):
+            start = head.policy[0] if head.policy is not None else None
+            arrival = trace.arrival_step if trace.arrival_step is not None else step
+            stale = isinstance(start, int) and not isinstance(start, bool) and (arrival - 1) - start > bound
+            if stale and trace.id not in self._added:
+                self._add(head, trace)
+
+    def _ship(self, episodes: Sequence[Any], step: int) -> None:
+        heads: dict[str, tuple[EpisodeHead, TraceHead]] = {}
+        ids = []
+        for head, trace in self._traces(episodes):
+            if trace.id in self._added or self._add(head, trace):
+                heads[trace.id] = (head, trace)
+                ids.append(trace.id)
+        shipment = self.monitor.ship(step, ids)
+        self.shipments[step] = shipment
+        self._added.difference_update(ids)
+        self._keep(shipment, heads)
+
+    def _keep(self, shipment: Shipment, heads: Mapping[str, tuple[EpisodeHead, TraceHead]]) -> None:
+        """Per shipped live trace, the lag and masked flag of every position of its kept samples."""
+        lags, offsets = shipment.lags, shipment.lag_offsets
+        sample = 0
+        for rollout in shipment.rollouts:
+            record = rollout.record(arrays=True)
+            count = len(rollout.samples)
+            spans = [(int(offsets[sample + k]), int(offsets[sample + k + 1])) for k in range(count)]
+            sample += count
+            if rollout.id not in heads or record.get("source") == "frozen":
+                continue
+            head, trace = heads[rollout.id]
+            lag = [lags[lo:hi] for lo, hi in spans]
+            masked = [(lg >= 0) & (np.asarray(s["mask"]) == 0) for lg, s in zip(lag, record["samples"])]
+            self._shipped[rollout.id] = _Shipped(shipment.step, head.env, head, trace, rollout.samples, lag, masked)
+        oldest = shipment.step - KEEP_STEPS
+        for trace_id in [t for t, s in self._shipped.items() if s.step < oldest]:
+            del self._shipped[trace_id]
+
+    def _record(self, step: int) -> None:
+        """SPEC 11's sums of ``step``: every shipped live trace of it, covered where the trainer's streams are."""
+        by_env: dict[str | None, MismatchSums] = {}
+        for shipped in [s for s in self._shipped.values() if s.step == step]:
+            rollout, _ = trace_rollout(shipped.episode, shipped.trace, shipped.updates)
+            if not isinstance(rollout, ParsedRollout):
+                continue
+            for local, lag, masked in zip(shipped.samples, shipped.lags, shipped.masked):
+                sample = rollout.samples[local]
+                n = len(lag)
+                sampler = sample.logprobs if sample.logprobs is not None else np.full(n, np.nan)
+                trainer = sample.trainer_logprobs if sample.trainer_logprobs is not None else np.full(n, np.nan)
+                sums = mismatch_sums(lag, sampler, trainer, masked, band=self.monitor.config.mismatch_band)
+                key = shipped.env if self.monitor.config.env_breakdown else None
+                by_env[key] = by_env.get(key, MismatchSums.zero()) + sums
+        self._recorded.add(step)
+        for env, sums in by_env.items():
+            self.monitor.record_mismatch(step, sums, env=env)

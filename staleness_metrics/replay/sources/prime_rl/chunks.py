@@ -1,0 +1,123 @@
+"""The lines of a prime-rl stream, chunk after chunk, plain or sealed, with where each one starts.
+
+A sealed chunk is zstd in the seekable format: independent frames of at most 4 MiB, then a skippable
+frame holding the seek table. It is read front to back as a stream of frames (the ``zstandard``
+package; skippable frames carry no data), so nothing of the seek table is needed. Offsets are in the
+decompressed bytes, as prime-rl's index gives them.
+
+Damage is raised as :class:`ChunkDamage` (a corrupt frame, a chunk cut inside a frame): the reader of
+the stream decides, by its strictness, whether that stops the replay or sets the rest of the chunk
+aside. A line without its newline at the end of a file is the remnant of a process that died
+mid-append: :attr:`Line.ended` says so, and the caller decides what a torn line means.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import zstandard
+
+from .layout import ChunkFile
+
+__all__ = ["ChunkDamage", "Line", "open_chunk", "read_lines"]
+
+_BUFFER = 1 << 20  # lines of long episodes are hundreds of KB
+
+
+class ChunkDamage(Exception):
+    """A chunk that cannot be read to its end: ``path``, the line reached and why."""
+
+    def __init__(self, path: Path, line: int, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.line = line
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Line:
+    """One line of a stream file: ``number`` 1-based in its file, ``offset`` its first byte (decompressed),
+    ``text`` without the newline, ``ended`` whether the newline was there."""
+
+    file: ChunkFile
+    number: int
+    offset: int
+    text: bytes
+    ended: bool
+
+
+class _Frames(io.RawIOBase):
+    """The decompressed bytes of a file of zstd frames; a corrupt frame or a file cut inside a frame
+    raises ``zstandard.ZstdError`` (the package's stream reader would end quietly on a cut file)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self._context = zstandard.ZstdDecompressor()
+        self._frame = self._context.decompressobj()
+        self._in_frame = False  # bytes of the current frame were fed and its end not seen yet
+        self._out = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def _fill(self) -> bool:
+        while not self._out:
+            data = self._raw.read(_BUFFER)
+            if not data:
+                if self._in_frame:
+                    raise zstandard.ZstdError("the file ends inside a frame (cut short)")
+                return False
+            parts = []
+            while data:
+                parts.append(self._frame.decompress(data))
+                self._in_frame = True
+                if self._frame.eof:
+                    data = self._frame.unused_data
+                    self._frame = self._context.decompressobj()
+                    self._in_frame = False
+                else:
+                    data = b""
+            self._out = b"".join(parts)
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        if not self._fill():
+            return 0
+        size = min(len(buffer), len(self._out))
+        buffer[:size] = self._out[:size]
+        self._out = self._out[size:]
+        return size
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def open_chunk(file: ChunkFile) -> IO[bytes]:
+    """The decompressed bytes of a stream file, buffered."""
+    raw = open(file.path, "rb", buffering=_BUFFER)  # noqa: SIM115 (closed with the reader)
+    if not file.sealed:
+        return raw
+    return io.BufferedReader(_Frames(raw), _BUFFER)
+
+
+def read_lines(file: ChunkFile) -> Iterator[Line]:
+    """Every non-blank line of one stream file; :class:`ChunkDamage` where it cannot be read on."""
+    number = offset = 0
+    try:
+        with open_chunk(file) as handle:
+            for raw in handle:
+                number += 1
+                ended = raw.endswith(b"\n")
+                text = raw[:-1] if ended else raw
+                if text.strip():
+                    yield Line(file, number, offset, text, ended)
+                offset += len(raw)
+    except zstandard.ZstdError as error:
+        raise ChunkDamage(file.path, number + 1, f"corrupt zstd data after line {number} ({error})") from None
+    except OSError as error:
+        raise ChunkDamage(file.path, number + 1, f"cannot be read after line {number} ({error})") from None

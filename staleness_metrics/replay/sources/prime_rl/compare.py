@@ -1,0 +1,288 @@
+"""prime-rl's own logged values beside the recomputed ones, step by step (SPEC 9: read for comparison,
+never as input).
+
+``metrics.jsonl`` holds one row per ``log`` call, several per step, each tagged by its ``producer`` in the
+current layout (``orch``, ``trainer``, ...): rows of one step are merged. Compared:
+
+- the orchestrator's rollout staleness, ``off_policy/*`` or ``staleness/*`` (both names are read;
+  SPEC 7 maps each to its current key): prime-rl computes them over the shipped **episodes**, one value
+  per episode, a frozen-model episode counting as 0; SPEC 9 replays one rollout per **trace** and leaves
+  frozen rollouts out. ``legacy_rule`` is prime-rl's rule recomputed from the same records: a logged value
+  equal to it but not to ours differs for that reason alone (``prime_rl_rule``);
+- the trainer's ``mismatch_kl/<all|env>/{mean,std,min,max}``: prime-rl's trainer takes ``exp(d) - d - 1``
+  (``d`` = trainer - sampler log-probability) per token over every trained sample's loss-mask tokens,
+  frozen samples included, and logs the statistics of those tokens (``Tensors.compute_stats``); SPEC 11's
+  ``staleness/mismatch/k3`` is the same per-token mean over the covered tokens of live rollouts, ``d``
+  clamped to [-20, 20]. ``legacy_rule`` is prime-rl's statistic recomputed from the records'
+  log-probabilities, which prime-rl rounds to 4 decimals where its trainer used full precision: mismatch
+  values agree to within :data:`MISMATCH_TOLERANCE`, not exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from ....metrics import keys
+from ....metrics.metric_table import LEGACY_KEYS, env_key
+from ....metrics.report import StepReport
+from ..events import iter_json_lines
+from .layout import find_layout
+from .legacy import shipped_counts
+from .run import ReadNotes, StepRule
+
+__all__ = [
+    "MISMATCH_TOLERANCE",
+    "ComparisonRow",
+    "compare_prime_rl",
+    "comparison_summary",
+    "describe_comparison",
+    "read_prime_rl_metrics",
+]
+
+_MEAN_KEYS = frozenset({keys.ROLLOUT_MEAN, keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_QUEUE_MEAN})
+_MAX_KEYS = frozenset({keys.ROLLOUT_MAX, keys.ROLLOUT_IN_FLIGHT_MAX, keys.ROLLOUT_IN_QUEUE_MAX})
+_CURRENT = _MEAN_KEYS | _MAX_KEYS | {keys.ROLLOUTS_DROPPED}
+_RULE_FIELD = {
+    keys.ROLLOUT_MEAN: "total",
+    keys.ROLLOUT_MAX: "total",
+    keys.ROLLOUT_IN_FLIGHT_MEAN: "in_flight",
+    keys.ROLLOUT_IN_FLIGHT_MAX: "in_flight",
+    keys.ROLLOUT_IN_QUEUE_MEAN: "in_queue",
+    keys.ROLLOUT_IN_QUEUE_MAX: "in_queue",
+}
+MISMATCH_PREFIX = "mismatch_kl/"
+MISMATCH_TOLERANCE = (0.05, 2e-5)  # (relative, absolute): per-token log-probabilities rounded to 4 decimals
+
+Status = Literal["match", "prime_rl_rule", "missing", "mismatch"]
+
+# Why a logged value differs from ours (ComparisonRow.note), one reason a clause.
+PER_EPISODE = "prime-rl averages over episodes, SPEC 9 over traces"
+FROZEN = "prime-rl counts frozen-model episodes as staleness 0, SPEC leaves them out"
+FROZEN_TOKENS = "prime-rl's mismatch_kl includes the tokens of frozen-model samples, SPEC 11 only live ones"
+NO_KEY = "no SPEC key holds this statistic: prime-rl's rule recomputed from the records"
+DROPPED = (
+    "prime-rl's dropped counts what its own bound voided, and the records do not say why an episode never shipped: "
+    "SPEC 9 drops every never-shipped episode that was stale at its arrival under the bound replayed"
+)
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    """One logged value beside its recomputation.
+
+    ``legacy_key`` is the key prime-rl logged, ``key`` ours (SPEC 6/11); ``recomputed`` our value;
+    ``legacy_rule`` prime-rl's own rule recomputed from the records; ``status``: ``match`` (the logged
+    value equals ours), ``prime_rl_rule`` (it equals prime-rl's rule only: ``note`` says why the rules
+    differ), ``missing`` (nothing recomputed), ``mismatch`` (anything else)."""
+
+    step: int
+    legacy_key: str
+    key: str
+    historical: float
+    recomputed: float | None
+    legacy_rule: float | None
+    live: int
+    frozen: int
+    status: Status
+    note: str = ""
+
+
+def _metrics_path(run_dir: Path) -> Path | None:
+    layout = find_layout(run_dir)
+    if layout is not None and layout.metrics is not None:
+        return layout.metrics
+    path = run_dir / "metrics.jsonl"
+    return path if path.is_file() else None
+
+
+def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """``metrics.jsonl`` rows by step, every producer's rows of a step merged in file order (rows without a
+    step, such as time-keyed inference rows, are skipped)."""
+    path = _metrics_path(Path(run_dir))
+    rows: dict[int, dict[str, Any]] = {}
+    if path is None:
+        return rows
+    for _, value in iter_json_lines(path):
+        step = value.get("step") if isinstance(value, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            rows.setdefault(step, {}).update(value)
+    return rows
+
+
+def _close(a: float | None, b: float | None, tolerance: tuple[float, float] = (1e-9, 1e-9)) -> bool:
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=tolerance[0], abs_tol=tolerance[1])
+
+
+def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> float | None:
+    """Our value converted to prime-rl's rule from counts alone (older layout: one trace per episode)."""
+    if frozen == 0:
+        return value
+    if key in _MEAN_KEYS:
+        return 0.0 if value is None or live + frozen == 0 else value * live / (live + frozen)
+    if key in _MAX_KEYS:
+        return 0.0 if value is None else max(value, 0.0)
+    return value
+
+
+def _rule_value(key: str, rule: StepRule) -> float | None:
+    """prime-rl's own value of a rollout key, from the shipped episodes of the step."""
+    values = getattr(rule, _RULE_FIELD[key]) if key in _RULE_FIELD else None
+    if not values:
+        return None
+    return sum(values) / len(values) if key in _MEAN_KEYS else float(max(values))
+
+
+def _staleness_row(
+    step: int, logged_key: str, value: float, ours: Mapping[str, Any], rule: StepRule | None, counts: tuple[int, int]
+) -> ComparisonRow | None:
+    mapping = LEGACY_KEYS.get(logged_key)
+    key = mapping.new if mapping is not None else logged_key if logged_key in _CURRENT else None
+    if key is None:
+        return None
+    new = ours.get(key)
+    recomputed = float(new) if isinstance(new, (int, float)) else None
+    live, frozen = counts
+    legacy = _rule_value(key, rule) if rule is not None else _legacy_value(key, recomputed, live, frozen)
+    reasons = []
+    if rule is not None and rule.live_traces != rule.live:
+        reasons.append(PER_EPISODE)
+    if frozen:
+        reasons.append(FROZEN)
+    if key == keys.ROLLOUTS_DROPPED:
+        reasons = [DROPPED]
+    note = "; ".join(reasons)
+    status: Status
+    if _close(value, recomputed):
+        status = "match"
+    elif reasons and _close(value, legacy):
+        status = "prime_rl_rule"
+    elif recomputed is None:
+        status = "missing"
+    else:
+        status = "mismatch"
+    return ComparisonRow(step, logged_key, key, value, recomputed, legacy, live, frozen, status, note)
+
+
+def _mismatch_row(
+    step: int, logged_key: str, value: float, ours: Mapping[str, Any], rule: StepRule | None
+) -> ComparisonRow | None:
+    parts = logged_key.removeprefix(MISMATCH_PREFIX).split("/")
+    stat = parts[-1]
+    if stat not in ("mean", "std", "min", "max"):
+        return None
+    scope = "/".join(parts[:-1]) or "all"
+    key = keys.MISMATCH_K3 if scope == "all" else env_key(scope, keys.MISMATCH_K3)
+    new = ours.get(key) if stat == "mean" else None
+    recomputed = float(new) if isinstance(new, (int, float)) else None
+    legacy = rule.k3[scope].value(stat) if rule is not None and scope in rule.k3 else None
+    live, frozen = (rule.live, rule.frozen) if rule is not None else (0, 0)
+    status: Status
+    if _close(value, recomputed, MISMATCH_TOLERANCE):
+        status = "match"
+    elif _close(value, legacy, MISMATCH_TOLERANCE):
+        status = "prime_rl_rule"
+    elif recomputed is None and legacy is None:
+        status = "missing"
+    else:
+        status = "mismatch"
+    note = NO_KEY if recomputed is None else FROZEN_TOKENS if frozen else ""
+    return ComparisonRow(
+        step, logged_key, key if stat == "mean" else "", value, recomputed, legacy, live, frozen, status, note
+    )
+
+
+def compare_prime_rl(
+    run_dir: str | Path,
+    metrics: Sequence[StepReport] | Sequence[Mapping[str, Any]],
+    *,
+    historical: Mapping[int, Mapping[str, Any]] | None = None,
+    notes: ReadNotes | None = None,
+) -> list[ComparisonRow]:
+    """Put the recomputed keys beside the run's logged values, step by step (module docs).
+
+    ``metrics`` are the replay's reports (or ``--metrics-out`` rows with ``step``); ``notes`` the current
+    layout's reader notes (:attr:`~.run.PrimeRlRead.notes`), which hold prime-rl's rule per step; without
+    them (older layout) the rule is derived from the live / frozen counts, from the reports' tallies when
+    given, else from the run's effective files. ``historical`` defaults to the run's ``metrics.jsonl``.
+    """
+    root = Path(run_dir)
+    logged = historical if historical is not None else read_prime_rl_metrics(root)
+    recomputed: dict[int, Mapping[str, Any]] = {}
+    counts: dict[int, tuple[int, int]] = {}
+    for item in metrics:
+        if isinstance(item, StepReport):
+            recomputed[item.step] = item.metrics
+            counts[item.step] = (item.tally.rollouts_shipped, item.tally.rollouts_frozen)
+        else:
+            recomputed[int(item["step"])] = item
+    if notes is not None:
+        counts = {step: (rule.live, rule.frozen) for step, rule in notes.steps.items()}
+    elif len(counts) < len(recomputed):
+        for step, pair in shipped_counts(root).items():
+            counts.setdefault(step, pair)
+    rows = []
+    for step in sorted(logged):
+        rule = notes.steps.get(step) if notes is not None else None
+        ours = recomputed.get(step, {})
+        for logged_key, value in logged[step].items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if logged_key.startswith(MISMATCH_PREFIX):
+                row = _mismatch_row(step, logged_key, float(value), ours, rule) if notes is not None else None
+            else:
+                row = _staleness_row(step, logged_key, float(value), ours, rule, counts.get(step, (0, 0)))
+            if row is not None:
+                rows.append(row)
+    return rows
+
+
+def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
+    """Steps by outcome: ``match`` (every value equal to ours, or a statistic no SPEC key holds equal to
+    prime-rl's rule), ``prime_rl_rule``, ``missing``, ``mismatch``."""
+    worst: dict[int, int] = {}
+    order: tuple[Status, ...] = ("match", "prime_rl_rule", "missing", "mismatch")
+    for row in rows:
+        # a statistic no SPEC key holds, reproduced by prime-rl's rule, says nothing against our values
+        reproduced = row.note == NO_KEY and row.status == "prime_rl_rule"
+        worst[row.step] = max(worst.get(row.step, 0), 0 if reproduced else order.index(row.status))
+    summary: dict[str, list[int]] = {name: [] for name in order}
+    for step in sorted(worst):
+        summary[order[worst[step]]].append(step)
+    return summary
+
+
+def describe_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
+    """A few lines for a terminal: per family of logged keys, the steps where every value equals ours, those
+    where the others equal prime-rl's own rule recomputed from the records (and why the rules differ), and
+    those that differ otherwise."""
+    lines = []
+    for family, prefix in (("off_policy/* (or staleness/*)", None), ("mismatch_kl/*", MISMATCH_PREFIX)):
+        mine = [r for r in rows if (prefix is not None) == r.legacy_key.startswith(MISMATCH_PREFIX)]
+        if not mine:
+            continue
+        summary = comparison_summary(mine)
+        steps = len({r.step for r in mine})
+        text = f"prime-rl's logged {family}: {len(summary['match'])} of {steps} steps equal ours"
+        if summary["prime_rl_rule"]:
+            text += f", {len(summary['prime_rl_rule'])} equal prime-rl's own rule recomputed from the records"
+        if prefix is not None:
+            text += " (to within the records' 4-decimal rounding)"
+        lines.append(text)
+        reasons = sorted({part for r in mine if r.status != "match" and r.note for part in r.note.split("; ")})
+        lines.extend(f"  why: {reason}" for reason in reasons)
+        if summary["mismatch"]:
+            first = next(r for r in mine if r.status == "mismatch")
+            lines.append(
+                f"  steps {_steps(summary['mismatch'])} differ (first: step {first.step} {first.legacy_key} logged "
+                f"{first.historical:.6g}, ours {first.recomputed}, prime-rl's rule {first.legacy_rule})"
+            )
+    return lines
+
+
+def _steps(steps: Sequence[int], limit: int = 12) -> str:
+    shown = ", ".join(map(str, steps[:limit]))
+    return shown + (f" and {len(steps) - limit} more" if len(steps) > limit else "")

@@ -1,0 +1,425 @@
+"""One prime-rl episode record -> one SPEC 3 rollout per trace, one sample per trainable branch (SPEC 9).
+
+The record is verifiers' ``Episode.to_record()`` (``prime-rl-traces.md`` section 3), as a dict or as the
+lazy proxies of :mod:`.lazy`; only what staleness needs is read:
+
+- the episode: ``id``, ``group.id``, ``env.name`` (else ``env.id``), ``ok``, ``errors``,
+  ``run.work.policy.{start,end}`` (absent: frozen-model work), the kind (``traces[0].info.kind``, else
+  ``run.work.type``, else ``run.type``);
+- each trace: ``id``, ``ok``, ``errors``, ``info.arrival.step``, ``agent.trainable``, and its nodes:
+  ``parent``, ``token_ids`` (only their count), ``mask``, ``logprobs`` (compact: one per sampled token),
+  ``trainer_logprobs`` (compact, when a reader folded them in), ``semantic_parents`` (compaction
+  attempts), and per-token versions where a record carries them:
+
+  - ``weight_versions``: ``[[version, k], ...]``, ``k`` the index of the node's sampled token where the
+    stretch starts (0 = its first sampled token), strictly increasing; the node's sampled tokens before
+    the first ``k`` are unlabelled, and so are stretches of version ``-1``;
+  - ``token_versions``: one version per sampled token of the node (compact, like ``logprobs``), ``-1`` =
+    unlabelled.
+
+Branch ``i`` is the path from the root to the ``i``-th leaf (node-index order), its tokens the concatenated
+``token_ids``; a branch is trainable unless its leaf is a compaction attempt the trace did not resume
+from (verifiers' ``Trace.branches``), and nothing trains when ``agent.trainable`` is false. Its sample:
+``mask`` the nodes' masks, except that a sampled node shared with an earlier trainable branch trains
+only there (prime-rl's sample masks); ``logprobs`` the sampler's spread onto the sampled positions (0.0
+elsewhere; absent when a node lacks them); ``token_versions`` from the labels above; ``trainer_logprobs``
+the trainer's, position by position (:func:`fold_streams`). A branch with no sampled position makes no
+sample; a trace without nodes (older records) is one sample with one sampled, unlabelled position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ....errors import TraceError
+from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout, check_head
+from . import lazy
+
+__all__ = [
+    "EpisodeHead",
+    "NotAnEpisode",
+    "Problem",
+    "Stream",
+    "TraceHead",
+    "episode_head",
+    "fold_streams",
+    "trace_rollout",
+]
+
+
+Problem = tuple[str, int, str]  # (file, line, reason) of an update that does not fit its trace
+
+
+class NotAnEpisode(ValueError):
+    """A stream line that is not an episode record (why, in the message)."""
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A full-length per-position stream of one update (NaN = null), and where the update was read."""
+
+    values: npt.NDArray[np.float64]
+    path: str  # where the update was read
+    line: int
+
+
+@dataclass(frozen=True)
+class TraceHead:
+    id: str
+    ok: bool
+    arrival_step: int | None
+    doc: Any  # the trace object (a proxy: valid until the next line is parsed)
+
+
+@dataclass(frozen=True)
+class EpisodeHead:
+    """What every decision about an episode needs, read before any token."""
+
+    id: str
+    kind: str
+    ok: bool
+    group: str | None
+    env: str | None
+    policy: tuple[object, object] | None  # (start, end) as recorded; None: frozen-model work
+    traces: list[TraceHead] = field(default_factory=list)
+
+    @property
+    def frozen(self) -> bool:
+        return self.policy is None
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _errored(doc: object) -> bool:
+    errors = lazy.get(doc, "errors")
+    return lazy.get(doc, "ok") is False or (lazy.is_array(errors) and lazy.length(errors) > 0)
+
+
+def episode_head(doc: object) -> EpisodeHead:
+    """The head of an episode record; :class:`NotAnEpisode` when the line is not one."""
+    if not lazy.is_object(doc):
+        raise NotAnEpisode(f"expected an episode object, got {type(lazy.to_python(doc)).__name__}")
+    episode_id = _text(lazy.get(doc, "id"))
+    traces = lazy.get(doc, "traces")
+    if episode_id is None or not lazy.is_array(traces):
+        raise NotAnEpisode("not an episode record (expected a string 'id' and a 'traces' list)")
+    run = lazy.get(doc, "run")
+    work = lazy.get(run, "work")
+    heads = []
+    for i, trace in enumerate(traces):
+        trace_id = _text(lazy.get(trace, "id"))
+        if trace_id is None:
+            raise NotAnEpisode(f"episode {episode_id!r}: traces[{i}] has no string 'id'")
+        arrival = _int(lazy.get(lazy.get(lazy.get(trace, "info"), "arrival"), "step"))
+        heads.append(TraceHead(trace_id, not _errored(trace), arrival, trace))
+    first_info = lazy.get(traces[0], "info") if heads else None
+    kind = _text(lazy.get(first_info, "kind")) or _text(lazy.get(work, "type")) or _text(lazy.get(run, "type"))
+    policy = lazy.get(work, "policy")
+    env = lazy.get(doc, "env")
+    return EpisodeHead(
+        id=episode_id,
+        kind=kind or "eval",
+        ok=not _errored(doc),
+        group=_text(lazy.get(lazy.get(doc, "group"), "id")),
+        env=_text(lazy.get(env, "name")) or _text(lazy.get(env, "id")),
+        policy=None if policy is None else (lazy.get(policy, "start"), lazy.get(policy, "end")),
+        traces=heads,
+    )
+
+
+_POLICY_FIELDS = {"dispatch_version": "run.work.policy.start", "completion_version": "run.work.policy.end"}
+
+
+def _head(episode: EpisodeHead, trace: TraceHead) -> dict[str, Any]:
+    """The rollout's fields but its samples, checked as any record's are (named by the record's own fields)."""
+    head: dict[str, Any] = {"id": trace.id}
+    if episode.group is not None:
+        head["group_id"] = episode.group
+    if episode.env is not None:
+        head["env"] = episode.env
+    if episode.policy is None:
+        head["source"] = "frozen"
+    else:
+        start, end = episode.policy
+        head["dispatch_version"] = lazy.to_python(start)
+        if end is not None:
+            head["completion_version"] = lazy.to_python(end)
+    try:
+        check_head(head)
+    except TraceError as error:
+        raise TraceError(error.rollout_id, _POLICY_FIELDS.get(error.field, error.field), error.reason) from None
+    return head
+
+
+@dataclass
+class _Node:
+    parent: int | None
+    mask: npt.NDArray[np.bool_]
+    logprobs: npt.NDArray[np.float64] | None  # compact; None: the node's sampled tokens have none
+    trainer: npt.NDArray[np.float64] | None  # compact, NaN = null
+    versions: npt.NDArray[np.int64] | None  # compact, -1 = unlabelled
+    compaction_attempt: bool
+    resumes: list[int]  # nodes this one names as compaction parents
+
+    @property
+    def sampled(self) -> int:
+        return int(np.count_nonzero(self.mask))
+
+
+def _field(trace_id: str, where: str, reason: str) -> TraceError:
+    return TraceError(trace_id, where, reason)
+
+
+def _compact_floats(trace_id: str, where: str, value: object, count: int, nulls: bool) -> npt.NDArray[np.float64]:
+    try:
+        values = lazy.as_floats(value, nulls=nulls)
+    except TypeError as error:
+        raise _field(trace_id, where, f"expected a list of numbers{' or nulls' if nulls else ''} ({error})") from None
+    if len(values) != count:
+        raise _field(trace_id, where, f"{len(values)} values for the node's {count} sampled tokens")
+    return values
+
+
+def _versions(trace_id: str, where: str, doc: object, count: int) -> npt.NDArray[np.int64] | None:
+    spans, tokens = lazy.get(doc, "weight_versions"), lazy.get(doc, "token_versions")
+    if spans is not None and tokens is not None:
+        raise _field(trace_id, f"{where}.token_versions", "both weight_versions and token_versions are given")
+    if tokens is not None:
+        try:
+            versions = lazy.as_ints(tokens)
+        except TypeError as error:
+            raise _field(trace_id, f"{where}.token_versions", f"expected a list of integers ({error})") from None
+        if len(versions) != count:
+            raise _field(trace_id, f"{where}.token_versions", f"{len(versions)} values for {count} sampled tokens")
+        if versions.size and int(versions.min()) < -1:
+            raise _field(trace_id, f"{where}.token_versions", "versions must be >= 0 (or -1: unlabelled)")
+        return versions.astype(np.int64, copy=True)
+    if spans is None:
+        return None
+    pairs = lazy.to_python(spans)
+    out = np.full(count, -1, dtype=np.int64)
+    if not isinstance(pairs, list):
+        raise _field(trace_id, f"{where}.weight_versions", "expected a list of [version, k] pairs")
+    starts: list[int] = []
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(_int(v) is not None for v in pair)):
+            raise _field(
+                trace_id, f"{where}.weight_versions[{i}]", f"expected a [version, k] pair of integers, got {pair!r}"
+            )
+        version, start = pair
+        if version < -1:
+            raise _field(trace_id, f"{where}.weight_versions[{i}]", f"version must be >= 0 (or -1), got {version}")
+        if not 0 <= start < count:
+            raise _field(
+                trace_id,
+                f"{where}.weight_versions[{i}]",
+                f"k must be in 0..{count - 1} (the node's sampled tokens), got {start}",
+            )
+        if starts and start <= starts[-1]:
+            raise _field(trace_id, f"{where}.weight_versions[{i}]", "starts must strictly increase")
+        starts.append(start)
+    for (version, start), stop in zip(pairs, [*starts[1:], count], strict=True):
+        out[start:stop] = version
+    return out
+
+
+def _node(trace_id: str, index: int, doc: object, count: int) -> _Node:
+    where = f"nodes[{index}]"
+    if not lazy.is_object(doc):
+        raise _field(trace_id, where, "expected an object")
+    present = lazy.keys(doc)
+    parent = lazy.get(doc, "parent") if "parent" in present else None
+    if parent is not None and (_int(parent) is None or not 0 <= parent < count or parent == index):
+        raise _field(trace_id, f"{where}.parent", f"expected the index of another node, got {lazy.to_python(parent)!r}")
+    tokens, mask_doc = lazy.get(doc, "token_ids"), lazy.get(doc, "mask")
+    size = lazy.length(tokens) if lazy.is_array(tokens) else 0
+    try:
+        mask = lazy.as_bools(mask_doc) if mask_doc is not None else np.zeros(0, dtype=bool)
+    except TypeError as error:
+        raise _field(trace_id, f"{where}.mask", f"expected a list of booleans ({error})") from None
+    if len(mask) == 0 and size:
+        mask = np.zeros(size, dtype=bool)  # a node without a mask samples nothing
+    elif len(mask) != size:
+        raise _field(trace_id, f"{where}.mask", f"{len(mask)} entries for {size} token_ids")
+    sampled = int(np.count_nonzero(mask))
+    logprobs_doc = lazy.get(doc, "logprobs")
+    logprobs = None
+    if sampled and logprobs_doc is not None and lazy.length(logprobs_doc):
+        logprobs = _compact_floats(trace_id, f"{where}.logprobs", logprobs_doc, sampled, nulls=False)
+        if not np.all(np.isfinite(logprobs)):
+            raise _field(trace_id, f"{where}.logprobs", "values must be finite")
+    trainer_doc = lazy.get(doc, "trainer_logprobs") if "trainer_logprobs" in present else None
+    trainer = None
+    if sampled and trainer_doc is not None:
+        trainer = _compact_floats(trace_id, f"{where}.trainer_logprobs", trainer_doc, sampled, nulls=True)
+    links: Any = lazy.get(doc, "semantic_parents") if "semantic_parents" in present else None
+    attempt, resumes = False, []
+    if links is not None and lazy.is_array(links):
+        for link in links:
+            kind, target = lazy.get(link, "type"), _int(lazy.get(link, "node"))
+            attempt = attempt or kind == "compaction_attempt"
+            if kind == "compaction" and target is not None:
+                resumes.append(target)
+    labelled = sampled and ("weight_versions" in present or "token_versions" in present)
+    versions = _versions(trace_id, where, doc, sampled) if labelled else None
+    return _Node(parent, mask, logprobs, trainer, versions, attempt, resumes)
+
+
+def _branches(trace_id: str, nodes: list[_Node]) -> list[tuple[int, list[int], bool]]:
+    """``(index, path, trainable)`` per leaf in node-index order (verifiers' ``Trace.branches``)."""
+    parents = {node.parent for node in nodes if node.parent is not None}
+    accepted = {target for node in nodes for target in node.resumes}
+    out: list[tuple[int, list[int], bool]] = []
+    for ordinal, leaf in enumerate(i for i in range(len(nodes)) if i not in parents):
+        path: list[int] = []
+        current: int | None = leaf
+        seen: set[int] = set()
+        while current is not None:
+            if current in seen:
+                raise _field(trace_id, f"nodes[{current}].parent", "the parents form a loop")
+            seen.add(current)
+            path.append(current)
+            current = nodes[current].parent
+        path.reverse()
+        out.append((ordinal, path, not nodes[leaf].compaction_attempt or leaf in accepted))
+    return out
+
+
+def fold_streams(
+    size: int, base: npt.NDArray[np.float64] | None, streams: Sequence[Stream]
+) -> npt.NDArray[np.float64] | None:
+    """A branch's per-position values: ``base`` (the record's own, NaN = none), then each update's
+    full-length stream in write order, position by position: a value replaces what was there, a null
+    (NaN) leaves it, and a stream shorter than the branch covers only the positions it holds (prime-rl's
+    own fold leaves a whole node bare when a stream stops inside it; for coverage each position counts).
+    None when nothing covers any position."""
+    if base is None and not streams:
+        return None
+    out = base.copy() if base is not None else np.full(size, np.nan)
+    for stream in streams:
+        values = stream.values[:size]
+        known = ~np.isnan(values)
+        out[: len(values)][known] = values[known]
+    return out if not np.all(np.isnan(out)) else None
+
+
+def _sample(nodes: list[_Node], path: list[int], claimed: set[int], streams: Sequence[Stream]) -> ParsedSample | None:
+    masks, logprobs, trainer, versions = [], [], [], []
+    has_logprobs = has_trainer = has_versions = False
+    missing_logprobs = False
+    for index in path:
+        node = nodes[index]
+        mask = node.mask if index not in claimed else np.zeros(len(node.mask), dtype=bool)
+        masks.append(mask)
+        spread = np.zeros(len(mask))
+        if node.logprobs is not None:
+            spread[node.mask] = node.logprobs
+            has_logprobs = True
+        elif mask.any():
+            missing_logprobs = True
+        logprobs.append(spread)
+        base = np.full(len(mask), np.nan)
+        if node.trainer is not None:
+            base[node.mask] = node.trainer
+            has_trainer = True
+        trainer.append(base)
+        labels = np.full(len(mask), -1, dtype=np.int64)
+        if node.versions is not None:
+            labels[node.mask] = node.versions
+            has_versions = True
+        versions.append(labels)
+    mask = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
+    if not mask.any():
+        return None
+    sample = ParsedSample(mask=mask.astype(np.int8))
+    if has_logprobs and not missing_logprobs:
+        sample.logprobs = np.concatenate(logprobs)
+        sample.fresh.add("logprobs")
+    folded = fold_streams(len(mask), np.concatenate(trainer) if has_trainer else None, streams)
+    if folded is not None:
+        sample.trainer_logprobs = folded
+        sample.fresh.add("trainer_logprobs")
+    if has_versions:
+        sample.token_versions = np.concatenate(versions)
+        sample.fresh.add("token_versions")
+    return sample
+
+
+def trace_rollout(
+    episode: EpisodeHead, trace: TraceHead, updates: dict[int, list[Stream]] | None = None
+) -> tuple[ParsedRollout | UnparsedRollout | None, list[Problem]]:
+    """The rollout of one trace (None when it trains nothing) and the problems of ``updates`` (per branch
+    index: the trainer's streams in write order) that do not fit it: a branch the trace does not have, a
+    stream longer than its branch. A record the sink must refuse comes back as an :class:`UnparsedRollout`."""
+    updates = updates or {}
+    try:
+        head = _head(episode, trace)
+        doc = trace.doc
+        agent = lazy.get(doc, "agent")
+        nodes_doc = lazy.get(doc, "nodes")
+        count = lazy.length(nodes_doc) if lazy.is_array(nodes_doc) else 0
+        if count == 0:  # a record without token data: one sampled, unlabelled position
+            single = [ParsedSample(mask=np.ones(1, dtype=np.int8))]
+            problems = [
+                (s.path, s.line, f"trace {trace.id!r} has no branch {b}") for b, ss in updates.items() for s in ss
+            ]
+            return _rollout(head, single, agentic=False), problems
+        nodes = [_node(trace.id, i, node, count) for i, node in enumerate(nodes_doc)]
+    except TraceError as error:
+        return UnparsedRollout(error, episode.env), []
+    branches = _branches(trace.id, nodes)
+    problems = [
+        (s.path, s.line, f"trace {trace.id!r} has no branch {b}")
+        for b, ss in updates.items()
+        if not 0 <= b < len(branches)
+        for s in ss
+    ]
+    if lazy.get(agent, "trainable") is False:
+        return None, problems
+    samples: list[ParsedSample] = []
+    claimed: set[int] = set()
+    for index, path, trainable in branches:
+        if not trainable:
+            continue
+        size = sum(len(nodes[i].mask) for i in path)
+        streams = updates.get(index, [])
+        for stream in streams:
+            if len(stream.values) > size:
+                reason = (
+                    f"trace {trace.id!r} branch {index}: {len(stream.values)} positions for a branch of {size} tokens"
+                )
+                problems.append((stream.path, stream.line, reason))
+        fitting = [s for s in streams if len(s.values) <= size]
+        sample = _sample(nodes, path, claimed, fitting)
+        claimed.update(i for i in path if nodes[i].sampled)
+        if sample is not None:
+            samples.append(sample)
+    if not samples:
+        return None, problems
+    agentic = sum(1 for node in nodes if node.sampled) > 1
+    return _rollout(head, samples, agentic), problems
+
+
+def _rollout(head: dict[str, Any], samples: list[ParsedSample], agentic: bool) -> ParsedRollout:
+    return ParsedRollout(
+        id=head["id"],
+        dispatch_version=head.get("dispatch_version", -1),
+        completion_version=head.get("completion_version", -1),
+        frozen=head.get("source") == "frozen",
+        agentic=agentic,
+        group_id=head.get("group_id"),
+        env=head.get("env"),
+        samples=samples,
+        echo={**head, **({"agentic": True} if agentic else {})},
+    )

@@ -1,0 +1,94 @@
+"""The stream index checked against the stream it indexes, row by row as the stream is read.
+
+prime-rl writes an episode's line, then its index row (``{"line", "offset", "chunk", "id", ...}``), and
+flushes the stream before the index, so every row points at the start of a line holding the episode it
+names, in stream order; the stream may hold a last few lines the index has not caught up with (a crash).
+A row that points at no line start, at a chunk the stream lacks, past the end, or at another episode is
+damage (SPEC 9). The index also says where a relaunch resumed appending after a torn line: a row pointing
+inside a line that is not JSON marks where the new episode begins (:meth:`IndexCheck.resume_inside`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from ....records import jsonio
+from .damage import Damage
+
+__all__ = ["IndexCheck"]
+
+Position = tuple[int, int]  # (chunk number, -1 in the single-file layout; byte offset)
+
+
+class IndexCheck:
+    """Walks ``stream.index.jsonl`` in step with the stream (:meth:`see` each line in order, then :meth:`finish`)."""
+
+    def __init__(self, path: Path | None, damage: Damage) -> None:
+        self._path = path
+        self._damage = damage
+        self._rows = self._read() if path is not None else iter(())
+        self._next: tuple[int, Position, str | None] | None = None
+        self._advance()
+
+    def _read(self) -> Iterator[tuple[int, Position, str | None]]:
+        assert self._path is not None
+        with open(self._path, "rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = jsonio.loads(raw)
+                except jsonio.DecodeError as error:
+                    if not raw.endswith(b"\n"):
+                        return  # a torn last row: the writer died mid-append
+                    self._damage.report("bad_line", self._path, number, f"not JSON ({error.msg})")
+                    continue
+                chunk, offset = (row.get("chunk"), row.get("offset")) if isinstance(row, dict) else (None, None)
+                if not isinstance(offset, int) or not _is_int(offset) or not (chunk is None or _is_int(chunk)):
+                    self._damage.report("index_nowhere", self._path, number, "an index row without a chunk and offset")
+                    continue
+                name = row.get("id")
+                position: Position = (-1 if chunk is None else chunk, offset)
+                yield number, position, name if isinstance(name, str) else None
+
+    def _advance(self) -> None:
+        self._next = next(self._rows, None)
+
+    def _nowhere(self, reason: str) -> None:
+        assert self._next is not None and self._path is not None
+        number, (chunk, offset), name = self._next
+        where = f"offset {offset}" if chunk < 0 else f"chunk {chunk:05d}, offset {offset}"
+        self._damage.report(
+            "index_nowhere", self._path, number, f"the row of episode {name!r} points at {where}: {reason}"
+        )
+        self._advance()
+
+    def see(self, position: Position, episode_id: str | None) -> None:
+        """The stream has a line starting at ``position`` holding ``episode_id`` (None: not an episode)."""
+        while self._next is not None and self._next[1] < position:
+            self._nowhere("no line of the stream starts there")
+        if self._next is not None and self._next[1] == position:
+            name = self._next[2]
+            if name is not None and episode_id is not None and name != episode_id:
+                self._nowhere(f"the line there holds episode {episode_id!r}")
+            else:
+                self._advance()
+
+    def resume_inside(self, position: Position, size: int) -> int | None:
+        """The offset of the row pointing inside the line at ``position`` of ``size`` bytes, if one does."""
+        if self._next is None:
+            return None
+        chunk, offset = self._next[1]
+        if chunk == position[0] and position[1] < offset < position[1] + size:
+            return offset
+        return None
+
+    def finish(self) -> None:
+        """Rows left once the stream is read point past its end."""
+        while self._next is not None:
+            self._nowhere("past the end of the stream")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,120 @@
+"""Where a prime-rl run keeps its trace stream, index, annotations and logged rows (current layout).
+
+Everything lives under ``<run>/monitors/file/`` (``prime-rl-traces.md`` section 1):
+
+- ``metrics.jsonl``: logged rows, tagged by ``producer``;
+- ``traces/stream/NNNNN.jsonl`` (plain: live, or left by a crash) or ``NNNNN.jsonl.zst`` (sealed), read in
+  chunk order; a chunk with both files is read from the plain one, as prime-rl's own reader does (the
+  writer removes it once the sealed twin is complete); ``.zst.tmp`` files are a seal in progress, not data;
+- or, in the earlier single-file layout, ``traces/stream.jsonl``;
+- ``traces/stream.index.jsonl``: one summary row per episode;
+- ``traces/annotations/<producer>/NNNNN.jsonl[.zst]`` (or ``<producer>.jsonl``): one update a line, per
+  producer, the producer's name taken from the folder or file name (never assumed).
+
+A run is found from its root, its ``monitors/file`` folder or its ``traces`` folder.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["ChunkFile", "TracesLayout", "find_layout", "is_current_layout"]
+
+_CHUNK = re.compile(r"^(\d+)\.jsonl(\.zst)?$")
+_INDEX_SUFFIX = ".index.jsonl"
+
+
+@dataclass(frozen=True)
+class ChunkFile:
+    """One file of a stream: ``number`` its chunk (None in the single-file layout), ``sealed`` when zstd."""
+
+    path: Path
+    number: int | None
+    sealed: bool
+
+
+@dataclass(frozen=True)
+class TracesLayout:
+    """The files of a run in the current layout, each stream's files in reading order."""
+
+    traces: Path
+    stream: list[ChunkFile]
+    index: Path | None
+    annotations: dict[str, list[ChunkFile]] = field(default_factory=dict)
+    metrics: Path | None = None
+
+    @property
+    def root(self) -> Path:
+        """The ``monitors/file`` folder (the traces folder's parent)."""
+        return self.traces.parent
+
+
+def _chunks(folder: Path) -> list[ChunkFile]:
+    """A chunked stream's files in chunk order, the plain file of a chunk preferred to its sealed twin."""
+    found: dict[int, ChunkFile] = {}
+    for path in folder.iterdir():
+        match = _CHUNK.match(path.name)
+        if match is None or not path.is_file():
+            continue
+        number, sealed = int(match.group(1)), match.group(2) is not None
+        if number not in found or (found[number].sealed and not sealed):
+            found[number] = ChunkFile(path, number, sealed)
+    return [found[number] for number in sorted(found)]
+
+
+def _stream_files(base: Path) -> list[ChunkFile]:
+    """``base.jsonl`` (single file) then ``base/`` chunks: a run relaunched by a newer prime-rl may hold both."""
+    files = []
+    single = base.with_name(base.name + ".jsonl")
+    if single.is_file():
+        files.append(ChunkFile(single, None, False))
+    if base.is_dir():
+        files.extend(_chunks(base))
+    return files
+
+
+def _traces_folder(path: Path) -> Path | None:
+    for candidate in (path / "monitors" / "file" / "traces", path / "traces", path):
+        if (candidate / "stream").is_dir() or (candidate / "stream.jsonl").is_file():
+            return candidate
+    return None
+
+
+def find_layout(path: str | Path) -> TracesLayout | None:
+    """The current-layout files of the run at ``path`` (root, ``monitors/file`` or ``traces``); None when it has
+    no trace stream."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    traces = _traces_folder(root)
+    if traces is None:
+        return None
+    index = traces / f"stream{_INDEX_SUFFIX}"
+    annotations: dict[str, list[ChunkFile]] = {}
+    folder = traces / "annotations"
+    if folder.is_dir():
+        names = {p.name for p in folder.iterdir() if p.is_dir()}
+        names |= {
+            p.name.removesuffix(".jsonl")
+            for p in folder.iterdir()
+            if p.is_file() and p.name.endswith(".jsonl") and not p.name.endswith(_INDEX_SUFFIX)
+        }
+        for name in sorted(names):
+            files = _stream_files(folder / name)
+            if files:
+                annotations[name] = files
+    metrics = traces.parent / "metrics.jsonl"
+    return TracesLayout(
+        traces=traces,
+        stream=_stream_files(traces / "stream"),
+        index=index if index.is_file() else None,
+        annotations=annotations,
+        metrics=metrics if metrics.is_file() else None,
+    )
+
+
+def is_current_layout(path: str | Path) -> bool:
+    """Whether ``path`` holds a prime-rl trace stream in the current layout."""
+    return find_layout(path) is not None

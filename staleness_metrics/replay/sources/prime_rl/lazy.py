@@ -1,0 +1,162 @@
+"""JSON lines read lazily: simdjson's proxies where pysimdjson is installed, orjson's objects elsewhere.
+
+simdjson parses a line into its own tape and hands back proxies: only what the reader touches becomes a
+Python object, and a list of numbers is copied out of the tape at C speed (``as_buffer``). Episode records
+are mostly token ids, masks and per-token floats the staleness reader never needs, so this is most of what
+reading a prime-rl run costs. Without a simdjson wheel (Python 3.14 and later, so far) every line is
+decoded by orjson (:mod:`staleness_metrics.records.jsonio`) and the same accessors read plain objects.
+
+A parser is reused line after line: every proxy of a line must be gone (converted to numpy or Python
+values) before the next line is parsed, so each stream of a run gets its own :class:`Parser`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ....records import jsonio
+
+try:
+    import simdjson
+except ImportError:  # no wheel for this Python: orjson reads every line
+    simdjson = None  # type: ignore[assignment]
+
+__all__ = [
+    "AVAILABLE",
+    "DecodeError",
+    "Parser",
+    "as_bools",
+    "as_floats",
+    "as_ints",
+    "get",
+    "is_array",
+    "is_object",
+    "keys",
+    "length",
+    "to_python",
+]
+
+AVAILABLE = simdjson is not None
+
+
+class DecodeError(ValueError):
+    """A line that is not one JSON value."""
+
+
+class Parser:
+    """Parses one line at a time (``simdjson.Parser`` reused, or ``orjson.loads``)."""
+
+    def __init__(self) -> None:
+        self._parser = simdjson.Parser() if simdjson is not None else None
+
+    def parse(self, line: bytes) -> Any:
+        if self._parser is None:
+            try:
+                return jsonio.loads(line)
+            except jsonio.DecodeError as error:
+                raise DecodeError(error.msg) from None
+        try:
+            return self._parser.parse(line)
+        except ValueError as error:  # simdjson's errors are ValueErrors (and UnicodeDecodeError)
+            raise DecodeError(str(error)) from None
+
+
+def is_object(value: object) -> bool:
+    return isinstance(value, Mapping) or (simdjson is not None and type(value) is simdjson.Object)
+
+
+def is_array(value: object) -> bool:
+    return isinstance(value, list) or (simdjson is not None and type(value) is simdjson.Array)
+
+
+def get(value: object, key: str) -> Any:
+    """``value[key]`` of an object, None when absent or when ``value`` is not an object."""
+    if simdjson is not None and type(value) is simdjson.Object:
+        return value.get(key)
+    return value.get(key) if isinstance(value, Mapping) else None
+
+
+def keys(value: object) -> set[str]:
+    """The keys of an object (empty for anything else)."""
+    if simdjson is not None and type(value) is simdjson.Object:
+        return set(value.keys())
+    return set(value) if isinstance(value, Mapping) else set()
+
+
+def length(value: object) -> int:
+    """Elements of an array (simdjson's count saturates at 2**24 - 1: read the buffer beyond that)."""
+    size = len(value)  # type: ignore[arg-type]
+    if size >= 0xFFFFFF and simdjson is not None and type(value) is simdjson.Array:
+        return len(value.as_list())
+    return size
+
+
+def to_python(value: object) -> Any:
+    """A plain Python value (dicts, lists) of a proxy or a plain value."""
+    if simdjson is not None:
+        if type(value) is simdjson.Object:
+            return value.as_dict()
+        if type(value) is simdjson.Array:
+            return value.as_list()
+    return value
+
+
+def _list(value: object) -> list[Any]:
+    if simdjson is not None and type(value) is simdjson.Array:
+        return value.as_list()  # type: ignore[no-any-return]
+    if isinstance(value, list):
+        return value
+    raise TypeError(f"expected a list, got {type(value).__name__}")
+
+
+_NUMBERS = frozenset({int, float})
+_NUMBERS_OR_NULL = frozenset({int, float, type(None)})
+
+
+def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
+    """A list of numbers as float64 (``nulls``: null -> NaN); ``TypeError`` for anything else."""
+    if simdjson is not None and type(value) is simdjson.Array:
+        try:
+            return np.frombuffer(value.as_buffer(of_type="d"), dtype=np.float64)
+        except (TypeError, ValueError):  # a null, boolean or string among them (or no numbers at all)
+            pass
+    items = _list(value)
+    kinds = set(map(type, items))  # a C loop: bool is its own type, so booleans are refused too
+    if not kinds <= (_NUMBERS_OR_NULL if nulls else _NUMBERS):
+        raise TypeError("null among the numbers" if type(None) in kinds and not nulls else "expected numbers")
+    try:
+        return np.array(items, dtype=np.float64) if items else np.zeros(0)
+    except OverflowError:
+        raise TypeError("a number beyond float range") from None
+
+
+def as_ints(value: object) -> npt.NDArray[np.int64]:
+    """A list of integers as int64; ``TypeError`` for anything else."""
+    if simdjson is not None and type(value) is simdjson.Array:
+        try:
+            return np.frombuffer(value.as_buffer(of_type="i"), dtype=np.int64)
+        except (TypeError, ValueError):
+            pass
+    items = _list(value)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise TypeError("expected integers")
+    try:
+        return np.array(items, dtype=np.int64)
+    except OverflowError:
+        raise TypeError("integers beyond 64 bits") from None
+
+
+def as_bools(value: object) -> npt.NDArray[np.bool_]:
+    """A list of booleans (or 0/1) as bool; ``TypeError`` for anything else."""
+    items = _list(value)
+    size, true = len(items), items.count(True)  # C loops (``count`` compares by value: 1 == True)
+    false = items.count(False)
+    if true + false != size:
+        raise TypeError("expected booleans")
+    if true == size or false == size:  # a node samples all its tokens or none (the common layout)
+        return np.full(size, true == size, dtype=bool)
+    return np.array(items, dtype=bool)

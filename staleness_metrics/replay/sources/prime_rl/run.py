@@ -1,0 +1,355 @@
+"""A prime-rl run in the current layout as the SPEC 9 event stream it implies (``prime-rl-traces.md``).
+
+:func:`read_run_events` reads the episode stream once, in arrival order, with the trainer's streams
+alongside (:mod:`.annotations`), and yields checked replay events:
+
+- each trace of a train episode that did not error becomes a rollout (:mod:`.episodes`), entering at its
+  arrival step (``info.arrival.step``; without the stamp, its ship step, else the episode's dispatch
+  step ``run.work.step``): before it, every ship of an earlier step;
+- every step N at which the orchestrator shipped (``info.effective`` and ``info.ship.step`` N, folded from
+  the updates) is a ship naming the traces of that step that entered;
+- a trace that never shipped enters only when it is stale at its arrival step under the bound replayed
+  (``(A - 1) - policy.start > max_staleness``): the sink then drops and counts it, as prime-rl did; the
+  others (prime-rl discarded them for reasons of its own: no learning signal, errors) are left out and
+  counted in :class:`ReadNotes`;
+- eval episodes, errored traces, frozen traces that never shipped and traces that train nothing are left
+  out and counted.
+
+The reader also keeps, per ship step, prime-rl's own rule for its logged values (per episode, frozen
+episodes as staleness 0; ``mismatch_kl`` per token over every trained sample, frozen ones included), for
+:mod:`.compare`. Damage (SPEC 9) goes to a :class:`~.damage.Damage`: strict mode raises
+:class:`~staleness_metrics.errors.EventError` naming the file, line and reason.
+
+Memory: the facts of every trace the updates name (a few numbers each), the trainer's streams read ahead of
+the episode stream (the steps in flight) and one episode at a time; never the run's token data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from ....errors import ConfigError
+from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout
+from ...stream import Event
+from . import lazy
+from .annotations import StreamFeed, TraceFacts, Updates, scan_updates
+from .chunks import ChunkDamage, Line, read_lines
+from .damage import Damage
+from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
+from .index import IndexCheck
+from .layout import TracesLayout, find_layout
+
+__all__ = ["K3Stats", "PrimeRlRead", "ReadNotes", "StepRule", "read_run_events"]
+
+
+@dataclass
+class K3Stats:
+    """prime-rl's ``mismatch_kl`` statistics of one scope (``all`` or an env): per token over the trained
+    samples' loss-mask tokens (here: their covered sampled positions), frozen samples included."""
+
+    tokens: int = 0
+    total: float = 0.0
+    squares: float = 0.0
+    low: float = math.inf
+    high: float = -math.inf
+
+    def add(self, k3: npt.NDArray[np.float64]) -> None:
+        if k3.size:
+            self.tokens += int(k3.size)
+            self.total += float(k3.sum())
+            self.squares += float(np.square(k3).sum())
+            self.low, self.high = min(self.low, float(k3.min())), max(self.high, float(k3.max()))
+
+    def value(self, stat: str) -> float | None:
+        """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens (or an unknown stat)."""
+        if not self.tokens:
+            return None
+        mean = self.total / self.tokens
+        if stat == "std":
+            if self.tokens < 2:
+                return None
+            return math.sqrt(max(0.0, (self.squares - self.tokens * mean * mean) / (self.tokens - 1)))
+        return {"mean": mean, "min": self.low, "max": self.high}.get(stat)
+
+
+@dataclass
+class StepRule:
+    """prime-rl's own figures of one ship step, from the shipped episodes (:mod:`.compare`)."""
+
+    live: int = 0
+    frozen: int = 0
+    total: list[int] = field(default_factory=list)  # per episode, frozen ones as 0
+    in_flight: list[int] = field(default_factory=list)
+    in_queue: list[int] = field(default_factory=list)
+    k3: dict[str, K3Stats] = field(default_factory=lambda: defaultdict(K3Stats))  # per env, and "all"
+    live_traces: int = 0
+
+
+@dataclass
+class ReadNotes:
+    """What the reader left out or set aside, and prime-rl's own rule per ship step."""
+
+    damage: Damage
+    episodes: int = 0
+    eval_episodes: int = 0
+    errored_traces: int = 0
+    unshipped_left_out: int = 0  # never shipped, fresh at arrival: prime-rl discarded them for other reasons
+    unshipped_stale: int = 0  # never shipped, stale at arrival: entered to be dropped by the sink
+    frozen_unshipped: int = 0
+    untrainable: int = 0  # traces that train nothing (no sampled token, agent not trainable)
+    without_arrival: int = 0
+    torn: int = 0
+    split_lines: int = 0  # torn lines a relaunch appended to (split where the index says)
+    held_peak: int = 0  # most traces whose trainer streams waited for their episode at once
+    steps: dict[int, StepRule] = field(default_factory=dict)
+
+    def left_out(self) -> str:
+        """One line: what was left out on purpose (not damage)."""
+        parts = [
+            (self.eval_episodes, "eval episodes"),
+            (self.errored_traces, "errored traces"),
+            (self.unshipped_left_out, "fresh traces prime-rl never shipped"),
+            (self.frozen_unshipped, "frozen traces never shipped"),
+            (self.untrainable, "traces with nothing to train"),
+            (self.torn, "torn last lines"),
+        ]
+        return ", ".join(f"{count} {text}" for count, text in parts if count)
+
+
+def _token_k3(sample: ParsedSample) -> npt.NDArray[np.float64]:
+    """prime-rl's per-token mismatch ``exp(d) - d - 1`` over a sample's covered sampled positions (its loss
+    mask), ``d`` = trainer - sampler log-probability, unclamped as prime-rl computes it."""
+    if sample.logprobs is None or sample.trainer_logprobs is None:
+        return np.zeros(0)
+    keep = (sample.mask == 1) & np.isfinite(sample.trainer_logprobs)
+    d: npt.NDArray[np.float64] = sample.trainer_logprobs[keep] - sample.logprobs[keep]
+    return np.asarray(np.expm1(d) - d, dtype=np.float64)
+
+
+class PrimeRlRead:
+    """The events of a run (iterate once); :attr:`notes` fills in as they are read."""
+
+    def __init__(self, layout: TracesLayout, *, max_staleness: int = 8, strict: bool = True) -> None:
+        self.layout = layout
+        self.max_staleness = max_staleness
+        self.notes = ReadNotes(Damage(strict=strict))
+
+    def __iter__(self) -> Iterator[Event]:
+        return self._events()
+
+    # -- the episode stream -------------------------------------------------------------------------
+
+    def _lines(self, index: IndexCheck) -> Iterator[tuple[Line, object]]:
+        """``(line, episode proxy)`` of the stream in order, damage reported, torn lines handled."""
+        damage, files, parser = self.notes.damage, self.layout.stream, lazy.Parser()
+        for position, file in enumerate(files):
+            lines = read_lines(file)
+            while True:
+                try:
+                    line = next(lines)
+                except StopIteration:
+                    break
+                except ChunkDamage as error:
+                    damage.report("bad_chunk", error.path, error.line, error.reason)
+                    break
+                where = (-1 if file.number is None else file.number, line.offset)
+                try:
+                    doc = parser.parse(line.text)
+                except lazy.DecodeError as error:
+                    reason = str(error)
+                    resume = index.resume_inside(where, len(line.text))
+                    if resume is not None:  # a relaunch appended after a torn line: the index says where
+                        self.notes.split_lines += 1
+                        line = Line(file, line.number, resume, line.text[resume - line.offset :], line.ended)
+                        where = (where[0], resume)
+                        try:
+                            doc = parser.parse(line.text)
+                        except lazy.DecodeError as again:
+                            reason = str(again)
+                        else:
+                            yield line, doc
+                            del doc
+                            continue
+                    index.see(where, None)
+                    if not line.ended and position == len(files) - 1:
+                        self.notes.torn += 1  # a torn last line ends the stream
+                        return
+                    damage.report("bad_line", file.path, line.number, f"not JSON ({reason})")
+                    continue
+                yield line, doc
+                del doc
+
+    def _events(self) -> Iterator[Event]:
+        notes, damage = self.notes, self.notes.damage
+        updates = scan_updates(self.layout.annotations, damage)
+        notes.torn += updates.torn
+        self._updates = updates
+        self._feeds = {
+            producer: StreamFeed(self.layout.annotations[producer], last, damage)
+            for producer, last in updates.last_stream.items()
+        }
+        self._ships: dict[int, list[str]] = {}
+        self._passed = 0  # the last ship step emitted
+        index = IndexCheck(self.layout.index, damage)
+        number = 0
+        for line, doc in self._lines(index):
+            number += 1
+            events = self._episode(number, line, doc, index)
+            del doc  # every proxy of the line is gone before the next is parsed
+            yield from events
+            notes.held_peak = max(notes.held_peak, sum(feed.held for feed in self._feeds.values()))
+        index.finish()
+        for step in sorted(self._ships):
+            yield Event(number, "ship", step=step, ids=tuple(self._ships[step]))
+        self._unknown(updates)
+
+    def _episode(self, number: int, line: Line, doc: object, index: IndexCheck) -> list[Event]:
+        """The events of one stream line: the ships its traces' arrivals pass, and their rollouts."""
+        where = (-1 if line.file.number is None else line.file.number, line.offset)
+        try:
+            episode = episode_head(doc)
+        except NotAnEpisode as error:
+            index.see(where, None)
+            self.notes.damage.report("not_episode", line.file.path, line.number, str(error))
+            return []
+        index.see(where, episode.id)
+        self.notes.episodes += 1
+        events = []
+        for trace in episode.traces:
+            streams = self._streams(self._feeds, trace.id)
+            facts = self._updates.traces.pop(trace.id, None)
+            arrival = self._arrival(episode, trace, facts, doc)
+            if arrival is None:
+                continue
+            for step in sorted(s for s in self._ships if s < arrival):
+                self._passed = step
+                events.append(Event(number, "ship", step=step, ids=tuple(self._ships.pop(step))))
+            event = self._trace_event(number, line, episode, trace, facts, streams, arrival, self._passed)
+            if event is None:
+                continue
+            events.append(event)
+            shipped = facts.shipped_at if facts is not None else None
+            if shipped is not None:
+                self._ships.setdefault(shipped, []).extend([trace.id] if event.parsed is not None else [])
+        return events
+
+    def _streams(self, feeds: dict[str, StreamFeed], trace_id: str) -> dict[int, list[Stream]]:
+        merged: dict[int, list[Stream]] = {}
+        for producer in sorted(feeds):  # producers in name order, each in write order
+            for branch, streams in feeds[producer].pull(trace_id).items():
+                merged.setdefault(branch, []).extend(streams)
+        return merged
+
+    def _arrival(self, episode: EpisodeHead, trace: TraceHead, facts: TraceFacts | None, doc: object) -> int | None:
+        """The trace's arrival step, or None when it is left out before that matters (eval, errored)."""
+        if episode.kind != "train":
+            if trace is episode.traces[0]:
+                self.notes.eval_episodes += 1
+            return None
+        if not (episode.ok and trace.ok):
+            self.notes.errored_traces += 1
+            return None
+        if trace.arrival_step is not None:
+            return trace.arrival_step
+        self.notes.without_arrival += 1
+        shipped = facts.shipped_at if facts is not None else None
+        if shipped is not None:
+            return shipped
+        step = lazy.get(lazy.get(lazy.get(doc, "run"), "work"), "step")
+        return step if isinstance(step, int) and not isinstance(step, bool) else 1
+
+    def _trace_event(
+        self,
+        number: int,
+        line: Line,
+        episode: EpisodeHead,
+        trace: TraceHead,
+        facts: TraceFacts | None,
+        streams: dict[int, list[Stream]],
+        arrival: int,
+        passed: int,
+    ) -> Event | None:
+        notes = self.notes
+        shipped = facts.shipped_at if facts is not None else None
+        if shipped is None:
+            if episode.frozen:
+                notes.frozen_unshipped += 1
+                return None
+            start = episode.policy[0] if episode.policy is not None else None
+            stale = not isinstance(start, int) or isinstance(start, bool) or (arrival - 1) - start > self.max_staleness
+            if not stale:
+                notes.unshipped_left_out += 1
+                return None
+            notes.unshipped_stale += 1
+        elif shipped <= passed or shipped < arrival:
+            notes.damage.report(
+                "late_ship",
+                line.file.path,
+                line.number,
+                f"trace {trace.id!r} arrived at step {arrival} and shipped at step {shipped}, a step already passed "
+                "(a relaunch from an earlier checkpoint?)",
+            )
+            return None
+        rollout, problems = trace_rollout(episode, trace, streams)
+        for path, line_number, reason in problems:
+            notes.damage.report("bad_update", path, line_number, reason)
+        if rollout is None:
+            notes.untrainable += 1
+            return None
+        if shipped is not None and self.layout.metrics is not None:  # (only a run that logged has values to compare)
+            self._rule(shipped, episode, trace, rollout)
+        if isinstance(rollout, UnparsedRollout):
+            return Event(number, "rollout", unparsed=rollout)
+        return Event(number, "rollout", parsed=rollout)
+
+    def _rule(
+        self, step: int, episode: EpisodeHead, trace: TraceHead, rollout: ParsedRollout | UnparsedRollout
+    ) -> None:
+        """prime-rl's figures of a shipped trace (its episode counted once, at its first shipped trace)."""
+        rule = self.notes.steps.setdefault(step, StepRule())
+        if isinstance(rollout, ParsedRollout):
+            for sample in rollout.samples:
+                k3 = _token_k3(sample)
+                rule.k3["all"].add(k3)
+                if episode.env is not None:
+                    rule.k3[episode.env].add(k3)
+            rule.live_traces += not rollout.frozen
+        if trace is not next((t for t in episode.traces if t.ok), None):
+            return
+        if episode.policy is None:
+            rule.frozen += 1
+            total = flight = 0
+        else:
+            start, end = episode.policy
+            if not (isinstance(start, int) and isinstance(end, int)):
+                return
+            rule.live += 1
+            total = max(0, (step - 1) - start)
+            flight = min(total, max(0, end - start))
+        rule.total.append(total)
+        rule.in_flight.append(flight)
+        rule.in_queue.append(total - flight)
+
+    def _unknown(self, updates: Updates) -> None:
+        """Updates naming a trace the stream never held (SPEC 9 damage)."""
+        damage = self.notes.damage
+        for trace_id, facts in updates.traces.items():
+            path, line = facts.where if facts.where is not None else ("annotations", 0)
+            damage.report(
+                "unknown_trace", path, line, f"an update for trace {trace_id!r}, which the stream does not hold"
+            )
+
+
+def read_run_events(path: str | Path, *, max_staleness: int = 8, strict: bool = True) -> PrimeRlRead:
+    """The events of the prime-rl run at ``path`` (its root, ``monitors/file`` or ``traces``), current layout."""
+    layout = find_layout(path)
+    if layout is None:
+        raise ConfigError(f"{path}: no prime-rl trace stream (monitors/file/traces/stream/ or traces/stream.jsonl)")
+    return PrimeRlRead(layout, max_staleness=max_staleness, strict=strict)

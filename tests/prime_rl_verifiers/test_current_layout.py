@@ -1,0 +1,203 @@
+"""Runs in prime-rl's current layout, written from verifiers' own objects, replayed by ``staleness-metrics replay``
+and checked step by step against a computation of this file's own from what the simulation wrote (SPEC 6, 9,
+11, 14), in every shape a run directory takes; and the live monitor against the replay of the same run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from staleness_metrics import StalenessConfig, StalenessMonitor
+from staleness_metrics.adapters.prime_rl_monitor import PrimeRlMonitor
+from tests.support.prime_rl_sim import SimConfig, SimRun, simulate
+from tests.support.prime_rl_writer import loss_masks
+
+BOUND = 8
+SMALL = SimConfig(steps=12, chunk_bytes=60_000, frame_bytes=8_000)  # rolling chunks, several frames each
+
+
+def _bucket(lag: int) -> str:
+    return str(lag) if lag <= 16 else "32" if lag <= 32 else "64" if lag <= 64 else "inf"
+
+
+def _replay(root: Path, out: Path, bound: int = BOUND) -> dict[int, dict[str, Any]]:
+    """``staleness-metrics replay ROOT --metrics-out OUT``: its rows by step (without the step key)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "staleness_metrics",
+        "replay",
+        str(root),
+        "--max-staleness",
+        str(bound),
+        "--metrics-out",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return {row.pop("step"): row for row in map(json.loads, out.read_text().splitlines())}
+
+
+def _expected(run: SimRun) -> dict[int, dict[str, Any]]:
+    """Each ship's numbers from the simulation's own objects: SPEC 6 over the shipped live traces (every
+    position unlabelled: lag = T - policy.start), SPEC 11 per lag bucket from the trainer's streams against
+    the record's rounded sampler log-probabilities, and the stale drops of traces never shipped."""
+    out: dict[int, dict[str, Any]] = {}
+    for step, ids in run.shipped.items():
+        r, f, q, tokens, lag_sum = [], [], [], 0, 0
+        covered: dict[str, int] = defaultdict(int)
+        k3: dict[str, float] = defaultdict(float)
+        for episode_id in ids:
+            episode = run.episodes[episode_id].episode
+            policy = episode.run.work.policy  # type: ignore[union-attr]
+            if policy is None:
+                continue
+            lag = (step - 1) - policy.start
+            for trace in episode.traces:
+                masks = loss_masks(trace)
+                if not any(any(m) for m in masks.values()):
+                    continue
+                r.append(lag)
+                f.append(min(lag, max(0, policy.end - policy.start)))
+                q.append(r[-1] - f[-1])
+                for branch, mask in masks.items():
+                    sampler = trace.branches[branch].logprobs
+                    stream = run.trainer_streams.get((trace.id, branch), [])
+                    for position in (i for i, m in enumerate(mask) if m):
+                        tokens += 1
+                        lag_sum += lag
+                        if position < len(stream) and stream[position] is not None:
+                            d = max(-20.0, min(20.0, stream[position] - round(sampler[position], 4)))
+                            covered[_bucket(lag)] += 1
+                            k3[_bucket(lag)] += math.exp(d) - 1 - d
+        row: dict[str, Any] = {
+            "staleness/rollout/mean": sum(r) / len(r),
+            "staleness/rollout/max": max(r),
+            "staleness/rollout/in_flight/mean": sum(f) / len(f),
+            "staleness/rollout/in_flight/max": max(f),
+            "staleness/rollout/in_queue/mean": sum(q) / len(q),
+            "staleness/rollout/in_queue/max": max(q),
+            "staleness/token/mean": lag_sum / tokens,
+            "staleness/token/masked": 0.0,
+            "staleness/mismatch/coverage": sum(covered.values()) / tokens,
+        }
+        for bucket, count in covered.items():
+            row[f"staleness/mismatch/lag_{bucket}/tokens"] = count
+            row[f"staleness/mismatch/lag_{bucket}/k3"] = k3[bucket] / count
+        out[step] = row
+    for step in out:
+        out[step]["staleness/rollout/dropped"] = 0
+    for sim in run.episodes.values():  # never shipped, stale at arrival under BOUND: dropped at the next ship
+        episode = sim.episode
+        policy = episode.run.work.policy  # type: ignore[union-attr]
+        shipped = any(episode.id in ids for ids in run.shipped.values())
+        if sim.kind != "train" or shipped or policy is None or not episode.ok:
+            continue
+        if (sim.arrival_step - 1) - policy.start > BOUND:
+            ship = min(s for s in out if s >= sim.arrival_step)
+            out[ship]["staleness/rollout/dropped"] += len(episode.traces)
+    return out
+
+
+def _check(expected: dict[int, dict[str, Any]], replayed: dict[int, dict[str, Any]]) -> None:
+    assert sorted(replayed) == sorted(expected)
+    for step, row in expected.items():
+        for key, value in row.items():
+            got = replayed[step].get(key)
+            assert got == pytest.approx(value, rel=1e-9, abs=1e-12), f"step {step} {key}: {got} != {value}"
+        lags = {k for k in replayed[step] if k.startswith("staleness/mismatch/lag_") and k.endswith("/tokens")}
+        assert lags == {k for k in row if k.endswith("/tokens")}, f"step {step}: lag buckets differ"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(SMALL, id="rolling-sealed-chunks"),
+        pytest.param(replace(SMALL, layout="single"), id="single-file"),
+        pytest.param(replace(SMALL, end="abandon"), id="plain-last-chunk"),
+        pytest.param(replace(SMALL, end="tear"), id="torn-last-line"),
+        pytest.param(replace(SMALL, relaunch_at=7), id="relaunch"),
+        pytest.param(
+            replace(SMALL, relaunch_at=7, tear_at_relaunch=True, metric_prefix="staleness"),
+            id="relaunch-after-torn-line",
+        ),
+    ],
+)  # fmt: skip
+def test_replay_equals_an_independent_computation(tmp_path: Path, config: SimConfig) -> None:
+    run = simulate(tmp_path / "run", config)
+    _check(_expected(run), _replay(tmp_path / "run", tmp_path / "m.jsonl"))
+
+
+def test_replay_of_the_run_root_and_of_monitors_file_agree(tmp_path: Path) -> None:
+    simulate(tmp_path / "run", replace(SMALL, steps=4))
+    root = _replay(tmp_path / "run", tmp_path / "a.jsonl")
+    assert root == _replay(tmp_path / "run" / "monitors" / "file", tmp_path / "b.jsonl")
+
+
+def test_the_example_suggests_the_bound_of_its_drift_model(tmp_path: Path) -> None:
+    """k3 of lag l is the floor times 1 + 0.3 l: the excess stays within the floor (the default budget) up
+    to lag 3, and the lag-0 floor is measured on the first batch."""
+    from tests.support.prime_rl_example import EXAMPLE, EXAMPLE_DIR
+
+    rows = _replay(EXAMPLE_DIR, tmp_path / "m.jsonl")
+    last = rows[EXAMPLE.steps]
+    assert last["staleness/bound/suggested"] == EXAMPLE.suggested_bound == 3
+    assert last["staleness/bound/crossed"] == 1
+    assert rows[1]["staleness/mismatch/floor_source"] == "lag0"
+    floor = rows[1]["staleness/mismatch/floor"]
+    assert floor == pytest.approx(math.cosh(EXAMPLE.floor_sigma) - 1, rel=2e-3)
+    for lag in range(1, 6):
+        assert last[f"staleness/mismatch/curve/lag_{lag}"] == pytest.approx(0.3 * lag * floor, rel=0.02)
+
+
+def _assert_same(live: dict[str, Any], replayed: dict[str, Any], step: int) -> None:
+    assert set(live) == set(replayed), f"step {step}: keys differ: {set(live) ^ set(replayed)}"
+    for key, value in replayed.items():
+        if isinstance(value, str):
+            assert live[key] == value, f"step {step} {key}"
+        else:
+            assert live[key] == pytest.approx(value, rel=1e-9, abs=1e-12), f"step {step} {key}"
+
+
+@pytest.mark.parametrize("bound", [BOUND, 3])
+def test_the_live_monitor_equals_the_replay(tmp_path: Path, bound: int) -> None:
+    """Handed what prime-rl hands its monitors (verifiers episodes as they arrive and ship, the trainer's
+    updates), the monitor's numbers are the replay's of the files written from the same calls."""
+    live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=bound)))
+    simulate(tmp_path / "run", SMALL, observers=[live])
+    replayed = _replay(tmp_path / "run", tmp_path / "m.jsonl", bound)
+    assert sorted(live.shipments) == sorted(replayed)
+    for step, shipment in live.shipments.items():
+        _assert_same({**shipment.metrics, **(live.monitor.mismatch_metrics(step) or {})}, replayed[step], step)
+
+
+def test_the_live_monitor_takes_dicts_and_ignores_what_is_not_its_business() -> None:
+    """Episodes as plain records (``model_dump`` dicts), eval cohorts, metrics rows and the orchestrator's
+    ship updates: only train episodes move the sink."""
+    from tests.support.prime_rl_writer import NodeSpec, make_episode, make_trace
+
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
+    live = PrimeRlMonitor(monitor)
+    fresh = make_episode("a", [make_trace("a-t0", [NodeSpec(None, 2), NodeSpec(0, 1, (-0.5, -0.25))])],
+                         env="gsm8k", step=4, policy=(3, 3), group="g")  # fmt: skip
+    stale = make_episode("b", [make_trace("b-t0", [NodeSpec(None, 2), NodeSpec(0, 1, (-0.5,))])],
+                         env="gsm8k", step=1, policy=(0, 1), group="g")  # fmt: skip
+    evaluation = make_episode("c", [make_trace("c-t0", [NodeSpec(None, 2), NodeSpec(0, 1, (-0.5,))])],
+                              env="gsm8k", step=4, policy=(3, 3), kind="eval")  # fmt: skip
+    live.log([e.to_record() for e in (fresh, stale)], 5, "train", "all")
+    live.log([evaluation], 5, "eval", "all")
+    live.log({"off_policy/mean": 1.0}, 5)
+    live.log_annotations([{"version": 1, "trace_id": "a-t0", "info": {"effective": True}, "branches": []}])
+    live.log([fresh.model_dump(mode="json", exclude_none=True)], 5, "train", "effective")
+    shipment = live.shipments[5]
+    assert shipment.ids == ["a-t0"]
+    assert shipment.metrics["staleness/rollout/dropped"] == 1  # b: (5 - 1) - 0 > 2, added at arrival
+    assert shipment.metrics["staleness/rollout/mean"] == 1.0
+    live.finalize()
