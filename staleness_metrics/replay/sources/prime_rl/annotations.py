@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import lazy
-from .chunks import ChunkDamage, Line, read_lines
+from .chunks import ChunkDamage, Line, read_files
 from .damage import Damage
 from .episodes import Stream
 from .layout import ChunkFile
@@ -66,39 +66,34 @@ def read_updates(
     it); a torn last line (no newline, not JSON, at the end of the last file) ends the stream, as in
     prime-rl's own reader, and is not an error. Proxies are valid until the next update is read.
     """
+
+    def bad_chunk(error: ChunkDamage) -> None:
+        if not quiet:
+            damage.report("bad_chunk", error.path, error.line, error.reason)
+
     ordinal = 0
-    for position, file in enumerate(files):
-        lines = read_lines(file)
-        while True:
-            try:
-                line = next(lines)
-            except StopIteration:
-                break
-            except ChunkDamage as error:
-                if not quiet:
-                    damage.report("bad_chunk", error.path, error.line, error.reason)
-                break
-            ordinal += 1
-            try:
-                doc = parser.parse(line.text)
-            except lazy.DecodeError as error:
-                if not line.ended:
-                    if position == len(files) - 1:
-                        yield ordinal, line, None
-                    elif not quiet:
-                        damage.report("bad_line", file.path, line.number, f"a torn line ({error})")
-                    continue
-                if not quiet:
-                    damage.report("bad_line", file.path, line.number, f"not JSON ({error})")
+    for last, line in read_files(files, bad_chunk):
+        ordinal += 1
+        try:
+            doc = parser.parse(line.text)
+        except lazy.DecodeError as error:
+            if not line.ended:
+                if last:
+                    yield ordinal, line, None
+                elif not quiet:
+                    damage.report("bad_line", line.file.path, line.number, f"a torn line ({error})")
                 continue
-            reason = _update_fault(doc)
-            if reason is not None:
-                del doc
-                if not quiet:
-                    damage.report("not_update", file.path, line.number, reason)
-                continue
-            yield ordinal, line, doc
+            if not quiet:
+                damage.report("bad_line", line.file.path, line.number, f"not JSON ({error})")
+            continue
+        reason = _update_fault(doc)
+        if reason is not None:
             del doc
+            if not quiet:
+                damage.report("not_update", line.file.path, line.number, reason)
+            continue
+        yield ordinal, line, doc
+        del doc
 
 
 def _update_fault(doc: object) -> str | None:

@@ -14,7 +14,7 @@ mid-append: :attr:`Line.ended` says so, and the caller decides what a torn line 
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -23,7 +23,7 @@ import zstandard
 
 from .layout import ChunkFile
 
-__all__ = ["ChunkDamage", "Line", "open_chunk", "read_lines"]
+__all__ = ["ChunkDamage", "Line", "open_chunk", "read_files", "read_lines"]
 
 _BUFFER = 1 << 20  # lines of long episodes are hundreds of KB
 
@@ -103,6 +103,22 @@ def open_chunk(file: ChunkFile) -> IO[bytes]:
     if not file.sealed:
         return raw
     return io.BufferedReader(_Frames(raw), _BUFFER)
+
+
+def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None]) -> Iterator[tuple[bool, Line]]:
+    """``(last, line)``: every line of ``files`` in order, ``last`` when its file is the last one; a chunk that
+    cannot be read on is handed to ``on_damage`` and the next file is read."""
+    for position, file in enumerate(files):
+        lines = read_lines(file)
+        while True:
+            try:
+                line = next(lines)
+            except StopIteration:
+                break
+            except ChunkDamage as error:
+                on_damage(error)
+                break
+            yield position == len(files) - 1, line
 
 
 def read_lines(file: ChunkFile) -> Iterator[Line]:

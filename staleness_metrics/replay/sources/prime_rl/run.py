@@ -40,7 +40,7 @@ from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout
 from ...stream import Event
 from . import lazy
 from .annotations import StreamFeed, TraceFacts, Updates, scan_updates
-from .chunks import ChunkDamage, Line, read_lines
+from .chunks import ChunkDamage, Line, read_files
 from .damage import Damage
 from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
 from .index import IndexCheck
@@ -149,42 +149,38 @@ class PrimeRlRead:
     def _lines(self, index: IndexCheck) -> Iterator[tuple[Line, object]]:
         """``(line, episode proxy)`` of the stream in order, damage reported, torn lines handled."""
         damage, files, parser = self.notes.damage, self.layout.stream, lazy.Parser()
-        for position, file in enumerate(files):
-            lines = read_lines(file)
-            while True:
-                try:
-                    line = next(lines)
-                except StopIteration:
-                    break
-                except ChunkDamage as error:
-                    damage.report("bad_chunk", error.path, error.line, error.reason)
-                    break
-                where = (-1 if file.number is None else file.number, line.offset)
-                try:
-                    doc = parser.parse(line.text)
-                except lazy.DecodeError as error:
-                    reason = str(error)
-                    resume = index.resume_inside(where, len(line.text))
-                    if resume is not None:  # a relaunch appended after a torn line: the index says where
-                        self.notes.split_lines += 1
-                        line = Line(file, line.number, resume, line.text[resume - line.offset :], line.ended)
-                        where = (where[0], resume)
-                        try:
-                            doc = parser.parse(line.text)
-                        except lazy.DecodeError as again:
-                            reason = str(again)
-                        else:
-                            yield line, doc
-                            del doc
-                            continue
-                    index.see(where, None)
-                    if not line.ended and position == len(files) - 1:
-                        self.notes.torn += 1  # a torn last line ends the stream
-                        return
-                    damage.report("bad_line", file.path, line.number, f"not JSON ({reason})")
-                    continue
-                yield line, doc
-                del doc
+
+        def bad_chunk(error: ChunkDamage) -> None:
+            damage.report("bad_chunk", error.path, error.line, error.reason)
+
+        for last, line in read_files(files, bad_chunk):
+            file = line.file
+            where = (-1 if file.number is None else file.number, line.offset)
+            try:
+                doc = parser.parse(line.text)
+            except lazy.DecodeError as error:
+                reason = str(error)
+                resume = index.resume_inside(where, len(line.text))
+                if resume is not None:  # a relaunch appended after a torn line: the index says where
+                    self.notes.split_lines += 1
+                    line = Line(file, line.number, resume, line.text[resume - line.offset :], line.ended)
+                    where = (where[0], resume)
+                    try:
+                        doc = parser.parse(line.text)
+                    except lazy.DecodeError as again:
+                        reason = str(again)
+                    else:
+                        yield line, doc
+                        del doc
+                        continue
+                index.see(where, None)
+                if not line.ended and last:
+                    self.notes.torn += 1  # a torn last line ends the stream
+                    return
+                damage.report("bad_line", file.path, line.number, f"not JSON ({reason})")
+                continue
+            yield line, doc
+            del doc
 
     def _events(self) -> Iterator[Event]:
         notes, damage = self.notes, self.notes.damage
