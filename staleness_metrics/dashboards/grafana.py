@@ -111,8 +111,8 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Token staleness mean vs bound",
-            "Mean token staleness of each shipped batch (overall series, every env), with the configured "
-            "max_staleness drawn dashed.",
+            "Mean token staleness of each shipped batch (overall series, every env), with the "
+            "configured max_staleness drawn dashed.",
             VERSIONS,
             [Target(s.gauge("token_mean"), "{{run}} mean"), bound],
             minimum=0,
@@ -124,8 +124,9 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Token staleness quantiles",
-            "p50 / p90 / p99 of token staleness from the histogram over the rate window. PromQL "
-            "interpolates inside integer buckets, so a value lies in (q-1, q] of the exact quantile q.",
+            "p50 / p90 / p99 of token staleness from the histogram over the rate "
+            "window. PromQL interpolates inside integer buckets, so a value lies in "
+            "(q-1, q] of the exact quantile q.",
             VERSIONS,
             [Target(s.quantile(q, "token_staleness"), f"{{{{run}}}} {name}") for q, name in _QUANTILES],
             minimum=0,
@@ -136,8 +137,8 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         heatmap(
             "Token staleness distribution",
-            "Shipped sampled tokens per staleness bucket and rate window, summed over the selected runs. "
-            "Cells above the bound are masked tokens.",
+            "Shipped sampled tokens per staleness bucket and rate window, summed over the selected "
+            "runs. Cells above the bound are masked tokens.",
             VERSIONS,
             Target(s.bucket_increase("token_staleness"), "{{le}}", heatmap=True),
         ),
@@ -147,8 +148,8 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Masked tokens",
-            "Share of shipped sampled tokens masked for staleness: over the rate window from the counters, "
-            "and for the last shipped batch.",
+            "Share of shipped sampled tokens masked for staleness: over the rate window from the "
+            "counters, and for the last shipped batch.",
             RATIO,
             [
                 Target(s.ratio("tokens_masked", "tokens_sampled"), "{{run}} over window"),
@@ -168,8 +169,8 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Rollout staleness mean and max vs bound",
-            "Rollout staleness R = T - min(version) of the last shipped batch: mean and max, with the "
-            "configured max_staleness drawn dashed.",
+            "Rollout staleness R = T - min(version) of the last shipped batch: mean and max, with "
+            "the configured max_staleness drawn dashed.",
             VERSIONS,
             [
                 Target(s.gauge("rollout_mean"), "{{run}} mean"),
@@ -185,8 +186,8 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Rollout staleness quantiles",
-            "p50 / p90 / p99 of rollout staleness from the histogram over the rate window (interpolated "
-            "inside integer buckets).",
+            "p50 / p90 / p99 of rollout staleness from the histogram over the rate window "
+            "(interpolated inside integer buckets).",
             VERSIONS,
             [Target(s.quantile(q, "rollout_staleness"), f"{{{{run}}}} {name}") for q, name in _QUANTILES],
             minimum=0,
@@ -196,9 +197,9 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     )
     in_flight_vs_queue = timeseries(
         "In-flight vs in-queue staleness (mean) for $run",
-        "Where the age of a rollout comes from: versions that passed while it was generated (in flight) "
-        "and while it waited in the queue (in queue). Per rollout they add up to its staleness, so the "
-        "stack is the rollout staleness mean. One panel per run.",
+        "Where the age of a rollout comes from: versions that passed while it was generated (in "
+        "flight) and while it waited in the queue (in queue). Per rollout they add up to its "
+        "staleness, so the stack is the rollout staleness mean. One panel per run.",
         VERSIONS,
         [
             Target(s.gauge("rollout_in_flight_mean"), "in flight"),
@@ -226,8 +227,8 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Held rollouts",
-            "Rollouts held back at the last ship while their group waits for re-rollouts (xtuner policy "
-            "with retry_expired); always 0 for other policies.",
+            "Rollouts held back at the last ship while their group waits for re-rollouts (xtuner "
+            "policy with retry_expired); always 0 for other policies.",
             COUNT,
             [Target(s.gauge("rollouts_held"))],
             minimum=0,
@@ -238,13 +239,14 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
 
 
 def _oldest_vs_newest(grid: Grid, s: Scope) -> None:
-    """Rollout staleness by its oldest and by its newest token, for comparing frameworks' headlines."""
+    """Rollout staleness by its oldest and by its newest token, for comparing
+    frameworks' headlines."""
     grid.add(
         timeseries(
             "Rollout staleness: oldest vs newest token",
-            "Rollout staleness of the last shipped batch by its oldest token (R = T - min(version), "
-            "prime-rl's headline) and by its newest token (T - max(version), verl's trajectory staleness). "
-            "The gap is how many versions one rollout spans.",
+            "Rollout staleness of the last shipped batch by its oldest token (R = T - "
+            "min(version), prime-rl's headline) and by its newest token (T - max(version), verl's "
+            "trajectory staleness). The gap is how many versions one rollout spans.",
             VERSIONS,
             [
                 Target(s.gauge("rollout_mean"), "{{run}} oldest mean"),
@@ -265,8 +267,8 @@ def _drops(grid: Grid, s: Scope) -> None:
     grid.add(
         timeseries(
             "Dropped per step",
-            "Live rollouts and samples dropped for staleness per train step, from the counters over the "
-            "rate window (no point while the train step does not advance).",
+            "Live rollouts and samples dropped for staleness per train step, from the counters "
+            "over the rate window (no point while the train step does not advance).",
             PER_STEP,
             [
                 Target(s.per_step("rollouts_dropped"), "{{run}} rollouts"),
@@ -280,8 +282,8 @@ def _drops(grid: Grid, s: Scope) -> None:
     grid.add(
         timeseries(
             "Token accounting",
-            "Tokens per second: sampled tokens of shipped samples, those of them masked, and tokens "
-            "of samples dropped whole.",
+            "Tokens per second: sampled tokens of shipped samples, those of them masked, and "
+            "tokens of samples dropped whole.",
             PER_SECOND,
             [
                 Target(s.rate("tokens_sampled"), "{{run}} shipped"),
@@ -306,8 +308,8 @@ def _pipeline_health(grid: Grid, s: Scope) -> None:
     grid.add(
         timeseries(
             "Label coverage",
-            "Share of shipped sampled tokens that carried a policy-version label; unlabelled ones take "
-            "their rollout's dispatch version (the oldest, conservative choice).",
+            "Share of shipped sampled tokens that carried a policy-version label; unlabelled ones "
+            "take their rollout's dispatch version (the oldest, conservative choice).",
             RATIO,
             [Target(_label_coverage(s))],
             minimum=0,
@@ -319,8 +321,8 @@ def _pipeline_health(grid: Grid, s: Scope) -> None:
     grid.add(
         timeseries(
             "Export errors",
-            "Failed exports per second, per exporter. Exporters never raise into training, so this is "
-            "where failures show.",
+            "Failed exports per second, per exporter. Exporters never raise into training, so "
+            "this is where failures show.",
             PER_SECOND,
             [Target(_export_errors(s), "{{run}} {{exporter}}")],
             minimum=0,
@@ -422,8 +424,9 @@ def fleet_dashboard() -> Json:
     grid.add(
         table(
             "Runs",
-            "One line per run: the last shipped batch's gauges and the rates over the dashboard's rate window; "
-            "the excess k3 is over each run's floor (SPEC 14: measured at lag 0, carried, or the smallest lag's).",
+            "One line per run: the last shipped batch's gauges and the rates over the dashboard's "
+            "rate window; the excess k3 is over each run's floor (SPEC 14: measured at lag 0, "
+            "carried, or the smallest lag's).",
             [(name, unit, Target(t.expr, "", instant=True, table=True)) for name, unit, t in columns],
         ),
         w=24,
@@ -474,8 +477,8 @@ def fleet_dashboard() -> Json:
     return dashboard(
         "rl-staleness-fleet",
         "RL staleness fleet",
-        "Many asynchronous RL runs side by side: staleness, masking, drops and pipeline health per run. "
-        "Generated by `staleness-metrics dashboards`.",
+        "Many asynchronous RL runs side by side: staleness, masking, drops and pipeline health per "
+        "run. Generated by `staleness-metrics dashboards`.",
         grid.panels,
         ("rl-staleness", "RL staleness"),
     )

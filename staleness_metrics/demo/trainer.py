@@ -59,13 +59,15 @@ class DriftModel:
     warmup_steps: int = 0
 
     def speed(self, step: int) -> float:
-        """How far the policy moves per version at train ``step`` (nats of log-ratio standard deviation)."""
+        """How far the policy moves per version at train ``step`` (nats of
+        log-ratio standard deviation)."""
         if self.warmup_steps <= 0:
             return self.drift_per_version
         return self.drift_per_version * min(1.0, step / self.warmup_steps)
 
     def sigma(self, lags: npt.NDArray[np.int64], step: int) -> npt.NDArray[np.float64]:
-        """The standard deviation of the log-ratio of tokens of the given lags, at train ``step``."""
+        """The standard deviation of the log-ratio of tokens of the given
+        lags, at train ``step``."""
         result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (self.speed(step) * np.maximum(lags, 0)) ** 2)
         return result
 
@@ -74,8 +76,9 @@ class DriftModel:
         return float(self.sigma(np.array([lag]), step)[0]) ** 2 / 2
 
     def expected_suggested_bound(self, budget: float | None = None) -> int:
-        """SPEC 14's suggested bound once the policy moves at full speed: the largest lag whose expected
-        excess ``(speed · ℓ)² / 2`` is within ``budget`` (default: the floor's k3, ``floor² / 2``)."""
+        """SPEC 14's suggested bound once the policy moves at full speed: the largest lag
+        whose expected excess ``(speed · ℓ)² / 2`` is within ``budget`` (default: the
+        floor's k3, ``floor² / 2``)."""
         beta = self.floor**2 / 2 if budget is None else budget
         if self.drift_per_version <= 0:
             raise ConfigError("drift_per_version: must be > 0 for the excess to cross any budget")
@@ -83,14 +86,16 @@ class DriftModel:
 
 
 def shipped_mask(shipment: Shipment) -> npt.NDArray[np.bool_]:
-    """The shipped samples' masks (as trained), concatenated in ship order: aligned with ``shipment.lags``."""
+    """The shipped samples' masks (as trained), concatenated in ship order: aligned
+    with ``shipment.lags``."""
     return shipped_values(shipment, "mask") > 0
 
 
 @dataclass(frozen=True)
 class TrainedBatch:
-    """What the trainer computed for one ship: the step's sums (as recorded) and its log-probabilities per
-    shipped rollout, one list per sample of the rollout as added (``None`` for a sample not shipped)."""
+    """What the trainer computed for one ship: the step's sums (as recorded) and its
+    log-probabilities per shipped rollout, one list per sample of the rollout as added (``None`` for
+    a sample not shipped)."""
 
     step: int
     sums: MismatchSums
@@ -103,11 +108,12 @@ class SimulatedTrainer:
     def __init__(self, seed: int = 0, model: DriftModel | None = None, ranks: int = 2) -> None:
         self.model = model or DriftModel()
         self.ranks = ranks
-        self._rng = np.random.default_rng([seed, 11])  # its own stream: the pipeline's events stay as they were
+        # its own stream: the pipeline's events stay as they were
+        self._rng = np.random.default_rng([seed, 11])
 
     def logprobs(self, shipment: Shipment) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """Sampler (from the records) and trainer log-probabilities of every shipped position, aligned with
-        ``shipment.lags``."""
+        """Sampler (from the records) and trainer log-probabilities of every shipped position,
+        aligned with ``shipment.lags``."""
         lags = shipment.lags
         sampler = shipped_values(shipment, "logprobs")
         sigma = self.model.sigma(lags, shipment.step)
@@ -115,8 +121,8 @@ class SimulatedTrainer:
         return sampler, trainer
 
     def train(self, monitor: StalenessMonitor, shipment: Shipment) -> TrainedBatch | None:
-        """The live path: sums per rank, merged and recorded with the monitor; returns the step's total and
-        the log-probabilities behind it (None when the ship took nothing)."""
+        """The live path: sums per rank, merged and recorded with the monitor; returns the step's
+        total and the log-probabilities behind it (None when the ship took nothing)."""
         lags = shipment.lags
         if len(lags) == 0:
             return None

@@ -1,9 +1,10 @@
 """The report's "Choosing the bound" section (SPEC 14 over the whole run).
 
-The run's sums pooled over every step give a floor, the raw excess ``e`` of each lag over it (with the
-tokens behind it), the isotonic curve ``ê`` and the budget; the figure draws them with the configured and
-the suggested bound, and beside it what each bound keeps (the what-if). A table gives the same numbers.
-Over steps, the suggestion of each ship (its window of ``cost_window`` ships) against the bound in force.
+The run's sums pooled over every step give a floor, the raw excess ``e`` of each lag over it (with
+the tokens behind it), the isotonic curve ``ê`` and the budget; the figure draws them with the
+configured and the suggested bound, and beside it what each bound keeps (the what-if). A table gives
+the same numbers. Over steps, the suggestion of each ship (its window of ``cost_window`` ships)
+against the bound in force.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def _figure(key: str, title: str, caption: str, svg: str) -> str:
 
 
 def _bound_in_force(data: ReportData) -> int | None:
-    """The bound of the run's last step (it differs from the configured one when the bound adapted)."""
+    """The bound of the run's last step (it differs from the configured one
+    when the bound adapted)."""
     used = [v for v in data.series(keys.MAX_STALENESS) if isinstance(v, (int, float))]
     return int(used[-1]) if used else data.bound
 
@@ -86,14 +88,15 @@ def _curve_chart(data: ReportData, curve: RunCurve) -> str:
     crossed = (
         "The curve crosses the budget: the suggestion is the largest lag within it."
         if curve.crossed
-        else "The curve stays within the budget at every lag seen: the suggestion is only the largest lag seen, "
-        "and a looser bound may be as good."
+        else "The curve stays within the budget at every lag seen: the suggestion is only the "
+        "largest lag seen, and a looser bound may be as good."
     )
     caption = (
-        f"Each lag's k3 minus the run's floor ({curve.floor.value:.4g} nats, {escape(curve.floor.source)}), over "
-        f"the run's sums pooled (from {escape(data.curve_source)}); dashed, the raw excess of each lag with at "
-        "least floor_min_tokens tokens, with the tokens behind it; solid, its isotonic fit (more lag cannot "
-        f"make a token cheaper). The budget is {curve.budget:.4g} nats. {crossed}"
+        f"Each lag's k3 minus the run's floor ({curve.floor.value:.4g} nats, "
+        f"{escape(curve.floor.source)}), over the run's sums pooled (from "
+        f"{escape(data.curve_source)}); dashed, the raw excess of each lag with at least "
+        "floor_min_tokens tokens, with the tokens behind it; solid, its isotonic fit (more lag "
+        f"cannot make a token cheaper). The budget is {curve.budget:.4g} nats. {crossed}"
     )
     return _figure("bound-curve", "Choosing the bound", caption, svg)
 
@@ -116,9 +119,9 @@ def _kept_chart(data: ReportData, curve: RunCurve) -> str:
             vertical_rules=_bound_rules(data, curve.suggested),
         )
     caption = (
-        "Beside the curve, on the same axis: the share of the run's sampled tokens each bound lets train (the "
-        "run replayed at that bound). Between the bounds, the trade: what a looser bound keeps against what "
-        "its tokens cost."
+        "Beside the curve, on the same axis: the share of the run's sampled tokens each bound lets "
+        "train (the run replayed at that bound). Between the bounds, the trade: what a looser "
+        "bound keeps against what its tokens cost."
     )
     return _figure("bound-kept", "What each bound keeps", caption, svg)
 
@@ -164,7 +167,8 @@ def _table(data: ReportData, curve: RunCurve) -> str:
 
 
 def _over_steps(data: ReportData) -> str:
-    """Each ship's suggestion (over its window) against the bound it used, when the rows carry them."""
+    """Each ship's suggestion (over its window) against the bound it used,
+    when the rows carry them."""
     suggested = data.series(keys.BOUND_SUGGESTED)
     if not any(v is not None for v in suggested):
         return ""
@@ -178,8 +182,8 @@ def _over_steps(data: ReportData) -> str:
         y_label="policy versions",
     )
     caption = (
-        "SPEC 14 per ship: the suggestion of the curve over the last cost_window ships, and the bound the ship "
-        "used (it moves only with the adaptive bound)."
+        "SPEC 14 per ship: the suggestion of the curve over the last cost_window ships, and the "
+        "bound the ship used (it moves only with the adaptive bound)."
     )
     return _figure("bound-over-steps", "Suggested vs configured over steps", caption, svg)
 
@@ -201,8 +205,8 @@ def render_choosing(data: ReportData) -> str:
     else:
         charts = _curve_chart(data, curve) + _kept_chart(data, curve) + _table(data, curve)
     intro = (
-        "What a token of each lag costs in this run, against the budget (SPEC 14): the suggested bound is the "
-        "largest lag whose cost stays within it."
+        "What a token of each lag costs in this run, against the budget (SPEC 14): the suggested "
+        "bound is the largest lag whose cost stays within it."
     )
     return (
         f'<section id="choosing-the-bound"><h2>Choosing the bound</h2><p class="meta">{intro}</p>'

@@ -1,4 +1,5 @@
-"""The report page: one self-contained HTML file (inline CSS and SVG, no script, nothing fetched)."""
+"""The report page: one self-contained HTML file (inline CSS and SVG, no
+script, nothing fetched)."""
 
 from __future__ import annotations
 
@@ -116,8 +117,9 @@ def _token_chart(data: ReportData) -> str:
         rules=rules,
     )
     caption = (
-        "Staleness of the shipped sampled tokens (trained version minus the version that sampled them), "
-        "masked ones included; the max is the oldest rollout's. Tokens above the dashed bound are masked."
+        "Staleness of the shipped sampled tokens (trained version minus the version that "
+        "sampled them), masked ones included; the max is the oldest rollout's. Tokens above the "
+        "dashed bound are masked."
     )
     return _figure("token-staleness", "Token staleness", caption, svg)
 
@@ -147,9 +149,9 @@ def _in_flight_chart(data: ReportData) -> str:
         empty_note="every shipped rollout was fresh",
     )
     caption = (
-        "Where a shipped rollout's age comes from: versions that passed while it was generated (in flight) "
-        "and while it waited in the queue after it finished (in queue). Together they make the rollout "
-        "staleness mean."
+        "Where a shipped rollout's age comes from: versions that passed while it was generated (in "
+        "flight) and while it waited in the queue after it finished (in queue). Together they make "
+        "the rollout staleness mean."
     )
     return _figure("in-flight-queue", "In flight vs in queue", caption, svg)
 
@@ -209,7 +211,8 @@ def _what_if_chart(data: ReportData) -> str:
 def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     if not rows:
         return ""
-    costs = any(r.trained_covered is not None for r in rows)  # the run has trainer log-probs (SPEC 11)
+    # the run has trainer log-probs (SPEC 11)
+    costs = any(r.trained_covered is not None for r in rows)
     head = (
         "<tr><th>max_staleness</th><th>masked</th><th>tokens kept</th><th>kept share</th>"
         "<th>rollouts dropped</th><th>samples dropped</th><th>rollouts shipped</th><th>held</th>"
@@ -231,9 +234,9 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
         '<section class="panel" id="what-if-table"><h2>What-if table</h2><p>Totals over the run; the '
         "highlighted row is the bound replayed above."
         + (
-            " Trained k3: mean k3 of the covered tokens the bound lets train; excess: of those with lag "
-            "&ge; 1 over the floor of the same tokens (SPEC 14: their lag-0 k3 when enough trained, else the "
-            "k3 of the smallest lag with enough, an upper bound)."
+            " Trained k3: mean k3 of the covered tokens the bound lets train; excess: of those "
+            "with lag &ge; 1 over the floor of the same tokens (SPEC 14: their lag-0 k3 when "
+            "enough trained, else the k3 of the smallest lag with enough, an upper bound)."
             if costs
             else ""
         )
@@ -249,8 +252,9 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
     lines = [f"{len(summary['match'])} of {len(steps)} logged steps equal the recomputed values exactly."]
     if summary["frozen_rule"]:
         lines.append(
-            "Steps where the logged values differ only because prime-rl counted frozen-model episodes as "
-            f"staleness 0 (SPEC leaves them out): {', '.join(map(str, summary['frozen_rule']))}."
+            "Steps where the logged values differ only because prime-rl counted frozen-model "
+            "episodes as staleness 0 (SPEC leaves them out): "
+            f"{', '.join(map(str, summary['frozen_rule']))}."
         )
     for name, text in (("missing", "without a recomputed value"), ("mismatch", "that differ otherwise")):
         if summary[name]:

@@ -114,10 +114,11 @@ class _Frame:
     def rule(self, rule: Rule, vertical: bool = False, row: int = 0) -> list[str]:
         if vertical:
             x = self.px(rule.value)
-            label_y = TOP + 12 + 15 * row  # one line of labels per rule, so two near rules stay readable
+            # one line of labels per rule, so two near rules stay readable
+            label_y = TOP + 12 + 15 * row
             return [
-                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + self.plot_h}" stroke="{rule.color}" '
-                'stroke-dasharray="6 4" stroke-width="1.5"/>',
+                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + self.plot_h}" '
+                f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
                 # Near the right edge the label goes on the line's left side.
                 f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
                 if x > LEFT + self.plot_w - 80
@@ -125,8 +126,8 @@ class _Frame:
             ]
         y = self.py(rule.value)
         return [
-            f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="{rule.color}" '
-            'stroke-dasharray="6 4" stroke-width="1.5"/>',
+            f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
+            f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
             f'<text x="{LEFT + self.plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" fill="{rule.color}">'
             f"{escape(rule.label)}</text>",
         ]
@@ -172,8 +173,8 @@ def message_chart(label: str, message: str) -> str:
     return _svg(
         label,
         [
-            f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" height="{HEIGHT - TOP - BOTTOM}" '
-            'class="empty"/>',
+            f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" '
+            f'height="{HEIGHT - TOP - BOTTOM}" class="empty"/>',
             f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">{escape(message)}</text>',
         ],
     )
@@ -293,12 +294,14 @@ def heatmap(
     x_label: str = "step",
     y_label: str = "token staleness",
 ) -> str:
-    """Columns = steps, rows = staleness levels, shade = share of the step's tokens at that level."""
+    """Columns = steps, rows = staleness levels, shade = share of the step's
+    tokens at that level."""
     if not x or not any(int(h.sum()) for h in histograms):
         return message_chart(label, "no sampled tokens shipped")
     levels = max(len(np.trim_zeros(h, "b")) for h in histograms)
     if bound is not None and bound + 2 <= max(levels, MAX_HEATMAP_ROWS):
-        levels = max(levels, bound + 2)  # room for the bound line; a bound far above the data is not drawn
+        # room for the bound line; a bound far above the data is not drawn
+        levels = max(levels, bound + 2)
     matrix = np.zeros((len(x), levels), dtype=np.int64)
     for i, h in enumerate(histograms):
         trimmed = np.trim_zeros(h, "b")
@@ -354,8 +357,8 @@ def heatmap(
     for k in range(20):
         share = 1 - k / 19
         body.append(
-            f'<rect x="{key_x}" y="{TOP + k * plot_h / 20:.1f}" width="14" height="{plot_h / 20 + 0.5:.1f}" '
-            f'fill="{_shade(share)}"/>'
+            f'<rect x="{key_x}" y="{TOP + k * plot_h / 20:.1f}" width="14" '
+            f'height="{plot_h / 20 + 0.5:.1f}" fill="{_shade(share)}"/>'
         )
     body.append(f'<text x="{key_x + 18}" y="{TOP + 10}">100%</text>')
     body.append(f'<text x="{key_x + 18}" y="{base}">0%</text>')

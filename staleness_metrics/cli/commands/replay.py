@@ -23,7 +23,8 @@ from .options import add_sink_options, config_from_args
 __all__ = ["register", "run"]
 
 PROGRESS_MIN_BYTES = 16 << 20
-READ_BUFFER = 1 << 20  # lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
+# lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
+READ_BUFFER = 1 << 20
 
 EPILOG = """\
 examples:
@@ -43,8 +44,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "replay",
         help="run the sink over a recorded event stream",
-        description="Replay a recorded event stream (or a prime-rl run directory, or xtuner rollout "
-        "states) through the masking engine and write its metrics and batches.",
+        description="Replay a recorded event stream (or a prime-rl run directory, or xtuner "
+        "rollout states) through the masking engine and write its metrics and batches.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -64,8 +65,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 def open_events(
     path: Path, progress: bool | None = None, max_staleness: int = 8
 ) -> tuple[Iterator[Event], contextlib.ExitStack]:
-    """Events of a SPEC 9 stream (gzip, bzip2 or xz compressed or not), or of a run in another format
-    the adapters understand."""
+    """Events of a SPEC 9 stream (gzip, bzip2 or xz compressed or not), or of a run in another
+    format the adapters understand."""
     from ...replay.sources import detect_and_read
 
     stack = contextlib.ExitStack()
@@ -92,7 +93,8 @@ def _open_with_progress(path: Path, progress: bool | None) -> contextlib.Abstrac
 
 @contextlib.contextmanager
 def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[bytes] | None]]:
-    """Open temp files beside each path (binary); they replace the paths only if the block succeeds."""
+    """Open temp files beside each path (binary); they replace the paths only
+    if the block succeeds."""
     handles: list[IO[bytes] | None] = []
     temps: list[tuple[str, Path]] = []
     try:
@@ -146,12 +148,14 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not path.resolve().parent.is_dir():
             print(f"staleness-metrics replay: {option} {path}: its folder does not exist", file=sys.stderr)
             return 2
-    sink = Sink(config, env_reports=config.env_breakdown)  # per-env figures are written only with the breakdown
+    # per-env figures are written only with the breakdown
+    sink = Sink(config, env_reports=config.env_breakdown)
     ships = 0
     try:
         events, stack = open_events(args.events, args.progress, config.max_staleness)
         with stack, atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out):
-            for shipment in run_events(events, sink, read_ahead=True):  # (written when the whole stream is read)
+            # (written when the whole stream is read)
+            for shipment in run_events(events, sink, read_ahead=True):
                 ships += 1
                 if metrics_out is not None:
                     metrics_out.write(jsonio.dumps_line(shipment.report.row()))
@@ -165,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     totals = sink.totals
     print(
-        f"replayed {ships} ships: {totals.rollouts_shipped} rollouts shipped, {totals.rollouts_dropped} dropped, "
-        f"{totals.tokens_masked}/{totals.tokens_sampled} sampled tokens masked, "
-        f"{totals.rollouts_invalid} invalid set aside",
+        f"replayed {ships} ships: {totals.rollouts_shipped} rollouts shipped, "
+        f"{totals.rollouts_dropped} dropped, {totals.tokens_masked}/{totals.tokens_sampled} "
+        f"sampled tokens masked, {totals.rollouts_invalid} invalid set aside",
         file=sys.stderr,
     )
     return 0
