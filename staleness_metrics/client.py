@@ -2,18 +2,20 @@
 
 ::
 
-    with StalenessClient("http://127.0.0.1:9487", token=os.environ.get("STALENESS_METRICS_TOKEN")) as client:
+    token = os.environ.get("STALENESS_METRICS_TOKEN")
+    with StalenessClient("http://127.0.0.1:9487", token=token) as client:
         client.create_run("exp-42", {"policy": "token", "max_staleness": 4})
         client.add("exp-42", rollouts)              # SPEC 3 records
         result = client.ship("exp-42", step=7)      # result["metrics"] is the SPEC 6 dict
         history = client.steps("exp-42", since=0)
-        client.record_mismatch("exp-42", step=7, sums=sums)  # trainer side: MismatchSums, one per rank
+        # trainer side: MismatchSums, one per rank
+        client.record_mismatch("exp-42", step=7, sums=sums)
 
-Every call is retried on connection errors, timeouts and 502/503/504, with the same body: the service
-counts a rollout once by its id, and each :meth:`StalenessClient.ship` sends one ``Idempotency-Key``
-for all its attempts, so a retry never counts anything twice. Errors come back as the library's: an
-invalid record raises :class:`~staleness_metrics.errors.TraceError` naming its id, field and reason; an
-invalid configuration raises :class:`~staleness_metrics.errors.ConfigError`.
+Every call is retried on connection errors, timeouts and 502/503/504, with the same body: the
+service counts a rollout once by its id, and each :meth:`StalenessClient.ship` sends one
+``Idempotency-Key`` for all its attempts, so a retry never counts anything twice. Errors come back
+as the library's: an invalid record raises :class:`~staleness_metrics.errors.TraceError` naming its
+id, field and reason; an invalid configuration raises :class:`~staleness_metrics.errors.ConfigError`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,29 @@
-"""The orchestrator plugin: a sink plus exporters, called when rollouts arrive and when a batch ships.
+"""The orchestrator plugin: a sink plus exporters, called when rollouts arrive and when a batch
+ships.
 
 ::
 
-    monitor = StalenessMonitor(StalenessConfig(max_staleness=8), [PrometheusExporter(), ConsoleExporter()],
-                               run="exp-42")
+    exporters = [PrometheusExporter(), ConsoleExporter()]
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=8), exporters, run="exp-42")
     monitor.add(rollouts)          # whenever rollouts finish (SPEC 3 records)
     shipment = monitor.ship(step)  # in the batch callback: masks the batch, exports without blocking
-    batch, metrics = [r.record() for r in shipment.rollouts], shipment.metrics  # train on it; log the dict
+    batch = [r.record() for r in shipment.rollouts]  # train on it
+    metrics = shipment.metrics                       # and log the dict
     monitor.close()                # at the end of training: flushes the exporters
 
-What staleness costs (SPEC 11), when the trainer's log-probabilities exist only after the batch left::
+What staleness costs (SPEC 11), when the trainer's log-probabilities exist only after the batch
+left::
 
-    send(batch, shipment.lags)                                   # the lag of every shipped position
-    sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)  # trainer side
-    monitor.record_mismatch(step, sums)                          # once per rank or micro-batch: they merge
+    send(batch, shipment.lags)           # the lag of every shipped position
+    # trainer side:
+    sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)
+    monitor.record_mismatch(step, sums)  # once per rank or micro-batch: they merge
 
-``ship`` hands the step's report to every exporter and returns at once: network exporters queue their
-work, and an exporter that fails or raises is counted in ``rl_staleness_export_errors_total`` and logged
-(rate-limited), never raised into the training loop. Input errors are a different matter: in strict mode
-an invalid rollout raises :class:`~staleness_metrics.errors.TraceError` from ``add`` or ``ship``, as the
-sink does.
+``ship`` hands the step's report to every exporter and returns at once: network exporters queue
+their work, and an exporter that fails or raises is counted in ``rl_staleness_export_errors_total``
+and logged (rate-limited), never raised into the training loop. Input errors are a different
+matter: in strict mode an invalid rollout raises :class:`~staleness_metrics.errors.TraceError` from
+``add`` or ``ship``, as the sink does.
 """
 
 from __future__ import annotations

@@ -190,7 +190,8 @@ def ship(
     are unique within a run: pass them when a ``uid`` comes back in a later batch).
     """
     tensors, extras = data.batch, data.non_tensor_batch
-    views = {name: TrainerArray(tensors[name]) for name in _READ if name in tensors.keys()}  # noqa: SIM118 (TensorDict refuses `in`)
+    present = tensors.keys()  # a TensorDict refuses `in` on itself
+    views = {name: TrainerArray(tensors[name]) for name in _READ if name in present}
     rollouts = from_verl(
         ({name: view.array for name, view in views.items()}, extras),
         ids=ids,

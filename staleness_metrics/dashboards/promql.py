@@ -133,8 +133,9 @@ class Scope:
         return f"{self.rate(name)} / ({self._step_slope()} > 0)"
 
     # ----------------------------------------------------------- SPEC 11 and 12, from rates of sums
-    # Every ratio divides rates of sums (summed over processes first), so a fleet-wide value is the merged
-    # run's; a denominator of 0 (a lag or length bucket without tokens in the window) gives no point.
+    # Every ratio divides rates of sums (summed over processes first), so a fleet-wide value is the
+    # merged run's; a denominator of 0 (a lag or length bucket without tokens in the window) gives
+    # no point.
 
     def per_lag_token(self, name: str, *, by_lag: bool = True, extra: tuple[str, ...] = ()) -> str:
         """Σ ``name`` / covered tokens over the window: mean k3 (``mismatch_kl``), mean

@@ -178,13 +178,15 @@ def _alerts(t: Thresholds) -> list[Json]:
             _within_bound(MISMATCH_RECORDS["excess_k3_by_lag"], t.excess_k3),
             t.excess_for,
             "warning",
-            'Staleness costs run {{ $labels.run }} {{ printf "%.4f" $value }} nats of mismatch at lag '
-            "{{ $labels.lag }}",
-            f"Over the last {WINDOW}, tokens of {where} at lag {{{{ $labels.lag }}}}, which max_staleness lets "
-            'train, show a mean k3 mismatch between trainer and sampler {{ printf "%.4f" $value }} nats '
-            "above the run's floor (the engines' numeric mismatch: measured at lag 0, carried from an earlier "
-            f"ship, or the smallest lag's, an upper bound; threshold {t.excess_k3:g}). The policy moves too far "
-            "within the bound: lower max_staleness, sync weights more often, or lower the learning rate.",
+            'Staleness costs run {{ $labels.run }} {{ printf "%.4f" $value }} nats of mismatch '
+            "at lag {{ $labels.lag }}",
+            f"Over the last {WINDOW}, tokens of {where} at lag {{{{ $labels.lag }}}}, which "
+            "max_staleness lets train, show a mean k3 mismatch between trainer and sampler "
+            '{{ printf "%.4f" $value }} nats '
+            "above the run's floor (the engines' numeric mismatch: measured at lag 0, carried from "
+            "an earlier ship, or the smallest lag's, an upper bound; threshold "
+            f"{t.excess_k3:g}). The policy moves too far within the bound: lower max_staleness, "
+            "sync weights more often, or lower the learning rate.",
         ),
         *_bound_alerts(t, where),
         _alert(
@@ -213,9 +215,10 @@ def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
             "warning",
             "The staleness bound of run {{ $labels.run }} lets train tokens that cost more than its mismatch budget",
             f"For {t.bound_loose_for}, the excess mismatch curve of {where} has stood at "
-            '{{ printf "%.4g" $value }} nats at the largest lag max_staleness lets train, above the budget '
-            "(mismatch_budget, or the engines' floor when none is set). Lower max_staleness to the suggested "
-            f"bound ({prometheus_name('bound_suggested')}), or turn on the adaptive bound (adapt_every).",
+            '{{ printf "%.4g" $value }} nats at the largest lag max_staleness lets train, '
+            "above the budget (mismatch_budget, or the engines' floor when none is set). Lower "
+            f"max_staleness to the suggested bound ({prometheus_name('bound_suggested')}), or turn "
+            "on the adaptive bound (adapt_every).",
         ),
         _alert(
             "RLStalenessBoundTooTight",

@@ -64,10 +64,13 @@ def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
 
 
 def format_mismatch_line(report: MismatchReport) -> str:
-    """``step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0% | floor 0.0008 lag0 | at bound 0.0003
-    | suggested 6 (budget crossed)`` for trainer-side sums.
+    """The line of trainer-side sums::
 
-    The step's sums merged so far; ``-`` where a key is absent (no floor, no stale token or no curve yet).
+        step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0% | floor 0.0008 lag0
+        | at bound 0.0003 | suggested 6 (budget crossed)
+
+    The step's sums merged so far; ``-`` where a key is absent (no floor, no stale token or no curve
+    yet).
     """
     metrics = report.metrics
 

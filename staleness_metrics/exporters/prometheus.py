@@ -169,8 +169,9 @@ class _PrometheusBase:
     def _apply(self, report: StepReport | MismatchReport) -> None:
         with self._lock:  # reports are folded in order, one at a time
             if isinstance(report, MismatchReport):
-                # Counters add what this call brought; SPEC 14's gauges show the step's merged sums.
-                snapshot = self._state.fold_mismatch(report.delta, report.metrics, report.env)  # the env's keys too
+                # Counters add what this call brought (the env's keys too); SPEC 14's gauges show
+                # the step's merged sums.
+                snapshot = self._state.fold_mismatch(report.delta, report.metrics, report.env)
             else:
                 snapshot = self._state.fold(report)
             self.collector.update(snapshot)

@@ -15,20 +15,13 @@ from ..metrics import keys
 from ..replay.what_if import RunCurve, WhatIfRow
 from .costs import has_costs
 from .data import ReportData
-from .svg import PALETTE, Rule, Series, line_chart, message_chart
+from .svg import PALETTE, Rule, Series, figure, line_chart, message_chart
 
 __all__ = ["render_choosing"]
 
 BUDGET_COLOUR = "#b00020"
 CONFIGURED_COLOUR = "#56606b"
 SUGGESTED_COLOUR = "#2ca02c"
-
-
-def _figure(key: str, title: str, caption: str, svg: str) -> str:
-    return (
-        f'<figure class="chart" id="chart-{key}" data-chart="{key}"><figcaption><h2>{escape(title)}</h2>'
-        f"<p>{caption}</p></figcaption>{svg}</figure>"
-    )
 
 
 def _bound_in_force(data: ReportData) -> int | None:
@@ -98,7 +91,7 @@ def _curve_chart(data: ReportData, curve: RunCurve) -> str:
         "floor_min_tokens tokens, with the tokens behind it; solid, its isotonic fit (more lag "
         f"cannot make a token cheaper). The budget is {curve.budget:.4g} nats. {crossed}"
     )
-    return _figure("bound-curve", "Choosing the bound", caption, svg)
+    return figure("bound-curve", "Choosing the bound", caption, svg)
 
 
 def _kept_chart(data: ReportData, curve: RunCurve) -> str:
@@ -123,7 +116,7 @@ def _kept_chart(data: ReportData, curve: RunCurve) -> str:
         "train (the run replayed at that bound). Between the bounds, the trade: what a looser "
         "bound keeps against what its tokens cost."
     )
-    return _figure("bound-kept", "What each bound keeps", caption, svg)
+    return figure("bound-kept", "What each bound keeps", caption, svg)
 
 
 def _tokens(count: int) -> str:
@@ -142,8 +135,8 @@ def _table(data: ReportData, curve: RunCurve) -> str:
     suggested, bound = curve.suggested, _bound_in_force(data)
     bound_mark = "configured" if bound == data.bound else "bound in force"
     head = (
-        "<tr><th>lag</th><th>tokens</th><th>raw excess e</th><th>curve ê</th><th>within budget</th>"
-        "<th>kept share at this bound</th></tr>"
+        "<tr><th>lag</th><th>tokens</th><th>raw excess e</th><th>curve ê</th>"
+        "<th>within budget</th><th>kept share at this bound</th></tr>"
     )
     body = []
     for lag, tokens, raw, fitted in zip(
@@ -154,12 +147,14 @@ def _table(data: ReportData, curve: RunCurve) -> str:
         share = "-" if row is None or row.kept_share is None else f"{100 * row.kept_share:.2f}%"
         body.append(
             f'<tr{" class=current" if marks else ""} data-lag="{lag}"><td>{lag}'
-            f"{' (' + ', '.join(marks) + ')' if marks else ''}</td><td>{tokens:,}</td><td>{_num(raw)}</td>"
-            f"<td>{_num(fitted)}</td><td>{'yes' if fitted <= curve.budget else 'no'}</td><td>{share}</td></tr>"
+            f"{' (' + ', '.join(marks) + ')' if marks else ''}</td>"
+            f"<td>{tokens:,}</td><td>{_num(raw)}</td><td>{_num(fitted)}</td>"
+            f"<td>{'yes' if fitted <= curve.budget else 'no'}</td><td>{share}</td></tr>"
         )
     return (
         '<section class="panel" id="bound-table"><h2>The curve, lag by lag</h2><p>'
-        f"Floor {curve.floor.value:.4g} nats ({escape(curve.floor.source)}), budget {curve.budget:.4g} nats, "
+        f"Floor {curve.floor.value:.4g} nats ({escape(curve.floor.source)}), "
+        f"budget {curve.budget:.4g} nats, "
         f"{_bound_label(data) if bound is not None else 'configured bound -'}, suggested bound "
         f"{suggested if suggested is not None else '-'}.</p>"
         f"<table>{head}{''.join(body)}</table></section>"
@@ -185,7 +180,7 @@ def _over_steps(data: ReportData) -> str:
         "SPEC 14 per ship: the suggestion of the curve over the last cost_window ships, and the "
         "bound the ship used (it moves only with the adaptive bound)."
     )
-    return _figure("bound-over-steps", "Suggested vs configured over steps", caption, svg)
+    return figure("bound-over-steps", "Suggested vs configured over steps", caption, svg)
 
 
 def render_choosing(data: ReportData) -> str:
@@ -199,7 +194,7 @@ def render_choosing(data: ReportData) -> str:
             if curve is not None
             else "no floor: no lag has floor_min_tokens covered tokens over the run"
         )
-        charts = _figure(
+        charts = figure(
             "bound-curve", "Choosing the bound", "SPEC 14 over the whole run.", message_chart("Choosing the bound", why)
         )
     else:

@@ -11,13 +11,12 @@ which rows do not carry.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from html import escape
 
 from ..metrics import keys
 from ..metrics.buckets import LAG_BUCKETS, LENGTH_BUCKETS
 from ..metrics.metric_table import MISMATCH_KEY_PREFIX
 from .data import ReportData
-from .svg import PALETTE, Series, line_chart, message_chart
+from .svg import PALETTE, Series, figure, line_chart, message_chart
 
 __all__ = ["LENGTH_BUCKETS", "MAX_LAG_LINES", "has_costs", "lag_buckets_shown", "render_costs"]
 
@@ -54,13 +53,6 @@ def _by_lag(data: ReportData, buckets: list[str], stat: Mapping[str, str], skip:
     ]
 
 
-def _figure(key: str, title: str, caption: str, svg: str) -> str:
-    return (
-        f'<figure class="chart" id="chart-{key}" data-chart="{key}"><figcaption><h2>{escape(title)}</h2>'
-        f"<p>{caption}</p></figcaption>{svg}</figure>"
-    )
-
-
 def _k3_chart(data: ReportData, buckets: list[str]) -> str:
     svg = line_chart(
         "Mismatch k3 by token lag over steps",
@@ -73,7 +65,7 @@ def _k3_chart(data: ReportData, buckets: list[str]) -> str:
         "probability; the estimator of prime-rl's <code>mismatch_kl</code>). Lag 0, when a step "
         "has it, shows the engines' numeric floor."
     )
-    return _figure("mismatch-k3", "Mismatch by lag", caption, svg)
+    return figure("mismatch-k3", "Mismatch by lag", caption, svg)
 
 
 def _excess_chart(data: ReportData, buckets: list[str]) -> str:
@@ -94,7 +86,7 @@ def _excess_chart(data: ReportData, buckets: list[str]) -> str:
         "nothing beyond numerics; growing with the lag, the bound is letting in tokens the "
         "policy has moved away from."
     )
-    return _figure("mismatch-excess", "Excess mismatch by lag", caption, svg)
+    return figure("mismatch-excess", "Excess mismatch by lag", caption, svg)
 
 
 def _ess_chart(data: ReportData, buckets: list[str]) -> str:
@@ -109,7 +101,7 @@ def _ess_chart(data: ReportData, buckets: list[str]) -> str:
         "(Σr)² / (n Σr²) of each lag's importance ratios: 1 when trainer and sampler agree, "
         "falling as a few tokens' ratios dominate."
     )
-    return _figure("mismatch-ess", "ESS by lag", caption, svg)
+    return figure("mismatch-ess", "ESS by lag", caption, svg)
 
 
 def _length_chart(data: ReportData) -> str:
@@ -126,7 +118,7 @@ def _length_chart(data: ReportData) -> str:
         "Long responses span more weight updates, so masking and drops remove more of them: the "
         "gap between the lines is the length bias of the bound (SPEC 12)."
     )
-    return _figure("length-bias", "Length bias", caption, svg)
+    return figure("length-bias", "Length bias", caption, svg)
 
 
 def _removed_chart(data: ReportData) -> str:
@@ -138,7 +130,7 @@ def _removed_chart(data: ReportData) -> str:
         "Removed share by response length", data.steps, series, y_label="share masked or dropped", percent=True
     )
     caption = "Share of each length bucket's sampled tokens masked or dropped for staleness, per step."
-    return _figure("length-removed", "Removed share by length", caption, svg)
+    return figure("length-removed", "Removed share by length", caption, svg)
 
 
 def render_costs(data: ReportData) -> str:
@@ -155,6 +147,6 @@ def render_costs(data: ReportData) -> str:
         "the bound removed, by response length (SPEC 12)."
     )
     return (
-        f'<section id="what-staleness-costs"><h2>What staleness costs</h2><p class="meta">{intro}</p>'
-        f"{''.join(charts)}</section>"
+        '<section id="what-staleness-costs"><h2>What staleness costs</h2>'
+        f'<p class="meta">{intro}</p>{"".join(charts)}</section>'
     )

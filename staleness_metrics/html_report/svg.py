@@ -15,7 +15,17 @@ from html import escape
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PALETTE", "Rule", "Series", "bar_chart", "heatmap", "line_chart", "message_chart", "nice_ticks"]
+__all__ = [
+    "PALETTE",
+    "Rule",
+    "Series",
+    "bar_chart",
+    "figure",
+    "heatmap",
+    "line_chart",
+    "message_chart",
+    "nice_ticks",
+]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf")
 WIDTH, HEIGHT = 920, 300
@@ -128,8 +138,8 @@ class _Frame:
         return [
             f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
             f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
-            f'<text x="{LEFT + self.plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" fill="{rule.color}">'
-            f"{escape(rule.label)}</text>",
+            f'<text x="{LEFT + self.plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" '
+            f'fill="{rule.color}">{escape(rule.label)}</text>',
         ]
 
 
@@ -166,6 +176,14 @@ def _polyline(points: list[str], color: str, dash: str) -> list[str]:
 
 def _finite(values: Sequence[float | None]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
+
+
+def figure(key: str, title: str, caption: str, svg: str) -> str:
+    """A chart of the report with its title and caption (``key`` names it for the page's script)."""
+    return (
+        f'<figure class="chart" id="chart-{key}" data-chart="{key}">'
+        f"<figcaption><h2>{escape(title)}</h2><p>{caption}</p></figcaption>{svg}</figure>"
+    )
 
 
 def message_chart(label: str, message: str) -> str:
@@ -269,8 +287,8 @@ def bar_chart(
             y_top = frame.py(hi)
             body.append(
                 f'<rect x="{left:.1f}" y="{y_top:.1f}" width="{max(width, 1.0):.1f}" '
-                f'height="{max(frame.py(lo) - y_top, 0.5):.1f}" fill="{s.color}"><title>{escape(s.name)} at '
-                f"{_fmt(xi)}: {v:.4g}</title></rect>"
+                f'height="{max(frame.py(lo) - y_top, 0.5):.1f}" fill="{s.color}">'
+                f"<title>{escape(s.name)} at {_fmt(xi)}: {v:.4g}</title></rect>"
             )
             if stacked:
                 base += v
@@ -324,9 +342,9 @@ def heatmap(
             share = count / total
             cx, cy = LEFT + i * cell_w, TOP + plot_h - (level + 1) * cell_h
             body.append(
-                f'<rect x="{cx:.2f}" y="{cy:.2f}" width="{cell_w + 0.3:.2f}" height="{cell_h + 0.3:.2f}" '
-                f'fill="{_shade(share)}"><title>step {step}, staleness {level}: {count} tokens '
-                f"({100 * share:.1f}%)</title></rect>"
+                f'<rect x="{cx:.2f}" y="{cy:.2f}" width="{cell_w + 0.3:.2f}" '
+                f'height="{cell_h + 0.3:.2f}" fill="{_shade(share)}"><title>step {step}, '
+                f"staleness {level}: {count} tokens ({100 * share:.1f}%)</title></rect>"
             )
     base = TOP + plot_h
     body.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{base}" y2="{base}" class="axis"/>')

@@ -172,8 +172,9 @@ def migrate_prometheus_name(
 
 
 RegexFlavor = Literal["wandb", "prometheus"]
-"""``wandb``: a W&B panel regex over W&B keys (matches anywhere in a key, like JavaScript's ``test``).
-``prometheus``: a ``__name__=~`` regex over series names (anchored at both ends, like RE2 in Prometheus)."""
+"""``wandb``: a W&B panel regex over W&B keys (matches anywhere in a key, like JavaScript's
+``test``). ``prometheus``: a ``__name__=~`` regex over series names (anchored at both ends, like RE2
+in Prometheus)."""
 
 
 @dataclass(frozen=True)
