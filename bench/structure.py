@@ -15,6 +15,7 @@
 
 ``--list`` names what misses a goal (and the files with the most long lines); ``FILE ...`` (paths or
 directories) also prints the line counts of just those files, to follow one's own part of the work.
+``bench/rewrap.py`` rewraps the comments, docstrings and string literals over 100 characters.
 """
 
 from __future__ import annotations

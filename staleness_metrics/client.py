@@ -15,7 +15,8 @@ Every call is retried on connection errors, timeouts and 502/503/504, with the s
 service counts a rollout once by its id, and each :meth:`StalenessClient.ship` sends one
 ``Idempotency-Key`` for all its attempts, so a retry never counts anything twice. Errors come back
 as the library's: an invalid record raises :class:`~staleness_metrics.errors.TraceError` naming its
-id, field and reason; an invalid configuration raises :class:`~staleness_metrics.errors.ConfigError`.
+id, field and reason; an invalid configuration raises
+:class:`~staleness_metrics.errors.ConfigError`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ ships.
     exporters = [PrometheusExporter(), ConsoleExporter()]
     monitor = StalenessMonitor(StalenessConfig(max_staleness=8), exporters, run="exp-42")
     monitor.add(rollouts)          # whenever rollouts finish (SPEC 3 records)
-    shipment = monitor.ship(step)  # in the batch callback: masks the batch, exports without blocking
+    shipment = monitor.ship(step)  # in the batch callback: masks it, exports without blocking
     batch = [r.record() for r in shipment.rollouts]  # train on it
     metrics = shipment.metrics                       # and log the dict
     monitor.close()                # at the end of training: flushes the exporters
