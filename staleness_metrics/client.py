@@ -2,18 +2,21 @@
 
 ::
 
-    with StalenessClient("http://127.0.0.1:9487", token=os.environ.get("STALENESS_METRICS_TOKEN")) as client:
+    token = os.environ.get("STALENESS_METRICS_TOKEN")
+    with StalenessClient("http://127.0.0.1:9487", token=token) as client:
         client.create_run("exp-42", {"policy": "token", "max_staleness": 4})
         client.add("exp-42", rollouts)              # SPEC 3 records
         result = client.ship("exp-42", step=7)      # result["metrics"] is the SPEC 6 dict
         history = client.steps("exp-42", since=0)
-        client.record_mismatch("exp-42", step=7, sums=sums)  # trainer side: MismatchSums, one per rank
+        # trainer side: MismatchSums, one per rank
+        client.record_mismatch("exp-42", step=7, sums=sums)
 
-Every call is retried on connection errors, timeouts and 502/503/504, with the same body: the service
-counts a rollout once by its id, and each :meth:`StalenessClient.ship` sends one ``Idempotency-Key``
-for all its attempts, so a retry never counts anything twice. Errors come back as the library's: an
-invalid record raises :class:`~staleness_metrics.errors.TraceError` naming its id, field and reason; an
-invalid configuration raises :class:`~staleness_metrics.errors.ConfigError`.
+Every call is retried on connection errors, timeouts and 502/503/504, with the same body: the
+service counts a rollout once by its id, and each :meth:`StalenessClient.ship` sends one
+``Idempotency-Key`` for all its attempts, so a retry never counts anything twice. Errors come back
+as the library's: an invalid record raises :class:`~staleness_metrics.errors.TraceError` naming its
+id, field and reason; an invalid configuration raises
+:class:`~staleness_metrics.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -90,8 +93,8 @@ class ServiceError(StalenessError):
 
 
 class StalenessClient:
-    """Talks to one service. ``retries``: extra attempts after a transient failure, ``backoff`` seconds
-    doubling between them. ``transport`` is for tests (e.g. ``httpx.MockTransport``)."""
+    """Talks to one service. ``retries``: extra attempts after a transient failure, ``backoff``
+    seconds doubling between them. ``transport`` is for tests (e.g. ``httpx.MockTransport``)."""
 
     def __init__(
         self,
@@ -163,11 +166,13 @@ class StalenessClient:
         *,
         idempotency_key: str | None = None,
     ) -> MismatchResult:
-        """Post trainer-side mismatch sums (SPEC 11) of the shipped ``step``; posts for one step merge.
+        """Post trainer-side mismatch sums (SPEC 11) of the shipped ``step``;
+        posts for one step merge.
 
-        ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from :func:`~staleness_metrics.mismatch_sums`)
-        or its ``to_dict()``. One idempotency key (given, or a new random one) covers every retry of this
-        call, so a retried post is merged once. The answer holds the step's merged SPEC 11 keys.
+        ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from
+        :func:`~staleness_metrics.mismatch_sums`) or its ``to_dict()``. One idempotency key (given,
+        or a new random one) covers every retry of this call, so a retried post is merged once. The
+        answer holds the step's merged SPEC 11 keys.
         """
         body = {"step": step, "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums)}
         key = idempotency_key or uuid.uuid4().hex
@@ -207,7 +212,8 @@ class StalenessClient:
             else:
                 if response.status_code not in _RETRY_STATUSES or attempt >= self._retries:
                     if gone_ok and attempt > 0 and response.status_code == 404:
-                        return response  # an earlier attempt did it (e.g. a DELETE whose answer was lost)
+                        # an earlier attempt did it (e.g. a DELETE whose answer was lost)
+                        return response
                     _raise_for(response)
                     return response
             time.sleep(self._backoff * 2**attempt)
@@ -226,7 +232,8 @@ class StalenessClient:
 
 
 def _run_path(run: str, action: str | None = None) -> str:
-    """The run's URL path; the name is quoted, so a stray ``/`` or ``?`` cannot reach another route."""
+    """The run's URL path; the name is quoted, so a stray ``/`` or ``?``
+    cannot reach another route."""
     path = f"/v1/runs/{quote(run, safe='')}"
     return path if action is None else f"{path}/{action}"
 
@@ -242,7 +249,8 @@ def _raise_for(response: httpx.Response) -> None:
     detail: Any = body.get("detail", response.text) if isinstance(body, dict) else response.text
     if response.status_code == 422 and isinstance(detail, list) and detail and isinstance(detail[0], dict):
         first = detail[0]
-        if first.get("rollout_id") is not None or first.get("index") is not None:  # a record's error
+        # a record's error
+        if first.get("rollout_id") is not None or first.get("index") is not None:
             raise TraceError(first.get("rollout_id"), first.get("field", ""), first.get("reason", ""))
         if response.request.method == "PUT":  # only run creation takes a PUT body: a configuration
             raise ConfigError(f"{first.get('field')}: {first.get('reason')}")

@@ -34,9 +34,9 @@ class StalenessConfig:
     ``max_staleness`` defaults to 8, as prime-rl. ``max_token_staleness``, ``sync_interval`` and
     ``retry_expired`` only matter to the ``xtuner`` policy. ``mismatch_band`` is the ratio band
     ``[lo, hi]`` of SPEC 11's out-of-band share. ``floor_min_tokens``, ``floor_max_age`` (steps),
-    ``cost_window`` (ships) and ``mismatch_budget`` (nats per token; None = the floor) choose the bound
-    (SPEC 14); ``adapt_every`` (ships; None = off), ``adapt_low`` and ``adapt_high`` adapt it (``token``
-    policy only).
+    ``cost_window`` (ships) and ``mismatch_budget`` (nats per token; None = the floor) choose the
+    bound (SPEC 14); ``adapt_every`` (ships; None = off), ``adapt_low`` and ``adapt_high`` adapt it
+    (``token`` policy only).
     """
 
     policy: PolicyName = "token"

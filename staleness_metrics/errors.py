@@ -1,7 +1,8 @@
 """Errors that name what was wrong: the rollout, the field and the reason.
 
-Every error carries them as attributes (``.field``, ``.reason``, and ``.rollout`` where there is one), so
-a caller (the service answering 422, a log line) reads them from the error, never back out of its message.
+Every error carries them as attributes (``.field``, ``.reason``, and ``.rollout`` where there
+is one), so a caller (the service answering 422, a log line) reads them from the error, never
+back out of its message.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def shortened(text: str, limit: int = MAX_REASON_CHARS) -> str:
 class StalenessError(Exception):
     """Base class of every error this package raises on purpose.
 
-    ``field``: what was wrong (a setting, a record field such as ``samples[0].mask[3]``, an event line's
-    key), or None when the error is about the whole input; ``reason``: why; ``rollout``: the id of the
-    rollout at fault, where there is one.
+    ``field``: what was wrong (a setting, a record field such as ``samples[0].mask[3]``, an event
+    line's key), or None when the error is about the whole input; ``reason``: why; ``rollout``: the
+    id of the rollout at fault, where there is one.
     """
 
     field: str | None = None
@@ -42,8 +43,8 @@ class StalenessError(Exception):
 
 
 class ConfigError(StalenessError, ValueError):
-    """An invalid setting. ``ConfigError("<setting>: <reason>")`` names the setting in its message, and
-    the setting and the reason are its ``field`` and ``reason``; they can also be given apart
+    """An invalid setting. ``ConfigError("<setting>: <reason>")`` names the setting in its message,
+    and the setting and the reason are its ``field`` and ``reason``; they can also be given apart
     (``ConfigError("...", field="max_staleness", reason="...")``)."""
 
     def __init__(self, message: str, *, field: str | None = None, reason: str | None = None) -> None:
@@ -61,10 +62,10 @@ def _field_message(field: str | None, reason: str) -> str:
 
 
 class FieldError(StalenessError, ValueError):
-    """A value the library refuses, other than a setting or a record: an argument (an array of the wrong
-    shape or dtype, a step), mismatch sums (SPEC 11) and the step they are posted for. The message is
-    ``"<field>: <reason>"`` (the reason alone without a field); ``rollout`` names the rollout at fault
-    where there is one."""
+    """A value the library refuses, other than a setting or a record: an argument (an array of the
+    wrong shape or dtype, a step), mismatch sums (SPEC 11) and the step they are posted for. The
+    message is ``"<field>: <reason>"`` (the reason alone without a field); ``rollout`` names the
+    rollout at fault where there is one."""
 
     def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
         super().__init__(_field_message(field, reason))
@@ -84,8 +85,8 @@ class FieldTypeError(StalenessError, TypeError):
 
 
 class MissingFieldError(StalenessError, KeyError):
-    """A key a trainer's batch or a call's mapping lacks (a ``KeyError``): ``field`` names the key, and the
-    message reads as the other errors' (a plain ``KeyError`` quotes it)."""
+    """A key a trainer's batch or a call's mapping lacks (a ``KeyError``): ``field`` names the key,
+    and the message reads as the other errors' (a plain ``KeyError`` quotes it)."""
 
     def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
         super().__init__(_field_message(field, reason))
@@ -98,8 +99,8 @@ class MissingFieldError(StalenessError, KeyError):
 
 
 class TraceError(StalenessError, ValueError):
-    """An invalid rollout record (SPEC 3). A ``reason`` longer than :data:`MAX_REASON_CHARS` (one quoting
-    the whole of a huge value) is cut there: the field names where the value is."""
+    """An invalid rollout record (SPEC 3). A ``reason`` longer than :data:`MAX_REASON_CHARS` (one
+    quoting the whole of a huge value) is cut there: the field names where the value is."""
 
     field: str
 
@@ -113,8 +114,8 @@ class TraceError(StalenessError, ValueError):
 
 
 class EventError(StalenessError, ValueError):
-    """A malformed event line in a replay stream (bad JSON, unknown type, a step going back); ``field`` is
-    ``line <n>``."""
+    """A malformed event line in a replay stream (bad JSON, unknown type, a step going back);
+    ``field`` is ``line <n>``."""
 
     def __init__(self, line: int, reason: str) -> None:
         self.line = line

@@ -1,25 +1,29 @@
-"""The orchestrator plugin: a sink plus exporters, called when rollouts arrive and when a batch ships.
+"""The orchestrator plugin: a sink plus exporters, called when rollouts arrive and when a batch
+ships.
 
 ::
 
-    monitor = StalenessMonitor(StalenessConfig(max_staleness=8), [PrometheusExporter(), ConsoleExporter()],
-                               run="exp-42")
+    exporters = [PrometheusExporter(), ConsoleExporter()]
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=8), exporters, run="exp-42")
     monitor.add(rollouts)          # whenever rollouts finish (SPEC 3 records)
-    shipment = monitor.ship(step)  # in the batch callback: masks the batch, exports without blocking
-    batch, metrics = [r.record() for r in shipment.rollouts], shipment.metrics  # train on it; log the dict
+    shipment = monitor.ship(step)  # in the batch callback: masks it, exports without blocking
+    batch = [r.record() for r in shipment.rollouts]  # train on it
+    metrics = shipment.metrics                       # and log the dict
     monitor.close()                # at the end of training: flushes the exporters
 
-What staleness costs (SPEC 11), when the trainer's log-probabilities exist only after the batch left::
+What staleness costs (SPEC 11), when the trainer's log-probabilities exist only after the batch
+left::
 
-    send(batch, shipment.lags)                                   # the lag of every shipped position
-    sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)  # trainer side
-    monitor.record_mismatch(step, sums)                          # once per rank or micro-batch: they merge
+    send(batch, shipment.lags)           # the lag of every shipped position
+    # trainer side:
+    sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)
+    monitor.record_mismatch(step, sums)  # once per rank or micro-batch: they merge
 
-``ship`` hands the step's report to every exporter and returns at once: network exporters queue their
-work, and an exporter that fails or raises is counted in ``rl_staleness_export_errors_total`` and logged
-(rate-limited), never raised into the training loop. Input errors are a different matter: in strict mode
-an invalid rollout raises :class:`~staleness_metrics.errors.TraceError` from ``add`` or ``ship``, as the
-sink does.
+``ship`` hands the step's report to every exporter and returns at once: network exporters queue
+their work, and an exporter that fails or raises is counted in ``rl_staleness_export_errors_total``
+and logged (rate-limited), never raised into the training loop. Input errors are a different
+matter: in strict mode an invalid rollout raises :class:`~staleness_metrics.errors.TraceError` from
+``add`` or ``ship``, as the sink does.
 """
 
 from __future__ import annotations
@@ -67,13 +71,16 @@ from .state_checks import (
 
 __all__ = ["StalenessMonitor"]
 
-MISMATCH_STEPS_KEPT = 1024  # per-step totals kept for late calls; counters are cumulative regardless
-CLOSE_GRACE = 0.25  # seconds past the exporters' own close timeouts: an exporter returning at its timeout is on time
+# per-step totals kept for late calls; counters are cumulative regardless
+MISMATCH_STEPS_KEPT = 1024
+# seconds past the exporters' own close timeouts: an exporter returning at its timeout is on time
+CLOSE_GRACE = 0.25
 
 
 def _close_bound(exporters: Iterable[Exporter]) -> float:
-    """How long ``close`` waits by default: the longest close timeout an exporter declares (exporters
-    that declare none are held to :data:`DEFAULT_CLOSE_TIMEOUT`), plus :data:`CLOSE_GRACE`."""
+    """How long ``close`` waits by default: the longest close timeout an exporter
+    declares (exporters that declare none are held to :data:`DEFAULT_CLOSE_TIMEOUT`),
+    plus :data:`CLOSE_GRACE`."""
     timeouts = [getattr(exporter, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for exporter in exporters]
     declared = [float(t) for t in timeouts if isinstance(t, int | float) and not isinstance(t, bool)]
     return max([DEFAULT_CLOSE_TIMEOUT, *declared]) + CLOSE_GRACE
@@ -111,9 +118,12 @@ class StalenessMonitor:
         self._closed = False
         self._absorbing = False
         self._shipped_steps: set[int] = set()
-        self._mismatch: dict[int, MismatchSums] = {}  # per step, merged over calls (the latest steps)
-        self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}  # their keys, as last published
-        self._env_mismatch: dict[tuple[int, str], MismatchSums] = {}  # per step and env (the env breakdown)
+        # per step, merged over calls (the latest steps)
+        self._mismatch: dict[int, MismatchSums] = {}
+        # their keys, as last published
+        self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}
+        # per step and env (the env breakdown)
+        self._env_mismatch: dict[tuple[int, str], MismatchSums] = {}
 
     @property
     def config(self) -> StalenessConfig:
@@ -130,7 +140,8 @@ class StalenessMonitor:
             self.sink.sweep(step)
 
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
-        """Mask and take the batch for ``step``, hand its report to the exporters, return the shipment.
+        """Mask and take the batch for ``step``, hand its report to the
+        exporters, return the shipment.
 
         ``shipment.metrics`` is the SPEC 6 dict of the step.
         """
@@ -157,9 +168,10 @@ class StalenessMonitor:
     def state_dict(self) -> dict[str, Any]:
         """Everything later ships depend on, as plain JSON-serialisable data (SPEC 13).
 
-        The sink (queue, held groups, window, last step, counters and histograms, policy state), the
-        cumulative state of the exporters that keep one (Prometheus, OTLP) and the export error counts.
-        Save it beside the trainer's checkpoint; :meth:`load_state_dict` in a new process continues.
+        The sink (queue, held groups, window, last step, counters and histograms, policy
+        state), the cumulative state of the exporters that keep one (Prometheus, OTLP) and the
+        export error counts. Save it beside the trainer's checkpoint; :meth:`load_state_dict`
+        in a new process continues.
         """
         with self._lock:
             state: dict[str, Any] = {
@@ -178,12 +190,14 @@ class StalenessMonitor:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`; exporters continue their cumulative series from the saved values.
+        """Continue from :meth:`state_dict`; exporters continue their cumulative
+        series from the saved values.
 
-        All or nothing: the whole state is checked first (structure, types, ranges, that its parts agree, and
-        the digests saved with it), and a bad one raises ``ConfigError`` naming the key path and the reason,
-        with the monitor left exactly as it was. A checkpoint of another policy or bound is refused too
-        (naming both). An exporter of this monitor absent from the checkpoint starts its series afresh."""
+        All or nothing: the whole state is checked first (structure, types, ranges, that its parts
+        agree, and the digests saved with it), and a bad one raises ``ConfigError`` naming the key
+        path and the reason, with the monitor left exactly as it was. A checkpoint of another policy
+        or bound is refused too (naming both). An exporter of this monitor absent from the
+        checkpoint starts its series afresh."""
         check_format(state, "monitor")
         state = keys(state, "", ("format", "run", "sink", "exporters", "export_errors", "shipped_steps", "mismatch"),
                      ("digests", "env_mismatch"))  # fmt: skip
@@ -223,8 +237,8 @@ class StalenessMonitor:
                     fail(where, f"step {step} of env {env!r} was not shipped, has no env name, or appears twice")
                 env_mismatch[(step, env)] = check_mismatch(sums, join(where, 2))
             check_digests(state, "", skip=("sink",))
-            # Everything is checked: replace. Exporters that cannot check a state beforehand load first, so that
-            # one refusing leaves the monitor as it was.
+            # Everything is checked: replace. Exporters that cannot check a state beforehand load
+            # first, so that one refusing leaves the monitor as it was.
             loads.sort(key=lambda load: getattr(load[1], "check_state_dict", None) is not None)
             for name, exporter, exporter_state in loads:
                 try:
@@ -242,8 +256,9 @@ class StalenessMonitor:
 
     @contextmanager
     def absorbing(self) -> Iterator[None]:
-        """Within this block ships and trainer-side sums are folded into the exporters' state but not
-        published: for re-applying writes that were published before a restart (the service's journal)."""
+        """Within this block ships and trainer-side sums are folded into the exporters'
+        state but not published: for re-applying writes that were published before a restart
+        (the service's journal)."""
         with self._lock:
             self._absorbing = True
         try:
@@ -255,15 +270,18 @@ class StalenessMonitor:
     def record_mismatch(
         self, step: int, sums: MismatchSums | Mapping[str, Any], env: str | None = None
     ) -> MismatchSums:
-        """Record trainer-side SPEC 11 sums for a shipped ``step`` and publish them; returns the step's total.
+        """Record trainer-side SPEC 11 sums for a shipped ``step`` and publish them;
+        returns the step's total.
 
-        ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from :func:`~staleness_metrics.mismatch_sums`)
-        or its ``to_dict()`` form. Several calls for one step (one per rank or micro-batch) merge. A step
-        never shipped, or a malformed dict, raises ``ValueError`` naming the field; nothing is recorded then.
+        ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from
+        :func:`~staleness_metrics.mismatch_sums`) or its ``to_dict()`` form. Several calls for one
+        step (one per rank or micro-batch) merge. A step never shipped, or a malformed dict, raises
+        ``ValueError`` naming the field; nothing is recorded then.
 
-        ``env`` names the env the sums are of (one call per env and rank): they count in the step's batch-wide
-        total as any others, and with the env breakdown also in the env's, published under
-        ``staleness/env/<env>/mismatch/...`` and ``.../bound/...`` (an ``env`` label elsewhere).
+        ``env`` names the env the sums are of (one call per env and rank): they count in the
+        step's batch-wide total as any others, and with the env breakdown also in the env's,
+        published under ``staleness/env/<env>/mismatch/...`` and ``.../bound/...`` (an
+        ``env`` label elsewhere).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise FieldError("step", f"expected an integer >= 1, got {step!r}")
@@ -299,7 +317,8 @@ class StalenessMonitor:
             self._mismatch_metrics[step] = report.metrics
             while len(self._mismatch_metrics) > MISMATCH_STEPS_KEPT:
                 del self._mismatch_metrics[min(self._mismatch_metrics)]
-            if self._absorbing:  # published before a restart: the counters catch up, nothing is sent again
+            # published before a restart: the counters catch up, nothing is sent again
+            if self._absorbing:
                 for stateful in self._stateful().values():
                     stateful.absorb_mismatch(report)
                 return total
@@ -318,8 +337,9 @@ class StalenessMonitor:
             return self._mismatch.get(step)
 
     def mismatch_metrics(self, step: int) -> dict[str, MetricValue] | None:
-        """The keys the last :meth:`record_mismatch` of ``step`` published in this process (SPEC 11 with the
-        excess over SPEC 14's floor, and SPEC 14's keys); None when none was recorded since it started."""
+        """The keys the last :meth:`record_mismatch` of ``step`` published in this process (SPEC
+        11 with the excess over SPEC 14's floor, and SPEC 14's keys); None when none was
+        recorded since it started."""
         with self._lock:
             found = self._mismatch_metrics.get(step)
             return None if found is None else dict(found)
@@ -342,11 +362,11 @@ class StalenessMonitor:
     def close(self, timeout: float | None = None) -> None:
         """Flush and close every exporter, all at once; safe to call twice.
 
-        Each exporter closes on a daemon thread of its own, so N exporters waiting for slow receivers cost
-        one close timeout, not N. The call returns within ``timeout`` seconds (default: the longest
-        ``close_timeout`` among the exporters, at least :data:`DEFAULT_CLOSE_TIMEOUT`, plus
-        :data:`CLOSE_GRACE`); an exporter whose ``close`` has not returned by then is counted and logged,
-        and left to finish in the background.
+        Each exporter closes on a daemon thread of its own, so N exporters waiting for slow
+        receivers cost one close timeout, not N. The call returns within ``timeout`` seconds
+        (default: the longest ``close_timeout`` among the exporters, at least
+        :data:`DEFAULT_CLOSE_TIMEOUT`, plus :data:`CLOSE_GRACE`); an exporter whose ``close`` has
+        not returned by then is counted and logged, and left to finish in the background.
         """
         with self._lock:
             if self._closed:

@@ -122,3 +122,53 @@ def test_calls_bench_reports_each_cost_against_its_yardstick() -> None:
     assert result["goals"] == {
         "adds": 2.0, "replay_small_over_big": 2.0, "replay_over_python": 8.0, "what_if": 2.0, "import": 1.0,
     }  # fmt: skip
+
+
+def test_structure_counts_what_issue_33_measures(tmp_path: Path) -> None:
+    """On a tiny package: a module of 701 lines, a function of 101 lines, one of 12 parameters, two
+    subpackages importing each other and 3 lines over 100 characters, each counted."""
+    package = tmp_path / "pkg"
+    (package / "a").mkdir(parents=True)
+    (package / "b").mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a" / "__init__.py").write_text("from ..b import y\n")
+    (package / "b" / "__init__.py").write_text("def y():\n    from ..a import big\n")
+    long_function = "def big():\n" + "    x = 1\n" * 100
+    many = "def many(a, b, c, d, e, f, g, h, i, j, k, l): ...\n"
+    wide = "# " + "w" * 120 + "\n"
+    (package / "a" / "big.py").write_text(long_function + many + wide * 3 + "\n" * (701 - 105))
+    result = run_bench("structure.py", "--package", str(package))
+    assert result["numbers"] == {
+        "lines": 3 + 701,
+        "modules_over_700": 1,
+        "functions_over_100": 1,
+        "functions_of_12_parameters": 1,
+        "cycles_between_subpackages": 1,
+        "share_over_100_characters": round(3 / 704, 4),
+    }
+    assert result["goals"]["functions_over_100"] == 2
+
+
+def test_rewrap_keeps_values_and_wraps_text_to_the_width(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    words = " ".join(["word"] * 30)
+    source.write_text(
+        f'"""{words}."""\n\n'
+        f"# {words}\n"
+        "a = 0\n"
+        f"x = 1  # {words}\n"
+        f"y = 2  # noqa: E501 {words}\n"
+        f'z = f(\n    "{words} "\n    f"{{x}} {words}",\n    1,\n)\n'
+    )
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "rewrap.py"), "--width", "60", str(source)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "a trailing pragma" in done.stdout
+    text = source.read_text()
+    assert [line for line in text.splitlines() if len(line) > 60] == [f"y = 2  # noqa: E501 {words}"]
+    namespace: dict[str, Any] = {"f": lambda text, _: text}
+    exec(compile(text, str(source), "exec"), namespace)
+    assert namespace["z"] == f"{words} 1 {words}"  # x = 1 above
+    assert " ".join(namespace["__doc__"].split()) == f"{words}."
+    assert "\nx = 1\n" in text  # its comment went above it

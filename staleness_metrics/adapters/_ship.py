@@ -1,28 +1,32 @@
-"""SPEC 15's one call, the part every trainer shares: add a trainer's batch, ship it, hand back its rows.
+"""SPEC 15's one call, the part every trainer shares: add a trainer's batch,
+ship it, hand back its rows.
 
-An adapter's ``ship(monitor, batch, *, version)`` does three things of its own and leaves the rest here:
+An adapter's ``ship(monitor, batch, *, version)`` does three things of its own
+and leaves the rest here:
 
-1. it reads the trainer's batch into a :class:`~staleness_metrics.records.columnar.RolloutBatch` whose arrays are
-   the trainer's own where they can be (wrap each one in :class:`TrainerArray` to get a numpy view and
-   the way back);
+1. it reads the trainer's batch into a :class:`~staleness_metrics.records.columnar.RolloutBatch`
+   whose arrays are the trainer's own where they can be (wrap each one in :class:`TrainerArray` to
+   get a numpy view and the way back);
 2. it calls :func:`ship_rows` with that batch, the trainer's batch as ``source`` and the
    :class:`TrainerNames` that say how the trainer calls things;
-3. it turns the returned :class:`ShippedPart` s back into the trainer's own type (the whole ``source``
-   when every row shipped, else the trainer's own row selection and concatenation), attaching
-   :meth:`ShippedPart.lag_matrix` (or :attr:`ShippedPart.lags`) as ``staleness_lag``.
+3. it turns the returned :class:`ShippedPart` s back into the trainer's own type (the whole
+   ``source`` when every row shipped, else the trainer's own row selection and concatenation),
+   attaching :meth:`ShippedPart.lag_matrix` (or :attr:`ShippedPart.lags`) as ``staleness_lag``.
 
-:func:`ship_rows` adds the batch, ships at step ``version + 1`` the rollouts entered through it (and only
-those: rollouts the caller added to the same monitor by hand stay queued for the caller's own ship),
-writes the masked arrays back into the trainer's arrays that are not shared with the sink, and returns
-the shipped rows grouped by the call that entered them, in ship order. Rows the policy holds back
-(``xtuner`` with ``retry_expired``) are kept per monitor with their trainer batch and come back as a part of
-the later call that ships them; dropped and invalid rows are forgotten. A ``TraceError`` from the sink is
-raised again naming the trainer's own field and row (``non_tensor_batch['param_version_start'][3]``), and
-for a version above ``version`` which of the trainer's counters to pass.
+:func:`ship_rows` adds the batch, ships at step ``version + 1`` the rollouts entered through it (and
+only those: rollouts the caller added to the same monitor by hand stay queued for the caller's own
+ship), writes the masked arrays back into the trainer's arrays that are not shared with the sink,
+and returns the shipped rows grouped by the call that entered them, in ship order. Rows the policy
+holds back (``xtuner`` with ``retry_expired``) are kept per monitor with their trainer batch and
+come back as a part of the later call that ships them; dropped and invalid rows are forgotten. A
+``TraceError`` from the sink is raised again naming the trainer's own field and row
+(``non_tensor_batch['param_version_start'][3]``), and for a version above ``version`` which of the
+trainer's counters to pass.
 
-Nothing here imports a trainer's package or torch at import time: tensors are told by their methods.
-The record of held rows and their trainer batches lives in this process only: after a restart from a
-checkpoint, rows held by the previous process stay queued in the restored sink and are not handed back.
+Nothing here imports a trainer's package or torch at import time: tensors are told by their
+methods. The record of held rows and their trainer batches lives in this process only: after a
+restart from a checkpoint, rows held by the previous process stay queued in the restored sink
+and are not handed back.
 """
 
 from __future__ import annotations
@@ -60,10 +64,10 @@ _ABOVE_TRAINED = "is above the trained version"
 class TrainerNames:
     """How one trainer calls what the sink checks.
 
-    ``counter`` names the trainer variable to pass as ``version`` (said in the error for a version above
-    it); ``fields`` maps the last part of a SPEC 3 field name (``dispatch_version``, ``completion_version``,
-    ``mask``, ``token_versions``, ``logprobs`` ...) to the trainer's own name of it, with ``{row}`` for the
-    row of the trainer's batch.
+    ``counter`` names the trainer variable to pass as ``version`` (said in the error for a version
+    above it); ``fields`` maps the last part of a SPEC 3 field name (``dispatch_version``,
+    ``completion_version``, ``mask``, ``token_versions``, ``logprobs`` ...) to the trainer's own
+    name of it, with ``{row}`` for the row of the trainer's batch.
     """
 
     trainer: str
@@ -88,9 +92,10 @@ class TrainerNames:
 class TrainerArray:
     """A trainer's ``[B, L]`` array or tensor as numpy, and the way back into it.
 
-    ``array`` is a view of the trainer's memory for numpy arrays and CPU tensors (the sink then masks the
-    trainer's own object), else a copy (a GPU tensor, one that needs grad); :meth:`write_back` copies the
-    masked values into the trainer's object when they are not already there, keeping its dtype and device.
+    ``array`` is a view of the trainer's memory for numpy arrays and CPU tensors (the sink then
+    masks the trainer's own object), else a copy (a GPU tensor, one that needs grad);
+    :meth:`write_back` copies the masked values into the trainer's object when they are not already
+    there, keeping its dtype and device.
     """
 
     def __init__(self, value: Any) -> None:
@@ -106,18 +111,21 @@ class TrainerArray:
             raise FieldTypeError(None, f"expected a numpy array or a tensor, got {type(value).__name__}")
 
     def write_back(self, masked: npt.NDArray[Any]) -> None:
-        """Make the trainer's object hold ``masked`` (the sink's flat view or copy of :attr:`array`)."""
+        """Make the trainer's object hold ``masked`` (the sink's flat view or
+        copy of :attr:`array`)."""
         if self.shared and np.may_share_memory(masked, self.array):
             return  # masked in place
         values = np.ascontiguousarray(masked.reshape(self.array.shape))
         if isinstance(self.value, np.ndarray):
             self.value[...] = values
             return
-        self.value.detach().copy_(_torch().from_numpy(values))  # copy_ keeps the tensor's dtype and device
+        # copy_ keeps the tensor's dtype and device
+        self.value.detach().copy_(_torch().from_numpy(values))
 
 
 def _torch() -> Any:
-    """The torch module, when a tensor was given (so torch is imported already): no import of our own."""
+    """The torch module, when a tensor was given (so torch is imported already):
+    no import of our own."""
     return sys.modules["torch"]
 
 
@@ -126,8 +134,8 @@ def _is_tensor(value: Any) -> bool:
 
 
 def new_tensor_like(reference: Any, values: npt.NDArray[Any]) -> Any:
-    """``values`` as the kind of array ``reference`` is: numpy stays numpy, a tensor gives a tensor of
-    ``values``' dtype on ``reference``'s device."""
+    """``values`` as the kind of array ``reference`` is: numpy stays numpy, a tensor gives a tensor
+    of ``values``' dtype on ``reference``'s device."""
     if _is_tensor(reference):
         return _torch().from_numpy(np.ascontiguousarray(values)).to(reference.device)
     return values
@@ -135,12 +143,13 @@ def new_tensor_like(reference: Any, values: npt.NDArray[Any]) -> Any:
 
 @dataclass(frozen=True)
 class ShippedPart(Generic[S]):
-    """The rows of one trainer batch (``source``, given to one call) that a ship shipped, in ship order.
+    """The rows of one trainer batch (``source``, given to one call) that a
+    ship shipped, in ship order.
 
-    ``rows`` are rollout indices of ``batch`` (rows of the trainer's batch when each rollout is one row);
-    ``samples[i]`` the kept sample indices of ``rows[i]``; ``lags`` one int64 array per kept sample, in the
-    same order, SPEC 11's lag of each position (``T - v`` on sampled positions of live rollouts, -1
-    elsewhere).
+    ``rows`` are rollout indices of ``batch`` (rows of the trainer's batch when each rollout is one
+    row); ``samples[i]`` the kept sample indices of ``rows[i]``; ``lags`` one int64 array per kept
+    sample, in the same order, SPEC 11's lag of each position (``T - v`` on sampled positions of
+    live rollouts, -1 elsewhere).
     """
 
     source: S
@@ -151,7 +160,8 @@ class ShippedPart(Generic[S]):
 
     @property
     def every_row(self) -> bool:
-        """Every row of ``source`` shipped, in order, with all its samples: ``source`` itself is the answer."""
+        """Every row of ``source`` shipped, in order, with all its samples: ``source``
+        itself is the answer."""
         batch = self.batch
         return (
             len(self.rows) == batch.n_rollouts
@@ -171,8 +181,8 @@ class ShippedPart(Generic[S]):
 
 @dataclass(frozen=True)
 class ShipResult(Generic[S]):
-    """A ship seen per trainer batch: the :class:`~staleness_metrics.engine.shipment.Shipment` (metrics, drops,
-    holds) and its shipped rows as :class:`ShippedPart` s, oldest call first."""
+    """A ship seen per trainer batch: the :class:`~staleness_metrics.engine.shipment.Shipment`
+    (metrics, drops, holds) and its shipped rows as :class:`ShippedPart` s, oldest call first."""
 
     shipment: Shipment
     parts: tuple[ShippedPart[S], ...]
@@ -205,8 +215,8 @@ def _check_version(version: object, names: TrainerNames) -> int:
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
         raise FieldTypeError(
             "version",
-            f"expected an int (the policy version being trained: {names.trainer}'s {names.counter}), "
-            f"got {type(version).__name__}",
+            f"expected an int (the policy version being trained: {names.trainer}'s "
+            f"{names.counter}), got {type(version).__name__}",
         )
     if version < 0:
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
@@ -222,10 +232,11 @@ def ship_rows(
     names: TrainerNames,
     write_back: Callable[[], None] | None = None,
 ) -> ShipResult[S]:
-    """Add ``batch`` (read from the trainer's ``source``) to ``monitor`` and ship at step ``version + 1``.
+    """Add ``batch`` (read from the trainer's ``source``) to ``monitor`` and ship
+    at step ``version + 1``.
 
-    ``write_back`` is called after a ship that shipped rows of ``batch`` (this call's or a later one's),
-    to copy masked values into trainer arrays the sink could not mask in place.
+    ``write_back`` is called after a ship that shipped rows of ``batch`` (this call's or a later
+    one's), to copy masked values into trainer arrays the sink could not mask in place.
     """
     return ship_row_batches(monitor, [(batch, source, write_back)], version=version, names=names)
 
@@ -237,9 +248,10 @@ def ship_row_batches(
     version: int,
     names: TrainerNames,
 ) -> ShipResult[S]:
-    """:func:`ship_rows` for a trainer batch held as several row batches (AReaL's ``list[dict]``, one
-    ``[G, L_g]`` dict per group): each ``(batch, source, write_back)`` is added, then one ship takes them
-    all, so the step gets one ship (one window, one export) however many parts the trainer's batch has."""
+    """:func:`ship_rows` for a trainer batch held as several row batches (AReaL's ``list[dict]``,
+    one ``[G, L_g]`` dict per group): each ``(batch, source, write_back)`` is added, then one
+    ship takes them all, so the step gets one ship (one window, one export) however many parts
+    the trainer's batch has."""
     trained = _check_version(version, names)
     pending = _PENDING.setdefault(monitor, _Pending())
     for batch, source, write_back in batches:

@@ -1,4 +1,5 @@
-"""What users open: Grafana dashboards, Prometheus rules and a W&B workspace, generated from the metric table.
+"""What users open: Grafana dashboards, Prometheus rules and a W&B workspace,
+generated from the metric table.
 
 ``staleness-metrics dashboards`` writes the files (:mod:`.artifacts`); ``--check`` fails when the
 committed ones no longer match the table.
@@ -6,4 +7,5 @@ committed ones no longer match the table.
 
 from __future__ import annotations
 
-__all__: list[str] = []  # the modules are the API: artifacts, grafana, rules, wandb_panels, collector, promql
+# the modules are the API: artifacts, grafana, rules, wandb_panels, collector, promql
+__all__: list[str] = []

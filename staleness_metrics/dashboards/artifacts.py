@@ -1,4 +1,5 @@
-"""The generated files, keyed by their path in the project, and the drift check behind ``--check``."""
+"""The generated files, keyed by their path in the project, and the drift
+check behind ``--check``."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _json(data: Any) -> str:
 
 
 def generated_files() -> dict[str, str]:
-    """Path relative to the project root -> file content, rendered from the metric table as it is now."""
+    """Path relative to the project root -> file content, rendered from the
+    metric table as it is now."""
     files = {f"dashboards/{name}": _json(build()) for name, build in DASHBOARDS.items()}
     files["dashboards/wandb-workspace.json"] = _json(workspace_spec(WANDB_X_AXIS))
     files["exporters/prometheus/staleness.rules.yml"] = render_rules()
@@ -50,7 +52,8 @@ def _stale(root: Path, files: dict[str, str]) -> list[str]:
 
 
 def stale_files(root: Path) -> list[str]:
-    """The generated files under ``root`` that are missing or differ from what the table gives now."""
+    """The generated files under ``root`` that are missing or differ from
+    what the table gives now."""
     return _stale(root, generated_files())
 
 

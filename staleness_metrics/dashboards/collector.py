@@ -46,7 +46,8 @@ def _words(text: str) -> list[str]:
 
 
 def collector_prometheus_name(otel_name: str, unit: str, kind: MetricKind) -> str:
-    """The name the collector's Prometheus exporter gives a metric (default translation, with suffixes)."""
+    """The name the collector's Prometheus exporter gives a metric (default
+    translation, with suffixes)."""
     words = _words(otel_name)
     main_unit, _, per_unit = (part.strip() for part in unit.partition("/"))
     if main_unit and not re.search(r"[{}]", main_unit):
@@ -65,7 +66,8 @@ def collector_prometheus_name(otel_name: str, unit: str, kind: MetricKind) -> st
 
 
 def renames() -> list[tuple[str, str]]:
-    """(OTLP name, table Prometheus name) for every row the collector would otherwise name differently."""
+    """(OTLP name, table Prometheus name) for every row the collector would
+    otherwise name differently."""
     pairs = []
     for row in metric_table.METRICS:
         if row.otel_name is None or row.prometheus_name is None:
@@ -93,7 +95,8 @@ def collector_config() -> dict[str, Any]:
         "exporters": {
             "prometheus": {
                 "endpoint": PROMETHEUS,
-                # service.name becomes `job` and service.instance.id `instance` (scrape with honor_labels)
+                # service.name becomes `job` and service.instance.id `instance`
+                # (scrape with honor_labels)
                 "resource_to_telemetry_conversion": {"enabled": False},
                 "enable_open_metrics": False,
             }

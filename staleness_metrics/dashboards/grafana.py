@@ -1,12 +1,14 @@
 """Grafana dashboards as plain dicts, built from the metric table (the vLLM generator pattern).
 
-Two dashboards: ``staleness`` (one or a few runs in detail) and ``staleness-fleet`` (many runs side by
-side), written in the panel language of :mod:`.panels`. Every query comes from :mod:`.promql`, so the JSON
-follows the table.
+Two dashboards: ``staleness`` (one or a few runs in detail) and ``staleness-fleet`` (many runs side
+by side), written in the panel language of :mod:`.panels`; the rows on what staleness costs and on
+choosing the bound live in :mod:`.costs`. Every query comes from :mod:`.promql`, so the JSON follows
+the table.
 """
 
 from __future__ import annotations
 
+from .costs import choosing_the_bound, fleet_bounds, fleet_costs, what_staleness_costs
 from .panels import (
     COUNT,
     NATS,
@@ -26,7 +28,7 @@ from .panels import (
     table,
     timeseries,
 )
-from .promql import Scope, metric
+from .promql import Scope
 
 __all__ = ["DASHBOARDS", "FLEET_WIDE", "SCOPE", "fleet_dashboard", "staleness_dashboard"]
 
@@ -69,7 +71,13 @@ def _overview(grid: Grid, s: Scope, bound: Target) -> None:
     """Stat panels: where the run is now."""
     grid.row("Overview")
     for title, description, unit, target, decimals in (
-        ("Train step", "Train step of the last shipped batch.", "none", Target(s.gauge("train_step")), 0),
+        (
+            "Train step",
+            "Train step of the last shipped batch.",
+            "none",
+            Target(s.gauge("train_step")),
+            0,
+        ),
         ("Ships per minute", _SHIPS_NOTE, PER_MINUTE, Target(_ships_per_minute(s)), None),
         (
             "Token staleness (mean)",
@@ -103,8 +111,8 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Token staleness mean vs bound",
-            "Mean token staleness of each shipped batch (overall series, every env), with the configured "
-            "max_staleness drawn dashed.",
+            "Mean token staleness of each shipped batch (overall series, every env), with the "
+            "configured max_staleness drawn dashed.",
             VERSIONS,
             [Target(s.gauge("token_mean"), "{{run}} mean"), bound],
             minimum=0,
@@ -116,8 +124,9 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Token staleness quantiles",
-            "p50 / p90 / p99 of token staleness from the histogram over the rate window. PromQL "
-            "interpolates inside integer buckets, so a value lies in (q-1, q] of the exact quantile q.",
+            "p50 / p90 / p99 of token staleness from the histogram over the rate "
+            "window. PromQL interpolates inside integer buckets, so a value lies in "
+            "(q-1, q] of the exact quantile q.",
             VERSIONS,
             [Target(s.quantile(q, "token_staleness"), f"{{{{run}}}} {name}") for q, name in _QUANTILES],
             minimum=0,
@@ -128,8 +137,8 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         heatmap(
             "Token staleness distribution",
-            "Shipped sampled tokens per staleness bucket and rate window, summed over the selected runs. "
-            "Cells above the bound are masked tokens.",
+            "Shipped sampled tokens per staleness bucket and rate window, summed over the selected "
+            "runs. Cells above the bound are masked tokens.",
             VERSIONS,
             Target(s.bucket_increase("token_staleness"), "{{le}}", heatmap=True),
         ),
@@ -139,8 +148,8 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Masked tokens",
-            "Share of shipped sampled tokens masked for staleness: over the rate window from the counters, "
-            "and for the last shipped batch.",
+            "Share of shipped sampled tokens masked for staleness: over the rate window from the "
+            "counters, and for the last shipped batch.",
             RATIO,
             [
                 Target(s.ratio("tokens_masked", "tokens_sampled"), "{{run}} over window"),
@@ -160,8 +169,8 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Rollout staleness mean and max vs bound",
-            "Rollout staleness R = T - min(version) of the last shipped batch: mean and max, with the "
-            "configured max_staleness drawn dashed.",
+            "Rollout staleness R = T - min(version) of the last shipped batch: mean and max, with "
+            "the configured max_staleness drawn dashed.",
             VERSIONS,
             [
                 Target(s.gauge("rollout_mean"), "{{run}} mean"),
@@ -177,8 +186,8 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Rollout staleness quantiles",
-            "p50 / p90 / p99 of rollout staleness from the histogram over the rate window (interpolated "
-            "inside integer buckets).",
+            "p50 / p90 / p99 of rollout staleness from the histogram over the rate window "
+            "(interpolated inside integer buckets).",
             VERSIONS,
             [Target(s.quantile(q, "rollout_staleness"), f"{{{{run}}}} {name}") for q, name in _QUANTILES],
             minimum=0,
@@ -188,9 +197,9 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     )
     in_flight_vs_queue = timeseries(
         "In-flight vs in-queue staleness (mean) for $run",
-        "Where the age of a rollout comes from: versions that passed while it was generated (in flight) "
-        "and while it waited in the queue (in queue). Per rollout they add up to its staleness, so the "
-        "stack is the rollout staleness mean. One panel per run.",
+        "Where the age of a rollout comes from: versions that passed while it was generated (in "
+        "flight) and while it waited in the queue (in queue). Per rollout they add up to its "
+        "staleness, so the stack is the rollout staleness mean. One panel per run.",
         VERSIONS,
         [
             Target(s.gauge("rollout_in_flight_mean"), "in flight"),
@@ -218,8 +227,8 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     grid.add(
         timeseries(
             "Held rollouts",
-            "Rollouts held back at the last ship while their group waits for re-rollouts (xtuner policy "
-            "with retry_expired); always 0 for other policies.",
+            "Rollouts held back at the last ship while their group waits for re-rollouts (xtuner "
+            "policy with retry_expired); always 0 for other policies.",
             COUNT,
             [Target(s.gauge("rollouts_held"))],
             minimum=0,
@@ -230,13 +239,14 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
 
 
 def _oldest_vs_newest(grid: Grid, s: Scope) -> None:
-    """Rollout staleness by its oldest and by its newest token, for comparing frameworks' headlines."""
+    """Rollout staleness by its oldest and by its newest token, for comparing
+    frameworks' headlines."""
     grid.add(
         timeseries(
             "Rollout staleness: oldest vs newest token",
-            "Rollout staleness of the last shipped batch by its oldest token (R = T - min(version), "
-            "prime-rl's headline) and by its newest token (T - max(version), verl's trajectory staleness). "
-            "The gap is how many versions one rollout spans.",
+            "Rollout staleness of the last shipped batch by its oldest token (R = T - "
+            "min(version), prime-rl's headline) and by its newest token (T - max(version), verl's "
+            "trajectory staleness). The gap is how many versions one rollout spans.",
             VERSIONS,
             [
                 Target(s.gauge("rollout_mean"), "{{run}} oldest mean"),
@@ -257,8 +267,8 @@ def _drops(grid: Grid, s: Scope) -> None:
     grid.add(
         timeseries(
             "Dropped per step",
-            "Live rollouts and samples dropped for staleness per train step, from the counters over the "
-            "rate window (no point while the train step does not advance).",
+            "Live rollouts and samples dropped for staleness per train step, from the counters "
+            "over the rate window (no point while the train step does not advance).",
             PER_STEP,
             [
                 Target(s.per_step("rollouts_dropped"), "{{run}} rollouts"),
@@ -272,8 +282,8 @@ def _drops(grid: Grid, s: Scope) -> None:
     grid.add(
         timeseries(
             "Token accounting",
-            "Tokens per second: sampled tokens of shipped samples, those of them masked, and tokens "
-            "of samples dropped whole.",
+            "Tokens per second: sampled tokens of shipped samples, those of them masked, and "
+            "tokens of samples dropped whole.",
             PER_SECOND,
             [
                 Target(s.rate("tokens_sampled"), "{{run}} shipped"),
@@ -298,8 +308,8 @@ def _pipeline_health(grid: Grid, s: Scope) -> None:
     grid.add(
         timeseries(
             "Label coverage",
-            "Share of shipped sampled tokens that carried a policy-version label; unlabelled ones take "
-            "their rollout's dispatch version (the oldest, conservative choice).",
+            "Share of shipped sampled tokens that carried a policy-version label; unlabelled ones "
+            "take their rollout's dispatch version (the oldest, conservative choice).",
             RATIO,
             [Target(_label_coverage(s))],
             minimum=0,
@@ -311,8 +321,8 @@ def _pipeline_health(grid: Grid, s: Scope) -> None:
     grid.add(
         timeseries(
             "Export errors",
-            "Failed exports per second, per exporter. Exporters never raise into training, so this is "
-            "where failures show.",
+            "Failed exports per second, per exporter. Exporters never raise into training, so "
+            "this is where failures show.",
             PER_SECOND,
             [Target(_export_errors(s), "{{run}} {{exporter}}")],
             minimum=0,
@@ -366,306 +376,6 @@ def _per_env(grid: Grid, s: Scope) -> None:
     )
 
 
-_COST_NOTE = (
-    "From rates of the trainer-vs-sampler mismatch sums (SPEC 11), summed over processes before dividing, "
-    "so the value is the merged run's over the rate window."
-)
-_FLOOR_NOTE = (
-    "The floor is each run's SPEC 14 floor (rl_staleness_mismatch_floor_nats, its latest ship's): the k3 of "
-    "that ship's lag-0 tokens, carried from an earlier ship that had them, or the k3 of the smallest lag with "
-    "enough tokens (an upper bound, so the excess is then a lower bound). Over one ship this is the ship's "
-    "excess_k3 key; over a longer window, the token-weighted mean of its ships' excess over the latest floor."
-)
-_LENGTH_NOTE = (
-    "Over shipped live samples plus samples dropped for staleness (SPEC 12), from rates of the length counters."
-)
-
-
-def _excess_heatmap(merged: Scope, whose: str) -> Json:
-    """Excess k3 over the floor: one row per lag bucket from 1, one column per rate window."""
-    return heatmap(
-        "Excess k3 over the floor by lag",
-        f"Mean k3 of each lag bucket from 1 up minus the floor ({whose}, each run's tokens over its own "
-        "floor): the engines' numeric mismatch, present with the same weights; the excess, lag by lag, is what "
-        f"staleness costs. {_FLOOR_NOTE} {_COST_NOTE}",
-        "short",
-        Target(merged.excess_k3_by_lag(), "{{lag}}"),
-        rows="le",  # lag buckets are named by their largest lag
-    )
-
-
-def _length_bias(grid: Grid, s: Scope, *, w: int, h: int, fleet: Scope | None = None) -> None:
-    grid.add(
-        timeseries(
-            "Trained vs sampled mean length",
-            "Mean sampled length of the samples per ship window, and the same with masked positions and "
-            f"dropped samples counted as 0: a gap that grows is masking and drops cutting long responses. "
-            f"{_LENGTH_NOTE}",
-            TOKENS,
-            [
-                Target(s.sampled_length_mean(), "{{run}} sampled"),
-                Target(s.trained_length_mean(), "{{run}} trained"),
-            ],
-            minimum=0,
-        ),
-        w=w,
-        h=h,
-    )
-    by_length = fleet or s
-    legend = "{{length}}" if fleet is not None else "{{run}} {{length}}"
-    grid.add(
-        timeseries(
-            "Removed share by length bucket" + (" (fleet)" if fleet is not None else ""),
-            "Share of sampled positions masked or dropped for staleness, over samples whose sampled length "
-            "falls in each bucket (256, 1k, 4k, 16k, inf): staleness rules remove more of long responses. "
-            f"{_LENGTH_NOTE}",
-            RATIO,
-            [Target(by_length.removed_share_by_length(), legend)],
-            minimum=0,
-            maximum=1,
-        ),
-        w=w,
-        h=h,
-    )
-
-
-def _what_staleness_costs(grid: Grid, s: Scope, merged: Scope) -> None:
-    """SPEC 11 and 12: the policy mismatch by token lag and the length bias of masking."""
-    grid.row("What staleness costs")
-    grid.add(
-        timeseries(
-            "Mismatch k3 by lag",
-            "Mean k3 = r - 1 - log r (prime-rl's mismatch_kl) between trainer and sampler log-probabilities, "
-            f"per token lag bucket. {_COST_NOTE}",
-            NATS,
-            [Target(s.per_lag_token("mismatch_kl"), "{{run}} lag {{lag}}")],
-        ),
-        w=12,
-        h=8,
-    )
-    grid.add(_excess_heatmap(merged, "the selected runs merged"), w=12, h=8)
-    grid.add(
-        timeseries(
-            "Excess k3 of stale tokens",
-            "Mean k3 of every token at lag 1 or more minus the run's floor: one number for what staleness "
-            f"costs the run. {_FLOOR_NOTE} {_COST_NOTE}",
-            NATS,
-            [Target(s.excess_k3(), "{{run}}")],
-        ),
-        w=12,
-        h=8,
-    )
-    grid.add(
-        timeseries(
-            "Effective sample size by lag",
-            "Normalised ESS (Σr)² / (n Σr²) of the importance ratios per lag bucket: 1 when trainer and "
-            f"sampler agree, towards 0 when a few tokens dominate the corrected gradient. {_COST_NOTE}",
-            RATIO,
-            [Target(s.ess_by_lag(), "{{run}} lag {{lag}}")],
-            minimum=0,
-            maximum=1,
-        ),
-        w=12,
-        h=8,
-    )
-    grid.add(
-        timeseries(
-            "Out-of-band share by lag",
-            "Share of covered tokens whose importance ratio lies outside the mismatch band (default "
-            f"[0.5, 2]), per lag bucket: the tokens a ratio clip or mask would cut. {_COST_NOTE}",
-            RATIO,
-            [Target(s.per_lag_token("mismatch_out_of_band"), "{{run}} lag {{lag}}")],
-            minimum=0,
-            maximum=1,
-        ),
-        w=12,
-        h=8,
-    )
-    _length_bias(grid, s, w=12, h=8)
-
-
-_BOUND_NOTE = (
-    "SPEC 14, from the gauges of the last ship with trainer-vs-sampler sums: the curve is the excess k3 over the "
-    "floor by lag, pooled over the last cost_window ships and made non-decreasing; the budget is "
-    "mismatch_budget, or the floor."
-)
-
-
-def _curve_lags() -> tuple[str, ...]:
-    dimension = metric("mismatch_curve").dimension
-    assert dimension is not None
-    return tuple(dimension.values)
-
-
-def _choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
-    """SPEC 14: the excess curve against the budget, the configured and suggested bounds, and the floor."""
-    grid.row("Choosing the bound")
-    grid.add(
-        timeseries(
-            "Excess curve by lag vs budget",
-            "The excess curve at each lag (one line per lag), the budget drawn dashed red, and the curve at the "
-            "two bounds: at the configured bound (what the bound lets train; above the budget, the bound is too "
-            f"loose) and at the suggested bound (the largest lag within the budget). {_BOUND_NOTE}",
-            NATS,
-            [
-                Target(s.gauge("mismatch_curve", extra_by=("lag",)), "{{run}} lag {{lag}}"),
-                Target(s.gauge("mismatch_budget"), "{{run}} budget"),
-                Target(s.gauge("bound_excess_at_bound"), "{{run}} at the configured bound"),
-                Target(s.curve_at_suggested(_curve_lags()), "{{run}} at the suggested bound"),
-            ],
-            minimum=0,
-            overrides=[bound_override("budget"), *_marked_overrides()],
-        ),
-        w=12,
-        h=8,
-    )
-    grid.add(
-        timeseries(
-            "Suggested vs configured bound",
-            "The bound the curve suggests against the configured max_staleness (dashed red). Below it while the "
-            "curve crosses the budget: the bound lets train tokens that cost more than the budget; 2 or more "
-            f"above it while tokens are masked: the bound masks tokens that cost less. {_BOUND_NOTE}",
-            VERSIONS,
-            [Target(s.gauge("bound_suggested"), "{{run}} suggested"), bound],
-            minimum=0,
-            overrides=[bound_override()],
-        ),
-        w=12,
-        h=8,
-    )
-    grid.add(
-        timeseries(
-            "Floor by source",
-            "The engines' numeric mismatch the excess is measured against, labelled by where it came from: "
-            "lag0 (this ship's lag-0 tokens), carried (an earlier ship's, within floor_max_age) or min_lag (the "
-            "smallest lag with enough tokens: an upper bound on the floor, so the excess is a lower bound).",
-            NATS,
-            [Target(s.gauge("mismatch_floor", extra_by=("source",)), "{{run}} {{source}}")],
-            minimum=0,
-        ),
-        w=12,
-        h=8,
-    )
-    grid.add(
-        timeseries(
-            "Floor age and budget crossed",
-            "Steps since the ship that measured the floor (a carried floor ages until floor_max_age), and 1 when "
-            "the curve crosses the budget at some lag (the suggestion is where), else 0 (the suggestion is only "
-            "the largest lag seen).",
-            COUNT,
-            [
-                Target(s.gauge("mismatch_floor_age"), "{{run}} floor age (steps)"),
-                Target(s.gauge("bound_crossed"), "{{run}} crossed"),
-            ],
-            minimum=0,
-        ),
-        w=12,
-        h=8,
-    )
-
-
-def _marked_overrides() -> list[Json]:
-    """The curve at the two bounds drawn thick, in the colours of the report's bounds."""
-    return [
-        {
-            "matcher": {"id": "byRegexp", "options": f".* at the {which} bound$"},
-            "properties": [
-                {"id": "custom.lineWidth", "value": 3},
-                {"id": "color", "value": {"fixedColor": colour, "mode": "fixed"}},
-            ],
-        }
-        for which, colour in (("configured", "dark-orange"), ("suggested", "green"))
-    ]
-
-
-def _fleet_bounds(grid: Grid, s: Scope) -> None:
-    """SPEC 14 per run: suggested vs configured, and the curve at the configured bound against the budget."""
-    grid.row("Choosing the bound")
-    grid.add(
-        timeseries(
-            "Suggested vs configured bound per run",
-            f"Each run's suggested bound and its configured max_staleness (dashed red). {_BOUND_NOTE}",
-            VERSIONS,
-            [
-                Target(s.gauge("bound_suggested"), "{{run}} suggested"),
-                Target(s.gauge("max_staleness"), "{{run}} bound"),
-            ],
-            minimum=0,
-            overrides=[bound_override()],
-        ),
-        w=12,
-        h=7,
-    )
-    grid.add(
-        timeseries(
-            "Excess at the bound vs budget per run",
-            "Each run's excess curve at its configured bound against its budget (dashed red): above it, the bound "
-            f"lets train tokens that cost more than the budget. {_BOUND_NOTE}",
-            NATS,
-            [
-                Target(s.gauge("bound_excess_at_bound"), "{{run}} at the configured bound"),
-                Target(s.gauge("mismatch_budget"), "{{run}} budget"),
-            ],
-            minimum=0,
-            overrides=[bound_override("budget"), *_marked_overrides()[:1]],
-        ),
-        w=12,
-        h=7,
-    )
-
-
-def _fleet_costs(grid: Grid, s: Scope) -> None:
-    """What staleness costs across the fleet: per run, and merged over every selected run."""
-    f = FLEET_WIDE
-    grid.row("What staleness costs")
-    grid.add(
-        timeseries(
-            "Excess k3 of stale tokens per run",
-            f"Mean k3 of the tokens at lag 1 or more minus the run's floor, per run. {_FLOOR_NOTE} {_COST_NOTE}",
-            NATS,
-            [Target(s.excess_k3())],
-        ),
-        w=8,
-        h=7,
-    )
-    grid.add(_excess_heatmap(f, "every selected run merged"), w=8, h=7)
-    grid.add(
-        timeseries(
-            "Fleet mismatch k3 by lag",
-            f"Mean k3 per lag bucket over every selected run. {_COST_NOTE}",
-            NATS,
-            [Target(f.per_lag_token("mismatch_kl"), "lag {{lag}}")],
-        ),
-        w=8,
-        h=7,
-    )
-    grid.add(
-        timeseries(
-            "Fleet effective sample size by lag",
-            f"Normalised ESS (Σr)² / (n Σr²) per lag bucket over every selected run. {_COST_NOTE}",
-            RATIO,
-            [Target(f.ess_by_lag(), "lag {{lag}}")],
-            minimum=0,
-            maximum=1,
-        ),
-        w=8,
-        h=7,
-    )
-    grid.add(
-        timeseries(
-            "Fleet out-of-band share by lag",
-            f"Share of covered tokens with an importance ratio outside the band, per lag bucket. {_COST_NOTE}",
-            RATIO,
-            [Target(f.per_lag_token("mismatch_out_of_band"), "lag {{lag}}")],
-            minimum=0,
-            maximum=1,
-        ),
-        w=8,
-        h=7,
-    )
-    _length_bias(grid, s, w=8, h=7, fleet=f)
-
-
 def staleness_dashboard() -> Json:
     """The detailed dashboard: one or a few runs, every view of the table."""
     s = SCOPE
@@ -678,8 +388,8 @@ def staleness_dashboard() -> Json:
     _drops(grid, s)
     _pipeline_health(grid, s)
     _per_env(grid, s)
-    _what_staleness_costs(grid, s, FLEET_WIDE)
-    _choosing_the_bound(grid, s, bound)
+    what_staleness_costs(grid, s, FLEET_WIDE)
+    choosing_the_bound(grid, s, bound)
     return dashboard(
         "rl-staleness",
         "RL staleness",
@@ -714,8 +424,9 @@ def fleet_dashboard() -> Json:
     grid.add(
         table(
             "Runs",
-            "One line per run: the last shipped batch's gauges and the rates over the dashboard's rate window; "
-            "the excess k3 is over each run's floor (SPEC 14: measured at lag 0, carried, or the smallest lag's).",
+            "One line per run: the last shipped batch's gauges and the rates over the dashboard's "
+            "rate window; the excess k3 is over each run's floor (SPEC 14: measured at lag 0, "
+            "carried, or the smallest lag's).",
             [(name, unit, Target(t.expr, "", instant=True, table=True)) for name, unit, t in columns],
         ),
         w=24,
@@ -761,13 +472,13 @@ def fleet_dashboard() -> Json:
         ),
     ):
         grid.add(timeseries(title, description, unit, targets, minimum=0, maximum=top), w=8, h=7)
-    _fleet_costs(grid, s)
-    _fleet_bounds(grid, s)
+    fleet_costs(grid, s, FLEET_WIDE)
+    fleet_bounds(grid, s)
     return dashboard(
         "rl-staleness-fleet",
         "RL staleness fleet",
-        "Many asynchronous RL runs side by side: staleness, masking, drops and pipeline health per run. "
-        "Generated by `staleness-metrics dashboards`.",
+        "Many asynchronous RL runs side by side: staleness, masking, drops and pipeline health per "
+        "run. Generated by `staleness-metrics dashboards`.",
         grid.panels,
         ("rl-staleness", "RL staleness"),
     )

@@ -1,7 +1,7 @@
 """The panel language of the generated Grafana dashboards: units, query targets, the panel kinds
-(:func:`timeseries`, :func:`stat`, :func:`heatmap`, :func:`table`), the 24-column :class:`Grid` that places and
-numbers them, and the dashboard frame (:func:`variables`, :func:`dashboard`). :mod:`.grafana` writes the two
-dashboards in it.
+(:func:`timeseries`, :func:`stat`, :func:`heatmap`, :func:`table`), the 24-column :class:`Grid` that
+places and numbers them, and the dashboard frame (:func:`variables`, :func:`dashboard`).
+:mod:`.grafana` writes the two dashboards in it.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def stat(title: str, description: str, unit: str, target: Target, *, decimals: i
 
 
 def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: str = "auto") -> Json:
-    """``rows="le"``: each series is one row, named by its bucket's upper bound (Grafana's "time series
-    buckets"), for values that are not counts to de-accumulate."""
+    """``rows="le"``: each series is one row, named by its bucket's upper bound (Grafana's "time
+    series buckets"), for values that are not counts to de-accumulate."""
     options = {
         "calculate": False,  # Prometheus buckets already are the cells
         "cellGap": 1,
@@ -231,7 +231,8 @@ def bound_override(suffix: str = "bound") -> Json:
 
 @dataclass
 class Grid:
-    """Lays panels left to right on Grafana's 24-column grid, wrapping to a new line, and numbers them."""
+    """Lays panels left to right on Grafana's 24-column grid, wrapping to a new
+    line, and numbers them."""
 
     panels: list[Json] = field(default_factory=list)
     x: int = 0
@@ -314,8 +315,8 @@ def variables() -> list[Json]:
             "Env",
             f'label_values({tokens}{{job=~"$job", instance=~"$instance", run=~"$run"}}, env)',
             "Environment / task. Filters counter and histogram panels (All: every env, rollouts "
-            "without one included) and picks the series of the per-env panels; the other gauge panels "
-            "always show the overall value of the last ship.",
+            "without one included) and picks the series of the per-env panels; the other gauge "
+            "panels always show the overall value of the last ship.",
         ),
     ]
 

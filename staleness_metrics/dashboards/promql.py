@@ -1,11 +1,12 @@
 """PromQL built from the metric table, shared by the Grafana dashboards and the Prometheus rules.
 
-Rows are looked up by ``MetricDef.name``; every Prometheus name comes from the table, read when the
-expression is built (so a rename in the table shows up in every generated file). Exposition semantics
-this relies on: every series has ``run``; counters and histograms are split by ``env`` (absent for
-rollouts without one), so totals are sums over ``env``; gauges have an overall series without ``env``
-plus, with the env breakdown on, one series per env, and so have SPEC 12's length counters
-(:data:`~staleness_metrics.metrics.metric_table.BATCH_WIDE_COUNTERS`): their totals are the ``env=""`` series.
+Rows are looked up by ``MetricDef.name``; every Prometheus name comes from the table, read when
+the expression is built (so a rename in the table shows up in every generated file). Exposition
+semantics this relies on: every series has ``run``; counters and histograms are split by ``env``
+(absent for rollouts without one), so totals are sums over ``env``; gauges have an overall
+series without ``env`` plus, with the env breakdown on, one series per env, and so have SPEC
+12's length counters (:data:`~staleness_metrics.metrics.metric_table.BATCH_WIDE_COUNTERS`):
+their totals are the ``env=""`` series.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ __all__ = ["Scope", "metric", "prometheus_name", "recorded_name"]
 
 
 def metric(name: str) -> MetricDef:
-    """The table row called ``name`` (``KeyError`` when there is none, or it has no Prometheus family)."""
+    """The table row called ``name`` (``KeyError`` when there is none, or it has
+    no Prometheus family)."""
     for row in metric_table.METRICS:
         if row.name == name:
             if row.prometheus_name is None:
@@ -72,8 +74,8 @@ class Scope:
     window: str = "5m"
 
     def selector(self, name: str, *, suffix: str = "", env: str | None = None, extra: tuple[str, ...] = ()) -> str:
-        """``family{matchers}``; ``env`` overrides the scope's env matcher for this selector, ``extra`` adds
-        matchers (``lag!="0"``)."""
+        """``family{matchers}``; ``env`` overrides the scope's env matcher for this selector,
+        ``extra`` adds matchers (``lag!="0"``)."""
         row = metric(name)
         matchers = [*self.matchers, *extra]
         if "env" in row.labels:
@@ -92,8 +94,9 @@ class Scope:
     def gauge(
         self, name: str, *, per_env: bool = False, extra_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()
     ) -> str:
-        """A gauge's overall series (or its per-env series), kept per ``by`` labels (and ``extra_by``, such as
-        SPEC 14's ``lag`` or ``source``) with ``max``; ``extra`` adds matchers."""
+        """A gauge's overall series (or its per-env series), kept per ``by`` labels
+        (and ``extra_by``, such as SPEC 14's ``lag`` or ``source``) with ``max``;
+        ``extra`` adds matchers."""
         if not per_env:
             return f"max {self._by(*extra_by)} ({self.selector(name, extra=extra)})"
         picked = f'env=~"{self.env or ".+"}", env!=""'
@@ -125,24 +128,27 @@ class Scope:
         return f"clamp_min({self._step_slope()}, 0)"
 
     def per_step(self, name: str) -> str:
-        """A counter's increase per train step: its rate over the steps' rate, while steps advance."""
+        """A counter's increase per train step: its rate over the steps'
+        rate, while steps advance."""
         return f"{self.rate(name)} / ({self._step_slope()} > 0)"
 
-    # ------------------------------------------------------------------ SPEC 11 and 12, from rates of sums
-    # Every ratio divides rates of sums (summed over processes first), so a fleet-wide value is the merged
-    # run's; a denominator of 0 (a lag or length bucket without tokens in the window) gives no point.
+    # ----------------------------------------------------------- SPEC 11 and 12, from rates of sums
+    # Every ratio divides rates of sums (summed over processes first), so a fleet-wide value is the
+    # merged run's; a denominator of 0 (a lag or length bucket without tokens in the window) gives
+    # no point.
 
     def per_lag_token(self, name: str, *, by_lag: bool = True, extra: tuple[str, ...] = ()) -> str:
-        """Σ ``name`` / covered tokens over the window: mean k3 (``mismatch_kl``), mean \|log r\|, or the
-        out-of-band share (``mismatch_out_of_band``), per lag bucket unless ``by_lag`` is False."""
+        """Σ ``name`` / covered tokens over the window: mean k3 (``mismatch_kl``), mean
+        \|log r\|, or the out-of-band share (``mismatch_out_of_band``), per lag bucket
+        unless ``by_lag`` is False."""
         by = ("lag",) if by_lag else ()
         numerator = self.rate(name, extra_by=by, extra=extra)
         return f"{numerator} / ({self.rate('mismatch_tokens', extra_by=by, extra=extra)} > 0)"
 
     def mismatch_floor(self) -> str:
-        """SPEC 14's floor of each run (kept per ``by`` labels and run): the gauge of its latest ship with SPEC 11
-        sums, whatever its source (``lag0``, ``carried`` or ``min_lag``), so a fully asynchronous run, which has
-        no lag-0 token after its first steps, has one too."""
+        """SPEC 14's floor of each run (kept per ``by`` labels and run): the gauge of its latest
+        ship with SPEC 11 sums, whatever its source (``lag0``, ``carried`` or ``min_lag``), so a
+        fully asynchronous run, which has no lag-0 token after its first steps, has one too."""
         return self._per_run().gauge("mismatch_floor")
 
     def _per_run(self) -> Scope:
@@ -150,12 +156,13 @@ class Scope:
         return self if "run" in self.by else dataclasses.replace(self, by=(*self.by, "run"))
 
     def _excess(self, *, by_lag: bool) -> str:
-        """Mean k3 of the tokens at lag 1 or more (per lag bucket, or all of them) minus the run's floor.
+        """Mean k3 of the tokens at lag 1 or more (per lag bucket, or all of
+        them) minus the run's floor.
 
-        Per run, over the window: (Σk3 / tokens) - floor, SPEC 11's ``excess_k3`` keys computed from the
-        window's sums and the latest floor. Several runs merged: each run's tokens count over its own floor,
-        Σ (Σk3 - tokens · floor) / Σ tokens over the runs that have a floor (a run without one has no excess,
-        as it has no excess key)."""
+        Per run, over the window: (Σk3 / tokens) - floor, SPEC 11's ``excess_k3`` keys computed from
+        the window's sums and the latest floor. Several runs merged: each run's tokens count over
+        its own floor, Σ (Σk3 - tokens · floor) / Σ tokens over the runs that have a floor (a run
+        without one has no excess, as it has no excess key)."""
         by = ("lag",) if by_lag else ()
         stale = ('lag!="0"',)  # lag 0 has no excess key: it is where the floor is measured
         run = self._per_run()
@@ -177,7 +184,8 @@ class Scope:
         return self._excess(by_lag=False)
 
     def ess_by_lag(self) -> str:
-        """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket, from the rates of the sums."""
+        """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket, from
+        the rates of the sums."""
         by = ("lag",)
         ratio, squares = self.rate("mismatch_ratio", extra_by=by), self.rate("mismatch_ratio_squared", extra_by=by)
         return f"{ratio} ^ 2 / ({self.rate('mismatch_tokens', extra_by=by)} * {squares} > 0)"
@@ -191,10 +199,10 @@ class Scope:
         kept = f"{self.rate('length_sampled_tokens')} - {self.rate('length_removed_tokens')}"
         return f"({kept}) / ({self.rate('length_samples')} > 0)"
 
-    # ------------------------------------------------------------------ SPEC 14, from the gauges of the last ship
+    # ---------------------------------------------------- SPEC 14, from the gauges of the last ship
     def curve_at_suggested(self, lags: tuple[str, ...]) -> str:
-        """The excess curve at the suggested bound: PromQL cannot read a label from a value, so one term per
-        lag of the curve, kept where the suggestion equals it."""
+        """The excess curve at the suggested bound: PromQL cannot read a label from a value, so one
+        term per lag of the curve, kept where the suggestion equals it."""
         suggested, on = self.gauge("bound_suggested"), ", ".join(self.by)
         terms = []
         for lag in lags:

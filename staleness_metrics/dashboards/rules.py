@@ -38,7 +38,8 @@ class Thresholds:
     at_bound_for: str = "30m"  # rollout staleness at or above max_staleness this long
     absent_window: str = "10m"  # no train step series for this long
     absent_for: str = "5m"
-    excess_k3: float = 0.01  # nats of mean k3 above the run's floor (SPEC 14), at a lag within max_staleness
+    # nats of mean k3 above the run's floor (SPEC 14), at a lag within max_staleness
+    excess_k3: float = 0.01
     excess_for: str = "15m"
     # SPEC 14: the bound against the run's excess curve and budget.
     bound_loose_for: str = "15m"  # excess_at_bound above the budget this long
@@ -47,8 +48,8 @@ class Thresholds:
     bound_tight_for: str = "30m"
 
 
-# SPEC 11 / 12 derived series: one recording rule each. The level names the labels kept (job_run_lag keeps
-# the lag bucket); the operation says what was derived from the rates of the sums.
+# SPEC 11 / 12 derived series: one recording rule each. The level names the labels kept (job_run_lag
+# keeps the lag bucket); the operation says what was derived from the rates of the sums.
 _K3 = ("mismatch_kl", "mismatch_tokens")
 _LENGTH = ("length_sampled_tokens", "length_samples")
 MISMATCH_RECORDS = {
@@ -83,10 +84,12 @@ def _mismatch_records() -> list[Json]:
 
 
 def _within_bound(series: str, threshold: float) -> str:
-    """``series`` (per lag bucket) above ``threshold``, kept only for buckets whose smallest lag is within the
-    run's max_staleness: PromQL cannot read a number from a label, so one term per bucket, from the table."""
+    """``series`` (per lag bucket) above ``threshold``, kept only for buckets whose smallest lag is
+    within the run's max_staleness: PromQL cannot read a number from a label, so one term per
+    bucket, from the table."""
     bound = _SCOPE.gauge("max_staleness")
-    lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]  # smallest lag of each bucket, "inf" last
+    # smallest lag of each bucket, "inf" last
+    lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]
     terms = [
         f'({series}{{lag="{value}"}} > {threshold} and on (job, run) {bound} >= {low})'
         for value, low in zip(LAG.values, lowest, strict=True)
@@ -145,9 +148,10 @@ def _alerts(t: Thresholds) -> list[Json]:
             t.masked_for,
             "warning",
             "Run {{ $labels.run }} masks {{ $value | humanizePercentage }} of its tokens for staleness",
-            f"Over the last {WINDOW}, {{{{ $value | humanizePercentage }}}} of the sampled tokens shipped "
-            f"by {where} were masked for staleness (threshold {t.masked_ratio:.0%}). Inference runs too far "
-            "behind the trainer: sync weights more often, lower the async level, or raise max_staleness.",
+            f"Over the last {WINDOW}, {{{{ $value | humanizePercentage }}}} of the sampled tokens "
+            f"shipped by {where} were masked for staleness (threshold {t.masked_ratio:.0%}). "
+            "Inference runs too far behind the trainer: sync weights more often, lower the async "
+            "level, or raise max_staleness.",
         ),
         _alert(
             "RLStalenessDroppedRolloutsHigh",
@@ -155,9 +159,9 @@ def _alerts(t: Thresholds) -> list[Json]:
             t.dropped_for,
             "warning",
             "Run {{ $labels.run }} drops {{ $value | humanizePercentage }} of its rollouts for staleness",
-            f"Over the last {WINDOW}, {{{{ $value | humanizePercentage }}}} of the live rollouts of {where} "
-            f"were dropped for staleness instead of trained on (threshold {t.dropped_share:.0%}). The "
-            "generation compute behind them is wasted.",
+            f"Over the last {WINDOW}, {{{{ $value | humanizePercentage }}}} of the live rollouts "
+            f"of {where} were dropped for staleness instead of trained on (threshold "
+            f"{t.dropped_share:.0%}). The generation compute behind them is wasted.",
         ),
         _alert(
             "RLStalenessRolloutsAtBound",
@@ -165,22 +169,24 @@ def _alerts(t: Thresholds) -> list[Json]:
             t.at_bound_for,
             "warning",
             f"Rollouts of run {{{{ $labels.run }}}} have been at the staleness bound for {t.at_bound_for}",
-            f"The stalest rollout of every batch shipped by {where} in the last {t.at_bound_for} was at or "
-            "above max_staleness (now {{ $value }} versions): the pipeline runs at its staleness limit, so "
-            "masking and drops are about to grow.",
+            f"The stalest rollout of every batch shipped by {where} in the last {t.at_bound_for} "
+            "was at or above max_staleness (now {{ $value }} versions): the pipeline runs at its "
+            "staleness limit, so masking and drops are about to grow.",
         ),
         _alert(
             "RLStalenessMismatchExcessHigh",
             _within_bound(MISMATCH_RECORDS["excess_k3_by_lag"], t.excess_k3),
             t.excess_for,
             "warning",
-            'Staleness costs run {{ $labels.run }} {{ printf "%.4f" $value }} nats of mismatch at lag '
-            "{{ $labels.lag }}",
-            f"Over the last {WINDOW}, tokens of {where} at lag {{{{ $labels.lag }}}}, which max_staleness lets "
-            'train, show a mean k3 mismatch between trainer and sampler {{ printf "%.4f" $value }} nats '
-            "above the run's floor (the engines' numeric mismatch: measured at lag 0, carried from an earlier "
-            f"ship, or the smallest lag's, an upper bound; threshold {t.excess_k3:g}). The policy moves too far "
-            "within the bound: lower max_staleness, sync weights more often, or lower the learning rate.",
+            'Staleness costs run {{ $labels.run }} {{ printf "%.4f" $value }} nats of mismatch '
+            "at lag {{ $labels.lag }}",
+            f"Over the last {WINDOW}, tokens of {where} at lag {{{{ $labels.lag }}}}, which "
+            "max_staleness lets train, show a mean k3 mismatch between trainer and sampler "
+            '{{ printf "%.4f" $value }} nats '
+            "above the run's floor (the engines' numeric mismatch: measured at lag 0, carried from "
+            "an earlier ship, or the smallest lag's, an upper bound; threshold "
+            f"{t.excess_k3:g}). The policy moves too far within the bound: lower max_staleness, "
+            "sync weights more often, or lower the learning rate.",
         ),
         *_bound_alerts(t, where),
         _alert(
@@ -189,8 +195,9 @@ def _alerts(t: Thresholds) -> list[Json]:
             t.absent_for,
             "critical",
             "No staleness metrics for " + t.absent_window,
-            f"Prometheus has scraped no {prometheus_name('train_step')} series for {t.absent_window}: the "
-            "trainer's exporter is down, unreachable, or no run is training.",
+            f"Prometheus has scraped no {prometheus_name('train_step')} series "
+            f"for {t.absent_window}: the trainer's exporter is down, "
+            "unreachable, or no run is training.",
         ),
     ]
 
@@ -208,21 +215,23 @@ def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
             "warning",
             "The staleness bound of run {{ $labels.run }} lets train tokens that cost more than its mismatch budget",
             f"For {t.bound_loose_for}, the excess mismatch curve of {where} has stood at "
-            '{{ printf "%.4g" $value }} nats at the largest lag max_staleness lets train, above the budget '
-            "(mismatch_budget, or the engines' floor when none is set). Lower max_staleness to the suggested "
-            f"bound ({prometheus_name('bound_suggested')}), or turn on the adaptive bound (adapt_every).",
+            '{{ printf "%.4g" $value }} nats at the largest lag max_staleness lets train, '
+            "above the budget (mismatch_budget, or the engines' floor when none is set). Lower "
+            f"max_staleness to the suggested bound ({prometheus_name('bound_suggested')}), or turn "
+            "on the adaptive bound (adapt_every).",
         ),
         _alert(
             "RLStalenessBoundTooTight",
-            f"({suggested} >= on (job, run) {bound} + {t.bound_tight_margin}) and on (job, run) ({crossed} == 1) "
-            f"and on (job, run) ({masked} > {t.bound_tight_masked})",
+            f"({suggested} >= on (job, run) {bound} + {t.bound_tight_margin}) and on (job, run) "
+            f"({crossed} == 1) and on (job, run) ({masked} > {t.bound_tight_masked})",
             t.bound_tight_for,
             "warning",
             "The staleness bound of run {{ $labels.run }} masks tokens that cost less than its mismatch budget",
-            f"For {t.bound_tight_for}, the excess curve of {where} has stayed within the budget up to lag "
-            f"{{{{ $value }}}}, at least {t.bound_tight_margin} above max_staleness, while more than "
-            f"{t.bound_tight_masked:.0%} of the last batch's tokens were masked: the bound throws away tokens "
-            "staleness does not make costly. Raise max_staleness toward the suggested bound.",
+            f"For {t.bound_tight_for}, the excess curve of {where} has stayed within the budget "
+            f"up to lag {{{{ $value }}}}, at least {t.bound_tight_margin} above max_staleness, "
+            f"while more than {t.bound_tight_masked:.0%} of the last batch's tokens were masked: "
+            "the bound throws away tokens staleness does not make costly. Raise max_staleness "
+            "toward the suggested bound.",
         ),
     ]
 
@@ -239,8 +248,8 @@ def rule_groups(thresholds: Thresholds | None = None) -> Json:
 
 
 HEADER = (
-    "# Generated by `staleness-metrics dashboards` from staleness_metrics/metrics/metric_table.py: do not edit.\n"
-    "# Check with `promtool check rules` and `promtool test rules tests/*.yml`.\n"
+    "# Generated by `staleness-metrics dashboards` from staleness_metrics/metrics/metric_table.py: "
+    "do not edit.\n# Check with `promtool check rules` and `promtool test rules tests/*.yml`.\n"
 )
 
 

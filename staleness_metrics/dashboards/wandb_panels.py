@@ -1,9 +1,10 @@
 """A W&B workspace with a "Staleness" section: the Grafana views, over the W&B keys of the table.
 
 The panels are first described as plain data (:func:`workspace_spec`, committed as
-``dashboards/wandb-workspace.json`` and checked for drift like the Grafana JSON); :func:`build_workspace`
-turns them into ``wandb_workspaces`` objects offline, and :func:`save` uploads them, which needs
-network access and a W&B API key. ``wandb_workspaces`` is imported only by those two.
+``dashboards/wandb-workspace.json`` and checked for drift like the Grafana JSON);
+:func:`build_workspace` turns them into ``wandb_workspaces`` objects offline, and
+:func:`save` uploads them, which needs network access and a W&B API key. ``wandb_workspaces``
+is imported only by those two.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def wandb_key(name: str) -> str:
 
 
 def per_env_regex(name: str) -> str:
-    """Matches the per-env keys of a row: ``staleness/token/mean`` -> ``staleness/env/<env>/token/mean``."""
+    """Matches the per-env keys of a row: ``staleness/token/mean`` ->
+    ``staleness/env/<env>/token/mean``."""
     head, _, tail = wandb_key(name).partition("/")
     return f"^{re.escape(head)}/env/.+/{re.escape(tail)}$"
 
@@ -90,8 +92,8 @@ def _cost_panels() -> list[PanelSpec]:
             "Excess k3 over the floor by lag",
             metric_regex=per_bucket_regex("mismatch_excess_k3_by_lag"),
             notes=(
-                "What staleness costs at each lag: the mismatch above the engines' numeric floor (SPEC 14: "
-                "measured at lag 0, carried from an earlier ship, or the smallest lag's)."
+                "What staleness costs at each lag: the mismatch above the engines' numeric floor "
+                "(SPEC 14: measured at lag 0, carried from an earlier ship, or the smallest lag's)."
             ),
         ),
         PanelSpec("Mismatch k3 by lag", metric_regex=per_bucket_regex("mismatch_k3_by_lag")),
@@ -155,7 +157,8 @@ def panels() -> list[PanelSpec]:
     ]
     specs += _cost_panels()
     histogram = _row("token_staleness").wandb_key
-    if histogram is not None:  # a wandb.Histogram per step: W&B draws it as a distribution over time
+    # a wandb.Histogram per step: W&B draws it as a distribution over time
+    if histogram is not None:
         specs.insert(2, PanelSpec("Token staleness distribution", (histogram,)))
     return specs
 

@@ -1,4 +1,5 @@
-"""``staleness-metrics demo``: a simulated asynchronous RL pipeline driving the real monitor and exporters."""
+"""``staleness-metrics demo``: a simulated asynchronous RL pipeline driving the real
+monitor and exporters."""
 
 from __future__ import annotations
 

@@ -2,19 +2,21 @@
 
 Outputs, all under ``out_dir`` (default ``./staleness-demo``) unless given elsewhere:
 
-- ``metrics.jsonl``: the metrics of each step (the JSONL exporter), with what staleness cost the simulated
-  trainer (SPEC 11, recorded through the live path: see :mod:`.trainer`);
+- ``metrics.jsonl``: the metrics of each step (the JSONL exporter), with what staleness cost the
+  simulated trainer (SPEC 11, recorded through the live path: see :mod:`.trainer`);
 - ``events.jsonl``: the run's event stream (the sampler's log-probabilities included), for
   ``staleness-metrics replay`` / ``report`` / ``what-if``;
 - ``trainer-logprobs.jsonl``: the trainer's log-probabilities of every shipped rollout, and
   ``mismatch-sums.jsonl``: the SPEC 11 sums it recorded per step (what staleness cost);
-- ``run.json``: which files these are and the settings of the run (:mod:`staleness_metrics.replay.run_dir`), so
-  ``staleness-metrics report staleness-demo`` shows every section of the run from the directory alone;
+- ``run.json``: which files these are and the settings of the run
+  (:mod:`staleness_metrics.replay.run_dir`), so ``staleness-metrics report staleness-demo`` shows
+  every section of the run from the directory alone;
 - ``wandb/``: an offline W&B run when ``wandb`` is installed (``wandb sync`` uploads it);
 - a Prometheus endpoint on 127.0.0.1 (``--prometheus-port``; if the port is taken, a free one);
 - OTLP, when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is set.
 
-One line per step goes to stdout (``Max Staleness ...``); on a terminal a live table sits below them.
+One line per step goes to stdout (``Max Staleness ...``); on a terminal a
+live table sits below them.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def _prometheus(port: int | None, say: Callable[[str], None]) -> Exporter | None
         say(f"no Prometheus endpoint: needs {exc.name or exc} (pip install 'staleness-metrics[prometheus]')")
         return None
 
-    # A taken port is handled here (a free one instead), so the exporter's own warning would only confuse.
+    # A taken port is handled here (a free one instead), so the exporter's own
+    # warning would only confuse.
     quiet = logging.getLogger("staleness_metrics.exporters")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -223,7 +226,8 @@ class _LiveTable:
 
 
 def _cost_caption(metrics: Mapping[str, object] | None) -> str:
-    """What staleness cost the simulated trainer at this step (SPEC 11) and the bound it suggests (SPEC 14)."""
+    """What staleness cost the simulated trainer at this step (SPEC 11) and the bound
+    it suggests (SPEC 14)."""
     row = metrics or {}
     k3 = row.get(keys.MISMATCH_K3)
     if not isinstance(k3, float):
@@ -241,7 +245,8 @@ def _cost_caption(metrics: Mapping[str, object] | None) -> str:
 
 
 class _EventLog:
-    """A JSONL file of the run (events, trainer log-probabilities, sums), written as things happen."""
+    """A JSONL file of the run (events, trainer log-probabilities, sums),
+    written as things happen."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -256,7 +261,8 @@ class _EventLog:
 
 
 class _TrainerLog:
-    """What the trainer computed, beside the events: its log-probabilities and the sums it recorded."""
+    """What the trainer computed, beside the events: its log-probabilities and
+    the sums it recorded."""
 
     def __init__(self, out_dir: Path) -> None:
         self.logprobs = _EventLog(out_dir / "trainer-logprobs.jsonl")
@@ -277,7 +283,8 @@ class _TrainerLog:
 
 
 def _paced(steps: int, speed: float, stop: threading.Event) -> Iterator[int]:
-    """Step numbers 1..steps, each no earlier than its slot at ``speed`` steps per second, until ``stop``."""
+    """Step numbers 1..steps, each no earlier than its slot at ``speed`` steps per
+    second, until ``stop``."""
     start = time.monotonic()
     for index in range(steps):
         delay = start + index / speed - time.monotonic() if speed > 0 else 0.0
@@ -321,7 +328,8 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     files = {"events": events.path, "metrics": metrics_path, "trainer_logprobs": trainer_log.logprobs.path,
              "mismatch_sums": trainer_log.sums.path}  # fmt: skip
     live = options.live if options.live is not None else (stream is None and out.isatty())
-    live = live and importlib.util.find_spec("rich") is not None  # the table needs rich; plain lines do not
+    # the table needs rich; plain lines do not
+    live = live and importlib.util.find_spec("rich") is not None
     exporters: list[Exporter] = [JsonlExporter(metrics_path)]
     monitor: StalenessMonitor | None = None
     wandb_run: Any = None
@@ -329,8 +337,10 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     stop = threading.Event()
     interrupted = False
     try:
-        warm_up()  # the engine's compiled loops: seconds on a fresh install, better before the first step
-        # Each exporter joins the list as soon as it exists, so that it is closed whatever happens next.
+        # the engine's compiled loops: seconds on a fresh install, better before the first step
+        warm_up()
+        # Each exporter joins the list as soon as it exists, so that it is
+        # closed whatever happens next.
         prometheus = _prometheus(options.prometheus_port, say)
         exporters += [prometheus] if prometheus is not None else []
         wandb_exporter, wandb_run = _wandb(out_dir, options, say)
@@ -338,8 +348,8 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         otlp = _otlp(say)
         exporters += [otlp] if otlp is not None else []
         if not live:
-            # Last, so a printed step line means every other exporter already has that step. With the
-            # live table, the table prints the lines (above itself).
+            # Last, so a printed step line means every other exporter already has that step. With
+            # the live table, the table prints the lines (above itself).
             exporters.append(ConsoleExporter(out))
         monitor = StalenessMonitor(options.config, exporters, run=RUN_NAME)
         c = options.config
@@ -364,7 +374,8 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 monitor.add(step_events.rollouts)
                 shipment = monitor.ship(step_events.step, step_events.ship_ids)
                 simulation.forget(shipment.dropped_rollouts)
-                trained = trainer.train(monitor, shipment)  # trainer log-probs -> mismatch sums -> the exporters
+                # trainer log-probs -> mismatch sums -> the exporters
+                trained = trainer.train(monitor, shipment)
                 if trained is not None:
                     trainer_log.write(trained)
                 totals.add(shipment.report)
@@ -392,6 +403,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed, steps=shipped_steps)
     if interrupted:
         say(f"interrupted after {shipped_steps} steps; files are complete up to there")
-    # Everything the report needs is in the directory, the settings in its run.json: one command shows it all.
+    # Everything the report needs is in the directory, the settings in its run.json:
+    # one command shows it all.
     say(f"done: {shipped_steps} steps. Next: staleness-metrics report {out_dir}")
     return 130 if interrupted else 0

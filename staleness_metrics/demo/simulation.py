@@ -11,14 +11,16 @@ The model, in ticks of simulated time:
 - Response lengths are log-normal per env, so long responses span several versions. The ``agent``
   env returns multi-turn rollouts (one sample per turn, tool output positions unsampled).
 - A share of groups is sampled by a frozen model (``source: frozen``, no version labels).
-- Finished rollouts wait in the queue; the trainer ships the oldest ``batch_rollouts`` of them as
-  soon as it is idle and they are there, trains for ``train_ticks``, then publishes the next version.
-- The pipeline is fully asynchronous from start to end: no step waits for fresh rollouts. Only the first
-  batch is all of version 0 (nothing was trained before it): step 1 trains version 0 on tokens of version
-  0, which is where the run measures its numeric floor (SPEC 14).
-- The engine returns the log-probability of each token it sampled (sample field ``logprobs``): drawn as
-  ``-Exponential(sampler_scale)`` (most tokens likely, a tail not), rounded to 6 decimals as an engine's
-  float32 output would be, from a generator of their own, so the pipeline's events do not depend on them.
+- Finished rollouts wait in the queue; the trainer ships the oldest ``batch_rollouts`` of
+  them as soon as it is idle and they are there, trains for ``train_ticks``, then
+  publishes the next version.
+- The pipeline is fully asynchronous from start to end: no step waits for fresh rollouts. Only the
+  first batch is all of version 0 (nothing was trained before it): step 1 trains version 0 on tokens
+  of version 0, which is where the run measures its numeric floor (SPEC 14).
+- The engine returns the log-probability of each token it sampled (sample field ``logprobs``):
+  drawn as ``-Exponential(sampler_scale)`` (most tokens likely, a tail not), rounded to 6
+  decimals as an engine's float32 output would be, from a generator of their own, so the
+  pipeline's events do not depend on them.
 
 Everything is drawn from one seeded generator, so a seed gives the same events every time.
 """
@@ -114,7 +116,8 @@ class Simulation:
     def __init__(self, seed: int = 0, settings: DemoSettings | None = None) -> None:
         self.settings = settings or DemoSettings()
         self._rng = np.random.default_rng(seed)
-        self._logprob_rng = np.random.default_rng([seed, 7])  # its own stream: the events stay as they were
+        # its own stream: the events stay as they were
+        self._logprob_rng = np.random.default_rng([seed, 7])
         self._workers = [_Worker() for _ in range(self.settings.workers)]
         self._waiting: deque[_Rollout] = deque()  # dispatched, not yet on a worker
         self._queue: deque[str] = deque()  # finished, not yet shipped (ids)
@@ -221,7 +224,8 @@ class Simulation:
         for turn, length in enumerate(rollout.lengths):
             mask = [1] * length
             if turn > 0:
-                # A multi-turn sample starts with the tool's output, which the policy did not sample.
+                # A multi-turn sample starts with the tool's output, which
+                # the policy did not sample.
                 tool = min(length - 1, int(self._rng.integers(2, 12)))
                 mask[:tool] = [0] * tool
             logprobs = np.round(-self._logprob_rng.exponential(self.settings.sampler_scale, length), 6)
@@ -246,7 +250,8 @@ class Simulation:
 
 
 def _spans_of(spans: list[tuple[int, int]], offset: int, length: int) -> list[list[int]]:
-    """The ``[version, start]`` spans of positions ``offset .. offset+length-1``, relative to the sample."""
+    """The ``[version, start]`` spans of positions ``offset .. offset+length-1``,
+    relative to the sample."""
     out: list[list[int]] = []
     for i, (version, start) in enumerate(spans):
         end = spans[i + 1][1] if i + 1 < len(spans) else offset + length

@@ -1,15 +1,17 @@
-"""The demo's simulated trainer: log-probabilities of the shipped tokens, and what staleness cost them.
+"""The demo's simulated trainer: log-probabilities of the shipped tokens, and what staleness cost
+them.
 
-The orchestrator never sees the trainer's log-probabilities: the trainer computes them after the batch
-left, so the demo takes the live path of SPEC 11 exactly as a real trainer would::
+The orchestrator never sees the trainer's log-probabilities: the trainer computes them after the
+batch left, so the demo takes the live path of SPEC 11 exactly as a real trainer would::
 
     lags = shipment.lags                                     # sent along with the batch
     sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)
     monitor.record_mismatch(step, sums)                      # per rank, or once with the ranks' sum
 
-**Drift model.** The sampler's log-probability of each token comes with the rollout (sample field
-``logprobs``, drawn by the simulated engine). The trainer's log-probability of the same token, under the
-weights it trains this batch with, is the sampler's plus ``d ~ Normal(-σ²/2, σ²)`` with
+**Drift model.** The sampler's log-probability of each token comes with the rollout (sample
+field ``logprobs``, drawn by the simulated engine). The trainer's log-probability of the same
+token, under the weights it trains this batch with, is the sampler's plus ``d ~ Normal(-σ²/2, σ²)``
+with
 
     σ(ℓ)² = floor² + (speed · ℓ)²
 
@@ -17,19 +19,21 @@ weights it trains this batch with, is the sampler's plus ``d ~ Normal(-σ²/2, �
   (different kernels and precisions): present at lag 0.
 - ``ℓ`` is the token's lag (``shipment.lags``): every version the policy moved since the token was
   sampled adds drift.
-- ``speed`` (``drift_per_version``, default 0.009 nats) is how far the policy moves per version (with
-  ``warmup_steps``, it ramps up from 0 over the first steps as a learning rate warms up; off by default).
+- ``speed`` (``drift_per_version``, default 0.009 nats) is how far the policy moves per version
+  (with ``warmup_steps``, it ramps up from 0 over the first steps as a learning rate warms up; off
+  by default).
 
-The mean ``-σ²/2`` keeps ``E[r] = 1`` for ``r = exp(d)``, as for true importance ratios; the expected
-k3 of a lag is then exactly ``σ²/2``: the floor's k3 is ``floor²/2``, and the excess of lag ``ℓ`` over it
-is ``(speed · ℓ)² / 2``. With the default budget of SPEC 14 (the floor itself), the suggested bound is the
-largest lag with ``(speed · ℓ)² ≤ floor²``, that is ``⌊floor / speed⌋`` = 5 (0.05 / 0.009 = 5.56): see
-:meth:`DriftModel.expected_suggested_bound`.
+The mean ``-σ²/2`` keeps ``E[r] = 1`` for ``r = exp(d)``, as for true importance ratios; the
+expected k3 of a lag is then exactly ``σ²/2``: the floor's k3 is ``floor²/2``, and the excess of lag
+``ℓ`` over it is ``(speed · ℓ)² / 2``. With the default budget of SPEC 14 (the floor itself), the
+suggested bound is the largest lag with ``(speed · ℓ)² ≤ floor²``, that is ``⌊floor / speed⌋`` = 5
+(0.05 / 0.009 = 5.56): see :meth:`DriftModel.expected_suggested_bound`.
 
-The trainer splits each batch over ``ranks`` (at sample boundaries), computes one sums object per rank
-as a data-parallel trainer would, adds them (``+``, exact) and records the step once, so row exporters
-(console, JSONL, W&B) get one mismatch row per step. Its log-probabilities are rounded to 6 decimals (an
-engine's float32 output), so the files the demo writes hold exactly the values the sums came from.
+The trainer splits each batch over ``ranks`` (at sample boundaries), computes one sums object per
+rank as a data-parallel trainer would, adds them (``+``, exact) and records the step once, so row
+exporters (console, JSONL, W&B) get one mismatch row per step. Its log-probabilities are rounded to
+6 decimals (an engine's float32 output), so the files the demo writes hold exactly the values the
+sums came from.
 """
 
 from __future__ import annotations
@@ -59,13 +63,15 @@ class DriftModel:
     warmup_steps: int = 0
 
     def speed(self, step: int) -> float:
-        """How far the policy moves per version at train ``step`` (nats of log-ratio standard deviation)."""
+        """How far the policy moves per version at train ``step`` (nats of
+        log-ratio standard deviation)."""
         if self.warmup_steps <= 0:
             return self.drift_per_version
         return self.drift_per_version * min(1.0, step / self.warmup_steps)
 
     def sigma(self, lags: npt.NDArray[np.int64], step: int) -> npt.NDArray[np.float64]:
-        """The standard deviation of the log-ratio of tokens of the given lags, at train ``step``."""
+        """The standard deviation of the log-ratio of tokens of the given
+        lags, at train ``step``."""
         result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (self.speed(step) * np.maximum(lags, 0)) ** 2)
         return result
 
@@ -74,8 +80,9 @@ class DriftModel:
         return float(self.sigma(np.array([lag]), step)[0]) ** 2 / 2
 
     def expected_suggested_bound(self, budget: float | None = None) -> int:
-        """SPEC 14's suggested bound once the policy moves at full speed: the largest lag whose expected
-        excess ``(speed · ℓ)² / 2`` is within ``budget`` (default: the floor's k3, ``floor² / 2``)."""
+        """SPEC 14's suggested bound once the policy moves at full speed: the largest lag
+        whose expected excess ``(speed · ℓ)² / 2`` is within ``budget`` (default: the
+        floor's k3, ``floor² / 2``)."""
         beta = self.floor**2 / 2 if budget is None else budget
         if self.drift_per_version <= 0:
             raise ConfigError("drift_per_version: must be > 0 for the excess to cross any budget")
@@ -83,14 +90,16 @@ class DriftModel:
 
 
 def shipped_mask(shipment: Shipment) -> npt.NDArray[np.bool_]:
-    """The shipped samples' masks (as trained), concatenated in ship order: aligned with ``shipment.lags``."""
+    """The shipped samples' masks (as trained), concatenated in ship order: aligned
+    with ``shipment.lags``."""
     return shipped_values(shipment, "mask") > 0
 
 
 @dataclass(frozen=True)
 class TrainedBatch:
-    """What the trainer computed for one ship: the step's sums (as recorded) and its log-probabilities per
-    shipped rollout, one list per sample of the rollout as added (``None`` for a sample not shipped)."""
+    """What the trainer computed for one ship: the step's sums (as recorded) and its
+    log-probabilities per shipped rollout, one list per sample of the rollout as added (``None`` for
+    a sample not shipped)."""
 
     step: int
     sums: MismatchSums
@@ -103,11 +112,12 @@ class SimulatedTrainer:
     def __init__(self, seed: int = 0, model: DriftModel | None = None, ranks: int = 2) -> None:
         self.model = model or DriftModel()
         self.ranks = ranks
-        self._rng = np.random.default_rng([seed, 11])  # its own stream: the pipeline's events stay as they were
+        # its own stream: the pipeline's events stay as they were
+        self._rng = np.random.default_rng([seed, 11])
 
     def logprobs(self, shipment: Shipment) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """Sampler (from the records) and trainer log-probabilities of every shipped position, aligned with
-        ``shipment.lags``."""
+        """Sampler (from the records) and trainer log-probabilities of every shipped position,
+        aligned with ``shipment.lags``."""
         lags = shipment.lags
         sampler = shipped_values(shipment, "logprobs")
         sigma = self.model.sigma(lags, shipment.step)
@@ -115,8 +125,8 @@ class SimulatedTrainer:
         return sampler, trainer
 
     def train(self, monitor: StalenessMonitor, shipment: Shipment) -> TrainedBatch | None:
-        """The live path: sums per rank, merged and recorded with the monitor; returns the step's total and
-        the log-probabilities behind it (None when the ship took nothing)."""
+        """The live path: sums per rank, merged and recorded with the monitor; returns the step's
+        total and the log-probabilities behind it (None when the ship took nothing)."""
         lags = shipment.lags
         if len(lags) == 0:
             return None

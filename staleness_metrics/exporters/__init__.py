@@ -1,7 +1,8 @@
 """Exporters: render each ship's report under the metric table's names.
 
 Optional dependencies are imported when an exporter class is first used, so
-``from staleness_metrics.exporters import PrometheusExporter`` needs ``prometheus-client`` only then.
+``from staleness_metrics.exporters import PrometheusExporter`` needs
+``prometheus-client`` only then.
 """
 
 from __future__ import annotations

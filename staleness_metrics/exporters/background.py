@@ -1,19 +1,21 @@
-"""A bounded queue and a worker thread, so a slow or failing exporter never blocks the training loop.
+"""A bounded queue and a worker thread, so a slow or failing exporter never
+blocks the training loop.
 
 The training thread only appends to the queue. One daemon thread sends the queued payloads in order;
-a failed send is counted, logged (rate-limited) and retried with exponential backoff, and the payloads
-behind it wait. When the queue is full the **oldest** waiting payload is dropped (and counted as a failed
-export): after an outage the newest data matters most, and the cumulative exporters (Prometheus push,
-OTLP) carry their counters and histograms in every payload, so only intermediate gauge values are lost.
-``close(timeout)`` stops accepting work, keeps sending (and retrying) until the queue is empty or the
-timeout passes, and counts what is left as dropped. The timeout bounds the whole close, the exporter's own
-shutdown included (default :data:`DEFAULT_CLOSE_TIMEOUT`): a send stuck in I/O (a receiver that refuses,
-blackholes or answers slowly) is left to its daemon thread, which exits once the send gives up, and a
-shutdown that blocks is left to a daemon thread too, so the trainer never waits longer than the timeout.
+a failed send is counted, logged (rate-limited) and retried with exponential backoff, and the
+payloads behind it wait. When the queue is full the **oldest** waiting payload is dropped (and
+counted as a failed export): after an outage the newest data matters most, and the cumulative
+exporters (Prometheus push, OTLP) carry their counters and histograms in every payload, so only
+intermediate gauge values are lost. ``close(timeout)`` stops accepting work, keeps sending (and
+retrying) until the queue is empty or the timeout passes, and counts what is left as dropped. The
+timeout bounds the whole close, the exporter's own shutdown included (default
+:data:`DEFAULT_CLOSE_TIMEOUT`): a send stuck in I/O (a receiver that refuses, blackholes or answers
+slowly) is left to its daemon thread, which exits once the send gives up, and a shutdown that blocks
+is left to a daemon thread too, so the trainer never waits longer than the timeout.
 
 :class:`QueuedExporter` is the base of the exporters that queue (this module's
-:class:`BackgroundExporter`, JSONL, W&B, OTLP, Pushgateway): error counting, ``flush`` and a once-only
-``close``.
+:class:`BackgroundExporter`, JSONL, W&B, OTLP, Pushgateway): error counting, ``flush``
+and a once-only ``close``.
 """
 
 from __future__ import annotations
@@ -41,12 +43,14 @@ FailureHandler = Callable[[str, "BaseException | None"], None]
 class ExportQueue(Generic[P]):
     """Sends payloads on a worker thread; ``put`` never blocks and never raises.
 
-    ``send`` raises to signal a failed attempt; the same payload is retried after a backoff that starts at
-    ``retry_initial`` seconds and doubles up to ``retry_max``. Retries go on as long as the payload is
-    within the bound (a permanently failing exporter ends up keeping the newest ``max_size`` payloads).
+    ``send`` raises to signal a failed attempt; the same payload is retried after a backoff that
+    starts at ``retry_initial`` seconds and doubles up to ``retry_max``. Retries go on as long
+    as the payload is within the bound (a permanently failing exporter ends up keeping the
+    newest ``max_size`` payloads).
 
-    ``prepare``, when given, runs first on the worker thread (what is too slow to do on the caller's
-    thread, such as starting a W&B run); it is retried like a send until it succeeds, and payloads wait.
+    ``prepare``, when given, runs first on the worker thread (what is too slow to do on the
+    caller's thread, such as starting a W&B run); it is retried like a send until it
+    succeeds, and payloads wait.
     """
 
     def __init__(
@@ -130,10 +134,11 @@ class ExportQueue(Generic[P]):
             return True
 
     def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT) -> bool:
-        """Stop accepting payloads, send what is queued within ``timeout``; True when nothing was lost.
+        """Stop accepting payloads, send what is queued within ``timeout``;
+        True when nothing was lost.
 
-        Returns within ``timeout`` whatever the send does: a send still stuck in I/O then is left to the
-        (daemon) worker, which drops its payload and exits when the send returns.
+        Returns within ``timeout`` whatever the send does: a send still stuck in I/O then is left to
+        the (daemon) worker, which drops its payload and exits when the send returns.
         """
         deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
@@ -180,7 +185,9 @@ class ExportQueue(Generic[P]):
                 self._in_flight = True
             try:
                 self._deliver(payload)
-            finally:  # even if a send escapes with a BaseException, flush() and close() must not wait on it
+            finally:
+                # even if a send escapes with a BaseException, flush() and
+                # close() must not wait on it
                 with self._cond:
                     self._in_flight = False
                     self._cond.notify_all()
@@ -194,7 +201,8 @@ class ExportQueue(Generic[P]):
                 self._dropped += 1
 
     def _retry(self, attempt: Callable[[], None], failure: str) -> bool:
-        """Call ``attempt`` until it returns (True), backing off after each failure; False once stopping."""
+        """Call ``attempt`` until it returns (True), backing off after each
+        failure; False once stopping."""
         backoff = self._retry_initial
         while True:
             try:
@@ -216,13 +224,14 @@ class QueuedExporter(Generic[P]):
     """Base of the exporters that send on an :class:`ExportQueue`.
 
     It owns the exporter's error counter (shared with the monitor's on ``attach``, keeping what was
-    counted before), the queue (whose failures it counts), ``flush`` and a ``close`` that runs once: a
-    second close must not shut down or delete anything again.
+    counted before), the queue (whose failures it counts), ``flush`` and a ``close`` that runs once:
+    a second close must not shut down or delete anything again.
 
-    A subclass sets ``name``, calls ``super().__init__()`` first, and :meth:`_start_queue` last, once
-    everything its ``send`` needs is built (a constructor that raises then leaves no worker thread). It
-    releases its own resources in :meth:`_close_resources`, called after the queue is drained, on a
-    daemon thread of its own so that a shutdown that blocks cannot hold ``close`` beyond its timeout.
+    A subclass sets ``name``, calls ``super().__init__()`` first, and :meth:`_start_queue` last,
+    once everything its ``send`` needs is built (a constructor that raises then leaves no worker
+    thread). It releases its own resources in :meth:`_close_resources`, called after the queue
+    is drained, on a daemon thread of its own so that a shutdown that blocks cannot hold
+    ``close`` beyond its timeout.
     """
 
     name: str
@@ -278,8 +287,9 @@ class QueuedExporter(Generic[P]):
         return self._queue
 
     def close(self, timeout: float | None = None) -> None:
-        """Send what is queued and shut down, returning within ``timeout`` seconds (default: the
-        exporter's ``close_timeout``) whatever the receiver does; what is left unsent is counted dropped."""
+        """Send what is queued and shut down, returning within ``timeout`` seconds
+        (default: the exporter's ``close_timeout``) whatever the receiver does; what is
+        left unsent is counted dropped."""
         if self._closed:
             return
         self._closed = True
@@ -299,9 +309,9 @@ class QueuedExporter(Generic[P]):
 class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
     """Runs any exporter's ``export`` on a worker thread behind an :class:`ExportQueue`.
 
-    For your own slow exporters; the built-in network exporters (OTLP, W&B, Pushgateway, JSONL) queue
-    by themselves. ``export`` is retried with the same report after a failure, so the wrapped exporter
-    must tolerate seeing a report again after it raised.
+    For your own slow exporters; the built-in network exporters (OTLP, W&B, Pushgateway, JSONL)
+    queue by themselves. ``export`` is retried with the same report after a failure, so the wrapped
+    exporter must tolerate seeing a report again after it raised.
     """
 
     def __init__(
@@ -333,7 +343,8 @@ class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
         self._queue.put(report)
 
     def export_mismatch(self, report: MismatchReport) -> None:
-        """Queued like a ship, for a wrapped exporter that publishes mismatch sums (ignored otherwise)."""
+        """Queued like a ship, for a wrapped exporter that publishes mismatch
+        sums (ignored otherwise)."""
         if isinstance(self._exporter, MismatchAware):
             self._queue.put(report)
 

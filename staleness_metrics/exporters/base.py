@@ -1,9 +1,10 @@
 """What every exporter is, and how export failures are counted and logged.
 
-An exporter renders a :class:`~staleness_metrics.metrics.report.StepReport` under the names of the metric table.
-The training loop must never wait for, nor see an exception from, an exporter: network exporters queue
-their work (see :mod:`staleness_metrics.exporters.background`) and every failure ends up here, counted
-per exporter (``rl_staleness_export_errors_total``) and logged at most once per interval.
+An exporter renders a :class:`~staleness_metrics.metrics.report.StepReport` under the names of
+the metric table. The training loop must never wait for, nor see an exception from, an
+exporter: network exporters queue their work (see
+:mod:`staleness_metrics.exporters.background`) and every failure ends up here, counted per
+exporter (``rl_staleness_export_errors_total``) and logged at most once per interval.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ DEFAULT_RUN = "default"
 class Exporter(Protocol):
     """Publishes each shipped step's report.
 
-    ``export`` is called on the training thread once per ship: it must return quickly (queue anything
-    slow) and should not raise (the monitor catches and counts it anyway). ``close`` flushes.
+    ``export`` is called on the training thread once per ship: it must return quickly
+    (queue anything slow) and should not raise (the monitor catches and counts it
+    anyway). ``close`` flushes.
     """
 
     name: str
@@ -56,23 +58,26 @@ class MismatchReport:
     """Trainer-side SPEC 11 sums recorded for a shipped step (the live path).
 
     ``sums`` is the step's total so far, merged over every call for the step (one per rank or
-    micro-batch); ``delta`` is what this call added. Counter exporters add ``delta``; row exporters
-    (W&B, JSONL, console) write the keys of ``sums``, so the last row of a step holds the merged values.
+    micro-batch); ``delta`` is what this call added. Counter exporters add ``delta``; row
+    exporters (W&B, JSONL, console) write the keys of ``sums``, so the last row of a step
+    holds the merged values.
     """
 
     step: int
     sums: MismatchSums
     delta: MismatchSums
     bound: ShipBound | None = None  # SPEC 14 of ``sums``: the floor, the curve and the advice
-    # With the env breakdown, the keys of the env these sums were recorded for (its merged total), unprefixed.
+    # With the env breakdown, the keys of the env these sums were recorded for (its
+    # merged total), unprefixed.
     env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
-    # The env ``delta`` was recorded for, with the env breakdown (the counters' per-env series add it).
+    # The env ``delta`` was recorded for, with the env breakdown (the
+    # counters' per-env series add it).
     env: str | None = None
 
     @property
     def metrics(self) -> dict[str, MetricValue]:
-        """The row of ``sums``: SPEC 11 keys with the excess over SPEC 14's floor, then the SPEC 14 keys, then
-        those of the env (``staleness/env/<env>/...``)."""
+        """The row of ``sums``: SPEC 11 keys with the excess over SPEC 14's floor, then the SPEC 14
+        keys, then those of the env (``staleness/env/<env>/...``)."""
         out = mismatch_metrics(self.sums, self.bound)
         for env, keys in self.env_metrics.items():
             out.update({env_key(env, key): v for key, v in keys.items()})
@@ -81,7 +86,8 @@ class MismatchReport:
 
 @runtime_checkable
 class MismatchAware(Protocol):
-    """An exporter that publishes trainer-side mismatch sums (:meth:`StalenessMonitor.record_mismatch`)."""
+    """An exporter that publishes trainer-side mismatch sums
+    (:meth:`StalenessMonitor.record_mismatch`)."""
 
     def export_mismatch(self, report: MismatchReport) -> None: ...
 
@@ -97,8 +103,8 @@ class MonitorAware(Protocol):
 class Stateful(Protocol):
     """An exporter with cumulative state that a monitor checkpoint carries (SPEC 13).
 
-    ``absorb`` folds a report that was already published (a restart re-applying its journal) into that
-    state without publishing it again; ``absorb_mismatch`` does the same for trainer-side sums.
+    ``absorb`` folds a report that was already published (a restart re-applying its journal) into
+    that state without publishing it again; ``absorb_mismatch`` does the same for trainer-side sums.
     """
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -126,12 +132,14 @@ class ExportErrors:
         self._suppressed: dict[str, int] = {}
 
     def register(self, exporter: str) -> None:
-        """Expose a zero count for ``exporter`` from the start (so ``rate()`` works from the first scrape)."""
+        """Expose a zero count for ``exporter`` from the start (so ``rate()`` works
+        from the first scrape)."""
         with self._lock:
             self._counts.setdefault(exporter, 0)
 
     def record(self, exporter: str, message: str, exc: BaseException | None = None) -> None:
-        """Count one failure of ``exporter`` and log it unless it logged less than an interval ago."""
+        """Count one failure of ``exporter`` and log it unless it logged less
+        than an interval ago."""
         now = time.monotonic()
         with self._lock:
             self._counts[exporter] = self._counts.get(exporter, 0) + 1
@@ -161,7 +169,8 @@ class ExportErrors:
                 self._counts[exporter] = self._counts.get(exporter, 0) + int(count)
 
     def carry_over(self, exporter: str, earlier: ExportErrors) -> None:
-        """Add what ``earlier`` counted for ``exporter`` (its failures before it was attached here)."""
+        """Add what ``earlier`` counted for ``exporter`` (its failures before
+        it was attached here)."""
         if earlier is self:
             return
         count = earlier.count(exporter)
@@ -182,7 +191,8 @@ class ExportContext:
     env_breakdown: bool = False
 
     def share_errors(self, exporter: str, own: ExportErrors) -> ExportErrors:
-        """The shared counter for ``exporter``, holding what ``own`` counted before the attach (a port
-        already taken at construction, say), so no failure is lost when an exporter switches over."""
+        """The shared counter for ``exporter``, holding what ``own`` counted before the
+        attach (a port already taken at construction, say), so no failure is lost when an
+        exporter switches over."""
         self.errors.carry_over(exporter, own)
         return self.errors

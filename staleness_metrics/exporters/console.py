@@ -1,4 +1,5 @@
-"""Console exporter: one line per ship, led by ``Max Staleness`` (the renamed ``Max Off-Policy``)."""
+"""Console exporter: one line per ship, led by ``Max Staleness`` (the
+renamed ``Max Off-Policy``)."""
 
 from __future__ import annotations
 
@@ -36,14 +37,16 @@ def format_line(report: StepReport) -> str:
     held = int(metrics.get(keys.ROLLOUTS_HELD, 0))
     if held:
         parts.append(f"held {held} rollouts")
-    if keys.MISMATCH_EXCESS_K3 in metrics:  # SPEC 11: what staleness costs, when the records carried trainer log-probs
+    # SPEC 11: what staleness costs, when the records carried trainer log-probs
+    if keys.MISMATCH_EXCESS_K3 in metrics:
         parts.append(f"excess k3 {float(metrics[keys.MISMATCH_EXCESS_K3]):.4g}")
     parts.extend(_bound_parts(metrics))
     return " | ".join(parts)
 
 
 def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
-    """SPEC 14 on the step's line: ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (crossed)``."""
+    """SPEC 14 on the step's line:
+    ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (crossed)``."""
     if keys.MISMATCH_FLOOR not in metrics:
         return []
     source = metrics.get(keys.MISMATCH_FLOOR_SOURCE, "")
@@ -61,10 +64,13 @@ def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
 
 
 def format_mismatch_line(report: MismatchReport) -> str:
-    """``step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0% | floor 0.0008 lag0 | at bound 0.0003
-    | suggested 6 (budget crossed)`` for trainer-side sums.
+    """The line of trainer-side sums::
 
-    The step's sums merged so far; ``-`` where a key is absent (no floor, no stale token or no curve yet).
+        step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0% | floor 0.0008 lag0
+        | at bound 0.0003 | suggested 6 (budget crossed)
+
+    The step's sums merged so far; ``-`` where a key is absent (no floor, no stale token or no curve
+    yet).
     """
     metrics = report.metrics
 
@@ -86,7 +92,8 @@ def format_mismatch_line(report: MismatchReport) -> str:
 
 
 class ConsoleExporter:
-    """Prints :func:`format_line` for each ship to ``stream`` (stdout by default), on the caller's thread.
+    """Prints :func:`format_line` for each ship to ``stream`` (stdout by
+    default), on the caller's thread.
 
     With ``rich`` installed and a terminal as the stream, the line is printed through rich (colour);
     otherwise as plain text.

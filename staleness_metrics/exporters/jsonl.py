@@ -1,7 +1,8 @@
 """JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format), flushed per line.
 
-Trainer-side mismatch sums recorded for a step (the live path) add a line ``{"step": S, <SPEC 11/14 keys>}``
-holding the step's sums merged so far: the last line of a step is its total.
+Trainer-side mismatch sums recorded for a step (the live path) add a line
+``{"step": S, <SPEC 11/14 keys>}`` holding the step's sums merged so far: the last
+line of a step is its total.
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ def row_json(report: StepReport) -> str:
 
 
 def mismatch_row_json(report: MismatchReport) -> str:
-    """A live mismatch report's ``{"step": S, <SPEC 11 and 14 key>: <value>, ...}`` line (the step's merged
-    sums; ``staleness/mismatch/floor_source`` is a string)."""
+    """A live mismatch report's ``{"step": S, <SPEC 11 and 14 key>: <value>, ...}`` line (the step's
+    merged sums; ``staleness/mismatch/floor_source`` is a string)."""
     return jsonio.dumps({"step": report.step, **report.metrics}).decode()
 
 
 class JsonlExporter(QueuedExporter[str]):
     """Appends one line per ship to ``path`` (written on a background queue, flushed line by line).
 
-    ``append=False`` (default) starts a new file; ``append=True`` continues an existing one (resumed runs).
+    ``append=False`` (default) starts a new file; ``append=True`` continues an
+    existing one (resumed runs).
     """
 
     name = "jsonl"

@@ -1,25 +1,27 @@
 """OTLP exporter: the metric table as OpenTelemetry metrics, sent once per ship.
 
-Default (owned pipeline): each ship becomes one OTLP export of gauges (``Gauge``), counters (monotonic
-``Sum``) and explicit-bucket histograms (``Histogram`` over :data:`~staleness_metrics.metrics.metric_table.BUCKETS`),
-built from the cumulative run state: the histograms come from the core's bucket counts, so a ship costs
-the same however many tokens it had. Export runs on a bounded background queue; a failed export is
-counted and retried, and since counters and histograms are cumulative (the default temporality) every
-later export carries what an earlier one missed.
+Default (owned pipeline): each ship becomes one OTLP export of gauges (``Gauge``), counters
+(monotonic ``Sum``) and explicit-bucket histograms (``Histogram`` over
+:data:`~staleness_metrics.metrics.metric_table.BUCKETS`), built from the cumulative run state:
+the histograms come from the core's bucket counts, so a ship costs the same however many tokens
+it had. Export runs on a bounded background queue; a failed export is counted and retried, and
+since counters and histograms are cumulative (the default temporality) every later export carries
+what an earlier one missed.
 
 Transport: OTLP/HTTP protobuf by default, gRPC with ``protocol="grpc"``. The standard variables are
 honoured by the OpenTelemetry exporters themselves (``OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT``,
 ``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``, ``_PROTOCOL``,
 ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``), and the resource takes
-``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME``; ``service.name`` defaults to ``staleness-metrics``.
-``run`` (and ``env``, for named envs) are metric attributes. The SPEC 12 length counters also have a
-batch-wide point (no ``env``) beside the per-env ones when the env breakdown names envs, as in Prometheus.
+``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME``; ``service.name`` defaults to
+``staleness-metrics``. ``run`` (and ``env``, for named envs) are metric attributes. The SPEC 12
+length counters also have a batch-wide point (no ``env``) beside the per-env ones when the env
+breakdown names envs, as in Prometheus.
 
-Injected ``meter_provider``: the metrics are recorded through that provider's instruments (observable gauges
-that report the latest ship's series only, counters, histograms with the table's buckets as advisory
-boundaries) and its own readers export them.
-The OpenTelemetry API has no weighted ``record``, so histograms then cost one ``record`` per token and
-rollout (done on the background thread); prefer the owned pipeline for large batches.
+Injected ``meter_provider``: the metrics are recorded through that provider's instruments
+(observable gauges that report the latest ship's series only, counters, histograms with the table's
+buckets as advisory boundaries) and its own readers export them. The OpenTelemetry API has no
+weighted ``record``, so histograms then cost one ``record`` per token and rollout (done on the
+background thread); prefer the owned pipeline for large batches.
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ DEFAULT_SERVICE_NAME = "staleness-metrics"
 SCOPE_NAME = "staleness_metrics"
 PROTOCOLS = ("http/protobuf", "grpc")
 
-# The length counters' batch-wide series is the sum of the per-env ones; the mismatch family's already is the
-# batch's sums (the per-env ones are the part recorded per env).
+# The length counters' batch-wide series is the sum of the per-env ones; the mismatch family's
+# already is the batch's sums (the per-env ones are the part recorded per env).
 _SUMMED_BATCH_WIDE = frozenset(name for name in BATCH_WIDE_COUNTERS if name.startswith("length_"))
 _PUBLISHED = tuple(m for m in METRICS if m.otel_name is not None and m.source is not Source.EXPORTER)
 _ERRORS_ROW = next(m for m in METRICS if m.source is Source.EXPORTER)
 
-# A queued ship: its snapshot, plus its histogram windows when recording through an injected provider.
+# A queued ship: its snapshot, plus its histogram windows when recording
+# through an injected provider.
 _Payload = tuple[LazySnapshot, Mapping[str, Mapping[str, Counts]] | None]
 
 
@@ -130,7 +133,8 @@ def build_metrics_data(
     errors: Mapping[str, int],
     temporality: AggregationTemporality | None = None,
 ) -> MetricsData:
-    """One OTLP export of a snapshot; counters and histograms cumulative unless ``temporality`` is DELTA."""
+    """One OTLP export of a snapshot; counters and histograms cumulative unless
+    ``temporality`` is DELTA."""
     from opentelemetry.sdk.metrics.export import (
         AggregationTemporality,
         Gauge,
@@ -194,7 +198,8 @@ def build_metrics_data(
             metrics.append(Metric(row.otel_name, row.description, row.otel_unit, data))
     if errors:
         assert _ERRORS_ROW.otel_name is not None
-        # Export errors are cumulative in-process counts; they are sent cumulative whatever the preference.
+        # Export errors are cumulative in-process counts; they are sent cumulative
+        # whatever the preference.
         error_points = [
             NumberDataPoint({"run": run, "exporter": name}, snapshot.start_time_ns, now, count)
             for name, count in sorted(errors.items())
@@ -236,10 +241,11 @@ def _make_metric_exporter(
 class _InstrumentRecorder:
     """Records snapshots through a caller's MeterProvider (the injected-provider path).
 
-    Gauges are observable: their callbacks yield the latest recorded snapshot's series and nothing else, so a
-    series that stopped being current (a floor source that changed, a lag that left the curve, an env the last
-    ship did not have) is no longer exported. A synchronous gauge would keep reporting its last value for every
-    attribute set it ever saw (the SDK keeps it under cumulative temporality).
+    Gauges are observable: their callbacks yield the latest recorded snapshot's series and nothing
+    else, so a series that stopped being current (a floor source that changed, a lag that left the
+    curve, an env the last ship did not have) is no longer exported. A synchronous gauge would
+    keep reporting its last value for every attribute set it ever saw (the SDK keeps it under
+    cumulative temporality).
     """
 
     def __init__(self, provider: MeterProvider) -> None:
@@ -357,15 +363,16 @@ class OtlpExporter(QueuedExporter[_Payload]):
         from opentelemetry.sdk.metrics import Counter
         from opentelemetry.sdk.metrics.export import AggregationTemporality
 
-        # The OTLP exporters resolve OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE into this mapping
-        # (the SDK's own readers read it the same way).
+        # The OTLP exporters resolve OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE into this
+        # mapping (the SDK's own readers read it the same way).
         preferred = getattr(exporter, "_preferred_temporality", {}) or {}
         chosen = preferred.get(Counter, AggregationTemporality.CUMULATIVE)
         assert isinstance(chosen, AggregationTemporality)
         return chosen
 
     def attach(self, context: ExportContext) -> None:
-        """Take the monitor's run attribute, shared export error counts and env breakdown setting."""
+        """Take the monitor's run attribute, shared export error counts and
+        env breakdown setting."""
         if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
             self._state = CumulativeState(context.run, context.env_breakdown, deltas=self._state.deltas)
         super().attach(context)
@@ -375,7 +382,8 @@ class OtlpExporter(QueuedExporter[_Payload]):
         return self._state.state_dict()
 
     def check_state_dict(self, state: Any, path: str) -> None:
-        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError`` naming the key path)."""
+        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError``
+        naming the key path)."""
         CumulativeState.check_state_dict(state, path)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -387,7 +395,8 @@ class OtlpExporter(QueuedExporter[_Payload]):
         self._state.fold(report)  # never read: no series computed
 
     def absorb_mismatch(self, report: MismatchReport) -> None:
-        """Fold trainer-side sums exported before a restart into the run totals, without sending them again."""
+        """Fold trainer-side sums exported before a restart into the run totals,
+        without sending them again."""
         self._state.fold_mismatch(report.delta, report.metrics, report.env)
 
     def export(self, report: StepReport) -> None:
@@ -424,13 +433,15 @@ class OtlpExporter(QueuedExporter[_Payload]):
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         assert self._metric_exporter is not None and self.resource is not None
-        # Built at send time so the export error counts are current (they include this send's retries).
+        # Built at send time so the export error counts are current (they
+        # include this send's retries).
         data = build_metrics_data(snapshot, self.resource, self._errors.snapshot(), self._temporality)
         result = self._metric_exporter.export(data)
         if result is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
 
-    def _close_resources(self) -> None:  # once only: the OpenTelemetry exporter warns on a second shutdown
+    # once only: the OpenTelemetry exporter warns on a second shutdown
+    def _close_resources(self) -> None:
         try:
             if self._metric_exporter is not None:
                 self._metric_exporter.shutdown()

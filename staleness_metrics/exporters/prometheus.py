@@ -1,10 +1,11 @@
 """Prometheus exporters: a scrape endpoint (HTTP server or ASGI app) and a Pushgateway mode.
 
 Both render the metric table through one custom collector that holds the last ship's immutable
-snapshot, swapped under a lock on each export and built and rendered at scrape time: a scrape sees one
-ship, never two, and a ship costs only folding in what it changed (no series computed, no rendering).
-Histograms are built from the core's bucket counts, never by observing each token. Every series has a
-``run`` label; see :mod:`staleness_metrics.exporters.state` for the ``env`` label conventions.
+snapshot, swapped under a lock on each export and built and rendered at scrape time: a scrape
+sees one ship, never two, and a ship costs only folding in what it changed (no series computed,
+no rendering). Histograms are built from the core's bucket counts, never by observing each
+token. Every series has a ``run`` label; see :mod:`staleness_metrics.exporters.state` for the
+``env`` label conventions.
 
 Port already taken: the exporter logs it, counts an export error and keeps working (the registry and
 the ASGI app still serve); it tries to bind again on a later export, at most once per
@@ -38,8 +39,8 @@ __all__ = ["BATCH_WIDE_COUNTERS", "DEFAULT_PORT", "PrometheusExporter", "Prometh
 DEFAULT_PORT = 9487
 
 _LE: list[str] = [floatToGoString(b) for b in BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
-# The length counters' batch-wide series is the sum of the per-env ones; the mismatch family's already is the
-# batch's sums (the per-env ones are the part recorded per env).
+# The length counters' batch-wide series is the sum of the per-env ones; the mismatch family's
+# already is the batch's sums (the per-env ones are the part recorded per env).
 _SUMMED_BATCH_WIDE = frozenset(name for name in BATCH_WIDE_COUNTERS if name.startswith("length_"))
 _PUBLISHED = tuple(m for m in METRICS if m.prometheus_name is not None)
 
@@ -112,7 +113,8 @@ class StalenessCollector:
     def collect(self) -> Iterable[Metric]:
         with self._lock:
             snapshot = self._snapshot
-        if snapshot is not None:  # immutable inputs: building and rendering it outside the lock is safe
+        # immutable inputs: building and rendering it outside the lock is safe
+        if snapshot is not None:
             yield from render_families(snapshot.get())
         yield self._error_family()
 
@@ -167,8 +169,9 @@ class _PrometheusBase:
     def _apply(self, report: StepReport | MismatchReport) -> None:
         with self._lock:  # reports are folded in order, one at a time
             if isinstance(report, MismatchReport):
-                # Counters add what this call brought; SPEC 14's gauges show the step's merged sums.
-                snapshot = self._state.fold_mismatch(report.delta, report.metrics, report.env)  # the env's keys too
+                # Counters add what this call brought (the env's keys too); SPEC 14's gauges show
+                # the step's merged sums.
+                snapshot = self._state.fold_mismatch(report.delta, report.metrics, report.env)
             else:
                 snapshot = self._state.fold(report)
             self.collector.update(snapshot)
@@ -180,7 +183,8 @@ class _PrometheusBase:
             return self._state.state_dict()
 
     def check_state_dict(self, state: Any, path: str) -> None:
-        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError`` naming the key path)."""
+        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError``
+        naming the key path)."""
         CumulativeState.check_state_dict(state, path)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -196,7 +200,8 @@ class _PrometheusBase:
         self._apply(report)
 
     def absorb_mismatch(self, report: MismatchReport) -> None:
-        """Fold trainer-side sums exported before a restart into the run totals, without sending them again."""
+        """Fold trainer-side sums exported before a restart into the run totals,
+        without sending them again."""
         self._apply(report)
 
     def exposition(self) -> bytes:
@@ -207,9 +212,9 @@ class _PrometheusBase:
 class PrometheusExporter(_PrometheusBase):
     """Serves the metrics for Prometheus to scrape.
 
-    ``port``: HTTP server on ``addr`` (loopback by default; 0 picks a free port; None starts no server,
-    e.g. when you mount :meth:`asgi_app` in your own FastAPI app). Export is an in-memory swap, done on
-    the caller's thread.
+    ``port``: HTTP server on ``addr`` (loopback by default; 0 picks a free port; None starts no
+    server, e.g. when you mount :meth:`asgi_app` in your own FastAPI app). Export is an in-memory
+    swap, done on the caller's thread.
     """
 
     name = "prometheus"
@@ -280,8 +285,9 @@ class PrometheusExporter(_PrometheusBase):
             self._errors.record(self.name, "mismatch sums not exported", exc)
 
     def asgi_app(self) -> Callable[..., Any]:
-        """An ASGI app serving this exporter's registry (``app.mount("/metrics", exporter.asgi_app())``;
-        Starlette then serves it at ``/metrics/`` and redirects ``/metrics`` there)."""
+        """An ASGI app serving this exporter's registry
+        (``app.mount("/metrics", exporter.asgi_app())``; Starlette then serves it at ``/metrics/``
+        and redirects ``/metrics`` there)."""
         from prometheus_client import make_asgi_app
 
         return make_asgi_app(registry=self.registry)
@@ -298,14 +304,16 @@ class PrometheusExporter(_PrometheusBase):
 
 
 class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
-    """Pushes the metrics to a Prometheus Pushgateway after each ship, and deletes its group on close.
+    """Pushes the metrics to a Prometheus Pushgateway after each ship, and
+    deletes its group on close.
 
-    For jobs Prometheus cannot scrape. The group is ``job`` plus ``grouping_key`` plus ``run``. Pushes
-    happen on a background queue; after an outage only the newest state is pushed (it carries all
-    counters and histograms).
+    For jobs Prometheus cannot scrape. The group is ``job`` plus ``grouping_key`` plus ``run``.
+    Pushes happen on a background queue; after an outage only the newest state is pushed (it carries
+    all counters and histograms).
 
-    The error counter and ``attach`` come from ``_PrometheusBase`` (shared with the scrape exporter, its
-    ``attach`` also swaps the run state); the queue, ``flush`` and ``close`` from :class:`QueuedExporter`.
+    The error counter and ``attach`` come from ``_PrometheusBase`` (shared with the scrape exporter,
+    its ``attach`` also swaps the run state); the queue, ``flush`` and ``close`` from
+    :class:`QueuedExporter`.
     """
 
     name = "pushgateway"
@@ -374,7 +382,8 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
         )  # fmt: skip
         self._pushed_version = current
 
-    def _close_resources(self) -> None:  # once only: a new pusher may own the group by a second close
+    # once only: a new pusher may own the group by a second close
+    def _close_resources(self) -> None:
         if not self._delete_on_close:
             return
         try:

@@ -1,10 +1,10 @@
 """Cumulative per-run state behind the Prometheus and OTLP exporters, as immutable snapshots.
 
 Each report is folded in once; the result is a :class:`Snapshot` that holds every value a scrape or
-an OTLP export shows, so a reader never mixes two ships. A ship only folds in what it brought and keeps
-the immutable inputs (:class:`LazySnapshot`): the snapshot's series are computed when a reader (a
-scrape, an OTLP send) first asks, so a ship's export cost follows what it changed, not the number of
-series. Which rows exist, their kinds and their sources come from the metric table only.
+an OTLP export shows, so a reader never mixes two ships. A ship only folds in what it brought and
+keeps the immutable inputs (:class:`LazySnapshot`): the snapshot's series are computed when a reader
+(a scrape, an OTLP send) first asks, so a ship's export cost follows what it changed, not the number
+of series. Which rows exist, their kinds and their sources come from the metric table only.
 
 Label conventions (documented for dashboards):
 
@@ -12,21 +12,22 @@ Label conventions (documented for dashboards):
   attribute) and covers the whole run.
 - With the env breakdown (``StalenessConfig(env_breakdown=True)``), gauges describe the last ship:
   ``env=""`` is the whole batch and each named env gets its own series. Counters and histograms
-  partition the rollouts by env: ``env=""`` holds the rollouts without an env (plus anything the per-env
-  tallies do not cover), so summing over ``env`` gives the run's total.
+  partition the rollouts by env: ``env=""`` holds the rollouts without an env (plus anything the
+  per-env tallies do not cover), so summing over ``env`` gives the run's total.
 - A gauge whose key is absent from the step's metrics dict (empty population) is **not exposed** for
   that ship, so an old value is never shown as current.
 - Families with a bucket label (SPEC 11 ``lag``, SPEC 12 ``length``) expose every bucket of the
   dimension, zeros included, so a rate works from a bucket's first increment. The mismatch families
-  (no ``env``: the trainer's sums are per step, not per env) appear once the first sums arrived, from a
-  ship's records (``StepReport.mismatch``) or from the trainer (:meth:`CumulativeState.apply_mismatch`).
-- SPEC 14's gauges (floor, budget, curve, bound advice) show the latest report that carried the SPEC 11
-  family, a ship's or the trainer's; a ship without the family leaves them as they were. The floor has a
-  ``source`` label, the curve a ``lag`` label (only the lags of the curve are exposed).
-- A snapshot holds only the current series, and both exporters render it whole (Prometheus through a custom
-  collector, OTLP as one export or through observable gauges): a series that stops being current (the floor
-  of a source it no longer has, a lag that left the curve, an env the last ship did not have) is no longer
-  exported, rather than kept at its last value.
+  (no ``env``: the trainer's sums are per step, not per env) appear once the first sums arrived,
+  from a ship's records (``StepReport.mismatch``) or from the trainer
+  (:meth:`CumulativeState.apply_mismatch`).
+- SPEC 14's gauges (floor, budget, curve, bound advice) show the latest report that carried the SPEC
+  11 family, a ship's or the trainer's; a ship without the family leaves them as they were. The
+  floor has a ``source`` label, the curve a ``lag`` label (only the lags of the curve are exposed).
+- A snapshot holds only the current series, and both exporters render it whole (Prometheus through a
+  custom collector, OTLP as one export or through observable gauges): a series that stops being
+  current (the floor of a source it no longer has, a lag that left the curve, an env the last ship
+  did not have) is no longer exported, rather than kept at its last value.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ Number = int | float
 
 @dataclass(frozen=True)
 class HistogramPoint:
-    """Histogram over :data:`BUCKETS`: ``bucket_counts[i]`` counts values in ``(BUCKETS[i-1], BUCKETS[i]]``;
-    the last entry counts values above ``BUCKETS[-1]`` (the ``+Inf`` bucket). Not cumulative over buckets."""
+    """Histogram over :data:`BUCKETS`: ``bucket_counts[i]`` counts values in
+    ``(BUCKETS[i-1], BUCKETS[i]]``; the last entry counts values above ``BUCKETS[-1]`` (the ``+Inf``
+    bucket). Not cumulative over buckets."""
 
     bucket_counts: tuple[int, ...]
     sum: int
@@ -78,7 +80,8 @@ class HistogramPoint:
         return list(itertools.accumulate(self.bucket_counts))
 
 
-_INT_BOUNDS = np.asarray(BUCKETS, dtype=np.int64)  # the bounds are integers: value <= b <=> value <= int(b)
+# the bounds are integers: value <= b <=> value <= int(b)
+_INT_BOUNDS = np.asarray(BUCKETS, dtype=np.int64)
 
 
 def bucket_counts(histogram: Counts) -> HistogramPoint:
@@ -100,12 +103,14 @@ def bucket_counts(histogram: Counts) -> HistogramPoint:
 
 
 def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally]:
-    """The window's tallies split by env; ``""`` = rollouts without env plus whatever no env covers."""
+    """The window's tallies split by env; ``""`` = rollouts without env plus
+    whatever no env covers."""
     if not by_env or not report.env_tally:
         return {"": report.tally}
     parts = dict(report.env_tally)
     covered = functools.reduce(operator.add, parts.values())  # not from Tally(): one addition less
-    if not report.tally.within(covered):  # (usually every rollout of the window is in its env's tally)
+    # (usually every rollout of the window is in its env's tally)
+    if not report.tally.within(covered):
         parts[""] = parts.get("", Tally()) + report.tally.excess_over(covered)
     return parts
 
@@ -113,14 +118,14 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
 BucketKey = tuple[str, str]  # (env, the dimension's exported label value)
 
 
-# SPEC 12's length counters (metric_table.BATCH_WIDE_COUNTERS): a batch-wide series (env "") beside the
-# per-env ones in Prometheus and OTLP, as the gauges have, so a query over the whole batch selects it instead
-# of summing.
+# SPEC 12's length counters (metric_table.BATCH_WIDE_COUNTERS): a batch-wide series (env "") beside
+# the per-env ones in Prometheus and OTLP, as the gauges have, so a query over the whole batch
+# selects it instead of summing.
 
 
 def batch_wide_counts(counts: Mapping[str, int]) -> dict[str, int]:
-    """Per-env counts with env "" replaced by their sum over every env, first, when some env is named
-    (without one, env "" already is the whole batch)."""
+    """Per-env counts with env "" replaced by their sum over every env, first, when some env is
+    named (without one, env "" already is the whole batch)."""
     if set(counts) <= {""}:
         return dict(counts)
     return {"": sum(counts.values()), **{env: count for env, count in counts.items() if env}}
@@ -150,10 +155,12 @@ class Snapshot:
     counter_deltas: Mapping[str, Mapping[str, int]]  # empty unless the state keeps deltas
     histograms: Mapping[str, Mapping[str, HistogramPoint]]
     histogram_deltas: Mapping[str, Mapping[str, HistogramPoint]]
-    # Counters with a bucket label (rows with a dimension): name -> (env, exported bucket value) -> value.
+    # Counters with a bucket label (rows with a dimension): name -> (env,
+    # exported bucket value) -> value.
     bucketed: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
     bucketed_deltas: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
-    # Gauges with a label besides env (SPEC 14's floor by source, curve by lag): name -> (env, value) -> value.
+    # Gauges with a label besides env (SPEC 14's floor by source, curve by lag): name
+    # -> (env, value) -> value.
     bucketed_gauges: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
 
 
@@ -193,7 +200,8 @@ _BOUND_KEYS = frozenset(key for m in _BOUND_GAUGES for key in m.wandb_keys)
 
 
 def _split_env(key: str) -> tuple[str, str] | None:
-    """(env, batch-wide key) of a SPEC 14 key, its env ``""`` when it is batch-wide; None for other keys."""
+    """(env, batch-wide key) of a SPEC 14 key, its env ``""`` when it is
+    batch-wide; None for other keys."""
     if key in _BOUND_KEYS:
         return "", key
     if key.startswith(ENV_KEY_PREFIX):
@@ -212,8 +220,8 @@ def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
 def _bound_gauges(
     metrics: Mapping[str, MetricValue] | None,
 ) -> tuple[dict[str, Mapping[str, Number]], dict[str, Mapping[BucketKey, Number]]]:
-    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family: plain, and labelled; the
-    batch's under env ``""`` and each env's (the env breakdown) under its name."""
+    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family: plain, and
+    labelled; the batch's under env ``""`` and each env's (the env breakdown) under its name."""
     by_env: dict[str, dict[str, MetricValue]] = {}
     for key, value in (metrics or {}).items():
         split = _split_env(key)
@@ -261,8 +269,9 @@ def _bucketed_of(
     mismatch: MismatchSums | None,
     env_mismatch: Mapping[str, MismatchSums] | None = None,
 ) -> dict[BucketKey, Number]:
-    """A dimensioned counter's values per (env, bucket value); every bucket present (zeros included). The
-    mismatch family: the batch's sums under env "", then each env's (live sums given per env)."""
+    """A dimensioned counter's values per (env, bucket value); every bucket present
+    (zeros included). The mismatch family: the batch's sums under env "", then each env's
+    (live sums given per env)."""
     assert metric.dimension is not None
     values = metric.dimension.values
     if metric.source is Source.MISMATCH:
@@ -282,8 +291,8 @@ def _bucketed_of(
 
 
 class CumulativeState:
-    """Folds reports into run totals and returns a new immutable :class:`Snapshot` each time (built at
-    once by :meth:`apply`, on first read by :meth:`fold`).
+    """Folds reports into run totals and returns a new immutable :class:`Snapshot` each time (built
+    at once by :meth:`apply`, on first read by :meth:`fold`).
 
     Not thread-safe by itself: callers serialize the folds (the exporters hold a lock); a
     :class:`LazySnapshot` may be read from any thread.
@@ -295,16 +304,19 @@ class CumulativeState:
         self.deltas = deltas  # also fill the per-report increments (OTLP delta temporality)
         self._totals: dict[str, Tally] = {}
         self._mismatch: MismatchSums | None = None  # SPEC 11 sums over the run, once any arrived
-        self._env_mismatch: dict[str, MismatchSums] = {}  # with the env breakdown: live sums given per env
+        # with the env breakdown: live sums given per env
+        self._env_mismatch: dict[str, MismatchSums] = {}
         self._gauge_report: StepReport | None = None  # the last ship's report: the gauges show it
         self._step = 0
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
         self._last_report: StepReport | None = None
-        self._bound_metrics: dict[str, MetricValue] | None = None  # keys of the latest report with SPEC 11
+        # keys of the latest report with SPEC 11
+        self._bound_metrics: dict[str, MetricValue] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The run totals, the mismatch sums and the last report (for the gauges) as JSON-serialisable data."""
+        """The run totals, the mismatch sums and the last report (for the gauges) as
+        JSON-serialisable data."""
         from ..engine.checkpoint import report_to_dict, tally_to_dict
 
         return {
@@ -327,9 +339,10 @@ class CumulativeState:
         dict[str, MetricValue] | None,
         dict[str, MismatchSums],
     ]:
-        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path): totals, sums, start, report,
-        the SPEC 14 keys of the latest report with SPEC 11 (absent from states saved before SPEC 14) and the
-        per-env sums (absent from states saved before they existed)."""
+        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path):
+        totals, sums, start, report, the SPEC 14 keys of the latest report with SPEC 11
+        (absent from states saved before SPEC 14) and the per-env sums (absent from states
+        saved before they existed)."""
         from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
         from ..state_checks import integer, join, keys, mapping, string
 
@@ -351,8 +364,8 @@ class CumulativeState:
         )  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> LazySnapshot | None:
-        """Continue the cumulative series from ``state``; returns what the last report showed (None if none).
-        A bad state raises ``ConfigError`` and changes nothing."""
+        """Continue the cumulative series from ``state``; returns what the last report showed (None
+        if none). A bad state raises ``ConfigError`` and changes nothing."""
         totals, mismatch, start_ns, last, bound, env_mismatch = self.check_state_dict(state, "state")
         self._bound_metrics = bound
         self._env_mismatch = env_mismatch
@@ -368,19 +381,22 @@ class CumulativeState:
         return self._snapshot({}, None)
 
     def apply(self, report: StepReport) -> Snapshot:
-        """Fold in a ship: its tallies, its gauges and, when its records carried them, its mismatch sums."""
+        """Fold in a ship: its tallies, its gauges and, when its records carried
+        them, its mismatch sums."""
         return self.fold(report).get()
 
     def apply_mismatch(
         self, delta: MismatchSums, metrics: Mapping[str, MetricValue] | None = None, env: str | None = None
     ) -> Snapshot:
-        """Fold in trainer-side sums (the live path): the counters move, the last ship's gauges stay; SPEC 14's
-        gauges take ``metrics``, the keys of the step's merged sums (``MismatchReport.metrics``). Sums of one
-        ``env`` also count in that env's series (with the env breakdown)."""
+        """Fold in trainer-side sums (the live path): the counters move, the last ship's
+        gauges stay; SPEC 14's gauges take ``metrics``, the keys of the step's merged sums
+        (``MismatchReport.metrics``). Sums of one ``env`` also count in that env's series
+        (with the env breakdown)."""
         return self.fold_mismatch(delta, metrics, env).get()
 
     def fold(self, report: StepReport) -> LazySnapshot:
-        """:meth:`apply`, its snapshot built when first read: a ship costs what it changed, not every series."""
+        """:meth:`apply`, its snapshot built when first read: a ship costs what it
+        changed, not every series."""
         window = partition_by_env(report, self.by_env)
         for env, tally in window.items():
             self._totals[env] = self._totals.get(env, Tally()) + tally
@@ -404,7 +420,8 @@ class CumulativeState:
         if env and self.by_env:
             self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + delta
             env_delta = {env: delta}
-        if metrics is not None:  # the batch's keys, and the env's when the sums were of one env; other envs stay
+        # the batch's keys, and the env's when the sums were of one env; other envs stay
+        if metrics is not None:
             new = _bound_keys(metrics)
             envs = {"", *(split[0] for split in map(_split_env, new) if split is not None)}
             kept = {k: v for k, v in (self._bound_metrics or {}).items() if (_split_env(k) or ("",))[0] not in envs}
@@ -421,7 +438,8 @@ class CumulativeState:
         env_mismatch_delta: Mapping[str, MismatchSums] | None = None,
     ) -> LazySnapshot:
         """What the state holds now, kept for a later build (every piece is immutable or a copy)."""
-        # The increment of the mismatch counters: none before the first sums, zero for a ship without any.
+        # The increment of the mismatch counters: none before the first sums,
+        # zero for a ship without any.
         delta = mismatch_delta if mismatch_delta is not None or self._mismatch is None else MismatchSums.zero()
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
         pending = _Pending(
@@ -469,8 +487,8 @@ class _Pending:
 class LazySnapshot:
     """One ship's :class:`Snapshot`, built on first :meth:`get` (a scrape, an OTLP send) and kept.
 
-    A ship only captures its inputs, so its cost follows what it changed; the series are computed when a
-    reader asks, once, and never for a ship no reader saw. Safe to read from several threads.
+    A ship only captures its inputs, so its cost follows what it changed; the series are computed
+    when a reader asks, once, and never for a ship no reader saw. Safe to read from several threads.
     """
 
     __slots__ = ("_built", "_lock", "_pending")

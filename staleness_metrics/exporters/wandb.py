@@ -1,30 +1,31 @@
 """Weights & Biases exporter: one history row per ship, under the metric table's W&B keys.
 
-- Uses the run you pass, else the active ``wandb.run``, else starts one (``wandb.init(**init_kwargs)``)
-  and finishes it on close; ``own_run=True`` always starts one (a process logging several runs side by
-  side). Starting a run takes seconds (``import wandb``, the ``wandb-core`` process): it happens on the
-  exporter's worker thread, never on the caller's, and a failed start is counted and retried like a
-  failed ``log``. ``run`` is None until it started. With the histogram on, the worker also imports wandb
-  first for a run you pass (instant when your code imported it; a stand-in run object does not).
-- Each row carries ``step_key`` (default ``trainer/step``), declared with ``define_metric`` as the x-axis
-  of every ``staleness/*`` key; maxima (rows with ``wandb_summary``) get ``summary="max"``.
+- Uses the run you pass, else the active ``wandb.run``, else starts one
+  (``wandb.init(**init_kwargs)``) and finishes it on close; ``own_run=True`` always starts one (a
+  process logging several runs side by side). Starting a run takes seconds (``import wandb``, the
+  ``wandb-core`` process): it happens on the exporter's worker thread, never on the caller's, and a
+  failed start is counted and retried like a failed ``log``. ``run`` is None until it started. With
+  the histogram on, the worker also imports wandb first for a run you pass (instant when your code
+  imported it; a stand-in run object does not).
+- Each row carries ``step_key`` (default ``trainer/step``), declared with ``define_metric`` as the
+  x-axis of every ``staleness/*`` key; maxima (rows with ``wandb_summary``) get ``summary="max"``.
 - Per-env keys (``staleness/env/<env>/...``, present in the report when the env breakdown is on) are
   logged as the core wrote them, once checked against the table.
-- Trainer-side mismatch sums (:meth:`StalenessMonitor.record_mismatch`, the live path) are logged as a
-  row of the step's SPEC 11 keys (``trainer/step`` = the step), merged over the step's calls so far; the
-  per-lag and overall k3 and excess k3 keys get ``summary="max"``.
-- The token staleness histogram is logged as a ``wandb.Histogram`` (one bin per staleness value) under
-  the table's key for it.
-- ``legacy_keys`` also writes the old keys (``off_policy/*`` and the earlier ``staleness/mean``-style
-  aliases; True = all of them, or name the ones you want) with the same values, hidden from auto panels,
-  during a migration window.
+- Trainer-side mismatch sums (:meth:`StalenessMonitor.record_mismatch`, the live path) are logged as
+  a row of the step's SPEC 11 keys (``trainer/step`` = the step), merged over the step's calls so
+  far; the per-lag and overall k3 and excess k3 keys get ``summary="max"``.
+- The token staleness histogram is logged as a ``wandb.Histogram`` (one bin per staleness value)
+  under the table's key for it.
+- ``legacy_keys`` also writes the old keys (``off_policy/*`` and the earlier
+  ``staleness/mean``-style aliases; True = all of them, or name the ones you want) with the same
+  values, hidden from auto panels, during a migration window.
 
-Logging runs on a bounded background queue (a W&B call may block or raise); a failed ``log`` is counted
-and retried with the same row. ``close`` returns within ``close_timeout`` (default 2 s): a ``finish`` that
-takes longer (an online run still uploading) goes on in the background, and W&B's own exit hook
-completes it when the process ends. Rows are logged without ``step=``: the x-axis is ``step_key``. If you log
-to the same run with explicit ``step=`` yourself, pass ``commit=False`` so our keys join your current row
-instead of advancing the run's step.
+Logging runs on a bounded background queue (a W&B call may block or raise); a failed ``log`` is
+counted and retried with the same row. ``close`` returns within ``close_timeout`` (default 2 s): a
+``finish`` that takes longer (an online run still uploading) goes on in the background, and W&B's
+own exit hook completes it when the process ends. Rows are logged without ``step=``: the x-axis is
+``step_key``. If you log to the same run with explicit ``step=`` yourself, pass ``commit=False`` so
+our keys join your current row instead of advancing the run's step.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ _init_lock = threading.Lock()
 
 
 class _HistogramBins:
-    """A histogram's counts and edges, made into a ``wandb.Histogram`` on the worker (not the trainer)."""
+    """A histogram's counts and edges, made into a ``wandb.Histogram`` on the
+    worker (not the trainer)."""
 
     def __init__(self, counts: list[int], edges: list[float]) -> None:
         self.counts = counts
@@ -178,9 +180,9 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         return self._run
 
     def _prepare_worker(self) -> None:
-        """First thing on the worker: import wandb (seconds, for ``wandb.Histogram``) before the first row
-        rather than inside its send, so ``flush`` and ``pending`` count it and the ships overlap with it;
-        then start the run when none was given."""
+        """First thing on the worker: import wandb (seconds, for ``wandb.Histogram``) before the
+        first row rather than inside its send, so ``flush`` and ``pending`` count it and the ships
+        overlap with it; then start the run when none was given."""
         import wandb  # noqa: F401  (a run passed in already imported it: instant)
 
         if self._run is None:
@@ -193,12 +195,14 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             run = wandb.init(**self._init_kwargs)
         with self._run_lock:
             self._run, self._owns_run = run, True
-            finish_now = self._finish_asked  # close() gave up waiting for the start: don't leave the run open
+            # close() gave up waiting for the start: don't leave the run open
+            finish_now = self._finish_asked
         if finish_now:
             self._finish_run()
 
     def _finish_run(self) -> None:
-        """Finish the exporter's own run, once; a run still starting is finished when it has started."""
+        """Finish the exporter's own run, once; a run still starting is
+        finished when it has started."""
         with self._run_lock:
             self._finish_asked = True
             run = self._run if self._owns_run and not self._finished else None
@@ -210,8 +214,8 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
                 self._errors.record(self.name, "finishing the W&B run failed", exc)
 
     def attach(self, context: ExportContext) -> None:
-        """Share the monitor's export error counts (the W&B run itself names the run; the core already
-        put the per-env keys in the metrics dict when the env breakdown is on)."""
+        """Share the monitor's export error counts (the W&B run itself names the run; the core
+        already put the per-env keys in the metrics dict when the env breakdown is on)."""
         super().attach(context)
 
     def row(self, report: StepReport) -> dict[str, Any]:
@@ -238,7 +242,8 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         self._queue.put(row)
 
     def export_mismatch(self, report: MismatchReport) -> None:
-        """A row of the step's trainer-side SPEC 11 and SPEC 14 keys (merged over every call for the step so far)."""
+        """A row of the step's trainer-side SPEC 11 and SPEC 14 keys (merged over every call
+        for the step so far)."""
         try:
             row: dict[str, Any] = {self._step_key: report.step, **report.metrics}
         except Exception as exc:  # never into the trainer

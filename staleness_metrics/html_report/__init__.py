@@ -1,4 +1,5 @@
-"""The HTML report of a run: staleness over steps, masking, drops, the histogram and a what-if curve.
+"""The HTML report of a run: staleness over steps, masking, drops, the
+histogram and a what-if curve.
 
 ``RUN`` is an event stream, a prime-rl run directory, xtuner states (replayed with the given config)
 or a logged metrics JSONL (plotted as logged; the histogram and what-if need rollouts).

@@ -1,9 +1,10 @@
 """The report's "Choosing the bound" section (SPEC 14 over the whole run).
 
-The run's sums pooled over every step give a floor, the raw excess ``e`` of each lag over it (with the
-tokens behind it), the isotonic curve ``ê`` and the budget; the figure draws them with the configured and
-the suggested bound, and beside it what each bound keeps (the what-if). A table gives the same numbers.
-Over steps, the suggestion of each ship (its window of ``cost_window`` ships) against the bound in force.
+The run's sums pooled over every step give a floor, the raw excess ``e`` of each lag over it (with
+the tokens behind it), the isotonic curve ``ê`` and the budget; the figure draws them with the
+configured and the suggested bound, and beside it what each bound keeps (the what-if). A table gives
+the same numbers. Over steps, the suggestion of each ship (its window of ``cost_window`` ships)
+against the bound in force.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from ..metrics import keys
 from ..replay.what_if import RunCurve, WhatIfRow
 from .costs import has_costs
 from .data import ReportData
-from .svg import PALETTE, Rule, Series, line_chart, message_chart
+from .svg import PALETTE, Rule, Series, figure, line_chart, message_chart
 
 __all__ = ["render_choosing"]
 
@@ -23,15 +24,9 @@ CONFIGURED_COLOUR = "#56606b"
 SUGGESTED_COLOUR = "#2ca02c"
 
 
-def _figure(key: str, title: str, caption: str, svg: str) -> str:
-    return (
-        f'<figure class="chart" id="chart-{key}" data-chart="{key}"><figcaption><h2>{escape(title)}</h2>'
-        f"<p>{caption}</p></figcaption>{svg}</figure>"
-    )
-
-
 def _bound_in_force(data: ReportData) -> int | None:
-    """The bound of the run's last step (it differs from the configured one when the bound adapted)."""
+    """The bound of the run's last step (it differs from the configured one
+    when the bound adapted)."""
     used = [v for v in data.series(keys.MAX_STALENESS) if isinstance(v, (int, float))]
     return int(used[-1]) if used else data.bound
 
@@ -86,16 +81,17 @@ def _curve_chart(data: ReportData, curve: RunCurve) -> str:
     crossed = (
         "The curve crosses the budget: the suggestion is the largest lag within it."
         if curve.crossed
-        else "The curve stays within the budget at every lag seen: the suggestion is only the largest lag seen, "
-        "and a looser bound may be as good."
+        else "The curve stays within the budget at every lag seen: the suggestion is only the "
+        "largest lag seen, and a looser bound may be as good."
     )
     caption = (
-        f"Each lag's k3 minus the run's floor ({curve.floor.value:.4g} nats, {escape(curve.floor.source)}), over "
-        f"the run's sums pooled (from {escape(data.curve_source)}); dashed, the raw excess of each lag with at "
-        "least floor_min_tokens tokens, with the tokens behind it; solid, its isotonic fit (more lag cannot "
-        f"make a token cheaper). The budget is {curve.budget:.4g} nats. {crossed}"
+        f"Each lag's k3 minus the run's floor ({curve.floor.value:.4g} nats, "
+        f"{escape(curve.floor.source)}), over the run's sums pooled (from "
+        f"{escape(data.curve_source)}); dashed, the raw excess of each lag with at least "
+        "floor_min_tokens tokens, with the tokens behind it; solid, its isotonic fit (more lag "
+        f"cannot make a token cheaper). The budget is {curve.budget:.4g} nats. {crossed}"
     )
-    return _figure("bound-curve", "Choosing the bound", caption, svg)
+    return figure("bound-curve", "Choosing the bound", caption, svg)
 
 
 def _kept_chart(data: ReportData, curve: RunCurve) -> str:
@@ -116,11 +112,11 @@ def _kept_chart(data: ReportData, curve: RunCurve) -> str:
             vertical_rules=_bound_rules(data, curve.suggested),
         )
     caption = (
-        "Beside the curve, on the same axis: the share of the run's sampled tokens each bound lets train (the "
-        "run replayed at that bound). Between the bounds, the trade: what a looser bound keeps against what "
-        "its tokens cost."
+        "Beside the curve, on the same axis: the share of the run's sampled tokens each bound lets "
+        "train (the run replayed at that bound). Between the bounds, the trade: what a looser "
+        "bound keeps against what its tokens cost."
     )
-    return _figure("bound-kept", "What each bound keeps", caption, svg)
+    return figure("bound-kept", "What each bound keeps", caption, svg)
 
 
 def _tokens(count: int) -> str:
@@ -139,8 +135,8 @@ def _table(data: ReportData, curve: RunCurve) -> str:
     suggested, bound = curve.suggested, _bound_in_force(data)
     bound_mark = "configured" if bound == data.bound else "bound in force"
     head = (
-        "<tr><th>lag</th><th>tokens</th><th>raw excess e</th><th>curve ê</th><th>within budget</th>"
-        "<th>kept share at this bound</th></tr>"
+        "<tr><th>lag</th><th>tokens</th><th>raw excess e</th><th>curve ê</th>"
+        "<th>within budget</th><th>kept share at this bound</th></tr>"
     )
     body = []
     for lag, tokens, raw, fitted in zip(
@@ -151,12 +147,14 @@ def _table(data: ReportData, curve: RunCurve) -> str:
         share = "-" if row is None or row.kept_share is None else f"{100 * row.kept_share:.2f}%"
         body.append(
             f'<tr{" class=current" if marks else ""} data-lag="{lag}"><td>{lag}'
-            f"{' (' + ', '.join(marks) + ')' if marks else ''}</td><td>{tokens:,}</td><td>{_num(raw)}</td>"
-            f"<td>{_num(fitted)}</td><td>{'yes' if fitted <= curve.budget else 'no'}</td><td>{share}</td></tr>"
+            f"{' (' + ', '.join(marks) + ')' if marks else ''}</td>"
+            f"<td>{tokens:,}</td><td>{_num(raw)}</td><td>{_num(fitted)}</td>"
+            f"<td>{'yes' if fitted <= curve.budget else 'no'}</td><td>{share}</td></tr>"
         )
     return (
         '<section class="panel" id="bound-table"><h2>The curve, lag by lag</h2><p>'
-        f"Floor {curve.floor.value:.4g} nats ({escape(curve.floor.source)}), budget {curve.budget:.4g} nats, "
+        f"Floor {curve.floor.value:.4g} nats ({escape(curve.floor.source)}), "
+        f"budget {curve.budget:.4g} nats, "
         f"{_bound_label(data) if bound is not None else 'configured bound -'}, suggested bound "
         f"{suggested if suggested is not None else '-'}.</p>"
         f"<table>{head}{''.join(body)}</table></section>"
@@ -164,7 +162,8 @@ def _table(data: ReportData, curve: RunCurve) -> str:
 
 
 def _over_steps(data: ReportData) -> str:
-    """Each ship's suggestion (over its window) against the bound it used, when the rows carry them."""
+    """Each ship's suggestion (over its window) against the bound it used,
+    when the rows carry them."""
     suggested = data.series(keys.BOUND_SUGGESTED)
     if not any(v is not None for v in suggested):
         return ""
@@ -178,10 +177,10 @@ def _over_steps(data: ReportData) -> str:
         y_label="policy versions",
     )
     caption = (
-        "SPEC 14 per ship: the suggestion of the curve over the last cost_window ships, and the bound the ship "
-        "used (it moves only with the adaptive bound)."
+        "SPEC 14 per ship: the suggestion of the curve over the last cost_window ships, and the "
+        "bound the ship used (it moves only with the adaptive bound)."
     )
-    return _figure("bound-over-steps", "Suggested vs configured over steps", caption, svg)
+    return figure("bound-over-steps", "Suggested vs configured over steps", caption, svg)
 
 
 def render_choosing(data: ReportData) -> str:
@@ -195,14 +194,14 @@ def render_choosing(data: ReportData) -> str:
             if curve is not None
             else "no floor: no lag has floor_min_tokens covered tokens over the run"
         )
-        charts = _figure(
+        charts = figure(
             "bound-curve", "Choosing the bound", "SPEC 14 over the whole run.", message_chart("Choosing the bound", why)
         )
     else:
         charts = _curve_chart(data, curve) + _kept_chart(data, curve) + _table(data, curve)
     intro = (
-        "What a token of each lag costs in this run, against the budget (SPEC 14): the suggested bound is the "
-        "largest lag whose cost stays within it."
+        "What a token of each lag costs in this run, against the budget (SPEC 14): the suggested "
+        "bound is the largest lag whose cost stays within it."
     )
     return (
         f'<section id="choosing-the-bound"><h2>Choosing the bound</h2><p class="meta">{intro}</p>'

@@ -2,21 +2,21 @@
 mismatch family, that is when the run has trainer log-probabilities (records that carry
 ``trainer_logprobs``, or logged metrics of a trainer that recorded its mismatch sums).
 
-Charts, all over steps: k3 by lag, the excess k3 over the floor (SPEC 14) by lag, the ESS by lag, and the
-length bias (trained vs sampled mean length; removed share by length bucket). Per-step values are the
-ones logged or replayed: a run-wide figure would need the sums, which rows do not carry.
+Charts, all over steps: k3 by lag, the excess k3 over the floor (SPEC 14) by lag, the ESS by
+lag, and the length bias (trained vs sampled mean length; removed share by length bucket).
+Per-step values are the ones logged or replayed: a run-wide figure would need the sums,
+which rows do not carry.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from html import escape
 
 from ..metrics import keys
 from ..metrics.buckets import LAG_BUCKETS, LENGTH_BUCKETS
 from ..metrics.metric_table import MISMATCH_KEY_PREFIX
 from .data import ReportData
-from .svg import PALETTE, Series, line_chart, message_chart
+from .svg import PALETTE, Series, figure, line_chart, message_chart
 
 __all__ = ["LENGTH_BUCKETS", "MAX_LAG_LINES", "has_costs", "lag_buckets_shown", "render_costs"]
 
@@ -29,7 +29,8 @@ def has_costs(data: ReportData) -> bool:
 
 
 def lag_buckets_shown(data: ReportData) -> list[str]:
-    """The lag buckets drawn: the :data:`MAX_LAG_LINES` with the most covered tokens, in lag order."""
+    """The lag buckets drawn: the :data:`MAX_LAG_LINES` with the most covered
+    tokens, in lag order."""
     tokens = {b: sum(row.get(keys.MISMATCH_TOKENS_BY_LAG[b], 0) for row in data.rows) for b in LAG_BUCKETS}
     busiest = sorted((b for b in LAG_BUCKETS if tokens[b] > 0), key=lambda b: -tokens[b])[:MAX_LAG_LINES]
     return [b for b in LAG_BUCKETS if b in busiest]
@@ -52,13 +53,6 @@ def _by_lag(data: ReportData, buckets: list[str], stat: Mapping[str, str], skip:
     ]
 
 
-def _figure(key: str, title: str, caption: str, svg: str) -> str:
-    return (
-        f'<figure class="chart" id="chart-{key}" data-chart="{key}"><figcaption><h2>{escape(title)}</h2>'
-        f"<p>{caption}</p></figcaption>{svg}</figure>"
-    )
-
-
 def _k3_chart(data: ReportData, buckets: list[str]) -> str:
     svg = line_chart(
         "Mismatch k3 by token lag over steps",
@@ -67,11 +61,11 @@ def _k3_chart(data: ReportData, buckets: list[str]) -> str:
         y_label="nats",
     )
     caption = (
-        "Mean k3 = r - 1 - log r of the covered tokens of each lag (r = trainer / sampler probability; "
-        "the estimator of prime-rl's <code>mismatch_kl</code>). Lag 0, when a step has it, shows the engines' "
-        "numeric floor."
+        "Mean k3 = r - 1 - log r of the covered tokens of each lag (r = trainer / sampler "
+        "probability; the estimator of prime-rl's <code>mismatch_kl</code>). Lag 0, when a step "
+        "has it, shows the engines' numeric floor."
     )
-    return _figure("mismatch-k3", "Mismatch by lag", caption, svg)
+    return figure("mismatch-k3", "Mismatch by lag", caption, svg)
 
 
 def _excess_chart(data: ReportData, buckets: list[str]) -> str:
@@ -85,13 +79,14 @@ def _excess_chart(data: ReportData, buckets: list[str]) -> str:
         ]
         svg = line_chart(label, data.steps, series, y_label="nats above the floor")
     caption = (
-        "What staleness costs: each lag's k3 minus the run's floor at that step (SPEC 14): the k3 of the step's "
-        "lag-0 tokens, carried from an earlier step that had them (at most floor_max_age steps), or else the k3 "
-        "of the smallest lag with enough tokens, an upper bound on the floor (the excess is then a lower bound). "
-        "Near zero, stale tokens cost nothing beyond numerics; growing with the lag, the bound is letting in "
-        "tokens the policy has moved away from."
+        "What staleness costs: each lag's k3 minus the run's floor at that step (SPEC 14): the "
+        "k3 of the step's lag-0 tokens, carried from an earlier step that had them (at most "
+        "floor_max_age steps), or else the k3 of the smallest lag with enough tokens, an upper "
+        "bound on the floor (the excess is then a lower bound). Near zero, stale tokens cost "
+        "nothing beyond numerics; growing with the lag, the bound is letting in tokens the "
+        "policy has moved away from."
     )
-    return _figure("mismatch-excess", "Excess mismatch by lag", caption, svg)
+    return figure("mismatch-excess", "Excess mismatch by lag", caption, svg)
 
 
 def _ess_chart(data: ReportData, buckets: list[str]) -> str:
@@ -103,10 +98,10 @@ def _ess_chart(data: ReportData, buckets: list[str]) -> str:
         y_max=1.0,
     )
     caption = (
-        "(Σr)² / (n Σr²) of each lag's importance ratios: 1 when trainer and sampler agree, falling as a "
-        "few tokens' ratios dominate."
+        "(Σr)² / (n Σr²) of each lag's importance ratios: 1 when trainer and sampler agree, "
+        "falling as a few tokens' ratios dominate."
     )
-    return _figure("mismatch-ess", "ESS by lag", caption, svg)
+    return figure("mismatch-ess", "ESS by lag", caption, svg)
 
 
 def _length_chart(data: ReportData) -> str:
@@ -120,10 +115,10 @@ def _length_chart(data: ReportData) -> str:
         y_label="sampled positions per sample",
     )
     caption = (
-        "Long responses span more weight updates, so masking and drops remove more of them: the gap between "
-        "the lines is the length bias of the bound (SPEC 12)."
+        "Long responses span more weight updates, so masking and drops remove more of them: the "
+        "gap between the lines is the length bias of the bound (SPEC 12)."
     )
-    return _figure("length-bias", "Length bias", caption, svg)
+    return figure("length-bias", "Length bias", caption, svg)
 
 
 def _removed_chart(data: ReportData) -> str:
@@ -135,7 +130,7 @@ def _removed_chart(data: ReportData) -> str:
         "Removed share by response length", data.steps, series, y_label="share masked or dropped", percent=True
     )
     caption = "Share of each length bucket's sampled tokens masked or dropped for staleness, per step."
-    return _figure("length-removed", "Removed share by length", caption, svg)
+    return figure("length-removed", "Removed share by length", caption, svg)
 
 
 def render_costs(data: ReportData) -> str:
@@ -146,12 +141,12 @@ def render_costs(data: ReportData) -> str:
     charts = [_k3_chart(data, buckets), _excess_chart(data, buckets), _ess_chart(data, buckets)]
     charts += [_length_chart(data), _removed_chart(data)]
     intro = (
-        "Trainer and sampler log-probabilities compared token by token, split by token lag (SPEC 11): the "
-        "engines' numeric floor (SPEC 14: measured on lag-0 tokens, carried, or bounded by the smallest lag) "
-        "and the excess over it, which is what staleness costs. Below, what the bound removed, by response "
-        "length (SPEC 12)."
+        "Trainer and sampler log-probabilities compared token by token, split by token lag (SPEC "
+        "11): the engines' numeric floor (SPEC 14: measured on lag-0 tokens, carried, or bounded "
+        "by the smallest lag) and the excess over it, which is what staleness costs. Below, what "
+        "the bound removed, by response length (SPEC 12)."
     )
     return (
-        f'<section id="what-staleness-costs"><h2>What staleness costs</h2><p class="meta">{intro}</p>'
-        f"{''.join(charts)}</section>"
+        '<section id="what-staleness-costs"><h2>What staleness costs</h2>'
+        f'<p class="meta">{intro}</p>{"".join(charts)}</section>'
     )

@@ -1,9 +1,11 @@
-"""What a report shows, gathered from a run input: per-step rows, histograms, what-if and comparison.
+"""What a report shows, gathered from a run input: per-step rows,
+histograms, what-if and comparison.
 
-A run directory (:mod:`staleness_metrics.replay.run_dir`, what ``staleness-metrics demo`` writes) gives everything
-it holds: its events joined to the trainer's log-probabilities are replayed (rows, histograms, what-if and
-the run's excess curve from the records), the rows its run logged fill in what the replay does not
-compute, and the sums the trainer posted give the curve when the records carry no trainer log-probabilities.
+A run directory (:mod:`staleness_metrics.replay.run_dir`, what ``staleness-metrics demo`` writes)
+gives everything it holds: its events joined to the trainer's log-probabilities are replayed (rows,
+histograms, what-if and the run's excess curve from the records), the rows its run logged fill in
+what the replay does not compute, and the sums the trainer posted give the curve when the records
+carry no trainer log-probabilities.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ _STEP_KEYS = ("step", "trainer/step")
 
 @dataclass
 class ReportData:
-    """Everything one report draws. ``histograms`` and ``totals`` exist when rollouts were replayed."""
+    """Everything one report draws. ``histograms`` and ``totals`` exist when
+    rollouts were replayed."""
 
     source: str
     kind: str  # a SourceKind, or "run" for a run directory
@@ -73,11 +76,12 @@ _FLOOR_SOURCE_SUFFIX = "/" + keys.MISMATCH_FLOOR_SOURCE.removeprefix(KEY_PREFIX)
 
 
 def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str, Any]:
-    """A logged row's scalar staleness values, legacy keys renamed (a current key wins over its legacy twin).
+    """A logged row's scalar staleness values, legacy keys renamed (a current key
+    wins over its legacy twin).
 
-    ``null`` is a step without that value and media objects (a logged W&B histogram) are not plotted;
-    anything else that is not a number (but the floor's source, a string) is an error naming the line and
-    the key.
+    ``null`` is a step without that value and media objects (a logged W&B histogram) are not
+    plotted; anything else that is not a number (but the floor's source, a string) is an error
+    naming the line and the key.
     """
     out: dict[str, Any] = {}
     for key, value in row.items():
@@ -113,8 +117,9 @@ def _is_step(value: object) -> bool:
 
 
 def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
-    """The per-lag token counts and k3 sums behind logged rows (``lag_<b>/tokens`` times ``lag_<b>/k3``),
-    added over the steps: enough for the floor and the excess curve, the other sums left at 0."""
+    """The per-lag token counts and k3 sums behind logged rows (``lag_<b>/tokens`` times
+    ``lag_<b>/k3``), added over the steps: enough for the floor and the excess curve, the
+    other sums left at 0."""
     sums = MismatchSums.zero()
     found = False
     for row in rows:
@@ -128,9 +133,9 @@ def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
 
 
 def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` with every key the run logged for the same step that they lack (the rows win where both have
-    a key): a replay does not recompute what only the live path knew (the trainer's sums, when the records
-    lack them). Steps only the logged rows have are kept too."""
+    """``rows`` with every key the run logged for the same step that they lack (the rows win where
+    both have a key): a replay does not recompute what only the live path knew (the trainer's sums,
+    when the records lack them). Steps only the logged rows have are kept too."""
     by_step = {int(row["step"]): dict(row) for row in rows}
     for row in logged:
         step = int(row["step"])
@@ -166,7 +171,8 @@ def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_b
 
 
 def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[int] = ()) -> ReportData:
-    """Replay ``run`` with ``config`` (or read its logged metrics) and gather what the report draws."""
+    """Replay ``run`` with ``config`` (or read its logged metrics) and gather
+    what the report draws."""
     directory = find_run(run)  # a run directory, or the event stream of one: the whole directory
     if directory is not None:
         return _collect_run_directory(directory, config, what_if_bounds)

@@ -1,4 +1,5 @@
-"""The report page: one self-contained HTML file (inline CSS and SVG, no script, nothing fetched)."""
+"""The report page: one self-contained HTML file (inline CSS and SVG, no
+script, nothing fetched)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..replay.what_if import WhatIfRow
 from .choosing import render_choosing
 from .costs import render_costs
 from .data import ReportData
-from .svg import PALETTE, Rule, Series, bar_chart, heatmap, line_chart, message_chart
+from .svg import PALETTE, Rule, Series, bar_chart, figure, heatmap, line_chart, message_chart
 
 __all__ = ["render"]
 
@@ -58,13 +59,6 @@ def _num(value: float | int | None, digits: int = 3) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}%"
-
-
-def _figure(key: str, title: str, caption: str, svg: str) -> str:
-    return (
-        f'<figure class="chart" id="chart-{key}" data-chart="{key}"><figcaption><h2>{escape(title)}</h2>'
-        f"<p>{caption}</p></figcaption>{svg}</figure>"
-    )
 
 
 def _quantile(histogram: np.ndarray, q: float) -> int | None:
@@ -116,10 +110,11 @@ def _token_chart(data: ReportData) -> str:
         rules=rules,
     )
     caption = (
-        "Staleness of the shipped sampled tokens (trained version minus the version that sampled them), "
-        "masked ones included; the max is the oldest rollout's. Tokens above the dashed bound are masked."
+        "Staleness of the shipped sampled tokens (trained version minus the version that "
+        "sampled them), masked ones included; the max is the oldest rollout's. Tokens above the "
+        "dashed bound are masked."
     )
-    return _figure("token-staleness", "Token staleness", caption, svg)
+    return figure("token-staleness", "Token staleness", caption, svg)
 
 
 def _masked_chart(data: ReportData) -> str:
@@ -131,7 +126,7 @@ def _masked_chart(data: ReportData) -> str:
         percent=True,
     )
     caption = "Share of each shipped batch's sampled tokens masked for staleness (<code>staleness/token/masked</code>)."
-    return _figure("masked", "Masked ratio", caption, svg)
+    return figure("masked", "Masked ratio", caption, svg)
 
 
 def _in_flight_chart(data: ReportData) -> str:
@@ -147,11 +142,11 @@ def _in_flight_chart(data: ReportData) -> str:
         empty_note="every shipped rollout was fresh",
     )
     caption = (
-        "Where a shipped rollout's age comes from: versions that passed while it was generated (in flight) "
-        "and while it waited in the queue after it finished (in queue). Together they make the rollout "
-        "staleness mean."
+        "Where a shipped rollout's age comes from: versions that passed while it was generated (in "
+        "flight) and while it waited in the queue after it finished (in queue). Together they make "
+        "the rollout staleness mean."
     )
-    return _figure("in-flight-queue", "In flight vs in queue", caption, svg)
+    return figure("in-flight-queue", "In flight vs in queue", caption, svg)
 
 
 def _dropped_chart(data: ReportData) -> str:
@@ -168,7 +163,7 @@ def _dropped_chart(data: ReportData) -> str:
         empty_note="nothing was dropped or held",
     )
     caption = "Rollouts and samples dropped for staleness, and rollouts held back, in each ship's window."
-    return _figure("dropped-held", "Dropped and held", caption, svg)
+    return figure("dropped-held", "Dropped and held", caption, svg)
 
 
 def _heatmap_chart(data: ReportData) -> str:
@@ -178,7 +173,7 @@ def _heatmap_chart(data: ReportData) -> str:
     else:
         svg = heatmap(label, data.steps, data.histograms, bound=data.bound)
     caption = "Each column is one step; the shade is the share of its sampled tokens at each staleness."
-    return _figure("heatmap", "Token staleness histogram", caption, svg)
+    return figure("heatmap", "Token staleness histogram", caption, svg)
 
 
 def _what_if_chart(data: ReportData) -> str:
@@ -203,13 +198,14 @@ def _what_if_chart(data: ReportData) -> str:
             vertical_rules=marks,
         )
     caption = "The same run replayed at each bound with the same policy: what would have been masked or dropped."
-    return _figure("what-if", "What-if: the bound", caption, svg) + _what_if_table(rows, data.bound)
+    return figure("what-if", "What-if: the bound", caption, svg) + _what_if_table(rows, data.bound)
 
 
 def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     if not rows:
         return ""
-    costs = any(r.trained_covered is not None for r in rows)  # the run has trainer log-probs (SPEC 11)
+    # the run has trainer log-probs (SPEC 11)
+    costs = any(r.trained_covered is not None for r in rows)
     head = (
         "<tr><th>max_staleness</th><th>masked</th><th>tokens kept</th><th>kept share</th>"
         "<th>rollouts dropped</th><th>samples dropped</th><th>rollouts shipped</th><th>held</th>"
@@ -222,18 +218,19 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
 
     body = "".join(
         f"<tr{' class=current' if r.max_staleness == bound else ''}><td>{r.max_staleness}</td>"
-        f"<td>{_pct(r.masked_ratio)}</td><td>{_num(r.tokens_kept)}</td><td>{_pct(r.kept_share)}</td>"
+        f"<td>{_pct(r.masked_ratio)}</td><td>{_num(r.tokens_kept)}</td>"
+        f"<td>{_pct(r.kept_share)}</td>"
         f"<td>{_num(r.rollouts_dropped)}</td><td>{_num(r.samples_dropped)}</td>"
         f"<td>{_num(r.rollouts_shipped)}</td><td>{_num(r.rollouts_held)}</td>{cost_cells(r)}</tr>"
         for r in rows
     )
     return (
-        '<section class="panel" id="what-if-table"><h2>What-if table</h2><p>Totals over the run; the '
-        "highlighted row is the bound replayed above."
+        '<section class="panel" id="what-if-table"><h2>What-if table</h2>'
+        "<p>Totals over the run; the highlighted row is the bound replayed above."
         + (
-            " Trained k3: mean k3 of the covered tokens the bound lets train; excess: of those with lag "
-            "&ge; 1 over the floor of the same tokens (SPEC 14: their lag-0 k3 when enough trained, else the "
-            "k3 of the smallest lag with enough, an upper bound)."
+            " Trained k3: mean k3 of the covered tokens the bound lets train; excess: of those "
+            "with lag &ge; 1 over the floor of the same tokens (SPEC 14: their lag-0 k3 when "
+            "enough trained, else the k3 of the smallest lag with enough, an upper bound)."
             if costs
             else ""
         )

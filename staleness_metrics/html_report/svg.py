@@ -15,7 +15,17 @@ from html import escape
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["PALETTE", "Rule", "Series", "bar_chart", "heatmap", "line_chart", "message_chart", "nice_ticks"]
+__all__ = [
+    "PALETTE",
+    "Rule",
+    "Series",
+    "bar_chart",
+    "figure",
+    "heatmap",
+    "line_chart",
+    "message_chart",
+    "nice_ticks",
+]
 
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf")
 WIDTH, HEIGHT = 920, 300
@@ -114,10 +124,11 @@ class _Frame:
     def rule(self, rule: Rule, vertical: bool = False, row: int = 0) -> list[str]:
         if vertical:
             x = self.px(rule.value)
-            label_y = TOP + 12 + 15 * row  # one line of labels per rule, so two near rules stay readable
+            # one line of labels per rule, so two near rules stay readable
+            label_y = TOP + 12 + 15 * row
             return [
-                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + self.plot_h}" stroke="{rule.color}" '
-                'stroke-dasharray="6 4" stroke-width="1.5"/>',
+                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + self.plot_h}" '
+                f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
                 # Near the right edge the label goes on the line's left side.
                 f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
                 if x > LEFT + self.plot_w - 80
@@ -125,10 +136,10 @@ class _Frame:
             ]
         y = self.py(rule.value)
         return [
-            f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="{rule.color}" '
-            'stroke-dasharray="6 4" stroke-width="1.5"/>',
-            f'<text x="{LEFT + self.plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" fill="{rule.color}">'
-            f"{escape(rule.label)}</text>",
+            f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
+            f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
+            f'<text x="{LEFT + self.plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" '
+            f'fill="{rule.color}">{escape(rule.label)}</text>',
         ]
 
 
@@ -167,13 +178,21 @@ def _finite(values: Sequence[float | None]) -> list[float]:
     return [float(v) for v in values if v is not None and math.isfinite(v)]
 
 
+def figure(key: str, title: str, caption: str, svg: str) -> str:
+    """A chart of the report with its title and caption (``key`` names it for the page's script)."""
+    return (
+        f'<figure class="chart" id="chart-{key}" data-chart="{key}">'
+        f"<figcaption><h2>{escape(title)}</h2><p>{caption}</p></figcaption>{svg}</figure>"
+    )
+
+
 def message_chart(label: str, message: str) -> str:
     """A framed placeholder saying why a chart has nothing to draw."""
     return _svg(
         label,
         [
-            f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" height="{HEIGHT - TOP - BOTTOM}" '
-            'class="empty"/>',
+            f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" '
+            f'height="{HEIGHT - TOP - BOTTOM}" class="empty"/>',
             f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">{escape(message)}</text>',
         ],
     )
@@ -268,8 +287,8 @@ def bar_chart(
             y_top = frame.py(hi)
             body.append(
                 f'<rect x="{left:.1f}" y="{y_top:.1f}" width="{max(width, 1.0):.1f}" '
-                f'height="{max(frame.py(lo) - y_top, 0.5):.1f}" fill="{s.color}"><title>{escape(s.name)} at '
-                f"{_fmt(xi)}: {v:.4g}</title></rect>"
+                f'height="{max(frame.py(lo) - y_top, 0.5):.1f}" fill="{s.color}">'
+                f"<title>{escape(s.name)} at {_fmt(xi)}: {v:.4g}</title></rect>"
             )
             if stacked:
                 base += v
@@ -293,12 +312,14 @@ def heatmap(
     x_label: str = "step",
     y_label: str = "token staleness",
 ) -> str:
-    """Columns = steps, rows = staleness levels, shade = share of the step's tokens at that level."""
+    """Columns = steps, rows = staleness levels, shade = share of the step's
+    tokens at that level."""
     if not x or not any(int(h.sum()) for h in histograms):
         return message_chart(label, "no sampled tokens shipped")
     levels = max(len(np.trim_zeros(h, "b")) for h in histograms)
     if bound is not None and bound + 2 <= max(levels, MAX_HEATMAP_ROWS):
-        levels = max(levels, bound + 2)  # room for the bound line; a bound far above the data is not drawn
+        # room for the bound line; a bound far above the data is not drawn
+        levels = max(levels, bound + 2)
     matrix = np.zeros((len(x), levels), dtype=np.int64)
     for i, h in enumerate(histograms):
         trimmed = np.trim_zeros(h, "b")
@@ -321,9 +342,9 @@ def heatmap(
             share = count / total
             cx, cy = LEFT + i * cell_w, TOP + plot_h - (level + 1) * cell_h
             body.append(
-                f'<rect x="{cx:.2f}" y="{cy:.2f}" width="{cell_w + 0.3:.2f}" height="{cell_h + 0.3:.2f}" '
-                f'fill="{_shade(share)}"><title>step {step}, staleness {level}: {count} tokens '
-                f"({100 * share:.1f}%)</title></rect>"
+                f'<rect x="{cx:.2f}" y="{cy:.2f}" width="{cell_w + 0.3:.2f}" '
+                f'height="{cell_h + 0.3:.2f}" fill="{_shade(share)}"><title>step {step}, '
+                f"staleness {level}: {count} tokens ({100 * share:.1f}%)</title></rect>"
             )
     base = TOP + plot_h
     body.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{base}" y2="{base}" class="axis"/>')
@@ -354,8 +375,8 @@ def heatmap(
     for k in range(20):
         share = 1 - k / 19
         body.append(
-            f'<rect x="{key_x}" y="{TOP + k * plot_h / 20:.1f}" width="14" height="{plot_h / 20 + 0.5:.1f}" '
-            f'fill="{_shade(share)}"/>'
+            f'<rect x="{key_x}" y="{TOP + k * plot_h / 20:.1f}" width="14" '
+            f'height="{plot_h / 20 + 0.5:.1f}" fill="{_shade(share)}"/>'
         )
     body.append(f'<text x="{key_x + 18}" y="{TOP + 10}">100%</text>')
     body.append(f'<text x="{key_x + 18}" y="{base}">0%</text>')

@@ -1,10 +1,11 @@
-"""Configuration files (TOML, YAML, JSON): the renamed setting and legacy W&B keys, comments included.
+"""Configuration files (TOML, YAML, JSON): the renamed setting and legacy W&B
+keys, comments included.
 
 A config is edited as text: each legacy name is replaced where it stands as a whole name, in keys,
-values and comments alike, so quoting, layout and every other byte stay as they were (``[orchestrator]``
-tables, inline tables, dotted keys, anchors). The result is then parsed and compared with the old data
-with the same names replaced: if anything else would change, or the new key already exists beside the
-old one, the file is left alone and the reason reported.
+values and comments alike, so quoting, layout and every other byte stay as they were
+(``[orchestrator]`` tables, inline tables, dotted keys, anchors). The result is then parsed and
+compared with the old data with the same names replaced: if anything else would change, or the new
+key already exists beside the old one, the file is left alone and the reason reported.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class _Collision(Exception):
 
 
 def _renamed(data: Any, scanner: Scanner) -> Any:
-    """``data`` with the names in every key and string replaced, as the text edit should leave it."""
+    """``data`` with the names in every key and string replaced, as the text
+    edit should leave it."""
     if isinstance(data, dict):
         out: dict[Any, Any] = {}
         for key, value in data.items():

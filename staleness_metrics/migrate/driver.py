@@ -54,7 +54,8 @@ def detect_kind(path: Path, text: str) -> FileKind:
         try:
             data = load_config(text, fmt)
         except ValueError:
-            return FileKind.JSON_CONFIG if fmt == "json" else FileKind.YAML_CONFIG  # reported as unparseable
+            # reported as unparseable
+            return FileKind.JSON_CONFIG if fmt == "json" else FileKind.YAML_CONFIG
         documents = data if fmt == "yaml" else [data]
         if any(looks_like_grafana(d) for d in documents):
             return FileKind.GRAFANA
@@ -138,8 +139,8 @@ def unified_diff(result: FileResult) -> str:
 def write_atomically(path: Path, original: str, new_text: str) -> None:
     """Replace the file's contents in one step (temp file beside it, then ``os.replace``).
 
-    The file must still hold ``original``: a file changed since it was read is not overwritten. Symlinks
-    are followed (the target is replaced, the link stays) and the permission bits are kept.
+    The file must still hold ``original``: a file changed since it was read is not overwritten.
+    Symlinks are followed (the target is replaced, the link stays) and the permission bits are kept.
     """
     target = Path(os.path.realpath(path))
     if target.read_bytes() != original.encode("utf-8"):

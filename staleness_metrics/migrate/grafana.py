@@ -1,9 +1,10 @@
 """Grafana dashboard JSON: legacy series names in queries, and legacy names in titles and legends.
 
-Queries (``expr`` of a target, ``query``/``definition`` of a template variable or annotation) are read as
-PromQL; every other string (titles, descriptions, legend formats, override matchers) as free text, where
-both W&B keys and Prometheus names are recognised. A target whose query reads only removed metrics is
-deleted under ``--drop-removed``, and a panel whose targets all go is deleted whole.
+Queries (``expr`` of a target, ``query``/``definition`` of a template variable or annotation)
+are read as PromQL; every other string (titles, descriptions, legend formats, override
+matchers) as free text, where both W&B keys and Prometheus names are recognised. A target whose
+query reads only removed metrics is deleted under ``--drop-removed``, and a panel whose targets
+all go is deleted whole.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ _QUERY_KEYS = frozenset({"expr", "query", "definition"})
 
 
 def looks_like_grafana(document: object) -> bool:
-    """A dashboard (or an API export wrapping one in ``{"dashboard": ...}``) with a ``panels`` list."""
+    """A dashboard (or an API export wrapping one in ``{"dashboard": ...}``)
+    with a ``panels`` list."""
     if isinstance(document, dict) and isinstance(document.get("dashboard"), dict):
         document = document["dashboard"]
     if not isinstance(document, dict) or not isinstance(document.get("panels"), list):

@@ -1,11 +1,11 @@
 """Metrics history (``metrics.jsonl``: one JSON object a line, each with a ``step``).
 
 Legacy keys are renamed in place; values are never touched (only the key's text changes). A history
-that spans the rename gets one boundary line, ``{"step": S, "migrate/legacy_through_step": S}``, right
-after the last line that carried legacy keys: the metrics at steps up to S were computed with the old
-definitions, so plots can draw a marker there. Removed keys stay (they are data) unless
-``--drop-removed``; so does an old key whose new key is already on the same line (a trainer that logged
-both during a deprecation window).
+that spans the rename gets one boundary line, ``{"step": S, "migrate/legacy_through_step": S}``,
+right after the last line that carried legacy keys: the metrics at steps up to S were computed with
+the old definitions, so plots can draw a marker there. Removed keys stay (they are data) unless
+``--drop-removed``; so does an old key whose new key is already on the same line (a trainer that
+logged both during a deprecation window).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
 
 
 def looks_like_history(text: str) -> bool:
-    """The first non-blank line is a JSON object with a ``step`` (replay event streams have a ``type``)."""
+    """The first non-blank line is a JSON object with a ``step`` (replay event
+    streams have a ``type``)."""
     for line in text.splitlines():
         if not line.strip():
             continue
@@ -108,7 +109,8 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
 
 
 def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
-    """The line with legacy keys renamed; whether it had any; whether it is a boundary line; its step."""
+    """The line with legacy keys renamed; whether it had any; whether it is a
+    boundary line; its step."""
     try:
         node = parse_json_nodes(body)
         data = json.loads(body)
@@ -127,8 +129,8 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
         if options.peer:
             peer_row = peer_lookup(options.peer, name)
             if peer_row is not None and peer_row.new is None:
-                # a peer key whose meaning differs: reported, kept (it is data), never renamed or dropped;
-                # it sets no boundary line, since nothing on the line changes meaning
+                # a peer key whose meaning differs: reported, kept (it is data), never renamed or
+                # dropped; it sets no boundary line, since nothing on the line changes meaning
                 reason = f"{peer_row.peer}: {peer_row.reason} [{peer_row.source}]"
                 found.add(name, None, Action.MANUAL, reason, number)
                 expected[name] = data[name]

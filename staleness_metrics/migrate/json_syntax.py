@@ -1,7 +1,7 @@
 """JSON with positions: a small reader that keeps the offset of every value, for in-place edits.
 
-The standard library parses first (its error messages are the ones users know); this reader then walks
-the same, known-valid text to record where each value starts and ends.
+The standard library parses first (its error messages are the ones users know); this reader then
+walks the same, known-valid text to record where each value starts and ends.
 """
 
 from __future__ import annotations
@@ -103,10 +103,11 @@ def parse_json_nodes(text: str) -> Node:
 def spans_removal(
     text: str, items: list[tuple[int, int]], indices: list[int], open_end: int, close_start: int
 ) -> list[Edit]:
-    """Edits deleting the items at ``indices`` of a comma-separated list, keeping the others' layout.
+    """Edits deleting the items at ``indices`` of a comma-separated list,
+    keeping the others' layout.
 
-    ``items`` are the (start, end) spans of all entries; ``open_end``/``close_start`` bound the list's
-    inside. Shared with YAML flow collections, which separate entries the same way.
+    ``items`` are the (start, end) spans of all entries; ``open_end``/``close_start`` bound the
+    list's inside. Shared with YAML flow collections, which separate entries the same way.
     """
     doomed = set(indices)
     if doomed >= set(range(len(items))):
@@ -116,7 +117,8 @@ def spans_removal(
     for index in sorted(doomed):
         later_kept = [k for k in kept if k > index]
         if later_kept:
-            # from this entry up to the next entry: its comma and the whitespace before the next one go
+            # from this entry up to the next entry: its comma and the
+            # whitespace before the next one go
             next_start = items[index + 1][0]
             edits.append(Edit(items[index][0], next_start, ""))
         else:

@@ -1,19 +1,21 @@
-"""What a legacy name is called now (SPEC 7): W&B keys, Prometheus names, the setting and the console label.
+"""What a legacy name is called now (SPEC 7): W&B keys, Prometheus names, the
+setting and the console label.
 
-The legacy W&B keys and their fate, the dispatcher key families that have no replacement and the Prometheus
-names older exporters published are the catalogue's (:mod:`staleness_metrics.metrics.metric_table`, SPEC 7).
-This module adds, as data, the other names the rename touched (the orchestrator setting, the console label)
-and the look-ups. Nothing here derives one name from another at run time: each old name is spelled out, and
-its new name is looked up in the table.
+The legacy W&B keys and their fate, the dispatcher key families that have no replacement and the
+Prometheus names older exporters published are the catalogue's
+(:mod:`staleness_metrics.metrics.metric_table`, SPEC 7). This module adds, as data, the other
+names the rename touched (the orchestrator setting, the console label) and the look-ups. Nothing
+here derives one name from another at run time: each old name is spelled out, and its new name
+is looked up in the table.
 
-Legacy Prometheus names. Older exporters (prime-rl style) published each W&B key with ``/`` replaced by
-``_`` (``off_policy/in_flight/max`` -> ``off_policy_in_flight_max``; prometheus_client escapes ``/`` to ``_``
-by itself), counters with a ``_total`` suffix, and sometimes under a namespace prefix. The bare names are
-listed in :data:`LEGACY_PROMETHEUS_NAMES`; a name is also recognised behind one of the prefixes passed to
-:func:`migrate_prometheus_name` (by default :data:`DEFAULT_PROMETHEUS_PREFIXES`, prime-rl's
-``orchestrator_``). prime-rl's own orchestrator exporter published its dispatcher gauges as
-``orchestrator_off_policy_level_{min,mean,max}``; they are listed too, and are removed like the
-``dispatcher/off_policy_level/*`` keys they mirror.
+Legacy Prometheus names. Older exporters (prime-rl style) published each W&B key with ``/`` replaced
+by ``_`` (``off_policy/in_flight/max`` -> ``off_policy_in_flight_max``; prometheus_client escapes
+``/`` to ``_`` by itself), counters with a ``_total`` suffix, and sometimes under a namespace
+prefix. The bare names are listed in :data:`LEGACY_PROMETHEUS_NAMES`; a name is also recognised
+behind one of the prefixes passed to :func:`migrate_prometheus_name` (by default
+:data:`DEFAULT_PROMETHEUS_PREFIXES`, prime-rl's ``orchestrator_``). prime-rl's own orchestrator
+exporter published its dispatcher gauges as ``orchestrator_off_policy_level_{min,mean,max}``; they
+are listed too, and are removed like the ``dispatcher/off_policy_level/*`` keys they mirror.
 """
 
 from __future__ import annotations
@@ -90,16 +92,17 @@ CURRENT_PROMETHEUS_NAMES: frozenset[str] = _series_names()
 
 
 def is_current_key(key: str) -> bool:
-    """Whether ``key`` is a W&B key of the current naming (a table key or a per-env breakdown of one)."""
+    """Whether ``key`` is a W&B key of the current naming (a table key or a
+    per-env breakdown of one)."""
     return key in CURRENT_KEYS or key.startswith(ENV_KEY_PREFIX)
 
 
 def migrate_key(key: str) -> LegacyKey | None:
     """What the W&B key ``key`` is now: its :class:`LegacyKey` when it is a legacy key, else None.
 
-    ``LegacyKey.new`` is the new key, or None when the key was removed (``reason`` says why). Keys of a
-    removed family (``dispatcher/off_policy/<anything>``) are removed too. Current keys and keys this
-    project never named return None.
+    ``LegacyKey.new`` is the new key, or None when the key was removed (``reason`` says why). Keys
+    of a removed family (``dispatcher/off_policy/<anything>``) are removed too. Current keys and
+    keys this project never named return None.
     """
     found = LEGACY_KEYS.get(key)
     if found is not None:
@@ -111,7 +114,8 @@ def migrate_key(key: str) -> LegacyKey | None:
 
 
 def current_key(key: str) -> str | None:
-    """The key to use now for ``key``: the new key of a legacy key, None when removed, else ``key`` itself."""
+    """The key to use now for ``key``: the new key of a legacy key, None when
+    removed, else ``key`` itself."""
     legacy = migrate_key(key)
     return key if legacy is None else legacy.new
 
@@ -125,8 +129,8 @@ def in_legacy_namespace(key: str) -> bool:
 class LegacyPrometheusName:
     """What an old Prometheus series name became.
 
-    ``legacy_key`` is the W&B key the old name published; ``new`` is the ``rl_staleness_*`` family that
-    publishes its replacement now, or None when the metric was removed (``reason`` says why).
+    ``legacy_key`` is the W&B key the old name published; ``new`` is the ``rl_staleness_*`` family
+    that publishes its replacement now, or None when the metric was removed (``reason`` says why).
     """
 
     old: str
@@ -143,7 +147,8 @@ def migrate_prometheus_name(
 ) -> LegacyPrometheusName | None:
     """What the Prometheus series ``name`` is now, or None when it is not a legacy name.
 
-    ``name`` may carry one of ``prefixes`` before a bare legacy name. Current names never count as legacy.
+    ``name`` may carry one of ``prefixes`` before a bare legacy name. Current
+    names never count as legacy.
     """
     if name in CURRENT_PROMETHEUS_NAMES:
         return None
@@ -167,17 +172,18 @@ def migrate_prometheus_name(
 
 
 RegexFlavor = Literal["wandb", "prometheus"]
-"""``wandb``: a W&B panel regex over W&B keys (matches anywhere in a key, like JavaScript's ``test``).
-``prometheus``: a ``__name__=~`` regex over series names (anchored at both ends, like RE2 in Prometheus)."""
+"""``wandb``: a W&B panel regex over W&B keys (matches anywhere in a key, like JavaScript's
+``test``). ``prometheus``: a ``__name__=~`` regex over series names (anchored at both ends, like RE2
+in Prometheus)."""
 
 
 @dataclass(frozen=True)
 class RegexRewrite:
     """A legacy key regex and what it becomes.
 
-    ``matched`` lists the legacy names the old pattern matched, ``removed`` those of them that have no
-    replacement. ``pattern`` matches exactly the new names of the others; it is None when every matched
-    name was removed (the panel or selector has nothing left to show).
+    ``matched`` lists the legacy names the old pattern matched, ``removed`` those of them that have
+    no replacement. ``pattern`` matches exactly the new names of the others; it is None when every
+    matched name was removed (the panel or selector has nothing left to show).
     """
 
     old: str
@@ -243,9 +249,9 @@ def rewrite_key_regex(
     Returns None when the pattern is not a legacy pattern: it does not mention ``off_policy`` or
     ``staleness``, matches no legacy name, or already matches a current name (``staleness/.*`` keeps
     working as it is). The new pattern is the exact set of new names, written compactly
-    (``^staleness/rollout/(?:max|mean)$`` for W&B, anchors implied for Prometheus). Names the old pattern
-    matched that no table knows (``off_policy/custom``) cannot be carried over. Raises ``ValueError``
-    when a legacy-looking pattern is not a valid regular expression.
+    (``^staleness/rollout/(?:max|mean)$`` for W&B, anchors implied for Prometheus). Names the old
+    pattern matched that no table knows (``off_policy/custom``) cannot be carried over. Raises
+    ``ValueError`` when a legacy-looking pattern is not a valid regular expression.
     """
     if "off_policy" not in pattern and "staleness" not in pattern:
         return None

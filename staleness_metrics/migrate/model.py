@@ -32,19 +32,23 @@ class FileKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Options:
-    """How to migrate: delete what was removed, and which prefixes legacy Prometheus names may carry."""
+    """How to migrate: delete what was removed, and which prefixes legacy
+    Prometheus names may carry."""
 
     drop_removed: bool = False
     prometheus_prefixes: tuple[str, ...] = DEFAULT_PROMETHEUS_PREFIXES
-    peer: str | None = None  # --from PEER: map that framework's keys instead of this project's legacy ones
+    # --from PEER: map that framework's keys instead of this project's legacy ones
+    peer: str | None = None
 
 
 class Action(str, enum.Enum):
     """What happens to a legacy name."""
 
     RENAME = "rename"  # rewritten to its new name
-    DROP = "drop"  # the panel, target, rule, list entry or history value is deleted (--drop-removed)
-    REMOVED = "removed"  # the metric was removed; left in place (--drop-removed deletes it where it can)
+    # the panel, target, rule, list entry or history value is deleted (--drop-removed)
+    DROP = "drop"
+    # the metric was removed; left in place (--drop-removed deletes it where it can)
+    REMOVED = "removed"
     MANUAL = "manual"  # a legacy name the tool reports but does not edit
 
 
@@ -95,9 +99,12 @@ class FileResult:
     original: str | None = None
     new_text: str | None = None  # None: nothing to change, or the file is not edited
     findings: list[Finding] = field(default_factory=list)
-    error: str | None = None  # the file could not be read, parsed or safely edited; it is never touched then
-    skipped: str | None = None  # left out for a harmless reason (a binary file met while walking a directory)
-    notes: list[str] = field(default_factory=list)  # what else the migration did (a history boundary marker)
+    # the file could not be read, parsed or safely edited; it is never touched then
+    error: str | None = None
+    # left out for a harmless reason (a binary file met while walking a directory)
+    skipped: str | None = None
+    # what else the migration did (a history boundary marker)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:

@@ -1,7 +1,8 @@
 """Find legacy names inside one string and rewrite them: free text, PromQL, and key regexes.
 
-Every file kind reduces to strings read in one of these contexts; the file-kind modules decide which
-context a string is in (a Grafana ``expr`` is PromQL, a W&B ``metric_regex`` is a regex, a title is text).
+Every file kind reduces to strings read in one of these contexts; the file-kind modules
+decide which context a string is in (a Grafana ``expr`` is PromQL, a W&B ``metric_regex`` is
+a regex, a title is text).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _alternation(names: Sequence[str]) -> str:
 
 _FAMILIES = "|".join(re.escape(prefix) + r"\w+(?:/\w+)*" for prefix in legacy.REMOVED_KEY_FAMILIES)
 _WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(legacy.LEGACY_KEYS))}|{_FAMILIES})(?![\w/])"
-# Other references to the old namespace (globs, regexes, keys the table does not know): reported only.
+# Other references to the old namespace (globs, regexes, keys the table does
+# not know): reported only.
 _NAMESPACE = rf"(?<![\w/]){re.escape(legacy.LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
 _RENAMED_SETTINGS = {**legacy.RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
 _SETTING = rf"(?<!\w)(?:{_alternation(list(_RENAMED_SETTINGS))})(?![\w-])"
@@ -81,9 +83,9 @@ _PROMQL_TOKEN = re.compile(
 class Scanner:
     """Scans strings for legacy names.
 
-    ``prometheus``: also look for legacy Prometheus series names in free text (dashboards, rule files,
-    plain text); configs leave it off, since a config key like ``staleness_max`` is not a series name.
-    ``prefixes``: namespace prefixes a legacy Prometheus name may carry.
+    ``prometheus``: also look for legacy Prometheus series names in free text (dashboards, rule
+    files, plain text); configs leave it off, since a config key like ``staleness_max`` is not a
+    series name. ``prefixes``: namespace prefixes a legacy Prometheus name may carry.
     """
 
     def __init__(self, *, prometheus: bool, prefixes: Sequence[str] = legacy.DEFAULT_PROMETHEUS_PREFIXES):
@@ -97,7 +99,7 @@ class Scanner:
             return self._scan_regex(text, "wandb")
         return self._scan_text(text)
 
-    # -- free text ------------------------------------------------------------------------------------
+    # -- free text ---------------------------------------------------------------------------------
 
     def _text_hits(self, text: str) -> list[Hit]:
         hits: list[Hit] = []
@@ -129,7 +131,7 @@ class Scanner:
         hits = self._text_hits(text)
         return Scanned(apply_renames(text, hits), tuple(hits))
 
-    # -- Prometheus -------------------------------------------------------------------------------------
+    # -- Prometheus --------------------------------------------------------------------------------
 
     def _prometheus_hit(self, token: str, start: int) -> Hit | None:
         end = start + len(token)
@@ -143,7 +145,8 @@ class Scanner:
         return Hit(start, end, token, found.new, Action.RENAME, found.reason)
 
     def _recording_rule_hit(self, token: str, start: int) -> Hit | None:
-        """A recording rule named ``level:metric:operations`` follows its series' rename, everywhere alike."""
+        """A recording rule named ``level:metric:operations`` follows its series'
+        rename, everywhere alike."""
         segments = token.split(":")
         found = [legacy.migrate_prometheus_name(s, self.prefixes) if s else None for s in segments]
         if not any(found):
@@ -188,7 +191,7 @@ class Scanner:
         scanned = self._scan_regex(body, "prometheus")
         return [Hit(h.start + inner, h.end + inner, h.old, h.new, h.action, h.reason) for h in scanned.hits]
 
-    # -- regexes ----------------------------------------------------------------------------------------
+    # -- regexes -----------------------------------------------------------------------------------
 
     def _scan_regex(self, pattern: str, flavor: legacy.RegexFlavor) -> Scanned:
         try:

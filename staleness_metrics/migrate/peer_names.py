@@ -1,8 +1,10 @@
-"""Find a peer framework's keys in strings (``migrate --from PEER``): the peer counterpart of :mod:`.names`.
+"""Find a peer framework's keys in strings (``migrate --from PEER``): the peer
+counterpart of :mod:`.names`.
 
-The same contexts as the legacy scanner: free text (titles, legends, config keys and values), PromQL
-(a W&B key as older exporters published it, ``/`` replaced by ``_``), and W&B key regexes. A key with
-the same meaning is renamed; every other peer key is reported with the table's reason, never edited.
+The same contexts as the legacy scanner: free text (titles, legends, config keys and values),
+PromQL (a W&B key as older exporters published it, ``/`` replaced by ``_``), and W&B key
+regexes. A key with the same meaning is renamed; every other peer key is reported with the
+table's reason, never edited.
 """
 
 from __future__ import annotations

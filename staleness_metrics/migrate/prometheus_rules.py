@@ -1,10 +1,10 @@
 """Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource).
 
-``expr`` is read as PromQL; labels, annotations and comments as free text. Alert names are left alone
-(they are the team's own names; silences and routes refer to them). A recording rule named
-``level:metric:operations`` over a legacy series is renamed with its series, the same way in every file
-(queries that use it included). A rule whose ``expr`` reads only removed series is deleted under
-``--drop-removed``.
+``expr`` is read as PromQL; labels, annotations and comments as free text. Alert names are left
+alone (they are the team's own names; silences and routes refer to them). A recording rule named
+``level:metric:operations`` over a legacy series is renamed with its series, the same way in every
+file (queries that use it included). A rule whose ``expr`` reads only removed series is deleted
+under ``--drop-removed``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """In-place migration of a structured document (Grafana dashboard, W&B workspace spec, rule file).
 
 A file-kind :class:`Policy` says in which context each string is read (PromQL, regex, free text) and
-which list entries (panels, targets, rules, series) may be deleted when what they show was removed. This
-module scans, edits the text at the changed values only, deletes units under ``--drop-removed``, and
-reads the result back to check that exactly the intended values changed before anything is written.
+which list entries (panels, targets, rules, series) may be deleted when what they show was removed.
+This module scans, edits the text at the changed values only, deletes units under
+``--drop-removed``, and reads the result back to check that exactly the intended values changed
+before anything is written.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class ScalarScan:
 
     @property
     def removed_whole(self) -> bool:
-        """The whole value is one removed name (a series entry or regex that shows only removed metrics)."""
+        """The whole value is one removed name (a series entry or regex that shows
+        only removed metrics)."""
         hits = self.scanned.hits
         return (
             len(hits) == 1
@@ -44,7 +46,8 @@ class ScalarScan:
 
 @dataclass(frozen=True)
 class Unit:
-    """A list entry that may be deleted under ``--drop-removed`` because it shows only removed metrics."""
+    """A list entry that may be deleted under ``--drop-removed`` because it shows
+    only removed metrics."""
 
     path: Path
     label: str  # 'panel "Token max"', 'alert "X"'
@@ -82,7 +85,8 @@ def resolve(data: list[object], path: Path) -> object:
 
 
 def _line(text: str, lines: LineIndex, scalar: Scalar, hit: Hit) -> int:
-    """The line of a hit: found in the source text of its scalar (folded scalars lose their line breaks)."""
+    """The line of a hit: found in the source text of its scalar (folded scalars
+    lose their line breaks)."""
     value = str(scalar.value)
     occurrence = value[: hit.start].count(hit.old)
     raw = text[scalar.start : scalar.end]
@@ -90,7 +94,8 @@ def _line(text: str, lines: LineIndex, scalar: Scalar, hit: Hit) -> int:
     for _ in range(occurrence + 1):
         position = raw.find(hit.old, position + 1)
         if position < 0:
-            block = 1 if scalar.style in ("|", ">") else 0  # the content starts after the indicator line
+            # the content starts after the indicator line
+            block = 1 if scalar.style in ("|", ">") else 0
             return lines.line(scalar.start) + value[: hit.start].count("\n") + block
     return lines.line(scalar.start + position)
 
@@ -162,7 +167,8 @@ class _Migration:
             self.scans.append(ScalarScan(path, scalar, is_key, context, scanned))
 
     def drop(self, units: list[Unit], drop_removed: bool) -> None:
-        """Delete the units (under ``--drop-removed``), or note on their findings that the flag would."""
+        """Delete the units (under ``--drop-removed``), or note on their
+        findings that the flag would."""
         by_parent: dict[Path, list[Unit]] = defaultdict(list)
         for unit in _outermost(units):
             by_parent[unit.path[:-1]].append(unit)
@@ -234,7 +240,8 @@ def _index(path: Path) -> int:
 
 
 def _unique(edits: Iterable[Edit]) -> list[Edit]:
-    return sorted(set(edits), key=lambda e: (e.start, e.end))  # a YAML alias repeats its anchor's edits
+    # a YAML alias repeats its anchor's edits
+    return sorted(set(edits), key=lambda e: (e.start, e.end))
 
 
 def _outermost(units: list[Unit]) -> list[Unit]:
@@ -250,7 +257,8 @@ def _verify(
     deletes: list[Path],
     renames: list[tuple[Path, str, str]],
 ) -> None:
-    """Read the edited text back and check it equals the old data with exactly the intended changes."""
+    """Read the edited text back and check it equals the old data with exactly
+    the intended changes."""
     expected = copy.deepcopy(data)
     for value_path, value in sets:
         parent = resolve(expected, value_path[:-1])

@@ -1,7 +1,8 @@
-"""Any other text file (code, docs, scripts): legacy names are reported with line numbers, never edited.
+"""Any other text file (code, docs, scripts): legacy names are reported with
+line numbers, never edited.
 
-A line holding ``staleness-migrate: ignore`` is skipped (a changelog entry that names the old keys on
-purpose, for instance).
+A line holding ``staleness-migrate: ignore`` is skipped (a changelog entry that names the old keys
+on purpose, for instance).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""A parsed document that remembers where each value sits in the text, and edits made at those places.
+"""A parsed document that remembers where each value sits in the text, and
+edits made at those places.
 
-Rewriting a file by parsing and dumping it would reformat it. Instead the JSON and YAML readers build
-this tree of nodes with character offsets, the migration replaces only the text of the values it
-changes (or of the list entries it deletes), and everything else stays byte for byte.
+Rewriting a file by parsing and dumping it would reformat it. Instead the JSON and YAML readers
+build this tree of nodes with character offsets, the migration replaces only the text of the values
+it changes (or of the list entries it deletes), and everything else stays byte for byte.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ __all__ = [
     "walk",
 ]
 
-Path = tuple[object, ...]  # keys and list indices from the document root (the first item: document index)
+# keys and list indices from the document root (the first item: document index)
+Path = tuple[object, ...]
 
 
 @dataclass
@@ -37,7 +39,8 @@ class Scalar:
     end: int
     value: object
     style: str  # "json", or YAML's "plain", "'", '"', "|", ">"
-    in_flow: bool = False  # inside a flow collection ({...} or [...]), where plain scalars are restricted
+    # inside a flow collection ({...} or [...]), where plain scalars are restricted
+    in_flow: bool = False
 
 
 @dataclass
@@ -71,7 +74,8 @@ def walk(node: Node, path: Path, key: Scalar | None = None) -> Iterator[tuple[Pa
 
 
 def substitute_names(raw: str, renames: dict[str, str]) -> str:
-    """``raw`` with each old name replaced where it stands as a whole name (not inside a longer one)."""
+    """``raw`` with each old name replaced where it stands as a whole name (not
+    inside a longer one)."""
     if not renames:
         return raw
     names = sorted(renames, key=len, reverse=True)
@@ -122,7 +126,8 @@ class Syntax(Protocol):
     name: str
 
     def parse(self, text: str) -> list[Node]:
-        """The documents of ``text`` as node trees; raises ``ValueError`` with a readable message."""
+        """The documents of ``text`` as node trees; raises ``ValueError``
+        with a readable message."""
         ...
 
     def load(self, text: str) -> list[object]:
@@ -132,13 +137,14 @@ class Syntax(Protocol):
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
         """Source text for ``scalar`` holding ``new_value`` (None when it cannot be written safely).
 
-        ``renames`` are the name replacements that turned the old value into ``new_value``; applying them
-        to the source text keeps its quoting and layout when that decodes to ``new_value``.
+        ``renames`` are the name replacements that turned the old value into ``new_value``; applying
+        them to the source text keeps its quoting and layout when that decodes to ``new_value``.
         """
         ...
 
     def remove(self, text: str, parent: Sequence, indices: list[int]) -> list[Edit] | None:
-        """Edits deleting ``parent.items[i]`` for each index (None when that cannot be done safely)."""
+        """Edits deleting ``parent.items[i]`` for each index (None when that
+        cannot be done safely)."""
         ...
 
     def comments(self, text: str, roots: list[Node]) -> list[tuple[int, int]]:

@@ -1,7 +1,8 @@
 """Subcommands of the console script.
 
-Each module exposes ``register(subparsers)``, which adds its parser with ``set_defaults(func=run)``;
-``run(args) -> int`` returns the exit status. Imports of optional dependencies happen inside ``run``.
+Each module exposes ``register(subparsers)``, which adds its parser with
+``set_defaults(func=run)``; ``run(args) -> int`` returns the exit status. Imports of optional
+dependencies happen inside ``run``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``staleness-metrics dashboards``: write the Grafana dashboards, rules and W&B panel spec, or check them."""
+"""``staleness-metrics dashboards``: write the Grafana dashboards, rules and W&B
+panel spec, or check them."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "dashboards",
         help="write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
-        description="Render the Grafana dashboards, the Prometheus recording/alerting rules, the W&B panel "
-        "spec and the example OpenTelemetry Collector config from the metric table.",
+        description="Render the Grafana dashboards, the Prometheus recording/alerting rules, the "
+        "W&B panel spec and the example OpenTelemetry Collector config from the metric table.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

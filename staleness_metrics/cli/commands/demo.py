@@ -40,9 +40,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "demo",
         help="simulated async RL pipeline driving the real monitor and exporters",
-        description="Run a simulated asynchronous RL pipeline on embedded defaults, with a live console "
-        "table, a Prometheus endpoint on 127.0.0.1, a metrics JSONL file, W&B offline and OTLP. "
-        "Needs no external service.",
+        description="Run a simulated asynchronous RL pipeline on embedded defaults, with a live "
+        "console table, a Prometheus endpoint on 127.0.0.1, a metrics JSONL file, W&B offline and "
+        "OTLP. Needs no external service.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

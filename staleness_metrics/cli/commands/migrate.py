@@ -1,4 +1,5 @@
-"""``staleness-metrics migrate``: move configs, dashboards, rules, W&B panels and histories to new names."""
+"""``staleness-metrics migrate``: move configs, dashboards, rules, W&B panels and
+histories to new names."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "migrate",
         help="rename legacy off_policy/* keys and max_off_policy_steps in configs, dashboards, rules, ...",
-        description="Find the names the rename retired (max_off_policy_steps, off_policy/* W&B keys and "
-        "their Prometheus forms, the 'Max Off-Policy' console label) and move each file to the new names. "
-        "Directories are walked recursively (hidden directories skipped).",
+        description="Find the names the rename retired (max_off_policy_steps, off_policy/* W&B "
+        "keys and their Prometheus forms, the 'Max Off-Policy' console label) and move each file "
+        "to the new names. Directories are walked recursively (hidden directories skipped).",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -66,8 +67,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drop-removed",
         action="store_true",
-        help="also delete what shows only removed metrics: dashboard panels and targets, rules, W&B series "
-        "entries and panels, history values",
+        help="also delete what shows only removed metrics: dashboard panels and targets, rules, "
+        "W&B series entries and panels, history values",
     )
     parser.add_argument(
         "--kind",

@@ -26,8 +26,8 @@ def add_bound_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--floor-max-age", type=int, default=defaults.floor_max_age, metavar="STEPS",
-        help=f"carry a floor measured at lag 0 this many steps at most, then bound it by the smallest lag "
-        f"(default: {defaults.floor_max_age})",
+        help="carry a floor measured at lag 0 this many steps at most, then bound it by the "
+        f"smallest lag (default: {defaults.floor_max_age})",
     )  # fmt: skip
     group.add_argument(
         "--cost-window", type=int, default=defaults.cost_window, metavar="SHIPS",
@@ -39,8 +39,8 @@ def add_bound_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     group.add_argument(
         "--adapt-every", type=int, default=None, metavar="SHIPS",
-        help="token policy: move the bound one step toward the suggestion after every SHIPS ships with a curve "
-        "(default: off)",
+        help="token policy: move the bound one step toward the suggestion after every SHIPS ships "
+        "with a curve (default: off)",
     )  # fmt: skip
     group.add_argument(
         "--adapt-low", type=int, default=defaults.adapt_low, metavar="N",

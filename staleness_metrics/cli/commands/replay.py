@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 __all__ = ["register", "run"]
 
 PROGRESS_MIN_BYTES = 16 << 20
-READ_BUFFER = 1 << 20  # lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
+# lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
+READ_BUFFER = 1 << 20
 
 EPILOG = """\
 examples:
@@ -48,8 +49,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "replay",
         help="run the sink over a recorded event stream",
-        description="Replay a recorded event stream (or a prime-rl run directory, or xtuner rollout "
-        "states) through the masking engine and write its metrics and batches.",
+        description="Replay a recorded event stream (or a prime-rl run directory, or xtuner "
+        "rollout states) through the masking engine and write its metrics and batches.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -117,7 +118,8 @@ def _open_with_progress(path: Path, progress: bool | None) -> contextlib.Abstrac
 
 @contextlib.contextmanager
 def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[bytes] | None]]:
-    """Open temp files beside each path (binary); they replace the paths only if the block succeeds."""
+    """Open temp files beside each path (binary); they replace the paths only
+    if the block succeeds."""
     handles: list[IO[bytes] | None] = []
     temps: list[tuple[str, Path]] = []
     try:
@@ -171,14 +173,16 @@ def run(args: argparse.Namespace) -> int:
         if path is not None and not path.resolve().parent.is_dir():
             print(f"staleness-metrics replay: {option} {path}: its folder does not exist", file=sys.stderr)
             return 2
-    sink = Sink(config, env_reports=config.env_breakdown)  # per-env figures are written only with the breakdown
+    # per-env figures are written only with the breakdown
+    sink = Sink(config, env_reports=config.env_breakdown)
     ships = 0
     reports: list[StepReport] = []
     prime_rl = args.events.is_dir()
     try:
         events, stack, read = open_events(args.events, args.progress, config.max_staleness, config.strict)
         with stack, atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out):
-            for shipment in run_events(events, sink, read_ahead=True):  # (written when the whole stream is read)
+            # (written when the whole stream is read)
+            for shipment in run_events(events, sink, read_ahead=True):
                 ships += 1
                 if prime_rl:
                     reports.append(shipment.report)
@@ -194,9 +198,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     totals = sink.totals
     print(
-        f"replayed {ships} ships: {totals.rollouts_shipped} rollouts shipped, {totals.rollouts_dropped} dropped, "
-        f"{totals.tokens_masked}/{totals.tokens_sampled} sampled tokens masked, "
-        f"{totals.rollouts_invalid} invalid set aside",
+        f"replayed {ships} ships: {totals.rollouts_shipped} rollouts shipped, "
+        f"{totals.rollouts_dropped} dropped, {totals.tokens_masked}/{totals.tokens_sampled} "
+        f"sampled tokens masked, {totals.rollouts_invalid} invalid set aside",
         file=sys.stderr,
     )
     if prime_rl:

@@ -32,8 +32,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "report",
         help="self-contained HTML report of a run",
-        description="Write one HTML file with staleness over steps, the masked ratio, in-flight vs "
-        "in-queue staleness, dropped and held counts, the token staleness histogram and a what-if curve.",
+        description="Write one HTML file with staleness over steps, the masked ratio, "
+        "in-flight vs in-queue staleness, dropped and held counts, the token staleness "
+        "histogram and a what-if curve.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, bound)
         directory = find_run(args.run)
-        if directory is not None:  # the run's own settings, where the command line leaves them at their defaults
+        # the run's own settings, where the command line leaves them at their defaults
+        if directory is not None:
             config = directory.merged_config(config)
             bound = config.max_staleness
         bounds = parse_bounds(args.max_staleness or f"0..{max(8, bound)}")

@@ -40,8 +40,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
-        description="Run the staleness service: per-run sinks behind an HTTP API (FastAPI on uvicorn), "
-        "with /metrics for Prometheus and optional OTLP and W&B exporters for every run.",
+        description="Run the staleness service: per-run sinks behind an HTTP API (FastAPI on "
+        "uvicorn), with /metrics for Prometheus and optional OTLP and W&B exporters for every run.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -62,8 +62,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--body-bytes-per-span-row", type=int, default=128, metavar="N",
-        help="a rollouts body may cut one span row (a run of one mask value and one version) per N bytes of "
-        "its size, and always 65,536; 413 beyond (default: 128; 0: no cap)",
+        help="a rollouts body may cut one span row (a run of one mask value and one version) per N "
+        "bytes of its size, and always 65,536; 413 beyond (default: 128; 0: no cap)",
     )  # fmt: skip
     parser.add_argument(
         "--max-header-bytes", type=int, default=64 * 1024, metavar="N",
@@ -71,8 +71,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--header-timeout", type=float, default=10.0, metavar="SECONDS",
-        help="close a connection whose request headers have not all arrived this long after it opened or "
-        "its request began (default: 10)",
+        help="close a connection whose request headers have not all arrived this long after it "
+        "opened or its request began (default: 10)",
     )  # fmt: skip
     store = parser.add_mutually_exclusive_group()
     store.add_argument(
@@ -101,7 +101,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def _blank(token: str, where: str) -> str:
-    if not token.strip():  # a blank token is no secret: refuse rather than serve with it or without one
+    # a blank token is no secret: refuse rather than serve with it or without one
+    if not token.strip():
         raise ValueError(f"refusing a blank token from {where}: give a real secret (e.g. $(openssl rand -hex 32))")
     return token
 
@@ -127,16 +128,17 @@ def _listen(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (bound here so that port 0 can report the port it got).
 
     Created with the protocol named (``IPPROTO_TCP``, not 0 as ``socket.create_server`` leaves it):
-    accepted sockets inherit it, and asyncio sets ``TCP_NODELAY`` only on sockets that say TCP. Without
-    it a response written in two sends (headers, then body) waits for the client's delayed ACK: about
-    40 ms on every request after the first on a kept-alive connection.
+    accepted sockets inherit it, and asyncio sets ``TCP_NODELAY`` only on sockets that say TCP.
+    Without it a response written in two sends (headers, then body) waits for the client's delayed
+    ACK: about 40 ms on every request after the first on a kept-alive connection.
     """
     family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[
         0
     ]
     sock = socket.socket(family, kind, proto)
     try:
-        if os.name != "nt":  # a restarted service can take its port back while old connections linger
+        # a restarted service can take its port back while old connections linger
+        if os.name != "nt":
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(socket.SOMAXCONN)
@@ -206,14 +208,16 @@ def run(args: argparse.Namespace) -> int:
     )
     from ...server.limits import return_large_frees_to_the_os
 
-    return_large_frees_to_the_os()  # a large body's memory goes back to the system once it is applied
+    # a large body's memory goes back to the system once it is applied
+    return_large_frees_to_the_os()
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
         return _fail(f"cannot listen on {args.host}:{args.port}: {exc}", 1)
     try:
         app = create_app(settings)  # restores the stored runs, before the URL is announced
-    except Exception as exc:  # an unreadable or foreign data directory: say so rather than start empty
+    except Exception as exc:
+        # an unreadable or foreign data directory: say so rather than start empty
         sock.close()
         return _fail(f"cannot load the data directory {data_dir}: {exc}", 1)
     host, port = sock.getsockname()[:2]

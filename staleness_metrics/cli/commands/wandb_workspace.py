@@ -20,8 +20,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = subparsers.add_parser(
         "wandb-workspace",
         help="save a W&B workspace with a Staleness section to a project (needs WANDB_API_KEY)",
-        description="Build the W&B workspace with the Staleness section (the Grafana views over the "
-        "W&B keys) and save it as a new view of a project.",
+        description="Build the W&B workspace with the Staleness section (the Grafana views over "
+        "the W&B keys) and save it as a new view of a project.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         bounds = parse_bounds(args.max_staleness)
         config = config_from_args(args, bounds[0] if bounds else 0)
         run_dir = find_run(args.events)
-        if run_dir is not None:  # the run's own settings, where the command line leaves them at their defaults
+        # the run's own settings, where the command line leaves them at their defaults
+        if run_dir is not None:
             config = run_dir.merged_config(config)
         result = what_if_with_curve(run_dir.root if run_dir is not None else args.events, bounds, config)
     except EventError as error:
