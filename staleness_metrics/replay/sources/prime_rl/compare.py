@@ -260,7 +260,9 @@ def describe_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
     where the others equal prime-rl's own rule recomputed from the records (and why the rules differ), and
     those that differ otherwise."""
     lines = []
-    for family, prefix in (("off_policy/* (or staleness/*)", None), ("mismatch_kl/*", MISMATCH_PREFIX)):
+    # the family as the orchestrator and the trainer log it (off_policy/*, or staleness/* after the rename)
+    families = (("orchestrator staleness", None), ("trainer mismatch_kl", MISMATCH_PREFIX))
+    for family, prefix in families:
         mine = [r for r in rows if (prefix is not None) == r.legacy_key.startswith(MISMATCH_PREFIX)]
         if not mine:
             continue
