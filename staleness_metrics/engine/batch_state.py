@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -19,6 +19,8 @@ from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS,
 from ..records.padded_rows import PaddedLayout
 from ..state_checks import decode_array, encode_array, fail, integer, join, keys, kind_of, mapping, sequence, strings
 from .table import Table
+
+TableT = TypeVar("TableT", bound=Table)
 
 __all__ = ["check_offsets", "decode_batch", "decode_table", "encode_batch", "encode_table", "encode_value"]
 
@@ -163,23 +165,24 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
 
 
 def encode_table(table: Table) -> dict[str, Any]:
-    return {name: encode_array(table[name]) for name in table.names}
+    return {name: encode_array(table.column(name)) for name in table.names}
 
 
-def decode_table(encoded: Any, like: Table, path: str) -> Table:
-    """A table with the columns (and dtypes) of ``like`` filled from ``encoded``, all of one length."""
+def decode_table(encoded: Any, like: TableT, path: str) -> TableT:
+    """A table of ``like``'s type (its columns and dtypes) filled from ``encoded``, all of one length."""
     found = mapping(encoded, path)
     missing = sorted(set(like.names) - set(found))
     extra = sorted(set(found) - set(like.names), key=str)
     if missing or extra:
         name = (missing or extra)[0]
         fail(join(path, str(name)), f"the table {'lacks this column' if missing else 'has no such column'}")
-    columns = {name: decode_array(found[name], join(path, name), like[name].dtype) for name in like.names}
+    columns = {name: decode_array(found[name], join(path, name), dtype) for name, dtype in like.columns.items()}
     lengths = {len(values) for values in columns.values()}
     if len(lengths) > 1:
-        name = next(name for name, values in columns.items() if len(values) != len(columns[like.names[0]]))
-        fail(join(path, name), f"{len(columns[name])} rows where the other columns have {len(columns[like.names[0]])}")
-    table = Table(**{name: like[name].dtype for name in like.names})
+        first = len(columns[like.names[0]])
+        name = next(name for name, values in columns.items() if len(values) != first)
+        fail(join(path, name), f"{len(columns[name])} rows where the other columns have {first}")
+    table = type(like)()
     if columns and len(next(iter(columns.values()))):
         table.append(**columns)
     return table

@@ -48,7 +48,8 @@ from ..state_checks import (
 )
 from .batch_state import encode_value
 from .policies import Policy
-from .queue import QUEUE_KEYS, RolloutQueue
+from .queue import RolloutQueue
+from .queue_state import QUEUE_KEYS, read_queue, save_queue
 
 __all__ = [
     "JUDGING_SETTINGS",
@@ -213,7 +214,7 @@ def save_sink(
         "format": FORMAT,
         "config": dataclasses.asdict(config),
         "step": step,
-        **queue.state_dict(),
+        **save_queue(queue),
         "window": _window_to_dict(window),
         "invalid": [[e.rollout_id, e.field, e.reason] for e in invalid],
         "totals": tally_to_dict(totals),
@@ -235,7 +236,7 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
         fail(join(path, "digests"), "missing")
     check_config(state["config"], config, join(path, "config"))
     step = integer(state["step"], join(path, "step"), 0, MAX_STEP)
-    restored = queue.read_state(state, path, step)
+    restored = read_queue(state, policy.observe_added, path, step)
     window = _window_from_dict(state["window"], join(path, "window"), len(restored.env_names))
     invalid = []
     for i, item in enumerate(sequence(state["invalid"], join(path, "invalid"))):
@@ -245,8 +246,8 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
     totals = check_tally(state["totals"], join(path, "totals"))
     # Conservation: every sampled position of a live rollout that entered is shipped, dropped or queued.
     r, s = restored.rollouts, restored.samples
-    sample_live = ~r["frozen"][s["rollout"]] & ~s["dropped"]
-    queued_tokens = int(s["n_sampled"][sample_live].sum())
+    sample_live = ~r.frozen[s.rollout] & ~s.dropped
+    queued_tokens = int(s.n_sampled[sample_live].sum())
     accounted = totals.tokens_sampled + totals.tokens_dropped + window.get(None, "tokens_dropped") + queued_tokens
     if restored.tokens_entered != accounted:
         fail(join(path, "tokens_entered"), f"{restored.tokens_entered}, but shipped, dropped and queued positions "

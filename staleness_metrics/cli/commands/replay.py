@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         events, stack = open_events(args.events, args.progress, config.max_staleness)
         with stack, atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out):
-            for shipment in run_events(events, sink, read_ahead=True):  # (written when the whole stream is read)
+            for shipment in run_events(events, sink):  # (written when the whole stream is read)
                 ships += 1
                 if metrics_out is not None:
                     metrics_out.write(jsonio.dumps_line(shipment.report.row()))
