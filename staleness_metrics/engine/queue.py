@@ -357,11 +357,14 @@ class RolloutQueue:
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoint
-    def restore(self, **fields: Any) -> None:
-        """Take a checked saved state's fields (:mod:`.queue_state`): tables, ids, chunks, groups, envs, counts."""
+    def restore(self, observe_added: Callable[[IntArray], None] | None = None, **fields: Any) -> None:
+        """Take a checked saved state's fields (:mod:`.queue_state`): tables, ids, chunks, groups, envs, counts; and
+        the policy's hook, once the state is loaded."""
         unknown = set(fields) - set(vars(self)) - {"tokens_entered"}
         assert not unknown, f"not fields of the queue: {sorted(unknown)}"
         self._tokens_entered = fields.pop("tokens_entered", self._tokens_entered)
         vars(self).update(fields)
         self.row_of = {rid: row for row, rid in enumerate(self.ids)}
         self.env_names = {i: name or "" for name, i in self.env_index.items()}
+        if observe_added is not None:
+            self._observe_added = observe_added

@@ -1,218 +1,182 @@
-"""The queue's state as plain data (SPEC 13): its tables, ids, batches, groups and envs, saved and read back
-checked (structure, dtypes, ranges, and that ids, rows, chunks and counts agree, so no later write can stray)."""
+"""The queue in a checkpoint (SPEC 13): what it means, not how it is laid out.
+
+A saved queue is the queued rollouts as they arrived, in SPEC 3's columns (a batch per batch they came in, only
+their queued rollouts: :func:`~.batch_state.encode_batch`), what judging did to them (the step each was last
+judged at, each sample's masking threshold and whether it was dropped), and the run's registry (every id seen,
+the groups and whether each is agentic, the envs) and conservation count. Loading adds the rollouts back through
+the sink's own add path (:func:`~.spans.checked_spans`, :meth:`~.queue.RolloutQueue.add_checked`: every check
+of an add runs on them), masks again what the thresholds masked, and sets the judging state: a column the queue
+adds to its tables is computed there, not saved, so it is not a change of format.
+
+The positions masked in place are set back to 1 in the saved mask (a span with sampled positions had mask 1 all
+along); their weights stay 0, which only the ``token`` policy reads (``had_train``, a span's ``live``) and only
+for positions below the threshold, which never train again.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping
+from itertools import pairwise
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from ..state_checks import boolean, fail, integer, join, keys, sequence, string, strings
-from .batch_state import check_offsets, decode_batch, decode_table, encode_batch, encode_table
+from .batch_state import decode_batch, encode_batch, queued_part
 from .decision import NO_MASK
+from .judging import judgement_of, mask_positions
 from .queue import NEVER, QUEUED, RolloutQueue
 from .segments import expand_ranges
-from .spans import PART_LABELLED, PART_UNLABELLED, PART_WHOLE
+from .spans import checked_spans
 
-__all__ = ["QUEUE_KEYS", "read_queue", "save_queue"]
+__all__ = ["QUEUE_KEYS", "Registry", "read_queue", "read_registry", "save_queue"]
+
+IntArray = npt.NDArray[np.int64]
 
 QUEUE_KEYS = (
-    "queued", "tokens_entered", "tables", "ids", "seen_ids", "chunks", "chunk_open", "groups", "group_agentic",
-    "n_groups", "envs",
-)  # fmt: skip
-
-
-def _per_row(values: Sequence[Any], rows: npt.NDArray[np.int64]) -> list[Any]:
-    return [values[i] for i in rows.tolist()]
+    "batches",
+    "judged",
+    "mask_below",
+    "dropped",
+    "seen_ids",
+    "groups",
+    "group_agentic",
+    "envs",
+    "tokens_entered",
+)
 
 
 def save_queue(queue: RolloutQueue) -> dict[str, Any]:
-    """The queue as plain data: a compacted copy (the queued rollouts only, renumbered, with the batches they
-    need); the queue is left as it was."""
-    rollouts, samples, spans, chunks, chunk_open, ids = queue.compacted()
-    envs = sorted(queue.env_index.items(), key=lambda item: item[1])
+    """The queue as plain data (see the module); the queue is left as it was."""
+    queue.build_staged()
+    r, s, n = queue.rollouts, queue.samples, queue.spans
+    rows = np.flatnonzero(r.status == QUEUED)
+    batches = []
+    if len(rows):
+        chunk = r.chunk[rows]
+        bounds = [0, *(np.flatnonzero(np.diff(chunk)) + 1).tolist(), len(rows)]
+        for start, stop in pairwise(bounds):  # runs of one batch, in queue order
+            mine = rows[start:stop]
+            sample_rows = expand_ranges(r.sample_lo[mine], r.sample_hi[mine])
+            span_rows = expand_ranges(s.span_lo[sample_rows], s.span_hi[sample_rows])
+            sampled = span_rows[n.sampled[span_rows] > 0]
+            batch = queue.batches_of([int(chunk[start])])[int(chunk[start])]
+            batches.append(encode_batch(queued_part(batch, r.index[mine], expand_ranges(n.lo[sampled], n.hi[sampled]))))
+    sample_rows = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])
     return {
-        "queued": queue.queued,
-        "tokens_entered": queue.tokens_entered,
-        "tables": {
-            "rollouts": encode_table(rollouts),
-            "samples": encode_table(samples),
-            "spans": encode_table(spans),
-        },
-        "ids": ids,
+        "batches": batches,
+        "judged": r.judged[rows].tolist(),
+        "mask_below": s.mask_below[sample_rows].tolist(),
+        "dropped": s.dropped[sample_rows].tolist(),
         "seen_ids": sorted(queue.seen_ids),
-        "chunks": [encode_batch(batch) for batch in chunks if batch is not None],  # a queued rollout's never is
-        "chunk_open": chunk_open,
         "groups": [list(item) for item in sorted(queue.groups.items(), key=lambda item: item[1])],
         "group_agentic": queue.group_agentic[: queue.n_groups].tolist(),
-        "n_groups": queue.n_groups,
-        "envs": [name for name, _ in envs],
+        "envs": [name for name, _ in sorted(queue.env_index.items(), key=lambda item: item[1])],
+        "tokens_entered": queue.tokens_entered,
     }
 
 
-def read_queue(
-    state: Mapping[str, Any], observe_added: Callable[[npt.NDArray[np.int64]], None], path: str = "", step: int = 0
-) -> RolloutQueue:
-    """``queue`` (new) holding :func:`save_queue`'s ``state`` (the :data:`QUEUE_KEYS` of it), checked: structure,
-    dtypes, ranges, and that ids, rows, chunks and counts agree, so no later write can stray. ``step`` is the
-    latest step of the sink that saved it (no row was judged after it); ``observe_added``: the policy's hook. A bad
-    state raises ``ConfigError`` naming the key path."""
-    queue = RolloutQueue(observe_added)
-    tables = keys(state["tables"], join(path, "tables"), ("rollouts", "samples", "spans"))
-    r = decode_table(tables["rollouts"], queue.rollouts, join(path, "tables.rollouts"))
-    s = decode_table(tables["samples"], queue.samples, join(path, "tables.samples"))
-    n = decode_table(tables["spans"], queue.spans, join(path, "tables.spans"))
-    rows, where_r, where_s, where_n = (
-        len(r),
-        join(path, "tables.rollouts"),
-        join(path, "tables.samples"),
-        join(path, "tables.spans"),
-    )
-    ids = strings(state["ids"], join(path, "ids"), unique=True)
-    if len(ids) != rows:
-        fail(join(path, "ids"), f"{len(ids)} ids for {rows} rollout rows")
-    queued = integer(state["queued"], join(path, "queued"), 0)
-    if queued != rows:
-        fail(join(path, "queued"), f"{queued}, but the checkpoint holds {rows} queued rollouts")
-    seen = strings(state["seen_ids"], join(path, "seen_ids"), unique=True)
-    seen_ids = set(seen)
-    if not seen_ids.issuperset(ids):
-        fail(join(path, "seen_ids"), f"lacks the queued id {next(i for i in ids if i not in seen_ids)!r}")
+class Registry(NamedTuple):
+    """The ids, groups and envs of a run, as a checkpoint holds them."""
 
-    where = join(path, "chunks")
-    chunks = [decode_batch(c, join(where, i)) for i, c in enumerate(sequence(state["chunks"], where))]
-    open_ = sequence(state["chunk_open"], join(path, "chunk_open"), len(chunks))
-    chunk_open = [integer(v, join(join(path, "chunk_open"), i), 1) for i, v in enumerate(open_)]
+    seen_ids: set[str]
+    groups: dict[str, int]
+    n_groups: int
+    group_agentic: npt.NDArray[np.bool_]
+    envs: list[str | None]
 
-    n_groups = integer(state["n_groups"], join(path, "n_groups"), 0)
-    agentic = sequence(state["group_agentic"], join(path, "group_agentic"), n_groups)
+    def fields(self) -> dict[str, Any]:
+        """What :meth:`RolloutQueue.restore` takes of it (but the ids: the caller's)."""
+        env_index = {name: i for i, name in enumerate(self.envs)}
+        return {"groups": dict(self.groups), "n_groups": self.n_groups, "group_agentic": self.group_agentic.copy(),
+                "env_index": env_index}  # fmt: skip
+
+
+def read_registry(state: Mapping[str, Any], path: str) -> Registry:
+    """The ``seen_ids``, ``groups``, ``group_agentic`` (and, in the old format, ``n_groups``) and ``envs`` of
+    ``state``, checked."""
+    seen_ids = set(strings(state["seen_ids"], join(path, "seen_ids"), unique=True))
+    where = join(path, "group_agentic")
+    if "n_groups" in state:  # (formats 1 and 2)
+        agentic = sequence(state["group_agentic"], where, integer(state["n_groups"], join(path, "n_groups"), 0))
+    else:
+        agentic = sequence(state["group_agentic"], where)
+    n_groups = len(agentic)
     group_agentic = np.zeros(max(16, 2 * n_groups), dtype=bool)
-    group_agentic[:n_groups] = [boolean(v, join(join(path, "group_agentic"), i)) for i, v in enumerate(agentic)]
+    group_agentic[:n_groups] = [boolean(v, join(where, i)) for i, v in enumerate(agentic)]
     groups: dict[str, int] = {}
     for i, pair in enumerate(sequence(state["groups"], join(path, "groups"))):
-        name, index = sequence(pair, join(join(path, "groups"), i), 2)
-        name = string(name, join(join(join(path, "groups"), i), 0))
-        index = integer(index, join(join(join(path, "groups"), i), 1), 0, n_groups - 1)
+        where = join(join(path, "groups"), i)
+        name, index = sequence(pair, where, 2)
+        name, index = string(name, join(where, 0)), integer(index, join(where, 1), 0, n_groups - 1)
         if name in groups:
-            fail(join(join(path, "groups"), i), f"group {name!r} appears twice")
+            fail(where, f"group {name!r} appears twice")
         groups[name] = index
     if len(set(groups.values())) != len(groups):
         fail(join(path, "groups"), "two group names share an index")
     envs = strings(state["envs"], join(path, "envs"), optional=True, unique=True)
     if not envs or envs[0] is not None:
         fail(join(path, "envs"), "the first env is null (rollouts without one)")
+    return Registry(seen_ids, groups, n_groups, group_agentic, envs)
 
-    # Rollout rows: queued, each one rollout of a chunk, agreeing with what that chunk says of it.
-    status = r.status
-    if (status != QUEUED).any():
-        fail(join(where_r, "status"), "a checkpoint holds queued rollouts only")
-    chunk, index = r.chunk, r.index
-    if ((chunk < 0) | (chunk >= len(chunks))).any():
-        fail(join(where_r, "chunk"), f"values are chunk numbers, 0..{len(chunks) - 1}")
-    if np.bincount(chunk, minlength=len(chunks)).tolist() != chunk_open:
-        fail(join(path, "chunk_open"), "does not count the queued rollouts of each chunk")
-    for name, values, high in (("judged", r.judged, step), ("group", r.group, n_groups - 1),
-                               ("env", r.env, len(envs) - 1)):  # fmt: skip
-        low = NEVER if name == "judged" else 0
-        if rows and (int(values.min()) < low or int(values.max()) > high):
-            fail(join(where_r, name), f"values lie in {low}..{high}")
-    check_offsets(np.concatenate((r.sample_lo[:1], r.sample_hi)) if rows else np.zeros(1, dtype=np.int64),
-             join(where_r, "sample_hi"), rows + 1, len(s))  # fmt: skip
-    if (r.sample_lo[1:] != r.sample_hi[:-1]).any():
-        fail(join(where_r, "sample_lo"), "each rollout's samples start where the previous one's end")
-    sample_counts = r.sample_hi - r.sample_lo
-    sample_owner = np.repeat(np.arange(rows), sample_counts)
-    if not np.array_equal(s.rollout, sample_owner):
-        fail(join(where_s, "rollout"), "does not name the rollout row each sample belongs to")
-    expected_local = np.arange(len(s)) - r.sample_lo[sample_owner]
-    if not np.array_equal(s.local, expected_local):
-        fail(join(where_s, "local"), "samples are numbered 0, 1, ... within their rollout")
-    sample_in_batch = np.zeros(len(s), dtype=np.int64)
-    position_lo = np.zeros(len(s), dtype=np.int64)
-    position_hi = np.zeros(len(s), dtype=np.int64)
-    has_tokens = np.zeros(len(s), dtype=bool)
-    seen_pairs: set[tuple[int, int]] = set()
-    # Rows and samples grouped by chunk once (stable: in row order), not one scan of all rows per chunk.
-    row_order = np.argsort(chunk, kind="stable")
-    row_bounds = np.searchsorted(chunk[row_order], np.arange(len(chunks) + 1))
-    sample_chunk = chunk[sample_owner]
-    sample_order = np.argsort(sample_chunk, kind="stable")
-    sample_bounds = np.searchsorted(sample_chunk[sample_order], np.arange(len(chunks) + 1))
-    for c, batch in enumerate(chunks):
-        mine = row_order[row_bounds[c] : row_bounds[c + 1]]
-        k = index[mine]
-        if ((k < 0) | (k >= batch.n_rollouts)).any():
-            fail(join(where_r, "index"), f"chunk {c} holds rollouts 0..{batch.n_rollouts - 1}")
-        if len(np.unique(k)) != len(k):
-            fail(join(where_r, "index"), f"one rollout of chunk {c} is queued twice")
-        seen_pairs.update(zip([c] * len(k), k.tolist()))
-        assert batch.frozen is not None and batch.group_ids is not None and batch.envs is not None
-        assert batch.label_kind is not None
-        checks = (
-            ("id", _per_row(batch.ids, k), _per_row(ids, mine)),
-            ("frozen", batch.frozen[k].tolist(), r.frozen[mine].tolist()),
-            ("dispatch", batch.dispatch_version[k].tolist(), r.dispatch[mine].tolist()),
-            ("env", _per_row(batch.envs, k), [envs[e] for e in r.env[mine].tolist()]),
-            (
-                "sample_hi",
-                np.diff(batch.sample_offsets)[k].tolist(),
-                (r.sample_hi - r.sample_lo)[mine].tolist(),
-            ),
-        )
-        for name, theirs, ours in checks:
-            if theirs != ours:
-                row = int(mine[next(i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b)])
-                key = "ids" if name == "id" else f"tables.rollouts.{name}"
-                fail(join(path, key), f"row {row} disagrees with rollout {int(index[row])} of chunk {c}")
-        for row, name in zip(mine.tolist(), _per_row(batch.group_ids, k)):
-            if name is not None and groups.get(name) != int(r.group[row]):
-                fail(join(where_r, "group"), f"row {row} is not in the group of {name!r}")
-        owned = sample_order[sample_bounds[c] : sample_bounds[c + 1]]
-        sample_in_batch[owned] = batch.sample_offsets[index[sample_owner[owned]]] + s.local[owned]
-        position_lo[owned] = batch.position_offsets[sample_in_batch[owned]]
-        position_hi[owned] = batch.position_offsets[sample_in_batch[owned] + 1]
-        has_tokens[owned] = batch.token_versions is not None
-        if not np.array_equal(s.label_kind[owned], batch.label_kind[sample_in_batch[owned]]):
-            fail(join(where_s, "label_kind"), f"disagrees with chunk {c}")
-        mask = batch.mask[expand_ranges(position_lo[owned], position_hi[owned])]
-        if ((mask != 0) & (mask != 1)).any():
-            fail(join(join(where, c), "mask"), "the mask values of queued rollouts are 0 or 1")
 
-    # Samples and spans: spans tile each sample's rows and stay inside its positions in the batch.
-    check_offsets(np.concatenate((s.span_lo[:1], s.span_hi)) if len(s) else np.zeros(1, dtype=np.int64),
-             join(where_s, "span_hi"), len(s) + 1, len(n))  # fmt: skip
-    if (s.span_lo[1:] != s.span_hi[:-1]).any():
-        fail(join(where_s, "span_lo"), "each sample's spans start where the previous one's end")
-    if ((s.mask_below < NO_MASK) | (s.mask_below > max(step, 0))).any():
-        fail(join(where_s, "mask_below"), f"thresholds lie in {NO_MASK}..{step}")
-    if ((s.n_sampled < 0) | (s.n_unlabelled < 0) | (s.n_unlabelled > s.n_sampled)).any():
-        fail(join(where_s, "n_unlabelled"), "counts are 0..n_sampled")
-    if (s.n_sampled > position_hi - position_lo).any():
-        fail(join(where_s, "n_sampled"), "more sampled positions than the sample has")
-    span_owner = np.repeat(np.arange(len(s)), s.span_hi - s.span_lo)
-    if not np.array_equal(n.sample, span_owner):
-        fail(join(where_n, "sample"), "does not name the sample row each span belongs to")
-    lo, hi, part = n.lo, n.hi, n.part
-    if ((lo < position_lo[span_owner]) | (hi < lo) | (hi > position_hi[span_owner])).any():
-        fail(join(where_n, "lo"), "a span reaches outside its sample's positions")
-    if ((n.sampled < 0) | (n.sampled > hi - lo)).any():
-        fail(join(where_n, "sampled"), "more sampled positions than the span has")
-    if ((part != PART_WHOLE) & (part != PART_LABELLED) & (part != PART_UNLABELLED)).any():
-        fail(join(where_n, "part"), "values are 0 (whole), 1 (labelled) and 2 (unlabelled)")
-    first, second = np.flatnonzero(part == PART_LABELLED), np.flatnonzero(part == PART_UNLABELLED)
-    if not np.array_equal(first + 1, second) or not np.array_equal(span_owner[first], span_owner[second[: len(first)]]):
-        fail(join(where_n, "part"), "a labelled part is followed by its unlabelled part, in the same sample")
-    if ((part != PART_WHOLE) & ~has_tokens[span_owner]).any():
-        fail(join(where_n, "part"), "a mixed span in a batch without token versions")
-    if len(seen_pairs) != rows:  # pragma: no cover - follows from the per-chunk uniqueness
-        fail(join(where_r, "index"), "one rollout is queued twice")
-    tokens_entered = integer(state["tokens_entered"], join(path, "tokens_entered"), 0)
+def _ints(value: Any, path: str, length: int, low: int, high: int) -> IntArray:
+    """A list of ``length`` integers in ``low..high``."""
+    items = sequence(value, path, length)
+    if set(map(type, items)) <= {int}:  # the usual case, at C speed
+        values = np.asarray(items, dtype=object if items and max(map(abs, items)) >= 2**63 else np.int64)
+        if values.dtype == np.int64 and (not len(values) or (values.min() >= low and values.max() <= high)):
+            return values
+    for i, item in enumerate(items):  # the loop names the offending entry
+        integer(item, join(path, i), low, high)
+    raise AssertionError("unreachable: an entry failed its check")  # pragma: no cover
 
-    queue.restore(
-        rollouts=r, samples=s, spans=n, ids=ids, seen_ids=seen_ids, chunks=list(chunks), chunk_open=chunk_open,
-        groups=groups, n_groups=n_groups, group_agentic=group_agentic,
-        env_index={name: i for i, name in enumerate(envs)}, queued=queued, tokens_entered=tokens_entered,
-    )  # fmt: skip
+
+def read_queue(
+    state: Mapping[str, Any], observe_added: Callable[[IntArray], None], path: str = "", step: int = 0
+) -> RolloutQueue:
+    """A new queue holding :func:`save_queue`'s ``state``, checked: every rollout as an add checks it, and the
+    judging state by range and length. ``step``: the latest step of the sink that saved it (no rollout was judged
+    after it); ``observe_added``: the policy's hook (not told of the rollouts loaded: the policy's own state says
+    what it saw). A bad state raises ``ConfigError`` naming the key path."""
+    found = keys(state, path, QUEUE_KEYS)
+    registry = read_registry(found, path)
+    queue = RolloutQueue(lambda groups: None)
+    queue.restore(**registry.fields())
+    where = join(path, "batches")
+    for i, encoded in enumerate(sequence(found["batches"], where)):
+        batch = decode_batch(encoded, join(where, i))
+        verdicts, spans = checked_spans(batch, queue.seen_ids)
+        if verdicts.errors:
+            fail(join(where, i), str(verdicts.errors[min(verdicts.errors)]))
+        queue.add_checked(batch, spans)
+    if len(queue.env_index) != len(registry.envs):
+        fail(join(path, "envs"), f"lacks the env {next(reversed(queue.env_index))!r} of a queued rollout")
+    if len(queue.groups) != len(registry.groups):
+        fail(join(path, "groups"), f"lacks the group {next(reversed(queue.groups))!r} of a queued rollout")
+    if not registry.seen_ids.issuperset(queue.seen_ids):
+        fail(join(path, "seen_ids"), f"lacks the queued id {min(queue.seen_ids - registry.seen_ids)!r}")
+    rollouts, samples = len(queue.rollouts), len(queue.samples)
+    judged = _ints(found["judged"], join(path, "judged"), rollouts, NEVER, step)
+    mask_below = _ints(found["mask_below"], join(path, "mask_below"), samples, NO_MASK, max(step, 0))
+    where = join(path, "dropped")
+    dropped = np.array([boolean(v, join(where, i)) for i, v in enumerate(sequence(found["dropped"], where, samples))])
+    _judged_as_saved(queue, judged, mask_below, dropped.astype(bool))
+    tokens_entered = integer(found["tokens_entered"], join(path, "tokens_entered"), 0)
+    queue.restore(seen_ids=registry.seen_ids, tokens_entered=tokens_entered, observe_added=observe_added)
     return queue
+
+
+def _judged_as_saved(
+    queue: RolloutQueue, judged: IntArray, mask_below: IntArray, dropped: npt.NDArray[np.bool_]
+) -> None:
+    """Mask again what the thresholds masked (each sampled position below its sample's threshold, as every raise
+    did before the save), and set the judging state."""
+    rows = np.arange(len(queue.rollouts))
+    raised = mask_below > NO_MASK
+    if raised.any():
+        mask_positions(queue, judgement_of(queue, rows, 0), mask_below, raised)
+    queue.rollouts.judged = judged
+    queue.samples.mask_below = mask_below
+    queue.samples.dropped = dropped

@@ -29,9 +29,10 @@ def test_the_sink_state_holds_the_queue_state_as_the_queue_wrote_it() -> None:
     sink = _sink_with_a_queue()
     queue_state = json.loads(json.dumps(save_queue(sink.queue)))
     assert set(queue_state) == set(QUEUE_KEYS)
-    assert queue_state["ids"] == ["a", "b", "d"] and queue_state["queued"] == 3
+    assert [batch["ids"]["list"] for batch in queue_state["batches"]] == [["a", "b"], ["d"]]
+    assert len(queue_state["judged"]) == 3 and len(queue_state["mask_below"]) == 4  # (b has two samples)
     sink_state = json.loads(json.dumps(sink.state_dict()))
-    assert {key: sink_state[key] for key in QUEUE_KEYS} == queue_state
+    assert sink_state["queue"] == queue_state
 
 
 def test_a_loaded_queue_carries_on_like_the_one_that_saved_it() -> None:
@@ -50,7 +51,7 @@ def test_a_bad_queue_state_is_refused_by_its_key_and_changes_nothing() -> None:
     sink = _sink_with_a_queue()
     state = json.loads(json.dumps(save_queue(sink.queue)))
     before = save_queue(sink.queue)
-    state["chunk_open"][0] += 1
-    with pytest.raises(ConfigError, match=r"checkpoint: chunk_open: does not count the queued rollouts"):
+    state["judged"].append(0)
+    with pytest.raises(ConfigError, match=r"checkpoint: judged: 4 entries where 3 are needed"):
         read_queue(state, sink.policy.observe_added, step=sink.step)
     assert save_queue(sink.queue) == before
