@@ -46,9 +46,9 @@ __all__ = [
     "strings",
 ]
 
-FORMAT = 2
+FORMAT = 3
 # Format 1 (before digests) still loads: everything is checked but the digests it does not have.
-READABLE_FORMATS = (1, 2)
+READABLE_FORMATS = (1, 2, 3)
 
 
 # ---------------------------------------------------------------------- checking helpers

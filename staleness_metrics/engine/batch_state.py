@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -18,7 +18,10 @@ import numpy.typing as npt
 from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from ..records.padded_rows import PaddedLayout
 from ..state_checks import decode_array, encode_array, fail, integer, join, keys, kind_of, mapping, sequence, strings
+from .segments import expand_ranges
 from .table import Table
+
+TableT = TypeVar("TableT", bound=Table)
 
 __all__ = ["check_offsets", "decode_batch", "decode_table", "encode_batch", "encode_table", "encode_value"]
 
@@ -82,12 +85,13 @@ def check_offsets(values: npt.NDArray[np.int64], path: str, length: int, end: in
 def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     """The batch of :func:`encode_batch`, checked: every length and offset agrees, so no write can stray."""
     names = [f.name for f in dataclasses.fields(RolloutBatch)]
-    found = keys(encoded, path, names)
+    # an optional field may be absent (a field added since the state was saved: None, as an add without it)
+    found = keys(encoded, path, [n for n in names if n not in _BATCH_OPTIONAL], _BATCH_OPTIONAL)
     raw: dict[str, Any] = {}
     for name in names:
         where = join(path, name)
         form = _BATCH_FORMS.get(name, "array")
-        value = _decode_value(found[name], where, form)
+        value = _decode_value(found[name], where, form) if name in found else None
         if value is None:
             if name not in _BATCH_OPTIONAL:
                 fail(where, "missing (null)")
@@ -162,24 +166,61 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
         fail(path, str(exc))
 
 
+def queued_part(batch: RolloutBatch, rollouts: npt.NDArray[np.int64], sampled: npt.NDArray[np.int64]) -> RolloutBatch:
+    """The rollouts ``rollouts`` of ``batch`` (in that order) as a new batch of copies, with the mask back to 1 at
+    the positions ``sampled`` (of ``batch``: sampled as they arrived, masked in place since)."""
+    samples = expand_ranges(batch.sample_offsets[rollouts], batch.sample_offsets[rollouts + 1])
+    positions = expand_ranges(batch.position_offsets[samples], batch.position_offsets[samples + 1])
+    part = copy.copy(batch)  # (checked and converted already: no __post_init__ again)
+    mask = batch.mask.copy()
+    mask[sampled] = 1
+    part.mask = mask[positions]
+    part.ids = [batch.ids[i] for i in rollouts.tolist()]
+    part.sample_offsets = _offsets(batch.sample_offsets, rollouts)
+    part.position_offsets = _offsets(batch.position_offsets, samples)
+    for name in ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo"):
+        if (values := getattr(batch, name)) is not None:
+            setattr(part, name, values[rollouts] if isinstance(values, np.ndarray) else
+                    [values[i] for i in rollouts.tolist()])  # fmt: skip
+    for name in (*PER_POSITION_FLOATS, "token_versions"):
+        if (values := getattr(batch, name)) is not None:
+            setattr(part, name, values[positions])
+    if batch.label_kind is not None:
+        part.label_kind = batch.label_kind[samples]
+    if batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None:
+        spans = expand_ranges(batch.span_offsets[samples], batch.span_offsets[samples + 1])
+        part.span_offsets = _offsets(batch.span_offsets, samples)
+        part.span_versions, part.span_starts = batch.span_versions[spans], batch.span_starts[spans]
+    part.present = {name: flags[samples] for name, flags in batch.present.items()}
+    if batch.padded is not None and not np.array_equal(rollouts, np.arange(batch.n_rollouts)):
+        part.padded = None  # (the rows of a padded batch are kept only when all of it is)
+    return part
+
+
+def _offsets(offsets: npt.NDArray[np.int64], items: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """Offsets of the ranges ``offsets[i]:offsets[i + 1]`` of ``items``, one after the other."""
+    return np.concatenate(([0], np.cumsum(offsets[items + 1] - offsets[items]))).astype(np.int64)
+
+
 def encode_table(table: Table) -> dict[str, Any]:
-    return {name: encode_array(table[name]) for name in table.names}
+    return {name: encode_array(table.column(name)) for name in table.names}
 
 
-def decode_table(encoded: Any, like: Table, path: str) -> Table:
-    """A table with the columns (and dtypes) of ``like`` filled from ``encoded``, all of one length."""
+def decode_table(encoded: Any, like: TableT, path: str) -> TableT:
+    """A table of ``like``'s type (its columns and dtypes) filled from ``encoded``, all of one length."""
     found = mapping(encoded, path)
     missing = sorted(set(like.names) - set(found))
     extra = sorted(set(found) - set(like.names), key=str)
     if missing or extra:
         name = (missing or extra)[0]
         fail(join(path, str(name)), f"the table {'lacks this column' if missing else 'has no such column'}")
-    columns = {name: decode_array(found[name], join(path, name), like[name].dtype) for name in like.names}
+    columns = {name: decode_array(found[name], join(path, name), dtype) for name, dtype in like.columns.items()}
     lengths = {len(values) for values in columns.values()}
     if len(lengths) > 1:
-        name = next(name for name, values in columns.items() if len(values) != len(columns[like.names[0]]))
-        fail(join(path, name), f"{len(columns[name])} rows where the other columns have {len(columns[like.names[0]])}")
-    table = Table(**{name: like[name].dtype for name in like.names})
+        first = len(columns[like.names[0]])
+        name = next(name for name, values in columns.items() if len(values) != first)
+        fail(join(path, name), f"{len(columns[name])} rows where the other columns have {first}")
+    table = type(like)()
     if columns and len(next(iter(columns.values()))):
         table.append(**columns)
     return table

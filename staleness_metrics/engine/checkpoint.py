@@ -1,19 +1,18 @@
 """Checkpoints of a sink (and a monitor) as plain JSON-serialisable data (SPEC 13).
 
-A checkpoint holds everything later ships depend on: the queued rollouts (their rows in the sink's
-tables and the arrays they arrived in), every id seen in the run, groups, envs, the open window, the
+A checkpoint holds everything later ships depend on, by what it means: the queued rollouts as they arrived
+(SPEC 3's columns) and what judging did to them, every id seen in the run, groups, envs, the open window, the
 last step, the cumulative tallies and the policy's own state. It is built from ints, floats, strings,
 booleans, None, lists and dicts only, so it goes into ``json.dump`` or a trainer's ``torch.save``.
 
-Each part saves and checks its own state: the queue (:meth:`~.queue.RolloutQueue.state_dict`, its batches
-and tables by :mod:`.batch_state`), the policy, the SPEC 14 trackers; this module puts the sink's together
-(:func:`save_sink`) and holds the forms of the window, tallies and reports. Saving never changes the sink: the
-queue writes a compacted copy (only the queued rollouts, renumbered), so a checkpoint may be taken after any
-call. Loading is all or nothing: :func:`read_sink` checks the whole state (structure, types, dtypes, ranges,
-and that ids, rows, chunks, queue and counters agree) while it builds new objects (a :class:`SinkState`),
-and a digest per top-level key catches a value changed to another plausible one. Only then is anything
-replaced (``Sink.load_checked``); a bad state raises :class:`ConfigError` naming the key path and reason.
-"""
+Each part saves and checks its own state: the queue (:mod:`.queue_state`; the old formats' tables by
+:mod:`.queue_layout`), the policy, the SPEC 14 trackers; this module puts the sink's together (:func:`save_sink`)
+and holds the forms of the window, tallies and reports. Saving never changes the sink, so a checkpoint may be
+taken after any call. Loading is all or nothing: :func:`read_sink` checks the whole state (structure, types,
+dtypes, ranges, the rollouts as an add checks them, and that queue and counters agree) while it builds new
+objects (a :class:`SinkState`), and a digest per top-level key catches a value changed to another plausible
+one. Only then is anything replaced (``Sink.load_checked``); a bad state raises :class:`ConfigError` naming the
+key path and reason."""
 
 from __future__ import annotations
 
@@ -48,7 +47,9 @@ from ..state_checks import (
 )
 from .batch_state import encode_value
 from .policies import Policy
-from .queue import QUEUE_KEYS, RolloutQueue
+from .queue import RolloutQueue
+from .queue_layout import LAYOUT_KEYS, read_layout
+from .queue_state import read_queue, save_queue
 
 __all__ = [
     "JUDGING_SETTINGS",
@@ -70,8 +71,6 @@ __all__ = [
 # ``strict`` and ``env_breakdown`` change how input is read and reported, not the state, so they may differ.
 JUDGING_SETTINGS = ("policy", "max_staleness", "max_token_staleness", "sync_interval", "retry_expired")
 MAX_STEP = 2**53
-QUEUED = 0  # the sink's status of a queued rollout (a checkpoint holds queued rollouts only)
-NEVER = -1
 INT64 = np.dtype(np.int64)
 
 
@@ -178,7 +177,8 @@ def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
 
 
 # ---------------------------------------------------------------------- the sink
-SINK_KEYS = ("format", "config", "step", *QUEUE_KEYS, "window", "invalid", "totals", "policy")
+SINK_KEYS = ("format", "config", "step", "queue", "window", "invalid", "totals", "policy")
+LAYOUT_SINK_KEYS = ("format", "config", "step", *LAYOUT_KEYS, "window", "invalid", "totals", "policy")  # formats 1, 2
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,7 @@ def save_sink(
         "format": FORMAT,
         "config": dataclasses.asdict(config),
         "step": step,
-        **queue.state_dict(),
+        "queue": save_queue(queue),
         "window": _window_to_dict(window),
         "invalid": [[e.rollout_id, e.field, e.reason] for e in invalid],
         "totals": tally_to_dict(totals),
@@ -230,12 +230,18 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
     whose queue is ``queue``. Nothing of them is changed (the queue only lends its tables' column dtypes)."""
     check_format(state, "sink", path)
     # "bound", "bound_envs": SPEC 14's trackers, the batch's and each env's (absent before SPEC 14)
-    state = keys(state, path, SINK_KEYS, ("digests", "bound", "bound_envs"))
+    old = state["format"] in (1, 2)  # the queue's tables and batches (:mod:`.queue_layout`, the converter)
+    state = keys(state, path, LAYOUT_SINK_KEYS if old else SINK_KEYS, ("digests", "bound", "bound_envs"))
     if state["format"] != 1 and "digests" not in state:
         fail(join(path, "digests"), "missing")
     check_config(state["config"], config, join(path, "config"))
     step = integer(state["step"], join(path, "step"), 0, MAX_STEP)
-    restored = queue.read_state(state, path, step)
+    if old:
+        restored = read_layout(state, policy.observe_added, path, step)
+    else:
+        restored = read_queue(
+            mapping(state["queue"], join(path, "queue")), policy.observe_added, join(path, "queue"), step
+        )
     window = _window_from_dict(state["window"], join(path, "window"), len(restored.env_names))
     invalid = []
     for i, item in enumerate(sequence(state["invalid"], join(path, "invalid"))):
@@ -245,8 +251,8 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
     totals = check_tally(state["totals"], join(path, "totals"))
     # Conservation: every sampled position of a live rollout that entered is shipped, dropped or queued.
     r, s = restored.rollouts, restored.samples
-    sample_live = ~r["frozen"][s["rollout"]] & ~s["dropped"]
-    queued_tokens = int(s["n_sampled"][sample_live].sum())
+    sample_live = ~r.frozen[s.rollout] & ~s.dropped
+    queued_tokens = int(s.n_sampled[sample_live].sum())
     accounted = totals.tokens_sampled + totals.tokens_dropped + window.get(None, "tokens_dropped") + queued_tokens
     if restored.tokens_entered != accounted:
         fail(join(path, "tokens_entered"), f"{restored.tokens_entered}, but shipped, dropped and queued positions "

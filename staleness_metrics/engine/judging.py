@@ -33,29 +33,29 @@ def with_groups(queue: RolloutQueue, rows: IntArray, judges_groups: bool) -> Int
     """``rows`` plus every queued member of their groups (for policies that judge groups)."""
     if not judges_groups or len(rows) == 0:
         return rows
-    queued = np.flatnonzero(queue.rollouts["status"] == QUEUED)
-    members = queued[np.isin(queue.rollouts["group"][queued], queue.rollouts["group"][rows])]
+    queued = np.flatnonzero(queue.rollouts.status == QUEUED)
+    members = queued[np.isin(queue.rollouts.group[queued], queue.rollouts.group[rows])]
     return np.union1d(rows, members)
 
 
 def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
     """The columnar slice of queued ``rows`` a policy judges at ``step``."""
     r, s, n = queue.rollouts, queue.samples, queue.spans
-    cut = slice_rows(rows, r["sample_lo"], r["sample_hi"], s["span_lo"], s["span_hi"])
+    cut = slice_rows(rows, r.sample_lo, r.sample_hi, s.span_lo, s.span_hi)
     sample_rows, span_rows = cut.sample_rows, cut.span_rows
-    group = r["group"][rows]
+    group = r.group[rows]
     judgement = object.__new__(Judgement)  # (every field given: the frozen __init__'s setattr per field skipped)
     judgement.__dict__.update(
-        step=step, rows=rows, frozen=r["frozen"][rows], env=r["env"][rows], dispatch=r["dispatch"][rows],
-        completion=r["completion"][rows], group=group, group_agentic=queue.group_agentic[group],
+        step=step, rows=rows, frozen=r.frozen[rows], env=r.env[rows], dispatch=r.dispatch[rows],
+        completion=r.completion[rows], group=group, group_agentic=queue.group_agentic[group],
         sample_offsets=cut.sample_offsets, sample_rows=sample_rows, sample_rollout=cut.sample_rollout,
-        mask_below=s["mask_below"][sample_rows], dropped=s["dropped"][sample_rows],
-        had_train=s["had_train"][sample_rows], unmaskable=s["unmaskable"][sample_rows],
-        n_sampled=s["n_sampled"][sample_rows], n_unlabelled=s["n_unlabelled"][sample_rows],
-        max_sampled_version=s["max_sampled"][sample_rows], seq_min_version=s["seq_min"][sample_rows],
+        mask_below=s.mask_below[sample_rows], dropped=s.dropped[sample_rows],
+        had_train=s.had_train[sample_rows], unmaskable=s.unmaskable[sample_rows],
+        n_sampled=s.n_sampled[sample_rows], n_unlabelled=s.n_unlabelled[sample_rows],
+        max_sampled_version=s.max_sampled[sample_rows], seq_min_version=s.seq_min[sample_rows],
         span_offsets=cut.span_offsets, span_sample=cut.span_sample,
-        version=n["version"][span_rows], labelled=n["labelled"][span_rows], sampled=n["sampled"][span_rows],
-        live=n["live"][span_rows],
+        version=n.version[span_rows], labelled=n.labelled[span_rows], sampled=n.sampled[span_rows],
+        live=n.live[span_rows],
     )  # fmt: skip
     return judgement
 
@@ -73,8 +73,8 @@ def judgement_after(queue: RolloutQueue, judgement: Judgement) -> Judgement:
     s = queue.samples
     again = object.__new__(Judgement)  # (a frozen dataclass: a copy, its two fields set as its __init__ would)
     again.__dict__.update(judgement.__dict__)
-    again.__dict__["mask_below"] = s["mask_below"][judgement.sample_rows]
-    again.__dict__["dropped"] = s["dropped"][judgement.sample_rows]
+    again.__dict__["mask_below"] = s.mask_below[judgement.sample_rows]
+    again.__dict__["dropped"] = s.dropped[judgement.sample_rows]
     return again
 
 
@@ -89,7 +89,7 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
     # new threshold, no position becomes stale (the usual sweep of a run within its bound: nothing to look for).
     if raised.any() and (raised & (judgement.seq_min_version < mask_below)).any():
         mask_positions(queue, judgement, mask_below, raised)
-    samples["mask_below"][sample_rows] = mask_below
+    samples.mask_below[sample_rows] = mask_below
 
     if not (decision.drop_sample.any() or decision.drop_rollout.any()):  # (nothing dropped: the usual case)
         return
@@ -97,14 +97,14 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
     drop_sample = (decision.drop_sample | drop_rollout[judgement.sample_rollout]) & ~judgement.dropped
     if drop_sample.any():
         local = np.flatnonzero(drop_sample)
-        samples["dropped"][sample_rows[local]] = True
+        samples.dropped[sample_rows[local]] = True
         env = judgement.env[judgement.sample_rollout[local]]
         window.add(env, "samples_dropped")
         window.add(env, "tokens_dropped", judgement.n_sampled[local])
         window.add_dropped_lengths(env, judgement.n_sampled[local])
         ids = queue.ids
         window.dropped_samples.extend(
-            (ids[rows[judgement.sample_rollout[i]]], int(samples["local"][sample_rows[i]])) for i in local
+            (ids[rows[judgement.sample_rollout[i]]], int(samples.local[sample_rows[i]])) for i in local
         )
     if drop_rollout.any():
         gone = rows[drop_rollout]
@@ -117,10 +117,10 @@ def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArr
     """Zero newly stale sampled positions in mask and the three weight arrays, in place: the rows to write
     found by one compiled pass over the judged span rows (:func:`stale_rows`)."""
     s, spans = queue.samples, queue.spans
-    samples = SampleSpans(s["span_lo"][judgement.sample_rows], s["span_hi"][judgement.sample_rows],
+    samples = SampleSpans(s.span_lo[judgement.sample_rows], s.span_hi[judgement.sample_rows],
                           judgement.sample_rollout)  # fmt: skip
-    table, thresholds = SpanRanges(spans["part"], spans["lo"], spans["hi"]), (judgement.mask_below, mask_below, raised)
-    chunk = queue.rollouts["chunk"][judgement.rows]
+    table, thresholds = SpanRanges(spans.part, spans.lo, spans.hi), (judgement.mask_below, mask_below, raised)
+    chunk = queue.rollouts.chunk[judgement.rows]
     found = stale_rows(samples, table, judgement.version, judgement.sampled, thresholds, chunk)
     if len(found.lo):
         mask_spans(queue.chunks, found.chunk, found.lo, found.hi, found.part, found.positions)

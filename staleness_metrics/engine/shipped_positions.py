@@ -188,11 +188,10 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
     """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11): one compiled
     pass over the shipped samples' span rows (:func:`shipped_rows`)."""
     s, n = queue.samples, queue.spans
-    chunks = queue.rollouts["chunk"][shipped.rows]
+    chunks = queue.rollouts.chunk[shipped.rows]
     used = distinct(chunks)
-    batches = [batch for batch in map(queue.chunks.__getitem__, used) if batch is not None]
-    assert len(batches) == len(used)  # a queued rollout's batch is kept
-    sample_rows, table = shipped.sample_rows, (s["span_lo"], s["span_hi"], n["part"], n["lo"], n["hi"])
+    batches = list(queue.batches_of(used).values())
+    sample_rows, table = shipped.sample_rows, (s.span_lo, s.span_hi, n.part, n.lo, n.hi)
 
     def find() -> ShippedRows:
         # (table columns as they were at the ship: rows are only ever appended to them, never rewritten)

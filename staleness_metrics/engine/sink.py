@@ -26,7 +26,7 @@ from ..records.validation import Verdicts, plainly_valid
 from .decision import Decision, Judgement
 from .judging import apply_decision, judgement_after, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
-from .queue import COMPACT_MIN_ROWS, INVALID, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
+from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
 from .segments import distinct, expand_ranges
 from .shipment import Shipment, ShippedRollout
 from .shipped_positions import shipped_spans
@@ -62,7 +62,6 @@ class Sink:
         self.policy = policy or policy_for(self.config)
         self.queue = RolloutQueue(self.policy.observe_added)
         self._step = 0
-        self.queue.queued = 0
         self._window = WindowCounts()
         self._invalid: list[TraceError] = []
         self.totals = Tally()
@@ -120,8 +119,7 @@ class Sink:
     @property
     def tokens_queued(self) -> int:
         """Sampled positions of live rollouts still queued (samples not dropped)."""
-        self.queue.build_staged()
-        return self.queue.queued_tokens(np.flatnonzero(self.queue.rollouts["status"] == QUEUED))
+        return self.queue.tokens_queued
 
     @property
     def tokens_entered(self) -> int:
@@ -219,14 +217,7 @@ class Sink:
                 return 0
         else:
             keep = np.arange(batch.n_rollouts)
-        assert batch.frozen is not None and batch.agentic is not None and batch.group_ids is not None
-        assert batch.envs is not None and batch.label_kind is not None
-
-        chunk, groups, envs = self.queue.admit(batch, kept_ids)
-        self.queue.append_rows(
-            batch, spans, keep, np.full(len(keep), chunk), keep, np.array(groups, dtype=np.int64),
-            np.array(envs, dtype=np.int64),
-        )  # fmt: skip
+        self.queue.add_checked(batch, spans, kept_ids)
         return len(keep)
 
     # ------------------------------------------------------------------ judge
@@ -242,7 +233,7 @@ class Sink:
         judgement = judgement_of(self.queue, rows, step)
         decision = self.policy.decide(judgement)
         apply_decision(self.queue, self._window, judgement, decision)
-        self.queue.rollouts["judged"][rows] = step
+        self.queue.rollouts.judged[rows] = step
         return judgement, decision
 
     def observe_mismatch(self, step: int, total: MismatchSums, *, merge: bool = False) -> ShipBound | None:
@@ -279,7 +270,7 @@ class Sink:
         self.queue.build_staged()
         if queued is None:
             queued = self.queue.queued_rows()
-        rows = queued[self.queue.rollouts["judged"][queued] < step]
+        rows = queued[self.queue.rollouts.judged[queued] < step]
         if len(rows) == 0:
             return None
         return self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)[0]
@@ -296,30 +287,24 @@ class Sink:
             raise FieldTypeError("ids", "must be a collection of rollout ids, not one string")
         self._advance(step)
         queue = self.queue
-        queue.build_staged()
         r = queue.rollouts
         queued = queue.queued_rows()
-        if ids is None:
-            taken = queued
-        else:
-            named = [queue.row_of[i] for i in ids if i in queue.row_of]
-            taken = np.unique(np.array(named, dtype=np.int64))
-            taken = taken[r["status"][taken] == QUEUED]
+        taken = queued if ids is None else queue.rows_named(ids)
         before = queue.queued
         judged = self._sweep(step, queued)  # (when it judged exactly the rollouts shipped, their slice is read from it)
         # The usual ship: everything queued, all of it judged by this sweep, none dropped (the slice is the ship's)
         whole = ids is None and judged is not None and len(judged.rows) == len(queued) and queue.queued == before
         if queue.queued != before:  # the sweep dropped some
-            taken = taken[r["status"][taken] == QUEUED]
+            taken = taken[r.status[taken] == QUEUED]
         taken = self._check_versions(taken, step, judged if whole else None)
         whole = whole and len(taken) == len(queued)  # (none set aside for its versions)
         if len(taken) and self.policy.holds:
             # The sweep judged everything at this step already; judging again only decides the holds.
             judged, decision = self._judge(with_groups(queue, taken, self.policy.judges_groups), step)
-            taken = taken[r["status"][taken] == QUEUED]
+            taken = taken[r.status[taken] == QUEUED]
             hold = np.isin(taken, judged.rows[decision.hold_rollout])
             held, shipped = taken[hold], taken[~hold]
-            self._window.add(r["env"][held], "rollouts_held")
+            self._window.add(r.env[held], "rollouts_held")
             self._window.held.extend(queue.ids[i] for i in held)
             whole = False
         else:
@@ -370,21 +355,18 @@ class Sink:
         rows = shipped.rows
         kept = ~shipped.dropped
         owner = shipped.sample_rollout[kept]
-        local = self.queue.samples["local"][shipped.sample_rows[kept]]
-        ids = list(map(self.queue.ids.__getitem__, rows.tolist()))
+        local = self.queue.samples.local[shipped.sample_rows[kept]]
+        ids = self.queue.ids_of(rows)
         r = self.queue.rollouts
-        chunk = r["chunk"][rows]
-        used = distinct(chunk)
-        batches = dict(zip(used, map(self.queue.chunks.__getitem__, used)))
-        index = r["index"][rows]
+        chunk = r.chunk[rows]
+        batches = self.queue.batches_of(distinct(chunk))
+        index = r.index[rows]
 
         def build() -> tuple[ShippedRollout, ...]:
             bounds = np.searchsorted(owner, np.arange(len(ids) + 1))
             out = []
             for i, (rid, c, k) in enumerate(zip(ids, chunk.tolist(), index.tolist())):
-                batch = batches[c]
-                assert batch is not None
-                out.append(ShippedRollout(rid, batch, k, tuple(local[bounds[i] : bounds[i + 1]].tolist())))
+                out.append(ShippedRollout(rid, batches[c], k, tuple(local[bounds[i] : bounds[i + 1]].tolist())))
             return tuple(out)
 
         return build
@@ -395,34 +377,33 @@ class Sink:
         trained = step - 1
         r, s = self.queue.rollouts, self.queue.samples
         if judged is not None:  # (the usual ship: nothing to name, found in two maxima)
-            newest_label = int(s["max_label"][judged.sample_rows].max(initial=trained))
+            newest_label = int(s.max_label[judged.sample_rows].max(initial=trained))
             if not len(rows) or (int(judged.dispatch.max()) <= trained and newest_label <= trained):
                 return rows
-        bad_dispatch = r["dispatch"][rows] > trained  # frozen rollouts too: every version is checked
-        sample_rows = expand_ranges(r["sample_lo"][rows], r["sample_hi"][rows])
-        bad_sample = s["max_label"][sample_rows] > trained
+        bad_dispatch = r.dispatch[rows] > trained  # frozen rollouts too: every version is checked
+        sample_rows = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])
+        bad_sample = s.max_label[sample_rows] > trained
         if not (bad_dispatch.any() or bad_sample.any()):  # (the usual case: nothing to name)
             return rows
-        counts = r["sample_hi"][rows] - r["sample_lo"][rows]
+        counts = r.sample_hi[rows] - r.sample_lo[rows]
         bad_label = np.bincount(np.repeat(np.arange(len(rows)), counts)[bad_sample], minlength=len(rows)) > 0
         bad = bad_dispatch | bad_label
         errors = []
         for local in np.flatnonzero(bad):
             row = int(rows[local])
             if bad_dispatch[local]:
-                version, field_name = int(r["dispatch"][row]), "dispatch_version"
+                version, field_name = int(r.dispatch[row]), "dispatch_version"
             else:
-                lo = int(r["sample_lo"][row])
-                k = int(np.flatnonzero(s["max_label"][lo : int(r["sample_hi"][row])] > trained)[0])
-                kind = "weight_versions" if s["label_kind"][lo + k] == LABELS_SPANS else "token_versions"
-                version, field_name = int(s["max_label"][lo + k]), f"samples[{k}].{kind}"
+                lo = int(r.sample_lo[row])
+                k = int(np.flatnonzero(s.max_label[lo : int(r.sample_hi[row])] > trained)[0])
+                kind = "weight_versions" if s.label_kind[lo + k] == LABELS_SPANS else "token_versions"
+                version, field_name = int(s.max_label[lo + k]), f"samples[{k}].{kind}"
             errors.append(
                 TraceError(self.queue.ids[row], field_name, f"version {version} is above the trained version {trained}")
             )
         if self.config.strict:
             raise errors[0]
         for local, error in zip(np.flatnonzero(bad), errors):
-            self._set_aside(error, self.queue.env_names[int(r["env"][rows[local]])] or None)
-        self.queue.tokens_entered -= self.queue.queued_tokens(rows[bad])  # set aside: they never entered after all
-        self.queue.leave(rows[bad], INVALID)
+            self._set_aside(error, self.queue.env_names[int(r.env[rows[local]])] or None)
+        self.queue.set_aside(rows[bad])
         return rows[~bad]

@@ -1,21 +1,59 @@
-"""A growable table of numpy columns (amortised O(1) appends, columnar reads)."""
+"""Growable tables of typed numpy columns (amortised O(1) appends, columnar reads).
+
+A table is a subclass declaring its columns as :class:`Column` attributes, so ``rows.status`` is a name mypy
+checks (a misspelt column is a type error, not a ``KeyError`` at run time) and its element type is known.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Table"]
+__all__ = ["Column", "Table"]
+
+ScalarT = TypeVar("ScalarT", bound=np.generic)
+TableT = TypeVar("TableT", bound="Table")
+
+
+class Column(Generic[ScalarT]):
+    """A column of a :class:`Table` subclass: ``table.name`` reads its live rows (a view: writes go to the
+    table); assigning ``table.name = values`` writes every row."""
+
+    def __init__(self, dtype: type[ScalarT]) -> None:
+        self.dtype = np.dtype(dtype)
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, table: None, owner: type) -> Column[ScalarT]: ...
+    @overload
+    def __get__(self, table: Table, owner: type) -> npt.NDArray[ScalarT]: ...
+    def __get__(self, table: Table | None, owner: type) -> Column[ScalarT] | npt.NDArray[ScalarT]:
+        if table is None:
+            return self
+        return table.column(self.name)
+
+    def __set__(self, table: Table, values: npt.ArrayLike) -> None:
+        table.column(self.name)[:] = values
 
 
 class Table:
-    """Named numpy columns of equal length that grow by appending whole arrays."""
+    """Columns of equal length that grow by appending whole arrays; a subclass declares them as :class:`Column`
+    attributes (in the order they are saved)."""
 
-    def __init__(self, **dtypes: npt.DTypeLike) -> None:
+    columns: ClassVar[dict[str, np.dtype[Any]]] = {}
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        cls.columns = {name: c.dtype for name, c in vars(cls).items() if isinstance(c, Column)}
+
+    def __init__(self) -> None:
         self._capacity = 16
-        self._columns: dict[str, npt.NDArray[Any]] = {name: np.zeros(16, dtype=d) for name, d in dtypes.items()}
+        self._columns: dict[str, npt.NDArray[Any]] = {name: np.zeros(16, dtype=d) for name, d in self.columns.items()}
         self._size = 0
         self._views: dict[str, npt.NDArray[Any]] = {}  # the live rows of the columns read since the last append
 
@@ -25,7 +63,7 @@ class Table:
     @property
     def names(self) -> tuple[str, ...]:
         """The column names, in the order they were declared."""
-        return tuple(self._columns)
+        return tuple(self.columns)
 
     def append(self, **values: npt.ArrayLike) -> int:
         """Append equal-length arrays for every column (a scalar: that value in every new row; at least one
@@ -53,15 +91,15 @@ class Table:
         self._views = {}
         return start
 
-    def take(self, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> Table:
+    def take(self: TableT, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> TableT:
         """A new table of the given rows (in that order); ``replace`` gives new values for columns."""
-        taken = Table(**{name: column.dtype for name, column in self._columns.items()})
-        taken.append(**{name: replace.get(name, self[name][rows]) for name in self._columns})
+        taken = type(self)()
+        taken.append(**{name: replace.get(name, self.column(name)[rows]) for name in self.columns})
         return taken
 
-    def __getitem__(self, name: str) -> npt.NDArray[Any]:
-        """The live rows of a column (a view: writes go to the table). (A ship reads a few dozen columns: each
-        view is made once per length.)"""
+    def column(self, name: str) -> npt.NDArray[Any]:
+        """The live rows of a column by name (a view; for code generic over columns: the attributes are typed).
+        (A ship reads a few dozen columns: each view is made once per length.)"""
         view = self._views.get(name)
         if view is None:
             view = self._views[name] = self._columns[name][: self._size]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import array as _array_module
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import accumulate, chain
 from typing import Any
 
@@ -464,10 +465,8 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     rollouts = list(rollouts)
     samples = [s for r in rollouts for s in r.samples]
     lengths = [len(s.mask) for s in samples]
-    ends = list(accumulate(lengths))
-    starts = [0, *ends]
-    total = ends[-1] if ends else 0
-    position_offsets = np.array(starts, dtype=np.int64)
+    position_offsets = np.array([0, *accumulate(lengths)], dtype=np.int64)
+    total = int(position_offsets[-1])
     sample_offsets = np.array([0, *accumulate(len(r.samples) for r in rollouts)], dtype=np.int64)
 
     # A 0/1 mask as the engine computes with it (float64, like the weights) in a batch of ordinary size;
@@ -484,31 +483,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         dtype=np.int8,
     )
 
-    # Sample arrays whose length is wrong are kept as given; validation reports them. Missing ones are
-    # filled to the sample's length so the flat arrays stay aligned.
-    def column(
-        name: str, values: list[npt.NDArray[Any] | None], fill: float, dtype: type = np.float64
-    ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
-        given = [v for v in values if v is not None]
-        if not given:
-            return None, _NONE_PRESENT
-        if len(given) == len(values):
-            present = np.ones(len(values), dtype=bool)
-            only = given[0]
-            if adopt and len(values) == 1 and name in samples[0].fresh and only.dtype == dtype and only.ndim == 1:
-                return only, present
-            return _flat(given, dtype), present
-        present = np.array([v is not None for v in values], dtype=bool)
-        if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
-            # the usual case: the given parts in place, the fill everywhere else (no array per missing part)
-            out: npt.NDArray[Any] = np.full(total, fill, dtype=dtype)
-            for v, start, end in zip(values, starts, ends):
-                if v is not None:
-                    out[start:end] = v
-            return out, present
-        parts = [v if v is not None else np.full(n, fill) for v, n in zip(values, lengths)]
-        return _flat(parts, np.float64), present
-
+    column = partial(_column, samples, lengths, adopt)
     batch_weights: dict[str, npt.NDArray[Any] | None] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in WEIGHT_FIELDS:
@@ -567,6 +542,41 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         # kept narrow (above): set after the constructor, which makes a caller's versions int64
         batch.token_versions = token_versions  # type: ignore[assignment]
     return batch
+
+
+# Sample arrays whose length is wrong are kept as given; validation reports them. Missing ones are
+# filled to the sample's length so the flat arrays stay aligned.
+def _column(
+    samples: list[ParsedSample],
+    lengths: list[int],
+    adopt: bool,
+    name: str,
+    values: list[npt.NDArray[Any] | None],
+    fill: float,
+    dtype: type = np.float64,
+) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
+    """One per-position column of :func:`pack` (``values`` per sample, None: not given) and which samples gave it."""
+    given = [v for v in values if v is not None]
+    if not given:
+        return None, _NONE_PRESENT
+    if len(given) == len(values):
+        present = np.ones(len(values), dtype=bool)
+        only = given[0]
+        if adopt and len(values) == 1 and name in samples[0].fresh and only.dtype == dtype and only.ndim == 1:
+            return only, present
+        return _flat(given, dtype), present
+    present = np.array([v is not None for v in values], dtype=bool)
+    if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
+        # the usual case: the given parts in place, the fill everywhere else (no array per missing part)
+        out: npt.NDArray[Any] = np.full(sum(lengths), fill, dtype=dtype)
+        start = 0
+        for v, n in zip(values, lengths):
+            if v is not None:
+                out[start : start + n] = v
+            start += n
+        return out, present
+    parts = [v if v is not None else np.full(n, fill) for v, n in zip(values, lengths)]
+    return _flat(parts, np.float64), present
 
 
 _NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)  # (a column no sample has: no flags kept)

@@ -8,7 +8,7 @@ import dataclasses
 import gzip
 import lzma
 import zlib
-from collections.abc import Callable, Container, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +29,6 @@ from ..records.validation import Verdicts
 __all__ = [
     "Added",
     "Event",
-    "cut_ahead",
     "open_decompressed",
     "pack_once",
     "parse_event",
@@ -307,7 +306,6 @@ class Added:
     items: tuple[ParsedRollout | UnparsedRollout, ...]
     packed: RolloutBatch | None = None  # the parsed items packed once (:func:`pack_once`); runs add copies
     checked: tuple[Verdicts, SpanTable] | None = None  # and checked once, as every run's sink checks them
-    owned: bool = False  # ``packed`` is for one run, which masks it in place (:func:`cut_ahead`): no copy
 
 
 Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
@@ -346,30 +344,21 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
     The batch is also checked once (:func:`check_batch`, :func:`build_spans`): what a sink finds
     depends only on the batch as it arrives and on the ids accepted before it, which are the same in
     every run of the steps (a sink accepts every valid rollout it is given, whatever its bound).
-    Consecutive small adds are packed and cut together, as :func:`cut_ahead` does, each taking its part.
     """
     out: list[Step] = []
     accepted: set[str] = set()
-    for item in _in_windows(steps, CUT_AHEAD_POSITIONS):
-        cut = _cut_window(item, accepted, shared=True) if isinstance(item, list) else None
-        if cut is not None:  # (every rollout of the window accepted)
-            out.extend(cut)
-            for step in cut:
-                if isinstance(step, Added) and step.packed is not None:
-                    accepted.update(step.packed.ids)
-            continue
-        for step in item if isinstance(item, list) else (item,):
-            if isinstance(step, Added):
-                parsed = [entry for entry in step.items if isinstance(entry, ParsedRollout)]
-                packed = _share(pack(parsed)) if parsed else None
-                checked = None
-                if packed is not None:
-                    verdicts, spans = checked_spans(packed, accepted)
-                    _read_only(spans)
-                    checked = verdicts, spans
-                    accepted.update(packed.ids[i] for i in np.flatnonzero(~verdicts.invalid).tolist())
-                step = dataclasses.replace(step, packed=packed, checked=checked)
-            out.append(step)
+    for step in steps:
+        if isinstance(step, Added):
+            parsed = [entry for entry in step.items if isinstance(entry, ParsedRollout)]
+            packed = _share(pack(parsed)) if parsed else None
+            checked = None
+            if packed is not None:
+                verdicts, spans = checked_spans(packed, accepted)
+                _read_only(spans)
+                checked = verdicts, spans
+                accepted.update(packed.ids[i] for i in np.flatnonzero(~verdicts.invalid).tolist())
+            step = dataclasses.replace(step, packed=packed, checked=checked)
+        out.append(step)
     return out
 
 
@@ -404,104 +393,6 @@ def _share(batch: RolloutBatch) -> RolloutBatch:
     return batch
 
 
-# Consecutive small adds, across the sweeps and ships between them, are packed and cut together up to this many
-# positions (:func:`cut_ahead`): a stream that ships every few rollouts cuts its spans a few times per 100 ships.
-CUT_AHEAD_POSITIONS = 1 << 16
-_CUT_AHEAD_STEPS = 4096  # (and at most this many steps held back)
-
-
-def _columns(items: tuple[ParsedRollout | UnparsedRollout, ...]) -> tuple[tuple[bool, ...] | None, int]:
-    """Which optional per-position arrays every sample of ``items`` has (rl, ce and ref-KL weights, log-probabilities,
-    the trainer's), and how many positions they hold; None when some samples have an array and some not (packing
-    them with others would fill it in), or an item is refused."""
-    parsed = [item for item in items if isinstance(item, ParsedRollout)]
-    if len(parsed) != len(items):
-        return None, 0
-    samples = [sample for item in parsed for sample in item.samples]
-    size = sum(len(sample.mask) for sample in samples)
-    found = []
-    for given in (
-        *([sample.weights.get(name) is not None for sample in samples] for name in WEIGHT_FIELDS),
-        [sample.logprobs is not None for sample in samples],
-        [sample.trainer_logprobs is not None for sample in samples],
-    ):
-        if not given or any(given) != all(given):
-            return None, size
-        found.append(given[0])
-    return tuple(found), size
-
-
-def _in_windows(steps: Iterable[Step], max_positions: int) -> Iterator[Step | list[Step]]:
-    """``steps`` as they come, but runs of consecutive small adds whose samples carry the same arrays, with the
-    sweeps and ships between them, gathered into windows (lists) of at most ``max_positions`` positions. A window
-    is handed on when the step after it is read, before any step after it is."""
-    window: list[Step] = []
-    positions, columns = 0, None
-    for step in steps:
-        if isinstance(step, Added):
-            found, size = _columns(step.items) if step.packed is None else (None, 0)
-            if window and (found is None or found != columns or positions + size > max_positions):
-                yield window
-                window, positions, columns = [], 0, None
-            if found is None or size >= max_positions:
-                yield step
-                continue
-            positions, columns = positions + size, found
-        elif not window:
-            yield step
-            continue
-        window.append(step)
-        if len(window) >= _CUT_AHEAD_STEPS:  # (adds of empty samples, or many ships between them)
-            yield window
-            window, positions, columns = [], 0, None
-    if window:
-        yield window
-
-
-def _cut_window(window: list[Step], known: Container[str], *, shared: bool = False) -> list[Step] | None:
-    """The window's steps with each add given its part (views) of the window's rollouts packed, checked and cut
-    into spans at once; None when that cut refuses a rollout (each add then goes its own way, which names the
-    error at its add), or the window holds a single add. ``known``: the ids accepted before the window.
-    ``shared``: for several runs (:func:`pack_once`): the arrays read-only, each run adding copies."""
-    adds = [step for step in window if isinstance(step, Added)]
-    if len(adds) < 2:
-        return None
-    batch = pack([item for step in adds for item in step.items if isinstance(item, ParsedRollout)])
-    verdicts, spans = checked_spans(batch, known)
-    if verdicts.errors:
-        return None
-    if shared:
-        _share(batch)
-        _read_only(spans)
-    out: list[Step] = []
-    start = 0
-    for step in window:
-        if isinstance(step, Added):
-            stop = start + len(step.items)
-            part = batch.rollouts_in(start, stop)
-            checked = Verdicts(part), spans.rollouts_in(batch, start, stop)
-            step = dataclasses.replace(step, packed=part, checked=checked, owned=not shared)
-            start = stop
-        out.append(step)
-    return out
-
-
-def cut_ahead(steps: Iterable[Step], sink: Sink, max_positions: int = CUT_AHEAD_POSITIONS) -> Iterator[Step]:
-    """``steps`` for one run of ``sink``, with the rollouts of consecutive small adds (and the sweeps and ships
-    between them) packed into one batch and checked and cut into spans at once: each add then takes its rollouts'
-    part of both (views), where a sink would have cut each add's few rollouts at its next ship.
-
-    The same decisions and outputs as adding them one add at a time: the spans of a sample are those of its own
-    batch, each add's part holds exactly the arrays its own pack would (a window ends where the arrays its samples
-    carry change), and the ids the sink accepted before the window are the ones the check knows. A window with
-    any refused rollout is added as it came (the sink names the errors at their add)."""
-    for item in _in_windows(steps, max_positions):
-        if isinstance(item, list):
-            yield from _cut_window(item, sink.queue.seen_ids) or item
-        else:
-            yield item
-
-
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
     """Run prepared steps through ``sink``, yielding each ship's result as it happens.
 
@@ -510,7 +401,7 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
     for step in steps:
         if isinstance(step, Added):
             try:
-                packed = step.packed if step.packed is None or step.owned else _copy(step.packed)
+                packed = None if step.packed is None else _copy(step.packed)
                 sink.add_parsed(step.items, packed, step.checked)
             except TraceError:
                 # Strict mode added nothing: add one by one to find the offending line.
@@ -529,25 +420,19 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
             raise EventError(step.line, str(error)) from error
 
 
-def run_events(
-    events: Iterable[Event], sink: Sink, batch_size: int = 512, *, read_ahead: bool = False
-) -> Iterator[Shipment]:
+def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> Iterator[Shipment]:
     """Feed events to ``sink``, yielding each ship's result as it happens.
 
-    Consecutive rollout events are added together (one columnar batch, same outcome as one by one).
+    Consecutive rollout events are added together (one columnar batch, same outcome as one by one; the sink
+    cuts the adds between two ships together, :mod:`~staleness_metrics.engine.staging`).
     A rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
-
-    ``read_ahead=True``: the rollouts of consecutive small adds are packed and cut together across the ships
-    between them (:func:`cut_ahead`; the same outcome, faster for a stream that ships every few rollouts), so a
-    ship's result comes when its window is read: for a recorded stream, not a live one.
     """
-    steps = prepare(events, batch_size)
-    return run_steps(cut_ahead(steps, sink) if read_ahead else steps, sink)
+    return run_steps(prepare(events, batch_size), sink)
 
 
 def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
     """Run a fresh sink with ``config`` over ``events``; one :class:`Shipment` per ship."""
-    return list(run_events(events, Sink(config), read_ahead=True))  # (every result is returned at the end)
+    return list(run_events(events, Sink(config)))
 
 
 # Files that are not UTF-8 text, known by their first bytes. gzip, bzip2 and xz are read as they are

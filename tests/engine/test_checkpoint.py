@@ -126,7 +126,9 @@ print(json.dumps({{"ships": out, "final": final_state(monitor)}}, default=str))
 def test_unknown_format_and_config_mismatch_are_clear_errors() -> None:
     monitor = StalenessMonitor(StalenessConfig(policy="group", max_staleness=4))
     state = monitor.state_dict()
-    with pytest.raises(ConfigError, match=r"unknown monitor checkpoint format 99 \(this version reads formats 1, 2\)"):
+    with pytest.raises(
+        ConfigError, match=r"unknown monitor checkpoint format 99 \(this version reads formats 1, 2, 3\)"
+    ):
         StalenessMonitor(StalenessConfig(policy="group", max_staleness=4)).load_state_dict({**state, "format": 99})
     with pytest.raises(ConfigError, match="no 'format' field"):
         Sink().load_state_dict({})
@@ -139,13 +141,30 @@ def test_unknown_format_and_config_mismatch_are_clear_errors() -> None:
     StalenessMonitor(StalenessConfig(policy="group", max_staleness=4, strict=False)).load_state_dict(state)
 
 
-def test_checkpoint_lacking_a_column_is_refused_by_name() -> None:
+def test_checkpoint_lacking_a_field_is_refused_by_name_and_a_field_added_since_is_not_needed() -> None:
     sink = Sink()
     sink.add({"id": "a", "dispatch_version": 0, "samples": [{"mask": [1]}]})
     state = sink.state_dict()
-    del state["tables"]["samples"]["mask_below"]
-    with pytest.raises(ConfigError, match=r"tables\.samples\.mask_below: the table lacks this column"):
-        Sink().load_state_dict(state)
+    for key, named in (("mask_below", r"queue\.mask_below: missing"), ("batches", r"queue\.batches: missing")):
+        damaged = json.loads(json.dumps(state))
+        del damaged["queue"][key]
+        with pytest.raises(ConfigError, match=named):
+            Sink().load_state_dict(damaged)
+    damaged = json.loads(json.dumps(state))
+    del damaged["queue"]["batches"][0]["mask"]
+    with pytest.raises(
+        ConfigError, match=r"queue\.batches\[0\]: missing required key 'mask'|queue\.batches\[0\]\.mask"
+    ):
+        Sink().load_state_dict(damaged)
+    # a checkpoint saved before an optional batch field existed: loaded as an add without it (no format change)
+    from staleness_metrics.state_checks import digests_of
+
+    older = json.loads(json.dumps(state))
+    del older["queue"]["batches"][0]["trainer_logprobs"]
+    older["digests"] = digests_of({k: v for k, v in older.items() if k != "digests"})
+    resumed = Sink()
+    resumed.load_state_dict(older)
+    assert resumed.ship(1).batches_line() == sink.ship(1).batches_line()
 
 
 def test_missing_trainer_logprobs_stay_missing_across_a_checkpoint() -> None:
@@ -193,17 +212,23 @@ def _resigned(state: dict[str, Any]) -> dict[str, Any]:
     ("damage", "named"),
     [
         (lambda s: s["sink"].pop("window"), r"sink\.window: missing"),
-        (lambda s: s["sink"].update(queued=-5), r"sink\.queued: -5 is below 0"),
+        (lambda s: s["sink"]["queue"].update(tokens_entered=-5), r"sink\.queue\.tokens_entered: -5 is below 0"),
         (lambda s: s["sink"].update(step=-3), r"sink\.step: -3 is below 0"),
-        (lambda s: s["sink"]["chunks"][0]["mask"]["array"]["data"].__setitem__(1, 7), r"sink\.chunks\[0\]\.mask: "),
-        (lambda s: s["sink"]["tables"]["rollouts"]["dispatch"].update(dtype="<f8"), r"rollouts\.dispatch\.dtype"),
-        (lambda s: s["sink"]["ids"].pop(), r"sink\.ids: 1 ids for 2 rollout rows"),
-        (lambda s: s["sink"].pop("chunks"), r"sink\.chunks: missing"),
         (
-            lambda s: s["sink"]["tables"]["spans"]["hi"]["data"].pop(),
-            r"sink\.tables\.spans\.hi: 3 rows where the other columns have 4",
+            lambda s: s["sink"]["queue"]["batches"][0]["mask"]["array"]["data"].__setitem__(1, 7),
+            r"sink\.queue\.batches\[0\]: rollout 'a': field samples\[0\]\.mask",
         ),
-        (lambda s: s["sink"]["tables"]["spans"]["hi"]["data"].__setitem__(0, 99), r"sink\.tables\.spans\.lo: a span"),
+        (
+            lambda s: s["sink"]["queue"]["batches"][0]["dispatch_version"]["array"].update(dtype="<f8"),
+            r"sink\.queue\.batches\[0\]\.dispatch_version\.array",
+        ),
+        (lambda s: s["sink"]["queue"]["judged"].pop(), r"sink\.queue\.judged: "),
+        (lambda s: s["sink"]["queue"].pop("batches"), r"sink\.queue\.batches: missing"),
+        (lambda s: s["sink"]["queue"]["mask_below"].pop(), r"sink\.queue\.mask_below: "),
+        (lambda s: s["sink"]["queue"]["mask_below"].__setitem__(0, 99), r"sink\.queue\.mask_below\[0\]: 99"),
+        (lambda s: s["sink"]["queue"]["seen_ids"].remove("a"), r"sink\.queue\.seen_ids: lacks the queued id 'a'"),
+        (lambda s: s["sink"]["queue"].update(groups=[]), r"sink\.queue\.groups: lacks the group 'g'"),
+        (lambda s: s["sink"]["queue"]["batches"].append(s["sink"]["queue"]["batches"][0]), r"batches\[1\]: .*'a'"),
         (lambda s: s["exporters"]["prometheus"].pop("totals"), r"exporters\.prometheus\.totals: missing"),
     ],
 )

@@ -164,7 +164,7 @@ def test_a_checkpoint_of_a_long_queue_is_hashed_without_a_copy_of_its_text() -> 
     with arrays_left_as_numpy():  # as the service snapshots: the arrays handed to orjson as they are
         state = monitor.state_dict()
     sink = {key: value for key, value in state["sink"].items() if key != "digests"}
-    text_bytes = len(orjson.dumps(sink["chunks"], option=orjson.OPT_SERIALIZE_NUMPY))
+    text_bytes = len(orjson.dumps(sink["queue"], option=orjson.OPT_SERIALIZE_NUMPY))
     assert text_bytes > 32_000_000
     tracemalloc.start()
     try:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from staleness_metrics import ConfigError, Sink, StalenessConfig
-from staleness_metrics.engine.queue import QUEUE_KEYS
+from staleness_metrics.engine.queue_state import QUEUE_KEYS, read_queue, save_queue
 
 
 def _sink_with_a_queue() -> Sink:
@@ -27,19 +27,20 @@ def _sink_with_a_queue() -> Sink:
 
 def test_the_sink_state_holds_the_queue_state_as_the_queue_wrote_it() -> None:
     sink = _sink_with_a_queue()
-    queue_state = json.loads(json.dumps(sink.queue.state_dict()))
+    queue_state = json.loads(json.dumps(save_queue(sink.queue)))
     assert set(queue_state) == set(QUEUE_KEYS)
-    assert queue_state["ids"] == ["a", "b", "d"] and queue_state["queued"] == 3
+    assert [batch["ids"]["list"] for batch in queue_state["batches"]] == [["a", "b"], ["d"]]
+    assert len(queue_state["judged"]) == 3 and len(queue_state["mask_below"]) == 4  # (b has two samples)
     sink_state = json.loads(json.dumps(sink.state_dict()))
-    assert {key: sink_state[key] for key in QUEUE_KEYS} == queue_state
+    assert sink_state["queue"] == queue_state
 
 
 def test_a_loaded_queue_carries_on_like_the_one_that_saved_it() -> None:
     saved = _sink_with_a_queue()
-    state = json.loads(json.dumps(saved.queue.state_dict()))
+    state = json.loads(json.dumps(save_queue(saved.queue)))
     loaded = Sink(StalenessConfig(policy="group", max_staleness=2))
-    loaded.queue.load_state_dict(state, step=saved.step)
-    assert loaded.queue.state_dict() == saved.queue.state_dict()
+    loaded.queue = read_queue(state, loaded.policy.observe_added, step=saved.step)
+    assert save_queue(loaded.queue) == save_queue(saved.queue)
     assert (loaded.queued, loaded.tokens_queued) == (saved.queued, saved.tokens_queued)
     # the policy and the step are the sink's: give the loaded sink the saved one's, then both ship alike
     loaded.load_state_dict(json.loads(json.dumps(saved.state_dict())))
@@ -48,9 +49,9 @@ def test_a_loaded_queue_carries_on_like_the_one_that_saved_it() -> None:
 
 def test_a_bad_queue_state_is_refused_by_its_key_and_changes_nothing() -> None:
     sink = _sink_with_a_queue()
-    state = json.loads(json.dumps(sink.queue.state_dict()))
-    before = sink.queue.state_dict()
-    state["chunk_open"][0] += 1
-    with pytest.raises(ConfigError, match=r"checkpoint: chunk_open: does not count the queued rollouts"):
-        sink.queue.load_state_dict(state, step=sink.step)
-    assert sink.queue.state_dict() == before
+    state = json.loads(json.dumps(save_queue(sink.queue)))
+    before = save_queue(sink.queue)
+    state["judged"].append(0)
+    with pytest.raises(ConfigError, match=r"checkpoint: judged: 4 entries where 3 are needed"):
+        read_queue(state, sink.policy.observe_added, step=sink.step)
+    assert save_queue(sink.queue) == before

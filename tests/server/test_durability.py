@@ -256,7 +256,7 @@ def snapshot_of(registry: RunRegistry) -> dict[str, Any]:
     return {
         "info": run.info().model_dump(),
         "steps": [row.model_dump() for row in run.steps()],
-        "queued": run.monitor.sink.state_dict()["ids"],
+        "queued": [i for batch in run.monitor.sink.state_dict()["queue"]["batches"] for i in batch["ids"]["list"]],
     }
 
 

@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         events, stack, read = open_events(args.events, args.progress, config.max_staleness, config.strict)
         with stack, atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out):
             # (written when the whole stream is read)
-            for shipment in run_events(events, sink, read_ahead=True):
+            for shipment in run_events(events, sink):
                 ships += 1
                 if prime_rl:
                     reports.append(shipment.report)
