@@ -211,7 +211,7 @@ def replay(root: Path) -> dict[str, Any]:
     read = read_run_events(root)
     sink = Sink(StalenessConfig())
     with (root.parent / "metrics-out.jsonl").open("wb") as out:
-        for shipment in run_events(iter(read), sink, read_ahead=True):
+        for shipment in run_events(iter(read), sink):
             out.write(jsonio.dumps_line(shipment.report.row()))
     return {"ships": sink.totals.rollouts_shipped, "held_peak": read.notes.held_peak}
 
