@@ -155,4 +155,3 @@ def zero_spans(
         for a, b in itertools.pairwise(bounds) if b > a
     ]  # fmt: skip
     run_all(tasks, total)
-
