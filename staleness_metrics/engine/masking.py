@@ -44,12 +44,6 @@ def mask_spans(
     """Zero the positions of the given span rows of the sink's batches (``chunks``, indexed by
     ``chunk``): every position of ``[lo, hi)`` where ``part`` is ``PART_WHOLE``, else only the positions
     of the row's part (labelled or unlabelled), ``count`` positions."""
-    if len(chunk) == 0:
-        return
-    first = int(chunk[0])
-    if bool((chunk == first).all()):  # (the usual case: no rows to select per chunk)
-        _zero_in(chunks[first], lo, hi, part, count)
-        return
     for c in np.unique(chunk).tolist():
         rows = np.flatnonzero(chunk == c)
         _zero_in(chunks[c], lo[rows], hi[rows], part[rows], count[rows])
