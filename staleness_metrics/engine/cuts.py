@@ -1,10 +1,11 @@
-"""The cut into spans: the compiled pass that finds where a sample's positions change label or mask (and the
-weight facts of each cut), and the span rows :mod:`.spans` keeps of those cuts.
+"""The cut into spans: the compiled pass that finds where a sample's positions change label or mask
+(and the weight facts of each cut), and the span rows :mod:`.spans` keeps of those cuts.
 
-Per-position ``token_versions`` with scattered ``-1`` positions or labels that change often make "find the runs,
-then reduce per run" cost a dozen numpy passes over arrays as long as the runs are many. One loop reads each
-position once instead, for every sample of a batch of any size: one call, whatever the labels. Each loop has
-the numpy formulation it replaced in ``tests/engine/test_kernels.py``, checked equal on random inputs.
+Per-position ``token_versions`` with scattered ``-1`` positions or labels that change often make
+"find the runs, then reduce per run" cost a dozen numpy passes over arrays as long as the runs are
+many. One loop reads each position once instead, for every sample of a batch of any size: one call,
+whatever the labels. Each loop has the numpy formulation it replaced in
+``tests/engine/test_kernels.py``, checked equal on random inputs.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from ..compiled import UNSIGNED_OF_SIZE, CompiledLoop
 from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "CutFlags", "Cuts", "SampleLabels",
-    "SpanRows", "sample_cuts", "span_rows", "token_spans",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "CutFlags", "Cuts",
+    "SampleLabels", "SpanRows", "sample_cuts", "span_rows", "token_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
@@ -76,8 +77,9 @@ def _cut_flags(
     sign: np.uint64,
     infinity: np.uint64,
 ) -> None:  # pragma: no cover - compiled
-    """Into ``flags``, the ``WEIGHT_*`` bits of each weight array on the cuts ``first`` to ``k - 1`` of one sample
-    (``cuts``: starts, ends, first, k), read while the sample is in cache. A callee of ``_sample_cuts``."""
+    """Into ``flags``, the ``WEIGHT_*`` bits of each weight array on the cuts ``first`` to ``k - 1``
+    of one sample (``cuts``: starts, ends, first, k), read while the sample is in cache. A callee of
+    ``_sample_cuts``."""
     starts, ends, first, k = cuts
     w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
     for c in range(first, k):
@@ -103,17 +105,17 @@ def _cut_flags(
 
 
 def _checked_positions(
-    labels: tuple[npt.NDArray[Any], IntArray, IntArray, IntArray, npt.NDArray[np.int8]],
+    labels: tuple[npt.NDArray[np.int8], npt.NDArray[Any], IntArray, IntArray, IntArray],
     mask: npt.NDArray[Any],
     pos_off: IntArray,
     samples: IntArray,
     weights: tuple[npt.NDArray[Any], ...],
     n_weights: int,
 ) -> int:  # pragma: no cover - compiled
-    """The positions of ``samples``, once their offsets and the arrays' lengths are checked: checked before any
-    read, so a damaged offset never reads or writes out of bounds (a callee of ``_sample_cuts``; span starts
-    are checked as they are read)."""
-    tokens, span_offsets, span_starts, span_versions, kinds = labels
+    """The positions of ``samples``, once their offsets and the arrays' lengths are checked: checked
+    before any read, so a damaged offset never reads or writes out of bounds (a callee of
+    ``_sample_cuts``; span starts are checked as they are read)."""
+    kinds, tokens, span_offsets, span_starts, span_versions = labels
     n = len(mask)
     if n_weights > 0 and (len(weights[0]) != n or len(weights[1]) != n or len(weights[2]) != n):
         raise ValueError("sample_cuts: a weight array and the mask differ in length")
@@ -130,8 +132,8 @@ def _checked_positions(
             raise ValueError("sample_cuts: position offsets out of order or beyond the arrays")
         if kinds[s] == 2 and len(tokens) != n:
             raise ValueError("sample_cuts: token_versions and mask differ in length")
-        if kinds[s] == 1 and (s + 1 >= len(span_offsets) or not 0 <= span_offsets[s] <= span_offsets[s + 1]
-                              or span_offsets[s + 1] > len(span_starts)):  # fmt: skip
+        spans_out = s + 1 >= len(span_offsets) or not 0 <= span_offsets[s] <= span_offsets[s + 1]
+        if kinds[s] == 1 and (spans_out or span_offsets[s + 1] > len(span_starts)):
             raise ValueError("sample_cuts: span offsets out of order or beyond the spans")
         end = b
         total += b - a
@@ -139,18 +141,23 @@ def _checked_positions(
 
 
 def _grown(values: IntArray, used: int, capacity: int) -> IntArray:  # pragma: no cover - compiled
-    """``values``' first ``used`` entries in a new array of ``capacity`` (a callee of ``_sample_cuts``)."""
+    """``values``' first ``used`` entries in a new array of ``capacity`` (a callee of
+    ``_sample_cuts``)."""
     wider = np.empty(capacity, dtype=values.dtype)
     wider[:used] = values[:used]
     return wider
 
 
 def _token_sample(
-    tok: npt.NDArray[Any], m: npt.NDArray[Any], a: int, k: int, out: tuple[IntArray, IntArray, IntArray]
+    tok: npt.NDArray[Any],
+    m: npt.NDArray[Any],
+    a: int,
+    k: int,
+    out: tuple[IntArray, IntArray, IntArray],
 ) -> tuple[int, int]:  # pragma: no cover - compiled
-    """The cuts of one sample labelled per position (``tok``, ``m``: its labels and mask; ``a``: its first
-    position) written into ``out`` (starts, labels, labelled) from cut ``k`` on; returns the next cut and the
-    labels below -1 seen. A callee of ``_sample_cuts``."""
+    """The cuts of one sample labelled per position (``tok``, ``m``: its labels and mask; ``a``: its
+    first position) written into ``out`` (starts, labels, labelled) from cut ``k`` on; returns the
+    next cut and the labels below -1 seen. A callee of ``_sample_cuts``."""
     starts, labels, labelled = out
     length = len(tok)
     starts[k] = a
@@ -183,7 +190,7 @@ def _token_sample(
         # The block holds a cut: walk to the first one (the same test, with no branch on whether a
         # position is labelled: -1 positions come at random), cut there, and check again after it.
         q = i
-        while (m[q] == m[q - 1]) & (((np.int64(tok[q]) ^ cut_label) & ~(np.int64(tok[q]) >> 63)) == 0):
+        while (m[q] == m[q - 1]) & (((tok[q] ^ cut_label) & ~(np.int64(tok[q]) >> 63)) == 0):
             count += tok[q] >= 0
             below += tok[q] < -1
             q += 1
@@ -220,9 +227,10 @@ def _span_sample(
     k: int,
     out: tuple[IntArray, IntArray, IntArray],
 ) -> int:  # pragma: no cover - compiled
-    """The cuts of one sample labelled by version spans (none: unlabelled; positions before the first span are
-    unlabelled), cut again where the mask changes, written into ``out`` from cut ``k`` on; returns the next cut.
-    Raises ``ValueError`` on span starts that do not increase within the sample. A callee of ``_sample_cuts``."""
+    """The cuts of one sample labelled by version spans (none: unlabelled; positions before the
+    first span are unlabelled), cut again where the mask changes, written into ``out`` from cut
+    ``k`` on; returns the next cut. Raises ``ValueError`` on span starts that do not increase within
+    the sample. A callee of ``_sample_cuts``."""
     starts, labels, labelled = out
     length = len(m)
     n_spans = len(span_starts)
@@ -286,16 +294,16 @@ _CUT_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
 
 @CompiledLoop(callees=_CUT_CALLEES)
 def _sample_cuts(
-    labels: tuple[npt.NDArray[Any], IntArray, IntArray, IntArray, npt.NDArray[np.int8]],
+    labels: tuple[npt.NDArray[np.int8], npt.NDArray[Any], IntArray, IntArray, IntArray],
     mask: npt.NDArray[Any],
     pos_off: IntArray,
     samples: IntArray,
     weights: tuple[npt.NDArray[Any], ...],
     n_weights: int,
     bits: tuple[np.uint64, np.uint64],
-) -> tuple[IntArray, IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]:  # pragma: no cover - compiled
+) -> tuple[IntArray, IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]:  # pragma: no cover
     total = _checked_positions(labels, mask, pos_off, samples, weights, n_weights)
-    tokens, span_offsets, span_starts, span_versions, kinds = labels
+    kinds, tokens, span_offsets, span_starts, span_versions = labels
     sign, infinity = bits
     # Outputs sized by the cuts, not the positions: room for the next sample's worst case (a cut per
     # position), doubled when short. (Arrays of one entry per position cost page faults and numba's
@@ -323,7 +331,7 @@ def _sample_cuts(
             wider[:, :k] = flags[:, :k]
             flags = wider
         first_cut = k
-        m = mask[a : a + length]  # slices: in bounds by the checks above, and no negative-index fix-up
+        m = mask[a : a + length]  # slices: in bounds (checked above), no negative-index fix-up
         out = (starts, cut_labels, labelled)
         if kinds[s] == 2:
             k, seen = _token_sample(tokens[a : a + length], m, a, k, out)
@@ -336,7 +344,8 @@ def _sample_cuts(
         ends[k - 1] = a + length
         if n_weights > 0:
             _cut_flags(weights, n_weights, (starts, ends, first_cut, k), flags, sign, infinity)
-    return starts[:k].copy(), ends[:k].copy(), cut_labels[:k].copy(), labelled[:k].copy(), flags[:, :k].copy(), below
+    found = (starts[:k].copy(), ends[:k].copy(), cut_labels[:k].copy(), labelled[:k].copy())
+    return found[0], found[1], found[2], found[3], flags[:, :k].copy(), below
 
 
 def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -353,16 +362,20 @@ def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
 def _weight_bits(
     weights: Sequence[npt.NDArray[Any]], mask: npt.NDArray[Any]
 ) -> tuple[tuple[npt.NDArray[Any], ...], tuple[np.uint64, np.uint64]]:
-    """The weight arrays as the loop reads them: three 1-d contiguous arrays of one float dtype's bits (fewer
-    repeat the first; none: empty ones), with that dtype's sign bit and +inf bits. Arrays of other dtypes,
-    of mixed ones or not contiguous are read as the widest float dtype given (float64 for integers and
-    booleans): a copy whose zero, sign, finite and NaN facts are the values' own."""
-    if not weights:  # (empty arrays of the mask's width: the loop compiled for that float dtype's weights serves)
+    """The weight arrays as the loop reads them: three 1-d contiguous arrays of one float dtype's
+    bits (fewer repeat the first; none: empty ones), with that dtype's sign bit and +inf bits.
+    Arrays of other dtypes, of mixed ones or not contiguous are read as the widest float dtype given
+    (float64 for integers and booleans): a copy whose zero, sign, finite and NaN facts are the
+    values' own."""
+    dtype: np.dtype[Any] = np.dtype(np.float64)
+    floats = [w.dtype for w in weights if w.dtype in _FLOAT_BITS]
+    if not weights:  # (empty arrays of the mask's width: the loop compiled for that dtype serves)
         dtype = np.dtype(np.float64 if mask.dtype == np.float64 else np.float32)
         return (np.zeros(0, dtype=UNSIGNED_OF_SIZE[dtype.itemsize]),) * 3, _bits_of(dtype)
-    floats = [w.dtype for w in weights if w.dtype in _FLOAT_BITS]
-    dtype = max(floats, key=lambda d: d.itemsize) if len(floats) == len(weights) else np.dtype(np.float64)
-    views = tuple(np.ascontiguousarray(w, dtype=dtype).view(UNSIGNED_OF_SIZE[dtype.itemsize]) for w in weights)
+    if len(floats) == len(weights):
+        dtype = max(floats, key=lambda d: d.itemsize)
+    unsigned = UNSIGNED_OF_SIZE[dtype.itemsize]
+    views = tuple(np.ascontiguousarray(w, dtype=dtype).view(unsigned) for w in weights)
     return views + (views[0],) * (3 - len(views)), _bits_of(dtype)
 
 
@@ -372,9 +385,9 @@ def _bits_of(dtype: np.dtype[Any]) -> tuple[np.uint64, np.uint64]:
 
 
 class Cuts(NamedTuple):
-    """What :func:`sample_cuts` finds: per cut its range ``[starts, ends)``, label (-1: none), labelled
-    positions and the ``WEIGHT_*`` bits of each weight array (one row per array); and how many labels are below
-    -1."""
+    """What :func:`sample_cuts` finds: per cut its range ``[starts, ends)``, label (-1: none),
+    labelled positions and the ``WEIGHT_*`` bits of each weight array (one row per array); and how
+    many labels are below -1."""
 
     starts: IntArray
     ends: IntArray
@@ -385,9 +398,10 @@ class Cuts(NamedTuple):
 
 
 class SampleLabels(NamedTuple):
-    """How the samples label their positions: per sample its ``kind`` (``LABELS_*``: 0 none, 1 version spans,
-    2 per position), the per-position ``tokens`` and the version spans (``span_offsets`` per sample into
-    ``span_starts``, relative to the sample, and ``span_versions``); arrays a batch lacks are empty."""
+    """How the samples label their positions: per sample its ``kind`` (``LABELS_*``: 0 none, 1
+    version spans, 2 per position), the per-position ``tokens`` and the version spans
+    (``span_offsets`` per sample into ``span_starts``, relative to the sample, and
+    ``span_versions``); arrays a batch lacks are empty."""
 
     kinds: npt.NDArray[np.int8]
     tokens: npt.NDArray[np.signedinteger[Any]]
@@ -403,43 +417,44 @@ def sample_cuts(
     samples: IntArray,
     weights: Sequence[npt.NDArray[Any]] = (),
 ) -> Cuts:
-    """The cuts of the (increasing) ``samples``: ranges of one mask value and one version label that tile each
-    sample, the ``WEIGHT_*`` bits of each of ``weights`` per cut, and the count of per-position labels below -1
-    (the caller checks them: the cuts then treat such a label as unlabelled).
+    """The cuts of the (increasing) ``samples``: ranges of one mask value and one version label that
+    tile each sample, the ``WEIGHT_*`` bits of each of ``weights`` per cut, and the count of
+    per-position labels below -1 (the caller checks them: the cuts then treat such a label as
+    unlabelled).
 
-    The bits: ``WEIGHT_NONZERO`` (a value other than +-0.0, NaN included), ``WEIGHT_NONFINITE`` (a NaN or an
-    infinity), ``WEIGHT_NAN`` and ``WEIGHT_NOT_POSITIVE`` (a value that is not > 0: a zero, a negative sign bit or
-    a NaN), from integer ORs over each value's bits.
+    The bits: ``WEIGHT_NONZERO`` (a value other than +-0.0, NaN included), ``WEIGHT_NONFINITE`` (a
+    NaN or an infinity), ``WEIGHT_NAN`` and ``WEIGHT_NOT_POSITIVE`` (a value that is not > 0: a
+    zero, a negative sign bit or a NaN), from integer ORs over each value's bits.
 
-    A cut starts with its sample and wherever the mask differs from the previous position's. A sample labelled
-    by version spans also cuts where a span starts (its positions before the first span are unlabelled, -1). A
-    sample labelled per position cuts where a label differs from the cut's: ``-1`` positions never start a cut,
-    they belong to the cut they fall in, so a cut holds one label (or none) and the unlabelled positions around
-    it. One pass reads the labels and the mask, then each cut's weights while the sample is in cache, whatever
-    the batch's size. Large inputs are cut in parallel, a share of the samples per thread (the loop releases
-    the GIL); per-position labels are read in the dtype they come in (int8 to int64).
+    A cut starts with its sample and wherever the mask differs from the previous position's. A
+    sample labelled by version spans also cuts where a span starts (its positions before the first
+    span are unlabelled, -1). A sample labelled per position cuts where a label differs from the
+    cut's: ``-1`` positions never start a cut, they belong to the cut they fall in, so a cut holds
+    one label (or none) and the unlabelled positions around it. One pass reads the labels and the
+    mask, then each cut's weights while the sample is in cache, whatever the batch's size. Large
+    inputs are cut in parallel, a share of the samples per thread (the loop releases the GIL);
+    per-position labels are read in the dtype they come in (int8 to int64).
 
-    Raises ``IndexError`` / ``ValueError`` on offsets or span starts that are out of order or point beyond the
-    arrays (the loop checks them before it reads or writes anything there).
+    Raises ``IndexError`` / ``ValueError`` on offsets or span starts that are out of order or point
+    beyond the arrays (the loop checks them before it reads or writes anything there).
     """
     samples = np.ascontiguousarray(samples, dtype=np.int64)
     if len(weights) > 3:
         raise ValueError("sample_cuts: at most three weight arrays")
     views, bits = _weight_bits(weights, mask)
-    columns = (labels.tokens, labels.span_offsets, labels.span_starts, labels.span_versions, labels.kinds)
-    cut = partial(_sample_cuts, columns, _comparable_mask(mask), pos_off)
+    # (a plain tuple of the labels: numba types it faster than a named one)
+    cut = partial(_sample_cuts, tuple(labels), _comparable_mask(mask), pos_off)
     if len(samples) < 2 or len(mask) < PARALLEL_MIN_POSITIONS:
         return Cuts(*cut(samples, views, len(weights), bits))
     # Shares of about equal positions (the offsets are checked again inside each share).
     ends = np.clip(pos_off[np.clip(samples + 1, 0, len(pos_off) - 1)], 0, None)
     edges = np.unique(np.searchsorted(ends, np.linspace(0, ends[-1], num=SHARES + 1)[1:-1], "left"))
     bounds = [0, *(int(e) + 1 for e in edges if 0 <= e < len(samples) - 1), len(samples)]
-    tasks = [partial(cut, samples[a:b], views, len(weights), bits) for a, b in itertools.pairwise(bounds) if b > a]
-    parts: list[tuple[IntArray, IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]] = run_all(tasks, len(mask))
+    shares = [samples[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+    parts = run_all([partial(cut, share, views, len(weights), bits) for share in shares], len(mask))
     starts, ends, cut_labels, labelled = (np.concatenate([p[i] for p in parts]) for i in range(4))
-    return Cuts(
-        starts, ends, cut_labels, labelled, np.concatenate([p[4] for p in parts], axis=1), sum(p[5] for p in parts)
-    )
+    flags = np.concatenate([p[4] for p in parts], axis=1)
+    return Cuts(starts, ends, cut_labels, labelled, flags, sum(p[5] for p in parts))
 
 
 _NO_SPANS = np.zeros(0, dtype=np.int64)
@@ -454,7 +469,8 @@ def token_spans(
 ) -> Cuts:
     """:func:`sample_cuts` of ``samples`` labelled per position by ``tokens``."""
     kinds = np.full(max(len(pos_off) - 1, 0), 2, dtype=np.int8)
-    return sample_cuts(SampleLabels(kinds, tokens, _NO_SPANS, _NO_SPANS, _NO_SPANS), mask, pos_off, samples, weights)
+    labels = SampleLabels(kinds, tokens, _NO_SPANS, _NO_SPANS, _NO_SPANS)
+    return sample_cuts(labels, mask, pos_off, samples, weights)
 
 
 class SpanRows(NamedTuple):

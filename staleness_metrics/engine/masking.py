@@ -125,8 +125,8 @@ def zero_spans(
     (``tokens < 0``) where ``part[r]`` is 2 and its labelled ones where it is 1; ``count[r]`` is how
     many positions that is (it only chooses how to write them).
 
-    Written through unsigned views of the same width: zero bits are 0 (+0.0) in every numeric dtype. The
-    versions are read in the dtype they come in (int8 to int64).
+    Written through unsigned views of the same width: zero bits are 0 (+0.0) in every numeric dtype.
+    The versions are read in the dtype they come in (int8 to int64).
     """
     if len(lo) == 0:
         return

@@ -321,7 +321,7 @@ class Sink:
         else:
             shipped = taken
         queue.leave(shipped, SHIPPED)
-        # (the usual ship takes exactly what the sweep judged: its slice, with the decision's writes read again)
+        # (the usual ship takes what the sweep judged: its slice, the decision's writes read again)
         shipped_slice = judgement_again(queue, judged, shipped, step)
         spans = shipped_spans(self.queue, shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None

@@ -140,11 +140,12 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     ``token_values`` (the caller did not check that token versions are >= -1), raises
     ``_TokenVersionBelowMinusOne`` when a sample it cuts has one (:func:`checked_spans`).
 
-    Cuts (:func:`~staleness_metrics.engine.cuts.sample_cuts`, one compiled pass at every size): a sample
-    labelled per position gets them from runs of ``token_versions`` (scattered unlabelled positions do not
-    cut it: they form the cut's unlabelled part), every other sample from its version spans; both are cut
-    again where the mask changes. Rows: one per cut, two per mixed cut (its labelled part, then its
-    unlabelled part), and the per-sample reductions, in one compiled pass over the cuts.
+    Cuts (:func:`~staleness_metrics.engine.cuts.sample_cuts`, one compiled pass at every size): a
+    sample labelled per position gets them from runs of ``token_versions`` (scattered unlabelled
+    positions do not cut it: they form the cut's unlabelled part), every other sample from its
+    version spans; both are cut again where the mask changes. Rows: one per cut, two per mixed cut
+    (its labelled part, then its unlabelled part), and the per-sample reductions, in one compiled
+    pass over the cuts.
     """
     pos_off = batch.position_offsets
     sample_rollout = np.repeat(np.arange(batch.n_rollouts), np.diff(batch.sample_offsets))
@@ -174,25 +175,30 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     other = nonzero.get("ce_weights", nonzero.get("ref_kl_weights"))  # a ce or ref-KL weight
     if "ce_weights" in nonzero and "ref_kl_weights" in nonzero:
         other = nonzero["ce_weights"] | nonzero["ref_kl_weights"]
-    live = is_sampled if rl is None else is_sampled & (rl if other is None else rl | other)  # no rl: 1.0 on the mask
+    weighted = rl if other is None or rl is None else rl | other
+    live = is_sampled if weighted is None else is_sampled & weighted  # (no rl weights: 1.0)
     side = np.zeros(len(lo), dtype=bool) if other is None else ~is_sampled & other
     live_labelled, live_unlabelled = live, live
     if rl is not None:
-        rl_doubtful = cuts.flags[present.index("rl_weights")] & (WEIGHT_NAN | WEIGHT_NOT_POSITIVE) != 0
+        rl_bits = cuts.flags[present.index("rl_weights")]
+        rl_doubtful = rl_bits & (WEIGHT_NAN | WEIGHT_NOT_POSITIVE) != 0
         mixed = (cuts.labelled > 0) & (cuts.labelled < hi - lo)
-        live_labelled, live_unlabelled = _exact_part_liveness(batch, present, lo, hi, rl_doubtful, live, mixed)
+        parts = _exact_part_liveness(batch, present, lo, hi, rl_doubtful, live, mixed)
+        live_labelled, live_unlabelled = parts
     flags = CutFlags(np.ones(len(lo), dtype=bool), is_sampled, live_labelled, live_unlabelled, side)
-    rows = span_rows(lo, hi, cuts.labels, cuts.labelled, flags, pos_off, batch.dispatch_version[sample_rollout],
-                     (NO_VERSION_LOW, NO_VERSION_HIGH))  # fmt: skip
+    dispatch = batch.dispatch_version[sample_rollout]
+    no_version = (NO_VERSION_LOW, NO_VERSION_HIGH)
+    rows = span_rows(lo, hi, cuts.labels, cuts.labelled, flags, pos_off, dispatch, no_version)
     completion = batch.completion_version
     assert completion is not None
     newest = segment_max(rows.max_sampled_version, batch.sample_offsets, NO_VERSION_LOW)
     default = np.where(newest > NO_VERSION_LOW, newest, batch.dispatch_version)
-    return SpanTable(*rows, completion=np.where(completion >= 0, completion, default).astype(np.int64, copy=False))
+    return SpanTable(*rows, completion=np.where(completion >= 0, completion, default))  # (int64)
 
 
 def _labels_of(batch: RolloutBatch) -> SampleLabels:
-    """How ``batch``'s samples label their positions, as the cut reads it (arrays the batch lacks: empty)."""
+    """How ``batch``'s samples label their positions, as the cut reads it (arrays the batch lacks:
+    empty)."""
     kinds = batch.label_kind
     assert kinds is not None
 
@@ -200,7 +206,8 @@ def _labels_of(batch: RolloutBatch) -> SampleLabels:
         return _NO_POSITIONS if values is None else values
 
     tokens, offsets = given(batch.token_versions), given(batch.span_offsets)
-    return SampleLabels(kinds, tokens, offsets, given(batch.span_starts), given(batch.span_versions))
+    starts, versions = given(batch.span_starts), given(batch.span_versions)
+    return SampleLabels(kinds, tokens, offsets, starts, versions)
 
 
 def _exact_part_liveness(
@@ -242,8 +249,8 @@ def _nonzero_or_report(
     hi: IntArray,
     verdicts: Verdicts,
 ) -> BoolArray:
-    """Per cut: whether the weight array holds a non-zero value (a cut holding a NaN does not). A non-finite
-    value is searched for by position only in such cuts, to name the first offender."""
+    """Per cut: whether the weight array holds a non-zero value (a cut holding a NaN does not). A
+    non-finite value is searched for by position only in such cuts, to name the first offender."""
     broken = flags & WEIGHT_NONFINITE != 0
     for span in np.flatnonzero(broken).tolist() if broken.any() else ():
         a, b = int(lo[span]), int(hi[span])

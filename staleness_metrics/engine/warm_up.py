@@ -37,7 +37,8 @@ def warm_up() -> None:
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         for kind in (0, 1, 2):  # (1-3 weights alike; spans of a sample labelled by spans: none)
-            labels = SampleLabels(np.array([kind], dtype=np.int8), tokens, np.zeros(2, np.int64), lo[:0], lo[:0])
+            kinds = np.array([kind], dtype=np.int8)
+            labels = SampleLabels(kinds, tokens, np.zeros(2, np.int64), lo[:0], lo[:0])
             sample_cuts(labels, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1:])
             sample_cuts(labels, arrays[0], offsets, np.array([0], dtype=np.int64))
         zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)

@@ -1,8 +1,10 @@
-"""The quick check of a batch's values: whether every offset, version, label kind, mask value, weight,
-log-probability and token version is plain, in one compiled pass at every size (a small batch's checks in one
-call instead of a few dozen Python steps), copying the positions where a sink gathers small adds in the same pass.
+"""The quick check of a batch's values: whether every offset, version, label kind, mask value,
+weight, log-probability and token version is plain, in one compiled pass at every size (a small
+batch's checks in one call instead of a few dozen Python steps), copying the positions where a sink
+gathers small adds in the same pass.
 
-The exact checks that name what is wrong are :mod:`.validation`'s; this pass only says "plain" or "not sure".
+The exact checks that name what is wrong are :mod:`.validation`'s; this pass only says "plain" or
+"not sure".
 """
 
 from __future__ import annotations
@@ -138,16 +140,16 @@ def plain_values(
     into: PositionCopies | None = None,
     start: int = 0,
 ) -> bool:
-    """Whether a batch's values are plain, in one compiled pass: its offsets (``rows``) run from 0 to the sample
-    and position counts, never decreasing, dispatch versions are >= 0, completion versions >= -1 and not below a
-    non-negative dispatch, label kinds are allowed; every mask value is 0 or 1, every value of the ``weights``
-    (rl, ce, ref-KL: None where absent) and ``logprobs`` finite and every token version >= -1. When they are and
-    ``into`` is given, the mask, the weights and the token versions are copied there, from element ``start`` on,
-    in the same call (a sink gathering small adds). The per-position arrays must be as long as the mask (the
-    caller checks).
+    """Whether a batch's values are plain, in one compiled pass: its offsets (``rows``) run from 0
+    to the sample and position counts, never decreasing, dispatch versions are >= 0, completion
+    versions >= -1 and not below a non-negative dispatch, label kinds are allowed; every mask value
+    is 0 or 1, every value of the ``weights`` (rl, ce, ref-KL: None where absent) and ``logprobs``
+    finite and every token version >= -1. When they are and ``into`` is given, the mask, the weights
+    and the token versions are copied there, from element ``start`` on, in the same call (a sink
+    gathering small adds). The per-position arrays must be as long as the mask (the caller checks).
 
-    False ("not sure": the exact checks then say) when the arrays are not 1-d contiguous float32/float64 (mask
-    and floats of one type) or the label kinds not int8."""
+    False ("not sure": the exact checks then say) when the arrays are not 1-d contiguous
+    float32/float64 (mask and floats of one type) or the label kinds not int8."""
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
     n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows

@@ -446,13 +446,14 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
 
 
 def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
-    """The values in the arrays of a batch :func:`plainly_valid` passed with ``positions=False``: offsets from 0
-    to the end, never decreasing; versions and label kinds check_batch takes; ``weight_versions`` spans as
-    build_spans wants them; a 0/1 mask, finite weights and log-probabilities, token versions >= -1. When they are
-    plain and ``into`` is given, the mask, weights and token versions are copied there (from element ``start``
-    on) as well.
+    """The values in the arrays of a batch :func:`plainly_valid` passed with ``positions=False``:
+    offsets from 0 to the end, never decreasing; versions and label kinds check_batch takes;
+    ``weight_versions`` spans as build_spans wants them; a 0/1 mask, finite weights and
+    log-probabilities, token versions >= -1. When they are plain and ``into`` is given, the mask,
+    weights and token versions are copied there (from element ``start`` on) as well.
 
-    One compiled pass (:func:`~staleness_metrics.records.plain_values.plain_values`), then the spans in numpy."""
+    One compiled pass (:func:`~staleness_metrics.records.plain_values.plain_values`), then the spans
+    in numpy."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
@@ -460,7 +461,8 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
     labels = 1 << LABELS_NONE | has_spans << LABELS_SPANS | (tokens is not None) << LABELS_TOKENS
     rows = BatchRows(len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version,
                      batch.completion_version, kind, labels)  # fmt: skip
-    return plain_values(rows, mask, weights, logprobs, tokens, into, start) and (not has_spans or _plain_spans(batch))
+    plain = plain_values(rows, mask, weights, logprobs, tokens, into, start)
+    return plain and (not has_spans or _plain_spans(batch))
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
