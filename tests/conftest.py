@@ -49,7 +49,7 @@ _LONGEST_FIRST = (
     "tests/server/test_hostile.py::test_peak_memory_per_body_stays_within_three_times_its_size",
     "tests/server/test_load.py::test_concurrent_clients_lose_and_double_nothing",
     "tests/server/test_schemathesis.py::test_api_conforms_and_never_fails[POST /v1/runs/{run}/mismatch]",
-    "tests/engine/test_kernels.py::test_token_spans_read_each_cut_s_weight_bits_as_weight_flags_does",
+    "tests/engine/test_kernels.py::test_token_spans_read_each_cut_s_weight_bits_as_numpy_says",
     "tests/test_demo.py::test_the_suggested_bound_is_where_the_drift_model_puts_it",
     "tests/replay/test_what_if.py::test_nine_bounds_from_one_parse_equal_nine_separate_replays",
     "tests/server/test_durability.py::test_sigkill_under_concurrent_load_changes_no_answer_counter_or_metric_under_any_policy",

@@ -1,10 +1,11 @@
-"""The cut into spans: the compiled passes that find where a sample's positions change label or mask, and the
-span rows :mod:`.spans` keeps of those cuts.
+"""The cut into spans: the compiled pass that finds where a sample's positions change label or mask
+(and the weight facts of each cut), and the span rows :mod:`.spans` keeps of those cuts.
 
-Per-position ``token_versions`` with scattered ``-1`` positions or labels that change often make "find the runs,
-then reduce per run" cost a dozen numpy passes over arrays as long as the runs are many. These loops read each
-position once instead. Each has the numpy formulation it replaced in ``tests/engine/test_kernels.py``, checked
-equal on random inputs.
+Per-position ``token_versions`` with scattered ``-1`` positions or labels that change often make
+"find the runs, then reduce per run" cost a dozen numpy passes over arrays as long as the runs are
+many. One loop reads each position once instead, for every sample of a batch of any size: one call,
+whatever the labels. Each loop has the numpy formulation it replaced in
+``tests/engine/test_kernels.py``, checked equal on random inputs.
 """
 
 from __future__ import annotations
@@ -21,18 +22,16 @@ from ..compiled import UNSIGNED_OF_SIZE, CompiledLoop
 from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
 
 __all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "CutFlags", "SpanRows", "TokenSpans",
-    "fusable_weights", "span_rows", "token_cuts", "token_spans", "weight_flags",
+    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "CutFlags", "Cuts",
+    "SampleLabels", "SpanRows", "sample_cuts", "span_rows", "token_spans",
 ]  # fmt: skip
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
-_NO_WEIGHTS = np.zeros(0, dtype=np.uint32)
-_NO_WIDE_WEIGHTS = np.zeros(0, dtype=np.uint64)
 _BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 
-# Per span facts of a weight array, as bits of one byte each (see weight_flags).
+# Per cut facts of a weight array, as bits of one byte each (see sample_cuts).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
 # Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers of their width.
 _FLOAT_BITS = {np.dtype(np.float16): (1 << 15, 0x7C00), np.dtype(np.float32): (1 << 31, 0x7F800000),
@@ -42,7 +41,7 @@ _FLOAT_BITS = {np.dtype(np.float16): (1 << 15, 0x7C00), np.dtype(np.float32): (1
 def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> int:  # pragma: no cover - compiled
     """The ``WEIGHT_*`` bits of one span's values read as unsigned integers of their width (``sign``, ``infinity``:
     the sign bit and +inf's bits). Integer ORs only (no compare, no branch): one vector pass over the span. A
-    callee of ``_weight_flags`` and ``_cut_flags``."""
+    callee of ``_cut_flags``."""
     one = np.uint64(1)
     magnitude = sign - one
     at_least_inf = sign - infinity  # y + at_least_inf has the sign bit exactly when y >= +inf's bits
@@ -73,19 +72,19 @@ def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> i
 def _cut_flags(
     weights: tuple[npt.NDArray[Any], ...],
     n_weights: int,
-    starts: IntArray,
-    cuts: tuple[int, int, int],
+    cuts: tuple[IntArray, IntArray, int, int],
     flags: npt.NDArray[np.uint8],
     sign: np.uint64,
     infinity: np.uint64,
 ) -> None:  # pragma: no cover - compiled
-    """Into ``flags``, the ``WEIGHT_*`` bits of each weight array on the cuts ``first`` to ``k - 1`` of one sample
-    (``cuts``: first, k, the sample's end), read while the sample is in cache. A callee of ``_token_spans``."""
-    first, k, end = cuts
+    """Into ``flags``, the ``WEIGHT_*`` bits of each weight array on the cuts ``first`` to ``k - 1``
+    of one sample (``cuts``: starts, ends, first, k), read while the sample is in cache. A callee of
+    ``_sample_cuts``."""
+    starts, ends, first, k = cuts
     w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
     for c in range(first, k):
         cut_start = starts[c]
-        cut_end = starts[c + 1] if c + 1 < k else end
+        cut_end = ends[c]
         s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
         # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1). One pass over the three
         # arrays at once, a min and a max per value in the values' own width (as many lanes per vector
@@ -106,39 +105,181 @@ def _cut_flags(
 
 
 def _checked_positions(
-    tokens: IntArray,
+    labels: tuple[npt.NDArray[np.int8], npt.NDArray[Any], IntArray, IntArray, IntArray],
     mask: npt.NDArray[Any],
     pos_off: IntArray,
     samples: IntArray,
     weights: tuple[npt.NDArray[Any], ...],
     n_weights: int,
 ) -> int:  # pragma: no cover - compiled
-    """The positions of ``samples``, once their offsets and the arrays' lengths are checked: checked before any
-    read, so a damaged offset never reads or writes out of bounds (a callee of ``_token_spans``)."""
-    n = len(tokens)
-    if len(mask) != n:
-        raise ValueError("token_cuts: token_versions and mask differ in length")
+    """The positions of ``samples``, once their offsets and the arrays' lengths are checked: checked
+    before any read, so a damaged offset never reads or writes out of bounds (a callee of
+    ``_sample_cuts``; span starts are checked as they are read)."""
+    kinds, tokens, span_offsets, span_starts, span_versions = labels
+    n = len(mask)
     if n_weights > 0 and (len(weights[0]) != n or len(weights[1]) != n or len(weights[2]) != n):
-        raise ValueError("token_cuts: a weight array and token_versions differ in length")
+        raise ValueError("sample_cuts: a weight array and the mask differ in length")
+    if len(span_starts) != len(span_versions):
+        raise ValueError("sample_cuts: span starts and versions differ in length")
     total = 0
     end = 0
     for s in samples:
-        if s < 0 or s + 1 >= len(pos_off):
-            raise IndexError("token_cuts: a sample index beyond the position offsets")
+        if s < 0 or s + 1 >= len(pos_off) or s >= len(kinds):
+            raise IndexError("sample_cuts: a sample index beyond the position offsets")
         a = pos_off[s]
         b = pos_off[s + 1]
         if a < end or b < a or b > n:
-            raise ValueError("token_cuts: position offsets out of order or beyond the arrays")
+            raise ValueError("sample_cuts: position offsets out of order or beyond the arrays")
+        if kinds[s] == 2 and len(tokens) != n:
+            raise ValueError("sample_cuts: token_versions and mask differ in length")
+        spans_out = s + 1 >= len(span_offsets) or not 0 <= span_offsets[s] <= span_offsets[s + 1]
+        if kinds[s] == 1 and (spans_out or span_offsets[s + 1] > len(span_starts)):
+            raise ValueError("sample_cuts: span offsets out of order or beyond the spans")
         end = b
         total += b - a
     return total
 
 
 def _grown(values: IntArray, used: int, capacity: int) -> IntArray:  # pragma: no cover - compiled
-    """``values``' first ``used`` entries in a new array of ``capacity`` (a callee of ``_token_spans``)."""
+    """``values``' first ``used`` entries in a new array of ``capacity`` (a callee of
+    ``_sample_cuts``)."""
     wider = np.empty(capacity, dtype=values.dtype)
     wider[:used] = values[:used]
     return wider
+
+
+def _token_sample(
+    tok: npt.NDArray[Any],
+    m: npt.NDArray[Any],
+    a: int,
+    k: int,
+    out: tuple[IntArray, IntArray, IntArray],
+) -> tuple[int, int]:  # pragma: no cover - compiled
+    """The cuts of one sample labelled per position (``tok``, ``m``: its labels and mask; ``a``: its
+    first position) written into ``out`` (starts, labels, labelled) from cut ``k`` on; returns the
+    next cut and the labels below -1 seen. A callee of ``_sample_cuts``."""
+    starts, labels, labelled = out
+    length = len(tok)
+    starts[k] = a
+    cut_label = np.int64(tok[0])  # -1: none yet (leading -1 positions join the first label)
+    count = 1 if cut_label >= 0 else 0
+    below = 1 if cut_label < -1 else 0
+    i = 1
+    while i < length:
+        end = min(i + _BLOCK, length)
+        # Slices of the block (and of the positions before it): indices from 0, so no negative-index
+        # fix-up per position and the check below is one vector pass. Does anything cut here? Mostly
+        # not: then only count.
+        block_tok = tok[i:end]
+        block_mask = m[i:end]
+        before_mask = m[i - 1 : end - 1]
+        cuts = 0
+        block_labelled = 0
+        block_below = 0
+        for q in range(end - i):
+            t = np.int64(block_tok[q])
+            is_labelled = t >= 0
+            cuts += (block_mask[q] != before_mask[q]) | (is_labelled & (t != cut_label))
+            block_labelled += is_labelled
+            block_below += t < -1
+        if cuts == 0:
+            count += block_labelled
+            below += block_below
+            i = end
+            continue
+        # The block holds a cut: walk to the first one (the same test, with no branch on whether a
+        # position is labelled: -1 positions come at random), cut there, and check again after it.
+        q = i
+        while (m[q] == m[q - 1]) & (((tok[q] ^ cut_label) & ~(np.int64(tok[q]) >> 63)) == 0):
+            count += tok[q] >= 0
+            below += tok[q] < -1
+            q += 1
+        t = np.int64(tok[q])
+        below += t < -1
+        if m[q] != m[q - 1]:  # the mask changes (NaN differs from everything, as numpy's !=)
+            labels[k] = cut_label
+            labelled[k] = count
+            k += 1
+            starts[k] = a + q
+            cut_label = np.int64(-1)
+            count = 0
+        is_labelled = t >= 0
+        if is_labelled & (t != cut_label):  # -1 positions carry the cut's label on: they never cut
+            if cut_label >= 0:  # a different label: -1 positions before it stay behind
+                labels[k] = cut_label
+                labelled[k] = count
+                k += 1
+                starts[k] = a + q
+                count = 0
+            cut_label = t
+        count += is_labelled
+        i = q + 1
+    labels[k] = cut_label
+    labelled[k] = count
+    return k + 1, below
+
+
+def _span_sample(
+    span_starts: IntArray,
+    span_versions: IntArray,
+    m: npt.NDArray[Any],
+    a: int,
+    k: int,
+    out: tuple[IntArray, IntArray, IntArray],
+) -> int:  # pragma: no cover - compiled
+    """The cuts of one sample labelled by version spans (none: unlabelled; positions before the
+    first span are unlabelled), cut again where the mask changes, written into ``out`` from cut
+    ``k`` on; returns the next cut. Raises ``ValueError`` on span starts that do not increase within
+    the sample. A callee of ``_sample_cuts``."""
+    starts, labels, labelled = out
+    length = len(m)
+    n_spans = len(span_starts)
+    j = 0
+    label = np.int64(-1)
+    if n_spans and span_starts[0] == 0:
+        label = span_versions[0]
+        j = 1
+    starts[k] = a
+    cut_start = 0
+    q = 1
+    while q < length:
+        seg_end = length
+        if j < n_spans:
+            seg_end = span_starts[j]
+            if seg_end < q or seg_end >= length:
+                raise ValueError("sample_cuts: span starts out of order or beyond their sample")
+        while q < seg_end:  # the mask changes before the next span: a block at a time, mostly none
+            end = min(q + _BLOCK, seg_end)
+            block_mask = m[q:end]
+            before_mask = m[q - 1 : end - 1]
+            changes = 0
+            for i in range(end - q):
+                changes += block_mask[i] != before_mask[i]
+            if changes == 0:
+                q = end
+                continue
+            while m[q] == m[q - 1]:  # (NaN differs from everything, as numpy's !=)
+                q += 1
+            labels[k] = label
+            labelled[k] = q - cut_start if label >= 0 else 0
+            k += 1
+            starts[k] = a + q
+            cut_start = q
+            q += 1
+        if q == seg_end and j < n_spans:  # the next span begins: a cut with its label
+            labels[k] = label
+            labelled[k] = q - cut_start if label >= 0 else 0
+            label = span_versions[j]
+            j += 1
+            k += 1
+            starts[k] = a + q
+            cut_start = q
+            q += 1
+    if j < n_spans:
+        raise ValueError("sample_cuts: span starts out of order or beyond their sample")
+    labels[k] = label
+    labelled[k] = length - cut_start if label >= 0 else 0
+    return k + 1
 
 
 _CUT_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
@@ -146,27 +287,31 @@ _CUT_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
     "_grown": (_grown, {}),
     "_span_bits": (_span_bits, {}),
     "_cut_flags": (_cut_flags, {}),
+    "_token_sample": (_token_sample, {}),
+    "_span_sample": (_span_sample, {}),
 }
 
 
 @CompiledLoop(callees=_CUT_CALLEES)
-def _token_spans(
-    tokens: IntArray,
+def _sample_cuts(
+    labels: tuple[npt.NDArray[np.int8], npt.NDArray[Any], IntArray, IntArray, IntArray],
     mask: npt.NDArray[Any],
     pos_off: IntArray,
     samples: IntArray,
     weights: tuple[npt.NDArray[Any], ...],
     n_weights: int,
-    sign: np.uint64,
-    infinity: np.uint64,
-) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]:  # pragma: no cover - compiled
-    total = _checked_positions(tokens, mask, pos_off, samples, weights, n_weights)
+    bits: tuple[np.uint64, np.uint64],
+) -> tuple[IntArray, IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]:  # pragma: no cover
+    total = _checked_positions(labels, mask, pos_off, samples, weights, n_weights)
+    kinds, tokens, span_offsets, span_starts, span_versions = labels
+    sign, infinity = bits
     # Outputs sized by the cuts, not the positions: room for the next sample's worst case (a cut per
     # position), doubled when short. (Arrays of one entry per position cost page faults and numba's
     # zeroing of the flags, in every parallel share: more than the cut loop's own reads.)
     capacity = min(total + 1, max(64, 8 * len(samples)))
     starts = np.empty(capacity, dtype=np.int64)
-    labels = np.empty_like(starts)
+    ends = np.empty_like(starts)
+    cut_labels = np.empty_like(starts)
     labelled = np.empty_like(starts)
     flags = np.empty((n_weights, capacity), dtype=np.uint8)  # (every cut's bits are written)
     below = 0  # labels below -1 seen (a value rule of SPEC 3, checked by the caller when any)
@@ -179,74 +324,28 @@ def _token_spans(
         if k + length + 1 > len(starts):  # this sample may cut at each position
             capacity = max(2 * len(starts), k + length + 1)
             starts = _grown(starts, k, capacity)
-            labels = _grown(labels, k, capacity)
+            ends = _grown(ends, k, capacity)
+            cut_labels = _grown(cut_labels, k, capacity)
             labelled = _grown(labelled, k, capacity)
             wider = np.empty((n_weights, capacity), dtype=np.uint8)
             wider[:, :k] = flags[:, :k]
             flags = wider
         first_cut = k
-        tok = tokens[a : a + length]  # slices: in bounds by the checks above, and no negative-index fix-up
-        m = mask[a : a + length]
-        starts[k] = a
-        cut_label = tok[0]  # -1: none yet (leading -1 positions join the first label)
-        count = 1 if cut_label >= 0 else 0
-        below += cut_label < -1
-        i = 1
-        while i < length:
-            end = min(i + _BLOCK, length)
-            # Slices of the block (and of the positions before it): indices from 0, so no negative-index
-            # fix-up per position and the check below is one vector pass. Does anything cut here? Mostly
-            # not: then only count.
-            block_tok = tok[i:end]
-            block_mask = m[i:end]
-            before_mask = m[i - 1 : end - 1]
-            cuts = 0
-            block_labelled = 0
-            block_below = 0
-            for q in range(end - i):
-                t = block_tok[q]
-                is_labelled = t >= 0
-                cuts += (block_mask[q] != before_mask[q]) | (is_labelled & (t != cut_label))
-                block_labelled += is_labelled
-                block_below += t < -1
-            if cuts == 0:
-                count += block_labelled
-                below += block_below
-                i = end
-                continue
-            # The block holds a cut: walk to the first one (the same test, with no branch on whether a
-            # position is labelled: -1 positions come at random), cut there, and check again after it.
-            q = i
-            while (m[q] == m[q - 1]) & (((tok[q] ^ cut_label) & ~(tok[q] >> 63)) == 0):
-                count += tok[q] >= 0
-                below += tok[q] < -1
-                q += 1
-            t = tok[q]
-            below += t < -1
-            if m[q] != m[q - 1]:  # the mask changes (NaN differs from everything, as numpy's !=)
-                labels[k] = cut_label
-                labelled[k] = count
-                k += 1
-                starts[k] = a + q
-                cut_label = -1
-                count = 0
-            is_labelled = t >= 0
-            if is_labelled & (t != cut_label):  # -1 positions carry the cut's label on: they never cut
-                if cut_label >= 0:  # a different label: -1 positions before it stay behind
-                    labels[k] = cut_label
-                    labelled[k] = count
-                    k += 1
-                    starts[k] = a + q
-                    count = 0
-                cut_label = t
-            count += is_labelled
-            i = q + 1
-        labels[k] = cut_label
-        labelled[k] = count
-        k += 1
+        m = mask[a : a + length]  # slices: in bounds (checked above), no negative-index fix-up
+        out = (starts, cut_labels, labelled)
+        if kinds[s] == 2:
+            k, seen = _token_sample(tokens[a : a + length], m, a, k, out)
+            below += seen
+        else:
+            first, last = (span_offsets[s], span_offsets[s + 1]) if kinds[s] == 1 else (0, 0)
+            k = _span_sample(span_starts[first:last], span_versions[first:last], m, a, k, out)
+        for c in range(first_cut, k - 1):
+            ends[c] = starts[c + 1]
+        ends[k - 1] = a + length
         if n_weights > 0:
-            _cut_flags(weights, n_weights, starts, (first_cut, k, a + length), flags, sign, infinity)
-    return starts[:k].copy(), labels[:k].copy(), labelled[:k].copy(), flags[:, :k].copy(), below
+            _cut_flags(weights, n_weights, (starts, ends, first_cut, k), flags, sign, infinity)
+    found = (starts[:k].copy(), ends[:k].copy(), cut_labels[:k].copy(), labelled[:k].copy())
+    return found[0], found[1], found[2], found[3], flags[:, :k].copy(), below
 
 
 def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -260,143 +359,118 @@ def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return runs
 
 
-def fusable_weights(weights: Sequence[npt.NDArray[Any]]) -> bool:
-    """Whether :func:`token_spans` reads the bits of ``weights`` in its pass: 1-d contiguous arrays of one
-    float dtype (float16/32/64). Others get their bits from :func:`weight_flags` or numpy."""
-    if not weights:
-        return True
-    dtype = weights[0].dtype
-    return (
-        len(weights) <= 3
-        and dtype in _FLOAT_BITS
-        and all(w.dtype == dtype and w.ndim == 1 and w.flags.c_contiguous for w in weights)
-    )
+def _weight_bits(
+    weights: Sequence[npt.NDArray[Any]], mask: npt.NDArray[Any]
+) -> tuple[tuple[npt.NDArray[Any], ...], tuple[np.uint64, np.uint64]]:
+    """The weight arrays as the loop reads them: three 1-d contiguous arrays of one float dtype's
+    bits (fewer repeat the first; none: empty ones), with that dtype's sign bit and +inf bits.
+    Arrays of other dtypes, of mixed ones or not contiguous are read as the widest float dtype given
+    (float64 for integers and booleans): a copy whose zero, sign, finite and NaN facts are the
+    values' own."""
+    dtype: np.dtype[Any] = np.dtype(np.float64)
+    floats = [w.dtype for w in weights if w.dtype in _FLOAT_BITS]
+    if not weights:  # (empty arrays of the mask's width: the loop compiled for that dtype serves)
+        dtype = np.dtype(np.float64 if mask.dtype == np.float64 else np.float32)
+        return (np.zeros(0, dtype=UNSIGNED_OF_SIZE[dtype.itemsize]),) * 3, _bits_of(dtype)
+    if len(floats) == len(weights):
+        dtype = max(floats, key=lambda d: d.itemsize)
+    unsigned = UNSIGNED_OF_SIZE[dtype.itemsize]
+    views = tuple(np.ascontiguousarray(w, dtype=dtype).view(unsigned) for w in weights)
+    return views + (views[0],) * (3 - len(views)), _bits_of(dtype)
 
 
-class TokenSpans(NamedTuple):
-    """What :func:`token_spans` finds: per cut its start, label (-1: none), labelled positions and the
-    ``WEIGHT_*`` bits of each weight array (one row per array); and how many labels are below -1."""
+def _bits_of(dtype: np.dtype[Any]) -> tuple[np.uint64, np.uint64]:
+    sign, infinity = _FLOAT_BITS[dtype]
+    return np.uint64(sign), np.uint64(infinity)
+
+
+class Cuts(NamedTuple):
+    """What :func:`sample_cuts` finds: per cut its range ``[starts, ends)``, label (-1: none),
+    labelled positions and the ``WEIGHT_*`` bits of each weight array (one row per array); and how
+    many labels are below -1."""
 
     starts: IntArray
+    ends: IntArray
     labels: IntArray
     labelled: IntArray
     flags: npt.NDArray[np.uint8]
     below: int
 
 
-def token_spans(
-    tokens: IntArray,
+class SampleLabels(NamedTuple):
+    """How the samples label their positions: per sample its ``kind`` (``LABELS_*``: 0 none, 1
+    version spans, 2 per position), the per-position ``tokens`` and the version spans
+    (``span_offsets`` per sample into ``span_starts``, relative to the sample, and
+    ``span_versions``); arrays a batch lacks are empty."""
+
+    kinds: npt.NDArray[np.int8]
+    tokens: npt.NDArray[np.signedinteger[Any]]
+    span_offsets: IntArray
+    span_starts: IntArray
+    span_versions: IntArray
+
+
+def sample_cuts(
+    labels: SampleLabels,
     mask: npt.NDArray[Any],
     pos_off: IntArray,
     samples: IntArray,
     weights: Sequence[npt.NDArray[Any]] = (),
-) -> TokenSpans:
-    """Cuts of the (increasing) ``samples`` labelled per position: start, label and count of labelled
-    positions of each, the ``WEIGHT_*`` bits of each of ``weights`` per cut (as :func:`weight_flags`;
-    the arrays must pass :func:`fusable_weights`), and the count of labels below -1 (the caller checks
-    them: the cuts then treat such a label as unlabelled).
+) -> Cuts:
+    """The cuts of the (increasing) ``samples``: ranges of one mask value and one version label that
+    tile each sample, the ``WEIGHT_*`` bits of each of ``weights`` per cut, and the count of
+    per-position labels below -1 (the caller checks them: the cuts then treat such a label as
+    unlabelled).
 
-    A cut starts with its sample, wherever the mask differs from the previous position's, and where a
-    label differs from the cut's label. ``-1`` positions never start a cut: they belong to the cut they
-    fall in, so a cut holds one label (or none: -1) and the unlabelled positions around it. One pass
-    reads the labels and the mask, then each cut's weights while the sample is in cache. Large inputs
-    are cut in parallel, a share of the samples per thread (the loop releases the GIL).
+    The bits: ``WEIGHT_NONZERO`` (a value other than +-0.0, NaN included), ``WEIGHT_NONFINITE`` (a
+    NaN or an infinity), ``WEIGHT_NAN`` and ``WEIGHT_NOT_POSITIVE`` (a value that is not > 0: a
+    zero, a negative sign bit or a NaN), from integer ORs over each value's bits.
 
-    Raises ``IndexError`` / ``ValueError`` on offsets that are out of order or point beyond the arrays
-    (the loop checks them before it reads or writes anything).
+    A cut starts with its sample and wherever the mask differs from the previous position's. A
+    sample labelled by version spans also cuts where a span starts (its positions before the first
+    span are unlabelled, -1). A sample labelled per position cuts where a label differs from the
+    cut's: ``-1`` positions never start a cut, they belong to the cut they fall in, so a cut holds
+    one label (or none) and the unlabelled positions around it. One pass reads the labels and the
+    mask, then each cut's weights while the sample is in cache, whatever the batch's size. Large
+    inputs are cut in parallel, a share of the samples per thread (the loop releases the GIL);
+    per-position labels are read in the dtype they come in (int8 to int64).
+
+    Raises ``IndexError`` / ``ValueError`` on offsets or span starts that are out of order or point
+    beyond the arrays (the loop checks them before it reads or writes anything there).
     """
     samples = np.ascontiguousarray(samples, dtype=np.int64)
-    mask = _comparable_mask(mask)
-    views: tuple[npt.NDArray[Any], ...]
-    if weights:
-        if not fusable_weights(weights):
-            raise ValueError("token_spans: weights of one float dtype, 1-d and contiguous")
-        sign, infinity = _FLOAT_BITS[weights[0].dtype]
-        views = tuple(w.view(UNSIGNED_OF_SIZE[w.dtype.itemsize]) for w in weights)
-        views += (views[0],) * (3 - len(views))  # always three: one compiled loop per dtype
-    else:
-        # (empty arrays of the mask's width: the loop compiled for that float dtype's weights serves)
-        wide = getattr(mask, "dtype", None) == np.float64
-        sign, infinity = _FLOAT_BITS[np.dtype(np.float64 if wide else np.float32)]
-        views = (_NO_WIDE_WEIGHTS if wide else _NO_WEIGHTS,) * 3
-    n_weights = len(weights)
-    constants = (np.uint64(sign), np.uint64(infinity))
-    n = len(tokens)
-    if len(samples) < 2 or n < PARALLEL_MIN_POSITIONS:
-        return TokenSpans(*_token_spans(tokens, mask, pos_off, samples, views, n_weights, *constants))
+    if len(weights) > 3:
+        raise ValueError("sample_cuts: at most three weight arrays")
+    views, bits = _weight_bits(weights, mask)
+    # (a plain tuple of the labels: numba types it faster than a named one)
+    cut = partial(_sample_cuts, tuple(labels), _comparable_mask(mask), pos_off)
+    if len(samples) < 2 or len(mask) < PARALLEL_MIN_POSITIONS:
+        return Cuts(*cut(samples, views, len(weights), bits))
     # Shares of about equal positions (the offsets are checked again inside each share).
     ends = np.clip(pos_off[np.clip(samples + 1, 0, len(pos_off) - 1)], 0, None)
     edges = np.unique(np.searchsorted(ends, np.linspace(0, ends[-1], num=SHARES + 1)[1:-1], "left"))
     bounds = [0, *(int(e) + 1 for e in edges if 0 <= e < len(samples) - 1), len(samples)]
-    tasks = [
-        partial(_token_spans, tokens, mask, pos_off, samples[a:b], views, n_weights, *constants)
-        for a, b in itertools.pairwise(bounds) if b > a
-    ]  # fmt: skip
-    parts: list[tuple[IntArray, IntArray, IntArray, npt.NDArray[np.uint8], int]] = run_all(tasks, n)
-    if len(parts) == 1:
-        return TokenSpans(*parts[0])
-    return TokenSpans(
-        np.concatenate([p[0] for p in parts]),
-        np.concatenate([p[1] for p in parts]),
-        np.concatenate([p[2] for p in parts]),
-        np.concatenate([p[3] for p in parts], axis=1),
-        sum(p[4] for p in parts),
-    )
+    shares = [samples[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+    parts = run_all([partial(cut, share, views, len(weights), bits) for share in shares], len(mask))
+    starts, ends, cut_labels, labelled = (np.concatenate([p[i] for p in parts]) for i in range(4))
+    flags = np.concatenate([p[4] for p in parts], axis=1)
+    return Cuts(starts, ends, cut_labels, labelled, flags, sum(p[5] for p in parts))
 
 
-def token_cuts(
-    tokens: IntArray, mask: npt.NDArray[Any], pos_off: IntArray, samples: IntArray
-) -> tuple[IntArray, IntArray, IntArray]:
-    """The cuts of :func:`token_spans` alone: start, label and count of labelled positions of each.
-
-    Raises ``IndexError`` / ``ValueError`` on offsets that are out of order or point beyond the arrays.
-    """
-    found = token_spans(tokens, mask, pos_off, samples)
-    return found.starts, found.labels, found.labelled
+_NO_SPANS = np.zeros(0, dtype=np.int64)
 
 
-@CompiledLoop(callees={"_span_bits": (_span_bits, {})})
-def _weight_flags(
-    bits: npt.NDArray[Any], lo: IntArray, hi: IntArray, sign: np.uint64, infinity: np.uint64
-) -> npt.NDArray[np.uint8]:  # pragma: no cover - compiled
-    n = len(bits)
-    rows = len(lo)
-    if len(hi) != rows:
-        raise ValueError("weight_flags: lo and hi differ in length")
-    out = np.zeros(rows, dtype=np.uint8)
-    for r in range(rows):
-        a = lo[r]
-        b = hi[r]
-        if a >= b:
-            continue
-        if a < 0 or b > n:
-            raise IndexError("weight_flags: a span lies outside the array")
-        out[r] = _span_bits(bits[a:b], sign, infinity)  # (a slice: in bounds, no negative-index fix-up)
-    return out
-
-
-def weight_flags(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.NDArray[np.uint8] | None:
-    """Per span ``[lo[r], hi[r])`` of a float16/32/64 array, the bits: ``WEIGHT_NONZERO`` (a value
-    other than +-0.0, NaN included), ``WEIGHT_NONFINITE`` (a NaN or an infinity), ``WEIGHT_NAN`` and
-    ``WEIGHT_NOT_POSITIVE`` (a value that is not > 0: a zero, a negative sign bit or a NaN).
-
-    One pass of integer ORs over each value's bits. ``None`` for other dtypes and non-contiguous arrays,
-    which the caller reduces with numpy. Raises ``IndexError`` on a span outside the array.
-    """
-    constants = _FLOAT_BITS.get(values.dtype)
-    if constants is None or not values.flags.c_contiguous or values.ndim != 1:
-        return None
-    sign, infinity = constants
-    bits = values.view(UNSIGNED_OF_SIZE[values.dtype.itemsize])
-    flags: npt.NDArray[np.uint8] = _weight_flags(bits, lo, hi, np.uint64(sign), np.uint64(infinity))
-    return flags
-
-
-# exp(x) for |x| <= 20 as fdlibm's e_exp.c computes it (within 1 ulp of the C library's): x = k ln2 + r,
-# |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), a rational approximation of exp(r), then 2^k.
-# Written in the loop, it is vectorised; the C library's exp is a call per position.
-_LN2_HI, _LN2_LO, _INV_LN2 = 6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.44269504088896338700e00
-_EXP_P1, _EXP_P2, _EXP_P3 = 1.66666666666666019037e-01, -2.77777777770155933842e-03, 6.61375632143793436117e-05
+def token_spans(
+    tokens: npt.NDArray[np.signedinteger[Any]],
+    mask: npt.NDArray[Any],
+    pos_off: IntArray,
+    samples: IntArray,
+    weights: Sequence[npt.NDArray[Any]] = (),
+) -> Cuts:
+    """:func:`sample_cuts` of ``samples`` labelled per position by ``tokens``."""
+    kinds = np.full(max(len(pos_off) - 1, 0), 2, dtype=np.int8)
+    labels = SampleLabels(kinds, tokens, _NO_SPANS, _NO_SPANS, _NO_SPANS)
+    return sample_cuts(labels, mask, pos_off, samples, weights)
 
 
 class SpanRows(NamedTuple):

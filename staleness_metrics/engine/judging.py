@@ -21,7 +21,7 @@ from .queue import DROPPED, QUEUED, RolloutQueue
 from .spans import SampleSpans, SpanRanges
 
 __all__ = [
-    "SliceRows", "StaleRows", "apply_decision", "judgement_after", "judgement_again", "judgement_of", "mask_positions",
+    "SliceRows", "StaleRows", "apply_decision", "judgement_again", "judgement_of", "mask_positions",
     "slice_rows", "stale_rows", "with_groups",
 ]  # fmt: skip
 
@@ -65,11 +65,6 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
     same step: only what applying a decision changes since (thresholds and dropped samples) is read again."""
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
-    return judgement_after(queue, judgement)
-
-
-def judgement_after(queue: RolloutQueue, judgement: Judgement) -> Judgement:
-    """``judgement`` once its decision was applied: the thresholds and dropped samples read again."""
     s = queue.samples
     again = object.__new__(Judgement)  # (a frozen dataclass: a copy, its two fields set as its __init__ would)
     again.__dict__.update(judgement.__dict__)

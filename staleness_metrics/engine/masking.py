@@ -20,9 +20,8 @@ import numpy.typing as npt
 from ..compiled import UNSIGNED_OF_SIZE, CompiledLoop
 from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
-from .token_pieces import PIECE_POSITIONS, narrow
 
-__all__ = ["mask_spans", "zero_spans", "zero_spans_in_pieces"]
+__all__ = ["mask_spans", "zero_spans"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -45,12 +44,6 @@ def mask_spans(
     """Zero the positions of the given span rows of the sink's batches (``chunks``, indexed by
     ``chunk``): every position of ``[lo, hi)`` where ``part`` is ``PART_WHOLE``, else only the positions
     of the row's part (labelled or unlabelled), ``count`` positions."""
-    if len(chunk) == 0:
-        return
-    first = int(chunk[0])
-    if bool((chunk == first).all()):  # (the usual case: no rows to select per chunk)
-        _zero_in(chunks[first], lo, hi, part, count)
-        return
     for c in np.unique(chunk).tolist():
         rows = np.flatnonzero(chunk == c)
         _zero_in(chunks[c], lo[rows], hi[rows], part[rows], count[rows])
@@ -60,11 +53,7 @@ def _zero_in(
     batch: RolloutBatch | None, lo: IntArray, hi: IntArray, part: npt.NDArray[np.int8], count: IntArray
 ) -> None:
     assert batch is not None
-    tokens = batch.token_versions
-    if tokens is not None and narrow(tokens):
-        zero_spans_in_pieces(position_arrays(batch), tokens, lo, hi, part, count)
-    else:
-        zero_spans(position_arrays(batch), tokens, lo, hi, part, count)
+    zero_spans(position_arrays(batch), batch.token_versions, lo, hi, part, count)
 
 
 @CompiledLoop
@@ -125,7 +114,7 @@ def _zero_spans(
 
 def zero_spans(
     arrays: Sequence[npt.NDArray[Any]],
-    tokens: IntArray | None,
+    tokens: npt.NDArray[np.signedinteger[Any]] | None,
     lo: IntArray,
     hi: IntArray,
     part: npt.NDArray[np.int8],
@@ -137,6 +126,7 @@ def zero_spans(
     many positions that is (it only chooses how to write them).
 
     Written through unsigned views of the same width: zero bits are 0 (+0.0) in every numeric dtype.
+    The versions are read in the dtype they come in (int8 to int64).
     """
     if len(lo) == 0:
         return
@@ -159,48 +149,3 @@ def zero_spans(
         for a, b in itertools.pairwise(bounds) if b > a
     ]  # fmt: skip
     run_all(tasks, total)
-
-
-def zero_spans_in_pieces(
-    arrays: Sequence[npt.NDArray[Any]],
-    tokens: npt.NDArray[Any],
-    lo: IntArray,
-    hi: IntArray,
-    part: npt.NDArray[np.int8],
-    count: IntArray,
-    size: int | None = None,
-) -> None:
-    """:func:`zero_spans` with narrow ``tokens``: whole spans as they are
-    (they read no version), the others a range of ``size`` positions at a time with its versions as int64
-    (:data:`PIECE_POSITIONS` by default)."""
-    size = size or PIECE_POSITIONS
-    whole = part == 0
-    if whole.any():
-        rows = np.flatnonzero(whole)
-        zero_spans(arrays, None, lo[rows], hi[rows], part[rows], count[rows])
-    rows = np.flatnonzero(~whole & (hi > lo))
-    if len(rows) == 0:
-        return
-    if int(lo[rows].min()) < 0 or int(hi[rows].max()) > len(tokens):
-        raise IndexError("zero_spans: a span lies outside the arrays")
-    first = lo[rows] // size
-    last = (hi[rows] - 1) // size
-    repeats = last - first + 1
-    row = np.repeat(rows, repeats)
-    index = np.arange(len(row)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
-    window = np.repeat(first, repeats) + index
-    order = np.argsort(window, kind="stable")
-    windows, bounds = np.unique(window[order], return_index=True)
-    for w, a, b in zip(windows.tolist(), bounds.tolist(), [*bounds[1:].tolist(), len(order)], strict=True):
-        these = order[a:b]
-        base = w * size
-        end = min(base + size, len(tokens))
-        r = row[these]
-        zero_spans(
-            [values[base:end] for values in arrays],
-            tokens[base:end].astype(np.int64),
-            np.maximum(lo[r], base) - base,
-            np.minimum(hi[r], end) - base,
-            part[r],
-            count[r],
-        )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 import numpy.typing as npt
 
@@ -58,12 +56,6 @@ def segment_of(offsets: IntArray) -> IntArray:
 
 def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:
     """Concatenation of ``arange(lo[i], hi[i])`` without a Python loop."""
-    if len(lo) == 1 and hi[0] >= lo[0]:  # one range (a small ship's usual case): the arange itself
-        return np.arange(int(lo[0]), int(hi[0]), dtype=np.int64)
-    if 1 < len(lo) <= 64:  # a few ranges, often end to end (a ship's rows, their samples): one arange then
-        starts, ends = lo.tolist(), hi.tolist()  # (Python over short lists costs less than numpy calls)
-        if starts[1:] == ends[:-1] and all(map(operator.le, starts, ends)):
-            return np.arange(starts[0], ends[-1], dtype=np.int64)
     lengths = hi - lo
     ends = np.cumsum(lengths)
     total = int(ends[-1]) if len(ends) else 0
@@ -74,11 +66,5 @@ def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:
 
 
 def distinct(values: IntArray) -> list[int]:
-    """The distinct values, ascending (``np.unique(values).tolist()``): over a list when there are few, where a
-    sort in numpy costs more than Python's."""
-    if len(values) <= 256:
-        return sorted(set(values.tolist()))
-    first = values[0]
-    if bool((values == first).all()):  # one value (a ship of one batch: every row's chunk): no sort
-        return [int(first)]
+    """The distinct values, ascending, as Python integers."""
     return np.unique(values).tolist()  # type: ignore[no-any-return]

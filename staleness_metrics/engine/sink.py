@@ -24,7 +24,7 @@ from ..records.columnar import LABELS_SPANS, RolloutBatch
 from ..records.model import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from ..records.validation import Verdicts, plainly_valid
 from .decision import Decision, Judgement
-from .judging import apply_decision, judgement_after, judgement_again, judgement_of, with_groups
+from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
 from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
 from .segments import distinct, expand_ranges
@@ -291,13 +291,10 @@ class Sink:
         queued = queue.queued_rows()
         taken = queued if ids is None else queue.rows_named(ids)
         before = queue.queued
-        judged = self._sweep(step, queued)  # (when it judged exactly the rollouts shipped, their slice is read from it)
-        # The usual ship: everything queued, all of it judged by this sweep, none dropped (the slice is the ship's)
-        whole = ids is None and judged is not None and len(judged.rows) == len(queued) and queue.queued == before
+        judged = self._sweep(step, queued)
         if queue.queued != before:  # the sweep dropped some
             taken = taken[r.status[taken] == QUEUED]
-        taken = self._check_versions(taken, step, judged if whole else None)
-        whole = whole and len(taken) == len(queued)  # (none set aside for its versions)
+        taken = self._check_versions(taken, step)
         if len(taken) and self.policy.holds:
             # The sweep judged everything at this step already; judging again only decides the holds.
             judged, decision = self._judge(with_groups(queue, taken, self.policy.judges_groups), step)
@@ -306,15 +303,11 @@ class Sink:
             held, shipped = taken[hold], taken[~hold]
             self._window.add(r.env[held], "rollouts_held")
             self._window.held.extend(queue.ids[i] for i in held)
-            whole = False
         else:
             shipped = taken
         queue.leave(shipped, SHIPPED)
-
-        if whole and judged is not None:
-            shipped_slice = judgement_after(queue, judged)
-        else:
-            shipped_slice = judgement_again(queue, judged, shipped, step)
+        # (the usual ship takes what the sweep judged: its slice, the decision's writes read again)
+        shipped_slice = judgement_again(queue, judged, shipped, step)
         spans = shipped_spans(self.queue, shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
         judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)
@@ -371,15 +364,10 @@ class Sink:
 
         return build
 
-    def _check_versions(self, rows: IntArray, step: int, judged: Judgement | None = None) -> IntArray:
-        """Ship-time rule: no version above the trained one. Returns the rows that pass. ``judged``: the slice
-        of exactly ``rows`` (their versions are read from it)."""
+    def _check_versions(self, rows: IntArray, step: int) -> IntArray:
+        """Ship-time rule: no version above the trained one. Returns the rows that pass."""
         trained = step - 1
         r, s = self.queue.rollouts, self.queue.samples
-        if judged is not None:  # (the usual ship: nothing to name, found in two maxima)
-            newest_label = int(s.max_label[judged.sample_rows].max(initial=trained))
-            if not len(rows) or (int(judged.dispatch.max()) <= trained and newest_label <= trained):
-                return rows
         bad_dispatch = r.dispatch[rows] > trained  # frozen rollouts too: every version is checked
         sample_rows = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])
         bad_sample = s.max_label[sample_rows] > trained

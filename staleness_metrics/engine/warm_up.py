@@ -7,7 +7,7 @@ import numpy as np
 from ..metrics.mismatch_kernel import mismatch_runs
 from ..metrics.population import PopulationColumns, population_summary, population_sums
 from ..records.plain_values import BatchRows, PositionCopies, plain_values
-from .cuts import CutFlags, span_rows, token_cuts, token_spans, weight_flags
+from .cuts import CutFlags, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows
 from .masking import zero_spans
 from .policies.token import token_decision
@@ -36,9 +36,11 @@ def warm_up() -> None:
     token_decision(1, -9, ~yes, np.array([0, 1]), count, ~yes, yes, ~yes, np.array([0, 1]), count, yes)
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
-        token_cuts(tokens, arrays[0], offsets, np.array([0], dtype=np.int64))
-        token_spans(tokens, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1:])  # (1-3 weights alike)
-        weight_flags(arrays[1], lo, hi)
+        for kind in (0, 1, 2):  # (1-3 weights alike; spans of a sample labelled by spans: none)
+            kinds = np.array([kind], dtype=np.int8)
+            labels = SampleLabels(kinds, tokens, np.zeros(2, np.int64), lo[:0], lo[:0])
+            sample_cuts(labels, arrays[0], offsets, np.array([0], dtype=np.int64), arrays[1:])
+            sample_cuts(labels, arrays[0], offsets, np.array([0], dtype=np.int64))
         zero_spans(arrays, tokens, lo, hi, np.array([2], dtype=np.int8), count)
         mismatch_runs(tokens, arrays[0], arrays[1], np.zeros(3, dtype=bool), 0.5, 2.0, offsets, 20.0)
         mismatch_runs(tokens, arrays[0], arrays[1], None, 0.5, 2.0, offsets, 20.0)

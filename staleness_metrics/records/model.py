@@ -499,8 +499,8 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         present["trainer_logprobs"] = trainer_present
     # Token versions as the engine cuts with them (int64) in a batch of ordinary size; from
     # COMPACT_MASK_MIN_POSITIONS on, in the narrowest signed dtype the parse gave every sample (a long
-    # list of small versions: int8, 1 byte a position for the 2 of "0," instead of 8). The cut reads a
-    # narrow array a bounded piece at a time as int64 (engine.token_pieces): the same cuts.
+    # list of small versions: int8, 1 byte a position for the 2 of "0," instead of 8). The compiled
+    # cut and masked writes read them in that dtype: the same cuts, no int64 copy.
     given_versions = [s.token_versions for s in samples]
     versions_dtype: Any = np.int64
     if mask_dtype is np.int8:

@@ -18,14 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import FieldError, TraceError
 
-__all__ = ["PaddedLayout", "padded_columns"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["PaddedColumns", "PaddedLayout", "padded_columns"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -156,122 +159,129 @@ def _label_spans(labels: npt.NDArray[Any], region: _Region | None) -> tuple[IntA
     return offsets, versions, column
 
 
+class PaddedColumns(TypedDict, total=False):
+    """The keyword arguments of :func:`padded_columns` (each optional)."""
+
+    dispatch_version: Any
+    token_versions: Any
+    completion_version: Any
+    lengths: Any
+    attention_mask: Any
+    padding_side: Literal["right", "left"]
+    rl_weights: Any
+    ce_weights: Any
+    ref_kl_weights: Any
+    logprobs: Any
+    trainer_logprobs: Any
+    group_ids: Sequence[str | None] | None
+    envs: Sequence[str | None] | None
+    frozen: Any
+    agentic: Any
+
+
+_FLOAT_COLUMNS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs")
+
+
 def padded_columns(
-    ids: Sequence[str],
-    mask: Any,
-    *,
-    dispatch_version: Any = None,
-    token_versions: Any = None,
-    completion_version: Any = None,
-    lengths: Any = None,
-    attention_mask: Any = None,
-    padding_side: Literal["right", "left"] = "right",
-    rl_weights: Any = None,
-    ce_weights: Any = None,
-    ref_kl_weights: Any = None,
-    logprobs: Any = None,
-    trainer_logprobs: Any = None,
-    group_ids: Sequence[str | None] | None = None,
-    envs: Sequence[str | None] | None = None,
-    frozen: Any = None,
-    agentic: Any = None,
-) -> dict[str, Any]:
-    """The :class:`~staleness_metrics.records.columnar.RolloutBatch` fields of ``B`` rollouts from ``[B, L]``
-    arrays (numpy or any array-like): the arguments of its constructor.
+    ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumns]
+) -> dict[str, Any]:  # fmt: skip
+    """The :class:`~staleness_metrics.records.columnar.RolloutBatch` fields of ``B`` rollouts from
+    ``[B, L]`` arrays (numpy or any array-like): the arguments of its constructor.
 
     - ``mask``: the loss / response mask, 1 (or True) on positions sampled by the policy.
-    - ``token_versions`` ``[B, L]``: the policy version that sampled each position, any negative value
-      meaning unlabelled (AReaL's prompt ``-1``); or only ``dispatch_version`` ``[B]`` per row.
-      ``dispatch_version`` defaults to the oldest label among the row's valid positions (a partial
-      rollout keeps the versions of its first tokens); a live row with neither raises ``TraceError``.
-    - ``lengths`` ``[B]`` with ``padding_side``, or ``attention_mask`` ``[B, L]``: which positions hold
-      tokens. Labels on padding are ignored; a padding position with mask 1 (or a ce / ref-KL weight)
-      raises ``TraceError``. Without either, every position holds a token.
-    - ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, ``logprobs``, ``trainer_logprobs`` (NaN where
-      missing, SPEC 11) ``[B, L]``; ``ids``,
-      ``group_ids``, ``envs``, ``frozen``, ``agentic`` per row.
+    - ``token_versions`` ``[B, L]``: the policy version that sampled each position, any negative
+      value meaning unlabelled (AReaL's prompt ``-1``); or only ``dispatch_version`` ``[B]`` per
+      row. ``dispatch_version`` defaults to the oldest label among the row's valid positions (a
+      partial rollout keeps the versions of its first tokens); a live row with neither raises
+      ``TraceError``.
+    - ``lengths`` ``[B]`` with ``padding_side`` (``"right"``, the default, or ``"left"``), or
+      ``attention_mask`` ``[B, L]``: which positions hold tokens. Labels on padding are ignored; a
+      padding position with mask 1 (or a ce / ref-KL weight) raises ``TraceError``. Without either,
+      every position holds a token.
+    - ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, ``logprobs``, ``trainer_logprobs`` (NaN
+      where missing, SPEC 11) ``[B, L]``; ``completion_version``, ``group_ids``, ``envs``,
+      ``frozen``, ``agentic`` per row.
 
     The mask and weight arrays are masked in place by the sink when they can be viewed flat (numpy
-    arrays and CPU tensors that are C-contiguous); :func:`~staleness_metrics.engine.shipment.padded_shipment` reads
-    them back either way.
+    arrays and CPU tensors that are C-contiguous);
+    :func:`~staleness_metrics.engine.shipment.padded_shipment` reads them back either way.
     """
+    unknown = sorted(set(columns) - PaddedColumns.__optional_keys__)
+    if unknown:
+        raise TypeError(f"padded_columns() got an unexpected keyword argument {unknown[0]!r}")
     mask_2d = _matrix("mask", mask, None)
     shape: tuple[int, int] = (int(mask_2d.shape[0]), int(mask_2d.shape[1]))
     rows, width = shape
     id_list = _row_list("ids", ids, rows)
     assert id_list is not None
-    region = _valid_region(shape, lengths, attention_mask, padding_side)
-
-    arrays: dict[str, npt.NDArray[Any]] = {}
-    for name, values in (
-        ("rl_weights", rl_weights),
-        ("ce_weights", ce_weights),
-        ("ref_kl_weights", ref_kl_weights),
-        ("logprobs", logprobs),
-        ("trainer_logprobs", trainer_logprobs),
-    ):
-        if values is not None:
-            arrays[name] = _matrix(name, values, shape)
-
+    given: dict[str, Any] = dict(columns)
+    side = given.get("padding_side", "right")
+    region = _valid_region(shape, given.get("lengths"), given.get("attention_mask"), side)
+    arrays = {n: _matrix(n, given[n], shape) for n in _FLOAT_COLUMNS if given.get(n) is not None}
     if region is not None:
-        for name, values in (
-            ("mask", mask_2d),
-            *((n, arrays[n]) for n in ("ce_weights", "ref_kl_weights") if n in arrays),
-        ):
-            bad = _padding_rows_nonzero(values, region)
-            if bad.any():
-                row = int(np.flatnonzero(bad)[0])
-                raise TraceError(id_list[row], _FIELD.format(name), "nonzero on a padding position")
-
-    frozen_rows = np.zeros(rows, dtype=bool) if frozen is None else _row_vector("frozen", frozen, rows).astype(bool)
-    spans: tuple[IntArray, IntArray, IntArray] | None = None
-    if token_versions is not None:
-        spans = _label_spans(_matrix("token_versions", token_versions, shape), region)
-    if dispatch_version is not None:
-        dispatch = _row_vector("dispatch_version", dispatch_version, rows).astype(np.int64)
-    elif spans is not None:
-        span_offsets, span_versions, _ = spans
-        big = np.iinfo(np.int64).max
-        oldest = np.full(rows, big, dtype=np.int64)
-        has = np.diff(span_offsets) > 0
-        if len(span_versions):
-            labelled = np.where(span_versions >= 0, span_versions, big)
-            oldest[has] = np.minimum.reduceat(labelled, span_offsets[:-1][has])
-        missing = (oldest == big) & ~frozen_rows
-        if missing.any():
-            row = int(np.flatnonzero(missing)[0])
-            raise TraceError(
-                id_list[row], "dispatch_version", "no version label on the row and no dispatch_version given"
-            )
-        dispatch = np.where(oldest == big, -1, oldest)
-    else:
-        if not frozen_rows.all():
-            row = int(np.flatnonzero(~frozen_rows)[0])
-            raise TraceError(id_list[row], "dispatch_version", "required: give dispatch_version or token_versions")
-        dispatch = np.full(rows, -1, dtype=np.int64)
-
+        checked = ("mask", *(n for n in ("ce_weights", "ref_kl_weights") if n in arrays))
+        for name in checked:
+            bad = np.flatnonzero(_padding_rows_nonzero(arrays.get(name, mask_2d), region))
+            if len(bad):
+                where = _FIELD.format(name)
+                raise TraceError(id_list[int(bad[0])], where, "nonzero on a padding position")
+    frozen = _per_row("frozen", given.get("frozen"), rows, bool)
+    frozen_rows = np.zeros(rows, dtype=bool) if frozen is None else frozen
+    tokens = given.get("token_versions")
+    labels = None if tokens is None else _matrix("token_versions", tokens, shape)
+    spans = None if labels is None else _label_spans(labels, region)
     offsets = np.arange(rows + 1, dtype=np.int64)
-    flat = {name: values.reshape(-1) for name, values in arrays.items()}
     return dict(
         ids=id_list,
         sample_offsets=offsets,
         position_offsets=offsets * width,
         mask=mask_2d.reshape(-1),
-        dispatch_version=dispatch,
-        completion_version=None
-        if completion_version is None
-        else _row_vector("completion_version", completion_version, rows),
+        dispatch_version=_dispatch(given.get("dispatch_version"), spans, frozen_rows, id_list),
+        completion_version=_per_row("completion_version", given.get("completion_version"), rows),
         frozen=frozen_rows,
-        agentic=None if agentic is None else _row_vector("agentic", agentic, rows).astype(bool),
-        group_ids=_row_list("group_ids", group_ids, rows),
-        envs=_row_list("envs", envs, rows),
+        agentic=_per_row("agentic", given.get("agentic"), rows, bool),
+        group_ids=_row_list("group_ids", given.get("group_ids"), rows),
+        envs=_row_list("envs", given.get("envs"), rows),
         span_offsets=None if spans is None else spans[0],
         span_versions=None if spans is None else spans[1],
         span_starts=None if spans is None else spans[2],
-        rl_weights=flat.get("rl_weights"),
-        ce_weights=flat.get("ce_weights"),
-        ref_kl_weights=flat.get("ref_kl_weights"),
-        logprobs=flat.get("logprobs"),
-        trainer_logprobs=flat.get("trainer_logprobs"),
+        **{n: arrays[n].reshape(-1) if n in arrays else None for n in _FLOAT_COLUMNS},
         padded=PaddedLayout(rows, width),
     )
+
+
+def _per_row(name: str, values: Any, rows: int, dtype: Any = None) -> npt.NDArray[Any] | None:
+    """``values`` as one entry per row (as ``dtype`` when given), or None when not given."""
+    if values is None:
+        return None
+    array = _row_vector(name, values, rows)
+    return array if dtype is None else array.astype(dtype)
+
+
+def _dispatch(
+    given: Any, spans: tuple[IntArray, IntArray, IntArray] | None, frozen: BoolArray, ids: list[str]
+) -> IntArray:
+    """Per row its dispatch version: the one given, else the oldest label of its valid positions; a
+    live row with neither raises ``TraceError``, a frozen one gets -1."""
+    rows = len(frozen)
+    if given is not None:
+        return _row_vector("dispatch_version", given, rows).astype(np.int64)
+    if spans is None:
+        if not frozen.all():
+            row = int(np.flatnonzero(~frozen)[0])
+            reason = "required: give dispatch_version or token_versions"
+            raise TraceError(ids[row], "dispatch_version", reason)
+        return np.full(rows, -1, dtype=np.int64)
+    span_offsets, span_versions, _ = spans
+    big = np.iinfo(np.int64).max
+    oldest = np.full(rows, big, dtype=np.int64)
+    has = np.diff(span_offsets) > 0
+    if len(span_versions):
+        labelled = np.where(span_versions >= 0, span_versions, big)
+        oldest[has] = np.minimum.reduceat(labelled, span_offsets[:-1][has])
+    missing = (oldest == big) & ~frozen
+    if missing.any():
+        row = int(np.flatnonzero(missing)[0])
+        reason = "no version label on the row and no dispatch_version given"
+        raise TraceError(ids[row], "dispatch_version", reason)
+    return np.where(oldest == big, -1, oldest)

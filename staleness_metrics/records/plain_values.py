@@ -1,14 +1,15 @@
-"""The quick check of a batch's values: whether every offset, version, label kind, mask value, weight,
-log-probability and token version is plain, in one compiled pass (a small batch's checks in one call instead
-of a few dozen Python steps), copying the positions where a sink gathers small adds in the same pass.
+"""The quick check of a batch's values: whether every offset, version, label kind, mask value,
+weight, log-probability and token version is plain, in one compiled pass at every size (a small
+batch's checks in one call instead of a few dozen Python steps), copying the positions where a sink
+gathers small adds in the same pass.
 
-The exact checks that name what is wrong are :mod:`.validation`'s; this pass only says "plain" or "not".
+The exact checks that name what is wrong are :mod:`.validation`'s; this pass only says "plain" or
+"not sure".
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -138,34 +139,30 @@ def plain_values(
     tokens: IntArray | None,
     into: PositionCopies | None = None,
     start: int = 0,
-) -> bool | None:
-    """Whether a batch's values are plain, in one compiled pass: its offsets (``rows``) run from 0 to the sample
-    and position counts, never decreasing, dispatch versions are >= 0, completion versions >= -1 and not below a
-    non-negative dispatch, label kinds are allowed; every mask value is 0 or 1, every value of the ``weights``
-    (rl, ce, ref-KL: None where absent) and ``logprobs`` finite and every token version >= -1. When they are and
-    ``into`` is given, the mask, the weights and the token versions are copied there, from element ``start`` on,
-    in the same call (a sink gathering small adds). The per-position arrays must be as long as the mask (the
-    caller checks).
+) -> bool:
+    """Whether a batch's values are plain, in one compiled pass: its offsets (``rows``) run from 0
+    to the sample and position counts, never decreasing, dispatch versions are >= 0, completion
+    versions >= -1 and not below a non-negative dispatch, label kinds are allowed; every mask value
+    is 0 or 1, every value of the ``weights`` (rl, ce, ref-KL: None where absent) and ``logprobs``
+    finite and every token version >= -1. When they are and ``into`` is given, the mask, the weights
+    and the token versions are copied there, from element ``start`` on, in the same call (a sink
+    gathering small adds). The per-position arrays must be as long as the mask (the caller checks).
 
-    ``None`` when the arrays are not 1-d contiguous float32/float64 (mask and floats of one type), the label
-    kinds not int8, or while no compiled loop is loaded yet: the caller checks with Python and numpy
-    (microseconds), so that a check never makes a cold process import numba (a second or more, e.g. inside a
-    service's restore of its runs)."""
-    if "numba" not in sys.modules:
-        return None
+    False ("not sure": the exact checks then say) when the arrays are not 1-d contiguous
+    float32/float64 (mask and floats of one type) or the label kinds not int8."""
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
     n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows
     if empty is None or mask.ndim != 1 or not mask.flags.c_contiguous or label_kind.dtype != _INT8:
-        return None
+        return False
     if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1:
-        return None  # (other shapes: Python says)
+        return False  # (other shapes: the exact checks name them)
     rl, ce, ref_kl = weights  # (written out: this runs once per small add)
     rl, ce, ref_kl = empty if rl is None else rl, empty if ce is None else ce, empty if ref_kl is None else ref_kl
     logprobs = empty if logprobs is None else logprobs
     for values in (rl, ce, ref_kl, logprobs):
         if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
-            return None
+            return False
     copies, token_copy = _NO_COPIES[dtype] if into is None else into
     loop = _plain_values.loaded()  # (the compiled loop itself once it is loaded)
     result: bool = loop(

@@ -446,14 +446,14 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
 
 
 def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
-    """The values in the arrays of a batch :func:`plainly_valid` passed with ``positions=False``: offsets from 0
-    to the end, never decreasing; versions and label kinds check_batch takes; ``weight_versions`` spans as
-    build_spans wants them; a 0/1 mask, finite weights and log-probabilities, token versions >= -1. When they are
-    plain and ``into`` is given, the mask, weights and token versions are copied there (from element ``start``
-    on) as well.
+    """The values in the arrays of a batch :func:`plainly_valid` passed with ``positions=False``:
+    offsets from 0 to the end, never decreasing; versions and label kinds check_batch takes;
+    ``weight_versions`` spans as build_spans wants them; a 0/1 mask, finite weights and
+    log-probabilities, token versions >= -1. When they are plain and ``into`` is given, the mask,
+    weights and token versions are copied there (from element ``start`` on) as well.
 
-    One compiled pass (:func:`~staleness_metrics.records.plain_values.plain_values`), or Python and numpy: a finite sum
-    says every value is finite (a NaN or an infinity makes it NaN or infinite; an overflow is only "not sure")."""
+    One compiled pass (:func:`~staleness_metrics.records.plain_values.plain_values`), then the spans
+    in numpy."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
@@ -462,86 +462,7 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
     rows = BatchRows(len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version,
                      batch.completion_version, kind, labels)  # fmt: skip
     plain = plain_values(rows, mask, weights, logprobs, tokens, into, start)
-    if plain is None:
-        plain = _plain_values(batch, into, start)
     return plain and (not has_spans or _plain_spans(batch))
-
-
-def _plain_values(batch: RolloutBatch, into: PositionCopies | None, start: int) -> bool:
-    """:func:`plain_values_of` without the compiled loop (and without the spans)."""
-    mask, tokens = batch.mask, batch.token_versions
-    sample_offsets, position_offsets = batch.sample_offsets, batch.position_offsets
-    dispatch, completion, kind = batch.dispatch_version, batch.completion_version, batch.label_kind
-    assert kind is not None and completion is not None  # (plainly_valid checked them)
-    n_rollouts, n_samples, n_positions = len(batch.ids), len(position_offsets) - 1, len(mask)
-    if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == kind.ndim == 1:
-        return False  # (the exact checks name the shape)
-    if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(kind) != n_samples:
-        return False
-    if not n_rollouts == len(dispatch) == len(completion):
-        return False
-    # Offsets: from 0 to the end, never decreasing. Small arrays read as lists (a numpy call costs more).
-    if n_rollouts + n_samples <= 64:
-        starts, ends = sample_offsets.tolist(), position_offsets.tolist()
-        if starts[0] != 0 or starts[-1] != n_samples or ends[0] != 0 or ends[-1] != n_positions:
-            return False
-        if (n_rollouts > 1 and starts != sorted(starts)) or (n_samples > 1 and ends != sorted(ends)):
-            return False
-    else:
-        ends = (int(sample_offsets[0]), int(sample_offsets[-1]), int(position_offsets[0]), int(position_offsets[-1]))
-        if ends != (0, n_samples, 0, n_positions):
-            return False
-        if bool((sample_offsets[1:] < sample_offsets[:-1]).any()):
-            return False
-        if bool((position_offsets[1:] < position_offsets[:-1]).any()):
-            return False
-    # Per-rollout and per-sample values of a small batch: Python over short lists costs less than numpy calls.
-    dispatches, completions = dispatch.tolist(), completion.tolist()
-    if min(dispatches) < 0 or min(completions) < -1:  # frozen ones too: -1 falls to the exact path
-        return False
-    if n_rollouts == 1:
-        if 0 <= completions[0] < dispatches[0]:
-            return False
-    elif any(0 <= c < d for c, d in zip(completions, dispatches)):
-        return False
-    kinds = set(kind.tolist())
-    if not kinds <= _LABEL_KINDS:
-        return False
-    if tokens is None and LABELS_TOKENS in kinds:
-        return False
-    if batch.span_offsets is None and LABELS_SPANS in kinds:
-        return False
-    if tokens is not None and int(tokens.min()) < -1:
-        return False
-    if np.count_nonzero(mask == 1) + np.count_nonzero(mask == 0) != n_positions:
-        return False
-    weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
-    if not all(np.isfinite(np.add.reduce(v)) for v in (*weights, batch.logprobs) if v is not None):
-        return False
-    if into is not None:
-        for values, copy in zip((mask, *weights, tokens), (*into.mask_and_weights, into.token_versions)):
-            if values is not None and len(copy):
-                copy[start : start + n_positions] = values
-    return True
-
-
-_LABEL_KINDS = frozenset({LABELS_NONE, LABELS_SPANS, LABELS_TOKENS})
-
-
-def _plain_few_spans(offsets: list[int], versions: list[int], starts: list[int], positions: list[int]) -> bool:
-    """:func:`_plain_spans` over lists (the offsets' ends and lengths already checked)."""
-    if min(versions) < -1:
-        return False
-    for sample, (a, b) in enumerate(itertools.pairwise(offsets)):
-        if b < a:
-            return False
-        if b > a:  # starts within the sample, increasing: the first >= 0, the last below its length
-            mine = starts[a:b]
-            if mine[0] < 0 or mine[-1] >= positions[sample + 1] - positions[sample]:
-                return False
-            if any(x >= y for x, y in itertools.pairwise(mine)):
-                return False
-    return True
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
@@ -555,8 +476,6 @@ def _plain_spans(batch: RolloutBatch) -> bool:
         return False
     if len(versions) == 0:
         return not bool((offsets[1:] != 0).any())
-    if len(versions) + len(offsets) <= 256:  # a few spans: Python over lists costs less than numpy calls
-        return _plain_few_spans(offsets.tolist(), versions.tolist(), starts.tolist(), batch.position_offsets.tolist())
     if bool((offsets[1:] < offsets[:-1]).any()):
         return False
     if int(versions.min()) < -1 or int(starts.min()) < 0:

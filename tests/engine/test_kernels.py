@@ -17,14 +17,13 @@ from staleness_metrics.engine.cuts import (
     WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
     CutFlags,
-    fusable_weights,
-    token_cuts,
+    SampleLabels,
+    sample_cuts,
     token_spans,
-    weight_flags,
 )
 from staleness_metrics.engine.masking import zero_spans
 from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_min, segment_sum
-from staleness_metrics.engine.spans import SampleSpans, SpanRanges, weight_flags_by_extrema
+from staleness_metrics.engine.spans import SampleSpans, SpanRanges
 from staleness_metrics.engine.warm_up import warm_up
 from staleness_metrics.records import plain_values as plain
 from staleness_metrics.records.plain_values import PositionCopies
@@ -70,9 +69,28 @@ def plain_values(
     n_rollouts: int, sample_offsets: IntArray, position_offsets: IntArray, dispatch: IntArray, completion: IntArray,
     label_kind: npt.NDArray[np.int8], labels: int, mask: npt.NDArray[Any], weights: plain.Weights,
     logprobs: npt.NDArray[Any] | None, tokens: IntArray | None, into: PositionCopies | None = None, start: int = 0,
-) -> bool | None:  # fmt: skip
+) -> bool:  # fmt: skip
     rows = plain.BatchRows(n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels)
     return plain.plain_values(rows, mask, weights, logprobs, tokens, into, start)
+
+
+def token_cuts(
+    tokens: IntArray, mask: npt.NDArray[Any], pos_off: IntArray, samples: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    found = token_spans(tokens, mask, pos_off, samples)
+    return found.starts, found.labels, found.labelled
+
+
+def numpy_bits(values: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> list[int]:
+    """The ``WEIGHT_*`` bits of each span ``[lo, hi)``, from what numpy says of its values."""
+    bits = []
+    for a, b in zip(lo.tolist(), hi.tolist()):
+        span = values[a:b].astype(np.float64)
+        bits.append(
+            WEIGHT_NONZERO * bool((span != 0).any()) | WEIGHT_NONFINITE * bool((~np.isfinite(span)).any())
+            | WEIGHT_NAN * bool(np.isnan(span).any()) | WEIGHT_NOT_POSITIVE * bool((~(span > 0)).any())
+        )  # fmt: skip
+    return bits
 
 
 def numpy_token_cuts(
@@ -185,14 +203,14 @@ def test_token_cuts_in_parallel_shares_equal_one_pass() -> None:
     st.sampled_from([np.float16, np.float32, np.float64]),
     st.integers(-4, -2),
 )
-def test_token_spans_read_each_cut_s_weight_bits_as_weight_flags_does(
+def test_token_spans_read_each_cut_s_weight_bits_as_numpy_says(
     case: tuple[IntArray, IntArray, npt.NDArray[np.bool_], Any],
     pattern: list[float],
     n_weights: int,
     dtype: Any,
     wild_label: int,
 ) -> None:
-    """The cuts of the fused pass are token_cuts'; its bits per cut are weight_flags' over [start, next start);
+    """The cuts of the fused pass are token_cuts'; its bits per cut are numpy's over [start, next start);
     it counts the labels below -1 of the samples it cuts (and only those)."""
     tokens, pos_off, tokened, mask = case
     if len(tokens) == 0 or not tokened.any():
@@ -201,16 +219,15 @@ def test_token_spans_read_each_cut_s_weight_bits_as_weight_flags_does(
     samples = np.flatnonzero(tokened)
     found = token_spans(tokens, mask, pos_off, samples, weights)
     cuts = token_cuts(tokens, mask, pos_off, samples)
-    for got, want in zip(found[:3], cuts):
+    for got, want in zip((found.starts, found.labels, found.labelled), cuts):
         assert got.tolist() == want.tolist()
     # A cut ends where the next begins, or where its sample ends.
     sample_end = pos_off[np.searchsorted(pos_off, found.starts, "right")]
     ends = np.minimum(np.append(found.starts[1:], len(tokens)), sample_end)
     assert found.flags.shape == (n_weights, len(found.starts))
+    assert found.ends.tolist() == ends.tolist()
     for values, bits in zip(weights, found.flags):
-        want_bits = weight_flags(values, found.starts, ends)
-        assert want_bits is not None
-        assert bits.tolist() == want_bits.tolist()
+        assert bits.tolist() == numpy_bits(values, found.starts, ends)
     assert found.below == 0
     wild = tokens.copy()
     wild[pos_off[samples[-1]]] = wild_label  # the first position of the last sample cut
@@ -255,24 +272,31 @@ def test_token_spans_with_more_cuts_than_their_first_room_equal_the_numpy_runs()
     found = token_spans(tokens, mask, pos_off, samples, weights)
     want = numpy_token_cuts(tokens, pos_off, tokened, mask_changes(mask))
     assert len(found.starts) > 8 * len(samples)  # past the first room several times over
-    for got, expected in zip(found[:3], want):
+    for got, expected in zip((found.starts, found.labels, found.labelled), want):
         assert got.tolist() == expected.tolist()
     sample_end = pos_off[np.searchsorted(pos_off, found.starts, "right")]
     ends = np.minimum(np.append(found.starts[1:], total), sample_end)
     for values, bits in zip(weights, found.flags):
-        want_bits = weight_flags(values, found.starts, ends)
-        assert want_bits is not None
-        assert bits.tolist() == want_bits.tolist()
+        assert bits.tolist() == numpy_bits(values, found.starts, ends)
 
 
-def test_token_spans_read_weights_of_one_float_dtype_only() -> None:
-    ones32, ones64 = np.ones(4, dtype=np.float32), np.ones(4)
-    assert fusable_weights([]) and fusable_weights([ones32, ones32]) and fusable_weights([ones64])
-    assert not fusable_weights([ones32, ones64])
-    assert not fusable_weights([np.ones(8, dtype=np.float32)[::2]])
-    assert not fusable_weights([np.ones(4, dtype=np.int64)])
-    with pytest.raises(ValueError, match="one float dtype"):
-        token_spans(np.zeros(4, dtype=np.int64), ones32, np.array([0, 4]), np.array([0]), [ones32, ones64])
+def test_weights_of_other_or_mixed_dtypes_give_the_bits_of_their_values() -> None:
+    """Integers, booleans, a strided view and mixed float widths: the bits numpy says of the values."""
+    tokens = np.array([0, 0, 1, 1, 1, 2, 2, 2], dtype=np.int64)
+    mask = np.ones(8, dtype=np.float32)
+    pos_off, samples = np.array([0, 8]), np.array([0])
+    weights: list[npt.NDArray[Any]] = [
+        np.array([0, 0, 3, -1, 0, 0, 0, 7], dtype=np.int64),
+        np.array([1.0, 0.5, 0.0, -0.0, 0.0, np.inf, 1e-40, 1.0], dtype=np.float64)[::-1][::1],
+        np.array([1, 1, 0, 0, 0, 1, 1, 1] * 2, dtype=np.float16)[::2],
+    ]
+    choices: list[list[npt.NDArray[Any]]] = [[weights[0]], [weights[2], weights[1]], weights, [np.arange(8) % 2 == 0]]
+    for chosen in choices:
+        found = token_spans(tokens, mask, pos_off, samples, chosen)
+        for values, bits in zip(chosen, found.flags):
+            assert bits.tolist() == numpy_bits(values, found.starts, found.ends)
+    with pytest.raises(ValueError, match="at most three"):
+        token_spans(tokens, mask, pos_off, samples, weights * 2)
 
 
 def test_token_cuts_refuse_damaged_offsets_instead_of_writing_out_of_bounds() -> None:
@@ -285,7 +309,24 @@ def test_token_cuts_refuse_damaged_offsets_instead_of_writing_out_of_bounds() ->
     with pytest.raises(IndexError, match="sample index"):
         token_cuts(tokens, mask, np.array([0, 4], dtype=np.int64), np.array([0, 1]))
     with pytest.raises(ValueError, match="differ in length"):
-        token_cuts(tokens, mask[:3], np.array([0, 4], dtype=np.int64), np.array([0]))
+        token_cuts(tokens, mask[:3], np.array([0, 3], dtype=np.int64), np.array([0]))
+
+
+def test_span_cuts_refuse_span_starts_out_of_order_or_past_their_sample() -> None:
+    mask = np.ones(6, dtype=np.float32)
+    pos_off, samples = np.array([0, 3, 6]), np.array([0, 1])
+
+    def cut(starts: list[int], offsets: list[int]) -> Any:
+        labels = SampleLabels(np.array([1, 1], dtype=np.int8), np.zeros(0, dtype=np.int64), np.array(offsets),
+                              np.array(starts), np.zeros(len(starts), dtype=np.int64))  # fmt: skip
+        return sample_cuts(labels, mask, pos_off, samples)
+
+    assert cut([0, 2, 1], [0, 2, 3]).starts.tolist() == [0, 2, 3, 4]  # (starts count from their sample)
+    for starts in ([0, 2, 2], [1, 0, 2], [0, 1, 3], [-1, 0, 1]):  # all three in the first sample
+        with pytest.raises(ValueError, match="span starts"):
+            cut(starts, [0, 3, 3])
+    with pytest.raises(ValueError, match="span offsets"):
+        cut([0, 1, 2], [0, 2, 4])
 
 
 def numpy_zero_spans(
@@ -377,33 +418,22 @@ SPECIAL_WEIGHTS = [0.0, -0.0, 1.0, 0.5, -2.0, 1e-40, -1e-310, float("inf"), floa
     st.sampled_from([np.float16, np.float32, np.float64]),
     st.booleans(),
 )
-def test_weight_flags_equal_the_numpy_extrema(
+def test_span_bits_say_what_the_values_are(
     values: list[float], cuts: list[int], dtype: Any, negative_nan: bool
 ) -> None:
-    """The compiled bits per span say what numpy's per-span maxima and minima said, for every kind of value."""
+    """The compiled bits per cut say what numpy says of the cut's values, for every kind of value (cuts
+    of one unlabelled sample per span here)."""
     with np.errstate(over="ignore"):
         array = np.array(values, dtype=dtype)
     if negative_nan:  # NaN with the sign bit set: still a NaN
         array[np.isnan(array)] = -np.abs(array[np.isnan(array)])
     lo = np.unique(np.concatenate(([0], [c for c in cuts if c < len(array)]))).astype(np.int64)
     hi = np.append(lo[1:], len(array)).astype(np.int64)
-    got = weight_flags(array, lo, hi)
-    assert got is not None
-    want = weight_flags_by_extrema(array, lo)
-    assert got.tolist() == want.tolist()
-    for r in range(len(lo)):  # and what each bit means, read from the values themselves
-        span = array[lo[r] : hi[r]].astype(np.float64)
-        assert bool(got[r] & WEIGHT_NONZERO) == bool((span != 0).any())
-        assert bool(got[r] & WEIGHT_NONFINITE) == bool((~np.isfinite(span)).any())
-        assert bool(got[r] & WEIGHT_NAN) == bool(np.isnan(span).any())
-        assert bool(got[r] & WEIGHT_NOT_POSITIVE) == bool((~(span > 0)).any())
-
-
-def test_weight_flags_leave_other_dtypes_to_numpy() -> None:
-    assert weight_flags(np.ones(3, dtype=np.int64), np.array([0]), np.array([3])) is None
-    assert weight_flags(np.ones(6, dtype=np.float32)[::2], np.array([0]), np.array([3])) is None
-    with pytest.raises(IndexError, match="outside the array"):
-        weight_flags(np.ones(3, dtype=np.float32), np.array([0]), np.array([5]))
+    none = np.zeros(0, dtype=np.int64)
+    labels = SampleLabels(np.zeros(len(lo), dtype=np.int8), none, none, none, none)
+    found = sample_cuts(labels, np.ones(len(array)), np.append(lo, len(array)), np.arange(len(lo)), [array])
+    assert found.starts.tolist() == lo.tolist() and found.ends.tolist() == hi.tolist()
+    assert found.flags[0].tolist() == numpy_bits(array, lo, hi)
 
 
 Rows = tuple[int, IntArray, IntArray, IntArray, IntArray, npt.NDArray[np.int8], int]
@@ -463,15 +493,15 @@ def test_plain_values_equals_the_numpy_checks_and_copies_only_plain_positions(
         np.testing.assert_array_equal(destination, untouched)
 
 
-def test_plain_values_leaves_other_types_to_python() -> None:
-    warm_up()  # (a cold process checks with numpy rather than import numba for it)
+def test_plain_values_is_not_sure_of_other_types() -> None:
+    """Other dtypes are "not sure" (False): the exact checks say what they hold."""
     ints = np.array([0, 1], dtype=np.int64)
     floats = np.array([0.0, 1.0])
     rows = one_sample(2, False)
-    assert plain_values(*rows, ints, (None, None, None), None, None) is None
-    assert plain_values(*rows, floats.astype(np.float16), (None, None, None), None, None) is None
-    assert plain_values(*rows, floats, (floats.astype(np.float32), None, None), None, None) is None  # the mask's type
-    assert plain_values(*rows, floats, (None, None, None), floats.astype(np.float32), None) is None
+    assert plain_values(*rows, ints, (None, None, None), None, None) is False
+    assert plain_values(*rows, floats.astype(np.float16), (None, None, None), None, None) is False
+    assert plain_values(*rows, floats, (floats.astype(np.float32), None, None), None, None) is False  # the mask's type
+    assert plain_values(*rows, floats, (None, None, None), floats.astype(np.float32), None) is False
     assert plain_values(*rows, floats, (floats[::-1][::1].copy(), None, None), None, None) is True
 
 
@@ -479,7 +509,7 @@ def test_plain_values_reads_offsets_versions_and_label_kinds() -> None:
     warm_up()
     mask, none = np.ones(4), (None, None, None)
 
-    def plain(**changed: Any) -> bool | None:
+    def plain(**changed: Any) -> bool:
         rows = {"n_rollouts": 2, "sample_offsets": np.array([0, 1, 2]), "position_offsets": np.array([0, 2, 4]),
                 "dispatch": np.array([0, 1]), "completion": np.array([-1, 3]),
                 "label_kind": np.array([0, 2], dtype=np.int8), "labels": 0b101} | changed  # fmt: skip
@@ -497,8 +527,8 @@ def test_plain_values_reads_offsets_versions_and_label_kinds() -> None:
     assert plain(label_kind=np.array([0, 1], dtype=np.int8)) is False  # spans the batch does not have
     assert plain(label_kind=np.array([0, 1], dtype=np.int8), labels=0b111) is True
     assert plain(label_kind=np.array([0, 3], dtype=np.int8)) is False
-    assert plain(label_kind=np.array([0, 2])) is None  # (not int8: Python checks it)
-    assert plain(dispatch=np.array([[0, 1]])) is None  # (not 1-d)
+    assert plain(label_kind=np.array([0, 2])) is False  # (not int8: not sure, the exact checks say)
+    assert plain(dispatch=np.array([[0, 1]])) is False  # (not 1-d)
 
 
 # ---------------------------------------------------------------------------------------------- span rows

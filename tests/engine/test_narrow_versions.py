@@ -1,8 +1,8 @@
 """Token versions kept narrow in a long batch (issue 19: memory bounded by the size of what arrives).
 
 A packed batch of many positions keeps the int8/16/32 versions the service parsed instead of int64, and
-the compiled loops read them a bounded piece at a time as int64. None of it may change a cut, a
-decision, a metric, a checkpoint or the error a user reads.
+the compiled loops read them as they are. None of it may change a cut, a decision, a metric, a checkpoint
+or the error a user reads.
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import staleness_metrics.engine.token_pieces as pieces_module
 import staleness_metrics.records.model as records_module
 from staleness_metrics import Sink, StalenessConfig
 from staleness_metrics.engine.cuts import token_spans
-from staleness_metrics.engine.masking import zero_spans, zero_spans_in_pieces
-from staleness_metrics.engine.token_pieces import token_spans_in_pieces
+from staleness_metrics.engine.masking import zero_spans
 from staleness_metrics.records.model import pack, parse_rollout
 from tests.engine.test_checkpoint import POLICIES, config_of
 from tests.engine.test_small_adds import play
@@ -47,22 +45,20 @@ def labelled_batches(draw: st.DrawFn) -> tuple[npt.NDArray[Any], npt.NDArray[np.
 @settings(max_examples=400, deadline=None)
 @given(
     labelled_batches(),
-    st.integers(1, 9),
     st.sampled_from(NARROW),
     st.integers(0, 3),
     st.sampled_from([np.float32, np.float64]),
     st.randoms(use_true_random=False),
 )
-def test_cuts_of_narrow_versions_read_in_pieces_equal_one_pass(
+def test_cuts_of_narrow_versions_equal_those_of_int64_versions(
     case: tuple[npt.NDArray[Any], npt.NDArray[np.int8], npt.NDArray[np.int64]],
-    size: int,
     dtype: Any,
     n_weights: int,
     weight_dtype: Any,
     rng: random.Random,
 ) -> None:
-    """Starts, labels, labelled counts, weight bits and the count of labels below -1 are one pass's,
-    whatever the piece size (pieces join again where a cut runs on)."""
+    """Starts, ends, labels, labelled counts, weight bits and the count of labels below -1 are those of the
+    same versions as int64."""
     tokens, mask, pos_off = case
     samples = np.array([s for s in range(len(pos_off) - 1) if rng.random() < 0.8], dtype=np.int64)
     choices = [0.0, 1.0, 0.5, -2.0, float("inf"), float("nan")]
@@ -70,7 +66,7 @@ def test_cuts_of_narrow_versions_read_in_pieces_equal_one_pass(
         np.array([rng.choice(choices) for _ in range(len(tokens))], dtype=weight_dtype) for _ in range(n_weights)
     ]
     want = token_spans(tokens, mask, pos_off, samples, weights)
-    got = token_spans_in_pieces(tokens.astype(dtype), mask, pos_off, samples, weights, size=size)
+    got = token_spans(tokens.astype(dtype), mask, pos_off, samples, weights)
     for name, values in zip(want._fields, want):
         assert np.array_equal(np.asarray(getattr(got, name)), np.asarray(values)), name
 
@@ -79,11 +75,10 @@ def test_cuts_of_narrow_versions_read_in_pieces_equal_one_pass(
 @given(
     st.lists(st.integers(-1, 2), min_size=1, max_size=40),
     st.lists(st.tuples(st.integers(0, 39), st.integers(0, 12), st.sampled_from([0, 1, 2])), max_size=6),
-    st.integers(1, 9),
     st.sampled_from(NARROW),
 )
-def test_zero_spans_of_narrow_versions_in_pieces_write_what_one_pass_writes(
-    values: list[int], rows: list[tuple[int, int, int]], size: int, dtype: Any
+def test_zero_spans_of_narrow_versions_write_what_int64_versions_write(
+    values: list[int], rows: list[tuple[int, int, int]], dtype: Any
 ) -> None:
     tokens = np.array(values, dtype=np.int64)
     n = len(tokens)
@@ -95,7 +90,7 @@ def test_zero_spans_of_narrow_versions_in_pieces_write_what_one_pass_writes(
     expected = [a.copy() for a in arrays]
     count = hi - lo
     zero_spans(expected, tokens, lo, hi, part, count)
-    zero_spans_in_pieces(arrays, tokens.astype(dtype), lo, hi, part, count, size=size)
+    zero_spans(arrays, tokens.astype(dtype), lo, hi, part, count)
     for got, want in zip(arrays, expected):
         assert got.tobytes() == want.tobytes()
 
@@ -126,9 +121,8 @@ def _versions_as(events: list[dict[str, Any]], dtype: Any) -> list[dict[str, Any
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_streams_decide_the_same_with_token_versions_kept_narrow(policy: str) -> None:
-    """Every packed batch keeps its int8/16/32 versions (the threshold at 0), cut a few positions at a
-    time: the same outcomes, shipped arrays, counts and errors as with int64 versions, under every policy,
-    strict and lenient, with defects."""
+    """Every packed batch keeps its int8/16/32 versions (the threshold at 0): the same outcomes, shipped
+    arrays, counts and errors as with int64 versions, under every policy, strict and lenient, with defects."""
     for seed in range(4):
         chooser = SeededChooser(seed * 17 + len(policy))
         drawn = random_config(chooser, policy, lenient=seed % 2 == 1)
@@ -137,7 +131,6 @@ def test_streams_decide_the_same_with_token_versions_kept_narrow(policy: str) ->
         as_int64 = play(config, narrow_events, random.Random(seed))
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(records_module, "COMPACT_MASK_MIN_POSITIONS", 0)
-            patch.setattr(pieces_module, "PIECE_POSITIONS", 3)
             narrow = play(config, narrow_events, random.Random(seed))
         assert narrow == as_int64
         assert narrow == play(config, events, random.Random(seed))
@@ -159,14 +152,12 @@ def test_a_long_batch_keeps_int8_versions_and_its_checkpoint_holds_int64() -> No
     assert batch.mask.dtype == np.int8
     small = pack([parse_rollout(_long_sample(1000))])
     assert small.token_versions is not None and small.token_versions.dtype == np.int64
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(pieces_module, "PIECE_POSITIONS", 4096)
-        live = Sink(StalenessConfig(max_staleness=1, policy="token"))
-        live.add([_long_sample(positions)])
-        state = live.state_dict()
-        restored = Sink(StalenessConfig(max_staleness=1, policy="token"))
-        restored.load_state_dict(json.loads(json.dumps(state, default=lambda a: a.tolist())))
-        shipped = [sink.ship(3) for sink in (live, restored)]
+    live = Sink(StalenessConfig(max_staleness=1, policy="token"))
+    live.add([_long_sample(positions)])
+    state = live.state_dict()
+    restored = Sink(StalenessConfig(max_staleness=1, policy="token"))
+    restored.load_state_dict(json.loads(json.dumps(state, default=lambda a: a.tolist())))
+    shipped = [sink.ship(3) for sink in (live, restored)]
     assert shipped[0].metrics == shipped[1].metrics
     assert shipped[0].batches_line() == shipped[1].batches_line()
     assert shipped[0].metrics["staleness/token/masked"] > 0  # version 0 is 3 behind: the first third masked

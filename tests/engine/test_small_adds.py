@@ -17,7 +17,6 @@ import staleness_metrics.engine.sink as sink_module
 from staleness_metrics import RolloutBatch, Sink, StalenessConfig
 from staleness_metrics.engine.spans import build_spans
 from staleness_metrics.errors import StalenessError
-from staleness_metrics.records import validation
 from staleness_metrics.records.model import ParsedRollout, pack, parse_or_error
 from staleness_metrics.records.validation import check_batch, plainly_valid
 from tests.engine.test_checkpoint import POLICIES, config_of
@@ -117,16 +116,10 @@ def test_the_quick_check_never_passes_what_the_exact_checks_refuse(data: st.Data
                 values[at] = data.draw(st.sampled_from([np.nan, np.inf, 0.5, 2.0]), label="value")
             else:  # an integer out of its range, or offsets that go back
                 values[at] = data.draw(st.sampled_from([-2, 3, values[at] - 1, values[at] + 1]), label="value")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(validation, "plain_values", lambda *arrays: None)  # Python's checks, as a cold process
-        by_python = plainly_valid(batch, known)
-    compiled = plainly_valid(batch, known)
-    if compiled or by_python:
+    if plainly_valid(batch, known):
         verdicts = check_batch(batch, known)
         build_spans(batch, verdicts)
         assert not verdicts.errors
-    # The two say the same but where a finite sum overflows (numpy's "not sure"), which drawn values never do.
-    assert compiled == by_python
 
 
 def _record(rid: str, dispatch: int = 0) -> dict[str, Any]:

@@ -1,44 +1,36 @@
-"""The span table of a small batch, cut from Python lists (``spans._few_cuts``), equals the one the
-numpy formulation cut before: every array and dtype, and every error reported, on random small
-batches holding each kind of label, bad values and invalid rollouts. The former formulation is kept
-here, verbatim, as the oracle (the compiled passes and the leaf helpers it calls are the module's own);
-the general path of :func:`build_spans`, which large batches take, is checked against it too."""
+"""The span table :func:`build_spans` cuts in one compiled pass equals the one the numpy formulation cut
+before: every array and dtype, and every error reported, on random small batches holding each kind of
+label, bad values and invalid rollouts. The former formulation is kept here as the oracle: version spans,
+mask changes and weight bits in numpy (per-span extrema), token runs from the compiled token cut
+(``tests/engine/test_kernels.py`` checks that against numpy runs)."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from staleness_metrics import RolloutBatch
-from staleness_metrics.engine import spans
 from staleness_metrics.engine.cuts import (
     WEIGHT_NAN,
+    WEIGHT_NONFINITE,
+    WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
     CutFlags,
-    fusable_weights,
     span_rows,
-    weight_flags,
+    token_spans,
 )
 from staleness_metrics.engine.segments import expand_ranges, segment_max
 from staleness_metrics.engine.spans import (
-    _NO_POSITIONS,
     NO_VERSION_HIGH,
     NO_VERSION_LOW,
     SpanTable,
-    _mask_changes,
-    _nonzero_or_report,
-    _token_spans,
     _TokenVersionBelowMinusOne,
     build_spans,
-    span_weight_flags,
 )
-from staleness_metrics.parallel import run_all
 from staleness_metrics.records.columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS
 from staleness_metrics.records.validation import Verdicts, check_batch
 
@@ -152,22 +144,6 @@ def test_small_batches_get_the_former_span_table(batch: RolloutBatch, token_valu
     assert_same_tables(new, former)
 
 
-@pytest.mark.parametrize("token_values", [True, False])
-@settings(max_examples=100, deadline=None)
-@given(batch=small_batches())
-def test_the_general_path_agrees_on_the_same_batches(batch: RolloutBatch, token_values: bool) -> None:
-    """Batches above the small-batch limits take the numpy path: forced onto it, these agree too."""
-    limits = spans._FEW_SAMPLES
-    spans._FEW_SAMPLES = -1
-    try:
-        new, new_errors = outcome(build_spans, batch, token_values)
-    finally:
-        spans._FEW_SAMPLES = limits
-    former, former_errors = outcome(former_build_spans, batch, token_values)
-    assert new_errors == former_errors
-    assert_same_tables(new, former)
-
-
 # The former formulation, verbatim but for its names.
 def former_build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool = True) -> SpanTable:
     """Cut every sample of ``batch`` into spans of one version label and one mask value.
@@ -185,7 +161,7 @@ def former_build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values:
     tokened = valid_sample & (batch.label_kind == LABELS_TOKENS) & nonempty
     mask = batch.mask
     # Token-labelled samples find their mask changes in the compiled pass that cuts them; the others here.
-    changes = _mask_changes(mask) if bool((valid_sample & ~tokened & nonempty).any()) else _NO_POSITIONS
+    changes = (np.flatnonzero(mask[1:] != mask[:-1]) + 1).astype(np.int64)
 
     # Cuts: the spans of one mask value that tile the flat arrays. Samples labelled per position get
     # theirs from runs of token_versions (scattered unlabelled positions do not cut them: they form the
@@ -200,26 +176,21 @@ def former_build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values:
     labelled = np.full(len(lo), -1)  # labelled positions per cut; -1: all of them when the label is >= 0
     present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
     weights = [getattr(batch, name) for name in present]
-    token_flags: npt.NDArray[np.uint8] | None = None  # the weight bits of the token cuts, from their pass
-    from_tokens: BoolArray | None = None
     if tokened.any():
-        found = _token_spans(batch, tokened, weights if fusable_weights(weights) else [])
+        assert batch.token_versions is not None
+        found = token_spans(batch.token_versions, mask, pos_off, np.flatnonzero(tokened))
         if found.below and not token_values:
             raise _TokenVersionBelowMinusOne
         t_lo = found.starts
         if len(lo) == 0:  # every sample labelled per position (the usual token_versions batch): no merge
-            from_tokens = np.ones(len(t_lo), dtype=bool)
             lo, label, labelled = t_lo, found.labels, found.labelled
             kept = np.ones(len(t_lo), dtype=bool)
         else:
             order = np.argsort(np.concatenate((lo, t_lo)), kind="stable")
-            from_tokens = np.concatenate((np.zeros(len(lo), dtype=bool), np.ones(len(t_lo), dtype=bool)))[order]
             lo = np.concatenate((lo, t_lo))[order]
             label = np.concatenate((label, found.labels))[order]
             kept = np.concatenate((kept, np.ones(len(t_lo), dtype=bool)))[order]
             labelled = np.concatenate((labelled, found.labelled))[order]
-        if len(found.flags) == len(weights) and weights:
-            token_flags = found.flags
     hi = np.append(lo[1:], n_positions).astype(np.int64)
     labelled = np.where(labelled < 0, np.where(label >= 0, hi - lo, 0), labelled)
     mixed = (labelled > 0) & (labelled < hi - lo)
@@ -229,14 +200,10 @@ def former_build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values:
     if bad.any():
         verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
     is_sampled = value == 1
-    flags: list[npt.NDArray[np.uint8]]
-    if token_flags is not None and from_tokens is not None:
-        flags = former_merged_flags(weights, token_flags, from_tokens, lo, hi)
-    else:
-        flags = run_all([partial(span_weight_flags, values, lo, hi) for values in weights], n_positions)
+    flags = [weight_flags_by_extrema(values, lo) for values in weights]
     nonzero: dict[str, BoolArray | None] = dict.fromkeys(WEIGHT_FIELDS)
     for name, bits in zip(present, flags):
-        nonzero[name] = _nonzero_or_report(getattr(batch, name), name, bits, lo, hi, kept, verdicts)
+        nonzero[name] = former_nonzero_or_report(getattr(batch, name), name, bits, lo, hi, kept, verdicts)
     if batch.logprobs is not None and not np.isfinite(np.add.reduce(batch.logprobs)):
         offenders = np.flatnonzero(~np.isfinite(batch.logprobs))
         verdicts.positions(offenders[np.unique(np.searchsorted(lo, offenders, "right"), return_index=True)[1]].tolist(),
@@ -288,27 +255,35 @@ def former_build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values:
     )
 
 
-def former_merged_flags(
-    weights: list[npt.NDArray[Any]],
-    token_flags: npt.NDArray[np.uint8],
-    from_tokens: BoolArray,
+def weight_flags_by_extrema(values: npt.NDArray[Any], lo: IntArray) -> npt.NDArray[np.uint8]:
+    """The ``cuts.WEIGHT_*`` bits per span from numpy's ``reduceat`` extrema (spans from each ``lo`` to the next)."""
+    flags = np.zeros(len(lo), dtype=np.uint8)
+    if len(lo) == 0:
+        return flags
+    high, low = np.maximum.reduceat(values, lo), np.minimum.reduceat(values, lo)
+    nan = np.isnan(high) | np.isnan(low)  # reduceat propagates NaN
+    flags[nan] |= WEIGHT_NAN | WEIGHT_NONZERO
+    flags[~(np.isfinite(high) & np.isfinite(low))] |= WEIGHT_NONFINITE
+    flags[(high > 0) | (low < 0)] |= WEIGHT_NONZERO
+    flags[~(low > 0)] |= WEIGHT_NOT_POSITIVE  # NaN is not > 0 either
+    return flags
+
+
+def former_nonzero_or_report(
+    values: npt.NDArray[np.floating[Any]],
+    name: str,
+    flags: npt.NDArray[np.uint8],
     lo: IntArray,
     hi: IntArray,
-) -> list[npt.NDArray[np.uint8]]:
-    """The weight bits of every cut: those of the token cuts (``from_tokens``) from their pass, the others'
-    read now (one compiled pass over those cuts only)."""
-    others = np.flatnonzero(~from_tokens)
-    if len(others) == 0:
-        return list(token_flags)
-    merged = []
-    for values, bits in zip(weights, token_flags):
-        flags = np.empty(len(lo), dtype=np.uint8)
-        flags[from_tokens] = bits
-        other_flags = weight_flags(values, lo[others], hi[others])
-        assert other_flags is not None  # fusable weights are float16/32/64, contiguous: the compiled pass reads them
-        flags[others] = other_flags
-        merged.append(flags)
-    return merged
+    kept: BoolArray,
+    verdicts: Verdicts,
+) -> BoolArray:
+    broken = kept & (flags & WEIGHT_NONFINITE != 0)
+    for span in np.flatnonzero(broken).tolist():
+        a, b = int(lo[span]), int(hi[span])
+        verdicts.positions([a + int(np.flatnonzero(~np.isfinite(values[a:b]))[0])], name, "not a finite number")
+    nonzero: BoolArray = flags & (WEIGHT_NONZERO | WEIGHT_NAN) == WEIGHT_NONZERO
+    return nonzero
 
 
 def former_exact_part_liveness(
@@ -348,7 +323,7 @@ def former_version_spans(
 ) -> tuple[IntArray, IntArray, BoolArray]:
     """Start, label and keep flag of the version spans of the samples ``valid_sample`` selects, and of
     filler spans (not kept) for the samples of invalid rollouts. Token-labelled valid samples are cut by
-    :func:`_token_cuts` instead.
+    :func:`token_spans` instead.
     """
     pos_off = batch.position_offsets
     n_samples = batch.n_samples
