@@ -80,9 +80,14 @@ def columns_of(slice_: ShippedSlice) -> PopulationColumns:
 
 
 @CompiledLoop
-def _env_sums(env: IntArray, amounts: IntArray, bounds: IntArray) -> IntArray:  # pragma: no cover - compiled
-    """Per env index (row): its entries in ``env``, the sum of their ``amounts``, then that sum by SPEC 12
-    length bucket of each amount (the first of ``bounds`` at or above it, the last past them all; 0 in none)."""
+def _env_sums(
+    env: IntArray,
+    amounts: IntArray,
+    bounds: IntArray,
+) -> IntArray:  # pragma: no cover - compiled
+    """Per env index (row): its entries in ``env``, the sum of their ``amounts``, then that sum by
+    SPEC 12 length bucket of each amount (the first of ``bounds`` at or above it, the last past them
+    all; an amount of 0 in none)."""
     n_env = 0
     for i in range(len(env)):
         n_env = max(n_env, env[i] + 1)
@@ -115,8 +120,9 @@ class WindowCounts:
     def add(self, env: IntArray, name: str, amounts: IntArray | None = None) -> None:
         """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry (an env whose entries add
         up to 0 gets no counts)."""
-        per_env = _env_sums(env, env if amounts is None else amounts, _LENGTH_BOUNDS)  # (None: entries counted)
-        for index, total in enumerate(per_env[:, 0 if amounts is None else 1].tolist()):
+        column = 0 if amounts is None else 1  # (None: the entries counted)
+        per_env = _env_sums(env, env if amounts is None else amounts, _LENGTH_BOUNDS)
+        for index, total in enumerate(per_env[:, column].tolist()):
             if total:
                 bucket = self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))
                 bucket[name] += total
@@ -167,9 +173,9 @@ def _population(
     alone, so they are the same in every population holding it; one compiled pass finds every number of a
     population (:func:`~staleness_metrics.metrics.population.population_summary`), so a small ship costs a few
     Python steps."""
-    found = population_summary(
-        slice_.trained_version, rollout_in, columns_of(slice_), _LENGTH_BOUNDS, HISTOGRAM_TOP, _QUANTILE_FRACTIONS
-    )
+    columns = columns_of(slice_)
+    t, top = slice_.trained_version, HISTOGRAM_TOP
+    found = population_summary(t, rollout_in, columns, _LENGTH_BOUNDS, top, _QUANTILE_FRACTIONS)
     tokens, masked, unlabelled = found.tokens, found.masked, found.unlabelled
     metrics: dict[str, float | int] = {}
     if tokens:

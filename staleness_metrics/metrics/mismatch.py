@@ -281,7 +281,7 @@ def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
             raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
     bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)
     if any(values.dtype.kind == "f" and values.dtype.itemsize > 8 for values in (sampler, trainer)):
-        # wider than float64 (long double): d taken in that precision, then read as float64 by the pass
+        # wider than float64 (long double): d taken in that precision, then read as float64
         trainer, sampler = trainer - sampler, np.zeros(len(lag))
     # One compiled pass (mismatch_kernel.mismatch_runs): float32 / float64 as they are, others as float64, which
     # is what numpy's subtraction made of them; lags as int64 (unsigned ones beyond 2**62 are all "inf").

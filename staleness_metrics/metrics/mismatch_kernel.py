@@ -58,15 +58,17 @@ def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
 
 _ratio_compiled: Any = None  # _ratio, compiled when _mismatch_runs is
 
-# The band in log space (log_lo, log_hi, then the margins of each edge: near_lo, near_lo_top, near_hi,
-# near_hi_top): d outside [log_lo, log_hi] is out of band, except d within _NEAR of an edge, where which side
-# exp(d) falls is the C library exp's answer. The comparisons read d, not r: they do not wait for the exp.
+# The band in log space (log_lo, log_hi, then the margins of each edge: near_lo, near_lo_top,
+# near_hi, near_hi_top): d outside [log_lo, log_hi] is out of band, except d within _NEAR of an
+# edge, where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r:
+# they do not wait for the exp.
 Band = tuple[float, float, float, float, float, float]
 Sums = tuple[float, float, float, float, float]  # d, |d|, r - 1 - d, r, r^2
 
 
 def _run_end(lag: IntArray, p: int) -> int:  # pragma: no cover - compiled
-    """The end of the run of equal lag that starts at ``p``: 64 positions compared at once, then one by one."""
+    """The end of the run of equal lag that starts at ``p``: 64 positions compared at once, then one
+    by one."""
     n = len(lag)
     run_lag = lag[p]
     q = p + 1
@@ -89,9 +91,10 @@ def _run_end(lag: IntArray, p: int) -> int:  # pragma: no cover - compiled
 def _usual_sums(
     s: npt.NDArray[Any], t: npt.NDArray[Any], clamp: float, band: Band
 ) -> tuple[Sums, int, int, int]:  # pragma: no cover - compiled
-    """A run's sums, its unusual positions (a difference NaN, infinite or to be clamped), its positions out of
-    band and those near a band edge: one vector pass with no per-position branch or select (the usual run:
-    every difference finite and within the clamp, no ratio near a band edge)."""
+    """A run's sums, its unusual positions (a difference NaN, infinite or to be clamped), its
+    positions out of band and those near a band edge: one vector pass with no per-position branch or
+    select (the usual run: every difference finite and within the clamp, no ratio near a band
+    edge)."""
     log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
     sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
     unusual = 0
@@ -99,7 +102,7 @@ def _usual_sums(
     near = 0
     for i in range(len(s)):
         d = np.float64(t[i]) - np.float64(s[i])
-        unusual += not (abs(d) <= clamp)  # NaN, infinite or to be clamped: the run is computed again
+        unusual += not (abs(d) <= clamp)  # NaN, infinite or to be clamped: the run computed again
         r, k3 = _ratio_compiled(d)
         sum_d += d
         sum_abs += abs(d)
@@ -112,12 +115,17 @@ def _usual_sums(
 
 
 def _clamped_sums(
-    s: npt.NDArray[Any], t: npt.NDArray[Any], flags: tuple[npt.NDArray[np.uint8], int, bool], clamp: float, band: Band
+    s: npt.NDArray[Any],
+    t: npt.NDArray[Any],
+    flags: tuple[npt.NDArray[np.uint8], int, bool],
+    clamp: float,
+    band: Band,
 ) -> tuple[Sums, int, int, int, int]:  # pragma: no cover - compiled
-    """A run's sums position by position: non-finite differences uncovered, the others clamped; with its
-    covered, masked (``flags``: the pass's flags, the run's start there, whether there are flags), out-of-band
-    and near-edge positions."""
-    f, p, has_flags = flags  # (read at p + i as in the loop this was cut from: LLVM adds the sums in that order)
+    """A run's sums position by position: non-finite differences uncovered, the others clamped; with
+    its covered, masked (``flags``: the pass's flags, the run's start there, whether there are any),
+    out-of-band and near-edge positions."""
+    # (flags read at p + i as in the loop this was cut from: LLVM then adds the sums in that order)
+    f, p, has_flags = flags
     log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
     sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
     tokens = 0
@@ -144,7 +152,12 @@ def _clamped_sums(
 
 
 def _out_of_band(
-    s: npt.NDArray[Any], t: npt.NDArray[Any], clamp: float, band: Band, band_lo: float, band_hi: float
+    s: npt.NDArray[Any],
+    t: npt.NDArray[Any],
+    clamp: float,
+    band: Band,
+    band_lo: float,
+    band_hi: float,
 ) -> int:  # pragma: no cover - compiled
     """A run's positions out of band where some ratio is near a band edge: those compared with the C
     library's exp, the others by their side of the edges in log space."""
@@ -186,8 +199,8 @@ def _mismatch_runs(
     band_hi: float,
     clamp: float,
 ) -> tuple[IntArray, npt.NDArray[np.float64], int]:  # pragma: no cover - compiled
-    # The sums are the callees', compiled with reassociation: they go in vector lanes (float64 rounding apart
-    # from a sequential pass); exp and the k3 term are _ratio's, compiled without it.
+    # The sums are the callees', compiled with reassociation: they go in vector lanes (float64
+    # rounding apart from a sequential pass); exp and the k3 term are _ratio's, compiled without it.
     n = len(lag)
     if len(sampler) != n or len(trainer) != n or (has_flags and len(flags) != n):
         raise ValueError("mismatch_runs: the arrays differ in length")
@@ -223,7 +236,8 @@ def _mismatch_runs(
                 for i in range(q - p):
                     n_masked += f[i] != 0
         else:  # position by position: non-finite differences are uncovered, the others clamped
-            run, tokens, n_masked, n_out, near = _clamped_sums(s, t, (flags, p, has_flags), clamp, band)
+            here = (flags, p, has_flags)
+            run, tokens, n_masked, n_out, near = _clamped_sums(s, t, here, clamp, band)
         if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
             n_out = _out_of_band(s, t, clamp, band, band_lo, band_hi)
         counts[0, bucket] += tokens

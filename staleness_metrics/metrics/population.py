@@ -1,10 +1,11 @@
-"""The population of a ship in one compiled pass over its spans: the sums, extremes, quantiles and histograms
-:mod:`.compute` turns into SPEC 6's metrics.
+"""The population of a ship in one compiled pass over its spans: the sums, extremes, quantiles and
+histograms :mod:`.compute` turns into SPEC 6's metrics.
 
 The input is a shipped slice's columns (:class:`PopulationColumns`: rollouts, their samples by
-``sample_offsets``, the samples' spans by ``span_offsets``, as ``engine.decision.Judgement`` holds them).
-:func:`population_summary` finds every number of a population at once, whatever its staleness values. The
-numpy steps it replaced are in ``tests/metrics/test_population_summary.py``, checked equal on random inputs.
+``sample_offsets``, the samples' spans by ``span_offsets``, as ``engine.decision.Judgement`` holds
+them). :func:`population_summary` finds every number of a population at once, whatever its staleness
+values. The numpy steps it replaced are in ``tests/metrics/test_population_summary.py``, checked
+equal on random inputs.
 """
 
 from __future__ import annotations
@@ -111,11 +112,11 @@ def _walk_live_rollout(
     lengths: tuple[IntArray, IntArray],
     extent: IntArray,
 ) -> tuple[int, int]:  # pragma: no cover - compiled
-    """Add live rollout ``r``'s kept samples and their spans with sampled positions to ``totals`` (tokens,
-    masked, unlabelled and samples), the length buckets (``lengths``: sampled and removed positions) and
-    ``extent`` (the highest staleness, and the spans at the histogram's top ``extent[2]`` or above); returns
-    the rollout's oldest and newest sampled version (its dispatch version for both when it has none). A
-    callee of ``_population_summary``."""
+    """Add live rollout ``r``'s kept samples and their spans with sampled positions to ``totals``
+    (tokens, masked, unlabelled and samples), the length buckets (``lengths``: sampled and removed
+    positions) and ``extent`` (the highest staleness, and the spans at the histogram's top
+    ``extent[2]`` or above); returns the rollout's oldest and newest sampled version (its dispatch
+    version for both when it has none). A callee of ``_population_summary``."""
     dispatch, sample_offsets, dropped, mask_below, n_sampled, span_offsets = columns[1], columns[3], *columns[4:8]
     version, sampled, labelled = columns[8:]
     length_sampled, length_removed = lengths
@@ -141,8 +142,6 @@ def _walk_live_rollout(
                 oldest = min(oldest, v)
                 freshest = max(freshest, v)
             staleness = t - v
-            if staleness < 0:
-                raise ValueError("population: a version above the trained version")
             extent[0] = max(extent[0], staleness)
             extent[1] += staleness >= extent[2]
             totals[_TOKENS] += count
@@ -158,23 +157,21 @@ def _walk_live_rollout(
                 bucket += 1
             length_sampled[bucket] += length
             length_removed[bucket] += masked_here
-    if t < oldest:  # (no sampled span, dispatched above the trained version)
-        raise ValueError("population: a version above the trained version")
     return oldest, freshest
 
 
 def _staleness_counts(
     t: int, rollout_in: BoolArray, columns: Columns, extent: IntArray
-) -> tuple[IntArray, IntArray, IntArray, int]:  # pragma: no cover - compiled
+) -> tuple[IntArray, IntArray, int]:  # pragma: no cover - compiled
     """The sampled positions of the selected live rollouts' kept samples by staleness (``extent`` as
-    ``_walk_live_rollout`` left it, with ``top``): the histogram (index = staleness, the last index ``top``
-    counting all at or above it), the staleness and positions of each span at ``top`` or above sorted by
-    staleness, and the sum of staleness x positions below ``top``. A callee of ``_population_summary``."""
+    ``_walk_live_rollout`` left it, with ``top``): the histogram (index = staleness, the last index
+    ``top`` counting all at or above it), the staleness (row 0) and positions (row 1) of each span at
+    ``top`` or above sorted by staleness, and the sum of staleness x positions below ``top``. A
+    callee of ``_population_summary``."""
     frozen, sample_offsets, dropped, span_offsets, version, sampled = columns[0], columns[3], columns[4], *columns[7:10]
     high, n_above, top = extent[0], extent[1], extent[2]
     histogram = np.zeros(min(high, top) + 1, dtype=np.int64)  # (empty without sampled positions)
-    above = np.empty(n_above, dtype=np.int64)
-    above_counts = np.empty(n_above, dtype=np.int64)
+    above = np.empty((2, n_above), dtype=np.int64)
     at = 0
     dot = 0
     for r in range(len(frozen)):
@@ -193,21 +190,23 @@ def _staleness_counts(
                     dot += staleness * count
                 else:
                     histogram[top] += count
-                    above[at] = staleness
-                    above_counts[at] = count
+                    above[0, at] = staleness
+                    above[1, at] = count
                     at += 1
-    order = np.argsort(above, kind="mergesort")
-    return histogram, above[order], above_counts[order], dot
+    if at > 1:
+        above = above[:, np.argsort(above[0], kind="mergesort")]
+    return histogram, above, dot
 
 
 def _nearest_ranks(
-    histogram: IntArray, above: IntArray, above_counts: IntArray, quantiles: IntArray, out: IntArray
+    histogram: IntArray, above: IntArray, quantiles: IntArray, out: IntArray
 ) -> None:  # pragma: no cover - compiled
-    """Into ``out``, per ``quantiles`` row (numerator, denominator), the ceil(p * N)-th smallest staleness of
-    the N positions of ``histogram`` (positions per staleness 0, 1, ...), its last index replaced by
-    ``above`` (the staleness values it folds, sorted, with their positions) when there are any. A callee of
-    ``_population_summary``."""
-    below = len(histogram) - 1 if len(above) else len(histogram)
+    """Into ``out``, per ``quantiles`` row (numerator, denominator), the ceil(p * N)-th smallest
+    staleness of the N positions of ``histogram`` (positions per staleness 0, 1, ...), its last
+    index replaced by ``above`` (the staleness values it folds, sorted, with their positions) when
+    there are any. A callee of ``_population_summary``."""
+    values, counts = above[0], above[1]
+    below = len(histogram) - 1 if len(values) else len(histogram)
     total = 0
     for i in range(len(histogram)):
         total += histogram[i]
@@ -219,10 +218,10 @@ def _nearest_ranks(
         rest = total % denominator
         rank = max(1, numerator * whole + (numerator * rest + denominator - 1) // denominator)
         running = 0
-        for i in range(below + len(above)):
-            running += histogram[i] if i < below else above_counts[i - below]
+        for i in range(below + len(values)):
+            running += histogram[i] if i < below else counts[i - below]
             if running >= rank:
-                out[q] = i if i < below else above[i - below]
+                out[q] = i if i < below else values[i - below]
                 break
 
 
@@ -236,15 +235,20 @@ _POPULATION_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
 
 @CompiledLoop(callees=_POPULATION_CALLEES)
 def _population_summary(
-    t: int, rollout_in: BoolArray, columns: Columns, length_bounds: IntArray, top: int, quantiles: IntArray
+    t: int,
+    rollout_in: BoolArray,
+    columns: Columns,
+    length_bounds: IntArray,
+    top: int,
+    quantiles: IntArray,
 ) -> tuple[IntArray, ...]:  # pragma: no cover - compiled
     _check_population(rollout_in, columns)
     frozen, completion = columns[0], columns[2]
-    totals = np.zeros(_TOTALS, dtype=np.int64)
-    n_buckets = len(length_bounds) + 1
-    lengths = (np.zeros(n_buckets, dtype=np.int64), np.zeros(n_buckets, dtype=np.int64))
+    totals = np.zeros(_TOTALS + len(quantiles), dtype=np.int64)  # (then the quantiles' staleness)
+    lengths = np.zeros((2, len(length_bounds) + 1), dtype=np.int64)  # sampled and removed positions
     rollout_histogram = np.zeros(top + 1, dtype=np.int64)
-    extent = np.array([-1, 0, top], dtype=np.int64)  # highest staleness (-1: none), spans at top or above, top
+    # the highest staleness (-1: none), the spans at top or above, and top
+    extent = np.array([-1, 0, top], dtype=np.int64)
     rollout_top = -1
     for r in range(len(frozen)):
         if not rollout_in[r]:
@@ -252,11 +256,14 @@ def _population_summary(
         if frozen[r]:
             totals[_FROZEN] += 1
             continue
-        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, totals, lengths, extent)
+        buckets = (lengths[0], lengths[1])
+        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, totals, buckets, extent)
         rollout = t - oldest
         in_flight = min(max(completion[r] - oldest, 0), rollout)
         in_queue = rollout - in_flight
         newest = t - freshest
+        if newest < 0:  # (a sampled span, or the dispatch of a rollout without any)
+            raise ValueError("population: a version above the trained version")
         first = totals[_LIVE] == 0
         totals[_LIVE] += 1
         totals[_ROLLOUT] += rollout
@@ -270,13 +277,13 @@ def _population_summary(
         folded = min(rollout, top)
         rollout_histogram[folded] += 1
         rollout_top = max(rollout_top, folded)
-    histogram, above, above_counts, dot = _staleness_counts(t, rollout_in, columns, extent)
+    histogram, above, dot = _staleness_counts(t, rollout_in, columns, extent)
     totals[_DOT] = dot
-    ranks = np.zeros(len(quantiles) if len(histogram) else 0, dtype=np.int64)  # (none without positions)
-    _nearest_ranks(histogram, above, above_counts, quantiles[: len(ranks)], ranks)
-    length_sampled, length_removed = lengths
-    rollouts = rollout_histogram[: rollout_top + 1].copy()
-    return totals, ranks, length_sampled, length_removed, histogram, rollouts, above, above_counts
+    if len(histogram):  # (no quantile without sampled positions)
+        _nearest_ranks(histogram, above, quantiles, totals[_TOTALS:])
+    else:
+        totals = totals[:_TOTALS]
+    return totals, lengths, histogram, rollout_histogram[: rollout_top + 1].copy(), above
 
 
 def population_summary(
@@ -287,31 +294,38 @@ def population_summary(
     top: int | tuple[int, int],
     quantiles: IntArray,
 ) -> PopulationSummary:
-    """What a ship reports of the rollouts selected by ``rollout_in``, in one pass over their spans. Frozen
-    rollouts are only counted; dropped samples are left out. The sums of the live rollouts' kept samples; the
-    count, sum and maximum of the live rollouts' staleness, in-flight and in-queue times and newest staleness;
-    per length bucket (a sample's is the first of ``length_bounds`` at or above its sampled positions, the
-    last bucket past them all; samples with none are in no bucket) the sampled and masked positions; the
-    nearest-rank staleness of each ``quantiles`` row (numerator, denominator: the ceil(p * N)-th smallest
-    sampled position's); and the token and rollout histograms (index = staleness, the last index ``top``
-    counting all at or above it). ``top`` x the sampled positions must fit in int64.
+    """What a ship reports of the rollouts selected by ``rollout_in``, in one pass over their spans.
 
-    Raises ``ValueError`` on arrays of different lengths, offsets that do not tile them, or a version of a
-    live rollout above ``trained_version`` (a staleness below 0).
-    """
+    Frozen rollouts are only counted; dropped samples are left out. The sums of the live rollouts'
+    kept samples; the count, sum and maximum of the live rollouts' staleness, in-flight and in-queue
+    times and newest staleness; per length bucket (a sample's is the first of ``length_bounds`` at
+    or above its sampled positions, the last bucket past them all; samples with none are in no
+    bucket) the sampled and masked positions; the nearest-rank staleness of each ``quantiles`` row
+    (numerator, denominator: the ceil(p * N)-th smallest sampled position's); and the token and
+    rollout histograms (index = staleness, the last index ``top`` counting all at or above it).
+    ``top`` x the sampled positions must fit in int64.
+
+    Raises ``ValueError`` on arrays of different lengths, offsets that do not tile them, or a
+    version of a live rollout above ``trained_version`` (a staleness below 0)."""
     if isinstance(top, tuple):  # engine/warm_up.py's call of the former (direct_range, top) pair
         top = top[1]
-    found = _population_summary(int(trained_version), rollout_in, tuple(columns), length_bounds, int(top), quantiles)
-    totals, ranks, length_sampled, length_removed, token_histogram, rollout_histogram, above, above_counts = found
+    t, top = int(trained_version), int(top)
+    found = _population_summary(t, rollout_in, tuple(columns), length_bounds, top, quantiles)
+    totals, lengths, token_histogram, rollout_histogram, above = found
     numbers = totals.tolist()
     # the staleness at top or above, times its positions, as Python integers: exact beyond int64
-    numbers[_DOT] += sum(map(operator.mul, above.tolist(), above_counts.tolist()))
-    arrays = (length_sampled, length_removed, token_histogram, rollout_histogram)
-    return PopulationSummary._make((*numbers, ranks.tolist(), *arrays))
+    numbers[_DOT] += sum(map(operator.mul, *above.tolist()))
+    arrays = (lengths[0], lengths[1], token_histogram, rollout_histogram)
+    return PopulationSummary._make((*numbers[:_TOTALS], numbers[_TOTALS:], *arrays))
 
 
 def population_sums(
-    trained_version: int, rollout_in: BoolArray, columns: PopulationColumns, length_bounds: IntArray, _: int
+    trained_version: int,
+    rollout_in: BoolArray,
+    columns: PopulationColumns,
+    length_bounds: IntArray,
+    _: int,
 ) -> PopulationSummary:
-    """Compiles :func:`population_summary` (``engine/warm_up.py``'s call of the pass it replaced)."""
-    return population_summary(trained_version, rollout_in, columns, length_bounds, 4096, np.array([[50, 100]]))
+    """Compiles :func:`population_summary` (``engine/warm_up.py`` calls the pass it replaced)."""
+    median = np.array([[50, 100]])
+    return population_summary(trained_version, rollout_in, columns, length_bounds, 4096, median)

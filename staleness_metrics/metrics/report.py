@@ -25,7 +25,8 @@ def _empty_counts() -> Counts:
 
 
 def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
-    """``a`` and ``b``, the shorter padded with zeros to the other's length (histograms of different tops)."""
+    """``a`` and ``b``, the shorter padded with zeros to the other's length (histograms of different
+    tops)."""
     if len(a) < len(b):
         a = np.concatenate((a, np.zeros(len(b) - len(a), dtype=np.int64)))
     elif len(b) < len(a):
