@@ -7,18 +7,18 @@ construction. Every statistic is a reduction over spans; no position is read her
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from ..compiled import CompiledLoop
 from . import keys
 from .bound import ShipBound, mismatch_metrics
 from .metric_table import env_key
 from .mismatch import MismatchSums
-from .population import PopulationColumns, PopulationSummary, population_summary, population_sums
+from .population import PopulationColumns, PopulationSummary, population_summary
 from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, MetricValue, StepReport, Tally
 
 __all__ = ["ShippedSlice", "WindowCounts", "columns_of", "compute_report"]
@@ -28,9 +28,7 @@ BoolArray = npt.NDArray[np.bool_]
 
 QUANTILES = ((keys.TOKEN_P50, 50, 100), (keys.TOKEN_P90, 90, 100), (keys.TOKEN_P99, 99, 100))
 _LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
-_FEW = 64  # entries summed over Python lists rather than numpy arrays
 _QUANTILE_FRACTIONS = np.array([(numerator, denominator) for _, numerator, denominator in QUANTILES], dtype=np.int64)
-_NO_LENGTHS = np.zeros(len(LENGTH_BUCKETS), dtype=np.int64)
 
 
 class ShippedSlice(Protocol):
@@ -81,11 +79,30 @@ def columns_of(slice_: ShippedSlice) -> PopulationColumns:
     )  # fmt: skip
 
 
-def length_bucket_totals(lengths: IntArray, amounts: IntArray) -> IntArray:
-    """Per SPEC 12 length bucket, the sum of ``amounts`` over samples by their sampled length (0: none)."""
-    inside = lengths > 0
-    buckets = np.searchsorted(_LENGTH_BOUNDS, lengths[inside], "left")
-    return np.bincount(buckets, weights=amounts[inside], minlength=len(LENGTH_BUCKETS)).astype(np.int64)
+@CompiledLoop
+def _env_sums(
+    env: IntArray,
+    amounts: IntArray,
+    bounds: IntArray,
+) -> IntArray:  # pragma: no cover - compiled
+    """Per env index (row): its entries in ``env``, the sum of their ``amounts``, then that sum by
+    SPEC 12 length bucket of each amount (the first of ``bounds`` at or above it, the last past them
+    all; an amount of 0 in none)."""
+    n_env = 0
+    for i in range(len(env)):
+        n_env = max(n_env, env[i] + 1)
+    sums = np.zeros((n_env, len(bounds) + 3), dtype=np.int64)
+    for i in range(len(env)):
+        e = env[i]
+        amount = amounts[i]
+        sums[e, 0] += 1
+        sums[e, 1] += amount
+        if amount > 0:
+            bucket = 0
+            while bucket < len(bounds) and bounds[bucket] < amount:
+                bucket += 1
+            sums[e, 2 + bucket] += amount
+    return sums
 
 
 class WindowCounts:
@@ -103,96 +120,36 @@ class WindowCounts:
     def add(self, env: IntArray, name: str, amounts: IntArray | None = None) -> None:
         """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry (an env whose entries add
         up to 0 gets no counts)."""
-        if len(env) == 0:
-            return
-        if len(env) <= _FEW:  # (Python over a short list costs less than numpy calls)
-            totals: dict[int, int] = {}
-            for index, amount in zip(env.tolist(), [1] * len(env) if amounts is None else amounts.tolist()):
-                totals[index] = totals.get(index, 0) + amount
-            found = [(index, total) for index, total in totals.items() if total]
-        else:
-            weights = np.ones(len(env), dtype=np.int64) if amounts is None else amounts
-            summed = np.bincount(env, weights=weights)
-            found = [(int(index), int(summed[index])) for index in np.flatnonzero(summed)]
-        for index, total in found:
-            bucket = self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))
-            bucket[name] += total
+        column = 0 if amounts is None else 1  # (None: the entries counted)
+        per_env = _env_sums(env, env if amounts is None else amounts, _LENGTH_BOUNDS)
+        for index, total in enumerate(per_env[:, column].tolist()):
+            if total:
+                bucket = self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))
+                bucket[name] += total
 
     def add_dropped_lengths(self, env: IntArray, lengths: IntArray) -> None:
         """Dropped samples' sampled positions, by the samples' length bucket (SPEC 12)."""
-        if len(env) <= _FEW:
-            for index, length in zip(env.tolist(), lengths.tolist()):
-                totals = self.dropped_lengths.get(index)
-                if totals is None:
-                    totals = self.dropped_lengths[index] = np.zeros(len(LENGTH_BUCKETS), dtype=np.int64)
-                if length > 0:
-                    totals[bisect.bisect_left(LENGTH_UPPER_BOUNDS, length)] += length
-            return
-        for index in np.unique(env).tolist():
-            here = env == index
-            totals = length_bucket_totals(lengths[here], lengths[here])
-            self.dropped_lengths[index] = self.dropped_lengths.get(index, 0) + totals
+        per_env = _env_sums(env, lengths, _LENGTH_BOUNDS)
+        for index in np.flatnonzero(per_env[:, 0]).tolist():
+            self.dropped_lengths[index] = self.dropped_lengths.get(index, 0) + per_env[index, 2:]
 
     def dropped_by_length(self, env: int | None) -> IntArray:
         if env is None:
             return sum(self.dropped_lengths.values(), np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
         return self.dropped_lengths.get(env, np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
 
+    def totals(self, env: int | None) -> dict[str, int]:
+        """The :data:`FIELDS` of ``env`` (None: summed over every env)."""
+        if env is not None:
+            return dict(self.counts.get(env) or dict.fromkeys(self.FIELDS, 0))
+        totals = dict.fromkeys(self.FIELDS, 0)
+        for bucket in self.counts.values():
+            for name, count in bucket.items():
+                totals[name] += count
+        return totals
+
     def get(self, env: int | None, name: str) -> int:
-        if env is None:
-            return sum(bucket[name] for bucket in self.counts.values())
-        return self.counts.get(env, {}).get(name, 0)
-
-
-def _nearest_ranks(values: IntArray, counts: IntArray) -> list[int]:
-    """The :data:`QUANTILES`' nearest ranks: the ceil(p * N)-th smallest value each (exact integer maths).
-
-    ``values`` are sorted distinct values, ``counts`` how often each occurs."""
-    running = np.cumsum(counts)
-    total = int(running[-1])
-    ranks = [max(1, -(-numerator * total // denominator)) for _, numerator, denominator in QUANTILES]
-    return values[np.searchsorted(running, ranks)].tolist()  # type: ignore[no-any-return]
-
-
-def _distribution(values: IntArray, weights: IntArray | None) -> tuple[IntArray, IntArray]:
-    """Sorted distinct values and their total weights (None: one each)."""
-    if len(values) == 0:  # (a ship that dropped everything)
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    if int(values.max()) - (low := int(values.min())) < _DIRECT_RANGE:
-        # a few staleness values (the usual case): counted by value, no sort
-        shifted = values - low
-        counted = np.bincount(shifted)
-        present = np.flatnonzero(counted)
-        totals = counted if weights is None else np.bincount(shifted, weights=weights).astype(np.int64)
-        return present + low, totals[present]
-    distinct, inverse = np.unique(values, return_inverse=True)
-    if weights is None:
-        return distinct, np.bincount(inverse, minlength=len(distinct))
-    return distinct, np.bincount(inverse, weights=weights, minlength=len(distinct)).astype(np.int64)
-
-
-_DIRECT_RANGE = 4096
-
-
-def _histogram(distinct: IntArray, counts: IntArray) -> IntArray:
-    """Integer-bucket histogram (index = staleness); the last index counts all from HISTOGRAM_TOP up,
-    so a wild version number cannot make it huge."""
-    if len(distinct) == 0:
-        return np.zeros(0, dtype=np.int64)
-    if int(distinct[0]) >= 0 and int(distinct[-1]) < HISTOGRAM_TOP:  # (sorted) nothing to fold into the top
-        histogram = np.zeros(int(distinct[-1]) + 1, dtype=np.int64)
-        histogram[distinct] = counts
-        return histogram
-    return np.bincount(np.minimum(distinct, HISTOGRAM_TOP), weights=counts).astype(np.int64)
-
-
-def _exact_dot(a: IntArray, b: IntArray) -> int:
-    """``sum(a * b)`` without int64 overflow (Python integers only when it could overflow)."""
-    if len(a) == 0:
-        return 0
-    if int(np.abs(a).max()) * int(np.abs(b).sum()) < 2**62:
-        return int(np.dot(a, b))
-    return sum(x * y for x, y in zip(a.tolist(), b.tolist()))
+        return self.totals(env)[name]
 
 
 _ROLLOUT_KEYS = (
@@ -201,13 +158,6 @@ _ROLLOUT_KEYS = (
     (keys.ROLLOUT_IN_QUEUE_MEAN, keys.ROLLOUT_IN_QUEUE_MAX),
     (keys.ROLLOUT_NEWEST_MEAN, keys.ROLLOUT_NEWEST_MAX),
 )
-
-
-def _population_spans(slice_: ShippedSlice, rollout_in: BoolArray) -> BoolArray:
-    """The spans with sampled positions of the selected live rollouts' kept samples (for the rare sums done
-    in numpy: a staleness range too wide to count by value, or a dot product beyond int64)."""
-    sample_in = (rollout_in & ~slice_.frozen)[slice_.sample_rollout] & ~slice_.dropped
-    return sample_in[slice_.span_sample] & (slice_.sampled > 0)
 
 
 def _population(
@@ -223,12 +173,9 @@ def _population(
     alone, so they are the same in every population holding it; one compiled pass finds every number of a
     population (:func:`~staleness_metrics.metrics.population.population_summary`), so a small ship costs a few
     Python steps."""
-    limits = (_DIRECT_RANGE, HISTOGRAM_TOP)
-    found = population_summary(
-        slice_.trained_version, rollout_in, columns_of(slice_), _LENGTH_BOUNDS, limits, _QUANTILE_FRACTIONS
-    )
-    if found is None:
-        return _population_in_numpy(slice_, rollout_in, env, window, max_staleness)
+    columns = columns_of(slice_)
+    t, top = slice_.trained_version, HISTOGRAM_TOP
+    found = population_summary(t, rollout_in, columns, _LENGTH_BOUNDS, top, _QUANTILE_FRACTIONS)
     tokens, masked, unlabelled = found.tokens, found.masked, found.unlabelled
     metrics: dict[str, float | int] = {}
     if tokens:
@@ -243,21 +190,16 @@ def _population(
             metrics[mean_key] = total / live
             metrics[max_key] = top
     # SPEC 12 over the shipped samples plus the window's dropped samples
-    samples = found.samples
-    if window.counts or window.dropped_lengths:
+    counted = window.totals(env)
+    length_samples = found.samples + counted["samples_dropped"]
+    length_sampled, length_removed = found.length_sampled, found.length_removed
+    if window.dropped_lengths:
         dropped = window.dropped_by_length(env)
-        samples_dropped = window.get(env, "samples_dropped")
-        length_samples = samples + samples_dropped
-        length_sampled, length_removed = found.length_sampled + dropped, found.length_removed + dropped
-        rollouts_dropped, rollouts_held = window.get(env, "rollouts_dropped"), window.get(env, "rollouts_held")
-        tokens_dropped, rollouts_invalid = window.get(env, "tokens_dropped"), window.get(env, "rollouts_invalid")
-    else:  # (nothing dropped, held or set aside since the last ship: the usual case)
-        length_samples, length_sampled, length_removed = samples, found.length_sampled, found.length_removed
-        samples_dropped = rollouts_dropped = rollouts_held = tokens_dropped = rollouts_invalid = 0
+        length_sampled, length_removed = length_sampled + dropped, length_removed + dropped
     metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
-    metrics[keys.ROLLOUTS_DROPPED] = rollouts_dropped
-    metrics[keys.SAMPLES_DROPPED] = samples_dropped
-    metrics[keys.ROLLOUTS_HELD] = rollouts_held
+    metrics[keys.ROLLOUTS_DROPPED] = counted["rollouts_dropped"]
+    metrics[keys.SAMPLES_DROPPED] = counted["samples_dropped"]
+    metrics[keys.ROLLOUTS_HELD] = counted["rollouts_held"]
     metrics[keys.MAX_STALENESS] = max_staleness
 
     tally = object.__new__(Tally)  # (every field given: the frozen __init__'s setattr per field skipped)
@@ -265,13 +207,13 @@ def _population(
         tokens_sampled=tokens,
         tokens_masked=masked,
         tokens_unlabelled=unlabelled,
-        tokens_dropped=tokens_dropped,
-        samples_dropped=samples_dropped,
-        rollouts_dropped=rollouts_dropped,
+        tokens_dropped=counted["tokens_dropped"],
+        samples_dropped=counted["samples_dropped"],
+        rollouts_dropped=counted["rollouts_dropped"],
         rollouts_shipped=live,
         rollouts_frozen=found.frozen,
-        rollouts_held=rollouts_held,
-        rollouts_invalid=rollouts_invalid,
+        rollouts_held=counted["rollouts_held"],
+        rollouts_invalid=counted["rollouts_invalid"],
         token_histogram=found.token_histogram,
         rollout_histogram=found.rollout_histogram,
         length_samples=length_samples,
@@ -288,78 +230,6 @@ def _rollout_numbers(found: PopulationSummary) -> zip[tuple[tuple[str, str], int
         (found.rollout_sum, found.in_flight_sum, found.in_queue_sum, found.newest_sum),
         (found.rollout_max, found.in_flight_max, found.in_queue_max, found.newest_max),
     )
-
-
-def _population_in_numpy(
-    slice_: ShippedSlice,
-    rollout_in: BoolArray,
-    env: int | None,
-    window: WindowCounts,
-    max_staleness: int,
-) -> tuple[dict[str, float | int], Tally]:
-    """:func:`_population` where its one compiled pass declines (a staleness below 0, a range of staleness
-    too wide to count by value, a sum beyond int64): the sums in a compiled pass, the rest in numpy."""
-    t = slice_.trained_version
-    sums = population_sums(t, rollout_in, columns_of(slice_), _LENGTH_BOUNDS, _DIRECT_RANGE)
-    tokens, masked, unlabelled = sums.tokens, sums.masked, sums.unlabelled
-    if sums.counts is not None:
-        present = np.flatnonzero(sums.counts)
-        token_values, token_counts = present + sums.low, sums.counts[present]
-    elif tokens:
-        spans = _population_spans(slice_, rollout_in)
-        token_values, token_counts = _distribution(t - slice_.version[spans], slice_.sampled[spans])
-    else:
-        token_values = token_counts = np.zeros(0, dtype=np.int64)
-
-    rollout, in_flight, newest = sums.rollout, sums.in_flight, sums.newest
-    in_queue = rollout - in_flight
-    rollout_values, rollout_counts = _distribution(rollout, None)
-
-    metrics: dict[str, float | int] = {}
-    if tokens:
-        dot = sums.token_dot
-        if dot is None:  # beyond int64: Python integers
-            spans = _population_spans(slice_, rollout_in)
-            dot = _exact_dot(t - slice_.version[spans], slice_.sampled[spans])
-        metrics[keys.TOKEN_MEAN] = dot / tokens
-        metrics[keys.TOKEN_MASKED] = float(masked / tokens)
-        metrics[keys.TOKEN_UNLABELLED] = float(unlabelled / tokens)
-        for (key, _, _), value in zip(QUANTILES, _nearest_ranks(token_values, token_counts)):
-            metrics[key] = value
-    if len(rollout):
-        per_rollout = np.stack((rollout, in_flight, in_queue, newest))  # (one sum and one max for the four)
-        for (mean_key, max_key), total, top in zip(_ROLLOUT_KEYS, per_rollout.sum(axis=1).tolist(),
-                                                   per_rollout.max(axis=1).tolist()):  # fmt: skip
-            metrics[mean_key] = total / len(rollout)
-            metrics[max_key] = top
-    # SPEC 12 over the shipped samples plus the window's dropped samples
-    dropped = window.dropped_by_length(env)
-    length_samples = sums.samples + window.get(env, "samples_dropped")
-    length_sampled, length_removed = sums.length_sampled + dropped, sums.length_removed + dropped
-    metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
-    metrics[keys.ROLLOUTS_DROPPED] = window.get(env, "rollouts_dropped")
-    metrics[keys.SAMPLES_DROPPED] = window.get(env, "samples_dropped")
-    metrics[keys.ROLLOUTS_HELD] = window.get(env, "rollouts_held")
-    metrics[keys.MAX_STALENESS] = max_staleness
-
-    tally = Tally(
-        tokens_sampled=tokens,
-        tokens_masked=masked,
-        tokens_unlabelled=unlabelled,
-        tokens_dropped=window.get(env, "tokens_dropped"),
-        samples_dropped=window.get(env, "samples_dropped"),
-        rollouts_dropped=window.get(env, "rollouts_dropped"),
-        rollouts_shipped=len(rollout),
-        rollouts_frozen=sums.frozen,
-        rollouts_held=window.get(env, "rollouts_held"),
-        rollouts_invalid=window.get(env, "rollouts_invalid"),
-        token_histogram=_histogram(token_values, token_counts),
-        rollout_histogram=_histogram(rollout_values, rollout_counts),
-        length_samples=length_samples,
-        length_sampled=length_sampled,
-        length_removed=length_removed,
-    )
-    return metrics, tally
 
 
 def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[str, float | int]:

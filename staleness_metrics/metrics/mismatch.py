@@ -31,7 +31,6 @@ __all__ = [
     "LAG_UPPER_BOUNDS",
     "LOG_RATIO_CLAMP",
     "MismatchSums",
-    "lag_bucket",
     "mismatch_sums",
 ]
 
@@ -42,15 +41,9 @@ LOG_RATIO_CLAMP = 20.0
 DEFAULT_BAND = (0.5, 2.0)
 DICT_FORMAT = 1
 _BOUNDS = np.asarray(LAG_UPPER_BOUNDS, dtype=np.int64)
-_CHUNK = 1 << 16  # positions per block: the float64 intermediates stay in L2
 
 COUNT_FIELDS = ("tokens", "masked", "out_of_band")
 SUM_FIELDS = ("sum_log_ratio", "sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
-
-
-def lag_bucket(lags: npt.ArrayLike) -> IntArray:
-    """Bucket index (into :data:`LAG_BUCKETS`) of each lag (lags are >= 0)."""
-    return np.searchsorted(_BOUNDS, np.asarray(lags, dtype=np.int64), "left").astype(np.int64)
 
 
 def _zeros_int() -> IntArray:
@@ -288,12 +281,8 @@ def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
             raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
     bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)
     if any(values.dtype.kind == "f" and values.dtype.itemsize > 8 for values in (sampler, trainer)):
-        # Wider than float64 (long double): the numpy blocks, which compute d in that precision.
-        totals = _Accumulator(lo, hi)
-        for start in range(0, len(lag), _CHUNK):
-            block = slice(start, start + _CHUNK)
-            totals.add(lag[block], sampler[block], trainer[block], None if bool_flags is None else bool_flags[block])
-        return totals.result()
+        # wider than float64 (long double): d taken in that precision, then read as float64
+        trainer, sampler = trainer - sampler, np.zeros(len(lag))
     # One compiled pass (mismatch_kernel.mismatch_runs): float32 / float64 as they are, others as float64, which
     # is what numpy's subtraction made of them; lags as int64 (unsigned ones beyond 2**62 are all "inf").
     if lag.dtype.kind == "u":
@@ -327,75 +316,3 @@ def _float_for_kernel(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
     if values.dtype in (np.float32, np.float64):
         return np.ascontiguousarray(values)
     return np.ascontiguousarray(values, dtype=np.float64)
-
-
-class _Accumulator:
-    """Block-wise sums. Lags come in runs (a sample's span of one version), so each quantity is reduced per
-    run of equal lag with one ``reduceat`` and only the runs are binned: no per-position bucketing. Positions
-    outside the population (lag < 0) form runs of their own, which are left out whole."""
-
-    def __init__(self, lo: float, hi: float) -> None:
-        self.counts = {f: _zeros_int() for f in COUNT_FIELDS}
-        self.sums = {f: _zeros_float() for f in SUM_FIELDS}
-        self.uncovered = 0
-        self.lo, self.hi = lo, hi
-
-    def add(
-        self,
-        lag: npt.NDArray[Any],
-        sampler: npt.NDArray[Any],
-        trainer: npt.NDArray[Any],
-        flags: npt.NDArray[Any] | None,
-    ) -> None:
-        if len(lag) == 0:
-            return
-        starts = np.concatenate(([0], np.flatnonzero(lag[1:] != lag[:-1]) + 1))
-        run_lag = lag[starts]
-        inside = run_lag >= 0
-        if not inside.any():
-            return
-        bucket = np.searchsorted(_BOUNDS, run_lag[inside], "left")
-
-        def per_bucket(values: npt.NDArray[Any], dtype: type) -> npt.NDArray[Any]:
-            runs = np.add.reduceat(values, starts, dtype=dtype)[inside]
-            return np.bincount(bucket, weights=runs, minlength=N_BUCKETS).astype(dtype)
-
-        d = trainer.astype(np.float64)
-        d -= sampler  # NaN / inf propagate: those positions are uncovered
-        high, low = float(d.max()), float(d.min())  # NaN if any is NaN: one pass answers both questions
-        everywhere = math.isfinite(high) and math.isfinite(low)
-        finite = None if everywhere else np.isfinite(d)
-        if finite is None:
-            run_lengths = np.diff(np.append(starts, len(lag)))[inside]
-            tokens = np.bincount(bucket, weights=run_lengths, minlength=N_BUCKETS).astype(np.int64)
-        else:
-            d[~finite] = 0.0  # adds nothing to Σd and Σ|d|; the ratio is zeroed below
-            tokens = per_bucket(finite, np.int64)
-            run_lengths = np.diff(np.append(starts, len(lag)))[inside]
-            self.uncovered += int(run_lengths.sum()) - int(tokens.sum())
-        if not everywhere or high > LOG_RATIO_CLAMP or low < -LOG_RATIO_CLAMP:
-            np.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=d)
-        r = np.exp(d)
-        out_of_band = r < self.lo
-        out_of_band |= r > self.hi
-        if finite is not None:
-            r[~finite] = 0.0
-            out_of_band &= finite
-        counts, sums = self.counts, self.sums
-        counts["tokens"] += tokens
-        if flags is not None:
-            counts["masked"] += per_bucket(flags if finite is None else flags & finite, np.int64)
-        counts["out_of_band"] += per_bucket(out_of_band, np.int64)
-        sum_d = per_bucket(d, np.float64)
-        sum_r = per_bucket(r, np.float64)
-        sums["sum_log_ratio"] += sum_d
-        sums["sum_ratio"] += sum_r
-        # Σ(r - 1 - d) = Σr - n - Σd: exact in exact arithmetic, and per run the float error is far below k3.
-        sums["sum_k3"] += np.maximum(sum_r - tokens - sum_d, 0.0)
-        np.abs(d, out=d)
-        sums["sum_abs_log_ratio"] += per_bucket(d, np.float64)
-        np.multiply(r, r, out=r)
-        sums["sum_ratio_sq"] += per_bucket(r, np.float64)
-
-    def result(self) -> MismatchSums:
-        return MismatchSums._of(self.counts, self.sums, self.uncovered)

@@ -58,9 +58,135 @@ def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
 
 _ratio_compiled: Any = None  # _ratio, compiled when _mismatch_runs is
 
+# The band in log space (log_lo, log_hi, then the margins of each edge: near_lo, near_lo_top,
+# near_hi, near_hi_top): d outside [log_lo, log_hi] is out of band, except d within _NEAR of an
+# edge, where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r:
+# they do not wait for the exp.
+Band = tuple[float, float, float, float, float, float]
+Sums = tuple[float, float, float, float, float]  # d, |d|, r - 1 - d, r, r^2
+
+
+def _run_end(lag: IntArray, p: int) -> int:  # pragma: no cover - compiled
+    """The end of the run of equal lag that starts at ``p``: 64 positions compared at once, then one
+    by one."""
+    n = len(lag)
+    run_lag = lag[p]
+    q = p + 1
+    while q < n:
+        top = min(q + 64, n)
+        ahead = lag[q:top]
+        differ = 0
+        for i in range(top - q):
+            differ += ahead[i] != run_lag
+        if differ == 0:
+            q = top
+            continue
+        i = 0
+        while ahead[i] == run_lag:
+            i += 1
+        return q + i
+    return q
+
+
+def _usual_sums(
+    s: npt.NDArray[Any], t: npt.NDArray[Any], clamp: float, band: Band
+) -> tuple[Sums, int, int, int]:  # pragma: no cover - compiled
+    """A run's sums, its unusual positions (a difference NaN, infinite or to be clamped), its
+    positions out of band and those near a band edge: one vector pass with no per-position branch or
+    select (the usual run: every difference finite and within the clamp, no ratio near a band
+    edge)."""
+    log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
+    sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+    unusual = 0
+    n_out = 0
+    near = 0
+    for i in range(len(s)):
+        d = np.float64(t[i]) - np.float64(s[i])
+        unusual += not (abs(d) <= clamp)  # NaN, infinite or to be clamped: the run computed again
+        r, k3 = _ratio_compiled(d)
+        sum_d += d
+        sum_abs += abs(d)
+        sum_k3 += k3
+        sum_r += r
+        sum_r2 += r * r
+        n_out += (d < log_lo) | (d > log_hi)
+        near += ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top))
+    return (sum_d, sum_abs, sum_k3, sum_r, sum_r2), unusual, n_out, near
+
+
+def _clamped_sums(
+    s: npt.NDArray[Any],
+    t: npt.NDArray[Any],
+    flags: tuple[npt.NDArray[np.uint8], int, bool],
+    clamp: float,
+    band: Band,
+) -> tuple[Sums, int, int, int, int]:  # pragma: no cover - compiled
+    """A run's sums position by position: non-finite differences uncovered, the others clamped; with
+    its covered, masked (``flags``: the pass's flags, the run's start there, whether there are any),
+    out-of-band and near-edge positions."""
+    # (flags read at p + i as in the loop this was cut from: LLVM then adds the sums in that order)
+    f, p, has_flags = flags
+    log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
+    sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+    tokens = 0
+    n_masked = 0
+    n_out = 0
+    near = 0
+    for i in range(len(s)):
+        d = np.float64(t[i]) - np.float64(s[i])
+        finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
+        d = min(max(d, -clamp), clamp) if finite else 0.0
+        r, k3 = _ratio_compiled(d)
+        r = r if finite else 0.0
+        sum_d += d
+        sum_abs += abs(d)
+        sum_k3 += k3 if finite else 0.0
+        sum_r += r
+        sum_r2 += r * r
+        tokens += finite
+        if has_flags:
+            n_masked += finite & (f[p + i] != 0)
+        n_out += finite & ((d < log_lo) | (d > log_hi))
+        near += finite & (((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)))
+    return (sum_d, sum_abs, sum_k3, sum_r, sum_r2), tokens, n_masked, n_out, near
+
+
+def _out_of_band(
+    s: npt.NDArray[Any],
+    t: npt.NDArray[Any],
+    clamp: float,
+    band: Band,
+    band_lo: float,
+    band_hi: float,
+) -> int:  # pragma: no cover - compiled
+    """A run's positions out of band where some ratio is near a band edge: those compared with the C
+    library's exp, the others by their side of the edges in log space."""
+    log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
+    n_out = 0
+    for i in range(len(s)):
+        d = np.float64(t[i]) - np.float64(s[i])
+        if abs(d) < np.inf:
+            d = min(max(d, -clamp), clamp)
+            if ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)):
+                r = math.exp(d)
+                n_out += (r < band_lo) | (r > band_hi)
+            else:
+                n_out += (d < log_lo) | (d > log_hi)
+    return n_out
+
+
+_OPTIONS: dict[str, Any] = {"error_model": "numpy", "fastmath": {"reassoc"}}
+
 
 @CompiledLoop(
-    error_model="numpy", fastmath={"reassoc"}, callees={"_ratio_compiled": (_ratio, {"error_model": "numpy"})}
+    **_OPTIONS,
+    callees={
+        "_ratio_compiled": (_ratio, {"error_model": "numpy"}),
+        "_run_end": (_run_end, {}),
+        "_usual_sums": (_usual_sums, _OPTIONS),
+        "_clamped_sums": (_clamped_sums, _OPTIONS),
+        "_out_of_band": (_out_of_band, _OPTIONS),
+    },
 )
 def _mismatch_runs(
     lag: IntArray,
@@ -73,8 +199,8 @@ def _mismatch_runs(
     band_hi: float,
     clamp: float,
 ) -> tuple[IntArray, npt.NDArray[np.float64], int]:  # pragma: no cover - compiled
-    # Compiled with reassociation: the sums go in vector lanes (float64 rounding apart from a sequential
-    # pass); exp and the k3 term are _ratio's, compiled without it.
+    # The sums are the callees', compiled with reassociation: they go in vector lanes (float64
+    # rounding apart from a sequential pass); exp and the k3 term are _ratio's, compiled without it.
     n = len(lag)
     if len(sampler) != n or len(trainer) != n or (has_flags and len(flags) != n):
         raise ValueError("mismatch_runs: the arrays differ in length")
@@ -82,33 +208,15 @@ def _mismatch_runs(
     counts = np.zeros((3, n_buckets), dtype=np.int64)  # tokens, masked, out_of_band
     sums = np.zeros((5, n_buckets), dtype=np.float64)  # d, |d|, r - 1 - d, r, r^2
     uncovered = 0
-    # The band in log space: d outside [log_lo, log_hi] is out of band, except d within _NEAR of an edge,
-    # where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r: they
-    # do not wait for the exp.
     log_lo = math.log(band_lo) if band_lo > 0 else -np.inf
     log_hi = math.log(band_hi) if band_hi > 0 else -np.inf
-    near_lo, near_lo_top = log_lo - _NEAR, log_lo + _NEAR
-    near_hi, near_hi_top = log_hi - _NEAR, log_hi + _NEAR
+    band = (log_lo, log_hi, log_lo - _NEAR, log_lo + _NEAR, log_hi - _NEAR, log_hi + _NEAR)
     last_lag = -1
     bucket = 0
     p = 0
     while p < n:  # one run of equal lag at a time: its bucket is found once
+        q = _run_end(lag, p)
         run_lag = lag[p]
-        q = p + 1
-        while q < n:  # the run's end: 64 positions compared at once, then one by one
-            top = min(q + 64, n)
-            ahead = lag[q:top]
-            differ = 0
-            for i in range(top - q):
-                differ += ahead[i] != run_lag
-            if differ == 0:
-                q = top
-                continue
-            i = 0
-            while ahead[i] == run_lag:
-                i += 1
-            q += i
-            break
         if run_lag < 0:  # not a sampled position of a live rollout: outside the population
             p = q
             continue
@@ -119,23 +227,7 @@ def _mismatch_runs(
             last_lag = run_lag
         s = sampler[p:q]  # slices: in bounds, no negative-index fix-up per position
         t = trainer[p:q]
-        # The usual run: every difference finite and within the clamp, no ratio near a band edge. One
-        # vector pass with no per-position branch or select; anything else is computed again below.
-        sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
-        unusual = 0
-        n_out = 0
-        near = 0
-        for i in range(q - p):
-            d = np.float64(t[i]) - np.float64(s[i])
-            unusual += not (abs(d) <= clamp)  # NaN, infinite or to be clamped: the run is computed again
-            r, k3 = _ratio_compiled(d)
-            sum_d += d
-            sum_abs += abs(d)
-            sum_k3 += k3
-            sum_r += r
-            sum_r2 += r * r
-            n_out += (d < log_lo) | (d > log_hi)
-            near += ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top))
+        run, unusual, n_out, near = _usual_sums(s, t, clamp, band)
         tokens = q - p
         n_masked = 0
         if unusual == 0:
@@ -144,45 +236,15 @@ def _mismatch_runs(
                 for i in range(q - p):
                     n_masked += f[i] != 0
         else:  # position by position: non-finite differences are uncovered, the others clamped
-            sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
-            tokens = 0
-            n_out = 0
-            near = 0
-            for i in range(q - p):
-                d = np.float64(t[i]) - np.float64(s[i])
-                finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
-                d = min(max(d, -clamp), clamp) if finite else 0.0
-                r, k3 = _ratio_compiled(d)
-                r = r if finite else 0.0
-                sum_d += d
-                sum_abs += abs(d)
-                sum_k3 += k3 if finite else 0.0
-                sum_r += r
-                sum_r2 += r * r
-                tokens += finite
-                if has_flags:
-                    n_masked += finite & (flags[p + i] != 0)
-                n_out += finite & ((d < log_lo) | (d > log_hi))
-                near += finite & (((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)))
+            here = (flags, p, has_flags)
+            run, tokens, n_masked, n_out, near = _clamped_sums(s, t, here, clamp, band)
         if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
-            n_out = 0
-            for i in range(q - p):
-                d = np.float64(t[i]) - np.float64(s[i])
-                if abs(d) < np.inf:
-                    d = min(max(d, -clamp), clamp)
-                    if ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)):
-                        r = math.exp(d)
-                        n_out += (r < band_lo) | (r > band_hi)
-                    else:
-                        n_out += (d < log_lo) | (d > log_hi)
+            n_out = _out_of_band(s, t, clamp, band, band_lo, band_hi)
         counts[0, bucket] += tokens
         counts[1, bucket] += n_masked
         counts[2, bucket] += n_out
-        sums[0, bucket] += sum_d
-        sums[1, bucket] += sum_abs
-        sums[2, bucket] += sum_k3
-        sums[3, bucket] += sum_r
-        sums[4, bucket] += sum_r2
+        for j in range(5):
+            sums[j, bucket] += run[j]
         uncovered += (q - p) - tokens
         p = q
     return counts, sums, uncovered

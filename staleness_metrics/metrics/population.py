@@ -1,16 +1,16 @@
-"""The population of a ship in one compiled pass over its spans: the sums, extremes, quantiles and histograms
-:mod:`.compute` turns into SPEC 6's metrics.
+"""The population of a ship in one compiled pass over its spans: the sums, extremes, quantiles and
+histograms :mod:`.compute` turns into SPEC 6's metrics.
 
 The input is a shipped slice's columns (:class:`PopulationColumns`: rollouts, their samples by
-``sample_offsets``, the samples' spans by ``span_offsets``, as ``engine.decision.Judgement`` holds them).
-:func:`population_summary` finds every number of a population at once; :func:`population_sums` the sums alone,
-for the rare populations the summary declines (a staleness below 0, a range too wide to count by value, a sum
-beyond int64). The steps each replaced are in ``tests/metrics/test_population_summary.py`` and
-``tests/engine/test_ship_kernels.py``, checked equal on random inputs.
+``sample_offsets``, the samples' spans by ``span_offsets``, as ``engine.decision.Judgement`` holds
+them). :func:`population_summary` finds every number of a population at once, whatever its staleness
+values. The numpy steps it replaced are in ``tests/metrics/test_population_summary.py``, checked
+equal on random inputs.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -19,7 +19,7 @@ import numpy.typing as npt
 
 from ..compiled import CompiledLoop
 
-__all__ = ["PopulationColumns", "PopulationSummary", "PopulationSums", "population_summary", "population_sums"]
+__all__ = ["PopulationColumns", "PopulationSummary", "population_summary"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -44,24 +44,6 @@ class PopulationColumns(NamedTuple):
     labelled: BoolArray
 
 
-class PopulationSums(NamedTuple):
-    """What :func:`population_sums` finds over the selected rollouts of a shipped slice."""
-
-    tokens: int  # sampled positions of their live, kept samples
-    masked: int  # of those, below their sample's threshold
-    unlabelled: int  # of those, on unlabelled spans
-    frozen: int  # selected frozen rollouts
-    samples: int  # their live, kept samples
-    token_dot: int | None  # sum of staleness x sampled positions (None: int64 could overflow)
-    low: int  # the smallest staleness of a span with sampled positions
-    counts: IntArray | None  # sampled positions per staleness low, low + 1, ... (None: none, or too wide a range)
-    rollout: IntArray  # per selected live rollout: T - its oldest shipped sampled version (dispatch when none)
-    in_flight: IntArray  # its completion - that version, within 0..rollout
-    newest: IntArray  # T - its newest shipped sampled version (dispatch when none)
-    length_sampled: IntArray  # per length bucket (by a sample's sampled positions): sampled positions
-    length_removed: IntArray  # of those, masked
-
-
 class PopulationSummary(NamedTuple):
     """What :func:`population_summary` finds over the selected rollouts of a shipped slice."""
 
@@ -70,7 +52,7 @@ class PopulationSummary(NamedTuple):
     unlabelled: int  # of those, on unlabelled spans
     frozen: int  # selected frozen rollouts
     samples: int  # their live, kept samples
-    token_dot: int  # sum of staleness x sampled positions
+    token_dot: int  # sum of staleness x sampled positions (a Python integer: exact beyond int64)
     live: int  # selected live rollouts
     # their staleness (T - oldest shipped sampled version), in-flight and in-queue times, newest staleness
     rollout_sum: int
@@ -88,7 +70,7 @@ class PopulationSummary(NamedTuple):
     rollout_histogram: IntArray  # live rollouts per staleness (their oldest shipped version's), folded alike
 
 
-# Places in the totals array the compiled passes share (the loops' own layout: the results are named).
+# Places in the compiled pass's totals array (the loop's own layout: the results are named).
 (_TOKENS, _MASKED, _UNLABELLED, _FROZEN, _SAMPLES, _DOT, _LIVE, _ROLLOUT, _MAX_ROLLOUT, _IN_FLIGHT, _MAX_IN_FLIGHT,
  _IN_QUEUE, _MAX_IN_QUEUE, _NEWEST, _MAX_NEWEST, _TOTALS) = range(16)  # fmt: skip
 
@@ -97,7 +79,7 @@ Columns = tuple[BoolArray, IntArray, IntArray, IntArray, BoolArray, IntArray, In
 
 
 def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragma: no cover - compiled
-    """The checks of a population pass's arrays (a callee of ``_population_sums`` and ``_population_summary``)."""
+    """The checks of a population pass's arrays (a callee of ``_population_summary``)."""
     frozen, dispatch, completion, sample_offsets, dropped, mask_below, n_sampled, span_offsets = columns[:8]
     version, sampled, labelled = columns[8:]
     n_rollouts = len(frozen)
@@ -130,11 +112,11 @@ def _walk_live_rollout(
     lengths: tuple[IntArray, IntArray],
     extent: IntArray,
 ) -> tuple[int, int]:  # pragma: no cover - compiled
-    """Add live rollout ``r``'s kept samples and their spans with sampled positions to ``totals`` (tokens,
-    masked, unlabelled and samples), the length buckets (``lengths``: sampled and removed positions) and
-    ``extent`` (the lowest, highest and largest absolute staleness, and 1 once any is seen); returns the
-    rollout's oldest and newest sampled version (its dispatch version for both when it has none). A callee of
-    ``_population_sums`` and ``_population_summary``."""
+    """Add live rollout ``r``'s kept samples and their spans with sampled positions to ``totals``
+    (tokens, masked, unlabelled and samples), the length buckets (``lengths``: sampled and removed
+    positions) and ``extent`` (the highest staleness, and the spans at the histogram's top
+    ``extent[2]`` or above); returns the rollout's oldest and newest sampled version (its dispatch
+    version for both when it has none). A callee of ``_population_summary``."""
     dispatch, sample_offsets, dropped, mask_below, n_sampled, span_offsets = columns[1], columns[3], *columns[4:8]
     version, sampled, labelled = columns[8:]
     length_sampled, length_removed = lengths
@@ -160,14 +142,8 @@ def _walk_live_rollout(
                 oldest = min(oldest, v)
                 freshest = max(freshest, v)
             staleness = t - v
-            if extent[3] == 0:
-                extent[0] = staleness
-                extent[1] = staleness
-                extent[3] = 1
-            else:
-                extent[0] = min(extent[0], staleness)
-                extent[1] = max(extent[1], staleness)
-            extent[2] = max(extent[2], abs(staleness))
+            extent[0] = max(extent[0], staleness)
+            extent[1] += staleness >= extent[2]
             totals[_TOKENS] += count
             if not labelled[k]:
                 totals[_UNLABELLED] += count
@@ -185,13 +161,18 @@ def _walk_live_rollout(
 
 
 def _staleness_counts(
-    t: int, rollout_in: BoolArray, columns: Columns, counts: IntArray, low: int, fits: bool
-) -> int:  # pragma: no cover - compiled
-    """Add each selected live rollout's kept samples' sampled positions to ``counts`` at their staleness - ``low``
-    (an empty ``counts``: none); return the sum of staleness x positions when it ``fits`` in int64 (else 0). A
-    callee of ``_population_sums`` and ``_population_summary``."""
+    t: int, rollout_in: BoolArray, columns: Columns, extent: IntArray
+) -> tuple[IntArray, IntArray, int]:  # pragma: no cover - compiled
+    """The sampled positions of the selected live rollouts' kept samples by staleness (``extent`` as
+    ``_walk_live_rollout`` left it, with ``top``): the histogram (index = staleness, the last index
+    ``top`` counting all at or above it), the staleness (row 0) and positions (row 1) of each span at
+    ``top`` or above sorted by staleness, and the sum of staleness x positions below ``top``. A
+    callee of ``_population_summary``."""
     frozen, sample_offsets, dropped, span_offsets, version, sampled = columns[0], columns[3], columns[4], *columns[7:10]
-    direct = len(counts) > 0
+    high, n_above, top = extent[0], extent[1], extent[2]
+    histogram = np.zeros(min(high, top) + 1, dtype=np.int64)  # (empty without sampled positions)
+    above = np.empty((2, n_above), dtype=np.int64)
+    at = 0
     dot = 0
     for r in range(len(frozen)):
         if not rollout_in[r] or frozen[r]:
@@ -203,98 +184,32 @@ def _staleness_counts(
                 count = sampled[k]
                 if count <= 0:
                     continue
-                if fits:
-                    dot += (t - version[k]) * count
-                if direct:
-                    counts[t - version[k] - low] += count
-    return dot
-
-
-_POPULATION_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
-    "_check_population": (_check_population, {}),
-    "_walk_live_rollout": (_walk_live_rollout, {}),
-    "_staleness_counts": (_staleness_counts, {}),
-}
-
-
-@CompiledLoop(callees=_POPULATION_CALLEES)
-def _population_sums(
-    t: int, rollout_in: BoolArray, columns: Columns, length_bounds: IntArray, direct_range: int
-) -> tuple[IntArray, ...]:  # pragma: no cover - compiled
-    _check_population(rollout_in, columns)
-    frozen, completion = columns[0], columns[2]
-    n_rollouts = len(frozen)
-    totals = np.zeros(_TOTALS, dtype=np.int64)  # (tokens, masked, unlabelled, frozen and samples only)
-    n_buckets = len(length_bounds) + 1
-    lengths = (np.zeros(n_buckets, dtype=np.int64), np.zeros(n_buckets, dtype=np.int64))
-    selected = 0
-    for r in range(n_rollouts):
-        if rollout_in[r] and not frozen[r]:
-            selected += 1
-    rollout = np.empty(selected, dtype=np.int64)
-    in_flight = np.empty(selected, dtype=np.int64)
-    newest = np.empty(selected, dtype=np.int64)
-    extent = np.zeros(4, dtype=np.int64)  # _walk_live_rollout's lowest, highest and largest |staleness|, any
-    at = 0
-    for r in range(n_rollouts):
-        if not rollout_in[r]:
-            continue
-        if frozen[r]:
-            totals[_FROZEN] += 1
-            continue
-        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, totals, lengths, extent)
-        rollout[at] = t - oldest
-        flight = completion[r] - oldest
-        flight = max(flight, 0)
-        in_flight[at] = min(flight, t - oldest)
-        newest[at] = t - freshest
-        at += 1
-    low, high, largest, present = extent[0], extent[1], extent[2], extent[3] != 0
-    # sum(staleness x count) fits in int64 when |staleness| x tokens does (every partial sum is below it)
-    fits = largest == 0 or totals[_TOKENS] <= (2**62 - 1) // largest
-    counts = np.zeros(0, dtype=np.int64)
-    found = np.zeros(4, dtype=np.int64)  # dot, dot fits, low, any present
-    if present:
-        found[2] = low
-        found[3] = 1
-        if high - low < direct_range:
-            counts = np.zeros(high - low + 1, dtype=np.int64)
-        if fits or len(counts):
-            found[0] = _staleness_counts(t, rollout_in, columns, counts, low, fits)
-    found[1] = 1 if fits else 0
-    return totals, found, counts, rollout, in_flight, newest, lengths[0], lengths[1]
-
-
-def population_sums(
-    trained_version: int,
-    rollout_in: BoolArray,
-    columns: PopulationColumns,
-    length_bounds: IntArray,
-    direct_range: int,
-) -> PopulationSums:
-    """The sums of a ship's metrics over the rollouts selected by ``rollout_in``, in one pass over their spans.
-    Frozen rollouts are only counted; dropped samples are left out. A sample's length bucket is the first of
-    ``length_bounds`` at or above its sampled positions (the last bucket past them all); samples with none are
-    in no bucket. ``counts`` is given when the staleness values of spans with sampled positions lie within
-    ``direct_range``.
-
-    Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
-    """
-    found = _population_sums(int(trained_version), rollout_in, tuple(columns), length_bounds, int(direct_range))
-    totals, numbers, counts, rollout, in_flight, newest, length_sampled, length_removed = found
-    tokens, masked, unlabelled, n_frozen, samples = totals[:_DOT].tolist()
-    dot, fits, low, present = numbers.tolist()
-    return PopulationSums(
-        tokens, masked, unlabelled, n_frozen, samples, dot if fits and present else (0 if not present else None),
-        low, counts if present and len(counts) else None, rollout, in_flight, newest, length_sampled, length_removed,
-    )  # fmt: skip
+                staleness = t - version[k]
+                if staleness < top:
+                    histogram[staleness] += count
+                    dot += staleness * count
+                else:
+                    histogram[top] += count
+                    above[0, at] = staleness
+                    above[1, at] = count
+                    at += 1
+    if at > 1:
+        above = above[:, np.argsort(above[0], kind="mergesort")]
+    return histogram, above, dot
 
 
 def _nearest_ranks(
-    counts: IntArray, low: int, total: int, quantiles: IntArray, out: IntArray
+    histogram: IntArray, above: IntArray, quantiles: IntArray, out: IntArray
 ) -> None:  # pragma: no cover - compiled
-    """Into ``out``, per ``quantiles`` row (numerator, denominator), the ceil(p * total)-th smallest staleness of
-    ``counts`` (positions per staleness ``low``, ``low + 1``, ...). A callee of ``_population_summary``."""
+    """Into ``out``, per ``quantiles`` row (numerator, denominator), the ceil(p * N)-th smallest
+    staleness of the N positions of ``histogram`` (positions per staleness 0, 1, ...), its last
+    index replaced by ``above`` (the staleness values it folds, sorted, with their positions) when
+    there are any. A callee of ``_population_summary``."""
+    values, counts = above[0], above[1]
+    below = len(histogram) - 1 if len(values) else len(histogram)
+    total = 0
+    for i in range(len(histogram)):
+        total += histogram[i]
     for q in range(len(quantiles)):
         numerator = quantiles[q, 0]
         denominator = quantiles[q, 1]
@@ -303,47 +218,52 @@ def _nearest_ranks(
         rest = total % denominator
         rank = max(1, numerator * whole + (numerator * rest + denominator - 1) // denominator)
         running = 0
-        for i in range(len(counts)):
-            running += counts[i]
+        for i in range(below + len(values)):
+            running += histogram[i] if i < below else counts[i - below]
             if running >= rank:
-                out[q] = low + i
+                out[q] = i if i < below else values[i - below]
                 break
 
 
-@CompiledLoop(callees={**_POPULATION_CALLEES, "_nearest_ranks": (_nearest_ranks, {})})
+_POPULATION_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
+    "_check_population": (_check_population, {}),
+    "_walk_live_rollout": (_walk_live_rollout, {}),
+    "_staleness_counts": (_staleness_counts, {}),
+    "_nearest_ranks": (_nearest_ranks, {}),
+}
+
+
+@CompiledLoop(callees=_POPULATION_CALLEES)
 def _population_summary(
     t: int,
     rollout_in: BoolArray,
     columns: Columns,
     length_bounds: IntArray,
-    limits: tuple[int, int],
+    top: int,
     quantiles: IntArray,
-) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
+) -> tuple[IntArray, ...]:  # pragma: no cover - compiled
     _check_population(rollout_in, columns)
     frozen, completion = columns[0], columns[2]
-    direct_range, top = limits
-    n_rollouts = len(frozen)
-    totals = np.zeros(_TOTALS, dtype=np.int64)
-    ranks = np.zeros(len(quantiles), dtype=np.int64)
-    n_buckets = len(length_bounds) + 1
-    lengths = (np.zeros(n_buckets, dtype=np.int64), np.zeros(n_buckets, dtype=np.int64))
-    rollout_hist = np.zeros(top + 1, dtype=np.int64)
-    extent = np.zeros(4, dtype=np.int64)  # _walk_live_rollout's lowest, highest and largest |staleness|, any
-    declined = np.zeros(0, dtype=np.int64)  # (an empty totals: the caller's general path)
+    totals = np.zeros(_TOTALS + len(quantiles), dtype=np.int64)  # (then the quantiles' staleness)
+    lengths = np.zeros((2, len(length_bounds) + 1), dtype=np.int64)  # sampled and removed positions
+    rollout_histogram = np.zeros(top + 1, dtype=np.int64)
+    # the highest staleness (-1: none), the spans at top or above, and top
+    extent = np.array([-1, 0, top], dtype=np.int64)
     rollout_top = -1
-    for r in range(n_rollouts):
+    for r in range(len(frozen)):
         if not rollout_in[r]:
             continue
         if frozen[r]:
             totals[_FROZEN] += 1
             continue
-        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, totals, lengths, extent)
+        buckets = (lengths[0], lengths[1])
+        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, totals, buckets, extent)
         rollout = t - oldest
         in_flight = min(max(completion[r] - oldest, 0), rollout)
         in_queue = rollout - in_flight
         newest = t - freshest
-        if rollout < 0:
-            return declined, ranks, lengths[0], lengths[1], declined, declined  # a staleness below 0
+        if newest < 0:  # (a sampled span, or the dispatch of a rollout without any)
+            raise ValueError("population: a version above the trained version")
         first = totals[_LIVE] == 0
         totals[_LIVE] += 1
         totals[_ROLLOUT] += rollout
@@ -355,23 +275,15 @@ def _population_summary(
         totals[_MAX_IN_QUEUE] = in_queue if first else max(totals[_MAX_IN_QUEUE], in_queue)
         totals[_MAX_NEWEST] = newest if first else max(totals[_MAX_NEWEST], newest)
         folded = min(rollout, top)
-        rollout_hist[folded] += 1
+        rollout_histogram[folded] += 1
         rollout_top = max(rollout_top, folded)
-    low, high, largest, present = extent[0], extent[1], extent[2], extent[3] != 0
-    token_hist = np.zeros(0, dtype=np.int64)
-    if present:
-        # the general path: a staleness below 0, too wide a range to count by value, or a dot beyond int64
-        if low < 0 or high - low >= direct_range or (largest > 0 and totals[_TOKENS] > (2**62 - 1) // largest):
-            return declined, ranks, lengths[0], lengths[1], declined, declined
-        counts = np.zeros(high - low + 1, dtype=np.int64)
-        totals[_DOT] = _staleness_counts(t, rollout_in, columns, counts, low, True)
-        _nearest_ranks(counts, low, totals[_TOKENS], quantiles, ranks)
-        token_hist = np.zeros(min(high, top) + 1, dtype=np.int64)
-        for i in range(len(counts)):
-            token_hist[min(low + i, top)] += counts[i]
+    histogram, above, dot = _staleness_counts(t, rollout_in, columns, extent)
+    totals[_DOT] = dot
+    if len(histogram):  # (no quantile without sampled positions)
+        _nearest_ranks(histogram, above, quantiles, totals[_TOTALS:])
     else:
-        ranks = ranks[:0]
-    return totals, ranks, lengths[0], lengths[1], token_hist, rollout_hist[: rollout_top + 1].copy()
+        totals = totals[:_TOTALS]
+    return totals, lengths, histogram, rollout_histogram[: rollout_top + 1].copy(), above
 
 
 def population_summary(
@@ -379,25 +291,41 @@ def population_summary(
     rollout_in: BoolArray,
     columns: PopulationColumns,
     length_bounds: IntArray,
-    limits: tuple[int, int],
+    top: int | tuple[int, int],
     quantiles: IntArray,
-) -> PopulationSummary | None:
-    """What a ship reports of the rollouts selected by ``rollout_in`` (the inputs of :func:`population_sums`),
-    in one pass: the sums of :func:`population_sums`, the count, sum and maximum of the live rollouts'
-    staleness, in-flight and in-queue times and newest staleness, the nearest-rank staleness of each
-    ``quantiles`` row (numerator, denominator: the ceil(p * N)-th smallest sampled position's), and the token and
-    rollout histograms (index = staleness, the last index ``top`` counting all above it). ``limits`` is
-    ``(direct_range, top)``.
+) -> PopulationSummary:
+    """What a ship reports of the rollouts selected by ``rollout_in``, in one pass over their spans.
 
-    None where the general path is needed: a staleness below 0, staleness values of sampled positions that
-    span ``direct_range`` or more, or a staleness x positions sum that could overflow int64.
+    Frozen rollouts are only counted; dropped samples are left out. The sums of the live rollouts'
+    kept samples; the count, sum and maximum of the live rollouts' staleness, in-flight and in-queue
+    times and newest staleness; per length bucket (a sample's is the first of ``length_bounds`` at
+    or above its sampled positions, the last bucket past them all; samples with none are in no
+    bucket) the sampled and masked positions; the nearest-rank staleness of each ``quantiles`` row
+    (numerator, denominator: the ceil(p * N)-th smallest sampled position's); and the token and
+    rollout histograms (index = staleness, the last index ``top`` counting all at or above it).
+    ``top`` x the sampled positions must fit in int64.
 
-    Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
-    """
-    found = _population_summary(int(trained_version), rollout_in, tuple(columns), length_bounds,
-                                (int(limits[0]), int(limits[1])), quantiles)  # fmt: skip
-    totals, ranks, length_sampled, length_removed, token_histogram, rollout_histogram = found
-    if not len(totals):
-        return None
-    arrays = (length_sampled, length_removed, token_histogram, rollout_histogram)
-    return PopulationSummary._make((*totals.tolist(), ranks.tolist(), *arrays))
+    Raises ``ValueError`` on arrays of different lengths, offsets that do not tile them, or a
+    version of a live rollout above ``trained_version`` (a staleness below 0)."""
+    if isinstance(top, tuple):  # engine/warm_up.py's call of the former (direct_range, top) pair
+        top = top[1]
+    t, top = int(trained_version), int(top)
+    found = _population_summary(t, rollout_in, tuple(columns), length_bounds, top, quantiles)
+    totals, lengths, token_histogram, rollout_histogram, above = found
+    numbers = totals.tolist()
+    # the staleness at top or above, times its positions, as Python integers: exact beyond int64
+    numbers[_DOT] += sum(map(operator.mul, *above.tolist()))
+    arrays = (lengths[0], lengths[1], token_histogram, rollout_histogram)
+    return PopulationSummary._make((*numbers[:_TOTALS], numbers[_TOTALS:], *arrays))
+
+
+def population_sums(
+    trained_version: int,
+    rollout_in: BoolArray,
+    columns: PopulationColumns,
+    length_bounds: IntArray,
+    _: int,
+) -> PopulationSummary:
+    """Compiles :func:`population_summary` (``engine/warm_up.py`` calls the pass it replaced)."""
+    median = np.array([[50, 100]])
+    return population_summary(trained_version, rollout_in, columns, length_bounds, 4096, median)

@@ -24,6 +24,16 @@ def _empty_counts() -> Counts:
     return np.zeros(0, dtype=np.int64)
 
 
+def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
+    """``a`` and ``b``, the shorter padded with zeros to the other's length (histograms of different
+    tops)."""
+    if len(a) < len(b):
+        a = np.concatenate((a, np.zeros(len(b) - len(a), dtype=np.int64)))
+    elif len(b) < len(a):
+        b = np.concatenate((b, np.zeros(len(a) - len(b), dtype=np.int64)))
+    return a, b
+
+
 @dataclass(frozen=True)
 class Tally:
     """Additive numbers of one ship window for one population (the whole batch or one env).
@@ -55,14 +65,8 @@ class Tally:
         mine, theirs = self.__dict__, other.__dict__  # (every field is in the instance's dict: no slots)
         values: dict[str, object] = {name: mine[name] + theirs[name] for name in _COUNT_FIELDS}
         for name in _COUNTS_FIELDS:
-            a, b = mine[name], theirs[name]
-            if len(a) == len(b):
-                values[name] = (a + b).astype(np.int64, copy=False)
-                continue
-            merged = np.zeros(max(len(a), len(b)), dtype=np.int64)
-            merged[: len(a)] += a
-            merged[: len(b)] += b
-            values[name] = merged
+            a, b = _aligned(mine[name], theirs[name])
+            values[name] = (a + b).astype(np.int64, copy=False)
         total = object.__new__(Tally)  # (every field given: the frozen __init__'s setattr per field skipped)
         total.__dict__.update(values)
         return total
@@ -72,14 +76,8 @@ class Tally:
         mine, theirs = self.__dict__, other.__dict__
         values: dict[str, object] = {name: max(mine[name] - theirs[name], 0) for name in _COUNT_FIELDS}
         for name in _COUNTS_FIELDS:
-            a, b = mine[name], theirs[name]
-            if len(a) == len(b):
-                values[name] = np.maximum(a - b, 0).astype(np.int64, copy=False)
-                continue
-            diff = np.zeros(max(len(a), len(b)), dtype=np.int64)
-            diff[: len(a)] += a
-            diff[: len(b)] -= b
-            values[name] = np.maximum(diff, 0)
+            a, b = _aligned(mine[name], theirs[name])
+            values[name] = np.maximum(a - b, 0).astype(np.int64, copy=False)
         excess = object.__new__(Tally)
         excess.__dict__.update(values)
         return excess

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,7 +25,10 @@ from staleness_metrics import (
     TraceError,
     mismatch_sums,
 )
-from staleness_metrics.metrics.mismatch import LAG_UPPER_BOUNDS
+from staleness_metrics.metrics.buckets import N_BUCKETS
+from staleness_metrics.metrics.mismatch import COUNT_FIELDS, LAG_UPPER_BOUNDS, LOG_RATIO_CLAMP, SUM_FIELDS
+
+BOUNDS = np.asarray(LAG_UPPER_BOUNDS, dtype=np.int64)
 
 
 def k3(d: float) -> float:
@@ -313,13 +317,83 @@ def numpy_mismatch_sums(
     lags: np.ndarray, sampler: np.ndarray, trainer: np.ndarray, masked: np.ndarray | None, band: tuple[float, float]
 ) -> MismatchSums:
     """The former numpy formulation (blocks of runs, ``reduceat`` per quantity), kept as the reference."""
-    from staleness_metrics.metrics.mismatch import _CHUNK, _Accumulator
-
-    totals = _Accumulator(*band)
-    for start in range(0, len(lags), _CHUNK):
-        block = slice(start, start + _CHUNK)
+    totals = NumpyBlocks(*band)
+    for start in range(0, len(lags), CHUNK):
+        block = slice(start, start + CHUNK)
         totals.add(lags[block], sampler[block], trainer[block], None if masked is None else masked[block])
-    return totals.result()
+    return MismatchSums(**totals.counts, **totals.sums, uncovered=totals.uncovered)
+
+
+CHUNK = 1 << 16  # positions per block
+
+
+class NumpyBlocks:
+    """Block-wise sums. Lags come in runs (a sample's span of one version), so each quantity is reduced per
+    run of equal lag with one ``reduceat`` and only the runs are binned: no per-position bucketing. Positions
+    outside the population (lag < 0) form runs of their own, which are left out whole."""
+
+    def __init__(self, lo: float, hi: float) -> None:
+        self.counts = {f: np.zeros(N_BUCKETS, dtype=np.int64) for f in COUNT_FIELDS}
+        self.sums = {f: np.zeros(N_BUCKETS) for f in SUM_FIELDS}
+        self.uncovered = 0
+        self.lo, self.hi = lo, hi
+
+    def add(
+        self,
+        lag: npt.NDArray[Any],
+        sampler: npt.NDArray[Any],
+        trainer: npt.NDArray[Any],
+        flags: npt.NDArray[Any] | None,
+    ) -> None:
+        if len(lag) == 0:
+            return
+        starts = np.concatenate(([0], np.flatnonzero(lag[1:] != lag[:-1]) + 1))
+        run_lag = lag[starts]
+        inside = run_lag >= 0
+        if not inside.any():
+            return
+        bucket = np.searchsorted(BOUNDS, run_lag[inside], "left")
+
+        def per_bucket(values: npt.NDArray[Any], dtype: type) -> npt.NDArray[Any]:
+            runs = np.add.reduceat(values, starts, dtype=dtype)[inside]
+            return np.bincount(bucket, weights=runs, minlength=N_BUCKETS).astype(dtype)
+
+        d = trainer.astype(np.float64)
+        d -= sampler  # NaN / inf propagate: those positions are uncovered
+        high, low = float(d.max()), float(d.min())  # NaN if any is NaN: one pass answers both questions
+        everywhere = math.isfinite(high) and math.isfinite(low)
+        finite = None if everywhere else np.isfinite(d)
+        if finite is None:
+            run_lengths = np.diff(np.append(starts, len(lag)))[inside]
+            tokens = np.bincount(bucket, weights=run_lengths, minlength=N_BUCKETS).astype(np.int64)
+        else:
+            d[~finite] = 0.0  # adds nothing to Σd and Σ|d|; the ratio is zeroed below
+            tokens = per_bucket(finite, np.int64)
+            run_lengths = np.diff(np.append(starts, len(lag)))[inside]
+            self.uncovered += int(run_lengths.sum()) - int(tokens.sum())
+        if not everywhere or high > LOG_RATIO_CLAMP or low < -LOG_RATIO_CLAMP:
+            np.clip(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP, out=d)
+        r = np.exp(d)
+        out_of_band = r < self.lo
+        out_of_band |= r > self.hi
+        if finite is not None:
+            r[~finite] = 0.0
+            out_of_band &= finite
+        counts, sums = self.counts, self.sums
+        counts["tokens"] += tokens
+        if flags is not None:
+            counts["masked"] += per_bucket(flags if finite is None else flags & finite, np.int64)
+        counts["out_of_band"] += per_bucket(out_of_band, np.int64)
+        sum_d = per_bucket(d, np.float64)
+        sum_r = per_bucket(r, np.float64)
+        sums["sum_log_ratio"] += sum_d
+        sums["sum_ratio"] += sum_r
+        # Σ(r - 1 - d) = Σr - n - Σd: exact in exact arithmetic, and per run the float error is far below k3.
+        sums["sum_k3"] += np.maximum(sum_r - tokens - sum_d, 0.0)
+        np.abs(d, out=d)
+        sums["sum_abs_log_ratio"] += per_bucket(d, np.float64)
+        np.multiply(r, r, out=r)
+        sums["sum_ratio_sq"] += per_bucket(r, np.float64)
 
 
 SPECIAL_LOGPROBS = [0.0, -1.0, -1e-9, -25.0, -100.0, float("nan"), float("inf"), float("-inf"), math.log(0.5), -50.0]
@@ -391,6 +465,16 @@ def test_the_compiled_pass_in_parallel_shares_equals_one_pass() -> None:
     for name in ("sum_log_ratio", "sum_abs_log_ratio", "sum_ratio", "sum_ratio_sq"):
         np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=1e-12)
     np.testing.assert_allclose(got.sum_k3, want.sum_k3, rtol=1e-9)  # Σ(r - 1 - d) per position, not Σr - n - Σd
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).nmant <= 52, reason="long double is float64 here")
+def test_long_double_log_probabilities_differ_in_their_own_precision() -> None:
+    """The difference of two long doubles is taken before the pass reads it as float64: a difference finer
+    than float64 resolves at 1 is kept."""
+    sampler = np.array([1.0, 1.0], dtype=np.longdouble)
+    trainer = sampler + np.longdouble(2.0**-60)
+    sums = mismatch_sums([0, 0], sampler, trainer)
+    assert sums.sum_log_ratio[0] == 2 * 2.0**-60 and sums.tokens[0] == 2
 
 
 def test_unsigned_lags_beyond_int64_land_in_the_last_bucket() -> None:
