@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..metrics.compute import WindowCounts
 from ..metrics.mismatch_kernel import mismatch_runs
-from ..metrics.population import PopulationColumns, population_summary, population_sums
+from ..metrics.population import PopulationColumns, population_summary
 from ..records.plain_values import BatchRows, PositionCopies, plain_values
 from .cuts import CutFlags, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows
@@ -31,8 +32,8 @@ def warm_up() -> None:
     stale_rows(samples, table, count, count, (lo, hi, yes), lo)
     columns = PopulationColumns(~yes, count, count, np.array([0, 1]), ~yes, count, count, np.array([0, 1]), count,
                                 count, yes)  # fmt: skip
-    population_sums(1, yes, columns, np.array([256]), 4096)
-    population_summary(1, yes, columns, np.array([256]), (4096, 4096), np.array([[50, 100]]))
+    population_summary(1, yes, columns, np.array([256]), 4096, np.array([[50, 100]]))
+    WindowCounts().add(np.array([0]), "tokens_dropped", np.array([1]))
     token_decision(1, -9, ~yes, np.array([0, 1]), count, ~yes, yes, ~yes, np.array([0, 1]), count, yes)
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]

@@ -291,7 +291,7 @@ def population_summary(
     rollout_in: BoolArray,
     columns: PopulationColumns,
     length_bounds: IntArray,
-    top: int | tuple[int, int],
+    top: int,
     quantiles: IntArray,
 ) -> PopulationSummary:
     """What a ship reports of the rollouts selected by ``rollout_in``, in one pass over their spans.
@@ -307,8 +307,6 @@ def population_summary(
 
     Raises ``ValueError`` on arrays of different lengths, offsets that do not tile them, or a
     version of a live rollout above ``trained_version`` (a staleness below 0)."""
-    if isinstance(top, tuple):  # engine/warm_up.py's call of the former (direct_range, top) pair
-        top = top[1]
     t, top = int(trained_version), int(top)
     found = _population_summary(t, rollout_in, tuple(columns), length_bounds, top, quantiles)
     totals, lengths, token_histogram, rollout_histogram, above = found
@@ -317,15 +315,3 @@ def population_summary(
     numbers[_DOT] += sum(map(operator.mul, *above.tolist()))
     arrays = (lengths[0], lengths[1], token_histogram, rollout_histogram)
     return PopulationSummary._make((*numbers[:_TOTALS], numbers[_TOTALS:], *arrays))
-
-
-def population_sums(
-    trained_version: int,
-    rollout_in: BoolArray,
-    columns: PopulationColumns,
-    length_bounds: IntArray,
-    _: int,
-) -> PopulationSummary:
-    """Compiles :func:`population_summary` (``engine/warm_up.py`` calls the pass it replaced)."""
-    median = np.array([[50, 100]])
-    return population_summary(trained_version, rollout_in, columns, length_bounds, 4096, median)
