@@ -35,7 +35,14 @@ from .config import StalenessConfig
 from .errors import ConfigError, FieldTypeError, StalenessError, TraceError
 from .metrics.mismatch import MismatchSums
 
-__all__ = ["AddResult", "MismatchResult", "ServiceError", "ShipResult", "StalenessClient", "StepRow"]
+__all__ = [
+    "AddResult",
+    "MismatchResult",
+    "ServiceError",
+    "ShipResult",
+    "StalenessClient",
+    "StepRow",
+]
 
 _RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -174,7 +181,10 @@ class StalenessClient:
         or a new random one) covers every retry of this call, so a retried post is merged once. The
         answer holds the step's merged SPEC 11 keys.
         """
-        body = {"step": step, "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums)}
+        body = {
+            "step": step,
+            "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums),
+        }
         key = idempotency_key or uuid.uuid4().hex
         path = _run_path(run, "mismatch")
         result: MismatchResult = self._request("POST", path, json=body, headers={"Idempotency-Key": key})
@@ -226,7 +236,10 @@ class StalenessClient:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.close()
 

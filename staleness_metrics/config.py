@@ -100,7 +100,11 @@ class StalenessConfig:
                 f"{self.adapt_low}..{self.adapt_high}, where the adaptive bound starts"
             )
         if self.policy != "xtuner":
-            for name, default in (("max_token_staleness", None), ("sync_interval", 1), ("retry_expired", False)):
+            for name, default in (
+                ("max_token_staleness", None),
+                ("sync_interval", 1),
+                ("retry_expired", False),
+            ):
                 if getattr(self, name) != default:
                     raise ConfigError(f"{name}: only the 'xtuner' policy takes it (policy is {self.policy!r})")
 

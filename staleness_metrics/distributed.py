@@ -32,8 +32,9 @@ from .metrics.mismatch import COUNT_FIELDS, SUM_FIELDS, MismatchSums
 __all__ = ["all_reduce"]
 
 _FIELDS = (*COUNT_FIELDS, *SUM_FIELDS)
-# The packed layout: a bucket fingerprint (each rank adds its own: the total is the group's size times it
-# only if every rank has these buckets), the uncovered count, then one row of N_BUCKETS per field.
+# The packed layout: a bucket fingerprint (each rank adds its own: the total is the
+# group's size times it only if every rank has these buckets), the uncovered count, then
+# one row of N_BUCKETS per field.
 _FINGERPRINT = float(N_BUCKETS) + sum(int(b) for b in LAG_BUCKETS if b != "inf") / 1024
 _EXACT = float(2**53)
 
@@ -41,15 +42,16 @@ _EXACT = float(2**53)
 def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
     """The sum of every rank's ``sums`` over ``group`` (the default group when None), on every rank.
 
-    Every rank of the group must call it once per step, with its own sums (``MismatchSums.zero()`` for a
-    rank without tokens). The collective is one ``all_reduce(SUM)`` of a float64 tensor of
-    ``2 + 8 * len(LAG_BUCKETS)`` values, placed on the CPU when the group's backend reduces CPU tensors
-    (gloo, MPI, UCC, or a ``"cpu:gloo,cuda:nccl"`` pair) and on the current accelerator otherwise (NCCL:
-    ``torch.cuda.current_device()``, which must be the rank's own GPU, as for any NCCL collective).
+    Every rank of the group must call it once per step, with its own sums (``MismatchSums.zero()``
+    for a rank without tokens). The collective is one ``all_reduce(SUM)`` of a float64 tensor of
+    ``2 + 8 * len(LAG_BUCKETS)`` values, placed on the CPU when the group's backend reduces CPU
+    tensors (gloo, MPI, UCC, or a ``"cpu:gloo,cuda:nccl"`` pair) and on the current accelerator
+    otherwise (NCCL: ``torch.cuda.current_device()``, which must be the rank's own GPU, as for any
+    NCCL collective).
 
-    Raises :class:`~staleness_metrics.errors.FieldError` naming the argument (or its field) when ``sums`` is
-    not a ``MismatchSums`` of numpy arrays, one value per lag bucket, or its counts could overflow the
-    reduction, and when the ranks disagree on the lag buckets;
+    Raises :class:`~staleness_metrics.errors.FieldError` naming the argument (or its field) when
+    ``sums`` is not a ``MismatchSums`` of numpy arrays, one value per lag bucket, or its counts
+    could overflow the reduction, and when the ranks disagree on the lag buckets;
     :class:`~staleness_metrics.errors.ConfigError` when torch.distributed is not initialised.
     """
     rows = _checked(sums)
@@ -67,7 +69,8 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
 
 
 def _device_for(backend: str) -> torch.device:
-    """Where the group reduces: the CPU if its backend takes CPU tensors, else the current accelerator."""
+    """Where the group reduces: the CPU if its backend takes CPU tensors, else
+    the current accelerator."""
     names = backend.lower()
     if names.startswith("cpu:") or ",cpu:" in names or names in ("gloo", "mpi", "ucc"):
         return torch.device("cpu")
@@ -80,7 +83,8 @@ def _device_for(backend: str) -> torch.device:
 
 
 def _checked(sums: MismatchSums) -> list[np.ndarray[Any, np.dtype[np.float64]]]:
-    """The fields as float64 rows, each checked: a bad one is named before any rank waits on the others."""
+    """The fields as float64 rows, each checked: a bad one is named before any
+    rank waits on the others."""
     if not isinstance(sums, MismatchSums):
         raise FieldError("sums", f"expected MismatchSums (from mismatch_sums), got {type(sums).__name__}")
     rows = []

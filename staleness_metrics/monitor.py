@@ -226,7 +226,10 @@ class StalenessMonitor:
                 step, sums = sequence(item, join("mismatch", i), 2)
                 step = integer(step, join(join("mismatch", i), 0), 1)
                 if step not in shipped or step in mismatch:
-                    fail(join(join("mismatch", i), 0), f"step {step} was not shipped, or appears twice")
+                    fail(
+                        join(join("mismatch", i), 0),
+                        f"step {step} was not shipped, or appears twice",
+                    )
                 mismatch[step] = check_mismatch(sums, join(join("mismatch", i), 1))
             env_mismatch: dict[tuple[int, str], MismatchSums] = {}
             for i, item in enumerate(sequence(state.get("env_mismatch", []), "env_mismatch")):
@@ -234,7 +237,10 @@ class StalenessMonitor:
                 step, env, sums = sequence(item, where, 3)
                 step, env = integer(step, join(where, 0), 1), string(env, join(where, 1))
                 if step not in shipped or not env or (step, env) in env_mismatch:
-                    fail(where, f"step {step} of env {env!r} was not shipped, has no env name, or appears twice")
+                    fail(
+                        where,
+                        f"step {step} of env {env!r} was not shipped, has no env name, or appears twice",
+                    )
                 env_mismatch[(step, env)] = check_mismatch(sums, join(where, 2))
             check_digests(state, "", skip=("sink",))
             # Everything is checked: replace. Exporters that cannot check a state beforehand load
@@ -291,7 +297,8 @@ class StalenessMonitor:
         with self._lock:
             if step not in self._shipped_steps:
                 raise FieldError(
-                    "step", f"no batch was shipped for step {step}; mismatch sums belong to a shipped step"
+                    "step",
+                    f"no batch was shipped for step {step}; mismatch sums belong to a shipped step",
                 )
             total = self._mismatch.get(step, MismatchSums.zero()) + delta
             self._mismatch[step] = total
@@ -386,7 +393,8 @@ class StalenessMonitor:
             thread.join(max(deadline - time.monotonic(), 0.0))
             if thread.is_alive():
                 self.export_errors.record(
-                    exporter.name, f"close did not return within {bound:g} s; left to finish in the background"
+                    exporter.name,
+                    f"close did not return within {bound:g} s; left to finish in the background",
                 )
 
     def _close_one(self, exporter: Exporter) -> None:

@@ -1,8 +1,8 @@
 """Run independent passes over large arrays on a small shared thread pool.
 
-numpy releases the GIL inside its loops, and so do the compiled loops (:mod:`.compiled`), so reading several
-position arrays at once uses the machine's cores; small inputs stay on the calling thread, where a hand-off
-would cost more.
+numpy releases the GIL inside its loops, and so do the compiled loops (:mod:`.compiled`), so reading
+several position arrays at once uses the machine's cores; small inputs stay on the calling thread,
+where a hand-off would cost more.
 """
 
 from __future__ import annotations
@@ -17,16 +17,19 @@ __all__ = ["PARALLEL_MIN_POSITIONS", "POOL_THREAD_PREFIX", "SHARES", "run_all"]
 
 T = TypeVar("T")
 
-PARALLEL_MIN_POSITIONS = 1 << 20  # below about a million positions, threads cost more than they save
+# below about a million positions, threads cost more than they save
+PARALLEL_MIN_POSITIONS = 1 << 20
 SHARES = 4  # parallel shares of a large input for a compiled loop: even work for 2-4 threads
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
-POOL_THREAD_PREFIX = "staleness-metrics"  # the pool's thread names (a fork may copy a process holding them)
+# the pool's thread names (a fork may copy a process holding them)
+POOL_THREAD_PREFIX = "staleness-metrics"
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
 def _forget_pool() -> None:
-    """In a forked child: the parent's pool threads are not there, so a first use starts a new pool."""
+    """In a forked child: the parent's pool threads are not there, so a first
+    use starts a new pool."""
     global _pool, _pool_lock
     _pool = None
     _pool_lock = threading.Lock()
@@ -45,7 +48,8 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def run_all(tasks: Sequence[Callable[[], T]], positions: int) -> list[T]:
-    """Results of ``tasks`` in order; run concurrently when they read at least ``positions`` values."""
+    """Results of ``tasks`` in order; run concurrently when they read at least
+    ``positions`` values."""
     if len(tasks) < 2 or _WORKERS < 2 or positions < PARALLEL_MIN_POSITIONS:
         return [task() for task in tasks]
     futures = [_executor().submit(task) for task in tasks]

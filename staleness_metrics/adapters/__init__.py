@@ -2,8 +2,9 @@
 and the shipment back, ``staleness_metrics.adapters.<trainer>.ship``.
 
 - :mod:`.verl`, :mod:`.areal`, :mod:`.trl`, :mod:`.prime_rl_live`; :mod:`._ship`, what they share.
-- :mod:`.prime_rl_monitor`: a monitor of prime-rl's own kind (``log_episodes`` / ``log_annotations``) over a
-  :class:`~staleness_metrics.StalenessMonitor`, for prime-rl's current episode stream.
+- :mod:`.prime_rl_monitor`: a monitor of prime-rl's own kind (``log_episodes`` /
+  ``log_annotations``) over a :class:`~staleness_metrics.StalenessMonitor`, for
+  prime-rl's current episode stream.
 
 Recorded runs (prime-rl run directories, xtuner states, event files) are read by
 :mod:`staleness_metrics.replay.sources`. Nothing is imported here: a trainer pays

@@ -293,9 +293,19 @@ def _collect(pending: _Pending, shipment: Shipment) -> tuple[ShippedPart[Any], .
         if entry.write_back is not None:
             entry.write_back()
         parts.append(
-            ShippedPart(entry.source, entry.batch, np.asarray(rows, dtype=np.int64), tuple(samples), tuple(lag_list))
+            ShippedPart(
+                entry.source,
+                entry.batch,
+                np.asarray(rows, dtype=np.int64),
+                tuple(samples),
+                tuple(lag_list),
+            )
         )
-    gone = [*shipped_ids, *shipment.dropped_rollouts, *(e.rollout_id for e in shipment.invalid if e.rollout_id)]
+    gone = [
+        *shipped_ids,
+        *shipment.dropped_rollouts,
+        *(e.rollout_id for e in shipment.invalid if e.rollout_id),
+    ]
     for rid in gone:
         key = pending.owner.pop(rid, -1)
         if key >= 0:

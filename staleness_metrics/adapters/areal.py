@@ -170,7 +170,11 @@ def _rows_of(part: ShippedPart[dict[str, Any]]) -> dict[str, Any]:
 
 
 def ship(
-    monitor: StalenessMonitor, batch: AReaLBatch, *, version: int, group_sizes: Sequence[int] | None = None
+    monitor: StalenessMonitor,
+    batch: AReaLBatch,
+    *,
+    version: int,
+    group_sizes: Sequence[int] | None = None,
 ) -> AReaLBatch:
     """Ship an AReaL batch at its trained ``version`` (``global_step``) and give
     back the batch to train.

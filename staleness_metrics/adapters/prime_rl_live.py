@@ -42,7 +42,14 @@ from ..errors import FieldError, MissingFieldError
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ._ship import TrainerNames, ship_rows
 
-__all__ = ["PolicySpan", "ShippedSamples", "from_training_samples", "policy_span", "ship", "shipped_samples"]
+__all__ = [
+    "PolicySpan",
+    "ShippedSamples",
+    "from_training_samples",
+    "policy_span",
+    "ship",
+    "shipped_samples",
+]
 
 PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start None = frozen
 

@@ -145,7 +145,8 @@ def staleness_lag_of(completion_mask: Any) -> npt.NDArray[np.int64]:
     found = _lags.get(id(completion_mask))
     if found is None or found[0]() is not completion_mask:
         raise MissingFieldError(
-            "completion_mask", "this sample did not come through staleness_metrics.adapters.trl.ship"
+            "completion_mask",
+            "this sample did not come through staleness_metrics.adapters.trl.ship",
         )
     return found[1]
 
@@ -371,7 +372,11 @@ class TrainTimeShipping:
                     mask = item["completion_mask"]
                     samples.append(
                         _Pulled(
-                            item["input_ids"], mask, item["old_log_probs"], item["group_id"], self._pulled.take(mask)
+                            item["input_ids"],
+                            mask,
+                            item["old_log_probs"],
+                            item["group_id"],
+                            self._pulled.take(mask),
                         )
                     )
                     # TreeRow.pack's loss terms

@@ -44,7 +44,10 @@ from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 __all__ = ["from_verl", "ship", "verl_response_mask", "verl_row_ids"]
 
-_VERSION_FIELDS = (("param_version_start", "param_version_end"), ("min_global_steps", "max_global_steps"))
+_VERSION_FIELDS = (
+    ("param_version_start", "param_version_end"),
+    ("min_global_steps", "max_global_steps"),
+)
 
 
 def _parts(data: Any) -> tuple[Mapping[str, Any], Mapping[str, Any]]:

@@ -123,7 +123,12 @@ def make_panel(
     }
 
 
-LEGEND = {"calcs": ["lastNotNull", "max"], "displayMode": "table", "placement": "bottom", "showLegend": True}
+LEGEND = {
+    "calcs": ["lastNotNull", "max"],
+    "displayMode": "table",
+    "placement": "bottom",
+    "showLegend": True,
+}
 
 
 def timeseries(
@@ -199,7 +204,10 @@ def table(title: str, description: str, columns: Sequence[tuple[str, str, Target
     targets = [target for _, _, target in columns]
     renames = {f"Value #{chr(ord('A') + i)}": name for i, (name, _, _) in enumerate(columns)}
     overrides = [
-        {"matcher": {"id": "byName", "options": name}, "properties": [{"id": "unit", "value": unit}]}
+        {
+            "matcher": {"id": "byName", "options": name},
+            "properties": [{"id": "unit", "value": unit}],
+        }
         for name, unit, _ in columns
     ]
     panel = make_panel(
@@ -208,7 +216,11 @@ def table(title: str, description: str, columns: Sequence[tuple[str, str, Target
         description,
         COUNT,
         targets,
-        options={"cellHeight": "sm", "showHeader": True, "sortBy": [{"displayName": "run", "desc": False}]},
+        options={
+            "cellHeight": "sm",
+            "showHeader": True,
+            "sortBy": [{"displayName": "run", "desc": False}],
+        },
         overrides=overrides,
     )
     panel["transformations"] = [

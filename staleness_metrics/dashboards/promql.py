@@ -92,7 +92,12 @@ class Scope:
         return f"by ({', '.join((*self.by, *extra))})"
 
     def gauge(
-        self, name: str, *, per_env: bool = False, extra_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()
+        self,
+        name: str,
+        *,
+        per_env: bool = False,
+        extra_by: tuple[str, ...] = (),
+        extra: tuple[str, ...] = (),
     ) -> str:
         """A gauge's overall series (or its per-env series), kept per ``by`` labels
         (and ``extra_by``, such as SPEC 14's ``lag`` or ``source``) with ``max``;
@@ -187,7 +192,10 @@ class Scope:
         """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket, from
         the rates of the sums."""
         by = ("lag",)
-        ratio, squares = self.rate("mismatch_ratio", extra_by=by), self.rate("mismatch_ratio_squared", extra_by=by)
+        ratio, squares = (
+            self.rate("mismatch_ratio", extra_by=by),
+            self.rate("mismatch_ratio_squared", extra_by=by),
+        )
         return f"{ratio} ^ 2 / ({self.rate('mismatch_tokens', extra_by=by)} * {squares} > 0)"
 
     def sampled_length_mean(self) -> str:

@@ -98,7 +98,9 @@ def _cost_panels() -> list[PanelSpec]:
         ),
         PanelSpec("Mismatch k3 by lag", metric_regex=per_bucket_regex("mismatch_k3_by_lag")),
         PanelSpec(
-            "Effective sample size by lag", metric_regex=per_bucket_regex("mismatch_ess_by_lag"), range_y=(0.0, 1.0)
+            "Effective sample size by lag",
+            metric_regex=per_bucket_regex("mismatch_ess_by_lag"),
+            range_y=(0.0, 1.0),
         ),
         PanelSpec(
             "Out-of-band share by lag",
@@ -130,14 +132,20 @@ def panels() -> list[PanelSpec]:
         PanelSpec("Token staleness mean vs bound", keys("token_mean", "max_staleness")),
         PanelSpec("Token staleness quantiles", keys("token_p50", "token_p90", "token_p99")),
         PanelSpec("Masked tokens", keys("token_masked"), range_y=(0.0, 1.0)),
-        PanelSpec("Rollout staleness mean and max vs bound", keys("rollout_mean", "rollout_max", "max_staleness")),
+        PanelSpec(
+            "Rollout staleness mean and max vs bound",
+            keys("rollout_mean", "rollout_max", "max_staleness"),
+        ),
         PanelSpec(
             "In-flight vs in-queue staleness (mean)",
             keys("rollout_in_flight_mean", "rollout_in_queue_mean"),
             stacked=True,
             notes="Per rollout in flight + in queue = rollout staleness, so the stack is the rollout mean.",
         ),
-        PanelSpec("In-flight vs in-queue staleness (max)", keys("rollout_in_flight_max", "rollout_in_queue_max")),
+        PanelSpec(
+            "In-flight vs in-queue staleness (max)",
+            keys("rollout_in_flight_max", "rollout_in_queue_max"),
+        ),
         PanelSpec(
             "Rollout staleness: oldest vs newest token",
             keys("rollout_mean", "rollout_newest_mean", "rollout_max", "rollout_newest_max"),

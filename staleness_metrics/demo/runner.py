@@ -167,7 +167,11 @@ class _LiveTable:
         self._live.__exit__(None, None, None)
 
     def update(
-        self, events: StepEvents, shipment: Shipment, totals: _Totals, cost: Mapping[str, object] | None
+        self,
+        events: StepEvents,
+        shipment: Shipment,
+        totals: _Totals,
+        cost: Mapping[str, object] | None,
     ) -> None:
         from rich.table import Table
         from rich.text import Text

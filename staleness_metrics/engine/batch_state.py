@@ -1,9 +1,10 @@
-"""The plain-data form of what the queue stores (SPEC 13): the batches rollouts arrived in and the growable
-tables, written field by field and column by column with their dtypes, and read back checked.
+"""The plain-data form of what the queue stores (SPEC 13): the batches rollouts arrived
+in and the growable tables, written field by field and column by column with their
+dtypes, and read back checked.
 
 Generic by name: a column added to a table or a field added to
-:class:`~staleness_metrics.records.columnar.RolloutBatch` is saved without a change here, and a state lacking
-one the code now has is refused by name rather than loaded wrongly.
+:class:`~staleness_metrics.records.columnar.RolloutBatch` is saved without a change here, and a
+state lacking one the code now has is refused by name rather than loaded wrongly.
 """
 
 from __future__ import annotations
@@ -17,26 +18,46 @@ import numpy.typing as npt
 
 from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from ..records.padded_rows import PaddedLayout
-from ..state_checks import decode_array, encode_array, fail, integer, join, keys, kind_of, mapping, sequence, strings
+from ..state_checks import (
+    decode_array,
+    encode_array,
+    fail,
+    integer,
+    join,
+    keys,
+    kind_of,
+    mapping,
+    sequence,
+    strings,
+)
 from .segments import expand_ranges
 from .table import Table
 
 TableT = TypeVar("TableT", bound=Table)
 
-__all__ = ["check_offsets", "decode_batch", "decode_table", "encode_batch", "encode_table", "encode_value"]
+__all__ = [
+    "check_offsets",
+    "decode_batch",
+    "decode_table",
+    "encode_batch",
+    "encode_table",
+    "encode_value",
+]
 
 INT64 = np.dtype(np.int64)
 
 
 def encode_value(value: Any) -> Any:
-    """One batch field (or window value) as ``{form: data}``: an array with its dtype, a dict, a list, fields."""
+    """One batch field (or window value) as ``{form: data}``: an array with its dtype, a
+    dict, a list, fields."""
     if isinstance(value, np.ndarray):
         return {"array": encode_array(value)}
     if isinstance(value, dict):
         return {"dict": {key: encode_value(item) for key, item in value.items()}}
     if isinstance(value, (list, tuple)):
         items = list(value)
-        if items and isinstance(items[0], (dict, list)):  # echo records: the state shares nothing with the sink
+        # echo records: the state shares nothing with the sink
+        if items and isinstance(items[0], (dict, list)):
             items = copy.deepcopy(items)
         return {"list": items}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # the padded layout
@@ -45,10 +66,14 @@ def encode_value(value: Any) -> Any:
 
 
 def _decode_value(encoded: Any, path: str, wanted: str) -> Any:
-    """One encoded batch field of the form ``wanted`` ("array", "list", "dict", "fields"), or ``{"value": null}``."""
+    """One encoded batch field of the form ``wanted`` ("array", "list", "dict", "fields"),
+    or ``{"value": null}``."""
     found = mapping(encoded, path)
     if len(found) != 1 or next(iter(found)) not in (wanted, "value"):
-        fail(path, f"expected {{{wanted!r}: ...}} or {{'value': null}}, got the keys {sorted(map(str, found))}")
+        fail(
+            path,
+            f"expected {{{wanted!r}: ...}} or {{'value': null}}, got the keys {sorted(map(str, found))}",
+        )
     if "value" in found:
         if found["value"] is not None:
             fail(join(path, "value"), f"expected null, got {kind_of(found['value'])}")
@@ -60,7 +85,8 @@ def encode_batch(batch: RolloutBatch) -> dict[str, Any]:
     """Every field of a batch, by name (arrays with their dtype)."""
     encoded = {f.name: encode_value(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
     if batch.token_versions is not None and batch.token_versions.dtype != INT64:
-        # versions a long batch kept narrow (records.model.pack) are the int64 a state holds: same numbers
+        # versions a long batch kept narrow (records.model.pack) are the int64 a
+        # state holds: same numbers
         encoded["token_versions"]["array"]["dtype"] = INT64.str
     return encoded
 
@@ -83,9 +109,11 @@ def check_offsets(values: npt.NDArray[np.int64], path: str, length: int, end: in
 
 
 def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
-    """The batch of :func:`encode_batch`, checked: every length and offset agrees, so no write can stray."""
+    """The batch of :func:`encode_batch`, checked: every length and offset agrees,
+    so no write can stray."""
     names = [f.name for f in dataclasses.fields(RolloutBatch)]
-    # an optional field may be absent (a field added since the state was saved: None, as an add without it)
+    # an optional field may be absent (a field added since the state was saved:
+    # None, as an add without it)
     found = keys(encoded, path, [n for n in names if n not in _BATCH_OPTIONAL], _BATCH_OPTIONAL)
     raw: dict[str, Any] = {}
     for name in names:
@@ -123,12 +151,23 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     if len(raw["position_offsets"]) == 0:
         fail(join(path, "position_offsets"), "at least one offset is needed")
     check_offsets(
-        raw["position_offsets"], join(path, "position_offsets"), len(raw["position_offsets"]), len(raw["mask"])
+        raw["position_offsets"],
+        join(path, "position_offsets"),
+        len(raw["position_offsets"]),
+        len(raw["mask"]),
     )
     n_samples = len(raw["position_offsets"]) - 1
     n_positions = len(raw["mask"])
     check_offsets(raw["sample_offsets"], join(path, "sample_offsets"), n_rollouts + 1, n_samples)
-    for name in ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo"):
+    for name in (
+        "dispatch_version",
+        "completion_version",
+        "frozen",
+        "agentic",
+        "group_ids",
+        "envs",
+        "echo",
+    ):
         if raw[name] is not None and len(raw[name]) != n_rollouts:
             fail(join(path, name), f"{len(raw[name])} entries for {n_rollouts} rollouts")
     for name in ("frozen", "agentic"):
@@ -159,7 +198,10 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
         if (kind == LABELS_SPANS).any() and raw["span_offsets"] is None:
             fail(join(path, "label_kind"), "a sample labelled by spans, in a batch without spans")
         if (kind == LABELS_TOKENS).any() and raw["token_versions"] is None:
-            fail(join(path, "label_kind"), "a sample labelled per token, in a batch without token versions")
+            fail(
+                join(path, "label_kind"),
+                "a sample labelled per token, in a batch without token versions",
+            )
     try:
         return RolloutBatch(**raw)
     except (TypeError, ValueError) as exc:  # pragma: no cover - every field was checked above
@@ -167,8 +209,9 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
 
 
 def queued_part(batch: RolloutBatch, rollouts: npt.NDArray[np.int64], sampled: npt.NDArray[np.int64]) -> RolloutBatch:
-    """The rollouts ``rollouts`` of ``batch`` (in that order) as a new batch of copies, with the mask back to 1 at
-    the positions ``sampled`` (of ``batch``: sampled as they arrived, masked in place since)."""
+    """The rollouts ``rollouts`` of ``batch`` (in that order) as a new batch of copies, with
+    the mask back to 1 at the positions ``sampled`` (of ``batch``: sampled as they arrived,
+    masked in place since)."""
     samples = expand_ranges(batch.sample_offsets[rollouts], batch.sample_offsets[rollouts + 1])
     positions = expand_ranges(batch.position_offsets[samples], batch.position_offsets[samples + 1])
     part = copy.copy(batch)  # (checked and converted already: no __post_init__ again)
@@ -178,7 +221,15 @@ def queued_part(batch: RolloutBatch, rollouts: npt.NDArray[np.int64], sampled: n
     part.ids = [batch.ids[i] for i in rollouts.tolist()]
     part.sample_offsets = _offsets(batch.sample_offsets, rollouts)
     part.position_offsets = _offsets(batch.position_offsets, samples)
-    for name in ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo"):
+    for name in (
+        "dispatch_version",
+        "completion_version",
+        "frozen",
+        "agentic",
+        "group_ids",
+        "envs",
+        "echo",
+    ):
         if (values := getattr(batch, name)) is not None:
             setattr(part, name, values[rollouts] if isinstance(values, np.ndarray) else
                     [values[i] for i in rollouts.tolist()])  # fmt: skip
@@ -207,13 +258,17 @@ def encode_table(table: Table) -> dict[str, Any]:
 
 
 def decode_table(encoded: Any, like: TableT, path: str) -> TableT:
-    """A table of ``like``'s type (its columns and dtypes) filled from ``encoded``, all of one length."""
+    """A table of ``like``'s type (its columns and dtypes) filled from
+    ``encoded``, all of one length."""
     found = mapping(encoded, path)
     missing = sorted(set(like.names) - set(found))
     extra = sorted(set(found) - set(like.names), key=str)
     if missing or extra:
         name = (missing or extra)[0]
-        fail(join(path, str(name)), f"the table {'lacks this column' if missing else 'has no such column'}")
+        fail(
+            join(path, str(name)),
+            f"the table {'lacks this column' if missing else 'has no such column'}",
+        )
     columns = {name: decode_array(found[name], join(path, name), dtype) for name, dtype in like.columns.items()}
     lengths = {len(values) for values in columns.values()}
     if len(lengths) > 1:

@@ -1,18 +1,19 @@
 """Checkpoints of a sink (and a monitor) as plain JSON-serialisable data (SPEC 13).
 
-A checkpoint holds everything later ships depend on, by what it means: the queued rollouts as they arrived
-(SPEC 3's columns) and what judging did to them, every id seen in the run, groups, envs, the open window, the
-last step, the cumulative tallies and the policy's own state. It is built from ints, floats, strings,
-booleans, None, lists and dicts only, so it goes into ``json.dump`` or a trainer's ``torch.save``.
+A checkpoint holds everything later ships depend on, by what it means: the queued rollouts as they
+arrived (SPEC 3's columns) and what judging did to them, every id seen in the run, groups, envs, the
+open window, the last step, the cumulative tallies and the policy's own state. It is built from
+ints, floats, strings, booleans, None, lists and dicts only, so it goes into ``json.dump`` or a
+trainer's ``torch.save``.
 
 Each part saves and checks its own state: the queue (:mod:`.queue_state`; the old formats' tables by
-:mod:`.queue_layout`), the policy, the SPEC 14 trackers; this module puts the sink's together (:func:`save_sink`)
-and holds the forms of the window, tallies and reports. Saving never changes the sink, so a checkpoint may be
-taken after any call. Loading is all or nothing: :func:`read_sink` checks the whole state (structure, types,
-dtypes, ranges, the rollouts as an add checks them, and that queue and counters agree) while it builds new
-objects (a :class:`SinkState`), and a digest per top-level key catches a value changed to another plausible
-one. Only then is anything replaced (``Sink.load_checked``); a bad state raises :class:`ConfigError` naming the
-key path and reason."""
+:mod:`.queue_layout`), the policy, the SPEC 14 trackers; this module puts the sink's together
+(:func:`save_sink`) and holds the forms of the window, tallies and reports. Saving never changes the
+sink, so a checkpoint may be taken after any call. Loading is all or nothing: :func:`read_sink`
+checks the whole state (structure, types, dtypes, ranges, the rollouts as an add checks them, and
+that queue and counters agree) while it builds new objects (a :class:`SinkState`), and a digest per
+top-level key catches a value changed to another plausible one. Only then is anything replaced
+(``Sink.load_checked``); a bad state raises :class:`ConfigError` naming the key path and reason."""
 
 from __future__ import annotations
 
@@ -67,9 +68,16 @@ __all__ = [
     "tally_to_dict",
 ]
 
-# The settings that decide what a policy does: a checkpoint only loads into a sink judging the same way.
-# ``strict`` and ``env_breakdown`` change how input is read and reported, not the state, so they may differ.
-JUDGING_SETTINGS = ("policy", "max_staleness", "max_token_staleness", "sync_interval", "retry_expired")
+# The settings that decide what a policy does: a checkpoint only loads into a sink judging the
+# same way. ``strict`` and ``env_breakdown`` change how input is read and reported, not the
+# state, so they may differ.
+JUDGING_SETTINGS = (
+    "policy",
+    "max_staleness",
+    "max_token_staleness",
+    "sync_interval",
+    "retry_expired",
+)
 MAX_STEP = 2**53
 INT64 = np.dtype(np.int64)
 
@@ -110,8 +118,12 @@ def check_tally(data: Any, path: str) -> Tally:
         if name in _TALLY_ARRAY_LENGTHS:
             items = sequence(found[name], where)
             if len(items) > _TALLY_ARRAY_LENGTHS[name]:
-                fail(where, f"{len(items)} buckets, more than the {_TALLY_ARRAY_LENGTHS[name]} there are")
-            if set(map(type, items)) <= {int} and (not items or min(items) >= 0):  # the usual case, at C speed
+                fail(
+                    where,
+                    f"{len(items)} buckets, more than the {_TALLY_ARRAY_LENGTHS[name]} there are",
+                )
+            # the usual case, at C speed
+            if set(map(type, items)) <= {int} and (not items or min(items) >= 0):
                 values[name] = np.asarray(items, dtype=np.int64)
             else:  # the loop names the offending bucket
                 values[name] = np.asarray([integer(v, join(where, i), 0) for i, v in enumerate(items)], dtype=np.int64)
@@ -125,7 +137,8 @@ def tally_from_dict(data: Mapping[str, Any], path: str = "tally") -> Tally:
 
 
 def _window_to_dict(window: WindowCounts) -> dict[str, Any]:
-    """Every attribute of the window, generically: per-env dicts as ``[env, value]`` pairs, lists as lists."""
+    """Every attribute of the window, generically: per-env dicts as ``[env, value]``
+    pairs, lists as lists."""
     out: dict[str, Any] = {}
     for name, value in vars(window).items():
         if isinstance(value, dict):
@@ -178,12 +191,23 @@ def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
 
 # ---------------------------------------------------------------------- the sink
 SINK_KEYS = ("format", "config", "step", "queue", "window", "invalid", "totals", "policy")
-LAYOUT_SINK_KEYS = ("format", "config", "step", *LAYOUT_KEYS, "window", "invalid", "totals", "policy")  # formats 1, 2
+# formats 1, 2
+LAYOUT_SINK_KEYS = (
+    "format",
+    "config",
+    "step",
+    *LAYOUT_KEYS,
+    "window",
+    "invalid",
+    "totals",
+    "policy",
+)
 
 
 @dataclass(frozen=True)
 class SinkState:
-    """A sink's checkpoint read and checked by :func:`read_sink`, as new objects: nothing is applied yet."""
+    """A sink's checkpoint read and checked by :func:`read_sink`, as new objects:
+    nothing is applied yet."""
 
     step: int
     queue: RolloutQueue
@@ -207,8 +231,8 @@ def save_sink(
     bound_tracker: BoundTracker,
     env_trackers: Mapping[str, BoundTracker],
 ) -> dict[str, Any]:
-    """A sink's state from its parts, each saving its own: the queue a compacted copy (the queued rollouts only,
-    renumbered), so the sink is left as it was."""
+    """A sink's state from its parts, each saving its own: the queue a compacted copy (the queued
+    rollouts only, renumbered), so the sink is left as it was."""
     state: dict[str, Any] = {
         "format": FORMAT,
         "config": dataclasses.asdict(config),
@@ -226,11 +250,15 @@ def save_sink(
 
 
 def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Policy, queue: RolloutQueue) -> SinkState:
-    """Check a sink state and build what it holds as new objects, for a sink of ``config`` judging by ``policy``
-    whose queue is ``queue``. Nothing of them is changed (the queue only lends its tables' column dtypes)."""
+    """Check a sink state and build what it holds as new objects, for a sink of ``config`` judging
+    by ``policy`` whose queue is ``queue``. Nothing of them is changed (the queue only lends its
+    tables' column dtypes)."""
     check_format(state, "sink", path)
     # "bound", "bound_envs": SPEC 14's trackers, the batch's and each env's (absent before SPEC 14)
-    old = state["format"] in (1, 2)  # the queue's tables and batches (:mod:`.queue_layout`, the converter)
+    old = state["format"] in (
+        1,
+        2,
+    )  # the queue's tables and batches (:mod:`.queue_layout`, the converter)
     state = keys(state, path, LAYOUT_SINK_KEYS if old else SINK_KEYS, ("digests", "bound", "bound_envs"))
     if state["format"] != 1 and "digests" not in state:
         fail(join(path, "digests"), "missing")
@@ -240,7 +268,10 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
         restored = read_layout(state, policy.observe_added, path, step)
     else:
         restored = read_queue(
-            mapping(state["queue"], join(path, "queue")), policy.observe_added, join(path, "queue"), step
+            mapping(state["queue"], join(path, "queue")),
+            policy.observe_added,
+            join(path, "queue"),
+            step,
         )
     window = _window_from_dict(state["window"], join(path, "window"), len(restored.env_names))
     invalid = []
@@ -249,7 +280,8 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
         rid, field, reason = sequence(item, at, 3)
         invalid.append(TraceError(string(rid, at + "[0]", True), string(field, at + "[1]"), string(reason, at + "[2]")))
     totals = check_tally(state["totals"], join(path, "totals"))
-    # Conservation: every sampled position of a live rollout that entered is shipped, dropped or queued.
+    # Conservation: every sampled position of a live rollout that entered is
+    # shipped, dropped or queued.
     r, s = restored.rollouts, restored.samples
     sample_live = ~r.frozen[s.rollout] & ~s.dropped
     queued_tokens = int(s.n_sampled[sample_live].sum())
@@ -302,7 +334,10 @@ def _metrics(data: Any, path: str) -> dict[str, MetricValue]:
     for key, value in mapping(data, path).items():
         if str(key).endswith("/floor_source"):  # SPEC 14's one string value
             if value not in FLOOR_SOURCES:
-                fail(join(path, str(key)), f"expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}")
+                fail(
+                    join(path, str(key)),
+                    f"expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}",
+                )
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(join(path, str(key)), f"expected a number, got {kind_of(value)}")
         out[string(key, path)] = value

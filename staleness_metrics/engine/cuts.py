@@ -33,18 +33,20 @@ _BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 
 # Per cut facts of a weight array, as bits of one byte each (see sample_cuts).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
-# Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers of their width.
+# Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned
+# integers of their width.
 _FLOAT_BITS = {np.dtype(np.float16): (1 << 15, 0x7C00), np.dtype(np.float32): (1 << 31, 0x7F800000),
                np.dtype(np.float64): (1 << 63, 0x7FF << 52)}  # fmt: skip
 
 
 def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> int:  # pragma: no cover - compiled
-    """The ``WEIGHT_*`` bits of one span's values read as unsigned integers of their width (``sign``, ``infinity``:
-    the sign bit and +inf's bits). Integer ORs only (no compare, no branch): one vector pass over the span. A
-    callee of ``_cut_flags``."""
+    """The ``WEIGHT_*`` bits of one span's values read as unsigned integers of their width
+    (``sign``, ``infinity``: the sign bit and +inf's bits). Integer ORs only (no compare, no
+    branch): one vector pass over the span. A callee of ``_cut_flags``."""
     one = np.uint64(1)
     magnitude = sign - one
-    at_least_inf = sign - infinity  # y + at_least_inf has the sign bit exactly when y >= +inf's bits
+    # y + at_least_inf has the sign bit exactly when y >= +inf's bits
+    at_least_inf = sign - infinity
     above_inf = at_least_inf - one  # ... when y > +inf's bits: a NaN
     any_bits = np.uint64(0)
     any_inf = np.uint64(0)
@@ -86,9 +88,10 @@ def _cut_flags(
         cut_start = starts[c]
         cut_end = ends[c]
         s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
-        # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1). One pass over the three
-        # arrays at once, a min and a max per value in the values' own width (as many lanes per vector
-        # as the bits allow: no widening); any other cut is read again. (A cut holds a position.)
+        # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1). One pass over
+        # the three arrays at once, a min and a max per value in the values' own width (as
+        # many lanes per vector as the bits allow: no widening); any other cut is read
+        # again. (A cut holds a position.)
         low0, low1, low2 = s0[0], s1[0], s2[0]
         top0, top1, top2 = low0, low1, low2
         for q in range(1, cut_end - cut_start):
@@ -349,9 +352,9 @@ def _sample_cuts(
 
 
 def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """The mask in a dtype the loop compares as numpy does: float32/64, integers and booleans as they
-    are; any other dtype (float16, long double) as run numbers, equal exactly where numpy's ``!=`` says
-    no change from the previous position."""
+    """The mask in a dtype the loop compares as numpy does: float32/64, integers and booleans as
+    they are; any other dtype (float16, long double) as run numbers, equal exactly where numpy's
+    ``!=`` says no change from the previous position."""
     if mask.dtype.kind in "biu" or mask.dtype in (np.float32, np.float64):
         return mask
     runs = np.zeros(len(mask), dtype=np.int64)
@@ -474,7 +477,8 @@ def token_spans(
 
 
 class SpanRows(NamedTuple):
-    """The span table :func:`span_rows` writes: per row, then per sample (see ``spans.SpanTable``)."""
+    """The span table :func:`span_rows` writes: per row, then per sample (see
+    ``spans.SpanTable``)."""
 
     sample: IntArray
     lo: IntArray
@@ -540,13 +544,14 @@ def _span_rows(
         if not kept[c]:
             continue
         a = lo[c]
-        while s + 1 < n_samples and pos_off[s + 1] <= a:  # the sample holding the cut (cuts come in order)
+        # the sample holding the cut (cuts come in order)
+        while s + 1 < n_samples and pos_off[s + 1] <= a:
             s += 1
         width = hi[c] - a
         n_labelled = labelled[c]
         mixed = (n_labelled > 0) & (n_labelled < width)
-        # One row per cut; a mixed cut's labelled part, then its unlabelled part (spans.PART_*: 0 whole,
-        # 1 labelled, 2 unlabelled; spans imports this module, not the reverse).
+        # One row per cut; a mixed cut's labelled part, then its unlabelled part (spans.PART_*: 0
+        # whole, 1 labelled, 2 unlabelled; spans imports this module, not the reverse).
         for half in range(2 if mixed else 1):
             if mixed and half == 0:
                 part, lab, count, alive = 1, label[c], n_labelled, live_labelled[c]
@@ -584,9 +589,10 @@ def _span_rows(
 
 
 class CutFlags(NamedTuple):
-    """Per cut, what :func:`span_rows` reads besides its range and label: whether it is ``kept`` (its sample
-    is valid) and ``sampled`` (mask 1), whether its labelled and unlabelled positions carry a loss weight
-    (``live_labelled``, ``live_unlabelled``), and whether it is a ``side`` cut (a weight on an unsampled cut)."""
+    """Per cut, what :func:`span_rows` reads besides its range and label: whether it is ``kept``
+    (its sample is valid) and ``sampled`` (mask 1), whether its labelled and unlabelled positions
+    carry a loss weight (``live_labelled``, ``live_unlabelled``), and whether it is a ``side`` cut
+    (a weight on an unsampled cut)."""
 
     kept: BoolArray
     sampled: BoolArray
@@ -605,15 +611,16 @@ def span_rows(
     dispatch: IntArray,
     no_version: tuple[int, int],
 ) -> SpanRows:
-    """The rows of a span table from the cuts that tile the positions (``lo``/``hi``, in order), in one
-    pass: one row per ``kept`` cut, two per mixed cut (``0 < labelled < hi - lo``: its labelled part,
-    then its unlabelled part, label -1), each row's sample (by ``pos_off``), version (the label, or the
-    sample's ``dispatch`` version), sampled positions (where the cut is ``sampled``), liveness
-    (``live_labelled`` for a whole cut or a labelled part, ``live_unlabelled`` for an unlabelled part);
-    and per sample the row offsets and the reductions ``spans.SpanTable`` keeps (``side``: a weight on
-    an unsampled cut; ``no_version``: the low and high "no version" values).
+    """The rows of a span table from the cuts that tile the positions (``lo``/``hi``, in order), in
+    one pass: one row per ``kept`` cut, two per mixed cut (``0 < labelled < hi - lo``: its labelled
+    part, then its unlabelled part, label -1), each row's sample (by ``pos_off``), version (the
+    label, or the sample's ``dispatch`` version), sampled positions (where the cut is ``sampled``),
+    liveness (``live_labelled`` for a whole cut or a labelled part, ``live_unlabelled`` for an
+    unlabelled part); and per sample the row offsets and the reductions ``spans.SpanTable`` keeps
+    (``side``: a weight on an unsampled cut; ``no_version``: the low and high "no version" values).
 
-    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on a kept cut outside the positions.
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on a kept
+    cut outside the positions.
     """
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)

@@ -74,7 +74,8 @@ class Judgement:
         return len(self.sample_rollout)
 
     def trainable_after(self, mask_below: IntArray) -> BoolArray:
-        """Whether each sample still has something to train once positions below ``mask_below`` go."""
+        """Whether each sample still has something to train once positions
+        below ``mask_below`` go."""
         alive = self.live & (self.version >= mask_below[self.span_sample])
         return self.unmaskable | segment_any(alive, self.span_offsets)
 

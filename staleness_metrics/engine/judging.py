@@ -1,8 +1,8 @@
 """Judging queued rollouts (SPEC 5): the slice a policy sees, and its decision written back.
 
-:func:`judgement_of` reads the queue's rows into a :class:`~.decision.Judgement`; the policy decides; and
-:func:`apply_decision` raises masking thresholds (zeroing newly stale positions in place, :func:`mask_positions`)
-and drops samples and rollouts, counting them in the open window.
+:func:`judgement_of` reads the queue's rows into a :class:`~.decision.Judgement`; the policy
+decides; and :func:`apply_decision` raises masking thresholds (zeroing newly stale positions in
+place, :func:`mask_positions`) and drops samples and rollouts, counting them in the open window.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
     cut = slice_rows(rows, r.sample_lo, r.sample_hi, s.span_lo, s.span_hi)
     sample_rows, span_rows = cut.sample_rows, cut.span_rows
     group = r.group[rows]
-    judgement = object.__new__(Judgement)  # (every field given: the frozen __init__'s setattr per field skipped)
+    # (every field given: the frozen __init__'s setattr per field skipped)
+    judgement = object.__new__(Judgement)
     judgement.__dict__.update(
         step=step, rows=rows, frozen=r.frozen[rows], env=r.env[rows], dispatch=r.dispatch[rows],
         completion=r.completion[rows], group=group, group_agentic=queue.group_agentic[group],
@@ -61,12 +62,14 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
 
 
 def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntArray, step: int) -> Judgement:
-    """:func:`judgement_of` ``rows`` at ``step``, from ``judgement`` when that judged the very same rows at the
-    same step: only what applying a decision changes since (thresholds and dropped samples) is read again."""
+    """:func:`judgement_of` ``rows`` at ``step``, from ``judgement`` when that judged the very same
+    rows at the same step: only what applying a decision changes since (thresholds and dropped
+    samples) is read again."""
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
     s = queue.samples
-    again = object.__new__(Judgement)  # (a frozen dataclass: a copy, its two fields set as its __init__ would)
+    # (a frozen dataclass: a copy, its two fields set as its __init__ would)
+    again = object.__new__(Judgement)
     again.__dict__.update(judgement.__dict__)
     again.__dict__["mask_below"] = s.mask_below[judgement.sample_rows]
     again.__dict__["dropped"] = s.dropped[judgement.sample_rows]
@@ -74,19 +77,21 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
 
 
 def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgement, decision: Decision) -> None:
-    """Write ``decision`` into the queue: raised thresholds masked in place, drops counted in ``window`` (rollouts
-    dropped leave the queue)."""
+    """Write ``decision`` into the queue: raised thresholds masked in place, drops counted in
+    ``window`` (rollouts dropped leave the queue)."""
     samples = queue.samples
     rows, sample_rows = judgement.rows, judgement.sample_rows
     mask_below = np.maximum(judgement.mask_below, decision.mask_below)
     raised = decision.mask_below > judgement.mask_below
-    # A sampled span's version is at least its sample's ``seq_min_version``: when no raised sample's is below its
-    # new threshold, no position becomes stale (the usual sweep of a run within its bound: nothing to look for).
+    # A sampled span's version is at least its sample's ``seq_min_version``: when no raised sample's
+    # is below its new threshold, no position becomes stale (the usual sweep of a run within its
+    # bound: nothing to look for).
     if raised.any() and (raised & (judgement.seq_min_version < mask_below)).any():
         mask_positions(queue, judgement, mask_below, raised)
     samples.mask_below[sample_rows] = mask_below
 
-    if not (decision.drop_sample.any() or decision.drop_rollout.any()):  # (nothing dropped: the usual case)
+    # (nothing dropped: the usual case)
+    if not (decision.drop_sample.any() or decision.drop_rollout.any()):
         return
     drop_rollout = decision.drop_rollout & ~judgement.frozen
     drop_sample = (decision.drop_sample | drop_rollout[judgement.sample_rollout]) & ~judgement.dropped
@@ -109,12 +114,15 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
 
 
 def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
-    """Zero newly stale sampled positions in mask and the three weight arrays, in place: the rows to write
-    found by one compiled pass over the judged span rows (:func:`stale_rows`)."""
+    """Zero newly stale sampled positions in mask and the three weight arrays, in place: the rows to
+    write found by one compiled pass over the judged span rows (:func:`stale_rows`)."""
     s, spans = queue.samples, queue.spans
     samples = SampleSpans(s.span_lo[judgement.sample_rows], s.span_hi[judgement.sample_rows],
                           judgement.sample_rollout)  # fmt: skip
-    table, thresholds = SpanRanges(spans.part, spans.lo, spans.hi), (judgement.mask_below, mask_below, raised)
+    table, thresholds = (
+        SpanRanges(spans.part, spans.lo, spans.hi),
+        (judgement.mask_below, mask_below, raised),
+    )
     chunk = queue.rollouts.chunk[judgement.rows]
     found = stale_rows(samples, table, judgement.version, judgement.sampled, thresholds, chunk)
     if len(found.lo):
@@ -185,18 +193,20 @@ def _slice_rows(
 def slice_rows(
     rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
 ) -> SliceRows:
-    """For the rollouts at ``rows`` (rows of a table whose samples are ``sample_lo[row]:sample_hi[row]``, each
-    with spans ``span_lo[k]:span_hi[k]``): their sample rows in order, offsets per rollout and each sample's
-    rollout; then the same for the samples' span rows. One pass instead of a range expansion, two offset
-    sums and two repeats per level.
+    """For the rollouts at ``rows`` (rows of a table whose samples are
+    ``sample_lo[row]:sample_hi[row]``, each with spans ``span_lo[k]:span_hi[k]``): their sample rows
+    in order, offsets per rollout and each sample's rollout; then the same for the samples' span
+    rows. One pass instead of a range expansion, two offset sums and two repeats per level.
 
-    Raises ``ValueError`` on lo and hi of different lengths, ``IndexError`` on a row or range outside the table.
+    Raises ``ValueError`` on lo and hi of different lengths, ``IndexError`` on a row or
+    range outside the table.
     """
     return SliceRows(*_slice_rows(rows, sample_lo, sample_hi, span_lo, span_hi))
 
 
 class StaleRows(NamedTuple):
-    """The span rows a decision newly masks, as :func:`stale_rows` finds them (what ``zero_spans`` writes)."""
+    """The span rows a decision newly masks, as :func:`stale_rows` finds them (what
+    ``zero_spans`` writes)."""
 
     chunk: IntArray
     lo: IntArray
@@ -244,8 +254,8 @@ def _stale_rows(
             hit[i] = raised[k] & stale[i] & (version[i] >= old_below[k]) & (sampled[i] > 0)
             row_of[i] = r
             i += 1
-    # The two parts of a mixed span are adjacent rows (spans.PART_*: 1 labelled, then 2 unlabelled): when
-    # both are stale now the whole range goes, written once by the labelled part's row.
+    # The two parts of a mixed span are adjacent rows (spans.PART_*: 1 labelled, then 2 unlabelled):
+    # when both are stale now the whole range goes, written once by the labelled part's row.
     count = 0
     for i in range(n):
         p = part[row_of[i]]
@@ -284,13 +294,15 @@ def stale_rows(
     thresholds: tuple[IntArray, IntArray, BoolArray],
     rollout_chunk: IntArray,
 ) -> StaleRows:
-    """The span rows a decision newly masks, in one pass over the judged ``samples``' rows of the span ``table``
-    (``version`` and ``sampled`` per row in that order): rows with sampled positions of a raised sample whose
-    version is at or above the sample's old threshold and below its new one (``thresholds``: old, new, raised,
-    per sample). Each with its chunk (by its sample's rollout), range, part (0, the whole range, when both parts
-    of a mixed span are stale: then only the labelled part's row is given) and its sampled positions.
+    """The span rows a decision newly masks, in one pass over the judged ``samples``' rows of the
+    span ``table`` (``version`` and ``sampled`` per row in that order): rows with sampled positions
+    of a raised sample whose version is at or above the sample's old threshold and below its new one
+    (``thresholds``: old, new, raised, per sample). Each with its chunk (by its sample's rollout),
+    range, part (0, the whole range, when both parts of a mixed span are stale: then only the
+    labelled part's row is given) and its sampled positions.
 
-    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts outside them.
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows
+    or rollouts outside them.
     """
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     old_below, new_below, raised = thresholds

@@ -1,10 +1,10 @@
 """Writing a decision into the position arrays: newly stale sampled positions become 0, in place.
 
-The policy decides per sample a threshold (positions with a version below it are masked); this module
-turns the spans that crossed it into writes. Whole spans are range fills. A mixed span of a
+The policy decides per sample a threshold (positions with a version below it are masked); this
+module turns the spans that crossed it into writes. Whole spans are range fills. A mixed span of a
 token-labelled sample (its scattered ``-1`` positions take the dispatch version) whose labelled and
-unlabelled parts fall on different sides of the threshold has the positions of one part written.
-One compiled pass over the masked spans of a batch does both.
+unlabelled parts fall on different sides of the threshold has the positions of one part written. One
+compiled pass over the masked spans of a batch does both.
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 def position_arrays(batch: RolloutBatch) -> list[npt.NDArray[Any]]:
     """The mask followed by the weight arrays of a batch (those it has)."""
-    return [batch.mask, *(getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None)]
+    return [
+        batch.mask,
+        *(getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None),
+    ]
 
 
 def mask_spans(
@@ -42,15 +45,19 @@ def mask_spans(
     count: IntArray,
 ) -> None:
     """Zero the positions of the given span rows of the sink's batches (``chunks``, indexed by
-    ``chunk``): every position of ``[lo, hi)`` where ``part`` is ``PART_WHOLE``, else only the positions
-    of the row's part (labelled or unlabelled), ``count`` positions."""
+    ``chunk``): every position of ``[lo, hi)`` where ``part`` is ``PART_WHOLE``, else only the
+    positions of the row's part (labelled or unlabelled), ``count`` positions."""
     for c in np.unique(chunk).tolist():
         rows = np.flatnonzero(chunk == c)
         _zero_in(chunks[c], lo[rows], hi[rows], part[rows], count[rows])
 
 
 def _zero_in(
-    batch: RolloutBatch | None, lo: IntArray, hi: IntArray, part: npt.NDArray[np.int8], count: IntArray
+    batch: RolloutBatch | None,
+    lo: IntArray,
+    hi: IntArray,
+    part: npt.NDArray[np.int8],
+    count: IntArray,
 ) -> None:
     assert batch is not None
     zero_spans(position_arrays(batch), batch.token_versions, lo, hi, part, count)
@@ -76,7 +83,8 @@ def _zero_spans(
     rows = len(lo)
     if len(hi) != rows or len(part) != rows or len(count) != rows:
         raise ValueError("zero_spans: lo, hi, part and count differ in length")
-    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*; spans imports this module, not the reverse)
+    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*; spans imports this
+    # module, not the reverse)
     for r in range(rows):
         a = lo[r]
         b = hi[r]
@@ -84,8 +92,8 @@ def _zero_spans(
             continue
         if a < 0 or b > n or (part[r] != 0 and b > len(tokens)):
             raise IndexError("zero_spans: a span lies outside the arrays")
-        # Loops over slices: in bounds by the check above, with no negative-index fix-up per position,
-        # so LLVM makes each a memset or a vector select.
+        # Loops over slices: in bounds by the check above, with no negative-index fix-up per
+        # position, so LLVM makes each a memset or a vector select.
         s0, s1, s2, s3 = b0[a:b], b1[a:b], b2[a:b], b3[a:b]
         if part[r] == 0:
             for i in range(b - a):
@@ -140,8 +148,8 @@ def zero_spans(
         _zero_spans(*views, labels, lo, hi, part, count, zeros)
         return
     written = (hi - lo).cumsum()
-    # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the shares
-    # never write the same position.
+    # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the
+    # shares never write the same position.
     edges = np.searchsorted(written, np.linspace(0, total, num=SHARES + 1)[1:-1], "left").tolist()
     bounds = [0, *edges, len(lo)]
     tasks = [

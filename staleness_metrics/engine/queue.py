@@ -1,10 +1,11 @@
 """The queue of a sink (SPEC 4): the rollouts waiting to ship and what the engine keeps of them.
 
-Three growable tables (:mod:`.rows`: rollouts, samples, spans) hold one row per queued rollout, sample and span;
-the batches the rollouts arrived in are kept whole (their positions are masked in place) until no queued rollout
-needs them. The queue registers ids, groups and envs as rollouts enter, stages small adds to cut them together
-(:mod:`.staging`), lets rows leave (shipped, dropped, set aside), forgets them in bulk (:meth:`RolloutQueue.compact`)
-and takes back a saved state (:mod:`.queue_state` saves and reads it).
+Three growable tables (:mod:`.rows`: rollouts, samples, spans) hold one row per queued rollout,
+sample and span; the batches the rollouts arrived in are kept whole (their positions are masked in
+place) until no queued rollout needs them. The queue registers ids, groups and envs as rollouts
+enter, stages small adds to cut them together (:mod:`.staging`), lets rows leave (shipped, dropped,
+set aside), forgets them in bulk (:meth:`RolloutQueue.compact`) and takes back a saved state
+(:mod:`.queue_state` saves and reads it).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ NEVER = -1  # the step of a rollout not judged yet
 
 
 class RolloutQueue:
-    """The rows of the queued rollouts (and of those resolved since the last :meth:`compact`), their batches,
-    and the ids, groups and envs of the run. ``observe_added`` is told the groups of every rollout whose rows
-    are built (the policy's hook)."""
+    """The rows of the queued rollouts (and of those resolved since the last :meth:`compact`), their
+    batches, and the ids, groups and envs of the run. ``observe_added`` is told the groups of every
+    rollout whose rows are built (the policy's hook)."""
 
     def __init__(self, observe_added: Callable[[IntArray], None]) -> None:
         self.rollouts = RolloutRows()
@@ -50,7 +51,8 @@ class RolloutQueue:
         self.chunk_open: list[int] = []  # rollouts of each chunk still queued
         self.closing: list[int] = []  # chunks whose last rollout left: released at the next ship
         self.groups: dict[str, int] = {}
-        self.group_agentic = np.zeros(16, dtype=bool)  # per group: a member that ever entered was agentic
+        # per group: a member that ever entered was agentic
+        self.group_agentic = np.zeros(16, dtype=bool)
         self.n_groups = 0
         self.env_index: dict[str | None, int] = {None: 0}
         self.env_names: dict[int, str] = {0: ""}
@@ -58,13 +60,15 @@ class RolloutQueue:
         # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
         # + dropped + still queued.
         self._tokens_entered = 0
-        # Small batches queued (ids, groups, envs and chunks registered) whose table rows are not built yet.
+        # Small batches queued (ids, groups, envs and chunks registered) whose
+        # table rows are not built yet.
         self._staged: list[Staged] = []
         self._staged_rollouts = 0
         self._staged_positions = 0
         self._observe_added = observe_added
-        # No row before this one is queued (rows enter at the end and never return to the queue): where
-        # :meth:`queued_rows` starts to look, so a ship reads the rows added since, not the table.
+        # No row before this one is queued (rows enter at the end and never return to the
+        # queue): where :meth:`queued_rows` starts to look, so a ship reads the rows
+        # added since, not the table.
         self._first_queued = 0
 
     @property
@@ -74,7 +78,8 @@ class RolloutQueue:
 
     @property
     def tokens_entered(self) -> int:
-        """Sampled positions of live rollouts accepted so far (set aside at ship: taken back out)."""
+        """Sampled positions of live rollouts accepted so far (set aside at
+        ship: taken back out)."""
         self.build_staged()
         return self._tokens_entered
 
@@ -91,7 +96,8 @@ class RolloutQueue:
         return self.env_index[name]
 
     def rows_named(self, ids: Iterable[str]) -> IntArray:
-        """The queued rows of the rollouts ``ids`` names (ids that name nothing queued are left out), ascending."""
+        """The queued rows of the rollouts ``ids`` names (ids that name nothing queued are
+        left out), ascending."""
         self.build_staged()
         row_of = self.row_of
         rows: IntArray = np.unique(np.array([row_of[i] for i in ids if i in row_of], dtype=np.int64))
@@ -119,8 +125,8 @@ class RolloutQueue:
         return first
 
     def _groups_of(self, batch: RolloutBatch, rollouts: list[int] | None) -> list[int]:
-        """Group index of each rollout (None: every rollout of the batch), registering new groups (one of
-        its own without group_id)."""
+        """Group index of each rollout (None: every rollout of the batch), registering new groups
+        (one of its own without group_id)."""
         assert batch.group_ids is not None and batch.agentic is not None
         names = batch.group_ids if rollouts is None else list(map(batch.group_ids.__getitem__, rollouts))
         if names.count(None) == len(names):  # singletons: one new group each, no lookups
@@ -141,9 +147,9 @@ class RolloutQueue:
         return groups
 
     def admit(self, batch: RolloutBatch, kept_ids: list[int] | None = None) -> tuple[int, list[int], list[int]]:
-        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all of them) by id, group and env (their table
-        rows come after); returns the batch's chunk and the rollouts' groups and envs (lists: a single-rollout add
-        builds no array)."""
+        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all of them) by id, group and env
+        (their table rows come after); returns the batch's chunk and the rollouts' groups and envs
+        (lists: a single-rollout add builds no array)."""
         assert batch.envs is not None and batch.group_ids is not None and batch.agentic is not None
         if kept_ids is not None and len(kept_ids) == len(batch.ids):
             kept_ids = None
@@ -155,12 +161,14 @@ class RolloutQueue:
         env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))
         count = len(ids)
         self.chunk_open.append(count)
-        if count == 1 and kept_ids is None and batch.group_ids[0] is None and not batch.agentic[0]:  # (a single add)
+        # (a single add)
+        if count == 1 and kept_ids is None and batch.group_ids[0] is None and not batch.agentic[0]:
             groups = [self._new_groups(1)]
         else:
             groups = self._groups_of(batch, kept_ids)
         env = self.env_index.get(env_names[0])
-        if env is not None and env_names.count(env_names[0]) == count:  # (one known env: no lookup per rollout)
+        # (one known env: no lookup per rollout)
+        if env is not None and env_names.count(env_names[0]) == count:
             envs = [env] * count
         else:
             envs = list(map(self.env, env_names))
@@ -171,7 +179,8 @@ class RolloutQueue:
         return chunk, groups, envs
 
     def add_checked(self, batch: RolloutBatch, spans: SpanTable, kept_ids: list[int] | None = None) -> None:
-        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all), already checked and cut into ``spans``."""
+        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all), already checked
+        and cut into ``spans``."""
         self.build_staged()  # (rows are built in the order rollouts entered)
         chunk, groups, envs = self.admit(batch, kept_ids)
         keep = None if kept_ids is None else np.array(kept_ids, dtype=np.int64)
@@ -180,9 +189,10 @@ class RolloutQueue:
         self.append_rows(batch, spans, keep, (np.full(count, chunk), index, np.array(groups), np.array(envs)))
 
     def stage(self, batch: RolloutBatch) -> int | None:
-        """Queue a batch :func:`~staleness_metrics.records.validation.plainly_valid` passed (its positions not yet
-        read) once its positions are plain too: how many rollouts it queued, or None (nothing queued) when they are
-        not, and the exact checks are to say why. Its table rows are built by :meth:`build_staged`."""
+        """Queue a batch :func:`~staleness_metrics.records.validation.plainly_valid` passed (its
+        positions not yet read) once its positions are plain too: how many rollouts it queued, or
+        None (nothing queued) when they are not, and the exact checks are to say why. Its table rows
+        are built by :meth:`build_staged`."""
         if not plain_values_of(batch):
             return None
         n_rollouts, n_positions = batch.n_rollouts, batch.n_positions
@@ -195,8 +205,9 @@ class RolloutQueue:
         return n_rollouts
 
     def build_staged(self) -> None:
-        """Cut the staged batches into spans and append their rows, in the order they were added: each run of
-        batches whose arrays agree in one pass over their concatenation (:func:`~.staging.joined`)."""
+        """Cut the staged batches into spans and append their rows, in the order they were added:
+        each run of batches whose arrays agree in one pass over their concatenation
+        (:func:`~.staging.joined`)."""
         if not self._staged:
             return
         staged, self._staged = self._staged, []
@@ -206,7 +217,12 @@ class RolloutQueue:
             if len(run) == 1:  # (one batch: its own arrays, nothing to join or shift)
                 only = run[0]
                 batch, count = only.batch, only.batch.n_rollouts
-                rows = (np.full(count, only.chunk), np.arange(count), np.array(only.groups), np.array(only.envs))
+                rows = (
+                    np.full(count, only.chunk),
+                    np.arange(count),
+                    np.array(only.groups),
+                    np.array(only.envs),
+                )
                 base: IntArray | None = None
             else:
                 count = sum(item.batch.n_rollouts for item in run)
@@ -215,7 +231,8 @@ class RolloutQueue:
                 rows = (found.chunk, found.number, found.groups, found.envs)
             verdicts = Verdicts(batch)
             spans = build_spans(batch, verdicts)
-            assert not verdicts.errors, "a plainly valid batch was refused"  # plainly_valid may only err towards no
+            # plainly_valid may only err towards no
+            assert not verdicts.errors, "a plainly valid batch was refused"
             self.append_rows(batch, spans, None, rows, base)
             first += count
 
@@ -227,14 +244,21 @@ class RolloutQueue:
         rows: tuple[IntArray, IntArray, IntArray, IntArray],
         position_base: IntArray | None = None,
     ) -> None:
-        """The table rows of rollouts ``keep`` of ``batch`` (None: all of them), cut into ``spans``. ``rows``: per
-        rollout its chunk, its index there, its group and env; ``position_base`` (per rollout): where its chunk
-        starts in ``batch``'s positions (spans are moved back to their own batch's)."""
+        """The table rows of rollouts ``keep`` of ``batch`` (None: all of them), cut into
+        ``spans``. ``rows``: per rollout its chunk, its index there, its group and env;
+        ``position_base`` (per rollout): where its chunk starts in ``batch``'s positions (spans are
+        moved back to their own batch's)."""
         chunk, index, groups, envs = rows
         offsets, span_offsets = batch.sample_offsets, spans.span_offsets
         every: Any = slice(None)
         if keep is None:  # (the batch's own arrays as they are: no selection to build)
-            n, sample_lo, sample_hi, samples, kept_spans = batch.n_rollouts, offsets[:-1], offsets[1:], every, every
+            n, sample_lo, sample_hi, samples, kept_spans = (
+                batch.n_rollouts,
+                offsets[:-1],
+                offsets[1:],
+                every,
+                every,
+            )
             new_span_offsets, span_sample = span_offsets, spans.sample
         else:
             n, sample_lo, sample_hi = len(keep), offsets[keep], offsets[keep + 1]
@@ -304,20 +328,22 @@ class RolloutQueue:
         low = int(chunks.min())
         counts = np.bincount(chunks - low)
         chunk_open = self.chunk_open
-        for offset in np.flatnonzero(counts).tolist():  # (one chunk per add: a few dozen at most per ship, usually)
+        # (one chunk per add: a few dozen at most per ship, usually)
+        for offset in np.flatnonzero(counts).tolist():
             chunk = low + offset
             chunk_open[chunk] -= int(counts[offset])
             if not chunk_open[chunk]:
                 self.closing.append(chunk)
 
     def set_aside(self, rows: IntArray) -> None:
-        """Queued ``rows`` leave as invalid (lenient mode): their positions never entered after all."""
+        """Queued ``rows`` leave as invalid (lenient mode): their positions
+        never entered after all."""
         self._tokens_entered -= self.queued_tokens(rows)
         self.leave(rows, INVALID)
 
     def release_chunks(self) -> None:
-        """Let go of the batches no queued rollout needs: only those that closed since the last ship, so a
-        ship costs nothing per batch ever added."""
+        """Let go of the batches no queued rollout needs: only those that closed since the last
+        ship, so a ship costs nothing per batch ever added."""
         for chunk in self.closing:
             self.chunks[chunk] = None
         self.closing = []
@@ -329,9 +355,11 @@ class RolloutQueue:
         self._first_queued = 0  # (renumbered)
         self.closing = []  # chunks closing now have no queued rollout: they are not kept
 
-    def compacted(self) -> tuple[RolloutRows, SampleRows, SpanRows, list[RolloutBatch | None], list[int], list[str]]:
-        """The tables, chunks, open counts and ids of the queued rollouts only, renumbered: new objects (the
-        sink is not changed, so a checkpoint may take them at any moment)."""
+    def compacted(
+        self,
+    ) -> tuple[RolloutRows, SampleRows, SpanRows, list[RolloutBatch | None], list[int], list[str]]:
+        """The tables, chunks, open counts and ids of the queued rollouts only, renumbered: new
+        objects (the sink is not changed, so a checkpoint may take them at any moment)."""
         self.build_staged()
         r, s = self.rollouts, self.samples
         keep = np.flatnonzero(r.status == QUEUED)
@@ -358,8 +386,8 @@ class RolloutQueue:
 
     # ------------------------------------------------------------------ checkpoint
     def restore(self, observe_added: Callable[[IntArray], None] | None = None, **fields: Any) -> None:
-        """Take a checked saved state's fields (:mod:`.queue_state`): tables, ids, chunks, groups, envs, counts; and
-        the policy's hook, once the state is loaded."""
+        """Take a checked saved state's fields (:mod:`.queue_state`): tables, ids, chunks, groups,
+        envs, counts; and the policy's hook, once the state is loaded."""
         unknown = set(fields) - set(vars(self)) - {"tokens_entered"}
         assert not unknown, f"not fields of the queue: {sorted(unknown)}"
         self._tokens_entered = fields.pop("tokens_entered", self._tokens_entered)

@@ -1,6 +1,7 @@
-"""Checkpoints of formats 1 and 2 (SPEC 13), whose queue was its tables and batches: read back checked (structure,
-dtypes, ranges, and that ids, rows, chunks and counts agree, so no write can stray) into a queue, which a sink of
-today saves as the rollouts it holds (:mod:`.queue_state`, format 3). The converter from the old format."""
+"""Checkpoints of formats 1 and 2 (SPEC 13), whose queue was its tables and batches: read back
+checked (structure, dtypes, ranges, and that ids, rows, chunks and counts agree, so no write can
+stray) into a queue, which a sink of today saves as the rollouts it holds (:mod:`.queue_state`,
+format 3). The converter from the old format."""
 
 from __future__ import annotations
 
@@ -33,12 +34,15 @@ def _per_row(values: Sequence[Any], rows: npt.NDArray[np.int64]) -> list[Any]:
 
 
 def read_layout(
-    state: Mapping[str, Any], observe_added: Callable[[npt.NDArray[np.int64]], None], path: str = "", step: int = 0
+    state: Mapping[str, Any],
+    observe_added: Callable[[npt.NDArray[np.int64]], None],
+    path: str = "",
+    step: int = 0,
 ) -> RolloutQueue:
-    """A new queue holding an old checkpoint's ``state`` (the :data:`LAYOUT_KEYS` of it), checked: structure,
-    dtypes, ranges, and that ids, rows, chunks and counts agree, so no later write can stray. ``step`` is the
-    latest step of the sink that saved it (no row was judged after it); ``observe_added``: the policy's hook. A bad
-    state raises ``ConfigError`` naming the key path."""
+    """A new queue holding an old checkpoint's ``state`` (the :data:`LAYOUT_KEYS` of it), checked:
+    structure, dtypes, ranges, and that ids, rows, chunks and counts agree, so no later write can
+    stray. ``step`` is the latest step of the sink that saved it (no row was judged after it);
+    ``observe_added``: the policy's hook. A bad state raises ``ConfigError`` naming the key path."""
     queue = RolloutQueue(observe_added)
     tables = keys(state["tables"], join(path, "tables"), ("rollouts", "samples", "spans"))
     r = decode_table(tables["rollouts"], queue.rollouts, join(path, "tables.rollouts"))
@@ -53,7 +57,10 @@ def read_layout(
         fail(join(path, "queued"), f"{queued}, but the checkpoint holds {rows} queued rollouts")
     registry = read_registry(state, path)
     if not registry.seen_ids.issuperset(ids):
-        fail(join(path, "seen_ids"), f"lacks the queued id {next(i for i in ids if i not in registry.seen_ids)!r}")
+        fail(
+            join(path, "seen_ids"),
+            f"lacks the queued id {next(i for i in ids if i not in registry.seen_ids)!r}",
+        )
 
     where = join(path, "chunks")
     chunks = [decode_batch(c, join(where, i)) for i, c in enumerate(sequence(state["chunks"], where))]
@@ -78,8 +85,8 @@ def _rows_agree(
     registry: Registry,
     at: tuple[str, int],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
-    """Rollout rows: queued, each one rollout of a chunk, agreeing with what that chunk says of it; returns each
-    sample's positions in its chunk and whether that chunk has token versions."""
+    """Rollout rows: queued, each one rollout of a chunk, agreeing with what that chunk says of it;
+    returns each sample's positions in its chunk and whether that chunk has token versions."""
     (r, s), (chunks, chunk_open), (path, step) = tables, batches, at
     rows, where_r, where_s = len(r), join(path, "tables.rollouts"), join(path, "tables.samples")
     groups, n_groups, envs = registry.groups, registry.n_groups, registry.envs
@@ -113,7 +120,8 @@ def _rows_agree(
     position_hi = np.zeros(len(s), dtype=np.int64)
     has_tokens = np.zeros(len(s), dtype=bool)
     seen_pairs: set[tuple[int, int]] = set()
-    # Rows and samples grouped by chunk once (stable: in row order), not one scan of all rows per chunk.
+    # Rows and samples grouped by chunk once (stable: in row order), not one
+    # scan of all rows per chunk.
     row_order = np.argsort(chunk, kind="stable")
     row_bounds = np.searchsorted(chunk[row_order], np.arange(len(chunks) + 1))
     sample_chunk = chunk[sample_owner]
@@ -144,7 +152,10 @@ def _rows_agree(
             if theirs != ours:
                 row = int(mine[next(i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b)])
                 key = "ids" if name == "id" else f"tables.rollouts.{name}"
-                fail(join(path, key), f"row {row} disagrees with rollout {int(index[row])} of chunk {c}")
+                fail(
+                    join(path, key),
+                    f"row {row} disagrees with rollout {int(index[row])} of chunk {c}",
+                )
         for row, name in zip(mine.tolist(), _per_row(batch.group_ids, k)):
             if name is not None and groups.get(name) != int(r.group[row]):
                 fail(join(where_r, "group"), f"row {row} is not in the group of {name!r}")
@@ -170,7 +181,8 @@ def _spans_agree(
     path: str,
     step: int,
 ) -> None:
-    """Samples and spans: spans tile each sample's rows and stay inside its positions in the batch."""
+    """Samples and spans: spans tile each sample's rows and stay inside its
+    positions in the batch."""
     (s, n), (position_lo, position_hi, has_tokens) = tables, positions
     where_s, where_n = join(path, "tables.samples"), join(path, "tables.spans")
     check_offsets(np.concatenate((s.span_lo[:1], s.span_hi)) if len(s) else np.zeros(1, dtype=np.int64),
@@ -195,6 +207,9 @@ def _spans_agree(
         fail(join(where_n, "part"), "values are 0 (whole), 1 (labelled) and 2 (unlabelled)")
     first, second = np.flatnonzero(part == PART_LABELLED), np.flatnonzero(part == PART_UNLABELLED)
     if not np.array_equal(first + 1, second) or not np.array_equal(span_owner[first], span_owner[second[: len(first)]]):
-        fail(join(where_n, "part"), "a labelled part is followed by its unlabelled part, in the same sample")
+        fail(
+            join(where_n, "part"),
+            "a labelled part is followed by its unlabelled part, in the same sample",
+        )
     if ((part != PART_WHOLE) & ~has_tokens[span_owner]).any():
         fail(join(where_n, "part"), "a mixed span in a batch without token versions")

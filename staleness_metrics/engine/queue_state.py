@@ -1,16 +1,17 @@
 """The queue in a checkpoint (SPEC 13): what it means, not how it is laid out.
 
-A saved queue is the queued rollouts as they arrived, in SPEC 3's columns (a batch per batch they came in, only
-their queued rollouts: :func:`~.batch_state.encode_batch`), what judging did to them (the step each was last
-judged at, each sample's masking threshold and whether it was dropped), and the run's registry (every id seen,
-the groups and whether each is agentic, the envs) and conservation count. Loading adds the rollouts back through
-the sink's own add path (:func:`~.spans.checked_spans`, :meth:`~.queue.RolloutQueue.add_checked`: every check
-of an add runs on them), masks again what the thresholds masked, and sets the judging state: a column the queue
+A saved queue is the queued rollouts as they arrived, in SPEC 3's columns (a batch per batch they
+came in, only their queued rollouts: :func:`~.batch_state.encode_batch`), what judging did to them
+(the step each was last judged at, each sample's masking threshold and whether it was dropped), and
+the run's registry (every id seen, the groups and whether each is agentic, the envs) and
+conservation count. Loading adds the rollouts back through the sink's own add path
+(:func:`~.spans.checked_spans`, :meth:`~.queue.RolloutQueue.add_checked`: every check of an add runs
+on them), masks again what the thresholds masked, and sets the judging state: a column the queue
 adds to its tables is computed there, not saved, so it is not a change of format.
 
-The positions masked in place are set back to 1 in the saved mask (a span with sampled positions had mask 1 all
-along); their weights stay 0, which only the ``token`` policy reads (``had_train``, a span's ``live``) and only
-for positions below the threshold, which never train again.
+The positions masked in place are set back to 1 in the saved mask (a span with sampled positions had
+mask 1 all along); their weights stay 0, which only the ``token`` policy reads (``had_train``, a
+span's ``live``) and only for positions below the threshold, which never train again.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ class Registry(NamedTuple):
 
 
 def read_registry(state: Mapping[str, Any], path: str) -> Registry:
-    """The ``seen_ids``, ``groups``, ``group_agentic`` (and, in the old format, ``n_groups``) and ``envs`` of
-    ``state``, checked."""
+    """The ``seen_ids``, ``groups``, ``group_agentic`` (and, in the old format, ``n_groups``) and
+    ``envs`` of ``state``, checked."""
     seen_ids = set(strings(state["seen_ids"], join(path, "seen_ids"), unique=True))
     where = join(path, "group_agentic")
     if "n_groups" in state:  # (formats 1 and 2)
@@ -134,12 +135,16 @@ def _ints(value: Any, path: str, length: int, low: int, high: int) -> IntArray:
 
 
 def read_queue(
-    state: Mapping[str, Any], observe_added: Callable[[IntArray], None], path: str = "", step: int = 0
+    state: Mapping[str, Any],
+    observe_added: Callable[[IntArray], None],
+    path: str = "",
+    step: int = 0,
 ) -> RolloutQueue:
-    """A new queue holding :func:`save_queue`'s ``state``, checked: every rollout as an add checks it, and the
-    judging state by range and length. ``step``: the latest step of the sink that saved it (no rollout was judged
-    after it); ``observe_added``: the policy's hook (not told of the rollouts loaded: the policy's own state says
-    what it saw). A bad state raises ``ConfigError`` naming the key path."""
+    """A new queue holding :func:`save_queue`'s ``state``, checked: every rollout as an add checks
+    it, and the judging state by range and length. ``step``: the latest step of the sink that
+    saved it (no rollout was judged after it); ``observe_added``: the policy's hook (not told of
+    the rollouts loaded: the policy's own state says what it saw). A bad state raises
+    ``ConfigError`` naming the key path."""
     found = keys(state, path, QUEUE_KEYS)
     registry = read_registry(found, path)
     queue = RolloutQueue(lambda groups: None)
@@ -152,11 +157,20 @@ def read_queue(
             fail(join(where, i), str(verdicts.errors[min(verdicts.errors)]))
         queue.add_checked(batch, spans)
     if len(queue.env_index) != len(registry.envs):
-        fail(join(path, "envs"), f"lacks the env {next(reversed(queue.env_index))!r} of a queued rollout")
+        fail(
+            join(path, "envs"),
+            f"lacks the env {next(reversed(queue.env_index))!r} of a queued rollout",
+        )
     if len(queue.groups) != len(registry.groups):
-        fail(join(path, "groups"), f"lacks the group {next(reversed(queue.groups))!r} of a queued rollout")
+        fail(
+            join(path, "groups"),
+            f"lacks the group {next(reversed(queue.groups))!r} of a queued rollout",
+        )
     if not registry.seen_ids.issuperset(queue.seen_ids):
-        fail(join(path, "seen_ids"), f"lacks the queued id {min(queue.seen_ids - registry.seen_ids)!r}")
+        fail(
+            join(path, "seen_ids"),
+            f"lacks the queued id {min(queue.seen_ids - registry.seen_ids)!r}",
+        )
     rollouts, samples = len(queue.rollouts), len(queue.samples)
     judged = _ints(found["judged"], join(path, "judged"), rollouts, NEVER, step)
     mask_below = _ints(found["mask_below"], join(path, "mask_below"), samples, NO_MASK, max(step, 0))
@@ -171,8 +185,8 @@ def read_queue(
 def _judged_as_saved(
     queue: RolloutQueue, judged: IntArray, mask_below: IntArray, dropped: npt.NDArray[np.bool_]
 ) -> None:
-    """Mask again what the thresholds masked (each sampled position below its sample's threshold, as every raise
-    did before the save), and set the judging state."""
+    """Mask again what the thresholds masked (each sampled position below its sample's threshold, as
+    every raise did before the save), and set the judging state."""
     rows = np.arange(len(queue.rollouts))
     raised = mask_below > NO_MASK
     if raised.any():

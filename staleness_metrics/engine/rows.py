@@ -1,4 +1,5 @@
-"""The queue's three tables (:class:`~.queue.RolloutQueue`): one row per rollout, sample and span it tracks."""
+"""The queue's three tables (:class:`~.queue.RolloutQueue`): one row per rollout,
+sample and span it tracks."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class SampleRows(Table):
 
 
 class SpanRows(Table):
-    """One row per span: a range of positions of one version label and one mask value in its batch."""
+    """One row per span: a range of positions of one version label and one
+    mask value in its batch."""
 
     sample = Column(np.int64)  # its sample row
     lo = Column(np.int64)  # positions in its rollout's batch

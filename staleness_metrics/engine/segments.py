@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["distinct", "expand_ranges", "segment_any", "segment_max", "segment_min", "segment_of", "segment_sum"]
+__all__ = [
+    "distinct",
+    "expand_ranges",
+    "segment_any",
+    "segment_max",
+    "segment_min",
+    "segment_of",
+    "segment_sum",
+]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -13,7 +21,8 @@ BoolArray = npt.NDArray[np.bool_]
 
 def segment_sum(values: npt.NDArray[np.generic], offsets: IntArray) -> IntArray:
     """Sum of ``values[offsets[i]:offsets[i+1]]`` for every segment (0 for empty ones)."""
-    totals = np.empty(len(values) + 1, dtype=np.int64)  # one allocation: a leading 0, then the running sum
+    # one allocation: a leading 0, then the running sum
+    totals = np.empty(len(values) + 1, dtype=np.int64)
     totals[0] = 0
     values.cumsum(dtype=np.int64, out=totals[1:])
     return totals[offsets[1:]] - totals[offsets[:-1]]

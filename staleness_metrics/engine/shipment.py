@@ -1,8 +1,9 @@
-"""What a ship hands back (SPEC 4): the :class:`Shipment` and its :class:`ShippedRollout`\ s, and their form as
-SPEC 3 records (``--batches-out``, SPEC 9).
+"""What a ship hands back (SPEC 4): the :class:`Shipment` and its :class:`ShippedRollout`\ s, and
+their form as SPEC 3 records (``--batches-out``, SPEC 9).
 
-Its own module so that everything taking a shipment (the trainer adapters, the replay) names its type without
-importing the queue that makes it; :func:`padded_shipment` is the way back to a padded batch's ``[B, L]`` arrays.
+Its own module so that everything taking a shipment (the trainer adapters, the replay) names its
+type without importing the queue that makes it; :func:`padded_shipment` is the way back to a padded
+batch's ``[B, L]`` arrays.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> di
     return out
 
 
-_ARRAY_FIELDS = (*WEIGHT_FIELDS, "logprobs")  # written as they are (trainer_logprobs: missing ones as null)
+# written as they are (trainer_logprobs: missing ones as null)
+_ARRAY_FIELDS = (*WEIGHT_FIELDS, "logprobs")
 
 
 @dataclass(frozen=True)
@@ -121,15 +123,16 @@ class Shipment:
 
     @cached_property
     def lags(self) -> npt.NDArray[np.int64]:
-        """The lag ``T - v`` of every shipped position (SPEC 11), aligned with the shipped samples' arrays
-        concatenated in ship order (:attr:`rollouts`, then their samples); ``-1`` where a position is not
-        a sampled position of a live rollout. Send it with the batch to a trainer that computes
-        :func:`~staleness_metrics.mismatch_sums` from its own log-probabilities."""
+        """The lag ``T - v`` of every shipped position (SPEC 11), aligned with the shipped samples'
+        arrays concatenated in ship order (:attr:`rollouts`, then their samples); ``-1`` where a
+        position is not a sampled position of a live rollout. Send it with the batch to a trainer
+        that computes :func:`~staleness_metrics.mismatch_sums` from its own log-probabilities."""
         return self._spans.lags() if self._spans is not None else np.zeros(0, dtype=np.int64)
 
     @cached_property
     def lag_offsets(self) -> npt.NDArray[np.int64]:
-        """Where each shipped sample starts in :attr:`lags` (one more entry than shipped samples)."""
+        """Where each shipped sample starts in :attr:`lags` (one more entry
+        than shipped samples)."""
         return self._spans.lag_offsets() if self._spans is not None else np.zeros(1, dtype=np.int64)
 
     @property
@@ -142,7 +145,8 @@ class Shipment:
         return [r.id for r in self.rollouts]
 
     def batches_line(self, arrays: bool = False) -> dict[str, Any]:
-        """The ``--batches-out`` line of this ship (SPEC 9); ``arrays`` as in :meth:`ShippedRollout.record`."""
+        """The ``--batches-out`` line of this ship (SPEC 9); ``arrays`` as in
+        :meth:`ShippedRollout.record`."""
         return {
             "step": self.step,
             "shipped": [r.record(arrays) for r in self.rollouts],
@@ -156,9 +160,9 @@ class Shipment:
 class PaddedShipment:
     """A ship seen as the caller's ``[B, L]`` arrays.
 
-    ``shipped[i]`` says whether row ``i`` was shipped by this ship (its sample kept). ``mask`` and each
-    present weight array are the masked values of shipped rows and 0 on every other row (dropped,
-    held, still queued or shipped earlier), so the loss reads them as they are.
+    ``shipped[i]`` says whether row ``i`` was shipped by this ship (its sample kept). ``mask`` and
+    each present weight array are the masked values of shipped rows and 0 on every other row
+    (dropped, held, still queued or shipped earlier), so the loss reads them as they are.
     """
 
     shipped: BoolArray

@@ -1,8 +1,10 @@
-"""The positions of a ship, for what needs more than spans: the lag of every shipped position (handed to a
-trainer in another process) and the SPEC 11 sums from log-probabilities the records carry.
+"""The positions of a ship, for what needs more than spans: the lag of every shipped
+position (handed to a trainer in another process) and the SPEC 11 sums from
+log-probabilities the records carry.
 
-The sink describes a ship by its spans (runs of one version inside one sample, wholly sampled or not);
-this module finds a ship's spans and expands them to positions only when asked, in one vectorised pass per chunk.
+The sink describes a ship by its spans (runs of one version inside one sample, wholly sampled or
+not); this module finds a ship's spans and expands them to positions only when asked, in one
+vectorised pass per chunk.
 """
 
 from __future__ import annotations
@@ -30,21 +32,22 @@ __all__ = ["NOT_SAMPLED", "ShippedRows", "ShippedSpans", "shipped_rows", "shippe
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 
-NOT_SAMPLED = -1  # the lag of a position outside SPEC 11's population (mask 0 as arrived, or frozen)
+# the lag of a position outside SPEC 11's population (mask 0 as arrived, or frozen)
+NOT_SAMPLED = -1
 
 
 class ShippedSpans:
     """The spans of a ship's kept samples, in ship order (rollouts, then samples, then positions).
 
-    ``lag`` is ``T - version`` for sampled positions of live rollouts and :data:`NOT_SAMPLED` otherwise;
-    ``masked`` says the policy masked the span; ``chunk`` indexes ``batches``; ``sample_offsets`` groups
-    the spans per shipped sample. A span of a ``token_versions`` sample may hold scattered unlabelled
-    positions (``mixed``): ``lag`` and ``masked`` are then its labelled positions', ``unlabelled_lag``
-    and ``unlabelled_masked`` those of its positions whose token version is -1; ``env`` is the env index of
-    each span's rollout (the sink's numbering).
+    ``lag`` is ``T - version`` for sampled positions of live rollouts and :data:`NOT_SAMPLED`
+    otherwise; ``masked`` says the policy masked the span; ``chunk`` indexes ``batches``;
+    ``sample_offsets`` groups the spans per shipped sample. A span of a ``token_versions`` sample
+    may hold scattered unlabelled positions (``mixed``): ``lag`` and ``masked`` are then its
+    labelled positions', ``unlabelled_lag`` and ``unlabelled_masked`` those of its positions whose
+    token version is -1; ``env`` is the env index of each span's rollout (the sink's numbering).
 
-    The spans are found on first use (``find``: one compiled pass over what the ship read), so a ship whose
-    lags and log-probability sums nobody asks for never pays for them.
+    The spans are found on first use (``find``: one compiled pass over what the ship read), so a
+    ship whose lags and log-probability sums nobody asks for never pays for them.
     """
 
     def __init__(self, batches: Sequence[RolloutBatch], find: Callable[[], ShippedRows]) -> None:
@@ -96,8 +99,8 @@ class ShippedSpans:
         return self._rows.env
 
     def _unlabelled(self, rows: IntArray) -> tuple[IntArray, IntArray]:
-        """For mixed spans among ``rows``: the indices (into the concatenation of ``rows``' positions)
-        of their unlabelled positions, and the row (index into ``rows``) of each."""
+        """For mixed spans among ``rows``: the indices (into the concatenation of ``rows``'
+        positions) of their unlabelled positions, and the row (index into ``rows``) of each."""
         if not self.mixed[rows].any():
             return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         starts = np.concatenate(([0], np.cumsum(self.hi[rows] - self.lo[rows])))
@@ -125,7 +128,8 @@ class ShippedSpans:
         return lag, masked
 
     def lags(self) -> IntArray:
-        """The lag of every shipped position, aligned with the shipped samples' arrays concatenated."""
+        """The lag of every shipped position, aligned with the shipped
+        samples' arrays concatenated."""
         return self._per_position(np.arange(len(self.lo)))[0]
 
     def lag_offsets(self) -> IntArray:
@@ -134,15 +138,16 @@ class ShippedSpans:
         return lengths[self.sample_offsets]
 
     def carries_trainer_logprobs(self) -> bool:
-        """Whether a batch of a shipped span carries the trainer's log-probabilities (SPEC 11's sums)."""
+        """Whether a batch of a shipped span carries the trainer's
+        log-probabilities (SPEC 11's sums)."""
         absent = sum(map(operator.is_, map(attrgetter("trainer_logprobs"), self.batches), repeat(None)))
         if absent == len(self.batches):  # (no span needs finding to say no)
             return False
         return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.chunk))
 
     def mismatch(self, band: tuple[float, float], env: int | None = None) -> MismatchSums:
-        """SPEC 11 sums over the sampled positions of live rollouts, from the records' log-probabilities; of the
-        rollouts of one env (the sink's index) when ``env`` is given."""
+        """SPEC 11 sums over the sampled positions of live rollouts, from the records'
+        log-probabilities; of the rollouts of one env (the sink's index) when ``env`` is given."""
         total = MismatchSums.zero()
         inside = self.lag >= 0
         if env is not None:
@@ -157,7 +162,8 @@ class ShippedSpans:
 def _values(
     batch: RolloutBatch, name: str, lo: IntArray, positions: IntArray, lengths: IntArray
 ) -> npt.NDArray[np.float64]:
-    """``name`` at ``positions``; NaN (missing) where the array or the sample's copy of it is absent."""
+    """``name`` at ``positions``; NaN (missing) where the array or the sample's
+    copy of it is absent."""
     values: npt.NDArray[np.float64] | None = getattr(batch, name)
     if values is None:
         return np.full(len(positions), np.nan)
@@ -170,9 +176,15 @@ def _values(
 
 
 def _chunk_sums(
-    batch: RolloutBatch, lo: IntArray, hi: IntArray, lag: IntArray, masked: BoolArray, band: tuple[float, float]
+    batch: RolloutBatch,
+    lo: IntArray,
+    hi: IntArray,
+    lag: IntArray,
+    masked: BoolArray,
+    band: tuple[float, float],
 ) -> MismatchSums:
-    """Sums over the positions of spans ``[lo, hi)`` of one batch; ``lag`` and ``masked`` per position."""
+    """Sums over the positions of spans ``[lo, hi)`` of one batch; ``lag`` and
+    ``masked`` per position."""
     lengths = hi - lo
     positions = expand_ranges(lo, hi)
     return mismatch_sums(
@@ -185,8 +197,8 @@ def _chunk_sums(
 
 
 def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
-    """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11): one compiled
-    pass over the shipped samples' span rows (:func:`shipped_rows`)."""
+    """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11): one
+    compiled pass over the shipped samples' span rows (:func:`shipped_rows`)."""
     s, n = queue.samples, queue.spans
     chunks = queue.rollouts.chunk[shipped.rows]
     used = distinct(chunks)
@@ -194,9 +206,11 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
     sample_rows, table = shipped.sample_rows, (s.span_lo, s.span_hi, n.part, n.lo, n.hi)
 
     def find() -> ShippedRows:
-        # (table columns as they were at the ship: rows are only ever appended to them, never rewritten)
+        # (table columns as they were at the ship: rows are only ever appended
+        # to them, never rewritten)
         span_lo, span_hi, part, lo, hi = table
-        # each rollout's chunk as an index into ``batches`` (one batch: the usual ship between two adds)
+        # each rollout's chunk as an index into ``batches`` (one batch: the
+        # usual ship between two adds)
         chunk_index = np.zeros(len(chunks), dtype=np.int64) if len(used) == 1 else np.searchsorted(used, chunks)
         return shipped_rows(
             SampleSpans(span_lo[sample_rows], span_hi[sample_rows], shipped.sample_rollout), SpanRanges(part, lo, hi),
@@ -208,7 +222,8 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
 
 
 class ShippedRows(NamedTuple):
-    """The kept span rows of a ship as :func:`shipped_rows` writes them (see ``shipped_positions.ShippedSpans``)."""
+    """The kept span rows of a ship as :func:`shipped_rows` writes them (see
+    ``shipped_positions.ShippedSpans``)."""
 
     chunk: IntArray
     lo: IntArray
@@ -249,7 +264,8 @@ def _shipped_rows(
     if len(table_lo) != table_rows or len(table_hi) != table_rows:
         raise ValueError("shipped_rows: the span table's columns differ in length")
     n = 0
-    for k in range(n_samples):  # checked before any read: the rows, samples and rollouts named exist
+    # checked before any read: the rows, samples and rollouts named exist
+    for k in range(n_samples):
         if not (0 <= span_lo[k] <= span_hi[k] <= table_rows):
             raise IndexError("shipped_rows: a sample's span rows outside the span table")
         if not (0 <= sample_rollout[k] < n_rollouts):
@@ -257,7 +273,8 @@ def _shipped_rows(
         n += span_hi[k] - span_lo[k]
     if len(version) != n or len(sampled) != n:
         raise ValueError("shipped_rows: one version and one sampled count per span row expected")
-    # Per row (in judgement order): lag and masked flag, read by a row and by the labelled part before it.
+    # Per row (in judgement order): lag and masked flag, read by a row and by the
+    # labelled part before it.
     lag = np.empty(n, dtype=np.int64)
     masked = np.empty(n, dtype=np.bool_)
     n_kept = 0
@@ -269,7 +286,8 @@ def _shipped_rows(
         for r in range(span_lo[k], span_hi[k]):
             lag[i] = trained - version[i] if live and sampled[i] > 0 else not_sampled
             masked[i] = version[i] < mask_below[k]
-            n_kept += kept_sample[k] and part[r] != 2  # a mixed span once, by its first row (spans.PART_*)
+            # a mixed span once, by its first row (spans.PART_*)
+            n_kept += kept_sample[k] and part[r] != 2
             i += 1
         kept_samples += kept_sample[k]
     chunk = np.empty(n_kept, dtype=np.int64)
@@ -305,7 +323,18 @@ def _shipped_rows(
         if kept_sample[k]:
             kept_k += 1
             sample_offsets[kept_k] = j
-    return chunk, lo, hi, out_lag, out_masked, sample_offsets, mixed, unlabelled_lag, unlabelled_masked, env
+    return (
+        chunk,
+        lo,
+        hi,
+        out_lag,
+        out_masked,
+        sample_offsets,
+        mixed,
+        unlabelled_lag,
+        unlabelled_masked,
+        env,
+    )
 
 
 def shipped_rows(
@@ -317,16 +346,18 @@ def shipped_rows(
     per_rollout: tuple[BoolArray, IntArray, IntArray],
     trained: int,
 ) -> ShippedRows:
-    """The span rows of shipped ``samples``, in one pass over their rows of the span ``table`` (``version`` and
-    ``sampled`` per row in that order); ``per_sample``: whether each is kept, and its masking threshold;
-    ``per_rollout``: whether each is frozen, its chunk and its env. Each row's lag (``trained - version`` where
-    its rollout is not frozen and it has sampled positions, else :data:`NOT_SAMPLED`) and masked flag (``version``
-    below its sample's threshold). Kept are the rows of kept samples that are not an unlabelled part; for each,
-    its chunk and env (by its sample's rollout), range, lag, masked flag, whether it is a labelled part, the next
-    row's lag and masked flag (a labelled part's unlabelled part), and per kept sample the offsets of its kept
-    rows.
+    """The span rows of shipped ``samples``, in one pass over their rows of the span ``table``
+    (``version`` and ``sampled`` per row in that order); ``per_sample``: whether each is kept,
+    and its masking threshold; ``per_rollout``: whether each is frozen, its chunk and its env.
+    Each row's lag (``trained - version`` where its rollout is not frozen and it has sampled
+    positions, else :data:`NOT_SAMPLED`) and masked flag (``version`` below its sample's
+    threshold). Kept are the rows of kept samples that are not an unlabelled part; for each, its
+    chunk and env (by its sample's rollout), range, lag, masked flag, whether it is a labelled
+    part, the next row's lag and masked flag (a labelled part's unlabelled part), and per kept
+    sample the offsets of its kept rows.
 
-    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts outside them.
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows
+    or rollouts outside them.
     """
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)

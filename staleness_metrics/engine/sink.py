@@ -1,9 +1,9 @@
 """The train sink of an async orchestrator (SPEC 4): queue, sweep, ship.
 
 Rollouts enter with :meth:`Sink.add`, are judged by the policy at :meth:`Sink.sweep` and
-:meth:`Sink.ship`, and leave as shipped, dropped or (lenient mode) invalid. The queue (:mod:`.queue`) keeps
-three growable tables (rollouts, samples, spans); positions stay in the arrays they arrived in and are
-written only where the policy masks them.
+:meth:`Sink.ship`, and leave as shipped, dropped or (lenient mode) invalid. The queue
+(:mod:`.queue`) keeps three growable tables (rollouts, samples, spans); positions stay in the arrays
+they arrived in and are written only where the policy masks them.
 """
 
 from __future__ import annotations
@@ -65,14 +65,17 @@ class Sink:
         self._window = WindowCounts()
         self._invalid: list[TraceError] = []
         self.totals = Tally()
-        self.bound_tracker = BoundTracker(self.config)  # SPEC 14: the floor, the cost window, the adaptive bound
-        self.env_trackers: dict[str, BoundTracker] = {}  # the same per env (env breakdown), without adaptation
+        # SPEC 14: the floor, the cost window, the adaptive bound
+        self.bound_tracker = BoundTracker(self.config)
+        # the same per env (env breakdown), without adaptation
+        self.env_trackers: dict[str, BoundTracker] = {}
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`. Taking it at any
-        moment changes nothing in the sink."""
-        from .checkpoint import save_sink  # loaded by the first checkpoint, not by every import of the sink
+        """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`.
+        Taking it at any moment changes nothing in the sink."""
+        # loaded by the first checkpoint, not by every import of the sink
+        from .checkpoint import save_sink
 
         return save_sink(
             config=self.config, step=self._step, queue=self.queue, window=self._window, invalid=self._invalid,
@@ -80,9 +83,9 @@ class Sink:
         )  # fmt: skip
 
     def check_state_dict(self, state: Any, path: str = "") -> SinkState:
-        """:meth:`state_dict`'s ``state`` checked and built as new objects, for :meth:`load_checked`; nothing of
-        the sink changes. A state that fails a check (or was taken under another policy or bound) raises
-        ``ConfigError`` naming the key path."""
+        """:meth:`state_dict`'s ``state`` checked and built as new objects, for
+        :meth:`load_checked`; nothing of the sink changes. A state that fails a check (or was taken
+        under another policy or bound) raises ``ConfigError`` naming the key path."""
         from .checkpoint import read_sink
 
         return read_sink(state, path, config=self.config, policy=self.policy, queue=self.queue)
@@ -100,9 +103,11 @@ class Sink:
         self.sync_bound()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`. All or nothing: a state that fails a check (or was taken under
-        another policy or bound) raises ``ConfigError`` naming the key path, and the sink stays as it was."""
-        self.queue.build_staged()  # a refused state leaves the sink as it was: staged rollouts now in its tables
+        """Continue from :meth:`state_dict`. All or nothing: a state that fails a check (or was
+        taken under another policy or bound) raises ``ConfigError`` naming the key path, and the
+        sink stays as it was."""
+        # a refused state leaves the sink as it was: staged rollouts now in its tables
+        self.queue.build_staged()
         self.load_checked(self.check_state_dict(state))
 
     # ------------------------------------------------------------------ add
@@ -123,7 +128,8 @@ class Sink:
 
     @property
     def tokens_entered(self) -> int:
-        """Sampled positions of live rollouts accepted so far (set aside at ship: taken back out)."""
+        """Sampled positions of live rollouts accepted so far (set aside at
+        ship: taken back out)."""
         return self.queue.tokens_entered
 
     @property
@@ -136,7 +142,10 @@ class Sink:
         """Errors of the rollouts set aside in lenient mode, oldest first."""
         return tuple(self._invalid)
 
-    def add(self, rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Mapping[str, Any] | Rollout]) -> int:
+    def add(
+        self,
+        rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Mapping[str, Any] | Rollout],
+    ) -> int:
         """Queue finished rollouts: records (dicts or :class:`Rollout`), an iterable of them, or a
         :class:`RolloutBatch`.
 
@@ -144,9 +153,10 @@ class Sink:
         lenient mode sets invalid rollouts aside (counted) and queues the rest. Returns how many
         rollouts were queued.
 
-        A :class:`RolloutBatch`'s arrays belong to the sink from now on (it masks them in place): a small
-        batch that passes a quick check is queued at once and its positions are read at the next sweep or
-        ship, together with the batches added after it, so the cost of an add follows its size.
+        A :class:`RolloutBatch`'s arrays belong to the sink from now on (it masks them in
+        place): a small batch that passes a quick check is queued at once and its positions are
+        read at the next sweep or ship, together with the batches added after it, so the cost of
+        an add follows its size.
         """
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
@@ -158,7 +168,8 @@ class Sink:
                 raise parsed.error
             items.append(parsed)
         parsed_here = [item for item in items if isinstance(item, ParsedRollout)]
-        # parsed here for this batch alone: it may take the arrays the parse made without copying them
+        # parsed here for this batch alone: it may take the arrays the parse
+        # made without copying them
         return self.add_parsed(items, pack(parsed_here, adopt=True) if parsed_here else None)
 
     def add_parsed(
@@ -167,13 +178,16 @@ class Sink:
         packed: RolloutBatch | None = None,
         checked: tuple[Verdicts, SpanTable] | None = None,
     ) -> int:
-        """Queue records already type-checked by :func:`~staleness_metrics.records.model.parse_or_error` (in
-        order, as :meth:`add` would): refused ones raise (strict) or are set aside (lenient).
+        """Queue records already type-checked by
+        :func:`~staleness_metrics.records.model.parse_or_error` (in order, as :meth:`add` would):
+        refused ones raise (strict) or are set aside (lenient).
 
-        ``packed``: the parsed ones of ``items`` already packed (:func:`~staleness_metrics.records.model.pack`),
-        a batch this sink may keep and mask in place. ``checked``: the batch's verdicts and spans as
-        :func:`check_batch` and :func:`build_spans` found them for a sink that had accepted the same ids
-        (:func:`~staleness_metrics.replay.stream.pack_once`: what-if runs one stream at several bounds)."""
+        ``packed``: the parsed ones of ``items`` already packed
+        (:func:`~staleness_metrics.records.model.pack`), a batch this sink may keep and
+        mask in place. ``checked``: the batch's verdicts and spans as
+        :func:`check_batch` and :func:`build_spans` found them for a sink that had
+        accepted the same ids (:func:`~staleness_metrics.replay.stream.pack_once`:
+        what-if runs one stream at several bounds)."""
         parsed: list[ParsedRollout] = []
         for item in items:
             if isinstance(item, UnparsedRollout):
@@ -210,7 +224,8 @@ class Sink:
         if verdicts.errors:
             for index, error in sorted(verdicts.errors.items()):
                 env = batch.envs[index] if batch.envs is not None else None
-                self._set_aside(error, env if isinstance(env, str) and env else None)  # a bad env counts under none
+                # a bad env counts under none
+                self._set_aside(error, env if isinstance(env, str) and env else None)
             keep = np.flatnonzero(~verdicts.invalid)
             kept_ids = keep.tolist()
             if len(keep) == 0:
@@ -237,18 +252,24 @@ class Sink:
         return judgement, decision
 
     def observe_mismatch(self, step: int, total: MismatchSums, *, merge: bool = False) -> ShipBound | None:
-        """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's total of a step so far, which
-        replaces what it gave for the step before); returns the ship's floor, curve and advice. An adapted bound
-        judges from the next sweep or ship."""
+        """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's total of a step so
+        far, which replaces what it gave for the step before); returns the ship's floor, curve and
+        advice. An adapted bound judges from the next sweep or ship."""
         bound = self.bound_tracker.observe(step, total, merge=merge)
         self.sync_bound()
         return bound
 
     def observe_env_mismatch(
-        self, step: int, env: str, total: MismatchSums, *, merge: bool = False, bound: int | None = None
+        self,
+        step: int,
+        env: str,
+        total: MismatchSums,
+        *,
+        merge: bool = False,
+        bound: int | None = None,
     ) -> ShipBound | None:
-        """The same for one env's sums (the env breakdown): its own floor, window and advice at the run's bound;
-        the bound adapts on the batch only."""
+        """The same for one env's sums (the env breakdown): its own floor, window and advice at the
+        run's bound; the bound adapts on the batch only."""
         tracker = self.env_trackers.get(env)
         if tracker is None:
             tracker = self.env_trackers[env] = BoundTracker(env_tracker_config(self.config))
@@ -264,8 +285,8 @@ class Sink:
         self._sweep(step)
 
     def _sweep(self, step: int, queued: IntArray | None = None) -> Judgement | None:
-        """:meth:`sweep`; returns the slice it judged (None: nothing to judge). ``queued``: the queued rows,
-        when the caller found them at this step already."""
+        """:meth:`sweep`; returns the slice it judged (None: nothing to judge). ``queued``: the
+        queued rows, when the caller found them at this step already."""
         self._advance(step)
         self.queue.build_staged()
         if queued is None:
@@ -296,7 +317,8 @@ class Sink:
             taken = taken[r.status[taken] == QUEUED]
         taken = self._check_versions(taken, step)
         if len(taken) and self.policy.holds:
-            # The sweep judged everything at this step already; judging again only decides the holds.
+            # The sweep judged everything at this step already; judging
+            # again only decides the holds.
             judged, decision = self._judge(with_groups(queue, taken, self.policy.judges_groups), step)
             taken = taken[r.status[taken] == QUEUED]
             hold = np.isin(taken, judged.rows[decision.hold_rollout])
@@ -310,14 +332,19 @@ class Sink:
         shipped_slice = judgement_again(queue, judged, shipped, step)
         spans = shipped_spans(self.queue, shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
-        judged_with = self.bound_tracker.bound  # the bound of this ship's sweep (adaptation moves the next one)
+        # the bound of this ship's sweep (adaptation moves the next one)
+        judged_with = self.bound_tracker.bound
         env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
         if mismatch is not None and self.config.env_breakdown and spans.env is not None:
             for env in distinct(spans.env[spans.lag >= 0]):
                 name = self.queue.env_names[env]
-                if name:  # SPEC 11 and 14 per env, from the records (rollouts without an env have no keys)
+                # SPEC 11 and 14 per env, from the records (rollouts without an env have no keys)
+                if name:
                     sums = spans.mismatch(self.config.mismatch_band, env)
-                    env_costs[name] = (sums, self.observe_env_mismatch(step, name, sums, bound=judged_with))
+                    env_costs[name] = (
+                        sums,
+                        self.observe_env_mismatch(step, name, sums, bound=judged_with),
+                    )
         bound = None if mismatch is None else self.observe_mismatch(step, mismatch)
         report = compute_report(
             shipped_slice, self._window, judged_with, self.queue.env_names, self.config.env_breakdown, mismatch, bound,
@@ -343,8 +370,8 @@ class Sink:
         return shipment
 
     def _shipped_rollouts(self, shipped: Judgement) -> Callable[[], tuple[ShippedRollout, ...]]:
-        """Capture what the shipped rollouts are now (the slice read after the decision); build the objects
-        only when asked."""
+        """Capture what the shipped rollouts are now (the slice read after the decision); build the
+        objects only when asked."""
         rows = shipped.rows
         kept = ~shipped.dropped
         owner = shipped.sample_rollout[kept]
@@ -387,7 +414,11 @@ class Sink:
                 kind = "weight_versions" if s.label_kind[lo + k] == LABELS_SPANS else "token_versions"
                 version, field_name = int(s.max_label[lo + k]), f"samples[{k}].{kind}"
             errors.append(
-                TraceError(self.queue.ids[row], field_name, f"version {version} is above the trained version {trained}")
+                TraceError(
+                    self.queue.ids[row],
+                    field_name,
+                    f"version {version} is above the trained version {trained}",
+                )
             )
         if self.config.strict:
             raise errors[0]

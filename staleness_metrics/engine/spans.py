@@ -7,9 +7,9 @@ decision and metric is a reduction over spans, so positions are read once, here,
 where they are masked.
 
 Unlabelled positions (``-1``) scattered among equal ``token_versions`` labels do not cut a span: the
-span is then two rows over one range, its labelled part and its unlabelled part (dispatch version), so
-the number of spans follows the labels, not the unlabelled positions. Finding the runs costs one step
-per change of value; nothing sorts or hashes per-position data.
+span is then two rows over one range, its labelled part and its unlabelled part (dispatch version),
+so the number of spans follows the labels, not the unlabelled positions. Finding the runs costs one
+step per change of value; nothing sorts or hashes per-position data.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ BoolArray = npt.NDArray[np.bool_]
 NO_VERSION_LOW = np.iinfo(np.int64).min // 4  # "no version": below every real threshold
 NO_VERSION_HIGH = np.iinfo(np.int64).max // 4
 
-# A span row holds every position of its range, or (a mixed cut of a token-labelled sample, whose
-# scattered -1 positions take the dispatch version) only its labelled or only its unlabelled positions.
+# A span row holds every position of its range, or (a mixed cut of a token-labelled
+# sample, whose scattered -1 positions take the dispatch version) only its labelled or
+# only its unlabelled positions.
 PART_WHOLE, PART_LABELLED, PART_UNLABELLED = 0, 1, 2
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
@@ -62,7 +63,8 @@ class SpanTable:
     hi: IntArray
     label: IntArray  # -1 = unlabelled
     version: IntArray  # effective version: the label, or the rollout's dispatch version
-    part: npt.NDArray[np.int8]  # PART_WHOLE, or which positions of a mixed cut [lo, hi) the row holds
+    # PART_WHOLE, or which positions of a mixed cut [lo, hi) the row holds
+    part: npt.NDArray[np.int8]
     sampled: IntArray  # positions with mask 1 as the sample arrived
     live: BoolArray  # some sampled position carries a loss weight
     # per sample
@@ -78,10 +80,15 @@ class SpanTable:
     completion: IntArray
 
     def rollouts_in(self, batch: RolloutBatch, start: int, stop: int) -> SpanTable:
-        """The spans of rollouts ``start`` to ``stop - 1`` of ``batch`` (the batch they were cut from), as
-        :meth:`RolloutBatch.rollouts_in` gives those rollouts: samples and positions counted from theirs."""
+        """The spans of rollouts ``start`` to ``stop - 1`` of ``batch`` (the batch they were
+        cut from), as :meth:`RolloutBatch.rollouts_in` gives those rollouts: samples and
+        positions counted from theirs."""
         s0, s1 = int(batch.sample_offsets[start]), int(batch.sample_offsets[stop])
-        p0, t0, t1 = int(batch.position_offsets[s0]), int(self.span_offsets[s0]), int(self.span_offsets[s1])
+        p0, t0, t1 = (
+            int(batch.position_offsets[s0]),
+            int(self.span_offsets[s0]),
+            int(self.span_offsets[s1]),
+        )
         return SpanTable(
             sample=self.sample[t0:t1] - s0, lo=self.lo[t0:t1] - p0, hi=self.hi[t0:t1] - p0,
             label=self.label[t0:t1], version=self.version[t0:t1], part=self.part[t0:t1],
@@ -111,16 +118,17 @@ class SampleSpans(NamedTuple):
 
 
 class _TokenVersionBelowMinusOne(Exception):
-    """A token version below -1 in a sample :func:`build_spans` cut (only raised when asked to check them)."""
+    """A token version below -1 in a sample :func:`build_spans` cut (only raised when
+    asked to check them)."""
 
 
 def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> tuple[Verdicts, SpanTable]:
-    """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`: the invalid rollouts and
-    the spans of the others.
+    """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`: the
+    invalid rollouts and the spans of the others.
 
-    The rule on token versions (>= -1) is checked in the pass that cuts them rather than in a pass of
-    its own. When that pass finds an offender, or the batch has other errors, the checks run again in
-    their usual order, so the first error named for each rollout is the same either way.
+    The rule on token versions (>= -1) is checked in the pass that cuts them rather than in a pass
+    of its own. When that pass finds an offender, or the batch has other errors, the checks run
+    again in their usual order, so the first error named for each rollout is the same either way.
     """
     verdicts = check_batch(batch, known_ids, token_values=False)
     if not verdicts.errors:
@@ -219,12 +227,13 @@ def _exact_part_liveness(
     live: BoolArray,
     mixed: BoolArray,
 ) -> tuple[BoolArray, BoolArray]:
-    """Per cut, whether its labelled and its unlabelled part has a weighted position of its own: as ``live``
-    as the cut, except for live ``mixed`` cuts with an rl weight that is not above 0 somewhere
-    (``rl_doubtful``), whose positions are read one by one.
+    """Per cut, whether its labelled and its unlabelled part has a weighted position of its own: as
+    ``live`` as the cut, except for live ``mixed`` cuts with an rl weight that is not above 0
+    somewhere (``rl_doubtful``), whose positions are read one by one.
 
     Both parts are live at once when every rl weight of the cut is above 0."""
-    doubt = np.flatnonzero(mixed & live & rl_doubtful)  # a zero (or negative, or NaN) rl weight somewhere in the cut
+    # a zero (or negative, or NaN) rl weight somewhere in the cut
+    doubt = np.flatnonzero(mixed & live & rl_doubtful)
     if len(doubt) == 0:
         return live, live
     labelled_part, unlabelled_part = live.copy(), live.copy()

@@ -1,10 +1,11 @@
 """Batching small adds (SPEC 4's ``add``): the one place the engine puts consecutive adds together.
 
-A batch the quick checks pass is queued at add (ids, groups and envs registered) and *staged*: its spans are
-cut later, at the next sweep, ship or look at the queue's tables, with every batch staged after it, in one pass
-over their concatenation (:func:`joined`). Spans never cross a sample, so each sample's spans are what its own
-batch would give: the cost of an add follows its work, not a few hundred numpy calls per add. A trainer adding
-rollout by rollout, the service and a replay all go through it.
+A batch the quick checks pass is queued at add (ids, groups and envs registered) and *staged*: its
+spans are cut later, at the next sweep, ship or look at the queue's tables, with every batch
+staged after it, in one pass over their concatenation (:func:`joined`). Spans never cross a
+sample, so each sample's spans are what its own batch would give: the cost of an add follows its
+work, not a few hundred numpy calls per add. A trainer adding rollout by rollout, the service and
+a replay all go through it.
 """
 
 from __future__ import annotations
@@ -17,12 +18,21 @@ import numpy.typing as npt
 
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 
-__all__ = ["STAGE_FLUSH_POSITIONS", "STAGE_MAX_POSITIONS", "Joined", "Staged", "joined", "kind_of", "runs_of"]
+__all__ = [
+    "STAGE_FLUSH_POSITIONS",
+    "STAGE_MAX_POSITIONS",
+    "Joined",
+    "Staged",
+    "joined",
+    "kind_of",
+    "runs_of",
+]
 
 IntArray = npt.NDArray[np.int64]
 
-# A batch of at most this many positions that is plainly valid is staged; a longer one is cut at its add (it
-# pays for its own pass). Staged positions beyond STAGE_FLUSH_POSITIONS are cut at once (bounded memory).
+# A batch of at most this many positions that is plainly valid is staged; a longer one is cut
+# at its add (it pays for its own pass). Staged positions beyond STAGE_FLUSH_POSITIONS are cut
+# at once (bounded memory).
 STAGE_MAX_POSITIONS = 1 << 16
 STAGE_FLUSH_POSITIONS = 1 << 20
 
@@ -36,8 +46,8 @@ class Staged(NamedTuple):
     chunk: int
     groups: list[int]
     envs: list[int]
-    # The element types of the mask and weight arrays (None: no such array). Batches whose kinds agree
-    # wherever both have an array are cut together (:func:`joined` fills the missing ones).
+    # The element types of the mask and weight arrays (None: no such array). Batches whose kinds
+    # agree wherever both have an array are cut together (:func:`joined` fills the missing ones).
     kind: Kind
 
 
@@ -78,10 +88,11 @@ def runs_of(staged: Sequence[Staged]) -> list[Sequence[Staged]]:
 
 
 def _joined_offsets(parts: Sequence[IntArray], counts: Sequence[int], ends: Sequence[int]) -> IntArray:
-    """Offsets into the concatenation of the parts the offsets ``parts`` index (``counts``: each part's entries
-    minus one; ``ends``: each part's last entry)."""
+    """Offsets into the concatenation of the parts the offsets ``parts`` index (``counts``: each
+    part's entries minus one; ``ends``: each part's last entry)."""
     bases = np.cumsum([0, *ends])
-    if list(counts) == [1] * len(counts):  # one entry each (a single-sample rollout): the running ends alone
+    # one entry each (a single-sample rollout): the running ends alone
+    if list(counts) == [1] * len(counts):
         return bases.astype(np.int64)
     starts = np.concatenate([p[:-1] for p in parts])
     starts += np.repeat(bases[:-1], counts).astype(starts.dtype, copy=False)
@@ -100,12 +111,13 @@ class Joined(NamedTuple):
 
 
 def joined(run: Sequence[Staged], ids: list[str]) -> Joined:
-    """One batch holding the staged batches of ``run`` one after the other (``ids``: theirs, in order), with the
-    arrays the cut reads (copies).
+    """One batch holding the staged batches of ``run`` one after the other (``ids``: theirs, in
+    order), with the arrays the cut reads (copies).
 
-    An array some batches lack is filled with what its absence means to the cut, so each sample's spans are
-    those of its own batch: rl weights 1.0 on the mask, ce and ref-KL weights 0, ``token_versions`` -1 and no
-    ``weight_versions`` spans (those samples' ``label_kind`` says they use neither).
+    An array some batches lack is filled with what its absence means to the cut, so each
+    sample's spans are those of its own batch: rl weights 1.0 on the mask, ce and ref-KL
+    weights 0, ``token_versions`` -1 and no ``weight_versions`` spans (those samples'
+    ``label_kind`` says they use neither).
     """
     batches = [item.batch for item in run]
     n_rollouts = [b.n_rollouts for b in batches]
@@ -131,7 +143,8 @@ def joined(run: Sequence[Staged], ids: list[str]) -> Joined:
                         for b in batches]  # fmt: skip
         columns["span_offsets"] = _joined_offsets(span_offsets, n_samples, [int(o[-1]) for o in span_offsets])
         columns.update({name: join(name, lambda b: np.zeros(0, np.int64)) for name in ("span_versions", "span_starts")})
-    batch = RolloutBatch(  # (``agentic``, ``group_ids`` and ``envs`` are not joined: the cut reads none of them)
+    # (``agentic``, ``group_ids`` and ``envs`` are not joined: the cut reads none of them)
+    batch = RolloutBatch(
         ids=ids,
         sample_offsets=_joined_offsets([b.sample_offsets for b in batches], n_rollouts, n_samples),
         position_offsets=_joined_offsets([b.position_offsets for b in batches], n_samples, n_positions),

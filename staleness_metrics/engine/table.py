@@ -1,7 +1,8 @@
 """Growable tables of typed numpy columns (amortised O(1) appends, columnar reads).
 
-A table is a subclass declaring its columns as :class:`Column` attributes, so ``rows.status`` is a name mypy
-checks (a misspelt column is a type error, not a ``KeyError`` at run time) and its element type is known.
+A table is a subclass declaring its columns as :class:`Column` attributes, so ``rows.status``
+is a name mypy checks (a misspelt column is a type error, not a ``KeyError`` at run time) and
+its element type is known.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ TableT = TypeVar("TableT", bound="Table")
 
 
 class Column(Generic[ScalarT]):
-    """A column of a :class:`Table` subclass: ``table.name`` reads its live rows (a view: writes go to the
-    table); assigning ``table.name = values`` writes every row."""
+    """A column of a :class:`Table` subclass: ``table.name`` reads its live rows (a view: writes go
+    to the table); assigning ``table.name = values`` writes every row."""
 
     def __init__(self, dtype: type[ScalarT]) -> None:
         self.dtype = np.dtype(dtype)
@@ -42,8 +43,8 @@ class Column(Generic[ScalarT]):
 
 
 class Table:
-    """Columns of equal length that grow by appending whole arrays; a subclass declares them as :class:`Column`
-    attributes (in the order they are saved)."""
+    """Columns of equal length that grow by appending whole arrays; a subclass declares them as
+    :class:`Column` attributes (in the order they are saved)."""
 
     columns: ClassVar[dict[str, np.dtype[Any]]] = {}
 
@@ -55,7 +56,8 @@ class Table:
         self._capacity = 16
         self._columns: dict[str, npt.NDArray[Any]] = {name: np.zeros(16, dtype=d) for name, d in self.columns.items()}
         self._size = 0
-        self._views: dict[str, npt.NDArray[Any]] = {}  # the live rows of the columns read since the last append
+        # the live rows of the columns read since the last append
+        self._views: dict[str, npt.NDArray[Any]] = {}
 
     def __len__(self) -> int:
         return self._size
@@ -66,8 +68,8 @@ class Table:
         return tuple(self.columns)
 
     def append(self, **values: npt.ArrayLike) -> int:
-        """Append equal-length arrays for every column (a scalar: that value in every new row; at least one
-        column is an array); returns the index of the first new row."""
+        """Append equal-length arrays for every column (a scalar: that value in every new row; at
+        least one column is an array); returns the index of the first new row."""
         columns = self._columns
         if values.keys() != columns.keys():
             raise KeyError(f"expected columns {sorted(columns)}, got {sorted(values)}")
@@ -92,14 +94,15 @@ class Table:
         return start
 
     def take(self: TableT, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> TableT:
-        """A new table of the given rows (in that order); ``replace`` gives new values for columns."""
+        """A new table of the given rows (in that order); ``replace`` gives
+        new values for columns."""
         taken = type(self)()
         taken.append(**{name: replace.get(name, self.column(name)[rows]) for name in self.columns})
         return taken
 
     def column(self, name: str) -> npt.NDArray[Any]:
-        """The live rows of a column by name (a view; for code generic over columns: the attributes are typed).
-        (A ship reads a few dozen columns: each view is made once per length.)"""
+        """The live rows of a column by name (a view; for code generic over columns: the attributes
+        are typed). (A ship reads a few dozen columns: each view is made once per length.)"""
         view = self._views.get(name)
         if view is None:
             view = self._views[name] = self._columns[name][: self._size]

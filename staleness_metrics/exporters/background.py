@@ -30,7 +30,13 @@ from ..errors import ConfigError
 from ..metrics.report import StepReport
 from .base import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "DEFAULT_QUEUE_SIZE", "BackgroundExporter", "ExportQueue", "QueuedExporter"]
+__all__ = [
+    "DEFAULT_CLOSE_TIMEOUT",
+    "DEFAULT_QUEUE_SIZE",
+    "BackgroundExporter",
+    "ExportQueue",
+    "QueuedExporter",
+]
 
 P = TypeVar("P")
 
@@ -300,7 +306,10 @@ class QueuedExporter(Generic[P]):
         shutdown.start()
         shutdown.join(max(deadline - time.monotonic(), 0.0))
         if shutdown.is_alive():
-            self._record_failure(f"shutdown did not finish within {budget:g} s; left to finish in the background", None)
+            self._record_failure(
+                f"shutdown did not finish within {budget:g} s; left to finish in the background",
+                None,
+            )
 
     def _close_resources(self) -> None:
         """Release what the subclass holds besides the queue."""

@@ -32,7 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import ConfigError
-from ..metrics.metric_table import BATCH_WIDE_COUNTERS, BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..metrics.metric_table import (
+    BATCH_WIDE_COUNTERS,
+    BUCKETS,
+    METRICS,
+    MetricDef,
+    MetricKind,
+    Source,
+)
 from ..metrics.report import Counts, StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, MismatchReport

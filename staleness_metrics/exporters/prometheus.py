@@ -25,7 +25,14 @@ from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from ..metrics.metric_table import BATCH_WIDE_COUNTERS, BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..metrics.metric_table import (
+    BATCH_WIDE_COUNTERS,
+    BUCKETS,
+    METRICS,
+    MetricDef,
+    MetricKind,
+    Source,
+)
 from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import DEFAULT_RUN, ExportContext, ExportErrors, MismatchReport
@@ -34,7 +41,13 @@ from .state import CumulativeState, LazySnapshot, Snapshot, batch_wide_buckets, 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-__all__ = ["BATCH_WIDE_COUNTERS", "DEFAULT_PORT", "PrometheusExporter", "PrometheusPushExporter", "StalenessCollector"]
+__all__ = [
+    "BATCH_WIDE_COUNTERS",
+    "DEFAULT_PORT",
+    "PrometheusExporter",
+    "PrometheusPushExporter",
+    "StalenessCollector",
+]
 
 DEFAULT_PORT = 9487
 

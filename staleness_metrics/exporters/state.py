@@ -44,7 +44,15 @@ from typing import Any
 import numpy as np
 
 from ..metrics.keys import MISMATCH_FLOOR_SOURCE
-from ..metrics.metric_table import BUCKETS, ENV_KEY_PREFIX, KEY_PREFIX, METRICS, MetricDef, MetricKind, Source
+from ..metrics.metric_table import (
+    BUCKETS,
+    ENV_KEY_PREFIX,
+    KEY_PREFIX,
+    METRICS,
+    MetricDef,
+    MetricKind,
+    Source,
+)
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Counts, MetricValue, StepReport, Tally
 
@@ -347,7 +355,10 @@ class CumulativeState:
         from ..state_checks import integer, join, keys, mapping, string
 
         found = keys(
-            state, path, ("totals", "mismatch", "start_time_ns", "last_report"), ("bound_metrics", "env_mismatch")
+            state,
+            path,
+            ("totals", "mismatch", "start_time_ns", "last_report"),
+            ("bound_metrics", "env_mismatch"),
         )
         totals = mapping(found["totals"], join(path, "totals"))
         bound = found.get("bound_metrics")
@@ -386,7 +397,10 @@ class CumulativeState:
         return self.fold(report).get()
 
     def apply_mismatch(
-        self, delta: MismatchSums, metrics: Mapping[str, MetricValue] | None = None, env: str | None = None
+        self,
+        delta: MismatchSums,
+        metrics: Mapping[str, MetricValue] | None = None,
+        env: str | None = None,
     ) -> Snapshot:
         """Fold in trainer-side sums (the live path): the counters move, the last ship's
         gauges stay; SPEC 14's gauges take ``metrics``, the keys of the step's merged sums
@@ -412,7 +426,10 @@ class CumulativeState:
         return self._snapshot(window, report.mismatch, env_delta)
 
     def fold_mismatch(
-        self, delta: MismatchSums, metrics: Mapping[str, MetricValue] | None = None, env: str | None = None
+        self,
+        delta: MismatchSums,
+        metrics: Mapping[str, MetricValue] | None = None,
+        env: str | None = None,
     ) -> LazySnapshot:
         """:meth:`apply_mismatch`, its snapshot built when first read."""
         self._add_mismatch(delta)

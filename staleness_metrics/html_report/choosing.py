@@ -49,7 +49,13 @@ def _bound_rules(data: ReportData, suggested: int | None) -> list[Rule]:
 
 
 def _x_range(curve: RunCurve, bound: int | None, rows: list[WhatIfRow]) -> list[int]:
-    top = max([*curve.curve.lags, *([bound] if bound is not None else []), *(r.max_staleness for r in rows)])
+    top = max(
+        [
+            *curve.curve.lags,
+            *([bound] if bound is not None else []),
+            *(r.max_staleness for r in rows),
+        ]
+    )
     return list(range(top + 1))
 
 
@@ -70,7 +76,12 @@ def _curve_chart(data: ReportData, curve: RunCurve) -> str:
             Series("curve ê (isotonic)", by_lag(curve.curve.fitted), PALETTE[0], notes=notes),
             # Drawn last, on top: the measured points with the tokens behind each.
             Series(
-                "raw excess e by lag", by_lag(curve.curve.raw), PALETTE[1], dashed=True, notes=notes, show_notes=True
+                "raw excess e by lag",
+                by_lag(curve.curve.raw),
+                PALETTE[1],
+                dashed=True,
+                notes=notes,
+                show_notes=True,
             ),
         ],
         x_label="token lag",
@@ -195,7 +206,10 @@ def render_choosing(data: ReportData) -> str:
             else "no floor: no lag has floor_min_tokens covered tokens over the run"
         )
         charts = figure(
-            "bound-curve", "Choosing the bound", "SPEC 14 over the whole run.", message_chart("Choosing the bound", why)
+            "bound-curve",
+            "Choosing the bound",
+            "SPEC 14 over the whole run.",
+            message_chart("Choosing the bound", why),
         )
     else:
         charts = _curve_chart(data, curve) + _kept_chart(data, curve) + _table(data, curve)

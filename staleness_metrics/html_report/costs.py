@@ -110,7 +110,11 @@ def _length_chart(data: ReportData) -> str:
         data.steps,
         [
             Series("sampled", data.series(keys.LENGTH_SAMPLED_MEAN), PALETTE[0]),
-            Series("trained (masked and dropped count 0)", data.series(keys.LENGTH_TRAINED_MEAN), PALETTE[3]),
+            Series(
+                "trained (masked and dropped count 0)",
+                data.series(keys.LENGTH_TRAINED_MEAN),
+                PALETTE[3],
+            ),
         ],
         y_label="sampled positions per sample",
     )
@@ -123,11 +127,19 @@ def _length_chart(data: ReportData) -> str:
 
 def _removed_chart(data: ReportData) -> str:
     series = [
-        Series(f"length {'> 16k' if b == 'inf' else '≤ ' + b}", data.series(keys.LENGTH_REMOVED_SHARE_BY_LENGTH[b]), c)
+        Series(
+            f"length {'> 16k' if b == 'inf' else '≤ ' + b}",
+            data.series(keys.LENGTH_REMOVED_SHARE_BY_LENGTH[b]),
+            c,
+        )
         for b, c in zip(LENGTH_BUCKETS, PALETTE, strict=False)
     ]
     svg = line_chart(
-        "Removed share by response length", data.steps, series, y_label="share masked or dropped", percent=True
+        "Removed share by response length",
+        data.steps,
+        series,
+        y_label="share masked or dropped",
+        percent=True,
     )
     caption = "Share of each length bucket's sampled tokens masked or dropped for staleness, per step."
     return figure("length-removed", "Removed share by length", caption, svg)

@@ -61,7 +61,8 @@ class ReportData:
     comparison: list[ComparisonRow] = field(default_factory=list)
     curve: RunCurve | None = None  # SPEC 14 over the whole run
     curve_source: str = ""  # where the curve's sums came from, said under the figure
-    read_notes: list[str] = field(default_factory=list)  # what the reader of a prime-rl run left out or set aside
+    # what the reader of a prime-rl run left out or set aside
+    read_notes: list[str] = field(default_factory=list)
 
     @property
     def steps(self) -> list[int]:
@@ -91,7 +92,10 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
             continue
         if key.endswith(_FLOOR_SOURCE_SUFFIX):  # SPEC 14's one string value
             if value not in FLOOR_SOURCES:
-                raise EventError(line, f"{path}: {key}: expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}")
+                raise EventError(
+                    line,
+                    f"{path}: {key}: expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}",
+                )
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             raise EventError(line, f"{path}: {key}: expected a number, got {value!r}")
         if key == name or name not in row:
@@ -124,7 +128,10 @@ def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
     found = False
     for row in rows:
         for index, bucket in enumerate(LAG_BUCKETS):
-            tokens, k3 = row.get(keys.MISMATCH_TOKENS_BY_LAG[bucket]), row.get(keys.MISMATCH_K3_BY_LAG[bucket])
+            tokens, k3 = (
+                row.get(keys.MISMATCH_TOKENS_BY_LAG[bucket]),
+                row.get(keys.MISMATCH_K3_BY_LAG[bucket]),
+            )
             if isinstance(tokens, (int, float)) and isinstance(k3, (int, float)) and tokens > 0:
                 sums.tokens[index] += int(tokens)
                 sums.sum_k3[index] += float(k3) * int(tokens)
@@ -183,7 +190,10 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         rows = metrics_rows(path)
         bounds = [r[keys.MAX_STALENESS] for r in rows if keys.MAX_STALENESS in r]
         data = ReportData(source, kind, None, int(bounds[-1]) if bounds else None, rows)
-        data.curve, data.curve_source = run_curve(sums_from_rows(rows), config), "the logged k3 and tokens by lag"
+        data.curve, data.curve_source = (
+            run_curve(sums_from_rows(rows), config),
+            "the logged k3 and tokens by lag",
+        )
         return data
     read: PrimeRlRead | None = None
     if kind == "prime-rl" and is_current_layout(run):

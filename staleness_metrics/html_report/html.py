@@ -82,7 +82,10 @@ def _summary(data: ReportData) -> str:
             ("frozen rollouts shipped", _num(t.rollouts_frozen)),
             ("rollouts dropped", _num(t.rollouts_dropped)),
             ("sampled tokens shipped", _num(t.tokens_sampled)),
-            ("tokens masked", _pct(t.tokens_masked / t.tokens_sampled if t.tokens_sampled else None)),
+            (
+                "tokens masked",
+                _pct(t.tokens_masked / t.tokens_sampled if t.tokens_sampled else None),
+            ),
             ("token staleness mean", _num(mean)),
             ("token staleness p99", _num(_quantile(hist, 0.99))),
         ]
@@ -251,8 +254,9 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
     if summary["prime_rl_rule"]:
         notes = sorted({r.note for r in rows if r.status == "prime_rl_rule" and r.note})
         lines.append(
-            "Steps where the logged values differ only by prime-rl's own rule, recomputed from the same records "
-            f"(column 'prime-rl rule'): {', '.join(map(str, summary['prime_rl_rule']))}. Why: "
+            "Steps where the logged values differ only by prime-rl's own rule, recomputed from the "
+            "same records (column 'prime-rl rule'): "
+            f"{', '.join(map(str, summary['prime_rl_rule']))}. Why: "
             + (
                 "; ".join(notes)
                 if notes
@@ -260,13 +264,16 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
             )
             + "."
         )
-    for name, text in (("missing", "without a recomputed value"), ("mismatch", "that differ otherwise")):
+    for name, text in (
+        ("missing", "without a recomputed value"),
+        ("mismatch", "that differ otherwise"),
+    ):
         if summary[name]:
             lines.append(f"Steps {text}: {', '.join(map(str, summary[name]))}.")
     if approximate:
         lines.append(
-            "mismatch_kl is prime-rl's trainer k3 per trained token (frozen samples included) from its full-precision "
-            "log-probabilities; the records hold them rounded to 4 decimals, so "
+            "mismatch_kl is prime-rl's trainer k3 per trained token (frozen samples included) from "
+            "its full-precision log-probabilities; the records hold them rounded to 4 decimals, so "
             "these agree to within 5% (or 2e-5 nats), not exactly."
         )
     shown = [r for r in rows if r.status != "match"]

@@ -1,9 +1,11 @@
-"""Choosing the bound (SPEC 14): the floor, the excess curve over lag, the budget and the suggested bound.
+"""Choosing the bound (SPEC 14): the floor, the excess curve over lag, the budget
+and the suggested bound.
 
-Every function here is pure and works on :class:`~staleness_metrics.metrics.mismatch.MismatchSums`, so the sink
-(replay), the live path (``record_mismatch``), the report and the what-if all derive the same numbers from
-the same sums. The run-long state (the window of recent ships, the last ``lag0`` floor, the adaptive bound)
-lives in :class:`BoundTracker`, which owns and validates its own ``state_dict``.
+Every function here is pure and works on
+:class:`~staleness_metrics.metrics.mismatch.MismatchSums`, so the sink (replay), the live path
+(``record_mismatch``), the report and the what-if all derive the same numbers from the same sums.
+The run-long state (the window of recent ships, the last ``lag0`` floor, the adaptive bound) lives
+in :class:`BoundTracker`, which owns and validates its own ``state_dict``.
 """
 
 from __future__ import annotations
@@ -82,11 +84,12 @@ def select_floor(
 ) -> Floor | None:
     """The floor of a ship at ``step`` (SPEC 14), the first rule that applies.
 
-    ``last_lag0`` is ``(floor, step)`` of the most recent earlier ship of the run with a ``lag0`` floor.
+    ``last_lag0`` is ``(floor, step)`` of the most recent earlier ship of the
+    run with a ``lag0`` floor.
     1. ``lag0``: bucket 0 of this ship has ``min_tokens`` covered tokens: its k3.
     2. ``carried``: ``last_lag0`` measured at most ``max_age`` steps before ``step``.
-    3. ``min_lag``: the smallest bucket of this ship with ``min_tokens`` covered tokens: its k3 (an upper
-       bound on the floor, so every excess from it is a lower bound).
+    3. ``min_lag``: the smallest bucket of this ship with ``min_tokens`` covered tokens: its k3 (an
+       upper bound on the floor, so every excess from it is a lower bound).
     4. ``None``: no floor.
     """
     if int(sums.tokens[0]) >= min_tokens:
@@ -104,9 +107,9 @@ def select_floor(
 def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     """Weighted least-squares non-decreasing fit (pool-adjacent-violators).
 
-    Minimises Σ wᵢ (ŷᵢ - yᵢ)² subject to ŷ non-decreasing. Adjacent values that violate the order are
-    pooled into their weighted mean, repeatedly, until none does; ties are left as they are. Weights must
-    be positive.
+    Minimises Σ wᵢ (ŷᵢ - yᵢ)² subject to ŷ non-decreasing. Adjacent values that violate the order
+    are pooled into their weighted mean, repeatedly, until none does; ties are left as they are.
+    Weights must be positive.
     """
     if len(values) != len(weights):
         raise FieldError("weights", f"length {len(weights)} differs from the values' {len(values)}")
@@ -131,8 +134,8 @@ def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> li
 
 @dataclass(frozen=True)
 class Curve:
-    """The excess curve of a window: per lag bucket with enough tokens, the raw excess ``e``, its token
-    count and the isotonic fit ``ê`` (all in lag order)."""
+    """The excess curve of a window: per lag bucket with enough tokens, the raw excess ``e``, its
+    token count and the isotonic fit ``ê`` (all in lag order)."""
 
     lags: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -144,8 +147,9 @@ class Curve:
 
 
 def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curve:
-    """``e(b)`` = the window's k3 of bucket ``b`` minus ``floor`` for each ``b`` in 1..16 with at least
-    ``min_tokens`` covered tokens in the window, and its isotonic fit weighted by those token counts."""
+    """``e(b)`` = the window's k3 of bucket ``b`` minus ``floor`` for each ``b`` in 1..16
+    with at least ``min_tokens`` covered tokens in the window, and its isotonic fit weighted
+    by those token counts."""
     lags = tuple(b for b in CURVE_BUCKETS if int(window.tokens[b]) >= min_tokens)
     tokens = tuple(int(window.tokens[b]) for b in lags)
     raw = tuple(_k3(window, b) - floor for b in lags)
@@ -154,7 +158,8 @@ def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curv
 
 
 def budget_of(mismatch_budget: float | None, floor: float) -> float:
-    """``β``: the configured budget, or the floor itself (staleness may cost what the engines already do)."""
+    """``β``: the configured budget, or the floor itself (staleness may cost what
+    the engines already do)."""
     return floor if mismatch_budget is None else float(mismatch_budget)
 
 
@@ -162,9 +167,9 @@ def budget_of(mismatch_budget: float | None, floor: float) -> float:
 class BoundAdvice:
     """What a curve says about the bound.
 
-    ``suggested``: the largest lag of the curve with ``ê ≤ β`` (0 when the first is above). ``crossed``:
-    some lag of the curve is above ``β``. ``excess_at_bound``: ``ê`` of the largest lag of the curve not
-    above the configured bound (``None`` when every lag of the curve is above it).
+    ``suggested``: the largest lag of the curve with ``ê ≤ β`` (0 when the first is above).
+    ``crossed``: some lag of the curve is above ``β``. ``excess_at_bound``: ``ê`` of the largest lag
+    of the curve not above the configured bound (``None`` when every lag of the curve is above it).
     """
 
     suggested: int
@@ -185,8 +190,9 @@ def advise(curve: Curve, budget: float, bound: int) -> BoundAdvice | None:
 
 
 def adapt_bound(bound: int, advice: BoundAdvice, low: int, high: int) -> int:
-    """One step of SPEC 14's adaptation: toward ``suggested`` when the budget is crossed; up when it is not
-    and ``suggested ≥ bound`` (a looser bound may be as good); always within ``[low, high]``."""
+    """One step of SPEC 14's adaptation: toward ``suggested`` when the budget is crossed;
+    up when it is not and ``suggested ≥ bound`` (a looser bound may be as good); always
+    within ``[low, high]``."""
     if advice.crossed:
         moved = bound + (advice.suggested > bound) - (advice.suggested < bound)
     elif advice.suggested >= bound:
@@ -230,8 +236,8 @@ def bound_metrics(result: ShipBound) -> dict[str, MetricValue]:
 
 
 def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None) -> dict[str, MetricValue]:
-    """A ship's SPEC 11 keys with their excess over SPEC 14's floor, then the SPEC 14 keys; empty when
-    nothing is covered (without ``bound`` or a floor: no excess and no SPEC 14 key)."""
+    """A ship's SPEC 11 keys with their excess over SPEC 14's floor, then the SPEC 14 keys; empty
+    when nothing is covered (without ``bound`` or a floor: no excess and no SPEC 14 key)."""
     floor = None if bound is None or bound.floor is None else bound.floor.value
     out: dict[str, MetricValue] = dict(sums.metrics(floor=floor))
     if out and bound is not None:
@@ -254,14 +260,14 @@ class _TrackerState:
 
 
 class BoundTracker:
-    """The run-long state of SPEC 14, one per run: the sums of the last ``cost_window`` ships that carried
-    SPEC 11 sums (with their steps, oldest first), the last ``lag0`` floor and its step, and the adaptive
-    bound with the count toward its next change.
+    """The run-long state of SPEC 14, one per run: the sums of the last ``cost_window`` ships that
+    carried SPEC 11 sums (with their steps, oldest first), the last ``lag0`` floor and its step, and
+    the adaptive bound with the count toward its next change.
 
-    :meth:`observe` takes a ship's total sums. The sink calls it once per ship (two ships of one step are two
-    ships); the live path calls it with ``merge=True`` each time more sums of a step arrive, which replaces
-    that step's entry, and a step counts toward adaptation once (the first time it produced a curve, when it
-    is later than every step counted before).
+    :meth:`observe` takes a ship's total sums. The sink calls it once per ship (two ships of one
+    step are two ships); the live path calls it with ``merge=True`` each time more sums of a step
+    arrive, which replaces that step's entry, and a step counts toward adaptation once (the first
+    time it produced a curve, when it is later than every step counted before).
     """
 
     def __init__(self, config: StalenessConfig) -> None:
@@ -297,8 +303,8 @@ class BoundTracker:
         return list(self._window)
 
     def window_sums(self, upto: int | None = None) -> MismatchSums:
-        """The sums of the window ending at entry ``upto`` (default: the latest): it and the ``cost_window - 1``
-        entries before it. Sums add, so the window is exact."""
+        """The sums of the window ending at entry ``upto`` (default: the latest): it and the
+        ``cost_window - 1`` entries before it. Sums add, so the window is exact."""
         end = len(self._window) if upto is None else upto + 1
         total = MismatchSums.zero()
         for _, sums in self._window[max(0, end - self.config.cost_window) : end]:
@@ -313,7 +319,8 @@ class BoundTracker:
                     self._window[i] = (step, sums)
                     return i
         at = len(self._window)
-        while at > 0 and self._window[at - 1][0] > step:  # a late step of the live path goes in step order
+        # a late step of the live path goes in step order
+        while at > 0 and self._window[at - 1][0] > step:
             at -= 1
         self._window.insert(at, (step, sums))
         if len(self._window) > self.config.cost_window:
@@ -324,10 +331,11 @@ class BoundTracker:
     def observe(
         self, step: int, sums: MismatchSums, *, merge: bool = False, bound: int | None = None
     ) -> ShipBound | None:
-        """Record ``sums`` as the total of the ship at ``step`` and derive its SPEC 14 values, with
-        ``excess_at_bound`` at ``bound`` (default: the bound in force, before this ship adapts it). ``merge``:
-        the sums are a step's total so far (the live path), replacing that step's entry. ``None`` when the ship
-        carries no covered position (it reports no SPEC 11 family and stays out of the window)."""
+        """Record ``sums`` as the total of the ship at ``step`` and derive its SPEC 14 values,
+        with ``excess_at_bound`` at ``bound`` (default: the bound in force, before this ship
+        adapts it). ``merge``: the sums are a step's total so far (the live path), replacing that
+        step's entry. ``None`` when the ship carries no covered position (it reports no SPEC 11
+        family and stays out of the window)."""
         if sums.covered == 0:
             return None
         config = self.config
@@ -371,7 +379,10 @@ class BoundTracker:
 
         found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))
         if found["format"] != TRACKER_FORMAT:
-            fail(join(path, "format"), f"unknown format {found['format']!r} (expected {TRACKER_FORMAT})")
+            fail(
+                join(path, "format"),
+                f"unknown format {found['format']!r} (expected {TRACKER_FORMAT})",
+            )
         window: list[tuple[int, MismatchSums]] = []
         for i, item in enumerate(sequence(found["window"], join(path, "window"))):
             where = join(join(path, "window"), i)

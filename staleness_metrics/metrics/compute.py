@@ -19,7 +19,14 @@ from .bound import ShipBound, mismatch_metrics
 from .metric_table import env_key
 from .mismatch import MismatchSums
 from .population import PopulationColumns, PopulationSummary, population_summary
-from .report import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS, MetricValue, StepReport, Tally
+from .report import (
+    HISTOGRAM_TOP,
+    LENGTH_BUCKETS,
+    LENGTH_UPPER_BOUNDS,
+    MetricValue,
+    StepReport,
+    Tally,
+)
 
 __all__ = ["ShippedSlice", "WindowCounts", "columns_of", "compute_report"]
 
@@ -32,8 +39,9 @@ _QUANTILE_FRACTIONS = np.array([(numerator, denominator) for _, numerator, denom
 
 
 class ShippedSlice(Protocol):
-    """What the metrics read of a shipped slice (``engine.decision.Judgement`` is one): its rollouts, their
-    samples by ``sample_offsets`` and the samples' spans by ``span_offsets``, after the decision was applied."""
+    """What the metrics read of a shipped slice (``engine.decision.Judgement`` is one): its
+    rollouts, their samples by ``sample_offsets`` and the samples' spans by ``span_offsets``, after
+    the decision was applied."""
 
     @property
     def step(self) -> int: ...
@@ -108,18 +116,25 @@ def _env_sums(
 class WindowCounts:
     """Drops, holds and invalid rollouts since the last ship, per env index."""
 
-    FIELDS = ("rollouts_dropped", "samples_dropped", "tokens_dropped", "rollouts_held", "rollouts_invalid")
+    FIELDS = (
+        "rollouts_dropped",
+        "samples_dropped",
+        "tokens_dropped",
+        "rollouts_held",
+        "rollouts_invalid",
+    )
 
     def __init__(self) -> None:
         self.counts: dict[int, dict[str, int]] = {}
-        self.dropped_lengths: dict[int, IntArray] = {}  # per env: dropped sampled positions per length bucket
+        # per env: dropped sampled positions per length bucket
+        self.dropped_lengths: dict[int, IntArray] = {}
         self.dropped_rollouts: list[str] = []
         self.dropped_samples: list[tuple[str, int]] = []
         self.held: list[str] = []
 
     def add(self, env: IntArray, name: str, amounts: IntArray | None = None) -> None:
-        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry (an env whose entries add
-        up to 0 gets no counts)."""
+        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry (an env whose
+        entries add up to 0 gets no counts)."""
         column = 0 if amounts is None else 1  # (None: the entries counted)
         per_env = _env_sums(env, env if amounts is None else amounts, _LENGTH_BOUNDS)
         for index, total in enumerate(per_env[:, column].tolist()):
@@ -169,10 +184,10 @@ def _population(
 ) -> tuple[dict[str, float | int], Tally]:
     """Metrics and tally of the live shipped rollouts selected by ``rollout_in``.
 
-    A rollout's own numbers (its oldest and newest shipped version, its in-flight time) depend on its spans
-    alone, so they are the same in every population holding it; one compiled pass finds every number of a
-    population (:func:`~staleness_metrics.metrics.population.population_summary`), so a small ship costs a few
-    Python steps."""
+    A rollout's own numbers (its oldest and newest shipped version, its in-flight time) depend on
+    its spans alone, so they are the same in every population holding it; one compiled pass finds
+    every number of a population (:func:`~staleness_metrics.metrics.population.population_summary`),
+    so a small ship costs a few Python steps."""
     columns = columns_of(slice_)
     t, top = slice_.trained_version, HISTOGRAM_TOP
     found = population_summary(t, rollout_in, columns, _LENGTH_BOUNDS, top, _QUANTILE_FRACTIONS)
@@ -202,7 +217,8 @@ def _population(
     metrics[keys.ROLLOUTS_HELD] = counted["rollouts_held"]
     metrics[keys.MAX_STALENESS] = max_staleness
 
-    tally = object.__new__(Tally)  # (every field given: the frozen __init__'s setattr per field skipped)
+    # (every field given: the frozen __init__'s setattr per field skipped)
+    tally = object.__new__(Tally)
     tally.__dict__.update(
         tokens_sampled=tokens,
         tokens_masked=masked,
@@ -235,7 +251,8 @@ def _rollout_numbers(found: PopulationSummary) -> zip[tuple[tuple[str, str], int
 def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[str, float | int]:
     if samples == 0:
         return {}
-    sampled_list, removed_list = sampled.tolist(), removed.tolist()  # (a few buckets: summed as Python integers)
+    # (a few buckets: summed as Python integers)
+    sampled_list, removed_list = sampled.tolist(), removed.tolist()
     total = sum(sampled_list)
     metrics: dict[str, float | int] = {
         keys.LENGTH_SAMPLED_MEAN: total / samples,
@@ -261,7 +278,8 @@ def compute_report(
     """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied
     (``per_env=False``: the whole population only).
 
-    ``bound`` is SPEC 14's view of ``mismatch`` (its floor, curve and advice, from the run's tracker)."""
+    ``bound`` is SPEC 14's view of ``mismatch`` (its floor, curve and advice,
+    from the run's tracker)."""
     population, tally = _population(shipped, np.ones(shipped.n_rollouts, dtype=bool), None, window, max_staleness)
     metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
@@ -270,8 +288,8 @@ def compute_report(
     env_tally: dict[str, Tally] = {}
     envs = set(shipped.env.tolist()) | set(window.counts) if per_env else set()
     if len(envs) == 1 and set(window.dropped_lengths) <= envs:
-        # One env holds every shipped rollout and every count of the window: its population is the whole
-        # (the same inputs to the same sums), so it is not computed twice.
+        # One env holds every shipped rollout and every count of the window: its population is the
+        # whole (the same inputs to the same sums), so it is not computed twice.
         (env,) = envs
         env_tally[env_names[env]] = tally
         env_metrics[env_names[env]] = dict(population)
@@ -279,7 +297,8 @@ def compute_report(
     for env in sorted(envs, key=lambda e: env_names[e]):
         env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
         env_metrics[env_names[env]] = dict(env_population)
-    for name, (sums, env_bound) in (env_costs or {}).items():  # SPEC 11 and 14 per env (env breakdown)
+    # SPEC 11 and 14 per env (env breakdown)
+    for name, (sums, env_bound) in (env_costs or {}).items():
         env_metrics.setdefault(name, {}).update(mismatch_metrics(sums, env_bound))
     if env_breakdown:
         for name, values in env_metrics.items():

@@ -1,15 +1,17 @@
-"""The metric catalogue: the one table of metric definitions (SPEC 6-8, 11, 12, 14) and of the legacy names.
+"""The metric catalogue: the one table of metric definitions (SPEC 6-8, 11, 12, 14)
+and of the legacy names.
 
-Every W&B key (``"staleness/..."``), Prometheus family, OpenTelemetry instrument and legacy name of the package
-is written here and nowhere else (tests/metrics/test_catalogue_lint.py reads the package's syntax trees to
-hold that). Every exporter, dashboard, rule file, report and the migration tool read this table; code that
-writes or reads one key names it through :mod:`staleness_metrics.metrics.keys`. No name is ever derived
-from another at run time: each row spells out its W&B key, Prometheus family, OpenTelemetry instrument and
-legacy keys.
+Every W&B key (``"staleness/..."``), Prometheus family, OpenTelemetry instrument and legacy name of
+the package is written here and nowhere else (tests/metrics/test_catalogue_lint.py reads the
+package's syntax trees to hold that). Every exporter, dashboard, rule file, report and the migration
+tool read this table; code that writes or reads one key names it through
+:mod:`staleness_metrics.metrics.keys`. No name is ever derived from another at run time: each row
+spells out its W&B key, Prometheus family, OpenTelemetry instrument and legacy keys.
 
-Adding a metric: one :class:`MetricDef` row under its SPEC section (keyword arguments only), a constant in
-:mod:`~staleness_metrics.metrics.keys` when code writes it, and ``staleness-metrics dashboards`` to
-regenerate the generated files. Only :mod:`.buckets` is imported, so reading the table stays cheap.
+Adding a metric: one :class:`MetricDef` row under its SPEC section (keyword arguments only), a
+constant in :mod:`~staleness_metrics.metrics.keys` when code writes it, and
+``staleness-metrics dashboards`` to regenerate the generated files. Only :mod:`.buckets` is
+imported, so reading the table stays cheap.
 """
 
 from __future__ import annotations
@@ -67,11 +69,12 @@ class Source(str, enum.Enum):
     ROLLOUT_HISTOGRAM = "rollout_histogram"  # report.tally.rollout_histogram
     EXPORTER = "exporter"  # kept by the exporter runtime itself (export errors)
     TALLY_BUCKETS = "tally_buckets"  # report.tally.<tally_field>, an array over the row's dimension
-    # SPEC 11 sums: report.mismatch (sink path) or MismatchReport.delta (live path), field <mismatch_field>:
-    # an array over the lag buckets (rows with a dimension) or the uncovered count
+    # SPEC 11 sums: report.mismatch (sink path) or MismatchReport.delta (live path), field
+    # <mismatch_field>: an array over the lag buckets (rows with a dimension) or the uncovered count
     MISMATCH = "mismatch"
-    # SPEC 14 keys (report.metrics[wandb_key] or MismatchReport.metrics) of the latest ship that reported the
-    # SPEC 11 family: a ship without it leaves them as they were (a live run's ships carry none themselves).
+    # SPEC 14 keys (report.metrics[wandb_key] or MismatchReport.metrics) of the latest ship that
+    # reported the SPEC 11 family: a ship without it leaves them as they were (a live run's
+    # ships carry none themselves).
     BOUND = "bound"
 
 
@@ -89,7 +92,8 @@ BOUND_KEY_PREFIX = "staleness/bound/"
 
 
 def env_key(env: str, key: str) -> str:
-    """The per-env twin of the batch-wide ``key`` for ``env`` (``staleness/env/<env>/token/mean``)."""
+    """The per-env twin of the batch-wide ``key`` for ``env``
+    (``staleness/env/<env>/token/mean``)."""
     return f"{ENV_KEY_PREFIX}{env}/{key.removeprefix(KEY_PREFIX)}"
 
 
@@ -97,9 +101,10 @@ def env_key(env: str, key: str) -> str:
 class Dimension:
     """A bucket label of a family of series (SPEC 11 lag buckets, SPEC 12 length buckets).
 
-    ``buckets`` are the core's bucket names, as the W&B keys spell them; ``values`` the label value
-    Prometheus and OpenTelemetry carry for each (the same, except the open top bucket of the lags, which
-    is ``+Inf`` there like ``le``). ``placeholder`` marks the bucket in a row's W&B key template.
+    ``buckets`` are the core's bucket names, as the W&B keys spell them; ``values`` the
+    label value Prometheus and OpenTelemetry carry for each (the same, except the open top
+    bucket of the lags, which is ``+Inf`` there like ``le``). ``placeholder`` marks the
+    bucket in a row's W&B key template.
     """
 
     label: str
@@ -122,8 +127,8 @@ LENGTH = Dimension(label="length", buckets=LENGTH_BUCKETS, values=LENGTH_BUCKETS
 class MetricDef:
     """One metric as every exporter names it (keyword arguments only: a row reads as what it says).
 
-    ``wandb_key`` is the SPEC 6 key (None: not logged to W&B). ``prometheus_name`` /``otel_name`` are
-    None where that exporter does not publish the metric (quantiles, for instance, come from the
+    ``wandb_key`` is the SPEC 6 key (None: not logged to W&B). ``prometheus_name`` /``otel_name``
+    are None where that exporter does not publish the metric (quantiles, for instance, come from the
     histogram in PromQL). ``labels`` lists the Prometheus labels / OTel attributes besides none.
     """
 
@@ -140,14 +145,16 @@ class MetricDef:
     tally_field: str | None = None
     wandb_summary: str | None = None  # define_metric summary for W&B ("max" for maxima)
     legacy_keys: tuple[str, ...] = ()
-    # A family of series, one per bucket: its label (in ``labels`` too) and, when ``wandb_key`` holds
-    # the dimension's placeholder, one W&B key per bucket (spelled out once, in :data:`WANDB_KEYS`).
+    # A family of series, one per bucket: its label (in ``labels`` too) and, when
+    # ``wandb_key`` holds the dimension's placeholder, one W&B key per bucket (spelled out
+    # once, in :data:`WANDB_KEYS`).
     dimension: Dimension | None = None
     mismatch_field: str | None = None  # the MismatchSums field of a Source.MISMATCH row
 
     @property
     def wandb_keys(self) -> tuple[str, ...]:
-        """The W&B keys of this row: its key, or for a templated key one per bucket, in bucket order."""
+        """The W&B keys of this row: its key, or for a templated key one per
+        bucket, in bucket order."""
         if self.wandb_key is None:
             return ()
         if self.dimension is None or self.dimension.placeholder not in self.wandb_key:
@@ -156,7 +163,8 @@ class MetricDef:
 
     @property
     def keys_by_bucket(self) -> dict[str, str]:
-        """A templated row's W&B key of each bucket (``{"0": "staleness/mismatch/lag_0/k3", ...}``)."""
+        """A templated row's W&B key of each bucket
+        (``{"0": "staleness/mismatch/lag_0/k3", ...}``)."""
         assert self.dimension is not None and self.wandb_key is not None, f"{self.name} has no W&B key per bucket"
         return dict(zip(self.dimension.buckets, self.wandb_keys, strict=True))
 
@@ -196,8 +204,8 @@ METRICS: tuple[MetricDef, ...] = (
         labels=("run",),
         integer=True,
         description=(
-            "The staleness bound the ship was judged with (max_staleness, or where adaptation moved it), in policy "
-            "versions."
+            "The staleness bound the ship was judged with (max_staleness, or where adaptation "
+            "moved it), in policy versions."
         ),
     ),
     MetricDef(
@@ -346,8 +354,8 @@ METRICS: tuple[MetricDef, ...] = (
         kind=MetricKind.GAUGE,
         source=Source.METRIC,
         description=(
-            "Mean newest-token rollout staleness T - max(version) over shipped live rollouts (verl's trajectory "
-            "staleness; the rollout mean uses the oldest token)."
+            "Mean newest-token rollout staleness T - max(version) over shipped live rollouts "
+            "(verl's trajectory staleness; the rollout mean uses the oldest token)."
         ),
     ),
     MetricDef(
@@ -548,8 +556,8 @@ METRICS: tuple[MetricDef, ...] = (
         dimension=LAG,
         mismatch_field="sum_k3",
         description=(
-            "Sum of the k3 estimator r - 1 - log r of trainer/sampler mismatch (r = trainer/sampler probability), "
-            "per token lag bucket, in nats."
+            "Sum of the k3 estimator r - 1 - log r of trainer/sampler mismatch (r = "
+            "trainer/sampler probability), per token lag bucket, in nats."
         ),
     ),
     MetricDef(
@@ -681,8 +689,8 @@ METRICS: tuple[MetricDef, ...] = (
         wandb_summary="max",
         dimension=LAG,
         description=(
-            "Mean k3 of a lag bucket minus the run's floor (SPEC 14: this ship's lag-0 k3, carried from an earlier "
-            "ship, or the smallest lag's): what staleness costs at that lag."
+            "Mean k3 of a lag bucket minus the run's floor (SPEC 14: this ship's lag-0 k3, carried "
+            "from an earlier ship, or the smallest lag's): what staleness costs at that lag."
         ),
     ),
     MetricDef(
@@ -732,9 +740,9 @@ METRICS: tuple[MetricDef, ...] = (
         labels=("run", "env", "source"),
         dimension=FLOOR_SOURCE,
         description=(
-            "The engines' numeric mismatch floor (mean k3) the excess is measured against; source lag0 (this ship's "
-            "lag-0 tokens), carried (an earlier ship's) or min_lag (the smallest lag with enough tokens: an upper "
-            "bound on the floor)."
+            "The engines' numeric mismatch floor (mean k3) the excess is measured against; source "
+            "lag0 (this ship's lag-0 tokens), carried (an earlier ship's) or min_lag (the smallest "
+            "lag with enough tokens: an upper bound on the floor)."
         ),
     ),
     MetricDef(
@@ -784,8 +792,9 @@ METRICS: tuple[MetricDef, ...] = (
         labels=("run", "env", "lag"),
         dimension=CURVE_LAG,
         description=(
-            "Excess k3 over the floor by lag, pooled over the last cost_window ships and made non-decreasing in lag "
-            "(weighted isotonic regression); lags 1..16 with at least floor_min_tokens tokens."
+            "Excess k3 over the floor by lag, pooled over the last cost_window ships and made "
+            "non-decreasing in lag (weighted isotonic regression); lags 1..16 with at least "
+            "floor_min_tokens tokens."
         ),
     ),
     MetricDef(
@@ -813,8 +822,8 @@ METRICS: tuple[MetricDef, ...] = (
         labels=("run", "env"),
         integer=True,
         description=(
-            "1 when some lag of the curve costs more than the budget (the suggestion is where), else 0 (the "
-            "suggestion is only the largest lag seen)."
+            "1 when some lag of the curve costs more than the budget (the suggestion is where), "
+            "else 0 (the suggestion is only the largest lag seen)."
         ),
     ),
     MetricDef(
@@ -869,8 +878,8 @@ METRICS: tuple[MetricDef, ...] = (
         tally_field="length_removed",
         dimension=LENGTH,
         description=(
-            "Sampled positions of shipped and dropped live samples that were masked or dropped for staleness, "
-            "by the sample's sampled length bucket."
+            "Sampled positions of shipped and dropped live samples that were masked or dropped for "
+            "staleness, by the sample's sampled length bucket."
         ),
     ),
     MetricDef(
@@ -1028,8 +1037,9 @@ def metric_by_prometheus_name(name: str) -> MetricDef:
     return _BY_PROM[name]
 
 
-# Counters with a batch-wide series (env="") beside the per-env ones, as the exporters write them: SPEC 12's
-# length counters and SPEC 11's mismatch family (per env when the trainer's sums are given per env).
+# Counters with a batch-wide series (env="") beside the per-env ones, as the exporters write
+# them: SPEC 12's length counters and SPEC 11's mismatch family (per env when the trainer's
+# sums are given per env).
 BATCH_WIDE_COUNTERS = frozenset(
     {"length_samples", "length_sampled_tokens", "length_removed_tokens"}
     | {row.name for row in METRICS if row.source is Source.MISMATCH}

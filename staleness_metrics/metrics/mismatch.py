@@ -1,12 +1,12 @@
 """What staleness costs (SPEC 11): trainer-vs-sampler mismatch split by token lag.
 
 Per position ``d = trainer_logprob - sampler_logprob`` (clamped to ±20) and ``r = exp(d)``; per lag
-bucket the sums below add exactly across micro-batches, ranks and processes (counts exactly, float sums
-up to float64 rounding), so every ratio (k3, ESS, out-of-band share, the excess over SPEC 14's floor) is
-derived from merged sums, never averaged.
+bucket the sums below add exactly across micro-batches, ranks and processes (counts exactly, float
+sums up to float64 rounding), so every ratio (k3, ESS, out-of-band share, the excess over SPEC 14's
+floor) is derived from merged sums, never averaged.
 
-The same function serves the sink (replay: records that carry ``trainer_logprobs``) and the live path
-(a trainer in another process turns a shipment's lags and its own log-probabilities into sums).
+The same function serves the sink (replay: records that carry ``trainer_logprobs``) and the live
+path (a trainer in another process turns a shipment's lags and its own log-probabilities into sums).
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ class MismatchSums:
 
     # ------------------------------------------------------------------ the small dict
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form: ``{"format": 1, "uncovered": n, "lags": {"0": {...}, ..., "inf": {...}}}``."""
+        """Plain JSON-able form:
+        ``{"format": 1, "uncovered": n, "lags": {"0": {...}, ..., "inf": {...}}}``."""
         lags = {
             name: {
                 **{f: int(getattr(self, f)[i]) for f in COUNT_FIELDS},
@@ -131,12 +132,15 @@ class MismatchSums:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MismatchSums:
-        """Inverse of :meth:`to_dict`; raises :class:`~staleness_metrics.errors.FieldError` (a ``ValueError``)
-        naming the field at fault."""
+        """Inverse of :meth:`to_dict`; raises :class:`~staleness_metrics.errors.FieldError` (a
+        ``ValueError``) naming the field at fault."""
         if not isinstance(data, Mapping):
             raise FieldError(None, f"mismatch sums: expected an object, got {type(data).__name__}")
         if data.get("format", DICT_FORMAT) != DICT_FORMAT:
-            raise FieldError("format", f"unknown mismatch sums format {data.get('format')!r} (expected {DICT_FORMAT})")
+            raise FieldError(
+                "format",
+                f"unknown mismatch sums format {data.get('format')!r} (expected {DICT_FORMAT})",
+            )
         uncovered = _count("uncovered", data.get("uncovered"))
         lags = data.get("lags")
         if not isinstance(lags, Mapping):
@@ -155,7 +159,10 @@ class MismatchSums:
                 columns[f].append(_finite(f"lags.{name}.{f}", bucket.get(f)))
             for f in ("masked", "out_of_band"):
                 if columns[f][-1] > columns["tokens"][-1]:
-                    raise FieldError(f"lags.{name}.{f}", f"{columns[f][-1]} exceeds tokens {columns['tokens'][-1]}")
+                    raise FieldError(
+                        f"lags.{name}.{f}",
+                        f"{columns[f][-1]} exceeds tokens {columns['tokens'][-1]}",
+                    )
             nonnegative = ("sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
             for f in nonnegative:
                 if columns[f][-1] < 0:
@@ -171,8 +178,9 @@ class MismatchSums:
         """The SPEC 11 keys; empty when nothing is covered. Buckets without tokens are left out.
 
         The excess keys are measured against ``floor`` (SPEC 14's floor of the ship, from
-        :class:`~staleness_metrics.metrics.bound.BoundTracker` or :func:`~staleness_metrics.metrics.bound.select_floor`)
-        and left out without one; bucket ``0`` never has one.
+        :class:`~staleness_metrics.metrics.bound.BoundTracker` or
+        :func:`~staleness_metrics.metrics.bound.select_floor`) and left out without one;
+        bucket ``0`` never has one.
         """
         covered = self.covered
         if covered == 0:
@@ -219,7 +227,8 @@ def _finite(name: str, value: object) -> float:
 
 
 def _flat(name: str, values: npt.ArrayLike, kinds: str) -> npt.NDArray[Any]:
-    """``values`` as a flat array (``[B, L]`` reads row by row) whose dtype kind is one of ``kinds``."""
+    """``values`` as a flat array (``[B, L]`` reads row by row) whose dtype
+    kind is one of ``kinds``."""
     array = np.asarray(values).reshape(-1)
     if array.size and array.dtype.kind not in kinds:
         raise FieldError(name, f"expected {'integers' if kinds == 'iu' else 'numbers'}, got dtype {array.dtype}")
@@ -236,28 +245,29 @@ def mismatch_sums(
 ) -> MismatchSums:
     """Sums of SPEC 11 over positions: one call, one pass over the arrays.
 
-    ``lags`` is a shipment's per-position lag (``Shipment.lags``): positions with a negative lag are not
-    sampled positions of a live rollout and are skipped. The log-probability arrays are aligned with it
-    (numpy arrays, anything ``np.asarray`` takes, or torch tensors; any float dtype); a position where
-    either is NaN or infinite is uncovered. ``masked`` flags the positions the policy masked (for instance
-    ``shipped_mask == 0``); they are counted in the sums and apart in ``masked``. Arrays of shape
-    ``[B, L]`` are read flat.
+    ``lags`` is a shipment's per-position lag (``Shipment.lags``): positions with a negative lag are
+    not sampled positions of a live rollout and are skipped. The log-probability arrays are aligned
+    with it (numpy arrays, anything ``np.asarray`` takes, or torch tensors; any float dtype); a
+    position where either is NaN or infinite is uncovered. ``masked`` flags the positions the policy
+    masked (for instance ``shipped_mask == 0``); they are counted in the sums and apart in
+    ``masked``. Arrays of shape ``[B, L]`` are read flat.
 
-    Torch tensors are summed where they are: on the CPU through the same compiled pass as numpy arrays
-    (zero-copy views, so the same numbers); on a GPU with torch operations in float64 on that device,
-    bringing back only the per-bucket sums (one small transfer). The counts are exact either way, the float
-    sums equal to float64 rounding. Numpy arrays or CPU tensors passed with GPU tensors (a shipment's lags,
-    say) are copied to the GPU; a tensor on another GPU is refused.
+    Torch tensors are summed where they are: on the CPU through the same compiled pass as numpy
+    arrays (zero-copy views, so the same numbers); on a GPU with torch operations in float64 on that
+    device, bringing back only the per-bucket sums (one small transfer). The counts are exact either
+    way, the float sums equal to float64 rounding. Numpy arrays or CPU tensors passed with GPU
+    tensors (a shipment's lags, say) are copied to the GPU; a tensor on another GPU is refused.
 
-    Raises :class:`~staleness_metrics.errors.FieldError` (a ``ValueError``) naming the argument at fault:
-    lengths that differ, a dtype of the wrong kind, a bad ``band``.
+    Raises :class:`~staleness_metrics.errors.FieldError` (a ``ValueError``) naming the argument at
+    fault: lengths that differ, a dtype of the wrong kind, a bad ``band``.
     """
     lo, hi = band
     if not (0 < lo <= hi and math.isfinite(hi)):
         raise FieldError("band", f"expected 0 < lo <= hi, got {band!r}")
     arrays = {"lags": lags, "sampler_logprobs": sampler_logprobs, "trainer_logprobs": trainer_logprobs,
               "masked": masked}  # fmt: skip
-    # The one seam: tensors go to the torch module, which only a caller that already imported torch reaches.
+    # The one seam: tensors go to the torch module, which only a caller that
+    # already imported torch reaches.
     torch = sys.modules.get("torch")
     if torch is not None and any(isinstance(value, torch.Tensor) for value in arrays.values()):
         from . import mismatch_torch
@@ -276,15 +286,20 @@ def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
     sampler = _flat("sampler_logprobs", arrays["sampler_logprobs"], "fiu")
     trainer = _flat("trainer_logprobs", arrays["trainer_logprobs"], "fiu")
     flags = None if arrays["masked"] is None else _flat("masked", arrays["masked"], "biu")
-    for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
+    for name, array in (
+        ("sampler_logprobs", sampler),
+        ("trainer_logprobs", trainer),
+        ("masked", flags),
+    ):
         if array is not None and len(array) != len(lag):
             raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
     bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)
     if any(values.dtype.kind == "f" and values.dtype.itemsize > 8 for values in (sampler, trainer)):
         # wider than float64 (long double): d taken in that precision, then read as float64
         trainer, sampler = trainer - sampler, np.zeros(len(lag))
-    # One compiled pass (mismatch_kernel.mismatch_runs): float32 / float64 as they are, others as float64, which
-    # is what numpy's subtraction made of them; lags as int64 (unsigned ones beyond 2**62 are all "inf").
+    # One compiled pass (mismatch_kernel.mismatch_runs): float32 / float64 as they are, others as
+    # float64, which is what numpy's subtraction made of them; lags as int64 (unsigned ones
+    # beyond 2**62 are all "inf").
     if lag.dtype.kind == "u":
         lag = np.minimum(lag, np.uint64(1 << 62))
     counts, sums, uncovered = mismatch_runs(
@@ -301,8 +316,10 @@ def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
 
 
 def _of_pass(counts: IntArray, sums: FloatArray, uncovered: int) -> MismatchSums:
-    """The sums from a pass's ``[3, buckets]`` counts and ``[5, buckets]`` float sums (both passes' layout)."""
-    k3 = np.maximum(sums[2], 0.0)  # each term is >= 0; rounding of tiny ones must not make the sum negative
+    """The sums from a pass's ``[3, buckets]`` counts and ``[5, buckets]`` float sums
+    (both passes' layout)."""
+    # each term is >= 0; rounding of tiny ones must not make the sum negative
+    k3 = np.maximum(sums[2], 0.0)
     return MismatchSums._of(
         dict(zip(COUNT_FIELDS, counts)),
         {"sum_log_ratio": sums[0], "sum_abs_log_ratio": sums[1], "sum_k3": k3, "sum_ratio": sums[3],

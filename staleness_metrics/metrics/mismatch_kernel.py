@@ -1,7 +1,8 @@
 """SPEC 11's mismatch sums of one call in one compiled pass over the positions (the loop behind
 :func:`~staleness_metrics.metrics.mismatch.mismatch_sums`).
 
-The numpy formulation it replaced is in ``tests/metrics/test_mismatch.py``, checked equal on random inputs.
+The numpy formulation it replaced is in ``tests/metrics/test_mismatch.py``,
+checked equal on random inputs.
 """
 
 from __future__ import annotations
@@ -24,23 +25,33 @@ IntArray = npt.NDArray[np.int64]
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 
 
-# exp(x) for |x| <= 20 as fdlibm's e_exp.c computes it (within 1 ulp of the C library's): x = k ln2 + r,
-# |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), a rational approximation of exp(r), then 2^k.
-# Written in the loop, it is vectorised; the C library's exp is a call per position.
-_LN2_HI, _LN2_LO, _INV_LN2 = 6.93147180369123816490e-01, 1.90821492927058770002e-10, 1.44269504088896338700e00
-_EXP_P1, _EXP_P2, _EXP_P3 = 1.66666666666666019037e-01, -2.77777777770155933842e-03, 6.61375632143793436117e-05
+# exp(x) for |x| <= 20 as fdlibm's e_exp.c computes it (within 1 ulp of the C library's): x = k ln2
+# + r, |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), a rational approximation of exp(r),
+# then 2^k. Written in the loop, it is vectorised; the C library's exp is a call per position.
+_LN2_HI, _LN2_LO, _INV_LN2 = (
+    6.93147180369123816490e-01,
+    1.90821492927058770002e-10,
+    1.44269504088896338700e00,
+)
+_EXP_P1, _EXP_P2, _EXP_P3 = (
+    1.66666666666666019037e-01,
+    -2.77777777770155933842e-03,
+    6.61375632143793436117e-05,
+)
 _EXP_P4, _EXP_P5 = -1.65339022054652515390e-06, 4.13813679705723846039e-08
-_SHIFTER = 1.5 * 2.0**52  # added to an integer-valued float below 2^51, leaves it in the low mantissa bits
-# A log-ratio this close to the log of a band edge is compared again with the C library's exp; farther,
-# its side of the edge is the side of exp(d) (log's and exp's rounding are far below it)
+# added to an integer-valued float below 2^51, leaves it in the low mantissa bits
+_SHIFTER = 1.5 * 2.0**52
+# A log-ratio this close to the log of a band edge is compared again with the C library's exp;
+# farther, its side of the edge is the side of exp(d) (log's and exp's rounding are far below it)
 _NEAR = 2.0**-39
 
 
 def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
-    """``r = exp(d)`` for ``|d| <= 700`` (fdlibm's e_exp.c, within one ulp of the C library's) and the k3
-    term ``r - 1 - d``. Compiled without reassociation, so the reduction keeps its order even where it is
-    inlined into a loop that sums in vector lanes; ``k`` is rounded to nearest (a tie either way is exact
-    enough) and the polynomial is evaluated in Estrin's order: a shorter chain of dependent operations."""
+    """``r = exp(d)`` for ``|d| <= 700`` (fdlibm's e_exp.c, within one ulp of the C library's) and
+    the k3 term ``r - 1 - d``. Compiled without reassociation, so the reduction keeps its order even
+    where it is inlined into a loop that sums in vector lanes; ``k`` is rounded to nearest (a tie
+    either way is exact enough) and the polynomial is evaluated in Estrin's order: a shorter chain
+    of dependent operations."""
     k = np.rint(d * _INV_LN2)
     high = d - k * _LN2_HI
     low = k * _LN2_LO
@@ -49,8 +60,8 @@ def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
     x4 = xx * xx
     c = x - xx * ((_EXP_P1 + xx * _EXP_P2) + x4 * ((_EXP_P3 + xx * _EXP_P4) + x4 * _EXP_P5))
     y = 1.0 - ((low - (x * c) / (2.0 - c)) - high)
-    # 2^k from k's bits in the mantissa of k + 1.5 * 2^52 (no float-to-integer conversion: any d gives
-    # a value, which a loop may compute for positions it then discards)
+    # 2^k from k's bits in the mantissa of k + 1.5 * 2^52 (no float-to-integer conversion: any d
+    # gives a value, which a loop may compute for positions it then discards)
     scale = np.int64((np.float64(k + _SHIFTER).view(np.int64) + 1023) << 52).view(np.float64)
     r = y * scale  # exact
     return r, r - 1.0 - d
@@ -260,15 +271,16 @@ def mismatch_runs(
     bounds: IntArray,
     clamp: float,
 ) -> tuple[IntArray, npt.NDArray[np.float64], int]:
-    """SPEC 11's per-bucket sums of one call in one pass: ``counts`` (tokens, masked, out of band) and
-    ``sums`` (d, \|d\|, r - 1 - d, r, r\ :sup:`2`) per bucket (``searchsorted(bounds, lag, "left")``),
-    and the uncovered positions. ``lag`` is int64; the log-probabilities float32 or float64 (each read as
-    float64); ``flags`` one byte (or bool) per position or ``None``. Positions with a negative lag are
-    skipped, those where the difference is not finite are uncovered; ``d`` is clamped to ``±clamp``
-    (at most 700: ``exp`` is computed in the loop for the arguments of a float64 result). The float sums
-    are those of a sequential pass to float64 rounding: ``r`` within one ulp of the C library's ``exp``,
-    added in vector lanes; the counts are exact (a ratio on a band edge is compared again with the C
-    library's ``exp``). Large inputs are summed in parallel shares (the loop releases the GIL), then added.
+    """SPEC 11's per-bucket sums of one call in one pass: ``counts`` (tokens, masked, out of band)
+    and ``sums`` (d, \|d\|, r - 1 - d, r, r\ :sup:`2`) per bucket
+    (``searchsorted(bounds, lag, "left")``), and the uncovered positions. ``lag`` is int64; the
+    log-probabilities float32 or float64 (each read as float64); ``flags`` one byte (or bool) per
+    position or ``None``. Positions with a negative lag are skipped, those where the difference is
+    not finite are uncovered; ``d`` is clamped to ``±clamp`` (at most 700: ``exp`` is computed in
+    the loop for the arguments of a float64 result). The float sums are those of a sequential pass
+    to float64 rounding: ``r`` within one ulp of the C library's ``exp``, added in vector lanes; the
+    counts are exact (a ratio on a band edge is compared again with the C library's ``exp``). Large
+    inputs are summed in parallel shares (the loop releases the GIL), then added.
 
     Raises ``ValueError`` when the arrays differ in length or ``clamp`` is out of range.
     """

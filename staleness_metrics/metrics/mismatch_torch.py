@@ -1,17 +1,18 @@
 """SPEC 11's sums of torch tensors, on the tensors' own device.
 
 :func:`~staleness_metrics.metrics.mismatch.mismatch_sums` comes here when any of its arguments is a
-``torch.Tensor`` (it looks in ``sys.modules``, so a caller without tensors never imports torch). Tensors on
-the CPU are handed back as zero-copy numpy views (:func:`host_views`) for the compiled pass, which gives
-exactly what numpy arrays give. Tensors on an accelerator (CUDA, ...) are summed there with torch
-operations in float64 (:func:`device_sums`): per-token arrays never leave the device; the per-bucket sums
-come back in one transfer of a ``[10, buckets]`` float64 tensor. The counts are exact and equal to the
-compiled pass's; the float sums agree with it to float64 rounding (torch's ``exp`` and the order of the
-additions differ). A ratio within 2**-39 of a band edge is compared with the C library's ``exp``, as the
-compiled pass does: those few positions (normally none) are fetched after the sums.
+``torch.Tensor`` (it looks in ``sys.modules``, so a caller without tensors never imports torch).
+Tensors on the CPU are handed back as zero-copy numpy views (:func:`host_views`) for the compiled
+pass, which gives exactly what numpy arrays give. Tensors on an accelerator (CUDA, ...) are summed
+there with torch operations in float64 (:func:`device_sums`): per-token arrays never leave the
+device; the per-bucket sums come back in one transfer of a ``[10, buckets]`` float64 tensor. The
+counts are exact and equal to the compiled pass's; the float sums agree with it to float64 rounding
+(torch's ``exp`` and the order of the additions differ). A ratio within 2**-39 of a band edge is
+compared with the C library's ``exp``, as the compiled pass does: those few positions (normally
+none) are fetched after the sums.
 
-This module does not import :mod:`.mismatch` (which imports it): it returns the arrays the compiled pass
-returns, and ``mismatch_sums`` makes them a ``MismatchSums`` the same way.
+This module does not import :mod:`.mismatch` (which imports it): it returns the arrays the compiled
+pass returns, and ``mismatch_sums`` makes them a ``MismatchSums`` the same way.
 """
 
 from __future__ import annotations
@@ -28,21 +29,34 @@ from .buckets import LAG_UPPER_BOUNDS, N_BUCKETS
 
 __all__ = ["PACKED_ROWS", "device_of", "device_sums", "host_views", "packed_sums"]
 
-# Rows of the packed per-bucket tensor: covered tokens, masked, out of band (edges apart), uncovered, near a
-# band edge, then the float sums of d, |d|, k3, r, r² (the order of MismatchSums' float fields).
-PACKED_ROWS = ("tokens", "masked", "out_of_band", "uncovered", "near_edge", "d", "abs_d", "k3", "r", "r2")
+# Rows of the packed per-bucket tensor: covered tokens, masked, out of band (edges apart),
+# uncovered, near a band edge, then the float sums of d, |d|, k3, r, r² (the order of
+# MismatchSums' float fields).
+PACKED_ROWS = (
+    "tokens",
+    "masked",
+    "out_of_band",
+    "uncovered",
+    "near_edge",
+    "d",
+    "abs_d",
+    "k3",
+    "r",
+    "r2",
+)
 _COUNTS = 3  # the first rows are MismatchSums' counts, in its order
 _SUMS = slice(5, 10)
-_NEAR = 2.0**-39  # the compiled pass's margin: farther from an edge, the side of d is the side of exp(d)
+# the compiled pass's margin: farther from an edge, the side of d is the side of exp(d)
+_NEAR = 2.0**-39
 _INT64_MAX = torch.iinfo(torch.int64).max
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
 
 def device_of(arrays: Mapping[str, Any]) -> torch.device:
-    """The device the sums are computed on: the trainer log-probabilities' if a tensor, else the first
-    tensor's. A tensor on another accelerator is refused (``FieldError`` naming it); CPU data is copied to
-    the device, never the other way."""
+    """The device the sums are computed on: the trainer log-probabilities' if a tensor, else the
+    first tensor's. A tensor on another accelerator is refused (``FieldError`` naming it); CPU data
+    is copied to the device, never the other way."""
     tensors = {name: value for name, value in arrays.items() if isinstance(value, torch.Tensor)}
     device: torch.device = tensors.get("trainer_logprobs", next(iter(tensors.values()))).device
     for name, tensor in tensors.items():
@@ -52,8 +66,8 @@ def device_of(arrays: Mapping[str, Any]) -> torch.device:
 
 
 def host_views(arrays: Mapping[str, Any]) -> dict[str, Any]:
-    """CPU tensors as numpy arrays sharing their memory (detached; bfloat16, which numpy lacks, widened to
-    float32 exactly); other values as they are."""
+    """CPU tensors as numpy arrays sharing their memory (detached; bfloat16, which numpy lacks,
+    widened to float32 exactly); other values as they are."""
     views = {}
     for name, value in arrays.items():
         if isinstance(value, torch.Tensor):
@@ -68,18 +82,23 @@ def host_views(arrays: Mapping[str, Any]) -> dict[str, Any]:
 def device_sums(
     arrays: Mapping[str, Any], lo: float, hi: float, device: torch.device, clamp: float
 ) -> tuple[IntArray, FloatArray, int]:
-    """The sums of ``arrays`` (``lags``, ``sampler_logprobs``, ``trainer_logprobs``, ``masked``) computed with
-    torch on ``device`` (any device, the CPU included: the tests compare it with the compiled pass there),
-    as the compiled pass returns them: counts ``[3, buckets]`` (tokens, masked, out of band), float sums
-    ``[5, buckets]`` (d, |d|, k3, r, r²) and the uncovered positions. Non-tensor arguments and CPU tensors
-    are copied to ``device`` first; ``FieldError`` names an argument of the wrong length or dtype."""
+    """The sums of ``arrays`` (``lags``, ``sampler_logprobs``, ``trainer_logprobs``, ``masked``)
+    computed with torch on ``device`` (any device, the CPU included: the tests compare it with the
+    compiled pass there), as the compiled pass returns them: counts ``[3, buckets]`` (tokens,
+    masked, out of band), float sums ``[5, buckets]`` (d, |d|, k3, r, r²) and the uncovered
+    positions. Non-tensor arguments and CPU tensors are copied to ``device`` first; ``FieldError``
+    names an argument of the wrong length or dtype."""
     lag, sampler, trainer, flags = (
         _on_device(name, arrays.get(name), device, kind)
         for name, kind in (("lags", "integers"), ("sampler_logprobs", "numbers"),
                            ("trainer_logprobs", "numbers"), ("masked", "booleans or integers"))
     )  # fmt: skip
     assert lag is not None and sampler is not None and trainer is not None
-    for name, tensor in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
+    for name, tensor in (
+        ("sampler_logprobs", sampler),
+        ("trainer_logprobs", trainer),
+        ("masked", flags),
+    ):
         if tensor is not None and tensor.numel() != lag.numel():
             raise FieldError(name, f"length {tensor.numel()} differs from the lags' {lag.numel()}")
     with torch.no_grad():
@@ -89,8 +108,8 @@ def device_sums(
     host = packed.to("cpu").numpy()  # the one transfer: [10, buckets] float64
     counts = host[:_COUNTS].astype(np.int64)
     if host[PACKED_ROWS.index("near_edge")].any():
-        # A ratio on a band edge: its side is the C library exp's answer, as in the compiled pass. Only
-        # these positions (a handful at most) are fetched.
+        # A ratio on a band edge: its side is the C library exp's answer, as in the compiled pass.
+        # Only these positions (a handful at most) are fetched.
         index = near.nonzero().reshape(-1)
         for value, b in zip(d[index].tolist(), bucket[index].tolist(), strict=True):
             ratio = math.exp(value)
@@ -106,13 +125,15 @@ def packed_sums(
     band: tuple[float, float],
     clamp: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-bucket rows of :data:`PACKED_ROWS` as one float64 ``[10, buckets]`` tensor on the inputs'
-    device, with the clamped log-ratios, the buckets and the near-edge flags (kept on the device for the
-    rare edge case). No operation here reads a value on the host: it runs on the meta device too."""
+    """The per-bucket rows of :data:`PACKED_ROWS` as one float64 ``[10, buckets]`` tensor on
+    the inputs' device, with the clamped log-ratios, the buckets and the near-edge flags (kept
+    on the device for the rare edge case). No operation here reads a value on the host: it runs
+    on the meta device too."""
     device = lag.device
     lag = _as_int64(lag.reshape(-1))
     d = trainer.reshape(-1).to(torch.float64) - sampler.reshape(-1).to(torch.float64)
-    inside = lag >= 0  # a negative lag is not a sampled position of a live rollout: outside the population
+    # a negative lag is not a sampled position of a live rollout: outside the population
+    inside = lag >= 0
     finite = torch.isfinite(d)
     covered = inside & finite
     d = torch.where(covered, d.clamp(-clamp, clamp), 0.0)
@@ -125,12 +146,14 @@ def packed_sums(
     bucket = torch.bucketize(lag, bounds, right=False)  # numpy's searchsorted(bounds, lag, "left")
     packed = torch.zeros((len(PACKED_ROWS), N_BUCKETS), dtype=torch.float64, device=device)
     rows = (covered, masked, out, inside & ~finite, near)
-    for i, row in enumerate(rows):  # counts as float64: exact (a tensor has fewer than 2**53 elements)
+    # counts as float64: exact (a tensor has fewer than 2**53 elements)
+    for i, row in enumerate(rows):
         packed[i].index_add_(0, bucket, row.to(torch.float64))
     base = len(rows)
     packed[base].index_add_(0, bucket, d)
     packed[base + 1].index_add_(0, bucket, d.abs())
-    packed[base + 2].index_add_(0, bucket, torch.where(covered, r - 1.0 - d, 0.0))  # the k3 term, as the pass
+    # the k3 term, as the pass
+    packed[base + 2].index_add_(0, bucket, torch.where(covered, r - 1.0 - d, 0.0))
     packed[base + 3].index_add_(0, bucket, r)
     packed[base + 4].index_add_(0, bucket, r * r)
     return packed, d, bucket, near
@@ -147,7 +170,8 @@ _KINDS = {
 
 
 def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.Tensor | None:
-    """``value`` as a detached tensor on ``device``, its dtype checked (``FieldError`` naming ``name``)."""
+    """``value`` as a detached tensor on ``device``, its dtype checked
+    (``FieldError`` naming ``name``)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -163,7 +187,8 @@ def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.
 
 
 def _as_int64(lag: torch.Tensor) -> torch.Tensor:
-    """Lags as int64; unsigned 64-bit ones beyond int64 (torch has few uint64 operations) are all "inf"."""
+    """Lags as int64; unsigned 64-bit ones beyond int64 (torch has few uint64
+    operations) are all "inf"."""
     if lag.dtype == torch.uint64:
         signed = lag.view(torch.int64)
         return torch.where(signed < 0, _INT64_MAX, signed)

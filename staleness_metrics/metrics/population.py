@@ -26,7 +26,8 @@ BoolArray = npt.NDArray[np.bool_]
 
 
 class PopulationColumns(NamedTuple):
-    """The columns of a shipped slice a population pass reads (see ``engine.decision.Judgement``)."""
+    """The columns of a shipped slice a population pass reads (see
+    ``engine.decision.Judgement``)."""
 
     # rollouts
     frozen: BoolArray
@@ -54,7 +55,8 @@ class PopulationSummary(NamedTuple):
     samples: int  # their live, kept samples
     token_dot: int  # sum of staleness x sampled positions (a Python integer: exact beyond int64)
     live: int  # selected live rollouts
-    # their staleness (T - oldest shipped sampled version), in-flight and in-queue times, newest staleness
+    # their staleness (T - oldest shipped sampled version), in-flight and
+    # in-queue times, newest staleness
     rollout_sum: int
     rollout_max: int
     in_flight_sum: int
@@ -63,11 +65,15 @@ class PopulationSummary(NamedTuple):
     in_queue_max: int
     newest_sum: int
     newest_max: int
-    quantiles: list[int]  # the nearest-rank staleness of each quantile asked (none without sampled positions)
-    length_sampled: IntArray  # per length bucket (by a sample's sampled positions): sampled positions
+    # the nearest-rank staleness of each quantile asked (none without sampled positions)
+    quantiles: list[int]
+    # per length bucket (by a sample's sampled positions): sampled positions
+    length_sampled: IntArray
     length_removed: IntArray  # of those, masked
-    token_histogram: IntArray  # sampled positions per staleness 0, 1, ..., the last counting all from ``top`` up
-    rollout_histogram: IntArray  # live rollouts per staleness (their oldest shipped version's), folded alike
+    # sampled positions per staleness 0, 1, ..., the last counting all from ``top`` up
+    token_histogram: IntArray
+    # live rollouts per staleness (their oldest shipped version's), folded alike
+    rollout_histogram: IntArray
 
 
 # Places in the compiled pass's totals array (the loop's own layout: the results are named).
@@ -117,7 +123,11 @@ def _walk_live_rollout(
     positions) and ``extent`` (the highest staleness, and the spans at the histogram's top
     ``extent[2]`` or above); returns the rollout's oldest and newest sampled version (its dispatch
     version for both when it has none). A callee of ``_population_summary``."""
-    dispatch, sample_offsets, dropped, mask_below, n_sampled, span_offsets = columns[1], columns[3], *columns[4:8]
+    dispatch, sample_offsets, dropped, mask_below, n_sampled, span_offsets = (
+        columns[1],
+        columns[3],
+        *columns[4:8],
+    )
     version, sampled, labelled = columns[8:]
     length_sampled, length_removed = lengths
     n_buckets = len(length_bounds) + 1
@@ -165,10 +175,15 @@ def _staleness_counts(
 ) -> tuple[IntArray, IntArray, int]:  # pragma: no cover - compiled
     """The sampled positions of the selected live rollouts' kept samples by staleness (``extent`` as
     ``_walk_live_rollout`` left it, with ``top``): the histogram (index = staleness, the last index
-    ``top`` counting all at or above it), the staleness (row 0) and positions (row 1) of each span at
-    ``top`` or above sorted by staleness, and the sum of staleness x positions below ``top``. A
+    ``top`` counting all at or above it), the staleness (row 0) and positions (row 1) of each span
+    at ``top`` or above sorted by staleness, and the sum of staleness x positions below ``top``. A
     callee of ``_population_summary``."""
-    frozen, sample_offsets, dropped, span_offsets, version, sampled = columns[0], columns[3], columns[4], *columns[7:10]
+    frozen, sample_offsets, dropped, span_offsets, version, sampled = (
+        columns[0],
+        columns[3],
+        columns[4],
+        *columns[7:10],
+    )
     high, n_above, top = extent[0], extent[1], extent[2]
     histogram = np.zeros(min(high, top) + 1, dtype=np.int64)  # (empty without sampled positions)
     above = np.empty((2, n_above), dtype=np.int64)

@@ -11,9 +11,17 @@ import numpy.typing as npt
 from .buckets import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS
 from .mismatch import MismatchSums
 
-__all__ = ["HISTOGRAM_TOP", "LENGTH_BUCKETS", "LENGTH_UPPER_BOUNDS", "MetricValue", "StepReport", "Tally"]
+__all__ = [
+    "HISTOGRAM_TOP",
+    "LENGTH_BUCKETS",
+    "LENGTH_UPPER_BOUNDS",
+    "MetricValue",
+    "StepReport",
+    "Tally",
+]
 
-# A value of the metrics dict: numbers, and the one string key ``staleness/mismatch/floor_source`` (SPEC 14).
+# A value of the metrics dict: numbers, and the one string key
+# ``staleness/mismatch/floor_source`` (SPEC 14).
 MetricValue = float | int | str
 
 
@@ -57,22 +65,28 @@ class Tally:
     rollout_histogram: Counts = field(default_factory=_empty_counts)
     # SPEC 12, over the shipped samples plus the samples dropped in the window (live rollouts):
     length_samples: int = 0
-    length_sampled: Counts = field(default_factory=_empty_counts)  # sampled positions per length bucket
+    # sampled positions per length bucket
+    length_sampled: Counts = field(default_factory=_empty_counts)
     length_removed: Counts = field(default_factory=_empty_counts)  # of those, masked or dropped
 
     def __add__(self, other: Tally) -> Tally:
         # (names read once: dataclasses.fields costs more than the sums)
-        mine, theirs = self.__dict__, other.__dict__  # (every field is in the instance's dict: no slots)
+        mine, theirs = (
+            self.__dict__,
+            other.__dict__,
+        )  # (every field is in the instance's dict: no slots)
         values: dict[str, object] = {name: mine[name] + theirs[name] for name in _COUNT_FIELDS}
         for name in _COUNTS_FIELDS:
             a, b = _aligned(mine[name], theirs[name])
             values[name] = (a + b).astype(np.int64, copy=False)
-        total = object.__new__(Tally)  # (every field given: the frozen __init__'s setattr per field skipped)
+        # (every field given: the frozen __init__'s setattr per field skipped)
+        total = object.__new__(Tally)
         total.__dict__.update(values)
         return total
 
     def excess_over(self, other: Tally) -> Tally:
-        """``self - other`` field by field, floored at 0 (the part of a window's tally no env's covers)."""
+        """``self - other`` field by field, floored at 0 (the part of a window's
+        tally no env's covers)."""
         mine, theirs = self.__dict__, other.__dict__
         values: dict[str, object] = {name: max(mine[name] - theirs[name], 0) for name in _COUNT_FIELDS}
         for name in _COUNTS_FIELDS:
@@ -106,7 +120,8 @@ class Tally:
     __hash__ = None  # type: ignore[assignment]
 
 
-_COUNTS_FIELDS = tuple(f.name for f in fields(Tally) if f.type == "Counts")  # arrays, added by index
+# arrays, added by index
+_COUNTS_FIELDS = tuple(f.name for f in fields(Tally) if f.type == "Counts")
 _COUNT_FIELDS = tuple(f.name for f in fields(Tally) if f.name not in _COUNTS_FIELDS)  # numbers
 
 
@@ -127,7 +142,8 @@ class StepReport:
     env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
     env_tally: Mapping[str, Tally] = field(default_factory=dict)
     mismatch: MismatchSums | None = None
-    # With the env breakdown, each named env's SPEC 11 sums from the records (the counters' per-env series).
+    # With the env breakdown, each named env's SPEC 11 sums from the records (the
+    # counters' per-env series).
     env_mismatch: Mapping[str, MismatchSums] = field(default_factory=dict)
 
     def row(self) -> dict[str, MetricValue]:

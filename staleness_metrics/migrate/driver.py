@@ -22,7 +22,14 @@ from .tree import Syntax
 from .wandb import WandbPolicy, looks_like_wandb
 from .yaml_syntax import YAML_SYNTAX
 
-__all__ = ["detect_kind", "iter_files", "migrate_file", "migrate_text", "unified_diff", "write_atomically"]
+__all__ = [
+    "detect_kind",
+    "iter_files",
+    "migrate_file",
+    "migrate_text",
+    "unified_diff",
+    "write_atomically",
+]
 
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
 _HISTORY_SUFFIXES = frozenset({".jsonl", ".ndjson"})

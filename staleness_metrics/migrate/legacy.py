@@ -242,7 +242,9 @@ def _trie_pattern(names: Iterable[str], sep: str) -> str:
 
 
 def rewrite_key_regex(
-    pattern: str, flavor: RegexFlavor = "wandb", prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES
+    pattern: str,
+    flavor: RegexFlavor = "wandb",
+    prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES,
 ) -> RegexRewrite | None:
     """Rewrite a regex over metric names so it matches the new names of the legacy names it matched.
 

@@ -118,9 +118,27 @@ class Scanner:
                 reason = "old off_policy/ namespace, no known mapping"
                 hits.append(Hit(start, start + len(token), token, None, Action.MANUAL, reason))
             elif match.lastgroup == "setting":
-                hits.append(Hit(start, end, token, _RENAMED_SETTINGS[token], Action.RENAME, "renamed setting"))
+                hits.append(
+                    Hit(
+                        start,
+                        end,
+                        token,
+                        _RENAMED_SETTINGS[token],
+                        Action.RENAME,
+                        "renamed setting",
+                    )
+                )
             elif match.lastgroup == "console":
-                hits.append(Hit(start, end, token, legacy.CONSOLE_LABELS[token], Action.RENAME, "console label"))
+                hits.append(
+                    Hit(
+                        start,
+                        end,
+                        token,
+                        legacy.CONSOLE_LABELS[token],
+                        Action.RENAME,
+                        "console label",
+                    )
+                )
             elif self.prometheus:
                 hit = self._prometheus_hit(token, start)
                 if hit is not None:
@@ -157,7 +175,14 @@ class Scanner:
             reason = f"recording rule over {removed[0].legacy_key}: {removed[0].reason}"
             return Hit(start, end, token, None, Action.REMOVED, reason)
         new = ":".join(f.new if f is not None and f.new else s for s, f in zip(segments, found, strict=True))
-        return Hit(start, end, token, new, Action.RENAME, "recording rule name follows its series (level:metric:op)")
+        return Hit(
+            start,
+            end,
+            token,
+            new,
+            Action.RENAME,
+            "recording rule name follows its series (level:metric:op)",
+        )
 
     def _scan_promql(self, text: str) -> Scanned:
         hits: list[Hit] = []

@@ -92,7 +92,10 @@ class PeerScanner(Scanner):
         try:
             compiled = re.compile(pattern)
         except re.error as exc:
-            return Scanned(pattern, (Hit(0, len(pattern), pattern, None, Action.MANUAL, f"not a regex: {exc}"),))
+            return Scanned(
+                pattern,
+                (Hit(0, len(pattern), pattern, None, Action.MANUAL, f"not a regex: {exc}"),),
+            )
         matched = [row for key, row in self.rows.items() if not row.segment and compiled.search(key)]
         if not matched:
             return Scanned(pattern, ())
@@ -103,7 +106,12 @@ class PeerScanner(Scanner):
         new_keys = sorted({row.new for row in matched if row.new is not None})
         rewritten = "^(?:" + "|".join(re.escape(k) for k in new_keys) + ")$"
         hit = Hit(
-            0, len(pattern), pattern, rewritten, Action.RENAME, f"{self._peer()}: regex rewritten to the same keys here"
+            0,
+            len(pattern),
+            pattern,
+            rewritten,
+            Action.RENAME,
+            f"{self._peer()}: regex rewritten to the same keys here",
         )
         return Scanned(rewritten, (hit,))
 

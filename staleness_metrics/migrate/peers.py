@@ -298,5 +298,9 @@ def peer_keys(peer: str) -> tuple[PeerKey, ...]:
     """The table rows of one peer (``ValueError`` for a peer the table does not know)."""
     if peer not in PEERS:
         known = ", ".join(PEERS)
-        raise ConfigError(f"unknown peer {peer!r}; known: {known}", field="peer", reason=f"unknown (known: {known})")
+        raise ConfigError(
+            f"unknown peer {peer!r}; known: {known}",
+            field="peer",
+            reason=f"unknown (known: {known})",
+        )
     return tuple(row for row in PEER_KEYS if row.peer == peer)

@@ -135,7 +135,13 @@ class _Migration:
     """The edits, findings and intended data changes of one document, built step by step."""
 
     def __init__(self, path: str, text: str, syntax: Syntax, scanner: Scanner, roots: list[Node]) -> None:
-        self.path, self.text, self.syntax, self.scanner, self.roots = path, text, syntax, scanner, roots
+        self.path, self.text, self.syntax, self.scanner, self.roots = (
+            path,
+            text,
+            syntax,
+            scanner,
+            roots,
+        )
         self.lines = LineIndex(text)
         self.nodes: dict[Path, Node] = {}
         self.scans: list[ScalarScan] = []
@@ -214,7 +220,10 @@ class _Migration:
             for hit in scan.scanned.hits:
                 action, reason = hit.action, hit.reason
                 if action is Action.RENAME and raw is None:
-                    action, reason = Action.MANUAL, "cannot rewrite this value in place: edit by hand"
+                    action, reason = (
+                        Action.MANUAL,
+                        "cannot rewrite this value in place: edit by hand",
+                    )
                 if action is Action.REMOVED and note:
                     reason = f"{reason}; {note}"
                 line = _line(self.text, self.lines, scan.scalar, hit)

@@ -1,8 +1,8 @@
 """The columnar form of rollouts: flat per-position arrays with sample and rollout offsets.
 
 An orchestrator that already holds numpy arrays builds a :class:`RolloutBatch` around them without a
-per-token copy; the sink masks those very arrays in place. Records given as dicts are packed into the
-same form by :mod:`staleness_metrics.records.model`.
+per-token copy; the sink masks those very arrays in place. Records given as dicts are packed into
+the same form by :mod:`staleness_metrics.records.model`.
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ class RolloutBatch:
     Sample level (S entries): ``position_offsets`` (S + 1) into the flat position arrays.
 
     Position level (P entries): ``mask`` (1 = sampled by the policy, 0 = not), the optional weight
-    arrays, ``logprobs`` and ``trainer_logprobs`` (NaN = missing), and ``token_versions``
-    (-1 = unlabelled). Alternatively (or for other
-    samples) version spans: ``span_offsets`` (S + 1) into ``span_versions`` / ``span_starts``, whose
-    starts are positions relative to their sample. ``label_kind`` says per sample which of the two it
-    uses (0 none, 1 spans, 2 token_versions); it defaults from what is given.
+    arrays, ``logprobs`` and ``trainer_logprobs`` (NaN = missing), and ``token_versions`` (-1 =
+    unlabelled). Alternatively (or for other samples) version spans: ``span_offsets`` (S + 1) into
+    ``span_versions`` / ``span_starts``, whose starts are positions relative to their sample.
+    ``label_kind`` says per sample which of the two it uses (0 none, 1 spans, 2 token_versions); it
+    defaults from what is given.
 
-    ``present`` (per weight field and log-probability array, per sample) says whether a sample carried that array; a
-    missing ``rl_weights`` counts as 1.0 on the mask, missing ce / ref-KL weights as 0. Arrays are
-    masked in place: pass copies if the originals must stay untouched.
+    ``present`` (per weight field and log-probability array, per sample) says whether a sample
+    carried that array; a missing ``rl_weights`` counts as 1.0 on the mask, missing ce / ref-KL
+    weights as 0. Arrays are masked in place: pass copies if the originals must stay untouched.
     """
 
     ids: Sequence[str]
@@ -70,16 +70,19 @@ class RolloutBatch:
     ce_weights: FloatArray | None = None
     ref_kl_weights: FloatArray | None = None
     logprobs: FloatArray | None = None
-    trainer_logprobs: FloatArray | None = None  # NaN where missing (SPEC 11: uncovered, not an error)
+    # NaN where missing (SPEC 11: uncovered, not an error)
+    trainer_logprobs: FloatArray | None = None
     token_versions: IntArray | None = None
     span_offsets: IntArray | None = None
     span_versions: IntArray | None = None
     span_starts: IntArray | None = None
     label_kind: npt.NDArray[np.int8] | None = None
     present: dict[str, BoolArray] = field(default_factory=dict)
-    # Record fields to echo back in shipped output (dict-sourced rollouts); None = build from columns.
+    # Record fields to echo back in shipped output (dict-sourced rollouts);
+    # None = build from columns.
     echo: list[dict[str, Any]] | None = None
-    # Set by from_padded: the [B, L] rows the flat arrays came from (engine.shipment.padded_shipment reads it).
+    # Set by from_padded: the [B, L] rows the flat arrays came from
+    # (engine.shipment.padded_shipment reads it).
     padded: PaddedLayout | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -124,15 +127,24 @@ class RolloutBatch:
         return cls(**padded_columns(ids, mask, **columns))
 
     def rollouts_in(self, start: int, stop: int) -> RolloutBatch:
-        """Rollouts ``start`` to ``stop - 1`` as a batch of views of this one's arrays (offsets from 0): masking
-        it masks these positions. A padded batch's rows are not kept (``padded`` is None)."""
+        """Rollouts ``start`` to ``stop - 1`` as a batch of views of this one's arrays (offsets
+        from 0): masking it masks these positions. A padded batch's rows are not kept
+        (``padded`` is None)."""
         s0, s1 = int(self.sample_offsets[start]), int(self.sample_offsets[stop])
         p0, p1 = int(self.position_offsets[s0]), int(self.position_offsets[s1])
         part = copy.copy(self)  # (checked and converted already: no __post_init__ again)
         part.ids = self.ids[start:stop]
         part.sample_offsets = self.sample_offsets[start : stop + 1] - s0
         part.position_offsets = self.position_offsets[s0 : s1 + 1] - p0
-        for name in ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo"):
+        for name in (
+            "dispatch_version",
+            "completion_version",
+            "frozen",
+            "agentic",
+            "group_ids",
+            "envs",
+            "echo",
+        ):
             if (values := getattr(self, name)) is not None:
                 setattr(part, name, values[start:stop])
         for name in (*PER_POSITION_FLOATS, "mask", "token_versions"):
@@ -143,7 +155,10 @@ class RolloutBatch:
         if self.span_offsets is not None and self.span_versions is not None and self.span_starts is not None:
             t0, t1 = int(self.span_offsets[s0]), int(self.span_offsets[s1])
             part.span_offsets = self.span_offsets[s0 : s1 + 1] - t0
-            part.span_versions, part.span_starts = self.span_versions[t0:t1], self.span_starts[t0:t1]
+            part.span_versions, part.span_starts = (
+                self.span_versions[t0:t1],
+                self.span_starts[t0:t1],
+            )
         part.present = {name: flags[s0:s1] for name, flags in self.present.items()}
         part.padded = None
         return part

@@ -41,7 +41,14 @@ _ROLLOUT_FIELDS = {
     "agentic",
     "samples",
 }
-_SAMPLE_FIELDS = {"mask", "weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs", "trainer_logprobs"}
+_SAMPLE_FIELDS = {
+    "mask",
+    "weight_versions",
+    "token_versions",
+    *WEIGHT_FIELDS,
+    "logprobs",
+    "trainer_logprobs",
+}
 
 
 def _plain(values: Any) -> Any:
@@ -68,7 +75,13 @@ class Sample:
 
     def to_record(self) -> dict[str, Any]:
         record = {"mask": _plain(self.mask)}
-        for name in ("weight_versions", "token_versions", *WEIGHT_FIELDS, "logprobs", "trainer_logprobs"):
+        for name in (
+            "weight_versions",
+            "token_versions",
+            *WEIGHT_FIELDS,
+            "logprobs",
+            "trainer_logprobs",
+        ):
             if getattr(self, name) is not None:
                 record[name] = _plain(getattr(self, name))
         return record
@@ -102,13 +115,15 @@ class Rollout:
 @dataclass
 class ParsedSample:
     mask: npt.NDArray[np.int8]
-    spans: npt.NDArray[np.signedinteger[Any]] | None = None  # shape (k, 2): version, start (int32 or int64)
-    token_versions: npt.NDArray[np.signedinteger[Any]] | None = None  # int64, or as parsed (int8/16/32)
+    # shape (k, 2): version, start (int32 or int64)
+    spans: npt.NDArray[np.signedinteger[Any]] | None = None
+    # int64, or as parsed (int8/16/32)
+    token_versions: npt.NDArray[np.signedinteger[Any]] | None = None
     weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
     logprobs: npt.NDArray[np.float64] | None = None
     trainer_logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing
-    # The per-position arrays the parse made (shared with no caller's record), which pack(adopt=True) may
-    # hand to the batch without a copy.
+    # The per-position arrays the parse made (shared with no caller's record), which
+    # pack(adopt=True) may hand to the batch without a copy.
     fresh: set[str] = field(default_factory=set)
 
 
@@ -127,7 +142,8 @@ class ParsedRollout:
 
 @dataclass(frozen=True)
 class UnparsedRollout:
-    """A record :func:`parse_rollout` refused: its error, and its env (counted per env when set aside)."""
+    """A record :func:`parse_rollout` refused: its error, and its env (counted
+    per env when set aside)."""
 
     error: TraceError
     env: str | None
@@ -144,8 +160,8 @@ def _is_int(value: object) -> bool:
 def _array(rid: str, name: str, value: object, kinds: str, expected: str, booleans: bool = True) -> npt.NDArray[Any]:
     """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced.
 
-    ``booleans=False`` says the caller knows no boolean can be in ``value`` (its JSON text has none):
-    the per-element search for one is skipped.
+    ``booleans=False`` says the caller knows no boolean can be in ``value`` (its JSON text has
+    none): the per-element search for one is skipped.
     """
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds.replace("b", ""):
         return value  # already exact (the service turns long lists into arrays as it reads them)
@@ -156,8 +172,8 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
     except (ValueError, OverflowError):
         array = np.array(value, dtype=object)
     if array.dtype.kind in "uOf" and array.size and not _within_int64(array):
-        # an integer beyond signed 64 bits (numpy reads it as uint64, an object or a float): no store
-        # keeps it exactly, and as a weight it would be silently rounded
+        # an integer beyond signed 64 bits (numpy reads it as uint64, an object or a float): no
+        # store keeps it exactly, and as a weight it would be silently rounded
         for i, v in enumerate(value):
             if _is_int(v) and not INT64_MIN <= v <= INT64_MAX:
                 raise TraceError(rid, f"{name}[{i}]", f"integer {v} is outside the signed 64-bit range")
@@ -190,8 +206,8 @@ def _within_int64(array: npt.NDArray[Any]) -> bool:
 def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
     """A list of ints within int64 at C speed (what :func:`_array` reads it as); None otherwise.
 
-    ``array('q', ...)`` refuses floats, strings, nulls, lists and integers beyond int64. A boolean is
-    an int to it: callers that refuse booleans use this only when the text has none.
+    ``array('q', ...)`` refuses floats, strings, nulls, lists and integers beyond int64. A boolean
+    is an int to it: callers that refuse booleans use this only when the text has none.
     """
     if type(value) is not list or not value:
         return None
@@ -202,8 +218,9 @@ def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
 
 
 def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
-    """Versions as signed integers: an array already read as a narrower signed dtype (the service reads a
-    long list of small versions as int8) stays so, as :func:`pack` may keep it; anything else is int64."""
+    """Versions as signed integers: an array already read as a narrower signed dtype (the
+    service reads a long list of small versions as int8) stays so, as :func:`pack` may keep it;
+    anything else is int64."""
     fast = None if booleans else _plain_ints(value)
     array = fast if fast is not None else _array(rid, name, value, "iu", "a list of integers", booleans)
     if array.size and (array.max() > MAX_VERSION or array.min() < -MAX_VERSION):
@@ -211,7 +228,8 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
     return array if array.dtype in _NARROW_VERSIONS else array.astype(np.int64, copy=False)
 
 
-# Signed dtypes a sample's token versions may keep from the parse (exact: they are integers either way).
+# Signed dtypes a sample's token versions may keep from the parse (exact: they
+# are integers either way).
 _NARROW_VERSIONS = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
 
 INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
@@ -222,8 +240,8 @@ def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
 
     ``array('d', ...)`` takes ints and floats only (a string, null, list or object raises), each
     converted as ``float()`` does: what :func:`_array` then ``astype`` gives for lists of ints and
-    floats. Integers of 2**63 or more (which :func:`_array` may read as uint64 or objects) and NaN go
-    down the checked path, which decides and names the error as before.
+    floats. Integers of 2**63 or more (which :func:`_array` may read as uint64 or objects) and NaN
+    go down the checked path, which decides and names the error as before.
     """
     if type(value) is not list:
         return None
@@ -231,7 +249,8 @@ def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
         array = np.frombuffer(_array_module.array("d", value), dtype=np.float64)
     except (TypeError, OverflowError):
         return None
-    if array.size and not (array.max() < INT64_BOUND and array.min() > -INT64_BOUND):  # NaN fails too
+    # NaN fails too
+    if array.size and not (array.max() < INT64_BOUND and array.min() > -INT64_BOUND):
         return None
     return array
 
@@ -260,8 +279,8 @@ def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
     array = fast if fast is not None else _array(rid, name, value, "biu", "a list of 0/1 or booleans")
     if array.dtype.kind == "b" or not array.size:
         return array.astype(np.int8, copy=False)
-    # one reduction: as unsigned, a negative value is huge (the usual case is int64 from a JSON list)
-    # (an int8 array, as the service reads a long mask, is viewed the same way: no wider copy)
+    # one reduction: as unsigned, a negative value is huge (the usual case is int64 from a JSON
+    # list) (an int8 array, as the service reads a long mask, is viewed the same way: no wider copy)
     if array.dtype == np.int64:
         unsigned = array.view(np.uint64)
     elif array.dtype == np.int8:
@@ -277,7 +296,8 @@ def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
 
 
 def _only_ints(pairs: list[Any]) -> bool:
-    """Whether every item of every pair is an int (not a bool): C-level passes, no per-span Python code."""
+    """Whether every item of every pair is an int (not a bool): C-level passes, no
+    per-span Python code."""
     try:
         return set(map(type, chain.from_iterable(pairs))) == {int}
     except TypeError:  # a pair that is not a list: the loop names it
@@ -286,18 +306,22 @@ def _only_ints(pairs: list[Any]) -> bool:
 
 def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
     if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == 2 and value.dtype.kind == "i":
-        # pairs already read as integers (the service reads a long span list straight into an array, of
-        # int32 where every value fits): kept in their dtype, widened by pack into the batch's columns
+        # pairs already read as integers (the service reads a long span list straight into
+        # an array, of int32 where every value fits): kept in their dtype, widened by pack
+        # into the batch's columns
         if value.size and (int(value.max()) > MAX_VERSION or int(value.min()) < -MAX_VERSION):
             for i, pair in enumerate(value.tolist()):
                 if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
                     raise TraceError(
-                        rid, f"{name}[{i}]", f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}"
+                        rid,
+                        f"{name}[{i}]",
+                        f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}",
                     )
         return value if value.dtype in (np.int32, np.int64) else value.astype(np.int64)
     if not isinstance(value, list):
         raise TraceError(rid, name, f"expected a list of [version, start] pairs, got {type(value).__name__}")
-    if value and (not booleans or _only_ints(value)):  # no boolean hides among the integers: all at once
+    # no boolean hides among the integers: all at once
+    if value and (not booleans or _only_ints(value)):
         try:
             pairs = np.array(value)
         except (ValueError, OverflowError):
@@ -315,7 +339,11 @@ def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDA
         if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
             raise TraceError(rid, f"{name}[{i}]", f"expected a [version, start] pair of integers, got {pair!r}")
         if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
-            raise TraceError(rid, f"{name}[{i}]", f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}")
+            raise TraceError(
+                rid,
+                f"{name}[{i}]",
+                f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}",
+            )
     return np.array(value, dtype=np.int64).reshape(-1, 2)
 
 
@@ -364,9 +392,9 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
         if values is not None and len(values) != n:
             raise TraceError(rid, f"{where}.{name}", f"length {len(values)} differs from the mask's {n}")
     if sample.spans is not None and len(sample.spans) > n:
-        # Starts strictly increase within 0..n-1: more spans than positions break a rule. Refused here, with
-        # the fault the batch checks would name, before the batch's span tables are built (5.6M spans of a
-        # one-position sample would cost gigabytes of tables to refuse).
+        # Starts strictly increase within 0..n-1: more spans than positions break a rule. Refused
+        # here, with the fault the batch checks would name, before the batch's span tables are built
+        # (5.6M spans of a one-position sample would cost gigabytes of tables to refuse).
         fault = span_fault(sample.spans, n)
         if fault is not None:
             span, reason = fault
@@ -375,10 +403,15 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
 
 
 def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
-    """The checked id, dispatch and completion versions (-1: none), source and agentic flag of a record."""
+    """The checked id, dispatch and completion versions (-1: none), source and
+    agentic flag of a record."""
     rid_raw = raw.get("id")
     if not isinstance(rid_raw, str) or not rid_raw:
-        raise TraceError(None if rid_raw is None else printable_id(str(rid_raw)), "id", "required non-empty string")
+        raise TraceError(
+            None if rid_raw is None else printable_id(str(rid_raw)),
+            "id",
+            "required non-empty string",
+        )
     check_text(rid_raw, "id", rid_raw)  # a store, an exporter or a JSON answer could not write it
     rid = rid_raw
     unknown = sorted(set(raw) - _ROLLOUT_FIELDS)
@@ -419,7 +452,8 @@ def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
 def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
     """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
 
-    ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a faster check of numbers).
+    ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a
+    faster check of numbers).
     """
     if not isinstance(raw, Mapping):
         raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
@@ -444,7 +478,8 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
 
 
 def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:
-    """:func:`parse_rollout`, with a refused record returned (not raised) as an :class:`UnparsedRollout`."""
+    """:func:`parse_rollout`, with a refused record returned (not raised) as an
+    :class:`UnparsedRollout`."""
     try:
         return parse_rollout(raw, booleans=booleans)
     except TraceError as error:
@@ -455,12 +490,13 @@ def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | Unp
 def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBatch:
     """Concatenate parsed rollouts into one columnar batch (values are validated by the sink).
 
-    ``adopt``: the parsed rollouts are seen by nobody else (the caller parsed them for this batch): a
-    column of one sample whose array the parse made is taken as it is, not copied (a long weight list
-    read as integers is a float64 array already; a copy was 8 more bytes a position).
+    ``adopt``: the parsed rollouts are seen by nobody else (the caller parsed them for this batch):
+    a column of one sample whose array the parse made is taken as it is, not copied (a long weight
+    list read as integers is a float64 array already; a copy was 8 more bytes a position).
 
-    Offsets and flags are summed and listed in Python, and each column is one numpy call: a replay that
-    ships every few rollouts packs a few samples at a time, where a numpy call costs more than its work.
+    Offsets and flags are summed and listed in Python, and each column is one numpy call: a
+    replay that ships every few rollouts packs a few samples at a time, where a numpy call
+    costs more than its work.
     """
     rollouts = list(rollouts)
     samples = [s for r in rollouts for s in r.samples]
@@ -469,10 +505,11 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     total = int(position_offsets[-1])
     sample_offsets = np.array([0, *accumulate(len(r.samples) for r in rollouts)], dtype=np.int64)
 
-    # A 0/1 mask as the engine computes with it (float64, like the weights) in a batch of ordinary size;
-    # from COMPACT_MASK_MIN_POSITIONS on, as parsed (int8): 1 byte a position instead of 8, for a mask
-    # whose JSON text is 2 bytes a position. The engine reads either dtype the same (integer masks are
-    # columnar input too); small batches keep float64 for the one-pass checks of small adds.
+    # A 0/1 mask as the engine computes with it (float64, like the weights) in a batch of
+    # ordinary size; from COMPACT_MASK_MIN_POSITIONS on, as parsed (int8): 1 byte a position
+    # instead of 8, for a mask whose JSON text is 2 bytes a position. The engine reads either
+    # dtype the same (integer masks are columnar input too); small batches keep float64 for the
+    # one-pass checks of small adds.
     mask_dtype = np.int8 if total >= COMPACT_MASK_MIN_POSITIONS else np.float64
     mask = _flat([s.mask for s in samples], mask_dtype)
     label_kind = np.array(
@@ -498,9 +535,9 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     if trainer_logprobs is not None:
         present["trainer_logprobs"] = trainer_present
     # Token versions as the engine cuts with them (int64) in a batch of ordinary size; from
-    # COMPACT_MASK_MIN_POSITIONS on, in the narrowest signed dtype the parse gave every sample (a long
-    # list of small versions: int8, 1 byte a position for the 2 of "0," instead of 8). The compiled
-    # cut and masked writes read them in that dtype: the same cuts, no int64 copy.
+    # COMPACT_MASK_MIN_POSITIONS on, in the narrowest signed dtype the parse gave every sample (a
+    # long list of small versions: int8, 1 byte a position for the 2 of "0," instead of 8). The
+    # compiled cut and masked writes read them in that dtype: the same cuts, no int64 copy.
     given_versions = [s.token_versions for s in samples]
     versions_dtype: Any = np.int64
     if mask_dtype is np.int8:
@@ -555,7 +592,8 @@ def _column(
     fill: float,
     dtype: type = np.float64,
 ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
-    """One per-position column of :func:`pack` (``values`` per sample, None: not given) and which samples gave it."""
+    """One per-position column of :func:`pack` (``values`` per sample, None: not given) and
+    which samples gave it."""
     given = [v for v in values if v is not None]
     if not given:
         return None, _NONE_PRESENT
@@ -567,7 +605,8 @@ def _column(
         return _flat(given, dtype), present
     present = np.array([v is not None for v in values], dtype=bool)
     if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
-        # the usual case: the given parts in place, the fill everywhere else (no array per missing part)
+        # the usual case: the given parts in place, the fill everywhere else
+        # (no array per missing part)
         out: npt.NDArray[Any] = np.full(sum(lengths), fill, dtype=dtype)
         start = 0
         for v, n in zip(values, lengths):
@@ -579,7 +618,8 @@ def _column(
     return _flat(parts, np.float64), present
 
 
-_NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)  # (a column no sample has: no flags kept)
+# (a column no sample has: no flags kept)
+_NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)
 
 
 def _flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:

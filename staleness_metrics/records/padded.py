@@ -1,7 +1,7 @@
 """Padded ``[B, L]`` batches, the shape every trainer holds, as a :class:`RolloutBatch`.
 
-:func:`from_padded` (also :meth:`RolloutBatch.from_padded`) reads the rows (:mod:`.padded_rows` does the
-work); the way back, the caller's ``[B, L]`` arrays as a ship left them, is
+:func:`from_padded` (also :meth:`RolloutBatch.from_padded`) reads the rows (:mod:`.padded_rows` does
+the work); the way back, the caller's ``[B, L]`` arrays as a ship left them, is
 :func:`~staleness_metrics.engine.shipment.padded_shipment`.
 """
 
@@ -19,7 +19,8 @@ P = ParamSpec("P")
 
 
 def _batch_of(columns: Callable[P, dict[str, Any]]) -> Callable[P, RolloutBatch]:
-    """The function building a :class:`RolloutBatch` from what ``columns`` returns, with its parameters."""
+    """The function building a :class:`RolloutBatch` from what ``columns``
+    returns, with its parameters."""
 
     def build(*args: P.args, **kwargs: P.kwargs) -> RolloutBatch:
         return RolloutBatch(**columns(*args, **kwargs))

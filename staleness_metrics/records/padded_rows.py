@@ -3,15 +3,15 @@
 
 One row is one rollout with one sample. The sample spans the whole row, padding included: padding
 positions carry mask 0, so they are never sampled and never masked, and the rollout's decisions and
-metrics equal those of the same rollout given as a SPEC 3 record of its valid positions only. Because
-the rows keep their width, the flat arrays of the batch are the caller's own ``[B, L]`` arrays
-reshaped (a view whenever the array is C-contiguous), so the sink masks the caller's arrays in
-place; :func:`~staleness_metrics.engine.shipment.padded_shipment` gives the way back in any case.
+metrics equal those of the same rollout given as a SPEC 3 record of its valid positions only.
+Because the rows keep their width, the flat arrays of the batch are the caller's own ``[B, L]``
+arrays reshaped (a view whenever the array is C-contiguous), so the sink masks the caller's arrays
+in place; :func:`~staleness_metrics.engine.shipment.padded_shipment` gives the way back in any case.
 
 What reads ``B x L``: one OR-reduce per checked array (mask, ce and ref-KL weights) to make sure no
 padding position carries anything, and one comparison of neighbouring labels that turns per-token
-versions into version spans (padding and any negative label become -1), so no ``[B, L]`` copy is made.
-Nothing loops over rows in Python except building the ids list.
+versions into version spans (padding and any negative label become -1), so no ``[B, L]`` copy is
+made. Nothing loops over rows in Python except building the ids list.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def _row_list(name: str, values: Sequence[Any] | None, rows: int) -> list[Any] |
 
 @dataclass(frozen=True)
 class _Region:
-    """Which positions hold tokens: ``valid`` [B, L]; for ``lengths`` also each row's padding columns."""
+    """Which positions hold tokens: ``valid`` [B, L]; for ``lengths`` also each
+    row's padding columns."""
 
     valid: BoolArray
     pad_lo: IntArray | None = None  # padding is columns pad_lo .. pad_hi - 1 of each row
@@ -101,11 +102,19 @@ def _valid_region(
     if padding_side == "right":
         return _Region(columns[None, :] < length[:, None], length, full)
     if padding_side == "left":
-        return _Region(columns[None, :] >= (width - length)[:, None], np.zeros(rows, dtype=np.int64), width - length)
+        return _Region(
+            columns[None, :] >= (width - length)[:, None],
+            np.zeros(rows, dtype=np.int64),
+            width - length,
+        )
     raise FieldError("padding_side", f"expected 'right' or 'left', got {padding_side!r}")
 
 
-_SIGN_FREE = {2: (np.uint16, 0x7FFF), 4: (np.uint32, 0x7FFFFFFF), 8: (np.uint64, 0x7FFFFFFFFFFFFFFF)}
+_SIGN_FREE = {
+    2: (np.uint16, 0x7FFF),
+    4: (np.uint32, 0x7FFFFFFF),
+    8: (np.uint64, 0x7FFFFFFFFFFFFFFF),
+}
 
 
 def _padding_rows_nonzero(values: npt.NDArray[Any], region: _Region) -> BoolArray:
@@ -136,8 +145,9 @@ def _padding_rows_nonzero(values: npt.NDArray[Any], region: _Region) -> BoolArra
 
 
 def _label_spans(labels: npt.NDArray[Any], region: _Region | None) -> tuple[IntArray, IntArray, IntArray]:
-    """Per-position labels as version spans (offsets, versions, starts): one span wherever the label or
-    the validity changes, -1 for unlabelled (any negative) and padding. No [B, L] copy is made."""
+    """Per-position labels as version spans (offsets, versions, starts): one span
+    wherever the label or the validity changes, -1 for unlabelled (any negative) and
+    padding. No [B, L] copy is made."""
     if labels.dtype.kind not in "iu":
         raise FieldError("token_versions", f"expected integers, got {labels.dtype}")
     rows, width = labels.shape

@@ -31,7 +31,8 @@ def _finite(values: npt.NDArray[Any]) -> bool:  # pragma: no cover - compiled
 
 
 def _copy_to(copy: npt.NDArray[Any], values: npt.NDArray[Any], start: int, n: int) -> None:  # pragma: no cover
-    """``values`` into ``copy`` from ``start`` on, when both are there (an empty array is not; a callee)."""
+    """``values`` into ``copy`` from ``start`` on, when both are there (an empty
+    array is not; a callee)."""
     if len(copy) and len(values) == n:
         copy[start : start + n] = values
 
@@ -74,8 +75,8 @@ def _plain_values(
     token_copy: IntArray,
     start: int,
 ) -> bool:  # pragma: no cover - compiled
-    # (tuples of arrays of one type, not named tuples: the call itself is most of the cost of a small batch's
-    # check, and numba types a plain tuple as fast as flat arguments)
+    # (tuples of arrays of one type, not named tuples: the call itself is most of the cost of a
+    # small batch's check, and numba types a plain tuple as fast as flat arguments)
     mask, rl, ce, ref_kl, logprobs = values
     n = len(mask)
     if not _plain_rows(n_rollouts, offsets, label_kind, labels) or offsets[1][len(offsets[1]) - 1] != n:
@@ -99,12 +100,13 @@ def _plain_values(
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
 _INT8 = np.dtype(np.int8)
-_PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}  # (read-only: never written)
+# (read-only: never written)
+_PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}
 
 
 class BatchRows(NamedTuple):
-    """The rollout and sample rows of a batch :func:`plain_values` reads (``labels`` has bit ``k`` set when
-    label kind ``k`` may appear)."""
+    """The rollout and sample rows of a batch :func:`plain_values` reads (``labels`` has bit ``k``
+    set when label kind ``k`` may appear)."""
 
     n_rollouts: int
     sample_offsets: IntArray
@@ -116,9 +118,9 @@ class BatchRows(NamedTuple):
 
 
 class PositionCopies(NamedTuple):
-    """Where :func:`plain_values` copies plain positions to: an array for the mask and for each of the three
-    weights, of the mask's type, and one for the token versions (an empty array, or an array the batch lacks:
-    not copied)."""
+    """Where :func:`plain_values` copies plain positions to: an array for the mask and for each of
+    the three weights, of the mask's type, and one for the token versions (an empty array, or an
+    array the batch lacks: not copied)."""
 
     mask_and_weights: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
     token_versions: IntArray
@@ -158,7 +160,11 @@ def plain_values(
     if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1:
         return False  # (other shapes: the exact checks name them)
     rl, ce, ref_kl = weights  # (written out: this runs once per small add)
-    rl, ce, ref_kl = empty if rl is None else rl, empty if ce is None else ce, empty if ref_kl is None else ref_kl
+    rl, ce, ref_kl = (
+        empty if rl is None else rl,
+        empty if ce is None else ce,
+        empty if ref_kl is None else ref_kl,
+    )
     logprobs = empty if logprobs is None else logprobs
     for values in (rl, ce, ref_kl, logprobs):
         if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):

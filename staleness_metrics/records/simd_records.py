@@ -2,16 +2,16 @@
 
 orjson turns every number of a line into a Python object, which :mod:`.records` then copies into an
 array: for a stream of long samples most of a replay went into building and reading those objects.
-simdjson parses the line into its own tape, and ``Array.as_buffer`` copies a list of numbers out of it
-at C speed, so the per-position lists become arrays without a Python object per position.
+simdjson parses the line into its own tape, and ``Array.as_buffer`` copies a list of numbers out of
+it at C speed, so the per-position lists become arrays without a Python object per position.
 
 This path only ever *accepts* a plain, valid rollout line, and produces exactly the
 :class:`~.records.ParsedRollout` the general path (:func:`.jsonio.loads` then
-:func:`.records.parse_rollout`) gives for it; anything else (a ship or sweep event, an invalid or odd
-record, a boolean or null among numbers, a string escape, a JSON error) returns ``None`` and the line is
-read by the general path, which decides and names errors as it always did. ``as_buffer`` refuses
-booleans, nulls, strings and objects, and integers beyond 64 bits; it flattens nested lists, which a
-count of ``[`` in the line rules out (every ``[`` must open a list this reader looked at).
+:func:`.records.parse_rollout`) gives for it; anything else (a ship or sweep event, an invalid or
+odd record, a boolean or null among numbers, a string escape, a JSON error) returns ``None`` and the
+line is read by the general path, which decides and names errors as it always did. ``as_buffer``
+refuses booleans, nulls, strings and objects, and integers beyond 64 bits; it flattens nested lists,
+which a count of ``[`` in the line rules out (every ``[`` must open a list this reader looked at).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import numpy.typing as npt
 
 try:
     import simdjson
-except ImportError:  # no wheel for this Python (3.14 and later, so far): every line takes the general path
+except ImportError:
+    # no wheel for this Python (3.14 and later, so far): every line takes the general path
     simdjson = None  # type: ignore[assignment]
 
 from ..errors import TraceError
@@ -73,13 +74,15 @@ def _keys(value: object) -> list[str]:
 
 
 class _Lists:
-    """Per-position lists of one kind copied out of the tape (raw bytes), with where each one goes."""
+    """Per-position lists of one kind copied out of the tape (raw bytes),
+    with where each one goes."""
 
     def __init__(self) -> None:
         self.buffers: list[Any] = []
         self.sizes: list[int] = []
         self.owners: list[tuple[ParsedSample, str]] = []
-        self.firsts: list[int] = []  # per line taken (in the reader's order), the index of its first list
+        # per line taken (in the reader's order), the index of its first list
+        self.firsts: list[int] = []
 
     def drop_since(self, mark: int) -> None:
         """Forget the lists of a line the general path will read."""
@@ -91,22 +94,24 @@ class _Lists:
     def arrays(
         self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool], refused: set[int]
     ) -> tuple[npt.NDArray[Any], list[int], list[int]]:
-        """One array of every list, and where each list starts and ends in it; adds to ``refused`` the
-        lines of lists that are ``bad`` (one check of all lists; each list is checked only when some is
-        bad). The offsets are Python integers summed in Python: a few lists per line, where a numpy call
-        would cost more than the sum."""
+        """One array of every list, and where each list starts and ends in it; adds to ``refused``
+        the lines of lists that are ``bad`` (one check of all lists; each list is checked only when
+        some is bad). The offsets are Python integers summed in Python: a few lists per line, where
+        a numpy call would cost more than the sum."""
         whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=dtype)
         ends = list(accumulate(self.sizes))
         starts = [0, *ends]
         if bad(whole):
             for at, (start, end) in enumerate(zip(starts, ends)):
                 if bad(whole[start:end]):
-                    refused.add(bisect_right(self.firsts, at) - 1)  # the line that holds list ``at``
+                    # the line that holds list ``at``
+                    refused.add(bisect_right(self.firsts, at) - 1)
         return whole, starts, ends
 
 
 def _mask_bad(values: npt.NDArray[np.int64]) -> bool:
-    return bool(values.size and values.view(np.uint64).max() > 1)  # as unsigned, a negative value is huge
+    # as unsigned, a negative value is huge
+    return bool(values.size and values.view(np.uint64).max() > 1)
 
 
 def _version_bad(values: npt.NDArray[np.int64]) -> bool:
@@ -119,8 +124,9 @@ def _float_bad(values: npt.NDArray[np.float64]) -> bool:
 
 
 def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, floats: _Lists) -> ParsedRollout:
-    """The line's record with its per-position lists copied into ``masks``, ``versions`` and ``floats``
-    (their values are checked, and the arrays filled in, by :meth:`LineReader.finish`)."""
+    """The line's record with its per-position lists copied into ``masks``, ``versions`` and
+    ``floats`` (their values are checked, and the arrays filled in, by
+    :meth:`LineReader.finish`)."""
     _keys(document)
     if cast(simdjson.Object, document).get("type") != "rollout":
         raise _NotPlain
@@ -162,7 +168,8 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
             buffer = value.as_buffer(of_type=of_type)
             kind.buffers.append(buffer)
             size = len(value)
-            if size >= _SATURATED:  # the tape's count stops there: the copied buffer has every element
+            # the tape's count stops there: the copied buffer has every element
+            if size >= _SATURATED:
                 size = memoryview(buffer).nbytes // 8 // (2 if key == "weight_versions" else 1)
             if slot == _VERSIONS:
                 labels += 1
@@ -209,9 +216,9 @@ _NO_MASK = np.zeros(0, dtype=np.int8)
 class LineReader:
     """Reads rollout event lines with one reused simdjson parser (not thread-safe: one per reader).
 
-    :meth:`take` reads a line's structure and copies its lists out; :meth:`finish` checks the values of
-    every line taken since the last finish at once (a few reductions over all their positions, instead
-    of several per line) and returns their records.
+    :meth:`take` reads a line's structure and copies its lists out; :meth:`finish` checks the values
+    of every line taken since the last finish at once (a few reductions over all their positions,
+    instead of several per line) and returns their records.
     """
 
     def __init__(self) -> None:
@@ -221,16 +228,18 @@ class LineReader:
 
     def take(self, line: bytes) -> bool:
         """Read a rollout event line if it is plain; ``False``: let the general path read it."""
-        # a line not starting with "{" (a byte order mark simdjson would skip, blanks) or holding a
-        # string escape (lone surrogates, which orjson refuses) is left to the general path; so is one
-        # without the text "rollout" (its type could not be "rollout": a ship or sweep line, not parsed)
+        # a line not starting with "{" (a byte order mark simdjson would skip, blanks) or
+        # holding a string escape (lone surrogates, which orjson refuses) is left to the
+        # general path; so is one without the text "rollout" (its type could not be "rollout":
+        # a ship or sweep line, not parsed)
         if line[:1] != b"{" or b"\\" in line or b'"rollout"' not in line:
             return False
         try:
             document = self._parser.parse(line)
         except (ValueError, RuntimeError):
-            # bad JSON, a number beyond 64 bits, invalid UTF-8: the general path says what it is. A fresh
-            # parser, in case this one is still held by a proxy of an earlier line (never expected).
+            # bad JSON, a number beyond 64 bits, invalid UTF-8: the general path says what
+            # it is. A fresh parser, in case this one is still held by a proxy of an
+            # earlier line (never expected).
             self._parser = simdjson.Parser()
             return False
         masks, versions, floats = self._masks, self._versions, self._floats
@@ -251,8 +260,9 @@ class LineReader:
         return True
 
     def finish(self) -> list[ParsedRollout | None]:
-        """The records of the lines taken, in order; ``None`` for a line whose values the general path
-        must read (a mask value not 0/1, a version beyond ±2**53, a float of magnitude 2**63 or more)."""
+        """The records of the lines taken, in order; ``None`` for a line whose values the
+        general path must read (a mask value not 0/1, a version beyond ±2**53, a float of
+        magnitude 2**63 or more)."""
         refused: set[int] = set()
         whole, starts, ends = self._masks.arrays(np.int64, _mask_bad, refused)
         narrow = whole.astype(np.int8)  # one conversion for every mask

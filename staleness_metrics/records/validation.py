@@ -36,17 +36,17 @@ __all__ = [
 
 IntArray = npt.NDArray[np.int64]
 
-# What a JSON store (the service's journal, a checkpoint, an exporter label) keeps exactly: strings that
-# are valid Unicode (UTF-8 cannot encode a lone surrogate such as "\ud800", which a JSON "\ud800" escape
-# decodes to), integers within signed 64 bits, and nesting orjson writes (it stops at 254 levels; a
-# record is never deeper than 5, so the bound leaves room for whatever wraps it).
+# What a JSON store (the service's journal, a checkpoint, an exporter label) keeps exactly: strings
+# that are valid Unicode (UTF-8 cannot encode a lone surrogate such as "\ud800", which a JSON
+# "\ud800" escape decodes to), integers within signed 64 bits, and nesting orjson writes (it stops
+# at 254 levels; a record is never deeper than 5, so the bound leaves room for whatever wraps it).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STORED_DEPTH = 128
 
 
 def lone_surrogate(text: str) -> int | None:
-    """The index of the first lone surrogate in ``text`` (a code point U+D800..U+DFFF, which UTF-8 cannot
-    encode), else None. C speed: one encode attempt."""
+    """The index of the first lone surrogate in ``text`` (a code point U+D800..U+DFFF, which UTF-8
+    cannot encode), else None. C speed: one encode attempt."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -59,16 +59,16 @@ def surrogate_reason(text: str, at: int) -> str:
 
 
 def check_text(rollout_id: str | None, field: str, text: str) -> None:
-    """Raise :class:`TraceError` naming ``field`` when ``text`` holds a lone surrogate (the rule of SPEC 3
-    strings: ``id``, ``group_id``, ``env``; replay and the service use it too)."""
+    """Raise :class:`TraceError` naming ``field`` when ``text`` holds a lone surrogate (the rule of
+    SPEC 3 strings: ``id``, ``group_id``, ``env``; replay and the service use it too)."""
     at = lone_surrogate(text)
     if at is not None:
         raise TraceError(printable_id(rollout_id), field, surrogate_reason(text, at))
 
 
 def printable_id(rollout_id: str | None) -> str | None:
-    """``rollout_id`` with any lone surrogate written as a ``\\udXXX`` escape, so an error naming it can
-    itself be encoded (in a JSON answer, a log line, a journal)."""
+    """``rollout_id`` with any lone surrogate written as a ``\\udXXX`` escape, so an error naming it
+    can itself be encoded (in a JSON answer, a log line, a journal)."""
     if rollout_id is None or lone_surrogate(rollout_id) is None:
         return rollout_id
     return rollout_id.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
@@ -79,7 +79,8 @@ _PLAIN_SCALARS = frozenset({int, float, bool, type(None)})
 
 def _first_big_int(values: list[Any]) -> int | None:
     """Index of the first integer outside signed 64 bits in a list of scalars, else None."""
-    kinds = set(map(type, values))  # C-level passes; Python runs per item only on mixed or wide lists
+    # C-level passes; Python runs per item only on mixed or wide lists
+    kinds = set(map(type, values))
     if int not in kinds:
         return None
     if kinds <= {int, bool} and min(values) >= INT64_MIN and max(values) <= INT64_MAX:
@@ -91,10 +92,11 @@ def _first_big_int(values: list[Any]) -> int | None:
 
 
 def unstorable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | None:
-    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep exactly: a
-    string or key with a lone surrogate, an integer outside signed 64 bits, nesting deeper than
-    :data:`MAX_STORED_DEPTH`; None when it all can be stored. Field paths read like the library's
-    (``samples[0].mask[3]``). Iterative (no recursion limit to hit); numpy arrays are always storable."""
+    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep
+    exactly: a string or key with a lone surrogate, an integer outside signed 64 bits, nesting
+    deeper than :data:`MAX_STORED_DEPTH`; None when it all can be stored. Field paths read
+    like the library's (``samples[0].mask[3]``). Iterative (no recursion limit to hit); numpy
+    arrays are always storable."""
     stack: list[tuple[Any, str, int]] = [(value, path, depth)]
     while stack:
         item, where, level = stack.pop()
@@ -119,7 +121,8 @@ def unstorable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | 
         elif isinstance(item, (list, tuple)):
             if level >= MAX_STORED_DEPTH:
                 return where or "value", f"nested deeper than {MAX_STORED_DEPTH} levels"
-            if set(map(type, item)) <= _PLAIN_SCALARS:  # a per-position list: no per-item Python code
+            # a per-position list: no per-item Python code
+            if set(map(type, item)) <= _PLAIN_SCALARS:
                 big = _first_big_int(list(item))
                 if big is not None:
                     return f"{where}[{big}]", "integer outside the signed 64-bit range"
@@ -209,7 +212,8 @@ def _check_shapes(batch: RolloutBatch) -> None:
 
 
 def _ascii(text: object) -> bool:
-    """None, or an ASCII string (no surrogate to look for: CPython knows it without reading the string)."""
+    """None, or an ASCII string (no surrogate to look for: CPython knows it
+    without reading the string)."""
     return text is None or (type(text) is str and text.isascii())
 
 
@@ -226,8 +230,9 @@ def _plain_envs(envs: Sequence[Any]) -> bool:
 
 
 def _strings_joined(texts: Sequence[Any]) -> str:
-    """The strings of ``texts`` joined (what the surrogate check reads): one C-level join when every item
-    is a string, none for a column of ``None`` (no group ids or envs), and only the strings otherwise."""
+    """The strings of ``texts`` joined (what the surrogate check reads): one C-level join
+    when every item is a string, none for a column of ``None`` (no group ids or envs), and
+    only the strings otherwise."""
     try:
         return "".join(texts)
     except TypeError:
@@ -240,8 +245,9 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
     """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts.
 
     The rules on position values (0/1 mask, finite weights) are checked by
-    :func:`staleness_metrics.engine.spans.build_spans`, which reads the positions anyway; so are the token
-    versions (>= -1) without ``token_values`` (:func:`staleness_metrics.engine.spans.checked_spans`).
+    :func:`staleness_metrics.engine.spans.build_spans`, which reads the positions anyway; so are the
+    token versions (>= -1) without ``token_values``
+    (:func:`staleness_metrics.engine.spans.checked_spans`).
     """
     _check_shapes(batch)
     verdicts = Verdicts(batch)
@@ -257,7 +263,8 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
 
     envs = batch.envs or ()
     for name, texts in (("id", ids), ("group_id", batch.group_ids or ()), ("env", envs)):
-        if lone_surrogate(_strings_joined(texts)) is not None:  # one C-level pass; names offenders only then
+        # one C-level pass; names offenders only then
+        if lone_surrogate(_strings_joined(texts)) is not None:
             for index, text in enumerate(texts):
                 at = lone_surrogate(text) if isinstance(text, str) else None
                 if isinstance(text, str) and at is not None:
@@ -299,7 +306,8 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
     return verdicts
 
 
-_SPAN_PIECE = 1 << 18  # spans checked at once: the temporaries stay a few MB whatever the span count
+# spans checked at once: the temporaries stay a few MB whatever the span count
+_SPAN_PIECE = 1 << 18
 
 
 def _negative_version(version: Any) -> str:
@@ -323,15 +331,17 @@ def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
 
 
 def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
-    """The span rules, a piece of :data:`_SPAN_PIECE` spans at a time (per-span tables of a piece only);
-    offenders are reported rule by rule, each in span order, as one pass over all spans would."""
+    """The span rules, a piece of :data:`_SPAN_PIECE` spans at a time (per-span tables of
+    a piece only); offenders are reported rule by rule, each in span order, as one pass
+    over all spans would."""
     assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
     sample_lengths = np.diff(batch.position_offsets)
     found: tuple[list[int], list[int], list[int]] = ([], [], [])
     for a in range(0, len(versions), _SPAN_PIECE):
         b = min(a + _SPAN_PIECE, len(versions))
-        lo = max(a - 1, 0)  # the span before the piece: its start is compared with the piece's first
+        # the span before the piece: its start is compared with the piece's first
+        lo = max(a - 1, 0)
         window_sample = np.searchsorted(offsets, np.arange(lo, b), "right") - 1
         span_sample = window_sample[a - lo :]
         lengths = sample_lengths[span_sample]
@@ -356,10 +366,10 @@ def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
 
 
 def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[int, str] | None:
-    """The first fault :func:`check_batch` finds in one sample's ``[version, start]`` pairs (``(k, 2)``)
-    over ``length`` positions, as ``(span, reason)``, or None: the same rules in the same order, a piece
-    of :data:`_SPAN_PIECE` spans at a time (a sample with more spans than positions is refused this way
-    before its span table is built)."""
+    """The first fault :func:`check_batch` finds in one sample's ``[version, start]`` pairs
+    (``(k, 2)``) over ``length`` positions, as ``(span, reason)``, or None: the same rules in the
+    same order, a piece of :data:`_SPAN_PIECE` spans at a time (a sample with more spans than
+    positions is refused this way before its span table is built)."""
     versions, starts = pairs[:, 0], pairs[:, 1]
     for rule in range(3):
         for a in range(0, len(pairs), _SPAN_PIECE):
@@ -388,27 +398,46 @@ def check_versions_at_most(
     errors: dict[int, TraceError] = {}
     for index in np.flatnonzero(dispatch > bound):
         errors[int(index)] = TraceError(
-            ids[index], "dispatch_version", f"version {dispatch[index]} is above the trained version {bound}"
+            ids[index],
+            "dispatch_version",
+            f"version {dispatch[index]} is above the trained version {bound}",
         )
     for index in np.flatnonzero(max_version > bound):
         errors.setdefault(
             int(index),
-            TraceError(ids[index], "samples", f"version {max_version[index]} is above the trained version {bound}"),
+            TraceError(
+                ids[index],
+                "samples",
+                f"version {max_version[index]} is above the trained version {bound}",
+            ),
         )
     return errors
 
 
 def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:
-    """Whether :func:`check_batch` and :func:`~staleness_metrics.engine.spans.build_spans` would certainly find
-    nothing wrong with ``batch``: a few whole-array reductions, no offender named. False means "not sure"
-    (the exact checks then run and name what is wrong), so this may only ever err towards False.
+    """Whether :func:`check_batch` and :func:`~staleness_metrics.engine.spans.build_spans` would
+    certainly find nothing wrong with ``batch``: a few whole-array reductions, no offender
+    named. False means "not sure" (the exact checks then run and name what is wrong), so this
+    may only ever err towards False.
 
-    It lets the sink take a small batch with a handful of numpy calls and cut its spans later, together
-    with the batches added after it (``Sink.add``: the cost of a call follows its work). ``positions=False``
-    leaves the values in the arrays to the caller (:func:`plain_values_of`, which may copy positions as it reads).
+    It lets the sink take a small batch with a handful of numpy calls and cut its spans later,
+    together with the batches added after it (``Sink.add``: the cost of a call follows its work).
+    ``positions=False`` leaves the values in the arrays to the caller (:func:`plain_values_of`,
+    which may copy positions as it reads).
     """
-    ids, mask, tokens, group_ids, envs = batch.ids, batch.mask, batch.token_versions, batch.group_ids, batch.envs
-    kind, completion, frozen, agentic = batch.label_kind, batch.completion_version, batch.frozen, batch.agentic
+    ids, mask, tokens, group_ids, envs = (
+        batch.ids,
+        batch.mask,
+        batch.token_versions,
+        batch.group_ids,
+        batch.envs,
+    )
+    kind, completion, frozen, agentic = (
+        batch.label_kind,
+        batch.completion_version,
+        batch.frozen,
+        batch.agentic,
+    )
     n_rollouts, n_positions = len(ids), len(mask)
     if n_rollouts == 0 or n_positions == 0:
         return False  # nothing to gain; the exact path says what an empty batch means

@@ -43,7 +43,8 @@ _FILES = ("events", "metrics", "trainer_logprobs", "mismatch_sums")
 
 @dataclass(frozen=True)
 class RunDirectory:
-    """A run directory as its ``run.json`` describes it (paths resolved; absent optional files are None)."""
+    """A run directory as its ``run.json`` describes it (paths resolved; absent
+    optional files are None)."""
 
     root: Path
     name: str
@@ -56,8 +57,8 @@ class RunDirectory:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
-        """The run's settings as a :class:`StalenessConfig`, ``overrides`` applied (``ConfigError`` names
-        ``run.json`` when a setting is not one)."""
+        """The run's settings as a :class:`StalenessConfig`, ``overrides`` applied (``ConfigError``
+        names ``run.json`` when a setting is not one)."""
         known = {f.name for f in fields(StalenessConfig)}
         settings = {k: v for k, v in self.config.items() if k in known}
         settings.update(overrides)
@@ -67,7 +68,8 @@ class RunDirectory:
             raise ConfigError(f"{self.root / RUN_FILE}: config: {error}") from None
 
     def merged_config(self, given: StalenessConfig) -> StalenessConfig:
-        """The run's settings, except those ``given`` (from a command line) sets apart from the defaults."""
+        """The run's settings, except those ``given`` (from a command line) sets
+        apart from the defaults."""
         defaults = StalenessConfig()
         overrides = {
             f.name: getattr(given, f.name)
@@ -77,7 +79,8 @@ class RunDirectory:
         return self.staleness_config(**overrides)
 
     def events_with_costs(self) -> Iterator[EventDict]:
-        """The event stream, each shipped rollout's samples carrying the trainer's log-probabilities."""
+        """The event stream, each shipped rollout's samples carrying the
+        trainer's log-probabilities."""
         logprobs = self._trainer_logprobs()
         for event in read_event_file(self.events):
             if logprobs and event.get("type") == "rollout" and isinstance(event.get("rollout"), dict):
@@ -90,7 +93,10 @@ class RunDirectory:
                         else sample
                         for sample, values in zip(samples, found, strict=False)
                     ]  # fmt: skip
-                    event = {**event, "rollout": {**rollout, "samples": [*joined, *samples[len(joined) :]]}}
+                    event = {
+                        **event,
+                        "rollout": {**rollout, "samples": [*joined, *samples[len(joined) :]]},
+                    }
             yield event
 
     def _trainer_logprobs(self) -> dict[str, list[Any]]:
@@ -171,7 +177,8 @@ def find_run(path: str | Path) -> RunDirectory | None:
 
 
 def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping[str, Path], **extra: Any) -> Path:
-    """Write ``root/run.json`` naming ``files`` (kept relative to ``root`` where they are under it)."""
+    """Write ``root/run.json`` naming ``files`` (kept relative to ``root``
+    where they are under it)."""
     config_data = {f.name: getattr(config, f.name) for f in fields(StalenessConfig)}
     config_data["mismatch_band"] = list(config.mismatch_band)
 

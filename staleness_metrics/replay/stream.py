@@ -1,4 +1,5 @@
-"""Replay of a recorded event stream (SPEC 9): the sink run over JSON lines, no service, no network."""
+"""Replay of a recorded event stream (SPEC 9): the sink run over JSON lines,
+no service, no network."""
 
 from __future__ import annotations
 
@@ -56,14 +57,16 @@ class Event:
     rollout: dict[str, Any] | None = None
     step: int = 0
     ids: tuple[str, ...] | None = None
-    booleans: bool = True  # a rollout line may hold JSON booleans (False: a faster check of its numbers)
+    # a rollout line may hold JSON booleans (False: a faster check of its numbers)
+    booleans: bool = True
     parsed: ParsedRollout | None = None
     unparsed: UnparsedRollout | None = None
 
 
 def _step(line: int, raw: dict[str, Any]) -> int:
     step = raw.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:  # as the sink's check
+    # as the sink's check
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:
         raise EventError(line, f"'step' must be an integer in 1..{MAX_STEP}, got {step!r}")
     return step
 
@@ -128,8 +131,8 @@ def _encodable(text: str) -> bool:
 
 def _invalid_string(value: object) -> tuple[str, str] | None:
     """The first string (key or value) in ``value`` that is not valid Unicode: ``(where, string)``,
-    ``where`` as the validation names fields (``env``, ``samples[0].mask``). Walked with a stack, not
-    recursion: a line may nest as deep as the decoder allows."""
+    ``where`` as the validation names fields (``env``, ``samples[0].mask``). Walked with a stack,
+    not recursion: a line may nest as deep as the decoder allows."""
     stack: list[tuple[object, str]] = [(value, "")]
     while stack:
         item, where = stack.pop()
@@ -176,10 +179,11 @@ def _is_utf8(text: bytes) -> bool:
 
 
 def _unicode_checked(event: Event, text: str | bytes) -> Event:
-    """``event`` (of a line the standard library decoded) with its strings checked: a rollout holding a
-    string that is not valid Unicode is refused as invalid input (set aside in lenient mode; strict mode
-    names the line, rollout and field), which no output could carry; a ship naming such an id is a
-    malformed line. Orjson decoded every other line, and it accepts valid Unicode only."""
+    """``event`` (of a line the standard library decoded) with its strings checked: a rollout
+    holding a string that is not valid Unicode is refused as invalid input (set aside in
+    lenient mode; strict mode names the line, rollout and field), which no output could carry;
+    a ship naming such an id is a malformed line. Orjson decoded every other line, and it
+    accepts valid Unicode only."""
     if event.kind == "ship" and event.ids:
         for rid in event.ids:
             if not _encodable(rid):
@@ -194,7 +198,9 @@ def _unicode_checked(event: Event, text: str | bytes) -> Event:
     raw = event.rollout
     record_id, env = raw.get("id"), raw.get("env")
     error = TraceError(
-        record_id if isinstance(record_id, str) else None, _escaped(where), _unicode_reason(text, string)
+        record_id if isinstance(record_id, str) else None,
+        _escaped(where),
+        _unicode_reason(text, string),
     )
     unparsed = UnparsedRollout(error, env if isinstance(env, str) and _encodable(env) else None)
     return Event(event.line, "rollout", unparsed=unparsed)
@@ -204,7 +210,10 @@ _PARSE_LINES = 64  # rollout lines whose values are checked together (:meth:`Lin
 
 
 def read_events(
-    source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: bool = False, read_ahead: bool = False
+    source: IO[str] | IO[bytes] | Iterable[str | bytes],
+    *,
+    parse: bool = False,
+    read_ahead: bool = False,
 ) -> Iterator[Event]:
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
 
@@ -212,19 +221,21 @@ def read_events(
     (:mod:`.simd_records`, where pysimdjson is installed) and its event holds ``parsed`` instead of
     ``rollout``; :func:`prepare` takes either. Other lines are decoded as always.
 
-    ``read_ahead=True`` (with ``parse``): the values of rollout lines are checked together across ship and
-    sweep lines too, so an event may be yielded up to 64 rollout lines after it was read (a stream that
-    ships every few rollouts checks 64 lines at a time, not a few). For a file read to its end: the same
-    events, and an error of a line or of the file raised after the same events as without it; not for a
-    live stream whose ships are awaited as they come.
+    ``read_ahead=True`` (with ``parse``): the values of rollout lines are checked together across
+    ship and sweep lines too, so an event may be yielded up to 64 rollout lines after it was read (a
+    stream that ships every few rollouts checks 64 lines at a time, not a few). For a file read to
+    its end: the same events, and an error of a line or of the file raised after the same events as
+    without it; not for a live stream whose ships are awaited as they come.
     """
     last_step = 0
     reader = simd_records.LineReader() if parse and simd_records.AVAILABLE else None
-    # Lines read and not yet yielded, in order: events, and the lines the reader took, as (number, text)
-    # until their values are checked, then (number, text, record or None for the general path).
+    # Lines read and not yet yielded, in order: events, and the lines the reader took,
+    # as (number, text) until their values are checked, then (number, text, record or
+    # None for the general path).
     pending: list[Event | tuple[int, bytes] | tuple[int, bytes, ParsedRollout | None]] = []
     taken = 0  # lines of ``pending`` taken and not checked yet
-    run = 0  # rollout lines taken since the last line decoded here (what a read without read_ahead counts)
+    # rollout lines taken since the last line decoded here (what a read without read_ahead counts)
+    run = 0
     settled = 0  # pending[:settled] is what a read without read_ahead would have yielded by now
 
     def flush(upto: int | None) -> Iterator[Event]:
@@ -245,7 +256,7 @@ def read_events(
                 yield item
             else:
                 number, text, parsed = cast(tuple[int, bytes, ParsedRollout | None], item)
-                yield _decoded(number, text) if parsed is None else Event(number, "rollout", parsed=parsed)
+                yield (_decoded(number, text) if parsed is None else Event(number, "rollout", parsed=parsed))
 
     lines = enumerate(source, start=1)
     while True:
@@ -254,7 +265,8 @@ def read_events(
         except StopIteration:
             break
         except Exception:
-            yield from flush(settled)  # a damaged file: what was read before it, as without read_ahead
+            # a damaged file: what was read before it, as without read_ahead
+            yield from flush(settled)
             raise
         if not text or text.isspace():  # as ``not text.strip()``, without copying the line
             continue
@@ -290,32 +302,38 @@ def read_events(
 
 
 def _checked(taken: Any, parsed: ParsedRollout | None) -> tuple[int, bytes, ParsedRollout | None]:
-    """A taken line once its values are checked: its text is kept only for the general path to read."""
+    """A taken line once its values are checked: its text is kept only for the
+    general path to read."""
     number, text = taken
     return number, text if parsed is None else b"", parsed
 
 
-_PENDING_EVENTS = 4 * _PARSE_LINES  # events held by read_ahead at most (but for the lines of one run)
+# events held by read_ahead at most (but for the lines of one run)
+_PENDING_EVENTS = 4 * _PARSE_LINES
 
 
 @dataclass(frozen=True)
 class Added:
-    """Consecutive rollout events, type-checked into columnar-ready records (no JSON objects kept)."""
+    """Consecutive rollout events, type-checked into columnar-ready records
+    (no JSON objects kept)."""
 
     lines: tuple[int, ...]
     items: tuple[ParsedRollout | UnparsedRollout, ...]
-    packed: RolloutBatch | None = None  # the parsed items packed once (:func:`pack_once`); runs add copies
-    checked: tuple[Verdicts, SpanTable] | None = None  # and checked once, as every run's sink checks them
+    # the parsed items packed once (:func:`pack_once`); runs add copies
+    packed: RolloutBatch | None = None
+    # and checked once, as every run's sink checks them
+    checked: tuple[Verdicts, SpanTable] | None = None
 
 
 Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
 
 
 def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
-    """Events as the sink's steps: each rollout parsed as it is read, consecutive ones added together.
+    """Events as the sink's steps: each rollout parsed as it is read,
+    consecutive ones added together.
 
-    The steps do not depend on the sink's settings, so one prepared stream can be run by several sinks
-    (:func:`run_steps`); every run packs its own copy of the arrays.
+    The steps do not depend on the sink's settings, so one prepared stream can be run by several
+    sinks (:func:`run_steps`); every run packs its own copy of the arrays.
     """
     lines: list[int] = []
     items: list[ParsedRollout | UnparsedRollout] = []
@@ -374,8 +392,8 @@ _MASKED_FIELDS = ("mask", *WEIGHT_FIELDS)  # the arrays a sink writes (masks in 
 def _copy(batch: RolloutBatch) -> RolloutBatch:
     """A batch for one more run: copies of the arrays a sink masks in place, the others shared.
 
-    The shared arrays are made read-only (:func:`_share`), so that a sink that wrote into one would fail
-    loudly rather than change what the other runs read."""
+    The shared arrays are made read-only (:func:`_share`), so that a sink that wrote into one would
+    fail loudly rather than change what the other runs read."""
     copied = copy.copy(batch)  # (checked and converted once already: no __post_init__ again)
     for name in _MASKED_FIELDS:
         if (value := getattr(batch, name)) is not None:
@@ -385,7 +403,8 @@ def _copy(batch: RolloutBatch) -> RolloutBatch:
 
 
 def _share(batch: RolloutBatch) -> RolloutBatch:
-    """``batch`` with every array but the masked ones read-only (they are shared by :func:`_copy`)."""
+    """``batch`` with every array but the masked ones read-only (they are
+    shared by :func:`_copy`)."""
     for f in dataclasses.fields(batch):
         value = getattr(batch, f.name)
         if isinstance(value, np.ndarray) and f.name not in _MASKED_FIELDS:
@@ -423,9 +442,9 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
 def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> Iterator[Shipment]:
     """Feed events to ``sink``, yielding each ship's result as it happens.
 
-    Consecutive rollout events are added together (one columnar batch, same outcome as one by one; the sink
-    cuts the adds between two ships together, :mod:`~staleness_metrics.engine.staging`).
-    A rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
+    Consecutive rollout events are added together (one columnar batch, same outcome as one by one;
+    the sink cuts the adds between two ships together, :mod:`~staleness_metrics.engine.staging`). A
+    rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
     """
     return run_steps(prepare(events, batch_size), sink)
 
@@ -458,9 +477,9 @@ _HOW = {
 
 
 def stream_compression(path: str | Path) -> str | None:
-    """``gzip``, ``bzip2`` or ``xz`` for a file compressed so (read by :func:`open_decompressed`), ``None``
-    for any other file; :class:`ConfigError` for one replay cannot read (zstd, zip, UTF-16/32 text),
-    saying what it is and how to make it readable."""
+    """``gzip``, ``bzip2`` or ``xz`` for a file compressed so (read by :func:`open_decompressed`),
+    ``None`` for any other file; :class:`ConfigError` for one replay cannot read (zstd, zip,
+    UTF-16/32 text), saying what it is and how to make it readable."""
     with open(path, "rb") as handle:
         head = handle.read(6)
     for magic, kind in _MAGIC:
@@ -472,8 +491,8 @@ def stream_compression(path: str | Path) -> str | None:
 
 
 def open_decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
-    """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`); ``raw`` itself
-    when ``None``. Closing a decompressing reader leaves ``raw`` open."""
+    """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`); ``raw``
+    itself when ``None``. Closing a decompressing reader leaves ``raw`` open."""
     if compression is None:
         return raw
     if compression == "gzip":
@@ -492,9 +511,9 @@ def read_event_path(
 ) -> Generator[Event, None, None]:
     """The events of a SPEC 9 event stream file, decompressed if it is (:func:`stream_compression`).
 
-    ``parse`` and ``read_ahead`` as :func:`read_events` takes them; ``opener`` opens the file's bytes
-    (default: a buffered read); compressed data found damaged or cut short raises :class:`ConfigError`
-    naming the file.
+    ``parse`` and ``read_ahead`` as :func:`read_events` takes them; ``opener`` opens the file's
+    bytes (default: a buffered read); compressed data found damaged or cut short raises
+    :class:`ConfigError` naming the file.
     """
     path = Path(path)
     compression = stream_compression(path)

@@ -1,18 +1,19 @@
-"""The FastAPI application of ``staleness-metrics serve``: the routers of :mod:`.routes` behind the guards.
+"""The FastAPI application of ``staleness-metrics serve``: the routers of
+:mod:`.routes` behind the guards.
 
 Routes (see the OpenAPI document at ``/openapi.json``, browsable at ``/docs``):
 
 - ``PUT /v1/runs/{run}`` creates a run with its configuration (201; 200 when it exists with the same
   one, 409 with another). Rollouts to a run that was not created get 404: a typo in a run name must
   not silently start a second run with default settings.
-- ``POST /v1/runs/{run}/rollouts``, ``/sweep``, ``/ship``, ``/mismatch`` (trainer-side SPEC 11 sums of a
-  shipped step; posts for one step merge); ``GET /v1/runs/{run}``, ``/steps?since=N``, ``/events``;
-  ``DELETE /v1/runs/{run}``; ``GET /v1/runs``.
+- ``POST /v1/runs/{run}/rollouts``, ``/sweep``, ``/ship``, ``/mismatch`` (trainer-side SPEC 11 sums
+  of a shipped step; posts for one step merge); ``GET /v1/runs/{run}``, ``/steps?since=N``,
+  ``/events``; ``DELETE /v1/runs/{run}``; ``GET /v1/runs``.
 - ``GET /metrics``: the Prometheus exposition of every run; ``GET /healthz``.
 
-Every request takes one path: the token check (:class:`.security.TokenFirst`, from the headers, before any
-body byte is read), the body size cap (:class:`.limits.BodySizeLimit`, counting as it streams), then
-FastAPI's routing to a handler.
+Every request takes one path: the token check (:class:`.security.TokenFirst`, from the headers,
+before any body byte is read), the body size cap (:class:`.limits.BodySizeLimit`, counting as it
+streams), then FastAPI's routing to a handler.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from .limits import BodySizeLimit
 from .methods import AllowHeader
 from .registry import RunRegistry
 from .responses import EXCEPTION_HANDLERS
-from .routes import Access, history_router, mismatch_router, rollouts_router, runs_router, service_router
+from .routes import (
+    Access,
+    history_router,
+    mismatch_router,
+    rollouts_router,
+    runs_router,
+    service_router,
+)
 from .security import BEARER_SCHEME, TokenFirst
 from .settings import ServerSettings
 from .store import SqliteStore, Store
@@ -56,7 +64,8 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     else:
         store = SqliteStore(settings.data_dir) if settings.data_dir is not None else Store()
         registry = RunRegistry(settings.exporters, store)
-        registry.restore(defer=True)  # every stored run checked before serving; loaded once it listens
+        # every stored run checked before serving; loaded once it listens
+        registry.restore(defer=True)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -86,8 +95,8 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
-    # The last added runs first: the token is checked before the body size, which is checked before any
-    # handler reads the body.
+    # The last added runs first: the token is checked before the body size, which is checked before
+    # any handler reads the body.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(AllowHeader, routes=lambda: app.routes)
     app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)

@@ -1,25 +1,28 @@
 """Reading a rollout batch body in memory bounded by its size.
 
-A large body is mostly a few long per-position lists. Built by a JSON reader, each number becomes a Python
-object (a float costs 32 bytes for its 4 to 10 bytes of text), and a body of small values (``{},`` repeated)
-costs 20 to 50 times its size before anything can refuse it. So a large body is read in three steps:
+A large body is mostly a few long per-position lists. Built by a JSON reader, each number becomes
+a Python object (a float costs 32 bytes for its 4 to 10 bytes of text), and a body of small
+values (``{},`` repeated) costs 20 to 50 times its size before anything can refuse it. So a large
+body is read in three steps:
 
-1. **Long lists straight into arrays.** Each ``"<field>": [...]`` of a per-position field whose text is
-   only numbers (and ``null`` for ``trainer_logprobs``) is read piece by piece (orjson on about a
-   megabyte at a time) into one numpy array, and its text is replaced by a placeholder. Only lists whose
-   items are all of the field's JSON type are converted, into a dtype that holds every value exactly;
-   anything else stays text, and the library names the field, position and value as it always does.
-2. **A budget for the rest.** What remains (the *skeleton*: ids, versions, short lists) is counted before
-   it is parsed: every JSON value costs a Python object. A skeleton that would cost more than
-   :data:`SKELETON_ALLOWANCE` plus the body's size is refused (:class:`BodyTooComplex`, 413) before any
-   object is built.
-3. **The skeleton is parsed** by the standard library, and the placeholders are swapped for their arrays.
+1. **Long lists straight into arrays.** Each ``"<field>": [...]`` of a per-position field whose
+   text is only numbers (and ``null`` for ``trainer_logprobs``) is read piece by piece (orjson on
+   about a megabyte at a time) into one numpy array, and its text is replaced by a placeholder.
+   Only lists whose items are all of the field's JSON type are converted, into a dtype that holds
+   every value exactly; anything else stays text, and the library names the field, position and
+   value as it always does.
+2. **A budget for the rest.** What remains (the *skeleton*: ids, versions, short lists) is counted
+   before it is parsed: every JSON value costs a Python object. A skeleton that would cost more
+   than :data:`SKELETON_ALLOWANCE` plus the body's size is refused (:class:`BodyTooComplex`, 413)
+   before any object is built.
+3. **The skeleton is parsed** by the standard library, and the placeholders are
+   swapped for their arrays.
 
-Bodies up to :data:`FAST_DECODE_MAX_BYTES` are decoded whole by orjson (several times faster; at most a
-few tens of MB of objects), or by the standard library where orjson refuses a body or might read it
-differently (``NaN``, lone surrogates, integers beyond 64 bits), so a body means the same, and is refused
-with the same message, whichever decoder read it. A body nested past the interpreter's recursion limit is
-refused as unreadable (:class:`BodyTooDeep`, 400) on every route.
+Bodies up to :data:`FAST_DECODE_MAX_BYTES` are decoded whole by orjson (several times faster; at
+most a few tens of MB of objects), or by the standard library where orjson refuses a body or might
+read it differently (``NaN``, lone surrogates, integers beyond 64 bits), so a body means the same,
+and is refused with the same message, whichever decoder read it. A body nested past the
+interpreter's recursion limit is refused as unreadable (:class:`BodyTooDeep`, 400) on every route.
 """
 
 from __future__ import annotations
@@ -53,22 +56,26 @@ __all__ = [
 
 COMPACT_MIN_LENGTH = 1024  # shorter lists cost little; they stay lists
 FAST_DECODE_MAX_BYTES = 1024 * 1024
-# What the skeleton of a large body may cost in Python objects, besides the body's own size: ids, versions
-# and short lists of a few hundred thousand rollouts fit; a body of millions of tiny values does not.
+# What the skeleton of a large body may cost in Python objects, besides the body's own size:
+# ids, versions and short lists of a few hundred thousand rollouts fit; a body of millions
+# of tiny values does not.
 SKELETON_ALLOWANCE = 48 * 1024 * 1024
 _VALUE_COST = 72  # bytes of Python object per JSON value: a dict, list, str or float with its slot
-_PIECE_BYTES = 256 * 1024  # text read into Python objects at once while a long list becomes an array
+# text read into Python objects at once while a long list becomes an array
+_PIECE_BYTES = 256 * 1024
 _INT_FIELDS = {"mask": np.int8, "token_versions": np.int64}  # lists read by compact_records
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _NOT_PER_POSITION = frozenset({"weight_versions"})
 _FLOAT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs")
 _LIST_FIELDS = ("mask", "token_versions", "weight_versions", *_FLOAT_FIELDS)
-_THEN_A_LIST = re.compile(rb'"[ \t\r\n]*:[ \t\r\n]*\[')  # after a key's name: its closing quote, ":" and "["
+# after a key's name: its closing quote, ":" and "["
+_THEN_A_LIST = re.compile(rb'"[ \t\r\n]*:[ \t\r\n]*\[')
 # Any byte outside what a list of the field's kind may hold ends the fast reading of that list.
 _NOT_NUMBERS = re.compile(rb"[^0-9eE+\-. \t\r\n,]")
 _NOT_NUMBERS_OR_NULL = re.compile(rb"[^0-9eE+\-. \t\r\n,nul]")
 _NOT_PAIRS = re.compile(rb"[^0-9\- \t\r\n,\[\]]")
-_PLACEHOLDER = "\x00#"  # a JSON text can only spell NUL as an escape, which a body using this path lacks
+# a JSON text can only spell NUL as an escape, which a body using this path lacks
+_PLACEHOLDER = "\x00#"
 
 
 _gc_lock = threading.Lock()
@@ -77,13 +84,14 @@ _gc_pausers = 0
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused while a body is read and applied (re-enabled when the last
-    request that paused it is done).
+    """The cyclic garbage collector paused while a body is read and applied (re-enabled when the
+    last request that paused it is done).
 
-    Reading JSON builds containers (lists, dicts) by the million, and every few hundred new containers
-    the collector runs; every so often a full pass walks every live object of the process. Reading a
-    51 MB ``weight_versions`` body (8M two-item lists) spent minutes there, not in parsing. The objects
-    a request builds hold no cycles, and whatever they are is freed by reference counting as usual.
+    Reading JSON builds containers (lists, dicts) by the million, and every few hundred new
+    containers the collector runs; every so often a full pass walks every live object of the
+    process. Reading a 51 MB ``weight_versions`` body (8M two-item lists) spent minutes there, not
+    in parsing. The objects a request builds hold no cycles, and whatever they are is freed by
+    reference counting as usual.
     """
     global _gc_pausers
     with _gc_lock:
@@ -110,8 +118,9 @@ class BodyTooDeep(ValueError):
 
 
 def read_json(held: list[bytearray]) -> Any:
-    """The JSON value of the one body in ``held`` (``ValueError`` when it is not UTF-8 JSON, one of its
-    subclasses when it is too deep or too costly to read). The bytes are released once decoded."""
+    """The JSON value of the one body in ``held`` (``ValueError`` when it is not UTF-8
+    JSON, one of its subclasses when it is too deep or too costly to read). The bytes are
+    released once decoded."""
     body = held.pop()
     try:
         if len(body) <= FAST_DECODE_MAX_BYTES:
@@ -169,13 +178,15 @@ def _read_large(held: list[bytearray]) -> Any:
 
     try:
         return json.loads(skeleton.decode("utf-8"), object_pairs_hook=swap)
-    except json.JSONDecodeError as error:  # its position is the skeleton's, not the body's: not shown
+    except json.JSONDecodeError as error:
+        # its position is the skeleton's, not the body's: not shown
         raise ValueError(f"{error.msg} (the body is not valid JSON)") from None
 
 
 def _list_starts(body: bytearray) -> list[tuple[int, str, int]]:
-    """``(where the key starts, field, just after its "[")`` of every per-position field given a list,
-    in body order: found with ``bytes.find`` (memchr speed), not a regular expression over the body."""
+    """``(where the key starts, field, just after its "[")`` of every per-position field
+    given a list, in body order: found with ``bytes.find`` (memchr speed), not a regular
+    expression over the body."""
     starts = []
     for field in _LIST_FIELDS:
         key = b'"' + field.encode()
@@ -193,14 +204,15 @@ def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
     cost = values * _VALUE_COST
     if cost > SKELETON_ALLOWANCE + body_size:
         raise BodyTooComplex(
-            f"the body holds about {values} JSON values outside long per-position number lists, which would "
-            f"take about {cost // 2**20} MiB to read; send the rollouts in smaller batches"
+            f"the body holds about {values} JSON values outside long per-position number "
+            f"lists, which would take about {cost // 2**20} MiB to read; send the "
+            "rollouts in smaller batches"
         )
 
 
 def _list_end(body: bytearray, field: str, start: int) -> int | None:
-    """The index just past the ``]`` closing the list that starts at ``start``, when its text is plainly
-    numbers (pairs of integers for ``weight_versions``); None otherwise."""
+    """The index just past the ``]`` closing the list that starts at ``start``, when its text is
+    plainly numbers (pairs of integers for ``weight_versions``); None otherwise."""
     if field == "weight_versions":
         close = re.compile(rb"\][ \t\r\n]*\]").search(body, start)
         if close is None or _NOT_PAIRS.search(body, start, close.start()) is not None:
@@ -221,8 +233,9 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
         return None
     inner_end = end - 1  # the closing "]"
     pairs = field == "weight_versions"
-    # The item count, from the text's separators: the array is allocated once, at its final size, and
-    # each piece written into it (a list of pieces joined at the end would hold every item twice).
+    # The item count, from the text's separators: the array is allocated once, at its
+    # final size, and each piece written into it (a list of pieces joined at the end
+    # would hold every item twice).
     count = body.count(b"[", start, inner_end) if pairs else body.count(b",", start, inner_end) + 1
     out: npt.NDArray[Any] | None = None
     filled = 0
@@ -252,7 +265,8 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
             return None
         if out is None:
             out = np.empty((count, *piece.shape[1:]), dtype=piece.dtype)
-        elif piece.dtype != out.dtype:  # as numpy joins mixed pieces: int8, int64 to int64; ints, floats to float64
+        elif piece.dtype != out.dtype:
+            # as numpy joins mixed pieces: int8, int64 to int64; ints, floats to float64
             wider = np.empty(out.shape, dtype=np.result_type(out, piece))
             wider[:filled] = out[:filled]
             out = wider
@@ -264,7 +278,8 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
 
 
 def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
-    """One piece of a long list as an array of the field's kind, or None when it is not plainly that."""
+    """One piece of a long list as an array of the field's kind, or None when
+    it is not plainly that."""
     kinds = set(map(type, items))
     try:
         if field == "weight_versions":
@@ -280,15 +295,17 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
         if kinds == {int}:
             values = np.frombuffer(array("q", items), dtype=np.int64)
             if values.size and values.min() >= -128 and values.max() <= 127:
-                # 1 byte a position for a mask's text of 2, small versions (a long batch keeps them so),
-                # or a weight list of small integers (the library reads it as float64 either way; its
-                # text, and so its digest, is the same)
+                # 1 byte a position for a mask's text of 2, small versions (a long batch keeps them
+                # so), or a weight list of small integers (the library reads it as float64 either
+                # way; its text, and so its digest, is the same)
                 return values.astype(np.int8)
             if field == "token_versions" and values.size and values.min() >= _INT32_MIN and values.max() <= _INT32_MAX:
-                return values.astype(np.int32)  # versions: 4 bytes a position (as kept in a long batch)
+                # versions: 4 bytes a position (as kept in a long batch)
+                return values.astype(np.int32)
             return values
         if field in _INT_FIELDS:
-            return None  # a float (or null) where integers belong: the library names it from the list
+            # a float (or null) where integers belong: the library names it from the list
+            return None
         if kinds <= {int, float}:
             return np.frombuffer(array("d", items), dtype=np.float64)
         if field == "trainer_logprobs" and kinds <= {int, float, type(None)}:

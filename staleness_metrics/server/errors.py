@@ -1,4 +1,5 @@
-"""The service's errors: what a run refuses and why, and the library's errors as the items of an answer.
+"""The service's errors: what a run refuses and why, and the library's errors
+as the items of an answer.
 
 Each :class:`RunError` subclass is one status code (``app.py`` maps them); an invalid request is
 :class:`RecordsInvalid`, carrying the :class:`~.models.ErrorItem`\ s of the library's errors (their
@@ -59,7 +60,8 @@ class IdempotencyMismatch(RunError):
 
 
 class RunBroken(RunError):
-    """A write could not be persisted: the run's memory is ahead of its store, so it takes no more writes."""
+    """A write could not be persisted: the run's memory is ahead of its store, so it
+    takes no more writes."""
 
 
 class NotPersisted(RunError):
@@ -71,7 +73,8 @@ class RestoreFailed(Exception):
 
 
 def reason_of(exc: BaseException) -> str:
-    """How a restore failure names its cause: the message of a deliberate error, else the type too."""
+    """How a restore failure names its cause: the message of a deliberate
+    error, else the type too."""
     if isinstance(exc, RunError | TraceError | ValueError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
@@ -86,17 +89,19 @@ class RecordsInvalid(RunError):
 
 
 class SpanRowsTooMany(RecordsInvalid):
-    """A body cutting more span rows than its size allows: a size limit (413), answered in the shape of
-    an invalid request (its rollout, field and reason); nothing of it was applied."""
+    """A body cutting more span rows than its size allows: a size limit (413), answered in the shape
+    of an invalid request (its rollout, field and reason); nothing of it was applied."""
 
 
 def trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
-    """The error item of a refused rollout: its id, field and reason, and its place in the request."""
+    """The error item of a refused rollout: its id, field and reason, and its
+    place in the request."""
     return ErrorItem(field=error.field, reason=error.reason, rollout_id=error.rollout_id, index=index)
 
 
 def out_of_range(value: Any, path: str) -> str | None:
-    """Path of the first integer in ``value`` outside int64 (the sink's integer width), else None."""
+    """Path of the first integer in ``value`` outside int64 (the sink's
+    integer width), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -115,8 +120,8 @@ def out_of_range(value: Any, path: str) -> str | None:
 
 
 def field_item(error: ValueError, default_field: str) -> ErrorItem:
-    """An ErrorItem from the library's error: its ``field`` and ``reason`` (``default_field`` and the
-    whole message for an error that names no field)."""
+    """An ErrorItem from the library's error: its ``field`` and ``reason`` (``default_field`` and
+    the whole message for an error that names no field)."""
     if isinstance(error, StalenessError) and error.field:
         return ErrorItem(field=error.field, reason=error.reason)
     return ErrorItem(field=default_field, reason=str(error))

@@ -2,9 +2,9 @@
 
 Every run gets the library's own exporters, attached to its monitor as in a trainer process: a
 :class:`~staleness_metrics.exporters.prometheus.PrometheusExporter` without a port (its registry is
-read by ``GET /metrics``), and, when the service is started with them, an OTLP exporter and a W&B run.
-:class:`ServiceCollector` merges the runs' families into one exposition: one HELP/TYPE block per
-family, one series per run (the ``run`` label tells them apart).
+read by ``GET /metrics``), and, when the service is started with them, an OTLP exporter and a W&B
+run. :class:`ServiceCollector` merges the runs' families into one exposition: one HELP/TYPE block
+per family, one series per run (the ``run`` label tells them apart).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ __all__ = ["ExportSettings", "RunExporters", "ServiceCollector", "build_exporter
 
 WandbMode = Literal["online", "offline"]
 
-# How long closing a run may wait for its W&B run to start and finish: a service shutting down is not a
-# trainer waiting, and a W&B run left unfinished loses its last rows (runs close in parallel).
+# How long closing a run may wait for its W&B run to start and finish: a service shutting down is
+# not a trainer waiting, and a W&B run left unfinished loses its last rows (runs close in parallel).
 WANDB_CLOSE_TIMEOUT = 60.0
 
 
@@ -51,7 +51,8 @@ class ExportSettings:
 
 @dataclass
 class RunExporters:
-    """The exporters of one run; ``failures`` are the ones that could not start (logged, counted)."""
+    """The exporters of one run; ``failures`` are the ones that could not
+    start (logged, counted)."""
 
     prometheus: PrometheusExporter
     others: list[Exporter] = field(default_factory=list)
@@ -62,14 +63,16 @@ class RunExporters:
         return [self.prometheus, *self.others]
 
     def report_failures(self, errors: ExportErrors) -> None:
-        """Count and log the exporters that could not start, under the run's export error counter."""
+        """Count and log the exporters that could not start, under the run's
+        export error counter."""
         for name, message, exc in self.failures:
             errors.register(name)
             errors.record(name, message, exc)
 
 
 def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
-    """The exporters of a new run. An exporter that cannot start is left out and reported, never raised.
+    """The exporters of a new run. An exporter that cannot start is left out
+    and reported, never raised.
 
     Nothing here waits on the network or on W&B: the W&B run starts on its exporter's worker thread.
     """
@@ -97,12 +100,13 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
 def preload(settings: ExportSettings) -> None:
     """Import the exporters' heavy dependencies once, at start, before any request is served.
 
-    ``import wandb`` takes seconds of CPU under the GIL: done on an exporter's worker while the service
-    answers, it would slow every request for that long (the first run's W&B start still runs while
-    serving, but it mostly waits on the ``wandb-core`` process).
+    ``import wandb`` takes seconds of CPU under the GIL: done on an exporter's worker while the
+    service answers, it would slow every request for that long (the first run's W&B start still runs
+    while serving, but it mostly waits on the ``wandb-core`` process).
     """
     if settings.wandb_project is not None:
-        with contextlib.suppress(ImportError):  # reported per run, as an exporter that could not start
+        # reported per run, as an exporter that could not start
+        with contextlib.suppress(ImportError):
             import wandb  # noqa: F401
 
 
@@ -113,7 +117,11 @@ def _wandb_init(run: str, settings: ExportSettings) -> dict[str, Any]:
         "reinit": "create_new",  # one W&B run per service run, side by side in this process
         "settings": {"console": "off", "x_disable_stats": True},  # a dict: no import of wandb here
     }
-    for key, value in (("entity", settings.wandb_entity), ("mode", settings.wandb_mode), ("dir", settings.wandb_dir)):
+    for key, value in (
+        ("entity", settings.wandb_entity),
+        ("mode", settings.wandb_mode),
+        ("dir", settings.wandb_dir),
+    ):
         if value is not None:
             init[key] = value
     return init

@@ -1,9 +1,10 @@
-"""Exactly-once for the service's writes: digests of records, and answers kept by ``Idempotency-Key``.
+"""Exactly-once for the service's writes: digests of records, and answers
+kept by ``Idempotency-Key``.
 
-A rollout is counted once by its id and the digest of its content (:func:`stored_digest`). A ship or a
-mismatch post with an idempotency key gets the first answer again when it is retried (``replayed``), and a
-409 when the key comes back with another request; :class:`Answers` keeps the last
-:data:`IDEMPOTENCY_KEYS_KEPT` of them per run and endpoint, by what identifies a request
+A rollout is counted once by its id and the digest of its content (:func:`stored_digest`). A ship or
+a mismatch post with an idempotency key gets the first answer again when it is retried
+(``replayed``), and a 409 when the key comes back with another request; :class:`Answers` keeps the
+last :data:`IDEMPOTENCY_KEYS_KEPT` of them per run and endpoint, by what identifies a request
 (:class:`ShipFingerprint`, :class:`MismatchFingerprint`).
 """
 
@@ -40,8 +41,9 @@ _DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 def holds_large_array(record: Mapping[str, Any]) -> bool:
-    """True when a sample of ``record`` holds an array (a long per-position list, see .decode) larger than
-    :data:`~.store.PIECE_ITEMS` values: its text is then hashed and journalled a piece at a time."""
+    """True when a sample of ``record`` holds an array (a long per-position list, see
+    .decode) larger than :data:`~.store.PIECE_ITEMS` values: its text is then hashed and
+    journalled a piece at a time."""
     samples = record.get("samples")
     if not isinstance(samples, list):
         return False
@@ -54,7 +56,8 @@ def holds_large_array(record: Mapping[str, Any]) -> bool:
 
 
 def _canonical_digest(record: Mapping[str, Any], option: int) -> bytes:
-    """The digest of ``orjson.dumps(record, option=option)``, hashed piece by piece for a large record."""
+    """The digest of ``orjson.dumps(record, option=option)``, hashed piece by
+    piece for a large record."""
     if not holds_large_array(record):
         return hashlib.blake2b(orjson.dumps(record, option=option), digest_size=16).digest()
     digest = hashlib.blake2b(digest_size=16)
@@ -74,15 +77,17 @@ def record_digest(record: Mapping[str, Any]) -> bytes:
 
 
 def stored_digest(record: Mapping[str, Any]) -> bytes | None:
-    """:func:`record_digest` of a record the journal can store, None for one it cannot (a lone surrogate, an
-    integer beyond signed 64 bits, deep nesting). The common case is one strict orjson encoding, the one
-    the digest needs anyway; only a record it refuses is walked to find out why."""
+    """:func:`record_digest` of a record the journal can store, None for one it cannot (a
+    lone surrogate, an integer beyond signed 64 bits, deep nesting). The common case is one
+    strict orjson encoding, the one the digest needs anyway; only a record it refuses is
+    walked to find out why."""
     try:
         return _canonical_digest(record, _DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
     except orjson.JSONEncodeError:
         if unstorable(record) is not None:
             return None
-        return record_digest(record)  # integers past 2**53 but within 64 bits: stored exactly all the same
+        # integers past 2**53 but within 64 bits: stored exactly all the same
+        return record_digest(record)
 
 
 class ShipFingerprint(NamedTuple):
@@ -119,10 +124,11 @@ A = TypeVar("A", bound=BaseModel)
 
 
 class Answers(Generic[F, A]):
-    """The answers of one endpoint of a run by idempotency key, the newest :data:`IDEMPOTENCY_KEYS_KEPT`.
+    """The answers of one endpoint of a run by idempotency key, the newest
+    :data:`IDEMPOTENCY_KEYS_KEPT`.
 
-    ``different`` names another request in the 409 (``"a different ship"``); ``fingerprint`` and ``answer``
-    read a stored entry back.
+    ``different`` names another request in the 409 (``"a different ship"``); ``fingerprint`` and
+    ``answer`` read a stored entry back.
     """
 
     def __init__(self, different: str, fingerprint: Callable[[Any], F], answer: type[A]) -> None:
@@ -132,8 +138,8 @@ class Answers(Generic[F, A]):
         self._answers: OrderedDict[str, tuple[F, A]] = OrderedDict()
 
     def replay(self, key: str | None, fingerprint: F) -> A | None:
-        """The first answer to ``key`` (marked ``replayed``), None for a new key; the key with another request
-        raises :class:`~.errors.IdempotencyMismatch`."""
+        """The first answer to ``key`` (marked ``replayed``), None for a new key; the key with
+        another request raises :class:`~.errors.IdempotencyMismatch`."""
         if key is None or key not in self._answers:
             return None
         first, answer = self._answers[key]

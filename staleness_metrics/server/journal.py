@@ -1,5 +1,6 @@
-"""A run's journal: every write that changed the run is one row, persisted before it is answered, and a
-snapshot of the whole run now and then so that a restart replays a short tail (see :mod:`.store`).
+"""A run's journal: every write that changed the run is one row, persisted before it is
+answered, and a snapshot of the whole run now and then so that a restart replays a short
+tail (see :mod:`.store`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a re
 
 
 def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
-    """The journal request of an add, ``{"rollouts": records, "duplicates": n}``: as a value for a small
-    add, as pieces of its text (see :class:`~.store.Chunked`) for many records or large arrays."""
+    """The journal request of an add, ``{"rollouts": records, "duplicates": n}``: as a
+    value for a small add, as pieces of its text (see :class:`~.store.Chunked`) for many
+    records or large arrays."""
     large = [holds_large_array(record) for record in records]
     if len(records) <= CHUNKED_ADD_RECORDS and not any(large):
         return {"rollouts": records, "duplicates": duplicates}
@@ -45,10 +47,11 @@ def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
 
 
 class Journal:
-    """The journal of the run ``run`` in ``store``: its rows in order (``seq``), and when to snapshot ``state()``.
+    """The journal of the run ``run`` in ``store``: its rows in order (``seq``), and when
+    to snapshot ``state()``.
 
-    While ``restoring``, writes re-applied from the journal are not written again. ``broken`` is the error of
-    a write that could not be persisted: the run's memory is then ahead of its store.
+    While ``restoring``, writes re-applied from the journal are not written again. ``broken`` is the
+    error of a write that could not be persisted: the run's memory is then ahead of its store.
     """
 
     def __init__(self, run: str, store: Store, state: Callable[[], dict[str, Any]]) -> None:
@@ -62,7 +65,8 @@ class Journal:
         self.broken: BaseException | None = None
 
     def write(self, op: str, request: Any, history_row: Any | None = None) -> None:
-        """Persist one write before it is answered (under the run's lock, so in the order applied)."""
+        """Persist one write before it is answered (under the run's lock, so
+        in the order applied)."""
         if self.restoring:
             return
         self.seq += 1
@@ -80,7 +84,8 @@ class Journal:
 
     def snapshot(self) -> None:
         try:
-            with arrays_left_as_numpy():  # the queue's arrays written by orjson, never as Python lists
+            # the queue's arrays written by orjson, never as Python lists
+            with arrays_left_as_numpy():
                 state = self._state()
             self.store.save_snapshot(self.run, self.seq, state)
         except Exception:  # the journal still holds everything: a restart replays a longer tail

@@ -1,11 +1,12 @@
-"""Request size caps: :class:`BodySizeLimit` for bodies, :func:`header_limited_protocol` for headers.
+"""Request size caps: :class:`BodySizeLimit` for bodies,
+:func:`header_limited_protocol` for headers.
 
 Body cap: an ASGI middleware that answers 413 as soon as a body is known to be too large.
 
 It trusts neither ``Content-Length`` (checked first, for an answer before any byte is read) nor its
-absence: bytes are counted as they stream through to the application (chunked uploads included), never
-buffered here, and the moment the count passes the cap the client gets 413 and the application sees a
-disconnect, so it never parses a body that does not fit.
+absence: bytes are counted as they stream through to the application (chunked uploads included),
+never buffered here, and the moment the count passes the cap the client gets 413 and the application
+sees a disconnect, so it never parses a body that does not fit.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-# A body may cut one span row (a run of one mask value and one version: 60-130 bytes of the queue's span
-# table) per this many bytes of its size, and always SPAN_ROW_FLOOR rows (see .span_rows).
+# A body may cut one span row (a run of one mask value and one version: 60-130 bytes of the queue's
+# span table) per this many bytes of its size, and always SPAN_ROW_FLOOR rows (see .span_rows).
 DEFAULT_BODY_BYTES_PER_SPAN_ROW = 128
 SPAN_ROW_FLOOR = 65_536
 
@@ -66,7 +67,8 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 size += len(message.get("body", b""))
-                if size > self.max_bytes:  # the body grew past the cap as it streamed in: stop reading
+                # the body grew past the cap as it streamed in: stop reading
+                if size > self.max_bytes:
                     refused = True
                     if not started:
                         await self._refuse(send)
@@ -118,14 +120,16 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a cap on the request line and headers and a deadline for them.
+    """uvicorn's httptools protocol with a cap on the request line and headers
+    and a deadline for them.
 
-    httptools buffers a header line until it ends, however long, and uvicorn waits for headers without
-    a deadline: four 32 MB headers cost 180 MB, and 400 connections that never finish their headers
-    stay open for ever. Here the bytes a request sends before its headers end are counted as they
-    arrive (431 and close past ``max_header_bytes``), and a connection whose headers have not ended
-    ``header_timeout`` seconds after it opened, or after its request began, is closed (408 when it had
-    sent part of a request). Bodies are the body size cap's business (:class:`BodySizeLimit`).
+    httptools buffers a header line until it ends, however long, and uvicorn waits for headers
+    without a deadline: four 32 MB headers cost 180 MB, and 400 connections that never finish their
+    headers stay open for ever. Here the bytes a request sends before its headers end are counted as
+    they arrive (431 and close past ``max_header_bytes``), and a connection whose headers have not
+    ended ``header_timeout`` seconds after it opened, or after its request began, is closed (408
+    when it had sent part of a request). Bodies are the body size cap's business
+    (:class:`BodySizeLimit`).
     """
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -154,7 +158,11 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
                 and self._header_bytes > max_header_bytes
                 and not self.transport.is_closing()
             ):
-                self._refuse(431, b"Request Header Fields Too Large", "request line and headers over the size cap")
+                self._refuse(
+                    431,
+                    b"Request Header Fields Too Large",
+                    "request line and headers over the size cap",
+                )
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -203,8 +211,8 @@ def uvicorn_header_options(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, header_timeout: float = DEFAULT_HEADER_TIMEOUT
 ) -> dict[str, Any]:
     """``uvicorn.Config`` options capping request headers: the guarded httptools protocol
-    (:func:`header_limited_protocol`), or h11's own size cap (it has no header deadline) where httptools
-    is not installed."""
+    (:func:`header_limited_protocol`), or h11's own size cap (it has no header deadline) where
+    httptools is not installed."""
     try:
         import httptools  # noqa: F401
     except ImportError:
@@ -217,14 +225,15 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def return_large_frees_to_the_os() -> bool:
-    """Give every allocation of :data:`LARGE_ALLOCATION_BYTES` or more its own memory map (glibc), so that
-    freeing it returns it to the system at once. Returns False where this is not glibc.
+    """Give every allocation of :data:`LARGE_ALLOCATION_BYTES` or more its own memory map (glibc),
+    so that freeing it returns it to the system at once. Returns False where this is not glibc.
 
-    glibc raises that threshold each time such a block is freed, up to 32 MiB: after the first large body
-    the next one's buffers (its text, its arrays) come from the heap, whose freed space stays resident, and
-    a body's peak then depends on what earlier requests left behind (a 32 MiB body: +55 MiB more with a
-    data directory than without one, from the journal's freed buffers). A fixed threshold keeps the peak
-    to what the request itself holds at once. Small requests allocate nothing that large.
+    glibc raises that threshold each time such a block is freed, up to 32 MiB: after the first
+    large body the next one's buffers (its text, its arrays) come from the heap, whose freed space
+    stays resident, and a body's peak then depends on what earlier requests left behind (a 32 MiB
+    body: +55 MiB more with a data directory than without one, from the journal's freed buffers). A
+    fixed threshold keeps the peak to what the request itself holds at once. Small requests
+    allocate nothing that large.
     """
     import ctypes
     import sys

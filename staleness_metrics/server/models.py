@@ -1,9 +1,9 @@
 """Request and response bodies of the service, as pydantic models (they make the OpenAPI document).
 
 Rollout records and run configurations are *not* validated here: the library does that
-(:func:`~staleness_metrics.config.StalenessConfig.from_mapping` and the sink), so the service accepts
-exactly what the library accepts and reports its errors word for word. Their schemas below document
-the format for client authors; the bodies are received as plain JSON objects.
+(:func:`~staleness_metrics.config.StalenessConfig.from_mapping` and the sink), so the service
+accepts exactly what the library accepts and reports its errors word for word. Their schemas below
+document the format for client authors; the bodies are received as plain JSON objects.
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ def run_config_schema() -> dict[str, Any]:
     schema = TypeAdapter(StalenessConfig).json_schema()
     schema["title"] = "RunConfig"
     schema["description"] = (
-        "A StalenessConfig as JSON; every key is optional. Validated by the library: unknown keys and "
-        "renamed ones (max_off_policy_steps -> max_staleness) are rejected with 422; max_staleness >= 0, "
-        "max_token_staleness >= 0 or null, sync_interval >= 1 (each at most 2**53), and the last three "
-        "xtuner options only with policy 'xtuner'."
+        "A StalenessConfig as JSON; every key is optional. Validated by the library: unknown keys "
+        "and renamed ones (max_off_policy_steps -> max_staleness) are rejected with 422; "
+        "max_staleness >= 0, max_token_staleness >= 0 or null, sync_interval >= 1 (each at most "
+        "2**53), and the last three xtuner options only with policy 'xtuner'."
     )
     schema["additionalProperties"] = False
     schema["example"] = {"policy": "token", "max_staleness": 4}
@@ -85,7 +85,12 @@ _SAMPLE_SCHEMA: dict[str, Any] = {
         "weight_versions": _nullable(
             {
                 "type": "array",
-                "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+                "items": {
+                    "type": "array",
+                    "items": {"type": "integer"},
+                    "minItems": 2,
+                    "maxItems": 2,
+                },
                 "description": "[version, start] spans with strictly increasing starts in 0..n-1.",
             }
         ),
@@ -210,7 +215,8 @@ class AddResult(BaseModel):
     accepted: int = Field(description="Rollouts queued by this request.")
     duplicates: int = Field(description="Records whose id (with the same content) was received before.")
     invalid: list[ErrorItem] = Field(
-        default_factory=list, description="Records set aside as invalid (lenient runs only; strict runs 422)."
+        default_factory=list,
+        description="Records set aside as invalid (lenient runs only; strict runs 422).",
     )
     queued: int = Field(description="Rollouts waiting in the run's queue after this request.")
 
@@ -228,10 +234,12 @@ class ShipRequest(BaseModel):
 
     step: Step
     ids: list[str] | None = Field(
-        default=None, description="Rollouts to ship (ids naming nothing queued are ignored); all when absent."
+        default=None,
+        description="Rollouts to ship (ids naming nothing queued are ignored); all when absent.",
     )
     include_rollouts: bool = Field(
-        default=False, description="Return the shipped rollouts, masked, with their dropped samples removed."
+        default=False,
+        description="Return the shipped rollouts, masked, with their dropped samples removed.",
     )
 
     @field_validator("ids")
@@ -263,15 +271,18 @@ class ShipResult(BaseModel):
     metrics: dict[str, float | int | str] = Field(description="The SPEC 6 metrics dict of the step.")
     counts: Counts
     rollouts: list[dict[str, Any]] | None = Field(
-        default=None, description="With include_rollouts: the shipped rollouts as SPEC 3 records, masked."
+        default=None,
+        description="With include_rollouts: the shipped rollouts as SPEC 3 records, masked.",
     )
     lags: list[list[list[int]]] | None = Field(
         default=None,
-        description="With include_rollouts: the lag of every position of each returned sample (SPEC 11; -1 "
-        "outside the population), [rollout][sample][position], for a trainer posting its mismatch sums.",
+        description="With include_rollouts: the lag of every position of each returned sample "
+        "(SPEC 11; -1 outside the population), [rollout][sample][position], for a trainer "
+        "posting its mismatch sums.",
     )
     replayed: bool = Field(
-        default=False, description="True when this is the stored answer to a repeated Idempotency-Key."
+        default=False,
+        description="True when this is the stored answer to a repeated Idempotency-Key.",
     )
 
 
@@ -281,16 +292,16 @@ class StepRow(BaseModel):
     ship: int
     step: int
     metrics: dict[str, float | int | str] = Field(
-        description="The SPEC 6 metrics of the ship; on the last ship of a step with posted mismatch sums, "
-        "the SPEC 11 keys of their merged total (staleness/mismatch/...)."
+        description="The SPEC 6 metrics of the ship; on the last ship of a step with posted "
+        "mismatch sums, the SPEC 11 keys of their merged total (staleness/mismatch/...)."
     )
     counts: Counts
     token_histogram: list[int] = Field(description="Shipped sampled positions per token staleness (index).")
     rollout_histogram: list[int] = Field(description="Shipped live rollouts per rollout staleness (index).")
     mismatch: dict[str, Any] | None = Field(
         default=None,
-        description="The merged mismatch sums posted for this step (MismatchSums.to_dict() form), on the "
-        "step's last ship; null when none were posted.",
+        description="The merged mismatch sums posted for this step (MismatchSums.to_dict() form), "
+        "on the step's last ship; null when none were posted.",
     )
 
 
@@ -302,8 +313,8 @@ _BUCKET_SCHEMA: dict[str, Any] = {
         "sum_log_ratio": {"type": "number"},
         **{name: {"type": "number", "minimum": 0} for name in SUM_FIELDS if name != "sum_log_ratio"},
     },
-    "description": "SPEC 11 sums of one lag bucket: counts of covered, masked and out-of-band positions, "
-    "and the sums of d, |d|, k3, r and r^2.",
+    "description": "SPEC 11 sums of one lag bucket: counts of covered, masked and out-of-band "
+    "positions, and the sums of d, |d|, k3, r and r^2.",
 }
 
 MISMATCH_SUMS_SCHEMA: dict[str, Any] = {
@@ -311,7 +322,11 @@ MISMATCH_SUMS_SCHEMA: dict[str, Any] = {
     "required": ["uncovered", "lags"],
     "properties": {
         "format": {"type": "integer", "enum": [1], "default": 1},
-        "uncovered": {"type": "integer", "minimum": 0, "description": "Sampled positions lacking a value."},
+        "uncovered": {
+            "type": "integer",
+            "minimum": 0,
+            "description": "Sampled positions lacking a value.",
+        },
         "lags": {
             "type": "object",
             "required": list(LAG_BUCKETS),
@@ -324,7 +339,8 @@ MISMATCH_SUMS_SCHEMA: dict[str, Any] = {
 
 
 class MismatchRequest(BaseModel):
-    """Trainer-side mismatch sums (SPEC 11) of part of a shipped step: one rank's or micro-batch's."""
+    """Trainer-side mismatch sums (SPEC 11) of part of a shipped step: one
+    rank's or micro-batch's."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -336,9 +352,10 @@ class MismatchRequest(BaseModel):
     env: str | None = Field(
         default=None,
         min_length=1,
-        description="The env these sums are of (one post per env and rank). They count in the step's total as "
-        "any others and, with the env breakdown, in the env's: staleness/env/<env>/mismatch/... and the env "
-        "label of the mismatch counters. A non-empty string, as a rollout's env.",
+        description="The env these sums are of (one post per env and rank). They count in the "
+        "step's total as any others and, with the env breakdown, in the env's: "
+        "staleness/env/<env>/mismatch/... and the env label of the mismatch counters. A non-empty "
+        "string, as a rollout's env.",
     )
 
 
@@ -353,7 +370,8 @@ class MismatchResult(BaseModel):
         description="SPEC 11 and SPEC 14 keys of the merged total (staleness/mismatch/..., staleness/bound/...)."
     )
     replayed: bool = Field(
-        default=False, description="True when this is the stored answer to a repeated Idempotency-Key."
+        default=False,
+        description="True when this is the stored answer to a repeated Idempotency-Key.",
     )
 
 
@@ -368,6 +386,6 @@ class Health(BaseModel):
     runs: int
     unavailable: dict[str, str] = Field(
         default_factory=dict,
-        description="Runs that answer 503, or still load after a restart, and why (the service answers 503 "
-        "while any is).",
+        description="Runs that answer 503, or still load after a restart, and why (the service "
+        "answers 503 while any is).",
     )

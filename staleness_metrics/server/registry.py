@@ -1,4 +1,5 @@
-"""The runs of one service by name: created, restored at start (in the background), found, deleted."""
+"""The runs of one service by name: created, restored at start (in the
+background), found, deleted."""
 
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ logger = logging.getLogger("staleness_metrics.server")
 class RunRegistry:
     """The runs of one service, by name.
 
-    Stored runs are checked at start (:meth:`restore`: every row's checksum, every journal's sequence) and
-    then loaded in the background, so that a restart serves at once: a request for a run not loaded yet
-    loads it first. A run whose stored rows cannot be applied again is *unavailable*: its requests get
-    503 with the reason, and ``/healthz`` names it.
+    Stored runs are checked at start (:meth:`restore`: every row's checksum, every journal's
+    sequence) and then loaded in the background, so that a restart serves at once: a request for a
+    run not loaded yet loads it first. A run whose stored rows cannot be applied again is
+    *unavailable*: its requests get 503 with the reason, and ``/healthz`` names it.
     """
 
     def __init__(self, export_settings: ExportSettings | None = None, store: Store | None = None) -> None:
@@ -40,12 +41,15 @@ class RunRegistry:
         self._pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}  # checked, not loaded yet
         self._failed: dict[str, str] = {}  # runs whose stored rows could not be applied: why
         self._lock = threading.Lock()  # guards the dicts
-        self._creating = threading.Lock()  # one creation or deletion at a time (exporters start slowly)
-        self._loading = threading.Lock()  # one run loaded at a time (by the background thread or a request)
+        # one creation or deletion at a time (exporters start slowly)
+        self._creating = threading.Lock()
+        # one run loaded at a time (by the background thread or a request)
+        self._loading = threading.Lock()
         self._loader: threading.Thread | None = None
 
     def create(self, name: str, config: StalenessConfig) -> tuple[Run, bool]:
-        """The run ``name``, created with ``config`` (True) or already there with the same config (False).
+        """The run ``name``, created with ``config`` (True) or already there with
+        the same config (False).
 
         Raises :class:`RunConflict` when it exists with another configuration.
         """
@@ -54,8 +58,8 @@ class RunRegistry:
             if existing is not None:
                 if existing.config != config:
                     raise RunConflict(
-                        f"run {name!r} exists with another configuration ({asdict(existing.config)}); "
-                        "delete it first or pick another name"
+                        f"run {name!r} exists with another configuration "
+                        f"({asdict(existing.config)}); delete it first or pick another name"
                     )
                 return existing, False
             self.store.create_run(name, asdict(config))  # persisted before the 201
@@ -67,11 +71,12 @@ class RunRegistry:
     def restore(self, background: bool = True, defer: bool = False) -> int:
         """Check every stored run (at start-up, before serving) and load them; returns how many.
 
-        Stored data that fails its checks refuses the start (the store's error names the run and the row):
-        a run silently left out would look deleted, and its clients would start it again from nothing.
-        The runs are then loaded on a background thread (``background``) or here; with ``defer``, by
-        :meth:`load_in_background` (the service calls it once it listens: loading before would share
-        the interpreter with the start and delay it) or on demand, by the first request for each.
+        Stored data that fails its checks refuses the start (the store's error names the run and
+        the row): a run silently left out would look deleted, and its clients would start it again
+        from nothing. The runs are then loaded on a background thread (``background``) or here;
+        with ``defer``, by :meth:`load_in_background` (the service calls it once it listens:
+        loading before would share the interpreter with the start and delay it) or on demand, by
+        the first request for each.
         """
         stored_runs = self.store.load()
         pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}
@@ -123,8 +128,8 @@ class RunRegistry:
             except RestoreFailed as exc:
                 run.close()
                 reason = (
-                    f"{exc}. The run is unavailable: restore the data directory from a backup and restart, "
-                    f"or DELETE /v1/runs/{name} to drop it"
+                    f"{exc}. The run is unavailable: restore the data directory from a backup and "
+                    f"restart, or DELETE /v1/runs/{name} to drop it"
                 )
                 logger.error("%s", reason)
                 with self._lock:
@@ -137,7 +142,8 @@ class RunRegistry:
             return run
 
     def loaded(self, timeout: float | None = None) -> bool:
-        """Wait until every stored run is loaded (or found unavailable); False when ``timeout`` passed."""
+        """Wait until every stored run is loaded (or found unavailable); False
+        when ``timeout`` passed."""
         loader = self._loader
         if loader is not None:
             loader.join(timeout)
@@ -163,7 +169,8 @@ class RunRegistry:
         return run
 
     def unavailable(self) -> dict[str, str]:
-        """The runs that take no requests, and why (a store that failed a write, or rows that failed to load)."""
+        """The runs that take no requests, and why (a store that failed a write, or rows
+        that failed to load)."""
         with self._lock:
             runs = list(self._runs.values())
             out = dict(self._failed)
@@ -179,8 +186,9 @@ class RunRegistry:
             return bool(self._pending)
 
     def unavailable_once_loaded(self, timeout: float) -> dict[str, str]:
-        """:meth:`unavailable` once every stored run is loaded or found unavailable, waiting up to
-        ``timeout`` seconds (loading them now if nothing did yet); runs still loading then are named too."""
+        """:meth:`unavailable` once every stored run is loaded or found unavailable,
+        waiting up to ``timeout`` seconds (loading them now if nothing did yet); runs still
+        loading then are named too."""
         self.load_in_background()
         self.loaded(timeout)
         out = self.unavailable()
@@ -199,7 +207,8 @@ class RunRegistry:
         with self._creating:
             with self._lock:
                 failed = self._failed.pop(name, None)
-            if failed is not None:  # an unavailable run can still be deleted (and its name used again)
+            # an unavailable run can still be deleted (and its name used again)
+            if failed is not None:
                 self.store.delete_run(name)
                 return
             run = self.get(name)

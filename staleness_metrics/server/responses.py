@@ -1,7 +1,9 @@
-"""How the service answers: models written to JSON in one call, the error bodies, and their OpenAPI entries.
+"""How the service answers: models written to JSON in one call, the error bodies,
+and their OpenAPI entries.
 
-Every error body is ``{"detail": "..."}``, or, where a field is at fault (422, and a span-row cap's 413),
-``{"detail": [{"field", "reason", "rollout_id", "index"}, ...]}`` (:class:`.ValidationErrorBody`).
+Every error body is ``{"detail": "..."}``, or, where a field is at fault (422, and a span-row cap's
+413), ``{"detail": [{"field", "reason", "rollout_id", "index"}, ...]}``
+(:class:`.ValidationErrorBody`).
 """
 
 from __future__ import annotations
@@ -54,10 +56,11 @@ def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, A
 class JSONModelResponse(Response):
     """A response model written to JSON by pydantic in one call.
 
-    Returning the model itself would make FastAPI validate it again against the route's response model,
-    turn it into Python dicts and lists, and encode those with the standard library: three passes over
-    an answer the handler has just built from validated values. Routes declare ``response_model`` for
-    the OpenAPI document, and FastAPI passes a returned ``Response`` through untouched.
+    Returning the model itself would make FastAPI validate it again against the route's
+    response model, turn it into Python dicts and lists, and encode those with the standard
+    library: three passes over an answer the handler has just built from validated values.
+    Routes declare ``response_model`` for the OpenAPI document, and FastAPI passes a returned
+    ``Response`` through untouched.
     """
 
     media_type = "application/json"
@@ -77,7 +80,8 @@ _STATUS_OF: dict[type[Exception], int] = {
 
 
 def _printable(text: str) -> str:
-    """``text`` with lone surrogates written as escapes: an answer naming a bad string can be encoded."""
+    """``text`` with lone surrogates written as escapes: an answer naming a bad
+    string can be encoded."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
@@ -101,7 +105,8 @@ async def _run_error(request: Request, exc: Exception) -> JSONResponse:
         too_large = isinstance(exc, SpanRowsTooMany)  # a size limit, named as an invalid record is
         return _invalid(items, status.HTTP_413_CONTENT_TOO_LARGE if too_large else 422)
     return JSONResponse(
-        {"detail": _printable(str(exc))}, status_code=_STATUS_OF.get(type(exc), status.HTTP_409_CONFLICT)
+        {"detail": _printable(str(exc))},
+        status_code=_STATUS_OF.get(type(exc), status.HTTP_409_CONFLICT),
     )
 
 
@@ -109,15 +114,18 @@ async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     return _invalid(
         [
-            ErrorItem(field=".".join(str(part) for part in error.get("loc", ())), reason=str(error.get("msg", "")))
+            ErrorItem(
+                field=".".join(str(part) for part in error.get("loc", ())),
+                reason=str(error.get("msg", "")),
+            )
             for error in exc.errors()
         ]
     )
 
 
 async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
-    # The standard JSON reader recurses once per level: a body nested past the interpreter's limit is
-    # unreadable JSON for this service, on every route (400, as for any body it cannot read).
+    # The standard JSON reader recurses once per level: a body nested past the interpreter's limit
+    # is unreadable JSON for this service, on every route (400, as for any body it cannot read).
     return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
 
 

@@ -1,23 +1,23 @@
 """The service's runs: one monitor (sink + exporters) per run, with exactly-once accounting.
 
-The sink is not thread-safe, and exactly-once needs "check the ids, then add" to be one step, so every
-call into a run holds the run's lock. Runs do not share locks: runs progress independently.
+The sink is not thread-safe, and exactly-once needs "check the ids, then add" to be one step, so
+every call into a run holds the run's lock. Runs do not share locks: runs progress independently.
 
 Exactly-once:
 
 - **Rollouts**: a run remembers every rollout id it received (queued, or set aside as invalid in a
   lenient run) with a digest of the record. A record whose id and content were received before is a
-  *duplicate*: counted as such and otherwise ignored, so a batch re-sent after a timeout changes nothing.
-  In a batch that mixes new and already-received records, the new ones are added and the others are
-  duplicates. A record re-using a received id with *different* content is a conflict (409) and nothing of
-  its batch is applied. The same holds for one record twice in one batch.
-- **Ships**: a ship carries an optional idempotency key; a ship with a key the run has already answered
-  returns the stored answer (``replayed``) instead of shipping again, and the same key with a different
-  request is refused. The last :data:`~.idempotency.IDEMPOTENCY_KEYS_KEPT` keys of each run are remembered
-  (:class:`~.idempotency.Answers`, one per endpoint).
-- **Mismatch sums** (SPEC 11): posts for one step merge (one per rank or micro-batch); a post carries an
-  optional idempotency key with the same rules as a ship's (keys are kept per run and per endpoint), so
-  a post retried after a timeout is counted once.
+  *duplicate*: counted as such and otherwise ignored, so a batch re-sent after a timeout changes
+  nothing. In a batch that mixes new and already-received records, the new ones are added and the
+  others are duplicates. A record re-using a received id with *different* content is a conflict
+  (409) and nothing of its batch is applied. The same holds for one record twice in one batch.
+- **Ships**: a ship carries an optional idempotency key; a ship with a key the run has already
+  answered returns the stored answer (``replayed``) instead of shipping again, and the same key with
+  a different request is refused. The last :data:`~.idempotency.IDEMPOTENCY_KEYS_KEPT` keys of each
+  run are remembered (:class:`~.idempotency.Answers`, one per endpoint).
+- **Mismatch sums** (SPEC 11): posts for one step merge (one per rank or micro-batch); a post
+  carries an optional idempotency key with the same rules as a ship's (keys are kept per run and per
+  endpoint), so a post retried after a timeout is counted once.
 """
 
 from __future__ import annotations
@@ -101,8 +101,8 @@ def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
         if item.field != "sums":
             item = item.model_copy(update={"field": f"sums.{item.field}"})
         raise RecordsInvalid([item]) from None
-    # A bucket without covered positions has nothing to sum: non-zero sums there are a client bug that
-    # would skew the all-bucket k3.
+    # A bucket without covered positions has nothing to sum: non-zero sums there are a client bug
+    # that would skew the all-bucket k3.
     for i in np.flatnonzero(parsed.tokens == 0).tolist():
         for name in SUM_FIELDS:
             if getattr(parsed, name)[i] != 0:
@@ -130,7 +130,8 @@ _MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
 
 @dataclass(frozen=True)
 class _StepMismatch:
-    """The posted sums of one step: how many posts, their total, and its keys and dict (made once)."""
+    """The posted sums of one step: how many posts, their total, and its keys
+    and dict (made once)."""
 
     posts: int
     total: MismatchSums
@@ -142,7 +143,8 @@ class _StepMismatch:
         return cls(posts, total, metrics, total.to_dict())
 
     def on(self, row: StepRow) -> StepRow:
-        """``row`` with these keys in place of any SPEC 11 / SPEC 14 keys the ship computed, and the sums."""
+        """``row`` with these keys in place of any SPEC 11 / SPEC 14 keys the ship
+        computed, and the sums."""
         kept = {key: value for key, value in row.metrics.items() if not key.startswith(_MISMATCH_PREFIXES)}
         return row.model_copy(update={"metrics": {**kept, **self.metrics}, "mismatch": self.sums})
 
@@ -150,14 +152,21 @@ class _StepMismatch:
 class Run:
     """One run of the service: a :class:`StalenessMonitor` and what exactly-once needs."""
 
-    def __init__(self, name: str, config: StalenessConfig, exporters: RunExporters, store: Store | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        config: StalenessConfig,
+        exporters: RunExporters,
+        store: Store | None = None,
+    ) -> None:
         self.name = name
         self.config = config
         self._exporters = exporters
         self.monitor = StalenessMonitor(config, exporters.all, run=name)
         exporters.report_failures(self.monitor.export_errors)
         self._lock = threading.RLock()  # re-entered by the calls made under Run.quick
-        # Positions added since the queue was last seen empty: at least what it holds (see Run.quick).
+        # Positions added since the queue was last seen empty: at least what
+        # it holds (see Run.quick).
         self._positions_bound = 0
         self._received: dict[str, bytes] = {}  # rollout id -> digest of the record
         self._duplicates = 0
@@ -173,8 +182,8 @@ class Run:
         # Persistence: every write that changed the run is one journal row (see .store).
         self._store = store or Store()
         self._journal = Journal(name, self._store, self.state_dict)
-        # How each journalled operation is applied again at restart. A new write endpoint adds one entry
-        # here and journals its validated request with ``self._journal.write(op, request)``.
+        # How each journalled operation is applied again at restart. A new write endpoint adds one
+        # entry here and journals its validated request with ``self._journal.write(op, request)``.
         self._ops: dict[str, Callable[[Any], object]] = {
             "add": self._replay_add,
             "sweep": lambda request: self.sweep(int(request["step"])),
@@ -204,15 +213,15 @@ class Run:
 
     @contextmanager
     def quick(self) -> Iterator[bool]:
-        """True, holding the run's lock, when it was free at once and the queue is small enough for a ship
-        of a few milliseconds (:data:`QUICK_MAX_ROLLOUTS`, :data:`QUICK_MAX_POSITIONS`); False, not holding
-        it, otherwise.
+        """True, holding the run's lock, when it was free at once and the queue is small enough for
+        a ship of a few milliseconds (:data:`QUICK_MAX_ROLLOUTS`, :data:`QUICK_MAX_POSITIONS`);
+        False, not holding it, otherwise.
 
-        The service then calls the run on its event loop rather than on a worker thread (the hop to the
-        worker and back costs a small request about as much as its own work). Never waiting for the lock
-        there is what makes that safe: a run busy with a large batch stalls its own callers, which go to a
-        worker, not every connection. The queue's positions are bounded by those added since it was last
-        empty, so the bound is never below what a ship would read.
+        The service then calls the run on its event loop rather than on a worker thread (the hop to
+        the worker and back costs a small request about as much as its own work). Never waiting for
+        the lock there is what makes that safe: a run busy with a large batch stalls its own
+        callers, which go to a worker, not every connection. The queue's positions are bounded by
+        those added since it was last empty, so the bound is never below what a ship would read.
         """
         if not self._lock.acquire(blocking=False):
             yield False
@@ -224,7 +233,8 @@ class Run:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        """The run without its history rows (stored apart): monitor, received ids, idempotency answers."""
+        """The run without its history rows (stored apart): monitor, received
+        ids, idempotency answers."""
         return {
             "format": RUN_STATE_FORMAT,
             "seq": self._journal.seq,
@@ -232,14 +242,16 @@ class Run:
             "received": {rid: digest.hex() for rid, digest in self._received.items()},
             "duplicates": self._duplicates,
             "answers": self._answers.to_json(),
-            # Posted mismatch sums (SPEC 11) per step, and the answers to their idempotency keys.
-            # The keys published with them too: SPEC 14's floor and window are of the moment they were posted.
+            # Posted mismatch sums (SPEC 11) per step, and the answers to their idempotency
+            # keys. The keys published with them too: SPEC 14's floor and window are of the
+            # moment they were posted.
             "mismatch": [[step, m.posts, m.sums, m.metrics] for step, m in self._mismatch.items()],
             "mismatch_answers": self._mismatch_answers.to_json(),
         }
 
     def restore(self, stored: StoredRun) -> None:
-        """Load the latest snapshot and re-apply the journal after it (ships are not exported again).
+        """Load the latest snapshot and re-apply the journal after it (ships
+        are not exported again).
 
         Raises :class:`RestoreFailed` naming the stored row that could not be loaded or applied.
         """
@@ -262,8 +274,8 @@ class Run:
                         self._ops[row.op](row.request)
                     except Exception as exc:
                         raise RestoreFailed(
-                            f"run {self.name!r}: its journal row {row.seq} ({row.op}) cannot be applied again: "
-                            f"{reason_of(exc)}"
+                            f"run {self.name!r}: its journal row {row.seq} ({row.op}) cannot be "
+                            f"applied again: {reason_of(exc)}"
                         ) from exc
                     self._journal.seq = row.seq
                     self._journal.rows_since_snapshot += 1
@@ -293,7 +305,8 @@ class Run:
             self._duplicates += int(request.get("duplicates", 0))
 
     def events(self) -> Iterator[dict[str, Any]]:
-        """The run's history as SPEC 9 events (``staleness-metrics replay`` reproduces its ships)."""
+        """The run's history as SPEC 9 events (``staleness-metrics replay``
+        reproduces its ships)."""
         if not self._store.persistent:
             raise NotPersisted("the service runs without a data directory (--in-memory): no history to export")
         for row in self._store.journal(self.name):
@@ -325,12 +338,16 @@ class Run:
                     raise RecordsInvalid(
                         [
                             ErrorItem(
-                                field="id", reason=reason, rollout_id=None if rid is None else str(rid), index=index
+                                field="id",
+                                reason=reason,
+                                rollout_id=None if rid is None else str(rid),
+                                index=index,
                             )
                         ]
                     )
                 digest = stored_digest(record)
-                if digest is None:  # refused before anything is applied: the journal could not write it
+                # refused before anything is applied: the journal could not write it
+                if digest is None:
                     raise RecordsInvalid([self._unstorable_item(record, rid, index)])
                 known = self._received.get(rid, digests.get(rid))
                 if known is None:
@@ -389,7 +406,12 @@ class Run:
             path = out_of_range(record, "")
             if path is not None:
                 rid = str(record["id"])
-                return ErrorItem(field=path, reason="integer out of range", rollout_id=rid, index=index_of.get(rid))
+                return ErrorItem(
+                    field=path,
+                    reason="integer out of range",
+                    rollout_id=rid,
+                    index=index_of.get(rid),
+                )
         return ErrorItem(field="rollouts", reason="a number is out of range")
 
     # ------------------------------------------------------------------ sweep and ship
@@ -411,7 +433,9 @@ class Run:
     def ship(self, request: ShipRequest, idempotency_key: str | None = None) -> ShipResult:
         """Ship for ``request.step``; a repeated ``idempotency_key`` returns the first answer."""
         fingerprint = ShipFingerprint(
-            request.step, None if request.ids is None else tuple(request.ids), request.include_rollouts
+            request.step,
+            None if request.ids is None else tuple(request.ids),
+            request.include_rollouts,
         )
         with self._lock:
             self._check_open()
@@ -422,7 +446,8 @@ class Run:
             try:
                 shipment = self.monitor.ship(request.step, request.ids)
             except TraceError as error:  # strict run: a version above the trained one
-                # The ship swept at its step before it refused: that much happened and is journalled.
+                # The ship swept at its step before it refused: that much
+                # happened and is journalled.
                 self._journal.write("sweep", {"step": request.step})
                 raise RecordsInvalid([trace_item(error)]) from None
             if self.monitor.sink.queued == 0:
@@ -488,7 +513,11 @@ class Run:
             metrics = self.monitor.mismatch_metrics(request.step) or {}
             merged = self._mismatch[request.step] = _StepMismatch.of(posts + 1, total, metrics)
             answer = MismatchResult(
-                run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
+                run=self.name,
+                step=request.step,
+                posts=merged.posts,
+                tokens=total.covered,
+                metrics=merged.metrics,
             )
             self._mismatch_answers.remember(idempotency_key, fingerprint, answer)
             self._journal.write("mismatch", {"request": request.model_dump(mode="json"), "key": idempotency_key})
@@ -498,8 +527,9 @@ class Run:
     def steps(self, since: int = 0) -> list[StepRow]:
         """The metrics history: every ship with ``step > since``, oldest first.
 
-        The last ship of a step with posted mismatch sums carries their merged total: its SPEC 11 keys in
-        ``metrics`` (replacing any the ship computed from records) and the sums in ``mismatch``.
+        The last ship of a step with posted mismatch sums carries their merged total: its
+        SPEC 11 keys in ``metrics`` (replacing any the ship computed from records) and
+        the sums in ``mismatch``.
         """
         with self._lock:
             self._check_open()
@@ -529,7 +559,8 @@ class Run:
         )
 
     def checkpoint(self) -> None:
-        """Snapshot now if anything was journalled since the last one (a clean shutdown restarts faster)."""
+        """Snapshot now if anything was journalled since the last one (a clean
+        shutdown restarts faster)."""
         with self._lock:
             if (
                 self._store.persistent

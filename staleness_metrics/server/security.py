@@ -1,11 +1,11 @@
 """Who may talk to the service: loopback by default, a bearer token for anything else.
 
 - :func:`check_bind` is the start-up rule: off loopback the service needs a token.
-- :class:`TokenFirst` is the ASGI middleware that checks ``Authorization: Bearer <token>`` in constant
-  time on every write (and, when asked, every read) *before the body is read*: an unauthenticated client
-  costs the service a header parse, never a body buffer or a JSON parse.
-- :data:`BEARER_SCHEME` is how the OpenAPI document describes the token (the routes that need it name it;
-  no per-request dependency checks it again: the middleware has answered by then).
+- :class:`TokenFirst` is the ASGI middleware that checks ``Authorization: Bearer <token>`` in
+  constant time on every write (and, when asked, every read) *before the body is read*: an
+  unauthenticated client costs the service a header parse, never a body buffer or a JSON parse.
+- :data:`BEARER_SCHEME` is how the OpenAPI document describes the token (the routes that need it
+  name it; no per-request dependency checks it again: the middleware has answered by then).
 - :func:`check_token` refuses blank tokens at start-up.
 """
 
@@ -34,8 +34,8 @@ TOKEN_ENV = "STALENESS_METRICS_TOKEN"
 # The OpenAPI security scheme of the token (components.securitySchemes.HTTPBearer).
 BEARER_SCHEME: dict[str, Any] = {
     "type": "http",
-    "description": f"The service token (`serve --token` or `{TOKEN_ENV}`). Required on writes when the "
-    "service has a token, and on reads too with `--protect-reads`.",
+    "description": f"The service token (`serve --token` or `{TOKEN_ENV}`). Required on writes when "
+    "the service has a token, and on reads too with `--protect-reads`.",
     "scheme": "bearer",
 }
 
@@ -58,15 +58,15 @@ def check_bind(host: str, token: str | None) -> None:
     """Raise :class:`BindRefused` when ``host`` is not loopback and there is no token."""
     if not token and not is_loopback(host):
         raise BindRefused(
-            f"refusing to listen on {host} without a token: anyone who can reach it could write to your runs. "
-            f"Set --token (or {TOKEN_ENV}); every write then needs 'Authorization: Bearer <token>'. "
-            "Or listen on 127.0.0.1 (the default)."
+            f"refusing to listen on {host} without a token: anyone who can reach it could write to "
+            f"your runs. Set --token (or {TOKEN_ENV}); every write then needs 'Authorization: "
+            "Bearer <token>'. Or listen on 127.0.0.1 (the default)."
         )
 
 
 def check_token(token: str | None) -> None:
-    """A token that is set must be usable: blank or whitespace-only is refused (``ValueError``), never
-    taken for "no token" or served as a secret anyone can guess."""
+    """A token that is set must be usable: blank or whitespace-only is refused (``ValueError``),
+    never taken for "no token" or served as a secret anyone can guess."""
     if token is not None and not token.strip():
         raise ValueError("the token is blank; give a real secret (e.g. $(openssl rand -hex 32)) or none")
 
@@ -87,9 +87,9 @@ def _bearer_of(scope: Scope) -> bytes | None:
 class TokenFirst:
     """401 for a request without the right bearer token, answered from the headers alone.
 
-    The body is never read for such a request (the connection is closed after the answer), so neither
-    its size nor its JSON costs the service anything. Writes always need the token when one is set;
-    reads too with ``protect_reads`` (except :data:`OPEN_PATHS`).
+    The body is never read for such a request (the connection is closed after the answer), so
+    neither its size nor its JSON costs the service anything. Writes always need the token when one
+    is set; reads too with ``protect_reads`` (except :data:`OPEN_PATHS`).
     """
 
     def __init__(self, app: ASGIApp, token: str | None, protect_reads: bool = False) -> None:

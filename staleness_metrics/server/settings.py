@@ -13,19 +13,21 @@ __all__ = ["ServerSettings"]
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """``token``: required (``Authorization: Bearer``) on every write when set, and on reads too with
-    ``protect_reads``; ``/healthz`` and the OpenAPI document stay open (a blank token is refused).
-    ``max_body_bytes`` caps request bodies (413 beyond); ``body_bytes_per_span_row`` caps the span rows a
-    rollouts body may cut: one per that many bytes of it, at least 65,536 (413 beyond; 0: no cap).
-    ``exporters``: OTLP and W&B for every run, besides Prometheus. ``data_dir``: persist every acknowledged
-    write there (SQLite) and restore the runs from it at start; None keeps runs in memory only."""
+    """``token``: required (``Authorization: Bearer``) on every write when set, and on reads too
+    with ``protect_reads``; ``/healthz`` and the OpenAPI document stay open (a blank token is
+    refused). ``max_body_bytes`` caps request bodies (413 beyond); ``body_bytes_per_span_row`` caps
+    the span rows a rollouts body may cut: one per that many bytes of it, at least 65,536 (413
+    beyond; 0: no cap). ``exporters``: OTLP and W&B for every run, besides Prometheus. ``data_dir``:
+    persist every acknowledged write there (SQLite) and restore the runs from it at start; None
+    keeps runs in memory only."""
 
     token: str | None = None
     protect_reads: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_bytes_per_span_row: int = DEFAULT_BODY_BYTES_PER_SPAN_ROW
     exporters: ExportSettings = field(default_factory=ExportSettings)
-    data_dir: Path | None = None  # None: runs live in memory only (the ``serve`` command defaults to a directory)
+    # None: runs live in memory only (the ``serve`` command defaults to a directory)
+    data_dir: Path | None = None
 
     def __post_init__(self) -> None:
         from .security import check_token
@@ -36,6 +38,7 @@ class ServerSettings:
         token = "set" if self.token else None
         return (
             f"ServerSettings(token={token!r}, protect_reads={self.protect_reads}, "
-            f"max_body_bytes={self.max_body_bytes}, body_bytes_per_span_row={self.body_bytes_per_span_row}, "
+            f"max_body_bytes={self.max_body_bytes}, "
+            f"body_bytes_per_span_row={self.body_bytes_per_span_row}, "
             f"exporters={self.exporters!r}, data_dir={self.data_dir!r})"
         )

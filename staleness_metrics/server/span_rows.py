@@ -1,20 +1,20 @@
 """How many span rows a body may cut, counted before the queue builds any table.
 
 The queue keeps one row per span of a sample: a run of positions with one mask value and one version
-(SPEC 3's ``weight_versions`` spans, or the runs of ``token_versions``, cut again where the mask changes).
-A row costs about 60 to 130 bytes across the span table's columns, so a valid body whose versions or mask
-change at every position (``0,1,0,1,...``: 2 bytes of text a position) would cost some 60 times its size.
-A body may cut one row per :data:`~.limits.DEFAULT_BODY_BYTES_PER_SPAN_ROW` bytes of its size, and never
-fewer than :data:`~.limits.SPAN_ROW_FLOOR` rows (a small body's rows cost little); beyond, it is refused
-(413) naming the rollout and field that passed the allowance.
+(SPEC 3's ``weight_versions`` spans, or the runs of ``token_versions``, cut again where the mask
+changes). A row costs about 60 to 130 bytes across the span table's columns, so a valid body whose
+versions or mask change at every position (``0,1,0,1,...``: 2 bytes of text a position) would cost
+some 60 times its size. A body may cut one row per :data:`~.limits.DEFAULT_BODY_BYTES_PER_SPAN_ROW`
+bytes of its size, and never fewer than :data:`~.limits.SPAN_ROW_FLOOR` rows (a small body's rows
+cost little); beyond, it is refused (413) naming the rollout and field that passed the allowance.
 
 What is counted, per sample, is an upper bound of its rows: one, plus every position where the mask
-differs from the previous position's, plus every labelled position (``token_versions`` other than -1)
-whose label differs from the previous label (unlabelled positions never cut), plus one per
-``weight_versions`` span; and never more than the sample's positions (each row starts at a position of
-its own: a sample with more spans than positions breaks a rule, and the library refuses it, naming the
-span, before building any table). The arrays are read a piece of :data:`PIECE_POSITIONS` at a time, so
-the count's temporaries stay a few MiB.
+differs from the previous position's, plus every labelled position (``token_versions`` other than
+-1) whose label differs from the previous label (unlabelled positions never cut), plus one per
+``weight_versions`` span; and never more than the sample's positions (each row starts at a position
+of its own: a sample with more spans than positions breaks a rule, and the library refuses it,
+naming the span, before building any table). The arrays are read a piece of :data:`PIECE_POSITIONS`
+at a time, so the count's temporaries stay a few MiB.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def _length(values: Any) -> int:
 
 
 def _numbers(values: Any) -> npt.NDArray[Any] | None:
-    """``values`` as a 1-d numeric array, or None when they are not (the library refuses them, naming why)."""
+    """``values`` as a 1-d numeric array, or None when they are not (the library
+    refuses them, naming why)."""
     if isinstance(values, np.ndarray):
         array = values
     elif isinstance(values, list):
@@ -111,8 +112,8 @@ def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
 def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> SpanRowsExceeded | None:
     """Where the rollouts of a body of ``body_bytes`` pass the span rows it may cut, else None.
 
-    First a bound from lengths alone (the positions of each sample: most bodies stop there), then the
-    count of changes, rollout by rollout, up to the rollout that passes the allowance."""
+    First a bound from lengths alone (the positions of each sample: most bodies stop there), then
+    the count of changes, rollout by rollout, up to the rollout that passes the allowance."""
     allowed = allowed_span_rows(body_bytes, body_bytes_per_row)
     if allowed < 0 or not isinstance(records, list):
         return None
@@ -143,10 +144,10 @@ def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> S
                     index=position,
                     field=f"samples[{index}].{field}",
                     reason=(
-                        f"the body cuts more than {allowed:,} span rows (runs of one mask value and one "
-                        f"version; this rollout brings them to {total:,}): a body of {body_bytes:,} bytes may "
-                        f"cut one per {body_bytes_per_row} bytes, at least {SPAN_ROW_FLOOR:,} "
-                        "(serve --body-bytes-per-span-row)"
+                        f"the body cuts more than {allowed:,} span rows (runs of one mask value "
+                        f"and one version; this rollout brings them to {total:,}): a body of "
+                        f"{body_bytes:,} bytes may cut one per {body_bytes_per_row} bytes, at "
+                        f"least {SPAN_ROW_FLOOR:,} (serve --body-bytes-per-span-row)"
                     ),
                 )
     return None

@@ -1,27 +1,31 @@
-"""Where the service keeps its runs: in memory (tests, throw-away runs) or in SQLite under a data directory.
+"""Where the service keeps its runs: in memory (tests, throw-away runs) or in
+SQLite under a data directory.
 
-Every acknowledged write of a run is one journal row, written (and fsynced) before the service answers:
-the operation's name and its validated request as JSON, under the run and a per-run sequence number.
-A ship's history row goes in the same transaction. Restart loads each run's latest snapshot (the run's
-``state_dict``, taken every :data:`SNAPSHOT_EVERY` writes or :data:`SNAPSHOT_BYTES` of journal) and
-re-applies the journal rows after it, so restart time is bounded by one snapshot and a short journal
-tail, however long the run. The journal is kept whole: it is the run's history, exported as SPEC 9
-events (``GET /v1/runs/{run}/events``). See docs/decisions.md for why SQLite.
+Every acknowledged write of a run is one journal row, written (and fsynced) before the service
+answers: the operation's name and its validated request as JSON, under the run and a per-run
+sequence number. A ship's history row goes in the same transaction. Restart loads each run's latest
+snapshot (the run's ``state_dict``, taken every :data:`SNAPSHOT_EVERY` writes or
+:data:`SNAPSHOT_BYTES` of journal) and re-applies the journal rows after it, so restart time is
+bounded by one snapshot and a short journal tail, however long the run. The journal is kept whole:
+it is the run's history, exported as SPEC 9 events (``GET /v1/runs/{run}/events``). See
+docs/decisions.md for why SQLite.
 
-Damage is refused at start, never loaded or silently skipped (:class:`StoreDamaged`, naming the run and the
-row, and how to start fresh on purpose):
+Damage is refused at start, never loaded or silently skipped (:class:`StoreDamaged`, naming the run
+and the row, and how to start fresh on purpose):
 
-- every stored row (run config, journal row, history row, snapshot) carries a checksum of its bytes, its run
-  and its sequence number, checked before it is decoded: a flipped digit or a truncated row fails it;
+- every stored row (run config, journal row, history row, snapshot) carries a checksum of
+  its bytes, its run and its sequence number, checked before it is decoded: a flipped digit
+  or a truncated row fails it;
 - a run's journal after its snapshot must continue the snapshot's sequence without a gap;
-- :data:`MANIFEST_NAME` beside the database names the runs the directory holds, so a database that went
-  missing, or came back empty or without some of them, is told apart from a new directory.
+- :data:`MANIFEST_NAME` beside the database names the runs the directory holds, so a database that
+  went missing, or came back empty or without some of them, is told apart from a new directory.
 
-Databases written before checksums (no ``checksum`` column, ``user_version`` 0) are migrated at the first
-start: every row must still decode, and is then stamped with its checksum (it is trusted as it is at that
-moment; damage from before the migration that still decodes cannot be told). Databases of ``user_version``
-1 have their snapshots table rebuilt with the state as the row's last column, where SQLite writes a blob in
-place: a snapshot's text is written a piece at a time, never whole in memory (:meth:`SqliteStore.save_snapshot`).
+Databases written before checksums (no ``checksum`` column, ``user_version`` 0) are migrated at the
+first start: every row must still decode, and is then stamped with its checksum (it is trusted as it
+is at that moment; damage from before the migration that still decodes cannot be told). Databases of
+``user_version`` 1 have their snapshots table rebuilt with the state as the row's last column, where
+SQLite writes a blob in place: a snapshot's text is written a piece at a time, never whole in memory
+(:meth:`SqliteStore.save_snapshot`).
 """
 
 from __future__ import annotations
@@ -62,13 +66,15 @@ __all__ = [
 
 DATABASE_NAME = "staleness.sqlite3"
 MANIFEST_NAME = "manifest.json"
-SCHEMA_VERSION = 2  # PRAGMA user_version: 1 = rows carry checksums, 2 = a snapshot's state is its last column
+# PRAGMA user_version: 1 = rows carry checksums, 2 = a snapshot's state is its last column
+SCHEMA_VERSION = 2
 SNAPSHOT_EVERY = 256  # journal rows between snapshots
 SNAPSHOT_BYTES = 64 * 1024 * 1024  # or this much journal, whichever comes first
 
 
 def dumps(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)  # records may hold arrays (see .decode)
+    # records may hold arrays (see .decode)
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def loads(data: bytes | str) -> Any:
@@ -79,38 +85,42 @@ PIECE_BYTES = 1024 * 1024  # journal or snapshot text written into SQLite at onc
 
 
 def encoded_pieces(value: Any, option: int = orjson.OPT_SERIALIZE_NUMPY) -> Iterator[bytes]:
-    """``orjson.dumps(value, option=option)`` as consecutive pieces (their concatenation is byte for byte
-    the same text), so that a record holding arrays of millions of positions is hashed or stored without
-    its whole text in memory at once: an array of more than :data:`PIECE_ITEMS` values is written a block
-    of rows at a time (:func:`~staleness_metrics.state_checks.json_pieces`). Raises
+    """``orjson.dumps(value, option=option)`` as consecutive pieces (their concatenation is
+    byte for byte the same text), so that a record holding arrays of millions of positions
+    is hashed or stored without its whole text in memory at once: an array of more than
+    :data:`PIECE_ITEMS` values is written a block of rows at a time
+    (:func:`~staleness_metrics.state_checks.json_pieces`). Raises
     ``orjson.JSONEncodeError`` as ``dumps`` would."""
     return json_pieces(value, option)
 
 
 class Chunked:
-    """A journal request given as the pieces of its JSON text (see :func:`encoded_pieces`), written to
-    the store without its whole text in memory: ``pieces`` is called once to size and checksum the row
-    and once more to write it."""
+    """A journal request given as the pieces of its JSON text (see :func:`encoded_pieces`), written
+    to the store without its whole text in memory: ``pieces`` is called once to size and checksum
+    the row and once more to write it."""
 
     def __init__(self, pieces: Callable[[], Iterable[bytes]]) -> None:
         self.pieces = pieces
 
 
 class StoreDamaged(RuntimeError):
-    """The data directory does not hold what was written to it; the service refuses to start on it."""
+    """The data directory does not hold what was written to it; the service
+    refuses to start on it."""
 
     def __init__(self, data_dir: Path, what: str) -> None:
         super().__init__(
-            f"{what}. Refusing to start on damaged data: nothing was changed. To keep the data, restore "
-            f"{data_dir} from a backup; to start fresh on purpose, move it aside (mv {data_dir} "
-            f"{data_dir}.damaged) and start again: the service creates a new, empty directory."
+            f"{what}. Refusing to start on damaged data: nothing was changed. To keep the "
+            f"data, restore {data_dir} from a backup; to start fresh on purpose, move it "
+            f"aside (mv {data_dir} {data_dir}.damaged) and start again: the service "
+            "creates a new, empty directory."
         )
         self.data_dir = data_dir
         self.what = what
 
 
 def checksum(table: str, run: str, seq: int, data: bytes) -> str:
-    """What a stored row must match: its bytes, and where it belongs (a row copied elsewhere fails too)."""
+    """What a stored row must match: its bytes, and where it belongs (a row copied
+    elsewhere fails too)."""
     digest = hashlib.blake2b(data, digest_size=16)
     digest.update(f"\0{table}\0{run}\0{seq}".encode())
     return digest.hexdigest()
@@ -136,7 +146,8 @@ class StoredRun:
 
 
 class Store:
-    """No persistence (``--in-memory``): every method is a no-op, and there is no history to export."""
+    """No persistence (``--in-memory``): every method is a no-op, and there is
+    no history to export."""
 
     persistent = False
 
@@ -160,7 +171,8 @@ class Store:
         return iter(())
 
     def damaged(self, what: str) -> Exception:
-        """The error that refuses a start on stored data that cannot be loaded (``what`` names the row)."""
+        """The error that refuses a start on stored data that cannot be loaded
+        (``what`` names the row)."""
         return RuntimeError(what)
 
     def close(self) -> None:
@@ -180,8 +192,9 @@ CREATE TABLE IF NOT EXISTS history (
 );
 CREATE TABLE IF NOT EXISTS snapshots (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL);
 """
-# A blob is written in place (incremental blob I/O) only as its row's last column: SQLite builds any other
-# in memory whole. Snapshots before schema 2 kept the state ahead of the checksum: the migration reorders.
+# A blob is written in place (incremental blob I/O) only as its row's last column: SQLite
+# builds any other in memory whole. Snapshots before schema 2 kept the state ahead of the
+# checksum: the migration reorders.
 _SNAPSHOTS_REORDERED = (
     "CREATE TABLE snapshots_reordered (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL)",
     "INSERT INTO snapshots_reordered (run, seq, checksum, state) SELECT run, seq, checksum, state FROM snapshots",
@@ -204,15 +217,16 @@ def _journal_bytes(op: str, request: bytes) -> bytes:
 
 
 class SqliteStore(Store):
-    """One SQLite database (WAL, ``synchronous=FULL``) under ``data_dir``; every write is its own transaction."""
+    """One SQLite database (WAL, ``synchronous=FULL``) under ``data_dir``; every write
+    is its own transaction."""
 
     persistent = True
 
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.data_dir = data_dir
-        # One service per directory: two would interleave their journals. The lock dies with the process
-        # (kill -9 included), so a restart never finds a stale one.
+        # One service per directory: two would interleave their journals. The lock dies with the
+        # process (kill -9 included), so a restart never finds a stale one.
         self._lock_file = open(data_dir / "lock", "a+b")  # noqa: SIM115 - held for the store's lifetime
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -232,8 +246,8 @@ class SqliteStore(Store):
         if manifest and not self.path.exists():  # connecting would create an empty one
             raise StoreDamaged(
                 data_dir,
-                f"the database {self.path} is missing, but {self.manifest_path} says the directory holds "
-                f"{len(manifest)} run(s) ({_names(manifest)})",
+                f"the database {self.path} is missing, but {self.manifest_path} says the directory "
+                f"holds {len(manifest)} run(s) ({_names(manifest)})",
             )
         self._lock = threading.Lock()  # one connection, shared by the request threads
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
@@ -246,15 +260,16 @@ class SqliteStore(Store):
                 what = "is empty" if not stored else f"holds {len(stored)} run(s) but not {_names(missing)}"
                 raise StoreDamaged(
                     data_dir,
-                    f"the database {self.path} {what}, but {self.manifest_path} says the directory holds "
-                    f"{len(manifest)} run(s) ({_names(manifest)})",
+                    f"the database {self.path} {what}, but {self.manifest_path} says the directory "
+                    f"holds {len(manifest)} run(s) ({_names(manifest)})",
                 )
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
             if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 self._migrate()
-            # A blob written in place must be the row's last column: SQLite builds any other in memory
-            # whole. Tables created before the column came last keep their order (and bind the text).
+            # A blob written in place must be the row's last column: SQLite builds any
+            # other in memory whole. Tables created before the column came last keep their
+            # order (and bind the text).
             columns = [row[1] for row in self._db.execute("PRAGMA table_info(journal)")]
             self._request_last = columns[-1:] == ["request"]
             columns = [row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")]
@@ -266,7 +281,8 @@ class SqliteStore(Store):
             self._db.close()
             raise
         if sorted(stored) != sorted(manifest):
-            self._write_manifest(sorted(stored))  # a crash between a created run's commit and its manifest
+            # a crash between a created run's commit and its manifest
+            self._write_manifest(sorted(stored))
 
     # ------------------------------------------------------------------ manifest
     def _read_manifest(self) -> list[str]:
@@ -303,8 +319,8 @@ class SqliteStore(Store):
 
     # ------------------------------------------------------------------ migration
     def _migrate(self) -> None:
-        """Create the tables, or bring an older database up to :data:`SCHEMA_VERSION`: rows from before
-        checksums are stamped, and the snapshots table gets its state as the last column."""
+        """Create the tables, or bring an older database up to :data:`SCHEMA_VERSION`: rows from
+        before checksums are stamped, and the snapshots table gets its state as the last column."""
         self._db.execute("BEGIN IMMEDIATE")
         try:
             for statement in _SCHEMA.split(";"):
@@ -335,7 +351,8 @@ class SqliteStore(Store):
             self._decode(table, run, int(seq), data)
             stamped = _journal_bytes(op, data) if op is not None else data
             self._db.execute(
-                f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (checksum(table, run, int(seq), stamped), rowid)
+                f"UPDATE {table} SET checksum = ? WHERE rowid = ?",
+                (checksum(table, run, int(seq), stamped), rowid),
             )
 
     # ------------------------------------------------------------------ checking rows
@@ -384,11 +401,13 @@ class SqliteStore(Store):
         data = dumps(config)
         insert = "INSERT INTO runs (name, config, checksum) VALUES (?, ?, ?)"
         self._write([(insert, (name, data, checksum("runs", name, 0, data)))])
-        with self._lock:  # after the commit: a crash in between leaves a run the manifest does not name yet
+        # after the commit: a crash in between leaves a run the manifest does not name yet
+        with self._lock:
             self._write_manifest(self._manifest_runs())
 
     def delete_run(self, name: str) -> None:
-        with self._lock:  # before the delete: a crash in between leaves a run the manifest no longer names
+        # before the delete: a crash in between leaves a run the manifest no longer names
+        with self._lock:
             self._write_manifest([run for run in self._manifest_runs() if run != name])
         self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in _RUN_TABLES])
 
@@ -415,12 +434,26 @@ class SqliteStore(Store):
 
     def _append_chunked(self, run: str, seq: int, op: str, request: Chunked) -> int:
         """One journal row written piece by piece into a blob of its size (SQLite's incremental blob
-        I/O, into the row's last column): neither the row's text nor SQLite's copy of a bound value is
-        ever whole in memory."""
-        if getattr(self._db, "blobopen", None) is None or not self._request_last:  # the text whole, bound
+        I/O, into the row's last column): neither the row's text nor SQLite's copy of a bound value
+        is ever whole in memory."""
+        # the text whole, bound
+        if getattr(self._db, "blobopen", None) is None or not self._request_last:
             data = b"".join(request.pieces())
             insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
-            self._write([(insert, (run, seq, op, data, checksum("journal", run, seq, _journal_bytes(op, data))))])
+            self._write(
+                [
+                    (
+                        insert,
+                        (
+                            run,
+                            seq,
+                            op,
+                            data,
+                            checksum("journal", run, seq, _journal_bytes(op, data)),
+                        ),
+                    )
+                ]
+            )
             return len(data)
         size, check = _sized("journal", run, seq, request.pieces(), _journal_bytes(op, b""))
         insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, zeroblob(?))"
@@ -435,9 +468,10 @@ class SqliteStore(Store):
         pieces: Callable[[], Iterable[bytes]],
         size: int,
     ) -> None:
-        """Insert a row whose last column ``column`` is ``zeroblob(size)``, then write ``pieces()`` into it
-        :data:`PIECE_BYTES` at a time, in one transaction."""
-        blob_open = getattr(self._db, "blobopen", None)  # Python 3.11+: the callers bind the text whole before
+        """Insert a row whose last column ``column`` is ``zeroblob(size)``, then write ``pieces()``
+        into it :data:`PIECE_BYTES` at a time, in one transaction."""
+        # Python 3.11+: the callers bind the text whole before
+        blob_open = getattr(self._db, "blobopen", None)
         assert blob_open is not None
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
@@ -452,7 +486,8 @@ class SqliteStore(Store):
                             blob.write(buffer)
                             buffer.clear()
                     blob.write(buffer)
-                    if blob.tell() != size:  # the pieces changed between the passes: never store that
+                    # the pieces changed between the passes: never store that
+                    if blob.tell() != size:
                         raise RuntimeError(f"a {table} row's text changed while it was written")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -460,8 +495,9 @@ class SqliteStore(Store):
             self._db.execute("COMMIT")
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
-        """The run's state as its JSON text (``dumps(state)``, byte for byte), written in place a piece at a
-        time: hashed once to size and checksum it, encoded again into the blob, never whole in memory."""
+        """The run's state as its JSON text (``dumps(state)``, byte for byte), written in place
+        a piece at a time: hashed once to size and checksum it, encoded again into the blob,
+        never whole in memory."""
         insert = "INSERT OR REPLACE INTO snapshots (run, seq, checksum, state) VALUES (?, ?, ?, {})"
 
         def pieces() -> Iterator[bytes]:
@@ -492,19 +528,22 @@ class SqliteStore(Store):
             snap = self._db.execute("SELECT seq, state, checksum FROM snapshots WHERE run = ?", (name,)).fetchone()
             seq = 0 if snap is None else int(snap[0])
             history_rows = self._db.execute(
-                "SELECT seq, row, checksum FROM history WHERE run = ? AND seq <= ? ORDER BY seq", (name, seq)
+                "SELECT seq, row, checksum FROM history WHERE run = ? AND seq <= ? ORDER BY seq",
+                (name, seq),
             ).fetchall()
             journal_rows = self._db.execute(
-                "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq", (name, seq)
+                "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq",
+                (name, seq),
             ).fetchall()
-            # The whole journal is the run's history (exported as events): its sequence is checked from
-            # row 1 by the primary key's index; rows before the snapshot are checksummed when exported.
+            # The whole journal is the run's history (exported as events): its sequence is
+            # checked from row 1 by the primary key's index; rows before the snapshot are
+            # checksummed when exported.
             count, last = self._db.execute("SELECT COUNT(*), MAX(seq) FROM journal WHERE run = ?", (name,)).fetchone()
             gap = None
             if count != (last or 0) or (last or 0) < seq:
                 gap = self._db.execute(
-                    "SELECT MIN(seq) FROM (SELECT 1 AS seq UNION ALL SELECT seq + 1 FROM journal WHERE run = ?) "
-                    "WHERE seq NOT IN (SELECT seq FROM journal WHERE run = ?)",
+                    "SELECT MIN(seq) FROM (SELECT 1 AS seq UNION ALL SELECT seq + 1 FROM journal "
+                    "WHERE run = ?) WHERE seq NOT IN (SELECT seq FROM journal WHERE run = ?)",
                     (name, name),
                 ).fetchone()[0]
         if gap is not None and gap <= max(seq, last or 0):
@@ -521,7 +560,8 @@ class SqliteStore(Store):
         return StoredRun(name, config, seq, snapshot, history, tail)
 
     def journal(self, run: str) -> Iterator[JournalRow]:
-        """Every journal row of ``run``, oldest first, read page by page on a connection of its own."""
+        """Every journal row of ``run``, oldest first, read page by page on a
+        connection of its own."""
         reader = sqlite3.connect(self.path, check_same_thread=False)
         try:
             after = 0
@@ -545,7 +585,8 @@ class SqliteStore(Store):
 
 
 def _sized(table: str, run: str, seq: int, pieces: Iterable[bytes], prefix: bytes = b"") -> tuple[int, str]:
-    """The size of the text ``pieces`` make, and the :func:`checksum` of ``prefix`` and that text."""
+    """The size of the text ``pieces`` make, and the :func:`checksum` of
+    ``prefix`` and that text."""
     digest = hashlib.blake2b(prefix, digest_size=16)
     size = 0
     for piece in pieces:

@@ -60,7 +60,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument(
-        "--check", action="store_true", help="change nothing; exit 1 and list each legacy name (the default)"
+        "--check",
+        action="store_true",
+        help="change nothing; exit 1 and list each legacy name (the default)",
     )
     mode.add_argument("--diff", action="store_true", help="change nothing; print the changes as a unified diff")
     mode.add_argument("--write", action="store_true", help="change the files in place (atomically)")
@@ -94,7 +96,14 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...migrate import FileKind, Options, iter_files, migrate_file, unified_diff, write_atomically
+    from ...migrate import (
+        FileKind,
+        Options,
+        iter_files,
+        migrate_file,
+        unified_diff,
+        write_atomically,
+    )
     from ...migrate.legacy import DEFAULT_PROMETHEUS_PREFIXES
 
     options = Options(
@@ -167,7 +176,9 @@ def _summary(args: argparse.Namespace, remaining: int, fixed: int, files: int) -
 def main(argv: list[str] | None = None) -> int:
     """Run ``migrate`` alone (the console script reaches it as ``staleness-metrics migrate``)."""
     parser = argparse.ArgumentParser(
-        prog="staleness-metrics migrate", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="staleness-metrics migrate",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_arguments(parser)
     code: int = run(parser.parse_args(argv))

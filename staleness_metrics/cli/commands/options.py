@@ -7,7 +7,13 @@ from typing import Any
 
 from ...config import POLICY_NAMES, StalenessConfig
 
-__all__ = ["BOUND_SETTINGS", "add_bound_options", "add_sink_options", "bound_settings", "config_from_args"]
+__all__ = [
+    "BOUND_SETTINGS",
+    "add_bound_options",
+    "add_sink_options",
+    "bound_settings",
+    "config_from_args",
+]
 
 # SPEC 14's settings, each a flag of the same name (``--floor-min-tokens``).
 BOUND_SETTINGS = (

@@ -70,8 +70,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 def open_events(
     path: Path, progress: bool | None = None, max_staleness: int = 8, strict: bool = True
 ) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
-    """Events of a SPEC 9 stream (gzip, bzip2 or xz compressed or not), or of a run in another format
-    the adapters understand; and the reader of a prime-rl run in the current layout (its notes)."""
+    """Events of a SPEC 9 stream (gzip, bzip2 or xz compressed or not), or of a run in
+    another format the adapters understand; and the reader of a prime-rl run in the
+    current layout (its notes)."""
     from ...replay.sources import detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()
@@ -88,7 +89,8 @@ def open_events(
 
 
 def _prime_rl_lines(path: Path, read: PrimeRlRead | None, reports: list[StepReport]) -> list[str]:
-    """What a prime-rl run's reader left out or set aside, and its logged values against the replay's."""
+    """What a prime-rl run's reader left out or set aside, and its logged values
+    against the replay's."""
     from ...replay.sources import compare_prime_rl, is_prime_rl_run
     from ...replay.sources.prime_rl.compare import describe_comparison
 
@@ -171,7 +173,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
         if path is not None and not path.resolve().parent.is_dir():
-            print(f"staleness-metrics replay: {option} {path}: its folder does not exist", file=sys.stderr)
+            print(
+                f"staleness-metrics replay: {option} {path}: its folder does not exist",
+                file=sys.stderr,
+            )
             return 2
     # per-env figures are written only with the breakdown
     sink = Sink(config, env_reports=config.env_breakdown)
@@ -180,7 +185,10 @@ def run(args: argparse.Namespace) -> int:
     prime_rl = args.events.is_dir()
     try:
         events, stack, read = open_events(args.events, args.progress, config.max_staleness, config.strict)
-        with stack, atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out):
+        with (
+            stack,
+            atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out),
+        ):
             # (written when the whole stream is read)
             for shipment in run_events(events, sink):
                 ships += 1

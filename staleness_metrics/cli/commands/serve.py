@@ -47,14 +47,21 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     )
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)"
+        "--port",
+        type=int,
+        default=DEFAULT_PORT,
+        help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)",
     )
     parser.add_argument(
-        "--token", default=None, help=f"bearer token required on writes (default: ${TOKEN_ENV}, if set)"
+        "--token",
+        default=None,
+        help=f"bearer token required on writes (default: ${TOKEN_ENV}, if set)",
     )
     parser.add_argument("--token-file", type=Path, metavar="FILE", help="read the token from FILE")
     parser.add_argument(
-        "--protect-reads", action="store_true", help="require the token on reads too (/healthz stays open)"
+        "--protect-reads",
+        action="store_true",
+        help="require the token on reads too (/healthz stays open)",
     )
     parser.add_argument(
         "--max-body-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
@@ -80,7 +87,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         help=f"persist every acknowledged write here and restore the runs at start (default: ./{DEFAULT_DATA_DIR})",
     )  # fmt: skip
     store.add_argument(
-        "--in-memory", action="store_true", help="keep runs in memory only: a restart or crash loses them"
+        "--in-memory",
+        action="store_true",
+        help="keep runs in memory only: a restart or crash loses them",
     )
     otlp = parser.add_argument_group("OTLP (every run, besides /metrics)")
     otlp.add_argument(
@@ -229,7 +238,11 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     config = uvicorn.Config(
-        app, log_level=args.log_level, server_header=False, proxy_headers=False, **_header_limits(args)
+        app,
+        log_level=args.log_level,
+        server_header=False,
+        proxy_headers=False,
+        **_header_limits(args),
     )
     server = uvicorn.Server(config)
     with sock:

@@ -16,7 +16,14 @@ def policy_for(config: StalenessConfig) -> Policy:
     """The policy a configuration names."""
     if config.policy == "xtuner":
         return XtunerPolicy(
-            config.max_staleness, config.max_token_staleness, config.sync_interval, config.retry_expired
+            config.max_staleness,
+            config.max_token_staleness,
+            config.sync_interval,
+            config.retry_expired,
         )
-    simple: dict[str, type[Policy]] = {"token": TokenPolicy, "episode": EpisodePolicy, "group": GroupPolicy}
+    simple: dict[str, type[Policy]] = {
+        "token": TokenPolicy,
+        "episode": EpisodePolicy,
+        "group": GroupPolicy,
+    }
     return simple[config.policy](config.max_staleness)

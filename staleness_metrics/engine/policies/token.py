@@ -21,9 +21,9 @@ class TokenPolicy(Policy):
     name = "token"
 
     def decide(self, judgement: Judgement) -> Decision:
-        """Each live rollout's samples mask below ``T - max_staleness`` (staleness == max_staleness trains); a
-        sample left with nothing to train is dropped, and a rollout left with no sample. One compiled pass
-        (:func:`token_decision`)."""
+        """Each live rollout's samples mask below ``T - max_staleness`` (staleness == max_staleness
+        trains); a sample left with nothing to train is dropped, and a rollout left with no sample.
+        One compiled pass (:func:`token_decision`)."""
         found = token_decision(
             judgement.trained_version - self.max_staleness, NO_MASK, judgement.frozen, judgement.sample_offsets,
             judgement.mask_below, judgement.dropped, judgement.had_train, judgement.unmaskable,
@@ -115,10 +115,10 @@ def token_decision(
 ) -> TokenDecision:
     """The ``token`` policy over a judged slice (rollouts, samples by ``sample_offsets``, spans by
     ``span_offsets``), in one pass: each sample of a live (not ``frozen``) rollout masks below
-    ``max(mask_below, bound)`` (a frozen one's keeps ``max(mask_below, no_mask)``); a live rollout's sample
-    not yet ``dropped`` that ``had_train`` is dropped when it is not ``unmaskable`` and none of its ``live``
-    spans has a version at or above its new threshold; a live rollout whose samples are all dropped (or that
-    has none) is dropped.
+    ``max(mask_below, bound)`` (a frozen one's keeps ``max(mask_below, no_mask)``); a live rollout's
+    sample not yet ``dropped`` that ``had_train`` is dropped when it is not ``unmaskable`` and none
+    of its ``live`` spans has a version at or above its new threshold; a live rollout whose samples
+    are all dropped (or that has none) is dropped.
 
     Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
     """

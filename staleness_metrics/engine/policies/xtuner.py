@@ -1,4 +1,5 @@
-"""``xtuner``: xtuner's partial-rollout rule (sequence expiry + token masking, group drop or hold)."""
+"""``xtuner``: xtuner's partial-rollout rule (sequence expiry + token
+masking, group drop or hold)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class XtunerPolicy(Policy):
         if len(groups) == 0:
             return
         self._grow(int(groups.max()) + 1)
-        for group in groups[self._owed[groups] > 0]:  # only groups that owe: a handful, not per token
+        # only groups that owe: a handful, not per token
+        for group in groups[self._owed[groups] > 0]:
             self._owed[group] = max(self._owed[group] - 1, 0)
 
     def state_dict(self) -> dict[str, Any]:
@@ -64,12 +66,15 @@ class XtunerPolicy(Policy):
         live = ~judgement.frozen[rollout]
 
         seq_staleness = np.where(
-            judgement.seq_min_version < np.iinfo(np.int64).max // 8, t - judgement.seq_min_version, 0
+            judgement.seq_min_version < np.iinfo(np.int64).max // 8,
+            t - judgement.seq_min_version,
+            0,
         )
         expired = live & (seq_staleness >= (self.max_staleness + 1) * k)
         mask_below = judgement.mask_below
         if self.max_token_staleness is not None:
-            threshold = t - (self.max_token_staleness + 1) * k + 1  # staleness >= S_tok  <=>  v < threshold
+            # staleness >= S_tok <=> v < threshold
+            threshold = t - (self.max_token_staleness + 1) * k + 1
             applies = live & ~judgement.group_agentic[rollout] & (judgement.n_sampled > 0)
             mask_below = np.maximum(mask_below, np.where(applies, threshold, NO_MASK))
             expired |= applies & (judgement.max_sampled_version < threshold)

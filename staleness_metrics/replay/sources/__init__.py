@@ -5,10 +5,10 @@
 - a directory: a prime-rl run directory, current layout (``monitors/file/traces/``) or older
   (``rollouts/step_N``) (:mod:`.prime_rl`);
 - a JSONL file whose first object has ``type``: the generic event stream of SPEC 9;
-- a JSONL file whose first object (or first list's first object) has ``response_ids``: xtuner rollout
-  states (:mod:`.xtuner`);
-- a JSONL file of logged rows with ``step`` (``--metrics-out``, W&B exports, prime-rl ``metrics.jsonl``):
-  metrics only, which ``report`` can plot but nothing can replay.
+- a JSONL file whose first object (or first list's first object) has ``response_ids``: xtuner
+  rollout states (:mod:`.xtuner`);
+- a JSONL file of logged rows with ``step`` (``--metrics-out``, W&B exports, prime-rl
+  ``metrics.jsonl``): metrics only, which ``report`` can plot but nothing can replay.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def detect_source(path: str | Path) -> SourceKind:
         if is_prime_rl_run(root):
             return "prime-rl"
         raise ConfigError(
-            f"{root}: not a prime-rl run directory (no monitors/file/traces/stream, traces/stream.jsonl, "
-            "rollouts/step_N/train or metrics.jsonl)"
+            f"{root}: not a prime-rl run directory (no monitors/file/traces/stream, "
+            "traces/stream.jsonl, rollouts/step_N/train or metrics.jsonl)"
         )
     if not root.is_file():
         raise ConfigError(f"{root}: no such file or directory")
@@ -97,8 +97,8 @@ def detect_source(path: str | Path) -> SourceKind:
 
 def is_event_file(path: str | Path) -> bool:
     """Whether ``path`` is read as a SPEC 9 event stream: a compressed file (an event stream is the
-    only input read compressed), a file whose first object has ``type``, or a file whose first line is
-    not readable JSON (the event reader then names the line and what is wrong with it)."""
+    only input read compressed), a file whose first object has ``type``, or a file whose first line
+    is not readable JSON (the event reader then names the line and what is wrong with it)."""
     if Path(path).is_file() and stream_compression(path) is not None:
         return True
     try:
@@ -137,9 +137,14 @@ def detect_and_read(
 
 
 def _event_dict(event: Event) -> EventDict:
-    """A checked event back as its SPEC 9 dict (a refused rollout as the record it was built from)."""
+    """A checked event back as its SPEC 9 dict (a refused rollout as the
+    record it was built from)."""
     if event.kind != "rollout":
-        return {"type": event.kind, "step": event.step, **({"ids": list(event.ids)} if event.ids is not None else {})}
+        return {
+            "type": event.kind,
+            "step": event.step,
+            **({"ids": list(event.ids)} if event.ids is not None else {}),
+        }
     if event.parsed is None:
         assert event.unparsed is not None
         error = event.unparsed.error  # rebuilt as a record the checks refuse the same way
@@ -167,13 +172,19 @@ def as_replay_events(events: Iterable[EventDict]) -> Iterator[Event]:
 
 
 def read_run(
-    path: str | Path, *, max_staleness: int = 8, step: int | None = None, parse: bool = False, strict: bool = True
+    path: str | Path,
+    *,
+    max_staleness: int = 8,
+    step: int | None = None,
+    parse: bool = False,
+    strict: bool = True,
 ) -> Iterator[Event]:
-    """:func:`detect_and_read` as checked replay events, ready for :func:`staleness_metrics.replay.stream.replay`.
+    """:func:`detect_and_read` as checked replay events, ready for
+    :func:`staleness_metrics.replay.stream.replay`.
 
     An event stream is read as bytes, as ``replay`` reads it; ``parse`` as in
-    :func:`~staleness_metrics.replay.stream.read_events`. A prime-rl run in the current layout gives its
-    events as read (:func:`read_run_events`), rollouts already parsed.
+    :func:`~staleness_metrics.replay.stream.read_events`. A prime-rl run in the current layout gives
+    its events as read (:func:`read_run_events`), rollouts already parsed.
     """
     kind = detect_source(path)
     if kind == "prime-rl" and is_current_layout(path):

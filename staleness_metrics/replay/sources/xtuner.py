@@ -12,12 +12,12 @@ An xtuner ``RolloutState`` (as serialised to JSON) is one rollout with one sampl
   ``tool_calls`` not empty), since xtuner then masks over the whole sequence.
 - The id is ``uid`` (else ``rollout_id``, else the line number).
 
-Only states whose ``status`` is ``completed`` enter the sink by default: ``aborted`` ones are partial
-rollouts that will resume generating (not finished yet), ``expired`` ones were already judged stale by
-xtuner and go back for a re-rollout, ``filtered`` / ``failed`` ones never train. Pass ``statuses`` to
-take others. A file holds the states of one batch: the events end with one ``ship`` at ``step``,
-which defaults to the newest version in the file + 1 (the step that trains on that version).
-A line may hold one state or a list of states (one prompt group).
+Only states whose ``status`` is ``completed`` enter the sink by default: ``aborted`` ones are
+partial rollouts that will resume generating (not finished yet), ``expired`` ones were already
+judged stale by xtuner and go back for a re-rollout, ``filtered`` / ``failed`` ones never train.
+Pass ``statuses`` to take others. A file holds the states of one batch: the events end with one
+``ship`` at ``step``, which defaults to the newest version in the file + 1 (the step that trains on
+that version). A line may hold one state or a list of states (one prompt group).
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ class XtunerRead:
         return iter(self.events)
 
 
-def _states(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[tuple[str, Mapping[str, Any]]]:
+def _states(
+    source: str | Path | Iterable[Mapping[str, Any]],
+) -> Iterator[tuple[str, Mapping[str, Any]]]:
     if isinstance(source, (str, Path)):
         for number, value in iter_json_lines(source):
             members = value if isinstance(value, list) else [value]

@@ -1,5 +1,5 @@
-"""What every run route shares: the run's name in the path, and which routes the OpenAPI document shows as
-needing the token."""
+"""What every run route shares: the run's name in the path, and which routes the OpenAPI document
+shows as needing the token."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ RunName = Annotated[
 class Access:
     """The OpenAPI ``security`` of writes and of reads, and the error codes a read may answer.
 
-    Only the document: :class:`..security.TokenFirst` checks the token before routing, so a per-route
-    dependency would merely check it again on every request."""
+    Only the document: :class:`..security.TokenFirst` checks the token before routing, so a
+    per-route dependency would merely check it again on every request."""
 
     writes: dict[str, Any]
     reads: dict[str, Any]

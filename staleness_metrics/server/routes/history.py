@@ -1,4 +1,5 @@
-"""``/v1/runs/{run}/steps`` and ``/events``: what a run has done, as metrics rows or as its event stream."""
+"""``/v1/runs/{run}/steps`` and ``/events``: what a run has done, as metrics rows
+or as its event stream."""
 
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def history_router(registry: RunRegistry, access: Access) -> APIRouter:
         },
     )
     def events(run: RunName) -> StreamingResponse:
-        """Every rollout, sweep and ship the run acknowledged, in order: ``staleness-metrics replay`` of this
-        file reproduces ``/steps``. Needs a data directory (409 with ``--in-memory``)."""
+        """Every rollout, sweep and ship the run acknowledged, in order:
+        ``staleness-metrics replay`` of this file reproduces ``/steps``. Needs a data directory (409
+        with ``--in-memory``)."""
         lines = registry.get(run).events()
         first = next(lines, None)  # errors (404, 409) surface before the 200 starts
 

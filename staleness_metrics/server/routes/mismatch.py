@@ -1,4 +1,5 @@
-"""``/v1/runs/{run}/mismatch``: what staleness cost a shipped step, as the trainer measured it (SPEC 11)."""
+"""``/v1/runs/{run}/mismatch``: what staleness cost a shipped step, as the trainer
+measured it (SPEC 11)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
     ) -> Response:
         """Merge trainer-side mismatch sums (SPEC 11) into a shipped step's total and publish it.
 
-        Post one `MismatchSums.to_dict()` per rank or micro-batch: posts for one step merge. Invalid sums
-        (a missing bucket, a negative count) or a step the run never shipped get 422 naming the field,
-        and nothing is recorded.
+        Post one `MismatchSums.to_dict()` per rank or micro-batch: posts for one step merge. Invalid
+        sums (a missing bucket, a negative count) or a step the run never shipped get 422 naming the
+        field, and nothing is recorded.
         """
         return JSONModelResponse(registry.get(run).record_mismatch(request, idempotency_key))
 

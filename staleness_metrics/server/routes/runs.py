@@ -1,4 +1,5 @@
-"""``/v1/runs`` and ``/v1/runs/{run}``: the runs themselves (create with a configuration, read, delete)."""
+"""``/v1/runs`` and ``/v1/runs/{run}``: the runs themselves (create with a
+configuration, read, delete)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,10 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
     @router.get(
-        "", openapi_extra=access.reads, response_model=RunList, responses=documented(*access.read_errors, invalid=False)
+        "",
+        openapi_extra=access.reads,
+        response_model=RunList,
+        responses=documented(*access.read_errors, invalid=False),
     )
     def list_runs() -> Response:
         return JSONModelResponse(RunList(runs=[run.info() for run in registry.runs()]))
@@ -57,12 +61,16 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
         },
     )
     def create_run(run: RunName, config: Annotated[dict[str, Any], Body(default_factory=dict)]) -> Response:
-        """Create a run with its configuration (policy and bound); idempotent for the same configuration."""
+        """Create a run with its configuration (policy and bound); idempotent for
+        the same configuration."""
         created_run, created = registry.create(run, _parse_config(config))
         return JSONModelResponse(created_run.info(), status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
     @router.get(
-        "/{run}", openapi_extra=access.reads, response_model=RunInfo, responses=documented(*access.read_errors, 404)
+        "/{run}",
+        openapi_extra=access.reads,
+        response_model=RunInfo,
+        responses=documented(*access.read_errors, 404),
     )
     def get_run(run: RunName) -> Response:
         return JSONModelResponse(registry.get(run).info())

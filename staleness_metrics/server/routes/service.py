@@ -29,16 +29,21 @@ def service_router(registry: RunRegistry, access: Access) -> APIRouter:
         responses={503: {"model": Health, "description": "Some runs answer 503: `unavailable` names them."}},
     )
     async def healthz() -> Response:
-        """The service answers, and every run does: 503 names the runs that answer 503. Never needs a token.
+        """The service answers, and every run does: 503 names the runs that answer
+        503. Never needs a token.
 
-        Just after a restart it answers once every stored run is loaded (or found unavailable), waiting up
-        to a few seconds: a run that cannot be loaded is only known then. Runs still loading after that
-        are named as such (503)."""
+        Just after a restart it answers once every stored run is loaded (or found unavailable),
+        waiting up to a few seconds: a run that cannot be loaded is only known then. Runs still
+        loading after that are named as such (503)."""
         if registry.loading():
             unavailable = await run_in_threadpool(registry.unavailable_once_loaded, HEALTH_LOADING_WAIT)
         else:
             unavailable = registry.unavailable()
-        health = Health(status="unavailable" if unavailable else "ok", runs=registry.count(), unavailable=unavailable)
+        health = Health(
+            status="unavailable" if unavailable else "ok",
+            runs=registry.count(),
+            unavailable=unavailable,
+        )
         return JSONModelResponse(health, status.HTTP_503_SERVICE_UNAVAILABLE if unavailable else status.HTTP_200_OK)
 
     @router.get(

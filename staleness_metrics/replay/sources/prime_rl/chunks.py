@@ -5,9 +5,9 @@ frame holding the seek table. It is read front to back as a stream of frames (th
 package; skippable frames carry no data), so nothing of the seek table is needed. Offsets are in the
 decompressed bytes, as prime-rl's index gives them.
 
-Damage is raised as :class:`ChunkDamage` (a corrupt frame, a chunk cut inside a frame): the reader of
-the stream decides, by its strictness, whether that stops the replay or sets the rest of the chunk
-aside. A line without its newline at the end of a file is the remnant of a process that died
+Damage is raised as :class:`ChunkDamage` (a corrupt frame, a chunk cut inside a frame): the reader
+of the stream decides, by its strictness, whether that stops the replay or sets the rest of the
+chunk aside. A line without its newline at the end of a file is the remnant of a process that died
 mid-append: :attr:`Line.ended` says so, and the caller decides what a torn line means.
 """
 
@@ -40,8 +40,8 @@ class ChunkDamage(Exception):
 
 @dataclass(frozen=True)
 class Line:
-    """One line of a stream file: ``number`` 1-based in its file, ``offset`` its first byte (decompressed),
-    ``text`` without the newline, ``ended`` whether the newline was there."""
+    """One line of a stream file: ``number`` 1-based in its file, ``offset`` its first byte
+    (decompressed), ``text`` without the newline, ``ended`` whether the newline was there."""
 
     file: ChunkFile
     number: int
@@ -106,8 +106,8 @@ def open_chunk(file: ChunkFile) -> IO[bytes]:
 
 
 def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None]) -> Iterator[tuple[bool, Line]]:
-    """``(last, line)``: every line of ``files`` in order, ``last`` when its file is the last one; a chunk that
-    cannot be read on is handed to ``on_damage`` and the next file is read."""
+    """``(last, line)``: every line of ``files`` in order, ``last`` when its file is the last one; a
+    chunk that cannot be read on is handed to ``on_damage`` and the next file is read."""
     for position, file in enumerate(files):
         lines = read_lines(file)
         while True:

@@ -1,21 +1,23 @@
-"""prime-rl's own logged values beside the recomputed ones, step by step (SPEC 9: read for comparison,
-never as input).
+"""prime-rl's own logged values beside the recomputed ones, step by step (SPEC 9: read for
+comparison, never as input).
 
-``metrics.jsonl`` holds one row per ``log`` call, several per step, each tagged by its ``producer`` in the
-current layout (``orch``, ``trainer``, ...): rows of one step are merged. Compared:
+``metrics.jsonl`` holds one row per ``log`` call, several per step, each tagged by its ``producer``
+in the current layout (``orch``, ``trainer``, ...): rows of one step are merged. Compared:
 
-- the orchestrator's rollout staleness, ``off_policy/*`` or ``staleness/*`` (both names are read;
-  SPEC 7 maps each to its current key): prime-rl computes them over the shipped **episodes**, one value
-  per episode, a frozen-model episode counting as 0; SPEC 9 replays one rollout per **trace** and leaves
-  frozen rollouts out. ``legacy_rule`` is prime-rl's rule recomputed from the same records: a logged value
-  equal to it but not to ours differs for that reason alone (``prime_rl_rule``);
-- the trainer's ``mismatch_kl/<all|env>/{mean,std,min,max}``: prime-rl's trainer takes ``exp(d) - d - 1``
-  (``d`` = trainer - sampler log-probability) per token over every trained sample's loss-mask tokens,
-  frozen samples included, and logs the statistics of those tokens (``Tensors.compute_stats``); SPEC 11's
-  ``staleness/mismatch/k3`` is the same per-token mean over the covered tokens of live rollouts, ``d``
-  clamped to [-20, 20]. ``legacy_rule`` is prime-rl's statistic recomputed from the records'
-  log-probabilities, which prime-rl rounds to 4 decimals where its trainer used full precision: mismatch
-  values agree to within :data:`MISMATCH_TOLERANCE`, not exactly.
+- the orchestrator's rollout staleness, ``off_policy/*`` or ``staleness/*`` (both names are
+  read; SPEC 7 maps each to its current key): prime-rl computes them over the shipped
+  **episodes**, one value per episode, a frozen-model episode counting as 0; SPEC 9 replays one
+  rollout per **trace** and leaves frozen rollouts out. ``legacy_rule`` is prime-rl's rule
+  recomputed from the same records: a logged value equal to it but not to ours differs for that
+  reason alone (``prime_rl_rule``);
+- the trainer's ``mismatch_kl/<all|env>/{mean,std,min,max}``: prime-rl's trainer takes
+  ``exp(d) - d - 1`` (``d`` = trainer - sampler log-probability) per token over every trained
+  sample's loss-mask tokens, frozen samples included, and logs the statistics of those tokens
+  (``Tensors.compute_stats``); SPEC 11's ``staleness/mismatch/k3`` is the same per-token mean over
+  the covered tokens of live rollouts, ``d`` clamped to [-20, 20]. ``legacy_rule`` is prime-rl's
+  statistic recomputed from the records' log-probabilities, which prime-rl rounds to 4 decimals
+  where its trainer used full precision: mismatch values agree to within
+  :data:`MISMATCH_TOLERANCE`, not exactly.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ _RULE_FIELD = {
     keys.ROLLOUT_IN_QUEUE_MAX: "in_queue",
 }
 MISMATCH_PREFIX = "mismatch_kl/"
-MISMATCH_TOLERANCE = (0.05, 2e-5)  # (relative, absolute): per-token log-probabilities rounded to 4 decimals
+# (relative, absolute): per-token log-probabilities rounded to 4 decimals
+MISMATCH_TOLERANCE = (0.05, 2e-5)
 
 Status = Literal["match", "prime_rl_rule", "missing", "mismatch"]
 
@@ -65,8 +68,9 @@ FROZEN = "prime-rl counts frozen-model episodes as staleness 0, SPEC leaves them
 FROZEN_TOKENS = "prime-rl's mismatch_kl includes the tokens of frozen-model samples, SPEC 11 only live ones"
 NO_KEY = "no SPEC key holds this statistic: prime-rl's rule recomputed from the records"
 DROPPED = (
-    "prime-rl's dropped counts what its own bound voided, and the records do not say why an episode never shipped: "
-    "SPEC 9 drops every never-shipped episode that was stale at its arrival under the bound replayed"
+    "prime-rl's dropped counts what its own bound voided, and the records do not say why an "
+    "episode never shipped: SPEC 9 drops every never-shipped episode that was stale at its arrival "
+    "under the bound replayed"
 )
 
 
@@ -75,9 +79,9 @@ class ComparisonRow:
     """One logged value beside its recomputation.
 
     ``legacy_key`` is the key prime-rl logged, ``key`` ours (SPEC 6/11); ``recomputed`` our value;
-    ``legacy_rule`` prime-rl's own rule recomputed from the records; ``status``: ``match`` (the logged
-    value equals ours), ``prime_rl_rule`` (it equals prime-rl's rule only: ``note`` says why the rules
-    differ), ``missing`` (nothing recomputed), ``mismatch`` (anything else)."""
+    ``legacy_rule`` prime-rl's own rule recomputed from the records; ``status``: ``match`` (the
+    logged value equals ours), ``prime_rl_rule`` (it equals prime-rl's rule only: ``note`` says why
+    the rules differ), ``missing`` (nothing recomputed), ``mismatch`` (anything else)."""
 
     step: int
     legacy_key: str
@@ -100,8 +104,8 @@ def _metrics_path(run_dir: Path) -> Path | None:
 
 
 def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """``metrics.jsonl`` rows by step, every producer's rows of a step merged in file order (rows without a
-    step, such as time-keyed inference rows, are skipped)."""
+    """``metrics.jsonl`` rows by step, every producer's rows of a step merged in file order (rows
+    without a step, such as time-keyed inference rows, are skipped)."""
     path = _metrics_path(Path(run_dir))
     rows: dict[int, dict[str, Any]] = {}
     if path is None:
@@ -118,7 +122,8 @@ def _close(a: float | None, b: float | None, tolerance: tuple[float, float] = (1
 
 
 def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> float | None:
-    """Our value converted to prime-rl's rule from counts alone (older layout: one trace per episode)."""
+    """Our value converted to prime-rl's rule from counts alone (older layout:
+    one trace per episode)."""
     if frozen == 0:
         return value
     if key in _MEAN_KEYS:
@@ -137,7 +142,12 @@ def _rule_value(key: str, rule: StepRule) -> float | None:
 
 
 def _staleness_row(
-    step: int, logged_key: str, value: float, ours: Mapping[str, Any], rule: StepRule | None, counts: tuple[int, int]
+    step: int,
+    logged_key: str,
+    value: float,
+    ours: Mapping[str, Any],
+    rule: StepRule | None,
+    counts: tuple[int, int],
 ) -> ComparisonRow | None:
     mapping = LEGACY_KEYS.get(logged_key)
     key = mapping.new if mapping is not None else logged_key if logged_key in _CURRENT else None
@@ -191,7 +201,16 @@ def _mismatch_row(
         status = "mismatch"
     note = NO_KEY if recomputed is None else FROZEN_TOKENS if frozen else ""
     return ComparisonRow(
-        step, logged_key, key if stat == "mean" else "", value, recomputed, legacy, live, frozen, status, note
+        step,
+        logged_key,
+        key if stat == "mean" else "",
+        value,
+        recomputed,
+        legacy,
+        live,
+        frozen,
+        status,
+        note,
     )
 
 
@@ -204,10 +223,11 @@ def compare_prime_rl(
 ) -> list[ComparisonRow]:
     """Put the recomputed keys beside the run's logged values, step by step (module docs).
 
-    ``metrics`` are the replay's reports (or ``--metrics-out`` rows with ``step``); ``notes`` the current
-    layout's reader notes (:attr:`~.run.PrimeRlRead.notes`), which hold prime-rl's rule per step; without
-    them (older layout) the rule is derived from the live / frozen counts, from the reports' tallies when
-    given, else from the run's effective files. ``historical`` defaults to the run's ``metrics.jsonl``.
+    ``metrics`` are the replay's reports (or ``--metrics-out`` rows with ``step``); ``notes`` the
+    current layout's reader notes (:attr:`~.run.PrimeRlRead.notes`), which hold prime-rl's rule per
+    step; without them (older layout) the rule is derived from the live / frozen counts, from the
+    reports' tallies when given, else from the run's effective files. ``historical`` defaults to the
+    run's ``metrics.jsonl``.
     """
     root = Path(run_dir)
     logged = historical if historical is not None else read_prime_rl_metrics(root)
@@ -241,12 +261,13 @@ def compare_prime_rl(
 
 
 def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
-    """Steps by outcome: ``match`` (every value equal to ours, or a statistic no SPEC key holds equal to
-    prime-rl's rule), ``prime_rl_rule``, ``missing``, ``mismatch``."""
+    """Steps by outcome: ``match`` (every value equal to ours, or a statistic no SPEC key holds
+    equal to prime-rl's rule), ``prime_rl_rule``, ``missing``, ``mismatch``."""
     worst: dict[int, int] = {}
     order: tuple[Status, ...] = ("match", "prime_rl_rule", "missing", "mismatch")
     for row in rows:
-        # a statistic no SPEC key holds, reproduced by prime-rl's rule, says nothing against our values
+        # a statistic no SPEC key holds, reproduced by prime-rl's rule, says
+        # nothing against our values
         reproduced = row.note == NO_KEY and row.status == "prime_rl_rule"
         worst[row.step] = max(worst.get(row.step, 0), 0 if reproduced else order.index(row.status))
     summary: dict[str, list[int]] = {name: [] for name in order}
@@ -256,11 +277,12 @@ def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
 
 
 def describe_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
-    """A few lines for a terminal: per family of logged keys, the steps where every value equals ours, those
-    where the others equal prime-rl's own rule recomputed from the records (and why the rules differ), and
-    those that differ otherwise."""
+    """A few lines for a terminal: per family of logged keys, the steps where every value equals
+    ours, those where the others equal prime-rl's own rule recomputed from the records (and why the
+    rules differ), and those that differ otherwise."""
     lines = []
-    # the family as the orchestrator and the trainer log it (off_policy/*, or staleness/* after the rename)
+    # the family as the orchestrator and the trainer log it (off_policy/*, or
+    # staleness/* after the rename)
     families = (("orchestrator staleness", None), ("trainer mismatch_kl", MISMATCH_PREFIX))
     for family, prefix in families:
         mine = [r for r in rows if (prefix is not None) == r.legacy_key.startswith(MISMATCH_PREFIX)]
@@ -279,8 +301,9 @@ def describe_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
         if summary["mismatch"]:
             first = next(r for r in mine if r.status == "mismatch")
             lines.append(
-                f"  steps {_steps(summary['mismatch'])} differ (first: step {first.step} {first.legacy_key} logged "
-                f"{first.historical:.6g}, ours {first.recomputed}, prime-rl's rule {first.legacy_rule})"
+                f"  steps {_steps(summary['mismatch'])} differ (first: step {first.step} "
+                f"{first.legacy_key} logged {first.historical:.6g}, ours {first.recomputed}, "
+                f"prime-rl's rule {first.legacy_rule})"
             )
     return lines
 

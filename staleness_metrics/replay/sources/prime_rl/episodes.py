@@ -1,30 +1,32 @@
-"""One prime-rl episode record -> one SPEC 3 rollout per trace, one sample per trainable branch (SPEC 9).
+"""One prime-rl episode record -> one SPEC 3 rollout per trace, one sample per
+trainable branch (SPEC 9).
 
-The record is verifiers' ``Episode.to_record()`` (``prime-rl-traces.md`` section 3), as a dict or as the
-lazy proxies of :mod:`.lazy`; only what staleness needs is read:
+The record is verifiers' ``Episode.to_record()`` (``prime-rl-traces.md`` section 3), as a dict or as
+the lazy proxies of :mod:`.lazy`; only what staleness needs is read:
 
 - the episode: ``id``, ``group.id``, ``env.name`` (else ``env.id``), ``ok``, ``errors``,
-  ``run.work.policy.{start,end}`` (absent: frozen-model work), the kind (``traces[0].info.kind``, else
-  ``run.work.type``, else ``run.type``);
+  ``run.work.policy.{start,end}`` (absent: frozen-model work), the kind (``traces[0].info.kind``,
+  else ``run.work.type``, else ``run.type``);
 - each trace: ``id``, ``ok``, ``errors``, ``info.arrival.step``, ``agent.trainable``, and its nodes:
-  ``parent``, ``token_ids`` (only their count), ``mask``, ``logprobs`` (compact: one per sampled token),
-  ``trainer_logprobs`` (compact, when a reader folded them in), ``semantic_parents`` (compaction
-  attempts), and per-token versions where a record carries them:
+  ``parent``, ``token_ids`` (only their count), ``mask``, ``logprobs`` (compact: one per sampled
+  token), ``trainer_logprobs`` (compact, when a reader folded them in), ``semantic_parents``
+  (compaction attempts), and per-token versions where a record carries them:
 
-  - ``weight_versions``: ``[[version, k], ...]``, ``k`` the index of the node's sampled token where the
-    stretch starts (0 = its first sampled token), strictly increasing; the node's sampled tokens before
-    the first ``k`` are unlabelled, and so are stretches of version ``-1``;
-  - ``token_versions``: one version per sampled token of the node (compact, like ``logprobs``), ``-1`` =
-    unlabelled.
+  - ``weight_versions``: ``[[version, k], ...]``, ``k`` the index of the node's sampled token where
+    the stretch starts (0 = its first sampled token), strictly increasing; the node's sampled tokens
+    before the first ``k`` are unlabelled, and so are stretches of version ``-1``;
+  - ``token_versions``: one version per sampled token of the node (compact, like
+    ``logprobs``), ``-1`` = unlabelled.
 
-Branch ``i`` is the path from the root to the ``i``-th leaf (node-index order), its tokens the concatenated
-``token_ids``; a branch is trainable unless its leaf is a compaction attempt the trace did not resume
-from (verifiers' ``Trace.branches``), and nothing trains when ``agent.trainable`` is false. Its sample:
-``mask`` the nodes' masks, except that a sampled node shared with an earlier trainable branch trains
-only there (prime-rl's sample masks); ``logprobs`` the sampler's spread onto the sampled positions (0.0
-elsewhere; absent when a node lacks them); ``token_versions`` from the labels above; ``trainer_logprobs``
-the trainer's, position by position (:func:`fold_streams`). A branch with no sampled position makes no
-sample; a trace without nodes (older records) is one sample with one sampled, unlabelled position.
+Branch ``i`` is the path from the root to the ``i``-th leaf (node-index order), its tokens the
+concatenated ``token_ids``; a branch is trainable unless its leaf is a compaction attempt the trace
+did not resume from (verifiers' ``Trace.branches``), and nothing trains when ``agent.trainable`` is
+false. Its sample: ``mask`` the nodes' masks, except that a sampled node shared with an earlier
+trainable branch trains only there (prime-rl's sample masks); ``logprobs`` the sampler's spread onto
+the sampled positions (0.0 elsewhere; absent when a node lacks them); ``token_versions`` from the
+labels above; ``trainer_logprobs`` the trainer's, position by position (:func:`fold_streams`). A
+branch with no sampled position makes no sample; a trace without nodes (older records) is one sample
+with one sampled, unlabelled position.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class NotAnEpisode(ValueError):
 
 @dataclass(frozen=True)
 class Stream:
-    """A full-length per-position stream of one update (NaN = null), and where the update was read."""
+    """A full-length per-position stream of one update (NaN = null), and
+    where the update was read."""
 
     values: npt.NDArray[np.float64]
     path: str  # where the update was read
@@ -138,11 +141,15 @@ def episode_head(doc: object) -> EpisodeHead:
     )
 
 
-_POLICY_FIELDS = {"dispatch_version": "run.work.policy.start", "completion_version": "run.work.policy.end"}
+_POLICY_FIELDS = {
+    "dispatch_version": "run.work.policy.start",
+    "completion_version": "run.work.policy.end",
+}
 
 
 def _head(episode: EpisodeHead, trace: TraceHead) -> dict[str, Any]:
-    """The rollout's fields but its samples, checked as any record's are (named by the record's own fields)."""
+    """The rollout's fields but its samples, checked as any record's are (named by the
+    record's own fields)."""
     head: dict[str, Any] = {"id": trace.id}
     if episode.group is not None:
         head["group_id"] = episode.group
@@ -201,7 +208,11 @@ def _versions(trace_id: str, where: str, doc: object, count: int) -> npt.NDArray
         except TypeError as error:
             raise _field(trace_id, f"{where}.token_versions", f"expected a list of integers ({error})") from None
         if len(versions) != count:
-            raise _field(trace_id, f"{where}.token_versions", f"{len(versions)} values for {count} sampled tokens")
+            raise _field(
+                trace_id,
+                f"{where}.token_versions",
+                f"{len(versions)} values for {count} sampled tokens",
+            )
         if versions.size and int(versions.min()) < -1:
             raise _field(trace_id, f"{where}.token_versions", "versions must be >= 0 (or -1: unlabelled)")
         return versions.astype(np.int64, copy=True)
@@ -215,11 +226,17 @@ def _versions(trace_id: str, where: str, doc: object, count: int) -> npt.NDArray
     for i, pair in enumerate(pairs):
         if not (isinstance(pair, list) and len(pair) == 2 and all(_int(v) is not None for v in pair)):
             raise _field(
-                trace_id, f"{where}.weight_versions[{i}]", f"expected a [version, k] pair of integers, got {pair!r}"
+                trace_id,
+                f"{where}.weight_versions[{i}]",
+                f"expected a [version, k] pair of integers, got {pair!r}",
             )
         version, start = pair
         if version < -1:
-            raise _field(trace_id, f"{where}.weight_versions[{i}]", f"version must be >= 0 (or -1), got {version}")
+            raise _field(
+                trace_id,
+                f"{where}.weight_versions[{i}]",
+                f"version must be >= 0 (or -1), got {version}",
+            )
         if not 0 <= start < count:
             raise _field(
                 trace_id,
@@ -241,7 +258,11 @@ def _node(trace_id: str, index: int, doc: object, count: int) -> _Node:
     present = lazy.keys(doc)
     parent = lazy.get(doc, "parent") if "parent" in present else None
     if parent is not None and (_int(parent) is None or not 0 <= parent < count or parent == index):
-        raise _field(trace_id, f"{where}.parent", f"expected the index of another node, got {lazy.to_python(parent)!r}")
+        raise _field(
+            trace_id,
+            f"{where}.parent",
+            f"expected the index of another node, got {lazy.to_python(parent)!r}",
+        )
     tokens, mask_doc = lazy.get(doc, "token_ids"), lazy.get(doc, "mask")
     size = lazy.length(tokens) if lazy.is_array(tokens) else 0
     try:
@@ -301,9 +322,9 @@ def fold_streams(
 ) -> npt.NDArray[np.float64] | None:
     """A branch's per-position values: ``base`` (the record's own, NaN = none), then each update's
     full-length stream in write order, position by position: a value replaces what was there, a null
-    (NaN) leaves it, and a stream shorter than the branch covers only the positions it holds (prime-rl's
-    own fold leaves a whole node bare when a stream stops inside it; for coverage each position counts).
-    None when nothing covers any position."""
+    (NaN) leaves it, and a stream shorter than the branch covers only the positions it holds
+    (prime-rl's own fold leaves a whole node bare when a stream stops inside it; for coverage each
+    position counts). None when nothing covers any position."""
     if base is None and not streams:
         return None
     out = base.copy() if base is not None else np.full(size, np.nan)
@@ -359,9 +380,10 @@ def _sample(nodes: list[_Node], path: list[int], claimed: set[int], streams: Seq
 def trace_rollout(
     episode: EpisodeHead, trace: TraceHead, updates: dict[int, list[Stream]] | None = None
 ) -> tuple[ParsedRollout | UnparsedRollout | None, list[Problem]]:
-    """The rollout of one trace (None when it trains nothing) and the problems of ``updates`` (per branch
-    index: the trainer's streams in write order) that do not fit it: a branch the trace does not have, a
-    stream longer than its branch. A record the sink must refuse comes back as an :class:`UnparsedRollout`."""
+    """The rollout of one trace (None when it trains nothing) and the problems of ``updates`` (per
+    branch index: the trainer's streams in write order) that do not fit it: a branch the trace does
+    not have, a stream longer than its branch. A record the sink must refuse comes back as an
+    :class:`UnparsedRollout`."""
     updates = updates or {}
     try:
         head = _head(episode, trace)

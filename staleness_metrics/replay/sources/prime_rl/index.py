@@ -1,11 +1,12 @@
 """The stream index checked against the stream it indexes, row by row as the stream is read.
 
-prime-rl writes an episode's line, then its index row (``{"line", "offset", "chunk", "id", ...}``), and
-flushes the stream before the index, so every row points at the start of a line holding the episode it
-names, in stream order; the stream may hold a last few lines the index has not caught up with (a crash).
-A row that points at no line start, at a chunk the stream lacks, past the end, or at another episode is
-damage (SPEC 9). The index also says where a relaunch resumed appending after a torn line: a row pointing
-inside a line that is not JSON marks where the new episode begins (:meth:`IndexCheck.resume_inside`).
+prime-rl writes an episode's line, then its index row (``{"line", "offset", "chunk", "id", ...}``),
+and flushes the stream before the index, so every row points at the start of a line holding the
+episode it names, in stream order; the stream may hold a last few lines the index has not caught up
+with (a crash). A row that points at no line start, at a chunk the stream lacks, past the end, or at
+another episode is damage (SPEC 9). The index also says where a relaunch resumed appending after a
+torn line: a row pointing inside a line that is not JSON marks where the new episode begins
+(:meth:`IndexCheck.resume_inside`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ Position = tuple[int, int]  # (chunk number, -1 in the single-file layout; byte 
 
 
 class IndexCheck:
-    """Walks ``stream.index.jsonl`` in step with the stream (:meth:`see` each line in order, then :meth:`finish`)."""
+    """Walks ``stream.index.jsonl`` in step with the stream (:meth:`see` each line in order,
+    then :meth:`finish`)."""
 
     def __init__(self, path: Path | None, damage: Damage) -> None:
         self._path = path
@@ -46,7 +48,12 @@ class IndexCheck:
                     continue
                 chunk, offset = (row.get("chunk"), row.get("offset")) if isinstance(row, dict) else (None, None)
                 if not isinstance(offset, int) or not _is_int(offset) or not (chunk is None or _is_int(chunk)):
-                    self._damage.report("index_nowhere", self._path, number, "an index row without a chunk and offset")
+                    self._damage.report(
+                        "index_nowhere",
+                        self._path,
+                        number,
+                        "an index row without a chunk and offset",
+                    )
                     continue
                 name = row.get("id")
                 position: Position = (-1 if chunk is None else chunk, offset)
@@ -60,12 +67,16 @@ class IndexCheck:
         number, (chunk, offset), name = self._next
         where = f"offset {offset}" if chunk < 0 else f"chunk {chunk:05d}, offset {offset}"
         self._damage.report(
-            "index_nowhere", self._path, number, f"the row of episode {name!r} points at {where}: {reason}"
+            "index_nowhere",
+            self._path,
+            number,
+            f"the row of episode {name!r} points at {where}: {reason}",
         )
         self._advance()
 
     def see(self, position: Position, episode_id: str | None) -> None:
-        """The stream has a line starting at ``position`` holding ``episode_id`` (None: not an episode)."""
+        """The stream has a line starting at ``position`` holding ``episode_id``
+        (None: not an episode)."""
         while self._next is not None and self._next[1] < position:
             self._nowhere("no line of the stream starts there")
         if self._next is not None and self._next[1] == position:
@@ -76,7 +87,8 @@ class IndexCheck:
                 self._advance()
 
     def resume_inside(self, position: Position, size: int) -> int | None:
-        """The offset of the row pointing inside the line at ``position`` of ``size`` bytes, if one does."""
+        """The offset of the row pointing inside the line at ``position`` of
+        ``size`` bytes, if one does."""
         if self._next is None:
             return None
         chunk, offset = self._next[1]

@@ -3,13 +3,14 @@
 Everything lives under ``<run>/monitors/file/`` (``prime-rl-traces.md`` section 1):
 
 - ``metrics.jsonl``: logged rows, tagged by ``producer``;
-- ``traces/stream/NNNNN.jsonl`` (plain: live, or left by a crash) or ``NNNNN.jsonl.zst`` (sealed), read in
-  chunk order; a chunk with both files is read from the plain one, as prime-rl's own reader does (the
-  writer removes it once the sealed twin is complete); ``.zst.tmp`` files are a seal in progress, not data;
+- ``traces/stream/NNNNN.jsonl`` (plain: live, or left by a crash) or ``NNNNN.jsonl.zst`` (sealed),
+  read in chunk order; a chunk with both files is read from the plain one, as prime-rl's own
+  reader does (the writer removes it once the sealed twin is complete); ``.zst.tmp`` files are a
+  seal in progress, not data;
 - or, in the earlier single-file layout, ``traces/stream.jsonl``;
 - ``traces/stream.index.jsonl``: one summary row per episode;
-- ``traces/annotations/<producer>/NNNNN.jsonl[.zst]`` (or ``<producer>.jsonl``): one update a line, per
-  producer, the producer's name taken from the folder or file name (never assumed).
+- ``traces/annotations/<producer>/NNNNN.jsonl[.zst]`` (or ``<producer>.jsonl``): one update a line,
+  per producer, the producer's name taken from the folder or file name (never assumed).
 
 A run is found from its root, its ``monitors/file`` folder or its ``traces`` folder.
 """
@@ -28,7 +29,8 @@ _INDEX_SUFFIX = ".index.jsonl"
 
 @dataclass(frozen=True)
 class ChunkFile:
-    """One file of a stream: ``number`` its chunk (None in the single-file layout), ``sealed`` when zstd."""
+    """One file of a stream: ``number`` its chunk (None in the single-file layout),
+    ``sealed`` when zstd."""
 
     path: Path
     number: int | None
@@ -52,7 +54,8 @@ class TracesLayout:
 
 
 def _chunks(folder: Path) -> list[ChunkFile]:
-    """A chunked stream's files in chunk order, the plain file of a chunk preferred to its sealed twin."""
+    """A chunked stream's files in chunk order, the plain file of a chunk
+    preferred to its sealed twin."""
     found: dict[int, ChunkFile] = {}
     for path in folder.iterdir():
         match = _CHUNK.match(path.name)
@@ -65,7 +68,8 @@ def _chunks(folder: Path) -> list[ChunkFile]:
 
 
 def _stream_files(base: Path) -> list[ChunkFile]:
-    """``base.jsonl`` (single file) then ``base/`` chunks: a run relaunched by a newer prime-rl may hold both."""
+    """``base.jsonl`` (single file) then ``base/`` chunks: a run relaunched by a newer
+    prime-rl may hold both."""
     files = []
     single = base.with_name(base.name + ".jsonl")
     if single.is_file():
@@ -83,8 +87,8 @@ def _traces_folder(path: Path) -> Path | None:
 
 
 def find_layout(path: str | Path) -> TracesLayout | None:
-    """The current-layout files of the run at ``path`` (root, ``monitors/file`` or ``traces``); None when it has
-    no trace stream."""
+    """The current-layout files of the run at ``path`` (root, ``monitors/file`` or ``traces``); None
+    when it has no trace stream."""
     root = Path(path)
     if not root.is_dir():
         return None

@@ -1,10 +1,12 @@
-"""JSON lines read lazily: simdjson's proxies where pysimdjson is installed, orjson's objects elsewhere.
+"""JSON lines read lazily: simdjson's proxies where pysimdjson is installed,
+orjson's objects elsewhere.
 
-simdjson parses a line into its own tape and hands back proxies: only what the reader touches becomes a
-Python object, and a list of numbers is copied out of the tape at C speed (``as_buffer``). Episode records
-are mostly token ids, masks and per-token floats the staleness reader never needs, so this is most of what
-reading a prime-rl run costs. Without a simdjson wheel (Python 3.14 and later, so far) every line is
-decoded by orjson (:mod:`staleness_metrics.records.jsonio`) and the same accessors read plain objects.
+simdjson parses a line into its own tape and hands back proxies: only what the reader touches
+becomes a Python object, and a list of numbers is copied out of the tape at C speed (``as_buffer``).
+Episode records are mostly token ids, masks and per-token floats the staleness reader never needs,
+so this is most of what reading a prime-rl run costs. Without a simdjson wheel (Python 3.14 and
+later, so far) every line is decoded by orjson (:mod:`staleness_metrics.records.jsonio`) and the
+same accessors read plain objects.
 
 A parser is reused line after line: every proxy of a line must be gone (converted to numpy or Python
 values) before the next line is parsed, so each stream of a run gets its own :class:`Parser`.
@@ -88,7 +90,8 @@ def keys(value: object) -> set[str]:
 
 
 def length(value: object) -> int:
-    """Elements of an array (simdjson's count saturates at 2**24 - 1: read the buffer beyond that)."""
+    """Elements of an array (simdjson's count saturates at 2**24 - 1: read
+    the buffer beyond that)."""
     size = len(value)  # type: ignore[arg-type]
     if size >= 0xFFFFFF and simdjson is not None and type(value) is simdjson.Array:
         return len(value.as_list())
@@ -122,7 +125,8 @@ def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
     if simdjson is not None and type(value) is simdjson.Array:
         try:
             return np.frombuffer(value.as_buffer(of_type="d"), dtype=np.float64)
-        except (TypeError, ValueError):  # a null, boolean or string among them (or no numbers at all)
+        except (TypeError, ValueError):
+            # a null, boolean or string among them (or no numbers at all)
             pass
     items = _list(value)
     kinds = set(map(type, items))  # a C loop: bool is its own type, so booleans are refused too

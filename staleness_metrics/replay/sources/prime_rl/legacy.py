@@ -11,11 +11,12 @@ A run directory holds, per train step ``N``:
 What the example run (made with prime-rl's own record code) shows, checked step by step against its
 ``metrics.jsonl``:
 
-- ``off_policy/*`` are computed over the **effective** episodes only, **one value per episode**
-  (not per trace): ``total = max(0, T - policy.start)``, ``in_flight = min(total, max(0, policy.end -
-  policy.start))``, ``in_queue = total - in_flight``, with ``T = N - 1``; maxima are logged as floats.
-  That is SPEC 6's rollout staleness with the dispatch version as the only label, so one episode
-  becomes one rollout (dispatch = ``policy.start``, completion = ``policy.end``).
+- ``off_policy/*`` are computed over the **effective** episodes only, **one value per episode** (not
+  per trace): ``total = max(0, T - policy.start)``,
+  ``in_flight = min(total, max(0, policy.end - policy.start))``, ``in_queue = total - in_flight``,
+  with ``T = N - 1``; maxima are logged as floats. That is SPEC 6's rollout staleness with the
+  dispatch version as the only label, so one episode becomes one rollout (dispatch =
+  ``policy.start``, completion = ``policy.end``).
 - An episode with no ``policy`` (a frozen-model episode) counts as ``(0, 0, 0)`` in prime-rl's means
   and maxima; SPEC leaves frozen rollouts out of every staleness statistic. The two agree exactly on
   steps that shipped no frozen episode; :func:`compare_prime_rl` converts the recomputed values back
@@ -82,7 +83,8 @@ def has_rollouts(path: str | Path) -> bool:
 
 
 def episode_rollout(record: Mapping[str, Any]) -> EpisodeInfo:
-    """One episode record -> one SPEC 3 rollout (each trace one single-position unlabelled sample)."""
+    """One episode record -> one SPEC 3 rollout (each trace one
+    single-position unlabelled sample)."""
     episode_id = record.get("id")
     if not isinstance(episode_id, str) or not episode_id:
         raise TraceError(None, "id", f"expected a non-empty string, got {episode_id!r}")
@@ -144,7 +146,8 @@ def _stale(info: EpisodeInfo, step: int, max_staleness: int) -> bool:
 
 
 def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[EventDict]:
-    """The run as SPEC 9 events: per step, arrivals as ``rollout`` events, then ``ship`` of the effective ids.
+    """The run as SPEC 9 events: per step, arrivals as ``rollout`` events, then
+    ``ship`` of the effective ids.
 
     ``max_staleness`` is the bound the stream will be replayed at: it decides which unshipped
     episodes enter the stream (see the module docs).

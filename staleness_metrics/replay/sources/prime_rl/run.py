@@ -1,27 +1,29 @@
-"""A prime-rl run in the current layout as the SPEC 9 event stream it implies (``prime-rl-traces.md``).
+"""A prime-rl run in the current layout as the SPEC 9 event stream it implies
+(``prime-rl-traces.md``).
 
 :func:`read_run_events` reads the episode stream once, in arrival order, with the trainer's streams
 alongside (:mod:`.annotations`), and yields checked replay events:
 
-- each trace of a train episode that did not error becomes a rollout (:mod:`.episodes`), entering at its
-  arrival step (``info.arrival.step``; without the stamp, its ship step, else the episode's dispatch
-  step ``run.work.step``): before it, every ship of an earlier step;
-- every step N at which the orchestrator shipped (``info.effective`` and ``info.ship.step`` N, folded from
-  the updates) is a ship naming the traces of that step that entered;
-- a trace that never shipped enters only when it is stale at its arrival step under the bound replayed
-  (``(A - 1) - policy.start > max_staleness``): the sink then drops and counts it, as prime-rl did; the
-  others (prime-rl discarded them for reasons of its own: no learning signal, errors) are left out and
-  counted in :class:`ReadNotes`;
-- eval episodes, errored traces, frozen traces that never shipped and traces that train nothing are left
-  out and counted.
+- each trace of a train episode that did not error becomes a rollout (:mod:`.episodes`), entering at
+  its arrival step (``info.arrival.step``; without the stamp, its ship step, else the episode's
+  dispatch step ``run.work.step``): before it, every ship of an earlier step;
+- every step N at which the orchestrator shipped (``info.effective`` and ``info.ship.step`` N,
+  folded from the updates) is a ship naming the traces of that step that entered;
+- a trace that never shipped enters only when it is stale at its arrival step under the bound
+  replayed (``(A - 1) - policy.start > max_staleness``): the sink then drops and counts it, as
+  prime-rl did; the others (prime-rl discarded them for reasons of its own: no learning signal,
+  errors) are left out and counted in :class:`ReadNotes`;
+- eval episodes, errored traces, frozen traces that never shipped and traces that train nothing
+  are left out and counted.
 
 The reader also keeps, per ship step, prime-rl's own rule for its logged values (per episode, frozen
-episodes as staleness 0; ``mismatch_kl`` per token over every trained sample, frozen ones included), for
-:mod:`.compare`. Damage (SPEC 9) goes to a :class:`~.damage.Damage`: strict mode raises
+episodes as staleness 0; ``mismatch_kl`` per token over every trained sample, frozen ones included),
+for :mod:`.compare`. Damage (SPEC 9) goes to a :class:`~.damage.Damage`: strict mode raises
 :class:`~staleness_metrics.errors.EventError` naming the file, line and reason.
 
-Memory: the facts of every trace the updates name (a few numbers each), the trainer's streams read ahead of
-the episode stream (the steps in flight) and one episode at a time; never the run's token data.
+Memory: the facts of every trace the updates name (a few numbers each), the trainer's
+streams read ahead of the episode stream (the steps in flight) and one episode at a time;
+never the run's token data.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ __all__ = ["K3Stats", "PrimeRlRead", "ReadNotes", "StepRule", "read_run_events"]
 
 @dataclass
 class K3Stats:
-    """prime-rl's ``mismatch_kl`` statistics of one scope (``all`` or an env): per token over the trained
-    samples' loss-mask tokens (here: their covered sampled positions), frozen samples included."""
+    """prime-rl's ``mismatch_kl`` statistics of one scope (``all`` or an env): per token
+    over the trained samples' loss-mask tokens (here: their covered sampled positions),
+    frozen samples included."""
 
     tokens: int = 0
     total: float = 0.0
@@ -68,7 +71,8 @@ class K3Stats:
             self.low, self.high = min(self.low, float(k3.min())), max(self.high, float(k3.max()))
 
     def value(self, stat: str) -> float | None:
-        """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens (or an unknown stat)."""
+        """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens
+        (or an unknown stat)."""
         if not self.tokens:
             return None
         mean = self.total / self.tokens
@@ -88,7 +92,8 @@ class StepRule:
     total: list[int] = field(default_factory=list)  # per episode, frozen ones as 0
     in_flight: list[int] = field(default_factory=list)
     in_queue: list[int] = field(default_factory=list)
-    k3: dict[str, K3Stats] = field(default_factory=lambda: defaultdict(K3Stats))  # per env, and "all"
+    # per env, and "all"
+    k3: dict[str, K3Stats] = field(default_factory=lambda: defaultdict(K3Stats))
     live_traces: int = 0
 
 
@@ -100,7 +105,8 @@ class ReadNotes:
     episodes: int = 0
     eval_episodes: int = 0
     errored_traces: int = 0
-    unshipped_left_out: int = 0  # never shipped, fresh at arrival: prime-rl discarded them for other reasons
+    # never shipped, fresh at arrival: prime-rl discarded them for other reasons
+    unshipped_left_out: int = 0
     unshipped_stale: int = 0  # never shipped, stale at arrival: entered to be dropped by the sink
     frozen_unshipped: int = 0
     untrainable: int = 0  # traces that train nothing (no sampled token, agent not trainable)
@@ -124,8 +130,9 @@ class ReadNotes:
 
 
 def _token_k3(sample: ParsedSample) -> npt.NDArray[np.float64]:
-    """prime-rl's per-token mismatch ``exp(d) - d - 1`` over a sample's covered sampled positions (its loss
-    mask), ``d`` = trainer - sampler log-probability, unclamped as prime-rl computes it."""
+    """prime-rl's per-token mismatch ``exp(d) - d - 1`` over a sample's covered sampled
+    positions (its loss mask), ``d`` = trainer - sampler log-probability, unclamped as
+    prime-rl computes it."""
     if sample.logprobs is None or sample.trainer_logprobs is None:
         return np.zeros(0)
     keep = (sample.mask == 1) & np.isfinite(sample.trainer_logprobs)
@@ -161,7 +168,8 @@ class PrimeRlRead:
             except lazy.DecodeError as error:
                 reason = str(error)
                 resume = index.resume_inside(where, len(line.text))
-                if resume is not None:  # a relaunch appended after a torn line: the index says where
+                # a relaunch appended after a torn line: the index says where
+                if resume is not None:
                     self.notes.split_lines += 1
                     line = Line(file, line.number, resume, line.text[resume - line.offset :], line.ended)
                     where = (where[0], resume)
@@ -207,7 +215,8 @@ class PrimeRlRead:
         self._unknown(updates)
 
     def _episode(self, number: int, line: Line, doc: object, index: IndexCheck) -> list[Event]:
-        """The events of one stream line: the ships its traces' arrivals pass, and their rollouts."""
+        """The events of one stream line: the ships its traces' arrivals
+        pass, and their rollouts."""
         where = (-1 if line.file.number is None else line.file.number, line.offset)
         try:
             episode = episode_head(doc)
@@ -244,7 +253,8 @@ class PrimeRlRead:
         return merged
 
     def _arrival(self, episode: EpisodeHead, trace: TraceHead, facts: TraceFacts | None, doc: object) -> int | None:
-        """The trace's arrival step, or None when it is left out before that matters (eval, errored)."""
+        """The trace's arrival step, or None when it is left out before that
+        matters (eval, errored)."""
         if episode.kind != "train":
             if trace is episode.traces[0]:
                 self.notes.eval_episodes += 1
@@ -289,8 +299,8 @@ class PrimeRlRead:
                 "late_ship",
                 line.file.path,
                 line.number,
-                f"trace {trace.id!r} arrived at step {arrival} and shipped at step {shipped}, a step already passed "
-                "(a relaunch from an earlier checkpoint?)",
+                f"trace {trace.id!r} arrived at step {arrival} and shipped at step {shipped}, a "
+                "step already passed (a relaunch from an earlier checkpoint?)",
             )
             return None
         rollout, problems = trace_rollout(episode, trace, streams)
@@ -299,16 +309,22 @@ class PrimeRlRead:
         if rollout is None:
             notes.untrainable += 1
             return None
-        if shipped is not None and self.layout.metrics is not None:  # (only a run that logged has values to compare)
+        # (only a run that logged has values to compare)
+        if shipped is not None and self.layout.metrics is not None:
             self._rule(shipped, episode, trace, rollout)
         if isinstance(rollout, UnparsedRollout):
             return Event(number, "rollout", unparsed=rollout)
         return Event(number, "rollout", parsed=rollout)
 
     def _rule(
-        self, step: int, episode: EpisodeHead, trace: TraceHead, rollout: ParsedRollout | UnparsedRollout
+        self,
+        step: int,
+        episode: EpisodeHead,
+        trace: TraceHead,
+        rollout: ParsedRollout | UnparsedRollout,
     ) -> None:
-        """prime-rl's figures of a shipped trace (its episode counted once, at its first shipped trace)."""
+        """prime-rl's figures of a shipped trace (its episode counted once, at its
+        first shipped trace)."""
         rule = self.notes.steps.setdefault(step, StepRule())
         if isinstance(rollout, ParsedRollout):
             for sample in rollout.samples:
@@ -339,12 +355,16 @@ class PrimeRlRead:
         for trace_id, facts in updates.traces.items():
             path, line = facts.where if facts.where is not None else ("annotations", 0)
             damage.report(
-                "unknown_trace", path, line, f"an update for trace {trace_id!r}, which the stream does not hold"
+                "unknown_trace",
+                path,
+                line,
+                f"an update for trace {trace_id!r}, which the stream does not hold",
             )
 
 
 def read_run_events(path: str | Path, *, max_staleness: int = 8, strict: bool = True) -> PrimeRlRead:
-    """The events of the prime-rl run at ``path`` (its root, ``monitors/file`` or ``traces``), current layout."""
+    """The events of the prime-rl run at ``path`` (its root, ``monitors/file`` or
+    ``traces``), current layout."""
     layout = find_layout(path)
     if layout is None:
         raise ConfigError(f"{path}: no prime-rl trace stream (monitors/file/traces/stream/ or traces/stream.jsonl)")
