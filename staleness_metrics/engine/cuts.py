@@ -368,10 +368,11 @@ def _weight_bits(
     """The weight arrays as the loop reads them: three 1-d contiguous arrays of one float dtype's
     bits (fewer repeat the first; none: empty ones), with that dtype's sign bit and +inf bits.
     Arrays of other dtypes, of mixed ones or not contiguous are read as the widest float dtype given
-    (float64 for integers and booleans): a copy whose zero, sign, finite and NaN facts are the
-    values' own."""
-    dtype: np.dtype[Any] = np.dtype(np.float64)
+    (float64 for integers mixed with floats; float32 for integers and booleans alone, which keep
+    their zero and sign there and are finite, in half the copy): a copy whose zero, sign, finite
+    and NaN facts are the values' own."""
     floats = [w.dtype for w in weights if w.dtype in _FLOAT_BITS]
+    dtype: np.dtype[Any] = np.dtype(np.float64 if floats else np.float32)
     if not weights:  # (empty arrays of the mask's width: the loop compiled for that dtype serves)
         dtype = np.dtype(np.float64 if mask.dtype == np.float64 else np.float32)
         return (np.zeros(0, dtype=UNSIGNED_OF_SIZE[dtype.itemsize]),) * 3, _bits_of(dtype)
