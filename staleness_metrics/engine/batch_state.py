@@ -208,16 +208,20 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
         fail(path, str(exc))
 
 
-def queued_part(batch: RolloutBatch, rollouts: npt.NDArray[np.int64], sampled: npt.NDArray[np.int64]) -> RolloutBatch:
-    """The rollouts ``rollouts`` of ``batch`` (in that order) as a new batch of copies, with
-    the mask back to 1 at the positions ``sampled`` (of ``batch``: sampled as they arrived,
-    masked in place since)."""
+def queued_part(
+    batch: RolloutBatch,
+    rollouts: npt.NDArray[np.int64],
+    sampled: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]],
+) -> RolloutBatch:
+    """The rollouts ``rollouts`` of ``batch`` (in that order) as a new batch, with the mask back to 1
+    over the position ranges ``sampled`` (``lo``, ``hi`` of ``batch``: sampled as they arrived, masked in
+    place since). Its arrays are views of ``batch``'s where the rollouts are a run of it and no range
+    is set back (the whole batch queued, the usual case), else copies: a saved queue of millions of
+    positions costs no index of a position (8 bytes each) nor copy of them."""
     samples = expand_ranges(batch.sample_offsets[rollouts], batch.sample_offsets[rollouts + 1])
-    positions = expand_ranges(batch.position_offsets[samples], batch.position_offsets[samples + 1])
+    positions = _items_of(batch.position_offsets, samples)
     part = copy.copy(batch)  # (checked and converted already: no __post_init__ again)
-    mask = batch.mask.copy()
-    mask[sampled] = 1
-    part.mask = mask[positions]
+    part.mask = _ones_over(batch.mask, *sampled)[positions]
     part.ids = [batch.ids[i] for i in rollouts.tolist()]
     part.sample_offsets = _offsets(batch.sample_offsets, rollouts)
     part.position_offsets = _offsets(batch.position_offsets, samples)
@@ -239,13 +243,43 @@ def queued_part(batch: RolloutBatch, rollouts: npt.NDArray[np.int64], sampled: n
     if batch.label_kind is not None:
         part.label_kind = batch.label_kind[samples]
     if batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None:
-        spans = expand_ranges(batch.span_offsets[samples], batch.span_offsets[samples + 1])
+        spans = _items_of(batch.span_offsets, samples)
         part.span_offsets = _offsets(batch.span_offsets, samples)
         part.span_versions, part.span_starts = batch.span_versions[spans], batch.span_starts[spans]
     part.present = {name: flags[samples] for name, flags in batch.present.items()}
     if batch.padded is not None and not np.array_equal(rollouts, np.arange(batch.n_rollouts)):
         part.padded = None  # (the rows of a padded batch are kept only when all of it is)
     return part
+
+
+def _items_of(offsets: npt.NDArray[np.int64], groups: npt.NDArray[np.int64]) -> slice | npt.NDArray[Any]:
+    """What indexes the items ``offsets[g]:offsets[g + 1]`` of each of ``groups``, one after the other:
+    a slice (a view) when the groups are a run, a flag per item when they ascend, else the items'
+    indices."""
+    if not len(groups):
+        return slice(0, 0)
+    first, last = int(groups[0]), int(groups[-1])
+    if last - first + 1 == len(groups) and (np.diff(groups) == 1).all():
+        return slice(int(offsets[first]), int(offsets[last + 1]))
+    if (np.diff(groups) > 0).all():
+        chosen = np.zeros(len(offsets) - 1, dtype=bool)
+        chosen[groups] = True
+        return np.repeat(chosen, np.diff(offsets))
+    return expand_ranges(offsets[groups], offsets[groups + 1])
+
+
+def _ones_over(mask: npt.NDArray[Any], lo: npt.NDArray[np.int64], hi: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
+    """``mask`` with 1 over the disjoint ranges ``lo[i]:hi[i]`` (a copy; ``mask`` itself when there
+    are none), found by a byte per position: +1 at each start, -1 at each end, summed in place."""
+    if not len(lo):
+        return mask
+    edges = np.zeros(len(mask) + 1, dtype=np.int8)
+    np.add.at(edges, lo, 1)
+    np.add.at(edges, hi, -1)
+    covered = np.cumsum(edges[:-1], dtype=np.int8, out=edges[:-1])  # 0 or 1: the ranges are disjoint
+    out: npt.NDArray[Any] = mask.copy()
+    out[covered.view(np.bool_)] = 1
+    return out
 
 
 def _offsets(offsets: npt.NDArray[np.int64], items: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

@@ -51,7 +51,7 @@ QUEUE_KEYS = (
 def save_queue(queue: RolloutQueue) -> dict[str, Any]:
     """The queue as plain data (see the module); the queue is left as it was."""
     queue.build_staged()
-    r, s, n = queue.rollouts, queue.samples, queue.spans
+    r, s = queue.rollouts, queue.samples
     rows = np.flatnonzero(r.status == QUEUED)
     batches = []
     if len(rows):
@@ -60,10 +60,8 @@ def save_queue(queue: RolloutQueue) -> dict[str, Any]:
         for start, stop in pairwise(bounds):  # runs of one batch, in queue order
             mine = rows[start:stop]
             sample_rows = expand_ranges(r.sample_lo[mine], r.sample_hi[mine])
-            span_rows = expand_ranges(s.span_lo[sample_rows], s.span_hi[sample_rows])
-            sampled = span_rows[n.sampled[span_rows] > 0]
             batch = queue.batches_of([int(chunk[start])])[int(chunk[start])]
-            batches.append(encode_batch(queued_part(batch, r.index[mine], expand_ranges(n.lo[sampled], n.hi[sampled]))))
+            batches.append(encode_batch(queued_part(batch, r.index[mine], _masked_in_place(queue, sample_rows))))
     sample_rows = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])
     return {
         "batches": batches,
@@ -76,6 +74,19 @@ def save_queue(queue: RolloutQueue) -> dict[str, Any]:
         "envs": [name for name, _ in sorted(queue.env_index.items(), key=lambda item: item[1])],
         "tokens_entered": queue.tokens_entered,
     }
+
+
+def _masked_in_place(queue: RolloutQueue, sample_rows: IntArray) -> tuple[IntArray, IntArray]:
+    """The position ranges (of their batches) of the spans a raise may have masked in place among
+    ``sample_rows``' (:func:`~.judging.stale_rows`): sampled, and of a version below their sample's
+    threshold. Every other sampled span still has mask 1 over its range: a queue whose thresholds
+    masked nothing is saved without a copy of its masks."""
+    s, n = queue.samples, queue.spans
+    raised = sample_rows[s.mask_below[sample_rows] > NO_MASK]
+    span_rows = expand_ranges(s.span_lo[raised], s.span_hi[raised])
+    below = np.repeat(s.mask_below[raised], s.span_hi[raised] - s.span_lo[raised])
+    masked = span_rows[(n.sampled[span_rows] > 0) & (n.version[span_rows] < below)]
+    return n.lo[masked], n.hi[masked]
 
 
 class Registry(NamedTuple):

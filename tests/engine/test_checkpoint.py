@@ -9,13 +9,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import orjson
 import pytest
 
 from staleness_metrics import ConfigError, Sink, StalenessConfig, StalenessMonitor
 from staleness_metrics.exporters.prometheus import PrometheusExporter
+from staleness_metrics.state_checks import arrays_left_as_numpy, json_pieces
 from tests.reference.streams import ReplayConfig, random_stream
 
 POLICIES = ("token", "episode", "group", "xtuner")
@@ -253,3 +257,31 @@ def test_a_bad_checkpoint_is_refused_by_key_and_leaves_the_monitor_as_it_was(dam
     state["sink"]["step"] = 2  # plausible (the last step a sweep or ship used): only the digest can tell
     with pytest.raises(ConfigError, match=r"sink\.step: differs from the digest saved with it"):
         target.load_state_dict(state)
+
+
+def test_a_queue_of_millions_of_positions_is_saved_without_a_copy_or_an_index_of_them() -> None:
+    """The service's snapshots (``arrays_left_as_numpy``, written a piece at a time): a queued batch
+    costs neither a copy of its positions nor an int64 index of them (8 bytes a position: 13x the
+    body of a 32 MiB mask, tests/server/test_hostile.py), and the state loads back the same."""
+    positions = 4 * 2**20
+    monitor = StalenessMonitor(StalenessConfig())
+    for name in ("a", "b"):
+        monitor.add([{"id": name, "dispatch_version": 0, "samples": [{"mask": np.ones(positions, dtype=np.int8)}]}])
+    monitor.ship(1, ["a"])  # the queue's other rows, shipped: what stays is saved alone
+    monitor.add([{"id": f"c{i}", "dispatch_version": 0, "samples": [{"mask": [1, 0, 1]}]} for i in range(3)])
+    monitor.ship(2, ["c1"])  # a batch queued in part
+    tracemalloc.start()
+    try:
+        with arrays_left_as_numpy():
+            state = monitor.state_dict()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # (a float64 mask here: the finite check's flag a position, but no copy of 8 bytes a position)
+    assert peak < 2 * positions, f"{peak / positions:.2f} bytes a queued position"
+    text = b"".join(json_pieces(state, orjson.OPT_SERIALIZE_NUMPY))
+    loaded = StalenessMonitor(StalenessConfig())
+    loaded.load_state_dict(orjson.loads(text))
+    shipped, expected = loaded.ship(3), monitor.ship(3)
+    assert list(shipped.ids) == ["b", "c0", "c2"]
+    assert shipped.batches_line() == expected.batches_line() and dict(shipped.metrics) == dict(expected.metrics)
