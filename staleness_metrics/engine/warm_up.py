@@ -9,7 +9,7 @@ from ..metrics.compute import WindowCounts
 from ..metrics.mismatch_kernel import mismatch_runs
 from ..metrics.population import PopulationColumns, population_summary
 from ..records.plain_values import BatchRows, PositionCopies, plain_values
-from .cuts import CutFlags, SampleLabels, sample_cuts, span_rows
+from .cuts import CutFlags, IntArray, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows
 from .masking import zero_spans
 from .policies.token import token_decision
@@ -65,3 +65,19 @@ def warm_up() -> None:
         copies = PositionCopies((np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype)),
                                 np.empty(3, np.int64))  # fmt: skip
         plain_values(rows, arrays[0], weights, arrays[0], tokens, copies)
+    _warm_up_large_bodies(offsets, lo, hi, count)
+
+
+def _warm_up_large_bodies(offsets: IntArray, lo: IntArray, hi: IntArray, count: IntArray) -> None:
+    """The cut and the zeroing for the arrays a large body keeps as it came (``server/decode.py``,
+    ``records.model.pack``): an int8 mask, versions of int8 to int64 read as they are, no weights
+    or integer ones (read as float32) or float64 ones. Each dtype is its own machine code: compiled
+    in a service's request, it costs the request about 60 MB of compiler memory."""
+    mask = np.ones(3, dtype=np.int8)
+    kinds = np.array([2], dtype=np.int8)
+    for versions in (np.int8, np.int16, np.int32, np.int64):
+        tokens = np.array([0, -1, 1], dtype=versions)
+        labels = SampleLabels(kinds, tokens, np.zeros(2, np.int64), lo[:0], lo[:0])
+        for weights in ((), (np.ones(3, dtype=np.float64),)):
+            sample_cuts(labels, mask, offsets, np.array([0], dtype=np.int64), weights)
+            zero_spans([mask, *weights], tokens, lo, hi, np.array([2], dtype=np.int8), count)
