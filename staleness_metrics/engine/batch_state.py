@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
+from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, PER_ROLLOUT_ARRAYS, RolloutBatch
 from ..records.padded_rows import PaddedLayout
 from ..state_checks import (
     decode_array,
@@ -159,15 +159,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     n_samples = len(raw["position_offsets"]) - 1
     n_positions = len(raw["mask"])
     check_offsets(raw["sample_offsets"], join(path, "sample_offsets"), n_rollouts + 1, n_samples)
-    for name in (
-        "dispatch_version",
-        "completion_version",
-        "frozen",
-        "agentic",
-        "group_ids",
-        "envs",
-        "echo",
-    ):
+    for name in PER_ROLLOUT_ARRAYS:
         if raw[name] is not None and len(raw[name]) != n_rollouts:
             fail(join(path, name), f"{len(raw[name])} entries for {n_rollouts} rollouts")
     for name in ("frozen", "agentic"):
@@ -225,15 +217,7 @@ def queued_part(
     part.ids = [batch.ids[i] for i in rollouts.tolist()]
     part.sample_offsets = _offsets(batch.sample_offsets, rollouts)
     part.position_offsets = _offsets(batch.position_offsets, samples)
-    for name in (
-        "dispatch_version",
-        "completion_version",
-        "frozen",
-        "agentic",
-        "group_ids",
-        "envs",
-        "echo",
-    ):
+    for name in PER_ROLLOUT_ARRAYS:
         if (values := getattr(batch, name)) is not None:
             setattr(part, name, values[rollouts] if isinstance(values, np.ndarray) else
                     [values[i] for i in rollouts.tolist()])  # fmt: skip

@@ -17,7 +17,7 @@ import numpy.typing as npt
 
 from .padded_rows import PaddedLayout, padded_columns
 
-__all__ = ["PER_POSITION_FLOATS", "WEIGHT_FIELDS", "RolloutBatch"]
+__all__ = ["PER_POSITION_FLOATS", "PER_ROLLOUT_ARRAYS", "WEIGHT_FIELDS", "RolloutBatch"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -25,6 +25,8 @@ FloatArray = npt.NDArray[np.floating[Any]]
 
 WEIGHT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights")
 PER_POSITION_FLOATS = (*WEIGHT_FIELDS, "logprobs", "trainer_logprobs")
+# The optional arrays of one value per rollout.
+PER_ROLLOUT_ARRAYS = ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo")
 
 # How a sample labelled its positions (kept so output mirrors input).
 LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2
@@ -136,15 +138,7 @@ class RolloutBatch:
         part.ids = self.ids[start:stop]
         part.sample_offsets = self.sample_offsets[start : stop + 1] - s0
         part.position_offsets = self.position_offsets[s0 : s1 + 1] - p0
-        for name in (
-            "dispatch_version",
-            "completion_version",
-            "frozen",
-            "agentic",
-            "group_ids",
-            "envs",
-            "echo",
-        ):
+        for name in PER_ROLLOUT_ARRAYS:
             if (values := getattr(self, name)) is not None:
                 setattr(part, name, values[start:stop])
         for name in (*PER_POSITION_FLOATS, "mask", "token_versions"):
