@@ -102,37 +102,31 @@ def _overview(grid: Grid, s: Scope, bound: Target) -> None:
         ),
         ("Staleness bound", "The configured max_staleness.", VERSIONS, bound, 0),
     ):
-        grid.add(stat(title, description, unit, target, decimals=decimals), w=4, h=4)
+        grid.add(stat(title, description, unit, target, decimals=decimals), (4, 4))
+
+
+def _quantiles(s: Scope, histogram: str) -> list[Target]:
+    return [Target(s.quantile(q, histogram), f"{{{{run}}}} {name}") for q, name in _QUANTILES]
 
 
 def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     """Token staleness against the bound, its quantiles and distribution, and masking."""
     grid.row("Token staleness")
-    grid.add(
-        timeseries(
-            "Token staleness mean vs bound",
-            "Mean token staleness of each shipped batch (overall series, every env), with the "
-            "configured max_staleness drawn dashed.",
-            VERSIONS,
-            [Target(s.gauge("token_mean"), "{{run}} mean"), bound],
-            minimum=0,
-            overrides=[bound_override()],
-        ),
-        w=12,
-        h=8,
+    grid.series(
+        "Token staleness mean vs bound",
+        "Mean token staleness of each shipped batch (overall series, every env), with the "
+        "configured max_staleness drawn dashed.",
+        VERSIONS,
+        [Target(s.gauge("token_mean"), "{{run}} mean"), bound],
+        overrides=[bound_override()],
     )
-    grid.add(
-        timeseries(
-            "Token staleness quantiles",
-            "p50 / p90 / p99 of token staleness from the histogram over the rate "
-            "window. PromQL interpolates inside integer buckets, so a value lies in "
-            "(q-1, q] of the exact quantile q.",
-            VERSIONS,
-            [Target(s.quantile(q, "token_staleness"), f"{{{{run}}}} {name}") for q, name in _QUANTILES],
-            minimum=0,
-        ),
-        w=12,
-        h=8,
+    grid.series(
+        "Token staleness quantiles",
+        "p50 / p90 / p99 of token staleness from the histogram over the rate "
+        "window. PromQL interpolates inside integer buckets, so a value lies in "
+        "(q-1, q] of the exact quantile q.",
+        VERSIONS,
+        _quantiles(s, "token_staleness"),
     )
     grid.add(
         heatmap(
@@ -141,59 +135,42 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
             "runs. Cells above the bound are masked tokens.",
             VERSIONS,
             Target(s.bucket_increase("token_staleness"), "{{le}}", heatmap=True),
-        ),
-        w=12,
-        h=8,
+        )
     )
-    grid.add(
-        timeseries(
-            "Masked tokens",
-            "Share of shipped sampled tokens masked for staleness: over the rate window from the "
-            "counters, and for the last shipped batch.",
-            RATIO,
-            [
-                Target(s.ratio("tokens_masked", "tokens_sampled"), "{{run}} over window"),
-                Target(s.gauge("token_masked"), "{{run}} last ship"),
-            ],
-            minimum=0,
-            maximum=1,
-        ),
-        w=12,
-        h=8,
+    grid.series(
+        "Masked tokens",
+        "Share of shipped sampled tokens masked for staleness: over the rate window from the "
+        "counters, and for the last shipped batch.",
+        RATIO,
+        [
+            Target(s.ratio("tokens_masked", "tokens_sampled"), "{{run}} over window"),
+            Target(s.gauge("token_masked"), "{{run}} last ship"),
+        ],
+        maximum=1,
     )
 
 
 def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
     """Rollout staleness, where it comes from (in flight vs in queue), and held rollouts."""
     grid.row("Rollout staleness")
-    grid.add(
-        timeseries(
-            "Rollout staleness mean and max vs bound",
-            "Rollout staleness R = T - min(version) of the last shipped batch: mean and max, with "
-            "the configured max_staleness drawn dashed.",
-            VERSIONS,
-            [
-                Target(s.gauge("rollout_mean"), "{{run}} mean"),
-                Target(s.gauge("rollout_max"), "{{run}} max"),
-                bound,
-            ],
-            minimum=0,
-            overrides=[bound_override()],
-        ),
-        w=12,
-        h=8,
+    grid.series(
+        "Rollout staleness mean and max vs bound",
+        "Rollout staleness R = T - min(version) of the last shipped batch: mean and max, with "
+        "the configured max_staleness drawn dashed.",
+        VERSIONS,
+        [
+            Target(s.gauge("rollout_mean"), "{{run}} mean"),
+            Target(s.gauge("rollout_max"), "{{run}} max"),
+            bound,
+        ],
+        overrides=[bound_override()],
     )
-    grid.add(
-        timeseries(
-            "Rollout staleness quantiles",
-            "p50 / p90 / p99 of rollout staleness from the histogram over the rate window "
-            "(interpolated inside integer buckets).",
-            VERSIONS,
-            [Target(s.quantile(q, "rollout_staleness"), f"{{{{run}}}} {name}") for q, name in _QUANTILES],
-            minimum=0,
-        ),
-        w=12,
-        h=8,
+    grid.series(
+        "Rollout staleness quantiles",
+        "p50 / p90 / p99 of rollout staleness from the histogram over the rate window "
+        "(interpolated inside integer buckets).",
+        VERSIONS,
+        _quantiles(s, "rollout_staleness"),
     )
     in_flight_vs_queue = timeseries(
         "In-flight vs in-queue staleness (mean) for $run",
@@ -209,170 +186,109 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
         minimum=0,
     )
     in_flight_vs_queue.update({"repeat": "run", "repeatDirection": "h", "maxPerRow": 4})
-    grid.add(in_flight_vs_queue, w=24, h=8)
-    grid.add(
-        timeseries(
-            "In-flight vs in-queue staleness (max)",
-            "Largest in-flight and in-queue staleness of the last shipped batch (maxima do not stack).",
-            VERSIONS,
-            [
-                Target(s.gauge("rollout_in_flight_max"), "{{run}} in flight"),
-                Target(s.gauge("rollout_in_queue_max"), "{{run}} in queue"),
-            ],
-            minimum=0,
-        ),
-        w=12,
-        h=8,
+    grid.add(in_flight_vs_queue, (24, 8))
+    grid.series(
+        "In-flight vs in-queue staleness (max)",
+        "Largest in-flight and in-queue staleness of the last shipped batch (maxima do not stack).",
+        VERSIONS,
+        [
+            Target(s.gauge("rollout_in_flight_max"), "{{run}} in flight"),
+            Target(s.gauge("rollout_in_queue_max"), "{{run}} in queue"),
+        ],
     )
-    grid.add(
-        timeseries(
-            "Held rollouts",
-            "Rollouts held back at the last ship while their group waits for re-rollouts (xtuner "
-            "policy with retry_expired); always 0 for other policies.",
-            COUNT,
-            [Target(s.gauge("rollouts_held"))],
-            minimum=0,
-        ),
-        w=12,
-        h=8,
+    grid.series(
+        "Held rollouts",
+        "Rollouts held back at the last ship while their group waits for re-rollouts (xtuner "
+        "policy with retry_expired); always 0 for other policies.",
+        COUNT,
+        [Target(s.gauge("rollouts_held"))],
     )
-
-
-def _oldest_vs_newest(grid: Grid, s: Scope) -> None:
-    """Rollout staleness by its oldest and by its newest token, for comparing
-    frameworks' headlines."""
-    grid.add(
-        timeseries(
-            "Rollout staleness: oldest vs newest token",
-            "Rollout staleness of the last shipped batch by its oldest token (R = T - "
-            "min(version), prime-rl's headline) and by its newest token (T - max(version), verl's "
-            "trajectory staleness). The gap is how many versions one rollout spans.",
-            VERSIONS,
-            [
-                Target(s.gauge("rollout_mean"), "{{run}} oldest mean"),
-                Target(s.gauge("rollout_newest_mean"), "{{run}} newest mean"),
-                Target(s.gauge("rollout_max"), "{{run}} oldest max"),
-                Target(s.gauge("rollout_newest_max"), "{{run}} newest max"),
-            ],
-            minimum=0,
-        ),
-        w=24,
-        h=8,
+    # By its oldest and by its newest token, for comparing frameworks' headlines.
+    grid.series(
+        "Rollout staleness: oldest vs newest token",
+        "Rollout staleness of the last shipped batch by its oldest token (R = T - "
+        "min(version), prime-rl's headline) and by its newest token (T - max(version), verl's "
+        "trajectory staleness). The gap is how many versions one rollout spans.",
+        VERSIONS,
+        [
+            Target(s.gauge("rollout_mean"), "{{run}} oldest mean"),
+            Target(s.gauge("rollout_newest_mean"), "{{run}} newest mean"),
+            Target(s.gauge("rollout_max"), "{{run}} oldest max"),
+            Target(s.gauge("rollout_newest_max"), "{{run}} newest max"),
+        ],
+        (24, 8),
     )
 
 
 def _drops(grid: Grid, s: Scope) -> None:
     """What the policy threw away."""
     grid.row("Drops")
-    grid.add(
-        timeseries(
-            "Dropped per step",
-            "Live rollouts and samples dropped for staleness per train step, from the counters "
-            "over the rate window (no point while the train step does not advance).",
-            PER_STEP,
-            [
-                Target(s.per_step("rollouts_dropped"), "{{run}} rollouts"),
-                Target(s.per_step("samples_dropped"), "{{run}} samples"),
-            ],
-            minimum=0,
-        ),
-        w=12,
-        h=8,
+    grid.series(
+        "Dropped per step",
+        "Live rollouts and samples dropped for staleness per train step, from the counters "
+        "over the rate window (no point while the train step does not advance).",
+        PER_STEP,
+        [
+            Target(s.per_step("rollouts_dropped"), "{{run}} rollouts"),
+            Target(s.per_step("samples_dropped"), "{{run}} samples"),
+        ],
     )
-    grid.add(
-        timeseries(
-            "Token accounting",
-            "Tokens per second: sampled tokens of shipped samples, those of them masked, and "
-            "tokens of samples dropped whole.",
-            PER_SECOND,
-            [
-                Target(s.rate("tokens_sampled"), "{{run}} shipped"),
-                Target(s.rate("tokens_masked"), "{{run}} masked"),
-                Target(s.rate("tokens_dropped"), "{{run}} dropped"),
-            ],
-            minimum=0,
-        ),
-        w=12,
-        h=8,
+    grid.series(
+        "Token accounting",
+        "Tokens per second: sampled tokens of shipped samples, those of them masked, and "
+        "tokens of samples dropped whole.",
+        PER_SECOND,
+        [
+            Target(s.rate("tokens_sampled"), "{{run}} shipped"),
+            Target(s.rate("tokens_masked"), "{{run}} masked"),
+            Target(s.rate("tokens_dropped"), "{{run}} dropped"),
+        ],
     )
 
 
 def _pipeline_health(grid: Grid, s: Scope) -> None:
     """Is the pipeline moving, labelled and exporting?"""
-    grid.row("Pipeline health")
-    grid.add(
-        timeseries("Ships per minute", _SHIPS_NOTE, PER_MINUTE, [Target(_ships_per_minute(s))], minimum=0),
-        w=8,
-        h=8,
+    grid.row("Pipeline health", (8, 8))
+    grid.series("Ships per minute", _SHIPS_NOTE, PER_MINUTE, [Target(_ships_per_minute(s))])
+    grid.series(
+        "Label coverage",
+        "Share of shipped sampled tokens that carried a policy-version label; unlabelled ones "
+        "take their rollout's dispatch version (the oldest, conservative choice).",
+        RATIO,
+        [Target(_label_coverage(s))],
+        maximum=1,
     )
-    grid.add(
-        timeseries(
-            "Label coverage",
-            "Share of shipped sampled tokens that carried a policy-version label; unlabelled ones "
-            "take their rollout's dispatch version (the oldest, conservative choice).",
-            RATIO,
-            [Target(_label_coverage(s))],
-            minimum=0,
-            maximum=1,
-        ),
-        w=8,
-        h=8,
-    )
-    grid.add(
-        timeseries(
-            "Export errors",
-            "Failed exports per second, per exporter. Exporters never raise into training, so "
-            "this is where failures show.",
-            PER_SECOND,
-            [Target(_export_errors(s), "{{run}} {{exporter}}")],
-            minimum=0,
-        ),
-        w=8,
-        h=8,
+    grid.series(
+        "Export errors",
+        "Failed exports per second, per exporter. Exporters never raise into training, so this is where failures show.",
+        PER_SECOND,
+        [Target(_export_errors(s), "{{run}} {{exporter}}")],
     )
 
 
 def _per_env(grid: Grid, s: Scope) -> None:
     """The same views split by env."""
-    grid.row("Per env")
-    grid.add(
-        timeseries(
-            "Token staleness mean per env",
-            "Mean token staleness of the last shipped batch per env (exported when the env breakdown is on).",
-            VERSIONS,
-            [Target(s.gauge("token_mean", per_env=True), "{{run}} {{env}}")],
-            minimum=0,
-        ),
-        w=8,
-        h=8,
+    grid.row("Per env", (8, 8))
+    grid.series(
+        "Token staleness mean per env",
+        "Mean token staleness of the last shipped batch per env (exported when the env breakdown is on).",
+        VERSIONS,
+        [Target(s.gauge("token_mean", per_env=True), "{{run}} {{env}}")],
     )
-    grid.add(
-        timeseries(
-            "Masked tokens per env",
-            "Share of shipped sampled tokens masked for staleness per env, over the rate window.",
-            RATIO,
-            [
-                Target(
-                    _no_env_label(s.ratio("tokens_masked", "tokens_sampled", extra_by=("env",))),
-                    "{{run}} {{env}}",
-                )
-            ],
-            minimum=0,
-            maximum=1,
-        ),
-        w=8,
-        h=8,
+    masked = _no_env_label(s.ratio("tokens_masked", "tokens_sampled", extra_by=("env",)))
+    grid.series(
+        "Masked tokens per env",
+        "Share of shipped sampled tokens masked for staleness per env, over the rate window.",
+        RATIO,
+        [Target(masked, "{{run}} {{env}}")],
+        maximum=1,
     )
-    grid.add(
-        timeseries(
-            "Dropped rollouts per env",
-            "Live rollouts dropped for staleness per second, per env.",
-            PER_SECOND,
-            [Target(_no_env_label(s.rate("rollouts_dropped", extra_by=("env",))), "{{run}} {{env}}")],
-            minimum=0,
-        ),
-        w=8,
-        h=8,
+    dropped = _no_env_label(s.rate("rollouts_dropped", extra_by=("env",)))
+    grid.series(
+        "Dropped rollouts per env",
+        "Live rollouts dropped for staleness per second, per env.",
+        PER_SECOND,
+        [Target(dropped, "{{run}} {{env}}")],
     )
 
 
@@ -384,7 +300,6 @@ def staleness_dashboard() -> Json:
     _overview(grid, s, bound)
     _token_staleness(grid, s, bound)
     _rollout_staleness(grid, s, bound)
-    _oldest_vs_newest(grid, s)
     _drops(grid, s)
     _pipeline_health(grid, s)
     _per_env(grid, s)
@@ -429,8 +344,7 @@ def fleet_dashboard() -> Json:
             "carried, or the smallest lag's).",
             [(name, unit, Target(t.expr, "", instant=True, table=True)) for name, unit, t in columns],
         ),
-        w=24,
-        h=9,
+        (24, 9),
     )
     for title, description, unit, targets, top in (
         (
@@ -471,7 +385,7 @@ def fleet_dashboard() -> Json:
             None,
         ),
     ):
-        grid.add(timeseries(title, description, unit, targets, minimum=0, maximum=top), w=8, h=7)
+        grid.series(title, description, unit, targets, (8, 7), maximum=top)
     fleet_costs(grid, s, FLEET_WIDE)
     fleet_bounds(grid, s)
     return dashboard(

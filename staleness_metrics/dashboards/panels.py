@@ -138,10 +138,9 @@ def timeseries(
     targets: Sequence[Target],
     *,
     stacked: bool = False,
-    minimum: float | None = None,
-    maximum: float | None = None,
-    overrides: Sequence[Json] = (),
+    **fields: Any,
 ) -> Json:
+    """A line panel; ``fields`` are :func:`make_panel`'s (``minimum``, ``maximum``, ``overrides``)."""
     custom = {
         "drawStyle": "line",
         "lineInterpolation": "stepAfter",  # values change at ships, and hold in between
@@ -152,18 +151,7 @@ def timeseries(
         "stacking": {"group": "A", "mode": "normal" if stacked else "none"},
     }
     options = {"legend": LEGEND, "tooltip": {"mode": "multi", "sort": "desc"}}
-    return make_panel(
-        "timeseries",
-        title,
-        description,
-        unit,
-        targets,
-        options=options,
-        custom=custom,
-        minimum=minimum,
-        maximum=maximum,
-        overrides=overrides,
-    )
+    return make_panel("timeseries", title, description, unit, targets, options=options, custom=custom, **fields)
 
 
 def stat(title: str, description: str, unit: str, target: Target, *, decimals: int | None = None) -> Json:
@@ -250,18 +238,22 @@ class Grid:
     x: int = 0
     y: int = 0
     line_height: int = 0
+    size: tuple[int, int] = (12, 8)  # (w, h) of the panels added without one
 
     def _new_line(self) -> None:
         self.y += self.line_height
         self.x = 0
         self.line_height = 0
 
-    def row(self, title: str) -> None:
+    def row(self, title: str, size: tuple[int, int] = (12, 8)) -> None:
+        """A row header; the panels after it take ``size`` unless they say otherwise."""
         if self.x:
             self._new_line()
-        self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, w=24, h=1)
+        self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, (24, 1))
+        self.size = size
 
-    def add(self, panel: Json, *, w: int, h: int) -> None:
+    def add(self, panel: Json, size: tuple[int, int] | None = None) -> None:
+        w, h = size or self.size
         if self.x + w > 24:
             self._new_line()
         panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
@@ -271,6 +263,20 @@ class Grid:
         self.line_height = max(self.line_height, h)
         if self.x == 24:
             self._new_line()
+
+    def series(
+        self,
+        title: str,
+        description: str,
+        unit: str,
+        targets: Sequence[Target],
+        size: tuple[int, int] | None = None,
+        **fields: Any,
+    ) -> Json:
+        """Adds a :func:`timeseries` panel (``minimum`` 0 unless given); returns it."""
+        panel = timeseries(title, description, unit, targets, **{"minimum": 0, **fields})
+        self.add(panel, size)
+        return panel
 
 
 def variables() -> list[Json]:
