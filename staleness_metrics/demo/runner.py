@@ -1,27 +1,16 @@
 """The demo: the simulated pipeline driving the real monitor and exporters.
 
-Outputs, all under ``out_dir`` (default ``./staleness-demo``) unless given elsewhere:
-
-- ``metrics.jsonl``: the metrics of each step (the JSONL exporter), with what staleness cost the
-  simulated trainer (SPEC 11, recorded through the live path: see :mod:`.trainer`);
-- ``events.jsonl``: the run's event stream (the sampler's log-probabilities included), for
-  ``staleness-metrics replay`` / ``report`` / ``what-if``;
-- ``trainer-logprobs.jsonl``: the trainer's log-probabilities of every shipped rollout, and
-  ``mismatch-sums.jsonl``: the SPEC 11 sums it recorded per step (what staleness cost);
-- ``run.json``: which files these are and the settings of the run
-  (:mod:`staleness_metrics.replay.run_dir`), so ``staleness-metrics report staleness-demo`` shows
-  every section of the run from the directory alone;
-- ``wandb/``: an offline W&B run when ``wandb`` is installed (``wandb sync`` uploads it);
-- a Prometheus endpoint on 127.0.0.1 (``--prometheus-port``; if the port is taken, a free one);
-- OTLP, when ``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is set.
-
-One line per step goes to stdout (``Max Staleness ...``); on a terminal a
-live table sits below them.
+It writes a run directory (``out_dir``, :mod:`staleness_metrics.replay.run_dir`: the metrics,
+the events, the simulated trainer's log-probabilities and sums, ``run.json``) that
+``staleness-metrics report`` reads whole, an offline W&B run when ``wandb`` is installed, a
+Prometheus endpoint on 127.0.0.1, and OTLP when ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set. One line
+per step goes to stdout; on a terminal a live table sits below them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -41,7 +30,7 @@ from ..engine.warm_up import warm_up
 from ..exporters import ConsoleExporter, Exporter, JsonlExporter
 from ..exporters.console import format_line
 from ..metrics import keys
-from ..metrics.report import StepReport
+from ..metrics.report import Tally
 from ..monitor import StalenessMonitor
 from ..replay.run_dir import write_run_file
 from .simulation import Simulation, StepEvents
@@ -63,27 +52,6 @@ class DemoOptions:
     metrics_out: Path | None = None
     wandb: bool = True
     live: bool | None = None  # the rich live table; None = when stdout is a terminal
-
-
-@dataclass
-class _Totals:
-    shipped: int = 0
-    frozen: int = 0
-    dropped: int = 0
-    sampled: int = 0
-    masked: int = 0
-
-    def add(self, report: StepReport) -> None:
-        t = report.tally
-        self.shipped += t.rollouts_shipped
-        self.frozen += t.rollouts_frozen
-        self.dropped += t.rollouts_dropped
-        self.sampled += t.tokens_sampled
-        self.masked += t.tokens_masked
-
-
-def _say(message: str, stream: TextIO) -> None:
-    print(message, file=stream, flush=True)
 
 
 def _prometheus(port: int | None, say: Callable[[str], None]) -> Exporter | None:
@@ -149,6 +117,10 @@ def _otlp(say: Callable[[str], None]) -> Exporter | None:
         return None
 
 
+# the live table's columns
+_COLS = ["env", "rollouts", "token mean", "p99", "masked", "max", "in flight", "in queue", "dropped"]
+
+
 class _LiveTable:
     """The rich table under the step lines: per env, the last ship, and the run so far."""
 
@@ -170,7 +142,7 @@ class _LiveTable:
         self,
         events: StepEvents,
         shipment: Shipment,
-        totals: _Totals,
+        totals: Tally,
         cost: Mapping[str, object] | None,
     ) -> None:
         from rich.table import Table
@@ -182,25 +154,17 @@ class _LiveTable:
         line.highlight_words(["Max Staleness"], style="bold")
         self._live.console.print(line)
         c = self._options.config
-        masked = f"{100 * totals.masked / totals.sampled:.2f}%" if totals.sampled else "-"
+        t = totals
+        masked = f"{100 * t.tokens_masked / t.tokens_sampled:.2f}%" if t.tokens_sampled else "-"
         table = Table(
             title=f"step {report.step}/{self._options.steps} · policy v{events.policy_version} · "
             f"queue {events.queued} · in flight {events.in_flight} · "
             f"{c.policy} policy, max_staleness {c.max_staleness}",
-            caption=f"run so far: {totals.shipped} live + {totals.frozen} frozen rollouts shipped, "
-            f"{totals.dropped} dropped, {masked} of sampled tokens masked" + _cost_caption(cost),
+            caption=f"run so far: {t.rollouts_shipped} live + {t.rollouts_frozen} frozen rollouts "
+            f"shipped, {t.rollouts_dropped} dropped, {masked} of sampled tokens masked"
+            f"{_cost_caption(cost)}",
         )
-        for name in (
-            "env",
-            "rollouts",
-            "token mean",
-            "p99",
-            "masked",
-            "max",
-            "in flight",
-            "in queue",
-            "dropped",
-        ):
+        for name in _COLS:
             table.add_column(name, justify="left" if name == "env" else "right")
 
         def row(name: str, metrics: Any, tally: Any) -> None:
@@ -321,8 +285,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     """Run the demo; returns the exit status (130 when interrupted)."""
     out = stream if stream is not None else sys.stdout
 
-    def say(message: str) -> None:
-        _say(message, out)
+    say = functools.partial(print, file=out, flush=True)
 
     out_dir = options.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -371,7 +334,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         simulation = Simulation(options.seed)
         trainer = SimulatedTrainer(options.seed)
         table = _LiveTable(options) if live else None
-        totals = _Totals()
+        totals = Tally()
         with _ctrl_c_stops(stop), table if table is not None else contextlib.nullcontext():
             for _, step_events in zip(_paced(options.steps, options.speed, stop), simulation.steps(), strict=False):
                 events.write(step_events.events())
@@ -382,7 +345,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 trained = trainer.train(monitor, shipment)
                 if trained is not None:
                     trainer_log.write(trained)
-                totals.add(shipment.report)
+                totals += shipment.report.tally
                 shipped_steps += 1
                 if table is not None:
                     table.update(step_events, shipment, totals, monitor.mismatch_metrics(shipment.step))

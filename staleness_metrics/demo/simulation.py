@@ -1,28 +1,13 @@
 """A simulated asynchronous RL pipeline that produces the SPEC 9 event stream of a run.
 
-The model, in ticks of simulated time:
-
-- A dispatcher sends GRPO groups (``group_size`` rollouts of one prompt) to ``workers`` inference
-  workers, as long as fewer than ``max_buffered`` rollouts are in flight or queued (the async
-  level). Each rollout records the version its worker held at dispatch.
-- A worker samples ``tokens_per_tick`` tokens a tick. When the trainer publishes a new version,
-  each worker loads it after a random delay, **in the middle of the response** it is sampling: the
-  rest of that response is labelled with the new version (a new ``weight_versions`` span).
-- Response lengths are log-normal per env, so long responses span several versions. The ``agent``
-  env returns multi-turn rollouts (one sample per turn, tool output positions unsampled).
-- A share of groups is sampled by a frozen model (``source: frozen``, no version labels).
-- Finished rollouts wait in the queue; the trainer ships the oldest ``batch_rollouts`` of
-  them as soon as it is idle and they are there, trains for ``train_ticks``, then
-  publishes the next version.
-- The pipeline is fully asynchronous from start to end: no step waits for fresh rollouts. Only the
-  first batch is all of version 0 (nothing was trained before it): step 1 trains version 0 on tokens
-  of version 0, which is where the run measures its numeric floor (SPEC 14).
-- The engine returns the log-probability of each token it sampled (sample field ``logprobs``):
-  drawn as ``-Exponential(sampler_scale)`` (most tokens likely, a tail not), rounded to 6
-  decimals as an engine's float32 output would be, from a generator of their own, so the
-  pipeline's events do not depend on them.
-
-Everything is drawn from one seeded generator, so a seed gives the same events every time.
+In ticks of simulated time, a dispatcher sends GRPO groups to inference workers up to
+``max_buffered`` rollouts (the async level); a worker loads each new version after a random delay,
+in the middle of the response it samples (a new ``weight_versions`` span); response lengths are
+log-normal per env (``agent`` rollouts are multi-turn), a share of groups comes from a frozen
+model; the trainer ships the oldest ``batch_rollouts`` finished rollouts as soon as it is idle, so
+only step 1 trains version 0 on version-0 tokens (where the run measures its floor, SPEC 14).
+Sampler log-probabilities are ``-Exponential(sampler_scale)`` rounded to 6 decimals, from a
+generator of their own. One seed gives the same events every time.
 """
 
 from __future__ import annotations

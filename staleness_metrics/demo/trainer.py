@@ -1,39 +1,11 @@
 """The demo's simulated trainer: log-probabilities of the shipped tokens, and what staleness cost
-them.
+them, recorded through SPEC 11's live path as a real trainer would (``shipment.lags`` ->
+``mismatch_sums`` per rank -> ``monitor.record_mismatch``).
 
-The orchestrator never sees the trainer's log-probabilities: the trainer computes them after the
-batch left, so the demo takes the live path of SPEC 11 exactly as a real trainer would::
-
-    lags = shipment.lags                                     # sent along with the batch
-    sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)
-    monitor.record_mismatch(step, sums)                      # per rank, or once with the ranks' sum
-
-**Drift model.** The sampler's log-probability of each token comes with the rollout (sample
-field ``logprobs``, drawn by the simulated engine). The trainer's log-probability of the same
-token, under the weights it trains this batch with, is the sampler's plus ``d ~ Normal(-σ²/2, σ²)``
-with
-
-    σ(ℓ)² = floor² + (speed · ℓ)²
-
-- ``floor`` (default 0.05 nats) is the numeric mismatch of two engines holding the same weights
-  (different kernels and precisions): present at lag 0.
-- ``ℓ`` is the token's lag (``shipment.lags``): every version the policy moved since the token was
-  sampled adds drift.
-- ``speed`` (``drift_per_version``, default 0.009 nats) is how far the policy moves per version
-  (with ``warmup_steps``, it ramps up from 0 over the first steps as a learning rate warms up; off
-  by default).
-
-The mean ``-σ²/2`` keeps ``E[r] = 1`` for ``r = exp(d)``, as for true importance ratios; the
-expected k3 of a lag is then exactly ``σ²/2``: the floor's k3 is ``floor²/2``, and the excess of lag
-``ℓ`` over it is ``(speed · ℓ)² / 2``. With the default budget of SPEC 14 (the floor itself), the
-suggested bound is the largest lag with ``(speed · ℓ)² ≤ floor²``, that is ``⌊floor / speed⌋`` = 5
-(0.05 / 0.009 = 5.56): see :meth:`DriftModel.expected_suggested_bound`.
-
-The trainer splits each batch over ``ranks`` (at sample boundaries), computes one sums object per
-rank as a data-parallel trainer would, adds them (``+``, exact) and records the step once, so row
-exporters (console, JSONL, W&B) get one mismatch row per step. Its log-probabilities are rounded to
-6 decimals (an engine's float32 output), so the files the demo writes hold exactly the values the
-sums came from.
+The trainer's log-probability of a token is the sampler's plus ``d ~ Normal(-σ²/2, σ²)``,
+``σ(ℓ)² = floor² + (speed · ℓ)²`` for a token of lag ``ℓ`` (the drift model of
+docs/getting-started.md): the expected k3 of a lag is ``σ²/2``, so the suggested bound is
+``⌊floor / speed⌋``. Values are rounded to 6 decimals, as an engine's float32 output.
 """
 
 from __future__ import annotations
@@ -56,7 +28,8 @@ __all__ = ["DriftModel", "SimulatedTrainer", "TrainedBatch", "shipped_mask"]
 
 @dataclass(frozen=True)
 class DriftModel:
-    """The parameters of the drift model (see the module docstring)."""
+    """The drift model's parameters: the engines' numeric ``floor``, how far the policy moves per
+    version, and an optional warm-up over the first steps (as a learning rate's)."""
 
     floor: float = 0.05
     drift_per_version: float = 0.009
@@ -74,10 +47,6 @@ class DriftModel:
         lags, at train ``step``."""
         result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (self.speed(step) * np.maximum(lags, 0)) ** 2)
         return result
-
-    def expected_k3(self, lag: int, step: int) -> float:
-        """The expected k3 of tokens of ``lag`` at ``step``: σ² / 2."""
-        return float(self.sigma(np.array([lag]), step)[0]) ** 2 / 2
 
     def expected_suggested_bound(self, budget: float | None = None) -> int:
         """SPEC 14's suggested bound once the policy moves at full speed: the largest lag
