@@ -9,12 +9,12 @@ either path. Generated from the metric table; ``otelcol-contrib`` has both compo
 
 from __future__ import annotations
 
-import io
 import re
 from typing import Any
 
 from ..metrics import metric_table
 from ..metrics.metric_table import MetricKind
+from .rules import to_yaml
 
 __all__ = ["collector_config", "collector_prometheus_name", "renames", "render_collector_config"]
 
@@ -126,11 +126,4 @@ HEADER = """\
 
 def render_collector_config() -> str:
     """The collector config as YAML text."""
-    from ruamel.yaml import YAML
-
-    yaml = YAML()
-    yaml.width = 4096
-    yaml.indent(mapping=2, sequence=4, offset=2)
-    out = io.StringIO()
-    yaml.dump(collector_config(), out)
-    return HEADER + out.getvalue()
+    return to_yaml(HEADER, collector_config())

@@ -6,6 +6,7 @@ one per run and over every selected run.
 
 from __future__ import annotations
 
+from ..metrics.metric_table import metric_named
 from .panels import (
     COUNT,
     NATS,
@@ -18,7 +19,7 @@ from .panels import (
     bound_override,
     heatmap,
 )
-from .promql import Scope, metric
+from .promql import Scope
 
 __all__ = ["choosing_the_bound", "fleet_bounds", "fleet_costs", "what_staleness_costs"]
 
@@ -125,7 +126,7 @@ _BOUND_NOTE = (
 
 
 def _curve_lags() -> tuple[str, ...]:
-    dimension = metric("mismatch_curve").dimension
+    dimension = metric_named("mismatch_curve").dimension
     assert dimension is not None
     return tuple(dimension.values)
 

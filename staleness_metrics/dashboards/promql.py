@@ -1,12 +1,10 @@
 """PromQL built from the metric table, shared by the Grafana dashboards and the Prometheus rules.
 
-Rows are looked up by ``MetricDef.name``; every Prometheus name comes from the table, read when
-the expression is built (so a rename in the table shows up in every generated file). Exposition
-semantics this relies on: every series has ``run``; counters and histograms are split by ``env``
-(absent for rollouts without one), so totals are sums over ``env``; gauges have an overall
-series without ``env`` plus, with the env breakdown on, one series per env, and so have SPEC
-12's length counters (:data:`~staleness_metrics.metrics.metric_table.BATCH_WIDE_COUNTERS`):
-their totals are the ``env=""`` series.
+Rows are looked up by ``MetricDef.name`` when an expression is built, so a rename in the table
+shows in every generated file. Every series has ``run``; counters and histograms are split by
+``env`` (totals sum over it); gauges and the
+:data:`~staleness_metrics.metrics.metric_table.BATCH_WIDE_COUNTERS` have an overall ``env=""``
+series beside the per-env ones.
 """
 
 from __future__ import annotations
@@ -14,42 +12,28 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..metrics import metric_table
-from ..metrics.metric_table import BATCH_WIDE_COUNTERS, MetricDef, MetricKind
+from ..metrics.metric_table import BATCH_WIDE_COUNTERS, MetricKind, metric_named
 
-__all__ = ["Scope", "metric", "prometheus_name", "recorded_name"]
-
-
-def metric(name: str) -> MetricDef:
-    """The table row called ``name`` (``KeyError`` when there is none, or it has
-    no Prometheus family)."""
-    for row in metric_table.METRICS:
-        if row.name == name:
-            if row.prometheus_name is None:
-                raise KeyError(f"metric {name!r} is not exported to Prometheus")
-            return row
-    raise KeyError(f"no metric called {name!r} in the metric table")
+__all__ = ["Scope", "prometheus_name", "recorded_name"]
 
 
 def prometheus_name(name: str) -> str:
-    """The Prometheus family of the row called ``name``."""
-    family = metric(name).prometheus_name
-    assert family is not None  # checked by metric()
+    """The Prometheus family of the table row called ``name`` (``KeyError`` when it has none)."""
+    family = metric_named(name).prometheus_name
+    if family is None:
+        raise KeyError(f"metric {name!r} is not exported to Prometheus")
     return family
 
 
 def _stem(name: str) -> str:
     """A family name without ``_total``: the ``metric`` part of a recording rule over a rate."""
     family = prometheus_name(name)
-    return family.removesuffix("_total") if metric(name).kind is MetricKind.COUNTER else family
+    return family.removesuffix("_total") if metric_named(name).kind is MetricKind.COUNTER else family
 
 
 def recorded_name(level: str, names: tuple[str, ...], operations: str) -> str:
-    """A recording-rule name ``level:metric:operations``.
-
-    One row gives its family name (``_total`` stripped); two rows give ``A_per_B`` where B drops the
-    words it shares with the start of A (``rl_staleness_tokens_masked_per_sampled``).
-    """
+    """A recording-rule name ``level:metric:operations``: one row's family name (``_total``
+    stripped), or ``A_per_B`` of two, B without its words shared with A's start."""
     if len(names) == 1:
         return f"{level}:{_stem(names[0])}:{operations}"
     numerator, denominator = (_stem(n).split("_") for n in names)
@@ -61,22 +45,17 @@ def recorded_name(level: str, names: tuple[str, ...], operations: str) -> str:
 
 @dataclass(frozen=True)
 class Scope:
-    """Where queries look and how they aggregate.
+    """Where queries look and how they aggregate."""
 
-    ``matchers`` go into every selector (Grafana variables for dashboards, nothing for rules).
-    ``env`` is the regex that picks the env of counters and histograms (None: every env).
-    ``by`` is the grouping kept by aggregations; ``window`` the range of every rate.
-    """
-
-    matchers: tuple[str, ...] = ()
-    env: str | None = None
-    by: tuple[str, ...] = ("run",)
-    window: str = "5m"
+    matchers: tuple[str, ...] = ()  # in every selector (the dashboards' Grafana variables)
+    env: str | None = None  # regex picking the env of counters and histograms (None: every env)
+    by: tuple[str, ...] = ("run",)  # the grouping aggregations keep
+    window: str = "5m"  # the range of every rate
 
     def selector(self, name: str, *, suffix: str = "", env: str | None = None, extra: tuple[str, ...] = ()) -> str:
         """``family{matchers}``; ``env`` overrides the scope's env matcher for this selector,
         ``extra`` adds matchers (``lag!="0"``)."""
-        row = metric(name)
+        row = metric_named(name)
         matchers = [*self.matchers, *extra]
         if "env" in row.labels:
             if env is not None:
@@ -161,13 +140,9 @@ class Scope:
         return self if "run" in self.by else dataclasses.replace(self, by=(*self.by, "run"))
 
     def _excess(self, *, by_lag: bool) -> str:
-        """Mean k3 of the tokens at lag 1 or more (per lag bucket, or all of
-        them) minus the run's floor.
-
-        Per run, over the window: (Σk3 / tokens) - floor, SPEC 11's ``excess_k3`` keys computed from
-        the window's sums and the latest floor. Several runs merged: each run's tokens count over
-        its own floor, Σ (Σk3 - tokens · floor) / Σ tokens over the runs that have a floor (a run
-        without one has no excess, as it has no excess key)."""
+        """Mean k3 of the tokens at lag >= 1 (per lag bucket, or all) minus the run's floor:
+        (Σk3 / tokens) - floor per run; merged runs, Σ (Σk3 - tokens · floor) / Σ tokens over
+        the runs that have a floor (each run's tokens over its own floor)."""
         by = ("lag",) if by_lag else ()
         stale = ('lag!="0"',)  # lag 0 has no excess key: it is where the floor is measured
         run = self._per_run()

@@ -48,39 +48,28 @@ class Thresholds:
     bound_tight_for: str = "30m"
 
 
-# SPEC 11 / 12 derived series: one recording rule each. The level names the labels kept (job_run_lag
-# keeps the lag bucket); the operation says what was derived from the rates of the sums.
+# SPEC 11 / 12 derived series, one recording rule each: (level, the rows named, operation, expr).
+# The level names the labels kept (job_run_lag keeps the lag bucket).
+_LAG, _LENGTH_LEVEL = f"{LEVEL}_lag", f"{LEVEL}_length"
 _K3 = ("mismatch_kl", "mismatch_tokens")
 _LENGTH = ("length_sampled_tokens", "length_samples")
+_OUT_OF_BAND = ("mismatch_out_of_band", "mismatch_tokens")
+_REMOVED = ("length_removed_tokens", "length_sampled_tokens")
+_DERIVED = {
+    "k3_by_lag": (_LAG, _K3, "ratio", _SCOPE.per_lag_token("mismatch_kl")),
+    "excess_k3_by_lag": (_LAG, _K3, "excess_ratio", _SCOPE.excess_k3_by_lag()),
+    "ess_by_lag": (_LAG, ("mismatch_ratio",), "ess", _SCOPE.ess_by_lag()),
+    "out_of_band_by_lag": (_LAG, _OUT_OF_BAND, "ratio", _SCOPE.per_lag_token("mismatch_out_of_band")),
+    "k3": (LEVEL, _K3, "ratio", _SCOPE.per_lag_token("mismatch_kl", by_lag=False)),
+    "excess_k3": (LEVEL, _K3, "excess_ratio", _SCOPE.excess_k3()),
+    "sampled_length_mean": (LEVEL, _LENGTH, "ratio", _SCOPE.sampled_length_mean()),
+    "trained_length_mean": (LEVEL, _LENGTH, "trained_ratio", _SCOPE.trained_length_mean()),
+    "removed_share_by_length": (_LENGTH_LEVEL, _REMOVED, "ratio", _SCOPE.removed_share_by_length()),
+}
 MISMATCH_RECORDS = {
-    "k3_by_lag": recorded_name(f"{LEVEL}_lag", _K3, f"ratio_{_RATE}"),
-    "excess_k3_by_lag": recorded_name(f"{LEVEL}_lag", _K3, f"excess_ratio_{_RATE}"),
-    "ess_by_lag": recorded_name(f"{LEVEL}_lag", ("mismatch_ratio",), f"ess_{_RATE}"),
-    "out_of_band_by_lag": recorded_name(f"{LEVEL}_lag", ("mismatch_out_of_band", "mismatch_tokens"), f"ratio_{_RATE}"),
-    "k3": recorded_name(LEVEL, _K3, f"ratio_{_RATE}"),
-    "excess_k3": recorded_name(LEVEL, _K3, f"excess_ratio_{_RATE}"),
-    "sampled_length_mean": recorded_name(LEVEL, _LENGTH, f"ratio_{_RATE}"),
-    "trained_length_mean": recorded_name(LEVEL, _LENGTH, f"trained_ratio_{_RATE}"),
-    "removed_share_by_length": recorded_name(
-        f"{LEVEL}_length", ("length_removed_tokens", "length_sampled_tokens"), f"ratio_{_RATE}"
-    ),
+    key: recorded_name(level, names, f"{operation}_{_RATE}") for key, (level, names, operation, _) in _DERIVED.items()
 }
 """Recording rule name of each derived SPEC 11 / 12 series (keys as the :class:`Scope` methods)."""
-
-
-def _mismatch_records() -> list[Json]:
-    exprs = {
-        "k3_by_lag": _SCOPE.per_lag_token("mismatch_kl"),
-        "excess_k3_by_lag": _SCOPE.excess_k3_by_lag(),
-        "ess_by_lag": _SCOPE.ess_by_lag(),
-        "out_of_band_by_lag": _SCOPE.per_lag_token("mismatch_out_of_band"),
-        "k3": _SCOPE.per_lag_token("mismatch_kl", by_lag=False),
-        "excess_k3": _SCOPE.excess_k3(),
-        "sampled_length_mean": _SCOPE.sampled_length_mean(),
-        "trained_length_mean": _SCOPE.trained_length_mean(),
-        "removed_share_by_length": _SCOPE.removed_share_by_length(),
-    }
-    return [{"record": MISMATCH_RECORDS[key], "expr": expr} for key, expr in exprs.items()]
 
 
 def _within_bound(series: str, threshold: float) -> str:
@@ -125,7 +114,7 @@ def _recording_rules() -> list[Json]:
                     "labels": {"quantile": str(q)},
                 }
             )
-    return rules + _mismatch_records()
+    return rules + [{"record": MISMATCH_RECORDS[key], "expr": d[3]} for key, d in _DERIVED.items()]
 
 
 def _alert(name: str, expr: str, duration: str, severity: str, summary: str, description: str) -> Json:
@@ -255,11 +244,16 @@ HEADER = (
 
 def render_rules(thresholds: Thresholds | None = None) -> str:
     """The rules file as YAML text."""
+    return to_yaml(HEADER, rule_groups(thresholds))
+
+
+def to_yaml(header: str, data: Json) -> str:
+    """``data`` as YAML after ``header``, one line per expression (diffs stay readable)."""
     from ruamel.yaml import YAML
 
     yaml = YAML()
-    yaml.width = 4096  # one line per expression: diffs stay readable
+    yaml.width = 4096
     yaml.indent(mapping=2, sequence=4, offset=2)
     out = io.StringIO()
-    yaml.dump(rule_groups(thresholds), out)
-    return HEADER + out.getvalue()
+    yaml.dump(data, out)
+    return header + out.getvalue()

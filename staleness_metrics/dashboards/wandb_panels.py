@@ -14,8 +14,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..metrics import metric_table
-from ..metrics.metric_table import MetricDef
+from ..metrics.metric_table import metric_named
 
 __all__ = [
     "SECTION",
@@ -48,16 +47,9 @@ class PanelSpec:
     notes: str = field(default="", compare=False)
 
 
-def _row(name: str) -> MetricDef:
-    for row in metric_table.METRICS:
-        if row.name == name:
-            return row
-    raise KeyError(f"no metric called {name!r} in the metric table")
-
-
 def wandb_key(name: str) -> str:
     """The W&B key of the table row called ``name``."""
-    key = _row(name).wandb_key
+    key = metric_named(name).wandb_key
     if key is None:
         raise KeyError(f"metric {name!r} is not logged to W&B")
     return key
@@ -73,7 +65,7 @@ def per_env_regex(name: str) -> str:
 def per_bucket_regex(name: str) -> str:
     """Matches every bucket's key of a templated row: ``staleness/mismatch/lag_{lag}/k3`` ->
     ``^staleness/mismatch/lag_[^/]+/k3$`` (the row's own template, its placeholder a wildcard)."""
-    row = _row(name)
+    row = metric_named(name)
     if row.dimension is None:
         raise KeyError(f"metric {name!r} has no bucket dimension")
     head, _, tail = wandb_key(name).partition(row.dimension.placeholder)
@@ -164,7 +156,7 @@ def panels() -> list[PanelSpec]:
         PanelSpec("Masked tokens per env", metric_regex=per_env_regex("token_masked"), range_y=(0.0, 1.0)),
     ]
     specs += _cost_panels()
-    histogram = _row("token_staleness").wandb_key
+    histogram = metric_named("token_staleness").wandb_key
     # a wandb.Histogram per step: W&B draws it as a distribution over time
     if histogram is not None:
         specs.insert(2, PanelSpec("Token staleness distribution", (histogram,)))

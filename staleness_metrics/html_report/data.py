@@ -1,11 +1,9 @@
-"""What a report shows, gathered from a run input: per-step rows,
-histograms, what-if and comparison.
+"""What a report shows, gathered from a run input: per-step rows, histograms, what-if and
+comparison.
 
-A run directory (:mod:`staleness_metrics.replay.run_dir`, what ``staleness-metrics demo`` writes)
-gives everything it holds: its events joined to the trainer's log-probabilities are replayed (rows,
-histograms, what-if and the run's excess curve from the records), the rows its run logged fill in
-what the replay does not compute, and the sums the trainer posted give the curve when the records
-carry no trainer log-probabilities.
+A run directory (:mod:`staleness_metrics.replay.run_dir`) is replayed with its trainer
+log-probabilities; the rows its run logged fill in what the replay does not compute, and the sums
+the trainer posted give the curve when the records carry no trainer log-probabilities.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..config import StalenessConfig
+from ..engine.shipment import Shipment
 from ..errors import EventError
 from ..metrics import keys
 from ..metrics.bound import FLOOR_SOURCES
@@ -152,17 +151,17 @@ def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list
     return [by_step[step] for step in sorted(by_step)]
 
 
+def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipment]) -> ReportData:
+    """What a replay gives the report: rows, histograms and totals."""
+    rows = [dict(s.report.row()) for s in ships]
+    histograms = [s.report.tally.token_histogram for s in ships]
+    policy, bound = config.policy, config.max_staleness
+    return ReportData(source, kind, policy, bound, rows, histograms, run_tally(ships))
+
+
 def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
     shipments = replay(as_replay_events(run.events_with_costs()), config)
-    data = ReportData(
-        str(run.root),
-        "run",
-        config.policy,
-        config.max_staleness,
-        [dict(s.report.row()) for s in shipments],
-        [s.report.tally.token_histogram for s in shipments],
-        run_tally(shipments),
-    )
+    data = _replayed(str(run.root), "run", config, shipments)
     if run.metrics is not None:
         data.rows = _fill_from(data.rows, metrics_rows(run.metrics))
     bounds = sorted({*what_if_bounds, config.max_staleness}) if what_if_bounds else [config.max_staleness]
@@ -201,15 +200,7 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         shipments = replay(iter(read), config)
     else:
         shipments = replay(read_run(run, max_staleness=config.max_staleness, strict=config.strict), config)
-    data = ReportData(
-        source,
-        kind,
-        config.policy,
-        config.max_staleness,
-        [dict(s.report.row()) for s in shipments],
-        [s.report.tally.token_histogram for s in shipments],
-        run_tally(shipments),
-    )
+    data = _replayed(source, kind, config, shipments)
     if what_if_bounds:
         bounds = sorted(set(what_if_bounds))
         result = what_if_with_curve(run, bounds, config)
