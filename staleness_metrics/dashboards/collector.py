@@ -1,10 +1,8 @@
 """An example OpenTelemetry Collector config: OTLP from the OTLP exporter in, Prometheus out.
 
-The collector's Prometheus exporter renames OTLP metrics by its own rules (dots to underscores,
-``_total`` on counters, ``_ratio`` on unit-``1`` gauges, units in braces dropped). Where that does
-not give the table's Prometheus name (the staleness gauges lose their ``_steps``), a
-``metricstransform`` rename sets the table's name, so the dashboards and rules work unchanged on
-either path. Generated from the metric table; ``otelcol-contrib`` has both components.
+Where the collector's own renaming of OTLP names does not give the table's Prometheus name (the
+staleness gauges lose their ``_steps``), a ``metricstransform`` rename sets it, so the dashboards
+and rules work unchanged on either path.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""The dashboards' rows on what staleness costs and on choosing the bound (SPEC 11, 12 and 14).
-
-Both dashboards draw them: the detailed one per run with the selected runs merged beside, the fleet
-one per run and over every selected run.
-"""
+"""The dashboards' rows on what staleness costs and on choosing the bound (SPEC 11, 12 and 14)."""
 
 from __future__ import annotations
 

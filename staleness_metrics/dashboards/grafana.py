@@ -1,9 +1,6 @@
-"""Grafana dashboards as plain dicts, built from the metric table (the vLLM generator pattern).
-
-Two dashboards: ``staleness`` (one or a few runs in detail) and ``staleness-fleet`` (many runs side
-by side), written in the panel language of :mod:`.panels`; the rows on what staleness costs and on
-choosing the bound live in :mod:`.costs`. Every query comes from :mod:`.promql`, so the JSON follows
-the table.
+"""Grafana dashboards as plain dicts, built from the metric table (the vLLM generator pattern):
+``staleness`` (a few runs in detail) and ``staleness-fleet`` (many runs side by side), in the
+panel language of :mod:`.panels` with queries from :mod:`.promql`.
 """
 
 from __future__ import annotations

@@ -29,13 +29,10 @@ __all__ = [
     "Target",
     "bound_override",
     "dashboard",
-    "families",
     "heatmap",
-    "make_panel",
     "stat",
     "table",
     "timeseries",
-    "variables",
 ]
 
 Json = dict[str, Any]

@@ -1,9 +1,6 @@
-"""Prometheus recording and alerting rules, built from the metric table.
-
-Recording rules follow ``level:metric:operations`` (level ``job_run``: the labels they keep); alerts
-carry a ``severity`` label, ``summary`` / ``description`` annotations and a ``for:`` clause. The
-thresholds are :class:`Thresholds`; the committed ``exporters/prometheus/staleness.rules.yml`` uses
-the defaults.
+"""Prometheus recording rules (``level:metric:operations``) and alerts (``severity`` label,
+``summary`` / ``description``, ``for:``), built from the metric table; the committed
+``exporters/prometheus/staleness.rules.yml`` uses the default :class:`Thresholds`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """A W&B workspace with a "Staleness" section: the Grafana views, over the W&B keys of the table.
 
-The panels are first described as plain data (:func:`workspace_spec`, committed as
-``dashboards/wandb-workspace.json`` and checked for drift like the Grafana JSON);
-:func:`build_workspace` turns them into ``wandb_workspaces`` objects offline, and
-:func:`save` uploads them, which needs network access and a W&B API key. ``wandb_workspaces``
-is imported only by those two.
+:func:`workspace_spec` is the plain data (committed as ``dashboards/wandb-workspace.json``);
+:func:`build_workspace` and :func:`save` alone import ``wandb_workspaces``.
 """
 
 from __future__ import annotations
@@ -72,12 +69,24 @@ def per_bucket_regex(name: str) -> str:
     return f"^{re.escape(head)}[^/]+{re.escape(tail)}$"
 
 
+SHARE = (0.0, 1.0)  # range_y of a share
+
+
+def _keys(*names: str) -> tuple[str, ...]:
+    return tuple(wandb_key(n) for n in names)
+
+
+def _by_bucket(title: str, name: str, range_y: tuple[float, float] | None = None) -> PanelSpec:
+    """A line per bucket of a templated row (lag or length)."""
+    return PanelSpec(title, metric_regex=per_bucket_regex(name), range_y=range_y or (None, None))
+
+
 def _cost_panels() -> list[PanelSpec]:
     """SPEC 11 and 12: what staleness costs, and the length bias of masking."""
     return [
         PanelSpec(
             "Excess k3 of stale tokens",
-            (wandb_key("mismatch_excess_k3"), wandb_key("mismatch_k3")),
+            _keys("mismatch_excess_k3", "mismatch_k3"),
             notes="Mean k3 of tokens at lag >= 1 minus the floor (SPEC 14), and the mean k3 over every token.",
         ),
         PanelSpec(
@@ -88,42 +97,29 @@ def _cost_panels() -> list[PanelSpec]:
                 "(SPEC 14: measured at lag 0, carried from an earlier ship, or the smallest lag's)."
             ),
         ),
-        PanelSpec("Mismatch k3 by lag", metric_regex=per_bucket_regex("mismatch_k3_by_lag")),
-        PanelSpec(
-            "Effective sample size by lag",
-            metric_regex=per_bucket_regex("mismatch_ess_by_lag"),
-            range_y=(0.0, 1.0),
-        ),
-        PanelSpec(
-            "Out-of-band share by lag",
-            metric_regex=per_bucket_regex("mismatch_out_of_band_by_lag"),
-            range_y=(0.0, 1.0),
-        ),
-        PanelSpec("Mismatch coverage", (wandb_key("mismatch_coverage"),), range_y=(0.0, 1.0)),
-        PanelSpec("Largest excess k3", (wandb_key("mismatch_excess_k3"),), kind="scalar"),
+        _by_bucket("Mismatch k3 by lag", "mismatch_k3_by_lag"),
+        _by_bucket("Effective sample size by lag", "mismatch_ess_by_lag", SHARE),
+        _by_bucket("Out-of-band share by lag", "mismatch_out_of_band_by_lag", SHARE),
+        PanelSpec("Mismatch coverage", _keys("mismatch_coverage"), range_y=SHARE),
+        PanelSpec("Largest excess k3", _keys("mismatch_excess_k3"), kind="scalar"),
         PanelSpec(
             "Trained vs sampled mean length",
-            (wandb_key("length_sampled_mean"), wandb_key("length_trained_mean")),
+            _keys("length_sampled_mean", "length_trained_mean"),
             notes="Masked positions and dropped samples count as 0 in the trained mean.",
         ),
-        PanelSpec(
-            "Removed share by length bucket",
-            metric_regex=per_bucket_regex("length_removed_share"),
-            range_y=(0.0, 1.0),
-        ),
+        _by_bucket("Removed share by length bucket", "length_removed_share", SHARE),
     ]
 
 
 def panels() -> list[PanelSpec]:
     """The Staleness section, in display order."""
-
-    def keys(*names: str) -> tuple[str, ...]:
-        return tuple(wandb_key(n) for n in names)
-
-    specs = [
+    keys = _keys
+    return [
         PanelSpec("Token staleness mean vs bound", keys("token_mean", "max_staleness")),
         PanelSpec("Token staleness quantiles", keys("token_p50", "token_p90", "token_p99")),
-        PanelSpec("Masked tokens", keys("token_masked"), range_y=(0.0, 1.0)),
+        # a wandb.Histogram per step: W&B draws it as a distribution over time
+        PanelSpec("Token staleness distribution", keys("token_staleness")),
+        PanelSpec("Masked tokens", keys("token_masked"), range_y=SHARE),
         PanelSpec(
             "Rollout staleness mean and max vs bound",
             keys("rollout_mean", "rollout_max", "max_staleness"),
@@ -148,19 +144,14 @@ def panels() -> list[PanelSpec]:
         PanelSpec(
             "Unlabelled tokens",
             keys("token_unlabelled"),
-            range_y=(0.0, 1.0),
+            range_y=SHARE,
             notes="Label coverage is 1 minus this share.",
         ),
         PanelSpec("Largest rollout staleness", keys("rollout_max"), kind="scalar"),
         PanelSpec("Token staleness mean per env", metric_regex=per_env_regex("token_mean")),
-        PanelSpec("Masked tokens per env", metric_regex=per_env_regex("token_masked"), range_y=(0.0, 1.0)),
+        PanelSpec("Masked tokens per env", metric_regex=per_env_regex("token_masked"), range_y=SHARE),
+        *_cost_panels(),
     ]
-    specs += _cost_panels()
-    histogram = metric_named("token_staleness").wandb_key
-    # a wandb.Histogram per step: W&B draws it as a distribution over time
-    if histogram is not None:
-        specs.insert(2, PanelSpec("Token staleness distribution", (histogram,)))
-    return specs
 
 
 def workspace_spec(x_axis: str) -> dict[str, Any]:

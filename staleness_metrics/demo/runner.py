@@ -129,14 +129,7 @@ class _LiveTable:
         from rich.live import Live
 
         self._options = options
-        self._live = Live(console=Console(), refresh_per_second=4, transient=False)
-
-    def __enter__(self) -> _LiveTable:
-        self._live.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._live.__exit__(None, None, None)
+        self.live = Live(console=Console(), refresh_per_second=4, transient=False)
 
     def update(
         self,
@@ -152,7 +145,7 @@ class _LiveTable:
         # The step line goes above the live table, through the live display's own console.
         line = Text(format_line(report))
         line.highlight_words(["Max Staleness"], style="bold")
-        self._live.console.print(line)
+        self.live.console.print(line)
         c = self._options.config
         t = totals
         masked = f"{100 * t.tokens_masked / t.tokens_sampled:.2f}%" if t.tokens_sampled else "-"
@@ -190,7 +183,7 @@ class _LiveTable:
         for env in sorted(report.env_metrics):
             row(env or "(none)", report.env_metrics[env], report.env_tally[env])
         row("all", report.metrics, report.tally)
-        self._live.update(table, refresh=True)
+        self.live.update(table, refresh=True)
 
 
 def _cost_caption(metrics: Mapping[str, object] | None) -> str:
@@ -335,7 +328,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         trainer = SimulatedTrainer(options.seed)
         table = _LiveTable(options) if live else None
         totals = Tally()
-        with _ctrl_c_stops(stop), table if table is not None else contextlib.nullcontext():
+        with _ctrl_c_stops(stop), table.live if table is not None else contextlib.nullcontext():
             for _, step_events in zip(_paced(options.steps, options.speed, stop), simulation.steps(), strict=False):
                 events.write(step_events.events())
                 monitor.add(step_events.rollouts)

@@ -1,10 +1,6 @@
-"""The report's "Choosing the bound" section (SPEC 14 over the whole run).
-
-The run's sums pooled over every step give a floor, the raw excess ``e`` of each lag over it (with
-the tokens behind it), the isotonic curve ``ê`` and the budget; the figure draws them with the
-configured and the suggested bound, and beside it what each bound keeps (the what-if). A table gives
-the same numbers. Over steps, the suggestion of each ship (its window of ``cost_window`` ships)
-against the bound in force.
+"""The report's "Choosing the bound" section (SPEC 14 over the whole run): the floor, the raw
+excess of each lag and its isotonic curve against the budget, the configured and suggested bounds,
+what each bound keeps (the what-if), and each ship's suggestion over steps.
 """
 
 from __future__ import annotations
@@ -49,13 +45,7 @@ def _bound_rules(data: ReportData, suggested: int | None) -> list[Rule]:
 
 
 def _x_range(curve: RunCurve, bound: int | None, rows: list[WhatIfRow]) -> list[int]:
-    top = max(
-        [
-            *curve.curve.lags,
-            *([bound] if bound is not None else []),
-            *(r.max_staleness for r in rows),
-        ]
-    )
+    top = max([*curve.curve.lags, *(r.max_staleness for r in rows), bound or 0])
     return list(range(top + 1))
 
 

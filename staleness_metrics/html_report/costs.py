@@ -1,11 +1,5 @@
-"""The report's "What staleness costs" section (SPEC 11 and 12), drawn when the run's rows carry the
-mismatch family, that is when the run has trainer log-probabilities (records that carry
-``trainer_logprobs``, or logged metrics of a trainer that recorded its mismatch sums).
-
-Charts, all over steps: k3 by lag, the excess k3 over the floor (SPEC 14) by lag, the ESS by
-lag, and the length bias (trained vs sampled mean length; removed share by length bucket).
-Per-step values are the ones logged or replayed: a run-wide figure would need the sums,
-which rows do not carry.
+"""The report's "What staleness costs" section (SPEC 11 and 12), drawn when the run's rows carry
+the mismatch family: k3, excess k3 and ESS by lag, and the length bias, all over steps.
 """
 
 from __future__ import annotations

@@ -134,13 +134,17 @@ class _Frame:
                 if x > LEFT + self.plot_w - 80
                 else f'<text x="{x + 4:.1f}" y="{label_y}" fill="{rule.color}">{escape(rule.label)}</text>',
             ]
-        y = self.py(rule.value)
-        return [
-            f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
-            f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
-            f'<text x="{LEFT + self.plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" '
-            f'fill="{rule.color}">{escape(rule.label)}</text>',
-        ]
+        return _across(self.py(rule.value), self.plot_w, rule)
+
+
+def _across(y: float, plot_w: int, rule: Rule) -> list[str]:
+    """A dashed line across a plot at height ``y``, labelled at its right end."""
+    return [
+        f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
+        f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
+        f'<text x="{LEFT + plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" '
+        f'fill="{rule.color}">{escape(rule.label)}</text>',
+    ]
 
 
 def _x_title(x: float, text: str) -> str:
@@ -361,15 +365,8 @@ def heatmap(
     body.append(_x_title(LEFT + plot_w / 2, x_label))
     body.append(_y_title(TOP + plot_h / 2, y_label))
     if bound is not None and bound + 1 <= levels:
-        y = base - (bound + 1) * cell_h
-        body.append(
-            f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" stroke="#d62728" '
-            'stroke-dasharray="6 4" stroke-width="1.5"/>'
-        )
-        body.append(
-            f'<text x="{LEFT + plot_w - 4}" y="{y - 5:.1f}" text-anchor="end" fill="#d62728">'
-            f"masked above max_staleness = {bound}</text>"
-        )
+        masked = Rule(bound, f"masked above max_staleness = {bound}")
+        body.extend(_across(base - (bound + 1) * cell_h, plot_w, masked))
     # Colour key: share of a step's tokens.
     key_x = LEFT + plot_w + 24
     for k in range(20):
