@@ -43,7 +43,7 @@ def _excess_heatmap(merged: Scope, whose: str) -> Json:
         "its own floor): the engines' numeric mismatch, present with the same weights; the excess, "
         f"lag by lag, is what staleness costs. {_FLOOR_NOTE} {_COST_NOTE}",
         "short",
-        Target(merged.excess_k3_by_lag(), "{{lag}}"),
+        Target(merged.excess_k3(by_lag=True), "{{lag}}"),
         rows="le",  # lag buckets are named by their largest lag
     )
 

@@ -139,8 +139,9 @@ class Scope:
         """This scope kept per run as well: each run's excess is over its own floor."""
         return self if "run" in self.by else dataclasses.replace(self, by=(*self.by, "run"))
 
-    def _excess(self, *, by_lag: bool) -> str:
-        """Mean k3 of the tokens at lag >= 1 (per lag bucket, or all) minus the run's floor:
+    def excess_k3(self, *, by_lag: bool = False) -> str:
+        """Mean k3 of the tokens at lag >= 1 (per lag bucket, SPEC 11's ``lag_<b>/excess_k3``, or
+        all, its ``excess_k3``) minus the run's floor:
         (Σk3 / tokens) - floor per run; merged runs, Σ (Σk3 - tokens · floor) / Σ tokens over
         the runs that have a floor (each run's tokens over its own floor)."""
         by = ("lag",) if by_lag else ()
@@ -153,15 +154,6 @@ class Scope:
         tokens = f"({run.rate('mismatch_tokens', extra_by=by, extra=stale)} and {on} {floor})"
         above = f"{run.rate('mismatch_kl', extra_by=by, extra=stale)} - {tokens} * {on} group_left () {floor}"
         return f"sum {self._by(*by)} ({above}) / (sum {self._by(*by)} ({tokens}) > 0)"
-
-    def excess_k3_by_lag(self) -> str:
-        """Mean k3 of each lag bucket from 1 up minus the run's floor over the window (SPEC 11
-        ``lag_<b>/excess_k3``)."""
-        return self._excess(by_lag=True)
-
-    def excess_k3(self) -> str:
-        """Mean k3 of every token at lag 1 or more minus the run's floor (SPEC 11 ``excess_k3``)."""
-        return self._excess(by_lag=False)
 
     def ess_by_lag(self) -> str:
         """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket, from

@@ -54,7 +54,7 @@ _OUT_OF_BAND = ("mismatch_out_of_band", "mismatch_tokens")
 _REMOVED = ("length_removed_tokens", "length_sampled_tokens")
 _DERIVED = {
     "k3_by_lag": (_LAG, _K3, "ratio", _SCOPE.per_lag_token("mismatch_kl")),
-    "excess_k3_by_lag": (_LAG, _K3, "excess_ratio", _SCOPE.excess_k3_by_lag()),
+    "excess_k3_by_lag": (_LAG, _K3, "excess_ratio", _SCOPE.excess_k3(by_lag=True)),
     "ess_by_lag": (_LAG, ("mismatch_ratio",), "ess", _SCOPE.ess_by_lag()),
     "out_of_band_by_lag": (_LAG, _OUT_OF_BAND, "ratio", _SCOPE.per_lag_token("mismatch_out_of_band")),
     "k3": (LEVEL, _K3, "ratio", _SCOPE.per_lag_token("mismatch_kl", by_lag=False)),
@@ -114,7 +114,7 @@ def _recording_rules() -> list[Json]:
     return rules + [{"record": MISMATCH_RECORDS[key], "expr": d[3]} for key, d in _DERIVED.items()]
 
 
-def _alert(name: str, expr: str, duration: str, severity: str, summary: str, description: str) -> Json:
+def _alert(name: str, expr: str, duration: str, summary: str, description: str, severity: str = "warning") -> Json:
     return {
         "alert": name,
         "expr": expr,
@@ -132,7 +132,6 @@ def _alerts(t: Thresholds) -> list[Json]:
             "RLStalenessMaskedRatioHigh",
             f"{_masked_ratio()} > {t.masked_ratio}",
             t.masked_for,
-            "warning",
             "Run {{ $labels.run }} masks {{ $value | humanizePercentage }} of its tokens for staleness",
             f"Over the last {WINDOW}, {{{{ $value | humanizePercentage }}}} of the sampled tokens "
             f"shipped by {where} were masked for staleness (threshold {t.masked_ratio:.0%}). "
@@ -143,7 +142,6 @@ def _alerts(t: Thresholds) -> list[Json]:
             "RLStalenessDroppedRolloutsHigh",
             f"{dropped} / ({dropped} + {shipped}) > {t.dropped_share}",
             t.dropped_for,
-            "warning",
             "Run {{ $labels.run }} drops {{ $value | humanizePercentage }} of its rollouts for staleness",
             f"Over the last {WINDOW}, {{{{ $value | humanizePercentage }}}} of the live rollouts "
             f"of {where} were dropped for staleness instead of trained on (threshold "
@@ -153,7 +151,6 @@ def _alerts(t: Thresholds) -> list[Json]:
             "RLStalenessRolloutsAtBound",
             f"{_SCOPE.gauge('rollout_max')} >= {_SCOPE.gauge('max_staleness')}",
             t.at_bound_for,
-            "warning",
             f"Rollouts of run {{{{ $labels.run }}}} have been at the staleness bound for {t.at_bound_for}",
             f"The stalest rollout of every batch shipped by {where} in the last {t.at_bound_for} "
             "was at or above max_staleness (now {{ $value }} versions): the pipeline runs at its "
@@ -163,7 +160,6 @@ def _alerts(t: Thresholds) -> list[Json]:
             "RLStalenessMismatchExcessHigh",
             _within_bound(MISMATCH_RECORDS["excess_k3_by_lag"], t.excess_k3),
             t.excess_for,
-            "warning",
             'Staleness costs run {{ $labels.run }} {{ printf "%.4f" $value }} nats of mismatch '
             "at lag {{ $labels.lag }}",
             f"Over the last {WINDOW}, tokens of {where} at lag {{{{ $labels.lag }}}}, which "
@@ -179,11 +175,11 @@ def _alerts(t: Thresholds) -> list[Json]:
             "RLStalenessMetricsAbsent",
             f"absent_over_time({prometheus_name('train_step')}[{t.absent_window}])",
             t.absent_for,
-            "critical",
             "No staleness metrics for " + t.absent_window,
             f"Prometheus has scraped no {prometheus_name('train_step')} series "
             f"for {t.absent_window}: the trainer's exporter is down, "
             "unreachable, or no run is training.",
+            severity="critical",
         ),
     ]
 
@@ -198,7 +194,6 @@ def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
             "RLStalenessBoundTooLoose",
             f"{at_bound} > on (job, run) {budget}",
             t.bound_loose_for,
-            "warning",
             "The staleness bound of run {{ $labels.run }} lets train tokens that cost more than its mismatch budget",
             f"For {t.bound_loose_for}, the excess mismatch curve of {where} has stood at "
             '{{ printf "%.4g" $value }} nats at the largest lag max_staleness lets train, '
@@ -211,7 +206,6 @@ def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
             f"({suggested} >= on (job, run) {bound} + {t.bound_tight_margin}) and on (job, run) "
             f"({crossed} == 1) and on (job, run) ({masked} > {t.bound_tight_masked})",
             t.bound_tight_for,
-            "warning",
             "The staleness bound of run {{ $labels.run }} masks tokens that cost less than its mismatch budget",
             f"For {t.bound_tight_for}, the excess curve of {where} has stayed within the budget "
             f"up to lag {{{{ $value }}}}, at least {t.bound_tight_margin} above max_staleness, "
