@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..metrics.metric_table import metric_named
 from .panels import (
     COUNT,
     NATS,
@@ -121,12 +120,6 @@ _BOUND_NOTE = (
 )
 
 
-def _curve_lags() -> tuple[str, ...]:
-    dimension = metric_named("mismatch_curve").dimension
-    assert dimension is not None
-    return tuple(dimension.values)
-
-
 def choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
     """SPEC 14: the excess curve against the budget, the configured and suggested
     bounds, and the floor."""
@@ -142,7 +135,7 @@ def choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
             Target(s.gauge("mismatch_curve", extra_by=("lag",)), "{{run}} lag {{lag}}"),
             Target(s.gauge("mismatch_budget"), "{{run}} budget"),
             Target(s.gauge("bound_excess_at_bound"), "{{run}} at the configured bound"),
-            Target(s.curve_at_suggested(_curve_lags()), "{{run}} at the suggested bound"),
+            Target(s.curve_at_suggested(), "{{run}} at the suggested bound"),
         ],
         overrides=[bound_override("budget"), *_marked_overrides()],
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..metrics.metric_table import BATCH_WIDE_COUNTERS, MetricKind, metric_named
+from ..metrics.metric_table import BATCH_WIDE_COUNTERS, CURVE_LAG, MetricKind, metric_named
 
 __all__ = ["Scope", "prometheus_name", "recorded_name"]
 
@@ -175,12 +175,12 @@ class Scope:
         return f"({kept}) / ({self.rate('length_samples')} > 0)"
 
     # ---------------------------------------------------- SPEC 14, from the gauges of the last ship
-    def curve_at_suggested(self, lags: tuple[str, ...]) -> str:
+    def curve_at_suggested(self) -> str:
         """The excess curve at the suggested bound: PromQL cannot read a label from a value, so one
         term per lag of the curve, kept where the suggestion equals it."""
         suggested, on = self.gauge("bound_suggested"), ", ".join(self.by)
         terms = []
-        for lag in lags:
+        for lag in CURVE_LAG.values:
             at_lag = self.gauge("mismatch_curve", extra=(f'lag="{lag}"',))
             terms.append(f"({at_lag} and on ({on}) {suggested} == {lag})")
         return " or ".join(terms)

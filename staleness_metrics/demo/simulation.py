@@ -160,17 +160,10 @@ class Simulation:
             env = s.envs[int(self._rng.choice(len(s.envs), p=self._shares))]
             frozen = bool(self._rng.random() < s.frozen_share)
             group = f"g{self._groups}"
+            log_median = np.log(env.median_tokens / env.turns)  # of a turn's length
             for member in range(s.group_size):
-                lengths = [
-                    int(
-                        np.clip(
-                            self._rng.lognormal(np.log(env.median_tokens / env.turns), env.spread),
-                            4,
-                            s.max_tokens,
-                        )
-                    )
-                    for _ in range(env.turns)
-                ]
+                drawn = self._rng.lognormal(log_median, env.spread, env.turns)
+                lengths = np.clip(drawn, 4, s.max_tokens).astype(int).tolist()
                 name = "frozen-teacher" if frozen else env.name
                 # The orchestrator stamps the version it knows of; the engine may start it later.
                 self._waiting.append(_Rollout(f"{group}-r{member}", group, name, frozen, self._loaded, lengths))
