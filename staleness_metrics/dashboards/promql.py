@@ -12,14 +12,24 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..metrics.metric_table import BATCH_WIDE_COUNTERS, CURVE_LAG, MetricKind, metric_named
+from ..metrics import metric_table
+from ..metrics.metric_table import BATCH_WIDE_COUNTERS, CURVE_LAG, MetricDef, MetricKind
 
-__all__ = ["Scope", "prometheus_name", "recorded_name"]
+__all__ = ["Scope", "prometheus_name", "recorded_name", "table_row"]
+
+
+def table_row(name: str) -> MetricDef:
+    """The table row called ``name``, read from the table as it is now (``KeyError`` when there
+    is none)."""
+    for metric in metric_table.METRICS:
+        if metric.name == name:
+            return metric
+    raise KeyError(f"no metric called {name!r} in the metric table")
 
 
 def prometheus_name(name: str) -> str:
     """The Prometheus family of the table row called ``name`` (``KeyError`` when it has none)."""
-    family = metric_named(name).prometheus_name
+    family = table_row(name).prometheus_name
     if family is None:
         raise KeyError(f"metric {name!r} is not exported to Prometheus")
     return family
@@ -28,7 +38,7 @@ def prometheus_name(name: str) -> str:
 def _stem(name: str) -> str:
     """A family name without ``_total``: the ``metric`` part of a recording rule over a rate."""
     family = prometheus_name(name)
-    return family.removesuffix("_total") if metric_named(name).kind is MetricKind.COUNTER else family
+    return family.removesuffix("_total") if table_row(name).kind is MetricKind.COUNTER else family
 
 
 def recorded_name(level: str, names: tuple[str, ...], operations: str) -> str:
@@ -55,7 +65,7 @@ class Scope:
     def selector(self, name: str, *, suffix: str = "", env: str | None = None, extra: tuple[str, ...] = ()) -> str:
         """``family{matchers}``; ``env`` overrides the scope's env matcher for this selector,
         ``extra`` adds matchers (``lag!="0"``)."""
-        row = metric_named(name)
+        row = table_row(name)
         matchers = [*self.matchers, *extra]
         if "env" in row.labels:
             if env is not None:

@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..metrics.metric_table import metric_named
+from .promql import table_row
 
 __all__ = [
     "SECTION",
@@ -46,7 +46,7 @@ class PanelSpec:
 
 def wandb_key(name: str) -> str:
     """The W&B key of the table row called ``name``."""
-    key = metric_named(name).wandb_key
+    key = table_row(name).wandb_key
     if key is None:
         raise KeyError(f"metric {name!r} is not logged to W&B")
     return key
@@ -62,7 +62,7 @@ def per_env_regex(name: str) -> str:
 def per_bucket_regex(name: str) -> str:
     """Matches every bucket's key of a templated row: ``staleness/mismatch/lag_{lag}/k3`` ->
     ``^staleness/mismatch/lag_[^/]+/k3$`` (the row's own template, its placeholder a wildcard)."""
-    row = metric_named(name)
+    row = table_row(name)
     if row.dimension is None:
         raise KeyError(f"metric {name!r} has no bucket dimension")
     head, _, tail = wandb_key(name).partition(row.dimension.placeholder)

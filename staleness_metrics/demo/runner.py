@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, TextIO
+from typing import Any, TextIO
 
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
@@ -210,9 +210,8 @@ class _EventLog:
     written as things happen."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file: IO[str] = path.open("w", encoding="utf-8")
+        self._file = path.open("w", encoding="utf-8")
 
     def write(self, events: list[dict[str, Any]]) -> None:
         self._file.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events))
