@@ -54,7 +54,7 @@ _OUT_OF_BAND = ("mismatch_out_of_band", "mismatch_tokens")
 _REMOVED = ("length_removed_tokens", "length_sampled_tokens")
 
 
-def _derived() -> dict[str, tuple[str, tuple[str, ...], str, str]]:
+def _series() -> dict[str, tuple[str, tuple[str, ...], str, str]]:
     """Built from the table as it is now: a rename shows in the next render."""
     s = _SCOPE
     return {
@@ -70,9 +70,7 @@ def _derived() -> dict[str, tuple[str, tuple[str, ...], str, str]]:
     }
 
 
-MISMATCH_RECORDS = {
-    key: recorded_name(level, names, f"{operation}_{_RATE}") for key, (level, names, operation, _) in _derived().items()
-}
+MISMATCH_RECORDS = {key: recorded_name(*d[:2], f"{d[2]}_{_RATE}") for key, d in _series().items()}
 """Recording rule name of each derived SPEC 11 / 12 series (keys as the :class:`Scope` methods)."""
 
 
@@ -118,7 +116,7 @@ def _recording_rules() -> list[Json]:
                     "labels": {"quantile": str(q)},
                 }
             )
-    return rules + [{"record": MISMATCH_RECORDS[key], "expr": d[3]} for key, d in _derived().items()]
+    return rules + [{"record": MISMATCH_RECORDS[key], "expr": d[3]} for key, d in _series().items()]
 
 
 def _alert(name: str, expr: str, duration: str, summary: str, description: str, severity: str = "warning") -> Json:
