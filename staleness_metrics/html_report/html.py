@@ -241,6 +241,9 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     )
 
 
+_FROZEN_RULE = "prime-rl counts frozen-model episodes as staleness 0 (SPEC leaves them out)"
+
+
 def _comparison(rows: Sequence[ComparisonRow]) -> str:
     if not rows:
         return ""
@@ -253,21 +256,13 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
     ]
     if summary["prime_rl_rule"]:
         notes = sorted({r.note for r in rows if r.status == "prime_rl_rule" and r.note})
+        why = "; ".join(notes) or _FROZEN_RULE
+        steps_by_rule = ", ".join(map(str, summary["prime_rl_rule"]))
         lines.append(
             "Steps where the logged values differ only by prime-rl's own rule, recomputed from the "
-            "same records (column 'prime-rl rule'): "
-            f"{', '.join(map(str, summary['prime_rl_rule']))}. Why: "
-            + (
-                "; ".join(notes)
-                if notes
-                else "prime-rl counts frozen-model episodes as staleness 0 (SPEC leaves them out)"
-            )
-            + "."
+            f"same records (column 'prime-rl rule'): {steps_by_rule}. Why: {why}."
         )
-    for name, text in (
-        ("missing", "without a recomputed value"),
-        ("mismatch", "that differ otherwise"),
-    ):
+    for name, text in (("missing", "without a recomputed value"), ("mismatch", "that differ otherwise")):
         if summary[name]:
             lines.append(f"Steps {text}: {', '.join(map(str, summary[name]))}.")
     if approximate:
