@@ -3,12 +3,39 @@ histogram and a what-if curve.
 
 ``RUN`` is an event stream, a prime-rl run directory, xtuner states (replayed with the given config)
 or a logged metrics JSONL (plotted as logged; the histogram and what-if need rollouts).
-:func:`collect` gathers what the page draws, :func:`render` writes it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..config import StalenessConfig
 from .data import ReportData, collect
 from .html import render
 
-__all__ = ["ReportData", "collect", "render"]
+__all__ = ["ReportData", "build_report", "collect", "render", "write_report"]
+
+
+def build_report(
+    run: str | Path,
+    config: StalenessConfig | None = None,
+    what_if_bounds: Sequence[int] = (),
+    title: str = "Staleness report",
+) -> str:
+    """The report page of ``run`` as an HTML string."""
+    return render(collect(run, config or StalenessConfig(), what_if_bounds), title)
+
+
+def write_report(
+    run: str | Path,
+    out: str | Path,
+    config: StalenessConfig | None = None,
+    what_if_bounds: Sequence[int] = (),
+    title: str = "Staleness report",
+) -> Path:
+    """Write the report page of ``run`` to ``out``; returns the path written."""
+    page = build_report(run, config, what_if_bounds, title)
+    path = Path(out)
+    path.write_text(page, encoding="utf-8")
+    return path
