@@ -28,15 +28,7 @@ _UNIT_WORDS = dict(
     m="meters", V="volts", A="amperes", J="joules", W="watts", g="grams", Cel="celsius", Hz="hertz",
 )  # fmt: skip
 _UNIT_WORDS.update({"1": "", "%": "percent"})
-_PER_UNIT_WORDS = {
-    "s": "second",
-    "m": "minute",
-    "h": "hour",
-    "d": "day",
-    "w": "week",
-    "mo": "month",
-    "y": "year",
-}
+_PER_UNIT_WORDS = dict(s="second", m="minute", h="hour", d="day", w="week", mo="month", y="year")
 
 
 def _words(text: str) -> list[str]:
