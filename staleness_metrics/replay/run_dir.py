@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +43,7 @@ _FILES = ("events", "metrics", "trainer_logprobs", "mismatch_sums")
 
 @dataclass(frozen=True)
 class RunDirectory:
-    """A run directory as its ``run.json`` describes it (paths resolved; absent
-    optional files are None)."""
+    """A run directory as its ``run.json`` describes it (absent optional files are None)."""
 
     root: Path
     name: str
@@ -54,7 +53,6 @@ class RunDirectory:
     trainer_logprobs: Path | None = None
     mismatch_sums: Path | None = None
     steps: int | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
         """The run's settings as a :class:`StalenessConfig`, ``overrides`` applied (``ConfigError``
@@ -68,8 +66,7 @@ class RunDirectory:
             raise ConfigError(f"{self.root / RUN_FILE}: config: {error}") from None
 
     def merged_config(self, given: StalenessConfig) -> StalenessConfig:
-        """The run's settings, except those ``given`` (from a command line) sets
-        apart from the defaults."""
+        """The run's settings, but those ``given`` (a command line) sets apart from the defaults."""
         defaults = StalenessConfig()
         overrides = {
             f.name: getattr(given, f.name)
@@ -79,8 +76,7 @@ class RunDirectory:
         return self.staleness_config(**overrides)
 
     def events_with_costs(self) -> Iterator[EventDict]:
-        """The event stream, each shipped rollout's samples carrying the
-        trainer's log-probabilities."""
+        """The event stream, each shipped rollout's samples with the trainer's log-probabilities."""
         logprobs = self._trainer_logprobs()
         for event in read_event_file(self.events):
             if logprobs and event.get("type") == "rollout" and isinstance(event.get("rollout"), dict):
@@ -159,7 +155,6 @@ def _read(root: Path) -> RunDirectory:
         config=config,
         events=events,
         steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
-        extra={k: v for k, v in data.items() if k not in {"format", "version", "run", "config", "files", "steps"}},
         **resolved,
     )
 
@@ -177,8 +172,7 @@ def find_run(path: str | Path) -> RunDirectory | None:
 
 
 def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping[str, Path], **extra: Any) -> Path:
-    """Write ``root/run.json`` naming ``files`` (kept relative to ``root``
-    where they are under it)."""
+    """Write ``root/run.json`` naming ``files`` (relative to ``root`` where they are under it)."""
     config_data = {f.name: getattr(config, f.name) for f in fields(StalenessConfig)}
     config_data["mismatch_band"] = list(config.mismatch_band)
 
