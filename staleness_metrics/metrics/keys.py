@@ -1,10 +1,5 @@
-"""The W&B keys code writes or reads by name, each looked up in the catalogue by its
-row's stable identifier.
-
-:mod:`.metric_table` is the one place a key is spelled; these constants are read from it when this
-module is imported (a renamed or missing row fails at import, and
-tests/metrics/test_catalogue_lint.py checks that every key of the table has its constant here). Rows
-with a bucket dimension give a mapping from the bucket name (:mod:`.buckets`) to its key.
+"""The W&B keys code writes or reads by name, read from the catalogue (:mod:`.metric_table`) by
+each row's stable identifier at import; a row with a bucket dimension gives a mapping bucket -> key.
 """
 
 from __future__ import annotations

@@ -176,6 +176,14 @@ _BY_LAG: dict[str, Any] = {"labels": _LAG_LABELS, "dimension": LAG}
 _lag_gauge = _family(**_BY_LAG)
 _lag_sum = _family(kind=MetricKind.COUNTER, source=Source.MISMATCH, **_BY_LAG)
 _bound_gauge = _family(source=Source.BOUND, labels=("run", "env"))
+_staleness_max = _family(otel_unit=_STEP, integer=True, wandb_summary="max")
+_length_counter = _family(
+    kind=MetricKind.COUNTER,
+    source=Source.TALLY_BUCKETS,
+    labels=_LENGTH_LABELS,
+    integer=True,
+    dimension=LENGTH,
+)
 
 # The order of the rows is the order of every exporter's output and of the generated files.
 METRICS: tuple[MetricDef, ...] = (
@@ -257,14 +265,11 @@ METRICS: tuple[MetricDef, ...] = (
         legacy_keys=("off_policy/mean", "staleness/mean"),
         description="Mean rollout staleness R = T - min(version) over shipped live rollouts.",
     ),
-    MetricDef(
+    _staleness_max(
         name="rollout_max",
         wandb_key="staleness/rollout/max",
         prometheus_name="rl_staleness_rollout_max_steps",
         otel_name="rl.staleness.rollout.max",
-        otel_unit=_STEP,
-        integer=True,
-        wandb_summary="max",
         legacy_keys=("off_policy/max", "staleness/max"),
         description="Largest rollout staleness in the shipped batch (equals the largest token staleness).",
     ),
@@ -277,14 +282,11 @@ METRICS: tuple[MetricDef, ...] = (
         legacy_keys=("off_policy/in_flight/mean", "staleness/in_flight/mean"),
         description="Mean in-flight staleness (versions that passed while the rollout was generated).",
     ),
-    MetricDef(
+    _staleness_max(
         name="rollout_in_flight_max",
         wandb_key="staleness/rollout/in_flight/max",
         prometheus_name="rl_staleness_rollout_in_flight_max_steps",
         otel_name="rl.staleness.rollout.in_flight.max",
-        otel_unit=_STEP,
-        integer=True,
-        wandb_summary="max",
         legacy_keys=("off_policy/in_flight/max", "staleness/in_flight/max"),
         description="Largest in-flight staleness in the shipped batch.",
     ),
@@ -297,14 +299,11 @@ METRICS: tuple[MetricDef, ...] = (
         legacy_keys=("off_policy/in_queue/mean", "staleness/in_queue/mean"),
         description="Mean in-queue staleness (versions that passed while the finished rollout waited).",
     ),
-    MetricDef(
+    _staleness_max(
         name="rollout_in_queue_max",
         wandb_key="staleness/rollout/in_queue/max",
         prometheus_name="rl_staleness_rollout_in_queue_max_steps",
         otel_name="rl.staleness.rollout.in_queue.max",
-        otel_unit=_STEP,
-        integer=True,
-        wandb_summary="max",
         legacy_keys=("off_policy/in_queue/max", "staleness/in_queue/max"),
         description="Largest in-queue staleness in the shipped batch.",
     ),
@@ -319,14 +318,11 @@ METRICS: tuple[MetricDef, ...] = (
             "(verl's trajectory staleness; the rollout mean uses the oldest token)."
         ),
     ),
-    MetricDef(
+    _staleness_max(
         name="rollout_newest_max",
         wandb_key="staleness/rollout/newest/max",
         prometheus_name="rl_staleness_rollout_newest_max_steps",
         otel_name="rl.staleness.rollout.newest.max",
-        otel_unit=_STEP,
-        integer=True,
-        wandb_summary="max",
         description="Largest newest-token rollout staleness T - max(version) in the shipped batch.",
     ),
     _tally_counter(
@@ -669,30 +665,20 @@ METRICS: tuple[MetricDef, ...] = (
         tally_field="length_samples",
         description="Samples behind the length-bias counters: shipped live samples plus samples dropped for staleness.",
     ),
-    MetricDef(
+    _length_counter(
         name="length_sampled_tokens",
         prometheus_name="rl_staleness_length_sampled_tokens_total",
         otel_name="rl.staleness.length.sampled_tokens",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY_BUCKETS,
-        labels=_LENGTH_LABELS,
-        integer=True,
         tally_field="length_sampled",
-        dimension=LENGTH,
         description="Sampled positions of shipped and dropped live samples, by the sample's sampled length bucket.",
     ),
-    MetricDef(
+    _length_counter(
         name="length_removed_tokens",
         prometheus_name="rl_staleness_length_removed_tokens_total",
         otel_name="rl.staleness.length.removed_tokens",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY_BUCKETS,
-        labels=_LENGTH_LABELS,
-        integer=True,
         tally_field="length_removed",
-        dimension=LENGTH,
         description=(
             "Sampled positions of shipped and dropped live samples that were masked or dropped for "
             "staleness, by the sample's sampled length bucket."

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -25,6 +27,7 @@ MetricValue = float | int | str
 
 
 Counts = npt.NDArray[np.int64]
+Operation = Callable[[Any, Any], Any]
 
 
 def _empty_counts() -> Counts:
@@ -65,26 +68,23 @@ class Tally:
     length_removed: Counts = field(default_factory=_empty_counts)  # of those, masked or dropped
 
     def __add__(self, other: Tally) -> Tally:
+        return self._combine(other, operator.add, operator.add)
+
+    def excess_over(self, other: Tally) -> Tally:
+        """``self - other`` field by field, floored at 0."""
+        return self._combine(other, lambda a, b: max(a - b, 0), lambda a, b: np.maximum(a - b, 0))
+
+    def _combine(self, other: Tally, count_op: Operation, array_op: Operation) -> Tally:
+        """``count_op`` of each number and ``array_op`` of each array (the shorter one padded)."""
         mine, theirs = self.__dict__, other.__dict__  # (no slots: every field is there)
-        values: dict[str, object] = {name: mine[name] + theirs[name] for name in _COUNT_FIELDS}
+        values: dict[str, object] = {n: count_op(mine[n], theirs[n]) for n in _COUNT_FIELDS}
         for name in _COUNTS_FIELDS:
-            a, b = _aligned(mine[name], theirs[name])
-            values[name] = (a + b).astype(np.int64, copy=False)
+            combined = array_op(*_aligned(mine[name], theirs[name]))
+            values[name] = combined.astype(np.int64, copy=False)
         # (every field given: the frozen __init__'s setattr per field skipped)
         total = object.__new__(Tally)
         total.__dict__.update(values)
         return total
-
-    def excess_over(self, other: Tally) -> Tally:
-        """``self - other`` field by field, floored at 0."""
-        mine, theirs = self.__dict__, other.__dict__
-        values: dict[str, object] = {name: max(mine[name] - theirs[name], 0) for name in _COUNT_FIELDS}
-        for name in _COUNTS_FIELDS:
-            a, b = _aligned(mine[name], theirs[name])
-            values[name] = np.maximum(a - b, 0).astype(np.int64, copy=False)
-        excess = object.__new__(Tally)
-        excess.__dict__.update(values)
-        return excess
 
     def within(self, other: Tally) -> bool:
         """Whether every number of ``self`` is at most ``other``'s (arrays index by index)."""

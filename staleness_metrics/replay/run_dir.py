@@ -1,24 +1,5 @@
-"""A run directory: what a run wrote beside its event stream, named by a ``run.json``.
-
-``staleness-metrics demo`` writes one; ``report`` and ``what-if`` read it. ``run.json`` says which files
-there are (every path relative to the directory) and the settings the run used::
-
-    {"format": "staleness-metrics run", "version": 1, "run": "staleness-demo",
-     "config": {"policy": "token", "max_staleness": 8, ...},         # StalenessConfig fields
-     "files": {"events": "events.jsonl",                              # SPEC 9 events (required)
-               "metrics": "metrics.jsonl",                            # the rows every step logged
-               "trainer_logprobs": "trainer-logprobs.jsonl",          # what the trainer computed
-               "mismatch_sums": "mismatch-sums.jsonl"},               # the SPEC 11 sums it recorded
-     "steps": 60}
-
-- ``trainer_logprobs``: one line per shipped rollout, ``{"step": S, "id": ID, "trainer_logprobs": [...]}``
-  with one list per sample of the rollout as it was added (``null`` for a sample not shipped). They are
-  joined to the rollouts of the event stream as the samples' ``trainer_logprobs`` (SPEC 11), so a replay
-  of the directory reports what staleness cost, as the live path did.
-- ``mismatch_sums``: one line per step, ``{"step": S, "sums": MismatchSums.to_dict()}``: the sums the
-  trainer recorded (posted) for that step.
-
-Every file but the events is optional: a reader shows what is there.
+"""A run directory: what a run wrote beside its event stream, named by a ``run.json`` (format in
+docs/run-inputs.md). ``staleness-metrics demo`` writes one; ``report`` and ``what-if`` read it.
 """
 
 from __future__ import annotations
