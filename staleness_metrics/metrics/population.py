@@ -114,11 +114,8 @@ def _walk_live_rollout(
     """Add live rollout ``r``'s kept samples to ``totals``, ``lengths`` (sampled and removed
     positions per length bucket) and ``extent`` (the highest staleness, the spans at ``extent[2]``
     or above); returns its oldest and newest sampled version (else its dispatch version)."""
-    dispatch, sample_offsets, dropped, mask_below, n_sampled, span_offsets = (
-        columns[1],
-        columns[3],
-        *columns[4:8],
-    )
+    dispatch, sample_offsets = columns[1], columns[3]
+    dropped, mask_below, n_sampled, span_offsets = columns[4:8]
     version, sampled, labelled = columns[8:]
     length_sampled, length_removed = lengths
     n_buckets = len(length_bounds) + 1
@@ -167,12 +164,8 @@ def _staleness_counts(
     """The selected live rollouts' sampled positions by staleness: the histogram (the last index
     ``top`` counting all at or above it), the spans at ``top`` or above (staleness, positions)
     sorted by staleness, and the sum of staleness x positions below ``top``."""
-    frozen, sample_offsets, dropped, span_offsets, version, sampled = (
-        columns[0],
-        columns[3],
-        columns[4],
-        *columns[7:10],
-    )
+    frozen, sample_offsets, dropped = columns[0], columns[3], columns[4]
+    span_offsets, version, sampled = columns[7:10]
     high, n_above, top = extent[0], extent[1], extent[2]
     histogram = np.zeros(min(high, top) + 1, dtype=np.int64)  # (empty without sampled positions)
     above = np.empty((2, n_above), dtype=np.int64)
