@@ -345,9 +345,10 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
     for step in steps:
         if isinstance(step, Added):
             parsed = [entry for entry in step.items if isinstance(entry, ParsedRollout)]
-            packed = _share(pack(parsed)) if parsed else None
+            packed = pack(parsed) if parsed else None
             checked = None
             if packed is not None:
+                _read_only(packed, but=_MASKED_FIELDS)
                 verdicts, spans = checked_spans(packed, accepted)
                 _read_only(spans)
                 checked = verdicts, spans
@@ -357,9 +358,11 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
     return out
 
 
-def _read_only(spans: SpanTable) -> None:
-    for f in dataclasses.fields(spans):  # shared by every run, like the packed arrays
-        if isinstance(value := getattr(spans, f.name), np.ndarray):
+def _read_only(shared: RolloutBatch | SpanTable, but: tuple[str, ...] = ()) -> None:
+    """Make the arrays every run shares read-only, ``but`` those a sink masks in place (in its own
+    copy, :func:`_copy`): a sink that wrote into one fails rather than change the other runs."""
+    for f in dataclasses.fields(shared):
+        if isinstance(value := getattr(shared, f.name), np.ndarray) and f.name not in but:
             value.setflags(write=False)
 
 
@@ -367,23 +370,13 @@ _MASKED_FIELDS = ("mask", *WEIGHT_FIELDS)  # the arrays a sink writes (masks in 
 
 
 def _copy(batch: RolloutBatch) -> RolloutBatch:
-    """A batch for one more run: copies of the arrays a sink masks in place, the others shared
-    (read-only, :func:`_share`)."""
+    """A batch for one more run: copies of the arrays a sink masks in place, the others shared."""
     copied = copy.copy(batch)  # (checked and converted once already: no __post_init__ again)
     for name in _MASKED_FIELDS:
         if (value := getattr(batch, name)) is not None:
             setattr(copied, name, value.copy())
     copied.present = {k: v.copy() for k, v in batch.present.items()}
     return copied
-
-
-def _share(batch: RolloutBatch) -> RolloutBatch:
-    """``batch`` with every array but the masked ones read-only (shared by :func:`_copy`)."""
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, np.ndarray) and f.name not in _MASKED_FIELDS:
-            value.setflags(write=False)
-    return batch
 
 
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
