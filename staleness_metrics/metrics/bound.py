@@ -1,11 +1,6 @@
-"""Choosing the bound (SPEC 14): the floor, the excess curve over lag, the budget
-and the suggested bound.
-
-Every function here is pure and works on
-:class:`~staleness_metrics.metrics.mismatch.MismatchSums`, so the sink (replay), the live path
-(``record_mismatch``), the report and the what-if all derive the same numbers from the same sums.
-The run-long state (the window of recent ships, the last ``lag0`` floor, the adaptive bound) lives
-in :class:`BoundTracker`, which owns and validates its own ``state_dict``.
+"""Choosing the bound (SPEC 14): the floor, the excess curve over lag, the budget and the suggested
+bound, pure functions of :class:`~staleness_metrics.metrics.mismatch.MismatchSums`; the run-long
+state lives in :class:`BoundTracker`.
 """
 
 from __future__ import annotations
@@ -59,10 +54,8 @@ TRACKER_FORMAT = 1
 
 @dataclass(frozen=True)
 class Floor:
-    """The engines' numeric mismatch (k3, nats per token) a ship's excess is measured against.
-
-    ``step`` is the step of the ship that measured it; ``age`` this ship's step minus that one.
-    """
+    """The engines' numeric mismatch (k3, nats per token) a ship's excess is measured against,
+    measured at ``step``, ``age`` steps before this ship."""
 
     value: float
     source: FloorSource
@@ -82,16 +75,9 @@ def select_floor(
     min_tokens: int,
     max_age: int,
 ) -> Floor | None:
-    """The floor of a ship at ``step`` (SPEC 14), the first rule that applies.
-
-    ``last_lag0`` is ``(floor, step)`` of the most recent earlier ship of the
-    run with a ``lag0`` floor.
-    1. ``lag0``: bucket 0 of this ship has ``min_tokens`` covered tokens: its k3.
-    2. ``carried``: ``last_lag0`` measured at most ``max_age`` steps before ``step``.
-    3. ``min_lag``: the smallest bucket of this ship with ``min_tokens`` covered tokens: its k3 (an
-       upper bound on the floor, so every excess from it is a lower bound).
-    4. ``None``: no floor.
-    """
+    """The floor of a ship at ``step`` (SPEC 14), the first rule that applies: ``lag0`` (bucket 0
+    has ``min_tokens``), ``carried`` (``last_lag0``, the run's latest ``(floor, step)``, at most
+    ``max_age`` old), ``min_lag`` (the smallest bucket with ``min_tokens``), else ``None``."""
     if int(sums.tokens[0]) >= min_tokens:
         return Floor(_k3(sums, 0), "lag0", step, 0)
     if last_lag0 is not None:
@@ -105,12 +91,7 @@ def select_floor(
 
 
 def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:
-    """Weighted least-squares non-decreasing fit (pool-adjacent-violators).
-
-    Minimises Σ wᵢ (ŷᵢ - yᵢ)² subject to ŷ non-decreasing. Adjacent values that violate the order
-    are pooled into their weighted mean, repeatedly, until none does; ties are left as they are.
-    Weights must be positive.
-    """
+    """Weighted least-squares non-decreasing fit (pool-adjacent-violators); weights must be > 0."""
     if len(values) != len(weights):
         raise FieldError("weights", f"length {len(weights)} differs from the values' {len(values)}")
     # Each block: [weighted mean, total weight, number of points].
@@ -134,8 +115,8 @@ def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> li
 
 @dataclass(frozen=True)
 class Curve:
-    """The excess curve of a window: per lag bucket with enough tokens, the raw excess ``e``, its
-    token count and the isotonic fit ``ê`` (all in lag order)."""
+    """The excess curve of a window: per lag with enough tokens, the raw excess ``e``, its tokens
+    and the isotonic fit ``ê``."""
 
     lags: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -147,9 +128,8 @@ class Curve:
 
 
 def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curve:
-    """``e(b)`` = the window's k3 of bucket ``b`` minus ``floor`` for each ``b`` in 1..16
-    with at least ``min_tokens`` covered tokens in the window, and its isotonic fit weighted
-    by those token counts."""
+    """``e(b)`` = the window's k3 of bucket ``b`` minus ``floor`` for each ``b`` in 1..16 with
+    ``min_tokens``, and its isotonic fit weighted by the tokens."""
     lags = tuple(b for b in CURVE_BUCKETS if int(window.tokens[b]) >= min_tokens)
     tokens = tuple(int(window.tokens[b]) for b in lags)
     raw = tuple(_k3(window, b) - floor for b in lags)
@@ -158,19 +138,15 @@ def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curv
 
 
 def budget_of(mismatch_budget: float | None, floor: float) -> float:
-    """``β``: the configured budget, or the floor itself (staleness may cost what
-    the engines already do)."""
+    """``β``: the configured budget, or the floor itself."""
     return floor if mismatch_budget is None else float(mismatch_budget)
 
 
 @dataclass(frozen=True)
 class BoundAdvice:
-    """What a curve says about the bound.
-
-    ``suggested``: the largest lag of the curve with ``ê ≤ β`` (0 when the first is above).
-    ``crossed``: some lag of the curve is above ``β``. ``excess_at_bound``: ``ê`` of the largest lag
-    of the curve not above the configured bound (``None`` when every lag of the curve is above it).
-    """
+    """What a curve says about the bound: ``suggested``, the largest lag with ``ê ≤ β`` (0 when
+    the first is above); ``crossed``, some lag is above ``β``; ``excess_at_bound``, ``ê`` of the
+    largest lag not above the configured bound."""
 
     suggested: int
     crossed: bool
@@ -190,9 +166,8 @@ def advise(curve: Curve, budget: float, bound: int) -> BoundAdvice | None:
 
 
 def adapt_bound(bound: int, advice: BoundAdvice, low: int, high: int) -> int:
-    """One step of SPEC 14's adaptation: toward ``suggested`` when the budget is crossed;
-    up when it is not and ``suggested ≥ bound`` (a looser bound may be as good); always
-    within ``[low, high]``."""
+    """One step of SPEC 14's adaptation, within ``[low, high]``: toward ``suggested`` when the
+    budget is crossed, else up when ``suggested ≥ bound``."""
     if advice.crossed:
         moved = bound + (advice.suggested > bound) - (advice.suggested < bound)
     elif advice.suggested >= bound:
@@ -260,14 +235,9 @@ class _TrackerState:
 
 
 class BoundTracker:
-    """The run-long state of SPEC 14, one per run: the sums of the last ``cost_window`` ships that
-    carried SPEC 11 sums (with their steps, oldest first), the last ``lag0`` floor and its step, and
-    the adaptive bound with the count toward its next change.
-
-    :meth:`observe` takes a ship's total sums. The sink calls it once per ship (two ships of one
-    step are two ships); the live path calls it with ``merge=True`` each time more sums of a step
-    arrive, which replaces that step's entry, and a step counts toward adaptation once (the first
-    time it produced a curve, when it is later than every step counted before).
+    """The run-long state of SPEC 14: the sums of the last ``cost_window`` ships with SPEC 11 sums,
+    the last ``lag0`` floor, and the adaptive bound with the count toward its next change. The sink
+    calls :meth:`observe` once per ship, the live path with ``merge=True`` as a step's sums arrive.
     """
 
     def __init__(self, config: StalenessConfig) -> None:
@@ -303,8 +273,7 @@ class BoundTracker:
         return list(self._window)
 
     def window_sums(self, upto: int | None = None) -> MismatchSums:
-        """The sums of the window ending at entry ``upto`` (default: the latest): it and the
-        ``cost_window - 1`` entries before it. Sums add, so the window is exact."""
+        """The sums of the ``cost_window`` entries up to entry ``upto`` (default: the latest)."""
         end = len(self._window) if upto is None else upto + 1
         total = MismatchSums.zero()
         for _, sums in self._window[max(0, end - self.config.cost_window) : end]:
@@ -331,11 +300,9 @@ class BoundTracker:
     def observe(
         self, step: int, sums: MismatchSums, *, merge: bool = False, bound: int | None = None
     ) -> ShipBound | None:
-        """Record ``sums`` as the total of the ship at ``step`` and derive its SPEC 14 values,
-        with ``excess_at_bound`` at ``bound`` (default: the bound in force, before this ship
-        adapts it). ``merge``: the sums are a step's total so far (the live path), replacing that
-        step's entry. ``None`` when the ship carries no covered position (it reports no SPEC 11
-        family and stays out of the window)."""
+        """Record ``sums`` as the total of the ship at ``step`` (``merge``: a step's total so far,
+        replacing its entry) and derive its SPEC 14 values, ``excess_at_bound`` at ``bound``
+        (default: the bound in force); ``None`` when no position is covered."""
         if sums.covered == 0:
             return None
         config = self.config
@@ -360,7 +327,6 @@ class BoundTracker:
                 self._bound = adapt_bound(self._bound, advice, config.adapt_low, config.adapt_high)
         return ShipBound(floor, budget, curve, advice, bound)
 
-    # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state; :meth:`load_state_dict` takes it back."""
         return {

@@ -1,8 +1,5 @@
-"""Every bucket the metrics are split by, in one place: the catalogue names them,
-the computations fill them.
-
-Plain tuples only (no numpy), so the metric catalogue that spells one key per
-bucket stays cheap to import.
+"""Every bucket the metrics are split by, in one place: the catalogue names them, the computations
+fill them (plain tuples, so the catalogue stays cheap to import).
 """
 
 from __future__ import annotations
@@ -22,13 +19,10 @@ __all__ = [
     "FloorSource",
 ]
 
-# SPEC 8: integer staleness histogram buckets: exact per-level counts for the
-# common range, coarse tail.
+# SPEC 8: integer staleness histogram buckets: exact per-level counts, then a coarse tail
 BUCKETS: tuple[float, ...] = (*[float(b) for b in range(17)], 32.0, 64.0)
 
-# Histograms hold one bucket per staleness up to this one, which counts everything at or
-# above it: far beyond any exported bucket (the top bound of BUCKETS is 64), and a bound on
-# memory whatever arrives.
+# histograms hold one bucket per staleness up to this one, which counts everything at or above it
 HISTOGRAM_TOP = 4096
 
 # SPEC 11: token lag buckets 0..16 one lag each, then 17..32, 33..64, > 64 (named by their upper

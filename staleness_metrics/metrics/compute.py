@@ -1,8 +1,6 @@
-"""The metrics of a ship (SPEC 6), computed from the engine's decision and nothing else.
-
-Input is the judgement slice of the shipped rollouts after the sink applied the decision: each
-sample's ``mask_below`` and ``dropped`` are what the masking did, so the numbers agree with it by
-construction. Every statistic is a reduction over spans; no position is read here.
+"""The metrics of a ship (SPEC 6), computed from the engine's decision and nothing else: the
+shipped slice after the sink applied it (each sample's ``mask_below`` and ``dropped``), so the
+numbers agree with the masking by construction.
 """
 
 from __future__ import annotations
@@ -39,9 +37,8 @@ _QUANTILE_FRACTIONS = np.array([(numerator, denominator) for _, numerator, denom
 
 
 class ShippedSlice(Protocol):
-    """What the metrics read of a shipped slice (``engine.decision.Judgement`` is one): its
-    rollouts, their samples by ``sample_offsets`` and the samples' spans by ``span_offsets``, after
-    the decision was applied."""
+    """What the metrics read of a shipped slice after the decision was applied
+    (``engine.decision.Judgement`` is one)."""
 
     @property
     def step(self) -> int: ...
@@ -60,8 +57,6 @@ class ShippedSlice(Protocol):
     @property
     def sample_offsets(self) -> IntArray: ...
     @property
-    def sample_rollout(self) -> IntArray: ...
-    @property
     def dropped(self) -> BoolArray: ...
     @property
     def mask_below(self) -> IntArray: ...
@@ -69,8 +64,6 @@ class ShippedSlice(Protocol):
     def n_sampled(self) -> IntArray: ...
     @property
     def span_offsets(self) -> IntArray: ...
-    @property
-    def span_sample(self) -> IntArray: ...
     @property
     def version(self) -> IntArray: ...
     @property
@@ -94,8 +87,7 @@ def _env_sums(
     bounds: IntArray,
 ) -> IntArray:  # pragma: no cover - compiled
     """Per env index (row): its entries in ``env``, the sum of their ``amounts``, then that sum by
-    SPEC 12 length bucket of each amount (the first of ``bounds`` at or above it, the last past them
-    all; an amount of 0 in none)."""
+    SPEC 12 length bucket of each amount (an amount of 0 in none)."""
     n_env = 0
     for i in range(len(env)):
         n_env = max(n_env, env[i] + 1)
@@ -133,8 +125,7 @@ class WindowCounts:
         self.held: list[str] = []
 
     def add(self, env: IntArray, name: str, amounts: IntArray | None = None) -> None:
-        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry (an env whose
-        entries add up to 0 gets no counts)."""
+        """Add ``amounts`` (1 each when None) to ``name`` for the env of each entry."""
         column = 0 if amounts is None else 1  # (None: the entries counted)
         per_env = _env_sums(env, env if amounts is None else amounts, _LENGTH_BOUNDS)
         for index, total in enumerate(per_env[:, column].tolist()):
@@ -182,12 +173,7 @@ def _population(
     window: WindowCounts,
     max_staleness: int,
 ) -> tuple[dict[str, float | int], Tally]:
-    """Metrics and tally of the live shipped rollouts selected by ``rollout_in``.
-
-    A rollout's own numbers (its oldest and newest shipped version, its in-flight time) depend on
-    its spans alone, so they are the same in every population holding it; one compiled pass finds
-    every number of a population (:func:`~staleness_metrics.metrics.population.population_summary`),
-    so a small ship costs a few Python steps."""
+    """Metrics and tally of the live shipped rollouts selected by ``rollout_in``."""
     columns = columns_of(slice_)
     t, top = slice_.trained_version, HISTOGRAM_TOP
     found = population_summary(t, rollout_in, columns, _LENGTH_BOUNDS, top, _QUANTILE_FRACTIONS)
@@ -276,10 +262,7 @@ def compute_report(
     per_env: bool = True,
 ) -> StepReport:
     """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied
-    (``per_env=False``: the whole population only).
-
-    ``bound`` is SPEC 14's view of ``mismatch`` (its floor, curve and advice,
-    from the run's tracker)."""
+    (``per_env=False``: the whole population only), ``bound`` SPEC 14's view of ``mismatch``."""
     population, tally = _population(shipped, np.ones(shipped.n_rollouts, dtype=bool), None, window, max_staleness)
     metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
@@ -288,8 +271,7 @@ def compute_report(
     env_tally: dict[str, Tally] = {}
     envs = set(shipped.env.tolist()) | set(window.counts) if per_env else set()
     if len(envs) == 1 and set(window.dropped_lengths) <= envs:
-        # One env holds every shipped rollout and every count of the window: its population is the
-        # whole (the same inputs to the same sums), so it is not computed twice.
+        # one env holds every shipped rollout and count of the window: its population is the whole
         (env,) = envs
         env_tally[env_names[env]] = tally
         env_metrics[env_names[env]] = dict(population)

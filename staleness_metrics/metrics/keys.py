@@ -1,10 +1,5 @@
-"""The W&B keys code writes or reads by name, each looked up in the catalogue by its
-row's stable identifier.
-
-:mod:`.metric_table` is the one place a key is spelled; these constants are read from it when this
-module is imported (a renamed or missing row fails at import, and
-tests/metrics/test_catalogue_lint.py checks that every key of the table has its constant here). Rows
-with a bucket dimension give a mapping from the bucket name (:mod:`.buckets`) to its key.
+"""The W&B keys code writes or reads by name, read from the catalogue (:mod:`.metric_table`) by
+each row's stable identifier at import; a row with a bucket dimension gives a mapping bucket -> key.
 """
 
 from __future__ import annotations
@@ -12,48 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .metric_table import metric_named
-
-__all__ = [
-    "BOUND_CROSSED",
-    "BOUND_EXCESS_AT_BOUND",
-    "BOUND_SUGGESTED",
-    "LENGTH_REMOVED_SHARE_BY_LENGTH",
-    "LENGTH_SAMPLED_MEAN",
-    "LENGTH_TRAINED_MEAN",
-    "MAX_STALENESS",
-    "MISMATCH_ABS_LOG_RATIO_BY_LAG",
-    "MISMATCH_BUDGET",
-    "MISMATCH_COVERAGE",
-    "MISMATCH_CURVE_BY_LAG",
-    "MISMATCH_ESS_BY_LAG",
-    "MISMATCH_EXCESS_K3",
-    "MISMATCH_EXCESS_K3_BY_LAG",
-    "MISMATCH_FLOOR",
-    "MISMATCH_FLOOR_AGE",
-    "MISMATCH_FLOOR_SOURCE",
-    "MISMATCH_K3",
-    "MISMATCH_K3_BY_LAG",
-    "MISMATCH_OUT_OF_BAND_BY_LAG",
-    "MISMATCH_TOKENS_BY_LAG",
-    "ROLLOUTS_DROPPED",
-    "ROLLOUTS_HELD",
-    "ROLLOUT_IN_FLIGHT_MAX",
-    "ROLLOUT_IN_FLIGHT_MEAN",
-    "ROLLOUT_IN_QUEUE_MAX",
-    "ROLLOUT_IN_QUEUE_MEAN",
-    "ROLLOUT_MAX",
-    "ROLLOUT_MEAN",
-    "ROLLOUT_NEWEST_MAX",
-    "ROLLOUT_NEWEST_MEAN",
-    "SAMPLES_DROPPED",
-    "TOKEN_HISTOGRAM",
-    "TOKEN_MASKED",
-    "TOKEN_MEAN",
-    "TOKEN_P50",
-    "TOKEN_P90",
-    "TOKEN_P99",
-    "TOKEN_UNLABELLED",
-]
 
 
 def _key(name: str) -> str:
@@ -112,3 +65,6 @@ BOUND_EXCESS_AT_BOUND = _key("bound_excess_at_bound")
 LENGTH_SAMPLED_MEAN = _key("length_sampled_mean")
 LENGTH_TRAINED_MEAN = _key("length_trained_mean")
 LENGTH_REMOVED_SHARE_BY_LENGTH = _by_bucket("length_removed_share")
+
+# every constant above, each written once
+__all__ = sorted(name for name in dir() if name.isupper())

@@ -1,24 +1,17 @@
-"""The metric catalogue: the one table of metric definitions (SPEC 6-8, 11, 12, 14)
-and of the legacy names.
+"""The metric catalogue: the one table of metric definitions (SPEC 6-8, 11, 12, 14), legacy names.
 
-Every W&B key (``"staleness/..."``), Prometheus family, OpenTelemetry instrument and legacy name of
-the package is written here and nowhere else (tests/metrics/test_catalogue_lint.py reads the
-package's syntax trees to hold that). Every exporter, dashboard, rule file, report and the migration
-tool read this table; code that writes or reads one key names it through
-:mod:`staleness_metrics.metrics.keys`. No name is ever derived from another at run time: each row
-spells out its W&B key, Prometheus family, OpenTelemetry instrument and legacy keys.
-
-Adding a metric: one :class:`MetricDef` row under its SPEC section (keyword arguments only), a
-constant in :mod:`~staleness_metrics.metrics.keys` when code writes it, and
-``staleness-metrics dashboards`` to regenerate the generated files. Only :mod:`.buckets` is
-imported, so reading the table stays cheap.
+Every W&B key, Prometheus family, OpenTelemetry instrument and legacy name is spelled here and
+nowhere else (tests/metrics/test_catalogue_lint.py holds that); code names a key through
+:mod:`.keys`. Adding a metric: one row under its SPEC section, a constant in :mod:`.keys` when code
+writes it, and ``staleness-metrics dashboards`` to regenerate the generated files.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from .buckets import BUCKETS, FLOOR_SOURCES, LAG_BUCKETS, LENGTH_BUCKETS
 
@@ -92,20 +85,15 @@ BOUND_KEY_PREFIX = "staleness/bound/"
 
 
 def env_key(env: str, key: str) -> str:
-    """The per-env twin of the batch-wide ``key`` for ``env``
-    (``staleness/env/<env>/token/mean``)."""
+    """The per-env twin of the batch-wide ``key`` (``staleness/env/<env>/token/mean``)."""
     return f"{ENV_KEY_PREFIX}{env}/{key.removeprefix(KEY_PREFIX)}"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Dimension:
-    """A bucket label of a family of series (SPEC 11 lag buckets, SPEC 12 length buckets).
-
-    ``buckets`` are the core's bucket names, as the W&B keys spell them; ``values`` the
-    label value Prometheus and OpenTelemetry carry for each (the same, except the open top
-    bucket of the lags, which is ``+Inf`` there like ``le``). ``placeholder`` marks the
-    bucket in a row's W&B key template.
-    """
+    """A bucket label of a family of series: ``buckets`` as the W&B keys spell them, ``values`` as
+    Prometheus and OpenTelemetry label them (the lags' open top bucket is ``+Inf``), ``placeholder``
+    the bucket in a row's W&B key template."""
 
     label: str
     buckets: tuple[str, ...]
@@ -127,34 +115,30 @@ LENGTH = Dimension(label="length", buckets=LENGTH_BUCKETS, values=LENGTH_BUCKETS
 class MetricDef:
     """One metric as every exporter names it (keyword arguments only: a row reads as what it says).
 
-    ``wandb_key`` is the SPEC 6 key (None: not logged to W&B). ``prometheus_name`` /``otel_name``
-    are None where that exporter does not publish the metric (quantiles, for instance, come from the
-    histogram in PromQL). ``labels`` lists the Prometheus labels / OTel attributes besides none.
+    A name left ``None`` is one that exporter does not publish (quantiles, for instance, come from
+    the histogram in PromQL); ``labels`` are the Prometheus labels / OTel attributes.
     """
 
     name: str  # stable identifier used in code and docs
-    wandb_key: str | None
-    prometheus_name: str | None
-    otel_name: str | None
+    wandb_key: str | None = None
+    prometheus_name: str | None = None
+    otel_name: str | None = None
     otel_unit: str
-    kind: MetricKind
-    source: Source
+    kind: MetricKind = MetricKind.GAUGE
+    source: Source = Source.METRIC
     description: str
     labels: tuple[str, ...] = ("run", "env")
     integer: bool = False  # values are integers (maxima, quantiles, counts)
     tally_field: str | None = None
     wandb_summary: str | None = None  # define_metric summary for W&B ("max" for maxima)
     legacy_keys: tuple[str, ...] = ()
-    # A family of series, one per bucket: its label (in ``labels`` too) and, when
-    # ``wandb_key`` holds the dimension's placeholder, one W&B key per bucket (spelled out
-    # once, in :data:`WANDB_KEYS`).
+    # a family of series, one per bucket (one W&B key each when ``wandb_key`` holds the placeholder)
     dimension: Dimension | None = None
     mismatch_field: str | None = None  # the MismatchSums field of a Source.MISMATCH row
 
     @property
     def wandb_keys(self) -> tuple[str, ...]:
-        """The W&B keys of this row: its key, or for a templated key one per
-        bucket, in bucket order."""
+        """The row's W&B key, or for a templated key one per bucket, in bucket order."""
         if self.wandb_key is None:
             return ()
         if self.dimension is None or self.dimension.placeholder not in self.wandb_key:
@@ -163,8 +147,7 @@ class MetricDef:
 
     @property
     def keys_by_bucket(self) -> dict[str, str]:
-        """A templated row's W&B key of each bucket
-        (``{"0": "staleness/mismatch/lag_0/k3", ...}``)."""
+        """A templated row's W&B key per bucket (``{"0": "staleness/mismatch/lag_0/k3", ...}``)."""
         assert self.dimension is not None and self.wandb_key is not None, f"{self.name} has no W&B key per bucket"
         return dict(zip(self.dimension.buckets, self.wandb_keys, strict=True))
 
@@ -178,16 +161,38 @@ _FLAG = "{flag}"  # a 0/1 gauge (unit "1" would make the collector name it ..._r
 _LAG_LABELS = ("run", "env", "lag")  # env: the per-env series of live sums given per env
 _LENGTH_LABELS = ("run", "env", "length")
 
+
+def _family(**shared: Any) -> Callable[..., MetricDef]:
+    """Rows that share ``shared`` (a row may still set any of them)."""
+
+    def row(**fields: Any) -> MetricDef:
+        return MetricDef(**{**shared, **fields})
+
+    return row
+
+
+_tally_counter = _family(kind=MetricKind.COUNTER, source=Source.TALLY, integer=True)
+_BY_LAG: dict[str, Any] = {"labels": _LAG_LABELS, "dimension": LAG}
+_lag_gauge = _family(**_BY_LAG)
+_lag_sum = _family(kind=MetricKind.COUNTER, source=Source.MISMATCH, **_BY_LAG)
+_bound_gauge = _family(source=Source.BOUND, labels=("run", "env"))
+_staleness_max = _family(otel_unit=_STEP, integer=True, wandb_summary="max")
+_length_counter = _family(
+    kind=MetricKind.COUNTER,
+    source=Source.TALLY_BUCKETS,
+    labels=_LENGTH_LABELS,
+    integer=True,
+    dimension=LENGTH,
+)
+
 # The order of the rows is the order of every exporter's output and of the generated files.
 METRICS: tuple[MetricDef, ...] = (
     # ---- SPEC 6: the metrics of a ship (W&B keys), with their Prometheus / OpenTelemetry names (SPEC 8) ----
     MetricDef(
         name="train_step",
-        wandb_key=None,
         prometheus_name="rl_staleness_train_step",
         otel_name="rl.staleness.train.step",
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
         source=Source.STEP,
         labels=("run",),
         integer=True,
@@ -199,8 +204,6 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_max_staleness",
         otel_name="rl.staleness.max_staleness",
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         labels=("run",),
         integer=True,
         description=(
@@ -214,8 +217,6 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_token_mean_steps",
         otel_name="rl.staleness.token.mean",
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         legacy_keys=("off_policy/token/mean",),
         description="Mean token staleness over the sampled positions of the shipped batch, in policy versions.",
     ),
@@ -225,51 +226,33 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_token_masked_ratio",
         otel_name="rl.staleness.token.masked_ratio",
         otel_unit="1",
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         legacy_keys=("off_policy/token/masked",),
         description="Share of the shipped batch's sampled positions that are masked for staleness.",
     ),
     MetricDef(
         name="token_unlabelled",
         wandb_key="staleness/token/unlabelled",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit="1",
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         description="Share of the shipped batch's sampled positions that had no version label.",
     ),
     MetricDef(
         name="token_p50",
         wandb_key="staleness/token/p50",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         integer=True,
         description="Median token staleness (nearest rank).",
     ),
     MetricDef(
         name="token_p90",
         wandb_key="staleness/token/p90",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         integer=True,
         description="90th percentile token staleness (nearest rank).",
     ),
     MetricDef(
         name="token_p99",
         wandb_key="staleness/token/p99",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         integer=True,
         description="99th percentile token staleness (nearest rank).",
     ),
@@ -279,21 +262,14 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_rollout_mean_steps",
         otel_name="rl.staleness.rollout.mean",
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         legacy_keys=("off_policy/mean", "staleness/mean"),
         description="Mean rollout staleness R = T - min(version) over shipped live rollouts.",
     ),
-    MetricDef(
+    _staleness_max(
         name="rollout_max",
         wandb_key="staleness/rollout/max",
         prometheus_name="rl_staleness_rollout_max_steps",
         otel_name="rl.staleness.rollout.max",
-        otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
-        integer=True,
-        wandb_summary="max",
         legacy_keys=("off_policy/max", "staleness/max"),
         description="Largest rollout staleness in the shipped batch (equals the largest token staleness).",
     ),
@@ -303,21 +279,14 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_rollout_in_flight_mean_steps",
         otel_name="rl.staleness.rollout.in_flight.mean",
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         legacy_keys=("off_policy/in_flight/mean", "staleness/in_flight/mean"),
         description="Mean in-flight staleness (versions that passed while the rollout was generated).",
     ),
-    MetricDef(
+    _staleness_max(
         name="rollout_in_flight_max",
         wandb_key="staleness/rollout/in_flight/max",
         prometheus_name="rl_staleness_rollout_in_flight_max_steps",
         otel_name="rl.staleness.rollout.in_flight.max",
-        otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
-        integer=True,
-        wandb_summary="max",
         legacy_keys=("off_policy/in_flight/max", "staleness/in_flight/max"),
         description="Largest in-flight staleness in the shipped batch.",
     ),
@@ -327,21 +296,14 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_rollout_in_queue_mean_steps",
         otel_name="rl.staleness.rollout.in_queue.mean",
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         legacy_keys=("off_policy/in_queue/mean", "staleness/in_queue/mean"),
         description="Mean in-queue staleness (versions that passed while the finished rollout waited).",
     ),
-    MetricDef(
+    _staleness_max(
         name="rollout_in_queue_max",
         wandb_key="staleness/rollout/in_queue/max",
         prometheus_name="rl_staleness_rollout_in_queue_max_steps",
         otel_name="rl.staleness.rollout.in_queue.max",
-        otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
-        integer=True,
-        wandb_summary="max",
         legacy_keys=("off_policy/in_queue/max", "staleness/in_queue/max"),
         description="Largest in-queue staleness in the shipped batch.",
     ),
@@ -351,47 +313,34 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_rollout_newest_mean_steps",
         otel_name="rl.staleness.rollout.newest.mean",
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         description=(
             "Mean newest-token rollout staleness T - max(version) over shipped live rollouts "
             "(verl's trajectory staleness; the rollout mean uses the oldest token)."
         ),
     ),
-    MetricDef(
+    _staleness_max(
         name="rollout_newest_max",
         wandb_key="staleness/rollout/newest/max",
         prometheus_name="rl_staleness_rollout_newest_max_steps",
         otel_name="rl.staleness.rollout.newest.max",
-        otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
-        integer=True,
-        wandb_summary="max",
         description="Largest newest-token rollout staleness T - max(version) in the shipped batch.",
     ),
-    MetricDef(
+    _tally_counter(
         name="rollouts_dropped",
         wandb_key="staleness/rollout/dropped",
         prometheus_name="rl_staleness_rollouts_dropped_total",
         otel_name="rl.staleness.rollouts.dropped",
         otel_unit=_ROLLOUT,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="rollouts_dropped",
         legacy_keys=("off_policy/dropped", "staleness/dropped"),
         description="Live rollouts dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
-    MetricDef(
+    _tally_counter(
         name="samples_dropped",
         wandb_key="staleness/sample/dropped",
         prometheus_name="rl_staleness_samples_dropped_total",
         otel_name="rl.staleness.samples.dropped",
         otel_unit=_SAMPLE,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="samples_dropped",
         description="Samples dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
@@ -401,7 +350,6 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_rollouts_held",
         otel_name="rl.staleness.rollouts.held",
         otel_unit=_ROLLOUT,
-        kind=MetricKind.GAUGE,
         source=Source.TALLY,
         integer=True,
         tally_field="rollouts_held",
@@ -420,7 +368,6 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         name="rollout_staleness",
-        wandb_key=None,
         prometheus_name="rl_staleness_rollout_steps",
         otel_name="rl.staleness.rollout.steps",
         otel_unit=_STEP,
@@ -428,188 +375,126 @@ METRICS: tuple[MetricDef, ...] = (
         source=Source.ROLLOUT_HISTOGRAM,
         description="Rollout staleness of shipped live rollouts, in policy versions (integer buckets).",
     ),
-    MetricDef(
+    _tally_counter(
         name="tokens_sampled",
-        wandb_key=None,
         prometheus_name="rl_staleness_tokens_sampled_total",
         otel_name="rl.staleness.tokens.sampled",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="tokens_sampled",
         description="Sampled positions of shipped live samples, masked ones included.",
     ),
-    MetricDef(
+    _tally_counter(
         name="tokens_masked",
-        wandb_key=None,
         prometheus_name="rl_staleness_tokens_masked_total",
         otel_name="rl.staleness.tokens.masked",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="tokens_masked",
         description="Shipped sampled positions masked for staleness.",
     ),
-    MetricDef(
+    _tally_counter(
         name="tokens_dropped",
-        wandb_key=None,
         prometheus_name="rl_staleness_tokens_dropped_total",
         otel_name="rl.staleness.tokens.dropped",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="tokens_dropped",
         description="Sampled positions of samples dropped for staleness.",
     ),
-    MetricDef(
+    _tally_counter(
         name="tokens_unlabelled",
-        wandb_key=None,
         prometheus_name="rl_staleness_tokens_unlabelled_total",
         otel_name="rl.staleness.tokens.unlabelled",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="tokens_unlabelled",
         description="Shipped sampled positions without a version label (they take the dispatch version).",
     ),
-    MetricDef(
+    _tally_counter(
         name="rollouts_shipped",
-        wandb_key=None,
         prometheus_name="rl_staleness_rollouts_shipped_total",
         otel_name="rl.staleness.rollouts.shipped",
         otel_unit=_ROLLOUT,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="rollouts_shipped",
         description="Live rollouts shipped to the trainer.",
     ),
-    MetricDef(
+    _tally_counter(
         name="rollouts_frozen",
-        wandb_key=None,
         prometheus_name="rl_staleness_rollouts_frozen_total",
         otel_name="rl.staleness.rollouts.frozen",
         otel_unit=_ROLLOUT,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="rollouts_frozen",
         description="Frozen-model rollouts shipped (never masked, left out of staleness statistics).",
     ),
-    MetricDef(
+    _tally_counter(
         name="rollouts_invalid",
-        wandb_key=None,
         prometheus_name="rl_staleness_rollouts_invalid_total",
         otel_name="rl.staleness.rollouts.invalid",
         otel_unit=_ROLLOUT,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="rollouts_invalid",
         description="Rollouts set aside as invalid (lenient mode).",
     ),
     # ---- SPEC 11: what staleness costs. Counters are the mergeable sums; every ratio is derived from them ----
     # (PromQL over rates, the core for W&B), so the W&B-only rows below have no Prometheus / OTel name.
-    MetricDef(
+    _lag_sum(
         name="mismatch_tokens",
         wandb_key="staleness/mismatch/lag_{lag}/tokens",
         prometheus_name="rl_staleness_mismatch_tokens_total",
         otel_name="rl.staleness.mismatch.tokens",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.MISMATCH,
-        labels=_LAG_LABELS,
         integer=True,
-        dimension=LAG,
         mismatch_field="tokens",
         description=(
             "Covered sampled positions (trainer and sampler log-probabilities both known), per token lag bucket."
         ),
     ),
-    MetricDef(
+    _lag_sum(
         name="mismatch_masked",
-        wandb_key=None,
         prometheus_name="rl_staleness_mismatch_masked_tokens_total",
         otel_name="rl.staleness.mismatch.masked_tokens",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.MISMATCH,
-        labels=_LAG_LABELS,
         integer=True,
-        dimension=LAG,
         mismatch_field="masked",
         description="Covered sampled positions masked by the staleness policy, per token lag bucket.",
     ),
-    MetricDef(
+    _lag_sum(
         name="mismatch_kl",
-        wandb_key=None,
         prometheus_name="rl_staleness_mismatch_kl_nats_total",
         otel_name="rl.staleness.mismatch.kl",
         otel_unit=_NAT,
-        kind=MetricKind.COUNTER,
-        source=Source.MISMATCH,
-        labels=_LAG_LABELS,
-        dimension=LAG,
         mismatch_field="sum_k3",
         description=(
             "Sum of the k3 estimator r - 1 - log r of trainer/sampler mismatch (r = "
             "trainer/sampler probability), per token lag bucket, in nats."
         ),
     ),
-    MetricDef(
+    _lag_sum(
         name="mismatch_abs_log_ratio",
-        wandb_key=None,
         prometheus_name="rl_staleness_mismatch_abs_log_ratio_nats_total",
         otel_name="rl.staleness.mismatch.abs_log_ratio",
         otel_unit=_NAT,
-        kind=MetricKind.COUNTER,
-        source=Source.MISMATCH,
-        labels=_LAG_LABELS,
-        dimension=LAG,
         mismatch_field="sum_abs_log_ratio",
         description="Sum of |log r| of trainer/sampler mismatch, per token lag bucket, in nats.",
     ),
-    MetricDef(
+    _lag_sum(
         name="mismatch_ratio",
-        wandb_key=None,
         prometheus_name="rl_staleness_mismatch_ratio_total",
         otel_name="rl.staleness.mismatch.ratio",
         otel_unit="1",
-        kind=MetricKind.COUNTER,
-        source=Source.MISMATCH,
-        labels=_LAG_LABELS,
-        dimension=LAG,
         mismatch_field="sum_ratio",
         description="Sum of the importance ratios r = trainer/sampler probability, per token lag bucket.",
     ),
-    MetricDef(
+    _lag_sum(
         name="mismatch_ratio_squared",
-        wandb_key=None,
         prometheus_name="rl_staleness_mismatch_ratio_squared_total",
         otel_name="rl.staleness.mismatch.ratio_squared",
         otel_unit="1",
-        kind=MetricKind.COUNTER,
-        source=Source.MISMATCH,
-        labels=_LAG_LABELS,
-        dimension=LAG,
         mismatch_field="sum_ratio_sq",
         description="Sum of the squared importance ratios r^2, per token lag bucket.",
     ),
-    MetricDef(
+    _lag_sum(
         name="mismatch_out_of_band",
-        wandb_key=None,
         prometheus_name="rl_staleness_mismatch_out_of_band_tokens_total",
         otel_name="rl.staleness.mismatch.out_of_band_tokens",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.MISMATCH,
-        labels=_LAG_LABELS,
         integer=True,
-        dimension=LAG,
         mismatch_field="out_of_band",
         description=(
             "Covered sampled positions whose importance ratio lies outside the mismatch band, per token lag bucket."
@@ -617,7 +502,6 @@ METRICS: tuple[MetricDef, ...] = (
     ),
     MetricDef(
         name="mismatch_uncovered",
-        wandb_key=None,
         prometheus_name="rl_staleness_mismatch_uncovered_tokens_total",
         otel_name="rl.staleness.mismatch.uncovered_tokens",
         otel_unit=_TOKEN,
@@ -628,66 +512,36 @@ METRICS: tuple[MetricDef, ...] = (
         mismatch_field="uncovered",
         description="Sampled positions lacking a trainer or sampler log-probability (left out of the mismatch sums).",
     ),
-    MetricDef(
+    _lag_gauge(
         name="mismatch_k3_by_lag",
         wandb_key="staleness/mismatch/lag_{lag}/k3",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_NAT,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
-        labels=_LAG_LABELS,
         wandb_summary="max",
-        dimension=LAG,
         description="Mean k3 mismatch of the covered positions of a lag bucket (prime-rl's mismatch_kl, split by lag).",
     ),
-    MetricDef(
+    _lag_gauge(
         name="mismatch_abs_log_ratio_by_lag",
         wandb_key="staleness/mismatch/lag_{lag}/abs_log_ratio",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_NAT,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
-        labels=_LAG_LABELS,
-        dimension=LAG,
         description="Mean |log r| of the covered positions of a lag bucket.",
     ),
-    MetricDef(
+    _lag_gauge(
         name="mismatch_out_of_band_by_lag",
         wandb_key="staleness/mismatch/lag_{lag}/out_of_band",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit="1",
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
-        labels=_LAG_LABELS,
-        dimension=LAG,
         description="Share of the covered positions of a lag bucket whose ratio lies outside the mismatch band.",
     ),
-    MetricDef(
+    _lag_gauge(
         name="mismatch_ess_by_lag",
         wandb_key="staleness/mismatch/lag_{lag}/ess",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit="1",
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
-        labels=_LAG_LABELS,
-        dimension=LAG,
         description="Normalised effective sample size (sum r)^2 / (n sum r^2) of a lag bucket, in (0, 1].",
     ),
-    MetricDef(
+    _lag_gauge(
         name="mismatch_excess_k3_by_lag",
         wandb_key="staleness/mismatch/lag_{lag}/excess_k3",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_NAT,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
-        labels=_LAG_LABELS,
         wandb_summary="max",
-        dimension=LAG,
         description=(
             "Mean k3 of a lag bucket minus the run's floor (SPEC 14: this ship's lag-0 k3, carried "
             "from an earlier ship, or the smallest lag's): what staleness costs at that lag."
@@ -696,11 +550,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         name="mismatch_k3",
         wandb_key="staleness/mismatch/k3",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_NAT,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         labels=("run",),
         wandb_summary="max",
         description="Mean k3 mismatch over every covered position.",
@@ -708,11 +558,7 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         name="mismatch_excess_k3",
         wandb_key="staleness/mismatch/excess_k3",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_NAT,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         labels=("run",),
         wandb_summary="max",
         description="Mean k3 of the positions at lag 1 or more minus the floor (SPEC 14).",
@@ -720,23 +566,17 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         name="mismatch_coverage",
         wandb_key="staleness/mismatch/coverage",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit="1",
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         labels=("run",),
         description="Share of sampled positions with both log-probabilities (covered by the mismatch sums).",
     ),
     # ---- SPEC 14: choosing the bound. Gauges of the latest ship that reported the SPEC 11 family ----
-    MetricDef(
+    _bound_gauge(
         name="mismatch_floor",
         wandb_key="staleness/mismatch/floor",
         prometheus_name="rl_staleness_mismatch_floor_nats",
         otel_name="rl.staleness.mismatch.floor",
         otel_unit=_NAT,
-        kind=MetricKind.GAUGE,
-        source=Source.BOUND,
         labels=("run", "env", "source"),
         dimension=FLOOR_SOURCE,
         description=(
@@ -745,50 +585,37 @@ METRICS: tuple[MetricDef, ...] = (
             "lag with enough tokens: an upper bound on the floor)."
         ),
     ),
-    MetricDef(
+    _bound_gauge(
         name="mismatch_floor_source",
         wandb_key="staleness/mismatch/floor_source",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit="1",
-        kind=MetricKind.GAUGE,
-        source=Source.BOUND,
-        labels=("run", "env"),
         description="Where the floor came from: lag0, carried or min_lag (a string; a label or attribute elsewhere).",
     ),
-    MetricDef(
+    _bound_gauge(
         name="mismatch_floor_age",
         wandb_key="staleness/mismatch/floor_age",
         prometheus_name="rl_staleness_mismatch_floor_age_steps",
         otel_name="rl.staleness.mismatch.floor_age",
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.BOUND,
-        labels=("run", "env"),
         integer=True,
         description="Steps since the ship that measured the floor (0 for lag0 and min_lag).",
     ),
-    MetricDef(
+    _bound_gauge(
         name="mismatch_budget",
         wandb_key="staleness/mismatch/budget",
         prometheus_name="rl_staleness_mismatch_budget_nats",
         otel_name="rl.staleness.mismatch.budget",
         otel_unit=_NAT,
-        kind=MetricKind.GAUGE,
-        source=Source.BOUND,
-        labels=("run", "env"),
         description=(
             "The mismatch budget: the excess a token may cost (mismatch_budget, or the floor when none is set)."
         ),
     ),
-    MetricDef(
+    _bound_gauge(
         name="mismatch_curve",
         wandb_key="staleness/mismatch/curve/lag_{lag}",
         prometheus_name="rl_staleness_mismatch_curve_nats",
         otel_name="rl.staleness.mismatch.curve",
         otel_unit=_NAT,
-        kind=MetricKind.GAUGE,
-        source=Source.BOUND,
         labels=("run", "env", "lag"),
         dimension=CURVE_LAG,
         description=(
@@ -797,86 +624,61 @@ METRICS: tuple[MetricDef, ...] = (
             "floor_min_tokens tokens."
         ),
     ),
-    MetricDef(
+    _bound_gauge(
         name="bound_suggested",
         wandb_key="staleness/bound/suggested",
         prometheus_name="rl_staleness_bound_suggested",
         otel_name="rl.staleness.bound.suggested",
         otel_unit=_STEP,
-        kind=MetricKind.GAUGE,
-        source=Source.BOUND,
-        labels=("run", "env"),
         integer=True,
         description=(
             "The largest lag whose excess stays within the budget (0 when the first lag of the curve is above it)."
         ),
     ),
-    MetricDef(
+    _bound_gauge(
         name="bound_crossed",
         wandb_key="staleness/bound/crossed",
         prometheus_name="rl_staleness_bound_crossed",
         otel_name="rl.staleness.bound.crossed",
         otel_unit=_FLAG,
-        kind=MetricKind.GAUGE,
-        source=Source.BOUND,
-        labels=("run", "env"),
         integer=True,
         description=(
             "1 when some lag of the curve costs more than the budget (the suggestion is where), "
             "else 0 (the suggestion is only the largest lag seen)."
         ),
     ),
-    MetricDef(
+    _bound_gauge(
         name="bound_excess_at_bound",
         wandb_key="staleness/bound/excess_at_bound",
         prometheus_name="rl_staleness_bound_excess_at_bound_nats",
         otel_name="rl.staleness.bound.excess_at_bound",
         otel_unit=_NAT,
-        kind=MetricKind.GAUGE,
-        source=Source.BOUND,
-        labels=("run", "env"),
         wandb_summary="max",
         description="The curve's excess at the largest lag not above the configured bound: what the bound lets train.",
     ),
     # ---- SPEC 12: length bias of masking and drops, over shipped plus dropped samples ----
-    MetricDef(
+    _tally_counter(
         name="length_samples",
-        wandb_key=None,
         prometheus_name="rl_staleness_length_samples_total",
         otel_name="rl.staleness.length.samples",
         otel_unit=_SAMPLE,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY,
-        integer=True,
         tally_field="length_samples",
         description="Samples behind the length-bias counters: shipped live samples plus samples dropped for staleness.",
     ),
-    MetricDef(
+    _length_counter(
         name="length_sampled_tokens",
-        wandb_key=None,
         prometheus_name="rl_staleness_length_sampled_tokens_total",
         otel_name="rl.staleness.length.sampled_tokens",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY_BUCKETS,
-        labels=_LENGTH_LABELS,
-        integer=True,
         tally_field="length_sampled",
-        dimension=LENGTH,
         description="Sampled positions of shipped and dropped live samples, by the sample's sampled length bucket.",
     ),
-    MetricDef(
+    _length_counter(
         name="length_removed_tokens",
-        wandb_key=None,
         prometheus_name="rl_staleness_length_removed_tokens_total",
         otel_name="rl.staleness.length.removed_tokens",
         otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.TALLY_BUCKETS,
-        labels=_LENGTH_LABELS,
-        integer=True,
         tally_field="length_removed",
-        dimension=LENGTH,
         description=(
             "Sampled positions of shipped and dropped live samples that were masked or dropped for "
             "staleness, by the sample's sampled length bucket."
@@ -885,31 +687,19 @@ METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         name="length_sampled_mean",
         wandb_key="staleness/length/sampled/mean",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_TOKEN,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         description="Mean sampled length (positions) of the shipped and dropped live samples of the window.",
     ),
     MetricDef(
         name="length_trained_mean",
         wandb_key="staleness/length/trained/mean",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit=_TOKEN,
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         description="The same mean with masked positions and dropped samples counted as 0: the length that trains.",
     ),
     MetricDef(
         name="length_removed_share",
         wandb_key="staleness/length/bucket_{length}/masked",
-        prometheus_name=None,
-        otel_name=None,
         otel_unit="1",
-        kind=MetricKind.GAUGE,
-        source=Source.METRIC,
         labels=_LENGTH_LABELS,
         dimension=LENGTH,
         description="Share of the sampled positions masked or dropped, over samples of a length bucket.",
@@ -917,7 +707,6 @@ METRICS: tuple[MetricDef, ...] = (
     # ---- SPEC 8: the exporters' own health ----
     MetricDef(
         name="export_errors",
-        wandb_key=None,
         prometheus_name="rl_staleness_export_errors_total",
         otel_name="rl.staleness.export.errors",
         otel_unit="{error}",

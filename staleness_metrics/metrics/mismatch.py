@@ -1,12 +1,8 @@
 """What staleness costs (SPEC 11): trainer-vs-sampler mismatch split by token lag.
 
-Per position ``d = trainer_logprob - sampler_logprob`` (clamped to ±20) and ``r = exp(d)``; per lag
-bucket the sums below add exactly across micro-batches, ranks and processes (counts exactly, float
-sums up to float64 rounding), so every ratio (k3, ESS, out-of-band share, the excess over SPEC 14's
-floor) is derived from merged sums, never averaged.
-
-The same function serves the sink (replay: records that carry ``trainer_logprobs``) and the live
-path (a trainer in another process turns a shipment's lags and its own log-probabilities into sums).
+Per position ``d = trainer_logprob - sampler_logprob`` (clamped to ±20) and ``r = exp(d)``; the per
+lag bucket sums add across micro-batches, ranks and processes, so every ratio is derived from merged
+sums, never averaged. The sink (records with ``trainer_logprobs``) and the live path share them.
 """
 
 from __future__ import annotations
@@ -77,18 +73,9 @@ class MismatchSums:
         return cls._of({f: _zeros_int() for f in COUNT_FIELDS}, {f: _zeros_float() for f in SUM_FIELDS}, 0)
 
     @classmethod
-    def _of(cls, counts: Mapping[str, IntArray], sums: Mapping[str, FloatArray], uncovered: int) -> MismatchSums:
-        return cls(
-            tokens=counts["tokens"],
-            masked=counts["masked"],
-            out_of_band=counts["out_of_band"],
-            sum_log_ratio=sums["sum_log_ratio"],
-            sum_abs_log_ratio=sums["sum_abs_log_ratio"],
-            sum_k3=sums["sum_k3"],
-            sum_ratio=sums["sum_ratio"],
-            sum_ratio_sq=sums["sum_ratio_sq"],
-            uncovered=uncovered,
-        )
+    def _of(cls, counts: dict[str, Any], sums: dict[str, Any], uncovered: int) -> MismatchSums:
+        """From the count arrays and the float sum arrays, by field name."""
+        return cls(**counts, **sums, uncovered=uncovered)
 
     @property
     def covered(self) -> int:
@@ -117,7 +104,6 @@ class MismatchSums:
 
     __hash__ = None  # type: ignore[assignment]
 
-    # ------------------------------------------------------------------ the small dict
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form:
         ``{"format": 1, "uncovered": n, "lags": {"0": {...}, ..., "inf": {...}}}``."""
@@ -173,15 +159,9 @@ class MismatchSums:
             uncovered,
         )
 
-    # ------------------------------------------------------------------ the W&B keys
     def metrics(self, floor: float | None = None) -> dict[str, float | int]:
-        """The SPEC 11 keys; empty when nothing is covered. Buckets without tokens are left out.
-
-        The excess keys are measured against ``floor`` (SPEC 14's floor of the ship, from
-        :class:`~staleness_metrics.metrics.bound.BoundTracker` or
-        :func:`~staleness_metrics.metrics.bound.select_floor`) and left out without one;
-        bucket ``0`` never has one.
-        """
+        """The SPEC 11 keys (none when nothing is covered, none of a bucket without tokens); the
+        excess keys over ``floor`` (SPEC 14), left out without one and for bucket ``0``."""
         covered = self.covered
         if covered == 0:
             return {}
@@ -227,8 +207,7 @@ def _finite(name: str, value: object) -> float:
 
 
 def _flat(name: str, values: npt.ArrayLike, kinds: str) -> npt.NDArray[Any]:
-    """``values`` as a flat array (``[B, L]`` reads row by row) whose dtype
-    kind is one of ``kinds``."""
+    """``values`` as a flat array whose dtype kind is one of ``kinds``."""
     array = np.asarray(values).reshape(-1)
     if array.size and array.dtype.kind not in kinds:
         raise FieldError(name, f"expected {'integers' if kinds == 'iu' else 'numbers'}, got dtype {array.dtype}")
@@ -243,20 +222,13 @@ def mismatch_sums(
     *,
     band: tuple[float, float] = DEFAULT_BAND,
 ) -> MismatchSums:
-    """Sums of SPEC 11 over positions: one call, one pass over the arrays.
+    """Sums of SPEC 11 over positions, in one pass over the arrays.
 
-    ``lags`` is a shipment's per-position lag (``Shipment.lags``): positions with a negative lag are
-    not sampled positions of a live rollout and are skipped. The log-probability arrays are aligned
-    with it (numpy arrays, anything ``np.asarray`` takes, or torch tensors; any float dtype); a
-    position where either is NaN or infinite is uncovered. ``masked`` flags the positions the policy
-    masked (for instance ``shipped_mask == 0``); they are counted in the sums and apart in
-    ``masked``. Arrays of shape ``[B, L]`` are read flat.
-
-    Torch tensors are summed where they are: on the CPU through the same compiled pass as numpy
-    arrays (zero-copy views, so the same numbers); on a GPU with torch operations in float64 on that
-    device, bringing back only the per-bucket sums (one small transfer). The counts are exact either
-    way, the float sums equal to float64 rounding. Numpy arrays or CPU tensors passed with GPU
-    tensors (a shipment's lags, say) are copied to the GPU; a tensor on another GPU is refused.
+    ``lags`` is a shipment's per-position lag (``Shipment.lags``; negative: skipped); the
+    log-probabilities are aligned with it (arrays or torch tensors, any float dtype, ``[B, L]``
+    read flat), a position where either is not finite uncovered. ``masked`` flags the positions the
+    policy masked: counted in the sums and apart in ``masked``. Tensors on a GPU are summed there in
+    float64 (only the per-bucket sums come back); CPU tensors as numpy arrays.
 
     Raises :class:`~staleness_metrics.errors.FieldError` (a ``ValueError``) naming the argument at
     fault: lengths that differ, a dtype of the wrong kind, a bad ``band``.
@@ -266,8 +238,7 @@ def mismatch_sums(
         raise FieldError("band", f"expected 0 < lo <= hi, got {band!r}")
     arrays = {"lags": lags, "sampler_logprobs": sampler_logprobs, "trainer_logprobs": trainer_logprobs,
               "masked": masked}  # fmt: skip
-    # The one seam: tensors go to the torch module, which only a caller that
-    # already imported torch reaches.
+    # the one seam: tensors go to the torch module (only a caller that imported torch reaches it)
     torch = sys.modules.get("torch")
     if torch is not None and any(isinstance(value, torch.Tensor) for value in arrays.values()):
         from . import mismatch_torch
@@ -280,8 +251,7 @@ def mismatch_sums(
 
 
 def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
-    """:func:`mismatch_sums` of host arrays (``lags``, ``sampler_logprobs``, ``trainer_logprobs``,
-    ``masked``), the band already checked: the compiled pass."""
+    """:func:`mismatch_sums` of host arrays, the band already checked: the compiled pass."""
     lag = _flat("lags", arrays["lags"], "iu")
     sampler = _flat("sampler_logprobs", arrays["sampler_logprobs"], "fiu")
     trainer = _flat("trainer_logprobs", arrays["trainer_logprobs"], "fiu")
@@ -297,9 +267,7 @@ def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
     if any(values.dtype.kind == "f" and values.dtype.itemsize > 8 for values in (sampler, trainer)):
         # wider than float64 (long double): d taken in that precision, then read as float64
         trainer, sampler = trainer - sampler, np.zeros(len(lag))
-    # One compiled pass (mismatch_kernel.mismatch_runs): float32 / float64 as they are, others as
-    # float64, which is what numpy's subtraction made of them; lags as int64 (unsigned ones
-    # beyond 2**62 are all "inf").
+    # float32 / float64 as they are, others as float64; unsigned lags beyond 2**62 are all "inf"
     if lag.dtype.kind == "u":
         lag = np.minimum(lag, np.uint64(1 << 62))
     counts, sums, uncovered = mismatch_runs(
@@ -316,8 +284,7 @@ def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
 
 
 def _of_pass(counts: IntArray, sums: FloatArray, uncovered: int) -> MismatchSums:
-    """The sums from a pass's ``[3, buckets]`` counts and ``[5, buckets]`` float sums
-    (both passes' layout)."""
+    """The sums from a pass's ``[3, buckets]`` counts and ``[5, buckets]`` float sums."""
     # each term is >= 0; rounding of tiny ones must not make the sum negative
     k3 = np.maximum(sums[2], 0.0)
     return MismatchSums._of(

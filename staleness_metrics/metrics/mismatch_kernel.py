@@ -1,8 +1,5 @@
 """SPEC 11's mismatch sums of one call in one compiled pass over the positions (the loop behind
-:func:`~staleness_metrics.metrics.mismatch.mismatch_sums`).
-
-The numpy formulation it replaced is in ``tests/metrics/test_mismatch.py``,
-checked equal on random inputs.
+:func:`~staleness_metrics.metrics.mismatch.mismatch_sums`; its numpy reference is in the tests).
 """
 
 from __future__ import annotations
@@ -47,11 +44,8 @@ _NEAR = 2.0**-39
 
 
 def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
-    """``r = exp(d)`` for ``|d| <= 700`` (fdlibm's e_exp.c, within one ulp of the C library's) and
-    the k3 term ``r - 1 - d``. Compiled without reassociation, so the reduction keeps its order even
-    where it is inlined into a loop that sums in vector lanes; ``k`` is rounded to nearest (a tie
-    either way is exact enough) and the polynomial is evaluated in Estrin's order: a shorter chain
-    of dependent operations."""
+    """``r = exp(d)`` for ``|d| <= 700`` (fdlibm's e_exp.c) and the k3 term ``r - 1 - d``; compiled
+    without reassociation, the polynomial in Estrin's order (a shorter chain of dependencies)."""
     k = np.rint(d * _INV_LN2)
     high = d - k * _LN2_HI
     low = k * _LN2_LO
@@ -78,8 +72,7 @@ Sums = tuple[float, float, float, float, float]  # d, |d|, r - 1 - d, r, r^2
 
 
 def _run_end(lag: IntArray, p: int) -> int:  # pragma: no cover - compiled
-    """The end of the run of equal lag that starts at ``p``: 64 positions compared at once, then one
-    by one."""
+    """The end of the run of equal lag that starts at ``p`` (64 positions compared at once)."""
     n = len(lag)
     run_lag = lag[p]
     q = p + 1
@@ -102,10 +95,8 @@ def _run_end(lag: IntArray, p: int) -> int:  # pragma: no cover - compiled
 def _usual_sums(
     s: npt.NDArray[Any], t: npt.NDArray[Any], clamp: float, band: Band
 ) -> tuple[Sums, int, int, int]:  # pragma: no cover - compiled
-    """A run's sums, its unusual positions (a difference NaN, infinite or to be clamped), its
-    positions out of band and those near a band edge: one vector pass with no per-position branch or
-    select (the usual run: every difference finite and within the clamp, no ratio near a band
-    edge)."""
+    """A run's sums, its unusual positions (a difference not finite or to be clamped), and its
+    positions out of band and near a band edge: one vector pass with no per-position branch."""
     log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
     sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
     unusual = 0
@@ -132,9 +123,9 @@ def _clamped_sums(
     clamp: float,
     band: Band,
 ) -> tuple[Sums, int, int, int, int]:  # pragma: no cover - compiled
-    """A run's sums position by position: non-finite differences uncovered, the others clamped; with
-    its covered, masked (``flags``: the pass's flags, the run's start there, whether there are any),
-    out-of-band and near-edge positions."""
+    """A run's sums position by position (non-finite differences uncovered, the others clamped),
+    with its covered, masked (``flags``: the flags, the run's start, whether any), out-of-band and
+    near-edge positions."""
     # (flags read at p + i as in the loop this was cut from: LLVM then adds the sums in that order)
     f, p, has_flags = flags
     log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
@@ -170,8 +161,7 @@ def _out_of_band(
     band_lo: float,
     band_hi: float,
 ) -> int:  # pragma: no cover - compiled
-    """A run's positions out of band where some ratio is near a band edge: those compared with the C
-    library's exp, the others by their side of the edges in log space."""
+    """A run's positions out of band, those near a band edge compared with the C library's exp."""
     log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
     n_out = 0
     for i in range(len(s)):
@@ -271,18 +261,12 @@ def mismatch_runs(
     bounds: IntArray,
     clamp: float,
 ) -> tuple[IntArray, npt.NDArray[np.float64], int]:
-    """SPEC 11's per-bucket sums of one call in one pass: ``counts`` (tokens, masked, out of band)
-    and ``sums`` (d, \|d\|, r - 1 - d, r, r\ :sup:`2`) per bucket
-    (``searchsorted(bounds, lag, "left")``), and the uncovered positions. ``lag`` is int64; the
-    log-probabilities float32 or float64 (each read as float64); ``flags`` one byte (or bool) per
-    position or ``None``. Positions with a negative lag are skipped, those where the difference is
-    not finite are uncovered; ``d`` is clamped to ``±clamp`` (at most 700: ``exp`` is computed in
-    the loop for the arguments of a float64 result). The float sums are those of a sequential pass
-    to float64 rounding: ``r`` within one ulp of the C library's ``exp``, added in vector lanes; the
-    counts are exact (a ratio on a band edge is compared again with the C library's ``exp``). Large
-    inputs are summed in parallel shares (the loop releases the GIL), then added.
-
-    Raises ``ValueError`` when the arrays differ in length or ``clamp`` is out of range.
+    """SPEC 11's per-bucket sums of one call: ``counts`` (tokens, masked, out of band), ``sums``
+    (d, \|d\|, r - 1 - d, r, r\ :sup:`2`) per bucket (``searchsorted(bounds, lag, "left")``) and
+    the uncovered positions. Negative lags are skipped, non-finite differences uncovered, ``d``
+    clamped to ``±clamp`` (at most 700); the counts are exact, the float sums those of a sequential
+    pass to float64 rounding. Large inputs are summed in parallel shares. ``ValueError`` when the
+    arrays differ in length or ``clamp`` is out of range.
     """
     if not 0 <= clamp <= 700:
         raise ValueError(f"mismatch_runs: clamp {clamp} outside 0..700")

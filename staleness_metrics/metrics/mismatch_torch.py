@@ -1,18 +1,9 @@
-"""SPEC 11's sums of torch tensors, on the tensors' own device.
+"""SPEC 11's sums of torch tensors, on the tensors' own device (for
+:func:`~staleness_metrics.metrics.mismatch.mismatch_sums`, given a ``torch.Tensor``).
 
-:func:`~staleness_metrics.metrics.mismatch.mismatch_sums` comes here when any of its arguments is a
-``torch.Tensor`` (it looks in ``sys.modules``, so a caller without tensors never imports torch).
-Tensors on the CPU are handed back as zero-copy numpy views (:func:`host_views`) for the compiled
-pass, which gives exactly what numpy arrays give. Tensors on an accelerator (CUDA, ...) are summed
-there with torch operations in float64 (:func:`device_sums`): per-token arrays never leave the
-device; the per-bucket sums come back in one transfer of a ``[10, buckets]`` float64 tensor. The
-counts are exact and equal to the compiled pass's; the float sums agree with it to float64 rounding
-(torch's ``exp`` and the order of the additions differ). A ratio within 2**-39 of a band edge is
-compared with the C library's ``exp``, as the compiled pass does: those few positions (normally
-none) are fetched after the sums.
-
-This module does not import :mod:`.mismatch` (which imports it): it returns the arrays the compiled
-pass returns, and ``mismatch_sums`` makes them a ``MismatchSums`` the same way.
+CPU tensors become zero-copy numpy views for the compiled pass (:func:`host_views`); tensors on an
+accelerator are summed there in float64 (:func:`device_sums`), one ``[10, buckets]`` transfer back:
+counts exact, float sums equal to float64 rounding. It returns the arrays the compiled pass returns.
 """
 
 from __future__ import annotations
@@ -29,20 +20,11 @@ from .buckets import LAG_UPPER_BOUNDS, N_BUCKETS
 
 __all__ = ["PACKED_ROWS", "device_of", "device_sums", "host_views", "packed_sums"]
 
-# Rows of the packed per-bucket tensor: covered tokens, masked, out of band (edges apart),
-# uncovered, near a band edge, then the float sums of d, |d|, k3, r, r² (the order of
-# MismatchSums' float fields).
+# Rows of the packed per-bucket tensor: counts (out of band: edges apart), then the float sums of
+# d, |d|, k3, r, r² (the order of MismatchSums' float fields).
 PACKED_ROWS = (
-    "tokens",
-    "masked",
-    "out_of_band",
-    "uncovered",
-    "near_edge",
-    "d",
-    "abs_d",
-    "k3",
-    "r",
-    "r2",
+    *("tokens", "masked", "out_of_band", "uncovered", "near_edge"),
+    *("d", "abs_d", "k3", "r", "r2"),
 )
 _COUNTS = 3  # the first rows are MismatchSums' counts, in its order
 _SUMS = slice(5, 10)
@@ -55,8 +37,7 @@ FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
 def device_of(arrays: Mapping[str, Any]) -> torch.device:
     """The device the sums are computed on: the trainer log-probabilities' if a tensor, else the
-    first tensor's. A tensor on another accelerator is refused (``FieldError`` naming it); CPU data
-    is copied to the device, never the other way."""
+    first tensor's; a tensor on another accelerator is refused (``FieldError`` naming it)."""
     tensors = {name: value for name, value in arrays.items() if isinstance(value, torch.Tensor)}
     device: torch.device = tensors.get("trainer_logprobs", next(iter(tensors.values()))).device
     for name, tensor in tensors.items():
@@ -82,12 +63,9 @@ def host_views(arrays: Mapping[str, Any]) -> dict[str, Any]:
 def device_sums(
     arrays: Mapping[str, Any], lo: float, hi: float, device: torch.device, clamp: float
 ) -> tuple[IntArray, FloatArray, int]:
-    """The sums of ``arrays`` (``lags``, ``sampler_logprobs``, ``trainer_logprobs``, ``masked``)
-    computed with torch on ``device`` (any device, the CPU included: the tests compare it with the
-    compiled pass there), as the compiled pass returns them: counts ``[3, buckets]`` (tokens,
-    masked, out of band), float sums ``[5, buckets]`` (d, |d|, k3, r, r²) and the uncovered
-    positions. Non-tensor arguments and CPU tensors are copied to ``device`` first; ``FieldError``
-    names an argument of the wrong length or dtype."""
+    """The sums of ``arrays`` computed with torch on ``device``, as the compiled pass returns them
+    (counts ``[3, buckets]``, float sums ``[5, buckets]``, uncovered positions); other arguments
+    are copied to ``device``; ``FieldError`` names an argument of the wrong length or dtype."""
     lag, sampler, trainer, flags = (
         _on_device(name, arrays.get(name), device, kind)
         for name, kind in (("lags", "integers"), ("sampler_logprobs", "numbers"),
@@ -108,8 +86,7 @@ def device_sums(
     host = packed.to("cpu").numpy()  # the one transfer: [10, buckets] float64
     counts = host[:_COUNTS].astype(np.int64)
     if host[PACKED_ROWS.index("near_edge")].any():
-        # A ratio on a band edge: its side is the C library exp's answer, as in the compiled pass.
-        # Only these positions (a handful at most) are fetched.
+        # a ratio on a band edge: the C library exp's answer, as in the compiled pass (only these)
         index = near.nonzero().reshape(-1)
         for value, b in zip(d[index].tolist(), bucket[index].tolist(), strict=True):
             ratio = math.exp(value)
@@ -125,10 +102,9 @@ def packed_sums(
     band: tuple[float, float],
     clamp: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The per-bucket rows of :data:`PACKED_ROWS` as one float64 ``[10, buckets]`` tensor on
-    the inputs' device, with the clamped log-ratios, the buckets and the near-edge flags (kept
-    on the device for the rare edge case). No operation here reads a value on the host: it runs
-    on the meta device too."""
+    """The rows of :data:`PACKED_ROWS` as one float64 ``[10, buckets]`` tensor on the inputs'
+    device, with the clamped log-ratios, buckets and near-edge flags; nothing is read on the host
+    (it runs on the meta device too)."""
     device = lag.device
     lag = _as_int64(lag.reshape(-1))
     d = trainer.reshape(-1).to(torch.float64) - sampler.reshape(-1).to(torch.float64)
@@ -159,9 +135,6 @@ def packed_sums(
     return packed, d, bucket, near
 
 
-# ---------------------------------------------------------------------------------------------- arguments
-
-
 _KINDS = {
     "integers": lambda dtype: not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool),
     "numbers": lambda dtype: not (dtype.is_complex or dtype == torch.bool),
@@ -170,8 +143,7 @@ _KINDS = {
 
 
 def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.Tensor | None:
-    """``value`` as a detached tensor on ``device``, its dtype checked
-    (``FieldError`` naming ``name``)."""
+    """``value`` as a detached tensor on ``device``, its dtype checked (``FieldError``)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -187,8 +159,7 @@ def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.
 
 
 def _as_int64(lag: torch.Tensor) -> torch.Tensor:
-    """Lags as int64; unsigned 64-bit ones beyond int64 (torch has few uint64
-    operations) are all "inf"."""
+    """Lags as int64; unsigned 64-bit ones beyond int64 are all "inf"."""
     if lag.dtype == torch.uint64:
         signed = lag.view(torch.int64)
         return torch.where(signed < 0, _INT64_MAX, signed)

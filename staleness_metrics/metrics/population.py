@@ -1,11 +1,6 @@
 """The population of a ship in one compiled pass over its spans: the sums, extremes, quantiles and
-histograms :mod:`.compute` turns into SPEC 6's metrics.
-
-The input is a shipped slice's columns (:class:`PopulationColumns`: rollouts, their samples by
-``sample_offsets``, the samples' spans by ``span_offsets``, as ``engine.decision.Judgement`` holds
-them). :func:`population_summary` finds every number of a population at once, whatever its staleness
-values. The numpy steps it replaced are in ``tests/metrics/test_population_summary.py``, checked
-equal on random inputs.
+histograms :mod:`.compute` turns into SPEC 6's metrics (the numpy reference is in
+``tests/metrics/test_population_summary.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ BoolArray = npt.NDArray[np.bool_]
 
 
 class PopulationColumns(NamedTuple):
-    """The columns of a shipped slice a population pass reads (see
-    ``engine.decision.Judgement``)."""
+    """The columns of a shipped slice a population pass reads (``engine.decision.Judgement``)."""
 
     # rollouts
     frozen: BoolArray
@@ -55,8 +49,7 @@ class PopulationSummary(NamedTuple):
     samples: int  # their live, kept samples
     token_dot: int  # sum of staleness x sampled positions (a Python integer: exact beyond int64)
     live: int  # selected live rollouts
-    # their staleness (T - oldest shipped sampled version), in-flight and
-    # in-queue times, newest staleness
+    # their staleness (T - oldest shipped version), in-flight and in-queue times, newest staleness
     rollout_sum: int
     rollout_max: int
     in_flight_sum: int
@@ -85,7 +78,7 @@ Columns = tuple[BoolArray, IntArray, IntArray, IntArray, BoolArray, IntArray, In
 
 
 def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragma: no cover - compiled
-    """The checks of a population pass's arrays (a callee of ``_population_summary``)."""
+    """The checks of a population pass's arrays."""
     frozen, dispatch, completion, sample_offsets, dropped, mask_below, n_sampled, span_offsets = columns[:8]
     version, sampled, labelled = columns[8:]
     n_rollouts = len(frozen)
@@ -118,16 +111,11 @@ def _walk_live_rollout(
     lengths: tuple[IntArray, IntArray],
     extent: IntArray,
 ) -> tuple[int, int]:  # pragma: no cover - compiled
-    """Add live rollout ``r``'s kept samples and their spans with sampled positions to ``totals``
-    (tokens, masked, unlabelled and samples), the length buckets (``lengths``: sampled and removed
-    positions) and ``extent`` (the highest staleness, and the spans at the histogram's top
-    ``extent[2]`` or above); returns the rollout's oldest and newest sampled version (its dispatch
-    version for both when it has none). A callee of ``_population_summary``."""
-    dispatch, sample_offsets, dropped, mask_below, n_sampled, span_offsets = (
-        columns[1],
-        columns[3],
-        *columns[4:8],
-    )
+    """Add live rollout ``r``'s kept samples to ``totals``, ``lengths`` (sampled and removed
+    positions per length bucket) and ``extent`` (the highest staleness, the spans at ``extent[2]``
+    or above); returns its oldest and newest sampled version (else its dispatch version)."""
+    dispatch, sample_offsets = columns[1], columns[3]
+    dropped, mask_below, n_sampled, span_offsets = columns[4:8]
     version, sampled, labelled = columns[8:]
     length_sampled, length_removed = lengths
     n_buckets = len(length_bounds) + 1
@@ -173,17 +161,11 @@ def _walk_live_rollout(
 def _staleness_counts(
     t: int, rollout_in: BoolArray, columns: Columns, extent: IntArray
 ) -> tuple[IntArray, IntArray, int]:  # pragma: no cover - compiled
-    """The sampled positions of the selected live rollouts' kept samples by staleness (``extent`` as
-    ``_walk_live_rollout`` left it, with ``top``): the histogram (index = staleness, the last index
-    ``top`` counting all at or above it), the staleness (row 0) and positions (row 1) of each span
-    at ``top`` or above sorted by staleness, and the sum of staleness x positions below ``top``. A
-    callee of ``_population_summary``."""
-    frozen, sample_offsets, dropped, span_offsets, version, sampled = (
-        columns[0],
-        columns[3],
-        columns[4],
-        *columns[7:10],
-    )
+    """The selected live rollouts' sampled positions by staleness: the histogram (the last index
+    ``top`` counting all at or above it), the spans at ``top`` or above (staleness, positions)
+    sorted by staleness, and the sum of staleness x positions below ``top``."""
+    frozen, sample_offsets, dropped = columns[0], columns[3], columns[4]
+    span_offsets, version, sampled = columns[7:10]
     high, n_above, top = extent[0], extent[1], extent[2]
     histogram = np.zeros(min(high, top) + 1, dtype=np.int64)  # (empty without sampled positions)
     above = np.empty((2, n_above), dtype=np.int64)
@@ -217,9 +199,7 @@ def _nearest_ranks(
     histogram: IntArray, above: IntArray, quantiles: IntArray, out: IntArray
 ) -> None:  # pragma: no cover - compiled
     """Into ``out``, per ``quantiles`` row (numerator, denominator), the ceil(p * N)-th smallest
-    staleness of the N positions of ``histogram`` (positions per staleness 0, 1, ...), its last
-    index replaced by ``above`` (the staleness values it folds, sorted, with their positions) when
-    there are any. A callee of ``_population_summary``."""
+    staleness of ``histogram``'s positions (its last index read from ``above``)."""
     values, counts = above[0], above[1]
     below = len(histogram) - 1 if len(values) else len(histogram)
     total = 0
@@ -309,19 +289,11 @@ def population_summary(
     top: int,
     quantiles: IntArray,
 ) -> PopulationSummary:
-    """What a ship reports of the rollouts selected by ``rollout_in``, in one pass over their spans.
-
-    Frozen rollouts are only counted; dropped samples are left out. The sums of the live rollouts'
-    kept samples; the count, sum and maximum of the live rollouts' staleness, in-flight and in-queue
-    times and newest staleness; per length bucket (a sample's is the first of ``length_bounds`` at
-    or above its sampled positions, the last bucket past them all; samples with none are in no
-    bucket) the sampled and masked positions; the nearest-rank staleness of each ``quantiles`` row
-    (numerator, denominator: the ceil(p * N)-th smallest sampled position's); and the token and
-    rollout histograms (index = staleness, the last index ``top`` counting all at or above it).
-    ``top`` x the sampled positions must fit in int64.
-
-    Raises ``ValueError`` on arrays of different lengths, offsets that do not tile them, or a
-    version of a live rollout above ``trained_version`` (a staleness below 0)."""
+    """What a ship reports of the rollouts selected by ``rollout_in``, in one pass over their spans
+    (frozen rollouts only counted, dropped samples left out; see :class:`PopulationSummary`). A
+    sample's length bucket is the first of ``length_bounds`` at or above its sampled positions;
+    ``quantiles`` rows are (numerator, denominator). ``ValueError`` on arrays of different lengths,
+    offsets that do not tile them, or a version above ``trained_version``."""
     t, top = int(trained_version), int(top)
     found = _population_summary(t, rollout_in, tuple(columns), length_bounds, top, quantiles)
     totals, lengths, token_histogram, rollout_histogram, above = found

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -20,12 +22,12 @@ __all__ = [
     "Tally",
 ]
 
-# A value of the metrics dict: numbers, and the one string key
-# ``staleness/mismatch/floor_source`` (SPEC 14).
+# numbers, and the one string key ``staleness/mismatch/floor_source`` (SPEC 14)
 MetricValue = float | int | str
 
 
 Counts = npt.NDArray[np.int64]
+Operation = Callable[[Any, Any], Any]
 
 
 def _empty_counts() -> Counts:
@@ -33,8 +35,7 @@ def _empty_counts() -> Counts:
 
 
 def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
-    """``a`` and ``b``, the shorter padded with zeros to the other's length (histograms of different
-    tops)."""
+    """``a`` and ``b``, the shorter padded with zeros to the other's length."""
     if len(a) < len(b):
         a = np.concatenate((a, np.zeros(len(b) - len(a), dtype=np.int64)))
     elif len(b) < len(a):
@@ -44,12 +45,9 @@ def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
 
 @dataclass(frozen=True)
 class Tally:
-    """Additive numbers of one ship window for one population (the whole batch or one env).
-
-    Tallies merge exactly across processes and steps (``a + b``); histogram index = staleness in
-    policy versions, the last index :data:`HISTOGRAM_TOP` counting everything at or above it.
-    Counters exported to Prometheus / OTLP are sums of these.
-    """
+    """Additive numbers of one ship window for one population (the whole batch or one env): they
+    merge exactly (``a + b``); histogram index = staleness, the last index :data:`HISTOGRAM_TOP`
+    counting everything at or above it."""
 
     tokens_sampled: int = 0
     tokens_masked: int = 0
@@ -70,35 +68,26 @@ class Tally:
     length_removed: Counts = field(default_factory=_empty_counts)  # of those, masked or dropped
 
     def __add__(self, other: Tally) -> Tally:
-        # (names read once: dataclasses.fields costs more than the sums)
-        mine, theirs = (
-            self.__dict__,
-            other.__dict__,
-        )  # (every field is in the instance's dict: no slots)
-        values: dict[str, object] = {name: mine[name] + theirs[name] for name in _COUNT_FIELDS}
+        return self._combine(other, operator.add, operator.add)
+
+    def excess_over(self, other: Tally) -> Tally:
+        """``self - other`` field by field, floored at 0."""
+        return self._combine(other, lambda a, b: max(a - b, 0), lambda a, b: np.maximum(a - b, 0))
+
+    def _combine(self, other: Tally, count_op: Operation, array_op: Operation) -> Tally:
+        """``count_op`` of each number and ``array_op`` of each array (the shorter one padded)."""
+        mine, theirs = self.__dict__, other.__dict__  # (no slots: every field is there)
+        values: dict[str, object] = {n: count_op(mine[n], theirs[n]) for n in _COUNT_FIELDS}
         for name in _COUNTS_FIELDS:
-            a, b = _aligned(mine[name], theirs[name])
-            values[name] = (a + b).astype(np.int64, copy=False)
+            combined = array_op(*_aligned(mine[name], theirs[name]))
+            values[name] = combined.astype(np.int64, copy=False)
         # (every field given: the frozen __init__'s setattr per field skipped)
         total = object.__new__(Tally)
         total.__dict__.update(values)
         return total
 
-    def excess_over(self, other: Tally) -> Tally:
-        """``self - other`` field by field, floored at 0 (the part of a window's
-        tally no env's covers)."""
-        mine, theirs = self.__dict__, other.__dict__
-        values: dict[str, object] = {name: max(mine[name] - theirs[name], 0) for name in _COUNT_FIELDS}
-        for name in _COUNTS_FIELDS:
-            a, b = _aligned(mine[name], theirs[name])
-            values[name] = np.maximum(a - b, 0).astype(np.int64, copy=False)
-        excess = object.__new__(Tally)
-        excess.__dict__.update(values)
-        return excess
-
     def within(self, other: Tally) -> bool:
-        """Whether every number of ``self`` is at most ``other``'s (the arrays index by index): then
-        :meth:`excess_over` is empty."""
+        """Whether every number of ``self`` is at most ``other``'s (arrays index by index)."""
         mine, theirs = self.__dict__, other.__dict__
         if any(mine[name] > theirs[name] for name in _COUNT_FIELDS):
             return False
@@ -127,13 +116,8 @@ _COUNT_FIELDS = tuple(f.name for f in fields(Tally) if f.name not in _COUNTS_FIE
 
 @dataclass(frozen=True)
 class StepReport:
-    """The outcome of one ship.
-
-    ``metrics`` is the SPEC 6 dict exactly as written to W&B / ``--metrics-out`` (without ``step``;
-    per-env keys included when the env breakdown is on). ``env_metrics`` maps each env name to the
-    same keys for that env's population, and ``env_tally`` its tallies; rollouts without an env are
-    under ``""``. ``tally`` covers the whole window.
-    """
+    """The outcome of one ship: ``metrics`` the SPEC 6 dict as written to W&B (without ``step``),
+    ``env_metrics`` / ``env_tally`` the same per env name (``""``: rollouts without an env)."""
 
     step: int
     max_staleness: int
@@ -142,8 +126,7 @@ class StepReport:
     env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
     env_tally: Mapping[str, Tally] = field(default_factory=dict)
     mismatch: MismatchSums | None = None
-    # With the env breakdown, each named env's SPEC 11 sums from the records (the
-    # counters' per-env series).
+    # with the env breakdown, each named env's SPEC 11 sums from the records
     env_mismatch: Mapping[str, MismatchSums] = field(default_factory=dict)
 
     def row(self) -> dict[str, MetricValue]:

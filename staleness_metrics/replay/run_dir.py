@@ -1,31 +1,12 @@
-"""A run directory: what a run wrote beside its event stream, named by a ``run.json``.
-
-``staleness-metrics demo`` writes one; ``report`` and ``what-if`` read it. ``run.json`` says which files
-there are (every path relative to the directory) and the settings the run used::
-
-    {"format": "staleness-metrics run", "version": 1, "run": "staleness-demo",
-     "config": {"policy": "token", "max_staleness": 8, ...},         # StalenessConfig fields
-     "files": {"events": "events.jsonl",                              # SPEC 9 events (required)
-               "metrics": "metrics.jsonl",                            # the rows every step logged
-               "trainer_logprobs": "trainer-logprobs.jsonl",          # what the trainer computed
-               "mismatch_sums": "mismatch-sums.jsonl"},               # the SPEC 11 sums it recorded
-     "steps": 60}
-
-- ``trainer_logprobs``: one line per shipped rollout, ``{"step": S, "id": ID, "trainer_logprobs": [...]}``
-  with one list per sample of the rollout as it was added (``null`` for a sample not shipped). They are
-  joined to the rollouts of the event stream as the samples' ``trainer_logprobs`` (SPEC 11), so a replay
-  of the directory reports what staleness cost, as the live path did.
-- ``mismatch_sums``: one line per step, ``{"step": S, "sums": MismatchSums.to_dict()}``: the sums the
-  trainer recorded (posted) for that step.
-
-Every file but the events is optional: a reader shows what is there.
+"""A run directory: what a run wrote beside its event stream, named by a ``run.json`` (format in
+docs/run-inputs.md). ``staleness-metrics demo`` writes one; ``report`` and ``what-if`` read it.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +24,7 @@ _FILES = ("events", "metrics", "trainer_logprobs", "mismatch_sums")
 
 @dataclass(frozen=True)
 class RunDirectory:
-    """A run directory as its ``run.json`` describes it (paths resolved; absent
-    optional files are None)."""
+    """A run directory as its ``run.json`` describes it (absent optional files are None)."""
 
     root: Path
     name: str
@@ -54,7 +34,6 @@ class RunDirectory:
     trainer_logprobs: Path | None = None
     mismatch_sums: Path | None = None
     steps: int | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
         """The run's settings as a :class:`StalenessConfig`, ``overrides`` applied (``ConfigError``
@@ -68,8 +47,7 @@ class RunDirectory:
             raise ConfigError(f"{self.root / RUN_FILE}: config: {error}") from None
 
     def merged_config(self, given: StalenessConfig) -> StalenessConfig:
-        """The run's settings, except those ``given`` (from a command line) sets
-        apart from the defaults."""
+        """The run's settings, but those ``given`` (a command line) sets apart from the defaults."""
         defaults = StalenessConfig()
         overrides = {
             f.name: getattr(given, f.name)
@@ -79,8 +57,7 @@ class RunDirectory:
         return self.staleness_config(**overrides)
 
     def events_with_costs(self) -> Iterator[EventDict]:
-        """The event stream, each shipped rollout's samples carrying the
-        trainer's log-probabilities."""
+        """The event stream, each shipped rollout's samples with the trainer's log-probabilities."""
         logprobs = self._trainer_logprobs()
         for event in read_event_file(self.events):
             if logprobs and event.get("type") == "rollout" and isinstance(event.get("rollout"), dict):
@@ -159,7 +136,6 @@ def _read(root: Path) -> RunDirectory:
         config=config,
         events=events,
         steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
-        extra={k: v for k, v in data.items() if k not in {"format", "version", "run", "config", "files", "steps"}},
         **resolved,
     )
 
@@ -177,8 +153,7 @@ def find_run(path: str | Path) -> RunDirectory | None:
 
 
 def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping[str, Path], **extra: Any) -> Path:
-    """Write ``root/run.json`` naming ``files`` (kept relative to ``root``
-    where they are under it)."""
+    """Write ``root/run.json`` naming ``files`` (relative to ``root`` where they are under it)."""
     config_data = {f.name: getattr(config, f.name) for f in fields(StalenessConfig)}
     config_data["mismatch_band"] = list(config.mismatch_band)
 

@@ -1,5 +1,4 @@
-"""Replay of a recorded event stream (SPEC 9): the sink run over JSON lines,
-no service, no network."""
+"""Replay of a recorded event stream (SPEC 9): the sink run over JSON lines, no service."""
 
 from __future__ import annotations
 
@@ -45,27 +44,22 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Event:
-    """One line of an event stream: ``kind`` is ``rollout``, ``sweep`` or ``ship``.
-
-    A rollout event holds its decoded record (``rollout``), or, read by ``read_events(parse=True)``,
-    the record already type-checked into arrays (``parsed``), or the record refused as it was read
-    (``unparsed``: a string that is not valid Unicode).
-    """
+    """One line of an event stream: ``kind`` is ``rollout``, ``sweep`` or ``ship``. A rollout holds
+    its decoded record (``rollout``), its arrays (``parsed``, by ``read_events(parse=True)``) or the
+    record refused as read (``unparsed``: a string that is not valid Unicode)."""
 
     line: int
     kind: str
     rollout: dict[str, Any] | None = None
     step: int = 0
     ids: tuple[str, ...] | None = None
-    # a rollout line may hold JSON booleans (False: a faster check of its numbers)
-    booleans: bool = True
+    booleans: bool = True  # the line may hold JSON booleans (False: a faster check)
     parsed: ParsedRollout | None = None
     unparsed: UnparsedRollout | None = None
 
 
 def _step(line: int, raw: dict[str, Any]) -> int:
     step = raw.get("step")
-    # as the sink's check
     if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:
         raise EventError(line, f"'step' must be an integer in 1..{MAX_STEP}, got {step!r}")
     return step
@@ -108,8 +102,8 @@ def _decoded(number: int, text: str | bytes) -> Event:
 
 
 def _bad_json(text: str | bytes, error: jsonio.DecodeError) -> str:
-    """Why a line is not JSON, naming a NUL byte or invalid UTF-8 (binary data, or text in another
-    encoding) rather than the parser's complaint about what followed."""
+    """Why a line is not JSON, naming a NUL byte or invalid UTF-8 rather than the parser's
+    complaint about what followed."""
     nul = text.find(b"\x00" if isinstance(text, bytes) else "\x00")  # type: ignore[arg-type]
     if nul >= 0:
         return f"a NUL byte at column {nul + 1}: not a line of UTF-8 JSON (binary data, or UTF-16/32 text?)"
@@ -131,8 +125,7 @@ def _encodable(text: str) -> bool:
 
 def _invalid_string(value: object) -> tuple[str, str] | None:
     """The first string (key or value) in ``value`` that is not valid Unicode: ``(where, string)``,
-    ``where`` as the validation names fields (``env``, ``samples[0].mask``). Walked with a stack,
-    not recursion: a line may nest as deep as the decoder allows."""
+    ``where`` as the validation names fields (``samples[0].mask``). A stack: no recursion limit."""
     stack: list[tuple[object, str]] = [(value, "")]
     while stack:
         item, where = stack.pop()
@@ -162,8 +155,8 @@ def _escaped(text: str) -> str:
 
 
 def _unicode_reason(text: str | bytes, string: str) -> str:
-    """Why ``string`` is not valid Unicode: a byte of invalid UTF-8 in the line (decoded by
-    ``surrogateescape`` as U+DC80..U+DCFF), or a lone surrogate written as an escape."""
+    """Why ``string`` is not valid Unicode: a byte of invalid UTF-8 in the line (``surrogateescape``
+    made it U+DC80..U+DCFF), or a lone surrogate written as an escape."""
     char = next(c for c in string if "\ud800" <= c <= "\udfff")
     if isinstance(text, bytes) and "\udc80" <= char <= "\udcff" and not _is_utf8(text):
         return f"not valid UTF-8 (byte 0x{ord(char) - 0xDC00:02x})"
@@ -179,11 +172,9 @@ def _is_utf8(text: bytes) -> bool:
 
 
 def _unicode_checked(event: Event, text: str | bytes) -> Event:
-    """``event`` (of a line the standard library decoded) with its strings checked: a rollout
-    holding a string that is not valid Unicode is refused as invalid input (set aside in
-    lenient mode; strict mode names the line, rollout and field), which no output could carry;
-    a ship naming such an id is a malformed line. Orjson decoded every other line, and it
-    accepts valid Unicode only."""
+    """``event`` (of a line the standard library decoded, not orjson) with its strings checked: a
+    rollout holding invalid Unicode is refused as invalid input, a ship naming such an id is a
+    malformed line."""
     if event.kind == "ship" and event.ids:
         for rid in event.ids:
             if not _encodable(rid):
@@ -218,14 +209,9 @@ def read_events(
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
 
     ``parse=True``: a valid rollout line given as bytes is read straight into arrays
-    (:mod:`.simd_records`, where pysimdjson is installed) and its event holds ``parsed`` instead of
-    ``rollout``; :func:`prepare` takes either. Other lines are decoded as always.
-
-    ``read_ahead=True`` (with ``parse``): the values of rollout lines are checked together across
-    ship and sweep lines too, so an event may be yielded up to 64 rollout lines after it was read (a
-    stream that ships every few rollouts checks 64 lines at a time, not a few). For a file read to
-    its end: the same events, and an error of a line or of the file raised after the same events as
-    without it; not for a live stream whose ships are awaited as they come.
+    (:mod:`.simd_records`) and its event holds ``parsed``. ``read_ahead=True`` (with ``parse``):
+    rollout lines are checked 64 at a time across ship and sweep lines too (the same events and
+    errors, in the same order, for a file read to its end; not for a live stream).
     """
     last_step = 0
     reader = simd_records.LineReader() if parse and simd_records.AVAILABLE else None
@@ -302,8 +288,7 @@ def read_events(
 
 
 def _checked(taken: Any, parsed: ParsedRollout | None) -> tuple[int, bytes, ParsedRollout | None]:
-    """A taken line once its values are checked: its text is kept only for the
-    general path to read."""
+    """A taken line once checked (its text kept only for the general path)."""
     number, text = taken
     return number, text if parsed is None else b"", parsed
 
@@ -314,8 +299,7 @@ _PENDING_EVENTS = 4 * _PARSE_LINES
 
 @dataclass(frozen=True)
 class Added:
-    """Consecutive rollout events, type-checked into columnar-ready records
-    (no JSON objects kept)."""
+    """Consecutive rollout events, type-checked into columnar-ready records."""
 
     lines: tuple[int, ...]
     items: tuple[ParsedRollout | UnparsedRollout, ...]
@@ -329,12 +313,8 @@ Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / s
 
 
 def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
-    """Events as the sink's steps: each rollout parsed as it is read,
-    consecutive ones added together.
-
-    The steps do not depend on the sink's settings, so one prepared stream can be run by several
-    sinks (:func:`run_steps`); every run packs its own copy of the arrays.
-    """
+    """Events as the sink's steps, consecutive rollouts added together; independent of the sink's
+    settings, so several sinks may run them (:func:`run_steps`)."""
     lines: list[int] = []
     items: list[ParsedRollout | UnparsedRollout] = []
     for event in events:
@@ -355,22 +335,20 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
 
 
 def pack_once(steps: Iterable[Step]) -> list[Step]:
-    """The steps with each :class:`Added`'s parsed rollouts packed into a batch, for several runs.
+    """The steps with each :class:`Added`'s rollouts packed and checked once, for several runs.
 
-    Each run then adds a copy of the batch (a sink masks the arrays it holds in place) instead of
-    packing the records again: one copy per array rather than a concatenation of every sample's.
-    The batch is also checked once (:func:`check_batch`, :func:`build_spans`): what a sink finds
-    depends only on the batch as it arrives and on the ids accepted before it, which are the same in
-    every run of the steps (a sink accepts every valid rollout it is given, whatever its bound).
+    Each run adds a copy of the batch (a sink masks in place). The checks depend only on the batch
+    and the ids accepted before it, the same in every run (a sink accepts every valid rollout).
     """
     out: list[Step] = []
     accepted: set[str] = set()
     for step in steps:
         if isinstance(step, Added):
             parsed = [entry for entry in step.items if isinstance(entry, ParsedRollout)]
-            packed = _share(pack(parsed)) if parsed else None
+            packed = pack(parsed) if parsed else None
             checked = None
             if packed is not None:
+                _read_only(packed, but=_MASKED_FIELDS)
                 verdicts, spans = checked_spans(packed, accepted)
                 _read_only(spans)
                 checked = verdicts, spans
@@ -380,9 +358,11 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
     return out
 
 
-def _read_only(spans: SpanTable) -> None:
-    for f in dataclasses.fields(spans):  # shared by every run, like the packed arrays
-        if isinstance(value := getattr(spans, f.name), np.ndarray):
+def _read_only(shared: RolloutBatch | SpanTable, but: tuple[str, ...] = ()) -> None:
+    """Make the arrays every run shares read-only, ``but`` those a sink masks in place (in its own
+    copy, :func:`_copy`): a sink that wrote into one fails rather than change the other runs."""
+    for f in dataclasses.fields(shared):
+        if isinstance(value := getattr(shared, f.name), np.ndarray) and f.name not in but:
             value.setflags(write=False)
 
 
@@ -390,10 +370,7 @@ _MASKED_FIELDS = ("mask", *WEIGHT_FIELDS)  # the arrays a sink writes (masks in 
 
 
 def _copy(batch: RolloutBatch) -> RolloutBatch:
-    """A batch for one more run: copies of the arrays a sink masks in place, the others shared.
-
-    The shared arrays are made read-only (:func:`_share`), so that a sink that wrote into one would
-    fail loudly rather than change what the other runs read."""
+    """A batch for one more run: copies of the arrays a sink masks in place, the others shared."""
     copied = copy.copy(batch)  # (checked and converted once already: no __post_init__ again)
     for name in _MASKED_FIELDS:
         if (value := getattr(batch, name)) is not None:
@@ -402,21 +379,9 @@ def _copy(batch: RolloutBatch) -> RolloutBatch:
     return copied
 
 
-def _share(batch: RolloutBatch) -> RolloutBatch:
-    """``batch`` with every array but the masked ones read-only (they are
-    shared by :func:`_copy`)."""
-    for f in dataclasses.fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, np.ndarray) and f.name not in _MASKED_FIELDS:
-            value.setflags(write=False)
-    return batch
-
-
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
-    """Run prepared steps through ``sink``, yielding each ship's result as it happens.
-
-    A rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
-    """
+    """Run prepared steps through ``sink``, yielding each ship's result as it happens; a rollout
+    the sink rejects (strict mode) raises :class:`EventError` naming its line."""
     for step in steps:
         if isinstance(step, Added):
             try:
@@ -440,12 +405,9 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
 
 
 def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> Iterator[Shipment]:
-    """Feed events to ``sink``, yielding each ship's result as it happens.
-
-    Consecutive rollout events are added together (one columnar batch, same outcome as one by one;
-    the sink cuts the adds between two ships together, :mod:`~staleness_metrics.engine.staging`). A
-    rollout the sink rejects (strict mode) raises :class:`EventError` naming its line.
-    """
+    """Feed events to ``sink``, yielding each ship's result as it happens; consecutive rollouts
+    are added together (the same outcome as one by one). A rollout the sink rejects (strict mode)
+    raises :class:`EventError` naming its line."""
     return run_steps(prepare(events, batch_size), sink)
 
 
@@ -477,9 +439,8 @@ _HOW = {
 
 
 def stream_compression(path: str | Path) -> str | None:
-    """``gzip``, ``bzip2`` or ``xz`` for a file compressed so (read by :func:`open_decompressed`),
-    ``None`` for any other file; :class:`ConfigError` for one replay cannot read (zstd, zip,
-    UTF-16/32 text), saying what it is and how to make it readable."""
+    """``gzip``, ``bzip2`` or ``xz`` for a file compressed so, ``None`` for any other file;
+    :class:`ConfigError` for one replay cannot read (zstd, zip, UTF-16/32), saying what to do."""
     with open(path, "rb") as handle:
         head = handle.read(6)
     for magic, kind in _MAGIC:
@@ -491,8 +452,7 @@ def stream_compression(path: str | Path) -> str | None:
 
 
 def open_decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
-    """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`); ``raw``
-    itself when ``None``. Closing a decompressing reader leaves ``raw`` open."""
+    """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`)."""
     if compression is None:
         return raw
     if compression == "gzip":
@@ -509,21 +469,17 @@ def read_event_path(
     read_ahead: bool = False,
     opener: Callable[[Path], AbstractContextManager[IO[bytes]]] | None = None,
 ) -> Generator[Event, None, None]:
-    """The events of a SPEC 9 event stream file, decompressed if it is (:func:`stream_compression`).
-
-    ``parse`` and ``read_ahead`` as :func:`read_events` takes them; ``opener`` opens the file's
-    bytes (default: a buffered read); compressed data found damaged or cut short raises
-    :class:`ConfigError` naming the file.
-    """
+    """The events of a SPEC 9 event stream file, decompressed if it is; ``parse`` and
+    ``read_ahead`` as :func:`read_events`, ``opener`` opens the file's bytes. Compressed data found
+    damaged or cut short raises :class:`ConfigError` naming the file."""
     path = Path(path)
     compression = stream_compression(path)
     with (opener or _open_buffered)(path) as raw, open_decompressed(raw, compression) as handle:
-        if compression is None:
-            yield from read_events(handle, parse=parse, read_ahead=read_ahead)
-            return
         try:
             yield from read_events(handle, parse=parse, read_ahead=read_ahead)
         except (EOFError, OSError, zlib.error, lzma.LZMAError) as error:
+            if compression is None:
+                raise
             raise ConfigError(f"{path}: {compression} data damaged or cut short ({error})") from None
 
 

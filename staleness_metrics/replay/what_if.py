@@ -1,44 +1,9 @@
 """What if the bound were different: the same run replayed at each ``max_staleness`` of a range.
 
-Every figure is a sum of the replay's own per-ship tallies over the whole run, so the row of the
-bound a run used equals what ``replay`` reports for it:
-
-- ``tokens_sampled``: sampled positions of the shipped live samples, masked ones included;
-- ``tokens_masked``: those of them masked for staleness;
-- ``masked_ratio`` = ``tokens_masked / tokens_sampled`` (``staleness/token/masked`` over the run);
-- ``tokens_kept`` = ``tokens_sampled - tokens_masked``: the sampled positions that train;
-- ``tokens_dropped``: sampled positions of samples dropped for staleness;
-- ``kept_share`` = ``tokens_kept / (tokens_sampled + tokens_dropped)``: of the sampled positions
-  that were shipped or dropped, the share that trains;
-- ``rollouts_dropped``, ``samples_dropped``, ``rollouts_shipped`` (live): counts over the run;
-- ``rollouts_held``: held rollouts summed over ships (one held across two ships counts twice).
-
-What the bound costs (SPEC 11; only when the records carry ``trainer_logprobs``), over the **trained
-covered tokens**: the sampled positions of shipped live samples that the bound left unmasked and
-that carry both log-probabilities (masked positions and dropped samples are what the bound removed,
-so they are left out), their sums merged over the run:
-
-- ``trained_covered``: how many such tokens;
-- ``trained_k3``: their mean k3 (``r - 1 - log r``);
-- ``trained_excess_k3``: the mean k3 of those with lag >= 1 minus SPEC 14's floor of the same
-  pooled tokens (their lag-0 k3 when at least ``floor_min_tokens`` trained, else the k3 of the
-  smallest lag with that many, an upper bound on the floor), over the whole run; ``None`` when
-  there is no floor or no stale token.
-
-What the run's curve says about each bound (SPEC 14 over the whole run, :class:`RunCurve`): the
-SPEC 11 sums of every position the records hold, whatever the bound (a replay that drops nothing
-for staleness; masked positions count, as in SPEC 11), pooled over the run, give a floor
-(``lag0``, else ``min_lag``), the budget and the isotonic excess curve: what a token of each lag
-costs in this run. Per bound:
-
-- ``excess_at_bound``: the curve's ``ê`` at the largest lag not above the bound;
-- ``within_budget``: that ``ê`` is at most the budget. A bound below the curve's first lag is within
-  it when the first point is (more lag cannot make a token cheaper), unknown (``None``) otherwise;
-- ``suggested``: this bound is the suggested one (the largest lag of the curve within the budget);
-  ``suggested_bound``: the suggestion itself, which may lie outside the bounds tried.
-
-A run directory (:mod:`staleness_metrics.replay.run_dir`) is read with its trainer
-log-probabilities, so the cost columns exist for the demo's own runs.
+Every figure is a sum of the replay's own per-ship tallies over the run, so the row of the bound a run
+used equals what ``replay`` reports; the cost columns are SPEC 11 sums over the tokens a bound lets
+train, and the run's curve (SPEC 14 over every position the records hold) judges each bound. The
+columns are defined in docs/run-inputs.md and docs/decisions.md ("What-if cost").
 """
 
 from __future__ import annotations
@@ -184,8 +149,7 @@ class WhatIfRow:
 
 @dataclass(frozen=True)
 class RunCurve:
-    """SPEC 14 over a whole run: the floor, the budget and the excess curve of
-    the run's pooled sums."""
+    """SPEC 14 over a whole run: the floor, budget and excess curve of its pooled sums."""
 
     floor: Floor
     budget: float
@@ -194,14 +158,13 @@ class RunCurve:
 
     @property
     def suggested(self) -> int | None:
-        """The largest lag of the curve within the budget (0 when the first is above);
-        None without a curve."""
+        """The largest lag of the curve within the budget (0 when the first is above)."""
         advice = advise(self.curve, self.budget, 0)
         return None if advice is None else advice.suggested
 
     @property
     def crossed(self) -> bool | None:
-        """Whether some lag of the curve is above the budget; None without a curve."""
+        """Whether some lag of the curve is above the budget."""
         advice = advise(self.curve, self.budget, 0)
         return None if advice is None else advice.crossed
 
@@ -211,8 +174,8 @@ class RunCurve:
         return None if advice is None else advice.excess_at_bound
 
     def within_budget(self, bound: int) -> bool | None:
-        """Whether the tokens ``bound`` lets train cost at most the budget, by the curve
-        (see the module docs)."""
+        """Whether ``ê`` at ``bound`` is within the budget; below the curve's first lag, True when
+        the first point is (more lag cannot make a token cheaper), else unknown (None)."""
         if not self.curve:
             return None
         at_bound = self.excess_at(bound)
@@ -237,9 +200,8 @@ def _float(value: float | None) -> float | None:
 
 
 def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
-    """The shipped samples' ``name`` array (``mask``, ``logprobs``, ``trainer_logprobs``)
-    concatenated in ship order, aligned with ``shipment.lags``; NaN where a sample lacks it.
-    One slice per sample."""
+    """The shipped samples' ``name`` array (``mask``, ``logprobs``, ``trainer_logprobs``) in ship
+    order, aligned with ``shipment.lags``; NaN where a sample lacks it."""
     parts: list[npt.NDArray[np.float64]] = []
     for rollout in shipment.rollouts:
         batch = rollout.batch
@@ -247,10 +209,7 @@ def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
         values = getattr(batch, name)
         present = batch.present.get(name)
         for k in rollout.samples:
-            lo, hi = (
-                int(batch.position_offsets[first + k]),
-                int(batch.position_offsets[first + k + 1]),
-            )
+            lo, hi = batch.position_offsets[first + k : first + k + 2].tolist()
             if values is None or (present is not None and not present[first + k]):
                 parts.append(np.full(hi - lo, np.nan))
             else:
@@ -261,8 +220,7 @@ def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
 def trained_cost(shipment: Shipment, band: tuple[float, float]) -> MismatchSums | None:
     """SPEC 11 sums over the covered positions the ship trains (unmasked sampled positions of its
     live samples); ``None`` when no shipped record carries ``trainer_logprobs``."""
-    # the sink found no trainer_logprobs: skip building the rollouts
-    if shipment.report.mismatch is None:
+    if shipment.report.mismatch is None:  # the sink found no trainer_logprobs
         return None
     trains = shipped_values(shipment, "mask") > 0
     lags = np.where(trains, shipment.lags, -1)  # masked positions leave the population
@@ -280,7 +238,7 @@ def _tally_cost_and_sums(
     shipments: Iterable[Shipment], band: tuple[float, float]
 ) -> tuple[Tally, MismatchSums | None, MismatchSums | None]:
     """:func:`tally_and_cost` and the ships' own SPEC 11 sums (every shipped position) pooled."""
-    tally: Tally = Tally()
+    tally = Tally()
     cost: MismatchSums | None = None
     pooled: MismatchSums | None = None
     for shipment in shipments:
@@ -296,22 +254,16 @@ def _tally_cost_and_sums(
 
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
     """The sum of every ship's tally."""
-    total = Tally()
-    for shipment in shipments:
-        total = total + shipment.report.tally
-    return total
+    return sum((shipment.report.tally for shipment in shipments), Tally())
 
 
 Source = str | Path | Sequence[EventDict]
 
 
 def _steps_for(source: Source, strict: bool = True) -> tuple[Callable[[int], Iterable[Step]], list[Step] | None]:
-    """The prepared steps to replay at each bound: parsed once, unless the input depends on the
-    bound; and the steps themselves when they are the same for every bound (``None`` otherwise).
-
-    A prime-rl run directory does (which unshipped episodes were stale depends on the bound being
-    replayed), so it is read again per bound; event streams and xtuner states are parsed once.
-    """
+    """The prepared steps of each bound, and the steps when every bound shares them (else None: a
+    prime-rl run directory is read per bound, since which unshipped episodes were stale depends
+    on it)."""
     if isinstance(source, (str, Path)):
         run = find_run(source)
         if run is not None:  # the events joined to the trainer's log-probabilities
@@ -328,10 +280,7 @@ def _steps_for(source: Source, strict: bool = True) -> tuple[Callable[[int], Ite
 
 
 def _carries_trainer_logprobs(steps: Sequence[Step] | None) -> bool:
-    """Whether some record of ``steps`` may carry ``trainer_logprobs`` (True
-    when the steps are unknown).
-
-    Without them no replay has SPEC 11 sums, so the run has no curve whatever the bound."""
+    """Whether some record of ``steps`` may carry ``trainer_logprobs`` (True when unknown)."""
     if steps is None:
         return True
     return any(isinstance(s, Added) and s.packed is not None and s.packed.trainer_logprobs is not None for s in steps)
@@ -357,8 +306,7 @@ def _usable_cores() -> int:
 
 def _fork_safe() -> bool:
     """A fork copies the calling thread only: safe when every other thread is the engine's idle
-    pool (:mod:`staleness_metrics.parallel`, forgotten in the child), unsafe when the caller
-    runs threads of its own."""
+    pool (:mod:`staleness_metrics.parallel`)."""
     if not hasattr(os, "fork"):
         return False
     current = threading.current_thread()
@@ -369,9 +317,8 @@ Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 
 
 def _removes_nothing(replayed: Replayed) -> bool:
-    """Whether a replay masked, dropped and held nothing for staleness. Every policy is monotonic
-    in the bound (SPEC 5), so a larger bound then judges every ship alike: its replay is this
-    one, figure for figure."""
+    """Whether a replay masked, dropped and held nothing: every larger bound then replays alike
+    (every policy is monotonic in the bound, SPEC 5)."""
     tally = replayed[0]
     return not (
         tally.tokens_masked or tally.tokens_dropped or tally.samples_dropped or tally.rollouts_dropped
@@ -382,9 +329,8 @@ def _removes_nothing(replayed: Replayed) -> bool:
 def _replay_until_error(
     jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool = False
 ) -> dict[int, Replayed]:
-    """``replay_at`` of each job in order, up to the first that raises (left out: its caller raises
-    it); ``ascending`` (jobs in increasing order, the same steps at every bound): also up to the
-    first that removed nothing, whose figures every later job shares."""
+    """``replay_at`` of each job in order, up to the first that raises (left for the caller to
+    raise) or, ``ascending``, the first that removed nothing (its figures every later job's)."""
     done: dict[int, Replayed] = {}
     for job in jobs:
         try:
@@ -396,8 +342,7 @@ def _replay_until_error(
     return done
 
 
-# The replay of the pool's worker: handed over by the fork itself (an initializer's arguments are
-# not pickled under the fork context), so that the worker shares the prepared steps copy-on-write.
+# the worker's replay, inherited through the fork (sharing the prepared steps copy-on-write)
 _inherited: Callable[[int], Replayed] | None = None
 
 
@@ -412,15 +357,9 @@ def _replay_share(jobs: Sequence[int], ascending: bool) -> dict[int, Replayed]:
 
 
 def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool) -> dict[int, Replayed]:
-    """``replay_at`` of the jobs, every other one in a forked worker and the
-    rest here, on two cores.
-
-    Each bound runs its own sink over the same read-only steps, so a process per share computes
-    exactly what one process would. Each share runs as :func:`_replay_until_error` runs it
-    (``ascending``: jobs in increasing order, interleaved so that both shares reach the first bound
-    that removes nothing about together). A job that raised, those after it in its share, and the
-    worker's share should the worker fail, are left out: the caller replays them in order, raising
-    what a run in order raises."""
+    """``replay_at`` of the jobs on two cores, every other one in a forked worker: each share as
+    :func:`_replay_until_error` runs it. What a share left out (and the worker's share should it
+    fail) the caller replays in order, raising what a run in order raises."""
     first, second = list(jobs[::2]), list(jobs[1::2])
     fork = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(1, mp_context=fork, initializer=_inherit, initargs=(replay_at,)) as pool:
@@ -434,16 +373,14 @@ def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, 
 
 
 def _shared_figures(bound: int, replayed: dict[int, Replayed]) -> Replayed | None:
-    """The figures of a smaller bound whose replay removed nothing (then ``bound``
-    replays the same), if any."""
+    """The figures of a smaller bound whose replay removed nothing (``bound``'s too), if any."""
     below = [b for b, figures in replayed.items() if b < bound and _removes_nothing(figures)]
     return replayed[max(below)] if below else None
 
 
 @dataclass(frozen=True)
 class WhatIf:
-    """The rows of every bound and the run's curve (None when the run has no
-    trainer log-probabilities)."""
+    """The rows of every bound and the run's curve (None without trainer log-probabilities)."""
 
     rows: list[WhatIfRow]
     curve: RunCurve | None
@@ -451,7 +388,7 @@ class WhatIf:
 
 def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | None = None) -> list[WhatIfRow]:
     """Replay ``source`` (a run input path, a run directory, or event dicts) at every bound, other
-    settings from ``config``; see :func:`what_if_with_curve`."""
+    settings from ``config``."""
     return what_if_with_curve(source, bounds, config).rows
 
 
@@ -464,11 +401,10 @@ def what_if_with_curve(
 ) -> WhatIf:
     """The rows of :func:`what_if` and the run's curve, each row judged by it.
 
-    The input is decoded, type-checked and packed into batches once; each bound runs a fresh sink
-    over copies of the batches, so every row equals a separate replay at that bound.
-    ``processes=2`` replays half the bounds in a forked process, on a second core (``None``: where
-    the machine has two cores and the run at least :data:`FORK_MIN_POSITIONS` positions; ``1``: all
-    here). The rows are the same.
+    The input is read and packed once; each bound runs a fresh sink over copies of the batches, so
+    every row equals a separate replay. ``processes=2`` replays half the bounds in a forked process
+    (``None``: with two cores and at least :data:`FORK_MIN_POSITIONS` positions); the rows are the
+    same.
     """
     base = config or StalenessConfig()
     bounds = list(bounds)
@@ -477,28 +413,22 @@ def what_if_with_curve(
     unbounded: MismatchSums | None = None  # the sums of a replay that removed nothing, once one did
 
     def replay_at(bound: int) -> Replayed:
-        # The bound only masks and drops here: adapting it while replaying
-        # would judge another bound.
-        sink = Sink(
-            dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False
-        )  # the totals are read
+        # no adaptation (it would judge another bound); only the totals are read
+        sink = Sink(dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False)
         return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
 
-    # Without trainer log-probabilities no replay has SPEC 11 sums: the run
-    # has no curve, at any bound.
+    # without trainer log-probabilities the run has no curve, at any bound
     costs = _carries_trainer_logprobs(shared_steps)
     if processes is None:
         positions = _positions(shared_steps)
         processes = 2 if positions is None or positions >= FORK_MIN_POSITIONS else 1
         processes = min(processes, _usable_cores())
-    # With the same steps at every bound, bounds are replayed in increasing order and those above
-    # the first that removed nothing share its figures (monotonic policies, SPEC 5: the same
-    # decisions at every ship).
+    # the same steps at every bound: in increasing order, those above the first that removed
+    # nothing sharing its figures
     ascending = shared_steps is not None
     jobs = sorted(set(bounds)) if ascending else list(bounds)
     if processes >= 2 and len(bounds) >= 2 and _fork_safe():
-        # On two cores the replay that removes nothing runs beside the others, used only where a run
-        # of the bounds in order would run it (when every bound removed something).
+        # the replay that removes nothing runs beside them, used where every bound removed something
         replayed = _replay_split([*jobs, UNBOUNDED] if costs else jobs, replay_at, ascending=ascending)
     else:
         replayed = _replay_until_error(jobs, replay_at, ascending=True) if ascending else {}
@@ -511,8 +441,7 @@ def what_if_with_curve(
         if tally.tokens_dropped == 0 and tally.rollouts_held == 0:
             unbounded = pooled
     if unbounded is None and rows and costs:
-        # Every bound tried dropped something: the curve needs every token the records
-        # hold, whatever the bound.
+        # every bound dropped something: the curve needs every token the records hold
         unbounded = (replayed[UNBOUNDED] if UNBOUNDED in replayed else replay_at(UNBOUNDED))[2]
     curve = run_curve(unbounded, base)
     if curve is not None:
@@ -543,41 +472,36 @@ def _verdict(row: WhatIfRow) -> str:
     return mark + (" <- suggested" if row.suggested else "")
 
 
+Column = tuple[str, Callable[[WhatIfRow], str]]
+_COLUMNS: tuple[Column, ...] = (
+    ("max_staleness", lambda r: str(r.max_staleness)),
+    ("masked", lambda r: _percent(r.masked_ratio)),
+    ("tokens masked", lambda r: str(r.tokens_masked)),
+    ("tokens kept", lambda r: str(r.tokens_kept)),
+    ("kept share", lambda r: _percent(r.kept_share)),
+    ("rollouts dropped", lambda r: str(r.rollouts_dropped)),
+    ("samples dropped", lambda r: str(r.samples_dropped)),
+    ("rollouts shipped", lambda r: str(r.rollouts_shipped)),
+    ("held", lambda r: str(r.rollouts_held)),
+)
+_COST_COLUMNS: tuple[Column, ...] = (
+    ("trained k3", lambda r: _cost(r.trained_k3)),
+    ("trained excess k3", lambda r: _cost(r.trained_excess_k3)),
+)
+_CURVE_COLUMNS: tuple[Column, ...] = (
+    ("excess at bound", lambda r: _cost(r.excess_at_bound)),
+    ("within budget", _verdict),
+)
+
+
 def format_table(rows: Sequence[WhatIfRow], curve: RunCurve | None = None) -> str:
-    """The rows as an aligned text table: the cost columns when the run has trainer
-    log-probs, and with ``curve`` what it says of each bound, the suggested one marked, and a
-    line saying where it comes from."""
+    """The rows as an aligned text table, with the cost columns when the run has trainer
+    log-probabilities and ``curve``'s verdict on each bound."""
     costs = any(r.trained_covered is not None for r in rows)
     judged = curve is not None and bool(curve.curve)
-    header: tuple[str, ...] = (
-        "max_staleness",
-        "masked",
-        "tokens masked",
-        "tokens kept",
-        "kept share",
-        "rollouts dropped",
-        "samples dropped",
-        "rollouts shipped",
-        "held",
-        *(("trained k3", "trained excess k3") if costs else ()),
-        *(("excess at bound", "within budget") if judged else ()),
-    )
-    body = [
-        (
-            str(r.max_staleness),
-            _percent(r.masked_ratio),
-            str(r.tokens_masked),
-            str(r.tokens_kept),
-            _percent(r.kept_share),
-            str(r.rollouts_dropped),
-            str(r.samples_dropped),
-            str(r.rollouts_shipped),
-            str(r.rollouts_held),
-            *((_cost(r.trained_k3), _cost(r.trained_excess_k3)) if costs else ()),
-            *((_cost(r.excess_at_bound), _verdict(r)) if judged else ()),
-        )
-        for r in rows
-    ]
+    columns = [*_COLUMNS, *(_COST_COLUMNS if costs else ()), *(_CURVE_COLUMNS if judged else ())]
+    header = tuple(name for name, _ in columns)
+    body = [tuple(cell(r) for _, cell in columns) for r in rows]
     widths = [max(len(line[i]) for line in (header, *body)) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in (header, *body)]
     table = [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
