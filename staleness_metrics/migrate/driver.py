@@ -9,16 +9,15 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .configs import ConfigFormat, load_config, migrate_config
+from .configs import CONFIG_KINDS, ConfigFormat, load_config, migrate_config
 from .grafana import GrafanaPolicy, looks_like_grafana
 from .history import looks_like_history, migrate_history
 from .json_syntax import JSON
 from .model import FileKind, FileResult, Options
 from .peer_names import scanner_for
 from .prometheus_rules import PrometheusRulesPolicy, looks_like_rules
-from .structured import migrate_structured
+from .structured import Policy, migrate_structured
 from .text import scan_text
-from .tree import Syntax
 from .wandb import WandbPolicy, looks_like_wandb
 from .yaml_syntax import YAML_SYNTAX
 
@@ -61,8 +60,7 @@ def detect_kind(path: Path, text: str) -> FileKind:
         try:
             data = load_config(text, fmt)
         except ValueError:
-            # reported as unparseable
-            return FileKind.JSON_CONFIG if fmt == "json" else FileKind.YAML_CONFIG
+            return CONFIG_KINDS[fmt]  # reported as unparseable
         documents = data if fmt == "yaml" else [data]
         if any(looks_like_grafana(d) for d in documents):
             return FileKind.GRAFANA
@@ -70,12 +68,17 @@ def detect_kind(path: Path, text: str) -> FileKind:
             return FileKind.PROMETHEUS_RULES
         if any(looks_like_wandb(d) for d in documents):
             return FileKind.WANDB
-        return FileKind.JSON_CONFIG if fmt == "json" else FileKind.YAML_CONFIG
+        return CONFIG_KINDS[fmt]
     return FileKind.TEXT
 
 
-def _syntax(path: Path) -> Syntax:
-    return JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
+# file kind -> (policy, whether free text holds Prometheus names)
+_POLICIES: dict[FileKind, tuple[type[Policy], bool]] = {
+    FileKind.GRAFANA: (GrafanaPolicy, True),
+    FileKind.PROMETHEUS_RULES: (PrometheusRulesPolicy, True),
+    FileKind.WANDB: (WandbPolicy, False),
+}
+_CONFIG_FORMATS = {kind: fmt for fmt, kind in CONFIG_KINDS.items()}
 
 
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
@@ -83,18 +86,13 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
     shown = str(path)
     config_scanner = scanner_for(options, prometheus=False)
     prometheus_scanner = scanner_for(options, prometheus=True)
-    if kind is FileKind.TOML_CONFIG:
-        return migrate_config(shown, text, "toml", config_scanner)
-    if kind is FileKind.YAML_CONFIG:
-        return migrate_config(shown, text, "yaml", config_scanner)
-    if kind is FileKind.JSON_CONFIG:
-        return migrate_config(shown, text, "json", config_scanner)
-    if kind is FileKind.GRAFANA:
-        return migrate_structured(shown, text, _syntax(path), GrafanaPolicy(), prometheus_scanner, options)
-    if kind is FileKind.PROMETHEUS_RULES:
-        return migrate_structured(shown, text, _syntax(path), PrometheusRulesPolicy(), prometheus_scanner, options)
-    if kind is FileKind.WANDB:
-        return migrate_structured(shown, text, _syntax(path), WandbPolicy(), config_scanner, options)
+    if kind in _CONFIG_FORMATS:
+        return migrate_config(shown, text, _CONFIG_FORMATS[kind], config_scanner)
+    if kind in _POLICIES:
+        policy, prometheus = _POLICIES[kind]
+        syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
+        scanner = prometheus_scanner if prometheus else config_scanner
+        return migrate_structured(shown, text, syntax, policy(), scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
     return scan_text(shown, text, prometheus_scanner)
@@ -107,26 +105,20 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         raw = path.read_bytes()
     except OSError as exc:
         return FileResult(shown, kind, error=f"cannot read: {exc.strerror or exc}")
-    if b"\0" in raw[:8192]:
-        reason = "binary file"
-        return FileResult(shown, kind, error=reason) if explicit else FileResult(shown, kind, skipped=reason)
     try:
+        unreadable = "binary file" if b"\0" in raw[:8192] else None
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        reason = "not UTF-8 text; not read"
-        return FileResult(shown, kind, error=reason) if explicit else FileResult(shown, kind, skipped=reason)
+        unreadable = unreadable or "not UTF-8 text; not read"
+    if unreadable is not None:
+        return FileResult(shown, kind, error=unreadable) if explicit else FileResult(shown, kind, skipped=unreadable)
     if text.startswith("\ufeff") and kind is not FileKind.TEXT:
         return FileResult(shown, kind, error="starts with a byte-order mark; remove it, then run again")
     result = migrate_text(path, text, kind or detect_kind(path, text), options)
     if result.error is not None:
         # never edited: still say where the legacy names are
-        fallback = scan_text(
-            shown,
-            text,
-            scanner_for(options, prometheus=True),
-            reason="the file could not be migrated: edit by hand",
-        )
-        result.findings = fallback.findings
+        reason = "the file could not be migrated: edit by hand"
+        result.findings = scan_text(shown, text, scanner_for(options, prometheus=True), reason=reason).findings
         result.new_text = None
     return result
 

@@ -1,19 +1,14 @@
-"""Grafana dashboard JSON: legacy series names in queries, and legacy names in titles and legends.
-
-Queries (``expr`` of a target, ``query``/``definition`` of a template variable or annotation)
-are read as PromQL; every other string (titles, descriptions, legend formats, override
-matchers) as free text, where both W&B keys and Prometheus names are recognised. A target whose
-query reads only removed metrics is deleted under ``--drop-removed``, and a panel whose targets
-all go is deleted whole.
-"""
+"""Grafana dashboard JSON: queries (``expr``, ``query``, ``definition``) read as PromQL, every
+other string as free text; ``--drop-removed`` deletes targets of removed series only, and a panel
+whose targets all go."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .model import Action, FileKind
+from .model import FileKind
 from .names import Context
-from .structured import ScalarScan, Unit, nearest_key, resolve
+from .structured import ScalarScan, Unit, nearest_key, only_removed, resolve
 from .tree import Path
 
 __all__ = ["GrafanaPolicy", "looks_like_grafana"]
@@ -22,8 +17,7 @@ _QUERY_KEYS = frozenset({"expr", "query", "definition"})
 
 
 def looks_like_grafana(document: object) -> bool:
-    """A dashboard (or an API export wrapping one in ``{"dashboard": ...}``)
-    with a ``panels`` list."""
+    """A dashboard (or an API export wrapping one in ``{"dashboard": ...}``) with ``panels``."""
     if isinstance(document, dict) and isinstance(document.get("dashboard"), dict):
         document = document["dashboard"]
     if not isinstance(document, dict) or not isinstance(document.get("panels"), list):
@@ -46,20 +40,9 @@ class GrafanaPolicy:
         return Context.PROMQL if nearest_key(path) in _QUERY_KEYS else Context.TEXT
 
     def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
-        # target path -> whether every series its queries read was removed
-        targets: dict[Path, bool] = {}
-        for scan in scans:
-            if scan.context is not Context.PROMQL or scan.is_key:
-                continue
-            target = _target_of(scan.path)
-            if target is None:
-                continue
-            only_removed = all(h.action is Action.REMOVED for h in scan.scanned.hits)
-            targets[target] = targets.get(target, True) and only_removed
         doomed_by_panel: dict[Path, list[Path]] = defaultdict(list)
-        for target, only_removed in targets.items():
-            if only_removed:
-                doomed_by_panel[target[:-2]].append(target)
+        for target in only_removed(scans, _target_of):
+            doomed_by_panel[target[:-2]].append(target)
         units = []
         for panel, doomed in doomed_by_panel.items():
             panel_targets = resolve(data, (*panel, "targets"))

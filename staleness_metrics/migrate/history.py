@@ -1,12 +1,6 @@
-"""Metrics history (``metrics.jsonl``: one JSON object a line, each with a ``step``).
-
-Legacy keys are renamed in place; values are never touched (only the key's text changes). A history
-that spans the rename gets one boundary line, ``{"step": S, "migrate/legacy_through_step": S}``,
-right after the last line that carried legacy keys: the metrics at steps up to S were computed with
-the old definitions, so plots can draw a marker there. Removed keys stay (they are data) unless
-``--drop-removed``; so does an old key whose new key is already on the same line (a trainer that
-logged both during a deprecation window).
-"""
+"""Metrics history (``metrics.jsonl``, one JSON object with a ``step`` a line): keys renamed in
+place, values untouched, and a boundary line ``{"step": S, "migrate/legacy_through_step": S}``
+after the last line with legacy keys (steps up to S used the old definitions)."""
 
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
 
 
 def looks_like_history(text: str) -> bool:
-    """The first non-blank line is a JSON object with a ``step`` (replay event
-    streams have a ``type``)."""
+    """The first non-blank line is a JSON object with a ``step`` (event streams have a ``type``)."""
     for line in text.splitlines():
         if not line.strip():
             continue
@@ -109,8 +102,7 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
 
 
 def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
-    """The line with legacy keys renamed; whether it had any; whether it is a
-    boundary line; its step."""
+    """The line with legacy keys renamed; whether it had any; whether it is a boundary; its step."""
     try:
         node = parse_json_nodes(body)
         data = json.loads(body)

@@ -20,6 +20,8 @@ _LITERALS = {"true": True, "false": False, "null": None}
 
 
 class _Reader:
+    """Walks text ``json.loads`` accepted, so only NaN and Infinity (which it also accepts) fail."""
+
     def __init__(self, text: str) -> None:
         self.text = text
 
@@ -31,10 +33,8 @@ class _Reader:
     def value(self, position: int) -> tuple[Node, int]:
         position = self.skip(position)
         char = self.text[position : position + 1]
-        if char == "{":
-            return self.mapping(position)
-        if char == "[":
-            return self.sequence(position)
+        if char in ("{", "["):
+            return self.collection(Mapping(position, position) if char == "{" else Sequence(position, position))
         if char == '"':
             return self.string(position)
         for literal, value in _LITERALS.items():
@@ -48,79 +48,48 @@ class _Reader:
 
     def string(self, position: int) -> tuple[Scalar, int]:
         match = _STRING.match(self.text, position)
-        if match is None:
-            raise ValueError(f"unterminated string at offset {position}")
+        assert match is not None
         return Scalar(position, match.end(), json.loads(match.group()), "json"), match.end()
 
-    def mapping(self, start: int) -> tuple[Mapping, int]:
-        node = Mapping(start, start)
-        position = self.skip(start + 1)
-        if self.text[position] == "}":
-            node.end = position + 1
-            return node, node.end
-        while True:
-            key, position = self.string(self.skip(position))
+    def collection(self, node: Mapping | Sequence) -> tuple[Node, int]:
+        close = "}" if isinstance(node, Mapping) else "]"
+        position = self.skip(node.start + 1)
+        while self.text[position] != close:
+            if isinstance(node, Mapping):
+                key, position = self.string(self.skip(position))
+                value, position = self.value(self.skip(position) + 1)  # past the ':'
+                node.items.append((key, value))
+            else:
+                item, position = self.value(position)
+                node.items.append(item)
             position = self.skip(position)
-            if self.text[position] != ":":
-                raise ValueError(f"expected ':' at offset {position}")
-            value, position = self.value(position + 1)
-            node.items.append((key, value))
-            position = self.skip(position)
-            if self.text[position] == "}":
-                node.end = position + 1
-                return node, node.end
-            if self.text[position] != ",":
-                raise ValueError(f"expected ',' or '}}' at offset {position}")
-            position += 1
-
-    def sequence(self, start: int) -> tuple[Sequence, int]:
-        node = Sequence(start, start)
-        position = self.skip(start + 1)
-        if self.text[position] == "]":
-            node.end = position + 1
-            return node, node.end
-        while True:
-            item, position = self.value(position)
-            node.items.append(item)
-            position = self.skip(position)
-            if self.text[position] == "]":
-                node.end = position + 1
-                return node, node.end
-            if self.text[position] != ",":
-                raise ValueError(f"expected ',' or ']' at offset {position}")
-            position += 1
+            if self.text[position] == ",":
+                position = self.skip(position + 1)
+        node.end = position + 1
+        return node, node.end
 
 
 def parse_json_nodes(text: str) -> Node:
     """The node tree of one JSON value (raises ``ValueError`` on invalid JSON)."""
     json.loads(text)  # readable errors for invalid input
-    node, end = _Reader(text).value(0)
-    if text[end:].strip():
-        raise ValueError(f"extra data at offset {end}")
-    return node
+    return _Reader(text).value(0)[0]
 
 
 def spans_removal(
     text: str, items: list[tuple[int, int]], indices: list[int], open_end: int, close_start: int
 ) -> list[Edit]:
-    """Edits deleting the items at ``indices`` of a comma-separated list,
-    keeping the others' layout.
-
-    ``items`` are the (start, end) spans of all entries; ``open_end``/``close_start`` bound the
-    list's inside. Shared with YAML flow collections, which separate entries the same way.
-    """
+    """Edits deleting the entries at ``indices`` of a comma-separated list (JSON, YAML flow),
+    keeping the others' layout; ``items`` are the entries' spans, ``open_end``/``close_start``
+    bound the list's inside."""
     doomed = set(indices)
     if doomed >= set(range(len(items))):
         return [Edit(open_end, close_start, "")]
     edits = []
     kept = [i for i in range(len(items)) if i not in doomed]
     for index in sorted(doomed):
-        later_kept = [k for k in kept if k > index]
-        if later_kept:
-            # from this entry up to the next entry: its comma and the
-            # whitespace before the next one go
-            next_start = items[index + 1][0]
-            edits.append(Edit(items[index][0], next_start, ""))
+        if any(k > index for k in kept):
+            # up to the next entry: its comma and the whitespace before the next one go
+            edits.append(Edit(items[index][0], items[index + 1][0], ""))
         else:
             # a trailing entry: from the end of the previous entry, so its leading comma goes too
             edits.append(Edit(items[index - 1][1], items[index][1], ""))

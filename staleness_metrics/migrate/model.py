@@ -32,8 +32,7 @@ class FileKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Options:
-    """How to migrate: delete what was removed, and which prefixes legacy
-    Prometheus names may carry."""
+    """How to migrate: delete what was removed, and which prefixes legacy Prometheus names carry."""
 
     drop_removed: bool = False
     prometheus_prefixes: tuple[str, ...] = DEFAULT_PROMETHEUS_PREFIXES

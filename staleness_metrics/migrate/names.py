@@ -1,9 +1,5 @@
-"""Find legacy names inside one string and rewrite them: free text, PromQL, and key regexes.
-
-Every file kind reduces to strings read in one of these contexts; the file-kind modules
-decide which context a string is in (a Grafana ``expr`` is PromQL, a W&B ``metric_regex`` is
-a regex, a title is text).
-"""
+"""Find legacy names inside one string and rewrite them, the string read as free text, PromQL or
+a key regex (the file-kind modules say which)."""
 
 from __future__ import annotations
 
@@ -62,6 +58,11 @@ _WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(legacy.LEGACY_KEYS))}|{_FAMILIES
 # not know): reported only.
 _NAMESPACE = rf"(?<![\w/]){re.escape(legacy.LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
 _RENAMED_SETTINGS = {**legacy.RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
+# match group -> (old name -> new name, reason)
+_TABLES = {
+    "setting": (_RENAMED_SETTINGS, "renamed setting"),
+    "console": (legacy.CONSOLE_LABELS, "console label"),
+}
 _SETTING = rf"(?<!\w)(?:{_alternation(list(_RENAMED_SETTINGS))})(?![\w-])"
 _CONSOLE = rf"(?<!\w)(?:{_alternation(list(legacy.CONSOLE_LABELS))})(?!\w)"
 _IDENT = r"(?<![\w:/.$-])[A-Za-z_:][\w:]*(?![\w/])"
@@ -81,12 +82,8 @@ _PROMQL_TOKEN = re.compile(
 
 
 class Scanner:
-    """Scans strings for legacy names.
-
-    ``prometheus``: also look for legacy Prometheus series names in free text (dashboards, rule
-    files, plain text); configs leave it off, since a config key like ``staleness_max`` is not a
-    series name. ``prefixes``: namespace prefixes a legacy Prometheus name may carry.
-    """
+    """Scans strings for legacy names; ``prometheus`` also looks for legacy series names in free
+    text (off for configs, where a key like ``staleness_max`` is no series)."""
 
     def __init__(self, *, prometheus: bool, prefixes: Sequence[str] = legacy.DEFAULT_PROMETHEUS_PREFIXES):
         self.prometheus = prometheus
@@ -117,28 +114,9 @@ class Scanner:
                 token = token.rstrip(".:")
                 reason = "old off_policy/ namespace, no known mapping"
                 hits.append(Hit(start, start + len(token), token, None, Action.MANUAL, reason))
-            elif match.lastgroup == "setting":
-                hits.append(
-                    Hit(
-                        start,
-                        end,
-                        token,
-                        _RENAMED_SETTINGS[token],
-                        Action.RENAME,
-                        "renamed setting",
-                    )
-                )
-            elif match.lastgroup == "console":
-                hits.append(
-                    Hit(
-                        start,
-                        end,
-                        token,
-                        legacy.CONSOLE_LABELS[token],
-                        Action.RENAME,
-                        "console label",
-                    )
-                )
+            elif match.lastgroup in _TABLES:
+                table, reason = _TABLES[match.lastgroup]
+                hits.append(Hit(start, end, token, table[token], Action.RENAME, reason))
             elif self.prometheus:
                 hit = self._prometheus_hit(token, start)
                 if hit is not None:
@@ -163,8 +141,7 @@ class Scanner:
         return Hit(start, end, token, found.new, Action.RENAME, found.reason)
 
     def _recording_rule_hit(self, token: str, start: int) -> Hit | None:
-        """A recording rule named ``level:metric:operations`` follows its series'
-        rename, everywhere alike."""
+        """A recording rule named ``level:metric:operations`` follows its series' rename."""
         segments = token.split(":")
         found = [legacy.migrate_prometheus_name(s, self.prefixes) if s else None for s in segments]
         if not any(found):
@@ -175,14 +152,8 @@ class Scanner:
             reason = f"recording rule over {removed[0].legacy_key}: {removed[0].reason}"
             return Hit(start, end, token, None, Action.REMOVED, reason)
         new = ":".join(f.new if f is not None and f.new else s for s, f in zip(segments, found, strict=True))
-        return Hit(
-            start,
-            end,
-            token,
-            new,
-            Action.RENAME,
-            "recording rule name follows its series (level:metric:op)",
-        )
+        reason = "recording rule name follows its series (level:metric:op)"
+        return Hit(start, end, token, new, Action.RENAME, reason)
 
     def _scan_promql(self, text: str) -> Scanned:
         hits: list[Hit] = []

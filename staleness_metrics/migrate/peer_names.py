@@ -1,11 +1,5 @@
-"""Find a peer framework's keys in strings (``migrate --from PEER``): the peer
-counterpart of :mod:`.names`.
-
-The same contexts as the legacy scanner: free text (titles, legends, config keys and values),
-PromQL (a W&B key as older exporters published it, ``/`` replaced by ``_``), and W&B key
-regexes. A key with the same meaning is renamed; every other peer key is reported with the
-table's reason, never edited.
-"""
+"""Find a peer framework's keys in strings (``migrate --from PEER``), in the contexts of
+:mod:`.names`: a key with the same meaning is renamed, others reported with the table's reason."""
 
 from __future__ import annotations
 
@@ -92,10 +86,8 @@ class PeerScanner(Scanner):
         try:
             compiled = re.compile(pattern)
         except re.error as exc:
-            return Scanned(
-                pattern,
-                (Hit(0, len(pattern), pattern, None, Action.MANUAL, f"not a regex: {exc}"),),
-            )
+            hit = Hit(0, len(pattern), pattern, None, Action.MANUAL, f"not a regex: {exc}")
+            return Scanned(pattern, (hit,))
         matched = [row for key, row in self.rows.items() if not row.segment and compiled.search(key)]
         if not matched:
             return Scanned(pattern, ())
@@ -105,15 +97,8 @@ class PeerScanner(Scanner):
             return Scanned(pattern, (Hit(0, len(pattern), pattern, None, Action.MANUAL, reason),))
         new_keys = sorted({row.new for row in matched if row.new is not None})
         rewritten = "^(?:" + "|".join(re.escape(k) for k in new_keys) + ")$"
-        hit = Hit(
-            0,
-            len(pattern),
-            pattern,
-            rewritten,
-            Action.RENAME,
-            f"{self._peer()}: regex rewritten to the same keys here",
-        )
-        return Scanned(rewritten, (hit,))
+        reason = f"{self._peer()}: regex rewritten to the same keys here"
+        return Scanned(rewritten, (Hit(0, len(pattern), pattern, rewritten, Action.RENAME, reason),))
 
 
 def scanner_for(options: Options, *, prometheus: bool) -> Scanner:

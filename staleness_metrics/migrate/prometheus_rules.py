@@ -1,17 +1,12 @@
-"""Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource).
-
-``expr`` is read as PromQL; labels, annotations and comments as free text. Alert names are left
-alone (they are the team's own names; silences and routes refer to them). A recording rule named
-``level:metric:operations`` over a legacy series is renamed with its series, the same way in every
-file (queries that use it included). A rule whose ``expr`` reads only removed series is deleted
-under ``--drop-removed``.
-"""
+"""Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource): ``expr`` read as
+PromQL, labels, annotations and comments as free text, alert names left alone; ``--drop-removed``
+deletes a rule whose ``expr`` reads only removed series."""
 
 from __future__ import annotations
 
-from .model import Action, FileKind
+from .model import FileKind
 from .names import Context
-from .structured import ScalarScan, Unit, nearest_key, resolve
+from .structured import ScalarScan, Unit, nearest_key, only_removed, resolve
 from .tree import Path
 
 __all__ = ["PrometheusRulesPolicy", "looks_like_rules"]
@@ -43,19 +38,8 @@ class PrometheusRulesPolicy:
         return Context.PROMQL if key == "expr" else Context.TEXT
 
     def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
-        verdict: dict[Path, bool] = {}
-        for scan in scans:
-            if scan.is_key or scan.context is not Context.PROMQL:
-                continue
-            rule = scan.path[:-1]
-            if len(rule) < 2 or rule[-2] != "rules" or not isinstance(rule[-1], int):
-                continue
-            only_removed = all(h.action is Action.REMOVED for h in scan.scanned.hits)
-            verdict[rule] = verdict.get(rule, True) and only_removed
         units = []
-        for rule, only_removed in verdict.items():
-            if not only_removed:
-                continue
+        for rule in only_removed(scans, _rule_of):
             entity = resolve(data, rule)
             assert isinstance(entity, dict)
             if "alert" in entity:
@@ -64,3 +48,9 @@ class PrometheusRulesPolicy:
                 label = f'recording rule "{entity.get("record")}" (rules using it break too)'
             units.append(Unit(rule, label))
         return units
+
+
+def _rule_of(path: Path) -> Path | None:
+    """The path of the rule (an entry of a ``rules`` list) whose ``expr`` is at ``path``."""
+    rule = path[:-1]
+    return rule if len(rule) >= 2 and rule[-2] == "rules" and isinstance(rule[-1], int) else None

@@ -1,17 +1,14 @@
 """In-place migration of a structured document (Grafana dashboard, W&B workspace spec, rule file).
 
-A file-kind :class:`Policy` says in which context each string is read (PromQL, regex, free text) and
-which list entries (panels, targets, rules, series) may be deleted when what they show was removed.
-This module scans, edits the text at the changed values only, deletes units under
-``--drop-removed``, and reads the result back to check that exactly the intended values changed
-before anything is written.
+A file-kind :class:`Policy` says how each string is read (PromQL, regex, free text) and which list
+entries may be deleted under ``--drop-removed``; the edited text is read back before it is kept.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +16,16 @@ from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Hit, Scanned, Scanner
 from .tree import Edit, LineIndex, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, walk
 
-__all__ = ["Policy", "ScalarScan", "Unit", "migrate_structured", "nearest_key", "resolve", "under"]
+__all__ = [
+    "Policy",
+    "ScalarScan",
+    "Unit",
+    "migrate_structured",
+    "nearest_key",
+    "only_removed",
+    "resolve",
+    "under",
+]
 
 
 @dataclass(frozen=True)
@@ -34,8 +40,7 @@ class ScalarScan:
 
     @property
     def removed_whole(self) -> bool:
-        """The whole value is one removed name (a series entry or regex that shows
-        only removed metrics)."""
+        """The whole value is one removed name (a series entry or regex of removed metrics only)."""
         hits = self.scanned.hits
         return (
             len(hits) == 1
@@ -46,8 +51,7 @@ class ScalarScan:
 
 @dataclass(frozen=True)
 class Unit:
-    """A list entry that may be deleted under ``--drop-removed`` because it shows
-    only removed metrics."""
+    """A list entry ``--drop-removed`` may delete: it shows only removed metrics."""
 
     path: Path
     label: str  # 'panel "Token max"', 'alert "X"'
@@ -73,6 +77,17 @@ def nearest_key(path: Path) -> str:
     return ""
 
 
+def only_removed(scans: list[ScalarScan], owner: Callable[[Path], Path | None]) -> list[Path]:
+    """The owners (targets, rules) of PromQL values all of whose queries read only removed series."""
+    verdict: dict[Path, bool] = {}
+    for scan in scans:
+        found = None if scan.is_key or scan.context is not Context.PROMQL else owner(scan.path)
+        if found is not None:
+            removed = all(h.action is Action.REMOVED for h in scan.scanned.hits)
+            verdict[found] = verdict.get(found, True) and removed
+    return [path for path, removed in verdict.items() if removed]
+
+
 def under(path: Path, prefix: Path) -> bool:
     return path[: len(prefix)] == prefix
 
@@ -85,8 +100,7 @@ def resolve(data: list[object], path: Path) -> object:
 
 
 def _line(text: str, lines: LineIndex, scalar: Scalar, hit: Hit) -> int:
-    """The line of a hit: found in the source text of its scalar (folded scalars
-    lose their line breaks)."""
+    """The line of a hit, found in its scalar's source text (folded scalars lose their line breaks)."""
     value = str(scalar.value)
     occurrence = value[: hit.start].count(hit.old)
     raw = text[scalar.start : scalar.end]
@@ -135,13 +149,7 @@ class _Migration:
     """The edits, findings and intended data changes of one document, built step by step."""
 
     def __init__(self, path: str, text: str, syntax: Syntax, scanner: Scanner, roots: list[Node]) -> None:
-        self.path, self.text, self.syntax, self.scanner, self.roots = (
-            path,
-            text,
-            syntax,
-            scanner,
-            roots,
-        )
+        self.path, self.text, self.syntax, self.scanner, self.roots = path, text, syntax, scanner, roots
         self.lines = LineIndex(text)
         self.nodes: dict[Path, Node] = {}
         self.scans: list[ScalarScan] = []
@@ -173,8 +181,7 @@ class _Migration:
             self.scans.append(ScalarScan(path, scalar, is_key, context, scanned))
 
     def drop(self, units: list[Unit], drop_removed: bool) -> None:
-        """Delete the units (under ``--drop-removed``), or note on their
-        findings that the flag would."""
+        """Delete the units (``--drop-removed``), or note on their findings that the flag would."""
         by_parent: dict[Path, list[Unit]] = defaultdict(list)
         for unit in _outermost(units):
             by_parent[unit.path[:-1]].append(unit)
@@ -184,11 +191,8 @@ class _Migration:
             removal = self.syntax.remove(self.text, parent, [_index(u.path) for u in members]) if drop_removed else None
             if removal is None:
                 for unit in members:
-                    self.drop_notes[unit.path] = (
-                        f"{unit.label} cannot be deleted automatically"
-                        if drop_removed
-                        else f"--drop-removed deletes {unit.label}"
-                    )
+                    note = "{} cannot be deleted automatically" if drop_removed else "--drop-removed deletes {}"
+                    self.drop_notes[unit.path] = note.format(unit.label)
                 continue
             self.edits.extend(removal)
             self.removals.extend(removal)
@@ -220,10 +224,7 @@ class _Migration:
             for hit in scan.scanned.hits:
                 action, reason = hit.action, hit.reason
                 if action is Action.RENAME and raw is None:
-                    action, reason = (
-                        Action.MANUAL,
-                        "cannot rewrite this value in place: edit by hand",
-                    )
+                    action, reason = Action.MANUAL, "cannot rewrite this value in place: edit by hand"
                 if action is Action.REMOVED and note:
                     reason = f"{reason}; {note}"
                 line = _line(self.text, self.lines, scan.scalar, hit)
@@ -266,8 +267,7 @@ def _verify(
     deletes: list[Path],
     renames: list[tuple[Path, str, str]],
 ) -> None:
-    """Read the edited text back and check it equals the old data with exactly
-    the intended changes."""
+    """Read the edited text back and check it is the old data with exactly the intended changes."""
     expected = copy.deepcopy(data)
     for value_path, value in sets:
         parent = resolve(expected, value_path[:-1])

@@ -1,9 +1,5 @@
-"""Any other text file (code, docs, scripts): legacy names are reported with
-line numbers, never edited.
-
-A line holding ``staleness-migrate: ignore`` is skipped (a changelog entry that names the old keys
-on purpose, for instance).
-"""
+"""Any other text file: legacy names reported with line numbers, never edited (a line holding
+``staleness-migrate: ignore`` is skipped)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""A parsed document that remembers where each value sits in the text, and
-edits made at those places.
-
-Rewriting a file by parsing and dumping it would reformat it. Instead the JSON and YAML readers
-build this tree of nodes with character offsets, the migration replaces only the text of the values
-it changes (or of the list entries it deletes), and everything else stays byte for byte.
-"""
+"""A parsed document that knows where each value sits in the text, so that edits replace only
+the changed values (dumping a parsed file would reformat it)."""
 
 from __future__ import annotations
 
@@ -74,8 +69,7 @@ def walk(node: Node, path: Path, key: Scalar | None = None) -> Iterator[tuple[Pa
 
 
 def substitute_names(raw: str, renames: dict[str, str]) -> str:
-    """``raw`` with each old name replaced where it stands as a whole name (not
-    inside a longer one)."""
+    """``raw`` with each old name replaced where it stands as a whole name."""
     if not renames:
         return raw
     names = sorted(renames, key=len, reverse=True)
@@ -126,27 +120,17 @@ class Syntax(Protocol):
     name: str
 
     def parse(self, text: str) -> list[Node]:
-        """The documents of ``text`` as node trees; raises ``ValueError``
-        with a readable message."""
-        ...
+        """The documents as node trees (``ValueError`` with a readable message)."""
 
     def load(self, text: str) -> list[object]:
-        """The documents of ``text`` as plain Python data."""
-        ...
+        """The documents as plain Python data."""
 
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
-        """Source text for ``scalar`` holding ``new_value`` (None when it cannot be written safely).
-
-        ``renames`` are the name replacements that turned the old value into ``new_value``; applying
-        them to the source text keeps its quoting and layout when that decodes to ``new_value``.
-        """
-        ...
+        """Source text for ``scalar`` holding ``new_value``, keeping its quoting where ``renames``
+        applied to it give that value (None when it cannot be written safely)."""
 
     def remove(self, text: str, parent: Sequence, indices: list[int]) -> list[Edit] | None:
-        """Edits deleting ``parent.items[i]`` for each index (None when that
-        cannot be done safely)."""
-        ...
+        """Edits deleting ``parent.items[i]`` for each index (None when not safely possible)."""
 
     def comments(self, text: str, roots: list[Node]) -> list[tuple[int, int]]:
         """Spans of the comments in ``text``."""
-        ...

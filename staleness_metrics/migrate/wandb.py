@@ -1,12 +1,6 @@
-"""W&B workspace specs and panel lists (JSON or YAML): series keys, key regexes, titles.
-
-A value under a key whose name contains ``regex`` (``metric_regex``, ``metricRegex``,
-``regexes``...) is a key regex and is rewritten to match the new keys (``off_policy/.*`` ->
-``^staleness/(?:rollout/...|token/...)$``); every other string is free text, where legacy W&B
-keys are renamed (``y: [off_policy/mean]``, ``"run1:off_policy/mean"`` series overrides, titles).
-Under ``--drop-removed`` a series entry naming a removed key is deleted, and so is a panel all of
-whose series were removed.
-"""
+"""W&B workspace specs and panel lists (JSON or YAML): a value under a key containing ``regex`` is a
+key regex, every other string free text; ``--drop-removed`` deletes series entries naming a removed
+key, and a panel all of whose series were removed."""
 
 from __future__ import annotations
 
@@ -41,8 +35,7 @@ def _is_series_key(key: object) -> bool:
 
 
 def _series_paths(node: object, path: Path) -> list[Path]:
-    """The paths of the strings that choose what a panel plots (its y keys and key
-    regexes, at any depth)."""
+    """The paths of the strings choosing what a panel plots (y keys, key regexes, at any depth)."""
     found: list[Path] = []
     if isinstance(node, dict):
         for key, value in node.items():

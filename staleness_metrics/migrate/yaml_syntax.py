@@ -39,8 +39,7 @@ class _Unreadable:
 
 
 def _content_end(node: Node) -> int:
-    """Where the last character of a node's own content ends (trailing comments and
-    blank lines excluded)."""
+    """Where a node's own content ends (trailing comments and blank lines excluded)."""
     if isinstance(node, Scalar) or node.flow:
         return node.end
     if isinstance(node, Mapping):
@@ -129,8 +128,7 @@ class YamlSyntax:
 
     @staticmethod
     def _item_begin(text: str, lines: LineIndex, item: Node) -> int | None:
-        """The start of the line holding a block sequence entry's ``-`` (None when
-        it is not alone there)."""
+        """The start of the line holding a block sequence entry's ``-`` (None: not alone there)."""
         position = item.start - 1
         while position >= 0 and text[position] in " \t\r\n":
             position -= 1
