@@ -1,5 +1,5 @@
-"""``staleness-metrics dashboards``: write the Grafana dashboards, rules and W&B
-panel spec, or check them."""
+"""``staleness-metrics dashboards``: write the Grafana dashboards, rules and W&B panel spec, or
+check them."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Any
+
+from .options import add_command
 
 __all__ = ["register", "run"]
 
@@ -16,36 +18,23 @@ examples:
   staleness-metrics dashboards --check         # exit 1 if a committed file is out of date (CI)
   staleness-metrics dashboards --out /tmp/gen  # write a fresh copy elsewhere
 
-files (relative to --out):
-  dashboards/staleness.json, dashboards/staleness-fleet.json   Grafana dashboards (import them)
-  dashboards/wandb-workspace.json                             W&B panel spec (see wandb-workspace)
-  exporters/prometheus/staleness.rules.yml                    recording rules and alerts
-  exporters/otel/collector.yaml                               example OpenTelemetry Collector config
+The files: dashboards/*.json (Grafana, and the W&B panel spec),
+exporters/prometheus/staleness.rules.yml and exporters/otel/collector.yaml; see docs/exporters.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "dashboards",
-        help="write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
-        description="Render the Grafana dashboards, the Prometheus recording/alerting rules, the "
-        "W&B panel spec and the example OpenTelemetry Collector config from the metric table.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("."),
-        metavar="DIR",
-        help="project root the files are written under (default: the current directory)",
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="write nothing; exit 1 and list the files that are missing or out of date",
-    )
-    parser.set_defaults(func=run)
+    parser = add_command(
+        subparsers, run, "dashboards",
+        "write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
+        "Render the Grafana dashboards, the Prometheus recording/alerting rules, the W&B panel spec "
+        "and the example OpenTelemetry Collector config from the metric table.",
+        EPILOG,
+    )  # fmt: skip
+    out_help = "project root the files are written under (default: the current directory)"
+    parser.add_argument("--out", type=Path, default=Path("."), metavar="DIR", help=out_help)
+    check_help = "write nothing; exit 1 and list the files that are missing or out of date"
+    parser.add_argument("--check", action="store_true", help=check_help)
 
 
 def run(args: argparse.Namespace) -> int:

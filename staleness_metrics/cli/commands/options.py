@@ -1,8 +1,10 @@
-"""Sink options shared by every command that replays a run (SPEC 9)."""
+"""What the subcommands share: their parser's making, and the sink options of every command that
+replays a run (SPEC 9)."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from typing import Any
 
 from ...config import POLICY_NAMES, StalenessConfig
@@ -10,10 +12,32 @@ from ...config import POLICY_NAMES, StalenessConfig
 __all__ = [
     "BOUND_SETTINGS",
     "add_bound_options",
+    "add_command",
     "add_sink_options",
     "bound_settings",
     "config_from_args",
 ]
+
+
+def add_command(
+    subparsers: argparse._SubParsersAction[Any],
+    run: Callable[[argparse.Namespace], int],
+    name: str,
+    summary: str,
+    description: str,
+    epilog: str,
+) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``, calling ``run``; ``epilog`` is printed as written."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(func=run)
+    return parser
+
 
 # SPEC 14's settings, each a flag of the same name (``--floor-min-tokens``).
 BOUND_SETTINGS = (

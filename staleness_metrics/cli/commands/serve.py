@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .options import add_command
+
 __all__ = ["DEFAULT_DATA_DIR", "DEFAULT_HOST", "DEFAULT_PORT", "register", "run"]
 
 DEFAULT_HOST = "127.0.0.1"
@@ -21,48 +23,27 @@ EPILOG = f"""\
 examples:
   staleness-metrics serve                                   # http://127.0.0.1:9487, no token needed
   {TOKEN_ENV}=$(openssl rand -hex 32) staleness-metrics serve --host 0.0.0.0
-  staleness-metrics serve --otlp-endpoint http://127.0.0.1:4318/v1/metrics --wandb-project rl --wandb-mode offline
-
   curl -X PUT localhost:9487/v1/runs/exp-42 -H 'content-type: application/json' -d '{{"max_staleness": 4}}'
-  curl -X POST localhost:9487/v1/runs/exp-42/rollouts -H 'content-type: application/json' \\
-       -d '{{"rollouts": [{{"id": "r1", "dispatch_version": 0, "samples": [{{"mask": [1, 1]}}]}}]}}'
-  curl -X POST localhost:9487/v1/runs/exp-42/ship -H 'content-type: application/json' -d '{{"step": 2}}'
-  curl localhost:9487/v1/runs/exp-42/steps?since=0; curl localhost:9487/metrics
 
-Off loopback the service refuses to start without a token; with a token every write needs
-'Authorization: Bearer <token>'. Prefer the environment variable or --token-file to --token (command
-lines are visible to other users of the machine). The API is described at /docs and /openapi.json;
-see docs/service.md for when to use the service and how a fleet scales out.
+Off loopback the service refuses to start without a token; with one, every write needs
+'Authorization: Bearer <token>'. The API is at /docs; see docs/service.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
-        description="Run the staleness service: per-run sinks behind an HTTP API (FastAPI on "
-        "uvicorn), with /metrics for Prometheus and optional OTLP and W&B exporters for every run.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(
+        subparsers, run, "serve",
+        "sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
+        "Run the staleness service: per-run sinks behind an HTTP API (FastAPI on uvicorn), with "
+        "/metrics for Prometheus and optional OTLP and W&B exporters for every run.",
+        EPILOG,
+    )  # fmt: skip
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=DEFAULT_PORT,
-        help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)",
-    )
-    parser.add_argument(
-        "--token",
-        default=None,
-        help=f"bearer token required on writes (default: ${TOKEN_ENV}, if set)",
-    )
+    port_help = f"port (default: {DEFAULT_PORT}; 0 picks a free one)"
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=port_help)
+    parser.add_argument("--token", help=f"bearer token required on writes (default: ${TOKEN_ENV}, if set)")
     parser.add_argument("--token-file", type=Path, metavar="FILE", help="read the token from FILE")
-    parser.add_argument(
-        "--protect-reads",
-        action="store_true",
-        help="require the token on reads too (/healthz stays open)",
-    )
+    parser.add_argument("--protect-reads", action="store_true", help="require the token on reads too (not /healthz)")
     parser.add_argument(
         "--max-body-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
         help="largest request body accepted, 413 beyond (default: 64 MiB)",
@@ -86,11 +67,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--data-dir", type=Path, default=Path(DEFAULT_DATA_DIR), metavar="DIR",
         help=f"persist every acknowledged write here and restore the runs at start (default: ./{DEFAULT_DATA_DIR})",
     )  # fmt: skip
-    store.add_argument(
-        "--in-memory",
-        action="store_true",
-        help="keep runs in memory only: a restart or crash loses them",
-    )
+    memory_help = "keep runs in memory only: a restart or crash loses them"
+    store.add_argument("--in-memory", action="store_true", help=memory_help)
     otlp = parser.add_argument_group("OTLP (every run, besides /metrics)")
     otlp.add_argument(
         "--otlp-endpoint", metavar="URL",
@@ -106,7 +84,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn log level (default: info)",
     )  # fmt: skip
-    parser.set_defaults(func=run)
 
 
 def _blank(token: str, where: str) -> str:
@@ -136,14 +113,11 @@ def _token(args: argparse.Namespace) -> str | None:
 def _listen(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (bound here so that port 0 can report the port it got).
 
-    Created with the protocol named (``IPPROTO_TCP``, not 0 as ``socket.create_server`` leaves it):
-    accepted sockets inherit it, and asyncio sets ``TCP_NODELAY`` only on sockets that say TCP.
-    Without it a response written in two sends (headers, then body) waits for the client's delayed
-    ACK: about 40 ms on every request after the first on a kept-alive connection.
+    The protocol is named (``IPPROTO_TCP``, not 0): asyncio sets ``TCP_NODELAY`` only on sockets that
+    say TCP, and without it a response sent in two writes waits ~40 ms for the client's delayed ACK.
     """
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[
-        0
-    ]
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    family, kind, proto, _, address = found[0]
     sock = socket.socket(family, kind, proto)
     try:
         # a restarted service can take its port back while old connections linger
@@ -157,12 +131,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _header_limits(args: argparse.Namespace) -> dict[str, Any]:
-    from ...server.limits import uvicorn_header_options
-
-    return uvicorn_header_options(args.max_header_bytes, args.header_timeout)
-
-
 def _fail(message: str, code: int) -> int:
     print(f"staleness-metrics serve: {message}", file=sys.stderr)
     return code
@@ -173,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from ...server import ExportSettings, ServerSettings, create_app
+        from ...server.limits import return_large_frees_to_the_os, uvicorn_header_options
         from ...server.security import BindRefused, check_bind
     except ImportError as exc:
         return _fail(f"{exc}; install the server extra: pip install 'staleness-metrics[server]'", 2)
@@ -215,8 +184,6 @@ def run(args: argparse.Namespace) -> int:
         exporters=exporters,
         data_dir=data_dir,
     )
-    from ...server.limits import return_large_frees_to_the_os
-
     # a large body's memory goes back to the system once it is applied
     return_large_frees_to_the_os()
     try:
@@ -237,13 +204,8 @@ def run(args: argparse.Namespace) -> int:
         f"data: {data_dir if data_dir is not None else 'in memory only'})",
         flush=True,
     )
-    config = uvicorn.Config(
-        app,
-        log_level=args.log_level,
-        server_header=False,
-        proxy_headers=False,
-        **_header_limits(args),
-    )
+    limits = uvicorn_header_options(args.max_header_bytes, args.header_timeout)
+    config = uvicorn.Config(app, log_level=args.log_level, server_header=False, proxy_headers=False, **limits)
     server = uvicorn.Server(config)
     with sock:
         server.run(sockets=[sock])
