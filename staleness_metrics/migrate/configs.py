@@ -79,8 +79,7 @@ def migrate_config(path: str, text: str, fmt: ConfigFormat, scanner: Scanner) ->
     scanned = scanner.scan(text, Context.TEXT)
     lines = LineIndex(text)
     result.findings = [
-        Finding(path, lines.line(hit.start), hit.old, hit.new, hit.action, _config_reason(hit))
-        for hit in scanned.hits
+        Finding(path, lines.line(hit.start), hit.old, hit.new, hit.action, _config_reason(hit)) for hit in scanned.hits
     ]
     if not scanned.changed:
         return result

@@ -10,15 +10,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .configs import CONFIG_KINDS, ConfigFormat, load_config, migrate_config
-from .grafana import GrafanaPolicy, looks_like_grafana
 from .history import looks_like_history, migrate_history
 from .json_syntax import JSON
 from .model import FileKind, FileResult, Options
 from .peer_names import scanner_for
-from .prometheus_rules import PrometheusRulesPolicy, looks_like_rules
-from .structured import Policy, migrate_structured
+from .structured import STRUCTURED_KINDS, migrate_structured
 from .text import scan_text
-from .wandb import WandbPolicy, looks_like_wandb
 from .yaml_syntax import YAML_SYNTAX
 
 __all__ = [
@@ -62,22 +59,13 @@ def detect_kind(path: Path, text: str) -> FileKind:
         except ValueError:
             return CONFIG_KINDS[fmt]  # reported as unparseable
         documents = data if fmt == "yaml" else [data]
-        if any(looks_like_grafana(d) for d in documents):
-            return FileKind.GRAFANA
-        if any(looks_like_rules(d) for d in documents):
-            return FileKind.PROMETHEUS_RULES
-        if any(looks_like_wandb(d) for d in documents):
-            return FileKind.WANDB
+        for kind, (looks_like, _, _) in STRUCTURED_KINDS.items():
+            if any(looks_like(d) for d in documents):
+                return kind
         return CONFIG_KINDS[fmt]
     return FileKind.TEXT
 
 
-# file kind -> (policy, whether free text holds Prometheus names)
-_POLICIES: dict[FileKind, tuple[type[Policy], bool]] = {
-    FileKind.GRAFANA: (GrafanaPolicy, True),
-    FileKind.PROMETHEUS_RULES: (PrometheusRulesPolicy, True),
-    FileKind.WANDB: (WandbPolicy, False),
-}
 _CONFIG_FORMATS = {kind: fmt for fmt, kind in CONFIG_KINDS.items()}
 
 
@@ -88,11 +76,11 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
     prometheus_scanner = scanner_for(options, prometheus=True)
     if kind in _CONFIG_FORMATS:
         return migrate_config(shown, text, _CONFIG_FORMATS[kind], config_scanner)
-    if kind in _POLICIES:
-        policy, prometheus = _POLICIES[kind]
+    if kind in STRUCTURED_KINDS:
+        _, policy, prometheus = STRUCTURED_KINDS[kind]
         syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
         scanner = prometheus_scanner if prometheus else config_scanner
-        return migrate_structured(shown, text, syntax, policy(), scanner, options)
+        return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
     return scan_text(shown, text, prometheus_scanner)

@@ -1,7 +1,7 @@
 """In-place migration of a structured document (Grafana dashboard, W&B workspace spec, rule file).
 
-A file-kind :class:`Policy` says how each string is read (PromQL, regex, free text) and which list
-entries may be deleted under ``--drop-removed``; the edited text is read back before it is kept.
+The file kind's :class:`Policy` says how each string is read (PromQL, regex, free text) and which
+list entries may be deleted under ``--drop-removed``; the edited text is read back before it is kept.
 """
 
 from __future__ import annotations
@@ -16,16 +16,7 @@ from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Hit, Scanned, Scanner
 from .tree import Edit, LineIndex, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, walk
 
-__all__ = [
-    "Policy",
-    "ScalarScan",
-    "Unit",
-    "migrate_structured",
-    "nearest_key",
-    "only_removed",
-    "resolve",
-    "under",
-]
+__all__ = ["STRUCTURED_KINDS", "Policy", "migrate_structured"]
 
 
 @dataclass(frozen=True)
@@ -288,3 +279,213 @@ def _verify(
         raise ValueError(f"the edited text does not parse ({exc})") from exc
     if actual != expected:
         raise ValueError("the edited text does not read back as intended")
+
+
+# -- Grafana dashboards ----------------------------------------------------------------------------
+
+_QUERY_KEYS = frozenset({"expr", "query", "definition"})
+
+
+def looks_like_grafana(document: object) -> bool:
+    """A dashboard (or an API export wrapping one in ``{"dashboard": ...}``) with ``panels``."""
+    if isinstance(document, dict) and isinstance(document.get("dashboard"), dict):
+        document = document["dashboard"]
+    if not isinstance(document, dict) or not isinstance(document.get("panels"), list):
+        return False
+    if "schemaVersion" in document or "templating" in document:
+        return True
+    return any(isinstance(p, dict) and ("gridPos" in p or "targets" in p) for p in document["panels"])
+
+
+def _title(data: list[object], path: Path) -> str:
+    panel = resolve(data, path)
+    title = panel.get("title") if isinstance(panel, dict) else None
+    return str(title) if title else f"#{path[-1]}"
+
+
+class GrafanaPolicy:
+    """Grafana dashboard JSON: queries (``expr``, ``query``, ``definition``) read as PromQL, every
+    other string as free text; ``--drop-removed`` deletes targets of removed series only, and a panel
+    whose targets all go."""
+
+    kind = FileKind.GRAFANA
+
+    def context(self, path: Path) -> Context | None:
+        return Context.PROMQL if nearest_key(path) in _QUERY_KEYS else Context.TEXT
+
+    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
+        doomed_by_panel: dict[Path, list[Path]] = defaultdict(list)
+        for target in only_removed(scans, _target_of):
+            doomed_by_panel[target[:-2]].append(target)
+        units = []
+        for panel, doomed in doomed_by_panel.items():
+            panel_targets = resolve(data, (*panel, "targets"))
+            title = _title(data, panel)
+            is_panel = len(panel) >= 2 and panel[-2] == "panels"
+            if is_panel and isinstance(panel_targets, list) and len(doomed) == len(panel_targets):
+                units.append(Unit(panel, f'panel "{title}"'))
+            else:
+                for target in doomed:
+                    ref = resolve(data, target)
+                    ref_id = ref.get("refId", target[-1]) if isinstance(ref, dict) else target[-1]
+                    units.append(Unit(target, f'target {ref_id} of panel "{title}"'))
+        return units
+
+
+def _target_of(path: Path) -> Path | None:
+    """The path of the target (an entry of a ``targets`` list) that holds ``path``."""
+    for index in range(len(path) - 2, -1, -1):
+        if path[index] == "targets" and isinstance(path[index + 1], int):
+            return path[: index + 2]
+    return None
+
+
+# -- W&B workspace specs and panel lists ----------------------------------------------------------
+
+SERIES_KEYS = frozenset({"y", "metrics", "metric", "keys", "key"})
+_MARKERS = frozenset({"sections", "panels", "workspace", "panel_regexes"})
+
+
+def _is_regex_key(key: str) -> bool:
+    return "regex" in key.lower()
+
+
+def looks_like_wandb(document: object) -> bool:
+    """A workspace spec (``sections``/``panels``) or a document holding key regexes."""
+    if isinstance(document, dict):
+        if _MARKERS & set(document):
+            return True
+        return any(_is_regex_key(str(k)) or looks_like_wandb(v) for k, v in document.items())
+    if isinstance(document, list):
+        return any(looks_like_wandb(item) for item in document)
+    return False
+
+
+def _is_series_key(key: object) -> bool:
+    return isinstance(key, str) and (key in SERIES_KEYS or _is_regex_key(key))
+
+
+def _series_paths(node: object, path: Path) -> list[Path]:
+    """The paths of the strings choosing what a panel plots (y keys, key regexes, at any depth)."""
+    found: list[Path] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if _is_series_key(key) and isinstance(value, str):
+                found.append((*path, key))
+            elif _is_series_key(key) and isinstance(value, list):
+                found.extend((*path, key, i) for i, item in enumerate(value) if isinstance(item, str))
+            elif key != "panels":
+                found.extend(_series_paths(value, (*path, key)))
+    elif isinstance(node, list):
+        for index, item in enumerate(node):
+            found.extend(_series_paths(item, (*path, index)))
+    return found
+
+
+class WandbPolicy:
+    """W&B workspace specs and panel lists (JSON or YAML): a value under a key containing ``regex`` is a
+    key regex, every other string free text; ``--drop-removed`` deletes series entries naming a removed
+    key, and a panel all of whose series were removed."""
+
+    kind = FileKind.WANDB
+
+    def context(self, path: Path) -> Context | None:
+        return Context.REGEX if _is_regex_key(nearest_key(path)) else Context.TEXT
+
+    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
+        removed = {s.path for s in scans if not s.is_key and s.removed_whole}
+        if not removed:
+            return []
+        units: list[Unit] = []
+        panels = [p for p in _panel_paths(data) if any(under(r, p) for r in removed)]
+        for panel in panels:
+            sources = _series_paths(resolve(data, panel), panel)
+            if sources and all(source in removed for source in sources):
+                entity = resolve(data, panel)
+                title = entity.get("title") if isinstance(entity, dict) else None
+                units.append(Unit(panel, f'panel "{title}"' if title else f"panel #{panel[-1]}"))
+        for path in sorted(removed, key=str):
+            if any(under(path, u.path) for u in units):
+                continue
+            if isinstance(path[-1], int) and len(path) >= 2 and _is_series_key(path[-2]):
+                units.append(Unit(path, f"entry {resolve(data, path)!r} of {path[-2]}"))
+        return units
+
+
+def _panel_paths(data: list[object]) -> list[Path]:
+    """Paths of the entries of every ``panels`` list."""
+    found: list[Path] = []
+
+    def visit(node: object, path: Path) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "panels" and isinstance(value, list):
+                    found.extend((*path, key, i) for i in range(len(value)))
+                visit(value, (*path, key))
+        elif isinstance(node, list):
+            for index, item in enumerate(node):
+                visit(item, (*path, index))
+
+    for index, document in enumerate(data):
+        visit(document, (index,))
+    return found
+
+
+# -- Prometheus rule files ------------------------------------------------------------------------
+
+
+def _groups(document: object) -> object:
+    if isinstance(document, dict) and isinstance(document.get("spec"), dict) and "groups" in document["spec"]:
+        return document["spec"]["groups"]
+    return document.get("groups") if isinstance(document, dict) else None
+
+
+def looks_like_rules(document: object) -> bool:
+    groups = _groups(document)
+    return (
+        isinstance(groups, list)
+        and bool(groups)
+        and all(isinstance(g, dict) and isinstance(g.get("rules", []), list) for g in groups)
+        and any(isinstance(g, dict) and "rules" in g for g in groups)
+    )
+
+
+class PrometheusRulesPolicy:
+    """Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource): ``expr`` read as
+    PromQL, labels, annotations and comments as free text, alert names left alone; ``--drop-removed``
+    deletes a rule whose ``expr`` reads only removed series."""
+
+    kind = FileKind.PROMETHEUS_RULES
+
+    def context(self, path: Path) -> Context | None:
+        key = nearest_key(path)
+        if key == "alert":
+            return None  # the team's own name; dashboards and silences refer to it
+        return Context.PROMQL if key == "expr" else Context.TEXT
+
+    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
+        units = []
+        for rule in only_removed(scans, _rule_of):
+            entity = resolve(data, rule)
+            assert isinstance(entity, dict)
+            if "alert" in entity:
+                label = f'alert "{entity["alert"]}"'
+            else:
+                label = f'recording rule "{entity.get("record")}" (rules using it break too)'
+            units.append(Unit(rule, label))
+        return units
+
+
+def _rule_of(path: Path) -> Path | None:
+    """The path of the rule (an entry of a ``rules`` list) whose ``expr`` is at ``path``."""
+    rule = path[:-1]
+    return rule if len(rule) >= 2 and rule[-2] == "rules" and isinstance(rule[-1], int) else None
+
+
+# file kind -> (its test of a parsed document, its policy, whether its free text holds series
+# names); detection tries them in this order
+STRUCTURED_KINDS: dict[FileKind, tuple[Callable[[object], bool], Policy, bool]] = {
+    FileKind.GRAFANA: (looks_like_grafana, GrafanaPolicy(), True),
+    FileKind.PROMETHEUS_RULES: (looks_like_rules, PrometheusRulesPolicy(), True),
+    FileKind.WANDB: (looks_like_wandb, WandbPolicy(), False),
+}

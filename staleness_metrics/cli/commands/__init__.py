@@ -1,9 +1,5 @@
-"""Subcommands of the console script.
-
-Each module exposes ``register(subparsers)``, which adds its parser with
-``set_defaults(func=run)``; ``run(args) -> int`` returns the exit status. Imports of optional
-dependencies happen inside ``run``.
-"""
+"""Subcommands of the console script: each module's ``register(subparsers)`` adds its parser, whose
+``run(args) -> int`` (importing optional dependencies itself) returns the exit status."""
 
 from __future__ import annotations
 
