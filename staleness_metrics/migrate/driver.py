@@ -11,12 +11,10 @@ from pathlib import Path
 
 from .configs import CONFIG_KINDS, ConfigFormat, load_config, migrate_config
 from .history import looks_like_history, migrate_history
-from .json_syntax import JSON
-from .model import FileKind, FileResult, Options
-from .peer_names import scanner_for
+from .model import Action, FileKind, FileResult, Finding, Options
+from .names import Context, Scanner, scanner_for
 from .structured import STRUCTURED_KINDS, migrate_structured
-from .text import scan_text
-from .yaml_syntax import YAML_SYNTAX
+from .tree import JSON, YAML_SYNTAX
 
 __all__ = [
     "detect_kind",
@@ -108,6 +106,28 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         reason = "the file could not be migrated: edit by hand"
         result.findings = scan_text(shown, text, scanner_for(options, prometheus=True), reason=reason).findings
         result.new_text = None
+    return result
+
+
+IGNORE_PRAGMA = "staleness-migrate: ignore"
+
+
+def scan_text(
+    path: str,
+    text: str,
+    scanner: Scanner,
+    *,
+    reason: str = "this kind of file is only reported: edit by hand",
+) -> FileResult:
+    """Any other text file: legacy names reported with line numbers, never edited (a line holding
+    ``staleness-migrate: ignore`` is skipped)."""
+    result = FileResult(path, FileKind.TEXT, original=text)
+    for number, line in enumerate(text.split("\n"), start=1):  # editors count "\n" only
+        if IGNORE_PRAGMA in line:
+            continue
+        for hit in scanner.scan(line, Context.TEXT).hits:
+            detail = reason if hit.action is Action.RENAME else f"{hit.reason}; {reason}"
+            result.findings.append(Finding(path, number, hit.old, hit.new, Action.MANUAL, detail))
     return result
 
 

@@ -9,11 +9,10 @@ import re
 from dataclasses import dataclass
 
 from ..metrics.metric_table import LegacyKey
-from .json_syntax import JSON, parse_json_nodes
 from .legacy import in_legacy_namespace, migrate_key
 from .model import Action, FileKind, FileResult, Finding, Options
-from .peer_names import peer_lookup
-from .tree import Edit, Mapping, apply_edits
+from .names import peer_lookup
+from .tree import JSON, Edit, Mapping, apply_edits, parse_json_nodes
 
 __all__ = ["MARKER_KEY", "looks_like_history", "migrate_history"]
 
