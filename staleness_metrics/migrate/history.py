@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import replace
 
 from ..metrics.metric_table import LegacyKey
 from .legacy import in_legacy_namespace, migrate_key
@@ -33,41 +33,28 @@ def looks_like_history(text: str) -> bool:
     return False
 
 
-@dataclass
-class _Tally:
-    new: str | None
-    action: Action
-    reason: str
-    first: int
-    last: int
-    count: int = 0
-
-
 class _LineError(ValueError):
     pass
 
 
-class _Findings:
+class _Findings(dict[tuple[str, Action], Finding]):
     """Findings per (key, action), over the range of lines that carry the key."""
 
-    def __init__(self) -> None:
-        self.tallies: dict[tuple[str, Action], _Tally] = {}
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
 
     def add(self, old: str, new: str | None, action: Action, reason: str, line: int) -> None:
-        tally = self.tallies.setdefault((old, action), _Tally(new, action, reason, line, line))
-        tally.last, tally.count = line, tally.count + 1
-
-    def findings(self, path: str) -> list[Finding]:
-        ordered = sorted(self.tallies.items(), key=lambda item: (item[1].first, item[0][0]))
-        return [
-            Finding(path, t.first, old, t.new, action, t.reason, last_line=t.last, count=t.count)
-            for (old, action), t in ordered
-        ]
+        known = self.get((old, action))
+        if known is None:
+            self[old, action] = Finding(self.path, line, old, new, action, reason, last_line=line)
+        else:
+            self[old, action] = replace(known, last_line=line, count=known.count + 1)
 
 
 def migrate_history(path: str, text: str, options: Options) -> FileResult:
     result = FileResult(path, FileKind.HISTORY, original=text)
-    found = _Findings()
+    found = _Findings(path)
     out: list[str] = []
     last_legacy: tuple[int, int, object] | None = None  # (index in ``out``, line number, step)
     newline = "\r\n" if "\r\n" in text else "\n"
@@ -87,7 +74,7 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
         if had_legacy:
             last_legacy = (len(out), number, step)
         out.append(new_body + line[len(body) :])
-    result.findings = found.findings(path)
+    result.findings = sorted(found.values(), key=lambda f: (f.line, f.old))
     if last_legacy is None:
         return result  # nothing legacy: the file (and any earlier boundary line) stays as it is
     index, number, step = last_legacy

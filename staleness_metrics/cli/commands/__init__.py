@@ -13,13 +13,5 @@ __all__ = ["COMMANDS", "Register"]
 
 Register = Callable[["argparse._SubParsersAction[Any]"], None]
 
-COMMANDS: list[Register] = [
-    replay.register,
-    migrate.register,
-    dashboards.register,
-    wandb_workspace.register,
-    demo.register,
-    report.register,
-    what_if.register,
-    serve.register,
-]
+_MODULES = (replay, migrate, dashboards, wandb_workspace, demo, report, what_if, serve)  # help's order
+COMMANDS: list[Register] = [module.register for module in _MODULES]
