@@ -1,8 +1,8 @@
 """Configuration files (TOML, YAML, JSON): the renamed setting and legacy W&B keys, comments
 included.
 
-Edited as text, each legacy name replaced where it stands as a whole name, so every other byte stays;
-the result must parse to the old data with the same names replaced, else the file is left alone.
+Edited as text, each legacy name replaced where it stands as a whole name, so every other byte
+stays; the result must parse to the old data with the same names replaced, else it is left alone.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class _Collision(Exception):
 
 
 def _renamed(data: Any, scanner: Scanner) -> Any:
-    """``data`` with the names in every key and string replaced, as the text edit should leave it."""
+    """``data`` with the names in every key and string replaced, as the edit should leave it."""
     if isinstance(data, dict):
         out: dict[Any, Any] = {}
         for key, value in data.items():
@@ -78,9 +78,7 @@ def migrate_config(path: str, text: str, fmt: ConfigFormat, scanner: Scanner) ->
         return result
     scanned = scanner.scan(text, Context.TEXT)
     lines = LineIndex(text)
-    result.findings = [
-        Finding(path, lines.line(hit.start), hit.old, hit.new, hit.action, _config_reason(hit)) for hit in scanned.hits
-    ]
+    result.findings = [_finding(path, lines, hit) for hit in scanned.hits]
     if not scanned.changed:
         return result
     try:
@@ -103,7 +101,8 @@ def migrate_config(path: str, text: str, fmt: ConfigFormat, scanner: Scanner) ->
     return result
 
 
-def _config_reason(hit: Hit) -> str:
+def _finding(path: str, lines: LineIndex, hit: Hit) -> Finding:
+    reason = hit.reason
     if hit.action is Action.REMOVED:
-        return f"{hit.reason}; delete it from the config by hand"
-    return hit.reason
+        reason += "; delete it from the config by hand"
+    return Finding(path, lines.line(hit.start), hit.old, hit.new, hit.action, reason)

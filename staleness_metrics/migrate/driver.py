@@ -97,14 +97,17 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
     except UnicodeDecodeError:
         unreadable = unreadable or "not UTF-8 text; not read"
     if unreadable is not None:
-        return FileResult(shown, kind, error=unreadable) if explicit else FileResult(shown, kind, skipped=unreadable)
+        if explicit:
+            return FileResult(shown, kind, error=unreadable)
+        return FileResult(shown, kind, skipped=unreadable)
     if text.startswith("\ufeff") and kind is not FileKind.TEXT:
         return FileResult(shown, kind, error="starts with a byte-order mark; remove it, then run again")
     result = migrate_text(path, text, kind or detect_kind(path, text), options)
     if result.error is not None:
         # never edited: still say where the legacy names are
         reason = "the file could not be migrated: edit by hand"
-        result.findings = scan_text(shown, text, scanner_for(options, prometheus=True), reason=reason).findings
+        scanner = scanner_for(options, prometheus=True)
+        result.findings = scan_text(shown, text, scanner, reason=reason).findings
         result.new_text = None
     return result
 

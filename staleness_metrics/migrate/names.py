@@ -315,7 +315,8 @@ class PeerScanner(Scanner):
         new_keys = sorted({row.new for row in matched if row.new is not None})
         rewritten = "^(?:" + "|".join(re.escape(k) for k in new_keys) + ")$"
         reason = f"{self._peer()}: regex rewritten to the same keys here"
-        return Scanned(rewritten, (Hit(0, len(pattern), pattern, rewritten, Action.RENAME, reason),))
+        hit = Hit(0, len(pattern), pattern, rewritten, Action.RENAME, reason)
+        return Scanned(rewritten, (hit,))
 
 
 def scanner_for(options: Options, *, prometheus: bool) -> Scanner:

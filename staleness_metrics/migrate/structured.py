@@ -1,7 +1,7 @@
 """In-place migration of a structured document (Grafana dashboard, W&B workspace spec, rule file).
 
 The file kind's :class:`Policy` says how each string is read (PromQL, regex, free text) and which
-list entries may be deleted under ``--drop-removed``; the edited text is read back before it is kept.
+list entries ``--drop-removed`` may delete; the edited text is read back before it is kept.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def nearest_key(path: Path) -> str:
 
 
 def only_removed(scans: list[ScalarScan], owner: Callable[[Path], Path | None]) -> list[Path]:
-    """The owners (targets, rules) of PromQL values all of whose queries read only removed series."""
+    """The owners (targets, rules) all of whose PromQL values read only removed series."""
     verdict: dict[Path, bool] = {}
     for scan in scans:
         found = None if scan.is_key or scan.context is not Context.PROMQL else owner(scan.path)
@@ -91,7 +91,7 @@ def resolve(data: list[object], path: Path) -> object:
 
 
 def _line(text: str, lines: LineIndex, scalar: Scalar, hit: Hit) -> int:
-    """The line of a hit, found in its scalar's source text (folded scalars lose their line breaks)."""
+    """The line of a hit, found in its scalar's source (folded scalars lose their line breaks)."""
     value = str(scalar.value)
     occurrence = value[: hit.start].count(hit.old)
     raw = text[scalar.start : scalar.end]
@@ -136,11 +136,16 @@ def migrate_structured(
     return result
 
 
+# a unit's note, by whether --drop-removed was given
+_DROP_NOTES = {True: "{} cannot be deleted automatically", False: "--drop-removed deletes {}"}
+
+
 class _Migration:
     """The edits, findings and intended data changes of one document, built step by step."""
 
     def __init__(self, path: str, text: str, syntax: Syntax, scanner: Scanner, roots: list[Node]) -> None:
-        self.path, self.text, self.syntax, self.scanner, self.roots = path, text, syntax, scanner, roots
+        self.path, self.text, self.syntax = path, text, syntax
+        self.scanner, self.roots = scanner, roots
         self.lines = LineIndex(text)
         self.nodes: dict[Path, Node] = {}
         self.scans: list[ScalarScan] = []
@@ -182,8 +187,7 @@ class _Migration:
             removal = self.syntax.remove(self.text, parent, [_index(u.path) for u in members]) if drop_removed else None
             if removal is None:
                 for unit in members:
-                    note = "{} cannot be deleted automatically" if drop_removed else "--drop-removed deletes {}"
-                    self.drop_notes[unit.path] = note.format(unit.label)
+                    self.drop_notes[unit.path] = _DROP_NOTES[drop_removed].format(unit.label)
                 continue
             self.edits.extend(removal)
             self.removals.extend(removal)
@@ -215,7 +219,8 @@ class _Migration:
             for hit in scan.scanned.hits:
                 action, reason = hit.action, hit.reason
                 if action is Action.RENAME and raw is None:
-                    action, reason = Action.MANUAL, "cannot rewrite this value in place: edit by hand"
+                    action = Action.MANUAL
+                    reason = "cannot rewrite this value in place: edit by hand"
                 if action is Action.REMOVED and note:
                     reason = f"{reason}; {note}"
                 line = _line(self.text, self.lines, scan.scalar, hit)
@@ -305,8 +310,8 @@ def _title(data: list[object], path: Path) -> str:
 
 class GrafanaPolicy:
     """Grafana dashboard JSON: queries (``expr``, ``query``, ``definition``) read as PromQL, every
-    other string as free text; ``--drop-removed`` deletes targets of removed series only, and a panel
-    whose targets all go."""
+    other string as free text; ``--drop-removed`` deletes targets of removed series only, and a
+    panel whose targets all go."""
 
     kind = FileKind.GRAFANA
 
@@ -383,9 +388,9 @@ def _series_paths(node: object, path: Path) -> list[Path]:
 
 
 class WandbPolicy:
-    """W&B workspace specs and panel lists (JSON or YAML): a value under a key containing ``regex`` is a
-    key regex, every other string free text; ``--drop-removed`` deletes series entries naming a removed
-    key, and a panel all of whose series were removed."""
+    """W&B workspace specs and panel lists (JSON or YAML): a value under a key containing
+    ``regex`` is a key regex, every other string free text; ``--drop-removed`` deletes series
+    entries naming a removed key, and a panel all of whose series were removed."""
 
     kind = FileKind.WANDB
 
@@ -451,9 +456,9 @@ def looks_like_rules(document: object) -> bool:
 
 
 class PrometheusRulesPolicy:
-    """Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource): ``expr`` read as
-    PromQL, labels, annotations and comments as free text, alert names left alone; ``--drop-removed``
-    deletes a rule whose ``expr`` reads only removed series."""
+    """Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource): ``expr`` read
+    as PromQL, labels, annotations and comments as free text, alert names left alone;
+    ``--drop-removed`` deletes a rule whose ``expr`` reads only removed series."""
 
     kind = FileKind.PROMETHEUS_RULES
 

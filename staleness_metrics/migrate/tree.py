@@ -149,7 +149,8 @@ class _Reader:
         position = self.skip(position)
         char = self.text[position : position + 1]
         if char in ("{", "["):
-            return self.collection(Mapping(position, position) if char == "{" else Sequence(position, position))
+            empty = Mapping(position, position) if char == "{" else Sequence(position, position)
+            return self.collection(empty)
         if char == '"':
             return self.string(position)
         for literal, value in _LITERALS.items():

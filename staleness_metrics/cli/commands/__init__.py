@@ -13,5 +13,6 @@ __all__ = ["COMMANDS", "Register"]
 
 Register = Callable[["argparse._SubParsersAction[Any]"], None]
 
-_MODULES = (replay, migrate, dashboards, wandb_workspace, demo, report, what_if, serve)  # help's order
+# in the order of the help's command list
+_MODULES = (replay, migrate, dashboards, wandb_workspace, demo, report, what_if, serve)
 COMMANDS: list[Register] = [module.register for module in _MODULES]

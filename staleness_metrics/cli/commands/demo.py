@@ -26,7 +26,8 @@ OUT_DIR` prices; a seed replays the same run. See docs/getting-started.md.
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
-        subparsers, run, "demo", "simulated async RL pipeline driving the real monitor and exporters",
+        subparsers, run, "demo",
+        "simulated async RL pipeline driving the real monitor and exporters",
         "Run a simulated asynchronous RL pipeline on embedded defaults, with a live console table, "
         "a Prometheus endpoint on 127.0.0.1, a metrics JSONL file, W&B offline and OTLP. Needs no "
         "external service.",

@@ -32,17 +32,17 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
     parser = add_command(
         subparsers, run, "migrate",
-        "rename legacy off_policy/* keys and max_off_policy_steps in configs, dashboards, rules, ...",
-        "Find the names the rename retired (max_off_policy_steps, off_policy/* W&B keys and their "
-        "Prometheus forms, the 'Max Off-Policy' console label) and move each file to the new names. "
-        "Directories are walked recursively (hidden directories skipped).",
+        "rename legacy off_policy/* keys and max_off_policy_steps in configs, dashboards, "
+        "rules, ...",
+        "Find the names the rename retired (max_off_policy_steps, off_policy/* W&B keys and "
+        "their Prometheus forms, the 'Max Off-Policy' console label) and move each file to the "
+        "new names. Directories are walked recursively (hidden directories skipped).",
         EPILOG,
     )  # fmt: skip
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--check", action="store_true", help="change nothing; exit 1 and list each legacy name (the default)"
-    )
+    check_help = "change nothing; exit 1 and list each legacy name (the default)"
+    mode.add_argument("--check", action="store_true", help=check_help)
     mode.add_argument("--diff", action="store_true", help="change nothing; print the changes as a unified diff")
     mode.add_argument("--write", action="store_true", help="change the files in place (atomically)")
     parser.add_argument(
@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "W&B series entries and panels, history values",
     )  # fmt: skip
     kinds = [k.value for k in FileKind]
-    parser.add_argument("--kind", choices=kinds, help="read every named file as this kind instead of detecting it")
+    kind_help = "read every named file as this kind instead of detecting it"
+    parser.add_argument("--kind", choices=kinds, help=kind_help)
     parser.add_argument(
         "--from", dest="peer", choices=PEERS,
         help="map another trainer's staleness keys instead of this project's legacy names",
@@ -64,8 +65,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...migrate import FileKind, Options, iter_files, migrate_file, unified_diff, write_atomically
+    from ...migrate.driver import iter_files, migrate_file, unified_diff, write_atomically
     from ...migrate.legacy import DEFAULT_PROMETHEUS_PREFIXES
+    from ...migrate.model import FileKind, Options
 
     options = Options(
         drop_removed=args.drop_removed,

@@ -43,17 +43,18 @@ def add_command(
 # and what the default means when it is None
 _BOUND_OPTIONS: dict[str, tuple[type, str, str, str | None]] = {
     "floor_min_tokens": (
-        int, "N", "covered tokens a lag bucket needs to give the floor or a point of the curve", None
+        int, "N", "covered tokens a lag bucket needs to give the floor or a point of the curve",
+        None,
     ),
     "floor_max_age": (
-        int, "STEPS", "carry a floor measured at lag 0 this many steps at most, then bound it by the "
-        "smallest lag", None,
+        int, "STEPS", "carry a floor measured at lag 0 this many steps at most, then bound it by "
+        "the smallest lag", None,
     ),
     "cost_window": (int, "SHIPS", "ships pooled into the excess curve", None),
     "mismatch_budget": (float, "NATS", "excess k3 per token the bound may let train", "the floor"),
     "adapt_every": (
-        int, "SHIPS", "token policy: move the bound one step toward the suggestion after every SHIPS "
-        "ships with a curve", "off",
+        int, "SHIPS", "token policy: move the bound one step toward the suggestion after every "
+        "SHIPS ships with a curve", "off",
     ),
     "adapt_low": (int, "N", "lowest adapted bound", None),
     "adapt_high": (int, "N", "highest adapted bound", None),

@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
         if path is not None and not path.resolve().parent.is_dir():
-            print(f"staleness-metrics replay: {option} {path}: its folder does not exist", file=sys.stderr)
+            message = f"{option} {path}: its folder does not exist"
+            print(f"staleness-metrics replay: {message}", file=sys.stderr)
             return 2
     # per-env figures are written only with the breakdown
     sink = Sink(config, env_reports=config.env_breakdown)

@@ -41,9 +41,11 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     port_help = f"port (default: {DEFAULT_PORT}; 0 picks a free one)"
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=port_help)
-    parser.add_argument("--token", help=f"bearer token required on writes (default: ${TOKEN_ENV}, if set)")
+    token_help = f"bearer token required on writes (default: ${TOKEN_ENV}, if set)"
+    parser.add_argument("--token", help=token_help)
     parser.add_argument("--token-file", type=Path, metavar="FILE", help="read the token from FILE")
-    parser.add_argument("--protect-reads", action="store_true", help="require the token on reads too (not /healthz)")
+    reads_help = "require the token on reads too (/healthz stays open)"
+    parser.add_argument("--protect-reads", action="store_true", help=reads_help)
     parser.add_argument(
         "--max-body-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
         help="largest request body accepted, 413 beyond (default: 64 MiB)",
@@ -113,8 +115,8 @@ def _token(args: argparse.Namespace) -> str | None:
 def _listen(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (bound here so that port 0 can report the port it got).
 
-    The protocol is named (``IPPROTO_TCP``, not 0): asyncio sets ``TCP_NODELAY`` only on sockets that
-    say TCP, and without it a response sent in two writes waits ~40 ms for the client's delayed ACK.
+    The protocol is named (``IPPROTO_TCP``, not 0): asyncio sets ``TCP_NODELAY`` only on sockets
+    that say TCP, and without it a response sent in two writes waits ~40 ms for a delayed ACK.
     """
     found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     family, kind, proto, _, address = found[0]
@@ -205,7 +207,13 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     limits = uvicorn_header_options(args.max_header_bytes, args.header_timeout)
-    config = uvicorn.Config(app, log_level=args.log_level, server_header=False, proxy_headers=False, **limits)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        server_header=False,
+        proxy_headers=False,
+        **limits,
+    )
     server = uvicorn.Server(config)
     with sock:
         server.run(sockets=[sock])

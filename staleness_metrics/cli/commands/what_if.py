@@ -16,7 +16,7 @@ EPILOG = """\
 examples:
   staleness-metrics what-if events.jsonl --max-staleness 0..8
   staleness-metrics what-if path/to/prime-rl-run --policy episode --max-staleness 0..8 --json
-  staleness-metrics what-if staleness-demo      # a run directory: its settings, with the cost columns
+  staleness-metrics what-if staleness-demo      # a run directory: its settings, the cost columns
 
 The columns (and, with trainer log-probabilities, the cost of each bound and the suggested one)
 are described in docs/replay.md and docs/run-inputs.md.
