@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .options import add_command
+from .options import add_command, failed
 
 __all__ = ["register", "run"]
 
@@ -41,13 +41,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ImportError as exc:
-        print(
-            f"staleness-metrics dashboards: needs {exc.name or exc}: pip install 'staleness-metrics[cli]'",
-            file=sys.stderr,
-        )
+        install = "pip install 'staleness-metrics[cli]'"
+        return failed("dashboards", f"needs {exc.name or exc}: {install}")
     except OSError as exc:
-        print(f"staleness-metrics dashboards: {exc}", file=sys.stderr)
-    return 2
+        return failed("dashboards", exc)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 from ...config import POLICY_NAMES, StalenessConfig
 from ...errors import ConfigError
-from .options import add_bound_options, add_command, bound_settings
+from .options import add_bound_options, add_command, bound_settings, failed
 
 __all__ = ["register", "run"]
 
@@ -74,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
             **bound_settings(args),
         )
     except ConfigError as error:
-        print(f"staleness-metrics demo: {error}", file=sys.stderr)
-        return 2
+        return failed("demo", error)
     options = DemoOptions(
         steps=args.steps,
         speed=args.speed,
@@ -90,5 +88,4 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_demo(options)
     except OSError as error:  # an output directory or file that cannot be written
-        print(f"staleness-metrics demo: {error}", file=sys.stderr)
-        return 2
+        return failed("demo", error)

@@ -111,13 +111,10 @@ def run(args: argparse.Namespace) -> int:
             print(finding.describe(), file=sys.stderr if args.diff else sys.stdout)
         for note in result.notes if applied else ():
             print(f"  {result.path}: {note}", file=sys.stderr if args.diff else sys.stdout)
-    summary = _summary(args, remaining, fixed, files_with_legacy)
-    print(summary, file=sys.stderr)
+    print(_summary(args, remaining, fixed, files_with_legacy), file=sys.stderr)
     if failed:
         return 2
-    if remaining and not (args.write or args.diff):
-        return 1
-    return 0
+    return 1 if remaining and not (args.write or args.diff) else 0
 
 
 def _summary(args: argparse.Namespace, remaining: int, fixed: int, files: int) -> str:

@@ -4,10 +4,12 @@ replays a run (SPEC 9)."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from ...config import POLICY_NAMES, StalenessConfig
+from ...errors import EventError
 
 __all__ = [
     "BOUND_SETTINGS",
@@ -16,6 +18,7 @@ __all__ = [
     "add_sink_options",
     "bound_settings",
     "config_from_args",
+    "failed",
 ]
 
 
@@ -37,6 +40,13 @@ def add_command(
     )
     parser.set_defaults(func=run)
     return parser
+
+
+def failed(command: str, error: Exception | str, code: int = 2) -> int:
+    """Say on stderr why ``command`` stops (an ``EventError`` names its line itself); ``code``."""
+    shown = str(error) if isinstance(error, EventError) else f"staleness-metrics {command}: {error}"
+    print(shown, file=sys.stderr)
+    return code
 
 
 # SPEC 14's settings, each a flag of the same name (``--floor-min-tokens``): type, metavar, help

@@ -13,13 +13,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ...engine.shipment import Shipment
 from ...engine.sink import Sink
-from ...errors import ConfigError, EventError
+from ...errors import ConfigError
 from ...metrics.report import StepReport
 from ...records import jsonio
 from ...records.columnar import WEIGHT_FIELDS
 from ...replay.sources import is_event_file
 from ...replay.stream import Event, parse_event, read_event_path, run_events
-from .options import add_command, add_sink_options, config_from_args
+from .options import add_command, add_sink_options, config_from_args, failed
 
 if TYPE_CHECKING:
     from ...replay.sources import PrimeRlRead
@@ -159,16 +159,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, args.max_staleness)
     except ConfigError as error:
-        print(f"staleness-metrics replay: {error}", file=sys.stderr)
-        return 2
+        return failed("replay", error)
     if not args.events.exists():
-        print(f"staleness-metrics replay: {args.events}: no such file or directory", file=sys.stderr)
-        return 2
+        return failed("replay", f"{args.events}: no such file or directory")
     for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
         if path is not None and not path.resolve().parent.is_dir():
-            message = f"{option} {path}: its folder does not exist"
-            print(f"staleness-metrics replay: {message}", file=sys.stderr)
-            return 2
+            return failed("replay", f"{option} {path}: its folder does not exist")
     # per-env figures are written only with the breakdown
     sink = Sink(config, env_reports=config.env_breakdown)
     ships = 0
@@ -189,12 +185,8 @@ def run(args: argparse.Namespace) -> int:
                     metrics_out.write(jsonio.dumps_line(shipment.report.row()))
                 if batches_out is not None:
                     batches_out.write(batches_line_bytes(shipment))
-    except EventError as error:
-        print(str(error), file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as error:
-        print(f"staleness-metrics replay: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as error:  # EventError included
+        return failed("replay", error)
     totals = sink.totals
     print(
         f"replayed {ships} ships: {totals.rollouts_shipped} rollouts shipped, "

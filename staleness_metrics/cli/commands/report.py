@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError, EventError
-from .options import add_command, add_sink_options, config_from_args
+from .options import add_command, add_sink_options, config_from_args, failed
 
 __all__ = ["register", "run"]
 
@@ -63,11 +62,7 @@ def run(args: argparse.Namespace) -> int:
             data.bound = args.bound  # logged rows that do not say which bound they ran at
         page = render(data, args.title)
         args.output.write_text(page, encoding="utf-8")
-    except EventError as error:
-        print(str(error), file=sys.stderr)
-        return 2
-    except (ConfigError, ValueError, OSError) as error:
-        print(f"staleness-metrics report: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as error:  # ConfigError and EventError included
+        return failed("report", error)
     print(f"wrote {args.output} ({len(data.rows)} steps)", file=sys.stderr)
     return 0

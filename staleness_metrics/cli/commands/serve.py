@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
-from .options import add_command
+from .options import add_command, failed
 
 __all__ = ["DEFAULT_DATA_DIR", "DEFAULT_HOST", "DEFAULT_PORT", "register", "run"]
 
@@ -133,11 +132,6 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _fail(message: str, code: int) -> int:
-    print(f"staleness-metrics serve: {message}", file=sys.stderr)
-    return code
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -146,26 +140,27 @@ def run(args: argparse.Namespace) -> int:
         from ...server.limits import return_large_frees_to_the_os, uvicorn_header_options
         from ...server.security import BindRefused, check_bind
     except ImportError as exc:
-        return _fail(f"{exc}; install the server extra: pip install 'staleness-metrics[server]'", 2)
+        install = "pip install 'staleness-metrics[server]'"
+        return failed("serve", f"{exc}; install the server extra: {install}")
 
     try:
         token = _token(args)
     except (OSError, ValueError) as exc:  # unreadable, empty, not UTF-8, or blank
-        return _fail(str(exc), 2)
+        return failed("serve", str(exc))
     if not 0 <= args.port <= 65535:  # the socket layer would wrap a larger number around silently
-        return _fail(f"--port must be 0..65535, got {args.port}", 2)
+        return failed("serve", f"--port must be 0..65535, got {args.port}")
     try:
         check_bind(args.host, token)
     except BindRefused as exc:
-        return _fail(str(exc), 2)
+        return failed("serve", str(exc))
     if args.max_body_bytes < 1:
-        return _fail("--max-body-bytes must be >= 1", 2)
+        return failed("serve", "--max-body-bytes must be >= 1")
     if args.body_bytes_per_span_row < 0:
-        return _fail("--body-bytes-per-span-row must be >= 0", 2)
+        return failed("serve", "--body-bytes-per-span-row must be >= 0")
     if args.max_header_bytes < 1024:
-        return _fail("--max-header-bytes must be >= 1024", 2)
+        return failed("serve", "--max-header-bytes must be >= 1024")
     if not args.header_timeout > 0:
-        return _fail("--header-timeout must be > 0", 2)
+        return failed("serve", "--header-timeout must be > 0")
 
     otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
     exporters = ExportSettings(
@@ -191,13 +186,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
-        return _fail(f"cannot listen on {args.host}:{args.port}: {exc}", 1)
+        return failed("serve", f"cannot listen on {args.host}:{args.port}: {exc}", 1)
     try:
         app = create_app(settings)  # restores the stored runs, before the URL is announced
     except Exception as exc:
         # an unreadable or foreign data directory: say so rather than start empty
         sock.close()
-        return _fail(f"cannot load the data directory {data_dir}: {exc}", 1)
+        return failed("serve", f"cannot load the data directory {data_dir}: {exc}", 1)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError, EventError
-from .options import add_command, add_sink_options, config_from_args
+from .options import add_command, add_sink_options, config_from_args, failed
 
 __all__ = ["register", "run"]
 
@@ -49,11 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if run_dir is not None:
             config = run_dir.merged_config(config)
         result = what_if_with_curve(run_dir.root if run_dir is not None else args.events, bounds, config)
-    except EventError as error:
-        print(str(error), file=sys.stderr)
-        return 2
-    except (ConfigError, ValueError, OSError) as error:
-        print(f"staleness-metrics what-if: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as error:  # ConfigError and EventError included
+        return failed("what-if", error)
     print(to_json(result.rows) if args.json else format_table(result.rows, result.curve))
     return 0
