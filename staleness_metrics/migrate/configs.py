@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from .model import Action, FileKind, FileResult, Finding, MissingParser
 from .names import Context, Hit, Scanner
-from .tree import LineIndex
+from .tree import YAML_SYNTAX, LineIndex
 
 __all__ = ["CONFIG_KINDS", "ConfigFormat", "load_config", "migrate_config"]
 
@@ -32,13 +32,9 @@ def load_config(text: str, fmt: ConfigFormat) -> Any:
             import tomlkit  # optional dependency (the cli extra)
 
             return tomlkit.parse(text).unwrap()
-        if fmt == "yaml":
-            from ruamel.yaml import YAML
-
-            return list(YAML(typ="safe", pure=True).load_all(text))
-        return json.loads(text)
+        return YAML_SYNTAX.load(text) if fmt == "yaml" else json.loads(text)
     except ImportError as exc:
-        raise MissingParser(fmt.upper(), "tomlkit" if fmt == "toml" else "ruamel.yaml") from exc
+        raise MissingParser("TOML", "tomlkit") from exc
     except ValueError:
         raise
     except Exception as exc:  # tomlkit and ruamel raise their own error classes

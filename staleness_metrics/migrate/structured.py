@@ -128,7 +128,7 @@ def migrate_structured(
         return result
     try:
         new_text = apply_edits(text, _unique(migration.edits))
-        _verify(syntax, new_text, data, migration.sets, migration.deletes, migration.renames)
+        migration.verify(new_text, data)
     except ValueError as exc:
         result.error = f"refusing to edit: {exc}"
         return result
@@ -238,6 +238,29 @@ class _Migration:
                 reason = f"{hit.reason}, in a comment"
                 self.findings.append(Finding(self.path, line, hit.old, hit.new, hit.action, reason))
 
+    def verify(self, new_text: str, data: list[object]) -> None:
+        """Read the edited text back: it must be the old data with exactly the intended changes."""
+        expected = copy.deepcopy(data)
+        for value_path, value in self.sets:
+            parent = resolve(expected, value_path[:-1])
+            parent[value_path[-1]] = value  # type: ignore[index]
+        for doomed in sorted(self.deletes, key=lambda p: (-len(p), -_index(p))):
+            parent = resolve(expected, doomed[:-1])
+            del parent[doomed[-1]]  # type: ignore[attr-defined]
+        for map_path, old, new in sorted(self.renames, key=lambda r: -len(r[0])):
+            mapping = resolve(expected, map_path)
+            assert isinstance(mapping, dict)
+            if new in mapping:
+                raise ValueError(f"renaming {old!r} would collide with the existing {new!r}")
+            mapping[new] = mapping.pop(old)
+        try:
+            self.syntax.parse(new_text)
+            actual = self.syntax.load(new_text)
+        except ValueError as exc:
+            raise ValueError(f"the edited text does not parse ({exc})") from exc
+        if actual != expected:
+            raise ValueError("the edited text does not read back as intended")
+
 
 def _index(path: Path) -> int:
     last = path[-1]
@@ -253,37 +276,6 @@ def _unique(edits: Iterable[Edit]) -> list[Edit]:
 def _outermost(units: list[Unit]) -> list[Unit]:
     paths = {u.path for u in units}
     return [u for u in units if not any(p != u.path and under(u.path, p) for p in paths)]
-
-
-def _verify(
-    syntax: Syntax,
-    new_text: str,
-    data: list[object],
-    sets: list[tuple[Path, str]],
-    deletes: list[Path],
-    renames: list[tuple[Path, str, str]],
-) -> None:
-    """Read the edited text back and check it is the old data with exactly the intended changes."""
-    expected = copy.deepcopy(data)
-    for value_path, value in sets:
-        parent = resolve(expected, value_path[:-1])
-        parent[value_path[-1]] = value  # type: ignore[index]
-    for doomed in sorted(deletes, key=lambda p: (-len(p), -_index(p))):
-        parent = resolve(expected, doomed[:-1])
-        del parent[doomed[-1]]  # type: ignore[attr-defined]
-    for map_path, old, new in sorted(renames, key=lambda r: -len(r[0])):
-        mapping = resolve(expected, map_path)
-        assert isinstance(mapping, dict)
-        if new in mapping:
-            raise ValueError(f"renaming {old!r} would collide with the existing {new!r}")
-        mapping[new] = mapping.pop(old)
-    try:
-        syntax.parse(new_text)
-        actual = syntax.load(new_text)
-    except ValueError as exc:
-        raise ValueError(f"the edited text does not parse ({exc})") from exc
-    if actual != expected:
-        raise ValueError("the edited text does not read back as intended")
 
 
 # -- Grafana dashboards ----------------------------------------------------------------------------

@@ -278,11 +278,10 @@ def _decode(raw: str, in_flow: bool) -> object:
             return _yaml().load("k: [" + raw + "]")["k"][0]
         return _yaml().load("k: " + raw)["k"]
     except Exception:  # any parse failure means "not this text"
-        return _Unreadable
+        return _UNREADABLE
 
 
-class _Unreadable:
-    pass
+_UNREADABLE = object()
 
 
 def _content_end(node: Node) -> int:

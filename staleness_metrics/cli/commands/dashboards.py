@@ -18,8 +18,11 @@ examples:
   staleness-metrics dashboards --check         # exit 1 if a committed file is out of date (CI)
   staleness-metrics dashboards --out /tmp/gen  # write a fresh copy elsewhere
 
-The files: dashboards/*.json (Grafana, and the W&B panel spec),
-exporters/prometheus/staleness.rules.yml and exporters/otel/collector.yaml; see docs/exporters.md.
+files (relative to --out):
+  dashboards/staleness.json, dashboards/staleness-fleet.json   Grafana dashboards (import them)
+  dashboards/wandb-workspace.json                             W&B panel spec (see wandb-workspace)
+  exporters/prometheus/staleness.rules.yml                    recording rules and alerts
+  exporters/otel/collector.yaml                               example OpenTelemetry Collector config
 """
 
 
