@@ -327,8 +327,9 @@ class YamlSyntax:
         return sequence
 
     def load(self, text: str) -> list[object]:
+        yaml = _yaml()  # outside the try: a missing parser is not a parse error
         try:
-            return [doc for doc in _yaml().load_all(text) if doc is not None]
+            return [doc for doc in yaml.load_all(text) if doc is not None]
         except Exception as exc:  # ruamel's own error classes
             raise ValueError(str(exc)) from exc
 
