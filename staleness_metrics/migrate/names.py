@@ -107,7 +107,8 @@ class Scanner:
             return self._scan_promql(text)
         if context is Context.REGEX:
             return self._scan_regex(text, "wandb")
-        return self._scan_text(text)
+        hits = self._text_hits(text)
+        return Scanned(apply_renames(text, hits), tuple(hits))
 
     # -- free text ---------------------------------------------------------------------------------
 
@@ -135,10 +136,6 @@ class Scanner:
                 if hit is not None:
                     hits.append(hit)
         return hits
-
-    def _scan_text(self, text: str) -> Scanned:
-        hits = self._text_hits(text)
-        return Scanned(apply_renames(text, hits), tuple(hits))
 
     # -- Prometheus --------------------------------------------------------------------------------
 
