@@ -1,5 +1,5 @@
-"""The ``staleness-metrics`` console script (:mod:`.main`) and its
-subcommands (:mod:`.commands`)."""
+"""The ``staleness-metrics`` console script (:mod:`.main`) and its subcommands
+(:mod:`.commands`)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 1
     return code
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

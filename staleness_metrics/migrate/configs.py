@@ -1,11 +1,8 @@
-"""Configuration files (TOML, YAML, JSON): the renamed setting and legacy W&B
-keys, comments included.
+"""Configuration files (TOML, YAML, JSON): the renamed setting and legacy W&B keys, comments
+included.
 
-A config is edited as text: each legacy name is replaced where it stands as a whole name, in keys,
-values and comments alike, so quoting, layout and every other byte stay as they were
-(``[orchestrator]`` tables, inline tables, dotted keys, anchors). The result is then parsed and
-compared with the old data with the same names replaced: if anything else would change, or the new
-key already exists beside the old one, the file is left alone and the reason reported.
+Edited as text, each legacy name replaced where it stands as a whole name, so every other byte
+stays; the result must parse to the old data with the same names replaced, else it is left alone.
 """
 
 from __future__ import annotations
@@ -14,19 +11,18 @@ import json
 from typing import Any, Literal
 
 from .model import Action, FileKind, FileResult, Finding, MissingParser
-from .names import Context, Scanner
-from .tree import LineIndex
+from .names import Context, Hit, Scanner
+from .tree import YAML_SYNTAX, LineIndex
 
-__all__ = ["ConfigFormat", "load_config", "migrate_config"]
+__all__ = ["CONFIG_KINDS", "ConfigFormat", "load_config", "migrate_config"]
 
 ConfigFormat = Literal["toml", "yaml", "json"]
 
-_KINDS: dict[ConfigFormat, FileKind] = {
+CONFIG_KINDS: dict[ConfigFormat, FileKind] = {
     "toml": FileKind.TOML_CONFIG,
     "yaml": FileKind.YAML_CONFIG,
     "json": FileKind.JSON_CONFIG,
 }
-_NAMES: dict[ConfigFormat, str] = {"toml": "TOML", "yaml": "YAML", "json": "JSON"}
 
 
 def load_config(text: str, fmt: ConfigFormat) -> Any:
@@ -36,13 +32,9 @@ def load_config(text: str, fmt: ConfigFormat) -> Any:
             import tomlkit  # optional dependency (the cli extra)
 
             return tomlkit.parse(text).unwrap()
-        if fmt == "yaml":
-            from ruamel.yaml import YAML
-
-            return list(YAML(typ="safe", pure=True).load_all(text))
-        return json.loads(text)
+        return YAML_SYNTAX.load(text) if fmt == "yaml" else json.loads(text)
     except ImportError as exc:
-        raise MissingParser(_NAMES[fmt], "tomlkit" if fmt == "toml" else "ruamel.yaml") from exc
+        raise MissingParser("TOML", "tomlkit") from exc
     except ValueError:
         raise
     except Exception as exc:  # tomlkit and ruamel raise their own error classes
@@ -54,8 +46,7 @@ class _Collision(Exception):
 
 
 def _renamed(data: Any, scanner: Scanner) -> Any:
-    """``data`` with the names in every key and string replaced, as the text
-    edit should leave it."""
+    """``data`` with the names in every key and string replaced, as the edit should leave it."""
     if isinstance(data, dict):
         out: dict[Any, Any] = {}
         for key, value in data.items():
@@ -72,28 +63,18 @@ def _renamed(data: Any, scanner: Scanner) -> Any:
 
 
 def migrate_config(path: str, text: str, fmt: ConfigFormat, scanner: Scanner) -> FileResult:
-    result = FileResult(path, _KINDS[fmt], original=text)
+    result = FileResult(path, CONFIG_KINDS[fmt], original=text)
     try:
         old_data = load_config(text, fmt)
     except MissingParser as exc:
         result.error = str(exc)
         return result
     except ValueError as exc:
-        result.error = f"cannot parse as {_NAMES[fmt]}: {exc}"
+        result.error = f"cannot parse as {fmt.upper()}: {exc}"
         return result
     scanned = scanner.scan(text, Context.TEXT)
     lines = LineIndex(text)
-    result.findings = [
-        Finding(
-            path,
-            lines.line(hit.start),
-            hit.old,
-            hit.new,
-            hit.action,
-            _config_reason(hit.action, hit.reason),
-        )
-        for hit in scanned.hits
-    ]
+    result.findings = [_finding(path, lines, hit) for hit in scanned.hits]
     if not scanned.changed:
         return result
     try:
@@ -116,7 +97,8 @@ def migrate_config(path: str, text: str, fmt: ConfigFormat, scanner: Scanner) ->
     return result
 
 
-def _config_reason(action: Action, reason: str) -> str:
-    if action is Action.REMOVED:
-        return f"{reason}; delete it from the config by hand"
-    return reason
+def _finding(path: str, lines: LineIndex, hit: Hit) -> Finding:
+    reason = hit.reason
+    if hit.action is Action.REMOVED:
+        reason += "; delete it from the config by hand"
+    return Finding(path, lines.line(hit.start), hit.old, hit.new, hit.action, reason)

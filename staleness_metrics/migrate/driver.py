@@ -9,18 +9,12 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .configs import ConfigFormat, load_config, migrate_config
-from .grafana import GrafanaPolicy, looks_like_grafana
+from .configs import CONFIG_KINDS, ConfigFormat, load_config, migrate_config
 from .history import looks_like_history, migrate_history
-from .json_syntax import JSON
-from .model import FileKind, FileResult, Options
-from .peer_names import scanner_for
-from .prometheus_rules import PrometheusRulesPolicy, looks_like_rules
-from .structured import migrate_structured
-from .text import scan_text
-from .tree import Syntax
-from .wandb import WandbPolicy, looks_like_wandb
-from .yaml_syntax import YAML_SYNTAX
+from .model import Action, FileKind, FileResult, Finding, Options
+from .names import Context, Scanner, scanner_for
+from .structured import STRUCTURED_KINDS, migrate_structured
+from .tree import JSON, YAML_SYNTAX
 
 __all__ = [
     "detect_kind",
@@ -61,21 +55,16 @@ def detect_kind(path: Path, text: str) -> FileKind:
         try:
             data = load_config(text, fmt)
         except ValueError:
-            # reported as unparseable
-            return FileKind.JSON_CONFIG if fmt == "json" else FileKind.YAML_CONFIG
+            return CONFIG_KINDS[fmt]  # reported as unparseable
         documents = data if fmt == "yaml" else [data]
-        if any(looks_like_grafana(d) for d in documents):
-            return FileKind.GRAFANA
-        if any(looks_like_rules(d) for d in documents):
-            return FileKind.PROMETHEUS_RULES
-        if any(looks_like_wandb(d) for d in documents):
-            return FileKind.WANDB
-        return FileKind.JSON_CONFIG if fmt == "json" else FileKind.YAML_CONFIG
+        for kind, (looks_like, _, _) in STRUCTURED_KINDS.items():
+            if any(looks_like(d) for d in documents):
+                return kind
+        return CONFIG_KINDS[fmt]
     return FileKind.TEXT
 
 
-def _syntax(path: Path) -> Syntax:
-    return JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
+_CONFIG_FORMATS = {kind: fmt for fmt, kind in CONFIG_KINDS.items()}
 
 
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
@@ -83,18 +72,13 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
     shown = str(path)
     config_scanner = scanner_for(options, prometheus=False)
     prometheus_scanner = scanner_for(options, prometheus=True)
-    if kind is FileKind.TOML_CONFIG:
-        return migrate_config(shown, text, "toml", config_scanner)
-    if kind is FileKind.YAML_CONFIG:
-        return migrate_config(shown, text, "yaml", config_scanner)
-    if kind is FileKind.JSON_CONFIG:
-        return migrate_config(shown, text, "json", config_scanner)
-    if kind is FileKind.GRAFANA:
-        return migrate_structured(shown, text, _syntax(path), GrafanaPolicy(), prometheus_scanner, options)
-    if kind is FileKind.PROMETHEUS_RULES:
-        return migrate_structured(shown, text, _syntax(path), PrometheusRulesPolicy(), prometheus_scanner, options)
-    if kind is FileKind.WANDB:
-        return migrate_structured(shown, text, _syntax(path), WandbPolicy(), config_scanner, options)
+    if kind in _CONFIG_FORMATS:
+        return migrate_config(shown, text, _CONFIG_FORMATS[kind], config_scanner)
+    if kind in STRUCTURED_KINDS:
+        _, policy, prometheus = STRUCTURED_KINDS[kind]
+        syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
+        scanner = prometheus_scanner if prometheus else config_scanner
+        return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
     return scan_text(shown, text, prometheus_scanner)
@@ -107,27 +91,46 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         raw = path.read_bytes()
     except OSError as exc:
         return FileResult(shown, kind, error=f"cannot read: {exc.strerror or exc}")
-    if b"\0" in raw[:8192]:
-        reason = "binary file"
-        return FileResult(shown, kind, error=reason) if explicit else FileResult(shown, kind, skipped=reason)
     try:
+        unreadable = "binary file" if b"\0" in raw[:8192] else None
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        reason = "not UTF-8 text; not read"
-        return FileResult(shown, kind, error=reason) if explicit else FileResult(shown, kind, skipped=reason)
+        unreadable = unreadable or "not UTF-8 text; not read"
+    if unreadable is not None:
+        if explicit:
+            return FileResult(shown, kind, error=unreadable)
+        return FileResult(shown, kind, skipped=unreadable)
     if text.startswith("\ufeff") and kind is not FileKind.TEXT:
         return FileResult(shown, kind, error="starts with a byte-order mark; remove it, then run again")
     result = migrate_text(path, text, kind or detect_kind(path, text), options)
     if result.error is not None:
         # never edited: still say where the legacy names are
-        fallback = scan_text(
-            shown,
-            text,
-            scanner_for(options, prometheus=True),
-            reason="the file could not be migrated: edit by hand",
-        )
-        result.findings = fallback.findings
+        reason = "the file could not be migrated: edit by hand"
+        scanner = scanner_for(options, prometheus=True)
+        result.findings = scan_text(shown, text, scanner, reason=reason).findings
         result.new_text = None
+    return result
+
+
+IGNORE_PRAGMA = "staleness-migrate: ignore"
+
+
+def scan_text(
+    path: str,
+    text: str,
+    scanner: Scanner,
+    *,
+    reason: str = "this kind of file is only reported: edit by hand",
+) -> FileResult:
+    """Any other text file: legacy names reported with line numbers, never edited (a line holding
+    ``staleness-migrate: ignore`` is skipped)."""
+    result = FileResult(path, FileKind.TEXT, original=text)
+    for number, line in enumerate(text.split("\n"), start=1):  # editors count "\n" only
+        if IGNORE_PRAGMA in line:
+            continue
+        for hit in scanner.scan(line, Context.TEXT).hits:
+            detail = reason if hit.action is Action.RENAME else f"{hit.reason}; {reason}"
+            result.findings.append(Finding(path, number, hit.old, hit.new, Action.MANUAL, detail))
     return result
 
 

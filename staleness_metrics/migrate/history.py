@@ -1,25 +1,18 @@
-"""Metrics history (``metrics.jsonl``: one JSON object a line, each with a ``step``).
-
-Legacy keys are renamed in place; values are never touched (only the key's text changes). A history
-that spans the rename gets one boundary line, ``{"step": S, "migrate/legacy_through_step": S}``,
-right after the last line that carried legacy keys: the metrics at steps up to S were computed with
-the old definitions, so plots can draw a marker there. Removed keys stay (they are data) unless
-``--drop-removed``; so does an old key whose new key is already on the same line (a trainer that
-logged both during a deprecation window).
-"""
+"""Metrics history (``metrics.jsonl``, one JSON object with a ``step`` a line): keys renamed in
+place, values untouched, and a boundary line ``{"step": S, "migrate/legacy_through_step": S}``
+after the last line with legacy keys (steps up to S used the old definitions)."""
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import replace
 
 from ..metrics.metric_table import LegacyKey
-from .json_syntax import JSON, parse_json_nodes
 from .legacy import in_legacy_namespace, migrate_key
 from .model import Action, FileKind, FileResult, Finding, Options
-from .peer_names import peer_lookup
-from .tree import Edit, Mapping, apply_edits
+from .names import peer_lookup
+from .tree import JSON, Edit, Mapping, apply_edits, parse_json_nodes
 
 __all__ = ["MARKER_KEY", "looks_like_history", "migrate_history"]
 
@@ -28,8 +21,7 @@ _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
 
 
 def looks_like_history(text: str) -> bool:
-    """The first non-blank line is a JSON object with a ``step`` (replay event
-    streams have a ``type``)."""
+    """The first non-blank line is a JSON object with a ``step`` (event streams have a ``type``)."""
     for line in text.splitlines():
         if not line.strip():
             continue
@@ -41,41 +33,28 @@ def looks_like_history(text: str) -> bool:
     return False
 
 
-@dataclass
-class _Tally:
-    new: str | None
-    action: Action
-    reason: str
-    first: int
-    last: int
-    count: int = 0
-
-
 class _LineError(ValueError):
     pass
 
 
-class _Findings:
+class _Findings(dict[tuple[str, Action], Finding]):
     """Findings per (key, action), over the range of lines that carry the key."""
 
-    def __init__(self) -> None:
-        self.tallies: dict[tuple[str, Action], _Tally] = {}
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
 
     def add(self, old: str, new: str | None, action: Action, reason: str, line: int) -> None:
-        tally = self.tallies.setdefault((old, action), _Tally(new, action, reason, line, line))
-        tally.last, tally.count = line, tally.count + 1
-
-    def findings(self, path: str) -> list[Finding]:
-        ordered = sorted(self.tallies.items(), key=lambda item: (item[1].first, item[0][0]))
-        return [
-            Finding(path, t.first, old, t.new, action, t.reason, last_line=t.last, count=t.count)
-            for (old, action), t in ordered
-        ]
+        known = self.get((old, action))
+        if known is None:
+            self[old, action] = Finding(self.path, line, old, new, action, reason, last_line=line)
+        else:
+            self[old, action] = replace(known, last_line=line, count=known.count + 1)
 
 
 def migrate_history(path: str, text: str, options: Options) -> FileResult:
     result = FileResult(path, FileKind.HISTORY, original=text)
-    found = _Findings()
+    found = _Findings(path)
     out: list[str] = []
     last_legacy: tuple[int, int, object] | None = None  # (index in ``out``, line number, step)
     newline = "\r\n" if "\r\n" in text else "\n"
@@ -95,7 +74,7 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
         if had_legacy:
             last_legacy = (len(out), number, step)
         out.append(new_body + line[len(body) :])
-    result.findings = found.findings(path)
+    result.findings = sorted(found.values(), key=lambda f: (f.line, f.old))
     if last_legacy is None:
         return result  # nothing legacy: the file (and any earlier boundary line) stays as it is
     index, number, step = last_legacy
@@ -109,8 +88,7 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
 
 
 def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
-    """The line with legacy keys renamed; whether it had any; whether it is a
-    boundary line; its step."""
+    """The line with legacy keys renamed; whether it had any; whether it is a boundary; its step."""
     try:
         node = parse_json_nodes(body)
         data = json.loads(body)

@@ -1,21 +1,9 @@
-"""What a legacy name is called now (SPEC 7): W&B keys, Prometheus names, the
-setting and the console label.
+"""What a legacy name is called now (SPEC 7): W&B keys, Prometheus names, the setting and the
+console label (docs/migrate.md).
 
-The legacy W&B keys and their fate, the dispatcher key families that have no replacement and the
-Prometheus names older exporters published are the catalogue's
-(:mod:`staleness_metrics.metrics.metric_table`, SPEC 7). This module adds, as data, the other
-names the rename touched (the orchestrator setting, the console label) and the look-ups. Nothing
-here derives one name from another at run time: each old name is spelled out, and its new name
-is looked up in the table.
-
-Legacy Prometheus names. Older exporters (prime-rl style) published each W&B key with ``/`` replaced
-by ``_`` (``off_policy/in_flight/max`` -> ``off_policy_in_flight_max``; prometheus_client escapes
-``/`` to ``_`` by itself), counters with a ``_total`` suffix, and sometimes under a namespace
-prefix. The bare names are listed in :data:`LEGACY_PROMETHEUS_NAMES`; a name is also recognised
-behind one of the prefixes passed to :func:`migrate_prometheus_name` (by default
-:data:`DEFAULT_PROMETHEUS_PREFIXES`, prime-rl's ``orchestrator_``). prime-rl's own orchestrator
-exporter published its dispatcher gauges as ``orchestrator_off_policy_level_{min,mean,max}``; they
-are listed too, and are removed like the ``dispatcher/off_policy_level/*`` keys they mirror.
+The legacy names are the catalogue's (:mod:`staleness_metrics.metrics.metric_table`); this module
+adds the setting's flag spelling and the console label, and the look-ups. Each old name is spelled
+out as data; its new name is looked up in the table.
 """
 
 from __future__ import annotations
@@ -23,11 +11,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
 
 from ..config import RENAMED_SETTINGS
 from ..metrics.metric_table import (
-    ENV_KEY_PREFIX,
     LEGACY_KEYS,
     LEGACY_NAMESPACE,
     LEGACY_PROMETHEUS_NAMES,
@@ -56,7 +43,6 @@ __all__ = [
     "RegexRewrite",
     "current_key",
     "in_legacy_namespace",
-    "is_current_key",
     "migrate_key",
     "migrate_prometheus_name",
     "rewrite_key_regex",
@@ -91,19 +77,9 @@ CURRENT_PROMETHEUS_NAMES: frozenset[str] = _series_names()
 """Every series name the Prometheus exporter publishes (histogram series included)."""
 
 
-def is_current_key(key: str) -> bool:
-    """Whether ``key`` is a W&B key of the current naming (a table key or a
-    per-env breakdown of one)."""
-    return key in CURRENT_KEYS or key.startswith(ENV_KEY_PREFIX)
-
-
 def migrate_key(key: str) -> LegacyKey | None:
-    """What the W&B key ``key`` is now: its :class:`LegacyKey` when it is a legacy key, else None.
-
-    ``LegacyKey.new`` is the new key, or None when the key was removed (``reason`` says why). Keys
-    of a removed family (``dispatcher/off_policy/<anything>``) are removed too. Current keys and
-    keys this project never named return None.
-    """
+    """The :class:`LegacyKey` of a legacy W&B key (``new`` None: removed, also for keys of a removed
+    family), else None."""
     found = LEGACY_KEYS.get(key)
     if found is not None:
         return found
@@ -114,8 +90,7 @@ def migrate_key(key: str) -> LegacyKey | None:
 
 
 def current_key(key: str) -> str | None:
-    """The key to use now for ``key``: the new key of a legacy key, None when
-    removed, else ``key`` itself."""
+    """The key to use now for ``key``: its new key, None when removed, else ``key`` itself."""
     legacy = migrate_key(key)
     return key if legacy is None else legacy.new
 
@@ -127,11 +102,8 @@ def in_legacy_namespace(key: str) -> bool:
 
 @dataclass(frozen=True)
 class LegacyPrometheusName:
-    """What an old Prometheus series name became.
-
-    ``legacy_key`` is the W&B key the old name published; ``new`` is the ``rl_staleness_*`` family
-    that publishes its replacement now, or None when the metric was removed (``reason`` says why).
-    """
+    """What an old series name became: ``legacy_key`` is the W&B key it published, ``new`` the
+    family publishing its replacement (None: removed, ``reason`` says why)."""
 
     old: str
     legacy_key: str
@@ -145,11 +117,7 @@ _COUNTER_NOTE = "was a per-step gauge, is now a cumulative counter: wrap it in i
 def migrate_prometheus_name(
     name: str, prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES
 ) -> LegacyPrometheusName | None:
-    """What the Prometheus series ``name`` is now, or None when it is not a legacy name.
-
-    ``name`` may carry one of ``prefixes`` before a bare legacy name. Current
-    names never count as legacy.
-    """
+    """What the series ``name`` (maybe behind one of ``prefixes``) is now; None if not legacy."""
     if name in CURRENT_PROMETHEUS_NAMES:
         return None
     candidates = [name]
@@ -179,12 +147,8 @@ in Prometheus)."""
 
 @dataclass(frozen=True)
 class RegexRewrite:
-    """A legacy key regex and what it becomes.
-
-    ``matched`` lists the legacy names the old pattern matched, ``removed`` those of them that have
-    no replacement. ``pattern`` matches exactly the new names of the others; it is None when every
-    matched name was removed (the panel or selector has nothing left to show).
-    """
+    """A legacy key regex, the legacy names it ``matched`` (``removed``: those without a new name),
+    and a ``pattern`` matching exactly the others' new names (None when all were removed)."""
 
     old: str
     pattern: str | None
@@ -210,35 +174,30 @@ def _matches(compiled: re.Pattern[str], name: str, flavor: RegexFlavor) -> bool:
     return compiled.fullmatch(name) is not None
 
 
-@dataclass
-class _Trie:
-    terminal: bool = False
-    children: dict[str, _Trie] | None = None
+_Trie: TypeAlias = dict[str | None, "_Trie"]  # segment -> subtree; the key None marks a name's end
 
 
 def _trie_pattern(names: Iterable[str], sep: str) -> str:
-    root = _Trie(children={})
+    root: _Trie = {}
     for name in names:
         node = root
         for segment in name.split(sep):
-            assert node.children is not None
-            node = node.children.setdefault(segment, _Trie(children={}))
-        node.terminal = True
+            node = node.setdefault(segment, {})
+        node[None] = {}
 
-    def render(children: dict[str, _Trie]) -> str:
+    def render(children: _Trie) -> str:
         alternatives = []
-        for segment in sorted(children):
+        for segment in sorted(s for s in children if s is not None):
             child = children[segment]
             tail = ""
-            if child.children:
-                tail = re.escape(sep) + render(child.children)
-                if child.terminal:
+            if child.keys() - {None}:
+                tail = re.escape(sep) + render(child)
+                if None in child:
                     tail = f"(?:{tail})?"
             alternatives.append(re.escape(segment) + tail)
         return alternatives[0] if len(alternatives) == 1 else "(?:" + "|".join(alternatives) + ")"
 
-    assert root.children is not None
-    return render(root.children)
+    return render(root)
 
 
 def rewrite_key_regex(
@@ -246,15 +205,9 @@ def rewrite_key_regex(
     flavor: RegexFlavor = "wandb",
     prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES,
 ) -> RegexRewrite | None:
-    """Rewrite a regex over metric names so it matches the new names of the legacy names it matched.
-
-    Returns None when the pattern is not a legacy pattern: it does not mention ``off_policy`` or
-    ``staleness``, matches no legacy name, or already matches a current name (``staleness/.*`` keeps
-    working as it is). The new pattern is the exact set of new names, written compactly
-    (``^staleness/rollout/(?:max|mean)$`` for W&B, anchors implied for Prometheus). Names the old
-    pattern matched that no table knows (``off_policy/custom``) cannot be carried over. Raises
-    ``ValueError`` when a legacy-looking pattern is not a valid regular expression.
-    """
+    """The regex over metric names matching the new names of the legacy names ``pattern`` matched
+    (None when it matches no legacy name or already a current one; ``ValueError`` when it is not a
+    regex). Rules in docs/migrate.md."""
     if "off_policy" not in pattern and "staleness" not in pattern:
         return None
     prefixes = tuple(prefixes)

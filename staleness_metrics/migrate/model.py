@@ -32,8 +32,7 @@ class FileKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Options:
-    """How to migrate: delete what was removed, and which prefixes legacy
-    Prometheus names may carry."""
+    """How to migrate: delete what was removed, and which prefixes legacy Prometheus names carry."""
 
     drop_removed: bool = False
     prometheus_prefixes: tuple[str, ...] = DEFAULT_PROMETHEUS_PREFIXES
@@ -50,6 +49,14 @@ class Action(str, enum.Enum):
     # the metric was removed; left in place (--drop-removed deletes it where it can)
     REMOVED = "removed"
     MANUAL = "manual"  # a legacy name the tool reports but does not edit
+
+
+_OUTCOMES = {
+    Action.RENAME: "",
+    Action.DROP: ": deleted",
+    Action.REMOVED: ": removed",
+    Action.MANUAL: ": not edited",
+}
 
 
 @dataclass(frozen=True)
@@ -74,16 +81,9 @@ class Finding:
         where = f"{self.path}:{self.line}"
         if self.last_line is not None and self.last_line != self.line:
             where += f"-{self.last_line}"
-        if self.action is Action.RENAME:
-            text = f"{where}: {self.old} -> {self.new}"
-        elif self.action is Action.DROP:
-            text = f"{where}: {self.old}: deleted"
-        elif self.action is Action.REMOVED:
-            text = f"{where}: {self.old}: removed"
-        elif self.new is not None:
-            text = f"{where}: {self.old} -> {self.new}: not edited"
-        else:
-            text = f"{where}: {self.old}: not edited"
+        arrow = self.new is not None and self.action in (Action.RENAME, Action.MANUAL)
+        name = f"{self.old} -> {self.new}" if arrow else self.old
+        text = f"{where}: {name}" + _OUTCOMES[self.action]
         details = [self.reason] if self.reason else []
         if self.count > 1:
             details.append(f"{self.count} lines")

@@ -1,9 +1,7 @@
-"""Find legacy names inside one string and rewrite them: free text, PromQL, and key regexes.
+"""Find legacy names (or, for ``migrate --from PEER``, a peer framework's keys) inside one string
+and rewrite them, the string read as free text, PromQL or a key regex (the file kinds say which).
 
-Every file kind reduces to strings read in one of these contexts; the file-kind modules
-decide which context a string is in (a Grafana ``expr`` is PromQL, a W&B ``metric_regex`` is
-a regex, a title is text).
-"""
+A peer's key with the same meaning is renamed; any other is reported with the table's reason."""
 
 from __future__ import annotations
 
@@ -12,10 +10,21 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..metrics.metric_table import metric_by_key
 from . import legacy
-from .model import Action
+from .model import Action, Options
+from .peers import TRACKER_SUFFIXES, PeerKey, peer_keys
 
-__all__ = ["Context", "Hit", "Scanned", "Scanner", "apply_renames"]
+__all__ = [
+    "Context",
+    "Hit",
+    "PeerScanner",
+    "Scanned",
+    "Scanner",
+    "apply_renames",
+    "peer_lookup",
+    "scanner_for",
+]
 
 
 class Context(enum.Enum):
@@ -62,6 +71,11 @@ _WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(legacy.LEGACY_KEYS))}|{_FAMILIES
 # not know): reported only.
 _NAMESPACE = rf"(?<![\w/]){re.escape(legacy.LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
 _RENAMED_SETTINGS = {**legacy.RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
+# match group -> (old name -> new name, reason)
+_TABLES = {
+    "setting": (_RENAMED_SETTINGS, "renamed setting"),
+    "console": (legacy.CONSOLE_LABELS, "console label"),
+}
 _SETTING = rf"(?<!\w)(?:{_alternation(list(_RENAMED_SETTINGS))})(?![\w-])"
 _CONSOLE = rf"(?<!\w)(?:{_alternation(list(legacy.CONSOLE_LABELS))})(?!\w)"
 _IDENT = r"(?<![\w:/.$-])[A-Za-z_:][\w:]*(?![\w/])"
@@ -81,12 +95,8 @@ _PROMQL_TOKEN = re.compile(
 
 
 class Scanner:
-    """Scans strings for legacy names.
-
-    ``prometheus``: also look for legacy Prometheus series names in free text (dashboards, rule
-    files, plain text); configs leave it off, since a config key like ``staleness_max`` is not a
-    series name. ``prefixes``: namespace prefixes a legacy Prometheus name may carry.
-    """
+    """Scans strings for legacy names; ``prometheus`` also looks for legacy series names in free
+    text (off for configs, where a key like ``staleness_max`` is no series)."""
 
     def __init__(self, *, prometheus: bool, prefixes: Sequence[str] = legacy.DEFAULT_PROMETHEUS_PREFIXES):
         self.prometheus = prometheus
@@ -97,7 +107,8 @@ class Scanner:
             return self._scan_promql(text)
         if context is Context.REGEX:
             return self._scan_regex(text, "wandb")
-        return self._scan_text(text)
+        hits = self._text_hits(text)
+        return Scanned(apply_renames(text, hits), tuple(hits))
 
     # -- free text ---------------------------------------------------------------------------------
 
@@ -117,37 +128,14 @@ class Scanner:
                 token = token.rstrip(".:")
                 reason = "old off_policy/ namespace, no known mapping"
                 hits.append(Hit(start, start + len(token), token, None, Action.MANUAL, reason))
-            elif match.lastgroup == "setting":
-                hits.append(
-                    Hit(
-                        start,
-                        end,
-                        token,
-                        _RENAMED_SETTINGS[token],
-                        Action.RENAME,
-                        "renamed setting",
-                    )
-                )
-            elif match.lastgroup == "console":
-                hits.append(
-                    Hit(
-                        start,
-                        end,
-                        token,
-                        legacy.CONSOLE_LABELS[token],
-                        Action.RENAME,
-                        "console label",
-                    )
-                )
+            elif match.lastgroup in _TABLES:
+                table, reason = _TABLES[match.lastgroup]
+                hits.append(Hit(start, end, token, table[token], Action.RENAME, reason))
             elif self.prometheus:
                 hit = self._prometheus_hit(token, start)
                 if hit is not None:
                     hits.append(hit)
         return hits
-
-    def _scan_text(self, text: str) -> Scanned:
-        hits = self._text_hits(text)
-        return Scanned(apply_renames(text, hits), tuple(hits))
 
     # -- Prometheus --------------------------------------------------------------------------------
 
@@ -163,8 +151,7 @@ class Scanner:
         return Hit(start, end, token, found.new, Action.RENAME, found.reason)
 
     def _recording_rule_hit(self, token: str, start: int) -> Hit | None:
-        """A recording rule named ``level:metric:operations`` follows its series'
-        rename, everywhere alike."""
+        """A recording rule named ``level:metric:operations`` follows its series' rename."""
         segments = token.split(":")
         found = [legacy.migrate_prometheus_name(s, self.prefixes) if s else None for s in segments]
         if not any(found):
@@ -175,14 +162,8 @@ class Scanner:
             reason = f"recording rule over {removed[0].legacy_key}: {removed[0].reason}"
             return Hit(start, end, token, None, Action.REMOVED, reason)
         new = ":".join(f.new if f is not None and f.new else s for s, f in zip(segments, found, strict=True))
-        return Hit(
-            start,
-            end,
-            token,
-            new,
-            Action.RENAME,
-            "recording rule name follows its series (level:metric:op)",
-        )
+        reason = "recording rule name follows its series (level:metric:op)"
+        return Hit(start, end, token, new, Action.RENAME, reason)
 
     def _scan_promql(self, text: str) -> Scanned:
         hits: list[Hit] = []
@@ -247,3 +228,111 @@ def apply_renames(text: str, hits: Sequence[Hit]) -> str:
         position = hit.end
     parts.append(text[position:])
     return "".join(parts)
+
+
+# -- another framework's keys (--from PEER) --------------------------------------------------------
+
+_SUFFIX = "(?:" + _alternation(TRACKER_SUFFIXES) + ")?"
+
+
+def _bare(segment: str) -> str:
+    """A path segment without the tracker's ``__count`` suffix."""
+    for suffix in TRACKER_SUFFIXES:
+        if segment.endswith(suffix):
+            return segment[: -len(suffix)]
+    return segment
+
+
+def _hit(row: PeerKey, start: int, end: int, token: str, new: str | None) -> Hit:
+    if new is None:
+        return Hit(start, end, token, None, Action.MANUAL, f"{row.peer}: {row.reason} [{row.source}]")
+    return Hit(start, end, token, new, Action.RENAME, f"{row.peer}: {row.reason}")
+
+
+class PeerScanner(Scanner):
+    """Scans strings for one peer's keys instead of this project's legacy names."""
+
+    def __init__(self, peer: str, *, prometheus: bool, prefixes: Sequence[str] = ()) -> None:
+        super().__init__(prometheus=prometheus, prefixes=prefixes)
+        self.rows = {row.key: row for row in peer_keys(peer)}
+        whole = [key for key, row in self.rows.items() if not row.segment]
+        segments = [key for key, row in self.rows.items() if row.segment]
+        parts = []
+        if whole:
+            parts.append(rf"(?<![\w/.-])(?:{_alternation(whole)})(?![\w/.-])")
+        if segments:
+            parts.append(rf"(?<![\w.-])(?:{_alternation(segments)}){_SUFFIX}(?![\w.-])")
+        self._pattern = re.compile("|".join(parts)) if parts else None
+        self._series = {
+            key.replace("/", "_").replace("-", "_"): row for key, row in self.rows.items() if not row.segment
+        }
+
+    def _text_hits(self, text: str) -> list[Hit]:
+        if self._pattern is None:
+            return []
+        hits = []
+        for match in self._pattern.finditer(text):
+            row = self.rows.get(match.group()) or self.rows[_bare(match.group())]
+            hits.append(_hit(row, match.start(), match.end(), match.group(), row.new))
+        return hits
+
+    def _prometheus_hit(self, token: str, start: int) -> Hit | None:
+        row = self._series.get(token)
+        if row is None:
+            return None
+        series = metric_by_key(row.new).prometheus_name if row.new is not None else None
+        if row.new is not None and series is None:
+            reason = f"{row.peer}: same meaning as {row.new}, which Prometheus does not publish"
+            return Hit(start, start + len(token), token, None, Action.MANUAL, reason)
+        return _hit(row, start, start + len(token), token, series)
+
+    def _scan_promql(self, text: str) -> Scanned:
+        scanned = super()._scan_promql(text)
+        hits = tuple(
+            h for h in scanned.hits if h.action is not Action.MANUAL or h.reason.startswith(f"{self._peer()}:")
+        )
+        return Scanned(apply_renames(text, hits), hits)
+
+    def _peer(self) -> str:
+        return next(iter(self.rows.values())).peer if self.rows else ""
+
+    def _scan_regex(self, pattern: str, flavor: object) -> Scanned:
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            hit = Hit(0, len(pattern), pattern, None, Action.MANUAL, f"not a regex: {exc}")
+            return Scanned(pattern, (hit,))
+        matched = [row for key, row in self.rows.items() if not row.segment and compiled.search(key)]
+        if not matched:
+            return Scanned(pattern, ())
+        differing = [row.key for row in matched if row.new is None]
+        if differing:
+            reason = f"{self._peer()}: matches keys with no equivalent: {', '.join(differing)}; edit by hand"
+            return Scanned(pattern, (Hit(0, len(pattern), pattern, None, Action.MANUAL, reason),))
+        new_keys = sorted({row.new for row in matched if row.new is not None})
+        rewritten = "^(?:" + "|".join(re.escape(k) for k in new_keys) + ")$"
+        reason = f"{self._peer()}: regex rewritten to the same keys here"
+        hit = Hit(0, len(pattern), pattern, rewritten, Action.RENAME, reason)
+        return Scanned(rewritten, (hit,))
+
+
+def scanner_for(options: Options, *, prometheus: bool) -> Scanner:
+    """The legacy scanner, or the peer's when ``options.peer`` is set."""
+    if options.peer:
+        return PeerScanner(options.peer, prometheus=prometheus, prefixes=options.prometheus_prefixes)
+    return Scanner(prometheus=prometheus, prefixes=options.prometheus_prefixes)
+
+
+def peer_lookup(peer: str, name: str) -> PeerKey | None:
+    """The row of a logged key ``name`` of ``peer``: the whole key, or a segment row inside it."""
+    parts = [_bare(part) for part in name.split("/")]
+    for row in peer_keys(peer):
+        if row.key == name or (row.segment and _has_segments(parts, row.key.split("/"))):
+            return row
+    return None
+
+
+def _has_segments(parts: Sequence[str], wanted: Sequence[str]) -> bool:
+    """Whether ``wanted`` occurs as consecutive path segments of ``parts``."""
+    size = len(wanted)
+    return any(list(parts[start : start + size]) == list(wanted) for start in range(len(parts) - size + 1))

@@ -1,31 +1,11 @@
 """Other trainers' staleness keys, for ``staleness-metrics migrate --from PEER`` (issues 14 and 21).
 
-One table, :data:`PEER_KEYS`: each staleness key a peer framework logs (or a setting it reads), the
-file and line it is computed at, and either this project's key with the same value or the reason
-there is none. A key is renamed only when, on the peer's own batches read the way this project's
-adapters read them, our key gives the same number (same quantity, unit, population and
-aggregation); every other key is reported with its reason and never renamed, so nobody's plot
-silently changes meaning. ``tests/migrate/test_peer_values.py`` computes each renamed key by the
-peer's own formula on a small batch and ours with the sink on the same data;
-``tests/trainers/test_migrate_values.py`` does it for verl, AReaL and TRL with batches and numbers
-from their own packages, through ``migrate --from``.
-
-Sources, the newest release each peer publishes where there is one (``pip install --no-deps``, paths
-inside the installed package), else the newest stored snapshot of its repository
-(``owner/repo@commit``):
-
-- verl 0.9.1; AReaL 1.0.4 (``areal``); TRL 1.16.0 (``trl``); SkyRL 0.4.0 (``skyrl``, the wheel).
-- NeMo-RL: no release (PyPI's ``nemo-rl`` is an empty 0.0.0 placeholder):
-  ``NVIDIA-NeMo/RL@7ea279ab``.
-- ROLL: not on PyPI (``roll`` there is another project): ``alibaba/ROLL@8eb27cc2``.
-- PipelineRL: not on PyPI: ``ServiceNow/PipelineRL@58d39345``. Its ``stats/lag_mean`` and
-  ``stats/lag_max`` (issue 32) are not in that snapshot, which logs ``stats/lag``; their rows
-  cite the lag they summarise.
-
-Not flagged: TRL's setting ``max_staleness`` (``async_grpo_config.py:360``) has this project's
-own setting name, so flagging it would flag every config of ours; TRL drops a row when
-``fetch version - dispatch version > max_staleness`` at the moment its dataloader pulls it
-(see the ``sample/*`` rows).
+:data:`PEER_KEYS`: each staleness key (or setting) a peer logs, where it is computed (the newest
+release, else a repository snapshot ``owner/repo@commit``), and this project's key with the same
+number on the peer's own batches, or the reason there is none (docs/migrate.md; checked by
+tests/migrate/test_peer_values.py and tests/trainers/test_migrate_values.py). PipelineRL's
+``stats/lag_{mean,max}`` (issue 32) postdate its snapshot: their rows cite the lag they summarise.
+TRL's ``max_staleness`` has this project's own setting name and is not flagged.
 """
 
 from __future__ import annotations
@@ -51,9 +31,8 @@ class PeerKey:
     new: str | None
     source: str
     reason: str
-    # True: matched as whole path segments of a longer logged key (AReaL's tracker adds scope
-    # prefixes such as ``ppo_actor/update/version_stats/`` and suffixes such as ``/avg`` or
-    # ``__count`` around its names).
+    # True: matched as whole path segments of a longer logged key (AReaL's tracker adds scopes
+    # such as ``ppo_actor/update/version_stats/`` and suffixes such as ``/avg`` or ``__count``).
     segment: bool = False
 
 
@@ -295,12 +274,9 @@ PEERS: tuple[str, ...] = ("verl", "skyrl", "areal", "trl", "nemo-rl", "roll", "p
 
 
 def peer_keys(peer: str) -> tuple[PeerKey, ...]:
-    """The table rows of one peer (``ValueError`` for a peer the table does not know)."""
+    """The table rows of one peer (``ConfigError`` for a peer the table does not know)."""
     if peer not in PEERS:
         known = ", ".join(PEERS)
-        raise ConfigError(
-            f"unknown peer {peer!r}; known: {known}",
-            field="peer",
-            reason=f"unknown (known: {known})",
-        )
+        message = f"unknown peer {peer!r}; known: {known}"
+        raise ConfigError(message, field="peer", reason=f"unknown (known: {known})")
     return tuple(row for row in PEER_KEYS if row.peer == peer)

@@ -1,17 +1,14 @@
 """In-place migration of a structured document (Grafana dashboard, W&B workspace spec, rule file).
 
-A file-kind :class:`Policy` says in which context each string is read (PromQL, regex, free text) and
-which list entries (panels, targets, rules, series) may be deleted when what they show was removed.
-This module scans, edits the text at the changed values only, deletes units under
-``--drop-removed``, and reads the result back to check that exactly the intended values changed
-before anything is written.
+The file kind's :class:`Policy` says how each string is read (PromQL, regex, free text) and which
+list entries ``--drop-removed`` may delete; the edited text is read back before it is kept.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,7 +16,7 @@ from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Hit, Scanned, Scanner
 from .tree import Edit, LineIndex, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, walk
 
-__all__ = ["Policy", "ScalarScan", "Unit", "migrate_structured", "nearest_key", "resolve", "under"]
+__all__ = ["STRUCTURED_KINDS", "Policy", "migrate_structured"]
 
 
 @dataclass(frozen=True)
@@ -34,8 +31,7 @@ class ScalarScan:
 
     @property
     def removed_whole(self) -> bool:
-        """The whole value is one removed name (a series entry or regex that shows
-        only removed metrics)."""
+        """The whole value is one removed name (a series entry or regex of removed metrics only)."""
         hits = self.scanned.hits
         return (
             len(hits) == 1
@@ -46,8 +42,7 @@ class ScalarScan:
 
 @dataclass(frozen=True)
 class Unit:
-    """A list entry that may be deleted under ``--drop-removed`` because it shows
-    only removed metrics."""
+    """A list entry ``--drop-removed`` may delete: it shows only removed metrics."""
 
     path: Path
     label: str  # 'panel "Token max"', 'alert "X"'
@@ -73,6 +68,17 @@ def nearest_key(path: Path) -> str:
     return ""
 
 
+def only_removed(scans: list[ScalarScan], owner: Callable[[Path], Path | None]) -> list[Path]:
+    """The owners (targets, rules) all of whose PromQL values read only removed series."""
+    verdict: dict[Path, bool] = {}
+    for scan in scans:
+        found = None if scan.is_key or scan.context is not Context.PROMQL else owner(scan.path)
+        if found is not None:
+            removed = all(h.action is Action.REMOVED for h in scan.scanned.hits)
+            verdict[found] = verdict.get(found, True) and removed
+    return [path for path, removed in verdict.items() if removed]
+
+
 def under(path: Path, prefix: Path) -> bool:
     return path[: len(prefix)] == prefix
 
@@ -85,8 +91,7 @@ def resolve(data: list[object], path: Path) -> object:
 
 
 def _line(text: str, lines: LineIndex, scalar: Scalar, hit: Hit) -> int:
-    """The line of a hit: found in the source text of its scalar (folded scalars
-    lose their line breaks)."""
+    """The line of a hit, found in its scalar's source (folded scalars lose their line breaks)."""
     value = str(scalar.value)
     occurrence = value[: hit.start].count(hit.old)
     raw = text[scalar.start : scalar.end]
@@ -123,7 +128,7 @@ def migrate_structured(
         return result
     try:
         new_text = apply_edits(text, _unique(migration.edits))
-        _verify(syntax, new_text, data, migration.sets, migration.deletes, migration.renames)
+        migration.verify(new_text, data)
     except ValueError as exc:
         result.error = f"refusing to edit: {exc}"
         return result
@@ -131,17 +136,16 @@ def migrate_structured(
     return result
 
 
+# a unit's note, by whether --drop-removed was given
+_DROP_NOTES = {True: "{} cannot be deleted automatically", False: "--drop-removed deletes {}"}
+
+
 class _Migration:
     """The edits, findings and intended data changes of one document, built step by step."""
 
     def __init__(self, path: str, text: str, syntax: Syntax, scanner: Scanner, roots: list[Node]) -> None:
-        self.path, self.text, self.syntax, self.scanner, self.roots = (
-            path,
-            text,
-            syntax,
-            scanner,
-            roots,
-        )
+        self.path, self.text, self.syntax = path, text, syntax
+        self.scanner, self.roots = scanner, roots
         self.lines = LineIndex(text)
         self.nodes: dict[Path, Node] = {}
         self.scans: list[ScalarScan] = []
@@ -173,8 +177,7 @@ class _Migration:
             self.scans.append(ScalarScan(path, scalar, is_key, context, scanned))
 
     def drop(self, units: list[Unit], drop_removed: bool) -> None:
-        """Delete the units (under ``--drop-removed``), or note on their
-        findings that the flag would."""
+        """Delete the units (``--drop-removed``), or note on their findings that the flag would."""
         by_parent: dict[Path, list[Unit]] = defaultdict(list)
         for unit in _outermost(units):
             by_parent[unit.path[:-1]].append(unit)
@@ -184,11 +187,7 @@ class _Migration:
             removal = self.syntax.remove(self.text, parent, [_index(u.path) for u in members]) if drop_removed else None
             if removal is None:
                 for unit in members:
-                    self.drop_notes[unit.path] = (
-                        f"{unit.label} cannot be deleted automatically"
-                        if drop_removed
-                        else f"--drop-removed deletes {unit.label}"
-                    )
+                    self.drop_notes[unit.path] = _DROP_NOTES[drop_removed].format(unit.label)
                 continue
             self.edits.extend(removal)
             self.removals.extend(removal)
@@ -220,10 +219,8 @@ class _Migration:
             for hit in scan.scanned.hits:
                 action, reason = hit.action, hit.reason
                 if action is Action.RENAME and raw is None:
-                    action, reason = (
-                        Action.MANUAL,
-                        "cannot rewrite this value in place: edit by hand",
-                    )
+                    action = Action.MANUAL
+                    reason = "cannot rewrite this value in place: edit by hand"
                 if action is Action.REMOVED and note:
                     reason = f"{reason}; {note}"
                 line = _line(self.text, self.lines, scan.scalar, hit)
@@ -240,6 +237,29 @@ class _Migration:
                 line = self.lines.line(start + hit.start)
                 reason = f"{hit.reason}, in a comment"
                 self.findings.append(Finding(self.path, line, hit.old, hit.new, hit.action, reason))
+
+    def verify(self, new_text: str, data: list[object]) -> None:
+        """Read the edited text back: it must be the old data with exactly the intended changes."""
+        expected = copy.deepcopy(data)
+        for value_path, value in self.sets:
+            parent = resolve(expected, value_path[:-1])
+            parent[value_path[-1]] = value  # type: ignore[index]
+        for doomed in sorted(self.deletes, key=lambda p: (-len(p), -_index(p))):
+            parent = resolve(expected, doomed[:-1])
+            del parent[doomed[-1]]  # type: ignore[attr-defined]
+        for map_path, old, new in sorted(self.renames, key=lambda r: -len(r[0])):
+            mapping = resolve(expected, map_path)
+            assert isinstance(mapping, dict)
+            if new in mapping:
+                raise ValueError(f"renaming {old!r} would collide with the existing {new!r}")
+            mapping[new] = mapping.pop(old)
+        try:
+            self.syntax.parse(new_text)
+            actual = self.syntax.load(new_text)
+        except ValueError as exc:
+            raise ValueError(f"the edited text does not parse ({exc})") from exc
+        if actual != expected:
+            raise ValueError("the edited text does not read back as intended")
 
 
 def _index(path: Path) -> int:
@@ -258,33 +278,211 @@ def _outermost(units: list[Unit]) -> list[Unit]:
     return [u for u in units if not any(p != u.path and under(u.path, p) for p in paths)]
 
 
-def _verify(
-    syntax: Syntax,
-    new_text: str,
-    data: list[object],
-    sets: list[tuple[Path, str]],
-    deletes: list[Path],
-    renames: list[tuple[Path, str, str]],
-) -> None:
-    """Read the edited text back and check it equals the old data with exactly
-    the intended changes."""
-    expected = copy.deepcopy(data)
-    for value_path, value in sets:
-        parent = resolve(expected, value_path[:-1])
-        parent[value_path[-1]] = value  # type: ignore[index]
-    for doomed in sorted(deletes, key=lambda p: (-len(p), -_index(p))):
-        parent = resolve(expected, doomed[:-1])
-        del parent[doomed[-1]]  # type: ignore[attr-defined]
-    for map_path, old, new in sorted(renames, key=lambda r: -len(r[0])):
-        mapping = resolve(expected, map_path)
-        assert isinstance(mapping, dict)
-        if new in mapping:
-            raise ValueError(f"renaming {old!r} would collide with the existing {new!r}")
-        mapping[new] = mapping.pop(old)
-    try:
-        syntax.parse(new_text)
-        actual = syntax.load(new_text)
-    except ValueError as exc:
-        raise ValueError(f"the edited text does not parse ({exc})") from exc
-    if actual != expected:
-        raise ValueError("the edited text does not read back as intended")
+# -- Grafana dashboards ----------------------------------------------------------------------------
+
+_QUERY_KEYS = frozenset({"expr", "query", "definition"})
+
+
+def looks_like_grafana(document: object) -> bool:
+    """A dashboard (or an API export wrapping one in ``{"dashboard": ...}``) with ``panels``."""
+    if isinstance(document, dict) and isinstance(document.get("dashboard"), dict):
+        document = document["dashboard"]
+    if not isinstance(document, dict) or not isinstance(document.get("panels"), list):
+        return False
+    if "schemaVersion" in document or "templating" in document:
+        return True
+    return any(isinstance(p, dict) and ("gridPos" in p or "targets" in p) for p in document["panels"])
+
+
+def _title(data: list[object], path: Path) -> str:
+    panel = resolve(data, path)
+    title = panel.get("title") if isinstance(panel, dict) else None
+    return str(title) if title else f"#{path[-1]}"
+
+
+class GrafanaPolicy:
+    """Grafana dashboard JSON: queries (``expr``, ``query``, ``definition``) read as PromQL, every
+    other string as free text; ``--drop-removed`` deletes targets of removed series only, and a
+    panel whose targets all go."""
+
+    kind = FileKind.GRAFANA
+
+    def context(self, path: Path) -> Context | None:
+        return Context.PROMQL if nearest_key(path) in _QUERY_KEYS else Context.TEXT
+
+    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
+        doomed_by_panel: dict[Path, list[Path]] = defaultdict(list)
+        for target in only_removed(scans, _target_of):
+            doomed_by_panel[target[:-2]].append(target)
+        units = []
+        for panel, doomed in doomed_by_panel.items():
+            panel_targets = resolve(data, (*panel, "targets"))
+            title = _title(data, panel)
+            is_panel = len(panel) >= 2 and panel[-2] == "panels"
+            if is_panel and isinstance(panel_targets, list) and len(doomed) == len(panel_targets):
+                units.append(Unit(panel, f'panel "{title}"'))
+            else:
+                for target in doomed:
+                    ref = resolve(data, target)
+                    ref_id = ref.get("refId", target[-1]) if isinstance(ref, dict) else target[-1]
+                    units.append(Unit(target, f'target {ref_id} of panel "{title}"'))
+        return units
+
+
+def _target_of(path: Path) -> Path | None:
+    """The path of the target (an entry of a ``targets`` list) that holds ``path``."""
+    for index in range(len(path) - 2, -1, -1):
+        if path[index] == "targets" and isinstance(path[index + 1], int):
+            return path[: index + 2]
+    return None
+
+
+# -- W&B workspace specs and panel lists ----------------------------------------------------------
+
+SERIES_KEYS = frozenset({"y", "metrics", "metric", "keys", "key"})
+_MARKERS = frozenset({"sections", "panels", "workspace", "panel_regexes"})
+
+
+def _is_regex_key(key: str) -> bool:
+    return "regex" in key.lower()
+
+
+def looks_like_wandb(document: object) -> bool:
+    """A workspace spec (``sections``/``panels``) or a document holding key regexes."""
+    if isinstance(document, dict):
+        if _MARKERS & set(document):
+            return True
+        return any(_is_regex_key(str(k)) or looks_like_wandb(v) for k, v in document.items())
+    if isinstance(document, list):
+        return any(looks_like_wandb(item) for item in document)
+    return False
+
+
+def _is_series_key(key: object) -> bool:
+    return isinstance(key, str) and (key in SERIES_KEYS or _is_regex_key(key))
+
+
+def _series_paths(node: object, path: Path) -> list[Path]:
+    """The paths of the strings choosing what a panel plots (y keys, key regexes, at any depth)."""
+    found: list[Path] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if _is_series_key(key) and isinstance(value, str):
+                found.append((*path, key))
+            elif _is_series_key(key) and isinstance(value, list):
+                found.extend((*path, key, i) for i, item in enumerate(value) if isinstance(item, str))
+            elif key != "panels":
+                found.extend(_series_paths(value, (*path, key)))
+    elif isinstance(node, list):
+        for index, item in enumerate(node):
+            found.extend(_series_paths(item, (*path, index)))
+    return found
+
+
+class WandbPolicy:
+    """W&B workspace specs and panel lists (JSON or YAML): a value under a key containing
+    ``regex`` is a key regex, every other string free text; ``--drop-removed`` deletes series
+    entries naming a removed key, and a panel all of whose series were removed."""
+
+    kind = FileKind.WANDB
+
+    def context(self, path: Path) -> Context | None:
+        return Context.REGEX if _is_regex_key(nearest_key(path)) else Context.TEXT
+
+    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
+        removed = {s.path for s in scans if not s.is_key and s.removed_whole}
+        if not removed:
+            return []
+        units: list[Unit] = []
+        panels = [p for p in _panel_paths(data) if any(under(r, p) for r in removed)]
+        for panel in panels:
+            sources = _series_paths(resolve(data, panel), panel)
+            if sources and all(source in removed for source in sources):
+                entity = resolve(data, panel)
+                title = entity.get("title") if isinstance(entity, dict) else None
+                units.append(Unit(panel, f'panel "{title}"' if title else f"panel #{panel[-1]}"))
+        for path in sorted(removed, key=str):
+            if any(under(path, u.path) for u in units):
+                continue
+            if isinstance(path[-1], int) and len(path) >= 2 and _is_series_key(path[-2]):
+                units.append(Unit(path, f"entry {resolve(data, path)!r} of {path[-2]}"))
+        return units
+
+
+def _panel_paths(data: list[object]) -> list[Path]:
+    """Paths of the entries of every ``panels`` list."""
+    found: list[Path] = []
+
+    def visit(node: object, path: Path) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "panels" and isinstance(value, list):
+                    found.extend((*path, key, i) for i in range(len(value)))
+                visit(value, (*path, key))
+        elif isinstance(node, list):
+            for index, item in enumerate(node):
+                visit(item, (*path, index))
+
+    for index, document in enumerate(data):
+        visit(document, (index,))
+    return found
+
+
+# -- Prometheus rule files ------------------------------------------------------------------------
+
+
+def _groups(document: object) -> object:
+    if isinstance(document, dict) and isinstance(document.get("spec"), dict) and "groups" in document["spec"]:
+        return document["spec"]["groups"]
+    return document.get("groups") if isinstance(document, dict) else None
+
+
+def looks_like_rules(document: object) -> bool:
+    groups = _groups(document)
+    return (
+        isinstance(groups, list)
+        and bool(groups)
+        and all(isinstance(g, dict) and isinstance(g.get("rules", []), list) for g in groups)
+        and any(isinstance(g, dict) and "rules" in g for g in groups)
+    )
+
+
+class PrometheusRulesPolicy:
+    """Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource): ``expr`` read
+    as PromQL, labels, annotations and comments as free text, alert names left alone;
+    ``--drop-removed`` deletes a rule whose ``expr`` reads only removed series."""
+
+    kind = FileKind.PROMETHEUS_RULES
+
+    def context(self, path: Path) -> Context | None:
+        key = nearest_key(path)
+        if key == "alert":
+            return None  # the team's own name; dashboards and silences refer to it
+        return Context.PROMQL if key == "expr" else Context.TEXT
+
+    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
+        units = []
+        for rule in only_removed(scans, _rule_of):
+            entity = resolve(data, rule)
+            assert isinstance(entity, dict)
+            if "alert" in entity:
+                label = f'alert "{entity["alert"]}"'
+            else:
+                label = f'recording rule "{entity.get("record")}" (rules using it break too)'
+            units.append(Unit(rule, label))
+        return units
+
+
+def _rule_of(path: Path) -> Path | None:
+    """The path of the rule (an entry of a ``rules`` list) whose ``expr`` is at ``path``."""
+    rule = path[:-1]
+    return rule if len(rule) >= 2 and rule[-2] == "rules" and isinstance(rule[-1], int) else None
+
+
+# file kind -> (its test of a parsed document, its policy, whether its free text holds series
+# names); detection tries them in this order
+STRUCTURED_KINDS: dict[FileKind, tuple[Callable[[object], bool], Policy, bool]] = {
+    FileKind.GRAFANA: (looks_like_grafana, GrafanaPolicy(), True),
+    FileKind.PROMETHEUS_RULES: (looks_like_rules, PrometheusRulesPolicy(), True),
+    FileKind.WANDB: (looks_like_wandb, WandbPolicy(), False),
+}

@@ -1,22 +1,27 @@
-"""A parsed document that remembers where each value sits in the text, and
-edits made at those places.
+"""JSON and YAML parsed into trees that know where each value sits in the text, so that edits
+replace only the changed values (dumping a parsed file would reformat it).
 
-Rewriting a file by parsing and dumping it would reformat it. Instead the JSON and YAML readers
-build this tree of nodes with character offsets, the migration replaces only the text of the values
-it changes (or of the list entries it deletes), and everything else stays byte for byte.
+JSON: the standard library parses first (its error messages are the ones users know), then a small
+reader walks the known-valid text for the offsets. YAML: ruamel.yaml's composer keeps them.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, TypeAlias
+from typing import Any, TypeAlias
+
+from .model import MissingParser
 
 __all__ = [
+    "JSON",
+    "YAML_SYNTAX",
     "Edit",
+    "JsonSyntax",
     "LineIndex",
     "Mapping",
     "Node",
@@ -24,7 +29,9 @@ __all__ = [
     "Scalar",
     "Sequence",
     "Syntax",
+    "YamlSyntax",
     "apply_edits",
+    "parse_json_nodes",
     "substitute_names",
     "walk",
 ]
@@ -74,8 +81,7 @@ def walk(node: Node, path: Path, key: Scalar | None = None) -> Iterator[tuple[Pa
 
 
 def substitute_names(raw: str, renames: dict[str, str]) -> str:
-    """``raw`` with each old name replaced where it stands as a whole name (not
-    inside a longer one)."""
+    """``raw`` with each old name replaced where it stands as a whole name."""
     if not renames:
         return raw
     names = sorted(renames, key=len, reverse=True)
@@ -120,33 +126,289 @@ class LineIndex:
         return self._starts[self.line(offset) - 1]
 
 
-class Syntax(Protocol):
-    """A file format the structured migration can edit in place."""
+# -- JSON ------------------------------------------------------------------------------------------
 
-    name: str
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_LITERALS = {"true": True, "false": False, "null": None}
+
+
+class _Reader:
+    """Walks text ``json.loads`` accepted, so only NaN and Infinity (which it also accepts) fail."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def skip(self, position: int) -> int:
+        match = _WHITESPACE.match(self.text, position)
+        assert match is not None
+        return match.end()
+
+    def value(self, position: int) -> tuple[Node, int]:
+        position = self.skip(position)
+        char = self.text[position : position + 1]
+        if char in ("{", "["):
+            empty = Mapping(position, position) if char == "{" else Sequence(position, position)
+            return self.collection(empty)
+        if char == '"':
+            return self.string(position)
+        for literal, value in _LITERALS.items():
+            if self.text.startswith(literal, position):
+                end = position + len(literal)
+                return Scalar(position, end, value, "json"), end
+        match = _NUMBER.match(self.text, position)
+        if match is None:
+            raise ValueError(f"unexpected character at offset {position}")
+        return Scalar(position, match.end(), json.loads(match.group()), "json"), match.end()
+
+    def string(self, position: int) -> tuple[Scalar, int]:
+        match = _STRING.match(self.text, position)
+        assert match is not None
+        return Scalar(position, match.end(), json.loads(match.group()), "json"), match.end()
+
+    def collection(self, node: Mapping | Sequence) -> tuple[Node, int]:
+        close = "}" if isinstance(node, Mapping) else "]"
+        position = self.skip(node.start + 1)
+        while self.text[position] != close:
+            if isinstance(node, Mapping):
+                key, position = self.string(self.skip(position))
+                value, position = self.value(self.skip(position) + 1)  # past the ':'
+                node.items.append((key, value))
+            else:
+                item, position = self.value(position)
+                node.items.append(item)
+            position = self.skip(position)
+            if self.text[position] == ",":
+                position = self.skip(position + 1)
+        node.end = position + 1
+        return node, node.end
+
+
+def parse_json_nodes(text: str) -> Node:
+    """The node tree of one JSON value (raises ``ValueError`` on invalid JSON)."""
+    json.loads(text)  # readable errors for invalid input
+    return _Reader(text).value(0)[0]
+
+
+def spans_removal(
+    text: str, items: list[tuple[int, int]], indices: list[int], open_end: int, close_start: int
+) -> list[Edit]:
+    """Edits deleting the entries at ``indices`` of a comma-separated list (JSON, YAML flow),
+    keeping the others' layout; ``items`` are the entries' spans, ``open_end``/``close_start``
+    bound the list's inside."""
+    doomed = set(indices)
+    if doomed >= set(range(len(items))):
+        return [Edit(open_end, close_start, "")]
+    edits = []
+    kept = [i for i in range(len(items)) if i not in doomed]
+    for index in sorted(doomed):
+        if any(k > index for k in kept):
+            # up to the next entry: its comma and the whitespace before the next one go
+            edits.append(Edit(items[index][0], items[index + 1][0], ""))
+        else:
+            # a trailing entry: from the end of the previous entry, so its leading comma goes too
+            edits.append(Edit(items[index - 1][1], items[index][1], ""))
+    return _merge(edits)
+
+
+def _merge(edits: list[Edit]) -> list[Edit]:
+    merged: list[Edit] = []
+    for edit in sorted(edits, key=lambda e: e.start):
+        if merged and edit.start <= merged[-1].end:
+            last = merged.pop()
+            merged.append(Edit(last.start, max(last.end, edit.end), ""))
+        else:
+            merged.append(edit)
+    return merged
+
+
+class JsonSyntax:
+    name = "JSON"
 
     def parse(self, text: str) -> list[Node]:
-        """The documents of ``text`` as node trees; raises ``ValueError``
-        with a readable message."""
-        ...
+        return [parse_json_nodes(text)]
 
     def load(self, text: str) -> list[object]:
-        """The documents of ``text`` as plain Python data."""
-        ...
+        return [json.loads(text)]
 
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
-        """Source text for ``scalar`` holding ``new_value`` (None when it cannot be written safely).
-
-        ``renames`` are the name replacements that turned the old value into ``new_value``; applying
-        them to the source text keeps its quoting and layout when that decodes to ``new_value``.
-        """
-        ...
+        raw = text[scalar.start : scalar.end]
+        candidate = substitute_names(raw, renames)
+        try:
+            if json.loads(candidate) == new_value:
+                return candidate
+        except ValueError:
+            pass
+        return json.dumps(new_value, ensure_ascii="\\u" in raw)
 
     def remove(self, text: str, parent: Sequence, indices: list[int]) -> list[Edit] | None:
-        """Edits deleting ``parent.items[i]`` for each index (None when that
-        cannot be done safely)."""
-        ...
+        spans = [(item.start, item.end) for item in parent.items]
+        return spans_removal(text, spans, indices, parent.start + 1, parent.end - 1)
+
+    def remove_members(self, text: str, parent: Mapping, indices: list[int]) -> list[Edit]:
+        spans = [(key.start, value.end) for key, value in parent.items]
+        return spans_removal(text, spans, indices, parent.start + 1, parent.end - 1)
 
     def comments(self, text: str, roots: list[Node]) -> list[tuple[int, int]]:
-        """Spans of the comments in ``text``."""
-        ...
+        return []
+
+
+JSON = JsonSyntax()
+
+
+# -- YAML ------------------------------------------------------------------------------------------
+
+_STR_TAG = "tag:yaml.org,2002:str"
+_COMMENT_START = re.compile(r"(?:^|(?<=[ \t]))#", re.MULTILINE)
+
+
+def _yaml() -> Any:
+    try:
+        from ruamel.yaml import YAML  # optional dependency (the cli extra)
+    except ImportError as exc:
+        raise MissingParser("YAML", "ruamel.yaml") from exc
+    return YAML(typ="safe", pure=True)
+
+
+def _decode(raw: str, in_flow: bool) -> object:
+    """The value of a scalar's source text, read the way its surroundings would read it."""
+    try:
+        if in_flow:
+            return _yaml().load("k: [" + raw + "]")["k"][0]
+        return _yaml().load("k: " + raw)["k"]
+    except Exception:  # any parse failure means "not this text"
+        return _UNREADABLE
+
+
+_UNREADABLE = object()
+
+
+def _content_end(node: Node) -> int:
+    """Where a node's own content ends (trailing comments and blank lines excluded)."""
+    if isinstance(node, Scalar) or node.flow:
+        return node.end
+    if isinstance(node, Mapping):
+        return max((_content_end(value) for _, value in node.items), default=node.start)
+    return max((_content_end(item) for item in node.items), default=node.start)
+
+
+class YamlSyntax:
+    name = "YAML"
+
+    def parse(self, text: str) -> list[Node]:
+        yaml = _yaml()
+        try:
+            documents = list(yaml.compose_all(text))
+        except Exception as exc:  # ruamel raises its own error classes; all mean "not YAML"
+            raise ValueError(str(exc)) from exc
+        return [self._convert(yaml, doc, in_flow=False) for doc in documents if doc is not None]
+
+    def _convert(self, yaml: Any, node: Any, in_flow: bool) -> Node:
+        from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
+
+        start, end = node.start_mark.index, node.end_mark.index
+        if isinstance(node, ScalarNode):
+            value = node.value if node.tag == _STR_TAG else yaml.constructor.construct_object(node)
+            return Scalar(start, end, value, node.style or "plain", in_flow)
+        if isinstance(node, MappingNode):
+            flow = bool(node.flow_style)
+            mapping = Mapping(start, end, flow=flow)
+            for key, value in node.value:
+                key_node = self._convert(yaml, key, in_flow or flow)
+                if not isinstance(key_node, Scalar):
+                    raise ValueError(f"line {key.start_mark.line + 1}: complex mapping keys are not supported")
+                mapping.items.append((key_node, self._convert(yaml, value, in_flow or flow)))
+            return mapping
+        assert isinstance(node, SequenceNode)
+        flow = bool(node.flow_style)
+        sequence = Sequence(start, end, flow=flow)
+        sequence.items = [self._convert(yaml, item, in_flow or flow) for item in node.value]
+        return sequence
+
+    def load(self, text: str) -> list[object]:
+        yaml = _yaml()  # outside the try: a missing parser is not a parse error
+        try:
+            return [doc for doc in yaml.load_all(text) if doc is not None]
+        except Exception as exc:  # ruamel's own error classes
+            raise ValueError(str(exc)) from exc
+
+    def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
+        raw = text[scalar.start : scalar.end]
+        candidates = [substitute_names(raw, renames)]
+        if scalar.style not in ("|", ">"):
+            if "\n" in new_value or scalar.style == '"':
+                candidates.append(json.dumps(new_value, ensure_ascii=False))
+            if scalar.style == "plain":
+                candidates.append(new_value)
+            candidates.append("'" + new_value.replace("'", "''") + "'")
+        for candidate in candidates:
+            if _decode(candidate, scalar.in_flow) == new_value:
+                return candidate
+        return None
+
+    def remove(self, text: str, parent: Sequence, indices: list[int]) -> list[Edit] | None:
+        if parent.flow:
+            opening = text.find("[", parent.start)
+            spans = [(item.start, item.end) for item in parent.items]
+            return spans_removal(text, spans, indices, opening + 1, parent.end - 1)
+        lines = LineIndex(text)
+        begins = [self._item_begin(text, lines, item) for item in parent.items]
+        if any(begin is None for begin in begins):
+            return None
+        if set(indices) >= set(range(len(parent.items))):
+            first = begins[0]
+            assert first is not None
+            end = _content_end(parent.items[-1])
+            end -= text[end - 1 : end] == "\n"  # a block scalar's span includes its line break
+            return [Edit(text.index("-", first), end, "[]")]
+        edits = []
+        for index in indices:
+            begin = begins[index]
+            assert begin is not None
+            end = _content_end(parent.items[index])
+            if text[end - 1 : end] != "\n":
+                newline = text.find("\n", end)
+                end = len(text) if newline < 0 else newline + 1
+            edits.append(Edit(begin, end, ""))
+        return edits
+
+    @staticmethod
+    def _item_begin(text: str, lines: LineIndex, item: Node) -> int | None:
+        """The start of the line holding a block sequence entry's ``-`` (None: not alone there)."""
+        position = item.start - 1
+        while position >= 0 and text[position] in " \t\r\n":
+            position -= 1
+        if position < 0 or text[position] != "-":
+            return None
+        begin = lines.line_start(position)
+        if text[begin:position].strip():
+            return None  # "key: - x" or a nested "- - x": not a line of its own
+        return begin
+
+    def comments(self, text: str, roots: list[Node]) -> list[tuple[int, int]]:
+        spans = sorted(
+            (scalar.start, scalar.end)
+            for root in roots
+            for _, node, key in walk(root, ())
+            for scalar in (node, key)
+            if isinstance(scalar, Scalar)
+        )
+        found = []
+        span_index = 0
+        for match in _COMMENT_START.finditer(text):
+            position = match.start()
+            while span_index < len(spans) and spans[span_index][1] <= position:
+                span_index += 1
+            if span_index < len(spans) and spans[span_index][0] <= position:
+                continue  # a '#' inside a scalar
+            newline = text.find("\n", position)
+            found.append((position, len(text) if newline < 0 else newline))
+        return found
+
+
+YAML_SYNTAX = YamlSyntax()
+
+
+Syntax: TypeAlias = JsonSyntax | YamlSyntax
+"""A file format the structured migration edits in place."""

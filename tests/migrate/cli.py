@@ -11,18 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from staleness_metrics.cli.commands import COMMANDS
-from staleness_metrics.cli.commands import migrate as migrate_command
+from staleness_metrics.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures"
 BEFORE = FIXTURES / "before"
 EXPECTED = FIXTURES / "expected"
-
-
-def registered() -> bool:
-    """Whether the console script knows ``migrate`` yet (until then the module's own entry is used)."""
-    return migrate_command.register in COMMANDS
 
 
 @dataclass
@@ -39,12 +33,7 @@ class Run:
 def migrate(capsys: pytest.CaptureFixture[str], *argv: str) -> Run:
     capsys.readouterr()
     try:
-        if registered():
-            from staleness_metrics.cli import main
-
-            code = main(["migrate", *argv])
-        else:
-            code = migrate_command.main(list(argv))
+        code = main(["migrate", *argv])
     except SystemExit as exc:  # argparse usage errors
         code = int(exc.code or 0)
     captured = capsys.readouterr()
@@ -52,7 +41,7 @@ def migrate(capsys: pytest.CaptureFixture[str], *argv: str) -> Run:
 
 
 def migrate_process(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    entry = ["-m", "staleness_metrics.cli", "migrate"] if registered() else ["-m", migrate_command.__name__]
+    entry = ["-m", "staleness_metrics.cli", "migrate"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
         [sys.executable, *entry, *argv], cwd=cwd, env=env, capture_output=True, text=True, check=False

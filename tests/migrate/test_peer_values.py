@@ -319,7 +319,7 @@ def test_trl_measures_staleness_when_it_pulls_a_row_so_it_is_reported_not_rename
 
 
 def test_areal_version_stats_denominator_is_matched_only_inside_its_scope() -> None:
-    from staleness_metrics.migrate.peer_names import peer_lookup
+    from staleness_metrics.migrate.names import peer_lookup
 
     # the tracker's n_valid_tokens under version_stats (actor.py:1079) is listed; the same name under
     # other scopes (the loss's own denominators) is not a staleness key at all

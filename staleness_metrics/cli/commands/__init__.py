@@ -1,9 +1,5 @@
-"""Subcommands of the console script.
-
-Each module exposes ``register(subparsers)``, which adds its parser with
-``set_defaults(func=run)``; ``run(args) -> int`` returns the exit status. Imports of optional
-dependencies happen inside ``run``.
-"""
+"""Subcommands of the console script: each module's ``register(subparsers)`` adds its parser, whose
+``run(args) -> int`` (importing optional dependencies itself) returns the exit status."""
 
 from __future__ import annotations
 
@@ -17,13 +13,6 @@ __all__ = ["COMMANDS", "Register"]
 
 Register = Callable[["argparse._SubParsersAction[Any]"], None]
 
-COMMANDS: list[Register] = [
-    replay.register,
-    migrate.register,
-    dashboards.register,
-    wandb_workspace.register,
-    demo.register,
-    report.register,
-    what_if.register,
-    serve.register,
-]
+# in the order of the help's command list
+_MODULES = (replay, migrate, dashboards, wandb_workspace, demo, report, what_if, serve)
+COMMANDS: list[Register] = [module.register for module in _MODULES]

@@ -1,5 +1,5 @@
-"""``staleness-metrics dashboards``: write the Grafana dashboards, rules and W&B
-panel spec, or check them."""
+"""``staleness-metrics dashboards``: write the Grafana dashboards, rules and W&B panel spec, or
+check them."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 from typing import Any
+
+from .options import add_command, failed
 
 __all__ = ["register", "run"]
 
@@ -25,40 +27,27 @@ files (relative to --out):
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "dashboards",
-        help="write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
-        description="Render the Grafana dashboards, the Prometheus recording/alerting rules, the "
-        "W&B panel spec and the example OpenTelemetry Collector config from the metric table.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("."),
-        metavar="DIR",
-        help="project root the files are written under (default: the current directory)",
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="write nothing; exit 1 and list the files that are missing or out of date",
-    )
-    parser.set_defaults(func=run)
+    parser = add_command(
+        subparsers, run, "dashboards",
+        "write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
+        "Render the Grafana dashboards, the Prometheus recording/alerting rules, the W&B panel "
+        "spec and the example OpenTelemetry Collector config from the metric table.",
+        EPILOG,
+    )  # fmt: skip
+    out_help = "project root the files are written under (default: the current directory)"
+    parser.add_argument("--out", type=Path, default=Path("."), metavar="DIR", help=out_help)
+    check_help = "write nothing; exit 1 and list the files that are missing or out of date"
+    parser.add_argument("--check", action="store_true", help=check_help)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except ImportError as exc:
-        print(
-            f"staleness-metrics dashboards: needs {exc.name or exc}: pip install 'staleness-metrics[cli]'",
-            file=sys.stderr,
-        )
+        install = "pip install 'staleness-metrics[cli]'"
+        return failed("dashboards", f"needs {exc.name or exc}: {install}")
     except OSError as exc:
-        print(f"staleness-metrics dashboards: {exc}", file=sys.stderr)
-    return 2
+        return failed("dashboards", exc)
 
 
 def _run(args: argparse.Namespace) -> int:

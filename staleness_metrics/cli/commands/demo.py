@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
 from ...config import POLICY_NAMES, StalenessConfig
 from ...errors import ConfigError
-from .options import add_bound_options, bound_settings
+from .options import add_bound_options, add_command, bound_settings, failed
 
 __all__ = ["register", "run"]
 
@@ -18,42 +17,24 @@ examples:
   staleness-metrics demo                                  # 60 steps, about 15 s
   staleness-metrics demo --steps 200 --max-staleness 4    # a tighter bound: more masking
   staleness-metrics demo --speed 0 --prometheus-port 0    # as fast as possible, any free port
-  curl -s http://127.0.0.1:9487/metrics | grep rl_staleness_   # while it runs
 
-The pipeline, fully asynchronous: inference workers that load new weights in the middle of
-responses, responses of varying length in three envs (math, code, a multi-turn agent), GRPO groups
-of 4, a share of frozen-model rollouts, a queue, and a trainer that ships a batch as soon as it is
-free. A simulated trainer computes its log-probabilities of every shipped token: what staleness
-costs, the floor measured at step 1 and the bound it suggests (5 with the defaults). Everything is
-drawn from --seed, so a seed replays the same run.
-
-Writes a run directory, --out-dir: events.jsonl (the event stream, the engine's log-probabilities
-included), trainer-logprobs.jsonl and mismatch-sums.jsonl (what the trainer computed and posted),
-metrics.jsonl (one line per step), run.json (which files, which settings) and, when wandb is
-installed, an offline W&B run in wandb/. `staleness-metrics report OUT_DIR` shows all of it, and
-`what-if OUT_DIR` prices each bound. Exports OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set. Ctrl-C
-stops it cleanly.
+Writes a run directory (--out-dir) that `staleness-metrics report OUT_DIR` shows and `what-if
+OUT_DIR` prices; a seed replays the same run. See docs/getting-started.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="simulated async RL pipeline driving the real monitor and exporters",
-        description="Run a simulated asynchronous RL pipeline on embedded defaults, with a live "
-        "console table, a Prometheus endpoint on 127.0.0.1, a metrics JSONL file, W&B offline and "
-        "OTLP. Needs no external service.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(
+        subparsers, run, "demo",
+        "simulated async RL pipeline driving the real monitor and exporters",
+        "Run a simulated asynchronous RL pipeline on embedded defaults, with a live console table, "
+        "a Prometheus endpoint on 127.0.0.1, a metrics JSONL file, W&B offline and OTLP. Needs no "
+        "external service.",
+        EPILOG,
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=60, metavar="N", help="train steps, then stop (default: 60)")
-    parser.add_argument(
-        "--speed",
-        type=float,
-        default=4.0,
-        metavar="S",
-        help="steps per second; 0 = as fast as possible (default: 4)",
-    )
+    speed_help = "steps per second; 0 = as fast as possible (default: 4)"
+    parser.add_argument("--speed", type=float, default=4.0, metavar="S", help=speed_help)
     parser.add_argument("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
     parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
     parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
@@ -71,7 +52,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--live", action=argparse.BooleanOptionalAction, default=None,
         help="live table below the step lines (default: on a terminal)",
     )  # fmt: skip
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
             **bound_settings(args),
         )
     except ConfigError as error:
-        print(f"staleness-metrics demo: {error}", file=sys.stderr)
-        return 2
+        return failed("demo", error)
     options = DemoOptions(
         steps=args.steps,
         speed=args.speed,
@@ -109,5 +88,4 @@ def run(args: argparse.Namespace) -> int:
     try:
         return run_demo(options)
     except OSError as error:  # an output directory or file that cannot be written
-        print(f"staleness-metrics demo: {error}", file=sys.stderr)
-        return 2
+        return failed("demo", error)

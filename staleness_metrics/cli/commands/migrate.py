@@ -1,5 +1,5 @@
-"""``staleness-metrics migrate``: move configs, dashboards, rules, W&B panels and
-histories to new names."""
+"""``staleness-metrics migrate``: move configs, dashboards, rules, W&B panels and histories to the
+new names."""
 
 from __future__ import annotations
 
@@ -7,33 +7,19 @@ import argparse
 import sys
 from typing import Any
 
-__all__ = ["main", "register", "run"]
+from .options import add_command
+
+__all__ = ["register", "run"]
 
 EPILOG = """\
 examples:
   staleness-metrics migrate --check configs/ dashboards/ alerts.yml   # CI: exit 1 and list what is left
   staleness-metrics migrate --diff configs/orchestrator.toml          # show the change as a patch
   staleness-metrics migrate --write --drop-removed .                  # change the files in place
+  staleness-metrics migrate --from verl --check dashboards/ metrics.jsonl
 
-what it understands (by extension and content; --kind forces one):
-  *.toml, *.yaml, *.json configs   max_off_policy_steps -> max_staleness, legacy W&B keys in values and
-                                   comments; everything else byte for byte as it was
-  Grafana dashboard JSON           legacy series names in queries (off_policy_mean ->
-                                   rl_staleness_rollout_mean_steps), legacy names in titles and legends;
-                                   panels of removed metrics are reported (deleted with --drop-removed)
-  W&B workspace specs, panel lists series keys and key regexes (off_policy/.* -> a regex of the new keys)
-  Prometheus rule files            expr, labels, annotations; rules of removed metrics as for panels
-  metrics.jsonl histories          keys renamed, values untouched, a boundary line after the last
-                                   legacy line: {"step": S, "migrate/legacy_through_step": S}
-  anything else                    references reported with line numbers, never edited
-
-other trainers' keys (--from verl|skyrl|areal|trl|nemo-rl|roll|pipelinerl):
-  the same file kinds; a peer's key is renamed to this project's key only where it gives the same
-  number on the peer's own batches (verl training/off_policy/trajectory_staleness/mean ->
-  staleness/rollout/in_queue/mean, SkyRL async/staleness_mean and NeMo-RL train/avg_trajectory_age ->
-  staleness/rollout/mean); the others are listed with the reason they differ (aggregation, timing,
-  unit, a share, a count). The table, with the file and line of every key:
-  staleness_metrics/migrate/peers.py
+Configs, Grafana dashboards, W&B workspace specs, Prometheus rules and metrics.jsonl histories are
+edited in place (every other byte kept); anything else is reported. See docs/migrate.md.
 
 exit status: 0 nothing legacy left (or --diff/--write done), 1 legacy names remain (--check),
 2 usage error, or a file that could not be read, parsed or safely edited (it is never touched).
@@ -41,70 +27,47 @@ exit status: 0 nothing legacy left (or --diff/--write done), 1 legacy names rema
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "migrate",
-        help="rename legacy off_policy/* keys and max_off_policy_steps in configs, dashboards, rules, ...",
-        description="Find the names the rename retired (max_off_policy_steps, off_policy/* W&B "
-        "keys and their Prometheus forms, the 'Max Off-Policy' console label) and move each file "
-        "to the new names. Directories are walked recursively (hidden directories skipped).",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_arguments(parser)
-    parser.set_defaults(func=run)
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
     from ...migrate.model import FileKind
+    from ...migrate.peers import PEERS
 
+    parser = add_command(
+        subparsers, run, "migrate",
+        "rename legacy off_policy/* keys and max_off_policy_steps in configs, dashboards, "
+        "rules, ...",
+        "Find the names the rename retired (max_off_policy_steps, off_policy/* W&B keys and "
+        "their Prometheus forms, the 'Max Off-Policy' console label) and move each file to the "
+        "new names. Directories are walked recursively (hidden directories skipped).",
+        EPILOG,
+    )  # fmt: skip
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument(
-        "--check",
-        action="store_true",
-        help="change nothing; exit 1 and list each legacy name (the default)",
-    )
+    check_help = "change nothing; exit 1 and list each legacy name (the default)"
+    mode.add_argument("--check", action="store_true", help=check_help)
     mode.add_argument("--diff", action="store_true", help="change nothing; print the changes as a unified diff")
     mode.add_argument("--write", action="store_true", help="change the files in place (atomically)")
     parser.add_argument(
-        "--drop-removed",
-        action="store_true",
+        "--drop-removed", action="store_true",
         help="also delete what shows only removed metrics: dashboard panels and targets, rules, "
         "W&B series entries and panels, history values",
-    )
+    )  # fmt: skip
+    kinds = [k.value for k in FileKind]
+    kind_help = "read every named file as this kind instead of detecting it"
+    parser.add_argument("--kind", choices=kinds, help=kind_help)
     parser.add_argument(
-        "--kind",
-        choices=[k.value for k in FileKind],
-        help="read every named file as this kind instead of detecting it",
-    )
-    from ...migrate.peers import PEERS
-
-    parser.add_argument(
-        "--from",
-        dest="peer",
-        choices=PEERS,
+        "--from", dest="peer", choices=PEERS,
         help="map another trainer's staleness keys instead of this project's legacy names",
-    )
+    )  # fmt: skip
     parser.add_argument(
-        "--prometheus-prefix",
-        action="append",
-        default=[],
-        metavar="PREFIX",
+        "--prometheus-prefix", action="append", default=[], metavar="PREFIX",
         help="a namespace prefix your old exporter put before the legacy series names (repeatable; "
         "'orchestrator_' is always recognised)",
-    )
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...migrate import (
-        FileKind,
-        Options,
-        iter_files,
-        migrate_file,
-        unified_diff,
-        write_atomically,
-    )
+    from ...migrate.driver import iter_files, migrate_file, unified_diff, write_atomically
     from ...migrate.legacy import DEFAULT_PROMETHEUS_PREFIXES
+    from ...migrate.model import FileKind, Options
 
     options = Options(
         drop_removed=args.drop_removed,
@@ -148,13 +111,10 @@ def run(args: argparse.Namespace) -> int:
             print(finding.describe(), file=sys.stderr if args.diff else sys.stdout)
         for note in result.notes if applied else ():
             print(f"  {result.path}: {note}", file=sys.stderr if args.diff else sys.stdout)
-    summary = _summary(args, remaining, fixed, files_with_legacy)
-    print(summary, file=sys.stderr)
+    print(_summary(args, remaining, fixed, files_with_legacy), file=sys.stderr)
     if failed:
         return 2
-    if remaining and not (args.write or args.diff):
-        return 1
-    return 0
+    return 1 if remaining and not (args.write or args.diff) else 0
 
 
 def _summary(args: argparse.Namespace, remaining: int, fixed: int, files: int) -> str:
@@ -171,19 +131,3 @@ def _summary(args: argparse.Namespace, remaining: int, fixed: int, files: int) -
     if remaining:
         text += f"; {remaining} left (listed above)"
     return text
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run ``migrate`` alone (the console script reaches it as ``staleness-metrics migrate``)."""
-    parser = argparse.ArgumentParser(
-        prog="staleness-metrics migrate",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_arguments(parser)
-    code: int = run(parser.parse_args(argv))
-    return code
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

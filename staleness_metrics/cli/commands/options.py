@@ -1,61 +1,87 @@
-"""Sink options shared by every command that replays a run (SPEC 9)."""
+"""What the subcommands share: their parser's making, and the sink options of every command that
+replays a run (SPEC 9)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from ...config import POLICY_NAMES, StalenessConfig
+from ...errors import EventError
 
 __all__ = [
     "BOUND_SETTINGS",
     "add_bound_options",
+    "add_command",
     "add_sink_options",
     "bound_settings",
     "config_from_args",
+    "failed",
 ]
 
-# SPEC 14's settings, each a flag of the same name (``--floor-min-tokens``).
-BOUND_SETTINGS = (
-    "floor_min_tokens", "floor_max_age", "cost_window", "mismatch_budget", "adapt_every", "adapt_low", "adapt_high",
-)  # fmt: skip
+
+def add_command(
+    subparsers: argparse._SubParsersAction[Any],
+    run: Callable[[argparse.Namespace], int],
+    name: str,
+    summary: str,
+    description: str,
+    epilog: str,
+) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``, calling ``run``; ``epilog`` is printed as written."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.set_defaults(func=run)
+    return parser
+
+
+def failed(command: str, error: Exception | str, code: int = 2) -> int:
+    """Say on stderr why ``command`` stops (an ``EventError`` names its line itself); ``code``."""
+    shown = str(error) if isinstance(error, EventError) else f"staleness-metrics {command}: {error}"
+    print(shown, file=sys.stderr)
+    return code
+
+
+# SPEC 14's settings, each a flag of the same name (``--floor-min-tokens``): type, metavar, help
+# and what the default means when it is None
+_BOUND_OPTIONS: dict[str, tuple[type, str, str, str | None]] = {
+    "floor_min_tokens": (
+        int, "N", "covered tokens a lag bucket needs to give the floor or a point of the curve",
+        None,
+    ),
+    "floor_max_age": (
+        int, "STEPS", "carry a floor measured at lag 0 this many steps at most, then bound it by "
+        "the smallest lag", None,
+    ),
+    "cost_window": (int, "SHIPS", "ships pooled into the excess curve", None),
+    "mismatch_budget": (float, "NATS", "excess k3 per token the bound may let train", "the floor"),
+    "adapt_every": (
+        int, "SHIPS", "token policy: move the bound one step toward the suggestion after every "
+        "SHIPS ships with a curve", "off",
+    ),
+    "adapt_low": (int, "N", "lowest adapted bound", None),
+    "adapt_high": (int, "N", "highest adapted bound", None),
+}  # fmt: skip
+BOUND_SETTINGS = tuple(_BOUND_OPTIONS)
 
 
 def add_bound_options(parser: argparse.ArgumentParser) -> None:
     """SPEC 14: the floor, the cost window, the budget and the adaptive bound (``token`` policy)."""
     defaults = StalenessConfig()
     group = parser.add_argument_group("choosing the bound (SPEC 14)")
-    group.add_argument(
-        "--floor-min-tokens", type=int, default=defaults.floor_min_tokens, metavar="N",
-        help=f"covered tokens a lag bucket needs to give the floor or a point of the curve "
-        f"(default: {defaults.floor_min_tokens})",
-    )  # fmt: skip
-    group.add_argument(
-        "--floor-max-age", type=int, default=defaults.floor_max_age, metavar="STEPS",
-        help="carry a floor measured at lag 0 this many steps at most, then bound it by the "
-        f"smallest lag (default: {defaults.floor_max_age})",
-    )  # fmt: skip
-    group.add_argument(
-        "--cost-window", type=int, default=defaults.cost_window, metavar="SHIPS",
-        help=f"ships pooled into the excess curve (default: {defaults.cost_window})",
-    )  # fmt: skip
-    group.add_argument(
-        "--mismatch-budget", type=float, default=None, metavar="NATS",
-        help="excess k3 per token the bound may let train (default: the floor)",
-    )  # fmt: skip
-    group.add_argument(
-        "--adapt-every", type=int, default=None, metavar="SHIPS",
-        help="token policy: move the bound one step toward the suggestion after every SHIPS ships "
-        "with a curve (default: off)",
-    )  # fmt: skip
-    group.add_argument(
-        "--adapt-low", type=int, default=defaults.adapt_low, metavar="N",
-        help=f"lowest adapted bound (default: {defaults.adapt_low})",
-    )  # fmt: skip
-    group.add_argument(
-        "--adapt-high", type=int, default=defaults.adapt_high, metavar="N",
-        help=f"highest adapted bound (default: {defaults.adapt_high})",
-    )  # fmt: skip
+    for name, (kind, metavar, text, unset) in _BOUND_OPTIONS.items():
+        default = getattr(defaults, name)
+        shown = default if default is not None else unset
+        flag = "--" + name.replace("_", "-")
+        text = f"{text} (default: {shown})"
+        group.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
 
 
 def bound_settings(args: argparse.Namespace) -> dict[str, Any]:

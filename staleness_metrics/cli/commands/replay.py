@@ -13,13 +13,13 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ...engine.shipment import Shipment
 from ...engine.sink import Sink
-from ...errors import ConfigError, EventError
+from ...errors import ConfigError
 from ...metrics.report import StepReport
 from ...records import jsonio
 from ...records.columnar import WEIGHT_FIELDS
 from ...replay.sources import is_event_file
 from ...replay.stream import Event, parse_event, read_event_path, run_events
-from .options import add_sink_options, config_from_args
+from .options import add_command, add_sink_options, config_from_args, failed
 
 if TYPE_CHECKING:
     from ...replay.sources import PrimeRlRead
@@ -38,22 +38,19 @@ examples:
   staleness-metrics replay path/to/prime-rl-run --policy episode
   staleness-metrics replay path/to/prime-rl-run --lenient     # its monitors/file/traces (current layout)
 
-exit status: 0 on success; 2 on invalid input (strict) or a malformed event line,
-with a one-line message `line L: rollout 'ID': field F: reason`; no output file is
-written then. EVENTS.jsonl may be gzip, bzip2 or xz compressed (known by its first
-bytes, whatever its name); a zstd file is refused (decompress it with zstd -d).
+exit status: 0 on success; 2 on invalid input (strict) or a malformed event line, with a
+one-line message `line L: rollout 'ID': field F: reason` (no output file is written then).
+EVENTS.jsonl may be gzip, bzip2 or xz compressed. See docs/replay.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "replay",
-        help="run the sink over a recorded event stream",
-        description="Replay a recorded event stream (or a prime-rl run directory, or xtuner "
-        "rollout states) through the masking engine and write its metrics and batches.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(
+        subparsers, run, "replay", "run the sink over a recorded event stream",
+        "Replay a recorded event stream (or a prime-rl run directory, or xtuner rollout states) "
+        "through the masking engine and write its metrics and batches.",
+        EPILOG,
+    )  # fmt: skip
     parser.add_argument("events", type=Path, metavar="EVENTS.jsonl|RUN_DIR")
     parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
     add_sink_options(parser)
@@ -64,15 +61,13 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="progress bar (default: on a terminal, for inputs over 16 MiB)",
     )  # fmt: skip
-    parser.set_defaults(func=run)
 
 
 def open_events(
     path: Path, progress: bool | None = None, max_staleness: int = 8, strict: bool = True
 ) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
-    """Events of a SPEC 9 stream (gzip, bzip2 or xz compressed or not), or of a run in
-    another format the adapters understand; and the reader of a prime-rl run in the
-    current layout (its notes)."""
+    """Events of a SPEC 9 stream (maybe compressed) or of a run the adapters understand; and the
+    reader of a prime-rl run in the current layout (its notes)."""
     from ...replay.sources import detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()
@@ -89,8 +84,7 @@ def open_events(
 
 
 def _prime_rl_lines(path: Path, read: PrimeRlRead | None, reports: list[StepReport]) -> list[str]:
-    """What a prime-rl run's reader left out or set aside, and its logged values
-    against the replay's."""
+    """What a prime-rl run's reader left out or set aside, and its logged values against ours."""
     from ...replay.sources import compare_prime_rl, is_prime_rl_run
     from ...replay.sources.prime_rl.compare import describe_comparison
 
@@ -120,8 +114,7 @@ def _open_with_progress(path: Path, progress: bool | None) -> contextlib.Abstrac
 
 @contextlib.contextmanager
 def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[bytes] | None]]:
-    """Open temp files beside each path (binary); they replace the paths only
-    if the block succeeds."""
+    """Temp files beside each path (binary), replacing the paths only if the block succeeds."""
     handles: list[IO[bytes] | None] = []
     temps: list[tuple[str, Path]] = []
     try:
@@ -166,18 +159,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args, args.max_staleness)
     except ConfigError as error:
-        print(f"staleness-metrics replay: {error}", file=sys.stderr)
-        return 2
+        return failed("replay", error)
     if not args.events.exists():
-        print(f"staleness-metrics replay: {args.events}: no such file or directory", file=sys.stderr)
-        return 2
+        return failed("replay", f"{args.events}: no such file or directory")
     for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
         if path is not None and not path.resolve().parent.is_dir():
-            print(
-                f"staleness-metrics replay: {option} {path}: its folder does not exist",
-                file=sys.stderr,
-            )
-            return 2
+            return failed("replay", f"{option} {path}: its folder does not exist")
     # per-env figures are written only with the breakdown
     sink = Sink(config, env_reports=config.env_breakdown)
     ships = 0
@@ -198,12 +185,8 @@ def run(args: argparse.Namespace) -> int:
                     metrics_out.write(jsonio.dumps_line(shipment.report.row()))
                 if batches_out is not None:
                     batches_out.write(batches_line_bytes(shipment))
-    except EventError as error:
-        print(str(error), file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as error:
-        print(f"staleness-metrics replay: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as error:  # EventError included
+        return failed("replay", error)
     totals = sink.totals
     print(
         f"replayed {ships} ships: {totals.rollouts_shipped} rollouts shipped, "

@@ -7,37 +7,28 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError, EventError
-from .options import add_sink_options, config_from_args
+from .options import add_command, add_sink_options, config_from_args, failed
 
 __all__ = ["register", "run"]
 
 EPILOG = """\
 examples:
   staleness-metrics report staleness-demo                   # a run directory: every section, its settings
-  staleness-metrics report events.jsonl -o report.html
   staleness-metrics report path/to/prime-rl-run --policy episode -o report.html
   staleness-metrics report metrics.jsonl -o report.html     # logged rows only: no histogram, no what-if
 
-RUN is a run directory (with a run.json, as `staleness-metrics demo` writes: its events, the
-trainer's log-probabilities, the sums it posted and the rows it logged, replayed with the run's own
-settings unless options say otherwise), an event stream, a prime-rl run directory, xtuner rollout
-states, or a metrics JSONL (--metrics-out, or logged rows with off_policy/* keys). With what staleness
-cost (trainer log-probabilities, posted sums or logged SPEC 11 rows), the page shows the run's excess
-curve and the bound it suggests (SPEC 14). The page needs no network to view.
+RUN is a run directory (run.json, as the demo writes), an event stream, a prime-rl run directory,
+xtuner rollout states or a metrics JSONL. See docs/replay.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "report",
-        help="self-contained HTML report of a run",
-        description="Write one HTML file with staleness over steps, the masked ratio, "
-        "in-flight vs in-queue staleness, dropped and held counts, the token staleness "
-        "histogram and a what-if curve.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(
+        subparsers, run, "report", "self-contained HTML report of a run",
+        "Write one HTML file with staleness over steps, the masked ratio, in-flight vs in-queue "
+        "staleness, dropped and held counts, the token staleness histogram and a what-if curve.",
+        EPILOG,
+    )  # fmt: skip
     parser.add_argument("run", type=Path, metavar="RUN")
     parser.add_argument("-o", "--output", type=Path, default=Path("report.html"), help="default: report.html")
     parser.add_argument(
@@ -50,7 +41,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     )  # fmt: skip
     add_sink_options(parser)
     parser.add_argument("--title", default="Staleness report", help="page title")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,11 +62,7 @@ def run(args: argparse.Namespace) -> int:
             data.bound = args.bound  # logged rows that do not say which bound they ran at
         page = render(data, args.title)
         args.output.write_text(page, encoding="utf-8")
-    except EventError as error:
-        print(str(error), file=sys.stderr)
-        return 2
-    except (ConfigError, ValueError, OSError) as error:
-        print(f"staleness-metrics report: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as error:  # ConfigError and EventError included
+        return failed("report", error)
     print(f"wrote {args.output} ({len(data.rows)} steps)", file=sys.stderr)
     return 0

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import sys
 from pathlib import Path
 from typing import Any
+
+from .options import add_command, failed
 
 __all__ = ["DEFAULT_DATA_DIR", "DEFAULT_HOST", "DEFAULT_PORT", "register", "run"]
 
@@ -21,48 +22,29 @@ EPILOG = f"""\
 examples:
   staleness-metrics serve                                   # http://127.0.0.1:9487, no token needed
   {TOKEN_ENV}=$(openssl rand -hex 32) staleness-metrics serve --host 0.0.0.0
-  staleness-metrics serve --otlp-endpoint http://127.0.0.1:4318/v1/metrics --wandb-project rl --wandb-mode offline
-
   curl -X PUT localhost:9487/v1/runs/exp-42 -H 'content-type: application/json' -d '{{"max_staleness": 4}}'
-  curl -X POST localhost:9487/v1/runs/exp-42/rollouts -H 'content-type: application/json' \\
-       -d '{{"rollouts": [{{"id": "r1", "dispatch_version": 0, "samples": [{{"mask": [1, 1]}}]}}]}}'
-  curl -X POST localhost:9487/v1/runs/exp-42/ship -H 'content-type: application/json' -d '{{"step": 2}}'
-  curl localhost:9487/v1/runs/exp-42/steps?since=0; curl localhost:9487/metrics
 
-Off loopback the service refuses to start without a token; with a token every write needs
-'Authorization: Bearer <token>'. Prefer the environment variable or --token-file to --token (command
-lines are visible to other users of the machine). The API is described at /docs and /openapi.json;
-see docs/service.md for when to use the service and how a fleet scales out.
+Off loopback the service refuses to start without a token; with one, every write needs
+'Authorization: Bearer <token>'. The API is at /docs; see docs/service.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "serve",
-        help="sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
-        description="Run the staleness service: per-run sinks behind an HTTP API (FastAPI on "
-        "uvicorn), with /metrics for Prometheus and optional OTLP and W&B exporters for every run.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(
+        subparsers, run, "serve",
+        "sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
+        "Run the staleness service: per-run sinks behind an HTTP API (FastAPI on uvicorn), with "
+        "/metrics for Prometheus and optional OTLP and W&B exporters for every run.",
+        EPILOG,
+    )  # fmt: skip
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=DEFAULT_PORT,
-        help=f"port (default: {DEFAULT_PORT}; 0 picks a free one)",
-    )
-    parser.add_argument(
-        "--token",
-        default=None,
-        help=f"bearer token required on writes (default: ${TOKEN_ENV}, if set)",
-    )
+    port_help = f"port (default: {DEFAULT_PORT}; 0 picks a free one)"
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=port_help)
+    token_help = f"bearer token required on writes (default: ${TOKEN_ENV}, if set)"
+    parser.add_argument("--token", help=token_help)
     parser.add_argument("--token-file", type=Path, metavar="FILE", help="read the token from FILE")
-    parser.add_argument(
-        "--protect-reads",
-        action="store_true",
-        help="require the token on reads too (/healthz stays open)",
-    )
+    reads_help = "require the token on reads too (/healthz stays open)"
+    parser.add_argument("--protect-reads", action="store_true", help=reads_help)
     parser.add_argument(
         "--max-body-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
         help="largest request body accepted, 413 beyond (default: 64 MiB)",
@@ -86,11 +68,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--data-dir", type=Path, default=Path(DEFAULT_DATA_DIR), metavar="DIR",
         help=f"persist every acknowledged write here and restore the runs at start (default: ./{DEFAULT_DATA_DIR})",
     )  # fmt: skip
-    store.add_argument(
-        "--in-memory",
-        action="store_true",
-        help="keep runs in memory only: a restart or crash loses them",
-    )
+    memory_help = "keep runs in memory only: a restart or crash loses them"
+    store.add_argument("--in-memory", action="store_true", help=memory_help)
     otlp = parser.add_argument_group("OTLP (every run, besides /metrics)")
     otlp.add_argument(
         "--otlp-endpoint", metavar="URL",
@@ -106,7 +85,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
         help="uvicorn log level (default: info)",
     )  # fmt: skip
-    parser.set_defaults(func=run)
 
 
 def _blank(token: str, where: str) -> str:
@@ -136,14 +114,11 @@ def _token(args: argparse.Namespace) -> str | None:
 def _listen(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (bound here so that port 0 can report the port it got).
 
-    Created with the protocol named (``IPPROTO_TCP``, not 0 as ``socket.create_server`` leaves it):
-    accepted sockets inherit it, and asyncio sets ``TCP_NODELAY`` only on sockets that say TCP.
-    Without it a response written in two sends (headers, then body) waits for the client's delayed
-    ACK: about 40 ms on every request after the first on a kept-alive connection.
+    The protocol is named (``IPPROTO_TCP``, not 0): asyncio sets ``TCP_NODELAY`` only on sockets
+    that say TCP, and without it a response sent in two writes waits ~40 ms for a delayed ACK.
     """
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)[
-        0
-    ]
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    family, kind, proto, _, address = found[0]
     sock = socket.socket(family, kind, proto)
     try:
         # a restarted service can take its port back while old connections linger
@@ -157,44 +132,35 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _header_limits(args: argparse.Namespace) -> dict[str, Any]:
-    from ...server.limits import uvicorn_header_options
-
-    return uvicorn_header_options(args.max_header_bytes, args.header_timeout)
-
-
-def _fail(message: str, code: int) -> int:
-    print(f"staleness-metrics serve: {message}", file=sys.stderr)
-    return code
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
         from ...server import ExportSettings, ServerSettings, create_app
+        from ...server.limits import return_large_frees_to_the_os, uvicorn_header_options
         from ...server.security import BindRefused, check_bind
     except ImportError as exc:
-        return _fail(f"{exc}; install the server extra: pip install 'staleness-metrics[server]'", 2)
+        install = "pip install 'staleness-metrics[server]'"
+        return failed("serve", f"{exc}; install the server extra: {install}")
 
     try:
         token = _token(args)
     except (OSError, ValueError) as exc:  # unreadable, empty, not UTF-8, or blank
-        return _fail(str(exc), 2)
+        return failed("serve", str(exc))
     if not 0 <= args.port <= 65535:  # the socket layer would wrap a larger number around silently
-        return _fail(f"--port must be 0..65535, got {args.port}", 2)
+        return failed("serve", f"--port must be 0..65535, got {args.port}")
     try:
         check_bind(args.host, token)
     except BindRefused as exc:
-        return _fail(str(exc), 2)
+        return failed("serve", str(exc))
     if args.max_body_bytes < 1:
-        return _fail("--max-body-bytes must be >= 1", 2)
+        return failed("serve", "--max-body-bytes must be >= 1")
     if args.body_bytes_per_span_row < 0:
-        return _fail("--body-bytes-per-span-row must be >= 0", 2)
+        return failed("serve", "--body-bytes-per-span-row must be >= 0")
     if args.max_header_bytes < 1024:
-        return _fail("--max-header-bytes must be >= 1024", 2)
+        return failed("serve", "--max-header-bytes must be >= 1024")
     if not args.header_timeout > 0:
-        return _fail("--header-timeout must be > 0", 2)
+        return failed("serve", "--header-timeout must be > 0")
 
     otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
     exporters = ExportSettings(
@@ -215,20 +181,18 @@ def run(args: argparse.Namespace) -> int:
         exporters=exporters,
         data_dir=data_dir,
     )
-    from ...server.limits import return_large_frees_to_the_os
-
     # a large body's memory goes back to the system once it is applied
     return_large_frees_to_the_os()
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
-        return _fail(f"cannot listen on {args.host}:{args.port}: {exc}", 1)
+        return failed("serve", f"cannot listen on {args.host}:{args.port}: {exc}", 1)
     try:
         app = create_app(settings)  # restores the stored runs, before the URL is announced
     except Exception as exc:
         # an unreadable or foreign data directory: say so rather than start empty
         sock.close()
-        return _fail(f"cannot load the data directory {data_dir}: {exc}", 1)
+        return failed("serve", f"cannot load the data directory {data_dir}: {exc}", 1)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     print(
@@ -237,12 +201,13 @@ def run(args: argparse.Namespace) -> int:
         f"data: {data_dir if data_dir is not None else 'in memory only'})",
         flush=True,
     )
+    limits = uvicorn_header_options(args.max_header_bytes, args.header_timeout)
     config = uvicorn.Config(
         app,
         log_level=args.log_level,
         server_header=False,
         proxy_headers=False,
-        **_header_limits(args),
+        **limits,
     )
     server = uvicorn.Server(config)
     with sock:

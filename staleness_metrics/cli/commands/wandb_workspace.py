@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Any
 
+from .options import add_command
+
 __all__ = ["register", "run"]
 
 EPILOG = """\
@@ -17,18 +19,16 @@ Needs network access and WANDB_API_KEY; the panels are the ones in dashboards/wa
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "wandb-workspace",
-        help="save a W&B workspace with a Staleness section to a project (needs WANDB_API_KEY)",
-        description="Build the W&B workspace with the Staleness section (the Grafana views over "
-        "the W&B keys) and save it as a new view of a project.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_command(
+        subparsers, run, "wandb-workspace",
+        "save a W&B workspace with a Staleness section to a project (needs WANDB_API_KEY)",
+        "Build the W&B workspace with the Staleness section (the Grafana views over the W&B keys) "
+        "and save it as a new view of a project.",
+        EPILOG,
+    )  # fmt: skip
     parser.add_argument("--entity", required=True, help="W&B entity (user or team)")
     parser.add_argument("--project", required=True, help="W&B project")
     parser.add_argument("--name", default="RL staleness", help="name of the saved view (default: %(default)s)")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
-from ...errors import ConfigError, EventError
-from .options import add_sink_options, config_from_args
+from .options import add_command, add_sink_options, config_from_args, failed
 
 __all__ = ["register", "run"]
 
@@ -16,38 +14,25 @@ EPILOG = """\
 examples:
   staleness-metrics what-if events.jsonl --max-staleness 0..8
   staleness-metrics what-if path/to/prime-rl-run --policy episode --max-staleness 0..8 --json
-  staleness-metrics what-if xtuner-states.jsonl --policy xtuner --max-token-staleness 1 --max-staleness 0..4
-  staleness-metrics what-if staleness-demo                # a run directory: its settings, with the cost columns
+  staleness-metrics what-if staleness-demo      # a run directory: its settings, the cost columns
 
-Per bound: masked = masked / sampled tokens of the shipped batches over the run; tokens kept =
-sampled tokens that train (sampled - masked); kept share = kept / (shipped + dropped sampled tokens);
-dropped rollouts and samples; live rollouts shipped; held = held rollouts summed over ships.
-With trainer log-probabilities (records with trainer_logprobs, or a run directory with its
-trainer-logprobs file): the k3 of what each bound lets train, and what the run's excess curve (SPEC 14,
-pooled over the run) says: the excess at each bound, whether it is within the budget, and the suggested
-bound. --json carries the same per bound (excess_at_bound, within_budget, suggested).
+The columns (and, with trainer log-probabilities, the cost of each bound and the suggested one)
+are described in docs/replay.md and docs/run-inputs.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = subparsers.add_parser(
-        "what-if",
-        help="masked / dropped / kept for each bound",
-        description="Replay a run (event stream, prime-rl run directory or xtuner states) at every "
+    parser = add_command(
+        subparsers, run, "what-if", "masked / dropped / kept for each bound",
+        "Replay a run (event stream, prime-rl run directory or xtuner states) at every "
         "max_staleness of a range and show what would have been masked, dropped and kept.",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+        EPILOG,
+    )  # fmt: skip
     parser.add_argument("events", type=Path, metavar="EVENTS", help="an event stream, run directory or run input")
-    parser.add_argument(
-        "--max-staleness",
-        default="0..8",
-        metavar="A..B",
-        help="bounds to try: A..B, N or N,M,... (default: 0..8)",
-    )
+    bounds_help = "bounds to try: A..B, N or N,M,... (default: 0..8)"
+    parser.add_argument("--max-staleness", default="0..8", metavar="A..B", help=bounds_help)
     add_sink_options(parser)
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
-    parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,11 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if run_dir is not None:
             config = run_dir.merged_config(config)
         result = what_if_with_curve(run_dir.root if run_dir is not None else args.events, bounds, config)
-    except EventError as error:
-        print(str(error), file=sys.stderr)
-        return 2
-    except (ConfigError, ValueError, OSError) as error:
-        print(f"staleness-metrics what-if: {error}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as error:  # ConfigError and EventError included
+        return failed("what-if", error)
     print(to_json(result.rows) if args.json else format_table(result.rows, result.curve))
     return 0
