@@ -1,37 +1,13 @@
-"""TRL's asynchronous GRPO (``trl.experimental.async_grpo``): its rollout samples,
-shipped as it trains them.
+"""TRL's asynchronous GRPO (``trl.experimental.async_grpo``): its rollout samples, shipped as it
+trains them.
 
-Built from TRL's own source (release 1.16.0), with no import of it:
-
-- ``trl/experimental/async_grpo/async_rollout_worker.py``: a ``RolloutSample`` (a slotted dataclass)
-  is one training row of one conversation: ``input_ids``, ``completion_mask`` (1 on the tokens the
-  loss is taken over), ``old_log_probs`` (the generator's log-probability of each token, aligned
-  with ``input_ids``), ``advantage``, ``group_id`` (the prompt group) and ``model_version``: the
-  worker's policy version when the group was dispatched. A sample carries no per-token version.
-- ``trl/experimental/async_grpo/async_grpo_trainer.py``: the worker fills ``rollout_queue``;
-  ``RolloutQueueDataset.__iter__`` takes one sample at a time, drops it when
-  ``version - sample.model_version > max_staleness`` (``version`` = the trainer's
-  ``self.model_version``, bumped after every weight sync in ``_sync_weight_merged``: 0 before the
-  first, 1 after it), logs ``sample/staleness_mean`` / ``sample/staleness_max`` /
-  ``sample/dropped_stale_total``, and yields a dict without ``model_version``; the batchers fold the
-  dicts into ``packing.TreeRow`` prefix tries, and ``TreeRow.pack`` lays out one loss term per
-  trained token (``token_index``, ``old_log_probs``, ``segment_id``).
-
-The samples must be judged at the version that trains them, not when the dataset pulls them:
-accelerate's ``DataLoaderDispatcher`` pulls the next micro-batch before handing out the current one,
-across the weight sync that ends a step (``TokenBudgetBatcher`` pulls the sample that closes a
-micro-batch one micro-batch earlier still). So :func:`ship_at_train_time` ships in
-``training_step``, one ship per optimizer step (``get_batch_samples`` fetches a step's micro-batches
-together), and voids what the ship leaves out in the packed tensors of each micro-batch; it notes
-each sample's ``model_version`` at the rollout queue, where the sample still has it. :func:`ship` is
-the lower-level call on a list of samples. Mapping: each sample is one rollout with one sample
-(``dispatch_version`` = ``model_version``; every completion token is unlabelled and takes it),
-``group_id`` is its group.
-
-The SPEC 11 lag of every loss term is in each micro-batch's ``staleness_lag`` (padded like
-``token_index``), so ``inputs["staleness_lag"][selected]`` lines up with ``old_log_probs`` and the
-trainer's ``log_probs`` in ``compute_loss``; :func:`packed_staleness_lag` gives it for a ``TreeRow``
-of samples shipped with :func:`ship`.
+A ``RolloutSample`` is one rollout with one sample: ``completion_mask`` the SPEC 3 mask,
+``model_version`` (the worker's policy version at dispatch) the dispatch version of every
+completion token, ``group_id`` its group. :func:`ship_at_train_time` ships each optimizer step in
+``training_step`` (accelerate pulls a micro-batch ahead, across the weight sync that ends a
+step) and voids what the ship leaves out in each packed micro-batch; :func:`ship` is the
+lower-level call on a list of samples. Read from TRL 1.16.0's source with no import of it
+(``docs/trainers/trl.md``).
 """
 
 from __future__ import annotations
@@ -63,10 +39,33 @@ __all__ = [
 ]
 
 
-# Lags of shipped samples, by the identity of their completion_mask array (RolloutSample has
-# __slots__ and RolloutQueueDataset passes that very array on; the weak reference keeps a
-# reused id from matching).
-_lags: dict[int, tuple[weakref.ref[Any], npt.NDArray[np.int64]]] = {}
+class _ByArray:
+    """Values kept by the identity of an array (unhashable, so no ``WeakKeyDictionary``): the
+    weak reference keeps a reused id from matching, and an entry leaves with its array."""
+
+    def __init__(self) -> None:
+        self._found: dict[int, tuple[weakref.ref[Any], Any]] = {}
+
+    def put(self, array: Any, value: Any) -> None:
+        key = id(array)
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            if self._found.get(key, (None,))[0] is ref:
+                del self._found[key]
+
+        self._found[key] = (weakref.ref(array, forget), value)
+
+    def get(self, array: Any, *, pop: bool = False) -> Any:
+        """The value of ``array``; ``KeyError`` when it has none."""
+        found = self._found.pop(id(array), None) if pop else self._found.get(id(array))
+        if found is None or found[0]() is not array:
+            raise KeyError(id(array))
+        return found[1]
+
+
+# Lags of shipped samples, by their completion_mask (RolloutSample has __slots__ and
+# RolloutQueueDataset passes that very array on).
+_lags = _ByArray()
 
 
 NAMES = TrainerNames(
@@ -132,37 +131,24 @@ def _write_mask(sample: Any, values: npt.NDArray[Any]) -> None:
         target.copy_(new_tensor_like(target, values.astype(np.int64)).to(dtype=target.dtype))
 
 
-def _remember_lag(sample: Any, lag: npt.NDArray[np.int64]) -> None:
-    mask = sample.completion_mask
-    key = id(mask)
-    _lags[key] = (weakref.ref(mask, lambda _: _lags.pop(key, None)), lag)
-
-
 def staleness_lag_of(completion_mask: Any) -> npt.NDArray[np.int64]:
     """The SPEC 11 lag of each position of a shipped sample (or of the dict
-    ``RolloutQueueDataset`` made of it), found by its ``completion_mask``: ``T - model_version``
-    on completion tokens, -1 elsewhere."""
-    found = _lags.get(id(completion_mask))
-    if found is None or found[0]() is not completion_mask:
+    ``RolloutQueueDataset`` made of it), found by its ``completion_mask``."""
+    try:
+        lag: npt.NDArray[np.int64] = _lags.get(completion_mask)
+    except KeyError:
         raise MissingFieldError(
             "completion_mask",
             "this sample did not come through staleness_metrics.adapters.trl.ship",
-        )
-    return found[1]
+        ) from None
+    return lag
 
 
 def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> list[Any]:
-    """Ship TRL ``RolloutSample`` s at the trainer's ``version`` (its ``self.model_version``).
-
-    The samples are added and shipped at step ``version + 1``; the shipped mask is written into each
-    sample's own ``completion_mask``; the samples dropped for staleness (or held back) are left out,
-    and the returned list holds the same objects, in ship order, samples held by an earlier call
-    included once a ship takes them. Each returned sample's lag is kept for :func:`staleness_lag_of`
-    / :func:`packed_staleness_lag` (the slotted ``RolloutSample`` takes no new attribute).
-
-    This is the lower-level call, for samples not yet packed; in ``AsyncGRPOTrainer``
-    use :func:`ship_at_train_time`, which ships each optimizer step's samples at the
-    version that trains them.
+    """Ship TRL ``RolloutSample`` s at ``version`` (the trainer's ``self.model_version``): the
+    shipped mask lands in each sample's own ``completion_mask``, and the same objects come back in
+    ship order, the dropped (or held) ones left out; their lags are kept for
+    :func:`staleness_lag_of`. In ``AsyncGRPOTrainer``, use :func:`ship_at_train_time`.
     """
     return [sample for sample, _ in _shipped(monitor, samples, version)]
 
@@ -179,15 +165,14 @@ def _shipped(
         for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row
             sample = part.source[row]
             _write_mask(sample, part.batch.mask[int(offsets[row]) : int(offsets[row + 1])])
-            _remember_lag(sample, lag)
+            _lags.put(sample.completion_mask, lag)
             out.append((sample, lag))
     return out
 
 
 def packed_staleness_lag(row: Any) -> npt.NDArray[np.int64]:
-    """The lag of every loss term of a ``TreeRow`` (its ``samples`` are the dicts
-    ``RolloutQueueDataset`` yields), in ``TreeRow.pack``'s order: per sample, each position
-    ``p >= 1`` with ``completion_mask[p]``."""
+    """The lag of every loss term of a ``TreeRow`` of shipped samples, in ``TreeRow.pack``'s
+    order (per sample, each position ``p >= 1`` with ``completion_mask[p]``)."""
     parts = []
     for sample in row.samples:
         mask = sample["completion_mask"]
@@ -206,9 +191,7 @@ _PLACEHOLDER = -3
 
 @dataclass(frozen=True, slots=True)
 class _Pulled:
-    """One dict ``RolloutQueueDataset`` yielded, with the ``model_version`` the dict leaves
-    out (read from the sample at the rollout queue): the fields :func:`ship` reads, the very
-    arrays of the sample."""
+    """A dict ``RolloutQueueDataset`` yielded, with the ``model_version`` it leaves out."""
 
     input_ids: Any
     completion_mask: Any
@@ -217,48 +200,19 @@ class _Pulled:
     model_version: Any
 
 
-class _VersionsByMask:
-    """``model_version`` of each sample pulled from the rollout queue, by its
-    ``completion_mask`` array (the one object the dataset's dict shares with the sample); an
-    entry leaves with its array."""
-
-    def __init__(self) -> None:
-        self._by_mask: dict[int, tuple[weakref.ref[Any], Any]] = {}
-
-    def remember(self, sample: Any) -> None:
-        mask = getattr(sample, "completion_mask", None)
-        if mask is None:
-            return  # _read refuses the sample by name when it is shipped
-        key = id(mask)
-
-        def forget(ref: weakref.ref[Any]) -> None:
-            if self._by_mask.get(key, (None,))[0] is ref:
-                del self._by_mask[key]
-
-        self._by_mask[key] = (weakref.ref(mask, forget), getattr(sample, "model_version", None))
-
-    def take(self, mask: Any) -> Any:
-        found = self._by_mask.pop(id(mask), None)
-        if found is None or found[0]() is not mask:
-            raise RuntimeError(
-                "a sample reached TRL's collator without passing trainer.rollout_queue "
-                "as wrapped by ship_at_train_time: call ship_at_train_time(trainer, "
-                "monitor) before trainer.train()"
-            )
-        return found[1]
-
-
 class _RecordingQueue:
-    """``trainer.rollout_queue`` as ``RolloutQueueDataset`` reads it, noting
-    each sample's version."""
+    """``trainer.rollout_queue`` as ``RolloutQueueDataset`` reads it, noting each sample's
+    ``model_version`` by its ``completion_mask`` (the one object the dataset's dict keeps)."""
 
-    def __init__(self, rollout_queue: Any, versions: _VersionsByMask) -> None:
+    def __init__(self, rollout_queue: Any, versions: _ByArray) -> None:
         self.queue = rollout_queue
         self._versions = versions
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         sample = self.queue.get(block, timeout)
-        self._versions.remember(sample)
+        mask = getattr(sample, "completion_mask", None)
+        if mask is not None:  # else _read refuses the sample by name when it is shipped
+            self._versions.put(mask, getattr(sample, "model_version", None))
         return sample
 
     def get_nowait(self) -> Any:
@@ -322,7 +276,7 @@ class TrainTimeShipping:
         self.trainer = trainer
         self.monitor = monitor
         self.versions: list[int] = []
-        self._pulled = _VersionsByMask()
+        self._pulled = _ByArray()  # model_version by completion_mask
         self._ids = itertools.count()
         self._collated: dict[int, _MicroBatch] = {}  # by micro-batch id, until its step ships
         # micro-batch id -> the ids of its optimizer step
@@ -358,6 +312,16 @@ class TrainTimeShipping:
         trainer.training_step = step
         trainer.staleness_shipping = self
 
+    def _version(self, mask: Any) -> Any:
+        try:
+            return self._pulled.get(mask, pop=True)
+        except KeyError:
+            raise RuntimeError(
+                "a sample reached TRL's collator without passing trainer.rollout_queue "
+                "as wrapped by ship_at_train_time: call ship_at_train_time(trainer, "
+                "monitor) before trainer.train()"
+            ) from None
+
     def _collate(self, collator: Callable[[list[Any]], dict[str, Any]]) -> Callable[[list[Any]], dict[str, Any]]:
         def collate(examples: list[Any]) -> dict[str, Any]:
             batch = collator(examples)
@@ -376,7 +340,7 @@ class TrainTimeShipping:
                             mask,
                             item["old_log_probs"],
                             item["group_id"],
-                            self._pulled.take(mask),
+                            self._version(mask),
                         )
                     )
                     # TreeRow.pack's loss terms
@@ -472,32 +436,13 @@ def ship_at_train_time(trainer: Any, monitor: StalenessMonitor) -> TrainTimeShip
     before it trains the step, and train only what the ship keeps. Call it once the trainer is
     built, before ``trainer.train()``.
 
-    It wraps four things of the trainer (its own attributes; nothing of TRL's classes changes):
-
-    - ``trainer.rollout_queue`` (rank 0), to note each sample's ``model_version``, which the dicts
-      ``RolloutQueueDataset`` yields leave out;
-    - the collator ``get_train_dataloader`` builds (``DataCollatorForRollout``): each
-      micro-batch gets an id (``staleness_microbatch``) and ``staleness_lag`` (-1 until it
-      ships, padded like ``token_index``);
-    - ``get_batch_samples``, which fetches the micro-batches of one optimizer step: they ship
-      together, so each step has one ship, at step ``model_version + 1``;
-    - ``training_step``: before the first loss of a step, rank 0 ships the step's samples at
-      ``trainer.model_version`` (the weights this step trains: the last weight sync happened at the
-      end of the step before). Then, in each micro-batch's own tensors, the loss terms of dropped
-      samples and of masked positions leave ``token_index`` (set to -1, so ``compute_loss``'s
-      ``selected`` skips them: no loss, no gradient, not in TRL's ratio/kl/entropy statistics) with
-      ``advantages`` 0, the positions no kept term reads leave ``shift_labels`` (-100),
-      ``global_n_tokens`` counts the kept terms (TRL's per-token normalisation), and
-      ``staleness_lag`` holds each kept term's lag.
-
-    A packed micro-batch cannot lose a sample: its tokens stay in the prefix trie (shared prefixes
-    are forwarded once for several samples) and are still forwarded, contributing nothing. A process
-    whose row loses every term keeps its first one with advantage 0, which adds exactly 0 to the
-    loss and the gradient (``compute_loss`` needs a term per row); that term counts in TRL's
-    ratio/kl statistics only. Advantages are TRL's rollout worker's, computed per group before the
-    sample was queued, so a dropped sample's reward stays in its group's baseline.
-
-    With several processes, only rank 0 collates and knows ``model_version`` (TRL bumps it there):
-    rank 0 ships and broadcasts the decision, every rank applies its own row.
+    It wraps the trainer's ``rollout_queue`` (to note each sample's ``model_version``), the
+    collator ``get_train_dataloader`` builds (a ``staleness_microbatch`` id and ``staleness_lag``
+    per micro-batch), ``get_batch_samples`` (a step's micro-batches ship together) and
+    ``training_step``: rank 0 ships the step and broadcasts the decision; in each micro-batch's
+    own tensors the terms of dropped samples and masked positions leave ``token_index`` with
+    ``advantages`` 0, ``shift_labels`` and ``global_n_tokens`` follow, and ``staleness_lag`` holds
+    each kept term's lag. What this cannot change (a packed row keeps its tokens): see
+    ``docs/trainers/trl.md``.
     """
     return TrainTimeShipping(trainer, monitor)

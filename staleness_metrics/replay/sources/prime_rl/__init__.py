@@ -1,13 +1,9 @@
 """prime-rl runs as SPEC 9 event streams, in either of prime-rl's on-disk layouts.
 
-- The current layout (prime-rl PR #3444 on: ``monitors/file/traces/``, an episode stream in chunks
-  with per-producer annotation updates; ``prime-rl-traces.md`` beside SPEC.md):
-  :func:`read_run_events` (:mod:`.run`), built from :mod:`.layout` (finding the files),
-  :mod:`.chunks` (plain, sealed and torn chunks), :mod:`.index` (the stream index checked against
-  the stream), :mod:`.annotations` (folding the updates), :mod:`.episodes` (an episode record ->
-  rollouts and samples) and :mod:`.damage` (SPEC 9's strict and lenient treatment).
-- The older layout (``rollouts/step_N/train/{all,effective}/traces.jsonl``): :mod:`.legacy`.
-- prime-rl's own logged values beside the recomputed ones, for either: :mod:`.compare`.
+The current layout (PR #3444 on: ``monitors/file/traces/``): :func:`read_run_events` (:mod:`.run`),
+over :mod:`.layout`, :mod:`.chunks`, :mod:`.index`, :mod:`.annotations`, :mod:`.episodes` and
+:mod:`.damage`. The older ``rollouts/step_N`` layout: :mod:`.legacy`. prime-rl's own logged values
+beside ours, for either: :mod:`.compare`. The readings: ``docs/trainers/prime-rl.md``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
-"""Annotation updates folded back onto the episodes (``prime-rl-traces.md`` sections 6-9).
+"""Annotation updates folded back onto the episodes (``prime-rl-traces.md`` sections 6-9), in two
+passes.
 
-An update is
-``{"version": 1, "trace_id": ..., "info": {...}, "branches": [{"index": i, <stream>: [...]}]}``, one
-a line, per producer; updates apply in write order and the newest wins. The reader takes two passes:
+1. :func:`scan_updates`: per trace, its ship (``info.effective``, ``info.ship.step``, deep-merged
+   as prime-rl folds ``info``), where its last ``trainer_logprobs`` update is and where it was first
+   named. No token data.
+2. :class:`StreamFeed`: a producer's ``trainer_logprobs`` streams read alongside the episode
+   stream, handed out trace by trace; what is read ahead waits (bounded by the steps in flight).
 
-1. :func:`scan_updates` reads every producer's updates touching only ``trace_id``, ``info`` and the
-   branches' keys: per trace, whether and at which step it shipped (``info.effective`` and
-   ``info.ship.step``, deep-merged as prime-rl folds ``info``: the newest value of each key wins),
-   where its last update carrying ``trainer_logprobs`` is, and where it was first named (to report
-   an update for a trace the stream does not hold). Small facts per trace, no token data.
-2. :class:`StreamFeed` reads a producer's ``trainer_logprobs`` streams alongside the episode
-   stream: asked for a trace, it reads on to that trace's last update and hands back its streams
-   per branch (full-length over the branch, null = unknown). Updates read ahead for other traces
-   wait for them; the trainer writes a step's updates after the orchestrator shipped it, so what
-   waits is bounded by the steps in flight.
-
-Which producer writes what is read from the updates, never assumed from a producer's name.
+What a producer writes is read from its updates, never assumed from its name.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""The lines of a prime-rl stream, chunk after chunk, plain or sealed, with where each one starts.
+"""The lines of a prime-rl stream, chunk after chunk, plain or sealed (zstd), with where each one
+starts (offsets in decompressed bytes, as prime-rl's index gives them).
 
-A sealed chunk is zstd in the seekable format: independent frames of at most 4 MiB, then a skippable
-frame holding the seek table. It is read front to back as a stream of frames (the ``zstandard``
-package; skippable frames carry no data), so nothing of the seek table is needed. Offsets are in the
-decompressed bytes, as prime-rl's index gives them.
-
-Damage is raised as :class:`ChunkDamage` (a corrupt frame, a chunk cut inside a frame): the reader
-of the stream decides, by its strictness, whether that stops the replay or sets the rest of the
-chunk aside. A line without its newline at the end of a file is the remnant of a process that died
-mid-append: :attr:`Line.ended` says so, and the caller decides what a torn line means.
+A sealed chunk is read front to back as independent zstd frames (the seek table is a skippable
+frame). A corrupt or cut chunk is :class:`ChunkDamage`, for the caller's strictness to decide; a
+last line without its newline (a process that died mid-append) has ``ended`` False.
 """
 
 from __future__ import annotations

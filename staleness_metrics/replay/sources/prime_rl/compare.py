@@ -1,23 +1,11 @@
 """prime-rl's own logged values beside the recomputed ones, step by step (SPEC 9: read for
-comparison, never as input).
+comparison, never as input; ``docs/trainers/prime-rl.md``, "Against prime-rl's own numbers").
 
-``metrics.jsonl`` holds one row per ``log`` call, several per step, each tagged by its ``producer``
-in the current layout (``orch``, ``trainer``, ...): rows of one step are merged. Compared:
-
-- the orchestrator's rollout staleness, ``off_policy/*`` or ``staleness/*`` (both names are
-  read; SPEC 7 maps each to its current key): prime-rl computes them over the shipped
-  **episodes**, one value per episode, a frozen-model episode counting as 0; SPEC 9 replays one
-  rollout per **trace** and leaves frozen rollouts out. ``legacy_rule`` is prime-rl's rule
-  recomputed from the same records: a logged value equal to it but not to ours differs for that
-  reason alone (``prime_rl_rule``);
-- the trainer's ``mismatch_kl/<all|env>/{mean,std,min,max}``: prime-rl's trainer takes
-  ``exp(d) - d - 1`` (``d`` = trainer - sampler log-probability) per token over every trained
-  sample's loss-mask tokens, frozen samples included, and logs the statistics of those tokens
-  (``Tensors.compute_stats``); SPEC 11's ``staleness/mismatch/k3`` is the same per-token mean over
-  the covered tokens of live rollouts, ``d`` clamped to [-20, 20]. ``legacy_rule`` is prime-rl's
-  statistic recomputed from the records' log-probabilities, which prime-rl rounds to 4 decimals
-  where its trainer used full precision: mismatch values agree to within
-  :data:`MISMATCH_TOLERANCE`, not exactly.
+``metrics.jsonl`` rows of one step are merged (one per producer in the current layout). Compared:
+the orchestrator's ``off_policy/*`` (or ``staleness/*``), which prime-rl computes per episode with
+frozen ones as 0, and the trainer's ``mismatch_kl/<all|env>/*`` (per token, frozen samples
+included, from full-precision log-probabilities: within :data:`MISMATCH_TOLERANCE` of the records'
+4-decimal values). ``legacy_rule`` is prime-rl's rule recomputed from the records.
 """
 
 from __future__ import annotations

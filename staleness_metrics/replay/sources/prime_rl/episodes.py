@@ -1,32 +1,13 @@
-"""One prime-rl episode record -> one SPEC 3 rollout per trace, one sample per
-trainable branch (SPEC 9).
+"""One prime-rl episode record -> one SPEC 3 rollout per trace, one sample per trainable branch
+(SPEC 9; ``docs/trainers/prime-rl.md``, "How a run is read").
 
-The record is verifiers' ``Episode.to_record()`` (``prime-rl-traces.md`` section 3), as a dict or as
-the lazy proxies of :mod:`.lazy`; only what staleness needs is read:
-
-- the episode: ``id``, ``group.id``, ``env.name`` (else ``env.id``), ``ok``, ``errors``,
-  ``run.work.policy.{start,end}`` (absent: frozen-model work), the kind (``traces[0].info.kind``,
-  else ``run.work.type``, else ``run.type``);
-- each trace: ``id``, ``ok``, ``errors``, ``info.arrival.step``, ``agent.trainable``, and its nodes:
-  ``parent``, ``token_ids`` (only their count), ``mask``, ``logprobs`` (compact: one per sampled
-  token), ``trainer_logprobs`` (compact, when a reader folded them in), ``semantic_parents``
-  (compaction attempts), and per-token versions where a record carries them:
-
-  - ``weight_versions``: ``[[version, k], ...]``, ``k`` the index of the node's sampled token where
-    the stretch starts (0 = its first sampled token), strictly increasing; the node's sampled tokens
-    before the first ``k`` are unlabelled, and so are stretches of version ``-1``;
-  - ``token_versions``: one version per sampled token of the node (compact, like
-    ``logprobs``), ``-1`` = unlabelled.
-
-Branch ``i`` is the path from the root to the ``i``-th leaf (node-index order), its tokens the
-concatenated ``token_ids``; a branch is trainable unless its leaf is a compaction attempt the trace
-did not resume from (verifiers' ``Trace.branches``), and nothing trains when ``agent.trainable`` is
-false. Its sample: ``mask`` the nodes' masks, except that a sampled node shared with an earlier
-trainable branch trains only there (prime-rl's sample masks); ``logprobs`` the sampler's spread onto
-the sampled positions (0.0 elsewhere; absent when a node lacks them); ``token_versions`` from the
-labels above; ``trainer_logprobs`` the trainer's, position by position (:func:`fold_streams`). A
-branch with no sampled position makes no sample; a trace without nodes (older records) is one sample
-with one sampled, unlabelled position.
+The record is verifiers' ``Episode.to_record()``, a dict or :mod:`.lazy` proxies; only what
+staleness needs is read. Branch ``i`` is the path from the root to the ``i``-th leaf; it trains
+unless its leaf is a compaction attempt the trace did not resume from (verifiers'
+``Trace.branches``), and a sampled node shared with an earlier trainable branch trains only there.
+Node ``logprobs``, ``trainer_logprobs`` and ``token_versions`` are compact (one per sampled token);
+``weight_versions`` are ``[[version, k], ...]`` stretches from sampled token ``k``. A trace without
+nodes (older records) is one sample with one sampled, unlabelled position.
 """
 
 from __future__ import annotations

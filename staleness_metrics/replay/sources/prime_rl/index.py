@@ -1,12 +1,8 @@
-"""The stream index checked against the stream it indexes, row by row as the stream is read.
+"""The stream index (``stream.index.jsonl``) checked against the stream, row by row as it is read.
 
-prime-rl writes an episode's line, then its index row (``{"line", "offset", "chunk", "id", ...}``),
-and flushes the stream before the index, so every row points at the start of a line holding the
-episode it names, in stream order; the stream may hold a last few lines the index has not caught up
-with (a crash). A row that points at no line start, at a chunk the stream lacks, past the end, or at
-another episode is damage (SPEC 9). The index also says where a relaunch resumed appending after a
-torn line: a row pointing inside a line that is not JSON marks where the new episode begins
-(:meth:`IndexCheck.resume_inside`).
+Every row points at the start of a line holding the episode it names, in stream order (the stream
+may run a few lines ahead). A row pointing elsewhere is damage (SPEC 9); a row pointing inside a
+line that is not JSON marks where a relaunch resumed after a torn line.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
-"""Where a prime-rl run keeps its trace stream, index, annotations and logged rows (current layout).
-
-Everything lives under ``<run>/monitors/file/`` (``prime-rl-traces.md`` section 1):
-
-- ``metrics.jsonl``: logged rows, tagged by ``producer``;
-- ``traces/stream/NNNNN.jsonl`` (plain: live, or left by a crash) or ``NNNNN.jsonl.zst`` (sealed),
-  read in chunk order; a chunk with both files is read from the plain one, as prime-rl's own
-  reader does (the writer removes it once the sealed twin is complete); ``.zst.tmp`` files are a
-  seal in progress, not data;
-- or, in the earlier single-file layout, ``traces/stream.jsonl``;
-- ``traces/stream.index.jsonl``: one summary row per episode;
-- ``traces/annotations/<producer>/NNNNN.jsonl[.zst]`` (or ``<producer>.jsonl``): one update a line,
-  per producer, the producer's name taken from the folder or file name (never assumed).
-
-A run is found from its root, its ``monitors/file`` folder or its ``traces`` folder.
+"""Where a prime-rl run keeps its trace stream, index, annotations and logged rows (current layout,
+``prime-rl-traces.md`` section 1), under ``<run>/monitors/file/``: ``metrics.jsonl``,
+``traces/stream/NNNNN.jsonl[.zst]`` (or the earlier single ``traces/stream.jsonl``),
+``traces/stream.index.jsonl`` and ``traces/annotations/<producer>/...``. A chunk with both a plain
+and a sealed file is read from the plain one, as prime-rl's reader does.
 """
 
 from __future__ import annotations

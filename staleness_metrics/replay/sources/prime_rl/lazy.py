@@ -1,15 +1,9 @@
-"""JSON lines read lazily: simdjson's proxies where pysimdjson is installed,
-orjson's objects elsewhere.
+"""JSON lines read lazily: simdjson's proxies where pysimdjson is installed, orjson's objects
+elsewhere (no wheel yet for Python 3.14).
 
-simdjson parses a line into its own tape and hands back proxies: only what the reader touches
-becomes a Python object, and a list of numbers is copied out of the tape at C speed (``as_buffer``).
-Episode records are mostly token ids, masks and per-token floats the staleness reader never needs,
-so this is most of what reading a prime-rl run costs. Without a simdjson wheel (Python 3.14 and
-later, so far) every line is decoded by orjson (:mod:`staleness_metrics.records.jsonio`) and the
-same accessors read plain objects.
-
-A parser is reused line after line: every proxy of a line must be gone (converted to numpy or Python
-values) before the next line is parsed, so each stream of a run gets its own :class:`Parser`.
+Only what the reader touches becomes a Python object, and number lists are copied out of the tape
+at C speed: episode records are mostly token data the reader never needs. Every proxy of a line
+must be gone before a :class:`Parser` parses the next, so each stream gets its own parser.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """A prime-rl run in the current layout as the SPEC 9 event stream it implies
-(``prime-rl-traces.md``).
+(``docs/trainers/prime-rl.md``, "How a run is read").
 
-:func:`read_run_events` reads the episode stream once, in arrival order, with the trainer's streams
-alongside (:mod:`.annotations`), and yields checked replay events:
-
-- each trace of a train episode that did not error becomes a rollout (:mod:`.episodes`), entering at
-  its arrival step (``info.arrival.step``; without the stamp, its ship step, else the episode's
-  dispatch step ``run.work.step``): before it, every ship of an earlier step;
-- every step N at which the orchestrator shipped (``info.effective`` and ``info.ship.step`` N,
-  folded from the updates) is a ship naming the traces of that step that entered;
-- a trace that never shipped enters only when it is stale at its arrival step under the bound
-  replayed (``(A - 1) - policy.start > max_staleness``): the sink then drops and counts it, as
-  prime-rl did; the others (prime-rl discarded them for reasons of its own: no learning signal,
-  errors) are left out and counted in :class:`ReadNotes`;
-- eval episodes, errored traces, frozen traces that never shipped and traces that train nothing
-  are left out and counted.
-
-The reader also keeps, per ship step, prime-rl's own rule for its logged values (per episode, frozen
-episodes as staleness 0; ``mismatch_kl`` per token over every trained sample, frozen ones included),
-for :mod:`.compare`. Damage (SPEC 9) goes to a :class:`~.damage.Damage`: strict mode raises
-:class:`~staleness_metrics.errors.EventError` naming the file, line and reason.
-
-Memory: the facts of every trace the updates name (a few numbers each), the trainer's
-streams read ahead of the episode stream (the steps in flight) and one episode at a time;
-never the run's token data.
+Each trace of a train episode that did not error enters at its arrival step; each step the
+orchestrator shipped at is a ship naming its traces; a trace never shipped enters only when stale
+at arrival under the bound replayed (the sink drops it); the rest is left out and counted in
+:class:`ReadNotes`, with prime-rl's own rule per ship step for :mod:`.compare`. The episode stream
+is read once, the trainer's streams alongside: never the run's token data at once.
 """
 
 from __future__ import annotations
