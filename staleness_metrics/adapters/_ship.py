@@ -47,19 +47,17 @@ class TrainerNames:
     counter: str
     fields: Mapping[str, str] = field(default_factory=dict)
 
-    def field_of(self, name: str, row: int | None) -> str:
-        own = self.fields.get(name.rsplit(".", 1)[-1])
-        if own is None or row is None:
-            return name
-        return own.format(row=row)
-
-    def trace_error(self, error: TraceError, row: int | None) -> TraceError:
+    def trace_error(self, error: TraceError, ids: Sequence[str] = ()) -> TraceError:
+        """``error`` naming the trainer's own field, at the row of its rollout in ``ids``."""
+        own = self.fields.get(error.field.rsplit(".", 1)[-1])
+        rid = error.rollout_id
+        name = error.field if own is None or rid not in ids else own.format(row=ids.index(rid))
         reason = error.reason
         if _ABOVE_TRAINED in reason:
             reason += (
                 f"; `version` is the policy version of the weights being trained: pass {self.trainer}'s {self.counter}"
             )
-        return TraceError(error.rollout_id, self.field_of(error.field, row), reason)
+        return TraceError(rid, name, reason)
 
 
 class TrainerArray:
@@ -153,12 +151,6 @@ class _Entry:
     source: Any
     write_back: Callable[[], None] | None
     open: int  # rows still queued
-    row_of: dict[str, int] | None = None
-
-    def row(self, rollout_id: str | None) -> int | None:
-        if self.row_of is None:
-            self.row_of = {rid: k for k, rid in enumerate(self.batch.ids)}
-        return None if rollout_id is None else self.row_of.get(rollout_id)
 
 
 @dataclass
@@ -211,7 +203,7 @@ def ship_row_batches(
         try:
             monitor.add(batch)
         except TraceError as error:
-            raise names.trace_error(error, _Entry(batch, source, None, 0).row(error.rollout_id)) from error
+            raise names.trace_error(error, batch.ids) from error
         queued = [rid for rid in batch.ids if rid not in pending.owner]
         pending.entries[id(batch)] = _Entry(batch, source, write_back, len(queued))
         pending.owner.update(dict.fromkeys(queued, id(batch)))
@@ -219,7 +211,7 @@ def ship_row_batches(
         shipment: Shipment = monitor.ship(trained + 1, ids=list(pending.owner))
     except TraceError as error:
         entry = pending.entries.get(pending.owner.get(error.rollout_id or "", -1))
-        raise names.trace_error(error, None if entry is None else entry.row(error.rollout_id)) from error
+        raise names.trace_error(error, () if entry is None else entry.batch.ids) from error
     except ValueError as error:
         raise FieldError("version", f"{trained}: {error} (pass {names.trainer}'s {names.counter})") from error
     return ShipResult(shipment, _collect(pending, shipment))

@@ -75,6 +75,9 @@ NAMES = TrainerNames(
 )
 
 
+_READ = ("versions", "attention_mask", "logprobs")
+
+
 def _read_group(
     data: dict[str, Any], group_sizes: Sequence[int] | None
 ) -> tuple[RolloutBatch, dict[str, Any], Callable[[], None]]:
@@ -99,18 +102,11 @@ def _read_group(
         if sum(sizes) != rows or any(n < 1 for n in sizes):
             raise FieldError("group_sizes", f"{sizes} do not add up to the batch's {rows} rows")
         group_ids = [f"{prefix}/g{g}" for g, n in enumerate(sizes) for _ in range(n)]
-    attention, logprobs = data.get("attention_mask"), data.get("logprobs")
+    arrays = {k: TrainerArray(v).array for k, v in data.items() if k in _READ and v is not None}
     try:
-        rollouts = from_padded(
-            ids,
-            mask.array,
-            token_versions=TrainerArray(data["versions"]).array,
-            attention_mask=None if attention is None else TrainerArray(attention).array,
-            logprobs=None if logprobs is None else TrainerArray(logprobs).array,
-            group_ids=group_ids,
-        )
+        rollouts = from_areal({**arrays, "loss_mask": mask.array}, ids, group_ids=group_ids)
     except TraceError as error:
-        raise NAMES.trace_error(error, ids.index(error.rollout_id) if error.rollout_id in ids else None) from None
+        raise NAMES.trace_error(error, ids) from None
     return rollouts, data, lambda: mask.write_back(rollouts.mask)
 
 

@@ -96,9 +96,8 @@ def detect_source(path: str | Path) -> SourceKind:
 
 
 def is_event_file(path: str | Path) -> bool:
-    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file (an event stream is the
-    only input read compressed), a file whose first object has ``type``, or a file whose first line
-    is not readable JSON (the event reader then names the line and what is wrong with it)."""
+    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file, a file whose first
+    object has ``type``, or one whose first line is not JSON (the event reader names the fault)."""
     if Path(path).is_file() and stream_compression(path) is not None:
         return True
     try:
@@ -110,12 +109,9 @@ def is_event_file(path: str | Path) -> bool:
 def detect_and_read(
     path: str | Path, *, max_staleness: int = 8, step: int | None = None, strict: bool = True
 ) -> Iterator[EventDict]:
-    """The SPEC 9 events of a run input, whatever its format.
-
-    ``max_staleness`` is the bound the events will be replayed at (a prime-rl directory needs it to
-    tell its stale unshipped episodes from the ones discarded for other reasons); ``step`` is the
-    ship step of an xtuner states file (default: its newest version + 1); ``strict``: a damaged
-    prime-rl run (current layout) stops with an error, else its damage is set aside and counted.
+    """The SPEC 9 events of a run input, whatever its format: ``max_staleness`` the bound they
+    will be replayed at (it decides which unshipped prime-rl episodes enter), ``step`` an xtuner
+    file's ship step, ``strict`` whether a damaged prime-rl run stops (else damage is counted).
     """
     kind = detect_source(path)
     if kind == "prime-rl" and is_current_layout(path):
@@ -137,8 +133,7 @@ def detect_and_read(
 
 
 def _event_dict(event: Event) -> EventDict:
-    """A checked event back as its SPEC 9 dict (a refused rollout as the
-    record it was built from)."""
+    """A checked event back as its SPEC 9 dict."""
     if event.kind != "rollout":
         return {
             "type": event.kind,
@@ -179,13 +174,8 @@ def read_run(
     parse: bool = False,
     strict: bool = True,
 ) -> Iterator[Event]:
-    """:func:`detect_and_read` as checked replay events, ready for
-    :func:`staleness_metrics.replay.stream.replay`.
-
-    An event stream is read as bytes, as ``replay`` reads it; ``parse`` as in
-    :func:`~staleness_metrics.replay.stream.read_events`. A prime-rl run in the current layout gives
-    its events as read (:func:`read_run_events`), rollouts already parsed.
-    """
+    """:func:`detect_and_read` as checked replay events (an event stream read as bytes, as
+    ``replay`` reads it; ``parse`` as in :func:`~staleness_metrics.replay.stream.read_events`)."""
     kind = detect_source(path)
     if kind == "prime-rl" and is_current_layout(path):
         yield from read_run_events(path, max_staleness=max_staleness, strict=strict)

@@ -30,8 +30,7 @@ STREAM_FIELD = "trainer_logprobs"
 
 @dataclass
 class TraceFacts:
-    """What the updates say of one trace: its ship (``ship_step`` when ``effective``)
-    and where it was named."""
+    """What the updates say of one trace: its ship and where it was first named."""
 
     effective: bool | None = None
     ship_step: int | None = None
@@ -47,8 +46,7 @@ class Updates:
     """The result of :func:`scan_updates`."""
 
     traces: dict[str, TraceFacts] = field(default_factory=dict)
-    # producer -> trace -> ordinal of its last update carrying a stream (producers
-    # without streams left out)
+    # producer -> trace -> ordinal of its last update carrying a stream
     last_stream: dict[str, dict[str, int]] = field(default_factory=dict)
     torn: int = 0
 
@@ -56,14 +54,9 @@ class Updates:
 def read_updates(
     files: list[ChunkFile], parser: lazy.Parser, damage: Damage, *, quiet: bool = False
 ) -> Iterator[tuple[int, Line, Any]]:
-    """``(ordinal, line, update)`` of a producer's stream, ``ordinal`` counting
-    its update lines in order.
-
-    A line that is not an update is reported to ``damage`` (``quiet``: skipped, as a first
-    pass reported it); a torn last line (no newline, not JSON, at the end of the last file)
-    ends the stream, as in prime-rl's own reader, and is not an error. Proxies are valid until
-    the next update is read.
-    """
+    """``(ordinal, line, update)`` of a producer's update lines, in order; ``update`` None for
+    a torn last line (it ends the stream, as in prime-rl's reader). A line that is not an update
+    is reported to ``damage`` (``quiet``: skipped, as a first pass reported it)."""
 
     def bad_chunk(error: ChunkDamage) -> None:
         if not quiet:
@@ -117,8 +110,7 @@ def _update_fault(doc: object) -> str | None:
 
 
 def _merge_info(facts: TraceFacts, info: object) -> None:
-    """prime-rl's deep merge of ``info``, for the two keys a ship sets (each
-    key's newest value wins)."""
+    """prime-rl's deep merge of ``info`` (the newest value of a key wins), for a ship's keys."""
     effective = lazy.get(info, "effective")
     if effective is not None:
         facts.effective = effective is True
@@ -158,8 +150,7 @@ def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updat
 
 
 class StreamFeed:
-    """Pass 2: one producer's ``trainer_logprobs`` streams, handed out trace
-    by trace (module docs)."""
+    """Pass 2: one producer's ``trainer_logprobs`` streams, handed out trace by trace."""
 
     def __init__(self, files: list[ChunkFile], last: dict[str, int], damage: Damage) -> None:
         self._last = last
@@ -175,8 +166,7 @@ class StreamFeed:
         return len(self._held)
 
     def pull(self, trace_id: str) -> dict[int, list[Stream]]:
-        """The streams of ``trace_id`` per branch index, in write order (reads
-        on to its last update)."""
+        """The streams of ``trace_id`` per branch index, in write order."""
         target = self._last.pop(trace_id, 0)
         while self._read < target and not self._done:
             self._read_one()

@@ -35,8 +35,8 @@ class ChunkDamage(Exception):
 
 @dataclass(frozen=True)
 class Line:
-    """One line of a stream file: ``number`` 1-based in its file, ``offset`` its first byte
-    (decompressed), ``text`` without the newline, ``ended`` whether the newline was there."""
+    """One line of a stream file: ``number`` 1-based, ``offset`` its first (decompressed) byte,
+    ``text`` without the newline, ``ended`` whether the newline was there."""
 
     file: ChunkFile
     number: int
@@ -46,8 +46,8 @@ class Line:
 
 
 class _Frames(io.RawIOBase):
-    """The decompressed bytes of a file of zstd frames; a corrupt frame or a file cut inside a frame
-    raises ``zstandard.ZstdError`` (the package's stream reader would end quietly on a cut file)."""
+    """The decompressed bytes of a file of zstd frames; ``zstandard.ZstdError`` for a corrupt or
+    cut frame (the package's stream reader ends quietly on a cut file)."""
 
     def __init__(self, raw: IO[bytes]) -> None:
         self._raw = raw
@@ -101,8 +101,8 @@ def open_chunk(file: ChunkFile) -> IO[bytes]:
 
 
 def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None]) -> Iterator[tuple[bool, Line]]:
-    """``(last, line)``: every line of ``files`` in order, ``last`` when its file is the last one; a
-    chunk that cannot be read on is handed to ``on_damage`` and the next file is read."""
+    """``(last, line)``: every line of ``files`` in order (``last``: in the last file); a chunk
+    that cannot be read on goes to ``on_damage`` and the next file is read."""
     for position, file in enumerate(files):
         lines = read_lines(file)
         while True:

@@ -129,6 +129,28 @@ def _rule_value(key: str, rule: StepRule) -> float | None:
     return sum(values) / len(values) if key in _MEAN_KEYS else float(max(values))
 
 
+def _status(
+    value: float,
+    ours: float | None,
+    rule: float | None,
+    *,
+    rules_differ: bool = True,
+    missing: bool,
+    tolerance: tuple[float, float] = (1e-9, 1e-9),
+) -> Status:
+    """``match`` (equal to ours), ``prime_rl_rule`` (equal to prime-rl's rule only, where the rules
+    differ), ``missing`` or ``mismatch``."""
+    if _close(value, ours, tolerance):
+        return "match"
+    if rules_differ and _close(value, rule, tolerance):
+        return "prime_rl_rule"
+    return "missing" if missing else "mismatch"
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _staleness_row(
     step: int,
     logged_key: str,
@@ -141,10 +163,9 @@ def _staleness_row(
     key = mapping.new if mapping is not None else logged_key if logged_key in _CURRENT else None
     if key is None:
         return None
-    new = ours.get(key)
-    recomputed = float(new) if isinstance(new, (int, float)) else None
+    mine = _number(ours.get(key))
     live, frozen = counts
-    legacy = _rule_value(key, rule) if rule is not None else _legacy_value(key, recomputed, live, frozen)
+    legacy = _rule_value(key, rule) if rule is not None else _legacy_value(key, mine, live, frozen)
     reasons = []
     if rule is not None and rule.live_traces != rule.live:
         reasons.append(PER_EPISODE)
@@ -152,54 +173,28 @@ def _staleness_row(
         reasons.append(FROZEN)
     if key == keys.ROLLOUTS_DROPPED:
         reasons = [DROPPED]
+    status = _status(value, mine, legacy, rules_differ=bool(reasons), missing=mine is None)
     note = "; ".join(reasons)
-    status: Status
-    if _close(value, recomputed):
-        status = "match"
-    elif reasons and _close(value, legacy):
-        status = "prime_rl_rule"
-    elif recomputed is None:
-        status = "missing"
-    else:
-        status = "mismatch"
-    return ComparisonRow(step, logged_key, key, value, recomputed, legacy, live, frozen, status, note)
+    return ComparisonRow(step, logged_key, key, value, mine, legacy, live, frozen, status, note)
 
 
 def _mismatch_row(
     step: int, logged_key: str, value: float, ours: Mapping[str, Any], rule: StepRule | None
 ) -> ComparisonRow | None:
-    parts = logged_key.removeprefix(MISMATCH_PREFIX).split("/")
-    stat = parts[-1]
+    *scope_parts, stat = logged_key.removeprefix(MISMATCH_PREFIX).split("/")
     if stat not in ("mean", "std", "min", "max"):
         return None
-    scope = "/".join(parts[:-1]) or "all"
+    scope = "/".join(scope_parts) or "all"
     key = keys.MISMATCH_K3 if scope == "all" else env_key(scope, keys.MISMATCH_K3)
-    new = ours.get(key) if stat == "mean" else None
-    recomputed = float(new) if isinstance(new, (int, float)) else None
+    if stat != "mean":
+        key = ""  # no SPEC key holds the statistic
+    mine = _number(ours.get(key)) if key else None
     legacy = rule.k3[scope].value(stat) if rule is not None and scope in rule.k3 else None
     live, frozen = (rule.live, rule.frozen) if rule is not None else (0, 0)
-    status: Status
-    if _close(value, recomputed, MISMATCH_TOLERANCE):
-        status = "match"
-    elif _close(value, legacy, MISMATCH_TOLERANCE):
-        status = "prime_rl_rule"
-    elif recomputed is None and legacy is None:
-        status = "missing"
-    else:
-        status = "mismatch"
-    note = NO_KEY if recomputed is None else FROZEN_TOKENS if frozen else ""
-    return ComparisonRow(
-        step,
-        logged_key,
-        key if stat == "mean" else "",
-        value,
-        recomputed,
-        legacy,
-        live,
-        frozen,
-        status,
-        note,
-    )
+    missing = mine is None and legacy is None
+    status = _status(value, mine, legacy, missing=missing, tolerance=MISMATCH_TOLERANCE)
+    note = NO_KEY if mine is None else FROZEN_TOKENS if frozen else ""
+    return ComparisonRow(step, logged_key, key, value, mine, legacy, live, frozen, status, note)
 
 
 def compare_prime_rl(

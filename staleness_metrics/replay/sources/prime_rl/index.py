@@ -19,8 +19,7 @@ Position = tuple[int, int]  # (chunk number, -1 in the single-file layout; byte 
 
 
 class IndexCheck:
-    """Walks ``stream.index.jsonl`` in step with the stream (:meth:`see` each line in order,
-    then :meth:`finish`)."""
+    """Walks the index in step with the stream (:meth:`see` each line, then :meth:`finish`)."""
 
     def __init__(self, path: Path | None, damage: Damage) -> None:
         self._path = path
@@ -71,8 +70,7 @@ class IndexCheck:
         self._advance()
 
     def see(self, position: Position, episode_id: str | None) -> None:
-        """The stream has a line starting at ``position`` holding ``episode_id``
-        (None: not an episode)."""
+        """The stream has a line at ``position`` holding ``episode_id`` (None: not an episode)."""
         while self._next is not None and self._next[1] < position:
             self._nowhere("no line of the stream starts there")
         if self._next is not None and self._next[1] == position:
@@ -83,8 +81,7 @@ class IndexCheck:
                 self._advance()
 
     def resume_inside(self, position: Position, size: int) -> int | None:
-        """The offset of the row pointing inside the line at ``position`` of
-        ``size`` bytes, if one does."""
+        """The offset of a row pointing inside the line at ``position`` (``size`` bytes)."""
         if self._next is None:
             return None
         chunk, offset = self._next[1]

@@ -84,8 +84,7 @@ def keys(value: object) -> set[str]:
 
 
 def length(value: object) -> int:
-    """Elements of an array (simdjson's count saturates at 2**24 - 1: read
-    the buffer beyond that)."""
+    """Elements of an array (simdjson's count saturates at 2**24 - 1)."""
     size = len(value)  # type: ignore[arg-type]
     if size >= 0xFFFFFF and simdjson is not None and type(value) is simdjson.Array:
         return len(value.as_list())

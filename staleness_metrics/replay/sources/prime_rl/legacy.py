@@ -32,7 +32,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 @dataclass(frozen=True)
 class EpisodeInfo:
-    """What the replay needs of one episode record (the rest of the record is not kept)."""
+    """What the replay needs of one episode record."""
 
     id: str
     rollout: dict[str, Any]
@@ -52,8 +52,7 @@ def has_rollouts(path: str | Path) -> bool:
 
 
 def episode_rollout(record: Mapping[str, Any]) -> EpisodeInfo:
-    """One episode record -> one SPEC 3 rollout (each trace one
-    single-position unlabelled sample)."""
+    """One episode record -> one SPEC 3 rollout (each trace one unlabelled position)."""
     episode_id = record.get("id")
     if not isinstance(episode_id, str) or not episode_id:
         raise TraceError(None, "id", f"expected a non-empty string, got {episode_id!r}")
@@ -115,12 +114,8 @@ def _stale(info: EpisodeInfo, step: int, max_staleness: int) -> bool:
 
 
 def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[EventDict]:
-    """The run as SPEC 9 events: per step, arrivals as ``rollout`` events, then
-    ``ship`` of the effective ids.
-
-    ``max_staleness`` is the bound the stream will be replayed at: it decides which unshipped
-    episodes enter the stream (see the module docs).
-    """
+    """The run as SPEC 9 events: per step, arrivals as ``rollout`` events, then ``ship`` of the
+    effective ids; ``max_staleness`` decides which unshipped episodes enter (module docs)."""
     root = Path(run_dir)
     steps = _step_dirs(root)
     if not steps:

@@ -35,9 +35,8 @@ __all__ = ["K3Stats", "PrimeRlRead", "ReadNotes", "StepRule", "read_run_events"]
 
 @dataclass
 class K3Stats:
-    """prime-rl's ``mismatch_kl`` statistics of one scope (``all`` or an env): per token
-    over the trained samples' loss-mask tokens (here: their covered sampled positions),
-    frozen samples included."""
+    """prime-rl's ``mismatch_kl`` statistics of one scope (``all`` or an env), per token over the
+    trained samples' covered sampled positions, frozen samples included."""
 
     tokens: int = 0
     total: float = 0.0
@@ -53,8 +52,7 @@ class K3Stats:
             self.low, self.high = min(self.low, float(k3.min())), max(self.high, float(k3.max()))
 
     def value(self, stat: str) -> float | None:
-        """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens
-        (or an unknown stat)."""
+        """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens."""
         if not self.tokens:
             return None
         mean = self.total / self.tokens
@@ -84,7 +82,6 @@ class ReadNotes:
     """What the reader left out or set aside, and prime-rl's own rule per ship step."""
 
     damage: Damage
-    episodes: int = 0
     eval_episodes: int = 0
     errored_traces: int = 0
     # never shipped, fresh at arrival: prime-rl discarded them for other reasons
@@ -92,7 +89,6 @@ class ReadNotes:
     unshipped_stale: int = 0  # never shipped, stale at arrival: entered to be dropped by the sink
     frozen_unshipped: int = 0
     untrainable: int = 0  # traces that train nothing (no sampled token, agent not trainable)
-    without_arrival: int = 0
     torn: int = 0
     split_lines: int = 0  # torn lines a relaunch appended to (split where the index says)
     held_peak: int = 0  # most traces whose trainer streams waited for their episode at once
@@ -112,9 +108,8 @@ class ReadNotes:
 
 
 def _token_k3(sample: ParsedSample) -> npt.NDArray[np.float64]:
-    """prime-rl's per-token mismatch ``exp(d) - d - 1`` over a sample's covered sampled
-    positions (its loss mask), ``d`` = trainer - sampler log-probability, unclamped as
-    prime-rl computes it."""
+    """prime-rl's per-token ``exp(d) - d - 1`` over a sample's covered sampled positions, ``d`` =
+    trainer - sampler log-probability, unclamped."""
     if sample.logprobs is None or sample.trainer_logprobs is None:
         return np.zeros(0)
     keep = (sample.mask == 1) & np.isfinite(sample.trainer_logprobs)
@@ -197,8 +192,7 @@ class PrimeRlRead:
         self._unknown(updates)
 
     def _episode(self, number: int, line: Line, doc: object, index: IndexCheck) -> list[Event]:
-        """The events of one stream line: the ships its traces' arrivals
-        pass, and their rollouts."""
+        """The events of one stream line: the ships its traces' arrivals pass, and the rollouts."""
         where = (-1 if line.file.number is None else line.file.number, line.offset)
         try:
             episode = episode_head(doc)
@@ -207,7 +201,6 @@ class PrimeRlRead:
             self.notes.damage.report("not_episode", line.file.path, line.number, str(error))
             return []
         index.see(where, episode.id)
-        self.notes.episodes += 1
         events = []
         for trace in episode.traces:
             streams = self._streams(self._feeds, trace.id)
@@ -218,7 +211,7 @@ class PrimeRlRead:
             for step in sorted(s for s in self._ships if s < arrival):
                 self._passed = step
                 events.append(Event(number, "ship", step=step, ids=tuple(self._ships.pop(step))))
-            event = self._trace_event(number, line, episode, trace, facts, streams, arrival, self._passed)
+            event = self._trace_event(number, line, episode, trace, facts, streams, arrival)
             if event is None:
                 continue
             events.append(event)
@@ -235,8 +228,7 @@ class PrimeRlRead:
         return merged
 
     def _arrival(self, episode: EpisodeHead, trace: TraceHead, facts: TraceFacts | None, doc: object) -> int | None:
-        """The trace's arrival step, or None when it is left out before that
-        matters (eval, errored)."""
+        """The trace's arrival step, or None when it is left out (eval, errored)."""
         if episode.kind != "train":
             if trace is episode.traces[0]:
                 self.notes.eval_episodes += 1
@@ -246,7 +238,6 @@ class PrimeRlRead:
             return None
         if trace.arrival_step is not None:
             return trace.arrival_step
-        self.notes.without_arrival += 1
         shipped = facts.shipped_at if facts is not None else None
         if shipped is not None:
             return shipped
@@ -262,7 +253,6 @@ class PrimeRlRead:
         facts: TraceFacts | None,
         streams: dict[int, list[Stream]],
         arrival: int,
-        passed: int,
     ) -> Event | None:
         notes = self.notes
         shipped = facts.shipped_at if facts is not None else None
@@ -276,7 +266,7 @@ class PrimeRlRead:
                 notes.unshipped_left_out += 1
                 return None
             notes.unshipped_stale += 1
-        elif shipped <= passed or shipped < arrival:
+        elif shipped <= self._passed or shipped < arrival:
             notes.damage.report(
                 "late_ship",
                 line.file.path,
@@ -305,8 +295,7 @@ class PrimeRlRead:
         trace: TraceHead,
         rollout: ParsedRollout | UnparsedRollout,
     ) -> None:
-        """prime-rl's figures of a shipped trace (its episode counted once, at its
-        first shipped trace)."""
+        """prime-rl's figures of a shipped trace (its episode counted at its first trace)."""
         rule = self.notes.steps.setdefault(step, StepRule())
         if isinstance(rollout, ParsedRollout):
             for sample in rollout.samples:
@@ -345,8 +334,7 @@ class PrimeRlRead:
 
 
 def read_run_events(path: str | Path, *, max_staleness: int = 8, strict: bool = True) -> PrimeRlRead:
-    """The events of the prime-rl run at ``path`` (its root, ``monitors/file`` or
-    ``traces``), current layout."""
+    """The events of the prime-rl run at ``path`` (root, ``monitors/file`` or ``traces``)."""
     layout = find_layout(path)
     if layout is None:
         raise ConfigError(f"{path}: no prime-rl trace stream (monitors/file/traces/stream/ or traces/stream.jsonl)")
