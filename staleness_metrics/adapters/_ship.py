@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from ..engine.shipment import Shipment
+from ..engine.shipment import Shipment, ShippedRollout
 from ..errors import FieldError, FieldTypeError, TraceError
 from ..records.columnar import RolloutBatch
 
@@ -27,6 +27,7 @@ __all__ = [
     "TrainerArray",
     "TrainerNames",
     "new_tensor_like",
+    "rollout_lags",
     "ship_row_batches",
     "ship_rows",
 ]
@@ -217,17 +218,22 @@ def ship_row_batches(
     return ShipResult(shipment, _collect(pending, shipment))
 
 
-def _collect(pending: _Pending, shipment: Shipment) -> tuple[ShippedPart[Any], ...]:
+def rollout_lags(shipment: Shipment) -> Iterator[tuple[ShippedRollout, list[npt.NDArray[np.int64]]]]:
+    """Each shipped rollout with the SPEC 11 lags of its kept samples, per position."""
     lags, offsets = shipment.lags, shipment.lag_offsets
-    # id of the RolloutBatch -> (row, kept samples, their lags) per shipped rollout
-    grouped: dict[int, list[tuple[int, tuple[int, ...], list[npt.NDArray[np.int64]]]]] = {}
     sample = 0
     for rollout in shipment.rollouts:
-        kept = rollout.samples
-        if kept:
-            spans = [lags[offsets[k] : offsets[k + 1]] for k in range(sample, sample + len(kept))]
-            grouped.setdefault(id(rollout.batch), []).append((rollout.index, kept, spans))
-        sample += len(kept)
+        count = len(rollout.samples)
+        yield rollout, [lags[offsets[k] : offsets[k + 1]] for k in range(sample, sample + count)]
+        sample += count
+
+
+def _collect(pending: _Pending, shipment: Shipment) -> tuple[ShippedPart[Any], ...]:
+    # id of the RolloutBatch -> (row, kept samples, their lags) per shipped rollout
+    grouped: dict[int, list[tuple[int, tuple[int, ...], list[npt.NDArray[np.int64]]]]] = {}
+    for rollout, spans in rollout_lags(shipment):
+        if rollout.samples:
+            grouped.setdefault(id(rollout.batch), []).append((rollout.index, rollout.samples, spans))
     parts = []
     for key, shipped in grouped.items():
         entry = pending.entries[key]

@@ -33,6 +33,7 @@ from ..replay.sources.prime_rl.episodes import (
     episode_head,
     trace_rollout,
 )
+from ._ship import rollout_lags
 
 __all__ = ["PrimeRlMonitor", "episode_record"]
 
@@ -73,7 +74,6 @@ class _Shipped:
     """A shipped trace kept for the trainer's updates: per kept sample, lags and masked flags."""
 
     step: int
-    env: str | None
     episode: EpisodeHead
     trace: TraceHead
     samples: tuple[int, ...]
@@ -192,19 +192,13 @@ class PrimeRlMonitor:
 
     def _keep(self, shipment: Shipment, heads: Mapping[str, tuple[EpisodeHead, TraceHead]]) -> None:
         """Per shipped live trace, the lag and masked flag of every position of its kept samples."""
-        lags, offsets = shipment.lags, shipment.lag_offsets
-        sample = 0
-        for rollout in shipment.rollouts:
+        for rollout, lags in rollout_lags(shipment):
             record = rollout.record(arrays=True)
-            count = len(rollout.samples)
-            spans = [(int(offsets[sample + k]), int(offsets[sample + k + 1])) for k in range(count)]
-            sample += count
             if rollout.id not in heads or record.get("source") == "frozen":
                 continue
             head, trace = heads[rollout.id]
-            lag = [lags[lo:hi] for lo, hi in spans]
-            masked = [(lg >= 0) & (np.asarray(s["mask"]) == 0) for lg, s in zip(lag, record["samples"])]
-            self._shipped[rollout.id] = _Shipped(shipment.step, head.env, head, trace, rollout.samples, lag, masked)
+            masked = [(lag >= 0) & (np.asarray(s["mask"]) == 0) for lag, s in zip(lags, record["samples"])]
+            self._shipped[rollout.id] = _Shipped(shipment.step, head, trace, rollout.samples, lags, masked)
         oldest = shipment.step - KEEP_STEPS
         for trace_id in [t for t, s in self._shipped.items() if s.step < oldest]:
             del self._shipped[trace_id]
@@ -222,7 +216,7 @@ class PrimeRlMonitor:
                 sampler = sample.logprobs if sample.logprobs is not None else np.full(n, np.nan)
                 trainer = sample.trainer_logprobs if sample.trainer_logprobs is not None else np.full(n, np.nan)
                 sums = mismatch_sums(lag, sampler, trainer, masked, band=self.monitor.config.mismatch_band)
-                key = shipped.env if self.monitor.config.env_breakdown else None
+                key = shipped.episode.env if self.monitor.config.env_breakdown else None
                 by_env[key] = by_env.get(key, MismatchSums.zero()) + sums
         self._recorded.add(step)
         for env, sums in by_env.items():

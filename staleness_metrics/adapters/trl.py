@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from ..errors import ConfigError, FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
-from ._ship import TrainerNames, new_tensor_like, ship_rows
+from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
@@ -122,15 +122,6 @@ def _read(samples: Sequence[Any]) -> RolloutBatch:
     )
 
 
-def _write_mask(sample: Any, values: npt.NDArray[Any]) -> None:
-    """The shipped mask into the sample's own ``completion_mask`` (same object, same dtype)."""
-    target = sample.completion_mask
-    if isinstance(target, np.ndarray):
-        target[...] = values
-    else:  # a tensor
-        target.copy_(new_tensor_like(target, values.astype(np.int64)).to(dtype=target.dtype))
-
-
 def staleness_lag_of(completion_mask: Any) -> npt.NDArray[np.int64]:
     """The SPEC 11 lag of each position of a shipped sample (or of the dict
     ``RolloutQueueDataset`` made of it), found by its ``completion_mask``."""
@@ -164,7 +155,8 @@ def _shipped(
         offsets = part.batch.position_offsets
         for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row
             sample = part.source[row]
-            _write_mask(sample, part.batch.mask[int(offsets[row]) : int(offsets[row + 1])])
+            shipped_mask = part.batch.mask[int(offsets[row]) : int(offsets[row + 1])]
+            TrainerArray(sample.completion_mask).write_back(shipped_mask)  # its own object and dtype
             _lags.put(sample.completion_mask, lag)
             out.append((sample, lag))
     return out
