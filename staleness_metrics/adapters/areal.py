@@ -157,9 +157,6 @@ def ship(
     if not single:
         return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]
     assert isinstance(batch, dict)
-    if result.parts:
-        batch.update(_rows_of(result.parts[0]))
-    else:  # no row left: the dict keeps its keys, with 0 rows
-        empty = ShippedPart(batch, parts[0][0], np.zeros(0, dtype=np.int64), (), ())
-        batch.update(_rows_of(empty))
+    nothing = ShippedPart(batch, parts[0][0], np.zeros(0, dtype=np.int64), (), ())  # keys, 0 rows
+    batch.update(_rows_of(result.parts[0] if result.parts else nothing))
     return batch  # type: ignore[return-value]

@@ -185,7 +185,6 @@ _PLACEHOLDER = -3
 class _Pulled:
     """A dict ``RolloutQueueDataset`` yielded, with the ``model_version`` it leaves out."""
 
-    input_ids: Any
     completion_mask: Any
     old_log_probs: Any
     group_id: Any
@@ -216,9 +215,8 @@ class _RecordingQueue:
 
 @dataclass
 class _MicroBatch:
-    """What TRL's collator packed into one micro-batch: its samples, and per row (one per
-    process) the sample and the position of each loss term, in ``TreeRow.pack``'s order (the
-    order of ``token_index``)."""
+    """One collated micro-batch: its samples and, per row (one per process), the sample and
+    position of each loss term in ``token_index`` order."""
 
     samples: list[_Pulled]
     term_sample: list[npt.NDArray[np.int64]]
@@ -226,8 +224,8 @@ class _MicroBatch:
     width: int  # of token_index, padded across rows
 
     def decide(self, lag_of: dict[int, npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
-        """``[rows, width + 1]``: each loss term's code (its lag when kept), and in the last column
-        the number of kept terms of the whole micro-batch (TRL's ``global_n_tokens``)."""
+        """``[rows, width + 1]``: each loss term's code (its lag when kept); the last column, the
+        micro-batch's kept terms (TRL's ``global_n_tokens``)."""
         codes = np.full((len(self.term_sample), self.width + 1), _PADDING, dtype=np.int64)
         for r, (term_sample, term_position) in enumerate(zip(self.term_sample, self.term_position, strict=True)):
             row = np.full(len(term_sample), _VOID, dtype=np.int64)
@@ -247,11 +245,8 @@ class _MicroBatch:
 
 
 class TrainTimeShipping:
-    """Ships each optimizer step of TRL's ``AsyncGRPOTrainer`` at the version that trains it.
-
-    Made by :func:`ship_at_train_time`, which says what it wraps. ``versions`` lists the ``version``
-    of each ship, one per optimizer step, in order.
-    """
+    """Ships each optimizer step of TRL's ``AsyncGRPOTrainer`` at the version that trains it
+    (made by :func:`ship_at_train_time`); ``versions``: the ``version`` of each ship, in order."""
 
     def __init__(self, trainer: Any, monitor: StalenessMonitor) -> None:
         if getattr(trainer, "staleness_shipping", None) is not None:
@@ -326,15 +321,7 @@ class TrainTimeShipping:
                 positions = []
                 for item in row.samples:
                     mask = item["completion_mask"]
-                    samples.append(
-                        _Pulled(
-                            item["input_ids"],
-                            mask,
-                            item["old_log_probs"],
-                            item["group_id"],
-                            self._version(mask),
-                        )
-                    )
+                    samples.append(_Pulled(mask, item["old_log_probs"], item["group_id"], self._version(mask)))
                     # TreeRow.pack's loss terms
                     positions.append(np.flatnonzero(_numpy(mask)[1:] != 0) + 1)
                 counts = [len(p) for p in positions]
@@ -355,8 +342,7 @@ class TrainTimeShipping:
         return collate
 
     def before_loss(self, inputs: dict[str, Any]) -> None:
-        """Ship the step of this micro-batch if it has not shipped yet, then void its dropped and
-        masked loss terms and fill ``staleness_lag``, in the micro-batch's own tensors."""
+        """Ship this micro-batch's step if not shipped yet, then apply the decision to its tensors."""
         microbatch = _microbatch_id(inputs)
         accelerator = self.trainer.accelerator
         processes = int(accelerator.num_processes)
@@ -404,10 +390,9 @@ def _microbatch_id(inputs: dict[str, Any]) -> int:
 
 
 def _apply(inputs: dict[str, Any], codes: npt.NDArray[np.int64], kept_terms: int) -> None:
-    """One rank's rows of a decision into TRL's tensors: a voided term leaves ``token_index``
-    (so ``compute_loss``'s ``selected`` and everything taken through it skip it) with advantage
-    0, a position no kept term reads any more leaves ``shift_labels``, ``global_n_tokens``
-    counts the kept terms."""
+    """One rank's rows of a decision into TRL's tensors: a voided term leaves ``token_index`` (so
+    ``compute_loss`` skips it) at advantage 0, a position no kept term reads leaves
+    ``shift_labels``, ``global_n_tokens`` counts the kept terms."""
     index = inputs["token_index"]
     void = codes == _VOID
     positions = _numpy(index)

@@ -18,7 +18,7 @@ from ..engine.shipment import Shipment, padded_shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
 from ..records.padded import from_padded
-from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
+from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 __all__ = ["from_verl", "ship", "verl_response_mask", "verl_row_ids"]
 
@@ -171,18 +171,14 @@ def ship(
 
     result = ship_rows(monitor, rollouts, data, version=version, names=_names(extras), write_back=write_back)
     parts = []
-    for part in result.parts:
+    nothing = ShippedPart(data, rollouts, np.zeros(0, dtype=np.int64), (), ())  # the 0 rows left
+    for part in result.parts or (nothing,):
         source = part.source
         picked = source if part.every_row else source.select_idxs(part.rows)
         picked.batch["staleness_lag"] = new_tensor_like(source.batch["response_mask"], part.lag_matrix())
         parts.append(picked)
     if len(parts) == 1 and parts[0] is data:
         return data
-    if not parts:
-        empty = data.select_idxs(np.zeros(0, dtype=np.int64))
-        width = rollouts.padded.width if rollouts.padded is not None else 0
-        empty.batch["staleness_lag"] = new_tensor_like(tensors["response_mask"], np.zeros((0, width), np.int64))
-        parts = [empty]
     # concat asserts equal meta_info across parts; the batch is this call's, so is its meta_info
     bare = [type(p)(batch=p.batch, non_tensor_batch=p.non_tensor_batch, meta_info={}) for p in parts]
     out = bare[0] if len(bare) == 1 else type(data).concat(bare)

@@ -64,12 +64,9 @@ DROPPED = (
 
 @dataclass(frozen=True)
 class ComparisonRow:
-    """One logged value beside its recomputation.
-
-    ``legacy_key`` is the key prime-rl logged, ``key`` ours (SPEC 6/11); ``recomputed`` our value;
-    ``legacy_rule`` prime-rl's own rule recomputed from the records; ``status``: ``match`` (the
-    logged value equals ours), ``prime_rl_rule`` (it equals prime-rl's rule only: ``note`` says why
-    the rules differ), ``missing`` (nothing recomputed), ``mismatch`` (anything else)."""
+    """One logged value (``legacy_key``) beside ours (``key``, ``recomputed``) and prime-rl's rule
+    recomputed from the records (``legacy_rule``); ``status`` as :func:`comparison_summary` counts
+    it, ``note`` why the rules differ."""
 
     step: int
     legacy_key: str
@@ -92,8 +89,8 @@ def _metrics_path(run_dir: Path) -> Path | None:
 
 
 def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """``metrics.jsonl`` rows by step, every producer's rows of a step merged in file order (rows
-    without a step, such as time-keyed inference rows, are skipped)."""
+    """``metrics.jsonl`` rows by step, a step's rows merged in file order (rows without a step are
+    skipped)."""
     path = _metrics_path(Path(run_dir))
     rows: dict[int, dict[str, Any]] = {}
     if path is None:
@@ -110,8 +107,7 @@ def _close(a: float | None, b: float | None, tolerance: tuple[float, float] = (1
 
 
 def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> float | None:
-    """Our value converted to prime-rl's rule from counts alone (older layout:
-    one trace per episode)."""
+    """Our value under prime-rl's rule, from counts alone (older layout: a trace per episode)."""
     if frozen == 0:
         return value
     if key in _MEAN_KEYS:
@@ -204,13 +200,10 @@ def compare_prime_rl(
     historical: Mapping[int, Mapping[str, Any]] | None = None,
     notes: ReadNotes | None = None,
 ) -> list[ComparisonRow]:
-    """Put the recomputed keys beside the run's logged values, step by step (module docs).
-
-    ``metrics`` are the replay's reports (or ``--metrics-out`` rows with ``step``); ``notes`` the
-    current layout's reader notes (:attr:`~.run.PrimeRlRead.notes`), which hold prime-rl's rule per
-    step; without them (older layout) the rule is derived from the live / frozen counts, from the
-    reports' tallies when given, else from the run's effective files. ``historical`` defaults to the
-    run's ``metrics.jsonl``.
+    """The run's logged values (``historical``, default its ``metrics.jsonl``) beside ``metrics``
+    (the replay's reports or ``--metrics-out`` rows), step by step. ``notes``: the current layout
+    reader's, holding prime-rl's rule per step; without them (older layout) the rule follows from
+    the live / frozen counts (the reports' tallies, else the run's effective files).
     """
     root = Path(run_dir)
     logged = historical if historical is not None else read_prime_rl_metrics(root)
@@ -244,7 +237,7 @@ def compare_prime_rl(
 
 
 def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
-    """Steps by outcome: ``match`` (every value equal to ours, or a statistic no SPEC key holds
+    """Steps by their worst outcome: ``match`` (equal to ours, or a statistic no SPEC key holds
     equal to prime-rl's rule), ``prime_rl_rule``, ``missing``, ``mismatch``."""
     worst: dict[int, int] = {}
     order: tuple[Status, ...] = ("match", "prime_rl_rule", "missing", "mismatch")
@@ -260,9 +253,8 @@ def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
 
 
 def describe_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
-    """A few lines for a terminal: per family of logged keys, the steps where every value equals
-    ours, those where the others equal prime-rl's own rule recomputed from the records (and why the
-    rules differ), and those that differ otherwise."""
+    """A few lines for a terminal: per family of logged keys, how many steps equal ours, how many
+    prime-rl's rule (and why the rules differ), and which differ otherwise."""
     lines = []
     # the family as the orchestrator and the trainer log it (off_policy/*, or
     # staleness/* after the rename)

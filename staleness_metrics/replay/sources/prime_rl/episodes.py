@@ -44,8 +44,7 @@ class NotAnEpisode(ValueError):
 
 @dataclass(frozen=True)
 class Stream:
-    """A full-length per-position stream of one update (NaN = null), and
-    where the update was read."""
+    """A per-position stream of one update (NaN = null), and where it was read."""
 
     values: npt.NDArray[np.float64]
     path: str  # where the update was read
@@ -129,8 +128,7 @@ _POLICY_FIELDS = {
 
 
 def _head(episode: EpisodeHead, trace: TraceHead) -> dict[str, Any]:
-    """The rollout's fields but its samples, checked as any record's are (named by the
-    record's own fields)."""
+    """The rollout's fields but its samples, checked as any record's, named by the record's."""
     head: dict[str, Any] = {"id": trace.id}
     if episode.group is not None:
         head["group_id"] = episode.group
@@ -296,11 +294,9 @@ def _branches(rid: str, nodes: list[_Node]) -> list[tuple[int, list[int], bool]]
 def fold_streams(
     size: int, base: npt.NDArray[np.float64] | None, streams: Sequence[Stream]
 ) -> npt.NDArray[np.float64] | None:
-    """A branch's per-position values: ``base`` (the record's own, NaN = none), then each update's
-    full-length stream in write order, position by position: a value replaces what was there, a null
-    (NaN) leaves it, and a stream shorter than the branch covers only the positions it holds
-    (prime-rl's own fold leaves a whole node bare when a stream stops inside it; for coverage each
-    position counts). None when nothing covers any position."""
+    """A branch's per-position values: ``base`` (the record's own, NaN = none), then each stream in
+    write order, where a value replaces what was there and a null (NaN) leaves it; a short stream
+    covers the positions it holds. None when nothing covers any position."""
     if base is None and not streams:
         return None
     out = base.copy() if base is not None else np.full(size, np.nan)
@@ -348,10 +344,8 @@ def _sample(nodes: list[_Node], path: list[int], claimed: set[int], streams: Seq
 def trace_rollout(
     episode: EpisodeHead, trace: TraceHead, updates: dict[int, list[Stream]] | None = None
 ) -> tuple[ParsedRollout | UnparsedRollout | None, list[Problem]]:
-    """The rollout of one trace (None when it trains nothing) and the problems of ``updates`` (per
-    branch index: the trainer's streams in write order) that do not fit it: a branch the trace does
-    not have, a stream longer than its branch. A record the sink must refuse comes back as an
-    :class:`UnparsedRollout`."""
+    """The rollout of one trace (None when it trains nothing; an :class:`UnparsedRollout` the sink
+    refuses) and the ``updates`` (trainer streams per branch) that do not fit it."""
     updates = updates or {}
     try:
         head = _head(episode, trace)
