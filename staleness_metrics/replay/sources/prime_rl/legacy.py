@@ -120,29 +120,23 @@ def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[Ev
     steps = _step_dirs(root)
     if not steps:
         raise EventError(0, f"{root}: no rollouts/step_N/train folders (not a prime-rl run directory)")
-    shipped: dict[int, list[str]] = {}
-    ships_at: dict[str, int] = {}
-    for step in sorted(steps):
-        effective = steps[step] / "effective" / "traces.jsonl"
-        if effective.is_file():
-            ids = [info.id for info in _episodes(effective)]
-            shipped[step] = ids
-            for episode_id in ids:
-                ships_at.setdefault(episode_id, step)
+    effective = {step: train / "effective" / "traces.jsonl" for step, train in steps.items()}
+    shipped = {step: list(_episodes(path)) for step, path in sorted(effective.items()) if path.is_file()}
+    ships = {info.id for infos in shipped.values() for info in infos}
     added: set[str] = set()
     for step in sorted(steps):
         for info in _episodes(steps[step] / "all" / "traces.jsonl"):
-            if info.id in ships_at or (not info.frozen and _stale(info, step, max_staleness)):
+            if info.id in ships or (not info.frozen and _stale(info, step, max_staleness)):
                 added.add(info.id)
                 yield {"type": "rollout", "rollout": info.rollout}
         if step not in shipped:
             continue
         # Shipped episodes whose arrival was not recorded enter just before their ship.
-        for info in _episodes(steps[step] / "effective" / "traces.jsonl"):
+        for info in shipped[step]:
             if info.id not in added:
                 added.add(info.id)
                 yield {"type": "rollout", "rollout": info.rollout}
-        yield {"type": "ship", "step": step, "ids": shipped[step]}
+        yield {"type": "ship", "step": step, "ids": [info.id for info in shipped[step]]}
 
 
 def shipped_counts(run_dir: Path) -> dict[int, tuple[int, int]]:
