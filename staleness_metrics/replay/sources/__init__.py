@@ -135,30 +135,20 @@ def detect_and_read(
 def _event_dict(event: Event) -> EventDict:
     """A checked event back as its SPEC 9 dict."""
     if event.kind != "rollout":
-        return {
-            "type": event.kind,
-            "step": event.step,
-            **({"ids": list(event.ids)} if event.ids is not None else {}),
-        }
+        ids = {"ids": list(event.ids)} if event.ids is not None else {}
+        return {"type": event.kind, "step": event.step, **ids}
     if event.parsed is None:
         assert event.unparsed is not None
-        error = event.unparsed.error  # rebuilt as a record the checks refuse the same way
-        raise EventError(event.line, str(error))
-    rollout = dict(event.parsed.echo)
-    rollout["samples"] = [
-        {
-            "mask": sample.mask.tolist(),
-            **({"token_versions": sample.token_versions.tolist()} if sample.token_versions is not None else {}),
-            **({"logprobs": sample.logprobs.tolist()} if sample.logprobs is not None else {}),
-            **(
-                {"trainer_logprobs": [None if v != v else v for v in sample.trainer_logprobs.tolist()]}
-                if sample.trainer_logprobs is not None
-                else {}
-            ),
-        }
-        for sample in event.parsed.samples
-    ]
-    return {"type": "rollout", "rollout": rollout}
+        raise EventError(event.line, str(event.unparsed.error))
+    samples = []
+    for sample in event.parsed.samples:
+        record: dict[str, object] = {"mask": sample.mask.tolist()}
+        for name in ("token_versions", "logprobs", "trainer_logprobs"):
+            values = getattr(sample, name)
+            if values is not None:
+                record[name] = [None if v != v else v for v in values.tolist()]  # NaN -> null
+        samples.append(record)
+    return {"type": "rollout", "rollout": {**event.parsed.echo, "samples": samples}}
 
 
 def as_replay_events(events: Iterable[EventDict]) -> Iterator[Event]:
