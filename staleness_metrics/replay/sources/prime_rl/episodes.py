@@ -204,8 +204,8 @@ def _pair_fault(pair: object, count: int, previous: int | None) -> str | None:
 def _versions(rid: str, where: str, doc: object, count: int) -> npt.NDArray[np.int64] | None:
     spans, tokens = lazy.get(doc, "weight_versions"), lazy.get(doc, "token_versions")
     if spans is not None and tokens is not None:
-        reason = "both weight_versions and token_versions are given"
-        raise TraceError(rid, f"{where}.token_versions", reason)
+        both = "both weight_versions and token_versions are given"
+        raise TraceError(rid, f"{where}.token_versions", both)
     if tokens is not None:
         return _token_versions(rid, where, tokens, count)
     if spans is None:
@@ -216,9 +216,9 @@ def _versions(rid: str, where: str, doc: object, count: int) -> npt.NDArray[np.i
         raise TraceError(rid, f"{where}.weight_versions", "expected a list of [version, k] pairs")
     starts: list[int] = []
     for i, pair in enumerate(pairs):
-        reason = _pair_fault(pair, count, starts[-1] if starts else None)
-        if reason is not None:
-            raise TraceError(rid, f"{where}.weight_versions[{i}]", reason)
+        fault = _pair_fault(pair, count, starts[-1] if starts else None)
+        if fault is not None:
+            raise TraceError(rid, f"{where}.weight_versions[{i}]", fault)
         starts.append(pair[1])
     for (version, start), stop in zip(pairs, [*starts[1:], count], strict=True):
         out[start:stop] = version

@@ -22,7 +22,6 @@ except ImportError:  # no wheel for this Python: orjson reads every line
     simdjson = None  # type: ignore[assignment]
 
 __all__ = [
-    "AVAILABLE",
     "DecodeError",
     "Parser",
     "as_bools",
@@ -35,8 +34,6 @@ __all__ = [
     "length",
     "to_python",
 ]
-
-AVAILABLE = simdjson is not None
 
 
 class DecodeError(ValueError):
