@@ -28,13 +28,6 @@ _VERSION_FIELDS = (
 )
 
 
-def _parts(data: Any) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-    if isinstance(data, tuple):
-        tensors, extras = data
-        return tensors, extras
-    return data.batch, data.non_tensor_batch
-
-
 def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.NDArray[np.int64]:
     """A per-trajectory version field as int64; a ``None`` (a rollout server that never got
     ``set_global_steps``) is a ``TraceError`` naming the row."""
@@ -72,7 +65,7 @@ def from_verl(
 ) -> RolloutBatch:
     """One rollout per trajectory of a ``DataProto`` (or a ``(tensors, non_tensors)`` pair);
     ``ids`` default to :func:`verl_row_ids` of ``uid``, ``env_key`` names the env field."""
-    tensors, extras = _parts(data)
+    tensors, extras = data if isinstance(data, tuple) else (data.batch, data.non_tensor_batch)
     if "response_mask" in tensors:
         mask = np.asarray(tensors["response_mask"])
     elif "responses" in tensors and "attention_mask" in tensors:

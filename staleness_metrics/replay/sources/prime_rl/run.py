@@ -203,7 +203,7 @@ class PrimeRlRead:
         index.see(where, episode.id)
         events = []
         for trace in episode.traces:
-            streams = self._streams(self._feeds, trace.id)
+            streams = self._streams(trace.id)
             facts = self._updates.traces.pop(trace.id, None)
             arrival = self._arrival(episode, trace, facts, doc)
             if arrival is None:
@@ -220,10 +220,10 @@ class PrimeRlRead:
                 self._ships.setdefault(shipped, []).extend([trace.id] if event.parsed is not None else [])
         return events
 
-    def _streams(self, feeds: dict[str, StreamFeed], trace_id: str) -> dict[int, list[Stream]]:
+    def _streams(self, trace_id: str) -> dict[int, list[Stream]]:
         merged: dict[int, list[Stream]] = {}
-        for producer in sorted(feeds):  # producers in name order, each in write order
-            for branch, streams in feeds[producer].pull(trace_id).items():
+        for producer in sorted(self._feeds):  # producers in name order, each in write order
+            for branch, streams in self._feeds[producer].pull(trace_id).items():
                 merged.setdefault(branch, []).extend(streams)
         return merged
 
