@@ -177,7 +177,7 @@ def packed_staleness_lag(row: Any) -> npt.NDArray[np.int64]:
 # Codes of a loss term in a micro-batch's decision (a value >= 0 is a kept term's lag).
 _PADDING = -1  # no loss term there (TRL pads token_index with -1)
 _VOID = -2  # a term of a dropped sample, or a masked position of a kept one
-# the one term a row keeps, at advantage 0, when it lost every other (see _decide)
+# the one term a row keeps, at advantage 0, when it lost every other (see _MicroBatch.decide)
 _PLACEHOLDER = -3
 
 
