@@ -1,34 +1,10 @@
-"""AReaL rollout batches (padded tensors with per-token ``versions``) as a :class:`RolloutBatch`.
+"""AReaL's padded rollout batches (``loss_mask``, per-token ``versions``) as a
+:class:`RolloutBatch` and back.
 
-Built from AReaL's own source, with no import of it:
-
-- ``inclusionAI/AReaL`` @ ``072480e26a1dc2ac1692164e504315d7e508478b``, ``areal/workflow/rlvr.py``
-  (``RLVRWorkflow.arun_episode``): each sequence is ``input_ids`` = prompt + output, ``loss_mask`` =
-  ``[0] * prompt + [1] * output``, ``logprobs`` = ``[0.0] * prompt + output_logprobs``, ``versions``
-  = ``[-1] * prompt + output_versions`` (the engine version that sampled each output token),
-  ``attention_mask`` all ones, ``rewards`` one per sequence; one dict per sample, each ``[1, n]``.
-- ``inclusionAI/AReaL`` @ ``7da889ab7532e1a42dff35ee9362385ddde1c38f``, ``areal/utils/data.py``
-  (``concat_padded_tensors``): the samples are right-padded to the longest ``attention_mask``, with
-  0 in ``attention_mask`` and ``pad_value`` (0) in every other key, ``versions`` included.
-
-So a padded AReaL batch is ``[B, L]`` rows; the attention mask says which positions hold tokens (a
-padded ``versions`` 0 is not a label), prompt positions are unlabelled (``-1``) and never sampled
-(``loss_mask`` 0). Each row is one rollout. Its dispatch version is the oldest version among its
-labels (a partial rollout keeps its first tokens' versions), unless given.
-
-What ``rollout_batch`` / ``prepare_batch`` return (``inclusionAI/AReaL`` release 1.0.4,
-``areal/infra/workflow_executor.py`` ``rollout_batch`` / ``prepare_batch``) is a
-``list[dict]``, one dict per prompt group shaped ``[G, L_g]``
-(``GroupedRolloutWorkflow`` in ``areal/infra/remote_inf_engine.py`` concatenates the
-group's ``[1, n]`` dicts with ``concat_padded_tensors``); ``concat_batch``
-(``areal/utils/data.py``) makes one padded dict of them.
-
-:func:`ship` is the one call (SPEC 15): in ``PPOTrainer.train``
-(``areal/trainer/rl_trainer.py``), right after ``rollout_batch = self.actor.prepare_batch(...)``
-and before the critic, reference, ``compute_logp`` and ``compute_advantages``, with
-``version=global_step``: AReaL's version during global step ``g`` is ``g``
-(``new_version = global_step + 1`` is set after the update), not its epoch step ``step``. The
-lower-level :func:`from_areal` and :func:`areal_loss_mask` stay for one padded dict.
+One row is one rollout; ``attention_mask`` says which positions hold tokens (a padded ``versions``
+0 is no label), prompt positions are unlabelled (``-1``) and never sampled. :func:`ship` takes
+what ``prepare_batch`` returns (``list[dict]``, one ``[G, L_g]`` dict per prompt group) or one
+``concat_batch`` dict. Read from AReaL's source with no import of it (``docs/trainers/areal.md``).
 """
 
 from __future__ import annotations
@@ -62,13 +38,8 @@ def from_areal(
     envs: Sequence[str | None] | None = None,
     dispatch_version: Any = None,
 ) -> RolloutBatch:
-    """One rollout per row of an AReaL batch (``loss_mask``, ``versions``,
-    ``attention_mask``, ``logprobs``).
-
-    Tensors may be numpy arrays or CPU torch tensors (read through
-    ``numpy.asarray``, so a contiguous ``loss_mask`` is masked in place). ``ids``
-    name the rows (AReaL's batches carry no id).
-    """
+    """One rollout per row of one padded AReaL dict (numpy arrays or CPU tensors; a contiguous
+    ``loss_mask`` is masked in place); ``ids`` name the rows (AReaL's carry no id)."""
     for key in ("loss_mask", "versions"):
         if key not in batch:
             raise MissingFieldError(key, f"missing from the AReaL batch (present: {sorted(batch)})")
@@ -85,8 +56,7 @@ def from_areal(
 
 
 def areal_loss_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.generic]:
-    """The ``[B, L]`` ``loss_mask`` after ``shipment``: masked positions and
-    rows not shipped are 0."""
+    """The ``[B, L]`` ``loss_mask`` after ``shipment`` (0 on masked and unshipped rows)."""
     return padded_shipment(shipment, batch).mask
 
 
@@ -103,6 +73,9 @@ NAMES = TrainerNames(
         "logprobs": "logprobs[{row}]",
     },
 )
+
+
+_READ = ("versions", "attention_mask", "logprobs")
 
 
 def _read_group(
@@ -129,24 +102,16 @@ def _read_group(
         if sum(sizes) != rows or any(n < 1 for n in sizes):
             raise FieldError("group_sizes", f"{sizes} do not add up to the batch's {rows} rows")
         group_ids = [f"{prefix}/g{g}" for g, n in enumerate(sizes) for _ in range(n)]
-    attention, logprobs = data.get("attention_mask"), data.get("logprobs")
+    arrays = {k: TrainerArray(v).array for k, v in data.items() if k in _READ and v is not None}
     try:
-        rollouts = from_padded(
-            ids,
-            mask.array,
-            token_versions=TrainerArray(data["versions"]).array,
-            attention_mask=None if attention is None else TrainerArray(attention).array,
-            logprobs=None if logprobs is None else TrainerArray(logprobs).array,
-            group_ids=group_ids,
-        )
+        rollouts = from_areal({**arrays, "loss_mask": mask.array}, ids, group_ids=group_ids)
     except TraceError as error:
-        raise NAMES.trace_error(error, ids.index(error.rollout_id) if error.rollout_id in ids else None) from None
+        raise NAMES.trace_error(error, ids) from None
     return rollouts, data, lambda: mask.write_back(rollouts.mask)
 
 
 def _take_rows(value: Any, rows: npt.NDArray[np.int64], total: int) -> Any:
-    """``value`` restricted to ``rows`` when it is per row (a tensor, array or
-    list of ``total`` rows)."""
+    """``value`` restricted to ``rows`` when it is per row (of ``total`` rows)."""
     shape = getattr(value, "shape", None)
     if shape is not None and len(shape) >= 1 and int(shape[0]) == total:
         if isinstance(value, np.ndarray):
@@ -176,22 +141,14 @@ def ship(
     version: int,
     group_sizes: Sequence[int] | None = None,
 ) -> AReaLBatch:
-    """Ship an AReaL batch at its trained ``version`` (``global_step``) and give
-    back the batch to train.
-
-    ``batch`` is what ``prepare_batch`` / ``rollout_batch`` return (``list[dict]``, one ``[G, L_g]``
-    dict per prompt group) or one padded dict (``concat_batch``; ``group_sizes`` are its
-    ``traj_group_sizes``, else each row is its own group). The rollouts are added and shipped at
-    step ``version + 1`` in one ship; the masked ``loss_mask`` lands in AReaL's own tensors; rows
-    dropped for staleness are left out (a ``list`` loses the groups left empty; a dict is filtered
-    in place and keeps its keys); every kept dict gets ``staleness_lag`` (int64 ``[G, L]``, the SPEC
-    11 lag of each sampled position, -1 elsewhere). Only ``xtuner`` with ``retry_expired`` holds
-    rows back, until re-rollouts of their group arrive; AReaL re-rolls nothing, so that
-    configuration is refused (``ConfigError``) rather than holding rows for ever.
+    """Ship an AReaL batch at ``version`` (``global_step``) in one ship and give back the batch
+    to train: the masking in AReaL's own ``loss_mask``, dropped rows left out (a ``list`` loses
+    the groups left empty, a dict is filtered in place), ``staleness_lag`` (int64 ``[G, L]``) in
+    every kept dict. ``group_sizes``: a ``concat_batch`` dict's ``traj_group_sizes`` (else each row
+    is its own group). ``xtuner`` with ``retry_expired`` is refused: AReaL re-rolls nothing.
     """
     if monitor.config.policy == "xtuner" and monitor.config.retry_expired:
-        # Held rows wait for re-rollouts of their group; AReaL re-rolls nothing and its batches
-        # carry no group id that a later batch could name, so they would wait for ever.
+        # held rows would wait for ever for re-rollouts of their group
         raise ConfigError("retry_expired: AReaL does not re-roll expired rollouts; use retry_expired=False with AReaL")
     single = isinstance(batch, dict)
     given: list[Any] = [batch] if single else list(batch)
@@ -200,9 +157,6 @@ def ship(
     if not single:
         return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]
     assert isinstance(batch, dict)
-    if result.parts:
-        batch.update(_rows_of(result.parts[0]))
-    else:  # no row left: the dict keeps its keys, with 0 rows
-        empty = ShippedPart(batch, parts[0][0], np.zeros(0, dtype=np.int64), (), ())
-        batch.update(_rows_of(empty))
+    nothing = ShippedPart(batch, parts[0][0], np.zeros(0, dtype=np.int64), (), ())  # keys, 0 rows
+    batch.update(_rows_of(result.parts[0] if result.parts else nothing))
     return batch  # type: ignore[return-value]

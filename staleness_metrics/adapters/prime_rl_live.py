@@ -1,32 +1,12 @@
-"""prime-rl's ``TrainingSample`` lists, live in its orchestrator, as a
-:class:`RolloutBatch` and back.
+"""prime-rl's ``TrainingSample`` lists, live in its orchestrator, as a :class:`RolloutBatch` and
+back.
 
-Built from prime-rl's own source, with no import of it:
-
-- ``src/prime_rl/transport/types.py`` as of ``Stars1233/prime-rl`` @
-  ``289562d2ec28e9ff2fdd6625aaed2964cf5a7679`` (a mirror of ``PrimeIntellect-ai/prime-rl``): a
-  ``TrainingSample`` is one branch of a rollout as a flat sequence: ``token_ids``, ``mask``
-  (trainable, model-sampled positions), ``logprobs``, ``temperatures``, ``env_name``, and the
-  optional per-token ``rl_weights`` / ``ce_weights`` / ``ref_kl_weights`` (``None`` = absent: rl
-  weight 1.0 on the mask, no ce / ref-KL component), all of the length of ``token_ids``.
-- ``PrimeIntellect-ai/prime-rl`` @ ``31398ee1fb0d443d132780588a2d3b5dc63a38ea``,
-  ``src/prime_rl/orchestrator/train_sink.py`` (``TrainSink``): ``process_rollout`` tokenises
-  each arriving rollout into its samples (``raw["_samples"]``) and records
-  ``raw["_policy_version"]``; ``process_batch`` pops a cohort and assembles the trainer-bound
-  sample list. The episode's policy span is ``policy.start`` / ``policy.end`` of its record
-  (``run.work.policy``; see :mod:`.prime_rl`).
-
-Mapping: a rollout (trace) is one SPEC 3 rollout and each of its ``TrainingSample`` s one
-sample; the dispatch version is ``policy.start`` and the completion version ``policy.end``; a
-rollout without a policy (a frozen-model episode) is ``frozen``. Samples carry no per-token
-version, so every sampled position is unlabelled and takes ``policy.start`` (prime-rl's own rule
-for engines without labels).
-
-Where to call it in prime-rl's orchestrator: ``monitor.add(from_training_samples(...))`` at the end
-of ``TrainSink.process_rollout`` (or per group in ``process_group``, which knows the group), and in
-``process_batch``, before the sample list is built, ``shipment = monitor.ship(step)`` then
-``samples = shipped_samples(shipment, batch, samples)``: the masked arrays are written back into the
-samples and the dropped ones left out.
+A rollout (trace) is one SPEC 3 rollout, each of its ``TrainingSample`` s (``mask``,
+``logprobs``, the optional ``rl_weights`` / ``ce_weights`` / ``ref_kl_weights``) one sample; the
+dispatch version is the episode's ``policy.start``, the completion version ``policy.end``, no
+policy is ``frozen``. Samples carry no per-token version, so every sampled position takes
+``policy.start``. Read from prime-rl's ``transport/types.py`` and ``orchestrator/train_sink.py``
+with no import of them (``docs/trainers/prime-rl.md``).
 """
 
 from __future__ import annotations
@@ -73,12 +53,9 @@ def from_training_samples(
     *,
     group_ids: Mapping[str, str] | None = None,
 ) -> RolloutBatch:
-    """The rollouts of ``samples`` (``TrainingSample`` objects or dicts with the same fields).
-
-    ``rollout_ids[i]`` is the rollout (trace) of ``samples[i]``; the samples of one rollout must be
-    adjacent, in branch order. ``policy`` maps each rollout id to its
-    ``(policy.start, policy.end)``.
-    """
+    """The rollouts of ``samples`` (``TrainingSample`` objects or dicts): ``rollout_ids[i]`` is the
+    rollout of ``samples[i]`` (a rollout's samples adjacent, in branch order), ``policy`` maps each
+    rollout id to its ``(policy.start, policy.end)``."""
     if len(rollout_ids) != len(samples):
         raise FieldError("rollout_ids", f"{len(rollout_ids)} ids for {len(samples)} samples")
     ids: list[str] = []
@@ -102,8 +79,7 @@ def from_training_samples(
         values = [_get(s, name) for s in samples]
         have = np.array([v is not None for v in values], dtype=bool)
         if have.any():
-            # An absent array is filled with what absence means (rl 1.0, the
-            # others 0) and marked absent.
+            # an absent array is filled with what absence means (rl 1.0, the others 0)
             fill = 1.0 if name == "rl_weights" else 0.0
             parts = [
                 np.asarray(v, dtype=np.float64) if v is not None else np.full(n, fill, np.float64)
@@ -135,9 +111,8 @@ def from_training_samples(
 
 
 def shipped_samples(shipment: Shipment, batch: RolloutBatch, samples: Sequence[Any]) -> list[Any]:
-    """The samples of ``batch`` that ``shipment`` shipped, in ship order, with the masked ``mask``
-    and weights written back into them (``samples`` is the list given to
-    :func:`from_training_samples`)."""
+    """The samples of ``batch`` that ``shipment`` shipped, in ship order, the masked ``mask`` and
+    weights written back into them (``samples`` as given to :func:`from_training_samples`)."""
     out: list[Any] = []
     for rollout in shipment.rollouts:
         if rollout.batch is not batch:
@@ -149,8 +124,7 @@ def shipped_samples(shipment: Shipment, batch: RolloutBatch, samples: Sequence[A
 
 
 def _written_back(samples: Sequence[Any], batch: RolloutBatch, index: int) -> Any:
-    """Sample ``index`` of ``samples`` with the masked ``mask`` and weights of
-    ``batch`` written into it."""
+    """Sample ``index`` of ``samples``, the masked ``mask`` and weights of ``batch`` written in."""
     lo, hi = int(batch.position_offsets[index]), int(batch.position_offsets[index + 1])
     sample = samples[index]
     _set(sample, "mask", (batch.mask[lo:hi] != 0).tolist())
@@ -180,17 +154,16 @@ _NAMES = TrainerNames(
 
 
 def policy_span(policy: Any) -> PolicySpan:
-    """``(start, end)`` of an episode's policy (``train_work(episode).policy``: an object or a dict
-    with ``start`` / ``end``); ``None`` (a frozen-model episode) gives ``(None, None)``."""
+    """``(start, end)`` of an episode's policy (an object or a dict); ``None`` (frozen) gives
+    ``(None, None)``."""
     if policy is None:
         return (None, None)
     return (_get(policy, "start"), _get(policy, "end"))
 
 
 class ShippedSamples(list[Any]):
-    """The shipped ``TrainingSample`` objects (a plain list of them), plus what a msgspec struct
-    cannot carry: ``staleness_lag`` (one int64 array per sample, SPEC 11's lag of each position, -1
-    where not sampled) and the ``shipment`` (metrics, drops, holds)."""
+    """The shipped ``TrainingSample`` objects, plus what a msgspec struct cannot carry:
+    ``staleness_lag`` (one SPEC 11 lag array per sample) and the ``shipment``."""
 
     staleness_lag: list[npt.NDArray[np.int64]]
     shipment: Shipment
@@ -205,14 +178,10 @@ def ship(
     policy: Mapping[str, PolicySpan],
     group_ids: Mapping[str, str] | None = None,
 ) -> ShippedSamples:
-    """SPEC 15's one call for prime-rl: add the samples of a batch, ship them for
-    ``version``, return the samples to pack, with the masked ``mask`` and weights written
-    into them and the dropped ones left out.
-
-    ``version`` is ``progress.step - 1``: prime-rl's ``progress.step`` is SPEC's step (batch
-    ``step`` trains policy ``v{step-1}``). ``rollout_ids`` / ``policy`` / ``group_ids`` as in
-    :func:`from_training_samples`. Samples held back by an earlier call come back, first, from
-    the call that ships them.
+    """SPEC 15's one call for prime-rl: add and ship a batch's samples at ``version``
+    (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out
+    (held ones come back, first, from the call that ships them). The other arguments as in
+    :func:`from_training_samples`.
     """
     batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids)
     result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)

@@ -1,43 +1,15 @@
 """A prime-rl monitor that feeds a :class:`~staleness_metrics.StalenessMonitor`: the live numbers of
-a run, with one line in prime-rl's orchestrator and nothing else changed.
+a run, with one line in prime-rl's orchestrator (``docs/trainers/prime-rl.md``)::
 
-prime-rl (from its PR #3444 on) hands every registered monitor what its file monitor writes
-(``prime_rl/monitors/base.py``): ``log(data, step, kind, subset)`` with a metrics dict or episodes,
-``log_episodes(episodes, step, kind, subset)`` (``subset="all"``: every episode as it arrives;
-``"effective"``: the cohort shipped at ``step``), ``log_annotations(updates)`` (trace updates: the
-orchestrator's ship updates, the trainer's ``trainer_logprobs``), ``log_metrics``, ``log_live``,
-``log_eval_plan``, ``log_eval_epoch``, ``init`` and ``finalize``. :class:`PrimeRlMonitor` has them
-all, duck typed: its methods do their work at once and return an awaitable, so prime-rl's
-``await monitor.log(...)`` and an older synchronous call both work. Nothing of prime-rl or verifiers
-is imported: an episode is read through ``to_record()`` (verifiers' own serialisation, rounded as
-the file monitor rounds it), else ``model_dump(mode="json", exclude_none=True)``, else as a dict.
+    monitors.MONITORS.append(PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=8))))
 
-In the orchestrator, after ``await monitors.setup(...)``::
-
-    monitors.MONITORS.append(PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=8), [PrometheusExporter()])))
-
-What it does is the replay's reading of a recorded run (SPEC 9,
-:mod:`staleness_metrics.replay.sources.prime_rl`), through the same conversion of an episode record
-(``episode_head`` / ``trace_rollout``), so the live numbers equal a replay of the same run:
-
-- ``subset="all"``, ``kind="train"``: a trace of an episode that did not error and that is stale at
-  its arrival step under the bound (``(A - 1) - policy.start > max_staleness``) is added at once:
-  the sink drops and counts it at the next sweep, as the replay does;
-- ``subset="effective"``, ``kind="train"`` at step ``N``: the shipped traces not added yet are
-  added, then ``ship(N, ids)``; the shipment is kept in :attr:`PrimeRlMonitor.shipments`;
-- ``log_annotations``: the trainer's updates (``trainer_logprobs`` per branch) of shipped traces
-  become SPEC 11's sums of their ship step, recorded once the trainer's flush of that step arrives
-  (one call per trainer step, as prime-rl's ``AnnotationWriter.flush`` makes it):
-  ``monitor.record_mismatch``. In prime-rl the trainer's updates go to the trainer's own monitors,
-  another process: register a second :class:`PrimeRlMonitor` there only if it sees the episodes too,
-  else read the cost after the fact (``staleness-metrics report RUN``). Updates without
-  ``trainer_logprobs`` (the orchestrator's) are ignored.
-- Eval episodes, metrics rows, live deltas and eval plans are ignored.
-
-The one case where live and replay differ: a trace that arrives fresh, waits in prime-rl's
-buffer and becomes stale under this bound before it ships (possible only when
-``max_staleness`` is below prime-rl's own bound): the replay drops it at the first ship it is
-stale at, live at the ship that names it.
+prime-rl (PR #3444 on) hands every monitor what its file monitor writes. Episodes are read as
+the replay reads a recorded run (:mod:`staleness_metrics.replay.sources.prime_rl`), so the live
+numbers equal a replay of the same run: a train trace stale at its arrival step enters at once
+(``subset="all"``), the shipped cohort enters and ships at ``step`` (``subset="effective"``), and
+the trainer's ``trainer_logprobs`` updates (``log_annotations``) become SPEC 11's sums of their
+ship step. Eval episodes, metrics rows, live deltas and eval plans are ignored. The methods work
+at once and return an awaitable, so ``await monitor.log(...)`` and a synchronous call both work.
 """
 
 from __future__ import annotations
@@ -61,6 +33,7 @@ from ..replay.sources.prime_rl.episodes import (
     episode_head,
     trace_rollout,
 )
+from ._ship import rollout_lags
 
 __all__ = ["PrimeRlMonitor", "episode_record"]
 
@@ -69,7 +42,7 @@ KEEP_STEPS = 16
 
 
 class _Done:
-    """An already finished awaitable: ``await`` it or drop it."""
+    """An already finished awaitable."""
 
     def __await__(self) -> Iterator[None]:
         return iter(())
@@ -79,8 +52,8 @@ _DONE = _Done()
 
 
 def episode_record(episode: Any, float_decimals: int | None = 4) -> Mapping[str, Any]:
-    """An episode as its JSON record: verifiers' ``to_record(float_decimals=...)``, a pydantic
-    model's ``model_dump``, or the mapping itself."""
+    """An episode as its JSON record: verifiers' ``to_record``, a pydantic ``model_dump``, or the
+    mapping itself."""
     to_record = getattr(episode, "to_record", None)
     if callable(to_record):
         record = to_record(float_decimals=float_decimals)
@@ -98,11 +71,9 @@ def episode_record(episode: Any, float_decimals: int | None = 4) -> Mapping[str,
 
 @dataclass
 class _Shipped:
-    """A shipped trace, kept for the trainer's updates: its record and, per kept sample,
-    lags and masked flags."""
+    """A shipped trace kept for the trainer's updates: per kept sample, lags and masked flags."""
 
     step: int
-    env: str | None
     episode: EpisodeHead
     trace: TraceHead
     samples: tuple[int, ...]
@@ -112,11 +83,8 @@ class _Shipped:
 
 
 class PrimeRlMonitor:
-    """prime-rl's monitor interface over a :class:`StalenessMonitor` (see the module docs).
-
-    ``float_decimals`` is the rounding of the records (prime-rl's ``monitors.file.float_decimals``,
-    4 by default), so the sampler's log-probabilities are those a replay of the written run reads.
-    """
+    """prime-rl's monitor interface over a :class:`StalenessMonitor` (see the module docs);
+    ``float_decimals``: prime-rl's ``monitors.file.float_decimals``, as a replay reads it."""
 
     run_id: str | None = None  # prime-rl asks every monitor for an external run id
 
@@ -129,8 +97,10 @@ class PrimeRlMonitor:
         self._recorded: set[int] = set()  # steps whose trainer sums were recorded
 
     # ------------------------------------------------------------------ prime-rl's interface
-    def init(self, **kwargs: Any) -> _Done:
+    def _ignore(self, *args: Any, **kwargs: Any) -> _Done:
         return _DONE
+
+    init = log_metrics = log_live = log_eval_plan = log_eval_epoch = _ignore
 
     def log(self, data: Any, step: int | None, kind: str = "train", subset: str = "effective") -> _Done:
         if isinstance(data, Mapping):
@@ -139,9 +109,6 @@ class PrimeRlMonitor:
         if step is None:
             raise FieldError("step", "episodes are logged with the step of their batch")
         return self.log_episodes(episodes, step, kind, subset)
-
-    def log_metrics(self, metrics: Mapping[str, Any], step: int | None) -> _Done:
-        return _DONE
 
     def log_episodes(self, episodes: Sequence[Any], step: int, kind: str, subset: str) -> _Done:
         if kind != "train":
@@ -171,15 +138,6 @@ class PrimeRlMonitor:
             steps.add(shipped.step)
         for step in sorted(steps - self._recorded):
             self._record(step)
-        return _DONE
-
-    def log_live(self, events: Sequence[Mapping[str, Any]]) -> _Done:
-        return _DONE
-
-    def log_eval_plan(self, *args: Any, **kwargs: Any) -> _Done:
-        return _DONE
-
-    def log_eval_epoch(self, *args: Any, **kwargs: Any) -> _Done:
         return _DONE
 
     def finalize(self) -> _Done:
@@ -234,26 +192,19 @@ class PrimeRlMonitor:
 
     def _keep(self, shipment: Shipment, heads: Mapping[str, tuple[EpisodeHead, TraceHead]]) -> None:
         """Per shipped live trace, the lag and masked flag of every position of its kept samples."""
-        lags, offsets = shipment.lags, shipment.lag_offsets
-        sample = 0
-        for rollout in shipment.rollouts:
+        for rollout, lags in rollout_lags(shipment):
             record = rollout.record(arrays=True)
-            count = len(rollout.samples)
-            spans = [(int(offsets[sample + k]), int(offsets[sample + k + 1])) for k in range(count)]
-            sample += count
             if rollout.id not in heads or record.get("source") == "frozen":
                 continue
             head, trace = heads[rollout.id]
-            lag = [lags[lo:hi] for lo, hi in spans]
-            masked = [(lg >= 0) & (np.asarray(s["mask"]) == 0) for lg, s in zip(lag, record["samples"])]
-            self._shipped[rollout.id] = _Shipped(shipment.step, head.env, head, trace, rollout.samples, lag, masked)
+            masked = [(lag >= 0) & (np.asarray(s["mask"]) == 0) for lag, s in zip(lags, record["samples"])]
+            self._shipped[rollout.id] = _Shipped(shipment.step, head, trace, rollout.samples, lags, masked)
         oldest = shipment.step - KEEP_STEPS
         for trace_id in [t for t, s in self._shipped.items() if s.step < oldest]:
             del self._shipped[trace_id]
 
     def _record(self, step: int) -> None:
-        """SPEC 11's sums of ``step``: every shipped live trace of it, covered where the
-        trainer's streams are."""
+        """SPEC 11's sums of ``step``, over its shipped live traces."""
         by_env: dict[str | None, MismatchSums] = {}
         for shipped in [s for s in self._shipped.values() if s.step == step]:
             rollout, _ = trace_rollout(shipped.episode, shipped.trace, shipped.updates)
@@ -265,7 +216,7 @@ class PrimeRlMonitor:
                 sampler = sample.logprobs if sample.logprobs is not None else np.full(n, np.nan)
                 trainer = sample.trainer_logprobs if sample.trainer_logprobs is not None else np.full(n, np.nan)
                 sums = mismatch_sums(lag, sampler, trainer, masked, band=self.monitor.config.mismatch_band)
-                key = shipped.env if self.monitor.config.env_breakdown else None
+                key = shipped.episode.env if self.monitor.config.env_breakdown else None
                 by_env[key] = by_env.get(key, MismatchSums.zero()) + sums
         self._recorded.add(step)
         for env, sums in by_env.items():

@@ -1,37 +1,13 @@
-"""TRL's asynchronous GRPO (``trl.experimental.async_grpo``): its rollout samples,
-shipped as it trains them.
+"""TRL's asynchronous GRPO (``trl.experimental.async_grpo``): its rollout samples, shipped as it
+trains them.
 
-Built from TRL's own source (release 1.16.0), with no import of it:
-
-- ``trl/experimental/async_grpo/async_rollout_worker.py``: a ``RolloutSample`` (a slotted dataclass)
-  is one training row of one conversation: ``input_ids``, ``completion_mask`` (1 on the tokens the
-  loss is taken over), ``old_log_probs`` (the generator's log-probability of each token, aligned
-  with ``input_ids``), ``advantage``, ``group_id`` (the prompt group) and ``model_version``: the
-  worker's policy version when the group was dispatched. A sample carries no per-token version.
-- ``trl/experimental/async_grpo/async_grpo_trainer.py``: the worker fills ``rollout_queue``;
-  ``RolloutQueueDataset.__iter__`` takes one sample at a time, drops it when
-  ``version - sample.model_version > max_staleness`` (``version`` = the trainer's
-  ``self.model_version``, bumped after every weight sync in ``_sync_weight_merged``: 0 before the
-  first, 1 after it), logs ``sample/staleness_mean`` / ``sample/staleness_max`` /
-  ``sample/dropped_stale_total``, and yields a dict without ``model_version``; the batchers fold the
-  dicts into ``packing.TreeRow`` prefix tries, and ``TreeRow.pack`` lays out one loss term per
-  trained token (``token_index``, ``old_log_probs``, ``segment_id``).
-
-The samples must be judged at the version that trains them, not when the dataset pulls them:
-accelerate's ``DataLoaderDispatcher`` pulls the next micro-batch before handing out the current one,
-across the weight sync that ends a step (``TokenBudgetBatcher`` pulls the sample that closes a
-micro-batch one micro-batch earlier still). So :func:`ship_at_train_time` ships in
-``training_step``, one ship per optimizer step (``get_batch_samples`` fetches a step's micro-batches
-together), and voids what the ship leaves out in the packed tensors of each micro-batch; it notes
-each sample's ``model_version`` at the rollout queue, where the sample still has it. :func:`ship` is
-the lower-level call on a list of samples. Mapping: each sample is one rollout with one sample
-(``dispatch_version`` = ``model_version``; every completion token is unlabelled and takes it),
-``group_id`` is its group.
-
-The SPEC 11 lag of every loss term is in each micro-batch's ``staleness_lag`` (padded like
-``token_index``), so ``inputs["staleness_lag"][selected]`` lines up with ``old_log_probs`` and the
-trainer's ``log_probs`` in ``compute_loss``; :func:`packed_staleness_lag` gives it for a ``TreeRow``
-of samples shipped with :func:`ship`.
+A ``RolloutSample`` is one rollout with one sample: ``completion_mask`` the SPEC 3 mask,
+``model_version`` (the worker's policy version at dispatch) the dispatch version of every
+completion token, ``group_id`` its group. :func:`ship_at_train_time` ships each optimizer step in
+``training_step`` (accelerate pulls a micro-batch ahead, across the weight sync that ends a
+step) and voids what the ship leaves out in each packed micro-batch; :func:`ship` is the
+lower-level call on a list of samples. Read from TRL 1.16.0's source with no import of it
+(``docs/trainers/trl.md``).
 """
 
 from __future__ import annotations
@@ -49,7 +25,7 @@ import numpy.typing as npt
 
 from ..errors import ConfigError, FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
-from ._ship import TrainerNames, new_tensor_like, ship_rows
+from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
@@ -63,10 +39,33 @@ __all__ = [
 ]
 
 
-# Lags of shipped samples, by the identity of their completion_mask array (RolloutSample has
-# __slots__ and RolloutQueueDataset passes that very array on; the weak reference keeps a
-# reused id from matching).
-_lags: dict[int, tuple[weakref.ref[Any], npt.NDArray[np.int64]]] = {}
+class _ByArray:
+    """Values kept by the identity of an array (unhashable, so no ``WeakKeyDictionary``): the
+    weak reference keeps a reused id from matching, and an entry leaves with its array."""
+
+    def __init__(self) -> None:
+        self._found: dict[int, tuple[weakref.ref[Any], Any]] = {}
+
+    def put(self, array: Any, value: Any) -> None:
+        key = id(array)
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            if self._found.get(key, (None,))[0] is ref:
+                del self._found[key]
+
+        self._found[key] = (weakref.ref(array, forget), value)
+
+    def get(self, array: Any, *, pop: bool = False) -> Any:
+        """The value of ``array``; ``KeyError`` when it has none."""
+        found = self._found.pop(id(array), None) if pop else self._found.get(id(array))
+        if found is None or found[0]() is not array:
+            raise KeyError(id(array))
+        return found[1]
+
+
+# Lags of shipped samples, by their completion_mask (RolloutSample has __slots__ and
+# RolloutQueueDataset passes that very array on).
+_lags = _ByArray()
 
 
 NAMES = TrainerNames(
@@ -123,46 +122,24 @@ def _read(samples: Sequence[Any]) -> RolloutBatch:
     )
 
 
-def _write_mask(sample: Any, values: npt.NDArray[Any]) -> None:
-    """The shipped mask into the sample's own ``completion_mask`` (same object, same dtype)."""
-    target = sample.completion_mask
-    if isinstance(target, np.ndarray):
-        target[...] = values
-    else:  # a tensor
-        target.copy_(new_tensor_like(target, values.astype(np.int64)).to(dtype=target.dtype))
-
-
-def _remember_lag(sample: Any, lag: npt.NDArray[np.int64]) -> None:
-    mask = sample.completion_mask
-    key = id(mask)
-    _lags[key] = (weakref.ref(mask, lambda _: _lags.pop(key, None)), lag)
-
-
 def staleness_lag_of(completion_mask: Any) -> npt.NDArray[np.int64]:
     """The SPEC 11 lag of each position of a shipped sample (or of the dict
-    ``RolloutQueueDataset`` made of it), found by its ``completion_mask``: ``T - model_version``
-    on completion tokens, -1 elsewhere."""
-    found = _lags.get(id(completion_mask))
-    if found is None or found[0]() is not completion_mask:
+    ``RolloutQueueDataset`` made of it), found by its ``completion_mask``."""
+    try:
+        lag: npt.NDArray[np.int64] = _lags.get(completion_mask)
+    except KeyError:
         raise MissingFieldError(
             "completion_mask",
             "this sample did not come through staleness_metrics.adapters.trl.ship",
-        )
-    return found[1]
+        ) from None
+    return lag
 
 
 def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> list[Any]:
-    """Ship TRL ``RolloutSample`` s at the trainer's ``version`` (its ``self.model_version``).
-
-    The samples are added and shipped at step ``version + 1``; the shipped mask is written into each
-    sample's own ``completion_mask``; the samples dropped for staleness (or held back) are left out,
-    and the returned list holds the same objects, in ship order, samples held by an earlier call
-    included once a ship takes them. Each returned sample's lag is kept for :func:`staleness_lag_of`
-    / :func:`packed_staleness_lag` (the slotted ``RolloutSample`` takes no new attribute).
-
-    This is the lower-level call, for samples not yet packed; in ``AsyncGRPOTrainer``
-    use :func:`ship_at_train_time`, which ships each optimizer step's samples at the
-    version that trains them.
+    """Ship TRL ``RolloutSample`` s at ``version`` (the trainer's ``self.model_version``): the
+    shipped mask lands in each sample's own ``completion_mask``, and the same objects come back in
+    ship order, the dropped (or held) ones left out; their lags are kept for
+    :func:`staleness_lag_of`. In ``AsyncGRPOTrainer``, use :func:`ship_at_train_time`.
     """
     return [sample for sample, _ in _shipped(monitor, samples, version)]
 
@@ -178,16 +155,16 @@ def _shipped(
         offsets = part.batch.position_offsets
         for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row
             sample = part.source[row]
-            _write_mask(sample, part.batch.mask[int(offsets[row]) : int(offsets[row + 1])])
-            _remember_lag(sample, lag)
+            shipped_mask = part.batch.mask[int(offsets[row]) : int(offsets[row + 1])]
+            TrainerArray(sample.completion_mask).write_back(shipped_mask)  # its own object and dtype
+            _lags.put(sample.completion_mask, lag)
             out.append((sample, lag))
     return out
 
 
 def packed_staleness_lag(row: Any) -> npt.NDArray[np.int64]:
-    """The lag of every loss term of a ``TreeRow`` (its ``samples`` are the dicts
-    ``RolloutQueueDataset`` yields), in ``TreeRow.pack``'s order: per sample, each position
-    ``p >= 1`` with ``completion_mask[p]``."""
+    """The lag of every loss term of a ``TreeRow`` of shipped samples, in ``TreeRow.pack``'s
+    order (per sample, each position ``p >= 1`` with ``completion_mask[p]``)."""
     parts = []
     for sample in row.samples:
         mask = sample["completion_mask"]
@@ -200,65 +177,33 @@ def packed_staleness_lag(row: Any) -> npt.NDArray[np.int64]:
 # Codes of a loss term in a micro-batch's decision (a value >= 0 is a kept term's lag).
 _PADDING = -1  # no loss term there (TRL pads token_index with -1)
 _VOID = -2  # a term of a dropped sample, or a masked position of a kept one
-# the one term a row keeps, at advantage 0, when it lost every other (see _decide)
+# the one term a row keeps, at advantage 0, when it lost every other (see _MicroBatch.decide)
 _PLACEHOLDER = -3
 
 
 @dataclass(frozen=True, slots=True)
 class _Pulled:
-    """One dict ``RolloutQueueDataset`` yielded, with the ``model_version`` the dict leaves
-    out (read from the sample at the rollout queue): the fields :func:`ship` reads, the very
-    arrays of the sample."""
+    """A dict ``RolloutQueueDataset`` yielded, with the ``model_version`` it leaves out."""
 
-    input_ids: Any
     completion_mask: Any
     old_log_probs: Any
     group_id: Any
     model_version: Any
 
 
-class _VersionsByMask:
-    """``model_version`` of each sample pulled from the rollout queue, by its
-    ``completion_mask`` array (the one object the dataset's dict shares with the sample); an
-    entry leaves with its array."""
-
-    def __init__(self) -> None:
-        self._by_mask: dict[int, tuple[weakref.ref[Any], Any]] = {}
-
-    def remember(self, sample: Any) -> None:
-        mask = getattr(sample, "completion_mask", None)
-        if mask is None:
-            return  # _read refuses the sample by name when it is shipped
-        key = id(mask)
-
-        def forget(ref: weakref.ref[Any]) -> None:
-            if self._by_mask.get(key, (None,))[0] is ref:
-                del self._by_mask[key]
-
-        self._by_mask[key] = (weakref.ref(mask, forget), getattr(sample, "model_version", None))
-
-    def take(self, mask: Any) -> Any:
-        found = self._by_mask.pop(id(mask), None)
-        if found is None or found[0]() is not mask:
-            raise RuntimeError(
-                "a sample reached TRL's collator without passing trainer.rollout_queue "
-                "as wrapped by ship_at_train_time: call ship_at_train_time(trainer, "
-                "monitor) before trainer.train()"
-            )
-        return found[1]
-
-
 class _RecordingQueue:
-    """``trainer.rollout_queue`` as ``RolloutQueueDataset`` reads it, noting
-    each sample's version."""
+    """``trainer.rollout_queue`` as ``RolloutQueueDataset`` reads it, noting each sample's
+    ``model_version`` by its ``completion_mask`` (the one object the dataset's dict keeps)."""
 
-    def __init__(self, rollout_queue: Any, versions: _VersionsByMask) -> None:
+    def __init__(self, rollout_queue: Any, versions: _ByArray) -> None:
         self.queue = rollout_queue
         self._versions = versions
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         sample = self.queue.get(block, timeout)
-        self._versions.remember(sample)
+        mask = getattr(sample, "completion_mask", None)
+        if mask is not None:  # else _read refuses the sample by name when it is shipped
+            self._versions.put(mask, getattr(sample, "model_version", None))
         return sample
 
     def get_nowait(self) -> Any:
@@ -270,9 +215,8 @@ class _RecordingQueue:
 
 @dataclass
 class _MicroBatch:
-    """What TRL's collator packed into one micro-batch: its samples, and per row (one per
-    process) the sample and the position of each loss term, in ``TreeRow.pack``'s order (the
-    order of ``token_index``)."""
+    """One collated micro-batch: its samples and, per row (one per process), the sample and
+    position of each loss term in ``token_index`` order."""
 
     samples: list[_Pulled]
     term_sample: list[npt.NDArray[np.int64]]
@@ -280,8 +224,8 @@ class _MicroBatch:
     width: int  # of token_index, padded across rows
 
     def decide(self, lag_of: dict[int, npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
-        """``[rows, width + 1]``: each loss term's code (its lag when kept), and in the last column
-        the number of kept terms of the whole micro-batch (TRL's ``global_n_tokens``)."""
+        """``[rows, width + 1]``: each loss term's code (its lag when kept); the last column, the
+        micro-batch's kept terms (TRL's ``global_n_tokens``)."""
         codes = np.full((len(self.term_sample), self.width + 1), _PADDING, dtype=np.int64)
         for r, (term_sample, term_position) in enumerate(zip(self.term_sample, self.term_position, strict=True)):
             row = np.full(len(term_sample), _VOID, dtype=np.int64)
@@ -301,11 +245,8 @@ class _MicroBatch:
 
 
 class TrainTimeShipping:
-    """Ships each optimizer step of TRL's ``AsyncGRPOTrainer`` at the version that trains it.
-
-    Made by :func:`ship_at_train_time`, which says what it wraps. ``versions`` lists the ``version``
-    of each ship, one per optimizer step, in order.
-    """
+    """Ships each optimizer step of TRL's ``AsyncGRPOTrainer`` at the version that trains it
+    (made by :func:`ship_at_train_time`); ``versions``: the ``version`` of each ship, in order."""
 
     def __init__(self, trainer: Any, monitor: StalenessMonitor) -> None:
         if getattr(trainer, "staleness_shipping", None) is not None:
@@ -322,7 +263,7 @@ class TrainTimeShipping:
         self.trainer = trainer
         self.monitor = monitor
         self.versions: list[int] = []
-        self._pulled = _VersionsByMask()
+        self._pulled = _ByArray()  # model_version by completion_mask
         self._ids = itertools.count()
         self._collated: dict[int, _MicroBatch] = {}  # by micro-batch id, until its step ships
         # micro-batch id -> the ids of its optimizer step
@@ -358,6 +299,16 @@ class TrainTimeShipping:
         trainer.training_step = step
         trainer.staleness_shipping = self
 
+    def _version(self, mask: Any) -> Any:
+        try:
+            return self._pulled.get(mask, pop=True)
+        except KeyError:
+            raise RuntimeError(
+                "a sample reached TRL's collator without passing trainer.rollout_queue "
+                "as wrapped by ship_at_train_time: call ship_at_train_time(trainer, "
+                "monitor) before trainer.train()"
+            ) from None
+
     def _collate(self, collator: Callable[[list[Any]], dict[str, Any]]) -> Callable[[list[Any]], dict[str, Any]]:
         def collate(examples: list[Any]) -> dict[str, Any]:
             batch = collator(examples)
@@ -370,15 +321,7 @@ class TrainTimeShipping:
                 positions = []
                 for item in row.samples:
                     mask = item["completion_mask"]
-                    samples.append(
-                        _Pulled(
-                            item["input_ids"],
-                            mask,
-                            item["old_log_probs"],
-                            item["group_id"],
-                            self._pulled.take(mask),
-                        )
-                    )
+                    samples.append(_Pulled(mask, item["old_log_probs"], item["group_id"], self._version(mask)))
                     # TreeRow.pack's loss terms
                     positions.append(np.flatnonzero(_numpy(mask)[1:] != 0) + 1)
                 counts = [len(p) for p in positions]
@@ -399,8 +342,7 @@ class TrainTimeShipping:
         return collate
 
     def before_loss(self, inputs: dict[str, Any]) -> None:
-        """Ship the step of this micro-batch if it has not shipped yet, then void its dropped and
-        masked loss terms and fill ``staleness_lag``, in the micro-batch's own tensors."""
+        """Ship this micro-batch's step if not shipped yet, then apply the decision to its tensors."""
         microbatch = _microbatch_id(inputs)
         accelerator = self.trainer.accelerator
         processes = int(accelerator.num_processes)
@@ -448,10 +390,9 @@ def _microbatch_id(inputs: dict[str, Any]) -> int:
 
 
 def _apply(inputs: dict[str, Any], codes: npt.NDArray[np.int64], kept_terms: int) -> None:
-    """One rank's rows of a decision into TRL's tensors: a voided term leaves ``token_index``
-    (so ``compute_loss``'s ``selected`` and everything taken through it skip it) with advantage
-    0, a position no kept term reads any more leaves ``shift_labels``, ``global_n_tokens``
-    counts the kept terms."""
+    """One rank's rows of a decision into TRL's tensors: a voided term leaves ``token_index`` (so
+    ``compute_loss`` skips it) at advantage 0, a position no kept term reads leaves
+    ``shift_labels``, ``global_n_tokens`` counts the kept terms."""
     index = inputs["token_index"]
     void = codes == _VOID
     positions = _numpy(index)
@@ -472,32 +413,13 @@ def ship_at_train_time(trainer: Any, monitor: StalenessMonitor) -> TrainTimeShip
     before it trains the step, and train only what the ship keeps. Call it once the trainer is
     built, before ``trainer.train()``.
 
-    It wraps four things of the trainer (its own attributes; nothing of TRL's classes changes):
-
-    - ``trainer.rollout_queue`` (rank 0), to note each sample's ``model_version``, which the dicts
-      ``RolloutQueueDataset`` yields leave out;
-    - the collator ``get_train_dataloader`` builds (``DataCollatorForRollout``): each
-      micro-batch gets an id (``staleness_microbatch``) and ``staleness_lag`` (-1 until it
-      ships, padded like ``token_index``);
-    - ``get_batch_samples``, which fetches the micro-batches of one optimizer step: they ship
-      together, so each step has one ship, at step ``model_version + 1``;
-    - ``training_step``: before the first loss of a step, rank 0 ships the step's samples at
-      ``trainer.model_version`` (the weights this step trains: the last weight sync happened at the
-      end of the step before). Then, in each micro-batch's own tensors, the loss terms of dropped
-      samples and of masked positions leave ``token_index`` (set to -1, so ``compute_loss``'s
-      ``selected`` skips them: no loss, no gradient, not in TRL's ratio/kl/entropy statistics) with
-      ``advantages`` 0, the positions no kept term reads leave ``shift_labels`` (-100),
-      ``global_n_tokens`` counts the kept terms (TRL's per-token normalisation), and
-      ``staleness_lag`` holds each kept term's lag.
-
-    A packed micro-batch cannot lose a sample: its tokens stay in the prefix trie (shared prefixes
-    are forwarded once for several samples) and are still forwarded, contributing nothing. A process
-    whose row loses every term keeps its first one with advantage 0, which adds exactly 0 to the
-    loss and the gradient (``compute_loss`` needs a term per row); that term counts in TRL's
-    ratio/kl statistics only. Advantages are TRL's rollout worker's, computed per group before the
-    sample was queued, so a dropped sample's reward stays in its group's baseline.
-
-    With several processes, only rank 0 collates and knows ``model_version`` (TRL bumps it there):
-    rank 0 ships and broadcasts the decision, every rank applies its own row.
+    It wraps the trainer's ``rollout_queue`` (to note each sample's ``model_version``), the
+    collator ``get_train_dataloader`` builds (a ``staleness_microbatch`` id and ``staleness_lag``
+    per micro-batch), ``get_batch_samples`` (a step's micro-batches ship together) and
+    ``training_step``: rank 0 ships the step and broadcasts the decision; in each micro-batch's
+    own tensors the terms of dropped samples and masked positions leave ``token_index`` with
+    ``advantages`` 0, ``shift_labels`` and ``global_n_tokens`` follow, and ``staleness_lag`` holds
+    each kept term's lag. What this cannot change (a packed row keeps its tokens): see
+    ``docs/trainers/trl.md``.
     """
     return TrainTimeShipping(trainer, monitor)

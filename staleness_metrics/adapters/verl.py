@@ -1,31 +1,9 @@
-"""verl async-trainer batches (``DataProto``) as a :class:`RolloutBatch`.
+"""verl's fully async batches (``DataProto``) as a :class:`RolloutBatch` and back.
 
-Built from verl's own source, with no import of it:
-
-- ``volcengine/verl`` @ ``0794432856e48e1c769b38899f6300ae9caa69ba``,
-  ``verl/experimental/fully_async_policy/detach_utils.py`` (``assemble_batch``): every trajectory of
-  a fully-async batch carries ``non_tensor_batch["param_version_start"]`` and
-  ``["param_version_end"]``, the parameter version when its generation started and when it ended (a
-  partial rollout resumed under newer weights has ``end > start``); ``uid`` is its prompt group.
-- ``volcengine/verl`` @ ``3d9df73353a546a98235b38653c2c163efb51420``,
-  ``verl/trainer/ppo/ray_trainer.py`` (``compute_response_mask``): ``responses`` and
-  ``response_mask`` are ``[B, Lr]``, ``attention_mask`` is ``[B, Lp + Lr]`` (prompt left-padded,
-  response right-padded), and the response's valid positions are ``attention_mask[:, -Lr:]``;
-  ``rollout_log_probs`` (sampler) and ``old_log_probs`` (the actor's, recomputed under the weights
-  being trained: SPEC 11's trainer log-probabilities) are ``[B, Lr]``.
-- verl's agent loops also stamp ``min_global_steps`` / ``max_global_steps`` per trajectory (same
-  meaning, other names); they are read when the ``param_version_*`` fields are absent.
-
-Mapping: one row = one rollout; ``dispatch_version`` = start, ``completion_version`` = end; the
-response mask is the SPEC 3 mask. verl records no per-token version, so every position is unlabelled
-and takes the start (SPEC 3's conservative rule) unless ``token_versions`` are passed; then
-``staleness/rollout/mean`` is verl's ``trajectory_staleness_worst`` (``T - start``) and verl's
-newest-token ``trajectory_staleness`` (``T - end``) is ``staleness/rollout/in_queue``
-(``Q = R - clamp(end - start, 0, R)``). With per-token versions it is ``staleness/rollout/newest``.
-
-Where to call it: :func:`ship` in ``FullyAsyncTrainer.fit_step`` right after ``_fit_generate``, with
-``version=self.current_param_version`` (checked on verl 0.9.1's own batches in ``tests/trainers``).
-The lower-level pair is :func:`from_verl` then ``monitor.ship`` and :func:`verl_response_mask`.
+One row is one rollout: ``dispatch_version`` = ``non_tensor_batch["param_version_start"]`` (else
+``min_global_steps``), ``completion_version`` = ``..._end`` (``max_global_steps``), the SPEC 3 mask
+= ``response_mask``, ``uid`` the group. Read from verl's source with no import of it (the fields
+and where they come from: ``docs/trainers/verl.md``).
 """
 
 from __future__ import annotations
@@ -40,7 +18,7 @@ from ..engine.shipment import Shipment, padded_shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
 from ..records.padded import from_padded
-from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
+from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 __all__ = ["from_verl", "ship", "verl_response_mask", "verl_row_ids"]
 
@@ -50,18 +28,9 @@ _VERSION_FIELDS = (
 )
 
 
-def _parts(data: Any) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-    if isinstance(data, tuple):
-        tensors, extras = data
-        return tensors, extras
-    return data.batch, data.non_tensor_batch
-
-
 def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.NDArray[np.int64]:
-    """A per-trajectory version field as int64; a ``None`` (a rollout server that never
-    got ``set_global_steps``: ``vllm_async_server.py`` starts ``global_steps`` as
-    ``None``, and ``_postprocess`` always adds the key) is a ``TraceError`` naming the
-    row, not numpy's bare ``TypeError``."""
+    """A per-trajectory version field as int64; a ``None`` (a rollout server that never got
+    ``set_global_steps``) is a ``TraceError`` naming the row."""
     values = extras[name]
     if len(values) != len(ids):
         raise FieldError(f"non_tensor_batch[{name!r}]", f"verl batch: {len(values)} rows for {len(ids)} ids")
@@ -94,14 +63,9 @@ def from_verl(
     token_versions: Any = None,
     env_key: str = "data_source",
 ) -> RolloutBatch:
-    """One rollout per trajectory of a verl batch: ``data`` is a ``DataProto`` (anything with
-    ``batch`` and ``non_tensor_batch``) or a ``(tensors, non_tensors)`` pair of mappings.
-
-    Reads ``response_mask`` (else ``attention_mask[:, -Lr:]``), ``responses`` / ``attention_mask``
-    for the valid region, ``rollout_log_probs``, the version fields, ``uid`` (group) and ``env_key``
-    (env). ``ids`` default to :func:`verl_row_ids` of ``uid``.
-    """
-    tensors, extras = _parts(data)
+    """One rollout per trajectory of a ``DataProto`` (or a ``(tensors, non_tensors)`` pair);
+    ``ids`` default to :func:`verl_row_ids` of ``uid``, ``env_key`` names the env field."""
+    tensors, extras = data if isinstance(data, tuple) else (data.batch, data.non_tensor_batch)
     if "response_mask" in tensors:
         mask = np.asarray(tensors["response_mask"])
     elif "responses" in tensors and "attention_mask" in tensors:
@@ -143,8 +107,7 @@ def from_verl(
 
 
 def verl_response_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.generic]:
-    """The ``[B, Lr]`` ``response_mask`` after ``shipment``: masked positions and
-    rows not shipped are 0."""
+    """The ``[B, Lr]`` ``response_mask`` after ``shipment`` (0 on masked and unshipped rows)."""
     return padded_shipment(shipment, batch).mask
 
 
@@ -176,21 +139,13 @@ def ship(
     token_versions: Any = None,
     env_key: str = "data_source",
 ) -> Any:
-    """SPEC 15's one call for verl: add the ``DataProto`` the trainer took from its queue, ship it
-    for ``version``, and return the ``DataProto`` to train on.
+    """SPEC 15's one call for verl: add and ship the ``DataProto`` at ``version``
+    (``self.current_param_version``), and return the ``DataProto`` to train on.
 
-    ``version`` is the policy version of the weights being trained: in the fully async trainer
-    ``self.current_param_version`` (it counts weight syncs, and it is what the rollout servers stamp
-    into ``min_global_steps`` / ``max_global_steps``), not ``self.global_steps``, which counts local
-    updates (``trigger_parameter_sync_step`` of them per sync). The returned batch holds the rows
-    shipped, oldest call first: ``data`` itself when all of its rows shipped and none held earlier
-    comes back; else a batch made by verl's own ``select_idxs`` / ``DataProto.concat``, with
-    ``meta_info`` of ``data`` and its per-row entries (``global_token_num``,
-    ``trajectory_param_versions``) recomputed as ``assemble_batch_from_rollout_samples`` does.
-    ``batch["response_mask"]`` carries the masking, in ``data``'s own tensor (same dtype and
-    device); ``batch["staleness_lag"]`` (int64, ``[B, Lr]``) the SPEC 11 lag of each sampled
-    position, -1 elsewhere. ``ids`` and ``token_versions`` ``[B, Lr]`` as in :func:`from_verl` (ids
-    are unique within a run: pass them when a ``uid`` comes back in a later batch).
+    It holds the shipped rows, oldest call first (``data`` itself when every row shipped, else
+    verl's ``select_idxs`` / ``DataProto.concat``, per-row ``meta_info`` recomputed), the masking
+    in ``data``'s own ``response_mask`` and ``batch["staleness_lag"]`` (int64 ``[B, Lr]``).
+    ``ids`` and ``token_versions`` as in :func:`from_verl`.
     """
     tensors, extras = data.batch, data.non_tensor_batch
     present = tensors.keys()  # a TensorDict refuses `in` on itself
@@ -209,18 +164,14 @@ def ship(
 
     result = ship_rows(monitor, rollouts, data, version=version, names=_names(extras), write_back=write_back)
     parts = []
-    for part in result.parts:
+    nothing = ShippedPart(data, rollouts, np.zeros(0, dtype=np.int64), (), ())  # the 0 rows left
+    for part in result.parts or (nothing,):
         source = part.source
         picked = source if part.every_row else source.select_idxs(part.rows)
         picked.batch["staleness_lag"] = new_tensor_like(source.batch["response_mask"], part.lag_matrix())
         parts.append(picked)
     if len(parts) == 1 and parts[0] is data:
         return data
-    if not parts:
-        empty = data.select_idxs(np.zeros(0, dtype=np.int64))
-        width = rollouts.padded.width if rollouts.padded is not None else 0
-        empty.batch["staleness_lag"] = new_tensor_like(tensors["response_mask"], np.zeros((0, width), np.int64))
-        parts = [empty]
     # concat asserts equal meta_info across parts; the batch is this call's, so is its meta_info
     bare = [type(p)(batch=p.batch, non_tensor_batch=p.non_tensor_batch, meta_info={}) for p in parts]
     out = bare[0] if len(bare) == 1 else type(data).concat(bare)

@@ -96,9 +96,8 @@ def detect_source(path: str | Path) -> SourceKind:
 
 
 def is_event_file(path: str | Path) -> bool:
-    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file (an event stream is the
-    only input read compressed), a file whose first object has ``type``, or a file whose first line
-    is not readable JSON (the event reader then names the line and what is wrong with it)."""
+    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file, a file whose first
+    object has ``type``, or one whose first line is not JSON (the event reader names the fault)."""
     if Path(path).is_file() and stream_compression(path) is not None:
         return True
     try:
@@ -110,12 +109,9 @@ def is_event_file(path: str | Path) -> bool:
 def detect_and_read(
     path: str | Path, *, max_staleness: int = 8, step: int | None = None, strict: bool = True
 ) -> Iterator[EventDict]:
-    """The SPEC 9 events of a run input, whatever its format.
-
-    ``max_staleness`` is the bound the events will be replayed at (a prime-rl directory needs it to
-    tell its stale unshipped episodes from the ones discarded for other reasons); ``step`` is the
-    ship step of an xtuner states file (default: its newest version + 1); ``strict``: a damaged
-    prime-rl run (current layout) stops with an error, else its damage is set aside and counted.
+    """The SPEC 9 events of a run input, whatever its format: ``max_staleness`` the bound they
+    will be replayed at (it decides which unshipped prime-rl episodes enter), ``step`` an xtuner
+    file's ship step, ``strict`` whether a damaged prime-rl run stops (else damage is counted).
     """
     kind = detect_source(path)
     if kind == "prime-rl" and is_current_layout(path):
@@ -137,33 +133,22 @@ def detect_and_read(
 
 
 def _event_dict(event: Event) -> EventDict:
-    """A checked event back as its SPEC 9 dict (a refused rollout as the
-    record it was built from)."""
+    """A checked event back as its SPEC 9 dict."""
     if event.kind != "rollout":
-        return {
-            "type": event.kind,
-            "step": event.step,
-            **({"ids": list(event.ids)} if event.ids is not None else {}),
-        }
+        ids = {"ids": list(event.ids)} if event.ids is not None else {}
+        return {"type": event.kind, "step": event.step, **ids}
     if event.parsed is None:
         assert event.unparsed is not None
-        error = event.unparsed.error  # rebuilt as a record the checks refuse the same way
-        raise EventError(event.line, str(error))
-    rollout = dict(event.parsed.echo)
-    rollout["samples"] = [
-        {
-            "mask": sample.mask.tolist(),
-            **({"token_versions": sample.token_versions.tolist()} if sample.token_versions is not None else {}),
-            **({"logprobs": sample.logprobs.tolist()} if sample.logprobs is not None else {}),
-            **(
-                {"trainer_logprobs": [None if v != v else v for v in sample.trainer_logprobs.tolist()]}
-                if sample.trainer_logprobs is not None
-                else {}
-            ),
-        }
-        for sample in event.parsed.samples
-    ]
-    return {"type": "rollout", "rollout": rollout}
+        raise EventError(event.line, str(event.unparsed.error))
+    samples = []
+    for sample in event.parsed.samples:
+        record: dict[str, object] = {"mask": sample.mask.tolist()}
+        for name in ("token_versions", "logprobs", "trainer_logprobs"):
+            values = getattr(sample, name)
+            if values is not None:
+                record[name] = [None if v != v else v for v in values.tolist()]  # NaN -> null
+        samples.append(record)
+    return {"type": "rollout", "rollout": {**event.parsed.echo, "samples": samples}}
 
 
 def as_replay_events(events: Iterable[EventDict]) -> Iterator[Event]:
@@ -179,13 +164,8 @@ def read_run(
     parse: bool = False,
     strict: bool = True,
 ) -> Iterator[Event]:
-    """:func:`detect_and_read` as checked replay events, ready for
-    :func:`staleness_metrics.replay.stream.replay`.
-
-    An event stream is read as bytes, as ``replay`` reads it; ``parse`` as in
-    :func:`~staleness_metrics.replay.stream.read_events`. A prime-rl run in the current layout gives
-    its events as read (:func:`read_run_events`), rollouts already parsed.
-    """
+    """:func:`detect_and_read` as checked replay events (an event stream read as bytes, as
+    ``replay`` reads it; ``parse`` as in :func:`~staleness_metrics.replay.stream.read_events`)."""
     kind = detect_source(path)
     if kind == "prime-rl" and is_current_layout(path):
         yield from read_run_events(path, max_staleness=max_staleness, strict=strict)

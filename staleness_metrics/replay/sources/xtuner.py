@@ -1,23 +1,10 @@
-"""xtuner rollout states as a SPEC 9 event stream.
+"""xtuner rollout states (``RolloutState`` as JSON) as a SPEC 9 event stream
+(``docs/run-inputs.md``, "xtuner rollout states").
 
-An xtuner ``RolloutState`` (as serialised to JSON) is one rollout with one sample:
-
-- ``response_mask`` -> ``mask`` (``null`` means every response position is trainable);
-- ``response_model_steps`` -> ``token_versions`` (the policy version that sampled each position);
-- ``group_id`` -> ``group_id`` (the prompt's GRPO group), ``task_name`` -> ``env``;
-- ``dispatch_version`` = the oldest version in ``response_model_steps`` (a partial rollout keeps the
-  versions of the tokens sampled before it was paused, so its first tokens carry the dispatch);
-  ``completion_version`` = the newest;
-- ``logprobs`` are carried over; ``agentic`` is set when the state used tools (``tools`` or
-  ``tool_calls`` not empty), since xtuner then masks over the whole sequence.
-- The id is ``uid`` (else ``rollout_id``, else the line number).
-
-Only states whose ``status`` is ``completed`` enter the sink by default: ``aborted`` ones are
-partial rollouts that will resume generating (not finished yet), ``expired`` ones were already
-judged stale by xtuner and go back for a re-rollout, ``filtered`` / ``failed`` ones never train.
-Pass ``statuses`` to take others. A file holds the states of one batch: the events end with one
-``ship`` at ``step``, which defaults to the newest version in the file + 1 (the step that trains on
-that version). A line may hold one state or a list of states (one prompt group).
+A state is one rollout with one sample (``response_mask`` -> ``mask``, ``response_model_steps`` ->
+``token_versions``; dispatch and completion versions their oldest and newest). Only ``completed``
+states enter by default; the stream ends with one ``ship`` at ``step`` (default: the newest
+version + 1). A line holds one state or a list of them (a prompt group).
 """
 
 from __future__ import annotations

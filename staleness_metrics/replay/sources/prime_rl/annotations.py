@@ -1,21 +1,13 @@
-"""Annotation updates folded back onto the episodes (``prime-rl-traces.md`` sections 6-9).
+"""Annotation updates folded back onto the episodes (``prime-rl-traces.md`` sections 6-9), in two
+passes.
 
-An update is
-``{"version": 1, "trace_id": ..., "info": {...}, "branches": [{"index": i, <stream>: [...]}]}``, one
-a line, per producer; updates apply in write order and the newest wins. The reader takes two passes:
+1. :func:`scan_updates`: per trace, its ship (``info.effective``, ``info.ship.step``, deep-merged
+   as prime-rl folds ``info``), where its last ``trainer_logprobs`` update is and where it was first
+   named. No token data.
+2. :class:`StreamFeed`: a producer's ``trainer_logprobs`` streams read alongside the episode
+   stream, handed out trace by trace; what is read ahead waits (bounded by the steps in flight).
 
-1. :func:`scan_updates` reads every producer's updates touching only ``trace_id``, ``info`` and the
-   branches' keys: per trace, whether and at which step it shipped (``info.effective`` and
-   ``info.ship.step``, deep-merged as prime-rl folds ``info``: the newest value of each key wins),
-   where its last update carrying ``trainer_logprobs`` is, and where it was first named (to report
-   an update for a trace the stream does not hold). Small facts per trace, no token data.
-2. :class:`StreamFeed` reads a producer's ``trainer_logprobs`` streams alongside the episode
-   stream: asked for a trace, it reads on to that trace's last update and hands back its streams
-   per branch (full-length over the branch, null = unknown). Updates read ahead for other traces
-   wait for them; the trainer writes a step's updates after the orchestrator shipped it, so what
-   waits is bounded by the steps in flight.
-
-Which producer writes what is read from the updates, never assumed from a producer's name.
+What a producer writes is read from its updates, never assumed from its name.
 """
 
 from __future__ import annotations
@@ -38,8 +30,7 @@ STREAM_FIELD = "trainer_logprobs"
 
 @dataclass
 class TraceFacts:
-    """What the updates say of one trace: its ship (``ship_step`` when ``effective``)
-    and where it was named."""
+    """What the updates say of one trace: its ship and where it was first named."""
 
     effective: bool | None = None
     ship_step: int | None = None
@@ -55,8 +46,7 @@ class Updates:
     """The result of :func:`scan_updates`."""
 
     traces: dict[str, TraceFacts] = field(default_factory=dict)
-    # producer -> trace -> ordinal of its last update carrying a stream (producers
-    # without streams left out)
+    # producer -> trace -> ordinal of its last update carrying a stream
     last_stream: dict[str, dict[str, int]] = field(default_factory=dict)
     torn: int = 0
 
@@ -64,14 +54,9 @@ class Updates:
 def read_updates(
     files: list[ChunkFile], parser: lazy.Parser, damage: Damage, *, quiet: bool = False
 ) -> Iterator[tuple[int, Line, Any]]:
-    """``(ordinal, line, update)`` of a producer's stream, ``ordinal`` counting
-    its update lines in order.
-
-    A line that is not an update is reported to ``damage`` (``quiet``: skipped, as a first
-    pass reported it); a torn last line (no newline, not JSON, at the end of the last file)
-    ends the stream, as in prime-rl's own reader, and is not an error. Proxies are valid until
-    the next update is read.
-    """
+    """``(ordinal, line, update)`` of a producer's update lines, in order; ``update`` None for
+    a torn last line (it ends the stream, as in prime-rl's reader). A line that is not an update
+    is reported to ``damage`` (``quiet``: skipped, as a first pass reported it)."""
 
     def bad_chunk(error: ChunkDamage) -> None:
         if not quiet:
@@ -125,8 +110,7 @@ def _update_fault(doc: object) -> str | None:
 
 
 def _merge_info(facts: TraceFacts, info: object) -> None:
-    """prime-rl's deep merge of ``info``, for the two keys a ship sets (each
-    key's newest value wins)."""
+    """prime-rl's deep merge of ``info`` (the newest value of a key wins), for a ship's keys."""
     effective = lazy.get(info, "effective")
     if effective is not None:
         facts.effective = effective is True
@@ -166,8 +150,7 @@ def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updat
 
 
 class StreamFeed:
-    """Pass 2: one producer's ``trainer_logprobs`` streams, handed out trace
-    by trace (module docs)."""
+    """Pass 2: one producer's ``trainer_logprobs`` streams, handed out trace by trace."""
 
     def __init__(self, files: list[ChunkFile], last: dict[str, int], damage: Damage) -> None:
         self._last = last
@@ -183,8 +166,7 @@ class StreamFeed:
         return len(self._held)
 
     def pull(self, trace_id: str) -> dict[int, list[Stream]]:
-        """The streams of ``trace_id`` per branch index, in write order (reads
-        on to its last update)."""
+        """The streams of ``trace_id`` per branch index, in write order."""
         target = self._last.pop(trace_id, 0)
         while self._read < target and not self._done:
             self._read_one()

@@ -1,14 +1,9 @@
-"""The lines of a prime-rl stream, chunk after chunk, plain or sealed, with where each one starts.
+"""The lines of a prime-rl stream, chunk after chunk, plain or sealed (zstd), with where each one
+starts (offsets in decompressed bytes, as prime-rl's index gives them).
 
-A sealed chunk is zstd in the seekable format: independent frames of at most 4 MiB, then a skippable
-frame holding the seek table. It is read front to back as a stream of frames (the ``zstandard``
-package; skippable frames carry no data), so nothing of the seek table is needed. Offsets are in the
-decompressed bytes, as prime-rl's index gives them.
-
-Damage is raised as :class:`ChunkDamage` (a corrupt frame, a chunk cut inside a frame): the reader
-of the stream decides, by its strictness, whether that stops the replay or sets the rest of the
-chunk aside. A line without its newline at the end of a file is the remnant of a process that died
-mid-append: :attr:`Line.ended` says so, and the caller decides what a torn line means.
+A sealed chunk is read front to back as independent zstd frames (the seek table is a skippable
+frame). A corrupt or cut chunk is :class:`ChunkDamage`, for the caller's strictness to decide; a
+last line without its newline (a process that died mid-append) has ``ended`` False.
 """
 
 from __future__ import annotations
@@ -40,8 +35,8 @@ class ChunkDamage(Exception):
 
 @dataclass(frozen=True)
 class Line:
-    """One line of a stream file: ``number`` 1-based in its file, ``offset`` its first byte
-    (decompressed), ``text`` without the newline, ``ended`` whether the newline was there."""
+    """One line of a stream file: ``number`` 1-based, ``offset`` its first (decompressed) byte,
+    ``text`` without the newline, ``ended`` whether the newline was there."""
 
     file: ChunkFile
     number: int
@@ -51,8 +46,8 @@ class Line:
 
 
 class _Frames(io.RawIOBase):
-    """The decompressed bytes of a file of zstd frames; a corrupt frame or a file cut inside a frame
-    raises ``zstandard.ZstdError`` (the package's stream reader would end quietly on a cut file)."""
+    """The decompressed bytes of a file of zstd frames; ``zstandard.ZstdError`` for a corrupt or
+    cut frame (the package's stream reader ends quietly on a cut file)."""
 
     def __init__(self, raw: IO[bytes]) -> None:
         self._raw = raw
@@ -106,8 +101,8 @@ def open_chunk(file: ChunkFile) -> IO[bytes]:
 
 
 def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None]) -> Iterator[tuple[bool, Line]]:
-    """``(last, line)``: every line of ``files`` in order, ``last`` when its file is the last one; a
-    chunk that cannot be read on is handed to ``on_damage`` and the next file is read."""
+    """``(last, line)``: every line of ``files`` in order (``last``: in the last file); a chunk
+    that cannot be read on goes to ``on_damage`` and the next file is read."""
     for position, file in enumerate(files):
         lines = read_lines(file)
         while True:

@@ -1,23 +1,11 @@
 """prime-rl's own logged values beside the recomputed ones, step by step (SPEC 9: read for
-comparison, never as input).
+comparison, never as input; ``docs/trainers/prime-rl.md``, "Against prime-rl's own numbers").
 
-``metrics.jsonl`` holds one row per ``log`` call, several per step, each tagged by its ``producer``
-in the current layout (``orch``, ``trainer``, ...): rows of one step are merged. Compared:
-
-- the orchestrator's rollout staleness, ``off_policy/*`` or ``staleness/*`` (both names are
-  read; SPEC 7 maps each to its current key): prime-rl computes them over the shipped
-  **episodes**, one value per episode, a frozen-model episode counting as 0; SPEC 9 replays one
-  rollout per **trace** and leaves frozen rollouts out. ``legacy_rule`` is prime-rl's rule
-  recomputed from the same records: a logged value equal to it but not to ours differs for that
-  reason alone (``prime_rl_rule``);
-- the trainer's ``mismatch_kl/<all|env>/{mean,std,min,max}``: prime-rl's trainer takes
-  ``exp(d) - d - 1`` (``d`` = trainer - sampler log-probability) per token over every trained
-  sample's loss-mask tokens, frozen samples included, and logs the statistics of those tokens
-  (``Tensors.compute_stats``); SPEC 11's ``staleness/mismatch/k3`` is the same per-token mean over
-  the covered tokens of live rollouts, ``d`` clamped to [-20, 20]. ``legacy_rule`` is prime-rl's
-  statistic recomputed from the records' log-probabilities, which prime-rl rounds to 4 decimals
-  where its trainer used full precision: mismatch values agree to within
-  :data:`MISMATCH_TOLERANCE`, not exactly.
+``metrics.jsonl`` rows of one step are merged (one per producer in the current layout). Compared:
+the orchestrator's ``off_policy/*`` (or ``staleness/*``), which prime-rl computes per episode with
+frozen ones as 0, and the trainer's ``mismatch_kl/<all|env>/*`` (per token, frozen samples
+included, from full-precision log-probabilities: within :data:`MISMATCH_TOLERANCE` of the records'
+4-decimal values). ``legacy_rule`` is prime-rl's rule recomputed from the records.
 """
 
 from __future__ import annotations
@@ -76,12 +64,9 @@ DROPPED = (
 
 @dataclass(frozen=True)
 class ComparisonRow:
-    """One logged value beside its recomputation.
-
-    ``legacy_key`` is the key prime-rl logged, ``key`` ours (SPEC 6/11); ``recomputed`` our value;
-    ``legacy_rule`` prime-rl's own rule recomputed from the records; ``status``: ``match`` (the
-    logged value equals ours), ``prime_rl_rule`` (it equals prime-rl's rule only: ``note`` says why
-    the rules differ), ``missing`` (nothing recomputed), ``mismatch`` (anything else)."""
+    """One logged value (``legacy_key``) beside ours (``key``, ``recomputed``) and prime-rl's rule
+    recomputed from the records (``legacy_rule``); ``status`` as :func:`comparison_summary` counts
+    it, ``note`` why the rules differ."""
 
     step: int
     legacy_key: str
@@ -104,8 +89,8 @@ def _metrics_path(run_dir: Path) -> Path | None:
 
 
 def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """``metrics.jsonl`` rows by step, every producer's rows of a step merged in file order (rows
-    without a step, such as time-keyed inference rows, are skipped)."""
+    """``metrics.jsonl`` rows by step, a step's rows merged in file order (rows without a step are
+    skipped)."""
     path = _metrics_path(Path(run_dir))
     rows: dict[int, dict[str, Any]] = {}
     if path is None:
@@ -122,8 +107,7 @@ def _close(a: float | None, b: float | None, tolerance: tuple[float, float] = (1
 
 
 def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> float | None:
-    """Our value converted to prime-rl's rule from counts alone (older layout:
-    one trace per episode)."""
+    """Our value under prime-rl's rule, from counts alone (older layout: a trace per episode)."""
     if frozen == 0:
         return value
     if key in _MEAN_KEYS:
@@ -141,6 +125,28 @@ def _rule_value(key: str, rule: StepRule) -> float | None:
     return sum(values) / len(values) if key in _MEAN_KEYS else float(max(values))
 
 
+def _status(
+    value: float,
+    ours: float | None,
+    rule: float | None,
+    *,
+    rules_differ: bool = True,
+    missing: bool,
+    tolerance: tuple[float, float] = (1e-9, 1e-9),
+) -> Status:
+    """``match`` (equal to ours), ``prime_rl_rule`` (equal to prime-rl's rule only, where the rules
+    differ), ``missing`` or ``mismatch``."""
+    if _close(value, ours, tolerance):
+        return "match"
+    if rules_differ and _close(value, rule, tolerance):
+        return "prime_rl_rule"
+    return "missing" if missing else "mismatch"
+
+
+def _number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _staleness_row(
     step: int,
     logged_key: str,
@@ -153,10 +159,9 @@ def _staleness_row(
     key = mapping.new if mapping is not None else logged_key if logged_key in _CURRENT else None
     if key is None:
         return None
-    new = ours.get(key)
-    recomputed = float(new) if isinstance(new, (int, float)) else None
+    mine = _number(ours.get(key))
     live, frozen = counts
-    legacy = _rule_value(key, rule) if rule is not None else _legacy_value(key, recomputed, live, frozen)
+    legacy = _rule_value(key, rule) if rule is not None else _legacy_value(key, mine, live, frozen)
     reasons = []
     if rule is not None and rule.live_traces != rule.live:
         reasons.append(PER_EPISODE)
@@ -164,54 +169,28 @@ def _staleness_row(
         reasons.append(FROZEN)
     if key == keys.ROLLOUTS_DROPPED:
         reasons = [DROPPED]
+    status = _status(value, mine, legacy, rules_differ=bool(reasons), missing=mine is None)
     note = "; ".join(reasons)
-    status: Status
-    if _close(value, recomputed):
-        status = "match"
-    elif reasons and _close(value, legacy):
-        status = "prime_rl_rule"
-    elif recomputed is None:
-        status = "missing"
-    else:
-        status = "mismatch"
-    return ComparisonRow(step, logged_key, key, value, recomputed, legacy, live, frozen, status, note)
+    return ComparisonRow(step, logged_key, key, value, mine, legacy, live, frozen, status, note)
 
 
 def _mismatch_row(
     step: int, logged_key: str, value: float, ours: Mapping[str, Any], rule: StepRule | None
 ) -> ComparisonRow | None:
-    parts = logged_key.removeprefix(MISMATCH_PREFIX).split("/")
-    stat = parts[-1]
+    *scope_parts, stat = logged_key.removeprefix(MISMATCH_PREFIX).split("/")
     if stat not in ("mean", "std", "min", "max"):
         return None
-    scope = "/".join(parts[:-1]) or "all"
+    scope = "/".join(scope_parts) or "all"
     key = keys.MISMATCH_K3 if scope == "all" else env_key(scope, keys.MISMATCH_K3)
-    new = ours.get(key) if stat == "mean" else None
-    recomputed = float(new) if isinstance(new, (int, float)) else None
+    if stat != "mean":
+        key = ""  # no SPEC key holds the statistic
+    mine = _number(ours.get(key)) if key else None
     legacy = rule.k3[scope].value(stat) if rule is not None and scope in rule.k3 else None
     live, frozen = (rule.live, rule.frozen) if rule is not None else (0, 0)
-    status: Status
-    if _close(value, recomputed, MISMATCH_TOLERANCE):
-        status = "match"
-    elif _close(value, legacy, MISMATCH_TOLERANCE):
-        status = "prime_rl_rule"
-    elif recomputed is None and legacy is None:
-        status = "missing"
-    else:
-        status = "mismatch"
-    note = NO_KEY if recomputed is None else FROZEN_TOKENS if frozen else ""
-    return ComparisonRow(
-        step,
-        logged_key,
-        key if stat == "mean" else "",
-        value,
-        recomputed,
-        legacy,
-        live,
-        frozen,
-        status,
-        note,
-    )
+    missing = mine is None and legacy is None
+    status = _status(value, mine, legacy, missing=missing, tolerance=MISMATCH_TOLERANCE)
+    note = NO_KEY if mine is None else FROZEN_TOKENS if frozen else ""
+    return ComparisonRow(step, logged_key, key, value, mine, legacy, live, frozen, status, note)
 
 
 def compare_prime_rl(
@@ -221,13 +200,10 @@ def compare_prime_rl(
     historical: Mapping[int, Mapping[str, Any]] | None = None,
     notes: ReadNotes | None = None,
 ) -> list[ComparisonRow]:
-    """Put the recomputed keys beside the run's logged values, step by step (module docs).
-
-    ``metrics`` are the replay's reports (or ``--metrics-out`` rows with ``step``); ``notes`` the
-    current layout's reader notes (:attr:`~.run.PrimeRlRead.notes`), which hold prime-rl's rule per
-    step; without them (older layout) the rule is derived from the live / frozen counts, from the
-    reports' tallies when given, else from the run's effective files. ``historical`` defaults to the
-    run's ``metrics.jsonl``.
+    """The run's logged values (``historical``, default its ``metrics.jsonl``) beside ``metrics``
+    (the replay's reports or ``--metrics-out`` rows), step by step. ``notes``: the current layout
+    reader's, holding prime-rl's rule per step; without them (older layout) the rule follows from
+    the live / frozen counts (the reports' tallies, else the run's effective files).
     """
     root = Path(run_dir)
     logged = historical if historical is not None else read_prime_rl_metrics(root)
@@ -261,7 +237,7 @@ def compare_prime_rl(
 
 
 def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
-    """Steps by outcome: ``match`` (every value equal to ours, or a statistic no SPEC key holds
+    """Steps by their worst outcome: ``match`` (equal to ours, or a statistic no SPEC key holds
     equal to prime-rl's rule), ``prime_rl_rule``, ``missing``, ``mismatch``."""
     worst: dict[int, int] = {}
     order: tuple[Status, ...] = ("match", "prime_rl_rule", "missing", "mismatch")
@@ -277,9 +253,8 @@ def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
 
 
 def describe_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
-    """A few lines for a terminal: per family of logged keys, the steps where every value equals
-    ours, those where the others equal prime-rl's own rule recomputed from the records (and why the
-    rules differ), and those that differ otherwise."""
+    """A few lines for a terminal: per family of logged keys, how many steps equal ours, how many
+    prime-rl's rule (and why the rules differ), and which differ otherwise."""
     lines = []
     # the family as the orchestrator and the trainer log it (off_policy/*, or
     # staleness/* after the rename)

@@ -1,5 +1,5 @@
 """What a damaged run gets (SPEC 9): strict mode stops naming the file, line and reason; lenient
-mode sets the damaged part aside and counts it. Nothing is skipped without a count."""
+mode sets the damaged part aside and counts it."""
 
 from __future__ import annotations
 

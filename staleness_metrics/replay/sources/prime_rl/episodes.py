@@ -1,32 +1,13 @@
-"""One prime-rl episode record -> one SPEC 3 rollout per trace, one sample per
-trainable branch (SPEC 9).
+"""One prime-rl episode record -> one SPEC 3 rollout per trace, one sample per trainable branch
+(SPEC 9; ``docs/trainers/prime-rl.md``, "How a run is read").
 
-The record is verifiers' ``Episode.to_record()`` (``prime-rl-traces.md`` section 3), as a dict or as
-the lazy proxies of :mod:`.lazy`; only what staleness needs is read:
-
-- the episode: ``id``, ``group.id``, ``env.name`` (else ``env.id``), ``ok``, ``errors``,
-  ``run.work.policy.{start,end}`` (absent: frozen-model work), the kind (``traces[0].info.kind``,
-  else ``run.work.type``, else ``run.type``);
-- each trace: ``id``, ``ok``, ``errors``, ``info.arrival.step``, ``agent.trainable``, and its nodes:
-  ``parent``, ``token_ids`` (only their count), ``mask``, ``logprobs`` (compact: one per sampled
-  token), ``trainer_logprobs`` (compact, when a reader folded them in), ``semantic_parents``
-  (compaction attempts), and per-token versions where a record carries them:
-
-  - ``weight_versions``: ``[[version, k], ...]``, ``k`` the index of the node's sampled token where
-    the stretch starts (0 = its first sampled token), strictly increasing; the node's sampled tokens
-    before the first ``k`` are unlabelled, and so are stretches of version ``-1``;
-  - ``token_versions``: one version per sampled token of the node (compact, like
-    ``logprobs``), ``-1`` = unlabelled.
-
-Branch ``i`` is the path from the root to the ``i``-th leaf (node-index order), its tokens the
-concatenated ``token_ids``; a branch is trainable unless its leaf is a compaction attempt the trace
-did not resume from (verifiers' ``Trace.branches``), and nothing trains when ``agent.trainable`` is
-false. Its sample: ``mask`` the nodes' masks, except that a sampled node shared with an earlier
-trainable branch trains only there (prime-rl's sample masks); ``logprobs`` the sampler's spread onto
-the sampled positions (0.0 elsewhere; absent when a node lacks them); ``token_versions`` from the
-labels above; ``trainer_logprobs`` the trainer's, position by position (:func:`fold_streams`). A
-branch with no sampled position makes no sample; a trace without nodes (older records) is one sample
-with one sampled, unlabelled position.
+The record is verifiers' ``Episode.to_record()``, a dict or :mod:`.lazy` proxies; only what
+staleness needs is read. Branch ``i`` is the path from the root to the ``i``-th leaf; it trains
+unless its leaf is a compaction attempt the trace did not resume from (verifiers'
+``Trace.branches``), and a sampled node shared with an earlier trainable branch trains only there.
+Node ``logprobs``, ``trainer_logprobs`` and ``token_versions`` are compact (one per sampled token);
+``weight_versions`` are ``[[version, k], ...]`` stretches from sampled token ``k``. A trace without
+nodes (older records) is one sample with one sampled, unlabelled position.
 """
 
 from __future__ import annotations
@@ -63,8 +44,7 @@ class NotAnEpisode(ValueError):
 
 @dataclass(frozen=True)
 class Stream:
-    """A full-length per-position stream of one update (NaN = null), and
-    where the update was read."""
+    """A per-position stream of one update (NaN = null), and where it was read."""
 
     values: npt.NDArray[np.float64]
     path: str  # where the update was read
@@ -148,8 +128,7 @@ _POLICY_FIELDS = {
 
 
 def _head(episode: EpisodeHead, trace: TraceHead) -> dict[str, Any]:
-    """The rollout's fields but its samples, checked as any record's are (named by the
-    record's own fields)."""
+    """The rollout's fields but its samples, checked as any record's, named by the record's."""
     head: dict[str, Any] = {"id": trace.id}
     if episode.group is not None:
         head["group_id"] = episode.group
@@ -184,82 +163,77 @@ class _Node:
         return int(np.count_nonzero(self.mask))
 
 
-def _field(trace_id: str, where: str, reason: str) -> TraceError:
-    return TraceError(trace_id, where, reason)
-
-
-def _compact_floats(trace_id: str, where: str, value: object, count: int, nulls: bool) -> npt.NDArray[np.float64]:
+def _compact_floats(rid: str, where: str, value: object, count: int, nulls: bool) -> npt.NDArray[np.float64]:
     try:
         values = lazy.as_floats(value, nulls=nulls)
     except TypeError as error:
-        raise _field(trace_id, where, f"expected a list of numbers{' or nulls' if nulls else ''} ({error})") from None
+        kind = "numbers or nulls" if nulls else "numbers"
+        raise TraceError(rid, where, f"expected a list of {kind} ({error})") from None
     if len(values) != count:
-        raise _field(trace_id, where, f"{len(values)} values for the node's {count} sampled tokens")
+        raise TraceError(rid, where, f"{len(values)} values for the node's {count} sampled tokens")
     return values
 
 
-def _versions(trace_id: str, where: str, doc: object, count: int) -> npt.NDArray[np.int64] | None:
+def _token_versions(rid: str, where: str, tokens: object, count: int) -> npt.NDArray[np.int64]:
+    where = f"{where}.token_versions"
+    try:
+        versions = lazy.as_ints(tokens)
+    except TypeError as error:
+        raise TraceError(rid, where, f"expected a list of integers ({error})") from None
+    if len(versions) != count:
+        raise TraceError(rid, where, f"{len(versions)} values for {count} sampled tokens")
+    if versions.size and int(versions.min()) < -1:
+        raise TraceError(rid, where, "versions must be >= 0 (or -1: unlabelled)")
+    return versions.astype(np.int64, copy=True)
+
+
+def _pair_fault(pair: object, count: int, previous: int | None) -> str | None:
+    """Why one ``[version, k]`` of ``weight_versions`` is wrong (None: it is right)."""
+    if not (isinstance(pair, list) and len(pair) == 2 and all(_int(v) is not None for v in pair)):
+        return f"expected a [version, k] pair of integers, got {pair!r}"
+    version, start = pair
+    if version < -1:
+        return f"version must be >= 0 (or -1), got {version}"
+    if not 0 <= start < count:
+        return f"k must be in 0..{count - 1} (the node's sampled tokens), got {start}"
+    if previous is not None and start <= previous:
+        return "starts must strictly increase"
+    return None
+
+
+def _versions(rid: str, where: str, doc: object, count: int) -> npt.NDArray[np.int64] | None:
     spans, tokens = lazy.get(doc, "weight_versions"), lazy.get(doc, "token_versions")
     if spans is not None and tokens is not None:
-        raise _field(trace_id, f"{where}.token_versions", "both weight_versions and token_versions are given")
+        both = "both weight_versions and token_versions are given"
+        raise TraceError(rid, f"{where}.token_versions", both)
     if tokens is not None:
-        try:
-            versions = lazy.as_ints(tokens)
-        except TypeError as error:
-            raise _field(trace_id, f"{where}.token_versions", f"expected a list of integers ({error})") from None
-        if len(versions) != count:
-            raise _field(
-                trace_id,
-                f"{where}.token_versions",
-                f"{len(versions)} values for {count} sampled tokens",
-            )
-        if versions.size and int(versions.min()) < -1:
-            raise _field(trace_id, f"{where}.token_versions", "versions must be >= 0 (or -1: unlabelled)")
-        return versions.astype(np.int64, copy=True)
+        return _token_versions(rid, where, tokens, count)
     if spans is None:
         return None
     pairs = lazy.to_python(spans)
     out = np.full(count, -1, dtype=np.int64)
     if not isinstance(pairs, list):
-        raise _field(trace_id, f"{where}.weight_versions", "expected a list of [version, k] pairs")
+        raise TraceError(rid, f"{where}.weight_versions", "expected a list of [version, k] pairs")
     starts: list[int] = []
     for i, pair in enumerate(pairs):
-        if not (isinstance(pair, list) and len(pair) == 2 and all(_int(v) is not None for v in pair)):
-            raise _field(
-                trace_id,
-                f"{where}.weight_versions[{i}]",
-                f"expected a [version, k] pair of integers, got {pair!r}",
-            )
-        version, start = pair
-        if version < -1:
-            raise _field(
-                trace_id,
-                f"{where}.weight_versions[{i}]",
-                f"version must be >= 0 (or -1), got {version}",
-            )
-        if not 0 <= start < count:
-            raise _field(
-                trace_id,
-                f"{where}.weight_versions[{i}]",
-                f"k must be in 0..{count - 1} (the node's sampled tokens), got {start}",
-            )
-        if starts and start <= starts[-1]:
-            raise _field(trace_id, f"{where}.weight_versions[{i}]", "starts must strictly increase")
-        starts.append(start)
+        fault = _pair_fault(pair, count, starts[-1] if starts else None)
+        if fault is not None:
+            raise TraceError(rid, f"{where}.weight_versions[{i}]", fault)
+        starts.append(pair[1])
     for (version, start), stop in zip(pairs, [*starts[1:], count], strict=True):
         out[start:stop] = version
     return out
 
 
-def _node(trace_id: str, index: int, doc: object, count: int) -> _Node:
+def _node(rid: str, index: int, doc: object, count: int) -> _Node:
     where = f"nodes[{index}]"
     if not lazy.is_object(doc):
-        raise _field(trace_id, where, "expected an object")
+        raise TraceError(rid, where, "expected an object")
     present = lazy.keys(doc)
     parent = lazy.get(doc, "parent") if "parent" in present else None
     if parent is not None and (_int(parent) is None or not 0 <= parent < count or parent == index):
-        raise _field(
-            trace_id,
+        raise TraceError(
+            rid,
             f"{where}.parent",
             f"expected the index of another node, got {lazy.to_python(parent)!r}",
         )
@@ -268,22 +242,22 @@ def _node(trace_id: str, index: int, doc: object, count: int) -> _Node:
     try:
         mask = lazy.as_bools(mask_doc) if mask_doc is not None else np.zeros(0, dtype=bool)
     except TypeError as error:
-        raise _field(trace_id, f"{where}.mask", f"expected a list of booleans ({error})") from None
+        raise TraceError(rid, f"{where}.mask", f"expected a list of booleans ({error})") from None
     if len(mask) == 0 and size:
         mask = np.zeros(size, dtype=bool)  # a node without a mask samples nothing
     elif len(mask) != size:
-        raise _field(trace_id, f"{where}.mask", f"{len(mask)} entries for {size} token_ids")
+        raise TraceError(rid, f"{where}.mask", f"{len(mask)} entries for {size} token_ids")
     sampled = int(np.count_nonzero(mask))
     logprobs_doc = lazy.get(doc, "logprobs")
     logprobs = None
     if sampled and logprobs_doc is not None and lazy.length(logprobs_doc):
-        logprobs = _compact_floats(trace_id, f"{where}.logprobs", logprobs_doc, sampled, nulls=False)
+        logprobs = _compact_floats(rid, f"{where}.logprobs", logprobs_doc, sampled, nulls=False)
         if not np.all(np.isfinite(logprobs)):
-            raise _field(trace_id, f"{where}.logprobs", "values must be finite")
+            raise TraceError(rid, f"{where}.logprobs", "values must be finite")
     trainer_doc = lazy.get(doc, "trainer_logprobs") if "trainer_logprobs" in present else None
     trainer = None
     if sampled and trainer_doc is not None:
-        trainer = _compact_floats(trace_id, f"{where}.trainer_logprobs", trainer_doc, sampled, nulls=True)
+        trainer = _compact_floats(rid, f"{where}.trainer_logprobs", trainer_doc, sampled, nulls=True)
     links: Any = lazy.get(doc, "semantic_parents") if "semantic_parents" in present else None
     attempt, resumes = False, []
     if links is not None and lazy.is_array(links):
@@ -293,11 +267,11 @@ def _node(trace_id: str, index: int, doc: object, count: int) -> _Node:
             if kind == "compaction" and target is not None:
                 resumes.append(target)
     labelled = sampled and ("weight_versions" in present or "token_versions" in present)
-    versions = _versions(trace_id, where, doc, sampled) if labelled else None
+    versions = _versions(rid, where, doc, sampled) if labelled else None
     return _Node(parent, mask, logprobs, trainer, versions, attempt, resumes)
 
 
-def _branches(trace_id: str, nodes: list[_Node]) -> list[tuple[int, list[int], bool]]:
+def _branches(rid: str, nodes: list[_Node]) -> list[tuple[int, list[int], bool]]:
     """``(index, path, trainable)`` per leaf in node-index order (verifiers' ``Trace.branches``)."""
     parents = {node.parent for node in nodes if node.parent is not None}
     accepted = {target for node in nodes for target in node.resumes}
@@ -308,7 +282,7 @@ def _branches(trace_id: str, nodes: list[_Node]) -> list[tuple[int, list[int], b
         seen: set[int] = set()
         while current is not None:
             if current in seen:
-                raise _field(trace_id, f"nodes[{current}].parent", "the parents form a loop")
+                raise TraceError(rid, f"nodes[{current}].parent", "the parents form a loop")
             seen.add(current)
             path.append(current)
             current = nodes[current].parent
@@ -320,11 +294,9 @@ def _branches(trace_id: str, nodes: list[_Node]) -> list[tuple[int, list[int], b
 def fold_streams(
     size: int, base: npt.NDArray[np.float64] | None, streams: Sequence[Stream]
 ) -> npt.NDArray[np.float64] | None:
-    """A branch's per-position values: ``base`` (the record's own, NaN = none), then each update's
-    full-length stream in write order, position by position: a value replaces what was there, a null
-    (NaN) leaves it, and a stream shorter than the branch covers only the positions it holds
-    (prime-rl's own fold leaves a whole node bare when a stream stops inside it; for coverage each
-    position counts). None when nothing covers any position."""
+    """A branch's per-position values: ``base`` (the record's own, NaN = none), then each stream in
+    write order, where a value replaces what was there and a null (NaN) leaves it; a short stream
+    covers the positions it holds. None when nothing covers any position."""
     if base is None and not streams:
         return None
     out = base.copy() if base is not None else np.full(size, np.nan)
@@ -335,69 +307,51 @@ def fold_streams(
     return out if not np.all(np.isnan(out)) else None
 
 
+def _spread(nodes: list[_Node], path: list[int], name: str, fill: float) -> npt.NDArray[Any] | None:
+    """A compact per-node field spread onto the branch's positions (``fill`` elsewhere); None when
+    no node of the branch has it."""
+    parts, found = [], False
+    for node in (nodes[i] for i in path):
+        values = np.full(len(node.mask), fill, dtype=np.int64 if name == "versions" else np.float64)
+        compact = getattr(node, name)
+        if compact is not None:
+            values[node.mask] = compact
+            found = True
+        parts.append(values)
+    return np.concatenate(parts) if found else None
+
+
 def _sample(nodes: list[_Node], path: list[int], claimed: set[int], streams: Sequence[Stream]) -> ParsedSample | None:
-    masks, logprobs, trainer, versions = [], [], [], []
-    has_logprobs = has_trainer = has_versions = False
-    missing_logprobs = False
-    for index in path:
-        node = nodes[index]
-        mask = node.mask if index not in claimed else np.zeros(len(node.mask), dtype=bool)
-        masks.append(mask)
-        spread = np.zeros(len(mask))
-        if node.logprobs is not None:
-            spread[node.mask] = node.logprobs
-            has_logprobs = True
-        elif mask.any():
-            missing_logprobs = True
-        logprobs.append(spread)
-        base = np.full(len(mask), np.nan)
-        if node.trainer is not None:
-            base[node.mask] = node.trainer
-            has_trainer = True
-        trainer.append(base)
-        labels = np.full(len(mask), -1, dtype=np.int64)
-        if node.versions is not None:
-            labels[node.mask] = node.versions
-            has_versions = True
-        versions.append(labels)
-    mask = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
+    masks = [nodes[i].mask if i not in claimed else np.zeros_like(nodes[i].mask) for i in path]
+    mask = np.concatenate(masks)
     if not mask.any():
         return None
     sample = ParsedSample(mask=mask.astype(np.int8))
-    if has_logprobs and not missing_logprobs:
-        sample.logprobs = np.concatenate(logprobs)
-        sample.fresh.add("logprobs")
-    folded = fold_streams(len(mask), np.concatenate(trainer) if has_trainer else None, streams)
-    if folded is not None:
-        sample.trainer_logprobs = folded
-        sample.fresh.add("trainer_logprobs")
-    if has_versions:
-        sample.token_versions = np.concatenate(versions)
-        sample.fresh.add("token_versions")
+    bare = any(nodes[i].logprobs is None and i not in claimed and nodes[i].sampled for i in path)
+    trainer = _spread(nodes, path, "trainer", np.nan)
+    found = {
+        "logprobs": None if bare else _spread(nodes, path, "logprobs", 0.0),
+        "trainer_logprobs": fold_streams(len(mask), trainer, streams),
+        "token_versions": _spread(nodes, path, "versions", -1),
+    }
+    for name, values in found.items():
+        if values is not None:
+            setattr(sample, name, values)
+            sample.fresh.add(name)
     return sample
 
 
 def trace_rollout(
     episode: EpisodeHead, trace: TraceHead, updates: dict[int, list[Stream]] | None = None
 ) -> tuple[ParsedRollout | UnparsedRollout | None, list[Problem]]:
-    """The rollout of one trace (None when it trains nothing) and the problems of ``updates`` (per
-    branch index: the trainer's streams in write order) that do not fit it: a branch the trace does
-    not have, a stream longer than its branch. A record the sink must refuse comes back as an
-    :class:`UnparsedRollout`."""
+    """The rollout of one trace (None when it trains nothing; an :class:`UnparsedRollout` the sink
+    refuses) and the ``updates`` (trainer streams per branch) that do not fit it."""
     updates = updates or {}
     try:
         head = _head(episode, trace)
-        doc = trace.doc
-        agent = lazy.get(doc, "agent")
-        nodes_doc = lazy.get(doc, "nodes")
+        nodes_doc = lazy.get(trace.doc, "nodes")
         count = lazy.length(nodes_doc) if lazy.is_array(nodes_doc) else 0
-        if count == 0:  # a record without token data: one sampled, unlabelled position
-            single = [ParsedSample(mask=np.ones(1, dtype=np.int8))]
-            problems = [
-                (s.path, s.line, f"trace {trace.id!r} has no branch {b}") for b, ss in updates.items() for s in ss
-            ]
-            return _rollout(head, single, agentic=False), problems
-        nodes = [_node(trace.id, i, node, count) for i, node in enumerate(nodes_doc)]
+        nodes = [_node(trace.id, i, n, count) for i, n in enumerate(nodes_doc)] if count else []
     except TraceError as error:
         return UnparsedRollout(error, episode.env), []
     branches = _branches(trace.id, nodes)
@@ -407,7 +361,10 @@ def trace_rollout(
         if not 0 <= b < len(branches)
         for s in ss
     ]
-    if lazy.get(agent, "trainable") is False:
+    if not nodes:  # a record without token data: one sampled, unlabelled position
+        single = [ParsedSample(mask=np.ones(1, dtype=np.int8))]
+        return _rollout(head, single, agentic=False), problems
+    if lazy.get(lazy.get(trace.doc, "agent"), "trainable") is False:
         return None, problems
     samples: list[ParsedSample] = []
     claimed: set[int] = set()
@@ -422,8 +379,7 @@ def trace_rollout(
                     f"trace {trace.id!r} branch {index}: {len(stream.values)} positions for a branch of {size} tokens"
                 )
                 problems.append((stream.path, stream.line, reason))
-        fitting = [s for s in streams if len(s.values) <= size]
-        sample = _sample(nodes, path, claimed, fitting)
+        sample = _sample(nodes, path, claimed, [s for s in streams if len(s.values) <= size])
         claimed.update(i for i in path if nodes[i].sampled)
         if sample is not None:
             samples.append(sample)

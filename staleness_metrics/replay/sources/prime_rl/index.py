@@ -1,12 +1,8 @@
-"""The stream index checked against the stream it indexes, row by row as the stream is read.
+"""The stream index (``stream.index.jsonl``) checked against the stream, row by row as it is read.
 
-prime-rl writes an episode's line, then its index row (``{"line", "offset", "chunk", "id", ...}``),
-and flushes the stream before the index, so every row points at the start of a line holding the
-episode it names, in stream order; the stream may hold a last few lines the index has not caught up
-with (a crash). A row that points at no line start, at a chunk the stream lacks, past the end, or at
-another episode is damage (SPEC 9). The index also says where a relaunch resumed appending after a
-torn line: a row pointing inside a line that is not JSON marks where the new episode begins
-(:meth:`IndexCheck.resume_inside`).
+Every row points at the start of a line holding the episode it names, in stream order (the stream
+may run a few lines ahead). A row pointing elsewhere is damage (SPEC 9); a row pointing inside a
+line that is not JSON marks where a relaunch resumed after a torn line.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ Position = tuple[int, int]  # (chunk number, -1 in the single-file layout; byte 
 
 
 class IndexCheck:
-    """Walks ``stream.index.jsonl`` in step with the stream (:meth:`see` each line in order,
-    then :meth:`finish`)."""
+    """Walks the index in step with the stream (:meth:`see` each line, then :meth:`finish`)."""
 
     def __init__(self, path: Path | None, damage: Damage) -> None:
         self._path = path
@@ -75,8 +70,7 @@ class IndexCheck:
         self._advance()
 
     def see(self, position: Position, episode_id: str | None) -> None:
-        """The stream has a line starting at ``position`` holding ``episode_id``
-        (None: not an episode)."""
+        """The stream has a line at ``position`` holding ``episode_id`` (None: not an episode)."""
         while self._next is not None and self._next[1] < position:
             self._nowhere("no line of the stream starts there")
         if self._next is not None and self._next[1] == position:
@@ -87,8 +81,7 @@ class IndexCheck:
                 self._advance()
 
     def resume_inside(self, position: Position, size: int) -> int | None:
-        """The offset of the row pointing inside the line at ``position`` of
-        ``size`` bytes, if one does."""
+        """The offset of a row pointing inside the line at ``position`` (``size`` bytes)."""
         if self._next is None:
             return None
         chunk, offset = self._next[1]

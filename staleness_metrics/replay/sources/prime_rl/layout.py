@@ -1,18 +1,8 @@
-"""Where a prime-rl run keeps its trace stream, index, annotations and logged rows (current layout).
-
-Everything lives under ``<run>/monitors/file/`` (``prime-rl-traces.md`` section 1):
-
-- ``metrics.jsonl``: logged rows, tagged by ``producer``;
-- ``traces/stream/NNNNN.jsonl`` (plain: live, or left by a crash) or ``NNNNN.jsonl.zst`` (sealed),
-  read in chunk order; a chunk with both files is read from the plain one, as prime-rl's own
-  reader does (the writer removes it once the sealed twin is complete); ``.zst.tmp`` files are a
-  seal in progress, not data;
-- or, in the earlier single-file layout, ``traces/stream.jsonl``;
-- ``traces/stream.index.jsonl``: one summary row per episode;
-- ``traces/annotations/<producer>/NNNNN.jsonl[.zst]`` (or ``<producer>.jsonl``): one update a line,
-  per producer, the producer's name taken from the folder or file name (never assumed).
-
-A run is found from its root, its ``monitors/file`` folder or its ``traces`` folder.
+"""Where a prime-rl run keeps its trace stream, index, annotations and logged rows (current layout,
+``prime-rl-traces.md`` section 1), under ``<run>/monitors/file/``: ``metrics.jsonl``,
+``traces/stream/NNNNN.jsonl[.zst]`` (or the earlier single ``traces/stream.jsonl``),
+``traces/stream.index.jsonl`` and ``traces/annotations/<producer>/...``. A chunk with both a plain
+and a sealed file is read from the plain one, as prime-rl's reader does.
 """
 
 from __future__ import annotations
@@ -29,8 +19,7 @@ _INDEX_SUFFIX = ".index.jsonl"
 
 @dataclass(frozen=True)
 class ChunkFile:
-    """One file of a stream: ``number`` its chunk (None in the single-file layout),
-    ``sealed`` when zstd."""
+    """One file of a stream: ``number`` its chunk (None: single file), ``sealed`` when zstd."""
 
     path: Path
     number: int | None
@@ -47,15 +36,9 @@ class TracesLayout:
     annotations: dict[str, list[ChunkFile]] = field(default_factory=dict)
     metrics: Path | None = None
 
-    @property
-    def root(self) -> Path:
-        """The ``monitors/file`` folder (the traces folder's parent)."""
-        return self.traces.parent
-
 
 def _chunks(folder: Path) -> list[ChunkFile]:
-    """A chunked stream's files in chunk order, the plain file of a chunk
-    preferred to its sealed twin."""
+    """A chunked stream's files in chunk order, a plain file preferred to its sealed twin."""
     found: dict[int, ChunkFile] = {}
     for path in folder.iterdir():
         match = _CHUNK.match(path.name)
@@ -68,8 +51,7 @@ def _chunks(folder: Path) -> list[ChunkFile]:
 
 
 def _stream_files(base: Path) -> list[ChunkFile]:
-    """``base.jsonl`` (single file) then ``base/`` chunks: a run relaunched by a newer
-    prime-rl may hold both."""
+    """``base.jsonl`` then ``base/`` chunks (a run relaunched by a newer prime-rl holds both)."""
     files = []
     single = base.with_name(base.name + ".jsonl")
     if single.is_file():
@@ -87,8 +69,8 @@ def _traces_folder(path: Path) -> Path | None:
 
 
 def find_layout(path: str | Path) -> TracesLayout | None:
-    """The current-layout files of the run at ``path`` (root, ``monitors/file`` or ``traces``); None
-    when it has no trace stream."""
+    """The files of the run at ``path`` (root, ``monitors/file`` or ``traces``); None without a
+    trace stream."""
     root = Path(path)
     if not root.is_dir():
         return None

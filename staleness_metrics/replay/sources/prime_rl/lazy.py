@@ -1,15 +1,9 @@
-"""JSON lines read lazily: simdjson's proxies where pysimdjson is installed,
-orjson's objects elsewhere.
+"""JSON lines read lazily: simdjson's proxies where pysimdjson is installed, orjson's objects
+elsewhere (no wheel yet for Python 3.14).
 
-simdjson parses a line into its own tape and hands back proxies: only what the reader touches
-becomes a Python object, and a list of numbers is copied out of the tape at C speed (``as_buffer``).
-Episode records are mostly token ids, masks and per-token floats the staleness reader never needs,
-so this is most of what reading a prime-rl run costs. Without a simdjson wheel (Python 3.14 and
-later, so far) every line is decoded by orjson (:mod:`staleness_metrics.records.jsonio`) and the
-same accessors read plain objects.
-
-A parser is reused line after line: every proxy of a line must be gone (converted to numpy or Python
-values) before the next line is parsed, so each stream of a run gets its own :class:`Parser`.
+Only what the reader touches becomes a Python object, and number lists are copied out of the tape
+at C speed: episode records are mostly token data the reader never needs. Every proxy of a line
+must be gone before a :class:`Parser` parses the next, so each stream gets its own parser.
 """
 
 from __future__ import annotations
@@ -28,7 +22,6 @@ except ImportError:  # no wheel for this Python: orjson reads every line
     simdjson = None  # type: ignore[assignment]
 
 __all__ = [
-    "AVAILABLE",
     "DecodeError",
     "Parser",
     "as_bools",
@@ -41,8 +34,6 @@ __all__ = [
     "length",
     "to_python",
 ]
-
-AVAILABLE = simdjson is not None
 
 
 class DecodeError(ValueError):
@@ -90,8 +81,7 @@ def keys(value: object) -> set[str]:
 
 
 def length(value: object) -> int:
-    """Elements of an array (simdjson's count saturates at 2**24 - 1: read
-    the buffer beyond that)."""
+    """Elements of an array (simdjson's count saturates at 2**24 - 1)."""
     size = len(value)  # type: ignore[arg-type]
     if size >= 0xFFFFFF and simdjson is not None and type(value) is simdjson.Array:
         return len(value.as_list())

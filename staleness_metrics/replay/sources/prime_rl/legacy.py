@@ -1,41 +1,10 @@
-"""prime-rl run directories in the older layout (``rollouts/step_N``) as a SPEC 9 event stream.
+"""prime-rl run directories in the older layout (``rollouts/step_N/train/{all,effective}``) as a
+SPEC 9 event stream (``docs/run-inputs.md``).
 
-A run directory holds, per train step ``N``:
-
-- ``rollouts/step_N/train/all/traces.jsonl``: every episode that arrived while batch ``N`` was
-  collecting (one episode record a line, errored and discarded ones included);
-- ``rollouts/step_N/train/effective/traces.jsonl``: the episodes batch ``N`` shipped (the same
-  records again);
-- ``metrics.jsonl``: one logged row a line with ``step`` and the older ``off_policy/*`` keys.
-
-What the example run (made with prime-rl's own record code) shows, checked step by step against its
-``metrics.jsonl``:
-
-- ``off_policy/*`` are computed over the **effective** episodes only, **one value per episode** (not
-  per trace): ``total = max(0, T - policy.start)``,
-  ``in_flight = min(total, max(0, policy.end - policy.start))``, ``in_queue = total - in_flight``,
-  with ``T = N - 1``; maxima are logged as floats. That is SPEC 6's rollout staleness with the
-  dispatch version as the only label, so one episode becomes one rollout (dispatch =
-  ``policy.start``, completion = ``policy.end``).
-- An episode with no ``policy`` (a frozen-model episode) counts as ``(0, 0, 0)`` in prime-rl's means
-  and maxima; SPEC leaves frozen rollouts out of every staleness statistic. The two agree exactly on
-  steps that shipped no frozen episode; :func:`compare_prime_rl` converts the recomputed values back
-  to prime-rl's rule (``mean * live / (live + frozen)``) to show that the difference is that rule
-  and nothing else.
-- Episodes in ``all`` but not in ``effective`` never reappear in a later step: prime-rl discarded
-  them when the batch shipped (stale, errored, or no learning signal). Only the stale ones are the
-  sink's business, so an unshipped episode enters the stream only when it is stale at its arrival
-  step under the bound being replayed (``T - policy.start > max_staleness``, prime-rl's
-  ``min_fresh_version`` rule): the sweep of that step's ship then drops it and counts it. The others
-  are left out (they would otherwise sit in the queue and be counted as stale drops steps later).
-  An episode that ships at a later step than it arrived (buffered) is added at arrival and named by
-  the later ship.
-- The records carry no per-token data. Each trace becomes one sample with a single sampled,
-  unlabelled position (``mask [1]``), so token figures are per trace, every position is unlabelled
-  (``staleness/token/unlabelled`` = 1) and rollout staleness falls back to the dispatch version.
-- prime-rl's ``off_policy/dropped`` counts what its sink voided since the last ship; the example run
-  dropped nothing, so whether it counted episodes or traces could not be checked against it
-  (``staleness/rollout/dropped`` counts rollouts, ``staleness/sample/dropped`` samples).
+One episode is one rollout (dispatch = ``policy.start``, completion = ``policy.end``, no policy:
+frozen), each trace one sample with one sampled, unlabelled position (the records carry no token
+data). Per step, the arrivals enter, then a ship of the effective ids; an episode never shipped
+enters only when stale at its arrival under the bound replayed, for the sink to drop and count.
 """
 
 from __future__ import annotations
@@ -63,7 +32,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 @dataclass(frozen=True)
 class EpisodeInfo:
-    """What the replay needs of one episode record (the rest of the record is not kept)."""
+    """What the replay needs of one episode record."""
 
     id: str
     rollout: dict[str, Any]
@@ -83,8 +52,7 @@ def has_rollouts(path: str | Path) -> bool:
 
 
 def episode_rollout(record: Mapping[str, Any]) -> EpisodeInfo:
-    """One episode record -> one SPEC 3 rollout (each trace one
-    single-position unlabelled sample)."""
+    """One episode record -> one SPEC 3 rollout (each trace one unlabelled position)."""
     episode_id = record.get("id")
     if not isinstance(episode_id, str) or not episode_id:
         raise TraceError(None, "id", f"expected a non-empty string, got {episode_id!r}")
@@ -146,39 +114,29 @@ def _stale(info: EpisodeInfo, step: int, max_staleness: int) -> bool:
 
 
 def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[EventDict]:
-    """The run as SPEC 9 events: per step, arrivals as ``rollout`` events, then
-    ``ship`` of the effective ids.
-
-    ``max_staleness`` is the bound the stream will be replayed at: it decides which unshipped
-    episodes enter the stream (see the module docs).
-    """
+    """The run as SPEC 9 events: per step, arrivals as ``rollout`` events, then ``ship`` of the
+    effective ids; ``max_staleness`` decides which unshipped episodes enter (module docs)."""
     root = Path(run_dir)
     steps = _step_dirs(root)
     if not steps:
         raise EventError(0, f"{root}: no rollouts/step_N/train folders (not a prime-rl run directory)")
-    shipped: dict[int, list[str]] = {}
-    ships_at: dict[str, int] = {}
-    for step in sorted(steps):
-        effective = steps[step] / "effective" / "traces.jsonl"
-        if effective.is_file():
-            ids = [info.id for info in _episodes(effective)]
-            shipped[step] = ids
-            for episode_id in ids:
-                ships_at.setdefault(episode_id, step)
+    effective = {step: train / "effective" / "traces.jsonl" for step, train in steps.items()}
+    shipped = {step: list(_episodes(path)) for step, path in sorted(effective.items()) if path.is_file()}
+    ships = {info.id for infos in shipped.values() for info in infos}
     added: set[str] = set()
     for step in sorted(steps):
         for info in _episodes(steps[step] / "all" / "traces.jsonl"):
-            if info.id in ships_at or (not info.frozen and _stale(info, step, max_staleness)):
+            if info.id in ships or (not info.frozen and _stale(info, step, max_staleness)):
                 added.add(info.id)
                 yield {"type": "rollout", "rollout": info.rollout}
         if step not in shipped:
             continue
         # Shipped episodes whose arrival was not recorded enter just before their ship.
-        for info in _episodes(steps[step] / "effective" / "traces.jsonl"):
+        for info in shipped[step]:
             if info.id not in added:
                 added.add(info.id)
                 yield {"type": "rollout", "rollout": info.rollout}
-        yield {"type": "ship", "step": step, "ids": shipped[step]}
+        yield {"type": "ship", "step": step, "ids": [info.id for info in shipped[step]]}
 
 
 def shipped_counts(run_dir: Path) -> dict[int, tuple[int, int]]:

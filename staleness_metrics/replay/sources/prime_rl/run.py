@@ -1,29 +1,11 @@
 """A prime-rl run in the current layout as the SPEC 9 event stream it implies
-(``prime-rl-traces.md``).
+(``docs/trainers/prime-rl.md``, "How a run is read").
 
-:func:`read_run_events` reads the episode stream once, in arrival order, with the trainer's streams
-alongside (:mod:`.annotations`), and yields checked replay events:
-
-- each trace of a train episode that did not error becomes a rollout (:mod:`.episodes`), entering at
-  its arrival step (``info.arrival.step``; without the stamp, its ship step, else the episode's
-  dispatch step ``run.work.step``): before it, every ship of an earlier step;
-- every step N at which the orchestrator shipped (``info.effective`` and ``info.ship.step`` N,
-  folded from the updates) is a ship naming the traces of that step that entered;
-- a trace that never shipped enters only when it is stale at its arrival step under the bound
-  replayed (``(A - 1) - policy.start > max_staleness``): the sink then drops and counts it, as
-  prime-rl did; the others (prime-rl discarded them for reasons of its own: no learning signal,
-  errors) are left out and counted in :class:`ReadNotes`;
-- eval episodes, errored traces, frozen traces that never shipped and traces that train nothing
-  are left out and counted.
-
-The reader also keeps, per ship step, prime-rl's own rule for its logged values (per episode, frozen
-episodes as staleness 0; ``mismatch_kl`` per token over every trained sample, frozen ones included),
-for :mod:`.compare`. Damage (SPEC 9) goes to a :class:`~.damage.Damage`: strict mode raises
-:class:`~staleness_metrics.errors.EventError` naming the file, line and reason.
-
-Memory: the facts of every trace the updates name (a few numbers each), the trainer's
-streams read ahead of the episode stream (the steps in flight) and one episode at a time;
-never the run's token data.
+Each trace of a train episode that did not error enters at its arrival step; each step the
+orchestrator shipped at is a ship naming its traces; a trace never shipped enters only when stale
+at arrival under the bound replayed (the sink drops it); the rest is left out and counted in
+:class:`ReadNotes`, with prime-rl's own rule per ship step for :mod:`.compare`. The episode stream
+is read once, the trainer's streams alongside: never the run's token data at once.
 """
 
 from __future__ import annotations
@@ -53,9 +35,8 @@ __all__ = ["K3Stats", "PrimeRlRead", "ReadNotes", "StepRule", "read_run_events"]
 
 @dataclass
 class K3Stats:
-    """prime-rl's ``mismatch_kl`` statistics of one scope (``all`` or an env): per token
-    over the trained samples' loss-mask tokens (here: their covered sampled positions),
-    frozen samples included."""
+    """prime-rl's ``mismatch_kl`` statistics of one scope (``all`` or an env), per token over the
+    trained samples' covered sampled positions, frozen samples included."""
 
     tokens: int = 0
     total: float = 0.0
@@ -71,8 +52,7 @@ class K3Stats:
             self.low, self.high = min(self.low, float(k3.min())), max(self.high, float(k3.max()))
 
     def value(self, stat: str) -> float | None:
-        """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens
-        (or an unknown stat)."""
+        """``mean``, ``std`` (unbiased, as torch), ``min`` or ``max``; None without tokens."""
         if not self.tokens:
             return None
         mean = self.total / self.tokens
@@ -102,7 +82,6 @@ class ReadNotes:
     """What the reader left out or set aside, and prime-rl's own rule per ship step."""
 
     damage: Damage
-    episodes: int = 0
     eval_episodes: int = 0
     errored_traces: int = 0
     # never shipped, fresh at arrival: prime-rl discarded them for other reasons
@@ -110,7 +89,6 @@ class ReadNotes:
     unshipped_stale: int = 0  # never shipped, stale at arrival: entered to be dropped by the sink
     frozen_unshipped: int = 0
     untrainable: int = 0  # traces that train nothing (no sampled token, agent not trainable)
-    without_arrival: int = 0
     torn: int = 0
     split_lines: int = 0  # torn lines a relaunch appended to (split where the index says)
     held_peak: int = 0  # most traces whose trainer streams waited for their episode at once
@@ -130,9 +108,8 @@ class ReadNotes:
 
 
 def _token_k3(sample: ParsedSample) -> npt.NDArray[np.float64]:
-    """prime-rl's per-token mismatch ``exp(d) - d - 1`` over a sample's covered sampled
-    positions (its loss mask), ``d`` = trainer - sampler log-probability, unclamped as
-    prime-rl computes it."""
+    """prime-rl's per-token ``exp(d) - d - 1`` over a sample's covered sampled positions, ``d`` =
+    trainer - sampler log-probability, unclamped."""
     if sample.logprobs is None or sample.trainer_logprobs is None:
         return np.zeros(0)
     keep = (sample.mask == 1) & np.isfinite(sample.trainer_logprobs)
@@ -215,8 +192,7 @@ class PrimeRlRead:
         self._unknown(updates)
 
     def _episode(self, number: int, line: Line, doc: object, index: IndexCheck) -> list[Event]:
-        """The events of one stream line: the ships its traces' arrivals
-        pass, and their rollouts."""
+        """The events of one stream line: the ships its traces' arrivals pass, and the rollouts."""
         where = (-1 if line.file.number is None else line.file.number, line.offset)
         try:
             episode = episode_head(doc)
@@ -225,10 +201,9 @@ class PrimeRlRead:
             self.notes.damage.report("not_episode", line.file.path, line.number, str(error))
             return []
         index.see(where, episode.id)
-        self.notes.episodes += 1
         events = []
         for trace in episode.traces:
-            streams = self._streams(self._feeds, trace.id)
+            streams = self._streams(trace.id)
             facts = self._updates.traces.pop(trace.id, None)
             arrival = self._arrival(episode, trace, facts, doc)
             if arrival is None:
@@ -236,7 +211,7 @@ class PrimeRlRead:
             for step in sorted(s for s in self._ships if s < arrival):
                 self._passed = step
                 events.append(Event(number, "ship", step=step, ids=tuple(self._ships.pop(step))))
-            event = self._trace_event(number, line, episode, trace, facts, streams, arrival, self._passed)
+            event = self._trace_event(number, line, episode, trace, facts, streams, arrival)
             if event is None:
                 continue
             events.append(event)
@@ -245,16 +220,15 @@ class PrimeRlRead:
                 self._ships.setdefault(shipped, []).extend([trace.id] if event.parsed is not None else [])
         return events
 
-    def _streams(self, feeds: dict[str, StreamFeed], trace_id: str) -> dict[int, list[Stream]]:
+    def _streams(self, trace_id: str) -> dict[int, list[Stream]]:
         merged: dict[int, list[Stream]] = {}
-        for producer in sorted(feeds):  # producers in name order, each in write order
-            for branch, streams in feeds[producer].pull(trace_id).items():
+        for producer in sorted(self._feeds):  # producers in name order, each in write order
+            for branch, streams in self._feeds[producer].pull(trace_id).items():
                 merged.setdefault(branch, []).extend(streams)
         return merged
 
     def _arrival(self, episode: EpisodeHead, trace: TraceHead, facts: TraceFacts | None, doc: object) -> int | None:
-        """The trace's arrival step, or None when it is left out before that
-        matters (eval, errored)."""
+        """The trace's arrival step, or None when it is left out (eval, errored)."""
         if episode.kind != "train":
             if trace is episode.traces[0]:
                 self.notes.eval_episodes += 1
@@ -264,7 +238,6 @@ class PrimeRlRead:
             return None
         if trace.arrival_step is not None:
             return trace.arrival_step
-        self.notes.without_arrival += 1
         shipped = facts.shipped_at if facts is not None else None
         if shipped is not None:
             return shipped
@@ -280,7 +253,6 @@ class PrimeRlRead:
         facts: TraceFacts | None,
         streams: dict[int, list[Stream]],
         arrival: int,
-        passed: int,
     ) -> Event | None:
         notes = self.notes
         shipped = facts.shipped_at if facts is not None else None
@@ -294,7 +266,7 @@ class PrimeRlRead:
                 notes.unshipped_left_out += 1
                 return None
             notes.unshipped_stale += 1
-        elif shipped <= passed or shipped < arrival:
+        elif shipped <= self._passed or shipped < arrival:
             notes.damage.report(
                 "late_ship",
                 line.file.path,
@@ -323,8 +295,7 @@ class PrimeRlRead:
         trace: TraceHead,
         rollout: ParsedRollout | UnparsedRollout,
     ) -> None:
-        """prime-rl's figures of a shipped trace (its episode counted once, at its
-        first shipped trace)."""
+        """prime-rl's figures of a shipped trace (its episode counted at its first trace)."""
         rule = self.notes.steps.setdefault(step, StepRule())
         if isinstance(rollout, ParsedRollout):
             for sample in rollout.samples:
@@ -363,8 +334,7 @@ class PrimeRlRead:
 
 
 def read_run_events(path: str | Path, *, max_staleness: int = 8, strict: bool = True) -> PrimeRlRead:
-    """The events of the prime-rl run at ``path`` (its root, ``monitors/file`` or
-    ``traces``), current layout."""
+    """The events of the prime-rl run at ``path`` (root, ``monitors/file`` or ``traces``)."""
     layout = find_layout(path)
     if layout is None:
         raise ConfigError(f"{path}: no prime-rl trace stream (monitors/file/traces/stream/ or traces/stream.jsonl)")
