@@ -68,8 +68,8 @@ def final_state(monitor: StalenessMonitor) -> dict[str, Any]:
         "tokens_queued": sink.tokens_queued,
         "tokens_entered": sink.tokens_entered,
         "step": sink.step,
-        "counters": None if snapshot is None else snapshot.counters,
-        "histograms": None if snapshot is None else snapshot.histograms,
+        "counters": None if snapshot is None else snapshot.cumulative.counters,
+        "histograms": None if snapshot is None else snapshot.cumulative.histograms,
     }
 
 
