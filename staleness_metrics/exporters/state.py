@@ -107,24 +107,6 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
 _SUMMED_BATCH_WIDE = frozenset(name for name in BATCH_WIDE_COUNTERS if name.startswith("length_"))
 
 
-def _batch_wide_counts(counts: Mapping[str, int]) -> dict[str, int]:
-    """Per-env counts with env "" replaced by their sum over every env, first, when some env is
-    named (without one, env "" already is the whole batch)."""
-    if set(counts) <= {""}:
-        return dict(counts)
-    return {"": sum(counts.values()), **{env: count for env, count in counts.items() if env}}
-
-
-def _batch_wide_buckets(values: Mapping[BucketKey, Number]) -> dict[BucketKey, Number]:
-    """:func:`_batch_wide_counts` for every bucket of a dimensioned counter."""
-    if {env for env, _ in values} <= {""}:
-        return dict(values)
-    whole: dict[BucketKey, Number] = {}
-    for (_, bucket), value in values.items():
-        whole[("", bucket)] = whole.get(("", bucket), 0) + value
-    return {**whole, **{key: value for key, value in values.items() if key[0]}}
-
-
 def _as_number(metric: MetricDef, value: object) -> Number:
     number = float(value)  # type: ignore[arg-type]
     return int(number) if metric.integer else number
@@ -178,24 +160,20 @@ def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
     return {key: value for key, value in metrics.items() if _split_env(key) is not None}
 
 
-def _bound_gauges(
-    metrics: Mapping[str, MetricValue] | None,
-) -> tuple[dict[str, Mapping[str, Number]], dict[str, Mapping[BucketKey, Number]]]:
-    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family: plain, and
-    labelled; the batch's under env ``""`` and each env's (the env breakdown) under its name."""
+def _bound_gauges(metrics: Mapping[str, MetricValue] | None) -> dict[str, Mapping[Any, Number]]:
+    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family; the batch's
+    under env ``""`` and each env's (the env breakdown) under its name."""
     by_env: dict[str, dict[str, MetricValue]] = {}
     for key, value in (metrics or {}).items():
         split = _split_env(key)
         if split is not None:
             by_env.setdefault(split[0], {})[split[1]] = value
-    plain: dict[str, dict[str, Number]] = {}
-    labelled: dict[str, dict[BucketKey, Number]] = {}
+    gauges: dict[str, Mapping[Any, Number]] = {}
     for metric in _BOUND_GAUGES:
         if metric.prometheus_name is None and metric.otel_name is None:
             continue
         assert metric.wandb_key is not None
-        values: dict[str, Number] = plain.setdefault(metric.name, {}) if metric.dimension is None else {}
-        buckets: dict[BucketKey, Number] = labelled.setdefault(metric.name, {}) if metric.dimension else {}
+        values: dict[Any, Number] = {}
         for env in sorted(by_env):
             found = by_env[env]
             if metric.dimension is None:
@@ -204,12 +182,13 @@ def _bound_gauges(
             elif metric.dimension.placeholder in metric.wandb_key:  # one key per bucket (the curve)
                 for key, value in zip(metric.wandb_keys, metric.dimension.values, strict=True):
                     if key in found:
-                        buckets[(env, value)] = _as_number(metric, found[key])
+                        values[(env, value)] = _as_number(metric, found[key])
             else:  # one key, its label from another key (the floor and its source)
                 source = found.get(_FLOOR_SOURCE_KEY)
                 if metric.wandb_key in found and isinstance(source, str):
-                    buckets[(env, source)] = _as_number(metric, found[metric.wandb_key])
-    return dict(plain), dict(labelled)
+                    values[(env, source)] = _as_number(metric, found[metric.wandb_key])
+        gauges[metric.name] = values
+    return gauges
 
 
 def histogram_of(metric: MetricDef, tally: Tally) -> Counts:
@@ -225,59 +204,45 @@ _PUBLISHED_GAUGES = tuple(
 )
 
 
-def _bucketed_of(
-    metric: MetricDef,
-    tallies: Mapping[str, Tally],
-    mismatch: MismatchSums | None,
-    env_mismatch: Mapping[str, MismatchSums] | None = None,
-) -> dict[BucketKey, Number]:
-    """A dimensioned counter's values per (env, bucket value); every bucket present
-    (zeros included). The mismatch family: the batch's sums under env "", then each env's
-    (live sums given per env)."""
-    assert metric.dimension is not None
-    values = metric.dimension.values
-    if metric.source is Source.MISMATCH:
-        if mismatch is None:
-            return {}
-        out_sums: dict[BucketKey, Number] = {}
-        for env, sums in {"": mismatch, **dict(sorted((env_mismatch or {}).items()))}.items():
-            array = getattr(sums, metric.mismatch_field or "")
-            out_sums.update({(env, value): _as_number(metric, array[i]) for i, value in enumerate(values)})
-        return out_sums
-    out: dict[BucketKey, Number] = {}
-    for env, tally in tallies.items():
-        array = getattr(tally, metric.tally_field or "")
-        for i, value in enumerate(values):
-            out[(env, value)] = _as_number(metric, array[i] if i < len(array) else 0)
-    return out
+def _counter(metric: MetricDef, holders: Mapping[str, Any]) -> dict[Any, Number]:
+    """A counter's values by env (the tally or the sums holding it), or by (env, bucket value),
+    every bucket of its dimension present."""
+    field = (metric.mismatch_field if metric.source is Source.MISMATCH else metric.tally_field) or ""
+    rows = {env: _row(metric, getattr(holder, field)) for env, holder in holders.items()}
+    if metric.name in _SUMMED_BATCH_WIDE and set(rows) - {""}:  # the batch-wide series first
+        named = {env: row for env, row in rows.items() if env}
+        rows = {"": [sum(column) for column in zip(*rows.values())], **named}
+    if metric.dimension is None:
+        return {env: row[0] for env, row in rows.items()}
+    buckets = metric.dimension.values
+    return {(env, bucket): n for env, row in rows.items() for bucket, n in zip(buckets, row, strict=True)}
+
+
+def _row(metric: MetricDef, value: Any) -> list[Number]:
+    if metric.dimension is None:
+        return [int(value)]
+    return [_as_number(metric, value[i] if i < len(value) else 0) for i in range(len(metric.dimension.values))]
 
 
 class Series(NamedTuple):
     """Counters and histograms over the run or over one ship: metric name, then env (a counter
-    with a dimension: (env, bucket value), every bucket present)."""
+    with a dimension: (env, bucket value))."""
 
-    counters: dict[str, Mapping[str, int]]
-    bucketed: dict[str, Mapping[BucketKey, Number]]
+    counters: dict[str, Mapping[Any, Number]]
     histograms: dict[str, Mapping[str, HistogramPoint]]
 
 
 def _series(
     tallies: Mapping[str, Tally], mismatch: MismatchSums | None, env_mismatch: Mapping[str, MismatchSums]
 ) -> Series:
-    out = Series({}, {}, {})
+    # the mismatch family: the batch's sums under env "", then each env's (live sums given per env)
+    sums = {} if mismatch is None else {"": mismatch, **dict(sorted(env_mismatch.items()))}
+    out = Series({}, {})
     for metric in METRICS:
-        name = metric.name
-        if metric.kind is MetricKind.COUNTER and metric.dimension is not None:
-            bucketed = _bucketed_of(metric, tallies, mismatch, env_mismatch)
-            out.bucketed[name] = _batch_wide_buckets(bucketed) if name in _SUMMED_BATCH_WIDE else bucketed
-        elif metric.kind is MetricKind.COUNTER and metric.source is Source.MISMATCH:
-            holders = {} if mismatch is None else {"": mismatch, **dict(sorted(env_mismatch.items()))}
-            out.counters[name] = {env: int(getattr(s, metric.mismatch_field or "")) for env, s in holders.items()}
-        elif metric.kind is MetricKind.COUNTER and metric.source is Source.TALLY:
-            counts = {env: int(getattr(t, metric.tally_field or "")) for env, t in tallies.items()}
-            out.counters[name] = _batch_wide_counts(counts) if name in _SUMMED_BATCH_WIDE else counts
-        elif metric.kind is MetricKind.HISTOGRAM:
-            out.histograms[name] = {env: bucket_counts(histogram_of(metric, t)) for env, t in tallies.items()}
+        if metric.kind is MetricKind.HISTOGRAM:
+            out.histograms[metric.name] = {env: bucket_counts(histogram_of(metric, t)) for env, t in tallies.items()}
+        elif metric.kind is MetricKind.COUNTER and metric.source is not Source.EXPORTER:
+            out.counters[metric.name] = _counter(metric, sums if metric.source is Source.MISMATCH else tallies)
     return out
 
 
@@ -312,31 +277,18 @@ class Snapshot:
         return _series(dict(sorted(self.window.items())), self.mismatch_delta, self.env_mismatch_delta)
 
     @functools.cached_property
-    def gauges(self) -> dict[str, Mapping[str, Number]]:
-        """The gauges of the last ship and SPEC 14's without a label besides env, by env."""
+    def gauges(self) -> dict[str, Mapping[Any, Number]]:
+        """The last ship's gauges and SPEC 14's, by env (by (env, value) with a label besides env:
+        the floor by source, the curve by lag)."""
         report = self.gauge_report
-        gauges: dict[str, Mapping[str, Number]] = {
+        gauges: dict[str, Mapping[Any, Number]] = {
             m.name: {} if report is None else _gauge_values(m, report, self.by_env) for m in _PUBLISHED_GAUGES
         }
-        return {**gauges, **self._bound[0]}
-
-    @property
-    def bucketed_gauges(self) -> dict[str, Mapping[BucketKey, Number]]:
-        """SPEC 14's gauges with a label besides env (floor by source, curve by lag)."""
-        return self._bound[1]
-
-    @functools.cached_property
-    def _bound(self) -> tuple[dict[str, Mapping[str, Number]], dict[str, Mapping[BucketKey, Number]]]:
-        return _bound_gauges(self.bound_metrics)
+        return {**gauges, **_bound_gauges(self.bound_metrics)}
 
     def points(self, metric: MetricDef, series: Series) -> list[tuple[str, str | None, Number]]:
         """(env, bucket value or None, value) of a gauge's or a counter's series."""
-        if metric.kind is MetricKind.GAUGE:
-            found: Mapping[Any, Number] = (self.bucketed_gauges if metric.dimension else self.gauges).get(
-                metric.name, {}
-            )
-        else:
-            found = (series.bucketed if metric.dimension else series.counters).get(metric.name, {})
+        found = (self.gauges if metric.kind is MetricKind.GAUGE else series.counters).get(metric.name, {})
         return [(*key, value) if isinstance(key, tuple) else (key, None, value) for key, value in found.items()]
 
 

@@ -65,25 +65,25 @@ def test_live_mismatch_sums_move_only_the_mismatch_counters_and_deltas_add_up() 
 
     state = CumulativeState("r")
     before = state.apply(hand_report(1, {"": [[1, 2]]}))
-    assert before.cumulative.bucketed["mismatch_tokens"] == {}  # no sums yet
+    assert before.cumulative.counters["mismatch_tokens"] == {}  # no sums yet
     assert before.cumulative.counters["mismatch_uncovered"] == {}
     sums = mismatch_sums([0, 1, 1, 70], [-1.0] * 4, [-1.0, -1.5, float("nan"), -0.5])
     live = state.apply_mismatch(sums)
-    tokens = live.cumulative.bucketed["mismatch_tokens"]
+    tokens = live.cumulative.counters["mismatch_tokens"]
     assert list(tokens) == [("", v) for v in ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12",
                                               "13", "14", "15", "16", "32", "64", "+Inf")]  # fmt: skip
     assert (tokens[("", "0")], tokens[("", "1")], tokens[("", "+Inf")]) == (1, 1, 1)
-    assert live.delta.bucketed["mismatch_tokens"] == tokens
+    assert live.delta.counters["mismatch_tokens"] == tokens
     assert live.cumulative.counters["mismatch_uncovered"] == live.delta.counters["mismatch_uncovered"] == {"": 1}
     assert live.cumulative.counters["tokens_sampled"] == before.cumulative.counters["tokens_sampled"] == {"": 2}
     assert live.delta.counters["tokens_sampled"] == {"": 0}
     assert live.delta.histograms["token_staleness"][""].count == 0
     assert live.gauges == before.gauges and live.step == 1
-    length = live.delta.bucketed["length_sampled_tokens"]
+    length = live.delta.counters["length_sampled_tokens"]
     assert set(length.values()) == {0}
     after = state.apply(hand_report(2, {"": [[0]]}))  # a ship without sums: the mismatch totals stay
-    assert after.cumulative.bucketed["mismatch_tokens"] == tokens
-    assert set(after.delta.bucketed["mismatch_tokens"].values()) == {0}
+    assert after.cumulative.counters["mismatch_tokens"] == tokens
+    assert set(after.delta.counters["mismatch_tokens"].values()) == {0}
     assert after.delta.counters["mismatch_uncovered"] == {"": 0}
 
 
@@ -96,7 +96,7 @@ def test_a_ship_read_later_shows_that_ship_and_equals_one_read_at_once() -> None
     pending = [later.apply(report) for report in reports]  # nothing read until every ship is in
 
     def shown(snapshot: Snapshot) -> tuple[object, ...]:
-        return snapshot.step, snapshot.cumulative, snapshot.delta, snapshot.gauges, snapshot.bucketed_gauges
+        return snapshot.step, snapshot.cumulative, snapshot.delta, snapshot.gauges
 
     read = [shown(at_once.apply(report)) for report in reports]
     for snapshot, eager in zip(pending, read, strict=True):
