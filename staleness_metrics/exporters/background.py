@@ -63,7 +63,7 @@ class ExportQueue(Generic[P]):
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self._cond = threading.Condition()
-        self._pending: collections.deque[P] = collections.deque()
+        self._pending: collections.deque[P] = collections.deque(maxlen=max_size)
         self._in_flight = prepare is not None  # flush() waits for the preparation too
         self._closing = False  # no new payloads
         self._stopping = False  # worker exits after the current attempt
@@ -92,35 +92,23 @@ class ExportQueue(Generic[P]):
 
     def put(self, payload: P) -> bool:
         """Queue ``payload``; returns False when it could not be queued (closed)."""
-        dropped_oldest = False
         with self._cond:
-            if self._closing:
+            closed, full = self._closing, len(self._pending) == self._max_size
+            if closed or full:
                 self._dropped += 1
-                accepted = False
-            else:
-                if len(self._pending) >= self._max_size:
-                    self._pending.popleft()
-                    self._dropped += 1
-                    dropped_oldest = True
-                self._pending.append(payload)
+            if not closed:
+                self._pending.append(payload)  # when full, the deque drops the oldest
                 self._cond.notify_all()
-                accepted = True
-        if not accepted:
+        if closed:
             self._on_failure("exporter is closed; report dropped", None)
-        elif dropped_oldest:
+        elif full:
             self._on_failure(f"queue full ({self._max_size} reports); dropped the oldest", None)
-        return accepted
+        return not closed
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is sent; False when ``timeout`` passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._in_flight:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return True
+            return self._cond.wait_for(lambda: not self._pending and not self._in_flight, timeout)
 
     def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT) -> bool:
         """Stop accepting payloads, send what is queued within ``timeout`` (a send stuck in I/O is
@@ -211,7 +199,6 @@ class QueuedExporter(CountingExporter, Generic[P]):
     def _start_queue(
         self,
         send: Callable[[P], None],
-        *,
         max_queue: int,
         retry_initial: float,
         retry_max: float,
@@ -286,13 +273,7 @@ class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
         self.name = exporter.name
         super().__init__()
         self._exporter = exporter
-        self._start_queue(
-            self._send,
-            max_queue=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            close_timeout=close_timeout,
-        )
+        self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
 
     def attach(self, context: ExportContext) -> None:
         super().attach(context)

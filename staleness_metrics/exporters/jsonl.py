@@ -48,13 +48,7 @@ class JsonlExporter(QueuedExporter[str]):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = self.path.open("a" if append else "w", encoding="utf-8")
         self._file_lock = threading.Lock()
-        self._start_queue(
-            self._write,
-            max_queue=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            close_timeout=close_timeout,
-        )
+        self._start_queue(self._write, max_queue, retry_initial, retry_max, close_timeout)
 
     def export(self, report: StepReport) -> None:
         self._queue.put(row_json(report) + "\n")

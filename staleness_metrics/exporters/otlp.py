@@ -280,13 +280,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
                 resolve_protocol(protocol), endpoint, headers, timeout
             )
             self._temporality = self._counter_temporality(self._metric_exporter)
-        self._start_queue(
-            self._send,
-            max_queue=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            close_timeout=close_timeout,
-        )
+        self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
 
     @staticmethod
     def _counter_temporality(exporter: MetricExporter) -> AggregationTemporality:

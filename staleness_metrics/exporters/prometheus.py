@@ -266,13 +266,7 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
         self._delete_on_close = delete_on_close
         self._version = 0
         self._pushed_version = 0
-        self._start_queue(
-            self._push,
-            max_queue=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            close_timeout=close_timeout,
-        )
+        self._start_queue(self._push, max_queue, retry_initial, retry_max, close_timeout)
 
     @property
     def grouping_key(self) -> dict[str, str]:

@@ -143,10 +143,10 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         self._env_rows: dict[str, MetricDef] = {}  # per-env key -> its table row
         self._start_queue(
             self._log,
-            max_queue=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            close_timeout=close_timeout,
+            max_queue,
+            retry_initial,
+            retry_max,
+            close_timeout,
             prepare=self._prepare_worker if run is None or self._histogram_key is not None else None,
         )
 
