@@ -1,9 +1,5 @@
-"""Errors that name what was wrong: the rollout, the field and the reason.
-
-Every error carries them as attributes (``.field``, ``.reason``, and ``.rollout`` where there
-is one), so a caller (the service answering 422, a log line) reads them from the error, never
-back out of its message.
-"""
+"""Errors that name what was wrong: the rollout, the field and the reason, as attributes
+(``.field``, ``.reason``, ``.rollout``) a caller reads rather than parsing the message."""
 
 from __future__ import annotations
 
@@ -30,12 +26,8 @@ def shortened(text: str, limit: int = MAX_REASON_CHARS) -> str:
 
 
 class StalenessError(Exception):
-    """Base class of every error this package raises on purpose.
-
-    ``field``: what was wrong (a setting, a record field such as ``samples[0].mask[3]``, an event
-    line's key), or None when the error is about the whole input; ``reason``: why; ``rollout``: the
-    id of the rollout at fault, where there is one.
-    """
+    """Base class of every error this package raises on purpose: ``field`` (a setting, a record
+    field such as ``samples[0].mask[3]``; None for the whole input), ``reason``, ``rollout``."""
 
     field: str | None = None
     reason: str = ""

@@ -199,24 +199,20 @@ class StalenessMonitor:
                 fail("shipped_steps", "a step appears twice")
             mismatch: dict[int, MismatchSums] = {}
             for i, item in enumerate(sequence(state["mismatch"], "mismatch")):
-                step, sums = sequence(item, join("mismatch", i), 2)
-                step = integer(step, join(join("mismatch", i), 0), 1)
+                where = join("mismatch", i)
+                step, sums = sequence(item, where, 2)
+                step = integer(step, join(where, 0), 1)
                 if step not in shipped or step in mismatch:
-                    fail(
-                        join(join("mismatch", i), 0),
-                        f"step {step} was not shipped, or appears twice",
-                    )
-                mismatch[step] = check_mismatch(sums, join(join("mismatch", i), 1))
+                    fail(join(where, 0), f"step {step} was not shipped, or appears twice")
+                mismatch[step] = check_mismatch(sums, join(where, 1))
             env_mismatch: dict[tuple[int, str], MismatchSums] = {}
             for i, item in enumerate(sequence(state.get("env_mismatch", []), "env_mismatch")):
                 where = join("env_mismatch", i)
                 step, env, sums = sequence(item, where, 3)
                 step, env = integer(step, join(where, 0), 1), string(env, join(where, 1))
                 if step not in shipped or not env or (step, env) in env_mismatch:
-                    fail(
-                        where,
-                        f"step {step} of env {env!r} was not shipped, has no env name, or appears twice",
-                    )
+                    reason = "was not shipped, has no env name, or appears twice"
+                    fail(where, f"step {step} of env {env!r} {reason}")
                 env_mismatch[(step, env)] = check_mismatch(sums, join(where, 2))
             check_digests(state, "", skip=("sink",))
             # Everything is checked: replace. Exporters that cannot check a state beforehand load

@@ -145,15 +145,6 @@ class ExportErrors:
             for exporter, count in counts.items():
                 self._counts[exporter] = self._counts.get(exporter, 0) + int(count)
 
-    def carry_over(self, exporter: str, earlier: ExportErrors) -> None:
-        """Add what ``earlier`` counted for ``exporter`` (its failures before
-        it was attached here)."""
-        if earlier is self:
-            return
-        count = earlier.count(exporter)
-        with self._lock:
-            self._counts[exporter] = self._counts.get(exporter, 0) + count
-
 
 @dataclass(frozen=True)
 class ExportContext:
@@ -168,7 +159,8 @@ class ExportContext:
         """The shared counter for ``exporter``, holding what ``own`` counted before the
         attach (a port already taken at construction, say), so no failure is lost when an
         exporter switches over."""
-        self.errors.carry_over(exporter, own)
+        if own is not self.errors:
+            self.errors.restore({exporter: own.count(exporter)})
         return self.errors
 
 

@@ -21,9 +21,7 @@ from ..metrics.metric_table import (
     MetricKind,
     Source,
 )
-from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import MismatchReport
 from .state import CumulativeExporter, HistogramPoint, Snapshot, histogram_of
 
 if TYPE_CHECKING:
@@ -190,14 +188,9 @@ def _make_metric_exporter(
 
 
 class _InstrumentRecorder:
-    """Records snapshots through a caller's MeterProvider (the injected-provider path).
-
-    Gauges are observable: their callbacks yield the latest recorded snapshot's series and nothing
-    else, so a series that stopped being current (a floor source that changed, a lag that left the
-    curve, an env the last ship did not have) is no longer exported. A synchronous gauge would
-    keep reporting its last value for every attribute set it ever saw (the SDK keeps it under
-    cumulative temporality).
-    """
+    """Records snapshots through a caller's MeterProvider. Gauges are observable, yielding the
+    latest snapshot's series only: a synchronous gauge would keep reporting every attribute set it
+    ever saw, so a series no longer current (an old floor source, env or curve lag) would stay."""
 
     def __init__(self, provider: MeterProvider) -> None:
         meter = provider.get_meter(SCOPE_NAME, __version__)
@@ -294,17 +287,8 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         assert isinstance(chosen, AggregationTemporality)
         return chosen
 
-    def export(self, report: StepReport) -> None:
-        self._queue.put(self._apply(report))  # cheap: the series are computed and encoded on send
-
-    def export_mismatch(self, report: MismatchReport) -> None:
-        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and send."""
-        try:
-            snapshot = self._apply(report)
-        except Exception as exc:  # never into the trainer
-            self._errors.record(self.name, "mismatch sums not exported", exc)
-            return
-        self._queue.put(snapshot)
+    def _publish(self, snapshot: Snapshot) -> None:
+        self._queue.put(snapshot)  # cheap: the series are computed and encoded on send
 
     def _send(self, snapshot: Snapshot) -> None:
         if self._recorder is not None:

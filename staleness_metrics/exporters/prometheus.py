@@ -28,7 +28,7 @@ from ..metrics.metric_table import (
 )
 from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import ExportErrors, MismatchReport
+from .base import ExportErrors
 from .state import CumulativeExporter, Snapshot
 
 if TYPE_CHECKING:
@@ -144,12 +144,8 @@ class _PrometheusBase(CumulativeExporter):
 
 
 class PrometheusExporter(_PrometheusBase):
-    """Serves the metrics for Prometheus to scrape.
-
-    ``port``: HTTP server on ``addr`` (loopback by default; 0 picks a free port; None starts no
-    server, e.g. when you mount :meth:`asgi_app` in your own FastAPI app). Export is an in-memory
-    swap, done on the caller's thread.
-    """
+    """Serves the metrics for Prometheus to scrape: an HTTP server on ``addr:port`` (0 picks a free
+    port; None starts none, e.g. to mount :meth:`asgi_app`). Export is an in-memory swap."""
 
     name = "prometheus"
 
@@ -203,20 +199,13 @@ class PrometheusExporter(_PrometheusBase):
         self._server, self._server_thread = server, thread
 
     def export(self, report: StepReport) -> None:
-        self._apply(report)
+        super().export(report)
         if (
             self._requested_port is not None
             and self._server is None
             and time.monotonic() - self._last_bind_attempt >= self._bind_retry_interval
         ):
             self._bind()
-
-    def export_mismatch(self, report: MismatchReport) -> None:
-        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters."""
-        try:
-            self._apply(report)
-        except Exception as exc:  # never into the trainer
-            self._errors.record(self.name, "mismatch sums not exported", exc)
 
     def asgi_app(self) -> Callable[..., Any]:
         """An ASGI app serving this exporter's registry
@@ -272,20 +261,7 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
     def grouping_key(self) -> dict[str, str]:
         return {**self._extra_grouping, "run": self._state.run}
 
-    def export(self, report: StepReport) -> None:
-        self._apply(report)
-        self._queue_push()
-
-    def export_mismatch(self, report: MismatchReport) -> None:
-        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and push."""
-        try:
-            self._apply(report)
-        except Exception as exc:  # never into the trainer
-            self._errors.record(self.name, "mismatch sums not exported", exc)
-            return
-        self._queue_push()
-
-    def _queue_push(self) -> None:
+    def _publish(self, snapshot: Snapshot) -> None:
         with self._lock:
             self._version += 1
             version = self._version

@@ -53,8 +53,7 @@ BucketKey = tuple[str, str]  # (env, the dimension's exported label value)
 @dataclass(frozen=True)
 class HistogramPoint:
     """Histogram over :data:`BUCKETS`: ``bucket_counts[i]`` counts values in
-    ``(BUCKETS[i-1], BUCKETS[i]]``; the last entry counts values above ``BUCKETS[-1]`` (the ``+Inf``
-    bucket). Not cumulative over buckets."""
+    ``(BUCKETS[i-1], BUCKETS[i]]``, the last one those above ``BUCKETS[-1]`` (``+Inf``)."""
 
     bucket_counts: tuple[int, ...]
     sum: int
@@ -293,10 +292,8 @@ class Snapshot:
 
 
 class CumulativeState:
-    """Folds reports into run totals, returning a new immutable :class:`Snapshot` each time.
-
-    Not thread-safe by itself: callers serialize the folds; a snapshot may be read from any thread.
-    """
+    """Folds reports into run totals, returning a new immutable :class:`Snapshot` each time
+    (callers serialize the folds; a snapshot may be read from any thread)."""
 
     def __init__(self, run: str, by_env: bool = False) -> None:
         self.run = run
@@ -479,6 +476,21 @@ class CumulativeExporter(CountingExporter):
 
     def _show(self, snapshot: Snapshot) -> None:
         """Make ``snapshot`` what readers see (called in order, under the lock)."""
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        """Send ``snapshot`` on (an exporter that pushes)."""
+
+    def export(self, report: StepReport) -> None:
+        self._publish(self._apply(report))
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and publish them."""
+        try:
+            snapshot = self._apply(report)
+        except Exception as exc:  # never into the trainer
+            self._errors.record(self.name, "mismatch sums not exported", exc)
+            return
+        self._publish(snapshot)
 
     def state_dict(self) -> dict[str, Any]:
         """The cumulative series of the run (a monitor checkpoint holds them)."""
