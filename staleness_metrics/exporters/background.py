@@ -1,4 +1,4 @@
-"""A bounded queue and a worker thread, so a slow or failing exporter never blocks the training loop.
+"""A bounded queue and a worker thread: a slow or failing exporter never blocks the training loop.
 
 The worker sends payloads in order, retrying a failed send with exponential backoff; a full queue
 drops the **oldest** payload (cumulative exporters carry every counter in each payload).
@@ -16,7 +16,14 @@ from typing import Generic, TypeVar
 
 from ..errors import ConfigError
 from ..metrics.report import StepReport
-from .base import CountingExporter, ExportContext, Exporter, MismatchAware, MismatchReport, MonitorAware
+from .base import (
+    CountingExporter,
+    ExportContext,
+    Exporter,
+    MismatchAware,
+    MismatchReport,
+    MonitorAware,
+)
 
 __all__ = [
     "DEFAULT_CLOSE_TIMEOUT",

@@ -142,7 +142,7 @@ def build_metrics_data(
             if row.kind is MetricKind.GAUGE:
                 data = Gauge(data_points=points)
             else:
-                data = Sum(data_points=points, aggregation_temporality=temporality, is_monotonic=True)
+                data = Sum(points, temporality, is_monotonic=True)
         if data.data_points:
             metrics.append(Metric(row.otel_name, row.description, row.otel_unit, data))
     if errors:
@@ -218,8 +218,8 @@ class _InstrumentRecorder:
             snapshot = self._latest
             if snapshot is None:
                 return []
-            points = snapshot.points(row, snapshot.cumulative)
-            return [Observation(v, _attributes(row, snapshot.run, env, bucket)) for env, bucket, v in points]
+            run, points = snapshot.run, snapshot.points(row, snapshot.cumulative)
+            return [Observation(v, _attributes(row, run, env, bucket)) for env, bucket, v in points]
 
         return observe
 

@@ -46,6 +46,7 @@ DEFAULT_PORT = 9487
 
 _LE: list[str] = [floatToGoString(b) for b in BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 _PUBLISHED = tuple(m for m in METRICS if m.prometheus_name is not None)
+_ERRORS_ROW = next(m for m in _PUBLISHED if m.source is Source.EXPORTER)
 
 
 def _family(metric: MetricDef) -> GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily:
@@ -78,29 +79,24 @@ def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
                 family.add_metric(_label_values(metric, snapshot.run, env), buckets, sum_value=float(point.sum))
         else:
             for env, bucket, value in snapshot.points(metric, snapshot.cumulative):
-                family.add_metric(_label_values(metric, snapshot.run, env, bucket or ""), float(value))
+                labels = _label_values(metric, snapshot.run, env, bucket or "")
+                family.add_metric(labels, float(value))
         if family.samples:
             families.append(family)
     return tuple(families)
 
 
 class StalenessCollector:
-    """A ``prometheus_client`` collector that serves the last ship's snapshot as one unit."""
+    """A ``prometheus_client`` collector that serves the last ship's snapshot as one unit (swapped
+    whole: a scrape reads one)."""
 
     def __init__(self, errors: Callable[[], ExportErrors], run: Callable[[], str]) -> None:
         self._errors = errors
         self._run = run
-        self._lock = threading.Lock()
-        self._snapshot: Snapshot | None = None
-
-    def update(self, snapshot: Snapshot) -> None:
-        with self._lock:
-            self._snapshot = snapshot
+        self.snapshot: Snapshot | None = None
 
     def collect(self) -> Iterable[Metric]:
-        with self._lock:
-            snapshot = self._snapshot
-        # immutable inputs: building and rendering it outside the lock is safe
+        snapshot = self.snapshot
         if snapshot is not None:
             yield from render_families(snapshot)
         yield self._error_family()
@@ -110,7 +106,7 @@ class StalenessCollector:
         return [_family(m) for m in _PUBLISHED]
 
     def _error_family(self) -> Metric:
-        metric = next(m for m in _PUBLISHED if m.source is Source.EXPORTER)
+        metric = _ERRORS_ROW
         family = _family(metric)
         assert isinstance(family, CounterMetricFamily)
         run = self._run()
@@ -124,7 +120,6 @@ class _PrometheusBase(CumulativeExporter):
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         super().__init__()
-        self._last: Snapshot | None = None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.collector = StalenessCollector(lambda: self._errors, lambda: self._state.run)
         self.registry.register(self.collector)
@@ -132,11 +127,10 @@ class _PrometheusBase(CumulativeExporter):
     @property
     def last_snapshot(self) -> Snapshot | None:
         """What the last export published (None before the first)."""
-        return self._last
+        return self.collector.snapshot
 
     def _show(self, snapshot: Snapshot) -> None:
-        self.collector.update(snapshot)
-        self._last = snapshot
+        self.collector.snapshot = snapshot
 
     def exposition(self) -> bytes:
         """The text exposition (classic Prometheus format), as a scrape would get it."""

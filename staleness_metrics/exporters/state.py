@@ -112,32 +112,22 @@ def _as_number(metric: MetricDef, value: object) -> Number:
 
 
 def _gauge_values(metric: MetricDef, report: StepReport, by_env: bool) -> dict[str, Number]:
-    values: dict[str, Number] = {}
-    per_env = by_env and "env" in metric.labels
     if metric.source is Source.STEP:
-        values[""] = report.step
-    elif metric.source is Source.METRIC:
-        assert metric.wandb_key is not None
-        if metric.wandb_key in report.metrics:
-            values[""] = _as_number(metric, report.metrics[metric.wandb_key])
-        if per_env:
-            for env, env_metrics in report.env_metrics.items():
-                if env and metric.wandb_key in env_metrics:
-                    values[env] = _as_number(metric, env_metrics[metric.wandb_key])
-    elif metric.source is Source.TALLY:
-        assert metric.tally_field is not None
-        values[""] = _as_number(metric, getattr(report.tally, metric.tally_field))
-        if per_env:
-            for env, tally in report.env_tally.items():
-                if env:
-                    values[env] = _as_number(metric, getattr(tally, metric.tally_field))
-    return values
+        return {"": report.step}
+    per_env = by_env and "env" in metric.labels
+    if metric.source is Source.METRIC:
+        key = metric.wandb_key or ""
+        envs = {e: m for e, m in report.env_metrics.items() if e and per_env}
+        rows = {"": report.metrics, **envs}
+        return {env: _as_number(metric, row[key]) for env, row in rows.items() if key in row}
+    if metric.source is Source.TALLY:
+        field = metric.tally_field or ""
+        tallies = {"": report.tally, **{e: t for e, t in report.env_tally.items() if e and per_env}}
+        return {env: _as_number(metric, getattr(tally, field)) for env, tally in tallies.items()}
+    return {}
 
 
 _BOUND_GAUGES = tuple(m for m in METRICS if m.source is Source.BOUND and m.kind is MetricKind.GAUGE)
-_FLOOR_SOURCE_KEY = MISMATCH_FLOOR_SOURCE
-
-
 _BOUND_KEYS = frozenset(key for m in _BOUND_GAUGES for key in m.wandb_keys)
 
 
@@ -183,7 +173,7 @@ def _bound_gauges(metrics: Mapping[str, MetricValue] | None) -> dict[str, Mappin
                     if key in found:
                         values[(env, value)] = _as_number(metric, found[key])
             else:  # one key, its label from another key (the floor and its source)
-                source = found.get(_FLOOR_SOURCE_KEY)
+                source = found.get(MISMATCH_FLOOR_SOURCE)
                 if metric.wandb_key in found and isinstance(source, str):
                     values[(env, source)] = _as_number(metric, found[metric.wandb_key])
         gauges[metric.name] = values
@@ -206,21 +196,22 @@ _PUBLISHED_GAUGES = tuple(
 def _counter(metric: MetricDef, holders: Mapping[str, Any]) -> dict[Any, Number]:
     """A counter's values by env (the tally or the sums holding it), or by (env, bucket value),
     every bucket of its dimension present."""
-    field = (metric.mismatch_field if metric.source is Source.MISMATCH else metric.tally_field) or ""
-    rows = {env: _row(metric, getattr(holder, field)) for env, holder in holders.items()}
+    field = metric.mismatch_field if metric.source is Source.MISMATCH else metric.tally_field
+    rows = {env: _row(metric, getattr(holder, field or "")) for env, holder in holders.items()}
     if metric.name in _SUMMED_BATCH_WIDE and set(rows) - {""}:  # the batch-wide series first
         named = {env: row for env, row in rows.items() if env}
         rows = {"": [sum(column) for column in zip(*rows.values())], **named}
     if metric.dimension is None:
         return {env: row[0] for env, row in rows.items()}
     buckets = metric.dimension.values
-    return {(env, bucket): n for env, row in rows.items() for bucket, n in zip(buckets, row, strict=True)}
+    return {(env, b): n for env, row in rows.items() for b, n in zip(buckets, row, strict=True)}
 
 
 def _row(metric: MetricDef, value: Any) -> list[Number]:
     if metric.dimension is None:
         return [int(value)]
-    return [_as_number(metric, value[i] if i < len(value) else 0) for i in range(len(metric.dimension.values))]
+    width = len(metric.dimension.values)
+    return [_as_number(metric, value[i] if i < len(value) else 0) for i in range(width)]
 
 
 class Series(NamedTuple):
@@ -232,16 +223,20 @@ class Series(NamedTuple):
 
 
 def _series(
-    tallies: Mapping[str, Tally], mismatch: MismatchSums | None, env_mismatch: Mapping[str, MismatchSums]
+    tallies: Mapping[str, Tally],
+    mismatch: MismatchSums | None,
+    env_mismatch: Mapping[str, MismatchSums],
 ) -> Series:
     # the mismatch family: the batch's sums under env "", then each env's (live sums given per env)
     sums = {} if mismatch is None else {"": mismatch, **dict(sorted(env_mismatch.items()))}
     out = Series({}, {})
     for metric in METRICS:
         if metric.kind is MetricKind.HISTOGRAM:
-            out.histograms[metric.name] = {env: bucket_counts(histogram_of(metric, t)) for env, t in tallies.items()}
+            points = {env: bucket_counts(histogram_of(metric, t)) for env, t in tallies.items()}
+            out.histograms[metric.name] = points
         elif metric.kind is MetricKind.COUNTER and metric.source is not Source.EXPORTER:
-            out.counters[metric.name] = _counter(metric, sums if metric.source is Source.MISMATCH else tallies)
+            holders = sums if metric.source is Source.MISMATCH else tallies
+            out.counters[metric.name] = _counter(metric, holders)
     return out
 
 
@@ -263,7 +258,7 @@ class Snapshot:
     mismatch_delta: MismatchSums | None  # None before the first sums, zero for a ship without any
     env_mismatch_delta: Mapping[str, MismatchSums]
     gauge_report: StepReport | None  # the last ship's report: the gauges show it
-    bound_metrics: Mapping[str, MetricValue] | None  # SPEC 14 keys of the latest report with SPEC 11
+    bound_metrics: Mapping[str, MetricValue] | None  # SPEC 14 keys of the last report with SPEC 11
 
     @functools.cached_property
     def cumulative(self) -> Series:
@@ -273,22 +268,24 @@ class Snapshot:
     @functools.cached_property
     def delta(self) -> Series:
         """What this ship (or these trainer-side sums) added (OTLP delta temporality)."""
-        return _series(dict(sorted(self.window.items())), self.mismatch_delta, self.env_mismatch_delta)
+        window = dict(sorted(self.window.items()))
+        return _series(window, self.mismatch_delta, self.env_mismatch_delta)
 
     @functools.cached_property
     def gauges(self) -> dict[str, Mapping[Any, Number]]:
         """The last ship's gauges and SPEC 14's, by env (by (env, value) with a label besides env:
         the floor by source, the curve by lag)."""
-        report = self.gauge_report
+        by_env, report = self.by_env, self.gauge_report
         gauges: dict[str, Mapping[Any, Number]] = {
-            m.name: {} if report is None else _gauge_values(m, report, self.by_env) for m in _PUBLISHED_GAUGES
+            m.name: {} if report is None else _gauge_values(m, report, by_env) for m in _PUBLISHED_GAUGES
         }
         return {**gauges, **_bound_gauges(self.bound_metrics)}
 
     def points(self, metric: MetricDef, series: Series) -> list[tuple[str, str | None, Number]]:
         """(env, bucket value or None, value) of a gauge's or a counter's series."""
-        found = (self.gauges if metric.kind is MetricKind.GAUGE else series.counters).get(metric.name, {})
-        return [(*key, value) if isinstance(key, tuple) else (key, None, value) for key, value in found.items()]
+        values = self.gauges if metric.kind is MetricKind.GAUGE else series.counters
+        found = values.get(metric.name, {}).items()
+        return [(*key, v) if isinstance(key, tuple) else (key, None, v) for key, v in found]
 
 
 class CumulativeState:
@@ -305,7 +302,7 @@ class CumulativeState:
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
         self._last_report: StepReport | None = None  # the last ship's: the gauges show it
-        self._bound_metrics: dict[str, MetricValue] | None = None  # of the latest report with SPEC 11
+        self._bound_metrics: dict[str, MetricValue] | None = None  # of the last report with SPEC 11
 
     def state_dict(self) -> dict[str, Any]:
         """The run totals, the mismatch sums and the last report (for the gauges) as
@@ -484,7 +481,7 @@ class CumulativeExporter(CountingExporter):
         self._publish(self._apply(report))
 
     def export_mismatch(self, report: MismatchReport) -> None:
-        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and publish them."""
+        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters, and publish."""
         try:
             snapshot = self._apply(report)
         except Exception as exc:  # never into the trainer

@@ -1,9 +1,9 @@
 """Weights & Biases exporter: one history row per ship, under the metric table's W&B keys.
 
-Rows carry ``step_key`` (the x-axis of every ``staleness/*`` key, by ``define_metric``), per-env keys
-as the core wrote them, trainer-side mismatch rows, the token staleness histogram and, on request,
-the legacy keys. The run (yours, the active one, or its own) starts and logs on a background
-queue; docs/exporters.md has the details (own runs, ``commit=False``, ``close``).
+Rows carry ``step_key`` (the x-axis of every ``staleness/*`` key, by ``define_metric``), per-env
+keys as the core wrote them, trainer-side mismatch rows, the token staleness histogram and, on
+request, the legacy keys. The run (yours, the active one, or its own) starts and logs on a
+background queue; docs/exporters.md has the details (own runs, ``commit=False``, ``close``).
 """
 
 from __future__ import annotations
