@@ -107,12 +107,9 @@ class StalenessMonitor:
         self._closed = False
         self._absorbing = False
         self._shipped_steps: set[int] = set()
-        # per step, merged over calls (the latest steps)
-        self._mismatch: dict[int, MismatchSums] = {}
-        # their keys, as last published
-        self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}
-        # per step and env (the env breakdown)
-        self._env_mismatch: dict[tuple[int, str], MismatchSums] = {}
+        self._mismatch: dict[int, MismatchSums] = {}  # per step (the latest), merged over calls
+        self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}  # their keys, as published
+        self._env_mismatch: dict[tuple[int, str], MismatchSums] = {}  # per step and env
 
     @property
     def config(self) -> StalenessConfig:

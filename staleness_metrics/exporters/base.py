@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -103,10 +104,10 @@ class ExportErrors:
 
     def __init__(self, log_interval: float = 30.0) -> None:
         self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
+        self._counts: Counter[str] = Counter()
         self._log_interval = log_interval
         self._last_logged: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
+        self._suppressed: Counter[str] = Counter()
 
     def register(self, exporter: str) -> None:
         """Expose a zero count for ``exporter`` from the start (so ``rate()`` works
@@ -119,10 +120,10 @@ class ExportErrors:
         than an interval ago."""
         now = time.monotonic()
         with self._lock:
-            self._counts[exporter] = self._counts.get(exporter, 0) + 1
+            self._counts[exporter] += 1
             last = self._last_logged.get(exporter)
             if last is not None and now - last < self._log_interval:
-                self._suppressed[exporter] = self._suppressed.get(exporter, 0) + 1
+                self._suppressed[exporter] += 1
                 return
             self._last_logged[exporter] = now
             suppressed = self._suppressed.pop(exporter, 0)
@@ -132,7 +133,7 @@ class ExportErrors:
 
     def count(self, exporter: str) -> int:
         with self._lock:
-            return self._counts.get(exporter, 0)
+            return self._counts[exporter]
 
     def snapshot(self) -> dict[str, int]:
         """All counts at once (exporter name -> failures)."""
@@ -142,8 +143,7 @@ class ExportErrors:
     def restore(self, counts: Mapping[str, int]) -> None:
         """Add counts saved by a checkpoint (the counter continues across a restart)."""
         with self._lock:
-            for exporter, count in counts.items():
-                self._counts[exporter] = self._counts.get(exporter, 0) + int(count)
+            self._counts.update({exporter: int(count) for exporter, count in counts.items()})
 
 
 @dataclass(frozen=True)

@@ -146,31 +146,17 @@ def build_metrics_data(
         if data.data_points:
             metrics.append(Metric(row.otel_name, row.description, row.otel_unit, data))
     if errors:
-        assert _ERRORS_ROW.otel_name is not None
-        # Export errors are cumulative in-process counts; they are sent cumulative
-        # whatever the preference.
+        row = _ERRORS_ROW
+        assert row.otel_name is not None
+        # in-process counts since this state started: cumulative whatever the preference
         error_points = [
             NumberDataPoint({"run": run, "exporter": name}, snapshot.start_time_ns, now, count)
             for name, count in sorted(errors.items())
         ]
-        metrics.append(
-            Metric(
-                _ERRORS_ROW.otel_name,
-                _ERRORS_ROW.description,
-                _ERRORS_ROW.otel_unit,
-                Sum(error_points, AggregationTemporality.CUMULATIVE, is_monotonic=True),
-            )
-        )
-    scope = InstrumentationScope(SCOPE_NAME, __version__)
-    return MetricsData(
-        resource_metrics=[
-            ResourceMetrics(
-                resource=resource,
-                scope_metrics=[ScopeMetrics(scope=scope, metrics=metrics, schema_url="")],
-                schema_url="",
-            )
-        ]
-    )
+        error_sum = Sum(error_points, AggregationTemporality.CUMULATIVE, is_monotonic=True)
+        metrics.append(Metric(row.otel_name, row.description, row.otel_unit, error_sum))
+    scope = ScopeMetrics(InstrumentationScope(SCOPE_NAME, __version__), metrics, schema_url="")
+    return MetricsData([ResourceMetrics(resource, [scope], schema_url="")])
 
 
 def _make_metric_exporter(

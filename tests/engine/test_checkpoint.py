@@ -68,7 +68,8 @@ def final_state(monitor: StalenessMonitor) -> dict[str, Any]:
         "tokens_queued": sink.tokens_queued,
         "tokens_entered": sink.tokens_entered,
         "step": sink.step,
-        "counters": None if snapshot is None else snapshot.cumulative.counters,
+        # (env, bucket) keys as JSON has them: a new process prints this
+        "counters": None if snapshot is None else {k: [*v.items()] for k, v in snapshot.cumulative.counters.items()},
         "histograms": None if snapshot is None else snapshot.cumulative.histograms,
     }
 
