@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from types import TracebackType
 from typing import Any, TypeVar
 
 from .config import StalenessConfig
@@ -356,10 +355,5 @@ class StalenessMonitor:
     def __enter__(self) -> StalenessMonitor:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

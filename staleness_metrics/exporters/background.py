@@ -175,8 +175,8 @@ class ExportQueue(Generic[P]):
             self._dropped += not sent
 
     def _retry(self, attempt: Callable[[], None], failure: str) -> bool:
-        """Call ``attempt`` until it returns (True), backing off after each
-        failure; False once stopping."""
+        """Call ``attempt`` until it returns (True), backing off after each failure; False once
+        stopping."""
         backoff = self._retry_initial
         while True:
             try:
@@ -242,9 +242,8 @@ class QueuedExporter(CountingExporter, Generic[P]):
         return self._queue
 
     def close(self, timeout: float | None = None) -> None:
-        """Send what is queued and shut down, returning within ``timeout`` seconds
-        (default: the exporter's ``close_timeout``) whatever the receiver does; what is
-        left unsent is counted dropped."""
+        """Send what is queued and shut down within ``timeout`` seconds (default: ``close_timeout``)
+        whatever the receiver does; what is left unsent is counted dropped."""
         if self._closed:
             return
         self._closed = True
@@ -291,8 +290,7 @@ class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
         self._queue.put(report)
 
     def export_mismatch(self, report: MismatchReport) -> None:
-        """Queued like a ship, for a wrapped exporter that publishes mismatch
-        sums (ignored otherwise)."""
+        """Queued like a ship, for a wrapped exporter that publishes mismatch sums."""
         if isinstance(self._exporter, MismatchAware):
             self._queue.put(report)
 

@@ -110,14 +110,12 @@ class ExportErrors:
         self._suppressed: Counter[str] = Counter()
 
     def register(self, exporter: str) -> None:
-        """Expose a zero count for ``exporter`` from the start (so ``rate()`` works
-        from the first scrape)."""
+        """Expose a zero count for ``exporter`` (so ``rate()`` works from the first scrape)."""
         with self._lock:
             self._counts.setdefault(exporter, 0)
 
     def record(self, exporter: str, message: str, exc: BaseException | None = None) -> None:
-        """Count one failure of ``exporter`` and log it unless it logged less
-        than an interval ago."""
+        """Count one failure of ``exporter``; log it unless it logged less than an interval ago."""
         now = time.monotonic()
         with self._lock:
             self._counts[exporter] += 1
@@ -156,9 +154,8 @@ class ExportContext:
     env_breakdown: bool = False
 
     def share_errors(self, exporter: str, own: ExportErrors) -> ExportErrors:
-        """The shared counter for ``exporter``, holding what ``own`` counted before the
-        attach (a port already taken at construction, say), so no failure is lost when an
-        exporter switches over."""
+        """The shared counter, given what ``own`` counted for ``exporter`` before the attach (a port
+        already taken at construction, say)."""
         if own is not self.errors:
             self.errors.restore({exporter: own.count(exporter)})
         return self.errors

@@ -305,8 +305,7 @@ class CumulativeState:
         self._bound_metrics: dict[str, MetricValue] | None = None  # of the last report with SPEC 11
 
     def state_dict(self) -> dict[str, Any]:
-        """The run totals, the mismatch sums and the last report (for the gauges) as
-        JSON-serialisable data."""
+        """The run totals, the mismatch sums and the last report, as JSON-serialisable data."""
         from ..engine.checkpoint import report_to_dict, tally_to_dict
 
         return {
@@ -329,10 +328,8 @@ class CumulativeState:
         dict[str, MetricValue] | None,
         dict[str, MismatchSums],
     ]:
-        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path):
-        totals, sums, start, report, the SPEC 14 keys of the latest report with SPEC 11
-        (absent from states saved before SPEC 14) and the per-env sums (absent from states
-        saved before they existed)."""
+        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path); the SPEC 14
+        keys and the per-env sums may be absent (states saved before they existed)."""
         from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
         from ..state_checks import integer, join, keys, mapping, string
 
@@ -373,8 +370,7 @@ class CumulativeState:
         return self._snapshot({}, None)
 
     def apply(self, report: StepReport) -> Snapshot:
-        """Fold in a ship: its tallies, its gauges and, when its records carried
-        them, its mismatch sums."""
+        """Fold in a ship: its tallies, its gauges and its mismatch sums (when it had them)."""
         window = partition_by_env(report, self.by_env)
         for env, tally in window.items():
             self._totals[env] = self._totals.get(env, Tally()) + tally
@@ -394,10 +390,8 @@ class CumulativeState:
         metrics: Mapping[str, MetricValue] | None = None,
         env: str | None = None,
     ) -> Snapshot:
-        """Fold in trainer-side sums (the live path): the counters move, the last ship's
-        gauges stay; SPEC 14's gauges take ``metrics``, the keys of the step's merged sums
-        (``MismatchReport.metrics``). Sums of one ``env`` also count in that env's series
-        (with the env breakdown)."""
+        """Fold in trainer-side sums (the live path): the counters move (an ``env``'s too, with the
+        env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics`` (the step's keys)."""
         self._add_mismatch(delta)
         env_delta = {}
         if env and self.by_env:

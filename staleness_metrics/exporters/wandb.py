@@ -84,10 +84,8 @@ def _row_of_env_key(key: str, report: StepReport) -> MetricDef | None:
 
 
 def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]]:
-    """Counts and bin edges of an integer histogram: bin ``s`` spans ``[s - 0.5, s + 0.5)``.
-
-    Histograms longer than W&B's 512 bins are folded into 512 equal-width bins.
-    """
+    """Counts and bin edges of an integer histogram: bin ``s`` spans ``[s - 0.5, s + 0.5)``; one
+    longer than W&B's 512 bins is folded into 512 equal-width bins."""
     trimmed = np.trim_zeros(np.asarray(counts, dtype=np.int64), "b")
     if len(trimmed) == 0:
         trimmed = np.zeros(1, dtype=np.int64)
@@ -156,9 +154,8 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         return self._run
 
     def _prepare_worker(self) -> None:
-        """First thing on the worker: import wandb (seconds, for ``wandb.Histogram``) before the
-        first row rather than inside its send, so ``flush`` and ``pending`` count it and the ships
-        overlap with it; then start the run when none was given."""
+        """First on the worker (so ``flush`` and ``pending`` count it): import wandb (seconds), then
+        start the run when none was given."""
         import wandb  # noqa: F401  (a run passed in already imported it: instant)
 
         if self._run is None:
@@ -177,8 +174,7 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             self._finish_run()
 
     def _finish_run(self) -> None:
-        """Finish the exporter's own run, once; a run still starting is
-        finished when it has started."""
+        """Finish the exporter's own run, once (a run still starting, when it has started)."""
         with self._run_lock:
             self._finish_asked = True
             run = self._run if self._owns_run and not self._finished else None
