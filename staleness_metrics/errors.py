@@ -1,9 +1,5 @@
-"""Errors that name what was wrong: the rollout, the field and the reason.
-
-Every error carries them as attributes (``.field``, ``.reason``, and ``.rollout`` where there
-is one), so a caller (the service answering 422, a log line) reads them from the error, never
-back out of its message.
-"""
+"""Errors that name what was wrong: the rollout, the field and the reason, as attributes
+(``.field``, ``.reason``, ``.rollout``) a caller reads rather than parsing the message."""
 
 from __future__ import annotations
 
@@ -30,12 +26,8 @@ def shortened(text: str, limit: int = MAX_REASON_CHARS) -> str:
 
 
 class StalenessError(Exception):
-    """Base class of every error this package raises on purpose.
-
-    ``field``: what was wrong (a setting, a record field such as ``samples[0].mask[3]``, an event
-    line's key), or None when the error is about the whole input; ``reason``: why; ``rollout``: the
-    id of the rollout at fault, where there is one.
-    """
+    """Base class of every error this package raises on purpose: ``field`` (a setting, a record
+    field such as ``samples[0].mask[3]``; None for the whole input), ``reason``, ``rollout``."""
 
     field: str | None = None
     reason: str = ""
@@ -61,38 +53,30 @@ def _field_message(field: str | None, reason: str) -> str:
     return f"{field}: {reason}" if field else reason
 
 
-class FieldError(StalenessError, ValueError):
+class _NamedField(StalenessError):
+    """An error built from the field, the reason and the rollout: ``"<field>: <reason>"``."""
+
+    def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
+        super().__init__(_field_message(field, reason))
+        self.field = field
+        self.reason = reason
+        self.rollout = rollout
+
+
+class FieldError(_NamedField, ValueError):
     """A value the library refuses, other than a setting or a record: an argument (an array of the
     wrong shape or dtype, a step), mismatch sums (SPEC 11) and the step they are posted for. The
     message is ``"<field>: <reason>"`` (the reason alone without a field); ``rollout`` names the
     rollout at fault where there is one."""
 
-    def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
-        super().__init__(_field_message(field, reason))
-        self.field = field
-        self.reason = reason
-        self.rollout = rollout
 
-
-class FieldTypeError(StalenessError, TypeError):
+class FieldTypeError(_NamedField, TypeError):
     """An argument of the wrong type (a ``TypeError``): ``field`` names the argument."""
 
-    def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
-        super().__init__(_field_message(field, reason))
-        self.field = field
-        self.reason = reason
-        self.rollout = rollout
 
-
-class MissingFieldError(StalenessError, KeyError):
+class MissingFieldError(_NamedField, KeyError):
     """A key a trainer's batch or a call's mapping lacks (a ``KeyError``): ``field`` names the key,
     and the message reads as the other errors' (a plain ``KeyError`` quotes it)."""
-
-    def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
-        super().__init__(_field_message(field, reason))
-        self.field = field
-        self.reason = reason
-        self.rollout = rollout
 
     def __str__(self) -> str:
         return _field_message(self.field, self.reason)

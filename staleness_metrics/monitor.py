@@ -1,29 +1,9 @@
 """The orchestrator plugin: a sink plus exporters, called when rollouts arrive and when a batch
-ships.
+ships (``add``, ``ship``, ``record_mismatch`` for the trainer's SPEC 11 sums, ``close``).
 
-::
-
-    exporters = [PrometheusExporter(), ConsoleExporter()]
-    monitor = StalenessMonitor(StalenessConfig(max_staleness=8), exporters, run="exp-42")
-    monitor.add(rollouts)          # whenever rollouts finish (SPEC 3 records)
-    shipment = monitor.ship(step)  # in the batch callback: masks it, exports without blocking
-    batch = [r.record() for r in shipment.rollouts]  # train on it
-    metrics = shipment.metrics                       # and log the dict
-    monitor.close()                # at the end of training: flushes the exporters
-
-What staleness costs (SPEC 11), when the trainer's log-probabilities exist only after the batch
-left::
-
-    send(batch, shipment.lags)           # the lag of every shipped position
-    # trainer side:
-    sums = mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=shipped_mask == 0)
-    monitor.record_mismatch(step, sums)  # once per rank or micro-batch: they merge
-
-``ship`` hands the step's report to every exporter and returns at once: network exporters queue
-their work, and an exporter that fails or raises is counted in ``rl_staleness_export_errors_total``
-and logged (rate-limited), never raised into the training loop. Input errors are a different
-matter: in strict mode an invalid rollout raises :class:`~staleness_metrics.errors.TraceError` from
-``add`` or ``ship``, as the sink does.
+``ship`` hands the step's report to every exporter and returns at once: an exporter that fails or
+raises is counted in ``rl_staleness_export_errors_total`` and logged, never raised into the
+training loop. Invalid input still raises in strict mode, as the sink does.
 """
 
 from __future__ import annotations
@@ -32,8 +12,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from .config import StalenessConfig
 from .engine.checkpoint import check_mismatch
@@ -71,6 +50,9 @@ from .state_checks import (
 
 __all__ = ["StalenessMonitor"]
 
+K = TypeVar("K")
+V = TypeVar("V")
+
 # per-step totals kept for late calls; counters are cumulative regardless
 MISMATCH_STEPS_KEPT = 1024
 # seconds past the exporters' own close timeouts: an exporter returning at its timeout is on time
@@ -78,12 +60,18 @@ CLOSE_GRACE = 0.25
 
 
 def _close_bound(exporters: Iterable[Exporter]) -> float:
-    """How long ``close`` waits by default: the longest close timeout an exporter
-    declares (exporters that declare none are held to :data:`DEFAULT_CLOSE_TIMEOUT`),
-    plus :data:`CLOSE_GRACE`."""
+    """``close``'s default bound: the longest ``close_timeout`` declared (at least
+    :data:`DEFAULT_CLOSE_TIMEOUT`) plus :data:`CLOSE_GRACE`."""
     timeouts = [getattr(exporter, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for exporter in exporters]
     declared = [float(t) for t in timeouts if isinstance(t, int | float) and not isinstance(t, bool)]
     return max([DEFAULT_CLOSE_TIMEOUT, *declared]) + CLOSE_GRACE
+
+
+def _keep(kept: dict[K, V], key: K, value: V) -> None:
+    """Set ``kept[key]``, forgetting the earliest keys beyond :data:`MISMATCH_STEPS_KEPT`."""
+    kept[key] = value
+    while len(kept) > MISMATCH_STEPS_KEPT:
+        del kept[min(kept)]  # type: ignore[type-var]
 
 
 class StalenessMonitor:
@@ -118,12 +106,9 @@ class StalenessMonitor:
         self._closed = False
         self._absorbing = False
         self._shipped_steps: set[int] = set()
-        # per step, merged over calls (the latest steps)
-        self._mismatch: dict[int, MismatchSums] = {}
-        # their keys, as last published
-        self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}
-        # per step and env (the env breakdown)
-        self._env_mismatch: dict[tuple[int, str], MismatchSums] = {}
+        self._mismatch: dict[int, MismatchSums] = {}  # per step (the latest), merged over calls
+        self._mismatch_metrics: dict[int, dict[str, MetricValue]] = {}  # their keys, as published
+        self._env_mismatch: dict[tuple[int, str], MismatchSums] = {}  # per step and env
 
     @property
     def config(self) -> StalenessConfig:
@@ -140,11 +125,8 @@ class StalenessMonitor:
             self.sink.sweep(step)
 
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
-        """Mask and take the batch for ``step``, hand its report to the
-        exporters, return the shipment.
-
-        ``shipment.metrics`` is the SPEC 6 dict of the step.
-        """
+        """Mask and take the batch for ``step``, hand its report (``shipment.metrics``, SPEC 6) to
+        the exporters, return the shipment."""
         with self._lock:
             shipment = self.sink.ship(step, ids)
             self._shipped_steps.add(shipment.step)
@@ -166,13 +148,8 @@ class StalenessMonitor:
         return found
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything later ships depend on, as plain JSON-serialisable data (SPEC 13).
-
-        The sink (queue, held groups, window, last step, counters and histograms, policy
-        state), the cumulative state of the exporters that keep one (Prometheus, OTLP) and the
-        export error counts. Save it beside the trainer's checkpoint; :meth:`load_state_dict`
-        in a new process continues.
-        """
+        """Everything later ships depend on (the sink's, the cumulative exporters' and the export
+        error counts), as plain JSON-serialisable data (SPEC 13)."""
         with self._lock:
             state: dict[str, Any] = {
                 "format": FORMAT,
@@ -190,14 +167,9 @@ class StalenessMonitor:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`; exporters continue their cumulative
-        series from the saved values.
-
-        All or nothing: the whole state is checked first (structure, types, ranges, that its parts
-        agree, and the digests saved with it), and a bad one raises ``ConfigError`` naming the key
-        path and the reason, with the monitor left exactly as it was. A checkpoint of another policy
-        or bound is refused too (naming both). An exporter of this monitor absent from the
-        checkpoint starts its series afresh."""
+        """Continue from :meth:`state_dict`, exporters' series included (one absent from it starts
+        afresh). All or nothing: a bad state (or another policy's) raises ``ConfigError`` naming the
+        key path and the reason, and the monitor stays as it was."""
         check_format(state, "monitor")
         state = keys(state, "", ("format", "run", "sink", "exporters", "export_errors", "shipped_steps", "mismatch"),
                      ("digests", "env_mismatch"))  # fmt: skip
@@ -223,24 +195,20 @@ class StalenessMonitor:
                 fail("shipped_steps", "a step appears twice")
             mismatch: dict[int, MismatchSums] = {}
             for i, item in enumerate(sequence(state["mismatch"], "mismatch")):
-                step, sums = sequence(item, join("mismatch", i), 2)
-                step = integer(step, join(join("mismatch", i), 0), 1)
+                where = join("mismatch", i)
+                step, sums = sequence(item, where, 2)
+                step = integer(step, join(where, 0), 1)
                 if step not in shipped or step in mismatch:
-                    fail(
-                        join(join("mismatch", i), 0),
-                        f"step {step} was not shipped, or appears twice",
-                    )
-                mismatch[step] = check_mismatch(sums, join(join("mismatch", i), 1))
+                    fail(join(where, 0), f"step {step} was not shipped, or appears twice")
+                mismatch[step] = check_mismatch(sums, join(where, 1))
             env_mismatch: dict[tuple[int, str], MismatchSums] = {}
             for i, item in enumerate(sequence(state.get("env_mismatch", []), "env_mismatch")):
                 where = join("env_mismatch", i)
                 step, env, sums = sequence(item, where, 3)
                 step, env = integer(step, join(where, 0), 1), string(env, join(where, 1))
                 if step not in shipped or not env or (step, env) in env_mismatch:
-                    fail(
-                        where,
-                        f"step {step} of env {env!r} was not shipped, has no env name, or appears twice",
-                    )
+                    reason = "was not shipped, has no env name, or appears twice"
+                    fail(where, f"step {step} of env {env!r} {reason}")
                 env_mismatch[(step, env)] = check_mismatch(sums, join(where, 2))
             check_digests(state, "", skip=("sink",))
             # Everything is checked: replace. Exporters that cannot check a state beforehand load
@@ -262,9 +230,8 @@ class StalenessMonitor:
 
     @contextmanager
     def absorbing(self) -> Iterator[None]:
-        """Within this block ships and trainer-side sums are folded into the exporters'
-        state but not published: for re-applying writes that were published before a restart
-        (the service's journal)."""
+        """Within this block ships and trainer-side sums are folded into the exporters' state but
+        not published (re-applying what was published before a restart)."""
         with self._lock:
             self._absorbing = True
         try:
@@ -276,19 +243,12 @@ class StalenessMonitor:
     def record_mismatch(
         self, step: int, sums: MismatchSums | Mapping[str, Any], env: str | None = None
     ) -> MismatchSums:
-        """Record trainer-side SPEC 11 sums for a shipped ``step`` and publish them;
-        returns the step's total.
+        """Record trainer-side SPEC 11 sums (:class:`~staleness_metrics.MismatchSums` or its
+        ``to_dict()``) for a shipped ``step`` and publish them; returns the step's total.
 
-        ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from
-        :func:`~staleness_metrics.mismatch_sums`) or its ``to_dict()`` form. Several calls for one
-        step (one per rank or micro-batch) merge. A step never shipped, or a malformed dict, raises
-        ``ValueError`` naming the field; nothing is recorded then.
-
-        ``env`` names the env the sums are of (one call per env and rank): they count in the
-        step's batch-wide total as any others, and with the env breakdown also in the env's,
-        published under ``staleness/env/<env>/mismatch/...`` and ``.../bound/...`` (an
-        ``env`` label elsewhere).
-        """
+        Calls for one step (per rank or micro-batch) merge; sums of one ``env`` also count in that
+        env's series with the env breakdown. A step never shipped or a malformed dict raises
+        ``ValueError`` naming the field, and nothing is recorded."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise FieldError("step", f"expected an integer >= 1, got {step!r}")
         if env is not None and (not isinstance(env, str) or not env):
@@ -301,16 +261,12 @@ class StalenessMonitor:
                     f"no batch was shipped for step {step}; mismatch sums belong to a shipped step",
                 )
             total = self._mismatch.get(step, MismatchSums.zero()) + delta
-            self._mismatch[step] = total
-            while len(self._mismatch) > MISMATCH_STEPS_KEPT:
-                del self._mismatch[min(self._mismatch)]
+            _keep(self._mismatch, step, total)
             bound = self.sink.observe_mismatch(step, total, merge=True)
             env_metrics: dict[str, dict[str, MetricValue]] = {}
             if env is not None and self.config.env_breakdown:
                 env_total = self._env_mismatch.get((step, env), MismatchSums.zero()) + delta
-                self._env_mismatch[(step, env)] = env_total
-                while len(self._env_mismatch) > MISMATCH_STEPS_KEPT:
-                    del self._env_mismatch[min(self._env_mismatch)]
+                _keep(self._env_mismatch, (step, env), env_total)
                 env_bound = self.sink.observe_env_mismatch(step, env, env_total, merge=True)
                 env_metrics[env] = mismatch_metrics(env_total, env_bound)
             report = MismatchReport(
@@ -321,9 +277,7 @@ class StalenessMonitor:
                 env_metrics=env_metrics,
                 env=env if env_metrics else None,
             )
-            self._mismatch_metrics[step] = report.metrics
-            while len(self._mismatch_metrics) > MISMATCH_STEPS_KEPT:
-                del self._mismatch_metrics[min(self._mismatch_metrics)]
+            _keep(self._mismatch_metrics, step, report.metrics)
             # published before a restart: the counters catch up, nothing is sent again
             if self._absorbing:
                 for stateful in self._stateful().values():
@@ -344,9 +298,8 @@ class StalenessMonitor:
             return self._mismatch.get(step)
 
     def mismatch_metrics(self, step: int) -> dict[str, MetricValue] | None:
-        """The keys the last :meth:`record_mismatch` of ``step`` published in this process (SPEC
-        11 with the excess over SPEC 14's floor, and SPEC 14's keys); None when none was
-        recorded since it started."""
+        """The keys (SPEC 11 and 14) the last :meth:`record_mismatch` of ``step`` published in this
+        process; None when none was."""
         with self._lock:
             found = self._mismatch_metrics.get(step)
             return None if found is None else dict(found)
@@ -367,14 +320,10 @@ class StalenessMonitor:
                 self.export_errors.record(exporter.name, "export raised", exc)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush and close every exporter, all at once; safe to call twice.
+        """Flush and close every exporter at once, each on a daemon thread; safe to call twice.
 
-        Each exporter closes on a daemon thread of its own, so N exporters waiting for slow
-        receivers cost one close timeout, not N. The call returns within ``timeout`` seconds
-        (default: the longest ``close_timeout`` among the exporters, at least
-        :data:`DEFAULT_CLOSE_TIMEOUT`, plus :data:`CLOSE_GRACE`); an exporter whose ``close`` has
-        not returned by then is counted and logged, and left to finish in the background.
-        """
+        Returns within ``timeout`` (default: the longest exporter ``close_timeout`` plus a grace);
+        an exporter still closing then is counted, logged and left to finish in the background."""
         with self._lock:
             if self._closed:
                 return
@@ -406,10 +355,5 @@ class StalenessMonitor:
     def __enter__(self) -> StalenessMonitor:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

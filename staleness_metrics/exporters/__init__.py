@@ -1,9 +1,5 @@
-"""Exporters: render each ship's report under the metric table's names.
-
-Optional dependencies are imported when an exporter class is first used, so
-``from staleness_metrics.exporters import PrometheusExporter`` needs
-``prometheus-client`` only then.
-"""
+"""Exporters: render each ship's report under the metric table's names (an optional dependency
+is imported when its exporter class is first used)."""
 
 from __future__ import annotations
 

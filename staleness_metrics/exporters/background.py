@@ -1,21 +1,9 @@
-"""A bounded queue and a worker thread, so a slow or failing exporter never
-blocks the training loop.
+"""A bounded queue and a worker thread: a slow or failing exporter never blocks the training loop.
 
-The training thread only appends to the queue. One daemon thread sends the queued payloads in order;
-a failed send is counted, logged (rate-limited) and retried with exponential backoff, and the
-payloads behind it wait. When the queue is full the **oldest** waiting payload is dropped (and
-counted as a failed export): after an outage the newest data matters most, and the cumulative
-exporters (Prometheus push, OTLP) carry their counters and histograms in every payload, so only
-intermediate gauge values are lost. ``close(timeout)`` stops accepting work, keeps sending (and
-retrying) until the queue is empty or the timeout passes, and counts what is left as dropped. The
-timeout bounds the whole close, the exporter's own shutdown included (default
-:data:`DEFAULT_CLOSE_TIMEOUT`): a send stuck in I/O (a receiver that refuses, blackholes or answers
-slowly) is left to its daemon thread, which exits once the send gives up, and a shutdown that blocks
-is left to a daemon thread too, so the trainer never waits longer than the timeout.
-
-:class:`QueuedExporter` is the base of the exporters that queue (this module's
-:class:`BackgroundExporter`, JSONL, W&B, OTLP, Pushgateway): error counting, ``flush``
-and a once-only ``close``.
+The worker sends payloads in order, retrying a failed send with exponential backoff; a full queue
+drops the **oldest** payload (cumulative exporters carry every counter in each payload).
+``close(timeout)`` bounds the whole close, the exporter's own shutdown included: what is stuck is
+left to daemon threads. Failures and drops are counted as failed exports (docs/exporters.md).
 """
 
 from __future__ import annotations
@@ -28,7 +16,14 @@ from typing import Generic, TypeVar
 
 from ..errors import ConfigError
 from ..metrics.report import StepReport
-from .base import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
+from .base import (
+    CountingExporter,
+    ExportContext,
+    Exporter,
+    MismatchAware,
+    MismatchReport,
+    MonitorAware,
+)
 
 __all__ = [
     "DEFAULT_CLOSE_TIMEOUT",
@@ -49,14 +44,9 @@ FailureHandler = Callable[[str, "BaseException | None"], None]
 class ExportQueue(Generic[P]):
     """Sends payloads on a worker thread; ``put`` never blocks and never raises.
 
-    ``send`` raises to signal a failed attempt; the same payload is retried after a backoff that
-    starts at ``retry_initial`` seconds and doubles up to ``retry_max``. Retries go on as long
-    as the payload is within the bound (a permanently failing exporter ends up keeping the
-    newest ``max_size`` payloads).
-
-    ``prepare``, when given, runs first on the worker thread (what is too slow to do on the
-    caller's thread, such as starting a W&B run); it is retried like a send until it
-    succeeds, and payloads wait.
+    A ``send`` that raises is retried with the same payload after a backoff from ``retry_initial``
+    seconds doubling up to ``retry_max``. ``prepare`` (say, starting a W&B run) runs first on the
+    worker, retried the same way, while payloads wait.
     """
 
     def __init__(
@@ -80,7 +70,7 @@ class ExportQueue(Generic[P]):
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self._cond = threading.Condition()
-        self._pending: collections.deque[P] = collections.deque()
+        self._pending: collections.deque[P] = collections.deque(maxlen=max_size)
         self._in_flight = prepare is not None  # flush() waits for the preparation too
         self._closing = False  # no new payloads
         self._stopping = False  # worker exits after the current attempt
@@ -109,43 +99,27 @@ class ExportQueue(Generic[P]):
 
     def put(self, payload: P) -> bool:
         """Queue ``payload``; returns False when it could not be queued (closed)."""
-        dropped_oldest = False
         with self._cond:
-            if self._closing:
+            closed, full = self._closing, len(self._pending) == self._max_size
+            if closed or full:
                 self._dropped += 1
-                accepted = False
-            else:
-                if len(self._pending) >= self._max_size:
-                    self._pending.popleft()
-                    self._dropped += 1
-                    dropped_oldest = True
-                self._pending.append(payload)
+            if not closed:
+                self._pending.append(payload)  # when full, the deque drops the oldest
                 self._cond.notify_all()
-                accepted = True
-        if not accepted:
+        if closed:
             self._on_failure("exporter is closed; report dropped", None)
-        elif dropped_oldest:
+        elif full:
             self._on_failure(f"queue full ({self._max_size} reports); dropped the oldest", None)
-        return accepted
+        return not closed
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is sent; False when ``timeout`` passed first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending or self._in_flight:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            return True
+            return self._cond.wait_for(lambda: not self._pending and not self._in_flight, timeout)
 
     def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT) -> bool:
-        """Stop accepting payloads, send what is queued within ``timeout``;
-        True when nothing was lost.
-
-        Returns within ``timeout`` whatever the send does: a send still stuck in I/O then is left to
-        the (daemon) worker, which drops its payload and exits when the send returns.
-        """
+        """Stop accepting payloads, send what is queued within ``timeout`` (a send stuck in I/O is
+        left to the daemon worker); True when nothing was lost."""
         deadline = time.monotonic() + max(timeout, 0.0)
         with self._cond:
             self._closing = True
@@ -183,32 +157,26 @@ class ExportQueue(Generic[P]):
             with self._cond:
                 while not self._pending and not self._stopping and not self._closing:
                     self._cond.wait()
-                if self._stopping or not self._pending:
-                    if self._stopping or self._closing:
-                        return
-                    continue
+                if self._stopping or not self._pending:  # not pending: closing
+                    return
                 payload = self._pending.popleft()
                 self._in_flight = True
             try:
                 self._deliver(payload)
-            finally:
-                # even if a send escapes with a BaseException, flush() and
-                # close() must not wait on it
+            finally:  # even after a BaseException, flush() and close() must not wait on it
                 with self._cond:
                     self._in_flight = False
                     self._cond.notify_all()
 
     def _deliver(self, payload: P) -> None:
-        if self._retry(lambda: self._send(payload), "export failed; will retry"):
-            with self._cond:
-                self._sent += 1
-        else:
-            with self._cond:
-                self._dropped += 1
+        sent = self._retry(lambda: self._send(payload), "export failed; will retry")
+        with self._cond:
+            self._sent += sent
+            self._dropped += not sent
 
     def _retry(self, attempt: Callable[[], None], failure: str) -> bool:
-        """Call ``attempt`` until it returns (True), backing off after each
-        failure; False once stopping."""
+        """Call ``attempt`` until it returns (True), backing off after each failure; False once
+        stopping."""
         backoff = self._retry_initial
         while True:
             try:
@@ -226,30 +194,18 @@ class ExportQueue(Generic[P]):
             backoff = min(backoff * 2, self._retry_max)
 
 
-class QueuedExporter(Generic[P]):
-    """Base of the exporters that send on an :class:`ExportQueue`.
+class QueuedExporter(CountingExporter, Generic[P]):
+    """Base of the exporters that send on an :class:`ExportQueue`: counts its failures, ``flush``
+    and a ``close`` that runs once (a second must not shut down or delete anything again).
 
-    It owns the exporter's error counter (shared with the monitor's on ``attach``, keeping what was
-    counted before), the queue (whose failures it counts), ``flush`` and a ``close`` that runs once:
-    a second close must not shut down or delete anything again.
-
-    A subclass sets ``name``, calls ``super().__init__()`` first, and :meth:`_start_queue` last,
-    once everything its ``send`` needs is built (a constructor that raises then leaves no worker
-    thread). It releases its own resources in :meth:`_close_resources`, called after the queue
-    is drained, on a daemon thread of its own so that a shutdown that blocks cannot hold
-    ``close`` beyond its timeout.
+    A subclass calls :meth:`_start_queue` last in its constructor (one that raises leaves no worker)
+    and releases its own resources in :meth:`_close_resources`, run after the queue drained on a
+    daemon thread, so that a shutdown that blocks cannot hold ``close`` beyond its timeout.
     """
-
-    name: str
-
-    def __init__(self) -> None:
-        self._errors = ExportErrors()
-        self._errors.register(self.name)
 
     def _start_queue(
         self,
         send: Callable[[P], None],
-        *,
         max_queue: int,
         retry_initial: float,
         retry_max: float,
@@ -271,13 +227,6 @@ class QueuedExporter(Generic[P]):
     def _record_failure(self, message: str, exc: BaseException | None) -> None:
         self._errors.record(self.name, message, exc)  # the shared counter once attached
 
-    def attach(self, context: ExportContext) -> None:
-        self._errors = context.share_errors(self.name, self._errors)
-
-    @property
-    def errors(self) -> ExportErrors:
-        return self._errors
-
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is sent (False when ``timeout`` passed first)."""
         return self._queue.flush(timeout)
@@ -293,9 +242,8 @@ class QueuedExporter(Generic[P]):
         return self._queue
 
     def close(self, timeout: float | None = None) -> None:
-        """Send what is queued and shut down, returning within ``timeout`` seconds
-        (default: the exporter's ``close_timeout``) whatever the receiver does; what is
-        left unsent is counted dropped."""
+        """Send what is queued and shut down within ``timeout`` seconds (default: ``close_timeout``)
+        whatever the receiver does; what is left unsent is counted dropped."""
         if self._closed:
             return
         self._closed = True
@@ -316,12 +264,8 @@ class QueuedExporter(Generic[P]):
 
 
 class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
-    """Runs any exporter's ``export`` on a worker thread behind an :class:`ExportQueue`.
-
-    For your own slow exporters; the built-in network exporters (OTLP, W&B, Pushgateway, JSONL)
-    queue by themselves. ``export`` is retried with the same report after a failure, so the wrapped
-    exporter must tolerate seeing a report again after it raised.
-    """
+    """Runs your own slow exporter's ``export`` on a worker thread behind an :class:`ExportQueue`
+    (the built-in ones queue by themselves); a failed ``export`` is retried with the same report."""
 
     def __init__(
         self,
@@ -335,13 +279,7 @@ class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
         self.name = exporter.name
         super().__init__()
         self._exporter = exporter
-        self._start_queue(
-            self._send,
-            max_queue=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            close_timeout=close_timeout,
-        )
+        self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
 
     def attach(self, context: ExportContext) -> None:
         super().attach(context)
@@ -352,8 +290,7 @@ class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
         self._queue.put(report)
 
     def export_mismatch(self, report: MismatchReport) -> None:
-        """Queued like a ship, for a wrapped exporter that publishes mismatch
-        sums (ignored otherwise)."""
+        """Queued like a ship, for a wrapped exporter that publishes mismatch sums."""
         if isinstance(self._exporter, MismatchAware):
             self._queue.put(report)
 

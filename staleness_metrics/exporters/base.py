@@ -1,17 +1,12 @@
-"""What every exporter is, and how export failures are counted and logged.
-
-An exporter renders a :class:`~staleness_metrics.metrics.report.StepReport` under the names of
-the metric table. The training loop must never wait for, nor see an exception from, an
-exporter: network exporters queue their work (see
-:mod:`staleness_metrics.exporters.background`) and every failure ends up here, counted per
-exporter (``rl_staleness_export_errors_total``) and logged at most once per interval.
-"""
+"""What every exporter is, and how export failures are counted (per exporter, in
+``rl_staleness_export_errors_total``) and logged (at most once per interval)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -23,6 +18,7 @@ from ..metrics.report import MetricValue, StepReport
 
 __all__ = [
     "DEFAULT_RUN",
+    "CountingExporter",
     "ExportContext",
     "ExportErrors",
     "Exporter",
@@ -39,12 +35,8 @@ DEFAULT_RUN = "default"
 
 @runtime_checkable
 class Exporter(Protocol):
-    """Publishes each shipped step's report.
-
-    ``export`` is called on the training thread once per ship: it must return quickly
-    (queue anything slow) and should not raise (the monitor catches and counts it
-    anyway). ``close`` flushes.
-    """
+    """Publishes each shipped step's report: ``export`` runs on the training thread once per ship,
+    returns quickly (queues anything slow) and should not raise; ``close`` flushes."""
 
     name: str
 
@@ -55,23 +47,16 @@ class Exporter(Protocol):
 
 @dataclass(frozen=True)
 class MismatchReport:
-    """Trainer-side SPEC 11 sums recorded for a shipped step (the live path).
-
-    ``sums`` is the step's total so far, merged over every call for the step (one per rank or
-    micro-batch); ``delta`` is what this call added. Counter exporters add ``delta``; row
-    exporters (W&B, JSONL, console) write the keys of ``sums``, so the last row of a step
-    holds the merged values.
-    """
+    """Trainer-side SPEC 11 sums recorded for a shipped step (the live path): ``sums``, the step's
+    total so far (merged over its calls), which row exporters write; ``delta``, what this call
+    added, which counters add."""
 
     step: int
     sums: MismatchSums
     delta: MismatchSums
     bound: ShipBound | None = None  # SPEC 14 of ``sums``: the floor, the curve and the advice
-    # With the env breakdown, the keys of the env these sums were recorded for (its
-    # merged total), unprefixed.
+    # with the env breakdown: the unprefixed keys of the env's merged total, and that env
     env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
-    # The env ``delta`` was recorded for, with the env breakdown (the
-    # counters' per-env series add it).
     env: str | None = None
 
     @property
@@ -101,11 +86,8 @@ class MonitorAware(Protocol):
 
 @runtime_checkable
 class Stateful(Protocol):
-    """An exporter with cumulative state that a monitor checkpoint carries (SPEC 13).
-
-    ``absorb`` folds a report that was already published (a restart re-applying its journal) into
-    that state without publishing it again; ``absorb_mismatch`` does the same for trainer-side sums.
-    """
+    """An exporter with cumulative state that a monitor checkpoint carries (SPEC 13); ``absorb*``
+    fold in what was published before a restart without publishing it again."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -117,35 +99,29 @@ class Stateful(Protocol):
 
 
 class ExportErrors:
-    """Thread-safe count of failed exports per exporter, with rate-limited logging.
-
-    One instance is shared by a monitor and all its exporters, so the Prometheus and OTLP exporters
-    can publish everybody's failures. A dropped report (queue full, or left over at close) counts as
-    a failed export too.
-    """
+    """Thread-safe count of failed exports (dropped reports included) per exporter, with
+    rate-limited logging; a monitor shares one with its exporters, so one can publish all."""
 
     def __init__(self, log_interval: float = 30.0) -> None:
         self._lock = threading.Lock()
-        self._counts: dict[str, int] = {}
+        self._counts: Counter[str] = Counter()
         self._log_interval = log_interval
         self._last_logged: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
+        self._suppressed: Counter[str] = Counter()
 
     def register(self, exporter: str) -> None:
-        """Expose a zero count for ``exporter`` from the start (so ``rate()`` works
-        from the first scrape)."""
+        """Expose a zero count for ``exporter`` (so ``rate()`` works from the first scrape)."""
         with self._lock:
             self._counts.setdefault(exporter, 0)
 
     def record(self, exporter: str, message: str, exc: BaseException | None = None) -> None:
-        """Count one failure of ``exporter`` and log it unless it logged less
-        than an interval ago."""
+        """Count one failure of ``exporter``; log it unless it logged less than an interval ago."""
         now = time.monotonic()
         with self._lock:
-            self._counts[exporter] = self._counts.get(exporter, 0) + 1
+            self._counts[exporter] += 1
             last = self._last_logged.get(exporter)
             if last is not None and now - last < self._log_interval:
-                self._suppressed[exporter] = self._suppressed.get(exporter, 0) + 1
+                self._suppressed[exporter] += 1
                 return
             self._last_logged[exporter] = now
             suppressed = self._suppressed.pop(exporter, 0)
@@ -155,7 +131,7 @@ class ExportErrors:
 
     def count(self, exporter: str) -> int:
         with self._lock:
-            return self._counts.get(exporter, 0)
+            return self._counts[exporter]
 
     def snapshot(self) -> dict[str, int]:
         """All counts at once (exporter name -> failures)."""
@@ -165,34 +141,39 @@ class ExportErrors:
     def restore(self, counts: Mapping[str, int]) -> None:
         """Add counts saved by a checkpoint (the counter continues across a restart)."""
         with self._lock:
-            for exporter, count in counts.items():
-                self._counts[exporter] = self._counts.get(exporter, 0) + int(count)
-
-    def carry_over(self, exporter: str, earlier: ExportErrors) -> None:
-        """Add what ``earlier`` counted for ``exporter`` (its failures before
-        it was attached here)."""
-        if earlier is self:
-            return
-        count = earlier.count(exporter)
-        with self._lock:
-            self._counts[exporter] = self._counts.get(exporter, 0) + count
+            self._counts.update({exporter: int(count) for exporter, count in counts.items()})
 
 
 @dataclass(frozen=True)
 class ExportContext:
-    """What a monitor shares with its exporters.
-
-    ``run`` labels every series; ``errors`` is the shared failure count (so one exporter can publish
-    everybody's); ``env_breakdown`` (the config's) adds the per-env series, as the ``env`` label.
-    """
+    """What a monitor shares with its exporters: the ``run`` label, the failure count and
+    ``env_breakdown`` (the config's: the per-env series)."""
 
     run: str = DEFAULT_RUN
     errors: ExportErrors = field(default_factory=ExportErrors)
     env_breakdown: bool = False
 
     def share_errors(self, exporter: str, own: ExportErrors) -> ExportErrors:
-        """The shared counter for ``exporter``, holding what ``own`` counted before the
-        attach (a port already taken at construction, say), so no failure is lost when an
-        exporter switches over."""
-        self.errors.carry_over(exporter, own)
+        """The shared counter, given what ``own`` counted for ``exporter`` before the attach (a port
+        already taken at construction, say)."""
+        if own is not self.errors:
+            self.errors.restore({exporter: own.count(exporter)})
         return self.errors
+
+
+class CountingExporter:
+    """Base of the built-in exporters: their own failure count, until a monitor shares its own."""
+
+    name: str
+
+    def __init__(self) -> None:
+        self._errors = ExportErrors()
+        self._errors.register(self.name)
+
+    def attach(self, context: ExportContext) -> None:
+        """Share the monitor's export error counts."""
+        self._errors = context.share_errors(self.name, self._errors)
+
+    @property
+    def errors(self) -> ExportErrors:
+        return self._errors

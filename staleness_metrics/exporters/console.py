@@ -15,10 +15,8 @@ __all__ = ["ConsoleExporter", "format_line", "format_mismatch_line"]
 
 
 def format_line(report: StepReport) -> str:
-    """``step 12 | Max Staleness 3 | token mean 1.42 | masked 3.1% | dropped 2 rollouts``.
-
-    A statistic whose population was empty this step shows as ``-``.
-    """
+    """``step 12 | Max Staleness 3 | token mean 1.42 | masked 3.1% | dropped 2 rollouts`` (``-``
+    for a statistic whose population was empty)."""
     metrics = report.metrics
 
     def number(key: str, fmt: str) -> str:
@@ -45,8 +43,7 @@ def format_line(report: StepReport) -> str:
 
 
 def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
-    """SPEC 14 on the step's line:
-    ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (crossed)``."""
+    """SPEC 14 on the step's line: ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (...)``."""
     if keys.MISMATCH_FLOOR not in metrics:
         return []
     source = metrics.get(keys.MISMATCH_FLOOR_SOURCE, "")
@@ -64,14 +61,8 @@ def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
 
 
 def format_mismatch_line(report: MismatchReport) -> str:
-    """The line of trainer-side sums::
-
-        step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0% | floor 0.0008 lag0
-        | at bound 0.0003 | suggested 6 (budget crossed)
-
-    The step's sums merged so far; ``-`` where a key is absent (no floor, no stale token or no curve
-    yet).
-    """
+    """The line of the step's trainer-side sums merged so far (``-`` where a key is absent):
+    ``step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0% | floor ...``."""
     metrics = report.metrics
 
     def number(key: str) -> str:
@@ -92,24 +83,14 @@ def format_mismatch_line(report: MismatchReport) -> str:
 
 
 class ConsoleExporter:
-    """Prints :func:`format_line` for each ship to ``stream`` (stdout by
-    default), on the caller's thread.
-
-    With ``rich`` installed and a terminal as the stream, the line is printed through rich (colour);
-    otherwise as plain text.
-    """
+    """Prints :func:`format_line` for each ship to ``stream`` (stdout by default), on the caller's
+    thread; through rich (colour) when it is installed and the stream is a terminal."""
 
     name = "console"
 
     def __init__(self, stream: TextIO | None = None, *, use_rich: bool | None = None) -> None:
         self._stream = stream
         self._use_rich = use_rich
-
-    def _rich_wanted(self, stream: TextIO) -> bool:
-        if self._use_rich is not None:
-            return self._use_rich
-        isatty = getattr(stream, "isatty", None)
-        return bool(isatty and isatty())
 
     def export(self, report: StepReport) -> None:
         self._print(format_line(report))
@@ -119,7 +100,8 @@ class ConsoleExporter:
 
     def _print(self, line: str) -> None:
         stream = self._stream if self._stream is not None else sys.stdout
-        if self._rich_wanted(stream):
+        isatty = getattr(stream, "isatty", None)
+        if self._use_rich if self._use_rich is not None else bool(isatty and isatty()):
             try:
                 from rich.console import Console
                 from rich.text import Text

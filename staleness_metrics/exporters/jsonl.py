@@ -1,9 +1,5 @@
-"""JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format), flushed per line.
-
-Trainer-side mismatch sums recorded for a step (the live path) add a line
-``{"step": S, <SPEC 11/14 keys>}`` holding the step's sums merged so far: the last
-line of a step is its total.
-"""
+"""JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format), flushed per line;
+trainer-side sums add a line ``{"step": S, <SPEC 11/14 keys>}`` of the step's sums merged so far."""
 
 from __future__ import annotations
 
@@ -32,11 +28,8 @@ def mismatch_row_json(report: MismatchReport) -> str:
 
 
 class JsonlExporter(QueuedExporter[str]):
-    """Appends one line per ship to ``path`` (written on a background queue, flushed line by line).
-
-    ``append=False`` (default) starts a new file; ``append=True`` continues an
-    existing one (resumed runs).
-    """
+    """Appends one line per ship to ``path`` (on a background queue, flushed line by line); a new
+    file unless ``append=True`` (resumed runs)."""
 
     name = "jsonl"
 
@@ -55,13 +48,7 @@ class JsonlExporter(QueuedExporter[str]):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = self.path.open("a" if append else "w", encoding="utf-8")
         self._file_lock = threading.Lock()
-        self._start_queue(
-            self._write,
-            max_queue=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            close_timeout=close_timeout,
-        )
+        self._start_queue(self._write, max_queue, retry_initial, retry_max, close_timeout)
 
     def export(self, report: StepReport) -> None:
         self._queue.put(row_json(report) + "\n")

@@ -1,27 +1,9 @@
 """OTLP exporter: the metric table as OpenTelemetry metrics, sent once per ship.
 
-Default (owned pipeline): each ship becomes one OTLP export of gauges (``Gauge``), counters
-(monotonic ``Sum``) and explicit-bucket histograms (``Histogram`` over
-:data:`~staleness_metrics.metrics.metric_table.BUCKETS`), built from the cumulative run state:
-the histograms come from the core's bucket counts, so a ship costs the same however many tokens
-it had. Export runs on a bounded background queue; a failed export is counted and retried, and
-since counters and histograms are cumulative (the default temporality) every later export carries
-what an earlier one missed.
-
-Transport: OTLP/HTTP protobuf by default, gRPC with ``protocol="grpc"``. The standard variables are
-honoured by the OpenTelemetry exporters themselves (``OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT``,
-``_HEADERS``, ``_TIMEOUT``, ``_COMPRESSION``, ``_PROTOCOL``,
-``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``), and the resource takes
-``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME``; ``service.name`` defaults to
-``staleness-metrics``. ``run`` (and ``env``, for named envs) are metric attributes. The SPEC 12
-length counters also have a batch-wide point (no ``env``) beside the per-env ones when the env
-breakdown names envs, as in Prometheus.
-
-Injected ``meter_provider``: the metrics are recorded through that provider's instruments
-(observable gauges that report the latest ship's series only, counters, histograms with the table's
-buckets as advisory boundaries) and its own readers export them. The OpenTelemetry API has no
-weighted ``record``, so histograms then cost one ``record`` per token and rollout (done on the
-background thread); prefer the owned pipeline for large batches.
+Default (owned pipeline): each ship becomes one OTLP export (HTTP protobuf, or gRPC) of gauges,
+monotonic sums and explicit-bucket histograms built from the cumulative run state, on a bounded
+background queue. With an injected ``meter_provider`` the metrics are recorded through its
+instruments and its readers export them. Settings and environment variables: docs/exporters.md.
 """
 
 from __future__ import annotations
@@ -33,25 +15,14 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from ..errors import ConfigError
 from ..metrics.metric_table import (
-    BATCH_WIDE_COUNTERS,
     BUCKETS,
     METRICS,
     MetricDef,
     MetricKind,
     Source,
 )
-from ..metrics.report import Counts, StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import DEFAULT_RUN, ExportContext, MismatchReport
-from .state import (
-    CumulativeState,
-    HistogramPoint,
-    LazySnapshot,
-    Snapshot,
-    batch_wide_buckets,
-    batch_wide_counts,
-    partition_by_env,
-)
+from .state import CumulativeExporter, HistogramPoint, Snapshot, histogram_of
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
@@ -64,15 +35,8 @@ DEFAULT_SERVICE_NAME = "staleness-metrics"
 SCOPE_NAME = "staleness_metrics"
 PROTOCOLS = ("http/protobuf", "grpc")
 
-# The length counters' batch-wide series is the sum of the per-env ones; the mismatch family's
-# already is the batch's sums (the per-env ones are the part recorded per env).
-_SUMMED_BATCH_WIDE = frozenset(name for name in BATCH_WIDE_COUNTERS if name.startswith("length_"))
 _PUBLISHED = tuple(m for m in METRICS if m.otel_name is not None and m.source is not Source.EXPORTER)
 _ERRORS_ROW = next(m for m in METRICS if m.source is Source.EXPORTER)
-
-# A queued ship: its snapshot, plus its histogram windows when recording
-# through an injected provider.
-_Payload = tuple[LazySnapshot, Mapping[str, Mapping[str, Counts]] | None]
 
 
 class OtlpExportError(RuntimeError):
@@ -86,10 +50,6 @@ def _attributes(metric: MetricDef, run: str, env: str, bucket: str | None = None
     if metric.dimension is not None and bucket is not None:
         attributes[metric.dimension.label] = bucket
     return attributes
-
-
-def _number(metric: MetricDef, value: float) -> int | float:
-    return int(value) if metric.integer else float(value)
 
 
 def resolve_protocol(protocol: str | None) -> str:
@@ -160,75 +120,43 @@ def build_metrics_data(
     start_ns = snapshot.previous_time_ns if delta else snapshot.start_time_ns
     now = snapshot.time_ns
     run = snapshot.run
+    series = snapshot.delta if delta else snapshot.cumulative
     metrics: list[Metric] = []
     for row in _PUBLISHED:
         assert row.otel_name is not None
         data: Any
-        if row.kind is MetricKind.GAUGE and row.dimension is not None:
-            points = [
-                NumberDataPoint(_attributes(row, run, env, bucket), start_ns, now, value)
-                for (env, bucket), value in sorted(snapshot.bucketed_gauges.get(row.name, {}).items())
-            ]
-            data = Gauge(data_points=points)
-        elif row.kind is MetricKind.GAUGE:
-            values = snapshot.gauges[row.name]
-            points = [
-                NumberDataPoint(_attributes(row, run, env), start_ns, now, value)
-                for env, value in sorted(values.items())
-            ]
-            data = Gauge(data_points=points)
-        elif row.kind is MetricKind.COUNTER and row.dimension is not None:
-            buckets = (snapshot.bucketed_deltas if delta else snapshot.bucketed).get(row.name, {})
-            if row.name in _SUMMED_BATCH_WIDE:
-                buckets = batch_wide_buckets(buckets)
-            points = [
-                NumberDataPoint(_attributes(row, run, env, bucket), start_ns, now, _number(row, total))
-                for (env, bucket), total in buckets.items()
-            ]
-            data = Sum(data_points=points, aggregation_temporality=temporality, is_monotonic=True)
-        elif row.kind is MetricKind.COUNTER:
-            counts = (snapshot.counter_deltas if delta else snapshot.counters).get(row.name, {})
-            if row.name in _SUMMED_BATCH_WIDE:
-                counts = batch_wide_counts(counts)
-            points = [
-                NumberDataPoint(_attributes(row, run, env), start_ns, now, count)
-                for env, count in sorted(counts.items())
-            ]
-            data = Sum(data_points=points, aggregation_temporality=temporality, is_monotonic=True)
-        else:
-            histograms = (snapshot.histogram_deltas if delta else snapshot.histograms)[row.name]
+        if row.kind is MetricKind.HISTOGRAM:
             hist_points = [
-                _histogram_point(row, run, env, point, start_ns, now) for env, point in sorted(histograms.items())
+                _histogram_point(row, run, env, point, start_ns, now)
+                for env, point in sorted(series.histograms[row.name].items())
             ]
             data = Histogram(data_points=hist_points, aggregation_temporality=temporality)
+        else:
+            found = snapshot.points(row, series)
+            if not (row.dimension and row.kind is MetricKind.COUNTER):
+                found.sort()  # (a counter's buckets keep the dimension's order)
+            points = [
+                NumberDataPoint(_attributes(row, run, env, bucket), start_ns, now, value)
+                for env, bucket, value in found
+            ]
+            if row.kind is MetricKind.GAUGE:
+                data = Gauge(data_points=points)
+            else:
+                data = Sum(points, temporality, is_monotonic=True)
         if data.data_points:
             metrics.append(Metric(row.otel_name, row.description, row.otel_unit, data))
     if errors:
-        assert _ERRORS_ROW.otel_name is not None
-        # Export errors are cumulative in-process counts; they are sent cumulative
-        # whatever the preference.
+        row = _ERRORS_ROW
+        assert row.otel_name is not None
+        # in-process counts since this state started: cumulative whatever the preference
         error_points = [
             NumberDataPoint({"run": run, "exporter": name}, snapshot.start_time_ns, now, count)
             for name, count in sorted(errors.items())
         ]
-        metrics.append(
-            Metric(
-                _ERRORS_ROW.otel_name,
-                _ERRORS_ROW.description,
-                _ERRORS_ROW.otel_unit,
-                Sum(error_points, AggregationTemporality.CUMULATIVE, is_monotonic=True),
-            )
-        )
-    scope = InstrumentationScope(SCOPE_NAME, __version__)
-    return MetricsData(
-        resource_metrics=[
-            ResourceMetrics(
-                resource=resource,
-                scope_metrics=[ScopeMetrics(scope=scope, metrics=metrics, schema_url="")],
-                schema_url="",
-            )
-        ]
-    )
+        error_sum = Sum(error_points, AggregationTemporality.CUMULATIVE, is_monotonic=True)
+        metrics.append(Metric(row.otel_name, row.description, row.otel_unit, error_sum))
+    scope = ScopeMetrics(InstrumentationScope(SCOPE_NAME, __version__), metrics, schema_url="")
+    return MetricsData([ResourceMetrics(resource, [scope], schema_url="")])
 
 
 def _make_metric_exporter(
@@ -246,14 +174,9 @@ def _make_metric_exporter(
 
 
 class _InstrumentRecorder:
-    """Records snapshots through a caller's MeterProvider (the injected-provider path).
-
-    Gauges are observable: their callbacks yield the latest recorded snapshot's series and nothing
-    else, so a series that stopped being current (a floor source that changed, a lag that left the
-    curve, an env the last ship did not have) is no longer exported. A synchronous gauge would
-    keep reporting its last value for every attribute set it ever saw (the SDK keeps it under
-    cumulative temporality).
-    """
+    """Records snapshots through a caller's MeterProvider. Gauges are observable, yielding the
+    latest snapshot's series only: a synchronous gauge would keep reporting every attribute set it
+    ever saw, so a series no longer current (an old floor source, env or curve lag) would stay."""
 
     def __init__(self, provider: MeterProvider) -> None:
         meter = provider.get_meter(SCOPE_NAME, __version__)
@@ -281,42 +204,27 @@ class _InstrumentRecorder:
             snapshot = self._latest
             if snapshot is None:
                 return []
-            run = snapshot.run
-            if row.dimension is not None:
-                labelled = snapshot.bucketed_gauges.get(row.name, {})
-                return [Observation(v, _attributes(row, run, env, bucket)) for (env, bucket), v in labelled.items()]
-            return [Observation(v, _attributes(row, run, env)) for env, v in snapshot.gauges[row.name].items()]
+            run, points = snapshot.run, snapshot.points(row, snapshot.cumulative)
+            return [Observation(v, _attributes(row, run, env, bucket)) for env, bucket, v in points]
 
         return observe
 
-    def record(self, snapshot: Snapshot, histograms: Mapping[str, Mapping[str, Counts]]) -> None:
-        run = snapshot.run
+    def record(self, snapshot: Snapshot) -> None:
         for row in _PUBLISHED:
             instrument = self._instruments[row.name]
-            if row.kind is MetricKind.GAUGE:
-                continue  # observed at collection time, from self._latest
-            if row.kind is MetricKind.COUNTER and row.dimension is not None:
-                amounts = snapshot.bucketed_deltas.get(row.name, {})
-                if row.name in _SUMMED_BATCH_WIDE:
-                    amounts = batch_wide_buckets(amounts)
-                for (env, bucket), amount in amounts.items():
-                    instrument.add(amount, _attributes(row, run, env, bucket))
-            elif row.kind is MetricKind.COUNTER:
-                deltas = snapshot.counter_deltas.get(row.name, {})
-                if row.name in _SUMMED_BATCH_WIDE:
-                    deltas = batch_wide_counts(deltas)
-                for env, count in deltas.items():
-                    instrument.add(count, _attributes(row, run, env))
-            else:
-                for env, counts in histograms.get(row.name, {}).items():
-                    attributes = _attributes(row, run, env)
-                    for staleness, count in enumerate(counts):
+            if row.kind is MetricKind.COUNTER:
+                for env, bucket, amount in snapshot.points(row, snapshot.delta):
+                    instrument.add(amount, _attributes(row, snapshot.run, env, bucket))
+            elif row.kind is MetricKind.HISTOGRAM:
+                for env, tally in snapshot.window.items():  # the ship's (no rollout: none)
+                    attributes = _attributes(row, snapshot.run, env)
+                    for staleness, count in enumerate(histogram_of(row, tally)):
                         for _ in range(int(count)):
                             instrument.record(staleness, attributes)
-        self._latest = snapshot  # the gauges show this ship from the next collection on
+        self._latest = snapshot  # the gauges (observed at collection) show this ship from now on
 
 
-class OtlpExporter(QueuedExporter[_Payload]):
+class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
     """Sends each ship's metrics over OTLP (HTTP protobuf by default), on a background queue."""
 
     name = "otlp"
@@ -351,19 +259,7 @@ class OtlpExporter(QueuedExporter[_Payload]):
                 resolve_protocol(protocol), endpoint, headers, timeout
             )
             self._temporality = self._counter_temporality(self._metric_exporter)
-        self._state = CumulativeState(DEFAULT_RUN, deltas=self._needs_deltas())
-        self._start_queue(
-            self._send,
-            max_queue=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            close_timeout=close_timeout,
-        )
-
-    def _needs_deltas(self) -> bool:
-        from opentelemetry.sdk.metrics.export import AggregationTemporality
-
-        return self._recorder is not None or self._temporality is AggregationTemporality.DELTA
+        self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
 
     @staticmethod
     def _counter_temporality(exporter: MetricExporter) -> AggregationTemporality:
@@ -377,65 +273,12 @@ class OtlpExporter(QueuedExporter[_Payload]):
         assert isinstance(chosen, AggregationTemporality)
         return chosen
 
-    def attach(self, context: ExportContext) -> None:
-        """Take the monitor's run attribute, shared export error counts and
-        env breakdown setting."""
-        if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
-            self._state = CumulativeState(context.run, context.env_breakdown, deltas=self._state.deltas)
-        super().attach(context)
+    def _publish(self, snapshot: Snapshot) -> None:
+        self._queue.put(snapshot)  # cheap: the series are computed and encoded on send
 
-    def state_dict(self) -> dict[str, Any]:
-        """The cumulative series of the run (a monitor checkpoint holds them)."""
-        return self._state.state_dict()
-
-    def check_state_dict(self, state: Any, path: str) -> None:
-        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError``
-        naming the key path)."""
-        CumulativeState.check_state_dict(state, path)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue the cumulative series (same start time) from ``state``."""
-        self._state.load_state_dict(state)
-
-    def absorb(self, report: StepReport) -> None:
-        """Fold a report exported before a restart into the run totals, without sending it again."""
-        self._state.fold(report)  # never read: no series computed
-
-    def absorb_mismatch(self, report: MismatchReport) -> None:
-        """Fold trainer-side sums exported before a restart into the run totals,
-        without sending them again."""
-        self._state.fold_mismatch(report.delta, report.metrics, report.env)
-
-    def export(self, report: StepReport) -> None:
-        snapshot = self._state.fold(report)  # cheap: the series are computed and encoded on send
+    def _send(self, snapshot: Snapshot) -> None:
         if self._recorder is not None:
-            windows = {
-                row.name: {
-                    env: (t.token_histogram if row.source is Source.TOKEN_HISTOGRAM else t.rollout_histogram)
-                    for env, t in partition_by_env(report, self._state.by_env).items()
-                }
-                for row in _PUBLISHED
-                if row.kind is MetricKind.HISTOGRAM
-            }
-            self._queue.put((snapshot, windows))
-        else:
-            self._queue.put((snapshot, None))
-
-    def export_mismatch(self, report: MismatchReport) -> None:
-        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters and send."""
-        try:
-            snapshot = self._state.fold_mismatch(report.delta, report.metrics, report.env)
-        except Exception as exc:  # never into the trainer
-            self._errors.record(self.name, "mismatch sums not exported", exc)
-            return
-        self._queue.put((snapshot, {} if self._recorder is not None else None))
-
-    def _send(self, payload: _Payload) -> None:
-        pending, windows = payload
-        snapshot = pending.get()  # on this worker thread, off the training loop
-        if self._recorder is not None:
-            assert windows is not None
-            self._recorder.record(snapshot, windows)
+            self._recorder.record(snapshot)
             return
         from opentelemetry.sdk.metrics.export import MetricExportResult
 

@@ -1,33 +1,9 @@
 """Cumulative per-run state behind the Prometheus and OTLP exporters, as immutable snapshots.
 
-Each report is folded in once; the result is a :class:`Snapshot` that holds every value a scrape or
-an OTLP export shows, so a reader never mixes two ships. A ship only folds in what it brought and
-keeps the immutable inputs (:class:`LazySnapshot`): the snapshot's series are computed when a reader
-(a scrape, an OTLP send) first asks, so a ship's export cost follows what it changed, not the number
-of series. Which rows exist, their kinds and their sources come from the metric table only.
-
-Label conventions (documented for dashboards):
-
-- Without the env breakdown every series has ``env=""`` (Prometheus: no env label; OTLP: no env
-  attribute) and covers the whole run.
-- With the env breakdown (``StalenessConfig(env_breakdown=True)``), gauges describe the last ship:
-  ``env=""`` is the whole batch and each named env gets its own series. Counters and histograms
-  partition the rollouts by env: ``env=""`` holds the rollouts without an env (plus anything the
-  per-env tallies do not cover), so summing over ``env`` gives the run's total.
-- A gauge whose key is absent from the step's metrics dict (empty population) is **not exposed** for
-  that ship, so an old value is never shown as current.
-- Families with a bucket label (SPEC 11 ``lag``, SPEC 12 ``length``) expose every bucket of the
-  dimension, zeros included, so a rate works from a bucket's first increment. The mismatch families
-  (no ``env``: the trainer's sums are per step, not per env) appear once the first sums arrived,
-  from a ship's records (``StepReport.mismatch``) or from the trainer
-  (:meth:`CumulativeState.apply_mismatch`).
-- SPEC 14's gauges (floor, budget, curve, bound advice) show the latest report that carried the SPEC
-  11 family, a ship's or the trainer's; a ship without the family leaves them as they were. The
-  floor has a ``source`` label, the curve a ``lag`` label (only the lags of the curve are exposed).
-- A snapshot holds only the current series, and both exporters render it whole (Prometheus through a
-  custom collector, OTLP as one export or through observable gauges): a series that stops being
-  current (the floor of a source it no longer has, a lag that left the curve, an env the last ship
-  did not have) is no longer exported, rather than kept at its last value.
+A ship folds in what it brought and keeps its inputs in a :class:`Snapshot`; the series are
+computed when a reader (a scrape, an OTLP send) first asks, so a ship costs what it changed, not
+the number of series, and a reader never mixes two ships. Which rows exist, their kinds and their
+sources come from the metric table only; the ``env`` label conventions are in docs/exporters.md.
 """
 
 from __future__ import annotations
@@ -38,13 +14,14 @@ import operator
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..metrics.keys import MISMATCH_FLOOR_SOURCE
 from ..metrics.metric_table import (
+    BATCH_WIDE_COUNTERS,
     BUCKETS,
     ENV_KEY_PREFIX,
     KEY_PREFIX,
@@ -55,27 +32,28 @@ from ..metrics.metric_table import (
 )
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Counts, MetricValue, StepReport, Tally
+from .base import DEFAULT_RUN, CountingExporter, ExportContext, MismatchReport
 
 __all__ = [
     "BucketKey",
+    "CumulativeExporter",
     "CumulativeState",
     "HistogramPoint",
-    "LazySnapshot",
+    "Series",
     "Snapshot",
-    "batch_wide_buckets",
-    "batch_wide_counts",
     "bucket_counts",
+    "histogram_of",
     "partition_by_env",
 ]
 
 Number = int | float
+BucketKey = tuple[str, str]  # (env, the dimension's exported label value)
 
 
 @dataclass(frozen=True)
 class HistogramPoint:
     """Histogram over :data:`BUCKETS`: ``bucket_counts[i]`` counts values in
-    ``(BUCKETS[i-1], BUCKETS[i]]``; the last entry counts values above ``BUCKETS[-1]`` (the ``+Inf``
-    bucket). Not cumulative over buckets."""
+    ``(BUCKETS[i-1], BUCKETS[i]]``, the last one those above ``BUCKETS[-1]`` (``+Inf``)."""
 
     bucket_counts: tuple[int, ...]
     sum: int
@@ -123,53 +101,9 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
     return parts
 
 
-BucketKey = tuple[str, str]  # (env, the dimension's exported label value)
-
-
-# SPEC 12's length counters (metric_table.BATCH_WIDE_COUNTERS): a batch-wide series (env "") beside
-# the per-env ones in Prometheus and OTLP, as the gauges have, so a query over the whole batch
-# selects it instead of summing.
-
-
-def batch_wide_counts(counts: Mapping[str, int]) -> dict[str, int]:
-    """Per-env counts with env "" replaced by their sum over every env, first, when some env is
-    named (without one, env "" already is the whole batch)."""
-    if set(counts) <= {""}:
-        return dict(counts)
-    return {"": sum(counts.values()), **{env: count for env, count in counts.items() if env}}
-
-
-def batch_wide_buckets(values: Mapping[BucketKey, Number]) -> dict[BucketKey, Number]:
-    """:func:`batch_wide_counts` for every bucket of a dimensioned counter."""
-    if {env for env, _ in values} <= {""}:
-        return dict(values)
-    whole: dict[BucketKey, Number] = {}
-    for (_, bucket), value in values.items():
-        whole[("", bucket)] = whole.get(("", bucket), 0) + value
-    return {**whole, **{key: value for key, value in values.items() if key[0]}}
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Everything an exporter shows after one ship; keys are :attr:`MetricDef.name`, then env."""
-
-    run: str
-    step: int
-    start_time_ns: int  # start of the cumulative series (first report of this state)
-    previous_time_ns: int  # time of the previous snapshot (start of the delta window)
-    time_ns: int
-    gauges: Mapping[str, Mapping[str, Number]]
-    counters: Mapping[str, Mapping[str, int]]
-    counter_deltas: Mapping[str, Mapping[str, int]]  # empty unless the state keeps deltas
-    histograms: Mapping[str, Mapping[str, HistogramPoint]]
-    histogram_deltas: Mapping[str, Mapping[str, HistogramPoint]]
-    # Counters with a bucket label (rows with a dimension): name -> (env,
-    # exported bucket value) -> value.
-    bucketed: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
-    bucketed_deltas: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
-    # Gauges with a label besides env (SPEC 14's floor by source, curve by lag): name
-    # -> (env, value) -> value.
-    bucketed_gauges: Mapping[str, Mapping[BucketKey, Number]] = field(default_factory=dict)
+# SPEC 12's length counters: a batch-wide series (env "") beside the per-env ones, as the gauges
+# have; the mismatch family's env "" already is the batch's sums.
+_SUMMED_BATCH_WIDE = frozenset(name for name in BATCH_WIDE_COUNTERS if name.startswith("length_"))
 
 
 def _as_number(metric: MetricDef, value: object) -> Number:
@@ -178,32 +112,22 @@ def _as_number(metric: MetricDef, value: object) -> Number:
 
 
 def _gauge_values(metric: MetricDef, report: StepReport, by_env: bool) -> dict[str, Number]:
-    values: dict[str, Number] = {}
-    per_env = by_env and "env" in metric.labels
     if metric.source is Source.STEP:
-        values[""] = report.step
-    elif metric.source is Source.METRIC:
-        assert metric.wandb_key is not None
-        if metric.wandb_key in report.metrics:
-            values[""] = _as_number(metric, report.metrics[metric.wandb_key])
-        if per_env:
-            for env, env_metrics in report.env_metrics.items():
-                if env and metric.wandb_key in env_metrics:
-                    values[env] = _as_number(metric, env_metrics[metric.wandb_key])
-    elif metric.source is Source.TALLY:
-        assert metric.tally_field is not None
-        values[""] = _as_number(metric, getattr(report.tally, metric.tally_field))
-        if per_env:
-            for env, tally in report.env_tally.items():
-                if env:
-                    values[env] = _as_number(metric, getattr(tally, metric.tally_field))
-    return values
+        return {"": report.step}
+    per_env = by_env and "env" in metric.labels
+    if metric.source is Source.METRIC:
+        key = metric.wandb_key or ""
+        envs = {e: m for e, m in report.env_metrics.items() if e and per_env}
+        rows = {"": report.metrics, **envs}
+        return {env: _as_number(metric, row[key]) for env, row in rows.items() if key in row}
+    if metric.source is Source.TALLY:
+        field = metric.tally_field or ""
+        tallies = {"": report.tally, **{e: t for e, t in report.env_tally.items() if e and per_env}}
+        return {env: _as_number(metric, getattr(tally, field)) for env, tally in tallies.items()}
+    return {}
 
 
 _BOUND_GAUGES = tuple(m for m in METRICS if m.source is Source.BOUND and m.kind is MetricKind.GAUGE)
-_FLOOR_SOURCE_KEY = MISMATCH_FLOOR_SOURCE
-
-
 _BOUND_KEYS = frozenset(key for m in _BOUND_GAUGES for key in m.wandb_keys)
 
 
@@ -225,24 +149,20 @@ def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
     return {key: value for key, value in metrics.items() if _split_env(key) is not None}
 
 
-def _bound_gauges(
-    metrics: Mapping[str, MetricValue] | None,
-) -> tuple[dict[str, Mapping[str, Number]], dict[str, Mapping[BucketKey, Number]]]:
-    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family: plain, and
-    labelled; the batch's under env ``""`` and each env's (the env breakdown) under its name."""
+def _bound_gauges(metrics: Mapping[str, MetricValue] | None) -> dict[str, Mapping[Any, Number]]:
+    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family; the batch's
+    under env ``""`` and each env's (the env breakdown) under its name."""
     by_env: dict[str, dict[str, MetricValue]] = {}
     for key, value in (metrics or {}).items():
         split = _split_env(key)
         if split is not None:
             by_env.setdefault(split[0], {})[split[1]] = value
-    plain: dict[str, dict[str, Number]] = {}
-    labelled: dict[str, dict[BucketKey, Number]] = {}
+    gauges: dict[str, Mapping[Any, Number]] = {}
     for metric in _BOUND_GAUGES:
         if metric.prometheus_name is None and metric.otel_name is None:
             continue
         assert metric.wandb_key is not None
-        values: dict[str, Number] = plain.setdefault(metric.name, {}) if metric.dimension is None else {}
-        buckets: dict[BucketKey, Number] = labelled.setdefault(metric.name, {}) if metric.dimension else {}
+        values: dict[Any, Number] = {}
         for env in sorted(by_env):
             found = by_env[env]
             if metric.dimension is None:
@@ -251,15 +171,17 @@ def _bound_gauges(
             elif metric.dimension.placeholder in metric.wandb_key:  # one key per bucket (the curve)
                 for key, value in zip(metric.wandb_keys, metric.dimension.values, strict=True):
                     if key in found:
-                        buckets[(env, value)] = _as_number(metric, found[key])
+                        values[(env, value)] = _as_number(metric, found[key])
             else:  # one key, its label from another key (the floor and its source)
-                source = found.get(_FLOOR_SOURCE_KEY)
+                source = found.get(MISMATCH_FLOOR_SOURCE)
                 if metric.wandb_key in found and isinstance(source, str):
-                    buckets[(env, source)] = _as_number(metric, found[metric.wandb_key])
-    return dict(plain), dict(labelled)
+                    values[(env, source)] = _as_number(metric, found[metric.wandb_key])
+        gauges[metric.name] = values
+    return gauges
 
 
-def _histogram_of(metric: MetricDef, tally: Tally) -> Counts:
+def histogram_of(metric: MetricDef, tally: Tally) -> Counts:
+    """The tally's histogram a histogram row shows."""
     if metric.source is Source.TOKEN_HISTOGRAM:
         return tally.token_histogram
     return tally.rollout_histogram
@@ -271,60 +193,119 @@ _PUBLISHED_GAUGES = tuple(
 )
 
 
-def _bucketed_of(
-    metric: MetricDef,
+def _counter(metric: MetricDef, holders: Mapping[str, Any]) -> dict[Any, Number]:
+    """A counter's values by env (the tally or the sums holding it), or by (env, bucket value),
+    every bucket of its dimension present."""
+    field = metric.mismatch_field if metric.source is Source.MISMATCH else metric.tally_field
+    rows = {env: _row(metric, getattr(holder, field or "")) for env, holder in holders.items()}
+    if metric.name in _SUMMED_BATCH_WIDE and set(rows) - {""}:  # the batch-wide series first
+        named = {env: row for env, row in rows.items() if env}
+        rows = {"": [sum(column) for column in zip(*rows.values())], **named}
+    if metric.dimension is None:
+        return {env: row[0] for env, row in rows.items()}
+    buckets = metric.dimension.values
+    return {(env, b): n for env, row in rows.items() for b, n in zip(buckets, row, strict=True)}
+
+
+def _row(metric: MetricDef, value: Any) -> list[Number]:
+    if metric.dimension is None:
+        return [int(value)]
+    width = len(metric.dimension.values)
+    return [_as_number(metric, value[i] if i < len(value) else 0) for i in range(width)]
+
+
+class Series(NamedTuple):
+    """Counters and histograms over the run or over one ship: metric name, then env (a counter
+    with a dimension: (env, bucket value))."""
+
+    counters: dict[str, Mapping[Any, Number]]
+    histograms: dict[str, Mapping[str, HistogramPoint]]
+
+
+def _series(
     tallies: Mapping[str, Tally],
     mismatch: MismatchSums | None,
-    env_mismatch: Mapping[str, MismatchSums] | None = None,
-) -> dict[BucketKey, Number]:
-    """A dimensioned counter's values per (env, bucket value); every bucket present
-    (zeros included). The mismatch family: the batch's sums under env "", then each env's
-    (live sums given per env)."""
-    assert metric.dimension is not None
-    values = metric.dimension.values
-    if metric.source is Source.MISMATCH:
-        if mismatch is None:
-            return {}
-        out_sums: dict[BucketKey, Number] = {}
-        for env, sums in {"": mismatch, **dict(sorted((env_mismatch or {}).items()))}.items():
-            array = getattr(sums, metric.mismatch_field or "")
-            out_sums.update({(env, value): _as_number(metric, array[i]) for i, value in enumerate(values)})
-        return out_sums
-    out: dict[BucketKey, Number] = {}
-    for env, tally in tallies.items():
-        array = getattr(tally, metric.tally_field or "")
-        for i, value in enumerate(values):
-            out[(env, value)] = _as_number(metric, array[i] if i < len(array) else 0)
+    env_mismatch: Mapping[str, MismatchSums],
+) -> Series:
+    # the mismatch family: the batch's sums under env "", then each env's (live sums given per env)
+    sums = {} if mismatch is None else {"": mismatch, **dict(sorted(env_mismatch.items()))}
+    out = Series({}, {})
+    for metric in METRICS:
+        if metric.kind is MetricKind.HISTOGRAM:
+            points = {env: bucket_counts(histogram_of(metric, t)) for env, t in tallies.items()}
+            out.histograms[metric.name] = points
+        elif metric.kind is MetricKind.COUNTER and metric.source is not Source.EXPORTER:
+            holders = sums if metric.source is Source.MISMATCH else tallies
+            out.counters[metric.name] = _counter(metric, holders)
     return out
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything an exporter shows after one ship: the inputs captured at the ship, its series
+    computed on first read and kept (metric name, then env, or (env, bucket) for a labelled one)."""
+
+    run: str
+    by_env: bool
+    step: int
+    start_time_ns: int  # start of the cumulative series (first report of this state)
+    previous_time_ns: int  # time of the previous snapshot (start of the delta window)
+    time_ns: int
+    totals: Mapping[str, Tally]
+    window: Mapping[str, Tally]
+    mismatch: MismatchSums | None
+    env_mismatch: Mapping[str, MismatchSums]
+    mismatch_delta: MismatchSums | None  # None before the first sums, zero for a ship without any
+    env_mismatch_delta: Mapping[str, MismatchSums]
+    gauge_report: StepReport | None  # the last ship's report: the gauges show it
+    bound_metrics: Mapping[str, MetricValue] | None  # SPEC 14 keys of the last report with SPEC 11
+
+    @functools.cached_property
+    def cumulative(self) -> Series:
+        """The run's counters and histograms."""
+        return _series(dict(sorted(self.totals.items())), self.mismatch, self.env_mismatch)
+
+    @functools.cached_property
+    def delta(self) -> Series:
+        """What this ship (or these trainer-side sums) added (OTLP delta temporality)."""
+        window = dict(sorted(self.window.items()))
+        return _series(window, self.mismatch_delta, self.env_mismatch_delta)
+
+    @functools.cached_property
+    def gauges(self) -> dict[str, Mapping[Any, Number]]:
+        """The last ship's gauges and SPEC 14's, by env (by (env, value) with a label besides env:
+        the floor by source, the curve by lag)."""
+        by_env, report = self.by_env, self.gauge_report
+        gauges: dict[str, Mapping[Any, Number]] = {
+            m.name: {} if report is None else _gauge_values(m, report, by_env) for m in _PUBLISHED_GAUGES
+        }
+        return {**gauges, **_bound_gauges(self.bound_metrics)}
+
+    def points(self, metric: MetricDef, series: Series) -> list[tuple[str, str | None, Number]]:
+        """(env, bucket value or None, value) of a gauge's or a counter's series."""
+        values = self.gauges if metric.kind is MetricKind.GAUGE else series.counters
+        found = values.get(metric.name, {}).items()
+        return [(*key, v) if isinstance(key, tuple) else (key, None, v) for key, v in found]
+
+
 class CumulativeState:
-    """Folds reports into run totals and returns a new immutable :class:`Snapshot` each time (built
-    at once by :meth:`apply`, on first read by :meth:`fold`).
+    """Folds reports into run totals, returning a new immutable :class:`Snapshot` each time
+    (callers serialize the folds; a snapshot may be read from any thread)."""
 
-    Not thread-safe by itself: callers serialize the folds (the exporters hold a lock); a
-    :class:`LazySnapshot` may be read from any thread.
-    """
-
-    def __init__(self, run: str, by_env: bool = False, deltas: bool = False) -> None:
+    def __init__(self, run: str, by_env: bool = False) -> None:
         self.run = run
         self.by_env = by_env
-        self.deltas = deltas  # also fill the per-report increments (OTLP delta temporality)
         self._totals: dict[str, Tally] = {}
         self._mismatch: MismatchSums | None = None  # SPEC 11 sums over the run, once any arrived
-        # with the env breakdown: live sums given per env
-        self._env_mismatch: dict[str, MismatchSums] = {}
-        self._gauge_report: StepReport | None = None  # the last ship's report: the gauges show it
+        self._env_mismatch: dict[str, MismatchSums] = {}  # live sums given per env (env breakdown)
         self._step = 0
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
-        self._last_report: StepReport | None = None
-        # keys of the latest report with SPEC 11
-        self._bound_metrics: dict[str, MetricValue] | None = None
+        self._last_report: StepReport | None = None  # the last ship's: the gauges show it
+        self._bound_metrics: dict[str, MetricValue] | None = None  # of the last report with SPEC 11
 
     def state_dict(self) -> dict[str, Any]:
-        """The run totals, the mismatch sums and the last report (for the gauges) as
-        JSON-serialisable data."""
+        """The run totals, the mismatch sums and the last report, as JSON-serialisable data."""
         from ..engine.checkpoint import report_to_dict, tally_to_dict
 
         return {
@@ -347,10 +328,8 @@ class CumulativeState:
         dict[str, MetricValue] | None,
         dict[str, MismatchSums],
     ]:
-        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path):
-        totals, sums, start, report, the SPEC 14 keys of the latest report with SPEC 11
-        (absent from states saved before SPEC 14) and the per-env sums (absent from states
-        saved before they existed)."""
+        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path); the SPEC 14
+        keys and the per-env sums may be absent (states saved before they existed)."""
         from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
         from ..state_checks import integer, join, keys, mapping, string
 
@@ -374,7 +353,7 @@ class CumulativeState:
             {string(env, env_path): check_mismatch(sums, join(env_path, env)) for env, sums in env_sums.items()},
         )  # fmt: skip
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> LazySnapshot | None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> Snapshot | None:
         """Continue the cumulative series from ``state``; returns what the last report showed (None
         if none). A bad state raises ``ConfigError`` and changes nothing."""
         totals, mismatch, start_ns, last, bound, env_mismatch = self.check_state_dict(state, "state")
@@ -385,32 +364,13 @@ class CumulativeState:
         self._start_ns = start_ns  # the same series: it was never reset
         self._last_ns = max(self._last_ns, self._start_ns)
         self._last_report = last
-        if self._last_report is None:
+        if last is None:
             return None
-        self._step = self._last_report.step
-        self._gauge_report = self._last_report
+        self._step = last.step
         return self._snapshot({}, None)
 
     def apply(self, report: StepReport) -> Snapshot:
-        """Fold in a ship: its tallies, its gauges and, when its records carried
-        them, its mismatch sums."""
-        return self.fold(report).get()
-
-    def apply_mismatch(
-        self,
-        delta: MismatchSums,
-        metrics: Mapping[str, MetricValue] | None = None,
-        env: str | None = None,
-    ) -> Snapshot:
-        """Fold in trainer-side sums (the live path): the counters move, the last ship's
-        gauges stay; SPEC 14's gauges take ``metrics``, the keys of the step's merged sums
-        (``MismatchReport.metrics``). Sums of one ``env`` also count in that env's series
-        (with the env breakdown)."""
-        return self.fold_mismatch(delta, metrics, env).get()
-
-    def fold(self, report: StepReport) -> LazySnapshot:
-        """:meth:`apply`, its snapshot built when first read: a ship costs what it
-        changed, not every series."""
+        """Fold in a ship: its tallies, its gauges and its mismatch sums (when it had them)."""
         window = partition_by_env(report, self.by_env)
         for env, tally in window.items():
             self._totals[env] = self._totals.get(env, Tally()) + tally
@@ -422,18 +382,18 @@ class CumulativeState:
             self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + sums
         self._step = report.step
         self._last_report = report
-        self._gauge_report = report
         return self._snapshot(window, report.mismatch, env_delta)
 
-    def fold_mismatch(
+    def apply_mismatch(
         self,
         delta: MismatchSums,
         metrics: Mapping[str, MetricValue] | None = None,
         env: str | None = None,
-    ) -> LazySnapshot:
-        """:meth:`apply_mismatch`, its snapshot built when first read."""
+    ) -> Snapshot:
+        """Fold in trainer-side sums (the live path): the counters move (an ``env``'s too, with the
+        env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics`` (the step's keys)."""
         self._add_mismatch(delta)
-        env_delta = None
+        env_delta = {}
         if env and self.by_env:
             self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + delta
             env_delta = {env: delta}
@@ -443,7 +403,7 @@ class CumulativeState:
             envs = {"", *(split[0] for split in map(_split_env, new) if split is not None)}
             kept = {k: v for k, v in (self._bound_metrics or {}).items() if (_split_env(k) or ("",))[0] not in envs}
             self._bound_metrics = {**kept, **new}
-        return self._snapshot({env: Tally() for env in self._totals} if self.deltas else {}, delta, env_delta)
+        return self._snapshot({env: Tally() for env in self._totals}, delta, env_delta)
 
     def _add_mismatch(self, sums: MismatchSums) -> None:
         self._mismatch = sums if self._mismatch is None else self._mismatch + sums
@@ -453,147 +413,98 @@ class CumulativeState:
         window: Mapping[str, Tally],
         mismatch_delta: MismatchSums | None,
         env_mismatch_delta: Mapping[str, MismatchSums] | None = None,
-    ) -> LazySnapshot:
-        """What the state holds now, kept for a later build (every piece is immutable or a copy)."""
-        # The increment of the mismatch counters: none before the first sums,
-        # zero for a ship without any.
-        delta = mismatch_delta if mismatch_delta is not None or self._mismatch is None else MismatchSums.zero()
+    ) -> Snapshot:
+        """What the state holds now (every piece is immutable or a copy)."""
+        if mismatch_delta is None and self._mismatch is not None:
+            mismatch_delta = MismatchSums.zero()
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
-        pending = _Pending(
+        snapshot = Snapshot(
             run=self.run,
             by_env=self.by_env,
-            deltas=self.deltas,
             step=self._step,
             start_time_ns=self._start_ns,
             previous_time_ns=self._last_ns,
             time_ns=now,
             totals=dict(self._totals),
-            window=window if self.deltas else {},
+            window=window,
             mismatch=self._mismatch,
             env_mismatch=dict(self._env_mismatch),
-            mismatch_delta=delta,
-            env_mismatch_delta=env_mismatch_delta,
-            gauge_report=self._gauge_report,
+            mismatch_delta=mismatch_delta,
+            env_mismatch_delta=env_mismatch_delta or {},
+            gauge_report=self._last_report,
             bound_metrics=self._bound_metrics,
         )
         self._last_ns = now
-        return LazySnapshot(pending)
+        return snapshot
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """The inputs of one ship's :class:`Snapshot`, captured when the ship is folded in."""
+class CumulativeExporter(CountingExporter):
+    """Base of the exporters whose series are cumulative (Prometheus, OTLP): the run state, kept
+    across a restart by the monitor's checkpoint (SPEC 13)."""
 
-    run: str
-    by_env: bool
-    deltas: bool
-    step: int
-    start_time_ns: int
-    previous_time_ns: int
-    time_ns: int
-    totals: Mapping[str, Tally]
-    window: Mapping[str, Tally]
-    mismatch: MismatchSums | None
-    env_mismatch: Mapping[str, MismatchSums]
-    mismatch_delta: MismatchSums | None
-    env_mismatch_delta: Mapping[str, MismatchSums] | None
-    gauge_report: StepReport | None
-    bound_metrics: Mapping[str, MetricValue] | None
-
-
-class LazySnapshot:
-    """One ship's :class:`Snapshot`, built on first :meth:`get` (a scrape, an OTLP send) and kept.
-
-    A ship only captures its inputs, so its cost follows what it changed; the series are computed
-    when a reader asks, once, and never for a ship no reader saw. Safe to read from several threads.
-    """
-
-    __slots__ = ("_built", "_lock", "_pending")
-
-    def __init__(self, pending: _Pending) -> None:
-        self._pending: _Pending | None = pending
-        self._built: Snapshot | None = None
+    def __init__(self) -> None:
+        super().__init__()
         self._lock = threading.Lock()
+        self._state = CumulativeState(DEFAULT_RUN)
 
-    def get(self) -> Snapshot:
-        built = self._built
-        if built is not None:
-            return built
-        with self._lock:  # one build even when two scrapes arrive together
-            if self._built is None:
-                assert self._pending is not None
-                self._built = _build(self._pending)
-                self._pending = None  # the inputs are no longer needed
-            return self._built
+    def attach(self, context: ExportContext) -> None:
+        """Take the monitor's run label, shared export error counts and env breakdown setting."""
+        with self._lock:
+            if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
+                self._state = CumulativeState(context.run, context.env_breakdown)
+        super().attach(context)
 
+    def _apply(self, report: StepReport | MismatchReport) -> Snapshot:
+        with self._lock:  # reports are folded in order, one at a time
+            if isinstance(report, MismatchReport):
+                # Counters add what this call brought (the env's keys too); SPEC 14's gauges show
+                # the step's merged sums.
+                snapshot = self._state.apply_mismatch(report.delta, report.metrics, report.env)
+            else:
+                snapshot = self._state.apply(report)
+            self._show(snapshot)
+        return snapshot
 
-def _build(pending: _Pending) -> Snapshot:
-    totals = {env: pending.totals[env] for env in sorted(pending.totals)}
-    window = {env: pending.window[env] for env in sorted(pending.window)}
-    delta = pending.mismatch_delta
-    env_mismatch_delta = pending.env_mismatch_delta
-    mismatch = pending.mismatch
-    env_mismatch = pending.env_mismatch
-    deltas = pending.deltas
-    counters: dict[str, Mapping[str, int]] = {}
-    counter_deltas: dict[str, Mapping[str, int]] = {}
-    histograms: dict[str, Mapping[str, HistogramPoint]] = {}
-    histogram_deltas: dict[str, Mapping[str, HistogramPoint]] = {}
-    bucketed: dict[str, Mapping[BucketKey, Number]] = {}
-    bucketed_deltas: dict[str, Mapping[BucketKey, Number]] = {}
-    for metric in METRICS:
-        if metric.kind is MetricKind.COUNTER and metric.dimension is not None:
-            bucketed[metric.name] = _bucketed_of(metric, totals, mismatch, env_mismatch)
-            if deltas:
-                bucketed_deltas[metric.name] = _bucketed_of(metric, window, delta, env_mismatch_delta)
-        elif metric.kind is MetricKind.COUNTER and metric.source is Source.MISMATCH:
-            sums_field = metric.mismatch_field or ""
-            counters[metric.name] = (
-                {}
-                if mismatch is None
-                else {
-                    env: int(getattr(sums, sums_field))
-                    for env, sums in {"": mismatch, **dict(sorted(env_mismatch.items()))}.items()
-                }
-            )
-            if deltas:
-                counter_deltas[metric.name] = (
-                    {}
-                    if delta is None
-                    else {
-                        env: int(getattr(sums, sums_field))
-                        for env, sums in {"": delta, **dict(env_mismatch_delta or {})}.items()
-                    }
-                )
-        elif metric.kind is MetricKind.COUNTER and metric.source is Source.TALLY:
-            field_name = metric.tally_field
-            assert field_name is not None
-            counters[metric.name] = {env: int(getattr(t, field_name)) for env, t in totals.items()}
-            if deltas:
-                counter_deltas[metric.name] = {env: int(getattr(t, field_name)) for env, t in window.items()}
-        elif metric.kind is MetricKind.HISTOGRAM:
-            histograms[metric.name] = {env: bucket_counts(_histogram_of(metric, t)) for env, t in totals.items()}
-            if deltas:
-                histogram_deltas[metric.name] = {
-                    env: bucket_counts(_histogram_of(metric, t)) for env, t in window.items()
-                }
-    report = pending.gauge_report
-    gauges: dict[str, Mapping[str, Number]] = {
-        m.name: {} if report is None else _gauge_values(m, report, pending.by_env) for m in _PUBLISHED_GAUGES
-    }
-    bound_plain, bound_labelled = _bound_gauges(pending.bound_metrics)
-    return Snapshot(
-        run=pending.run,
-        step=pending.step,
-        start_time_ns=pending.start_time_ns,
-        previous_time_ns=pending.previous_time_ns,
-        time_ns=pending.time_ns,
-        gauges={**gauges, **bound_plain},
-        counters=counters,
-        counter_deltas=counter_deltas,
-        histograms=histograms,
-        histogram_deltas=histogram_deltas,
-        bucketed=bucketed,
-        bucketed_deltas=bucketed_deltas,
-        bucketed_gauges=bound_labelled,
-    )
+    def _show(self, snapshot: Snapshot) -> None:
+        """Make ``snapshot`` what readers see (called in order, under the lock)."""
+
+    def _publish(self, snapshot: Snapshot) -> None:
+        """Send ``snapshot`` on (an exporter that pushes)."""
+
+    def export(self, report: StepReport) -> None:
+        self._publish(self._apply(report))
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """Add trainer-side SPEC 11 sums (the live path) to the mismatch counters, and publish."""
+        try:
+            snapshot = self._apply(report)
+        except Exception as exc:  # never into the trainer
+            self._errors.record(self.name, "mismatch sums not exported", exc)
+            return
+        self._publish(snapshot)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cumulative series of the run (a monitor checkpoint holds them)."""
+        with self._lock:
+            return self._state.state_dict()
+
+    def check_state_dict(self, state: Any, path: str) -> None:
+        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError``
+        naming the key path)."""
+        CumulativeState.check_state_dict(state, path)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue the series (same start time) from ``state``, showing its last ship again."""
+        with self._lock:
+            snapshot = self._state.load_state_dict(state)
+            if snapshot is not None:
+                self._show(snapshot)
+
+    def absorb(self, report: StepReport) -> None:
+        """Fold a report exported before a restart into the run totals, without sending it again."""
+        self._apply(report)
+
+    def absorb_mismatch(self, report: MismatchReport) -> None:
+        """Fold trainer-side sums exported before a restart into the run totals,
+        without sending them again."""
+        self._apply(report)

@@ -1,31 +1,9 @@
 """Weights & Biases exporter: one history row per ship, under the metric table's W&B keys.
 
-- Uses the run you pass, else the active ``wandb.run``, else starts one
-  (``wandb.init(**init_kwargs)``) and finishes it on close; ``own_run=True`` always starts one (a
-  process logging several runs side by side). Starting a run takes seconds (``import wandb``, the
-  ``wandb-core`` process): it happens on the exporter's worker thread, never on the caller's, and a
-  failed start is counted and retried like a failed ``log``. ``run`` is None until it started. With
-  the histogram on, the worker also imports wandb first for a run you pass (instant when your code
-  imported it; a stand-in run object does not).
-- Each row carries ``step_key`` (default ``trainer/step``), declared with ``define_metric`` as the
-  x-axis of every ``staleness/*`` key; maxima (rows with ``wandb_summary``) get ``summary="max"``.
-- Per-env keys (``staleness/env/<env>/...``, present in the report when the env breakdown is on) are
-  logged as the core wrote them, once checked against the table.
-- Trainer-side mismatch sums (:meth:`StalenessMonitor.record_mismatch`, the live path) are logged as
-  a row of the step's SPEC 11 keys (``trainer/step`` = the step), merged over the step's calls so
-  far; the per-lag and overall k3 and excess k3 keys get ``summary="max"``.
-- The token staleness histogram is logged as a ``wandb.Histogram`` (one bin per staleness value)
-  under the table's key for it.
-- ``legacy_keys`` also writes the old keys (``off_policy/*`` and the earlier
-  ``staleness/mean``-style aliases; True = all of them, or name the ones you want) with the same
-  values, hidden from auto panels, during a migration window.
-
-Logging runs on a bounded background queue (a W&B call may block or raise); a failed ``log`` is
-counted and retried with the same row. ``close`` returns within ``close_timeout`` (default 2 s): a
-``finish`` that takes longer (an online run still uploading) goes on in the background, and W&B's
-own exit hook completes it when the process ends. Rows are logged without ``step=``: the x-axis is
-``step_key``. If you log to the same run with explicit ``step=`` yourself, pass ``commit=False`` so
-our keys join your current row instead of advancing the run's step.
+Rows carry ``step_key`` (the x-axis of every ``staleness/*`` key, by ``define_metric``), per-env
+keys as the core wrote them, trainer-side mismatch rows, the token staleness histogram and, on
+request, the legacy keys. The run (yours, the active one, or its own) starts and logs on a
+background queue; docs/exporters.md has the details (own runs, ``commit=False``, ``close``).
 """
 
 from __future__ import annotations
@@ -34,7 +12,7 @@ import importlib.util
 import sys
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -52,7 +30,7 @@ from ..metrics.metric_table import (
 )
 from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import ExportContext, MismatchReport
+from .base import MismatchReport
 
 __all__ = ["DEFAULT_STEP_KEY", "WandbExporter"]
 
@@ -67,13 +45,11 @@ _SCALAR_KEYS = {key for key, m in _BY_KEY.items() if m.source is not Source.TOKE
 _init_lock = threading.Lock()
 
 
-class _HistogramBins:
-    """A histogram's counts and edges, made into a ``wandb.Histogram`` on the
-    worker (not the trainer)."""
+class _HistogramBins(NamedTuple):
+    """A histogram's counts and edges, made into a ``wandb.Histogram`` on the worker."""
 
-    def __init__(self, counts: list[int], edges: list[float]) -> None:
-        self.counts = counts
-        self.edges = edges
+    counts: list[int]
+    edges: list[float]
 
 
 def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
@@ -108,10 +84,8 @@ def _row_of_env_key(key: str, report: StepReport) -> MetricDef | None:
 
 
 def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]]:
-    """Counts and bin edges of an integer histogram: bin ``s`` spans ``[s - 0.5, s + 0.5)``.
-
-    Histograms longer than W&B's 512 bins are folded into 512 equal-width bins.
-    """
+    """Counts and bin edges of an integer histogram: bin ``s`` spans ``[s - 0.5, s + 0.5)``; one
+    longer than W&B's 512 bins is folded into 512 equal-width bins."""
     trimmed = np.trim_zeros(np.asarray(counts, dtype=np.int64), "b")
     if len(trimmed) == 0:
         trimmed = np.zeros(1, dtype=np.int64)
@@ -167,10 +141,10 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         self._env_rows: dict[str, MetricDef] = {}  # per-env key -> its table row
         self._start_queue(
             self._log,
-            max_queue=max_queue,
-            retry_initial=retry_initial,
-            retry_max=retry_max,
-            close_timeout=close_timeout,
+            max_queue,
+            retry_initial,
+            retry_max,
+            close_timeout,
             prepare=self._prepare_worker if run is None or self._histogram_key is not None else None,
         )
 
@@ -180,9 +154,8 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         return self._run
 
     def _prepare_worker(self) -> None:
-        """First thing on the worker: import wandb (seconds, for ``wandb.Histogram``) before the
-        first row rather than inside its send, so ``flush`` and ``pending`` count it and the ships
-        overlap with it; then start the run when none was given."""
+        """First on the worker (so ``flush`` and ``pending`` count it): import wandb (seconds), then
+        start the run when none was given."""
         import wandb  # noqa: F401  (a run passed in already imported it: instant)
 
         if self._run is None:
@@ -201,8 +174,7 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             self._finish_run()
 
     def _finish_run(self) -> None:
-        """Finish the exporter's own run, once; a run still starting is
-        finished when it has started."""
+        """Finish the exporter's own run, once (a run still starting, when it has started)."""
         with self._run_lock:
             self._finish_asked = True
             run = self._run if self._owns_run and not self._finished else None
@@ -212,11 +184,6 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
                 run.finish()
             except Exception as exc:
                 self._errors.record(self.name, "finishing the W&B run failed", exc)
-
-    def attach(self, context: ExportContext) -> None:
-        """Share the monitor's export error counts (the W&B run itself names the run; the core
-        already put the per-env keys in the metrics dict when the env breakdown is on)."""
-        super().attach(context)
 
     def row(self, report: StepReport) -> dict[str, Any]:
         """The history row for a report (without the histogram object)."""

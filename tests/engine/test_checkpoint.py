@@ -68,8 +68,9 @@ def final_state(monitor: StalenessMonitor) -> dict[str, Any]:
         "tokens_queued": sink.tokens_queued,
         "tokens_entered": sink.tokens_entered,
         "step": sink.step,
-        "counters": None if snapshot is None else snapshot.counters,
-        "histograms": None if snapshot is None else snapshot.histograms,
+        # (env, bucket) keys as JSON has them: a new process prints this
+        "counters": None if snapshot is None else {k: [*v.items()] for k, v in snapshot.cumulative.counters.items()},
+        "histograms": None if snapshot is None else snapshot.cumulative.histograms,
     }
 
 

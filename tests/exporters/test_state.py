@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from staleness_metrics.exporters.state import CumulativeState, bucket_counts, partition_by_env
+from staleness_metrics.exporters.state import CumulativeState, Snapshot, bucket_counts, partition_by_env
 from staleness_metrics.metrics.metric_table import BUCKETS
 from staleness_metrics.metrics.report import Tally
 from tests.exporters.reports import hand_report
@@ -46,14 +46,14 @@ def test_partition_covers_the_whole_window() -> None:
 
 
 def test_snapshots_accumulate_counters_and_keep_last_gauges() -> None:
-    state = CumulativeState("r", by_env=True, deltas=True)
+    state = CumulativeState("r", by_env=True)
     first = state.apply(hand_report(1, {"math": [[1, 2]]}))
     second = state.apply(hand_report(2, {"": [[4]]}))
-    assert second.counters["tokens_sampled"] == {"": 1, "math": 2}
-    assert second.counter_deltas["tokens_sampled"] == {"": 1}
+    assert second.cumulative.counters["tokens_sampled"] == {"": 1, "math": 2}
+    assert second.delta.counters["tokens_sampled"] == {"": 1}
     assert second.gauges["token_mean"] == {"": 4.0}
     assert first.gauges["token_mean"] == {"": 1.5, "math": 1.5}  # earlier snapshots never change
-    assert second.histograms["token_staleness"]["math"].count == 2
+    assert second.cumulative.histograms["token_staleness"]["math"].count == 2
     assert second.start_time_ns == first.start_time_ns and second.time_ns > first.time_ns
     assert second.previous_time_ns == first.time_ns
 
@@ -63,48 +63,48 @@ def test_live_mismatch_sums_move_only_the_mismatch_counters_and_deltas_add_up() 
     the last ship's gauges stay, and their deltas are 0 (OTLP delta temporality must not re-send a ship)."""
     from staleness_metrics.metrics.mismatch import mismatch_sums
 
-    state = CumulativeState("r", deltas=True)
+    state = CumulativeState("r")
     before = state.apply(hand_report(1, {"": [[1, 2]]}))
-    assert "mismatch_tokens" in before.bucketed and before.bucketed["mismatch_tokens"] == {}  # no sums yet
-    assert before.counters["mismatch_uncovered"] == {}
+    assert before.cumulative.counters["mismatch_tokens"] == {}  # no sums yet
+    assert before.cumulative.counters["mismatch_uncovered"] == {}
     sums = mismatch_sums([0, 1, 1, 70], [-1.0] * 4, [-1.0, -1.5, float("nan"), -0.5])
     live = state.apply_mismatch(sums)
-    tokens = live.bucketed["mismatch_tokens"]
+    tokens = live.cumulative.counters["mismatch_tokens"]
     assert list(tokens) == [("", v) for v in ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12",
                                               "13", "14", "15", "16", "32", "64", "+Inf")]  # fmt: skip
     assert (tokens[("", "0")], tokens[("", "1")], tokens[("", "+Inf")]) == (1, 1, 1)
-    assert live.bucketed_deltas["mismatch_tokens"] == tokens
-    assert live.counters["mismatch_uncovered"] == live.counter_deltas["mismatch_uncovered"] == {"": 1}
-    assert live.counters["tokens_sampled"] == before.counters["tokens_sampled"] == {"": 2}
-    assert live.counter_deltas["tokens_sampled"] == {"": 0}
-    assert live.histogram_deltas["token_staleness"][""].count == 0
+    assert live.delta.counters["mismatch_tokens"] == tokens
+    assert live.cumulative.counters["mismatch_uncovered"] == live.delta.counters["mismatch_uncovered"] == {"": 1}
+    assert live.cumulative.counters["tokens_sampled"] == before.cumulative.counters["tokens_sampled"] == {"": 2}
+    assert live.delta.counters["tokens_sampled"] == {"": 0}
+    assert live.delta.histograms["token_staleness"][""].count == 0
     assert live.gauges == before.gauges and live.step == 1
-    length = live.bucketed_deltas["length_sampled_tokens"]
+    length = live.delta.counters["length_sampled_tokens"]
     assert set(length.values()) == {0}
     after = state.apply(hand_report(2, {"": [[0]]}))  # a ship without sums: the mismatch totals stay
-    assert after.bucketed["mismatch_tokens"] == tokens
-    assert set(after.bucketed_deltas["mismatch_tokens"].values()) == {0}
-    assert after.counter_deltas["mismatch_uncovered"] == {"": 0}
+    assert after.cumulative.counters["mismatch_tokens"] == tokens
+    assert set(after.delta.counters["mismatch_tokens"].values()) == {0}
+    assert after.delta.counters["mismatch_uncovered"] == {"": 0}
 
 
-def test_a_folded_ship_read_later_shows_that_ship_and_equals_an_applied_one() -> None:
+def test_a_ship_read_later_shows_that_ship_and_equals_one_read_at_once() -> None:
     """A queued OTLP send or a late scrape reads a ship's snapshot after later ships were folded in: it still
-    shows that ship, value for value what :meth:`CumulativeState.apply` gives at once."""
+    shows that ship, value for value what a snapshot read at once shows."""
     reports = [hand_report(1, {"math": [[1, 2]]}), hand_report(2, {"": [[4]], "code": [[0, 5]]}),
                hand_report(3, {"math": [[3]]}, dropped={"code": 1})]  # fmt: skip
-    folding, applying = CumulativeState("r", by_env=True, deltas=True), CumulativeState("r", by_env=True, deltas=True)
-    pending = [folding.fold(report) for report in reports]  # nothing read until every ship is in
-    applied = [applying.apply(report) for report in reports]
-    timeless = ("start_time_ns", "previous_time_ns", "time_ns")
-    for lazy, eager in zip(pending, applied, strict=True):
-        snapshot = lazy.get()
-        assert snapshot is lazy.get()  # built once
-        assert {k: v for k, v in snapshot.__dict__.items() if k not in timeless} == {
-            k: v for k, v in eager.__dict__.items() if k not in timeless
-        }
-    first = pending[0].get()
-    assert first.counters["tokens_sampled"] == {"math": 2} and first.step == 1
-    assert [p.get().time_ns for p in pending] == sorted({p.get().time_ns for p in pending})  # ship order kept
+    later, at_once = CumulativeState("r", by_env=True), CumulativeState("r", by_env=True)
+    pending = [later.apply(report) for report in reports]  # nothing read until every ship is in
+
+    def shown(snapshot: Snapshot) -> tuple[object, ...]:
+        return snapshot.step, snapshot.cumulative, snapshot.delta, snapshot.gauges
+
+    read = [shown(at_once.apply(report)) for report in reports]
+    for snapshot, eager in zip(pending, read, strict=True):
+        assert shown(snapshot) == eager
+        assert snapshot.cumulative is snapshot.cumulative  # built once
+    first = pending[0]
+    assert first.cumulative.counters["tokens_sampled"] == {"math": 2} and first.step == 1
+    assert [p.time_ns for p in pending] == sorted({p.time_ns for p in pending})  # ship order kept
 
 
 _COUNTS = st.lists(st.integers(0, 50), max_size=6).map(lambda values: np.array(values, dtype=np.int64))
