@@ -1,15 +1,5 @@
-"""The FastAPI application of ``staleness-metrics serve``: the routers of
-:mod:`.routes` behind the guards.
-
-Routes (see the OpenAPI document at ``/openapi.json``, browsable at ``/docs``):
-
-- ``PUT /v1/runs/{run}`` creates a run with its configuration (201; 200 when it exists with the same
-  one, 409 with another). Rollouts to a run that was not created get 404: a typo in a run name must
-  not silently start a second run with default settings.
-- ``POST /v1/runs/{run}/rollouts``, ``/sweep``, ``/ship``, ``/mismatch`` (trainer-side SPEC 11 sums
-  of a shipped step; posts for one step merge); ``GET /v1/runs/{run}``, ``/steps?since=N``,
-  ``/events``; ``DELETE /v1/runs/{run}``; ``GET /v1/runs``.
-- ``GET /metrics``: the Prometheus exposition of every run; ``GET /healthz``.
+"""The FastAPI application of ``staleness-metrics serve``: the routers of :mod:`.routes` behind
+the guards (the routes are described at ``/openapi.json``, browsable at ``/docs``).
 
 Every request takes one path: the token check (:class:`.security.TokenFirst`, from the headers,
 before any body byte is read), the body size cap (:class:`.limits.BodySizeLimit`, counting as it
@@ -30,14 +20,7 @@ from .limits import BodySizeLimit
 from .methods import AllowHeader
 from .registry import RunRegistry
 from .responses import EXCEPTION_HANDLERS
-from .routes import (
-    Access,
-    history_router,
-    mismatch_router,
-    rollouts_router,
-    runs_router,
-    service_router,
-)
+from .routes import routers
 from .security import BEARER_SCHEME, TokenFirst
 from .settings import ServerSettings
 from .store import SqliteStore, Store
@@ -81,12 +64,8 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.runs = registry
-    access = Access.of(settings)
-    app.include_router(service_router(registry, access))
-    app.include_router(runs_router(registry, access))
-    app.include_router(rollouts_router(registry, access, settings.body_bytes_per_span_row))
-    app.include_router(mismatch_router(registry, access))
-    app.include_router(history_router(registry, access))
+    for router in routers(registry, settings):
+        app.include_router(router)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:  # built at the first request for it, then kept

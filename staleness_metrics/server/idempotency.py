@@ -21,7 +21,8 @@ import orjson
 from pydantic import BaseModel
 
 from ..records.validation import unstorable
-from .errors import IdempotencyMismatch
+from .errors import RecordsInvalid
+from .models import ErrorItem
 from .store import PIECE_ITEMS, encoded_pieces
 
 __all__ = [
@@ -139,12 +140,13 @@ class Answers(Generic[F, A]):
 
     def replay(self, key: str | None, fingerprint: F) -> A | None:
         """The first answer to ``key`` (marked ``replayed``), None for a new key; the key with
-        another request raises :class:`~.errors.IdempotencyMismatch`."""
+        another request raises :class:`~.errors.RecordsInvalid` (422)."""
         if key is None or key not in self._answers:
             return None
         first, answer = self._answers[key]
         if first != fingerprint:
-            raise IdempotencyMismatch(f"Idempotency-Key {key!r} was used for {self.different} of this run")
+            reason = f"Idempotency-Key {key!r} was used for {self.different} of this run"
+            raise RecordsInvalid([ErrorItem(field="Idempotency-Key", reason=reason)])
         return answer.model_copy(update={"replayed": True})
 
     def remember(self, key: str | None, fingerprint: F, answer: A) -> None:

@@ -15,18 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
-from .errors import (
-    IdempotencyMismatch,
-    NotPersisted,
-    RecordConflict,
-    RecordsInvalid,
-    RunBroken,
-    RunConflict,
-    RunError,
-    RunNotFound,
-    SpanRowsTooMany,
-    StepConflict,
-)
+from .errors import RecordsInvalid, RunError
 from .models import ErrorItem, ErrorMessage, ValidationErrorBody
 
 __all__ = ["ERRORS", "EXCEPTION_HANDLERS", "JSONModelResponse", "documented"]
@@ -69,23 +58,13 @@ class JSONModelResponse(Response):
         super().__init__(model.__pydantic_serializer__.to_json(model), status_code=status_code)
 
 
-_STATUS_OF: dict[type[Exception], int] = {
-    RunNotFound: status.HTTP_404_NOT_FOUND,
-    RunConflict: status.HTTP_409_CONFLICT,
-    RecordConflict: status.HTTP_409_CONFLICT,
-    StepConflict: status.HTTP_409_CONFLICT,
-    NotPersisted: status.HTTP_409_CONFLICT,
-    RunBroken: status.HTTP_503_SERVICE_UNAVAILABLE,
-}
-
-
 def _printable(text: str) -> str:
     """``text`` with lone surrogates written as escapes: an answer naming a bad
     string can be encoded."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _invalid(items: list[ErrorItem], status_code: int = status.HTTP_422_UNPROCESSABLE_CONTENT) -> JSONResponse:
+def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
     printable = [
         item.model_copy(
             update={
@@ -100,14 +79,10 @@ def _invalid(items: list[ErrorItem], status_code: int = status.HTTP_422_UNPROCES
 
 
 async def _run_error(request: Request, exc: Exception) -> JSONResponse:
-    if isinstance(exc, (RecordsInvalid, IdempotencyMismatch)):  # the 422 shape: field and reason
-        items = exc.errors if isinstance(exc, RecordsInvalid) else [ErrorItem(field="Idempotency-Key", reason=str(exc))]
-        too_large = isinstance(exc, SpanRowsTooMany)  # a size limit, named as an invalid record is
-        return _invalid(items, status.HTTP_413_CONTENT_TOO_LARGE if too_large else 422)
-    return JSONResponse(
-        {"detail": _printable(str(exc))},
-        status_code=_STATUS_OF.get(type(exc), status.HTTP_409_CONFLICT),
-    )
+    assert isinstance(exc, RunError)
+    if isinstance(exc, RecordsInvalid):  # the 422 shape (a span-row cap's 413 too): field and reason
+        return _invalid(exc.errors, exc.status)
+    return JSONResponse({"detail": _printable(str(exc))}, status_code=exc.status)
 
 
 async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:

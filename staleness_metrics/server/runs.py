@@ -39,13 +39,11 @@ from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
 from .errors import (
-    NotPersisted,
-    RecordConflict,
     RecordsInvalid,
     RestoreFailed,
     RunBroken,
+    RunConflict,
     RunNotFound,
-    StepConflict,
     field_item,
     out_of_range,
     reason_of,
@@ -308,7 +306,7 @@ class Run:
         """The run's history as SPEC 9 events (``staleness-metrics replay``
         reproduces its ships)."""
         if not self._store.persistent:
-            raise NotPersisted("the service runs without a data directory (--in-memory): no history to export")
+            raise RunConflict("the service runs without a data directory (--in-memory): no history to export")
         for row in self._store.journal(self.name):
             if row.op == "add":
                 for record in row.request["rollouts"]:
@@ -359,7 +357,7 @@ class Run:
                 else:
                     conflicts.append(rid)
             if conflicts:
-                raise RecordConflict(
+                raise RunConflict(
                     "rollout ids received before with different content (ids are unique within a run): "
                     + ", ".join(repr(c) for c in conflicts[:10])
                     + (f" and {len(conflicts) - 10} more" if len(conflicts) > 10 else "")
@@ -418,7 +416,7 @@ class Run:
     def _check_step(self, step: int) -> None:
         latest = self.monitor.sink.step
         if step < latest:
-            raise StepConflict(f"step {step} is below the run's latest step {latest}: steps never decrease")
+            raise RunConflict(f"step {step} is below the run's latest step {latest}: steps never decrease")
 
     def sweep(self, step: int) -> RunInfo:
         with self._lock:

@@ -20,27 +20,17 @@ at a time, so the count's temporaries stay a few MiB.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .limits import SPAN_ROW_FLOOR
+from .models import ErrorItem
 
-__all__ = ["PIECE_POSITIONS", "SpanRowsExceeded", "allowed_span_rows", "check_span_rows"]
+__all__ = ["PIECE_POSITIONS", "allowed_span_rows", "check_span_rows"]
 
 PIECE_POSITIONS = 1 << 20  # positions compared at once: a 1 MiB bool and at most 8 MiB of indices
-
-
-@dataclass(frozen=True)
-class SpanRowsExceeded:
-    """The rollout and field at which a body's span rows passed its allowance, and why."""
-
-    rollout_id: str | None
-    index: int  # the rollout's place in the body
-    field: str
-    reason: str
 
 
 def allowed_span_rows(body_bytes: int, body_bytes_per_row: int) -> int:
@@ -109,7 +99,7 @@ def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
     return rows, max(by_field, key=lambda name: by_field[name])
 
 
-def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> SpanRowsExceeded | None:
+def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> ErrorItem | None:
     """Where the rollouts of a body of ``body_bytes`` pass the span rows it may cut, else None.
 
     First a bound from lengths alone (the positions of each sample: most bodies stop there), then
@@ -139,7 +129,7 @@ def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> S
             total += rows
             if total > allowed:
                 rid = record.get("id")
-                return SpanRowsExceeded(
+                return ErrorItem(
                     rollout_id=None if rid is None else str(rid),
                     index=position,
                     field=f"samples[{index}].{field}",
