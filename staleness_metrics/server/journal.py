@@ -1,7 +1,5 @@
 """A run's journal: every write that changed the run is one row, persisted before it is
-answered, and a snapshot of the whole run now and then so that a restart replays a short
-tail (see :mod:`.store`).
-"""
+answered, and a snapshot now and then, so that a restart replays a short tail."""
 
 from __future__ import annotations
 
@@ -25,9 +23,8 @@ CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a re
 
 
 def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
-    """The journal request of an add, ``{"rollouts": records, "duplicates": n}``: as a
-    value for a small add, as pieces of its text (see :class:`~.store.Chunked`) for many
-    records or large arrays."""
+    """The journal request of an add, ``{"rollouts": records, "duplicates": n}``: a value, or
+    for many records or large arrays the pieces of its text (:class:`~.store.Chunked`)."""
     large = [holds_large_array(record) for record in records]
     if len(records) <= CHUNKED_ADD_RECORDS and not any(large):
         return {"rollouts": records, "duplicates": duplicates}
@@ -47,12 +44,9 @@ def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
 
 
 class Journal:
-    """The journal of the run ``run`` in ``store``: its rows in order (``seq``), and when
-    to snapshot ``state()``.
-
-    While ``restoring``, writes re-applied from the journal are not written again. ``broken`` is the
-    error of a write that could not be persisted: the run's memory is then ahead of its store.
-    """
+    """The journal of the run ``run`` in ``store``: its rows in order (``seq``), and when to
+    snapshot ``state()``. While ``restoring``, writes are not written again; ``broken`` is the
+    error of a write that could not be persisted (the run's memory is then ahead of its store)."""
 
     def __init__(self, run: str, store: Store, state: Callable[[], dict[str, Any]]) -> None:
         self.run = run
@@ -65,8 +59,7 @@ class Journal:
         self.broken: BaseException | None = None
 
     def write(self, op: str, request: Any, history_row: Any | None = None) -> None:
-        """Persist one write before it is answered (under the run's lock, so
-        in the order applied)."""
+        """Persist one write before it is answered (under the run's lock: in the order applied)."""
         if self.restoring:
             return
         self.seq += 1

@@ -1,9 +1,5 @@
-"""``405 Method Not Allowed`` with the full ``Allow`` header.
-
-Starlette answers 405 from the first route whose path matches, so on ``/v1/runs/{run}`` (PUT, GET
-and DELETE are three routes) it would list one method only. This middleware lists every method the
-path takes, as RFC 9110 asks.
-"""
+"""``405 Method Not Allowed`` with the full ``Allow`` header (RFC 9110): Starlette answers from
+the first route whose path matches, listing its methods only (one of ``/v1/runs/{run}``'s three)."""
 
 from __future__ import annotations
 

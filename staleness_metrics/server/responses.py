@@ -1,10 +1,5 @@
-"""How the service answers: models written to JSON in one call, the error bodies,
-and their OpenAPI entries.
-
-Every error body is ``{"detail": "..."}``, or, where a field is at fault (422, and a span-row cap's
-413), ``{"detail": [{"field", "reason", "rollout_id", "index"}, ...]}``
-(:class:`.ValidationErrorBody`).
-"""
+"""How the service answers: models written to JSON in one call, and the error bodies
+(``{"detail": "..."}``, or :class:`.ValidationErrorBody` where a field is at fault)."""
 
 from __future__ import annotations
 
@@ -43,14 +38,9 @@ def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, A
 
 
 class JSONModelResponse(Response):
-    """A response model written to JSON by pydantic in one call.
-
-    Returning the model itself would make FastAPI validate it again against the route's
-    response model, turn it into Python dicts and lists, and encode those with the standard
-    library: three passes over an answer the handler has just built from validated values.
-    Routes declare ``response_model`` for the OpenAPI document, and FastAPI passes a returned
-    ``Response`` through untouched.
-    """
+    """A response model written to JSON by pydantic in one call (a returned model would be
+    validated again, turned into dicts and encoded by the standard library). Routes declare
+    ``response_model`` for the OpenAPI document."""
 
     media_type = "application/json"
 
@@ -59,8 +49,7 @@ class JSONModelResponse(Response):
 
 
 def _printable(text: str) -> str:
-    """``text`` with lone surrogates written as escapes: an answer naming a bad
-    string can be encoded."""
+    """``text`` with lone surrogates escaped, so an answer naming a bad string can be encoded."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
@@ -99,8 +88,7 @@ async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
-    # The standard JSON reader recurses once per level: a body nested past the interpreter's limit
-    # is unreadable JSON for this service, on every route (400, as for any body it cannot read).
+    # a body nested past the JSON reader's recursion limit is unreadable, on every route
     return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
 
 

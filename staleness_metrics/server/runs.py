@@ -1,23 +1,14 @@
 """The service's runs: one monitor (sink + exporters) per run, with exactly-once accounting.
 
-The sink is not thread-safe, and exactly-once needs "check the ids, then add" to be one step, so
-every call into a run holds the run's lock. Runs do not share locks: runs progress independently.
+Every call into a run holds the run's lock (the sink is not thread-safe, and "check the ids, then
+add" must be one step); runs do not share locks. Exactly-once:
 
-Exactly-once:
-
-- **Rollouts**: a run remembers every rollout id it received (queued, or set aside as invalid in a
-  lenient run) with a digest of the record. A record whose id and content were received before is a
-  *duplicate*: counted as such and otherwise ignored, so a batch re-sent after a timeout changes
-  nothing. In a batch that mixes new and already-received records, the new ones are added and the
-  others are duplicates. A record re-using a received id with *different* content is a conflict
-  (409) and nothing of its batch is applied. The same holds for one record twice in one batch.
-- **Ships**: a ship carries an optional idempotency key; a ship with a key the run has already
-  answered returns the stored answer (``replayed``) instead of shipping again, and the same key with
-  a different request is refused. The last :data:`~.idempotency.IDEMPOTENCY_KEYS_KEPT` keys of each
-  run are remembered (:class:`~.idempotency.Answers`, one per endpoint).
-- **Mismatch sums** (SPEC 11): posts for one step merge (one per rank or micro-batch); a post
-  carries an optional idempotency key with the same rules as a ship's (keys are kept per run and per
-  endpoint), so a post retried after a timeout is counted once.
+- **Rollouts**: a run keeps every rollout id it received with a digest of the record. A record
+  received before with the same content is a *duplicate* (counted, otherwise ignored); with other
+  content, or twice in one batch with other content, a conflict (409): nothing of its batch applies.
+- **Ships and mismatch posts** (SPEC 11; posts for one step merge): one with an idempotency key the
+  run has answered returns the stored answer (``replayed``), and the key with another request is
+  refused (:class:`~.idempotency.Answers`, one per endpoint).
 """
 
 from __future__ import annotations
@@ -50,7 +41,7 @@ from .errors import (
     trace_item,
 )
 from .exporting import RunExporters
-from .idempotency import Answers, MismatchFingerprint, ShipFingerprint, record_digest, stored_digest
+from .idempotency import Answers, record_digest, stored_digest
 from .journal import Journal, add_row
 from .models import (
     AddResult,
@@ -128,8 +119,7 @@ _MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
 
 @dataclass(frozen=True)
 class _StepMismatch:
-    """The posted sums of one step: how many posts, their total, and its keys
-    and dict (made once)."""
+    """The posted sums of one step: how many posts, their total, its keys and its dict."""
 
     posts: int
     total: MismatchSums
@@ -141,8 +131,7 @@ class _StepMismatch:
         return cls(posts, total, metrics, total.to_dict())
 
     def on(self, row: StepRow) -> StepRow:
-        """``row`` with these keys in place of any SPEC 11 / SPEC 14 keys the ship
-        computed, and the sums."""
+        """``row`` with these keys in place of any SPEC 11 / 14 keys the ship computed, and the sums."""
         kept = {key: value for key, value in row.metrics.items() if not key.startswith(_MISMATCH_PREFIXES)}
         return row.model_copy(update={"metrics": {**kept, **self.metrics}, "mismatch": self.sums})
 
@@ -150,38 +139,24 @@ class _StepMismatch:
 class Run:
     """One run of the service: a :class:`StalenessMonitor` and what exactly-once needs."""
 
-    def __init__(
-        self,
-        name: str,
-        config: StalenessConfig,
-        exporters: RunExporters,
-        store: Store | None = None,
-    ) -> None:
+    def __init__(self, name: str, config: StalenessConfig, exporters: RunExporters, store: Store | None = None) -> None:
         self.name = name
         self.config = config
         self._exporters = exporters
         self.monitor = StalenessMonitor(config, exporters.all, run=name)
         exporters.report_failures(self.monitor.export_errors)
         self._lock = threading.RLock()  # re-entered by the calls made under Run.quick
-        # Positions added since the queue was last seen empty: at least what
-        # it holds (see Run.quick).
-        self._positions_bound = 0
+        self._positions_bound = 0  # added since the queue was last empty: at least what it holds
         self._received: dict[str, bytes] = {}  # rollout id -> digest of the record
         self._duplicates = 0
         self._history: list[StepRow] = []
-        self._answers: Answers[ShipFingerprint, ShipResult] = Answers(
-            "a different ship", ShipFingerprint.from_json, ShipResult
-        )
+        self._answers = Answers("a different ship", ShipResult)
         self._mismatch: dict[int, _StepMismatch] = {}  # posted trainer-side sums, per shipped step
-        self._mismatch_answers: Answers[MismatchFingerprint, MismatchResult] = Answers(
-            "different mismatch sums", MismatchFingerprint.from_json, MismatchResult
-        )
+        self._mismatch_answers = Answers("different mismatch sums", MismatchResult)
         self._closed = False
-        # Persistence: every write that changed the run is one journal row (see .store).
         self._store = store or Store()
         self._journal = Journal(name, self._store, self.state_dict)
-        # How each journalled operation is applied again at restart. A new write endpoint adds one
-        # entry here and journals its validated request with ``self._journal.write(op, request)``.
+        # How each journalled operation is applied again at restart (a new write endpoint adds one).
         self._ops: dict[str, Callable[[Any], object]] = {
             "add": self._replay_add,
             "sweep": lambda request: self.sweep(int(request["step"])),
@@ -213,14 +188,7 @@ class Run:
     def quick(self) -> Iterator[bool]:
         """True, holding the run's lock, when it was free at once and the queue is small enough for
         a ship of a few milliseconds (:data:`QUICK_MAX_ROLLOUTS`, :data:`QUICK_MAX_POSITIONS`);
-        False, not holding it, otherwise.
-
-        The service then calls the run on its event loop rather than on a worker thread (the hop to
-        the worker and back costs a small request about as much as its own work). Never waiting for
-        the lock there is what makes that safe: a run busy with a large batch stalls its own
-        callers, which go to a worker, not every connection. The queue's positions are bounded by
-        those added since it was last empty, so the bound is never below what a ship would read.
-        """
+        False, not holding it, otherwise (see :func:`.routes.on_run`)."""
         if not self._lock.acquire(blocking=False):
             yield False
             return
@@ -231,8 +199,7 @@ class Run:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        """The run without its history rows (stored apart): monitor, received
-        ids, idempotency answers."""
+        """The run without its history rows (stored apart)."""
         return {
             "format": RUN_STATE_FORMAT,
             "seq": self._journal.seq,
@@ -240,19 +207,14 @@ class Run:
             "received": {rid: digest.hex() for rid, digest in self._received.items()},
             "duplicates": self._duplicates,
             "answers": self._answers.to_json(),
-            # Posted mismatch sums (SPEC 11) per step, and the answers to their idempotency
-            # keys. The keys published with them too: SPEC 14's floor and window are of the
-            # moment they were posted.
+            # with the keys published then: SPEC 14's floor and window are of that moment
             "mismatch": [[step, m.posts, m.sums, m.metrics] for step, m in self._mismatch.items()],
             "mismatch_answers": self._mismatch_answers.to_json(),
         }
 
     def restore(self, stored: StoredRun) -> None:
-        """Load the latest snapshot and re-apply the journal after it (ships
-        are not exported again).
-
-        Raises :class:`RestoreFailed` naming the stored row that could not be loaded or applied.
-        """
+        """Load the latest snapshot and re-apply the journal after it (ships are not exported
+        again); :class:`RestoreFailed` names the row that could not be loaded or applied."""
         self._journal.restoring = True
         try:
             if stored.snapshot is not None:
@@ -333,16 +295,8 @@ class Run:
                 rid = record.get("id")
                 if not isinstance(rid, str) or not rid:
                     reason = "required non-empty string (the service counts each rollout once by its id)"
-                    raise RecordsInvalid(
-                        [
-                            ErrorItem(
-                                field="id",
-                                reason=reason,
-                                rollout_id=None if rid is None else str(rid),
-                                index=index,
-                            )
-                        ]
-                    )
+                    shown = None if rid is None else str(rid)
+                    raise RecordsInvalid([ErrorItem(field="id", reason=reason, rollout_id=shown, index=index)])
                 digest = stored_digest(record)
                 # refused before anything is applied: the journal could not write it
                 if digest is None:
@@ -391,12 +345,8 @@ class Run:
     @staticmethod
     def _unstorable_item(record: Mapping[str, Any], rid: str, index: int) -> ErrorItem:
         field, reason = unstorable(record) or ("rollout", "cannot be stored")
-        return ErrorItem(
-            field=field,
-            reason=f"{reason} (the run's journal could not store it)",
-            rollout_id=printable_id(rid),
-            index=index,
-        )
+        reason += " (the run's journal could not store it)"
+        return ErrorItem(field=field, reason=reason, rollout_id=printable_id(rid), index=index)
 
     @staticmethod
     def _range_error(records: list[dict[str, Any]], index_of: Mapping[str, int]) -> ErrorItem:
@@ -404,12 +354,7 @@ class Run:
             path = out_of_range(record, "")
             if path is not None:
                 rid = str(record["id"])
-                return ErrorItem(
-                    field=path,
-                    reason="integer out of range",
-                    rollout_id=rid,
-                    index=index_of.get(rid),
-                )
+                return ErrorItem(field=path, reason="integer out of range", rollout_id=rid, index=index_of.get(rid))
         return ErrorItem(field="rollouts", reason="a number is out of range")
 
     # ------------------------------------------------------------------ sweep and ship
@@ -430,11 +375,7 @@ class Run:
 
     def ship(self, request: ShipRequest, idempotency_key: str | None = None) -> ShipResult:
         """Ship for ``request.step``; a repeated ``idempotency_key`` returns the first answer."""
-        fingerprint = ShipFingerprint(
-            request.step,
-            None if request.ids is None else tuple(request.ids),
-            request.include_rollouts,
-        )
+        fingerprint = [request.step, request.ids, request.include_rollouts]
         with self._lock:
             self._check_open()
             replayed = self._answers.replay(idempotency_key, fingerprint)
@@ -444,8 +385,7 @@ class Run:
             try:
                 shipment = self.monitor.ship(request.step, request.ids)
             except TraceError as error:  # strict run: a version above the trained one
-                # The ship swept at its step before it refused: that much
-                # happened and is journalled.
+                # the ship swept at its step before it refused: that much happened, and is journalled
                 self._journal.write("sweep", {"step": request.step})
                 raise RecordsInvalid([trace_item(error)]) from None
             if self.monitor.sink.queued == 0:
@@ -492,7 +432,7 @@ class Run:
         delta = _parse_sums(request.sums)
         if request.env is not None and (at := lone_surrogate(request.env)) is not None:
             raise RecordsInvalid([ErrorItem(field="env", reason=surrogate_reason(request.env, at))])
-        fingerprint = MismatchFingerprint(request.step, record_digest({"env": request.env, "sums": delta.to_dict()}))
+        fingerprint = [request.step, record_digest({"env": request.env, "sums": delta.to_dict()}).hex()]
         with self._lock:
             self._check_open()
             replayed = self._mismatch_answers.replay(idempotency_key, fingerprint)
@@ -511,11 +451,7 @@ class Run:
             metrics = self.monitor.mismatch_metrics(request.step) or {}
             merged = self._mismatch[request.step] = _StepMismatch.of(posts + 1, total, metrics)
             answer = MismatchResult(
-                run=self.name,
-                step=request.step,
-                posts=merged.posts,
-                tokens=total.covered,
-                metrics=merged.metrics,
+                run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )
             self._mismatch_answers.remember(idempotency_key, fingerprint, answer)
             self._journal.write("mismatch", {"request": request.model_dump(mode="json"), "key": idempotency_key})
@@ -523,12 +459,8 @@ class Run:
 
     # ------------------------------------------------------------------ reads
     def steps(self, since: int = 0) -> list[StepRow]:
-        """The metrics history: every ship with ``step > since``, oldest first.
-
-        The last ship of a step with posted mismatch sums carries their merged total: its
-        SPEC 11 keys in ``metrics`` (replacing any the ship computed from records) and
-        the sums in ``mismatch``.
-        """
+        """The metrics history: every ship with ``step > since``, oldest first; the last ship of a
+        step with posted mismatch sums carries their merged total (:meth:`_StepMismatch.on`)."""
         with self._lock:
             self._check_open()
             rows = [row for row in self._history if row.step > since]
@@ -557,8 +489,7 @@ class Run:
         )
 
     def checkpoint(self) -> None:
-        """Snapshot now if anything was journalled since the last one (a clean
-        shutdown restarts faster)."""
+        """Snapshot now if anything was journalled since the last one (a faster restart)."""
         with self._lock:
             if (
                 self._store.persistent
