@@ -1,5 +1,7 @@
 """The service's routes: one :class:`fastapi.APIRouter` per resource (service, runs, rollouts,
-mismatch, history), each made for one registry of runs.
+mismatch, history), each made for one registry of runs, and how they answer: models written to
+JSON in one call, and the error bodies (``{"detail": "..."}``, or :class:`.ValidationErrorBody`
+where a field is at fault) with their OpenAPI entries.
 
 Handlers are plain functions where they may wait (FastAPI runs them on its thread pool; each run
 serializes its own calls); adds and ships go through :func:`on_run`.
@@ -15,16 +17,16 @@ import orjson
 from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from ..config import StalenessConfig
 from ..errors import ConfigError
 from .decode import BodyTooComplex, BodyTooDeep, compact_records, paused_gc, read_json
-from .errors import RecordsInvalid, SpanRowsTooMany
+from .errors import RecordsInvalid, RunError, SpanRowsTooMany
 from .exporting import ServiceCollector
 from .models import (
     MAX_STEP,
@@ -46,18 +48,103 @@ from .models import (
     run_config_schema,
 )
 from .registry import RunRegistry
-from .responses import ERRORS, JSONModelResponse, documented
 from .runs import Run
 from .settings import ServerSettings
 from .span_rows import check_span_rows
 
-__all__ = ["HEALTH_LOADING_WAIT", "QUICK_BODY_BYTES", "on_run", "routers"]
+__all__ = ["EXCEPTION_HANDLERS", "HEALTH_LOADING_WAIT", "QUICK_BODY_BYTES", "JSONModelResponse", "on_run", "routers"]
 
 T = TypeVar("T")
 
 HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
 # a rollouts body up to this size is read and applied in about a millisecond
 QUICK_BODY_BYTES = 64 * 1024
+WRITE_ERRORS = (400, 401, 404, 409, 413)  # what a write to a run may answer, besides 422
+
+ERRORS: dict[int, str] = {
+    400: "The body could not be read (not UTF-8 JSON).",
+    401: "Missing or wrong bearer token.",
+    404: "No such run (create it with PUT /v1/runs/{run}).",
+    409: "Conflicts with the run's state.",
+    413: "Request body larger than the service accepts.",
+}
+
+
+def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route answering ``codes`` (and 422 when ``invalid``)."""
+    answers: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorMessage, "description": ERRORS[code]} for code in codes
+    }
+    if invalid:
+        answers[422] = {
+            "model": ValidationErrorBody,
+            "description": "Invalid request: the field and reason of each error; nothing was applied.",
+        }
+    return answers
+
+
+class JSONModelResponse(Response):
+    """A response model written to JSON by pydantic in one call (a returned model would be
+    validated again, turned into dicts and encoded by the standard library). Routes declare
+    ``response_model`` for the OpenAPI document."""
+
+    media_type = "application/json"
+
+    def __init__(self, model: BaseModel, status_code: int = status.HTTP_200_OK) -> None:
+        super().__init__(model.__pydantic_serializer__.to_json(model), status_code=status_code)
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates escaped, so an answer naming a bad string can be encoded."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
+    printable = [
+        item.model_copy(
+            update={
+                "field": _printable(item.field),
+                "reason": _printable(item.reason),
+                "rollout_id": None if item.rollout_id is None else _printable(item.rollout_id),
+            }
+        )
+        for item in items
+    ]
+    return JSONResponse(ValidationErrorBody(detail=printable).model_dump(), status_code=status_code)
+
+
+async def _run_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RunError)
+    if isinstance(exc, RecordsInvalid):  # the 422 shape (a span-row cap's 413 too): field and reason
+        return _invalid(exc.errors, exc.status)
+    return JSONResponse({"detail": _printable(str(exc))}, status_code=exc.status)
+
+
+async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return _invalid(
+        [
+            ErrorItem(
+                field=".".join(str(part) for part in error.get("loc", ())),
+                reason=str(error.get("msg", "")),
+            )
+            for error in exc.errors()
+        ]
+    )
+
+
+async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
+    # a body nested past the JSON reader's recursion limit is unreadable, on every route
+    return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
+
+
+# The application's exception handlers (``FastAPI(exception_handlers=...)``).
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    RunError: _run_error,
+    RequestValidationError: _invalid_request,
+    RecursionError: _too_deep,
+}
+
 
 RunName = Annotated[
     str,
@@ -80,6 +167,15 @@ class Access:
     writes: dict[str, Any]
     reads: dict[str, Any]
     read_errors: tuple[int, ...]
+
+    def write(self, model: Any, *codes: int) -> dict[str, Any]:
+        """The options of a write route answering ``model``, or the error ``codes``."""
+        return {"openapi_extra": self.writes, "response_model": model, "responses": documented(*codes)}
+
+    def read(self, model: Any, *codes: int, invalid: bool = True) -> dict[str, Any]:
+        """The options of a read route answering ``model``, or the error ``codes``."""
+        responses = documented(*self.read_errors, *codes, invalid=invalid)
+        return {"openapi_extra": self.reads, "response_model": model, "responses": responses}
 
 
 def routers(registry: RunRegistry, settings: ServerSettings) -> list[APIRouter]:
@@ -160,12 +256,7 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
     """``/v1/runs`` and ``/v1/runs/{run}``: create with a configuration, read, delete."""
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
-    @router.get(
-        "",
-        openapi_extra=access.reads,
-        response_model=RunList,
-        responses=documented(*access.read_errors, invalid=False),
-    )
+    @router.get("", **access.read(RunList, invalid=False))
     def list_runs() -> Response:
         return JSONModelResponse(RunList(runs=[run.info() for run in registry.runs()]))
 
@@ -188,21 +279,12 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
         created_run, created = registry.create(run, _parse_config(config))
         return JSONModelResponse(created_run.info(), status.HTTP_201_CREATED if created else status.HTTP_200_OK)
 
-    @router.get(
-        "/{run}",
-        openapi_extra=access.reads,
-        response_model=RunInfo,
-        responses=documented(*access.read_errors, 404),
-    )
+    @router.get("/{run}", **access.read(RunInfo, 404))
     def get_run(run: RunName) -> Response:
         return JSONModelResponse(registry.get(run).info())
 
     @router.delete(
-        "/{run}",
-        openapi_extra=access.writes,
-        status_code=status.HTTP_204_NO_CONTENT,
-        response_class=Response,
-        responses=documented(401, 404),
+        "/{run}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response, **access.write(None, 401, 404)
     )
     def delete_run(run: RunName) -> Response:
         """Delete a run: its exporters flush and close, and its series leave ``/metrics``."""
@@ -273,7 +355,7 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
         "/rollouts",
         response_model=AddResult,
         responses={
-            **documented(400, 401, 404, 409, 413),
+            **documented(*WRITE_ERRORS),
             413: {
                 "model": ErrorMessage | ValidationErrorBody,
                 "description": ERRORS[413] + " Or more span rows than the body's size allows "
@@ -301,22 +383,12 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
         added = await on_run(registry, run, lambda target: add_body(target, held, bytes_per_span_row), small=small)
         return JSONModelResponse(added)
 
-    @router.post(
-        "/sweep",
-        openapi_extra=access.writes,
-        response_model=RunInfo,
-        responses=documented(400, 401, 404, 409, 413),
-    )
+    @router.post("/sweep", **access.write(RunInfo, *WRITE_ERRORS))
     def sweep(run: RunName, request: SweepRequest) -> Response:
         """Apply the policy at ``step`` to the queue; its drops are reported with the next ship."""
         return JSONModelResponse(registry.get(run).sweep(request.step))
 
-    @router.post(
-        "/ship",
-        openapi_extra=access.writes,
-        response_model=ShipResult,
-        responses=documented(400, 401, 404, 409, 413),
-    )
+    @router.post("/ship", **access.write(ShipResult, *WRITE_ERRORS))
     async def ship(
         run: RunName,
         request: ShipRequest,
@@ -333,12 +405,7 @@ def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
     """``/mismatch`` of a run: what staleness cost a shipped step, as the trainer measured it."""
     router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
 
-    @router.post(
-        "/mismatch",
-        openapi_extra=access.writes,
-        response_model=MismatchResult,
-        responses=documented(400, 401, 404, 413),
-    )
+    @router.post("/mismatch", **access.write(MismatchResult, 400, 401, 404, 413))
     def record_mismatch(
         run: RunName,
         request: MismatchRequest,
@@ -359,12 +426,7 @@ def history_router(registry: RunRegistry, access: Access) -> APIRouter:
     """``/steps`` and ``/events`` of a run: what it has done, as metrics rows or as events."""
     router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
 
-    @router.get(
-        "/steps",
-        openapi_extra=access.reads,
-        response_model=StepsPage,
-        responses=documented(*access.read_errors, 404),
-    )
+    @router.get("/steps", **access.read(StepsPage, 404))
     def steps(
         run: RunName,
         since: Annotated[int, Query(ge=0, le=MAX_STEP, description="Return the ships with step > since.")] = 0,

@@ -9,10 +9,13 @@ add" must be one step); runs do not share locks. Exactly-once:
 - **Ships and mismatch posts** (SPEC 11; posts for one step merge): one with an idempotency key the
   run has answered returns the stored answer (``replayed``), and the key with another request is
   refused (:class:`~.idempotency.Answers`, one per endpoint).
+Every write that changed a run is one row of its :class:`Journal`, persisted before it is answered,
+with a snapshot now and then, so that a restart replays a short tail.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
@@ -29,6 +33,7 @@ from ..metrics.mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
+from ..state_checks import arrays_left_as_numpy
 from .errors import (
     RecordsInvalid,
     RestoreFailed,
@@ -41,8 +46,7 @@ from .errors import (
     trace_item,
 )
 from .exporting import RunExporters
-from .idempotency import Answers, record_digest, stored_digest
-from .journal import Journal, add_row
+from .idempotency import Answers, holds_large_array, record_digest, stored_digest
 from .models import (
     AddResult,
     ErrorItem,
@@ -54,17 +58,95 @@ from .models import (
     StepRow,
     counts_of,
 )
-from .store import Store, StoredRun
+from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun, encoded_pieces
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["QUICK_MAX_POSITIONS", "QUICK_MAX_ROLLOUTS", "RUN_STATE_FORMAT", "Run"]
+__all__ = [
+    "CHUNKED_ADD_RECORDS",
+    "QUICK_MAX_POSITIONS",
+    "QUICK_MAX_ROLLOUTS",
+    "RUN_STATE_FORMAT",
+    "Journal",
+    "Run",
+    "add_row",
+]
+
+logger = logging.getLogger("staleness_metrics.server")
 
 RUN_STATE_FORMAT = 1
 # A run whose queue holds at most this much ships in a few milliseconds (see Run.quick).
 QUICK_MAX_ROLLOUTS = 512
 QUICK_MAX_POSITIONS = 65_536
+
+
+CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a record at a time
+
+
+def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
+    """The journal request of an add, ``{"rollouts": records, "duplicates": n}``: a value, or
+    for many records or large arrays the pieces of its text (:class:`~.store.Chunked`)."""
+    large = [holds_large_array(record) for record in records]
+    if len(records) <= CHUNKED_ADD_RECORDS and not any(large):
+        return {"rollouts": records, "duplicates": duplicates}
+
+    def pieces() -> Iterator[bytes]:  # byte for byte orjson.dumps of the request
+        yield b'{"rollouts":['
+        for number, (record, is_large) in enumerate(zip(records, large, strict=True)):
+            if number:
+                yield b","
+            if is_large:
+                yield from encoded_pieces(record)
+            else:
+                yield orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
+        yield b'],"duplicates":%d}' % duplicates
+
+    return Chunked(pieces)
+
+
+class Journal:
+    """The journal of the run ``run`` in ``store``: its rows in order (``seq``), and when to
+    snapshot ``state()``. While ``restoring``, writes are not written again; ``broken`` is the
+    error of a write that could not be persisted (the run's memory is then ahead of its store)."""
+
+    def __init__(self, run: str, store: Store, state: Callable[[], dict[str, Any]]) -> None:
+        self.run = run
+        self.store = store
+        self._state = state
+        self.seq = 0
+        self.rows_since_snapshot = 0
+        self.bytes_since_snapshot = 0
+        self.restoring = False
+        self.broken: BaseException | None = None
+
+    def write(self, op: str, request: Any, history_row: Any | None = None) -> None:
+        """Persist one write before it is answered (under the run's lock: in the order applied)."""
+        if self.restoring:
+            return
+        self.seq += 1
+        try:
+            written = self.store.append(self.run, self.seq, op, request, history_row)
+        except Exception as exc:
+            self.broken = exc
+            raise RunBroken(f"run {self.run!r}: the write was applied but could not be persisted: {exc}") from exc
+        if not self.store.persistent:
+            return
+        self.rows_since_snapshot += 1
+        self.bytes_since_snapshot += written
+        if self.rows_since_snapshot >= SNAPSHOT_EVERY or self.bytes_since_snapshot >= SNAPSHOT_BYTES:
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        try:
+            # the queue's arrays written by orjson, never as Python lists
+            with arrays_left_as_numpy():
+                state = self._state()
+            self.store.save_snapshot(self.run, self.seq, state)
+        except Exception:  # the journal still holds everything: a restart replays a longer tail
+            logger.exception("run %s: snapshot failed", self.run)
+            return
+        self.rows_since_snapshot = self.bytes_since_snapshot = 0
 
 
 def _positions_of(records: list[dict[str, Any]]) -> int:
