@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
+from http import HTTPStatus
 from typing import Any
 
 __all__ = [
@@ -144,17 +145,9 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
                 if self._header_deadline is None:
                     self._arm_header_deadline()
             super().data_received(data)
-            if (
-                counting
-                and self._awaiting_headers
-                and self._header_bytes > max_header_bytes
-                and not self.transport.is_closing()
-            ):
-                self._refuse(
-                    431,
-                    b"Request Header Fields Too Large",
-                    "request line and headers over the size cap",
-                )
+            over = counting and self._awaiting_headers and self._header_bytes > max_header_bytes
+            if over and not self.transport.is_closing():
+                self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request line and headers over the size cap")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -182,17 +175,17 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
                 self._arm_header_deadline()  # still answering the previous request: its turn first
                 return
             if self._header_bytes:
-                self._refuse(408, b"Request Timeout", "the request's headers did not arrive in time")
+                self._refuse(HTTPStatus.REQUEST_TIMEOUT, "the request's headers did not arrive in time")
             else:
                 self.transport.close()  # an idle connection that never sent a request
 
-        def _refuse(self, code: int, phrase: bytes, detail: str) -> None:
+        def _refuse(self, code: HTTPStatus, detail: str) -> None:
             self._disarm_header_deadline()
             self._awaiting_headers = False
             body = json.dumps({"detail": detail}).encode()
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%s" % (code, phrase, len(body), body)
+                b"connection: close\r\n\r\n%s" % (code, code.phrase.encode(), len(body), body)
             )
             self.transport.close()
 

@@ -10,7 +10,8 @@ serializes its own calls); adds and ships go through :func:`on_run`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 import orjson
@@ -100,17 +101,9 @@ def _printable(text: str) -> str:
 
 
 def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
-    printable = [
-        item.model_copy(
-            update={
-                "field": _printable(item.field),
-                "reason": _printable(item.reason),
-                "rollout_id": None if item.rollout_id is None else _printable(item.rollout_id),
-            }
-        )
-        for item in items
-    ]
-    return JSONResponse(ValidationErrorBody(detail=printable).model_dump(), status_code=status_code)
+    """A :class:`.ValidationErrorBody` of ``items``."""
+    detail = [{k: _printable(v) if isinstance(v, str) else v for k, v in item.model_dump().items()} for item in items]
+    return JSONResponse({"detail": detail}, status_code=status_code)
 
 
 async def _run_error(request: Request, exc: Exception) -> JSONResponse:
@@ -122,15 +115,8 @@ async def _run_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return _invalid(
-        [
-            ErrorItem(
-                field=".".join(str(part) for part in error.get("loc", ())),
-                reason=str(error.get("msg", "")),
-            )
-            for error in exc.errors()
-        ]
-    )
+    fields = [(".".join(map(str, error.get("loc", ()))), str(error.get("msg", ""))) for error in exc.errors()]
+    return _invalid([ErrorItem(field=field, reason=reason) for field, reason in fields])
 
 
 async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
@@ -453,12 +439,7 @@ def history_router(registry: RunRegistry, access: Access) -> APIRouter:
         lines = registry.get(run).events()
         first = next(lines, None)  # errors (404, 409) surface before the 200 starts
 
-        def body() -> Iterator[bytes]:
-            if first is not None:
-                yield orjson.dumps(first) + b"\n"
-            for event in lines:
-                yield orjson.dumps(event) + b"\n"
-
-        return StreamingResponse(body(), media_type="application/x-ndjson")
+        every = lines if first is None else itertools.chain([first], lines)
+        return StreamingResponse((orjson.dumps(event) + b"\n" for event in every), media_type="application/x-ndjson")
 
     return router

@@ -96,10 +96,10 @@ class StoreDamaged(RuntimeError):
         self.what = what
 
 
-def checksum(table: str, run: str, seq: int, data: bytes) -> str:
-    """What a stored row must match: its bytes, and where it belongs (a row copied
-    elsewhere fails too)."""
-    return _sized(table, run, seq, [data])[1]
+def checksum(table: str, run: str, seq: int, data: bytes, op: str | None = None) -> str:
+    """What a stored row must match: its bytes (a journal row's after its ``op``), and where it
+    belongs (a row copied elsewhere fails too)."""
+    return _sized(table, run, seq, [data], _op_prefix(op))[1]
 
 
 @dataclass(frozen=True)
@@ -183,8 +183,8 @@ _ROW_NAME = {
 }
 
 
-def _journal_bytes(op: str, request: bytes) -> bytes:
-    return op.encode() + b"\0" + request
+def _op_prefix(op: str | None) -> bytes:
+    return b"" if op is None else op.encode() + b"\0"
 
 
 class SqliteStore(Store):
@@ -313,11 +313,8 @@ class SqliteStore(Store):
         ).fetchall()
         for rowid, run, seq, op, data in rows:
             self._decode(table, run, int(seq), data)
-            stamped = _journal_bytes(op, data) if op is not None else data
-            self._db.execute(
-                f"UPDATE {table} SET checksum = ? WHERE rowid = ?",
-                (checksum(table, run, int(seq), stamped), rowid),
-            )
+            stamp = checksum(table, run, int(seq), data, op)
+            self._db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
 
     # ------------------------------------------------------------------ checking rows
     def damaged(self, what: str) -> Exception:
@@ -339,7 +336,7 @@ class SqliteStore(Store):
         """The decoded row, once its checksum matches."""
         if not isinstance(data, bytes):
             raise self._damaged(table, run, seq, f"holds {type(data).__name__}, not stored JSON")
-        expected = checksum(table, run, seq, _journal_bytes(op, data) if op is not None else data)
+        expected = checksum(table, run, seq, data, op)
         if stored != expected:
             reason = (
                 "has no checksum"
@@ -384,7 +381,7 @@ class SqliteStore(Store):
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
         if isinstance(request, Chunked) and self._journal_in_place:
             # written piece by piece into a blob of its size: the text is never whole in memory
-            size, check = _sized("journal", run, seq, request.pieces(), _journal_bytes(op, b""))
+            size, check = _sized("journal", run, seq, request.pieces(), _op_prefix(op))
             insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, zeroblob(?))"
             self._write_in_place("journal", (insert, (run, seq, op, check, size)), request.pieces, size)
             return size
@@ -392,7 +389,7 @@ class SqliteStore(Store):
         statements: list[tuple[str, tuple[Any, ...]]] = [
             (
                 "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)",
-                (run, seq, op, data, checksum("journal", run, seq, _journal_bytes(op, data))),
+                (run, seq, op, data, checksum("journal", run, seq, data, op)),
             )
         ]
         if history_row is not None:
@@ -461,10 +458,6 @@ class SqliteStore(Store):
                 "SELECT seq, row, checksum FROM history WHERE run = ? AND seq <= ? ORDER BY seq",
                 (name, seq),
             ).fetchall()
-            journal_rows = self._db.execute(
-                "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq",
-                (name, seq),
-            ).fetchall()
             # The whole journal is the run's history (exported as events): its sequence is
             # checked from row 1 by the primary key's index; rows before the snapshot are
             # checksummed when exported.
@@ -483,18 +476,13 @@ class SqliteStore(Store):
             raise self._damaged("journal", name, gap, f"is missing ({after}: a gap in its sequence)")
         snapshot = None if snap is None else self._checked("snapshots", name, seq, snap[1], snap[2])
         history = [self._checked("history", name, int(s), row, check) for s, row, check in history_rows]
-        tail = [
-            JournalRow(int(s), op, self._checked("journal", name, int(s), request, check, op))
-            for s, op, request, check in journal_rows
-        ]
-        return StoredRun(name, config, seq, snapshot, history, tail)
+        return StoredRun(name, config, seq, snapshot, history, list(self.journal(name, after=seq)))
 
-    def journal(self, run: str) -> Iterator[JournalRow]:
-        """Every journal row of ``run``, oldest first, read page by page on a
-        connection of its own."""
+    def journal(self, run: str, after: int = 0) -> Iterator[JournalRow]:
+        """The journal rows of ``run`` after row ``after``, oldest first, each checked, read page by
+        page on a connection of its own."""
         reader = sqlite3.connect(self.path, check_same_thread=False)
         try:
-            after = 0
             while True:
                 page = reader.execute(
                     "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq LIMIT 256",
