@@ -40,8 +40,9 @@ ship or mismatch post with an `Idempotency-Key` the run has seen returns the fir
 
 
 class AllowHeader:
-    """Rewrite the ``Allow`` header of 405 answers from ``routes`` (read when a 405 happens): Starlette
-    answers from the first route whose path matches, listing its methods only (RFC 9110 asks all)."""
+    """Rewrite the ``Allow`` header of 405 answers from ``routes`` (read when a 405 happens):
+    Starlette answers from the first route whose path matches, listing its methods only (RFC 9110
+    asks for all)."""
 
     def __init__(self, app: ASGIApp, routes: Callable[[], Iterable[BaseRoute]]) -> None:
         self.app = app

@@ -1,12 +1,12 @@
 """Reading a rollout batch body in memory bounded by its size.
 
-Built by a JSON reader, each number of a body becomes a Python object (a float: 32 bytes for 4 to
-10 of text). So a body over :data:`FAST_DECODE_MAX_BYTES` is read in three steps: each long list of
-a per-position field whose text is plainly numbers is read piece by piece into one numpy array
-(only into a dtype holding every value exactly; anything else stays text, for the library to name);
-what remains (the *skeleton*) is refused (:class:`BodyTooComplex`, 413) when its values would cost
-more than :data:`SKELETON_ALLOWANCE` plus the body's size; then it is parsed by the standard library,
-and the arrays put in place. Smaller bodies are decoded whole by orjson, or by the standard library
+Built by a JSON reader, each number of a body becomes a Python object (a float: 32 bytes for 4 to 10
+of text). So a body over :data:`FAST_DECODE_MAX_BYTES` is read in three steps: each long list of a
+per-position field whose text is plainly numbers is read piece by piece into one numpy array (only
+into a dtype holding every value exactly; anything else stays text, for the library to name); what
+remains (the *skeleton*) is refused (:class:`BodyTooComplex`, 413) when its values would cost more
+than :data:`SKELETON_ALLOWANCE` plus the body's size; then it is parsed by the standard library, and
+the arrays put in place. Smaller bodies are decoded whole by orjson, or by the standard library
 where orjson refuses a body or might read it differently (``NaN``, integers beyond 64 bits), so a
 body means the same whichever decoder reads it. A body nested past the recursion limit is
 :class:`BodyTooDeep` (400).

@@ -58,8 +58,7 @@ class RestoreFailed(Exception):
 
 
 def reason_of(exc: BaseException) -> str:
-    """How a restore failure names its cause: the message of a deliberate
-    error, else the type too."""
+    """How a restore failure names its cause: a deliberate error's message, else the type too."""
     if isinstance(exc, RunError | TraceError | ValueError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
@@ -83,29 +82,24 @@ class SpanRowsTooMany(RecordsInvalid):
 
 
 def trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
-    """The error item of a refused rollout: its id, field and reason, and its
-    place in the request."""
+    """The error item of a refused rollout: its id, field, reason and place in the request."""
     return ErrorItem(field=error.field, reason=error.reason, rollout_id=error.rollout_id, index=index)
 
 
 def out_of_range(value: Any, path: str) -> str | None:
-    """Path of the first integer in ``value`` outside int64 (the sink's
-    integer width), else None."""
+    """Path of the first integer in ``value`` outside int64 (the sink's width), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return path if not INT64_RANGE[0] <= value <= INT64_RANGE[1] else None
     if isinstance(value, Mapping):
-        for key, item in value.items():
-            found = out_of_range(item, f"{path}.{key}" if path else str(key))
-            if found is not None:
-                return found
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
     elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = out_of_range(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    found = (out_of_range(item, where) for where, item in items)
+    return next((path for path in found if path is not None), None)
 
 
 def field_item(error: ValueError, default_field: str) -> ErrorItem:

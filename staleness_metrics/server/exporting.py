@@ -97,13 +97,13 @@ def preload(settings: ExportSettings) -> None:
 
 
 def _wandb_init(run: str, settings: ExportSettings) -> dict[str, Any]:
-    optional = {"entity": settings.wandb_entity, "mode": settings.wandb_mode, "dir": settings.wandb_dir}
+    extra = {"entity": settings.wandb_entity, "mode": settings.wandb_mode, "dir": settings.wandb_dir}
     return {
         "project": settings.wandb_project,
         "name": run,
         "reinit": "create_new",  # one W&B run per service run, side by side in this process
         "settings": {"console": "off", "x_disable_stats": True},  # a dict: no import of wandb here
-        **{key: value for key, value in optional.items() if value is not None},
+        **{key: value for key, value in extra.items() if value is not None},
     }
 
 

@@ -38,18 +38,15 @@ _DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 def holds_large_array(record: Mapping[str, Any]) -> bool:
-    """True when a sample of ``record`` holds an array (a long per-position list, see
-    .decode) larger than :data:`~.store.PIECE_ITEMS` values: its text is then hashed and
-    journalled a piece at a time."""
+    """True when a sample of ``record`` holds an array of more than :data:`~.store.PIECE_ITEMS`
+    values: its text is then hashed and journalled a piece at a time."""
     samples = record.get("samples")
-    if not isinstance(samples, list):
-        return False
-    for sample in samples:
-        if isinstance(sample, dict):
-            for value in sample.values():
-                if isinstance(value, np.ndarray) and value.size > PIECE_ITEMS:
-                    return True
-    return False
+    return isinstance(samples, list) and any(
+        isinstance(value, np.ndarray) and value.size > PIECE_ITEMS
+        for sample in samples
+        if isinstance(sample, dict)
+        for value in sample.values()
+    )
 
 
 def _canonical_digest(record: Mapping[str, Any], option: int) -> bytes:
@@ -75,9 +72,7 @@ def record_digest(record: Mapping[str, Any]) -> bytes:
 
 def stored_digest(record: Mapping[str, Any]) -> bytes | None:
     """:func:`record_digest` of a record the journal can store, None for one it cannot (a
-    lone surrogate, an integer beyond signed 64 bits, deep nesting). The common case is one
-    strict orjson encoding, the one the digest needs anyway; only a record it refuses is
-    walked to find out why."""
+    lone surrogate, an integer beyond signed 64 bits, deep nesting)."""
     try:
         return _canonical_digest(record, _DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
     except orjson.JSONEncodeError:
@@ -125,4 +120,5 @@ class Answers(Generic[A]):
 
     def load_json(self, items: Any) -> None:
         """Replace the kept answers with :meth:`to_json`'s ``items``."""
-        self._answers = OrderedDict((key, (list(fp), self._answer.model_validate(answer))) for key, fp, answer in items)
+        answers = ((key, (list(fp), self._answer.model_validate(answer))) for key, fp, answer in items)
+        self._answers = OrderedDict(answers)

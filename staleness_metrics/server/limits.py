@@ -36,7 +36,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 async def send_json(send: Send, status: int, detail: str, *extra: tuple[bytes, bytes]) -> None:
-    """Answer ``{"detail": detail}`` and close the connection (the rest of the request is unread)."""
+    """Answer ``{"detail": detail}`` and close the connection (the rest of
+    the request is unread)."""
     body = json.dumps({"detail": detail}).encode()
     length = str(len(body)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", length), *extra]
@@ -147,7 +148,7 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
             super().data_received(data)
             over = counting and self._awaiting_headers and self._header_bytes > max_header_bytes
             if over and not self.transport.is_closing():
-                self._refuse(HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE, "request line and headers over the size cap")
+                self._refuse(431, "request line and headers over the size cap")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -175,17 +176,17 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
                 self._arm_header_deadline()  # still answering the previous request: its turn first
                 return
             if self._header_bytes:
-                self._refuse(HTTPStatus.REQUEST_TIMEOUT, "the request's headers did not arrive in time")
+                self._refuse(408, "the request's headers did not arrive in time")
             else:
                 self.transport.close()  # an idle connection that never sent a request
 
-        def _refuse(self, code: HTTPStatus, detail: str) -> None:
+        def _refuse(self, code: int, detail: str) -> None:
             self._disarm_header_deadline()
             self._awaiting_headers = False
             body = json.dumps({"detail": detail}).encode()
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%s" % (code, code.phrase.encode(), len(body), body)
+                b"connection: close\r\n\r\n%s" % (code, HTTPStatus(code).phrase.encode(), len(body), body)
             )
             self.transport.close()
 

@@ -135,7 +135,8 @@ class RunRegistry:
             return run
 
     def loaded(self, timeout: float | None = None) -> bool:
-        """Wait until every stored run is loaded or found unavailable; False when ``timeout`` passed."""
+        """Wait until every stored run is loaded or found unavailable; False
+        when ``timeout`` passed."""
         loader = self._loader
         if loader is not None:
             loader.join(timeout)

@@ -53,7 +53,7 @@ from .runs import Run
 from .settings import ServerSettings
 from .span_rows import check_span_rows
 
-__all__ = ["EXCEPTION_HANDLERS", "HEALTH_LOADING_WAIT", "QUICK_BODY_BYTES", "JSONModelResponse", "on_run", "routers"]
+__all__ = ["EXCEPTION_HANDLERS", "HEALTH_LOADING_WAIT", "QUICK_BODY_BYTES", "on_run", "routers"]
 
 T = TypeVar("T")
 
@@ -102,21 +102,24 @@ def _printable(text: str) -> str:
 
 def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
     """A :class:`.ValidationErrorBody` of ``items``."""
-    detail = [{k: _printable(v) if isinstance(v, str) else v for k, v in item.model_dump().items()} for item in items]
-    return JSONResponse({"detail": detail}, status_code=status_code)
+
+    def printable(item: ErrorItem) -> dict[str, Any]:
+        return {k: _printable(v) if isinstance(v, str) else v for k, v in item.model_dump().items()}
+
+    return JSONResponse({"detail": [printable(item) for item in items]}, status_code=status_code)
 
 
 async def _run_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RunError)
-    if isinstance(exc, RecordsInvalid):  # the 422 shape (a span-row cap's 413 too): field and reason
+    if isinstance(exc, RecordsInvalid):  # the 422 shape, a span-row cap's 413 too
         return _invalid(exc.errors, exc.status)
     return JSONResponse({"detail": _printable(str(exc))}, status_code=exc.status)
 
 
 async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    fields = [(".".join(map(str, error.get("loc", ()))), str(error.get("msg", ""))) for error in exc.errors()]
-    return _invalid([ErrorItem(field=field, reason=reason) for field, reason in fields])
+    found = ((".".join(map(str, e.get("loc", ()))), str(e.get("msg", ""))) for e in exc.errors())
+    return _invalid([ErrorItem(field=field, reason=reason) for field, reason in found])
 
 
 async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
@@ -440,6 +443,7 @@ def history_router(registry: RunRegistry, access: Access) -> APIRouter:
         first = next(lines, None)  # errors (404, 409) surface before the 200 starts
 
         every = lines if first is None else itertools.chain([first], lines)
-        return StreamingResponse((orjson.dumps(event) + b"\n" for event in every), media_type="application/x-ndjson")
+        body = (orjson.dumps(event) + b"\n" for event in every)
+        return StreamingResponse(body, media_type="application/x-ndjson")
 
     return router

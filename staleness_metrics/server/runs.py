@@ -213,7 +213,8 @@ class _StepMismatch:
         return cls(posts, total, metrics, total.to_dict())
 
     def on(self, row: StepRow) -> StepRow:
-        """``row`` with these keys in place of any SPEC 11 / 14 keys the ship computed, and the sums."""
+        """``row`` with these keys in place of any SPEC 11 / 14 keys the ship
+        computed, and the sums."""
         kept = {key: value for key, value in row.metrics.items() if not key.startswith(_MISMATCH_PREFIXES)}
         return row.model_copy(update={"metrics": {**kept, **self.metrics}, "mismatch": self.sums})
 
@@ -378,7 +379,8 @@ class Run:
                 if not isinstance(rid, str) or not rid:
                     reason = "required non-empty string (the service counts each rollout once by its id)"
                     shown = None if rid is None else str(rid)
-                    raise RecordsInvalid([ErrorItem(field="id", reason=reason, rollout_id=shown, index=index)])
+                    item = ErrorItem(field="id", reason=reason, rollout_id=shown, index=index)
+                    raise RecordsInvalid([item])
                 digest = stored_digest(record)
                 # refused before anything is applied: the journal could not write it
                 if digest is None:
@@ -467,7 +469,8 @@ class Run:
             try:
                 shipment = self.monitor.ship(request.step, request.ids)
             except TraceError as error:  # strict run: a version above the trained one
-                # the ship swept at its step before it refused: that much happened, and is journalled
+                # the ship swept at its step before it refused: that much
+                # happened, and is journalled
                 self._journal.write("sweep", {"step": request.step})
                 raise RecordsInvalid([trace_item(error)]) from None
             if self.monitor.sink.queued == 0:
@@ -514,7 +517,8 @@ class Run:
         delta = _parse_sums(request.sums)
         if request.env is not None and (at := lone_surrogate(request.env)) is not None:
             raise RecordsInvalid([ErrorItem(field="env", reason=surrogate_reason(request.env, at))])
-        fingerprint = [request.step, record_digest({"env": request.env, "sums": delta.to_dict()}).hex()]
+        digest = record_digest({"env": request.env, "sums": delta.to_dict()})
+        fingerprint = [request.step, digest.hex()]
         with self._lock:
             self._check_open()
             replayed = self._mismatch_answers.replay(idempotency_key, fingerprint)
