@@ -43,9 +43,8 @@ __all__ = [
 
 COMPACT_MIN_LENGTH = 1024  # shorter lists cost little; they stay lists
 FAST_DECODE_MAX_BYTES = 1024 * 1024
-# What the skeleton of a large body may cost in Python objects, besides the body's own size:
-# ids, versions and short lists of a few hundred thousand rollouts fit; a body of millions
-# of tiny values does not.
+# What a large body's skeleton may cost in Python objects besides its size (fits a few hundred
+# thousand rollouts' ids, versions and short lists; not millions of tiny values)
 SKELETON_ALLOWANCE = 48 * 1024 * 1024
 _VALUE_COST = 72  # bytes of Python object per JSON value: a dict, list, str or float with its slot
 # text read into Python objects at once while a long list becomes an array
@@ -214,9 +213,7 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
         return None
     inner_end = end - 1  # the closing "]"
     pairs = field == "weight_versions"
-    # The item count, from the text's separators: the array is allocated once, at its
-    # final size, and each piece written into it (a list of pieces joined at the end
-    # would hold every item twice).
+    # the item count, from the separators: the array is allocated once, at its final size
     count = body.count(b"[", start, inner_end) if pairs else body.count(b",", start, inner_end) + 1
     out: npt.NDArray[Any] | None = None
     filled = 0
@@ -276,9 +273,8 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
         if kinds == {int}:
             values = np.frombuffer(array("q", items), dtype=np.int64)
             if values.size and values.min() >= -128 and values.max() <= 127:
-                # 1 byte a position for a mask's text of 2, small versions (a long batch keeps them
-                # so), or a weight list of small integers (the library reads it as float64 either
-                # way; its text, and so its digest, is the same)
+                # a mask, small versions or small integer weights (the library reads those as
+                # float64 either way; the text, and so the digest, is the same)
                 return values.astype(np.int8)
             if field == "token_versions" and values.size and values.min() >= _INT32_MIN and values.max() <= _INT32_MAX:
                 # versions: 4 bytes a position (as kept in a long batch)

@@ -23,8 +23,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-# A body may cut one span row (a run of one mask value and one version: 60-130 bytes of the queue's
-# span table) per this many bytes of its size, and always SPAN_ROW_FLOOR rows (see .span_rows).
+# span rows (60-130 bytes each) a body may cut: one per this many bytes, at least SPAN_ROW_FLOOR
 DEFAULT_BODY_BYTES_PER_SPAN_ROW = 128
 SPAN_ROW_FLOOR = 65_536
 

@@ -172,8 +172,7 @@ def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
         if item.field != "sums":
             item = item.model_copy(update={"field": f"sums.{item.field}"})
         raise RecordsInvalid([item]) from None
-    # A bucket without covered positions has nothing to sum: non-zero sums there are a client bug
-    # that would skew the all-bucket k3.
+    # a bucket without covered positions has nothing to sum (non-zero would skew the all-bucket k3)
     for i in np.flatnonzero(parsed.tokens == 0).tolist():
         for name in SUM_FIELDS:
             if getattr(parsed, name)[i] != 0:
@@ -263,9 +262,8 @@ class Run:
     def _check_open(self) -> None:
         if self._closed:
             raise RunNotFound(f"run {self.name!r} was deleted")
-        if self._journal.broken is not None:
-            broken = self._journal.broken
-            raise RunBroken(f"run {self.name!r} could not persist a write ({broken}); restart the service to reload it")
+        if self.unavailable is not None:
+            raise RunBroken(f"{self.unavailable}; restart the service to reload it")
 
     @contextmanager
     def quick(self) -> Iterator[bool]:
@@ -455,7 +453,7 @@ class Run:
             if self.monitor.sink.queued == 0:
                 self._positions_bound = 0
             self._journal.write("sweep", {"step": step})
-            return self._info()
+            return self.info()
 
     def ship(self, request: ShipRequest, idempotency_key: str | None = None) -> ShipResult:
         """Ship for ``request.step``; a repeated ``idempotency_key`` returns the first answer."""
@@ -469,8 +467,7 @@ class Run:
             try:
                 shipment = self.monitor.ship(request.step, request.ids)
             except TraceError as error:  # strict run: a version above the trained one
-                # the ship swept at its step before it refused: that much
-                # happened, and is journalled
+                # the ship swept at its step before it refused: that is journalled
                 self._journal.write("sweep", {"step": request.step})
                 raise RecordsInvalid([trace_item(error)]) from None
             if self.monitor.sink.queued == 0:
@@ -559,31 +556,25 @@ class Run:
     def info(self) -> RunInfo:
         with self._lock:
             self._check_open()
-            return self._info()
-
-    def _info(self) -> RunInfo:
-        sink = self.monitor.sink
-        return RunInfo(
-            run=self.name,
-            config=asdict(self.config),
-            step=sink.step,
-            ships=len(self._history),
-            queued=sink.queued,
-            rollouts_received=len(self._received),
-            duplicates_ignored=self._duplicates,
-            totals=counts_of(sink.totals),
-        )
+            sink = self.monitor.sink
+            return RunInfo(
+                run=self.name,
+                config=asdict(self.config),
+                step=sink.step,
+                ships=len(self._history),
+                queued=sink.queued,
+                rollouts_received=len(self._received),
+                duplicates_ignored=self._duplicates,
+                totals=counts_of(sink.totals),
+            )
 
     def checkpoint(self) -> None:
         """Snapshot now if anything was journalled since the last one (a faster restart)."""
         with self._lock:
-            if (
-                self._store.persistent
-                and self._journal.rows_since_snapshot
-                and not self._closed
-                and self._journal.broken is None
-            ):
-                self._journal.snapshot()
+            journal = self._journal
+            due = journal.rows_since_snapshot and journal.broken is None and not self._closed
+            if due and self._store.persistent:
+                journal.snapshot()
 
     def close(self) -> None:
         """Flush and close the run's exporters; later requests to it get :class:`RunNotFound`."""

@@ -196,8 +196,7 @@ class SqliteStore(Store):
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.data_dir = data_dir
-        # One service per directory: two would interleave their journals. The lock dies with the
-        # process (kill -9 included), so a restart never finds a stale one.
+        # one service per directory; the lock dies with the process (kill -9 included)
         self._lock_file = open(data_dir / "lock", "a+b")  # noqa: SIM115 - held for the store's lifetime
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -458,9 +457,7 @@ class SqliteStore(Store):
                 "SELECT seq, row, checksum FROM history WHERE run = ? AND seq <= ? ORDER BY seq",
                 (name, seq),
             ).fetchall()
-            # The whole journal is the run's history (exported as events): its sequence is
-            # checked from row 1 by the primary key's index; rows before the snapshot are
-            # checksummed when exported.
+            # the whole journal is the run's history (its events): its sequence is checked from row 1
             count, last = self._db.execute("SELECT COUNT(*), MAX(seq) FROM journal WHERE run = ?", (name,)).fetchone()
             gap = None
             if count != (last or 0) or (last or 0) < seq:
