@@ -174,7 +174,8 @@ class StalenessClient:
         or a new random one) covers every retry of this call.
         """
         body = {"step": step, "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums)}
-        return cast(MismatchResult, self._post_once(_run_path(run, "mismatch"), body, idempotency_key))
+        path = _run_path(run, "mismatch")
+        return cast(MismatchResult, self._post_once(path, body, idempotency_key))
 
     # ------------------------------------------------------------------ reads
     def steps(self, run: str, since: int = 0) -> list[StepRow]:
@@ -192,7 +193,8 @@ class StalenessClient:
     # ------------------------------------------------------------------ plumbing
     def _post_once(self, path: str, body: dict[str, Any], key: str | None) -> Any:
         """POST ``body`` with one idempotency key (given, or a new random one) for every attempt."""
-        return self._request("POST", path, json=body, headers={"Idempotency-Key": key or uuid.uuid4().hex})
+        headers = {"Idempotency-Key": key or uuid.uuid4().hex}
+        return self._request("POST", path, json=body, headers=headers)
 
     def _request(self, method: str, path: str, *, gone_ok: bool = False, **kwargs: Any) -> Any:
         response = self._send(method, path, gone_ok=gone_ok, **kwargs)

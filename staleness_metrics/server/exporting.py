@@ -97,7 +97,8 @@ def preload(settings: ExportSettings) -> None:
 
 
 def _wandb_init(run: str, settings: ExportSettings) -> dict[str, Any]:
-    extra = {"entity": settings.wandb_entity, "mode": settings.wandb_mode, "dir": settings.wandb_dir}
+    given = settings.wandb_entity, settings.wandb_mode, settings.wandb_dir
+    extra = dict(zip(("entity", "mode", "dir"), given, strict=True))
     return {
         "project": settings.wandb_project,
         "name": run,

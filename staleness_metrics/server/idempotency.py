@@ -116,9 +116,9 @@ class Answers(Generic[A]):
 
     def to_json(self) -> list[list[Any]]:
         """``[[key, fingerprint, answer], ...]``, oldest first (as a run's snapshot keeps them)."""
-        return [[key, fp, answer.model_dump(mode="json")] for key, (fp, answer) in self._answers.items()]
+        return [[key, fp, ans.model_dump(mode="json")] for key, (fp, ans) in self._answers.items()]
 
     def load_json(self, items: Any) -> None:
         """Replace the kept answers with :meth:`to_json`'s ``items``."""
-        answers = ((key, (list(fp), self._answer.model_validate(answer))) for key, fp, answer in items)
+        answers = ((key, (list(fp), self._answer.model_validate(ans))) for key, fp, ans in items)
         self._answers = OrderedDict(answers)

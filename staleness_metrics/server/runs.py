@@ -436,7 +436,8 @@ class Run:
             path = out_of_range(record, "")
             if path is not None:
                 rid = str(record["id"])
-                return ErrorItem(field=path, reason="integer out of range", rollout_id=rid, index=index_of.get(rid))
+                index = index_of.get(rid)
+                return ErrorItem(field=path, reason="integer out of range", rollout_id=rid, index=index)
         return ErrorItem(field="rollouts", reason="a number is out of range")
 
     # ------------------------------------------------------------------ sweep and ship

@@ -457,7 +457,7 @@ class SqliteStore(Store):
                 "SELECT seq, row, checksum FROM history WHERE run = ? AND seq <= ? ORDER BY seq",
                 (name, seq),
             ).fetchall()
-            # the whole journal is the run's history (its events): its sequence is checked from row 1
+            # the whole journal is the run's history (its events): checked from row 1
             count, last = self._db.execute("SELECT COUNT(*), MAX(seq) FROM journal WHERE run = ?", (name,)).fetchone()
             gap = None
             if count != (last or 0) or (last or 0) < seq:
