@@ -11,12 +11,11 @@
         # trainer side: MismatchSums, one per rank
         client.record_mismatch("exp-42", step=7, sums=sums)
 
-Every call is retried on connection errors, timeouts and 502/503/504, with the same body: the
-service counts a rollout once by its id, and each :meth:`StalenessClient.ship` sends one
-``Idempotency-Key`` for all its attempts, so a retry never counts anything twice. Errors come back
-as the library's: an invalid record raises :class:`~staleness_metrics.errors.TraceError` naming its
-id, field and reason; an invalid configuration raises
-:class:`~staleness_metrics.errors.ConfigError`.
+Every call is retried on connection errors, timeouts and 502/503/504 with the same body, which
+never counts anything twice (rollouts count once by id; a ship or mismatch post sends one
+``Idempotency-Key`` for all its attempts). An invalid record raises
+:class:`~staleness_metrics.errors.TraceError` naming its id, field and reason; an invalid
+configuration, :class:`~staleness_metrics.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict
-from types import TracebackType
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 from urllib.parse import quote
 
 import httpx
@@ -122,13 +120,11 @@ class StalenessClient:
     def create_run(self, run: str, config: StalenessConfig | Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Create ``run`` (or find it with the same configuration); returns the run's info."""
         body = asdict(config) if isinstance(config, StalenessConfig) else dict(config or {})
-        result: dict[str, Any] = self._request("PUT", _run_path(run), json=body)
-        return result
+        return cast(dict[str, Any], self._request("PUT", _run_path(run), json=body))
 
     def run_info(self, run: str) -> dict[str, Any]:
         """Configuration, step, queue length and totals of ``run``."""
-        result: dict[str, Any] = self._request("GET", _run_path(run))
-        return result
+        return cast(dict[str, Any], self._request("GET", _run_path(run)))
 
     def delete_run(self, run: str) -> None:
         self._request("DELETE", _run_path(run), gone_ok=True)
@@ -136,12 +132,11 @@ class StalenessClient:
     # ------------------------------------------------------------------ rollouts
     def add(self, run: str, rollouts: Iterable[Mapping[str, Any]]) -> AddResult:
         """Queue finished rollouts (SPEC 3 records); safe to retry with the same records."""
-        result: AddResult = self._request("POST", _run_path(run, "rollouts"), json={"rollouts": list(rollouts)})
-        return result
+        body = {"rollouts": list(rollouts)}
+        return cast(AddResult, self._request("POST", _run_path(run, "rollouts"), json=body))
 
     def sweep(self, run: str, step: int) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("POST", _run_path(run, "sweep"), json={"step": step})
-        return result
+        return cast(dict[str, Any], self._request("POST", _run_path(run, "sweep"), json={"step": step}))
 
     def ship(
         self,
@@ -161,9 +156,7 @@ class StalenessClient:
             raise FieldTypeError("ids", f"expected an iterable of rollout ids, got the string {ids!r}")
         if ids is not None:
             body["ids"] = list(ids)
-        key = idempotency_key or uuid.uuid4().hex
-        result: ShipResult = self._request("POST", _run_path(run, "ship"), json=body, headers={"Idempotency-Key": key})
-        return result
+        return cast(ShipResult, self._post_once(_run_path(run, "ship"), body, idempotency_key))
 
     def record_mismatch(
         self,
@@ -173,40 +166,36 @@ class StalenessClient:
         *,
         idempotency_key: str | None = None,
     ) -> MismatchResult:
-        """Post trainer-side mismatch sums (SPEC 11) of the shipped ``step``;
-        posts for one step merge.
+        """Post trainer-side mismatch sums (SPEC 11) of the shipped ``step``; posts for one step
+        merge, and the answer holds their merged keys.
 
         ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from
         :func:`~staleness_metrics.mismatch_sums`) or its ``to_dict()``. One idempotency key (given,
-        or a new random one) covers every retry of this call, so a retried post is merged once. The
-        answer holds the step's merged SPEC 11 keys.
+        or a new random one) covers every retry of this call.
         """
-        body = {
-            "step": step,
-            "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums),
-        }
-        key = idempotency_key or uuid.uuid4().hex
+        body = {"step": step, "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums)}
         path = _run_path(run, "mismatch")
-        result: MismatchResult = self._request("POST", path, json=body, headers={"Idempotency-Key": key})
-        return result
+        return cast(MismatchResult, self._post_once(path, body, idempotency_key))
 
     # ------------------------------------------------------------------ reads
     def steps(self, run: str, since: int = 0) -> list[StepRow]:
         """The metrics history: one row per ship with ``step > since``."""
-        page: dict[str, Any] = self._request("GET", _run_path(run, "steps"), params={"since": since})
-        rows: list[StepRow] = page["steps"]
-        return rows
+        page = self._request("GET", _run_path(run, "steps"), params={"since": since})
+        return cast(list[StepRow], page["steps"])
 
     def metrics(self) -> str:
         """The Prometheus text exposition of every run."""
-        response = self._send("GET", "/metrics")
-        return response.text
+        return self._send("GET", "/metrics").text
 
     def health(self) -> dict[str, Any]:
-        result: dict[str, Any] = self._request("GET", "/healthz")
-        return result
+        return cast(dict[str, Any], self._request("GET", "/healthz"))
 
     # ------------------------------------------------------------------ plumbing
+    def _post_once(self, path: str, body: dict[str, Any], key: str | None) -> Any:
+        """POST ``body`` with one idempotency key (given, or a new random one) for every attempt."""
+        headers = {"Idempotency-Key": key or uuid.uuid4().hex}
+        return self._request("POST", path, json=body, headers=headers)
+
     def _request(self, method: str, path: str, *, gone_ok: bool = False, **kwargs: Any) -> Any:
         response = self._send(method, path, gone_ok=gone_ok, **kwargs)
         return None if response.status_code == 204 or not response.content else response.json()
@@ -235,18 +224,12 @@ class StalenessClient:
     def __enter__(self) -> StalenessClient:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 
 def _run_path(run: str, action: str | None = None) -> str:
-    """The run's URL path; the name is quoted, so a stray ``/`` or ``?``
-    cannot reach another route."""
+    """The run's URL path (the name quoted: a stray ``/`` or ``?`` cannot reach another route)."""
     path = f"/v1/runs/{quote(run, safe='')}"
     return path if action is None else f"{path}/{action}"
 

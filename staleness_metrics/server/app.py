@@ -1,48 +1,31 @@
-"""The FastAPI application of ``staleness-metrics serve``: the routers of
-:mod:`.routes` behind the guards.
-
-Routes (see the OpenAPI document at ``/openapi.json``, browsable at ``/docs``):
-
-- ``PUT /v1/runs/{run}`` creates a run with its configuration (201; 200 when it exists with the same
-  one, 409 with another). Rollouts to a run that was not created get 404: a typo in a run name must
-  not silently start a second run with default settings.
-- ``POST /v1/runs/{run}/rollouts``, ``/sweep``, ``/ship``, ``/mismatch`` (trainer-side SPEC 11 sums
-  of a shipped step; posts for one step merge); ``GET /v1/runs/{run}``, ``/steps?since=N``,
-  ``/events``; ``DELETE /v1/runs/{run}``; ``GET /v1/runs``.
-- ``GET /metrics``: the Prometheus exposition of every run; ``GET /healthz``.
+"""The FastAPI application of ``staleness-metrics serve``: the routers of :mod:`.routes` behind
+the guards (the routes are described at ``/openapi.json``, browsable at ``/docs``).
 
 Every request takes one path: the token check (:class:`.security.TokenFirst`, from the headers,
 before any body byte is read), the body size cap (:class:`.limits.BodySizeLimit`, counting as it
-streams), then FastAPI's routing to a handler.
+streams), then FastAPI's routing to a handler. A 405 lists every method the path takes in its
+``Allow`` header (:class:`AllowHeader`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
+from starlette.routing import BaseRoute, Match
 
 from .. import __version__
-from .limits import BodySizeLimit
-from .methods import AllowHeader
+from .limits import ASGIApp, BodySizeLimit, Message, Receive, Scope, Send
 from .registry import RunRegistry
-from .responses import EXCEPTION_HANDLERS
-from .routes import (
-    Access,
-    history_router,
-    mismatch_router,
-    rollouts_router,
-    runs_router,
-    service_router,
-)
+from .routes import EXCEPTION_HANDLERS, routers
 from .security import BEARER_SCHEME, TokenFirst
 from .settings import ServerSettings
 from .store import SqliteStore, Store
 
-__all__ = ["create_app"]
+__all__ = ["AllowHeader", "create_app"]
 
 DESCRIPTION = """\
 A sidecar that keeps one staleness sink per run and publishes its metrics, for orchestrators written in
@@ -54,6 +37,39 @@ Writes need `Authorization: Bearer <token>` when the service was started with a 
 loopback). Re-sending a batch or a ship after a timeout is safe: rollouts are counted once by id, and a
 ship or mismatch post with an `Idempotency-Key` the run has seen returns the first answer.
 """
+
+
+class AllowHeader:
+    """Rewrite the ``Allow`` header of 405 answers from ``routes`` (read when a 405 happens):
+    Starlette answers from the first route whose path matches, listing its methods only (RFC 9110
+    asks for all)."""
+
+    def __init__(self, app: ASGIApp, routes: Callable[[], Iterable[BaseRoute]]) -> None:
+        self.app = app
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_allow(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] == 405:
+                allowed = self._allowed(scope)
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"allow"]
+                message["headers"] = [*headers, (b"allow", ", ".join(sorted(allowed)).encode())]
+            await send(message)
+
+        await self.app(scope, receive, send_with_allow)
+
+    def _allowed(self, scope: Scope) -> set[str]:
+        allowed: set[str] = set()
+        for route in self.routes():
+            match, _ = route.matches({**scope, "method": "GET"})
+            methods = getattr(route, "methods", None)
+            if match is not Match.NONE and methods:
+                allowed |= set(methods)
+        return allowed
 
 
 def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None = None) -> FastAPI:
@@ -81,12 +97,8 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.runs = registry
-    access = Access.of(settings)
-    app.include_router(service_router(registry, access))
-    app.include_router(runs_router(registry, access))
-    app.include_router(rollouts_router(registry, access, settings.body_bytes_per_span_row))
-    app.include_router(mismatch_router(registry, access))
-    app.include_router(history_router(registry, access))
+    for router in routers(registry, settings):
+        app.include_router(router)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:  # built at the first request for it, then kept

@@ -1,28 +1,15 @@
 """Reading a rollout batch body in memory bounded by its size.
 
-A large body is mostly a few long per-position lists. Built by a JSON reader, each number becomes
-a Python object (a float costs 32 bytes for its 4 to 10 bytes of text), and a body of small
-values (``{},`` repeated) costs 20 to 50 times its size before anything can refuse it. So a large
-body is read in three steps:
-
-1. **Long lists straight into arrays.** Each ``"<field>": [...]`` of a per-position field whose
-   text is only numbers (and ``null`` for ``trainer_logprobs``) is read piece by piece (orjson on
-   about a megabyte at a time) into one numpy array, and its text is replaced by a placeholder.
-   Only lists whose items are all of the field's JSON type are converted, into a dtype that holds
-   every value exactly; anything else stays text, and the library names the field, position and
-   value as it always does.
-2. **A budget for the rest.** What remains (the *skeleton*: ids, versions, short lists) is counted
-   before it is parsed: every JSON value costs a Python object. A skeleton that would cost more
-   than :data:`SKELETON_ALLOWANCE` plus the body's size is refused (:class:`BodyTooComplex`, 413)
-   before any object is built.
-3. **The skeleton is parsed** by the standard library, and the placeholders are
-   swapped for their arrays.
-
-Bodies up to :data:`FAST_DECODE_MAX_BYTES` are decoded whole by orjson (several times faster; at
-most a few tens of MB of objects), or by the standard library where orjson refuses a body or might
-read it differently (``NaN``, lone surrogates, integers beyond 64 bits), so a body means the same,
-and is refused with the same message, whichever decoder read it. A body nested past the
-interpreter's recursion limit is refused as unreadable (:class:`BodyTooDeep`, 400) on every route.
+Built by a JSON reader, each number of a body becomes a Python object (a float: 32 bytes for 4 to 10
+of text). So a body over :data:`FAST_DECODE_MAX_BYTES` is read in three steps: each long list of a
+per-position field whose text is plainly numbers is read piece by piece into one numpy array (only
+into a dtype holding every value exactly; anything else stays text, for the library to name); what
+remains (the *skeleton*) is refused (:class:`BodyTooComplex`, 413) when its values would cost more
+than :data:`SKELETON_ALLOWANCE` plus the body's size; then it is parsed by the standard library, and
+the arrays put in place. Smaller bodies are decoded whole by orjson, or by the standard library
+where orjson refuses a body or might read it differently (``NaN``, integers beyond 64 bits), so a
+body means the same whichever decoder reads it. A body nested past the recursion limit is
+:class:`BodyTooDeep` (400).
 """
 
 from __future__ import annotations
@@ -56,9 +43,8 @@ __all__ = [
 
 COMPACT_MIN_LENGTH = 1024  # shorter lists cost little; they stay lists
 FAST_DECODE_MAX_BYTES = 1024 * 1024
-# What the skeleton of a large body may cost in Python objects, besides the body's own size:
-# ids, versions and short lists of a few hundred thousand rollouts fit; a body of millions
-# of tiny values does not.
+# What a large body's skeleton may cost in Python objects besides its size (fits a few hundred
+# thousand rollouts' ids, versions and short lists; not millions of tiny values)
 SKELETON_ALLOWANCE = 48 * 1024 * 1024
 _VALUE_COST = 72  # bytes of Python object per JSON value: a dict, list, str or float with its slot
 # text read into Python objects at once while a long list becomes an array
@@ -85,14 +71,9 @@ _gc_pausers = 0
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """The cyclic garbage collector paused while a body is read and applied (re-enabled when the
-    last request that paused it is done).
-
-    Reading JSON builds containers (lists, dicts) by the million, and every few hundred new
-    containers the collector runs; every so often a full pass walks every live object of the
-    process. Reading a 51 MB ``weight_versions`` body (8M two-item lists) spent minutes there, not
-    in parsing. The objects a request builds hold no cycles, and whatever they are is freed by
-    reference counting as usual.
-    """
+    last request that paused it is done): reading JSON builds containers by the million, which
+    would trigger collections walking every live object (minutes for a 51 MB body of 8M pairs).
+    What a request builds holds no cycles: reference counting frees it."""
     global _gc_pausers
     with _gc_lock:
         ours = _gc_pausers > 0 or gc.isenabled()  # else paused by someone else: leave it to them
@@ -185,8 +166,7 @@ def _read_large(held: list[bytearray]) -> Any:
 
 def _list_starts(body: bytearray) -> list[tuple[int, str, int]]:
     """``(where the key starts, field, just after its "[")`` of every per-position field
-    given a list, in body order: found with ``bytes.find`` (memchr speed), not a regular
-    expression over the body."""
+    given a list, in body order (found with ``bytes.find``, at memchr speed)."""
     starts = []
     for field in _LIST_FIELDS:
         key = b'"' + field.encode()
@@ -233,9 +213,7 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
         return None
     inner_end = end - 1  # the closing "]"
     pairs = field == "weight_versions"
-    # The item count, from the text's separators: the array is allocated once, at its
-    # final size, and each piece written into it (a list of pieces joined at the end
-    # would hold every item twice).
+    # the item count, from the separators: the array is allocated once, at its final size
     count = body.count(b"[", start, inner_end) if pairs else body.count(b",", start, inner_end) + 1
     out: npt.NDArray[Any] | None = None
     filled = 0
@@ -295,9 +273,8 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
         if kinds == {int}:
             values = np.frombuffer(array("q", items), dtype=np.int64)
             if values.size and values.min() >= -128 and values.max() <= 127:
-                # 1 byte a position for a mask's text of 2, small versions (a long batch keeps them
-                # so), or a weight list of small integers (the library reads it as float64 either
-                # way; its text, and so its digest, is the same)
+                # a mask, small versions or small integer weights (the library reads those as
+                # float64 either way; the text, and so the digest, is the same)
                 return values.astype(np.int8)
             if field == "token_versions" and values.size and values.min() >= _INT32_MIN and values.max() <= _INT32_MAX:
                 # versions: 4 bytes a position (as kept in a long batch)

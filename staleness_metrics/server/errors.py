@@ -1,7 +1,7 @@
 """The service's errors: what a run refuses and why, and the library's errors
 as the items of an answer.
 
-Each :class:`RunError` subclass is one status code (``app.py`` maps them); an invalid request is
+Each :class:`RunError` subclass is one status code; an invalid request is
 :class:`RecordsInvalid`, carrying the :class:`~.models.ErrorItem`\ s of the library's errors (their
 ``field`` and ``reason``, never parsed back out of a message).
 """
@@ -15,9 +15,6 @@ from ..errors import StalenessError, TraceError
 from .models import ErrorItem
 
 __all__ = [
-    "IdempotencyMismatch",
-    "NotPersisted",
-    "RecordConflict",
     "RecordsInvalid",
     "RestoreFailed",
     "RunBroken",
@@ -25,7 +22,6 @@ __all__ = [
     "RunError",
     "RunNotFound",
     "SpanRowsTooMany",
-    "StepConflict",
     "field_item",
     "out_of_range",
     "reason_of",
@@ -36,36 +32,25 @@ INT64_RANGE = (-(2**63), 2**63 - 1)
 
 
 class RunError(Exception):
-    """A request the run cannot honour; the app maps each subclass to a status code."""
+    """A request the run cannot honour, answered with ``status``."""
+
+    status = 409
 
 
 class RunNotFound(RunError):
-    pass
+    status = 404
 
 
 class RunConflict(RunError):
-    """The run exists with another configuration."""
-
-
-class RecordConflict(RunError):
-    """A rollout id was received before with different content."""
-
-
-class StepConflict(RunError):
-    """A step below the run's latest step (steps never decrease)."""
-
-
-class IdempotencyMismatch(RunError):
-    """An idempotency key re-used for a different ship."""
+    """Conflicts with the run's state: another configuration, a rollout id received with other
+    content, a step below the latest, or no history to export (``--in-memory``)."""
 
 
 class RunBroken(RunError):
     """A write could not be persisted: the run's memory is ahead of its store, so it
     takes no more writes."""
 
-
-class NotPersisted(RunError):
-    """The service keeps no history (``--in-memory``)."""
+    status = 503
 
 
 class RestoreFailed(Exception):
@@ -73,8 +58,7 @@ class RestoreFailed(Exception):
 
 
 def reason_of(exc: BaseException) -> str:
-    """How a restore failure names its cause: the message of a deliberate
-    error, else the type too."""
+    """How a restore failure names its cause: a deliberate error's message, else the type too."""
     if isinstance(exc, RunError | TraceError | ValueError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
@@ -82,6 +66,8 @@ def reason_of(exc: BaseException) -> str:
 
 class RecordsInvalid(RunError):
     """Invalid records or ship-time versions; nothing of the request was applied."""
+
+    status = 422
 
     def __init__(self, errors: list[ErrorItem]) -> None:
         super().__init__("; ".join(f"{e.rollout_id!r}: {e.field}: {e.reason}" for e in errors))
@@ -92,31 +78,28 @@ class SpanRowsTooMany(RecordsInvalid):
     """A body cutting more span rows than its size allows: a size limit (413), answered in the shape
     of an invalid request (its rollout, field and reason); nothing of it was applied."""
 
+    status = 413
+
 
 def trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
-    """The error item of a refused rollout: its id, field and reason, and its
-    place in the request."""
+    """The error item of a refused rollout: its id, field, reason and place in the request."""
     return ErrorItem(field=error.field, reason=error.reason, rollout_id=error.rollout_id, index=index)
 
 
 def out_of_range(value: Any, path: str) -> str | None:
-    """Path of the first integer in ``value`` outside int64 (the sink's
-    integer width), else None."""
+    """Path of the first integer in ``value`` outside int64 (the sink's width), else None."""
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
         return path if not INT64_RANGE[0] <= value <= INT64_RANGE[1] else None
     if isinstance(value, Mapping):
-        for key, item in value.items():
-            found = out_of_range(item, f"{path}.{key}" if path else str(key))
-            if found is not None:
-                return found
+        items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
     elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = out_of_range(item, f"{path}[{i}]")
-            if found is not None:
-                return found
-    return None
+        items = ((f"{path}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return None
+    found = (out_of_range(item, where) for where, item in items)
+    return next((path for path in found if path is not None), None)
 
 
 def field_item(error: ValueError, default_field: str) -> ErrorItem:

@@ -1,11 +1,6 @@
-"""The exporters behind each run of the service, and one Prometheus exposition for all runs.
-
-Every run gets the library's own exporters, attached to its monitor as in a trainer process: a
-:class:`~staleness_metrics.exporters.prometheus.PrometheusExporter` without a port (its registry is
-read by ``GET /metrics``), and, when the service is started with them, an OTLP exporter and a W&B
-run. :class:`ServiceCollector` merges the runs' families into one exposition: one HELP/TYPE block
-per family, one series per run (the ``run`` label tells them apart).
-"""
+"""The exporters behind each run of the service (the library's own, as in a trainer process: a
+Prometheus exporter without a port, read by ``GET /metrics``, and OTLP and W&B when asked), and
+:class:`ServiceCollector`, one exposition of every run's families."""
 
 from __future__ import annotations
 
@@ -51,8 +46,7 @@ class ExportSettings:
 
 @dataclass
 class RunExporters:
-    """The exporters of one run; ``failures`` are the ones that could not
-    start (logged, counted)."""
+    """The exporters of one run; ``failures`` are the ones that could not start."""
 
     prometheus: PrometheusExporter
     others: list[Exporter] = field(default_factory=list)
@@ -63,19 +57,15 @@ class RunExporters:
         return [self.prometheus, *self.others]
 
     def report_failures(self, errors: ExportErrors) -> None:
-        """Count and log the exporters that could not start, under the run's
-        export error counter."""
+        """Count and log the exporters that could not start, as the run's export errors."""
         for name, message, exc in self.failures:
             errors.register(name)
             errors.record(name, message, exc)
 
 
 def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
-    """The exporters of a new run. An exporter that cannot start is left out
-    and reported, never raised.
-
-    Nothing here waits on the network or on W&B: the W&B run starts on its exporter's worker thread.
-    """
+    """The exporters of a new run; one that cannot start is left out and reported, never raised
+    (nothing here waits: the W&B run starts on its exporter's worker thread)."""
     from ..exporters.prometheus import PrometheusExporter
 
     exporters = RunExporters(prometheus=PrometheusExporter(port=None))
@@ -98,12 +88,8 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
 
 
 def preload(settings: ExportSettings) -> None:
-    """Import the exporters' heavy dependencies once, at start, before any request is served.
-
-    ``import wandb`` takes seconds of CPU under the GIL: done on an exporter's worker while the
-    service answers, it would slow every request for that long (the first run's W&B start still runs
-    while serving, but it mostly waits on the ``wandb-core`` process).
-    """
+    """Import the exporters' heavy dependencies before any request is served: ``import wandb``
+    takes seconds of CPU under the GIL, which would slow every request meanwhile."""
     if settings.wandb_project is not None:
         # reported per run, as an exporter that could not start
         with contextlib.suppress(ImportError):
@@ -111,20 +97,15 @@ def preload(settings: ExportSettings) -> None:
 
 
 def _wandb_init(run: str, settings: ExportSettings) -> dict[str, Any]:
-    init: dict[str, Any] = {
+    given = settings.wandb_entity, settings.wandb_mode, settings.wandb_dir
+    extra = dict(zip(("entity", "mode", "dir"), given, strict=True))
+    return {
         "project": settings.wandb_project,
         "name": run,
         "reinit": "create_new",  # one W&B run per service run, side by side in this process
         "settings": {"console": "off", "x_disable_stats": True},  # a dict: no import of wandb here
+        **{key: value for key, value in extra.items() if value is not None},
     }
-    for key, value in (
-        ("entity", settings.wandb_entity),
-        ("mode", settings.wandb_mode),
-        ("dir", settings.wandb_dir),
-    ):
-        if value is not None:
-            init[key] = value
-    return init
 
 
 class ServiceCollector:

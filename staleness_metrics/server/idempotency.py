@@ -2,10 +2,8 @@
 kept by ``Idempotency-Key``.
 
 A rollout is counted once by its id and the digest of its content (:func:`stored_digest`). A ship or
-a mismatch post with an idempotency key gets the first answer again when it is retried
-(``replayed``), and a 409 when the key comes back with another request; :class:`Answers` keeps the
-last :data:`IDEMPOTENCY_KEYS_KEPT` of them per run and endpoint, by what identifies a request
-(:class:`ShipFingerprint`, :class:`MismatchFingerprint`).
+a mismatch post retried with its idempotency key gets the first answer again (``replayed``), and a
+422 when the key comes back with another request (:class:`Answers`).
 """
 
 from __future__ import annotations
@@ -13,22 +11,21 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from typing import Any, Generic, NamedTuple, TypeVar
+from collections.abc import Mapping
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import orjson
 from pydantic import BaseModel
 
 from ..records.validation import unstorable
-from .errors import IdempotencyMismatch
+from .errors import RecordsInvalid
+from .models import ErrorItem
 from .store import PIECE_ITEMS, encoded_pieces
 
 __all__ = [
     "IDEMPOTENCY_KEYS_KEPT",
     "Answers",
-    "MismatchFingerprint",
-    "ShipFingerprint",
     "holds_large_array",
     "record_digest",
     "stored_digest",
@@ -41,18 +38,15 @@ _DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 def holds_large_array(record: Mapping[str, Any]) -> bool:
-    """True when a sample of ``record`` holds an array (a long per-position list, see
-    .decode) larger than :data:`~.store.PIECE_ITEMS` values: its text is then hashed and
-    journalled a piece at a time."""
+    """True when a sample of ``record`` holds an array of more than :data:`~.store.PIECE_ITEMS`
+    values: its text is then hashed and journalled a piece at a time."""
     samples = record.get("samples")
-    if not isinstance(samples, list):
-        return False
-    for sample in samples:
-        if isinstance(sample, dict):
-            for value in sample.values():
-                if isinstance(value, np.ndarray) and value.size > PIECE_ITEMS:
-                    return True
-    return False
+    return isinstance(samples, list) and any(
+        isinstance(value, np.ndarray) and value.size > PIECE_ITEMS
+        for sample in samples
+        if isinstance(sample, dict)
+        for value in sample.values()
+    )
 
 
 def _canonical_digest(record: Mapping[str, Any], option: int) -> bytes:
@@ -78,9 +72,7 @@ def record_digest(record: Mapping[str, Any]) -> bytes:
 
 def stored_digest(record: Mapping[str, Any]) -> bytes | None:
     """:func:`record_digest` of a record the journal can store, None for one it cannot (a
-    lone surrogate, an integer beyond signed 64 bits, deep nesting). The common case is one
-    strict orjson encoding, the one the digest needs anyway; only a record it refuses is
-    walked to find out why."""
+    lone surrogate, an integer beyond signed 64 bits, deep nesting)."""
     try:
         return _canonical_digest(record, _DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
     except orjson.JSONEncodeError:
@@ -90,64 +82,32 @@ def stored_digest(record: Mapping[str, Any]) -> bytes | None:
         return record_digest(record)
 
 
-class ShipFingerprint(NamedTuple):
-    """What makes two ship requests the same one."""
-
-    step: int
-    ids: tuple[str, ...] | None
-    include_rollouts: bool
-
-    def to_json(self) -> list[Any]:
-        return [self.step, None if self.ids is None else list(self.ids), self.include_rollouts]
-
-    @classmethod
-    def from_json(cls, data: Any) -> ShipFingerprint:
-        return cls(data[0], None if data[1] is None else tuple(data[1]), data[2])
-
-
-class MismatchFingerprint(NamedTuple):
-    """What makes two mismatch posts the same one: the step and the digest of the env and sums."""
-
-    step: int
-    digest: bytes
-
-    def to_json(self) -> list[Any]:
-        return [self.step, self.digest.hex()]
-
-    @classmethod
-    def from_json(cls, data: Any) -> MismatchFingerprint:
-        return cls(int(data[0]), bytes.fromhex(data[1]))
-
-
-F = TypeVar("F", ShipFingerprint, MismatchFingerprint)
 A = TypeVar("A", bound=BaseModel)
 
 
-class Answers(Generic[F, A]):
+class Answers(Generic[A]):
     """The answers of one endpoint of a run by idempotency key, the newest
-    :data:`IDEMPOTENCY_KEYS_KEPT`.
-
-    ``different`` names another request in the 409 (``"a different ship"``); ``fingerprint`` and
-    ``answer`` read a stored entry back.
+    :data:`IDEMPOTENCY_KEYS_KEPT`, each with the fingerprint of its request (JSON: what makes two
+    requests the same one). ``different`` names another request in the 422 (``"a different ship"``).
     """
 
-    def __init__(self, different: str, fingerprint: Callable[[Any], F], answer: type[A]) -> None:
+    def __init__(self, different: str, answer: type[A]) -> None:
         self.different = different
-        self._fingerprint: Callable[[Any], F] = fingerprint
         self._answer = answer
-        self._answers: OrderedDict[str, tuple[F, A]] = OrderedDict()
+        self._answers: OrderedDict[str, tuple[list[Any], A]] = OrderedDict()
 
-    def replay(self, key: str | None, fingerprint: F) -> A | None:
+    def replay(self, key: str | None, fingerprint: list[Any]) -> A | None:
         """The first answer to ``key`` (marked ``replayed``), None for a new key; the key with
-        another request raises :class:`~.errors.IdempotencyMismatch`."""
+        another request raises :class:`~.errors.RecordsInvalid` (422)."""
         if key is None or key not in self._answers:
             return None
         first, answer = self._answers[key]
         if first != fingerprint:
-            raise IdempotencyMismatch(f"Idempotency-Key {key!r} was used for {self.different} of this run")
+            reason = f"Idempotency-Key {key!r} was used for {self.different} of this run"
+            raise RecordsInvalid([ErrorItem(field="Idempotency-Key", reason=reason)])
         return answer.model_copy(update={"replayed": True})
 
-    def remember(self, key: str | None, fingerprint: F, answer: A) -> None:
+    def remember(self, key: str | None, fingerprint: list[Any], answer: A) -> None:
         if key is None:
             return
         self._answers[key] = (fingerprint, answer)
@@ -156,10 +116,9 @@ class Answers(Generic[F, A]):
 
     def to_json(self) -> list[list[Any]]:
         """``[[key, fingerprint, answer], ...]``, oldest first (as a run's snapshot keeps them)."""
-        return [[key, fp.to_json(), answer.model_dump(mode="json")] for key, (fp, answer) in self._answers.items()]
+        return [[key, fp, ans.model_dump(mode="json")] for key, (fp, ans) in self._answers.items()]
 
     def load_json(self, items: Any) -> None:
         """Replace the kept answers with :meth:`to_json`'s ``items``."""
-        self._answers = OrderedDict(
-            (key, (self._fingerprint(fp), self._answer.model_validate(answer))) for key, fp, answer in items
-        )
+        answers = ((key, (list(fp), self._answer.model_validate(ans))) for key, fp, ans in items)
+        self._answers = OrderedDict(answers)

@@ -1,19 +1,12 @@
-"""Request size caps: :class:`BodySizeLimit` for bodies,
-:func:`header_limited_protocol` for headers.
-
-Body cap: an ASGI middleware that answers 413 as soon as a body is known to be too large.
-
-It trusts neither ``Content-Length`` (checked first, for an answer before any byte is read) nor its
-absence: bytes are counted as they stream through to the application (chunked uploads included),
-never buffered here, and the moment the count passes the cap the client gets 413 and the application
-sees a disconnect, so it never parses a body that does not fit.
-"""
+"""Request size caps: :class:`BodySizeLimit` for bodies, :func:`header_limited_protocol` for
+headers; and :func:`send_json`, how the service's ASGI guards answer."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
+from http import HTTPStatus
 from typing import Any
 
 __all__ = [
@@ -25,12 +18,12 @@ __all__ = [
     "BodySizeLimit",
     "header_limited_protocol",
     "return_large_frees_to_the_os",
+    "send_json",
     "uvicorn_header_options",
 ]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-# A body may cut one span row (a run of one mask value and one version: 60-130 bytes of the queue's
-# span table) per this many bytes of its size, and always SPAN_ROW_FLOOR rows (see .span_rows).
+# span rows (60-130 bytes each) a body may cut: one per this many bytes, at least SPAN_ROW_FLOOR
 DEFAULT_BODY_BYTES_PER_SPAN_ROW = 128
 SPAN_ROW_FLOOR = 65_536
 
@@ -41,8 +34,23 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+async def send_json(send: Send, status: int, detail: str, *extra: tuple[bytes, bytes]) -> None:
+    """Answer ``{"detail": detail}`` and close the connection (the rest of
+    the request is unread)."""
+    body = json.dumps({"detail": detail}).encode()
+    length = str(len(body)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", length), *extra]
+    headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
 class BodySizeLimit:
-    """Refuse HTTP requests whose body exceeds ``max_bytes`` with ``413 {"detail": ...}``."""
+    """Refuse HTTP requests whose body exceeds ``max_bytes`` with ``413 {"detail": ...}``.
+
+    Trusts neither ``Content-Length`` (checked first, for an answer before any byte is read) nor
+    its absence: bytes are counted as they stream through to the application, never buffered here,
+    and once the count passes the cap the client gets 413 and the application sees a disconnect."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app = app
@@ -90,19 +98,7 @@ class BodySizeLimit:
                 raise
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps({"detail": f"request body larger than {self.max_bytes} bytes"}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),  # the rest of the body is not read
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 413, f"request body larger than {self.max_bytes} bytes")
 
 
 def _content_length(scope: Scope) -> int | None:
@@ -124,13 +120,10 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
     and a deadline for them.
 
     httptools buffers a header line until it ends, however long, and uvicorn waits for headers
-    without a deadline: four 32 MB headers cost 180 MB, and 400 connections that never finish their
-    headers stay open for ever. Here the bytes a request sends before its headers end are counted as
-    they arrive (431 and close past ``max_header_bytes``), and a connection whose headers have not
-    ended ``header_timeout`` seconds after it opened, or after its request began, is closed (408
-    when it had sent part of a request). Bodies are the body size cap's business
-    (:class:`BodySizeLimit`).
-    """
+    without a deadline. Here the bytes a request sends before its headers end are counted as they
+    arrive (431 and close past ``max_header_bytes``), and a connection whose headers have not ended
+    ``header_timeout`` seconds after it opened, or after its request began, is closed (408 when it
+    had sent part of a request)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderLimitedProtocol(HttpToolsProtocol):
@@ -152,17 +145,9 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
                 if self._header_deadline is None:
                     self._arm_header_deadline()
             super().data_received(data)
-            if (
-                counting
-                and self._awaiting_headers
-                and self._header_bytes > max_header_bytes
-                and not self.transport.is_closing()
-            ):
-                self._refuse(
-                    431,
-                    b"Request Header Fields Too Large",
-                    "request line and headers over the size cap",
-                )
+            over = counting and self._awaiting_headers and self._header_bytes > max_header_bytes
+            if over and not self.transport.is_closing():
+                self._refuse(431, "request line and headers over the size cap")
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
@@ -190,17 +175,17 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
                 self._arm_header_deadline()  # still answering the previous request: its turn first
                 return
             if self._header_bytes:
-                self._refuse(408, b"Request Timeout", "the request's headers did not arrive in time")
+                self._refuse(408, "the request's headers did not arrive in time")
             else:
                 self.transport.close()  # an idle connection that never sent a request
 
-        def _refuse(self, code: int, phrase: bytes, detail: str) -> None:
+        def _refuse(self, code: int, detail: str) -> None:
             self._disarm_header_deadline()
             self._awaiting_headers = False
             body = json.dumps({"detail": detail}).encode()
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                b"connection: close\r\n\r\n%s" % (code, phrase, len(body), body)
+                b"connection: close\r\n\r\n%s" % (code, HTTPStatus(code).phrase.encode(), len(body), body)
             )
             self.transport.close()
 
@@ -226,15 +211,11 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 def return_large_frees_to_the_os() -> bool:
     """Give every allocation of :data:`LARGE_ALLOCATION_BYTES` or more its own memory map (glibc),
-    so that freeing it returns it to the system at once. Returns False where this is not glibc.
+    so that freeing it returns it to the system at once; False where this is not glibc.
 
-    glibc raises that threshold each time such a block is freed, up to 32 MiB: after the first
-    large body the next one's buffers (its text, its arrays) come from the heap, whose freed space
-    stays resident, and a body's peak then depends on what earlier requests left behind (a 32 MiB
-    body: +55 MiB more with a data directory than without one, from the journal's freed buffers). A
-    fixed threshold keeps the peak to what the request itself holds at once. Small requests
-    allocate nothing that large.
-    """
+    glibc raises that threshold each time such a block is freed (up to 32 MiB), and a body's peak
+    would then depend on what earlier requests left in the heap: fixed, it is what the request
+    itself holds at once."""
     import ctypes
     import sys
 

@@ -27,9 +27,8 @@ logger = logging.getLogger("staleness_metrics.server")
 class RunRegistry:
     """The runs of one service, by name.
 
-    Stored runs are checked at start (:meth:`restore`: every row's checksum, every journal's
-    sequence) and then loaded in the background, so that a restart serves at once: a request for a
-    run not loaded yet loads it first. A run whose stored rows cannot be applied again is
+    Stored runs are checked at start (:meth:`restore`) and then loaded in the background: a request
+    for a run not loaded yet loads it first. A run whose stored rows cannot be applied again is
     *unavailable*: its requests get 503 with the reason, and ``/healthz`` names it.
     """
 
@@ -49,10 +48,7 @@ class RunRegistry:
 
     def create(self, name: str, config: StalenessConfig) -> tuple[Run, bool]:
         """The run ``name``, created with ``config`` (True) or already there with
-        the same config (False).
-
-        Raises :class:`RunConflict` when it exists with another configuration.
-        """
+        the same config (False); :class:`RunConflict` with another configuration."""
         with self._creating:
             existing = self._find(name)
             if existing is not None:
@@ -69,14 +65,11 @@ class RunRegistry:
             return run, True
 
     def restore(self, background: bool = True, defer: bool = False) -> int:
-        """Check every stored run (at start-up, before serving) and load them; returns how many.
+        """Check every stored run (before serving) and load them; returns how many.
 
-        Stored data that fails its checks refuses the start (the store's error names the run and
-        the row): a run silently left out would look deleted, and its clients would start it again
-        from nothing. The runs are then loaded on a background thread (``background``) or here;
-        with ``defer``, by :meth:`load_in_background` (the service calls it once it listens:
-        loading before would share the interpreter with the start and delay it) or on demand, by
-        the first request for each.
+        Damaged data refuses the start: a run left out would look deleted. The runs are then loaded
+        on a background thread (``background``) or here; with ``defer``, by
+        :meth:`load_in_background` (once the service listens) or by the first request for each.
         """
         stored_runs = self.store.load()
         pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}
@@ -142,7 +135,7 @@ class RunRegistry:
             return run
 
     def loaded(self, timeout: float | None = None) -> bool:
-        """Wait until every stored run is loaded (or found unavailable); False
+        """Wait until every stored run is loaded or found unavailable; False
         when ``timeout`` passed."""
         loader = self._loader
         if loader is not None:
@@ -169,8 +162,7 @@ class RunRegistry:
         return run
 
     def unavailable(self) -> dict[str, str]:
-        """The runs that take no requests, and why (a store that failed a write, or rows
-        that failed to load)."""
+        """The runs that take no requests, and why."""
         with self._lock:
             runs = list(self._runs.values())
             out = dict(self._failed)
@@ -186,9 +178,8 @@ class RunRegistry:
             return bool(self._pending)
 
     def unavailable_once_loaded(self, timeout: float) -> dict[str, str]:
-        """:meth:`unavailable` once every stored run is loaded or found unavailable,
-        waiting up to ``timeout`` seconds (loading them now if nothing did yet); runs still
-        loading then are named too."""
+        """:meth:`unavailable` once every stored run is loaded, waiting up to ``timeout`` seconds;
+        runs still loading then are named too."""
         self.load_in_background()
         self.loaded(timeout)
         out = self.unavailable()
@@ -199,7 +190,7 @@ class RunRegistry:
         return out
 
     def count(self) -> int:
-        """How many runs the service holds (loaded or not yet), without waiting for any."""
+        """How many runs the service holds (loaded or not yet)."""
         with self._lock:
             return len(self._runs) + len(self._pending)
 
@@ -234,8 +225,7 @@ class RunRegistry:
             self._pending.clear()  # not loaded: nothing of theirs to flush
         for run in runs:
             run.checkpoint()
-        # In parallel: each run's exporters may wait up to their close timeout for a receiver.
+        # in parallel: each run's exporters may wait up to their close timeout for a receiver
         with ThreadPoolExecutor(max_workers=min(32, len(runs) or 1), thread_name_prefix="staleness-close") as pool:
-            for _ in pool.map(Run.close, runs):
-                pass
+            list(pool.map(Run.close, runs))
         self.store.close()

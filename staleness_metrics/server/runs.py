@@ -1,27 +1,21 @@
 """The service's runs: one monitor (sink + exporters) per run, with exactly-once accounting.
 
-The sink is not thread-safe, and exactly-once needs "check the ids, then add" to be one step, so
-every call into a run holds the run's lock. Runs do not share locks: runs progress independently.
+Every call into a run holds the run's lock (the sink is not thread-safe, and "check the ids, then
+add" must be one step); runs do not share locks. Exactly-once:
 
-Exactly-once:
-
-- **Rollouts**: a run remembers every rollout id it received (queued, or set aside as invalid in a
-  lenient run) with a digest of the record. A record whose id and content were received before is a
-  *duplicate*: counted as such and otherwise ignored, so a batch re-sent after a timeout changes
-  nothing. In a batch that mixes new and already-received records, the new ones are added and the
-  others are duplicates. A record re-using a received id with *different* content is a conflict
-  (409) and nothing of its batch is applied. The same holds for one record twice in one batch.
-- **Ships**: a ship carries an optional idempotency key; a ship with a key the run has already
-  answered returns the stored answer (``replayed``) instead of shipping again, and the same key with
-  a different request is refused. The last :data:`~.idempotency.IDEMPOTENCY_KEYS_KEPT` keys of each
-  run are remembered (:class:`~.idempotency.Answers`, one per endpoint).
-- **Mismatch sums** (SPEC 11): posts for one step merge (one per rank or micro-batch); a post
-  carries an optional idempotency key with the same rules as a ship's (keys are kept per run and per
-  endpoint), so a post retried after a timeout is counted once.
+- **Rollouts**: a run keeps every rollout id it received with a digest of the record. A record
+  received before with the same content is a *duplicate* (counted, otherwise ignored); with other
+  content, or twice in one batch with other content, a conflict (409): nothing of its batch applies.
+- **Ships and mismatch posts** (SPEC 11; posts for one step merge): one with an idempotency key the
+  run has answered returns the stored answer (``replayed``), and the key with another request is
+  refused (:class:`~.idempotency.Answers`, one per endpoint).
+Every write that changed a run is one row of its :class:`Journal`, persisted before it is answered,
+with a snapshot now and then, so that a restart replays a short tail.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -29,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import orjson
 
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
@@ -38,22 +33,20 @@ from ..metrics.mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
 from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
+from ..state_checks import arrays_left_as_numpy
 from .errors import (
-    NotPersisted,
-    RecordConflict,
     RecordsInvalid,
     RestoreFailed,
     RunBroken,
+    RunConflict,
     RunNotFound,
-    StepConflict,
     field_item,
     out_of_range,
     reason_of,
     trace_item,
 )
 from .exporting import RunExporters
-from .idempotency import Answers, MismatchFingerprint, ShipFingerprint, record_digest, stored_digest
-from .journal import Journal, add_row
+from .idempotency import Answers, holds_large_array, record_digest, stored_digest
 from .models import (
     AddResult,
     ErrorItem,
@@ -65,17 +58,95 @@ from .models import (
     StepRow,
     counts_of,
 )
-from .store import Store, StoredRun
+from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun, encoded_pieces
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["QUICK_MAX_POSITIONS", "QUICK_MAX_ROLLOUTS", "RUN_STATE_FORMAT", "Run"]
+__all__ = [
+    "CHUNKED_ADD_RECORDS",
+    "QUICK_MAX_POSITIONS",
+    "QUICK_MAX_ROLLOUTS",
+    "RUN_STATE_FORMAT",
+    "Journal",
+    "Run",
+    "add_row",
+]
+
+logger = logging.getLogger("staleness_metrics.server")
 
 RUN_STATE_FORMAT = 1
 # A run whose queue holds at most this much ships in a few milliseconds (see Run.quick).
 QUICK_MAX_ROLLOUTS = 512
 QUICK_MAX_POSITIONS = 65_536
+
+
+CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a record at a time
+
+
+def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
+    """The journal request of an add, ``{"rollouts": records, "duplicates": n}``: a value, or
+    for many records or large arrays the pieces of its text (:class:`~.store.Chunked`)."""
+    large = [holds_large_array(record) for record in records]
+    if len(records) <= CHUNKED_ADD_RECORDS and not any(large):
+        return {"rollouts": records, "duplicates": duplicates}
+
+    def pieces() -> Iterator[bytes]:  # byte for byte orjson.dumps of the request
+        yield b'{"rollouts":['
+        for number, (record, is_large) in enumerate(zip(records, large, strict=True)):
+            if number:
+                yield b","
+            if is_large:
+                yield from encoded_pieces(record)
+            else:
+                yield orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
+        yield b'],"duplicates":%d}' % duplicates
+
+    return Chunked(pieces)
+
+
+class Journal:
+    """The journal of the run ``run`` in ``store``: its rows in order (``seq``), and when to
+    snapshot ``state()``. While ``restoring``, writes are not written again; ``broken`` is the
+    error of a write that could not be persisted (the run's memory is then ahead of its store)."""
+
+    def __init__(self, run: str, store: Store, state: Callable[[], dict[str, Any]]) -> None:
+        self.run = run
+        self.store = store
+        self._state = state
+        self.seq = 0
+        self.rows_since_snapshot = 0
+        self.bytes_since_snapshot = 0
+        self.restoring = False
+        self.broken: BaseException | None = None
+
+    def write(self, op: str, request: Any, history_row: Any | None = None) -> None:
+        """Persist one write before it is answered (under the run's lock: in the order applied)."""
+        if self.restoring:
+            return
+        self.seq += 1
+        try:
+            written = self.store.append(self.run, self.seq, op, request, history_row)
+        except Exception as exc:
+            self.broken = exc
+            raise RunBroken(f"run {self.run!r}: the write was applied but could not be persisted: {exc}") from exc
+        if not self.store.persistent:
+            return
+        self.rows_since_snapshot += 1
+        self.bytes_since_snapshot += written
+        if self.rows_since_snapshot >= SNAPSHOT_EVERY or self.bytes_since_snapshot >= SNAPSHOT_BYTES:
+            self.snapshot()
+
+    def snapshot(self) -> None:
+        try:
+            # the queue's arrays written by orjson, never as Python lists
+            with arrays_left_as_numpy():
+                state = self._state()
+            self.store.save_snapshot(self.run, self.seq, state)
+        except Exception:  # the journal still holds everything: a restart replays a longer tail
+            logger.exception("run %s: snapshot failed", self.run)
+            return
+        self.rows_since_snapshot = self.bytes_since_snapshot = 0
 
 
 def _positions_of(records: list[dict[str, Any]]) -> int:
@@ -101,8 +172,7 @@ def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
         if item.field != "sums":
             item = item.model_copy(update={"field": f"sums.{item.field}"})
         raise RecordsInvalid([item]) from None
-    # A bucket without covered positions has nothing to sum: non-zero sums there are a client bug
-    # that would skew the all-bucket k3.
+    # a bucket without covered positions has nothing to sum (non-zero would skew the all-bucket k3)
     for i in np.flatnonzero(parsed.tokens == 0).tolist():
         for name in SUM_FIELDS:
             if getattr(parsed, name)[i] != 0:
@@ -130,8 +200,7 @@ _MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
 
 @dataclass(frozen=True)
 class _StepMismatch:
-    """The posted sums of one step: how many posts, their total, and its keys
-    and dict (made once)."""
+    """The posted sums of one step: how many posts, their total, its keys and its dict."""
 
     posts: int
     total: MismatchSums
@@ -143,7 +212,7 @@ class _StepMismatch:
         return cls(posts, total, metrics, total.to_dict())
 
     def on(self, row: StepRow) -> StepRow:
-        """``row`` with these keys in place of any SPEC 11 / SPEC 14 keys the ship
+        """``row`` with these keys in place of any SPEC 11 / 14 keys the ship
         computed, and the sums."""
         kept = {key: value for key, value in row.metrics.items() if not key.startswith(_MISMATCH_PREFIXES)}
         return row.model_copy(update={"metrics": {**kept, **self.metrics}, "mismatch": self.sums})
@@ -152,38 +221,24 @@ class _StepMismatch:
 class Run:
     """One run of the service: a :class:`StalenessMonitor` and what exactly-once needs."""
 
-    def __init__(
-        self,
-        name: str,
-        config: StalenessConfig,
-        exporters: RunExporters,
-        store: Store | None = None,
-    ) -> None:
+    def __init__(self, name: str, config: StalenessConfig, exporters: RunExporters, store: Store | None = None) -> None:
         self.name = name
         self.config = config
         self._exporters = exporters
         self.monitor = StalenessMonitor(config, exporters.all, run=name)
         exporters.report_failures(self.monitor.export_errors)
         self._lock = threading.RLock()  # re-entered by the calls made under Run.quick
-        # Positions added since the queue was last seen empty: at least what
-        # it holds (see Run.quick).
-        self._positions_bound = 0
+        self._positions_bound = 0  # added since the queue was last empty: at least what it holds
         self._received: dict[str, bytes] = {}  # rollout id -> digest of the record
         self._duplicates = 0
         self._history: list[StepRow] = []
-        self._answers: Answers[ShipFingerprint, ShipResult] = Answers(
-            "a different ship", ShipFingerprint.from_json, ShipResult
-        )
+        self._answers = Answers("a different ship", ShipResult)
         self._mismatch: dict[int, _StepMismatch] = {}  # posted trainer-side sums, per shipped step
-        self._mismatch_answers: Answers[MismatchFingerprint, MismatchResult] = Answers(
-            "different mismatch sums", MismatchFingerprint.from_json, MismatchResult
-        )
+        self._mismatch_answers = Answers("different mismatch sums", MismatchResult)
         self._closed = False
-        # Persistence: every write that changed the run is one journal row (see .store).
         self._store = store or Store()
         self._journal = Journal(name, self._store, self.state_dict)
-        # How each journalled operation is applied again at restart. A new write endpoint adds one
-        # entry here and journals its validated request with ``self._journal.write(op, request)``.
+        # How each journalled operation is applied again at restart (a new write endpoint adds one).
         self._ops: dict[str, Callable[[Any], object]] = {
             "add": self._replay_add,
             "sweep": lambda request: self.sweep(int(request["step"])),
@@ -207,22 +262,14 @@ class Run:
     def _check_open(self) -> None:
         if self._closed:
             raise RunNotFound(f"run {self.name!r} was deleted")
-        if self._journal.broken is not None:
-            broken = self._journal.broken
-            raise RunBroken(f"run {self.name!r} could not persist a write ({broken}); restart the service to reload it")
+        if self.unavailable is not None:
+            raise RunBroken(f"{self.unavailable}; restart the service to reload it")
 
     @contextmanager
     def quick(self) -> Iterator[bool]:
         """True, holding the run's lock, when it was free at once and the queue is small enough for
         a ship of a few milliseconds (:data:`QUICK_MAX_ROLLOUTS`, :data:`QUICK_MAX_POSITIONS`);
-        False, not holding it, otherwise.
-
-        The service then calls the run on its event loop rather than on a worker thread (the hop to
-        the worker and back costs a small request about as much as its own work). Never waiting for
-        the lock there is what makes that safe: a run busy with a large batch stalls its own
-        callers, which go to a worker, not every connection. The queue's positions are bounded by
-        those added since it was last empty, so the bound is never below what a ship would read.
-        """
+        False, not holding it, otherwise (see :func:`.routes.on_run`)."""
         if not self._lock.acquire(blocking=False):
             yield False
             return
@@ -233,8 +280,7 @@ class Run:
 
     # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
-        """The run without its history rows (stored apart): monitor, received
-        ids, idempotency answers."""
+        """The run without its history rows (stored apart)."""
         return {
             "format": RUN_STATE_FORMAT,
             "seq": self._journal.seq,
@@ -242,19 +288,14 @@ class Run:
             "received": {rid: digest.hex() for rid, digest in self._received.items()},
             "duplicates": self._duplicates,
             "answers": self._answers.to_json(),
-            # Posted mismatch sums (SPEC 11) per step, and the answers to their idempotency
-            # keys. The keys published with them too: SPEC 14's floor and window are of the
-            # moment they were posted.
+            # with the keys published then: SPEC 14's floor and window are of that moment
             "mismatch": [[step, m.posts, m.sums, m.metrics] for step, m in self._mismatch.items()],
             "mismatch_answers": self._mismatch_answers.to_json(),
         }
 
     def restore(self, stored: StoredRun) -> None:
-        """Load the latest snapshot and re-apply the journal after it (ships
-        are not exported again).
-
-        Raises :class:`RestoreFailed` naming the stored row that could not be loaded or applied.
-        """
+        """Load the latest snapshot and re-apply the journal after it (ships are not exported
+        again); :class:`RestoreFailed` names the row that could not be loaded or applied."""
         self._journal.restoring = True
         try:
             if stored.snapshot is not None:
@@ -308,7 +349,7 @@ class Run:
         """The run's history as SPEC 9 events (``staleness-metrics replay``
         reproduces its ships)."""
         if not self._store.persistent:
-            raise NotPersisted("the service runs without a data directory (--in-memory): no history to export")
+            raise RunConflict("the service runs without a data directory (--in-memory): no history to export")
         for row in self._store.journal(self.name):
             if row.op == "add":
                 for record in row.request["rollouts"]:
@@ -335,16 +376,9 @@ class Run:
                 rid = record.get("id")
                 if not isinstance(rid, str) or not rid:
                     reason = "required non-empty string (the service counts each rollout once by its id)"
-                    raise RecordsInvalid(
-                        [
-                            ErrorItem(
-                                field="id",
-                                reason=reason,
-                                rollout_id=None if rid is None else str(rid),
-                                index=index,
-                            )
-                        ]
-                    )
+                    shown = None if rid is None else str(rid)
+                    item = ErrorItem(field="id", reason=reason, rollout_id=shown, index=index)
+                    raise RecordsInvalid([item])
                 digest = stored_digest(record)
                 # refused before anything is applied: the journal could not write it
                 if digest is None:
@@ -359,7 +393,7 @@ class Run:
                 else:
                     conflicts.append(rid)
             if conflicts:
-                raise RecordConflict(
+                raise RunConflict(
                     "rollout ids received before with different content (ids are unique within a run): "
                     + ", ".join(repr(c) for c in conflicts[:10])
                     + (f" and {len(conflicts) - 10} more" if len(conflicts) > 10 else "")
@@ -393,12 +427,8 @@ class Run:
     @staticmethod
     def _unstorable_item(record: Mapping[str, Any], rid: str, index: int) -> ErrorItem:
         field, reason = unstorable(record) or ("rollout", "cannot be stored")
-        return ErrorItem(
-            field=field,
-            reason=f"{reason} (the run's journal could not store it)",
-            rollout_id=printable_id(rid),
-            index=index,
-        )
+        reason += " (the run's journal could not store it)"
+        return ErrorItem(field=field, reason=reason, rollout_id=printable_id(rid), index=index)
 
     @staticmethod
     def _range_error(records: list[dict[str, Any]], index_of: Mapping[str, int]) -> ErrorItem:
@@ -406,19 +436,15 @@ class Run:
             path = out_of_range(record, "")
             if path is not None:
                 rid = str(record["id"])
-                return ErrorItem(
-                    field=path,
-                    reason="integer out of range",
-                    rollout_id=rid,
-                    index=index_of.get(rid),
-                )
+                index = index_of.get(rid)
+                return ErrorItem(field=path, reason="integer out of range", rollout_id=rid, index=index)
         return ErrorItem(field="rollouts", reason="a number is out of range")
 
     # ------------------------------------------------------------------ sweep and ship
     def _check_step(self, step: int) -> None:
         latest = self.monitor.sink.step
         if step < latest:
-            raise StepConflict(f"step {step} is below the run's latest step {latest}: steps never decrease")
+            raise RunConflict(f"step {step} is below the run's latest step {latest}: steps never decrease")
 
     def sweep(self, step: int) -> RunInfo:
         with self._lock:
@@ -428,15 +454,11 @@ class Run:
             if self.monitor.sink.queued == 0:
                 self._positions_bound = 0
             self._journal.write("sweep", {"step": step})
-            return self._info()
+            return self.info()
 
     def ship(self, request: ShipRequest, idempotency_key: str | None = None) -> ShipResult:
         """Ship for ``request.step``; a repeated ``idempotency_key`` returns the first answer."""
-        fingerprint = ShipFingerprint(
-            request.step,
-            None if request.ids is None else tuple(request.ids),
-            request.include_rollouts,
-        )
+        fingerprint = [request.step, request.ids, request.include_rollouts]
         with self._lock:
             self._check_open()
             replayed = self._answers.replay(idempotency_key, fingerprint)
@@ -446,8 +468,7 @@ class Run:
             try:
                 shipment = self.monitor.ship(request.step, request.ids)
             except TraceError as error:  # strict run: a version above the trained one
-                # The ship swept at its step before it refused: that much
-                # happened and is journalled.
+                # the ship swept at its step before it refused: that is journalled
                 self._journal.write("sweep", {"step": request.step})
                 raise RecordsInvalid([trace_item(error)]) from None
             if self.monitor.sink.queued == 0:
@@ -494,7 +515,8 @@ class Run:
         delta = _parse_sums(request.sums)
         if request.env is not None and (at := lone_surrogate(request.env)) is not None:
             raise RecordsInvalid([ErrorItem(field="env", reason=surrogate_reason(request.env, at))])
-        fingerprint = MismatchFingerprint(request.step, record_digest({"env": request.env, "sums": delta.to_dict()}))
+        digest = record_digest({"env": request.env, "sums": delta.to_dict()})
+        fingerprint = [request.step, digest.hex()]
         with self._lock:
             self._check_open()
             replayed = self._mismatch_answers.replay(idempotency_key, fingerprint)
@@ -513,11 +535,7 @@ class Run:
             metrics = self.monitor.mismatch_metrics(request.step) or {}
             merged = self._mismatch[request.step] = _StepMismatch.of(posts + 1, total, metrics)
             answer = MismatchResult(
-                run=self.name,
-                step=request.step,
-                posts=merged.posts,
-                tokens=total.covered,
-                metrics=merged.metrics,
+                run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )
             self._mismatch_answers.remember(idempotency_key, fingerprint, answer)
             self._journal.write("mismatch", {"request": request.model_dump(mode="json"), "key": idempotency_key})
@@ -525,12 +543,8 @@ class Run:
 
     # ------------------------------------------------------------------ reads
     def steps(self, since: int = 0) -> list[StepRow]:
-        """The metrics history: every ship with ``step > since``, oldest first.
-
-        The last ship of a step with posted mismatch sums carries their merged total: its
-        SPEC 11 keys in ``metrics`` (replacing any the ship computed from records) and
-        the sums in ``mismatch``.
-        """
+        """The metrics history: every ship with ``step > since``, oldest first; the last ship of a
+        step with posted mismatch sums carries their merged total (:meth:`_StepMismatch.on`)."""
         with self._lock:
             self._check_open()
             rows = [row for row in self._history if row.step > since]
@@ -543,32 +557,25 @@ class Run:
     def info(self) -> RunInfo:
         with self._lock:
             self._check_open()
-            return self._info()
-
-    def _info(self) -> RunInfo:
-        sink = self.monitor.sink
-        return RunInfo(
-            run=self.name,
-            config=asdict(self.config),
-            step=sink.step,
-            ships=len(self._history),
-            queued=sink.queued,
-            rollouts_received=len(self._received),
-            duplicates_ignored=self._duplicates,
-            totals=counts_of(sink.totals),
-        )
+            sink = self.monitor.sink
+            return RunInfo(
+                run=self.name,
+                config=asdict(self.config),
+                step=sink.step,
+                ships=len(self._history),
+                queued=sink.queued,
+                rollouts_received=len(self._received),
+                duplicates_ignored=self._duplicates,
+                totals=counts_of(sink.totals),
+            )
 
     def checkpoint(self) -> None:
-        """Snapshot now if anything was journalled since the last one (a clean
-        shutdown restarts faster)."""
+        """Snapshot now if anything was journalled since the last one (a faster restart)."""
         with self._lock:
-            if (
-                self._store.persistent
-                and self._journal.rows_since_snapshot
-                and not self._closed
-                and self._journal.broken is None
-            ):
-                self._journal.snapshot()
+            journal = self._journal
+            due = journal.rows_since_snapshot and journal.broken is None and not self._closed
+            if due and self._store.persistent:
+                journal.snapshot()
 
     def close(self) -> None:
         """Flush and close the run's exporters; later requests to it get :class:`RunNotFound`."""

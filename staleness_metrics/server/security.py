@@ -1,22 +1,14 @@
-"""Who may talk to the service: loopback by default, a bearer token for anything else.
-
-- :func:`check_bind` is the start-up rule: off loopback the service needs a token.
-- :class:`TokenFirst` is the ASGI middleware that checks ``Authorization: Bearer <token>`` in
-  constant time on every write (and, when asked, every read) *before the body is read*: an
-  unauthenticated client costs the service a header parse, never a body buffer or a JSON parse.
-- :data:`BEARER_SCHEME` is how the OpenAPI document describes the token (the routes that need it
-  name it; no per-request dependency checks it again: the middleware has answered by then).
-- :func:`check_token` refuses blank tokens at start-up.
-"""
+"""Who may talk to the service: loopback by default (:func:`check_bind`), a bearer token for
+anything else, checked by :class:`TokenFirst` before the body is read; :data:`BEARER_SCHEME` is
+how the OpenAPI document describes it."""
 
 from __future__ import annotations
 
 import ipaddress
-import json
 import secrets
 from typing import Any
 
-from .limits import ASGIApp, Receive, Scope, Send
+from .limits import ASGIApp, Receive, Scope, Send, send_json
 
 __all__ = [
     "BEARER_SCHEME",
@@ -85,12 +77,9 @@ def _bearer_of(scope: Scope) -> bytes | None:
 
 
 class TokenFirst:
-    """401 for a request without the right bearer token, answered from the headers alone.
-
-    The body is never read for such a request (the connection is closed after the answer), so
-    neither its size nor its JSON costs the service anything. Writes always need the token when one
-    is set; reads too with ``protect_reads`` (except :data:`OPEN_PATHS`).
-    """
+    """401 for a request without the right bearer token (compared in constant time), answered
+    from the headers alone: its body is never read. Writes always need the token when one is set;
+    reads too with ``protect_reads`` (except :data:`OPEN_PATHS`)."""
 
     def __init__(self, app: ASGIApp, token: str | None, protect_reads: bool = False) -> None:
         self.app = app
@@ -103,9 +92,11 @@ class TokenFirst:
             return
         credentials = _bearer_of(scope)
         if credentials is None:
-            await _unauthorized(send, "missing bearer token (Authorization: Bearer <token>)", "Bearer")
+            detail = "missing bearer token (Authorization: Bearer <token>)"
+            await send_json(send, 401, detail, (b"www-authenticate", b"Bearer"))
         elif not secrets.compare_digest(credentials, self.expected):
-            await _unauthorized(send, "invalid bearer token", 'Bearer error="invalid_token"')
+            challenge = b'Bearer error="invalid_token"'
+            await send_json(send, 401, "invalid bearer token", (b"www-authenticate", challenge))
         else:
             await self.app(scope, receive, send)
 
@@ -113,20 +104,3 @@ class TokenFirst:
         if scope["method"] not in SAFE_METHODS:
             return True
         return self.protect_reads and scope["path"] not in OPEN_PATHS
-
-
-async def _unauthorized(send: Send, detail: str, challenge: str) -> None:
-    body = json.dumps({"detail": detail}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", challenge.encode()),
-                (b"connection", b"close"),  # the body, if any, is not read
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

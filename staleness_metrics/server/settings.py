@@ -21,7 +21,7 @@ class ServerSettings:
     persist every acknowledged write there (SQLite) and restore the runs from it at start; None
     keeps runs in memory only."""
 
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)  # never printed
     protect_reads: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_bytes_per_span_row: int = DEFAULT_BODY_BYTES_PER_SPAN_ROW
@@ -33,12 +33,3 @@ class ServerSettings:
         from .security import check_token
 
         check_token(self.token)
-
-    def __repr__(self) -> str:  # never print the token
-        token = "set" if self.token else None
-        return (
-            f"ServerSettings(token={token!r}, protect_reads={self.protect_reads}, "
-            f"max_body_bytes={self.max_body_bytes}, "
-            f"body_bytes_per_span_row={self.body_bytes_per_span_row}, "
-            f"exporters={self.exporters!r}, data_dir={self.data_dir!r})"
-        )

@@ -1,46 +1,28 @@
 """How many span rows a body may cut, counted before the queue builds any table.
 
-The queue keeps one row per span of a sample: a run of positions with one mask value and one version
-(SPEC 3's ``weight_versions`` spans, or the runs of ``token_versions``, cut again where the mask
-changes). A row costs about 60 to 130 bytes across the span table's columns, so a valid body whose
-versions or mask change at every position (``0,1,0,1,...``: 2 bytes of text a position) would cost
-some 60 times its size. A body may cut one row per :data:`~.limits.DEFAULT_BODY_BYTES_PER_SPAN_ROW`
-bytes of its size, and never fewer than :data:`~.limits.SPAN_ROW_FLOOR` rows (a small body's rows
-cost little); beyond, it is refused (413) naming the rollout and field that passed the allowance.
-
-What is counted, per sample, is an upper bound of its rows: one, plus every position where the mask
-differs from the previous position's, plus every labelled position (``token_versions`` other than
--1) whose label differs from the previous label (unlabelled positions never cut), plus one per
-``weight_versions`` span; and never more than the sample's positions (each row starts at a position
-of its own: a sample with more spans than positions breaks a rule, and the library refuses it,
-naming the span, before building any table). The arrays are read a piece of :data:`PIECE_POSITIONS`
-at a time, so the count's temporaries stay a few MiB.
+The queue keeps a row (60 to 130 bytes) per span of a sample: a run of positions with one mask
+value and one version. A body whose mask or versions change at every position would cost some 60
+times its size, so a body may cut one row per ``body_bytes_per_span_row`` bytes of its size, and
+at least :data:`~.limits.SPAN_ROW_FLOOR` (413 beyond, naming the rollout and field). Counted per
+sample, an upper bound: one, plus every mask change, plus every change of label between labelled
+positions (``token_versions`` other than -1), plus one per ``weight_versions`` span, at most the
+sample's positions; a piece of :data:`PIECE_POSITIONS` at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .limits import SPAN_ROW_FLOOR
+from .models import ErrorItem
 
-__all__ = ["PIECE_POSITIONS", "SpanRowsExceeded", "allowed_span_rows", "check_span_rows"]
+__all__ = ["PIECE_POSITIONS", "allowed_span_rows", "check_span_rows"]
 
 PIECE_POSITIONS = 1 << 20  # positions compared at once: a 1 MiB bool and at most 8 MiB of indices
-
-
-@dataclass(frozen=True)
-class SpanRowsExceeded:
-    """The rollout and field at which a body's span rows passed its allowance, and why."""
-
-    rollout_id: str | None
-    index: int  # the rollout's place in the body
-    field: str
-    reason: str
 
 
 def allowed_span_rows(body_bytes: int, body_bytes_per_row: int) -> int:
@@ -109,11 +91,10 @@ def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
     return rows, max(by_field, key=lambda name: by_field[name])
 
 
-def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> SpanRowsExceeded | None:
-    """Where the rollouts of a body of ``body_bytes`` pass the span rows it may cut, else None.
-
-    First a bound from lengths alone (the positions of each sample: most bodies stop there), then
-    the count of changes, rollout by rollout, up to the rollout that passes the allowance."""
+def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> ErrorItem | None:
+    """Where the rollouts of a body of ``body_bytes`` pass the span rows it may cut, else None:
+    a bound from the samples' lengths first (most bodies stop there), then the changes counted
+    rollout by rollout."""
     allowed = allowed_span_rows(body_bytes, body_bytes_per_row)
     if allowed < 0 or not isinstance(records, list):
         return None
@@ -139,7 +120,7 @@ def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> S
             total += rows
             if total > allowed:
                 rid = record.get("id")
-                return SpanRowsExceeded(
+                return ErrorItem(
                     rollout_id=None if rid is None else str(rid),
                     index=position,
                     field=f"samples[{index}].{field}",

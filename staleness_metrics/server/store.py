@@ -1,31 +1,14 @@
-"""Where the service keeps its runs: in memory (tests, throw-away runs) or in
-SQLite under a data directory.
+"""Where the service keeps its runs: in memory, or in SQLite under a data directory.
 
-Every acknowledged write of a run is one journal row, written (and fsynced) before the service
-answers: the operation's name and its validated request as JSON, under the run and a per-run
-sequence number. A ship's history row goes in the same transaction. Restart loads each run's latest
-snapshot (the run's ``state_dict``, taken every :data:`SNAPSHOT_EVERY` writes or
-:data:`SNAPSHOT_BYTES` of journal) and re-applies the journal rows after it, so restart time is
-bounded by one snapshot and a short journal tail, however long the run. The journal is kept whole:
-it is the run's history, exported as SPEC 9 events (``GET /v1/runs/{run}/events``). See
-docs/decisions.md for why SQLite.
-
-Damage is refused at start, never loaded or silently skipped (:class:`StoreDamaged`, naming the run
-and the row, and how to start fresh on purpose):
-
-- every stored row (run config, journal row, history row, snapshot) carries a checksum of
-  its bytes, its run and its sequence number, checked before it is decoded: a flipped digit
-  or a truncated row fails it;
-- a run's journal after its snapshot must continue the snapshot's sequence without a gap;
-- :data:`MANIFEST_NAME` beside the database names the runs the directory holds, so a database that
-  went missing, or came back empty or without some of them, is told apart from a new directory.
-
-Databases written before checksums (no ``checksum`` column, ``user_version`` 0) are migrated at the
-first start: every row must still decode, and is then stamped with its checksum (it is trusted as it
-is at that moment; damage from before the migration that still decodes cannot be told). Databases of
-``user_version`` 1 have their snapshots table rebuilt with the state as the row's last column, where
-SQLite writes a blob in place: a snapshot's text is written a piece at a time, never whole in memory
-(:meth:`SqliteStore.save_snapshot`).
+Every acknowledged write of a run is one journal row (its operation and validated request as JSON),
+committed before the answer; a ship's history row goes in the same transaction. Restart loads each
+run's latest snapshot (taken every :data:`SNAPSHOT_EVERY` writes or :data:`SNAPSHOT_BYTES` of
+journal) and re-applies the journal after it. The journal is kept whole: it is the run's history,
+exported as SPEC 9 events. Damage is refused at start (:class:`StoreDamaged`, naming the run and
+the row): every row carries a checksum of its bytes, run and sequence number; a journal must
+continue its snapshot's sequence without a gap; :data:`MANIFEST_NAME` names the runs the directory
+holds, so a database that went missing or lost runs is told apart from a new directory. Older
+databases are migrated at the first start. See docs/decisions.md.
 """
 
 from __future__ import annotations
@@ -36,6 +19,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,7 +37,6 @@ __all__ = [
     "SNAPSHOT_EVERY",
     "Chunked",
     "JournalRow",
-    "MemoryStore",
     "SqliteStore",
     "Store",
     "StoreDamaged",
@@ -85,19 +68,14 @@ PIECE_BYTES = 1024 * 1024  # journal or snapshot text written into SQLite at onc
 
 
 def encoded_pieces(value: Any, option: int = orjson.OPT_SERIALIZE_NUMPY) -> Iterator[bytes]:
-    """``orjson.dumps(value, option=option)`` as consecutive pieces (their concatenation is
-    byte for byte the same text), so that a record holding arrays of millions of positions
-    is hashed or stored without its whole text in memory at once: an array of more than
-    :data:`PIECE_ITEMS` values is written a block of rows at a time
-    (:func:`~staleness_metrics.state_checks.json_pieces`). Raises
-    ``orjson.JSONEncodeError`` as ``dumps`` would."""
+    """``orjson.dumps(value, option=option)`` in pieces (an array of more than
+    :data:`PIECE_ITEMS` values a block of rows at a time), never whole in memory."""
     return json_pieces(value, option)
 
 
 class Chunked:
-    """A journal request given as the pieces of its JSON text (see :func:`encoded_pieces`), written
-    to the store without its whole text in memory: ``pieces`` is called once to size and checksum
-    the row and once more to write it."""
+    """A journal request as the pieces of its JSON text: ``pieces`` is called once to size and
+    checksum the row and once more to write it."""
 
     def __init__(self, pieces: Callable[[], Iterable[bytes]]) -> None:
         self.pieces = pieces
@@ -118,12 +96,10 @@ class StoreDamaged(RuntimeError):
         self.what = what
 
 
-def checksum(table: str, run: str, seq: int, data: bytes) -> str:
-    """What a stored row must match: its bytes, and where it belongs (a row copied
-    elsewhere fails too)."""
-    digest = hashlib.blake2b(data, digest_size=16)
-    digest.update(f"\0{table}\0{run}\0{seq}".encode())
-    return digest.hexdigest()
+def checksum(table: str, run: str, seq: int, data: bytes, op: str | None = None) -> str:
+    """What a stored row must match: its bytes (a journal row's after its ``op``), and where it
+    belongs (a row copied elsewhere fails too)."""
+    return _sized(table, run, seq, [data], _op_prefix(op))[1]
 
 
 @dataclass(frozen=True)
@@ -146,8 +122,7 @@ class StoredRun:
 
 
 class Store:
-    """No persistence (``--in-memory``): every method is a no-op, and there is
-    no history to export."""
+    """No persistence (``--in-memory``): every method is a no-op."""
 
     persistent = False
 
@@ -171,15 +146,12 @@ class Store:
         return iter(())
 
     def damaged(self, what: str) -> Exception:
-        """The error that refuses a start on stored data that cannot be loaded
-        (``what`` names the row)."""
+        """The error that refuses a start on stored data (``what`` names the row)."""
         return RuntimeError(what)
 
     def close(self) -> None:
         pass
 
-
-MemoryStore = Store
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (name TEXT PRIMARY KEY, config BLOB NOT NULL, checksum TEXT);
@@ -192,9 +164,8 @@ CREATE TABLE IF NOT EXISTS history (
 );
 CREATE TABLE IF NOT EXISTS snapshots (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL);
 """
-# A blob is written in place (incremental blob I/O) only as its row's last column: SQLite
-# builds any other in memory whole. Snapshots before schema 2 kept the state ahead of the
-# checksum: the migration reorders.
+# A blob is written in place only as its row's last column (SQLite builds any other whole):
+# snapshots before schema 2 kept the state ahead of the checksum, the migration reorders.
 _SNAPSHOTS_REORDERED = (
     "CREATE TABLE snapshots_reordered (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL)",
     "INSERT INTO snapshots_reordered (run, seq, checksum, state) SELECT run, seq, checksum, state FROM snapshots",
@@ -212,8 +183,8 @@ _ROW_NAME = {
 }
 
 
-def _journal_bytes(op: str, request: bytes) -> bytes:
-    return op.encode() + b"\0" + request
+def _op_prefix(op: str | None) -> bytes:
+    return b"" if op is None else op.encode() + b"\0"
 
 
 class SqliteStore(Store):
@@ -225,8 +196,7 @@ class SqliteStore(Store):
     def __init__(self, data_dir: Path) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.data_dir = data_dir
-        # One service per directory: two would interleave their journals. The lock dies with the
-        # process (kill -9 included), so a restart never finds a stale one.
+        # one service per directory; the lock dies with the process (kill -9 included)
         self._lock_file = open(data_dir / "lock", "a+b")  # noqa: SIM115 - held for the store's lifetime
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -251,6 +221,7 @@ class SqliteStore(Store):
             )
         self._lock = threading.Lock()  # one connection, shared by the request threads
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._in_place = getattr(self._db, "blobopen", None) is not None
         try:
             # Read before anything is written: a damaged database is left as it was found.
             has_runs = self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'")
@@ -267,13 +238,10 @@ class SqliteStore(Store):
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
             if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 self._migrate()
-            # A blob written in place must be the row's last column: SQLite builds any
-            # other in memory whole. Tables created before the column came last keep their
-            # order (and bind the text).
+            # A journal created before the request came last binds its text whole; without
+            # blobopen (Python 3.10) every text is bound whole.
             columns = [row[1] for row in self._db.execute("PRAGMA table_info(journal)")]
-            self._request_last = columns[-1:] == ["request"]
-            columns = [row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")]
-            self._state_last = columns[-1:] == ["state"]  # always, since the migration to schema 2
+            self._journal_in_place = self._in_place and columns[-1:] == ["request"]
         except sqlite3.DatabaseError as exc:  # not a database, or its pages are damaged
             self._db.close()
             raise StoreDamaged(data_dir, f"the database {self.path} cannot be read ({exc})") from None
@@ -321,24 +289,19 @@ class SqliteStore(Store):
     def _migrate(self) -> None:
         """Create the tables, or bring an older database up to :data:`SCHEMA_VERSION`: rows from
         before checksums are stamped, and the snapshots table gets its state as the last column."""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
+        with self._transaction() as db:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
-                    self._db.execute(statement)
+                    db.execute(statement)
             for table, column in _DATA_COLUMN.items():
-                columns = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
                 if "checksum" not in columns:
-                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN checksum TEXT")
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN checksum TEXT")
                 self._stamp(table, column)
-            if [row[1] for row in self._db.execute("PRAGMA table_info(snapshots)")][-1] != "state":
+            if [row[1] for row in db.execute("PRAGMA table_info(snapshots)")][-1] != "state":
                 for statement in _SNAPSHOTS_REORDERED:
-                    self._db.execute(statement)
-            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+                    db.execute(statement)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _stamp(self, table: str, column: str) -> None:
         """Checksum the rows written before checksums existed, once each still decodes."""
@@ -349,11 +312,8 @@ class SqliteStore(Store):
         ).fetchall()
         for rowid, run, seq, op, data in rows:
             self._decode(table, run, int(seq), data)
-            stamped = _journal_bytes(op, data) if op is not None else data
-            self._db.execute(
-                f"UPDATE {table} SET checksum = ? WHERE rowid = ?",
-                (checksum(table, run, int(seq), stamped), rowid),
-            )
+            stamp = checksum(table, run, int(seq), data, op)
+            self._db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
 
     # ------------------------------------------------------------------ checking rows
     def damaged(self, what: str) -> Exception:
@@ -375,7 +335,7 @@ class SqliteStore(Store):
         """The decoded row, once its checksum matches."""
         if not isinstance(data, bytes):
             raise self._damaged(table, run, seq, f"holds {type(data).__name__}, not stored JSON")
-        expected = checksum(table, run, seq, _journal_bytes(op, data) if op is not None else data)
+        expected = checksum(table, run, seq, data, op)
         if stored != expected:
             reason = (
                 "has no checksum"
@@ -386,16 +346,22 @@ class SqliteStore(Store):
         return self._decode(table, run, seq, data)
 
     # ------------------------------------------------------------------ writes
-    def _write(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One transaction on the shared connection: committed, or rolled back on any error."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                for sql, params in statements:
-                    self._db.execute(sql, params)
+                yield self._db
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
+
+    def _write(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
+        with self._transaction() as db:
+            for sql, params in statements:
+                db.execute(sql, params)
 
     def create_run(self, name: str, config: dict[str, Any]) -> None:
         data = dumps(config)
@@ -412,13 +378,17 @@ class SqliteStore(Store):
         self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in _RUN_TABLES])
 
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
-        if isinstance(request, Chunked):
-            return self._append_chunked(run, seq, op, request)
-        data = dumps(request)
+        if isinstance(request, Chunked) and self._journal_in_place:
+            # written piece by piece into a blob of its size: the text is never whole in memory
+            size, check = _sized("journal", run, seq, request.pieces(), _op_prefix(op))
+            insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, zeroblob(?))"
+            self._write_in_place("journal", (insert, (run, seq, op, check, size)), request.pieces, size)
+            return size
+        data = b"".join(request.pieces()) if isinstance(request, Chunked) else dumps(request)
         statements: list[tuple[str, tuple[Any, ...]]] = [
             (
                 "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)",
-                (run, seq, op, data, checksum("journal", run, seq, _journal_bytes(op, data))),
+                (run, seq, op, data, checksum("journal", run, seq, data, op)),
             )
         ]
         if history_row is not None:
@@ -432,85 +402,41 @@ class SqliteStore(Store):
         self._write(statements)
         return len(data)
 
-    def _append_chunked(self, run: str, seq: int, op: str, request: Chunked) -> int:
-        """One journal row written piece by piece into a blob of its size (SQLite's incremental blob
-        I/O, into the row's last column): neither the row's text nor SQLite's copy of a bound value
-        is ever whole in memory."""
-        # the text whole, bound
-        if getattr(self._db, "blobopen", None) is None or not self._request_last:
-            data = b"".join(request.pieces())
-            insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
-            self._write(
-                [
-                    (
-                        insert,
-                        (
-                            run,
-                            seq,
-                            op,
-                            data,
-                            checksum("journal", run, seq, _journal_bytes(op, data)),
-                        ),
-                    )
-                ]
-            )
-            return len(data)
-        size, check = _sized("journal", run, seq, request.pieces(), _journal_bytes(op, b""))
-        insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, zeroblob(?))"
-        self._write_in_place("journal", "request", (insert, (run, seq, op, check, size)), request.pieces, size)
-        return size
-
     def _write_in_place(
-        self,
-        table: str,
-        column: str,
-        insert: tuple[str, tuple[Any, ...]],
-        pieces: Callable[[], Iterable[bytes]],
-        size: int,
+        self, table: str, insert: tuple[str, tuple[Any, ...]], pieces: Callable[[], Iterable[bytes]], size: int
     ) -> None:
-        """Insert a row whose last column ``column`` is ``zeroblob(size)``, then write ``pieces()``
-        into it :data:`PIECE_BYTES` at a time, in one transaction."""
-        # Python 3.11+: the callers bind the text whole before
-        blob_open = getattr(self._db, "blobopen", None)
-        assert blob_open is not None
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                cursor = self._db.execute(*insert)
-                assert cursor.lastrowid is not None
-                with blob_open(table, column, cursor.lastrowid) as blob:
-                    buffer = bytearray()
-                    for piece in pieces():
-                        buffer += piece
-                        if len(buffer) >= PIECE_BYTES:
-                            blob.write(buffer)
-                            buffer.clear()
-                    blob.write(buffer)
-                    # the pieces changed between the passes: never store that
-                    if blob.tell() != size:
-                        raise RuntimeError(f"a {table} row's text changed while it was written")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        """Insert a row whose last column, the table's data, is ``zeroblob(size)``, then write
+        ``pieces()`` into it :data:`PIECE_BYTES` at a time, in one transaction (Python 3.11+)."""
+        with self._transaction() as db:
+            cursor = db.execute(*insert)
+            assert cursor.lastrowid is not None
+            with db.blobopen(table, _DATA_COLUMN[table], cursor.lastrowid) as blob:  # type: ignore[attr-defined]
+                buffer = bytearray()
+                for piece in pieces():
+                    buffer += piece
+                    if len(buffer) >= PIECE_BYTES:
+                        blob.write(buffer)
+                        buffer.clear()
+                blob.write(buffer)
+                if blob.tell() != size:  # the pieces changed between the passes: never store that
+                    raise RuntimeError(f"a {table} row's text changed while it was written")
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
         """The run's state as its JSON text (``dumps(state)``, byte for byte), written in place
-        a piece at a time: hashed once to size and checksum it, encoded again into the blob,
-        never whole in memory."""
+        a piece at a time where it can be: never whole in memory."""
         insert = "INSERT OR REPLACE INTO snapshots (run, seq, checksum, state) VALUES (?, ?, ?, {})"
 
         def pieces() -> Iterator[bytes]:
             return json_pieces(state, orjson.OPT_SERIALIZE_NUMPY, max_depth=PIECED_DEPTH)
 
-        if getattr(self._db, "blobopen", None) is not None and self._state_last:  # Python 3.11+
+        if self._in_place:
             try:
                 size, check = _sized("snapshots", run, seq, pieces())
             except NestedTooDeep:  # encoded whole below, as orjson does (or refuses) it
                 pass
             else:
-                self._write_in_place("snapshots", "state", (insert.format("zeroblob(?)"), (run, seq, check, size)),
-                                     pieces, size)  # fmt: skip
+                in_place = (insert.format("zeroblob(?)"), (run, seq, check, size))
+                self._write_in_place("snapshots", in_place, pieces, size)
                 return
         data = dumps(state)
         self._write([(insert.format("?"), (run, seq, checksum("snapshots", run, seq, data), data))])
@@ -531,13 +457,7 @@ class SqliteStore(Store):
                 "SELECT seq, row, checksum FROM history WHERE run = ? AND seq <= ? ORDER BY seq",
                 (name, seq),
             ).fetchall()
-            journal_rows = self._db.execute(
-                "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq",
-                (name, seq),
-            ).fetchall()
-            # The whole journal is the run's history (exported as events): its sequence is
-            # checked from row 1 by the primary key's index; rows before the snapshot are
-            # checksummed when exported.
+            # the whole journal is the run's history (its events): checked from row 1
             count, last = self._db.execute("SELECT COUNT(*), MAX(seq) FROM journal WHERE run = ?", (name,)).fetchone()
             gap = None
             if count != (last or 0) or (last or 0) < seq:
@@ -553,18 +473,13 @@ class SqliteStore(Store):
             raise self._damaged("journal", name, gap, f"is missing ({after}: a gap in its sequence)")
         snapshot = None if snap is None else self._checked("snapshots", name, seq, snap[1], snap[2])
         history = [self._checked("history", name, int(s), row, check) for s, row, check in history_rows]
-        tail = [
-            JournalRow(int(s), op, self._checked("journal", name, int(s), request, check, op))
-            for s, op, request, check in journal_rows
-        ]
-        return StoredRun(name, config, seq, snapshot, history, tail)
+        return StoredRun(name, config, seq, snapshot, history, list(self.journal(name, after=seq)))
 
-    def journal(self, run: str) -> Iterator[JournalRow]:
-        """Every journal row of ``run``, oldest first, read page by page on a
-        connection of its own."""
+    def journal(self, run: str, after: int = 0) -> Iterator[JournalRow]:
+        """The journal rows of ``run`` after row ``after``, oldest first, each checked, read page by
+        page on a connection of its own."""
         reader = sqlite3.connect(self.path, check_same_thread=False)
         try:
-            after = 0
             while True:
                 page = reader.execute(
                     "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq LIMIT 256",

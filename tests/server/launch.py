@@ -11,14 +11,14 @@ import sys
 from collections.abc import Sequence
 
 from staleness_metrics.cli.commands import serve
-from staleness_metrics.server import journal
+from staleness_metrics.server import runs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     # Durability tests take snapshots every few writes, so that one lands after every kind of write.
     every = os.environ.get("STALENESS_TEST_SNAPSHOT_EVERY")
     if every:
-        journal.SNAPSHOT_EVERY = int(every)
+        runs.SNAPSHOT_EVERY = int(every)
     parser = argparse.ArgumentParser(prog="staleness-metrics")
     serve.register(parser.add_subparsers(required=True))
     args = parser.parse_args(argv)

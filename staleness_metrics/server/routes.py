@@ -1,0 +1,449 @@
+"""The service's routes: one :class:`fastapi.APIRouter` per resource (service, runs, rollouts,
+mismatch, history), each made for one registry of runs, and how they answer: models written to
+JSON in one call, and the error bodies (``{"detail": "..."}``, or :class:`.ValidationErrorBody`
+where a field is at fault) with their OpenAPI entries.
+
+Handlers are plain functions where they may wait (FastAPI runs them on its thread pool; each run
+serializes its own calls); adds and ships go through :func:`on_run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar
+
+import orjson
+from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
+
+from ..config import StalenessConfig
+from ..errors import ConfigError
+from .decode import BodyTooComplex, BodyTooDeep, compact_records, paused_gc, read_json
+from .errors import RecordsInvalid, RunError, SpanRowsTooMany
+from .exporting import ServiceCollector
+from .models import (
+    MAX_STEP,
+    RUN_NAME_PATTERN,
+    AddResult,
+    ErrorItem,
+    ErrorMessage,
+    Health,
+    MismatchRequest,
+    MismatchResult,
+    RolloutBatchIn,
+    RunInfo,
+    RunList,
+    ShipRequest,
+    ShipResult,
+    StepsPage,
+    SweepRequest,
+    ValidationErrorBody,
+    run_config_schema,
+)
+from .registry import RunRegistry
+from .runs import Run
+from .settings import ServerSettings
+from .span_rows import check_span_rows
+
+__all__ = ["EXCEPTION_HANDLERS", "HEALTH_LOADING_WAIT", "QUICK_BODY_BYTES", "on_run", "routers"]
+
+T = TypeVar("T")
+
+HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
+# a rollouts body up to this size is read and applied in about a millisecond
+QUICK_BODY_BYTES = 64 * 1024
+WRITE_ERRORS = (400, 401, 404, 409, 413)  # what a write to a run may answer, besides 422
+
+ERRORS: dict[int, str] = {
+    400: "The body could not be read (not UTF-8 JSON).",
+    401: "Missing or wrong bearer token.",
+    404: "No such run (create it with PUT /v1/runs/{run}).",
+    409: "Conflicts with the run's state.",
+    413: "Request body larger than the service accepts.",
+}
+
+
+def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route answering ``codes`` (and 422 when ``invalid``)."""
+    answers: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorMessage, "description": ERRORS[code]} for code in codes
+    }
+    if invalid:
+        answers[422] = {
+            "model": ValidationErrorBody,
+            "description": "Invalid request: the field and reason of each error; nothing was applied.",
+        }
+    return answers
+
+
+class JSONModelResponse(Response):
+    """A response model written to JSON by pydantic in one call (a returned model would be
+    validated again, turned into dicts and encoded by the standard library). Routes declare
+    ``response_model`` for the OpenAPI document."""
+
+    media_type = "application/json"
+
+    def __init__(self, model: BaseModel, status_code: int = status.HTTP_200_OK) -> None:
+        super().__init__(model.__pydantic_serializer__.to_json(model), status_code=status_code)
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates escaped, so an answer naming a bad string can be encoded."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
+    """A :class:`.ValidationErrorBody` of ``items``."""
+
+    def printable(item: ErrorItem) -> dict[str, Any]:
+        return {k: _printable(v) if isinstance(v, str) else v for k, v in item.model_dump().items()}
+
+    return JSONResponse({"detail": [printable(item) for item in items]}, status_code=status_code)
+
+
+async def _run_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RunError)
+    if isinstance(exc, RecordsInvalid):  # the 422 shape, a span-row cap's 413 too
+        return _invalid(exc.errors, exc.status)
+    return JSONResponse({"detail": _printable(str(exc))}, status_code=exc.status)
+
+
+async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    found = ((".".join(map(str, e.get("loc", ()))), str(e.get("msg", ""))) for e in exc.errors())
+    return _invalid([ErrorItem(field=field, reason=reason) for field, reason in found])
+
+
+async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
+    # a body nested past the JSON reader's recursion limit is unreadable, on every route
+    return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
+
+
+# The application's exception handlers (``FastAPI(exception_handlers=...)``).
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    RunError: _run_error,
+    RequestValidationError: _invalid_request,
+    RecursionError: _too_deep,
+}
+
+
+RunName = Annotated[
+    str,
+    Path(pattern=RUN_NAME_PATTERN, description="The run's name (its `run` label).", examples=["demo"]),
+]
+
+
+def idempotency_header(retried: str) -> Any:
+    """The ``Idempotency-Key`` header of a write a retry must not apply twice."""
+    description = f"Send the same key when retrying {retried} once."
+    return Header(alias="Idempotency-Key", min_length=1, max_length=255, description=description)
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """The OpenAPI ``security`` of writes and of reads, and the error codes a read may answer.
+
+    Only the document: :class:`.security.TokenFirst` checks the token before routing."""
+
+    writes: dict[str, Any]
+    reads: dict[str, Any]
+    read_errors: tuple[int, ...]
+
+    def write(self, model: Any, *codes: int) -> dict[str, Any]:
+        """The options of a write route answering ``model``, or the error ``codes``."""
+        return {"openapi_extra": self.writes, "response_model": model, "responses": documented(*codes)}
+
+    def read(self, model: Any, *codes: int, invalid: bool = True) -> dict[str, Any]:
+        """The options of a read route answering ``model``, or the error ``codes``."""
+        responses = documented(*self.read_errors, *codes, invalid=invalid)
+        return {"openapi_extra": self.reads, "response_model": model, "responses": responses}
+
+
+def routers(registry: RunRegistry, settings: ServerSettings) -> list[APIRouter]:
+    """The service's routers, in the order the OpenAPI document lists them."""
+    writes: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
+    access = Access(writes, writes, (401,)) if settings.protect_reads else Access(writes, {}, ())
+    return [
+        service_router(registry, access),
+        runs_router(registry, access),
+        rollouts_router(registry, access, settings.body_bytes_per_span_row),
+        mismatch_router(registry, access),
+        history_router(registry, access),
+    ]
+
+
+def service_router(registry: RunRegistry, access: Access) -> APIRouter:
+    """``/healthz`` and ``/metrics``."""
+    router = APIRouter(tags=["service"])
+    exposition = CollectorRegistry(auto_describe=False)
+    exposition.register(ServiceCollector(registry.registries))
+
+    @router.get(
+        "/healthz",
+        response_model=Health,
+        responses={503: {"model": Health, "description": "Some runs answer 503: `unavailable` names them."}},
+    )
+    async def healthz() -> Response:
+        """The service answers, and every run does: 503 names the runs that answer
+        503. Never needs a token.
+
+        Just after a restart it answers once every stored run is loaded (or found unavailable),
+        waiting up to a few seconds: a run that cannot be loaded is only known then. Runs still
+        loading after that are named as such (503)."""
+        if registry.loading():
+            unavailable = await run_in_threadpool(registry.unavailable_once_loaded, HEALTH_LOADING_WAIT)
+        else:
+            unavailable = registry.unavailable()
+        health = Health(status="unavailable" if unavailable else "ok", runs=registry.count(), unavailable=unavailable)
+        return JSONModelResponse(health, status.HTTP_503_SERVICE_UNAVAILABLE if unavailable else status.HTTP_200_OK)
+
+    @router.get(
+        "/metrics",
+        openapi_extra=access.reads,
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text exposition (OpenMetrics when the Accept header asks for it).",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **documented(*access.read_errors, invalid=False),
+        },
+    )
+    def metrics(request: Request) -> Response:
+        """Every run's metrics, each series labelled with its ``run``."""
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(exposition), media_type=content_type)
+
+    return router
+
+
+def _parse_config(config: dict[str, Any]) -> StalenessConfig:
+    """The run's configuration; :class:`RecordsInvalid` (422) naming the setting when it is not one.
+
+    No setting may exceed MAX_STEP: larger bounds overflow the sink's int64 arithmetic at the
+    first ship (a 500 long after the run was accepted)."""
+    try:
+        parsed = StalenessConfig.from_mapping(config)
+    except ConfigError as error:
+        raise RecordsInvalid([ErrorItem(field=error.field or "config", reason=error.reason)]) from None
+    for setting in dataclasses.fields(parsed):
+        value = getattr(parsed, setting.name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_STEP:
+            raise RecordsInvalid([ErrorItem(field=setting.name, reason=f"must be <= {MAX_STEP}, got {value}")])
+    return parsed
+
+
+def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
+    """``/v1/runs`` and ``/v1/runs/{run}``: create with a configuration, read, delete."""
+    router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+    @router.get("", **access.read(RunList, invalid=False))
+    def list_runs() -> Response:
+        return JSONModelResponse(RunList(runs=[run.info() for run in registry.runs()]))
+
+    @router.put(
+        "/{run}",
+        status_code=status.HTTP_201_CREATED,
+        response_model=RunInfo,
+        responses={
+            200: {"model": RunInfo, "description": "The run exists with this configuration."},
+            **documented(400, 401, 409, 413),
+        },
+        openapi_extra={
+            **access.writes,
+            "requestBody": {"content": {"application/json": {"schema": run_config_schema()}}},
+        },
+    )
+    def create_run(run: RunName, config: Annotated[dict[str, Any], Body(default_factory=dict)]) -> Response:
+        """Create a run with its configuration (policy and bound); idempotent for
+        the same configuration."""
+        created_run, created = registry.create(run, _parse_config(config))
+        return JSONModelResponse(created_run.info(), status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @router.get("/{run}", **access.read(RunInfo, 404))
+    def get_run(run: RunName) -> Response:
+        return JSONModelResponse(registry.get(run).info())
+
+    @router.delete(
+        "/{run}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response, **access.write(None, 401, 404)
+    )
+    def delete_run(run: RunName) -> Response:
+        """Delete a run: its exporters flush and close, and its series leave ``/metrics``."""
+        registry.delete(run)
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+    return router
+
+
+async def on_run(registry: RunRegistry, run: str, call: Callable[[Run], T], *, small: bool = True) -> T:
+    """``call`` of the run ``run``, on the event loop when that cannot stall other connections: the
+    request is ``small``, the run is held in memory (a write to a data directory waits for the disk)
+    and :meth:`.Run.quick` takes its lock at once. Else on a worker thread, where it waits for the
+    lock: for a small call the hop there and back costs as much as the call itself."""
+    if small and not registry.store.persistent:
+        target = registry.get(run)
+        with target.quick() as free:
+            if free:
+                return call(target)
+    # 404 before the call reads anything
+    return await run_in_threadpool(lambda: call(registry.get(run)))
+
+
+def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> AddResult:
+    """Parse a rollouts body (dropping its bytes as they are read, see :mod:`.decode`) and
+    add it to ``target``."""
+    body_bytes = sum(len(part) for part in held)
+    with paused_gc():  # millions of new containers: see paused_gc
+        try:
+            data = read_json(held)
+        except BodyTooComplex as error:  # refused before its values were built (the memory bound)
+            raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(error)) from None
+        except BodyTooDeep as error:  # as any route answers a body too deep for the JSON reader
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, str(error)) from None
+        except ValueError as error:  # not UTF-8 (UnicodeDecodeError is a ValueError) or not JSON
+            raise RequestValidationError(
+                [{"loc": ("body",), "msg": f"JSON decode error: {error}", "type": "json_invalid"}]
+            ) from None
+        try:
+            batch = RolloutBatchIn.model_validate(data)
+        except ValidationError as error:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
+        del data
+        compact_records(batch.rollouts)
+        # before the queue builds any span table (see .span_rows)
+        exceeded = check_span_rows(batch.rollouts, body_bytes, bytes_per_span_row)
+        if exceeded is not None:
+            raise SpanRowsTooMany([exceeded])
+        return target.add(batch.rollouts)
+
+
+async def read_body(request: Request) -> bytearray:
+    """The request's body (the size cap, :class:`.limits.BodySizeLimit`, counted it as it came)."""
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+    except ClientDisconnect:  # gone, or cut off by the body size cap (which has answered 413)
+        raise HTTPException(status.HTTP_400_BAD_REQUEST, "the client disconnected before the body ended") from None
+    return body
+
+
+def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: int) -> APIRouter:
+    """``/rollouts``, ``/sweep`` and ``/ship`` of a run: the hot path of a training loop."""
+    router = APIRouter(prefix="/v1/runs/{run}", tags=["rollouts"])
+
+    @router.post(
+        "/rollouts",
+        response_model=AddResult,
+        responses={
+            **documented(*WRITE_ERRORS),
+            413: {
+                "model": ErrorMessage | ValidationErrorBody,
+                "description": ERRORS[413] + " Or more span rows than the body's size allows "
+                "(serve --body-bytes-per-span-row): then `detail` names the rollout, field "
+                "and reason as a 422 does.",
+            },
+        },
+        openapi_extra={
+            **access.writes,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": RolloutBatchIn.model_json_schema()}},
+            },
+        },
+    )
+    async def add_rollouts(run: RunName, request: Request) -> Response:
+        """Queue finished rollouts. Records received before (same id and
+        content) count as duplicates.
+
+        Strict runs: an invalid record gets 422 naming its id, field and reason, and nothing of the
+        batch is applied. Lenient runs set invalid records aside (counted) and queue the rest.
+        """
+        held = [await read_body(request)]  # parsed once, by add_body, which drops the bytes
+        small = len(held[0]) <= QUICK_BODY_BYTES
+        added = await on_run(registry, run, lambda target: add_body(target, held, bytes_per_span_row), small=small)
+        return JSONModelResponse(added)
+
+    @router.post("/sweep", **access.write(RunInfo, *WRITE_ERRORS))
+    def sweep(run: RunName, request: SweepRequest) -> Response:
+        """Apply the policy at ``step`` to the queue; its drops are reported with the next ship."""
+        return JSONModelResponse(registry.get(run).sweep(request.step))
+
+    @router.post("/ship", **access.write(ShipResult, *WRITE_ERRORS))
+    async def ship(
+        run: RunName,
+        request: ShipRequest,
+        idempotency_key: Annotated[str | None, idempotency_header("a ship: the run answers it")] = None,
+    ) -> Response:
+        """Mask and ship the batch for ``step`` and publish its metrics to every exporter."""
+        shipped = await on_run(registry, run, lambda target: target.ship(request, idempotency_key))
+        return JSONModelResponse(shipped)
+
+    return router
+
+
+def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
+    """``/mismatch`` of a run: what staleness cost a shipped step, as the trainer measured it."""
+    router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
+
+    @router.post("/mismatch", **access.write(MismatchResult, 400, 401, 404, 413))
+    def record_mismatch(
+        run: RunName,
+        request: MismatchRequest,
+        idempotency_key: Annotated[str | None, idempotency_header("a post: the run merges it")] = None,
+    ) -> Response:
+        """Merge trainer-side mismatch sums (SPEC 11) into a shipped step's total and publish it.
+
+        Post one `MismatchSums.to_dict()` per rank or micro-batch: posts for one step merge. Invalid
+        sums (a missing bucket, a negative count) or a step the run never shipped get 422 naming the
+        field, and nothing is recorded.
+        """
+        return JSONModelResponse(registry.get(run).record_mismatch(request, idempotency_key))
+
+    return router
+
+
+def history_router(registry: RunRegistry, access: Access) -> APIRouter:
+    """``/steps`` and ``/events`` of a run: what it has done, as metrics rows or as events."""
+    router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
+
+    @router.get("/steps", **access.read(StepsPage, 404))
+    def steps(
+        run: RunName,
+        since: Annotated[int, Query(ge=0, le=MAX_STEP, description="Return the ships with step > since.")] = 0,
+    ) -> Response:
+        """The run's metrics history, one row per ship, oldest first."""
+        return JSONModelResponse(StepsPage(run=run, steps=registry.get(run).steps(since)))
+
+    @router.get(
+        "/events",
+        openapi_extra=access.reads,
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "The run's history as SPEC 9 events, one JSON object a line (`replay` input).",
+                "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            },
+            **documented(*access.read_errors, 404, 409),
+        },
+    )
+    def events(run: RunName) -> StreamingResponse:
+        """Every rollout, sweep and ship the run acknowledged, in order:
+        ``staleness-metrics replay`` of this file reproduces ``/steps``. Needs a data directory (409
+        with ``--in-memory``)."""
+        lines = registry.get(run).events()
+        first = next(lines, None)  # errors (404, 409) surface before the 200 starts
+
+        every = lines if first is None else itertools.chain([first], lines)
+        body = (orjson.dumps(event) + b"\n" for event in every)
+        return StreamingResponse(body, media_type="application/x-ndjson")
+
+    return router
