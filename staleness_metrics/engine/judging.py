@@ -18,7 +18,7 @@ from ..metrics.compute import WindowCounts
 from .decision import Decision, Judgement
 from .masking import mask_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
-from .spans import SampleSpans, SpanRanges
+from .spans import SAMPLE_SPAN_CALLEES, SampleSpans, SpanRanges, check_sample_spans, sample_spans, span_ranges
 
 __all__ = [
     "SliceRows", "StaleRows", "apply_decision", "judgement_again", "judgement_of", "mask_positions",
@@ -215,7 +215,7 @@ class StaleRows(NamedTuple):
     positions: IntArray  # the sampled positions of each (the whole range's or its part's)
 
 
-@CompiledLoop
+@CompiledLoop(callees=SAMPLE_SPAN_CALLEES)
 def _stale_rows(
     samples: tuple[IntArray, IntArray, IntArray],
     table: tuple[npt.NDArray[np.int8], IntArray, IntArray],
@@ -228,21 +228,9 @@ def _stale_rows(
     part, table_lo, table_hi = table
     old_below, new_below, raised = thresholds
     n_samples = len(span_lo)
-    if (len(span_hi) != n_samples or len(sample_rollout) != n_samples or len(old_below) != n_samples
-            or len(new_below) != n_samples or len(raised) != n_samples):  # fmt: skip
+    if len(old_below) != n_samples or len(new_below) != n_samples or len(raised) != n_samples:
         raise ValueError("stale_rows: the sample arrays differ in length")
-    table_rows = len(part)
-    if len(table_lo) != table_rows or len(table_hi) != table_rows:
-        raise ValueError("stale_rows: the span table's columns differ in length")
-    n = 0
-    for k in range(n_samples):  # checked before any read: the rows and rollouts named exist
-        if not (0 <= span_lo[k] <= span_hi[k] <= table_rows):
-            raise IndexError("stale_rows: a sample's span rows outside the span table")
-        if not (0 <= sample_rollout[k] < len(rollout_chunk)):
-            raise IndexError("stale_rows: a sample of no rollout")
-        n += span_hi[k] - span_lo[k]
-    if len(version) != n or len(sampled) != n:
-        raise ValueError("stale_rows: one version and one sampled count per span row expected")
+    n = check_sample_spans(samples, table, version, sampled, len(rollout_chunk))
     # Per row (in judgement order): stale at the new threshold, and newly masked (hit).
     stale = np.empty(n, dtype=np.bool_)
     hit = np.empty(n, dtype=np.bool_)
@@ -307,9 +295,7 @@ def stale_rows(
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     old_below, new_below, raised = thresholds
     found = _stale_rows(
-        (as_int(samples.span_lo), as_int(samples.span_hi), as_int(samples.sample_rollout)),
-        (np.ascontiguousarray(table.part, dtype=np.int8), as_int(table.lo), as_int(table.hi)), as_int(version),
-        as_int(sampled), (as_int(old_below), as_int(new_below), np.ascontiguousarray(raised, dtype=np.bool_)),
-        as_int(rollout_chunk),
+        sample_spans(samples), span_ranges(table), as_int(version), as_int(sampled),
+        (as_int(old_below), as_int(new_below), np.ascontiguousarray(raised, dtype=np.bool_)), as_int(rollout_chunk),
     )  # fmt: skip
     return StaleRows(*found)

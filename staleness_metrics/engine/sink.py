@@ -335,8 +335,8 @@ class Sink:
         # the bound of this ship's sweep (adaptation moves the next one)
         judged_with = self.bound_tracker.bound
         env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
-        if mismatch is not None and self.config.env_breakdown and spans.env is not None:
-            for env in distinct(spans.env[spans.lag >= 0]):
+        if mismatch is not None and self.config.env_breakdown:
+            for env in distinct(spans.rows.env[spans.rows.lag >= 0]):
                 name = self.queue.env_names[env]
                 # SPEC 11 and 14 per env, from the records (rollouts without an env have no keys)
                 if name:

@@ -14,7 +14,7 @@ step per change of value; nothing sorts or hashes per-position data.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -115,6 +115,50 @@ class SampleSpans(NamedTuple):
     span_lo: IntArray
     span_hi: IntArray
     sample_rollout: IntArray
+
+
+def sample_spans(samples: SampleSpans) -> tuple[IntArray, ...]:
+    """``samples`` as a compiled pass reads them (contiguous int64 arrays)."""
+    return tuple(np.ascontiguousarray(values, dtype=np.int64) for values in samples)
+
+
+def span_ranges(table: SpanRanges) -> tuple[npt.NDArray[Any], ...]:
+    """``table`` as a compiled pass reads it (contiguous int8 parts, int64 ranges)."""
+    part = np.ascontiguousarray(table.part, dtype=np.int8)
+    return part, np.ascontiguousarray(table.lo, dtype=np.int64), np.ascontiguousarray(table.hi, dtype=np.int64)
+
+
+def check_sample_spans(
+    samples: tuple[IntArray, IntArray, IntArray],
+    table: tuple[npt.NDArray[np.int8], IntArray, IntArray],
+    version: IntArray,
+    sampled: IntArray,
+    n_rollouts: int,
+) -> int:  # pragma: no cover - compiled
+    """A compiled pass's check, before any read, that the span rows and rollouts ``samples`` name
+    lie in ``table`` and ``n_rollouts``, with a ``version`` and ``sampled`` per row; the rows'
+    count. (A callee: :data:`SAMPLE_SPAN_CALLEES`.)"""
+    span_lo, span_hi, sample_rollout = samples
+    part, lo, hi = table
+    if len(span_hi) != len(span_lo) or len(sample_rollout) != len(span_lo):
+        raise ValueError("the sample arrays differ in length")
+    if len(lo) != len(part) or len(hi) != len(part):
+        raise ValueError("the span table's columns differ in length")
+    n = 0
+    for k in range(len(span_lo)):
+        if not (0 <= span_lo[k] <= span_hi[k] <= len(part)):
+            raise IndexError("a sample's span rows outside the span table")
+        if not (0 <= sample_rollout[k] < n_rollouts):
+            raise IndexError("a sample of no rollout")
+        n += span_hi[k] - span_lo[k]
+    if len(version) != n or len(sampled) != n:
+        raise ValueError("one version and one sampled count per span row expected")
+    return n
+
+
+SAMPLE_SPAN_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
+    "check_sample_spans": (check_sample_spans, {})
+}
 
 
 class _TokenVersionBelowMinusOne(Exception):
