@@ -40,7 +40,6 @@ __all__ = [
     "decode_batch",
     "decode_table",
     "encode_batch",
-    "encode_table",
     "encode_value",
 ]
 
@@ -269,10 +268,6 @@ def _ones_over(mask: npt.NDArray[Any], lo: npt.NDArray[np.int64], hi: npt.NDArra
 def _offsets(offsets: npt.NDArray[np.int64], items: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     """Offsets of the ranges ``offsets[i]:offsets[i + 1]`` of ``items``, one after the other."""
     return np.concatenate(([0], np.cumsum(offsets[items + 1] - offsets[items]))).astype(np.int64)
-
-
-def encode_table(table: Table) -> dict[str, Any]:
-    return {name: encode_array(table.column(name)) for name in table.names}
 
 
 def decode_table(encoded: Any, like: TableT, path: str) -> TableT:
