@@ -61,7 +61,8 @@ __all__ = [
 # The settings that decide what a policy does: a checkpoint only loads into a sink judging the
 # same way. ``strict`` and ``env_breakdown`` change how input is read and reported, not the
 # state, so they may differ.
-JUDGING_SETTINGS = ("policy", "max_staleness", "max_token_staleness", "sync_interval", "retry_expired")
+JUDGING_SETTINGS = ("policy", "max_staleness", "max_token_staleness", "sync_interval",
+                    "retry_expired")  # fmt: skip
 MAX_STEP = 2**53
 INT64 = np.dtype(np.int64)
 
@@ -102,7 +103,8 @@ def check_tally(data: Any, path: str) -> Tally:
         if name in _TALLY_ARRAY_LENGTHS:
             items = sequence(found[name], where)
             if len(items) > _TALLY_ARRAY_LENGTHS[name]:
-                fail(where, f"{len(items)} buckets, more than the {_TALLY_ARRAY_LENGTHS[name]} there are")
+                top = _TALLY_ARRAY_LENGTHS[name]
+                fail(where, f"{len(items)} buckets, more than the {top} there are")
             # the usual case, at C speed
             if set(map(type, items)) <= {int} and (not items or min(items) >= 0):
                 values[name] = np.asarray(items, dtype=np.int64)
@@ -290,7 +292,8 @@ def check_metrics(data: Any, path: str) -> dict[str, MetricValue]:
     for key, value in mapping(data, path).items():
         if str(key).endswith("/floor_source"):  # SPEC 14's one string value
             if value not in FLOOR_SOURCES:
-                fail(join(path, str(key)), f"expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}")
+                sources = ", ".join(FLOOR_SOURCES)
+                fail(join(path, str(key)), f"expected one of {sources}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(join(path, str(key)), f"expected a number, got {kind_of(value)}")
         out[string(key, path)] = value
@@ -306,7 +309,8 @@ def check_report(data: Any, path: str) -> StepReport:
         ("env_mismatch",),  # absent from reports saved before it existed
     )
     env_mismatch = mapping(found.get("env_mismatch", {}), join(path, "env_mismatch"))
-    env_metrics = mapping(found["env_metrics"], join(path, "env_metrics"))
+    metrics_at = join(path, "env_metrics")
+    env_metrics = mapping(found["env_metrics"], metrics_at)
     env_tally = mapping(found["env_tally"], join(path, "env_tally"))
     return StepReport(
         step=integer(found["step"], join(path, "step"), 1, MAX_STEP),
@@ -314,8 +318,7 @@ def check_report(data: Any, path: str) -> StepReport:
         metrics=check_metrics(found["metrics"], join(path, "metrics")),
         tally=check_tally(found["tally"], join(path, "tally")),
         env_metrics={
-            string(env, join(path, "env_metrics")): check_metrics(values, join(join(path, "env_metrics"), env))
-            for env, values in env_metrics.items()
+            string(env, metrics_at): check_metrics(values, join(metrics_at, env)) for env, values in env_metrics.items()
         },
         env_tally={
             string(env, join(path, "env_tally")): check_tally(tally, join(join(path, "env_tally"), env))

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -270,7 +270,8 @@ def _span_sample(
 
 
 _CUTTERS = (_checked_positions, _grown, _span_bits, _cut_flags, _token_sample, _span_sample)
-_CUT_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {f.__name__: (f, {}) for f in _CUTTERS}
+_NO_OPTIONS: Mapping[str, Any] = {}
+_CUT_CALLEES = {f.__name__: (f, _NO_OPTIONS) for f in _CUTTERS}
 
 
 @CompiledLoop(callees=_CUT_CALLEES)

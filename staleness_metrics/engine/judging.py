@@ -15,7 +15,7 @@ from ..metrics.compute import WindowCounts
 from .decision import Decision, Judgement
 from .masking import mask_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
-from .spans import SAMPLE_SPAN_CALLEES, SampleSpans, SpanRanges, check_sample_spans, sample_spans, span_ranges
+from .spans import SampleSpans, SpanRanges, as_compiled, check_sample_spans
 
 __all__ = [
     "SliceRows", "StaleRows", "apply_decision", "judgement_again", "judgement_of", "mask_positions",
@@ -108,7 +108,7 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
 
 
 def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
-    """Zero newly stale sampled positions in mask and weight arrays, in place (:func:`stale_rows`)."""
+    """Zero newly stale sampled positions in mask and weights, in place (:func:`stale_rows`)."""
     s, spans = queue.samples, queue.spans
     samples = SampleSpans(s.span_lo[judgement.sample_rows], s.span_hi[judgement.sample_rows],
                           judgement.sample_rollout)  # fmt: skip
@@ -205,7 +205,7 @@ class StaleRows(NamedTuple):
     positions: IntArray  # the sampled positions of each (the whole range's or its part's)
 
 
-@CompiledLoop(callees=SAMPLE_SPAN_CALLEES)
+@CompiledLoop(callees={"check_sample_spans": (check_sample_spans, {})})
 def _stale_rows(
     samples: tuple[IntArray, IntArray, IntArray],
     table: tuple[npt.NDArray[np.int8], IntArray, IntArray],
@@ -283,8 +283,8 @@ def stale_rows(
     """
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     old_below, new_below, raised = thresholds
-    found = _stale_rows(
-        sample_spans(samples), span_ranges(table), as_int(version), as_int(sampled),
-        (as_int(old_below), as_int(new_below), np.ascontiguousarray(raised, dtype=np.bool_)), as_int(rollout_chunk),
-    )  # fmt: skip
+    raised = np.ascontiguousarray(raised, dtype=np.bool_)
+    thresholds = (as_int(old_below), as_int(new_below), raised)
+    rows = as_int(version), as_int(sampled)
+    found = _stale_rows(*as_compiled(samples, table), *rows, thresholds, as_int(rollout_chunk))
     return StaleRows(*found)

@@ -37,8 +37,9 @@ def mask_spans(
         rows = np.flatnonzero(chunk == c)
         batch = chunks[c]
         assert batch is not None
-        arrays = [batch.mask, *(getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None)]
-        zero_spans(arrays, batch.token_versions, lo[rows], hi[rows], part[rows], count[rows])
+        weights = [getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None]
+        spans = lo[rows], hi[rows], part[rows], count[rows]
+        zero_spans([batch.mask, *weights], batch.token_versions, *spans)
 
 
 @CompiledLoop

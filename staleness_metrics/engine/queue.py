@@ -169,7 +169,7 @@ class RolloutQueue:
         return chunk, groups, envs
 
     def add_checked(self, batch: RolloutBatch, spans: SpanTable, kept_ids: list[int] | None = None) -> None:
-        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all), checked and cut into ``spans``."""
+        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all), cut into ``spans``."""
         self.build_staged()  # (rows are built in the order rollouts entered)
         chunk, groups, envs = self.admit(batch, kept_ids)
         keep = None if kept_ids is None else np.array(kept_ids, dtype=np.int64)
@@ -178,9 +178,9 @@ class RolloutQueue:
         self.append_rows(batch, spans, keep, (np.full(count, chunk), index, np.array(groups), np.array(envs)))
 
     def stage(self, batch: RolloutBatch) -> int | None:
-        """Queue a batch ``plainly_valid`` passed once its positions are plain too (its rows built by
-        :meth:`build_staged`): how many rollouts it queued, or None when the exact checks are to
-        say why not."""
+        """Queue a batch ``plainly_valid`` passed once its positions are plain too (its rows built
+        by :meth:`build_staged`): how many rollouts it queued, or None when the exact checks are
+        to say why not."""
         if not plain_values_of(batch):
             return None
         n_rollouts, n_positions = batch.n_rollouts, batch.n_positions
@@ -238,7 +238,8 @@ class RolloutQueue:
         offsets, span_offsets = batch.sample_offsets, spans.span_offsets
         every: Any = slice(None)
         if keep is None:  # (the batch's own arrays as they are: no selection to build)
-            n, sample_lo, sample_hi, samples, kept_spans = batch.n_rollouts, offsets[:-1], offsets[1:], every, every
+            n, sample_lo, sample_hi = batch.n_rollouts, offsets[:-1], offsets[1:]
+            samples = kept_spans = every
             new_span_offsets, span_sample = span_offsets, spans.sample
         else:
             n, sample_lo, sample_hi = len(keep), offsets[keep], offsets[keep + 1]
@@ -256,7 +257,8 @@ class RolloutQueue:
         frozen = batch.frozen[rollouts]
         self.rollouts.append(
             chunk=chunk, index=index, status=QUEUED, judged=NEVER, frozen=frozen,
-            dispatch=batch.dispatch_version[rollouts], completion=spans.completion[rollouts], group=groups, env=envs,
+            dispatch=batch.dispatch_version[rollouts], completion=spans.completion[rollouts],
+            group=groups, env=envs,
             sample_lo=new_sample_offsets[:-1], sample_hi=new_sample_offsets[1:],
         )  # fmt: skip
         n_sampled = spans.n_sampled[samples]

@@ -60,7 +60,10 @@ def read_layout(
 
 
 def _rows_agree(
-    tables: tuple[RolloutRows, SampleRows, SpanRows], chunks: list[RolloutBatch], ids: list[str], path: str
+    tables: tuple[RolloutRows, SampleRows, SpanRows],
+    chunks: list[RolloutBatch],
+    ids: list[str],
+    path: str,
 ) -> None:
     """Rollout rows that are queued rollouts of their chunk (by id and sample count), sample and
     span rows in order, and spans inside their chunk's positions: what saving them reads."""

@@ -20,7 +20,7 @@ from ..records.columnar import RolloutBatch
 from .decision import Judgement
 from .queue import RolloutQueue
 from .segments import distinct, expand_ranges
-from .spans import SAMPLE_SPAN_CALLEES, SampleSpans, SpanRanges, check_sample_spans, sample_spans, span_ranges
+from .spans import SampleSpans, SpanRanges, as_compiled, check_sample_spans
 
 __all__ = ["NOT_SAMPLED", "ShippedRows", "ShippedSpans", "shipped_rows", "shipped_spans"]
 
@@ -103,7 +103,8 @@ class ShippedSpans:
         for c in distinct(found.chunk[inside]):
             rows = np.flatnonzero(inside & (found.chunk == c))
             lag, masked = self._per_position(rows)
-            total = total + _chunk_sums(self.batches[c], found.lo[rows], found.hi[rows], lag, masked, band)
+            lo, hi = found.lo[rows], found.hi[rows]
+            total = total + _chunk_sums(self.batches[c], lo, hi, lag, masked, band)
         return total
 
 
@@ -182,7 +183,7 @@ class ShippedRows(NamedTuple):
     env: IntArray
 
 
-@CompiledLoop(callees=SAMPLE_SPAN_CALLEES)
+@CompiledLoop(callees={"check_sample_spans": (check_sample_spans, {})})
 def _shipped_rows(
     samples: tuple[IntArray, IntArray, IntArray],
     table: tuple[npt.NDArray[np.int8], IntArray, IntArray],
@@ -251,7 +252,8 @@ def _shipped_rows(
         if kept_sample[k]:
             kept_k += 1
             sample_offsets[kept_k] = j
-    return chunk, lo, hi, out_lag, out_masked, sample_offsets, mixed, unlabelled_lag, unlabelled_masked, env
+    return (chunk, lo, hi, out_lag, out_masked, sample_offsets, mixed, unlabelled_lag,
+            unlabelled_masked, env)  # fmt: skip
 
 
 def shipped_rows(
@@ -274,9 +276,9 @@ def shipped_rows(
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
     (kept_sample, mask_below), (frozen, rollout_chunk, rollout_env) = per_sample, per_rollout
+    per_rollout = (as_bool(frozen), as_int(rollout_chunk), as_int(rollout_env))
     found = _shipped_rows(
-        sample_spans(samples), span_ranges(table), as_int(version), as_int(sampled),
-        (as_bool(kept_sample), as_int(mask_below)), (as_bool(frozen), as_int(rollout_chunk), as_int(rollout_env)),
-        int(trained), NOT_SAMPLED,
+        *as_compiled(samples, table), as_int(version), as_int(sampled),
+        (as_bool(kept_sample), as_int(mask_below)), per_rollout, int(trained), NOT_SAMPLED,
     )  # fmt: skip
     return ShippedRows(*found)

@@ -9,8 +9,9 @@ is then two rows over one range, its labelled part and its unlabelled part (disp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Container
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -41,7 +42,7 @@ BoolArray = npt.NDArray[np.bool_]
 NO_VERSION_LOW = np.iinfo(np.int64).min // 4  # "no version": below every real threshold
 NO_VERSION_HIGH = np.iinfo(np.int64).max // 4
 
-# A span row holds every position of its range, or (a mixed cut) only its labelled or unlabelled ones
+# A span row holds every position of its range, or (of a mixed cut) its labelled or unlabelled ones
 PART_WHOLE, PART_LABELLED, PART_UNLABELLED = 0, 1, 2
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
@@ -89,15 +90,11 @@ class SampleSpans(NamedTuple):
     sample_rollout: IntArray
 
 
-def sample_spans(samples: SampleSpans) -> tuple[IntArray, ...]:
-    """``samples`` as a compiled pass reads them (contiguous int64 arrays)."""
-    return tuple(np.ascontiguousarray(values, dtype=np.int64) for values in samples)
-
-
-def span_ranges(table: SpanRanges) -> tuple[npt.NDArray[Any], ...]:
-    """``table`` as a compiled pass reads it (contiguous int8 parts, int64 ranges)."""
+def as_compiled(samples: SampleSpans, table: SpanRanges) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``samples`` and ``table`` as a compiled pass reads them (contiguous int64, int8 parts)."""
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
     part = np.ascontiguousarray(table.part, dtype=np.int8)
-    return part, np.ascontiguousarray(table.lo, dtype=np.int64), np.ascontiguousarray(table.hi, dtype=np.int64)
+    return tuple(map(as_int, samples)), (part, as_int(table.lo), as_int(table.hi))
 
 
 def check_sample_spans(
@@ -109,7 +106,7 @@ def check_sample_spans(
 ) -> int:  # pragma: no cover - compiled
     """A compiled pass's check, before any read, that the span rows and rollouts ``samples`` name
     lie in ``table`` and ``n_rollouts``, with a ``version`` and ``sampled`` per row; the rows'
-    count. (A callee: :data:`SAMPLE_SPAN_CALLEES`.)"""
+    count."""
     span_lo, span_hi, sample_rollout = samples
     part, lo, hi = table
     if len(span_hi) != len(span_lo) or len(sample_rollout) != len(span_lo):
@@ -126,11 +123,6 @@ def check_sample_spans(
     if len(version) != n or len(sampled) != n:
         raise ValueError("one version and one sampled count per span row expected")
     return n
-
-
-SAMPLE_SPAN_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
-    "check_sample_spans": (check_sample_spans, {})
-}
 
 
 class _TokenVersionBelowMinusOne(Exception):

@@ -1,5 +1,5 @@
-"""Every compiled loop of the package compiled (or loaded from numba's disk cache)
-before the first batch."""
+"""Every compiled loop of the package compiled (or loaded from numba's disk cache) before the first
+batch."""
 
 from __future__ import annotations
 
@@ -24,22 +24,10 @@ def warm_up() -> None:
     first batch a process handles does not pay for it: a service calls this when it starts."""
     tokens = np.array([0, -1, 1], dtype=np.int64)
     offsets = np.array([0, 3], dtype=np.int64)
-    lo, hi, count = (
-        np.array([0], dtype=np.int64),
-        np.array([3], dtype=np.int64),
-        np.array([1], dtype=np.int64),
-    )
+    lo, hi, count = (np.array([value], dtype=np.int64) for value in (0, 3, 1))
     yes = np.ones(1, dtype=bool)
-    span_rows(
-        lo,
-        hi,
-        count,
-        count,
-        CutFlags(yes, yes, yes, yes, ~yes),
-        np.array([0, 3]),
-        count,
-        (-(1 << 60), 1 << 60),
-    )
+    flags = CutFlags(yes, yes, yes, yes, ~yes)
+    span_rows(lo, hi, count, count, flags, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
     slice_rows(np.array([0]), np.array([0]), np.array([1]), np.array([0]), np.array([1]))
     samples, table = SampleSpans(lo, count, lo), SpanRanges(np.zeros(1, np.int8), lo, hi)
     shipped_rows(samples, table, count, count, (yes, count), (~yes, lo, lo), 2)

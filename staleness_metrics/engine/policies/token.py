@@ -21,8 +21,8 @@ class TokenPolicy(Policy):
     name = "token"
 
     def decide(self, judgement: Judgement) -> Decision:
-        """Each live rollout's samples mask below ``T - max_staleness`` (staleness == max_staleness
-        trains); a sample left with nothing to train is dropped, and a rollout left with no sample."""
+        """Each live rollout's samples mask below ``T - max_staleness``; a sample left with nothing
+        to train is dropped, and a rollout left with no sample."""
         return token_decision(
             judgement.trained_version - self.max_staleness, NO_MASK, judgement.frozen, judgement.sample_offsets,
             judgement.mask_below, judgement.dropped, judgement.had_train, judgement.unmaskable,
