@@ -330,17 +330,7 @@ class RolloutQueue:
         self.closing = []
 
     def compact(self) -> None:
-        """Forget rollouts that left the sink: the tables keep only queued ones (bounded memory)."""
-        self.rollouts, self.samples, self.spans, self.chunks, self.chunk_open, self.ids = self.compacted()
-        self.row_of = {rid: row for row, rid in enumerate(self.ids)}
-        self._first_queued = 0  # (renumbered)
-        self.closing = []  # chunks closing now have no queued rollout: they are not kept
-
-    def compacted(
-        self,
-    ) -> tuple[RolloutRows, SampleRows, SpanRows, list[RolloutBatch | None], list[int], list[str]]:
-        """The tables, chunks, open counts and ids of the queued rollouts only, renumbered (new
-        objects)."""
+        """Forget rollouts that left the sink: the tables keep only queued ones, renumbered."""
         self.build_staged()
         r, s = self.rollouts, self.samples
         keep = np.flatnonzero(r.status == QUEUED)
@@ -348,22 +338,24 @@ class RolloutQueue:
         sample_rows = expand_ranges(r.sample_lo[keep], r.sample_hi[keep])
         span_counts = s.span_hi[sample_rows] - s.span_lo[sample_rows]
         span_rows = expand_ranges(s.span_lo[sample_rows], s.span_hi[sample_rows])
-        chunks = np.unique(r.chunk[keep])
+        chunks = np.unique(r.chunk[keep]).tolist()
         sample_offsets = np.concatenate(([0], np.cumsum(sample_counts)))
         span_offsets = np.concatenate(([0], np.cumsum(span_counts)))
-        rollouts = r.take(
+        self.rollouts = r.take(
             keep, chunk=np.searchsorted(chunks, r.chunk[keep]), sample_lo=sample_offsets[:-1],
             sample_hi=sample_offsets[1:],
         )  # fmt: skip
-        samples = s.take(
+        self.samples = s.take(
             sample_rows, rollout=np.repeat(np.arange(len(keep)), sample_counts),
             span_lo=span_offsets[:-1], span_hi=span_offsets[1:],
         )  # fmt: skip
-        spans = self.spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
-        return (
-            rollouts, samples, spans, [self.chunks[c] for c in chunks.tolist()],
-            [self.chunk_open[c] for c in chunks.tolist()], [self.ids[row] for row in keep.tolist()],
-        )  # fmt: skip
+        self.spans = self.spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
+        self.chunks = [self.chunks[c] for c in chunks]
+        self.chunk_open = [self.chunk_open[c] for c in chunks]
+        self.ids = [self.ids[row] for row in keep.tolist()]
+        self.row_of = {rid: row for row, rid in enumerate(self.ids)}
+        self._first_queued = 0  # (renumbered)
+        self.closing = []  # chunks closing now have no queued rollout: they are not kept
 
     # ------------------------------------------------------------------ checkpoint
     def restore(self, observe_added: Callable[[IntArray], None] | None = None, **fields: Any) -> None:
