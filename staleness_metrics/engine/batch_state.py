@@ -77,8 +77,7 @@ def encode_batch(batch: RolloutBatch) -> dict[str, Any]:
     """Every field of a batch, by name (arrays with their dtype)."""
     encoded = {f.name: encode_value(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
     if batch.token_versions is not None and batch.token_versions.dtype != INT64:
-        # versions a long batch kept narrow (records.model.pack) are the int64 a
-        # state holds: same numbers
+        # versions a long batch kept narrow (records.model.pack): a state holds int64
         encoded["token_versions"]["array"]["dtype"] = INT64.str
     return encoded
 
@@ -104,8 +103,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     """The batch of :func:`encode_batch`, checked: every length and offset agrees,
     so no write can stray."""
     names = [f.name for f in dataclasses.fields(RolloutBatch)]
-    # an optional field may be absent (a field added since the state was saved:
-    # None, as an add without it)
+    # an optional field may be absent (added since the state was saved: None, as an add without it)
     found = keys(encoded, path, [n for n in names if n not in _BATCH_OPTIONAL], _BATCH_OPTIONAL)
     raw: dict[str, Any] = {}
     for name in names:

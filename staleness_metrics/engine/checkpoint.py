@@ -58,9 +58,7 @@ __all__ = [
     "tally_to_dict",
 ]
 
-# The settings that decide what a policy does: a checkpoint only loads into a sink judging the
-# same way. ``strict`` and ``env_breakdown`` change how input is read and reported, not the
-# state, so they may differ.
+# A checkpoint loads into a sink judging the same way only (``strict``, ``env_breakdown`` aside)
 JUDGING_SETTINGS = ("policy", "max_staleness", "max_token_staleness", "sync_interval",
                     "retry_expired")  # fmt: skip
 MAX_STEP = 2**53
@@ -242,8 +240,7 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
         rid, field, reason = sequence(item, at, 3)
         invalid.append(TraceError(string(rid, at + "[0]", True), string(field, at + "[1]"), string(reason, at + "[2]")))
     totals = check_tally(state["totals"], join(path, "totals"))
-    # Conservation: every sampled position of a live rollout that entered is
-    # shipped, dropped or queued.
+    # Conservation: every sampled position of a live rollout that entered left or is queued
     r, s = restored.rollouts, restored.samples
     sample_live = ~r.frozen[s.rollout] & ~s.dropped
     queued_tokens = int(s.n_sampled[sample_live].sum())

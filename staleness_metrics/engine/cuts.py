@@ -27,8 +27,7 @@ _BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 
 # Per cut facts of a weight array, as bits of one byte each (see sample_cuts).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
-# Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned
-# integers of their width.
+# Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers
 _FLOAT_BITS = {np.dtype(np.float16): (1 << 15, 0x7C00), np.dtype(np.float32): (1 << 31, 0x7F800000),
                np.dtype(np.float64): (1 << 63, 0x7FF << 52)}  # fmt: skip
 

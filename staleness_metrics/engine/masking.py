@@ -62,8 +62,7 @@ def _zero_spans(
     rows = len(lo)
     if len(hi) != rows or len(part) != rows or len(count) != rows:
         raise ValueError("zero_spans: lo, hi, part and count differ in length")
-    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*; spans imports this
-    # module, not the reverse)
+    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*)
     for r in range(rows):
         a = lo[r]
         b = hi[r]
@@ -123,8 +122,7 @@ def zero_spans(
         _zero_spans(*views, labels, lo, hi, part, count, zeros)
         return
     written = (hi - lo).cumsum()
-    # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the
-    # shares never write the same position.
+    # Shares of about equal positions, written in parallel (the rows are disjoint ranges)
     edges = np.searchsorted(written, np.linspace(0, total, num=SHARES + 1)[1:-1], "left").tolist()
     bounds = [0, *edges, len(lo)]
     tasks = [

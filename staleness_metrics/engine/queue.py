@@ -54,8 +54,7 @@ class RolloutQueue:
         self.env_index: dict[str | None, int] = {None: 0}
         self.env_names: dict[int, str] = {0: ""}
         self.queued = 0
-        # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
-        # + dropped + still queued.
+        # Conservation: sampled positions of live rollouts accepted = shipped + dropped + queued
         self._tokens_entered = 0
         # Small batches queued (ids, groups, envs and chunks registered), their rows not built yet
         self._staged: list[Staged] = []

@@ -204,8 +204,7 @@ def _shipped_rows(
     if len(rollout_chunk) != len(frozen) or len(rollout_env) != len(frozen):
         raise ValueError("shipped_rows: the rollout arrays differ in length")
     n = check_sample_spans(samples, table, version, sampled, len(frozen))
-    # Per row (in judgement order): lag and masked flag, read by a row and by the labelled part
-    # before it.
+    # Per row (in judgement order): lag and masked flag, read by it and the labelled part before
     lag = np.empty(n, dtype=np.int64)
     masked = np.empty(n, dtype=np.bool_)
     n_kept = 0

@@ -162,8 +162,7 @@ class Sink:
                 raise parsed.error
             items.append(parsed)
         parsed_here = [item for item in items if isinstance(item, ParsedRollout)]
-        # parsed here for this batch alone: it may take the arrays the parse
-        # made without copying them
+        # parsed here for this batch alone: it may take the parse's arrays without copying them
         return self.add_parsed(items, pack(parsed_here, adopt=True) if parsed_here else None)
 
     def add_parsed(
@@ -306,8 +305,7 @@ class Sink:
             taken = taken[r.status[taken] == QUEUED]
         taken = self._check_versions(taken, step)
         if len(taken) and self.policy.holds:
-            # The sweep judged everything at this step already; judging
-            # again only decides the holds.
+            # The sweep judged everything at this step already: judging again decides the holds
             judged, decision = self._judge(with_groups(queue, taken, self.policy.judges_groups), step)
             taken = taken[r.status[taken] == QUEUED]
             hold = np.isin(taken, judged.rows[decision.hold_rollout])

@@ -27,9 +27,8 @@ __all__ = [
 
 IntArray = npt.NDArray[np.int64]
 
-# A batch of at most this many positions that is plainly valid is staged; a longer one is cut
-# at its add (it pays for its own pass). Staged positions beyond STAGE_FLUSH_POSITIONS are cut
-# at once (bounded memory).
+# A plainly valid batch of at most this many positions is staged (a longer one is cut at its add);
+# staged positions beyond STAGE_FLUSH_POSITIONS are cut at once (bounded memory).
 STAGE_MAX_POSITIONS = 1 << 16
 STAGE_FLUSH_POSITIONS = 1 << 20
 
@@ -43,8 +42,7 @@ class Staged(NamedTuple):
     chunk: int
     groups: list[int]
     envs: list[int]
-    # The element types of the mask and weight arrays (None: no such array). Batches whose kinds
-    # agree wherever both have an array are cut together (:func:`joined` fills the missing ones).
+    # The element types of the mask and weight arrays (None: none); see :func:`runs_of`
     kind: Kind
 
 
