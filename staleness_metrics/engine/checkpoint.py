@@ -198,8 +198,7 @@ def save_sink(
     bound_tracker: BoundTracker,
     env_trackers: Mapping[str, BoundTracker],
 ) -> dict[str, Any]:
-    """A sink's state from its parts, each saving its own: the queue a compacted copy (the queued
-    rollouts only, renumbered), so the sink is left as it was."""
+    """A sink's state from its parts, each saving its own; the sink is left as it was."""
     state: dict[str, Any] = {
         "format": FORMAT,
         "config": dataclasses.asdict(config),

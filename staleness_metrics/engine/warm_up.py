@@ -57,10 +57,9 @@ def warm_up() -> None:
 
 
 def _warm_up_large_bodies(offsets: IntArray, lo: IntArray, hi: IntArray, count: IntArray) -> None:
-    """The cut and the zeroing for the arrays a large body keeps as it came (``server/decode.py``,
-    ``records.model.pack``): an int8 mask, versions of int8 to int64 read as they are, no weights
-    or integer ones (read as float32) or float64 ones. Each dtype is its own machine code: compiled
-    in a service's request, it costs the request about 60 MB of compiler memory."""
+    """The cut and the zeroing for the dtypes a large body keeps as it came (an int8 mask, int8 to
+    int64 versions, no weights or float64 ones): compiled in a service's request, each would cost
+    it about 60 MB of compiler memory."""
     mask = np.ones(3, dtype=np.int8)
     kinds = np.array([2], dtype=np.int8)
     for versions in (np.int8, np.int16, np.int32, np.int64):
