@@ -1,11 +1,6 @@
-"""The plain-data form of what the queue stores (SPEC 13): the batches rollouts arrived
-in and the growable tables, written field by field and column by column with their
-dtypes, and read back checked.
-
-Generic by name: a column added to a table or a field added to
-:class:`~staleness_metrics.records.columnar.RolloutBatch` is saved without a change here, and a
-state lacking one the code now has is refused by name rather than loaded wrongly.
-"""
+"""The plain-data form of the batches rollouts arrived in (and of the old formats' tables), field by
+field with their dtypes, read back checked (SPEC 13). Generic by name: a new field is saved without
+a change here, and a state lacking one is refused by name."""
 
 from __future__ import annotations
 
@@ -40,7 +35,6 @@ __all__ = [
     "decode_batch",
     "decode_table",
     "encode_batch",
-    "encode_table",
     "encode_value",
 ]
 
@@ -70,10 +64,8 @@ def _decode_value(encoded: Any, path: str, wanted: str) -> Any:
     or ``{"value": null}``."""
     found = mapping(encoded, path)
     if len(found) != 1 or next(iter(found)) not in (wanted, "value"):
-        fail(
-            path,
-            f"expected {{{wanted!r}: ...}} or {{'value': null}}, got the keys {sorted(map(str, found))}",
-        )
+        got = sorted(map(str, found))
+        fail(path, f"expected {{{wanted!r}: ...}} or {{'value': null}}, got the keys {got}")
     if "value" in found:
         if found["value"] is not None:
             fail(join(path, "value"), f"expected null, got {kind_of(found['value'])}")
@@ -85,8 +77,7 @@ def encode_batch(batch: RolloutBatch) -> dict[str, Any]:
     """Every field of a batch, by name (arrays with their dtype)."""
     encoded = {f.name: encode_value(getattr(batch, f.name)) for f in dataclasses.fields(batch)}
     if batch.token_versions is not None and batch.token_versions.dtype != INT64:
-        # versions a long batch kept narrow (records.model.pack) are the int64 a
-        # state holds: same numbers
+        # versions a long batch kept narrow (records.model.pack): a state holds int64
         encoded["token_versions"]["array"]["dtype"] = INT64.str
     return encoded
 
@@ -112,8 +103,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     """The batch of :func:`encode_batch`, checked: every length and offset agrees,
     so no write can stray."""
     names = [f.name for f in dataclasses.fields(RolloutBatch)]
-    # an optional field may be absent (a field added since the state was saved:
-    # None, as an add without it)
+    # an optional field may be absent (added since the state was saved: None, as an add without it)
     found = keys(encoded, path, [n for n in names if n not in _BATCH_OPTIONAL], _BATCH_OPTIONAL)
     raw: dict[str, Any] = {}
     for name in names:
@@ -150,14 +140,9 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     n_rollouts = len(raw["ids"])
     if len(raw["position_offsets"]) == 0:
         fail(join(path, "position_offsets"), "at least one offset is needed")
-    check_offsets(
-        raw["position_offsets"],
-        join(path, "position_offsets"),
-        len(raw["position_offsets"]),
-        len(raw["mask"]),
-    )
-    n_samples = len(raw["position_offsets"]) - 1
-    n_positions = len(raw["mask"])
+    n_samples, n_positions = len(raw["position_offsets"]) - 1, len(raw["mask"])
+    where = join(path, "position_offsets")
+    check_offsets(raw["position_offsets"], where, n_samples + 1, n_positions)
     check_offsets(raw["sample_offsets"], join(path, "sample_offsets"), n_rollouts + 1, n_samples)
     for name in PER_ROLLOUT_ARRAYS:
         if raw[name] is not None and len(raw[name]) != n_rollouts:
@@ -190,10 +175,8 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
         if (kind == LABELS_SPANS).any() and raw["span_offsets"] is None:
             fail(join(path, "label_kind"), "a sample labelled by spans, in a batch without spans")
         if (kind == LABELS_TOKENS).any() and raw["token_versions"] is None:
-            fail(
-                join(path, "label_kind"),
-                "a sample labelled per token, in a batch without token versions",
-            )
+            reason = "a sample labelled per token, in a batch without token versions"
+            fail(join(path, "label_kind"), reason)
     try:
         return RolloutBatch(**raw)
     except (TypeError, ValueError) as exc:  # pragma: no cover - every field was checked above
@@ -206,10 +189,8 @@ def queued_part(
     sampled: tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]],
 ) -> RolloutBatch:
     """The rollouts ``rollouts`` of ``batch`` (in that order) as a new batch, with the mask back to 1
-    over the position ranges ``sampled`` (``lo``, ``hi`` of ``batch``: sampled as they arrived, masked in
-    place since). Its arrays are views of ``batch``'s where the rollouts are a run of it and no range
-    is set back (the whole batch queued, the usual case), else copies: a saved queue of millions of
-    positions costs no index of a position (8 bytes each) nor copy of them."""
+    over the position ranges ``sampled`` (masked in place since they arrived). Its arrays are views
+    of ``batch``'s where the rollouts are a run of it and no range is set back, else copies."""
     samples = expand_ranges(batch.sample_offsets[rollouts], batch.sample_offsets[rollouts + 1])
     positions = _items_of(batch.position_offsets, samples)
     part = copy.copy(batch)  # (checked and converted already: no __post_init__ again)
@@ -253,8 +234,7 @@ def _items_of(offsets: npt.NDArray[np.int64], groups: npt.NDArray[np.int64]) -> 
 
 
 def _ones_over(mask: npt.NDArray[Any], lo: npt.NDArray[np.int64], hi: npt.NDArray[np.int64]) -> npt.NDArray[Any]:
-    """``mask`` with 1 over the disjoint ranges ``lo[i]:hi[i]`` (a copy; ``mask`` itself when there
-    are none), found by a byte per position: +1 at each start, -1 at each end, summed in place."""
+    """``mask`` with 1 over the disjoint ranges ``lo[i]:hi[i]`` (a copy, unless there are none)."""
     if not len(lo):
         return mask
     edges = np.zeros(len(mask) + 1, dtype=np.int8)
@@ -271,10 +251,6 @@ def _offsets(offsets: npt.NDArray[np.int64], items: npt.NDArray[np.int64]) -> np
     return np.concatenate(([0], np.cumsum(offsets[items + 1] - offsets[items]))).astype(np.int64)
 
 
-def encode_table(table: Table) -> dict[str, Any]:
-    return {name: encode_array(table.column(name)) for name in table.names}
-
-
 def decode_table(encoded: Any, like: TableT, path: str) -> TableT:
     """A table of ``like``'s type (its columns and dtypes) filled from
     ``encoded``, all of one length."""
@@ -283,10 +259,8 @@ def decode_table(encoded: Any, like: TableT, path: str) -> TableT:
     extra = sorted(set(found) - set(like.names), key=str)
     if missing or extra:
         name = (missing or extra)[0]
-        fail(
-            join(path, str(name)),
-            f"the table {'lacks this column' if missing else 'has no such column'}",
-        )
+        fault = "lacks this column" if missing else "has no such column"
+        fail(join(path, str(name)), f"the table {fault}")
     columns = {name: decode_array(found[name], join(path, name), dtype) for name, dtype in like.columns.items()}
     lengths = {len(values) for values in columns.values()}
     if len(lengths) > 1:

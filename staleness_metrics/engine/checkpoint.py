@@ -1,19 +1,11 @@
 """Checkpoints of a sink (and a monitor) as plain JSON-serialisable data (SPEC 13).
 
-A checkpoint holds everything later ships depend on, by what it means: the queued rollouts as they
-arrived (SPEC 3's columns) and what judging did to them, every id seen in the run, groups, envs, the
-open window, the last step, the cumulative tallies and the policy's own state. It is built from
-ints, floats, strings, booleans, None, lists and dicts only, so it goes into ``json.dump`` or a
-trainer's ``torch.save``.
-
-Each part saves and checks its own state: the queue (:mod:`.queue_state`; the old formats' tables by
-:mod:`.queue_layout`), the policy, the SPEC 14 trackers; this module puts the sink's together
-(:func:`save_sink`) and holds the forms of the window, tallies and reports. Saving never changes the
-sink, so a checkpoint may be taken after any call. Loading is all or nothing: :func:`read_sink`
-checks the whole state (structure, types, dtypes, ranges, the rollouts as an add checks them, and
-that queue and counters agree) while it builds new objects (a :class:`SinkState`), and a digest per
-top-level key catches a value changed to another plausible one. Only then is anything replaced
-(``Sink.load_checked``); a bad state raises :class:`ConfigError` naming the key path and reason."""
+Each part saves and checks its own state (the queue: :mod:`.queue_state`, the old formats' tables:
+:mod:`.queue_layout`; the policy; the SPEC 14 trackers); this module puts the sink's together and
+holds the forms of the window, tallies and reports. Saving never changes the sink. Loading is all or
+nothing: :func:`read_sink` checks the whole state into new objects (a :class:`SinkState`), with a
+digest per top-level key, before ``Sink.load_checked`` replaces anything; a bad state raises
+:class:`ConfigError` naming the key path and reason."""
 
 from __future__ import annotations
 
@@ -61,23 +53,14 @@ __all__ = [
     "check_report",
     "check_tally",
     "read_sink",
-    "report_from_dict",
     "report_to_dict",
     "save_sink",
-    "tally_from_dict",
     "tally_to_dict",
 ]
 
-# The settings that decide what a policy does: a checkpoint only loads into a sink judging the
-# same way. ``strict`` and ``env_breakdown`` change how input is read and reported, not the
-# state, so they may differ.
-JUDGING_SETTINGS = (
-    "policy",
-    "max_staleness",
-    "max_token_staleness",
-    "sync_interval",
-    "retry_expired",
-)
+# A checkpoint loads into a sink judging the same way only (``strict``, ``env_breakdown`` aside)
+JUDGING_SETTINGS = ("policy", "max_staleness", "max_token_staleness", "sync_interval",
+                    "retry_expired")  # fmt: skip
 MAX_STEP = 2**53
 INT64 = np.dtype(np.int64)
 
@@ -118,10 +101,8 @@ def check_tally(data: Any, path: str) -> Tally:
         if name in _TALLY_ARRAY_LENGTHS:
             items = sequence(found[name], where)
             if len(items) > _TALLY_ARRAY_LENGTHS[name]:
-                fail(
-                    where,
-                    f"{len(items)} buckets, more than the {_TALLY_ARRAY_LENGTHS[name]} there are",
-                )
+                top = _TALLY_ARRAY_LENGTHS[name]
+                fail(where, f"{len(items)} buckets, more than the {top} there are")
             # the usual case, at C speed
             if set(map(type, items)) <= {int} and (not items or min(items) >= 0):
                 values[name] = np.asarray(items, dtype=np.int64)
@@ -130,10 +111,6 @@ def check_tally(data: Any, path: str) -> Tally:
         else:
             values[name] = integer(found[name], where, 0)
     return Tally(**values)
-
-
-def tally_from_dict(data: Mapping[str, Any], path: str = "tally") -> Tally:
-    return check_tally(data, path)
 
 
 def _window_to_dict(window: WindowCounts) -> dict[str, Any]:
@@ -191,17 +168,7 @@ def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
 
 # ---------------------------------------------------------------------- the sink
 SINK_KEYS = ("format", "config", "step", "queue", "window", "invalid", "totals", "policy")
-# formats 1, 2
-LAYOUT_SINK_KEYS = (
-    "format",
-    "config",
-    "step",
-    *LAYOUT_KEYS,
-    "window",
-    "invalid",
-    "totals",
-    "policy",
-)
+LAYOUT_SINK_KEYS = (*SINK_KEYS[:3], *LAYOUT_KEYS, *SINK_KEYS[4:])  # formats 1, 2
 
 
 @dataclass(frozen=True)
@@ -231,8 +198,7 @@ def save_sink(
     bound_tracker: BoundTracker,
     env_trackers: Mapping[str, BoundTracker],
 ) -> dict[str, Any]:
-    """A sink's state from its parts, each saving its own: the queue a compacted copy (the queued
-    rollouts only, renumbered), so the sink is left as it was."""
+    """A sink's state from its parts, each saving its own; the sink is left as it was."""
     state: dict[str, Any] = {
         "format": FORMAT,
         "config": dataclasses.asdict(config),
@@ -255,10 +221,7 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
     tables' column dtypes)."""
     check_format(state, "sink", path)
     # "bound", "bound_envs": SPEC 14's trackers, the batch's and each env's (absent before SPEC 14)
-    old = state["format"] in (
-        1,
-        2,
-    )  # the queue's tables and batches (:mod:`.queue_layout`, the converter)
+    old = state["format"] in (1, 2)  # the queue's tables and batches (:mod:`.queue_layout`)
     state = keys(state, path, LAYOUT_SINK_KEYS if old else SINK_KEYS, ("digests", "bound", "bound_envs"))
     if state["format"] != 1 and "digests" not in state:
         fail(join(path, "digests"), "missing")
@@ -267,12 +230,8 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
     if old:
         restored = read_layout(state, policy.observe_added, path, step)
     else:
-        restored = read_queue(
-            mapping(state["queue"], join(path, "queue")),
-            policy.observe_added,
-            join(path, "queue"),
-            step,
-        )
+        where = join(path, "queue")
+        restored = read_queue(mapping(state["queue"], where), policy.observe_added, where, step)
     window = _window_from_dict(state["window"], join(path, "window"), len(restored.env_names))
     invalid = []
     for i, item in enumerate(sequence(state["invalid"], join(path, "invalid"))):
@@ -280,8 +239,7 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
         rid, field, reason = sequence(item, at, 3)
         invalid.append(TraceError(string(rid, at + "[0]", True), string(field, at + "[1]"), string(reason, at + "[2]")))
     totals = check_tally(state["totals"], join(path, "totals"))
-    # Conservation: every sampled position of a live rollout that entered is
-    # shipped, dropped or queued.
+    # Conservation: every sampled position of a live rollout that entered left or is queued
     r, s = restored.rollouts, restored.samples
     sample_live = ~r.frozen[s.rollout] & ~s.dropped
     queued_tokens = int(s.n_sampled[sample_live].sum())
@@ -326,18 +284,12 @@ def check_mismatch(data: Any, path: str) -> MismatchSums:
 
 def check_metrics(data: Any, path: str) -> dict[str, MetricValue]:
     """A metrics dict: numbers by key, and SPEC 14's floor source (a string)."""
-    return _metrics(data, path)
-
-
-def _metrics(data: Any, path: str) -> dict[str, MetricValue]:
     out: dict[str, MetricValue] = {}
     for key, value in mapping(data, path).items():
         if str(key).endswith("/floor_source"):  # SPEC 14's one string value
             if value not in FLOOR_SOURCES:
-                fail(
-                    join(path, str(key)),
-                    f"expected one of {', '.join(FLOOR_SOURCES)}, got {value!r}",
-                )
+                sources = ", ".join(FLOOR_SOURCES)
+                fail(join(path, str(key)), f"expected one of {sources}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
             fail(join(path, str(key)), f"expected a number, got {kind_of(value)}")
         out[string(key, path)] = value
@@ -353,16 +305,16 @@ def check_report(data: Any, path: str) -> StepReport:
         ("env_mismatch",),  # absent from reports saved before it existed
     )
     env_mismatch = mapping(found.get("env_mismatch", {}), join(path, "env_mismatch"))
-    env_metrics = mapping(found["env_metrics"], join(path, "env_metrics"))
+    metrics_at = join(path, "env_metrics")
+    env_metrics = mapping(found["env_metrics"], metrics_at)
     env_tally = mapping(found["env_tally"], join(path, "env_tally"))
     return StepReport(
         step=integer(found["step"], join(path, "step"), 1, MAX_STEP),
         max_staleness=integer(found["max_staleness"], join(path, "max_staleness"), 0),
-        metrics=_metrics(found["metrics"], join(path, "metrics")),
+        metrics=check_metrics(found["metrics"], join(path, "metrics")),
         tally=check_tally(found["tally"], join(path, "tally")),
         env_metrics={
-            string(env, join(path, "env_metrics")): _metrics(values, join(join(path, "env_metrics"), env))
-            for env, values in env_metrics.items()
+            string(env, metrics_at): check_metrics(values, join(metrics_at, env)) for env, values in env_metrics.items()
         },
         env_tally={
             string(env, join(path, "env_tally")): check_tally(tally, join(join(path, "env_tally"), env))
@@ -374,7 +326,3 @@ def check_report(data: Any, path: str) -> StepReport:
             for env, sums in env_mismatch.items()
         },
     )
-
-
-def report_from_dict(data: Mapping[str, Any], path: str = "report") -> StepReport:
-    return check_report(data, path)

@@ -1,17 +1,11 @@
 """The cut into spans: the compiled pass that finds where a sample's positions change label or mask
-(and the weight facts of each cut), and the span rows :mod:`.spans` keeps of those cuts.
-
-Per-position ``token_versions`` with scattered ``-1`` positions or labels that change often make
-"find the runs, then reduce per run" cost a dozen numpy passes over arrays as long as the runs are
-many. One loop reads each position once instead, for every sample of a batch of any size: one call,
-whatever the labels. Each loop has the numpy formulation it replaced in
-``tests/engine/test_kernels.py``, checked equal on random inputs.
-"""
+(and the weight facts of each cut), reading each position once at every size, and the span rows
+:mod:`.spans` keeps of those cuts (their numpy formulations: ``tests/engine/test_kernels.py``)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -33,16 +27,14 @@ _BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 
 # Per cut facts of a weight array, as bits of one byte each (see sample_cuts).
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
-# Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned
-# integers of their width.
+# Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers
 _FLOAT_BITS = {np.dtype(np.float16): (1 << 15, 0x7C00), np.dtype(np.float32): (1 << 31, 0x7F800000),
                np.dtype(np.float64): (1 << 63, 0x7FF << 52)}  # fmt: skip
 
 
 def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> int:  # pragma: no cover - compiled
     """The ``WEIGHT_*`` bits of one span's values read as unsigned integers of their width
-    (``sign``, ``infinity``: the sign bit and +inf's bits). Integer ORs only (no compare, no
-    branch): one vector pass over the span. A callee of ``_cut_flags``."""
+    (``sign``, ``infinity``: the sign bit and +inf's bits), by integer ORs: one vector pass."""
     one = np.uint64(1)
     magnitude = sign - one
     # y + at_least_inf has the sign bit exactly when y >= +inf's bits
@@ -80,18 +72,15 @@ def _cut_flags(
     infinity: np.uint64,
 ) -> None:  # pragma: no cover - compiled
     """Into ``flags``, the ``WEIGHT_*`` bits of each weight array on the cuts ``first`` to ``k - 1``
-    of one sample (``cuts``: starts, ends, first, k), read while the sample is in cache. A callee of
-    ``_sample_cuts``."""
+    of one sample (``cuts``: starts, ends, first, k), read while the sample is in cache."""
     starts, ends, first, k = cuts
     w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
     for c in range(first, k):
         cut_start = starts[c]
         cut_end = ends[c]
         s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
-        # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1). One pass over
-        # the three arrays at once, a min and a max per value in the values' own width (as
-        # many lanes per vector as the bits allow: no widening); any other cut is read
-        # again. (A cut holds a position.)
+        # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1), by a min and a max
+        # in the values' own width (no widening); any other cut is read again.
         low0, low1, low2 = s0[0], s1[0], s2[0]
         top0, top1, top2 = low0, low1, low2
         for q in range(1, cut_end - cut_start):
@@ -115,9 +104,8 @@ def _checked_positions(
     weights: tuple[npt.NDArray[Any], ...],
     n_weights: int,
 ) -> int:  # pragma: no cover - compiled
-    """The positions of ``samples``, once their offsets and the arrays' lengths are checked: checked
-    before any read, so a damaged offset never reads or writes out of bounds (a callee of
-    ``_sample_cuts``; span starts are checked as they are read)."""
+    """The positions of ``samples``, once their offsets and the arrays' lengths are checked before
+    any read (span starts are checked as they are read)."""
     kinds, tokens, span_offsets, span_starts, span_versions = labels
     n = len(mask)
     if n_weights > 0 and (len(weights[0]) != n or len(weights[1]) != n or len(weights[2]) != n):
@@ -144,8 +132,7 @@ def _checked_positions(
 
 
 def _grown(values: IntArray, used: int, capacity: int) -> IntArray:  # pragma: no cover - compiled
-    """``values``' first ``used`` entries in a new array of ``capacity`` (a callee of
-    ``_sample_cuts``)."""
+    """``values``' first ``used`` entries in a new array of ``capacity``."""
     wider = np.empty(capacity, dtype=values.dtype)
     wider[:used] = values[:used]
     return wider
@@ -160,7 +147,7 @@ def _token_sample(
 ) -> tuple[int, int]:  # pragma: no cover - compiled
     """The cuts of one sample labelled per position (``tok``, ``m``: its labels and mask; ``a``: its
     first position) written into ``out`` (starts, labels, labelled) from cut ``k`` on; returns the
-    next cut and the labels below -1 seen. A callee of ``_sample_cuts``."""
+    next cut and the labels below -1 seen."""
     starts, labels, labelled = out
     length = len(tok)
     starts[k] = a
@@ -170,9 +157,7 @@ def _token_sample(
     i = 1
     while i < length:
         end = min(i + _BLOCK, length)
-        # Slices of the block (and of the positions before it): indices from 0, so no negative-index
-        # fix-up per position and the check below is one vector pass. Does anything cut here? Mostly
-        # not: then only count.
+        # Does anything cut in this block (one vector pass over slices)? Mostly not: then count.
         block_tok = tok[i:end]
         block_mask = m[i:end]
         before_mask = m[i - 1 : end - 1]
@@ -190,8 +175,7 @@ def _token_sample(
             below += block_below
             i = end
             continue
-        # The block holds a cut: walk to the first one (the same test, with no branch on whether a
-        # position is labelled: -1 positions come at random), cut there, and check again after it.
+        # Walk to the block's first cut (no branch on whether a position is labelled), cut there.
         q = i
         while (m[q] == m[q - 1]) & (((tok[q] ^ cut_label) & ~(np.int64(tok[q]) >> 63)) == 0):
             count += tok[q] >= 0
@@ -230,10 +214,9 @@ def _span_sample(
     k: int,
     out: tuple[IntArray, IntArray, IntArray],
 ) -> int:  # pragma: no cover - compiled
-    """The cuts of one sample labelled by version spans (none: unlabelled; positions before the
-    first span are unlabelled), cut again where the mask changes, written into ``out`` from cut
-    ``k`` on; returns the next cut. Raises ``ValueError`` on span starts that do not increase within
-    the sample. A callee of ``_sample_cuts``."""
+    """The cuts of one sample labelled by version spans (positions before the first span are
+    unlabelled), cut again where the mask changes, written into ``out`` from cut ``k`` on; returns
+    the next cut. Raises ``ValueError`` on span starts out of order within the sample."""
     starts, labels, labelled = out
     length = len(m)
     n_spans = len(span_starts)
@@ -285,14 +268,9 @@ def _span_sample(
     return k + 1
 
 
-_CUT_CALLEES: dict[str, tuple[Callable[..., Any], Mapping[str, Any]]] = {
-    "_checked_positions": (_checked_positions, {}),
-    "_grown": (_grown, {}),
-    "_span_bits": (_span_bits, {}),
-    "_cut_flags": (_cut_flags, {}),
-    "_token_sample": (_token_sample, {}),
-    "_span_sample": (_span_sample, {}),
-}
+_CUTTERS = (_checked_positions, _grown, _span_bits, _cut_flags, _token_sample, _span_sample)
+_NO_OPTIONS: Mapping[str, Any] = {}
+_CUT_CALLEES = {f.__name__: (f, _NO_OPTIONS) for f in _CUTTERS}
 
 
 @CompiledLoop(callees=_CUT_CALLEES)
@@ -308,9 +286,8 @@ def _sample_cuts(
     total = _checked_positions(labels, mask, pos_off, samples, weights, n_weights)
     kinds, tokens, span_offsets, span_starts, span_versions = labels
     sign, infinity = bits
-    # Outputs sized by the cuts, not the positions: room for the next sample's worst case (a cut per
-    # position), doubled when short. (Arrays of one entry per position cost page faults and numba's
-    # zeroing of the flags, in every parallel share: more than the cut loop's own reads.)
+    # Outputs sized by the cuts, not the positions (page faults): room for the next sample's worst
+    # case (a cut per position), doubled when short.
     capacity = min(total + 1, max(64, 8 * len(samples)))
     starts = np.empty(capacity, dtype=np.int64)
     ends = np.empty_like(starts)
@@ -352,9 +329,8 @@ def _sample_cuts(
 
 
 def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """The mask in a dtype the loop compares as numpy does: float32/64, integers and booleans as
-    they are; any other dtype (float16, long double) as run numbers, equal exactly where numpy's
-    ``!=`` says no change from the previous position."""
+    """The mask in a dtype the loop compares as numpy does: float16 and long double as run
+    numbers, equal exactly where numpy's ``!=`` says no change."""
     if mask.dtype.kind in "biu" or mask.dtype in (np.float32, np.float64):
         return mask
     runs = np.zeros(len(mask), dtype=np.int64)
@@ -365,12 +341,10 @@ def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
 def _weight_bits(
     weights: Sequence[npt.NDArray[Any]], mask: npt.NDArray[Any]
 ) -> tuple[tuple[npt.NDArray[Any], ...], tuple[np.uint64, np.uint64]]:
-    """The weight arrays as the loop reads them: three 1-d contiguous arrays of one float dtype's
-    bits (fewer repeat the first; none: empty ones), with that dtype's sign bit and +inf bits.
-    Arrays of other dtypes, of mixed ones or not contiguous are read as the widest float dtype given
-    (float64 for integers mixed with floats; float32 for integers and booleans alone, which keep
-    their zero and sign there and are finite, in half the copy): a copy whose zero, sign, finite
-    and NaN facts are the values' own."""
+    """The weight arrays as the loop reads them: three contiguous arrays of one float dtype's bits
+    (fewer repeat the first; none: empty ones), with its sign and +inf bits. Other or mixed dtypes
+    are copied to the widest float given (float32 for integers and booleans alone): the same zero,
+    sign, finite and NaN facts."""
     floats = [w.dtype for w in weights if w.dtype in _FLOAT_BITS]
     dtype: np.dtype[Any] = np.dtype(np.float64 if floats else np.float32)
     if not weights:  # (empty arrays of the mask's width: the loop compiled for that dtype serves)
@@ -389,9 +363,8 @@ def _bits_of(dtype: np.dtype[Any]) -> tuple[np.uint64, np.uint64]:
 
 
 class Cuts(NamedTuple):
-    """What :func:`sample_cuts` finds: per cut its range ``[starts, ends)``, label (-1: none),
-    labelled positions and the ``WEIGHT_*`` bits of each weight array (one row per array); and how
-    many labels are below -1."""
+    """Per cut its range ``[starts, ends)``, label (-1: none), labelled positions and ``WEIGHT_*``
+    bits (a row per weight array); and how many labels are below -1."""
 
     starts: IntArray
     ends: IntArray
@@ -402,10 +375,9 @@ class Cuts(NamedTuple):
 
 
 class SampleLabels(NamedTuple):
-    """How the samples label their positions: per sample its ``kind`` (``LABELS_*``: 0 none, 1
-    version spans, 2 per position), the per-position ``tokens`` and the version spans
-    (``span_offsets`` per sample into ``span_starts``, relative to the sample, and
-    ``span_versions``); arrays a batch lacks are empty."""
+    """How the samples label their positions: per sample its ``kind`` (``LABELS_*``), the
+    per-position ``tokens`` and the version spans (``span_starts`` relative to the sample); arrays a
+    batch lacks are empty."""
 
     kinds: npt.NDArray[np.int8]
     tokens: npt.NDArray[np.signedinteger[Any]]
@@ -422,25 +394,17 @@ def sample_cuts(
     weights: Sequence[npt.NDArray[Any]] = (),
 ) -> Cuts:
     """The cuts of the (increasing) ``samples``: ranges of one mask value and one version label that
-    tile each sample, the ``WEIGHT_*`` bits of each of ``weights`` per cut, and the count of
-    per-position labels below -1 (the caller checks them: the cuts then treat such a label as
-    unlabelled).
+    tile each sample, the ``WEIGHT_*`` bits of each of ``weights`` per cut (``NONZERO``: not +-0.0,
+    NaN included; ``NONFINITE``; ``NAN``; ``NOT_POSITIVE``: not > 0), and the count of per-position
+    labels below -1 (the caller checks them).
 
-    The bits: ``WEIGHT_NONZERO`` (a value other than +-0.0, NaN included), ``WEIGHT_NONFINITE`` (a
-    NaN or an infinity), ``WEIGHT_NAN`` and ``WEIGHT_NOT_POSITIVE`` (a value that is not > 0: a
-    zero, a negative sign bit or a NaN), from integer ORs over each value's bits.
-
-    A cut starts with its sample and wherever the mask differs from the previous position's. A
-    sample labelled by version spans also cuts where a span starts (its positions before the first
-    span are unlabelled, -1). A sample labelled per position cuts where a label differs from the
-    cut's: ``-1`` positions never start a cut, they belong to the cut they fall in, so a cut holds
-    one label (or none) and the unlabelled positions around it. One pass reads the labels and the
-    mask, then each cut's weights while the sample is in cache, whatever the batch's size. Large
-    inputs are cut in parallel, a share of the samples per thread (the loop releases the GIL);
-    per-position labels are read in the dtype they come in (int8 to int64).
+    A cut starts with its sample, wherever the mask changes, where a version span starts, and where
+    a per-position label differs from the cut's (``-1`` positions never start a cut: a cut holds
+    one label or none and the unlabelled positions around it). Large inputs are cut in parallel, a
+    share of the samples per thread.
 
     Raises ``IndexError`` / ``ValueError`` on offsets or span starts that are out of order or point
-    beyond the arrays (the loop checks them before it reads or writes anything there).
+    beyond the arrays (checked before anything there is read or written).
     """
     samples = np.ascontiguousarray(samples, dtype=np.int64)
     if len(weights) > 3:
@@ -478,8 +442,7 @@ def token_spans(
 
 
 class SpanRows(NamedTuple):
-    """The span table :func:`span_rows` writes: per row, then per sample (see
-    ``spans.SpanTable``)."""
+    """The span table :func:`span_rows` writes (see ``spans.SpanTable``)."""
 
     sample: IntArray
     lo: IntArray
@@ -551,8 +514,7 @@ def _span_rows(
         width = hi[c] - a
         n_labelled = labelled[c]
         mixed = (n_labelled > 0) & (n_labelled < width)
-        # One row per cut; a mixed cut's labelled part, then its unlabelled part (spans.PART_*: 0
-        # whole, 1 labelled, 2 unlabelled; spans imports this module, not the reverse).
+        # One row per cut; a mixed cut's labelled part, then its unlabelled part (spans.PART_*).
         for half in range(2 if mixed else 1):
             if mixed and half == 0:
                 part, lab, count, alive = 1, label[c], n_labelled, live_labelled[c]
@@ -590,10 +552,8 @@ def _span_rows(
 
 
 class CutFlags(NamedTuple):
-    """Per cut, what :func:`span_rows` reads besides its range and label: whether it is ``kept``
-    (its sample is valid) and ``sampled`` (mask 1), whether its labelled and unlabelled positions
-    carry a loss weight (``live_labelled``, ``live_unlabelled``), and whether it is a ``side`` cut
-    (a weight on an unsampled cut)."""
+    """Per cut: ``kept`` (its sample is valid), ``sampled`` (mask 1), whether its labelled and
+    unlabelled positions carry a loss weight, and ``side`` (a weight on an unsampled cut)."""
 
     kept: BoolArray
     sampled: BoolArray
@@ -612,16 +572,13 @@ def span_rows(
     dispatch: IntArray,
     no_version: tuple[int, int],
 ) -> SpanRows:
-    """The rows of a span table from the cuts that tile the positions (``lo``/``hi``, in order), in
-    one pass: one row per ``kept`` cut, two per mixed cut (``0 < labelled < hi - lo``: its labelled
-    part, then its unlabelled part, label -1), each row's sample (by ``pos_off``), version (the
-    label, or the sample's ``dispatch`` version), sampled positions (where the cut is ``sampled``),
-    liveness (``live_labelled`` for a whole cut or a labelled part, ``live_unlabelled`` for an
-    unlabelled part); and per sample the row offsets and the reductions ``spans.SpanTable`` keeps
-    (``side``: a weight on an unsampled cut; ``no_version``: the low and high "no version" values).
+    """The rows of a span table from the cuts that tile the positions, in one pass: one row per
+    ``kept`` cut, two per mixed cut (``0 < labelled < hi - lo``: its labelled part, then its
+    unlabelled part, label -1), with version (the label, or the sample's ``dispatch`` version); and
+    per sample the reductions ``spans.SpanTable`` keeps (``no_version``: the low and high values).
 
-    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on a kept
-    cut outside the positions.
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on a kept cut outside the
+    positions.
     """
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)

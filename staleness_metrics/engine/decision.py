@@ -1,9 +1,6 @@
-"""What a policy sees (a :class:`Judgement`) and what it decides (a :class:`Decision`).
-
-A judgement is a columnar slice of the sink: some rollouts, their samples and their spans, with
-local offsets. A decision is four arrays over that slice; the sink applies it and the metrics core
-reads it. Nothing else passes between a policy and the rest of the engine.
-"""
+"""What a policy sees (a :class:`Judgement`: a columnar slice of the sink's rollouts, samples and
+spans) and what it decides (a :class:`Decision`: four arrays over that slice). Nothing else passes
+between a policy and the rest of the engine."""
 
 from __future__ import annotations
 
@@ -11,8 +8,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-
-from .segments import segment_any
 
 __all__ = ["NO_MASK", "Decision", "Judgement"]
 
@@ -24,13 +19,9 @@ NO_MASK = np.iinfo(np.int64).min // 4  # a masking threshold below every version
 
 @dataclass(frozen=True)
 class Judgement:
-    """Rollouts under judgement at ``step`` (train version ``T = step - 1``).
-
-    Rollout arrays are indexed by local rollout, sample arrays by local sample (``sample_offsets``
-    groups them per rollout), span arrays by local span (``span_offsets`` groups them per sample).
-    Every rollout here is queued in the sink; for group policies the slice holds every queued member
-    of each group it touches.
-    """
+    """Queued rollouts under judgement at ``step`` (train version ``T = step - 1``), their samples
+    (``sample_offsets`` per rollout) and spans (``span_offsets`` per sample); for group policies
+    every queued member of each group it touches."""
 
     step: int
     # rollouts
@@ -73,12 +64,6 @@ class Judgement:
     def n_samples(self) -> int:
         return len(self.sample_rollout)
 
-    def trainable_after(self, mask_below: IntArray) -> BoolArray:
-        """Whether each sample still has something to train once positions
-        below ``mask_below`` go."""
-        alive = self.live & (self.version >= mask_below[self.span_sample])
-        return self.unmaskable | segment_any(alive, self.span_offsets)
-
     def group_any(self, flags: BoolArray) -> BoolArray:
         """Per rollout: whether any rollout of its group (within this slice) has the flag."""
         groups, inverse = np.unique(self.group, return_inverse=True)
@@ -89,12 +74,9 @@ class Judgement:
 
 @dataclass(frozen=True)
 class Decision:
-    """A policy's verdict on a :class:`Judgement`.
-
-    ``mask_below`` is the new threshold per sample (the sink keeps the larger of old and new, so
-    masking only grows); ``drop_sample`` / ``drop_rollout`` mark what leaves for staleness now;
-    ``hold_rollout`` marks rollouts that stay queued instead of shipping.
-    """
+    """A policy's verdict on a :class:`Judgement`: ``mask_below`` the new threshold per sample (the
+    sink keeps the larger of old and new), what leaves for staleness now (``drop_sample``,
+    ``drop_rollout``) and what stays queued instead of shipping (``hold_rollout``)."""
 
     mask_below: IntArray
     drop_sample: BoolArray

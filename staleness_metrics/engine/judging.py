@@ -1,9 +1,6 @@
-"""Judging queued rollouts (SPEC 5): the slice a policy sees, and its decision written back.
-
-:func:`judgement_of` reads the queue's rows into a :class:`~.decision.Judgement`; the policy
-decides; and :func:`apply_decision` raises masking thresholds (zeroing newly stale positions in
-place, :func:`mask_positions`) and drops samples and rollouts, counting them in the open window.
-"""
+"""Judging queued rollouts (SPEC 5): the slice a policy sees (:func:`judgement_of`), and its
+decision written back (:func:`apply_decision`: thresholds raised, newly stale positions zeroed in
+place, drops counted in the open window)."""
 
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ from ..metrics.compute import WindowCounts
 from .decision import Decision, Judgement
 from .masking import mask_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
-from .spans import SampleSpans, SpanRanges
+from .spans import SampleSpans, SpanRanges, as_compiled, check_sample_spans
 
 __all__ = [
     "SliceRows", "StaleRows", "apply_decision", "judgement_again", "judgement_of", "mask_positions",
@@ -62,9 +59,8 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
 
 
 def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntArray, step: int) -> Judgement:
-    """:func:`judgement_of` ``rows`` at ``step``, from ``judgement`` when that judged the very same
-    rows at the same step: only what applying a decision changes since (thresholds and dropped
-    samples) is read again."""
+    """:func:`judgement_of` ``rows`` at ``step``, from ``judgement`` when that judged the same rows
+    at the same step: only thresholds and dropped samples are read again."""
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
     s = queue.samples
@@ -78,14 +74,12 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
 
 def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgement, decision: Decision) -> None:
     """Write ``decision`` into the queue: raised thresholds masked in place, drops counted in
-    ``window`` (rollouts dropped leave the queue)."""
+    ``window``."""
     samples = queue.samples
     rows, sample_rows = judgement.rows, judgement.sample_rows
     mask_below = np.maximum(judgement.mask_below, decision.mask_below)
     raised = decision.mask_below > judgement.mask_below
-    # A sampled span's version is at least its sample's ``seq_min_version``: when no raised sample's
-    # is below its new threshold, no position becomes stale (the usual sweep of a run within its
-    # bound: nothing to look for).
+    # A sampled span's version is at least its sample's ``seq_min_version``: none below, none stale
     if raised.any() and (raised & (judgement.seq_min_version < mask_below)).any():
         mask_positions(queue, judgement, mask_below, raised)
     samples.mask_below[sample_rows] = mask_below
@@ -114,8 +108,7 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
 
 
 def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
-    """Zero newly stale sampled positions in mask and the three weight arrays, in place: the rows to
-    write found by one compiled pass over the judged span rows (:func:`stale_rows`)."""
+    """Zero newly stale sampled positions in mask and weights, in place (:func:`stale_rows`)."""
     s, spans = queue.samples, queue.spans
     samples = SampleSpans(s.span_lo[judgement.sample_rows], s.span_hi[judgement.sample_rows],
                           judgement.sample_rollout)  # fmt: skip
@@ -130,8 +123,7 @@ def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArr
 
 
 class SliceRows(NamedTuple):
-    """The sample and span rows of some rollouts of the sink, in order, with local offsets (see
-    :func:`slice_rows`)."""
+    """The sample and span rows of some rollouts, in order, with local offsets."""
 
     sample_rows: IntArray
     sample_offsets: IntArray  # per rollout, into sample_rows
@@ -193,20 +185,18 @@ def _slice_rows(
 def slice_rows(
     rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
 ) -> SliceRows:
-    """For the rollouts at ``rows`` (rows of a table whose samples are
-    ``sample_lo[row]:sample_hi[row]``, each with spans ``span_lo[k]:span_hi[k]``): their sample rows
-    in order, offsets per rollout and each sample's rollout; then the same for the samples' span
-    rows. One pass instead of a range expansion, two offset sums and two repeats per level.
+    """For the rollouts at ``rows`` (samples ``sample_lo[row]:sample_hi[row]``, each with spans
+    ``span_lo[k]:span_hi[k]``): their sample rows in order, offsets per rollout and each sample's
+    rollout; then the same for the samples' span rows, in one pass.
 
-    Raises ``ValueError`` on lo and hi of different lengths, ``IndexError`` on a row or
-    range outside the table.
+    Raises ``ValueError`` on lo and hi of different lengths, ``IndexError`` on a row or range
+    outside the table.
     """
     return SliceRows(*_slice_rows(rows, sample_lo, sample_hi, span_lo, span_hi))
 
 
 class StaleRows(NamedTuple):
-    """The span rows a decision newly masks, as :func:`stale_rows` finds them (what
-    ``zero_spans`` writes)."""
+    """The span rows a decision newly masks (what ``zero_spans`` writes)."""
 
     chunk: IntArray
     lo: IntArray
@@ -215,7 +205,7 @@ class StaleRows(NamedTuple):
     positions: IntArray  # the sampled positions of each (the whole range's or its part's)
 
 
-@CompiledLoop
+@CompiledLoop(callees={"check_sample_spans": (check_sample_spans, {})})
 def _stale_rows(
     samples: tuple[IntArray, IntArray, IntArray],
     table: tuple[npt.NDArray[np.int8], IntArray, IntArray],
@@ -228,21 +218,9 @@ def _stale_rows(
     part, table_lo, table_hi = table
     old_below, new_below, raised = thresholds
     n_samples = len(span_lo)
-    if (len(span_hi) != n_samples or len(sample_rollout) != n_samples or len(old_below) != n_samples
-            or len(new_below) != n_samples or len(raised) != n_samples):  # fmt: skip
+    if len(old_below) != n_samples or len(new_below) != n_samples or len(raised) != n_samples:
         raise ValueError("stale_rows: the sample arrays differ in length")
-    table_rows = len(part)
-    if len(table_lo) != table_rows or len(table_hi) != table_rows:
-        raise ValueError("stale_rows: the span table's columns differ in length")
-    n = 0
-    for k in range(n_samples):  # checked before any read: the rows and rollouts named exist
-        if not (0 <= span_lo[k] <= span_hi[k] <= table_rows):
-            raise IndexError("stale_rows: a sample's span rows outside the span table")
-        if not (0 <= sample_rollout[k] < len(rollout_chunk)):
-            raise IndexError("stale_rows: a sample of no rollout")
-        n += span_hi[k] - span_lo[k]
-    if len(version) != n or len(sampled) != n:
-        raise ValueError("stale_rows: one version and one sampled count per span row expected")
+    n = check_sample_spans(samples, table, version, sampled, len(rollout_chunk))
     # Per row (in judgement order): stale at the new threshold, and newly masked (hit).
     stale = np.empty(n, dtype=np.bool_)
     hit = np.empty(n, dtype=np.bool_)
@@ -295,21 +273,18 @@ def stale_rows(
     rollout_chunk: IntArray,
 ) -> StaleRows:
     """The span rows a decision newly masks, in one pass over the judged ``samples``' rows of the
-    span ``table`` (``version`` and ``sampled`` per row in that order): rows with sampled positions
-    of a raised sample whose version is at or above the sample's old threshold and below its new one
-    (``thresholds``: old, new, raised, per sample). Each with its chunk (by its sample's rollout),
-    range, part (0, the whole range, when both parts of a mixed span are stale: then only the
-    labelled part's row is given) and its sampled positions.
+    span ``table`` (``version`` and ``sampled`` per row): sampled rows of a raised sample whose
+    version is at or above its old threshold and below its new one (``thresholds``: old, new,
+    raised). Part 0 (the whole range, by the labelled part's row) when both parts of a mixed span
+    are stale.
 
-    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows
-    or rollouts outside them.
+    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts
+    outside them.
     """
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     old_below, new_below, raised = thresholds
-    found = _stale_rows(
-        (as_int(samples.span_lo), as_int(samples.span_hi), as_int(samples.sample_rollout)),
-        (np.ascontiguousarray(table.part, dtype=np.int8), as_int(table.lo), as_int(table.hi)), as_int(version),
-        as_int(sampled), (as_int(old_below), as_int(new_below), np.ascontiguousarray(raised, dtype=np.bool_)),
-        as_int(rollout_chunk),
-    )  # fmt: skip
+    raised = np.ascontiguousarray(raised, dtype=np.bool_)
+    thresholds = (as_int(old_below), as_int(new_below), raised)
+    rows = as_int(version), as_int(sampled)
+    found = _stale_rows(*as_compiled(samples, table), *rows, thresholds, as_int(rollout_chunk))
     return StaleRows(*found)

@@ -1,11 +1,6 @@
 """Writing a decision into the position arrays: newly stale sampled positions become 0, in place.
-
-The policy decides per sample a threshold (positions with a version below it are masked); this
-module turns the spans that crossed it into writes. Whole spans are range fills. A mixed span of a
-token-labelled sample (its scattered ``-1`` positions take the dispatch version) whose labelled and
-unlabelled parts fall on different sides of the threshold has the positions of one part written. One
-compiled pass over the masked spans of a batch does both.
-"""
+Whole spans are range fills; of a mixed span whose parts fall on different sides of the threshold,
+the positions of one part are written. One compiled pass over the masked spans of a batch."""
 
 from __future__ import annotations
 
@@ -28,14 +23,6 @@ IntArray = npt.NDArray[np.int64]
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 
 
-def position_arrays(batch: RolloutBatch) -> list[npt.NDArray[Any]]:
-    """The mask followed by the weight arrays of a batch (those it has)."""
-    return [
-        batch.mask,
-        *(getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None),
-    ]
-
-
 def mask_spans(
     chunks: Sequence[RolloutBatch | None],
     chunk: IntArray,
@@ -44,23 +31,15 @@ def mask_spans(
     part: npt.NDArray[np.int8],
     count: IntArray,
 ) -> None:
-    """Zero the positions of the given span rows of the sink's batches (``chunks``, indexed by
-    ``chunk``): every position of ``[lo, hi)`` where ``part`` is ``PART_WHOLE``, else only the
-    positions of the row's part (labelled or unlabelled), ``count`` positions."""
+    """:func:`zero_spans` of the given span rows of the sink's batches (``chunks``, indexed by
+    ``chunk``) in the mask and the weight arrays each has."""
     for c in np.unique(chunk).tolist():
         rows = np.flatnonzero(chunk == c)
-        _zero_in(chunks[c], lo[rows], hi[rows], part[rows], count[rows])
-
-
-def _zero_in(
-    batch: RolloutBatch | None,
-    lo: IntArray,
-    hi: IntArray,
-    part: npt.NDArray[np.int8],
-    count: IntArray,
-) -> None:
-    assert batch is not None
-    zero_spans(position_arrays(batch), batch.token_versions, lo, hi, part, count)
+        batch = chunks[c]
+        assert batch is not None
+        weights = [getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None]
+        spans = lo[rows], hi[rows], part[rows], count[rows]
+        zero_spans([batch.mask, *weights], batch.token_versions, *spans)
 
 
 @CompiledLoop
@@ -83,8 +62,7 @@ def _zero_spans(
     rows = len(lo)
     if len(hi) != rows or len(part) != rows or len(count) != rows:
         raise ValueError("zero_spans: lo, hi, part and count differ in length")
-    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*; spans imports this
-    # module, not the reverse)
+    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*)
     for r in range(rows):
         a = lo[r]
         b = hi[r]
@@ -128,14 +106,10 @@ def zero_spans(
     part: npt.NDArray[np.int8],
     count: IntArray,
 ) -> None:
-    """Set to 0, in place, in each of ``arrays`` (one to four of the same length): every position of
-    ``[lo[r], hi[r])`` where ``part[r]`` is 0 (the whole span), else its unlabelled positions
-    (``tokens < 0``) where ``part[r]`` is 2 and its labelled ones where it is 1; ``count[r]`` is how
-    many positions that is (it only chooses how to write them).
-
-    Written through unsigned views of the same width: zero bits are 0 (+0.0) in every numeric dtype.
-    The versions are read in the dtype they come in (int8 to int64).
-    """
+    """Set to 0 (+0.0), in place, in each of ``arrays`` (one to four of the same length): every
+    position of ``[lo[r], hi[r])`` where ``part[r]`` is 0, else its unlabelled positions
+    (``tokens < 0``) where it is 2 and its labelled ones where it is 1; ``count[r]``: how many
+    positions that is (it only chooses how to write them)."""
     if len(lo) == 0:
         return
     views = [values.view(UNSIGNED_OF_SIZE[values.dtype.itemsize]) for values in arrays]
@@ -148,8 +122,7 @@ def zero_spans(
         _zero_spans(*views, labels, lo, hi, part, count, zeros)
         return
     written = (hi - lo).cumsum()
-    # Shares of about equal positions, written in parallel: the rows are disjoint ranges, so the
-    # shares never write the same position.
+    # Shares of about equal positions, written in parallel (the rows are disjoint ranges)
     edges = np.searchsorted(written, np.linspace(0, total, num=SHARES + 1)[1:-1], "left").tolist()
     bounds = [0, *edges, len(lo)]
     tasks = [

@@ -1,11 +1,9 @@
 """The queue of a sink (SPEC 4): the rollouts waiting to ship and what the engine keeps of them.
 
-Three growable tables (:mod:`.rows`: rollouts, samples, spans) hold one row per queued rollout,
-sample and span; the batches the rollouts arrived in are kept whole (their positions are masked in
-place) until no queued rollout needs them. The queue registers ids, groups and envs as rollouts
-enter, stages small adds to cut them together (:mod:`.staging`), lets rows leave (shipped, dropped,
-set aside), forgets them in bulk (:meth:`RolloutQueue.compact`) and takes back a saved state
-(:mod:`.queue_state` saves and reads it).
+Three growable tables (:mod:`.rows`) hold a row per queued rollout, sample and span; the batches the
+rollouts arrived in are kept whole (masked in place) until no queued rollout needs them. Small adds
+are staged to be cut together (:mod:`.staging`); rows leave (shipped, dropped, set aside) and are
+forgotten in bulk (:meth:`RolloutQueue.compact`).
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ NEVER = -1  # the step of a rollout not judged yet
 
 class RolloutQueue:
     """The rows of the queued rollouts (and of those resolved since the last :meth:`compact`), their
-    batches, and the ids, groups and envs of the run. ``observe_added`` is told the groups of every
-    rollout whose rows are built (the policy's hook)."""
+    batches, and the ids, groups and envs of the run. ``observe_added``: the policy's hook."""
 
     def __init__(self, observe_added: Callable[[IntArray], None]) -> None:
         self.rollouts = RolloutRows()
@@ -57,18 +54,14 @@ class RolloutQueue:
         self.env_index: dict[str | None, int] = {None: 0}
         self.env_names: dict[int, str] = {0: ""}
         self.queued = 0
-        # Conservation: sampled positions of live rollouts accepted = shipped (trained or masked)
-        # + dropped + still queued.
+        # Conservation: sampled positions of live rollouts accepted = shipped + dropped + queued
         self._tokens_entered = 0
-        # Small batches queued (ids, groups, envs and chunks registered) whose
-        # table rows are not built yet.
+        # Small batches queued (ids, groups, envs and chunks registered), their rows not built yet
         self._staged: list[Staged] = []
         self._staged_rollouts = 0
         self._staged_positions = 0
         self._observe_added = observe_added
-        # No row before this one is queued (rows enter at the end and never return to the
-        # queue): where :meth:`queued_rows` starts to look, so a ship reads the rows
-        # added since, not the table.
+        # No row before this one is queued: where :meth:`queued_rows` starts to look
         self._first_queued = 0
 
     @property
@@ -78,8 +71,7 @@ class RolloutQueue:
 
     @property
     def tokens_entered(self) -> int:
-        """Sampled positions of live rollouts accepted so far (set aside at
-        ship: taken back out)."""
+        """Sampled positions of live rollouts accepted so far (set aside at ship: taken out)."""
         self.build_staged()
         return self._tokens_entered
 
@@ -96,8 +88,7 @@ class RolloutQueue:
         return self.env_index[name]
 
     def rows_named(self, ids: Iterable[str]) -> IntArray:
-        """The queued rows of the rollouts ``ids`` names (ids that name nothing queued are
-        left out), ascending."""
+        """The queued rows of the rollouts ``ids`` names, ascending."""
         self.build_staged()
         row_of = self.row_of
         rows: IntArray = np.unique(np.array([row_of[i] for i in ids if i in row_of], dtype=np.int64))
@@ -125,8 +116,8 @@ class RolloutQueue:
         return first
 
     def _groups_of(self, batch: RolloutBatch, rollouts: list[int] | None) -> list[int]:
-        """Group index of each rollout (None: every rollout of the batch), registering new groups
-        (one of its own without group_id)."""
+        """Group index of each rollout (None: all), registering new groups (one of its own without
+        group_id)."""
         assert batch.group_ids is not None and batch.agentic is not None
         names = batch.group_ids if rollouts is None else list(map(batch.group_ids.__getitem__, rollouts))
         if names.count(None) == len(names):  # singletons: one new group each, no lookups
@@ -147,16 +138,14 @@ class RolloutQueue:
         return groups
 
     def admit(self, batch: RolloutBatch, kept_ids: list[int] | None = None) -> tuple[int, list[int], list[int]]:
-        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all of them) by id, group and env
-        (their table rows come after); returns the batch's chunk and the rollouts' groups and envs
-        (lists: a single-rollout add builds no array)."""
+        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all) by id, group and env (their rows
+        come after); returns the batch's chunk and the rollouts' groups and envs."""
         assert batch.envs is not None and batch.group_ids is not None and batch.agentic is not None
         if kept_ids is not None and len(kept_ids) == len(batch.ids):
             kept_ids = None
         chunk = len(self.chunks)
         row_base = len(self.rollouts) + self._staged_rollouts
         self.chunks.append(batch)
-        # Per-rollout lists are read through C-level map/zip, never an interpreted loop per rollout.
         ids = batch.ids if kept_ids is None else list(map(batch.ids.__getitem__, kept_ids))
         env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))
         count = len(ids)
@@ -179,8 +168,7 @@ class RolloutQueue:
         return chunk, groups, envs
 
     def add_checked(self, batch: RolloutBatch, spans: SpanTable, kept_ids: list[int] | None = None) -> None:
-        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all), already checked
-        and cut into ``spans``."""
+        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all), cut into ``spans``."""
         self.build_staged()  # (rows are built in the order rollouts entered)
         chunk, groups, envs = self.admit(batch, kept_ids)
         keep = None if kept_ids is None else np.array(kept_ids, dtype=np.int64)
@@ -189,10 +177,9 @@ class RolloutQueue:
         self.append_rows(batch, spans, keep, (np.full(count, chunk), index, np.array(groups), np.array(envs)))
 
     def stage(self, batch: RolloutBatch) -> int | None:
-        """Queue a batch :func:`~staleness_metrics.records.validation.plainly_valid` passed (its
-        positions not yet read) once its positions are plain too: how many rollouts it queued, or
-        None (nothing queued) when they are not, and the exact checks are to say why. Its table rows
-        are built by :meth:`build_staged`."""
+        """Queue a batch ``plainly_valid`` passed once its positions are plain too (its rows built
+        by :meth:`build_staged`): how many rollouts it queued, or None when the exact checks are
+        to say why not."""
         if not plain_values_of(batch):
             return None
         n_rollouts, n_positions = batch.n_rollouts, batch.n_positions
@@ -205,9 +192,8 @@ class RolloutQueue:
         return n_rollouts
 
     def build_staged(self) -> None:
-        """Cut the staged batches into spans and append their rows, in the order they were added:
-        each run of batches whose arrays agree in one pass over their concatenation
-        (:func:`~.staging.joined`)."""
+        """Cut the staged batches into spans and append their rows, in order: each run of batches
+        whose arrays agree in one pass (:func:`~.staging.joined`)."""
         if not self._staged:
             return
         staged, self._staged = self._staged, []
@@ -244,21 +230,15 @@ class RolloutQueue:
         rows: tuple[IntArray, IntArray, IntArray, IntArray],
         position_base: IntArray | None = None,
     ) -> None:
-        """The table rows of rollouts ``keep`` of ``batch`` (None: all of them), cut into
-        ``spans``. ``rows``: per rollout its chunk, its index there, its group and env;
-        ``position_base`` (per rollout): where its chunk starts in ``batch``'s positions (spans are
-        moved back to their own batch's)."""
+        """The table rows of rollouts ``keep`` of ``batch`` (None: all), cut into ``spans``.
+        ``rows``: per rollout its chunk, index there, group and env; ``position_base``: where its
+        chunk starts in ``batch``'s positions."""
         chunk, index, groups, envs = rows
         offsets, span_offsets = batch.sample_offsets, spans.span_offsets
         every: Any = slice(None)
         if keep is None:  # (the batch's own arrays as they are: no selection to build)
-            n, sample_lo, sample_hi, samples, kept_spans = (
-                batch.n_rollouts,
-                offsets[:-1],
-                offsets[1:],
-                every,
-                every,
-            )
+            n, sample_lo, sample_hi = batch.n_rollouts, offsets[:-1], offsets[1:]
+            samples = kept_spans = every
             new_span_offsets, span_sample = span_offsets, spans.sample
         else:
             n, sample_lo, sample_hi = len(keep), offsets[keep], offsets[keep + 1]
@@ -272,11 +252,12 @@ class RolloutQueue:
         sample_rollout = np.repeat(np.arange(n), counts)
         sample_base, span_base, row_base = len(self.samples), len(self.spans), len(self.rollouts)
         new_sample_offsets = sample_base + np.concatenate(([0], np.cumsum(counts)))
-        frozen = batch.frozen[every if keep is None else keep]
+        rollouts = every if keep is None else keep
+        frozen = batch.frozen[rollouts]
         self.rollouts.append(
             chunk=chunk, index=index, status=QUEUED, judged=NEVER, frozen=frozen,
-            dispatch=batch.dispatch_version[every if keep is None else keep],
-            completion=spans.completion[every if keep is None else keep], group=groups, env=envs,
+            dispatch=batch.dispatch_version[rollouts], completion=spans.completion[rollouts],
+            group=groups, env=envs,
             sample_lo=new_sample_offsets[:-1], sample_hi=new_sample_offsets[1:],
         )  # fmt: skip
         n_sampled = spans.n_sampled[samples]
@@ -342,24 +323,13 @@ class RolloutQueue:
         self.leave(rows, INVALID)
 
     def release_chunks(self) -> None:
-        """Let go of the batches no queued rollout needs: only those that closed since the last
-        ship, so a ship costs nothing per batch ever added."""
+        """Let go of the batches that closed since the last ship (no queued rollout needs them)."""
         for chunk in self.closing:
             self.chunks[chunk] = None
         self.closing = []
 
     def compact(self) -> None:
-        """Forget rollouts that left the sink: the tables keep only queued ones (bounded memory)."""
-        self.rollouts, self.samples, self.spans, self.chunks, self.chunk_open, self.ids = self.compacted()
-        self.row_of = {rid: row for row, rid in enumerate(self.ids)}
-        self._first_queued = 0  # (renumbered)
-        self.closing = []  # chunks closing now have no queued rollout: they are not kept
-
-    def compacted(
-        self,
-    ) -> tuple[RolloutRows, SampleRows, SpanRows, list[RolloutBatch | None], list[int], list[str]]:
-        """The tables, chunks, open counts and ids of the queued rollouts only, renumbered: new
-        objects (the sink is not changed, so a checkpoint may take them at any moment)."""
+        """Forget rollouts that left the sink: the tables keep only queued ones, renumbered."""
         self.build_staged()
         r, s = self.rollouts, self.samples
         keep = np.flatnonzero(r.status == QUEUED)
@@ -367,27 +337,28 @@ class RolloutQueue:
         sample_rows = expand_ranges(r.sample_lo[keep], r.sample_hi[keep])
         span_counts = s.span_hi[sample_rows] - s.span_lo[sample_rows]
         span_rows = expand_ranges(s.span_lo[sample_rows], s.span_hi[sample_rows])
-        chunks = np.unique(r.chunk[keep])
+        chunks = np.unique(r.chunk[keep]).tolist()
         sample_offsets = np.concatenate(([0], np.cumsum(sample_counts)))
         span_offsets = np.concatenate(([0], np.cumsum(span_counts)))
-        rollouts = r.take(
+        self.rollouts = r.take(
             keep, chunk=np.searchsorted(chunks, r.chunk[keep]), sample_lo=sample_offsets[:-1],
             sample_hi=sample_offsets[1:],
         )  # fmt: skip
-        samples = s.take(
+        self.samples = s.take(
             sample_rows, rollout=np.repeat(np.arange(len(keep)), sample_counts),
             span_lo=span_offsets[:-1], span_hi=span_offsets[1:],
         )  # fmt: skip
-        spans = self.spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
-        return (
-            rollouts, samples, spans, [self.chunks[c] for c in chunks.tolist()],
-            [self.chunk_open[c] for c in chunks.tolist()], [self.ids[row] for row in keep.tolist()],
-        )  # fmt: skip
+        self.spans = self.spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
+        self.chunks = [self.chunks[c] for c in chunks]
+        self.chunk_open = [self.chunk_open[c] for c in chunks]
+        self.ids = [self.ids[row] for row in keep.tolist()]
+        self.row_of = {rid: row for row, rid in enumerate(self.ids)}
+        self._first_queued = 0  # (renumbered)
+        self.closing = []  # chunks closing now have no queued rollout: they are not kept
 
     # ------------------------------------------------------------------ checkpoint
     def restore(self, observe_added: Callable[[IntArray], None] | None = None, **fields: Any) -> None:
-        """Take a checked saved state's fields (:mod:`.queue_state`): tables, ids, chunks, groups,
-        envs, counts; and the policy's hook, once the state is loaded."""
+        """Take a checked saved state's fields (:mod:`.queue_state`), and the policy's hook."""
         unknown = set(fields) - set(vars(self)) - {"tokens_entered"}
         assert not unknown, f"not fields of the queue: {sorted(unknown)}"
         self._tokens_entered = fields.pop("tokens_entered", self._tokens_entered)

@@ -1,17 +1,11 @@
 """The queue in a checkpoint (SPEC 13): what it means, not how it is laid out.
 
-A saved queue is the queued rollouts as they arrived, in SPEC 3's columns (a batch per batch they
-came in, only their queued rollouts: :func:`~.batch_state.encode_batch`), what judging did to them
-(the step each was last judged at, each sample's masking threshold and whether it was dropped), and
-the run's registry (every id seen, the groups and whether each is agentic, the envs) and
-conservation count. Loading adds the rollouts back through the sink's own add path
-(:func:`~.spans.checked_spans`, :meth:`~.queue.RolloutQueue.add_checked`: every check of an add runs
-on them), masks again what the thresholds masked, and sets the judging state: a column the queue
-adds to its tables is computed there, not saved, so it is not a change of format.
-
-The positions masked in place are set back to 1 in the saved mask (a span with sampled positions had
-mask 1 all along); their weights stay 0, which only the ``token`` policy reads (``had_train``, a
-span's ``live``) and only for positions below the threshold, which never train again.
+A saved queue is the queued rollouts as they arrived (SPEC 3's columns, a batch per batch they came
+in), what judging did to them (last judged step, each sample's threshold and drop) and the run's
+registry (ids seen, groups, envs) and conservation count. Loading adds the rollouts back through the
+add path (every check of an add runs on them) and masks again what the thresholds masked, so a new
+column of the queue's tables is not a change of format. Positions masked in place are saved with
+mask 1 (their weights stay 0: only read below the threshold, where nothing trains again).
 """
 
 from __future__ import annotations
@@ -77,10 +71,8 @@ def save_queue(queue: RolloutQueue) -> dict[str, Any]:
 
 
 def _masked_in_place(queue: RolloutQueue, sample_rows: IntArray) -> tuple[IntArray, IntArray]:
-    """The position ranges (of their batches) of the spans a raise may have masked in place among
-    ``sample_rows``' (:func:`~.judging.stale_rows`): sampled, and of a version below their sample's
-    threshold. Every other sampled span still has mask 1 over its range: a queue whose thresholds
-    masked nothing is saved without a copy of its masks."""
+    """The position ranges of the spans of ``sample_rows`` a raise may have masked in place:
+    sampled, and of a version below their sample's threshold."""
     s, n = queue.samples, queue.spans
     raised = sample_rows[s.mask_below[sample_rows] > NO_MASK]
     span_rows = expand_ranges(s.span_lo[raised], s.span_hi[raised])
@@ -152,10 +144,9 @@ def read_queue(
     step: int = 0,
 ) -> RolloutQueue:
     """A new queue holding :func:`save_queue`'s ``state``, checked: every rollout as an add checks
-    it, and the judging state by range and length. ``step``: the latest step of the sink that
-    saved it (no rollout was judged after it); ``observe_added``: the policy's hook (not told of
-    the rollouts loaded: the policy's own state says what it saw). A bad state raises
-    ``ConfigError`` naming the key path."""
+    it, the judging state by range and length (``step``: the saving sink's latest). The policy's
+    hook ``observe_added`` is not told of the rollouts loaded. A bad state raises ``ConfigError``
+    naming the key path."""
     found = keys(state, path, QUEUE_KEYS)
     registry = read_registry(found, path)
     queue = RolloutQueue(lambda groups: None)
@@ -167,21 +158,16 @@ def read_queue(
         if verdicts.errors:
             fail(join(where, i), str(verdicts.errors[min(verdicts.errors)]))
         queue.add_checked(batch, spans)
-    if len(queue.env_index) != len(registry.envs):
-        fail(
-            join(path, "envs"),
-            f"lacks the env {next(reversed(queue.env_index))!r} of a queued rollout",
-        )
-    if len(queue.groups) != len(registry.groups):
-        fail(
-            join(path, "groups"),
-            f"lacks the group {next(reversed(queue.groups))!r} of a queued rollout",
-        )
+    for key, ours, saved in (
+        ("envs", queue.env_index, registry.envs),
+        ("groups", queue.groups, registry.groups),
+    ):
+        if len(ours) != len(saved):  # (an add registers what the registry lacks)
+            name = next(reversed(ours))
+            fail(join(path, key), f"lacks the {key[:-1]} {name!r} of a queued rollout")
     if not registry.seen_ids.issuperset(queue.seen_ids):
-        fail(
-            join(path, "seen_ids"),
-            f"lacks the queued id {min(queue.seen_ids - registry.seen_ids)!r}",
-        )
+        unknown = min(queue.seen_ids - registry.seen_ids)
+        fail(join(path, "seen_ids"), f"lacks the queued id {unknown!r}")
     rollouts, samples = len(queue.rollouts), len(queue.samples)
     judged = _ints(found["judged"], join(path, "judged"), rollouts, NEVER, step)
     mask_below = _ints(found["mask_below"], join(path, "mask_below"), samples, NO_MASK, max(step, 0))
@@ -196,8 +182,7 @@ def read_queue(
 def _judged_as_saved(
     queue: RolloutQueue, judged: IntArray, mask_below: IntArray, dropped: npt.NDArray[np.bool_]
 ) -> None:
-    """Mask again what the thresholds masked (each sampled position below its sample's threshold, as
-    every raise did before the save), and set the judging state."""
+    """Mask again what the thresholds masked, and set the judging state."""
     rows = np.arange(len(queue.rollouts))
     raised = mask_below > NO_MASK
     if raised.any():

@@ -11,7 +11,6 @@ __all__ = [
     "segment_any",
     "segment_max",
     "segment_min",
-    "segment_of",
     "segment_sum",
 ]
 
@@ -56,11 +55,6 @@ def segment_max(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
 def segment_any(flags: BoolArray, offsets: IntArray) -> BoolArray:
     """Whether any flag is set per segment."""
     return segment_sum(flags, offsets) > 0
-
-
-def segment_of(offsets: IntArray) -> IntArray:
-    """For each element, the index of the segment holding it."""
-    return np.repeat(np.arange(len(offsets) - 1, dtype=np.int64), np.diff(offsets))
 
 
 def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:

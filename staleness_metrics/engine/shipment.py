@@ -1,10 +1,6 @@
-"""What a ship hands back (SPEC 4): the :class:`Shipment` and its :class:`ShippedRollout`\ s, and
-their form as SPEC 3 records (``--batches-out``, SPEC 9).
-
-Its own module so that everything taking a shipment (the trainer adapters, the replay) names its
-type without importing the queue that makes it; :func:`padded_shipment` is the way back to a padded
-batch's ``[B, L]`` arrays.
-"""
+"""What a ship hands back (SPEC 4): the :class:`Shipment` and its :class:`ShippedRollout`\ s, their
+form as SPEC 3 records (``--batches-out``, SPEC 9), and :func:`padded_shipment`, the way back to a
+padded batch's ``[B, L]`` arrays."""
 
 from __future__ import annotations
 

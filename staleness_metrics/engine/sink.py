@@ -1,10 +1,6 @@
-"""The train sink of an async orchestrator (SPEC 4): queue, sweep, ship.
-
-Rollouts enter with :meth:`Sink.add`, are judged by the policy at :meth:`Sink.sweep` and
-:meth:`Sink.ship`, and leave as shipped, dropped or (lenient mode) invalid. The queue
-(:mod:`.queue`) keeps three growable tables (rollouts, samples, spans); positions stay in the arrays
-they arrived in and are written only where the policy masks them.
-"""
+"""The train sink of an async orchestrator (SPEC 4): rollouts enter with :meth:`Sink.add`, are
+judged by the policy at :meth:`Sink.sweep` and :meth:`Sink.ship`, and leave as shipped, dropped or
+(lenient mode) invalid; positions are written only where the policy masks them."""
 
 from __future__ import annotations
 
@@ -83,9 +79,8 @@ class Sink:
         )  # fmt: skip
 
     def check_state_dict(self, state: Any, path: str = "") -> SinkState:
-        """:meth:`state_dict`'s ``state`` checked and built as new objects, for
-        :meth:`load_checked`; nothing of the sink changes. A state that fails a check (or was taken
-        under another policy or bound) raises ``ConfigError`` naming the key path."""
+        """:meth:`state_dict`'s ``state`` checked and built as new objects, for :meth:`load_checked`
+        (a bad state raises ``ConfigError`` naming the key path); the sink does not change."""
         from .checkpoint import read_sink
 
         return read_sink(state, path, config=self.config, policy=self.policy, queue=self.queue)
@@ -128,8 +123,7 @@ class Sink:
 
     @property
     def tokens_entered(self) -> int:
-        """Sampled positions of live rollouts accepted so far (set aside at
-        ship: taken back out)."""
+        """Sampled positions of live rollouts accepted so far (set aside at ship: taken out)."""
         return self.queue.tokens_entered
 
     @property
@@ -168,8 +162,7 @@ class Sink:
                 raise parsed.error
             items.append(parsed)
         parsed_here = [item for item in items if isinstance(item, ParsedRollout)]
-        # parsed here for this batch alone: it may take the arrays the parse
-        # made without copying them
+        # parsed here for this batch alone: it may take the parse's arrays without copying them
         return self.add_parsed(items, pack(parsed_here, adopt=True) if parsed_here else None)
 
     def add_parsed(
@@ -179,15 +172,10 @@ class Sink:
         checked: tuple[Verdicts, SpanTable] | None = None,
     ) -> int:
         """Queue records already type-checked by
-        :func:`~staleness_metrics.records.model.parse_or_error` (in order, as :meth:`add` would):
-        refused ones raise (strict) or are set aside (lenient).
-
-        ``packed``: the parsed ones of ``items`` already packed
-        (:func:`~staleness_metrics.records.model.pack`), a batch this sink may keep and
-        mask in place. ``checked``: the batch's verdicts and spans as
-        :func:`check_batch` and :func:`build_spans` found them for a sink that had
-        accepted the same ids (:func:`~staleness_metrics.replay.stream.pack_once`:
-        what-if runs one stream at several bounds)."""
+        :func:`~staleness_metrics.records.model.parse_or_error`, as :meth:`add` would. ``packed``:
+        the parsed ones already packed (a batch this sink may keep and mask in place);
+        ``checked``: its verdicts and spans as found for a sink that had accepted the same ids
+        (what-if runs one stream at several bounds)."""
         parsed: list[ParsedRollout] = []
         for item in items:
             if isinstance(item, UnparsedRollout):
@@ -317,8 +305,7 @@ class Sink:
             taken = taken[r.status[taken] == QUEUED]
         taken = self._check_versions(taken, step)
         if len(taken) and self.policy.holds:
-            # The sweep judged everything at this step already; judging
-            # again only decides the holds.
+            # The sweep judged everything at this step already: judging again decides the holds
             judged, decision = self._judge(with_groups(queue, taken, self.policy.judges_groups), step)
             taken = taken[r.status[taken] == QUEUED]
             hold = np.isin(taken, judged.rows[decision.hold_rollout])
@@ -335,8 +322,8 @@ class Sink:
         # the bound of this ship's sweep (adaptation moves the next one)
         judged_with = self.bound_tracker.bound
         env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
-        if mismatch is not None and self.config.env_breakdown and spans.env is not None:
-            for env in distinct(spans.env[spans.lag >= 0]):
+        if mismatch is not None and self.config.env_breakdown:
+            for env in distinct(spans.rows.env[spans.rows.lag >= 0]):
                 name = self.queue.env_names[env]
                 # SPEC 11 and 14 per env, from the records (rollouts without an env have no keys)
                 if name:
@@ -370,8 +357,7 @@ class Sink:
         return shipment
 
     def _shipped_rollouts(self, shipped: Judgement) -> Callable[[], tuple[ShippedRollout, ...]]:
-        """Capture what the shipped rollouts are now (the slice read after the decision); build the
-        objects only when asked."""
+        """Capture what the shipped rollouts are now; build the objects only when asked."""
         rows = shipped.rows
         kept = ~shipped.dropped
         owner = shipped.sample_rollout[kept]
@@ -413,13 +399,8 @@ class Sink:
                 k = int(np.flatnonzero(s.max_label[lo : int(r.sample_hi[row])] > trained)[0])
                 kind = "weight_versions" if s.label_kind[lo + k] == LABELS_SPANS else "token_versions"
                 version, field_name = int(s.max_label[lo + k]), f"samples[{k}].{kind}"
-            errors.append(
-                TraceError(
-                    self.queue.ids[row],
-                    field_name,
-                    f"version {version} is above the trained version {trained}",
-                )
-            )
+            reason = f"version {version} is above the trained version {trained}"
+            errors.append(TraceError(self.queue.ids[row], field_name, reason))
         if self.config.strict:
             raise errors[0]
         for local, error in zip(np.flatnonzero(bad), errors):

@@ -1,21 +1,17 @@
 """Version spans: the per-sample summary the engine judges instead of individual positions.
 
-Whatever the input form (``weight_versions`` spans, per-position ``token_versions`` or no labels),
-each sample is cut into spans of one version label that tile its positions. For each span the engine
-keeps how many sampled positions it holds and how many of those carry a loss weight; every later
-decision and metric is a reduction over spans, so positions are read once, here, and written only
-where they are masked.
-
-Unlabelled positions (``-1``) scattered among equal ``token_versions`` labels do not cut a span: the
-span is then two rows over one range, its labelled part and its unlabelled part (dispatch version),
-so the number of spans follows the labels, not the unlabelled positions. Finding the runs costs one
-step per change of value; nothing sorts or hashes per-position data.
+Whatever the labels (``weight_versions``, ``token_versions`` or none), each sample is cut into spans
+of one version label and mask value that tile its positions; every later decision and metric is a
+reduction over spans, so positions are read once, here, and written only where they are masked.
+Unlabelled positions (``-1``) scattered among equal ``token_versions`` labels do not cut a span: it
+is then two rows over one range, its labelled part and its unlabelled part (dispatch version).
 """
 
 from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -46,9 +42,7 @@ BoolArray = npt.NDArray[np.bool_]
 NO_VERSION_LOW = np.iinfo(np.int64).min // 4  # "no version": below every real threshold
 NO_VERSION_HIGH = np.iinfo(np.int64).max // 4
 
-# A span row holds every position of its range, or (a mixed cut of a token-labelled
-# sample, whose scattered -1 positions take the dispatch version) only its labelled or
-# only its unlabelled positions.
+# A span row holds every position of its range, or (of a mixed cut) its labelled or unlabelled ones
 PART_WHOLE, PART_LABELLED, PART_UNLABELLED = 0, 1, 2
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
@@ -79,29 +73,9 @@ class SpanTable:
     # per rollout
     completion: IntArray
 
-    def rollouts_in(self, batch: RolloutBatch, start: int, stop: int) -> SpanTable:
-        """The spans of rollouts ``start`` to ``stop - 1`` of ``batch`` (the batch they were
-        cut from), as :meth:`RolloutBatch.rollouts_in` gives those rollouts: samples and
-        positions counted from theirs."""
-        s0, s1 = int(batch.sample_offsets[start]), int(batch.sample_offsets[stop])
-        p0, t0, t1 = (
-            int(batch.position_offsets[s0]),
-            int(self.span_offsets[s0]),
-            int(self.span_offsets[s1]),
-        )
-        return SpanTable(
-            sample=self.sample[t0:t1] - s0, lo=self.lo[t0:t1] - p0, hi=self.hi[t0:t1] - p0,
-            label=self.label[t0:t1], version=self.version[t0:t1], part=self.part[t0:t1],
-            sampled=self.sampled[t0:t1], live=self.live[t0:t1], span_offsets=self.span_offsets[s0 : s1 + 1] - t0,
-            n_sampled=self.n_sampled[s0:s1], n_unlabelled=self.n_unlabelled[s0:s1], unmaskable=self.unmaskable[s0:s1],
-            had_train=self.had_train[s0:s1], max_label=self.max_label[s0:s1],
-            max_sampled_version=self.max_sampled_version[s0:s1], seq_min_version=self.seq_min_version[s0:s1],
-            completion=self.completion[start:stop],
-        )  # fmt: skip
-
 
 class SpanRanges(NamedTuple):
-    """The span table's columns a compiled pass over span rows reads: each row's part and range."""
+    """Each span row's part and range, as a compiled pass over span rows reads them."""
 
     part: npt.NDArray[np.int8]
     lo: IntArray
@@ -109,27 +83,57 @@ class SpanRanges(NamedTuple):
 
 
 class SampleSpans(NamedTuple):
-    """Judged samples as a compiled pass over their span rows reads them: each sample's rows
-    ``[span_lo, span_hi)`` of the span table (in judgement order) and its local rollout."""
+    """Judged samples' rows ``[span_lo, span_hi)`` of the span table and local rollouts."""
 
     span_lo: IntArray
     span_hi: IntArray
     sample_rollout: IntArray
 
 
+def as_compiled(samples: SampleSpans, table: SpanRanges) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """``samples`` and ``table`` as a compiled pass reads them (contiguous int64, int8 parts)."""
+    as_int = partial(np.ascontiguousarray, dtype=np.int64)
+    part = np.ascontiguousarray(table.part, dtype=np.int8)
+    return tuple(map(as_int, samples)), (part, as_int(table.lo), as_int(table.hi))
+
+
+def check_sample_spans(
+    samples: tuple[IntArray, IntArray, IntArray],
+    table: tuple[npt.NDArray[np.int8], IntArray, IntArray],
+    version: IntArray,
+    sampled: IntArray,
+    n_rollouts: int,
+) -> int:  # pragma: no cover - compiled
+    """A compiled pass's check, before any read, that the span rows and rollouts ``samples`` name
+    lie in ``table`` and ``n_rollouts``, with a ``version`` and ``sampled`` per row; the rows'
+    count."""
+    span_lo, span_hi, sample_rollout = samples
+    part, lo, hi = table
+    if len(span_hi) != len(span_lo) or len(sample_rollout) != len(span_lo):
+        raise ValueError("the sample arrays differ in length")
+    if len(lo) != len(part) or len(hi) != len(part):
+        raise ValueError("the span table's columns differ in length")
+    n = 0
+    for k in range(len(span_lo)):
+        if not (0 <= span_lo[k] <= span_hi[k] <= len(part)):
+            raise IndexError("a sample's span rows outside the span table")
+        if not (0 <= sample_rollout[k] < n_rollouts):
+            raise IndexError("a sample of no rollout")
+        n += span_hi[k] - span_lo[k]
+    if len(version) != n or len(sampled) != n:
+        raise ValueError("one version and one sampled count per span row expected")
+    return n
+
+
 class _TokenVersionBelowMinusOne(Exception):
-    """A token version below -1 in a sample :func:`build_spans` cut (only raised when
-    asked to check them)."""
+    """A token version below -1 in a sample :func:`build_spans` cut without checking them."""
 
 
 def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> tuple[Verdicts, SpanTable]:
     """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`: the
-    invalid rollouts and the spans of the others.
-
-    The rule on token versions (>= -1) is checked in the pass that cuts them rather than in a pass
-    of its own. When that pass finds an offender, or the batch has other errors, the checks run
-    again in their usual order, so the first error named for each rollout is the same either way.
-    """
+    invalid rollouts and the spans of the others. Token versions (>= -1) are checked by the cut;
+    when it finds an offender or the batch has other errors, the checks run again in their usual
+    order, so the first error named for each rollout is the same either way."""
     verdicts = check_batch(batch, known_ids, token_values=False)
     if not verdicts.errors:
         try:
@@ -143,17 +147,9 @@ def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
 def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool = True) -> SpanTable:
     """Cut every sample of ``batch`` into spans of one version label and one mask value.
 
-    Also checks the position values (0/1 mask, finite weights and log-probabilities) and reports
-    offenders into ``verdicts``. Samples of rollouts already invalid there get no spans. Without
-    ``token_values`` (the caller did not check that token versions are >= -1), raises
-    ``_TokenVersionBelowMinusOne`` when a sample it cuts has one (:func:`checked_spans`).
-
-    Cuts (:func:`~staleness_metrics.engine.cuts.sample_cuts`, one compiled pass at every size): a
-    sample labelled per position gets them from runs of ``token_versions`` (scattered unlabelled
-    positions do not cut it: they form the cut's unlabelled part), every other sample from its
-    version spans; both are cut again where the mask changes. Rows: one per cut, two per mixed cut
-    (its labelled part, then its unlabelled part), and the per-sample reductions, in one compiled
-    pass over the cuts.
+    Also checks the position values (0/1 mask, finite weights and log-probabilities) into
+    ``verdicts``; samples of rollouts already invalid there get no spans. Without ``token_values``
+    (token versions not checked >= -1), raises ``_TokenVersionBelowMinusOne`` on one.
     """
     pos_off = batch.position_offsets
     sample_rollout = np.repeat(np.arange(batch.n_rollouts), np.diff(batch.sample_offsets))
@@ -205,8 +201,7 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
 
 
 def _labels_of(batch: RolloutBatch) -> SampleLabels:
-    """How ``batch``'s samples label their positions, as the cut reads it (arrays the batch lacks:
-    empty)."""
+    """How ``batch``'s samples label their positions, as the cut reads it."""
     kinds = batch.label_kind
     assert kinds is not None
 
@@ -228,11 +223,8 @@ def _exact_part_liveness(
     mixed: BoolArray,
 ) -> tuple[BoolArray, BoolArray]:
     """Per cut, whether its labelled and its unlabelled part has a weighted position of its own: as
-    ``live`` as the cut, except for live ``mixed`` cuts with an rl weight that is not above 0
-    somewhere (``rl_doubtful``), whose positions are read one by one.
-
-    Both parts are live at once when every rl weight of the cut is above 0."""
-    # a zero (or negative, or NaN) rl weight somewhere in the cut
+    ``live`` as the cut, but live ``mixed`` cuts with an rl weight not above 0 somewhere
+    (``rl_doubtful``) are read position by position."""
     doubt = np.flatnonzero(mixed & live & rl_doubtful)
     if len(doubt) == 0:
         return live, live
@@ -258,8 +250,8 @@ def _nonzero_or_report(
     hi: IntArray,
     verdicts: Verdicts,
 ) -> BoolArray:
-    """Per cut: whether the weight array holds a non-zero value (a cut holding a NaN does not). A
-    non-finite value is searched for by position only in such cuts, to name the first offender."""
+    """Per cut: whether the weight array holds a non-zero value (a cut holding a NaN does not);
+    the first non-finite value of a cut is named."""
     broken = flags & WEIGHT_NONFINITE != 0
     for span in np.flatnonzero(broken).tolist() if broken.any() else ():
         a, b = int(lo[span]), int(hi[span])

@@ -1,11 +1,8 @@
 """Batching small adds (SPEC 4's ``add``): the one place the engine puts consecutive adds together.
 
-A batch the quick checks pass is queued at add (ids, groups and envs registered) and *staged*: its
-spans are cut later, at the next sweep, ship or look at the queue's tables, with every batch
-staged after it, in one pass over their concatenation (:func:`joined`). Spans never cross a
-sample, so each sample's spans are what its own batch would give: the cost of an add follows its
-work, not a few hundred numpy calls per add. A trainer adding rollout by rollout, the service and
-a replay all go through it.
+A batch the quick checks pass is queued at add and *staged*: its spans are cut at the next sweep,
+ship or look at the queue's tables, with every batch staged after it, in one pass over their
+concatenation (:func:`joined`). Spans never cross a sample, so each sample's are its own batch's.
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ __all__ = [
 
 IntArray = npt.NDArray[np.int64]
 
-# A batch of at most this many positions that is plainly valid is staged; a longer one is cut
-# at its add (it pays for its own pass). Staged positions beyond STAGE_FLUSH_POSITIONS are cut
-# at once (bounded memory).
+# A plainly valid batch of at most this many positions is staged (a longer one is cut at its add);
+# staged positions beyond STAGE_FLUSH_POSITIONS are cut at once (bounded memory).
 STAGE_MAX_POSITIONS = 1 << 16
 STAGE_FLUSH_POSITIONS = 1 << 20
 
@@ -46,8 +42,7 @@ class Staged(NamedTuple):
     chunk: int
     groups: list[int]
     envs: list[int]
-    # The element types of the mask and weight arrays (None: no such array). Batches whose kinds
-    # agree wherever both have an array are cut together (:func:`joined` fills the missing ones).
+    # The element types of the mask and weight arrays (None: none); see :func:`runs_of`
     kind: Kind
 
 
@@ -111,14 +106,9 @@ class Joined(NamedTuple):
 
 
 def joined(run: Sequence[Staged], ids: list[str]) -> Joined:
-    """One batch holding the staged batches of ``run`` one after the other (``ids``: theirs, in
-    order), with the arrays the cut reads (copies).
-
-    An array some batches lack is filled with what its absence means to the cut, so each
-    sample's spans are those of its own batch: rl weights 1.0 on the mask, ce and ref-KL
-    weights 0, ``token_versions`` -1 and no ``weight_versions`` spans (those samples'
-    ``label_kind`` says they use neither).
-    """
+    """One batch holding the staged batches of ``run`` one after the other (``ids``: theirs), with
+    the arrays the cut reads. An array some batches lack is filled with what its absence means to
+    the cut: rl weights the mask, ce and ref-KL weights 0, ``token_versions`` -1, no spans."""
     batches = [item.batch for item in run]
     n_rollouts = [b.n_rollouts for b in batches]
     n_samples = [b.n_samples for b in batches]

@@ -1,9 +1,5 @@
-"""Growable tables of typed numpy columns (amortised O(1) appends, columnar reads).
-
-A table is a subclass declaring its columns as :class:`Column` attributes, so ``rows.status``
-is a name mypy checks (a misspelt column is a type error, not a ``KeyError`` at run time) and
-its element type is known.
-"""
+"""Growable tables of typed numpy columns (amortised O(1) appends, columnar reads), declared as
+:class:`Column` attributes of a subclass: ``rows.status`` is a name mypy checks."""
 
 from __future__ import annotations
 
@@ -94,15 +90,13 @@ class Table:
         return start
 
     def take(self: TableT, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> TableT:
-        """A new table of the given rows (in that order); ``replace`` gives
-        new values for columns."""
+        """A new table of the given rows; ``replace`` gives new values for columns."""
         taken = type(self)()
         taken.append(**{name: replace.get(name, self.column(name)[rows]) for name in self.columns})
         return taken
 
     def column(self, name: str) -> npt.NDArray[Any]:
-        """The live rows of a column by name (a view; for code generic over columns: the attributes
-        are typed). (A ship reads a few dozen columns: each view is made once per length.)"""
+        """The live rows of a column by name (a view, made once per length)."""
         view = self._views.get(name)
         if view is None:
             view = self._views[name] = self._columns[name][: self._size]

@@ -1,5 +1,5 @@
-"""Every compiled loop of the package compiled (or loaded from numba's disk cache)
-before the first batch."""
+"""Every compiled loop of the package compiled (or loaded from numba's disk cache) before the first
+batch."""
 
 from __future__ import annotations
 
@@ -24,22 +24,10 @@ def warm_up() -> None:
     first batch a process handles does not pay for it: a service calls this when it starts."""
     tokens = np.array([0, -1, 1], dtype=np.int64)
     offsets = np.array([0, 3], dtype=np.int64)
-    lo, hi, count = (
-        np.array([0], dtype=np.int64),
-        np.array([3], dtype=np.int64),
-        np.array([1], dtype=np.int64),
-    )
+    lo, hi, count = (np.array([value], dtype=np.int64) for value in (0, 3, 1))
     yes = np.ones(1, dtype=bool)
-    span_rows(
-        lo,
-        hi,
-        count,
-        count,
-        CutFlags(yes, yes, yes, yes, ~yes),
-        np.array([0, 3]),
-        count,
-        (-(1 << 60), 1 << 60),
-    )
+    flags = CutFlags(yes, yes, yes, yes, ~yes)
+    span_rows(lo, hi, count, count, flags, np.array([0, 3]), count, (-(1 << 60), 1 << 60))
     slice_rows(np.array([0]), np.array([0]), np.array([1]), np.array([0]), np.array([1]))
     samples, table = SampleSpans(lo, count, lo), SpanRanges(np.zeros(1, np.int8), lo, hi)
     shipped_rows(samples, table, count, count, (yes, count), (~yes, lo, lo), 2)
@@ -69,10 +57,9 @@ def warm_up() -> None:
 
 
 def _warm_up_large_bodies(offsets: IntArray, lo: IntArray, hi: IntArray, count: IntArray) -> None:
-    """The cut and the zeroing for the arrays a large body keeps as it came (``server/decode.py``,
-    ``records.model.pack``): an int8 mask, versions of int8 to int64 read as they are, no weights
-    or integer ones (read as float32) or float64 ones. Each dtype is its own machine code: compiled
-    in a service's request, it costs the request about 60 MB of compiler memory."""
+    """The cut and the zeroing for the dtypes a large body keeps as it came (an int8 mask, int8 to
+    int64 versions, no weights or float64 ones): compiled in a service's request, each would cost
+    it about 60 MB of compiler memory."""
     mask = np.ones(3, dtype=np.int8)
     kinds = np.array([2], dtype=np.int8)
     for versions in (np.int8, np.int16, np.int32, np.int64):

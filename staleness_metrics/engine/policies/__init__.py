@@ -15,12 +15,8 @@ __all__ = ["EpisodePolicy", "GroupPolicy", "Policy", "TokenPolicy", "XtunerPolic
 def policy_for(config: StalenessConfig) -> Policy:
     """The policy a configuration names."""
     if config.policy == "xtuner":
-        return XtunerPolicy(
-            config.max_staleness,
-            config.max_token_staleness,
-            config.sync_interval,
-            config.retry_expired,
-        )
+        bounds = config.max_staleness, config.max_token_staleness
+        return XtunerPolicy(*bounds, config.sync_interval, config.retry_expired)
     simple: dict[str, type[Policy]] = {
         "token": TokenPolicy,
         "episode": EpisodePolicy,

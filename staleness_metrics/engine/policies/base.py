@@ -36,15 +36,12 @@ class Policy(ABC):
         """Called with the group index of every rollout the sink accepts, in order."""
 
     def state_dict(self) -> dict[str, Any]:
-        """What the policy remembers between calls, as JSON-serialisable data
-        (none for stateless ones)."""
+        """What the policy remembers between calls, as JSON-serialisable data."""
         return {}
 
     def check_state_dict(self, state: Any, path: str) -> Mapping[str, Any]:
-        """Check what :meth:`state_dict` returned before anything is loaded (raise
-        :class:`~staleness_metrics.errors.ConfigError` naming ``path`` and the key):
-        :meth:`load_state_dict` then cannot fail. A stateless policy's state is ``{}``; a policy
-        that keeps state checks it here."""
+        """Check what :meth:`state_dict` returned before anything is loaded (``ConfigError`` naming
+        ``path`` and the key), so :meth:`load_state_dict` cannot fail."""
         from ...state_checks import keys
 
         if type(self).state_dict is Policy.state_dict:

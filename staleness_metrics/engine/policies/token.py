@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -11,7 +11,7 @@ from ...compiled import CompiledLoop
 from ..decision import NO_MASK, Decision, Judgement
 from .base import Policy
 
-__all__ = ["TokenDecision", "TokenPolicy", "token_decision"]
+__all__ = ["TokenPolicy", "token_decision"]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -21,28 +21,13 @@ class TokenPolicy(Policy):
     name = "token"
 
     def decide(self, judgement: Judgement) -> Decision:
-        """Each live rollout's samples mask below ``T - max_staleness`` (staleness == max_staleness
-        trains); a sample left with nothing to train is dropped, and a rollout left with no sample.
-        One compiled pass (:func:`token_decision`)."""
-        found = token_decision(
+        """Each live rollout's samples mask below ``T - max_staleness``; a sample left with nothing
+        to train is dropped, and a rollout left with no sample."""
+        return token_decision(
             judgement.trained_version - self.max_staleness, NO_MASK, judgement.frozen, judgement.sample_offsets,
             judgement.mask_below, judgement.dropped, judgement.had_train, judgement.unmaskable,
             judgement.span_offsets, judgement.version, judgement.live,
         )  # fmt: skip
-        return Decision(
-            mask_below=found.mask_below,
-            drop_sample=found.drop_sample,
-            drop_rollout=found.drop_rollout,
-            hold_rollout=np.zeros(len(found.drop_rollout), dtype=bool),
-        )
-
-
-class TokenDecision(NamedTuple):
-    """What :func:`token_decision` decides (``decision.Decision``'s first three arrays)."""
-
-    mask_below: IntArray
-    drop_sample: BoolArray
-    drop_rollout: BoolArray
 
 
 @CompiledLoop
@@ -100,30 +85,16 @@ def _token_decision(
     return new_below, drop_sample, drop_rollout
 
 
-def token_decision(
-    bound: int,
-    no_mask: int,
-    frozen: BoolArray,
-    sample_offsets: IntArray,
-    mask_below: IntArray,
-    dropped: BoolArray,
-    had_train: BoolArray,
-    unmaskable: BoolArray,
-    span_offsets: IntArray,
-    version: IntArray,
-    live: BoolArray,
-) -> TokenDecision:
-    """The ``token`` policy over a judged slice (rollouts, samples by ``sample_offsets``, spans by
-    ``span_offsets``), in one pass: each sample of a live (not ``frozen``) rollout masks below
-    ``max(mask_below, bound)`` (a frozen one's keeps ``max(mask_below, no_mask)``); a live rollout's
-    sample not yet ``dropped`` that ``had_train`` is dropped when it is not ``unmaskable`` and none
-    of its ``live`` spans has a version at or above its new threshold; a live rollout whose samples
-    are all dropped (or that has none) is dropped.
+def token_decision(bound: int, no_mask: int, *slice_: npt.NDArray[Any]) -> Decision:
+    """The ``token`` policy over a judged slice, in one pass: ``slice_`` is its ``frozen``,
+    ``sample_offsets``, ``mask_below``, ``dropped``, ``had_train``, ``unmaskable``,
+    ``span_offsets``, ``version`` and ``live``. Each sample of a live rollout masks below
+    ``max(mask_below, bound)`` (a frozen one's keeps ``max(mask_below, no_mask)``); a live
+    rollout's sample not yet dropped that had something to train is dropped when it is not
+    unmaskable and none of its live spans has a version at or above its new threshold; a live
+    rollout whose samples are all dropped (or that has none) is dropped.
 
     Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
     """
-    found = _token_decision(
-        int(bound), int(no_mask), frozen, sample_offsets, mask_below, dropped, had_train, unmaskable, span_offsets,
-        version, live,
-    )  # fmt: skip
-    return TokenDecision(*found)
+    mask_below, drop_sample, drop_rollout = _token_decision(int(bound), int(no_mask), *slice_)
+    return Decision(mask_below, drop_sample, drop_rollout, np.zeros(len(drop_rollout), dtype=bool))

@@ -1,5 +1,4 @@
-"""``xtuner``: xtuner's partial-rollout rule (sequence expiry + token
-masking, group drop or hold)."""
+"""``xtuner``: xtuner's partial-rollout rule (sequence expiry, token masking, group drop, hold)."""
 
 from __future__ import annotations
 
@@ -65,11 +64,8 @@ class XtunerPolicy(Policy):
         rollout = judgement.sample_rollout
         live = ~judgement.frozen[rollout]
 
-        seq_staleness = np.where(
-            judgement.seq_min_version < np.iinfo(np.int64).max // 8,
-            t - judgement.seq_min_version,
-            0,
-        )
+        has_version = judgement.seq_min_version < np.iinfo(np.int64).max // 8
+        seq_staleness = np.where(has_version, t - judgement.seq_min_version, 0)
         expired = live & (seq_staleness >= (self.max_staleness + 1) * k)
         mask_below = judgement.mask_below
         if self.max_token_staleness is not None:
@@ -88,9 +84,5 @@ class XtunerPolicy(Policy):
             self._grow(int(judgement.group.max()) + 1 if judgement.n_rollouts else 0)
             np.add.at(self._owed, judgement.group[drop], 1)
             hold = ~drop & (self._owed[judgement.group] > 0)
-        return Decision(
-            mask_below=mask_below,
-            drop_sample=np.zeros(judgement.n_samples, dtype=bool),
-            drop_rollout=drop,
-            hold_rollout=hold,
-        )
+        no_sample = np.zeros(judgement.n_samples, dtype=bool)
+        return Decision(mask_below, drop_sample=no_sample, drop_rollout=drop, hold_rollout=hold)
