@@ -1,7 +1,8 @@
 """One step's mismatch sums reduced over a torch.distributed process group (SPEC 11, several ranks).
 
-Each rank sums its own tokens with :func:`~staleness_metrics.mismatch_sums`; :func:`all_reduce` adds
-the ranks' sums in one collective and returns the group's total on every rank, for rank 0 to record::
+Each rank sums its own tokens with :func:`~staleness_metrics.mismatch_sums`; :func:`all_reduce`
+adds the ranks' sums in one collective and returns the group's total on every rank, for rank 0 to
+record::
 
     from staleness_metrics.distributed import all_reduce
 

@@ -119,7 +119,7 @@ class RolloutBatch:
 
     @classmethod
     def from_padded(cls, ids: Sequence[str], mask: Any, **columns: Any) -> RolloutBatch:
-        """One rollout per row of ``[B, L]`` arrays: :func:`~staleness_metrics.records.padded.from_padded`."""
+        """One rollout per row of ``[B, L]`` arrays (:func:`.padded.from_padded`)."""
         return cls(**padded_columns(ids, mask, **columns))
 
     def rollouts_in(self, start: int, stop: int) -> RolloutBatch:

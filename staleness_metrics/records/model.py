@@ -128,7 +128,25 @@ class UnparsedRollout:
 
 
 MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
+INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
 COMPACT_MASK_MIN_POSITIONS = 1 << 20  # a packed batch of this many positions keeps its mask as int8
+
+
+def versions_beyond(values: npt.NDArray[Any]) -> bool:
+    """Whether some version is beyond ±:data:`MAX_VERSION`."""
+    if not values.size:
+        return False
+    return int(values.max()) > MAX_VERSION or int(values.min()) < -MAX_VERSION
+
+
+def floats_beyond(values: npt.NDArray[Any]) -> bool:
+    """Whether some value is NaN or of magnitude 2**63 or more (the checked path reads them)."""
+    return bool(values.size and not (values.max() < INT64_BOUND and values.min() > -INT64_BOUND))
+
+
+def mask_beyond(values: npt.NDArray[Any]) -> bool:
+    """Whether some value of an integer mask is not 0 or 1 (as unsigned, a negative is huge)."""
+    return bool(values.size and values.view(UNSIGNED_OF_SIZE[values.itemsize]).max() > 1)
 
 
 def _is_int(value: object) -> bool:
@@ -153,12 +171,8 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
                 raise TraceError(rid, f"{name}[{i}]", f"integer {v} is outside the signed 64-bit range")
     if array.ndim != 1 or (array.size and array.dtype.kind not in kinds):
         for i, v in enumerate(value):  # error path only: find the element to name
-            ok = isinstance(v, bool) if "b" in kinds else False
-            if "i" in kinds:
-                ok = ok or (isinstance(v, int) and not isinstance(v, bool))
-            if "f" in kinds:
-                ok = ok or (isinstance(v, (int, float)) and not isinstance(v, bool))
-            if not ok:
+            number = _is_int(v) or (isinstance(v, float) and "f" in kinds)
+            if not (number or (isinstance(v, bool) and "b" in kinds)):
                 raise TraceError(rid, f"{name}[{i}]", f"expected {expected}, got {v!r}")
         raise TraceError(rid, name, f"expected {expected}")
     if booleans and "b" not in kinds and array.dtype.kind != "b" and bool in map(type, value):
@@ -192,15 +206,13 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
     """Versions as int64, or as the narrower signed dtype the service read them in."""
     fast = None if booleans else _plain_ints(value)
     array = fast if fast is not None else _array(rid, name, value, "iu", "a list of integers", booleans)
-    if array.size and (array.max() > MAX_VERSION or array.min() < -MAX_VERSION):
+    if versions_beyond(array):
         raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
     return array if array.dtype in _NARROW_VERSIONS else array.astype(np.int64, copy=False)
 
 
 # signed dtypes a sample's token versions may keep from the parse
 _NARROW_VERSIONS = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
-
-INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
 
 
 def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
@@ -212,9 +224,7 @@ def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
         array = np.frombuffer(_array_module.array("d", value), dtype=np.float64)
     except (TypeError, OverflowError):
         return None
-    if array.size and not (array.max() < INT64_BOUND and array.min() > -INT64_BOUND):
-        return None
-    return array
+    return None if floats_beyond(array) else array
 
 
 def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
@@ -239,10 +249,10 @@ def _optional_float_list(rid: str, name: str, value: object, booleans: bool = Tr
 def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
     fast = _plain_ints(value)  # booleans are allowed here: 0/1 either way
     array = fast if fast is not None else _array(rid, name, value, "biu", "a list of 0/1 or booleans")
-    # one reduction: as unsigned, a negative value is huge
-    if array.dtype.kind != "b" and array.size and array.view(UNSIGNED_OF_SIZE[array.itemsize]).max() > 1:
+    if array.dtype.kind != "b" and mask_beyond(array):
         bad = int(np.flatnonzero((array != 0) & (array != 1))[0])
-        raise TraceError(rid, f"{name}[{bad}]", f"expected 0, 1 or a boolean, got {array[bad].item()!r}")
+        reason = f"expected 0, 1 or a boolean, got {array[bad].item()!r}"
+        raise TraceError(rid, f"{name}[{bad}]", reason)
     return array.astype(np.int8, copy=False)
 
 
@@ -263,7 +273,7 @@ def _check_pair_range(rid: str, name: str, index: int, pair: list[int]) -> None:
 def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
     if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == 2 and value.dtype.kind == "i":
         # pairs the service read into an array (int32 where all fit): kept, widened by pack
-        if value.size and (int(value.max()) > MAX_VERSION or int(value.min()) < -MAX_VERSION):
+        if versions_beyond(value):
             for i, pair in enumerate(value.tolist()):
                 _check_pair_range(rid, name, i, pair)
         return value if value.dtype in (np.int32, np.int64) else value.astype(np.int64)
@@ -280,8 +290,7 @@ def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDA
             and pairs.ndim == 2
             and pairs.shape[1] == 2
             and pairs.dtype.kind == "i"
-            and int(pairs.max()) <= MAX_VERSION
-            and int(pairs.min()) >= -MAX_VERSION
+            and not versions_beyond(pairs)
         ):
             return pairs.astype(np.int64, copy=False)
     for i, pair in enumerate(value):  # one check per span, not per token
@@ -451,7 +460,8 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     floats: dict[str, Any] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in PER_POSITION_FLOATS:
-        given = [s.weights.get(name) if name in WEIGHT_FIELDS else getattr(s, name) for s in samples]
+        weight = name in WEIGHT_FIELDS
+        given = [s.weights.get(name) if weight else getattr(s, name) for s in samples]
         floats[name], flags = column(name, given, _FILLS.get(name, 0.0))
         if floats[name] is not None:
             present[name] = flags

@@ -2,11 +2,11 @@
 ``Array.as_buffer`` copies a list of numbers out at C speed, with no Python object per position.
 
 This path only *accepts* a plain, valid rollout line, giving exactly the
-:class:`~.model.ParsedRollout` the general path (:func:`.jsonio.loads`, :func:`.model.parse_rollout`)
-gives; anything else (another event, an odd or invalid record, a boolean or null among numbers, a
-string escape, a JSON error) is left to the general path, which names errors. ``as_buffer`` refuses
-booleans, nulls, strings, objects and integers beyond 64 bits, and flattens nested lists, which a
-count of ``[`` in the line rules out.
+:class:`~.model.ParsedRollout` of the general path (:func:`.jsonio.loads`, then
+:func:`.model.parse_rollout`); anything else (another event, an odd or invalid record, a boolean or
+null among numbers, a string escape, a JSON error) is left to the general path, which names errors.
+``as_buffer`` refuses booleans, nulls, strings, objects and integers beyond 64 bits, and flattens
+nested lists, which a count of ``[`` in the line rules out.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ except ImportError:  # no wheel for this Python: every line takes the general pa
 
 from ..errors import TraceError
 from .columnar import WEIGHT_FIELDS
-from .model import INT64_BOUND, MAX_VERSION, ParsedRollout, ParsedSample, check_head
+from .model import ParsedRollout, ParsedSample, check_head, floats_beyond, mask_beyond, versions_beyond
 
 __all__ = ["AVAILABLE", "LineReader"]
 
@@ -56,7 +56,7 @@ def _array(value: object) -> simdjson.Array:
 
 
 def _keys(value: object) -> list[str]:
-    """The keys of an object without repeated keys (simdjson finds the first, JSON keeps the last)."""
+    """The keys of an object, none repeated (simdjson finds the first, JSON keeps the last)."""
     if type(value) is not simdjson.Object:
         raise _NotPlain
     keys = list(value)
@@ -86,7 +86,7 @@ class _Lists:
         self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool], refused: set[int]
     ) -> tuple[npt.NDArray[Any], list[int], list[int]]:
         """One array of every list, and where each list starts and ends in it; adds to ``refused``
-        the lines of ``bad`` lists (one check of all; each list is checked only when some is bad)."""
+        the lines of ``bad`` lists (each list is checked only when the whole is bad)."""
         whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=dtype)
         ends = list(accumulate(self.sizes))
         starts = [0, *ends]
@@ -96,20 +96,6 @@ class _Lists:
                     # the line that holds list ``at``
                     refused.add(bisect_right(self.firsts, at) - 1)
         return whole, starts, ends
-
-
-def _mask_bad(values: npt.NDArray[np.int64]) -> bool:
-    # as unsigned, a negative value is huge
-    return bool(values.size and values.view(np.uint64).max() > 1)
-
-
-def _version_bad(values: npt.NDArray[np.int64]) -> bool:
-    return bool(values.size and not (values.max() <= MAX_VERSION and values.min() >= -MAX_VERSION))
-
-
-def _float_bad(values: npt.NDArray[np.float64]) -> bool:
-    # magnitudes of 2**63 or more: model._plain_floats sends them down the checked path
-    return bool(values.size and not (values.max() < INT64_BOUND and values.min() > -INT64_BOUND))
 
 
 def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, floats: _Lists) -> ParsedRollout:
@@ -246,17 +232,17 @@ class LineReader:
         """The records of the lines taken, in order; ``None`` for a line whose values the general
         path must read (a mask value not 0/1, a version beyond ±2**53, a float beyond 2**63)."""
         refused: set[int] = set()
-        whole, starts, ends = self._masks.arrays(np.int64, _mask_bad, refused)
+        whole, starts, ends = self._masks.arrays(np.int64, mask_beyond, refused)
         narrow = whole.astype(np.int8)  # one conversion for every mask
         for (parsed, _), start, end in zip(self._masks.owners, starts, ends):
             parsed.mask = narrow[start:end]
-        whole, starts, ends = self._versions.arrays(np.int64, _version_bad, refused)
+        whole, starts, ends = self._versions.arrays(np.int64, versions_beyond, refused)
         for (parsed, name), start, end in zip(self._versions.owners, starts, ends):
             if name == "token_versions":
                 parsed.token_versions = whole[start:end]
             else:
                 parsed.spans = whole[start:end].reshape(-1, 2)
-        whole, starts, ends = self._floats.arrays(np.float64, _float_bad, refused)
+        whole, starts, ends = self._floats.arrays(np.float64, floats_beyond, refused)
         for (parsed, name), start, end in zip(self._floats.owners, starts, ends):
             if name in WEIGHT_FIELDS:
                 parsed.weights[name] = whole[start:end]

@@ -219,16 +219,12 @@ def _plain_envs(envs: Sequence[Any]) -> bool:
     return all(env is None or (type(env) is str and env) for env in distinct)
 
 
-def _strings_joined(texts: Sequence[Any]) -> str:
-    """The strings of ``texts`` joined (what the surrogate check reads): one C-level join
-    when every item is a string, none for a column of ``None`` (no group ids or envs), and
-    only the strings otherwise."""
-    try:
-        return "".join(texts)
-    except TypeError:
-        if texts.count(None) == len(texts):
-            return ""
-        return "".join([text for text in texts if isinstance(text, str)])
+def _texts_plain(ids: Sequence[Any], group_ids: Sequence[Any], envs: Sequence[Any]) -> bool:
+    """Whether no id, group id or env holds a lone surrogate: one encode of them all joined (a lone
+    surrogate stays one), none for a single rollout's ASCII strings."""
+    if len(ids) == 1 and _ascii(ids[0]) and _ascii(group_ids[0]) and _ascii(envs[0]):
+        return True
+    return lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is None
 
 
 def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
@@ -251,13 +247,11 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
                 verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
             seen.add(rid)
 
-    envs = batch.envs or ()
-    for name, texts in (("id", ids), ("group_id", batch.group_ids or ()), ("env", envs)):
-        # one C-level pass; names offenders only then
-        if lone_surrogate(_strings_joined(texts)) is not None:
+    group_ids, envs = batch.group_ids or (), batch.envs or ()
+    if not _texts_plain(ids, group_ids, envs):
+        for name, texts in (("id", ids), ("group_id", group_ids), ("env", envs)):
             for index, text in enumerate(texts):
-                at = lone_surrogate(text) if isinstance(text, str) else None
-                if isinstance(text, str) and at is not None:
+                if isinstance(text, str) and (at := lone_surrogate(text)) is not None:
                     verdicts.rollout(index, name, surrogate_reason(text, at))
     if not _plain_envs(envs):
         for index, env in enumerate(envs):
@@ -309,7 +303,7 @@ def _span_reason(rule: int, versions: IntArray, starts: IntArray, span: int, len
 
 
 def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
-    """The first of ``spans`` (ascending) in each sample: one Python step per sample, not per span."""
+    """The first of ``spans`` (ascending) in each sample: a Python step per sample, not span."""
     if spans.size == 0:
         return []
     _, first = np.unique(span_sample[spans], return_index=True)
@@ -403,13 +397,9 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
         values = getattr(batch, name)
         if values is not None and (len(values) != n_positions or values.ndim != 1):
             return False
-    if not _ids_new(ids, known_ids):
+    if not (_ids_new(ids, known_ids) and _texts_plain(ids, group_ids, envs) and _plain_envs(envs)):
         return False
-    if not (n_rollouts == 1 and _ascii(ids[0]) and _ascii(group_ids[0]) and _ascii(envs[0])) and (
-        lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None
-    ):
-        return False  # (one encode for all: a lone surrogate stays one when strings are joined)
-    return _plain_envs(envs) and (not positions or plain_values_of(batch))
+    return not positions or plain_values_of(batch)
 
 
 def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
@@ -429,7 +419,7 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
-    """The ``weight_versions`` spans have the shapes and obey the rules :func:`_check_spans` reads."""
+    """The ``weight_versions`` spans have the shapes and obey the rules of :func:`_check_spans`."""
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
     if offsets is None or versions is None or starts is None:
         return False
