@@ -401,24 +401,22 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
     (``booleans=False``: the JSON text holds no ``true`` / ``false``, a faster check of numbers)."""
     if not isinstance(raw, Mapping):
         raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
-    rid, dispatch, completion, source, agentic = check_head(raw)
+    rollout = head_rollout({k: v for k, v in raw.items() if k != "samples"})
     samples = raw.get("samples")
     if not isinstance(samples, list):
-        raise TraceError(rid, "samples", "required list of samples")
+        raise TraceError(rollout.id, "samples", "required list of samples")
     if not samples:
-        raise TraceError(rid, "samples", "must hold at least one sample")
-    echo = {k: v for k, v in raw.items() if k != "samples"}
-    return ParsedRollout(
-        id=rid,
-        dispatch_version=dispatch,
-        completion_version=completion,
-        frozen=source == "frozen",
-        agentic=agentic,
-        group_id=raw.get("group_id"),
-        env=raw.get("env"),
-        samples=[_parse_sample(rid, i, s, booleans) for i, s in enumerate(samples)],
-        echo=echo,
-    )
+        raise TraceError(rollout.id, "samples", "must hold at least one sample")
+    rollout.samples = [_parse_sample(rollout.id, i, s, booleans) for i, s in enumerate(samples)]
+    return rollout
+
+
+def head_rollout(head: dict[str, Any]) -> ParsedRollout:
+    """A record's fields but ``samples`` checked, as a rollout of no samples yet echoing them."""
+    rid, dispatch, completion, source, agentic = check_head(head)
+    frozen = source == "frozen"
+    group_id, env = head.get("group_id"), head.get("env")
+    return ParsedRollout(rid, dispatch, completion, frozen, agentic, group_id, env, [], head)
 
 
 def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:

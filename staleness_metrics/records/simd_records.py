@@ -26,7 +26,7 @@ except ImportError:  # no wheel for this Python: every line takes the general pa
 
 from ..errors import TraceError
 from .columnar import WEIGHT_FIELDS
-from .model import ParsedRollout, ParsedSample, check_head, floats_beyond, mask_beyond, versions_beyond
+from .model import ParsedRollout, ParsedSample, floats_beyond, head_rollout, mask_beyond, versions_beyond
 
 __all__ = ["AVAILABLE", "LineReader"]
 
@@ -117,9 +117,9 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
     items = _array(raw.get("samples"))
     if not len(items):
         raise _NotPlain
-    rid, dispatch, completion, source, agentic = check_head(head)
+    rollout = head_rollout(head)
 
-    samples: list[ParsedSample] = []
+    samples = rollout.samples
     lists = 1  # "samples" itself
     kinds = (masks, versions, floats)
     for item in items:
@@ -171,17 +171,7 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
         samples.append(parsed)
     if line.count(b"[") != lists:  # a nested list (as_buffer flattens it), or a "[" in a string
         raise _NotPlain
-    return ParsedRollout(
-        id=rid,
-        dispatch_version=dispatch,
-        completion_version=completion,
-        frozen=source == "frozen",
-        agentic=agentic,
-        group_id=head.get("group_id"),
-        env=head.get("env"),
-        samples=samples,
-        echo=head,
-    )
+    return rollout
 
 
 _NO_MASK = np.zeros(0, dtype=np.int8)

@@ -259,20 +259,16 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
                 verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
 
     live = ~np.asarray(batch.frozen, dtype=bool)
-    dispatch, completion = batch.dispatch_version, batch.completion_version
-    assert completion is not None
-    for index in np.flatnonzero(live & (dispatch < 0)).tolist():
-        verdicts.rollout(int(index), "dispatch_version", f"must be >= 0 on a live rollout, got {dispatch[index]}")
-    for index in np.flatnonzero(~live & (dispatch < -1)).tolist():
-        verdicts.rollout(int(index), "dispatch_version", f"must be >= 0, got {dispatch[index]}")
-    for index in np.flatnonzero(completion < -1).tolist():
-        verdicts.rollout(int(index), "completion_version", f"must be >= 0, got {completion[index]}")
-    for index in np.flatnonzero((completion >= 0) & (dispatch >= 0) & (completion < dispatch)).tolist():
-        verdicts.rollout(
-            int(index),
-            "completion_version",
-            f"{completion[index]} is below dispatch_version {dispatch[index]}",
-        )
+    d, c = batch.dispatch_version, batch.completion_version
+    assert c is not None
+    for wrong, name, reason in (
+        (live & (d < 0), "dispatch_version", "must be >= 0 on a live rollout, got {d}"),
+        (~live & (d < -1), "dispatch_version", "must be >= 0, got {d}"),
+        (c < -1, "completion_version", "must be >= 0, got {c}"),
+        ((c >= 0) & (d >= 0) & (c < d), "completion_version", "{c} is below dispatch_version {d}"),
+    ):
+        for index in np.flatnonzero(wrong).tolist():
+            verdicts.rollout(index, name, reason.format(d=d[index], c=c[index]))
 
     kind = batch.label_kind
     assert kind is not None
