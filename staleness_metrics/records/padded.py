@@ -1,9 +1,5 @@
-"""Padded ``[B, L]`` batches, the shape every trainer holds, as a :class:`RolloutBatch`.
-
-:func:`from_padded` (also :meth:`RolloutBatch.from_padded`) reads the rows (:mod:`.padded_rows` does
-the work); the way back, the caller's ``[B, L]`` arrays as a ship left them, is
-:func:`~staleness_metrics.engine.shipment.padded_shipment`.
-"""
+"""Padded ``[B, L]`` batches, the shape every trainer holds, as a :class:`RolloutBatch` (the way
+back is :func:`~staleness_metrics.engine.shipment.padded_shipment`)."""
 
 from __future__ import annotations
 

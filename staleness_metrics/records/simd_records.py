@@ -75,8 +75,9 @@ class _Lists:
         # per line taken (in the reader's order), the index of its first list
         self.firsts: list[int] = []
 
-    def drop_since(self, mark: int) -> None:
-        """Forget the lists of a line the general path will read."""
+    def drop_line(self) -> None:
+        """Forget the last line's lists (the general path will read it)."""
+        mark = self.firsts.pop()
         del self.buffers[mark:], self.sizes[mark:], self.owners[mark:]
 
     def clear(self) -> None:
@@ -201,21 +202,18 @@ class LineReader:
             # the general path names what is wrong; a fresh parser, in case a proxy holds this one
             self._parser = simdjson.Parser()
             return False
-        masks, versions, floats = self._masks, self._versions, self._floats
-        marks = len(masks.buffers), len(versions.buffers), len(floats.buffers)
+        kinds = (self._masks, self._versions, self._floats)
+        for kind in kinds:
+            kind.firsts.append(len(kind.buffers))
         try:
-            rollout = _rollout(document, line, masks, versions, floats)
+            rollout = _rollout(document, line, *kinds)
         except (_NotPlain, TraceError, TypeError, ValueError, RuntimeError):
-            masks.drop_since(marks[0])
-            versions.drop_since(marks[1])
-            floats.drop_since(marks[2])
+            for kind in kinds:
+                kind.drop_line()
             return False
         finally:
             del document
         self._rollouts.append(rollout)
-        masks.firsts.append(marks[0])
-        versions.firsts.append(marks[1])
-        floats.firsts.append(marks[2])
         return True
 
     def finish(self) -> list[ParsedRollout | None]:

@@ -17,7 +17,6 @@ from .plain_values import BatchRows, PositionCopies, plain_values
 __all__ = [
     "INT64_MAX",
     "INT64_MIN",
-    "MAX_STORED_DEPTH",
     "Verdicts",
     "check_batch",
     "check_text",
