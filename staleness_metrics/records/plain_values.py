@@ -148,13 +148,7 @@ def plain_values(
         return False
     if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1:
         return False  # (other shapes: the exact checks name them)
-    rl, ce, ref_kl = weights  # (written out: this runs once per small add)
-    rl, ce, ref_kl = (
-        empty if rl is None else rl,
-        empty if ce is None else ce,
-        empty if ref_kl is None else ref_kl,
-    )
-    logprobs = empty if logprobs is None else logprobs
+    rl, ce, ref_kl, logprobs = [empty if v is None else v for v in (*weights, logprobs)]
     for values in (rl, ce, ref_kl, logprobs):
         if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
             return False

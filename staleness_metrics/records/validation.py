@@ -218,12 +218,15 @@ def _plain_envs(envs: Sequence[Any]) -> bool:
     return all(env is None or (type(env) is str and env) for env in distinct)
 
 
-def _texts_plain(ids: Sequence[Any], group_ids: Sequence[Any], envs: Sequence[Any]) -> bool:
-    """Whether no id, group id or env holds a lone surrogate: one encode of them all joined (a lone
-    surrogate stays one), none for a single rollout's ASCII strings."""
-    if len(ids) == 1 and _ascii(ids[0]) and _ascii(group_ids[0]) and _ascii(envs[0]):
-        return True
-    return lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is None
+def _strings_joined(texts: Sequence[Any]) -> str:
+    """The strings of ``texts`` joined (what the surrogate check reads): one C-level join when
+    every item is a string, none for a column of ``None``, and only the strings otherwise."""
+    try:
+        return "".join(texts)
+    except TypeError:
+        if texts.count(None) == len(texts):
+            return ""
+        return "".join([text for text in texts if isinstance(text, str)])
 
 
 def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
@@ -246,9 +249,10 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
                 verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
             seen.add(rid)
 
-    group_ids, envs = batch.group_ids or (), batch.envs or ()
-    if not _texts_plain(ids, group_ids, envs):
-        for name, texts in (("id", ids), ("group_id", group_ids), ("env", envs)):
+    envs = batch.envs or ()
+    for name, texts in (("id", ids), ("group_id", batch.group_ids or ()), ("env", envs)):
+        # one C-level pass; names offenders only then
+        if lone_surrogate(_strings_joined(texts)) is not None:
             for index, text in enumerate(texts):
                 if isinstance(text, str) and (at := lone_surrogate(text)) is not None:
                     verdicts.rollout(index, name, surrogate_reason(text, at))
@@ -388,13 +392,17 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
         or not frozen.ndim == agentic.ndim == 1
     ):
         return False  # (the other arrays' lengths and shapes: plain_values_of)
-    for name in (*PER_POSITION_FLOATS, "token_versions"):
-        values = getattr(batch, name)
+    for values in (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights, batch.logprobs,
+                   batch.trainer_logprobs, batch.token_versions):  # fmt: skip
         if values is not None and (len(values) != n_positions or values.ndim != 1):
             return False
-    if not (_ids_new(ids, known_ids) and _texts_plain(ids, group_ids, envs) and _plain_envs(envs)):
+    if not _ids_new(ids, known_ids):
         return False
-    return not positions or plain_values_of(batch)
+    if not (n_rollouts == 1 and _ascii(ids[0]) and _ascii(group_ids[0]) and _ascii(envs[0])) and (
+        lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None
+    ):
+        return False  # (one encode for all: a lone surrogate stays one when strings are joined)
+    return _plain_envs(envs) and (not positions or plain_values_of(batch))
 
 
 def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
@@ -414,12 +422,25 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
-    """The ``weight_versions`` spans have the shapes and obey the rules of :func:`_check_spans`."""
+    """The ``weight_versions`` spans obey :func:`_check_spans`' rules (and the shapes it needs), in
+    a few whole-array reductions (a small add's spans: fewer numpy calls than the exact check)."""
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
     if offsets is None or versions is None or starts is None:
         return False
     if len(offsets) != batch.n_samples + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != len(versions):
         return False
-    if len(starts) != len(versions) or bool((offsets[1:] < offsets[:-1]).any()):
+    if len(starts) != len(versions):
         return False
-    return not any(_span_faults(offsets, versions, starts, np.diff(batch.position_offsets)))
+    if len(versions) == 0:
+        return not bool((offsets[1:] != 0).any())
+    if bool((offsets[1:] < offsets[:-1]).any()):
+        return False
+    if int(versions.min()) < -1 or int(starts.min()) < 0:
+        return False
+    counts = offsets[1:] - offsets[:-1]
+    span_end = np.repeat(batch.position_offsets[1:] - batch.position_offsets[:-1], counts)
+    if bool((starts >= span_end).any()):
+        return False
+    first = np.zeros(len(starts), dtype=bool)
+    first[offsets[:-1][counts > 0]] = True
+    return not bool((~first[1:] & (starts[1:] <= starts[:-1])).any())
