@@ -37,45 +37,31 @@ if typing.TYPE_CHECKING:
     from .records.model import Rollout, Sample
     from .replay.stream import read_events, run_events
 
-# public name -> the module (relative to this package) that defines it
-_HOME = {
-    "RolloutBatch": ".records.columnar",
-    "StalenessConfig": ".config",
-    "Decision": ".engine.decision",
-    "Judgement": ".engine.decision",
-    "ConfigError": ".errors",
-    "EventError": ".errors",
-    "FieldError": ".errors",
-    "FieldTypeError": ".errors",
-    "MissingFieldError": ".errors",
-    "StalenessError": ".errors",
-    "TraceError": ".errors",
-    "LEGACY_KEYS": ".metrics.metric_table",
-    "METRICS": ".metrics.metric_table",
-    "LegacyKey": ".metrics.metric_table",
-    "MetricDef": ".metrics.metric_table",
-    "MetricKind": ".metrics.metric_table",
-    "LAG_BUCKETS": ".metrics.mismatch",
-    "MismatchSums": ".metrics.mismatch",
-    "mismatch_sums": ".metrics.mismatch",
-    "StalenessMonitor": ".monitor",
-    "PaddedShipment": ".engine.shipment",
-    "padded_shipment": ".engine.shipment",
-    "EpisodePolicy": ".engine.policies",
-    "GroupPolicy": ".engine.policies",
-    "Policy": ".engine.policies",
-    "TokenPolicy": ".engine.policies",
-    "XtunerPolicy": ".engine.policies",
-    "Rollout": ".records.model",
-    "Sample": ".records.model",
-    "read_events": ".replay.stream",
-    "run_events": ".replay.stream",
-    "StepReport": ".metrics.report",
-    "Tally": ".metrics.report",
-    "Shipment": ".engine.shipment",
-    "ShippedRollout": ".engine.shipment",
-    "Sink": ".engine.sink",
+# the module (relative to this package) that defines each public name
+_HOMES = {
+    ".config": ("StalenessConfig",),
+    ".engine.decision": ("Decision", "Judgement"),
+    ".engine.policies": ("EpisodePolicy", "GroupPolicy", "Policy", "TokenPolicy", "XtunerPolicy"),
+    ".engine.shipment": ("PaddedShipment", "Shipment", "ShippedRollout", "padded_shipment"),
+    ".engine.sink": ("Sink",),
+    ".errors": (
+        "ConfigError",
+        "EventError",
+        "FieldError",
+        "FieldTypeError",
+        "MissingFieldError",
+        "StalenessError",
+        "TraceError",
+    ),
+    ".metrics.metric_table": ("LEGACY_KEYS", "METRICS", "LegacyKey", "MetricDef", "MetricKind"),
+    ".metrics.mismatch": ("LAG_BUCKETS", "MismatchSums", "mismatch_sums"),
+    ".metrics.report": ("StepReport", "Tally"),
+    ".monitor": ("StalenessMonitor",),
+    ".records.columnar": ("RolloutBatch",),
+    ".records.model": ("Rollout", "Sample"),
+    ".replay.stream": ("read_events", "run_events"),
 }
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
 
 __all__ = [
     "LAG_BUCKETS",
@@ -119,8 +105,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> typing.Any:
-    """Import the module defining a public name on first use, and keep the
-    name here from then on."""
+    """Import the module defining a public name on first use, and keep the name here."""
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

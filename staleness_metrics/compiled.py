@@ -1,12 +1,5 @@
-"""Loops compiled by numba on their first call, beside the concept each computes.
-
-Every compiled pass of the package (the cut into spans in :mod:`.engine.cuts`, the population
-metrics in :mod:`.metrics.population`, the mismatch sums in :mod:`.metrics.mismatch_kernel`, the
-record checks in :mod:`.records.plain_values`, ...) is a plain Python function decorated with
-:class:`CompiledLoop`: numba is imported on the first call, not with the package, and the machine
-code is cached on disk across processes. Each loop has the numpy formulation it replaced in the
-tests, checked equal on random inputs.
-"""
+"""Loops compiled by numba on their first call: each compiled pass of the package is a plain
+Python function beside its concept, decorated with :class:`CompiledLoop`."""
 
 from __future__ import annotations
 
@@ -23,14 +16,12 @@ UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class CompiledLoop:
-    """``loop`` compiled by numba on its first call (numba is imported then, not with the package),
-    for the argument types it gets; the machine code is cached on disk across processes.
+    """``loop`` compiled by numba on its first call (numba is imported then, not with the
+    package); the machine code is cached on disk across processes.
 
-    ``options`` are numba's (``error_model="numpy"``: a float division by zero gives inf or NaN as
-    in numpy, with no check that stops LLVM from vectorising the loop). ``callees`` are loops the
-    loop calls by a module-level name, compiled first with their own options
-    (``fastmath={"reassoc"}`` lets LLVM add a sum in vector lanes, which only such a callee may do:
-    the loop's own arithmetic stays exact).
+    ``options`` are numba's. ``callees`` are loops it calls by a module-level name, compiled first
+    with their own options (``fastmath={"reassoc"}`` only in a callee: the loop's own arithmetic
+    stays exact).
     """
 
     def __init__(
@@ -62,6 +53,5 @@ class CompiledLoop:
         return self._compiled(*args)
 
     def loaded(self) -> Callable[..., Any]:
-        """The compiled loop itself once it is loaded (a call skips this
-        wrapper), else this wrapper."""
+        """The compiled loop once loaded (a call skips this wrapper), else this wrapper."""
         return self._compiled or self

@@ -1,8 +1,8 @@
 """One step's mismatch sums reduced over a torch.distributed process group (SPEC 11, several ranks).
 
-Each rank sums its own tokens with :func:`~staleness_metrics.mismatch_sums` (on its GPU when the tensors
-are there); :func:`all_reduce` adds the ranks' sums in one collective and returns the group's total on
-every rank, so rank 0 alone records it (``monitor.record_mismatch``) or posts it, once per step::
+Each rank sums its own tokens with :func:`~staleness_metrics.mismatch_sums`; :func:`all_reduce`
+adds the ranks' sums in one collective and returns the group's total on every rank, for rank 0 to
+record::
 
     from staleness_metrics.distributed import all_reduce
 
@@ -10,11 +10,9 @@ every rank, so rank 0 alone records it (``monitor.record_mismatch``) or posts it
     if torch.distributed.get_rank() == 0:
         monitor.record_mismatch(step, sums)
 
-Every field of :class:`~staleness_metrics.MismatchSums` is a sum (counts per lag bucket, float sums per lag
-bucket, the uncovered count): there is no extremum to reduce, and every ratio (k3, ESS, excess) is derived
-from the total afterwards. So one ``SUM`` over one packed float64 tensor is the whole reduction. The
-counts travel as float64, exact while the group's total stays below 2**53 (checked); the float sums add
-to float64 rounding. torch is imported when this module is, never by ``import staleness_metrics``.
+Every field of :class:`~staleness_metrics.MismatchSums` is a sum (ratios are derived from the total
+afterwards), so one ``SUM`` over one packed float64 tensor is the whole reduction; counts stay exact
+below 2**53 (checked). torch is imported by this module, never by ``import staleness_metrics``.
 """
 
 from __future__ import annotations
@@ -32,9 +30,8 @@ from .metrics.mismatch import COUNT_FIELDS, SUM_FIELDS, MismatchSums
 __all__ = ["all_reduce"]
 
 _FIELDS = (*COUNT_FIELDS, *SUM_FIELDS)
-# The packed layout: a bucket fingerprint (each rank adds its own: the total is the
-# group's size times it only if every rank has these buckets), the uncovered count, then
-# one row of N_BUCKETS per field.
+# The packed layout: a bucket fingerprint (the total is the group's size times it only if every
+# rank has these buckets), the uncovered count, then one row of N_BUCKETS per field.
 _FINGERPRINT = float(N_BUCKETS) + sum(int(b) for b in LAG_BUCKETS if b != "inf") / 1024
 _EXACT = float(2**53)
 
@@ -42,17 +39,14 @@ _EXACT = float(2**53)
 def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
     """The sum of every rank's ``sums`` over ``group`` (the default group when None), on every rank.
 
-    Every rank of the group must call it once per step, with its own sums (``MismatchSums.zero()``
-    for a rank without tokens). The collective is one ``all_reduce(SUM)`` of a float64 tensor of
-    ``2 + 8 * len(LAG_BUCKETS)`` values, placed on the CPU when the group's backend reduces CPU
-    tensors (gloo, MPI, UCC, or a ``"cpu:gloo,cuda:nccl"`` pair) and on the current accelerator
-    otherwise (NCCL: ``torch.cuda.current_device()``, which must be the rank's own GPU, as for any
-    NCCL collective).
+    Every rank of the group calls it once per step (``MismatchSums.zero()`` for a rank without
+    tokens). The tensor is on the CPU when the backend reduces CPU tensors (gloo, MPI, UCC, or a
+    ``"cpu:gloo,cuda:nccl"`` pair), else on the current accelerator (the rank's own GPU for NCCL).
 
-    Raises :class:`~staleness_metrics.errors.FieldError` naming the argument (or its field) when
-    ``sums`` is not a ``MismatchSums`` of numpy arrays, one value per lag bucket, or its counts
-    could overflow the reduction, and when the ranks disagree on the lag buckets;
-    :class:`~staleness_metrics.errors.ConfigError` when torch.distributed is not initialised.
+    Raises :class:`~staleness_metrics.errors.FieldError` naming the field when ``sums`` is not a
+    ``MismatchSums`` of one value per lag bucket, its counts could overflow, or the ranks' lag
+    buckets differ; :class:`~staleness_metrics.errors.ConfigError` when torch.distributed is not
+    initialised.
     """
     rows = _checked(sums)
     if not (dist.is_available() and dist.is_initialized()):
@@ -69,8 +63,7 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
 
 
 def _device_for(backend: str) -> torch.device:
-    """Where the group reduces: the CPU if its backend takes CPU tensors, else
-    the current accelerator."""
+    """The CPU if the backend takes CPU tensors, else the current accelerator."""
     names = backend.lower()
     if names.startswith("cpu:") or ",cpu:" in names or names in ("gloo", "mpi", "ucc"):
         return torch.device("cpu")
@@ -83,8 +76,7 @@ def _device_for(backend: str) -> torch.device:
 
 
 def _checked(sums: MismatchSums) -> list[np.ndarray[Any, np.dtype[np.float64]]]:
-    """The fields as float64 rows, each checked: a bad one is named before any
-    rank waits on the others."""
+    """The fields as float64 rows, checked before any rank waits on the others."""
     if not isinstance(sums, MismatchSums):
         raise FieldError("sums", f"expected MismatchSums (from mismatch_sums), got {type(sums).__name__}")
     rows = []

@@ -1,9 +1,5 @@
-"""Run independent passes over large arrays on a small shared thread pool.
-
-numpy releases the GIL inside its loops, and so do the compiled loops (:mod:`.compiled`), so reading
-several position arrays at once uses the machine's cores; small inputs stay on the calling thread,
-where a hand-off would cost more.
-"""
+"""Run independent passes over large arrays on a small shared thread pool (numpy and the compiled
+loops release the GIL); small inputs stay on the calling thread."""
 
 from __future__ import annotations
 
@@ -28,8 +24,7 @@ _pool_lock = threading.Lock()
 
 
 def _forget_pool() -> None:
-    """In a forked child: the parent's pool threads are not there, so a first
-    use starts a new pool."""
+    """In a forked child, whose parent's pool threads are not there: a first use starts one."""
     global _pool, _pool_lock
     _pool = None
     _pool_lock = threading.Lock()
@@ -48,8 +43,7 @@ def _executor() -> ThreadPoolExecutor:
 
 
 def run_all(tasks: Sequence[Callable[[], T]], positions: int) -> list[T]:
-    """Results of ``tasks`` in order; run concurrently when they read at least
-    ``positions`` values."""
+    """Results of ``tasks`` in order, run concurrently when they read enough ``positions``."""
     if len(tasks) < 2 or _WORKERS < 2 or positions < PARALLEL_MIN_POSITIONS:
         return [task() for task in tasks]
     futures = [_executor().submit(task) for task in tasks]

@@ -1,11 +1,7 @@
-"""The checked reading and exact writing of checkpoint states (SPEC 13), for every
-object that saves its own.
-
-A state is plain data (ints, floats, strings, booleans, None, lists and dicts). Reading one back
-checks each value as it goes and refuses the first wrong one with
-``ConfigError("checkpoint: <key path>: <reason>")``; arrays are written with their dtype
-(:func:`encode_array`) and read back exactly (:func:`decode_array`); a digest per top-level key
-(:func:`digests_of`) catches a value changed to another plausible one.
+"""The checked reading and exact writing of checkpoint states (SPEC 13), for every object that
+saves its own: plain data read back value by value, refusing the first wrong one with
+``ConfigError("checkpoint: <key path>: <reason>")``; arrays kept with their dtype; a digest per
+top-level key catches a value changed to another plausible one.
 """
 
 from __future__ import annotations
@@ -79,8 +75,7 @@ def mapping(value: object, path: str) -> Mapping[str, Any]:
 
 
 def keys(value: object, path: str, required: Collection[str], optional: Collection[str] = ()) -> Mapping[str, Any]:
-    """``value`` as a mapping holding every ``required`` key, and no key outside
-    ``required``/``optional``."""
+    """``value`` as a mapping of every ``required`` key and no key but ``optional`` ones."""
     found = mapping(value, path)
     for key in required:
         if key not in found:
@@ -123,14 +118,10 @@ def sequence(value: object, path: str, length: int | None = None) -> Sequence[An
 
 
 def strings(value: object, path: str, optional: bool = False, unique: bool = False) -> list[Any]:
-    items = sequence(value, path)
-    bad = next(
-        (i for i, item in enumerate(items) if not (isinstance(item, str) or (optional and item is None))),
-        None,
-    )
-    if bad is not None:
-        string(items[bad], join(path, bad), optional)
-    out = list(items)
+    out = list(sequence(value, path))
+    for index, item in enumerate(out):
+        if not (isinstance(item, str) or (optional and item is None)):
+            string(item, join(path, index), optional)
     if unique and len(set(out)) != len(out):
         seen: set[Any] = set()
         repeated = next(item for item in out if item in seen or seen.add(item))  # type: ignore[func-returns-value]
@@ -139,17 +130,13 @@ def strings(value: object, path: str, optional: bool = False, unique: bool = Fal
 
 
 # ---------------------------------------------------------------------- JSON text in pieces
-# Arrays of more values than this are encoded a piece of this many values at a time: orjson reserves an
-# output buffer for the longest text of each value (about 32 bytes for an int8, 70 for a float64); only
-# the pages written become resident, but a piece cut by bytes reserved 32 MB for 1M int8 values.
+# Arrays of more values are encoded this many values at a time (orjson reserves an output buffer
+# for the longest text of each value: 32 MB for 1M int8 values whole).
 PIECE_ITEMS = 1 << 16
-# Nesting that :func:`json_pieces` follows when given a limit: far below orjson's own (254 levels),
-# so that text it writes in pieces is text orjson would have written whole, never past the point
-# where orjson refuses. Deeper values are for the caller to encode whole.
+# Nesting json_pieces follows when given a limit: far below orjson's (254), so text written in
+# pieces is text orjson would have written whole. Deeper values are encoded whole by the caller.
 PIECED_DEPTH = 100
-# The arrays orjson writes natively (C-contiguous, native byte order): one of them cut into
-# blocks of rows is the same text. Any other goes to orjson whole, to be refused or handed to
-# ``default`` as it would be.
+# dtypes orjson writes natively (an array cut into blocks of rows is the same text)
 _PIECED_DTYPES = frozenset(
     np.dtype(t)
     for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -174,16 +161,11 @@ def json_pieces(
     default: Callable[[Any], Any] | None = None,
     max_depth: int | None = None,
 ) -> Iterator[bytes]:
-    """``orjson.dumps(value, default=default, option=option)`` as consecutive pieces
-    whose concatenation is that text byte for byte, so that a value holding arrays of
-    millions of values (a checkpoint's queue, a long record) is hashed or stored without
-    its whole text in memory at once.
-
-    A dict, list or tuple holding no numpy object is written whole, by one orjson call (its text is
-    no larger than its Python objects); one that holds some is written an item at a time, and an
-    array of more than :data:`PIECE_ITEMS` values a block of rows at a time. Raises what
-    ``orjson.dumps`` raises, and :class:`NestedTooDeep` when it would follow more than
-    ``max_depth`` containers."""
+    """``orjson.dumps(value, default=default, option=option)`` as pieces whose concatenation is
+    that text byte for byte, so a value holding arrays of millions of values is hashed or stored
+    without its whole text in memory. A container holding no numpy object is one orjson call, one
+    that does is written an item at a time, a long array :data:`PIECE_ITEMS` values at a time.
+    Raises what ``orjson.dumps`` raises, and :class:`NestedTooDeep` past ``max_depth``."""
     sort_keys = bool(option & orjson.OPT_SORT_KEYS)
     plain_option = option & ~orjson.OPT_SERIALIZE_NUMPY
 
@@ -198,9 +180,8 @@ def json_pieces(
         return default(item)
 
     def without_numpy(item: Any, path: tuple[type, ...]) -> bytes | None:
-        """``item``'s text if it holds no numpy object, else None. It is written inside containers
-        of the kinds of its ``path`` (then cut out), so that orjson refuses it exactly where it
-        would refuse it inside the whole value (orjson limits nesting)."""
+        """``item``'s text if it holds no numpy object, else None; written inside containers of
+        its ``path``'s kinds (then cut out), so orjson's nesting limit applies as in the whole."""
         wrapped, head, tail = item, 0, 0
         for kind in reversed(path):
             if kind is dict:
@@ -270,10 +251,8 @@ _DIGEST_OPTION = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 def _digest(value: Any, path: str) -> str:
-    """A hash of ``value``'s canonical JSON (orjson: a tenth of the standard library's time on big
-    arrays; the standard library for what orjson refuses, such as integers beyond 64 bits in echoed
-    records). The text is hashed a piece at a time (:func:`json_pieces`): a state of millions of
-    queued positions costs no copy of its text."""
+    """A hash of ``value``'s canonical JSON, hashed in pieces (:func:`json_pieces`); the standard
+    library's for what orjson refuses (integers beyond 64 bits in echoed records)."""
     digest = hashlib.blake2b(digest_size=16)
     try:
         for piece in json_pieces(value, _DIGEST_OPTION, default=_plain, max_depth=PIECED_DEPTH):
@@ -299,15 +278,12 @@ def _standard_digest(value: Any, path: str) -> str:
 
 
 def digests_of(state: Mapping[str, Any], skip: Collection[str] = ()) -> dict[str, str]:
-    """A digest of each top-level value (but ``skip``): loading checks them, so a value
-    changed after the save (by hand, by a damaged file) is refused by its key even where it
-    would look plausible."""
+    """A digest of each top-level value (but ``skip``), which loading checks."""
     return {key: _digest(value, key) for key, value in state.items() if key not in skip}
 
 
 def check_digests(state: Mapping[str, Any], path: str, skip: Collection[str] = ()) -> None:
-    """Refuse a format-2 state whose values differ from the digests saved with
-    them (format 1 has none)."""
+    """Refuse a state whose values differ from its digests (format 1 has none)."""
     if state["format"] == 1:
         return
     saved = keys(
@@ -327,44 +303,27 @@ def check_digests(state: Mapping[str, Any], path: str, skip: Collection[str] = (
 
 def check_format(state: Any, what: str, path: str = "") -> Mapping[str, Any]:
     """Refuse a checkpoint of another format version, or something that is not one."""
+    where = join(path, "format")
     if not isinstance(state, Mapping) or "format" not in state:
-        raise ConfigError(f"checkpoint: {join(path, 'format')}: missing: not a {what} checkpoint (no 'format' field)")
+        fail(where, f"missing: not a {what} checkpoint (no 'format' field)")
     if isinstance(state["format"], bool) or state["format"] not in READABLE_FORMATS:
-        raise ConfigError(
-            f"checkpoint: {join(path, 'format')}: unknown {what} checkpoint format "
-            f"{state['format']!r} (this version reads formats "
-            f"{', '.join(map(str, READABLE_FORMATS))})"
-        )
+        readable = ", ".join(map(str, READABLE_FORMATS))
+        unknown = f"unknown {what} checkpoint format {state['format']!r}"
+        fail(where, f"{unknown} (this version reads formats {readable})")
     return state
 
 
 # ---------------------------------------------------------------------- values
 _NUMPY_DATA: ContextVar[bool] = ContextVar("numpy_data", default=False)
 # dtypes whose numpy text in orjson is byte for byte that of their list (float32 is written shorter)
-_SAME_TEXT_AS_LIST = frozenset(
-    np.dtype(t)
-    for t in (
-        np.bool_,
-        np.int8,
-        np.int16,
-        np.int32,
-        np.int64,
-        np.uint8,
-        np.uint16,
-        np.uint32,
-        np.uint64,
-        np.float64,
-    )
-)
+_SAME_TEXT_AS_LIST = _PIECED_DTYPES - {np.dtype(np.float32)}
 
 
 @contextmanager
 def arrays_left_as_numpy() -> Iterator[None]:
-    """Within it, :func:`encode_array` leaves ``data`` as the contiguous numpy array (of the dtypes
-    orjson writes exactly as it writes their list) instead of a list: for a writer that serialises
-    with orjson's ``OPT_SERIALIZE_NUMPY`` (the service's snapshots), a state of millions of queued
-    positions then costs its text, not a Python object per value (8 to 32 bytes each). The text, and
-    so every digest, is the same either way."""
+    """Within it, :func:`encode_array` leaves ``data`` a numpy array (of dtypes orjson writes as
+    their list) for a writer using ``OPT_SERIALIZE_NUMPY``: no Python object per value, the same
+    text and digests."""
     token = _NUMPY_DATA.set(True)
     try:
         yield
@@ -373,9 +332,8 @@ def arrays_left_as_numpy() -> Iterator[None]:
 
 
 def encode_array(values: npt.NDArray[Any]) -> dict[str, Any]:
-    """An array as ``{"dtype", "data"}``, exactly. JSON has no NaN or infinity: non-finite
-    floats (NaN means "missing" in ``trainer_logprobs``) are written as 0 with their
-    positions listed beside."""
+    """An array as ``{"dtype", "data"}``, exactly; non-finite floats are written as 0 with their
+    positions listed beside (JSON has no NaN)."""
     out: dict[str, Any] = {"dtype": values.dtype.str}
     if values.dtype.kind == "f" and not np.isfinite(values).all():
         for name, where in (
@@ -399,8 +357,7 @@ _KIND_NAMES = {"b": "true/false", "i": "integer", "u": "integer", "f": "numeric"
 
 
 def decode_array(encoded: Any, path: str = "array", dtype: npt.DTypeLike | None = None) -> npt.NDArray[Any]:
-    """The array of :func:`encode_array`; ``dtype`` is the one it must have (else
-    any flat numeric one)."""
+    """The array of :func:`encode_array`, of ``dtype`` when given (else any numeric one)."""
     found = keys(encoded, path, ("dtype", "data"), ("nan", "posinf", "neginf"))
     name = string(found["dtype"], join(path, "dtype"))
     try:

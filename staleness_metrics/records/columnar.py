@@ -1,9 +1,6 @@
-"""The columnar form of rollouts: flat per-position arrays with sample and rollout offsets.
-
-An orchestrator that already holds numpy arrays builds a :class:`RolloutBatch` around them without a
-per-token copy; the sink masks those very arrays in place. Records given as dicts are packed into
-the same form by :mod:`staleness_metrics.records.model`.
-"""
+"""The columnar form of rollouts: flat per-position arrays with sample and rollout offsets, built
+around a caller's arrays without a copy (the sink masks them in place) or packed from records by
+:mod:`staleness_metrics.records.model`."""
 
 from __future__ import annotations
 
@@ -80,11 +77,9 @@ class RolloutBatch:
     span_starts: IntArray | None = None
     label_kind: npt.NDArray[np.int8] | None = None
     present: dict[str, BoolArray] = field(default_factory=dict)
-    # Record fields to echo back in shipped output (dict-sourced rollouts);
-    # None = build from columns.
+    # record fields echoed in shipped output (records only); None: built from the columns
     echo: list[dict[str, Any]] | None = None
-    # Set by from_padded: the [B, L] rows the flat arrays came from
-    # (engine.shipment.padded_shipment reads it).
+    # from_padded's [B, L] rows (engine.shipment.padded_shipment reads it)
     padded: PaddedLayout | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -124,14 +119,12 @@ class RolloutBatch:
 
     @classmethod
     def from_padded(cls, ids: Sequence[str], mask: Any, **columns: Any) -> RolloutBatch:
-        """One rollout per row of ``[B, L]`` arrays: the arguments of
-        :func:`~staleness_metrics.records.padded_rows.padded_columns`."""
+        """One rollout per row of ``[B, L]`` arrays (:func:`.padded.from_padded`)."""
         return cls(**padded_columns(ids, mask, **columns))
 
     def rollouts_in(self, start: int, stop: int) -> RolloutBatch:
-        """Rollouts ``start`` to ``stop - 1`` as a batch of views of this one's arrays (offsets
-        from 0): masking it masks these positions. A padded batch's rows are not kept
-        (``padded`` is None)."""
+        """Rollouts ``start`` to ``stop - 1`` as views of this batch's arrays (offsets from 0;
+        ``padded`` is None)."""
         s0, s1 = int(self.sample_offsets[start]), int(self.sample_offsets[stop])
         p0, p1 = int(self.position_offsets[s0]), int(self.position_offsets[s1])
         part = copy.copy(self)  # (checked and converted already: no __post_init__ again)
@@ -149,10 +142,8 @@ class RolloutBatch:
         if self.span_offsets is not None and self.span_versions is not None and self.span_starts is not None:
             t0, t1 = int(self.span_offsets[s0]), int(self.span_offsets[s1])
             part.span_offsets = self.span_offsets[s0 : s1 + 1] - t0
-            part.span_versions, part.span_starts = (
-                self.span_versions[t0:t1],
-                self.span_starts[t0:t1],
-            )
+            part.span_versions = self.span_versions[t0:t1]
+            part.span_starts = self.span_starts[t0:t1]
         part.present = {name: flags[s0:s1] for name, flags in self.present.items()}
         part.padded = None
         return part

@@ -1,11 +1,7 @@
 """JSON in and out of the replay paths, through orjson (docs/decisions.md says why).
 
-orjson decodes several times faster than the standard library and encodes numpy arrays natively
-(``OPT_SERIALIZE_NUMPY``), so shipped arrays are written without a per-position ``tolist()``. Where
-orjson refuses a line the standard library accepts (``NaN`` literals, integers beyond 64 bits, lone
-surrogates), or might read differently (integers beyond 64 bits, which orjson turns into floats),
-the line is decoded by the standard library: what a line means never depends on which decoder read
-it, and the validation names the offending field as before.
+A line orjson refuses or might read differently (``NaN`` literals, integers beyond 64 bits, lone
+surrogates) is decoded by the standard library: what a line means never depends on the decoder.
 """
 
 from __future__ import annotations
@@ -32,10 +28,8 @@ DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 
-# orjson reads an integer beyond 64 bits as a float (2**64 becomes 1.8446744073709552e19) where
-# the standard library keeps it an int, which the validation refuses. Such an integer has 19
-# digits or more: a line with a run of 19 digits is decoded by the standard library. Digits map
-# to "0", all else to " ".
+# orjson reads an integer beyond 64 bits as a float: a line with a run of 19 digits is decoded by
+# the standard library. Digits map to "0", all else to " ".
 _DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
 _LONG_NUMBER = b"0" * 19
 
@@ -46,20 +40,15 @@ def has_long_integer(raw: bytes | bytearray) -> bool:
 
 
 def loads(text: str | bytes) -> Any:
-    """Decode one JSON document; raises :class:`json.JSONDecodeError` (the
-    standard library's message)."""
+    """Decode one JSON document; raises :class:`json.JSONDecodeError`."""
     return loads_checked(text)[0]
 
 
 def loads_checked(text: str | bytes) -> tuple[Any, bool]:
-    """:func:`loads`, and whether every string decoded is known to be valid Unicode.
-
-    ``True`` when orjson read the line (it refuses lone surrogates and invalid UTF-8). ``False``
-    when the standard library read it: its strings may hold lone surrogates (a ``\\ud800`` escape,
-    or a byte of invalid UTF-8, decoded as the surrogate ``surrogateescape`` makes of it) for the
-    caller to look for. Bytes are decoded as UTF-8 here, never by the standard library's guess at
-    their encoding (which takes a line with NUL bytes for UTF-32); arrays or objects nested too
-    deeply raise :class:`json.JSONDecodeError` too, not :class:`RecursionError`.
+    """:func:`loads`, and whether every string decoded is known to be valid Unicode (orjson read
+    it); else its strings may hold lone surrogates (an escape, or invalid UTF-8 bytes) for the
+    caller to look for. Bytes are decoded as UTF-8; nesting too deep raises
+    :class:`json.JSONDecodeError` too.
     """
     try:
         value = orjson.loads(text)
@@ -72,8 +61,7 @@ def loads_checked(text: str | bytes) -> tuple[Any, bool]:
 
 def _standard_loads(text: str | bytes) -> Any:
     if isinstance(text, bytes):
-        # as json.loads reads UTF-8 (a byte order mark skipped); invalid
-        # bytes become lone surrogates
+        # UTF-8 as json.loads reads it (never its guess at UTF-32); bad bytes become surrogates
         text = text.decode("utf-8-sig", "surrogateescape")
     try:
         return json.loads(text)
@@ -93,18 +81,13 @@ def _default(value: object) -> object:
 
 
 def dumps(value: Any) -> bytes:
-    """Encode ``value`` (numpy arrays and scalars included) as compact UTF-8 JSON.
-
-    Callers pass finite numbers only (weights, log-probabilities and metrics are finite by
-    validation): orjson would write a NaN as ``null``. float32 arrays are widened to float64 first
-    by the callers, so that a value prints as the float64 the standard library printed before.
-    """
+    """Encode ``value`` (numpy arrays and scalars included) as compact UTF-8 JSON; callers pass
+    finite numbers (orjson writes NaN as ``null``), float32 arrays widened to float64."""
     return orjson.dumps(value, default=_default, option=_OPTIONS)
 
 
 def dumps_line(value: Any) -> bytes:
-    """:func:`dumps` with a newline after it, written by the encoder (no copy of a
-    long line to add it)."""
+    """:func:`dumps` with a newline after it, written by the encoder (no copy of the line)."""
     return orjson.dumps(value, default=_default, option=_OPTIONS | orjson.OPT_APPEND_NEWLINE)
 
 
@@ -115,13 +98,8 @@ _EMPTY_LIST = orjson.Fragment(b"[]")
 
 
 def zero_one_floats(arrays: Sequence[npt.NDArray[np.float64]]) -> list[orjson.Fragment] | None:
-    """The JSON orjson writes for each float64 array, made by table look-up, when every value of
-    every array is 0.0 or 1.0 (loss weights usually are); ``None`` when some value is not.
-
-    orjson writes 0.0 as ``0.0`` and 1.0 as ``1.0``: every value is four bytes with its comma, so
-    the text of all the arrays is one look-up and each array's text a slice of it (several times
-    faster than formatting each float). One check covers all the arrays (the values of one ship).
-    """
+    """The JSON orjson writes for each float64 array, by one table look-up (every value is four
+    bytes with its comma), when every value is 0.0 or 1.0 (loss weights usually are); else None."""
     if not arrays:
         return []
     bits = np.concatenate(arrays).view(np.uint64)  # -0.0 (written "-0.0") is neither bit pattern

@@ -1,15 +1,14 @@
 """Rollout records (SPEC 3) as dicts / JSON: type checks and packing into a :class:`RolloutBatch`.
 
-This module checks what JSON can get wrong (types, shapes, required fields). Value rules (0/1 masks,
-lengths, span order, finite weights, version ranges) are checked once, on the columnar form, by
-:mod:`staleness_metrics.records.validation`, whichever way the rollouts arrived.
+Only what JSON can get wrong (types, shapes, required fields) is checked here; the value rules are
+checked once, on the columnar form, by :mod:`staleness_metrics.records.validation`.
 """
 
 from __future__ import annotations
 
 import array as _array_module
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from itertools import accumulate, chain
 from typing import Any
@@ -17,8 +16,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..compiled import UNSIGNED_OF_SIZE
 from ..errors import TraceError
-from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, WEIGHT_FIELDS, RolloutBatch
 from .validation import INT64_MAX, INT64_MIN, check_text, printable_id, span_fault
 
 __all__ = [
@@ -30,25 +30,6 @@ __all__ = [
     "pack",
     "parse_rollout",
 ]
-
-_ROLLOUT_FIELDS = {
-    "id",
-    "group_id",
-    "env",
-    "source",
-    "dispatch_version",
-    "completion_version",
-    "agentic",
-    "samples",
-}
-_SAMPLE_FIELDS = {
-    "mask",
-    "weight_versions",
-    "token_versions",
-    *WEIGHT_FIELDS,
-    "logprobs",
-    "trainer_logprobs",
-}
 
 
 def _plain(values: Any) -> Any:
@@ -75,13 +56,7 @@ class Sample:
 
     def to_record(self) -> dict[str, Any]:
         record = {"mask": _plain(self.mask)}
-        for name in (
-            "weight_versions",
-            "token_versions",
-            *WEIGHT_FIELDS,
-            "logprobs",
-            "trainer_logprobs",
-        ):
+        for name in _SAMPLE_FIELDS[1:]:
             if getattr(self, name) is not None:
                 record[name] = _plain(getattr(self, name))
         return record
@@ -112,6 +87,11 @@ class Rollout:
         return record
 
 
+# a record's fields, in the order to_record writes them
+_SAMPLE_FIELDS = tuple(f.name for f in fields(Sample))
+_ROLLOUT_FIELDS = frozenset(f.name for f in fields(Rollout))
+
+
 @dataclass
 class ParsedSample:
     mask: npt.NDArray[np.int8]
@@ -122,8 +102,7 @@ class ParsedSample:
     weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
     logprobs: npt.NDArray[np.float64] | None = None
     trainer_logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing
-    # The per-position arrays the parse made (shared with no caller's record), which
-    # pack(adopt=True) may hand to the batch without a copy.
+    # the arrays the parse made (no caller shares them): pack(adopt=True) keeps them uncopied
     fresh: set[str] = field(default_factory=set)
 
 
@@ -142,15 +121,32 @@ class ParsedRollout:
 
 @dataclass(frozen=True)
 class UnparsedRollout:
-    """A record :func:`parse_rollout` refused: its error, and its env (counted
-    per env when set aside)."""
+    """A record :func:`parse_rollout` refused: its error, and its env (counted per env)."""
 
     error: TraceError
     env: str | None
 
 
 MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
+INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
 COMPACT_MASK_MIN_POSITIONS = 1 << 20  # a packed batch of this many positions keeps its mask as int8
+
+
+def versions_beyond(values: npt.NDArray[Any]) -> bool:
+    """Whether some version is beyond ±:data:`MAX_VERSION`."""
+    if not values.size:
+        return False
+    return int(values.max()) > MAX_VERSION or int(values.min()) < -MAX_VERSION
+
+
+def floats_beyond(values: npt.NDArray[Any]) -> bool:
+    """Whether some value is NaN or of magnitude 2**63 or more (the checked path reads them)."""
+    return bool(values.size and not (values.max() < INT64_BOUND and values.min() > -INT64_BOUND))
+
+
+def mask_beyond(values: npt.NDArray[Any]) -> bool:
+    """Whether some value of an integer mask is not 0 or 1 (as unsigned, a negative is huge)."""
+    return bool(values.size and values.view(UNSIGNED_OF_SIZE[values.itemsize]).max() > 1)
 
 
 def _is_int(value: object) -> bool:
@@ -158,11 +154,8 @@ def _is_int(value: object) -> bool:
 
 
 def _array(rid: str, name: str, value: object, kinds: str, expected: str, booleans: bool = True) -> npt.NDArray[Any]:
-    """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced.
-
-    ``booleans=False`` says the caller knows no boolean can be in ``value`` (its JSON text has
-    none): the per-element search for one is skipped.
-    """
+    """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced
+    (``booleans=False``: the JSON text has no boolean to look for)."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds.replace("b", ""):
         return value  # already exact (the service turns long lists into arrays as it reads them)
     if not isinstance(value, list):
@@ -172,19 +165,14 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
     except (ValueError, OverflowError):
         array = np.array(value, dtype=object)
     if array.dtype.kind in "uOf" and array.size and not _within_int64(array):
-        # an integer beyond signed 64 bits (numpy reads it as uint64, an object or a float): no
-        # store keeps it exactly, and as a weight it would be silently rounded
+        # an integer beyond signed 64 bits: no store keeps it, and a weight would be rounded
         for i, v in enumerate(value):
             if _is_int(v) and not INT64_MIN <= v <= INT64_MAX:
                 raise TraceError(rid, f"{name}[{i}]", f"integer {v} is outside the signed 64-bit range")
     if array.ndim != 1 or (array.size and array.dtype.kind not in kinds):
         for i, v in enumerate(value):  # error path only: find the element to name
-            ok = isinstance(v, bool) if "b" in kinds else False
-            if "i" in kinds:
-                ok = ok or (isinstance(v, int) and not isinstance(v, bool))
-            if "f" in kinds:
-                ok = ok or (isinstance(v, (int, float)) and not isinstance(v, bool))
-            if not ok:
+            number = _is_int(v) or (isinstance(v, float) and "f" in kinds)
+            if not (number or (isinstance(v, bool) and "b" in kinds)):
                 raise TraceError(rid, f"{name}[{i}]", f"expected {expected}, got {v!r}")
         raise TraceError(rid, name, f"expected {expected}")
     if booleans and "b" not in kinds and array.dtype.kind != "b" and bool in map(type, value):
@@ -195,8 +183,8 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
 
 
 def _within_int64(array: npt.NDArray[Any]) -> bool:
-    """Whether every value of a uint64, object or float array could be a signed 64-bit integer's
-    magnitude (False for NaN too: the caller then looks at the items themselves)."""
+    """Whether a uint64, object or float array's values are within signed 64 bits (False for NaN
+    and objects: the caller then looks at the items)."""
     if array.dtype.kind == "O":
         return False
     bound = float(2**63)
@@ -204,11 +192,8 @@ def _within_int64(array: npt.NDArray[Any]) -> bool:
 
 
 def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
-    """A list of ints within int64 at C speed (what :func:`_array` reads it as); None otherwise.
-
-    ``array('q', ...)`` refuses floats, strings, nulls, lists and integers beyond int64. A boolean
-    is an int to it: callers that refuse booleans use this only when the text has none.
-    """
+    """A list of ints within int64 read at C speed by ``array('q')``, else None (a boolean is
+    an int to it: callers that refuse booleans use this only when the text has none)."""
     if type(value) is not list or not value:
         return None
     try:
@@ -218,41 +203,28 @@ def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
 
 
 def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
-    """Versions as signed integers: an array already read as a narrower signed dtype (the
-    service reads a long list of small versions as int8) stays so, as :func:`pack` may keep it;
-    anything else is int64."""
+    """Versions as int64, or as the narrower signed dtype the service read them in."""
     fast = None if booleans else _plain_ints(value)
     array = fast if fast is not None else _array(rid, name, value, "iu", "a list of integers", booleans)
-    if array.size and (array.max() > MAX_VERSION or array.min() < -MAX_VERSION):
+    if versions_beyond(array):
         raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
     return array if array.dtype in _NARROW_VERSIONS else array.astype(np.int64, copy=False)
 
 
-# Signed dtypes a sample's token versions may keep from the parse (exact: they
-# are integers either way).
+# signed dtypes a sample's token versions may keep from the parse
 _NARROW_VERSIONS = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
-
-INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
 
 
 def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
-    """A list the caller knows holds no boolean, read at C speed; None if not plainly numbers.
-
-    ``array('d', ...)`` takes ints and floats only (a string, null, list or object raises), each
-    converted as ``float()`` does: what :func:`_array` then ``astype`` gives for lists of ints and
-    floats. Integers of 2**63 or more (which :func:`_array` may read as uint64 or objects) and NaN
-    go down the checked path, which decides and names the error as before.
-    """
+    """A list the caller knows holds no boolean, read at C speed by ``array('d')`` (what
+    :func:`_array` gives); None if not plainly numbers, NaN or beyond 2**63: the checked path."""
     if type(value) is not list:
         return None
     try:
         array = np.frombuffer(_array_module.array("d", value), dtype=np.float64)
     except (TypeError, OverflowError):
         return None
-    # NaN fails too
-    if array.size and not (array.max() < INT64_BOUND and array.min() > -INT64_BOUND):
-        return None
-    return array
+    return None if floats_beyond(array) else array
 
 
 def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
@@ -277,46 +249,33 @@ def _optional_float_list(rid: str, name: str, value: object, booleans: bool = Tr
 def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
     fast = _plain_ints(value)  # booleans are allowed here: 0/1 either way
     array = fast if fast is not None else _array(rid, name, value, "biu", "a list of 0/1 or booleans")
-    if array.dtype.kind == "b" or not array.size:
-        return array.astype(np.int8, copy=False)
-    # one reduction: as unsigned, a negative value is huge (the usual case is int64 from a JSON
-    # list) (an int8 array, as the service reads a long mask, is viewed the same way: no wider copy)
-    if array.dtype == np.int64:
-        unsigned = array.view(np.uint64)
-    elif array.dtype == np.int8:
-        unsigned = array.view(np.uint8)
-    else:
-        unsigned = array.astype(np.uint64)
-    if unsigned.max() <= 1:
-        return array.astype(np.int8, copy=False)
-    bad = np.flatnonzero((array != 0) & (array != 1))
-    if bad.size:
-        raise TraceError(rid, f"{name}[{bad[0]}]", f"expected 0, 1 or a boolean, got {array[bad[0]].item()!r}")
+    if array.dtype.kind != "b" and mask_beyond(array):
+        bad = int(np.flatnonzero((array != 0) & (array != 1))[0])
+        reason = f"expected 0, 1 or a boolean, got {array[bad].item()!r}"
+        raise TraceError(rid, f"{name}[{bad}]", reason)
     return array.astype(np.int8, copy=False)
 
 
 def _only_ints(pairs: list[Any]) -> bool:
-    """Whether every item of every pair is an int (not a bool): C-level passes, no
-    per-span Python code."""
+    """Whether every item of every pair is an int (not a bool), at C level."""
     try:
         return set(map(type, chain.from_iterable(pairs))) == {int}
     except TypeError:  # a pair that is not a list: the loop names it
         return False
 
 
+def _check_pair_range(rid: str, name: str, index: int, pair: list[int]) -> None:
+    if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
+        reason = f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}"
+        raise TraceError(rid, f"{name}[{index}]", reason)
+
+
 def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
     if isinstance(value, np.ndarray) and value.ndim == 2 and value.shape[1] == 2 and value.dtype.kind == "i":
-        # pairs already read as integers (the service reads a long span list straight into
-        # an array, of int32 where every value fits): kept in their dtype, widened by pack
-        # into the batch's columns
-        if value.size and (int(value.max()) > MAX_VERSION or int(value.min()) < -MAX_VERSION):
+        # pairs the service read into an array (int32 where all fit): kept, widened by pack
+        if versions_beyond(value):
             for i, pair in enumerate(value.tolist()):
-                if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
-                    raise TraceError(
-                        rid,
-                        f"{name}[{i}]",
-                        f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}",
-                    )
+                _check_pair_range(rid, name, i, pair)
         return value if value.dtype in (np.int32, np.int64) else value.astype(np.int64)
     if not isinstance(value, list):
         raise TraceError(rid, name, f"expected a list of [version, start] pairs, got {type(value).__name__}")
@@ -331,19 +290,13 @@ def _spans(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDA
             and pairs.ndim == 2
             and pairs.shape[1] == 2
             and pairs.dtype.kind == "i"
-            and int(pairs.max()) <= MAX_VERSION
-            and int(pairs.min()) >= -MAX_VERSION
+            and not versions_beyond(pairs)
         ):
             return pairs.astype(np.int64, copy=False)
     for i, pair in enumerate(value):  # one check per span, not per token
         if not (isinstance(pair, list) and len(pair) == 2 and all(_is_int(v) for v in pair)):
             raise TraceError(rid, f"{name}[{i}]", f"expected a [version, start] pair of integers, got {pair!r}")
-        if not all(-MAX_VERSION <= v <= MAX_VERSION for v in pair):
-            raise TraceError(
-                rid,
-                f"{name}[{i}]",
-                f"values must be within -{MAX_VERSION}..{MAX_VERSION}, got {pair!r}",
-            )
+        _check_pair_range(rid, name, i, pair)
     return np.array(value, dtype=np.int64).reshape(-1, 2)
 
 
@@ -351,7 +304,7 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     where = f"samples[{index}]"
     if not isinstance(raw, Mapping):
         raise TraceError(rid, where, f"expected an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _SAMPLE_FIELDS)
+    unknown = sorted(set(raw).difference(_SAMPLE_FIELDS))
     if unknown:
         raise TraceError(rid, f"{where}.{unknown[0]}", "unknown field")
     if "mask" not in raw:
@@ -372,15 +325,6 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
         sample.trainer_logprobs = _optional_float_list(
             rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], booleans
         )
-    for name, values in (
-        *sample.weights.items(),
-        ("logprobs", sample.logprobs),
-        ("trainer_logprobs", sample.trainer_logprobs),
-        ("token_versions", sample.token_versions),
-    ):
-        given = raw.get(name)
-        if values is not None and not (isinstance(given, np.ndarray) and np.may_share_memory(values, given)):
-            sample.fresh.add(name)
     n = len(sample.mask)
     per_position = {
         **sample.weights,
@@ -389,12 +333,16 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
         "token_versions": sample.token_versions,
     }
     for name, values in per_position.items():
-        if values is not None and len(values) != n:
+        if values is None:
+            continue
+        given = raw.get(name)
+        if not (isinstance(given, np.ndarray) and np.may_share_memory(values, given)):
+            sample.fresh.add(name)
+        if len(values) != n:
             raise TraceError(rid, f"{where}.{name}", f"length {len(values)} differs from the mask's {n}")
     if sample.spans is not None and len(sample.spans) > n:
-        # Starts strictly increase within 0..n-1: more spans than positions break a rule. Refused
-        # here, with the fault the batch checks would name, before the batch's span tables are built
-        # (5.6M spans of a one-position sample would cost gigabytes of tables to refuse).
+        # more spans than positions break a rule: refused before the batch builds span tables
+        # (5.6M spans of a one-position sample would cost gigabytes of tables to refuse)
         fault = span_fault(sample.spans, n)
         if fault is not None:
             span, reason = fault
@@ -403,8 +351,7 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
 
 
 def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
-    """The checked id, dispatch and completion versions (-1: none), source and
-    agentic flag of a record."""
+    """The checked id, dispatch and completion versions (-1: none), source and agentic flag."""
     rid_raw = raw.get("id")
     if not isinstance(rid_raw, str) or not rid_raw:
         raise TraceError(
@@ -431,55 +378,49 @@ def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
     if not isinstance(agentic, bool):
         raise TraceError(rid, "agentic", f"expected a boolean, got {agentic!r}")
     dispatch = raw.get("dispatch_version")
-    if dispatch is None:
-        if source == "live":
-            raise TraceError(rid, "dispatch_version", "required on a live rollout")
-        dispatch = -1
-    elif not _is_int(dispatch):
-        raise TraceError(rid, "dispatch_version", f"expected an integer, got {dispatch!r}")
-    elif not 0 <= dispatch <= MAX_VERSION:
-        raise TraceError(rid, "dispatch_version", f"must be in 0..{MAX_VERSION}, got {dispatch}")
-    completion = raw.get("completion_version")
-    if completion is None:
-        completion = -1
-    elif not _is_int(completion):
-        raise TraceError(rid, "completion_version", f"expected an integer, got {completion!r}")
-    elif not 0 <= completion <= MAX_VERSION:
-        raise TraceError(rid, "completion_version", f"must be in 0..{MAX_VERSION}, got {completion}")
+    if dispatch is None and source == "live":
+        raise TraceError(rid, "dispatch_version", "required on a live rollout")
+    dispatch = _version(rid, "dispatch_version", dispatch)
+    completion = _version(rid, "completion_version", raw.get("completion_version"))
     return rid, dispatch, completion, source, agentic
 
 
-def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
-    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason.
+def _version(rid: str, name: str, value: object) -> int:
+    """A head's version checked (-1 when not given)."""
+    if value is None:
+        return -1
+    if not _is_int(value):
+        raise TraceError(rid, name, f"expected an integer, got {value!r}")
+    if not 0 <= value <= MAX_VERSION:  # type: ignore[operator]
+        raise TraceError(rid, name, f"must be in 0..{MAX_VERSION}, got {value}")
+    return value  # type: ignore[return-value]
 
-    ``booleans=False``: the record's JSON text holds no ``true`` / ``false`` (a
-    faster check of numbers).
-    """
+
+def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
+    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason
+    (``booleans=False``: the JSON text holds no ``true`` / ``false``, a faster check of numbers)."""
     if not isinstance(raw, Mapping):
         raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
-    rid, dispatch, completion, source, agentic = check_head(raw)
+    rollout = head_rollout({k: v for k, v in raw.items() if k != "samples"})
     samples = raw.get("samples")
     if not isinstance(samples, list):
-        raise TraceError(rid, "samples", "required list of samples")
+        raise TraceError(rollout.id, "samples", "required list of samples")
     if not samples:
-        raise TraceError(rid, "samples", "must hold at least one sample")
-    echo = {k: v for k, v in raw.items() if k != "samples"}
-    return ParsedRollout(
-        id=rid,
-        dispatch_version=dispatch,
-        completion_version=completion,
-        frozen=source == "frozen",
-        agentic=agentic,
-        group_id=raw.get("group_id"),
-        env=raw.get("env"),
-        samples=[_parse_sample(rid, i, s, booleans) for i, s in enumerate(samples)],
-        echo=echo,
-    )
+        raise TraceError(rollout.id, "samples", "must hold at least one sample")
+    rollout.samples = [_parse_sample(rollout.id, i, s, booleans) for i, s in enumerate(samples)]
+    return rollout
+
+
+def head_rollout(head: dict[str, Any]) -> ParsedRollout:
+    """A record's fields but ``samples`` checked, as a rollout of no samples yet echoing them."""
+    rid, dispatch, completion, source, agentic = check_head(head)
+    frozen = source == "frozen"
+    group_id, env = head.get("group_id"), head.get("env")
+    return ParsedRollout(rid, dispatch, completion, frozen, agentic, group_id, env, [], head)
 
 
 def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:
-    """:func:`parse_rollout`, with a refused record returned (not raised) as an
-    :class:`UnparsedRollout`."""
+    """:func:`parse_rollout`, a refused record returned as an :class:`UnparsedRollout`."""
     try:
         return parse_rollout(raw, booleans=booleans)
     except TraceError as error:
@@ -490,13 +431,9 @@ def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | Unp
 def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBatch:
     """Concatenate parsed rollouts into one columnar batch (values are validated by the sink).
 
-    ``adopt``: the parsed rollouts are seen by nobody else (the caller parsed them for this batch):
-    a column of one sample whose array the parse made is taken as it is, not copied (a long weight
-    list read as integers is a float64 array already; a copy was 8 more bytes a position).
-
-    Offsets and flags are summed and listed in Python, and each column is one numpy call: a
-    replay that ships every few rollouts packs a few samples at a time, where a numpy call
-    costs more than its work.
+    ``adopt``: nobody else sees the parsed rollouts, so a one-sample column the parse made is taken
+    uncopied. Offsets are summed in Python and each column is one numpy call: a replay packs a few
+    samples at a time, where a numpy call costs more than its work.
     """
     rollouts = list(rollouts)
     samples = [s for r in rollouts for s in r.samples]
@@ -505,11 +442,8 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     total = int(position_offsets[-1])
     sample_offsets = np.array([0, *accumulate(len(r.samples) for r in rollouts)], dtype=np.int64)
 
-    # A 0/1 mask as the engine computes with it (float64, like the weights) in a batch of
-    # ordinary size; from COMPACT_MASK_MIN_POSITIONS on, as parsed (int8): 1 byte a position
-    # instead of 8, for a mask whose JSON text is 2 bytes a position. The engine reads either
-    # dtype the same (integer masks are columnar input too); small batches keep float64 for the
-    # one-pass checks of small adds.
+    # float64 like the weights (the one-pass checks of small adds); a large batch keeps the int8
+    # it was parsed as (1 byte a position, not 8): the engine reads either the same
     mask_dtype = np.int8 if total >= COMPACT_MASK_MIN_POSITIONS else np.float64
     mask = _flat([s.mask for s in samples], mask_dtype)
     label_kind = np.array(
@@ -521,23 +455,16 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     )
 
     column = partial(_column, samples, lengths, adopt)
-    batch_weights: dict[str, npt.NDArray[Any] | None] = {}
+    floats: dict[str, Any] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
-    for name in WEIGHT_FIELDS:
-        values, flags = column(name, [s.weights.get(name) for s in samples], 1.0 if name == "rl_weights" else 0.0)
-        batch_weights[name] = values
-        if values is not None:
+    for name in PER_POSITION_FLOATS:
+        weight = name in WEIGHT_FIELDS
+        given = [s.weights.get(name) if weight else getattr(s, name) for s in samples]
+        floats[name], flags = column(name, given, _FILLS.get(name, 0.0))
+        if floats[name] is not None:
             present[name] = flags
-    logprobs, logprobs_present = column("logprobs", [s.logprobs for s in samples], 0.0)
-    if logprobs is not None:
-        present["logprobs"] = logprobs_present
-    trainer_logprobs, trainer_present = column("trainer_logprobs", [s.trainer_logprobs for s in samples], np.nan)
-    if trainer_logprobs is not None:
-        present["trainer_logprobs"] = trainer_present
-    # Token versions as the engine cuts with them (int64) in a batch of ordinary size; from
-    # COMPACT_MASK_MIN_POSITIONS on, in the narrowest signed dtype the parse gave every sample (a
-    # long list of small versions: int8, 1 byte a position for the 2 of "0," instead of 8). The
-    # compiled cut and masked writes read them in that dtype: the same cuts, no int64 copy.
+    # int64, or in a large batch the narrowest signed dtype the parse gave every sample (the
+    # compiled cut reads it as it is: the same cuts, no int64 copy)
     given_versions = [s.token_versions for s in samples]
     versions_dtype: Any = np.int64
     if mask_dtype is np.int8:
@@ -562,11 +489,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         agentic=np.array([r.agentic for r in rollouts], dtype=bool),
         group_ids=[r.group_id for r in rollouts],
         envs=[r.env for r in rollouts],
-        rl_weights=batch_weights["rl_weights"],
-        ce_weights=batch_weights["ce_weights"],
-        ref_kl_weights=batch_weights["ref_kl_weights"],
-        logprobs=logprobs,
-        trainer_logprobs=trainer_logprobs,
+        **floats,
         token_versions=None if token_versions is None else _wide_versions(token_versions),
         span_offsets=np.array([0, *accumulate(span_counts)], dtype=np.int64),
         span_versions=span_versions,
@@ -581,8 +504,10 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     return batch
 
 
-# Sample arrays whose length is wrong are kept as given; validation reports them. Missing ones are
-# filled to the sample's length so the flat arrays stay aligned.
+# a missing sample's fill (else 0.0): a missing rl weight counts as 1, a trainer log-prob as missing
+_FILLS = {"rl_weights": 1.0, "trainer_logprobs": np.nan}
+
+
 def _column(
     samples: list[ParsedSample],
     lengths: list[int],
@@ -592,8 +517,8 @@ def _column(
     fill: float,
     dtype: type = np.float64,
 ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
-    """One per-position column of :func:`pack` (``values`` per sample, None: not given) and
-    which samples gave it."""
+    """One per-position column of :func:`pack` (``values`` per sample, None: not given, filled)
+    and which samples gave it; arrays of a wrong length are kept for validation to report."""
     given = [v for v in values if v is not None]
     if not given:
         return None, _NONE_PRESENT
@@ -605,8 +530,7 @@ def _column(
         return _flat(given, dtype), present
     present = np.array([v is not None for v in values], dtype=bool)
     if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
-        # the usual case: the given parts in place, the fill everywhere else
-        # (no array per missing part)
+        # the usual case: the given parts in place, the fill elsewhere (no array per missing part)
         out: npt.NDArray[Any] = np.full(sum(lengths), fill, dtype=dtype)
         start = 0
         for v, n in zip(values, lengths):
@@ -623,8 +547,7 @@ _NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)
 
 
 def _flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
-    """The arrays end to end as ``dtype``, in one call (each cast as ``astype`` would: integers and
-    floats exactly; narrower integers only where every value fits, as :func:`pack` chooses)."""
+    """The arrays end to end as ``dtype``, in one call (cast as ``astype`` would)."""
     return np.concatenate(values, dtype=dtype, casting="unsafe") if values else np.zeros(0, dtype=dtype)
 
 

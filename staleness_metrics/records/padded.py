@@ -1,33 +1,24 @@
-"""Padded ``[B, L]`` batches, the shape every trainer holds, as a :class:`RolloutBatch`.
-
-:func:`from_padded` (also :meth:`RolloutBatch.from_padded`) reads the rows (:mod:`.padded_rows` does
-the work); the way back, the caller's ``[B, L]`` arrays as a ship left them, is
-:func:`~staleness_metrics.engine.shipment.padded_shipment`.
-"""
+"""Padded ``[B, L]`` batches, the shape every trainer holds, as a :class:`RolloutBatch` (the way
+back is :func:`~staleness_metrics.engine.shipment.padded_shipment`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ParamSpec
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from .columnar import RolloutBatch
 from .padded_rows import PaddedLayout, padded_columns
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from .padded_rows import PaddedColumns
+
 __all__ = ["PaddedLayout", "from_padded"]
 
-P = ParamSpec("P")
+
+def from_padded(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumns]) -> RolloutBatch:
+    return RolloutBatch(**padded_columns(ids, mask, **columns))
 
 
-def _batch_of(columns: Callable[P, dict[str, Any]]) -> Callable[P, RolloutBatch]:
-    """The function building a :class:`RolloutBatch` from what ``columns``
-    returns, with its parameters."""
-
-    def build(*args: P.args, **kwargs: P.kwargs) -> RolloutBatch:
-        return RolloutBatch(**columns(*args, **kwargs))
-
-    build.__doc__ = columns.__doc__
-    return build
-
-
-from_padded = _batch_of(padded_columns)
-from_padded.__name__ = from_padded.__qualname__ = "from_padded"
+from_padded.__doc__ = padded_columns.__doc__

@@ -1,17 +1,10 @@
 """Padded ``[B, L]`` batches, the shape every trainer holds, read into the columns of a
 :class:`~staleness_metrics.records.columnar.RolloutBatch` (:mod:`.padded` is the public face).
 
-One row is one rollout with one sample. The sample spans the whole row, padding included: padding
-positions carry mask 0, so they are never sampled and never masked, and the rollout's decisions and
-metrics equal those of the same rollout given as a SPEC 3 record of its valid positions only.
-Because the rows keep their width, the flat arrays of the batch are the caller's own ``[B, L]``
-arrays reshaped (a view whenever the array is C-contiguous), so the sink masks the caller's arrays
-in place; :func:`~staleness_metrics.engine.shipment.padded_shipment` gives the way back in any case.
-
-What reads ``B x L``: one OR-reduce per checked array (mask, ce and ref-KL weights) to make sure no
-padding position carries anything, and one comparison of neighbouring labels that turns per-token
-versions into version spans (padding and any negative label become -1), so no ``[B, L]`` copy is
-made. Nothing loops over rows in Python except building the ids list.
+One row is one rollout of one sample spanning the whole row: padding carries mask 0, so decisions
+and metrics equal those of the record of its valid positions. The flat arrays are the caller's
+``[B, L]`` arrays reshaped (views when C-contiguous), masked in place. Per-token versions become
+version spans by one comparison of neighbouring labels: no ``[B, L]`` copy is made.
 """
 
 from __future__ import annotations
@@ -71,8 +64,7 @@ def _row_list(name: str, values: Sequence[Any] | None, rows: int) -> list[Any] |
 
 @dataclass(frozen=True)
 class _Region:
-    """Which positions hold tokens: ``valid`` [B, L]; for ``lengths`` also each
-    row's padding columns."""
+    """Which positions hold tokens: ``valid`` [B, L]; for ``lengths`` each row's padding too."""
 
     valid: BoolArray
     pad_lo: IntArray | None = None  # padding is columns pad_lo .. pad_hi - 1 of each row
@@ -118,11 +110,8 @@ _SIGN_FREE = {
 
 
 def _padding_rows_nonzero(values: npt.NDArray[Any], region: _Region) -> BoolArray:
-    """Per row, whether ``values`` is nonzero on a padding position.
-
-    With row lengths the padding is one run per row: one read of the array as unsigned integers,
-    OR-reduced per run, no temporary (-0.0 counts as zero). Otherwise the general masked test.
-    """
+    """Per row, whether ``values`` is nonzero on a padding position (with row lengths, one read as
+    unsigned integers OR-reduced per padding run, -0.0 counting as zero)."""
     rows, width = values.shape
     kind, size = values.dtype.kind, values.dtype.itemsize
     if region.pad_lo is None or region.pad_hi is None or kind not in "biuf" or (kind == "f" and size not in _SIGN_FREE):
@@ -145,9 +134,8 @@ def _padding_rows_nonzero(values: npt.NDArray[Any], region: _Region) -> BoolArra
 
 
 def _label_spans(labels: npt.NDArray[Any], region: _Region | None) -> tuple[IntArray, IntArray, IntArray]:
-    """Per-position labels as version spans (offsets, versions, starts): one span
-    wherever the label or the validity changes, -1 for unlabelled (any negative) and
-    padding. No [B, L] copy is made."""
+    """Per-position labels as version spans (offsets, versions, starts): one span wherever the
+    label or the validity changes, -1 for unlabelled (any negative) and padding."""
     if labels.dtype.kind not in "iu":
         raise FieldError("token_versions", f"expected integers, got {labels.dtype}")
     rows, width = labels.shape
@@ -212,8 +200,7 @@ def padded_columns(
       where missing, SPEC 11) ``[B, L]``; ``completion_version``, ``group_ids``, ``envs``,
       ``frozen``, ``agentic`` per row.
 
-    The mask and weight arrays are masked in place by the sink when they can be viewed flat (numpy
-    arrays and CPU tensors that are C-contiguous);
+    C-contiguous mask and weight arrays are masked in place by the sink;
     :func:`~staleness_metrics.engine.shipment.padded_shipment` reads them back either way.
     """
     unknown = sorted(set(columns) - PaddedColumns.__optional_keys__)
@@ -271,8 +258,8 @@ def _per_row(name: str, values: Any, rows: int, dtype: Any = None) -> npt.NDArra
 def _dispatch(
     given: Any, spans: tuple[IntArray, IntArray, IntArray] | None, frozen: BoolArray, ids: list[str]
 ) -> IntArray:
-    """Per row its dispatch version: the one given, else the oldest label of its valid positions; a
-    live row with neither raises ``TraceError``, a frozen one gets -1."""
+    """Per row the dispatch version given, else the oldest label of its valid positions (-1 for a
+    frozen row with neither; a live one raises ``TraceError``)."""
     rows = len(frozen)
     if given is not None:
         return _row_vector("dispatch_version", given, rows).astype(np.int64)

@@ -1,11 +1,5 @@
-"""The quick check of a batch's values: whether every offset, version, label kind, mask value,
-weight, log-probability and token version is plain, in one compiled pass at every size (a small
-batch's checks in one call instead of a few dozen Python steps), copying the positions where a sink
-gathers small adds in the same pass.
-
-The exact checks that name what is wrong are :mod:`.validation`'s; this pass only says "plain" or
-"not sure".
-"""
+"""The quick check of a batch's values in one compiled pass at every size, copying the positions
+where a sink gathers small adds: "plain" or "not sure" (:mod:`.validation` names what is wrong)."""
 
 from __future__ import annotations
 
@@ -31,8 +25,7 @@ def _finite(values: npt.NDArray[Any]) -> bool:  # pragma: no cover - compiled
 
 
 def _copy_to(copy: npt.NDArray[Any], values: npt.NDArray[Any], start: int, n: int) -> None:  # pragma: no cover
-    """``values`` into ``copy`` from ``start`` on, when both are there (an empty
-    array is not; a callee)."""
+    """``values`` into ``copy`` from ``start`` on, when both are there (a callee)."""
     if len(copy) and len(values) == n:
         copy[start : start + n] = values
 
@@ -75,8 +68,7 @@ def _plain_values(
     token_copy: IntArray,
     start: int,
 ) -> bool:  # pragma: no cover - compiled
-    # (tuples of arrays of one type, not named tuples: the call itself is most of the cost of a
-    # small batch's check, and numba types a plain tuple as fast as flat arguments)
+    # (plain tuples, not named tuples: numba types them as fast as flat arguments)
     mask, rl, ce, ref_kl, logprobs = values
     n = len(mask)
     if not _plain_rows(n_rollouts, offsets, label_kind, labels) or offsets[1][len(offsets[1]) - 1] != n:
@@ -118,9 +110,8 @@ class BatchRows(NamedTuple):
 
 
 class PositionCopies(NamedTuple):
-    """Where :func:`plain_values` copies plain positions to: an array for the mask and for each of
-    the three weights, of the mask's type, and one for the token versions (an empty array, or an
-    array the batch lacks: not copied)."""
+    """Where :func:`plain_values` copies plain positions: the mask and the three weights (of the
+    mask's type) and the token versions (an empty array, or one the batch lacks: not copied)."""
 
     mask_and_weights: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
     token_versions: IntArray
@@ -142,16 +133,14 @@ def plain_values(
     into: PositionCopies | None = None,
     start: int = 0,
 ) -> bool:
-    """Whether a batch's values are plain, in one compiled pass: its offsets (``rows``) run from 0
-    to the sample and position counts, never decreasing, dispatch versions are >= 0, completion
-    versions >= -1 and not below a non-negative dispatch, label kinds are allowed; every mask value
-    is 0 or 1, every value of the ``weights`` (rl, ce, ref-KL: None where absent) and ``logprobs``
-    finite and every token version >= -1. When they are and ``into`` is given, the mask, the weights
-    and the token versions are copied there, from element ``start`` on, in the same call (a sink
-    gathering small adds). The per-position arrays must be as long as the mask (the caller checks).
+    """Whether a batch's values are plain, in one compiled pass: offsets (``rows``) from 0 to the
+    counts, never decreasing; dispatch versions >= 0, completion versions >= -1 and not below a
+    dispatch; allowed label kinds; a 0/1 mask, finite ``weights`` (None: absent) and ``logprobs``,
+    token versions >= -1. When they are, the mask, weights and token versions are copied to
+    ``into`` (from element ``start`` on). The per-position arrays are as long as the mask.
 
-    False ("not sure": the exact checks then say) when the arrays are not 1-d contiguous
-    float32/float64 (mask and floats of one type) or the label kinds not int8."""
+    False ("not sure") unless the arrays are 1-d contiguous float32/float64 of one type and the
+    label kinds int8."""
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
     n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows
@@ -159,13 +148,7 @@ def plain_values(
         return False
     if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1:
         return False  # (other shapes: the exact checks name them)
-    rl, ce, ref_kl = weights  # (written out: this runs once per small add)
-    rl, ce, ref_kl = (
-        empty if rl is None else rl,
-        empty if ce is None else ce,
-        empty if ref_kl is None else ref_kl,
-    )
-    logprobs = empty if logprobs is None else logprobs
+    rl, ce, ref_kl, logprobs = [empty if v is None else v for v in (*weights, logprobs)]
     for values in (rl, ce, ref_kl, logprobs):
         if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
             return False

@@ -1,17 +1,12 @@
-"""Rollout event lines read straight into arrays by simdjson (the replay's fast path, issue 12).
+"""Rollout event lines read straight into arrays by simdjson (the replay's fast path): its
+``Array.as_buffer`` copies a list of numbers out at C speed, with no Python object per position.
 
-orjson turns every number of a line into a Python object, which :mod:`.records` then copies into an
-array: for a stream of long samples most of a replay went into building and reading those objects.
-simdjson parses the line into its own tape, and ``Array.as_buffer`` copies a list of numbers out of
-it at C speed, so the per-position lists become arrays without a Python object per position.
-
-This path only ever *accepts* a plain, valid rollout line, and produces exactly the
-:class:`~.records.ParsedRollout` the general path (:func:`.jsonio.loads` then
-:func:`.records.parse_rollout`) gives for it; anything else (a ship or sweep event, an invalid or
-odd record, a boolean or null among numbers, a string escape, a JSON error) returns ``None`` and the
-line is read by the general path, which decides and names errors as it always did. ``as_buffer``
-refuses booleans, nulls, strings and objects, and integers beyond 64 bits; it flattens nested lists,
-which a count of ``[`` in the line rules out (every ``[`` must open a list this reader looked at).
+This path only *accepts* a plain, valid rollout line, giving exactly the
+:class:`~.model.ParsedRollout` of the general path (:func:`.jsonio.loads`, then
+:func:`.model.parse_rollout`); anything else (another event, an odd or invalid record, a boolean or
+null among numbers, a string escape, a JSON error) is left to the general path, which names errors.
+``as_buffer`` refuses booleans, nulls, strings, objects and integers beyond 64 bits, and flattens
+nested lists, which a count of ``[`` in the line rules out.
 """
 
 from __future__ import annotations
@@ -26,13 +21,12 @@ import numpy.typing as npt
 
 try:
     import simdjson
-except ImportError:
-    # no wheel for this Python (3.14 and later, so far): every line takes the general path
+except ImportError:  # no wheel for this Python: every line takes the general path
     simdjson = None  # type: ignore[assignment]
 
 from ..errors import TraceError
 from .columnar import WEIGHT_FIELDS
-from .model import INT64_BOUND, MAX_VERSION, ParsedRollout, ParsedSample, check_head
+from .model import ParsedRollout, ParsedSample, floats_beyond, head_rollout, mask_beyond, versions_beyond
 
 __all__ = ["AVAILABLE", "LineReader"]
 
@@ -47,8 +41,7 @@ _FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, 
 }
 
 
-# simdjson's tape stores an array's element count in 24 bits, saturated: ``len()`` of a list of
-# 16,777,215 elements or more says 16,777,215 (the buffer copied out of it holds them all).
+# simdjson's tape keeps a list's length in 24 bits, saturated (the copied buffer holds them all)
 _SATURATED = 0xFFFFFF
 
 
@@ -63,8 +56,7 @@ def _array(value: object) -> simdjson.Array:
 
 
 def _keys(value: object) -> list[str]:
-    """The keys of a JSON object without repeated keys (simdjson's lookup finds the first, JSON
-    readers keep the last)."""
+    """The keys of an object, none repeated (simdjson finds the first, JSON keeps the last)."""
     if type(value) is not simdjson.Object:
         raise _NotPlain
     keys = list(value)
@@ -74,8 +66,7 @@ def _keys(value: object) -> list[str]:
 
 
 class _Lists:
-    """Per-position lists of one kind copied out of the tape (raw bytes),
-    with where each one goes."""
+    """Per-position lists of one kind copied out of the tape (raw bytes), with where each goes."""
 
     def __init__(self) -> None:
         self.buffers: list[Any] = []
@@ -84,8 +75,9 @@ class _Lists:
         # per line taken (in the reader's order), the index of its first list
         self.firsts: list[int] = []
 
-    def drop_since(self, mark: int) -> None:
-        """Forget the lists of a line the general path will read."""
+    def drop_line(self) -> None:
+        """Forget the last line's lists (the general path will read it)."""
+        mark = self.firsts.pop()
         del self.buffers[mark:], self.sizes[mark:], self.owners[mark:]
 
     def clear(self) -> None:
@@ -95,9 +87,7 @@ class _Lists:
         self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool], refused: set[int]
     ) -> tuple[npt.NDArray[Any], list[int], list[int]]:
         """One array of every list, and where each list starts and ends in it; adds to ``refused``
-        the lines of lists that are ``bad`` (one check of all lists; each list is checked only when
-        some is bad). The offsets are Python integers summed in Python: a few lists per line, where
-        a numpy call would cost more than the sum."""
+        the lines of ``bad`` lists (each list is checked only when the whole is bad)."""
         whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=dtype)
         ends = list(accumulate(self.sizes))
         starts = [0, *ends]
@@ -109,24 +99,9 @@ class _Lists:
         return whole, starts, ends
 
 
-def _mask_bad(values: npt.NDArray[np.int64]) -> bool:
-    # as unsigned, a negative value is huge
-    return bool(values.size and values.view(np.uint64).max() > 1)
-
-
-def _version_bad(values: npt.NDArray[np.int64]) -> bool:
-    return bool(values.size and not (values.max() <= MAX_VERSION and values.min() >= -MAX_VERSION))
-
-
-def _float_bad(values: npt.NDArray[np.float64]) -> bool:
-    # float magnitudes of 2**63 or more (integers records._plain_floats sends down the checked path)
-    return bool(values.size and not (values.max() < INT64_BOUND and values.min() > -INT64_BOUND))
-
-
 def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, floats: _Lists) -> ParsedRollout:
-    """The line's record with its per-position lists copied into ``masks``, ``versions`` and
-    ``floats`` (their values are checked, and the arrays filled in, by
-    :meth:`LineReader.finish`)."""
+    """The line's record, its lists copied into ``masks``, ``versions`` and ``floats`` (checked,
+    and the arrays filled in, by :meth:`LineReader.finish`)."""
     _keys(document)
     if cast(simdjson.Object, document).get("type") != "rollout":
         raise _NotPlain
@@ -143,9 +118,9 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
     items = _array(raw.get("samples"))
     if not len(items):
         raise _NotPlain
-    rid, dispatch, completion, source, agentic = check_head(head)
+    rollout = head_rollout(head)
 
-    samples: list[ParsedSample] = []
+    samples = rollout.samples
     lists = 1  # "samples" itself
     kinds = (masks, versions, floats)
     for item in items:
@@ -197,28 +172,17 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
         samples.append(parsed)
     if line.count(b"[") != lists:  # a nested list (as_buffer flattens it), or a "[" in a string
         raise _NotPlain
-    return ParsedRollout(
-        id=rid,
-        dispatch_version=dispatch,
-        completion_version=completion,
-        frozen=source == "frozen",
-        agentic=agentic,
-        group_id=head.get("group_id"),
-        env=head.get("env"),
-        samples=samples,
-        echo=head,
-    )
+    return rollout
 
 
 _NO_MASK = np.zeros(0, dtype=np.int8)
 
 
 class LineReader:
-    """Reads rollout event lines with one reused simdjson parser (not thread-safe: one per reader).
+    """Reads rollout event lines with one reused simdjson parser (one per reader thread).
 
     :meth:`take` reads a line's structure and copies its lists out; :meth:`finish` checks the values
-    of every line taken since the last finish at once (a few reductions over all their positions,
-    instead of several per line) and returns their records.
+    of every line taken since at once and returns their records.
     """
 
     def __init__(self) -> None:
@@ -228,60 +192,50 @@ class LineReader:
 
     def take(self, line: bytes) -> bool:
         """Read a rollout event line if it is plain; ``False``: let the general path read it."""
-        # a line not starting with "{" (a byte order mark simdjson would skip, blanks) or
-        # holding a string escape (lone surrogates, which orjson refuses) is left to the
-        # general path; so is one without the text "rollout" (its type could not be "rollout":
-        # a ship or sweep line, not parsed)
+        # left to the general path: a line not starting with "{" (a byte order mark, blanks), one
+        # with a string escape (lone surrogates), one that cannot be a rollout event
         if line[:1] != b"{" or b"\\" in line or b'"rollout"' not in line:
             return False
         try:
             document = self._parser.parse(line)
         except (ValueError, RuntimeError):
-            # bad JSON, a number beyond 64 bits, invalid UTF-8: the general path says what
-            # it is. A fresh parser, in case this one is still held by a proxy of an
-            # earlier line (never expected).
+            # the general path names what is wrong; a fresh parser, in case a proxy holds this one
             self._parser = simdjson.Parser()
             return False
-        masks, versions, floats = self._masks, self._versions, self._floats
-        marks = len(masks.buffers), len(versions.buffers), len(floats.buffers)
+        kinds = (self._masks, self._versions, self._floats)
+        for kind in kinds:
+            kind.firsts.append(len(kind.buffers))
         try:
-            rollout = _rollout(document, line, masks, versions, floats)
+            rollout = _rollout(document, line, *kinds)
         except (_NotPlain, TraceError, TypeError, ValueError, RuntimeError):
-            masks.drop_since(marks[0])
-            versions.drop_since(marks[1])
-            floats.drop_since(marks[2])
+            for kind in kinds:
+                kind.drop_line()
             return False
         finally:
             del document
         self._rollouts.append(rollout)
-        masks.firsts.append(marks[0])
-        versions.firsts.append(marks[1])
-        floats.firsts.append(marks[2])
         return True
 
     def finish(self) -> list[ParsedRollout | None]:
-        """The records of the lines taken, in order; ``None`` for a line whose values the
-        general path must read (a mask value not 0/1, a version beyond ±2**53, a float of
-        magnitude 2**63 or more)."""
+        """The records of the lines taken, in order; ``None`` for a line whose values the general
+        path must read (a mask value not 0/1, a version beyond ±2**53, a float beyond 2**63)."""
         refused: set[int] = set()
-        whole, starts, ends = self._masks.arrays(np.int64, _mask_bad, refused)
+        whole, starts, ends = self._masks.arrays(np.int64, mask_beyond, refused)
         narrow = whole.astype(np.int8)  # one conversion for every mask
         for (parsed, _), start, end in zip(self._masks.owners, starts, ends):
             parsed.mask = narrow[start:end]
-        whole, starts, ends = self._versions.arrays(np.int64, _version_bad, refused)
+        whole, starts, ends = self._versions.arrays(np.int64, versions_beyond, refused)
         for (parsed, name), start, end in zip(self._versions.owners, starts, ends):
             if name == "token_versions":
                 parsed.token_versions = whole[start:end]
             else:
                 parsed.spans = whole[start:end].reshape(-1, 2)
-        whole, starts, ends = self._floats.arrays(np.float64, _float_bad, refused)
+        whole, starts, ends = self._floats.arrays(np.float64, floats_beyond, refused)
         for (parsed, name), start, end in zip(self._floats.owners, starts, ends):
-            if name == "logprobs":
-                parsed.logprobs = whole[start:end]
-            elif name == "trainer_logprobs":
-                parsed.trainer_logprobs = whole[start:end]
-            else:
+            if name in WEIGHT_FIELDS:
                 parsed.weights[name] = whole[start:end]
+            else:  # logprobs, trainer_logprobs
+                setattr(parsed, name, whole[start:end])
         out: list[ParsedRollout | None] = [
             None if index in refused else rollout for index, rollout in enumerate(self._rollouts)
         ]

@@ -1,8 +1,5 @@
-"""Value rules of SPEC 3, checked once on the columnar form, vectorised.
-
-Each rule finds its offending positions / samples / rollouts with one numpy expression; Python only
-runs on the (rare) offenders, to name the rollout, the field and the reason.
-"""
+"""Value rules of SPEC 3, checked once on the columnar form, vectorised: Python runs only on the
+(rare) offenders, to name the rollout, the field and the reason."""
 
 from __future__ import annotations
 
@@ -20,11 +17,9 @@ from .plain_values import BatchRows, PositionCopies, plain_values
 __all__ = [
     "INT64_MAX",
     "INT64_MIN",
-    "MAX_STORED_DEPTH",
     "Verdicts",
     "check_batch",
     "check_text",
-    "check_versions_at_most",
     "lone_surrogate",
     "plain_values_of",
     "plainly_valid",
@@ -36,10 +31,8 @@ __all__ = [
 
 IntArray = npt.NDArray[np.int64]
 
-# What a JSON store (the service's journal, a checkpoint, an exporter label) keeps exactly: strings
-# that are valid Unicode (UTF-8 cannot encode a lone surrogate such as "\ud800", which a JSON
-# "\ud800" escape decodes to), integers within signed 64 bits, and nesting orjson writes (it stops
-# at 254 levels; a record is never deeper than 5, so the bound leaves room for whatever wraps it).
+# What a JSON store keeps exactly: valid Unicode, signed 64-bit integers, and nesting orjson
+# writes (it stops at 254 levels; a record is never deeper than 5).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STORED_DEPTH = 128
 
@@ -91,13 +84,11 @@ def _first_big_int(values: list[Any]) -> int | None:
     return None
 
 
-def unstorable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | None:
+def unstorable(value: Any) -> tuple[str, str] | None:
     """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep
-    exactly: a string or key with a lone surrogate, an integer outside signed 64 bits, nesting
-    deeper than :data:`MAX_STORED_DEPTH`; None when it all can be stored. Field paths read
-    like the library's (``samples[0].mask[3]``). Iterative (no recursion limit to hit); numpy
-    arrays are always storable."""
-    stack: list[tuple[Any, str, int]] = [(value, path, depth)]
+    exactly (a lone surrogate, an integer outside signed 64 bits, nesting deeper than
+    :data:`MAX_STORED_DEPTH`), else None. Paths read like ``samples[0].mask[3]``."""
+    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
     while stack:
         item, where, level = stack.pop()
         kind = type(item)
@@ -108,9 +99,9 @@ def unstorable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | 
         elif kind is int:
             if not INT64_MIN <= item <= INT64_MAX:
                 return where or "value", "integer outside the signed 64-bit range"
+        elif isinstance(item, (dict, list, tuple)) and level >= MAX_STORED_DEPTH:
+            return where or "value", f"nested deeper than {MAX_STORED_DEPTH} levels"
         elif isinstance(item, dict):
-            if level >= MAX_STORED_DEPTH:
-                return where or "value", f"nested deeper than {MAX_STORED_DEPTH} levels"
             children = []
             for key, child in item.items():
                 name = f"{where}.{key}" if where else str(key)
@@ -119,8 +110,6 @@ def unstorable(value: Any, path: str = "", depth: int = 0) -> tuple[str, str] | 
                 children.append((child, name, level + 1))
             stack.extend(reversed(children))  # first field first, as the library reads them
         elif isinstance(item, (list, tuple)):
-            if level >= MAX_STORED_DEPTH:
-                return where or "value", f"nested deeper than {MAX_STORED_DEPTH} levels"
             # a per-position list: no per-item Python code
             if set(map(type, item)) <= _PLAIN_SCALARS:
                 big = _first_big_int(list(item))
@@ -230,9 +219,8 @@ def _plain_envs(envs: Sequence[Any]) -> bool:
 
 
 def _strings_joined(texts: Sequence[Any]) -> str:
-    """The strings of ``texts`` joined (what the surrogate check reads): one C-level join
-    when every item is a string, none for a column of ``None`` (no group ids or envs), and
-    only the strings otherwise."""
+    """The strings of ``texts`` joined (what the surrogate check reads): one C-level join when
+    every item is a string, none for a column of ``None``, and only the strings otherwise."""
     try:
         return "".join(texts)
     except TypeError:
@@ -254,7 +242,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
 
     # Set operations first (C speed); the loops that name offenders run only when there are some.
     ids = batch.ids
-    if len(set(ids)) != len(ids) or not (isinstance(known_ids, (set, frozenset)) and known_ids.isdisjoint(ids)):
+    if not _ids_new(ids, known_ids):
         seen: set[str] = set()
         for index, rid in enumerate(ids):
             if rid in known_ids or rid in seen:
@@ -266,8 +254,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
         # one C-level pass; names offenders only then
         if lone_surrogate(_strings_joined(texts)) is not None:
             for index, text in enumerate(texts):
-                at = lone_surrogate(text) if isinstance(text, str) else None
-                if isinstance(text, str) and at is not None:
+                if isinstance(text, str) and (at := lone_surrogate(text)) is not None:
                     verdicts.rollout(index, name, surrogate_reason(text, at))
     if not _plain_envs(envs):
         for index, env in enumerate(envs):
@@ -275,20 +262,16 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
                 verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
 
     live = ~np.asarray(batch.frozen, dtype=bool)
-    dispatch, completion = batch.dispatch_version, batch.completion_version
-    assert completion is not None
-    for index in np.flatnonzero(live & (dispatch < 0)).tolist():
-        verdicts.rollout(int(index), "dispatch_version", f"must be >= 0 on a live rollout, got {dispatch[index]}")
-    for index in np.flatnonzero(~live & (dispatch < -1)).tolist():
-        verdicts.rollout(int(index), "dispatch_version", f"must be >= 0, got {dispatch[index]}")
-    for index in np.flatnonzero(completion < -1).tolist():
-        verdicts.rollout(int(index), "completion_version", f"must be >= 0, got {completion[index]}")
-    for index in np.flatnonzero((completion >= 0) & (dispatch >= 0) & (completion < dispatch)).tolist():
-        verdicts.rollout(
-            int(index),
-            "completion_version",
-            f"{completion[index]} is below dispatch_version {dispatch[index]}",
-        )
+    d, c = batch.dispatch_version, batch.completion_version
+    assert c is not None
+    for wrong, name, reason in (
+        (live & (d < 0), "dispatch_version", "must be >= 0 on a live rollout, got {d}"),
+        (~live & (d < -1), "dispatch_version", "must be >= 0, got {d}"),
+        (c < -1, "completion_version", "must be >= 0, got {c}"),
+        ((c >= 0) & (d >= 0) & (c < d), "completion_version", "{c} is below dispatch_version {d}"),
+    ):
+        for index in np.flatnonzero(wrong).tolist():
+            verdicts.rollout(index, name, reason.format(d=d[index], c=c[index]))
 
     kind = batch.label_kind
     assert kind is not None
@@ -310,33 +293,27 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
 _SPAN_PIECE = 1 << 18
 
 
-def _negative_version(version: Any) -> str:
-    return f"version {version} is negative (only -1 marks unlabelled)"
-
-
-def _start_outside(start: Any, length: Any) -> str:
-    return f"start {start} is outside 0..{length - 1}"
-
-
-_STARTS_NOT_INCREASING = "span starts must strictly increase"
+def _span_reason(rule: int, versions: IntArray, starts: IntArray, span: int, length: Any) -> str:
+    if rule == 0:
+        return f"version {versions[span]} is negative (only -1 marks unlabelled)"
+    if rule == 1:
+        return f"start {starts[span]} is outside 0..{length - 1}"
+    return "span starts must strictly increase"
 
 
 def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
-    """The first of ``spans`` (ascending) in each sample: a body of millions of bad spans costs one
-    Python step per sample, not per span."""
+    """The first of ``spans`` (ascending) in each sample: a Python step per sample, not span."""
     if spans.size == 0:
         return []
     _, first = np.unique(span_sample[spans], return_index=True)
     return [int(span) for span in spans[first]]
 
 
-def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
-    """The span rules, a piece of :data:`_SPAN_PIECE` spans at a time (per-span tables of
-    a piece only); offenders are reported rule by rule, each in span order, as one pass
-    over all spans would."""
-    assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
-    offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
-    sample_lengths = np.diff(batch.position_offsets)
+def _span_faults(
+    offsets: IntArray, versions: IntArray, starts: IntArray, sample_lengths: IntArray
+) -> tuple[list[int], list[int], list[int]]:
+    """Per span rule (version >= -1, start inside its sample, starts increasing), the first
+    offending span of each sample, in span order; a piece of :data:`_SPAN_PIECE` spans at a time."""
     found: tuple[list[int], list[int], list[int]] = ([], [], [])
     for a in range(0, len(versions), _SPAN_PIECE):
         b = min(a + _SPAN_PIECE, len(versions))
@@ -351,100 +328,62 @@ def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
         same_sample = window_sample[1:] == window_sample[:-1]
         falling = np.flatnonzero(same_sample & (starts[lo + 1 : b] <= starts[lo : b - 1])) + (lo + 1 - a)
         found[2].extend(a + s for s in _first_of_each(span_sample, falling))
-    span_sample_of = np.searchsorted(offsets, np.array([*found[0], *found[1], *found[2]], dtype=np.int64), "right") - 1
-    sample_of = dict(zip([*found[0], *found[1], *found[2]], span_sample_of.tolist(), strict=True))
+    return found
+
+
+def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
+    """The span rules; offenders are reported rule by rule, each in span order."""
+    assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
+    offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
+    sample_lengths = np.diff(batch.position_offsets)
+    found = _span_faults(offsets, versions, starts, sample_lengths)
+    every = [*found[0], *found[1], *found[2]]
+    span_sample_of = np.searchsorted(offsets, np.array(every, dtype=np.int64), "right") - 1
+    sample_of = dict(zip(every, span_sample_of.tolist(), strict=True))
     for rule, spans in enumerate(found):
         for span in spans:
             sample = sample_of[span]
-            field = f"weight_versions[{span - offsets[sample]}]"
-            if rule == 0:
-                verdicts.sample(sample, field, _negative_version(versions[span]))
-            elif rule == 1:
-                verdicts.sample(sample, field, _start_outside(starts[span], sample_lengths[sample]))
-            else:
-                verdicts.sample(sample, field, _STARTS_NOT_INCREASING)
+            reason = _span_reason(rule, versions, starts, span, sample_lengths[sample])
+            verdicts.sample(sample, f"weight_versions[{span - offsets[sample]}]", reason)
 
 
 def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[int, str] | None:
-    """The first fault :func:`check_batch` finds in one sample's ``[version, start]`` pairs
-    (``(k, 2)``) over ``length`` positions, as ``(span, reason)``, or None: the same rules in the
-    same order, a piece of :data:`_SPAN_PIECE` spans at a time (a sample with more spans than
+    """The first fault :func:`check_batch` finds in one sample's ``(k, 2)`` ``[version, start]``
+    pairs over ``length`` positions, as ``(span, reason)``, or None (a sample with more spans than
     positions is refused this way before its span table is built)."""
     versions, starts = pairs[:, 0], pairs[:, 1]
-    for rule in range(3):
-        for a in range(0, len(pairs), _SPAN_PIECE):
-            b = min(a + _SPAN_PIECE, len(pairs))
-            if rule == 0:
-                hits = np.flatnonzero(versions[a:b] < -1)
-            elif rule == 1:
-                hits = np.flatnonzero((starts[a:b] < 0) | (starts[a:b] >= length))
-            else:
-                lo = max(a - 1, 0)
-                hits = np.flatnonzero(starts[lo + 1 : b] <= starts[lo : b - 1]) + (lo + 1 - a)
-            if hits.size:
-                span = a + int(hits[0])
-                if rule == 0:
-                    return span, _negative_version(versions[span])
-                if rule == 1:
-                    return span, _start_outside(starts[span], length)
-                return span, _STARTS_NOT_INCREASING
+    bounds = np.array([0, len(pairs)], dtype=np.int64)
+    found = _span_faults(bounds, versions, starts, np.array([length], dtype=np.int64))
+    for rule, spans in enumerate(found):
+        if spans:
+            return spans[0], _span_reason(rule, versions, starts, spans[0], length)
     return None
 
 
-def check_versions_at_most(
-    ids: list[str], max_version: IntArray, dispatch: IntArray, bound: int
-) -> dict[int, TraceError]:
-    """Ship-time rule: no label (nor dispatch version) may be above ``T``; returns offenders."""
-    errors: dict[int, TraceError] = {}
-    for index in np.flatnonzero(dispatch > bound):
-        errors[int(index)] = TraceError(
-            ids[index],
-            "dispatch_version",
-            f"version {dispatch[index]} is above the trained version {bound}",
-        )
-    for index in np.flatnonzero(max_version > bound):
-        errors.setdefault(
-            int(index),
-            TraceError(
-                ids[index],
-                "samples",
-                f"version {max_version[index]} is above the trained version {bound}",
-            ),
-        )
-    return errors
+def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
+    """Whether the ids are distinct and none is known, by set operations (False too when
+    ``known_ids`` is not a set: the caller then looks id by id)."""
+    if not isinstance(known_ids, (set, frozenset)):
+        return False
+    if len(ids) == 1:
+        return ids[0] not in known_ids
+    return len(set(ids)) == len(ids) and known_ids.isdisjoint(ids)
 
 
 def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:
     """Whether :func:`check_batch` and :func:`~staleness_metrics.engine.spans.build_spans` would
-    certainly find nothing wrong with ``batch``: a few whole-array reductions, no offender
-    named. False means "not sure" (the exact checks then run and name what is wrong), so this
-    may only ever err towards False.
-
-    It lets the sink take a small batch with a handful of numpy calls and cut its spans later,
-    together with the batches added after it (``Sink.add``: the cost of a call follows its work).
-    ``positions=False`` leaves the values in the arrays to the caller (:func:`plain_values_of`,
-    which may copy positions as it reads).
-    """
-    ids, mask, tokens, group_ids, envs = (
-        batch.ids,
-        batch.mask,
-        batch.token_versions,
-        batch.group_ids,
-        batch.envs,
-    )
-    kind, completion, frozen, agentic = (
-        batch.label_kind,
-        batch.completion_version,
-        batch.frozen,
-        batch.agentic,
-    )
+    certainly find nothing wrong with ``batch``, by a few whole-array reductions (a small add then
+    costs a handful of numpy calls). False means "not sure": the exact checks run and name what is
+    wrong. ``positions=False`` leaves the position values to :func:`plain_values_of`."""
+    ids, mask, group_ids, envs = batch.ids, batch.mask, batch.group_ids, batch.envs
+    frozen, agentic = batch.frozen, batch.agentic
     n_rollouts, n_positions = len(ids), len(mask)
     if n_rollouts == 0 or n_positions == 0:
         return False  # nothing to gain; the exact path says what an empty batch means
     if (
         mask.ndim != 1
-        or kind is None
-        or completion is None
+        or batch.label_kind is None
+        or batch.completion_version is None
         or frozen is None
         or agentic is None
         or group_ids is None
@@ -453,36 +392,24 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
         or not frozen.ndim == agentic.ndim == 1
     ):
         return False  # (the other arrays' lengths and shapes: plain_values_of)
-    # The per-position arrays given, each a 1-d array as long as the mask.
-    for values in (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights, batch.logprobs, tokens,
-                   batch.trainer_logprobs):  # fmt: skip
+    for values in (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights, batch.logprobs,
+                   batch.trainer_logprobs, batch.token_versions):  # fmt: skip
         if values is not None and (len(values) != n_positions or values.ndim != 1):
             return False
-    if not isinstance(known_ids, (set, frozenset)):
-        return False
-    if n_rollouts == 1:
-        if ids[0] in known_ids:
-            return False
-    elif len(set(ids)) != n_rollouts or not known_ids.isdisjoint(ids):
+    if not _ids_new(ids, known_ids):
         return False
     if not (n_rollouts == 1 and _ascii(ids[0]) and _ascii(group_ids[0]) and _ascii(envs[0])) and (
         lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None
     ):
         return False  # (one encode for all: a lone surrogate stays one when strings are joined)
-    if not _plain_envs(envs):
-        return False
-    return not positions or plain_values_of(batch)
+    return _plain_envs(envs) and (not positions or plain_values_of(batch))
 
 
 def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
-    """The values in the arrays of a batch :func:`plainly_valid` passed with ``positions=False``:
-    offsets from 0 to the end, never decreasing; versions and label kinds check_batch takes;
-    ``weight_versions`` spans as build_spans wants them; a 0/1 mask, finite weights and
-    log-probabilities, token versions >= -1. When they are plain and ``into`` is given, the mask,
-    weights and token versions are copied there (from element ``start`` on) as well.
-
-    One compiled pass (:func:`~staleness_metrics.records.plain_values.plain_values`), then the spans
-    in numpy."""
+    """Whether the arrays of a batch :func:`plainly_valid` passed with ``positions=False`` hold
+    values the exact checks take (offsets, versions, label kinds, spans, a 0/1 mask, finite
+    floats, token versions >= -1), copying the mask, weights and token versions to ``into`` (from
+    element ``start`` on) when they do: one compiled pass, then the spans in numpy."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
@@ -495,7 +422,8 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
-    """The ``weight_versions`` spans obey :func:`_check_spans`' rules (and the shapes it needs)."""
+    """The ``weight_versions`` spans obey :func:`_check_spans`' rules (and the shapes it needs), in
+    a few whole-array reductions (a small add's spans: fewer numpy calls than the exact check)."""
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
     if offsets is None or versions is None or starts is None:
         return False
