@@ -21,7 +21,8 @@ __all__ = ["warm_up"]
 
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for float32 and float64 arrays, so that the
-    first batch a process handles does not pay for it: a service calls this when it starts."""
+    first batch a process handles does not pay for it (the demo and the tests call it; the service
+    does not, so a fresh service compiles its loops in its first requests)."""
     tokens = np.array([0, -1, 1], dtype=np.int64)
     offsets = np.array([0, 3], dtype=np.int64)
     lo, hi, count = (np.array([value], dtype=np.int64) for value in (0, 3, 1))
