@@ -1,14 +1,10 @@
-"""A bounded queue and a worker thread: a slow or failing exporter never blocks the training loop.
-
-The worker sends payloads in order, retrying a failed send with exponential backoff; a full queue
-drops the **oldest** payload (cumulative exporters carry every counter in each payload).
-``close(timeout)`` bounds the whole close, the exporter's own shutdown included: what is stuck is
-left to daemon threads. Failures and drops are counted as failed exports (docs/exporters.md).
-"""
+"""A bounded queue and a worker thread, so that a slow or failing exporter never blocks the
+training loop (docs/exporters.md)."""
 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -25,14 +21,6 @@ from .base import (
     MonitorAware,
 )
 
-__all__ = [
-    "DEFAULT_CLOSE_TIMEOUT",
-    "DEFAULT_QUEUE_SIZE",
-    "BackgroundExporter",
-    "ExportQueue",
-    "QueuedExporter",
-]
-
 P = TypeVar("P")
 
 DEFAULT_QUEUE_SIZE = 1024
@@ -42,7 +30,8 @@ FailureHandler = Callable[[str, "BaseException | None"], None]
 
 
 class ExportQueue(Generic[P]):
-    """Sends payloads on a worker thread; ``put`` never blocks and never raises.
+    """Sends payloads in order on a worker thread; ``put`` never blocks and never raises, and a
+    full queue drops the oldest payload.
 
     A ``send`` that raises is retried with the same payload after a backoff from ``retry_initial``
     seconds doubling up to ``retry_max``. ``prepare`` (say, starting a W&B run) runs first on the
@@ -162,21 +151,17 @@ class ExportQueue(Generic[P]):
                 payload = self._pending.popleft()
                 self._in_flight = True
             try:
-                self._deliver(payload)
+                sent = self._retry(functools.partial(self._send, payload), "export failed; will retry")
+                with self._cond:
+                    self._sent += sent
+                    self._dropped += not sent
             finally:  # even after a BaseException, flush() and close() must not wait on it
                 with self._cond:
                     self._in_flight = False
                     self._cond.notify_all()
 
-    def _deliver(self, payload: P) -> None:
-        sent = self._retry(lambda: self._send(payload), "export failed; will retry")
-        with self._cond:
-            self._sent += sent
-            self._dropped += not sent
-
     def _retry(self, attempt: Callable[[], None], failure: str) -> bool:
-        """Call ``attempt`` until it returns (True), backing off after each failure; False once
-        stopping."""
+        """Call ``attempt`` until it returns (True) or the queue stops (False)."""
         backoff = self._retry_initial
         while True:
             try:
@@ -195,12 +180,11 @@ class ExportQueue(Generic[P]):
 
 
 class QueuedExporter(CountingExporter, Generic[P]):
-    """Base of the exporters that send on an :class:`ExportQueue`: counts its failures, ``flush``
-    and a ``close`` that runs once (a second must not shut down or delete anything again).
+    """Base of the exporters that send on an :class:`ExportQueue`, with a ``close`` that runs once.
 
     A subclass calls :meth:`_start_queue` last in its constructor (one that raises leaves no worker)
-    and releases its own resources in :meth:`_close_resources`, run after the queue drained on a
-    daemon thread, so that a shutdown that blocks cannot hold ``close`` beyond its timeout.
+    and releases its resources in :meth:`_close_resources`, run on a daemon thread after the queue
+    drained, so that a shutdown that blocks cannot hold ``close`` beyond its timeout.
     """
 
     def _start_queue(
@@ -225,7 +209,7 @@ class QueuedExporter(CountingExporter, Generic[P]):
         )
 
     def _record_failure(self, message: str, exc: BaseException | None) -> None:
-        self._errors.record(self.name, message, exc)  # the shared counter once attached
+        self._errors.record(self.name, message, exc)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is sent (False when ``timeout`` passed first)."""
@@ -260,7 +244,7 @@ class QueuedExporter(CountingExporter, Generic[P]):
             )
 
     def _close_resources(self) -> None:
-        """Release what the subclass holds besides the queue."""
+        pass
 
 
 class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):

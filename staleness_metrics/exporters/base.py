@@ -1,5 +1,4 @@
-"""What every exporter is, and how export failures are counted (per exporter, in
-``rl_staleness_export_errors_total``) and logged (at most once per interval)."""
+"""What every exporter is, and how export failures are counted and logged."""
 
 from __future__ import annotations
 
@@ -15,18 +14,6 @@ from ..metrics.bound import ShipBound, mismatch_metrics
 from ..metrics.metric_table import env_key
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import MetricValue, StepReport
-
-__all__ = [
-    "DEFAULT_RUN",
-    "CountingExporter",
-    "ExportContext",
-    "ExportErrors",
-    "Exporter",
-    "MismatchAware",
-    "MismatchReport",
-    "MonitorAware",
-    "Stateful",
-]
 
 logger = logging.getLogger("staleness_metrics.exporters")
 
@@ -47,22 +34,20 @@ class Exporter(Protocol):
 
 @dataclass(frozen=True)
 class MismatchReport:
-    """Trainer-side SPEC 11 sums recorded for a shipped step (the live path): ``sums``, the step's
-    total so far (merged over its calls), which row exporters write; ``delta``, what this call
-    added, which counters add."""
+    """Trainer-side SPEC 11 sums recorded for a shipped step: ``sums``, the step's total so far
+    (what rows show); ``delta``, what this call added (what counters add)."""
 
     step: int
     sums: MismatchSums
     delta: MismatchSums
-    bound: ShipBound | None = None  # SPEC 14 of ``sums``: the floor, the curve and the advice
+    bound: ShipBound | None = None  # SPEC 14 of ``sums``
     # with the env breakdown: the unprefixed keys of the env's merged total, and that env
     env_metrics: Mapping[str, Mapping[str, MetricValue]] = field(default_factory=dict)
     env: str | None = None
 
     @property
     def metrics(self) -> dict[str, MetricValue]:
-        """The row of ``sums``: SPEC 11 keys with the excess over SPEC 14's floor, then the SPEC 14
-        keys, then those of the env (``staleness/env/<env>/...``)."""
+        """The row of ``sums``: SPEC 11 keys, then SPEC 14's, then the env's."""
         out = mismatch_metrics(self.sums, self.bound)
         for env, keys in self.env_metrics.items():
             out.update({env_key(env, key): v for key, v in keys.items()})
@@ -99,8 +84,8 @@ class Stateful(Protocol):
 
 
 class ExportErrors:
-    """Thread-safe count of failed exports (dropped reports included) per exporter, with
-    rate-limited logging; a monitor shares one with its exporters, so one can publish all."""
+    """Thread-safe count of failed exports (dropped reports included) per exporter, logged at most
+    once per ``log_interval``; a monitor shares one with its exporters."""
 
     def __init__(self, log_interval: float = 30.0) -> None:
         self._lock = threading.Lock()
@@ -147,15 +132,14 @@ class ExportErrors:
 @dataclass(frozen=True)
 class ExportContext:
     """What a monitor shares with its exporters: the ``run`` label, the failure count and
-    ``env_breakdown`` (the config's: the per-env series)."""
+    ``env_breakdown`` (the per-env series)."""
 
     run: str = DEFAULT_RUN
     errors: ExportErrors = field(default_factory=ExportErrors)
     env_breakdown: bool = False
 
     def share_errors(self, exporter: str, own: ExportErrors) -> ExportErrors:
-        """The shared counter, given what ``own`` counted for ``exporter`` before the attach (a port
-        already taken at construction, say)."""
+        """The shared counter, given what ``own`` counted for ``exporter`` before the attach."""
         if own is not self.errors:
             self.errors.restore({exporter: own.count(exporter)})
         return self.errors

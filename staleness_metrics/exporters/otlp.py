@@ -1,10 +1,5 @@
-"""OTLP exporter: the metric table as OpenTelemetry metrics, sent once per ship.
-
-Default (owned pipeline): each ship becomes one OTLP export (HTTP protobuf, or gRPC) of gauges,
-monotonic sums and explicit-bucket histograms built from the cumulative run state, on a bounded
-background queue. With an injected ``meter_provider`` the metrics are recorded through its
-instruments and its readers export them. Settings and environment variables: docs/exporters.md.
-"""
+"""OTLP exporter: each ship as one OTLP export of the metric table's rows, or recorded through an
+injected ``meter_provider``'s instruments (settings and environment variables: docs/exporters.md)."""
 
 from __future__ import annotations
 
@@ -14,22 +9,14 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import ConfigError
-from ..metrics.metric_table import (
-    BUCKETS,
-    METRICS,
-    MetricDef,
-    MetricKind,
-    Source,
-)
+from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
-from .state import CumulativeExporter, HistogramPoint, Snapshot, histogram_of
+from .state import CumulativeExporter, Snapshot, histogram_of
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
     from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricExporter, MetricsData
     from opentelemetry.sdk.resources import Resource
-
-__all__ = ["DEFAULT_SERVICE_NAME", "OtlpExportError", "OtlpExporter", "build_metrics_data"]
 
 DEFAULT_SERVICE_NAME = "staleness-metrics"
 SCOPE_NAME = "staleness_metrics"
@@ -78,34 +65,19 @@ def build_resource(service_name: str | None, attributes: Mapping[str, str] | Non
     return Resource.create(merged)
 
 
-def _histogram_point(metric: MetricDef, run: str, env: str, point: HistogramPoint, start_ns: int, time_ns: int) -> Any:
-    from opentelemetry.sdk.metrics.export import HistogramDataPoint
-
-    return HistogramDataPoint(
-        attributes=_attributes(metric, run, env),
-        start_time_unix_nano=start_ns,
-        time_unix_nano=time_ns,
-        count=point.count,
-        sum=point.sum,
-        bucket_counts=list(point.bucket_counts),
-        explicit_bounds=list(BUCKETS),
-        min=point.min,  # type: ignore[arg-type]  # None = unset (empty histogram)
-        max=point.max,  # type: ignore[arg-type]
-    )
-
-
 def build_metrics_data(
     snapshot: Snapshot,
     resource: Resource,
     errors: Mapping[str, int],
     temporality: AggregationTemporality | None = None,
 ) -> MetricsData:
-    """One OTLP export of a snapshot; counters and histograms cumulative unless
-    ``temporality`` is DELTA."""
+    """One OTLP export of a snapshot; counters and histograms cumulative unless ``temporality`` is
+    DELTA."""
     from opentelemetry.sdk.metrics.export import (
         AggregationTemporality,
         Gauge,
         Histogram,
+        HistogramDataPoint,
         Metric,
         MetricsData,
         NumberDataPoint,
@@ -127,7 +99,17 @@ def build_metrics_data(
         data: Any
         if row.kind is MetricKind.HISTOGRAM:
             hist_points = [
-                _histogram_point(row, run, env, point, start_ns, now)
+                HistogramDataPoint(
+                    attributes=_attributes(row, run, env),
+                    start_time_unix_nano=start_ns,
+                    time_unix_nano=now,
+                    count=point.count,
+                    sum=point.sum,
+                    bucket_counts=list(point.bucket_counts),
+                    explicit_bounds=list(BUCKETS),
+                    min=point.min,  # type: ignore[arg-type]  # None = unset (empty histogram)
+                    max=point.max,  # type: ignore[arg-type]
+                )
                 for env, point in sorted(series.histograms[row.name].items())
             ]
             data = Histogram(data_points=hist_points, aggregation_temporality=temporality)
@@ -175,8 +157,7 @@ def _make_metric_exporter(
 
 class _InstrumentRecorder:
     """Records snapshots through a caller's MeterProvider. Gauges are observable, yielding the
-    latest snapshot's series only: a synchronous gauge would keep reporting every attribute set it
-    ever saw, so a series no longer current (an old floor source, env or curve lag) would stay."""
+    latest snapshot's series only: a synchronous gauge would keep every attribute set it ever saw."""
 
     def __init__(self, provider: MeterProvider) -> None:
         meter = provider.get_meter(SCOPE_NAME, __version__)
@@ -258,20 +239,12 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
             self._metric_exporter = metric_exporter or _make_metric_exporter(
                 resolve_protocol(protocol), endpoint, headers, timeout
             )
-            self._temporality = self._counter_temporality(self._metric_exporter)
+            # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, as the exporter resolved it
+            from opentelemetry.sdk.metrics import Counter
+
+            preferred = getattr(self._metric_exporter, "_preferred_temporality", {}) or {}
+            self._temporality = preferred.get(Counter)
         self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
-
-    @staticmethod
-    def _counter_temporality(exporter: MetricExporter) -> AggregationTemporality:
-        from opentelemetry.sdk.metrics import Counter
-        from opentelemetry.sdk.metrics.export import AggregationTemporality
-
-        # The OTLP exporters resolve OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE into this
-        # mapping (the SDK's own readers read it the same way).
-        preferred = getattr(exporter, "_preferred_temporality", {}) or {}
-        chosen = preferred.get(Counter, AggregationTemporality.CUMULATIVE)
-        assert isinstance(chosen, AggregationTemporality)
-        return chosen
 
     def _publish(self, snapshot: Snapshot) -> None:
         self._queue.put(snapshot)  # cheap: the series are computed and encoded on send
@@ -283,14 +256,12 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         from opentelemetry.sdk.metrics.export import MetricExportResult
 
         assert self._metric_exporter is not None and self.resource is not None
-        # Built at send time so the export error counts are current (they
-        # include this send's retries).
+        # built at send time: the error counts include this send's retries
         data = build_metrics_data(snapshot, self.resource, self._errors.snapshot(), self._temporality)
         result = self._metric_exporter.export(data)
         if result is not MetricExportResult.SUCCESS:
             raise OtlpExportError(f"OTLP export returned {result.name}")
 
-    # once only: the OpenTelemetry exporter warns on a second shutdown
     def _close_resources(self) -> None:
         try:
             if self._metric_exporter is not None:

@@ -1,15 +1,11 @@
-"""Prometheus exporters: a scrape endpoint (HTTP server or ASGI app) and a Pushgateway mode.
-
-Both serve the last ship's immutable snapshot through one custom collector, rendered at scrape
-time: a scrape sees one ship, never two, and histograms come from the core's bucket counts. A port
-already taken is counted and retried on a later export (docs/exporters.md).
-"""
+"""Prometheus exporters: a scrape endpoint (HTTP server or ASGI app) and a Pushgateway mode, both
+serving the last ship's snapshot through one collector (a scrape sees one ship, never two)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -18,35 +14,20 @@ from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from ..metrics.metric_table import (
-    BATCH_WIDE_COUNTERS,
-    BUCKETS,
-    METRICS,
-    MetricDef,
-    MetricKind,
-    Source,
-)
+from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import ExportErrors
 from .state import CumulativeExporter, Snapshot
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
-
-__all__ = [
-    "BATCH_WIDE_COUNTERS",
-    "DEFAULT_PORT",
-    "PrometheusExporter",
-    "PrometheusPushExporter",
-    "StalenessCollector",
-]
 
 DEFAULT_PORT = 9487
 
 _LE: list[str] = [floatToGoString(b) for b in BUCKETS] + ["+Inf"]  # type: ignore[no-untyped-call]
 _PUBLISHED = tuple(m for m in METRICS if m.prometheus_name is not None)
 _ERRORS_ROW = next(m for m in _PUBLISHED if m.source is Source.EXPORTER)
+_SHOWN = tuple(m for m in _PUBLISHED if m is not _ERRORS_ROW)
 
 
 def _family(metric: MetricDef) -> GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily:
@@ -66,12 +47,9 @@ def _label_values(metric: MetricDef, run: str, env: str, bucket: str = "") -> li
     return [values[label] for label in metric.labels]
 
 
-def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
-    """The ship's metric families (all table rows with a Prometheus name, export errors aside)."""
-    families: list[Metric] = []
-    for metric in _PUBLISHED:
-        if metric.source is Source.EXPORTER:
-            continue
+def _families(snapshot: Snapshot) -> Iterator[Metric]:
+    """The ship's families that have samples (the rows with a Prometheus name but export errors)."""
+    for metric in _SHOWN:
         family = _family(metric)
         if isinstance(family, HistogramMetricFamily):
             for env, point in snapshot.cumulative.histograms[metric.name].items():
@@ -79,58 +57,36 @@ def render_families(snapshot: Snapshot) -> tuple[Metric, ...]:
                 family.add_metric(_label_values(metric, snapshot.run, env), buckets, sum_value=float(point.sum))
         else:
             for env, bucket, value in snapshot.points(metric, snapshot.cumulative):
-                labels = _label_values(metric, snapshot.run, env, bucket or "")
-                family.add_metric(labels, float(value))
+                family.add_metric(_label_values(metric, snapshot.run, env, bucket or ""), float(value))
         if family.samples:
-            families.append(family)
-    return tuple(families)
-
-
-class StalenessCollector:
-    """A ``prometheus_client`` collector that serves the last ship's snapshot as one unit (swapped
-    whole: a scrape reads one)."""
-
-    def __init__(self, errors: Callable[[], ExportErrors], run: Callable[[], str]) -> None:
-        self._errors = errors
-        self._run = run
-        self.snapshot: Snapshot | None = None
-
-    def collect(self) -> Iterable[Metric]:
-        snapshot = self.snapshot
-        if snapshot is not None:
-            yield from render_families(snapshot)
-        yield self._error_family()
-
-    def describe(self) -> Iterable[Metric]:
-        """Every family this collector may expose (lets a registry reject duplicate names)."""
-        return [_family(m) for m in _PUBLISHED]
-
-    def _error_family(self) -> Metric:
-        metric = _ERRORS_ROW
-        family = _family(metric)
-        assert isinstance(family, CounterMetricFamily)
-        run = self._run()
-        for exporter, count in sorted(self._errors().snapshot().items()):
-            family.add_metric([{"run": run, "exporter": exporter}[label] for label in metric.labels], count)
-        return family
+            yield family
 
 
 class _PrometheusBase(CumulativeExporter):
-    """Shared by the scrape and push exporters: run state, collector and own registry."""
+    """The run state and registry the scrape and push exporters share, and their collector: a
+    scrape reads the last ship's snapshot, swapped whole, and the error counts."""
 
     def __init__(self, registry: CollectorRegistry | None) -> None:
         super().__init__()
+        self.last_snapshot: Snapshot | None = None  # what the last export published
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.collector = StalenessCollector(lambda: self._errors, lambda: self._state.run)
-        self.registry.register(self.collector)
-
-    @property
-    def last_snapshot(self) -> Snapshot | None:
-        """What the last export published (None before the first)."""
-        return self.collector.snapshot
+        self.registry.register(self)
 
     def _show(self, snapshot: Snapshot) -> None:
-        self.collector.snapshot = snapshot
+        self.last_snapshot = snapshot
+
+    def describe(self) -> Iterable[Metric]:
+        return [_family(m) for m in _PUBLISHED]
+
+    def collect(self) -> Iterable[Metric]:
+        snapshot = self.last_snapshot
+        if snapshot is not None:
+            yield from _families(snapshot)
+        errors, run = _family(_ERRORS_ROW), self._state.run
+        assert isinstance(errors, CounterMetricFamily)
+        for exporter, count in sorted(self._errors.snapshot().items()):
+            errors.add_metric([{"run": run, "exporter": exporter}[label] for label in _ERRORS_ROW.labels], count)
+        yield errors
 
     def exposition(self) -> bytes:
         """The text exposition (classic Prometheus format), as a scrape would get it."""
@@ -139,7 +95,8 @@ class _PrometheusBase(CumulativeExporter):
 
 class PrometheusExporter(_PrometheusBase):
     """Serves the metrics for Prometheus to scrape: an HTTP server on ``addr:port`` (0 picks a free
-    port; None starts none, e.g. to mount :meth:`asgi_app`). Export is an in-memory swap."""
+    port; None starts none, e.g. to mount :meth:`asgi_app`); a port already taken is counted and
+    retried on a later export. Export is an in-memory swap."""
 
     name = "prometheus"
 
@@ -272,7 +229,6 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
         )  # fmt: skip
         self._pushed_version = current
 
-    # once only: a new pusher may own the group by a second close
     def _close_resources(self) -> None:
         if not self._delete_on_close:
             return

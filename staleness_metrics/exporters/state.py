@@ -1,13 +1,9 @@
-"""Cumulative per-run state behind the Prometheus and OTLP exporters, as immutable snapshots.
-
-A ship folds in what it brought and keeps its inputs in a :class:`Snapshot`; the series are
-computed when a reader (a scrape, an OTLP send) first asks, so a ship costs what it changed, not
-the number of series, and a reader never mixes two ships. Which rows exist, their kinds and their
-sources come from the metric table only; the ``env`` label conventions are in docs/exporters.md.
-"""
+"""Cumulative per-run state behind the Prometheus and OTLP exporters: a ship folds into immutable
+:class:`Snapshot` whose series are computed when first read (docs/exporters.md: the ``env`` label)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import operator
@@ -34,26 +30,12 @@ from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Counts, MetricValue, StepReport, Tally
 from .base import DEFAULT_RUN, CountingExporter, ExportContext, MismatchReport
 
-__all__ = [
-    "BucketKey",
-    "CumulativeExporter",
-    "CumulativeState",
-    "HistogramPoint",
-    "Series",
-    "Snapshot",
-    "bucket_counts",
-    "histogram_of",
-    "partition_by_env",
-]
-
 Number = int | float
-BucketKey = tuple[str, str]  # (env, the dimension's exported label value)
 
 
 @dataclass(frozen=True)
 class HistogramPoint:
-    """Histogram over :data:`BUCKETS`: ``bucket_counts[i]`` counts values in
-    ``(BUCKETS[i-1], BUCKETS[i]]``, the last one those above ``BUCKETS[-1]`` (``+Inf``)."""
+    """A histogram over :data:`BUCKETS`; the last count is of the values above ``BUCKETS[-1]``."""
 
     bucket_counts: tuple[int, ...]
     sum: int
@@ -111,7 +93,68 @@ def _as_number(metric: MetricDef, value: object) -> Number:
     return int(number) if metric.integer else number
 
 
-def _gauge_values(metric: MetricDef, report: StepReport, by_env: bool) -> dict[str, Number]:
+# Gauges some exporter shows (the W&B-only ratio rows are derived from counters elsewhere).
+_PUBLISHED_GAUGES = tuple(m for m in METRICS if m.kind is MetricKind.GAUGE and m.prometheus_name is not None)
+_BOUND_KEYS = frozenset(
+    key for m in METRICS if m.source is Source.BOUND and m.kind is MetricKind.GAUGE for key in m.wandb_keys
+)
+
+
+def _split_env(key: str) -> tuple[str, str] | None:
+    """(env, batch-wide key) of a SPEC 14 key, its env ``""`` when it is batch-wide; else None."""
+    if key in _BOUND_KEYS:
+        return "", key
+    if key.startswith(ENV_KEY_PREFIX):
+        for bound_key in _BOUND_KEYS:
+            suffix = "/" + bound_key.removeprefix(KEY_PREFIX)
+            if key.endswith(suffix) and len(key) > len(ENV_KEY_PREFIX) + len(suffix):
+                return key[len(ENV_KEY_PREFIX) : -len(suffix)], bound_key
+    return None
+
+
+def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
+    return {key: value for key, value in metrics.items() if _split_env(key) is not None}
+
+
+def _bound_by_env(metrics: Mapping[str, MetricValue] | None) -> dict[str, dict[str, MetricValue]]:
+    """SPEC 14's keys of the latest report with SPEC 11's, by env (the batch's under ``""``)."""
+    by_env: dict[str, dict[str, MetricValue]] = {}
+    for key, value in (metrics or {}).items():
+        split = _split_env(key)
+        if split is not None:
+            by_env.setdefault(split[0], {})[split[1]] = value
+    return by_env
+
+
+def _bound_values(metric: MetricDef, by_env: Mapping[str, Mapping[str, MetricValue]]) -> dict[Any, Number]:
+    key = metric.wandb_key or ""
+    values: dict[Any, Number] = {}
+    for env, found in sorted(by_env.items()):
+        if metric.dimension is None:
+            if key in found:
+                values[env] = _as_number(metric, found[key])
+        elif metric.dimension.placeholder in key:  # one key per bucket (the curve)
+            for bucket_key, value in zip(metric.wandb_keys, metric.dimension.values, strict=True):
+                if bucket_key in found:
+                    values[(env, value)] = _as_number(metric, found[bucket_key])
+        else:  # one key, its label from another key (the floor and its source)
+            source = found.get(MISMATCH_FLOOR_SOURCE)
+            if key in found and isinstance(source, str):
+                values[(env, source)] = _as_number(metric, found[key])
+    return values
+
+
+def _gauge_values(
+    metric: MetricDef,
+    report: StepReport | None,
+    by_env: bool,
+    bound: Mapping[str, Mapping[str, MetricValue]],
+) -> dict[Any, Number]:
+    """A gauge's values by env (SPEC 14's by (env, value) where they have a second label)."""
+    if metric.source is Source.BOUND:
+        return _bound_values(metric, bound)
+    if report is None:
+        return {}
     if metric.source is Source.STEP:
         return {"": report.step}
     per_env = by_env and "env" in metric.labels
@@ -127,70 +170,11 @@ def _gauge_values(metric: MetricDef, report: StepReport, by_env: bool) -> dict[s
     return {}
 
 
-_BOUND_GAUGES = tuple(m for m in METRICS if m.source is Source.BOUND and m.kind is MetricKind.GAUGE)
-_BOUND_KEYS = frozenset(key for m in _BOUND_GAUGES for key in m.wandb_keys)
-
-
-def _split_env(key: str) -> tuple[str, str] | None:
-    """(env, batch-wide key) of a SPEC 14 key, its env ``""`` when it is
-    batch-wide; None for other keys."""
-    if key in _BOUND_KEYS:
-        return "", key
-    if key.startswith(ENV_KEY_PREFIX):
-        for bound_key in _BOUND_KEYS:
-            suffix = "/" + bound_key.removeprefix(KEY_PREFIX)
-            if key.endswith(suffix) and len(key) > len(ENV_KEY_PREFIX) + len(suffix):
-                return key[len(ENV_KEY_PREFIX) : -len(suffix)], bound_key
-    return None
-
-
-def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
-    """The SPEC 14 keys of a row, batch-wide and per env (``staleness/env/<env>/...``)."""
-    return {key: value for key, value in metrics.items() if _split_env(key) is not None}
-
-
-def _bound_gauges(metrics: Mapping[str, MetricValue] | None) -> dict[str, Mapping[Any, Number]]:
-    """SPEC 14's gauges from the keys of the latest report with the SPEC 11 family; the batch's
-    under env ``""`` and each env's (the env breakdown) under its name."""
-    by_env: dict[str, dict[str, MetricValue]] = {}
-    for key, value in (metrics or {}).items():
-        split = _split_env(key)
-        if split is not None:
-            by_env.setdefault(split[0], {})[split[1]] = value
-    gauges: dict[str, Mapping[Any, Number]] = {}
-    for metric in _BOUND_GAUGES:
-        if metric.prometheus_name is None and metric.otel_name is None:
-            continue
-        assert metric.wandb_key is not None
-        values: dict[Any, Number] = {}
-        for env in sorted(by_env):
-            found = by_env[env]
-            if metric.dimension is None:
-                if metric.wandb_key in found:
-                    values[env] = _as_number(metric, found[metric.wandb_key])
-            elif metric.dimension.placeholder in metric.wandb_key:  # one key per bucket (the curve)
-                for key, value in zip(metric.wandb_keys, metric.dimension.values, strict=True):
-                    if key in found:
-                        values[(env, value)] = _as_number(metric, found[key])
-            else:  # one key, its label from another key (the floor and its source)
-                source = found.get(MISMATCH_FLOOR_SOURCE)
-                if metric.wandb_key in found and isinstance(source, str):
-                    values[(env, source)] = _as_number(metric, found[metric.wandb_key])
-        gauges[metric.name] = values
-    return gauges
-
-
 def histogram_of(metric: MetricDef, tally: Tally) -> Counts:
     """The tally's histogram a histogram row shows."""
     if metric.source is Source.TOKEN_HISTOGRAM:
         return tally.token_histogram
     return tally.rollout_histogram
-
-
-# Gauges some exporter shows (the W&B-only ratio rows are derived from counters elsewhere).
-_PUBLISHED_GAUGES = tuple(
-    m for m in METRICS if m.kind is MetricKind.GAUGE and (m.prometheus_name is not None or m.otel_name is not None)
-)
 
 
 def _counter(metric: MetricDef, holders: Mapping[str, Any]) -> dict[Any, Number]:
@@ -275,11 +259,8 @@ class Snapshot:
     def gauges(self) -> dict[str, Mapping[Any, Number]]:
         """The last ship's gauges and SPEC 14's, by env (by (env, value) with a label besides env:
         the floor by source, the curve by lag)."""
-        by_env, report = self.by_env, self.gauge_report
-        gauges: dict[str, Mapping[Any, Number]] = {
-            m.name: {} if report is None else _gauge_values(m, report, by_env) for m in _PUBLISHED_GAUGES
-        }
-        return {**gauges, **_bound_gauges(self.bound_metrics)}
+        bound = _bound_by_env(self.bound_metrics)
+        return {m.name: _gauge_values(m, self.gauge_report, self.by_env, bound) for m in _PUBLISHED_GAUGES}
 
     def points(self, metric: MetricDef, series: Series) -> list[tuple[str, str | None, Number]]:
         """(env, bucket value or None, value) of a gauge's or a counter's series."""
@@ -317,57 +298,37 @@ class CumulativeState:
             "env_mismatch": {env: sums.to_dict() for env, sums in self._env_mismatch.items()},
         }
 
-    @staticmethod
-    def check_state_dict(
-        state: Any, path: str
-    ) -> tuple[
-        dict[str, Tally],
-        MismatchSums | None,
-        int,
-        StepReport | None,
-        dict[str, MetricValue] | None,
-        dict[str, MismatchSums],
-    ]:
-        """What :meth:`state_dict` saved, checked (``ConfigError`` naming the key path); the SPEC 14
-        keys and the per-env sums may be absent (states saved before they existed)."""
+    def loaded(self, state: Any, path: str) -> CumulativeState:
+        """A copy continuing the series from what :meth:`state_dict` saved, checked first
+        (``ConfigError`` naming the key path); older states lack the SPEC 14 keys and per-env sums."""
         from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
         from ..state_checks import integer, join, keys, mapping, string
 
-        found = keys(
-            state,
-            path,
-            ("totals", "mismatch", "start_time_ns", "last_report"),
-            ("bound_metrics", "env_mismatch"),
-        )
-        totals = mapping(found["totals"], join(path, "totals"))
-        bound = found.get("bound_metrics")
-        env_path = join(path, "env_mismatch")
+        required = ("totals", "mismatch", "start_time_ns", "last_report")
+        found = keys(state, path, required, ("bound_metrics", "env_mismatch"))
+        totals_path, env_path = join(path, "totals"), join(path, "env_mismatch")
+        totals = mapping(found["totals"], totals_path)
         env_sums = mapping(found.get("env_mismatch", {}), env_path)
-        return (
-            {string(env, join(path, "totals")): check_tally(tally, join(join(path, "totals"), env))
-             for env, tally in totals.items()},
-            None if found["mismatch"] is None else check_mismatch(found["mismatch"], join(path, "mismatch")),
-            integer(found["start_time_ns"], join(path, "start_time_ns"), 0),
-            None if found["last_report"] is None else check_report(found["last_report"], join(path, "last_report")),
-            None if bound is None else check_metrics(bound, join(path, "bound_metrics")),
-            {string(env, env_path): check_mismatch(sums, join(env_path, env)) for env, sums in env_sums.items()},
-        )  # fmt: skip
+        out = copy.copy(self)
+        out._totals = {
+            string(env, totals_path): check_tally(tally, join(totals_path, env)) for env, tally in totals.items()
+        }
+        mismatch, last, bound = found["mismatch"], found["last_report"], found.get("bound_metrics")
+        out._mismatch = None if mismatch is None else check_mismatch(mismatch, join(path, "mismatch"))
+        out._start_ns = integer(found["start_time_ns"], join(path, "start_time_ns"), 0)  # never reset
+        out._last_report = None if last is None else check_report(last, join(path, "last_report"))
+        out._bound_metrics = None if bound is None else check_metrics(bound, join(path, "bound_metrics"))
+        out._env_mismatch = {
+            string(env, env_path): check_mismatch(sums, join(env_path, env)) for env, sums in env_sums.items()
+        }
+        out._last_ns = max(self._last_ns, out._start_ns)
+        if out._last_report is not None:
+            out._step = out._last_report.step
+        return out
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> Snapshot | None:
-        """Continue the cumulative series from ``state``; returns what the last report showed (None
-        if none). A bad state raises ``ConfigError`` and changes nothing."""
-        totals, mismatch, start_ns, last, bound, env_mismatch = self.check_state_dict(state, "state")
-        self._bound_metrics = bound
-        self._env_mismatch = env_mismatch
-        self._totals = totals
-        self._mismatch = mismatch
-        self._start_ns = start_ns  # the same series: it was never reset
-        self._last_ns = max(self._last_ns, self._start_ns)
-        self._last_report = last
-        if last is None:
-            return None
-        self._step = last.step
-        return self._snapshot({}, None)
+    def shown(self) -> Snapshot | None:
+        """What the last report showed (None before the first)."""
+        return None if self._last_report is None else self._snapshot({}, None)
 
     def apply(self, report: StepReport) -> Snapshot:
         """Fold in a ship: its tallies, its gauges and its mismatch sums (when it had them)."""
@@ -401,7 +362,8 @@ class CumulativeState:
         if metrics is not None:
             new = _bound_keys(metrics)
             envs = {"", *(split[0] for split in map(_split_env, new) if split is not None)}
-            kept = {k: v for k, v in (self._bound_metrics or {}).items() if (_split_env(k) or ("",))[0] not in envs}
+            old = (self._bound_metrics or {}).items()
+            kept = {k: v for k, v in old if (_split_env(k) or ("",))[0] not in envs}
             self._bound_metrics = {**kept, **new}
         return self._snapshot({env: Tally() for env in self._totals}, delta, env_delta)
 
@@ -414,7 +376,6 @@ class CumulativeState:
         mismatch_delta: MismatchSums | None,
         env_mismatch_delta: Mapping[str, MismatchSums] | None = None,
     ) -> Snapshot:
-        """What the state holds now (every piece is immutable or a copy)."""
         if mismatch_delta is None and self._mismatch is not None:
             mismatch_delta = MismatchSums.zero()
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing timestamps
@@ -457,8 +418,7 @@ class CumulativeExporter(CountingExporter):
     def _apply(self, report: StepReport | MismatchReport) -> Snapshot:
         with self._lock:  # reports are folded in order, one at a time
             if isinstance(report, MismatchReport):
-                # Counters add what this call brought (the env's keys too); SPEC 14's gauges show
-                # the step's merged sums.
+                # counters add this call's sums; SPEC 14's gauges show the step's merged sums
                 snapshot = self._state.apply_mismatch(report.delta, report.metrics, report.env)
             else:
                 snapshot = self._state.apply(report)
@@ -489,14 +449,15 @@ class CumulativeExporter(CountingExporter):
             return self._state.state_dict()
 
     def check_state_dict(self, state: Any, path: str) -> None:
-        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError``
-        naming the key path)."""
-        CumulativeState.check_state_dict(state, path)
+        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError`` naming the key
+        path)."""
+        self._state.loaded(state, path)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue the series (same start time) from ``state``, showing its last ship again."""
         with self._lock:
-            snapshot = self._state.load_state_dict(state)
+            self._state = self._state.loaded(state, "state")
+            snapshot = self._state.shown()
             if snapshot is not None:
                 self._show(snapshot)
 
@@ -505,6 +466,5 @@ class CumulativeExporter(CountingExporter):
         self._apply(report)
 
     def absorb_mismatch(self, report: MismatchReport) -> None:
-        """Fold trainer-side sums exported before a restart into the run totals,
-        without sending them again."""
+        """Fold trainer-side sums exported before a restart in, without sending them again."""
         self._apply(report)
