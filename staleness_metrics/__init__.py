@@ -1,11 +1,7 @@
 """staleness-metrics: how stale is the data your asynchronous RL trainer trains on.
 
-Records -> sink -> policy -> decision -> metrics -> metric table -> exporters. The public face of
-the package is what ``__all__`` lists; everything else is an implementation module.
-
-Each public name is imported on first use (PEP 562 ``__getattr__``): ``import staleness_metrics``
-loads no engine, reader, exporter or service module, so a trainer pays only for what it touches.
-"""
+The public face is ``__all__``; each name is imported on first use (PEP 562), so that
+``import staleness_metrics`` loads no engine, reader, exporter or service module."""
 
 from __future__ import annotations
 
@@ -104,8 +100,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> typing.Any:
-    """Import the module defining a public name on first use, and keep the name here."""
+def __getattr__(name: str) -> typing.Any:  # import a public name's module on first use
     home = _HOME.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,14 +9,10 @@ from typing import Any, Literal
 
 from .errors import ConfigError
 
-__all__ = ["POLICY_NAMES", "RENAMED_SETTINGS", "PolicyName", "StalenessConfig"]
-
 PolicyName = Literal["token", "episode", "group", "xtuner"]
 POLICY_NAMES: tuple[PolicyName, ...] = ("token", "episode", "group", "xtuner")
-
-
+# orchestrator settings that were renamed (old -> new), as config files spell them
 RENAMED_SETTINGS: Mapping[str, str] = {"max_off_policy_steps": "max_staleness"}
-"""Orchestrator settings that were renamed (old -> new), as config files spell them (``migrate`` rewrites them)."""
 MAX_SETTING = 2**53  # far beyond any run; keeps every threshold exact in int64 arithmetic
 
 
@@ -90,9 +86,10 @@ class StalenessConfig:
         _check_int("adapt_high", self.adapt_high, 0)
         if self.adapt_low > self.adapt_high:
             raise ConfigError(f"adapt_low: {self.adapt_low} is above adapt_high {self.adapt_high}")
+        defaults = {f.name: f.default for f in fields(self)}  # what a policy ignores keeps these
         if self.policy != "token":
-            for name, default in (("adapt_every", None), ("adapt_low", 1), ("adapt_high", 16)):
-                if getattr(self, name) != default:
+            for name in ("adapt_every", "adapt_low", "adapt_high"):
+                if getattr(self, name) != defaults[name]:
                     raise ConfigError(f"{name}: only the 'token' policy adapts its bound (policy is {self.policy!r})")
         elif self.adapt_every is not None and not self.adapt_low <= self.max_staleness <= self.adapt_high:
             raise ConfigError(
@@ -100,12 +97,8 @@ class StalenessConfig:
                 f"{self.adapt_low}..{self.adapt_high}, where the adaptive bound starts"
             )
         if self.policy != "xtuner":
-            for name, default in (
-                ("max_token_staleness", None),
-                ("sync_interval", 1),
-                ("retry_expired", False),
-            ):
-                if getattr(self, name) != default:
+            for name in ("max_token_staleness", "sync_interval", "retry_expired"):
+                if getattr(self, name) != defaults[name]:
                     raise ConfigError(f"{name}: only the 'xtuner' policy takes it (policy is {self.policy!r})")
 
     @classmethod

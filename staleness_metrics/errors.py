@@ -3,18 +3,6 @@
 
 from __future__ import annotations
 
-__all__ = [
-    "MAX_REASON_CHARS",
-    "ConfigError",
-    "EventError",
-    "FieldError",
-    "FieldTypeError",
-    "MissingFieldError",
-    "StalenessError",
-    "TraceError",
-    "shortened",
-]
-
 MAX_REASON_CHARS = 300  # a reason quoting a huge or deeply nested value shows its start
 
 
@@ -35,13 +23,12 @@ class StalenessError(Exception):
 
 
 class ConfigError(StalenessError, ValueError):
-    """An invalid setting. ``ConfigError("<setting>: <reason>")`` names the setting in its message,
-    and the setting and the reason are its ``field`` and ``reason``; they can also be given apart
-    (``ConfigError("...", field="max_staleness", reason="...")``)."""
+    """An invalid setting: ``ConfigError("<setting>: <reason>")`` sets ``field`` and ``reason``
+    from the message, unless they are given (``ConfigError("...", field=..., reason=...)``)."""
 
     def __init__(self, message: str, *, field: str | None = None, reason: str | None = None) -> None:
         super().__init__(message)
-        if field is None:  # the "<setting>: <reason>" form every setting check writes
+        if field is None:
             name, sep, rest = message.partition(": ")
             if sep and name and " " not in name:
                 field, reason = name, rest
@@ -66,8 +53,7 @@ class _NamedField(StalenessError):
 class FieldError(_NamedField, ValueError):
     """A value the library refuses, other than a setting or a record: an argument (an array of the
     wrong shape or dtype, a step), mismatch sums (SPEC 11) and the step they are posted for. The
-    message is ``"<field>: <reason>"`` (the reason alone without a field); ``rollout`` names the
-    rollout at fault where there is one."""
+    message is ``"<field>: <reason>"``; ``rollout`` names the rollout at fault where there is one."""
 
 
 class FieldTypeError(_NamedField, TypeError):
@@ -83,8 +69,8 @@ class MissingFieldError(_NamedField, KeyError):
 
 
 class TraceError(StalenessError, ValueError):
-    """An invalid rollout record (SPEC 3). A ``reason`` longer than :data:`MAX_REASON_CHARS` (one
-    quoting the whole of a huge value) is cut there: the field names where the value is."""
+    """An invalid rollout record (SPEC 3); a ``reason`` longer than :data:`MAX_REASON_CHARS` is cut
+    there (the field names where the value is)."""
 
     field: str
 

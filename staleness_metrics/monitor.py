@@ -1,10 +1,5 @@
 """The orchestrator plugin: a sink plus exporters, called when rollouts arrive and when a batch
-ships (``add``, ``ship``, ``record_mismatch`` for the trainer's SPEC 11 sums, ``close``).
-
-``ship`` hands the step's report to every exporter and returns at once: an exporter that fails or
-raises is counted in ``rl_staleness_export_errors_total`` and logged, never raised into the
-training loop. Invalid input still raises in strict mode, as the sink does.
-"""
+ships; an exporter's failure is counted and logged, never raised into the training loop."""
 
 from __future__ import annotations
 
@@ -48,8 +43,6 @@ from .state_checks import (
     string,
 )
 
-__all__ = ["StalenessMonitor"]
-
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -57,14 +50,6 @@ V = TypeVar("V")
 MISMATCH_STEPS_KEPT = 1024
 # seconds past the exporters' own close timeouts: an exporter returning at its timeout is on time
 CLOSE_GRACE = 0.25
-
-
-def _close_bound(exporters: Iterable[Exporter]) -> float:
-    """``close``'s default bound: the longest ``close_timeout`` declared (at least
-    :data:`DEFAULT_CLOSE_TIMEOUT`) plus :data:`CLOSE_GRACE`."""
-    timeouts = [getattr(exporter, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for exporter in exporters]
-    declared = [float(t) for t in timeouts if isinstance(t, int | float) and not isinstance(t, bool)]
-    return max([DEFAULT_CLOSE_TIMEOUT, *declared]) + CLOSE_GRACE
 
 
 def _keep(kept: dict[K, V], key: K, value: V) -> None:
@@ -136,7 +121,7 @@ class StalenessMonitor:
 
     # ------------------------------------------------------------------ checkpoint
     def _stateful(self) -> dict[str, Stateful]:
-        """The exporters with cumulative state, by name (``name#2`` for a second one of a name)."""
+        """The exporters with cumulative state, by name (``name#2`` for a second of a name)."""
         found: dict[str, Stateful] = {}
         for exporter in self.exporters:
             if isinstance(exporter, Stateful):
@@ -330,8 +315,11 @@ class StalenessMonitor:
             self._closed = True
         if not self.exporters:
             return
-        bound = timeout if timeout is not None else _close_bound(self.exporters)
-        deadline = time.monotonic() + max(bound, 0.0)
+        if timeout is None:  # the longest close_timeout an exporter declares
+            timeouts = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
+            declared = [float(t) for t in timeouts if isinstance(t, int | float) and not isinstance(t, bool)]
+            timeout = max([DEFAULT_CLOSE_TIMEOUT, *declared]) + CLOSE_GRACE
+        deadline = time.monotonic() + max(timeout, 0.0)
         closing = [
             threading.Thread(target=self._close_one, args=(e,), name=f"staleness-close-{e.name}", daemon=True)
             for e in self.exporters
@@ -343,7 +331,7 @@ class StalenessMonitor:
             if thread.is_alive():
                 self.export_errors.record(
                     exporter.name,
-                    f"close did not return within {bound:g} s; left to finish in the background",
+                    f"close did not return within {timeout:g} s; left to finish in the background",
                 )
 
     def _close_one(self, exporter: Exporter) -> None:

@@ -1,5 +1,4 @@
-"""Console exporter: one line per ship, led by ``Max Staleness`` (the
-renamed ``Max Off-Policy``)."""
+"""Console exporter: one line per ship, led by ``Max Staleness`` (the renamed ``Max Off-Policy``)."""
 
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ from typing import TextIO
 from ..metrics import keys
 from ..metrics.report import MetricValue, StepReport
 from .base import MismatchReport
-
-__all__ = ["ConsoleExporter", "format_line", "format_mismatch_line"]
 
 
 def format_line(report: StepReport) -> str:
@@ -43,7 +40,7 @@ def format_line(report: StepReport) -> str:
 
 
 def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
-    """SPEC 14 on the step's line: ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (...)``."""
+    # SPEC 14: ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (...)``
     if keys.MISMATCH_FLOOR not in metrics:
         return []
     source = metrics.get(keys.MISMATCH_FLOOR_SOURCE, "")

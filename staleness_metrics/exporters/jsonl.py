@@ -1,5 +1,5 @@
-"""JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format), flushed per line;
-trainer-side sums add a line ``{"step": S, <SPEC 11/14 keys>}`` of the step's sums merged so far."""
+"""JSONL exporter: one ``report.row()`` per line (the ``--metrics-out`` format); trainer-side sums
+add a line ``{"step": S, <SPEC 11/14 keys>}`` of the step's sums merged so far."""
 
 from __future__ import annotations
 
@@ -12,19 +12,6 @@ from ..metrics.report import StepReport
 from ..records import jsonio
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import MismatchReport
-
-__all__ = ["JsonlExporter", "mismatch_row_json", "row_json"]
-
-
-def row_json(report: StepReport) -> str:
-    """The report's ``{"step": S, <key>: <value>, ...}`` line, without the newline."""
-    return jsonio.dumps(report.row()).decode()
-
-
-def mismatch_row_json(report: MismatchReport) -> str:
-    """A live mismatch report's ``{"step": S, <SPEC 11 and 14 key>: <value>, ...}`` line (the step's
-    merged sums; ``staleness/mismatch/floor_source`` is a string)."""
-    return jsonio.dumps({"step": report.step, **report.metrics}).decode()
 
 
 class JsonlExporter(QueuedExporter[str]):
@@ -51,12 +38,12 @@ class JsonlExporter(QueuedExporter[str]):
         self._start_queue(self._write, max_queue, retry_initial, retry_max, close_timeout)
 
     def export(self, report: StepReport) -> None:
-        self._queue.put(row_json(report) + "\n")
+        self._queue.put(jsonio.dumps(report.row()).decode() + "\n")
 
     def export_mismatch(self, report: MismatchReport) -> None:
         """One more line for the step: its SPEC 11 keys, merged over the step's calls so far."""
         try:
-            line = mismatch_row_json(report)
+            line = jsonio.dumps({"step": report.step, **report.metrics}).decode()
         except Exception as exc:  # never into the trainer
             self._errors.record(self.name, "mismatch sums not written", exc)
             return

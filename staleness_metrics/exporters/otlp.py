@@ -14,7 +14,7 @@ from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporte
 from .state import CumulativeExporter, Snapshot, histogram_of
 
 if TYPE_CHECKING:
-    from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
+    from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
     from opentelemetry.sdk.metrics.export import AggregationTemporality, MetricExporter, MetricsData
     from opentelemetry.sdk.resources import Resource
 
@@ -37,18 +37,6 @@ def _attributes(metric: MetricDef, run: str, env: str, bucket: str | None = None
     if metric.dimension is not None and bucket is not None:
         attributes[metric.dimension.label] = bucket
     return attributes
-
-
-def resolve_protocol(protocol: str | None) -> str:
-    chosen = (
-        protocol
-        or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
-        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
-    ).strip()
-    if chosen not in PROTOCOLS:
-        raise ConfigError(f"OTLP protocol: expected one of {', '.join(PROTOCOLS)}, got {chosen!r}")
-    return chosen
 
 
 def build_resource(service_name: str | None, attributes: Mapping[str, str] | None) -> Resource:
@@ -142,9 +130,17 @@ def build_metrics_data(
 
 
 def _make_metric_exporter(
-    protocol: str, endpoint: str | None, headers: Mapping[str, str] | None, timeout: float | None
+    protocol: str | None, endpoint: str | None, headers: Mapping[str, str] | None, timeout: float | None
 ) -> MetricExporter:
-    if protocol == "grpc":
+    chosen = (
+        protocol
+        or os.environ.get("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL")
+        or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+        or "http/protobuf"
+    ).strip()
+    if chosen not in PROTOCOLS:
+        raise ConfigError(f"OTLP protocol: expected one of {', '.join(PROTOCOLS)}, got {chosen!r}")
+    if chosen == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
             OTLPMetricExporter as GrpcMetricExporter,
         )
@@ -155,58 +151,9 @@ def _make_metric_exporter(
     return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=timeout)
 
 
-class _InstrumentRecorder:
-    """Records snapshots through a caller's MeterProvider. Gauges are observable, yielding the
-    latest snapshot's series only: a synchronous gauge would keep every attribute set it ever saw."""
-
-    def __init__(self, provider: MeterProvider) -> None:
-        meter = provider.get_meter(SCOPE_NAME, __version__)
-        self._instruments: dict[str, Any] = {}
-        self._latest: Snapshot | None = None  # swapped whole: a collection reads one snapshot
-        for row in _PUBLISHED:
-            assert row.otel_name is not None
-            if row.kind is MetricKind.GAUGE:
-                instrument: Any = meter.create_observable_gauge(
-                    row.otel_name, [self._observer(row)], row.otel_unit, row.description
-                )
-            elif row.kind is MetricKind.COUNTER:
-                instrument = meter.create_counter(row.otel_name, row.otel_unit, row.description)
-            else:
-                instrument = meter.create_histogram(
-                    row.otel_name, row.otel_unit, row.description,
-                    explicit_bucket_boundaries_advisory=list(BUCKETS),
-                )  # fmt: skip
-            self._instruments[row.name] = instrument
-
-    def _observer(self, row: MetricDef) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def observe(options: CallbackOptions) -> Iterable[Observation]:
-            from opentelemetry.metrics import Observation
-
-            snapshot = self._latest
-            if snapshot is None:
-                return []
-            run, points = snapshot.run, snapshot.points(row, snapshot.cumulative)
-            return [Observation(v, _attributes(row, run, env, bucket)) for env, bucket, v in points]
-
-        return observe
-
-    def record(self, snapshot: Snapshot) -> None:
-        for row in _PUBLISHED:
-            instrument = self._instruments[row.name]
-            if row.kind is MetricKind.COUNTER:
-                for env, bucket, amount in snapshot.points(row, snapshot.delta):
-                    instrument.add(amount, _attributes(row, snapshot.run, env, bucket))
-            elif row.kind is MetricKind.HISTOGRAM:
-                for env, tally in snapshot.window.items():  # the ship's (no rollout: none)
-                    attributes = _attributes(row, snapshot.run, env)
-                    for staleness, count in enumerate(histogram_of(row, tally)):
-                        for _ in range(int(count)):
-                            instrument.record(staleness, attributes)
-        self._latest = snapshot  # the gauges (observed at collection) show this ship from now on
-
-
 class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
-    """Sends each ship's metrics over OTLP (HTTP protobuf by default), on a background queue."""
+    """Sends each ship's metrics over OTLP (HTTP protobuf by default), on a background queue; with
+    ``meter_provider``, records them through its instruments instead, for its readers to export."""
 
     name = "otlp"
 
@@ -228,30 +175,74 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
     ) -> None:
         super().__init__()
         self._meter_provider = meter_provider
-        self._recorder: _InstrumentRecorder | None = None
+        self._instruments: dict[str, Any] = {}
+        self._latest: Snapshot | None = None  # what the observable gauges show
         self._metric_exporter: MetricExporter | None = None
         self._temporality: AggregationTemporality | None = None
         self.resource: Resource | None = None
         if meter_provider is not None:
-            self._recorder = _InstrumentRecorder(meter_provider)
+            self._create_instruments(meter_provider.get_meter(SCOPE_NAME, __version__))
         else:
             self.resource = build_resource(service_name, resource_attributes)
-            self._metric_exporter = metric_exporter or _make_metric_exporter(
-                resolve_protocol(protocol), endpoint, headers, timeout
-            )
+            exporter = metric_exporter or _make_metric_exporter(protocol, endpoint, headers, timeout)
             # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, as the exporter resolved it
             from opentelemetry.sdk.metrics import Counter
 
-            preferred = getattr(self._metric_exporter, "_preferred_temporality", {}) or {}
+            preferred = getattr(exporter, "_preferred_temporality", {}) or {}
             self._temporality = preferred.get(Counter)
+            self._metric_exporter = exporter
         self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
+
+    def _create_instruments(self, meter: Meter) -> None:
+        # Gauges are observable, showing the latest snapshot's series only: a synchronous gauge
+        # would keep every attribute set it ever saw.
+        for row in _PUBLISHED:
+            assert row.otel_name is not None
+            if row.kind is MetricKind.GAUGE:
+                instrument: Any = meter.create_observable_gauge(
+                    row.otel_name, [self._observer(row)], row.otel_unit, row.description
+                )
+            elif row.kind is MetricKind.COUNTER:
+                instrument = meter.create_counter(row.otel_name, row.otel_unit, row.description)
+            else:
+                instrument = meter.create_histogram(
+                    row.otel_name, row.otel_unit, row.description,
+                    explicit_bucket_boundaries_advisory=list(BUCKETS),
+                )  # fmt: skip
+            self._instruments[row.name] = instrument
+
+    def _observer(self, row: MetricDef) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            from opentelemetry.metrics import Observation
+
+            snapshot = self._latest  # swapped whole: a collection reads one snapshot
+            if snapshot is None:
+                return []
+            run, points = snapshot.run, snapshot.points(row, snapshot.cumulative)
+            return [Observation(v, _attributes(row, run, env, bucket)) for env, bucket, v in points]
+
+        return observe
+
+    def _record(self, snapshot: Snapshot) -> None:
+        for row in _PUBLISHED:
+            instrument = self._instruments[row.name]
+            if row.kind is MetricKind.COUNTER:
+                for env, bucket, amount in snapshot.points(row, snapshot.delta):
+                    instrument.add(amount, _attributes(row, snapshot.run, env, bucket))
+            elif row.kind is MetricKind.HISTOGRAM:
+                for env, tally in snapshot.window.items():  # the ship's (no rollout: none)
+                    attributes = _attributes(row, snapshot.run, env)
+                    for staleness, count in enumerate(histogram_of(row, tally)):
+                        for _ in range(int(count)):
+                            instrument.record(staleness, attributes)
+        self._latest = snapshot  # the gauges (observed at collection) show this ship from now on
 
     def _publish(self, snapshot: Snapshot) -> None:
         self._queue.put(snapshot)  # cheap: the series are computed and encoded on send
 
     def _send(self, snapshot: Snapshot) -> None:
-        if self._recorder is not None:
-            self._recorder.record(snapshot)
+        if self._meter_provider is not None:
+            self._record(snapshot)
             return
         from opentelemetry.sdk.metrics.export import MetricExportResult
 

@@ -1,10 +1,5 @@
-"""Weights & Biases exporter: one history row per ship, under the metric table's W&B keys.
-
-Rows carry ``step_key`` (the x-axis of every ``staleness/*`` key, by ``define_metric``), per-env
-keys as the core wrote them, trainer-side mismatch rows, the token staleness histogram and, on
-request, the legacy keys. The run (yours, the active one, or its own) starts and logs on a
-background queue; docs/exporters.md has the details (own runs, ``commit=False``, ``close``).
-"""
+"""Weights & Biases exporter: one history row per ship under the metric table's W&B keys, logged
+on a background queue (docs/exporters.md: own runs, ``commit=False``, ``close``)."""
 
 from __future__ import annotations
 
@@ -26,13 +21,10 @@ from ..metrics.metric_table import (
     WANDB_KEYS,
     MetricDef,
     Source,
-    env_key,
 )
 from ..metrics.report import StepReport
 from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .base import MismatchReport
-
-__all__ = ["DEFAULT_STEP_KEY", "WandbExporter"]
 
 DEFAULT_STEP_KEY = "trainer/step"
 _MAX_BINS = 512  # wandb.Histogram's limit
@@ -45,15 +37,12 @@ _SCALAR_KEYS = {key for key, m in _BY_KEY.items() if m.source is not Source.TOKE
 _init_lock = threading.Lock()
 
 
-class _HistogramBins(NamedTuple):
-    """A histogram's counts and edges, made into a ``wandb.Histogram`` on the worker."""
-
+class _HistogramBins(NamedTuple):  # made into a ``wandb.Histogram`` on the worker
     counts: list[int]
     edges: list[float]
 
 
 def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
-    """Old key -> new key for the dual-write."""
     if legacy_keys is False:
         return {}
     if legacy_keys is True:
@@ -70,16 +59,11 @@ def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
 
 
 def _row_of_env_key(key: str, report: StepReport) -> MetricDef | None:
-    """The table row behind a per-env key of the report (None when the key is not one)."""
-    if not key.startswith(ENV_KEY_PREFIX):
-        return None
     for env, env_metrics in report.env_metrics.items():
         prefix = f"{ENV_KEY_PREFIX}{env}/"
-        if env and key.startswith(prefix):
-            for table_key in env_metrics:
-                row = _BY_KEY.get(table_key)
-                if row is not None and env_key(env, table_key) == key:
-                    return row
+        table_key = KEY_PREFIX + key.removeprefix(prefix)  # every table key has KEY_PREFIX
+        if env and key.startswith(prefix) and table_key in env_metrics and table_key in _BY_KEY:
+            return _BY_KEY[table_key]
     return None
 
 
@@ -100,7 +84,10 @@ def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]
 
 
 class WandbExporter(QueuedExporter[dict[str, Any]]):
-    """Logs each ship's metrics dict to a W&B run (see the module docstring)."""
+    """Logs each ship's metrics to a W&B run (``run``, else the active one, else its own started
+    with ``init_kwargs``): ``step_key`` is the x-axis of every ``staleness/*`` key; rows carry the
+    per-env keys, trainer-side mismatch rows, the token staleness histogram and, on request, the
+    legacy keys."""
 
     name = "wandb"
 
@@ -136,7 +123,6 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         self._histogram_key = _HISTOGRAM_ROW.wandb_key if histogram else None
         self._commit = commit
         self._defined: set[str] = set()
-        self._define_lock = threading.Lock()
         self._warned_unknown: set[str] = set()
         self._env_rows: dict[str, MetricDef] = {}  # per-env key -> its table row
         self._start_queue(
@@ -154,16 +140,12 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         return self._run
 
     def _prepare_worker(self) -> None:
-        """First on the worker (so ``flush`` and ``pending`` count it): import wandb (seconds), then
+        """First on the worker (``flush`` and ``pending`` count it): import wandb (seconds), then
         start the run when none was given."""
-        import wandb  # noqa: F401  (a run passed in already imported it: instant)
+        import wandb  # a run passed in already imported it: instant
 
-        if self._run is None:
-            self._start_run()
-
-    def _start_run(self) -> None:
-        import wandb
-
+        if self._run is not None:
+            return
         with _init_lock:
             run = wandb.init(**self._init_kwargs)
         with self._run_lock:
@@ -171,10 +153,10 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             # close() gave up waiting for the start: don't leave the run open
             finish_now = self._finish_asked
         if finish_now:
-            self._finish_run()
+            self._close_resources()
 
-    def _finish_run(self) -> None:
-        """Finish the exporter's own run, once (a run still starting, when it has started)."""
+    def _close_resources(self) -> None:
+        """Finish the exporter's own run, once (a run still starting: when it has started)."""
         with self._run_lock:
             self._finish_asked = True
             run = self._run if self._owns_run and not self._finished else None
@@ -209,8 +191,7 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         self._queue.put(row)
 
     def export_mismatch(self, report: MismatchReport) -> None:
-        """A row of the step's trainer-side SPEC 11 and SPEC 14 keys (merged over every call
-        for the step so far)."""
+        """A row of the step's trainer-side SPEC 11 and 14 keys (merged over its calls so far)."""
         try:
             row: dict[str, Any] = {self._step_key: report.step, **report.metrics}
         except Exception as exc:  # never into the trainer
@@ -218,24 +199,20 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             return
         self._queue.put(row)
 
-    def _summary_of(self, key: str) -> str | None:
-        row = _BY_KEY.get(key) or _BY_KEY.get(self._legacy.get(key, "")) or self._env_rows.get(key)
-        return None if row is None else row.wandb_summary
-
-    def _define(self, run: Any, keys: Iterable[str]) -> None:
-        with self._define_lock:
-            if not self._defined:
-                run.define_metric(self._step_key)
-                run.define_metric(KEY_GLOB, step_metric=self._step_key)
-                self._defined.add(self._step_key)
-            for key in keys:
-                if key in self._defined or key == self._step_key:
-                    continue
-                hidden = True if key in self._legacy else None
-                summary = self._summary_of(key)
-                if hidden or summary or not key.startswith(KEY_PREFIX):
-                    run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
-                self._defined.add(key)
+    def _define(self, run: Any, keys: Iterable[str]) -> None:  # on the worker only
+        if not self._defined:
+            run.define_metric(self._step_key)
+            run.define_metric(KEY_GLOB, step_metric=self._step_key)
+            self._defined.add(self._step_key)
+        for key in keys:
+            if key in self._defined or key == self._step_key:
+                continue
+            hidden = True if key in self._legacy else None
+            row = _BY_KEY.get(key) or _BY_KEY.get(self._legacy.get(key, "")) or self._env_rows.get(key)
+            summary = None if row is None else row.wandb_summary
+            if hidden or summary or not key.startswith(KEY_PREFIX):
+                run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
+            self._defined.add(key)
 
     def _log(self, row: dict[str, Any]) -> None:
         run = self._run
@@ -248,6 +225,3 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
 
                 logged[key] = wandb.Histogram(np_histogram=(np.asarray(value.counts), np.asarray(value.edges)))
         run.log(logged, commit=self._commit)
-
-    def _close_resources(self) -> None:
-        self._finish_run()
