@@ -14,8 +14,8 @@ from .engine.checkpoint import check_mismatch
 from .engine.shipment import Shipment
 from .engine.sink import Sink
 from .errors import ConfigError, FieldError
-from .exporters.background import DEFAULT_CLOSE_TIMEOUT
 from .exporters.base import (
+    DEFAULT_CLOSE_TIMEOUT,
     DEFAULT_RUN,
     ExportContext,
     Exporter,
@@ -115,8 +115,19 @@ class StalenessMonitor:
         with self._lock:
             shipment = self.sink.ship(step, ids)
             self._shipped_steps.add(shipment.step)
-            # Exported under the lock so every exporter sees the ships in order.
-            self._export(shipment)
+            if self._absorbing:  # published before a restart: fold in, send nothing
+                for stateful in self._stateful().values():
+                    stateful.absorb(shipment.report)
+            elif self._closed:  # the sink still ships; the report is lost to the exporters: count it
+                for exporter in self.exporters:
+                    message = "ship after the monitor was closed; report not exported"
+                    self.export_errors.record(exporter.name, message)
+            else:  # under the lock: every exporter sees the ships in order
+                for exporter in self.exporters:
+                    try:
+                        exporter.export(shipment.report)
+                    except Exception as exc:
+                        self.export_errors.record(exporter.name, "export raised", exc)
         return shipment
 
     # ------------------------------------------------------------------ checkpoint
@@ -288,21 +299,6 @@ class StalenessMonitor:
         with self._lock:
             found = self._mismatch_metrics.get(step)
             return None if found is None else dict(found)
-
-    def _export(self, shipment: Shipment) -> None:
-        if self._absorbing:
-            for stateful in self._stateful().values():
-                stateful.absorb(shipment.report)
-            return
-        if self._closed:  # the sink still ships; the report is lost to the exporters, so count it
-            for exporter in self.exporters:
-                self.export_errors.record(exporter.name, "ship after the monitor was closed; report not exported")
-            return
-        for exporter in self.exporters:
-            try:
-                exporter.export(shipment.report)
-            except Exception as exc:
-                self.export_errors.record(exporter.name, "export raised", exc)
 
     def close(self, timeout: float | None = None) -> None:
         """Flush and close every exporter at once, each on a daemon thread; safe to call twice.

@@ -6,8 +6,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .background import BackgroundExporter, ExportQueue
-from .base import ExportContext, Exporter, ExportErrors, MismatchAware, MismatchReport, MonitorAware
+from .base import (
+    BackgroundExporter,
+    ExportContext,
+    Exporter,
+    ExportErrors,
+    ExportQueue,
+    MismatchAware,
+    MismatchReport,
+    MonitorAware,
+)
 from .console import ConsoleExporter
 from .jsonl import JsonlExporter
 

@@ -1,15 +1,19 @@
-"""What every exporter is, and how export failures are counted and logged."""
+"""What every exporter is, how export failures are counted and logged, and the bounded queue and
+worker thread that keep a slow or failing exporter from blocking the training loop."""
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from ..errors import ConfigError
 from ..metrics.bound import ShipBound, mismatch_metrics
 from ..metrics.metric_table import env_key
 from ..metrics.mismatch import MismatchSums
@@ -161,3 +165,271 @@ class CountingExporter:
     @property
     def errors(self) -> ExportErrors:
         return self._errors
+
+
+P = TypeVar("P")
+
+DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_CLOSE_TIMEOUT = 2.0  # seconds close() may take, shutdown included: the trainer is waiting
+
+FailureHandler = Callable[[str, "BaseException | None"], None]
+
+
+class ExportQueue(Generic[P]):
+    """Sends payloads in order on a worker thread; ``put`` never blocks and never raises, and a
+    full queue drops the oldest payload.
+
+    A ``send`` that raises is retried with the same payload after a backoff from ``retry_initial``
+    seconds doubling up to ``retry_max``. ``prepare`` (say, starting a W&B run) runs first on the
+    worker, retried the same way, while payloads wait.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        send: Callable[[P], None],
+        on_failure: FailureHandler,
+        *,
+        max_size: int = DEFAULT_QUEUE_SIZE,
+        retry_initial: float = 0.5,
+        retry_max: float = 10.0,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
+        if max_size < 1:
+            raise ConfigError(f"max_size: must be >= 1, got {max_size}")
+        self.name = name
+        self._send = send
+        self._prepare = prepare
+        self._on_failure = on_failure
+        self._max_size = max_size
+        self._retry_initial = retry_initial
+        self._retry_max = retry_max
+        self._cond = threading.Condition()
+        self._pending: collections.deque[P] = collections.deque(maxlen=max_size)
+        self._in_flight = prepare is not None  # flush() waits for the preparation too
+        self._closing = False  # no new payloads
+        self._stopping = False  # worker exits after the current attempt
+        self._sent = 0
+        self._dropped = 0
+        self._worker = threading.Thread(target=self._run, name=f"staleness-export-{name}", daemon=True)
+        self._worker.start()
+
+    @property
+    def sent(self) -> int:
+        """Payloads sent successfully so far."""
+        with self._cond:
+            return self._sent
+
+    @property
+    def dropped(self) -> int:
+        """Payloads given up (queue full, or still queued when ``close`` timed out)."""
+        with self._cond:
+            return self._dropped
+
+    @property
+    def pending(self) -> int:
+        """Payloads waiting or being sent."""
+        with self._cond:
+            return len(self._pending) + int(self._in_flight)
+
+    def put(self, payload: P) -> bool:
+        """Queue ``payload``; returns False when it could not be queued (closed)."""
+        with self._cond:
+            closed, full = self._closing, len(self._pending) == self._max_size
+            if closed or full:
+                self._dropped += 1
+            if not closed:
+                self._pending.append(payload)  # when full, the deque drops the oldest
+                self._cond.notify_all()
+        if closed:
+            self._on_failure("exporter is closed; report dropped", None)
+        elif full:
+            self._on_failure(f"queue full ({self._max_size} reports); dropped the oldest", None)
+        return not closed
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is sent; False when ``timeout`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending and not self._in_flight, timeout)
+
+    def close(self, timeout: float = DEFAULT_CLOSE_TIMEOUT) -> bool:
+        """Stop accepting payloads, send what is queued within ``timeout`` (a send stuck in I/O is
+        left to the daemon worker); True when nothing was lost."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        flushed = self.flush(timeout)
+        with self._cond:
+            self._stopping = True
+            left = len(self._pending)
+            self._pending.clear()
+            self._dropped += left
+            self._cond.notify_all()
+        if left:
+            self._on_failure(f"closed with {left} reports unsent; dropped", None)
+        self._worker.join(timeout=max(deadline - time.monotonic(), 0.0))
+        return flushed
+
+    @property
+    def worker_alive(self) -> bool:
+        """Whether the worker thread still runs (a send stuck in I/O after ``close`` timed out)."""
+        return self._worker.is_alive()
+
+    @property
+    def worker_is_daemon(self) -> bool:
+        return self._worker.daemon
+
+    def _run(self) -> None:
+        if self._prepare is not None:
+            try:
+                self._retry(self._prepare, "could not start; will retry")
+            finally:
+                with self._cond:
+                    self._in_flight = False
+                    self._cond.notify_all()
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping and not self._closing:
+                    self._cond.wait()
+                if self._stopping or not self._pending:  # not pending: closing
+                    return
+                payload = self._pending.popleft()
+                self._in_flight = True
+            try:
+                sent = self._retry(functools.partial(self._send, payload), "export failed; will retry")
+                with self._cond:
+                    self._sent += sent
+                    self._dropped += not sent
+            finally:  # even after a BaseException, flush() and close() must not wait on it
+                with self._cond:
+                    self._in_flight = False
+                    self._cond.notify_all()
+
+    def _retry(self, attempt: Callable[[], None], failure: str) -> bool:
+        """Call ``attempt`` until it returns (True) or the queue stops (False)."""
+        backoff = self._retry_initial
+        while True:
+            try:
+                attempt()
+            except Exception as exc:
+                self._on_failure(failure, exc)
+            else:
+                return True
+            with self._cond:
+                if self._stopping:
+                    return False
+                self._cond.wait(backoff)  # close() wakes us up early
+                if self._stopping:
+                    return False
+            backoff = min(backoff * 2, self._retry_max)
+
+
+class QueuedExporter(CountingExporter, Generic[P]):
+    """Base of the exporters that send on an :class:`ExportQueue`, with a ``close`` that runs once.
+
+    A subclass calls :meth:`_start_queue` last in its constructor (one that raises leaves no worker)
+    and releases its resources in :meth:`_close_resources`, run on a daemon thread after the queue
+    drained, so that a shutdown that blocks cannot hold ``close`` beyond its timeout.
+    """
+
+    def _start_queue(
+        self,
+        send: Callable[[P], None],
+        max_queue: int,
+        retry_initial: float,
+        retry_max: float,
+        close_timeout: float,
+        prepare: Callable[[], None] | None = None,
+    ) -> None:
+        self._close_timeout = close_timeout
+        self._closed = False
+        self._queue: ExportQueue[P] = ExportQueue(
+            self.name,
+            send,
+            self._record_failure,
+            max_size=max_queue,
+            retry_initial=retry_initial,
+            retry_max=retry_max,
+            prepare=prepare,
+        )
+
+    def _record_failure(self, message: str, exc: BaseException | None) -> None:
+        self._errors.record(self.name, message, exc)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is sent (False when ``timeout`` passed first)."""
+        return self._queue.flush(timeout)
+
+    @property
+    def close_timeout(self) -> float:
+        """Seconds ``close()`` may take (the monitor waits that long for it)."""
+        return self._close_timeout
+
+    @property
+    def queue(self) -> ExportQueue[P]:
+        """The queue and its worker (sent, dropped and pending counts)."""
+        return self._queue
+
+    def close(self, timeout: float | None = None) -> None:
+        """Send what is queued and shut down within ``timeout`` seconds (default: ``close_timeout``)
+        whatever the receiver does; what is left unsent is counted dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        budget = self._close_timeout if timeout is None else timeout
+        deadline = time.monotonic() + max(budget, 0.0)
+        self._queue.close(budget)
+        shutdown = threading.Thread(target=self._close_resources, name=f"staleness-close-{self.name}", daemon=True)
+        shutdown.start()
+        shutdown.join(max(deadline - time.monotonic(), 0.0))
+        if shutdown.is_alive():
+            self._record_failure(
+                f"shutdown did not finish within {budget:g} s; left to finish in the background",
+                None,
+            )
+
+    def _close_resources(self) -> None:
+        pass
+
+
+class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
+    """Runs your own slow exporter's ``export`` on a worker thread behind an :class:`ExportQueue`
+    (the built-in ones queue by themselves); a failed ``export`` is retried with the same report."""
+
+    def __init__(
+        self,
+        exporter: Exporter,
+        *,
+        max_queue: int = DEFAULT_QUEUE_SIZE,
+        retry_initial: float = 0.5,
+        retry_max: float = 10.0,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+    ) -> None:
+        self.name = exporter.name
+        super().__init__()
+        self._exporter = exporter
+        self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
+
+    def attach(self, context: ExportContext) -> None:
+        super().attach(context)
+        if isinstance(self._exporter, MonitorAware):
+            self._exporter.attach(context)
+
+    def export(self, report: StepReport) -> None:
+        self._queue.put(report)
+
+    def export_mismatch(self, report: MismatchReport) -> None:
+        """Queued like a ship, for a wrapped exporter that publishes mismatch sums."""
+        if isinstance(self._exporter, MismatchAware):
+            self._queue.put(report)
+
+    def _send(self, report: StepReport | MismatchReport) -> None:
+        if isinstance(report, MismatchReport):
+            assert isinstance(self._exporter, MismatchAware)
+            self._exporter.export_mismatch(report)
+        else:
+            self._exporter.export(report)
+
+    def _close_resources(self) -> None:
+        self._exporter.close()

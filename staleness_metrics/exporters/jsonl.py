@@ -10,8 +10,7 @@ from typing import IO
 
 from ..metrics.report import StepReport
 from ..records import jsonio
-from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import MismatchReport
+from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MismatchReport, QueuedExporter
 
 
 class JsonlExporter(QueuedExporter[str]):

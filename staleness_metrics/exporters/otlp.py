@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from .. import __version__
 from ..errors import ConfigError
 from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
-from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
+from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .state import CumulativeExporter, Snapshot, histogram_of
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from prometheus_client.utils import floatToGoString
 
 from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
 from ..metrics.report import StepReport
-from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
+from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .state import CumulativeExporter, Snapshot
 
 if TYPE_CHECKING:

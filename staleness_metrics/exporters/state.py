@@ -31,6 +31,7 @@ from ..metrics.report import Counts, MetricValue, StepReport, Tally
 from .base import DEFAULT_RUN, CountingExporter, ExportContext, MismatchReport
 
 Number = int | float
+KeysByEnv = Mapping[str, Mapping[str, MetricValue]]  # W&B keys and values by env
 
 
 @dataclass(frozen=True)
@@ -71,13 +72,11 @@ def bucket_counts(histogram: Counts) -> HistogramPoint:
 
 
 def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally]:
-    """The window's tallies split by env; ``""`` = rollouts without env plus
-    whatever no env covers."""
+    """The window's tallies by env; ``""``: rollouts without env, and whatever no env covers."""
     if not by_env or not report.env_tally:
         return {"": report.tally}
     parts = dict(report.env_tally)
-    covered = functools.reduce(operator.add, parts.values())  # not from Tally(): one addition less
-    # (usually every rollout of the window is in its env's tally)
+    covered = functools.reduce(operator.add, parts.values())
     if not report.tally.within(covered):
         parts[""] = parts.get("", Tally()) + report.tally.excess_over(covered)
     return parts
@@ -116,7 +115,7 @@ def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
     return {key: value for key, value in metrics.items() if _split_env(key) is not None}
 
 
-def _bound_by_env(metrics: Mapping[str, MetricValue] | None) -> dict[str, dict[str, MetricValue]]:
+def _bound_by_env(metrics: Mapping[str, MetricValue] | None) -> KeysByEnv:
     """SPEC 14's keys of the latest report with SPEC 11's, by env (the batch's under ``""``)."""
     by_env: dict[str, dict[str, MetricValue]] = {}
     for key, value in (metrics or {}).items():
@@ -126,7 +125,7 @@ def _bound_by_env(metrics: Mapping[str, MetricValue] | None) -> dict[str, dict[s
     return by_env
 
 
-def _bound_values(metric: MetricDef, by_env: Mapping[str, Mapping[str, MetricValue]]) -> dict[Any, Number]:
+def _bound_values(metric: MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
     key = metric.wandb_key or ""
     values: dict[Any, Number] = {}
     for env, found in sorted(by_env.items()):
@@ -142,32 +141,6 @@ def _bound_values(metric: MetricDef, by_env: Mapping[str, Mapping[str, MetricVal
             if key in found and isinstance(source, str):
                 values[(env, source)] = _as_number(metric, found[key])
     return values
-
-
-def _gauge_values(
-    metric: MetricDef,
-    report: StepReport | None,
-    by_env: bool,
-    bound: Mapping[str, Mapping[str, MetricValue]],
-) -> dict[Any, Number]:
-    """A gauge's values by env (SPEC 14's by (env, value) where they have a second label)."""
-    if metric.source is Source.BOUND:
-        return _bound_values(metric, bound)
-    if report is None:
-        return {}
-    if metric.source is Source.STEP:
-        return {"": report.step}
-    per_env = by_env and "env" in metric.labels
-    if metric.source is Source.METRIC:
-        key = metric.wandb_key or ""
-        envs = {e: m for e, m in report.env_metrics.items() if e and per_env}
-        rows = {"": report.metrics, **envs}
-        return {env: _as_number(metric, row[key]) for env, row in rows.items() if key in row}
-    if metric.source is Source.TALLY:
-        field = metric.tally_field or ""
-        tallies = {"": report.tally, **{e: t for e, t in report.env_tally.items() if e and per_env}}
-        return {env: _as_number(metric, getattr(tally, field)) for env, tally in tallies.items()}
-    return {}
 
 
 def histogram_of(metric: MetricDef, tally: Tally) -> Counts:
@@ -246,7 +219,6 @@ class Snapshot:
 
     @functools.cached_property
     def cumulative(self) -> Series:
-        """The run's counters and histograms."""
         return _series(dict(sorted(self.totals.items())), self.mismatch, self.env_mismatch)
 
     @functools.cached_property
@@ -260,7 +232,27 @@ class Snapshot:
         """The last ship's gauges and SPEC 14's, by env (by (env, value) with a label besides env:
         the floor by source, the curve by lag)."""
         bound = _bound_by_env(self.bound_metrics)
-        return {m.name: _gauge_values(m, self.gauge_report, self.by_env, bound) for m in _PUBLISHED_GAUGES}
+        return {m.name: self._gauge(m, bound) for m in _PUBLISHED_GAUGES}
+
+    def _gauge(self, metric: MetricDef, bound: KeysByEnv) -> dict[Any, Number]:
+        if metric.source is Source.BOUND:
+            return _bound_values(metric, bound)
+        report = self.gauge_report
+        if report is None:
+            return {}
+        if metric.source is Source.STEP:
+            return {"": report.step}
+        per_env = self.by_env and "env" in metric.labels
+        if metric.source is Source.METRIC:
+            key = metric.wandb_key or ""
+            envs = {e: m for e, m in report.env_metrics.items() if e and per_env}
+            rows = {"": report.metrics, **envs}
+            return {env: _as_number(metric, row[key]) for env, row in rows.items() if key in row}
+        if metric.source is Source.TALLY:
+            field = metric.tally_field or ""
+            tallies = {"": report.tally, **{e: t for e, t in report.env_tally.items() if e and per_env}}
+            return {env: _as_number(metric, getattr(tally, field)) for env, tally in tallies.items()}
+        return {}
 
     def points(self, metric: MetricDef, series: Series) -> list[tuple[str, str | None, Number]]:
         """(env, bucket value or None, value) of a gauge's or a counter's series."""
@@ -286,7 +278,6 @@ class CumulativeState:
         self._bound_metrics: dict[str, MetricValue] | None = None  # of the last report with SPEC 11
 
     def state_dict(self) -> dict[str, Any]:
-        """The run totals, the mismatch sums and the last report, as JSON-serialisable data."""
         from ..engine.checkpoint import report_to_dict, tally_to_dict
 
         return {
@@ -327,7 +318,6 @@ class CumulativeState:
         return out
 
     def shown(self) -> Snapshot | None:
-        """What the last report showed (None before the first)."""
         return None if self._last_report is None else self._snapshot({}, None)
 
     def apply(self, report: StepReport) -> Snapshot:
@@ -409,7 +399,6 @@ class CumulativeExporter(CountingExporter):
         self._state = CumulativeState(DEFAULT_RUN)
 
     def attach(self, context: ExportContext) -> None:
-        """Take the monitor's run label, shared export error counts and env breakdown setting."""
         with self._lock:
             if (context.run, context.env_breakdown) != (self._state.run, self._state.by_env):
                 self._state = CumulativeState(context.run, context.env_breakdown)
@@ -444,7 +433,6 @@ class CumulativeExporter(CountingExporter):
         self._publish(snapshot)
 
     def state_dict(self) -> dict[str, Any]:
-        """The cumulative series of the run (a monitor checkpoint holds them)."""
         with self._lock:
             return self._state.state_dict()
 

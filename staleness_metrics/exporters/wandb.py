@@ -23,8 +23,7 @@ from ..metrics.metric_table import (
     Source,
 )
 from ..metrics.report import StepReport
-from .background import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
-from .base import MismatchReport
+from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MismatchReport, QueuedExporter
 
 DEFAULT_STEP_KEY = "trainer/step"
 _MAX_BINS = 512  # wandb.Histogram's limit
@@ -125,14 +124,9 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         self._defined: set[str] = set()
         self._warned_unknown: set[str] = set()
         self._env_rows: dict[str, MetricDef] = {}  # per-env key -> its table row
-        self._start_queue(
-            self._log,
-            max_queue,
-            retry_initial,
-            retry_max,
-            close_timeout,
-            prepare=self._prepare_worker if run is None or self._histogram_key is not None else None,
-        )
+        needs_worker_start = run is None or self._histogram_key is not None  # import wandb there
+        prepare = self._prepare_worker if needs_worker_start else None
+        self._start_queue(self._log, max_queue, retry_initial, retry_max, close_timeout, prepare)
 
     @property
     def run(self) -> Any | None:

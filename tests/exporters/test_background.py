@@ -7,8 +7,7 @@ import threading
 
 import pytest
 
-from staleness_metrics.exporters.background import BackgroundExporter, ExportQueue
-from staleness_metrics.exporters.base import ExportContext, ExportErrors
+from staleness_metrics.exporters.base import BackgroundExporter, ExportContext, ExportErrors, ExportQueue
 from staleness_metrics.metrics.report import StepReport, Tally
 
 

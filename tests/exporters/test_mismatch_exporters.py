@@ -17,8 +17,7 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from staleness_metrics.exporters.background import BackgroundExporter
-from staleness_metrics.exporters.base import ExportContext, ExportErrors, MismatchReport
+from staleness_metrics.exporters.base import BackgroundExporter, ExportContext, ExportErrors, MismatchReport
 from staleness_metrics.exporters.console import ConsoleExporter, format_line, format_mismatch_line
 from staleness_metrics.exporters.jsonl import JsonlExporter
 from staleness_metrics.exporters.otlp import OtlpExporter

@@ -458,7 +458,7 @@ def test_close_returns_within_its_timeout_whatever_the_receiver_does(behaviour: 
 
 
 def test_default_close_timeout_is_at_most_two_seconds_and_bounds_close() -> None:
-    from staleness_metrics.exporters.background import DEFAULT_CLOSE_TIMEOUT
+    from staleness_metrics.exporters.base import DEFAULT_CLOSE_TIMEOUT
 
     assert DEFAULT_CLOSE_TIMEOUT <= 2.0
     exporter = OtlpExporter(endpoint=f"http://127.0.0.1:{free_port()}/v1/metrics")

@@ -10,7 +10,7 @@ from typing import Any
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from prometheus_client.parser import text_string_to_metric_families
 
-from staleness_metrics.exporters.background import QueuedExporter
+from staleness_metrics.exporters.base import QueuedExporter
 from staleness_metrics.exporters.jsonl import JsonlExporter
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.prometheus import PrometheusExporter
