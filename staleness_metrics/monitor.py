@@ -60,12 +60,9 @@ def _keep(kept: dict[K, V], key: K, value: V) -> None:
 
 
 class StalenessMonitor:
-    """Owns a :class:`~staleness_metrics.engine.sink.Sink` and a list of exporters.
-
-    ``run`` labels every Prometheus series and OTLP point. Pass ``sink`` to use a sink you built
-    (e.g. with a custom policy); its config is then the monitor's. Safe to call from several threads
-    (calls into the sink are serialized).
-    """
+    """Owns a :class:`~staleness_metrics.engine.sink.Sink` and a list of exporters; safe to call
+    from several threads. ``run`` labels every Prometheus series and OTLP point; ``sink`` is one you
+    built (e.g. with a custom policy), whose config is then the monitor's."""
 
     def __init__(
         self,
@@ -130,7 +127,6 @@ class StalenessMonitor:
                         self.export_errors.record(exporter.name, "export raised", exc)
         return shipment
 
-    # ------------------------------------------------------------------ checkpoint
     def _stateful(self) -> dict[str, Stateful]:
         """The exporters with cumulative state, by name (``name#2`` for a second of a name)."""
         found: dict[str, Stateful] = {}
@@ -207,8 +203,7 @@ class StalenessMonitor:
                     fail(where, f"step {step} of env {env!r} {reason}")
                 env_mismatch[(step, env)] = check_mismatch(sums, join(where, 2))
             check_digests(state, "", skip=("sink",))
-            # Everything is checked: replace. Exporters that cannot check a state beforehand load
-            # first, so that one refusing leaves the monitor as it was.
+            # all checked: replace; exporters that cannot check a state first load first
             loads.sort(key=lambda load: getattr(load[1], "check_state_dict", None) is not None)
             for name, exporter, exporter_state in loads:
                 try:
@@ -240,11 +235,10 @@ class StalenessMonitor:
         self, step: int, sums: MismatchSums | Mapping[str, Any], env: str | None = None
     ) -> MismatchSums:
         """Record trainer-side SPEC 11 sums (:class:`~staleness_metrics.MismatchSums` or its
-        ``to_dict()``) for a shipped ``step`` and publish them; returns the step's total.
-
-        Calls for one step (per rank or micro-batch) merge; sums of one ``env`` also count in that
-        env's series with the env breakdown. A step never shipped or a malformed dict raises
-        ``ValueError`` naming the field, and nothing is recorded."""
+        ``to_dict()``) for a shipped ``step`` and publish them; returns the step's total. Calls for
+        one step (per rank or micro-batch) merge; an ``env``'s sums also count in its series with
+        the env breakdown. A step never shipped or a malformed dict raises ``ValueError`` naming the
+        field, and nothing is recorded."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise FieldError("step", f"expected an integer >= 1, got {step!r}")
         if env is not None and (not isinstance(env, str) or not env):
@@ -252,10 +246,8 @@ class StalenessMonitor:
         delta = sums if isinstance(sums, MismatchSums) else MismatchSums.from_dict(sums)
         with self._lock:
             if step not in self._shipped_steps:
-                raise FieldError(
-                    "step",
-                    f"no batch was shipped for step {step}; mismatch sums belong to a shipped step",
-                )
+                reason = f"no batch was shipped for step {step}; mismatch sums belong to a shipped step"
+                raise FieldError("step", reason)
             total = self._mismatch.get(step, MismatchSums.zero()) + delta
             _keep(self._mismatch, step, total)
             bound = self.sink.observe_mismatch(step, total, merge=True)
@@ -265,14 +257,8 @@ class StalenessMonitor:
                 _keep(self._env_mismatch, (step, env), env_total)
                 env_bound = self.sink.observe_env_mismatch(step, env, env_total, merge=True)
                 env_metrics[env] = mismatch_metrics(env_total, env_bound)
-            report = MismatchReport(
-                step=step,
-                sums=total,
-                delta=delta,
-                bound=bound,
-                env_metrics=env_metrics,
-                env=env if env_metrics else None,
-            )
+            env = env if env_metrics else None
+            report = MismatchReport(step, total, delta, bound, env_metrics, env)
             _keep(self._mismatch_metrics, step, report.metrics)
             # published before a restart: the counters catch up, nothing is sent again
             if self._absorbing:
@@ -302,7 +288,6 @@ class StalenessMonitor:
 
     def close(self, timeout: float | None = None) -> None:
         """Flush and close every exporter at once, each on a daemon thread; safe to call twice.
-
         Returns within ``timeout`` (default: the longest exporter ``close_timeout`` plus a grace);
         an exporter still closing then is counted, logged and left to finish in the background."""
         with self._lock:
@@ -325,10 +310,8 @@ class StalenessMonitor:
         for exporter, thread in zip(self.exporters, closing, strict=True):
             thread.join(max(deadline - time.monotonic(), 0.0))
             if thread.is_alive():
-                self.export_errors.record(
-                    exporter.name,
-                    f"close did not return within {timeout:g} s; left to finish in the background",
-                )
+                message = f"close did not return within {timeout:g} s; left to finish in the background"
+                self.export_errors.record(exporter.name, message)
 
     def _close_one(self, exporter: Exporter) -> None:
         try:

@@ -159,7 +159,6 @@ class CountingExporter:
         self._errors.register(self.name)
 
     def attach(self, context: ExportContext) -> None:
-        """Share the monitor's export error counts."""
         self._errors = context.share_errors(self.name, self._errors)
 
     @property
@@ -172,23 +171,18 @@ P = TypeVar("P")
 DEFAULT_QUEUE_SIZE = 1024
 DEFAULT_CLOSE_TIMEOUT = 2.0  # seconds close() may take, shutdown included: the trainer is waiting
 
-FailureHandler = Callable[[str, "BaseException | None"], None]
-
 
 class ExportQueue(Generic[P]):
-    """Sends payloads in order on a worker thread; ``put`` never blocks and never raises, and a
-    full queue drops the oldest payload.
-
-    A ``send`` that raises is retried with the same payload after a backoff from ``retry_initial``
-    seconds doubling up to ``retry_max``. ``prepare`` (say, starting a W&B run) runs first on the
-    worker, retried the same way, while payloads wait.
-    """
+    """Sends payloads in order on a worker thread; ``put`` never blocks nor raises, and a full queue
+    drops the oldest payload. A ``send`` that raises is retried with the same payload, backing off
+    from ``retry_initial`` seconds doubling up to ``retry_max``; ``prepare`` (say, starting a W&B
+    run) runs first on the worker, retried the same way, while payloads wait."""
 
     def __init__(
         self,
         name: str,
         send: Callable[[P], None],
-        on_failure: FailureHandler,
+        on_failure: Callable[[str, BaseException | None], None],
         *,
         max_size: int = DEFAULT_QUEUE_SIZE,
         retry_initial: float = 0.5,
@@ -327,11 +321,9 @@ class ExportQueue(Generic[P]):
 
 class QueuedExporter(CountingExporter, Generic[P]):
     """Base of the exporters that send on an :class:`ExportQueue`, with a ``close`` that runs once.
-
     A subclass calls :meth:`_start_queue` last in its constructor (one that raises leaves no worker)
     and releases its resources in :meth:`_close_resources`, run on a daemon thread after the queue
-    drained, so that a shutdown that blocks cannot hold ``close`` beyond its timeout.
-    """
+    drained, so that a shutdown that blocks cannot hold ``close`` beyond its timeout."""
 
     def _start_queue(
         self,
@@ -384,10 +376,8 @@ class QueuedExporter(CountingExporter, Generic[P]):
         shutdown.start()
         shutdown.join(max(deadline - time.monotonic(), 0.0))
         if shutdown.is_alive():
-            self._record_failure(
-                f"shutdown did not finish within {budget:g} s; left to finish in the background",
-                None,
-            )
+            message = f"shutdown did not finish within {budget:g} s; left to finish in the background"
+            self._record_failure(message, None)
 
     def _close_resources(self) -> None:
         pass

@@ -39,20 +39,6 @@ def _attributes(metric: MetricDef, run: str, env: str, bucket: str | None = None
     return attributes
 
 
-def build_resource(service_name: str | None, attributes: Mapping[str, str] | None) -> Resource:
-    """The resource; ``service.name`` is the argument, else ``OTEL_SERVICE_NAME`` /
-    ``OTEL_RESOURCE_ATTRIBUTES``, else :data:`DEFAULT_SERVICE_NAME`."""
-    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
-
-    merged: dict[str, str] = dict(attributes or {})
-    if service_name is not None:
-        merged["service.name"] = service_name
-    elif "service.name" not in merged and "service.name" not in OTELResourceDetector().detect().attributes:
-        merged["service.name"] = DEFAULT_SERVICE_NAME
-    merged.setdefault("service.version", __version__)
-    return Resource.create(merged)
-
-
 def build_metrics_data(
     snapshot: Snapshot,
     resource: Resource,
@@ -183,11 +169,21 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         if meter_provider is not None:
             self._create_instruments(meter_provider.get_meter(SCOPE_NAME, __version__))
         else:
-            self.resource = build_resource(service_name, resource_attributes)
+            from opentelemetry.sdk.metrics import Counter
+            from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+            # service.name: the argument, else OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, else ours
+            attributes = dict(resource_attributes or {})
+            if service_name is not None:
+                attributes["service.name"] = service_name
+            elif "service.name" not in attributes and (
+                "service.name" not in OTELResourceDetector().detect().attributes
+            ):
+                attributes["service.name"] = DEFAULT_SERVICE_NAME
+            attributes.setdefault("service.version", __version__)
+            self.resource = Resource.create(attributes)
             exporter = metric_exporter or _make_metric_exporter(protocol, endpoint, headers, timeout)
             # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, as the exporter resolved it
-            from opentelemetry.sdk.metrics import Counter
-
             preferred = getattr(exporter, "_preferred_temporality", {}) or {}
             self._temporality = preferred.get(Counter)
             self._metric_exporter = exporter
