@@ -80,10 +80,18 @@ class StalenessMonitor:
         self.export_errors = ExportErrors(log_interval=error_log_interval)
         self.exporters: tuple[Exporter, ...] = tuple(exporters)
         context = ExportContext(run=run, errors=self.export_errors, env_breakdown=self.config.env_breakdown)
+        # the exporters with cumulative state, by name (``name#2`` for a second of a name)
+        self._stateful: dict[str, Stateful] = {}
         for exporter in self.exporters:
             self.export_errors.register(exporter.name)
             if isinstance(exporter, MonitorAware):
                 exporter.attach(context)
+            if isinstance(exporter, Stateful):
+                key, n = exporter.name, 1
+                while key in self._stateful:
+                    n += 1
+                    key = f"{exporter.name}#{n}"
+                self._stateful[key] = exporter
         self._lock = threading.Lock()
         self._closed = False
         self._absorbing = False
@@ -113,7 +121,7 @@ class StalenessMonitor:
             shipment = self.sink.ship(step, ids)
             self._shipped_steps.add(shipment.step)
             if self._absorbing:  # published before a restart: fold in, send nothing
-                for stateful in self._stateful().values():
+                for stateful in self._stateful.values():
                     stateful.absorb(shipment.report)
             elif self._closed:  # the sink still ships; the report is lost to the exporters: count it
                 for exporter in self.exporters:
@@ -127,18 +135,6 @@ class StalenessMonitor:
                         self.export_errors.record(exporter.name, "export raised", exc)
         return shipment
 
-    def _stateful(self) -> dict[str, Stateful]:
-        """The exporters with cumulative state, by name (``name#2`` for a second of a name)."""
-        found: dict[str, Stateful] = {}
-        for exporter in self.exporters:
-            if isinstance(exporter, Stateful):
-                key, n = exporter.name, 1
-                while key in found:
-                    n += 1
-                    key = f"{exporter.name}#{n}"
-                found[key] = exporter
-        return found
-
     def state_dict(self) -> dict[str, Any]:
         """Everything later ships depend on (the sink's, the cumulative exporters' and the export
         error counts), as plain JSON-serialisable data (SPEC 13)."""
@@ -147,7 +143,7 @@ class StalenessMonitor:
                 "format": FORMAT,
                 "run": self.run,
                 "sink": self.sink.state_dict(),
-                "exporters": {name: exporter.state_dict() for name, exporter in self._stateful().items()},
+                "exporters": {name: exporter.state_dict() for name, exporter in self._stateful.items()},
                 "export_errors": self.export_errors.snapshot(),
                 "shipped_steps": sorted(self._shipped_steps),
                 "mismatch": [[step, sums.to_dict()] for step, sums in sorted(self._mismatch.items())],
@@ -172,7 +168,7 @@ class StalenessMonitor:
             sink_state = self.sink.check_state_dict(state["sink"], "sink")
             saved = mapping(state["exporters"], "exporters")
             loads: list[tuple[str, Stateful, Any]] = []
-            for name, exporter in self._stateful().items():
+            for name, exporter in self._stateful.items():
                 if name in saved:
                     check = getattr(exporter, "check_state_dict", None)
                     if check is not None:
@@ -262,7 +258,7 @@ class StalenessMonitor:
             _keep(self._mismatch_metrics, step, report.metrics)
             # published before a restart: the counters catch up, nothing is sent again
             if self._absorbing:
-                for stateful in self._stateful().values():
+                for stateful in self._stateful.values():
                     stateful.absorb_mismatch(report)
                 return total
             for exporter in self.exporters:

@@ -161,10 +161,6 @@ class CountingExporter:
     def attach(self, context: ExportContext) -> None:
         self._errors = context.share_errors(self.name, self._errors)
 
-    @property
-    def errors(self) -> ExportErrors:
-        return self._errors
-
 
 P = TypeVar("P")
 

@@ -140,12 +140,9 @@ class PrometheusExporter(_PrometheusBase):
         try:
             server, thread = start_http_server(self._requested_port, addr=self._addr, registry=self.registry)
         except OSError as exc:
-            self._errors.record(
-                self.name,
-                f"cannot serve on {self._addr}:{self._requested_port}; will retry every "
-                f"{self._bind_retry_interval:g} s (the ASGI app and registry still work)",
-                exc,
-            )
+            where = f"{self._addr}:{self._requested_port}"
+            every = f"{self._bind_retry_interval:g} s (the ASGI app and registry still work)"
+            self._errors.record(self.name, f"cannot serve on {where}; will retry every {every}", exc)
             return
         self._server, self._server_thread = server, thread
 
@@ -159,9 +156,8 @@ class PrometheusExporter(_PrometheusBase):
             self._bind()
 
     def asgi_app(self) -> Callable[..., Any]:
-        """An ASGI app serving this exporter's registry
-        (``app.mount("/metrics", exporter.asgi_app())``; Starlette then serves it at ``/metrics/``
-        and redirects ``/metrics`` there)."""
+        """An ASGI app serving this registry: ``app.mount("/metrics", exporter.asgi_app())``
+        (Starlette then serves it at ``/metrics/`` and redirects ``/metrics`` there)."""
         from prometheus_client import make_asgi_app
 
         return make_asgi_app(registry=self.registry)

@@ -437,8 +437,7 @@ class CumulativeExporter(CountingExporter):
             return self._state.state_dict()
 
     def check_state_dict(self, state: Any, path: str) -> None:
-        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError`` naming the key
-        path)."""
+        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError`` naming the path)."""
         self._state.loaded(state, path)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
