@@ -15,18 +15,11 @@ def format_line(report: StepReport) -> str:
     """``step 12 | Max Staleness 3 | token mean 1.42 | masked 3.1% | dropped 2 rollouts`` (``-``
     for a statistic whose population was empty)."""
     metrics = report.metrics
-
-    def number(key: str, fmt: str) -> str:
-        return format(metrics[key], fmt) if key in metrics else "-"
-
-    masked = "-"
-    if keys.TOKEN_MASKED in metrics:
-        masked = f"{float(metrics[keys.TOKEN_MASKED]) * 100:.1f}%"
     parts = [
         f"step {report.step}",
-        f"Max Staleness {number(keys.ROLLOUT_MAX, 'd')}",
-        f"token mean {number(keys.TOKEN_MEAN, '.2f')}",
-        f"masked {masked}",
+        f"Max Staleness {_number(metrics, keys.ROLLOUT_MAX, 'd')}",
+        f"token mean {_number(metrics, keys.TOKEN_MEAN, '.2f')}",
+        f"masked {_percent(metrics, keys.TOKEN_MASKED)}",
         f"dropped {int(metrics.get(keys.ROLLOUTS_DROPPED, 0))} rollouts",
     ]
     held = int(metrics.get(keys.ROLLOUTS_HELD, 0))
@@ -39,6 +32,14 @@ def format_line(report: StepReport) -> str:
     return " | ".join(parts)
 
 
+def _number(metrics: Mapping[str, MetricValue], key: str, fmt: str) -> str:
+    return format(metrics[key], fmt) if key in metrics else "-"
+
+
+def _percent(metrics: Mapping[str, MetricValue], key: str) -> str:
+    return f"{float(metrics[key]) * 100:.1f}%" if key in metrics else "-"
+
+
 def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
     # SPEC 14: ``floor 0.0008 lag0 | at bound 0.0003 | suggested 6 (...)``
     if keys.MISMATCH_FLOOR not in metrics:
@@ -46,8 +47,7 @@ def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
     source = metrics.get(keys.MISMATCH_FLOOR_SOURCE, "")
     age = int(metrics.get(keys.MISMATCH_FLOOR_AGE, 0))
     floor = f"floor {float(metrics[keys.MISMATCH_FLOOR]):.4g} {source}" + (f" {age} steps ago" if age else "")
-    at_bound = metrics.get(keys.BOUND_EXCESS_AT_BOUND)
-    parts = [floor, f"at bound {float(at_bound):.4g}" if at_bound is not None else "at bound -"]
+    parts = [floor, f"at bound {_number(metrics, keys.BOUND_EXCESS_AT_BOUND, '.4g')}"]
     if keys.BOUND_SUGGESTED in metrics:
         crossed = int(metrics.get(keys.BOUND_CROSSED, 0))
         advice = " (budget crossed)" if crossed else " (largest lag seen)"
@@ -61,19 +61,12 @@ def format_mismatch_line(report: MismatchReport) -> str:
     """The line of the step's trainer-side sums merged so far (``-`` where a key is absent):
     ``step 12 | mismatch k3 0.0031 | excess k3 0.0012 | coverage 98.0% | floor ...``."""
     metrics = report.metrics
-
-    def number(key: str) -> str:
-        return f"{float(metrics[key]):.4g}" if key in metrics else "-"
-
-    coverage = "-"
-    if keys.MISMATCH_COVERAGE in metrics:
-        coverage = f"{float(metrics[keys.MISMATCH_COVERAGE]) * 100:.1f}%"
     return " | ".join(
         [
             f"step {report.step}",
-            f"mismatch k3 {number(keys.MISMATCH_K3)}",
-            f"excess k3 {number(keys.MISMATCH_EXCESS_K3)}",
-            f"coverage {coverage}",
+            f"mismatch k3 {_number(metrics, keys.MISMATCH_K3, '.4g')}",
+            f"excess k3 {_number(metrics, keys.MISMATCH_EXCESS_K3, '.4g')}",
+            f"coverage {_percent(metrics, keys.MISMATCH_COVERAGE)}",
             *_bound_parts(metrics),
         ]
     )
