@@ -53,7 +53,7 @@ class _NamedField(StalenessError):
 class FieldError(_NamedField, ValueError):
     """A value the library refuses, other than a setting or a record: an argument (an array of the
     wrong shape or dtype, a step), mismatch sums (SPEC 11) and the step they are posted for. The
-    message is ``"<field>: <reason>"``; ``rollout`` names the rollout at fault where there is one."""
+    message is ``"<field>: <reason>"``; ``rollout`` names the rollout at fault, if one is."""
 
 
 class FieldTypeError(_NamedField, TypeError):

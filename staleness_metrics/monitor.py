@@ -123,7 +123,7 @@ class StalenessMonitor:
             if self._absorbing:  # published before a restart: fold in, send nothing
                 for stateful in self._stateful.values():
                     stateful.absorb(shipment.report)
-            elif self._closed:  # the sink still ships; the report is lost to the exporters: count it
+            elif self._closed:  # the sink still ships: count the report the exporters lose
                 for exporter in self.exporters:
                     message = "ship after the monitor was closed; report not exported"
                     self.export_errors.record(exporter.name, message)
@@ -143,7 +143,7 @@ class StalenessMonitor:
                 "format": FORMAT,
                 "run": self.run,
                 "sink": self.sink.state_dict(),
-                "exporters": {name: exporter.state_dict() for name, exporter in self._stateful.items()},
+                "exporters": {name: e.state_dict() for name, e in self._stateful.items()},
                 "export_errors": self.export_errors.snapshot(),
                 "shipped_steps": sorted(self._shipped_steps),
                 "mismatch": [[step, sums.to_dict()] for step, sums in sorted(self._mismatch.items())],
@@ -242,8 +242,8 @@ class StalenessMonitor:
         delta = sums if isinstance(sums, MismatchSums) else MismatchSums.from_dict(sums)
         with self._lock:
             if step not in self._shipped_steps:
-                reason = f"no batch was shipped for step {step}; mismatch sums belong to a shipped step"
-                raise FieldError("step", reason)
+                shipped = "mismatch sums belong to a shipped step"
+                raise FieldError("step", f"no batch was shipped for step {step}; {shipped}")
             total = self._mismatch.get(step, MismatchSums.zero()) + delta
             _keep(self._mismatch, step, total)
             bound = self.sink.observe_mismatch(step, total, merge=True)
@@ -294,9 +294,11 @@ class StalenessMonitor:
             return
         if timeout is None:  # the longest close_timeout an exporter declares
             timeouts = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
-            declared = [float(t) for t in timeouts if isinstance(t, int | float) and not isinstance(t, bool)]
-            timeout = max([DEFAULT_CLOSE_TIMEOUT, *declared]) + CLOSE_GRACE
+            timeouts = [t for t in timeouts if not isinstance(t, bool)]  # a number, not a flag
+            numbers = [float(t) for t in timeouts if isinstance(t, int | float)]
+            timeout = max([DEFAULT_CLOSE_TIMEOUT, *numbers]) + CLOSE_GRACE
         deadline = time.monotonic() + max(timeout, 0.0)
+        late = f"close did not return within {timeout:g} s; left to finish in the background"
         closing = [
             threading.Thread(target=self._close_one, args=(e,), name=f"staleness-close-{e.name}", daemon=True)
             for e in self.exporters
@@ -306,8 +308,7 @@ class StalenessMonitor:
         for exporter, thread in zip(self.exporters, closing, strict=True):
             thread.join(max(deadline - time.monotonic(), 0.0))
             if thread.is_alive():
-                message = f"close did not return within {timeout:g} s; left to finish in the background"
-                self.export_errors.record(exporter.name, message)
+                self.export_errors.record(exporter.name, late)
 
     def _close_one(self, exporter: Exporter) -> None:
         try:

@@ -287,7 +287,8 @@ class ExportQueue(Generic[P]):
                 payload = self._pending.popleft()
                 self._in_flight = True
             try:
-                sent = self._retry(functools.partial(self._send, payload), "export failed; will retry")
+                attempt = functools.partial(self._send, payload)
+                sent = self._retry(attempt, "export failed; will retry")
                 with self._cond:
                     self._sent += sent
                     self._dropped += not sent
@@ -372,8 +373,8 @@ class QueuedExporter(CountingExporter, Generic[P]):
         shutdown.start()
         shutdown.join(max(deadline - time.monotonic(), 0.0))
         if shutdown.is_alive():
-            message = f"shutdown did not finish within {budget:g} s; left to finish in the background"
-            self._record_failure(message, None)
+            late = f"shutdown did not finish within {budget:g} s"
+            self._record_failure(f"{late}; left to finish in the background", None)
 
     def _close_resources(self) -> None:
         pass

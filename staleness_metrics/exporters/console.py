@@ -1,4 +1,4 @@
-"""Console exporter: one line per ship, led by ``Max Staleness`` (the renamed ``Max Off-Policy``)."""
+"""Console exporter: one line per ship, led by ``Max Staleness`` (once ``Max Off-Policy``)."""
 
 from __future__ import annotations
 

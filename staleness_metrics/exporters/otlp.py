@@ -1,5 +1,5 @@
-"""OTLP exporter: each ship as one OTLP export of the metric table's rows, or recorded through an
-injected ``meter_provider``'s instruments (settings and environment variables: docs/exporters.md)."""
+"""OTLP exporter: each ship as one OTLP export of the metric table's rows, or recorded through
+an injected ``meter_provider``'s instruments (settings and environment: docs/exporters.md)."""
 
 from __future__ import annotations
 
@@ -116,7 +116,10 @@ def build_metrics_data(
 
 
 def _make_metric_exporter(
-    protocol: str | None, endpoint: str | None, headers: Mapping[str, str] | None, timeout: float | None
+    protocol: str | None,
+    endpoint: str | None,
+    headers: Mapping[str, str] | None,
+    timeout: float | None,
 ) -> MetricExporter:
     chosen = (
         protocol
@@ -172,7 +175,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
             from opentelemetry.sdk.metrics import Counter
             from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
-            # service.name: the argument, else OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES, else ours
+            # service.name: the argument, else the OTEL_* variables, else ours
             attributes = dict(resource_attributes or {})
             if service_name is not None:
                 attributes["service.name"] = service_name
@@ -182,11 +185,11 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
                 attributes["service.name"] = DEFAULT_SERVICE_NAME
             attributes.setdefault("service.version", __version__)
             self.resource = Resource.create(attributes)
-            exporter = metric_exporter or _make_metric_exporter(protocol, endpoint, headers, timeout)
+            chosen = metric_exporter or _make_metric_exporter(protocol, endpoint, headers, timeout)
             # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, as the exporter resolved it
-            preferred = getattr(exporter, "_preferred_temporality", {}) or {}
+            preferred = getattr(chosen, "_preferred_temporality", {}) or {}
             self._temporality = preferred.get(Counter)
-            self._metric_exporter = exporter
+            self._metric_exporter = chosen
         self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
 
     def _create_instruments(self, meter: Meter) -> None:

@@ -57,7 +57,8 @@ def _families(snapshot: Snapshot) -> Iterator[Metric]:
                 family.add_metric(_label_values(metric, snapshot.run, env), buckets, sum_value=float(point.sum))
         else:
             for env, bucket, value in snapshot.points(metric, snapshot.cumulative):
-                family.add_metric(_label_values(metric, snapshot.run, env, bucket or ""), float(value))
+                labels = _label_values(metric, snapshot.run, env, bucket or "")
+                family.add_metric(labels, float(value))
         if family.samples:
             yield family
 
@@ -85,7 +86,8 @@ class _PrometheusBase(CumulativeExporter):
         errors, run = _family(_ERRORS_ROW), self._state.run
         assert isinstance(errors, CounterMetricFamily)
         for exporter, count in sorted(self._errors.snapshot().items()):
-            errors.add_metric([{"run": run, "exporter": exporter}[label] for label in _ERRORS_ROW.labels], count)
+            labels = {"run": run, "exporter": exporter}
+            errors.add_metric([labels[label] for label in _ERRORS_ROW.labels], count)
         yield errors
 
     def exposition(self) -> bytes:
@@ -140,9 +142,9 @@ class PrometheusExporter(_PrometheusBase):
         try:
             server, thread = start_http_server(self._requested_port, addr=self._addr, registry=self.registry)
         except OSError as exc:
-            where = f"{self._addr}:{self._requested_port}"
-            every = f"{self._bind_retry_interval:g} s (the ASGI app and registry still work)"
-            self._errors.record(self.name, f"cannot serve on {where}; will retry every {every}", exc)
+            retry = f"will retry every {self._bind_retry_interval:g} s"
+            message = f"cannot serve on {self._addr}:{self._requested_port}; {retry}"
+            self._errors.record(self.name, f"{message} (the ASGI app and registry still work)", exc)
             return
         self._server, self._server_thread = server, thread
 

@@ -1,5 +1,5 @@
-"""Cumulative per-run state behind the Prometheus and OTLP exporters: a ship folds into immutable
-:class:`Snapshot` whose series are computed when first read (docs/exporters.md: the ``env`` label)."""
+"""Cumulative per-run state behind the Prometheus and OTLP exporters: each ship folds into an
+immutable :class:`Snapshot` whose series are computed when first read (docs/exporters.md)."""
 
 from __future__ import annotations
 
@@ -93,10 +93,9 @@ def _as_number(metric: MetricDef, value: object) -> Number:
 
 
 # Gauges some exporter shows (the W&B-only ratio rows are derived from counters elsewhere).
-_PUBLISHED_GAUGES = tuple(m for m in METRICS if m.kind is MetricKind.GAUGE and m.prometheus_name is not None)
-_BOUND_KEYS = frozenset(
-    key for m in METRICS if m.source is Source.BOUND and m.kind is MetricKind.GAUGE for key in m.wandb_keys
-)
+_GAUGES = tuple(m for m in METRICS if m.kind is MetricKind.GAUGE)
+_PUBLISHED_GAUGES = tuple(m for m in _GAUGES if m.prometheus_name is not None)
+_BOUND_KEYS = frozenset(key for m in _GAUGES if m.source is Source.BOUND for key in m.wandb_keys)
 
 
 def _split_env(key: str) -> tuple[str, str] | None:
@@ -250,8 +249,9 @@ class Snapshot:
             return {env: _as_number(metric, row[key]) for env, row in rows.items() if key in row}
         if metric.source is Source.TALLY:
             field = metric.tally_field or ""
-            tallies = {"": report.tally, **{e: t for e, t in report.env_tally.items() if e and per_env}}
-            return {env: _as_number(metric, getattr(tally, field)) for env, tally in tallies.items()}
+            tallies = {e: t for e, t in report.env_tally.items() if e and per_env}
+            tallies = {"": report.tally, **tallies}
+            return {env: _as_number(metric, getattr(t, field)) for env, t in tallies.items()}
         return {}
 
     def points(self, metric: MetricDef, series: Series) -> list[tuple[str, str | None, Number]]:
@@ -291,27 +291,27 @@ class CumulativeState:
 
     def loaded(self, state: Any, path: str) -> CumulativeState:
         """A copy continuing the series from what :meth:`state_dict` saved, checked first
-        (``ConfigError`` naming the key path); older states lack the SPEC 14 keys and per-env sums."""
+        (``ConfigError`` naming the key path); older states lack SPEC 14's keys and per-env sums."""
         from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
         from ..state_checks import integer, join, keys, mapping, string
 
         required = ("totals", "mismatch", "start_time_ns", "last_report")
         found = keys(state, path, required, ("bound_metrics", "env_mismatch"))
-        totals_path, env_path = join(path, "totals"), join(path, "env_mismatch")
-        totals = mapping(found["totals"], totals_path)
-        env_sums = mapping(found.get("env_mismatch", {}), env_path)
+        at = functools.partial(join, path)
+
+        def by_env(items: Mapping[Any, Any], where: str, check: Any) -> dict[str, Any]:
+            return {string(e, where): check(v, join(where, e)) for e, v in items.items()}
+
+        totals = mapping(found["totals"], at("totals"))
+        envs = mapping(found.get("env_mismatch", {}), at("env_mismatch"))
         out = copy.copy(self)
-        out._totals = {
-            string(env, totals_path): check_tally(tally, join(totals_path, env)) for env, tally in totals.items()
-        }
+        out._totals = by_env(totals, at("totals"), check_tally)
         mismatch, last, bound = found["mismatch"], found["last_report"], found.get("bound_metrics")
-        out._mismatch = None if mismatch is None else check_mismatch(mismatch, join(path, "mismatch"))
-        out._start_ns = integer(found["start_time_ns"], join(path, "start_time_ns"), 0)  # never reset
-        out._last_report = None if last is None else check_report(last, join(path, "last_report"))
-        out._bound_metrics = None if bound is None else check_metrics(bound, join(path, "bound_metrics"))
-        out._env_mismatch = {
-            string(env, env_path): check_mismatch(sums, join(env_path, env)) for env, sums in env_sums.items()
-        }
+        out._mismatch = None if mismatch is None else check_mismatch(mismatch, at("mismatch"))
+        out._start_ns = integer(found["start_time_ns"], at("start_time_ns"), 0)  # never reset
+        out._last_report = None if last is None else check_report(last, at("last_report"))
+        out._bound_metrics = None if bound is None else check_metrics(bound, at("bound_metrics"))
+        out._env_mismatch = by_env(envs, at("env_mismatch"), check_mismatch)
         out._last_ns = max(self._last_ns, out._start_ns)
         if out._last_report is not None:
             out._step = out._last_report.step
@@ -341,8 +341,8 @@ class CumulativeState:
         metrics: Mapping[str, MetricValue] | None = None,
         env: str | None = None,
     ) -> Snapshot:
-        """Fold in trainer-side sums (the live path): the counters move (an ``env``'s too, with the
-        env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics`` (the step's keys)."""
+        """Fold in trainer-side sums (the live path): the counters move (an ``env``'s too, with
+        the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics`` (the step's)."""
         self._add_mismatch(delta)
         env_delta = {}
         if env and self.by_env:
@@ -437,7 +437,7 @@ class CumulativeExporter(CountingExporter):
             return self._state.state_dict()
 
     def check_state_dict(self, state: Any, path: str) -> None:
-        """Refuse a state :meth:`load_state_dict` would not take (``ConfigError`` naming the path)."""
+        """Raise the ``ConfigError`` :meth:`load_state_dict` would, loading nothing."""
         self._state.loaded(state, path)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

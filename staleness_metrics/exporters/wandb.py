@@ -28,9 +28,8 @@ from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MismatchReport, Que
 DEFAULT_STEP_KEY = "trainer/step"
 _MAX_BINS = 512  # wandb.Histogram's limit
 
-_BY_KEY: dict[str, MetricDef] = WANDB_KEYS  # templated keys (per lag / length bucket) spelled out
 _HISTOGRAM_ROW = next(m for m in METRICS if m.source is Source.TOKEN_HISTOGRAM)
-_SCALAR_KEYS = {key for key, m in _BY_KEY.items() if m.source is not Source.TOKEN_HISTOGRAM}
+_SCALAR_KEYS = {key for key, m in WANDB_KEYS.items() if m.source is not Source.TOKEN_HISTOGRAM}
 
 # wandb.init is not safe to call from two threads at once (several exporters starting their runs).
 _init_lock = threading.Lock()
@@ -61,8 +60,8 @@ def _row_of_env_key(key: str, report: StepReport) -> MetricDef | None:
     for env, env_metrics in report.env_metrics.items():
         prefix = f"{ENV_KEY_PREFIX}{env}/"
         table_key = KEY_PREFIX + key.removeprefix(prefix)  # every table key has KEY_PREFIX
-        if env and key.startswith(prefix) and table_key in env_metrics and table_key in _BY_KEY:
-            return _BY_KEY[table_key]
+        if env and key.startswith(prefix) and table_key in env_metrics and table_key in WANDB_KEYS:
+            return WANDB_KEYS[table_key]
     return None
 
 
@@ -202,7 +201,8 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             if key in self._defined or key == self._step_key:
                 continue
             hidden = True if key in self._legacy else None
-            row = _BY_KEY.get(key) or _BY_KEY.get(self._legacy.get(key, "")) or self._env_rows.get(key)
+            # a legacy key takes its new key's summary
+            row = WANDB_KEYS.get(self._legacy.get(key, key)) or self._env_rows.get(key)
             summary = None if row is None else row.wandb_summary
             if hidden or summary or not key.startswith(KEY_PREFIX):
                 run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
