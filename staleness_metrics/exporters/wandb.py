@@ -115,7 +115,6 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         self._run: Any | None = run
         self._run_lock = threading.Lock()
         self._finish_asked = False
-        self._finished = False
         self._step_key = step_key
         self._legacy = _legacy_selection(legacy_keys)
         self._histogram_key = _HISTOGRAM_ROW.wandb_key if histogram else None
@@ -152,8 +151,8 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         """Finish the exporter's own run, once (a run still starting: when it has started)."""
         with self._run_lock:
             self._finish_asked = True
-            run = self._run if self._owns_run and not self._finished else None
-            self._finished = self._finished or run is not None
+            run = self._run if self._owns_run else None
+            self._owns_run = False  # finished once
         if run is not None:
             try:
                 run.finish()
