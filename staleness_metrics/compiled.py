@@ -9,8 +9,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["UNSIGNED_OF_SIZE", "CompiledLoop"]
-
 # views of a float's bits
 UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

@@ -27,8 +27,6 @@ from .errors import ConfigError, FieldError
 from .metrics.buckets import LAG_BUCKETS, N_BUCKETS
 from .metrics.mismatch import COUNT_FIELDS, SUM_FIELDS, MismatchSums
 
-__all__ = ["all_reduce"]
-
 _FIELDS = (*COUNT_FIELDS, *SUM_FIELDS)
 # The packed layout: a bucket fingerprint (the total is the group's size times it only if every
 # rank has these buckets), the uncovered count, then one row of N_BUCKETS per field.

@@ -19,31 +19,6 @@ import orjson
 
 from .errors import ConfigError
 
-__all__ = [
-    "FORMAT",
-    "PIECED_DEPTH",
-    "PIECE_ITEMS",
-    "READABLE_FORMATS",
-    "NestedTooDeep",
-    "arrays_left_as_numpy",
-    "boolean",
-    "check_digests",
-    "check_format",
-    "decode_array",
-    "digests_of",
-    "encode_array",
-    "fail",
-    "integer",
-    "join",
-    "json_pieces",
-    "keys",
-    "kind_of",
-    "mapping",
-    "sequence",
-    "string",
-    "strings",
-]
-
 FORMAT = 3
 # Format 1 (before digests) still loads: everything is checked but the digests it does not have.
 READABLE_FORMATS = (1, 2, 3)

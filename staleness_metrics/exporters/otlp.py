@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import ConfigError
+from ..metrics.buckets import BUCKETS
 from ..metrics.metric_table import (
-    BUCKETS,
     METRICS,
     MetricDef,
     MetricKind,

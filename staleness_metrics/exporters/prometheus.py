@@ -18,9 +18,9 @@ from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
+from ..metrics.buckets import BUCKETS
 from ..metrics.metric_table import (
     BATCH_WIDE_COUNTERS,
-    BUCKETS,
     METRICS,
     MetricDef,
     MetricKind,

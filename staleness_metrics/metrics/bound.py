@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import StalenessConfig
 from ..errors import FieldError
-from .buckets import CURVE_BUCKETS, FLOOR_SOURCES, LAG_BUCKETS, FloorSource
+from .buckets import CURVE_BUCKETS, LAG_BUCKETS, FloorSource
 from .keys import (
     BOUND_CROSSED,
     BOUND_EXCESS_AT_BOUND,
@@ -28,26 +28,6 @@ from .keys import (
 )
 from .mismatch import MismatchSums
 from .report import MetricValue
-
-__all__ = [
-    "CURVE_BUCKETS",
-    "FLOOR_SOURCES",
-    "BoundAdvice",
-    "BoundTracker",
-    "Curve",
-    "Floor",
-    "FloorSource",
-    "ShipBound",
-    "adapt_bound",
-    "advise",
-    "bound_metrics",
-    "budget_of",
-    "env_tracker_config",
-    "excess_curve",
-    "isotonic_increasing",
-    "mismatch_metrics",
-    "select_floor",
-]
 
 TRACKER_FORMAT = 1
 

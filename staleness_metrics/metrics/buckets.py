@@ -6,19 +6,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = [
-    "BUCKETS",
-    "CURVE_BUCKETS",
-    "FLOOR_SOURCES",
-    "HISTOGRAM_TOP",
-    "LAG_BUCKETS",
-    "LAG_UPPER_BOUNDS",
-    "LENGTH_BUCKETS",
-    "LENGTH_UPPER_BOUNDS",
-    "N_BUCKETS",
-    "FloorSource",
-]
-
 # SPEC 8: integer staleness histogram buckets: exact per-level counts, then a coarse tail
 BUCKETS: tuple[float, ...] = (*[float(b) for b in range(17)], 32.0, 64.0)
 

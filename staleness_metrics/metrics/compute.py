@@ -14,19 +14,11 @@ import numpy.typing as npt
 from ..compiled import CompiledLoop
 from . import keys
 from .bound import ShipBound, mismatch_metrics
+from .buckets import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS
 from .metric_table import env_key
 from .mismatch import MismatchSums
 from .population import PopulationColumns, PopulationSummary, population_summary
-from .report import (
-    HISTOGRAM_TOP,
-    LENGTH_BUCKETS,
-    LENGTH_UPPER_BOUNDS,
-    MetricValue,
-    StepReport,
-    Tally,
-)
-
-__all__ = ["ShippedSlice", "WindowCounts", "columns_of", "compute_report"]
+from .report import MetricValue, StepReport, Tally
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]

@@ -67,4 +67,3 @@ LENGTH_TRAINED_MEAN = _key("length_trained_mean")
 LENGTH_REMOVED_SHARE_BY_LENGTH = _by_bucket("length_removed_share")
 
 # every constant above, each written once
-__all__ = sorted(name for name in dir() if name.isupper())

@@ -21,15 +21,6 @@ from . import keys
 from .buckets import LAG_BUCKETS, LAG_UPPER_BOUNDS, N_BUCKETS
 from .mismatch_kernel import mismatch_runs
 
-__all__ = [
-    "DEFAULT_BAND",
-    "LAG_BUCKETS",
-    "LAG_UPPER_BOUNDS",
-    "LOG_RATIO_CLAMP",
-    "MismatchSums",
-    "mismatch_sums",
-]
-
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
 

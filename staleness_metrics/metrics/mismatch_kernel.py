@@ -15,8 +15,6 @@ import numpy.typing as npt
 from ..compiled import CompiledLoop
 from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
 
-__all__ = ["mismatch_runs"]
-
 IntArray = npt.NDArray[np.int64]
 
 _NO_FLAGS = np.zeros(0, dtype=np.uint8)

@@ -18,8 +18,6 @@ import torch
 from ..errors import FieldError
 from .buckets import LAG_UPPER_BOUNDS, N_BUCKETS
 
-__all__ = ["PACKED_ROWS", "device_of", "device_sums", "host_views", "packed_sums"]
-
 # Rows of the packed per-bucket tensor: counts (out of band: edges apart), then the float sums of
 # d, |d|, k3, r, r² (the order of MismatchSums' float fields).
 PACKED_ROWS = (

@@ -14,8 +14,6 @@ import numpy.typing as npt
 
 from ..compiled import CompiledLoop
 
-__all__ = ["PopulationColumns", "PopulationSummary", "population_summary"]
-
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
 

@@ -10,17 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .buckets import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS
 from .mismatch import MismatchSums
-
-__all__ = [
-    "HISTOGRAM_TOP",
-    "LENGTH_BUCKETS",
-    "LENGTH_UPPER_BOUNDS",
-    "MetricValue",
-    "StepReport",
-    "Tally",
-]
 
 # numbers, and the one string key ``staleness/mismatch/floor_source`` (SPEC 14)
 MetricValue = float | int | str

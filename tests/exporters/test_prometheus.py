@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.prometheus import BATCH_WIDE_COUNTERS, PrometheusExporter, PrometheusPushExporter
-from staleness_metrics.metrics.metric_table import BUCKETS, METRICS, MetricKind, Source, metric_by_prometheus_name
+from staleness_metrics.metrics.buckets import BUCKETS
+from staleness_metrics.metrics.metric_table import METRICS, MetricKind, Source, metric_by_prometheus_name
 from staleness_metrics.metrics.report import StepReport, Tally
 from staleness_metrics.monitor import StalenessMonitor
 from tests.exporters.reports import CONFIG, hand_report, nearest_rank, ship_script
