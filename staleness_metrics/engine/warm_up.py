@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..metrics.compute import WindowCounts
-from ..metrics.mismatch_kernel import mismatch_runs
+from ..metrics.mismatch import mismatch_runs
 from ..metrics.population import PopulationColumns, population_summary
 from ..records.plain_values import BatchRows, PositionCopies, plain_values
 from .cuts import CutFlags, IntArray, SampleLabels, sample_cuts, span_rows
