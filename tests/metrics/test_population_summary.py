@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleness_metrics.engine.segments import segment_max, segment_min, segment_sum
-from staleness_metrics.metrics.population import PopulationColumns, population_summary
+from staleness_metrics.metrics.compute import PopulationColumns, population_summary
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
