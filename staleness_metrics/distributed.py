@@ -1,19 +1,6 @@
-"""One step's mismatch sums reduced over a torch.distributed process group (SPEC 11, several ranks).
-
-Each rank sums its own tokens with :func:`~staleness_metrics.mismatch_sums`; :func:`all_reduce`
-adds the ranks' sums in one collective and returns the group's total on every rank, for rank 0 to
-record::
-
-    from staleness_metrics.distributed import all_reduce
-
-    sums = all_reduce(mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=mask == 0))
-    if torch.distributed.get_rank() == 0:
-        monitor.record_mismatch(step, sums)
-
-Every field of :class:`~staleness_metrics.MismatchSums` is a sum (ratios are derived from the total
-afterwards), so one ``SUM`` over one packed float64 tensor is the whole reduction; counts stay exact
-below 2**53 (checked). torch is imported by this module, never by ``import staleness_metrics``.
-"""
+"""One step's mismatch sums reduced over a torch.distributed process group (SPEC 11, several
+ranks): every field is a sum, so one ``SUM`` over one packed float64 tensor is the whole reduction
+(docs/multi-gpu.md). torch is imported here, never by ``import staleness_metrics``."""
 
 from __future__ import annotations
 
@@ -35,17 +22,16 @@ _EXACT = float(2**53)
 
 
 def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
-    """The sum of every rank's ``sums`` over ``group`` (the default group when None), on every rank.
+    """The sum of every rank's ``sums`` over ``group`` (None: the default group), on every rank.
 
-    Every rank of the group calls it once per step (``MismatchSums.zero()`` for a rank without
-    tokens). The tensor is on the CPU when the backend reduces CPU tensors (gloo, MPI, UCC, or a
-    ``"cpu:gloo,cuda:nccl"`` pair), else on the current accelerator (the rank's own GPU for NCCL).
+    Every rank calls it once per step (``MismatchSums.zero()`` for a rank without tokens). The
+    tensor is on the CPU when the backend reduces CPU tensors (gloo, MPI, UCC, ``"cpu:gloo,..."``),
+    else on the current accelerator.
 
     Raises :class:`~staleness_metrics.errors.FieldError` naming the field when ``sums`` is not a
-    ``MismatchSums`` of one value per lag bucket, its counts could overflow, or the ranks' lag
-    buckets differ; :class:`~staleness_metrics.errors.ConfigError` when torch.distributed is not
-    initialised.
-    """
+    ``MismatchSums`` of one value per lag bucket, its counts could overflow in float64, or the
+    ranks' lag buckets differ; :class:`~staleness_metrics.errors.ConfigError` when
+    torch.distributed is not initialised."""
     rows = _checked(sums)
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
@@ -61,7 +47,6 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
 
 
 def _device_for(backend: str) -> torch.device:
-    """The CPU if the backend takes CPU tensors, else the current accelerator."""
     names = backend.lower()
     if names.startswith("cpu:") or ",cpu:" in names or names in ("gloo", "mpi", "ucc"):
         return torch.device("cpu")

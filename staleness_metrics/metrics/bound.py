@@ -1,7 +1,5 @@
-"""Choosing the bound (SPEC 14): the floor, the excess curve over lag, the budget and the suggested
-bound, pure functions of :class:`~staleness_metrics.metrics.mismatch.MismatchSums`; the run-long
-state lives in :class:`BoundTracker`.
-"""
+"""Choosing the bound (SPEC 14): the floor, the excess curve, the budget and the suggested bound,
+pure functions of the SPEC 11 sums, and the run-long state in :class:`BoundTracker`."""
 
 from __future__ import annotations
 
@@ -34,8 +32,8 @@ TRACKER_FORMAT = 1
 
 @dataclass(frozen=True)
 class Floor:
-    """The engines' numeric mismatch (k3, nats per token) a ship's excess is measured against,
-    measured at ``step``, ``age`` steps before this ship."""
+    """The engines' numeric mismatch (k3 per token) the excess is measured against, measured at
+    ``step``, ``age`` steps before this ship."""
 
     value: float
     source: FloorSource
@@ -55,9 +53,9 @@ def select_floor(
     min_tokens: int,
     max_age: int,
 ) -> Floor | None:
-    """The floor of a ship at ``step`` (SPEC 14), the first rule that applies: ``lag0`` (bucket 0
-    has ``min_tokens``), ``carried`` (``last_lag0``, the run's latest ``(floor, step)``, at most
-    ``max_age`` old), ``min_lag`` (the smallest bucket with ``min_tokens``), else ``None``."""
+    """The first rule that applies: ``lag0`` (bucket 0 has ``min_tokens``), ``carried``
+    (``last_lag0``, the latest ``(floor, step)``, at most ``max_age`` old), ``min_lag`` (the
+    smallest bucket with ``min_tokens``), else ``None``."""
     if int(sums.tokens[0]) >= min_tokens:
         return Floor(_k3(sums, 0), "lag0", step, 0)
     if last_lag0 is not None:
@@ -95,8 +93,7 @@ def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> li
 
 @dataclass(frozen=True)
 class Curve:
-    """The excess curve of a window: per lag with enough tokens, the raw excess ``e``, its tokens
-    and the isotonic fit ``ê``."""
+    """Per lag with enough tokens: its tokens, the raw excess ``e`` and the isotonic fit ``ê``."""
 
     lags: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -108,8 +105,7 @@ class Curve:
 
 
 def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curve:
-    """``e(b)`` = the window's k3 of bucket ``b`` minus ``floor`` for each ``b`` in 1..16 with
-    ``min_tokens``, and its isotonic fit weighted by the tokens."""
+    """The window's k3 minus ``floor`` at each lag 1..16 with ``min_tokens``, and its fit."""
     lags = tuple(b for b in CURVE_BUCKETS if int(window.tokens[b]) >= min_tokens)
     tokens = tuple(int(window.tokens[b]) for b in lags)
     raw = tuple(_k3(window, b) - floor for b in lags)
@@ -118,15 +114,13 @@ def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curv
 
 
 def budget_of(mismatch_budget: float | None, floor: float) -> float:
-    """``β``: the configured budget, or the floor itself."""
     return floor if mismatch_budget is None else float(mismatch_budget)
 
 
 @dataclass(frozen=True)
 class BoundAdvice:
-    """What a curve says about the bound: ``suggested``, the largest lag with ``ê ≤ β`` (0 when
-    the first is above); ``crossed``, some lag is above ``β``; ``excess_at_bound``, ``ê`` of the
-    largest lag not above the configured bound."""
+    """``suggested``: the largest lag with ``ê ≤ β`` (0 when the first is above); ``crossed``:
+    some lag is above ``β``; ``excess_at_bound``: ``ê`` of the largest lag not above the bound."""
 
     suggested: int
     crossed: bool
@@ -134,7 +128,6 @@ class BoundAdvice:
 
 
 def advise(curve: Curve, budget: float, bound: int) -> BoundAdvice | None:
-    """The bound keys of SPEC 14 for ``curve``; ``None`` when the curve is empty."""
     if not curve:
         return None
     within = [lag for lag, fitted in zip(curve.lags, curve.fitted, strict=True) if fitted <= budget]
@@ -146,8 +139,8 @@ def advise(curve: Curve, budget: float, bound: int) -> BoundAdvice | None:
 
 
 def adapt_bound(bound: int, advice: BoundAdvice, low: int, high: int) -> int:
-    """One step of SPEC 14's adaptation, within ``[low, high]``: toward ``suggested`` when the
-    budget is crossed, else up when ``suggested ≥ bound``."""
+    """One step within ``[low, high]``: toward ``suggested`` when crossed, else up when
+    ``suggested ≥ bound``."""
     if advice.crossed:
         moved = bound + (advice.suggested > bound) - (advice.suggested < bound)
     elif advice.suggested >= bound:
@@ -159,7 +152,7 @@ def adapt_bound(bound: int, advice: BoundAdvice, low: int, high: int) -> int:
 
 @dataclass(frozen=True)
 class ShipBound:
-    """Everything SPEC 14 says about one ship: its floor, the budget, the curve and the advice."""
+    """Everything SPEC 14 says about one ship."""
 
     floor: Floor | None
     budget: float | None
@@ -191,8 +184,8 @@ def bound_metrics(result: ShipBound) -> dict[str, MetricValue]:
 
 
 def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None) -> dict[str, MetricValue]:
-    """A ship's SPEC 11 keys with their excess over SPEC 14's floor, then the SPEC 14 keys; empty
-    when nothing is covered (without ``bound`` or a floor: no excess and no SPEC 14 key)."""
+    """A ship's SPEC 11 keys with their excess over the floor, then the SPEC 14 keys; empty when
+    nothing is covered."""
     floor = None if bound is None or bound.floor is None else bound.floor.value
     out: dict[str, MetricValue] = dict(sums.metrics(floor=floor))
     if out and bound is not None:
@@ -201,7 +194,7 @@ def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None) -> dict[str, M
 
 
 def env_tracker_config(config: StalenessConfig) -> StalenessConfig:
-    """The config of an env's tracker: the run's, without adaptation (the bound is the batch's)."""
+    """An env's tracker: the run's config without adaptation (the bound is the batch's)."""
     return dataclasses.replace(config, adapt_every=None, adapt_low=1, adapt_high=16)
 
 
@@ -215,10 +208,8 @@ class _TrackerState:
 
 
 class BoundTracker:
-    """The run-long state of SPEC 14: the sums of the last ``cost_window`` ships with SPEC 11 sums,
-    the last ``lag0`` floor, and the adaptive bound with the count toward its next change. The sink
-    calls :meth:`observe` once per ship, the live path with ``merge=True`` as a step's sums arrive.
-    """
+    """SPEC 14's run-long state: the sums of the last ``cost_window`` ships, the last ``lag0``
+    floor, and the adaptive bound with the count toward its next change."""
 
     def __init__(self, config: StalenessConfig) -> None:
         self.config = config
@@ -239,17 +230,15 @@ class BoundTracker:
 
     @property
     def toward_change(self) -> int:
-        """Ships with a curve counted since the bound last had a chance to move."""
         return self._toward_change
 
     @property
     def last_lag0(self) -> tuple[float, int] | None:
-        """``(floor, step)`` of the most recent ship with a ``lag0`` floor."""
         return self._last_lag0
 
     @property
     def window(self) -> list[tuple[int, MismatchSums]]:
-        """``(step, sums)`` of the ships kept for the window, oldest first."""
+        """``(step, sums)`` of the ships kept, oldest first."""
         return list(self._window)
 
     def window_sums(self, upto: int | None = None) -> MismatchSums:
@@ -280,9 +269,8 @@ class BoundTracker:
     def observe(
         self, step: int, sums: MismatchSums, *, merge: bool = False, bound: int | None = None
     ) -> ShipBound | None:
-        """Record ``sums`` as the total of the ship at ``step`` (``merge``: a step's total so far,
-        replacing its entry) and derive its SPEC 14 values, ``excess_at_bound`` at ``bound``
-        (default: the bound in force); ``None`` when no position is covered."""
+        """Record the ship at ``step`` (``merge``: a step's total so far, replacing its entry) and
+        derive its SPEC 14 values, ``excess_at_bound`` at ``bound`` (default: the one in force)."""
         if sums.covered == 0:
             return None
         config = self.config
@@ -319,8 +307,8 @@ class BoundTracker:
         }
 
     def check_state_dict(self, state: Any, path: str = "bound") -> _TrackerState:
-        """Check ``state`` against this tracker's config and build what it holds, changing nothing;
-        ``ConfigError`` names the key path and the reason."""
+        """Check ``state`` against this tracker's config, changing nothing (``ConfigError`` names
+        the key path and the reason)."""
         from ..state_checks import fail, integer, join, keys, sequence
 
         found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))
@@ -370,7 +358,6 @@ class BoundTracker:
         return _TrackerState(window, last_lag0, bound, toward_change, last_counted)
 
     def load_checked(self, state: _TrackerState) -> None:
-        """Take a state :meth:`check_state_dict` built (cannot fail)."""
         self._window = list(state.window)
         self._last_lag0 = state.last_lag0
         self._bound = state.bound
@@ -378,5 +365,4 @@ class BoundTracker:
         self._last_counted = state.last_counted
 
     def load_state_dict(self, state: Any) -> None:
-        """Continue from :meth:`state_dict`: all checked first, then swapped."""
         self.load_checked(self.check_state_dict(state))

@@ -91,7 +91,7 @@ class MismatchSums:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MismatchSums:
-        """Inverse of :meth:`to_dict`; a :class:`~staleness_metrics.FieldError` names the field."""
+        """Inverse of :meth:`to_dict`; a ``FieldError`` names the field at fault."""
         if not isinstance(data, Mapping):
             raise FieldError(None, f"mismatch sums: expected an object, got {type(data).__name__}")
         if data.get("format", DICT_FORMAT) != DICT_FORMAT:

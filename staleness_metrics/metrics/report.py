@@ -25,7 +25,7 @@ def _empty_counts() -> Counts:
 
 
 def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
-    """``a`` and ``b``, the shorter padded with zeros to the other's length."""
+    """``a`` and ``b``, the shorter padded with zeros."""
     if len(a) < len(b):
         a = np.concatenate((a, np.zeros(len(b) - len(a), dtype=np.int64)))
     elif len(b) < len(a):
@@ -35,9 +35,8 @@ def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
 
 @dataclass(frozen=True)
 class Tally:
-    """Additive numbers of one ship window for one population (the whole batch or one env): they
-    merge exactly (``a + b``); histogram index = staleness, the last index :data:`HISTOGRAM_TOP`
-    counting everything at or above it."""
+    """Additive numbers of one ship window for one population (the batch or one env), merged exactly
+    by ``a + b``; histogram index = staleness, the last index (4096) counting all at or above it."""
 
     tokens_sampled: int = 0
     tokens_masked: int = 0

@@ -1,4 +1,4 @@
-"""A ship's population in one compiled pass (``population.population_summary``) against the numpy steps it
+"""A ship's population in one compiled pass (``compute.population_summary``) against the numpy steps it
 replaced, on random slices: every sum, extreme, quantile and histogram equal, at every range of staleness."""
 
 from __future__ import annotations
