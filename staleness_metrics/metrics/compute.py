@@ -332,7 +332,7 @@ def population_summary(
 ) -> PopulationSummary:
     """The population of the rollouts selected by ``rollout_in``, in one pass over their spans
     (frozen rollouts only counted, dropped samples left out); ``quantiles`` rows are (numerator,
-    denominator). ``ValueError`` on arrays that do not tile or a version above ``trained_version``."""
+    denominator). ``ValueError`` on arrays that do not tile, or a version above ``t``."""
     t, top = int(trained_version), int(top)
     found = _population_summary(t, rollout_in, tuple(columns), length_bounds, top, quantiles)
     totals, lengths, token_histogram, rollout_histogram, above = found

@@ -28,12 +28,9 @@ class Source(str, enum.Enum):
     ROLLOUT_HISTOGRAM = "rollout_histogram"  # report.tally.rollout_histogram
     EXPORTER = "exporter"  # kept by the exporter runtime itself (export errors)
     TALLY_BUCKETS = "tally_buckets"  # report.tally.<tally_field>, an array over the row's dimension
-    # SPEC 11 sums: report.mismatch (sink path) or MismatchReport.delta (live path), field
-    # <mismatch_field>: an array over the lag buckets (rows with a dimension) or the uncovered count
+    # SPEC 11 sums, field <mismatch_field> of report.mismatch or (live) MismatchReport.delta
     MISMATCH = "mismatch"
-    # SPEC 14 keys (report.metrics[wandb_key] or MismatchReport.metrics) of the latest ship that
-    # reported the SPEC 11 family: a ship without it leaves them as they were (a live run's
-    # ships carry none themselves).
+    # SPEC 14 keys of the latest ship that reported the SPEC 11 family (the others leave them)
     BOUND = "bound"
 
 
@@ -59,9 +56,6 @@ class Dimension:
     buckets: tuple[str, ...]
     values: tuple[str, ...]
     placeholder: str
-
-    def __post_init__(self) -> None:
-        assert len(self.buckets) == len(self.values)
 
 
 LAG = Dimension(label="lag", buckets=LAG_BUCKETS, values=(*LAG_BUCKETS[:-1], "+Inf"), placeholder="{lag}")
@@ -133,8 +127,11 @@ def _family(**shared: Any) -> Callable[..., MetricDef]:
     return row
 
 
-_tally_counter = _family(kind=MetricKind.COUNTER, source=Source.TALLY, integer=True)
-_token_counter = _family(kind=MetricKind.COUNTER, source=Source.TALLY, integer=True, otel_unit=_TOKEN)
+_COUNTER: dict[str, Any] = {"kind": MetricKind.COUNTER, "source": Source.TALLY, "integer": True}
+_tally_counter = _family(**_COUNTER)
+_token_counter = _family(**_COUNTER, otel_unit=_TOKEN)
+_rollout_counter = _family(**_COUNTER, otel_unit=_ROLLOUT)
+_histogram = _family(kind=MetricKind.HISTOGRAM, otel_unit=_STEP)
 _BY_LAG: dict[str, Any] = {"labels": _LAG_LABELS, "dimension": LAG}
 _lag_gauge = _family(**_BY_LAG)
 _lag_sum = _family(kind=MetricKind.COUNTER, source=Source.MISMATCH, **_BY_LAG)
@@ -150,6 +147,7 @@ _length_counter = _family(
     labels=_LENGTH_LABELS,
     integer=True,
     dimension=LENGTH,
+    otel_unit=_TOKEN,
 )
 
 # The order of the rows is the order of every exporter's output and of the generated files.
@@ -281,12 +279,11 @@ METRICS: tuple[MetricDef, ...] = (
         otel_name="rl.staleness.rollout.newest.max",
         description="Largest newest-token rollout staleness T - max(version) in the shipped batch.",
     ),
-    _tally_counter(
+    _rollout_counter(
         name="rollouts_dropped",
         wandb_key="staleness/rollout/dropped",
         prometheus_name="rl_staleness_rollouts_dropped_total",
         otel_name="rl.staleness.rollouts.dropped",
-        otel_unit=_ROLLOUT,
         legacy_keys=("off_policy/dropped", "staleness/dropped"),
         description="Live rollouts dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
@@ -310,22 +307,18 @@ METRICS: tuple[MetricDef, ...] = (
         description="Rollouts held back at the last ship (xtuner policy with retry_expired).",
     ),
     # ---- SPEC 8: the histograms and counters behind SPEC 6 (Prometheus / OpenTelemetry; sums that merge) ----
-    MetricDef(
+    _histogram(
         name="token_staleness",
         wandb_key="staleness/token/histogram",
         prometheus_name="rl_staleness_token_steps",
         otel_name="rl.staleness.token.steps",
-        otel_unit=_STEP,
-        kind=MetricKind.HISTOGRAM,
         source=Source.TOKEN_HISTOGRAM,
         description="Token staleness of shipped sampled positions, in policy versions (integer buckets).",
     ),
-    MetricDef(
+    _histogram(
         name="rollout_staleness",
         prometheus_name="rl_staleness_rollout_steps",
         otel_name="rl.staleness.rollout.steps",
-        otel_unit=_STEP,
-        kind=MetricKind.HISTOGRAM,
         source=Source.ROLLOUT_HISTOGRAM,
         description="Rollout staleness of shipped live rollouts, in policy versions (integer buckets).",
     ),
@@ -353,25 +346,22 @@ METRICS: tuple[MetricDef, ...] = (
         otel_name="rl.staleness.tokens.unlabelled",
         description="Shipped sampled positions without a version label (they take the dispatch version).",
     ),
-    _tally_counter(
+    _rollout_counter(
         name="rollouts_shipped",
         prometheus_name="rl_staleness_rollouts_shipped_total",
         otel_name="rl.staleness.rollouts.shipped",
-        otel_unit=_ROLLOUT,
         description="Live rollouts shipped to the trainer.",
     ),
-    _tally_counter(
+    _rollout_counter(
         name="rollouts_frozen",
         prometheus_name="rl_staleness_rollouts_frozen_total",
         otel_name="rl.staleness.rollouts.frozen",
-        otel_unit=_ROLLOUT,
         description="Frozen-model rollouts shipped (never masked, left out of staleness statistics).",
     ),
-    _tally_counter(
+    _rollout_counter(
         name="rollouts_invalid",
         prometheus_name="rl_staleness_rollouts_invalid_total",
         otel_name="rl.staleness.rollouts.invalid",
-        otel_unit=_ROLLOUT,
         description="Rollouts set aside as invalid (lenient mode).",
     ),
     # ---- SPEC 11: what staleness costs. Counters are the mergeable sums; every ratio is derived from them ----
@@ -437,15 +427,12 @@ METRICS: tuple[MetricDef, ...] = (
             "Covered sampled positions whose importance ratio lies outside the mismatch band, per token lag bucket."
         ),
     ),
-    MetricDef(
+    _lag_count(
         name="mismatch_uncovered",
         prometheus_name="rl_staleness_mismatch_uncovered_tokens_total",
         otel_name="rl.staleness.mismatch.uncovered_tokens",
-        otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.MISMATCH,
         labels=("run", "env"),
-        integer=True,
+        dimension=None,
         mismatch_field="uncovered",
         description="Sampled positions lacking a trainer or sampler log-probability (left out of the mismatch sums).",
     ),
@@ -599,7 +586,6 @@ METRICS: tuple[MetricDef, ...] = (
         name="length_sampled_tokens",
         prometheus_name="rl_staleness_length_sampled_tokens_total",
         otel_name="rl.staleness.length.sampled_tokens",
-        otel_unit=_TOKEN,
         tally_field="length_sampled",
         description="Sampled positions of shipped and dropped live samples, by the sample's sampled length bucket.",
     ),
@@ -607,7 +593,6 @@ METRICS: tuple[MetricDef, ...] = (
         name="length_removed_tokens",
         prometheus_name="rl_staleness_length_removed_tokens_total",
         otel_name="rl.staleness.length.removed_tokens",
-        otel_unit=_TOKEN,
         tally_field="length_removed",
         description=(
             "Sampled positions of shipped and dropped live samples that were masked or dropped for "
@@ -664,24 +649,23 @@ LEGACY_NAMESPACE = "off_policy/"  # a key under it that is not in the table: leg
 _EQUALS_ROLLOUT_MAX = "equals staleness/rollout/max (rollout staleness includes masked positions)"
 _DISPATCHER = "live dispatcher gauge with no replacement"
 
-REMOVED_KEYS: tuple[LegacyKey, ...] = (
-    LegacyKey(old="off_policy/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
-    LegacyKey(old="staleness/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
-    LegacyKey(old="dispatcher/off_policy/mean", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/off_policy/max", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/off_policy_level/mean", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/off_policy_level/max", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/staleness/mean", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/staleness/max", new=None, reason=_DISPATCHER),
-)
-"""Legacy W&B keys with no replacement, and why (the renamed ones are the rows' ``legacy_keys``)."""
-
 REMOVED_KEY_FAMILIES: Mapping[str, str] = {
     "dispatcher/off_policy/": _DISPATCHER,
     "dispatcher/off_policy_level/": _DISPATCHER,
     "dispatcher/staleness/": _DISPATCHER,
 }
 """Key prefixes whose keys are all removed (``dispatcher/off_policy/*``: no replacement), and why."""
+
+REMOVED_KEYS: tuple[LegacyKey, ...] = (
+    LegacyKey(old="off_policy/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
+    LegacyKey(old="staleness/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
+    *(
+        LegacyKey(old=family + stat, new=None, reason=_DISPATCHER)
+        for family in REMOVED_KEY_FAMILIES
+        for stat in ("mean", "max")
+    ),
+)
+"""Legacy W&B keys with no replacement, and why (the renamed ones are the rows' ``legacy_keys``)."""
 
 LEGACY_PROMETHEUS_NAMES: Mapping[str, str] = {
     # old Prometheus name -> the legacy W&B key it published
@@ -733,18 +717,16 @@ _BY_PROM = {m.prometheus_name: m for m in METRICS if m.prometheus_name is not No
 _BY_NAME = {m.name: m for m in METRICS}
 
 
+# the row of a stable identifier, a W&B key, a Prometheus family name (KeyError for none)
 def metric_named(name: str) -> MetricDef:
-    """The row of a stable identifier (``"token_mean"``; ``KeyError`` when the table has none)."""
     return _BY_NAME[name]
 
 
 def metric_by_key(key: str) -> MetricDef:
-    """The row of a W&B key (``KeyError`` when the table has none)."""
     return _BY_KEY[key]
 
 
 def metric_by_prometheus_name(name: str) -> MetricDef:
-    """The row of a Prometheus family name (``KeyError`` when the table has none)."""
     return _BY_PROM[name]
 
 
