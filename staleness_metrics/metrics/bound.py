@@ -198,13 +198,13 @@ def env_tracker_config(config: StalenessConfig) -> StalenessConfig:
     return dataclasses.replace(config, adapt_every=None, adapt_low=1, adapt_high=16)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _TrackerState:
-    window: list[tuple[int, MismatchSums]]
-    last_lag0: tuple[float, int] | None
+    window: list[tuple[int, MismatchSums]]  # (step, sums), oldest first
+    last_lag0: tuple[float, int] | None  # (floor, step) of the latest lag0 floor
     bound: int
-    toward_change: int
-    last_counted: int
+    toward_change: int = 0  # ships with a curve since the bound last had a chance to move
+    last_counted: int = 0
 
 
 class BoundTracker:
@@ -213,11 +213,7 @@ class BoundTracker:
 
     def __init__(self, config: StalenessConfig) -> None:
         self.config = config
-        self._window: list[tuple[int, MismatchSums]] = []
-        self._last_lag0: tuple[float, int] | None = None
-        self._bound = config.max_staleness
-        self._toward_change = 0
-        self._last_counted = 0
+        self._state = _TrackerState([], None, config.max_staleness)
 
     @property
     def adaptive(self) -> bool:
@@ -226,43 +222,44 @@ class BoundTracker:
     @property
     def bound(self) -> int:
         """The bound in force: ``max_staleness``, or where adaptation moved it."""
-        return self._bound
+        return self._state.bound
 
     @property
     def toward_change(self) -> int:
-        return self._toward_change
+        return self._state.toward_change
 
     @property
     def last_lag0(self) -> tuple[float, int] | None:
-        return self._last_lag0
+        return self._state.last_lag0
 
     @property
     def window(self) -> list[tuple[int, MismatchSums]]:
-        """``(step, sums)`` of the ships kept, oldest first."""
-        return list(self._window)
+        return list(self._state.window)
 
     def window_sums(self, upto: int | None = None) -> MismatchSums:
         """The sums of the ``cost_window`` entries up to entry ``upto`` (default: the latest)."""
-        end = len(self._window) if upto is None else upto + 1
+        window = self._state.window
+        end = len(window) if upto is None else upto + 1
         total = MismatchSums.zero()
-        for _, sums in self._window[max(0, end - self.config.cost_window) : end]:
+        for _, sums in window[max(0, end - self.config.cost_window) : end]:
             total = total + sums
         return total
 
     def _enter(self, step: int, sums: MismatchSums, merge: bool) -> int:
         """Put the ship in the window; returns its index there."""
+        window = self._state.window
         if merge:
-            for i in range(len(self._window) - 1, -1, -1):
-                if self._window[i][0] == step:
-                    self._window[i] = (step, sums)
+            for i in range(len(window) - 1, -1, -1):
+                if window[i][0] == step:
+                    window[i] = (step, sums)
                     return i
-        at = len(self._window)
+        at = len(window)
         # a late step of the live path goes in step order
-        while at > 0 and self._window[at - 1][0] > step:
+        while at > 0 and window[at - 1][0] > step:
             at -= 1
-        self._window.insert(at, (step, sums))
-        if len(self._window) > self.config.cost_window:
-            del self._window[0]
+        window.insert(at, (step, sums))
+        if len(window) > self.config.cost_window:
+            del window[0]
             at -= 1
         return at
 
@@ -273,37 +270,39 @@ class BoundTracker:
         derive its SPEC 14 values, ``excess_at_bound`` at ``bound`` (default: the one in force)."""
         if sums.covered == 0:
             return None
-        config = self.config
-        bound = self._bound if bound is None else bound
+        config, state = self.config, self._state
+        bound = state.bound if bound is None else bound
         at = self._enter(step, sums, merge)
-        last = self._last_lag0
+        last = state.last_lag0
         floor = select_floor(sums, step, last, min_tokens=config.floor_min_tokens, max_age=config.floor_max_age)
         if floor is None:
             return ShipBound(None, None, Curve((), (), (), ()), None, bound)
         if floor.source == "lag0" and (last is None or step >= last[1]):
-            self._last_lag0 = (floor.value, step)
+            state.last_lag0 = (floor.value, step)
         budget = budget_of(config.mismatch_budget, floor.value)
         # A ship that left the window at once (a very late step of the live path) is its own window.
         window = self.window_sums(at) if at >= 0 else sums
         curve = excess_curve(window, floor.value, min_tokens=config.floor_min_tokens)
         advice = advise(curve, budget, bound)
-        if advice is not None and config.adapt_every is not None and (not merge or step > self._last_counted):
-            self._last_counted = max(self._last_counted, step)
-            self._toward_change += 1
-            if self._toward_change >= config.adapt_every:
-                self._toward_change = 0
-                self._bound = adapt_bound(self._bound, advice, config.adapt_low, config.adapt_high)
+        counted = not merge or step > state.last_counted  # (a step's later totals count once)
+        if advice is not None and config.adapt_every is not None and counted:
+            state.last_counted = max(state.last_counted, step)
+            state.toward_change += 1
+            if state.toward_change >= config.adapt_every:
+                state.toward_change = 0
+                state.bound = adapt_bound(state.bound, advice, config.adapt_low, config.adapt_high)
         return ShipBound(floor, budget, curve, advice, bound)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state; :meth:`load_state_dict` takes it back."""
+        state = self._state
         return {
             "format": TRACKER_FORMAT,
-            "window": [[step, sums.to_dict()] for step, sums in self._window],
-            "last_lag0": None if self._last_lag0 is None else [self._last_lag0[0], self._last_lag0[1]],
-            "bound": self._bound,
-            "toward_change": self._toward_change,
-            "last_counted": self._last_counted,
+            "window": [[step, sums.to_dict()] for step, sums in state.window],
+            "last_lag0": None if state.last_lag0 is None else list(state.last_lag0),
+            "bound": state.bound,
+            "toward_change": state.toward_change,
+            "last_counted": state.last_counted,
         }
 
     def check_state_dict(self, state: Any, path: str = "bound") -> _TrackerState:
@@ -358,11 +357,7 @@ class BoundTracker:
         return _TrackerState(window, last_lag0, bound, toward_change, last_counted)
 
     def load_checked(self, state: _TrackerState) -> None:
-        self._window = list(state.window)
-        self._last_lag0 = state.last_lag0
-        self._bound = state.bound
-        self._toward_change = state.toward_change
-        self._last_counted = state.last_counted
+        self._state = state  # (built by check_state_dict for this tracker alone)
 
     def load_state_dict(self, state: Any) -> None:
         self.load_checked(self.check_state_dict(state))

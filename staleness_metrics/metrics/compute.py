@@ -101,15 +101,11 @@ class PopulationSummary(NamedTuple):
     in_queue_max: int
     newest_sum: int
     newest_max: int
-    # the nearest-rank staleness of each quantile asked (none without sampled positions)
-    quantiles: list[int]
-    # per length bucket (by a sample's sampled positions): sampled positions
-    length_sampled: IntArray
+    quantiles: list[int]  # the nearest-rank staleness of each (none without sampled positions)
+    length_sampled: IntArray  # sampled positions per length bucket (of the sample's length)
     length_removed: IntArray  # of those, masked
-    # sampled positions per staleness 0, 1, ..., the last counting all from ``top`` up
-    token_histogram: IntArray
-    # live rollouts per staleness (their oldest shipped version's), folded alike
-    rollout_histogram: IntArray
+    token_histogram: IntArray  # sampled positions per staleness 0, 1, ..., the last from ``top`` up
+    rollout_histogram: IntArray  # live rollouts per staleness, folded alike
 
 
 # Places in the compiled pass's totals array (the loop's own layout: the results are named).
@@ -153,9 +149,8 @@ def _walk_live_rollout(
     lengths: tuple[IntArray, IntArray],
     extent: IntArray,
 ) -> tuple[int, int]:  # pragma: no cover - compiled
-    """Add live rollout ``r``'s kept samples to ``totals``, ``lengths`` (sampled and removed
-    positions per length bucket) and ``extent`` (the highest staleness, the spans at ``extent[2]``
-    or above); returns its oldest and newest sampled version (else its dispatch version)."""
+    """Add live rollout ``r``'s kept samples to the sums; its oldest and newest sampled version
+    (else its dispatch version)."""
     dispatch, sample_offsets = columns[1], columns[3]
     dropped, mask_below, n_sampled, span_offsets = columns[4:8]
     version, sampled, labelled = columns[8:]
@@ -203,9 +198,9 @@ def _walk_live_rollout(
 def _staleness_counts(
     t: int, rollout_in: BoolArray, columns: Columns, extent: IntArray
 ) -> tuple[IntArray, IntArray, int]:  # pragma: no cover - compiled
-    """The selected live rollouts' sampled positions by staleness: the histogram (the last index
-    ``top`` counting all at or above it), the spans at ``top`` or above (staleness, positions)
-    sorted by staleness, and the sum of staleness x positions below ``top``."""
+    """The histogram of sampled positions by staleness (the last index ``top`` counting all from
+    it up), the spans from ``top`` up sorted by staleness, and the sum of staleness x positions
+    below it."""
     frozen, sample_offsets, dropped = columns[0], columns[3], columns[4]
     span_offsets, version, sampled = columns[7:10]
     high, n_above, top = extent[0], extent[1], extent[2]
@@ -240,8 +235,7 @@ def _staleness_counts(
 def _nearest_ranks(
     histogram: IntArray, above: IntArray, quantiles: IntArray, out: IntArray
 ) -> None:  # pragma: no cover - compiled
-    """Into ``out``, per ``quantiles`` row (numerator, denominator), the ceil(p * N)-th smallest
-    staleness of ``histogram``'s positions (its last index read from ``above``)."""
+    """Into ``out``, per ``quantiles`` row, the ceil(p * N)-th smallest staleness."""
     values, counts = above[0], above[1]
     below = len(histogram) - 1 if len(values) else len(histogram)
     total = 0
@@ -300,16 +294,16 @@ def _population_summary(
         newest = t - freshest
         if newest < 0:  # (a sampled span, or the dispatch of a rollout without any)
             raise ValueError("population: a version above the trained version")
-        first = totals[_LIVE] == 0
         totals[_LIVE] += 1
         totals[_ROLLOUT] += rollout
         totals[_IN_FLIGHT] += in_flight
         totals[_IN_QUEUE] += in_queue
         totals[_NEWEST] += newest
-        totals[_MAX_ROLLOUT] = rollout if first else max(totals[_MAX_ROLLOUT], rollout)
-        totals[_MAX_IN_FLIGHT] = in_flight if first else max(totals[_MAX_IN_FLIGHT], in_flight)
-        totals[_MAX_IN_QUEUE] = in_queue if first else max(totals[_MAX_IN_QUEUE], in_queue)
-        totals[_MAX_NEWEST] = newest if first else max(totals[_MAX_NEWEST], newest)
+        # (every number is >= 0, the maxima start at 0)
+        totals[_MAX_ROLLOUT] = max(totals[_MAX_ROLLOUT], rollout)
+        totals[_MAX_IN_FLIGHT] = max(totals[_MAX_IN_FLIGHT], in_flight)
+        totals[_MAX_IN_QUEUE] = max(totals[_MAX_IN_QUEUE], in_queue)
+        totals[_MAX_NEWEST] = max(totals[_MAX_NEWEST], newest)
         folded = min(rollout, top)
         rollout_histogram[folded] += 1
         rollout_top = max(rollout_top, folded)
@@ -349,8 +343,7 @@ def _env_sums(
     amounts: IntArray,
     bounds: IntArray,
 ) -> IntArray:  # pragma: no cover - compiled
-    """Per env index (row): its entries in ``env``, the sum of their ``amounts``, then that sum by
-    SPEC 12 length bucket of each amount (an amount of 0 in none)."""
+    """Per env index (row): its entries, their ``amounts``' sum, and that sum by length bucket."""
     n_env = 0
     for i in range(len(env)):
         n_env = max(n_env, env[i] + 1)

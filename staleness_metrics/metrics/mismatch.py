@@ -286,8 +286,8 @@ _NEAR = 2.0**-39
 
 
 def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
-    """``exp(d)`` for ``|d| <= 700`` and the k3 term ``r - 1 - d``; compiled without reassociation,
-    the polynomial in Estrin's order (a shorter chain of dependencies)."""
+    """``exp(d)`` for ``|d| <= 700`` and the k3 term ``r - 1 - d`` (the polynomial in Estrin's
+    order: a shorter chain of dependencies)."""
     k = np.rint(d * _INV_LN2)
     high = d - k * _LN2_HI
     low = k * _LN2_LO
