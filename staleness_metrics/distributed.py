@@ -40,10 +40,19 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
             reason="torch.distributed is not initialised",
         )
     world = dist.get_world_size(group)
-    packed = _pack(sums, rows, world)
+    largest = max(int(sums.uncovered), *(int(getattr(sums, name).max()) for name in COUNT_FIELDS))
+    if largest * world >= _EXACT:  # a partial total beyond 2**53 would round
+        raise FieldError("sums", f"counts up to {largest} on {world} ranks exceed what float64 adds exactly")
+    packed = np.concatenate([[_FINGERPRINT, float(sums.uncovered)], *rows])
     tensor = torch.from_numpy(packed).to(_device_for(dist.get_backend(group)))
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return _unpack(tensor.cpu().numpy(), world)
+    total = tensor.cpu().numpy()
+    if total[0] != _FINGERPRINT * world:
+        raise FieldError("sums", "the ranks' lag buckets differ (another staleness-metrics version on a rank?)")
+    summed = total[2:].reshape(len(_FIELDS), N_BUCKETS)
+    counts = {name: summed[i].astype(np.int64) for i, name in enumerate(COUNT_FIELDS)}
+    floats = {name: summed[len(COUNT_FIELDS) + i].copy() for i, name in enumerate(SUM_FIELDS)}
+    return MismatchSums(**counts, **floats, uncovered=int(total[1]))
 
 
 def _device_for(backend: str) -> torch.device:
@@ -72,19 +81,3 @@ def _checked(sums: MismatchSums) -> list[np.ndarray[Any, np.dtype[np.float64]]]:
     if isinstance(sums.uncovered, bool) or not isinstance(sums.uncovered, (int, np.integer)):
         raise FieldError("sums.uncovered", f"expected an integer, got {type(sums.uncovered).__name__}")
     return rows
-
-
-def _pack(sums: MismatchSums, rows: list[np.ndarray[Any, np.dtype[np.float64]]], world: int) -> Any:
-    largest = max(int(sums.uncovered), *(int(getattr(sums, name).max()) for name in COUNT_FIELDS))
-    if largest * world >= _EXACT:  # a partial total beyond 2**53 would round
-        raise FieldError("sums", f"counts up to {largest} on {world} ranks exceed what float64 adds exactly")
-    return np.concatenate([[_FINGERPRINT, float(sums.uncovered)], *rows])
-
-
-def _unpack(total: np.ndarray[Any, np.dtype[np.float64]], world: int) -> MismatchSums:
-    if total[0] != _FINGERPRINT * world:
-        raise FieldError("sums", "the ranks' lag buckets differ (another staleness-metrics version on a rank?)")
-    rows = total[2:].reshape(len(_FIELDS), N_BUCKETS)
-    counts = {name: rows[i].astype(np.int64) for i, name in enumerate(COUNT_FIELDS)}
-    floats = {name: rows[len(COUNT_FIELDS) + i].copy() for i, name in enumerate(SUM_FIELDS)}
-    return MismatchSums(**counts, **floats, uncovered=int(total[1]))
