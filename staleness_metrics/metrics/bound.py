@@ -3,8 +3,10 @@ pure functions of the SPEC 11 sums, and the run-long state in :class:`BoundTrack
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -240,23 +242,17 @@ class BoundTracker:
         """The sums of the ``cost_window`` entries up to entry ``upto`` (default: the latest)."""
         window = self._state.window
         end = len(window) if upto is None else upto + 1
-        total = MismatchSums.zero()
-        for _, sums in window[max(0, end - self.config.cost_window) : end]:
-            total = total + sums
-        return total
+        kept = window[max(0, end - self.config.cost_window) : end]
+        return sum((sums for _, sums in kept), MismatchSums.zero())
 
     def _enter(self, step: int, sums: MismatchSums, merge: bool) -> int:
         """Put the ship in the window; returns its index there."""
         window = self._state.window
-        if merge:
-            for i in range(len(window) - 1, -1, -1):
-                if window[i][0] == step:
-                    window[i] = (step, sums)
-                    return i
-        at = len(window)
-        # a late step of the live path goes in step order
-        while at > 0 and window[at - 1][0] > step:
-            at -= 1
+        # in step order (a late step of the live path too); merge: replace the step's last entry
+        at = bisect.bisect_right(window, step, key=operator.itemgetter(0))
+        if merge and at and window[at - 1][0] == step:
+            window[at - 1] = (step, sums)
+            return at - 1
         window.insert(at, (step, sums))
         if len(window) > self.config.cost_window:
             del window[0]
