@@ -36,8 +36,6 @@ class ShippedSlice(Protocol):
     @property
     def trained_version(self) -> int: ...
     @property
-    def n_rollouts(self) -> int: ...
-    @property
     def env(self) -> IntArray: ...
     @property
     def frozen(self) -> BoolArray: ...
@@ -512,7 +510,8 @@ def compute_report(
 ) -> StepReport:
     """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied
     (``per_env=False``: the whole population only), ``bound`` SPEC 14's view of ``mismatch``."""
-    population, tally = _population(shipped, np.ones(shipped.n_rollouts, dtype=bool), None, window, max_staleness)
+    everyone = np.ones(len(shipped.frozen), dtype=bool)
+    population, tally = _population(shipped, everyone, None, window, max_staleness)
     metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
         metrics.update(mismatch_metrics(mismatch, bound))

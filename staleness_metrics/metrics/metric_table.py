@@ -67,11 +67,9 @@ LENGTH = Dimension(label="length", buckets=LENGTH_BUCKETS, values=LENGTH_BUCKETS
 
 @dataclass(frozen=True, kw_only=True)
 class MetricDef:
-    """One metric as every exporter names it (keyword arguments only: a row reads as what it says).
-
-    A name left ``None`` is one that exporter does not publish (quantiles, for instance, come from
-    the histogram in PromQL); ``labels`` are the Prometheus labels / OTel attributes.
-    """
+    """One metric as every exporter names it (keyword arguments only: a row reads as what it says);
+    a name left ``None`` is one that exporter does not publish (quantiles come from the histogram in
+    PromQL); ``labels`` are the Prometheus labels / OTel attributes."""
 
     name: str  # stable identifier used in code and docs
     wandb_key: str | None = None

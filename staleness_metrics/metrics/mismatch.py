@@ -51,8 +51,9 @@ class MismatchSums:
 
     @classmethod
     def zero(cls) -> MismatchSums:
-        counts = {f: np.zeros(N_BUCKETS, dtype=np.int64) for f in COUNT_FIELDS}
-        return cls(**counts, **{f: np.zeros(N_BUCKETS, dtype=np.float64) for f in SUM_FIELDS})
+        counts: dict[str, Any] = {f: np.zeros(N_BUCKETS, dtype=np.int64) for f in COUNT_FIELDS}
+        floats: dict[str, Any] = {f: np.zeros(N_BUCKETS, dtype=np.float64) for f in SUM_FIELDS}
+        return cls(**counts, **floats)
 
     @property
     def covered(self) -> int:
@@ -124,8 +125,8 @@ class MismatchSums:
             for f in SUM_FIELDS[1:]:  # all but the log-ratio's are >= 0
                 if columns[f][-1] < 0:
                     raise FieldError(f"lags.{name}.{f}", f"must be >= 0, got {columns[f][-1]!r}")
-        counts = {f: np.asarray(columns[f], dtype=np.int64) for f in COUNT_FIELDS}
-        floats = {f: np.asarray(columns[f], dtype=np.float64) for f in SUM_FIELDS}
+        counts: dict[str, Any] = {f: np.asarray(columns[f], dtype=np.int64) for f in COUNT_FIELDS}
+        floats: dict[str, Any] = {f: np.asarray(columns[f], dtype=np.float64) for f in SUM_FIELDS}
         return cls(**counts, **floats, uncovered=uncovered)
 
     def metrics(self, floor: float | None = None) -> dict[str, float | int]:
