@@ -453,7 +453,15 @@ def _population(
     if window.dropped_lengths:
         dropped = window.dropped_by_length(env)
         length_sampled, length_removed = length_sampled + dropped, length_removed + dropped
-    metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
+    if length_samples:
+        # (a few buckets: summed as Python integers)
+        sampled_list, removed_list = length_sampled.tolist(), length_removed.tolist()
+        total = sum(sampled_list)
+        metrics[keys.LENGTH_SAMPLED_MEAN] = total / length_samples
+        metrics[keys.LENGTH_TRAINED_MEAN] = (total - sum(removed_list)) / length_samples
+        for name, n, gone in zip(LENGTH_BUCKETS, sampled_list, removed_list):
+            if n:
+                metrics[keys.LENGTH_REMOVED_SHARE_BY_LENGTH[name]] = gone / n
     metrics[keys.ROLLOUTS_DROPPED] = counted["rollouts_dropped"]
     metrics[keys.SAMPLES_DROPPED] = counted["samples_dropped"]
     metrics[keys.ROLLOUTS_HELD] = counted["rollouts_held"]
@@ -479,22 +487,6 @@ def _population(
         length_removed=length_removed,
     )
     return metrics, tally
-
-
-def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[str, float | int]:
-    if samples == 0:
-        return {}
-    # (a few buckets: summed as Python integers)
-    sampled_list, removed_list = sampled.tolist(), removed.tolist()
-    total = sum(sampled_list)
-    metrics: dict[str, float | int] = {
-        keys.LENGTH_SAMPLED_MEAN: total / samples,
-        keys.LENGTH_TRAINED_MEAN: (total - sum(removed_list)) / samples,
-    }
-    for name, n, gone in zip(LENGTH_BUCKETS, sampled_list, removed_list):
-        if n:
-            metrics[keys.LENGTH_REMOVED_SHARE_BY_LENGTH[name]] = gone / n
-    return metrics
 
 
 def compute_report(

@@ -58,5 +58,3 @@ BOUND_EXCESS_AT_BOUND = _key("bound_excess_at_bound")
 LENGTH_SAMPLED_MEAN = _key("length_sampled_mean")
 LENGTH_TRAINED_MEAN = _key("length_trained_mean")
 LENGTH_REMOVED_SHARE_BY_LENGTH = metric_named("length_removed_share").keys_by_bucket
-
-# every constant above, each written once
