@@ -80,12 +80,7 @@ class Tally:
         mine, theirs = self.__dict__, other.__dict__
         if any(mine[name] > theirs[name] for name in _COUNT_FIELDS):
             return False
-        for name in _COUNTS_FIELDS:
-            a, b = mine[name], theirs[name]
-            n = min(len(a), len(b))
-            if (len(a) > n and a[n:].any()) or (a[:n] > b[:n]).any():
-                return False
-        return True
+        return not any((a > b).any() for a, b in (_aligned(mine[n], theirs[n]) for n in _COUNTS_FIELDS))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Tally):
