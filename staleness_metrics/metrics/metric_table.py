@@ -710,7 +710,6 @@ LEGACY_KEYS: dict[str, LegacyKey] = {
 # ---- lookups ----
 # Every W&B key spelled out, templated rows expanded once here.
 WANDB_KEYS: dict[str, MetricDef] = {key: m for m in METRICS for key in m.wandb_keys}
-_BY_KEY = WANDB_KEYS
 _BY_PROM = {m.prometheus_name: m for m in METRICS if m.prometheus_name is not None}
 _BY_NAME = {m.name: m for m in METRICS}
 
@@ -721,7 +720,7 @@ def metric_named(name: str) -> MetricDef:
 
 
 def metric_by_key(key: str) -> MetricDef:
-    return _BY_KEY[key]
+    return WANDB_KEYS[key]
 
 
 def metric_by_prometheus_name(name: str) -> MetricDef:
