@@ -25,8 +25,9 @@ if typing.TYPE_CHECKING:
         StalenessError,
         TraceError,
     )
+    from .metrics.buckets import LAG_BUCKETS
     from .metrics.metric_table import LEGACY_KEYS, METRICS, LegacyKey, MetricDef, MetricKind
-    from .metrics.mismatch import LAG_BUCKETS, MismatchSums, mismatch_sums
+    from .metrics.mismatch import MismatchSums, mismatch_sums
     from .metrics.report import StepReport, Tally
     from .monitor import StalenessMonitor
     from .records.columnar import RolloutBatch
@@ -50,7 +51,8 @@ _HOMES = {
         "TraceError",
     ),
     ".metrics.metric_table": ("LEGACY_KEYS", "METRICS", "LegacyKey", "MetricDef", "MetricKind"),
-    ".metrics.mismatch": ("LAG_BUCKETS", "MismatchSums", "mismatch_sums"),
+    ".metrics.buckets": ("LAG_BUCKETS",),
+    ".metrics.mismatch": ("MismatchSums", "mismatch_sums"),
     ".metrics.report": ("StepReport", "Tally"),
     ".monitor": ("StalenessMonitor",),
     ".records.columnar": ("RolloutBatch",),

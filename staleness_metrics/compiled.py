@@ -1,5 +1,5 @@
-"""Loops compiled by numba on their first call: each compiled pass of the package is a plain
-Python function beside its concept, decorated with :class:`CompiledLoop`."""
+"""Loops compiled by numba on their first call (each compiled pass is a plain Python function
+beside its concept, decorated with :class:`CompiledLoop`)."""
 
 from __future__ import annotations
 
@@ -9,20 +9,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["UNSIGNED_OF_SIZE", "CompiledLoop"]
-
 # views of a float's bits
 UNSIGNED_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class CompiledLoop:
-    """``loop`` compiled by numba on its first call (numba is imported then, not with the
-    package); the machine code is cached on disk across processes.
-
-    ``options`` are numba's. ``callees`` are loops it calls by a module-level name, compiled first
-    with their own options (``fastmath={"reassoc"}`` only in a callee: the loop's own arithmetic
-    stays exact).
-    """
+    """``loop`` compiled by numba (imported then) on its first call, cached on disk. ``callees``
+    are loops it calls by a module-level name, compiled first with their own numba options
+    (``fastmath={"reassoc"}`` only in a callee: the loop's own arithmetic stays exact)."""
 
     def __init__(
         self,

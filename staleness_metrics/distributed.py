@@ -1,19 +1,6 @@
-"""One step's mismatch sums reduced over a torch.distributed process group (SPEC 11, several ranks).
-
-Each rank sums its own tokens with :func:`~staleness_metrics.mismatch_sums`; :func:`all_reduce`
-adds the ranks' sums in one collective and returns the group's total on every rank, for rank 0 to
-record::
-
-    from staleness_metrics.distributed import all_reduce
-
-    sums = all_reduce(mismatch_sums(lags, sampler_logprobs, trainer_logprobs, masked=mask == 0))
-    if torch.distributed.get_rank() == 0:
-        monitor.record_mismatch(step, sums)
-
-Every field of :class:`~staleness_metrics.MismatchSums` is a sum (ratios are derived from the total
-afterwards), so one ``SUM`` over one packed float64 tensor is the whole reduction; counts stay exact
-below 2**53 (checked). torch is imported by this module, never by ``import staleness_metrics``.
-"""
+"""One step's mismatch sums reduced over a torch.distributed process group (SPEC 11, several
+ranks): every field is a sum, so one ``SUM`` over one packed float64 tensor is the whole reduction
+(docs/multi-gpu.md). torch is imported here, never by ``import staleness_metrics``."""
 
 from __future__ import annotations
 
@@ -27,8 +14,6 @@ from .errors import ConfigError, FieldError
 from .metrics.buckets import LAG_BUCKETS, N_BUCKETS
 from .metrics.mismatch import COUNT_FIELDS, SUM_FIELDS, MismatchSums
 
-__all__ = ["all_reduce"]
-
 _FIELDS = (*COUNT_FIELDS, *SUM_FIELDS)
 # The packed layout: a bucket fingerprint (the total is the group's size times it only if every
 # rank has these buckets), the uncovered count, then one row of N_BUCKETS per field.
@@ -37,17 +22,16 @@ _EXACT = float(2**53)
 
 
 def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
-    """The sum of every rank's ``sums`` over ``group`` (the default group when None), on every rank.
+    """The sum of every rank's ``sums`` over ``group`` (None: the default group), on every rank.
 
-    Every rank of the group calls it once per step (``MismatchSums.zero()`` for a rank without
-    tokens). The tensor is on the CPU when the backend reduces CPU tensors (gloo, MPI, UCC, or a
-    ``"cpu:gloo,cuda:nccl"`` pair), else on the current accelerator (the rank's own GPU for NCCL).
+    Every rank calls it once per step (``MismatchSums.zero()`` for a rank without tokens). The
+    tensor is on the CPU when the backend reduces CPU tensors (gloo, MPI, UCC, ``"cpu:gloo,..."``),
+    else on the current accelerator.
 
     Raises :class:`~staleness_metrics.errors.FieldError` naming the field when ``sums`` is not a
-    ``MismatchSums`` of one value per lag bucket, its counts could overflow, or the ranks' lag
-    buckets differ; :class:`~staleness_metrics.errors.ConfigError` when torch.distributed is not
-    initialised.
-    """
+    ``MismatchSums`` of one value per lag bucket, its counts could overflow in float64, or the
+    ranks' lag buckets differ; :class:`~staleness_metrics.errors.ConfigError` when
+    torch.distributed is not initialised."""
     rows = _checked(sums)
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
@@ -56,14 +40,22 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
             reason="torch.distributed is not initialised",
         )
     world = dist.get_world_size(group)
-    packed = _pack(sums, rows, world)
+    largest = max(int(sums.uncovered), *(int(getattr(sums, name).max()) for name in COUNT_FIELDS))
+    if largest * world >= _EXACT:  # a partial total beyond 2**53 would round
+        raise FieldError("sums", f"counts up to {largest} on {world} ranks exceed what float64 adds exactly")
+    packed = np.concatenate([[_FINGERPRINT, float(sums.uncovered)], *rows])
     tensor = torch.from_numpy(packed).to(_device_for(dist.get_backend(group)))
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    return _unpack(tensor.cpu().numpy(), world)
+    total = tensor.cpu().numpy()
+    if total[0] != _FINGERPRINT * world:
+        raise FieldError("sums", "the ranks' lag buckets differ (another staleness-metrics version on a rank?)")
+    summed = total[2:].reshape(len(_FIELDS), N_BUCKETS)
+    counts = {name: summed[i].astype(np.int64) for i, name in enumerate(COUNT_FIELDS)}
+    floats = {name: summed[len(COUNT_FIELDS) + i].copy() for i, name in enumerate(SUM_FIELDS)}
+    return MismatchSums(**counts, **floats, uncovered=int(total[1]))
 
 
 def _device_for(backend: str) -> torch.device:
-    """The CPU if the backend takes CPU tensors, else the current accelerator."""
     names = backend.lower()
     if names.startswith("cpu:") or ",cpu:" in names or names in ("gloo", "mpi", "ucc"):
         return torch.device("cpu")
@@ -89,19 +81,3 @@ def _checked(sums: MismatchSums) -> list[np.ndarray[Any, np.dtype[np.float64]]]:
     if isinstance(sums.uncovered, bool) or not isinstance(sums.uncovered, (int, np.integer)):
         raise FieldError("sums.uncovered", f"expected an integer, got {type(sums.uncovered).__name__}")
     return rows
-
-
-def _pack(sums: MismatchSums, rows: list[np.ndarray[Any, np.dtype[np.float64]]], world: int) -> Any:
-    largest = max(int(sums.uncovered), *(int(getattr(sums, name).max()) for name in COUNT_FIELDS))
-    if largest * world >= _EXACT:  # a partial total beyond 2**53 would round
-        raise FieldError("sums", f"counts up to {largest} on {world} ranks exceed what float64 adds exactly")
-    return np.concatenate([[_FINGERPRINT, float(sums.uncovered)], *rows])
-
-
-def _unpack(total: np.ndarray[Any, np.dtype[np.float64]], world: int) -> MismatchSums:
-    if total[0] != _FINGERPRINT * world:
-        raise FieldError("sums", "the ranks' lag buckets differ (another staleness-metrics version on a rank?)")
-    rows = total[2:].reshape(len(_FIELDS), N_BUCKETS)
-    counts = {name: rows[i].astype(np.int64) for i, name in enumerate(COUNT_FIELDS)}
-    floats = {name: rows[len(COUNT_FIELDS) + i].copy() for i, name in enumerate(SUM_FIELDS)}
-    return MismatchSums(**counts, **floats, uncovered=int(total[1]))

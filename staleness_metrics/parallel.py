@@ -9,8 +9,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-__all__ = ["PARALLEL_MIN_POSITIONS", "POOL_THREAD_PREFIX", "SHARES", "run_all"]
-
 T = TypeVar("T")
 
 # below about a million positions, threads cost more than they save

@@ -1,8 +1,6 @@
-"""The checked reading and exact writing of checkpoint states (SPEC 13), for every object that
-saves its own: plain data read back value by value, refusing the first wrong one with
-``ConfigError("checkpoint: <key path>: <reason>")``; arrays kept with their dtype; a digest per
-top-level key catches a value changed to another plausible one.
-"""
+"""Checked reading and exact writing of checkpoint states (SPEC 13): plain data read back value by
+value, the first wrong one refused naming its key path; arrays kept with their dtype; a digest per
+top-level key."""
 
 from __future__ import annotations
 
@@ -19,33 +17,8 @@ import orjson
 
 from .errors import ConfigError
 
-__all__ = [
-    "FORMAT",
-    "PIECED_DEPTH",
-    "PIECE_ITEMS",
-    "READABLE_FORMATS",
-    "NestedTooDeep",
-    "arrays_left_as_numpy",
-    "boolean",
-    "check_digests",
-    "check_format",
-    "decode_array",
-    "digests_of",
-    "encode_array",
-    "fail",
-    "integer",
-    "join",
-    "json_pieces",
-    "keys",
-    "kind_of",
-    "mapping",
-    "sequence",
-    "string",
-    "strings",
-]
-
 FORMAT = 3
-# Format 1 (before digests) still loads: everything is checked but the digests it does not have.
+# format 1 (before digests) still loads
 READABLE_FORMATS = (1, 2, 3)
 
 
@@ -64,7 +37,6 @@ def join(path: str, key: object) -> str:
 
 
 def kind_of(value: object) -> str:
-    """How a refusal names the JSON kind of ``value``."""
     return "null" if value is None else type(value).__name__
 
 
@@ -161,11 +133,9 @@ def json_pieces(
     default: Callable[[Any], Any] | None = None,
     max_depth: int | None = None,
 ) -> Iterator[bytes]:
-    """``orjson.dumps(value, default=default, option=option)`` as pieces whose concatenation is
-    that text byte for byte, so a value holding arrays of millions of values is hashed or stored
-    without its whole text in memory. A container holding no numpy object is one orjson call, one
-    that does is written an item at a time, a long array :data:`PIECE_ITEMS` values at a time.
-    Raises what ``orjson.dumps`` raises, and :class:`NestedTooDeep` past ``max_depth``."""
+    """``orjson.dumps(value, default=default, option=option)`` in pieces of the same text, so that a
+    value holding huge arrays is hashed or stored without its whole text in memory; raises what
+    ``orjson.dumps`` raises, and :class:`NestedTooDeep` past ``max_depth``."""
     sort_keys = bool(option & orjson.OPT_SORT_KEYS)
     plain_option = option & ~orjson.OPT_SERIALIZE_NUMPY
 
@@ -180,8 +150,8 @@ def json_pieces(
         return default(item)
 
     def without_numpy(item: Any, path: tuple[type, ...]) -> bytes | None:
-        """``item``'s text if it holds no numpy object, else None; written inside containers of
-        its ``path``'s kinds (then cut out), so orjson's nesting limit applies as in the whole."""
+        """``item``'s text if it holds no numpy object, else None; written inside containers of its
+        ``path``'s kinds (then cut out), so that orjson's nesting limit applies as in the whole."""
         wrapped, head, tail = item, 0, 0
         for kind in reversed(path):
             if kind is dict:
@@ -251,8 +221,8 @@ _DIGEST_OPTION = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 def _digest(value: Any, path: str) -> str:
-    """A hash of ``value``'s canonical JSON, hashed in pieces (:func:`json_pieces`); the standard
-    library's for what orjson refuses (integers beyond 64 bits in echoed records)."""
+    """A hash of ``value``'s canonical JSON, in pieces; the standard library's JSON for what orjson
+    refuses (integers beyond 64 bits in echoed records)."""
     digest = hashlib.blake2b(digest_size=16)
     try:
         for piece in json_pieces(value, _DIGEST_OPTION, default=_plain, max_depth=PIECED_DEPTH):
@@ -321,9 +291,8 @@ _SAME_TEXT_AS_LIST = _PIECED_DTYPES - {np.dtype(np.float32)}
 
 @contextmanager
 def arrays_left_as_numpy() -> Iterator[None]:
-    """Within it, :func:`encode_array` leaves ``data`` a numpy array (of dtypes orjson writes as
-    their list) for a writer using ``OPT_SERIALIZE_NUMPY``: no Python object per value, the same
-    text and digests."""
+    """Within it, :func:`encode_array` leaves ``data`` a numpy array, for a writer using
+    ``OPT_SERIALIZE_NUMPY`` (the same text and digests, no Python object per value)."""
     token = _NUMPY_DATA.set(True)
     try:
         yield

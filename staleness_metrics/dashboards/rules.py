@@ -9,8 +9,8 @@ import io
 from dataclasses import dataclass
 from typing import Any
 
+from ..metrics.buckets import LAG_UPPER_BOUNDS
 from ..metrics.metric_table import LAG
-from ..metrics.mismatch import LAG_UPPER_BOUNDS
 from .promql import Scope, prometheus_name, recorded_name
 
 __all__ = ["MISMATCH_RECORDS", "Thresholds", "render_rules", "rule_groups"]

@@ -18,10 +18,11 @@ import numpy as np
 
 from ..config import StalenessConfig
 from ..errors import TraceError
-from ..metrics.bound import FLOOR_SOURCES, BoundTracker, env_tracker_config
+from ..metrics.bound import BoundTracker, env_tracker_config
+from ..metrics.buckets import FLOOR_SOURCES, HISTOGRAM_TOP, LENGTH_BUCKETS
 from ..metrics.compute import WindowCounts
 from ..metrics.mismatch import MismatchSums
-from ..metrics.report import HISTOGRAM_TOP, LENGTH_BUCKETS, MetricValue, StepReport, Tally
+from ..metrics.report import MetricValue, StepReport, Tally
 from ..state_checks import (
     FORMAT,
     check_digests,

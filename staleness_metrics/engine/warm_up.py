@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..metrics.compute import WindowCounts
-from ..metrics.mismatch_kernel import mismatch_runs
-from ..metrics.population import PopulationColumns, population_summary
+from ..metrics.compute import PopulationColumns, WindowCounts, population_summary
+from ..metrics.mismatch import mismatch_runs
 from ..records.plain_values import BatchRows, PositionCopies, plain_values
 from .cuts import CutFlags, IntArray, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..errors import ConfigError
-from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..metrics.buckets import BUCKETS
+from ..metrics.metric_table import METRICS, MetricDef, MetricKind, Source
 from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .state import CumulativeExporter, Snapshot, histogram_of
 

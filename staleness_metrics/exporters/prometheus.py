@@ -14,7 +14,8 @@ from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
 from prometheus_client.utils import floatToGoString
 
-from ..metrics.metric_table import BUCKETS, METRICS, MetricDef, MetricKind, Source
+from ..metrics.buckets import BUCKETS
+from ..metrics.metric_table import METRICS, MetricDef, MetricKind, Source
 from ..metrics.report import StepReport
 from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, QueuedExporter
 from .state import CumulativeExporter, Snapshot

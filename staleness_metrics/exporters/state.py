@@ -15,10 +15,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..metrics.buckets import BUCKETS
 from ..metrics.keys import MISMATCH_FLOOR_SOURCE
 from ..metrics.metric_table import (
     BATCH_WIDE_COUNTERS,
-    BUCKETS,
     ENV_KEY_PREFIX,
     KEY_PREFIX,
     METRICS,

@@ -20,9 +20,9 @@ from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..errors import EventError
 from ..metrics import keys
-from ..metrics.bound import FLOOR_SOURCES
+from ..metrics.buckets import FLOOR_SOURCES, LAG_BUCKETS
 from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS
-from ..metrics.mismatch import LAG_BUCKETS, MismatchSums
+from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Tally
 from ..replay.run_dir import RunDirectory, find_run
 from ..replay.sources import (

@@ -1,12 +1,12 @@
-"""Choosing the bound (SPEC 14): the floor, the excess curve over lag, the budget and the suggested
-bound, pure functions of :class:`~staleness_metrics.metrics.mismatch.MismatchSums`; the run-long
-state lives in :class:`BoundTracker`.
-"""
+"""Choosing the bound (SPEC 14): the floor, the excess curve, the budget and the suggested bound,
+pure functions of the SPEC 11 sums, and the run-long state in :class:`BoundTracker`."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +15,7 @@ import numpy as np
 
 from ..config import StalenessConfig
 from ..errors import FieldError
-from .buckets import CURVE_BUCKETS, FLOOR_SOURCES, LAG_BUCKETS, FloorSource
+from .buckets import CURVE_BUCKETS, LAG_BUCKETS, FloorSource
 from .keys import (
     BOUND_CROSSED,
     BOUND_EXCESS_AT_BOUND,
@@ -29,33 +29,13 @@ from .keys import (
 from .mismatch import MismatchSums
 from .report import MetricValue
 
-__all__ = [
-    "CURVE_BUCKETS",
-    "FLOOR_SOURCES",
-    "BoundAdvice",
-    "BoundTracker",
-    "Curve",
-    "Floor",
-    "FloorSource",
-    "ShipBound",
-    "adapt_bound",
-    "advise",
-    "bound_metrics",
-    "budget_of",
-    "env_tracker_config",
-    "excess_curve",
-    "isotonic_increasing",
-    "mismatch_metrics",
-    "select_floor",
-]
-
 TRACKER_FORMAT = 1
 
 
 @dataclass(frozen=True)
 class Floor:
-    """The engines' numeric mismatch (k3, nats per token) a ship's excess is measured against,
-    measured at ``step``, ``age`` steps before this ship."""
+    """The engines' numeric mismatch (k3 per token) the excess is measured against, measured at
+    ``step``, ``age`` steps before this ship."""
 
     value: float
     source: FloorSource
@@ -75,9 +55,9 @@ def select_floor(
     min_tokens: int,
     max_age: int,
 ) -> Floor | None:
-    """The floor of a ship at ``step`` (SPEC 14), the first rule that applies: ``lag0`` (bucket 0
-    has ``min_tokens``), ``carried`` (``last_lag0``, the run's latest ``(floor, step)``, at most
-    ``max_age`` old), ``min_lag`` (the smallest bucket with ``min_tokens``), else ``None``."""
+    """The first rule that applies: ``lag0`` (bucket 0 has ``min_tokens``), ``carried``
+    (``last_lag0``, the latest ``(floor, step)``, at most ``max_age`` old), ``min_lag`` (the
+    smallest bucket with ``min_tokens``), else ``None``."""
     if int(sums.tokens[0]) >= min_tokens:
         return Floor(_k3(sums, 0), "lag0", step, 0)
     if last_lag0 is not None:
@@ -115,8 +95,7 @@ def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> li
 
 @dataclass(frozen=True)
 class Curve:
-    """The excess curve of a window: per lag with enough tokens, the raw excess ``e``, its tokens
-    and the isotonic fit ``ê``."""
+    """Per lag with enough tokens: its tokens, the raw excess ``e`` and the isotonic fit ``ê``."""
 
     lags: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -128,8 +107,7 @@ class Curve:
 
 
 def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curve:
-    """``e(b)`` = the window's k3 of bucket ``b`` minus ``floor`` for each ``b`` in 1..16 with
-    ``min_tokens``, and its isotonic fit weighted by the tokens."""
+    """The window's k3 minus ``floor`` at each lag 1..16 with ``min_tokens``, and its fit."""
     lags = tuple(b for b in CURVE_BUCKETS if int(window.tokens[b]) >= min_tokens)
     tokens = tuple(int(window.tokens[b]) for b in lags)
     raw = tuple(_k3(window, b) - floor for b in lags)
@@ -138,15 +116,13 @@ def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curv
 
 
 def budget_of(mismatch_budget: float | None, floor: float) -> float:
-    """``β``: the configured budget, or the floor itself."""
     return floor if mismatch_budget is None else float(mismatch_budget)
 
 
 @dataclass(frozen=True)
 class BoundAdvice:
-    """What a curve says about the bound: ``suggested``, the largest lag with ``ê ≤ β`` (0 when
-    the first is above); ``crossed``, some lag is above ``β``; ``excess_at_bound``, ``ê`` of the
-    largest lag not above the configured bound."""
+    """``suggested``: the largest lag with ``ê ≤ β`` (0 when the first is above); ``crossed``:
+    some lag is above ``β``; ``excess_at_bound``: ``ê`` of the largest lag not above the bound."""
 
     suggested: int
     crossed: bool
@@ -154,7 +130,6 @@ class BoundAdvice:
 
 
 def advise(curve: Curve, budget: float, bound: int) -> BoundAdvice | None:
-    """The bound keys of SPEC 14 for ``curve``; ``None`` when the curve is empty."""
     if not curve:
         return None
     within = [lag for lag, fitted in zip(curve.lags, curve.fitted, strict=True) if fitted <= budget]
@@ -166,8 +141,8 @@ def advise(curve: Curve, budget: float, bound: int) -> BoundAdvice | None:
 
 
 def adapt_bound(bound: int, advice: BoundAdvice, low: int, high: int) -> int:
-    """One step of SPEC 14's adaptation, within ``[low, high]``: toward ``suggested`` when the
-    budget is crossed, else up when ``suggested ≥ bound``."""
+    """One step within ``[low, high]``: toward ``suggested`` when crossed, else up when
+    ``suggested ≥ bound``."""
     if advice.crossed:
         moved = bound + (advice.suggested > bound) - (advice.suggested < bound)
     elif advice.suggested >= bound:
@@ -179,7 +154,7 @@ def adapt_bound(bound: int, advice: BoundAdvice, low: int, high: int) -> int:
 
 @dataclass(frozen=True)
 class ShipBound:
-    """Everything SPEC 14 says about one ship: its floor, the budget, the curve and the advice."""
+    """Everything SPEC 14 says about one ship."""
 
     floor: Floor | None
     budget: float | None
@@ -211,8 +186,8 @@ def bound_metrics(result: ShipBound) -> dict[str, MetricValue]:
 
 
 def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None) -> dict[str, MetricValue]:
-    """A ship's SPEC 11 keys with their excess over SPEC 14's floor, then the SPEC 14 keys; empty
-    when nothing is covered (without ``bound`` or a floor: no excess and no SPEC 14 key)."""
+    """A ship's SPEC 11 keys with their excess over the floor, then the SPEC 14 keys; empty when
+    nothing is covered."""
     floor = None if bound is None or bound.floor is None else bound.floor.value
     out: dict[str, MetricValue] = dict(sums.metrics(floor=floor))
     if out and bound is not None:
@@ -221,32 +196,26 @@ def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None) -> dict[str, M
 
 
 def env_tracker_config(config: StalenessConfig) -> StalenessConfig:
-    """The config of an env's tracker: the run's, without adaptation (the bound is the batch's)."""
+    """An env's tracker: the run's config without adaptation (the bound is the batch's)."""
     return dataclasses.replace(config, adapt_every=None, adapt_low=1, adapt_high=16)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _TrackerState:
-    window: list[tuple[int, MismatchSums]]
-    last_lag0: tuple[float, int] | None
+    window: list[tuple[int, MismatchSums]]  # (step, sums), oldest first
+    last_lag0: tuple[float, int] | None  # (floor, step) of the latest lag0 floor
     bound: int
-    toward_change: int
-    last_counted: int
+    toward_change: int = 0  # ships with a curve since the bound last had a chance to move
+    last_counted: int = 0
 
 
 class BoundTracker:
-    """The run-long state of SPEC 14: the sums of the last ``cost_window`` ships with SPEC 11 sums,
-    the last ``lag0`` floor, and the adaptive bound with the count toward its next change. The sink
-    calls :meth:`observe` once per ship, the live path with ``merge=True`` as a step's sums arrive.
-    """
+    """SPEC 14's run-long state: the sums of the last ``cost_window`` ships, the last ``lag0``
+    floor, and the adaptive bound with the count toward its next change."""
 
     def __init__(self, config: StalenessConfig) -> None:
         self.config = config
-        self._window: list[tuple[int, MismatchSums]] = []
-        self._last_lag0: tuple[float, int] | None = None
-        self._bound = config.max_staleness
-        self._toward_change = 0
-        self._last_counted = 0
+        self._state = _TrackerState([], None, config.max_staleness)
 
     @property
     def adaptive(self) -> bool:
@@ -255,92 +224,86 @@ class BoundTracker:
     @property
     def bound(self) -> int:
         """The bound in force: ``max_staleness``, or where adaptation moved it."""
-        return self._bound
+        return self._state.bound
 
     @property
     def toward_change(self) -> int:
-        """Ships with a curve counted since the bound last had a chance to move."""
-        return self._toward_change
+        return self._state.toward_change
 
     @property
     def last_lag0(self) -> tuple[float, int] | None:
-        """``(floor, step)`` of the most recent ship with a ``lag0`` floor."""
-        return self._last_lag0
+        return self._state.last_lag0
 
     @property
     def window(self) -> list[tuple[int, MismatchSums]]:
-        """``(step, sums)`` of the ships kept for the window, oldest first."""
-        return list(self._window)
+        return list(self._state.window)
 
     def window_sums(self, upto: int | None = None) -> MismatchSums:
         """The sums of the ``cost_window`` entries up to entry ``upto`` (default: the latest)."""
-        end = len(self._window) if upto is None else upto + 1
-        total = MismatchSums.zero()
-        for _, sums in self._window[max(0, end - self.config.cost_window) : end]:
-            total = total + sums
-        return total
+        window = self._state.window
+        end = len(window) if upto is None else upto + 1
+        kept = window[max(0, end - self.config.cost_window) : end]
+        return sum((sums for _, sums in kept), MismatchSums.zero())
 
     def _enter(self, step: int, sums: MismatchSums, merge: bool) -> int:
         """Put the ship in the window; returns its index there."""
-        if merge:
-            for i in range(len(self._window) - 1, -1, -1):
-                if self._window[i][0] == step:
-                    self._window[i] = (step, sums)
-                    return i
-        at = len(self._window)
-        # a late step of the live path goes in step order
-        while at > 0 and self._window[at - 1][0] > step:
-            at -= 1
-        self._window.insert(at, (step, sums))
-        if len(self._window) > self.config.cost_window:
-            del self._window[0]
+        window = self._state.window
+        # in step order (a late step of the live path too); merge: replace the step's last entry
+        at = bisect.bisect_right(window, step, key=operator.itemgetter(0))
+        if merge and at and window[at - 1][0] == step:
+            window[at - 1] = (step, sums)
+            return at - 1
+        window.insert(at, (step, sums))
+        if len(window) > self.config.cost_window:
+            del window[0]
             at -= 1
         return at
 
     def observe(
         self, step: int, sums: MismatchSums, *, merge: bool = False, bound: int | None = None
     ) -> ShipBound | None:
-        """Record ``sums`` as the total of the ship at ``step`` (``merge``: a step's total so far,
-        replacing its entry) and derive its SPEC 14 values, ``excess_at_bound`` at ``bound``
-        (default: the bound in force); ``None`` when no position is covered."""
+        """Record the ship at ``step`` (``merge``: a step's total so far, replacing its entry) and
+        derive its SPEC 14 values, ``excess_at_bound`` at ``bound`` (default: the one in force)."""
         if sums.covered == 0:
             return None
-        config = self.config
-        bound = self._bound if bound is None else bound
+        config, state = self.config, self._state
+        bound = state.bound if bound is None else bound
         at = self._enter(step, sums, merge)
-        last = self._last_lag0
+        last = state.last_lag0
         floor = select_floor(sums, step, last, min_tokens=config.floor_min_tokens, max_age=config.floor_max_age)
         if floor is None:
             return ShipBound(None, None, Curve((), (), (), ()), None, bound)
         if floor.source == "lag0" and (last is None or step >= last[1]):
-            self._last_lag0 = (floor.value, step)
+            state.last_lag0 = (floor.value, step)
         budget = budget_of(config.mismatch_budget, floor.value)
         # A ship that left the window at once (a very late step of the live path) is its own window.
         window = self.window_sums(at) if at >= 0 else sums
         curve = excess_curve(window, floor.value, min_tokens=config.floor_min_tokens)
         advice = advise(curve, budget, bound)
-        if advice is not None and config.adapt_every is not None and (not merge or step > self._last_counted):
-            self._last_counted = max(self._last_counted, step)
-            self._toward_change += 1
-            if self._toward_change >= config.adapt_every:
-                self._toward_change = 0
-                self._bound = adapt_bound(self._bound, advice, config.adapt_low, config.adapt_high)
+        counted = not merge or step > state.last_counted  # (a step's later totals count once)
+        if advice is not None and config.adapt_every is not None and counted:
+            state.last_counted = max(state.last_counted, step)
+            state.toward_change += 1
+            if state.toward_change >= config.adapt_every:
+                state.toward_change = 0
+                state.bound = adapt_bound(state.bound, advice, config.adapt_low, config.adapt_high)
         return ShipBound(floor, budget, curve, advice, bound)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state; :meth:`load_state_dict` takes it back."""
+        state = self._state
         return {
             "format": TRACKER_FORMAT,
-            "window": [[step, sums.to_dict()] for step, sums in self._window],
-            "last_lag0": None if self._last_lag0 is None else [self._last_lag0[0], self._last_lag0[1]],
-            "bound": self._bound,
-            "toward_change": self._toward_change,
-            "last_counted": self._last_counted,
+            "window": [[step, sums.to_dict()] for step, sums in state.window],
+            "last_lag0": None if state.last_lag0 is None else list(state.last_lag0),
+            "bound": state.bound,
+            "toward_change": state.toward_change,
+            "last_counted": state.last_counted,
         }
 
     def check_state_dict(self, state: Any, path: str = "bound") -> _TrackerState:
-        """Check ``state`` against this tracker's config and build what it holds, changing nothing;
-        ``ConfigError`` names the key path and the reason."""
+        """Check ``state`` against this tracker's config, changing nothing (``ConfigError`` names
+        the key path and the reason)."""
         from ..state_checks import fail, integer, join, keys, sequence
 
         found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))
@@ -390,13 +353,7 @@ class BoundTracker:
         return _TrackerState(window, last_lag0, bound, toward_change, last_counted)
 
     def load_checked(self, state: _TrackerState) -> None:
-        """Take a state :meth:`check_state_dict` built (cannot fail)."""
-        self._window = list(state.window)
-        self._last_lag0 = state.last_lag0
-        self._bound = state.bound
-        self._toward_change = state.toward_change
-        self._last_counted = state.last_counted
+        self._state = state  # (built by check_state_dict for this tracker alone)
 
     def load_state_dict(self, state: Any) -> None:
-        """Continue from :meth:`state_dict`: all checked first, then swapped."""
         self.load_checked(self.check_state_dict(state))

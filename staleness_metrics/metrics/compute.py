@@ -1,12 +1,12 @@
-"""The metrics of a ship (SPEC 6), computed from the engine's decision and nothing else: the
-shipped slice after the sink applied it (each sample's ``mask_below`` and ``dropped``), so the
-numbers agree with the masking by construction.
-"""
+"""The metrics of a ship (SPEC 6), computed from the shipped slice after the sink applied the
+decision (so they agree with the masking by construction), its population in one compiled pass
+(the numpy reference: tests/metrics/test_population_summary.py)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -14,19 +14,10 @@ import numpy.typing as npt
 from ..compiled import CompiledLoop
 from . import keys
 from .bound import ShipBound, mismatch_metrics
+from .buckets import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS
 from .metric_table import env_key
 from .mismatch import MismatchSums
-from .population import PopulationColumns, PopulationSummary, population_summary
-from .report import (
-    HISTOGRAM_TOP,
-    LENGTH_BUCKETS,
-    LENGTH_UPPER_BOUNDS,
-    MetricValue,
-    StepReport,
-    Tally,
-)
-
-__all__ = ["ShippedSlice", "WindowCounts", "columns_of", "compute_report"]
+from .report import MetricValue, StepReport, Tally
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -44,8 +35,6 @@ class ShippedSlice(Protocol):
     def step(self) -> int: ...
     @property
     def trained_version(self) -> int: ...
-    @property
-    def n_rollouts(self) -> int: ...
     @property
     def env(self) -> IntArray: ...
     @property
@@ -72,12 +61,278 @@ class ShippedSlice(Protocol):
     def labelled(self) -> BoolArray: ...
 
 
-def columns_of(slice_: ShippedSlice) -> PopulationColumns:
-    """The columns of ``slice_`` a population pass reads."""
-    return PopulationColumns(
-        slice_.frozen, slice_.dispatch, slice_.completion, slice_.sample_offsets, slice_.dropped, slice_.mask_below,
-        slice_.n_sampled, slice_.span_offsets, slice_.version, slice_.sampled, slice_.labelled,
-    )  # fmt: skip
+class PopulationColumns(NamedTuple):
+    """The columns of a shipped slice a population pass reads (``engine.decision.Judgement``)."""
+
+    # rollouts
+    frozen: BoolArray
+    dispatch: IntArray
+    completion: IntArray
+    sample_offsets: IntArray
+    # samples
+    dropped: BoolArray
+    mask_below: IntArray
+    n_sampled: IntArray
+    span_offsets: IntArray
+    # spans
+    version: IntArray
+    sampled: IntArray
+    labelled: BoolArray
+
+
+class PopulationSummary(NamedTuple):
+    """What :func:`population_summary` finds over the selected rollouts of a shipped slice."""
+
+    tokens: int  # sampled positions of their live, kept samples
+    masked: int  # of those, below their sample's threshold
+    unlabelled: int  # of those, on unlabelled spans
+    frozen: int  # selected frozen rollouts
+    samples: int  # their live, kept samples
+    token_dot: int  # sum of staleness x sampled positions (a Python integer: exact beyond int64)
+    live: int  # selected live rollouts
+    # their staleness (T - oldest shipped version), in-flight and in-queue times, newest staleness
+    rollout_sum: int
+    rollout_max: int
+    in_flight_sum: int
+    in_flight_max: int
+    in_queue_sum: int
+    in_queue_max: int
+    newest_sum: int
+    newest_max: int
+    quantiles: list[int]  # the nearest-rank staleness of each (none without sampled positions)
+    length_sampled: IntArray  # sampled positions per length bucket (of the sample's length)
+    length_removed: IntArray  # of those, masked
+    token_histogram: IntArray  # sampled positions per staleness 0, 1, ..., the last from ``top`` up
+    rollout_histogram: IntArray  # live rollouts per staleness, folded alike
+
+
+# Places in the compiled pass's totals array (the loop's own layout: the results are named).
+(_TOKENS, _MASKED, _UNLABELLED, _FROZEN, _SAMPLES, _DOT, _LIVE, _ROLLOUT, _MAX_ROLLOUT, _IN_FLIGHT, _MAX_IN_FLIGHT,
+ _IN_QUEUE, _MAX_IN_QUEUE, _NEWEST, _MAX_NEWEST, _TOTALS) = range(16)  # fmt: skip
+
+Columns = tuple[BoolArray, IntArray, IntArray, IntArray, BoolArray, IntArray, IntArray, IntArray, IntArray,
+                IntArray, BoolArray]  # fmt: skip
+
+
+def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragma: no cover - compiled
+    frozen, dispatch, completion, sample_offsets, dropped, mask_below, n_sampled, span_offsets = columns[:8]
+    version, sampled, labelled = columns[8:]
+    n_rollouts = len(frozen)
+    n_samples = len(dropped)
+    n_spans = len(version)
+    if len(rollout_in) != n_rollouts or len(dispatch) != n_rollouts or len(completion) != n_rollouts:
+        raise ValueError("population: rollout arrays differ in length")
+    if len(sample_offsets) != n_rollouts + 1 or len(mask_below) != n_samples or len(n_sampled) != n_samples:
+        raise ValueError("population: sample arrays differ in length")
+    if len(span_offsets) != n_samples + 1 or len(sampled) != n_spans or len(labelled) != n_spans:
+        raise ValueError("population: span arrays differ in length")
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or span_offsets[0] != 0:
+        raise ValueError("population: offsets do not cover the arrays")
+    if span_offsets[n_samples] != n_spans:
+        raise ValueError("population: offsets do not cover the arrays")
+    for r in range(n_rollouts):
+        if sample_offsets[r + 1] < sample_offsets[r]:
+            raise ValueError("population: offsets out of order")
+    for k in range(n_samples):
+        if span_offsets[k + 1] < span_offsets[k]:
+            raise ValueError("population: offsets out of order")
+
+
+def _walk_live_rollout(
+    r: int,
+    t: int,
+    columns: Columns,
+    length_bounds: IntArray,
+    totals: IntArray,
+    lengths: tuple[IntArray, IntArray],
+    extent: IntArray,
+) -> tuple[int, int]:  # pragma: no cover - compiled
+    """Add live rollout ``r``'s kept samples to the sums; its oldest and newest sampled version
+    (else its dispatch version)."""
+    dispatch, sample_offsets = columns[1], columns[3]
+    dropped, mask_below, n_sampled, span_offsets = columns[4:8]
+    version, sampled, labelled = columns[8:]
+    length_sampled, length_removed = lengths
+    n_buckets = len(length_bounds) + 1
+    oldest = dispatch[r]
+    freshest = dispatch[r]
+    found = False
+    for s in range(sample_offsets[r], sample_offsets[r + 1]):
+        if dropped[s]:
+            continue
+        totals[_SAMPLES] += 1
+        masked_here = 0
+        for k in range(span_offsets[s], span_offsets[s + 1]):
+            count = sampled[k]
+            if count <= 0:
+                continue
+            v = version[k]
+            if not found:
+                oldest = v
+                freshest = v
+                found = True
+            else:
+                oldest = min(oldest, v)
+                freshest = max(freshest, v)
+            staleness = t - v
+            extent[0] = max(extent[0], staleness)
+            extent[1] += staleness >= extent[2]
+            totals[_TOKENS] += count
+            if not labelled[k]:
+                totals[_UNLABELLED] += count
+            if v < mask_below[s]:
+                masked_here += count
+        totals[_MASKED] += masked_here
+        length = n_sampled[s]
+        if length > 0:
+            bucket = 0
+            while bucket < n_buckets - 1 and length_bounds[bucket] < length:
+                bucket += 1
+            length_sampled[bucket] += length
+            length_removed[bucket] += masked_here
+    return oldest, freshest
+
+
+def _staleness_counts(
+    t: int, rollout_in: BoolArray, columns: Columns, extent: IntArray
+) -> tuple[IntArray, IntArray, int]:  # pragma: no cover - compiled
+    """The histogram of sampled positions by staleness (the last index ``top`` counting all from
+    it up), the spans from ``top`` up sorted by staleness, and the sum of staleness x positions
+    below it."""
+    frozen, sample_offsets, dropped = columns[0], columns[3], columns[4]
+    span_offsets, version, sampled = columns[7:10]
+    high, n_above, top = extent[0], extent[1], extent[2]
+    histogram = np.zeros(min(high, top) + 1, dtype=np.int64)  # (empty without sampled positions)
+    above = np.empty((2, n_above), dtype=np.int64)
+    at = 0
+    dot = 0
+    for r in range(len(frozen)):
+        if not rollout_in[r] or frozen[r]:
+            continue
+        for s in range(sample_offsets[r], sample_offsets[r + 1]):
+            if dropped[s]:
+                continue
+            for k in range(span_offsets[s], span_offsets[s + 1]):
+                count = sampled[k]
+                if count <= 0:
+                    continue
+                staleness = t - version[k]
+                if staleness < top:
+                    histogram[staleness] += count
+                    dot += staleness * count
+                else:
+                    histogram[top] += count
+                    above[0, at] = staleness
+                    above[1, at] = count
+                    at += 1
+    if at > 1:
+        above = above[:, np.argsort(above[0], kind="mergesort")]
+    return histogram, above, dot
+
+
+def _nearest_ranks(
+    histogram: IntArray, above: IntArray, quantiles: IntArray, out: IntArray
+) -> None:  # pragma: no cover - compiled
+    """Into ``out``, per ``quantiles`` row, the ceil(p * N)-th smallest staleness."""
+    values, counts = above[0], above[1]
+    below = len(histogram) - 1 if len(values) else len(histogram)
+    total = 0
+    for i in range(len(histogram)):
+        total += histogram[i]
+    for q in range(len(quantiles)):
+        numerator = quantiles[q, 0]
+        denominator = quantiles[q, 1]
+        # ceil(numerator * total / denominator) without the product, which may not fit in int64
+        whole = total // denominator
+        rest = total % denominator
+        rank = max(1, numerator * whole + (numerator * rest + denominator - 1) // denominator)
+        running = 0
+        for i in range(below + len(values)):
+            running += histogram[i] if i < below else counts[i - below]
+            if running >= rank:
+                out[q] = i if i < below else values[i - below]
+                break
+
+
+@CompiledLoop(
+    callees={
+        "_check_population": (_check_population, {}),
+        "_walk_live_rollout": (_walk_live_rollout, {}),
+        "_staleness_counts": (_staleness_counts, {}),
+        "_nearest_ranks": (_nearest_ranks, {}),
+    }
+)
+def _population_summary(
+    t: int,
+    rollout_in: BoolArray,
+    columns: Columns,
+    length_bounds: IntArray,
+    top: int,
+    quantiles: IntArray,
+) -> tuple[IntArray, ...]:  # pragma: no cover - compiled
+    _check_population(rollout_in, columns)
+    frozen, completion = columns[0], columns[2]
+    totals = np.zeros(_TOTALS + len(quantiles), dtype=np.int64)  # (then the quantiles' staleness)
+    lengths = np.zeros((2, len(length_bounds) + 1), dtype=np.int64)  # sampled and removed positions
+    rollout_histogram = np.zeros(top + 1, dtype=np.int64)
+    # the highest staleness (-1: none), the spans at top or above, and top
+    extent = np.array([-1, 0, top], dtype=np.int64)
+    rollout_top = -1
+    for r in range(len(frozen)):
+        if not rollout_in[r]:
+            continue
+        if frozen[r]:
+            totals[_FROZEN] += 1
+            continue
+        buckets = (lengths[0], lengths[1])
+        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, totals, buckets, extent)
+        rollout = t - oldest
+        in_flight = min(max(completion[r] - oldest, 0), rollout)
+        in_queue = rollout - in_flight
+        newest = t - freshest
+        if newest < 0:  # (a sampled span, or the dispatch of a rollout without any)
+            raise ValueError("population: a version above the trained version")
+        totals[_LIVE] += 1
+        totals[_ROLLOUT] += rollout
+        totals[_IN_FLIGHT] += in_flight
+        totals[_IN_QUEUE] += in_queue
+        totals[_NEWEST] += newest
+        # (every number is >= 0, the maxima start at 0)
+        totals[_MAX_ROLLOUT] = max(totals[_MAX_ROLLOUT], rollout)
+        totals[_MAX_IN_FLIGHT] = max(totals[_MAX_IN_FLIGHT], in_flight)
+        totals[_MAX_IN_QUEUE] = max(totals[_MAX_IN_QUEUE], in_queue)
+        totals[_MAX_NEWEST] = max(totals[_MAX_NEWEST], newest)
+        folded = min(rollout, top)
+        rollout_histogram[folded] += 1
+        rollout_top = max(rollout_top, folded)
+    histogram, above, dot = _staleness_counts(t, rollout_in, columns, extent)
+    totals[_DOT] = dot
+    if len(histogram):  # (no quantile without sampled positions)
+        _nearest_ranks(histogram, above, quantiles, totals[_TOTALS:])
+    else:
+        totals = totals[:_TOTALS]
+    return totals, lengths, histogram, rollout_histogram[: rollout_top + 1].copy(), above
+
+
+def population_summary(
+    trained_version: int,
+    rollout_in: BoolArray,
+    columns: PopulationColumns,
+    length_bounds: IntArray,
+    top: int,
+    quantiles: IntArray,
+) -> PopulationSummary:
+    """The population of the rollouts selected by ``rollout_in``, in one pass over their spans
+    (frozen rollouts only counted, dropped samples left out); ``quantiles`` rows are (numerator,
+    denominator). ``ValueError`` on arrays that do not tile, or a version above ``t``."""
+    t, top = int(trained_version), int(top)
+    found = _population_summary(t, rollout_in, tuple(columns), length_bounds, top, quantiles)
+    totals, lengths, token_histogram, rollout_histogram, above = found
+    numbers = totals.tolist()
+    # the staleness at top or above, times its positions, as Python integers: exact beyond int64
+    numbers[_DOT] += sum(map(operator.mul, *above.tolist()))
+    arrays = (lengths[0], lengths[1], token_histogram, rollout_histogram)
+    return PopulationSummary._make((*numbers[:_TOTALS], numbers[_TOTALS:], *arrays))
 
 
 @CompiledLoop
@@ -86,8 +341,7 @@ def _env_sums(
     amounts: IntArray,
     bounds: IntArray,
 ) -> IntArray:  # pragma: no cover - compiled
-    """Per env index (row): its entries in ``env``, the sum of their ``amounts``, then that sum by
-    SPEC 12 length bucket of each amount (an amount of 0 in none)."""
+    """Per env index (row): its entries, their ``amounts``' sum, and that sum by length bucket."""
     n_env = 0
     for i in range(len(env)):
         n_env = max(n_env, env[i] + 1)
@@ -174,7 +428,7 @@ def _population(
     max_staleness: int,
 ) -> tuple[dict[str, float | int], Tally]:
     """Metrics and tally of the live shipped rollouts selected by ``rollout_in``."""
-    columns = columns_of(slice_)
+    columns = PopulationColumns(*(getattr(slice_, name) for name in PopulationColumns._fields))
     t, top = slice_.trained_version, HISTOGRAM_TOP
     found = population_summary(t, rollout_in, columns, _LENGTH_BOUNDS, top, _QUANTILE_FRACTIONS)
     tokens, masked, unlabelled = found.tokens, found.masked, found.unlabelled
@@ -187,7 +441,9 @@ def _population(
             metrics[key] = value
     live = found.live
     if live:
-        for (mean_key, max_key), total, top in _rollout_numbers(found):
+        sums = (found.rollout_sum, found.in_flight_sum, found.in_queue_sum, found.newest_sum)
+        tops = (found.rollout_max, found.in_flight_max, found.in_queue_max, found.newest_max)
+        for (mean_key, max_key), total, top in zip(_ROLLOUT_KEYS, sums, tops):
             metrics[mean_key] = total / live
             metrics[max_key] = top
     # SPEC 12 over the shipped samples plus the window's dropped samples
@@ -197,7 +453,15 @@ def _population(
     if window.dropped_lengths:
         dropped = window.dropped_by_length(env)
         length_sampled, length_removed = length_sampled + dropped, length_removed + dropped
-    metrics.update(_length_metrics(length_samples, length_sampled, length_removed))
+    if length_samples:
+        # (a few buckets: summed as Python integers)
+        sampled_list, removed_list = length_sampled.tolist(), length_removed.tolist()
+        total = sum(sampled_list)
+        metrics[keys.LENGTH_SAMPLED_MEAN] = total / length_samples
+        metrics[keys.LENGTH_TRAINED_MEAN] = (total - sum(removed_list)) / length_samples
+        for name, n, gone in zip(LENGTH_BUCKETS, sampled_list, removed_list):
+            if n:
+                metrics[keys.LENGTH_REMOVED_SHARE_BY_LENGTH[name]] = gone / n
     metrics[keys.ROLLOUTS_DROPPED] = counted["rollouts_dropped"]
     metrics[keys.SAMPLES_DROPPED] = counted["samples_dropped"]
     metrics[keys.ROLLOUTS_HELD] = counted["rollouts_held"]
@@ -225,31 +489,6 @@ def _population(
     return metrics, tally
 
 
-def _rollout_numbers(found: PopulationSummary) -> zip[tuple[tuple[str, str], int, int]]:
-    """The four per-rollout numbers' keys, sums and maxima, in :data:`_ROLLOUT_KEYS` order."""
-    return zip(
-        _ROLLOUT_KEYS,
-        (found.rollout_sum, found.in_flight_sum, found.in_queue_sum, found.newest_sum),
-        (found.rollout_max, found.in_flight_max, found.in_queue_max, found.newest_max),
-    )
-
-
-def _length_metrics(samples: int, sampled: IntArray, removed: IntArray) -> dict[str, float | int]:
-    if samples == 0:
-        return {}
-    # (a few buckets: summed as Python integers)
-    sampled_list, removed_list = sampled.tolist(), removed.tolist()
-    total = sum(sampled_list)
-    metrics: dict[str, float | int] = {
-        keys.LENGTH_SAMPLED_MEAN: total / samples,
-        keys.LENGTH_TRAINED_MEAN: (total - sum(removed_list)) / samples,
-    }
-    for name, n, gone in zip(LENGTH_BUCKETS, sampled_list, removed_list):
-        if n:
-            metrics[keys.LENGTH_REMOVED_SHARE_BY_LENGTH[name]] = gone / n
-    return metrics
-
-
 def compute_report(
     shipped: ShippedSlice,
     window: WindowCounts,
@@ -263,7 +502,8 @@ def compute_report(
 ) -> StepReport:
     """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied
     (``per_env=False``: the whole population only), ``bound`` SPEC 14's view of ``mismatch``."""
-    population, tally = _population(shipped, np.ones(shipped.n_rollouts, dtype=bool), None, window, max_staleness)
+    everyone = np.ones(len(shipped.frozen), dtype=bool)
+    population, tally = _population(shipped, everyone, None, window, max_staleness)
     metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
         metrics.update(mismatch_metrics(mismatch, bound))

@@ -1,10 +1,7 @@
-"""The W&B keys code writes or reads by name, read from the catalogue (:mod:`.metric_table`) by
-each row's stable identifier at import; a row with a bucket dimension gives a mapping bucket -> key.
-"""
+"""The W&B keys code writes or reads by name, read from the catalogue by each row's identifier (a
+row with a bucket dimension gives a mapping bucket -> key)."""
 
 from __future__ import annotations
-
-from collections.abc import Mapping
 
 from .metric_table import metric_named
 
@@ -13,10 +10,6 @@ def _key(name: str) -> str:
     key = metric_named(name).wandb_key
     assert key is not None, f"the row {name} has no W&B key"
     return key
-
-
-def _by_bucket(name: str) -> Mapping[str, str]:
-    return metric_named(name).keys_by_bucket
 
 
 # SPEC 6: the metrics of a ship
@@ -41,12 +34,12 @@ ROLLOUTS_HELD = _key("rollouts_held")
 TOKEN_HISTOGRAM = _key("token_staleness")
 
 # SPEC 11: what staleness costs
-MISMATCH_TOKENS_BY_LAG = _by_bucket("mismatch_tokens")
-MISMATCH_K3_BY_LAG = _by_bucket("mismatch_k3_by_lag")
-MISMATCH_ABS_LOG_RATIO_BY_LAG = _by_bucket("mismatch_abs_log_ratio_by_lag")
-MISMATCH_OUT_OF_BAND_BY_LAG = _by_bucket("mismatch_out_of_band_by_lag")
-MISMATCH_ESS_BY_LAG = _by_bucket("mismatch_ess_by_lag")
-MISMATCH_EXCESS_K3_BY_LAG = _by_bucket("mismatch_excess_k3_by_lag")
+MISMATCH_TOKENS_BY_LAG = metric_named("mismatch_tokens").keys_by_bucket
+MISMATCH_K3_BY_LAG = metric_named("mismatch_k3_by_lag").keys_by_bucket
+MISMATCH_ABS_LOG_RATIO_BY_LAG = metric_named("mismatch_abs_log_ratio_by_lag").keys_by_bucket
+MISMATCH_OUT_OF_BAND_BY_LAG = metric_named("mismatch_out_of_band_by_lag").keys_by_bucket
+MISMATCH_ESS_BY_LAG = metric_named("mismatch_ess_by_lag").keys_by_bucket
+MISMATCH_EXCESS_K3_BY_LAG = metric_named("mismatch_excess_k3_by_lag").keys_by_bucket
 MISMATCH_K3 = _key("mismatch_k3")
 MISMATCH_EXCESS_K3 = _key("mismatch_excess_k3")
 MISMATCH_COVERAGE = _key("mismatch_coverage")
@@ -56,7 +49,7 @@ MISMATCH_FLOOR = _key("mismatch_floor")
 MISMATCH_FLOOR_SOURCE = _key("mismatch_floor_source")
 MISMATCH_FLOOR_AGE = _key("mismatch_floor_age")
 MISMATCH_BUDGET = _key("mismatch_budget")
-MISMATCH_CURVE_BY_LAG = _by_bucket("mismatch_curve")
+MISMATCH_CURVE_BY_LAG = metric_named("mismatch_curve").keys_by_bucket
 BOUND_SUGGESTED = _key("bound_suggested")
 BOUND_CROSSED = _key("bound_crossed")
 BOUND_EXCESS_AT_BOUND = _key("bound_excess_at_bound")
@@ -64,7 +57,4 @@ BOUND_EXCESS_AT_BOUND = _key("bound_excess_at_bound")
 # SPEC 12: length bias of masking and drops
 LENGTH_SAMPLED_MEAN = _key("length_sampled_mean")
 LENGTH_TRAINED_MEAN = _key("length_trained_mean")
-LENGTH_REMOVED_SHARE_BY_LENGTH = _by_bucket("length_removed_share")
-
-# every constant above, each written once
-__all__ = sorted(name for name in dir() if name.isupper())
+LENGTH_REMOVED_SHARE_BY_LENGTH = metric_named("length_removed_share").keys_by_bucket

@@ -1,10 +1,6 @@
-"""The metric catalogue: the one table of metric definitions (SPEC 6-8, 11, 12, 14), legacy names.
-
-Every W&B key, Prometheus family, OpenTelemetry instrument and legacy name is spelled here and
-nowhere else (tests/metrics/test_catalogue_lint.py holds that); code names a key through
-:mod:`.keys`. Adding a metric: one row under its SPEC section, a constant in :mod:`.keys` when code
-writes it, and ``staleness-metrics dashboards`` to regenerate the generated files.
-"""
+"""The metric catalogue (SPEC 6-8, 11, 12, 14) and the legacy names: every W&B key, Prometheus
+family and OpenTelemetry instrument is spelled here and nowhere else; code names a key through
+:mod:`.keys` (docs/INTERFACES.md: adding a metric)."""
 
 from __future__ import annotations
 
@@ -13,37 +9,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .buckets import BUCKETS, FLOOR_SOURCES, LAG_BUCKETS, LENGTH_BUCKETS
-
-__all__ = [
-    "BATCH_WIDE_COUNTERS",
-    "BOUND_KEY_PREFIX",
-    "BUCKETS",
-    "CURVE_LAG",
-    "ENV_KEY_PREFIX",
-    "FLOOR_SOURCE",
-    "KEY_GLOB",
-    "KEY_PREFIX",
-    "LAG",
-    "LEGACY_KEYS",
-    "LEGACY_NAMESPACE",
-    "LEGACY_PROMETHEUS_NAMES",
-    "LENGTH",
-    "METRICS",
-    "MISMATCH_KEY_PREFIX",
-    "REMOVED_KEYS",
-    "REMOVED_KEY_FAMILIES",
-    "WANDB_KEYS",
-    "Dimension",
-    "LegacyKey",
-    "MetricDef",
-    "MetricKind",
-    "Source",
-    "env_key",
-    "metric_by_key",
-    "metric_by_prometheus_name",
-    "metric_named",
-]
+from .buckets import FLOOR_SOURCES, LAG_BUCKETS, LENGTH_BUCKETS
 
 
 class MetricKind(str, enum.Enum):
@@ -62,26 +28,18 @@ class Source(str, enum.Enum):
     ROLLOUT_HISTOGRAM = "rollout_histogram"  # report.tally.rollout_histogram
     EXPORTER = "exporter"  # kept by the exporter runtime itself (export errors)
     TALLY_BUCKETS = "tally_buckets"  # report.tally.<tally_field>, an array over the row's dimension
-    # SPEC 11 sums: report.mismatch (sink path) or MismatchReport.delta (live path), field
-    # <mismatch_field>: an array over the lag buckets (rows with a dimension) or the uncovered count
+    # SPEC 11 sums, field <mismatch_field> of report.mismatch or (live) MismatchReport.delta
     MISMATCH = "mismatch"
-    # SPEC 14 keys (report.metrics[wandb_key] or MismatchReport.metrics) of the latest ship that
-    # reported the SPEC 11 family: a ship without it leaves them as they were (a live run's
-    # ships carry none themselves).
+    # SPEC 14 keys of the latest ship that reported the SPEC 11 family (the others leave them)
     BOUND = "bound"
 
 
 # ---- the namespace of the W&B keys (SPEC 6) ----
 KEY_PREFIX = "staleness/"
-"""Every current W&B key starts with this."""
-KEY_GLOB = "staleness/*"
-"""The W&B glob of every current key (``define_metric``)."""
-ENV_KEY_PREFIX = "staleness/env/"
-"""Per-env breakdowns repeat the batch's keys under ``staleness/env/<env>/`` (:func:`env_key`)."""
-MISMATCH_KEY_PREFIX = "staleness/mismatch/"
-"""The SPEC 11 keys and SPEC 14's floor, budget and curve."""
-BOUND_KEY_PREFIX = "staleness/bound/"
-"""SPEC 14's advice."""
+KEY_GLOB = "staleness/*"  # for define_metric
+ENV_KEY_PREFIX = "staleness/env/"  # per-env breakdowns (env_key)
+MISMATCH_KEY_PREFIX = "staleness/mismatch/"  # SPEC 11, and SPEC 14's floor, budget and curve
+BOUND_KEY_PREFIX = "staleness/bound/"  # SPEC 14's advice
 
 
 def env_key(env: str, key: str) -> str:
@@ -91,17 +49,13 @@ def env_key(env: str, key: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class Dimension:
-    """A bucket label of a family of series: ``buckets`` as the W&B keys spell them, ``values`` as
-    Prometheus and OpenTelemetry label them (the lags' open top bucket is ``+Inf``), ``placeholder``
-    the bucket in a row's W&B key template."""
+    """A bucket label of a family of series: ``buckets`` as W&B keys spell them, ``values`` as
+    Prometheus and OpenTelemetry label them (``+Inf``), ``placeholder`` in a W&B key template."""
 
     label: str
     buckets: tuple[str, ...]
     values: tuple[str, ...]
     placeholder: str
-
-    def __post_init__(self) -> None:
-        assert len(self.buckets) == len(self.values)
 
 
 LAG = Dimension(label="lag", buckets=LAG_BUCKETS, values=(*LAG_BUCKETS[:-1], "+Inf"), placeholder="{lag}")
@@ -113,11 +67,9 @@ LENGTH = Dimension(label="length", buckets=LENGTH_BUCKETS, values=LENGTH_BUCKETS
 
 @dataclass(frozen=True, kw_only=True)
 class MetricDef:
-    """One metric as every exporter names it (keyword arguments only: a row reads as what it says).
-
-    A name left ``None`` is one that exporter does not publish (quantiles, for instance, come from
-    the histogram in PromQL); ``labels`` are the Prometheus labels / OTel attributes.
-    """
+    """One metric as every exporter names it (keyword arguments only: a row reads as what it says);
+    a name left ``None`` is one that exporter does not publish (quantiles come from the histogram in
+    PromQL); ``labels`` are the Prometheus labels / OTel attributes."""
 
     name: str  # stable identifier used in code and docs
     wandb_key: str | None = None
@@ -163,26 +115,37 @@ _LENGTH_LABELS = ("run", "env", "length")
 
 
 def _family(**shared: Any) -> Callable[..., MetricDef]:
-    """Rows that share ``shared`` (a row may still set any of them)."""
+    """Rows that share ``shared`` (a row may still set any of them); a tally row reads the Tally
+    field of its name."""
 
     def row(**fields: Any) -> MetricDef:
-        return MetricDef(**{**shared, **fields})
+        tally = {"tally_field": fields["name"]} if shared.get("source") is Source.TALLY else {}
+        return MetricDef(**{**shared, **tally, **fields})
 
     return row
 
 
-_tally_counter = _family(kind=MetricKind.COUNTER, source=Source.TALLY, integer=True)
+_COUNTER: dict[str, Any] = {"kind": MetricKind.COUNTER, "source": Source.TALLY, "integer": True}
+_tally_counter = _family(**_COUNTER)
+_token_counter = _family(**_COUNTER, otel_unit=_TOKEN)
+_rollout_counter = _family(**_COUNTER, otel_unit=_ROLLOUT)
+_histogram = _family(kind=MetricKind.HISTOGRAM, otel_unit=_STEP)
 _BY_LAG: dict[str, Any] = {"labels": _LAG_LABELS, "dimension": LAG}
 _lag_gauge = _family(**_BY_LAG)
 _lag_sum = _family(kind=MetricKind.COUNTER, source=Source.MISMATCH, **_BY_LAG)
+_lag_count = _family(kind=MetricKind.COUNTER, source=Source.MISMATCH, integer=True, otel_unit=_TOKEN, **_BY_LAG)
 _bound_gauge = _family(source=Source.BOUND, labels=("run", "env"))
+_steps = _family(otel_unit=_STEP)
+_integer_steps = _family(otel_unit=_STEP, integer=True)
 _staleness_max = _family(otel_unit=_STEP, integer=True, wandb_summary="max")
+_run_k3 = _family(otel_unit=_NAT, labels=("run",), wandb_summary="max")
 _length_counter = _family(
     kind=MetricKind.COUNTER,
     source=Source.TALLY_BUCKETS,
     labels=_LENGTH_LABELS,
     integer=True,
     dimension=LENGTH,
+    otel_unit=_TOKEN,
 )
 
 # The order of the rows is the order of every exporter's output and of the generated files.
@@ -211,12 +174,11 @@ METRICS: tuple[MetricDef, ...] = (
             "moved it), in policy versions."
         ),
     ),
-    MetricDef(
+    _steps(
         name="token_mean",
         wandb_key="staleness/token/mean",
         prometheus_name="rl_staleness_token_mean_steps",
         otel_name="rl.staleness.token.mean",
-        otel_unit=_STEP,
         legacy_keys=("off_policy/token/mean",),
         description="Mean token staleness over the sampled positions of the shipped batch, in policy versions.",
     ),
@@ -235,33 +197,26 @@ METRICS: tuple[MetricDef, ...] = (
         otel_unit="1",
         description="Share of the shipped batch's sampled positions that had no version label.",
     ),
-    MetricDef(
+    _integer_steps(
         name="token_p50",
         wandb_key="staleness/token/p50",
-        otel_unit=_STEP,
-        integer=True,
         description="Median token staleness (nearest rank).",
     ),
-    MetricDef(
+    _integer_steps(
         name="token_p90",
         wandb_key="staleness/token/p90",
-        otel_unit=_STEP,
-        integer=True,
         description="90th percentile token staleness (nearest rank).",
     ),
-    MetricDef(
+    _integer_steps(
         name="token_p99",
         wandb_key="staleness/token/p99",
-        otel_unit=_STEP,
-        integer=True,
         description="99th percentile token staleness (nearest rank).",
     ),
-    MetricDef(
+    _steps(
         name="rollout_mean",
         wandb_key="staleness/rollout/mean",
         prometheus_name="rl_staleness_rollout_mean_steps",
         otel_name="rl.staleness.rollout.mean",
-        otel_unit=_STEP,
         legacy_keys=("off_policy/mean", "staleness/mean"),
         description="Mean rollout staleness R = T - min(version) over shipped live rollouts.",
     ),
@@ -273,12 +228,11 @@ METRICS: tuple[MetricDef, ...] = (
         legacy_keys=("off_policy/max", "staleness/max"),
         description="Largest rollout staleness in the shipped batch (equals the largest token staleness).",
     ),
-    MetricDef(
+    _steps(
         name="rollout_in_flight_mean",
         wandb_key="staleness/rollout/in_flight/mean",
         prometheus_name="rl_staleness_rollout_in_flight_mean_steps",
         otel_name="rl.staleness.rollout.in_flight.mean",
-        otel_unit=_STEP,
         legacy_keys=("off_policy/in_flight/mean", "staleness/in_flight/mean"),
         description="Mean in-flight staleness (versions that passed while the rollout was generated).",
     ),
@@ -290,12 +244,11 @@ METRICS: tuple[MetricDef, ...] = (
         legacy_keys=("off_policy/in_flight/max", "staleness/in_flight/max"),
         description="Largest in-flight staleness in the shipped batch.",
     ),
-    MetricDef(
+    _steps(
         name="rollout_in_queue_mean",
         wandb_key="staleness/rollout/in_queue/mean",
         prometheus_name="rl_staleness_rollout_in_queue_mean_steps",
         otel_name="rl.staleness.rollout.in_queue.mean",
-        otel_unit=_STEP,
         legacy_keys=("off_policy/in_queue/mean", "staleness/in_queue/mean"),
         description="Mean in-queue staleness (versions that passed while the finished rollout waited).",
     ),
@@ -307,12 +260,11 @@ METRICS: tuple[MetricDef, ...] = (
         legacy_keys=("off_policy/in_queue/max", "staleness/in_queue/max"),
         description="Largest in-queue staleness in the shipped batch.",
     ),
-    MetricDef(
+    _steps(
         name="rollout_newest_mean",
         wandb_key="staleness/rollout/newest/mean",
         prometheus_name="rl_staleness_rollout_newest_mean_steps",
         otel_name="rl.staleness.rollout.newest.mean",
-        otel_unit=_STEP,
         description=(
             "Mean newest-token rollout staleness T - max(version) over shipped live rollouts "
             "(verl's trajectory staleness; the rollout mean uses the oldest token)."
@@ -325,13 +277,11 @@ METRICS: tuple[MetricDef, ...] = (
         otel_name="rl.staleness.rollout.newest.max",
         description="Largest newest-token rollout staleness T - max(version) in the shipped batch.",
     ),
-    _tally_counter(
+    _rollout_counter(
         name="rollouts_dropped",
         wandb_key="staleness/rollout/dropped",
         prometheus_name="rl_staleness_rollouts_dropped_total",
         otel_name="rl.staleness.rollouts.dropped",
-        otel_unit=_ROLLOUT,
-        tally_field="rollouts_dropped",
         legacy_keys=("off_policy/dropped", "staleness/dropped"),
         description="Live rollouts dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
@@ -341,7 +291,6 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_samples_dropped_total",
         otel_name="rl.staleness.samples.dropped",
         otel_unit=_SAMPLE,
-        tally_field="samples_dropped",
         description="Samples dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
     MetricDef(
@@ -356,101 +305,79 @@ METRICS: tuple[MetricDef, ...] = (
         description="Rollouts held back at the last ship (xtuner policy with retry_expired).",
     ),
     # ---- SPEC 8: the histograms and counters behind SPEC 6 (Prometheus / OpenTelemetry; sums that merge) ----
-    MetricDef(
+    _histogram(
         name="token_staleness",
         wandb_key="staleness/token/histogram",
         prometheus_name="rl_staleness_token_steps",
         otel_name="rl.staleness.token.steps",
-        otel_unit=_STEP,
-        kind=MetricKind.HISTOGRAM,
         source=Source.TOKEN_HISTOGRAM,
         description="Token staleness of shipped sampled positions, in policy versions (integer buckets).",
     ),
-    MetricDef(
+    _histogram(
         name="rollout_staleness",
         prometheus_name="rl_staleness_rollout_steps",
         otel_name="rl.staleness.rollout.steps",
-        otel_unit=_STEP,
-        kind=MetricKind.HISTOGRAM,
         source=Source.ROLLOUT_HISTOGRAM,
         description="Rollout staleness of shipped live rollouts, in policy versions (integer buckets).",
     ),
-    _tally_counter(
+    _token_counter(
         name="tokens_sampled",
         prometheus_name="rl_staleness_tokens_sampled_total",
         otel_name="rl.staleness.tokens.sampled",
-        otel_unit=_TOKEN,
-        tally_field="tokens_sampled",
         description="Sampled positions of shipped live samples, masked ones included.",
     ),
-    _tally_counter(
+    _token_counter(
         name="tokens_masked",
         prometheus_name="rl_staleness_tokens_masked_total",
         otel_name="rl.staleness.tokens.masked",
-        otel_unit=_TOKEN,
-        tally_field="tokens_masked",
         description="Shipped sampled positions masked for staleness.",
     ),
-    _tally_counter(
+    _token_counter(
         name="tokens_dropped",
         prometheus_name="rl_staleness_tokens_dropped_total",
         otel_name="rl.staleness.tokens.dropped",
-        otel_unit=_TOKEN,
-        tally_field="tokens_dropped",
         description="Sampled positions of samples dropped for staleness.",
     ),
-    _tally_counter(
+    _token_counter(
         name="tokens_unlabelled",
         prometheus_name="rl_staleness_tokens_unlabelled_total",
         otel_name="rl.staleness.tokens.unlabelled",
-        otel_unit=_TOKEN,
-        tally_field="tokens_unlabelled",
         description="Shipped sampled positions without a version label (they take the dispatch version).",
     ),
-    _tally_counter(
+    _rollout_counter(
         name="rollouts_shipped",
         prometheus_name="rl_staleness_rollouts_shipped_total",
         otel_name="rl.staleness.rollouts.shipped",
-        otel_unit=_ROLLOUT,
-        tally_field="rollouts_shipped",
         description="Live rollouts shipped to the trainer.",
     ),
-    _tally_counter(
+    _rollout_counter(
         name="rollouts_frozen",
         prometheus_name="rl_staleness_rollouts_frozen_total",
         otel_name="rl.staleness.rollouts.frozen",
-        otel_unit=_ROLLOUT,
-        tally_field="rollouts_frozen",
         description="Frozen-model rollouts shipped (never masked, left out of staleness statistics).",
     ),
-    _tally_counter(
+    _rollout_counter(
         name="rollouts_invalid",
         prometheus_name="rl_staleness_rollouts_invalid_total",
         otel_name="rl.staleness.rollouts.invalid",
-        otel_unit=_ROLLOUT,
-        tally_field="rollouts_invalid",
         description="Rollouts set aside as invalid (lenient mode).",
     ),
     # ---- SPEC 11: what staleness costs. Counters are the mergeable sums; every ratio is derived from them ----
     # (PromQL over rates, the core for W&B), so the W&B-only rows below have no Prometheus / OTel name.
-    _lag_sum(
+    _lag_count(
         name="mismatch_tokens",
         wandb_key="staleness/mismatch/lag_{lag}/tokens",
         prometheus_name="rl_staleness_mismatch_tokens_total",
         otel_name="rl.staleness.mismatch.tokens",
-        otel_unit=_TOKEN,
-        integer=True,
         mismatch_field="tokens",
         description=(
             "Covered sampled positions (trainer and sampler log-probabilities both known), per token lag bucket."
         ),
     ),
-    _lag_sum(
+    _lag_count(
         name="mismatch_masked",
         prometheus_name="rl_staleness_mismatch_masked_tokens_total",
         otel_name="rl.staleness.mismatch.masked_tokens",
-        otel_unit=_TOKEN,
-        integer=True,
         mismatch_field="masked",
         description="Covered sampled positions masked by the staleness policy, per token lag bucket.",
     ),
@@ -489,26 +416,21 @@ METRICS: tuple[MetricDef, ...] = (
         mismatch_field="sum_ratio_sq",
         description="Sum of the squared importance ratios r^2, per token lag bucket.",
     ),
-    _lag_sum(
+    _lag_count(
         name="mismatch_out_of_band",
         prometheus_name="rl_staleness_mismatch_out_of_band_tokens_total",
         otel_name="rl.staleness.mismatch.out_of_band_tokens",
-        otel_unit=_TOKEN,
-        integer=True,
         mismatch_field="out_of_band",
         description=(
             "Covered sampled positions whose importance ratio lies outside the mismatch band, per token lag bucket."
         ),
     ),
-    MetricDef(
+    _lag_count(
         name="mismatch_uncovered",
         prometheus_name="rl_staleness_mismatch_uncovered_tokens_total",
         otel_name="rl.staleness.mismatch.uncovered_tokens",
-        otel_unit=_TOKEN,
-        kind=MetricKind.COUNTER,
-        source=Source.MISMATCH,
         labels=("run", "env"),
-        integer=True,
+        dimension=None,
         mismatch_field="uncovered",
         description="Sampled positions lacking a trainer or sampler log-probability (left out of the mismatch sums).",
     ),
@@ -547,20 +469,14 @@ METRICS: tuple[MetricDef, ...] = (
             "from an earlier ship, or the smallest lag's): what staleness costs at that lag."
         ),
     ),
-    MetricDef(
+    _run_k3(
         name="mismatch_k3",
         wandb_key="staleness/mismatch/k3",
-        otel_unit=_NAT,
-        labels=("run",),
-        wandb_summary="max",
         description="Mean k3 mismatch over every covered position.",
     ),
-    MetricDef(
+    _run_k3(
         name="mismatch_excess_k3",
         wandb_key="staleness/mismatch/excess_k3",
-        otel_unit=_NAT,
-        labels=("run",),
-        wandb_summary="max",
         description="Mean k3 of the positions at lag 1 or more minus the floor (SPEC 14).",
     ),
     MetricDef(
@@ -662,14 +578,12 @@ METRICS: tuple[MetricDef, ...] = (
         prometheus_name="rl_staleness_length_samples_total",
         otel_name="rl.staleness.length.samples",
         otel_unit=_SAMPLE,
-        tally_field="length_samples",
         description="Samples behind the length-bias counters: shipped live samples plus samples dropped for staleness.",
     ),
     _length_counter(
         name="length_sampled_tokens",
         prometheus_name="rl_staleness_length_sampled_tokens_total",
         otel_name="rl.staleness.length.sampled_tokens",
-        otel_unit=_TOKEN,
         tally_field="length_sampled",
         description="Sampled positions of shipped and dropped live samples, by the sample's sampled length bucket.",
     ),
@@ -677,7 +591,6 @@ METRICS: tuple[MetricDef, ...] = (
         name="length_removed_tokens",
         prometheus_name="rl_staleness_length_removed_tokens_total",
         otel_name="rl.staleness.length.removed_tokens",
-        otel_unit=_TOKEN,
         tally_field="length_removed",
         description=(
             "Sampled positions of shipped and dropped live samples that were masked or dropped for "
@@ -729,23 +642,10 @@ class LegacyKey:
     reason: str = ""
 
 
-LEGACY_NAMESPACE = "off_policy/"
-"""The old W&B namespace: a key under it that is not in the table is a legacy key without a known mapping."""
+LEGACY_NAMESPACE = "off_policy/"  # a key under it that is not in the table: legacy, without a mapping
 
 _EQUALS_ROLLOUT_MAX = "equals staleness/rollout/max (rollout staleness includes masked positions)"
 _DISPATCHER = "live dispatcher gauge with no replacement"
-
-REMOVED_KEYS: tuple[LegacyKey, ...] = (
-    LegacyKey(old="off_policy/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
-    LegacyKey(old="staleness/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
-    LegacyKey(old="dispatcher/off_policy/mean", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/off_policy/max", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/off_policy_level/mean", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/off_policy_level/max", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/staleness/mean", new=None, reason=_DISPATCHER),
-    LegacyKey(old="dispatcher/staleness/max", new=None, reason=_DISPATCHER),
-)
-"""Legacy W&B keys with no replacement, and why (the renamed ones are the rows' ``legacy_keys``)."""
 
 REMOVED_KEY_FAMILIES: Mapping[str, str] = {
     "dispatcher/off_policy/": _DISPATCHER,
@@ -753,6 +653,17 @@ REMOVED_KEY_FAMILIES: Mapping[str, str] = {
     "dispatcher/staleness/": _DISPATCHER,
 }
 """Key prefixes whose keys are all removed (``dispatcher/off_policy/*``: no replacement), and why."""
+
+REMOVED_KEYS: tuple[LegacyKey, ...] = (
+    LegacyKey(old="off_policy/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
+    LegacyKey(old="staleness/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),
+    *(
+        LegacyKey(old=family + stat, new=None, reason=_DISPATCHER)
+        for family in REMOVED_KEY_FAMILIES
+        for stat in ("mean", "max")
+    ),
+)
+"""Legacy W&B keys with no replacement, and why (the renamed ones are the rows' ``legacy_keys``)."""
 
 LEGACY_PROMETHEUS_NAMES: Mapping[str, str] = {
     # old Prometheus name -> the legacy W&B key it published
@@ -790,45 +701,34 @@ LEGACY_PROMETHEUS_NAMES: Mapping[str, str] = {
 """Legacy Prometheus names (bare, without a namespace prefix) -> the legacy W&B key each one published."""
 
 
-def _legacy_table() -> dict[str, LegacyKey]:
-    table: dict[str, LegacyKey] = {}
-    for metric in METRICS:
-        for old in metric.legacy_keys:
-            assert metric.wandb_key is not None
-            table[old] = LegacyKey(old, metric.wandb_key)
-    table.update({removed.old: removed for removed in REMOVED_KEYS})
-    return table
-
-
-LEGACY_KEYS: dict[str, LegacyKey] = _legacy_table()
+LEGACY_KEYS: dict[str, LegacyKey] = {
+    **{old: LegacyKey(old, metric.wandb_key) for metric in METRICS for old in metric.legacy_keys},
+    **{removed.old: removed for removed in REMOVED_KEYS},
+}
 """Every legacy W&B key: what it is now (a row's key) or why it was removed."""
 
 # ---- lookups ----
-# Every W&B key spelled out, templated rows expanded once here (never derived from another name later).
+# Every W&B key spelled out, templated rows expanded once here.
 WANDB_KEYS: dict[str, MetricDef] = {key: m for m in METRICS for key in m.wandb_keys}
-_BY_KEY = WANDB_KEYS
 _BY_PROM = {m.prometheus_name: m for m in METRICS if m.prometheus_name is not None}
 _BY_NAME = {m.name: m for m in METRICS}
 
 
+# the row of a stable identifier, a W&B key, a Prometheus family name (KeyError for none)
 def metric_named(name: str) -> MetricDef:
-    """The row of a stable identifier (``"token_mean"``; ``KeyError`` when the table has none)."""
     return _BY_NAME[name]
 
 
 def metric_by_key(key: str) -> MetricDef:
-    """The row of a W&B key (``KeyError`` when the table has none)."""
-    return _BY_KEY[key]
+    return WANDB_KEYS[key]
 
 
 def metric_by_prometheus_name(name: str) -> MetricDef:
-    """The row of a Prometheus family name (``KeyError`` when the table has none)."""
     return _BY_PROM[name]
 
 
-# Counters with a batch-wide series (env="") beside the per-env ones, as the exporters write
-# them: SPEC 12's length counters and SPEC 11's mismatch family (per env when the trainer's
-# sums are given per env).
+# Counters with a batch-wide series (env="") beside the per-env ones: SPEC 12's length counters
+# and SPEC 11's mismatch family (per env when the trainer's sums are given per env).
 BATCH_WIDE_COUNTERS = frozenset(
     {"length_samples", "length_sampled_tokens", "length_removed_tokens"}
     | {row.name for row in METRICS if row.source is Source.MISMATCH}

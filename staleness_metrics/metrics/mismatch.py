@@ -1,34 +1,25 @@
-"""What staleness costs (SPEC 11): trainer-vs-sampler mismatch split by token lag.
-
-Per position ``d = trainer_logprob - sampler_logprob`` (clamped to ±20) and ``r = exp(d)``; the per
-lag bucket sums add across micro-batches, ranks and processes, so every ratio is derived from merged
-sums, never averaged. The sink (records with ``trainer_logprobs``) and the live path share them.
-"""
+"""What staleness costs (SPEC 11): trainer-vs-sampler mismatch sums split by token lag, and their
+compiled pass. The sums add across micro-batches, ranks and processes; every ratio is derived from
+merged sums, never averaged."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from ..compiled import CompiledLoop
 from ..errors import FieldError
+from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
 from . import keys
 from .buckets import LAG_BUCKETS, LAG_UPPER_BOUNDS, N_BUCKETS
-from .mismatch_kernel import mismatch_runs
-
-__all__ = [
-    "DEFAULT_BAND",
-    "LAG_BUCKETS",
-    "LAG_UPPER_BOUNDS",
-    "LOG_RATIO_CLAMP",
-    "MismatchSums",
-    "mismatch_sums",
-]
 
 IntArray = npt.NDArray[np.int64]
 FloatArray = npt.NDArray[np.float64]
@@ -42,21 +33,11 @@ COUNT_FIELDS = ("tokens", "masked", "out_of_band")
 SUM_FIELDS = ("sum_log_ratio", "sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
 
 
-def _zeros_int() -> IntArray:
-    return np.zeros(N_BUCKETS, dtype=np.int64)
-
-
-def _zeros_float() -> FloatArray:
-    return np.zeros(N_BUCKETS, dtype=np.float64)
-
-
 @dataclass(frozen=True, eq=False)
 class MismatchSums:
-    """Per-lag-bucket sums of SPEC 11 (arrays of length ``len(LAG_BUCKETS)``) plus ``uncovered``.
-
-    ``tokens`` counts covered positions, ``masked`` those of them the policy masked, ``out_of_band``
-    those whose ratio lies outside the band; ``uncovered`` counts sampled positions lacking a value.
-    """
+    """SPEC 11's sums per lag bucket (arrays over ``LAG_BUCKETS``): ``tokens`` counts covered
+    positions, ``masked`` those the policy masked, ``out_of_band`` those whose ratio is outside
+    the band; ``uncovered`` counts sampled positions lacking a log-probability."""
 
     tokens: IntArray
     masked: IntArray
@@ -70,12 +51,9 @@ class MismatchSums:
 
     @classmethod
     def zero(cls) -> MismatchSums:
-        return cls._of({f: _zeros_int() for f in COUNT_FIELDS}, {f: _zeros_float() for f in SUM_FIELDS}, 0)
-
-    @classmethod
-    def _of(cls, counts: dict[str, Any], sums: dict[str, Any], uncovered: int) -> MismatchSums:
-        """From the count arrays and the float sum arrays, by field name."""
-        return cls(**counts, **sums, uncovered=uncovered)
+        counts: dict[str, Any] = {f: np.zeros(N_BUCKETS, dtype=np.int64) for f in COUNT_FIELDS}
+        floats: dict[str, Any] = {f: np.zeros(N_BUCKETS, dtype=np.float64) for f in SUM_FIELDS}
+        return cls(**counts, **floats)
 
     @property
     def covered(self) -> int:
@@ -89,11 +67,8 @@ class MismatchSums:
     def __add__(self, other: MismatchSums) -> MismatchSums:
         if not isinstance(other, MismatchSums):
             return NotImplemented
-        return MismatchSums._of(
-            {f: getattr(self, f) + getattr(other, f) for f in COUNT_FIELDS},
-            {f: getattr(self, f) + getattr(other, f) for f in SUM_FIELDS},
-            self.uncovered + other.uncovered,
-        )
+        fields = {f: getattr(self, f) + getattr(other, f) for f in (*COUNT_FIELDS, *SUM_FIELDS)}
+        return MismatchSums(**fields, uncovered=self.uncovered + other.uncovered)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MismatchSums):
@@ -105,8 +80,7 @@ class MismatchSums:
     __hash__ = None  # type: ignore[assignment]
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form:
-        ``{"format": 1, "uncovered": n, "lags": {"0": {...}, ..., "inf": {...}}}``."""
+        """``{"format": 1, "uncovered": n, "lags": {"0": {...}, ..., "inf": {...}}}``."""
         lags = {
             name: {
                 **{f: int(getattr(self, f)[i]) for f in COUNT_FIELDS},
@@ -118,8 +92,7 @@ class MismatchSums:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> MismatchSums:
-        """Inverse of :meth:`to_dict`; raises :class:`~staleness_metrics.errors.FieldError` (a
-        ``ValueError``) naming the field at fault."""
+        """Inverse of :meth:`to_dict`; a ``FieldError`` names the field at fault."""
         if not isinstance(data, Mapping):
             raise FieldError(None, f"mismatch sums: expected an object, got {type(data).__name__}")
         if data.get("format", DICT_FORMAT) != DICT_FORMAT:
@@ -143,21 +116,18 @@ class MismatchSums:
                 columns[f].append(_count(f"lags.{name}.{f}", bucket.get(f)))
             for f in SUM_FIELDS:
                 columns[f].append(_finite(f"lags.{name}.{f}", bucket.get(f)))
-            for f in ("masked", "out_of_band"):
+            for f in COUNT_FIELDS[1:]:
                 if columns[f][-1] > columns["tokens"][-1]:
                     raise FieldError(
                         f"lags.{name}.{f}",
                         f"{columns[f][-1]} exceeds tokens {columns['tokens'][-1]}",
                     )
-            nonnegative = ("sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq")
-            for f in nonnegative:
+            for f in SUM_FIELDS[1:]:  # all but the log-ratio's are >= 0
                 if columns[f][-1] < 0:
                     raise FieldError(f"lags.{name}.{f}", f"must be >= 0, got {columns[f][-1]!r}")
-        return cls._of(
-            {f: np.asarray(columns[f], dtype=np.int64) for f in COUNT_FIELDS},
-            {f: np.asarray(columns[f], dtype=np.float64) for f in SUM_FIELDS},
-            uncovered,
-        )
+        counts: dict[str, Any] = {f: np.asarray(columns[f], dtype=np.int64) for f in COUNT_FIELDS}
+        floats: dict[str, Any] = {f: np.asarray(columns[f], dtype=np.float64) for f in SUM_FIELDS}
+        return cls(**counts, **floats, uncovered=uncovered)
 
     def metrics(self, floor: float | None = None) -> dict[str, float | int]:
         """The SPEC 11 keys (none when nothing is covered, none of a bucket without tokens); the
@@ -207,7 +177,6 @@ def _finite(name: str, value: object) -> float:
 
 
 def _flat(name: str, values: npt.ArrayLike, kinds: str) -> npt.NDArray[Any]:
-    """``values`` as a flat array whose dtype kind is one of ``kinds``."""
     array = np.asarray(values).reshape(-1)
     if array.size and array.dtype.kind not in kinds:
         raise FieldError(name, f"expected {'integers' if kinds == 'iu' else 'numbers'}, got dtype {array.dtype}")
@@ -222,17 +191,13 @@ def mismatch_sums(
     *,
     band: tuple[float, float] = DEFAULT_BAND,
 ) -> MismatchSums:
-    """Sums of SPEC 11 over positions, in one pass over the arrays.
+    """SPEC 11's sums over positions, in one pass: ``lags`` per position (``Shipment.lags``;
+    negative: skipped), the log-probabilities aligned with it (arrays or torch tensors of any float
+    dtype, ``[B, L]`` read flat; uncovered where either is not finite), ``masked`` the positions the
+    policy masked. Tensors on an accelerator are summed there, in float64.
 
-    ``lags`` is a shipment's per-position lag (``Shipment.lags``; negative: skipped); the
-    log-probabilities are aligned with it (arrays or torch tensors, any float dtype, ``[B, L]``
-    read flat), a position where either is not finite uncovered. ``masked`` flags the positions the
-    policy masked: counted in the sums and apart in ``masked``. Tensors on a GPU are summed there in
-    float64 (only the per-bucket sums come back); CPU tensors as numpy arrays.
-
-    Raises :class:`~staleness_metrics.errors.FieldError` (a ``ValueError``) naming the argument at
-    fault: lengths that differ, a dtype of the wrong kind, a bad ``band``.
-    """
+    Raises :class:`~staleness_metrics.errors.FieldError` naming the argument at fault (a length, a
+    dtype, the ``band``)."""
     lo, hi = band
     if not (0 < lo <= hi and math.isfinite(hi)):
         raise FieldError("band", f"expected 0 < lo <= hi, got {band!r}")
@@ -251,7 +216,7 @@ def mismatch_sums(
 
 
 def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
-    """:func:`mismatch_sums` of host arrays, the band already checked: the compiled pass."""
+    """:func:`mismatch_sums` of host arrays, the band already checked."""
     lag = _flat("lags", arrays["lags"], "iu")
     sampler = _flat("sampler_logprobs", arrays["sampler_logprobs"], "fiu")
     trainer = _flat("trainer_logprobs", arrays["trainer_logprobs"], "fiu")
@@ -285,18 +250,281 @@ def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
 
 def _of_pass(counts: IntArray, sums: FloatArray, uncovered: int) -> MismatchSums:
     """The sums from a pass's ``[3, buckets]`` counts and ``[5, buckets]`` float sums."""
-    # each term is >= 0; rounding of tiny ones must not make the sum negative
-    k3 = np.maximum(sums[2], 0.0)
-    return MismatchSums._of(
-        dict(zip(COUNT_FIELDS, counts)),
-        {"sum_log_ratio": sums[0], "sum_abs_log_ratio": sums[1], "sum_k3": k3, "sum_ratio": sums[3],
-         "sum_ratio_sq": sums[4]},
-        uncovered,
-    )  # fmt: skip
+    floats = dict(zip(SUM_FIELDS, sums))
+    # each k3 term is >= 0; rounding of tiny ones must not make the sum negative
+    floats["sum_k3"] = np.maximum(sums[2], 0.0)
+    return MismatchSums(**dict(zip(COUNT_FIELDS, counts)), **floats, uncovered=uncovered)
 
 
 def _float_for_kernel(values: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """float32 and float64 as they are (contiguous); any other dtype as float64."""
     if values.dtype in (np.float32, np.float64):
         return np.ascontiguousarray(values)
     return np.ascontiguousarray(values, dtype=np.float64)
+
+
+_NO_FLAGS = np.zeros(0, dtype=np.uint8)
+
+
+# exp(x) for |x| <= 20 as fdlibm's e_exp.c computes it (within 1 ulp of the C library's): x = k ln2
+# + r, |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), a rational approximation of exp(r),
+# then 2^k. Written in the loop, it is vectorised; the C library's exp is a call per position.
+_LN2_HI, _LN2_LO, _INV_LN2 = (
+    6.93147180369123816490e-01,
+    1.90821492927058770002e-10,
+    1.44269504088896338700e00,
+)
+_EXP_P1, _EXP_P2, _EXP_P3 = (
+    1.66666666666666019037e-01,
+    -2.77777777770155933842e-03,
+    6.61375632143793436117e-05,
+)
+_EXP_P4, _EXP_P5 = -1.65339022054652515390e-06, 4.13813679705723846039e-08
+# added to an integer-valued float below 2^51, leaves it in the low mantissa bits
+_SHIFTER = 1.5 * 2.0**52
+# A log-ratio this close to the log of a band edge is compared again with the C library's exp;
+# farther, its side of the edge is the side of exp(d) (log's and exp's rounding are far below it)
+_NEAR = 2.0**-39
+
+
+def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
+    """``exp(d)`` for ``|d| <= 700`` and the k3 term ``r - 1 - d`` (the polynomial in Estrin's
+    order: a shorter chain of dependencies)."""
+    k = np.rint(d * _INV_LN2)
+    high = d - k * _LN2_HI
+    low = k * _LN2_LO
+    x = high - low
+    xx = x * x
+    x4 = xx * xx
+    c = x - xx * ((_EXP_P1 + xx * _EXP_P2) + x4 * ((_EXP_P3 + xx * _EXP_P4) + x4 * _EXP_P5))
+    y = 1.0 - ((low - (x * c) / (2.0 - c)) - high)
+    # 2^k from k's bits in the mantissa of k + 1.5 * 2^52 (no float-to-integer conversion: any d
+    # gives a value, which a loop may compute for positions it then discards)
+    scale = np.int64((np.float64(k + _SHIFTER).view(np.int64) + 1023) << 52).view(np.float64)
+    r = y * scale  # exact
+    return r, r - 1.0 - d
+
+
+_ratio_compiled: Any = None  # _ratio, compiled when _mismatch_runs is
+
+# The band in log space (log_lo, log_hi, then the margins of each edge: near_lo, near_lo_top,
+# near_hi, near_hi_top): d outside [log_lo, log_hi] is out of band, except d within _NEAR of an
+# edge, where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r:
+# they do not wait for the exp.
+Band = tuple[float, float, float, float, float, float]
+Sums = tuple[float, float, float, float, float]  # d, |d|, r - 1 - d, r, r^2
+
+
+def _run_end(lag: IntArray, p: int) -> int:  # pragma: no cover - compiled
+    """The end of the run of equal lag that starts at ``p`` (64 positions compared at once)."""
+    n = len(lag)
+    run_lag = lag[p]
+    q = p + 1
+    while q < n:
+        top = min(q + 64, n)
+        ahead = lag[q:top]
+        differ = 0
+        for i in range(top - q):
+            differ += ahead[i] != run_lag
+        if differ == 0:
+            q = top
+            continue
+        i = 0
+        while ahead[i] == run_lag:
+            i += 1
+        return q + i
+    return q
+
+
+def _usual_sums(
+    s: npt.NDArray[Any], t: npt.NDArray[Any], clamp: float, band: Band
+) -> tuple[Sums, int, int, int]:  # pragma: no cover - compiled
+    """A run's sums, unusual positions (to clamp or not finite), positions out of band and near a
+    band edge: one vector pass with no per-position branch."""
+    log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
+    sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+    unusual = 0
+    n_out = 0
+    near = 0
+    for i in range(len(s)):
+        d = np.float64(t[i]) - np.float64(s[i])
+        unusual += not (abs(d) <= clamp)  # NaN, infinite or to be clamped: the run computed again
+        r, k3 = _ratio_compiled(d)
+        sum_d += d
+        sum_abs += abs(d)
+        sum_k3 += k3
+        sum_r += r
+        sum_r2 += r * r
+        n_out += (d < log_lo) | (d > log_hi)
+        near += ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top))
+    return (sum_d, sum_abs, sum_k3, sum_r, sum_r2), unusual, n_out, near
+
+
+def _clamped_sums(
+    s: npt.NDArray[Any],
+    t: npt.NDArray[Any],
+    flags: tuple[npt.NDArray[np.uint8], int, bool],
+    clamp: float,
+    band: Band,
+) -> tuple[Sums, int, int, int, int]:  # pragma: no cover - compiled
+    """A run's sums position by position (non-finite differences uncovered, the others clamped), and
+    its covered, masked (``flags``: flags, run start, any), out-of-band and near-edge positions."""
+    # (flags read at p + i as in the loop this was cut from: LLVM then adds the sums in that order)
+    f, p, has_flags = flags
+    log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
+    sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
+    tokens = 0
+    n_masked = 0
+    n_out = 0
+    near = 0
+    for i in range(len(s)):
+        d = np.float64(t[i]) - np.float64(s[i])
+        finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error
+        d = min(max(d, -clamp), clamp) if finite else 0.0
+        r, k3 = _ratio_compiled(d)
+        r = r if finite else 0.0
+        sum_d += d
+        sum_abs += abs(d)
+        sum_k3 += k3 if finite else 0.0
+        sum_r += r
+        sum_r2 += r * r
+        tokens += finite
+        if has_flags:
+            n_masked += finite & (f[p + i] != 0)
+        n_out += finite & ((d < log_lo) | (d > log_hi))
+        near += finite & (((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)))
+    return (sum_d, sum_abs, sum_k3, sum_r, sum_r2), tokens, n_masked, n_out, near
+
+
+def _out_of_band(
+    s: npt.NDArray[Any],
+    t: npt.NDArray[Any],
+    clamp: float,
+    band: Band,
+    band_lo: float,
+    band_hi: float,
+) -> int:  # pragma: no cover - compiled
+    """A run's positions out of band, those near a band edge compared with the C library's exp."""
+    log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
+    n_out = 0
+    for i in range(len(s)):
+        d = np.float64(t[i]) - np.float64(s[i])
+        if abs(d) < np.inf:
+            d = min(max(d, -clamp), clamp)
+            if ((d > near_lo) & (d < near_lo_top)) | ((d > near_hi) & (d < near_hi_top)):
+                r = math.exp(d)
+                n_out += (r < band_lo) | (r > band_hi)
+            else:
+                n_out += (d < log_lo) | (d > log_hi)
+    return n_out
+
+
+_OPTIONS: dict[str, Any] = {"error_model": "numpy", "fastmath": {"reassoc"}}
+
+
+@CompiledLoop(
+    **_OPTIONS,
+    callees={
+        "_ratio_compiled": (_ratio, {"error_model": "numpy"}),
+        "_run_end": (_run_end, {}),
+        "_usual_sums": (_usual_sums, _OPTIONS),
+        "_clamped_sums": (_clamped_sums, _OPTIONS),
+        "_out_of_band": (_out_of_band, _OPTIONS),
+    },
+)
+def _mismatch_runs(
+    lag: IntArray,
+    sampler: npt.NDArray[Any],
+    trainer: npt.NDArray[Any],
+    flags: npt.NDArray[np.uint8],
+    has_flags: bool,
+    bounds: IntArray,
+    band_lo: float,
+    band_hi: float,
+    clamp: float,
+) -> tuple[IntArray, npt.NDArray[np.float64], int]:  # pragma: no cover - compiled
+    # The sums are the callees', compiled with reassociation: they go in vector lanes (float64
+    # rounding apart from a sequential pass); exp and the k3 term are _ratio's, compiled without it.
+    n = len(lag)
+    if len(sampler) != n or len(trainer) != n or (has_flags and len(flags) != n):
+        raise ValueError("mismatch_runs: the arrays differ in length")
+    n_buckets = len(bounds) + 1
+    counts = np.zeros((3, n_buckets), dtype=np.int64)  # tokens, masked, out_of_band
+    sums = np.zeros((5, n_buckets), dtype=np.float64)  # d, |d|, r - 1 - d, r, r^2
+    uncovered = 0
+    log_lo = math.log(band_lo) if band_lo > 0 else -np.inf
+    log_hi = math.log(band_hi) if band_hi > 0 else -np.inf
+    band = (log_lo, log_hi, log_lo - _NEAR, log_lo + _NEAR, log_hi - _NEAR, log_hi + _NEAR)
+    last_lag = -1
+    bucket = 0
+    p = 0
+    while p < n:  # one run of equal lag at a time: its bucket is found once
+        q = _run_end(lag, p)
+        run_lag = lag[p]
+        if run_lag < 0:  # not a sampled position of a live rollout: outside the population
+            p = q
+            continue
+        if run_lag != last_lag:  # numpy's searchsorted(bounds, lag, "left")
+            bucket = 0
+            while bucket < n_buckets - 1 and bounds[bucket] < run_lag:
+                bucket += 1
+            last_lag = run_lag
+        s = sampler[p:q]  # slices: in bounds, no negative-index fix-up per position
+        t = trainer[p:q]
+        run, unusual, n_out, near = _usual_sums(s, t, clamp, band)
+        tokens = q - p
+        n_masked = 0
+        if unusual == 0:
+            if has_flags:
+                f = flags[p:q]
+                for i in range(q - p):
+                    n_masked += f[i] != 0
+        else:  # position by position: non-finite differences are uncovered, the others clamped
+            here = (flags, p, has_flags)
+            run, tokens, n_masked, n_out, near = _clamped_sums(s, t, here, clamp, band)
+        if near:  # a ratio on a band edge: which side it falls is the C library exp's answer
+            n_out = _out_of_band(s, t, clamp, band, band_lo, band_hi)
+        counts[0, bucket] += tokens
+        counts[1, bucket] += n_masked
+        counts[2, bucket] += n_out
+        for j in range(5):
+            sums[j, bucket] += run[j]
+        uncovered += (q - p) - tokens
+        p = q
+    return counts, sums, uncovered
+
+
+def mismatch_runs(
+    lag: IntArray,
+    sampler: npt.NDArray[Any],
+    trainer: npt.NDArray[Any],
+    flags: npt.NDArray[np.bool_] | npt.NDArray[np.uint8] | None,
+    band_lo: float,
+    band_hi: float,
+    bounds: IntArray,
+    clamp: float,
+) -> tuple[IntArray, npt.NDArray[np.float64], int]:
+    """The compiled pass: per bucket of ``searchsorted(bounds, lag, "left")`` the counts (tokens,
+    masked, out of band) and float sums (d, |d|, r - 1 - d, r, r²), and the uncovered positions;
+    ``d`` clamped to ``±clamp`` (at most 700). Large inputs are summed in parallel shares."""
+    if not 0 <= clamp <= 700:
+        raise ValueError(f"mismatch_runs: clamp {clamp} outside 0..700")
+    flag_bytes = _NO_FLAGS if flags is None else flags.view(np.uint8)
+    has_flags = flags is not None
+    n = len(lag)
+    if n < PARALLEL_MIN_POSITIONS:
+        one: tuple[IntArray, npt.NDArray[np.float64], int] = _mismatch_runs(
+            lag, sampler, trainer, flag_bytes, has_flags, bounds, band_lo, band_hi, clamp
+        )
+        return one
+    if len(sampler) != n or len(trainer) != n or (has_flags and len(flag_bytes) != n):
+        raise ValueError("mismatch_runs: the arrays differ in length")
+    edges = np.linspace(0, n, num=SHARES + 1, dtype=np.int64).tolist()
+    tasks = [
+        partial(_mismatch_runs, lag[a:b], sampler[a:b], trainer[a:b], flag_bytes[a:b] if has_flags else flag_bytes,
+                has_flags, bounds, band_lo, band_hi, clamp)
+        for a, b in itertools.pairwise(edges)
+    ]  # fmt: skip
+    parts: list[tuple[IntArray, npt.NDArray[np.float64], int]] = run_all(tasks, n)
+    counts = np.sum([p[0] for p in parts], axis=0)
+    sums = np.sum([p[1] for p in parts], axis=0)
+    return counts, sums, sum(p[2] for p in parts)

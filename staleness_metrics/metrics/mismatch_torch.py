@@ -1,10 +1,5 @@
-"""SPEC 11's sums of torch tensors, on the tensors' own device (for
-:func:`~staleness_metrics.metrics.mismatch.mismatch_sums`, given a ``torch.Tensor``).
-
-CPU tensors become zero-copy numpy views for the compiled pass (:func:`host_views`); tensors on an
-accelerator are summed there in float64 (:func:`device_sums`), one ``[10, buckets]`` transfer back:
-counts exact, float sums equal to float64 rounding. It returns the arrays the compiled pass returns.
-"""
+"""SPEC 11's sums of torch tensors (``mismatch_sums`` given a tensor): CPU tensors as zero-copy
+numpy views for the compiled pass, tensors on an accelerator summed there in float64."""
 
 from __future__ import annotations
 
@@ -17,8 +12,6 @@ import torch
 
 from ..errors import FieldError
 from .buckets import LAG_UPPER_BOUNDS, N_BUCKETS
-
-__all__ = ["PACKED_ROWS", "device_of", "device_sums", "host_views", "packed_sums"]
 
 # Rows of the packed per-bucket tensor: counts (out of band: edges apart), then the float sums of
 # d, |d|, k3, r, r² (the order of MismatchSums' float fields).
@@ -36,8 +29,8 @@ FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
 
 def device_of(arrays: Mapping[str, Any]) -> torch.device:
-    """The device the sums are computed on: the trainer log-probabilities' if a tensor, else the
-    first tensor's; a tensor on another accelerator is refused (``FieldError`` naming it)."""
+    """The trainer log-probabilities' device if a tensor, else the first tensor's; a tensor on
+    another accelerator is a ``FieldError``."""
     tensors = {name: value for name, value in arrays.items() if isinstance(value, torch.Tensor)}
     device: torch.device = tensors.get("trainer_logprobs", next(iter(tensors.values()))).device
     for name, tensor in tensors.items():
@@ -47,8 +40,7 @@ def device_of(arrays: Mapping[str, Any]) -> torch.device:
 
 
 def host_views(arrays: Mapping[str, Any]) -> dict[str, Any]:
-    """CPU tensors as numpy arrays sharing their memory (detached; bfloat16, which numpy lacks,
-    widened to float32 exactly); other values as they are."""
+    """CPU tensors as numpy arrays sharing their memory (bfloat16, lacking in numpy, as float32)."""
     views = {}
     for name, value in arrays.items():
         if isinstance(value, torch.Tensor):
@@ -63,9 +55,8 @@ def host_views(arrays: Mapping[str, Any]) -> dict[str, Any]:
 def device_sums(
     arrays: Mapping[str, Any], lo: float, hi: float, device: torch.device, clamp: float
 ) -> tuple[IntArray, FloatArray, int]:
-    """The sums of ``arrays`` computed with torch on ``device``, as the compiled pass returns them
-    (counts ``[3, buckets]``, float sums ``[5, buckets]``, uncovered positions); other arguments
-    are copied to ``device``; ``FieldError`` names an argument of the wrong length or dtype."""
+    """The sums of ``arrays`` on ``device``, as the compiled pass returns them, with one
+    ``[10, buckets]`` transfer back; ``FieldError`` names an argument of a wrong length or dtype."""
     lag, sampler, trainer, flags = (
         _on_device(name, arrays.get(name), device, kind)
         for name, kind in (("lags", "integers"), ("sampler_logprobs", "numbers"),
@@ -102,9 +93,8 @@ def packed_sums(
     band: tuple[float, float],
     clamp: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows of :data:`PACKED_ROWS` as one float64 ``[10, buckets]`` tensor on the inputs'
-    device, with the clamped log-ratios, buckets and near-edge flags; nothing is read on the host
-    (it runs on the meta device too)."""
+    """The rows of :data:`PACKED_ROWS` as one float64 tensor on the inputs' device, with the clamped
+    log-ratios, buckets and near-edge flags; nothing is read on the host (it runs on meta too)."""
     device = lag.device
     lag = _as_int64(lag.reshape(-1))
     d = trainer.reshape(-1).to(torch.float64) - sampler.reshape(-1).to(torch.float64)
@@ -143,7 +133,6 @@ _KINDS = {
 
 
 def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.Tensor | None:
-    """``value`` as a detached tensor on ``device``, its dtype checked (``FieldError``)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -159,7 +148,7 @@ def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.
 
 
 def _as_int64(lag: torch.Tensor) -> torch.Tensor:
-    """Lags as int64; unsigned 64-bit ones beyond int64 are all "inf"."""
+    # unsigned 64-bit lags beyond int64 are all "inf"
     if lag.dtype == torch.uint64:
         signed = lag.view(torch.int64)
         return torch.where(signed < 0, _INT64_MAX, signed)

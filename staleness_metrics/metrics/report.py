@@ -10,17 +10,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .buckets import HISTOGRAM_TOP, LENGTH_BUCKETS, LENGTH_UPPER_BOUNDS
 from .mismatch import MismatchSums
-
-__all__ = [
-    "HISTOGRAM_TOP",
-    "LENGTH_BUCKETS",
-    "LENGTH_UPPER_BOUNDS",
-    "MetricValue",
-    "StepReport",
-    "Tally",
-]
 
 # numbers, and the one string key ``staleness/mismatch/floor_source`` (SPEC 14)
 MetricValue = float | int | str
@@ -35,7 +25,7 @@ def _empty_counts() -> Counts:
 
 
 def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
-    """``a`` and ``b``, the shorter padded with zeros to the other's length."""
+    """``a`` and ``b``, the shorter padded with zeros."""
     if len(a) < len(b):
         a = np.concatenate((a, np.zeros(len(b) - len(a), dtype=np.int64)))
     elif len(b) < len(a):
@@ -45,9 +35,8 @@ def _aligned(a: Counts, b: Counts) -> tuple[Counts, Counts]:
 
 @dataclass(frozen=True)
 class Tally:
-    """Additive numbers of one ship window for one population (the whole batch or one env): they
-    merge exactly (``a + b``); histogram index = staleness, the last index :data:`HISTOGRAM_TOP`
-    counting everything at or above it."""
+    """Additive numbers of one ship window for one population (the batch or one env), merged exactly
+    by ``a + b``; histogram index = staleness, the last index (4096) counting all at or above it."""
 
     tokens_sampled: int = 0
     tokens_masked: int = 0
@@ -91,12 +80,7 @@ class Tally:
         mine, theirs = self.__dict__, other.__dict__
         if any(mine[name] > theirs[name] for name in _COUNT_FIELDS):
             return False
-        for name in _COUNTS_FIELDS:
-            a, b = mine[name], theirs[name]
-            n = min(len(a), len(b))
-            if (len(a) > n and a[n:].any()) or (a[:n] > b[:n]).any():
-                return False
-        return True
+        return not any((a > b).any() for a, b in (_aligned(mine[n], theirs[n]) for n in _COUNTS_FIELDS))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Tally):

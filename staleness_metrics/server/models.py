@@ -15,7 +15,8 @@ from pydantic_core import PydanticCustomError
 
 from .. import __version__
 from ..config import StalenessConfig
-from ..metrics.mismatch import COUNT_FIELDS, LAG_BUCKETS, SUM_FIELDS
+from ..metrics.buckets import LAG_BUCKETS
+from ..metrics.mismatch import COUNT_FIELDS, SUM_FIELDS
 from ..metrics.report import Tally
 from ..records.validation import lone_surrogate
 

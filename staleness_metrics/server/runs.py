@@ -28,8 +28,9 @@ import orjson
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..errors import TraceError
+from ..metrics.buckets import LAG_BUCKETS
 from ..metrics.metric_table import BOUND_KEY_PREFIX, MISMATCH_KEY_PREFIX
-from ..metrics.mismatch import LAG_BUCKETS, SUM_FIELDS, MismatchSums
+from ..metrics.mismatch import SUM_FIELDS, MismatchSums
 from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable

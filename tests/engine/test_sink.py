@@ -372,7 +372,7 @@ def test_memory_stays_bounded_over_a_long_run_and_ids_stay_unique() -> None:
 
 
 def test_a_huge_staleness_keeps_exact_metrics_and_a_bounded_histogram() -> None:
-    from staleness_metrics.metrics.report import HISTOGRAM_TOP
+    from staleness_metrics.metrics.buckets import HISTOGRAM_TOP
 
     s = sink(max_staleness=2**53)
     s.add([rollout("old", 0, {"mask": [1, 1, 1]}), rollout("new", 2**52, {"mask": [1]})])

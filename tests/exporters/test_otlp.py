@@ -18,7 +18,8 @@ from staleness_metrics.config import StalenessConfig
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.state import bucket_counts
-from staleness_metrics.metrics.metric_table import BATCH_WIDE_COUNTERS, BUCKETS, METRICS, MetricKind, Source
+from staleness_metrics.metrics.buckets import BUCKETS
+from staleness_metrics.metrics.metric_table import BATCH_WIDE_COUNTERS, METRICS, MetricKind, Source
 from staleness_metrics.metrics.mismatch import MismatchSums
 from staleness_metrics.metrics.report import Tally
 from staleness_metrics.monitor import StalenessMonitor

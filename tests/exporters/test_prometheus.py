@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.exporters.base import ExportContext, ExportErrors
 from staleness_metrics.exporters.prometheus import PrometheusExporter, PrometheusPushExporter
+from staleness_metrics.metrics.buckets import BUCKETS
 from staleness_metrics.metrics.metric_table import (
     BATCH_WIDE_COUNTERS,
-    BUCKETS,
     METRICS,
     MetricKind,
     Source,

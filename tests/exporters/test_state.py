@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from staleness_metrics.exporters.state import CumulativeState, Snapshot, bucket_counts, partition_by_env
-from staleness_metrics.metrics.metric_table import BUCKETS
+from staleness_metrics.metrics.buckets import BUCKETS
 from staleness_metrics.metrics.report import Tally
 from tests.exporters.reports import hand_report
 

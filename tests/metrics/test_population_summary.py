@@ -1,4 +1,4 @@
-"""A ship's population in one compiled pass (``population.population_summary``) against the numpy steps it
+"""A ship's population in one compiled pass (``compute.population_summary``) against the numpy steps it
 replaced, on random slices: every sum, extreme, quantile and histogram equal, at every range of staleness."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleness_metrics.engine.segments import segment_max, segment_min, segment_sum
-from staleness_metrics.metrics.population import PopulationColumns, population_summary
+from staleness_metrics.metrics.compute import PopulationColumns, population_summary
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]

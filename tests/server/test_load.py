@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics.client import StalenessClient
 from staleness_metrics.exporters.state import bucket_counts
-from staleness_metrics.metrics.metric_table import BUCKETS
+from staleness_metrics.metrics.buckets import BUCKETS
 
 from .conftest import ServeProcess
 from .traffic import Sent, make_rollout
