@@ -1,18 +1,13 @@
-"""What a policy sees (a :class:`Judgement`: a columnar slice of the sink's rollouts, samples and
-spans) and what it decides (a :class:`Decision`: four arrays over that slice). Nothing else passes
-between a policy and the rest of the engine."""
+"""What a policy sees (a :class:`Judgement`) and what it decides (a :class:`Decision`): nothing else
+passes between a policy and the rest of the engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
-__all__ = ["NO_MASK", "Decision", "Judgement"]
-
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
+from .segments import BoolArray, IntArray
 
 NO_MASK = np.iinfo(np.int64).min // 4  # a masking threshold below every version
 

@@ -1,6 +1,5 @@
-"""Judging queued rollouts (SPEC 5): the slice a policy sees (:func:`judgement_of`), and its
-decision written back (:func:`apply_decision`: thresholds raised, newly stale positions zeroed in
-place, drops counted in the open window)."""
+"""Judging queued rollouts (SPEC 5): the slice a policy sees (:func:`judgement_of`) and its decision
+written back (:func:`apply_decision`)."""
 
 from __future__ import annotations
 
@@ -15,19 +14,12 @@ from ..metrics.compute import WindowCounts
 from .decision import Decision, Judgement
 from .masking import mask_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
+from .segments import BoolArray, IntArray
 from .spans import SampleSpans, SpanRanges, as_compiled, check_sample_spans
-
-__all__ = [
-    "SliceRows", "StaleRows", "apply_decision", "judgement_again", "judgement_of", "mask_positions",
-    "slice_rows", "stale_rows", "with_groups",
-]  # fmt: skip
-
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 
 def with_groups(queue: RolloutQueue, rows: IntArray, judges_groups: bool) -> IntArray:
-    """``rows`` plus every queued member of their groups (for policies that judge groups)."""
+    """``rows`` plus every queued member of their groups (for a policy that judges groups)."""
     if not judges_groups or len(rows) == 0:
         return rows
     queued = np.flatnonzero(queue.rollouts.status == QUEUED)
@@ -41,8 +33,7 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
     cut = slice_rows(rows, r.sample_lo, r.sample_hi, s.span_lo, s.span_hi)
     sample_rows, span_rows = cut.sample_rows, cut.span_rows
     group = r.group[rows]
-    # (every field given: the frozen __init__'s setattr per field skipped)
-    judgement = object.__new__(Judgement)
+    judgement = object.__new__(Judgement)  # (the frozen __init__'s setattr per field skipped)
     judgement.__dict__.update(
         step=step, rows=rows, frozen=r.frozen[rows], env=r.env[rows], dispatch=r.dispatch[rows],
         completion=r.completion[rows], group=group, group_agentic=queue.group_agentic[group],
@@ -59,12 +50,11 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
 
 
 def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntArray, step: int) -> Judgement:
-    """:func:`judgement_of` ``rows`` at ``step``, from ``judgement`` when that judged the same rows
-    at the same step: only thresholds and dropped samples are read again."""
+    """:func:`judgement_of`, from ``judgement`` when that judged the same rows at ``step``: only
+    thresholds and dropped samples are read again."""
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
     s = queue.samples
-    # (a frozen dataclass: a copy, its two fields set as its __init__ would)
     again = object.__new__(Judgement)
     again.__dict__.update(judgement.__dict__)
     again.__dict__["mask_below"] = s.mask_below[judgement.sample_rows]
@@ -73,18 +63,15 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
 
 
 def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgement, decision: Decision) -> None:
-    """Write ``decision`` into the queue: raised thresholds masked in place, drops counted in
-    ``window``."""
+    """Write ``decision`` into the queue: raised thresholds masked in place, drops counted."""
     samples = queue.samples
     rows, sample_rows = judgement.rows, judgement.sample_rows
     mask_below = np.maximum(judgement.mask_below, decision.mask_below)
     raised = decision.mask_below > judgement.mask_below
-    # A sampled span's version is at least its sample's ``seq_min_version``: none below, none stale
     if raised.any() and (raised & (judgement.seq_min_version < mask_below)).any():
         mask_positions(queue, judgement, mask_below, raised)
     samples.mask_below[sample_rows] = mask_below
 
-    # (nothing dropped: the usual case)
     if not (decision.drop_sample.any() or decision.drop_rollout.any()):
         return
     drop_rollout = decision.drop_rollout & ~judgement.frozen
@@ -108,14 +95,12 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
 
 
 def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
-    """Zero newly stale sampled positions in mask and weights, in place (:func:`stale_rows`)."""
+    """Zero newly stale sampled positions in mask and weights, in place."""
     s, spans = queue.samples, queue.spans
     samples = SampleSpans(s.span_lo[judgement.sample_rows], s.span_hi[judgement.sample_rows],
                           judgement.sample_rollout)  # fmt: skip
-    table, thresholds = (
-        SpanRanges(spans.part, spans.lo, spans.hi),
-        (judgement.mask_below, mask_below, raised),
-    )
+    table = SpanRanges(spans.part, spans.lo, spans.hi)
+    thresholds = (judgement.mask_below, mask_below, raised)
     chunk = queue.rollouts.chunk[judgement.rows]
     found = stale_rows(samples, table, judgement.version, judgement.sampled, thresholds, chunk)
     if len(found.lo):
@@ -185,13 +170,8 @@ def _slice_rows(
 def slice_rows(
     rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
 ) -> SliceRows:
-    """For the rollouts at ``rows`` (samples ``sample_lo[row]:sample_hi[row]``, each with spans
-    ``span_lo[k]:span_hi[k]``): their sample rows in order, offsets per rollout and each sample's
-    rollout; then the same for the samples' span rows, in one pass.
-
-    Raises ``ValueError`` on lo and hi of different lengths, ``IndexError`` on a row or range
-    outside the table.
-    """
+    """The sample rows of the rollouts at ``rows``, their span rows, and the offsets of each, in one
+    pass; ``ValueError`` / ``IndexError`` on lengths that differ or ranges outside the tables."""
     return SliceRows(*_slice_rows(rows, sample_lo, sample_hi, span_lo, span_hi))
 
 
@@ -221,7 +201,7 @@ def _stale_rows(
     if len(old_below) != n_samples or len(new_below) != n_samples or len(raised) != n_samples:
         raise ValueError("stale_rows: the sample arrays differ in length")
     n = check_sample_spans(samples, table, version, sampled, len(rollout_chunk))
-    # Per row (in judgement order): stale at the new threshold, and newly masked (hit).
+    # per row (in judgement order): stale at the new threshold, and newly masked (hit)
     stale = np.empty(n, dtype=np.bool_)
     hit = np.empty(n, dtype=np.bool_)
     row_of = np.empty(n, dtype=np.int64)  # the row in the span table
@@ -232,8 +212,8 @@ def _stale_rows(
             hit[i] = raised[k] & stale[i] & (version[i] >= old_below[k]) & (sampled[i] > 0)
             row_of[i] = r
             i += 1
-    # The two parts of a mixed span are adjacent rows (spans.PART_*: 1 labelled, then 2 unlabelled):
-    # when both are stale now the whole range goes, written once by the labelled part's row.
+    # A mixed span's parts are adjacent rows (1 labelled, 2 unlabelled): both stale, the whole
+    # range goes, by the labelled part's row
     count = 0
     for i in range(n):
         p = part[row_of[i]]
@@ -272,15 +252,9 @@ def stale_rows(
     thresholds: tuple[IntArray, IntArray, BoolArray],
     rollout_chunk: IntArray,
 ) -> StaleRows:
-    """The span rows a decision newly masks, in one pass over the judged ``samples``' rows of the
-    span ``table`` (``version`` and ``sampled`` per row): sampled rows of a raised sample whose
-    version is at or above its old threshold and below its new one (``thresholds``: old, new,
-    raised). Part 0 (the whole range, by the labelled part's row) when both parts of a mixed span
-    are stale.
-
-    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts
-    outside them.
-    """
+    """The span rows a decision newly masks (sampled, of a raised sample, from the old threshold up
+    to the new: ``thresholds`` old, new, raised), in one pass; a mixed span whose parts are both
+    stale as one row of part 0. ``ValueError`` / ``IndexError`` as :func:`slice_rows`."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     old_below, new_below, raised = thresholds
     raised = np.ascontiguousarray(raised, dtype=np.bool_)
