@@ -1,6 +1,5 @@
-"""Checkpoints of a sink (and a monitor) as plain JSON-serialisable data (SPEC 13): the sink's parts
-put together, each saving and checking its own, and the forms of the window, tallies and reports.
-Loading checks the whole state into new objects (all or nothing), naming the key path of a fault."""
+"""Checkpoints of a sink (and a monitor) as plain JSON-serialisable data (SPEC 13), checked into new
+objects on loading (all or nothing, naming the key path of a fault)."""
 
 from __future__ import annotations
 
@@ -88,7 +87,6 @@ def check_tally(data: Any, path: str) -> Tally:
 
 
 def _window_to_dict(window: WindowCounts) -> dict[str, Any]:
-    """Every attribute of the window: per-env dicts as ``[env, value]`` pairs, lists as lists."""
     out: dict[str, Any] = {}
     for name, value in vars(window).items():
         if isinstance(value, dict):
@@ -101,20 +99,19 @@ def _window_to_dict(window: WindowCounts) -> dict[str, Any]:
 def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
     window = WindowCounts()
     found = keys(data, path, list(vars(window)))
-    per_env: dict[str, dict[int, Any]] = {}
     for name in ("counts", "dropped_lengths"):
         where = join(join(path, name), "per_env")
         pairs = sequence(keys(found[name], join(path, name), ("per_env",))["per_env"], where)
-        per_env[name] = {}
+        per_env: dict[int, Any] = {}
         for i, pair in enumerate(pairs):
             env, value = sequence(pair, join(where, i), 2)
             env = integer(env, join(join(where, i), 0), 0, n_envs - 1)
-            if env in per_env[name]:
+            if env in per_env:
                 fail(join(where, i), f"env {env} appears twice")
             item = join(join(where, i), 1)
             if name == "counts":
                 counts = keys(keys(value, item, ("dict",))["dict"], join(item, "dict"), WindowCounts.FIELDS)
-                per_env[name][env] = {
+                per_env[env] = {
                     field: integer(keys(counts[field], join(item, f"dict.{field}"), ("value",))["value"],
                                    join(item, f"dict.{field}.value"), 0)
                     for field in WindowCounts.FIELDS
@@ -123,9 +120,8 @@ def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
                 array = decode_array(keys(value, item, ("array",))["array"], join(item, "array"), INT64)
                 if len(array) != len(LENGTH_BUCKETS) or (array < 0).any():
                     fail(join(item, "array"), f"expected {len(LENGTH_BUCKETS)} non-negative counts")
-                per_env[name][env] = array
-    window.counts = per_env["counts"]
-    window.dropped_lengths = per_env["dropped_lengths"]
+                per_env[env] = array
+        setattr(window, name, per_env)
     lists = {name: sequence(keys(found[name], join(path, name), ("list",))["list"], join(path, f"{name}.list"))
              for name in ("dropped_rollouts", "dropped_samples", "held")}  # fmt: skip
     window.dropped_rollouts = strings(lists["dropped_rollouts"], join(path, "dropped_rollouts.list"))
@@ -176,8 +172,7 @@ def save_sink(config: StalenessConfig, parts: SinkState) -> dict[str, Any]:
 
 
 def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Policy) -> SinkState:
-    """Check a sink state and build what it holds as new objects, for a sink of ``config`` judging
-    by ``policy``; nothing of them is changed."""
+    """A sink state checked, what it holds built as new objects for a sink of ``config``."""
     check_format(state, "sink", path)
     # "bound", "bound_envs": SPEC 14's trackers (absent before SPEC 14)
     old = state["format"] in (1, 2)  # the queue's tables and batches

@@ -28,8 +28,6 @@ _FLOAT_BITS = {
 
 
 def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> int:  # pragma: no cover - compiled
-    """The ``WEIGHT_*`` bits of one span's values read as unsigned integers of their width, by
-    integer ORs: one vector pass."""
     one = np.uint64(1)
     magnitude = sign - one
     # y + at_least_inf has the sign bit exactly when y >= +inf's bits
@@ -66,8 +64,7 @@ def _cut_flags(
     sign: np.uint64,
     infinity: np.uint64,
 ) -> None:  # pragma: no cover - compiled
-    """Into ``flags``, the ``WEIGHT_*`` bits of each weight array on the cuts ``first`` to ``k - 1``
-    of one sample, read while it is in cache."""
+    """Into ``flags``, the ``WEIGHT_*`` bits of the cuts ``first`` to ``k - 1`` of one sample."""
     starts, ends, first, k = cuts
     w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
     for c in range(first, k):
@@ -99,8 +96,7 @@ def _checked_positions(
     weights: tuple[npt.NDArray[Any], ...],
     n_weights: int,
 ) -> int:  # pragma: no cover - compiled
-    """The positions of ``samples``, once their offsets and the arrays' lengths are checked (span
-    starts are checked as they are read)."""
+    """The positions of ``samples``, once the offsets and lengths are checked (not span starts)."""
     kinds, tokens, span_offsets, span_starts, span_versions = labels
     n = len(mask)
     if n_weights > 0 and (len(weights[0]) != n or len(weights[1]) != n or len(weights[2]) != n):
@@ -139,8 +135,7 @@ def _token_sample(
     k: int,
     out: tuple[IntArray, IntArray, IntArray],
 ) -> tuple[int, int]:  # pragma: no cover - compiled
-    """The cuts of one sample labelled per position (starting at position ``a``) written into
-    ``out`` from cut ``k`` on; returns the next cut and the labels below -1 seen."""
+    """Cut one sample labelled per position into ``out`` from cut ``k``; next cut, labels < -1."""
     starts, labels, labelled = out
     length = len(tok)
     starts[k] = a
@@ -207,8 +202,7 @@ def _span_sample(
     k: int,
     out: tuple[IntArray, IntArray, IntArray],
 ) -> int:  # pragma: no cover - compiled
-    """The cuts of one sample labelled by version spans, cut again where the mask changes, written
-    into ``out`` from cut ``k`` on; returns the next cut."""
+    """Cut one sample labelled by version spans into ``out`` from cut ``k``; the next cut."""
     starts, labels, labelled = out
     length = len(m)
     n_spans = len(span_starts)
@@ -261,8 +255,7 @@ def _span_sample(
 
 
 _CUTTERS = (_checked_positions, _grown, _span_bits, _cut_flags, _token_sample, _span_sample)
-_NO_OPTIONS: Mapping[str, Any] = {}
-_CUT_CALLEES = {f.__name__: (f, _NO_OPTIONS) for f in _CUTTERS}
+_CUT_CALLEES: dict[str, tuple[Any, Mapping[str, Any]]] = {f.__name__: (f, {}) for f in _CUTTERS}
 
 
 @CompiledLoop(callees=_CUT_CALLEES)
@@ -331,9 +324,8 @@ def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
 def _weight_bits(
     weights: Sequence[npt.NDArray[Any]], mask: npt.NDArray[Any]
 ) -> tuple[tuple[npt.NDArray[Any], ...], tuple[np.uint64, np.uint64]]:
-    """The weight arrays as the loop reads them: three contiguous arrays of one float dtype's bits
-    (fewer repeat the first), with its sign and +inf bits; other dtypes copied to the widest float
-    given (float32 for integers and booleans alone)."""
+    """The weight arrays as three contiguous arrays of one float dtype's bits, and its sign and +inf
+    bits (other dtypes copied to the widest float given)."""
     floats = [w.dtype for w in weights if w.dtype in _FLOAT_BITS]
     dtype: np.dtype[Any] = np.dtype(np.float64 if floats else np.float32)
     if not weights:  # (empty arrays of the mask's width: the loop compiled for that dtype serves)
@@ -347,8 +339,7 @@ def _weight_bits(
 
 
 class Cuts(NamedTuple):
-    """Per cut its range, label (-1: none), labelled positions and ``WEIGHT_*`` bits (a row per
-    weight array); and how many labels are below -1."""
+    """Per cut its range, label, labelled positions and ``WEIGHT_*`` bits; labels below -1 seen."""
 
     starts: IntArray
     ends: IntArray
@@ -359,8 +350,7 @@ class Cuts(NamedTuple):
 
 
 class SampleLabels(NamedTuple):
-    """How the samples label their positions (``kinds``: ``LABELS_*``); arrays a batch lacks are
-    empty."""
+    """How the samples label their positions (``kinds``: ``LABELS_*``); absent arrays empty."""
 
     kinds: npt.NDArray[np.int8]
     tokens: npt.NDArray[np.signedinteger[Any]]
@@ -378,9 +368,7 @@ def sample_cuts(
 ) -> Cuts:
     """The cuts of the (increasing) ``samples``: ranges of one mask value and one version label (a
     ``-1`` position never starts one) that tile each sample, with the ``WEIGHT_*`` bits of each of
-    ``weights`` per cut (``NONZERO``: not +-0.0, NaN included; ``NOT_POSITIVE``: not > 0). Raises
-    ``IndexError`` / ``ValueError`` on offsets or span starts out of order or beyond the arrays.
-    """
+    ``weights`` per cut (``NONZERO``: not +-0.0, NaN included; ``NOT_POSITIVE``: not > 0)."""
     samples = np.ascontiguousarray(samples, dtype=np.int64)
     if len(weights) > 3:
         raise ValueError("sample_cuts: at most three weight arrays")
@@ -417,8 +405,6 @@ def token_spans(
 
 
 class SpanRows(NamedTuple):
-    """The span table :func:`span_rows` writes (see ``spans.SpanTable``)."""
-
     sample: IntArray
     lo: IntArray
     hi: IntArray
@@ -527,8 +513,8 @@ def _span_rows(
 
 
 class CutFlags(NamedTuple):
-    """Per cut: ``kept`` (its sample is valid), ``sampled`` (mask 1), whether its labelled and
-    unlabelled positions carry a loss weight, and ``side`` (a weight on an unsampled cut)."""
+    """Per cut: its sample valid, mask 1, a loss weight on its labelled / unlabelled positions, and
+    ``side`` (a weight on an unsampled cut)."""
 
     kept: BoolArray
     sampled: BoolArray
@@ -547,9 +533,8 @@ def span_rows(
     dispatch: IntArray,
     no_version: tuple[int, int],
 ) -> SpanRows:
-    """The rows of a span table from the cuts, in one pass: a row per ``kept`` cut, two per mixed
-    cut (its labelled part, then its unlabelled part, label -1), and the per-sample reductions
-    (``no_version``: their low and high values). ``ValueError`` / ``IndexError`` on bad input."""
+    """The rows of a span table from the cuts, in one pass (a mixed cut: its labelled part, then its
+    unlabelled part), and the per-sample reductions (``no_version``: their low and high values)."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
     found = _span_rows(

@@ -11,8 +11,9 @@ import numpy.typing as npt
 
 from ..compiled import CompiledLoop
 from ..metrics.compute import WindowCounts
+from ..records.columnar import WEIGHT_FIELDS
 from .decision import Decision, Judgement
-from .masking import mask_spans
+from .masking import zero_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
 from .segments import BoolArray, IntArray
 from .spans import SampleSpans, SpanRanges, as_compiled, check_sample_spans
@@ -50,8 +51,7 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
 
 
 def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntArray, step: int) -> Judgement:
-    """:func:`judgement_of`, from ``judgement`` when that judged the same rows at ``step``: only
-    thresholds and dropped samples are read again."""
+    """:func:`judgement_of`, from ``judgement`` when that judged the same rows at ``step``."""
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
     s = queue.samples
@@ -103,13 +103,16 @@ def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArr
     thresholds = (judgement.mask_below, mask_below, raised)
     chunk = queue.rollouts.chunk[judgement.rows]
     found = stale_rows(samples, table, judgement.version, judgement.sampled, thresholds, chunk)
-    if len(found.lo):
-        mask_spans(queue.chunks, found.chunk, found.lo, found.hi, found.part, found.positions)
+    for c in np.unique(found.chunk).tolist():  # in the mask and the weight arrays of each batch
+        rows = np.flatnonzero(found.chunk == c)
+        batch = queue.chunks[c]
+        assert batch is not None
+        weights = [getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None]
+        spans_of = found.lo[rows], found.hi[rows], found.part[rows], found.positions[rows]
+        zero_spans([batch.mask, *weights], batch.token_versions, *spans_of)
 
 
 class SliceRows(NamedTuple):
-    """The sample and span rows of some rollouts, in order, with local offsets."""
-
     sample_rows: IntArray
     sample_offsets: IntArray  # per rollout, into sample_rows
     sample_rollout: IntArray  # per sample, its local rollout
@@ -170,14 +173,11 @@ def _slice_rows(
 def slice_rows(
     rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
 ) -> SliceRows:
-    """The sample rows of the rollouts at ``rows``, their span rows, and the offsets of each, in one
-    pass; ``ValueError`` / ``IndexError`` on lengths that differ or ranges outside the tables."""
+    """The sample and span rows of the rollouts at ``rows`` with their offsets, in one pass."""
     return SliceRows(*_slice_rows(rows, sample_lo, sample_hi, span_lo, span_hi))
 
 
 class StaleRows(NamedTuple):
-    """The span rows a decision newly masks (what ``zero_spans`` writes)."""
-
     chunk: IntArray
     lo: IntArray
     hi: IntArray
@@ -204,35 +204,27 @@ def _stale_rows(
     # per row (in judgement order): stale at the new threshold, and newly masked (hit)
     stale = np.empty(n, dtype=np.bool_)
     hit = np.empty(n, dtype=np.bool_)
-    row_of = np.empty(n, dtype=np.int64)  # the row in the span table
     i = 0
     for k in range(n_samples):
-        for r in range(span_lo[k], span_hi[k]):
+        for _ in range(span_lo[k], span_hi[k]):
             stale[i] = version[i] < new_below[k]
             hit[i] = raised[k] & stale[i] & (version[i] >= old_below[k]) & (sampled[i] > 0)
-            row_of[i] = r
             i += 1
-    # A mixed span's parts are adjacent rows (1 labelled, 2 unlabelled): both stale, the whole
-    # range goes, by the labelled part's row
-    count = 0
-    for i in range(n):
-        p = part[row_of[i]]
-        partner = i + (p == 1) - (p == 2)
-        if partner < 0 or partner >= n:
-            raise IndexError("stale_rows: a part of a mixed span without its other part")
-        if hit[i] and not (p == 2 and hit[partner]):
-            count += 1
-    out_chunk = np.empty(count, dtype=np.int64)
-    out_lo = np.empty(count, dtype=np.int64)
-    out_hi = np.empty(count, dtype=np.int64)
-    out_part = np.empty(count, dtype=np.int8)
-    out_count = np.empty(count, dtype=np.int64)
+    out_chunk = np.empty(n, dtype=np.int64)
+    out_lo = np.empty(n, dtype=np.int64)
+    out_hi = np.empty(n, dtype=np.int64)
+    out_part = np.empty(n, dtype=np.int8)
+    out_count = np.empty(n, dtype=np.int64)
     j = 0
     i = 0
     for k in range(n_samples):
         for r in range(span_lo[k], span_hi[k]):
+            # A mixed span's parts are adjacent rows (1 labelled, 2 unlabelled): both stale, the
+            # whole range goes, by the labelled part's row
             p = part[r]
             partner = i + (p == 1) - (p == 2)
+            if partner < 0 or partner >= n:
+                raise IndexError("stale_rows: a part of a mixed span without its other part")
             if hit[i] and not (p == 2 and hit[partner]):
                 out_chunk[j] = rollout_chunk[sample_rollout[k]]
                 out_lo[j] = table_lo[r]
@@ -241,7 +233,7 @@ def _stale_rows(
                 out_count[j] = sampled[i]
                 j += 1
             i += 1
-    return out_chunk, out_lo, out_hi, out_part, out_count
+    return out_chunk[:j], out_lo[:j], out_hi[:j], out_part[:j], out_count[:j]
 
 
 def stale_rows(
@@ -252,9 +244,8 @@ def stale_rows(
     thresholds: tuple[IntArray, IntArray, BoolArray],
     rollout_chunk: IntArray,
 ) -> StaleRows:
-    """The span rows a decision newly masks (sampled, of a raised sample, from the old threshold up
-    to the new: ``thresholds`` old, new, raised), in one pass; a mixed span whose parts are both
-    stale as one row of part 0. ``ValueError`` / ``IndexError`` as :func:`slice_rows`."""
+    """The span rows a decision newly masks (sampled, from the old threshold up to the new), in one
+    pass; a mixed span whose parts are both stale as one row of part 0."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     old_below, new_below, raised = thresholds
     raised = np.ascontiguousarray(raised, dtype=np.bool_)

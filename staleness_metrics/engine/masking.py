@@ -13,28 +13,9 @@ import numpy.typing as npt
 
 from ..compiled import UNSIGNED_OF_SIZE, CompiledLoop
 from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
-from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from .segments import IntArray
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
-
-
-def mask_spans(
-    chunks: Sequence[RolloutBatch | None],
-    chunk: IntArray,
-    lo: IntArray,
-    hi: IntArray,
-    part: npt.NDArray[np.int8],
-    count: IntArray,
-) -> None:
-    """:func:`zero_spans` of span rows of the sink's batches (``chunks``, indexed by ``chunk``)."""
-    for c in np.unique(chunk).tolist():
-        rows = np.flatnonzero(chunk == c)
-        batch = chunks[c]
-        assert batch is not None
-        weights = [getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None]
-        spans = lo[rows], hi[rows], part[rows], count[rows]
-        zero_spans([batch.mask, *weights], batch.token_versions, *spans)
 
 
 @CompiledLoop

@@ -22,8 +22,7 @@ NEVER = -1  # the step of a rollout not judged yet
 
 
 class RolloutQueue:
-    """The rows of the queued rollouts (and of those resolved since the last :meth:`compact`), their
-    batches, and the ids, groups and envs of the run."""
+    """The rows of the queued rollouts, their batches, and the ids, groups and envs of the run."""
 
     def __init__(self, observe_added: Callable[[IntArray], None]) -> None:
         self.rollouts = RolloutRows()
@@ -114,8 +113,7 @@ class RolloutQueue:
         return groups
 
     def admit(self, batch: RolloutBatch, kept_ids: list[int] | None = None) -> tuple[int, list[int], list[int]]:
-        """Register the rollouts ``kept_ids`` of ``batch`` (None: all) by id, group and env;
-        returns the batch's chunk and the rollouts' groups and envs."""
+        """Register the rollouts ``kept_ids`` of ``batch``: its chunk, their groups and envs."""
         assert batch.envs is not None and batch.group_ids is not None and batch.agentic is not None
         if kept_ids is not None and len(kept_ids) == len(batch.ids):
             kept_ids = None
@@ -150,8 +148,7 @@ class RolloutQueue:
         self.append_rows(batch, spans, keep, (np.full(count, chunk), index, np.array(groups), np.array(envs)))
 
     def stage(self, batch: RolloutBatch) -> int | None:
-        """Queue a batch ``plainly_valid`` passed, its rows built later, if its positions are plain
-        too: how many rollouts it queued, or None (the exact checks are to say why not)."""
+        """Queue a plainly valid batch, its rows built later: how many rollouts, or None."""
         if not plain_values_of(batch):
             return None
         n_rollouts, n_positions = batch.n_rollouts, batch.n_positions
@@ -200,8 +197,7 @@ class RolloutQueue:
         rows: tuple[IntArray, IntArray, IntArray, IntArray],
         position_base: IntArray | None = None,
     ) -> None:
-        """Append the rows of rollouts ``keep`` of ``batch`` (None: all). ``rows``: per rollout its
-        chunk, index there, group and env; ``position_base``: where its chunk starts."""
+        """Append the rows of rollouts ``keep`` of ``batch`` (None: all)."""
         chunk, index, groups, envs = rows
         offsets, span_offsets = batch.sample_offsets, spans.span_offsets
         every: Any = slice(None)
@@ -292,7 +288,6 @@ class RolloutQueue:
         self.closing = []
 
     def compact(self) -> None:
-        """Forget rollouts that left: the tables keep only queued ones, renumbered."""
         self.build_staged()
         r, s = self.rollouts, self.samples
         keep = np.flatnonzero(r.status == QUEUED)

@@ -1,6 +1,5 @@
-"""The queue in a checkpoint (SPEC 13): the queued rollouts as they arrived (SPEC 3's columns, by
-batch), what judging did to them, the run's registry and conservation count, loaded back through
-the add path. Also the converter of formats 1 and 2, whose queue was its tables and batches."""
+"""The queue in a checkpoint (SPEC 13): the queued rollouts as the batches they arrived in, loaded
+back through the add path, and what judging did to them; and the converter of formats 1 and 2."""
 
 from __future__ import annotations
 
@@ -57,10 +56,10 @@ LAYOUT_KEYS = (
 
 
 def save_queue(queue: RolloutQueue) -> dict[str, Any]:
-    """The queue as plain data; the queue is left as it was. Positions masked in place are saved
-    with mask 1 (their weights stay 0: only read below the threshold, where nothing trains)."""
+    """The queue as plain data, masked positions with mask 1 (their weights stay 0: below the
+    threshold, where nothing trains again)."""
     queue.build_staged()
-    r, s = queue.rollouts, queue.samples
+    r, s, n = queue.rollouts, queue.samples, queue.spans
     rows = np.flatnonzero(r.status == QUEUED)
     batches = []
     if len(rows):
@@ -69,8 +68,14 @@ def save_queue(queue: RolloutQueue) -> dict[str, Any]:
         for start, stop in pairwise(bounds):  # runs of one batch, in queue order
             mine = rows[start:stop]
             sample_rows = expand_ranges(r.sample_lo[mine], r.sample_hi[mine])
+            # the spans masked in place: sampled, below their sample's threshold
+            raised = sample_rows[s.mask_below[sample_rows] > NO_MASK]
+            span_rows = expand_ranges(s.span_lo[raised], s.span_hi[raised])
+            below = np.repeat(s.mask_below[raised], s.span_hi[raised] - s.span_lo[raised])
+            masked = span_rows[(n.sampled[span_rows] > 0) & (n.version[span_rows] < below)]
             batch = queue.batches_of([int(chunk[start])])[int(chunk[start])]
-            batches.append(encode_batch(queued_part(batch, r.index[mine], _masked_in_place(queue, sample_rows))))
+            part = queued_part(batch, r.index[mine], (n.lo[masked], n.hi[masked]))
+            batches.append(encode_batch(part))
     sample_rows = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])
     return {
         "batches": batches,
@@ -83,17 +88,6 @@ def save_queue(queue: RolloutQueue) -> dict[str, Any]:
         "envs": [name for name, _ in sorted(queue.env_index.items(), key=lambda item: item[1])],
         "tokens_entered": queue.tokens_entered,
     }
-
-
-def _masked_in_place(queue: RolloutQueue, sample_rows: IntArray) -> tuple[IntArray, IntArray]:
-    """The position ranges of the spans of ``sample_rows`` masked in place (sampled, below their
-    sample's threshold)."""
-    s, n = queue.samples, queue.spans
-    raised = sample_rows[s.mask_below[sample_rows] > NO_MASK]
-    span_rows = expand_ranges(s.span_lo[raised], s.span_hi[raised])
-    below = np.repeat(s.mask_below[raised], s.span_hi[raised] - s.span_lo[raised])
-    masked = span_rows[(n.sampled[span_rows] > 0) & (n.version[span_rows] < below)]
-    return n.lo[masked], n.hi[masked]
 
 
 def read_registry(state: Mapping[str, Any], path: str) -> tuple[set[str], dict[str, Any]]:
@@ -141,8 +135,7 @@ def read_queue(
     path: str = "",
     step: int = 0,
 ) -> RolloutQueue:
-    """A new queue holding :func:`save_queue`'s ``state``, checked (``step``: the saving sink's
-    latest); the policy's hook ``observe_added`` is not told of the rollouts loaded."""
+    """A new queue holding :func:`save_queue`'s ``state``, checked (not told to the policy)."""
     found = keys(state, path, QUEUE_KEYS)
     seen_ids, registry = read_registry(found, path)
     queue = RolloutQueue(lambda groups: None)
@@ -186,8 +179,7 @@ def read_layout(
     path: str = "",
     step: int = 0,
 ) -> RolloutQueue:
-    """:func:`read_queue` of a format 1 or 2 ``state`` (its :data:`LAYOUT_KEYS`): its tables checked
-    as far as saving them needs, then saved as today's format and read as that is."""
+    """:func:`read_queue` of a format 1 or 2 ``state``: its tables checked, saved and read anew."""
     queue = RolloutQueue(observe_added)
     tables = keys(state["tables"], join(path, "tables"), ("rollouts", "samples", "spans"))
     r = decode_table(tables["rollouts"], queue.rollouts, join(path, "tables.rollouts"))
@@ -219,8 +211,7 @@ def _rows_agree(
     ids: list[str],
     path: str,
 ) -> None:
-    """Rollout rows that are queued rollouts of their chunk, sample and span rows in order, and
-    spans inside their chunk's positions: what saving them reads."""
+    """The tables agree with their chunks as far as saving them reads."""
     r, s, n = tables
     where_r, where_s = join(path, "tables.rollouts"), join(path, "tables.samples")
     if (r.status != QUEUED).any():
@@ -392,8 +383,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
 
 
 def queued_part(batch: RolloutBatch, rollouts: IntArray, sampled: tuple[IntArray, IntArray]) -> RolloutBatch:
-    """The ``rollouts`` of ``batch`` as a new batch (views where it can), the mask back to 1 over
-    the position ranges ``sampled`` (masked in place since they arrived)."""
+    """The ``rollouts`` of ``batch`` as a new batch, the mask back to 1 over ``sampled``."""
     samples = expand_ranges(batch.sample_offsets[rollouts], batch.sample_offsets[rollouts + 1])
     positions = _items_of(batch.position_offsets, samples)
     part = copy.copy(batch)  # (checked and converted already: no __post_init__ again)
@@ -421,8 +411,7 @@ def queued_part(batch: RolloutBatch, rollouts: IntArray, sampled: tuple[IntArray
 
 
 def _items_of(offsets: IntArray, groups: IntArray) -> slice | npt.NDArray[Any]:
-    """What indexes the items ``offsets[g]:offsets[g + 1]`` of each of ``groups`` in turn: a slice
-    when the groups are a run, a flag per item when they ascend, else the items' indices."""
+    """What indexes the items ``offsets[g]:offsets[g + 1]`` of each of ``groups`` in turn."""
     if not len(groups):
         return slice(0, 0)
     first, last = int(groups[0]), int(groups[-1])
@@ -449,7 +438,6 @@ def _ones_over(mask: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.NDArra
 
 
 def _offsets(offsets: IntArray, items: IntArray) -> IntArray:
-    """Offsets of the ranges ``offsets[i]:offsets[i + 1]`` of ``items``, one after the other."""
     return np.concatenate(([0], np.cumsum(offsets[items + 1] - offsets[items]))).astype(np.int64)
 
 

@@ -23,11 +23,11 @@ from .spans import SampleSpans, SpanRanges, as_compiled, check_sample_spans
 
 # the lag of a position outside SPEC 11's population (mask 0 as arrived, or frozen)
 NOT_SAMPLED = -1
+_LOGPROBS = ("logprobs", "trainer_logprobs")
 
 
 class ShippedSpans:
-    """The spans of a ship's kept samples, in ship order, found (``find``) on first use of
-    :attr:`rows`; their ``chunk`` indexes ``batches``."""
+    """The spans of a ship's kept samples, found on first use of :attr:`rows`."""
 
     def __init__(self, batches: Sequence[RolloutBatch], find: Callable[[], ShippedRows]) -> None:
         self.batches = batches
@@ -37,34 +37,23 @@ class ShippedSpans:
     def rows(self) -> ShippedRows:
         return self._find()
 
-    def _unlabelled(self, rows: IntArray) -> tuple[IntArray, IntArray]:
-        """Where the unlabelled positions of mixed spans among ``rows`` are in the concatenation of
-        ``rows``' positions, and the row (index into ``rows``) of each."""
-        spans = self.rows
-        chunk, mixed, lo, hi = spans.chunk[rows], spans.mixed[rows], spans.lo[rows], spans.hi[rows]
-        if not mixed.any():
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        found, owners = [], []
-        starts = np.concatenate(([0], np.cumsum(hi - lo)))
-        for c in distinct(chunk[mixed]):
-            tokens = self.batches[c].token_versions
-            assert tokens is not None
-            local = np.flatnonzero(mixed & (chunk == c))
-            positions = expand_ranges(lo[local], hi[local])
-            owner = np.repeat(local, hi[local] - lo[local])
-            unlabelled = tokens[positions] < 0
-            found.append((starts[owner] + positions - lo[owner])[unlabelled])
-            owners.append(owner[unlabelled])
-        return np.concatenate(found), np.concatenate(owners)
-
     def _per_position(self, rows: IntArray) -> tuple[IntArray, BoolArray]:
+        """Lag and masked flag of every position of ``rows``."""
         found = self.rows
-        lengths = found.hi[rows] - found.lo[rows]
-        lag, masked = np.repeat(found.lag[rows], lengths), np.repeat(found.masked[rows], lengths)
-        at, owner = self._unlabelled(rows)
-        if len(at):
-            lag[at] = found.unlabelled_lag[rows][owner]
-            masked[at] = found.unlabelled_masked[rows][owner]
+        chunk, mixed, lo, hi = found.chunk[rows], found.mixed[rows], found.lo[rows], found.hi[rows]
+        lag, masked = np.repeat(found.lag[rows], hi - lo), np.repeat(found.masked[rows], hi - lo)
+        if mixed.any():
+            starts = np.concatenate(([0], np.cumsum(hi - lo)))
+            for c in distinct(chunk[mixed]):
+                tokens = self.batches[c].token_versions
+                assert tokens is not None
+                local = np.flatnonzero(mixed & (chunk == c))
+                positions = expand_ranges(lo[local], hi[local])
+                owner = np.repeat(local, hi[local] - lo[local])
+                unlabelled = tokens[positions] < 0
+                at, owner = (starts[owner] + positions - lo[owner])[unlabelled], owner[unlabelled]
+                lag[at] = found.unlabelled_lag[rows][owner]
+                masked[at] = found.unlabelled_masked[rows][owner]
         return lag, masked
 
     def lags(self) -> IntArray:
@@ -94,7 +83,9 @@ class ShippedSpans:
             rows = np.flatnonzero(inside & (found.chunk == c))
             lag, masked = self._per_position(rows)
             lo, hi = found.lo[rows], found.hi[rows]
-            total = total + _chunk_sums(self.batches[c], lo, hi, lag, masked, band)
+            positions, lengths = expand_ranges(lo, hi), hi - lo
+            logprobs, trainer = (_values(self.batches[c], name, lo, positions, lengths) for name in _LOGPROBS)
+            total = total + mismatch_sums(lag, logprobs, trainer, masked, band=band)
         return total
 
 
@@ -111,22 +102,6 @@ def _values(
         sample = np.searchsorted(batch.position_offsets, lo, "right") - 1
         out[~np.repeat(present[sample], lengths)] = np.nan
     return out
-
-
-def _chunk_sums(
-    batch: RolloutBatch,
-    lo: IntArray,
-    hi: IntArray,
-    lag: IntArray,
-    masked: BoolArray,
-    band: tuple[float, float],
-) -> MismatchSums:
-    """Sums over the positions of spans ``[lo, hi)`` of one batch."""
-    lengths = hi - lo
-    positions = expand_ranges(lo, hi)
-    logprobs = _values(batch, "logprobs", lo, positions, lengths)
-    trainer = _values(batch, "trainer_logprobs", lo, positions, lengths)
-    return mismatch_sums(lag, logprobs, trainer, masked, band=band)
 
 
 def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
@@ -246,9 +221,8 @@ def shipped_rows(
     per_rollout: tuple[BoolArray, IntArray, IntArray],
     trained: int,
 ) -> ShippedRows:
-    """The rows of kept shipped ``samples`` (an unlabelled part read with its labelled part), in
-    one pass. ``per_sample``: kept, threshold; ``per_rollout``: frozen, chunk, env. ``ValueError``
-    / ``IndexError`` on lengths that differ or rows outside the table."""
+    """The rows of kept shipped ``samples``, in one pass (``per_sample``: kept, threshold;
+    ``per_rollout``: frozen, chunk, env)."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
     (kept_sample, mask_below), (frozen, rollout_chunk, rollout_env) = per_sample, per_rollout

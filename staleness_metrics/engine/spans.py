@@ -1,6 +1,5 @@
 """Version spans, the per-sample summary the engine judges instead of positions: each sample cut
-into spans of one version label and mask value (a span with scattered unlabelled positions: two rows
-over one range, its labelled and unlabelled part), so positions are read once, here."""
+into spans of one version label and mask value, so positions are read once, here."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ def check_sample_spans(
     sampled: IntArray,
     n_rollouts: int,
 ) -> int:  # pragma: no cover - compiled
-    """A compiled pass's check, before any read, that ``samples`` lie in ``table`` and
-    ``n_rollouts``, with a ``version`` and ``sampled`` per row; returns the rows' count."""
+    """A compiled pass's check that ``samples`` lie in ``table``; the rows' count."""
     span_lo, span_hi, sample_rollout = samples
     part, lo, hi = table
     if len(span_hi) != len(span_lo) or len(sample_rollout) != len(span_lo):
@@ -110,9 +108,8 @@ class _TokenVersionBelowMinusOne(Exception):
 
 
 def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> tuple[Verdicts, SpanTable]:
-    """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`. The cut
-    checks token versions >= -1; on an offender or another error the checks run again in their
-    usual order, so each rollout's first error is the same either way."""
+    """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`, each
+    rollout's first error named as the checks in their usual order name it."""
     verdicts = check_batch(batch, known_ids, token_values=False)
     if not verdicts.errors:
         try:
@@ -197,8 +194,7 @@ def _exact_part_liveness(
     live: BoolArray,
     mixed: BoolArray,
 ) -> tuple[BoolArray, BoolArray]:
-    """Per cut, whether its labelled and its unlabelled part has a weighted position: as ``live`` as
-    the cut, but live ``mixed`` cuts with an rl weight not above 0 (``rl_doubtful``) read anew."""
+    """Per cut, whether its labelled and its unlabelled part has a weighted position."""
     doubt = np.flatnonzero(mixed & live & rl_doubtful)
     if len(doubt) == 0:
         return live, live
@@ -224,8 +220,7 @@ def _nonzero_or_report(
     hi: IntArray,
     verdicts: Verdicts,
 ) -> BoolArray:
-    """Per cut: whether the weight array holds a non-zero value (not NaN); names the first
-    non-finite value of a cut."""
+    """Per cut: a non-zero (not NaN) weight; names the first non-finite value of a cut."""
     broken = flags & WEIGHT_NONFINITE != 0
     for span in np.flatnonzero(broken).tolist() if broken.any() else ():
         a, b = int(lo[span]), int(hi[span])

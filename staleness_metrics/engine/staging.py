@@ -63,8 +63,7 @@ def runs_of(staged: Sequence[Staged]) -> list[Sequence[Staged]]:
 
 
 def _joined_offsets(parts: Sequence[IntArray], counts: Sequence[int], ends: Sequence[int]) -> IntArray:
-    """Offsets into the concatenation of the parts ``parts`` index (``counts``: each part's entries
-    minus one; ``ends``: each part's last entry)."""
+    """Offsets into the concatenation of the parts ``parts`` index."""
     bases = np.cumsum([0, *ends])
     if list(counts) == [1] * len(counts):
         return bases.astype(np.int64)
@@ -74,8 +73,6 @@ def _joined_offsets(parts: Sequence[IntArray], counts: Sequence[int], ends: Sequ
 
 
 class Joined(NamedTuple):
-    """A run of staged batches as one batch, and where each rollout of it came from."""
-
     batch: RolloutBatch
     chunk: IntArray  # per rollout: its batch's chunk
     number: IntArray  # per rollout: its index in its own batch
@@ -85,8 +82,7 @@ class Joined(NamedTuple):
 
 
 def joined(run: Sequence[Staged], ids: list[str]) -> Joined:
-    """One batch of the staged batches of ``run`` (``ids``: theirs), with the arrays the cut reads:
-    an array some lack filled as its absence reads (rl weights the mask, 0, -1, no spans)."""
+    """The staged batches of ``run`` as one batch of the arrays the cut reads."""
     batches = [item.batch for item in run]
     n_rollouts = [b.n_rollouts for b in batches]
     n_samples = [b.n_samples for b in batches]

@@ -13,8 +13,7 @@ TableT = TypeVar("TableT", bound="Table")
 
 
 class Column(Generic[ScalarT]):
-    """A column of a :class:`Table`: ``table.name`` reads its live rows (a view), ``table.name =
-    values`` writes every row."""
+    """A column of a :class:`Table`: ``table.name`` is a view of its live rows."""
 
     def __init__(self, dtype: type[ScalarT]) -> None:
         self.dtype = np.dtype(dtype)
@@ -37,8 +36,7 @@ class Column(Generic[ScalarT]):
 
 
 class Table:
-    """Columns of equal length that grow by appending whole arrays, declared (in the order they are
-    saved) as :class:`Column` attributes of a subclass."""
+    """Columns of equal length (:class:`Column` attributes), grown by appending arrays."""
 
     columns: ClassVar[dict[str, np.dtype[Any]]] = {}
 
@@ -57,8 +55,7 @@ class Table:
         return self._size
 
     def append(self, **values: npt.ArrayLike) -> int:
-        """Append equal-length arrays for every column (a scalar fills the new rows; one at least is
-        an array); returns the index of the first new row."""
+        """Append equal-length arrays (or scalars) for every column; the first new row."""
         columns = self._columns
         if values.keys() != columns.keys():
             raise KeyError(f"expected columns {sorted(columns)}, got {sorted(values)}")

@@ -13,11 +13,8 @@ from ..decision import Decision, Judgement
 
 
 class Policy(ABC):
-    """Decides, for rollouts under judgement at a step, what is masked, dropped and held.
-
-    ``judges_groups``: the policy sees every queued member of each group it touches. ``holds``: it
-    may hold rollouts back at a ship.
-    """
+    """Decides, for rollouts under judgement at a step, what is masked, dropped and held
+    (``judges_groups``: it sees every queued member of each group it touches)."""
 
     name: str = ""
     judges_groups: bool = False

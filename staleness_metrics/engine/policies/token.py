@@ -80,7 +80,6 @@ def _token_decision(
 
 
 def token_decision(bound: int, no_mask: int, *slice_: npt.NDArray[Any]) -> Decision:
-    """The ``token`` policy over a judged slice (``slice_``: the :class:`Judgement` fields
-    :meth:`TokenPolicy.decide` passes), in one pass; ``ValueError`` on offsets that do not tile."""
+    """The ``token`` policy over a judged slice (the fields :meth:`TokenPolicy.decide` passes)."""
     mask_below, drop_sample, drop_rollout = _token_decision(int(bound), int(no_mask), *slice_)
     return Decision(mask_below, drop_sample, drop_rollout, np.zeros(len(drop_rollout), dtype=bool))
