@@ -1,16 +1,10 @@
-"""Checkpoints of a sink (and a monitor) as plain JSON-serialisable data (SPEC 13).
-
-Each part saves and checks its own state (the queue: :mod:`.queue_state`, the old formats' tables:
-:mod:`.queue_layout`; the policy; the SPEC 14 trackers); this module puts the sink's together and
-holds the forms of the window, tallies and reports. Saving never changes the sink. Loading is all or
-nothing: :func:`read_sink` checks the whole state into new objects (a :class:`SinkState`), with a
-digest per top-level key, before ``Sink.load_checked`` replaces anything; a bad state raises
-:class:`ConfigError` naming the key path and reason."""
+"""Checkpoints of a sink (and a monitor) as plain JSON-serialisable data (SPEC 13), checked into new
+objects on loading (all or nothing, naming the key path of a fault)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,31 +33,14 @@ from ..state_checks import (
     string,
     strings,
 )
-from .batch_state import encode_value
 from .policies import Policy
 from .queue import RolloutQueue
-from .queue_layout import LAYOUT_KEYS, read_layout
-from .queue_state import read_queue, save_queue
-
-__all__ = [
-    "JUDGING_SETTINGS",
-    "SinkState",
-    "check_config",
-    "check_metrics",
-    "check_mismatch",
-    "check_report",
-    "check_tally",
-    "read_sink",
-    "report_to_dict",
-    "save_sink",
-    "tally_to_dict",
-]
+from .queue_state import INT64, LAYOUT_KEYS, encode_value, read_layout, read_queue, save_queue
 
 # A checkpoint loads into a sink judging the same way only (``strict``, ``env_breakdown`` aside)
 JUDGING_SETTINGS = ("policy", "max_staleness", "max_token_staleness", "sync_interval",
                     "retry_expired")  # fmt: skip
 MAX_STEP = 2**53
-INT64 = np.dtype(np.int64)
 
 
 def check_config(saved: Any, config: StalenessConfig, path: str = "config") -> None:
@@ -77,11 +54,8 @@ def check_config(saved: Any, config: StalenessConfig, path: str = "config") -> N
 
 
 def tally_to_dict(tally: Tally) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(tally):
-        value = getattr(tally, f.name)
-        out[f.name] = value.tolist() if isinstance(value, np.ndarray) else value
-    return out
+    values = {f.name: getattr(tally, f.name) for f in dataclasses.fields(tally)}
+    return {name: v.tolist() if isinstance(v, np.ndarray) else v for name, v in values.items()}
 
 
 _TALLY_ARRAY_LENGTHS = {
@@ -104,8 +78,7 @@ def check_tally(data: Any, path: str) -> Tally:
             if len(items) > _TALLY_ARRAY_LENGTHS[name]:
                 top = _TALLY_ARRAY_LENGTHS[name]
                 fail(where, f"{len(items)} buckets, more than the {top} there are")
-            # the usual case, at C speed
-            if set(map(type, items)) <= {int} and (not items or min(items) >= 0):
+            if set(map(type, items)) <= {int} and (not items or min(items) >= 0):  # (at C speed)
                 values[name] = np.asarray(items, dtype=np.int64)
             else:  # the loop names the offending bucket
                 values[name] = np.asarray([integer(v, join(where, i), 0) for i, v in enumerate(items)], dtype=np.int64)
@@ -115,8 +88,6 @@ def check_tally(data: Any, path: str) -> Tally:
 
 
 def _window_to_dict(window: WindowCounts) -> dict[str, Any]:
-    """Every attribute of the window, generically: per-env dicts as ``[env, value]``
-    pairs, lists as lists."""
     out: dict[str, Any] = {}
     for name, value in vars(window).items():
         if isinstance(value, dict):
@@ -129,20 +100,19 @@ def _window_to_dict(window: WindowCounts) -> dict[str, Any]:
 def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
     window = WindowCounts()
     found = keys(data, path, list(vars(window)))
-    per_env: dict[str, dict[int, Any]] = {}
     for name in ("counts", "dropped_lengths"):
         where = join(join(path, name), "per_env")
         pairs = sequence(keys(found[name], join(path, name), ("per_env",))["per_env"], where)
-        per_env[name] = {}
+        per_env: dict[int, Any] = {}
         for i, pair in enumerate(pairs):
             env, value = sequence(pair, join(where, i), 2)
             env = integer(env, join(join(where, i), 0), 0, n_envs - 1)
-            if env in per_env[name]:
+            if env in per_env:
                 fail(join(where, i), f"env {env} appears twice")
             item = join(join(where, i), 1)
             if name == "counts":
                 counts = keys(keys(value, item, ("dict",))["dict"], join(item, "dict"), WindowCounts.FIELDS)
-                per_env[name][env] = {
+                per_env[env] = {
                     field: integer(keys(counts[field], join(item, f"dict.{field}"), ("value",))["value"],
                                    join(item, f"dict.{field}.value"), 0)
                     for field in WindowCounts.FIELDS
@@ -151,9 +121,8 @@ def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
                 array = decode_array(keys(value, item, ("array",))["array"], join(item, "array"), INT64)
                 if len(array) != len(LENGTH_BUCKETS) or (array < 0).any():
                     fail(join(item, "array"), f"expected {len(LENGTH_BUCKETS)} non-negative counts")
-                per_env[name][env] = array
-    window.counts = per_env["counts"]
-    window.dropped_lengths = per_env["dropped_lengths"]
+                per_env[env] = array
+        setattr(window, name, per_env)
     lists = {name: sequence(keys(found[name], join(path, name), ("list",))["list"], join(path, f"{name}.list"))
              for name in ("dropped_rollouts", "dropped_samples", "held")}  # fmt: skip
     window.dropped_rollouts = strings(lists["dropped_rollouts"], join(path, "dropped_rollouts.list"))
@@ -167,15 +136,13 @@ def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
     return window
 
 
-# ---------------------------------------------------------------------- the sink
 SINK_KEYS = ("format", "config", "step", "queue", "window", "invalid", "totals", "policy")
 LAYOUT_SINK_KEYS = (*SINK_KEYS[:3], *LAYOUT_KEYS, *SINK_KEYS[4:])  # formats 1, 2
 
 
 @dataclass(frozen=True)
 class SinkState:
-    """A sink's checkpoint read and checked by :func:`read_sink`, as new objects:
-    nothing is applied yet."""
+    """What a sink's checkpoint holds (:func:`read_sink` builds it as new objects)."""
 
     step: int
     queue: RolloutQueue
@@ -187,42 +154,29 @@ class SinkState:
     env_trackers: Mapping[str, BoundTracker]
 
 
-def save_sink(
-    *,
-    config: StalenessConfig,
-    step: int,
-    queue: RolloutQueue,
-    window: WindowCounts,
-    invalid: Sequence[TraceError],
-    totals: Tally,
-    policy: Policy,
-    bound_tracker: BoundTracker,
-    env_trackers: Mapping[str, BoundTracker],
-) -> dict[str, Any]:
-    """A sink's state from its parts, each saving its own; the sink is left as it was."""
+def save_sink(config: StalenessConfig, parts: SinkState) -> dict[str, Any]:
+    """The state of a sink of ``config`` from its parts (its queue's staged rows built)."""
     state: dict[str, Any] = {
         "format": FORMAT,
         "config": dataclasses.asdict(config),
-        "step": step,
-        "queue": save_queue(queue),
-        "window": _window_to_dict(window),
-        "invalid": [[e.rollout_id, e.field, e.reason] for e in invalid],
-        "totals": tally_to_dict(totals),
-        "policy": policy.state_dict(),
-        "bound": bound_tracker.state_dict(),
-        "bound_envs": {env: tracker.state_dict() for env, tracker in sorted(env_trackers.items())},
+        "step": parts.step,
+        "queue": save_queue(parts.queue),
+        "window": _window_to_dict(parts.window),
+        "invalid": [[e.rollout_id, e.field, e.reason] for e in parts.invalid],
+        "totals": tally_to_dict(parts.totals),
+        "policy": parts.policy_state,
+        "bound": parts.bound_tracker.state_dict(),
+        "bound_envs": {env: tracker.state_dict() for env, tracker in sorted(parts.env_trackers.items())},
     }
     state["digests"] = digests_of(state)
     return state
 
 
-def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Policy, queue: RolloutQueue) -> SinkState:
-    """Check a sink state and build what it holds as new objects, for a sink of ``config`` judging
-    by ``policy`` whose queue is ``queue``. Nothing of them is changed (the queue only lends its
-    tables' column dtypes)."""
+def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Policy) -> SinkState:
+    """A sink state checked, what it holds built as new objects for a sink of ``config``."""
     check_format(state, "sink", path)
-    # "bound", "bound_envs": SPEC 14's trackers, the batch's and each env's (absent before SPEC 14)
-    old = state["format"] in (1, 2)  # the queue's tables and batches (:mod:`.queue_layout`)
+    # "bound", "bound_envs": SPEC 14's trackers (absent before SPEC 14)
+    old = state["format"] in (1, 2)  # the queue's tables and batches
     state = keys(state, path, LAYOUT_SINK_KEYS if old else SINK_KEYS, ("digests", "bound", "bound_envs"))
     if state["format"] != 1 and "digests" not in state:
         fail(join(path, "digests"), "missing")
@@ -241,10 +195,8 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
         invalid.append(TraceError(string(rid, at + "[0]", True), string(field, at + "[1]"), string(reason, at + "[2]")))
     totals = check_tally(state["totals"], join(path, "totals"))
     # Conservation: every sampled position of a live rollout that entered left or is queued
-    r, s = restored.rollouts, restored.samples
-    sample_live = ~r.frozen[s.rollout] & ~s.dropped
-    queued_tokens = int(s.n_sampled[sample_live].sum())
-    accounted = totals.tokens_sampled + totals.tokens_dropped + window.get(None, "tokens_dropped") + queued_tokens
+    dropped = totals.tokens_dropped + window.get(None, "tokens_dropped")
+    accounted = totals.tokens_sampled + dropped + restored.tokens_queued
     if restored.tokens_entered != accounted:
         fail(join(path, "tokens_entered"), f"{restored.tokens_entered}, but shipped, dropped and queued positions "
              f"add to {accounted}")  # fmt: skip
@@ -284,7 +236,7 @@ def check_mismatch(data: Any, path: str) -> MismatchSums:
 
 
 def check_metrics(data: Any, path: str) -> dict[str, MetricValue]:
-    """A metrics dict: numbers by key, and SPEC 14's floor source (a string)."""
+    """A metrics dict: numbers by key, and SPEC 14's floor source."""
     out: dict[str, MetricValue] = {}
     for key, value in mapping(data, path).items():
         if str(key).endswith("/floor_source"):  # SPEC 14's one string value
@@ -298,32 +250,26 @@ def check_metrics(data: Any, path: str) -> dict[str, MetricValue]:
 
 
 def check_report(data: Any, path: str) -> StepReport:
-    """A :class:`StepReport` from :func:`report_to_dict`, checked."""
     found = keys(
         data,
         path,
         ("step", "max_staleness", "metrics", "tally", "env_metrics", "env_tally", "mismatch"),
         ("env_mismatch",),  # absent from reports saved before it existed
     )
-    env_mismatch = mapping(found.get("env_mismatch", {}), join(path, "env_mismatch"))
-    metrics_at = join(path, "env_metrics")
-    env_metrics = mapping(found["env_metrics"], metrics_at)
-    env_tally = mapping(found["env_tally"], join(path, "env_tally"))
+    per_env_keys = ("env_mismatch", "env_metrics", "env_tally")
+    envs = {key: mapping(found.get(key, {}), join(path, key)) for key in per_env_keys}
+
+    def per_env(key: str, check: Callable[[Any, str], Any]) -> dict[str, Any]:
+        at = join(path, key)
+        return {string(env, at): check(value, join(at, env)) for env, value in envs[key].items()}
+
     return StepReport(
         step=integer(found["step"], join(path, "step"), 1, MAX_STEP),
         max_staleness=integer(found["max_staleness"], join(path, "max_staleness"), 0),
         metrics=check_metrics(found["metrics"], join(path, "metrics")),
         tally=check_tally(found["tally"], join(path, "tally")),
-        env_metrics={
-            string(env, metrics_at): check_metrics(values, join(metrics_at, env)) for env, values in env_metrics.items()
-        },
-        env_tally={
-            string(env, join(path, "env_tally")): check_tally(tally, join(join(path, "env_tally"), env))
-            for env, tally in env_tally.items()
-        },
+        env_metrics=per_env("env_metrics", check_metrics),
+        env_tally=per_env("env_tally", check_tally),
         mismatch=None if found["mismatch"] is None else check_mismatch(found["mismatch"], join(path, "mismatch")),
-        env_mismatch={
-            string(env, join(path, "env_mismatch")): check_mismatch(sums, join(join(path, "env_mismatch"), env))
-            for env, sums in env_mismatch.items()
-        },
+        env_mismatch=per_env("env_mismatch", check_mismatch),
     )

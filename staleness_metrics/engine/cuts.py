@@ -1,6 +1,5 @@
 """The cut into spans: the compiled pass that finds where a sample's positions change label or mask
-(and the weight facts of each cut), reading each position once at every size, and the span rows
-:mod:`.spans` keeps of those cuts (their numpy formulations: ``tests/engine/test_kernels.py``)."""
+(and the weight facts of each cut), and the span rows :mod:`.spans` keeps of those cuts."""
 
 from __future__ import annotations
 
@@ -14,27 +13,21 @@ import numpy.typing as npt
 
 from ..compiled import UNSIGNED_OF_SIZE, CompiledLoop
 from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
-
-__all__ = [
-    "WEIGHT_NAN", "WEIGHT_NONFINITE", "WEIGHT_NONZERO", "WEIGHT_NOT_POSITIVE", "CutFlags", "Cuts",
-    "SampleLabels", "SpanRows", "sample_cuts", "span_rows", "token_spans",
-]  # fmt: skip
-
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
+from .segments import BoolArray, IntArray
 
 _BLOCK = 32  # positions the cut loop checks at once for a cut (one vector pass)
 
-# Per cut facts of a weight array, as bits of one byte each (see sample_cuts).
+# Per cut facts of a weight array, as bits of one byte each (see sample_cuts)
 WEIGHT_NONZERO, WEIGHT_NONFINITE, WEIGHT_NAN, WEIGHT_NOT_POSITIVE = 1, 2, 4, 8
 # Sign bit and +inf bit pattern of the float dtypes the loop reads as unsigned integers
-_FLOAT_BITS = {np.dtype(np.float16): (1 << 15, 0x7C00), np.dtype(np.float32): (1 << 31, 0x7F800000),
-               np.dtype(np.float64): (1 << 63, 0x7FF << 52)}  # fmt: skip
+_FLOAT_BITS = {
+    np.dtype(np.float16): (np.uint64(1 << 15), np.uint64(0x7C00)),
+    np.dtype(np.float32): (np.uint64(1 << 31), np.uint64(0x7F800000)),
+    np.dtype(np.float64): (np.uint64(1 << 63), np.uint64(0x7FF << 52)),
+}
 
 
 def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> int:  # pragma: no cover - compiled
-    """The ``WEIGHT_*`` bits of one span's values read as unsigned integers of their width
-    (``sign``, ``infinity``: the sign bit and +inf's bits), by integer ORs: one vector pass."""
     one = np.uint64(1)
     magnitude = sign - one
     # y + at_least_inf has the sign bit exactly when y >= +inf's bits
@@ -71,16 +64,15 @@ def _cut_flags(
     sign: np.uint64,
     infinity: np.uint64,
 ) -> None:  # pragma: no cover - compiled
-    """Into ``flags``, the ``WEIGHT_*`` bits of each weight array on the cuts ``first`` to ``k - 1``
-    of one sample (``cuts``: starts, ends, first, k), read while the sample is in cache."""
+    """Into ``flags``, the ``WEIGHT_*`` bits of the cuts ``first`` to ``k - 1`` of one sample."""
     starts, ends, first, k = cuts
     w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
     for c in range(first, k):
         cut_start = starts[c]
         cut_end = ends[c]
         s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
-        # The usual cut: every value finite and > 0 (bits 1 .. +inf's - 1), by a min and a max
-        # in the values' own width (no widening); any other cut is read again.
+        # The usual cut, every value finite and > 0, by a min and a max in the values' own width;
+        # any other cut is read again
         low0, low1, low2 = s0[0], s1[0], s2[0]
         top0, top1, top2 = low0, low1, low2
         for q in range(1, cut_end - cut_start):
@@ -104,8 +96,7 @@ def _checked_positions(
     weights: tuple[npt.NDArray[Any], ...],
     n_weights: int,
 ) -> int:  # pragma: no cover - compiled
-    """The positions of ``samples``, once their offsets and the arrays' lengths are checked before
-    any read (span starts are checked as they are read)."""
+    """The positions of ``samples``, once the offsets and lengths are checked (not span starts)."""
     kinds, tokens, span_offsets, span_starts, span_versions = labels
     n = len(mask)
     if n_weights > 0 and (len(weights[0]) != n or len(weights[1]) != n or len(weights[2]) != n):
@@ -132,7 +123,6 @@ def _checked_positions(
 
 
 def _grown(values: IntArray, used: int, capacity: int) -> IntArray:  # pragma: no cover - compiled
-    """``values``' first ``used`` entries in a new array of ``capacity``."""
     wider = np.empty(capacity, dtype=values.dtype)
     wider[:used] = values[:used]
     return wider
@@ -145,9 +135,7 @@ def _token_sample(
     k: int,
     out: tuple[IntArray, IntArray, IntArray],
 ) -> tuple[int, int]:  # pragma: no cover - compiled
-    """The cuts of one sample labelled per position (``tok``, ``m``: its labels and mask; ``a``: its
-    first position) written into ``out`` (starts, labels, labelled) from cut ``k`` on; returns the
-    next cut and the labels below -1 seen."""
+    """Cut one sample labelled per position into ``out`` from cut ``k``; next cut, labels < -1."""
     starts, labels, labelled = out
     length = len(tok)
     starts[k] = a
@@ -214,9 +202,7 @@ def _span_sample(
     k: int,
     out: tuple[IntArray, IntArray, IntArray],
 ) -> int:  # pragma: no cover - compiled
-    """The cuts of one sample labelled by version spans (positions before the first span are
-    unlabelled), cut again where the mask changes, written into ``out`` from cut ``k`` on; returns
-    the next cut. Raises ``ValueError`` on span starts out of order within the sample."""
+    """Cut one sample labelled by version spans into ``out`` from cut ``k``; the next cut."""
     starts, labels, labelled = out
     length = len(m)
     n_spans = len(span_starts)
@@ -269,8 +255,7 @@ def _span_sample(
 
 
 _CUTTERS = (_checked_positions, _grown, _span_bits, _cut_flags, _token_sample, _span_sample)
-_NO_OPTIONS: Mapping[str, Any] = {}
-_CUT_CALLEES = {f.__name__: (f, _NO_OPTIONS) for f in _CUTTERS}
+_CUT_CALLEES: dict[str, tuple[Any, Mapping[str, Any]]] = {f.__name__: (f, {}) for f in _CUTTERS}
 
 
 @CompiledLoop(callees=_CUT_CALLEES)
@@ -286,8 +271,7 @@ def _sample_cuts(
     total = _checked_positions(labels, mask, pos_off, samples, weights, n_weights)
     kinds, tokens, span_offsets, span_starts, span_versions = labels
     sign, infinity = bits
-    # Outputs sized by the cuts, not the positions (page faults): room for the next sample's worst
-    # case (a cut per position), doubled when short.
+    # Outputs sized by the cuts, not the positions (page faults), doubled when short
     capacity = min(total + 1, max(64, 8 * len(samples)))
     starts = np.empty(capacity, dtype=np.int64)
     ends = np.empty_like(starts)
@@ -329,8 +313,7 @@ def _sample_cuts(
 
 
 def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """The mask in a dtype the loop compares as numpy does: float16 and long double as run
-    numbers, equal exactly where numpy's ``!=`` says no change."""
+    """The mask in a dtype the loop compares as numpy does (float16, long double: run numbers)."""
     if mask.dtype.kind in "biu" or mask.dtype in (np.float32, np.float64):
         return mask
     runs = np.zeros(len(mask), dtype=np.int64)
@@ -341,30 +324,22 @@ def _comparable_mask(mask: npt.NDArray[Any]) -> npt.NDArray[Any]:
 def _weight_bits(
     weights: Sequence[npt.NDArray[Any]], mask: npt.NDArray[Any]
 ) -> tuple[tuple[npt.NDArray[Any], ...], tuple[np.uint64, np.uint64]]:
-    """The weight arrays as the loop reads them: three contiguous arrays of one float dtype's bits
-    (fewer repeat the first; none: empty ones), with its sign and +inf bits. Other or mixed dtypes
-    are copied to the widest float given (float32 for integers and booleans alone): the same zero,
-    sign, finite and NaN facts."""
+    """The weight arrays as three contiguous arrays of one float dtype's bits, and its sign and +inf
+    bits (other dtypes copied to the widest float given)."""
     floats = [w.dtype for w in weights if w.dtype in _FLOAT_BITS]
     dtype: np.dtype[Any] = np.dtype(np.float64 if floats else np.float32)
     if not weights:  # (empty arrays of the mask's width: the loop compiled for that dtype serves)
         dtype = np.dtype(np.float64 if mask.dtype == np.float64 else np.float32)
-        return (np.zeros(0, dtype=UNSIGNED_OF_SIZE[dtype.itemsize]),) * 3, _bits_of(dtype)
+        return (np.zeros(0, dtype=UNSIGNED_OF_SIZE[dtype.itemsize]),) * 3, _FLOAT_BITS[dtype]
     if len(floats) == len(weights):
         dtype = max(floats, key=lambda d: d.itemsize)
     unsigned = UNSIGNED_OF_SIZE[dtype.itemsize]
     views = tuple(np.ascontiguousarray(w, dtype=dtype).view(unsigned) for w in weights)
-    return views + (views[0],) * (3 - len(views)), _bits_of(dtype)
-
-
-def _bits_of(dtype: np.dtype[Any]) -> tuple[np.uint64, np.uint64]:
-    sign, infinity = _FLOAT_BITS[dtype]
-    return np.uint64(sign), np.uint64(infinity)
+    return views + (views[0],) * (3 - len(views)), _FLOAT_BITS[dtype]
 
 
 class Cuts(NamedTuple):
-    """Per cut its range ``[starts, ends)``, label (-1: none), labelled positions and ``WEIGHT_*``
-    bits (a row per weight array); and how many labels are below -1."""
+    """Per cut its range, label, labelled positions and ``WEIGHT_*`` bits; labels below -1 seen."""
 
     starts: IntArray
     ends: IntArray
@@ -375,9 +350,7 @@ class Cuts(NamedTuple):
 
 
 class SampleLabels(NamedTuple):
-    """How the samples label their positions: per sample its ``kind`` (``LABELS_*``), the
-    per-position ``tokens`` and the version spans (``span_starts`` relative to the sample); arrays a
-    batch lacks are empty."""
+    """How the samples label their positions (``kinds``: ``LABELS_*``); absent arrays empty."""
 
     kinds: npt.NDArray[np.int8]
     tokens: npt.NDArray[np.signedinteger[Any]]
@@ -393,19 +366,9 @@ def sample_cuts(
     samples: IntArray,
     weights: Sequence[npt.NDArray[Any]] = (),
 ) -> Cuts:
-    """The cuts of the (increasing) ``samples``: ranges of one mask value and one version label that
-    tile each sample, the ``WEIGHT_*`` bits of each of ``weights`` per cut (``NONZERO``: not +-0.0,
-    NaN included; ``NONFINITE``; ``NAN``; ``NOT_POSITIVE``: not > 0), and the count of per-position
-    labels below -1 (the caller checks them).
-
-    A cut starts with its sample, wherever the mask changes, where a version span starts, and where
-    a per-position label differs from the cut's (``-1`` positions never start a cut: a cut holds
-    one label or none and the unlabelled positions around it). Large inputs are cut in parallel, a
-    share of the samples per thread.
-
-    Raises ``IndexError`` / ``ValueError`` on offsets or span starts that are out of order or point
-    beyond the arrays (checked before anything there is read or written).
-    """
+    """The cuts of the (increasing) ``samples``: ranges of one mask value and one version label (a
+    ``-1`` position never starts one) that tile each sample, with the ``WEIGHT_*`` bits of each of
+    ``weights`` per cut (``NONZERO``: not +-0.0, NaN included; ``NOT_POSITIVE``: not > 0)."""
     samples = np.ascontiguousarray(samples, dtype=np.int64)
     if len(weights) > 3:
         raise ValueError("sample_cuts: at most three weight arrays")
@@ -414,7 +377,7 @@ def sample_cuts(
     cut = partial(_sample_cuts, tuple(labels), _comparable_mask(mask), pos_off)
     if len(samples) < 2 or len(mask) < PARALLEL_MIN_POSITIONS:
         return Cuts(*cut(samples, views, len(weights), bits))
-    # Shares of about equal positions (the offsets are checked again inside each share).
+    # shares of about equal positions, in parallel (the offsets are checked in each share)
     ends = np.clip(pos_off[np.clip(samples + 1, 0, len(pos_off) - 1)], 0, None)
     edges = np.unique(np.searchsorted(ends, np.linspace(0, ends[-1], num=SHARES + 1)[1:-1], "left"))
     bounds = [0, *(int(e) + 1 for e in edges if 0 <= e < len(samples) - 1), len(samples)]
@@ -442,8 +405,6 @@ def token_spans(
 
 
 class SpanRows(NamedTuple):
-    """The span table :func:`span_rows` writes (see ``spans.SpanTable``)."""
-
     sample: IntArray
     lo: IntArray
     hi: IntArray
@@ -552,8 +513,8 @@ def _span_rows(
 
 
 class CutFlags(NamedTuple):
-    """Per cut: ``kept`` (its sample is valid), ``sampled`` (mask 1), whether its labelled and
-    unlabelled positions carry a loss weight, and ``side`` (a weight on an unsampled cut)."""
+    """Per cut: its sample valid, mask 1, a loss weight on its labelled / unlabelled positions, and
+    ``side`` (a weight on an unsampled cut)."""
 
     kept: BoolArray
     sampled: BoolArray
@@ -572,14 +533,8 @@ def span_rows(
     dispatch: IntArray,
     no_version: tuple[int, int],
 ) -> SpanRows:
-    """The rows of a span table from the cuts that tile the positions, in one pass: one row per
-    ``kept`` cut, two per mixed cut (``0 < labelled < hi - lo``: its labelled part, then its
-    unlabelled part, label -1), with version (the label, or the sample's ``dispatch`` version); and
-    per sample the reductions ``spans.SpanTable`` keeps (``no_version``: the low and high values).
-
-    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on a kept cut outside the
-    positions.
-    """
+    """The rows of a span table from the cuts, in one pass (a mixed cut: its labelled part, then its
+    unlabelled part), and the per-sample reductions (``no_version``: their low and high values)."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
     found = _span_rows(

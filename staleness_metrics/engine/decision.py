@@ -1,30 +1,24 @@
-"""What a policy sees (a :class:`Judgement`: a columnar slice of the sink's rollouts, samples and
-spans) and what it decides (a :class:`Decision`: four arrays over that slice). Nothing else passes
-between a policy and the rest of the engine."""
+"""What a policy sees (a :class:`Judgement`) and what it decides (a :class:`Decision`): nothing else
+passes between a policy and the rest of the engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
-import numpy.typing as npt
 
-__all__ = ["NO_MASK", "Decision", "Judgement"]
-
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
+from .segments import BoolArray, IntArray
 
 NO_MASK = np.iinfo(np.int64).min // 4  # a masking threshold below every version
 
 
 @dataclass(frozen=True)
 class Judgement:
-    """Queued rollouts under judgement at ``step`` (train version ``T = step - 1``), their samples
-    (``sample_offsets`` per rollout) and spans (``span_offsets`` per sample); for group policies
-    every queued member of each group it touches."""
+    """Queued rollouts under judgement at ``step`` (train version ``T = step - 1``): per rollout,
+    per sample (``sample_offsets`` per rollout), then per span (``span_offsets`` per sample); for
+    group policies every queued member of each group it touches."""
 
     step: int
-    # rollouts
     rows: IntArray  # the sink's row of each rollout
     frozen: BoolArray
     env: IntArray
@@ -33,7 +27,6 @@ class Judgement:
     group: IntArray  # group index; a rollout without group_id has a group of its own
     group_agentic: BoolArray  # any rollout of the group that ever entered the sink was agentic
     sample_offsets: IntArray
-    # samples
     sample_rows: IntArray
     sample_rollout: IntArray
     mask_below: IntArray  # current threshold: positions with version < it are masked
@@ -45,7 +38,6 @@ class Judgement:
     max_sampled_version: IntArray
     seq_min_version: IntArray
     span_offsets: IntArray
-    # spans
     span_sample: IntArray
     version: IntArray
     labelled: BoolArray

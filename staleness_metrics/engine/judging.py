@@ -1,6 +1,5 @@
-"""Judging queued rollouts (SPEC 5): the slice a policy sees (:func:`judgement_of`), and its
-decision written back (:func:`apply_decision`: thresholds raised, newly stale positions zeroed in
-place, drops counted in the open window)."""
+"""Judging queued rollouts (SPEC 5): the slice a policy sees (:func:`judgement_of`) and its decision
+written back (:func:`apply_decision`)."""
 
 from __future__ import annotations
 
@@ -12,22 +11,16 @@ import numpy.typing as npt
 
 from ..compiled import CompiledLoop
 from ..metrics.compute import WindowCounts
+from ..records.columnar import WEIGHT_FIELDS
 from .decision import Decision, Judgement
-from .masking import mask_spans
+from .masking import zero_spans
 from .queue import DROPPED, QUEUED, RolloutQueue
+from .segments import BoolArray, IntArray
 from .spans import SampleSpans, SpanRanges, as_compiled, check_sample_spans
-
-__all__ = [
-    "SliceRows", "StaleRows", "apply_decision", "judgement_again", "judgement_of", "mask_positions",
-    "slice_rows", "stale_rows", "with_groups",
-]  # fmt: skip
-
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 
 def with_groups(queue: RolloutQueue, rows: IntArray, judges_groups: bool) -> IntArray:
-    """``rows`` plus every queued member of their groups (for policies that judge groups)."""
+    """``rows`` plus every queued member of their groups (for a policy that judges groups)."""
     if not judges_groups or len(rows) == 0:
         return rows
     queued = np.flatnonzero(queue.rollouts.status == QUEUED)
@@ -41,8 +34,7 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
     cut = slice_rows(rows, r.sample_lo, r.sample_hi, s.span_lo, s.span_hi)
     sample_rows, span_rows = cut.sample_rows, cut.span_rows
     group = r.group[rows]
-    # (every field given: the frozen __init__'s setattr per field skipped)
-    judgement = object.__new__(Judgement)
+    judgement = object.__new__(Judgement)  # (the frozen __init__'s setattr per field skipped)
     judgement.__dict__.update(
         step=step, rows=rows, frozen=r.frozen[rows], env=r.env[rows], dispatch=r.dispatch[rows],
         completion=r.completion[rows], group=group, group_agentic=queue.group_agentic[group],
@@ -59,12 +51,10 @@ def judgement_of(queue: RolloutQueue, rows: IntArray, step: int) -> Judgement:
 
 
 def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntArray, step: int) -> Judgement:
-    """:func:`judgement_of` ``rows`` at ``step``, from ``judgement`` when that judged the same rows
-    at the same step: only thresholds and dropped samples are read again."""
+    """:func:`judgement_of`, from ``judgement`` when that judged the same rows at ``step``."""
     if judgement is None or judgement.step != step or not np.array_equal(judgement.rows, rows):
         return judgement_of(queue, rows, step)
     s = queue.samples
-    # (a frozen dataclass: a copy, its two fields set as its __init__ would)
     again = object.__new__(Judgement)
     again.__dict__.update(judgement.__dict__)
     again.__dict__["mask_below"] = s.mask_below[judgement.sample_rows]
@@ -73,18 +63,15 @@ def judgement_again(queue: RolloutQueue, judgement: Judgement | None, rows: IntA
 
 
 def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgement, decision: Decision) -> None:
-    """Write ``decision`` into the queue: raised thresholds masked in place, drops counted in
-    ``window``."""
+    """Write ``decision`` into the queue: raised thresholds masked in place, drops counted."""
     samples = queue.samples
     rows, sample_rows = judgement.rows, judgement.sample_rows
     mask_below = np.maximum(judgement.mask_below, decision.mask_below)
     raised = decision.mask_below > judgement.mask_below
-    # A sampled span's version is at least its sample's ``seq_min_version``: none below, none stale
     if raised.any() and (raised & (judgement.seq_min_version < mask_below)).any():
         mask_positions(queue, judgement, mask_below, raised)
     samples.mask_below[sample_rows] = mask_below
 
-    # (nothing dropped: the usual case)
     if not (decision.drop_sample.any() or decision.drop_rollout.any()):
         return
     drop_rollout = decision.drop_rollout & ~judgement.frozen
@@ -108,23 +95,24 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
 
 
 def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArray, raised: BoolArray) -> None:
-    """Zero newly stale sampled positions in mask and weights, in place (:func:`stale_rows`)."""
+    """Zero newly stale sampled positions in mask and weights, in place."""
     s, spans = queue.samples, queue.spans
     samples = SampleSpans(s.span_lo[judgement.sample_rows], s.span_hi[judgement.sample_rows],
                           judgement.sample_rollout)  # fmt: skip
-    table, thresholds = (
-        SpanRanges(spans.part, spans.lo, spans.hi),
-        (judgement.mask_below, mask_below, raised),
-    )
+    table = SpanRanges(spans.part, spans.lo, spans.hi)
+    thresholds = (judgement.mask_below, mask_below, raised)
     chunk = queue.rollouts.chunk[judgement.rows]
     found = stale_rows(samples, table, judgement.version, judgement.sampled, thresholds, chunk)
-    if len(found.lo):
-        mask_spans(queue.chunks, found.chunk, found.lo, found.hi, found.part, found.positions)
+    for c in np.unique(found.chunk).tolist():  # in the mask and the weight arrays of each batch
+        rows = np.flatnonzero(found.chunk == c)
+        batch = queue.chunks[c]
+        assert batch is not None
+        weights = [getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None]
+        spans_of = found.lo[rows], found.hi[rows], found.part[rows], found.positions[rows]
+        zero_spans([batch.mask, *weights], batch.token_versions, *spans_of)
 
 
 class SliceRows(NamedTuple):
-    """The sample and span rows of some rollouts, in order, with local offsets."""
-
     sample_rows: IntArray
     sample_offsets: IntArray  # per rollout, into sample_rows
     sample_rollout: IntArray  # per sample, its local rollout
@@ -185,19 +173,11 @@ def _slice_rows(
 def slice_rows(
     rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
 ) -> SliceRows:
-    """For the rollouts at ``rows`` (samples ``sample_lo[row]:sample_hi[row]``, each with spans
-    ``span_lo[k]:span_hi[k]``): their sample rows in order, offsets per rollout and each sample's
-    rollout; then the same for the samples' span rows, in one pass.
-
-    Raises ``ValueError`` on lo and hi of different lengths, ``IndexError`` on a row or range
-    outside the table.
-    """
+    """The sample and span rows of the rollouts at ``rows`` with their offsets, in one pass."""
     return SliceRows(*_slice_rows(rows, sample_lo, sample_hi, span_lo, span_hi))
 
 
 class StaleRows(NamedTuple):
-    """The span rows a decision newly masks (what ``zero_spans`` writes)."""
-
     chunk: IntArray
     lo: IntArray
     hi: IntArray
@@ -221,38 +201,30 @@ def _stale_rows(
     if len(old_below) != n_samples or len(new_below) != n_samples or len(raised) != n_samples:
         raise ValueError("stale_rows: the sample arrays differ in length")
     n = check_sample_spans(samples, table, version, sampled, len(rollout_chunk))
-    # Per row (in judgement order): stale at the new threshold, and newly masked (hit).
+    # per row (in judgement order): stale at the new threshold, and newly masked (hit)
     stale = np.empty(n, dtype=np.bool_)
     hit = np.empty(n, dtype=np.bool_)
-    row_of = np.empty(n, dtype=np.int64)  # the row in the span table
     i = 0
     for k in range(n_samples):
-        for r in range(span_lo[k], span_hi[k]):
+        for _ in range(span_lo[k], span_hi[k]):
             stale[i] = version[i] < new_below[k]
             hit[i] = raised[k] & stale[i] & (version[i] >= old_below[k]) & (sampled[i] > 0)
-            row_of[i] = r
             i += 1
-    # The two parts of a mixed span are adjacent rows (spans.PART_*: 1 labelled, then 2 unlabelled):
-    # when both are stale now the whole range goes, written once by the labelled part's row.
-    count = 0
-    for i in range(n):
-        p = part[row_of[i]]
-        partner = i + (p == 1) - (p == 2)
-        if partner < 0 or partner >= n:
-            raise IndexError("stale_rows: a part of a mixed span without its other part")
-        if hit[i] and not (p == 2 and hit[partner]):
-            count += 1
-    out_chunk = np.empty(count, dtype=np.int64)
-    out_lo = np.empty(count, dtype=np.int64)
-    out_hi = np.empty(count, dtype=np.int64)
-    out_part = np.empty(count, dtype=np.int8)
-    out_count = np.empty(count, dtype=np.int64)
+    out_chunk = np.empty(n, dtype=np.int64)
+    out_lo = np.empty(n, dtype=np.int64)
+    out_hi = np.empty(n, dtype=np.int64)
+    out_part = np.empty(n, dtype=np.int8)
+    out_count = np.empty(n, dtype=np.int64)
     j = 0
     i = 0
     for k in range(n_samples):
         for r in range(span_lo[k], span_hi[k]):
+            # A mixed span's parts are adjacent rows (1 labelled, 2 unlabelled): both stale, the
+            # whole range goes, by the labelled part's row
             p = part[r]
             partner = i + (p == 1) - (p == 2)
+            if partner < 0 or partner >= n:
+                raise IndexError("stale_rows: a part of a mixed span without its other part")
             if hit[i] and not (p == 2 and hit[partner]):
                 out_chunk[j] = rollout_chunk[sample_rollout[k]]
                 out_lo[j] = table_lo[r]
@@ -261,7 +233,7 @@ def _stale_rows(
                 out_count[j] = sampled[i]
                 j += 1
             i += 1
-    return out_chunk, out_lo, out_hi, out_part, out_count
+    return out_chunk[:j], out_lo[:j], out_hi[:j], out_part[:j], out_count[:j]
 
 
 def stale_rows(
@@ -272,15 +244,8 @@ def stale_rows(
     thresholds: tuple[IntArray, IntArray, BoolArray],
     rollout_chunk: IntArray,
 ) -> StaleRows:
-    """The span rows a decision newly masks, in one pass over the judged ``samples``' rows of the
-    span ``table`` (``version`` and ``sampled`` per row): sampled rows of a raised sample whose
-    version is at or above its old threshold and below its new one (``thresholds``: old, new,
-    raised). Part 0 (the whole range, by the labelled part's row) when both parts of a mixed span
-    are stale.
-
-    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts
-    outside them.
-    """
+    """The span rows a decision newly masks (sampled, from the old threshold up to the new), in one
+    pass; a mixed span whose parts are both stale as one row of part 0."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     old_below, new_below, raised = thresholds
     raised = np.ascontiguousarray(raised, dtype=np.bool_)

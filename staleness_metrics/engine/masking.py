@@ -1,6 +1,5 @@
-"""Writing a decision into the position arrays: newly stale sampled positions become 0, in place.
-Whole spans are range fills; of a mixed span whose parts fall on different sides of the threshold,
-the positions of one part are written. One compiled pass over the masked spans of a batch."""
+"""Writing a decision into the position arrays: newly stale sampled positions become 0, in place,
+in one compiled pass over the masked spans of a batch."""
 
 from __future__ import annotations
 
@@ -14,32 +13,9 @@ import numpy.typing as npt
 
 from ..compiled import UNSIGNED_OF_SIZE, CompiledLoop
 from ..parallel import PARALLEL_MIN_POSITIONS, SHARES, run_all
-from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
-
-__all__ = ["mask_spans", "zero_spans"]
-
-IntArray = npt.NDArray[np.int64]
+from .segments import IntArray
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
-
-
-def mask_spans(
-    chunks: Sequence[RolloutBatch | None],
-    chunk: IntArray,
-    lo: IntArray,
-    hi: IntArray,
-    part: npt.NDArray[np.int8],
-    count: IntArray,
-) -> None:
-    """:func:`zero_spans` of the given span rows of the sink's batches (``chunks``, indexed by
-    ``chunk``) in the mask and the weight arrays each has."""
-    for c in np.unique(chunk).tolist():
-        rows = np.flatnonzero(chunk == c)
-        batch = chunks[c]
-        assert batch is not None
-        weights = [getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None]
-        spans = lo[rows], hi[rows], part[rows], count[rows]
-        zero_spans([batch.mask, *weights], batch.token_versions, *spans)
 
 
 @CompiledLoop
@@ -62,7 +38,6 @@ def _zero_spans(
     rows = len(lo)
     if len(hi) != rows or len(part) != rows or len(count) != rows:
         raise ValueError("zero_spans: lo, hi, part and count differ in length")
-    # part: 0 whole, 1 labelled, 2 unlabelled (spans.PART_*)
     for r in range(rows):
         a = lo[r]
         b = hi[r]
@@ -70,8 +45,7 @@ def _zero_spans(
             continue
         if a < 0 or b > n or (part[r] != 0 and b > len(tokens)):
             raise IndexError("zero_spans: a span lies outside the arrays")
-        # Loops over slices: in bounds by the check above, with no negative-index fix-up per
-        # position, so LLVM makes each a memset or a vector select.
+        # Slices, in bounds by the check above: LLVM makes each loop a memset or a vector select
         s0, s1, s2, s3 = b0[a:b], b1[a:b], b2[a:b], b3[a:b]
         if part[r] == 0:
             for i in range(b - a):
@@ -106,15 +80,13 @@ def zero_spans(
     part: npt.NDArray[np.int8],
     count: IntArray,
 ) -> None:
-    """Set to 0 (+0.0), in place, in each of ``arrays`` (one to four of the same length): every
-    position of ``[lo[r], hi[r])`` where ``part[r]`` is 0, else its unlabelled positions
-    (``tokens < 0``) where it is 2 and its labelled ones where it is 1; ``count[r]``: how many
-    positions that is (it only chooses how to write them)."""
+    """Zero, in place, in each of ``arrays`` (one to four), the positions of ``[lo[r], hi[r])``: all
+    (``part`` 0), the labelled (1) or unlabelled (2, ``tokens < 0``) ones; ``count``: how many."""
     if len(lo) == 0:
         return
     views = [values.view(UNSIGNED_OF_SIZE[values.dtype.itemsize]) for values in arrays]
     views += [views[0]] * (4 - len(views))  # zeroing a position twice is harmless
-    # Zeros of each view's own type: a literal 0 would make the selects float64.
+    # (a literal 0 would make the selects float64)
     zeros = tuple(view.dtype.type(0) for view in views)
     labels = _NO_TOKENS if tokens is None else tokens
     total = int((hi - lo).sum())
@@ -122,7 +94,7 @@ def zero_spans(
         _zero_spans(*views, labels, lo, hi, part, count, zeros)
         return
     written = (hi - lo).cumsum()
-    # Shares of about equal positions, written in parallel (the rows are disjoint ranges)
+    # shares of about equal positions, written in parallel (the rows are disjoint)
     edges = np.searchsorted(written, np.linspace(0, total, num=SHARES + 1)[1:-1], "left").tolist()
     bounds = [0, *edges, len(lo)]
     tasks = [

@@ -1,10 +1,5 @@
-"""The queue of a sink (SPEC 4): the rollouts waiting to ship and what the engine keeps of them.
-
-Three growable tables (:mod:`.rows`) hold a row per queued rollout, sample and span; the batches the
-rollouts arrived in are kept whole (masked in place) until no queued rollout needs them. Small adds
-are staged to be cut together (:mod:`.staging`); rows leave (shipped, dropped, set aside) and are
-forgotten in bulk (:meth:`RolloutQueue.compact`).
-"""
+"""The queue of a sink (SPEC 4): a row per queued rollout, sample and span (:mod:`.table`), and the
+batches they arrived in, kept whole (masked in place) until no queued rollout needs them."""
 
 from __future__ import annotations
 
@@ -12,21 +7,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
 from ..records.columnar import RolloutBatch
 from ..records.validation import Verdicts, plain_values_of
 from .decision import NO_MASK
-from .rows import RolloutRows, SampleRows, SpanRows
-from .segments import expand_ranges
+from .segments import IntArray, expand_ranges
 from .spans import SpanTable, build_spans
-from .staging import STAGE_FLUSH_POSITIONS, STAGE_MAX_POSITIONS, Staged, joined, kind_of, runs_of
-
-__all__ = [
-    "COMPACT_MIN_ROWS", "DROPPED", "INVALID", "NEVER", "QUEUED", "SHIPPED", "STAGE_MAX_POSITIONS", "RolloutQueue",
-]  # fmt: skip
-
-IntArray = npt.NDArray[np.int64]
+from .staging import STAGE_FLUSH_POSITIONS, Staged, joined, kind_of, runs_of
+from .table import RolloutRows, SampleRows, SpanRows
 
 QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3  # a rollout row's status
 COMPACT_MIN_ROWS = 4096  # below this many rows, forgetting is not worth a copy
@@ -34,8 +22,7 @@ NEVER = -1  # the step of a rollout not judged yet
 
 
 class RolloutQueue:
-    """The rows of the queued rollouts (and of those resolved since the last :meth:`compact`), their
-    batches, and the ids, groups and envs of the run. ``observe_added``: the policy's hook."""
+    """The rows of the queued rollouts, their batches, and the ids, groups and envs of the run."""
 
     def __init__(self, observe_added: Callable[[IntArray], None]) -> None:
         self.rollouts = RolloutRows()
@@ -48,36 +35,29 @@ class RolloutQueue:
         self.chunk_open: list[int] = []  # rollouts of each chunk still queued
         self.closing: list[int] = []  # chunks whose last rollout left: released at the next ship
         self.groups: dict[str, int] = {}
-        # per group: a member that ever entered was agentic
         self.group_agentic = np.zeros(16, dtype=bool)
         self.n_groups = 0
         self.env_index: dict[str | None, int] = {None: 0}
         self.env_names: dict[int, str] = {0: ""}
         self.queued = 0
-        # Conservation: sampled positions of live rollouts accepted = shipped + dropped + queued
-        self._tokens_entered = 0
-        # Small batches queued (ids, groups, envs and chunks registered), their rows not built yet
-        self._staged: list[Staged] = []
+        self._tokens_entered = 0  # (conservation: = shipped + dropped + queued)
+        self._staged: list[Staged] = []  # small batches queued, their rows not built yet
         self._staged_rollouts = 0
         self._staged_positions = 0
         self._observe_added = observe_added
-        # No row before this one is queued: where :meth:`queued_rows` starts to look
-        self._first_queued = 0
+        self._first_queued = 0  # no row before this one is queued
 
     @property
     def tracked_rollouts(self) -> int:
-        """Rollout rows held in memory: the queue plus those resolved since the last compaction."""
         return len(self.rollouts) + self._staged_rollouts
 
     @property
     def tokens_entered(self) -> int:
-        """Sampled positions of live rollouts accepted so far (set aside at ship: taken out)."""
         self.build_staged()
         return self._tokens_entered
 
     @property
     def tokens_queued(self) -> int:
-        """Sampled positions of live rollouts still queued (samples not dropped)."""
         self.build_staged()
         return self.queued_tokens(np.flatnonzero(self.rollouts.status == QUEUED))
 
@@ -88,7 +68,6 @@ class RolloutQueue:
         return self.env_index[name]
 
     def rows_named(self, ids: Iterable[str]) -> IntArray:
-        """The queued rows of the rollouts ``ids`` names, ascending."""
         self.build_staged()
         row_of = self.row_of
         rows: IntArray = np.unique(np.array([row_of[i] for i in ids if i in row_of], dtype=np.int64))
@@ -99,14 +78,11 @@ class RolloutQueue:
         return list(map(self.ids.__getitem__, rows.tolist()))
 
     def batches_of(self, chunks: Iterable[int]) -> dict[int, RolloutBatch]:
-        """The batches ``chunks`` name (each a queued rollout's: kept)."""
         found = {c: self.chunks[c] for c in chunks}
         assert None not in found.values(), "a queued rollout's batch is kept"
         return found  # type: ignore[return-value]
 
-    # ------------------------------------------------------------------ entering
     def _new_groups(self, count: int) -> int:
-        """Register ``count`` new groups; returns the index of the first."""
         first = self.n_groups
         self.n_groups += count
         if self.n_groups > len(self.group_agentic):
@@ -116,8 +92,7 @@ class RolloutQueue:
         return first
 
     def _groups_of(self, batch: RolloutBatch, rollouts: list[int] | None) -> list[int]:
-        """Group index of each rollout (None: all), registering new groups (one of its own without
-        group_id)."""
+        """Group index of each rollout (None: all), registering new ones."""
         assert batch.group_ids is not None and batch.agentic is not None
         names = batch.group_ids if rollouts is None else list(map(batch.group_ids.__getitem__, rollouts))
         if names.count(None) == len(names):  # singletons: one new group each, no lookups
@@ -138,8 +113,7 @@ class RolloutQueue:
         return groups
 
     def admit(self, batch: RolloutBatch, kept_ids: list[int] | None = None) -> tuple[int, list[int], list[int]]:
-        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all) by id, group and env (their rows
-        come after); returns the batch's chunk and the rollouts' groups and envs."""
+        """Register the rollouts ``kept_ids`` of ``batch``: its chunk, their groups and envs."""
         assert batch.envs is not None and batch.group_ids is not None and batch.agentic is not None
         if kept_ids is not None and len(kept_ids) == len(batch.ids):
             kept_ids = None
@@ -150,13 +124,11 @@ class RolloutQueue:
         env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))
         count = len(ids)
         self.chunk_open.append(count)
-        # (a single add)
         if count == 1 and kept_ids is None and batch.group_ids[0] is None and not batch.agentic[0]:
             groups = [self._new_groups(1)]
         else:
             groups = self._groups_of(batch, kept_ids)
         env = self.env_index.get(env_names[0])
-        # (one known env: no lookup per rollout)
         if env is not None and env_names.count(env_names[0]) == count:
             envs = [env] * count
         else:
@@ -168,7 +140,6 @@ class RolloutQueue:
         return chunk, groups, envs
 
     def add_checked(self, batch: RolloutBatch, spans: SpanTable, kept_ids: list[int] | None = None) -> None:
-        """Queue the rollouts ``kept_ids`` of ``batch`` (None: all), cut into ``spans``."""
         self.build_staged()  # (rows are built in the order rollouts entered)
         chunk, groups, envs = self.admit(batch, kept_ids)
         keep = None if kept_ids is None else np.array(kept_ids, dtype=np.int64)
@@ -177,9 +148,7 @@ class RolloutQueue:
         self.append_rows(batch, spans, keep, (np.full(count, chunk), index, np.array(groups), np.array(envs)))
 
     def stage(self, batch: RolloutBatch) -> int | None:
-        """Queue a batch ``plainly_valid`` passed once its positions are plain too (its rows built
-        by :meth:`build_staged`): how many rollouts it queued, or None when the exact checks are
-        to say why not."""
+        """Queue a plainly valid batch, its rows built later: how many rollouts, or None."""
         if not plain_values_of(batch):
             return None
         n_rollouts, n_positions = batch.n_rollouts, batch.n_positions
@@ -192,8 +161,7 @@ class RolloutQueue:
         return n_rollouts
 
     def build_staged(self) -> None:
-        """Cut the staged batches into spans and append their rows, in order: each run of batches
-        whose arrays agree in one pass (:func:`~.staging.joined`)."""
+        """Cut the staged batches into spans and append their rows, a run that agrees at a time."""
         if not self._staged:
             return
         staged, self._staged = self._staged, []
@@ -217,7 +185,6 @@ class RolloutQueue:
                 rows = (found.chunk, found.number, found.groups, found.envs)
             verdicts = Verdicts(batch)
             spans = build_spans(batch, verdicts)
-            # plainly_valid may only err towards no
             assert not verdicts.errors, "a plainly valid batch was refused"
             self.append_rows(batch, spans, None, rows, base)
             first += count
@@ -230,9 +197,7 @@ class RolloutQueue:
         rows: tuple[IntArray, IntArray, IntArray, IntArray],
         position_base: IntArray | None = None,
     ) -> None:
-        """The table rows of rollouts ``keep`` of ``batch`` (None: all), cut into ``spans``.
-        ``rows``: per rollout its chunk, index there, group and env; ``position_base``: where its
-        chunk starts in ``batch``'s positions."""
+        """Append the rows of rollouts ``keep`` of ``batch`` (None: all)."""
         chunk, index, groups, envs = rows
         offsets, span_offsets = batch.sample_offsets, spans.span_offsets
         every: Any = slice(None)
@@ -282,9 +247,7 @@ class RolloutQueue:
         self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
         self._observe_added(groups)
 
-    # ------------------------------------------------------------------ leaving
     def queued_rows(self) -> IntArray:
-        """The rows of the queued rollouts, ascending (staged ones built first)."""
         self.build_staged()
         start = self._first_queued
         rows = np.flatnonzero(self.rollouts.status[start:] == QUEUED)
@@ -300,7 +263,6 @@ class RolloutQueue:
         return int(s.n_sampled[sample_rows][live].sum())
 
     def leave(self, rows: IntArray, status: int) -> None:
-        """Rollouts ``rows`` leave the queue (``status``: shipped, dropped or invalid)."""
         self.rollouts.status[rows] = status
         self.queued -= len(rows)
         if not len(rows):
@@ -309,7 +271,6 @@ class RolloutQueue:
         low = int(chunks.min())
         counts = np.bincount(chunks - low)
         chunk_open = self.chunk_open
-        # (one chunk per add: a few dozen at most per ship, usually)
         for offset in np.flatnonzero(counts).tolist():
             chunk = low + offset
             chunk_open[chunk] -= int(counts[offset])
@@ -317,19 +278,16 @@ class RolloutQueue:
                 self.closing.append(chunk)
 
     def set_aside(self, rows: IntArray) -> None:
-        """Queued ``rows`` leave as invalid (lenient mode): their positions
-        never entered after all."""
+        """Queued ``rows`` leave as invalid: their positions never entered after all."""
         self._tokens_entered -= self.queued_tokens(rows)
         self.leave(rows, INVALID)
 
     def release_chunks(self) -> None:
-        """Let go of the batches that closed since the last ship (no queued rollout needs them)."""
         for chunk in self.closing:
             self.chunks[chunk] = None
         self.closing = []
 
     def compact(self) -> None:
-        """Forget rollouts that left the sink: the tables keep only queued ones, renumbered."""
         self.build_staged()
         r, s = self.rollouts, self.samples
         keep = np.flatnonzero(r.status == QUEUED)
@@ -356,7 +314,6 @@ class RolloutQueue:
         self._first_queued = 0  # (renumbered)
         self.closing = []  # chunks closing now have no queued rollout: they are not kept
 
-    # ------------------------------------------------------------------ checkpoint
     def restore(self, observe_added: Callable[[IntArray], None] | None = None, **fields: Any) -> None:
         """Take a checked saved state's fields (:mod:`.queue_state`), and the policy's hook."""
         unknown = set(fields) - set(vars(self)) - {"tokens_entered"}

@@ -1,18 +1,9 @@
-"""Vectorised helpers over segments (contiguous runs given by offsets): the engine's only loops."""
+"""Vectorised helpers over segments: contiguous runs given by offsets."""
 
 from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
-
-__all__ = [
-    "distinct",
-    "expand_ranges",
-    "segment_any",
-    "segment_max",
-    "segment_min",
-    "segment_sum",
-]
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -20,7 +11,6 @@ BoolArray = npt.NDArray[np.bool_]
 
 def segment_sum(values: npt.NDArray[np.generic], offsets: IntArray) -> IntArray:
     """Sum of ``values[offsets[i]:offsets[i+1]]`` for every segment (0 for empty ones)."""
-    # one allocation: a leading 0, then the running sum
     totals = np.empty(len(values) + 1, dtype=np.int64)
     totals[0] = 0
     values.cumsum(dtype=np.int64, out=totals[1:])
@@ -36,9 +26,8 @@ def _segment_reduce(ufunc: np.ufunc, values: IntArray, offsets: IntArray, empty:
     nonempty = offsets[1:] > starts
     if nonempty.all():  # the usual case: no selection to build
         out[:] = ufunc.reduceat(values, starts)
-    elif nonempty.any():
+    elif nonempty.any():  # (reduceat runs to the next given start: empty segments left out)
         out[nonempty] = ufunc.reduceat(values, starts[nonempty])
-        # reduceat runs to the next *given* start; empty segments were left out so that holds.
     return out
 
 

@@ -1,6 +1,5 @@
-"""What a ship hands back (SPEC 4): the :class:`Shipment` and its :class:`ShippedRollout`\ s, their
-form as SPEC 3 records (``--batches-out``, SPEC 9), and :func:`padded_shipment`, the way back to a
-padded batch's ``[B, L]`` arrays."""
+"""What a ship hands back (SPEC 4): the :class:`Shipment`, its rollouts as SPEC 3 records, and
+:func:`padded_shipment`, the way back to a padded batch's ``[B, L]`` arrays."""
 
 from __future__ import annotations
 
@@ -16,11 +15,8 @@ import numpy.typing as npt
 from ..errors import FieldError, TraceError
 from ..metrics.report import MetricValue, StepReport
 from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS, RolloutBatch
+from .segments import BoolArray
 from .shipped_positions import ShippedSpans
-
-__all__ = ["PaddedShipment", "Shipment", "ShippedRollout", "padded_shipment"]
-
-BoolArray = npt.NDArray[np.bool_]
 
 
 @dataclass(frozen=True)
@@ -33,11 +29,8 @@ class ShippedRollout:
     samples: tuple[int, ...]  # indices (within the rollout) of the samples shipped
 
     def record(self, arrays: bool = False) -> dict[str, Any]:
-        """The rollout as a SPEC 3 record: masked arrays, dropped samples removed.
-
-        Per-position fields are lists, or with ``arrays`` numpy arrays of the same values (for an
-        encoder that writes arrays natively).
-        """
+        """The rollout as a SPEC 3 record: masked arrays, dropped samples removed; per-position
+        fields are lists, or with ``arrays`` numpy arrays."""
         batch, index = self.batch, self.index
         if batch.echo is not None:
             record = dict(batch.echo[index])
@@ -70,7 +63,6 @@ def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> di
         assert batch.span_offsets is not None and batch.span_versions is not None
         assert batch.span_starts is not None
         a, b = batch.span_offsets[sample : sample + 2].tolist()
-        # a few pairs: Python lists cost less than a stacked array, and encode to the same JSON
         out["weight_versions"] = [
             list(pair) for pair in zip(batch.span_versions[a:b].tolist(), batch.span_starts[a:b].tolist())
         ]
@@ -86,7 +78,7 @@ def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> di
             out[name] = part if arrays else part.tolist()
     if batch.trainer_logprobs is not None and present["trainer_logprobs"][sample]:
         values = batch.trainer_logprobs[lo:hi].astype(np.float64)
-        # missing values are null; orjson writes a non-finite float of an array as null by itself
+        # (orjson writes a non-finite float of an array as null itself)
         out["trainer_logprobs"] = values if arrays else [v if math.isfinite(v) else None for v in values.tolist()]
     return out
 
@@ -98,10 +90,7 @@ _ARRAY_FIELDS = (*WEIGHT_FIELDS, "logprobs")
 @dataclass(frozen=True)
 class Shipment:
     """A shipped batch with its metrics, and what left the sink for staleness in its window.
-
-    ``rollouts`` is built on first access: an orchestrator that trains on its own (masked in place)
-    arrays never pays for per-rollout objects.
-    """
+    ``rollouts`` is built on first access."""
 
     step: int
     report: StepReport
@@ -120,15 +109,13 @@ class Shipment:
     @cached_property
     def lags(self) -> npt.NDArray[np.int64]:
         """The lag ``T - v`` of every shipped position (SPEC 11), aligned with the shipped samples'
-        arrays concatenated in ship order (:attr:`rollouts`, then their samples); ``-1`` where a
-        position is not a sampled position of a live rollout. Send it with the batch to a trainer
-        that computes :func:`~staleness_metrics.mismatch_sums` from its own log-probabilities."""
+        arrays concatenated in ship order; ``-1`` where a position is not a sampled position of a
+        live rollout. For a trainer that computes :func:`~staleness_metrics.mismatch_sums`."""
         return self._spans.lags() if self._spans is not None else np.zeros(0, dtype=np.int64)
 
     @cached_property
     def lag_offsets(self) -> npt.NDArray[np.int64]:
-        """Where each shipped sample starts in :attr:`lags` (one more entry
-        than shipped samples)."""
+        """Where each shipped sample starts in :attr:`lags` (one more entry than samples)."""
         return self._spans.lag_offsets() if self._spans is not None else np.zeros(1, dtype=np.int64)
 
     @property
@@ -141,8 +128,7 @@ class Shipment:
         return [r.id for r in self.rollouts]
 
     def batches_line(self, arrays: bool = False) -> dict[str, Any]:
-        """The ``--batches-out`` line of this ship (SPEC 9); ``arrays`` as in
-        :meth:`ShippedRollout.record`."""
+        """The ``--batches-out`` line of this ship (SPEC 9); ``arrays`` as in ``record``."""
         return {
             "step": self.step,
             "shipped": [r.record(arrays) for r in self.rollouts],
@@ -154,12 +140,8 @@ class Shipment:
 
 @dataclass(frozen=True)
 class PaddedShipment:
-    """A ship seen as the caller's ``[B, L]`` arrays.
-
-    ``shipped[i]`` says whether row ``i`` was shipped by this ship (its sample kept). ``mask`` and
-    each present weight array are the masked values of shipped rows and 0 on every other row
-    (dropped, held, still queued or shipped earlier), so the loss reads them as they are.
-    """
+    """A ship seen as the caller's ``[B, L]`` arrays: ``shipped[i]``, whether this ship shipped row
+    ``i``; ``mask`` and each present weight array, masked on shipped rows and 0 on every other."""
 
     shipped: BoolArray
     mask: npt.NDArray[Any]
@@ -169,11 +151,8 @@ class PaddedShipment:
 
 
 def padded_shipment(shipment: Shipment, batch: RolloutBatch) -> PaddedShipment:
-    """The ``[B, L]`` arrays the loss reads after ``shipment``, for rows of ``batch`` (from
-    :func:`~staleness_metrics.records.padded.from_padded`).
-
-    Rows of other batches in the same ship are ignored.
-    """
+    """The ``[B, L]`` arrays the loss reads after ``shipment``, for the rows of ``batch`` (from
+    :func:`~staleness_metrics.records.padded.from_padded`); other batches' rows are ignored."""
     layout = batch.padded
     if layout is None:
         raise FieldError("batch", "padded_shipment reads a batch built by from_padded; this one was not")

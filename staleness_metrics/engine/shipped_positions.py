@@ -1,6 +1,5 @@
-"""The positions of a ship, for what needs more than spans: the lag of every shipped position
-(handed to a trainer in another process) and the SPEC 11 sums from the records' log-probabilities.
-A ship's spans are found, and expanded to positions, only when asked."""
+"""The positions of a ship, found only when asked: the lag of every shipped position (for a trainer
+in another process) and the SPEC 11 sums from the records' log-probabilities."""
 
 from __future__ import annotations
 
@@ -19,22 +18,16 @@ from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..records.columnar import RolloutBatch
 from .decision import Judgement
 from .queue import RolloutQueue
-from .segments import distinct, expand_ranges
+from .segments import BoolArray, IntArray, distinct, expand_ranges
 from .spans import SampleSpans, SpanRanges, as_compiled, check_sample_spans
-
-__all__ = ["NOT_SAMPLED", "ShippedRows", "ShippedSpans", "shipped_rows", "shipped_spans"]
-
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 # the lag of a position outside SPEC 11's population (mask 0 as arrived, or frozen)
 NOT_SAMPLED = -1
+_LOGPROBS = ("logprobs", "trainer_logprobs")
 
 
 class ShippedSpans:
-    """The spans of a ship's kept samples, in ship order (:class:`ShippedRows`), found on first use
-    of :attr:`rows` (``find``: one compiled pass), so a ship whose lags and log-probability sums
-    nobody asks for never pays for them. ``chunk`` indexes ``batches``."""
+    """The spans of a ship's kept samples, found on first use of :attr:`rows`."""
 
     def __init__(self, batches: Sequence[RolloutBatch], find: Callable[[], ShippedRows]) -> None:
         self.batches = batches
@@ -44,40 +37,27 @@ class ShippedSpans:
     def rows(self) -> ShippedRows:
         return self._find()
 
-    def _unlabelled(self, rows: IntArray) -> tuple[IntArray, IntArray]:
-        """For mixed spans among ``rows``: the indices (into the concatenation of ``rows``'
-        positions) of their unlabelled positions, and the row (index into ``rows``) of each."""
-        spans = self.rows
-        chunk, mixed, lo, hi = spans.chunk[rows], spans.mixed[rows], spans.lo[rows], spans.hi[rows]
-        if not mixed.any():
-            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        found, owners = [], []
-        starts = np.concatenate(([0], np.cumsum(hi - lo)))
-        for c in distinct(chunk[mixed]):
-            tokens = self.batches[c].token_versions
-            assert tokens is not None
-            local = np.flatnonzero(mixed & (chunk == c))
-            positions = expand_ranges(lo[local], hi[local])
-            owner = np.repeat(local, hi[local] - lo[local])
-            unlabelled = tokens[positions] < 0
-            found.append((starts[owner] + positions - lo[owner])[unlabelled])
-            owners.append(owner[unlabelled])
-        return np.concatenate(found), np.concatenate(owners)
-
     def _per_position(self, rows: IntArray) -> tuple[IntArray, BoolArray]:
-        """Lag and masked flag of every position of ``rows``, in order."""
+        """Lag and masked flag of every position of ``rows``."""
         found = self.rows
-        lengths = found.hi[rows] - found.lo[rows]
-        lag, masked = np.repeat(found.lag[rows], lengths), np.repeat(found.masked[rows], lengths)
-        at, owner = self._unlabelled(rows)
-        if len(at):
-            lag[at] = found.unlabelled_lag[rows][owner]
-            masked[at] = found.unlabelled_masked[rows][owner]
+        chunk, mixed, lo, hi = found.chunk[rows], found.mixed[rows], found.lo[rows], found.hi[rows]
+        lag, masked = np.repeat(found.lag[rows], hi - lo), np.repeat(found.masked[rows], hi - lo)
+        if mixed.any():
+            starts = np.concatenate(([0], np.cumsum(hi - lo)))
+            for c in distinct(chunk[mixed]):
+                tokens = self.batches[c].token_versions
+                assert tokens is not None
+                local = np.flatnonzero(mixed & (chunk == c))
+                positions = expand_ranges(lo[local], hi[local])
+                owner = np.repeat(local, hi[local] - lo[local])
+                unlabelled = tokens[positions] < 0
+                at, owner = (starts[owner] + positions - lo[owner])[unlabelled], owner[unlabelled]
+                lag[at] = found.unlabelled_lag[rows][owner]
+                masked[at] = found.unlabelled_masked[rows][owner]
         return lag, masked
 
     def lags(self) -> IntArray:
-        """The lag of every shipped position, aligned with the shipped samples' arrays
-        concatenated."""
+        """The lag of every shipped position, aligned with the shipped samples' arrays."""
         return self._per_position(np.arange(len(self.rows.lo)))[0]
 
     def lag_offsets(self) -> IntArray:
@@ -88,13 +68,12 @@ class ShippedSpans:
     def carries_trainer_logprobs(self) -> bool:
         """Whether a batch of a shipped span carries the trainer's log-probabilities."""
         absent = sum(map(operator.is_, map(attrgetter("trainer_logprobs"), self.batches), repeat(None)))
-        if absent == len(self.batches):  # (no span needs finding to say no)
+        if absent == len(self.batches):  # (no span found to say no)
             return False
         return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.rows.chunk))
 
     def mismatch(self, band: tuple[float, float], env: int | None = None) -> MismatchSums:
-        """SPEC 11 sums over the sampled positions of live rollouts, from the records'
-        log-probabilities; of the rollouts of one env (the sink's index) when ``env`` is given."""
+        """SPEC 11 sums over the sampled positions of live rollouts (of one env, when given)."""
         total = MismatchSums.zero()
         found = self.rows
         inside = found.lag >= 0
@@ -104,15 +83,16 @@ class ShippedSpans:
             rows = np.flatnonzero(inside & (found.chunk == c))
             lag, masked = self._per_position(rows)
             lo, hi = found.lo[rows], found.hi[rows]
-            total = total + _chunk_sums(self.batches[c], lo, hi, lag, masked, band)
+            positions, lengths = expand_ranges(lo, hi), hi - lo
+            logprobs, trainer = (_values(self.batches[c], name, lo, positions, lengths) for name in _LOGPROBS)
+            total = total + mismatch_sums(lag, logprobs, trainer, masked, band=band)
         return total
 
 
 def _values(
     batch: RolloutBatch, name: str, lo: IntArray, positions: IntArray, lengths: IntArray
 ) -> npt.NDArray[np.float64]:
-    """``name`` at ``positions``; NaN (missing) where the array or the sample's copy of it is
-    absent."""
+    """``name`` at ``positions``; NaN where the array or the sample's copy of it is absent."""
     values: npt.NDArray[np.float64] | None = getattr(batch, name)
     if values is None:
         return np.full(len(positions), np.nan)
@@ -124,35 +104,16 @@ def _values(
     return out
 
 
-def _chunk_sums(
-    batch: RolloutBatch,
-    lo: IntArray,
-    hi: IntArray,
-    lag: IntArray,
-    masked: BoolArray,
-    band: tuple[float, float],
-) -> MismatchSums:
-    """Sums over the positions of spans ``[lo, hi)`` of one batch; ``lag`` and ``masked`` per
-    position."""
-    lengths = hi - lo
-    positions = expand_ranges(lo, hi)
-    logprobs = _values(batch, "logprobs", lo, positions, lengths)
-    trainer = _values(batch, "trainer_logprobs", lo, positions, lengths)
-    return mismatch_sums(lag, logprobs, trainer, masked, band=band)
-
-
 def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
     """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11)."""
     s, n = queue.samples, queue.spans
     chunks = queue.rollouts.chunk[shipped.rows]
     used = distinct(chunks)
     batches = list(queue.batches_of(used).values())
-    # (the table's columns as they are now: rows are only ever appended, never rewritten)
     sample_rows, table = shipped.sample_rows, (s.span_lo, s.span_hi, n.part, n.lo, n.hi)
 
     def find() -> ShippedRows:
         span_lo, span_hi, part, lo, hi = table
-        # each rollout's chunk as an index into ``batches`` (one batch: the usual ship)
         chunk_index = np.zeros(len(chunks), dtype=np.int64) if len(used) == 1 else np.searchsorted(used, chunks)
         return shipped_rows(
             SampleSpans(span_lo[sample_rows], span_hi[sample_rows], shipped.sample_rollout), SpanRanges(part, lo, hi),
@@ -164,12 +125,9 @@ def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
 
 
 class ShippedRows(NamedTuple):
-    """The kept span rows of a ship in ship order. ``lag`` is ``T - version`` for sampled positions
-    of live rollouts and :data:`NOT_SAMPLED` otherwise; ``masked``: the policy masked the span;
-    ``sample_offsets`` groups the rows per shipped sample. A ``mixed`` row (a ``token_versions``
-    span with scattered unlabelled positions) has its labelled positions' ``lag`` and ``masked``,
-    and ``unlabelled_lag`` and ``unlabelled_masked`` for its positions of version -1; ``env``: its
-    rollout's env index."""
+    """The kept span rows of a ship in ship order: ``lag`` is ``T - version`` for sampled positions
+    of live rollouts (else :data:`NOT_SAMPLED`); a ``mixed`` row's unlabelled positions have their
+    own ``unlabelled_lag`` and ``unlabelled_masked``."""
 
     chunk: IntArray
     lo: IntArray
@@ -204,7 +162,6 @@ def _shipped_rows(
     if len(rollout_chunk) != len(frozen) or len(rollout_env) != len(frozen):
         raise ValueError("shipped_rows: the rollout arrays differ in length")
     n = check_sample_spans(samples, table, version, sampled, len(frozen))
-    # Per row (in judgement order): lag and masked flag, read by it and the labelled part before
     lag = np.empty(n, dtype=np.int64)
     masked = np.empty(n, dtype=np.bool_)
     n_kept = 0
@@ -264,14 +221,8 @@ def shipped_rows(
     per_rollout: tuple[BoolArray, IntArray, IntArray],
     trained: int,
 ) -> ShippedRows:
-    """The kept rows of shipped ``samples``, in one pass over their rows of the span ``table``
-    (``version`` and ``sampled`` per row in that order). ``per_sample``: whether each is kept, and
-    its masking threshold; ``per_rollout``: whether each is frozen, its chunk and its env. Kept
-    are the rows of kept samples but unlabelled parts (read with their labelled part).
-
-    Raises ``ValueError`` on arrays of different lengths, ``IndexError`` on rows or rollouts
-    outside them.
-    """
+    """The rows of kept shipped ``samples``, in one pass (``per_sample``: kept, threshold;
+    ``per_rollout``: frozen, chunk, env)."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     as_bool = partial(np.ascontiguousarray, dtype=np.bool_)
     (kept_sample, mask_below), (frozen, rollout_chunk, rollout_env) = per_sample, per_rollout

@@ -1,6 +1,5 @@
 """The train sink of an async orchestrator (SPEC 4): rollouts enter with :meth:`Sink.add`, are
-judged by the policy at :meth:`Sink.sweep` and :meth:`Sink.ship`, and leave as shipped, dropped or
-(lenient mode) invalid; positions are written only where the policy masks them."""
+judged at :meth:`Sink.sweep` and :meth:`Sink.ship`, and leave shipped, dropped or set aside."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import numpy.typing as npt
 
 from ..config import StalenessConfig
 from ..errors import FieldError, FieldTypeError, TraceError
@@ -22,19 +20,16 @@ from ..records.validation import Verdicts, plainly_valid
 from .decision import Decision, Judgement
 from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
-from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
-from .segments import distinct, expand_ranges
+from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, RolloutQueue
+from .segments import IntArray, distinct, expand_ranges
 from .shipment import Shipment, ShippedRollout
 from .shipped_positions import shipped_spans
 from .spans import SpanTable, checked_spans
+from .staging import STAGE_MAX_POSITIONS
 
 if TYPE_CHECKING:
     from .checkpoint import SinkState
 
-__all__ = ["Sink"]
-
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 MAX_STEP = 2**53
 
@@ -50,8 +45,7 @@ class Sink:
         compact_min_rows: int = COMPACT_MIN_ROWS,
         env_reports: bool = True,
     ) -> None:
-        """``env_reports=False``: a ship's report covers the whole batch only (no ``env_metrics`` or
-        ``env_tally``, and no per-env keys), for a caller that reads the totals alone (what-if)."""
+        """``env_reports=False``: a ship's report covers the whole batch only (no per-env keys)."""
         self.config = config or StalenessConfig()
         self.compact_min_rows = compact_min_rows
         self.env_reports = env_reports
@@ -61,29 +55,25 @@ class Sink:
         self._window = WindowCounts()
         self._invalid: list[TraceError] = []
         self.totals = Tally()
-        # SPEC 14: the floor, the cost window, the adaptive bound
-        self.bound_tracker = BoundTracker(self.config)
-        # the same per env (env breakdown), without adaptation
+        self.bound_tracker = BoundTracker(self.config)  # SPEC 14
         self.env_trackers: dict[str, BoundTracker] = {}
 
-    # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The sink's state as plain JSON-serialisable data (SPEC 13); see :mod:`.checkpoint`.
-        Taking it at any moment changes nothing in the sink."""
-        # loaded by the first checkpoint, not by every import of the sink
-        from .checkpoint import save_sink
+        """The sink's state as plain JSON-serialisable data (SPEC 13); the sink does not change."""
+        from .checkpoint import SinkState, save_sink
 
-        return save_sink(
-            config=self.config, step=self._step, queue=self.queue, window=self._window, invalid=self._invalid,
-            totals=self.totals, policy=self.policy, bound_tracker=self.bound_tracker, env_trackers=self.env_trackers,
-        )  # fmt: skip
+        self.queue.build_staged()  # (first: it tells the policy of the staged adds)
+        policy = self.policy.state_dict()
+        parts = SinkState(self._step, self.queue, self._window, tuple(self._invalid), self.totals, policy,
+                          self.bound_tracker, self.env_trackers)  # fmt: skip
+        return save_sink(self.config, parts)
 
     def check_state_dict(self, state: Any, path: str = "") -> SinkState:
-        """:meth:`state_dict`'s ``state`` checked and built as new objects, for :meth:`load_checked`
-        (a bad state raises ``ConfigError`` naming the key path); the sink does not change."""
+        """``state`` checked and built as new objects for :meth:`load_checked` (``ConfigError``
+        naming the key path of a fault); the sink does not change."""
         from .checkpoint import read_sink
 
-        return read_sink(state, path, config=self.config, policy=self.policy, queue=self.queue)
+        return read_sink(state, path, config=self.config, policy=self.policy)
 
     def load_checked(self, checked: SinkState) -> None:
         """Continue from a state :meth:`check_state_dict` accepted."""
@@ -98,14 +88,11 @@ class Sink:
         self.sync_bound()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict`. All or nothing: a state that fails a check (or was
-        taken under another policy or bound) raises ``ConfigError`` naming the key path, and the
-        sink stays as it was."""
-        # a refused state leaves the sink as it was: staged rollouts now in its tables
-        self.queue.build_staged()
+        """Continue from :meth:`state_dict`, all or nothing: a state that fails a check (or was
+        taken under another policy or bound) raises ``ConfigError`` naming the key path."""
+        self.queue.build_staged()  # (so that a refused state leaves the sink as it was)
         self.load_checked(self.check_state_dict(state))
 
-    # ------------------------------------------------------------------ add
     @property
     def queued(self) -> int:
         """How many rollouts wait in the queue."""
@@ -141,16 +128,9 @@ class Sink:
         rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Mapping[str, Any] | Rollout],
     ) -> int:
         """Queue finished rollouts: records (dicts or :class:`Rollout`), an iterable of them, or a
-        :class:`RolloutBatch`.
-
-        Strict mode raises :class:`TraceError` for the first invalid rollout and adds nothing;
-        lenient mode sets invalid rollouts aside (counted) and queues the rest. Returns how many
-        rollouts were queued.
-
-        A :class:`RolloutBatch`'s arrays belong to the sink from now on (it masks them in
-        place): a small batch that passes a quick check is queued at once and its positions are
-        read at the next sweep or ship, together with the batches added after it, so the cost of
-        an add follows its size.
+        :class:`RolloutBatch` (whose arrays the sink then owns and masks in place). Strict mode
+        raises :class:`TraceError` for the first invalid rollout and adds nothing; lenient mode
+        sets invalid rollouts aside (counted). Returns how many rollouts were queued.
         """
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
@@ -162,7 +142,6 @@ class Sink:
                 raise parsed.error
             items.append(parsed)
         parsed_here = [item for item in items if isinstance(item, ParsedRollout)]
-        # parsed here for this batch alone: it may take the parse's arrays without copying them
         return self.add_parsed(items, pack(parsed_here, adopt=True) if parsed_here else None)
 
     def add_parsed(
@@ -171,11 +150,8 @@ class Sink:
         packed: RolloutBatch | None = None,
         checked: tuple[Verdicts, SpanTable] | None = None,
     ) -> int:
-        """Queue records already type-checked by
-        :func:`~staleness_metrics.records.model.parse_or_error`, as :meth:`add` would. ``packed``:
-        the parsed ones already packed (a batch this sink may keep and mask in place);
-        ``checked``: its verdicts and spans as found for a sink that had accepted the same ids
-        (what-if runs one stream at several bounds)."""
+        """:meth:`add` of records :func:`~staleness_metrics.records.model.parse_or_error` read;
+        ``packed``: the parsed ones packed, ``checked``: its verdicts and spans (what-if)."""
         parsed: list[ParsedRollout] = []
         for item in items:
             if isinstance(item, UnparsedRollout):
@@ -212,7 +188,6 @@ class Sink:
         if verdicts.errors:
             for index, error in sorted(verdicts.errors.items()):
                 env = batch.envs[index] if batch.envs is not None else None
-                # a bad env counts under none
                 self._set_aside(error, env if isinstance(env, str) and env else None)
             keep = np.flatnonzero(~verdicts.invalid)
             kept_ids = keep.tolist()
@@ -223,7 +198,6 @@ class Sink:
         self.queue.add_checked(batch, spans, kept_ids)
         return len(keep)
 
-    # ------------------------------------------------------------------ judge
     def _advance(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 1 <= step <= MAX_STEP:
             raise FieldError("step", f"must be an integer in 1..{MAX_STEP}, got {step!r}")
@@ -232,7 +206,6 @@ class Sink:
         self._step = int(step)
 
     def _judge(self, rows: IntArray, step: int) -> tuple[Judgement, Decision]:
-        """Apply the policy at ``step`` to queued ``rows``; returns the slice and the decision."""
         judgement = judgement_of(self.queue, rows, step)
         decision = self.policy.decide(judgement)
         apply_decision(self.queue, self._window, judgement, decision)
@@ -240,9 +213,8 @@ class Sink:
         return judgement, decision
 
     def observe_mismatch(self, step: int, total: MismatchSums, *, merge: bool = False) -> ShipBound | None:
-        """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's total of a step so
-        far, which replaces what it gave for the step before); returns the ship's floor, curve and
-        advice. An adapted bound judges from the next sweep or ship."""
+        """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's running total of a
+        step); returns the ship's floor, curve and advice."""
         bound = self.bound_tracker.observe(step, total, merge=merge)
         self.sync_bound()
         return bound
@@ -256,15 +228,15 @@ class Sink:
         merge: bool = False,
         bound: int | None = None,
     ) -> ShipBound | None:
-        """The same for one env's sums (the env breakdown): its own floor, window and advice at the
-        run's bound; the bound adapts on the batch only."""
+        """The same for one env's sums: its own floor, window and advice (the bound adapts on the
+        batch only)."""
         tracker = self.env_trackers.get(env)
         if tracker is None:
             tracker = self.env_trackers[env] = BoundTracker(env_tracker_config(self.config))
         return tracker.observe(step, total, merge=merge, bound=self.bound_tracker.bound if bound is None else bound)
 
     def sync_bound(self) -> None:
-        """Let the policy judge with the tracker's bound (it moves only when the bound adapts)."""
+        """Let the policy judge with the tracker's (adaptive) bound."""
         if self.bound_tracker.adaptive:
             self.policy.max_staleness = self.bound_tracker.bound
 
@@ -273,8 +245,7 @@ class Sink:
         self._sweep(step)
 
     def _sweep(self, step: int, queued: IntArray | None = None) -> Judgement | None:
-        """:meth:`sweep`; returns the slice it judged (None: nothing to judge). ``queued``: the
-        queued rows, when the caller found them at this step already."""
+        """:meth:`sweep`; returns the slice it judged. ``queued``: the queued rows, if known."""
         self._advance(step)
         self.queue.build_staged()
         if queued is None:
@@ -284,13 +255,10 @@ class Sink:
             return None
         return self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)[0]
 
-    # ------------------------------------------------------------------ ship
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
-        """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None).
-
-        Versions above the trained one are checked on the rollouts the ship takes, after its sweep
-        (a rollout the sweep drops is never taken): strict mode raises :class:`TraceError`, lenient
-        mode sets them aside.
+        """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None). A
+        version above the trained one in a rollout shipped raises :class:`TraceError` (strict) or
+        sets it aside (lenient).
         """
         if isinstance(ids, str):
             raise FieldTypeError("ids", "must be a collection of rollout ids, not one string")
@@ -305,7 +273,7 @@ class Sink:
             taken = taken[r.status[taken] == QUEUED]
         taken = self._check_versions(taken, step)
         if len(taken) and self.policy.holds:
-            # The sweep judged everything at this step already: judging again decides the holds
+            # (everything is judged at this step already: judging again decides the holds)
             judged, decision = self._judge(with_groups(queue, taken, self.policy.judges_groups), step)
             taken = taken[r.status[taken] == QUEUED]
             hold = np.isin(taken, judged.rows[decision.hold_rollout])
@@ -315,17 +283,14 @@ class Sink:
         else:
             shipped = taken
         queue.leave(shipped, SHIPPED)
-        # (the usual ship takes what the sweep judged: its slice, the decision's writes read again)
         shipped_slice = judgement_again(queue, judged, shipped, step)
         spans = shipped_spans(self.queue, shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
-        # the bound of this ship's sweep (adaptation moves the next one)
         judged_with = self.bound_tracker.bound
         env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}
         if mismatch is not None and self.config.env_breakdown:
             for env in distinct(spans.rows.env[spans.rows.lag >= 0]):
                 name = self.queue.env_names[env]
-                # SPEC 11 and 14 per env, from the records (rollouts without an env have no keys)
                 if name:
                     sums = spans.mismatch(self.config.mismatch_band, env)
                     env_costs[name] = (
@@ -357,7 +322,7 @@ class Sink:
         return shipment
 
     def _shipped_rollouts(self, shipped: Judgement) -> Callable[[], tuple[ShippedRollout, ...]]:
-        """Capture what the shipped rollouts are now; build the objects only when asked."""
+        """Capture what the shipped rollouts are now; build the objects when asked."""
         rows = shipped.rows
         kept = ~shipped.dropped
         owner = shipped.sample_rollout[kept]
@@ -378,7 +343,7 @@ class Sink:
         return build
 
     def _check_versions(self, rows: IntArray, step: int) -> IntArray:
-        """Ship-time rule: no version above the trained one. Returns the rows that pass."""
+        """Ship-time rule, no version above the trained one: the rows that pass."""
         trained = step - 1
         r, s = self.queue.rollouts, self.queue.samples
         bad_dispatch = r.dispatch[rows] > trained  # frozen rollouts too: every version is checked

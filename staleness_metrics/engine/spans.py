@@ -1,11 +1,5 @@
-"""Version spans: the per-sample summary the engine judges instead of individual positions.
-
-Whatever the labels (``weight_versions``, ``token_versions`` or none), each sample is cut into spans
-of one version label and mask value that tile its positions; every later decision and metric is a
-reduction over spans, so positions are read once, here, and written only where they are masked.
-Unlabelled positions (``-1``) scattered among equal ``token_versions`` labels do not cut a span: it
-is then two rows over one range, its labelled part and its unlabelled part (dispatch version).
-"""
+"""Version spans, the per-sample summary the engine judges instead of positions: each sample cut
+into spans of one version label and mask value, so positions are read once, here."""
 
 from __future__ import annotations
 
@@ -29,20 +23,11 @@ from .cuts import (
     sample_cuts,
     span_rows,
 )
-from .segments import expand_ranges, segment_max
-
-__all__ = [
-    "NO_VERSION_HIGH", "NO_VERSION_LOW", "PART_LABELLED", "PART_UNLABELLED", "PART_WHOLE", "SampleSpans", "SpanRanges",
-    "SpanTable", "build_spans", "checked_spans",
-]  # fmt: skip
-
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
+from .segments import BoolArray, IntArray, expand_ranges, segment_max
 
 NO_VERSION_LOW = np.iinfo(np.int64).min // 4  # "no version": below every real threshold
 NO_VERSION_HIGH = np.iinfo(np.int64).max // 4
 
-# A span row holds every position of its range, or (of a mixed cut) its labelled or unlabelled ones
 PART_WHOLE, PART_LABELLED, PART_UNLABELLED = 0, 1, 2
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 
@@ -51,18 +36,15 @@ _NO_POSITIONS = np.zeros(0, dtype=np.int64)
 class SpanTable:
     """Spans of one batch plus the per-sample and per-rollout facts derived from them."""
 
-    # per span (a row: a cut, or one part of a mixed cut)
-    sample: IntArray
+    sample: IntArray  # per span (a cut, or one part of a mixed cut)
     lo: IntArray  # absolute positions in the batch's flat arrays, [lo, hi)
     hi: IntArray
     label: IntArray  # -1 = unlabelled
     version: IntArray  # effective version: the label, or the rollout's dispatch version
-    # PART_WHOLE, or which positions of a mixed cut [lo, hi) the row holds
-    part: npt.NDArray[np.int8]
+    part: npt.NDArray[np.int8]  # PART_WHOLE, or which positions of a mixed cut it holds
     sampled: IntArray  # positions with mask 1 as the sample arrived
     live: BoolArray  # some sampled position carries a loss weight
-    # per sample
-    span_offsets: IntArray
+    span_offsets: IntArray  # per sample
     n_sampled: IntArray
     n_unlabelled: IntArray
     unmaskable: BoolArray  # a weight on a mask-0 position: never masked, so always trainable
@@ -70,12 +52,11 @@ class SpanTable:
     max_label: IntArray  # newest label on any position (-1: none), for the ship-time bound check
     max_sampled_version: IntArray  # NO_VERSION_LOW when the sample has no sampled position
     seq_min_version: IntArray  # xtuner's sequence version; NO_VERSION_HIGH when none
-    # per rollout
-    completion: IntArray
+    completion: IntArray  # per rollout
 
 
 class SpanRanges(NamedTuple):
-    """Each span row's part and range, as a compiled pass over span rows reads them."""
+    """Each span row's part and range, as a compiled pass reads them."""
 
     part: npt.NDArray[np.int8]
     lo: IntArray
@@ -91,7 +72,6 @@ class SampleSpans(NamedTuple):
 
 
 def as_compiled(samples: SampleSpans, table: SpanRanges) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
-    """``samples`` and ``table`` as a compiled pass reads them (contiguous int64, int8 parts)."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
     part = np.ascontiguousarray(table.part, dtype=np.int8)
     return tuple(map(as_int, samples)), (part, as_int(table.lo), as_int(table.hi))
@@ -104,9 +84,7 @@ def check_sample_spans(
     sampled: IntArray,
     n_rollouts: int,
 ) -> int:  # pragma: no cover - compiled
-    """A compiled pass's check, before any read, that the span rows and rollouts ``samples`` name
-    lie in ``table`` and ``n_rollouts``, with a ``version`` and ``sampled`` per row; the rows'
-    count."""
+    """A compiled pass's check that ``samples`` lie in ``table``; the rows' count."""
     span_lo, span_hi, sample_rollout = samples
     part, lo, hi = table
     if len(span_hi) != len(span_lo) or len(sample_rollout) != len(span_lo):
@@ -130,10 +108,8 @@ class _TokenVersionBelowMinusOne(Exception):
 
 
 def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> tuple[Verdicts, SpanTable]:
-    """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`: the
-    invalid rollouts and the spans of the others. Token versions (>= -1) are checked by the cut;
-    when it finds an offender or the batch has other errors, the checks run again in their usual
-    order, so the first error named for each rollout is the same either way."""
+    """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`, each
+    rollout's first error named as the checks in their usual order name it."""
     verdicts = check_batch(batch, known_ids, token_values=False)
     if not verdicts.errors:
         try:
@@ -145,12 +121,9 @@ def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
 
 
 def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool = True) -> SpanTable:
-    """Cut every sample of ``batch`` into spans of one version label and one mask value.
-
-    Also checks the position values (0/1 mask, finite weights and log-probabilities) into
-    ``verdicts``; samples of rollouts already invalid there get no spans. Without ``token_values``
-    (token versions not checked >= -1), raises ``_TokenVersionBelowMinusOne`` on one.
-    """
+    """Cut every sample of ``batch`` into spans, checking the position values into ``verdicts``
+    (rollouts invalid there get no spans); without ``token_values``, raises
+    ``_TokenVersionBelowMinusOne`` on a token version below -1."""
     pos_off = batch.position_offsets
     sample_rollout = np.repeat(np.arange(batch.n_rollouts), np.diff(batch.sample_offsets))
     cut = np.diff(pos_off) > 0
@@ -201,7 +174,6 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
 
 
 def _labels_of(batch: RolloutBatch) -> SampleLabels:
-    """How ``batch``'s samples label their positions, as the cut reads it."""
     kinds = batch.label_kind
     assert kinds is not None
 
@@ -222,9 +194,7 @@ def _exact_part_liveness(
     live: BoolArray,
     mixed: BoolArray,
 ) -> tuple[BoolArray, BoolArray]:
-    """Per cut, whether its labelled and its unlabelled part has a weighted position of its own: as
-    ``live`` as the cut, but live ``mixed`` cuts with an rl weight not above 0 somewhere
-    (``rl_doubtful``) are read position by position."""
+    """Per cut, whether its labelled and its unlabelled part has a weighted position."""
     doubt = np.flatnonzero(mixed & live & rl_doubtful)
     if len(doubt) == 0:
         return live, live
@@ -250,8 +220,7 @@ def _nonzero_or_report(
     hi: IntArray,
     verdicts: Verdicts,
 ) -> BoolArray:
-    """Per cut: whether the weight array holds a non-zero value (a cut holding a NaN does not);
-    the first non-finite value of a cut is named."""
+    """Per cut: a non-zero (not NaN) weight; names the first non-finite value of a cut."""
     broken = flags & WEIGHT_NONFINITE != 0
     for span in np.flatnonzero(broken).tolist() if broken.any() else ():
         a, b = int(lo[span]), int(hi[span])

@@ -1,9 +1,5 @@
-"""Batching small adds (SPEC 4's ``add``): the one place the engine puts consecutive adds together.
-
-A batch the quick checks pass is queued at add and *staged*: its spans are cut at the next sweep,
-ship or look at the queue's tables, with every batch staged after it, in one pass over their
-concatenation (:func:`joined`). Spans never cross a sample, so each sample's are its own batch's.
-"""
+"""Batching small adds: a batch the quick checks pass is queued at add and *staged*, its spans cut
+later with every batch staged after it in one pass over their concatenation (:func:`joined`)."""
 
 from __future__ import annotations
 
@@ -11,26 +7,12 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-import numpy.typing as npt
 
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
+from .segments import IntArray
 
-__all__ = [
-    "STAGE_FLUSH_POSITIONS",
-    "STAGE_MAX_POSITIONS",
-    "Joined",
-    "Staged",
-    "joined",
-    "kind_of",
-    "runs_of",
-]
-
-IntArray = npt.NDArray[np.int64]
-
-# A plainly valid batch of at most this many positions is staged (a longer one is cut at its add);
-# staged positions beyond STAGE_FLUSH_POSITIONS are cut at once (bounded memory).
-STAGE_MAX_POSITIONS = 1 << 16
-STAGE_FLUSH_POSITIONS = 1 << 20
+STAGE_MAX_POSITIONS = 1 << 16  # a longer batch is cut at its add
+STAGE_FLUSH_POSITIONS = 1 << 20  # staged positions beyond it are cut at once (bounded memory)
 
 Kind = tuple[str | None, ...]
 
@@ -42,16 +24,14 @@ class Staged(NamedTuple):
     chunk: int
     groups: list[int]
     envs: list[int]
-    # The element types of the mask and weight arrays (None: none); see :func:`runs_of`
-    kind: Kind
+    kind: Kind  # the element types of the mask and weight arrays (None: none)
 
 
-# The ``str`` of each dtype met (``dtype.str`` builds a new string each time, on every small add).
+# (``dtype.str`` builds a new string each time)
 _DTYPE_STRS: dict[np.dtype[Any], str] = {}
 
 
 def kind_of(batch: RolloutBatch) -> Kind:
-    """The batch's kind: its mask's and weights' element types, as strings."""
     arrays = (batch.mask, batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     try:
         return tuple(None if a is None else _DTYPE_STRS[a.dtype] for a in arrays)
@@ -61,8 +41,8 @@ def kind_of(batch: RolloutBatch) -> Kind:
 
 
 def _joined_kind(kind: Kind, other: Kind) -> Kind | None:
-    """The kind of a run of batches of ``kind`` joined by one of ``other``; None if they differ."""
-    if kind == other:  # the usual case, one comparison
+    """The kind of a run of ``kind`` joined by a batch of ``other``; None if they differ."""
+    if kind == other:  # (the usual case)
         return kind
     if any(a is not None and b is not None and a != b for a, b in zip(kind, other)):
         return None
@@ -83,10 +63,8 @@ def runs_of(staged: Sequence[Staged]) -> list[Sequence[Staged]]:
 
 
 def _joined_offsets(parts: Sequence[IntArray], counts: Sequence[int], ends: Sequence[int]) -> IntArray:
-    """Offsets into the concatenation of the parts the offsets ``parts`` index (``counts``: each
-    part's entries minus one; ``ends``: each part's last entry)."""
+    """Offsets into the concatenation of the parts ``parts`` index."""
     bases = np.cumsum([0, *ends])
-    # one entry each (a single-sample rollout): the running ends alone
     if list(counts) == [1] * len(counts):
         return bases.astype(np.int64)
     starts = np.concatenate([p[:-1] for p in parts])
@@ -95,8 +73,6 @@ def _joined_offsets(parts: Sequence[IntArray], counts: Sequence[int], ends: Sequ
 
 
 class Joined(NamedTuple):
-    """A run of staged batches as one batch, and where each rollout of it came from."""
-
     batch: RolloutBatch
     chunk: IntArray  # per rollout: its batch's chunk
     number: IntArray  # per rollout: its index in its own batch
@@ -106,9 +82,7 @@ class Joined(NamedTuple):
 
 
 def joined(run: Sequence[Staged], ids: list[str]) -> Joined:
-    """One batch holding the staged batches of ``run`` one after the other (``ids``: theirs), with
-    the arrays the cut reads. An array some batches lack is filled with what its absence means to
-    the cut: rl weights the mask, ce and ref-KL weights 0, ``token_versions`` -1, no spans."""
+    """The staged batches of ``run`` as one batch of the arrays the cut reads."""
     batches = [item.batch for item in run]
     n_rollouts = [b.n_rollouts for b in batches]
     n_samples = [b.n_samples for b in batches]
@@ -133,7 +107,6 @@ def joined(run: Sequence[Staged], ids: list[str]) -> Joined:
                         for b in batches]  # fmt: skip
         columns["span_offsets"] = _joined_offsets(span_offsets, n_samples, [int(o[-1]) for o in span_offsets])
         columns.update({name: join(name, lambda b: np.zeros(0, np.int64)) for name in ("span_versions", "span_starts")})
-    # (``agentic``, ``group_ids`` and ``envs`` are not joined: the cut reads none of them)
     batch = RolloutBatch(
         ids=ids,
         sample_offsets=_joined_offsets([b.sample_offsets for b in batches], n_rollouts, n_samples),

@@ -1,5 +1,5 @@
 """Growable tables of typed numpy columns (amortised O(1) appends, columnar reads), declared as
-:class:`Column` attributes of a subclass: ``rows.status`` is a name mypy checks."""
+:class:`Column` attributes, and the queue's three: a row per rollout, sample and span it tracks."""
 
 from __future__ import annotations
 
@@ -8,15 +8,12 @@ from typing import Any, ClassVar, Generic, TypeVar, overload
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Column", "Table"]
-
 ScalarT = TypeVar("ScalarT", bound=np.generic)
 TableT = TypeVar("TableT", bound="Table")
 
 
 class Column(Generic[ScalarT]):
-    """A column of a :class:`Table` subclass: ``table.name`` reads its live rows (a view: writes go
-    to the table); assigning ``table.name = values`` writes every row."""
+    """A column of a :class:`Table`: ``table.name`` is a view of its live rows."""
 
     def __init__(self, dtype: type[ScalarT]) -> None:
         self.dtype = np.dtype(dtype)
@@ -39,8 +36,7 @@ class Column(Generic[ScalarT]):
 
 
 class Table:
-    """Columns of equal length that grow by appending whole arrays; a subclass declares them as
-    :class:`Column` attributes (in the order they are saved)."""
+    """Columns of equal length (:class:`Column` attributes), grown by appending arrays."""
 
     columns: ClassVar[dict[str, np.dtype[Any]]] = {}
 
@@ -58,14 +54,8 @@ class Table:
     def __len__(self) -> int:
         return self._size
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The column names, in the order they were declared."""
-        return tuple(self.columns)
-
     def append(self, **values: npt.ArrayLike) -> int:
-        """Append equal-length arrays for every column (a scalar: that value in every new row; at
-        least one column is an array); returns the index of the first new row."""
+        """Append equal-length arrays (or scalars) for every column; the first new row."""
         columns = self._columns
         if values.keys() != columns.keys():
             raise KeyError(f"expected columns {sorted(columns)}, got {sorted(values)}")
@@ -101,3 +91,51 @@ class Table:
         if view is None:
             view = self._views[name] = self._columns[name][: self._size]
         return view
+
+
+class RolloutRows(Table):
+    """One row per rollout: where it arrived, where it is, and what the policies read of it."""
+
+    chunk = Column(np.int64)  # the batch it arrived in (the queue's ``chunks``)
+    index = Column(np.int64)  # its rollout number in that batch
+    status = Column(np.int8)  # queue.QUEUED, SHIPPED, DROPPED or INVALID
+    judged = Column(np.int64)  # the last step that judged it (queue.NEVER: none yet)
+    frozen = Column(np.bool_)
+    dispatch = Column(np.int64)
+    completion = Column(np.int64)
+    group = Column(np.int64)  # the queue's group index
+    env = Column(np.int64)  # the queue's env index (0: none)
+    sample_lo = Column(np.int64)  # its sample rows
+    sample_hi = Column(np.int64)
+
+
+class SampleRows(Table):
+    """One row per sample: its spans, its masking threshold and what the cut found in it."""
+
+    rollout = Column(np.int64)  # its rollout row
+    local = Column(np.int64)  # its number within its rollout
+    span_lo = Column(np.int64)  # its span rows
+    span_hi = Column(np.int64)
+    mask_below = Column(np.int64)  # versions below this are masked (decision.NO_MASK: none)
+    dropped = Column(np.bool_)
+    had_train = Column(np.bool_)
+    unmaskable = Column(np.bool_)
+    n_sampled = Column(np.int64)
+    n_unlabelled = Column(np.int64)
+    max_label = Column(np.int64)
+    max_sampled = Column(np.int64)
+    seq_min = Column(np.int64)
+    label_kind = Column(np.int8)
+
+
+class SpanRows(Table):
+    """One row per span: a range of positions of one version label and one mask value."""
+
+    sample = Column(np.int64)  # its sample row
+    lo = Column(np.int64)  # positions in its rollout's batch
+    hi = Column(np.int64)
+    version = Column(np.int64)
+    labelled = Column(np.bool_)
+    sampled = Column(np.int64)
+    live = Column(np.bool_)
+    part = Column(np.int8)  # spans.PART_WHOLE, PART_LABELLED or PART_UNLABELLED

@@ -1,5 +1,4 @@
-"""Every compiled loop of the package compiled (or loaded from numba's disk cache) before the first
-batch."""
+"""Every compiled loop of the package compiled (or loaded from numba's disk cache) ahead."""
 
 from __future__ import annotations
 
@@ -8,20 +7,17 @@ import numpy as np
 from ..metrics.compute import PopulationColumns, WindowCounts, population_summary
 from ..metrics.mismatch import mismatch_runs
 from ..records.plain_values import BatchRows, PositionCopies, plain_values
-from .cuts import CutFlags, IntArray, SampleLabels, sample_cuts, span_rows
+from .cuts import CutFlags, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows
 from .masking import zero_spans
 from .policies.token import token_decision
 from .shipped_positions import shipped_rows
 from .spans import SampleSpans, SpanRanges
 
-__all__ = ["warm_up"]
-
 
 def warm_up() -> None:
     """Compile (or load from the disk cache) every loop for float32 and float64 arrays, so that the
-    first batch a process handles does not pay for it (the demo and the tests call it; the service
-    does not, so a fresh service compiles its loops in its first requests)."""
+    first batch a process handles does not pay for it (the demo and the tests call it)."""
     tokens = np.array([0, -1, 1], dtype=np.int64)
     offsets = np.array([0, 3], dtype=np.int64)
     lo, hi, count = (np.array([value], dtype=np.int64) for value in (0, 3, 1))
@@ -53,18 +49,13 @@ def warm_up() -> None:
         copies = PositionCopies((np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype)),
                                 np.empty(3, np.int64))  # fmt: skip
         plain_values(rows, arrays[0], weights, arrays[0], tokens, copies)
-    _warm_up_large_bodies(offsets, lo, hi, count)
-
-
-def _warm_up_large_bodies(offsets: IntArray, lo: IntArray, hi: IntArray, count: IntArray) -> None:
-    """The cut and the zeroing for the dtypes a large body keeps as it came (an int8 mask, int8 to
-    int64 versions, no weights or float64 ones): compiled in a service's request, each would cost
-    it about 60 MB of compiler memory."""
+    # The dtypes a large body keeps as it came: compiled in a service's request, each would cost
+    # it about 60 MB of compiler memory
     mask = np.ones(3, dtype=np.int8)
     kinds = np.array([2], dtype=np.int8)
     for versions in (np.int8, np.int16, np.int32, np.int64):
         tokens = np.array([0, -1, 1], dtype=versions)
         labels = SampleLabels(kinds, tokens, np.zeros(2, np.int64), lo[:0], lo[:0])
-        for weights in ((), (np.ones(3, dtype=np.float64),)):
-            sample_cuts(labels, mask, offsets, np.array([0], dtype=np.int64), weights)
-            zero_spans([mask, *weights], tokens, lo, hi, np.array([2], dtype=np.int8), count)
+        for given in ((), (np.ones(3, dtype=np.float64),)):
+            sample_cuts(labels, mask, offsets, np.array([0], dtype=np.int64), given)
+            zero_spans([mask, *given], tokens, lo, hi, np.array([2], dtype=np.int8), count)

@@ -11,16 +11,10 @@ import numpy.typing as npt
 
 from ..decision import Decision, Judgement
 
-__all__ = ["Policy"]
-
 
 class Policy(ABC):
-    """Decides, for rollouts under judgement at a step, what is masked, dropped and held.
-
-    ``judges_groups``: the sink hands the policy every queued member of each group it touches.
-    ``holds``: the policy may hold rollouts back at a ship (re-judged at the ship to decide holds).
-    ``observe_added`` lets a stateful policy see which groups received new rollouts.
-    """
+    """Decides, for rollouts under judgement at a step, what is masked, dropped and held
+    (``judges_groups``: it sees every queued member of each group it touches)."""
 
     name: str = ""
     judges_groups: bool = False
@@ -40,8 +34,7 @@ class Policy(ABC):
         return {}
 
     def check_state_dict(self, state: Any, path: str) -> Mapping[str, Any]:
-        """Check what :meth:`state_dict` returned before anything is loaded (``ConfigError`` naming
-        ``path`` and the key), so :meth:`load_state_dict` cannot fail."""
+        """Check a :meth:`state_dict` before anything loads (``ConfigError`` naming the key)."""
         from ...state_checks import keys
 
         if type(self).state_dict is Policy.state_dict:
@@ -49,4 +42,4 @@ class Policy(ABC):
         return keys(state, path, state.keys() if isinstance(state, Mapping) else ())
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (checked by :meth:`check_state_dict`)."""
+        """Restore what :meth:`check_state_dict` accepted."""

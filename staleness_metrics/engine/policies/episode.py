@@ -7,8 +7,6 @@ from dataclasses import replace
 from ..decision import Decision, Judgement
 from .base import Policy
 
-__all__ = ["EpisodePolicy"]
-
 
 class EpisodePolicy(Policy):
     name = "episode"

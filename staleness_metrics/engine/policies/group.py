@@ -7,8 +7,6 @@ from dataclasses import replace
 from ..decision import Decision, Judgement
 from .base import Policy
 
-__all__ = ["GroupPolicy"]
-
 
 class GroupPolicy(Policy):
     name = "group"
@@ -17,5 +15,4 @@ class GroupPolicy(Policy):
     def decide(self, judgement: Judgement) -> Decision:
         live = ~judgement.frozen
         stale = live & (judgement.trained_version - judgement.dispatch > self.max_staleness)
-        # the group's version is its smallest live dispatch version: stale iff any live member is
         return replace(Decision.keep_all(judgement), drop_rollout=live & judgement.group_any(stale))

@@ -9,20 +9,14 @@ import numpy.typing as npt
 
 from ...compiled import CompiledLoop
 from ..decision import NO_MASK, Decision, Judgement
+from ..segments import BoolArray, IntArray
 from .base import Policy
-
-__all__ = ["TokenPolicy", "token_decision"]
-
-IntArray = npt.NDArray[np.int64]
-BoolArray = npt.NDArray[np.bool_]
 
 
 class TokenPolicy(Policy):
     name = "token"
 
     def decide(self, judgement: Judgement) -> Decision:
-        """Each live rollout's samples mask below ``T - max_staleness``; a sample left with nothing
-        to train is dropped, and a rollout left with no sample."""
         return token_decision(
             judgement.trained_version - self.max_staleness, NO_MASK, judgement.frozen, judgement.sample_offsets,
             judgement.mask_below, judgement.dropped, judgement.had_train, judgement.unmaskable,
@@ -86,15 +80,6 @@ def _token_decision(
 
 
 def token_decision(bound: int, no_mask: int, *slice_: npt.NDArray[Any]) -> Decision:
-    """The ``token`` policy over a judged slice, in one pass: ``slice_`` is its ``frozen``,
-    ``sample_offsets``, ``mask_below``, ``dropped``, ``had_train``, ``unmaskable``,
-    ``span_offsets``, ``version`` and ``live``. Each sample of a live rollout masks below
-    ``max(mask_below, bound)`` (a frozen one's keeps ``max(mask_below, no_mask)``); a live
-    rollout's sample not yet dropped that had something to train is dropped when it is not
-    unmaskable and none of its live spans has a version at or above its new threshold; a live
-    rollout whose samples are all dropped (or that has none) is dropped.
-
-    Raises ``ValueError`` on arrays of different lengths or offsets that do not tile them.
-    """
+    """The ``token`` policy over a judged slice (the fields :meth:`TokenPolicy.decide` passes)."""
     mask_below, drop_sample, drop_rollout = _token_decision(int(bound), int(no_mask), *slice_)
     return Decision(mask_below, drop_sample, drop_rollout, np.zeros(len(drop_rollout), dtype=bool))

@@ -12,8 +12,6 @@ from ..decision import NO_MASK, Decision, Judgement
 from ..segments import segment_any
 from .base import Policy
 
-__all__ = ["XtunerPolicy"]
-
 
 class XtunerPolicy(Policy):
     name = "xtuner"
