@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from .. import __version__
 from .commands import COMMANDS
 
-__all__ = ["build_parser", "main"]
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

@@ -14,8 +14,6 @@ from .model import Action, FileKind, FileResult, Finding, MissingParser
 from .names import Context, Hit, Scanner
 from .tree import YAML_SYNTAX, LineIndex
 
-__all__ = ["CONFIG_KINDS", "ConfigFormat", "load_config", "migrate_config"]
-
 ConfigFormat = Literal["toml", "yaml", "json"]
 
 CONFIG_KINDS: dict[ConfigFormat, FileKind] = {

@@ -13,21 +13,11 @@ from .configs import CONFIG_KINDS, ConfigFormat, load_config, migrate_config
 from .history import looks_like_history, migrate_history
 from .model import Action, FileKind, FileResult, Finding, Options
 from .names import Context, Scanner, scanner_for
-from .structured import STRUCTURED_KINDS, migrate_structured
+from .structured import POLICIES, migrate_structured
 from .tree import JSON, YAML_SYNTAX
 
-__all__ = [
-    "detect_kind",
-    "iter_files",
-    "migrate_file",
-    "migrate_text",
-    "unified_diff",
-    "write_atomically",
-]
-
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
-_HISTORY_SUFFIXES = frozenset({".jsonl", ".ndjson"})
-_YAML_SUFFIXES = frozenset({".yaml", ".yml"})
+_CONFIG_FORMATS = {kind: fmt for fmt, kind in CONFIG_KINDS.items()}
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
@@ -48,23 +38,18 @@ def detect_kind(path: Path, text: str) -> FileKind:
     suffix = path.suffix.lower()
     if suffix == ".toml":
         return FileKind.TOML_CONFIG
-    if suffix in _HISTORY_SUFFIXES:
+    if suffix in (".jsonl", ".ndjson"):
         return FileKind.HISTORY if looks_like_history(text) else FileKind.TEXT
-    if suffix == ".json" or suffix in _YAML_SUFFIXES:
-        fmt: ConfigFormat = "json" if suffix == ".json" else "yaml"
-        try:
-            data = load_config(text, fmt)
-        except ValueError:
-            return CONFIG_KINDS[fmt]  # reported as unparseable
-        documents = data if fmt == "yaml" else [data]
-        for kind, (looks_like, _, _) in STRUCTURED_KINDS.items():
-            if any(looks_like(d) for d in documents):
-                return kind
-        return CONFIG_KINDS[fmt]
-    return FileKind.TEXT
-
-
-_CONFIG_FORMATS = {kind: fmt for fmt, kind in CONFIG_KINDS.items()}
+    if suffix not in (".json", ".yaml", ".yml"):
+        return FileKind.TEXT
+    fmt: ConfigFormat = "json" if suffix == ".json" else "yaml"
+    try:
+        data = load_config(text, fmt)
+    except ValueError:
+        return CONFIG_KINDS[fmt]  # reported as unparseable
+    documents = data if fmt == "yaml" else [data]
+    policy = next((p for p in POLICIES if any(p.looks_like(d) for d in documents)), None)
+    return CONFIG_KINDS[fmt] if policy is None else policy.kind
 
 
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
@@ -74,11 +59,11 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
     prometheus_scanner = scanner_for(options, prometheus=True)
     if kind in _CONFIG_FORMATS:
         return migrate_config(shown, text, _CONFIG_FORMATS[kind], config_scanner)
-    if kind in STRUCTURED_KINDS:
-        _, policy, prometheus = STRUCTURED_KINDS[kind]
-        syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
-        scanner = prometheus_scanner if prometheus else config_scanner
-        return migrate_structured(shown, text, syntax, policy, scanner, options)
+    for policy in POLICIES:
+        if policy.kind is kind:
+            syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
+            scanner = prometheus_scanner if policy.prometheus else config_scanner
+            return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
     return scan_text(shown, text, prometheus_scanner)

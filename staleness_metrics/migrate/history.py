@@ -14,8 +14,6 @@ from .model import Action, FileKind, FileResult, Finding, Options
 from .names import peer_lookup
 from .tree import JSON, Edit, Mapping, apply_edits, parse_json_nodes
 
-__all__ = ["MARKER_KEY", "looks_like_history", "migrate_history"]
-
 MARKER_KEY = "migrate/legacy_through_step"
 _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
 

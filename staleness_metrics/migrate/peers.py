@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..metrics import keys
 
-__all__ = ["PEERS", "PEER_KEYS", "TRACKER_SUFFIXES", "PeerKey", "peer_keys"]
-
 # AReaL's stats tracker logs ``<key>__count`` beside every scalar
 # (areal/utils/stats_tracker.py:215).
 TRACKER_SUFFIXES: tuple[str, ...] = ("__count",)

@@ -17,25 +17,6 @@ from typing import Any, TypeAlias
 
 from .model import MissingParser
 
-__all__ = [
-    "JSON",
-    "YAML_SYNTAX",
-    "Edit",
-    "JsonSyntax",
-    "LineIndex",
-    "Mapping",
-    "Node",
-    "Path",
-    "Scalar",
-    "Sequence",
-    "Syntax",
-    "YamlSyntax",
-    "apply_edits",
-    "parse_json_nodes",
-    "substitute_names",
-    "walk",
-]
-
 # keys and list indices from the document root (the first item: document index)
 Path = tuple[object, ...]
 

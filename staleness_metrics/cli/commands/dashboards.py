@@ -10,8 +10,6 @@ from typing import Any
 
 from .options import add_command, failed
 
-__all__ = ["register", "run"]
-
 EPILOG = """\
 examples:
   staleness-metrics dashboards                 # regenerate under the current directory

@@ -9,8 +9,6 @@ from typing import Any
 
 from .options import add_command
 
-__all__ = ["register", "run"]
-
 EPILOG = """\
 examples:
   staleness-metrics migrate --check configs/ dashboards/ alerts.yml   # CI: exit 1 and list what is left

@@ -11,16 +11,6 @@ from typing import Any
 from ...config import POLICY_NAMES, StalenessConfig
 from ...errors import EventError
 
-__all__ = [
-    "BOUND_SETTINGS",
-    "add_bound_options",
-    "add_command",
-    "add_sink_options",
-    "bound_settings",
-    "config_from_args",
-    "failed",
-]
-
 
 def add_command(
     subparsers: argparse._SubParsersAction[Any],

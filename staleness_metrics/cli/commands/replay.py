@@ -24,8 +24,6 @@ from .options import add_command, add_sink_options, config_from_args, failed
 if TYPE_CHECKING:
     from ...replay.sources import PrimeRlRead
 
-__all__ = ["register", "run"]
-
 PROGRESS_MIN_BYTES = 16 << 20
 # lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
 READ_BUFFER = 1 << 20

@@ -10,8 +10,6 @@ from typing import Any
 
 from .options import add_command, failed
 
-__all__ = ["DEFAULT_DATA_DIR", "DEFAULT_HOST", "DEFAULT_PORT", "register", "run"]
-
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9487
 DEFAULT_DATA_DIR = "staleness-data"

@@ -8,8 +8,6 @@ from typing import Any
 
 from .options import add_command
 
-__all__ = ["register", "run"]
-
 EPILOG = """\
 example:
   WANDB_API_KEY=... staleness-metrics wandb-workspace --entity my-team --project async-rl
