@@ -1,23 +1,33 @@
-"""Find the files, tell their kind, run the right migration, show diffs and write atomically."""
+"""Find the files, tell their kind, migrate them (configs here, the other kinds in their own
+modules), show diffs and write atomically."""
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, Literal
 
-from .configs import CONFIG_KINDS, ConfigFormat, load_config, migrate_config
 from .history import looks_like_history, migrate_history
-from .model import Action, FileKind, FileResult, Finding, Options
+from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Scanner, scanner_for
 from .structured import POLICIES, migrate_structured
-from .tree import JSON, YAML_SYNTAX
+from .tree import JSON, YAML_SYNTAX, line_of
 
+ConfigFormat = Literal["toml", "yaml", "json"]
+
+_CONFIG_FORMATS: dict[FileKind, ConfigFormat] = {
+    FileKind.TOML_CONFIG: "toml",
+    FileKind.YAML_CONFIG: "yaml",
+    FileKind.JSON_CONFIG: "json",
+}
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
-_CONFIG_FORMATS = {kind: fmt for fmt, kind in CONFIG_KINDS.items()}
+IGNORE_PRAGMA = "staleness-migrate: ignore"
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
@@ -42,14 +52,14 @@ def detect_kind(path: Path, text: str) -> FileKind:
         return FileKind.HISTORY if looks_like_history(text) else FileKind.TEXT
     if suffix not in (".json", ".yaml", ".yml"):
         return FileKind.TEXT
-    fmt: ConfigFormat = "json" if suffix == ".json" else "yaml"
+    config = FileKind.JSON_CONFIG if suffix == ".json" else FileKind.YAML_CONFIG
     try:
-        data = load_config(text, fmt)
+        data = load_config(text, _CONFIG_FORMATS[config])
     except ValueError:
-        return CONFIG_KINDS[fmt]  # reported as unparseable
-    documents = data if fmt == "yaml" else [data]
+        return config  # reported as unparseable
+    documents = [data] if config is FileKind.JSON_CONFIG else data
     policy = next((p for p in POLICIES if any(p.looks_like(d) for d in documents)), None)
-    return CONFIG_KINDS[fmt] if policy is None else policy.kind
+    return config if policy is None else policy.kind
 
 
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
@@ -58,7 +68,7 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
     config_scanner = scanner_for(options, prometheus=False)
     prometheus_scanner = scanner_for(options, prometheus=True)
     if kind in _CONFIG_FORMATS:
-        return migrate_config(shown, text, _CONFIG_FORMATS[kind], config_scanner)
+        return _migrate_config(shown, text, kind, config_scanner)
     for policy in POLICIES:
         if policy.kind is kind:
             syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
@@ -67,6 +77,83 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
     return scan_text(shown, text, prometheus_scanner)
+
+
+def load_config(text: str, fmt: ConfigFormat) -> Any:
+    """Plain data of a config file (raises ``ValueError`` with the parser's message)."""
+    try:
+        if fmt == "toml":
+            import tomlkit  # optional dependency (the cli extra)
+
+            return tomlkit.parse(text).unwrap()
+        return YAML_SYNTAX.load(text) if fmt == "yaml" else json.loads(text)
+    except ImportError as exc:
+        raise MissingParser("TOML", "tomlkit") from exc
+    except ValueError:
+        raise
+    except Exception as exc:  # tomlkit and ruamel raise their own error classes
+        raise ValueError(str(exc)) from exc
+
+
+class _Collision(Exception):
+    pass
+
+
+def _renamed(data: Any, scanner: Scanner) -> Any:
+    """``data`` with the names in every key and string replaced, as the edit should leave it."""
+    if isinstance(data, dict):
+        out: dict[Any, Any] = {}
+        for key, value in data.items():
+            new_key = scanner.scan(key, Context.TEXT).text if isinstance(key, str) else key
+            if new_key in out or (new_key != key and new_key in data):
+                raise _Collision(f"both {key!r} and {new_key!r} are set; keep one of them, then run again")
+            out[new_key] = _renamed(value, scanner)
+        return out
+    if isinstance(data, list):
+        return [_renamed(item, scanner) for item in data]
+    if isinstance(data, str):
+        return scanner.scan(data, Context.TEXT).text
+    return data
+
+
+def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> FileResult:
+    """A config edited as text, each legacy name replaced where it stands as a whole name so that
+    every other byte stays; kept only if it parses to the old data with those names replaced."""
+    fmt = _CONFIG_FORMATS[kind]
+    result = FileResult(path, kind, original=text)
+    try:
+        old_data = load_config(text, fmt)
+    except MissingParser as exc:
+        result.error = str(exc)
+        return result
+    except ValueError as exc:
+        result.error = f"cannot parse as {fmt.upper()}: {exc}"
+        return result
+    scanned = scanner.scan(text, Context.TEXT)
+    for hit in scanned.hits:
+        removed = hit.action is Action.REMOVED
+        reason = hit.reason + ("; delete it from the config by hand" if removed else "")
+        result.findings.append(Finding(path, line_of(text, hit.start), hit.old, hit.new, hit.action, reason))
+    if not scanned.changed:
+        return result
+    try:
+        expected = _renamed(old_data, scanner)
+    except _Collision as exc:
+        result.findings = [
+            replace(f, action=Action.MANUAL, reason=str(exc)) if f.action is Action.RENAME else f
+            for f in result.findings
+        ]
+        return result
+    try:
+        new_data = load_config(scanned.text, fmt)
+    except ValueError as exc:
+        result.error = f"refusing to edit: the renamed text does not parse ({exc})"
+        return result
+    if new_data != expected:
+        result.error = "refusing to edit: renaming in place would change more than the names (escaped text?)"
+        return result
+    result.new_text = scanned.text
+    return result
 
 
 def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, explicit: bool = True) -> FileResult:
@@ -95,9 +182,6 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         result.findings = scan_text(shown, text, scanner, reason=reason).findings
         result.new_text = None
     return result
-
-
-IGNORE_PRAGMA = "staleness-migrate: ignore"
 
 
 def scan_text(

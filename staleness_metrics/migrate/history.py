@@ -138,7 +138,7 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
         expected[legacy.new] = data[name]
         found.add(name, legacy.new, Action.RENAME, legacy.reason or "renamed", number)
     if doomed:
-        edits.extend(JSON.remove_members(body, node, doomed))
+        edits.extend(JSON.remove(body, node, doomed))
     new_body = apply_edits(body, edits) if edits else body
     if edits and json.loads(new_body) != expected:
         raise _LineError("the edited line does not read back as intended")

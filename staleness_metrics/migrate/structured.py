@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Hit, Scanned, Scanner
-from .tree import Edit, LineIndex, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, walk
+from .tree import Edit, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, line_of, walk
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def _resolve(data: list[object], path: Path) -> object:
     return node
 
 
-def _line(text: str, lines: LineIndex, scalar: Scalar, hit: Hit) -> int:
+def _line(text: str, scalar: Scalar, hit: Hit) -> int:
     """The line of a hit, found in its scalar's source (folded scalars lose their line breaks)."""
     value = str(scalar.value)
     occurrence = value[: hit.start].count(hit.old)
@@ -83,8 +83,8 @@ def _line(text: str, lines: LineIndex, scalar: Scalar, hit: Hit) -> int:
         if position < 0:
             # the content starts after the indicator line
             block = 1 if scalar.style in ("|", ">") else 0
-            return lines.line(scalar.start) + value[: hit.start].count("\n") + block
-    return lines.line(scalar.start + position)
+            return line_of(text, scalar.start) + value[: hit.start].count("\n") + block
+    return line_of(text, scalar.start + position)
 
 
 def migrate_structured(
@@ -128,7 +128,6 @@ class _Migration:
     def __init__(self, path: str, text: str, syntax: Syntax, scanner: Scanner, roots: list[Node]) -> None:
         self.path, self.text, self.syntax = path, text, syntax
         self.scanner, self.roots = scanner, roots
-        self.lines = LineIndex(text)
         self.nodes: dict[Path, Node] = {}
         self.scans: list[ScalarScan] = []
         self.edits: list[Edit] = []
@@ -179,7 +178,7 @@ class _Migration:
             hits = [h for s in self.scans if _under(s.path, unit.path) for h in s.scanned.hits]
             names = ", ".join(sorted({h.old for h in hits}))
             reasons = "; ".join(sorted({h.reason for h in hits if h.action is Action.REMOVED}))
-            line = self.lines.line(self.nodes[unit.path].start)
+            line = line_of(self.text, self.nodes[unit.path].start)
             self.findings.append(Finding(self.path, line, names, None, Action.DROP, f"{unit.label} deleted: {reasons}"))
 
     def rename(self) -> None:
@@ -205,7 +204,7 @@ class _Migration:
                     reason = "cannot rewrite this value in place: edit by hand"
                 if action is Action.REMOVED and note:
                     reason = f"{reason}; {note}"
-                line = _line(self.text, self.lines, scan.scalar, hit)
+                line = _line(self.text, scan.scalar, hit)
                 self.findings.append(Finding(self.path, line, hit.old, hit.new, action, reason))
 
     def comments(self) -> None:
@@ -216,7 +215,7 @@ class _Migration:
             if scanned.changed:
                 self.edits.append(Edit(start, end, scanned.text))
             for hit in scanned.hits:
-                line = self.lines.line(start + hit.start)
+                line = line_of(self.text, start + hit.start)
                 reason = f"{hit.reason}, in a comment"
                 self.findings.append(Finding(self.path, line, hit.old, hit.new, hit.action, reason))
 
