@@ -133,7 +133,8 @@ def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> F
     for hit in scanned.hits:
         removed = hit.action is Action.REMOVED
         reason = hit.reason + ("; delete it from the config by hand" if removed else "")
-        result.findings.append(Finding(path, line_of(text, hit.start), hit.old, hit.new, hit.action, reason))
+        line = line_of(text, hit.start)
+        result.findings.append(Finding(path, line, hit.old, hit.new, hit.action, reason))
     if not scanned.changed:
         return result
     try:

@@ -12,7 +12,7 @@ from ..metrics.metric_table import LegacyKey
 from .legacy import in_legacy_namespace, migrate_key
 from .model import Action, FileKind, FileResult, Finding, Options
 from .names import peer_lookup
-from .tree import JSON, Edit, Mapping, apply_edits, parse_json_nodes
+from .tree import JSON, Edit, Mapping, apply_edits
 
 MARKER_KEY = "migrate/legacy_through_step"
 _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
@@ -88,8 +88,7 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
 def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
     """The line with legacy keys renamed; whether it had any; whether it is a boundary; its step."""
     try:
-        node = parse_json_nodes(body)
-        data = json.loads(body)
+        [node], [data] = JSON.read(body)
     except ValueError as exc:
         raise _LineError(f"not a JSON object: {exc}") from exc
     if not isinstance(node, Mapping) or not isinstance(data, dict):

@@ -32,11 +32,12 @@ CURRENT_KEYS: frozenset[str] = frozenset(WANDB_KEYS)
 DEFAULT_PROMETHEUS_PREFIXES: tuple[str, ...] = ("orchestrator_",)
 """Namespace prefixes a legacy Prometheus name may carry (prime-rl's orchestrator exporter)."""
 
+_HISTOGRAM_SERIES = ("", "_bucket", "_sum", "_count")
 CURRENT_PROMETHEUS_NAMES: frozenset[str] = frozenset(
     metric.prometheus_name + suffix
     for metric in METRICS
     if metric.prometheus_name is not None
-    for suffix in (("", "_bucket", "_sum", "_count") if metric.kind is MetricKind.HISTOGRAM else ("",))
+    for suffix in (_HISTOGRAM_SERIES if metric.kind is MetricKind.HISTOGRAM else ("",))
 )
 """Every series name the Prometheus exporter publishes (a histogram's own series included)."""
 

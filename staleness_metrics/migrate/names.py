@@ -53,7 +53,7 @@ def _alternation(names: Sequence[str]) -> str:
 
 _FAMILIES = "|".join(re.escape(prefix) + r"\w+(?:/\w+)*" for prefix in REMOVED_KEY_FAMILIES)
 _WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(LEGACY_KEYS))}|{_FAMILIES})(?![\w/])"
-# other references to the old namespace (globs, regexes, keys the table does not know): reported only
+# other references to the old namespace (globs, regexes, unknown keys): reported only
 _NAMESPACE = rf"(?<![\w/]){re.escape(LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
 _RENAMED_SETTINGS = {**RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
 # match group -> (old name -> new name, reason)
@@ -106,7 +106,8 @@ class Scanner:
                 if found.new is None:
                     hits.append(Hit(start, end, token, None, Action.REMOVED, found.reason))
                 else:
-                    hits.append(Hit(start, end, token, found.new, Action.RENAME, found.reason or "renamed"))
+                    reason = found.reason or "renamed"
+                    hits.append(Hit(start, end, token, found.new, Action.RENAME, reason))
             elif match.lastgroup == "ns":
                 token = token.rstrip(".:")
                 reason = "old off_policy/ namespace, no known mapping"
@@ -256,8 +257,9 @@ class PeerScanner(Scanner):
         return _hit(row, start, start + len(token), token, series)
 
     def _scan_promql(self, text: str) -> Scanned:
-        scanned = super()._scan_promql(text)
-        hits = tuple(h for h in scanned.hits if h.action is not Action.MANUAL or h.reason.startswith(f"{self.peer}:"))
+        found = super()._scan_promql(text).hits
+        own = f"{self.peer}:"
+        hits = tuple(h for h in found if h.action is not Action.MANUAL or h.reason.startswith(own))
         return Scanned(apply_renames(text, hits), hits)
 
     def _scan_regex(self, pattern: str, flavor: object) -> Scanned:

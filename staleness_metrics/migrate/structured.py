@@ -92,8 +92,7 @@ def migrate_structured(
 ) -> FileResult:
     result = FileResult(path, policy.kind, original=text)
     try:
-        roots = syntax.parse(text)
-        data = syntax.load(text)
+        roots, data = syntax.read(text)
     except MissingParser as exc:
         result.error = str(exc)
         return result
@@ -109,7 +108,8 @@ def migrate_structured(
     if not migration.edits:
         return result
     try:
-        new_text = apply_edits(text, set(migration.edits))  # a YAML alias repeats its anchor's edits
+        # a set: a YAML alias repeats its anchor's edits
+        new_text = apply_edits(text, set(migration.edits))
         migration.verify(new_text, data)
     except ValueError as exc:
         result.error = f"refusing to edit: {exc}"
@@ -235,8 +235,7 @@ class _Migration:
                 raise ValueError(f"renaming {old!r} would collide with the existing {new!r}")
             mapping[new] = mapping.pop(old)
         try:
-            self.syntax.parse(new_text)
-            actual = self.syntax.load(new_text)
+            actual = self.syntax.read(new_text)[1]
         except ValueError as exc:
             raise ValueError(f"the edited text does not parse ({exc})") from exc
         if actual != expected:
@@ -380,9 +379,11 @@ def _wandb_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
 
 def _panel_paths(node: object, path: Path = ()) -> list[Path]:
     """Paths of the entries of every ``panels`` list (``node``: the documents)."""
+    children = dict(enumerate(node)) if isinstance(node, list) else node
+    if not isinstance(children, dict):
+        return []
     found: list[Path] = []
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, value in items:
+    for key, value in children.items():
         if key == "panels" and isinstance(value, list):
             found.extend((*path, key, i) for i in range(len(value)))
         found.extend(_panel_paths(value, (*path, key)))

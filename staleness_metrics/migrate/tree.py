@@ -154,12 +154,6 @@ class _Reader:
         return node, node.end
 
 
-def parse_json_nodes(text: str) -> Node:
-    """The node tree of one JSON value (raises ``ValueError`` on invalid JSON)."""
-    json.loads(text)  # readable errors for invalid input
-    return _Reader(text).value(0)[0]
-
-
 def _spans_removal(items: list[_Span], indices: list[int], inside: _Span) -> list[Edit]:
     """Edits deleting the entries at ``indices`` of a comma-separated list (JSON, YAML flow),
     keeping the others' layout; ``items`` are the entries' spans, ``inside`` the list's inside."""
@@ -181,11 +175,10 @@ def _spans_removal(items: list[_Span], indices: list[int], inside: _Span) -> lis
 class JsonSyntax:
     name = "JSON"
 
-    def parse(self, text: str) -> list[Node]:
-        return [parse_json_nodes(text)]
-
-    def load(self, text: str) -> list[object]:
-        return [json.loads(text)]
+    def read(self, text: str) -> tuple[list[Node], list[object]]:
+        """The node tree and the data of one JSON value (``ValueError`` if it is not JSON)."""
+        data = json.loads(text)  # first: its error messages are the ones users know
+        return [_Reader(text).value(0)[0]], [data]
 
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
         raw = text[scalar.start : scalar.end]
@@ -250,13 +243,15 @@ def _content_end(node: Node) -> int:
 class YamlSyntax:
     name = "YAML"
 
-    def parse(self, text: str) -> list[Node]:
+    def read(self, text: str) -> tuple[list[Node], list[object]]:
+        """The node trees and the data of every document (``ValueError`` if it is not YAML)."""
         yaml = _yaml()
         try:
             documents = list(yaml.compose_all(text))
         except Exception as exc:  # ruamel raises its own error classes; all mean "not YAML"
             raise ValueError(str(exc)) from exc
-        return [self._convert(yaml, doc, in_flow=False) for doc in documents if doc is not None]
+        roots = [self._convert(yaml, doc, in_flow=False) for doc in documents if doc is not None]
+        return roots, self.load(text)
 
     def _convert(self, yaml: Any, node: Any, in_flow: bool) -> Node:
         from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode

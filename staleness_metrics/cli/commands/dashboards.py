@@ -1,4 +1,4 @@
-"""``staleness-metrics dashboards``: write or check the generated dashboards, rules and panel spec."""
+"""``staleness-metrics dashboards``: write or check the generated dashboards, rules and panels."""
 
 from __future__ import annotations
 

@@ -63,8 +63,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...migrate import FileKind, Options, iter_files, migrate_file, unified_diff, write_atomically
+    from ...migrate.driver import iter_files, migrate_file, unified_diff, write_atomically
     from ...migrate.legacy import DEFAULT_PROMETHEUS_PREFIXES
+    from ...migrate.model import FileKind, Options
 
     options = Options(
         drop_removed=args.drop_removed,
