@@ -84,21 +84,16 @@ class Finding:
 
 @dataclass
 class FileResult:
-    """The outcome for one file: its findings, and the new text when the migration changes it.
-
-    ``error``: the file could not be read, parsed or safely edited (it is never touched then);
-    ``skipped``: left out for a harmless reason (a binary file met in a directory); ``notes``: what
-    else the migration did (a history boundary line).
-    """
+    """The outcome for one file: its findings, and the new text when the migration changes it."""
 
     path: str
     kind: FileKind | None
     original: str | None = None
     new_text: str | None = None  # None: nothing to change, or the file is not edited
     findings: list[Finding] = field(default_factory=list)
-    error: str | None = None
-    skipped: str | None = None
-    notes: list[str] = field(default_factory=list)
+    error: str | None = None  # not read, parsed or safely edited: the file is never touched then
+    skipped: str | None = None  # left out for a harmless reason (a binary file in a directory)
+    notes: list[str] = field(default_factory=list)  # what else it did (a history boundary line)
 
     @property
     def changed(self) -> bool:

@@ -135,7 +135,6 @@ class _Migration:
         self.findings: list[Finding] = []
         self.sets: list[tuple[Path, str]] = []  # value path -> new value
         self.renames: list[tuple[Path, str, str]] = []  # mapping path, old key, new key
-        self.deletes: list[Path] = []  # list entries
         self.dropped: list[Unit] = []
         self.drop_notes: dict[Path, str] = {}
 
@@ -173,7 +172,6 @@ class _Migration:
             self.edits.extend(removal)
             self.removals.extend(removal)
             self.dropped.extend(members)
-            self.deletes.extend(u.path for u in members)
         for unit in self.dropped:
             hits = [h for s in self.scans if _under(s.path, unit.path) for h in s.scanned.hits]
             names = ", ".join(sorted({h.old for h in hits}))
@@ -225,7 +223,7 @@ class _Migration:
         for value_path, value in self.sets:
             parent = _resolve(expected, value_path[:-1])
             parent[value_path[-1]] = value  # type: ignore[index]
-        for doomed in sorted(self.deletes, key=lambda p: (-len(p), -_index(p))):
+        for doomed in sorted((u.path for u in self.dropped), key=lambda p: (-len(p), -_index(p))):
             parent = _resolve(expected, doomed[:-1])
             del parent[doomed[-1]]  # type: ignore[attr-defined]
         for map_path, old, new in sorted(self.renames, key=lambda r: -len(r[0])):
