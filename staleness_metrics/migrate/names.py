@@ -291,14 +291,9 @@ def scanner_for(options: Options, *, prometheus: bool) -> Scanner:
 
 def peer_lookup(peer: str, name: str) -> PeerKey | None:
     """The row of a logged key ``name`` of ``peer``: the whole key, or a segment row inside it."""
-    parts = [_bare(part) for part in name.split("/")]
+    # bounded by "/": a segment row matches whole segments (bare of the tracker's suffix) only
+    segments = "/" + "/".join(_bare(part) for part in name.split("/")) + "/"
     for row in peer_keys(peer):
-        if row.key == name or (row.segment and _has_segments(parts, row.key.split("/"))):
+        if row.key == name or (row.segment and f"/{row.key}/" in segments):
             return row
     return None
-
-
-def _has_segments(parts: Sequence[str], wanted: Sequence[str]) -> bool:
-    """Whether ``wanted`` occurs as consecutive path segments of ``parts``."""
-    size = len(wanted)
-    return any(list(parts[start : start + size]) == list(wanted) for start in range(len(parts) - size + 1))
