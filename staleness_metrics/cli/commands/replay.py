@@ -101,11 +101,9 @@ def _prime_rl_lines(path: Path, read: PrimeRlRead | None, reports: list[StepRepo
 def _open_with_progress(path: Path, progress: bool | None) -> contextlib.AbstractContextManager[IO[bytes]]:
     show = progress if progress is not None else (sys.stderr.isatty() and path.stat().st_size > PROGRESS_MIN_BYTES)
     if show:
-        try:
+        with contextlib.suppress(ImportError):  # rich is optional: no bar without it
             import rich.progress
-        except ImportError:
-            pass
-        else:
+
             return rich.progress.open(path, "rb", description="replay", console=None)
     return path.open("rb", buffering=READ_BUFFER)
 
