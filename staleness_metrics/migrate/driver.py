@@ -163,15 +163,12 @@ def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> F
 
 def looks_like_history(text: str) -> bool:
     """The first non-blank line is a JSON object with a ``step`` (event streams have a ``type``)."""
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            first = json.loads(line)
-        except ValueError:
-            return False
-        return isinstance(first, dict) and "step" in first and "type" not in first
-    return False
+    line = next((line for line in text.splitlines() if line.strip()), "null")
+    try:
+        first = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(first, dict) and "step" in first and "type" not in first
 
 
 class _Findings(dict[tuple[str, Action], Finding]):

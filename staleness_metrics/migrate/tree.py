@@ -235,9 +235,8 @@ def _content_end(node: Node) -> int:
     """Where a node's own content ends (trailing comments and blank lines excluded)."""
     if isinstance(node, Scalar) or node.flow:
         return node.end
-    if isinstance(node, Mapping):
-        return max((_content_end(value) for _, value in node.items), default=node.start)
-    return max((_content_end(item) for item in node.items), default=node.start)
+    children = [value for _, value in node.items] if isinstance(node, Mapping) else node.items
+    return max((_content_end(child) for child in children), default=node.start)
 
 
 class YamlSyntax:
@@ -358,5 +357,4 @@ class YamlSyntax:
 YAML_SYNTAX = YamlSyntax()
 
 
-Syntax: TypeAlias = JsonSyntax | YamlSyntax
-"""A file format the structured migration edits in place."""
+Syntax: TypeAlias = JsonSyntax | YamlSyntax  # a format the structured migration edits in place
