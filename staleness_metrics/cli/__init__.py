@@ -1,8 +1,39 @@
-"""The ``staleness-metrics`` console script (:mod:`.main`) and its subcommands
+"""The ``staleness-metrics`` console script: one parser, one module per subcommand
 (:mod:`.commands`)."""
 
 from __future__ import annotations
 
-from .main import build_parser, main
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from .. import __version__
+from .commands import COMMANDS
 
 __all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="staleness-metrics",
+        description="Data freshness of asynchronous RL training: masking, metrics and exporters.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for register in COMMANDS:
+        register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly, as Unix tools do.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    return code

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from .main import main
+from . import main
 
 sys.exit(main())

@@ -1,33 +1,37 @@
-"""Find the files, tell their kind, run the right migration, show diffs and write atomically."""
+"""Find the files, tell their kind, migrate them (configs and metrics histories here, structured
+documents in :mod:`.structured`), show diffs and write atomically."""
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
+import re
 import stat
 import tempfile
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, Literal
 
-from .configs import CONFIG_KINDS, ConfigFormat, load_config, migrate_config
-from .history import looks_like_history, migrate_history
-from .model import Action, FileKind, FileResult, Finding, Options
-from .names import Context, Scanner, scanner_for
-from .structured import STRUCTURED_KINDS, migrate_structured
-from .tree import JSON, YAML_SYNTAX
+from ..metrics.metric_table import LegacyKey
+from .legacy import in_legacy_namespace, migrate_key
+from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
+from .names import Context, Scanner, peer_lookup, scanner_for
+from .structured import POLICIES, migrate_structured
+from .tree import JSON, YAML_SYNTAX, Edit, Mapping, apply_edits, line_of
 
-__all__ = [
-    "detect_kind",
-    "iter_files",
-    "migrate_file",
-    "migrate_text",
-    "unified_diff",
-    "write_atomically",
-]
+ConfigFormat = Literal["toml", "yaml", "json"]
 
+_CONFIG_FORMATS: dict[FileKind, ConfigFormat] = {
+    FileKind.TOML_CONFIG: "toml",
+    FileKind.YAML_CONFIG: "yaml",
+    FileKind.JSON_CONFIG: "json",
+}
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
-_HISTORY_SUFFIXES = frozenset({".jsonl", ".ndjson"})
-_YAML_SUFFIXES = frozenset({".yaml", ".yml"})
+IGNORE_PRAGMA = "staleness-migrate: ignore"
+MARKER_KEY = "migrate/legacy_through_step"
+_LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
@@ -48,23 +52,18 @@ def detect_kind(path: Path, text: str) -> FileKind:
     suffix = path.suffix.lower()
     if suffix == ".toml":
         return FileKind.TOML_CONFIG
-    if suffix in _HISTORY_SUFFIXES:
+    if suffix in (".jsonl", ".ndjson"):
         return FileKind.HISTORY if looks_like_history(text) else FileKind.TEXT
-    if suffix == ".json" or suffix in _YAML_SUFFIXES:
-        fmt: ConfigFormat = "json" if suffix == ".json" else "yaml"
-        try:
-            data = load_config(text, fmt)
-        except ValueError:
-            return CONFIG_KINDS[fmt]  # reported as unparseable
-        documents = data if fmt == "yaml" else [data]
-        for kind, (looks_like, _, _) in STRUCTURED_KINDS.items():
-            if any(looks_like(d) for d in documents):
-                return kind
-        return CONFIG_KINDS[fmt]
-    return FileKind.TEXT
-
-
-_CONFIG_FORMATS = {kind: fmt for fmt, kind in CONFIG_KINDS.items()}
+    if suffix not in (".json", ".yaml", ".yml"):
+        return FileKind.TEXT
+    config = FileKind.JSON_CONFIG if suffix == ".json" else FileKind.YAML_CONFIG
+    try:
+        data = load_config(text, _CONFIG_FORMATS[config])
+    except ValueError:
+        return config  # reported as unparseable
+    documents = [data] if config is FileKind.JSON_CONFIG else data
+    policy = next((p for p in POLICIES if any(p.looks_like(d) for d in documents)), None)
+    return config if policy is None else policy.kind
 
 
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
@@ -73,15 +72,215 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
     config_scanner = scanner_for(options, prometheus=False)
     prometheus_scanner = scanner_for(options, prometheus=True)
     if kind in _CONFIG_FORMATS:
-        return migrate_config(shown, text, _CONFIG_FORMATS[kind], config_scanner)
-    if kind in STRUCTURED_KINDS:
-        _, policy, prometheus = STRUCTURED_KINDS[kind]
-        syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
-        scanner = prometheus_scanner if prometheus else config_scanner
-        return migrate_structured(shown, text, syntax, policy, scanner, options)
+        return _migrate_config(shown, text, kind, config_scanner)
+    for policy in POLICIES:
+        if policy.kind is kind:
+            syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
+            scanner = prometheus_scanner if policy.prometheus else config_scanner
+            return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
     return scan_text(shown, text, prometheus_scanner)
+
+
+def load_config(text: str, fmt: ConfigFormat) -> Any:
+    """Plain data of a config file (raises ``ValueError`` with the parser's message)."""
+    try:
+        if fmt == "toml":
+            import tomlkit  # optional dependency (the cli extra)
+
+            return tomlkit.parse(text).unwrap()
+        return YAML_SYNTAX.load(text) if fmt == "yaml" else json.loads(text)
+    except ImportError as exc:
+        raise MissingParser("TOML", "tomlkit") from exc
+    except ValueError:
+        raise
+    except Exception as exc:  # tomlkit and ruamel raise their own error classes
+        raise ValueError(str(exc)) from exc
+
+
+class _Refused(Exception):
+    """A config or history line the migration will not edit, and why."""
+
+
+def _renamed(data: Any, scanner: Scanner) -> Any:
+    """``data`` with the names in every key and string replaced, as the edit should leave it."""
+    if isinstance(data, dict):
+        out: dict[Any, Any] = {}
+        for key, value in data.items():
+            new_key = scanner.scan(key, Context.TEXT).text if isinstance(key, str) else key
+            if new_key in out or (new_key != key and new_key in data):
+                raise _Refused(f"both {key!r} and {new_key!r} are set; keep one of them, then run again")
+            out[new_key] = _renamed(value, scanner)
+        return out
+    if isinstance(data, list):
+        return [_renamed(item, scanner) for item in data]
+    if isinstance(data, str):
+        return scanner.scan(data, Context.TEXT).text
+    return data
+
+
+def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> FileResult:
+    """A config edited as text, each legacy name replaced where it stands as a whole name so that
+    every other byte stays; kept only if it parses to the old data with those names replaced."""
+    fmt = _CONFIG_FORMATS[kind]
+    result = FileResult(path, kind, original=text)
+    try:
+        old_data = load_config(text, fmt)
+    except MissingParser as exc:
+        result.error = str(exc)
+        return result
+    except ValueError as exc:
+        result.error = f"cannot parse as {fmt.upper()}: {exc}"
+        return result
+    scanned = scanner.scan(text, Context.TEXT)
+    for hit in scanned.hits:
+        removed = hit.action is Action.REMOVED
+        reason = hit.reason + ("; delete it from the config by hand" if removed else "")
+        line = line_of(text, hit.start)
+        result.findings.append(Finding(path, line, hit.old, hit.new, hit.action, reason))
+    if not scanned.changed:
+        return result
+    try:
+        expected = _renamed(old_data, scanner)
+    except _Refused as exc:
+        result.findings = [
+            replace(f, action=Action.MANUAL, reason=str(exc)) if f.action is Action.RENAME else f
+            for f in result.findings
+        ]
+        return result
+    try:
+        new_data = load_config(scanned.text, fmt)
+    except ValueError as exc:
+        result.error = f"refusing to edit: the renamed text does not parse ({exc})"
+        return result
+    if new_data != expected:
+        result.error = "refusing to edit: renaming in place would change more than the names (escaped text?)"
+        return result
+    result.new_text = scanned.text
+    return result
+
+
+def looks_like_history(text: str) -> bool:
+    """The first non-blank line is a JSON object with a ``step`` (event streams have a ``type``)."""
+    line = next((line for line in text.splitlines() if line.strip()), "null")
+    try:
+        first = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(first, dict) and "step" in first and "type" not in first
+
+
+class _Findings(dict[tuple[str, Action], Finding]):
+    """Findings per (key, action), over the range of lines that carry the key."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def add(self, old: str, new: str | None, action: Action, reason: str, line: int) -> None:
+        known = self.get((old, action))
+        if known is None:
+            self[old, action] = Finding(self.path, line, old, new, action, reason, last_line=line)
+        else:
+            self[old, action] = replace(known, last_line=line, count=known.count + 1)
+
+
+def migrate_history(path: str, text: str, options: Options) -> FileResult:
+    """A metrics history (one JSON object with a ``step`` a line): keys renamed in place, values
+    untouched, and a boundary line ``{"step": S, MARKER_KEY: S}`` after the last line with legacy
+    keys (steps up to S used the old definitions)."""
+    result = FileResult(path, FileKind.HISTORY, original=text)
+    found = _Findings(path)
+    out: list[str] = []
+    last_legacy: tuple[int, int, object] | None = None  # (index in ``out``, line number, step)
+    newline = "\r\n" if "\r\n" in text else "\n"
+    # split on "\n" only: a JSON string may hold U+2028 and friends, which str.splitlines splits on
+    for number, line in enumerate(_LINES.findall(text), start=1):
+        body = line.rstrip("\r\n")
+        if not body.strip():
+            out.append(line)
+            continue
+        try:
+            new_body, had_legacy, is_marker, step = _migrate_line(body, number, options, found)
+        except _Refused as exc:
+            result.error = f"line {number}: {exc}"
+            return result
+        if is_marker:
+            continue  # an earlier run's boundary: dropped only if a new one is written below
+        if had_legacy:
+            last_legacy = (len(out), number, step)
+        out.append(new_body + line[len(body) :])
+    result.findings = sorted(found.values(), key=lambda f: (f.line, f.old))
+    if last_legacy is None:
+        return result  # nothing legacy: the file (and any earlier boundary line) stays as it is
+    index, number, step = last_legacy
+    if not out[index].endswith(("\n", "\r")):
+        out[index] += newline
+    marker = json.dumps({"step": step, MARKER_KEY: step})
+    out.insert(index + 1, marker + (newline if index + 1 < len(out) else ""))
+    result.notes.append(f"boundary line after line {number} (step {step}): old definitions up to there")
+    result.new_text = "".join(out)
+    return result
+
+
+def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
+    """The line with legacy keys renamed; whether it had any; whether it is a boundary; its step."""
+    try:
+        [node], [data] = JSON.read(body)
+    except ValueError as exc:
+        raise _Refused(f"not a JSON object: {exc}") from exc
+    if not isinstance(node, Mapping) or not isinstance(data, dict):
+        raise _Refused("not a JSON object")
+    keys = {key.value for key, _ in node.items}
+    edits: list[Edit] = []
+    doomed: list[int] = []
+    taken: set[str] = set()
+    had_legacy = False
+    expected: dict[object, object] = {}
+    for index, (key, _value) in enumerate(node.items):
+        name = str(key.value)
+        if options.peer:
+            peer_row = peer_lookup(options.peer, name)
+            if peer_row is not None and peer_row.new is None:
+                # a peer key whose meaning differs: reported, kept (it is data), never renamed or
+                # dropped; it sets no boundary line, since nothing on the line changes meaning
+                reason = f"{peer_row.peer}: {peer_row.reason} [{peer_row.source}]"
+                found.add(name, None, Action.MANUAL, reason, number)
+                expected[name] = data[name]
+                continue
+            legacy = None if peer_row is None else LegacyKey(name, peer_row.new, f"{peer_row.peer}: {peer_row.reason}")
+        else:
+            legacy = migrate_key(name)
+        if legacy is None:
+            if not options.peer and in_legacy_namespace(name):
+                had_legacy = True
+                found.add(name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping", number)
+            expected[name] = data[name]
+            continue
+        had_legacy = True
+        if legacy.new is None or legacy.new in keys or legacy.new in taken:
+            reason = legacy.reason if legacy.new is None else f"{legacy.new} is already on the line"
+            if options.drop_removed:
+                doomed.append(index)
+                found.add(name, None, Action.DROP, reason, number)
+            else:
+                action = Action.REMOVED if legacy.new is None else Action.MANUAL
+                found.add(name, legacy.new, action, f"{reason}; --drop-removed deletes it", number)
+                expected[name] = data[name]
+            continue
+        taken.add(legacy.new)
+        raw = JSON.render(body, key, legacy.new, {name: legacy.new})
+        assert raw is not None
+        edits.append(Edit(key.start, key.end, raw))
+        expected[legacy.new] = data[name]
+        found.add(name, legacy.new, Action.RENAME, legacy.reason or "renamed", number)
+    if doomed:
+        edits.extend(JSON.remove(body, node, doomed))
+    new_body = apply_edits(body, edits) if edits else body
+    if edits and json.loads(new_body) != expected:
+        raise _Refused("the edited line does not read back as intended")
+    return new_body, had_legacy, MARKER_KEY in data, data.get("step")
 
 
 def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, explicit: bool = True) -> FileResult:
@@ -110,9 +309,6 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         result.findings = scan_text(shown, text, scanner, reason=reason).findings
         result.new_text = None
     return result
-
-
-IGNORE_PRAGMA = "staleness-migrate: ignore"
 
 
 def scan_text(

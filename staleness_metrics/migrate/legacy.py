@@ -1,10 +1,5 @@
-"""What a legacy name is called now (SPEC 7): W&B keys, Prometheus names, the setting and the
-console label (docs/migrate.md).
-
-The legacy names are the catalogue's (:mod:`staleness_metrics.metrics.metric_table`); this module
-adds the setting's flag spelling and the console label, and the look-ups. Each old name is spelled
-out as data; its new name is looked up in the table.
-"""
+"""What a legacy name is called now (SPEC 7): the look-ups over the catalogue's legacy W&B keys and
+Prometheus names, plus the setting's flag spelling and the console label (docs/migrate.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +8,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-from ..config import RENAMED_SETTINGS
 from ..metrics.metric_table import (
     LEGACY_KEYS,
     LEGACY_NAMESPACE,
@@ -25,28 +19,6 @@ from ..metrics.metric_table import (
     MetricKind,
     metric_by_key,
 )
-
-__all__ = [
-    "CONSOLE_LABELS",
-    "CURRENT_KEYS",
-    "CURRENT_PROMETHEUS_NAMES",
-    "DEFAULT_PROMETHEUS_PREFIXES",
-    "LEGACY_KEYS",
-    "LEGACY_NAMESPACE",
-    "LEGACY_PROMETHEUS_NAMES",
-    "REMOVED_KEY_FAMILIES",
-    "RENAMED_SETTINGS",
-    "RENAMED_SETTING_FLAGS",
-    "LegacyKey",
-    "LegacyPrometheusName",
-    "RegexFlavor",
-    "RegexRewrite",
-    "current_key",
-    "in_legacy_namespace",
-    "migrate_key",
-    "migrate_prometheus_name",
-    "rewrite_key_regex",
-]
 
 RENAMED_SETTING_FLAGS: Mapping[str, str] = {"max-off-policy-steps": "max-staleness"}
 """The same settings as command lines spell them (``--orchestrator.max-off-policy-steps 8``)."""
@@ -60,21 +32,14 @@ CURRENT_KEYS: frozenset[str] = frozenset(WANDB_KEYS)
 DEFAULT_PROMETHEUS_PREFIXES: tuple[str, ...] = ("orchestrator_",)
 """Namespace prefixes a legacy Prometheus name may carry (prime-rl's orchestrator exporter)."""
 
-
-def _series_names() -> frozenset[str]:
-    names: set[str] = set()
-    for metric in METRICS:
-        if metric.prometheus_name is None:
-            continue
-        names.add(metric.prometheus_name)
-        if metric.kind is MetricKind.HISTOGRAM:
-            # the exposition format's own series of a histogram family
-            names.update(metric.prometheus_name + suffix for suffix in ("_bucket", "_sum", "_count"))
-    return frozenset(names)
-
-
-CURRENT_PROMETHEUS_NAMES: frozenset[str] = _series_names()
-"""Every series name the Prometheus exporter publishes (histogram series included)."""
+_HISTOGRAM_SERIES = ("", "_bucket", "_sum", "_count")
+CURRENT_PROMETHEUS_NAMES: frozenset[str] = frozenset(
+    metric.prometheus_name + suffix
+    for metric in METRICS
+    if metric.prometheus_name is not None
+    for suffix in (_HISTOGRAM_SERIES if metric.kind is MetricKind.HISTOGRAM else ("",))
+)
+"""Every series name the Prometheus exporter publishes (a histogram's own series included)."""
 
 
 def migrate_key(key: str) -> LegacyKey | None:
@@ -139,10 +104,9 @@ def migrate_prometheus_name(
     return None
 
 
+# wandb: a W&B panel regex over keys (matches anywhere, like JavaScript's ``test``); prometheus: a
+# ``__name__=~`` regex over series names (anchored at both ends, like RE2 in Prometheus)
 RegexFlavor = Literal["wandb", "prometheus"]
-"""``wandb``: a W&B panel regex over W&B keys (matches anywhere in a key, like JavaScript's
-``test``). ``prometheus``: a ``__name__=~`` regex over series names (anchored at both ends, like RE2
-in Prometheus)."""
 
 
 @dataclass(frozen=True)
@@ -169,9 +133,7 @@ def _legacy_candidates(flavor: RegexFlavor, prefixes: Iterable[str]) -> dict[str
 
 
 def _matches(compiled: re.Pattern[str], name: str, flavor: RegexFlavor) -> bool:
-    if flavor == "wandb":
-        return compiled.search(name) is not None
-    return compiled.fullmatch(name) is not None
+    return (compiled.search if flavor == "wandb" else compiled.fullmatch)(name) is not None
 
 
 _Trie: TypeAlias = dict[str | None, "_Trie"]  # segment -> subtree; the key None marks a name's end

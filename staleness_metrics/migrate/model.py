@@ -7,8 +7,6 @@ from dataclasses import dataclass, field
 
 from .legacy import DEFAULT_PROMETHEUS_PREFIXES
 
-__all__ = ["Action", "FileKind", "FileResult", "Finding", "MissingParser", "Options"]
-
 
 class MissingParser(ValueError):
     """The parser of a file format is an optional dependency that is not installed."""
@@ -32,31 +30,25 @@ class FileKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Options:
-    """How to migrate: delete what was removed, and which prefixes legacy Prometheus names carry."""
+    """How to migrate: delete what was removed, which prefixes legacy Prometheus names carry, and
+    (``--from PEER``) whose keys to map instead of this project's legacy ones."""
 
     drop_removed: bool = False
     prometheus_prefixes: tuple[str, ...] = DEFAULT_PROMETHEUS_PREFIXES
-    # --from PEER: map that framework's keys instead of this project's legacy ones
     peer: str | None = None
 
 
 class Action(str, enum.Enum):
-    """What happens to a legacy name."""
+    """What happens to a legacy name: renamed, deleted (``--drop-removed``), left in place as a
+    removed metric, or only reported."""
 
-    RENAME = "rename"  # rewritten to its new name
-    # the panel, target, rule, list entry or history value is deleted (--drop-removed)
+    RENAME = "rename"
     DROP = "drop"
-    # the metric was removed; left in place (--drop-removed deletes it where it can)
     REMOVED = "removed"
-    MANUAL = "manual"  # a legacy name the tool reports but does not edit
+    MANUAL = "manual"
 
 
-_OUTCOMES = {
-    Action.RENAME: "",
-    Action.DROP: ": deleted",
-    Action.REMOVED: ": removed",
-    Action.MANUAL: ": not edited",
-}
+_OUTCOMES = {Action.DROP: ": deleted", Action.REMOVED: ": removed", Action.MANUAL: ": not edited"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +75,7 @@ class Finding:
             where += f"-{self.last_line}"
         arrow = self.new is not None and self.action in (Action.RENAME, Action.MANUAL)
         name = f"{self.old} -> {self.new}" if arrow else self.old
-        text = f"{where}: {name}" + _OUTCOMES[self.action]
+        text = f"{where}: {name}{_OUTCOMES.get(self.action, '')}"
         details = [self.reason] if self.reason else []
         if self.count > 1:
             details.append(f"{self.count} lines")
@@ -99,12 +91,9 @@ class FileResult:
     original: str | None = None
     new_text: str | None = None  # None: nothing to change, or the file is not edited
     findings: list[Finding] = field(default_factory=list)
-    # the file could not be read, parsed or safely edited; it is never touched then
-    error: str | None = None
-    # left out for a harmless reason (a binary file met while walking a directory)
-    skipped: str | None = None
-    # what else the migration did (a history boundary marker)
-    notes: list[str] = field(default_factory=list)
+    error: str | None = None  # not read, parsed or safely edited: the file is never touched then
+    skipped: str | None = None  # left out for a harmless reason (a binary file in a directory)
+    notes: list[str] = field(default_factory=list)  # what else it did (a history boundary line)
 
     @property
     def changed(self) -> bool:

@@ -1,7 +1,5 @@
 """Find legacy names (or, for ``migrate --from PEER``, a peer framework's keys) inside one string
-and rewrite them, the string read as free text, PromQL or a key regex (the file kinds say which).
-
-A peer's key with the same meaning is renamed; any other is reported with the table's reason."""
+and rewrite them, the string read as free text, PromQL or a key regex (the file kinds say which)."""
 
 from __future__ import annotations
 
@@ -10,21 +8,12 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..metrics.metric_table import metric_by_key
+from ..config import RENAMED_SETTINGS
+from ..metrics.metric_table import LEGACY_KEYS, LEGACY_NAMESPACE, REMOVED_KEY_FAMILIES, metric_by_key
 from . import legacy
 from .model import Action, Options
 from .peers import TRACKER_SUFFIXES, PeerKey, peer_keys
-
-__all__ = [
-    "Context",
-    "Hit",
-    "PeerScanner",
-    "Scanned",
-    "Scanner",
-    "apply_renames",
-    "peer_lookup",
-    "scanner_for",
-]
+from .tree import Edit, apply_edits
 
 
 class Context(enum.Enum):
@@ -57,20 +46,16 @@ class Scanned:
         return any(hit.action is Action.RENAME for hit in self.hits)
 
 
-_RENAMED = "renamed"
-
-
 def _alternation(names: Sequence[str]) -> str:
     # longest first, so a key is never cut short by a shorter key it starts with
     return "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
 
 
-_FAMILIES = "|".join(re.escape(prefix) + r"\w+(?:/\w+)*" for prefix in legacy.REMOVED_KEY_FAMILIES)
-_WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(legacy.LEGACY_KEYS))}|{_FAMILIES})(?![\w/])"
-# Other references to the old namespace (globs, regexes, keys the table does
-# not know): reported only.
-_NAMESPACE = rf"(?<![\w/]){re.escape(legacy.LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
-_RENAMED_SETTINGS = {**legacy.RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
+_FAMILIES = "|".join(re.escape(prefix) + r"\w+(?:/\w+)*" for prefix in REMOVED_KEY_FAMILIES)
+_WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(LEGACY_KEYS))}|{_FAMILIES})(?![\w/])"
+# other references to the old namespace (globs, regexes, unknown keys): reported only
+_NAMESPACE = rf"(?<![\w/]){re.escape(LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
+_RENAMED_SETTINGS = {**RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
 # match group -> (old name -> new name, reason)
 _TABLES = {
     "setting": (_RENAMED_SETTINGS, "renamed setting"),
@@ -110,8 +95,6 @@ class Scanner:
         hits = self._text_hits(text)
         return Scanned(apply_renames(text, hits), tuple(hits))
 
-    # -- free text ---------------------------------------------------------------------------------
-
     def _text_hits(self, text: str) -> list[Hit]:
         hits: list[Hit] = []
         for match in _TEXT_PATTERN.finditer(text):
@@ -123,7 +106,8 @@ class Scanner:
                 if found.new is None:
                     hits.append(Hit(start, end, token, None, Action.REMOVED, found.reason))
                 else:
-                    hits.append(Hit(start, end, token, found.new, Action.RENAME, found.reason or _RENAMED))
+                    reason = found.reason or "renamed"
+                    hits.append(Hit(start, end, token, found.new, Action.RENAME, reason))
             elif match.lastgroup == "ns":
                 token = token.rstrip(".:")
                 reason = "old off_policy/ namespace, no known mapping"
@@ -136,8 +120,6 @@ class Scanner:
                 if hit is not None:
                     hits.append(hit)
         return hits
-
-    # -- Prometheus --------------------------------------------------------------------------------
 
     def _prometheus_hit(self, token: str, start: int) -> Hit | None:
         end = start + len(token)
@@ -197,8 +179,6 @@ class Scanner:
         scanned = self._scan_regex(body, "prometheus")
         return [Hit(h.start + inner, h.end + inner, h.old, h.new, h.action, h.reason) for h in scanned.hits]
 
-    # -- regexes -----------------------------------------------------------------------------------
-
     def _scan_regex(self, pattern: str, flavor: legacy.RegexFlavor) -> Scanned:
         try:
             rewrite = legacy.rewrite_key_regex(pattern, flavor, self.prefixes)
@@ -218,16 +198,8 @@ class Scanner:
 
 def apply_renames(text: str, hits: Sequence[Hit]) -> str:
     """``text`` with every rename among ``hits`` applied (other hits only reported)."""
-    parts: list[str] = []
-    position = 0
-    for hit in sorted(hits, key=lambda h: h.start):
-        if hit.action is not Action.RENAME or hit.new is None:
-            continue
-        parts.append(text[position : hit.start])
-        parts.append(hit.new)
-        position = hit.end
-    parts.append(text[position:])
-    return "".join(parts)
+    renames = (h for h in hits if h.action is Action.RENAME)
+    return apply_edits(text, [Edit(h.start, h.end, h.new) for h in renames if h.new is not None])
 
 
 # -- another framework's keys (--from PEER) --------------------------------------------------------
@@ -254,22 +226,20 @@ class PeerScanner(Scanner):
 
     def __init__(self, peer: str, *, prometheus: bool, prefixes: Sequence[str] = ()) -> None:
         super().__init__(prometheus=prometheus, prefixes=prefixes)
+        self.peer = peer
         self.rows = {row.key: row for row in peer_keys(peer)}
         whole = [key for key, row in self.rows.items() if not row.segment]
         segments = [key for key, row in self.rows.items() if row.segment]
-        parts = []
-        if whole:
-            parts.append(rf"(?<![\w/.-])(?:{_alternation(whole)})(?![\w/.-])")
+        # every peer logs whole keys; AReaL's tracker also logs segments inside longer keys
+        parts = [rf"(?<![\w/.-])(?:{_alternation(whole)})(?![\w/.-])"]
         if segments:
             parts.append(rf"(?<![\w.-])(?:{_alternation(segments)}){_SUFFIX}(?![\w.-])")
-        self._pattern = re.compile("|".join(parts)) if parts else None
+        self._pattern = re.compile("|".join(parts))
         self._series = {
             key.replace("/", "_").replace("-", "_"): row for key, row in self.rows.items() if not row.segment
         }
 
     def _text_hits(self, text: str) -> list[Hit]:
-        if self._pattern is None:
-            return []
         hits = []
         for match in self._pattern.finditer(text):
             row = self.rows.get(match.group()) or self.rows[_bare(match.group())]
@@ -287,14 +257,10 @@ class PeerScanner(Scanner):
         return _hit(row, start, start + len(token), token, series)
 
     def _scan_promql(self, text: str) -> Scanned:
-        scanned = super()._scan_promql(text)
-        hits = tuple(
-            h for h in scanned.hits if h.action is not Action.MANUAL or h.reason.startswith(f"{self._peer()}:")
-        )
+        found = super()._scan_promql(text).hits
+        own = f"{self.peer}:"
+        hits = tuple(h for h in found if h.action is not Action.MANUAL or h.reason.startswith(own))
         return Scanned(apply_renames(text, hits), hits)
-
-    def _peer(self) -> str:
-        return next(iter(self.rows.values())).peer if self.rows else ""
 
     def _scan_regex(self, pattern: str, flavor: object) -> Scanned:
         try:
@@ -307,11 +273,11 @@ class PeerScanner(Scanner):
             return Scanned(pattern, ())
         differing = [row.key for row in matched if row.new is None]
         if differing:
-            reason = f"{self._peer()}: matches keys with no equivalent: {', '.join(differing)}; edit by hand"
+            reason = f"{self.peer}: matches keys with no equivalent: {', '.join(differing)}; edit by hand"
             return Scanned(pattern, (Hit(0, len(pattern), pattern, None, Action.MANUAL, reason),))
         new_keys = sorted({row.new for row in matched if row.new is not None})
         rewritten = "^(?:" + "|".join(re.escape(k) for k in new_keys) + ")$"
-        reason = f"{self._peer()}: regex rewritten to the same keys here"
+        reason = f"{self.peer}: regex rewritten to the same keys here"
         hit = Hit(0, len(pattern), pattern, rewritten, Action.RENAME, reason)
         return Scanned(rewritten, (hit,))
 
@@ -325,14 +291,9 @@ def scanner_for(options: Options, *, prometheus: bool) -> Scanner:
 
 def peer_lookup(peer: str, name: str) -> PeerKey | None:
     """The row of a logged key ``name`` of ``peer``: the whole key, or a segment row inside it."""
-    parts = [_bare(part) for part in name.split("/")]
+    # bounded by "/": a segment row matches whole segments (bare of the tracker's suffix) only
+    segments = "/" + "/".join(_bare(part) for part in name.split("/")) + "/"
     for row in peer_keys(peer):
-        if row.key == name or (row.segment and _has_segments(parts, row.key.split("/"))):
+        if row.key == name or (row.segment and f"/{row.key}/" in segments):
             return row
     return None
-
-
-def _has_segments(parts: Sequence[str], wanted: Sequence[str]) -> bool:
-    """Whether ``wanted`` occurs as consecutive path segments of ``parts``."""
-    size = len(wanted)
-    return any(list(parts[start : start + size]) == list(wanted) for start in range(len(parts) - size + 1))

@@ -1,12 +1,6 @@
-"""Other trainers' staleness keys, for ``staleness-metrics migrate --from PEER`` (issues 14 and 21).
-
-:data:`PEER_KEYS`: each staleness key (or setting) a peer logs, where it is computed (the newest
-release, else a repository snapshot ``owner/repo@commit``), and this project's key with the same
-number on the peer's own batches, or the reason there is none (docs/migrate.md; checked by
-tests/migrate/test_peer_values.py and tests/trainers/test_migrate_values.py). PipelineRL's
-``stats/lag_{mean,max}`` (issue 32) postdate its snapshot: their rows cite the lag they summarise.
-TRL's ``max_staleness`` has this project's own setting name and is not flagged.
-"""
+"""Other trainers' staleness keys for ``migrate --from PEER`` (issues 14, 21; docs/migrate.md):
+where each is computed (newest release, else ``owner/repo@commit``) and this project's key with the
+same number, or why there is none. TRL's ``max_staleness`` is this project's own setting name."""
 
 from __future__ import annotations
 
@@ -14,8 +8,6 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..metrics import keys
-
-__all__ = ["PEERS", "PEER_KEYS", "TRACKER_SUFFIXES", "PeerKey", "peer_keys"]
 
 # AReaL's stats tracker logs ``<key>__count`` beside every scalar
 # (areal/utils/stats_tracker.py:215).
@@ -247,7 +239,8 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("roll", "async_generation_ratio", None, f"{_ROLL}roll/configs/base_config.py:502",
             "how many steps generation may run ahead (an integer named a ratio): a bound on "
             "generation lead, not on the age of the data trained"),
-    # -- PipelineRL (no release) -------------------------------------------------------------------
+    # -- PipelineRL (no release; stats/lag_{mean,max}, issue 32, postdate the snapshot: their rows
+    # cite the lag they summarise) -----------------------------------------------------------------
     PeerKey("pipelinerl", "stats/lag", None, f"{_PIPELINE}:881",
             f"last broadcast version - oldest actor version in the batch; {_PIPELINE_UNIT}"),
     *(

@@ -1,22 +1,16 @@
-"""In-place migration of a structured document (Grafana dashboard, W&B workspace spec, rule file).
-
-The file kind's :class:`Policy` says how each string is read (PromQL, regex, free text) and which
-list entries ``--drop-removed`` may delete; the edited text is read back before it is kept.
-"""
+"""In-place migration of a structured document (Grafana dashboard, W&B workspace spec, rule file):
+each kind's :class:`Policy` says how a string is read and what ``--drop-removed`` may delete."""
 
 from __future__ import annotations
 
 import copy
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Hit, Scanned, Scanner
-from .tree import Edit, LineIndex, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, walk
-
-__all__ = ["STRUCTURED_KINDS", "Policy", "migrate_structured"]
+from .tree import Edit, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, line_of, walk
 
 
 @dataclass(frozen=True)
@@ -29,16 +23,6 @@ class ScalarScan:
     context: Context
     scanned: Scanned
 
-    @property
-    def removed_whole(self) -> bool:
-        """The whole value is one removed name (a series entry or regex of removed metrics only)."""
-        hits = self.scanned.hits
-        return (
-            len(hits) == 1
-            and hits[0].action is Action.REMOVED
-            and hits[0].end - hits[0].start == len(str(self.scalar.value))
-        )
-
 
 @dataclass(frozen=True)
 class Unit:
@@ -48,27 +32,25 @@ class Unit:
     label: str  # 'panel "Token max"', 'alert "X"'
 
 
-class Policy(Protocol):
+@dataclass(frozen=True)
+class Policy:
+    """A structured file kind: its test of a parsed document, how to read the string at a path
+    (None: leave it alone), the entries ``--drop-removed`` deletes, and whether its free text
+    holds series names."""
+
     kind: FileKind
-
-    def context(self, path: Path) -> Context | None:
-        """How to read the string at ``path`` (None: leave it alone)."""
-        ...
-
-    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
-        """The entries to delete under ``--drop-removed``."""
-        ...
+    looks_like: Callable[[object], bool]
+    context: Callable[[Path], Context | None]
+    units: Callable[[list[object], list[ScalarScan]], list[Unit]]
+    prometheus: bool
 
 
-def nearest_key(path: Path) -> str:
+def _nearest_key(path: Path) -> str:
     """The mapping key a value sits under (list indices skipped)."""
-    for part in reversed(path):
-        if isinstance(part, str):
-            return part
-    return ""
+    return next((part for part in reversed(path) if isinstance(part, str)), "")
 
 
-def only_removed(scans: list[ScalarScan], owner: Callable[[Path], Path | None]) -> list[Path]:
+def _only_removed(scans: list[ScalarScan], owner: Callable[[Path], Path | None]) -> list[Path]:
     """The owners (targets, rules) all of whose PromQL values read only removed series."""
     verdict: dict[Path, bool] = {}
     for scan in scans:
@@ -79,18 +61,18 @@ def only_removed(scans: list[ScalarScan], owner: Callable[[Path], Path | None]) 
     return [path for path, removed in verdict.items() if removed]
 
 
-def under(path: Path, prefix: Path) -> bool:
+def _under(path: Path, prefix: Path) -> bool:
     return path[: len(prefix)] == prefix
 
 
-def resolve(data: list[object], path: Path) -> object:
+def _resolve(data: list[object], path: Path) -> object:
     node: object = data
     for part in path:
         node = node[part]  # type: ignore[index]
     return node
 
 
-def _line(text: str, lines: LineIndex, scalar: Scalar, hit: Hit) -> int:
+def _line(text: str, scalar: Scalar, hit: Hit) -> int:
     """The line of a hit, found in its scalar's source (folded scalars lose their line breaks)."""
     value = str(scalar.value)
     occurrence = value[: hit.start].count(hit.old)
@@ -101,8 +83,8 @@ def _line(text: str, lines: LineIndex, scalar: Scalar, hit: Hit) -> int:
         if position < 0:
             # the content starts after the indicator line
             block = 1 if scalar.style in ("|", ">") else 0
-            return lines.line(scalar.start) + value[: hit.start].count("\n") + block
-    return lines.line(scalar.start + position)
+            return line_of(text, scalar.start) + value[: hit.start].count("\n") + block
+    return line_of(text, scalar.start + position)
 
 
 def migrate_structured(
@@ -110,8 +92,7 @@ def migrate_structured(
 ) -> FileResult:
     result = FileResult(path, policy.kind, original=text)
     try:
-        roots = syntax.parse(text)
-        data = syntax.load(text)
+        roots, data = syntax.read(text)
     except MissingParser as exc:
         result.error = str(exc)
         return result
@@ -127,7 +108,8 @@ def migrate_structured(
     if not migration.edits:
         return result
     try:
-        new_text = apply_edits(text, _unique(migration.edits))
+        # a set: a YAML alias repeats its anchor's edits
+        new_text = apply_edits(text, set(migration.edits))
         migration.verify(new_text, data)
     except ValueError as exc:
         result.error = f"refusing to edit: {exc}"
@@ -146,7 +128,6 @@ class _Migration:
     def __init__(self, path: str, text: str, syntax: Syntax, scanner: Scanner, roots: list[Node]) -> None:
         self.path, self.text, self.syntax = path, text, syntax
         self.scanner, self.roots = scanner, roots
-        self.lines = LineIndex(text)
         self.nodes: dict[Path, Node] = {}
         self.scans: list[ScalarScan] = []
         self.edits: list[Edit] = []
@@ -154,7 +135,6 @@ class _Migration:
         self.findings: list[Finding] = []
         self.sets: list[tuple[Path, str]] = []  # value path -> new value
         self.renames: list[tuple[Path, str, str]] = []  # mapping path, old key, new key
-        self.deletes: list[Path] = []  # list entries
         self.dropped: list[Unit] = []
         self.drop_notes: dict[Path, str] = {}
 
@@ -192,17 +172,16 @@ class _Migration:
             self.edits.extend(removal)
             self.removals.extend(removal)
             self.dropped.extend(members)
-            self.deletes.extend(u.path for u in members)
         for unit in self.dropped:
-            hits = [h for s in self.scans if under(s.path, unit.path) for h in s.scanned.hits]
+            hits = [h for s in self.scans if _under(s.path, unit.path) for h in s.scanned.hits]
             names = ", ".join(sorted({h.old for h in hits}))
             reasons = "; ".join(sorted({h.reason for h in hits if h.action is Action.REMOVED}))
-            line = self.lines.line(self.nodes[unit.path].start)
+            line = line_of(self.text, self.nodes[unit.path].start)
             self.findings.append(Finding(self.path, line, names, None, Action.DROP, f"{unit.label} deleted: {reasons}"))
 
     def rename(self) -> None:
         for scan in self.scans:
-            if any(under(scan.path, u.path) for u in self.dropped):
+            if any(_under(scan.path, u.path) for u in self.dropped):
                 continue
             raw = None
             if scan.scanned.changed:
@@ -215,7 +194,7 @@ class _Migration:
                         self.renames.append((scan.path[:-1], str(scan.scalar.value), new_value))
                     else:
                         self.sets.append((scan.path, new_value))
-            note = next((n for p, n in self.drop_notes.items() if under(scan.path, p)), "")
+            note = next((n for p, n in self.drop_notes.items() if _under(scan.path, p)), "")
             for hit in scan.scanned.hits:
                 action, reason = hit.action, hit.reason
                 if action is Action.RENAME and raw is None:
@@ -223,7 +202,7 @@ class _Migration:
                     reason = "cannot rewrite this value in place: edit by hand"
                 if action is Action.REMOVED and note:
                     reason = f"{reason}; {note}"
-                line = _line(self.text, self.lines, scan.scalar, hit)
+                line = _line(self.text, scan.scalar, hit)
                 self.findings.append(Finding(self.path, line, hit.old, hit.new, action, reason))
 
     def comments(self) -> None:
@@ -234,7 +213,7 @@ class _Migration:
             if scanned.changed:
                 self.edits.append(Edit(start, end, scanned.text))
             for hit in scanned.hits:
-                line = self.lines.line(start + hit.start)
+                line = line_of(self.text, start + hit.start)
                 reason = f"{hit.reason}, in a comment"
                 self.findings.append(Finding(self.path, line, hit.old, hit.new, hit.action, reason))
 
@@ -242,20 +221,19 @@ class _Migration:
         """Read the edited text back: it must be the old data with exactly the intended changes."""
         expected = copy.deepcopy(data)
         for value_path, value in self.sets:
-            parent = resolve(expected, value_path[:-1])
+            parent = _resolve(expected, value_path[:-1])
             parent[value_path[-1]] = value  # type: ignore[index]
-        for doomed in sorted(self.deletes, key=lambda p: (-len(p), -_index(p))):
-            parent = resolve(expected, doomed[:-1])
+        for doomed in sorted((u.path for u in self.dropped), key=lambda p: (-len(p), -_index(p))):
+            parent = _resolve(expected, doomed[:-1])
             del parent[doomed[-1]]  # type: ignore[attr-defined]
         for map_path, old, new in sorted(self.renames, key=lambda r: -len(r[0])):
-            mapping = resolve(expected, map_path)
+            mapping = _resolve(expected, map_path)
             assert isinstance(mapping, dict)
             if new in mapping:
                 raise ValueError(f"renaming {old!r} would collide with the existing {new!r}")
             mapping[new] = mapping.pop(old)
         try:
-            self.syntax.parse(new_text)
-            actual = self.syntax.load(new_text)
+            actual = self.syntax.read(new_text)[1]
         except ValueError as exc:
             raise ValueError(f"the edited text does not parse ({exc})") from exc
         if actual != expected:
@@ -268,22 +246,17 @@ def _index(path: Path) -> int:
     return last
 
 
-def _unique(edits: Iterable[Edit]) -> list[Edit]:
-    # a YAML alias repeats its anchor's edits
-    return sorted(set(edits), key=lambda e: (e.start, e.end))
-
-
 def _outermost(units: list[Unit]) -> list[Unit]:
     paths = {u.path for u in units}
-    return [u for u in units if not any(p != u.path and under(u.path, p) for p in paths)]
+    return [u for u in units if not any(p != u.path and _under(u.path, p) for p in paths)]
 
 
-# -- Grafana dashboards ----------------------------------------------------------------------------
+# -- Grafana dashboards: queries (``expr``, ``query``, ``definition``) read as PromQL, every other
+# string as free text; --drop-removed deletes targets of removed series only, and a panel whose
+# targets all go ----------------------------------------------------------------------------------
 
-_QUERY_KEYS = frozenset({"expr", "query", "definition"})
 
-
-def looks_like_grafana(document: object) -> bool:
+def _looks_like_grafana(document: object) -> bool:
     """A dashboard (or an API export wrapping one in ``{"dashboard": ...}``) with ``panels``."""
     if isinstance(document, dict) and isinstance(document.get("dashboard"), dict):
         document = document["dashboard"]
@@ -294,39 +267,29 @@ def looks_like_grafana(document: object) -> bool:
     return any(isinstance(p, dict) and ("gridPos" in p or "targets" in p) for p in document["panels"])
 
 
-def _title(data: list[object], path: Path) -> str:
-    panel = resolve(data, path)
-    title = panel.get("title") if isinstance(panel, dict) else None
-    return str(title) if title else f"#{path[-1]}"
+def _grafana_context(path: Path) -> Context | None:
+    return Context.PROMQL if _nearest_key(path) in ("expr", "query", "definition") else Context.TEXT
 
 
-class GrafanaPolicy:
-    """Grafana dashboard JSON: queries (``expr``, ``query``, ``definition``) read as PromQL, every
-    other string as free text; ``--drop-removed`` deletes targets of removed series only, and a
-    panel whose targets all go."""
-
-    kind = FileKind.GRAFANA
-
-    def context(self, path: Path) -> Context | None:
-        return Context.PROMQL if nearest_key(path) in _QUERY_KEYS else Context.TEXT
-
-    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
-        doomed_by_panel: dict[Path, list[Path]] = defaultdict(list)
-        for target in only_removed(scans, _target_of):
-            doomed_by_panel[target[:-2]].append(target)
-        units = []
-        for panel, doomed in doomed_by_panel.items():
-            panel_targets = resolve(data, (*panel, "targets"))
-            title = _title(data, panel)
-            is_panel = len(panel) >= 2 and panel[-2] == "panels"
-            if is_panel and isinstance(panel_targets, list) and len(doomed) == len(panel_targets):
-                units.append(Unit(panel, f'panel "{title}"'))
-            else:
-                for target in doomed:
-                    ref = resolve(data, target)
-                    ref_id = ref.get("refId", target[-1]) if isinstance(ref, dict) else target[-1]
-                    units.append(Unit(target, f'target {ref_id} of panel "{title}"'))
-        return units
+def _grafana_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
+    doomed_by_panel: dict[Path, list[Path]] = defaultdict(list)
+    for target in _only_removed(scans, _target_of):
+        doomed_by_panel[target[:-2]].append(target)
+    units = []
+    for panel, doomed in doomed_by_panel.items():
+        panel_targets = _resolve(data, (*panel, "targets"))
+        entity = _resolve(data, panel)
+        title = entity.get("title") if isinstance(entity, dict) else None
+        title = str(title) if title else f"#{panel[-1]}"
+        is_panel = len(panel) >= 2 and panel[-2] == "panels"
+        if is_panel and isinstance(panel_targets, list) and len(doomed) == len(panel_targets):
+            units.append(Unit(panel, f'panel "{title}"'))
+            continue
+        for target in doomed:
+            ref = _resolve(data, target)
+            ref_id = ref.get("refId", target[-1]) if isinstance(ref, dict) else target[-1]
+            units.append(Unit(target, f'target {ref_id} of panel "{title}"'))
+    return units
 
 
 def _target_of(path: Path) -> Path | None:
@@ -337,9 +300,11 @@ def _target_of(path: Path) -> Path | None:
     return None
 
 
-# -- W&B workspace specs and panel lists ----------------------------------------------------------
+# -- W&B workspace specs and panel lists (JSON or YAML): a value under a key containing ``regex`` is
+# a key regex, every other string free text; --drop-removed deletes series entries naming a removed
+# key, and a panel all of whose series were removed ------------------------------------------------
 
-SERIES_KEYS = frozenset({"y", "metrics", "metric", "keys", "key"})
+_SERIES_KEYS = frozenset({"y", "metrics", "metric", "keys", "key"})
 _MARKERS = frozenset({"sections", "panels", "workspace", "panel_regexes"})
 
 
@@ -347,19 +312,19 @@ def _is_regex_key(key: str) -> bool:
     return "regex" in key.lower()
 
 
-def looks_like_wandb(document: object) -> bool:
+def _looks_like_wandb(document: object) -> bool:
     """A workspace spec (``sections``/``panels``) or a document holding key regexes."""
     if isinstance(document, dict):
         if _MARKERS & set(document):
             return True
-        return any(_is_regex_key(str(k)) or looks_like_wandb(v) for k, v in document.items())
+        return any(_is_regex_key(str(k)) or _looks_like_wandb(v) for k, v in document.items())
     if isinstance(document, list):
-        return any(looks_like_wandb(item) for item in document)
+        return any(_looks_like_wandb(item) for item in document)
     return False
 
 
 def _is_series_key(key: object) -> bool:
-    return isinstance(key, str) and (key in SERIES_KEYS or _is_regex_key(key))
+    return isinstance(key, str) and (key in _SERIES_KEYS or _is_regex_key(key))
 
 
 def _series_paths(node: object, path: Path) -> list[Path]:
@@ -379,66 +344,59 @@ def _series_paths(node: object, path: Path) -> list[Path]:
     return found
 
 
-class WandbPolicy:
-    """W&B workspace specs and panel lists (JSON or YAML): a value under a key containing
-    ``regex`` is a key regex, every other string free text; ``--drop-removed`` deletes series
-    entries naming a removed key, and a panel all of whose series were removed."""
-
-    kind = FileKind.WANDB
-
-    def context(self, path: Path) -> Context | None:
-        return Context.REGEX if _is_regex_key(nearest_key(path)) else Context.TEXT
-
-    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
-        removed = {s.path for s in scans if not s.is_key and s.removed_whole}
-        if not removed:
-            return []
-        units: list[Unit] = []
-        panels = [p for p in _panel_paths(data) if any(under(r, p) for r in removed)]
-        for panel in panels:
-            sources = _series_paths(resolve(data, panel), panel)
-            if sources and all(source in removed for source in sources):
-                entity = resolve(data, panel)
-                title = entity.get("title") if isinstance(entity, dict) else None
-                units.append(Unit(panel, f'panel "{title}"' if title else f"panel #{panel[-1]}"))
-        for path in sorted(removed, key=str):
-            if any(under(path, u.path) for u in units):
-                continue
-            if isinstance(path[-1], int) and len(path) >= 2 and _is_series_key(path[-2]):
-                units.append(Unit(path, f"entry {resolve(data, path)!r} of {path[-2]}"))
-        return units
+def _wandb_context(path: Path) -> Context | None:
+    return Context.REGEX if _is_regex_key(_nearest_key(path)) else Context.TEXT
 
 
-def _panel_paths(data: list[object]) -> list[Path]:
-    """Paths of the entries of every ``panels`` list."""
+def _wandb_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
+    # values that are one removed name as a whole (a series entry, a regex of removed metrics only)
+    removed = {
+        s.path
+        for s in scans
+        if not s.is_key
+        and len(s.scanned.hits) == 1
+        and s.scanned.hits[0].action is Action.REMOVED
+        and s.scanned.hits[0].end - s.scanned.hits[0].start == len(str(s.scalar.value))
+    }
+    if not removed:
+        return []
+    units: list[Unit] = []
+    for panel in [p for p in _panel_paths(data) if any(_under(r, p) for r in removed)]:
+        entity = _resolve(data, panel)
+        sources = _series_paths(entity, panel)
+        if sources and all(source in removed for source in sources):
+            title = entity.get("title") if isinstance(entity, dict) else None
+            units.append(Unit(panel, f'panel "{title}"' if title else f"panel #{panel[-1]}"))
+    for path in sorted(removed, key=str):
+        if any(_under(path, u.path) for u in units):
+            continue
+        if isinstance(path[-1], int) and len(path) >= 2 and _is_series_key(path[-2]):
+            units.append(Unit(path, f"entry {_resolve(data, path)!r} of {path[-2]}"))
+    return units
+
+
+def _panel_paths(node: object, path: Path = ()) -> list[Path]:
+    """Paths of the entries of every ``panels`` list (``node``: the documents)."""
+    children = dict(enumerate(node)) if isinstance(node, list) else node
+    if not isinstance(children, dict):
+        return []
     found: list[Path] = []
-
-    def visit(node: object, path: Path) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "panels" and isinstance(value, list):
-                    found.extend((*path, key, i) for i in range(len(value)))
-                visit(value, (*path, key))
-        elif isinstance(node, list):
-            for index, item in enumerate(node):
-                visit(item, (*path, index))
-
-    for index, document in enumerate(data):
-        visit(document, (index,))
+    for key, value in children.items():
+        if key == "panels" and isinstance(value, list):
+            found.extend((*path, key, i) for i in range(len(value)))
+        found.extend(_panel_paths(value, (*path, key)))
     return found
 
 
-# -- Prometheus rule files ------------------------------------------------------------------------
+# -- Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource): ``expr`` read as
+# PromQL, labels, annotations and comments as free text, alert names left alone; --drop-removed
+# deletes a rule whose ``expr`` reads only removed series -----------------------------------------
 
 
-def _groups(document: object) -> object:
+def _looks_like_rules(document: object) -> bool:
+    groups = document.get("groups") if isinstance(document, dict) else None
     if isinstance(document, dict) and isinstance(document.get("spec"), dict) and "groups" in document["spec"]:
-        return document["spec"]["groups"]
-    return document.get("groups") if isinstance(document, dict) else None
-
-
-def looks_like_rules(document: object) -> bool:
-    groups = _groups(document)
+        groups = document["spec"]["groups"]
     return (
         isinstance(groups, list)
         and bool(groups)
@@ -447,30 +405,24 @@ def looks_like_rules(document: object) -> bool:
     )
 
 
-class PrometheusRulesPolicy:
-    """Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource): ``expr`` read
-    as PromQL, labels, annotations and comments as free text, alert names left alone;
-    ``--drop-removed`` deletes a rule whose ``expr`` reads only removed series."""
+def _rules_context(path: Path) -> Context | None:
+    key = _nearest_key(path)
+    if key == "alert":
+        return None  # the team's own name; dashboards and silences refer to it
+    return Context.PROMQL if key == "expr" else Context.TEXT
 
-    kind = FileKind.PROMETHEUS_RULES
 
-    def context(self, path: Path) -> Context | None:
-        key = nearest_key(path)
-        if key == "alert":
-            return None  # the team's own name; dashboards and silences refer to it
-        return Context.PROMQL if key == "expr" else Context.TEXT
-
-    def units(self, data: list[object], scans: list[ScalarScan]) -> list[Unit]:
-        units = []
-        for rule in only_removed(scans, _rule_of):
-            entity = resolve(data, rule)
-            assert isinstance(entity, dict)
-            if "alert" in entity:
-                label = f'alert "{entity["alert"]}"'
-            else:
-                label = f'recording rule "{entity.get("record")}" (rules using it break too)'
-            units.append(Unit(rule, label))
-        return units
+def _rules_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
+    units = []
+    for rule in _only_removed(scans, _rule_of):
+        entity = _resolve(data, rule)
+        assert isinstance(entity, dict)
+        if "alert" in entity:
+            label = f'alert "{entity["alert"]}"'
+        else:
+            label = f'recording rule "{entity.get("record")}" (rules using it break too)'
+        units.append(Unit(rule, label))
+    return units
 
 
 def _rule_of(path: Path) -> Path | None:
@@ -479,10 +431,9 @@ def _rule_of(path: Path) -> Path | None:
     return rule if len(rule) >= 2 and rule[-2] == "rules" and isinstance(rule[-1], int) else None
 
 
-# file kind -> (its test of a parsed document, its policy, whether its free text holds series
-# names); detection tries them in this order
-STRUCTURED_KINDS: dict[FileKind, tuple[Callable[[object], bool], Policy, bool]] = {
-    FileKind.GRAFANA: (looks_like_grafana, GrafanaPolicy(), True),
-    FileKind.PROMETHEUS_RULES: (looks_like_rules, PrometheusRulesPolicy(), True),
-    FileKind.WANDB: (looks_like_wandb, WandbPolicy(), False),
-}
+# detection tries them in this order
+POLICIES = (
+    Policy(FileKind.GRAFANA, _looks_like_grafana, _grafana_context, _grafana_units, True),
+    Policy(FileKind.PROMETHEUS_RULES, _looks_like_rules, _rules_context, _rules_units, True),
+    Policy(FileKind.WANDB, _looks_like_wandb, _wandb_context, _wandb_units, False),
+)

@@ -1,13 +1,8 @@
 """JSON and YAML parsed into trees that know where each value sits in the text, so that edits
-replace only the changed values (dumping a parsed file would reformat it).
-
-JSON: the standard library parses first (its error messages are the ones users know), then a small
-reader walks the known-valid text for the offsets. YAML: ruamel.yaml's composer keeps them.
-"""
+replace only the changed values (dumping a parsed file would reformat it)."""
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 import re
@@ -17,27 +12,9 @@ from typing import Any, TypeAlias
 
 from .model import MissingParser
 
-__all__ = [
-    "JSON",
-    "YAML_SYNTAX",
-    "Edit",
-    "JsonSyntax",
-    "LineIndex",
-    "Mapping",
-    "Node",
-    "Path",
-    "Scalar",
-    "Sequence",
-    "Syntax",
-    "YamlSyntax",
-    "apply_edits",
-    "parse_json_nodes",
-    "substitute_names",
-    "walk",
-]
-
 # keys and list indices from the document root (the first item: document index)
 Path = tuple[object, ...]
+_Span = tuple[int, int]
 
 
 @dataclass
@@ -113,17 +90,9 @@ def apply_edits(text: str, edits: Iterable[Edit]) -> str:
     return "".join(parts)
 
 
-class LineIndex:
-    """1-based line numbers of character offsets."""
-
-    def __init__(self, text: str) -> None:
-        self._starts = [0] + [i + 1 for i, ch in enumerate(text) if ch == "\n"]
-
-    def line(self, offset: int) -> int:
-        return bisect.bisect_right(self._starts, offset)
-
-    def line_start(self, offset: int) -> int:
-        return self._starts[self.line(offset) - 1]
+def line_of(text: str, offset: int) -> int:
+    """The 1-based line number of a character offset."""
+    return text.count("\n", 0, offset) + 1
 
 
 # -- JSON ------------------------------------------------------------------------------------------
@@ -185,21 +154,12 @@ class _Reader:
         return node, node.end
 
 
-def parse_json_nodes(text: str) -> Node:
-    """The node tree of one JSON value (raises ``ValueError`` on invalid JSON)."""
-    json.loads(text)  # readable errors for invalid input
-    return _Reader(text).value(0)[0]
-
-
-def spans_removal(
-    text: str, items: list[tuple[int, int]], indices: list[int], open_end: int, close_start: int
-) -> list[Edit]:
+def _spans_removal(items: list[_Span], indices: list[int], inside: _Span) -> list[Edit]:
     """Edits deleting the entries at ``indices`` of a comma-separated list (JSON, YAML flow),
-    keeping the others' layout; ``items`` are the entries' spans, ``open_end``/``close_start``
-    bound the list's inside."""
+    keeping the others' layout; ``items`` are the entries' spans, ``inside`` the list's inside."""
     doomed = set(indices)
     if doomed >= set(range(len(items))):
-        return [Edit(open_end, close_start, "")]
+        return [Edit(*inside, "")]
     edits = []
     kept = [i for i in range(len(items)) if i not in doomed]
     for index in sorted(doomed):
@@ -209,28 +169,16 @@ def spans_removal(
         else:
             # a trailing entry: from the end of the previous entry, so its leading comma goes too
             edits.append(Edit(items[index - 1][1], items[index][1], ""))
-    return _merge(edits)
-
-
-def _merge(edits: list[Edit]) -> list[Edit]:
-    merged: list[Edit] = []
-    for edit in sorted(edits, key=lambda e: e.start):
-        if merged and edit.start <= merged[-1].end:
-            last = merged.pop()
-            merged.append(Edit(last.start, max(last.end, edit.end), ""))
-        else:
-            merged.append(edit)
-    return merged
+    return edits  # they touch at most: apply_edits takes them as they are
 
 
 class JsonSyntax:
     name = "JSON"
 
-    def parse(self, text: str) -> list[Node]:
-        return [parse_json_nodes(text)]
-
-    def load(self, text: str) -> list[object]:
-        return [json.loads(text)]
+    def read(self, text: str) -> tuple[list[Node], list[object]]:
+        """The node tree and the data of one JSON value (``ValueError`` if it is not JSON)."""
+        data = json.loads(text)  # first: its error messages are the ones users know
+        return [_Reader(text).value(0)[0]], [data]
 
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
         raw = text[scalar.start : scalar.end]
@@ -242,13 +190,12 @@ class JsonSyntax:
             pass
         return json.dumps(new_value, ensure_ascii="\\u" in raw)
 
-    def remove(self, text: str, parent: Sequence, indices: list[int]) -> list[Edit] | None:
-        spans = [(item.start, item.end) for item in parent.items]
-        return spans_removal(text, spans, indices, parent.start + 1, parent.end - 1)
-
-    def remove_members(self, text: str, parent: Mapping, indices: list[int]) -> list[Edit]:
-        spans = [(key.start, value.end) for key, value in parent.items]
-        return spans_removal(text, spans, indices, parent.start + 1, parent.end - 1)
+    def remove(self, text: str, parent: Mapping | Sequence, indices: list[int]) -> list[Edit]:
+        if isinstance(parent, Mapping):
+            spans = [(key.start, value.end) for key, value in parent.items]
+        else:
+            spans = [(item.start, item.end) for item in parent.items]
+        return _spans_removal(spans, indices, (parent.start + 1, parent.end - 1))
 
     def comments(self, text: str, roots: list[Node]) -> list[tuple[int, int]]:
         return []
@@ -288,21 +235,22 @@ def _content_end(node: Node) -> int:
     """Where a node's own content ends (trailing comments and blank lines excluded)."""
     if isinstance(node, Scalar) or node.flow:
         return node.end
-    if isinstance(node, Mapping):
-        return max((_content_end(value) for _, value in node.items), default=node.start)
-    return max((_content_end(item) for item in node.items), default=node.start)
+    children = [value for _, value in node.items] if isinstance(node, Mapping) else node.items
+    return max((_content_end(child) for child in children), default=node.start)
 
 
 class YamlSyntax:
     name = "YAML"
 
-    def parse(self, text: str) -> list[Node]:
+    def read(self, text: str) -> tuple[list[Node], list[object]]:
+        """The node trees and the data of every document (``ValueError`` if it is not YAML)."""
         yaml = _yaml()
         try:
             documents = list(yaml.compose_all(text))
         except Exception as exc:  # ruamel raises its own error classes; all mean "not YAML"
             raise ValueError(str(exc)) from exc
-        return [self._convert(yaml, doc, in_flow=False) for doc in documents if doc is not None]
+        roots = [self._convert(yaml, doc, in_flow=False) for doc in documents if doc is not None]
+        return roots, self.load(text)
 
     def _convert(self, yaml: Any, node: Any, in_flow: bool) -> Node:
         from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
@@ -351,9 +299,8 @@ class YamlSyntax:
         if parent.flow:
             opening = text.find("[", parent.start)
             spans = [(item.start, item.end) for item in parent.items]
-            return spans_removal(text, spans, indices, opening + 1, parent.end - 1)
-        lines = LineIndex(text)
-        begins = [self._item_begin(text, lines, item) for item in parent.items]
+            return _spans_removal(spans, indices, (opening + 1, parent.end - 1))
+        begins = [self._item_begin(text, item) for item in parent.items]
         if any(begin is None for begin in begins):
             return None
         if set(indices) >= set(range(len(parent.items))):
@@ -374,14 +321,14 @@ class YamlSyntax:
         return edits
 
     @staticmethod
-    def _item_begin(text: str, lines: LineIndex, item: Node) -> int | None:
+    def _item_begin(text: str, item: Node) -> int | None:
         """The start of the line holding a block sequence entry's ``-`` (None: not alone there)."""
         position = item.start - 1
         while position >= 0 and text[position] in " \t\r\n":
             position -= 1
         if position < 0 or text[position] != "-":
             return None
-        begin = lines.line_start(position)
+        begin = text.rfind("\n", 0, position) + 1
         if text[begin:position].strip():
             return None  # "key: - x" or a nested "- - x": not a line of its own
         return begin
@@ -410,5 +357,4 @@ class YamlSyntax:
 YAML_SYNTAX = YamlSyntax()
 
 
-Syntax: TypeAlias = JsonSyntax | YamlSyntax
-"""A file format the structured migration edits in place."""
+Syntax: TypeAlias = JsonSyntax | YamlSyntax  # a format the structured migration edits in place

@@ -17,7 +17,7 @@ import promql_parser
 import pytest
 
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.migrate.configs import load_config
+from staleness_metrics.migrate.driver import load_config
 from staleness_metrics.migrate.legacy import CURRENT_PROMETHEUS_NAMES
 from tests.support.programs import missing_program
 from tests.support.prometheus import PROMTOOL, requires_promtool

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from staleness_metrics.migrate import FileKind, Options, detect_kind, migrate_file, write_atomically
-from staleness_metrics.migrate.history import MARKER_KEY
+from staleness_metrics.migrate.driver import MARKER_KEY
 
 from .cli import migrate
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics.config import StalenessConfig
+from staleness_metrics.config import RENAMED_SETTINGS, StalenessConfig
 from staleness_metrics.errors import ConfigError
 from staleness_metrics.metrics.metric_table import LEGACY_KEYS, METRICS
 from staleness_metrics.migrate import legacy
@@ -53,7 +53,7 @@ def test_the_table_holds_spec_7() -> None:
         found = legacy.migrate_key(old)
         assert found is not None and found.new is None and found.reason, old
     assert "staleness/rollout/max" in LEGACY_KEYS["off_policy/token/max"].reason
-    assert legacy.RENAMED_SETTINGS["max_off_policy_steps"] == "max_staleness"
+    assert RENAMED_SETTINGS["max_off_policy_steps"] == "max_staleness"
     assert legacy.CONSOLE_LABELS["Max Off-Policy"] == "Max Staleness"
 
 

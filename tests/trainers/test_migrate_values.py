@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from staleness_metrics import StalenessConfig, StalenessMonitor
-from staleness_metrics.migrate.history import MARKER_KEY
+from staleness_metrics.migrate.driver import MARKER_KEY
 from staleness_metrics.migrate.names import peer_lookup
 from staleness_metrics.migrate.peers import peer_keys
 from tests.migrate.cli import Run, migrate

@@ -1,5 +1,4 @@
-"""``staleness-metrics dashboards``: write the Grafana dashboards, rules and W&B panel spec, or
-check them."""
+"""``staleness-metrics dashboards``: write or check the generated dashboards, rules and panels."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from .options import add_command, failed
-
-__all__ = ["register", "run"]
 
 EPILOG = """\
 examples:
@@ -41,33 +38,26 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    root: Path = args.out
     try:
-        return _run(args)
+        from ...dashboards.artifacts import stale_files, write_files
+
+        stale = stale_files(root) if args.check else []
+        changed = [] if args.check else write_files(root)
     except ImportError as exc:
         install = "pip install 'staleness-metrics[cli]'"
         return failed("dashboards", f"needs {exc.name or exc}: {install}")
     except OSError as exc:
         return failed("dashboards", exc)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from ...dashboards.artifacts import stale_files, write_files
-
-    root: Path = args.out
-    if args.check:
-        stale = stale_files(root)
-        if stale:
-            print(
-                f"{len(stale)} generated file(s) out of date under {root}; "
-                "regenerate with `staleness-metrics dashboards`:",
-                file=sys.stderr,
-            )
-            for path in stale:
-                print(f"  {path}", file=sys.stderr)
-            return 1
-        print(f"generated files under {root} are up to date")
-        return 0
-    changed = write_files(root)
+    if stale:
+        header = f"{len(stale)} generated file(s) out of date under {root}; "
+        print(
+            header + "regenerate with `staleness-metrics dashboards`:",
+            *(f"  {path}" for path in stale),
+            sep="\n",
+            file=sys.stderr,
+        )
+        return 1
     for path in changed:
         print(f"wrote {root / path}")
     if not changed:

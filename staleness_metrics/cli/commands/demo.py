@@ -10,8 +10,6 @@ from ...config import POLICY_NAMES, StalenessConfig
 from ...errors import ConfigError
 from .options import add_bound_options, add_command, bound_settings, failed
 
-__all__ = ["register", "run"]
-
 EPILOG = """\
 examples:
   staleness-metrics demo                                  # 60 steps, about 15 s

@@ -9,8 +9,6 @@ from typing import Any
 
 from .options import add_command
 
-__all__ = ["register", "run"]
-
 EPILOG = """\
 examples:
   staleness-metrics migrate --check configs/ dashboards/ alerts.yml   # CI: exit 1 and list what is left
@@ -119,15 +117,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _summary(args: argparse.Namespace, remaining: int, fixed: int, files: int) -> str:
     names = f"{args.peer} key(s)" if args.peer else "legacy name(s)"
-    if args.write:
-        text = f"migrate: {fixed} {names} updated"
-    elif args.diff:
-        text = f"migrate: the diff updates {fixed} {names}"
-    else:
-        text = f"migrate: {remaining} {names} in {files} file(s)"
-        if remaining:
-            text += " (staleness-metrics migrate --write [--drop-removed] PATH... fixes what it can)"
-        return text
-    if remaining:
-        text += f"; {remaining} left (listed above)"
-    return text
+    if not (args.write or args.diff):
+        hint = " (staleness-metrics migrate --write [--drop-removed] PATH... fixes what it can)"
+        return f"migrate: {remaining} {names} in {files} file(s)" + (hint if remaining else "")
+    done = f"{fixed} {names} updated" if args.write else f"the diff updates {fixed} {names}"
+    return f"migrate: {done}" + (f"; {remaining} left (listed above)" if remaining else "")

@@ -1,5 +1,4 @@
-"""What the subcommands share: their parser's making, and the sink options of every command that
-replays a run (SPEC 9)."""
+"""What the subcommands share: their parser's making, and the sink options of the replaying ones."""
 
 from __future__ import annotations
 
@@ -10,16 +9,6 @@ from typing import Any
 
 from ...config import POLICY_NAMES, StalenessConfig
 from ...errors import EventError
-
-__all__ = [
-    "BOUND_SETTINGS",
-    "add_bound_options",
-    "add_command",
-    "add_sink_options",
-    "bound_settings",
-    "config_from_args",
-    "failed",
-]
 
 
 def add_command(
@@ -69,7 +58,6 @@ _BOUND_OPTIONS: dict[str, tuple[type, str, str, str | None]] = {
     "adapt_low": (int, "N", "lowest adapted bound", None),
     "adapt_high": (int, "N", "highest adapted bound", None),
 }  # fmt: skip
-BOUND_SETTINGS = tuple(_BOUND_OPTIONS)
 
 
 def add_bound_options(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +74,7 @@ def add_bound_options(parser: argparse.ArgumentParser) -> None:
 
 def bound_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The SPEC 14 settings parsed by :func:`add_bound_options`, as ``StalenessConfig`` keywords."""
-    return {name: getattr(args, name) for name in BOUND_SETTINGS if hasattr(args, name)}
+    return {name: getattr(args, name) for name in _BOUND_OPTIONS}
 
 
 def add_sink_options(parser: argparse.ArgumentParser) -> None:

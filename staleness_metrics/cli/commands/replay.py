@@ -24,8 +24,6 @@ from .options import add_command, add_sink_options, config_from_args, failed
 if TYPE_CHECKING:
     from ...replay.sources import PrimeRlRead
 
-__all__ = ["register", "run"]
-
 PROGRESS_MIN_BYTES = 16 << 20
 # lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
 READ_BUFFER = 1 << 20
@@ -66,8 +64,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 def open_events(
     path: Path, progress: bool | None = None, max_staleness: int = 8, strict: bool = True
 ) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
-    """Events of a SPEC 9 stream (maybe compressed) or of a run the adapters understand; and the
-    reader of a prime-rl run in the current layout (its notes)."""
+    """Events of a SPEC 9 stream (maybe compressed) or of a run the adapters understand, and the
+    reader of a current-layout prime-rl run (for its notes)."""
     from ...replay.sources import detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()
@@ -103,42 +101,27 @@ def _prime_rl_lines(path: Path, read: PrimeRlRead | None, reports: list[StepRepo
 def _open_with_progress(path: Path, progress: bool | None) -> contextlib.AbstractContextManager[IO[bytes]]:
     show = progress if progress is not None else (sys.stderr.isatty() and path.stat().st_size > PROGRESS_MIN_BYTES)
     if show:
-        try:
+        with contextlib.suppress(ImportError):  # rich is optional: no bar without it
             import rich.progress
-        except ImportError:
-            pass
-        else:
+
             return rich.progress.open(path, "rb", description="replay", console=None)
     return path.open("rb", buffering=READ_BUFFER)
 
 
 @contextlib.contextmanager
-def atomic_outputs(*paths: Path | None) -> Iterator[list[IO[bytes] | None]]:
-    """Temp files beside each path (binary), replacing the paths only if the block succeeds."""
-    handles: list[IO[bytes] | None] = []
-    temps: list[tuple[str, Path]] = []
+def _atomic_output(path: Path | None) -> Iterator[IO[bytes] | None]:
+    """A temp file beside ``path`` (binary), replacing it only if the block succeeds."""
+    if path is None:
+        yield None
+        return
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        for path in paths:
-            if path is None:
-                handles.append(None)
-                continue
-            fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
-            temps.append((temp, path))
-            handles.append(os.fdopen(fd, "wb"))
-        yield handles
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
     except BaseException:
-        for handle in handles:
-            if handle is not None:
-                handle.close()
-        for temp, _ in temps:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
+        Path(temp).unlink(missing_ok=True)
         raise
-    for handle in handles:
-        if handle is not None:
-            handle.close()
-    for temp, path in temps:
-        os.replace(temp, path)
+    os.replace(temp, path)
 
 
 def batches_line_bytes(shipment: Shipment) -> bytes:
@@ -174,7 +157,8 @@ def run(args: argparse.Namespace) -> int:
         events, stack, read = open_events(args.events, args.progress, config.max_staleness, config.strict)
         with (
             stack,
-            atomic_outputs(args.metrics_out, args.batches_out) as (metrics_out, batches_out),
+            _atomic_output(args.metrics_out) as metrics_out,
+            _atomic_output(args.batches_out) as batches_out,
         ):
             # (written when the whole stream is read)
             for shipment in run_events(events, sink):

@@ -9,8 +9,6 @@ from typing import Any
 
 from .options import add_command, add_sink_options, config_from_args, failed
 
-__all__ = ["register", "run"]
-
 EPILOG = """\
 examples:
   staleness-metrics report staleness-demo                   # a run directory: every section, its settings

@@ -10,8 +10,6 @@ from typing import Any
 
 from .options import add_command, failed
 
-__all__ = ["DEFAULT_DATA_DIR", "DEFAULT_HOST", "DEFAULT_PORT", "register", "run"]
-
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9487
 DEFAULT_DATA_DIR = "staleness-data"
@@ -112,11 +110,9 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` (bound here so that port 0 can report the port it got).
-
-    The protocol is named (``IPPROTO_TCP``, not 0): asyncio sets ``TCP_NODELAY`` only on sockets
-    that say TCP, and without it a response sent in two writes waits ~40 ms for a delayed ACK.
-    """
+    """A listening socket on ``host:port``, bound here so that port 0 can report the port it got."""
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say TCP (else a response
+    # sent in two writes waits ~40 ms for a delayed ACK)
     found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     family, kind, proto, _, address = found[0]
     sock = socket.socket(family, kind, proto)

@@ -8,8 +8,6 @@ from typing import Any
 
 from .options import add_command
 
-__all__ = ["register", "run"]
-
 EPILOG = """\
 example:
   WANDB_API_KEY=... staleness-metrics wandb-workspace --entity my-team --project async-rl
@@ -41,10 +39,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:
-        print(
-            f"error: {exc.name or exc}: install the W&B extra (pip install 'staleness-metrics[wandb]')",
-            file=sys.stderr,
-        )
+        extra = "install the W&B extra (pip install 'staleness-metrics[wandb]')"
+        print(f"error: {exc.name or exc}: {extra}", file=sys.stderr)
         return 2
     print(f"saved W&B workspace: {url}")
     return 0

@@ -8,8 +8,6 @@ from typing import Any
 
 from .options import add_command, add_sink_options, config_from_args, failed
 
-__all__ = ["register", "run"]
-
 EPILOG = """\
 examples:
   staleness-metrics what-if events.jsonl --max-staleness 0..8
