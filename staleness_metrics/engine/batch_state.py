@@ -11,8 +11,14 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, PER_ROLLOUT_ARRAYS, RolloutBatch
-from ..records.padded_rows import PaddedLayout
+from ..records.columnar import (
+    LABELS_SPANS,
+    LABELS_TOKENS,
+    PER_POSITION_FLOATS,
+    PER_ROLLOUT_ARRAYS,
+    PaddedLayout,
+    RolloutBatch,
+)
 from ..state_checks import (
     decode_array,
     encode_array,

@@ -1,8 +1,5 @@
-"""Rollout records (SPEC 3) as dicts / JSON: type checks and packing into a :class:`RolloutBatch`.
-
-Only what JSON can get wrong (types, shapes, required fields) is checked here; the value rules are
-checked once, on the columnar form, by :mod:`staleness_metrics.records.validation`.
-"""
+"""Rollout records (SPEC 3) as dicts / JSON: type checks (what JSON can get wrong) and packing into
+a :class:`RolloutBatch`; the value rules are checked on the columnar form by :mod:`.validation`."""
 
 from __future__ import annotations
 
@@ -21,19 +18,9 @@ from ..errors import TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, WEIGHT_FIELDS, RolloutBatch
 from .validation import INT64_MAX, INT64_MIN, check_text, printable_id, span_fault
 
-__all__ = [
-    "COMPACT_MASK_MIN_POSITIONS",
-    "ParsedRollout",
-    "Rollout",
-    "Sample",
-    "UnparsedRollout",
-    "pack",
-    "parse_rollout",
-]
-
 
 def _plain(values: Any) -> Any:
-    """Lists of Python scalars from sequences or numpy arrays (the record form is JSON-like)."""
+    """Lists of Python scalars from sequences or numpy arrays."""
     if values is None:
         return None
     if isinstance(values, np.ndarray):
@@ -133,10 +120,7 @@ COMPACT_MASK_MIN_POSITIONS = 1 << 20  # a packed batch of this many positions ke
 
 
 def versions_beyond(values: npt.NDArray[Any]) -> bool:
-    """Whether some version is beyond ±:data:`MAX_VERSION`."""
-    if not values.size:
-        return False
-    return int(values.max()) > MAX_VERSION or int(values.min()) < -MAX_VERSION
+    return bool(values.size) and (int(values.max()) > MAX_VERSION or int(values.min()) < -MAX_VERSION)
 
 
 def floats_beyond(values: npt.NDArray[Any]) -> bool:
@@ -154,8 +138,8 @@ def _is_int(value: object) -> bool:
 
 
 def _array(rid: str, name: str, value: object, kinds: str, expected: str, booleans: bool = True) -> npt.NDArray[Any]:
-    """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced
-    (``booleans=False``: the JSON text has no boolean to look for)."""
+    """A JSON list as a 1-d array of a dtype kind in ``kinds``, no element coerced (``booleans``
+    False: the JSON text has no boolean to look for)."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds.replace("b", ""):
         return value  # already exact (the service turns long lists into arrays as it reads them)
     if not isinstance(value, list):
@@ -183,17 +167,12 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
 
 
 def _within_int64(array: npt.NDArray[Any]) -> bool:
-    """Whether a uint64, object or float array's values are within signed 64 bits (False for NaN
-    and objects: the caller then looks at the items)."""
-    if array.dtype.kind == "O":
-        return False
-    bound = float(2**63)
-    return bool(array.max() < bound and array.min() >= -bound)
+    """False for NaN and objects too: the caller then looks at the items."""
+    return array.dtype.kind != "O" and bool(-INT64_BOUND <= array.min() <= array.max() < INT64_BOUND)
 
 
 def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
-    """A list of ints within int64 read at C speed by ``array('q')``, else None (a boolean is
-    an int to it: callers that refuse booleans use this only when the text has none)."""
+    """A list of ints within int64 read at C speed, else None (a boolean is an int to it)."""
     if type(value) is not list or not value:
         return None
     try:
@@ -216,8 +195,7 @@ _NARROW_VERSIONS = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
 
 
 def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
-    """A list the caller knows holds no boolean, read at C speed by ``array('d')`` (what
-    :func:`_array` gives); None if not plainly numbers, NaN or beyond 2**63: the checked path."""
+    """A list of numbers read at C speed; None if not plainly numbers, NaN or beyond 2**63."""
     if type(value) is not list:
         return None
     try:
@@ -228,17 +206,13 @@ def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
 
 
 def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
+    """Numbers; for ``trainer_logprobs`` numbers or nulls (null -> NaN: missing, not an error)."""
     if not booleans and (fast := _plain_floats(value)) is not None:
         return fast
-    return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
-
-
-def _optional_float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
-    """Numbers or nulls (null -> NaN: a missing value, not an error)."""
-    if not booleans and (fast := _plain_floats(value)) is not None:
-        return fast
+    if not name.endswith("trainer_logprobs"):
+        return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
     if isinstance(value, list) and None in value:
-        values = [v for v in value if v is not None]  # only lists with nulls take this path
+        values = [v for v in value if v is not None]
         checked = _array(rid, name, values, "iuf", "a list of numbers or nulls")
         out = np.full(len(value), np.nan)
         out[np.fromiter((v is not None for v in value), dtype=bool, count=len(value))] = checked
@@ -319,12 +293,9 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     for name in WEIGHT_FIELDS:
         if raw.get(name) is not None:
             sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans)
-    if raw.get("logprobs") is not None:
-        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans)
-    if raw.get("trainer_logprobs") is not None:
-        sample.trainer_logprobs = _optional_float_list(
-            rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], booleans
-        )
+    for name in ("logprobs", "trainer_logprobs"):
+        if raw.get(name) is not None:
+            setattr(sample, name, _float_list(rid, f"{where}.{name}", raw[name], booleans))
     n = len(sample.mask)
     per_position = {
         **sample.weights,
@@ -429,12 +400,8 @@ def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | Unp
 
 
 def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBatch:
-    """Concatenate parsed rollouts into one columnar batch (values are validated by the sink).
-
-    ``adopt``: nobody else sees the parsed rollouts, so a one-sample column the parse made is taken
-    uncopied. Offsets are summed in Python and each column is one numpy call: a replay packs a few
-    samples at a time, where a numpy call costs more than its work.
-    """
+    """Parsed rollouts as one columnar batch (the sink checks the values); ``adopt``: nobody else
+    sees them, so a one-sample column the parse made is taken uncopied."""
     rollouts = list(rollouts)
     samples = [s for r in rollouts for s in r.samples]
     lengths = [len(s.mask) for s in samples]
@@ -478,6 +445,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     # each column straight from the pairs' columns (never a joined (k, 2) copy besides them)
     span_versions = np.concatenate([t[:, 0] for t in span_table], dtype=np.int64) if span_table else none
     span_starts = np.concatenate([t[:, 1] for t in span_table], dtype=np.int64) if span_table else none
+    narrow = token_versions is not None and token_versions.dtype in _NARROW_VERSIONS
     batch = RolloutBatch(
         ids=[r.id for r in rollouts],
         sample_offsets=sample_offsets,
@@ -490,7 +458,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         group_ids=[r.group_id for r in rollouts],
         envs=[r.env for r in rollouts],
         **floats,
-        token_versions=None if token_versions is None else _wide_versions(token_versions),
+        token_versions=None if narrow else token_versions,
         span_offsets=np.array([0, *accumulate(span_counts)], dtype=np.int64),
         span_versions=span_versions,
         span_starts=span_starts,
@@ -498,8 +466,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         present=present,
         echo=[r.echo for r in rollouts],
     )
-    if token_versions is not None and token_versions.dtype in _NARROW_VERSIONS:
-        # kept narrow (above): set after the constructor, which makes a caller's versions int64
+    if narrow:  # set after the constructor, which makes a caller's versions int64
         batch.token_versions = token_versions  # type: ignore[assignment]
     return batch
 
@@ -517,8 +484,8 @@ def _column(
     fill: float,
     dtype: type = np.float64,
 ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
-    """One per-position column of :func:`pack` (``values`` per sample, None: not given, filled)
-    and which samples gave it; arrays of a wrong length are kept for validation to report."""
+    """A per-position column of :func:`pack` (None per sample: filled) and which samples gave it;
+    arrays of a wrong length are kept for validation to report."""
     given = [v for v in values if v is not None]
     if not given:
         return None, _NONE_PRESENT
@@ -547,10 +514,4 @@ _NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)
 
 
 def _flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
-    """The arrays end to end as ``dtype``, in one call (cast as ``astype`` would)."""
     return np.concatenate(values, dtype=dtype, casting="unsafe") if values else np.zeros(0, dtype=dtype)
-
-
-def _wide_versions(versions: npt.NDArray[Any]) -> npt.NDArray[np.int64] | None:
-    """What the batch's constructor gets: int64 versions, or None for narrow ones (set after it)."""
-    return None if versions.dtype in _NARROW_VERSIONS else versions.astype(np.int64, copy=False)

@@ -11,13 +11,10 @@ import numpy.typing as npt
 
 from ..compiled import CompiledLoop
 
-__all__ = ["BatchRows", "PositionCopies", "Weights", "plain_values"]
-
 IntArray = npt.NDArray[np.int64]
 
 
 def _finite(values: npt.NDArray[Any]) -> bool:  # pragma: no cover - compiled
-    """Whether every value is finite (a callee of ``_plain_values``: one vector pass)."""
     bad = False
     for x in values:
         bad |= not math.isfinite(x)
@@ -25,7 +22,6 @@ def _finite(values: npt.NDArray[Any]) -> bool:  # pragma: no cover - compiled
 
 
 def _copy_to(copy: npt.NDArray[Any], values: npt.NDArray[Any], start: int, n: int) -> None:  # pragma: no cover
-    """``values`` into ``copy`` from ``start`` on, when both are there (a callee)."""
     if len(copy) and len(values) == n:
         copy[start : start + n] = values
 
@@ -36,7 +32,6 @@ def _plain_rows(
     label_kind: npt.NDArray[np.int8],
     labels: int,
 ) -> bool:  # pragma: no cover - compiled
-    """The rollout and sample rows of :func:`_plain_values` (a callee)."""
     sample_offsets, position_offsets, dispatch, completion = offsets
     n_samples = len(position_offsets) - 1
     if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(dispatch) != n_rollouts:
@@ -97,8 +92,7 @@ _PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}
 
 
 class BatchRows(NamedTuple):
-    """The rollout and sample rows of a batch :func:`plain_values` reads (``labels`` has bit ``k``
-    set when label kind ``k`` may appear)."""
+    """A batch's rollout and sample rows (``labels``: bit ``k`` set if label kind ``k`` may be)."""
 
     n_rollouts: int
     sample_offsets: IntArray
@@ -110,8 +104,8 @@ class BatchRows(NamedTuple):
 
 
 class PositionCopies(NamedTuple):
-    """Where :func:`plain_values` copies plain positions: the mask and the three weights (of the
-    mask's type) and the token versions (an empty array, or one the batch lacks: not copied)."""
+    """Where :func:`plain_values` copies the mask, the three weights and the token versions (an
+    empty array: not copied)."""
 
     mask_and_weights: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
     token_versions: IntArray
@@ -133,14 +127,10 @@ def plain_values(
     into: PositionCopies | None = None,
     start: int = 0,
 ) -> bool:
-    """Whether a batch's values are plain, in one compiled pass: offsets (``rows``) from 0 to the
-    counts, never decreasing; dispatch versions >= 0, completion versions >= -1 and not below a
-    dispatch; allowed label kinds; a 0/1 mask, finite ``weights`` (None: absent) and ``logprobs``,
-    token versions >= -1. When they are, the mask, weights and token versions are copied to
-    ``into`` (from element ``start`` on). The per-position arrays are as long as the mask.
-
-    False ("not sure") unless the arrays are 1-d contiguous float32/float64 of one type and the
-    label kinds int8."""
+    """Whether a batch's values are plain (offsets, versions and label kinds as the exact checks
+    want them, a 0/1 mask, finite floats, token versions >= -1), in one compiled pass, copying
+    the positions to ``into`` (from ``start`` on) when they are. False ("not sure") unless the
+    arrays are 1-d contiguous float32/float64 of one type and the label kinds int8."""
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
     n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows

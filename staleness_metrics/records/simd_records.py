@@ -1,13 +1,6 @@
-"""Rollout event lines read straight into arrays by simdjson (the replay's fast path): its
-``Array.as_buffer`` copies a list of numbers out at C speed, with no Python object per position.
-
-This path only *accepts* a plain, valid rollout line, giving exactly the
-:class:`~.model.ParsedRollout` of the general path (:func:`.jsonio.loads`, then
-:func:`.model.parse_rollout`); anything else (another event, an odd or invalid record, a boolean or
-null among numbers, a string escape, a JSON error) is left to the general path, which names errors.
-``as_buffer`` refuses booleans, nulls, strings, objects and integers beyond 64 bits, and flattens
-nested lists, which a count of ``[`` in the line rules out.
-"""
+"""Rollout event lines read straight into arrays by simdjson (the replay's fast path). It only
+accepts a plain, valid line, giving exactly the general path's :class:`~.model.ParsedRollout`;
+any other line is left to the general path (docs/decisions.md, "Rollout lines read by simdjson")."""
 
 from __future__ import annotations
 
@@ -28,9 +21,7 @@ from ..errors import TraceError
 from .columnar import WEIGHT_FIELDS
 from .model import ParsedRollout, ParsedSample, floats_beyond, head_rollout, mask_beyond, versions_beyond
 
-__all__ = ["AVAILABLE", "LineReader"]
-
-AVAILABLE = simdjson is not None  # False: replay reads every line by the general path, just slower
+AVAILABLE = simdjson is not None
 
 _MASKS, _VERSIONS, _FLOATS = 0, 1, 2  # the kinds of per-position lists, each checked by one rule
 _FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, as_buffer type)
@@ -46,7 +37,7 @@ _SATURATED = 0xFFFFFF
 
 
 class _NotPlain(Exception):
-    """The line is not one this path reads exactly: the general path reads it."""
+    """A line this path does not read exactly: the general path reads it."""
 
 
 def _array(value: object) -> simdjson.Array:
@@ -66,7 +57,7 @@ def _keys(value: object) -> list[str]:
 
 
 class _Lists:
-    """Per-position lists of one kind copied out of the tape (raw bytes), with where each goes."""
+    """Per-position lists of one kind copied out of the tape, with where each goes."""
 
     def __init__(self) -> None:
         self.buffers: list[Any] = []
@@ -76,7 +67,6 @@ class _Lists:
         self.firsts: list[int] = []
 
     def drop_line(self) -> None:
-        """Forget the last line's lists (the general path will read it)."""
         mark = self.firsts.pop()
         del self.buffers[mark:], self.sizes[mark:], self.owners[mark:]
 
@@ -86,22 +76,21 @@ class _Lists:
     def arrays(
         self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool], refused: set[int]
     ) -> tuple[npt.NDArray[Any], list[int], list[int]]:
-        """One array of every list, and where each list starts and ends in it; adds to ``refused``
-        the lines of ``bad`` lists (each list is checked only when the whole is bad)."""
+        """One array of every list, and where each list starts and ends in it; adds the lines of
+        ``bad`` lists to ``refused``."""
         whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=dtype)
         ends = list(accumulate(self.sizes))
         starts = [0, *ends]
         if bad(whole):
             for at, (start, end) in enumerate(zip(starts, ends)):
                 if bad(whole[start:end]):
-                    # the line that holds list ``at``
                     refused.add(bisect_right(self.firsts, at) - 1)
         return whole, starts, ends
 
 
 def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, floats: _Lists) -> ParsedRollout:
-    """The line's record, its lists copied into ``masks``, ``versions`` and ``floats`` (checked,
-    and the arrays filled in, by :meth:`LineReader.finish`)."""
+    """The line's record, its lists copied into ``masks``, ``versions`` and ``floats`` (for
+    :meth:`LineReader.finish` to check)."""
     _keys(document)
     if cast(simdjson.Object, document).get("type") != "rollout":
         raise _NotPlain
@@ -179,11 +168,8 @@ _NO_MASK = np.zeros(0, dtype=np.int8)
 
 
 class LineReader:
-    """Reads rollout event lines with one reused simdjson parser (one per reader thread).
-
-    :meth:`take` reads a line's structure and copies its lists out; :meth:`finish` checks the values
-    of every line taken since at once and returns their records.
-    """
+    """Reads rollout event lines with one reused simdjson parser (one per reader thread):
+    :meth:`take` copies each line's lists out, :meth:`finish` checks them all at once."""
 
     def __init__(self) -> None:
         self._parser = simdjson.Parser()
@@ -192,8 +178,6 @@ class LineReader:
 
     def take(self, line: bytes) -> bool:
         """Read a rollout event line if it is plain; ``False``: let the general path read it."""
-        # left to the general path: a line not starting with "{" (a byte order mark, blanks), one
-        # with a string escape (lone surrogates), one that cannot be a rollout event
         if line[:1] != b"{" or b"\\" in line or b'"rollout"' not in line:
             return False
         try:

@@ -14,21 +14,6 @@ from ..errors import FieldError, TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
 from .plain_values import BatchRows, PositionCopies, plain_values
 
-__all__ = [
-    "INT64_MAX",
-    "INT64_MIN",
-    "Verdicts",
-    "check_batch",
-    "check_text",
-    "lone_surrogate",
-    "plain_values_of",
-    "plainly_valid",
-    "printable_id",
-    "span_fault",
-    "surrogate_reason",
-    "unstorable",
-]
-
 IntArray = npt.NDArray[np.int64]
 
 # What a JSON store keeps exactly: valid Unicode, signed 64-bit integers, and nesting orjson
@@ -38,8 +23,7 @@ MAX_STORED_DEPTH = 128
 
 
 def lone_surrogate(text: str) -> int | None:
-    """The index of the first lone surrogate in ``text`` (a code point U+D800..U+DFFF, which UTF-8
-    cannot encode), else None. C speed: one encode attempt."""
+    """The index of the first lone surrogate in ``text`` (which UTF-8 cannot encode), else None."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -52,16 +36,14 @@ def surrogate_reason(text: str, at: int) -> str:
 
 
 def check_text(rollout_id: str | None, field: str, text: str) -> None:
-    """Raise :class:`TraceError` naming ``field`` when ``text`` holds a lone surrogate (the rule of
-    SPEC 3 strings: ``id``, ``group_id``, ``env``; replay and the service use it too)."""
+    """Raise :class:`TraceError` naming ``field`` when ``text`` holds a lone surrogate."""
     at = lone_surrogate(text)
     if at is not None:
         raise TraceError(printable_id(rollout_id), field, surrogate_reason(text, at))
 
 
 def printable_id(rollout_id: str | None) -> str | None:
-    """``rollout_id`` with any lone surrogate written as a ``\\udXXX`` escape, so an error naming it
-    can itself be encoded (in a JSON answer, a log line, a journal)."""
+    """``rollout_id`` with any lone surrogate escaped, so an error naming it can be encoded."""
     if rollout_id is None or lone_surrogate(rollout_id) is None:
         return rollout_id
     return rollout_id.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
@@ -72,7 +54,6 @@ _PLAIN_SCALARS = frozenset({int, float, bool, type(None)})
 
 def _first_big_int(values: list[Any]) -> int | None:
     """Index of the first integer outside signed 64 bits in a list of scalars, else None."""
-    # C-level passes; Python runs per item only on mixed or wide lists
     kinds = set(map(type, values))
     if int not in kinds:
         return None
@@ -85,9 +66,8 @@ def _first_big_int(values: list[Any]) -> int | None:
 
 
 def unstorable(value: Any) -> tuple[str, str] | None:
-    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep
-    exactly (a lone surrogate, an integer outside signed 64 bits, nesting deeper than
-    :data:`MAX_STORED_DEPTH`), else None. Paths read like ``samples[0].mask[3]``."""
+    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep exactly
+    (a lone surrogate, an integer beyond 64 bits, too deep), else None."""
     stack: list[tuple[Any, str, int]] = [(value, "", 0)]
     while stack:
         item, where, level = stack.pop()
@@ -138,7 +118,7 @@ class Verdicts:
         self.rollout(rollout, f"samples[{local}].{field}", reason)
 
     def positions(self, positions: Iterable[int], field: str, describe: str) -> None:
-        """Report offending flat positions (first one per rollout)."""
+        """Report offending flat positions (the first one per rollout)."""
         offsets = self.batch.position_offsets
         for position in positions:
             sample = int(np.searchsorted(offsets, position, "right") - 1)
@@ -155,7 +135,7 @@ class Verdicts:
 
 
 def _first_per_rollout(batch: RolloutBatch, positions: IntArray) -> IntArray:
-    """Keep the first offending position of each sample: bounds the Python work on bad input."""
+    """The first offending position of each sample (bounds the Python work on bad input)."""
     if positions.size == 0:
         return positions
     samples = np.searchsorted(batch.position_offsets, positions, "right") - 1
@@ -201,14 +181,13 @@ def _check_shapes(batch: RolloutBatch) -> None:
 
 
 def _ascii(text: object) -> bool:
-    """None, or an ASCII string (no surrogate to look for: CPython knows it
-    without reading the string)."""
+    """None, or an ASCII string (CPython knows it without reading the string)."""
     return text is None or (type(text) is str and text.isascii())
 
 
 def _plain_envs(envs: Sequence[Any]) -> bool:
     """Whether every env is None or a non-empty string, judged on the distinct values."""
-    if len(envs) == 1:  # (a single-rollout add: no set to build)
+    if len(envs) == 1:
         env = envs[0]
         return env is None or (type(env) is str and env != "")
     try:
@@ -219,8 +198,7 @@ def _plain_envs(envs: Sequence[Any]) -> bool:
 
 
 def _strings_joined(texts: Sequence[Any]) -> str:
-    """The strings of ``texts`` joined (what the surrogate check reads): one C-level join when
-    every item is a string, none for a column of ``None``, and only the strings otherwise."""
+    """The strings of ``texts`` joined, in one C-level join when every item is a string."""
     try:
         return "".join(texts)
     except TypeError:
@@ -230,17 +208,13 @@ def _strings_joined(texts: Sequence[Any]) -> str:
 
 
 def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
-    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts.
-
-    The rules on position values (0/1 mask, finite weights) are checked by
-    :func:`staleness_metrics.engine.spans.build_spans`, which reads the positions anyway; so are the
-    token versions (>= -1) without ``token_values``
-    (:func:`staleness_metrics.engine.spans.checked_spans`).
-    """
+    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts. Position values are
+    checked by :mod:`staleness_metrics.engine.spans`, which reads them anyway (token versions too
+    without ``token_values``)."""
     _check_shapes(batch)
     verdicts = Verdicts(batch)
 
-    # Set operations first (C speed); the loops that name offenders run only when there are some.
+    # set operations first; the loops that name offenders run only when there are some
     ids = batch.ids
     if not _ids_new(ids, known_ids):
         seen: set[str] = set()
@@ -251,7 +225,6 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
 
     envs = batch.envs or ()
     for name, texts in (("id", ids), ("group_id", batch.group_ids or ()), ("env", envs)):
-        # one C-level pass; names offenders only then
         if lone_surrogate(_strings_joined(texts)) is not None:
             for index, text in enumerate(texts):
                 if isinstance(text, str) and (at := lone_surrogate(text)) is not None:
@@ -302,7 +275,7 @@ def _span_reason(rule: int, versions: IntArray, starts: IntArray, span: int, len
 
 
 def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
-    """The first of ``spans`` (ascending) in each sample: a Python step per sample, not span."""
+    """The first of ``spans`` (ascending) in each sample."""
     if spans.size == 0:
         return []
     _, first = np.unique(span_sample[spans], return_index=True)
@@ -313,7 +286,7 @@ def _span_faults(
     offsets: IntArray, versions: IntArray, starts: IntArray, sample_lengths: IntArray
 ) -> tuple[list[int], list[int], list[int]]:
     """Per span rule (version >= -1, start inside its sample, starts increasing), the first
-    offending span of each sample, in span order; a piece of :data:`_SPAN_PIECE` spans at a time."""
+    offending span of each sample, in span order."""
     found: tuple[list[int], list[int], list[int]] = ([], [], [])
     for a in range(0, len(versions), _SPAN_PIECE):
         b = min(a + _SPAN_PIECE, len(versions))
@@ -332,7 +305,7 @@ def _span_faults(
 
 
 def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
-    """The span rules; offenders are reported rule by rule, each in span order."""
+    """The span rules; offenders reported rule by rule, each in span order."""
     assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
     sample_lengths = np.diff(batch.position_offsets)
@@ -348,9 +321,8 @@ def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
 
 
 def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[int, str] | None:
-    """The first fault :func:`check_batch` finds in one sample's ``(k, 2)`` ``[version, start]``
-    pairs over ``length`` positions, as ``(span, reason)``, or None (a sample with more spans than
-    positions is refused this way before its span table is built)."""
+    """The first fault :func:`check_batch` finds in one sample's ``[version, start]`` pairs over
+    ``length`` positions, as ``(span, reason)``, or None."""
     versions, starts = pairs[:, 0], pairs[:, 1]
     bounds = np.array([0, len(pairs)], dtype=np.int64)
     found = _span_faults(bounds, versions, starts, np.array([length], dtype=np.int64))
@@ -361,8 +333,7 @@ def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[
 
 
 def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
-    """Whether the ids are distinct and none is known, by set operations (False too when
-    ``known_ids`` is not a set: the caller then looks id by id)."""
+    """Whether the ids are distinct and none is known (False too when ``known_ids`` is no set)."""
     if not isinstance(known_ids, (set, frozenset)):
         return False
     if len(ids) == 1:
@@ -371,10 +342,8 @@ def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
 
 
 def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:
-    """Whether :func:`check_batch` and :func:`~staleness_metrics.engine.spans.build_spans` would
-    certainly find nothing wrong with ``batch``, by a few whole-array reductions (a small add then
-    costs a handful of numpy calls). False means "not sure": the exact checks run and name what is
-    wrong. ``positions=False`` leaves the position values to :func:`plain_values_of`."""
+    """Whether the exact checks would certainly find nothing wrong with ``batch`` (False: not sure,
+    they run); ``positions=False`` leaves the position values to :func:`plain_values_of`."""
     ids, mask, group_ids, envs = batch.ids, batch.mask, batch.group_ids, batch.envs
     frozen, agentic = batch.frozen, batch.agentic
     n_rollouts, n_positions = len(ids), len(mask)
@@ -406,10 +375,8 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
 
 
 def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
-    """Whether the arrays of a batch :func:`plainly_valid` passed with ``positions=False`` hold
-    values the exact checks take (offsets, versions, label kinds, spans, a 0/1 mask, finite
-    floats, token versions >= -1), copying the mask, weights and token versions to ``into`` (from
-    element ``start`` on) when they do: one compiled pass, then the spans in numpy."""
+    """Whether a batch :func:`plainly_valid` passed with ``positions=False`` holds values the exact
+    checks take, copying its positions to ``into`` (from ``start`` on) when it does."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
@@ -422,8 +389,7 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
-    """The ``weight_versions`` spans obey :func:`_check_spans`' rules (and the shapes it needs), in
-    a few whole-array reductions (a small add's spans: fewer numpy calls than the exact check)."""
+    """Whether the spans obey :func:`_check_spans`' rules (and have the shapes it needs)."""
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
     if offsets is None or versions is None or starts is None:
         return False
