@@ -1,13 +1,5 @@
 """prime-rl's ``TrainingSample`` lists, live in its orchestrator, as a :class:`RolloutBatch` and
-back.
-
-A rollout (trace) is one SPEC 3 rollout, each of its ``TrainingSample`` s (``mask``,
-``logprobs``, the optional ``rl_weights`` / ``ce_weights`` / ``ref_kl_weights``) one sample; the
-dispatch version is the episode's ``policy.start``, the completion version ``policy.end``, no
-policy is ``frozen``. Samples carry no per-token version, so every sampled position takes
-``policy.start``. Read from prime-rl's ``transport/types.py`` and ``orchestrator/train_sink.py``
-with no import of them (``docs/trainers/prime-rl.md``).
-"""
+back, read with no import of prime-rl (``docs/trainers/prime-rl.md``)."""
 
 from __future__ import annotations
 
@@ -21,15 +13,6 @@ from ..engine.shipment import Shipment
 from ..errors import FieldError, MissingFieldError
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ._ship import TrainerNames, ship_rows
-
-__all__ = [
-    "PolicySpan",
-    "ShippedSamples",
-    "from_training_samples",
-    "policy_span",
-    "ship",
-    "shipped_samples",
-]
 
 PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start None = frozen
 
@@ -53,9 +36,10 @@ def from_training_samples(
     *,
     group_ids: Mapping[str, str] | None = None,
 ) -> RolloutBatch:
-    """The rollouts of ``samples`` (``TrainingSample`` objects or dicts): ``rollout_ids[i]`` is the
-    rollout of ``samples[i]`` (a rollout's samples adjacent, in branch order), ``policy`` maps each
-    rollout id to its ``(policy.start, policy.end)``."""
+    """The rollouts of ``samples`` (``TrainingSample`` objects or dicts), each sample one SPEC 3
+    sample: ``rollout_ids[i]`` is the rollout of ``samples[i]`` (a rollout's samples adjacent, in
+    branch order), ``policy`` maps each rollout id to its ``(policy.start, policy.end)``, the
+    dispatch and completion versions (no policy: ``frozen``)."""
     if len(rollout_ids) != len(samples):
         raise FieldError("rollout_ids", f"{len(rollout_ids)} ids for {len(samples)} samples")
     ids: list[str] = []
@@ -124,7 +108,6 @@ def shipped_samples(shipment: Shipment, batch: RolloutBatch, samples: Sequence[A
 
 
 def _written_back(samples: Sequence[Any], batch: RolloutBatch, index: int) -> Any:
-    """Sample ``index`` of ``samples``, the masked ``mask`` and weights of ``batch`` written in."""
     lo, hi = int(batch.position_offsets[index]), int(batch.position_offsets[index + 1])
     sample = samples[index]
     _set(sample, "mask", (batch.mask[lo:hi] != 0).tolist())

@@ -1,16 +1,5 @@
-"""A prime-rl monitor that feeds a :class:`~staleness_metrics.StalenessMonitor`: the live numbers of
-a run, with one line in prime-rl's orchestrator (``docs/trainers/prime-rl.md``)::
-
-    monitors.MONITORS.append(PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=8))))
-
-prime-rl (PR #3444 on) hands every monitor what its file monitor writes. Episodes are read as
-the replay reads a recorded run (:mod:`staleness_metrics.replay.sources.prime_rl`), so the live
-numbers equal a replay of the same run: a train trace stale at its arrival step enters at once
-(``subset="all"``), the shipped cohort enters and ships at ``step`` (``subset="effective"``), and
-the trainer's ``trainer_logprobs`` updates (``log_annotations``) become SPEC 11's sums of their
-ship step. Eval episodes, metrics rows, live deltas and eval plans are ignored. The methods work
-at once and return an awaitable, so ``await monitor.log(...)`` and a synchronous call both work.
-"""
+"""A prime-rl monitor feeding a :class:`~staleness_metrics.StalenessMonitor`: a run's live numbers,
+equal to a replay of the same run (``docs/trainers/prime-rl.md``)."""
 
 from __future__ import annotations
 
@@ -34,8 +23,6 @@ from ..replay.sources.prime_rl.episodes import (
     trace_rollout,
 )
 from ._ship import rollout_lags
-
-__all__ = ["PrimeRlMonitor", "episode_record"]
 
 # shipped traces kept for the trainer's updates: the steps the trainer may lag behind
 KEEP_STEPS = 16
@@ -83,8 +70,11 @@ class _Shipped:
 
 
 class PrimeRlMonitor:
-    """prime-rl's monitor interface over a :class:`StalenessMonitor` (see the module docs);
-    ``float_decimals``: prime-rl's ``monitors.file.float_decimals``, as a replay reads it."""
+    """prime-rl's monitor interface (PR #3444 on) over a :class:`StalenessMonitor`: a train trace
+    stale at its arrival step enters at once (``subset="all"``), the shipped cohort enters and ships
+    at ``step`` (``subset="effective"``), ``trainer_logprobs`` updates (``log_annotations``) become
+    SPEC 11's sums of their ship step; the rest is ignored. Each method works at once and returns
+    an awaitable. ``float_decimals``: prime-rl's ``monitors.file.float_decimals``."""
 
     run_id: str | None = None  # prime-rl asks every monitor for an external run id
 
@@ -96,7 +86,6 @@ class PrimeRlMonitor:
         self._shipped: dict[str, _Shipped] = {}
         self._recorded: set[int] = set()  # steps whose trainer sums were recorded
 
-    # ------------------------------------------------------------------ prime-rl's interface
     def _ignore(self, *args: Any, **kwargs: Any) -> _Done:
         return _DONE
 
@@ -144,7 +133,6 @@ class PrimeRlMonitor:
         self.monitor.close()
         return _DONE
 
-    # ------------------------------------------------------------------ the work
     def _traces(self, episodes: Iterable[Any]) -> Iterator[tuple[EpisodeHead, TraceHead]]:
         """Each trace of a train episode that did not error, with its episode's head."""
         for episode in episodes:

@@ -1,14 +1,5 @@
 """TRL's asynchronous GRPO (``trl.experimental.async_grpo``): its rollout samples, shipped as it
-trains them.
-
-A ``RolloutSample`` is one rollout with one sample: ``completion_mask`` the SPEC 3 mask,
-``model_version`` (the worker's policy version at dispatch) the dispatch version of every
-completion token, ``group_id`` its group. :func:`ship_at_train_time` ships each optimizer step in
-``training_step`` (accelerate pulls a micro-batch ahead, across the weight sync that ends a
-step) and voids what the ship leaves out in each packed micro-batch; :func:`ship` is the
-lower-level call on a list of samples. Read from TRL 1.16.0's source with no import of it
-(``docs/trainers/trl.md``).
-"""
+trains them, read with no import of TRL (1.16.0; ``docs/trainers/trl.md``)."""
 
 from __future__ import annotations
 
@@ -30,18 +21,10 @@ from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
 
-__all__ = [
-    "TrainTimeShipping",
-    "packed_staleness_lag",
-    "ship",
-    "ship_at_train_time",
-    "staleness_lag_of",
-]
-
 
 class _ByArray:
-    """Values kept by the identity of an array (unhashable, so no ``WeakKeyDictionary``): the
-    weak reference keeps a reused id from matching, and an entry leaves with its array."""
+    """Values kept by the identity of an array (unhashable, so no ``WeakKeyDictionary``); an entry
+    leaves with its array."""
 
     def __init__(self) -> None:
         self._found: dict[int, tuple[weakref.ref[Any], Any]] = {}
@@ -56,7 +39,6 @@ class _ByArray:
         self._found[key] = (weakref.ref(array, forget), value)
 
     def get(self, array: Any, *, pop: bool = False) -> Any:
-        """The value of ``array``; ``KeyError`` when it has none."""
         found = self._found.pop(id(array), None) if pop else self._found.get(id(array))
         if found is None or found[0]() is not array:
             raise KeyError(id(array))
@@ -67,8 +49,7 @@ class _ByArray:
 # RolloutQueueDataset passes that very array on).
 _lags = _ByArray()
 
-
-NAMES = TrainerNames(
+_NAMES = TrainerNames(
     "TRL",
     "self.model_version (the weights about to be trained: 0 before the first weight sync, 1 after it)",
     {
@@ -86,8 +67,8 @@ def _numpy(value: Any) -> npt.NDArray[Any]:
 
 
 def _read(samples: Sequence[Any]) -> RolloutBatch:
-    """One rollout of one sample per ``RolloutSample``: its mask,
-    ``model_version`` and ``group_id``."""
+    """One rollout of one sample per ``RolloutSample``: ``completion_mask`` the mask,
+    ``model_version`` (the worker's policy version at dispatch) the dispatch version."""
     prefix = uuid.uuid4().hex[:12]
     ids = [f"trl-{prefix}/{k}" for k in range(len(samples))]
     masks, logprobs, versions, groups = [], [], [], []
@@ -147,16 +128,15 @@ def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> 
 def _shipped(
     monitor: StalenessMonitor, samples: Sequence[Any], version: int
 ) -> list[tuple[Any, npt.NDArray[np.int64]]]:
-    """:func:`ship`, each shipped sample with its lag."""
     batch = _read(samples)
-    result = ship_rows(monitor, batch, list(samples), version=version, names=NAMES)
+    result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)
     out: list[tuple[Any, npt.NDArray[np.int64]]] = []
     for part in result.parts:
         offsets = part.batch.position_offsets
         for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row
             sample = part.source[row]
             shipped_mask = part.batch.mask[int(offsets[row]) : int(offsets[row + 1])]
-            TrainerArray(sample.completion_mask).write_back(shipped_mask)  # its own object and dtype
+            TrainerArray(sample.completion_mask).write_back(shipped_mask)
             _lags.put(sample.completion_mask, lag)
             out.append((sample, lag))
     return out

@@ -435,9 +435,9 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     given_versions = [s.token_versions for s in samples]
     versions_dtype: Any = np.int64
     if mask_dtype is np.int8:
-        narrow = [v for v in given_versions if v is not None]
-        if narrow and all(v.dtype in _NARROW_VERSIONS for v in narrow):
-            versions_dtype = np.result_type(*narrow, np.int8)  # -1 (the fill) fits every one
+        labelled = [v for v in given_versions if v is not None]
+        if labelled and all(v.dtype in _NARROW_VERSIONS for v in labelled):
+            versions_dtype = np.result_type(*labelled, np.int8)  # -1 (the fill) fits every one
     token_versions, _ = column("token_versions", given_versions, -1, versions_dtype)
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
