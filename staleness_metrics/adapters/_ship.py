@@ -177,7 +177,7 @@ def ship_row_batches(
     version: int,
     names: TrainerNames,
 ) -> ShipResult[S]:
-    """:func:`ship_rows` for a trainer batch held as several row batches (AReaL's ``list[dict]``)."""
+    """:func:`ship_rows` for a trainer batch of several row batches (AReaL's ``list[dict]``)."""
     trained = _check_version(version, names)
     pending = _PENDING.setdefault(monitor, _Pending())
     for batch, source, write_back in batches:

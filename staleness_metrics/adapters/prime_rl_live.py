@@ -57,7 +57,7 @@ def from_training_samples(
     masks = [np.asarray(_get(s, "mask"), dtype=np.float32) for s in samples]
     lengths = np.array([len(m) for m in masks], dtype=np.int64)
     position_offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    arrays: dict[str, npt.NDArray[Any]] = {}
+    arrays: dict[str, Any] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in (*WEIGHT_FIELDS, "logprobs"):
         values = [_get(s, name) for s in samples]
@@ -86,11 +86,8 @@ def from_training_samples(
         frozen=frozen,
         group_ids=None if group_ids is None else [group_ids.get(rid) for rid in ids],
         envs=envs,
-        rl_weights=arrays.get("rl_weights"),
-        ce_weights=arrays.get("ce_weights"),
-        ref_kl_weights=arrays.get("ref_kl_weights"),
-        logprobs=arrays.get("logprobs"),
         present=present,
+        **arrays,
     )
 
 

@@ -1,5 +1,5 @@
 """verl's fully async batches (``DataProto``) as a :class:`RolloutBatch` and back, one rollout per
-row, read with no import of verl (the fields and where they come from: ``docs/trainers/verl.md``)."""
+row, read with no import of verl (the fields and their sources: ``docs/trainers/verl.md``)."""
 
 from __future__ import annotations
 

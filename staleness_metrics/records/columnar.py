@@ -237,7 +237,8 @@ def _valid_region(shape: tuple[int, int], columns: dict[str, Any]) -> _Region | 
     columns_at = np.arange(width, dtype=np.int64)
     side = columns.get("padding_side", "right")
     if side == "right":
-        return _Region(columns_at[None, :] < length[:, None], length, np.full(rows, width, dtype=np.int64))
+        full = np.full(rows, width, dtype=np.int64)
+        return _Region(columns_at[None, :] < length[:, None], length, full)
     if side == "left":
         starts = width - length
         return _Region(columns_at[None, :] >= starts[:, None], np.zeros(rows, dtype=np.int64), starts)
@@ -296,9 +297,6 @@ def _label_spans(labels: npt.NDArray[Any], region: _Region | None) -> tuple[IntA
     return offsets, versions, column
 
 
-_FLOAT_COLUMNS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs")
-
-
 def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumns]) -> dict[str, Any]:
     """The constructor's arguments for :meth:`RolloutBatch.from_padded`: the flat arrays are the
     ``[B, L]`` arrays reshaped (views when C-contiguous); per-token versions become spans."""
@@ -312,16 +310,18 @@ def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumn
     assert id_list is not None
     given: dict[str, Any] = dict(columns)
     region = _valid_region(shape, given)
-    arrays = {n: _matrix(n, given[n], shape) for n in _FLOAT_COLUMNS if given.get(n) is not None}
+    arrays = {n: _matrix(n, given[n], shape) for n in PER_POSITION_FLOATS if given.get(n) is not None}
     if region is not None:
         for name in ("mask", *(n for n in ("ce_weights", "ref_kl_weights") if n in arrays)):
             bad = np.flatnonzero(_padding_rows_nonzero(arrays.get(name, mask_2d), region))
             if len(bad):
-                raise TraceError(id_list[int(bad[0])], f"samples[0].{name}", "nonzero on a padding position")
+                reason = "nonzero on a padding position"
+                raise TraceError(id_list[int(bad[0])], f"samples[0].{name}", reason)
     frozen = _per_row("frozen", given.get("frozen"), rows, bool)
     frozen_rows = np.zeros(rows, dtype=bool) if frozen is None else frozen
     tokens = given.get("token_versions")
-    spans = None if tokens is None else _label_spans(_matrix("token_versions", tokens, shape), region)
+    labels = None if tokens is None else _matrix("token_versions", tokens, shape)
+    spans = None if labels is None else _label_spans(labels, region)
     offsets = np.arange(rows + 1, dtype=np.int64)
     return dict(
         ids=id_list,
@@ -337,7 +337,7 @@ def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumn
         span_offsets=None if spans is None else spans[0],
         span_versions=None if spans is None else spans[1],
         span_starts=None if spans is None else spans[2],
-        **{n: arrays[n].reshape(-1) if n in arrays else None for n in _FLOAT_COLUMNS},
+        **{n: arrays[n].reshape(-1) if n in arrays else None for n in PER_POSITION_FLOATS},
         padded=PaddedLayout(rows, width),
     )
 

@@ -120,7 +120,9 @@ COMPACT_MASK_MIN_POSITIONS = 1 << 20  # a packed batch of this many positions ke
 
 
 def versions_beyond(values: npt.NDArray[Any]) -> bool:
-    return bool(values.size) and (int(values.max()) > MAX_VERSION or int(values.min()) < -MAX_VERSION)
+    if not values.size:
+        return False
+    return int(values.max()) > MAX_VERSION or int(values.min()) < -MAX_VERSION
 
 
 def floats_beyond(values: npt.NDArray[Any]) -> bool:
@@ -168,22 +170,25 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
 
 def _within_int64(array: npt.NDArray[Any]) -> bool:
     """False for NaN and objects too: the caller then looks at the items."""
-    return array.dtype.kind != "O" and bool(-INT64_BOUND <= array.min() <= array.max() < INT64_BOUND)
+    if array.dtype.kind == "O":
+        return False
+    return bool(-INT64_BOUND <= array.min() <= array.max() < INT64_BOUND)
 
 
-def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
-    """A list of ints within int64 read at C speed, else None (a boolean is an int to it)."""
-    if type(value) is not list or not value:
+def _fast(value: object, code: str) -> npt.NDArray[Any] | None:
+    """A list of ints (``"q"``; a boolean is an int to it) or of numbers (``"d"``) read at C speed
+    by ``array``, else None."""
+    if type(value) is not list:
         return None
     try:
-        return np.frombuffer(_array_module.array("q", value), dtype=np.int64)
+        return np.frombuffer(_array_module.array(code, value), dtype=code)  # int64 or float64
     except (TypeError, OverflowError):
         return None
 
 
 def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
     """Versions as int64, or as the narrower signed dtype the service read them in."""
-    fast = None if booleans else _plain_ints(value)
+    fast = None if booleans else _fast(value, "q")
     array = fast if fast is not None else _array(rid, name, value, "iu", "a list of integers", booleans)
     if versions_beyond(array):
         raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
@@ -194,23 +199,13 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
 _NARROW_VERSIONS = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
 
 
-def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
-    """A list of numbers read at C speed; None if not plainly numbers, NaN or beyond 2**63."""
-    if type(value) is not list:
-        return None
-    try:
-        array = np.frombuffer(_array_module.array("d", value), dtype=np.float64)
-    except (TypeError, OverflowError):
-        return None
-    return None if floats_beyond(array) else array
-
-
 def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
     """Numbers; for ``trainer_logprobs`` numbers or nulls (null -> NaN: missing, not an error)."""
-    if not booleans and (fast := _plain_floats(value)) is not None:
+    if not booleans and (fast := _fast(value, "d")) is not None and not floats_beyond(fast):
         return fast
     if not name.endswith("trainer_logprobs"):
-        return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
+        array = _array(rid, name, value, "iuf", "a list of numbers", booleans)
+        return array.astype(np.float64, copy=False)
     if isinstance(value, list) and None in value:
         values = [v for v in value if v is not None]
         checked = _array(rid, name, values, "iuf", "a list of numbers or nulls")
@@ -221,7 +216,7 @@ def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> np
 
 
 def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
-    fast = _plain_ints(value)  # booleans are allowed here: 0/1 either way
+    fast = _fast(value, "q")  # booleans are allowed here: 0/1 either way
     array = fast if fast is not None else _array(rid, name, value, "biu", "a list of 0/1 or booleans")
     if array.dtype.kind != "b" and mask_beyond(array):
         bad = int(np.flatnonzero((array != 0) & (array != 1))[0])
