@@ -144,18 +144,6 @@ class _Pending:
 _PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
 
 
-def _check_version(version: object, names: TrainerNames) -> int:
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-        raise FieldTypeError(
-            "version",
-            f"expected an int (the policy version being trained: {names.trainer}'s "
-            f"{names.counter}), got {type(version).__name__}",
-        )
-    if version < 0:
-        raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
-    return int(version)
-
-
 def ship_rows(
     monitor: Any,
     batch: RolloutBatch,
@@ -178,7 +166,15 @@ def ship_row_batches(
     names: TrainerNames,
 ) -> ShipResult[S]:
     """:func:`ship_rows` for a trainer batch of several row batches (AReaL's ``list[dict]``)."""
-    trained = _check_version(version, names)
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+        raise FieldTypeError(
+            "version",
+            f"expected an int (the policy version being trained: {names.trainer}'s "
+            f"{names.counter}), got {type(version).__name__}",
+        )
+    if version < 0:
+        raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
+    trained = int(version)
     pending = _PENDING.setdefault(monitor, _Pending())
     for batch, source, write_back in batches:
         try:

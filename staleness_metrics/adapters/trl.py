@@ -390,16 +390,7 @@ def _apply(inputs: dict[str, Any], codes: npt.NDArray[np.int64], kept_terms: int
 
 def ship_at_train_time(trainer: Any, monitor: StalenessMonitor) -> TrainTimeShipping:
     """Make TRL's ``AsyncGRPOTrainer`` ship every optimizer step at ``trainer.model_version`` just
-    before it trains the step, and train only what the ship keeps. Call it once the trainer is
-    built, before ``trainer.train()``.
-
-    It wraps the trainer's ``rollout_queue`` (to note each sample's ``model_version``), the
-    collator ``get_train_dataloader`` builds (a ``staleness_microbatch`` id and ``staleness_lag``
-    per micro-batch), ``get_batch_samples`` (a step's micro-batches ship together) and
-    ``training_step``: rank 0 ships the step and broadcasts the decision; in each micro-batch's
-    own tensors the terms of dropped samples and masked positions leave ``token_index`` with
-    ``advantages`` 0, ``shift_labels`` and ``global_n_tokens`` follow, and ``staleness_lag`` holds
-    each kept term's lag. What this cannot change (a packed row keeps its tokens): see
-    ``docs/trainers/trl.md``.
-    """
+    before it trains the step, and train only what the ship keeps (each micro-batch's
+    ``staleness_lag`` holds each kept term's lag). Call it once the trainer is built, before
+    ``trainer.train()``; what it wraps and what it cannot change: ``docs/trainers/trl.md``."""
     return TrainTimeShipping(trainer, monitor)

@@ -37,22 +37,15 @@ def _as_int64(values: Any) -> IntArray:
 class RolloutBatch:
     """Rollouts in columnar form.
 
-    Rollout level (R entries): ``ids``, ``dispatch_version`` (-1 where a frozen rollout has none),
-    ``completion_version`` (-1 = default: newest sampled version), ``frozen``, ``agentic``,
-    ``group_ids``, ``envs``, and ``sample_offsets`` (R + 1) into the samples.
-
-    Sample level (S entries): ``position_offsets`` (S + 1) into the flat position arrays.
-
-    Position level (P entries): ``mask`` (1 = sampled by the policy, 0 = not), the optional weight
-    arrays, ``logprobs`` and ``trainer_logprobs`` (NaN = missing), and ``token_versions`` (-1 =
-    unlabelled). Alternatively (or for other samples) version spans: ``span_offsets`` (S + 1) into
-    ``span_versions`` / ``span_starts``, whose starts are positions relative to their sample.
-    ``label_kind`` says per sample which of the two it uses (0 none, 1 spans, 2 token_versions); it
-    defaults from what is given.
-
-    ``present`` (per weight field and log-probability array, per sample) says whether a sample
-    carried that array; a missing ``rl_weights`` counts as 1.0 on the mask, missing ce / ref-KL
-    weights as 0. Arrays are masked in place: pass copies if the originals must stay untouched.
+    Per rollout: ``ids``, ``dispatch_version`` (-1 where a frozen rollout has none),
+    ``completion_version`` (-1: the newest sampled version), ``frozen``, ``agentic``, ``group_ids``,
+    ``envs``; ``sample_offsets`` (R + 1) into the samples, ``position_offsets`` (S + 1) into the
+    flat positions: ``mask`` (1 = sampled by the policy), the optional weights, ``logprobs`` and
+    ``trainer_logprobs`` (NaN = missing), ``token_versions`` (-1 = unlabelled). Or version spans:
+    ``span_offsets`` (S + 1) into ``span_versions`` / ``span_starts`` (relative to their sample).
+    ``label_kind`` says per sample which (0 none, 1 spans, 2 token_versions; by default from what
+    is given); ``present`` whether a sample carried each float array (a missing ``rl_weights``
+    counts as 1.0, missing ce / ref-KL weights as 0). Arrays are masked in place.
     """
 
     ids: Sequence[str]
@@ -119,24 +112,20 @@ class RolloutBatch:
 
     @classmethod
     def from_padded(cls, ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumns]) -> RolloutBatch:
-        """One rollout per row of ``[B, L]`` arrays (numpy or any array-like).
+        """One rollout of one sample per row of ``[B, L]`` arrays (numpy or any array-like).
 
         - ``mask``: the loss / response mask, 1 (or True) on positions sampled by the policy.
-        - ``token_versions`` ``[B, L]``: the policy version that sampled each position, any negative
-          value meaning unlabelled (AReaL's prompt ``-1``); or only ``dispatch_version`` ``[B]`` per
-          row. ``dispatch_version`` defaults to the oldest label among the row's valid positions (a
-          partial rollout keeps the versions of its first tokens); a live row with neither raises
+        - ``token_versions`` ``[B, L]`` (any negative: unlabelled), or ``dispatch_version`` ``[B]``
+          (by default the oldest label of the row's valid positions; a live row with neither
+          raises ``TraceError``).
+        - ``lengths`` ``[B]`` with ``padding_side`` (``"right"`` or ``"left"``), or
+          ``attention_mask`` ``[B, L]``: which positions hold tokens (by default all). Labels on
+          padding are ignored; a padding position with mask 1 (or a ce / ref-KL weight) raises
           ``TraceError``.
-        - ``lengths`` ``[B]`` with ``padding_side`` (``"right"``, the default, or ``"left"``), or
-          ``attention_mask`` ``[B, L]``: which positions hold tokens. Labels on padding are ignored;
-          a padding position with mask 1 (or a ce / ref-KL weight) raises ``TraceError``. Without
-          either, every position holds a token.
         - ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, ``logprobs``, ``trainer_logprobs``
-          (NaN where missing, SPEC 11) ``[B, L]``; ``completion_version``, ``group_ids``, ``envs``,
-          ``frozen``, ``agentic`` per row.
+          ``[B, L]``; ``completion_version``, ``group_ids``, ``envs``, ``frozen``, ``agentic`` per row.
 
-        One row is one rollout of one sample (padding carries mask 0). C-contiguous mask and weight
-        arrays are masked in place by the sink;
+        C-contiguous mask and weight arrays are masked in place by the sink;
         :func:`~staleness_metrics.engine.shipment.padded_shipment` reads them back either way.
         """
         return cls(**padded_columns(ids, mask, **columns))

@@ -40,12 +40,6 @@ class _NotPlain(Exception):
     """A line this path does not read exactly: the general path reads it."""
 
 
-def _array(value: object) -> simdjson.Array:
-    if type(value) is not simdjson.Array:
-        raise _NotPlain
-    return value
-
-
 def _keys(value: object) -> list[str]:
     """The keys of an object, none repeated (simdjson finds the first, JSON keeps the last)."""
     if type(value) is not simdjson.Object:
@@ -109,8 +103,8 @@ def _rollout(document: object, line: bytes, kinds: tuple[_Lists, ...]) -> Parsed
             if type(value) is simdjson.Object or type(value) is simdjson.Array:
                 raise _NotPlain
             head[key] = value
-    items = _array(raw.get("samples"))
-    if not len(items):
+    items = raw.get("samples")
+    if type(items) is not simdjson.Array or not len(items):
         raise _NotPlain
     rollout = head_rollout(head)
     lists = 1  # "samples" itself

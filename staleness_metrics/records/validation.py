@@ -134,15 +134,6 @@ class Verdicts:
         return flags
 
 
-def _first_per_rollout(batch: RolloutBatch, positions: IntArray) -> IntArray:
-    """The first offending position of each sample (bounds the Python work on bad input)."""
-    if positions.size == 0:
-        return positions
-    samples = np.searchsorted(batch.position_offsets, positions, "right") - 1
-    _, first = np.unique(samples, return_index=True)
-    return positions[first]
-
-
 _ARRAY_FIELDS = (
     "mask", "sample_offsets", "position_offsets", "dispatch_version", "completion_version", "frozen", "agentic",
     "label_kind", *PER_POSITION_FLOATS, "token_versions", "span_offsets", "span_versions", "span_starts",
@@ -250,11 +241,13 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
     assert kind is not None
     if batch.token_versions is not None and token_values:
         tokens = batch.token_versions
-        bad = tokens[:0]
-        if tokens.min(initial=0) < -1:  # one read in the common case; where only on bad input
+        if tokens.min(initial=0) < -1:  # one read in the common case; the rest only on bad input
             sample_has_tokens = np.repeat(kind == LABELS_TOKENS, np.diff(batch.position_offsets))
             bad = np.flatnonzero(sample_has_tokens & (tokens < -1))
-        verdicts.positions(_first_per_rollout(batch, bad), "token_versions", "versions are >= 0 or -1")
+            # the first of each sample: bounds the Python work on bad input
+            samples = np.searchsorted(batch.position_offsets, bad, "right") - 1
+            first = bad[np.unique(samples, return_index=True)[1]]
+            verdicts.positions(first, "token_versions", "versions are >= 0 or -1")
     if batch.span_offsets is not None:
         _check_spans(batch, verdicts)
     elif np.any(kind == LABELS_SPANS):
