@@ -8,7 +8,7 @@ import numpy as np
 from ..metrics.compute import WindowCounts
 from ..metrics.mismatch_kernel import mismatch_runs
 from ..metrics.population import PopulationColumns, population_summary
-from ..records.plain_values import BatchRows, PositionCopies, plain_values
+from ..records.validation import BatchRows, PositionCopies, plain_values
 from .cuts import CutFlags, IntArray, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows
 from .masking import zero_spans
