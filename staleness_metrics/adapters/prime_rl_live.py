@@ -166,15 +166,10 @@ def ship(
     batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids)
     result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)
     out = ShippedSamples()
-    lags: list[npt.NDArray[np.int64]] = []
-    for part in result.parts:
-        source, batch_of = part.source, part.batch
-        lag_iter = iter(part.lags)
-        for row, kept in zip(part.rows.tolist(), part.samples):
-            first = int(batch_of.sample_offsets[row])
-            for local in kept:
-                out.append(_written_back(source, batch_of, first + local))
-                lags.append(next(lag_iter))
-    out.staleness_lag = lags
+    out.staleness_lag = [lag for part in result.parts for lag in part.lags]  # one per kept sample
     out.shipment = result.shipment
+    for part in result.parts:
+        for row, kept in zip(part.rows.tolist(), part.samples):
+            first = int(part.batch.sample_offsets[row])
+            out.extend(_written_back(part.source, part.batch, first + local) for local in kept)
     return out

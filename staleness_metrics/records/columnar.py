@@ -76,23 +76,18 @@ class RolloutBatch:
     padded: PaddedLayout | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        n_rollouts = len(self.ids)
+        n_rollouts, n_samples = len(self.ids), len(self.position_offsets) - 1
         self.sample_offsets = _as_int64(self.sample_offsets)
         self.position_offsets = _as_int64(self.position_offsets)
         self.dispatch_version = _as_int64(self.dispatch_version)
-        n_samples = len(self.position_offsets) - 1
         if self.completion_version is None:
             self.completion_version = np.full(n_rollouts, -1, dtype=np.int64)
         else:
             self.completion_version = _as_int64(self.completion_version)
-        if self.frozen is None:
-            self.frozen = np.zeros(n_rollouts, dtype=bool)
-        if self.agentic is None:
-            self.agentic = np.zeros(n_rollouts, dtype=bool)
-        if self.group_ids is None:
-            self.group_ids = [None] * n_rollouts
-        if self.envs is None:
-            self.envs = [None] * n_rollouts
+        self.frozen = np.zeros(n_rollouts, dtype=bool) if self.frozen is None else self.frozen
+        self.agentic = np.zeros(n_rollouts, dtype=bool) if self.agentic is None else self.agentic
+        self.group_ids = [None] * n_rollouts if self.group_ids is None else self.group_ids
+        self.envs = [None] * n_rollouts if self.envs is None else self.envs
         if self.token_versions is not None:
             self.token_versions = _as_int64(self.token_versions)
         if self.span_offsets is not None:

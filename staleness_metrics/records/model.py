@@ -6,7 +6,6 @@ from __future__ import annotations
 import array as _array_module
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from functools import partial
 from itertools import accumulate, chain
 from typing import Any
 
@@ -416,13 +415,15 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         dtype=np.int8,
     )
 
-    column = partial(_column, samples, lengths, adopt)
+    # one sample's arrays the parse made: taken uncopied when ``adopt``
+    fresh = samples[0].fresh if adopt and len(samples) == 1 else set()
     floats: dict[str, Any] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in PER_POSITION_FLOATS:
         weight = name in WEIGHT_FIELDS
         given = [s.weights.get(name) if weight else getattr(s, name) for s in samples]
-        floats[name], flags = column(name, given, _FILLS.get(name, 0.0))
+        fill = _FILLS.get(name, 0.0)
+        floats[name], flags = _column(given, lengths, fill, np.float64, name in fresh)
         if floats[name] is not None:
             present[name] = flags
     # int64, or in a large batch the narrowest signed dtype the parse gave every sample (the
@@ -433,7 +434,8 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         labelled = [v for v in given_versions if v is not None]
         if labelled and all(v.dtype in _NARROW_VERSIONS for v in labelled):
             versions_dtype = np.result_type(*labelled, np.int8)  # -1 (the fill) fits every one
-    token_versions, _ = column("token_versions", given_versions, -1, versions_dtype)
+    adopt_versions = "token_versions" in fresh
+    token_versions, _ = _column(given_versions, lengths, -1, versions_dtype, adopt_versions)
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
     none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
@@ -471,23 +473,17 @@ _FILLS = {"rl_weights": 1.0, "trainer_logprobs": np.nan}
 
 
 def _column(
-    samples: list[ParsedSample],
-    lengths: list[int],
-    adopt: bool,
-    name: str,
-    values: list[npt.NDArray[Any] | None],
-    fill: float,
-    dtype: type = np.float64,
+    values: list[npt.NDArray[Any] | None], lengths: list[int], fill: float, dtype: type, adopt: bool
 ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
     """A per-position column of :func:`pack` (None per sample: filled) and which samples gave it;
-    arrays of a wrong length are kept for validation to report."""
+    arrays of a wrong length are kept for validation to report. ``adopt``: a lone array is kept."""
     given = [v for v in values if v is not None]
     if not given:
         return None, _NONE_PRESENT
     if len(given) == len(values):
         present = np.ones(len(values), dtype=bool)
         only = given[0]
-        if adopt and len(values) == 1 and name in samples[0].fresh and only.dtype == dtype and only.ndim == 1:
+        if adopt and only.dtype == dtype and only.ndim == 1:
             return only, present
         return _flat(given, dtype), present
     present = np.array([v is not None for v in values], dtype=bool)
