@@ -69,12 +69,8 @@ class TrainerArray:
         if isinstance(self.value, np.ndarray):
             self.value[...] = values
             return
-        # copy_ keeps the tensor's dtype and device
-        self.value.detach().copy_(_torch().from_numpy(values))
-
-
-def _torch() -> Any:  # imported already, since a tensor was given
-    return sys.modules["torch"]
+        # copy_ keeps the tensor's dtype and device (torch is imported: a tensor was given)
+        self.value.detach().copy_(sys.modules["torch"].from_numpy(values))
 
 
 def _is_tensor(value: Any) -> bool:
@@ -84,7 +80,7 @@ def _is_tensor(value: Any) -> bool:
 def new_tensor_like(reference: Any, values: npt.NDArray[Any]) -> Any:
     """``values`` as the kind of array ``reference`` is (a tensor on its device, or numpy)."""
     if _is_tensor(reference):
-        return _torch().from_numpy(np.ascontiguousarray(values)).to(reference.device)
+        return sys.modules["torch"].from_numpy(np.ascontiguousarray(values)).to(reference.device)
     return values
 
 

@@ -112,19 +112,16 @@ class PrimeRlMonitor:
         steps: set[int] = set()
         for number, update in enumerate(updates):
             shipped = self._shipped.get(str(update.get("trace_id")))
-            branches = update.get("branches") or []
-            streams: list[tuple[int, list[Any]]] = []
-            for branch in branches if isinstance(branches, list) else []:
+            branches = update.get("branches")
+            if shipped is None or not isinstance(branches, list):
+                continue
+            for branch in branches:
                 index = branch.get("index") if isinstance(branch, Mapping) else None
                 values = branch.get("trainer_logprobs") if isinstance(branch, Mapping) else None
                 if isinstance(index, int) and isinstance(values, list):
-                    streams.append((index, values))
-            if shipped is None or not streams:
-                continue
-            for index, values in streams:
-                array = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
-                shipped.updates.setdefault(index, []).append(Stream(array, "live", number))
-            steps.add(shipped.step)
+                    array = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+                    shipped.updates.setdefault(index, []).append(Stream(array, "live", number))
+                    steps.add(shipped.step)
         for step in sorted(steps - self._recorded):
             self._record(step)
         return _DONE

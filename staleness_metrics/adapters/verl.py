@@ -3,6 +3,7 @@ row, read with no import of verl (the fields and their sources: ``docs/trainers/
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,12 +39,11 @@ def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.N
 
 def verl_row_ids(uids: Sequence[Any]) -> list[str]:
     """Row ids ``"<uid>/<k>"``: the k-th trajectory of prompt group ``uid`` in this batch."""
-    seen: dict[str, int] = {}
+    seen: Counter[str] = Counter()
     out: list[str] = []
-    for uid in uids:
-        key = str(uid)
-        out.append(f"{key}/{seen.get(key, 0)}")
-        seen[key] = seen.get(key, 0) + 1
+    for key in map(str, uids):
+        out.append(f"{key}/{seen[key]}")
+        seen[key] += 1
     return out
 
 
