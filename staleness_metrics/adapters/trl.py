@@ -334,7 +334,6 @@ class TrainTimeShipping:
         else:
             codes = np.zeros((processes, int(index.shape[1]) + 1), dtype=np.int64)
         if processes > 1:  # rank 0 shipped: every rank takes its row of rank 0's decision
-            # imported by the trainer already
             broadcast = importlib.import_module("accelerate.utils").broadcast
             codes = broadcast(new_tensor_like(index, codes), from_process=0).cpu().numpy()
         local = int(index.shape[0])

@@ -306,8 +306,7 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
         if len(values) != n:
             raise TraceError(rid, f"{where}.{name}", f"length {len(values)} differs from the mask's {n}")
     if sample.spans is not None and len(sample.spans) > n:
-        # more spans than positions break a rule: refused before the batch builds span tables
-        # (5.6M spans of a one-position sample would cost gigabytes of tables to refuse)
+        # refused before the batch builds span tables (which could cost gigabytes)
         fault = span_fault(sample.spans, n)
         if fault is not None:
             span, reason = fault
@@ -403,8 +402,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     total = int(position_offsets[-1])
     sample_offsets = np.array([0, *accumulate(len(r.samples) for r in rollouts)], dtype=np.int64)
 
-    # float64 like the weights (the one-pass checks of small adds); a large batch keeps the int8
-    # it was parsed as (1 byte a position, not 8): the engine reads either the same
+    # float64 like the weights (the quick check of small adds); a large batch keeps its int8
     mask_dtype = np.int8 if total >= COMPACT_MASK_MIN_POSITIONS else np.float64
     mask = _flat([s.mask for s in samples], mask_dtype)
     label_kind = np.array(
@@ -426,8 +424,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         floats[name], flags = _column(given, lengths, fill, np.float64, name in fresh)
         if floats[name] is not None:
             present[name] = flags
-    # int64, or in a large batch the narrowest signed dtype the parse gave every sample (the
-    # compiled cut reads it as it is: the same cuts, no int64 copy)
+    # int64, or in a large batch the narrowest signed dtype the parse gave (no int64 copy)
     given_versions = [s.token_versions for s in samples]
     versions_dtype: Any = np.int64
     if mask_dtype is np.int8:

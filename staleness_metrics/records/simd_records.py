@@ -128,8 +128,7 @@ def _rollout(document: object, line: bytes, kinds: tuple[_Lists, ...]) -> Parsed
             buffer = value.as_buffer(of_type=of_type)
             kind.buffers.append(buffer)
             size = len(value)
-            # the tape's count stops there: the copied buffer has every element
-            if size >= _SATURATED:
+            if size >= _SATURATED:  # the copied buffer has every element
                 size = memoryview(buffer).nbytes // 8 // (2 if key == "weight_versions" else 1)
             labels += slot == _VERSIONS
             if key == "weight_versions":

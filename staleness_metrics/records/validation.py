@@ -369,9 +369,9 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
     return _plain_envs(envs) and (not positions or plain_values_of(batch))
 
 
-def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
+def plain_values_of(batch: RolloutBatch) -> bool:
     """Whether a batch :func:`plainly_valid` passed with ``positions=False`` holds values the exact
-    checks take, copying its positions to ``into`` (from ``start`` on) when it does."""
+    checks take."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
@@ -379,8 +379,7 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
     labels = 1 << LABELS_NONE | has_spans << LABELS_SPANS | (tokens is not None) << LABELS_TOKENS
     rows = BatchRows(len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version,
                      batch.completion_version, kind, labels)  # fmt: skip
-    plain = plain_values(rows, mask, weights, logprobs, tokens, into, start)
-    return plain and (not has_spans or _plain_spans(batch))
+    return plain_values(rows, mask, weights, logprobs, tokens) and (not has_spans or _plain_spans(batch))
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
@@ -480,7 +479,6 @@ def _plain_values(
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
 _PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
 _INT8 = np.dtype(np.int8)
-# (read-only: never written)
 _PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}
 
 
