@@ -195,69 +195,28 @@ def _row_list(name: str, values: Sequence[Any] | None, rows: int) -> list[Any] |
     return out
 
 
-@dataclass(frozen=True)
-class _Region:
-    """Which positions hold tokens: ``valid`` [B, L]; with ``lengths``, each row's padding is
-    columns ``pad_lo`` .. ``pad_hi - 1``."""
-
-    valid: BoolArray
-    pad_lo: IntArray | None = None
-    pad_hi: IntArray | None = None
-
-
-def _valid_region(shape: tuple[int, int], columns: dict[str, Any]) -> _Region | None:
-    """Where the tokens are; None when every position holds one."""
+def _valid(shape: tuple[int, int], columns: dict[str, Any]) -> BoolArray | None:
+    """``[B, L]``: which positions hold tokens; None when every position holds one."""
     rows, width = shape
     lengths, attention_mask = columns.get("lengths"), columns.get("attention_mask")
     if lengths is not None and attention_mask is not None:
         raise FieldError("lengths", "give either lengths or attention_mask, not both")
     if attention_mask is not None:
-        return _Region(_matrix("attention_mask", attention_mask, shape) != 0)
+        return _matrix("attention_mask", attention_mask, shape) != 0  # type: ignore[no-any-return]
     if lengths is None:
         return None
     length = _row_vector("lengths", lengths, rows, np.int64)
     if ((length < 0) | (length > width)).any():
         raise FieldError("lengths", f"every length must lie in 0..{width}")
-    columns_at = np.arange(width, dtype=np.int64)
     side = columns.get("padding_side", "right")
     if side == "right":
-        full = np.full(rows, width, dtype=np.int64)
-        return _Region(columns_at[None, :] < length[:, None], length, full)
+        return np.arange(width)[None, :] < length[:, None]  # type: ignore[no-any-return]
     if side == "left":
-        starts = width - length
-        return _Region(columns_at[None, :] >= starts[:, None], np.zeros(rows, dtype=np.int64), starts)
+        return np.arange(width)[None, :] >= (width - length)[:, None]  # type: ignore[no-any-return]
     raise FieldError("padding_side", f"expected 'right' or 'left', got {side!r}")
 
 
-# the bits of a float but its sign, by item size
-_SIGN_FREE = {2: 0x7FFF, 4: 0x7FFFFFFF, 8: 0x7FFFFFFFFFFFFFFF}
-
-
-def _padding_rows_nonzero(values: npt.NDArray[Any], region: _Region) -> BoolArray:
-    """Per row, whether ``values`` is nonzero on a padding position (with row lengths: one read as
-    unsigned integers OR-reduced per padding run, -0.0 counting as zero)."""
-    rows, width = values.shape
-    kind, size = values.dtype.kind, values.dtype.itemsize
-    if region.pad_lo is None or region.pad_hi is None or kind not in "biuf" or (kind == "f" and size not in _SIGN_FREE):
-        return ((~region.valid) & (values != 0)).any(axis=1)  # type: ignore[no-any-return]
-    flat = np.ascontiguousarray(values).reshape(-1)
-    unsigned = flat.view(np.uint8 if kind == "b" else np.dtype(f"u{size}"))
-    base = np.arange(rows, dtype=np.int64) * width
-    lo, hi = base + region.pad_lo, base + region.pad_hi
-    bounds = np.unique(np.concatenate((lo, hi)))
-    bounds = bounds[bounds < len(flat)]
-    out = np.zeros(rows, dtype=bool)
-    if len(bounds) == 0:
-        return out
-    runs = np.bitwise_or.reduceat(unsigned, bounds)
-    if kind == "f":
-        runs &= _SIGN_FREE[size]
-    nonempty = hi > lo
-    out[nonempty] = runs[np.searchsorted(bounds, lo[nonempty])] != 0
-    return out
-
-
-def _label_spans(labels: npt.NDArray[Any], region: _Region | None) -> tuple[IntArray, IntArray, IntArray]:
+def _label_spans(labels: npt.NDArray[Any], valid: BoolArray | None) -> tuple[IntArray, IntArray, IntArray]:
     """Per-position labels as version spans (offsets, versions, starts): one span wherever the
     label or the validity changes, -1 for unlabelled (any negative) and padding."""
     if labels.dtype.kind not in "iu":
@@ -269,14 +228,14 @@ def _label_spans(labels: npt.NDArray[Any], region: _Region | None) -> tuple[IntA
     keys = np.arange(rows, dtype=np.int64) * width
     if width > 1:
         change = labels[:, 1:] != labels[:, :-1]
-        if region is not None:
-            change |= region.valid[:, 1:] != region.valid[:, :-1]
+        if valid is not None:
+            change |= valid[:, 1:] != valid[:, :-1]
         at = np.flatnonzero(change)
         keys = np.sort(np.concatenate((keys, (at // (width - 1)) * width + at % (width - 1) + 1)))
     row, column = keys // width, keys % width
     versions = np.maximum(labels[row, column].astype(np.int64), -1)
-    if region is not None:
-        versions = np.where(region.valid[row, column], versions, -1)
+    if valid is not None:
+        versions = np.where(valid[row, column], versions, -1)
     offsets = np.concatenate(([0], np.cumsum(np.bincount(row, minlength=rows)))).astype(np.int64)
     return offsets, versions, column
 
@@ -293,11 +252,11 @@ def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumn
     id_list = _row_list("ids", ids, rows)
     assert id_list is not None
     given: dict[str, Any] = dict(columns)
-    region = _valid_region(shape, given)
+    valid = _valid(shape, given)
     arrays = {n: _matrix(n, given[n], shape) for n in PER_POSITION_FLOATS if given.get(n) is not None}
-    if region is not None:
+    if valid is not None:
         for name in ("mask", *(n for n in ("ce_weights", "ref_kl_weights") if n in arrays)):
-            bad = np.flatnonzero(_padding_rows_nonzero(arrays.get(name, mask_2d), region))
+            bad = np.flatnonzero(((~valid) & (arrays.get(name, mask_2d) != 0)).any(axis=1))
             if len(bad):
                 reason = "nonzero on a padding position"
                 raise TraceError(id_list[int(bad[0])], f"samples[0].{name}", reason)
@@ -305,7 +264,7 @@ def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumn
     frozen_rows = np.zeros(rows, dtype=bool) if frozen is None else frozen
     tokens = given.get("token_versions")
     labels = None if tokens is None else _matrix("token_versions", tokens, shape)
-    spans = None if labels is None else _label_spans(labels, region)
+    spans = None if labels is None else _label_spans(labels, valid)
     offsets = np.arange(rows + 1, dtype=np.int64)
     return dict(
         ids=id_list,
