@@ -314,17 +314,13 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     return sample
 
 
-def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
-    """The checked id, dispatch and completion versions (-1: none), source and agentic flag."""
-    rid_raw = raw.get("id")
-    if not isinstance(rid_raw, str) or not rid_raw:
-        raise TraceError(
-            None if rid_raw is None else printable_id(str(rid_raw)),
-            "id",
-            "required non-empty string",
-        )
-    check_text(rid_raw, "id", rid_raw)  # a store, an exporter or a JSON answer could not write it
-    rid = rid_raw
+def check_head(raw: dict[str, Any]) -> ParsedRollout:
+    """A record's fields but ``samples`` checked, as a rollout of no samples yet echoing them."""
+    rid = raw.get("id")
+    if not isinstance(rid, str) or not rid:
+        printable = None if rid is None else printable_id(str(rid))
+        raise TraceError(printable, "id", "required non-empty string")
+    check_text(rid, "id", rid)  # a store, an exporter or a JSON answer could not write it
     unknown = sorted(set(raw) - _ROLLOUT_FIELDS)
     if unknown:
         raise TraceError(rid, unknown[0], "unknown field")
@@ -346,7 +342,8 @@ def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
         raise TraceError(rid, "dispatch_version", "required on a live rollout")
     dispatch = _version(rid, "dispatch_version", dispatch)
     completion = _version(rid, "completion_version", raw.get("completion_version"))
-    return rid, dispatch, completion, source, agentic
+    group_id, env = raw.get("group_id"), raw.get("env")
+    return ParsedRollout(rid, dispatch, completion, source == "frozen", agentic, group_id, env, [], raw)
 
 
 def _version(rid: str, name: str, value: object) -> int:
@@ -365,7 +362,7 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
     (``booleans=False``: the JSON text holds no ``true`` / ``false``, a faster check of numbers)."""
     if not isinstance(raw, Mapping):
         raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
-    rollout = head_rollout({k: v for k, v in raw.items() if k != "samples"})
+    rollout = check_head({k: v for k, v in raw.items() if k != "samples"})
     samples = raw.get("samples")
     if not isinstance(samples, list):
         raise TraceError(rollout.id, "samples", "required list of samples")
@@ -373,14 +370,6 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
         raise TraceError(rollout.id, "samples", "must hold at least one sample")
     rollout.samples = [_parse_sample(rollout.id, i, s, booleans) for i, s in enumerate(samples)]
     return rollout
-
-
-def head_rollout(head: dict[str, Any]) -> ParsedRollout:
-    """A record's fields but ``samples`` checked, as a rollout of no samples yet echoing them."""
-    rid, dispatch, completion, source, agentic = check_head(head)
-    frozen = source == "frozen"
-    group_id, env = head.get("group_id"), head.get("env")
-    return ParsedRollout(rid, dispatch, completion, frozen, agentic, group_id, env, [], head)
 
 
 def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:

@@ -19,7 +19,7 @@ except ImportError:  # no wheel for this Python: every line takes the general pa
 
 from ..errors import TraceError
 from .columnar import WEIGHT_FIELDS
-from .model import ParsedRollout, ParsedSample, floats_beyond, head_rollout, mask_beyond, versions_beyond
+from .model import ParsedRollout, ParsedSample, check_head, floats_beyond, mask_beyond, versions_beyond
 
 AVAILABLE = simdjson is not None
 
@@ -106,7 +106,7 @@ def _rollout(document: object, line: bytes, kinds: tuple[_Lists, ...]) -> Parsed
     items = raw.get("samples")
     if type(items) is not simdjson.Array or not len(items):
         raise _NotPlain
-    rollout = head_rollout(head)
+    rollout = check_head(head)
     lists = 1  # "samples" itself
     for item in items:
         keys = _keys(item)
