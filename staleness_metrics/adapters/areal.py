@@ -130,12 +130,10 @@ def ship(
     version: int,
     group_sizes: Sequence[int] | None = None,
 ) -> AReaLBatch:
-    """Ship an AReaL batch (what ``prepare_batch`` returns, one ``[G, L]`` dict per prompt group, or
-    one ``concat_batch`` dict) at ``version`` (``global_step``) and give back the batch to train:
-    the masking in AReaL's own ``loss_mask``, dropped rows left out (a ``list`` loses the groups
-    left empty, a dict is filtered in place), ``staleness_lag`` (int64 ``[G, L]``) in every kept
-    dict. ``group_sizes``: a ``concat_batch`` dict's ``traj_group_sizes`` (else each row is its own
-    group). ``xtuner`` with ``retry_expired`` is refused: AReaL re-rolls nothing."""
+    """Ship an AReaL batch (``prepare_batch``'s ``list[dict]`` or a ``concat_batch`` dict, whose
+    ``traj_group_sizes`` are ``group_sizes``) at ``version`` (``global_step``); give back the batch
+    to train: the masking in its ``loss_mask``, dropped rows left out, ``staleness_lag`` (int64
+    ``[G, L]``) in every kept dict. ``xtuner`` with ``retry_expired`` is refused."""
     if monitor.config.policy == "xtuner" and monitor.config.retry_expired:
         # held rows would wait for ever for re-rollouts of their group
         raise ConfigError("retry_expired: AReaL does not re-roll expired rollouts; use retry_expired=False with AReaL")

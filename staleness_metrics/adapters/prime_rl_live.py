@@ -159,10 +159,8 @@ def ship(
     group_ids: Mapping[str, str] | None = None,
 ) -> ShippedSamples:
     """SPEC 15's one call for prime-rl: add and ship a batch's samples at ``version``
-    (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out
-    (held ones come back, first, from the call that ships them). The other arguments as in
-    :func:`from_training_samples`.
-    """
+    (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out (the
+    other arguments: :func:`from_training_samples`)."""
     batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids)
     result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)
     out = ShippedSamples()
