@@ -118,8 +118,8 @@ def staleness_lag_of(completion_mask: Any) -> npt.NDArray[np.int64]:
 
 def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> list[Any]:
     """Ship TRL ``RolloutSample`` s at ``version`` (``self.model_version``): the same objects come
-    back in ship order, masked in their ``completion_mask``, the dropped ones left out (lags:
-    :func:`staleness_lag_of`). In ``AsyncGRPOTrainer``, use :func:`ship_at_train_time`."""
+    back in ship order, masked in their ``completion_mask``, dropped and held ones left out
+    (lags: :func:`staleness_lag_of`). In ``AsyncGRPOTrainer``, use :func:`ship_at_train_time`."""
     return [sample for sample, _ in _shipped(monitor, samples, version)]
 
 
