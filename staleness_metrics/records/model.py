@@ -284,22 +284,18 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
         sample.spans = _spans(rid, f"{where}.weight_versions", raw["weight_versions"], booleans)
     if raw.get("token_versions") is not None:
         sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"], booleans)
-    for name in WEIGHT_FIELDS:
-        if raw.get(name) is not None:
-            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans)
-    for name in ("logprobs", "trainer_logprobs"):
-        if raw.get(name) is not None:
-            setattr(sample, name, _float_list(rid, f"{where}.{name}", raw[name], booleans))
-    n = len(sample.mask)
-    per_position = {
-        **sample.weights,
-        "logprobs": sample.logprobs,
-        "trainer_logprobs": sample.trainer_logprobs,
-        "token_versions": sample.token_versions,
+    per_position: dict[str, npt.NDArray[Any]] = {
+        name: _float_list(rid, f"{where}.{name}", raw[name], booleans)
+        for name in PER_POSITION_FLOATS
+        if raw.get(name) is not None
     }
+    sample.weights = {name: per_position[name] for name in WEIGHT_FIELDS if name in per_position}
+    sample.logprobs = per_position.get("logprobs")
+    sample.trainer_logprobs = per_position.get("trainer_logprobs")
+    if sample.token_versions is not None:
+        per_position["token_versions"] = sample.token_versions
+    n = len(sample.mask)
     for name, values in per_position.items():
-        if values is None:
-            continue
         given = raw.get(name)
         if not (isinstance(given, np.ndarray) and np.may_share_memory(values, given)):
             sample.fresh.add(name)
