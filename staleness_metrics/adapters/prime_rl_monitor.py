@@ -24,8 +24,7 @@ from ..replay.sources.prime_rl.episodes import (
 )
 from ._ship import rollout_lags
 
-# shipped traces kept for the trainer's updates: the steps the trainer may lag behind
-KEEP_STEPS = 16
+KEEP_STEPS = 16  # shipped traces kept for the trainer's updates: the steps it may lag behind
 
 
 class _Done:

@@ -45,8 +45,7 @@ class _ByArray:
         return found[1]
 
 
-# Lags of shipped samples, by their completion_mask (RolloutSample has __slots__ and
-# RolloutQueueDataset passes that very array on).
+# lags of shipped samples by completion_mask (the array RolloutQueueDataset passes on)
 _lags = _ByArray()
 
 _NAMES = TrainerNames(
@@ -244,8 +243,7 @@ class TrainTimeShipping:
         self._pulled = _ByArray()  # model_version by completion_mask
         self._ids = itertools.count()
         self._collated: dict[int, _MicroBatch] = {}  # by micro-batch id, until its step ships
-        # micro-batch id -> the ids of its optimizer step
-        self._step_of: dict[int, tuple[int, ...]] = {}
+        self._step_of: dict[int, tuple[int, ...]] = {}  # micro-batch id -> its step's ids
         self._decided: dict[int, npt.NDArray[np.int64]] = {}  # micro-batch id -> _MicroBatch.decide
         if getattr(trainer, "rollout_queue", None) is not None:  # rank 0 only
             trainer.rollout_queue = _RecordingQueue(trainer.rollout_queue, self._pulled)

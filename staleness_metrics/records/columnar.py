@@ -25,8 +25,7 @@ PER_POSITION_FLOATS = (*WEIGHT_FIELDS, "logprobs", "trainer_logprobs")
 # The optional arrays of one value per rollout.
 PER_ROLLOUT_ARRAYS = ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo")
 
-# How a sample labelled its positions (kept so output mirrors input).
-LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2
+LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2  # how a sample labelled its positions
 
 
 def _as_int64(values: Any) -> IntArray:
@@ -62,18 +61,15 @@ class RolloutBatch:
     ce_weights: FloatArray | None = None
     ref_kl_weights: FloatArray | None = None
     logprobs: FloatArray | None = None
-    # NaN where missing (SPEC 11: uncovered, not an error)
-    trainer_logprobs: FloatArray | None = None
+    trainer_logprobs: FloatArray | None = None  # NaN where missing (SPEC 11: not an error)
     token_versions: IntArray | None = None
     span_offsets: IntArray | None = None
     span_versions: IntArray | None = None
     span_starts: IntArray | None = None
     label_kind: npt.NDArray[np.int8] | None = None
     present: dict[str, BoolArray] = field(default_factory=dict)
-    # record fields echoed in shipped output (records only); None: built from the columns
-    echo: list[dict[str, Any]] | None = None
-    # from_padded's [B, L] rows (engine.shipment.padded_shipment reads it)
-    padded: PaddedLayout | None = field(default=None, repr=False)
+    echo: list[dict[str, Any]] | None = None  # records' fields for shipped output (else columns)
+    padded: PaddedLayout | None = field(default=None, repr=False)  # from_padded's [B, L] rows
 
     def __post_init__(self) -> None:
         n_rollouts, n_samples = len(self.ids), len(self.position_offsets) - 1

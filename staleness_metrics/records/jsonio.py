@@ -76,8 +76,7 @@ def dumps_line(value: Any) -> bytes:
 
 
 _ONE_BITS = np.float64(1.0).view(np.uint64)
-# what orjson writes for 0.0 and 1.0, a comma after
-_ZERO_ONE_TEXT = np.frombuffer(b"0.0,1.0,", dtype=np.uint32)
+_ZERO_ONE_TEXT = np.frombuffer(b"0.0,1.0,", dtype=np.uint32)  # orjson's 0.0 and 1.0, a comma after
 _EMPTY_LIST = orjson.Fragment(b"[]")
 
 

@@ -81,10 +81,8 @@ _ROLLOUT_FIELDS = frozenset(f.name for f in fields(Rollout))
 @dataclass
 class ParsedSample:
     mask: npt.NDArray[np.int8]
-    # shape (k, 2): version, start (int32 or int64)
-    spans: npt.NDArray[np.signedinteger[Any]] | None = None
-    # int64, or as parsed (int8/16/32)
-    token_versions: npt.NDArray[np.signedinteger[Any]] | None = None
+    spans: npt.NDArray[np.signedinteger[Any]] | None = None  # (k, 2): version, start
+    token_versions: npt.NDArray[np.signedinteger[Any]] | None = None  # int64, or as parsed
     weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
     logprobs: npt.NDArray[np.float64] | None = None
     trainer_logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing
@@ -482,8 +480,7 @@ def _column(
     return _flat(parts, np.float64), present
 
 
-# (a column no sample has: no flags kept)
-_NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)
+_NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)  # a column no sample has
 
 
 def _flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:

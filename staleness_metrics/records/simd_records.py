@@ -32,8 +32,7 @@ _FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, 
 }
 
 
-# simdjson's tape keeps a list's length in 24 bits, saturated (the copied buffer holds them all)
-_SATURATED = 0xFFFFFF
+_SATURATED = 0xFFFFFF  # simdjson's tape keeps a list's length in 24 bits, saturated
 
 
 class _NotPlain(Exception):
@@ -59,8 +58,7 @@ class _Lists:
         self.buffers: list[Any] = []
         self.sizes: list[int] = []
         self.owners: list[tuple[ParsedSample, str]] = []
-        # per line taken (in the reader's order), the index of its first list
-        self.firsts: list[int] = []
+        self.firsts: list[int] = []  # per line taken, the index of its first list
 
     def drop_line(self) -> None:
         mark = self.firsts.pop()

@@ -257,8 +257,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
     return verdicts
 
 
-# spans checked at once: the temporaries stay a few MB whatever the span count
-_SPAN_PIECE = 1 << 18
+_SPAN_PIECE = 1 << 18  # spans checked at once: a few MB of temporaries whatever the count
 
 
 def _span_reason(rule: int, versions: IntArray, starts: IntArray, span: int, length: Any) -> str:
