@@ -1,10 +1,6 @@
 """SPEC 15's one call, the part every trainer shares: add a trainer's batch, ship it at
-``version + 1``, hand back its rows per trainer batch (held rows with the call that ships them).
-
-An adapter reads its batch into a ``RolloutBatch`` (its arrays wrapped in :class:`TrainerArray`),
-calls :func:`ship_rows` with :class:`TrainerNames` for its error messages, and turns the
-:class:`ShippedPart` s back into its own type. Held rows are remembered in this process only.
-"""
+``version + 1``, hand back its rows per trainer batch (held rows with the call that ships them,
+remembered in this process only)."""
 
 from __future__ import annotations
 
@@ -21,17 +17,6 @@ from ..engine.shipment import Shipment, ShippedRollout
 from ..errors import FieldError, FieldTypeError, TraceError
 from ..records.columnar import RolloutBatch
 
-__all__ = [
-    "ShipResult",
-    "ShippedPart",
-    "TrainerArray",
-    "TrainerNames",
-    "new_tensor_like",
-    "rollout_lags",
-    "ship_row_batches",
-    "ship_rows",
-]
-
 S = TypeVar("S")
 IntArray = npt.NDArray[np.int64]
 
@@ -40,9 +25,8 @@ _ABOVE_TRAINED = "is above the trained version"
 
 @dataclass(frozen=True)
 class TrainerNames:
-    """How one trainer calls what the sink checks: ``counter``, the variable to pass as
-    ``version``; ``fields``, the last part of a SPEC 3 field name -> the trainer's own name of it
-    (``{row}``: the row of the trainer's batch)."""
+    """How one trainer names what the sink checks: ``counter``, the variable to pass as ``version``;
+    ``fields``, the last part of a SPEC 3 field name -> the trainer's own (``{row}``: its row)."""
 
     trainer: str
     counter: str
@@ -62,8 +46,8 @@ class TrainerNames:
 
 
 class TrainerArray:
-    """A trainer's ``[B, L]`` array or tensor as numpy (a view of a numpy array or CPU tensor,
-    else a copy), and the way back into it (:meth:`write_back`)."""
+    """A trainer's array or tensor as numpy (a view of a numpy array or CPU tensor, else a copy),
+    and the way back into it."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -85,13 +69,8 @@ class TrainerArray:
         if isinstance(self.value, np.ndarray):
             self.value[...] = values
             return
-        # copy_ keeps the tensor's dtype and device
-        self.value.detach().copy_(_torch().from_numpy(values))
-
-
-def _torch() -> Any:
-    """The torch module, imported already since a tensor was given."""
-    return sys.modules["torch"]
+        # copy_ keeps the tensor's dtype and device (torch is imported: a tensor was given)
+        self.value.detach().copy_(sys.modules["torch"].from_numpy(values))
 
 
 def _is_tensor(value: Any) -> bool:
@@ -101,15 +80,14 @@ def _is_tensor(value: Any) -> bool:
 def new_tensor_like(reference: Any, values: npt.NDArray[Any]) -> Any:
     """``values`` as the kind of array ``reference`` is (a tensor on its device, or numpy)."""
     if _is_tensor(reference):
-        return _torch().from_numpy(np.ascontiguousarray(values)).to(reference.device)
+        return sys.modules["torch"].from_numpy(np.ascontiguousarray(values)).to(reference.device)
     return values
 
 
 @dataclass(frozen=True)
 class ShippedPart(Generic[S]):
-    """The rows of one trainer batch (``source``) that a ship shipped, in ship order: ``rows``
-    rollout indices of ``batch``, ``samples[i]`` the kept samples of ``rows[i]``, ``lags`` one
-    SPEC 11 lag array per kept sample (-1 where not sampled)."""
+    """The rows of one trainer batch (``source``) a ship shipped, in ship order: ``samples[i]`` the
+    kept samples of ``rows[i]``, ``lags`` one SPEC 11 lag array per kept sample."""
 
     source: S
     batch: RolloutBatch
@@ -139,8 +117,7 @@ class ShippedPart(Generic[S]):
 
 @dataclass(frozen=True)
 class ShipResult(Generic[S]):
-    """A :class:`~staleness_metrics.engine.shipment.Shipment` and its rows per trainer batch,
-    oldest call first."""
+    """A shipment and its rows per trainer batch, oldest call first."""
 
     shipment: Shipment
     parts: tuple[ShippedPart[S], ...]
@@ -163,18 +140,6 @@ class _Pending:
 _PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
 
 
-def _check_version(version: object, names: TrainerNames) -> int:
-    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
-        raise FieldTypeError(
-            "version",
-            f"expected an int (the policy version being trained: {names.trainer}'s "
-            f"{names.counter}), got {type(version).__name__}",
-        )
-    if version < 0:
-        raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
-    return int(version)
-
-
 def ship_rows(
     monitor: Any,
     batch: RolloutBatch,
@@ -184,8 +149,8 @@ def ship_rows(
     names: TrainerNames,
     write_back: Callable[[], None] | None = None,
 ) -> ShipResult[S]:
-    """Add ``batch`` (read from ``source``) to ``monitor`` and ship at step ``version + 1``;
-    ``write_back`` runs after a ship that shipped rows of ``batch``."""
+    """Add ``batch`` (read from ``source``) and ship at step ``version + 1``; ``write_back`` runs
+    after a ship that shipped rows of ``batch``."""
     return ship_row_batches(monitor, [(batch, source, write_back)], version=version, names=names)
 
 
@@ -196,9 +161,16 @@ def ship_row_batches(
     version: int,
     names: TrainerNames,
 ) -> ShipResult[S]:
-    """:func:`ship_rows` for a trainer batch held as several row batches (AReaL's ``list[dict]``):
-    each is added, then one ship takes them all."""
-    trained = _check_version(version, names)
+    """:func:`ship_rows` for a trainer batch of several row batches (AReaL's ``list[dict]``)."""
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+        raise FieldTypeError(
+            "version",
+            f"expected an int (the policy version being trained: {names.trainer}'s "
+            f"{names.counter}), got {type(version).__name__}",
+        )
+    if version < 0:
+        raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
+    trained = int(version)
     pending = _PENDING.setdefault(monitor, _Pending())
     for batch, source, write_back in batches:
         try:

@@ -1,11 +1,5 @@
-"""AReaL's padded rollout batches (``loss_mask``, per-token ``versions``) as a
-:class:`RolloutBatch` and back.
-
-One row is one rollout; ``attention_mask`` says which positions hold tokens (a padded ``versions``
-0 is no label), prompt positions are unlabelled (``-1``) and never sampled. :func:`ship` takes
-what ``prepare_batch`` returns (``list[dict]``, one ``[G, L_g]`` dict per prompt group) or one
-``concat_batch`` dict. Read from AReaL's source with no import of it (``docs/trainers/areal.md``).
-"""
+"""AReaL's padded rollout batches (``loss_mask``, per-token ``versions``) as a :class:`RolloutBatch`
+and back, one rollout per row, read with no import of AReaL (``docs/trainers/areal.md``)."""
 
 from __future__ import annotations
 
@@ -25,8 +19,6 @@ from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, shi
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
 
-__all__ = ["areal_loss_mask", "from_areal", "ship"]
-
 AReaLBatch = TypeVar("AReaLBatch", list[dict[str, Any]], dict[str, Any])
 
 
@@ -39,7 +31,8 @@ def from_areal(
     dispatch_version: Any = None,
 ) -> RolloutBatch:
     """One rollout per row of one padded AReaL dict (numpy arrays or CPU tensors; a contiguous
-    ``loss_mask`` is masked in place); ``ids`` name the rows (AReaL's carry no id)."""
+    ``loss_mask`` is masked in place); ``attention_mask`` says which positions hold tokens, and
+    ``ids`` name the rows (AReaL's carry no id)."""
     for key in ("loss_mask", "versions"):
         if key not in batch:
             raise MissingFieldError(key, f"missing from the AReaL batch (present: {sorted(batch)})")
@@ -60,9 +53,7 @@ def areal_loss_mask(shipment: Shipment, batch: RolloutBatch) -> npt.NDArray[np.g
     return padded_shipment(shipment, batch).mask
 
 
-# --------------------------------------------------------------------------- the one call (SPEC 15)
-
-NAMES = TrainerNames(
+_NAMES = TrainerNames(
     "AReaL",
     "global_step (its version during global step g is g), not the epoch step `step`",
     {
@@ -106,7 +97,7 @@ def _read_group(
     try:
         rollouts = from_areal({**arrays, "loss_mask": mask.array}, ids, group_ids=group_ids)
     except TraceError as error:
-        raise NAMES.trace_error(error, ids) from None
+        raise _NAMES.trace_error(error, ids) from None
     return rollouts, data, lambda: mask.write_back(rollouts.mask)
 
 
@@ -116,7 +107,6 @@ def _take_rows(value: Any, rows: npt.NDArray[np.int64], total: int) -> Any:
     if shape is not None and len(shape) >= 1 and int(shape[0]) == total:
         if isinstance(value, np.ndarray):
             return value[rows]
-        # a tensor: AReaL's own kind and device
         return value.index_select(0, new_tensor_like(value, rows))
     if isinstance(value, list) and len(value) == total:
         return [value[i] for i in rows.tolist()]
@@ -124,7 +114,6 @@ def _take_rows(value: Any, rows: npt.NDArray[np.int64], total: int) -> Any:
 
 
 def _rows_of(part: ShippedPart[dict[str, Any]]) -> dict[str, Any]:
-    """The part's dict with only its shipped rows, ``staleness_lag`` attached."""
     data = part.source
     if part.every_row:
         out = dict(data)
@@ -141,19 +130,17 @@ def ship(
     version: int,
     group_sizes: Sequence[int] | None = None,
 ) -> AReaLBatch:
-    """Ship an AReaL batch at ``version`` (``global_step``) in one ship and give back the batch
-    to train: the masking in AReaL's own ``loss_mask``, dropped rows left out (a ``list`` loses
-    the groups left empty, a dict is filtered in place), ``staleness_lag`` (int64 ``[G, L]``) in
-    every kept dict. ``group_sizes``: a ``concat_batch`` dict's ``traj_group_sizes`` (else each row
-    is its own group). ``xtuner`` with ``retry_expired`` is refused: AReaL re-rolls nothing.
-    """
+    """Ship an AReaL batch (``prepare_batch``'s ``list[dict]`` or a ``concat_batch`` dict, whose
+    ``traj_group_sizes`` are ``group_sizes``) at ``version`` (``global_step``); give back the batch
+    to train: the masking in its ``loss_mask``, dropped rows left out, ``staleness_lag`` (int64
+    ``[G, L]``) in every kept dict. ``xtuner`` with ``retry_expired`` is refused."""
     if monitor.config.policy == "xtuner" and monitor.config.retry_expired:
         # held rows would wait for ever for re-rollouts of their group
         raise ConfigError("retry_expired: AReaL does not re-roll expired rollouts; use retry_expired=False with AReaL")
     single = isinstance(batch, dict)
     given: list[Any] = [batch] if single else list(batch)
     parts = [_read_group(data, group_sizes if single else None) for data in given]
-    result = ship_row_batches(monitor, parts, version=version, names=NAMES)
+    result = ship_row_batches(monitor, parts, version=version, names=_NAMES)
     if not single:
         return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]
     assert isinstance(batch, dict)

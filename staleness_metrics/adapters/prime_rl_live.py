@@ -1,13 +1,5 @@
 """prime-rl's ``TrainingSample`` lists, live in its orchestrator, as a :class:`RolloutBatch` and
-back.
-
-A rollout (trace) is one SPEC 3 rollout, each of its ``TrainingSample`` s (``mask``,
-``logprobs``, the optional ``rl_weights`` / ``ce_weights`` / ``ref_kl_weights``) one sample; the
-dispatch version is the episode's ``policy.start``, the completion version ``policy.end``, no
-policy is ``frozen``. Samples carry no per-token version, so every sampled position takes
-``policy.start``. Read from prime-rl's ``transport/types.py`` and ``orchestrator/train_sink.py``
-with no import of them (``docs/trainers/prime-rl.md``).
-"""
+back, read with no import of prime-rl (``docs/trainers/prime-rl.md``)."""
 
 from __future__ import annotations
 
@@ -21,15 +13,6 @@ from ..engine.shipment import Shipment
 from ..errors import FieldError, MissingFieldError
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ._ship import TrainerNames, ship_rows
-
-__all__ = [
-    "PolicySpan",
-    "ShippedSamples",
-    "from_training_samples",
-    "policy_span",
-    "ship",
-    "shipped_samples",
-]
 
 PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start None = frozen
 
@@ -53,9 +36,10 @@ def from_training_samples(
     *,
     group_ids: Mapping[str, str] | None = None,
 ) -> RolloutBatch:
-    """The rollouts of ``samples`` (``TrainingSample`` objects or dicts): ``rollout_ids[i]`` is the
-    rollout of ``samples[i]`` (a rollout's samples adjacent, in branch order), ``policy`` maps each
-    rollout id to its ``(policy.start, policy.end)``."""
+    """The rollouts of ``samples`` (``TrainingSample`` objects or dicts), each sample one SPEC 3
+    sample: ``rollout_ids[i]`` is the rollout of ``samples[i]`` (a rollout's samples adjacent, in
+    branch order), ``policy`` maps each rollout id to its ``(policy.start, policy.end)``, the
+    dispatch and completion versions (no policy: ``frozen``)."""
     if len(rollout_ids) != len(samples):
         raise FieldError("rollout_ids", f"{len(rollout_ids)} ids for {len(samples)} samples")
     ids: list[str] = []
@@ -73,7 +57,7 @@ def from_training_samples(
     masks = [np.asarray(_get(s, "mask"), dtype=np.float32) for s in samples]
     lengths = np.array([len(m) for m in masks], dtype=np.int64)
     position_offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
-    arrays: dict[str, npt.NDArray[Any]] = {}
+    arrays: dict[str, Any] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in (*WEIGHT_FIELDS, "logprobs"):
         values = [_get(s, name) for s in samples]
@@ -102,11 +86,8 @@ def from_training_samples(
         frozen=frozen,
         group_ids=None if group_ids is None else [group_ids.get(rid) for rid in ids],
         envs=envs,
-        rl_weights=arrays.get("rl_weights"),
-        ce_weights=arrays.get("ce_weights"),
-        ref_kl_weights=arrays.get("ref_kl_weights"),
-        logprobs=arrays.get("logprobs"),
         present=present,
+        **arrays,
     )
 
 
@@ -124,7 +105,6 @@ def shipped_samples(shipment: Shipment, batch: RolloutBatch, samples: Sequence[A
 
 
 def _written_back(samples: Sequence[Any], batch: RolloutBatch, index: int) -> Any:
-    """Sample ``index`` of ``samples``, the masked ``mask`` and weights of ``batch`` written in."""
     lo, hi = int(batch.position_offsets[index]), int(batch.position_offsets[index + 1])
     sample = samples[index]
     _set(sample, "mask", (batch.mask[lo:hi] != 0).tolist())
@@ -179,22 +159,15 @@ def ship(
     group_ids: Mapping[str, str] | None = None,
 ) -> ShippedSamples:
     """SPEC 15's one call for prime-rl: add and ship a batch's samples at ``version``
-    (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out
-    (held ones come back, first, from the call that ships them). The other arguments as in
-    :func:`from_training_samples`.
-    """
+    (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out (the
+    other arguments: :func:`from_training_samples`)."""
     batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids)
     result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)
     out = ShippedSamples()
-    lags: list[npt.NDArray[np.int64]] = []
-    for part in result.parts:
-        source, batch_of = part.source, part.batch
-        lag_iter = iter(part.lags)
-        for row, kept in zip(part.rows.tolist(), part.samples):
-            first = int(batch_of.sample_offsets[row])
-            for local in kept:
-                out.append(_written_back(source, batch_of, first + local))
-                lags.append(next(lag_iter))
-    out.staleness_lag = lags
+    out.staleness_lag = [lag for part in result.parts for lag in part.lags]  # one per kept sample
     out.shipment = result.shipment
+    for part in result.parts:
+        for row, kept in zip(part.rows.tolist(), part.samples):
+            first = int(part.batch.sample_offsets[row])
+            out.extend(_written_back(part.source, part.batch, first + local) for local in kept)
     return out

@@ -1,16 +1,5 @@
-"""A prime-rl monitor that feeds a :class:`~staleness_metrics.StalenessMonitor`: the live numbers of
-a run, with one line in prime-rl's orchestrator (``docs/trainers/prime-rl.md``)::
-
-    monitors.MONITORS.append(PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=8))))
-
-prime-rl (PR #3444 on) hands every monitor what its file monitor writes. Episodes are read as
-the replay reads a recorded run (:mod:`staleness_metrics.replay.sources.prime_rl`), so the live
-numbers equal a replay of the same run: a train trace stale at its arrival step enters at once
-(``subset="all"``), the shipped cohort enters and ships at ``step`` (``subset="effective"``), and
-the trainer's ``trainer_logprobs`` updates (``log_annotations``) become SPEC 11's sums of their
-ship step. Eval episodes, metrics rows, live deltas and eval plans are ignored. The methods work
-at once and return an awaitable, so ``await monitor.log(...)`` and a synchronous call both work.
-"""
+"""A prime-rl monitor feeding a :class:`~staleness_metrics.StalenessMonitor`: a run's live numbers,
+equal to a replay of the same run (``docs/trainers/prime-rl.md``)."""
 
 from __future__ import annotations
 
@@ -35,10 +24,7 @@ from ..replay.sources.prime_rl.episodes import (
 )
 from ._ship import rollout_lags
 
-__all__ = ["PrimeRlMonitor", "episode_record"]
-
-# shipped traces kept for the trainer's updates: the steps the trainer may lag behind
-KEEP_STEPS = 16
+KEEP_STEPS = 16  # shipped traces kept for the trainer's updates: the steps it may lag behind
 
 
 class _Done:
@@ -83,8 +69,11 @@ class _Shipped:
 
 
 class PrimeRlMonitor:
-    """prime-rl's monitor interface over a :class:`StalenessMonitor` (see the module docs);
-    ``float_decimals``: prime-rl's ``monitors.file.float_decimals``, as a replay reads it."""
+    """prime-rl's monitor interface (PR #3444 on) over a :class:`StalenessMonitor`: a train trace
+    stale at its arrival step enters at once (``subset="all"``), the shipped cohort enters and ships
+    at ``step`` (``subset="effective"``), ``trainer_logprobs`` updates (``log_annotations``) become
+    SPEC 11's sums of their ship step; the rest is ignored. Each method works at once and returns
+    an awaitable. ``float_decimals``: prime-rl's ``monitors.file.float_decimals``."""
 
     run_id: str | None = None  # prime-rl asks every monitor for an external run id
 
@@ -96,7 +85,6 @@ class PrimeRlMonitor:
         self._shipped: dict[str, _Shipped] = {}
         self._recorded: set[int] = set()  # steps whose trainer sums were recorded
 
-    # ------------------------------------------------------------------ prime-rl's interface
     def _ignore(self, *args: Any, **kwargs: Any) -> _Done:
         return _DONE
 
@@ -123,19 +111,16 @@ class PrimeRlMonitor:
         steps: set[int] = set()
         for number, update in enumerate(updates):
             shipped = self._shipped.get(str(update.get("trace_id")))
-            branches = update.get("branches") or []
-            streams: list[tuple[int, list[Any]]] = []
-            for branch in branches if isinstance(branches, list) else []:
+            branches = update.get("branches")
+            if shipped is None or not isinstance(branches, list):
+                continue
+            for branch in branches:
                 index = branch.get("index") if isinstance(branch, Mapping) else None
                 values = branch.get("trainer_logprobs") if isinstance(branch, Mapping) else None
                 if isinstance(index, int) and isinstance(values, list):
-                    streams.append((index, values))
-            if shipped is None or not streams:
-                continue
-            for index, values in streams:
-                array = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
-                shipped.updates.setdefault(index, []).append(Stream(array, "live", number))
-            steps.add(shipped.step)
+                    array = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+                    shipped.updates.setdefault(index, []).append(Stream(array, "live", number))
+                    steps.add(shipped.step)
         for step in sorted(steps - self._recorded):
             self._record(step)
         return _DONE
@@ -144,7 +129,6 @@ class PrimeRlMonitor:
         self.monitor.close()
         return _DONE
 
-    # ------------------------------------------------------------------ the work
     def _traces(self, episodes: Iterable[Any]) -> Iterator[tuple[EpisodeHead, TraceHead]]:
         """Each trace of a train episode that did not error, with its episode's head."""
         for episode in episodes:

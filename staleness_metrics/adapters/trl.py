@@ -1,14 +1,5 @@
 """TRL's asynchronous GRPO (``trl.experimental.async_grpo``): its rollout samples, shipped as it
-trains them.
-
-A ``RolloutSample`` is one rollout with one sample: ``completion_mask`` the SPEC 3 mask,
-``model_version`` (the worker's policy version at dispatch) the dispatch version of every
-completion token, ``group_id`` its group. :func:`ship_at_train_time` ships each optimizer step in
-``training_step`` (accelerate pulls a micro-batch ahead, across the weight sync that ends a
-step) and voids what the ship leaves out in each packed micro-batch; :func:`ship` is the
-lower-level call on a list of samples. Read from TRL 1.16.0's source with no import of it
-(``docs/trainers/trl.md``).
-"""
+trains them, read with no import of TRL (1.16.0; ``docs/trainers/trl.md``)."""
 
 from __future__ import annotations
 
@@ -30,18 +21,10 @@ from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
 
-__all__ = [
-    "TrainTimeShipping",
-    "packed_staleness_lag",
-    "ship",
-    "ship_at_train_time",
-    "staleness_lag_of",
-]
-
 
 class _ByArray:
-    """Values kept by the identity of an array (unhashable, so no ``WeakKeyDictionary``): the
-    weak reference keeps a reused id from matching, and an entry leaves with its array."""
+    """Values kept by the identity of an array (unhashable, so no ``WeakKeyDictionary``); an entry
+    leaves with its array."""
 
     def __init__(self) -> None:
         self._found: dict[int, tuple[weakref.ref[Any], Any]] = {}
@@ -56,19 +39,16 @@ class _ByArray:
         self._found[key] = (weakref.ref(array, forget), value)
 
     def get(self, array: Any, *, pop: bool = False) -> Any:
-        """The value of ``array``; ``KeyError`` when it has none."""
         found = self._found.pop(id(array), None) if pop else self._found.get(id(array))
         if found is None or found[0]() is not array:
             raise KeyError(id(array))
         return found[1]
 
 
-# Lags of shipped samples, by their completion_mask (RolloutSample has __slots__ and
-# RolloutQueueDataset passes that very array on).
+# lags of shipped samples by completion_mask (the array RolloutQueueDataset passes on)
 _lags = _ByArray()
 
-
-NAMES = TrainerNames(
+_NAMES = TrainerNames(
     "TRL",
     "self.model_version (the weights about to be trained: 0 before the first weight sync, 1 after it)",
     {
@@ -86,8 +66,8 @@ def _numpy(value: Any) -> npt.NDArray[Any]:
 
 
 def _read(samples: Sequence[Any]) -> RolloutBatch:
-    """One rollout of one sample per ``RolloutSample``: its mask,
-    ``model_version`` and ``group_id``."""
+    """One rollout of one sample per ``RolloutSample``: ``completion_mask`` the mask,
+    ``model_version`` (the worker's policy version at dispatch) the dispatch version."""
     prefix = uuid.uuid4().hex[:12]
     ids = [f"trl-{prefix}/{k}" for k in range(len(samples))]
     masks, logprobs, versions, groups = [], [], [], []
@@ -136,27 +116,24 @@ def staleness_lag_of(completion_mask: Any) -> npt.NDArray[np.int64]:
 
 
 def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> list[Any]:
-    """Ship TRL ``RolloutSample`` s at ``version`` (the trainer's ``self.model_version``): the
-    shipped mask lands in each sample's own ``completion_mask``, and the same objects come back in
-    ship order, the dropped (or held) ones left out; their lags are kept for
-    :func:`staleness_lag_of`. In ``AsyncGRPOTrainer``, use :func:`ship_at_train_time`.
-    """
+    """Ship TRL ``RolloutSample`` s at ``version`` (``self.model_version``): the same objects come
+    back in ship order, masked in their ``completion_mask``, dropped and held ones left out
+    (lags: :func:`staleness_lag_of`). In ``AsyncGRPOTrainer``, use :func:`ship_at_train_time`."""
     return [sample for sample, _ in _shipped(monitor, samples, version)]
 
 
 def _shipped(
     monitor: StalenessMonitor, samples: Sequence[Any], version: int
 ) -> list[tuple[Any, npt.NDArray[np.int64]]]:
-    """:func:`ship`, each shipped sample with its lag."""
     batch = _read(samples)
-    result = ship_rows(monitor, batch, list(samples), version=version, names=NAMES)
+    result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)
     out: list[tuple[Any, npt.NDArray[np.int64]]] = []
     for part in result.parts:
         offsets = part.batch.position_offsets
         for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row
             sample = part.source[row]
             shipped_mask = part.batch.mask[int(offsets[row]) : int(offsets[row + 1])]
-            TrainerArray(sample.completion_mask).write_back(shipped_mask)  # its own object and dtype
+            TrainerArray(sample.completion_mask).write_back(shipped_mask)
             _lags.put(sample.completion_mask, lag)
             out.append((sample, lag))
     return out
@@ -266,8 +243,7 @@ class TrainTimeShipping:
         self._pulled = _ByArray()  # model_version by completion_mask
         self._ids = itertools.count()
         self._collated: dict[int, _MicroBatch] = {}  # by micro-batch id, until its step ships
-        # micro-batch id -> the ids of its optimizer step
-        self._step_of: dict[int, tuple[int, ...]] = {}
+        self._step_of: dict[int, tuple[int, ...]] = {}  # micro-batch id -> its step's ids
         self._decided: dict[int, npt.NDArray[np.int64]] = {}  # micro-batch id -> _MicroBatch.decide
         if getattr(trainer, "rollout_queue", None) is not None:  # rank 0 only
             trainer.rollout_queue = _RecordingQueue(trainer.rollout_queue, self._pulled)
@@ -354,7 +330,6 @@ class TrainTimeShipping:
         else:
             codes = np.zeros((processes, int(index.shape[1]) + 1), dtype=np.int64)
         if processes > 1:  # rank 0 shipped: every rank takes its row of rank 0's decision
-            # imported by the trainer already
             broadcast = importlib.import_module("accelerate.utils").broadcast
             codes = broadcast(new_tensor_like(index, codes), from_process=0).cpu().numpy()
         local = int(index.shape[0])
@@ -410,16 +385,7 @@ def _apply(inputs: dict[str, Any], codes: npt.NDArray[np.int64], kept_terms: int
 
 def ship_at_train_time(trainer: Any, monitor: StalenessMonitor) -> TrainTimeShipping:
     """Make TRL's ``AsyncGRPOTrainer`` ship every optimizer step at ``trainer.model_version`` just
-    before it trains the step, and train only what the ship keeps. Call it once the trainer is
-    built, before ``trainer.train()``.
-
-    It wraps the trainer's ``rollout_queue`` (to note each sample's ``model_version``), the
-    collator ``get_train_dataloader`` builds (a ``staleness_microbatch`` id and ``staleness_lag``
-    per micro-batch), ``get_batch_samples`` (a step's micro-batches ship together) and
-    ``training_step``: rank 0 ships the step and broadcasts the decision; in each micro-batch's
-    own tensors the terms of dropped samples and masked positions leave ``token_index`` with
-    ``advantages`` 0, ``shift_labels`` and ``global_n_tokens`` follow, and ``staleness_lag`` holds
-    each kept term's lag. What this cannot change (a packed row keeps its tokens): see
-    ``docs/trainers/trl.md``.
-    """
+    before it trains the step, and train only what the ship keeps (each micro-batch's
+    ``staleness_lag`` holds each kept term's lag). Call it once the trainer is built, before
+    ``trainer.train()``; what it wraps and what it cannot change: ``docs/trainers/trl.md``."""
     return TrainTimeShipping(trainer, monitor)

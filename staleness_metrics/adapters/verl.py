@@ -1,13 +1,9 @@
-"""verl's fully async batches (``DataProto``) as a :class:`RolloutBatch` and back.
-
-One row is one rollout: ``dispatch_version`` = ``non_tensor_batch["param_version_start"]`` (else
-``min_global_steps``), ``completion_version`` = ``..._end`` (``max_global_steps``), the SPEC 3 mask
-= ``response_mask``, ``uid`` the group. Read from verl's source with no import of it (the fields
-and where they come from: ``docs/trainers/verl.md``).
-"""
+"""verl's fully async batches (``DataProto``) as a :class:`RolloutBatch` and back, one rollout per
+row, read with no import of verl (the fields and their sources: ``docs/trainers/verl.md``)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,8 +16,6 @@ from ..records.columnar import RolloutBatch
 from ..records.padded import from_padded
 from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
-__all__ = ["from_verl", "ship", "verl_response_mask", "verl_row_ids"]
-
 _VERSION_FIELDS = (
     ("param_version_start", "param_version_end"),
     ("min_global_steps", "max_global_steps"),
@@ -29,8 +23,6 @@ _VERSION_FIELDS = (
 
 
 def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.NDArray[np.int64]:
-    """A per-trajectory version field as int64; a ``None`` (a rollout server that never got
-    ``set_global_steps``) is a ``TraceError`` naming the row."""
     values = extras[name]
     if len(values) != len(ids):
         raise FieldError(f"non_tensor_batch[{name!r}]", f"verl batch: {len(values)} rows for {len(ids)} ids")
@@ -47,12 +39,11 @@ def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.N
 
 def verl_row_ids(uids: Sequence[Any]) -> list[str]:
     """Row ids ``"<uid>/<k>"``: the k-th trajectory of prompt group ``uid`` in this batch."""
-    seen: dict[str, int] = {}
+    seen: Counter[str] = Counter()
     out: list[str] = []
-    for uid in uids:
-        key = str(uid)
-        out.append(f"{key}/{seen.get(key, 0)}")
-        seen[key] = seen.get(key, 0) + 1
+    for key in map(str, uids):
+        out.append(f"{key}/{seen[key]}")
+        seen[key] += 1
     return out
 
 
@@ -63,8 +54,11 @@ def from_verl(
     token_versions: Any = None,
     env_key: str = "data_source",
 ) -> RolloutBatch:
-    """One rollout per trajectory of a ``DataProto`` (or a ``(tensors, non_tensors)`` pair);
-    ``ids`` default to :func:`verl_row_ids` of ``uid``, ``env_key`` names the env field."""
+    """One rollout per trajectory of a ``DataProto`` (or a ``(tensors, non_tensors)`` pair):
+    ``dispatch_version`` from ``non_tensor_batch["param_version_start"]`` (else
+    ``min_global_steps``), ``completion_version`` from ``..._end`` (``max_global_steps``), the mask
+    from ``response_mask``, the group from ``uid``; ``ids`` default to :func:`verl_row_ids` of
+    ``uid``, ``env_key`` names the env field."""
     tensors, extras = data if isinstance(data, tuple) else (data.batch, data.non_tensor_batch)
     if "response_mask" in tensors:
         mask = np.asarray(tensors["response_mask"])
@@ -140,13 +134,9 @@ def ship(
     env_key: str = "data_source",
 ) -> Any:
     """SPEC 15's one call for verl: add and ship the ``DataProto`` at ``version``
-    (``self.current_param_version``), and return the ``DataProto`` to train on.
-
-    It holds the shipped rows, oldest call first (``data`` itself when every row shipped, else
-    verl's ``select_idxs`` / ``DataProto.concat``, per-row ``meta_info`` recomputed), the masking
-    in ``data``'s own ``response_mask`` and ``batch["staleness_lag"]`` (int64 ``[B, Lr]``).
-    ``ids`` and ``token_versions`` as in :func:`from_verl`.
-    """
+    (``self.current_param_version``), and return the ``DataProto`` to train on: the shipped rows,
+    oldest call first (``data`` itself when every row shipped), the masking in ``data``'s own
+    ``response_mask`` and ``batch["staleness_lag"]`` (int64 ``[B, Lr]``)."""
     tensors, extras = data.batch, data.non_tensor_batch
     present = tensors.keys()  # a TensorDict refuses `in` on itself
     views = {name: TrainerArray(tensors[name]) for name in _READ if name in present}

@@ -12,8 +12,14 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..records.columnar import LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, PER_ROLLOUT_ARRAYS, RolloutBatch
-from ..records.padded_rows import PaddedLayout
+from ..records.columnar import (
+    LABELS_SPANS,
+    LABELS_TOKENS,
+    PER_POSITION_FLOATS,
+    PER_ROLLOUT_ARRAYS,
+    PaddedLayout,
+    RolloutBatch,
+)
 from ..state_checks import (
     boolean,
     decode_array,

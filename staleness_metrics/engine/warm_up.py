@@ -6,7 +6,7 @@ import numpy as np
 
 from ..metrics.compute import PopulationColumns, WindowCounts, population_summary
 from ..metrics.mismatch import mismatch_runs
-from ..records.plain_values import BatchRows, PositionCopies, plain_values
+from ..records.validation import BatchRows, PositionCopies, plain_values
 from .cuts import CutFlags, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows
 from .masking import zero_spans

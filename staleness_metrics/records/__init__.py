@@ -1,7 +1,5 @@
 """Records: SPEC 3 rollouts as they arrive (dicts, JSON lines, padded ``[B, L]`` tensors), checked
-and turned into the columnar :class:`~staleness_metrics.records.columnar.RolloutBatch` the engine
-reads. Nothing is imported here: a module costs only what it imports itself.
-"""
+and turned into the columnar :class:`~staleness_metrics.records.columnar.RolloutBatch`."""
 
 from __future__ import annotations
 

@@ -1,20 +1,20 @@
 """The columnar form of rollouts: flat per-position arrays with sample and rollout offsets, built
-around a caller's arrays without a copy (the sink masks them in place) or packed from records by
-:mod:`staleness_metrics.records.model`."""
+around a caller's arrays without a copy (the sink masks them in place), packed from records by
+:mod:`.model` or read from padded ``[B, L]`` rows (:meth:`RolloutBatch.from_padded`)."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import numpy as np
 import numpy.typing as npt
 
-from .padded_rows import PaddedLayout, padded_columns
+from ..errors import FieldError, TraceError
 
-__all__ = ["PER_POSITION_FLOATS", "PER_ROLLOUT_ARRAYS", "WEIGHT_FIELDS", "RolloutBatch"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]
@@ -25,8 +25,7 @@ PER_POSITION_FLOATS = (*WEIGHT_FIELDS, "logprobs", "trainer_logprobs")
 # The optional arrays of one value per rollout.
 PER_ROLLOUT_ARRAYS = ("dispatch_version", "completion_version", "frozen", "agentic", "group_ids", "envs", "echo")
 
-# How a sample labelled its positions (kept so output mirrors input).
-LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2
+LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2  # how a sample labelled its positions
 
 
 def _as_int64(values: Any) -> IntArray:
@@ -37,22 +36,15 @@ def _as_int64(values: Any) -> IntArray:
 class RolloutBatch:
     """Rollouts in columnar form.
 
-    Rollout level (R entries): ``ids``, ``dispatch_version`` (-1 where a frozen rollout has none),
-    ``completion_version`` (-1 = default: newest sampled version), ``frozen``, ``agentic``,
-    ``group_ids``, ``envs``, and ``sample_offsets`` (R + 1) into the samples.
-
-    Sample level (S entries): ``position_offsets`` (S + 1) into the flat position arrays.
-
-    Position level (P entries): ``mask`` (1 = sampled by the policy, 0 = not), the optional weight
-    arrays, ``logprobs`` and ``trainer_logprobs`` (NaN = missing), and ``token_versions`` (-1 =
-    unlabelled). Alternatively (or for other samples) version spans: ``span_offsets`` (S + 1) into
-    ``span_versions`` / ``span_starts``, whose starts are positions relative to their sample.
-    ``label_kind`` says per sample which of the two it uses (0 none, 1 spans, 2 token_versions); it
-    defaults from what is given.
-
-    ``present`` (per weight field and log-probability array, per sample) says whether a sample
-    carried that array; a missing ``rl_weights`` counts as 1.0 on the mask, missing ce / ref-KL
-    weights as 0. Arrays are masked in place: pass copies if the originals must stay untouched.
+    Per rollout: ``ids``, ``dispatch_version`` (-1 where a frozen rollout has none),
+    ``completion_version`` (-1: the newest sampled version), ``frozen``, ``agentic``, ``group_ids``,
+    ``envs``; ``sample_offsets`` (R + 1) into the samples, ``position_offsets`` (S + 1) into the
+    flat positions: ``mask`` (1 = sampled by the policy), the optional weights, ``logprobs`` and
+    ``trainer_logprobs`` (NaN = missing), ``token_versions`` (-1 = unlabelled). Or version spans:
+    ``span_offsets`` (S + 1) into ``span_versions`` / ``span_starts`` (relative to their sample).
+    ``label_kind`` says per sample which (0 none, 1 spans, 2 token_versions; by default from what
+    is given); ``present`` whether a sample carried each float array (a missing ``rl_weights``
+    counts as 1.0, missing ce / ref-KL weights as 0). Arrays are masked in place.
     """
 
     ids: Sequence[str]
@@ -69,37 +61,29 @@ class RolloutBatch:
     ce_weights: FloatArray | None = None
     ref_kl_weights: FloatArray | None = None
     logprobs: FloatArray | None = None
-    # NaN where missing (SPEC 11: uncovered, not an error)
-    trainer_logprobs: FloatArray | None = None
+    trainer_logprobs: FloatArray | None = None  # NaN where missing (SPEC 11: not an error)
     token_versions: IntArray | None = None
     span_offsets: IntArray | None = None
     span_versions: IntArray | None = None
     span_starts: IntArray | None = None
     label_kind: npt.NDArray[np.int8] | None = None
     present: dict[str, BoolArray] = field(default_factory=dict)
-    # record fields echoed in shipped output (records only); None: built from the columns
-    echo: list[dict[str, Any]] | None = None
-    # from_padded's [B, L] rows (engine.shipment.padded_shipment reads it)
-    padded: PaddedLayout | None = field(default=None, repr=False)
+    echo: list[dict[str, Any]] | None = None  # records' fields for shipped output (else columns)
+    padded: PaddedLayout | None = field(default=None, repr=False)  # from_padded's [B, L] rows
 
     def __post_init__(self) -> None:
-        n_rollouts = len(self.ids)
+        n_rollouts, n_samples = len(self.ids), len(self.position_offsets) - 1
         self.sample_offsets = _as_int64(self.sample_offsets)
         self.position_offsets = _as_int64(self.position_offsets)
         self.dispatch_version = _as_int64(self.dispatch_version)
-        n_samples = len(self.position_offsets) - 1
         if self.completion_version is None:
             self.completion_version = np.full(n_rollouts, -1, dtype=np.int64)
         else:
             self.completion_version = _as_int64(self.completion_version)
-        if self.frozen is None:
-            self.frozen = np.zeros(n_rollouts, dtype=bool)
-        if self.agentic is None:
-            self.agentic = np.zeros(n_rollouts, dtype=bool)
-        if self.group_ids is None:
-            self.group_ids = [None] * n_rollouts
-        if self.envs is None:
-            self.envs = [None] * n_rollouts
+        self.frozen = np.zeros(n_rollouts, dtype=bool) if self.frozen is None else self.frozen
+        self.agentic = np.zeros(n_rollouts, dtype=bool) if self.agentic is None else self.agentic
+        self.group_ids = [None] * n_rollouts if self.group_ids is None else self.group_ids
+        self.envs = [None] * n_rollouts if self.envs is None else self.envs
         if self.token_versions is not None:
             self.token_versions = _as_int64(self.token_versions)
         if self.span_offsets is not None:
@@ -118,35 +102,24 @@ class RolloutBatch:
                 self.present[name] = np.ones(n_samples, dtype=bool)
 
     @classmethod
-    def from_padded(cls, ids: Sequence[str], mask: Any, **columns: Any) -> RolloutBatch:
-        """One rollout per row of ``[B, L]`` arrays (:func:`.padded.from_padded`)."""
-        return cls(**padded_columns(ids, mask, **columns))
+    def from_padded(cls, ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumns]) -> RolloutBatch:
+        """One rollout of one sample per row of ``[B, L]`` arrays (numpy or any array-like).
 
-    def rollouts_in(self, start: int, stop: int) -> RolloutBatch:
-        """Rollouts ``start`` to ``stop - 1`` as views of this batch's arrays (offsets from 0;
-        ``padded`` is None)."""
-        s0, s1 = int(self.sample_offsets[start]), int(self.sample_offsets[stop])
-        p0, p1 = int(self.position_offsets[s0]), int(self.position_offsets[s1])
-        part = copy.copy(self)  # (checked and converted already: no __post_init__ again)
-        part.ids = self.ids[start:stop]
-        part.sample_offsets = self.sample_offsets[start : stop + 1] - s0
-        part.position_offsets = self.position_offsets[s0 : s1 + 1] - p0
-        for name in PER_ROLLOUT_ARRAYS:
-            if (values := getattr(self, name)) is not None:
-                setattr(part, name, values[start:stop])
-        for name in (*PER_POSITION_FLOATS, "mask", "token_versions"):
-            if (values := getattr(self, name)) is not None:
-                setattr(part, name, values[p0:p1])
-        if self.label_kind is not None:
-            part.label_kind = self.label_kind[s0:s1]
-        if self.span_offsets is not None and self.span_versions is not None and self.span_starts is not None:
-            t0, t1 = int(self.span_offsets[s0]), int(self.span_offsets[s1])
-            part.span_offsets = self.span_offsets[s0 : s1 + 1] - t0
-            part.span_versions = self.span_versions[t0:t1]
-            part.span_starts = self.span_starts[t0:t1]
-        part.present = {name: flags[s0:s1] for name, flags in self.present.items()}
-        part.padded = None
-        return part
+        - ``mask``: the loss / response mask, 1 (or True) on positions sampled by the policy.
+        - ``token_versions`` ``[B, L]`` (any negative: unlabelled), or ``dispatch_version`` ``[B]``
+          (by default the oldest label of the row's valid positions; a live row with neither
+          raises ``TraceError``).
+        - ``lengths`` ``[B]`` with ``padding_side`` (``"right"`` or ``"left"``), or
+          ``attention_mask`` ``[B, L]``: which positions hold tokens (by default all). Labels on
+          padding are ignored; a padding position with mask 1 (or a ce / ref-KL weight) raises
+          ``TraceError``.
+        - ``rl_weights``, ``ce_weights``, ``ref_kl_weights``, ``logprobs``, ``trainer_logprobs``
+          ``[B, L]``; ``completion_version``, ``group_ids``, ``envs``, ``frozen``, ``agentic`` per row.
+
+        C-contiguous mask and weight arrays are masked in place by the sink;
+        :func:`~staleness_metrics.engine.shipment.padded_shipment` reads them back either way.
+        """
+        return cls(**padded_columns(ids, mask, **columns))
 
     @property
     def n_rollouts(self) -> int:
@@ -159,3 +132,179 @@ class RolloutBatch:
     @property
     def n_positions(self) -> int:
         return len(self.mask)
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """How a batch built by :meth:`RolloutBatch.from_padded` maps back to its ``[B, L]`` rows."""
+
+    rows: int
+    width: int
+
+
+class PaddedColumns(TypedDict, total=False):
+    """The keyword arguments of :meth:`RolloutBatch.from_padded` (each optional)."""
+
+    dispatch_version: Any
+    token_versions: Any
+    completion_version: Any
+    lengths: Any
+    attention_mask: Any
+    padding_side: Literal["right", "left"]
+    rl_weights: Any
+    ce_weights: Any
+    ref_kl_weights: Any
+    logprobs: Any
+    trainer_logprobs: Any
+    group_ids: Sequence[str | None] | None
+    envs: Sequence[str | None] | None
+    frozen: Any
+    agentic: Any
+
+
+def _matrix(name: str, values: Any, shape: tuple[int, int] | None) -> npt.NDArray[Any]:
+    array = np.asarray(values)
+    if array.ndim != 2:
+        raise FieldError(name, f"expected a [B, L] array, got shape {array.shape}")
+    if shape is not None and array.shape != shape:
+        raise FieldError(name, f"shape {array.shape} differs from the mask's {shape}")
+    return array
+
+
+def _row_vector(name: str, values: Any, rows: int, dtype: Any = None) -> npt.NDArray[Any]:
+    array = np.asarray(values)
+    if array.shape != (rows,):
+        raise FieldError(name, f"expected {rows} values (one per row), got shape {array.shape}")
+    return array if dtype is None else array.astype(dtype)
+
+
+def _per_row(name: str, values: Any, rows: int, dtype: Any = None) -> npt.NDArray[Any] | None:
+    return None if values is None else _row_vector(name, values, rows, dtype)
+
+
+def _row_list(name: str, values: Sequence[Any] | None, rows: int) -> list[Any] | None:
+    if values is None:
+        return None
+    out = list(values)
+    if len(out) != rows:
+        raise FieldError(name, f"expected {rows} values (one per row), got {len(out)}")
+    return out
+
+
+def _valid(shape: tuple[int, int], columns: dict[str, Any]) -> BoolArray | None:
+    """``[B, L]``: which positions hold tokens; None when every position holds one."""
+    rows, width = shape
+    lengths, attention_mask = columns.get("lengths"), columns.get("attention_mask")
+    if lengths is not None and attention_mask is not None:
+        raise FieldError("lengths", "give either lengths or attention_mask, not both")
+    if attention_mask is not None:
+        return _matrix("attention_mask", attention_mask, shape) != 0  # type: ignore[no-any-return]
+    if lengths is None:
+        return None
+    length = _row_vector("lengths", lengths, rows, np.int64)
+    if ((length < 0) | (length > width)).any():
+        raise FieldError("lengths", f"every length must lie in 0..{width}")
+    side = columns.get("padding_side", "right")
+    if side == "right":
+        return np.arange(width)[None, :] < length[:, None]  # type: ignore[no-any-return]
+    if side == "left":
+        return np.arange(width)[None, :] >= (width - length)[:, None]  # type: ignore[no-any-return]
+    raise FieldError("padding_side", f"expected 'right' or 'left', got {side!r}")
+
+
+def _label_spans(labels: npt.NDArray[Any], valid: BoolArray | None) -> tuple[IntArray, IntArray, IntArray]:
+    """Per-position labels as version spans (offsets, versions, starts): one span wherever the
+    label or the validity changes, -1 for unlabelled (any negative) and padding."""
+    if labels.dtype.kind not in "iu":
+        raise FieldError("token_versions", f"expected integers, got {labels.dtype}")
+    rows, width = labels.shape
+    if width == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return np.zeros(rows + 1, dtype=np.int64), empty, empty
+    keys = np.arange(rows, dtype=np.int64) * width
+    if width > 1:
+        change = labels[:, 1:] != labels[:, :-1]
+        if valid is not None:
+            change |= valid[:, 1:] != valid[:, :-1]
+        at = np.flatnonzero(change)
+        keys = np.sort(np.concatenate((keys, (at // (width - 1)) * width + at % (width - 1) + 1)))
+    row, column = keys // width, keys % width
+    versions = np.maximum(labels[row, column].astype(np.int64), -1)
+    if valid is not None:
+        versions = np.where(valid[row, column], versions, -1)
+    offsets = np.concatenate(([0], np.cumsum(np.bincount(row, minlength=rows)))).astype(np.int64)
+    return offsets, versions, column
+
+
+def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumns]) -> dict[str, Any]:
+    """The constructor's arguments for :meth:`RolloutBatch.from_padded`: the flat arrays are the
+    ``[B, L]`` arrays reshaped (views when C-contiguous); per-token versions become spans."""
+    unknown = sorted(set(columns) - PaddedColumns.__optional_keys__)
+    if unknown:
+        raise TypeError(f"padded_columns() got an unexpected keyword argument {unknown[0]!r}")
+    mask_2d = _matrix("mask", mask, None)
+    shape: tuple[int, int] = (int(mask_2d.shape[0]), int(mask_2d.shape[1]))
+    rows, width = shape
+    id_list = _row_list("ids", ids, rows)
+    assert id_list is not None
+    given: dict[str, Any] = dict(columns)
+    valid = _valid(shape, given)
+    arrays = {n: _matrix(n, given[n], shape) for n in PER_POSITION_FLOATS if given.get(n) is not None}
+    if valid is not None:
+        for name in ("mask", *(n for n in ("ce_weights", "ref_kl_weights") if n in arrays)):
+            bad = np.flatnonzero(((~valid) & (arrays.get(name, mask_2d) != 0)).any(axis=1))
+            if len(bad):
+                reason = "nonzero on a padding position"
+                raise TraceError(id_list[int(bad[0])], f"samples[0].{name}", reason)
+    frozen = _per_row("frozen", given.get("frozen"), rows, bool)
+    frozen_rows = np.zeros(rows, dtype=bool) if frozen is None else frozen
+    tokens = given.get("token_versions")
+    labels = None if tokens is None else _matrix("token_versions", tokens, shape)
+    spans = None if labels is None else _label_spans(labels, valid)
+    offsets = np.arange(rows + 1, dtype=np.int64)
+    return dict(
+        ids=id_list,
+        sample_offsets=offsets,
+        position_offsets=offsets * width,
+        mask=mask_2d.reshape(-1),
+        dispatch_version=_dispatch(given.get("dispatch_version"), spans, frozen_rows, id_list),
+        completion_version=_per_row("completion_version", given.get("completion_version"), rows),
+        frozen=frozen_rows,
+        agentic=_per_row("agentic", given.get("agentic"), rows, bool),
+        group_ids=_row_list("group_ids", given.get("group_ids"), rows),
+        envs=_row_list("envs", given.get("envs"), rows),
+        span_offsets=None if spans is None else spans[0],
+        span_versions=None if spans is None else spans[1],
+        span_starts=None if spans is None else spans[2],
+        **{n: arrays[n].reshape(-1) if n in arrays else None for n in PER_POSITION_FLOATS},
+        padded=PaddedLayout(rows, width),
+    )
+
+
+def _dispatch(
+    given: Any, spans: tuple[IntArray, IntArray, IntArray] | None, frozen: BoolArray, ids: list[str]
+) -> IntArray:
+    """Per row the dispatch version given, else the oldest label of its valid positions (-1 for a
+    frozen row with neither; a live one raises ``TraceError``)."""
+    rows = len(frozen)
+    if given is not None:
+        return _row_vector("dispatch_version", given, rows, np.int64)
+    if spans is None:
+        if not frozen.all():
+            row = int(np.flatnonzero(~frozen)[0])
+            reason = "required: give dispatch_version or token_versions"
+            raise TraceError(ids[row], "dispatch_version", reason)
+        return np.full(rows, -1, dtype=np.int64)
+    span_offsets, span_versions, _ = spans
+    big = np.iinfo(np.int64).max
+    oldest = np.full(rows, big, dtype=np.int64)
+    has = np.diff(span_offsets) > 0
+    if len(span_versions):
+        labelled = np.where(span_versions >= 0, span_versions, big)
+        oldest[has] = np.minimum.reduceat(labelled, span_offsets[:-1][has])
+    missing = (oldest == big) & ~frozen
+    if missing.any():
+        row = int(np.flatnonzero(missing)[0])
+        reason = "no version label on the row and no dispatch_version given"
+        raise TraceError(ids[row], "dispatch_version", reason)
+    return np.where(oldest == big, -1, oldest)

@@ -1,8 +1,5 @@
-"""JSON in and out of the replay paths, through orjson (docs/decisions.md says why).
-
-A line orjson refuses or might read differently (``NaN`` literals, integers beyond 64 bits, lone
-surrogates) is decoded by the standard library: what a line means never depends on the decoder.
-"""
+"""JSON in and out of the replay paths, through orjson; a line orjson refuses or might read
+differently (``NaN``, integers beyond 64 bits, lone surrogates) is read by the standard library."""
 
 from __future__ import annotations
 
@@ -13,16 +10,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 import orjson
-
-__all__ = [
-    "DecodeError",
-    "dumps",
-    "dumps_line",
-    "has_long_integer",
-    "loads",
-    "loads_checked",
-    "zero_one_floats",
-]
 
 DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
@@ -45,11 +32,8 @@ def loads(text: str | bytes) -> Any:
 
 
 def loads_checked(text: str | bytes) -> tuple[Any, bool]:
-    """:func:`loads`, and whether every string decoded is known to be valid Unicode (orjson read
-    it); else its strings may hold lone surrogates (an escape, or invalid UTF-8 bytes) for the
-    caller to look for. Bytes are decoded as UTF-8; nesting too deep raises
-    :class:`json.JSONDecodeError` too.
-    """
+    """:func:`loads`, and whether every string decoded is known to be valid Unicode (else the caller
+    looks for lone surrogates)."""
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
@@ -81,33 +65,30 @@ def _default(value: object) -> object:
 
 
 def dumps(value: Any) -> bytes:
-    """Encode ``value`` (numpy arrays and scalars included) as compact UTF-8 JSON; callers pass
-    finite numbers (orjson writes NaN as ``null``), float32 arrays widened to float64."""
+    """``value`` (numpy arrays and scalars included) as compact UTF-8 JSON; callers pass finite
+    numbers (orjson writes NaN as ``null``), float32 arrays widened to float64."""
     return orjson.dumps(value, default=_default, option=_OPTIONS)
 
 
 def dumps_line(value: Any) -> bytes:
-    """:func:`dumps` with a newline after it, written by the encoder (no copy of the line)."""
+    """:func:`dumps` with a newline after it."""
     return orjson.dumps(value, default=_default, option=_OPTIONS | orjson.OPT_APPEND_NEWLINE)
 
 
 _ONE_BITS = np.float64(1.0).view(np.uint64)
-# what orjson writes for 0.0 and 1.0, a comma after
-_ZERO_ONE_TEXT = np.frombuffer(b"0.0,1.0,", dtype=np.uint32)
+_ZERO_ONE_TEXT = np.frombuffer(b"0.0,1.0,", dtype=np.uint32)  # orjson's 0.0 and 1.0, a comma after
 _EMPTY_LIST = orjson.Fragment(b"[]")
 
 
 def zero_one_floats(arrays: Sequence[npt.NDArray[np.float64]]) -> list[orjson.Fragment] | None:
-    """The JSON orjson writes for each float64 array, by one table look-up (every value is four
-    bytes with its comma), when every value is 0.0 or 1.0 (loss weights usually are); else None."""
+    """The JSON orjson writes for each float64 array, by one table look-up, when every value is 0.0
+    or 1.0 (loss weights usually are); else None."""
     if not arrays:
         return []
     bits = np.concatenate(arrays).view(np.uint64)  # -0.0 (written "-0.0") is neither bit pattern
     ones = bits == _ONE_BITS
-    # (no array the size of bits)
     if np.count_nonzero(ones) + np.count_nonzero(bits == 0) != bits.size:
         return None
-    # each array's text copied once, below
     text = memoryview(_ZERO_ONE_TEXT[ones.view(np.uint8)]).cast("B")
     out, start = [], 0
     for array in arrays:

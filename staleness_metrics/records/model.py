@@ -1,15 +1,11 @@
-"""Rollout records (SPEC 3) as dicts / JSON: type checks and packing into a :class:`RolloutBatch`.
-
-Only what JSON can get wrong (types, shapes, required fields) is checked here; the value rules are
-checked once, on the columnar form, by :mod:`staleness_metrics.records.validation`.
-"""
+"""Rollout records (SPEC 3) as dicts / JSON: type checks (what JSON can get wrong) and packing into
+a :class:`RolloutBatch`; the value rules are checked on the columnar form by :mod:`.validation`."""
 
 from __future__ import annotations
 
 import array as _array_module
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from functools import partial
 from itertools import accumulate, chain
 from typing import Any
 
@@ -21,19 +17,9 @@ from ..errors import TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, WEIGHT_FIELDS, RolloutBatch
 from .validation import INT64_MAX, INT64_MIN, check_text, printable_id, span_fault
 
-__all__ = [
-    "COMPACT_MASK_MIN_POSITIONS",
-    "ParsedRollout",
-    "Rollout",
-    "Sample",
-    "UnparsedRollout",
-    "pack",
-    "parse_rollout",
-]
-
 
 def _plain(values: Any) -> Any:
-    """Lists of Python scalars from sequences or numpy arrays (the record form is JSON-like)."""
+    """Lists of Python scalars from sequences or numpy arrays."""
     if values is None:
         return None
     if isinstance(values, np.ndarray):
@@ -95,10 +81,8 @@ _ROLLOUT_FIELDS = frozenset(f.name for f in fields(Rollout))
 @dataclass
 class ParsedSample:
     mask: npt.NDArray[np.int8]
-    # shape (k, 2): version, start (int32 or int64)
-    spans: npt.NDArray[np.signedinteger[Any]] | None = None
-    # int64, or as parsed (int8/16/32)
-    token_versions: npt.NDArray[np.signedinteger[Any]] | None = None
+    spans: npt.NDArray[np.signedinteger[Any]] | None = None  # (k, 2): version, start
+    token_versions: npt.NDArray[np.signedinteger[Any]] | None = None  # int64, or as parsed
     weights: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
     logprobs: npt.NDArray[np.float64] | None = None
     trainer_logprobs: npt.NDArray[np.float64] | None = None  # NaN where missing
@@ -133,7 +117,6 @@ COMPACT_MASK_MIN_POSITIONS = 1 << 20  # a packed batch of this many positions ke
 
 
 def versions_beyond(values: npt.NDArray[Any]) -> bool:
-    """Whether some version is beyond ±:data:`MAX_VERSION`."""
     if not values.size:
         return False
     return int(values.max()) > MAX_VERSION or int(values.min()) < -MAX_VERSION
@@ -154,8 +137,8 @@ def _is_int(value: object) -> bool:
 
 
 def _array(rid: str, name: str, value: object, kinds: str, expected: str, booleans: bool = True) -> npt.NDArray[Any]:
-    """A JSON list as a 1-d array whose dtype kind is one of ``kinds``; no element is coerced
-    (``booleans=False``: the JSON text has no boolean to look for)."""
+    """A JSON list as a 1-d array of a dtype kind in ``kinds``, no element coerced (``booleans``
+    False: the JSON text has no boolean to look for)."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds.replace("b", ""):
         return value  # already exact (the service turns long lists into arrays as it reads them)
     if not isinstance(value, list):
@@ -183,28 +166,26 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
 
 
 def _within_int64(array: npt.NDArray[Any]) -> bool:
-    """Whether a uint64, object or float array's values are within signed 64 bits (False for NaN
-    and objects: the caller then looks at the items)."""
+    """False for NaN and objects too: the caller then looks at the items."""
     if array.dtype.kind == "O":
         return False
-    bound = float(2**63)
-    return bool(array.max() < bound and array.min() >= -bound)
+    return bool(-INT64_BOUND <= array.min() <= array.max() < INT64_BOUND)
 
 
-def _plain_ints(value: object) -> npt.NDArray[np.int64] | None:
-    """A list of ints within int64 read at C speed by ``array('q')``, else None (a boolean is
-    an int to it: callers that refuse booleans use this only when the text has none)."""
-    if type(value) is not list or not value:
+def _fast(value: object, code: str) -> npt.NDArray[Any] | None:
+    """A list of ints (``"q"``; a boolean is an int to it) or of numbers (``"d"``) read at C speed
+    by ``array``, else None."""
+    if type(value) is not list:
         return None
     try:
-        return np.frombuffer(_array_module.array("q", value), dtype=np.int64)
+        return np.frombuffer(_array_module.array(code, value), dtype=code)  # int64 or float64
     except (TypeError, OverflowError):
         return None
 
 
 def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.signedinteger[Any]]:
     """Versions as int64, or as the narrower signed dtype the service read them in."""
-    fast = None if booleans else _plain_ints(value)
+    fast = None if booleans else _fast(value, "q")
     array = fast if fast is not None else _array(rid, name, value, "iu", "a list of integers", booleans)
     if versions_beyond(array):
         raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
@@ -215,30 +196,15 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
 _NARROW_VERSIONS = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
 
 
-def _plain_floats(value: object) -> npt.NDArray[np.float64] | None:
-    """A list the caller knows holds no boolean, read at C speed by ``array('d')`` (what
-    :func:`_array` gives); None if not plainly numbers, NaN or beyond 2**63: the checked path."""
-    if type(value) is not list:
-        return None
-    try:
-        array = np.frombuffer(_array_module.array("d", value), dtype=np.float64)
-    except (TypeError, OverflowError):
-        return None
-    return None if floats_beyond(array) else array
-
-
 def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
-    if not booleans and (fast := _plain_floats(value)) is not None:
+    """Numbers; for ``trainer_logprobs`` numbers or nulls (null -> NaN: missing, not an error)."""
+    if not booleans and (fast := _fast(value, "d")) is not None and not floats_beyond(fast):
         return fast
-    return _array(rid, name, value, "iuf", "a list of numbers", booleans).astype(np.float64, copy=False)
-
-
-def _optional_float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
-    """Numbers or nulls (null -> NaN: a missing value, not an error)."""
-    if not booleans and (fast := _plain_floats(value)) is not None:
-        return fast
+    if not name.endswith("trainer_logprobs"):
+        array = _array(rid, name, value, "iuf", "a list of numbers", booleans)
+        return array.astype(np.float64, copy=False)
     if isinstance(value, list) and None in value:
-        values = [v for v in value if v is not None]  # only lists with nulls take this path
+        values = [v for v in value if v is not None]
         checked = _array(rid, name, values, "iuf", "a list of numbers or nulls")
         out = np.full(len(value), np.nan)
         out[np.fromiter((v is not None for v in value), dtype=bool, count=len(value))] = checked
@@ -247,7 +213,7 @@ def _optional_float_list(rid: str, name: str, value: object, booleans: bool = Tr
 
 
 def _mask(rid: str, name: str, value: object) -> npt.NDArray[np.int8]:
-    fast = _plain_ints(value)  # booleans are allowed here: 0/1 either way
+    fast = _fast(value, "q")  # booleans are allowed here: 0/1 either way
     array = fast if fast is not None else _array(rid, name, value, "biu", "a list of 0/1 or booleans")
     if array.dtype.kind != "b" and mask_beyond(array):
         bad = int(np.flatnonzero((array != 0) & (array != 1))[0])
@@ -316,33 +282,25 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
         sample.spans = _spans(rid, f"{where}.weight_versions", raw["weight_versions"], booleans)
     if raw.get("token_versions") is not None:
         sample.token_versions = _int_list(rid, f"{where}.token_versions", raw["token_versions"], booleans)
-    for name in WEIGHT_FIELDS:
-        if raw.get(name) is not None:
-            sample.weights[name] = _float_list(rid, f"{where}.{name}", raw[name], booleans)
-    if raw.get("logprobs") is not None:
-        sample.logprobs = _float_list(rid, f"{where}.logprobs", raw["logprobs"], booleans)
-    if raw.get("trainer_logprobs") is not None:
-        sample.trainer_logprobs = _optional_float_list(
-            rid, f"{where}.trainer_logprobs", raw["trainer_logprobs"], booleans
-        )
-    n = len(sample.mask)
-    per_position = {
-        **sample.weights,
-        "logprobs": sample.logprobs,
-        "trainer_logprobs": sample.trainer_logprobs,
-        "token_versions": sample.token_versions,
+    per_position: dict[str, npt.NDArray[Any]] = {
+        name: _float_list(rid, f"{where}.{name}", raw[name], booleans)
+        for name in PER_POSITION_FLOATS
+        if raw.get(name) is not None
     }
+    sample.weights = {name: per_position[name] for name in WEIGHT_FIELDS if name in per_position}
+    sample.logprobs = per_position.get("logprobs")
+    sample.trainer_logprobs = per_position.get("trainer_logprobs")
+    if sample.token_versions is not None:
+        per_position["token_versions"] = sample.token_versions
+    n = len(sample.mask)
     for name, values in per_position.items():
-        if values is None:
-            continue
         given = raw.get(name)
         if not (isinstance(given, np.ndarray) and np.may_share_memory(values, given)):
             sample.fresh.add(name)
         if len(values) != n:
             raise TraceError(rid, f"{where}.{name}", f"length {len(values)} differs from the mask's {n}")
     if sample.spans is not None and len(sample.spans) > n:
-        # more spans than positions break a rule: refused before the batch builds span tables
-        # (5.6M spans of a one-position sample would cost gigabytes of tables to refuse)
+        # refused before the batch builds span tables (which could cost gigabytes)
         fault = span_fault(sample.spans, n)
         if fault is not None:
             span, reason = fault
@@ -350,17 +308,13 @@ def _parse_sample(rid: str, index: int, raw: object, booleans: bool = True) -> P
     return sample
 
 
-def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
-    """The checked id, dispatch and completion versions (-1: none), source and agentic flag."""
-    rid_raw = raw.get("id")
-    if not isinstance(rid_raw, str) or not rid_raw:
-        raise TraceError(
-            None if rid_raw is None else printable_id(str(rid_raw)),
-            "id",
-            "required non-empty string",
-        )
-    check_text(rid_raw, "id", rid_raw)  # a store, an exporter or a JSON answer could not write it
-    rid = rid_raw
+def check_head(raw: dict[str, Any]) -> ParsedRollout:
+    """A record's fields but ``samples`` checked, as a rollout of no samples yet echoing them."""
+    rid = raw.get("id")
+    if not isinstance(rid, str) or not rid:
+        printable = None if rid is None else printable_id(str(rid))
+        raise TraceError(printable, "id", "required non-empty string")
+    check_text(rid, "id", rid)  # a store, an exporter or a JSON answer could not write it
     unknown = sorted(set(raw) - _ROLLOUT_FIELDS)
     if unknown:
         raise TraceError(rid, unknown[0], "unknown field")
@@ -382,7 +336,8 @@ def check_head(raw: Mapping[str, Any]) -> tuple[str, int, int, str, bool]:
         raise TraceError(rid, "dispatch_version", "required on a live rollout")
     dispatch = _version(rid, "dispatch_version", dispatch)
     completion = _version(rid, "completion_version", raw.get("completion_version"))
-    return rid, dispatch, completion, source, agentic
+    group_id, env = raw.get("group_id"), raw.get("env")
+    return ParsedRollout(rid, dispatch, completion, source == "frozen", agentic, group_id, env, [], raw)
 
 
 def _version(rid: str, name: str, value: object) -> int:
@@ -401,7 +356,7 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
     (``booleans=False``: the JSON text holds no ``true`` / ``false``, a faster check of numbers)."""
     if not isinstance(raw, Mapping):
         raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
-    rollout = head_rollout({k: v for k, v in raw.items() if k != "samples"})
+    rollout = check_head({k: v for k, v in raw.items() if k != "samples"})
     samples = raw.get("samples")
     if not isinstance(samples, list):
         raise TraceError(rollout.id, "samples", "required list of samples")
@@ -409,14 +364,6 @@ def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
         raise TraceError(rollout.id, "samples", "must hold at least one sample")
     rollout.samples = [_parse_sample(rollout.id, i, s, booleans) for i, s in enumerate(samples)]
     return rollout
-
-
-def head_rollout(head: dict[str, Any]) -> ParsedRollout:
-    """A record's fields but ``samples`` checked, as a rollout of no samples yet echoing them."""
-    rid, dispatch, completion, source, agentic = check_head(head)
-    frozen = source == "frozen"
-    group_id, env = head.get("group_id"), head.get("env")
-    return ParsedRollout(rid, dispatch, completion, frozen, agentic, group_id, env, [], head)
 
 
 def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | UnparsedRollout:
@@ -429,12 +376,8 @@ def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | Unp
 
 
 def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBatch:
-    """Concatenate parsed rollouts into one columnar batch (values are validated by the sink).
-
-    ``adopt``: nobody else sees the parsed rollouts, so a one-sample column the parse made is taken
-    uncopied. Offsets are summed in Python and each column is one numpy call: a replay packs a few
-    samples at a time, where a numpy call costs more than its work.
-    """
+    """Parsed rollouts as one columnar batch (the sink checks the values); ``adopt``: nobody else
+    sees them, so a one-sample column the parse made is taken uncopied."""
     rollouts = list(rollouts)
     samples = [s for r in rollouts for s in r.samples]
     lengths = [len(s.mask) for s in samples]
@@ -442,8 +385,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     total = int(position_offsets[-1])
     sample_offsets = np.array([0, *accumulate(len(r.samples) for r in rollouts)], dtype=np.int64)
 
-    # float64 like the weights (the one-pass checks of small adds); a large batch keeps the int8
-    # it was parsed as (1 byte a position, not 8): the engine reads either the same
+    # float64 like the weights (the quick check of small adds); a large batch keeps its int8
     mask_dtype = np.int8 if total >= COMPACT_MASK_MIN_POSITIONS else np.float64
     mask = _flat([s.mask for s in samples], mask_dtype)
     label_kind = np.array(
@@ -454,30 +396,33 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         dtype=np.int8,
     )
 
-    column = partial(_column, samples, lengths, adopt)
+    # one sample's arrays the parse made: taken uncopied when ``adopt``
+    fresh = samples[0].fresh if adopt and len(samples) == 1 else set()
     floats: dict[str, Any] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in PER_POSITION_FLOATS:
         weight = name in WEIGHT_FIELDS
         given = [s.weights.get(name) if weight else getattr(s, name) for s in samples]
-        floats[name], flags = column(name, given, _FILLS.get(name, 0.0))
+        fill = _FILLS.get(name, 0.0)
+        floats[name], flags = _column(given, lengths, fill, np.float64, name in fresh)
         if floats[name] is not None:
             present[name] = flags
-    # int64, or in a large batch the narrowest signed dtype the parse gave every sample (the
-    # compiled cut reads it as it is: the same cuts, no int64 copy)
+    # int64, or in a large batch the narrowest signed dtype the parse gave (no int64 copy)
     given_versions = [s.token_versions for s in samples]
     versions_dtype: Any = np.int64
     if mask_dtype is np.int8:
-        narrow = [v for v in given_versions if v is not None]
-        if narrow and all(v.dtype in _NARROW_VERSIONS for v in narrow):
-            versions_dtype = np.result_type(*narrow, np.int8)  # -1 (the fill) fits every one
-    token_versions, _ = column("token_versions", given_versions, -1, versions_dtype)
+        labelled = [v for v in given_versions if v is not None]
+        if labelled and all(v.dtype in _NARROW_VERSIONS for v in labelled):
+            versions_dtype = np.result_type(*labelled, np.int8)  # -1 (the fill) fits every one
+    adopt_versions = "token_versions" in fresh
+    token_versions, _ = _column(given_versions, lengths, -1, versions_dtype, adopt_versions)
     span_counts = [0 if s.spans is None else len(s.spans) for s in samples]
     span_table = [s.spans for s in samples if s.spans is not None and len(s.spans)]
     none: npt.NDArray[np.int64] = np.zeros(0, dtype=np.int64)
     # each column straight from the pairs' columns (never a joined (k, 2) copy besides them)
     span_versions = np.concatenate([t[:, 0] for t in span_table], dtype=np.int64) if span_table else none
     span_starts = np.concatenate([t[:, 1] for t in span_table], dtype=np.int64) if span_table else none
+    narrow = token_versions is not None and token_versions.dtype in _NARROW_VERSIONS
     batch = RolloutBatch(
         ids=[r.id for r in rollouts],
         sample_offsets=sample_offsets,
@@ -490,7 +435,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         group_ids=[r.group_id for r in rollouts],
         envs=[r.env for r in rollouts],
         **floats,
-        token_versions=None if token_versions is None else _wide_versions(token_versions),
+        token_versions=None if narrow else token_versions,
         span_offsets=np.array([0, *accumulate(span_counts)], dtype=np.int64),
         span_versions=span_versions,
         span_starts=span_starts,
@@ -498,8 +443,7 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
         present=present,
         echo=[r.echo for r in rollouts],
     )
-    if token_versions is not None and token_versions.dtype in _NARROW_VERSIONS:
-        # kept narrow (above): set after the constructor, which makes a caller's versions int64
+    if narrow:  # set after the constructor, which makes a caller's versions int64
         batch.token_versions = token_versions  # type: ignore[assignment]
     return batch
 
@@ -509,23 +453,17 @@ _FILLS = {"rl_weights": 1.0, "trainer_logprobs": np.nan}
 
 
 def _column(
-    samples: list[ParsedSample],
-    lengths: list[int],
-    adopt: bool,
-    name: str,
-    values: list[npt.NDArray[Any] | None],
-    fill: float,
-    dtype: type = np.float64,
+    values: list[npt.NDArray[Any] | None], lengths: list[int], fill: float, dtype: type, adopt: bool
 ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
-    """One per-position column of :func:`pack` (``values`` per sample, None: not given, filled)
-    and which samples gave it; arrays of a wrong length are kept for validation to report."""
+    """A per-position column of :func:`pack` (None per sample: filled) and which samples gave it;
+    arrays of a wrong length are kept for validation to report. ``adopt``: a lone array is kept."""
     given = [v for v in values if v is not None]
     if not given:
         return None, _NONE_PRESENT
     if len(given) == len(values):
         present = np.ones(len(values), dtype=bool)
         only = given[0]
-        if adopt and len(values) == 1 and name in samples[0].fresh and only.dtype == dtype and only.ndim == 1:
+        if adopt and only.dtype == dtype and only.ndim == 1:
             return only, present
         return _flat(given, dtype), present
     present = np.array([v is not None for v in values], dtype=bool)
@@ -542,15 +480,8 @@ def _column(
     return _flat(parts, np.float64), present
 
 
-# (a column no sample has: no flags kept)
-_NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)
+_NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)  # a column no sample has
 
 
 def _flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
-    """The arrays end to end as ``dtype``, in one call (cast as ``astype`` would)."""
     return np.concatenate(values, dtype=dtype, casting="unsafe") if values else np.zeros(0, dtype=dtype)
-
-
-def _wide_versions(versions: npt.NDArray[Any]) -> npt.NDArray[np.int64] | None:
-    """What the batch's constructor gets: int64 versions, or None for narrow ones (set after it)."""
-    return None if versions.dtype in _NARROW_VERSIONS else versions.astype(np.int64, copy=False)

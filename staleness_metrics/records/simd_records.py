@@ -1,13 +1,6 @@
-"""Rollout event lines read straight into arrays by simdjson (the replay's fast path): its
-``Array.as_buffer`` copies a list of numbers out at C speed, with no Python object per position.
-
-This path only *accepts* a plain, valid rollout line, giving exactly the
-:class:`~.model.ParsedRollout` of the general path (:func:`.jsonio.loads`, then
-:func:`.model.parse_rollout`); anything else (another event, an odd or invalid record, a boolean or
-null among numbers, a string escape, a JSON error) is left to the general path, which names errors.
-``as_buffer`` refuses booleans, nulls, strings, objects and integers beyond 64 bits, and flattens
-nested lists, which a count of ``[`` in the line rules out.
-"""
+"""Rollout event lines read straight into arrays by simdjson (the replay's fast path). It only
+accepts a plain, valid line, giving exactly the general path's :class:`~.model.ParsedRollout`;
+any other line is left to the general path (docs/decisions.md, "Rollout lines read by simdjson")."""
 
 from __future__ import annotations
 
@@ -26,11 +19,9 @@ except ImportError:  # no wheel for this Python: every line takes the general pa
 
 from ..errors import TraceError
 from .columnar import WEIGHT_FIELDS
-from .model import ParsedRollout, ParsedSample, floats_beyond, head_rollout, mask_beyond, versions_beyond
+from .model import ParsedRollout, ParsedSample, check_head, floats_beyond, mask_beyond, versions_beyond
 
-__all__ = ["AVAILABLE", "LineReader"]
-
-AVAILABLE = simdjson is not None  # False: replay reads every line by the general path, just slower
+AVAILABLE = simdjson is not None
 
 _MASKS, _VERSIONS, _FLOATS = 0, 1, 2  # the kinds of per-position lists, each checked by one rule
 _FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, as_buffer type)
@@ -41,18 +32,11 @@ _FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, 
 }
 
 
-# simdjson's tape keeps a list's length in 24 bits, saturated (the copied buffer holds them all)
-_SATURATED = 0xFFFFFF
+_SATURATED = 0xFFFFFF  # simdjson's tape keeps a list's length in 24 bits, saturated
 
 
 class _NotPlain(Exception):
-    """The line is not one this path reads exactly: the general path reads it."""
-
-
-def _array(value: object) -> simdjson.Array:
-    if type(value) is not simdjson.Array:
-        raise _NotPlain
-    return value
+    """A line this path does not read exactly: the general path reads it."""
 
 
 def _keys(value: object) -> list[str]:
@@ -66,42 +50,44 @@ def _keys(value: object) -> list[str]:
 
 
 class _Lists:
-    """Per-position lists of one kind copied out of the tape (raw bytes), with where each goes."""
+    """Per-position lists of one kind copied out of the tape, with where each goes, checked by
+    one rule (``bad``) as one array of ``dtype``."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool]) -> None:
+        self.dtype, self.bad = dtype, bad
         self.buffers: list[Any] = []
         self.sizes: list[int] = []
         self.owners: list[tuple[ParsedSample, str]] = []
-        # per line taken (in the reader's order), the index of its first list
-        self.firsts: list[int] = []
+        self.firsts: list[int] = []  # per line taken, the index of its first list
 
     def drop_line(self) -> None:
-        """Forget the last line's lists (the general path will read it)."""
         mark = self.firsts.pop()
         del self.buffers[mark:], self.sizes[mark:], self.owners[mark:]
 
-    def clear(self) -> None:
-        self.buffers, self.sizes, self.owners, self.firsts = [], [], [], []
-
-    def arrays(
-        self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool], refused: set[int]
-    ) -> tuple[npt.NDArray[Any], list[int], list[int]]:
-        """One array of every list, and where each list starts and ends in it; adds to ``refused``
-        the lines of ``bad`` lists (each list is checked only when the whole is bad)."""
-        whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=dtype)
+    def place(self, refused: set[int]) -> None:
+        """Set every list in its sample (one array for all), then forget them; adds the lines of
+        ``bad`` lists to ``refused``."""
+        whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=self.dtype)
         ends = list(accumulate(self.sizes))
         starts = [0, *ends]
-        if bad(whole):
+        if self.bad(whole):
             for at, (start, end) in enumerate(zip(starts, ends)):
-                if bad(whole[start:end]):
-                    # the line that holds list ``at``
+                if self.bad(whole[start:end]):
                     refused.add(bisect_right(self.firsts, at) - 1)
-        return whole, starts, ends
+        if self.bad is mask_beyond:
+            whole = whole.astype(np.int8)  # one conversion for every mask
+        for (parsed, name), start, end in zip(self.owners, starts, ends):
+            if name == "weight_versions":
+                parsed.spans = whole[start:end].reshape(-1, 2)
+            elif name in WEIGHT_FIELDS:
+                parsed.weights[name] = whole[start:end]
+            else:  # mask, token_versions, logprobs, trainer_logprobs
+                setattr(parsed, name, whole[start:end])
+        self.buffers, self.sizes, self.owners, self.firsts = [], [], [], []
 
 
-def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, floats: _Lists) -> ParsedRollout:
-    """The line's record, its lists copied into ``masks``, ``versions`` and ``floats`` (checked,
-    and the arrays filled in, by :meth:`LineReader.finish`)."""
+def _rollout(document: object, line: bytes, kinds: tuple[_Lists, ...]) -> ParsedRollout:
+    """The line's record, its lists copied into ``kinds`` (for :meth:`LineReader.finish`)."""
     _keys(document)
     if cast(simdjson.Object, document).get("type") != "rollout":
         raise _NotPlain
@@ -115,20 +101,17 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
             if type(value) is simdjson.Object or type(value) is simdjson.Array:
                 raise _NotPlain
             head[key] = value
-    items = _array(raw.get("samples"))
-    if not len(items):
+    items = raw.get("samples")
+    if type(items) is not simdjson.Array or not len(items):
         raise _NotPlain
-    rollout = head_rollout(head)
-
-    samples = rollout.samples
+    rollout = check_head(head)
     lists = 1  # "samples" itself
-    kinds = (masks, versions, floats)
     for item in items:
         keys = _keys(item)
         sample = cast(simdjson.Object, item)
         parsed = ParsedSample(mask=_NO_MASK)
         labels = pairs = 0
-        sizes: list[int] = []  # lengths of the per-position lists, the mask's first
+        sizes: list[int] = []  # lengths of the per-position lists
         for key in keys:  # one lookup per field present (a lookup is a scan of the object's keys)
             value = sample[key]
             if value is None:
@@ -143,23 +126,17 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
             buffer = value.as_buffer(of_type=of_type)
             kind.buffers.append(buffer)
             size = len(value)
-            # the tape's count stops there: the copied buffer has every element
-            if size >= _SATURATED:
+            if size >= _SATURATED:  # the copied buffer has every element
                 size = memoryview(buffer).nbytes // 8 // (2 if key == "weight_versions" else 1)
-            if slot == _VERSIONS:
-                labels += 1
-                if key == "weight_versions":
-                    # [version, start] pairs, flattened by as_buffer: each must be a list of two
-                    for pair in value:
-                        if type(pair) is not simdjson.Array or len(pair) != 2:
-                            raise _NotPlain
-                    lists += 1 + size  # the list of pairs and each pair
-                    pairs = size
-                    size *= 2
-                else:
-                    sizes.append(size)
-            elif slot == _MASKS:
-                sizes.insert(0, size)
+            labels += slot == _VERSIONS
+            if key == "weight_versions":
+                # [version, start] pairs, flattened by as_buffer: each must be a list of two
+                for pair in value:
+                    if type(pair) is not simdjson.Array or len(pair) != 2:
+                        raise _NotPlain
+                lists += 1 + size  # the list of pairs and each pair
+                pairs = size
+                size *= 2
             else:
                 sizes.append(size)
             kind.sizes.append(size)
@@ -169,7 +146,7 @@ def _rollout(document: object, line: bytes, masks: _Lists, versions: _Lists, flo
             raise _NotPlain  # no mask; both kinds of labels; a list whose length is not the mask's
         if pairs > sizes[0]:
             raise _NotPlain  # more spans than positions: the general path names the span at fault
-        samples.append(parsed)
+        rollout.samples.append(parsed)
     if line.count(b"[") != lists:  # a nested list (as_buffer flattens it), or a "[" in a string
         raise _NotPlain
     return rollout
@@ -179,21 +156,20 @@ _NO_MASK = np.zeros(0, dtype=np.int8)
 
 
 class LineReader:
-    """Reads rollout event lines with one reused simdjson parser (one per reader thread).
-
-    :meth:`take` reads a line's structure and copies its lists out; :meth:`finish` checks the values
-    of every line taken since at once and returns their records.
-    """
+    """Reads rollout event lines with one reused simdjson parser (one per reader thread):
+    :meth:`take` copies each line's lists out, :meth:`finish` checks them all at once."""
 
     def __init__(self) -> None:
         self._parser = simdjson.Parser()
         self._rollouts: list[ParsedRollout] = []
-        self._masks, self._versions, self._floats = _Lists(), _Lists(), _Lists()
+        self._kinds = (
+            _Lists(np.int64, mask_beyond),
+            _Lists(np.int64, versions_beyond),
+            _Lists(np.float64, floats_beyond),
+        )
 
     def take(self, line: bytes) -> bool:
         """Read a rollout event line if it is plain; ``False``: let the general path read it."""
-        # left to the general path: a line not starting with "{" (a byte order mark, blanks), one
-        # with a string escape (lone surrogates), one that cannot be a rollout event
         if line[:1] != b"{" or b"\\" in line or b'"rollout"' not in line:
             return False
         try:
@@ -202,11 +178,11 @@ class LineReader:
             # the general path names what is wrong; a fresh parser, in case a proxy holds this one
             self._parser = simdjson.Parser()
             return False
-        kinds = (self._masks, self._versions, self._floats)
+        kinds = self._kinds
         for kind in kinds:
             kind.firsts.append(len(kind.buffers))
         try:
-            rollout = _rollout(document, line, *kinds)
+            rollout = _rollout(document, line, kinds)
         except (_NotPlain, TraceError, TypeError, ValueError, RuntimeError):
             for kind in kinds:
                 kind.drop_line()
@@ -220,26 +196,10 @@ class LineReader:
         """The records of the lines taken, in order; ``None`` for a line whose values the general
         path must read (a mask value not 0/1, a version beyond ±2**53, a float beyond 2**63)."""
         refused: set[int] = set()
-        whole, starts, ends = self._masks.arrays(np.int64, mask_beyond, refused)
-        narrow = whole.astype(np.int8)  # one conversion for every mask
-        for (parsed, _), start, end in zip(self._masks.owners, starts, ends):
-            parsed.mask = narrow[start:end]
-        whole, starts, ends = self._versions.arrays(np.int64, versions_beyond, refused)
-        for (parsed, name), start, end in zip(self._versions.owners, starts, ends):
-            if name == "token_versions":
-                parsed.token_versions = whole[start:end]
-            else:
-                parsed.spans = whole[start:end].reshape(-1, 2)
-        whole, starts, ends = self._floats.arrays(np.float64, floats_beyond, refused)
-        for (parsed, name), start, end in zip(self._floats.owners, starts, ends):
-            if name in WEIGHT_FIELDS:
-                parsed.weights[name] = whole[start:end]
-            else:  # logprobs, trainer_logprobs
-                setattr(parsed, name, whole[start:end])
+        for kind in self._kinds:
+            kind.place(refused)
         out: list[ParsedRollout | None] = [
             None if index in refused else rollout for index, rollout in enumerate(self._rollouts)
         ]
         self._rollouts = []
-        for kind in (self._masks, self._versions, self._floats):
-            kind.clear()
         return out

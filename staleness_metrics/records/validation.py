@@ -1,33 +1,20 @@
-"""Value rules of SPEC 3, checked once on the columnar form, vectorised: Python runs only on the
-(rare) offenders, to name the rollout, the field and the reason."""
+"""Value rules of SPEC 3, checked once on the columnar form, vectorised (Python runs only on the
+offenders, to name the rollout, the field and the reason); beside them, the quick check of a small
+add in one compiled pass: "plain" or "not sure"."""
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Container, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
+from ..compiled import CompiledLoop
 from ..errors import FieldError, TraceError
 from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLOATS, RolloutBatch
-from .plain_values import BatchRows, PositionCopies, plain_values
-
-__all__ = [
-    "INT64_MAX",
-    "INT64_MIN",
-    "Verdicts",
-    "check_batch",
-    "check_text",
-    "lone_surrogate",
-    "plain_values_of",
-    "plainly_valid",
-    "printable_id",
-    "span_fault",
-    "surrogate_reason",
-    "unstorable",
-]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -38,8 +25,7 @@ MAX_STORED_DEPTH = 128
 
 
 def lone_surrogate(text: str) -> int | None:
-    """The index of the first lone surrogate in ``text`` (a code point U+D800..U+DFFF, which UTF-8
-    cannot encode), else None. C speed: one encode attempt."""
+    """The index of the first lone surrogate in ``text`` (which UTF-8 cannot encode), else None."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -52,16 +38,14 @@ def surrogate_reason(text: str, at: int) -> str:
 
 
 def check_text(rollout_id: str | None, field: str, text: str) -> None:
-    """Raise :class:`TraceError` naming ``field`` when ``text`` holds a lone surrogate (the rule of
-    SPEC 3 strings: ``id``, ``group_id``, ``env``; replay and the service use it too)."""
+    """Raise :class:`TraceError` naming ``field`` when ``text`` holds a lone surrogate."""
     at = lone_surrogate(text)
     if at is not None:
         raise TraceError(printable_id(rollout_id), field, surrogate_reason(text, at))
 
 
 def printable_id(rollout_id: str | None) -> str | None:
-    """``rollout_id`` with any lone surrogate written as a ``\\udXXX`` escape, so an error naming it
-    can itself be encoded (in a JSON answer, a log line, a journal)."""
+    """``rollout_id`` with any lone surrogate escaped, so an error naming it can be encoded."""
     if rollout_id is None or lone_surrogate(rollout_id) is None:
         return rollout_id
     return rollout_id.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
@@ -72,7 +56,6 @@ _PLAIN_SCALARS = frozenset({int, float, bool, type(None)})
 
 def _first_big_int(values: list[Any]) -> int | None:
     """Index of the first integer outside signed 64 bits in a list of scalars, else None."""
-    # C-level passes; Python runs per item only on mixed or wide lists
     kinds = set(map(type, values))
     if int not in kinds:
         return None
@@ -85,9 +68,8 @@ def _first_big_int(values: list[Any]) -> int | None:
 
 
 def unstorable(value: Any) -> tuple[str, str] | None:
-    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep
-    exactly (a lone surrogate, an integer outside signed 64 bits, nesting deeper than
-    :data:`MAX_STORED_DEPTH`), else None. Paths read like ``samples[0].mask[3]``."""
+    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep exactly
+    (a lone surrogate, an integer beyond 64 bits, too deep), else None."""
     stack: list[tuple[Any, str, int]] = [(value, "", 0)]
     while stack:
         item, where, level = stack.pop()
@@ -138,7 +120,7 @@ class Verdicts:
         self.rollout(rollout, f"samples[{local}].{field}", reason)
 
     def positions(self, positions: Iterable[int], field: str, describe: str) -> None:
-        """Report offending flat positions (first one per rollout)."""
+        """Report offending flat positions (the first one per rollout)."""
         offsets = self.batch.position_offsets
         for position in positions:
             sample = int(np.searchsorted(offsets, position, "right") - 1)
@@ -152,15 +134,6 @@ class Verdicts:
         flags = np.zeros(self.batch.n_rollouts, dtype=bool)
         flags[list(self.errors)] = True
         return flags
-
-
-def _first_per_rollout(batch: RolloutBatch, positions: IntArray) -> IntArray:
-    """Keep the first offending position of each sample: bounds the Python work on bad input."""
-    if positions.size == 0:
-        return positions
-    samples = np.searchsorted(batch.position_offsets, positions, "right") - 1
-    _, first = np.unique(samples, return_index=True)
-    return positions[first]
 
 
 _ARRAY_FIELDS = (
@@ -201,14 +174,13 @@ def _check_shapes(batch: RolloutBatch) -> None:
 
 
 def _ascii(text: object) -> bool:
-    """None, or an ASCII string (no surrogate to look for: CPython knows it
-    without reading the string)."""
+    """None, or an ASCII string (CPython knows it without reading the string)."""
     return text is None or (type(text) is str and text.isascii())
 
 
 def _plain_envs(envs: Sequence[Any]) -> bool:
     """Whether every env is None or a non-empty string, judged on the distinct values."""
-    if len(envs) == 1:  # (a single-rollout add: no set to build)
+    if len(envs) == 1:
         env = envs[0]
         return env is None or (type(env) is str and env != "")
     try:
@@ -219,8 +191,7 @@ def _plain_envs(envs: Sequence[Any]) -> bool:
 
 
 def _strings_joined(texts: Sequence[Any]) -> str:
-    """The strings of ``texts`` joined (what the surrogate check reads): one C-level join when
-    every item is a string, none for a column of ``None``, and only the strings otherwise."""
+    """The strings of ``texts`` joined, in one C-level join when every item is a string."""
     try:
         return "".join(texts)
     except TypeError:
@@ -230,17 +201,13 @@ def _strings_joined(texts: Sequence[Any]) -> str:
 
 
 def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
-    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts.
-
-    The rules on position values (0/1 mask, finite weights) are checked by
-    :func:`staleness_metrics.engine.spans.build_spans`, which reads the positions anyway; so are the
-    token versions (>= -1) without ``token_values``
-    (:func:`staleness_metrics.engine.spans.checked_spans`).
-    """
+    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts. Position values are
+    checked by :mod:`staleness_metrics.engine.spans`, which reads them anyway (token versions too
+    without ``token_values``)."""
     _check_shapes(batch)
     verdicts = Verdicts(batch)
 
-    # Set operations first (C speed); the loops that name offenders run only when there are some.
+    # set operations first; the loops that name offenders run only when there are some
     ids = batch.ids
     if not _ids_new(ids, known_ids):
         seen: set[str] = set()
@@ -251,7 +218,6 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
 
     envs = batch.envs or ()
     for name, texts in (("id", ids), ("group_id", batch.group_ids or ()), ("env", envs)):
-        # one C-level pass; names offenders only then
         if lone_surrogate(_strings_joined(texts)) is not None:
             for index, text in enumerate(texts):
                 if isinstance(text, str) and (at := lone_surrogate(text)) is not None:
@@ -277,11 +243,13 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
     assert kind is not None
     if batch.token_versions is not None and token_values:
         tokens = batch.token_versions
-        bad = tokens[:0]
-        if tokens.min(initial=0) < -1:  # one read in the common case; where only on bad input
+        if tokens.min(initial=0) < -1:  # one read in the common case; the rest only on bad input
             sample_has_tokens = np.repeat(kind == LABELS_TOKENS, np.diff(batch.position_offsets))
             bad = np.flatnonzero(sample_has_tokens & (tokens < -1))
-        verdicts.positions(_first_per_rollout(batch, bad), "token_versions", "versions are >= 0 or -1")
+            # the first of each sample: bounds the Python work on bad input
+            samples = np.searchsorted(batch.position_offsets, bad, "right") - 1
+            first = bad[np.unique(samples, return_index=True)[1]]
+            verdicts.positions(first, "token_versions", "versions are >= 0 or -1")
     if batch.span_offsets is not None:
         _check_spans(batch, verdicts)
     elif np.any(kind == LABELS_SPANS):
@@ -289,8 +257,7 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
     return verdicts
 
 
-# spans checked at once: the temporaries stay a few MB whatever the span count
-_SPAN_PIECE = 1 << 18
+_SPAN_PIECE = 1 << 18  # spans checked at once: a few MB of temporaries whatever the count
 
 
 def _span_reason(rule: int, versions: IntArray, starts: IntArray, span: int, length: Any) -> str:
@@ -302,7 +269,7 @@ def _span_reason(rule: int, versions: IntArray, starts: IntArray, span: int, len
 
 
 def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
-    """The first of ``spans`` (ascending) in each sample: a Python step per sample, not span."""
+    """The first of ``spans`` (ascending) in each sample."""
     if spans.size == 0:
         return []
     _, first = np.unique(span_sample[spans], return_index=True)
@@ -313,7 +280,7 @@ def _span_faults(
     offsets: IntArray, versions: IntArray, starts: IntArray, sample_lengths: IntArray
 ) -> tuple[list[int], list[int], list[int]]:
     """Per span rule (version >= -1, start inside its sample, starts increasing), the first
-    offending span of each sample, in span order; a piece of :data:`_SPAN_PIECE` spans at a time."""
+    offending span of each sample, in span order."""
     found: tuple[list[int], list[int], list[int]] = ([], [], [])
     for a in range(0, len(versions), _SPAN_PIECE):
         b = min(a + _SPAN_PIECE, len(versions))
@@ -332,7 +299,7 @@ def _span_faults(
 
 
 def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
-    """The span rules; offenders are reported rule by rule, each in span order."""
+    """The span rules; offenders reported rule by rule, each in span order."""
     assert batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
     sample_lengths = np.diff(batch.position_offsets)
@@ -348,9 +315,8 @@ def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
 
 
 def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[int, str] | None:
-    """The first fault :func:`check_batch` finds in one sample's ``(k, 2)`` ``[version, start]``
-    pairs over ``length`` positions, as ``(span, reason)``, or None (a sample with more spans than
-    positions is refused this way before its span table is built)."""
+    """The first fault :func:`check_batch` finds in one sample's ``[version, start]`` pairs over
+    ``length`` positions, as ``(span, reason)``, or None."""
     versions, starts = pairs[:, 0], pairs[:, 1]
     bounds = np.array([0, len(pairs)], dtype=np.int64)
     found = _span_faults(bounds, versions, starts, np.array([length], dtype=np.int64))
@@ -361,8 +327,7 @@ def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[
 
 
 def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
-    """Whether the ids are distinct and none is known, by set operations (False too when
-    ``known_ids`` is not a set: the caller then looks id by id)."""
+    """Whether the ids are distinct and none is known (False too when ``known_ids`` is no set)."""
     if not isinstance(known_ids, (set, frozenset)):
         return False
     if len(ids) == 1:
@@ -371,10 +336,8 @@ def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
 
 
 def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:
-    """Whether :func:`check_batch` and :func:`~staleness_metrics.engine.spans.build_spans` would
-    certainly find nothing wrong with ``batch``, by a few whole-array reductions (a small add then
-    costs a handful of numpy calls). False means "not sure": the exact checks run and name what is
-    wrong. ``positions=False`` leaves the position values to :func:`plain_values_of`."""
+    """Whether the exact checks would certainly find nothing wrong with ``batch`` (False: not sure,
+    they run); ``positions=False`` leaves the position values to :func:`plain_values_of`."""
     ids, mask, group_ids, envs = batch.ids, batch.mask, batch.group_ids, batch.envs
     frozen, agentic = batch.frozen, batch.agentic
     n_rollouts, n_positions = len(ids), len(mask)
@@ -405,11 +368,9 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
     return _plain_envs(envs) and (not positions or plain_values_of(batch))
 
 
-def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, start: int = 0) -> bool:
-    """Whether the arrays of a batch :func:`plainly_valid` passed with ``positions=False`` hold
-    values the exact checks take (offsets, versions, label kinds, spans, a 0/1 mask, finite
-    floats, token versions >= -1), copying the mask, weights and token versions to ``into`` (from
-    element ``start`` on) when they do: one compiled pass, then the spans in numpy."""
+def plain_values_of(batch: RolloutBatch) -> bool:
+    """Whether a batch :func:`plainly_valid` passed with ``positions=False`` holds values the exact
+    checks take."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
@@ -417,13 +378,11 @@ def plain_values_of(batch: RolloutBatch, into: PositionCopies | None = None, sta
     labels = 1 << LABELS_NONE | has_spans << LABELS_SPANS | (tokens is not None) << LABELS_TOKENS
     rows = BatchRows(len(batch.ids), batch.sample_offsets, batch.position_offsets, batch.dispatch_version,
                      batch.completion_version, kind, labels)  # fmt: skip
-    plain = plain_values(rows, mask, weights, logprobs, tokens, into, start)
-    return plain and (not has_spans or _plain_spans(batch))
+    return plain_values(rows, mask, weights, logprobs, tokens) and (not has_spans or _plain_spans(batch))
 
 
 def _plain_spans(batch: RolloutBatch) -> bool:
-    """The ``weight_versions`` spans obey :func:`_check_spans`' rules (and the shapes it needs), in
-    a few whole-array reductions (a small add's spans: fewer numpy calls than the exact check)."""
+    """Whether the spans obey :func:`_check_spans`' rules (and have the shapes it needs)."""
     offsets, versions, starts = batch.span_offsets, batch.span_versions, batch.span_starts
     if offsets is None or versions is None or starts is None:
         return False
@@ -444,3 +403,139 @@ def _plain_spans(batch: RolloutBatch) -> bool:
     first = np.zeros(len(starts), dtype=bool)
     first[offsets[:-1][counts > 0]] = True
     return not bool((~first[1:] & (starts[1:] <= starts[:-1])).any())
+
+
+def _finite(values: npt.NDArray[Any]) -> bool:  # pragma: no cover - compiled
+    bad = False
+    for x in values:
+        bad |= not math.isfinite(x)
+    return not bad
+
+
+def _copy_to(copy: npt.NDArray[Any], values: npt.NDArray[Any], start: int, n: int) -> None:  # pragma: no cover
+    if len(copy) and len(values) == n:
+        copy[start : start + n] = values
+
+
+def _plain_rows(
+    n_rollouts: int,
+    offsets: tuple[IntArray, IntArray, IntArray, IntArray],
+    label_kind: npt.NDArray[np.int8],
+    labels: int,
+) -> bool:  # pragma: no cover - compiled
+    sample_offsets, position_offsets, dispatch, completion = offsets
+    n_samples = len(position_offsets) - 1
+    if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(dispatch) != n_rollouts:
+        return False  # (the lengths every read below relies on)
+    if len(completion) != n_rollouts or len(label_kind) != n_samples:
+        return False
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or position_offsets[0] != 0:
+        return False
+    for i in range(n_rollouts):  # offsets never decreasing; versions as check_batch wants them
+        d, c = dispatch[i], completion[i]
+        if sample_offsets[i + 1] < sample_offsets[i] or d < 0 or c < -1 or 0 <= c < d:
+            return False  # (frozen ones too: -1 falls to the exact path)
+    for j in range(n_samples):
+        kind = label_kind[j]
+        if position_offsets[j + 1] < position_offsets[j] or kind < 0 or kind > 2 or not (labels >> kind) & 1:
+            return False
+    return True
+
+
+@CompiledLoop(callees={"_finite": (_finite, {}), "_copy_to": (_copy_to, {}), "_plain_rows": (_plain_rows, {})})
+def _plain_values(
+    n_rollouts: int,
+    offsets: tuple[IntArray, IntArray, IntArray, IntArray],
+    label_kind: npt.NDArray[np.int8],
+    labels: int,
+    values: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]],
+    tokens: IntArray,
+    copies: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]],
+    token_copy: IntArray,
+    start: int,
+) -> bool:  # pragma: no cover - compiled
+    # (plain tuples, not named tuples: numba types them as fast as flat arguments)
+    mask, rl, ce, ref_kl, logprobs = values
+    n = len(mask)
+    if not _plain_rows(n_rollouts, offsets, label_kind, labels) or offsets[1][len(offsets[1]) - 1] != n:
+        return False
+    bad = False
+    for x in mask:
+        bad |= (x != 0) & (x != 1)  # NaN too
+    for t in tokens:
+        bad |= t < -1
+    if bad or not (_finite(rl) and _finite(ce) and _finite(ref_kl) and _finite(logprobs)):
+        return False
+    mask_copy, rl_copy, ce_copy, ref_kl_copy = copies
+    _copy_to(mask_copy, mask, start, n)
+    _copy_to(rl_copy, rl, start, n)
+    _copy_to(ce_copy, ce, start, n)
+    _copy_to(ref_kl_copy, ref_kl, start, n)
+    _copy_to(token_copy, tokens, start, n)
+    return True
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.int64)
+_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
+_INT8 = np.dtype(np.int8)
+_PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}
+
+
+class BatchRows(NamedTuple):
+    """A batch's rollout and sample rows (``labels``: bit ``k`` set if label kind ``k`` may be)."""
+
+    n_rollouts: int
+    sample_offsets: IntArray
+    position_offsets: IntArray
+    dispatch: IntArray
+    completion: IntArray
+    label_kind: npt.NDArray[np.int8]
+    labels: int
+
+
+class PositionCopies(NamedTuple):
+    """Where :func:`plain_values` copies the mask, the three weights and the token versions (an
+    empty array: not copied)."""
+
+    mask_and_weights: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
+    token_versions: IntArray
+
+
+_NO_COPIES = {
+    dtype: PositionCopies((empty, empty, empty, empty), _NO_TOKENS) for dtype, empty in _PLAIN_PADDING.items()
+}  # (nothing copied)
+
+Weights = tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | None, npt.NDArray[Any] | None]
+
+
+def plain_values(
+    rows: BatchRows,
+    mask: npt.NDArray[Any],
+    weights: Weights,
+    logprobs: npt.NDArray[Any] | None,
+    tokens: IntArray | None,
+    into: PositionCopies | None = None,
+    start: int = 0,
+) -> bool:
+    """Whether a batch's values are plain (offsets, versions and label kinds as the exact checks
+    want them, a 0/1 mask, finite floats, token versions >= -1), in one compiled pass, copying
+    the positions to ``into`` (from ``start`` on) when they are. False ("not sure") unless the
+    arrays are 1-d contiguous float32/float64 of one type and the label kinds int8."""
+    dtype = mask.dtype
+    empty = _PLAIN_PADDING.get(dtype)
+    n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows
+    if empty is None or mask.ndim != 1 or not mask.flags.c_contiguous or label_kind.dtype != _INT8:
+        return False
+    if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1:
+        return False  # (other shapes: the exact checks name them)
+    rl, ce, ref_kl, logprobs = [empty if v is None else v for v in (*weights, logprobs)]
+    for values in (rl, ce, ref_kl, logprobs):
+        if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
+            return False
+    copies, token_copy = _NO_COPIES[dtype] if into is None else into
+    loop = _plain_values.loaded()  # (the compiled loop itself once it is loaded)
+    result: bool = loop(
+        n_rollouts, (sample_offsets, position_offsets, dispatch, completion), label_kind, labels,
+        (mask, rl, ce, ref_kl, logprobs), _NO_TOKENS if tokens is None else tokens, copies, token_copy, start,
+    )  # fmt: skip
+    return result

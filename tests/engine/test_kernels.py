@@ -25,8 +25,8 @@ from staleness_metrics.engine.masking import zero_spans
 from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_min, segment_sum
 from staleness_metrics.engine.spans import SampleSpans, SpanRanges
 from staleness_metrics.engine.warm_up import warm_up
-from staleness_metrics.records import plain_values as plain
-from staleness_metrics.records.plain_values import PositionCopies
+from staleness_metrics.records import validation as plain
+from staleness_metrics.records.validation import PositionCopies
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]

@@ -135,10 +135,8 @@ def test_a_plain_line_takes_the_fast_read() -> None:
     assert not event.booleans
     assert event.rollout is not None
     sample = event.rollout["samples"][0]
-    assert records._plain_ints(sample["mask"]) is not None and records._plain_ints(sample["token_versions"]) is not None
-    assert (
-        records._plain_floats(sample["rl_weights"]) is not None
-        and records._plain_floats(sample["logprobs"]) is not None
-    )
+    assert records._fast(sample["mask"], "q") is not None and records._fast(sample["token_versions"], "q") is not None
+    floats = [records._fast(sample[name], "d") for name in ("rl_weights", "logprobs")]
+    assert all(values is not None and not records.floats_beyond(values) for values in floats)
     (other,) = read_events([line.replace("0.0", "false")])
     assert other.booleans

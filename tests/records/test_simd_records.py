@@ -307,7 +307,7 @@ def test_plain_lines_of_every_shape_take_this_path() -> None:
         _line({"mask": "[.5]"}),
         _line({"mask": "[1]"}, head='"id": "r\t1", "dispatch_version": 3'),  # a raw control character
         _line({"mask": "[1]"}) + b"\x0c",  # a form feed is not JSON whitespace
-        _line({"mask": "[1]", "logprobs": f"[{2**63}]"}),  # what records._plain_floats sends to the checked path
+        _line({"mask": "[1]", "logprobs": f"[{2**63}]"}),  # what records' fast float read sends to the checked path
         _line({"mask": "[]", "weight_versions": "[[0, 0]]"}),  # more spans than positions: refused as it is parsed
         _line({"mask": "[1]", "weight_versions": "[[0, 0], [1, 0]]"}),
     ],
