@@ -15,8 +15,6 @@ from ..errors import ConfigError, EventError
 from ..metrics.mismatch import MismatchSums
 from .sources.events import EventDict, iter_json_lines, read_event_file
 
-__all__ = ["RUN_FILE", "RUN_FORMAT", "RunDirectory", "find_run", "write_run_file"]
-
 RUN_FILE = "run.json"
 RUN_FORMAT = "staleness-metrics run"
 _FILES = ("events", "metrics", "trainer_logprobs", "mismatch_sums")

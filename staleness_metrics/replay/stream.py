@@ -26,21 +26,6 @@ from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ..records.model import ParsedRollout, UnparsedRollout, pack, parse_or_error
 from ..records.validation import Verdicts
 
-__all__ = [
-    "Added",
-    "Event",
-    "open_decompressed",
-    "pack_once",
-    "parse_event",
-    "prepare",
-    "read_event_path",
-    "read_events",
-    "replay",
-    "run_events",
-    "run_steps",
-    "stream_compression",
-]
-
 
 @dataclass(frozen=True)
 class Event:

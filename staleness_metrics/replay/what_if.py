@@ -36,24 +36,6 @@ from .run_dir import find_run
 from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
 from .stream import Added, Step, pack_once, prepare, read_event_path, run_steps
 
-__all__ = [
-    "FORK_MIN_POSITIONS",
-    "RunCurve",
-    "WhatIf",
-    "WhatIfRow",
-    "describe_curve",
-    "format_table",
-    "parse_bounds",
-    "run_curve",
-    "run_tally",
-    "shipped_values",
-    "tally_and_cost",
-    "to_json",
-    "trained_cost",
-    "what_if",
-    "what_if_with_curve",
-]
-
 UNBOUNDED = 1 << 30  # a bound no lag reaches: the replay drops nothing for staleness
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
 MAX_BOUNDS = 257

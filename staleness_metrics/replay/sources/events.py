@@ -9,8 +9,6 @@ from typing import Any
 
 from ...errors import EventError
 
-__all__ = ["EventDict", "iter_json_lines", "read_event_file"]
-
 # One SPEC 9 event as a plain dict: {"type": "rollout" | "sweep" | "ship", ...}.
 EventDict = dict[str, Any]
 

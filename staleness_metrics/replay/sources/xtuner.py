@@ -17,8 +17,6 @@ from typing import Any
 from ...errors import EventError
 from .events import EventDict, iter_json_lines
 
-__all__ = ["XtunerRead", "read_xtuner_states", "state_rollout"]
-
 DEFAULT_STATUSES = ("completed",)
 
 

@@ -23,8 +23,6 @@ from .damage import Damage
 from .episodes import Stream
 from .layout import ChunkFile
 
-__all__ = ["STREAM_FIELD", "StreamFeed", "TraceFacts", "Updates", "read_updates", "scan_updates"]
-
 STREAM_FIELD = "trainer_logprobs"
 
 

@@ -18,8 +18,6 @@ import zstandard
 
 from .layout import ChunkFile
 
-__all__ = ["ChunkDamage", "Line", "open_chunk", "read_files", "read_lines"]
-
 _BUFFER = 1 << 20  # lines of long episodes are hundreds of KB
 
 

@@ -24,15 +24,6 @@ from .layout import find_layout
 from .legacy import shipped_counts
 from .run import ReadNotes, StepRule
 
-__all__ = [
-    "MISMATCH_TOLERANCE",
-    "ComparisonRow",
-    "compare_prime_rl",
-    "comparison_summary",
-    "describe_comparison",
-    "read_prime_rl_metrics",
-]
-
 _MEAN_KEYS = frozenset({keys.ROLLOUT_MEAN, keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_QUEUE_MEAN})
 _MAX_KEYS = frozenset({keys.ROLLOUT_MAX, keys.ROLLOUT_IN_FLIGHT_MAX, keys.ROLLOUT_IN_QUEUE_MAX})
 _CURRENT = _MEAN_KEYS | _MAX_KEYS | {keys.ROLLOUTS_DROPPED}

@@ -10,8 +10,6 @@ from pathlib import Path
 
 from ....errors import EventError
 
-__all__ = ["DAMAGE_KINDS", "Damage"]
-
 _log = logging.getLogger("staleness_metrics.replay.sources.prime_rl")
 
 # What can be set aside, as counted (the keys of :attr:`Damage.counts`).

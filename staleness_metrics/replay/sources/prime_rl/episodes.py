@@ -23,18 +23,6 @@ from ....errors import TraceError
 from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout, check_head
 from . import lazy
 
-__all__ = [
-    "EpisodeHead",
-    "NotAnEpisode",
-    "Problem",
-    "Stream",
-    "TraceHead",
-    "episode_head",
-    "fold_streams",
-    "trace_rollout",
-]
-
-
 Problem = tuple[str, int, str]  # (file, line, reason) of an update that does not fit its trace
 
 

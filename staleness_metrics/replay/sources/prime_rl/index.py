@@ -13,8 +13,6 @@ from pathlib import Path
 from ....records import jsonio
 from .damage import Damage
 
-__all__ = ["IndexCheck"]
-
 Position = tuple[int, int]  # (chunk number, -1 in the single-file layout; byte offset)
 
 

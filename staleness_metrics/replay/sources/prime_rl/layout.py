@@ -11,8 +11,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ChunkFile", "TracesLayout", "find_layout", "is_current_layout"]
-
 _CHUNK = re.compile(r"^(\d+)\.jsonl(\.zst)?$")
 _INDEX_SUFFIX = ".index.jsonl"
 

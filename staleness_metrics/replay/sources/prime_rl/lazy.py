@@ -21,20 +21,6 @@ try:
 except ImportError:  # no wheel for this Python: orjson reads every line
     simdjson = None  # type: ignore[assignment]
 
-__all__ = [
-    "DecodeError",
-    "Parser",
-    "as_bools",
-    "as_floats",
-    "as_ints",
-    "get",
-    "is_array",
-    "is_object",
-    "keys",
-    "length",
-    "to_python",
-]
-
 
 class DecodeError(ValueError):
     """A line that is not one JSON value."""

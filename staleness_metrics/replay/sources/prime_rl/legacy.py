@@ -18,15 +18,6 @@ from typing import Any
 from ....errors import EventError, TraceError
 from ..events import EventDict, iter_json_lines
 
-__all__ = [
-    "EpisodeInfo",
-    "episode_rollout",
-    "has_rollouts",
-    "is_prime_rl_run",
-    "read_prime_rl",
-    "shipped_counts",
-]
-
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

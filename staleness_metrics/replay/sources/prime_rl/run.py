@@ -30,8 +30,6 @@ from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head
 from .index import IndexCheck
 from .layout import TracesLayout, find_layout
 
-__all__ = ["K3Stats", "PrimeRlRead", "ReadNotes", "StepRule", "read_run_events"]
-
 
 @dataclass
 class K3Stats:
