@@ -1,6 +1,5 @@
-"""A run directory: what a run wrote beside its event stream, named by a ``run.json`` (format in
-docs/run-inputs.md). ``staleness-metrics demo`` writes one; ``report`` and ``what-if`` read it.
-"""
+"""A run directory: what a run wrote beside its event stream, named by a ``run.json``
+(docs/run-inputs.md): ``demo`` writes one, ``report`` and ``what-if`` read it."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class RunDirectory:
     steps: int | None = None
 
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
-        """The run's settings as a :class:`StalenessConfig`, ``overrides`` applied (``ConfigError``
-        names ``run.json`` when a setting is not one)."""
+        """The run's settings, ``overrides`` applied (a bad one: ``ConfigError`` naming run.json)."""
         known = {f.name for f in fields(StalenessConfig)}
         settings = {k: v for k, v in self.config.items() if k in known}
         settings.update(overrides)

@@ -14,8 +14,7 @@ EventDict = dict[str, Any]
 
 
 def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """``(line_number, value)`` for every non-blank line; bad JSON raises
-    ``EventError`` naming the file."""
+    """``(line_number, value)`` for every non-blank line; bad JSON: ``EventError`` naming the file."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():

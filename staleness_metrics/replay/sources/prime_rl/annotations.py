@@ -1,14 +1,6 @@
-"""Annotation updates folded back onto the episodes (``prime-rl-traces.md`` sections 6-9), in two
-passes.
-
-1. :func:`scan_updates`: per trace, its ship (``info.effective``, ``info.ship.step``, deep-merged
-   as prime-rl folds ``info``), where its last ``trainer_logprobs`` update is and where it was first
-   named. No token data.
-2. :class:`StreamFeed`: a producer's ``trainer_logprobs`` streams read alongside the episode
-   stream, handed out trace by trace; what is read ahead waits (bounded by the steps in flight).
-
-What a producer writes is read from its updates, never assumed from its name.
-"""
+"""Annotation updates folded back onto the episodes (``prime-rl-traces.md`` sections 6-9) in two
+passes: :func:`scan_updates` (the ships, no token data), then a :class:`StreamFeed` per producer.
+What a producer writes is read from its updates, never assumed from its name."""
 
 from __future__ import annotations
 
@@ -18,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from . import lazy
-from .chunks import ChunkDamage, Line, read_files
+from .chunks import ChunkDamage, ChunkFile, Line, read_files
 from .damage import Damage
 from .episodes import Stream
-from .layout import ChunkFile
 
 STREAM_FIELD = "trainer_logprobs"
 
@@ -41,8 +32,6 @@ class TraceFacts:
 
 @dataclass
 class Updates:
-    """The result of :func:`scan_updates`."""
-
     traces: dict[str, TraceFacts] = field(default_factory=dict)
     # producer -> trace -> ordinal of its last update carrying a stream
     last_stream: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -52,9 +41,8 @@ class Updates:
 def read_updates(
     files: list[ChunkFile], parser: lazy.Parser, damage: Damage, *, quiet: bool = False
 ) -> Iterator[tuple[int, Line, Any]]:
-    """``(ordinal, line, update)`` of a producer's update lines, in order; ``update`` None for
-    a torn last line (it ends the stream, as in prime-rl's reader). A line that is not an update
-    is reported to ``damage`` (``quiet``: skipped, as a first pass reported it)."""
+    """``(ordinal, line, update)`` of a producer's updates in order, ``update`` None for a torn last
+    line (it ends the stream); others that are not updates go to ``damage`` (``quiet``: skipped)."""
 
     def bad_chunk(error: ChunkDamage) -> None:
         if not quiet:
@@ -86,7 +74,6 @@ def read_updates(
 
 
 def _update_fault(doc: object) -> str | None:
-    """Why a line is not an update record (None when it is one)."""
     if not lazy.is_object(doc):
         return "not an update (expected a JSON object)"
     trace_id = lazy.get(doc, "trace_id")
@@ -108,7 +95,7 @@ def _update_fault(doc: object) -> str | None:
 
 
 def _merge_info(facts: TraceFacts, info: object) -> None:
-    """prime-rl's deep merge of ``info`` (the newest value of a key wins), for a ship's keys."""
+    """prime-rl's deep merge of ``info`` (the newest value wins), for a ship's keys."""
     effective = lazy.get(info, "effective")
     if effective is not None:
         facts.effective = effective is True
@@ -122,7 +109,8 @@ def _merge_info(facts: TraceFacts, info: object) -> None:
 
 
 def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updates:
-    """Pass 1 over every producer's updates (see the module docs)."""
+    """Per trace, its ship (``info.effective``, ``info.ship.step``), its last ``trainer_logprobs``
+    update and where it was first named."""
     out = Updates()
     parser = lazy.Parser()
     for producer, files in producers.items():
@@ -148,7 +136,8 @@ def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updat
 
 
 class StreamFeed:
-    """Pass 2: one producer's ``trainer_logprobs`` streams, handed out trace by trace."""
+    """One producer's ``trainer_logprobs`` streams, read alongside the episode stream and handed
+    out trace by trace (what is read ahead waits)."""
 
     def __init__(self, files: list[ChunkFile], last: dict[str, int], damage: Damage) -> None:
         self._last = last
@@ -160,7 +149,6 @@ class StreamFeed:
 
     @property
     def held(self) -> int:
-        """Traces whose streams were read and not handed out yet."""
         return len(self._held)
 
     def pull(self, trace_id: str) -> dict[int, list[Stream]]:

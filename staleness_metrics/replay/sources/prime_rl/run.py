@@ -1,12 +1,5 @@
-"""A prime-rl run in the current layout as the SPEC 9 event stream it implies
-(``docs/trainers/prime-rl.md``, "How a run is read").
-
-Each trace of a train episode that did not error enters at its arrival step; each step the
-orchestrator shipped at is a ship naming its traces; a trace never shipped enters only when stale
-at arrival under the bound replayed (the sink drops it); the rest is left out and counted in
-:class:`ReadNotes`, with prime-rl's own rule per ship step for :mod:`.compare`. The episode stream
-is read once, the trainer's streams alongside: never the run's token data at once.
-"""
+"""A prime-rl run in the current layout as the SPEC 9 event stream it implies, read once with the
+trainer's streams alongside (``docs/trainers/prime-rl.md``, "How a run is read")."""
 
 from __future__ import annotations
 
@@ -23,12 +16,10 @@ from ....errors import ConfigError
 from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout
 from ...stream import Event
 from . import lazy
-from .annotations import StreamFeed, TraceFacts, Updates, scan_updates
-from .chunks import ChunkDamage, Line, read_files
-from .damage import Damage
+from .annotations import StreamFeed, TraceFacts, scan_updates
+from .chunks import ChunkDamage, Line, TracesLayout, find_layout, read_files
+from .damage import Damage, IndexCheck
 from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
-from .index import IndexCheck
-from .layout import TracesLayout, find_layout
 
 
 @dataclass
@@ -93,7 +84,7 @@ class ReadNotes:
     steps: dict[int, StepRule] = field(default_factory=dict)
 
     def left_out(self) -> str:
-        """One line: what was left out on purpose (not damage)."""
+        """What was left out on purpose (not damage), in one line."""
         parts = [
             (self.eval_episodes, "eval episodes"),
             (self.errored_traces, "errored traces"),
@@ -106,8 +97,7 @@ class ReadNotes:
 
 
 def _token_k3(sample: ParsedSample) -> npt.NDArray[np.float64]:
-    """prime-rl's per-token ``exp(d) - d - 1`` over a sample's covered sampled positions, ``d`` =
-    trainer - sampler log-probability, unclamped."""
+    """prime-rl's per-token ``exp(d) - d - 1`` over a sample's covered sampled positions, unclamped."""
     if sample.logprobs is None or sample.trainer_logprobs is None:
         return np.zeros(0)
     keep = (sample.mask == 1) & np.isfinite(sample.trainer_logprobs)
@@ -125,8 +115,6 @@ class PrimeRlRead:
 
     def __iter__(self) -> Iterator[Event]:
         return self._events()
-
-    # -- the episode stream -------------------------------------------------------------------------
 
     def _lines(self, index: IndexCheck) -> Iterator[tuple[Line, object]]:
         """``(line, episode proxy)`` of the stream in order, damage reported, torn lines handled."""
@@ -187,7 +175,10 @@ class PrimeRlRead:
         index.finish()
         for step in sorted(self._ships):
             yield Event(number, "ship", step=step, ids=tuple(self._ships[step]))
-        self._unknown(updates)
+        for trace_id, facts in updates.traces.items():  # updates for traces the stream never held
+            path, at = facts.where if facts.where is not None else ("annotations", 0)
+            reason = f"an update for trace {trace_id!r}, which the stream does not hold"
+            damage.report("unknown_trace", path, at, reason)
 
     def _episode(self, number: int, line: Line, doc: object, index: IndexCheck) -> list[Event]:
         """The events of one stream line: the ships its traces' arrivals pass, and the rollouts."""
@@ -317,18 +308,6 @@ class PrimeRlRead:
         rule.total.append(total)
         rule.in_flight.append(flight)
         rule.in_queue.append(total - flight)
-
-    def _unknown(self, updates: Updates) -> None:
-        """Updates naming a trace the stream never held (SPEC 9 damage)."""
-        damage = self.notes.damage
-        for trace_id, facts in updates.traces.items():
-            path, line = facts.where if facts.where is not None else ("annotations", 0)
-            damage.report(
-                "unknown_trace",
-                path,
-                line,
-                f"an update for trace {trace_id!r}, which the stream does not hold",
-            )
 
 
 def read_run_events(path: str | Path, *, max_staleness: int = 8, strict: bool = True) -> PrimeRlRead:
