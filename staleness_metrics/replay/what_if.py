@@ -209,8 +209,7 @@ def trained_cost(shipment: Shipment, band: tuple[float, float]) -> MismatchSums 
 
 def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> tuple[Tally, MismatchSums | None]:
     """:func:`run_tally` and the merged :func:`trained_cost` of the ships, in one pass."""
-    tally, cost, _ = _tally_cost_and_sums(shipments, band)
-    return tally, cost
+    return _tally_cost_and_sums(shipments, band)[:2]
 
 
 def _tally_cost_and_sums(
@@ -263,13 +262,6 @@ def _packed(steps: Sequence[Step]) -> list[RolloutBatch]:
 
 # below this, a fork and its hand-back cost about what a second core saves
 FORK_MIN_POSITIONS = 1 << 17
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _fork_safe() -> bool:
@@ -388,7 +380,9 @@ def what_if_with_curve(
     if processes is None:
         positions = None if packed is None else sum(int(p.position_offsets[-1]) for p in packed)
         processes = 2 if positions is None or positions >= FORK_MIN_POSITIONS else 1
-        processes = min(processes, _usable_cores())
+        # the cores this process may use (Linux), else all of them
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        processes = min(processes, cores or 1)
     # the same steps at every bound: in increasing order, those above the first that removed
     # nothing sharing its figures
     ascending = shared_steps is not None

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from ...errors import ConfigError, EventError
-from ..stream import Event, read_events, stream_compression
+from ..stream import Event, read_event_path, read_events, stream_compression
 from .events import EventDict, read_event_file
 from .prime_rl import (
     ComparisonRow,
@@ -160,7 +160,6 @@ def read_run(
         yield from read_run_events(path, max_staleness=max_staleness, strict=strict)
         return
     if kind == "events":
-        with open(path, "rb", buffering=1 << 20) as handle:  # as the replay command reads it
-            yield from read_events(handle, parse=parse)
+        yield from read_event_path(path, parse=parse)  # as the replay command reads it
         return
     yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step, strict=strict))
