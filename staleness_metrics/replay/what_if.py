@@ -356,13 +356,9 @@ def what_if_with_curve(
     *,
     processes: int | None = None,
 ) -> WhatIf:
-    """The rows of :func:`what_if` and the run's curve, each row judged by it.
-
-    The input is read and packed once; each bound runs a fresh sink over copies of the batches, so
-    every row equals a separate replay. ``processes=2`` replays half the bounds in a forked process
-    (``None``: with two cores and at least :data:`FORK_MIN_POSITIONS` positions); the rows are the
-    same.
-    """
+    """The rows of :func:`what_if` and the run's curve, each row judged by it. The input is read and
+    packed once, each row equals a separate replay; ``processes=2`` replays half the bounds in a
+    forked process (``None``: with two cores and :data:`FORK_MIN_POSITIONS` positions or more)."""
     base = config or StalenessConfig()
     bounds = list(bounds)
     steps_for, shared_steps = _steps_for(source, base.strict)

@@ -64,8 +64,7 @@ class IndexCheck:
         self._path = path
         self._damage = damage
         self._rows = self._read() if path is not None else iter(())
-        self._next: tuple[int, Position, str | None] | None = None
-        self._advance()
+        self._next: tuple[int, Position, str | None] | None = next(self._rows, None)
 
     def _read(self) -> Iterator[tuple[int, Position, str | None]]:
         assert self._path is not None
@@ -93,9 +92,6 @@ class IndexCheck:
                 position: Position = (-1 if chunk is None else chunk, offset)
                 yield number, position, name if isinstance(name, str) else None
 
-    def _advance(self) -> None:
-        self._next = next(self._rows, None)
-
     def _nowhere(self, reason: str) -> None:
         assert self._next is not None and self._path is not None
         number, (chunk, offset), name = self._next
@@ -106,7 +102,7 @@ class IndexCheck:
             number,
             f"the row of episode {name!r} points at {where}: {reason}",
         )
-        self._advance()
+        self._next = next(self._rows, None)
 
     def see(self, position: Position, episode_id: str | None) -> None:
         """The stream has a line at ``position`` holding ``episode_id`` (None: not an episode)."""
@@ -117,7 +113,7 @@ class IndexCheck:
             if name is not None and episode_id is not None and name != episode_id:
                 self._nowhere(f"the line there holds episode {episode_id!r}")
             else:
-                self._advance()
+                self._next = next(self._rows, None)
 
     def resume_inside(self, position: Position, size: int) -> int | None:
         """The offset of a row pointing inside the line at ``position`` (``size`` bytes)."""
