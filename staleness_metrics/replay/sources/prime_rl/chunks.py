@@ -170,35 +170,22 @@ class _Frames(io.RawIOBase):
 
 
 def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None]) -> Iterator[tuple[bool, Line]]:
-    """``(last, line)``: every line of ``files`` in order (``last``: in the last file); a chunk
-    that cannot be read on goes to ``on_damage`` and the next file is read."""
+    """``(last, line)``: every non-blank line of ``files`` in order (``last``: in the last file); a
+    chunk that cannot be read on goes to ``on_damage`` and the next file is read."""
     for position, file in enumerate(files):
-        lines = read_lines(file)
-        while True:
-            try:
-                line = next(lines)
-            except StopIteration:
-                break
-            except ChunkDamage as error:
-                on_damage(error)
-                break
-            yield position == len(files) - 1, line
-
-
-def read_lines(file: ChunkFile) -> Iterator[Line]:
-    """Every non-blank line of one stream file; :class:`ChunkDamage` where it cannot be read on."""
-    number = offset = 0
-    try:
-        with open(file.path, "rb", buffering=_BUFFER) as plain:
-            handle = io.BufferedReader(_Frames(plain), _BUFFER) if file.sealed else plain
-            for raw in handle:
-                number += 1
-                ended = raw.endswith(b"\n")
-                text = raw[:-1] if ended else raw
-                if text.strip():
-                    yield Line(file, number, offset, text, ended)
-                offset += len(raw)
-    except zstandard.ZstdError as error:
-        raise ChunkDamage(file.path, number + 1, f"corrupt zstd data after line {number} ({error})") from None
-    except OSError as error:
-        raise ChunkDamage(file.path, number + 1, f"cannot be read after line {number} ({error})") from None
+        number = offset = 0
+        try:
+            with open(file.path, "rb", buffering=_BUFFER) as plain:
+                handle = io.BufferedReader(_Frames(plain), _BUFFER) if file.sealed else plain
+                for raw in handle:
+                    number += 1
+                    ended = raw.endswith(b"\n")
+                    text = raw[:-1] if ended else raw
+                    if text.strip():
+                        yield position == len(files) - 1, Line(file, number, offset, text, ended)
+                    offset += len(raw)
+        except zstandard.ZstdError as error:
+            reason = f"corrupt zstd data after line {number} ({error})"
+            on_damage(ChunkDamage(file.path, number + 1, reason))
+        except OSError as error:
+            on_damage(ChunkDamage(file.path, number + 1, f"cannot be read after line {number} ({error})"))
