@@ -30,9 +30,9 @@ __all__ = [
 
 def is_prime_rl_run(path: str | Path) -> bool:
     """A prime-rl run directory of either layout (or a folder with only its ``metrics.jsonl``)."""
-    return is_current_layout(path) or legacy.is_prime_rl_run(path)
+    return has_rollouts(path) or (Path(path) / "metrics.jsonl").is_file()
 
 
 def has_rollouts(path: str | Path) -> bool:
     """Whether a prime-rl run directory holds episode records (not only ``metrics.jsonl``)."""
-    return is_current_layout(path) or legacy.has_rollouts(path)
+    return is_current_layout(path) or bool(legacy.step_dirs(Path(path)))

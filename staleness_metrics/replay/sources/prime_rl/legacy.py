@@ -15,17 +15,6 @@ from ..events import EventDict, iter_json_lines
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def is_prime_rl_run(path: str | Path) -> bool:
-    """A directory with ``rollouts/step_N/train`` folders or a ``metrics.jsonl``."""
-    root = Path(path)
-    return root.is_dir() and (bool(_step_dirs(root)) or (root / "metrics.jsonl").is_file())
-
-
-def has_rollouts(path: str | Path) -> bool:
-    """Whether a run directory holds episode records (not only ``metrics.jsonl``)."""
-    return bool(_step_dirs(Path(path)))
-
-
 def episode_rollout(record: Mapping[str, Any]) -> EventDict:
     """One episode record -> one SPEC 3 rollout (each trace one unlabelled position)."""
     episode_id = record.get("id")
@@ -56,7 +45,8 @@ def episode_rollout(record: Mapping[str, Any]) -> EventDict:
     return rollout
 
 
-def _step_dirs(root: Path) -> dict[int, Path]:
+def step_dirs(root: Path) -> dict[int, Path]:
+    """The ``rollouts/step_N/train`` folders by step."""
     rollouts = root / "rollouts"
     if not rollouts.is_dir():
         return {}
@@ -95,7 +85,7 @@ def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[Ev
     never-shipped episode enters when stale at its arrival under ``max_staleness`` (the sink drops
     it)."""
     root = Path(run_dir)
-    steps = _step_dirs(root)
+    steps = step_dirs(root)
     if not steps:
         raise EventError(0, f"{root}: no rollouts/step_N/train folders (not a prime-rl run directory)")
     effective = {step: train / "effective" / "traces.jsonl" for step, train in steps.items()}
@@ -120,7 +110,7 @@ def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[Ev
 def shipped_counts(run_dir: Path) -> dict[int, tuple[int, int]]:
     """``(live, frozen)`` episodes per step in the effective files."""
     counts = {}
-    for step, train in _step_dirs(run_dir).items():
+    for step, train in step_dirs(run_dir).items():
         rollouts = list(_episodes(train / "effective" / "traces.jsonl"))
         frozen = sum(rollout.get("source") == "frozen" for rollout in rollouts)
         counts[step] = (len(rollouts) - frozen, frozen)
