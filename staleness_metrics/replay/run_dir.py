@@ -1,6 +1,5 @@
-"""A run directory: what a run wrote beside its event stream, named by a ``run.json`` (format in
-docs/run-inputs.md). ``staleness-metrics demo`` writes one; ``report`` and ``what-if`` read it.
-"""
+"""A run directory: what a run wrote beside its event stream, named by a ``run.json``
+(docs/run-inputs.md): ``demo`` writes one, ``report`` and ``what-if`` read it."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ from ..config import StalenessConfig
 from ..errors import ConfigError, EventError
 from ..metrics.mismatch import MismatchSums
 from .sources.events import EventDict, iter_json_lines, read_event_file
-
-__all__ = ["RUN_FILE", "RUN_FORMAT", "RunDirectory", "find_run", "write_run_file"]
 
 RUN_FILE = "run.json"
 RUN_FORMAT = "staleness-metrics run"
@@ -36,8 +33,7 @@ class RunDirectory:
     steps: int | None = None
 
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
-        """The run's settings as a :class:`StalenessConfig`, ``overrides`` applied (``ConfigError``
-        names ``run.json`` when a setting is not one)."""
+        """The run's settings, ``overrides`` applied (a bad one: ``ConfigError`` naming run.json)."""
         known = {f.name for f in fields(StalenessConfig)}
         settings = {k: v for k, v in self.config.items() if k in known}
         settings.update(overrides)

@@ -24,22 +24,7 @@ from ..errors import ConfigError, EventError, TraceError
 from ..records import jsonio, simd_records
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ..records.model import ParsedRollout, UnparsedRollout, pack, parse_or_error
-from ..records.validation import Verdicts
-
-__all__ = [
-    "Added",
-    "Event",
-    "open_decompressed",
-    "pack_once",
-    "parse_event",
-    "prepare",
-    "read_event_path",
-    "read_events",
-    "replay",
-    "run_events",
-    "run_steps",
-    "stream_compression",
-]
+from ..records.validation import Verdicts, lone_surrogate
 
 
 @dataclass(frozen=True)
@@ -85,7 +70,6 @@ def parse_event(line: int, raw: object) -> Event:
 
 
 def _decoded(number: int, text: str | bytes) -> Event:
-    """One line decoded by :func:`.jsonio.loads_checked` and checked as an event."""
     try:
         raw, valid_unicode = jsonio.loads_checked(text)
     except jsonio.DecodeError as error:
@@ -102,8 +86,7 @@ def _decoded(number: int, text: str | bytes) -> Event:
 
 
 def _bad_json(text: str | bytes, error: jsonio.DecodeError) -> str:
-    """Why a line is not JSON, naming a NUL byte or invalid UTF-8 rather than the parser's
-    complaint about what followed."""
+    """Why a line is not JSON: a NUL byte or invalid UTF-8 named before the parser's complaint."""
     nul = text.find(b"\x00" if isinstance(text, bytes) else "\x00")  # type: ignore[arg-type]
     if nul >= 0:
         return f"a NUL byte at column {nul + 1}: not a line of UTF-8 JSON (binary data, or UTF-16/32 text?)"
@@ -115,28 +98,20 @@ def _bad_json(text: str | bytes, error: jsonio.DecodeError) -> str:
     return f"bad JSON: {error.msg}"
 
 
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def _invalid_string(value: object) -> tuple[str, str] | None:
-    """The first string (key or value) in ``value`` that is not valid Unicode: ``(where, string)``,
-    ``where`` as the validation names fields (``samples[0].mask``). A stack: no recursion limit."""
+    """``(where, string)`` of the first string (key or value) that is not valid Unicode, ``where``
+    as the validation names fields (``samples[0].mask``). A stack: no recursion limit."""
     stack: list[tuple[object, str]] = [(value, "")]
     while stack:
         item, where = stack.pop()
         if isinstance(item, str):
-            if not _encodable(item):
+            if lone_surrogate(item) is not None:
                 return where, item
         elif isinstance(item, dict):
             entries = []
             for key, sub in item.items():
                 name = f"{where}.{key}" if where else key
-                if not _encodable(key):
+                if lone_surrogate(key) is not None:
                     return name, key
                 if isinstance(sub, (str, dict, list)):
                     entries.append((sub, name))
@@ -150,34 +125,24 @@ def _invalid_string(value: object) -> tuple[str, str] | None:
     return None
 
 
-def _escaped(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
 def _unicode_reason(text: str | bytes, string: str) -> str:
-    """Why ``string`` is not valid Unicode: a byte of invalid UTF-8 in the line (``surrogateescape``
-    made it U+DC80..U+DCFF), or a lone surrogate written as an escape."""
+    """Why ``string`` is not valid Unicode: invalid UTF-8 in the line (``surrogateescape`` made its
+    bytes U+DC80..U+DCFF), or a lone surrogate written as an escape."""
     char = next(c for c in string if "\ud800" <= c <= "\udfff")
-    if isinstance(text, bytes) and "\udc80" <= char <= "\udcff" and not _is_utf8(text):
-        return f"not valid UTF-8 (byte 0x{ord(char) - 0xDC00:02x})"
+    if isinstance(text, bytes) and "\udc80" <= char <= "\udcff":
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError:
+            return f"not valid UTF-8 (byte 0x{ord(char) - 0xDC00:02x})"
     return f"not valid Unicode (a lone surrogate \\u{ord(char):04x})"
 
 
-def _is_utf8(text: bytes) -> bool:
-    try:
-        text.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 def _unicode_checked(event: Event, text: str | bytes) -> Event:
-    """``event`` (of a line the standard library decoded, not orjson) with its strings checked: a
-    rollout holding invalid Unicode is refused as invalid input, a ship naming such an id is a
-    malformed line."""
+    """``event`` with its strings checked: a rollout holding invalid Unicode is refused as invalid
+    input, a ship naming such an id is a malformed line."""
     if event.kind == "ship" and event.ids:
         for rid in event.ids:
-            if not _encodable(rid):
+            if lone_surrogate(rid) is not None:
                 raise EventError(event.line, f"'ids': {rid!r} is {_unicode_reason(text, rid)}")
         return event
     if event.kind != "rollout" or event.rollout is None:
@@ -190,10 +155,11 @@ def _unicode_checked(event: Event, text: str | bytes) -> Event:
     record_id, env = raw.get("id"), raw.get("env")
     error = TraceError(
         record_id if isinstance(record_id, str) else None,
-        _escaped(where),
+        where.encode("utf-8", "backslashreplace").decode("utf-8"),
         _unicode_reason(text, string),
     )
-    unparsed = UnparsedRollout(error, env if isinstance(env, str) and _encodable(env) else None)
+    known_env = isinstance(env, str) and lone_surrogate(env) is None
+    unparsed = UnparsedRollout(error, env if known_env else None)
     return Event(event.line, "rollout", unparsed=unparsed)
 
 
@@ -335,11 +301,8 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
 
 
 def pack_once(steps: Iterable[Step]) -> list[Step]:
-    """The steps with each :class:`Added`'s rollouts packed and checked once, for several runs.
-
-    Each run adds a copy of the batch (a sink masks in place). The checks depend only on the batch
-    and the ids accepted before it, the same in every run (a sink accepts every valid rollout).
-    """
+    """The steps with each :class:`Added`'s rollouts packed and checked once, for several runs (the
+    checks depend only on the batch and the ids accepted before it: the same in every run)."""
     out: list[Step] = []
     accepted: set[str] = set()
     for step in steps:
@@ -359,8 +322,7 @@ def pack_once(steps: Iterable[Step]) -> list[Step]:
 
 
 def _read_only(shared: RolloutBatch | SpanTable, but: tuple[str, ...] = ()) -> None:
-    """Make the arrays every run shares read-only, ``but`` those a sink masks in place (in its own
-    copy, :func:`_copy`): a sink that wrote into one fails rather than change the other runs."""
+    """The arrays every run shares, ``but`` those a sink masks in place (in its copy), read-only."""
     for f in dataclasses.fields(shared):
         if isinstance(value := getattr(shared, f.name), np.ndarray) and f.name not in but:
             value.setflags(write=False)
@@ -416,9 +378,13 @@ def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
     return list(run_events(events, Sink(config)))
 
 
-# Files that are not UTF-8 text, known by their first bytes. gzip, bzip2 and xz are read as they are
-# (the standard library decompresses them); the others are named, with how to make them readable.
-_READABLE = ("gzip", "bzip2", "xz")
+# Files that are not UTF-8 text, by their first bytes: gzip, bzip2 and xz are read as they are; the
+# others are named, with how to make them readable.
+_OPENERS: dict[str, Callable[[IO[bytes]], IO[bytes]]] = {
+    "gzip": lambda raw: cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb")),
+    "bzip2": bz2.BZ2File,
+    "xz": lzma.LZMAFile,
+}
 _MAGIC: tuple[tuple[bytes, str], ...] = (
     (b"\x1f\x8b", "gzip"),
     (b"BZh", "bzip2"),
@@ -445,7 +411,7 @@ def stream_compression(path: str | Path) -> str | None:
         head = handle.read(6)
     for magic, kind in _MAGIC:
         if head.startswith(magic) and (kind != "bzip2" or head[3:4].isdigit()):
-            if kind in _READABLE:
+            if kind in _OPENERS:
                 return kind
             raise ConfigError(f"{path}: {_HOW[kind].format(path=path)}")
     return None
@@ -453,13 +419,7 @@ def stream_compression(path: str | Path) -> str | None:
 
 def open_decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
     """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`)."""
-    if compression is None:
-        return raw
-    if compression == "gzip":
-        return cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb"))
-    if compression == "bzip2":
-        return bz2.BZ2File(raw)
-    return lzma.LZMAFile(raw)
+    return raw if compression is None else _OPENERS[compression](raw)
 
 
 def read_event_path(
@@ -469,9 +429,8 @@ def read_event_path(
     read_ahead: bool = False,
     opener: Callable[[Path], AbstractContextManager[IO[bytes]]] | None = None,
 ) -> Generator[Event, None, None]:
-    """The events of a SPEC 9 event stream file, decompressed if it is; ``parse`` and
-    ``read_ahead`` as :func:`read_events`, ``opener`` opens the file's bytes. Compressed data found
-    damaged or cut short raises :class:`ConfigError` naming the file."""
+    """The events of a SPEC 9 event stream file, decompressed if it is (damaged or cut compressed
+    data: :class:`ConfigError`); ``parse`` and ``read_ahead`` as :func:`read_events`."""
     path = Path(path)
     compression = stream_compression(path)
     with (opener or _open_buffered)(path) as raw, open_decompressed(raw, compression) as handle:

@@ -1,10 +1,6 @@
-"""What if the bound were different: the same run replayed at each ``max_staleness`` of a range.
-
-Every figure is a sum of the replay's own per-ship tallies over the run, so the row of the bound a run
-used equals what ``replay`` reports; the cost columns are SPEC 11 sums over the tokens a bound lets
-train, and the run's curve (SPEC 14 over every position the records hold) judges each bound. The
-columns are defined in docs/run-inputs.md and docs/decisions.md ("What-if cost").
-"""
+"""What if the bound were different: the same run replayed at each ``max_staleness`` of a range,
+each row the sum of the replay's per-ship tallies (the columns: docs/run-inputs.md and
+docs/decisions.md, "What-if cost")."""
 
 from __future__ import annotations
 
@@ -32,27 +28,10 @@ from ..metrics.bound import Curve, Floor, advise, budget_of, excess_curve, selec
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..metrics.report import Tally
 from ..parallel import POOL_THREAD_PREFIX
+from ..records.columnar import RolloutBatch
 from .run_dir import find_run
 from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
 from .stream import Added, Step, pack_once, prepare, read_event_path, run_steps
-
-__all__ = [
-    "FORK_MIN_POSITIONS",
-    "RunCurve",
-    "WhatIf",
-    "WhatIfRow",
-    "describe_curve",
-    "format_table",
-    "parse_bounds",
-    "run_curve",
-    "run_tally",
-    "shipped_values",
-    "tally_and_cost",
-    "to_json",
-    "trained_cost",
-    "what_if",
-    "what_if_with_curve",
-]
 
 UNBOUNDED = 1 << 30  # a bound no lag reaches: the replay drops nothing for staleness
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
@@ -230,8 +209,7 @@ def trained_cost(shipment: Shipment, band: tuple[float, float]) -> MismatchSums 
 
 def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> tuple[Tally, MismatchSums | None]:
     """:func:`run_tally` and the merged :func:`trained_cost` of the ships, in one pass."""
-    tally, cost, _ = _tally_cost_and_sums(shipments, band)
-    return tally, cost
+    return _tally_cost_and_sums(shipments, band)[:2]
 
 
 def _tally_cost_and_sums(
@@ -261,9 +239,8 @@ Source = str | Path | Sequence[EventDict]
 
 
 def _steps_for(source: Source, strict: bool = True) -> tuple[Callable[[int], Iterable[Step]], list[Step] | None]:
-    """The prepared steps of each bound, and the steps when every bound shares them (else None: a
-    prime-rl run directory is read per bound, since which unshipped episodes were stale depends
-    on it)."""
+    """The prepared steps of each bound, and the steps when every bound shares them (None: a
+    prime-rl run is read per bound, as which unshipped episodes enter depends on it)."""
     if isinstance(source, (str, Path)):
         run = find_run(source)
         if run is not None:  # the events joined to the trainer's log-probabilities
@@ -279,34 +256,16 @@ def _steps_for(source: Source, strict: bool = True) -> tuple[Callable[[int], Ite
     return (lambda bound: steps), steps
 
 
-def _carries_trainer_logprobs(steps: Sequence[Step] | None) -> bool:
-    """Whether some record of ``steps`` may carry ``trainer_logprobs`` (True when unknown)."""
-    if steps is None:
-        return True
-    return any(isinstance(s, Added) and s.packed is not None and s.packed.trainer_logprobs is not None for s in steps)
-
-
-def _positions(steps: Sequence[Step] | None) -> int | None:
-    """The positions the steps hold (None when the steps depend on the bound)."""
-    if steps is None:
-        return None
-    return sum(int(s.packed.position_offsets[-1]) for s in steps if isinstance(s, Added) and s.packed is not None)
+def _packed(steps: Sequence[Step]) -> list[RolloutBatch]:
+    return [s.packed for s in steps if isinstance(s, Added) and s.packed is not None]
 
 
 # below this, a fork and its hand-back cost about what a second core saves
 FORK_MIN_POSITIONS = 1 << 17
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def _fork_safe() -> bool:
-    """A fork copies the calling thread only: safe when every other thread is the engine's idle
-    pool (:mod:`staleness_metrics.parallel`)."""
+    """A fork copies the calling thread only: safe when every other thread is the engine's pool."""
     if not hasattr(os, "fork"):
         return False
     current = threading.current_thread()
@@ -317,8 +276,7 @@ Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 
 
 def _removes_nothing(replayed: Replayed) -> bool:
-    """Whether a replay masked, dropped and held nothing: every larger bound then replays alike
-    (every policy is monotonic in the bound, SPEC 5)."""
+    """Whether a replay removed nothing: every larger bound then replays alike (SPEC 5)."""
     tally = replayed[0]
     return not (
         tally.tokens_masked or tally.tokens_dropped or tally.samples_dropped or tally.rollouts_dropped
@@ -329,8 +287,8 @@ def _removes_nothing(replayed: Replayed) -> bool:
 def _replay_until_error(
     jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool = False
 ) -> dict[int, Replayed]:
-    """``replay_at`` of each job in order, up to the first that raises (left for the caller to
-    raise) or, ``ascending``, the first that removed nothing (its figures every later job's)."""
+    """``replay_at`` of each job in order, up to the first that raises (for the caller to raise) or,
+    ``ascending``, the first that removed nothing (its figures every later job's)."""
     done: dict[int, Replayed] = {}
     for job in jobs:
         try:
@@ -357,9 +315,8 @@ def _replay_share(jobs: Sequence[int], ascending: bool) -> dict[int, Replayed]:
 
 
 def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool) -> dict[int, Replayed]:
-    """``replay_at`` of the jobs on two cores, every other one in a forked worker: each share as
-    :func:`_replay_until_error` runs it. What a share left out (and the worker's share should it
-    fail) the caller replays in order, raising what a run in order raises."""
+    """``replay_at`` of the jobs on two cores, every other one in a forked worker; what a share left
+    out (or a failed worker's share) the caller replays in order, raising what that raises."""
     first, second = list(jobs[::2]), list(jobs[1::2])
     fork = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(1, mp_context=fork, initializer=_inherit, initargs=(replay_at,)) as pool:
@@ -399,13 +356,9 @@ def what_if_with_curve(
     *,
     processes: int | None = None,
 ) -> WhatIf:
-    """The rows of :func:`what_if` and the run's curve, each row judged by it.
-
-    The input is read and packed once; each bound runs a fresh sink over copies of the batches, so
-    every row equals a separate replay. ``processes=2`` replays half the bounds in a forked process
-    (``None``: with two cores and at least :data:`FORK_MIN_POSITIONS` positions); the rows are the
-    same.
-    """
+    """The rows of :func:`what_if` and the run's curve, each row judged by it. The input is read and
+    packed once, each row equals a separate replay; ``processes=2`` replays half the bounds in a
+    forked process (``None``: with two cores and :data:`FORK_MIN_POSITIONS` positions or more)."""
     base = config or StalenessConfig()
     bounds = list(bounds)
     steps_for, shared_steps = _steps_for(source, base.strict)
@@ -417,12 +370,15 @@ def what_if_with_curve(
         sink = Sink(dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False)
         return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
 
+    packed = None if shared_steps is None else _packed(shared_steps)
     # without trainer log-probabilities the run has no curve, at any bound
-    costs = _carries_trainer_logprobs(shared_steps)
+    costs = packed is None or any(p.trainer_logprobs is not None for p in packed)
     if processes is None:
-        positions = _positions(shared_steps)
+        positions = None if packed is None else sum(int(p.position_offsets[-1]) for p in packed)
         processes = 2 if positions is None or positions >= FORK_MIN_POSITIONS else 1
-        processes = min(processes, _usable_cores())
+        # the cores this process may use (Linux), else all of them
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        processes = min(processes, cores or 1)
     # the same steps at every bound: in increasing order, those above the first that removed
     # nothing sharing its figures
     ascending = shared_steps is not None

@@ -1,15 +1,6 @@
-"""Inputs from real runs turned into the SPEC 9 event stream.
-
-:func:`detect_and_read` picks the reader by what ``path`` is:
-
-- a directory: a prime-rl run directory, current layout (``monitors/file/traces/``) or older
-  (``rollouts/step_N``) (:mod:`.prime_rl`);
-- a JSONL file whose first object has ``type``: the generic event stream of SPEC 9;
-- a JSONL file whose first object (or first list's first object) has ``response_ids``: xtuner
-  rollout states (:mod:`.xtuner`);
-- a JSONL file of logged rows with ``step`` (``--metrics-out``, W&B exports, prime-rl
-  ``metrics.jsonl``): metrics only, which ``report`` can plot but nothing can replay.
-"""
+"""Inputs from real runs turned into the SPEC 9 event stream: event files, prime-rl run directories
+(either layout, :mod:`.prime_rl`) and xtuner states (:mod:`.xtuner`); :func:`detect_source` tells
+them apart (the table in docs/run-inputs.md)."""
 
 from __future__ import annotations
 
@@ -20,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from ...errors import ConfigError, EventError
-from ..stream import Event, read_events, stream_compression
+from ..stream import Event, read_event_path, read_events, stream_compression
 from .events import EventDict, read_event_file
 from .prime_rl import (
     ComparisonRow,
@@ -96,8 +87,8 @@ def detect_source(path: str | Path) -> SourceKind:
 
 
 def is_event_file(path: str | Path) -> bool:
-    """Whether ``path`` is read as a SPEC 9 event stream: a compressed file, a file whose first
-    object has ``type``, or one whose first line is not JSON (the event reader names the fault)."""
+    """Whether ``path`` is read as a SPEC 9 event stream: compressed, a first object with ``type``,
+    or a first line that is not JSON (the event reader names the fault)."""
     if Path(path).is_file() and stream_compression(path) is not None:
         return True
     try:
@@ -111,8 +102,7 @@ def detect_and_read(
 ) -> Iterator[EventDict]:
     """The SPEC 9 events of a run input, whatever its format: ``max_staleness`` the bound they
     will be replayed at (it decides which unshipped prime-rl episodes enter), ``step`` an xtuner
-    file's ship step, ``strict`` whether a damaged prime-rl run stops (else damage is counted).
-    """
+    file's ship step, ``strict`` whether a damaged prime-rl run stops (else damage is counted)."""
     kind = detect_source(path)
     if kind == "prime-rl" and is_current_layout(path):
         return (_event_dict(event) for event in read_run_events(path, max_staleness=max_staleness, strict=strict))
@@ -133,7 +123,6 @@ def detect_and_read(
 
 
 def _event_dict(event: Event) -> EventDict:
-    """A checked event back as its SPEC 9 dict."""
     if event.kind != "rollout":
         ids = {"ids": list(event.ids)} if event.ids is not None else {}
         return {"type": event.kind, "step": event.step, **ids}
@@ -171,7 +160,6 @@ def read_run(
         yield from read_run_events(path, max_staleness=max_staleness, strict=strict)
         return
     if kind == "events":
-        with open(path, "rb", buffering=1 << 20) as handle:  # as the replay command reads it
-            yield from read_events(handle, parse=parse)
+        yield from read_event_path(path, parse=parse)  # as the replay command reads it
         return
     yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step, strict=strict))

@@ -9,15 +9,12 @@ from typing import Any
 
 from ...errors import EventError
 
-__all__ = ["EventDict", "iter_json_lines", "read_event_file"]
-
 # One SPEC 9 event as a plain dict: {"type": "rollout" | "sweep" | "ship", ...}.
 EventDict = dict[str, Any]
 
 
 def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """``(line_number, value)`` for every non-blank line; bad JSON raises
-    ``EventError`` naming the file."""
+    """``(line_number, value)`` for every non-blank line; bad JSON: ``EventError`` naming the file."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():

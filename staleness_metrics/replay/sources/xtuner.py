@@ -1,11 +1,5 @@
-"""xtuner rollout states (``RolloutState`` as JSON) as a SPEC 9 event stream
-(``docs/run-inputs.md``, "xtuner rollout states").
-
-A state is one rollout with one sample (``response_mask`` -> ``mask``, ``response_model_steps`` ->
-``token_versions``; dispatch and completion versions their oldest and newest). Only ``completed``
-states enter by default; the stream ends with one ``ship`` at ``step`` (default: the newest
-version + 1). A line holds one state or a list of them (a prompt group).
-"""
+"""xtuner rollout states (``RolloutState`` as JSON) as a SPEC 9 event stream: one rollout per
+state, then one ``ship`` (``docs/run-inputs.md``, "xtuner rollout states")."""
 
 from __future__ import annotations
 
@@ -16,8 +10,6 @@ from typing import Any
 
 from ...errors import EventError
 from .events import EventDict, iter_json_lines
-
-__all__ = ["XtunerRead", "read_xtuner_states", "state_rollout"]
 
 DEFAULT_STATUSES = ("completed",)
 

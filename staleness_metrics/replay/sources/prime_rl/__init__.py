@@ -1,19 +1,15 @@
-"""prime-rl runs as SPEC 9 event streams, in either of prime-rl's on-disk layouts.
-
-The current layout (PR #3444 on: ``monitors/file/traces/``): :func:`read_run_events` (:mod:`.run`),
-over :mod:`.layout`, :mod:`.chunks`, :mod:`.index`, :mod:`.annotations`, :mod:`.episodes` and
-:mod:`.damage`. The older ``rollouts/step_N`` layout: :mod:`.legacy`. prime-rl's own logged values
-beside ours, for either: :mod:`.compare`. The readings: ``docs/trainers/prime-rl.md``.
-"""
+"""prime-rl runs as SPEC 9 event streams: the current layout (``monitors/file/traces/``,
+:mod:`.run`), the older ``rollouts/step_N`` one (:mod:`.legacy`), and prime-rl's own logged values
+beside ours (:mod:`.compare`). The readings: ``docs/trainers/prime-rl.md``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from . import legacy
+from .chunks import is_current_layout
 from .compare import ComparisonRow, compare_prime_rl, comparison_summary, read_prime_rl_metrics
 from .episodes import fold_streams
-from .layout import is_current_layout
 from .legacy import read_prime_rl
 from .run import PrimeRlRead, read_run_events
 
@@ -34,9 +30,9 @@ __all__ = [
 
 def is_prime_rl_run(path: str | Path) -> bool:
     """A prime-rl run directory of either layout (or a folder with only its ``metrics.jsonl``)."""
-    return is_current_layout(path) or legacy.is_prime_rl_run(path)
+    return has_rollouts(path) or (Path(path) / "metrics.jsonl").is_file()
 
 
 def has_rollouts(path: str | Path) -> bool:
     """Whether a prime-rl run directory holds episode records (not only ``metrics.jsonl``)."""
-    return is_current_layout(path) or legacy.has_rollouts(path)
+    return is_current_layout(path) or bool(legacy.step_dirs(Path(path)))

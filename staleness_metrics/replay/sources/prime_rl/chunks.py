@@ -1,24 +1,105 @@
-"""The lines of a prime-rl stream, chunk after chunk, plain or sealed (zstd), with where each one
-starts (offsets in decompressed bytes, as prime-rl's index gives them).
-
-A sealed chunk is read front to back as independent zstd frames (the seek table is a skippable
-frame). A corrupt or cut chunk is :class:`ChunkDamage`, for the caller's strictness to decide; a
-last line without its newline (a process that died mid-append) has ``ended`` False.
-"""
+"""A prime-rl run's files in the current layout (``prime-rl-traces.md`` section 1: under
+``<run>/monitors/file/``), and the lines of its streams, chunk after chunk, plain or sealed (zstd
+frames), each with its offset in decompressed bytes, as prime-rl's index gives them."""
 
 from __future__ import annotations
 
 import io
+import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import zstandard
 
-from .layout import ChunkFile
+_CHUNK = re.compile(r"^(\d+)\.jsonl(\.zst)?$")
+_INDEX_SUFFIX = ".index.jsonl"
 
-__all__ = ["ChunkDamage", "Line", "open_chunk", "read_files", "read_lines"]
+
+@dataclass(frozen=True)
+class ChunkFile:
+    """One file of a stream: ``number`` its chunk (None: single file), ``sealed`` when zstd."""
+
+    path: Path
+    number: int | None
+    sealed: bool
+
+
+@dataclass(frozen=True)
+class TracesLayout:
+    """The files of a run in the current layout, each stream's files in reading order."""
+
+    traces: Path
+    stream: list[ChunkFile]
+    index: Path | None
+    annotations: dict[str, list[ChunkFile]] = field(default_factory=dict)
+    metrics: Path | None = None
+
+
+def _chunks(folder: Path) -> list[ChunkFile]:
+    """A chunked stream's files in chunk order, a plain file preferred to its sealed twin (as
+    prime-rl's reader does)."""
+    found: dict[int, ChunkFile] = {}
+    for path in folder.iterdir():
+        match = _CHUNK.match(path.name)
+        if match is None or not path.is_file():
+            continue
+        number, sealed = int(match.group(1)), match.group(2) is not None
+        if number not in found or (found[number].sealed and not sealed):
+            found[number] = ChunkFile(path, number, sealed)
+    return [found[number] for number in sorted(found)]
+
+
+def _stream_files(base: Path) -> list[ChunkFile]:
+    """``base.jsonl`` then ``base/`` chunks (a run relaunched by a newer prime-rl holds both)."""
+    files = []
+    single = base.with_name(base.name + ".jsonl")
+    if single.is_file():
+        files.append(ChunkFile(single, None, False))
+    if base.is_dir():
+        files.extend(_chunks(base))
+    return files
+
+
+def find_layout(path: str | Path) -> TracesLayout | None:
+    """The files of the run at ``path`` (root, ``monitors/file`` or ``traces``), if it has a stream."""
+    root = Path(path)
+    if not root.is_dir():
+        return None
+    for traces in (root / "monitors" / "file" / "traces", root / "traces", root):
+        if (traces / "stream").is_dir() or (traces / "stream.jsonl").is_file():
+            break
+    else:
+        return None
+    index = traces / f"stream{_INDEX_SUFFIX}"
+    annotations: dict[str, list[ChunkFile]] = {}
+    folder = traces / "annotations"
+    if folder.is_dir():
+        names = {p.name for p in folder.iterdir() if p.is_dir()}
+        names |= {
+            p.name.removesuffix(".jsonl")
+            for p in folder.iterdir()
+            if p.is_file() and p.name.endswith(".jsonl") and not p.name.endswith(_INDEX_SUFFIX)
+        }
+        for name in sorted(names):
+            files = _stream_files(folder / name)
+            if files:
+                annotations[name] = files
+    metrics = traces.parent / "metrics.jsonl"
+    return TracesLayout(
+        traces=traces,
+        stream=_stream_files(traces / "stream"),
+        index=index if index.is_file() else None,
+        annotations=annotations,
+        metrics=metrics if metrics.is_file() else None,
+    )
+
+
+def is_current_layout(path: str | Path) -> bool:
+    """Whether ``path`` holds a prime-rl trace stream in the current layout."""
+    return find_layout(path) is not None
+
 
 _BUFFER = 1 << 20  # lines of long episodes are hundreds of KB
 
@@ -46,8 +127,8 @@ class Line:
 
 
 class _Frames(io.RawIOBase):
-    """The decompressed bytes of a file of zstd frames; ``zstandard.ZstdError`` for a corrupt or
-    cut frame (the package's stream reader ends quietly on a cut file)."""
+    """The decompressed bytes of a file of zstd frames; ``ZstdError`` for a corrupt or cut frame
+    (zstandard's own stream reader ends quietly on a cut file)."""
 
     def __init__(self, raw: IO[bytes]) -> None:
         self._raw = raw
@@ -87,48 +168,24 @@ class _Frames(io.RawIOBase):
         self._out = self._out[size:]
         return size
 
-    def close(self) -> None:
-        self._raw.close()
-        super().close()
-
-
-def open_chunk(file: ChunkFile) -> IO[bytes]:
-    """The decompressed bytes of a stream file, buffered."""
-    raw = open(file.path, "rb", buffering=_BUFFER)  # noqa: SIM115 (closed with the reader)
-    if not file.sealed:
-        return raw
-    return io.BufferedReader(_Frames(raw), _BUFFER)
-
 
 def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None]) -> Iterator[tuple[bool, Line]]:
-    """``(last, line)``: every line of ``files`` in order (``last``: in the last file); a chunk
-    that cannot be read on goes to ``on_damage`` and the next file is read."""
+    """``(last, line)``: every non-blank line of ``files`` in order (``last``: in the last file); a
+    chunk that cannot be read on goes to ``on_damage`` and the next file is read."""
     for position, file in enumerate(files):
-        lines = read_lines(file)
-        while True:
-            try:
-                line = next(lines)
-            except StopIteration:
-                break
-            except ChunkDamage as error:
-                on_damage(error)
-                break
-            yield position == len(files) - 1, line
-
-
-def read_lines(file: ChunkFile) -> Iterator[Line]:
-    """Every non-blank line of one stream file; :class:`ChunkDamage` where it cannot be read on."""
-    number = offset = 0
-    try:
-        with open_chunk(file) as handle:
-            for raw in handle:
-                number += 1
-                ended = raw.endswith(b"\n")
-                text = raw[:-1] if ended else raw
-                if text.strip():
-                    yield Line(file, number, offset, text, ended)
-                offset += len(raw)
-    except zstandard.ZstdError as error:
-        raise ChunkDamage(file.path, number + 1, f"corrupt zstd data after line {number} ({error})") from None
-    except OSError as error:
-        raise ChunkDamage(file.path, number + 1, f"cannot be read after line {number} ({error})") from None
+        number = offset = 0
+        try:
+            with open(file.path, "rb", buffering=_BUFFER) as plain:
+                handle = io.BufferedReader(_Frames(plain), _BUFFER) if file.sealed else plain
+                for raw in handle:
+                    number += 1
+                    ended = raw.endswith(b"\n")
+                    text = raw[:-1] if ended else raw
+                    if text.strip():
+                        yield position == len(files) - 1, Line(file, number, offset, text, ended)
+                    offset += len(raw)
+        except zstandard.ZstdError as error:
+            reason = f"corrupt zstd data after line {number} ({error})"
+            on_damage(ChunkDamage(file.path, number + 1, reason))
+        except OSError as error:
+            on_damage(ChunkDamage(file.path, number + 1, f"cannot be read after line {number} ({error})"))

@@ -1,12 +1,6 @@
 """prime-rl's own logged values beside the recomputed ones, step by step (SPEC 9: read for
-comparison, never as input; ``docs/trainers/prime-rl.md``, "Against prime-rl's own numbers").
-
-``metrics.jsonl`` rows of one step are merged (one per producer in the current layout). Compared:
-the orchestrator's ``off_policy/*`` (or ``staleness/*``), which prime-rl computes per episode with
-frozen ones as 0, and the trainer's ``mismatch_kl/<all|env>/*`` (per token, frozen samples
-included, from full-precision log-probabilities: within :data:`MISMATCH_TOLERANCE` of the records'
-4-decimal values). ``legacy_rule`` is prime-rl's rule recomputed from the records.
-"""
+comparison, never as input), and prime-rl's rule recomputed from the records
+(``docs/trainers/prime-rl.md``, "Against prime-rl's own numbers")."""
 
 from __future__ import annotations
 
@@ -20,18 +14,9 @@ from ....metrics import keys
 from ....metrics.metric_table import LEGACY_KEYS, env_key
 from ....metrics.report import StepReport
 from ..events import iter_json_lines
-from .layout import find_layout
+from .chunks import find_layout
 from .legacy import shipped_counts
 from .run import ReadNotes, StepRule
-
-__all__ = [
-    "MISMATCH_TOLERANCE",
-    "ComparisonRow",
-    "compare_prime_rl",
-    "comparison_summary",
-    "describe_comparison",
-    "read_prime_rl_metrics",
-]
 
 _MEAN_KEYS = frozenset({keys.ROLLOUT_MEAN, keys.ROLLOUT_IN_FLIGHT_MEAN, keys.ROLLOUT_IN_QUEUE_MEAN})
 _MAX_KEYS = frozenset({keys.ROLLOUT_MAX, keys.ROLLOUT_IN_FLIGHT_MAX, keys.ROLLOUT_IN_QUEUE_MAX})
@@ -80,20 +65,14 @@ class ComparisonRow:
     note: str = ""
 
 
-def _metrics_path(run_dir: Path) -> Path | None:
-    layout = find_layout(run_dir)
-    if layout is not None and layout.metrics is not None:
-        return layout.metrics
-    path = run_dir / "metrics.jsonl"
-    return path if path.is_file() else None
-
-
 def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """``metrics.jsonl`` rows by step, a step's rows merged in file order (rows without a step are
-    skipped)."""
-    path = _metrics_path(Path(run_dir))
+    """``metrics.jsonl`` rows by step, a step's rows (one per producer) merged in file order."""
+    layout = find_layout(run_dir)
+    path = Path(run_dir) / "metrics.jsonl"
+    if layout is not None and layout.metrics is not None:
+        path = layout.metrics
     rows: dict[int, dict[str, Any]] = {}
-    if path is None:
+    if not path.is_file():
         return rows
     for _, value in iter_json_lines(path):
         step = value.get("step") if isinstance(value, dict) else None
@@ -134,8 +113,8 @@ def _status(
     missing: bool,
     tolerance: tuple[float, float] = (1e-9, 1e-9),
 ) -> Status:
-    """``match`` (equal to ours), ``prime_rl_rule`` (equal to prime-rl's rule only, where the rules
-    differ), ``missing`` or ``mismatch``."""
+    """``match`` (equal to ours), ``prime_rl_rule`` (to prime-rl's rule only, where the rules differ),
+    ``missing`` or ``mismatch``."""
     if _close(value, ours, tolerance):
         return "match"
     if rules_differ and _close(value, rule, tolerance):
@@ -242,8 +221,7 @@ def comparison_summary(rows: Iterable[ComparisonRow]) -> dict[str, list[int]]:
     worst: dict[int, int] = {}
     order: tuple[Status, ...] = ("match", "prime_rl_rule", "missing", "mismatch")
     for row in rows:
-        # a statistic no SPEC key holds, reproduced by prime-rl's rule, says
-        # nothing against our values
+        # a statistic no SPEC key holds, reproduced by prime-rl's rule, says nothing against ours
         reproduced = row.note == NO_KEY and row.status == "prime_rl_rule"
         worst[row.step] = max(worst.get(row.step, 0), 0 if reproduced else order.index(row.status))
     summary: dict[str, list[int]] = {name: [] for name in order}
@@ -256,8 +234,6 @@ def describe_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
     """A few lines for a terminal: per family of logged keys, how many steps equal ours, how many
     prime-rl's rule (and why the rules differ), and which differ otherwise."""
     lines = []
-    # the family as the orchestrator and the trainer log it (off_policy/*, or
-    # staleness/* after the rename)
     families = (("orchestrator staleness", None), ("trainer mismatch_kl", MISMATCH_PREFIX))
     for family, prefix in families:
         mine = [r for r in rows if (prefix is not None) == r.legacy_key.startswith(MISMATCH_PREFIX)]
@@ -275,14 +251,11 @@ def describe_comparison(rows: Sequence[ComparisonRow]) -> list[str]:
         lines.extend(f"  why: {reason}" for reason in reasons)
         if summary["mismatch"]:
             first = next(r for r in mine if r.status == "mismatch")
+            differ = summary["mismatch"]
+            more = f" and {len(differ) - 12} more" if len(differ) > 12 else ""
             lines.append(
-                f"  steps {_steps(summary['mismatch'])} differ (first: step {first.step} "
+                f"  steps {', '.join(map(str, differ[:12]))}{more} differ (first: step {first.step} "
                 f"{first.legacy_key} logged {first.historical:.6g}, ours {first.recomputed}, "
                 f"prime-rl's rule {first.legacy_rule})"
             )
     return lines
-
-
-def _steps(steps: Sequence[int], limit: int = 12) -> str:
-    shown = ", ".join(map(str, steps[:limit]))
-    return shown + (f" and {len(steps) - limit} more" if len(steps) > limit else "")

@@ -1,16 +1,17 @@
-"""What a damaged run gets (SPEC 9): strict mode stops naming the file, line and reason; lenient
-mode sets the damaged part aside and counts it."""
+"""What a damaged run gets (SPEC 9): strict mode stops naming the file, line and reason, lenient
+mode sets the damaged part aside and counts it; and the stream index (``stream.index.jsonl``)
+checked against the stream as it is read."""
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ....errors import EventError
-
-__all__ = ["DAMAGE_KINDS", "Damage"]
+from ....records import jsonio
 
 _log = logging.getLogger("staleness_metrics.replay.sources.prime_rl")
 
@@ -30,7 +31,7 @@ _EXAMPLES = 5
 
 @dataclass
 class Damage:
-    """Counts of what was set aside, per kind of :data:`DAMAGE_KINDS`, and the first few reasons."""
+    """What was set aside, counted per kind of :data:`DAMAGE_KINDS`, and the first few reasons."""
 
     strict: bool = True
     counts: Counter[str] = field(default_factory=Counter)
@@ -50,5 +51,83 @@ class Damage:
         return sum(self.counts.values())
 
     def summary(self) -> str:
-        """One line: how many of each kind were set aside (empty when nothing was)."""
         return ", ".join(f"{count} {DAMAGE_KINDS[kind]}" for kind, count in sorted(self.counts.items()))
+
+
+Position = tuple[int, int]  # (chunk number, -1 in the single-file layout; byte offset)
+
+
+class IndexCheck:
+    """Walks the index in step with the stream (:meth:`see` each line, then :meth:`finish`)."""
+
+    def __init__(self, path: Path | None, damage: Damage) -> None:
+        self._path = path
+        self._damage = damage
+        self._rows = self._read() if path is not None else iter(())
+        self._next: tuple[int, Position, str | None] | None = next(self._rows, None)
+
+    def _read(self) -> Iterator[tuple[int, Position, str | None]]:
+        assert self._path is not None
+        with open(self._path, "rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = jsonio.loads(raw)
+                except jsonio.DecodeError as error:
+                    if not raw.endswith(b"\n"):
+                        return  # a torn last row: the writer died mid-append
+                    self._damage.report("bad_line", self._path, number, f"not JSON ({error.msg})")
+                    continue
+                chunk, offset = (row.get("chunk"), row.get("offset")) if isinstance(row, dict) else (None, None)
+                if not isinstance(offset, int) or not _is_int(offset) or not (chunk is None or _is_int(chunk)):
+                    self._damage.report(
+                        "index_nowhere",
+                        self._path,
+                        number,
+                        "an index row without a chunk and offset",
+                    )
+                    continue
+                name = row.get("id")
+                position: Position = (-1 if chunk is None else chunk, offset)
+                yield number, position, name if isinstance(name, str) else None
+
+    def _nowhere(self, reason: str) -> None:
+        assert self._next is not None and self._path is not None
+        number, (chunk, offset), name = self._next
+        where = f"offset {offset}" if chunk < 0 else f"chunk {chunk:05d}, offset {offset}"
+        self._damage.report(
+            "index_nowhere",
+            self._path,
+            number,
+            f"the row of episode {name!r} points at {where}: {reason}",
+        )
+        self._next = next(self._rows, None)
+
+    def see(self, position: Position, episode_id: str | None) -> None:
+        """The stream has a line at ``position`` holding ``episode_id`` (None: not an episode)."""
+        while self._next is not None and self._next[1] < position:
+            self._nowhere("no line of the stream starts there")
+        if self._next is not None and self._next[1] == position:
+            name = self._next[2]
+            if name is not None and episode_id is not None and name != episode_id:
+                self._nowhere(f"the line there holds episode {episode_id!r}")
+            else:
+                self._next = next(self._rows, None)
+
+    def resume_inside(self, position: Position, size: int) -> int | None:
+        """The offset of a row pointing inside the line at ``position`` (``size`` bytes)."""
+        if self._next is None:
+            return None
+        chunk, offset = self._next[1]
+        if chunk == position[0] and position[1] < offset < position[1] + size:
+            return offset
+        return None
+
+    def finish(self) -> None:
+        while self._next is not None:
+            self._nowhere("past the end of the stream")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,14 +1,6 @@
-"""One prime-rl episode record -> one SPEC 3 rollout per trace, one sample per trainable branch
-(SPEC 9; ``docs/trainers/prime-rl.md``, "How a run is read").
-
-The record is verifiers' ``Episode.to_record()``, a dict or :mod:`.lazy` proxies; only what
-staleness needs is read. Branch ``i`` is the path from the root to the ``i``-th leaf; it trains
-unless its leaf is a compaction attempt the trace did not resume from (verifiers'
-``Trace.branches``), and a sampled node shared with an earlier trainable branch trains only there.
-Node ``logprobs``, ``trainer_logprobs`` and ``token_versions`` are compact (one per sampled token);
-``weight_versions`` are ``[[version, k], ...]`` stretches from sampled token ``k``. A trace without
-nodes (older records) is one sample with one sampled, unlabelled position.
-"""
+"""One prime-rl episode record (verifiers' ``Episode.to_record()``, a dict or :mod:`.lazy` proxies)
+-> one SPEC 3 rollout per trace, one sample per trainable branch (``docs/trainers/prime-rl.md``,
+"How a run is read")."""
 
 from __future__ import annotations
 
@@ -20,20 +12,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ....errors import TraceError
-from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout, check_head
+from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout, head_rollout
 from . import lazy
-
-__all__ = [
-    "EpisodeHead",
-    "NotAnEpisode",
-    "Problem",
-    "Stream",
-    "TraceHead",
-    "episode_head",
-    "fold_streams",
-    "trace_rollout",
-]
-
 
 Problem = tuple[str, int, str]  # (file, line, reason) of an update that does not fit its trace
 
@@ -127,7 +107,7 @@ _POLICY_FIELDS = {
 }
 
 
-def _head(episode: EpisodeHead, trace: TraceHead) -> dict[str, Any]:
+def _head(episode: EpisodeHead, trace: TraceHead) -> ParsedRollout:
     """The rollout's fields but its samples, checked as any record's, named by the record's."""
     head: dict[str, Any] = {"id": trace.id}
     if episode.group is not None:
@@ -142,10 +122,9 @@ def _head(episode: EpisodeHead, trace: TraceHead) -> dict[str, Any]:
         if end is not None:
             head["completion_version"] = lazy.to_python(end)
     try:
-        check_head(head)
+        return head_rollout(head)
     except TraceError as error:
         raise TraceError(error.rollout_id, _POLICY_FIELDS.get(error.field, error.field), error.reason) from None
-    return head
 
 
 @dataclass
@@ -174,19 +153,6 @@ def _compact_floats(rid: str, where: str, value: object, count: int, nulls: bool
     return values
 
 
-def _token_versions(rid: str, where: str, tokens: object, count: int) -> npt.NDArray[np.int64]:
-    where = f"{where}.token_versions"
-    try:
-        versions = lazy.as_ints(tokens)
-    except TypeError as error:
-        raise TraceError(rid, where, f"expected a list of integers ({error})") from None
-    if len(versions) != count:
-        raise TraceError(rid, where, f"{len(versions)} values for {count} sampled tokens")
-    if versions.size and int(versions.min()) < -1:
-        raise TraceError(rid, where, "versions must be >= 0 (or -1: unlabelled)")
-    return versions.astype(np.int64, copy=True)
-
-
 def _pair_fault(pair: object, count: int, previous: int | None) -> str | None:
     """Why one ``[version, k]`` of ``weight_versions`` is wrong (None: it is right)."""
     if not (isinstance(pair, list) and len(pair) == 2 and all(_int(v) is not None for v in pair)):
@@ -207,7 +173,16 @@ def _versions(rid: str, where: str, doc: object, count: int) -> npt.NDArray[np.i
         both = "both weight_versions and token_versions are given"
         raise TraceError(rid, f"{where}.token_versions", both)
     if tokens is not None:
-        return _token_versions(rid, where, tokens, count)
+        where = f"{where}.token_versions"
+        try:
+            versions = lazy.as_ints(tokens)
+        except TypeError as error:
+            raise TraceError(rid, where, f"expected a list of integers ({error})") from None
+        if len(versions) != count:
+            raise TraceError(rid, where, f"{len(versions)} values for {count} sampled tokens")
+        if versions.size and int(versions.min()) < -1:
+            raise TraceError(rid, where, "versions must be >= 0 (or -1: unlabelled)")
+        return versions.astype(np.int64, copy=True)
     if spans is None:
         return None
     pairs = lazy.to_python(spans)
@@ -348,7 +323,7 @@ def trace_rollout(
     refuses) and the ``updates`` (trainer streams per branch) that do not fit it."""
     updates = updates or {}
     try:
-        head = _head(episode, trace)
+        rollout = _head(episode, trace)
         nodes_doc = lazy.get(trace.doc, "nodes")
         count = lazy.length(nodes_doc) if lazy.is_array(nodes_doc) else 0
         nodes = [_node(trace.id, i, n, count) for i, n in enumerate(nodes_doc)] if count else []
@@ -362,8 +337,8 @@ def trace_rollout(
         for s in ss
     ]
     if not nodes:  # a record without token data: one sampled, unlabelled position
-        single = [ParsedSample(mask=np.ones(1, dtype=np.int8))]
-        return _rollout(head, single, agentic=False), problems
+        rollout.samples = [ParsedSample(mask=np.ones(1, dtype=np.int8))]
+        return rollout, problems
     if lazy.get(lazy.get(trace.doc, "agent"), "trainable") is False:
         return None, problems
     samples: list[ParsedSample] = []
@@ -385,19 +360,7 @@ def trace_rollout(
             samples.append(sample)
     if not samples:
         return None, problems
-    agentic = sum(1 for node in nodes if node.sampled) > 1
-    return _rollout(head, samples, agentic), problems
-
-
-def _rollout(head: dict[str, Any], samples: list[ParsedSample], agentic: bool) -> ParsedRollout:
-    return ParsedRollout(
-        id=head["id"],
-        dispatch_version=head.get("dispatch_version", -1),
-        completion_version=head.get("completion_version", -1),
-        frozen=head.get("source") == "frozen",
-        agentic=agentic,
-        group_id=head.get("group_id"),
-        env=head.get("env"),
-        samples=samples,
-        echo={**head, **({"agentic": True} if agentic else {})},
-    )
+    rollout.samples = samples
+    if sum(1 for node in nodes if node.sampled) > 1:
+        rollout.agentic = rollout.echo["agentic"] = True
+    return rollout, problems

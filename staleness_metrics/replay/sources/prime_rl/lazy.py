@@ -1,10 +1,6 @@
-"""JSON lines read lazily: simdjson's proxies where pysimdjson is installed, orjson's objects
-elsewhere (no wheel yet for Python 3.14).
-
-Only what the reader touches becomes a Python object, and number lists are copied out of the tape
-at C speed: episode records are mostly token data the reader never needs. Every proxy of a line
-must be gone before a :class:`Parser` parses the next, so each stream gets its own parser.
-"""
+"""JSON lines read lazily (episode records are mostly token data the reader never needs):
+simdjson's proxies where pysimdjson is installed, orjson's objects elsewhere. Every proxy of a line
+must be gone before a :class:`Parser` parses the next, so each stream gets its own parser."""
 
 from __future__ import annotations
 
@@ -21,23 +17,9 @@ try:
 except ImportError:  # no wheel for this Python: orjson reads every line
     simdjson = None  # type: ignore[assignment]
 
-__all__ = [
-    "DecodeError",
-    "Parser",
-    "as_bools",
-    "as_floats",
-    "as_ints",
-    "get",
-    "is_array",
-    "is_object",
-    "keys",
-    "length",
-    "to_python",
-]
-
 
 class DecodeError(ValueError):
-    """A line that is not one JSON value."""
+    pass
 
 
 class Parser:
@@ -74,7 +56,6 @@ def get(value: object, key: str) -> Any:
 
 
 def keys(value: object) -> set[str]:
-    """The keys of an object (empty for anything else)."""
     if simdjson is not None and type(value) is simdjson.Object:
         return set(value.keys())
     return set(value) if isinstance(value, Mapping) else set()
@@ -89,7 +70,6 @@ def length(value: object) -> int:
 
 
 def to_python(value: object) -> Any:
-    """A plain Python value (dicts, lists) of a proxy or a plain value."""
     if simdjson is not None:
         if type(value) is simdjson.Object:
             return value.as_dict()

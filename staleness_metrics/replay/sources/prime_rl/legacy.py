@@ -1,57 +1,21 @@
 """prime-rl run directories in the older layout (``rollouts/step_N/train/{all,effective}``) as a
-SPEC 9 event stream (``docs/run-inputs.md``).
-
-One episode is one rollout (dispatch = ``policy.start``, completion = ``policy.end``, no policy:
-frozen), each trace one sample with one sampled, unlabelled position (the records carry no token
-data). Per step, the arrivals enter, then a ship of the effective ids; an episode never shipped
-enters only when stale at its arrival under the bound replayed, for the sink to drop and count.
-"""
+SPEC 9 event stream: an episode one rollout, each trace one sample of one unlabelled position
+(``docs/run-inputs.md``)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ....errors import EventError, TraceError
 from ..events import EventDict, iter_json_lines
 
-__all__ = [
-    "EpisodeInfo",
-    "episode_rollout",
-    "has_rollouts",
-    "is_prime_rl_run",
-    "read_prime_rl",
-    "shipped_counts",
-]
-
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-@dataclass(frozen=True)
-class EpisodeInfo:
-    """What the replay needs of one episode record."""
-
-    id: str
-    rollout: dict[str, Any]
-    frozen: bool
-    start: object  # policy.start as recorded (validated by the sink)
-
-
-def is_prime_rl_run(path: str | Path) -> bool:
-    """A directory with ``rollouts/step_N/train`` folders or a ``metrics.jsonl``."""
-    root = Path(path)
-    return root.is_dir() and (bool(_step_dirs(root)) or (root / "metrics.jsonl").is_file())
-
-
-def has_rollouts(path: str | Path) -> bool:
-    """Whether a run directory holds episode records (not only ``metrics.jsonl``)."""
-    return bool(_step_dirs(Path(path)))
-
-
-def episode_rollout(record: Mapping[str, Any]) -> EpisodeInfo:
+def episode_rollout(record: Mapping[str, Any]) -> EventDict:
     """One episode record -> one SPEC 3 rollout (each trace one unlabelled position)."""
     episode_id = record.get("id")
     if not isinstance(episode_id, str) or not episode_id:
@@ -72,16 +36,17 @@ def episode_rollout(record: Mapping[str, Any]) -> EpisodeInfo:
     if policy is None:
         # No policy span: sampled by a frozen model (prime-rl's episode_staleness returns 0s).
         rollout["source"] = "frozen"
-        return EpisodeInfo(episode_id, rollout, True, None)
+        return rollout
     if not isinstance(policy, Mapping):
         raise TraceError(episode_id, "run.work.policy", f"expected an object, got {type(policy).__name__}")
     rollout["dispatch_version"] = policy.get("start")
     if policy.get("end") is not None:
         rollout["completion_version"] = policy["end"]
-    return EpisodeInfo(episode_id, rollout, False, policy.get("start"))
+    return rollout
 
 
-def _step_dirs(root: Path) -> dict[int, Path]:
+def step_dirs(root: Path) -> dict[int, Path]:
+    """The ``rollouts/step_N/train`` folders by step."""
     rollouts = root / "rollouts"
     if not rollouts.is_dir():
         return {}
@@ -93,57 +58,60 @@ def _step_dirs(root: Path) -> dict[int, Path]:
     return found
 
 
-def _episodes(path: Path) -> Iterator[EpisodeInfo]:
+def _episodes(path: Path) -> Iterator[EventDict]:
     if not path.is_file():
         return
     for number, value in iter_json_lines(path):
         if not isinstance(value, dict):
             raise EventError(number, f"{path}: expected an episode object, got {type(value).__name__}")
         try:
-            info = episode_rollout(value)
+            rollout = episode_rollout(value)
         except TraceError as error:  # the record cannot become a rollout: say which file and line
             raise EventError(number, f"{path}: {error}") from error
-        yield info
+        yield rollout
 
 
-def _stale(info: EpisodeInfo, step: int, max_staleness: int) -> bool:
-    start = info.start
+def _stale(rollout: EventDict, step: int, max_staleness: int) -> bool:
+    start = rollout.get("dispatch_version")
+    if rollout.get("source") == "frozen":
+        return False
     if isinstance(start, bool) or not isinstance(start, int):
         return True  # let the sink name what is wrong with it
     return (step - 1) - start > max_staleness
 
 
 def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[EventDict]:
-    """The run as SPEC 9 events: per step, arrivals as ``rollout`` events, then ``ship`` of the
-    effective ids; ``max_staleness`` decides which unshipped episodes enter (module docs)."""
+    """The run as SPEC 9 events: per step, the arrivals, then a ``ship`` of the effective ids; a
+    never-shipped episode enters when stale at its arrival under ``max_staleness`` (the sink drops
+    it)."""
     root = Path(run_dir)
-    steps = _step_dirs(root)
+    steps = step_dirs(root)
     if not steps:
         raise EventError(0, f"{root}: no rollouts/step_N/train folders (not a prime-rl run directory)")
     effective = {step: train / "effective" / "traces.jsonl" for step, train in steps.items()}
     shipped = {step: list(_episodes(path)) for step, path in sorted(effective.items()) if path.is_file()}
-    ships = {info.id for infos in shipped.values() for info in infos}
+    ships = {rollout["id"] for rollouts in shipped.values() for rollout in rollouts}
     added: set[str] = set()
     for step in sorted(steps):
-        for info in _episodes(steps[step] / "all" / "traces.jsonl"):
-            if info.id in ships or (not info.frozen and _stale(info, step, max_staleness)):
-                added.add(info.id)
-                yield {"type": "rollout", "rollout": info.rollout}
+        for rollout in _episodes(steps[step] / "all" / "traces.jsonl"):
+            if rollout["id"] in ships or _stale(rollout, step, max_staleness):
+                added.add(rollout["id"])
+                yield {"type": "rollout", "rollout": rollout}
         if step not in shipped:
             continue
         # Shipped episodes whose arrival was not recorded enter just before their ship.
-        for info in shipped[step]:
-            if info.id not in added:
-                added.add(info.id)
-                yield {"type": "rollout", "rollout": info.rollout}
-        yield {"type": "ship", "step": step, "ids": [info.id for info in shipped[step]]}
+        for rollout in shipped[step]:
+            if rollout["id"] not in added:
+                added.add(rollout["id"])
+                yield {"type": "rollout", "rollout": rollout}
+        yield {"type": "ship", "step": step, "ids": [rollout["id"] for rollout in shipped[step]]}
 
 
 def shipped_counts(run_dir: Path) -> dict[int, tuple[int, int]]:
     """``(live, frozen)`` episodes per step in the effective files."""
     counts = {}
-    for step, train in _step_dirs(run_dir).items():
-        infos = list(_episodes(train / "effective" / "traces.jsonl"))
-        frozen = sum(info.frozen for info in infos)
-        counts[step] = (len(infos) - frozen, frozen)
+    for step, train in step_dirs(run_dir).items():
+        rollouts = list(_episodes(train / "effective" / "traces.jsonl"))
+        frozen = sum(rollout.get("source") == "frozen" for rollout in rollouts)
+        counts[step] = (len(rollouts) - frozen, frozen)
     return counts

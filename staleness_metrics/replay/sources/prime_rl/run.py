@@ -1,12 +1,6 @@
-"""A prime-rl run in the current layout as the SPEC 9 event stream it implies
-(``docs/trainers/prime-rl.md``, "How a run is read").
-
-Each trace of a train episode that did not error enters at its arrival step; each step the
-orchestrator shipped at is a ship naming its traces; a trace never shipped enters only when stale
-at arrival under the bound replayed (the sink drops it); the rest is left out and counted in
-:class:`ReadNotes`, with prime-rl's own rule per ship step for :mod:`.compare`. The episode stream
-is read once, the trainer's streams alongside: never the run's token data at once.
-"""
+"""A prime-rl run in the current layout as the SPEC 9 event stream it implies, its annotation
+updates read in two passes (:func:`scan_updates`: the ships; a :class:`StreamFeed` per producer: the
+trainer's streams, alongside the episodes). The readings: ``docs/trainers/prime-rl.md``."""
 
 from __future__ import annotations
 
@@ -15,22 +9,194 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ....errors import ConfigError
-from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout
+from ....records.model import ParsedRollout, UnparsedRollout
 from ...stream import Event
 from . import lazy
-from .annotations import StreamFeed, TraceFacts, Updates, scan_updates
-from .chunks import ChunkDamage, Line, read_files
-from .damage import Damage
+from .chunks import ChunkDamage, ChunkFile, Line, TracesLayout, find_layout, read_files
+from .damage import Damage, IndexCheck
 from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
-from .index import IndexCheck
-from .layout import TracesLayout, find_layout
 
-__all__ = ["K3Stats", "PrimeRlRead", "ReadNotes", "StepRule", "read_run_events"]
+STREAM_FIELD = "trainer_logprobs"
+
+
+@dataclass
+class TraceFacts:
+    """What the updates say of one trace: its ship and where it was first named."""
+
+    effective: bool | None = None
+    ship_step: int | None = None
+    where: tuple[Path, int] | None = None
+
+    @property
+    def shipped_at(self) -> int | None:
+        return self.ship_step if self.effective else None
+
+
+@dataclass
+class Updates:
+    traces: dict[str, TraceFacts] = field(default_factory=dict)
+    # producer -> trace -> ordinal of its last update carrying a stream
+    last_stream: dict[str, dict[str, int]] = field(default_factory=dict)
+    torn: int = 0
+
+
+def read_updates(
+    files: list[ChunkFile], parser: lazy.Parser, damage: Damage, *, quiet: bool = False
+) -> Iterator[tuple[int, Line, Any]]:
+    """``(ordinal, line, update)`` of a producer's updates in order, ``update`` None for a torn last
+    line (it ends the stream); others that are not updates go to ``damage`` (``quiet``: skipped)."""
+
+    def bad_chunk(error: ChunkDamage) -> None:
+        if not quiet:
+            damage.report("bad_chunk", error.path, error.line, error.reason)
+
+    ordinal = 0
+    for last, line in read_files(files, bad_chunk):
+        ordinal += 1
+        try:
+            doc = parser.parse(line.text)
+        except lazy.DecodeError as error:
+            if not line.ended:
+                if last:
+                    yield ordinal, line, None
+                elif not quiet:
+                    damage.report("bad_line", line.file.path, line.number, f"a torn line ({error})")
+                continue
+            if not quiet:
+                damage.report("bad_line", line.file.path, line.number, f"not JSON ({error})")
+            continue
+        reason = _update_fault(doc)
+        if reason is not None:
+            del doc
+            if not quiet:
+                damage.report("not_update", line.file.path, line.number, reason)
+            continue
+        yield ordinal, line, doc
+        del doc
+
+
+def _update_fault(doc: object) -> str | None:
+    if not lazy.is_object(doc):
+        return "not an update (expected a JSON object)"
+    trace_id = lazy.get(doc, "trace_id")
+    if not isinstance(trace_id, str) or not trace_id:
+        return "not an update (expected a string 'trace_id')"
+    info = lazy.get(doc, "info")
+    if info is not None and not lazy.is_object(info):
+        return f"trace {trace_id!r}: 'info' is not an object"
+    branches = lazy.get(doc, "branches")
+    if branches is None:
+        return None
+    if not lazy.is_array(branches):
+        return f"trace {trace_id!r}: 'branches' is not a list"
+    for i, branch in enumerate(branches):
+        index = lazy.get(branch, "index")
+        if not lazy.is_object(branch) or not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            return f"trace {trace_id!r}: branches[{i}] has no index >= 0"
+    return None
+
+
+def _merge_info(facts: TraceFacts, info: object) -> None:
+    """prime-rl's deep merge of ``info`` (the newest value wins), for a ship's keys."""
+    effective = lazy.get(info, "effective")
+    if effective is not None:
+        facts.effective = effective is True
+    ship = lazy.get(info, "ship")
+    if lazy.is_object(ship):
+        step = lazy.get(ship, "step")
+        if step is not None:
+            facts.ship_step = step if isinstance(step, int) and not isinstance(step, bool) else None
+    elif ship is not None:
+        facts.ship_step = None  # replaced by a value that is not a ship
+
+
+def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updates:
+    """Per trace, its ship (``info.effective``, ``info.ship.step``), its last ``trainer_logprobs``
+    update and where it was first named."""
+    out = Updates()
+    parser = lazy.Parser()
+    for producer, files in producers.items():
+        last: dict[str, int] = {}
+        for ordinal, line, doc in read_updates(files, parser, damage):
+            if doc is None:
+                out.torn += 1
+                continue
+            trace_id = lazy.get(doc, "trace_id")
+            facts = out.traces.get(trace_id)
+            if facts is None:
+                facts = out.traces[trace_id] = TraceFacts(where=(line.file.path, line.number))
+            info = lazy.get(doc, "info")
+            if info is not None:
+                _merge_info(facts, info)
+            branches = lazy.get(doc, "branches")
+            if branches is not None and any(lazy.get(b, STREAM_FIELD) is not None for b in branches):
+                last[trace_id] = ordinal
+            del doc, info, branches
+        if last:
+            out.last_stream[producer] = last
+    return out
+
+
+class StreamFeed:
+    """One producer's ``trainer_logprobs`` streams, read alongside the episode stream and handed
+    out trace by trace (what is read ahead waits)."""
+
+    def __init__(self, files: list[ChunkFile], last: dict[str, int], damage: Damage) -> None:
+        self._last = last
+        self._damage = damage
+        self._updates = read_updates(files, lazy.Parser(), damage, quiet=True)
+        self._read = 0  # ordinal of the last update read
+        self._held: dict[str, dict[int, list[Stream]]] = {}
+        self._done = False
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def pull(self, trace_id: str) -> dict[int, list[Stream]]:
+        """The streams of ``trace_id`` per branch index, in write order."""
+        target = self._last.pop(trace_id, 0)
+        while self._read < target and not self._done:
+            self._read_one()
+        return self._held.pop(trace_id, {})
+
+    def _read_one(self) -> None:
+        try:
+            ordinal, line, doc = next(self._updates)
+        except StopIteration:
+            self._done = True
+            return
+        self._read = ordinal
+        if doc is None:  # the torn tail (counted by the first pass)
+            return
+        trace_id = lazy.get(doc, "trace_id")
+        branches = lazy.get(doc, "branches") or ()
+        for branch in branches:
+            value = lazy.get(branch, STREAM_FIELD)
+            if value is None:
+                continue
+            index = lazy.get(branch, "index")
+            try:
+                values = lazy.as_floats(value, nulls=True)
+            except TypeError as error:
+                self._damage.report(
+                    "bad_update",
+                    line.file.path,
+                    line.number,
+                    f"trace {trace_id!r} branch {index}: {STREAM_FIELD} is not a list of numbers or nulls ({error})",
+                )
+                continue
+            if not values.flags.writeable:
+                values = values.copy()
+            stream = Stream(values, str(line.file.path), line.number)
+            self._held.setdefault(trace_id, {}).setdefault(index, []).append(stream)
+        del doc, branches
 
 
 @dataclass
@@ -95,7 +261,7 @@ class ReadNotes:
     steps: dict[int, StepRule] = field(default_factory=dict)
 
     def left_out(self) -> str:
-        """One line: what was left out on purpose (not damage)."""
+        """What was left out on purpose (not damage), in one line."""
         parts = [
             (self.eval_episodes, "eval episodes"),
             (self.errored_traces, "errored traces"),
@@ -105,16 +271,6 @@ class ReadNotes:
             (self.torn, "torn last lines"),
         ]
         return ", ".join(f"{count} {text}" for count, text in parts if count)
-
-
-def _token_k3(sample: ParsedSample) -> npt.NDArray[np.float64]:
-    """prime-rl's per-token ``exp(d) - d - 1`` over a sample's covered sampled positions, ``d`` =
-    trainer - sampler log-probability, unclamped."""
-    if sample.logprobs is None or sample.trainer_logprobs is None:
-        return np.zeros(0)
-    keep = (sample.mask == 1) & np.isfinite(sample.trainer_logprobs)
-    d: npt.NDArray[np.float64] = sample.trainer_logprobs[keep] - sample.logprobs[keep]
-    return np.asarray(np.expm1(d) - d, dtype=np.float64)
 
 
 class PrimeRlRead:
@@ -127,8 +283,6 @@ class PrimeRlRead:
 
     def __iter__(self) -> Iterator[Event]:
         return self._events()
-
-    # -- the episode stream -------------------------------------------------------------------------
 
     def _lines(self, index: IndexCheck) -> Iterator[tuple[Line, object]]:
         """``(line, episode proxy)`` of the stream in order, damage reported, torn lines handled."""
@@ -189,7 +343,10 @@ class PrimeRlRead:
         index.finish()
         for step in sorted(self._ships):
             yield Event(number, "ship", step=step, ids=tuple(self._ships[step]))
-        self._unknown(updates)
+        for trace_id, facts in updates.traces.items():  # updates for traces the stream never held
+            path, at = facts.where if facts.where is not None else ("annotations", 0)
+            reason = f"an update for trace {trace_id!r}, which the stream does not hold"
+            damage.report("unknown_trace", path, at, reason)
 
     def _episode(self, number: int, line: Line, doc: object, index: IndexCheck) -> list[Event]:
         """The events of one stream line: the ships its traces' arrivals pass, and the rollouts."""
@@ -299,7 +456,12 @@ class PrimeRlRead:
         rule = self.notes.steps.setdefault(step, StepRule())
         if isinstance(rollout, ParsedRollout):
             for sample in rollout.samples:
-                k3 = _token_k3(sample)
+                k3 = np.zeros(0)
+                if sample.logprobs is not None and sample.trainer_logprobs is not None:
+                    # prime-rl's per-token exp(d) - d - 1 over the covered sampled positions, unclamped
+                    keep = (sample.mask == 1) & np.isfinite(sample.trainer_logprobs)
+                    d = sample.trainer_logprobs[keep] - sample.logprobs[keep]
+                    k3 = np.asarray(np.expm1(d) - d, dtype=np.float64)
                 rule.k3["all"].add(k3)
                 if episode.env is not None:
                     rule.k3[episode.env].add(k3)
@@ -319,18 +481,6 @@ class PrimeRlRead:
         rule.total.append(total)
         rule.in_flight.append(flight)
         rule.in_queue.append(total - flight)
-
-    def _unknown(self, updates: Updates) -> None:
-        """Updates naming a trace the stream never held (SPEC 9 damage)."""
-        damage = self.notes.damage
-        for trace_id, facts in updates.traces.items():
-            path, line = facts.where if facts.where is not None else ("annotations", 0)
-            damage.report(
-                "unknown_trace",
-                path,
-                line,
-                f"an update for trace {trace_id!r}, which the stream does not hold",
-            )
 
 
 def read_run_events(path: str | Path, *, max_staleness: int = 8, strict: bool = True) -> PrimeRlRead:
