@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ....errors import TraceError
-from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout, head_rollout
+from ....records.model import ParsedRollout, ParsedSample, UnparsedRollout, check_head
 from . import lazy
 
 Problem = tuple[str, int, str]  # (file, line, reason) of an update that does not fit its trace
@@ -122,7 +122,7 @@ def _head(episode: EpisodeHead, trace: TraceHead) -> ParsedRollout:
         if end is not None:
             head["completion_version"] = lazy.to_python(end)
     try:
-        return head_rollout(head)
+        return check_head(head)
     except TraceError as error:
         raise TraceError(error.rollout_id, _POLICY_FIELDS.get(error.field, error.field), error.reason) from None
 
