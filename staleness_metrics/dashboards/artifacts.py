@@ -13,8 +13,6 @@ from .grafana import DASHBOARDS
 from .rules import render_rules
 from .wandb_panels import workspace_spec
 
-__all__ = ["WANDB_X_AXIS", "generated_files", "stale_files", "write_files"]
-
 # The x-axis of the W&B panels: the key the W&B exporter logs every staleness key against.
 WANDB_X_AXIS = DEFAULT_STEP_KEY
 

@@ -14,8 +14,6 @@ from ..metrics import metric_table
 from ..metrics.metric_table import MetricKind
 from .rules import to_yaml
 
-__all__ = ["collector_config", "collector_prometheus_name", "renames", "render_collector_config"]
-
 OTLP_HTTP = "127.0.0.1:4318"
 OTLP_GRPC = "127.0.0.1:4317"
 PROMETHEUS = "127.0.0.1:8889"

@@ -16,8 +16,6 @@ from .panels import (
 )
 from .promql import Scope
 
-__all__ = ["choosing_the_bound", "fleet_bounds", "fleet_costs", "what_staleness_costs"]
-
 _COST_NOTE = (
     "From rates of the trainer-vs-sampler mismatch sums (SPEC 11), summed over processes before "
     "dividing, so the value is the merged run's over the rate window."

@@ -27,8 +27,6 @@ from .panels import (
 )
 from .promql import Scope
 
-__all__ = ["DASHBOARDS", "FLEET_WIDE", "SCOPE", "fleet_dashboard", "staleness_dashboard"]
-
 # The selectors of every dashboard query; gauges pick env="" themselves (see promql.Scope).
 SCOPE = Scope(
     matchers=('job=~"$job"', 'instance=~"$instance"', 'run=~"$run"'),

@@ -14,27 +14,6 @@ from typing import Any
 from ..metrics import metric_table
 from .promql import prometheus_name
 
-__all__ = [
-    "COUNT",
-    "DATASOURCE",
-    "NATS",
-    "PER_MINUTE",
-    "PER_SECOND",
-    "PER_STEP",
-    "RATIO",
-    "TOKENS",
-    "VERSIONS",
-    "Grid",
-    "Json",
-    "Target",
-    "bound_override",
-    "dashboard",
-    "heatmap",
-    "stat",
-    "table",
-    "timeseries",
-]
-
 Json = dict[str, Any]
 
 DATASOURCE: Json = {"type": "prometheus", "uid": "${datasource}"}

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from ..metrics import metric_table
 from ..metrics.metric_table import BATCH_WIDE_COUNTERS, CURVE_LAG, MetricDef, MetricKind
 
-__all__ = ["Scope", "prometheus_name", "recorded_name", "table_row"]
-
 
 def table_row(name: str) -> MetricDef:
     """The table row called ``name``, read from the table as it is now (``KeyError`` when there

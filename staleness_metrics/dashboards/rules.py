@@ -13,8 +13,6 @@ from ..metrics.metric_table import LAG
 from ..metrics.mismatch import LAG_UPPER_BOUNDS
 from .promql import Scope, prometheus_name, recorded_name
 
-__all__ = ["MISMATCH_RECORDS", "Thresholds", "render_rules", "rule_groups"]
-
 Json = dict[str, Any]
 
 WINDOW = "5m"

@@ -13,16 +13,6 @@ from typing import Any
 
 from .promql import table_row
 
-__all__ = [
-    "SECTION",
-    "MissingApiKey",
-    "PanelSpec",
-    "build_workspace",
-    "panels",
-    "save",
-    "workspace_spec",
-]
-
 SECTION = "Staleness"
 API_KEY_ENV = "WANDB_API_KEY"
 

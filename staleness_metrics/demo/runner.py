@@ -36,8 +36,6 @@ from ..replay.run_dir import write_run_file
 from .simulation import Simulation, StepEvents
 from .trainer import SimulatedTrainer, TrainedBatch
 
-__all__ = ["DemoOptions", "run_demo"]
-
 RUN_NAME = "staleness-demo"
 
 

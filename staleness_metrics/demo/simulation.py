@@ -19,8 +19,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DemoSettings", "EnvProfile", "Simulation", "StepEvents"]
-
 
 @dataclass(frozen=True)
 class EnvProfile:

@@ -23,8 +23,6 @@ from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..monitor import StalenessMonitor
 from ..replay.what_if import shipped_values
 
-__all__ = ["DriftModel", "SimulatedTrainer", "TrainedBatch", "shipped_mask"]
-
 
 @dataclass(frozen=True)
 class DriftModel:

@@ -13,8 +13,6 @@ from .costs import has_costs
 from .data import ReportData
 from .svg import PALETTE, Rule, Series, figure, line_chart, message_chart
 
-__all__ = ["render_choosing"]
-
 BUDGET_COLOUR = "#b00020"
 CONFIGURED_COLOUR = "#56606b"
 SUGGESTED_COLOUR = "#2ca02c"

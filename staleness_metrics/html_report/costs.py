@@ -12,8 +12,6 @@ from ..metrics.metric_table import MISMATCH_KEY_PREFIX
 from .data import ReportData
 from .svg import PALETTE, Series, figure, line_chart, message_chart
 
-__all__ = ["LENGTH_BUCKETS", "MAX_LAG_LINES", "has_costs", "lag_buckets_shown", "render_costs"]
-
 MAX_LAG_LINES = 6  # one colour per line, and a legend that fits the chart's width
 
 

@@ -39,8 +39,6 @@ from ..replay.sources.prime_rl import ComparisonRow, has_rollouts, read_prime_rl
 from ..replay.stream import replay
 from ..replay.what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_curve
 
-__all__ = ["ReportData", "collect", "metrics_rows", "sums_from_rows"]
-
 _STEP_KEYS = ("step", "trainer/step")
 
 

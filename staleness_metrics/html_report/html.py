@@ -18,8 +18,6 @@ from .costs import render_costs
 from .data import ReportData
 from .svg import PALETTE, Rule, Series, bar_chart, figure, heatmap, line_chart, message_chart
 
-__all__ = ["render"]
-
 # Nothing may load from anywhere: the page is readable offline and leaks nothing when opened.
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 

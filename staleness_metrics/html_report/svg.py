@@ -15,18 +15,6 @@ from html import escape
 import numpy as np
 import numpy.typing as npt
 
-__all__ = [
-    "PALETTE",
-    "Rule",
-    "Series",
-    "bar_chart",
-    "figure",
-    "heatmap",
-    "line_chart",
-    "message_chart",
-    "nice_ticks",
-]
-
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf")
 WIDTH, HEIGHT = 920, 300
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 34, 44
