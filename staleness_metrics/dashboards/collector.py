@@ -1,9 +1,5 @@
-"""An example OpenTelemetry Collector config: OTLP from the OTLP exporter in, Prometheus out.
-
-Where the collector's own renaming of OTLP names does not give the table's Prometheus name (the
-staleness gauges lose their ``_steps``), a ``metricstransform`` rename sets it, so the dashboards
-and rules work unchanged on either path.
-"""
+"""An example OpenTelemetry Collector config: OTLP in, Prometheus out, with a rename wherever the
+collector's own naming differs from the table's Prometheus name (the dashboards work on both)."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ def _words(text: str) -> list[str]:
 
 
 def collector_prometheus_name(otel_name: str, unit: str, kind: MetricKind) -> str:
-    """The name the collector's Prometheus exporter gives a metric (default
-    translation, with suffixes)."""
+    """The name the collector's Prometheus exporter gives a metric (default translation)."""
     words = _words(otel_name)
     main_unit, _, per_unit = (part.strip() for part in unit.partition("/"))
     if main_unit and not re.search(r"[{}]", main_unit):
@@ -54,8 +49,7 @@ def collector_prometheus_name(otel_name: str, unit: str, kind: MetricKind) -> st
 
 
 def renames() -> list[tuple[str, str]]:
-    """(OTLP name, table Prometheus name) for every row the collector would
-    otherwise name differently."""
+    """(OTLP name, table Prometheus name) of every row the collector would name differently."""
     pairs = []
     for row in metric_table.METRICS:
         if row.otel_name is None or row.prometheus_name is None:

@@ -1,8 +1,5 @@
-"""The panel language of the generated Grafana dashboards: units, query targets, the panel kinds
-(:func:`timeseries`, :func:`stat`, :func:`heatmap`, :func:`table`), the 24-column :class:`Grid` that
-places and numbers them, and the dashboard frame (:func:`variables`, :func:`dashboard`).
-:mod:`.grafana` writes the two dashboards in it.
-"""
+"""The panel language of the generated Grafana dashboards: units, query targets, panel kinds,
+the 24-column :class:`Grid` that places them, and the dashboard frame."""
 
 from __future__ import annotations
 
@@ -116,7 +113,7 @@ def timeseries(
     stacked: bool = False,
     **fields: Any,
 ) -> Json:
-    """A line panel; ``fields`` are :func:`make_panel`'s (``minimum``, ``maximum``, ``overrides``)."""
+    """A line panel; ``fields`` go to :func:`make_panel`."""
     custom = {
         "drawStyle": "line",
         "lineInterpolation": "stepAfter",  # values change at ships, and hold in between
@@ -143,8 +140,7 @@ def stat(title: str, description: str, unit: str, target: Target, *, decimals: i
 
 
 def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: str = "auto") -> Json:
-    """``rows="le"``: each series is one row, named by its bucket's upper bound (Grafana's "time
-    series buckets"), for values that are not counts to de-accumulate."""
+    """``rows="le"``: one row per series, named by its bucket's upper bound (values, not counts)."""
     options = {
         "calculate": False,  # Prometheus buckets already are the cells
         "cellGap": 1,
@@ -207,8 +203,7 @@ def bound_override(suffix: str = "bound") -> Json:
 
 @dataclass
 class Grid:
-    """Lays panels left to right on Grafana's 24-column grid, wrapping to a new
-    line, and numbers them."""
+    """Lays panels left to right on Grafana's 24-column grid, wrapping, and numbers them."""
 
     panels: list[Json] = field(default_factory=list)
     x: int = 0
@@ -248,11 +243,9 @@ class Grid:
         targets: Sequence[Target],
         size: tuple[int, int] | None = None,
         **fields: Any,
-    ) -> Json:
-        """Adds a :func:`timeseries` panel (``minimum`` 0 unless given); returns it."""
-        panel = timeseries(title, description, unit, targets, **{"minimum": 0, **fields})
-        self.add(panel, size)
-        return panel
+    ) -> None:
+        """Adds a :func:`timeseries` panel (``minimum`` 0 unless given)."""
+        self.add(timeseries(title, description, unit, targets, **{"minimum": 0, **fields}), size)
 
 
 def variables() -> list[Json]:
