@@ -1,14 +1,5 @@
-"""A simulated asynchronous RL pipeline that produces the SPEC 9 event stream of a run.
-
-In ticks of simulated time, a dispatcher sends GRPO groups to inference workers up to
-``max_buffered`` rollouts (the async level); a worker loads each new version after a random delay,
-in the middle of the response it samples (a new ``weight_versions`` span); response lengths are
-log-normal per env (``agent`` rollouts are multi-turn), a share of groups comes from a frozen
-model; the trainer ships the oldest ``batch_rollouts`` finished rollouts as soon as it is idle, so
-only step 1 trains version 0 on version-0 tokens (where the run measures its floor, SPEC 14).
-Sampler log-probabilities are ``-Exponential(sampler_scale)`` rounded to 6 decimals, from a
-generator of their own. One seed gives the same events every time.
-"""
+"""A simulated asynchronous RL pipeline that produces the SPEC 9 event stream of a run, the same
+for one seed every time (the model is described in docs/run-inputs.md)."""
 
 from __future__ import annotations
 
@@ -94,7 +85,7 @@ class StepEvents:
 
 
 class Simulation:
-    """The pipeline; :meth:`steps` yields one :class:`StepEvents` per ship, forever."""
+    """The pipeline, in ticks of simulated time; :meth:`steps` yields one ship after another."""
 
     def __init__(self, seed: int = 0, settings: DemoSettings | None = None) -> None:
         self.settings = settings or DemoSettings()
@@ -113,16 +104,15 @@ class Simulation:
         self._shares = np.array([env.share for env in self.settings.envs], dtype=float)
         self._shares /= self._shares.sum()
 
-    # -- the sink tells the simulation which queued rollouts it dropped ---------------------------
     def forget(self, ids: Iterable[str]) -> None:
-        """Remove rollouts the sink dropped from the simulated queue."""
+        """Remove the rollouts the sink dropped from the simulated queue."""
         gone = set(ids)
         if gone:
             self._queue = deque(i for i in self._queue if i not in gone)
 
     @property
     def _loaded(self) -> int:
-        """The oldest version a worker still samples with (what a dispatch can count on)."""
+        """The oldest version a worker samples with (what a dispatch can count on)."""
         return min(w.version for w in self._workers)
 
     @property
@@ -133,7 +123,6 @@ class Simulation:
         while True:
             yield self._run_until_ship()
 
-    # -- one tick at a time ----------------------------------------------------------------------
     def _run_until_ship(self) -> StepEvents:
         while True:
             self._tick += 1
@@ -193,7 +182,6 @@ class Simulation:
         self._step += 1
         return step
 
-    # -- the SPEC 3 record -----------------------------------------------------------------------
     def _record(self, rollout: _Rollout, completion_version: int) -> dict[str, Any]:
         samples = []
         offset = 0
@@ -226,8 +214,7 @@ class Simulation:
 
 
 def _spans_of(spans: list[tuple[int, int]], offset: int, length: int) -> list[list[int]]:
-    """The ``[version, start]`` spans of positions ``offset .. offset+length-1``,
-    relative to the sample."""
+    """The ``[version, start]`` spans of positions ``offset .. offset+length-1`` of a sample."""
     out: list[list[int]] = []
     for i, (version, start) in enumerate(spans):
         end = spans[i + 1][1] if i + 1 < len(spans) else offset + length

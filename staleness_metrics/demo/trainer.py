@@ -1,12 +1,6 @@
-"""The demo's simulated trainer: log-probabilities of the shipped tokens, and what staleness cost
-them, recorded through SPEC 11's live path as a real trainer would (``shipment.lags`` ->
-``mismatch_sums`` per rank -> ``monitor.record_mismatch``).
-
-The trainer's log-probability of a token is the sampler's plus ``d ~ Normal(-σ²/2, σ²)``,
-``σ(ℓ)² = floor² + (speed · ℓ)²`` for a token of lag ``ℓ`` (the drift model of
-docs/getting-started.md): the expected k3 of a lag is ``σ²/2``, so the suggested bound is
-``⌊floor / speed⌋``. Values are rounded to 6 decimals, as an engine's float32 output.
-"""
+"""The demo's simulated trainer: log-probabilities of the shipped tokens under the drift model of
+docs/getting-started.md, their mismatch sums recorded through SPEC 11's live path as a real
+trainer's would be."""
 
 from __future__ import annotations
 
@@ -26,30 +20,26 @@ from ..replay.what_if import shipped_values
 
 @dataclass(frozen=True)
 class DriftModel:
-    """The drift model's parameters: the engines' numeric ``floor``, how far the policy moves per
-    version, and an optional warm-up over the first steps (as a learning rate's)."""
+    """The trainer's log-probability is the sampler's plus ``Normal(-σ²/2, σ²)``, with
+    ``σ(ℓ)² = floor² + (speed · ℓ)²`` at lag ``ℓ``; ``speed`` may warm up over the first steps."""
 
     floor: float = 0.05
     drift_per_version: float = 0.009
     warmup_steps: int = 0
 
     def speed(self, step: int) -> float:
-        """How far the policy moves per version at train ``step`` (nats of
-        log-ratio standard deviation)."""
+        """How far the policy moves per version at train ``step`` (log-ratio standard deviation)."""
         if self.warmup_steps <= 0:
             return self.drift_per_version
         return self.drift_per_version * min(1.0, step / self.warmup_steps)
 
     def sigma(self, lags: npt.NDArray[np.int64], step: int) -> npt.NDArray[np.float64]:
-        """The standard deviation of the log-ratio of tokens of the given
-        lags, at train ``step``."""
         result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (self.speed(step) * np.maximum(lags, 0)) ** 2)
         return result
 
     def expected_suggested_bound(self, budget: float | None = None) -> int:
-        """SPEC 14's suggested bound once the policy moves at full speed: the largest lag
-        whose expected excess ``(speed · ℓ)² / 2`` is within ``budget`` (default: the
-        floor's k3, ``floor² / 2``)."""
+        """SPEC 14's suggested bound at full speed: the largest lag whose expected excess
+        ``(speed · ℓ)² / 2`` is within ``budget`` (default: the floor's k3, ``floor² / 2``)."""
         beta = self.floor**2 / 2 if budget is None else budget
         if self.drift_per_version <= 0:
             raise ConfigError("drift_per_version: must be > 0 for the excess to cross any budget")
@@ -57,16 +47,14 @@ class DriftModel:
 
 
 def shipped_mask(shipment: Shipment) -> npt.NDArray[np.bool_]:
-    """The shipped samples' masks (as trained), concatenated in ship order: aligned
-    with ``shipment.lags``."""
+    """The shipped samples' masks (as trained), aligned with ``shipment.lags``."""
     return shipped_values(shipment, "mask") > 0
 
 
 @dataclass(frozen=True)
 class TrainedBatch:
-    """What the trainer computed for one ship: the step's sums (as recorded) and its
-    log-probabilities per shipped rollout, one list per sample of the rollout as added (``None`` for
-    a sample not shipped)."""
+    """One ship's recorded sums and trainer log-probabilities: per rollout, one list per sample
+    as added (``None`` for a sample not shipped)."""
 
     step: int
     sums: MismatchSums
@@ -83,8 +71,7 @@ class SimulatedTrainer:
         self._rng = np.random.default_rng([seed, 11])
 
     def logprobs(self, shipment: Shipment) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """Sampler (from the records) and trainer log-probabilities of every shipped position,
-        aligned with ``shipment.lags``."""
+        """Sampler and trainer log-probabilities of every shipped position (as ``shipment.lags``)."""
         lags = shipment.lags
         sampler = shipped_values(shipment, "logprobs")
         sigma = self.model.sigma(lags, shipment.step)
@@ -92,8 +79,7 @@ class SimulatedTrainer:
         return sampler, trainer
 
     def train(self, monitor: StalenessMonitor, shipment: Shipment) -> TrainedBatch | None:
-        """The live path: sums per rank, merged and recorded with the monitor; returns the step's
-        total and the log-probabilities behind it (None when the ship took nothing)."""
+        """Sums per rank, merged and recorded with the monitor (None when the ship took nothing)."""
         lags = shipment.lags
         if len(lags) == 0:
             return None
@@ -111,7 +97,7 @@ class SimulatedTrainer:
 
 
 def _per_rollout(shipment: Shipment, values: npt.NDArray[np.float64]) -> dict[str, list[list[float] | None]]:
-    """``values`` (aligned with ``shipment.lags``) cut back into each shipped rollout's samples."""
+    """``values`` (aligned with ``shipment.lags``) cut back into each rollout's samples."""
     out: dict[str, list[list[float] | None]] = {}
     offsets = shipment.lag_offsets
     shipped = 0

@@ -1,10 +1,5 @@
-"""What a report shows, gathered from a run input: per-step rows, histograms, what-if and
-comparison.
-
-A run directory (:mod:`staleness_metrics.replay.run_dir`) is replayed with its trainer
-log-probabilities; the rows its run logged fill in what the replay does not compute, and the sums
-the trainer posted give the curve when the records carry no trainer log-probabilities.
-"""
+"""What a report shows, gathered from a run input: per-step rows, histograms, what-if, the
+SPEC 14 curve and the prime-rl comparison."""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ _STEP_KEYS = ("step", "trainer/step")
 
 @dataclass
 class ReportData:
-    """Everything one report draws. ``histograms`` and ``totals`` exist when
-    rollouts were replayed."""
+    """Everything one report draws; ``histograms`` and ``totals`` when rollouts were replayed."""
 
     source: str
     kind: str  # a SourceKind, or "run" for a run directory
@@ -74,13 +68,8 @@ _FLOOR_SOURCE_SUFFIX = "/" + keys.MISMATCH_FLOOR_SOURCE.removeprefix(KEY_PREFIX)
 
 
 def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str, Any]:
-    """A logged row's scalar staleness values, legacy keys renamed (a current key
-    wins over its legacy twin).
-
-    ``null`` is a step without that value and media objects (a logged W&B histogram) are not
-    plotted; anything else that is not a number (but the floor's source, a string) is an error
-    naming the line and the key.
-    """
+    """A logged row's scalar staleness values, legacy keys renamed (a current key wins); nulls and
+    media objects are skipped, any other value that is not a number is an error."""
     out: dict[str, Any] = {}
     for key, value in row.items():
         legacy = LEGACY_KEYS.get(key)
@@ -118,9 +107,8 @@ def _is_step(value: object) -> bool:
 
 
 def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
-    """The per-lag token counts and k3 sums behind logged rows (``lag_<b>/tokens`` times
-    ``lag_<b>/k3``), added over the steps: enough for the floor and the excess curve, the
-    other sums left at 0."""
+    """The per-lag token counts and k3 sums behind logged rows, added over the steps: enough for
+    the floor and the excess curve."""
     sums = MismatchSums.zero()
     found = False
     for row in rows:
@@ -137,9 +125,8 @@ def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
 
 
 def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` with every key the run logged for the same step that they lack (the rows win where
-    both have a key): a replay does not recompute what only the live path knew (the trainer's sums,
-    when the records lack them). Steps only the logged rows have are kept too."""
+    """``rows`` filled with the keys the run logged that a replay does not recompute (the
+    trainer's sums); steps only the logged rows have are kept too."""
     by_step = {int(row["step"]): dict(row) for row in rows}
     for row in logged:
         step = int(row["step"])
@@ -150,7 +137,6 @@ def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list
 
 
 def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipment]) -> ReportData:
-    """What a replay gives the report: rows, histograms and totals."""
     rows = [dict(s.report.row()) for s in ships]
     histograms = [s.report.tally.token_histogram for s in ships]
     policy, bound = config.policy, config.max_staleness
@@ -175,8 +161,7 @@ def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_b
 
 
 def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[int] = ()) -> ReportData:
-    """Replay ``run`` with ``config`` (or read its logged metrics) and gather
-    what the report draws."""
+    """What the report draws: ``run`` replayed with ``config``, or its logged metrics read."""
     directory = find_run(run)  # a run directory, or the event stream of one: the whole directory
     if directory is not None:
         return _collect_run_directory(directory, config, what_if_bounds)

@@ -1,5 +1,4 @@
-"""The report page: one self-contained HTML file (inline CSS and SVG, no
-script, nothing fetched)."""
+"""The report page: one self-contained HTML file (inline CSS and SVG; no script, no fetch)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from .. import __version__
 from ..metrics import keys
 from ..replay.sources.prime_rl import ComparisonRow, comparison_summary
 from ..replay.what_if import WhatIfRow
-from .choosing import render_choosing
-from .costs import render_costs
+from .costs import render_choosing, render_costs
 from .data import ReportData
 from .svg import PALETTE, Rule, Series, bar_chart, figure, heatmap, line_chart, message_chart
 

@@ -1,8 +1,5 @@
-"""Inline SVG charts, drawn server-side: the report needs no script and no network to display.
-
-Each function returns one ``<svg>`` element as a string. Values of ``None`` are gaps (a key that a
-step did not report). Every mark carries a ``<title>``, so hovering shows its value.
-"""
+"""Inline SVG charts, drawn server-side, each one ``<svg>`` string: ``None`` values are gaps, and
+every mark carries a ``<title>`` that shows its value on hover."""
 
 from __future__ import annotations
 
@@ -72,7 +69,6 @@ def _fmt(value: float, percent: bool = False) -> str:
 
 
 class _Frame:
-    """Scales and axes of one plot area."""
 
     def __init__(self, x_range: tuple[float, float], y_ticks: list[float], x_data: Sequence[float]) -> None:
         self.x0, self.x1 = x_range
@@ -304,8 +300,7 @@ def heatmap(
     x_label: str = "step",
     y_label: str = "token staleness",
 ) -> str:
-    """Columns = steps, rows = staleness levels, shade = share of the step's
-    tokens at that level."""
+    """Columns are steps, rows staleness levels, the shade the share of the step's tokens."""
     if not x or not any(int(h.sum()) for h in histograms):
         return message_chart(label, "no sampled tokens shipped")
     levels = max(len(np.trim_zeros(h, "b")) for h in histograms)
