@@ -27,8 +27,7 @@ from ..metrics import keys
 from ..metrics.report import Tally
 from ..monitor import StalenessMonitor
 from ..replay.run_dir import write_run_file
-from .simulation import Simulation, StepEvents
-from .trainer import SimulatedTrainer
+from .simulation import SimulatedTrainer, Simulation, StepEvents
 
 RUN_NAME = "staleness-demo"
 
@@ -108,8 +107,16 @@ def _otlp(say: Callable[[str], None]) -> Exporter | None:
         return None
 
 
-# the live table's columns
+# the live table's columns, and the report keys (with their format) of those between the counts
 _COLS = ["env", "rollouts", "token mean", "p99", "masked", "max", "in flight", "in queue", "dropped"]
+_CELLS = (
+    (keys.TOKEN_MEAN, ".2f"),
+    (keys.TOKEN_P99, "d"),
+    (keys.TOKEN_MASKED, ".1%"),
+    (keys.ROLLOUT_MAX, "d"),
+    (keys.ROLLOUT_IN_FLIGHT_MEAN, ".2f"),
+    (keys.ROLLOUT_IN_QUEUE_MEAN, ".2f"),
+)
 
 
 class _LiveTable:
@@ -151,25 +158,10 @@ class _LiveTable:
         for name in _COLS:
             table.add_column(name, justify="left" if name == "env" else "right")
 
-        def row(name: str, metrics: Any, tally: Any) -> None:
-            def get(key: str, fmt: str) -> str:
-                return format(metrics[key], fmt) if key in metrics else "-"
-
-            ratio = metrics.get(keys.TOKEN_MASKED)
-            shipped = f"{tally.rollouts_shipped}" + (
-                f" (+{tally.rollouts_frozen} frozen)" if tally.rollouts_frozen else ""
-            )
-            table.add_row(
-                name,
-                shipped,
-                get(keys.TOKEN_MEAN, ".2f"),
-                get(keys.TOKEN_P99, "d"),
-                "-" if ratio is None else f"{100 * ratio:.1f}%",
-                get(keys.ROLLOUT_MAX, "d"),
-                get(keys.ROLLOUT_IN_FLIGHT_MEAN, ".2f"),
-                get(keys.ROLLOUT_IN_QUEUE_MEAN, ".2f"),
-                str(tally.rollouts_dropped),
-            )
+        def row(name: str, metrics: Mapping[str, Any], tally: Tally) -> None:
+            frozen = f" (+{tally.rollouts_frozen} frozen)" if tally.rollouts_frozen else ""
+            cells = [format(metrics[key], fmt) if key in metrics else "-" for key, fmt in _CELLS]
+            table.add_row(name, f"{tally.rollouts_shipped}{frozen}", *cells, str(tally.rollouts_dropped))
 
         for env in sorted(report.env_metrics):
             row(env or "(none)", report.env_metrics[env], report.env_tally[env])

@@ -95,15 +95,11 @@ def metrics_rows(path: str | Path) -> list[dict[str, Any]]:
     for line, value in iter_json_lines(path):
         if not isinstance(value, dict):
             continue
-        step = next((value[k] for k in _STEP_KEYS if _is_step(value.get(k))), None)
+        step = next((value[k] for k in _STEP_KEYS if type(value.get(k)) is int), None)  # not a bool
         if step is None:
             continue
         merged.setdefault(step, {}).update(_current_keys(value, path, line))
     return [{"step": step, **merged[step]} for step in sorted(merged) if merged[step]]
-
-
-def _is_step(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:

@@ -15,6 +15,7 @@ import numpy.typing as npt
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf")
 WIDTH, HEIGHT = 920, 300
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 34, 44
+PLOT_W, PLOT_H = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 MAX_HEATMAP_COLUMNS = 400
 MAX_HEATMAP_ROWS = 400  # rows added only to show the bound (each row is a matrix column per step)
 
@@ -69,7 +70,6 @@ def _fmt(value: float, percent: bool = False) -> str:
 
 
 class _Frame:
-
     def __init__(self, x_range: tuple[float, float], y_ticks: list[float], x_data: Sequence[float]) -> None:
         self.x0, self.x1 = x_range
         if self.x1 <= self.x0:
@@ -78,31 +78,28 @@ class _Frame:
         low, high = min(x_data), max(x_data)
         self.x_ticks = [t for t in nice_ticks(low, high, 8, integer=True) if low <= t <= high]
         self.y0, self.y1 = y_ticks[0], y_ticks[-1]
-        self.plot_w = WIDTH - LEFT - RIGHT
-        self.plot_h = HEIGHT - TOP - BOTTOM
 
     def px(self, x: float) -> float:
-        return LEFT + (x - self.x0) / (self.x1 - self.x0) * self.plot_w
+        return LEFT + (x - self.x0) / (self.x1 - self.x0) * PLOT_W
 
     def py(self, y: float) -> float:
-        return TOP + self.plot_h - (y - self.y0) / (self.y1 - self.y0) * self.plot_h
+        return TOP + PLOT_H - (y - self.y0) / (self.y1 - self.y0) * PLOT_H
 
     def axes(self, x_label: str, y_label: str, percent: bool = False) -> list[str]:
         out = []
         for t in self.y_ticks:
             y = self.py(t)
-            out.append(f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
+            out.append(f'<line x1="{LEFT}" x2="{LEFT + PLOT_W}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
             out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t, percent)}</text>')
-        base = TOP + self.plot_h
+        base = TOP + PLOT_H
         for t in self.x_ticks:
             x = self.px(t)
             out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{base}" y2="{base + 4}" class="axis"/>')
             out.append(f'<text x="{x:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
-        out.append(f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{base}" y2="{base}" class="axis"/>')
+        out.append(f'<line x1="{LEFT}" x2="{LEFT + PLOT_W}" y1="{base}" y2="{base}" class="axis"/>')
         out.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{base}" class="axis"/>')
-        out.append(_x_title(LEFT + self.plot_w / 2, x_label))
-        mid = TOP + self.plot_h / 2
-        out.append(_y_title(mid, y_label))
+        out.append(_x_title(LEFT + PLOT_W / 2, x_label))
+        out.append(_y_title(TOP + PLOT_H / 2, y_label))
         return out
 
     def rule(self, rule: Rule, vertical: bool = False, row: int = 0) -> list[str]:
@@ -111,14 +108,14 @@ class _Frame:
             # one line of labels per rule, so two near rules stay readable
             label_y = TOP + 12 + 15 * row
             return [
-                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + self.plot_h}" '
+                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + PLOT_H}" '
                 f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
                 # Near the right edge the label goes on the line's left side.
                 f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
-                if x > LEFT + self.plot_w - 80
+                if x > LEFT + PLOT_W - 80
                 else f'<text x="{x + 4:.1f}" y="{label_y}" fill="{rule.color}">{escape(rule.label)}</text>',
             ]
-        return _across(self.py(rule.value), self.plot_w, rule)
+        return _across(self.py(rule.value), PLOT_W, rule)
 
 
 def _across(y: float, plot_w: int, rule: Rule) -> list[str]:
@@ -179,8 +176,7 @@ def message_chart(label: str, message: str) -> str:
     return _svg(
         label,
         [
-            f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" '
-            f'height="{HEIGHT - TOP - BOTTOM}" class="empty"/>',
+            f'<rect x="{LEFT}" y="{TOP}" width="{PLOT_W}" height="{PLOT_H}" class="empty"/>',
             f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">{escape(message)}</text>',
         ],
     )
@@ -259,10 +255,10 @@ def bar_chart(
     body = [*frame.axes(x_label, y_label), *_legend([(s.name, s.color) for s in series])]
     if not any(tops):
         body.append(
-            f'<text x="{WIDTH / 2}" y="{TOP + frame.plot_h / 2}" text-anchor="middle" class="note">'
+            f'<text x="{WIDTH / 2}" y="{TOP + PLOT_H / 2}" text-anchor="middle" class="note">'
             f"{escape(empty_note)}</text>"
         )
-    slot = frame.plot_w * gap / (frame.x1 - frame.x0) * 0.8
+    slot = PLOT_W * gap / (frame.x1 - frame.x0) * 0.8
     width = slot if stacked else slot / max(len(series), 1)
     for i, xi in enumerate(x):
         base = 0.0
@@ -317,7 +313,7 @@ def heatmap(
         per = math.ceil(len(columns) / MAX_HEATMAP_COLUMNS)
         matrix = np.add.reduceat(matrix, np.arange(0, len(columns), per), axis=0)
         columns = columns[::per]
-    plot_w, plot_h = WIDTH - LEFT - RIGHT - 70, HEIGHT - TOP - BOTTOM
+    plot_w, plot_h = PLOT_W - 70, PLOT_H
     cell_w, cell_h = plot_w / len(columns), plot_h / levels
     body = []
     for i, step in enumerate(columns):
