@@ -198,8 +198,7 @@ class Simulation:
         for turn, length in enumerate(rollout.lengths):
             mask = [1] * length
             if turn > 0:
-                # A multi-turn sample starts with the tool's output, which
-                # the policy did not sample.
+                # a multi-turn sample starts with the tool's output, which the policy did not sample
                 tool = min(length - 1, int(self._rng.integers(2, 12)))
                 mask[:tool] = [0] * tool
             logprobs = np.round(-self._logprob_rng.exponential(self.settings.sampler_scale, length), 6)

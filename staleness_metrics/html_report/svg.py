@@ -102,20 +102,18 @@ class _Frame:
         out.append(_y_title(TOP + PLOT_H / 2, y_label))
         return out
 
-    def rule(self, rule: Rule, vertical: bool = False, row: int = 0) -> list[str]:
-        if vertical:
-            x = self.px(rule.value)
-            # one line of labels per rule, so two near rules stay readable
-            label_y = TOP + 12 + 15 * row
-            return [
-                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + PLOT_H}" '
-                f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
-                # Near the right edge the label goes on the line's left side.
-                f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
-                if x > LEFT + PLOT_W - 80
-                else f'<text x="{x + 4:.1f}" y="{label_y}" fill="{rule.color}">{escape(rule.label)}</text>',
-            ]
-        return _across(self.py(rule.value), PLOT_W, rule)
+    def vertical(self, rule: Rule, row: int) -> list[str]:
+        x = self.px(rule.value)
+        # one line of labels per rule, so two near rules stay readable
+        label_y = TOP + 12 + 15 * row
+        return [
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + PLOT_H}" '
+            f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
+            # near the right edge the label goes on the line's left side
+            f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
+            if x > LEFT + PLOT_W - 80
+            else f'<text x="{x + 4:.1f}" y="{label_y}" fill="{rule.color}">{escape(rule.label)}</text>',
+        ]
 
 
 def _across(y: float, plot_w: int, rule: Rule) -> list[str]:
@@ -228,9 +226,9 @@ def line_chart(
         body.extend(_polyline(run, s.color, dash))
         body.extend(dots)
     for r in rules:
-        body.extend(frame.rule(r))
+        body.extend(_across(frame.py(r.value), PLOT_W, r))
     for row, r in enumerate(vertical_rules):
-        body.extend(frame.rule(r, vertical=True, row=row))
+        body.extend(frame.vertical(r, row))
     return _svg(label, body)
 
 
@@ -240,7 +238,6 @@ def bar_chart(
     series: Sequence[Series],
     *,
     stacked: bool,
-    x_label: str = "step",
     y_label: str = "",
     empty_note: str = "all zero",
 ) -> str:
@@ -252,7 +249,7 @@ def bar_chart(
     y_ticks = nice_ticks(0.0, max(tops) if tops and max(tops) > 0 else 1.0)
     gap = min((b - a for a, b in itertools.pairwise(x)), default=1.0) or 1.0
     frame = _Frame((min(x) - gap / 2, max(x) + gap / 2), y_ticks, x)
-    body = [*frame.axes(x_label, y_label), *_legend([(s.name, s.color) for s in series])]
+    body = [*frame.axes("step", y_label), *_legend([(s.name, s.color) for s in series])]
     if not any(tops):
         body.append(
             f'<text x="{WIDTH / 2}" y="{TOP + PLOT_H / 2}" text-anchor="middle" class="note">'
@@ -293,8 +290,6 @@ def heatmap(
     histograms: Sequence[npt.NDArray[np.int64]],
     *,
     bound: int | None = None,
-    x_label: str = "step",
-    y_label: str = "token staleness",
 ) -> str:
     """Columns are steps, rows staleness levels, the shade the share of the step's tokens."""
     if not x or not any(int(h.sum()) for h in histograms):
@@ -341,8 +336,8 @@ def heatmap(
             i = min(range(len(columns)), key=lambda j: abs(columns[j] - t))
             cx = LEFT + (i + 0.5) * cell_w
             body.append(f'<text x="{cx:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
-    body.append(_x_title(LEFT + plot_w / 2, x_label))
-    body.append(_y_title(TOP + plot_h / 2, y_label))
+    body.append(_x_title(LEFT + plot_w / 2, "step"))
+    body.append(_y_title(TOP + plot_h / 2, "token staleness"))
     if bound is not None and bound + 1 <= levels:
         masked = Rule(bound, f"masked above max_staleness = {bound}")
         body.extend(_across(base - (bound + 1) * cell_h, plot_w, masked))
