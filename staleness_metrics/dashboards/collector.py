@@ -33,14 +33,12 @@ def collector_prometheus_name(otel_name: str, unit: str, kind: MetricKind) -> st
     """The name the collector's Prometheus exporter gives a metric (default translation)."""
     words = _words(otel_name)
     main_unit, _, per_unit = (part.strip() for part in unit.partition("/"))
-    if main_unit and not re.search(r"[{}]", main_unit):
-        unit_word = "_".join(_words(_UNIT_WORDS.get(main_unit, main_unit)))
-        if unit_word and unit_word not in words:
-            words.append(unit_word)
-    if per_unit and not re.search(r"[{}]", per_unit):
-        per_word = "_".join(_words(_PER_UNIT_WORDS.get(per_unit, per_unit)))
-        if per_word and per_word not in words:
-            words += ["per", per_word]
+    parts = ((main_unit, _UNIT_WORDS, ()), (per_unit, _PER_UNIT_WORDS, ("per",)))
+    for part, table, before in parts:
+        # a unit in braces is an annotation, not a unit
+        word = "" if re.search(r"[{}]", part) else "_".join(_words(table.get(part, part)))
+        if word and word not in words:
+            words += [*before, word]
     if kind is MetricKind.COUNTER:
         words = [w for w in words if w != "total"] + ["total"]
     if unit == "1" and kind is MetricKind.GAUGE:

@@ -28,18 +28,14 @@ def lag_buckets_shown(data: ReportData) -> list[str]:
     return [b for b in LAG_BUCKETS if b in busiest]
 
 
-def _lag_name(bucket: str) -> str:
-    if bucket == "32":
-        return "lag 17-32"
-    if bucket == "64":
-        return "lag 33-64"
-    return "lag > 64" if bucket == "inf" else f"lag {bucket}"
+# the buckets past 16 hold several lags
+_LAG_NAMES = {"32": "lag 17-32", "64": "lag 33-64", "inf": "lag > 64"}
 
 
 def _by_lag(data: ReportData, buckets: list[str], stat: Mapping[str, str], skip: str | None = None) -> list[Series]:
     """One line per bucket; a bucket keeps its colour from chart to chart."""
     return [
-        Series(_lag_name(b), data.series(stat[b]), PALETTE[i % len(PALETTE)])
+        Series(_LAG_NAMES.get(b, f"lag {b}"), data.series(stat[b]), PALETTE[i % len(PALETTE)])
         for i, b in enumerate(buckets)
         if b != skip
     ]

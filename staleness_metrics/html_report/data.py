@@ -109,10 +109,8 @@ def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
     found = False
     for row in rows:
         for index, bucket in enumerate(LAG_BUCKETS):
-            tokens, k3 = (
-                row.get(keys.MISMATCH_TOKENS_BY_LAG[bucket]),
-                row.get(keys.MISMATCH_K3_BY_LAG[bucket]),
-            )
+            tokens = row.get(keys.MISMATCH_TOKENS_BY_LAG[bucket])
+            k3 = row.get(keys.MISMATCH_K3_BY_LAG[bucket])
             if isinstance(tokens, (int, float)) and isinstance(k3, (int, float)) and tokens > 0:
                 sums.tokens[index] += int(tokens)
                 sums.sum_k3[index] += float(k3) * int(tokens)
@@ -168,10 +166,8 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         rows = metrics_rows(path)
         bounds = [r[keys.MAX_STALENESS] for r in rows if keys.MAX_STALENESS in r]
         data = ReportData(source, kind, None, int(bounds[-1]) if bounds else None, rows)
-        data.curve, data.curve_source = (
-            run_curve(sums_from_rows(rows), config),
-            "the logged k3 and tokens by lag",
-        )
+        data.curve = run_curve(sums_from_rows(rows), config)
+        data.curve_source = "the logged k3 and tokens by lag"
         return data
     read: PrimeRlRead | None = None
     if kind == "prime-rl" and is_current_layout(run):

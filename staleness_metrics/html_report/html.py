@@ -73,15 +73,13 @@ def _summary(data: ReportData) -> str:
         hist = t.token_histogram
         tokens = int(hist.sum())
         mean = float((np.arange(len(hist)) * hist).sum() / tokens) if tokens else None
+        masked = t.tokens_masked / t.tokens_sampled if t.tokens_sampled else None
         cells += [
             ("live rollouts shipped", _num(t.rollouts_shipped)),
             ("frozen rollouts shipped", _num(t.rollouts_frozen)),
             ("rollouts dropped", _num(t.rollouts_dropped)),
             ("sampled tokens shipped", _num(t.tokens_sampled)),
-            (
-                "tokens masked",
-                _pct(t.tokens_masked / t.tokens_sampled if t.tokens_sampled else None),
-            ),
+            ("tokens masked", _pct(masked)),
             ("token staleness mean", _num(mean)),
             ("token staleness p99", _num(_quantile(hist, 0.99))),
         ]
