@@ -130,17 +130,13 @@ class Simulation:
         return len(self._waiting) + sum(w.current is not None for w in self._workers)
 
     def steps(self) -> Iterator[StepEvents]:
-        while True:
-            yield self._run_until_ship()
-
-    def _run_until_ship(self) -> StepEvents:
-        while True:
+        while True:  # one tick at a time
             self._tick += 1
             self._finish_training()
             self._dispatch()
             self._sample()
             if self._train_until is None and len(self._queue) >= self.settings.batch_rollouts:
-                return self._ship()
+                yield self._ship()
 
     def _finish_training(self) -> None:
         if self._train_until is not None and self._tick >= self._train_until:
