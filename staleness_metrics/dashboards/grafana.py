@@ -120,7 +120,7 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
             "Shipped sampled tokens per staleness bucket and rate window, summed over the selected "
             "runs. Cells above the bound are masked tokens.",
             VERSIONS,
-            Target(s.bucket_increase("token_staleness"), "{{le}}", heatmap=True),
+            Target(s.bucket_increase("token_staleness"), "{{le}}", fmt="heatmap"),
         )
     )
     grid.series(
@@ -554,7 +554,7 @@ def fleet_dashboard() -> Json:
             "One line per run: the last shipped batch's gauges and the rates over the dashboard's "
             "rate window; the excess k3 is over each run's floor (SPEC 14: measured at lag 0, "
             "carried, or the smallest lag's).",
-            [(name, unit, Target(t.expr, "", instant=True, table=True)) for name, unit, t in columns],
+            [(name, unit, Target(t.expr, "", instant=True, fmt="table")) for name, unit, t in columns],
         ),
         (24, 9),
     )

@@ -28,21 +28,19 @@ TOKENS = "suffix: tokens"
 
 @dataclass(frozen=True)
 class Target:
-    """One query of a panel."""
+    """One query of a panel, in Grafana's ``fmt`` (``time_series``, ``table`` or ``heatmap``)."""
 
     expr: str
     legend: str = "{{run}}"
     instant: bool = False
-    table: bool = False
-    heatmap: bool = False
+    fmt: str = "time_series"
 
     def render(self, ref_id: str) -> Json:
-        fmt = "table" if self.table else "heatmap" if self.heatmap else "time_series"
         return {
             "datasource": DATASOURCE,
             "editorMode": "code",
             "expr": self.expr,
-            "format": fmt,
+            "format": self.fmt,
             "instant": self.instant,
             "legendFormat": self.legend,
             "range": not self.instant,

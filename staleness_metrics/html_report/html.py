@@ -209,16 +209,14 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
         + ("<th>trained k3</th><th>trained excess k3</th>" if costs else "")
         + "</tr>"
     )
-
-    def cost_cells(r: WhatIfRow) -> str:
-        return f"<td>{_num(r.trained_k3, 4)}</td><td>{_num(r.trained_excess_k3, 4)}</td>" if costs else ""
-
     body = "".join(
         f"<tr{' class=current' if r.max_staleness == bound else ''}><td>{r.max_staleness}</td>"
         f"<td>{_pct(r.masked_ratio)}</td><td>{_num(r.tokens_kept)}</td>"
         f"<td>{_pct(r.kept_share)}</td>"
         f"<td>{_num(r.rollouts_dropped)}</td><td>{_num(r.samples_dropped)}</td>"
-        f"<td>{_num(r.rollouts_shipped)}</td><td>{_num(r.rollouts_held)}</td>{cost_cells(r)}</tr>"
+        f"<td>{_num(r.rollouts_shipped)}</td><td>{_num(r.rollouts_held)}</td>"
+        + (f"<td>{_num(r.trained_k3, 4)}</td><td>{_num(r.trained_excess_k3, 4)}</td>" if costs else "")
+        + "</tr>"
         for r in rows
     )
     return (
