@@ -58,7 +58,6 @@ def renames() -> list[tuple[str, str]]:
 
 
 def collector_config() -> dict[str, Any]:
-    """The collector config as data."""
     rename = "metricstransform/staleness-names"
     return {
         "receivers": {"otlp": {"protocols": {"http": {"endpoint": OTLP_HTTP}, "grpc": {"endpoint": OTLP_GRPC}}}},
@@ -104,5 +103,4 @@ HEADER = """\
 
 
 def render_collector_config() -> str:
-    """The collector config as YAML text."""
     return to_yaml(HEADER, collector_config())

@@ -1,7 +1,5 @@
-"""PromQL built from the metric table, shared by the Grafana dashboards and the Prometheus rules.
-
-Rows are looked up by name when an expression is built, so a rename in the table shows in every
-generated file."""
+"""PromQL built from the metric table for the dashboards and the rules; rows are looked up by name
+when an expression is built, so a rename in the table shows in every generated file."""
 
 from __future__ import annotations
 
@@ -99,7 +97,6 @@ class Scope:
         return f"histogram_quantile({q}, sum {self._by('le')} ({buckets}))"
 
     def bucket_increase(self, name: str) -> str:
-        """Per-bucket increase of a histogram over the window."""
         return f"sum by (le) (increase({self.selector(name, suffix='_bucket')}[{self.window}]))"
 
     def _step_slope(self) -> str:

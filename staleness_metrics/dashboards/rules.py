@@ -232,7 +232,6 @@ HEADER = (
 
 
 def render_rules(thresholds: Thresholds | None = None) -> str:
-    """The rules file as YAML text."""
     return to_yaml(HEADER, rule_groups(thresholds))
 
 

@@ -32,7 +32,6 @@ class PanelSpec:
 
 
 def wandb_key(name: str) -> str:
-    """The W&B key of the table row called ``name``."""
     key = table_row(name).wandb_key
     if key is None:
         raise KeyError(f"metric {name!r} is not logged to W&B")
