@@ -1,9 +1,5 @@
-"""What users open: Grafana dashboards, Prometheus rules and a W&B workspace,
-generated from the metric table.
-
-``staleness-metrics dashboards`` writes the files (:mod:`.artifacts`); ``--check`` fails when the
-committed ones no longer match the table.
-"""
+"""What users open: Grafana dashboards, Prometheus rules and a W&B workspace, generated from the
+metric table (``staleness-metrics dashboards`` writes them; ``--check`` finds drift)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The generated files, keyed by their path in the project, and the drift
-check behind ``--check``."""
+"""The generated files, keyed by their path in the project, and the check behind ``--check``."""
 
 from __future__ import annotations
 
@@ -13,8 +12,6 @@ from .grafana import DASHBOARDS
 from .rules import render_rules
 from .wandb_panels import workspace_spec
 
-__all__ = ["WANDB_X_AXIS", "generated_files", "stale_files", "write_files"]
-
 # The x-axis of the W&B panels: the key the W&B exporter logs every staleness key against.
 WANDB_X_AXIS = DEFAULT_STEP_KEY
 
@@ -24,8 +21,7 @@ def _json(data: Any) -> str:
 
 
 def generated_files() -> dict[str, str]:
-    """Path relative to the project root -> file content, rendered from the
-    metric table as it is now."""
+    """Path relative to the project root -> content, rendered from the metric table as it is now."""
     files = {f"dashboards/{name}": _json(build()) for name, build in DASHBOARDS.items()}
     files["dashboards/wandb-workspace.json"] = _json(workspace_spec(WANDB_X_AXIS))
     files["exporters/prometheus/staleness.rules.yml"] = render_rules()
@@ -43,24 +39,19 @@ def _same(path: str, existing: str, generated: str) -> bool:
     return existing == generated
 
 
-def _stale(root: Path, files: dict[str, str]) -> list[str]:
+def stale_files(root: Path, files: dict[str, str] | None = None) -> list[str]:
+    """The files under ``root`` that are missing or differ from ``files`` (default: as now)."""
     return [
         path
-        for path, content in files.items()
+        for path, content in (files or generated_files()).items()
         if not (root / path).is_file() or not _same(path, (root / path).read_text(encoding="utf-8"), content)
     ]
-
-
-def stale_files(root: Path) -> list[str]:
-    """The generated files under ``root`` that are missing or differ from
-    what the table gives now."""
-    return _stale(root, generated_files())
 
 
 def write_files(root: Path) -> list[str]:
     """Writes the generated files under ``root``; returns the ones that changed."""
     files = generated_files()
-    changed = _stale(root, files)
+    changed = stale_files(root, files)
     for path in changed:
         target = root / path
         target.parent.mkdir(parents=True, exist_ok=True)

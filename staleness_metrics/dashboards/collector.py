@@ -1,9 +1,5 @@
-"""An example OpenTelemetry Collector config: OTLP from the OTLP exporter in, Prometheus out.
-
-Where the collector's own renaming of OTLP names does not give the table's Prometheus name (the
-staleness gauges lose their ``_steps``), a ``metricstransform`` rename sets it, so the dashboards
-and rules work unchanged on either path.
-"""
+"""An example OpenTelemetry Collector config: OTLP in, Prometheus out, with a rename wherever the
+collector's own naming differs from the table's Prometheus name (the dashboards work on both)."""
 
 from __future__ import annotations
 
@@ -13,8 +9,6 @@ from typing import Any
 from ..metrics import metric_table
 from ..metrics.metric_table import MetricKind
 from .rules import to_yaml
-
-__all__ = ["collector_config", "collector_prometheus_name", "renames", "render_collector_config"]
 
 OTLP_HTTP = "127.0.0.1:4318"
 OTLP_GRPC = "127.0.0.1:4317"
@@ -36,18 +30,15 @@ def _words(text: str) -> list[str]:
 
 
 def collector_prometheus_name(otel_name: str, unit: str, kind: MetricKind) -> str:
-    """The name the collector's Prometheus exporter gives a metric (default
-    translation, with suffixes)."""
+    """The name the collector's Prometheus exporter gives a metric (default translation)."""
     words = _words(otel_name)
     main_unit, _, per_unit = (part.strip() for part in unit.partition("/"))
-    if main_unit and not re.search(r"[{}]", main_unit):
-        unit_word = "_".join(_words(_UNIT_WORDS.get(main_unit, main_unit)))
-        if unit_word and unit_word not in words:
-            words.append(unit_word)
-    if per_unit and not re.search(r"[{}]", per_unit):
-        per_word = "_".join(_words(_PER_UNIT_WORDS.get(per_unit, per_unit)))
-        if per_word and per_word not in words:
-            words += ["per", per_word]
+    parts = ((main_unit, _UNIT_WORDS, ()), (per_unit, _PER_UNIT_WORDS, ("per",)))
+    for part, table, before in parts:
+        # a unit in braces is an annotation, not a unit
+        word = "" if re.search(r"[{}]", part) else "_".join(_words(table.get(part, part)))
+        if word and word not in words:
+            words += [*before, word]
     if kind is MetricKind.COUNTER:
         words = [w for w in words if w != "total"] + ["total"]
     if unit == "1" and kind is MetricKind.GAUGE:
@@ -56,8 +47,7 @@ def collector_prometheus_name(otel_name: str, unit: str, kind: MetricKind) -> st
 
 
 def renames() -> list[tuple[str, str]]:
-    """(OTLP name, table Prometheus name) for every row the collector would
-    otherwise name differently."""
+    """(OTLP name, table Prometheus name) of every row the collector would name differently."""
     pairs = []
     for row in metric_table.METRICS:
         if row.otel_name is None or row.prometheus_name is None:
@@ -68,7 +58,6 @@ def renames() -> list[tuple[str, str]]:
 
 
 def collector_config() -> dict[str, Any]:
-    """The collector config as data."""
     rename = "metricstransform/staleness-names"
     return {
         "receivers": {"otlp": {"protocols": {"http": {"endpoint": OTLP_HTTP}, "grpc": {"endpoint": OTLP_GRPC}}}},
@@ -85,8 +74,7 @@ def collector_config() -> dict[str, Any]:
         "exporters": {
             "prometheus": {
                 "endpoint": PROMETHEUS,
-                # service.name becomes `job` and service.instance.id `instance`
-                # (scrape with honor_labels)
+                # service.name becomes `job`, service.instance.id `instance` (scrape with honor_labels)
                 "resource_to_telemetry_conversion": {"enabled": False},
                 "enable_open_metrics": False,
             }
@@ -115,5 +103,4 @@ HEADER = """\
 
 
 def render_collector_config() -> str:
-    """The collector config as YAML text."""
     return to_yaml(HEADER, collector_config())

@@ -1,8 +1,5 @@
-"""The panel language of the generated Grafana dashboards: units, query targets, the panel kinds
-(:func:`timeseries`, :func:`stat`, :func:`heatmap`, :func:`table`), the 24-column :class:`Grid` that
-places and numbers them, and the dashboard frame (:func:`variables`, :func:`dashboard`).
-:mod:`.grafana` writes the two dashboards in it.
-"""
+"""The panel language of the generated Grafana dashboards: units, query targets, panel kinds,
+the 24-column :class:`Grid` that places them, and the dashboard frame."""
 
 from __future__ import annotations
 
@@ -13,27 +10,6 @@ from typing import Any
 
 from ..metrics import metric_table
 from .promql import prometheus_name
-
-__all__ = [
-    "COUNT",
-    "DATASOURCE",
-    "NATS",
-    "PER_MINUTE",
-    "PER_SECOND",
-    "PER_STEP",
-    "RATIO",
-    "TOKENS",
-    "VERSIONS",
-    "Grid",
-    "Json",
-    "Target",
-    "bound_override",
-    "dashboard",
-    "heatmap",
-    "stat",
-    "table",
-    "timeseries",
-]
 
 Json = dict[str, Any]
 
@@ -52,21 +28,19 @@ TOKENS = "suffix: tokens"
 
 @dataclass(frozen=True)
 class Target:
-    """One query of a panel."""
+    """One query of a panel, in Grafana's ``fmt`` (``time_series``, ``table`` or ``heatmap``)."""
 
     expr: str
     legend: str = "{{run}}"
     instant: bool = False
-    table: bool = False
-    heatmap: bool = False
+    fmt: str = "time_series"
 
     def render(self, ref_id: str) -> Json:
-        fmt = "table" if self.table else "heatmap" if self.heatmap else "time_series"
         return {
             "datasource": DATASOURCE,
             "editorMode": "code",
             "expr": self.expr,
-            "format": fmt,
+            "format": self.fmt,
             "instant": self.instant,
             "legendFormat": self.legend,
             "range": not self.instant,
@@ -137,7 +111,7 @@ def timeseries(
     stacked: bool = False,
     **fields: Any,
 ) -> Json:
-    """A line panel; ``fields`` are :func:`make_panel`'s (``minimum``, ``maximum``, ``overrides``)."""
+    """A line panel; ``fields`` go to :func:`make_panel`."""
     custom = {
         "drawStyle": "line",
         "lineInterpolation": "stepAfter",  # values change at ships, and hold in between
@@ -164,8 +138,7 @@ def stat(title: str, description: str, unit: str, target: Target, *, decimals: i
 
 
 def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: str = "auto") -> Json:
-    """``rows="le"``: each series is one row, named by its bucket's upper bound (Grafana's "time
-    series buckets"), for values that are not counts to de-accumulate."""
+    """``rows="le"``: one row per series, named by its bucket's upper bound (values, not counts)."""
     options = {
         "calculate": False,  # Prometheus buckets already are the cells
         "cellGap": 1,
@@ -228,8 +201,7 @@ def bound_override(suffix: str = "bound") -> Json:
 
 @dataclass
 class Grid:
-    """Lays panels left to right on Grafana's 24-column grid, wrapping to a new
-    line, and numbers them."""
+    """Lays panels left to right on Grafana's 24-column grid, wrapping, and numbers them."""
 
     panels: list[Json] = field(default_factory=list)
     x: int = 0
@@ -269,11 +241,9 @@ class Grid:
         targets: Sequence[Target],
         size: tuple[int, int] | None = None,
         **fields: Any,
-    ) -> Json:
-        """Adds a :func:`timeseries` panel (``minimum`` 0 unless given); returns it."""
-        panel = timeseries(title, description, unit, targets, **{"minimum": 0, **fields})
-        self.add(panel, size)
-        return panel
+    ) -> None:
+        """Adds a :func:`timeseries` panel (``minimum`` 0 unless given)."""
+        self.add(timeseries(title, description, unit, targets, **{"minimum": 0, **fields}), size)
 
 
 def variables() -> list[Json]:

@@ -1,11 +1,5 @@
-"""PromQL built from the metric table, shared by the Grafana dashboards and the Prometheus rules.
-
-Rows are looked up by ``MetricDef.name`` when an expression is built, so a rename in the table
-shows in every generated file. Every series has ``run``; counters and histograms are split by
-``env`` (totals sum over it); gauges and the
-:data:`~staleness_metrics.metrics.metric_table.BATCH_WIDE_COUNTERS` have an overall ``env=""``
-series beside the per-env ones.
-"""
+"""PromQL built from the metric table for the dashboards and the rules; rows are looked up by name
+when an expression is built, so a rename in the table shows in every generated file."""
 
 from __future__ import annotations
 
@@ -15,12 +9,9 @@ from dataclasses import dataclass
 from ..metrics import metric_table
 from ..metrics.metric_table import BATCH_WIDE_COUNTERS, CURVE_LAG, MetricDef, MetricKind
 
-__all__ = ["Scope", "prometheus_name", "recorded_name", "table_row"]
-
 
 def table_row(name: str) -> MetricDef:
-    """The table row called ``name``, read from the table as it is now (``KeyError`` when there
-    is none)."""
+    """The table row called ``name``, read from the table as it is now."""
     for metric in metric_table.METRICS:
         if metric.name == name:
             return metric
@@ -36,7 +27,6 @@ def prometheus_name(name: str) -> str:
 
 
 def _stem(name: str) -> str:
-    """A family name without ``_total``: the ``metric`` part of a recording rule over a rate."""
     family = prometheus_name(name)
     return family.removesuffix("_total") if table_row(name).kind is MetricKind.COUNTER else family
 
@@ -63,8 +53,7 @@ class Scope:
     window: str = "5m"  # the range of every rate
 
     def selector(self, name: str, *, suffix: str = "", env: str | None = None, extra: tuple[str, ...] = ()) -> str:
-        """``family{matchers}``; ``env`` overrides the scope's env matcher for this selector,
-        ``extra`` adds matchers (``lag!="0"``)."""
+        """``family{matchers}``; ``env`` overrides the scope's env matcher, ``extra`` adds some."""
         row = table_row(name)
         matchers = [*self.matchers, *extra]
         if "env" in row.labels:
@@ -88,9 +77,7 @@ class Scope:
         extra_by: tuple[str, ...] = (),
         extra: tuple[str, ...] = (),
     ) -> str:
-        """A gauge's overall series (or its per-env series), kept per ``by`` labels
-        (and ``extra_by``, such as SPEC 14's ``lag`` or ``source``) with ``max``;
-        ``extra`` adds matchers."""
+        """A gauge's overall (or per-env) series, kept per ``by`` and ``extra_by`` labels."""
         if not per_env:
             return f"max {self._by(*extra_by)} ({self.selector(name, extra=extra)})"
         picked = f'env=~"{self.env or ".+"}", env!=""'
@@ -110,7 +97,6 @@ class Scope:
         return f"histogram_quantile({q}, sum {self._by('le')} ({buckets}))"
 
     def bucket_increase(self, name: str) -> str:
-        """Per-bucket increase of a histogram over the window, summed over everything but ``le``."""
         return f"sum by (le) (increase({self.selector(name, suffix='_bucket')}[{self.window}]))"
 
     def _step_slope(self) -> str:
@@ -122,43 +108,27 @@ class Scope:
         return f"clamp_min({self._step_slope()}, 0)"
 
     def per_step(self, name: str) -> str:
-        """A counter's increase per train step: its rate over the steps'
-        rate, while steps advance."""
+        """A counter's increase per train step, while steps advance."""
         return f"{self.rate(name)} / ({self._step_slope()} > 0)"
 
-    # ----------------------------------------------------------- SPEC 11 and 12, from rates of sums
-    # Every ratio divides rates of sums (summed over processes first), so a fleet-wide value is the
-    # merged run's; a denominator of 0 (a lag or length bucket without tokens in the window) gives
-    # no point.
+    # SPEC 11 and 12: every ratio divides rates of sums (summed over processes first), so a
+    # fleet-wide value is the merged run's; a bucket without tokens in the window gives no point.
 
     def per_lag_token(self, name: str, *, by_lag: bool = True, extra: tuple[str, ...] = ()) -> str:
-        """Σ ``name`` / covered tokens over the window: mean k3 (``mismatch_kl``), mean
-        \|log r\|, or the out-of-band share (``mismatch_out_of_band``), per lag bucket
-        unless ``by_lag`` is False."""
+        """Σ ``name`` / covered tokens over the window (mean k3, out-of-band share), by lag."""
         by = ("lag",) if by_lag else ()
         numerator = self.rate(name, extra_by=by, extra=extra)
         return f"{numerator} / ({self.rate('mismatch_tokens', extra_by=by, extra=extra)} > 0)"
 
-    def mismatch_floor(self) -> str:
-        """SPEC 14's floor of each run (kept per ``by`` labels and run): the gauge of its latest
-        ship with SPEC 11 sums, whatever its source (``lag0``, ``carried`` or ``min_lag``), so a
-        fully asynchronous run, which has no lag-0 token after its first steps, has one too."""
-        return self._per_run().gauge("mismatch_floor")
-
-    def _per_run(self) -> Scope:
-        """This scope kept per run as well: each run's excess is over its own floor."""
-        return self if "run" in self.by else dataclasses.replace(self, by=(*self.by, "run"))
-
     def excess_k3(self, *, by_lag: bool = False) -> str:
-        """Mean k3 of the tokens at lag >= 1 (per lag bucket, SPEC 11's ``lag_<b>/excess_k3``, or
-        all, its ``excess_k3``) minus the run's floor:
-        (Σk3 / tokens) - floor per run; merged runs, Σ (Σk3 - tokens · floor) / Σ tokens over
-        the runs that have a floor (each run's tokens over its own floor)."""
+        """Mean k3 of the tokens at lag >= 1 (by lag bucket, or all) minus the run's floor; over
+        merged runs, each run's tokens over its own floor."""
         by = ("lag",) if by_lag else ()
         stale = ('lag!="0"',)  # lag 0 has no excess key: it is where the floor is measured
-        run = self._per_run()
+        run = self if "run" in self.by else dataclasses.replace(self, by=(*self.by, "run"))
         on = f"on ({', '.join(run.by)})"
-        floor = self.mismatch_floor()
+        # SPEC 14's floor, whatever its source: a fully async run has no lag-0 token after step 1
+        floor = run.gauge("mismatch_floor")
         if run is self:
             return f"{self.per_lag_token('mismatch_kl', by_lag=by_lag, extra=stale)} - {on} group_left () {floor}"
         tokens = f"({run.rate('mismatch_tokens', extra_by=by, extra=stale)} and {on} {floor})"
@@ -166,8 +136,7 @@ class Scope:
         return f"sum {self._by(*by)} ({above}) / (sum {self._by(*by)} ({tokens}) > 0)"
 
     def ess_by_lag(self) -> str:
-        """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket, from
-        the rates of the sums."""
+        """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket."""
         by = ("lag",)
         ratio, squares = (
             self.rate("mismatch_ratio", extra_by=by),
@@ -184,10 +153,9 @@ class Scope:
         kept = f"{self.rate('length_sampled_tokens')} - {self.rate('length_removed_tokens')}"
         return f"({kept}) / ({self.rate('length_samples')} > 0)"
 
-    # ---------------------------------------------------- SPEC 14, from the gauges of the last ship
     def curve_at_suggested(self) -> str:
-        """The excess curve at the suggested bound: PromQL cannot read a label from a value, so one
-        term per lag of the curve, kept where the suggestion equals it."""
+        """The excess curve at the suggested bound (SPEC 14): one term per lag, as PromQL cannot
+        read a label from a value."""
         suggested, on = self.gauge("bound_suggested"), ", ".join(self.by)
         terms = []
         for lag in CURVE_LAG.values:
@@ -196,7 +164,7 @@ class Scope:
         return " or ".join(terms)
 
     def removed_share_by_length(self) -> str:
-        """Share of sampled positions masked or dropped, per length bucket of their sample."""
+        """Share of sampled positions masked or dropped, per sample length bucket."""
         by = ("length",)
         removed = self.rate("length_removed_tokens", extra_by=by)
         return f"{removed} / ({self.rate('length_sampled_tokens', extra_by=by)} > 0)"

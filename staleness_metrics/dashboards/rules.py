@@ -1,7 +1,5 @@
-"""Prometheus recording rules (``level:metric:operations``) and alerts (``severity`` label,
-``summary`` / ``description``, ``for:``), built from the metric table; the committed
-``exporters/prometheus/staleness.rules.yml`` uses the default :class:`Thresholds`.
-"""
+"""Prometheus recording rules (``level:metric:operations``) and alerts, built from the metric
+table; the committed ``exporters/prometheus/staleness.rules.yml`` uses the default thresholds."""
 
 from __future__ import annotations
 
@@ -12,8 +10,6 @@ from typing import Any
 from ..metrics.buckets import LAG_UPPER_BOUNDS
 from ..metrics.metric_table import LAG
 from .promql import Scope, prometheus_name, recorded_name
-
-__all__ = ["MISMATCH_RECORDS", "Thresholds", "render_rules", "rule_groups"]
 
 Json = dict[str, Any]
 
@@ -55,7 +51,6 @@ _REMOVED = ("length_removed_tokens", "length_sampled_tokens")
 
 
 def _series() -> dict[str, tuple[str, tuple[str, ...], str, str]]:
-    """Built from the table as it is now: a rename shows in the next render."""
     s = _SCOPE
     return {
         "k3_by_lag": (_LAG, _K3, "ratio", s.per_lag_token("mismatch_kl")),
@@ -75,9 +70,8 @@ MISMATCH_RECORDS = {key: recorded_name(*d[:2], f"{d[2]}_{_RATE}") for key, d in 
 
 
 def _within_bound(series: str, threshold: float) -> str:
-    """``series`` (per lag bucket) above ``threshold``, kept only for buckets whose smallest lag is
-    within the run's max_staleness: PromQL cannot read a number from a label, so one term per
-    bucket, from the table."""
+    """``series`` above ``threshold`` in the lag buckets whose smallest lag is within the run's
+    max_staleness: one term per bucket, as PromQL cannot read a number from a label."""
     bound = _SCOPE.gauge("max_staleness")
     # smallest lag of each bucket, "inf" last
     lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]
@@ -190,7 +184,6 @@ def _alerts(t: Thresholds) -> list[Json]:
 
 
 def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
-    """SPEC 14's two alerts, from the gauges of the latest ship with the SPEC 11 family."""
     at_bound, budget = _SCOPE.gauge("bound_excess_at_bound"), _SCOPE.gauge("mismatch_budget")
     suggested, crossed = _SCOPE.gauge("bound_suggested"), _SCOPE.gauge("bound_crossed")
     bound, masked = _SCOPE.gauge("max_staleness"), _SCOPE.gauge("token_masked")
@@ -239,12 +232,11 @@ HEADER = (
 
 
 def render_rules(thresholds: Thresholds | None = None) -> str:
-    """The rules file as YAML text."""
     return to_yaml(HEADER, rule_groups(thresholds))
 
 
 def to_yaml(header: str, data: Json) -> str:
-    """``data`` as YAML after ``header``, one line per expression (diffs stay readable)."""
+    """``data`` as YAML after ``header``, one line per expression."""
     from ruamel.yaml import YAML
 
     yaml = YAML()

@@ -1,8 +1,5 @@
-"""A W&B workspace with a "Staleness" section: the Grafana views, over the W&B keys of the table.
-
-:func:`workspace_spec` is the plain data (committed as ``dashboards/wandb-workspace.json``);
-:func:`build_workspace` and :func:`save` alone import ``wandb_workspaces``.
-"""
+"""A W&B workspace with a "Staleness" section: the Grafana views over the table's W&B keys
+(:func:`workspace_spec` is the plain data; :func:`build_workspace` needs ``wandb_workspaces``)."""
 
 from __future__ import annotations
 
@@ -12,16 +9,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .promql import table_row
-
-__all__ = [
-    "SECTION",
-    "MissingApiKey",
-    "PanelSpec",
-    "build_workspace",
-    "panels",
-    "save",
-    "workspace_spec",
-]
 
 SECTION = "Staleness"
 API_KEY_ENV = "WANDB_API_KEY"
@@ -45,7 +32,6 @@ class PanelSpec:
 
 
 def wandb_key(name: str) -> str:
-    """The W&B key of the table row called ``name``."""
     key = table_row(name).wandb_key
     if key is None:
         raise KeyError(f"metric {name!r} is not logged to W&B")
@@ -53,15 +39,13 @@ def wandb_key(name: str) -> str:
 
 
 def per_env_regex(name: str) -> str:
-    """Matches the per-env keys of a row: ``staleness/token/mean`` ->
-    ``staleness/env/<env>/token/mean``."""
+    """Matches the per-env keys of a row (``staleness/env/<env>/token/mean``)."""
     head, _, tail = wandb_key(name).partition("/")
     return f"^{re.escape(head)}/env/.+/{re.escape(tail)}$"
 
 
 def per_bucket_regex(name: str) -> str:
-    """Matches every bucket's key of a templated row: ``staleness/mismatch/lag_{lag}/k3`` ->
-    ``^staleness/mismatch/lag_[^/]+/k3$`` (the row's own template, its placeholder a wildcard)."""
+    """Matches every bucket's key of a templated row (its placeholder a wildcard)."""
     row = table_row(name)
     if row.dimension is None:
         raise KeyError(f"metric {name!r} has no bucket dimension")
@@ -77,7 +61,6 @@ def _keys(*names: str) -> tuple[str, ...]:
 
 
 def _by_bucket(title: str, name: str, range_y: tuple[float, float] | None = None) -> PanelSpec:
-    """A line per bucket of a templated row (lag or length)."""
     return PanelSpec(title, metric_regex=per_bucket_regex(name), range_y=range_y or (None, None))
 
 
@@ -113,41 +96,40 @@ def _cost_panels() -> list[PanelSpec]:
 
 def panels() -> list[PanelSpec]:
     """The Staleness section, in display order."""
-    keys = _keys
     return [
-        PanelSpec("Token staleness mean vs bound", keys("token_mean", "max_staleness")),
-        PanelSpec("Token staleness quantiles", keys("token_p50", "token_p90", "token_p99")),
+        PanelSpec("Token staleness mean vs bound", _keys("token_mean", "max_staleness")),
+        PanelSpec("Token staleness quantiles", _keys("token_p50", "token_p90", "token_p99")),
         # a wandb.Histogram per step: W&B draws it as a distribution over time
-        PanelSpec("Token staleness distribution", keys("token_staleness")),
-        PanelSpec("Masked tokens", keys("token_masked"), range_y=SHARE),
+        PanelSpec("Token staleness distribution", _keys("token_staleness")),
+        PanelSpec("Masked tokens", _keys("token_masked"), range_y=SHARE),
         PanelSpec(
             "Rollout staleness mean and max vs bound",
-            keys("rollout_mean", "rollout_max", "max_staleness"),
+            _keys("rollout_mean", "rollout_max", "max_staleness"),
         ),
         PanelSpec(
             "In-flight vs in-queue staleness (mean)",
-            keys("rollout_in_flight_mean", "rollout_in_queue_mean"),
+            _keys("rollout_in_flight_mean", "rollout_in_queue_mean"),
             stacked=True,
             notes="Per rollout in flight + in queue = rollout staleness, so the stack is the rollout mean.",
         ),
         PanelSpec(
             "In-flight vs in-queue staleness (max)",
-            keys("rollout_in_flight_max", "rollout_in_queue_max"),
+            _keys("rollout_in_flight_max", "rollout_in_queue_max"),
         ),
         PanelSpec(
             "Rollout staleness: oldest vs newest token",
-            keys("rollout_mean", "rollout_newest_mean", "rollout_max", "rollout_newest_max"),
+            _keys("rollout_mean", "rollout_newest_mean", "rollout_max", "rollout_newest_max"),
             notes="Oldest token: prime-rl's headline (staleness/rollout/*); newest token: verl's trajectory staleness.",
         ),
-        PanelSpec("Dropped per step", keys("rollouts_dropped", "samples_dropped")),
-        PanelSpec("Held rollouts", keys("rollouts_held")),
+        PanelSpec("Dropped per step", _keys("rollouts_dropped", "samples_dropped")),
+        PanelSpec("Held rollouts", _keys("rollouts_held")),
         PanelSpec(
             "Unlabelled tokens",
-            keys("token_unlabelled"),
+            _keys("token_unlabelled"),
             range_y=SHARE,
             notes="Label coverage is 1 minus this share.",
         ),
-        PanelSpec("Largest rollout staleness", keys("rollout_max"), kind="scalar"),
+        PanelSpec("Largest rollout staleness", _keys("rollout_max"), kind="scalar"),
         PanelSpec("Token staleness mean per env", metric_regex=per_env_regex("token_mean")),
         PanelSpec("Masked tokens per env", metric_regex=per_env_regex("token_masked"), range_y=SHARE),
         *_cost_panels(),

@@ -1,11 +1,5 @@
-"""The demo: the simulated pipeline driving the real monitor and exporters.
-
-It writes a run directory (``out_dir``, :mod:`staleness_metrics.replay.run_dir`: the metrics,
-the events, the simulated trainer's log-probabilities and sums, ``run.json``) that
-``staleness-metrics report`` reads whole, an offline W&B run when ``wandb`` is installed, a
-Prometheus endpoint on 127.0.0.1, and OTLP when ``OTEL_EXPORTER_OTLP_*ENDPOINT`` is set. One line
-per step goes to stdout; on a terminal a live table sits below them.
-"""
+"""The demo: the simulated pipeline driving the real monitor and exporters, writing a run directory
+(:mod:`staleness_metrics.replay.run_dir`) that ``staleness-metrics report`` reads whole."""
 
 from __future__ import annotations
 
@@ -19,7 +13,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -33,10 +27,7 @@ from ..metrics import keys
 from ..metrics.report import Tally
 from ..monitor import StalenessMonitor
 from ..replay.run_dir import write_run_file
-from .simulation import Simulation, StepEvents
-from .trainer import SimulatedTrainer, TrainedBatch
-
-__all__ = ["DemoOptions", "run_demo"]
+from .simulation import SimulatedTrainer, Simulation, StepEvents
 
 RUN_NAME = "staleness-demo"
 
@@ -63,8 +54,7 @@ def _prometheus(port: int | None, say: Callable[[str], None]) -> Exporter | None
         say(f"no Prometheus endpoint: needs {exc.name or exc} (pip install 'staleness-metrics[prometheus]')")
         return None
 
-    # A taken port is handled here (a free one instead), so the exporter's own
-    # warning would only confuse.
+    # a taken port is handled here (a free one instead): the exporter's own warning would confuse
     quiet = logging.getLogger("staleness_metrics.exporters")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -80,7 +70,7 @@ def _prometheus(port: int | None, say: Callable[[str], None]) -> Exporter | None
 
 
 def _wandb(out_dir: Path, options: DemoOptions, say: Callable[[str], None]) -> tuple[Exporter | None, Any]:
-    """An offline W&B run and its exporter (the run is ours to finish), when wandb is installed."""
+    """An offline W&B run (ours to finish) and its exporter, when wandb is installed."""
     if not options.wandb:
         return None, None
     try:
@@ -117,12 +107,20 @@ def _otlp(say: Callable[[str], None]) -> Exporter | None:
         return None
 
 
-# the live table's columns
+# the live table's columns, and the report keys (with their format) of those between the counts
 _COLS = ["env", "rollouts", "token mean", "p99", "masked", "max", "in flight", "in queue", "dropped"]
+_CELLS = (
+    (keys.TOKEN_MEAN, ".2f"),
+    (keys.TOKEN_P99, "d"),
+    (keys.TOKEN_MASKED, ".1%"),
+    (keys.ROLLOUT_MAX, "d"),
+    (keys.ROLLOUT_IN_FLIGHT_MEAN, ".2f"),
+    (keys.ROLLOUT_IN_QUEUE_MEAN, ".2f"),
+)
 
 
 class _LiveTable:
-    """The rich table under the step lines: per env, the last ship, and the run so far."""
+    """The rich table under the step lines: per env, the last ship and the run so far."""
 
     def __init__(self, options: DemoOptions) -> None:
         from rich.console import Console
@@ -142,7 +140,7 @@ class _LiveTable:
         from rich.text import Text
 
         report = shipment.report
-        # The step line goes above the live table, through the live display's own console.
+        # the step line goes above the table, through the live display's own console
         line = Text(format_line(report))
         line.highlight_words(["Max Staleness"], style="bold")
         self.live.console.print(line)
@@ -160,25 +158,10 @@ class _LiveTable:
         for name in _COLS:
             table.add_column(name, justify="left" if name == "env" else "right")
 
-        def row(name: str, metrics: Any, tally: Any) -> None:
-            def get(key: str, fmt: str) -> str:
-                return format(metrics[key], fmt) if key in metrics else "-"
-
-            ratio = metrics.get(keys.TOKEN_MASKED)
-            shipped = f"{tally.rollouts_shipped}" + (
-                f" (+{tally.rollouts_frozen} frozen)" if tally.rollouts_frozen else ""
-            )
-            table.add_row(
-                name,
-                shipped,
-                get(keys.TOKEN_MEAN, ".2f"),
-                get(keys.TOKEN_P99, "d"),
-                "-" if ratio is None else f"{100 * ratio:.1f}%",
-                get(keys.ROLLOUT_MAX, "d"),
-                get(keys.ROLLOUT_IN_FLIGHT_MEAN, ".2f"),
-                get(keys.ROLLOUT_IN_QUEUE_MEAN, ".2f"),
-                str(tally.rollouts_dropped),
-            )
+        def row(name: str, metrics: Mapping[str, Any], tally: Tally) -> None:
+            frozen = f" (+{tally.rollouts_frozen} frozen)" if tally.rollouts_frozen else ""
+            cells = [format(metrics[key], fmt) if key in metrics else "-" for key, fmt in _CELLS]
+            table.add_row(name, f"{tally.rollouts_shipped}{frozen}", *cells, str(tally.rollouts_dropped))
 
         for env in sorted(report.env_metrics):
             row(env or "(none)", report.env_metrics[env], report.env_tally[env])
@@ -187,8 +170,7 @@ class _LiveTable:
 
 
 def _cost_caption(metrics: Mapping[str, object] | None) -> str:
-    """What staleness cost the simulated trainer at this step (SPEC 11) and the bound
-    it suggests (SPEC 14)."""
+    """What staleness cost the trainer at this step (SPEC 11) and the bound it suggests (SPEC 14)."""
     row = metrics or {}
     k3 = row.get(keys.MISMATCH_K3)
     if not isinstance(k3, float):
@@ -205,46 +187,12 @@ def _cost_caption(metrics: Mapping[str, object] | None) -> str:
     return text + (f", suggested bound {suggested}" if suggested is not None else "")
 
 
-class _EventLog:
-    """A JSONL file of the run (events, trainer log-probabilities, sums),
-    written as things happen."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._file = path.open("w", encoding="utf-8")
-
-    def write(self, events: list[dict[str, Any]]) -> None:
-        self._file.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events))
-
-    def close(self) -> None:
-        self._file.close()
-
-
-class _TrainerLog:
-    """What the trainer computed, beside the events: its log-probabilities and
-    the sums it recorded."""
-
-    def __init__(self, out_dir: Path) -> None:
-        self.logprobs = _EventLog(out_dir / "trainer-logprobs.jsonl")
-        self.sums = _EventLog(out_dir / "mismatch-sums.jsonl")
-
-    def write(self, batch: TrainedBatch) -> None:
-        self.logprobs.write(
-            [
-                {"step": batch.step, "id": rid, "trainer_logprobs": values}
-                for rid, values in batch.trainer_logprobs.items()
-            ]
-        )
-        self.sums.write([{"step": batch.step, "sums": batch.sums.to_dict()}])
-
-    def close(self) -> None:
-        self.logprobs.close()
-        self.sums.close()
+def _write(file: TextIO, rows: Iterable[dict[str, Any]]) -> None:
+    file.write("".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
 
 
 def _paced(steps: int, speed: float, stop: threading.Event) -> Iterator[int]:
-    """Step numbers 1..steps, each no earlier than its slot at ``speed`` steps per
-    second, until ``stop``."""
+    """Step numbers 1..steps, each no earlier than its slot at ``speed`` steps per second."""
     start = time.monotonic()
     for index in range(steps):
         delay = start + index / speed - time.monotonic() if speed > 0 else 0.0
@@ -255,8 +203,7 @@ def _paced(steps: int, speed: float, stop: threading.Event) -> Iterator[int]:
 
 @contextlib.contextmanager
 def _ctrl_c_stops(stop: threading.Event) -> Iterator[None]:
-    """The first Ctrl-C lets the current step finish (its lines and files stay whole), then stops;
-    a second one interrupts at once."""
+    """The first Ctrl-C lets the current step finish, then stops; a second one interrupts at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -276,16 +223,18 @@ def _ctrl_c_stops(stop: threading.Event) -> Iterator[None]:
 def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     """Run the demo; returns the exit status (130 when interrupted)."""
     out = stream if stream is not None else sys.stdout
-
     say = functools.partial(print, file=out, flush=True)
-
     out_dir = options.out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = options.metrics_out or out_dir / "metrics.jsonl"
-    events = _EventLog(out_dir / "events.jsonl")
-    trainer_log = _TrainerLog(out_dir)
-    files = {"events": events.path, "metrics": metrics_path, "trainer_logprobs": trainer_log.logprobs.path,
-             "mismatch_sums": trainer_log.sums.path}  # fmt: skip
+    files = {
+        "events": out_dir / "events.jsonl",
+        "metrics": metrics_path,
+        "trainer_logprobs": out_dir / "trainer-logprobs.jsonl",
+        "mismatch_sums": out_dir / "mismatch-sums.jsonl",
+    }
+    # the run's JSONL files beside the metrics, written as things happen
+    logs = {name: path.open("w", encoding="utf-8") for name, path in files.items() if name != "metrics"}
     live = options.live if options.live is not None else (stream is None and out.isatty())
     # the table needs rich; plain lines do not
     live = live and importlib.util.find_spec("rich") is not None
@@ -298,8 +247,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     try:
         # the engine's compiled loops: seconds on a fresh install, better before the first step
         warm_up()
-        # Each exporter joins the list as soon as it exists, so that it is
-        # closed whatever happens next.
+        # each exporter joins the list as soon as it exists, to be closed whatever happens next
         prometheus = _prometheus(options.prometheus_port, say)
         exporters += [prometheus] if prometheus is not None else []
         wandb_exporter, wandb_run = _wandb(out_dir, options, say)
@@ -307,8 +255,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         otlp = _otlp(say)
         exporters += [otlp] if otlp is not None else []
         if not live:
-            # Last, so a printed step line means every other exporter already has that step. With
-            # the live table, the table prints the lines (above itself).
+            # last, so a printed step line means every other exporter has that step
             exporters.append(ConsoleExporter(out))
         monitor = StalenessMonitor(options.config, exporters, run=RUN_NAME)
         c = options.config
@@ -317,7 +264,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         if url:
             say(f"metrics URL: {url}")
         say(f"metrics file: {metrics_path}")
-        say(f"events file: {events.path}")
+        say(f"events file: {files['events']}")
         write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed)
         if wandb_run is not None:
             say(f"W&B offline run: {Path(wandb_run.dir).parent} (upload with `wandb sync`)")
@@ -329,14 +276,19 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         totals = Tally()
         with _ctrl_c_stops(stop), table.live if table is not None else contextlib.nullcontext():
             for _, step_events in zip(_paced(options.steps, options.speed, stop), simulation.steps(), strict=False):
-                events.write(step_events.events())
+                _write(logs["events"], step_events.events())
                 monitor.add(step_events.rollouts)
                 shipment = monitor.ship(step_events.step, step_events.ship_ids)
                 simulation.forget(shipment.dropped_rollouts)
                 # trainer log-probs -> mismatch sums -> the exporters
                 trained = trainer.train(monitor, shipment)
                 if trained is not None:
-                    trainer_log.write(trained)
+                    logprobs = trained.trainer_logprobs.items()
+                    _write(
+                        logs["trainer_logprobs"],
+                        ({"step": trained.step, "id": i, "trainer_logprobs": v} for i, v in logprobs),
+                    )
+                    _write(logs["mismatch_sums"], [{"step": trained.step, "sums": trained.sums.to_dict()}])
                 totals += shipment.report.tally
                 shipped_steps += 1
                 if table is not None:
@@ -346,8 +298,8 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     finally:
         interrupted = interrupted or stop.is_set()
         with contextlib.suppress(KeyboardInterrupt):
-            events.close()
-            trainer_log.close()
+            for log in logs.values():
+                log.close()
             if monitor is not None:
                 monitor.close()
             else:
@@ -362,7 +314,5 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed, steps=shipped_steps)
     if interrupted:
         say(f"interrupted after {shipped_steps} steps; files are complete up to there")
-    # Everything the report needs is in the directory, the settings in its run.json:
-    # one command shows it all.
     say(f"done: {shipped_steps} steps. Next: staleness-metrics report {out_dir}")
     return 130 if interrupted else 0

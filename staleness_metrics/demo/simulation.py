@@ -1,25 +1,24 @@
-"""A simulated asynchronous RL pipeline that produces the SPEC 9 event stream of a run.
-
-In ticks of simulated time, a dispatcher sends GRPO groups to inference workers up to
-``max_buffered`` rollouts (the async level); a worker loads each new version after a random delay,
-in the middle of the response it samples (a new ``weight_versions`` span); response lengths are
-log-normal per env (``agent`` rollouts are multi-turn), a share of groups comes from a frozen
-model; the trainer ships the oldest ``batch_rollouts`` finished rollouts as soon as it is idle, so
-only step 1 trains version 0 on version-0 tokens (where the run measures its floor, SPEC 14).
-Sampler log-probabilities are ``-Exponential(sampler_scale)`` rounded to 6 decimals, from a
-generator of their own. One seed gives the same events every time.
-"""
+"""The demo's simulated asynchronous RL pipeline, which produces the SPEC 9 event stream of a run
+(the same for one seed every time; docs/run-inputs.md), and its simulated trainer, which records
+what staleness cost through SPEC 11's live path under the drift model of docs/getting-started.md."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-__all__ = ["DemoSettings", "EnvProfile", "Simulation", "StepEvents"]
+from ..engine.shipment import Shipment
+from ..errors import ConfigError
+from ..metrics.mismatch import MismatchSums, mismatch_sums
+from ..monitor import StalenessMonitor
+from ..replay.what_if import shipped_values
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ class StepEvents:
 
 
 class Simulation:
-    """The pipeline; :meth:`steps` yields one :class:`StepEvents` per ship, forever."""
+    """The pipeline, in ticks of simulated time; :meth:`steps` yields one ship after another."""
 
     def __init__(self, seed: int = 0, settings: DemoSettings | None = None) -> None:
         self.settings = settings or DemoSettings()
@@ -115,16 +114,15 @@ class Simulation:
         self._shares = np.array([env.share for env in self.settings.envs], dtype=float)
         self._shares /= self._shares.sum()
 
-    # -- the sink tells the simulation which queued rollouts it dropped ---------------------------
     def forget(self, ids: Iterable[str]) -> None:
-        """Remove rollouts the sink dropped from the simulated queue."""
+        """Remove the rollouts the sink dropped from the simulated queue."""
         gone = set(ids)
         if gone:
             self._queue = deque(i for i in self._queue if i not in gone)
 
     @property
     def _loaded(self) -> int:
-        """The oldest version a worker still samples with (what a dispatch can count on)."""
+        """The oldest version a worker samples with (what a dispatch can count on)."""
         return min(w.version for w in self._workers)
 
     @property
@@ -132,18 +130,13 @@ class Simulation:
         return len(self._waiting) + sum(w.current is not None for w in self._workers)
 
     def steps(self) -> Iterator[StepEvents]:
-        while True:
-            yield self._run_until_ship()
-
-    # -- one tick at a time ----------------------------------------------------------------------
-    def _run_until_ship(self) -> StepEvents:
-        while True:
+        while True:  # one tick at a time
             self._tick += 1
             self._finish_training()
             self._dispatch()
             self._sample()
             if self._train_until is None and len(self._queue) >= self.settings.batch_rollouts:
-                return self._ship()
+                yield self._ship()
 
     def _finish_training(self) -> None:
         if self._train_until is not None and self._tick >= self._train_until:
@@ -195,15 +188,13 @@ class Simulation:
         self._step += 1
         return step
 
-    # -- the SPEC 3 record -----------------------------------------------------------------------
     def _record(self, rollout: _Rollout, completion_version: int) -> dict[str, Any]:
         samples = []
         offset = 0
         for turn, length in enumerate(rollout.lengths):
             mask = [1] * length
             if turn > 0:
-                # A multi-turn sample starts with the tool's output, which
-                # the policy did not sample.
+                # a multi-turn sample starts with the tool's output, which the policy did not sample
                 tool = min(length - 1, int(self._rng.integers(2, 12)))
                 mask[:tool] = [0] * tool
             logprobs = np.round(-self._logprob_rng.exponential(self.settings.sampler_scale, length), 6)
@@ -228,8 +219,7 @@ class Simulation:
 
 
 def _spans_of(spans: list[tuple[int, int]], offset: int, length: int) -> list[list[int]]:
-    """The ``[version, start]`` spans of positions ``offset .. offset+length-1``,
-    relative to the sample."""
+    """The ``[version, start]`` spans of positions ``offset .. offset+length-1`` of a sample."""
     out: list[list[int]] = []
     for i, (version, start) in enumerate(spans):
         end = spans[i + 1][1] if i + 1 < len(spans) else offset + length
@@ -238,4 +228,98 @@ def _spans_of(spans: list[tuple[int, int]], offset: int, length: int) -> list[li
             if out and out[-1][0] == version:
                 continue
             out.append([version, lo - offset])
+    return out
+
+
+@dataclass(frozen=True)
+class DriftModel:
+    """The trainer's log-probability is the sampler's plus ``Normal(-σ²/2, σ²)``, with
+    ``σ(ℓ)² = floor² + (speed · ℓ)²`` at lag ``ℓ``; ``speed`` may warm up over the first steps."""
+
+    floor: float = 0.05
+    drift_per_version: float = 0.009
+    warmup_steps: int = 0
+
+    def speed(self, step: int) -> float:
+        """How far the policy moves per version at train ``step`` (log-ratio standard deviation)."""
+        if self.warmup_steps <= 0:
+            return self.drift_per_version
+        return self.drift_per_version * min(1.0, step / self.warmup_steps)
+
+    def sigma(self, lags: npt.NDArray[np.int64], step: int) -> npt.NDArray[np.float64]:
+        result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (self.speed(step) * np.maximum(lags, 0)) ** 2)
+        return result
+
+    def expected_suggested_bound(self, budget: float | None = None) -> int:
+        """SPEC 14's suggested bound at full speed: the largest lag whose expected excess
+        ``(speed · ℓ)² / 2`` is within ``budget`` (default: the floor's k3, ``floor² / 2``)."""
+        beta = self.floor**2 / 2 if budget is None else budget
+        if self.drift_per_version <= 0:
+            raise ConfigError("drift_per_version: must be > 0 for the excess to cross any budget")
+        return math.floor(math.sqrt(2 * beta) / self.drift_per_version)
+
+
+def shipped_mask(shipment: Shipment) -> npt.NDArray[np.bool_]:
+    """The shipped samples' masks (as trained), aligned with ``shipment.lags``."""
+    return shipped_values(shipment, "mask") > 0
+
+
+@dataclass(frozen=True)
+class TrainedBatch:
+    """One ship's recorded sums and trainer log-probabilities: per rollout, one list per sample
+    as added (``None`` for a sample not shipped)."""
+
+    step: int
+    sums: MismatchSums
+    trainer_logprobs: dict[str, list[list[float] | None]]
+
+
+class SimulatedTrainer:
+    """Computes trainer log-probabilities of each shipped batch and records their mismatch sums."""
+
+    def __init__(self, seed: int = 0, model: DriftModel | None = None, ranks: int = 2) -> None:
+        self.model = model or DriftModel()
+        self.ranks = ranks
+        # its own stream: the pipeline's events stay as they were
+        self._rng = np.random.default_rng([seed, 11])
+
+    def logprobs(self, shipment: Shipment) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """Sampler and trainer log-probabilities of every shipped position (as ``shipment.lags``)."""
+        lags = shipment.lags
+        sampler = shipped_values(shipment, "logprobs")
+        sigma = self.model.sigma(lags, shipment.step)
+        trainer = np.round(sampler + self._rng.normal(-(sigma**2) / 2, sigma), 6)
+        return sampler, trainer
+
+    def train(self, monitor: StalenessMonitor, shipment: Shipment) -> TrainedBatch | None:
+        """Sums per rank, merged and recorded with the monitor (None when the ship took nothing)."""
+        lags = shipment.lags
+        if len(lags) == 0:
+            return None
+        sampler, trainer = self.logprobs(shipment)
+        masked = ~shipped_mask(shipment)
+        # Ranks take contiguous runs of whole samples, as a data-parallel split of the batch would.
+        offsets = shipment.lag_offsets
+        cuts = [int(offsets[round(i * (len(offsets) - 1) / self.ranks)]) for i in range(self.ranks + 1)]
+        ranks = [
+            mismatch_sums(lags[lo:hi], sampler[lo:hi], trainer[lo:hi], masked=masked[lo:hi])
+            for lo, hi in itertools.pairwise(cuts)
+        ]
+        total = monitor.record_mismatch(shipment.step, sum(ranks, MismatchSums.zero()))
+        return TrainedBatch(shipment.step, total, _per_rollout(shipment, trainer))
+
+
+def _per_rollout(shipment: Shipment, values: npt.NDArray[np.float64]) -> dict[str, list[list[float] | None]]:
+    """``values`` (aligned with ``shipment.lags``) cut back into each rollout's samples."""
+    out: dict[str, list[list[float] | None]] = {}
+    offsets = shipment.lag_offsets
+    shipped = 0
+    for rollout in shipment.rollouts:
+        batch = rollout.batch
+        count = int(batch.sample_offsets[rollout.index + 1] - batch.sample_offsets[rollout.index])
+        samples: list[list[float] | None] = [None] * count
+        for k in rollout.samples:
+            samples[k] = values[int(offsets[shipped]) : int(offsets[shipped + 1])].tolist()
+            shipped += 1
+        out[rollout.id] = samples
     return out

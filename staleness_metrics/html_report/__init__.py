@@ -1,9 +1,5 @@
-"""The HTML report of a run: staleness over steps, masking, drops, the
-histogram and a what-if curve.
-
-``RUN`` is an event stream, a prime-rl run directory, xtuner states (replayed with the given config)
-or a logged metrics JSONL (plotted as logged; the histogram and what-if need rollouts).
-"""
+"""The HTML report of a run: staleness over steps, masking, drops, the histogram, a what-if curve
+and what staleness costs. A run is replayed with the given config; logged metrics are plotted."""
 
 from __future__ import annotations
 
@@ -35,7 +31,6 @@ def write_report(
     title: str = "Staleness report",
 ) -> Path:
     """Write the report page of ``run`` to ``out``; returns the path written."""
-    page = build_report(run, config, what_if_bounds, title)
     path = Path(out)
-    path.write_text(page, encoding="utf-8")
+    path.write_text(build_report(run, config, what_if_bounds, title), encoding="utf-8")
     return path

@@ -1,10 +1,5 @@
-"""What a report shows, gathered from a run input: per-step rows, histograms, what-if and
-comparison.
-
-A run directory (:mod:`staleness_metrics.replay.run_dir`) is replayed with its trainer
-log-probabilities; the rows its run logged fill in what the replay does not compute, and the sums
-the trainer posted give the curve when the records carry no trainer log-probabilities.
-"""
+"""What a report shows, gathered from a run input: per-step rows, histograms, what-if, the
+SPEC 14 curve and the prime-rl comparison."""
 
 from __future__ import annotations
 
@@ -39,15 +34,12 @@ from ..replay.sources.prime_rl import ComparisonRow, has_rollouts, read_prime_rl
 from ..replay.stream import replay
 from ..replay.what_if import RunCurve, WhatIfRow, run_curve, run_tally, what_if_with_curve
 
-__all__ = ["ReportData", "collect", "metrics_rows", "sums_from_rows"]
-
 _STEP_KEYS = ("step", "trainer/step")
 
 
 @dataclass
 class ReportData:
-    """Everything one report draws. ``histograms`` and ``totals`` exist when
-    rollouts were replayed."""
+    """Everything one report draws; ``histograms`` and ``totals`` when rollouts were replayed."""
 
     source: str
     kind: str  # a SourceKind, or "run" for a run directory
@@ -76,13 +68,8 @@ _FLOOR_SOURCE_SUFFIX = "/" + keys.MISMATCH_FLOOR_SOURCE.removeprefix(KEY_PREFIX)
 
 
 def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str, Any]:
-    """A logged row's scalar staleness values, legacy keys renamed (a current key
-    wins over its legacy twin).
-
-    ``null`` is a step without that value and media objects (a logged W&B histogram) are not
-    plotted; anything else that is not a number (but the floor's source, a string) is an error
-    naming the line and the key.
-    """
+    """A logged row's scalar staleness values, legacy keys renamed (a current key wins); nulls and
+    media objects are skipped, any other value that is not a number is an error."""
     out: dict[str, Any] = {}
     for key, value in row.items():
         legacy = LEGACY_KEYS.get(key)
@@ -108,29 +95,22 @@ def metrics_rows(path: str | Path) -> list[dict[str, Any]]:
     for line, value in iter_json_lines(path):
         if not isinstance(value, dict):
             continue
-        step = next((value[k] for k in _STEP_KEYS if _is_step(value.get(k))), None)
+        step = next((value[k] for k in _STEP_KEYS if type(value.get(k)) is int), None)  # not a bool
         if step is None:
             continue
         merged.setdefault(step, {}).update(_current_keys(value, path, line))
     return [{"step": step, **merged[step]} for step in sorted(merged) if merged[step]]
 
 
-def _is_step(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
-    """The per-lag token counts and k3 sums behind logged rows (``lag_<b>/tokens`` times
-    ``lag_<b>/k3``), added over the steps: enough for the floor and the excess curve, the
-    other sums left at 0."""
+    """The per-lag token counts and k3 sums behind logged rows, added over the steps: enough for
+    the floor and the excess curve."""
     sums = MismatchSums.zero()
     found = False
     for row in rows:
         for index, bucket in enumerate(LAG_BUCKETS):
-            tokens, k3 = (
-                row.get(keys.MISMATCH_TOKENS_BY_LAG[bucket]),
-                row.get(keys.MISMATCH_K3_BY_LAG[bucket]),
-            )
+            tokens = row.get(keys.MISMATCH_TOKENS_BY_LAG[bucket])
+            k3 = row.get(keys.MISMATCH_K3_BY_LAG[bucket])
             if isinstance(tokens, (int, float)) and isinstance(k3, (int, float)) and tokens > 0:
                 sums.tokens[index] += int(tokens)
                 sums.sum_k3[index] += float(k3) * int(tokens)
@@ -139,9 +119,8 @@ def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
 
 
 def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` with every key the run logged for the same step that they lack (the rows win where
-    both have a key): a replay does not recompute what only the live path knew (the trainer's sums,
-    when the records lack them). Steps only the logged rows have are kept too."""
+    """``rows`` filled with the keys the run logged that a replay does not recompute (the
+    trainer's sums); steps only the logged rows have are kept too."""
     by_step = {int(row["step"]): dict(row) for row in rows}
     for row in logged:
         step = int(row["step"])
@@ -152,7 +131,6 @@ def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list
 
 
 def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipment]) -> ReportData:
-    """What a replay gives the report: rows, histograms and totals."""
     rows = [dict(s.report.row()) for s in ships]
     histograms = [s.report.tally.token_histogram for s in ships]
     policy, bound = config.policy, config.max_staleness
@@ -177,8 +155,7 @@ def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_b
 
 
 def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[int] = ()) -> ReportData:
-    """Replay ``run`` with ``config`` (or read its logged metrics) and gather
-    what the report draws."""
+    """What the report draws: ``run`` replayed with ``config``, or its logged metrics read."""
     directory = find_run(run)  # a run directory, or the event stream of one: the whole directory
     if directory is not None:
         return _collect_run_directory(directory, config, what_if_bounds)
@@ -189,10 +166,8 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         rows = metrics_rows(path)
         bounds = [r[keys.MAX_STALENESS] for r in rows if keys.MAX_STALENESS in r]
         data = ReportData(source, kind, None, int(bounds[-1]) if bounds else None, rows)
-        data.curve, data.curve_source = (
-            run_curve(sums_from_rows(rows), config),
-            "the logged k3 and tokens by lag",
-        )
+        data.curve = run_curve(sums_from_rows(rows), config)
+        data.curve_source = "the logged k3 and tokens by lag"
         return data
     read: PrimeRlRead | None = None
     if kind == "prime-rl" and is_current_layout(run):

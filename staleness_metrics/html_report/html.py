@@ -1,5 +1,4 @@
-"""The report page: one self-contained HTML file (inline CSS and SVG, no
-script, nothing fetched)."""
+"""The report page: one self-contained HTML file (inline CSS and SVG; no script, no fetch)."""
 
 from __future__ import annotations
 
@@ -13,12 +12,9 @@ from .. import __version__
 from ..metrics import keys
 from ..replay.sources.prime_rl import ComparisonRow, comparison_summary
 from ..replay.what_if import WhatIfRow
-from .choosing import render_choosing
-from .costs import render_costs
+from .costs import render_choosing, render_costs
 from .data import ReportData
 from .svg import PALETTE, Rule, Series, bar_chart, figure, heatmap, line_chart, message_chart
-
-__all__ = ["render"]
 
 # Nothing may load from anywhere: the page is readable offline and leaks nothing when opened.
 _CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
@@ -77,15 +73,13 @@ def _summary(data: ReportData) -> str:
         hist = t.token_histogram
         tokens = int(hist.sum())
         mean = float((np.arange(len(hist)) * hist).sum() / tokens) if tokens else None
+        masked = t.tokens_masked / t.tokens_sampled if t.tokens_sampled else None
         cells += [
             ("live rollouts shipped", _num(t.rollouts_shipped)),
             ("frozen rollouts shipped", _num(t.rollouts_frozen)),
             ("rollouts dropped", _num(t.rollouts_dropped)),
             ("sampled tokens shipped", _num(t.tokens_sampled)),
-            (
-                "tokens masked",
-                _pct(t.tokens_masked / t.tokens_sampled if t.tokens_sampled else None),
-            ),
+            ("tokens masked", _pct(masked)),
             ("token staleness mean", _num(mean)),
             ("token staleness p99", _num(_quantile(hist, 0.99))),
         ]
@@ -215,16 +209,14 @@ def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
         + ("<th>trained k3</th><th>trained excess k3</th>" if costs else "")
         + "</tr>"
     )
-
-    def cost_cells(r: WhatIfRow) -> str:
-        return f"<td>{_num(r.trained_k3, 4)}</td><td>{_num(r.trained_excess_k3, 4)}</td>" if costs else ""
-
     body = "".join(
         f"<tr{' class=current' if r.max_staleness == bound else ''}><td>{r.max_staleness}</td>"
         f"<td>{_pct(r.masked_ratio)}</td><td>{_num(r.tokens_kept)}</td>"
         f"<td>{_pct(r.kept_share)}</td>"
         f"<td>{_num(r.rollouts_dropped)}</td><td>{_num(r.samples_dropped)}</td>"
-        f"<td>{_num(r.rollouts_shipped)}</td><td>{_num(r.rollouts_held)}</td>{cost_cells(r)}</tr>"
+        f"<td>{_num(r.rollouts_shipped)}</td><td>{_num(r.rollouts_held)}</td>"
+        + (f"<td>{_num(r.trained_k3, 4)}</td><td>{_num(r.trained_excess_k3, 4)}</td>" if costs else "")
+        + "</tr>"
         for r in rows
     )
     return (

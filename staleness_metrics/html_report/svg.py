@@ -1,8 +1,5 @@
-"""Inline SVG charts, drawn server-side: the report needs no script and no network to display.
-
-Each function returns one ``<svg>`` element as a string. Values of ``None`` are gaps (a key that a
-step did not report). Every mark carries a ``<title>``, so hovering shows its value.
-"""
+"""Inline SVG charts, drawn server-side, each one ``<svg>`` string: ``None`` values are gaps, and
+every mark carries a ``<title>`` that shows its value on hover."""
 
 from __future__ import annotations
 
@@ -15,21 +12,10 @@ from html import escape
 import numpy as np
 import numpy.typing as npt
 
-__all__ = [
-    "PALETTE",
-    "Rule",
-    "Series",
-    "bar_chart",
-    "figure",
-    "heatmap",
-    "line_chart",
-    "message_chart",
-    "nice_ticks",
-]
-
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#17becf")
 WIDTH, HEIGHT = 920, 300
 LEFT, RIGHT, TOP, BOTTOM = 64, 24, 34, 44
+PLOT_W, PLOT_H = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
 MAX_HEATMAP_COLUMNS = 400
 MAX_HEATMAP_ROWS = 400  # rows added only to show the bound (each row is a matrix column per step)
 
@@ -84,8 +70,6 @@ def _fmt(value: float, percent: bool = False) -> str:
 
 
 class _Frame:
-    """Scales and axes of one plot area."""
-
     def __init__(self, x_range: tuple[float, float], y_ticks: list[float], x_data: Sequence[float]) -> None:
         self.x0, self.x1 = x_range
         if self.x1 <= self.x0:
@@ -94,47 +78,42 @@ class _Frame:
         low, high = min(x_data), max(x_data)
         self.x_ticks = [t for t in nice_ticks(low, high, 8, integer=True) if low <= t <= high]
         self.y0, self.y1 = y_ticks[0], y_ticks[-1]
-        self.plot_w = WIDTH - LEFT - RIGHT
-        self.plot_h = HEIGHT - TOP - BOTTOM
 
     def px(self, x: float) -> float:
-        return LEFT + (x - self.x0) / (self.x1 - self.x0) * self.plot_w
+        return LEFT + (x - self.x0) / (self.x1 - self.x0) * PLOT_W
 
     def py(self, y: float) -> float:
-        return TOP + self.plot_h - (y - self.y0) / (self.y1 - self.y0) * self.plot_h
+        return TOP + PLOT_H - (y - self.y0) / (self.y1 - self.y0) * PLOT_H
 
     def axes(self, x_label: str, y_label: str, percent: bool = False) -> list[str]:
         out = []
         for t in self.y_ticks:
             y = self.py(t)
-            out.append(f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
+            out.append(f'<line x1="{LEFT}" x2="{LEFT + PLOT_W}" y1="{y:.1f}" y2="{y:.1f}" class="grid"/>')
             out.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{_fmt(t, percent)}</text>')
-        base = TOP + self.plot_h
+        base = TOP + PLOT_H
         for t in self.x_ticks:
             x = self.px(t)
             out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{base}" y2="{base + 4}" class="axis"/>')
             out.append(f'<text x="{x:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
-        out.append(f'<line x1="{LEFT}" x2="{LEFT + self.plot_w}" y1="{base}" y2="{base}" class="axis"/>')
+        out.append(f'<line x1="{LEFT}" x2="{LEFT + PLOT_W}" y1="{base}" y2="{base}" class="axis"/>')
         out.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{base}" class="axis"/>')
-        out.append(_x_title(LEFT + self.plot_w / 2, x_label))
-        mid = TOP + self.plot_h / 2
-        out.append(_y_title(mid, y_label))
+        out.append(_x_title(LEFT + PLOT_W / 2, x_label))
+        out.append(_y_title(TOP + PLOT_H / 2, y_label))
         return out
 
-    def rule(self, rule: Rule, vertical: bool = False, row: int = 0) -> list[str]:
-        if vertical:
-            x = self.px(rule.value)
-            # one line of labels per rule, so two near rules stay readable
-            label_y = TOP + 12 + 15 * row
-            return [
-                f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + self.plot_h}" '
-                f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
-                # Near the right edge the label goes on the line's left side.
-                f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
-                if x > LEFT + self.plot_w - 80
-                else f'<text x="{x + 4:.1f}" y="{label_y}" fill="{rule.color}">{escape(rule.label)}</text>',
-            ]
-        return _across(self.py(rule.value), self.plot_w, rule)
+    def vertical(self, rule: Rule, row: int) -> list[str]:
+        x = self.px(rule.value)
+        # one line of labels per rule, so two near rules stay readable
+        label_y = TOP + 12 + 15 * row
+        return [
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + PLOT_H}" '
+            f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
+            # near the right edge the label goes on the line's left side
+            f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
+            if x > LEFT + PLOT_W - 80
+            else f'<text x="{x + 4:.1f}" y="{label_y}" fill="{rule.color}">{escape(rule.label)}</text>',
+        ]
 
 
 def _across(y: float, plot_w: int, rule: Rule) -> list[str]:
@@ -195,8 +174,7 @@ def message_chart(label: str, message: str) -> str:
     return _svg(
         label,
         [
-            f'<rect x="{LEFT}" y="{TOP}" width="{WIDTH - LEFT - RIGHT}" '
-            f'height="{HEIGHT - TOP - BOTTOM}" class="empty"/>',
+            f'<rect x="{LEFT}" y="{TOP}" width="{PLOT_W}" height="{PLOT_H}" class="empty"/>',
             f'<text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle" class="note">{escape(message)}</text>',
         ],
     )
@@ -248,9 +226,9 @@ def line_chart(
         body.extend(_polyline(run, s.color, dash))
         body.extend(dots)
     for r in rules:
-        body.extend(frame.rule(r))
+        body.extend(_across(frame.py(r.value), PLOT_W, r))
     for row, r in enumerate(vertical_rules):
-        body.extend(frame.rule(r, vertical=True, row=row))
+        body.extend(frame.vertical(r, row))
     return _svg(label, body)
 
 
@@ -260,7 +238,6 @@ def bar_chart(
     series: Sequence[Series],
     *,
     stacked: bool,
-    x_label: str = "step",
     y_label: str = "",
     empty_note: str = "all zero",
 ) -> str:
@@ -272,13 +249,13 @@ def bar_chart(
     y_ticks = nice_ticks(0.0, max(tops) if tops and max(tops) > 0 else 1.0)
     gap = min((b - a for a, b in itertools.pairwise(x)), default=1.0) or 1.0
     frame = _Frame((min(x) - gap / 2, max(x) + gap / 2), y_ticks, x)
-    body = [*frame.axes(x_label, y_label), *_legend([(s.name, s.color) for s in series])]
+    body = [*frame.axes("step", y_label), *_legend([(s.name, s.color) for s in series])]
     if not any(tops):
         body.append(
-            f'<text x="{WIDTH / 2}" y="{TOP + frame.plot_h / 2}" text-anchor="middle" class="note">'
+            f'<text x="{WIDTH / 2}" y="{TOP + PLOT_H / 2}" text-anchor="middle" class="note">'
             f"{escape(empty_note)}</text>"
         )
-    slot = frame.plot_w * gap / (frame.x1 - frame.x0) * 0.8
+    slot = PLOT_W * gap / (frame.x1 - frame.x0) * 0.8
     width = slot if stacked else slot / max(len(series), 1)
     for i, xi in enumerate(x):
         base = 0.0
@@ -313,11 +290,8 @@ def heatmap(
     histograms: Sequence[npt.NDArray[np.int64]],
     *,
     bound: int | None = None,
-    x_label: str = "step",
-    y_label: str = "token staleness",
 ) -> str:
-    """Columns = steps, rows = staleness levels, shade = share of the step's
-    tokens at that level."""
+    """Columns are steps, rows staleness levels, the shade the share of the step's tokens."""
     if not x or not any(int(h.sum()) for h in histograms):
         return message_chart(label, "no sampled tokens shipped")
     levels = max(len(np.trim_zeros(h, "b")) for h in histograms)
@@ -334,7 +308,7 @@ def heatmap(
         per = math.ceil(len(columns) / MAX_HEATMAP_COLUMNS)
         matrix = np.add.reduceat(matrix, np.arange(0, len(columns), per), axis=0)
         columns = columns[::per]
-    plot_w, plot_h = WIDTH - LEFT - RIGHT - 70, HEIGHT - TOP - BOTTOM
+    plot_w, plot_h = PLOT_W - 70, PLOT_H
     cell_w, cell_h = plot_w / len(columns), plot_h / levels
     body = []
     for i, step in enumerate(columns):
@@ -362,8 +336,8 @@ def heatmap(
             i = min(range(len(columns)), key=lambda j: abs(columns[j] - t))
             cx = LEFT + (i + 0.5) * cell_w
             body.append(f'<text x="{cx:.1f}" y="{base + 16}" text-anchor="middle">{_fmt(t)}</text>')
-    body.append(_x_title(LEFT + plot_w / 2, x_label))
-    body.append(_y_title(TOP + plot_h / 2, y_label))
+    body.append(_x_title(LEFT + plot_w / 2, "step"))
+    body.append(_y_title(TOP + plot_h / 2, "token staleness"))
     if bound is not None and bound + 1 <= levels:
         masked = Rule(bound, f"masked above max_staleness = {bound}")
         body.extend(_across(base - (bound + 1) * cell_h, plot_w, masked))
