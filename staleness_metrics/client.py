@@ -33,15 +33,6 @@ from .config import StalenessConfig
 from .errors import ConfigError, FieldTypeError, StalenessError, TraceError
 from .metrics.mismatch import MismatchSums
 
-__all__ = [
-    "AddResult",
-    "MismatchResult",
-    "ServiceError",
-    "ShipResult",
-    "StalenessClient",
-    "StepRow",
-]
-
 _RETRY_STATUSES = frozenset({502, 503, 504})
 
 

@@ -25,8 +25,6 @@ from .security import BEARER_SCHEME, TokenFirst
 from .settings import ServerSettings
 from .store import SqliteStore, Store
 
-__all__ = ["AllowHeader", "create_app"]
-
 DESCRIPTION = """\
 A sidecar that keeps one staleness sink per run and publishes its metrics, for orchestrators written in
 other languages or split over processes. Create a run (`PUT /v1/runs/{run}`), send finished rollouts,

@@ -30,17 +30,6 @@ import orjson
 
 from ..records.jsonio import has_long_integer
 
-__all__ = [
-    "COMPACT_MIN_LENGTH",
-    "FAST_DECODE_MAX_BYTES",
-    "SKELETON_ALLOWANCE",
-    "BodyTooComplex",
-    "BodyTooDeep",
-    "compact_records",
-    "paused_gc",
-    "read_json",
-]
-
 COMPACT_MIN_LENGTH = 1024  # shorter lists cost little; they stay lists
 FAST_DECODE_MAX_BYTES = 1024 * 1024
 # What a large body's skeleton may cost in Python objects besides its size (fits a few hundred

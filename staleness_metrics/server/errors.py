@@ -14,20 +14,6 @@ from typing import Any
 from ..errors import StalenessError, TraceError
 from .models import ErrorItem
 
-__all__ = [
-    "RecordsInvalid",
-    "RestoreFailed",
-    "RunBroken",
-    "RunConflict",
-    "RunError",
-    "RunNotFound",
-    "SpanRowsTooMany",
-    "field_item",
-    "out_of_range",
-    "reason_of",
-    "trace_item",
-]
-
 INT64_RANGE = (-(2**63), 2**63 - 1)
 
 

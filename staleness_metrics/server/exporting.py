@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 
     from ..exporters.prometheus import PrometheusExporter
 
-__all__ = ["ExportSettings", "RunExporters", "ServiceCollector", "build_exporters", "preload"]
-
 WandbMode = Literal["online", "offline"]
 
 # How long closing a run may wait for its W&B run to start and finish: a service shutting down is

@@ -9,19 +9,6 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from http import HTTPStatus
 from typing import Any
 
-__all__ = [
-    "DEFAULT_BODY_BYTES_PER_SPAN_ROW",
-    "DEFAULT_HEADER_TIMEOUT",
-    "DEFAULT_MAX_BODY_BYTES",
-    "DEFAULT_MAX_HEADER_BYTES",
-    "SPAN_ROW_FLOOR",
-    "BodySizeLimit",
-    "header_limited_protocol",
-    "return_large_frees_to_the_os",
-    "send_json",
-    "uvicorn_header_options",
-]
-
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # span rows (60-130 bytes each) a body may cut: one per this many bytes, at least SPAN_ROW_FLOOR
 DEFAULT_BODY_BYTES_PER_SPAN_ROW = 128

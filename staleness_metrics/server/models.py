@@ -19,29 +19,6 @@ from ..metrics.mismatch import COUNT_FIELDS, LAG_BUCKETS, SUM_FIELDS
 from ..metrics.report import Tally
 from ..records.validation import lone_surrogate
 
-__all__ = [
-    "MAX_STEP",
-    "RUN_NAME_PATTERN",
-    "AddResult",
-    "Counts",
-    "ErrorItem",
-    "ErrorMessage",
-    "Health",
-    "MismatchRequest",
-    "MismatchResult",
-    "RolloutBatchIn",
-    "RunInfo",
-    "RunList",
-    "ShipRequest",
-    "ShipResult",
-    "StepRow",
-    "StepsPage",
-    "SweepRequest",
-    "ValidationErrorBody",
-    "counts_of",
-    "run_config_schema",
-]
-
 # Run names appear in URLs and as the ``run`` label of every series.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # Steps stay exact in every JSON client (2**53) and far inside the sink's int64 tables.

@@ -19,8 +19,6 @@ from .store import Store, StoredRun
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["RunRegistry"]
-
 logger = logging.getLogger("staleness_metrics.server")
 
 

@@ -53,8 +53,6 @@ from .runs import Run
 from .settings import ServerSettings
 from .span_rows import check_span_rows
 
-__all__ = ["EXCEPTION_HANDLERS", "HEALTH_LOADING_WAIT", "QUICK_BODY_BYTES", "on_run", "routers"]
-
 T = TypeVar("T")
 
 HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart

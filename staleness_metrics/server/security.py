@@ -10,17 +10,6 @@ from typing import Any
 
 from .limits import ASGIApp, Receive, Scope, Send, send_json
 
-__all__ = [
-    "BEARER_SCHEME",
-    "OPEN_PATHS",
-    "TOKEN_ENV",
-    "BindRefused",
-    "TokenFirst",
-    "check_bind",
-    "check_token",
-    "is_loopback",
-]
-
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"
 
 # The OpenAPI security scheme of the token (components.securitySchemes.HTTPBearer).

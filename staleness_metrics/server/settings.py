@@ -8,8 +8,6 @@ from pathlib import Path
 from .exporting import ExportSettings
 from .limits import DEFAULT_BODY_BYTES_PER_SPAN_ROW, DEFAULT_MAX_BODY_BYTES
 
-__all__ = ["ServerSettings"]
-
 
 @dataclass(frozen=True)
 class ServerSettings:

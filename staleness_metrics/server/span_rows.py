@@ -20,8 +20,6 @@ import numpy.typing as npt
 from .limits import SPAN_ROW_FLOOR
 from .models import ErrorItem
 
-__all__ = ["PIECE_POSITIONS", "allowed_span_rows", "check_span_rows"]
-
 PIECE_POSITIONS = 1 << 20  # positions compared at once: a 1 MiB bool and at most 8 MiB of indices
 
 
