@@ -1,16 +1,6 @@
-"""Reading a rollout batch body in memory bounded by its size.
-
-Built by a JSON reader, each number of a body becomes a Python object (a float: 32 bytes for 4 to 10
-of text). So a body over :data:`FAST_DECODE_MAX_BYTES` is read in three steps: each long list of a
-per-position field whose text is plainly numbers is read piece by piece into one numpy array (only
-into a dtype holding every value exactly; anything else stays text, for the library to name); what
-remains (the *skeleton*) is refused (:class:`BodyTooComplex`, 413) when its values would cost more
-than :data:`SKELETON_ALLOWANCE` plus the body's size; then it is parsed by the standard library, and
-the arrays put in place. Smaller bodies are decoded whole by orjson, or by the standard library
-where orjson refuses a body or might read it differently (``NaN``, integers beyond 64 bits), so a
-body means the same whichever decoder reads it. A body nested past the recursion limit is
-:class:`BodyTooDeep` (400).
-"""
+"""Reading a rollout batch body in memory bounded by its size: long per-position number lists
+become numpy arrays (read piece by piece from the text of a large body), and a body whose other
+values would cost far more than its size is refused (see docs/service.md, "Limits")."""
 
 from __future__ import annotations
 
@@ -19,7 +9,7 @@ import json
 import re
 import threading
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import chain
 from typing import Any
@@ -38,9 +28,8 @@ SKELETON_ALLOWANCE = 48 * 1024 * 1024
 _VALUE_COST = 72  # bytes of Python object per JSON value: a dict, list, str or float with its slot
 # text read into Python objects at once while a long list becomes an array
 _PIECE_BYTES = 256 * 1024
-_INT_FIELDS = {"mask": np.int8, "token_versions": np.int64}  # lists read by compact_records
+_INT_FIELDS = ("mask", "token_versions")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_NOT_PER_POSITION = frozenset({"weight_versions"})
 _FLOAT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs")
 _LIST_FIELDS = ("mask", "token_versions", "weight_versions", *_FLOAT_FIELDS)
 # after a key's name: its closing quote, ":" and "["
@@ -59,10 +48,9 @@ _gc_pausers = 0
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused while a body is read and applied (re-enabled when the
-    last request that paused it is done): reading JSON builds containers by the million, which
-    would trigger collections walking every live object (minutes for a 51 MB body of 8M pairs).
-    What a request builds holds no cycles: reference counting frees it."""
+    """The cyclic garbage collector paused while a body is read and applied, until the last request
+    that paused it is done: the containers a body makes by the million hold no cycles, and would
+    trigger collections walking every live object (minutes for a 51 MB body of 8M pairs)."""
     global _gc_pausers
     with _gc_lock:
         ours = _gc_pausers > 0 or gc.isenabled()  # else paused by someone else: leave it to them
@@ -88,9 +76,11 @@ class BodyTooDeep(ValueError):
 
 
 def read_json(held: list[bytearray]) -> Any:
-    """The JSON value of the one body in ``held`` (``ValueError`` when it is not UTF-8
-    JSON, one of its subclasses when it is too deep or too costly to read). The bytes are
-    released once decoded."""
+    """The JSON value of the one body in ``held``, whose bytes are released once read
+    (``ValueError`` when it is not UTF-8 JSON, a subclass when too deep or too costly to read).
+
+    A small body is read by orjson, or by the standard library where orjson refuses it or might
+    read it otherwise (``NaN``, integers beyond 64 bits)."""
     body = held.pop()
     try:
         if len(body) <= FAST_DECODE_MAX_BYTES:
@@ -154,8 +144,8 @@ def _read_large(held: list[bytearray]) -> Any:
 
 
 def _list_starts(body: bytearray) -> list[tuple[int, str, int]]:
-    """``(where the key starts, field, just after its "[")`` of every per-position field
-    given a list, in body order (found with ``bytes.find``, at memchr speed)."""
+    """``(where the key starts, field, just after its "[")`` of every per-position list, in body
+    order (``bytes.find`` runs at memchr speed)."""
     starts = []
     for field in _LIST_FIELDS:
         key = b'"' + field.encode()
@@ -180,8 +170,8 @@ def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
 
 
 def _list_end(body: bytearray, field: str, start: int) -> int | None:
-    """The index just past the ``]`` closing the list that starts at ``start``, when its text is
-    plainly numbers (pairs of integers for ``weight_versions``); None otherwise."""
+    """The index just past the ``]`` closing the list at ``start`` when its text is plainly numbers
+    (pairs of integers for ``weight_versions``), else None."""
     if field == "weight_versions":
         close = re.compile(rb"\][ \t\r\n]*\]").search(body, start)
         if close is None or _NOT_PAIRS.search(body, start, close.start()) is not None:
@@ -245,8 +235,8 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
 
 
 def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
-    """One piece of a long list as an array of the field's kind, or None when
-    it is not plainly that."""
+    """A long list (or a piece of one) as an array holding each value exactly, or None when it is
+    not plainly numbers of the field's kind (the library then names what is wrong)."""
     kinds = set(map(type, items))
     try:
         if field == "weight_versions":
@@ -281,39 +271,15 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
     return None
 
 
-def _compact(name: str, values: list[Any]) -> Any:
-    kinds = set(map(type, values))  # one C-level pass, no per-item Python code
-    if name in _INT_FIELDS:
-        if kinds != {int}:
-            return values
-        try:
-            array = np.fromiter(values, dtype=_INT_FIELDS[name], count=len(values))
-        except (OverflowError, ValueError):
-            return values  # out of the dtype's range: the validation reports it from the list
-        if name == "mask" and not bool(((array == 0) | (array == 1)).all()):
-            return values
-        return array
-    try:
-        if kinds == {int}:  # integer weights stay integers (exactly what the list said)
-            return np.fromiter(values, dtype=np.int64, count=len(values))
-        if kinds == {float, int} or kinds == {float}:  # as the library reads a mixed list: float64
-            return np.fromiter(values, dtype=np.float64, count=len(values))
-    except (OverflowError, ValueError):
-        pass
-    return values
-
-
-def compact_records(records: Any) -> None:
+def compact_records(records: list[dict[str, Any]]) -> None:
     """Replace, in place, every long per-position list of every sample by a numpy array."""
-    if not isinstance(records, list):
-        return
     for record in records:
-        samples = record.get("samples") if isinstance(record, Mapping) else None
-        if not isinstance(samples, list):
-            continue
-        for sample in samples:
+        samples = record.get("samples")
+        for sample in samples if isinstance(samples, list) else ():
             if not isinstance(sample, dict):
                 continue
             for name, values in sample.items():
-                if name not in _NOT_PER_POSITION and isinstance(values, list) and len(values) >= COMPACT_MIN_LENGTH:
-                    sample[name] = _compact(name, values)
+                if name != "weight_versions" and isinstance(values, list) and len(values) >= COMPACT_MIN_LENGTH:
+                    compact = _piece(name, values)
+                    if compact is not None:
+                        sample[name] = compact

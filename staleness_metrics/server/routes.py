@@ -1,11 +1,5 @@
-"""The service's routes: one :class:`fastapi.APIRouter` per resource (service, runs, rollouts,
-mismatch, history), each made for one registry of runs, and how they answer: models written to
-JSON in one call, and the error bodies (``{"detail": "..."}``, or :class:`.ValidationErrorBody`
-where a field is at fault) with their OpenAPI entries.
-
-Handlers are plain functions where they may wait (FastAPI runs them on its thread pool; each run
-serializes its own calls); adds and ships go through :func:`on_run`.
-"""
+"""The service's routes: one :class:`fastapi.APIRouter` per resource, made for one registry of
+runs, and how they answer (models written to JSON in one call, the error bodies)."""
 
 from __future__ import annotations
 
@@ -70,7 +64,6 @@ ERRORS: dict[int, str] = {
 
 
 def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI ``responses`` of a route answering ``codes`` (and 422 when ``invalid``)."""
     answers: dict[int | str, dict[str, Any]] = {
         code: {"model": ErrorMessage, "description": ERRORS[code]} for code in codes
     }
@@ -83,9 +76,8 @@ def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, A
 
 
 class JSONModelResponse(Response):
-    """A response model written to JSON by pydantic in one call (a returned model would be
-    validated again, turned into dicts and encoded by the standard library). Routes declare
-    ``response_model`` for the OpenAPI document."""
+    """A model written to JSON by pydantic in one call (a returned model would be validated
+    again, turned into dicts and encoded by the standard library)."""
 
     media_type = "application/json"
 
@@ -94,13 +86,11 @@ class JSONModelResponse(Response):
 
 
 def _printable(text: str) -> str:
-    """``text`` with lone surrogates escaped, so an answer naming a bad string can be encoded."""
+    """``text`` with lone surrogates escaped: an answer naming a bad string can be encoded."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
-    """A :class:`.ValidationErrorBody` of ``items``."""
-
     def printable(item: ErrorItem) -> dict[str, Any]:
         return {k: _printable(v) if isinstance(v, str) else v for k, v in item.model_dump().items()}
 
@@ -121,11 +111,9 @@ async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
-    # a body nested past the JSON reader's recursion limit is unreadable, on every route
     return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
 
 
-# The application's exception handlers (``FastAPI(exception_handlers=...)``).
 EXCEPTION_HANDLERS: dict[Any, Any] = {
     RunError: _run_error,
     RequestValidationError: _invalid_request,
@@ -140,33 +128,28 @@ RunName = Annotated[
 
 
 def idempotency_header(retried: str) -> Any:
-    """The ``Idempotency-Key`` header of a write a retry must not apply twice."""
     description = f"Send the same key when retrying {retried} once."
     return Header(alias="Idempotency-Key", min_length=1, max_length=255, description=description)
 
 
 @dataclasses.dataclass(frozen=True)
 class Access:
-    """The OpenAPI ``security`` of writes and of reads, and the error codes a read may answer.
-
-    Only the document: :class:`.security.TokenFirst` checks the token before routing."""
+    """The OpenAPI ``security`` of writes and reads, and the errors a read may answer (only the
+    document: :class:`.security.TokenFirst` checks the token)."""
 
     writes: dict[str, Any]
     reads: dict[str, Any]
     read_errors: tuple[int, ...]
 
     def write(self, model: Any, *codes: int) -> dict[str, Any]:
-        """The options of a write route answering ``model``, or the error ``codes``."""
         return {"openapi_extra": self.writes, "response_model": model, "responses": documented(*codes)}
 
     def read(self, model: Any, *codes: int, invalid: bool = True) -> dict[str, Any]:
-        """The options of a read route answering ``model``, or the error ``codes``."""
         responses = documented(*self.read_errors, *codes, invalid=invalid)
         return {"openapi_extra": self.reads, "response_model": model, "responses": responses}
 
 
 def routers(registry: RunRegistry, settings: ServerSettings) -> list[APIRouter]:
-    """The service's routers, in the order the OpenAPI document lists them."""
     writes: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
     access = Access(writes, writes, (401,)) if settings.protect_reads else Access(writes, {}, ())
     return [
@@ -179,7 +162,6 @@ def routers(registry: RunRegistry, settings: ServerSettings) -> list[APIRouter]:
 
 
 def service_router(registry: RunRegistry, access: Access) -> APIRouter:
-    """``/healthz`` and ``/metrics``."""
     router = APIRouter(tags=["service"])
     exposition = CollectorRegistry(auto_describe=False)
     exposition.register(ServiceCollector(registry.registries))
@@ -224,10 +206,8 @@ def service_router(registry: RunRegistry, access: Access) -> APIRouter:
 
 
 def _parse_config(config: dict[str, Any]) -> StalenessConfig:
-    """The run's configuration; :class:`RecordsInvalid` (422) naming the setting when it is not one.
-
-    No setting may exceed MAX_STEP: larger bounds overflow the sink's int64 arithmetic at the
-    first ship (a 500 long after the run was accepted)."""
+    """The run's configuration, or 422 naming the setting; none may exceed MAX_STEP (a larger bound
+    would overflow the sink's int64 arithmetic at the first ship)."""
     try:
         parsed = StalenessConfig.from_mapping(config)
     except ConfigError as error:
@@ -240,7 +220,6 @@ def _parse_config(config: dict[str, Any]) -> StalenessConfig:
 
 
 def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
-    """``/v1/runs`` and ``/v1/runs/{run}``: create with a configuration, read, delete."""
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
     @router.get("", **access.read(RunList, invalid=False))
@@ -282,10 +261,9 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
 
 
 async def on_run(registry: RunRegistry, run: str, call: Callable[[Run], T], *, small: bool = True) -> T:
-    """``call`` of the run ``run``, on the event loop when that cannot stall other connections: the
-    request is ``small``, the run is held in memory (a write to a data directory waits for the disk)
-    and :meth:`.Run.quick` takes its lock at once. Else on a worker thread, where it waits for the
-    lock: for a small call the hop there and back costs as much as the call itself."""
+    """``call`` of the run, on the event loop when that cannot stall other connections (a small
+    request, a run in memory, its lock free at once), else on a worker thread: for a small call
+    the hop there and back costs as much as the call itself."""
     if small and not registry.store.persistent:
         target = registry.get(run)
         with target.quick() as free:
@@ -296,8 +274,7 @@ async def on_run(registry: RunRegistry, run: str, call: Callable[[Run], T], *, s
 
 
 def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> AddResult:
-    """Parse a rollouts body (dropping its bytes as they are read, see :mod:`.decode`) and
-    add it to ``target``."""
+    """Parse a rollouts body (dropping its bytes as they are read) and add it to ``target``."""
     body_bytes = sum(len(part) for part in held)
     with paused_gc():  # millions of new containers: see paused_gc
         try:
@@ -324,7 +301,6 @@ def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> Add
 
 
 async def read_body(request: Request) -> bytearray:
-    """The request's body (the size cap, :class:`.limits.BodySizeLimit`, counted it as it came)."""
     body = bytearray()
     try:
         async for chunk in request.stream():
@@ -335,7 +311,6 @@ async def read_body(request: Request) -> bytearray:
 
 
 def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: int) -> APIRouter:
-    """``/rollouts``, ``/sweep`` and ``/ship`` of a run: the hot path of a training loop."""
     router = APIRouter(prefix="/v1/runs/{run}", tags=["rollouts"])
 
     @router.post(
@@ -389,7 +364,6 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
 
 
 def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
-    """``/mismatch`` of a run: what staleness cost a shipped step, as the trainer measured it."""
     router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
 
     @router.post("/mismatch", **access.write(MismatchResult, 400, 401, 404, 413))
@@ -410,7 +384,6 @@ def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
 
 
 def history_router(registry: RunRegistry, access: Access) -> APIRouter:
-    """``/steps`` and ``/events`` of a run: what it has done, as metrics rows or as events."""
     router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
 
     @router.get("/steps", **access.read(StepsPage, 404))
