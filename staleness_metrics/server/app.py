@@ -1,11 +1,5 @@
 """The FastAPI application of ``staleness-metrics serve``: the routers of :mod:`.routes` behind
-the guards (the routes are described at ``/openapi.json``, browsable at ``/docs``).
-
-Every request takes one path: the token check (:class:`.security.TokenFirst`, from the headers,
-before any body byte is read), the body size cap (:class:`.limits.BodySizeLimit`, counting as it
-streams), then FastAPI's routing to a handler. A 405 lists every method the path takes in its
-``Allow`` header (:class:`AllowHeader`).
-"""
+the token check, the ``Allow`` header fix and the body size cap, in that order."""
 
 from __future__ import annotations
 
@@ -38,9 +32,8 @@ ship or mismatch post with an `Idempotency-Key` the run has seen returns the fir
 
 
 class AllowHeader:
-    """Rewrite the ``Allow`` header of 405 answers from ``routes`` (read when a 405 happens):
-    Starlette answers from the first route whose path matches, listing its methods only (RFC 9110
-    asks for all)."""
+    """A 405's ``Allow`` header listing every method of the path (RFC 9110), not only those of the
+    first route Starlette matched."""
 
     def __init__(self, app: ASGIApp, routes: Callable[[], Iterable[BaseRoute]]) -> None:
         self.app = app
@@ -78,7 +71,6 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     else:
         store = SqliteStore(settings.data_dir) if settings.data_dir is not None else Store()
         registry = RunRegistry(settings.exporters, store)
-        # every stored run checked before serving; loaded once it listens
         registry.restore(defer=True)
 
     @asynccontextmanager
@@ -105,8 +97,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
-    # The last added runs first: the token is checked before the body size, which is checked before
-    # any handler reads the body.
+    # the last added runs first
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(AllowHeader, routes=lambda: app.routes)
     app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)

@@ -1,6 +1,5 @@
-"""The exporters behind each run of the service (the library's own, as in a trainer process: a
-Prometheus exporter without a port, read by ``GET /metrics``, and OTLP and W&B when asked), and
-:class:`ServiceCollector`, one exposition of every run's families."""
+"""The exporters behind each run of the service (Prometheus without a port, read by ``GET
+/metrics``; OTLP and W&B when asked), and one exposition of every run's families."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ if TYPE_CHECKING:
 
 WandbMode = Literal["online", "offline"]
 
-# How long closing a run may wait for its W&B run to start and finish: a service shutting down is
-# not a trainer waiting, and a W&B run left unfinished loses its last rows (runs close in parallel).
+# How long closing a run may wait for its W&B run (left unfinished, it loses its last rows)
 WANDB_CLOSE_TIMEOUT = 60.0
 
 
@@ -44,7 +42,7 @@ class ExportSettings:
 
 @dataclass
 class RunExporters:
-    """The exporters of one run; ``failures`` are the ones that could not start."""
+    """The exporters of one run; ``failures``: the ones that could not start."""
 
     prometheus: PrometheusExporter
     others: list[Exporter] = field(default_factory=list)
@@ -55,15 +53,13 @@ class RunExporters:
         return [self.prometheus, *self.others]
 
     def report_failures(self, errors: ExportErrors) -> None:
-        """Count and log the exporters that could not start, as the run's export errors."""
         for name, message, exc in self.failures:
             errors.register(name)
             errors.record(name, message, exc)
 
 
 def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
-    """The exporters of a new run; one that cannot start is left out and reported, never raised
-    (nothing here waits: the W&B run starts on its exporter's worker thread)."""
+    """The exporters of a new run; one that cannot start is left out and reported, never raised."""
     from ..exporters.prometheus import PrometheusExporter
 
     exporters = RunExporters(prometheus=PrometheusExporter(port=None))
@@ -86,10 +82,9 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
 
 
 def preload(settings: ExportSettings) -> None:
-    """Import the exporters' heavy dependencies before any request is served: ``import wandb``
-    takes seconds of CPU under the GIL, which would slow every request meanwhile."""
+    """Import wandb before any request is served (seconds of CPU under the GIL)."""
     if settings.wandb_project is not None:
-        # reported per run, as an exporter that could not start
+        # a failure is reported per run, as an exporter that could not start
         with contextlib.suppress(ImportError):
             import wandb  # noqa: F401
 
@@ -107,7 +102,7 @@ def _wandb_init(run: str, settings: ExportSettings) -> dict[str, Any]:
 
 
 class ServiceCollector:
-    """Merges the families of every run's registry: each family once, with every run's samples."""
+    """Every run's registry as one: each family once, with every run's samples."""
 
     def __init__(self, registries: Callable[[], Iterable[CollectorRegistry]]) -> None:
         self._registries = registries
@@ -126,4 +121,4 @@ class ServiceCollector:
         return list(merged.values())
 
     def describe(self) -> Iterable[Metric]:
-        return []  # families come and go with runs: no fixed description to check at registration
+        return []  # families come and go with runs

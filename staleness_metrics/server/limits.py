@@ -1,5 +1,5 @@
 """Request size caps: :class:`BodySizeLimit` for bodies, :func:`header_limited_protocol` for
-headers; and :func:`send_json`, how the service's ASGI guards answer."""
+headers, and how the service's ASGI guards answer."""
 
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 async def send_json(send: Send, status: int, detail: str, *extra: tuple[bytes, bytes]) -> None:
-    """Answer ``{"detail": detail}`` and close the connection (the rest of
-    the request is unread)."""
+    """Answer ``{"detail": detail}`` and close the connection (the rest of the request is unread)."""
     body = json.dumps({"detail": detail}).encode()
     length = str(len(body)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", length), *extra]
@@ -33,15 +32,13 @@ async def send_json(send: Send, status: int, detail: str, *extra: tuple[bytes, b
 
 
 class BodySizeLimit:
-    """Refuse HTTP requests whose body exceeds ``max_bytes`` with ``413 {"detail": ...}``.
-
-    Trusts neither ``Content-Length`` (checked first, for an answer before any byte is read) nor
-    its absence: bytes are counted as they stream through to the application, never buffered here,
-    and once the count passes the cap the client gets 413 and the application sees a disconnect."""
+    """413 for a body over ``max_bytes``: from ``Content-Length`` before any byte is read, else
+    counted as it streams through (unbuffered); past the cap the application sees a disconnect."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.refusal = f"request body larger than {max_bytes} bytes"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -49,7 +46,7 @@ class BodySizeLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await self._refuse(send)
+            await send_json(send, 413, self.refusal)
             return
         size = 0
         refused = False
@@ -66,7 +63,7 @@ class BodySizeLimit:
                 if size > self.max_bytes:
                     refused = True
                     if not started:
-                        await self._refuse(send)
+                        await send_json(send, 413, self.refusal)
                     return {"type": "http.disconnect"}
             return message
 
@@ -84,9 +81,6 @@ class BodySizeLimit:
             if not refused:
                 raise
 
-    async def _refuse(self, send: Send) -> None:
-        await send_json(send, 413, f"request body larger than {self.max_bytes} bytes")
-
 
 def _content_length(scope: Scope) -> int | None:
     for name, value in scope.get("headers", ()):
@@ -103,14 +97,9 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a cap on the request line and headers
-    and a deadline for them.
-
-    httptools buffers a header line until it ends, however long, and uvicorn waits for headers
-    without a deadline. Here the bytes a request sends before its headers end are counted as they
-    arrive (431 and close past ``max_header_bytes``), and a connection whose headers have not ended
-    ``header_timeout`` seconds after it opened, or after its request began, is closed (408 when it
-    had sent part of a request)."""
+    """uvicorn's httptools protocol with a cap on the request line and headers (431 past
+    ``max_header_bytes``, counted as they arrive) and a deadline for them (408, or a silent close
+    for an idle connection, ``header_timeout`` seconds after the connection or request began)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderLimitedProtocol(HttpToolsProtocol):
@@ -182,9 +171,8 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
 def uvicorn_header_options(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, header_timeout: float = DEFAULT_HEADER_TIMEOUT
 ) -> dict[str, Any]:
-    """``uvicorn.Config`` options capping request headers: the guarded httptools protocol
-    (:func:`header_limited_protocol`), or h11's own size cap (it has no header deadline) where
-    httptools is not installed."""
+    """``uvicorn.Config`` options capping request headers: :func:`header_limited_protocol`, or h11's
+    own size cap (without a deadline) where httptools is not installed."""
     try:
         import httptools  # noqa: F401
     except ImportError:
@@ -197,12 +185,9 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def return_large_frees_to_the_os() -> bool:
-    """Give every allocation of :data:`LARGE_ALLOCATION_BYTES` or more its own memory map (glibc),
-    so that freeing it returns it to the system at once; False where this is not glibc.
-
-    glibc raises that threshold each time such a block is freed (up to 32 MiB), and a body's peak
-    would then depend on what earlier requests left in the heap: fixed, it is what the request
-    itself holds at once."""
+    """Give every allocation of :data:`LARGE_ALLOCATION_BYTES` or more its own memory map (glibc;
+    False elsewhere), so that a body's peak is what the request holds, not what earlier ones left
+    in the heap (glibc would raise that threshold each time such a block is freed)."""
     import ctypes
     import sys
 

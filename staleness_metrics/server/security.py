@@ -1,6 +1,5 @@
 """Who may talk to the service: loopback by default (:func:`check_bind`), a bearer token for
-anything else, checked by :class:`TokenFirst` before the body is read; :data:`BEARER_SCHEME` is
-how the OpenAPI document describes it."""
+anything else, checked by :class:`TokenFirst` before the body is read."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from .limits import ASGIApp, Receive, Scope, Send, send_json
 
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"
 
-# The OpenAPI security scheme of the token (components.securitySchemes.HTTPBearer).
+# components.securitySchemes.HTTPBearer of the OpenAPI document
 BEARER_SCHEME: dict[str, Any] = {
     "type": "http",
     "description": f"The service token (`serve --token` or `{TOKEN_ENV}`). Required on writes when "
@@ -26,7 +25,7 @@ class BindRefused(Exception):
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); any other name is not."""
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
     if host.strip().lower() == "localhost":
         return True
     try:
@@ -46,8 +45,7 @@ def check_bind(host: str, token: str | None) -> None:
 
 
 def check_token(token: str | None) -> None:
-    """A token that is set must be usable: blank or whitespace-only is refused (``ValueError``),
-    never taken for "no token" or served as a secret anyone can guess."""
+    """``ValueError`` for a blank token: never taken for "no token" or served as a guessable secret."""
     if token is not None and not token.strip():
         raise ValueError("the token is blank; give a real secret (e.g. $(openssl rand -hex 32)) or none")
 
@@ -66,9 +64,8 @@ def _bearer_of(scope: Scope) -> bytes | None:
 
 
 class TokenFirst:
-    """401 for a request without the right bearer token (compared in constant time), answered
-    from the headers alone: its body is never read. Writes always need the token when one is set;
-    reads too with ``protect_reads`` (except :data:`OPEN_PATHS`)."""
+    """401, from the headers alone, for a write without the right bearer token (compared in
+    constant time), and for a read too with ``protect_reads`` (but :data:`OPEN_PATHS`)."""
 
     def __init__(self, app: ASGIApp, token: str | None, protect_reads: bool = False) -> None:
         self.app = app

@@ -1,13 +1,5 @@
-"""How many span rows a body may cut, counted before the queue builds any table.
-
-The queue keeps a row (60 to 130 bytes) per span of a sample: a run of positions with one mask
-value and one version. A body whose mask or versions change at every position would cost some 60
-times its size, so a body may cut one row per ``body_bytes_per_span_row`` bytes of its size, and
-at least :data:`~.limits.SPAN_ROW_FLOOR` (413 beyond, naming the rollout and field). Counted per
-sample, an upper bound: one, plus every mask change, plus every change of label between labelled
-positions (``token_versions`` other than -1), plus one per ``weight_versions`` span, at most the
-sample's positions; a piece of :data:`PIECE_POSITIONS` at a time.
-"""
+"""How many span rows (60 to 130 bytes each: a run of positions with one mask value and one
+version) a body may cut, bounded before the queue builds any table (see docs/service.md)."""
 
 from __future__ import annotations
 
@@ -35,8 +27,7 @@ def _length(values: Any) -> int:
 
 
 def _numbers(values: Any) -> npt.NDArray[Any] | None:
-    """``values`` as a 1-d numeric array, or None when they are not (the library
-    refuses them, naming why)."""
+    """``values`` as a 1-d numeric array, or None (the library refuses them, naming why)."""
     if isinstance(values, np.ndarray):
         array = values
     elif isinstance(values, list):
@@ -50,7 +41,6 @@ def _numbers(values: Any) -> npt.NDArray[Any] | None:
 
 
 def _value_changes(values: npt.NDArray[Any]) -> int:
-    """Positions whose value differs from the previous position's."""
     changes = 0
     for start in range(1, len(values), PIECE_POSITIONS):
         end = min(start + PIECE_POSITIONS, len(values))
@@ -75,7 +65,8 @@ def _label_changes(labels: npt.NDArray[Any]) -> int:
 
 
 def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
-    """An upper bound of the rows ``sample`` cuts, and the field that cuts the most of them."""
+    """An upper bound of the rows ``sample`` cuts (one, plus every mask change and label change,
+    plus its spans, at most its positions), and the field that cuts the most of them."""
     spans = _length(sample.get("weight_versions"))
     positions = max(_length(sample.get("mask")), _length(sample.get("token_versions")))
     mask = _numbers(sample.get("mask"))
@@ -90,9 +81,8 @@ def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
 
 
 def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> ErrorItem | None:
-    """Where the rollouts of a body of ``body_bytes`` pass the span rows it may cut, else None:
-    a bound from the samples' lengths first (most bodies stop there), then the changes counted
-    rollout by rollout."""
+    """Where the rollouts of a body pass the span rows it may cut, else None (a bound from the
+    samples' lengths first: most bodies stop there)."""
     allowed = allowed_span_rows(body_bytes, body_bytes_per_row)
     if allowed < 0 or not isinstance(records, list):
         return None
