@@ -20,7 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from ..config import StalenessConfig
 from ..errors import ConfigError
-from .decode import BodyTooComplex, BodyTooDeep, compact_records, paused_gc, read_json
+from .decode import BodyTooComplex, BodyTooDeep, check_span_rows, compact_records, paused_gc, read_json
 from .errors import RecordsInvalid, RunError, SpanRowsTooMany
 from .exporting import ServiceCollector
 from .models import (
@@ -45,7 +45,6 @@ from .models import (
 from .registry import RunRegistry
 from .runs import Run
 from .settings import ServerSettings
-from .span_rows import check_span_rows
 
 T = TypeVar("T")
 
@@ -293,7 +292,7 @@ def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> Add
             raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
         del data
         compact_records(batch.rollouts)
-        # before the queue builds any span table (see .span_rows)
+        # before the queue builds any span table
         exceeded = check_span_rows(batch.rollouts, body_bytes, bytes_per_span_row)
         if exceeded is not None:
             raise SpanRowsTooMany([exceeded])
