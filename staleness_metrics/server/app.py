@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -12,11 +14,20 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute, Match
 
 from .. import __version__
-from .limits import ASGIApp, BodySizeLimit, Message, Receive, Scope, Send
+from .exporting import ExportSettings
+from .limits import (
+    DEFAULT_BODY_BYTES_PER_SPAN_ROW,
+    DEFAULT_MAX_BODY_BYTES,
+    ASGIApp,
+    BodySizeLimit,
+    Message,
+    Receive,
+    Scope,
+    Send,
+)
 from .registry import RunRegistry
 from .routes import EXCEPTION_HANDLERS, routers
-from .security import BEARER_SCHEME, TokenFirst
-from .settings import ServerSettings
+from .security import BEARER_SCHEME, TokenFirst, check_token
 from .store import SqliteStore, Store
 
 DESCRIPTION = """\
@@ -29,6 +40,24 @@ Writes need `Authorization: Bearer <token>` when the service was started with a 
 loopback). Re-sending a batch or a ship after a timeout is safe: rollouts are counted once by id, and a
 ship or mismatch post with an `Idempotency-Key` the run has seen returns the first answer.
 """
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The ``serve`` options. ``token``: needed on every write when set, and on reads too with
+    ``protect_reads``. ``body_bytes_per_span_row``: a rollouts body may cut one span row per that
+    many bytes, at least 65,536 (0: no cap). ``exporters``: OTLP and W&B besides Prometheus.
+    ``data_dir``: where every acknowledged write is persisted; None keeps runs in memory only."""
+
+    token: str | None = field(default=None, repr=False)  # never printed
+    protect_reads: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_bytes_per_span_row: int = DEFAULT_BODY_BYTES_PER_SPAN_ROW
+    exporters: ExportSettings = field(default_factory=ExportSettings)
+    data_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        check_token(self.token)
 
 
 class AllowHeader:
@@ -87,7 +116,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.runs = registry
-    for router in routers(registry, settings):
+    for router in routers(registry, settings.protect_reads, settings.body_bytes_per_span_row):
         app.include_router(router)
 
     def openapi() -> dict[str, Any]:

@@ -26,8 +26,7 @@ from .models import ErrorItem
 
 COMPACT_MIN_LENGTH = 1024  # shorter lists cost little; they stay lists
 FAST_DECODE_MAX_BYTES = 1024 * 1024
-# What a large body's skeleton may cost in Python objects besides its size (fits a few hundred
-# thousand rollouts' ids, versions and short lists; not millions of tiny values)
+# what a large body's other values may cost besides its size (not millions of tiny values)
 SKELETON_ALLOWANCE = 48 * 1024 * 1024
 _VALUE_COST = 72  # bytes of Python object per JSON value: a dict, list, str or float with its slot
 # text read into Python objects at once while a long list becomes an array
@@ -38,7 +37,6 @@ _FLOAT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trai
 _LIST_FIELDS = ("mask", "token_versions", "weight_versions", *_FLOAT_FIELDS)
 # after a key's name: its closing quote, ":" and "["
 _THEN_A_LIST = re.compile(rb'"[ \t\r\n]*:[ \t\r\n]*\[')
-# Any byte outside what a list of the field's kind may hold ends the fast reading of that list.
 _NOT_NUMBERS = re.compile(rb"[^0-9eE+\-. \t\r\n,]")
 _NOT_NUMBERS_OR_NULL = re.compile(rb"[^0-9eE+\-. \t\r\n,nul]")
 _NOT_PAIRS = re.compile(rb"[^0-9\- \t\r\n,\[\]]")
@@ -52,9 +50,8 @@ _gc_pausers = 0
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused while a body is read and applied, until the last request
-    that paused it is done: the containers a body makes by the million hold no cycles, and would
-    trigger collections walking every live object (minutes for a 51 MB body of 8M pairs)."""
+    """The cyclic collector paused while a body is read and applied: its containers, made by the
+    million, hold no cycles and would trigger collections walking every live object."""
     global _gc_pausers
     with _gc_lock:
         ours = _gc_pausers > 0 or gc.isenabled()  # else paused by someone else: leave it to them
@@ -81,19 +78,16 @@ class BodyTooDeep(ValueError):
 
 def read_json(held: list[bytearray]) -> Any:
     """The JSON value of the one body in ``held``, whose bytes are released once read
-    (``ValueError`` when it is not UTF-8 JSON, a subclass when too deep or too costly to read).
-
-    A small body is read by orjson, or by the standard library where orjson refuses it or might
-    read it otherwise (``NaN``, integers beyond 64 bits)."""
+    (``ValueError`` when it is not UTF-8 JSON, a subclass when too deep or too costly to read)."""
     body = held.pop()
     try:
         if len(body) <= FAST_DECODE_MAX_BYTES:
             try:
                 value = orjson.loads(body)
             except orjson.JSONDecodeError:
-                pass  # the standard library decides, and words the error
+                pass  # the standard library decides (NaN), and words the error
             else:
-                if not has_long_integer(body):
+                if not has_long_integer(body):  # else orjson would read a float
                     return value
             text = body.decode("utf-8")
             del body
@@ -148,8 +142,7 @@ def _read_large(held: list[bytearray]) -> Any:
 
 
 def _list_starts(body: bytearray) -> list[tuple[int, str, int]]:
-    """``(where the key starts, field, just after its "[")`` of every per-position list, in body
-    order (``bytes.find`` runs at memchr speed)."""
+    """``(where the key starts, field, just after its "[")`` of every per-position list, in order."""
     starts = []
     for field in _LIST_FIELDS:
         key = b'"' + field.encode()
@@ -174,8 +167,7 @@ def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
 
 
 def _list_end(body: bytearray, field: str, start: int) -> int | None:
-    """The index just past the ``]`` closing the list at ``start`` when its text is plainly numbers
-    (pairs of integers for ``weight_versions``), else None."""
+    """The index just past the list at ``start`` when its text is plainly numbers, else None."""
     if field == "weight_versions":
         close = re.compile(rb"\][ \t\r\n]*\]").search(body, start)
         if close is None or _NOT_PAIRS.search(body, start, close.start()) is not None:
@@ -196,7 +188,7 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
         return None
     inner_end = end - 1  # the closing "]"
     pairs = field == "weight_versions"
-    # the item count, from the separators: the array is allocated once, at its final size
+    # the item count, from the separators: the array is allocated at its final size
     count = body.count(b"[", start, inner_end) if pairs else body.count(b",", start, inner_end) + 1
     out: npt.NDArray[Any] | None = None
     filled = 0
@@ -239,8 +231,7 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
 
 
 def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
-    """A long list (or a piece of one) as an array holding each value exactly, or None when it is
-    not plainly numbers of the field's kind (the library then names what is wrong)."""
+    """A long list (or a piece of one) as an array holding each value exactly, or None."""
     kinds = set(map(type, items))
     try:
         if field == "weight_versions":
@@ -256,16 +247,12 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
         if kinds == {int}:
             values = np.frombuffer(array("q", items), dtype=np.int64)
             if values.size and values.min() >= -128 and values.max() <= 127:
-                # a mask, small versions or small integer weights (the library reads those as
-                # float64 either way; the text, and so the digest, is the same)
                 return values.astype(np.int8)
             if field == "token_versions" and values.size and values.min() >= _INT32_MIN and values.max() <= _INT32_MAX:
-                # versions: 4 bytes a position (as kept in a long batch)
                 return values.astype(np.int32)
             return values
         if field in _INT_FIELDS:
-            # a float (or null) where integers belong: the library names it from the list
-            return None
+            return None  # a float or null where integers belong: the library names it
         if kinds <= {int, float}:
             return np.frombuffer(array("d", items), dtype=np.float64)
         if field == "trainer_logprobs" and kinds <= {int, float, type(None)}:
@@ -358,8 +345,7 @@ def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
 
 
 def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> ErrorItem | None:
-    """Where the rollouts of a body pass the span rows it may cut, else None (a bound from the
-    samples' lengths first: most bodies stop there)."""
+    """Where the rollouts of a body pass the span rows it may cut, else None."""
     allowed = allowed_span_rows(body_bytes, body_bytes_per_row)
     if allowed < 0 or not isinstance(records, list):
         return None

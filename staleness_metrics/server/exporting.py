@@ -24,12 +24,8 @@ WANDB_CLOSE_TIMEOUT = 60.0
 
 @dataclass(frozen=True)
 class ExportSettings:
-    """Which exporters each run gets besides Prometheus.
-
-    ``otlp``: send OTLP; the endpoint is ``otlp_endpoint`` or the standard ``OTEL_EXPORTER_OTLP_*``
-    variables. ``wandb_project``: one W&B run per service run, named after it (``wandb_mode`` None
-    leaves the mode to ``WANDB_MODE``).
-    """
+    """Which exporters each run gets besides Prometheus: OTLP (to ``otlp_endpoint`` or the
+    ``OTEL_EXPORTER_OTLP_*`` variables), and with ``wandb_project`` one W&B run per service run."""
 
     otlp: bool = False
     otlp_endpoint: str | None = None

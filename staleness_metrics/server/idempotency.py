@@ -23,8 +23,7 @@ _DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 def holds_large_array(record: Mapping[str, Any]) -> bool:
-    """True when a sample holds an array of more than ``PIECE_ITEMS`` values (hashed and
-    journalled a piece at a time)."""
+    """True when a sample holds an array to hash and journal a piece at a time."""
     samples = record.get("samples")
     return isinstance(samples, list) and any(
         isinstance(value, np.ndarray) and value.size > PIECE_ITEMS
@@ -77,8 +76,7 @@ class Answers(Generic[A]):
         self._answers: OrderedDict[str, tuple[list[Any], A]] = OrderedDict()
 
     def replay(self, key: str | None, fingerprint: list[Any]) -> A | None:
-        """The first answer to ``key`` (marked ``replayed``), None for a new key; 422 for the key
-        with another request."""
+        """The first answer to ``key`` (``replayed``), None for a new key; 422 for another request."""
         if key is None or key not in self._answers:
             return None
         first, answer = self._answers[key]

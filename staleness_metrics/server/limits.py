@@ -59,7 +59,6 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 size += len(message.get("body", b""))
-                # the body grew past the cap as it streamed in: stop reading
                 if size > self.max_bytes:
                     refused = True
                     if not started:
@@ -171,8 +170,7 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
 def uvicorn_header_options(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, header_timeout: float = DEFAULT_HEADER_TIMEOUT
 ) -> dict[str, Any]:
-    """``uvicorn.Config`` options capping request headers: :func:`header_limited_protocol`, or h11's
-    own size cap (without a deadline) where httptools is not installed."""
+    """``uvicorn.Config`` options capping request headers (h11's own cap without httptools)."""
     try:
         import httptools  # noqa: F401
     except ImportError:

@@ -44,7 +44,6 @@ from .models import (
 )
 from .registry import RunRegistry
 from .runs import Run
-from .settings import ServerSettings
 
 T = TypeVar("T")
 
@@ -148,13 +147,13 @@ class Access:
         return {"openapi_extra": self.reads, "response_model": model, "responses": responses}
 
 
-def routers(registry: RunRegistry, settings: ServerSettings) -> list[APIRouter]:
+def routers(registry: RunRegistry, protect_reads: bool, bytes_per_span_row: int) -> list[APIRouter]:
     writes: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
-    access = Access(writes, writes, (401,)) if settings.protect_reads else Access(writes, {}, ())
+    access = Access(writes, writes, (401,)) if protect_reads else Access(writes, {}, ())
     return [
         service_router(registry, access),
         runs_router(registry, access),
-        rollouts_router(registry, access, settings.body_bytes_per_span_row),
+        rollouts_router(registry, access, bytes_per_span_row),
         mismatch_router(registry, access),
         history_router(registry, access),
     ]
@@ -268,7 +267,6 @@ async def on_run(registry: RunRegistry, run: str, call: Callable[[Run], T], *, s
         with target.quick() as free:
             if free:
                 return call(target)
-    # 404 before the call reads anything
     return await run_in_threadpool(lambda: call(registry.get(run)))
 
 
@@ -292,7 +290,6 @@ def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> Add
             raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
         del data
         compact_records(batch.rollouts)
-        # before the queue builds any span table
         exceeded = check_span_rows(batch.rollouts, body_bytes, bytes_per_span_row)
         if exceeded is not None:
             raise SpanRowsTooMany([exceeded])

@@ -55,15 +55,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("staleness_metrics.server")
 
 RUN_STATE_FORMAT = 1
-# A run whose queue holds at most this much ships in a few milliseconds (see Run.quick).
+# a run whose queue holds at most this much ships in a few milliseconds
 QUICK_MAX_ROLLOUTS = 512
 QUICK_MAX_POSITIONS = 65_536
 CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a record at a time
 
 
 def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
-    """The journal request of an add: a value, or for many records or large arrays the pieces
-    of its text."""
+    """The journal request of an add: a value, or the pieces of its text."""
     large = [holds_large_array(record) for record in records]
     if len(records) <= CHUNKED_ADD_RECORDS and not any(large):
         return {"rollouts": records, "duplicates": duplicates}
@@ -115,8 +114,7 @@ class Journal:
 
     def snapshot(self) -> None:
         try:
-            # the queue's arrays written by orjson, never as Python lists
-            with arrays_left_as_numpy():
+            with arrays_left_as_numpy():  # written by orjson, never as Python lists
                 state = self._state()
             self.store.save_snapshot(self.run, self.seq, state)
         except Exception:  # the journal still holds everything: a restart replays a longer tail
@@ -212,7 +210,7 @@ class Run:
         self._closed = False
         self._store = store or Store()
         self._journal = Journal(name, self._store, self.state_dict)
-        # How each journalled operation is applied again at restart (a new write endpoint adds one).
+        # how each journalled operation is applied again at restart
         self._ops: dict[str, Callable[[Any], object]] = {
             "add": self._replay_add,
             "sweep": lambda request: self.sweep(int(request["step"])),
@@ -265,8 +263,7 @@ class Run:
         }
 
     def restore(self, stored: StoredRun) -> None:
-        """Load the latest snapshot and apply the journal after it again (ships not exported
-        again); :class:`RestoreFailed` names the row at fault."""
+        """Load the latest snapshot and apply the journal after it again (ships not exported)."""
         self._journal.restoring = True
         try:
             if stored.snapshot is not None:
@@ -349,8 +346,7 @@ class Run:
                     item = ErrorItem(field="id", reason=reason, rollout_id=shown, index=index)
                     raise RecordsInvalid([item])
                 digest = stored_digest(record)
-                # refused before anything is applied: the journal could not write it
-                if digest is None:
+                if digest is None:  # the journal could not write it
                     raise RecordsInvalid([self._unstorable_item(record, rid, index)])
                 known = self._received.get(rid, digests.get(rid))
                 if known is None:
@@ -509,8 +505,7 @@ class Run:
             return answer
 
     def steps(self, since: int = 0) -> list[StepRow]:
-        """Every ship with ``step > since``, oldest first; the last ship of a step carries its
-        posted mismatch sums."""
+        """Every ship with ``step > since``; the last of a step carries its posted mismatch sums."""
         with self._lock:
             self._check_open()
             rows = [row for row in self._history if row.step > since]

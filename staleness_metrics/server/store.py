@@ -35,8 +35,7 @@ def dumps(value: Any) -> bytes:
 
 @dataclass(frozen=True)
 class Chunked:
-    """A journal request as the pieces of its JSON text (called once to size and checksum the
-    row, once more to write it)."""
+    """A journal request as the pieces of its JSON text (made twice: to size it, to write it)."""
 
     pieces: Callable[[], Iterable[bytes]]
 
@@ -128,7 +127,6 @@ _SNAPSHOTS_REORDERED = (
     "ALTER TABLE snapshots_reordered RENAME TO snapshots",
 )
 
-# The stored bytes of each table's rows, and how a row is named in a message.
 _DATA_COLUMN = {"runs": "config", "journal": "request", "history": "row", "snapshots": "state"}
 _ROW_NAME = {
     "runs": "configuration",
@@ -173,7 +171,7 @@ class SqliteStore(Store):
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._in_place = getattr(self._db, "blobopen", None) is not None
         try:
-            # Read before anything is written: a damaged database is left as it was found.
+            # read before anything is written: a damaged database is left as it was found
             has_runs = self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'")
             stored = set() if has_runs.fetchone() is None else {n for (n,) in self._db.execute("SELECT name FROM runs")}
             missing = [name for name in manifest if name not in stored]
@@ -201,7 +199,6 @@ class SqliteStore(Store):
             # a crash between a created run's commit and its manifest
             self._write_manifest(sorted(stored))
 
-    # ------------------------------------------------------------------ manifest
     def _read_manifest(self) -> list[str]:
         try:
             raw = self.manifest_path.read_bytes()
@@ -234,7 +231,6 @@ class SqliteStore(Store):
     def _manifest_runs(self) -> list[str]:
         return [name for (name,) in self._db.execute("SELECT name FROM runs ORDER BY name")]
 
-    # ------------------------------------------------------------------ migration
     def _migrate(self) -> None:
         """Create the tables, or bring an older database up to :data:`SCHEMA_VERSION`."""
         with self._transaction() as db:
@@ -263,7 +259,6 @@ class SqliteStore(Store):
             stamp = checksum(table, run, int(seq), data, op)
             self._db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
 
-    # ------------------------------------------------------------------ checking rows
     def damaged(self, what: str) -> Exception:
         return StoreDamaged(self.data_dir, what)
 
@@ -290,7 +285,6 @@ class SqliteStore(Store):
             raise self._damaged(table, run, seq, reason)
         return self._decode(table, run, seq, data)
 
-    # ------------------------------------------------------------------ writes
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
         with self._lock:
@@ -323,7 +317,6 @@ class SqliteStore(Store):
 
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
         if isinstance(request, Chunked) and self._journal_in_place:
-            # written piece by piece into a blob of its size: the text is never whole in memory
             size, check = _sized("journal", run, seq, request.pieces(), op)
             insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, zeroblob(?))"
             self._write_in_place("journal", (insert, (run, seq, op, check, size)), request.pieces, size)
@@ -349,8 +342,7 @@ class SqliteStore(Store):
     def _write_in_place(
         self, table: str, insert: tuple[str, tuple[Any, ...]], pieces: Callable[[], Iterable[bytes]], size: int
     ) -> None:
-        """Insert a row whose last column is ``zeroblob(size)`` and write ``pieces()`` into it,
-        :data:`PIECE_BYTES` at a time, in one transaction (Python 3.11+)."""
+        """Insert a row whose last column is ``zeroblob(size)`` and write ``pieces()`` into it."""
         with self._transaction() as db:
             cursor = db.execute(*insert)
             assert cursor.lastrowid is not None
@@ -384,7 +376,6 @@ class SqliteStore(Store):
         data = dumps(state)
         self._write([(insert.format("?"), (run, seq, checksum("snapshots", run, seq, data), data))])
 
-    # ------------------------------------------------------------------ reads
     def load(self) -> list[StoredRun]:
         """Every run, each row checked (:class:`StoreDamaged` names the first damaged one)."""
         with self._lock:
@@ -419,8 +410,7 @@ class SqliteStore(Store):
         return StoredRun(name, config, seq, snapshot, history, list(self.journal(name, after=seq)))
 
     def journal(self, run: str, after: int = 0) -> Iterator[JournalRow]:
-        """The journal rows of ``run`` after row ``after``, each checked, read a page at a time on
-        a connection of its own."""
+        """The journal rows of ``run`` after row ``after``, checked, on a connection of their own."""
         reader = sqlite3.connect(self.path, check_same_thread=False)
         try:
             while True:
