@@ -190,8 +190,7 @@ class StalenessClient:
             else:
                 if response.status_code not in _RETRY_STATUSES or attempt >= self._retries:
                     if gone_ok and attempt > 0 and response.status_code == 404:
-                        # an earlier attempt did it (e.g. a DELETE whose answer was lost)
-                        return response
+                        return response  # an earlier attempt did it
                     _raise_for(response)
                     return response
             time.sleep(self._backoff * 2**attempt)
@@ -224,7 +223,6 @@ def _raise_for(response: httpx.Response) -> None:
     detail: Any = body.get("detail", response.text) if isinstance(body, dict) else response.text
     if response.status_code == 422 and isinstance(detail, list) and detail and isinstance(detail[0], dict):
         first = detail[0]
-        # a record's error
         if first.get("rollout_id") is not None or first.get("index") is not None:
             raise TraceError(first.get("rollout_id"), first.get("field", ""), first.get("reason", ""))
         if response.request.method == "PUT":  # only run creation takes a PUT body: a configuration

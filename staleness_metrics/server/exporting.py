@@ -16,8 +16,6 @@ if TYPE_CHECKING:
 
     from ..exporters.prometheus import PrometheusExporter
 
-WandbMode = Literal["online", "offline"]
-
 # How long closing a run may wait for its W&B run (left unfinished, it loses its last rows)
 WANDB_CLOSE_TIMEOUT = 60.0
 
@@ -32,7 +30,7 @@ class ExportSettings:
     otlp_protocol: str | None = None
     wandb_project: str | None = None
     wandb_entity: str | None = None
-    wandb_mode: WandbMode | None = None
+    wandb_mode: Literal["online", "offline"] | None = None
     wandb_dir: str | None = None
 
 
