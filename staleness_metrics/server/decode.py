@@ -37,9 +37,12 @@ _FLOAT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trai
 _LIST_FIELDS = ("mask", "token_versions", "weight_versions", *_FLOAT_FIELDS)
 # after a key's name: its closing quote, ":" and "["
 _THEN_A_LIST = re.compile(rb'"[ \t\r\n]*:[ \t\r\n]*\[')
-_NOT_NUMBERS = re.compile(rb"[^0-9eE+\-. \t\r\n,]")
-_NOT_NUMBERS_OR_NULL = re.compile(rb"[^0-9eE+\-. \t\r\n,nul]")
-_NOT_PAIRS = re.compile(rb"[^0-9\- \t\r\n,\[\]]")
+# a list's end, and any byte it may not hold to be read as numbers (pairs for weight_versions)
+_NUMBERS = (re.compile(rb"\]"), re.compile(rb"[^0-9eE+\-. \t\r\n,]"))
+_SHAPES = {
+    "weight_versions": (re.compile(rb"\][ \t\r\n]*\]"), re.compile(rb"[^0-9\- \t\r\n,\[\]]")),
+    "trainer_logprobs": (_NUMBERS[0], re.compile(rb"[^0-9eE+\-. \t\r\n,nul]")),
+}
 # a JSON text can only spell NUL as an escape, which a body using this path lacks
 _PLACEHOLDER = "\x00#"
 
@@ -166,25 +169,13 @@ def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
         )
 
 
-def _list_end(body: bytearray, field: str, start: int) -> int | None:
-    """The index just past the list at ``start`` when its text is plainly numbers, else None."""
-    if field == "weight_versions":
-        close = re.compile(rb"\][ \t\r\n]*\]").search(body, start)
-        if close is None or _NOT_PAIRS.search(body, start, close.start()) is not None:
-            return None
-        return close.end()
-    close_at = body.find(b"]", start)
-    if close_at < 0:
-        return None
-    pattern = _NOT_NUMBERS_OR_NULL if field == "trainer_logprobs" else _NOT_NUMBERS
-    if pattern.search(body, start, close_at) is not None:
-        return None
-    return close_at + 1
-
-
 def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any], int] | None:
-    end = _list_end(body, field, start)
-    if end is None or end - start < 2 * COMPACT_MIN_LENGTH:
+    ends, not_allowed = _SHAPES.get(field, _NUMBERS)
+    found = ends.search(body, start)
+    if found is None or not_allowed.search(body, start, found.start()) is not None:
+        return None
+    end = found.end()
+    if end - start < 2 * COMPACT_MIN_LENGTH:
         return None
     inner_end = end - 1  # the closing "]"
     pairs = field == "weight_versions"
