@@ -161,12 +161,10 @@ class SqliteStore(Store):
         self.path = data_dir / DATABASE_NAME
         self.manifest_path = data_dir / MANIFEST_NAME
         manifest = self._read_manifest()
+        says = f"{self.manifest_path} says the directory holds {len(manifest)} run(s)"
+        says += f" ({_names(manifest)})"
         if manifest and not self.path.exists():  # connecting would create an empty one
-            raise StoreDamaged(
-                data_dir,
-                f"the database {self.path} is missing, but {self.manifest_path} says the directory "
-                f"holds {len(manifest)} run(s) ({_names(manifest)})",
-            )
+            raise StoreDamaged(data_dir, f"the database {self.path} is missing, but {says}")
         self._lock = threading.Lock()  # one connection, shared by the request threads
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._in_place = getattr(self._db, "blobopen", None) is not None
@@ -177,11 +175,7 @@ class SqliteStore(Store):
             missing = [name for name in manifest if name not in stored]
             if missing:
                 what = "is empty" if not stored else f"holds {len(stored)} run(s) but not {_names(missing)}"
-                raise StoreDamaged(
-                    data_dir,
-                    f"the database {self.path} {what}, but {self.manifest_path} says the directory "
-                    f"holds {len(manifest)} run(s) ({_names(manifest)})",
-                )
+                raise StoreDamaged(data_dir, f"the database {self.path} {what}, but {says}")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
             if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
