@@ -145,7 +145,7 @@ def _read_large(held: list[bytearray]) -> Any:
 
 
 def _list_starts(body: bytearray) -> list[tuple[int, str, int]]:
-    """``(where the key starts, field, just after its "[")`` of every per-position list, in order."""
+    """``(where the key starts, field, just after its "[")`` of every per-position list."""
     starts = []
     for field in _LIST_FIELDS:
         key = b'"' + field.encode()
@@ -261,7 +261,8 @@ def compact_records(records: list[dict[str, Any]]) -> None:
             if not isinstance(sample, dict):
                 continue
             for name, values in sample.items():
-                if name != "weight_versions" and isinstance(values, list) and len(values) >= COMPACT_MIN_LENGTH:
+                long = isinstance(values, list) and len(values) >= COMPACT_MIN_LENGTH
+                if long and name != "weight_versions":
                     compact = _piece(name, values)
                     if compact is not None:
                         sample[name] = compact

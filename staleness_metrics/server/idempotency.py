@@ -76,7 +76,7 @@ class Answers(Generic[A]):
         self._answers: OrderedDict[str, tuple[list[Any], A]] = OrderedDict()
 
     def replay(self, key: str | None, fingerprint: list[Any]) -> A | None:
-        """The first answer to ``key`` (``replayed``), None for a new key; 422 for another request."""
+        """The first answer to ``key`` (``replayed``), None for a new key; 422 for another."""
         if key is None or key not in self._answers:
             return None
         first, answer = self._answers[key]

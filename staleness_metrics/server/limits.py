@@ -22,7 +22,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 async def send_json(send: Send, status: int, detail: str, *extra: tuple[bytes, bytes]) -> None:
-    """Answer ``{"detail": detail}`` and close the connection (the rest of the request is unread)."""
+    """Answer ``{"detail": detail}`` and close the connection (the rest is unread)."""
     body = json.dumps({"detail": detail}).encode()
     length = str(len(body)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", length), *extra]

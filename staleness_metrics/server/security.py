@@ -45,7 +45,7 @@ def check_bind(host: str, token: str | None) -> None:
 
 
 def check_token(token: str | None) -> None:
-    """``ValueError`` for a blank token: never taken for "no token" or served as a guessable secret."""
+    """``ValueError`` for a blank token (never taken for "no token", or served as a secret)."""
     if token is not None and not token.strip():
         raise ValueError("the token is blank; give a real secret (e.g. $(openssl rand -hex 32)) or none")
 

@@ -119,7 +119,7 @@ CREATE TABLE IF NOT EXISTS history (
 );
 CREATE TABLE IF NOT EXISTS snapshots (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL);
 """
-# A blob is written in place only as its row's last column: schema 2 moved the snapshots' state last.
+# A blob is written in place only as its row's last column: schema 2 put the state last.
 _SNAPSHOTS_REORDERED = (
     "CREATE TABLE snapshots_reordered (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL)",
     "INSERT INTO snapshots_reordered (run, seq, checksum, state) SELECT run, seq, checksum, state FROM snapshots",
@@ -404,7 +404,7 @@ class SqliteStore(Store):
         return StoredRun(name, config, seq, snapshot, history, list(self.journal(name, after=seq)))
 
     def journal(self, run: str, after: int = 0) -> Iterator[JournalRow]:
-        """The journal rows of ``run`` after row ``after``, checked, on a connection of their own."""
+        """The journal rows of ``run`` after row ``after``, checked, on a connection of its own."""
         reader = sqlite3.connect(self.path, check_same_thread=False)
         try:
             while True:
