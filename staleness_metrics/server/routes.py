@@ -95,15 +95,13 @@ def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -
     return JSONResponse({"detail": [printable(item) for item in items]}, status_code=status_code)
 
 
-async def _run_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RunError)
+async def _run_error(request: Request, exc: RunError) -> JSONResponse:
     if isinstance(exc, RecordsInvalid):  # the 422 shape, a span-row cap's 413 too
         return _invalid(exc.errors, exc.status)
     return JSONResponse({"detail": _printable(str(exc))}, status_code=exc.status)
 
 
-async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     found = ((".".join(map(str, e.get("loc", ()))), str(e.get("msg", ""))) for e in exc.errors())
     return _invalid([ErrorItem(field=field, reason=reason) for field, reason in found])
 
