@@ -9,6 +9,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from http import HTTPStatus
 from typing import Any
 
+from starlette.datastructures import Headers
+
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # span rows (60-130 bytes each) a body may cut: one per this many bytes, at least SPAN_ROW_FLOOR
 DEFAULT_BODY_BYTES_PER_SPAN_ROW = 128
@@ -44,7 +46,10 @@ class BodySizeLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
+        try:
+            declared = int(Headers(scope=scope).get("content-length", ""))
+        except ValueError:  # absent, or malformed (the server refuses it): counting applies
+            declared = None
         if declared is not None and declared > self.max_bytes:
             await send_json(send, 413, self.refusal)
             return
@@ -79,16 +84,6 @@ class BodySizeLimit:
         except Exception:
             if not refused:
                 raise
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the server rejects a malformed header itself; counting still applies
-    return None
 
 
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024

@@ -7,6 +7,8 @@ import ipaddress
 import secrets
 from typing import Any
 
+from starlette.datastructures import Headers
+
 from .limits import ASGIApp, Receive, Scope, Send, send_json
 
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"
@@ -55,14 +57,6 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
-def _bearer_of(scope: Scope) -> bytes | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, credentials = bytes(value).partition(b" ")
-            return credentials.strip() if scheme.lower() == b"bearer" else None
-    return None
-
-
 class TokenFirst:
     """401, from the headers alone, for a write without the right bearer token (compared in
     constant time), and for a read too with ``protect_reads`` (but :data:`OPEN_PATHS`)."""
@@ -76,11 +70,11 @@ class TokenFirst:
         if scope["type"] != "http" or self.expected is None or not self._guarded(scope):
             await self.app(scope, receive, send)
             return
-        credentials = _bearer_of(scope)
-        if credentials is None:
+        scheme, _, credentials = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
             detail = "missing bearer token (Authorization: Bearer <token>)"
             await send_json(send, 401, detail, (b"www-authenticate", b"Bearer"))
-        elif not secrets.compare_digest(credentials, self.expected):
+        elif not secrets.compare_digest(credentials.encode("latin-1").strip(), self.expected):
             challenge = b'Bearer error="invalid_token"'
             await send_json(send, 401, "invalid bearer token", (b"www-authenticate", challenge))
         else:
