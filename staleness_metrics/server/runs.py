@@ -4,6 +4,7 @@ write, persisted before it is answered (see docs/service.md)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -159,13 +160,8 @@ def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
 def _lags_by_rollout(shipment: Shipment) -> list[list[list[int]]]:
     """``shipment.lags`` cut per shipped rollout and sample."""
     flat, offsets = shipment.lags.tolist(), shipment.lag_offsets.tolist()
-    out: list[list[list[int]]] = []
-    sample = 0
-    for rollout in shipment.rollouts:
-        n = len(rollout.samples)
-        out.append([flat[offsets[k] : offsets[k + 1]] for k in range(sample, sample + n)])
-        sample += n
-    return out
+    samples = iter([flat[start:end] for start, end in itertools.pairwise(offsets)])
+    return [list(itertools.islice(samples, len(rollout.samples))) for rollout in shipment.rollouts]
 
 
 _MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
