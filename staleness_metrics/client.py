@@ -12,10 +12,9 @@
         client.record_mismatch("exp-42", step=7, sums=sums)
 
 Every call is retried on connection errors, timeouts and 502/503/504 with the same body, which
-never counts anything twice (rollouts count once by id; a ship or mismatch post sends one
-``Idempotency-Key`` for all its attempts). An invalid record raises
-:class:`~staleness_metrics.errors.TraceError` naming its id, field and reason; an invalid
-configuration, :class:`~staleness_metrics.errors.ConfigError`.
+never counts anything twice. An invalid record raises :class:`~staleness_metrics.errors.TraceError`
+naming its id, field and reason; an invalid configuration,
+:class:`~staleness_metrics.errors.ConfigError`.
 """
 
 from __future__ import annotations
@@ -32,15 +31,6 @@ import httpx
 from .config import StalenessConfig
 from .errors import ConfigError, FieldTypeError, StalenessError, TraceError
 from .metrics.mismatch import MismatchSums
-
-__all__ = [
-    "AddResult",
-    "MismatchResult",
-    "ServiceError",
-    "ShipResult",
-    "StalenessClient",
-    "StepRow",
-]
 
 _RETRY_STATUSES = frozenset({502, 503, 504})
 
@@ -99,7 +89,7 @@ class ServiceError(StalenessError):
 
 class StalenessClient:
     """Talks to one service. ``retries``: extra attempts after a transient failure, ``backoff``
-    seconds doubling between them. ``transport`` is for tests (e.g. ``httpx.MockTransport``)."""
+    seconds doubling between them. ``transport``: for tests (``httpx.MockTransport``)."""
 
     def __init__(
         self,
@@ -116,7 +106,6 @@ class StalenessClient:
         self._retries = retries
         self._backoff = backoff
 
-    # ------------------------------------------------------------------ runs
     def create_run(self, run: str, config: StalenessConfig | Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Create ``run`` (or find it with the same configuration); returns the run's info."""
         body = asdict(config) if isinstance(config, StalenessConfig) else dict(config or {})
@@ -129,7 +118,6 @@ class StalenessClient:
     def delete_run(self, run: str) -> None:
         self._request("DELETE", _run_path(run), gone_ok=True)
 
-    # ------------------------------------------------------------------ rollouts
     def add(self, run: str, rollouts: Iterable[Mapping[str, Any]]) -> AddResult:
         """Queue finished rollouts (SPEC 3 records); safe to retry with the same records."""
         body = {"rollouts": list(rollouts)}
@@ -147,10 +135,8 @@ class StalenessClient:
         include_rollouts: bool = False,
         idempotency_key: str | None = None,
     ) -> ShipResult:
-        """Ship the batch for ``step`` (all queued rollouts, or ``ids``).
-
-        One idempotency key (given, or a new random one) covers every retry of this call.
-        """
+        """Ship the batch for ``step`` (all queued rollouts, or ``ids``); one idempotency key
+        (given, or a new random one) covers every retry of this call."""
         body: dict[str, Any] = {"step": step, "include_rollouts": include_rollouts}
         if isinstance(ids, str):  # list("r-1") would ship "r", "-" and "1"
             raise FieldTypeError("ids", f"expected an iterable of rollout ids, got the string {ids!r}")
@@ -166,18 +152,13 @@ class StalenessClient:
         *,
         idempotency_key: str | None = None,
     ) -> MismatchResult:
-        """Post trainer-side mismatch sums (SPEC 11) of the shipped ``step``; posts for one step
-        merge, and the answer holds their merged keys.
-
-        ``sums`` is a :class:`~staleness_metrics.MismatchSums` (from
-        :func:`~staleness_metrics.mismatch_sums`) or its ``to_dict()``. One idempotency key (given,
-        or a new random one) covers every retry of this call.
-        """
+        """Post trainer-side mismatch sums (SPEC 11: a :class:`~staleness_metrics.MismatchSums` or
+        its ``to_dict()``) of the shipped ``step``; posts for one step merge. One idempotency key
+        (given, or a new random one) covers every retry of this call."""
         body = {"step": step, "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums)}
         path = _run_path(run, "mismatch")
         return cast(MismatchResult, self._post_once(path, body, idempotency_key))
 
-    # ------------------------------------------------------------------ reads
     def steps(self, run: str, since: int = 0) -> list[StepRow]:
         """The metrics history: one row per ship with ``step > since``."""
         page = self._request("GET", _run_path(run, "steps"), params={"since": since})
@@ -190,9 +171,7 @@ class StalenessClient:
     def health(self) -> dict[str, Any]:
         return cast(dict[str, Any], self._request("GET", "/healthz"))
 
-    # ------------------------------------------------------------------ plumbing
     def _post_once(self, path: str, body: dict[str, Any], key: str | None) -> Any:
-        """POST ``body`` with one idempotency key (given, or a new random one) for every attempt."""
         headers = {"Idempotency-Key": key or uuid.uuid4().hex}
         return self._request("POST", path, json=body, headers=headers)
 
@@ -211,8 +190,7 @@ class StalenessClient:
             else:
                 if response.status_code not in _RETRY_STATUSES or attempt >= self._retries:
                     if gone_ok and attempt > 0 and response.status_code == 404:
-                        # an earlier attempt did it (e.g. a DELETE whose answer was lost)
-                        return response
+                        return response  # an earlier attempt did it
                     _raise_for(response)
                     return response
             time.sleep(self._backoff * 2**attempt)
@@ -229,7 +207,7 @@ class StalenessClient:
 
 
 def _run_path(run: str, action: str | None = None) -> str:
-    """The run's URL path (the name quoted: a stray ``/`` or ``?`` cannot reach another route)."""
+    """The run's URL path (quoted: a stray ``/`` or ``?`` cannot reach another route)."""
     path = f"/v1/runs/{quote(run, safe='')}"
     return path if action is None else f"{path}/{action}"
 
@@ -245,7 +223,6 @@ def _raise_for(response: httpx.Response) -> None:
     detail: Any = body.get("detail", response.text) if isinstance(body, dict) else response.text
     if response.status_code == 422 and isinstance(detail, list) and detail and isinstance(detail[0], dict):
         first = detail[0]
-        # a record's error
         if first.get("rollout_id") is not None or first.get("index") is not None:
             raise TraceError(first.get("rollout_id"), first.get("field", ""), first.get("reason", ""))
         if response.request.method == "PUT":  # only run creation takes a PUT body: a configuration

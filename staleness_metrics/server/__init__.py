@@ -5,9 +5,8 @@ Needs the ``server`` extra (FastAPI, uvicorn, prometheus-client). See ``docs/ser
 
 from __future__ import annotations
 
-from .app import create_app
+from .app import ServerSettings, create_app
 from .exporting import ExportSettings
 from .registry import RunRegistry
-from .settings import ServerSettings
 
 __all__ = ["ExportSettings", "RunRegistry", "ServerSettings", "create_app"]

@@ -1,16 +1,12 @@
 """The FastAPI application of ``staleness-metrics serve``: the routers of :mod:`.routes` behind
-the guards (the routes are described at ``/openapi.json``, browsable at ``/docs``).
-
-Every request takes one path: the token check (:class:`.security.TokenFirst`, from the headers,
-before any body byte is read), the body size cap (:class:`.limits.BodySizeLimit`, counting as it
-streams), then FastAPI's routing to a handler. A 405 lists every method the path takes in its
-``Allow`` header (:class:`AllowHeader`).
-"""
+the token check, the ``Allow`` header fix and the body size cap, in that order."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
@@ -18,14 +14,21 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute, Match
 
 from .. import __version__
-from .limits import ASGIApp, BodySizeLimit, Message, Receive, Scope, Send
+from .exporting import ExportSettings
+from .limits import (
+    DEFAULT_BODY_BYTES_PER_SPAN_ROW,
+    DEFAULT_MAX_BODY_BYTES,
+    ASGIApp,
+    BodySizeLimit,
+    Message,
+    Receive,
+    Scope,
+    Send,
+)
 from .registry import RunRegistry
 from .routes import EXCEPTION_HANDLERS, routers
-from .security import BEARER_SCHEME, TokenFirst
-from .settings import ServerSettings
+from .security import BEARER_SCHEME, TokenFirst, check_token
 from .store import SqliteStore, Store
-
-__all__ = ["AllowHeader", "create_app"]
 
 DESCRIPTION = """\
 A sidecar that keeps one staleness sink per run and publishes its metrics, for orchestrators written in
@@ -39,10 +42,27 @@ ship or mismatch post with an `Idempotency-Key` the run has seen returns the fir
 """
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """The ``serve`` options. ``token``: needed on every write when set, and on reads too with
+    ``protect_reads``. ``body_bytes_per_span_row``: a rollouts body may cut one span row per that
+    many bytes, at least 65,536 (0: no cap). ``exporters``: OTLP and W&B besides Prometheus.
+    ``data_dir``: where every acknowledged write is persisted; None keeps runs in memory only."""
+
+    token: str | None = field(default=None, repr=False)  # never printed
+    protect_reads: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_bytes_per_span_row: int = DEFAULT_BODY_BYTES_PER_SPAN_ROW
+    exporters: ExportSettings = field(default_factory=ExportSettings)
+    data_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        check_token(self.token)
+
+
 class AllowHeader:
-    """Rewrite the ``Allow`` header of 405 answers from ``routes`` (read when a 405 happens):
-    Starlette answers from the first route whose path matches, listing its methods only (RFC 9110
-    asks for all)."""
+    """A 405's ``Allow`` header listing every method of the path (RFC 9110), not only those of the
+    first route Starlette matched."""
 
     def __init__(self, app: ASGIApp, routes: Callable[[], Iterable[BaseRoute]]) -> None:
         self.app = app
@@ -80,7 +100,6 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     else:
         store = SqliteStore(settings.data_dir) if settings.data_dir is not None else Store()
         registry = RunRegistry(settings.exporters, store)
-        # every stored run checked before serving; loaded once it listens
         registry.restore(defer=True)
 
     @asynccontextmanager
@@ -97,7 +116,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.runs = registry
-    for router in routers(registry, settings):
+    for router in routers(registry, settings.protect_reads, settings.body_bytes_per_span_row):
         app.include_router(router)
 
     def openapi() -> dict[str, Any]:
@@ -107,8 +126,7 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         return app.openapi_schema or {}
 
     app.openapi = openapi  # type: ignore[method-assign]
-    # The last added runs first: the token is checked before the body size, which is checked before
-    # any handler reads the body.
+    # the last added runs first
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(AllowHeader, routes=lambda: app.routes)
     app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)

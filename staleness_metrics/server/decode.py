@@ -1,16 +1,8 @@
-"""Reading a rollout batch body in memory bounded by its size.
-
-Built by a JSON reader, each number of a body becomes a Python object (a float: 32 bytes for 4 to 10
-of text). So a body over :data:`FAST_DECODE_MAX_BYTES` is read in three steps: each long list of a
-per-position field whose text is plainly numbers is read piece by piece into one numpy array (only
-into a dtype holding every value exactly; anything else stays text, for the library to name); what
-remains (the *skeleton*) is refused (:class:`BodyTooComplex`, 413) when its values would cost more
-than :data:`SKELETON_ALLOWANCE` plus the body's size; then it is parsed by the standard library, and
-the arrays put in place. Smaller bodies are decoded whole by orjson, or by the standard library
-where orjson refuses a body or might read it differently (``NaN``, integers beyond 64 bits), so a
-body means the same whichever decoder reads it. A body nested past the recursion limit is
-:class:`BodyTooDeep` (400).
-"""
+"""Reading a rollout batch body in memory bounded by its size: long per-position number lists
+become numpy arrays (read piece by piece from the text of a large body), a body whose other values
+would cost far more than its size is refused, and so is one cutting more span rows (60 to 130 bytes
+each: a run of positions with one mask value and one version) than its size allows (see
+docs/service.md, "Limits")."""
 
 from __future__ import annotations
 
@@ -19,7 +11,7 @@ import json
 import re
 import threading
 from array import array
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from itertools import chain
 from typing import Any
@@ -29,37 +21,28 @@ import numpy.typing as npt
 import orjson
 
 from ..records.jsonio import has_long_integer
-
-__all__ = [
-    "COMPACT_MIN_LENGTH",
-    "FAST_DECODE_MAX_BYTES",
-    "SKELETON_ALLOWANCE",
-    "BodyTooComplex",
-    "BodyTooDeep",
-    "compact_records",
-    "paused_gc",
-    "read_json",
-]
+from .limits import SPAN_ROW_FLOOR
+from .models import ErrorItem
 
 COMPACT_MIN_LENGTH = 1024  # shorter lists cost little; they stay lists
 FAST_DECODE_MAX_BYTES = 1024 * 1024
-# What a large body's skeleton may cost in Python objects besides its size (fits a few hundred
-# thousand rollouts' ids, versions and short lists; not millions of tiny values)
+# what a large body's other values may cost besides its size (not millions of tiny values)
 SKELETON_ALLOWANCE = 48 * 1024 * 1024
 _VALUE_COST = 72  # bytes of Python object per JSON value: a dict, list, str or float with its slot
 # text read into Python objects at once while a long list becomes an array
 _PIECE_BYTES = 256 * 1024
-_INT_FIELDS = {"mask": np.int8, "token_versions": np.int64}  # lists read by compact_records
+_INT_FIELDS = ("mask", "token_versions")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_NOT_PER_POSITION = frozenset({"weight_versions"})
 _FLOAT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs")
 _LIST_FIELDS = ("mask", "token_versions", "weight_versions", *_FLOAT_FIELDS)
 # after a key's name: its closing quote, ":" and "["
 _THEN_A_LIST = re.compile(rb'"[ \t\r\n]*:[ \t\r\n]*\[')
-# Any byte outside what a list of the field's kind may hold ends the fast reading of that list.
-_NOT_NUMBERS = re.compile(rb"[^0-9eE+\-. \t\r\n,]")
-_NOT_NUMBERS_OR_NULL = re.compile(rb"[^0-9eE+\-. \t\r\n,nul]")
-_NOT_PAIRS = re.compile(rb"[^0-9\- \t\r\n,\[\]]")
+# a list's end, and any byte it may not hold to be read as numbers (pairs for weight_versions)
+_NUMBERS = (re.compile(rb"\]"), re.compile(rb"[^0-9eE+\-. \t\r\n,]"))
+_SHAPES = {
+    "weight_versions": (re.compile(rb"\][ \t\r\n]*\]"), re.compile(rb"[^0-9\- \t\r\n,\[\]]")),
+    "trainer_logprobs": (_NUMBERS[0], re.compile(rb"[^0-9eE+\-. \t\r\n,nul]")),
+}
 # a JSON text can only spell NUL as an escape, which a body using this path lacks
 _PLACEHOLDER = "\x00#"
 
@@ -70,10 +53,8 @@ _gc_pausers = 0
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused while a body is read and applied (re-enabled when the
-    last request that paused it is done): reading JSON builds containers by the million, which
-    would trigger collections walking every live object (minutes for a 51 MB body of 8M pairs).
-    What a request builds holds no cycles: reference counting frees it."""
+    """The cyclic collector paused while a body is read and applied: its containers, made by the
+    million, hold no cycles and would trigger collections walking every live object."""
     global _gc_pausers
     with _gc_lock:
         ours = _gc_pausers > 0 or gc.isenabled()  # else paused by someone else: leave it to them
@@ -99,18 +80,17 @@ class BodyTooDeep(ValueError):
 
 
 def read_json(held: list[bytearray]) -> Any:
-    """The JSON value of the one body in ``held`` (``ValueError`` when it is not UTF-8
-    JSON, one of its subclasses when it is too deep or too costly to read). The bytes are
-    released once decoded."""
+    """The JSON value of the one body in ``held``, whose bytes are released once read
+    (``ValueError`` when it is not UTF-8 JSON, a subclass when too deep or too costly to read)."""
     body = held.pop()
     try:
         if len(body) <= FAST_DECODE_MAX_BYTES:
             try:
                 value = orjson.loads(body)
             except orjson.JSONDecodeError:
-                pass  # the standard library decides, and words the error
+                pass  # the standard library decides (NaN), and words the error
             else:
-                if not has_long_integer(body):
+                if not has_long_integer(body):  # else orjson would read a float
                     return value
             text = body.decode("utf-8")
             del body
@@ -165,8 +145,7 @@ def _read_large(held: list[bytearray]) -> Any:
 
 
 def _list_starts(body: bytearray) -> list[tuple[int, str, int]]:
-    """``(where the key starts, field, just after its "[")`` of every per-position field
-    given a list, in body order (found with ``bytes.find``, at memchr speed)."""
+    """``(where the key starts, field, just after its "[")`` of every per-position list."""
     starts = []
     for field in _LIST_FIELDS:
         key = b'"' + field.encode()
@@ -190,30 +169,17 @@ def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
         )
 
 
-def _list_end(body: bytearray, field: str, start: int) -> int | None:
-    """The index just past the ``]`` closing the list that starts at ``start``, when its text is
-    plainly numbers (pairs of integers for ``weight_versions``); None otherwise."""
-    if field == "weight_versions":
-        close = re.compile(rb"\][ \t\r\n]*\]").search(body, start)
-        if close is None or _NOT_PAIRS.search(body, start, close.start()) is not None:
-            return None
-        return close.end()
-    close_at = body.find(b"]", start)
-    if close_at < 0:
-        return None
-    pattern = _NOT_NUMBERS_OR_NULL if field == "trainer_logprobs" else _NOT_NUMBERS
-    if pattern.search(body, start, close_at) is not None:
-        return None
-    return close_at + 1
-
-
 def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any], int] | None:
-    end = _list_end(body, field, start)
-    if end is None or end - start < 2 * COMPACT_MIN_LENGTH:
+    ends, not_allowed = _SHAPES.get(field, _NUMBERS)
+    found = ends.search(body, start)
+    if found is None or not_allowed.search(body, start, found.start()) is not None:
+        return None
+    end = found.end()
+    if end - start < 2 * COMPACT_MIN_LENGTH:
         return None
     inner_end = end - 1  # the closing "]"
     pairs = field == "weight_versions"
-    # the item count, from the separators: the array is allocated once, at its final size
+    # the item count, from the separators: the array is allocated at its final size
     count = body.count(b"[", start, inner_end) if pairs else body.count(b",", start, inner_end) + 1
     out: npt.NDArray[Any] | None = None
     filled = 0
@@ -256,8 +222,7 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
 
 
 def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
-    """One piece of a long list as an array of the field's kind, or None when
-    it is not plainly that."""
+    """A long list (or a piece of one) as an array holding each value exactly, or None."""
     kinds = set(map(type, items))
     try:
         if field == "weight_versions":
@@ -273,16 +238,12 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
         if kinds == {int}:
             values = np.frombuffer(array("q", items), dtype=np.int64)
             if values.size and values.min() >= -128 and values.max() <= 127:
-                # a mask, small versions or small integer weights (the library reads those as
-                # float64 either way; the text, and so the digest, is the same)
                 return values.astype(np.int8)
             if field == "token_versions" and values.size and values.min() >= _INT32_MIN and values.max() <= _INT32_MAX:
-                # versions: 4 bytes a position (as kept in a long batch)
                 return values.astype(np.int32)
             return values
         if field in _INT_FIELDS:
-            # a float (or null) where integers belong: the library names it from the list
-            return None
+            return None  # a float or null where integers belong: the library names it
         if kinds <= {int, float}:
             return np.frombuffer(array("d", items), dtype=np.float64)
         if field == "trainer_logprobs" and kinds <= {int, float, type(None)}:
@@ -292,39 +253,125 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
     return None
 
 
-def _compact(name: str, values: list[Any]) -> Any:
-    kinds = set(map(type, values))  # one C-level pass, no per-item Python code
-    if name in _INT_FIELDS:
-        if kinds != {int}:
-            return values
-        try:
-            array = np.fromiter(values, dtype=_INT_FIELDS[name], count=len(values))
-        except (OverflowError, ValueError):
-            return values  # out of the dtype's range: the validation reports it from the list
-        if name == "mask" and not bool(((array == 0) | (array == 1)).all()):
-            return values
-        return array
-    try:
-        if kinds == {int}:  # integer weights stay integers (exactly what the list said)
-            return np.fromiter(values, dtype=np.int64, count=len(values))
-        if kinds == {float, int} or kinds == {float}:  # as the library reads a mixed list: float64
-            return np.fromiter(values, dtype=np.float64, count=len(values))
-    except (OverflowError, ValueError):
-        pass
-    return values
-
-
-def compact_records(records: Any) -> None:
+def compact_records(records: list[dict[str, Any]]) -> None:
     """Replace, in place, every long per-position list of every sample by a numpy array."""
-    if not isinstance(records, list):
-        return
     for record in records:
-        samples = record.get("samples") if isinstance(record, Mapping) else None
-        if not isinstance(samples, list):
-            continue
-        for sample in samples:
+        samples = record.get("samples")
+        for sample in samples if isinstance(samples, list) else ():
             if not isinstance(sample, dict):
                 continue
             for name, values in sample.items():
-                if name not in _NOT_PER_POSITION and isinstance(values, list) and len(values) >= COMPACT_MIN_LENGTH:
-                    sample[name] = _compact(name, values)
+                long = isinstance(values, list) and len(values) >= COMPACT_MIN_LENGTH
+                if long and name != "weight_versions":
+                    compact = _piece(name, values)
+                    if compact is not None:
+                        sample[name] = compact
+
+
+PIECE_POSITIONS = 1 << 20  # positions compared at once: a 1 MiB bool and at most 8 MiB of indices
+
+
+def allowed_span_rows(body_bytes: int, body_bytes_per_row: int) -> int:
+    """The span rows a body of ``body_bytes`` may cut (``body_bytes_per_row`` 0: no cap)."""
+    if body_bytes_per_row <= 0:
+        return -1
+    return max(SPAN_ROW_FLOOR, body_bytes // body_bytes_per_row)
+
+
+def _length(values: Any) -> int:
+    return len(values) if isinstance(values, Sequence | np.ndarray) and not isinstance(values, str) else 0
+
+
+def _numbers(values: Any) -> npt.NDArray[Any] | None:
+    """``values`` as a 1-d numeric array, or None (the library refuses them, naming why)."""
+    if isinstance(values, np.ndarray):
+        array = values
+    elif isinstance(values, list):
+        try:
+            array = np.asarray(values)
+        except (ValueError, TypeError, OverflowError):
+            return None
+    else:
+        return None
+    return array if array.ndim == 1 and array.dtype.kind in "biuf" else None
+
+
+def _value_changes(values: npt.NDArray[Any]) -> int:
+    changes = 0
+    for start in range(1, len(values), PIECE_POSITIONS):
+        end = min(start + PIECE_POSITIONS, len(values))
+        changes += int(np.count_nonzero(values[start:end] != values[start - 1 : end - 1]))
+    return changes
+
+
+def _label_changes(labels: npt.NDArray[Any]) -> int:
+    """Labelled positions (not -1) whose label differs from the previous label."""
+    changes = 0
+    last: Any = None
+    for start in range(0, len(labels), PIECE_POSITIONS):
+        labelled = labels[start : start + PIECE_POSITIONS]
+        labelled = labelled[labelled != -1]
+        if len(labelled) == 0:
+            continue
+        changes += int(np.count_nonzero(labelled[1:] != labelled[:-1]))
+        if last is not None and labelled[0] != last:
+            changes += 1
+        last = labelled[-1]
+    return changes
+
+
+def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
+    """An upper bound of the rows ``sample`` cuts (one, plus every mask change and label change,
+    plus its spans, at most its positions), and the field that cuts the most of them."""
+    spans = _length(sample.get("weight_versions"))
+    positions = max(_length(sample.get("mask")), _length(sample.get("token_versions")))
+    mask = _numbers(sample.get("mask"))
+    labels = _numbers(sample.get("token_versions"))
+    by_field = {
+        "mask": 0 if mask is None else _value_changes(mask),
+        "token_versions": 0 if labels is None else _label_changes(labels),
+        "weight_versions": spans,
+    }
+    rows = min(1 + by_field["mask"] + by_field["token_versions"] + spans, max(1, positions))
+    return rows, max(by_field, key=lambda name: by_field[name])
+
+
+def check_span_rows(records: Any, body_bytes: int, body_bytes_per_row: int) -> ErrorItem | None:
+    """Where the rollouts of a body pass the span rows it may cut, else None."""
+    allowed = allowed_span_rows(body_bytes, body_bytes_per_row)
+    if allowed < 0 or not isinstance(records, list):
+        return None
+    samples_of = [
+        (position, record, list(enumerate(record["samples"])))
+        for position, record in enumerate(records)
+        if isinstance(record, Mapping) and isinstance(record.get("samples"), list)
+    ]
+    by_length = sum(
+        max(1, _length(s.get("mask")), _length(s.get("token_versions")))
+        for _, _, samples in samples_of
+        for _, s in samples
+        if isinstance(s, Mapping)
+    )
+    if by_length <= allowed:
+        return None
+    total = 0
+    for position, record, samples in samples_of:
+        for index, sample in samples:
+            if not isinstance(sample, Mapping):
+                continue
+            rows, field = _sample_rows(sample)
+            total += rows
+            if total > allowed:
+                rid = record.get("id")
+                return ErrorItem(
+                    rollout_id=None if rid is None else str(rid),
+                    index=position,
+                    field=f"samples[{index}].{field}",
+                    reason=(
+                        f"the body cuts more than {allowed:,} span rows (runs of one mask value "
+                        f"and one version; this rollout brings them to {total:,}): a body of "
+                        f"{body_bytes:,} bytes may cut one per {body_bytes_per_row} bytes, at "
+                        f"least {SPAN_ROW_FLOOR:,} (serve --body-bytes-per-span-row)"
+                    ),
+                )
+    return None

@@ -1,10 +1,5 @@
-"""The service's errors: what a run refuses and why, and the library's errors
-as the items of an answer.
-
-Each :class:`RunError` subclass is one status code; an invalid request is
-:class:`RecordsInvalid`, carrying the :class:`~.models.ErrorItem`\ s of the library's errors (their
-``field`` and ``reason``, never parsed back out of a message).
-"""
+"""The service's errors, one :class:`RunError` subclass per status code, and the library's
+errors as the items of an answer (their ``field`` and ``reason``, never parsed from a message)."""
 
 from __future__ import annotations
 
@@ -13,20 +8,6 @@ from typing import Any
 
 from ..errors import StalenessError, TraceError
 from .models import ErrorItem
-
-__all__ = [
-    "RecordsInvalid",
-    "RestoreFailed",
-    "RunBroken",
-    "RunConflict",
-    "RunError",
-    "RunNotFound",
-    "SpanRowsTooMany",
-    "field_item",
-    "out_of_range",
-    "reason_of",
-    "trace_item",
-]
 
 INT64_RANGE = (-(2**63), 2**63 - 1)
 
@@ -42,19 +23,17 @@ class RunNotFound(RunError):
 
 
 class RunConflict(RunError):
-    """Conflicts with the run's state: another configuration, a rollout id received with other
-    content, a step below the latest, or no history to export (``--in-memory``)."""
+    """Conflicts with the run's state (another configuration, a step below the latest, ...)."""
 
 
 class RunBroken(RunError):
-    """A write could not be persisted: the run's memory is ahead of its store, so it
-    takes no more writes."""
+    """A write could not be persisted: the run's memory is ahead of its store."""
 
     status = 503
 
 
 class RestoreFailed(Exception):
-    """A stored run could not be loaded again at start (the message names the run and the row)."""
+    """A stored run could not be loaded again (the message names the run and the row)."""
 
 
 def reason_of(exc: BaseException) -> str:
@@ -75,14 +54,12 @@ class RecordsInvalid(RunError):
 
 
 class SpanRowsTooMany(RecordsInvalid):
-    """A body cutting more span rows than its size allows: a size limit (413), answered in the shape
-    of an invalid request (its rollout, field and reason); nothing of it was applied."""
+    """More span rows than the body's size allows: 413, in the shape of an invalid request."""
 
     status = 413
 
 
 def trace_item(error: TraceError, index: int | None = None) -> ErrorItem:
-    """The error item of a refused rollout: its id, field, reason and place in the request."""
     return ErrorItem(field=error.field, reason=error.reason, rollout_id=error.rollout_id, index=index)
 
 
@@ -103,8 +80,7 @@ def out_of_range(value: Any, path: str) -> str | None:
 
 
 def field_item(error: ValueError, default_field: str) -> ErrorItem:
-    """An ErrorItem from the library's error: its ``field`` and ``reason`` (``default_field`` and
-    the whole message for an error that names no field)."""
+    """The library's error as an item (``default_field`` and the message when it names no field)."""
     if isinstance(error, StalenessError) and error.field:
         return ErrorItem(field=error.field, reason=error.reason)
     return ErrorItem(field=default_field, reason=str(error))

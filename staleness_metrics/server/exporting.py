@@ -1,6 +1,5 @@
-"""The exporters behind each run of the service (the library's own, as in a trainer process: a
-Prometheus exporter without a port, read by ``GET /metrics``, and OTLP and W&B when asked), and
-:class:`ServiceCollector`, one exposition of every run's families."""
+"""The exporters behind each run of the service (Prometheus without a port, read by ``GET
+/metrics``; OTLP and W&B when asked), and one exposition of every run's families."""
 
 from __future__ import annotations
 
@@ -17,36 +16,27 @@ if TYPE_CHECKING:
 
     from ..exporters.prometheus import PrometheusExporter
 
-__all__ = ["ExportSettings", "RunExporters", "ServiceCollector", "build_exporters", "preload"]
-
-WandbMode = Literal["online", "offline"]
-
-# How long closing a run may wait for its W&B run to start and finish: a service shutting down is
-# not a trainer waiting, and a W&B run left unfinished loses its last rows (runs close in parallel).
+# How long closing a run may wait for its W&B run (left unfinished, it loses its last rows)
 WANDB_CLOSE_TIMEOUT = 60.0
 
 
 @dataclass(frozen=True)
 class ExportSettings:
-    """Which exporters each run gets besides Prometheus.
-
-    ``otlp``: send OTLP; the endpoint is ``otlp_endpoint`` or the standard ``OTEL_EXPORTER_OTLP_*``
-    variables. ``wandb_project``: one W&B run per service run, named after it (``wandb_mode`` None
-    leaves the mode to ``WANDB_MODE``).
-    """
+    """Which exporters each run gets besides Prometheus: OTLP (to ``otlp_endpoint`` or the
+    ``OTEL_EXPORTER_OTLP_*`` variables), and with ``wandb_project`` one W&B run per service run."""
 
     otlp: bool = False
     otlp_endpoint: str | None = None
     otlp_protocol: str | None = None
     wandb_project: str | None = None
     wandb_entity: str | None = None
-    wandb_mode: WandbMode | None = None
+    wandb_mode: Literal["online", "offline"] | None = None
     wandb_dir: str | None = None
 
 
 @dataclass
 class RunExporters:
-    """The exporters of one run; ``failures`` are the ones that could not start."""
+    """The exporters of one run; ``failures``: the ones that could not start."""
 
     prometheus: PrometheusExporter
     others: list[Exporter] = field(default_factory=list)
@@ -57,15 +47,13 @@ class RunExporters:
         return [self.prometheus, *self.others]
 
     def report_failures(self, errors: ExportErrors) -> None:
-        """Count and log the exporters that could not start, as the run's export errors."""
         for name, message, exc in self.failures:
             errors.register(name)
             errors.record(name, message, exc)
 
 
 def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
-    """The exporters of a new run; one that cannot start is left out and reported, never raised
-    (nothing here waits: the W&B run starts on its exporter's worker thread)."""
+    """The exporters of a new run; one that cannot start is left out and reported, never raised."""
     from ..exporters.prometheus import PrometheusExporter
 
     exporters = RunExporters(prometheus=PrometheusExporter(port=None))
@@ -88,10 +76,9 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
 
 
 def preload(settings: ExportSettings) -> None:
-    """Import the exporters' heavy dependencies before any request is served: ``import wandb``
-    takes seconds of CPU under the GIL, which would slow every request meanwhile."""
+    """Import wandb before any request is served (seconds of CPU under the GIL)."""
     if settings.wandb_project is not None:
-        # reported per run, as an exporter that could not start
+        # a failure is reported per run, as an exporter that could not start
         with contextlib.suppress(ImportError):
             import wandb  # noqa: F401
 
@@ -109,7 +96,7 @@ def _wandb_init(run: str, settings: ExportSettings) -> dict[str, Any]:
 
 
 class ServiceCollector:
-    """Merges the families of every run's registry: each family once, with every run's samples."""
+    """Every run's registry as one: each family once, with every run's samples."""
 
     def __init__(self, registries: Callable[[], Iterable[CollectorRegistry]]) -> None:
         self._registries = registries
@@ -128,4 +115,4 @@ class ServiceCollector:
         return list(merged.values())
 
     def describe(self) -> Iterable[Metric]:
-        return []  # families come and go with runs: no fixed description to check at registration
+        return []  # families come and go with runs

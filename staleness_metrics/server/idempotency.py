@@ -1,10 +1,5 @@
-"""Exactly-once for the service's writes: digests of records, and answers
-kept by ``Idempotency-Key``.
-
-A rollout is counted once by its id and the digest of its content (:func:`stored_digest`). A ship or
-a mismatch post retried with its idempotency key gets the first answer again (``replayed``), and a
-422 when the key comes back with another request (:class:`Answers`).
-"""
+"""Exactly-once for the service's writes: digests of records (a rollout counts once by id and
+content), and the answers kept by ``Idempotency-Key``."""
 
 from __future__ import annotations
 
@@ -19,27 +14,16 @@ import orjson
 from pydantic import BaseModel
 
 from ..records.validation import unstorable
+from ..state_checks import PIECE_ITEMS, json_pieces
 from .errors import RecordsInvalid
 from .models import ErrorItem
-from .store import PIECE_ITEMS, encoded_pieces
-
-__all__ = [
-    "IDEMPOTENCY_KEYS_KEPT",
-    "Answers",
-    "holds_large_array",
-    "record_digest",
-    "stored_digest",
-]
 
 IDEMPOTENCY_KEYS_KEPT = 1024
-
-
 _DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 def holds_large_array(record: Mapping[str, Any]) -> bool:
-    """True when a sample of ``record`` holds an array of more than :data:`~.store.PIECE_ITEMS`
-    values: its text is then hashed and journalled a piece at a time."""
+    """True when a sample holds an array to hash and journal a piece at a time."""
     samples = record.get("samples")
     return isinstance(samples, list) and any(
         isinstance(value, np.ndarray) and value.size > PIECE_ITEMS
@@ -50,12 +34,10 @@ def holds_large_array(record: Mapping[str, Any]) -> bool:
 
 
 def _canonical_digest(record: Mapping[str, Any], option: int) -> bytes:
-    """The digest of ``orjson.dumps(record, option=option)``, hashed piece by
-    piece for a large record."""
     if not holds_large_array(record):
         return hashlib.blake2b(orjson.dumps(record, option=option), digest_size=16).digest()
     digest = hashlib.blake2b(digest_size=16)
-    for piece in encoded_pieces(dict(record), option):
+    for piece in json_pieces(dict(record), option):
         digest.update(piece)
     return digest.digest()
 
@@ -71,8 +53,7 @@ def record_digest(record: Mapping[str, Any]) -> bytes:
 
 
 def stored_digest(record: Mapping[str, Any]) -> bytes | None:
-    """:func:`record_digest` of a record the journal can store, None for one it cannot (a
-    lone surrogate, an integer beyond signed 64 bits, deep nesting)."""
+    """:func:`record_digest` of a record the journal can store, None for one it cannot."""
     try:
         return _canonical_digest(record, _DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
     except orjson.JSONEncodeError:
@@ -86,10 +67,8 @@ A = TypeVar("A", bound=BaseModel)
 
 
 class Answers(Generic[A]):
-    """The answers of one endpoint of a run by idempotency key, the newest
-    :data:`IDEMPOTENCY_KEYS_KEPT`, each with the fingerprint of its request (JSON: what makes two
-    requests the same one). ``different`` names another request in the 422 (``"a different ship"``).
-    """
+    """The newest answers of one endpoint of a run by idempotency key, each with its request's
+    fingerprint; ``different`` names another request in the 422 (``"a different ship"``)."""
 
     def __init__(self, different: str, answer: type[A]) -> None:
         self.different = different
@@ -97,8 +76,7 @@ class Answers(Generic[A]):
         self._answers: OrderedDict[str, tuple[list[Any], A]] = OrderedDict()
 
     def replay(self, key: str | None, fingerprint: list[Any]) -> A | None:
-        """The first answer to ``key`` (marked ``replayed``), None for a new key; the key with
-        another request raises :class:`~.errors.RecordsInvalid` (422)."""
+        """The first answer to ``key`` (``replayed``), None for a new key; 422 for another."""
         if key is None or key not in self._answers:
             return None
         first, answer = self._answers[key]
@@ -115,10 +93,9 @@ class Answers(Generic[A]):
             self._answers.popitem(last=False)
 
     def to_json(self) -> list[list[Any]]:
-        """``[[key, fingerprint, answer], ...]``, oldest first (as a run's snapshot keeps them)."""
+        """``[[key, fingerprint, answer], ...]``, oldest first."""
         return [[key, fp, ans.model_dump(mode="json")] for key, (fp, ans) in self._answers.items()]
 
     def load_json(self, items: Any) -> None:
-        """Replace the kept answers with :meth:`to_json`'s ``items``."""
         answers = ((key, (list(fp), self._answer.model_validate(ans))) for key, fp, ans in items)
         self._answers = OrderedDict(answers)

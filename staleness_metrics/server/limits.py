@@ -1,5 +1,5 @@
 """Request size caps: :class:`BodySizeLimit` for bodies, :func:`header_limited_protocol` for
-headers; and :func:`send_json`, how the service's ASGI guards answer."""
+headers, and how the service's ASGI guards answer."""
 
 from __future__ import annotations
 
@@ -9,18 +9,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from http import HTTPStatus
 from typing import Any
 
-__all__ = [
-    "DEFAULT_BODY_BYTES_PER_SPAN_ROW",
-    "DEFAULT_HEADER_TIMEOUT",
-    "DEFAULT_MAX_BODY_BYTES",
-    "DEFAULT_MAX_HEADER_BYTES",
-    "SPAN_ROW_FLOOR",
-    "BodySizeLimit",
-    "header_limited_protocol",
-    "return_large_frees_to_the_os",
-    "send_json",
-    "uvicorn_header_options",
-]
+from starlette.datastructures import Headers
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # span rows (60-130 bytes each) a body may cut: one per this many bytes, at least SPAN_ROW_FLOOR
@@ -35,8 +24,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 async def send_json(send: Send, status: int, detail: str, *extra: tuple[bytes, bytes]) -> None:
-    """Answer ``{"detail": detail}`` and close the connection (the rest of
-    the request is unread)."""
+    """Answer ``{"detail": detail}`` and close the connection (the rest is unread)."""
     body = json.dumps({"detail": detail}).encode()
     length = str(len(body)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", length), *extra]
@@ -46,23 +34,24 @@ async def send_json(send: Send, status: int, detail: str, *extra: tuple[bytes, b
 
 
 class BodySizeLimit:
-    """Refuse HTTP requests whose body exceeds ``max_bytes`` with ``413 {"detail": ...}``.
-
-    Trusts neither ``Content-Length`` (checked first, for an answer before any byte is read) nor
-    its absence: bytes are counted as they stream through to the application, never buffered here,
-    and once the count passes the cap the client gets 413 and the application sees a disconnect."""
+    """413 for a body over ``max_bytes``: from ``Content-Length`` before any byte is read, else
+    counted as it streams through (unbuffered); past the cap the application sees a disconnect."""
 
     def __init__(self, app: ASGIApp, max_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.refusal = f"request body larger than {max_bytes} bytes"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
+        try:
+            declared = int(Headers(scope=scope).get("content-length", ""))
+        except ValueError:  # absent, or malformed (the server refuses it): counting applies
+            declared = None
         if declared is not None and declared > self.max_bytes:
-            await self._refuse(send)
+            await send_json(send, 413, self.refusal)
             return
         size = 0
         refused = False
@@ -75,11 +64,10 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 size += len(message.get("body", b""))
-                # the body grew past the cap as it streamed in: stop reading
                 if size > self.max_bytes:
                     refused = True
                     if not started:
-                        await self._refuse(send)
+                        await send_json(send, 413, self.refusal)
                     return {"type": "http.disconnect"}
             return message
 
@@ -97,33 +85,15 @@ class BodySizeLimit:
             if not refused:
                 raise
 
-    async def _refuse(self, send: Send) -> None:
-        await send_json(send, 413, f"request body larger than {self.max_bytes} bytes")
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the server rejects a malformed header itself; counting still applies
-    return None
-
 
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a cap on the request line and headers
-    and a deadline for them.
-
-    httptools buffers a header line until it ends, however long, and uvicorn waits for headers
-    without a deadline. Here the bytes a request sends before its headers end are counted as they
-    arrive (431 and close past ``max_header_bytes``), and a connection whose headers have not ended
-    ``header_timeout`` seconds after it opened, or after its request began, is closed (408 when it
-    had sent part of a request)."""
+    """uvicorn's httptools protocol with a cap on the request line and headers (431 past
+    ``max_header_bytes``, counted as they arrive) and a deadline for them (408, or a silent close
+    for an idle connection, ``header_timeout`` seconds after the connection or request began)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderLimitedProtocol(HttpToolsProtocol):
@@ -195,9 +165,7 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
 def uvicorn_header_options(
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, header_timeout: float = DEFAULT_HEADER_TIMEOUT
 ) -> dict[str, Any]:
-    """``uvicorn.Config`` options capping request headers: the guarded httptools protocol
-    (:func:`header_limited_protocol`), or h11's own size cap (it has no header deadline) where
-    httptools is not installed."""
+    """``uvicorn.Config`` options capping request headers (h11's own cap without httptools)."""
     try:
         import httptools  # noqa: F401
     except ImportError:
@@ -210,12 +178,9 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 
 def return_large_frees_to_the_os() -> bool:
-    """Give every allocation of :data:`LARGE_ALLOCATION_BYTES` or more its own memory map (glibc),
-    so that freeing it returns it to the system at once; False where this is not glibc.
-
-    glibc raises that threshold each time such a block is freed (up to 32 MiB), and a body's peak
-    would then depend on what earlier requests left in the heap: fixed, it is what the request
-    itself holds at once."""
+    """Give every allocation of :data:`LARGE_ALLOCATION_BYTES` or more its own memory map (glibc;
+    False elsewhere), so that a body's peak is what the request holds, not what earlier ones left
+    in the heap (glibc would raise that threshold each time such a block is freed)."""
     import ctypes
     import sys
 

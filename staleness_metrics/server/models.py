@@ -1,10 +1,5 @@
 """Request and response bodies of the service, as pydantic models (they make the OpenAPI document).
-
-Rollout records and run configurations are *not* validated here: the library does that
-(:func:`~staleness_metrics.config.StalenessConfig.from_mapping` and the sink), so the service
-accepts exactly what the library accepts and reports its errors word for word. Their schemas below
-document the format for client authors; the bodies are received as plain JSON objects.
-"""
+Rollouts and configurations are validated by the library: their schemas here only document them."""
 
 from __future__ import annotations
 
@@ -20,29 +15,6 @@ from ..metrics.mismatch import COUNT_FIELDS, SUM_FIELDS
 from ..metrics.report import Tally
 from ..records.validation import lone_surrogate
 
-__all__ = [
-    "MAX_STEP",
-    "RUN_NAME_PATTERN",
-    "AddResult",
-    "Counts",
-    "ErrorItem",
-    "ErrorMessage",
-    "Health",
-    "MismatchRequest",
-    "MismatchResult",
-    "RolloutBatchIn",
-    "RunInfo",
-    "RunList",
-    "ShipRequest",
-    "ShipResult",
-    "StepRow",
-    "StepsPage",
-    "SweepRequest",
-    "ValidationErrorBody",
-    "counts_of",
-    "run_config_schema",
-]
-
 # Run names appear in URLs and as the ``run`` label of every series.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # Steps stay exact in every JSON client (2**53) and far inside the sink's int64 tables.
@@ -52,7 +24,7 @@ Step = Annotated[int, Field(ge=1, le=MAX_STEP, strict=True, description="1-based
 
 
 def run_config_schema() -> dict[str, Any]:
-    """The JSON schema of a run configuration, derived from :class:`StalenessConfig` itself."""
+    """The JSON schema of a run configuration, from :class:`StalenessConfig` itself."""
     schema = TypeAdapter(StalenessConfig).json_schema()
     schema["title"] = "RunConfig"
     schema["description"] = (
@@ -67,7 +39,6 @@ def run_config_schema() -> dict[str, Any]:
 
 
 def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    """An optional field the library also accepts as ``null`` (meaning absent)."""
     return {"anyOf": [schema, {"type": "null"}]}
 
 

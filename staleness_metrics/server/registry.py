@@ -1,5 +1,4 @@
-"""The runs of one service by name: created, restored at start (in the
-background), found, deleted."""
+"""The runs of one service by name: created, restored at start, found, deleted."""
 
 from __future__ import annotations
 
@@ -19,18 +18,13 @@ from .store import Store, StoredRun
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = ["RunRegistry"]
-
 logger = logging.getLogger("staleness_metrics.server")
 
 
 class RunRegistry:
-    """The runs of one service, by name.
-
-    Stored runs are checked at start (:meth:`restore`) and then loaded in the background: a request
-    for a run not loaded yet loads it first. A run whose stored rows cannot be applied again is
-    *unavailable*: its requests get 503 with the reason, and ``/healthz`` names it.
-    """
+    """The runs of one service, by name. Stored runs are checked at start (:meth:`restore`), then
+    loaded in the background or by the first request for each; one whose rows cannot be applied
+    again is *unavailable* (503 with the reason)."""
 
     def __init__(self, export_settings: ExportSettings | None = None, store: Store | None = None) -> None:
         self.export_settings = export_settings or ExportSettings()
@@ -40,15 +34,12 @@ class RunRegistry:
         self._pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}  # checked, not loaded yet
         self._failed: dict[str, str] = {}  # runs whose stored rows could not be applied: why
         self._lock = threading.Lock()  # guards the dicts
-        # one creation or deletion at a time (exporters start slowly)
-        self._creating = threading.Lock()
-        # one run loaded at a time (by the background thread or a request)
-        self._loading = threading.Lock()
+        self._creating = threading.Lock()  # one creation or deletion at a time
+        self._loading = threading.Lock()  # one run loaded at a time
         self._loader: threading.Thread | None = None
 
     def create(self, name: str, config: StalenessConfig) -> tuple[Run, bool]:
-        """The run ``name``, created with ``config`` (True) or already there with
-        the same config (False); :class:`RunConflict` with another configuration."""
+        """The run, and True when created; 409 when it exists with another configuration."""
         with self._creating:
             existing = self._find(name)
             if existing is not None:
@@ -65,12 +56,9 @@ class RunRegistry:
             return run, True
 
     def restore(self, background: bool = True, defer: bool = False) -> int:
-        """Check every stored run (before serving) and load them; returns how many.
-
-        Damaged data refuses the start: a run left out would look deleted. The runs are then loaded
-        on a background thread (``background``) or here; with ``defer``, by
-        :meth:`load_in_background` (once the service listens) or by the first request for each.
-        """
+        """Check every stored run (damage refuses the start) and load them, on a background thread
+        or here, or with ``defer`` later (:meth:`load_in_background`, or the first request for
+        each); returns how many."""
         stored_runs = self.store.load()
         pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}
         for stored in stored_runs:
@@ -107,7 +95,6 @@ class RunRegistry:
             self._load(name)
 
     def _load(self, name: str) -> Run | None:
-        """Load the pending run ``name`` (None when it is not pending, or could not be loaded)."""
         with self._loading:
             with self._lock:
                 loaded = self._runs.get(name)
@@ -135,14 +122,13 @@ class RunRegistry:
             return run
 
     def loaded(self, timeout: float | None = None) -> bool:
-        """Wait until every stored run is loaded or found unavailable; False
-        when ``timeout`` passed."""
+        """Wait until every stored run is loaded or found unavailable; False on timeout."""
         loader = self._loader
         if loader is not None:
             loader.join(timeout)
             return not loader.is_alive()
         with self._lock:
-            return not self._pending  # deferred and not started: nothing loads them until asked
+            return not self._pending
 
     def _find(self, name: str) -> Run | None:
         with self._lock:
@@ -178,8 +164,8 @@ class RunRegistry:
             return bool(self._pending)
 
     def unavailable_once_loaded(self, timeout: float) -> dict[str, str]:
-        """:meth:`unavailable` once every stored run is loaded, waiting up to ``timeout`` seconds;
-        runs still loading then are named too."""
+        """:meth:`unavailable` once every stored run is loaded (up to ``timeout`` seconds), naming
+        the runs still loading then."""
         self.load_in_background()
         self.loaded(timeout)
         out = self.unavailable()
@@ -198,7 +184,6 @@ class RunRegistry:
         with self._creating:
             with self._lock:
                 failed = self._failed.pop(name, None)
-            # an unavailable run can still be deleted (and its name used again)
             if failed is not None:
                 self.store.delete_run(name)
                 return
@@ -218,14 +203,14 @@ class RunRegistry:
         return [run.registry for run in self.runs()]
 
     def close(self) -> None:
-        """Close every run (service shutdown): their exporters flush."""
+        """Close every run: their exporters flush."""
         with self._creating, self._loading, self._lock:
             runs = list(self._runs.values())
             self._runs.clear()
             self._pending.clear()  # not loaded: nothing of theirs to flush
         for run in runs:
             run.checkpoint()
-        # in parallel: each run's exporters may wait up to their close timeout for a receiver
+        # in parallel: each may wait its exporters' close timeout
         with ThreadPoolExecutor(max_workers=min(32, len(runs) or 1), thread_name_prefix="staleness-close") as pool:
             list(pool.map(Run.close, runs))
         self.store.close()

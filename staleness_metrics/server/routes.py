@@ -1,11 +1,5 @@
-"""The service's routes: one :class:`fastapi.APIRouter` per resource (service, runs, rollouts,
-mismatch, history), each made for one registry of runs, and how they answer: models written to
-JSON in one call, and the error bodies (``{"detail": "..."}``, or :class:`.ValidationErrorBody`
-where a field is at fault) with their OpenAPI entries.
-
-Handlers are plain functions where they may wait (FastAPI runs them on its thread pool; each run
-serializes its own calls); adds and ships go through :func:`on_run`.
-"""
+"""The service's routes: one :class:`fastapi.APIRouter` per resource, made for one registry of
+runs, and how they answer (models written to JSON in one call, the error bodies)."""
 
 from __future__ import annotations
 
@@ -26,7 +20,7 @@ from starlette.requests import ClientDisconnect
 
 from ..config import StalenessConfig
 from ..errors import ConfigError
-from .decode import BodyTooComplex, BodyTooDeep, compact_records, paused_gc, read_json
+from .decode import BodyTooComplex, BodyTooDeep, check_span_rows, compact_records, paused_gc, read_json
 from .errors import RecordsInvalid, RunError, SpanRowsTooMany
 from .exporting import ServiceCollector
 from .models import (
@@ -50,10 +44,6 @@ from .models import (
 )
 from .registry import RunRegistry
 from .runs import Run
-from .settings import ServerSettings
-from .span_rows import check_span_rows
-
-__all__ = ["EXCEPTION_HANDLERS", "HEALTH_LOADING_WAIT", "QUICK_BODY_BYTES", "on_run", "routers"]
 
 T = TypeVar("T")
 
@@ -72,7 +62,6 @@ ERRORS: dict[int, str] = {
 
 
 def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI ``responses`` of a route answering ``codes`` (and 422 when ``invalid``)."""
     answers: dict[int | str, dict[str, Any]] = {
         code: {"model": ErrorMessage, "description": ERRORS[code]} for code in codes
     }
@@ -85,9 +74,8 @@ def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, A
 
 
 class JSONModelResponse(Response):
-    """A response model written to JSON by pydantic in one call (a returned model would be
-    validated again, turned into dicts and encoded by the standard library). Routes declare
-    ``response_model`` for the OpenAPI document."""
+    """A model written to JSON by pydantic in one call (a returned model would be validated
+    again, turned into dicts and encoded by the standard library)."""
 
     media_type = "application/json"
 
@@ -96,38 +84,32 @@ class JSONModelResponse(Response):
 
 
 def _printable(text: str) -> str:
-    """``text`` with lone surrogates escaped, so an answer naming a bad string can be encoded."""
+    """``text`` with lone surrogates escaped: an answer naming a bad string can be encoded."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
-    """A :class:`.ValidationErrorBody` of ``items``."""
-
     def printable(item: ErrorItem) -> dict[str, Any]:
         return {k: _printable(v) if isinstance(v, str) else v for k, v in item.model_dump().items()}
 
     return JSONResponse({"detail": [printable(item) for item in items]}, status_code=status_code)
 
 
-async def _run_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RunError)
+async def _run_error(request: Request, exc: RunError) -> JSONResponse:
     if isinstance(exc, RecordsInvalid):  # the 422 shape, a span-row cap's 413 too
         return _invalid(exc.errors, exc.status)
     return JSONResponse({"detail": _printable(str(exc))}, status_code=exc.status)
 
 
-async def _invalid_request(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
     found = ((".".join(map(str, e.get("loc", ()))), str(e.get("msg", ""))) for e in exc.errors())
     return _invalid([ErrorItem(field=field, reason=reason) for field, reason in found])
 
 
 async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
-    # a body nested past the JSON reader's recursion limit is unreadable, on every route
     return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
 
 
-# The application's exception handlers (``FastAPI(exception_handlers=...)``).
 EXCEPTION_HANDLERS: dict[Any, Any] = {
     RunError: _run_error,
     RequestValidationError: _invalid_request,
@@ -142,46 +124,40 @@ RunName = Annotated[
 
 
 def idempotency_header(retried: str) -> Any:
-    """The ``Idempotency-Key`` header of a write a retry must not apply twice."""
     description = f"Send the same key when retrying {retried} once."
     return Header(alias="Idempotency-Key", min_length=1, max_length=255, description=description)
 
 
 @dataclasses.dataclass(frozen=True)
 class Access:
-    """The OpenAPI ``security`` of writes and of reads, and the error codes a read may answer.
-
-    Only the document: :class:`.security.TokenFirst` checks the token before routing."""
+    """The OpenAPI ``security`` of writes and reads, and the errors a read may answer (only the
+    document: :class:`.security.TokenFirst` checks the token)."""
 
     writes: dict[str, Any]
     reads: dict[str, Any]
     read_errors: tuple[int, ...]
 
     def write(self, model: Any, *codes: int) -> dict[str, Any]:
-        """The options of a write route answering ``model``, or the error ``codes``."""
         return {"openapi_extra": self.writes, "response_model": model, "responses": documented(*codes)}
 
     def read(self, model: Any, *codes: int, invalid: bool = True) -> dict[str, Any]:
-        """The options of a read route answering ``model``, or the error ``codes``."""
         responses = documented(*self.read_errors, *codes, invalid=invalid)
         return {"openapi_extra": self.reads, "response_model": model, "responses": responses}
 
 
-def routers(registry: RunRegistry, settings: ServerSettings) -> list[APIRouter]:
-    """The service's routers, in the order the OpenAPI document lists them."""
+def routers(registry: RunRegistry, protect_reads: bool, bytes_per_span_row: int) -> list[APIRouter]:
     writes: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
-    access = Access(writes, writes, (401,)) if settings.protect_reads else Access(writes, {}, ())
+    access = Access(writes, writes, (401,)) if protect_reads else Access(writes, {}, ())
     return [
         service_router(registry, access),
         runs_router(registry, access),
-        rollouts_router(registry, access, settings.body_bytes_per_span_row),
+        rollouts_router(registry, access, bytes_per_span_row),
         mismatch_router(registry, access),
         history_router(registry, access),
     ]
 
 
 def service_router(registry: RunRegistry, access: Access) -> APIRouter:
-    """``/healthz`` and ``/metrics``."""
     router = APIRouter(tags=["service"])
     exposition = CollectorRegistry(auto_describe=False)
     exposition.register(ServiceCollector(registry.registries))
@@ -226,10 +202,8 @@ def service_router(registry: RunRegistry, access: Access) -> APIRouter:
 
 
 def _parse_config(config: dict[str, Any]) -> StalenessConfig:
-    """The run's configuration; :class:`RecordsInvalid` (422) naming the setting when it is not one.
-
-    No setting may exceed MAX_STEP: larger bounds overflow the sink's int64 arithmetic at the
-    first ship (a 500 long after the run was accepted)."""
+    """The run's configuration, or 422 naming the setting; none may exceed MAX_STEP (a larger bound
+    would overflow the sink's int64 arithmetic at the first ship)."""
     try:
         parsed = StalenessConfig.from_mapping(config)
     except ConfigError as error:
@@ -242,7 +216,6 @@ def _parse_config(config: dict[str, Any]) -> StalenessConfig:
 
 
 def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
-    """``/v1/runs`` and ``/v1/runs/{run}``: create with a configuration, read, delete."""
     router = APIRouter(prefix="/v1/runs", tags=["runs"])
 
     @router.get("", **access.read(RunList, invalid=False))
@@ -284,22 +257,19 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
 
 
 async def on_run(registry: RunRegistry, run: str, call: Callable[[Run], T], *, small: bool = True) -> T:
-    """``call`` of the run ``run``, on the event loop when that cannot stall other connections: the
-    request is ``small``, the run is held in memory (a write to a data directory waits for the disk)
-    and :meth:`.Run.quick` takes its lock at once. Else on a worker thread, where it waits for the
-    lock: for a small call the hop there and back costs as much as the call itself."""
+    """``call`` of the run, on the event loop when that cannot stall other connections (a small
+    request, a run in memory, its lock free at once), else on a worker thread: for a small call
+    the hop there and back costs as much as the call itself."""
     if small and not registry.store.persistent:
         target = registry.get(run)
         with target.quick() as free:
             if free:
                 return call(target)
-    # 404 before the call reads anything
     return await run_in_threadpool(lambda: call(registry.get(run)))
 
 
 def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> AddResult:
-    """Parse a rollouts body (dropping its bytes as they are read, see :mod:`.decode`) and
-    add it to ``target``."""
+    """Parse a rollouts body (dropping its bytes as they are read) and add it to ``target``."""
     body_bytes = sum(len(part) for part in held)
     with paused_gc():  # millions of new containers: see paused_gc
         try:
@@ -318,7 +288,6 @@ def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> Add
             raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
         del data
         compact_records(batch.rollouts)
-        # before the queue builds any span table (see .span_rows)
         exceeded = check_span_rows(batch.rollouts, body_bytes, bytes_per_span_row)
         if exceeded is not None:
             raise SpanRowsTooMany([exceeded])
@@ -326,7 +295,6 @@ def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> Add
 
 
 async def read_body(request: Request) -> bytearray:
-    """The request's body (the size cap, :class:`.limits.BodySizeLimit`, counted it as it came)."""
     body = bytearray()
     try:
         async for chunk in request.stream():
@@ -337,7 +305,6 @@ async def read_body(request: Request) -> bytearray:
 
 
 def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: int) -> APIRouter:
-    """``/rollouts``, ``/sweep`` and ``/ship`` of a run: the hot path of a training loop."""
     router = APIRouter(prefix="/v1/runs/{run}", tags=["rollouts"])
 
     @router.post(
@@ -391,7 +358,6 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
 
 
 def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
-    """``/mismatch`` of a run: what staleness cost a shipped step, as the trainer measured it."""
     router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
 
     @router.post("/mismatch", **access.write(MismatchResult, 400, 401, 404, 413))
@@ -412,7 +378,6 @@ def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
 
 
 def history_router(registry: RunRegistry, access: Access) -> APIRouter:
-    """``/steps`` and ``/events`` of a run: what it has done, as metrics rows or as events."""
     router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
 
     @router.get("/steps", **access.read(StepsPage, 404))

@@ -1,20 +1,10 @@
-"""The service's runs: one monitor (sink + exporters) per run, with exactly-once accounting.
-
-Every call into a run holds the run's lock (the sink is not thread-safe, and "check the ids, then
-add" must be one step); runs do not share locks. Exactly-once:
-
-- **Rollouts**: a run keeps every rollout id it received with a digest of the record. A record
-  received before with the same content is a *duplicate* (counted, otherwise ignored); with other
-  content, or twice in one batch with other content, a conflict (409): nothing of its batch applies.
-- **Ships and mismatch posts** (SPEC 11; posts for one step merge): one with an idempotency key the
-  run has answered returns the stored answer (``replayed``), and the key with another request is
-  refused (:class:`~.idempotency.Answers`, one per endpoint).
-Every write that changed a run is one row of its :class:`Journal`, persisted before it is answered,
-with a snapshot now and then, so that a restart replays a short tail.
-"""
+"""The service's runs: one monitor (sink + exporters) per run, with exactly-once accounting
+(rollouts by id and digest, ships and mismatch posts by idempotency key) and a journal of every
+write, persisted before it is answered (see docs/service.md)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -34,7 +24,7 @@ from ..metrics.mismatch import SUM_FIELDS, MismatchSums
 from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
-from ..state_checks import arrays_left_as_numpy
+from ..state_checks import arrays_left_as_numpy, json_pieces
 from .errors import (
     RecordsInvalid,
     RestoreFailed,
@@ -59,35 +49,22 @@ from .models import (
     StepRow,
     counts_of,
 )
-from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun, encoded_pieces
+from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-__all__ = [
-    "CHUNKED_ADD_RECORDS",
-    "QUICK_MAX_POSITIONS",
-    "QUICK_MAX_ROLLOUTS",
-    "RUN_STATE_FORMAT",
-    "Journal",
-    "Run",
-    "add_row",
-]
-
 logger = logging.getLogger("staleness_metrics.server")
 
 RUN_STATE_FORMAT = 1
-# A run whose queue holds at most this much ships in a few milliseconds (see Run.quick).
+# a run whose queue holds at most this much ships in a few milliseconds
 QUICK_MAX_ROLLOUTS = 512
 QUICK_MAX_POSITIONS = 65_536
-
-
 CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a record at a time
 
 
 def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
-    """The journal request of an add, ``{"rollouts": records, "duplicates": n}``: a value, or
-    for many records or large arrays the pieces of its text (:class:`~.store.Chunked`)."""
+    """The journal request of an add: a value, or the pieces of its text."""
     large = [holds_large_array(record) for record in records]
     if len(records) <= CHUNKED_ADD_RECORDS and not any(large):
         return {"rollouts": records, "duplicates": duplicates}
@@ -98,7 +75,7 @@ def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
             if number:
                 yield b","
             if is_large:
-                yield from encoded_pieces(record)
+                yield from json_pieces(record, orjson.OPT_SERIALIZE_NUMPY)
             else:
                 yield orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
         yield b'],"duplicates":%d}' % duplicates
@@ -107,9 +84,8 @@ def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
 
 
 class Journal:
-    """The journal of the run ``run`` in ``store``: its rows in order (``seq``), and when to
-    snapshot ``state()``. While ``restoring``, writes are not written again; ``broken`` is the
-    error of a write that could not be persisted (the run's memory is then ahead of its store)."""
+    """A run's rows in ``store`` in order (``seq``), and when to snapshot ``state()``; ``broken``
+    is the error of a write that could not be persisted (memory is then ahead of the store)."""
 
     def __init__(self, run: str, store: Store, state: Callable[[], dict[str, Any]]) -> None:
         self.run = run
@@ -118,11 +94,11 @@ class Journal:
         self.seq = 0
         self.rows_since_snapshot = 0
         self.bytes_since_snapshot = 0
-        self.restoring = False
+        self.restoring = False  # rows applied again are not written again
         self.broken: BaseException | None = None
 
     def write(self, op: str, request: Any, history_row: Any | None = None) -> None:
-        """Persist one write before it is answered (under the run's lock: in the order applied)."""
+        """Persist one write before it is answered (under the run's lock)."""
         if self.restoring:
             return
         self.seq += 1
@@ -140,8 +116,7 @@ class Journal:
 
     def snapshot(self) -> None:
         try:
-            # the queue's arrays written by orjson, never as Python lists
-            with arrays_left_as_numpy():
+            with arrays_left_as_numpy():  # written by orjson, never as Python lists
                 state = self._state()
             self.store.save_snapshot(self.run, self.seq, state)
         except Exception:  # the journal still holds everything: a restart replays a longer tail
@@ -151,7 +126,6 @@ class Journal:
 
 
 def _positions_of(records: list[dict[str, Any]]) -> int:
-    """The positions of ``records`` (mask lengths), as the sink accepted them."""
     total = 0
     for record in records:
         for sample in record.get("samples") or ():
@@ -162,7 +136,7 @@ def _positions_of(records: list[dict[str, Any]]) -> int:
 
 
 def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
-    """The posted sums, validated by the library; errors name the field under ``sums``."""
+    """The posted sums, validated by the library (errors name the field under ``sums``)."""
     path = out_of_range(sums, "sums")
     if path is not None:
         raise RecordsInvalid([ErrorItem(field=path, reason="integer out of range")])
@@ -185,15 +159,10 @@ def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
 
 
 def _lags_by_rollout(shipment: Shipment) -> list[list[list[int]]]:
-    """``shipment.lags`` cut per shipped rollout and sample, aligned with the returned records."""
+    """``shipment.lags`` cut per shipped rollout and sample."""
     flat, offsets = shipment.lags.tolist(), shipment.lag_offsets.tolist()
-    out: list[list[list[int]]] = []
-    sample = 0
-    for rollout in shipment.rollouts:
-        n = len(rollout.samples)
-        out.append([flat[offsets[k] : offsets[k + 1]] for k in range(sample, sample + n)])
-        sample += n
-    return out
+    samples = iter([flat[start:end] for start, end in itertools.pairwise(offsets)])
+    return [list(itertools.islice(samples, len(rollout.samples))) for rollout in shipment.rollouts]
 
 
 _MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
@@ -213,8 +182,7 @@ class _StepMismatch:
         return cls(posts, total, metrics, total.to_dict())
 
     def on(self, row: StepRow) -> StepRow:
-        """``row`` with these keys in place of any SPEC 11 / 14 keys the ship
-        computed, and the sums."""
+        """``row`` with these keys and sums in place of the SPEC 11 / 14 keys the ship computed."""
         kept = {key: value for key, value in row.metrics.items() if not key.startswith(_MISMATCH_PREFIXES)}
         return row.model_copy(update={"metrics": {**kept, **self.metrics}, "mismatch": self.sums})
 
@@ -239,7 +207,7 @@ class Run:
         self._closed = False
         self._store = store or Store()
         self._journal = Journal(name, self._store, self.state_dict)
-        # How each journalled operation is applied again at restart (a new write endpoint adds one).
+        # how each journalled operation is applied again at restart
         self._ops: dict[str, Callable[[Any], object]] = {
             "add": self._replay_add,
             "sweep": lambda request: self.sweep(int(request["step"])),
@@ -251,7 +219,6 @@ class Run:
 
     @property
     def registry(self) -> CollectorRegistry:
-        """The Prometheus registry of this run's exporter."""
         return self._exporters.prometheus.registry
 
     @property
@@ -268,9 +235,8 @@ class Run:
 
     @contextmanager
     def quick(self) -> Iterator[bool]:
-        """True, holding the run's lock, when it was free at once and the queue is small enough for
-        a ship of a few milliseconds (:data:`QUICK_MAX_ROLLOUTS`, :data:`QUICK_MAX_POSITIONS`);
-        False, not holding it, otherwise (see :func:`.routes.on_run`)."""
+        """True, holding the run's lock, when it was free at once and the queue is small enough
+        for a ship of a few milliseconds; False, not holding it, otherwise."""
         if not self._lock.acquire(blocking=False):
             yield False
             return
@@ -279,7 +245,6 @@ class Run:
         finally:
             self._lock.release()
 
-    # ------------------------------------------------------------------ persistence
     def state_dict(self) -> dict[str, Any]:
         """The run without its history rows (stored apart)."""
         return {
@@ -295,8 +260,7 @@ class Run:
         }
 
     def restore(self, stored: StoredRun) -> None:
-        """Load the latest snapshot and re-apply the journal after it (ships are not exported
-        again); :class:`RestoreFailed` names the row that could not be loaded or applied."""
+        """Load the latest snapshot and apply the journal after it again (ships not exported)."""
         self._journal.restoring = True
         try:
             if stored.snapshot is not None:
@@ -347,8 +311,7 @@ class Run:
             self._duplicates += int(request.get("duplicates", 0))
 
     def events(self) -> Iterator[dict[str, Any]]:
-        """The run's history as SPEC 9 events (``staleness-metrics replay``
-        reproduces its ships)."""
+        """The run's history as SPEC 9 events (its replay reproduces the ships)."""
         if not self._store.persistent:
             raise RunConflict("the service runs without a data directory (--in-memory): no history to export")
         for row in self._store.journal(self.name):
@@ -363,7 +326,6 @@ class Run:
                     ship["ids"] = row.request["request"]["ids"]
                 yield ship
 
-    # ------------------------------------------------------------------ rollouts
     def add(self, records: list[dict[str, Any]]) -> AddResult:
         """Queue the records not received before; all or nothing in a strict run."""
         with self._lock:
@@ -381,8 +343,7 @@ class Run:
                     item = ErrorItem(field="id", reason=reason, rollout_id=shown, index=index)
                     raise RecordsInvalid([item])
                 digest = stored_digest(record)
-                # refused before anything is applied: the journal could not write it
-                if digest is None:
+                if digest is None:  # the journal could not write it
                     raise RecordsInvalid([self._unstorable_item(record, rid, index)])
                 known = self._received.get(rid, digests.get(rid))
                 if known is None:
@@ -441,7 +402,6 @@ class Run:
                 return ErrorItem(field=path, reason="integer out of range", rollout_id=rid, index=index)
         return ErrorItem(field="rollouts", reason="a number is out of range")
 
-    # ------------------------------------------------------------------ sweep and ship
     def _check_step(self, step: int) -> None:
         latest = self.monitor.sink.step
         if step < latest:
@@ -510,7 +470,6 @@ class Run:
             )
             return answer
 
-    # ------------------------------------------------------------------ mismatch sums
     def record_mismatch(self, request: MismatchRequest, idempotency_key: str | None = None) -> MismatchResult:
         """Merge trainer-side sums into ``request.step``'s total and publish it; all or nothing."""
         delta = _parse_sums(request.sums)
@@ -542,10 +501,8 @@ class Run:
             self._journal.write("mismatch", {"request": request.model_dump(mode="json"), "key": idempotency_key})
             return answer
 
-    # ------------------------------------------------------------------ reads
     def steps(self, since: int = 0) -> list[StepRow]:
-        """The metrics history: every ship with ``step > since``, oldest first; the last ship of a
-        step with posted mismatch sums carries their merged total (:meth:`_StepMismatch.on`)."""
+        """Every ship with ``step > since``; the last of a step carries its posted mismatch sums."""
         with self._lock:
             self._check_open()
             rows = [row for row in self._history if row.step > since]

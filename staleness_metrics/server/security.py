@@ -1,6 +1,5 @@
 """Who may talk to the service: loopback by default (:func:`check_bind`), a bearer token for
-anything else, checked by :class:`TokenFirst` before the body is read; :data:`BEARER_SCHEME` is
-how the OpenAPI document describes it."""
+anything else, checked by :class:`TokenFirst` before the body is read."""
 
 from __future__ import annotations
 
@@ -8,22 +7,13 @@ import ipaddress
 import secrets
 from typing import Any
 
-from .limits import ASGIApp, Receive, Scope, Send, send_json
+from starlette.datastructures import Headers
 
-__all__ = [
-    "BEARER_SCHEME",
-    "OPEN_PATHS",
-    "TOKEN_ENV",
-    "BindRefused",
-    "TokenFirst",
-    "check_bind",
-    "check_token",
-    "is_loopback",
-]
+from .limits import ASGIApp, Receive, Scope, Send, send_json
 
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"
 
-# The OpenAPI security scheme of the token (components.securitySchemes.HTTPBearer).
+# components.securitySchemes.HTTPBearer of the OpenAPI document
 BEARER_SCHEME: dict[str, Any] = {
     "type": "http",
     "description": f"The service token (`serve --token` or `{TOKEN_ENV}`). Required on writes when "
@@ -37,7 +27,7 @@ class BindRefused(Exception):
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1); any other name is not."""
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
     if host.strip().lower() == "localhost":
         return True
     try:
@@ -57,8 +47,7 @@ def check_bind(host: str, token: str | None) -> None:
 
 
 def check_token(token: str | None) -> None:
-    """A token that is set must be usable: blank or whitespace-only is refused (``ValueError``),
-    never taken for "no token" or served as a secret anyone can guess."""
+    """``ValueError`` for a blank token (never taken for "no token", or served as a secret)."""
     if token is not None and not token.strip():
         raise ValueError("the token is blank; give a real secret (e.g. $(openssl rand -hex 32)) or none")
 
@@ -68,18 +57,9 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
-def _bearer_of(scope: Scope) -> bytes | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, credentials = bytes(value).partition(b" ")
-            return credentials.strip() if scheme.lower() == b"bearer" else None
-    return None
-
-
 class TokenFirst:
-    """401 for a request without the right bearer token (compared in constant time), answered
-    from the headers alone: its body is never read. Writes always need the token when one is set;
-    reads too with ``protect_reads`` (except :data:`OPEN_PATHS`)."""
+    """401, from the headers alone, for a write without the right bearer token (compared in
+    constant time), and for a read too with ``protect_reads`` (but :data:`OPEN_PATHS`)."""
 
     def __init__(self, app: ASGIApp, token: str | None, protect_reads: bool = False) -> None:
         self.app = app
@@ -90,11 +70,11 @@ class TokenFirst:
         if scope["type"] != "http" or self.expected is None or not self._guarded(scope):
             await self.app(scope, receive, send)
             return
-        credentials = _bearer_of(scope)
-        if credentials is None:
+        scheme, _, credentials = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
             detail = "missing bearer token (Authorization: Bearer <token>)"
             await send_json(send, 401, detail, (b"www-authenticate", b"Bearer"))
-        elif not secrets.compare_digest(credentials, self.expected):
+        elif not secrets.compare_digest(credentials.encode("latin-1").strip(), self.expected):
             challenge = b'Bearer error="invalid_token"'
             await send_json(send, 401, "invalid bearer token", (b"www-authenticate", challenge))
         else:

@@ -1,15 +1,5 @@
-"""Where the service keeps its runs: in memory, or in SQLite under a data directory.
-
-Every acknowledged write of a run is one journal row (its operation and validated request as JSON),
-committed before the answer; a ship's history row goes in the same transaction. Restart loads each
-run's latest snapshot (taken every :data:`SNAPSHOT_EVERY` writes or :data:`SNAPSHOT_BYTES` of
-journal) and re-applies the journal after it. The journal is kept whole: it is the run's history,
-exported as SPEC 9 events. Damage is refused at start (:class:`StoreDamaged`, naming the run and
-the row): every row carries a checksum of its bytes, run and sequence number; a journal must
-continue its snapshot's sequence without a gap; :data:`MANIFEST_NAME` names the runs the directory
-holds, so a database that went missing or lost runs is told apart from a new directory. Older
-databases are migrated at the first start. See docs/decisions.md.
-"""
+"""Where the service keeps its runs: in memory, or in SQLite under a data directory (a journal
+row per acknowledged write, history rows, snapshots, each row checksummed; see docs/service.md)."""
 
 from __future__ import annotations
 
@@ -26,26 +16,7 @@ from typing import Any
 
 import orjson
 
-from ..state_checks import PIECE_ITEMS, PIECED_DEPTH, NestedTooDeep, json_pieces
-
-__all__ = [
-    "DATABASE_NAME",
-    "MANIFEST_NAME",
-    "PIECE_BYTES",
-    "PIECE_ITEMS",
-    "SNAPSHOT_BYTES",
-    "SNAPSHOT_EVERY",
-    "Chunked",
-    "JournalRow",
-    "SqliteStore",
-    "Store",
-    "StoreDamaged",
-    "StoredRun",
-    "checksum",
-    "dumps",
-    "encoded_pieces",
-    "loads",
-]
+from ..state_checks import PIECED_DEPTH, NestedTooDeep, json_pieces
 
 DATABASE_NAME = "staleness.sqlite3"
 MANIFEST_NAME = "manifest.json"
@@ -55,35 +26,22 @@ SNAPSHOT_EVERY = 256  # journal rows between snapshots
 SNAPSHOT_BYTES = 64 * 1024 * 1024  # or this much journal, whichever comes first
 
 
-def dumps(value: Any) -> bytes:
-    # records may hold arrays (see .decode)
-    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-def loads(data: bytes | str) -> Any:
-    return orjson.loads(data)
-
-
 PIECE_BYTES = 1024 * 1024  # journal or snapshot text written into SQLite at once
 
 
-def encoded_pieces(value: Any, option: int = orjson.OPT_SERIALIZE_NUMPY) -> Iterator[bytes]:
-    """``orjson.dumps(value, option=option)`` in pieces (an array of more than
-    :data:`PIECE_ITEMS` values a block of rows at a time), never whole in memory."""
-    return json_pieces(value, option)
+def dumps(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)  # records may hold arrays
 
 
+@dataclass(frozen=True)
 class Chunked:
-    """A journal request as the pieces of its JSON text: ``pieces`` is called once to size and
-    checksum the row and once more to write it."""
+    """A journal request as the pieces of its JSON text (made twice: to size it, to write it)."""
 
-    def __init__(self, pieces: Callable[[], Iterable[bytes]]) -> None:
-        self.pieces = pieces
+    pieces: Callable[[], Iterable[bytes]]
 
 
 class StoreDamaged(RuntimeError):
-    """The data directory does not hold what was written to it; the service
-    refuses to start on it."""
+    """The data directory does not hold what was written to it: the service refuses to start."""
 
     def __init__(self, data_dir: Path, what: str) -> None:
         super().__init__(
@@ -92,14 +50,12 @@ class StoreDamaged(RuntimeError):
             f"aside (mv {data_dir} {data_dir}.damaged) and start again: the service "
             "creates a new, empty directory."
         )
-        self.data_dir = data_dir
-        self.what = what
 
 
 def checksum(table: str, run: str, seq: int, data: bytes, op: str | None = None) -> str:
     """What a stored row must match: its bytes (a journal row's after its ``op``), and where it
     belongs (a row copied elsewhere fails too)."""
-    return _sized(table, run, seq, [data], _op_prefix(op))[1]
+    return _sized(table, run, seq, [data], op)[1]
 
 
 @dataclass(frozen=True)
@@ -133,7 +89,7 @@ class Store:
         pass
 
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
-        """Journal one write; returns the bytes written (0 when nothing is stored)."""
+        """Journal one write; returns the bytes written."""
         return 0
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
@@ -146,7 +102,6 @@ class Store:
         return iter(())
 
     def damaged(self, what: str) -> Exception:
-        """The error that refuses a start on stored data (``what`` names the row)."""
         return RuntimeError(what)
 
     def close(self) -> None:
@@ -164,8 +119,7 @@ CREATE TABLE IF NOT EXISTS history (
 );
 CREATE TABLE IF NOT EXISTS snapshots (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL);
 """
-# A blob is written in place only as its row's last column (SQLite builds any other whole):
-# snapshots before schema 2 kept the state ahead of the checksum, the migration reorders.
+# A blob is written in place only as its row's last column: schema 2 put the state last.
 _SNAPSHOTS_REORDERED = (
     "CREATE TABLE snapshots_reordered (run TEXT PRIMARY KEY, seq INTEGER NOT NULL, checksum TEXT, state BLOB NOT NULL)",
     "INSERT INTO snapshots_reordered (run, seq, checksum, state) SELECT run, seq, checksum, state FROM snapshots",
@@ -173,7 +127,6 @@ _SNAPSHOTS_REORDERED = (
     "ALTER TABLE snapshots_reordered RENAME TO snapshots",
 )
 
-# The stored bytes of each table's rows, and how a row is named in a message.
 _DATA_COLUMN = {"runs": "config", "journal": "request", "history": "row", "snapshots": "state"}
 _ROW_NAME = {
     "runs": "configuration",
@@ -183,13 +136,8 @@ _ROW_NAME = {
 }
 
 
-def _op_prefix(op: str | None) -> bytes:
-    return b"" if op is None else op.encode() + b"\0"
-
-
 class SqliteStore(Store):
-    """One SQLite database (WAL, ``synchronous=FULL``) under ``data_dir``; every write
-    is its own transaction."""
+    """One SQLite database (WAL, ``synchronous=FULL``) under ``data_dir``; a transaction a write."""
 
     persistent = True
 
@@ -213,33 +161,26 @@ class SqliteStore(Store):
         self.path = data_dir / DATABASE_NAME
         self.manifest_path = data_dir / MANIFEST_NAME
         manifest = self._read_manifest()
+        says = f"{self.manifest_path} says the directory holds {len(manifest)} run(s)"
+        says += f" ({_names(manifest)})"
         if manifest and not self.path.exists():  # connecting would create an empty one
-            raise StoreDamaged(
-                data_dir,
-                f"the database {self.path} is missing, but {self.manifest_path} says the directory "
-                f"holds {len(manifest)} run(s) ({_names(manifest)})",
-            )
+            raise StoreDamaged(data_dir, f"the database {self.path} is missing, but {says}")
         self._lock = threading.Lock()  # one connection, shared by the request threads
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._in_place = getattr(self._db, "blobopen", None) is not None
         try:
-            # Read before anything is written: a damaged database is left as it was found.
+            # read before anything is written: a damaged database is left as it was found
             has_runs = self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'runs'")
             stored = set() if has_runs.fetchone() is None else {n for (n,) in self._db.execute("SELECT name FROM runs")}
             missing = [name for name in manifest if name not in stored]
             if missing:
                 what = "is empty" if not stored else f"holds {len(stored)} run(s) but not {_names(missing)}"
-                raise StoreDamaged(
-                    data_dir,
-                    f"the database {self.path} {what}, but {self.manifest_path} says the directory "
-                    f"holds {len(manifest)} run(s) ({_names(manifest)})",
-                )
+                raise StoreDamaged(data_dir, f"the database {self.path} {what}, but {says}")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
             if self._db.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
                 self._migrate()
-            # A journal created before the request came last binds its text whole; without
-            # blobopen (Python 3.10) every text is bound whole.
+            # a journal from before the request came last, or Python 3.10: texts are bound whole
             columns = [row[1] for row in self._db.execute("PRAGMA table_info(journal)")]
             self._journal_in_place = self._in_place and columns[-1:] == ["request"]
         except sqlite3.DatabaseError as exc:  # not a database, or its pages are damaged
@@ -252,14 +193,13 @@ class SqliteStore(Store):
             # a crash between a created run's commit and its manifest
             self._write_manifest(sorted(stored))
 
-    # ------------------------------------------------------------------ manifest
     def _read_manifest(self) -> list[str]:
         try:
             raw = self.manifest_path.read_bytes()
         except FileNotFoundError:
             return []
         try:
-            manifest = loads(raw)
+            manifest = orjson.loads(raw)
             runs = manifest["runs"]
             if not isinstance(runs, list) or not all(isinstance(name, str) for name in runs):
                 raise TypeError("runs: not a list of names")
@@ -285,10 +225,8 @@ class SqliteStore(Store):
     def _manifest_runs(self) -> list[str]:
         return [name for (name,) in self._db.execute("SELECT name FROM runs ORDER BY name")]
 
-    # ------------------------------------------------------------------ migration
     def _migrate(self) -> None:
-        """Create the tables, or bring an older database up to :data:`SCHEMA_VERSION`: rows from
-        before checksums are stamped, and the snapshots table gets its state as the last column."""
+        """Create the tables, or bring an older database up to :data:`SCHEMA_VERSION`."""
         with self._transaction() as db:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
@@ -304,7 +242,7 @@ class SqliteStore(Store):
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _stamp(self, table: str, column: str) -> None:
-        """Checksum the rows written before checksums existed, once each still decodes."""
+        """Checksum the rows written before checksums existed, once each decodes."""
         run_column, seq_column = ("name", "0") if table == "runs" else ("run", "seq")
         op_column = "op" if table == "journal" else "NULL"
         rows = self._db.execute(
@@ -315,7 +253,6 @@ class SqliteStore(Store):
             stamp = checksum(table, run, int(seq), data, op)
             self._db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
 
-    # ------------------------------------------------------------------ checking rows
     def damaged(self, what: str) -> Exception:
         return StoreDamaged(self.data_dir, what)
 
@@ -327,16 +264,13 @@ class SqliteStore(Store):
         if not isinstance(data, bytes):
             raise self._damaged(table, run, seq, f"holds {type(data).__name__}, not stored JSON")
         try:
-            return loads(data)
+            return orjson.loads(data)
         except ValueError as exc:
             raise self._damaged(table, run, seq, f"is not valid JSON ({exc})") from None
 
     def _checked(self, table: str, run: str, seq: int, data: Any, stored: Any, op: str | None = None) -> Any:
         """The decoded row, once its checksum matches."""
-        if not isinstance(data, bytes):
-            raise self._damaged(table, run, seq, f"holds {type(data).__name__}, not stored JSON")
-        expected = checksum(table, run, seq, data, op)
-        if stored != expected:
+        if isinstance(data, bytes) and stored != checksum(table, run, seq, data, op):
             reason = (
                 "has no checksum"
                 if stored is None
@@ -345,10 +279,8 @@ class SqliteStore(Store):
             raise self._damaged(table, run, seq, reason)
         return self._decode(table, run, seq, data)
 
-    # ------------------------------------------------------------------ writes
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One transaction on the shared connection: committed, or rolled back on any error."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -379,8 +311,7 @@ class SqliteStore(Store):
 
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
         if isinstance(request, Chunked) and self._journal_in_place:
-            # written piece by piece into a blob of its size: the text is never whole in memory
-            size, check = _sized("journal", run, seq, request.pieces(), _op_prefix(op))
+            size, check = _sized("journal", run, seq, request.pieces(), op)
             insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, zeroblob(?))"
             self._write_in_place("journal", (insert, (run, seq, op, check, size)), request.pieces, size)
             return size
@@ -405,8 +336,7 @@ class SqliteStore(Store):
     def _write_in_place(
         self, table: str, insert: tuple[str, tuple[Any, ...]], pieces: Callable[[], Iterable[bytes]], size: int
     ) -> None:
-        """Insert a row whose last column, the table's data, is ``zeroblob(size)``, then write
-        ``pieces()`` into it :data:`PIECE_BYTES` at a time, in one transaction (Python 3.11+)."""
+        """Insert a row whose last column is ``zeroblob(size)`` and write ``pieces()`` into it."""
         with self._transaction() as db:
             cursor = db.execute(*insert)
             assert cursor.lastrowid is not None
@@ -422,8 +352,7 @@ class SqliteStore(Store):
                     raise RuntimeError(f"a {table} row's text changed while it was written")
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
-        """The run's state as its JSON text (``dumps(state)``, byte for byte), written in place
-        a piece at a time where it can be: never whole in memory."""
+        """``dumps(state)``, byte for byte, written in place a piece at a time where it can be."""
         insert = "INSERT OR REPLACE INTO snapshots (run, seq, checksum, state) VALUES (?, ?, ?, {})"
 
         def pieces() -> Iterator[bytes]:
@@ -441,7 +370,6 @@ class SqliteStore(Store):
         data = dumps(state)
         self._write([(insert.format("?"), (run, seq, checksum("snapshots", run, seq, data), data))])
 
-    # ------------------------------------------------------------------ reads
     def load(self) -> list[StoredRun]:
         """Every run, each row checked (:class:`StoreDamaged` names the first damaged one)."""
         with self._lock:
@@ -476,8 +404,7 @@ class SqliteStore(Store):
         return StoredRun(name, config, seq, snapshot, history, list(self.journal(name, after=seq)))
 
     def journal(self, run: str, after: int = 0) -> Iterator[JournalRow]:
-        """The journal rows of ``run`` after row ``after``, oldest first, each checked, read page by
-        page on a connection of its own."""
+        """The journal rows of ``run`` after row ``after``, checked, on a connection of its own."""
         reader = sqlite3.connect(self.path, check_same_thread=False)
         try:
             while True:
@@ -499,10 +426,9 @@ class SqliteStore(Store):
         self._lock_file.close()
 
 
-def _sized(table: str, run: str, seq: int, pieces: Iterable[bytes], prefix: bytes = b"") -> tuple[int, str]:
-    """The size of the text ``pieces`` make, and the :func:`checksum` of
-    ``prefix`` and that text."""
-    digest = hashlib.blake2b(prefix, digest_size=16)
+def _sized(table: str, run: str, seq: int, pieces: Iterable[bytes], op: str | None = None) -> tuple[int, str]:
+    """The size of the text ``pieces`` make, and its :func:`checksum`."""
+    digest = hashlib.blake2b(b"" if op is None else op.encode() + b"\0", digest_size=16)
     size = 0
     for piece in pieces:
         digest.update(piece)

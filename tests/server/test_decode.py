@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from staleness_metrics.server import decode
 from staleness_metrics.server.decode import FAST_DECODE_MAX_BYTES, read_json
-from staleness_metrics.server.store import encoded_pieces
+from staleness_metrics.state_checks import json_pieces
 
 
 def standard(body: bytes) -> Any:
@@ -154,4 +154,4 @@ def test_a_record_written_in_pieces_is_the_same_text(value: Any, sort_keys: bool
     """Hashing and journalling a record a piece at a time changes no byte: the digests that recognise a
     re-sent rollout, and the journal rows, are those of the whole text."""
     option = orjson.OPT_SERIALIZE_NUMPY | (orjson.OPT_SORT_KEYS if sort_keys else 0)
-    assert b"".join(encoded_pieces(value, option)) == orjson.dumps(value, option=option)
+    assert b"".join(json_pieces(value, option)) == orjson.dumps(value, option=option)

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from staleness_metrics.engine.cuts import token_spans
-from staleness_metrics.server import span_rows
+from staleness_metrics.server import decode
+from staleness_metrics.server.decode import allowed_span_rows, check_span_rows
 from staleness_metrics.server.limits import SPAN_ROW_FLOOR
-from staleness_metrics.server.span_rows import allowed_span_rows, check_span_rows
 
 
 def _cuts(mask: list[int], tokens: list[int]) -> int:
@@ -33,13 +33,13 @@ def test_the_count_bounds_the_engines_cuts_whatever_the_piece_size(
 ) -> None:
     mask = [m for m, _ in positions]
     tokens = [t for _, t in positions]
-    original = span_rows.PIECE_POSITIONS
-    span_rows.PIECE_POSITIONS = piece  # the pieces join as one pass would: same count at every size
+    original = decode.PIECE_POSITIONS
+    decode.PIECE_POSITIONS = piece  # the pieces join as one pass would: same count at every size
     try:
-        counted, _ = span_rows._sample_rows({"mask": np.asarray(mask, np.int8), "token_versions": np.asarray(tokens)})
+        counted, _ = decode._sample_rows({"mask": np.asarray(mask, np.int8), "token_versions": np.asarray(tokens)})
     finally:
-        span_rows.PIECE_POSITIONS = original
-    assert counted == span_rows._sample_rows({"mask": mask, "token_versions": tokens})[0]
+        decode.PIECE_POSITIONS = original
+    assert counted == decode._sample_rows({"mask": mask, "token_versions": tokens})[0]
     assert _cuts(mask, tokens) <= counted <= len(positions)
 
 

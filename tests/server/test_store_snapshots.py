@@ -22,13 +22,13 @@ from staleness_metrics.server import ExportSettings, RunRegistry
 from staleness_metrics.server.models import ShipRequest
 from staleness_metrics.server.store import (
     DATABASE_NAME,
-    PIECE_ITEMS,
     SNAPSHOT_EVERY,
     SqliteStore,
     StoreDamaged,
     checksum,
     dumps,
 )
+from staleness_metrics.state_checks import PIECE_ITEMS
 
 from .test_storage_damage import RUN, write_directory
 
