@@ -393,20 +393,10 @@ class WindowCounts:
         for index in np.flatnonzero(per_env[:, 0]).tolist():
             self.dropped_lengths[index] = self.dropped_lengths.get(index, 0) + per_env[index, 2:]
 
-    def dropped_by_length(self, env: int | None) -> IntArray:
-        if env is None:
-            return sum(self.dropped_lengths.values(), np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
-        return self.dropped_lengths.get(env, np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
-
     def totals(self, env: int | None) -> dict[str, int]:
         """The :data:`FIELDS` of ``env`` (None: summed over every env)."""
-        if env is not None:
-            return dict(self.counts.get(env) or dict.fromkeys(self.FIELDS, 0))
-        totals = dict.fromkeys(self.FIELDS, 0)
-        for bucket in self.counts.values():
-            for name, count in bucket.items():
-                totals[name] += count
-        return totals
+        buckets = list(self.counts.values()) if env is None else [self.counts.get(env, {})]
+        return {name: sum(bucket.get(name, 0) for bucket in buckets) for name in self.FIELDS}
 
     def get(self, env: int | None, name: str) -> int:
         return self.totals(env)[name]
@@ -451,7 +441,9 @@ def _population(
     length_samples = found.samples + counted["samples_dropped"]
     length_sampled, length_removed = found.length_sampled, found.length_removed
     if window.dropped_lengths:
-        dropped = window.dropped_by_length(env)
+        zeros = np.zeros(len(LENGTH_BUCKETS), dtype=np.int64)
+        by_env = window.dropped_lengths
+        dropped = sum(by_env.values(), zeros) if env is None else by_env.get(env, zeros)
         length_sampled, length_removed = length_sampled + dropped, length_removed + dropped
     if length_samples:
         # (a few buckets: summed as Python integers)
