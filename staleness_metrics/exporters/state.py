@@ -114,16 +114,6 @@ def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
     return {key: value for key, value in metrics.items() if _split_env(key) is not None}
 
 
-def _bound_by_env(metrics: Mapping[str, MetricValue] | None) -> KeysByEnv:
-    """SPEC 14's keys of the latest report with SPEC 11's, by env (the batch's under ``""``)."""
-    by_env: dict[str, dict[str, MetricValue]] = {}
-    for key, value in (metrics or {}).items():
-        split = _split_env(key)
-        if split is not None:
-            by_env.setdefault(split[0], {})[split[1]] = value
-    return by_env
-
-
 def _bound_values(metric: MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
     key = metric.wandb_key or ""
     values: dict[Any, Number] = {}
@@ -228,7 +218,10 @@ class Snapshot:
     def gauges(self) -> dict[str, Mapping[Any, Number]]:
         """The last ship's gauges and SPEC 14's, by env (by (env, value) with a label besides env:
         the floor by source, the curve by lag)."""
-        bound = _bound_by_env(self.bound_metrics)
+        bound: dict[str, dict[str, MetricValue]] = {}  # SPEC 14's keys by env (the batch's: "")
+        for key, value in (self.bound_metrics or {}).items():
+            if (split := _split_env(key)) is not None:
+                bound.setdefault(split[0], {})[split[1]] = value
         return {m.name: self._gauge(m, bound) for m in _PUBLISHED_GAUGES}
 
     def _gauge(self, metric: MetricDef, bound: KeysByEnv) -> dict[Any, Number]:
