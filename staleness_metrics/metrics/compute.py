@@ -143,16 +143,16 @@ def _walk_live_rollout(
     t: int,
     columns: Columns,
     length_bounds: IntArray,
-    totals: IntArray,
-    lengths: tuple[IntArray, IntArray],
+    sums: tuple[IntArray, IntArray, IntArray, IntArray, IntArray],
     extent: IntArray,
 ) -> tuple[int, int]:  # pragma: no cover - compiled
-    """Add live rollout ``r``'s kept samples to the sums; its oldest and newest sampled version
-    (else its dispatch version)."""
+    """Add live rollout ``r``'s kept samples to ``sums`` (totals, positions by length bucket, the
+    staleness histogram up to ``top``, the spans from it up); its oldest and newest version."""
     dispatch, sample_offsets = columns[1], columns[3]
     dropped, mask_below, n_sampled, span_offsets = columns[4:8]
     version, sampled, labelled = columns[8:]
-    length_sampled, length_removed = lengths
+    totals, length_sampled, length_removed, histogram, above = sums
+    top = extent[2]
     n_buckets = len(length_bounds) + 1
     oldest = dispatch[r]
     freshest = dispatch[r]
@@ -176,7 +176,14 @@ def _walk_live_rollout(
                 freshest = max(freshest, v)
             staleness = t - v
             extent[0] = max(extent[0], staleness)
-            extent[1] += staleness >= extent[2]
+            if staleness >= top:
+                histogram[top] += count
+                above[0, extent[1]] = staleness
+                above[1, extent[1]] = count
+                extent[1] += 1
+            elif staleness >= 0:  # (below 0: the rollout is refused once walked)
+                histogram[staleness] += count
+                totals[_DOT] += staleness * count
             totals[_TOKENS] += count
             if not labelled[k]:
                 totals[_UNLABELLED] += count
@@ -191,43 +198,6 @@ def _walk_live_rollout(
             length_sampled[bucket] += length
             length_removed[bucket] += masked_here
     return oldest, freshest
-
-
-def _staleness_counts(
-    t: int, rollout_in: BoolArray, columns: Columns, extent: IntArray
-) -> tuple[IntArray, IntArray, int]:  # pragma: no cover - compiled
-    """The histogram of sampled positions by staleness (the last index ``top`` counting all from
-    it up), the spans from ``top`` up sorted by staleness, and the sum of staleness x positions
-    below it."""
-    frozen, sample_offsets, dropped = columns[0], columns[3], columns[4]
-    span_offsets, version, sampled = columns[7:10]
-    high, n_above, top = extent[0], extent[1], extent[2]
-    histogram = np.zeros(min(high, top) + 1, dtype=np.int64)  # (empty without sampled positions)
-    above = np.empty((2, n_above), dtype=np.int64)
-    at = 0
-    dot = 0
-    for r in range(len(frozen)):
-        if not rollout_in[r] or frozen[r]:
-            continue
-        for s in range(sample_offsets[r], sample_offsets[r + 1]):
-            if dropped[s]:
-                continue
-            for k in range(span_offsets[s], span_offsets[s + 1]):
-                count = sampled[k]
-                if count <= 0:
-                    continue
-                staleness = t - version[k]
-                if staleness < top:
-                    histogram[staleness] += count
-                    dot += staleness * count
-                else:
-                    histogram[top] += count
-                    above[0, at] = staleness
-                    above[1, at] = count
-                    at += 1
-    if at > 1:
-        above = above[:, np.argsort(above[0], kind="mergesort")]
-    return histogram, above, dot
 
 
 def _nearest_ranks(
@@ -258,7 +228,6 @@ def _nearest_ranks(
     callees={
         "_check_population": (_check_population, {}),
         "_walk_live_rollout": (_walk_live_rollout, {}),
-        "_staleness_counts": (_staleness_counts, {}),
         "_nearest_ranks": (_nearest_ranks, {}),
     }
 )
@@ -275,6 +244,8 @@ def _population_summary(
     totals = np.zeros(_TOTALS + len(quantiles), dtype=np.int64)  # (then the quantiles' staleness)
     lengths = np.zeros((2, len(length_bounds) + 1), dtype=np.int64)  # sampled and removed positions
     rollout_histogram = np.zeros(top + 1, dtype=np.int64)
+    histogram = np.zeros(top + 1, dtype=np.int64)
+    above = np.empty((2, len(columns[8])), dtype=np.int64)  # (at most one entry per span)
     # the highest staleness (-1: none), the spans at top or above, and top
     extent = np.array([-1, 0, top], dtype=np.int64)
     rollout_top = -1
@@ -284,8 +255,8 @@ def _population_summary(
         if frozen[r]:
             totals[_FROZEN] += 1
             continue
-        buckets = (lengths[0], lengths[1])
-        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, totals, buckets, extent)
+        sums = (totals, lengths[0], lengths[1], histogram, above)
+        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, sums, extent)
         rollout = t - oldest
         in_flight = min(max(completion[r] - oldest, 0), rollout)
         in_queue = rollout - in_flight
@@ -305,8 +276,10 @@ def _population_summary(
         folded = min(rollout, top)
         rollout_histogram[folded] += 1
         rollout_top = max(rollout_top, folded)
-    histogram, above, dot = _staleness_counts(t, rollout_in, columns, extent)
-    totals[_DOT] = dot
+    histogram = histogram[: min(extent[0], top) + 1].copy()  # (empty without sampled positions)
+    above = above[:, : extent[1]].copy()
+    if extent[1] > 1:
+        above = above[:, np.argsort(above[0], kind="mergesort")]
     if len(histogram):  # (no quantile without sampled positions)
         _nearest_ranks(histogram, above, quantiles, totals[_TOTALS:])
     else:
