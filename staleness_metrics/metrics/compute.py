@@ -130,12 +130,8 @@ def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragm
         raise ValueError("population: offsets do not cover the arrays")
     if span_offsets[n_samples] != n_spans:
         raise ValueError("population: offsets do not cover the arrays")
-    for r in range(n_rollouts):
-        if sample_offsets[r + 1] < sample_offsets[r]:
-            raise ValueError("population: offsets out of order")
-    for k in range(n_samples):
-        if span_offsets[k + 1] < span_offsets[k]:
-            raise ValueError("population: offsets out of order")
+    if (np.diff(sample_offsets) < 0).any() or (np.diff(span_offsets) < 0).any():
+        raise ValueError("population: offsets out of order")
 
 
 def _walk_live_rollout(
@@ -315,9 +311,7 @@ def _env_sums(
     bounds: IntArray,
 ) -> IntArray:  # pragma: no cover - compiled
     """Per env index (row): its entries, their ``amounts``' sum, and that sum by length bucket."""
-    n_env = 0
-    for i in range(len(env)):
-        n_env = max(n_env, env[i] + 1)
+    n_env = env.max() + 1 if len(env) else 0
     sums = np.zeros((n_env, len(bounds) + 3), dtype=np.int64)
     for i in range(len(env)):
         e = env[i]

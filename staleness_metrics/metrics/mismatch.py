@@ -201,7 +201,8 @@ def mismatch_sums(
     lo, hi = band
     if not (0 < lo <= hi and math.isfinite(hi)):
         raise FieldError("band", f"expected 0 < lo <= hi, got {band!r}")
-    arrays: dict[str, Any] = {"lags": lags, "sampler_logprobs": sampler_logprobs, "trainer_logprobs": trainer_logprobs,
+    arrays: dict[str, Any]  # (the host views of tensors replace them)
+    arrays = {"lags": lags, "sampler_logprobs": sampler_logprobs, "trainer_logprobs": trainer_logprobs,
               "masked": masked}  # fmt: skip
     # the one seam: tensors go to the torch module (only a caller that imported torch reaches it)
     torch = sys.modules.get("torch")
