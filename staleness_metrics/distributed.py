@@ -32,7 +32,17 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
     ``MismatchSums`` of one value per lag bucket, its counts could overflow in float64, or the
     ranks' lag buckets differ; :class:`~staleness_metrics.errors.ConfigError` when
     torch.distributed is not initialised."""
-    rows = _checked(sums)
+    if not isinstance(sums, MismatchSums):
+        raise FieldError("sums", f"expected MismatchSums (from mismatch_sums), got {type(sums).__name__}")
+    rows = []  # the fields as float64 rows, checked before any rank waits on the others
+    for name in _FIELDS:
+        value = getattr(sums, name)
+        if not isinstance(value, np.ndarray) or value.shape != (N_BUCKETS,):
+            got = f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}"
+            raise FieldError(f"sums.{name}", f"expected a numpy array of {N_BUCKETS} lag buckets, got {got}")
+        rows.append(value.astype(np.float64))
+    if isinstance(sums.uncovered, bool) or not isinstance(sums.uncovered, (int, np.integer)):
+        raise FieldError("sums.uncovered", f"expected an integer, got {type(sums.uncovered).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
         raise ConfigError(
             "all_reduce needs an initialised torch.distributed (torch.distributed.init_process_group)",
@@ -65,19 +75,3 @@ def _device_for(backend: str) -> torch.device:
     if accelerator is None:
         raise ConfigError(f"backend {backend!r} without an accelerator", field="group", reason="no device")
     return torch.device(accelerator.type, torch.accelerator.current_device_index())
-
-
-def _checked(sums: MismatchSums) -> list[np.ndarray[Any, np.dtype[np.float64]]]:
-    """The fields as float64 rows, checked before any rank waits on the others."""
-    if not isinstance(sums, MismatchSums):
-        raise FieldError("sums", f"expected MismatchSums (from mismatch_sums), got {type(sums).__name__}")
-    rows = []
-    for name in _FIELDS:
-        value = getattr(sums, name)
-        if not isinstance(value, np.ndarray) or value.shape != (N_BUCKETS,):
-            got = f"{type(value).__name__} of shape {tuple(getattr(value, 'shape', ()))}"
-            raise FieldError(f"sums.{name}", f"expected a numpy array of {N_BUCKETS} lag buckets, got {got}")
-        rows.append(value.astype(np.float64))
-    if isinstance(sums.uncovered, bool) or not isinstance(sums.uncovered, (int, np.integer)):
-        raise FieldError("sums.uncovered", f"expected an integer, got {type(sums.uncovered).__name__}")
-    return rows

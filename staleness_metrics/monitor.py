@@ -290,8 +290,6 @@ class StalenessMonitor:
             if self._closed:
                 return
             self._closed = True
-        if not self.exporters:
-            return
         if timeout is None:  # the longest close_timeout an exporter declares
             timeouts = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
             timeouts = [t for t in timeouts if not isinstance(t, bool)]  # a number, not a flag

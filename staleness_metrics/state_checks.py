@@ -256,19 +256,12 @@ def check_digests(state: Mapping[str, Any], path: str, skip: Collection[str] = (
     """Refuse a state whose values differ from its digests (format 1 has none)."""
     if state["format"] == 1:
         return
-    saved = keys(
-        state["digests"],
-        join(path, "digests"),
-        [k for k in state if k not in skip and k != "digests"],
-    )
-    for key, value in state.items():
-        if key in skip or key == "digests":
-            continue
-        if saved[key] != _digest(value, join(path, key)):
-            fail(
-                join(path, key),
-                "differs from the digest saved with it: the checkpoint was changed or damaged",
-            )
+    checked = [key for key in state if key not in skip and key != "digests"]
+    saved = keys(state["digests"], join(path, "digests"), checked)
+    for key in checked:
+        if saved[key] != _digest(state[key], join(path, key)):
+            changed = "the checkpoint was changed or damaged"
+            fail(join(path, key), f"differs from the digest saved with it: {changed}")
 
 
 def check_format(state: Any, what: str, path: str = "") -> Mapping[str, Any]:

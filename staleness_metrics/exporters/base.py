@@ -142,12 +142,6 @@ class ExportContext:
     errors: ExportErrors = field(default_factory=ExportErrors)
     env_breakdown: bool = False
 
-    def share_errors(self, exporter: str, own: ExportErrors) -> ExportErrors:
-        """The shared counter, given what ``own`` counted for ``exporter`` before the attach."""
-        if own is not self.errors:
-            self.errors.restore({exporter: own.count(exporter)})
-        return self.errors
-
 
 class CountingExporter:
     """Base of the built-in exporters: their own failure count, until a monitor shares its own."""
@@ -159,7 +153,9 @@ class CountingExporter:
         self._errors.register(self.name)
 
     def attach(self, context: ExportContext) -> None:
-        self._errors = context.share_errors(self.name, self._errors)
+        if self._errors is not context.errors:  # what was counted before, counted on
+            context.errors.restore({self.name: self._errors.count(self.name)})
+        self._errors = context.errors
 
 
 P = TypeVar("P")
@@ -336,15 +332,12 @@ class QueuedExporter(CountingExporter, Generic[P]):
         self._queue: ExportQueue[P] = ExportQueue(
             self.name,
             send,
-            self._record_failure,
+            lambda message, exc: self._errors.record(self.name, message, exc),
             max_size=max_queue,
             retry_initial=retry_initial,
             retry_max=retry_max,
             prepare=prepare,
         )
-
-    def _record_failure(self, message: str, exc: BaseException | None) -> None:
-        self._errors.record(self.name, message, exc)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is sent (False when ``timeout`` passed first)."""
@@ -374,7 +367,7 @@ class QueuedExporter(CountingExporter, Generic[P]):
         shutdown.join(max(deadline - time.monotonic(), 0.0))
         if shutdown.is_alive():
             late = f"shutdown did not finish within {budget:g} s"
-            self._record_failure(f"{late}; left to finish in the background", None)
+            self._errors.record(self.name, f"{late}; left to finish in the background")
 
     def _close_resources(self) -> None:
         pass

@@ -48,33 +48,22 @@ def build_metrics_data(
 ) -> MetricsData:
     """One OTLP export of a snapshot; counters and histograms cumulative unless ``temporality`` is
     DELTA."""
-    from opentelemetry.sdk.metrics.export import (
-        AggregationTemporality,
-        Gauge,
-        Histogram,
-        HistogramDataPoint,
-        Metric,
-        MetricsData,
-        NumberDataPoint,
-        ResourceMetrics,
-        ScopeMetrics,
-        Sum,
-    )
+    from opentelemetry.sdk.metrics import export as otel
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-    temporality = temporality or AggregationTemporality.CUMULATIVE
-    delta = temporality is AggregationTemporality.DELTA
+    temporality = temporality or otel.AggregationTemporality.CUMULATIVE
+    delta = temporality is otel.AggregationTemporality.DELTA
     start_ns = snapshot.previous_time_ns if delta else snapshot.start_time_ns
     now = snapshot.time_ns
     run = snapshot.run
     series = snapshot.delta if delta else snapshot.cumulative
-    metrics: list[Metric] = []
+    metrics: list[otel.Metric] = []
     for row in _PUBLISHED:
         assert row.otel_name is not None
         data: Any
         if row.kind is MetricKind.HISTOGRAM:
             hist_points = [
-                HistogramDataPoint(
+                otel.HistogramDataPoint(
                     attributes=_attributes(row, run, env),
                     start_time_unix_nano=start_ns,
                     time_unix_nano=now,
@@ -87,33 +76,33 @@ def build_metrics_data(
                 )
                 for env, point in sorted(series.histograms[row.name].items())
             ]
-            data = Histogram(data_points=hist_points, aggregation_temporality=temporality)
+            data = otel.Histogram(data_points=hist_points, aggregation_temporality=temporality)
         else:
             found = snapshot.points(row, series)
             if not (row.dimension and row.kind is MetricKind.COUNTER):
                 found.sort()  # (a counter's buckets keep the dimension's order)
             points = [
-                NumberDataPoint(_attributes(row, run, env, bucket), start_ns, now, value)
+                otel.NumberDataPoint(_attributes(row, run, env, bucket), start_ns, now, value)
                 for env, bucket, value in found
             ]
             if row.kind is MetricKind.GAUGE:
-                data = Gauge(data_points=points)
+                data = otel.Gauge(data_points=points)
             else:
-                data = Sum(points, temporality, is_monotonic=True)
+                data = otel.Sum(points, temporality, is_monotonic=True)
         if data.data_points:
-            metrics.append(Metric(row.otel_name, row.description, row.otel_unit, data))
+            metrics.append(otel.Metric(row.otel_name, row.description, row.otel_unit, data))
     if errors:
         row = _ERRORS_ROW
         assert row.otel_name is not None
         # in-process counts since this state started: cumulative whatever the preference
         error_points = [
-            NumberDataPoint({"run": run, "exporter": name}, snapshot.start_time_ns, now, count)
+            otel.NumberDataPoint({"run": run, "exporter": name}, snapshot.start_time_ns, now, count)
             for name, count in sorted(errors.items())
         ]
-        error_sum = Sum(error_points, AggregationTemporality.CUMULATIVE, is_monotonic=True)
-        metrics.append(Metric(row.otel_name, row.description, row.otel_unit, error_sum))
-    scope = ScopeMetrics(InstrumentationScope(SCOPE_NAME, __version__), metrics, schema_url="")
-    return MetricsData([ResourceMetrics(resource, [scope], schema_url="")])
+        error_sum = otel.Sum(error_points, otel.AggregationTemporality.CUMULATIVE, is_monotonic=True)
+        metrics.append(otel.Metric(row.otel_name, row.description, row.otel_unit, error_sum))
+    scope = otel.ScopeMetrics(InstrumentationScope(SCOPE_NAME, __version__), metrics, schema_url="")
+    return otel.MetricsData([otel.ResourceMetrics(resource, [scope], schema_url="")])
 
 
 def _make_metric_exporter(

@@ -114,16 +114,6 @@ def _bound_keys(metrics: Mapping[str, MetricValue]) -> dict[str, MetricValue]:
     return {key: value for key, value in metrics.items() if _split_env(key) is not None}
 
 
-def _bound_by_env(metrics: Mapping[str, MetricValue] | None) -> KeysByEnv:
-    """SPEC 14's keys of the latest report with SPEC 11's, by env (the batch's under ``""``)."""
-    by_env: dict[str, dict[str, MetricValue]] = {}
-    for key, value in (metrics or {}).items():
-        split = _split_env(key)
-        if split is not None:
-            by_env.setdefault(split[0], {})[split[1]] = value
-    return by_env
-
-
 def _bound_values(metric: MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
     key = metric.wandb_key or ""
     values: dict[Any, Number] = {}
@@ -150,8 +140,7 @@ def histogram_of(metric: MetricDef, tally: Tally) -> Counts:
 
 
 def _counter(metric: MetricDef, holders: Mapping[str, Any]) -> dict[Any, Number]:
-    """A counter's values by env (the tally or the sums holding it), or by (env, bucket value),
-    every bucket of its dimension present."""
+    """A counter's values by env, or by (env, bucket value) with every bucket present."""
     field = metric.mismatch_field if metric.source is Source.MISMATCH else metric.tally_field
     rows = {env: _row(metric, getattr(holder, field or "")) for env, holder in holders.items()}
     if metric.name in _SUMMED_BATCH_WIDE and set(rows) - {""}:  # the batch-wide series first
@@ -171,8 +160,7 @@ def _row(metric: MetricDef, value: Any) -> list[Number]:
 
 
 class Series(NamedTuple):
-    """Counters and histograms over the run or over one ship: metric name, then env (a counter
-    with a dimension: (env, bucket value))."""
+    """Counters and histograms over the run or one ship: metric name, then env (or env, bucket)."""
 
     counters: dict[str, Mapping[Any, Number]]
     histograms: dict[str, Mapping[str, HistogramPoint]]
@@ -230,7 +218,10 @@ class Snapshot:
     def gauges(self) -> dict[str, Mapping[Any, Number]]:
         """The last ship's gauges and SPEC 14's, by env (by (env, value) with a label besides env:
         the floor by source, the curve by lag)."""
-        bound = _bound_by_env(self.bound_metrics)
+        bound: dict[str, dict[str, MetricValue]] = {}  # SPEC 14's keys by env (the batch's: "")
+        for key, value in (self.bound_metrics or {}).items():
+            if (split := _split_env(key)) is not None:
+                bound.setdefault(split[0], {})[split[1]] = value
         return {m.name: self._gauge(m, bound) for m in _PUBLISHED_GAUGES}
 
     def _gauge(self, metric: MetricDef, bound: KeysByEnv) -> dict[Any, Number]:
@@ -271,7 +262,6 @@ class CumulativeState:
         self._totals: dict[str, Tally] = {}
         self._mismatch: MismatchSums | None = None  # SPEC 11 sums over the run, once any arrived
         self._env_mismatch: dict[str, MismatchSums] = {}  # live sums given per env (env breakdown)
-        self._step = 0
         self._start_ns = time.time_ns()
         self._last_ns = self._start_ns
         self._last_report: StepReport | None = None  # the last ship's: the gauges show it
@@ -290,8 +280,7 @@ class CumulativeState:
         }
 
     def loaded(self, state: Any, path: str) -> CumulativeState:
-        """A copy continuing the series from what :meth:`state_dict` saved, checked first
-        (``ConfigError`` naming the key path); older states lack SPEC 14's keys and per-env sums."""
+        """A copy continuing from :meth:`state_dict`'s, checked first (older ones lack SPEC 14's)."""
         from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
         from ..state_checks import integer, join, keys, mapping, string
 
@@ -313,8 +302,6 @@ class CumulativeState:
         out._bound_metrics = None if bound is None else check_metrics(bound, at("bound_metrics"))
         out._env_mismatch = by_env(envs, at("env_mismatch"), check_mismatch)
         out._last_ns = max(self._last_ns, out._start_ns)
-        if out._last_report is not None:
-            out._step = out._last_report.step
         return out
 
     def shown(self) -> Snapshot | None:
@@ -331,7 +318,6 @@ class CumulativeState:
         env_delta = dict(report.env_mismatch) if self.by_env else {}
         for env, sums in env_delta.items():
             self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + sums
-        self._step = report.step
         self._last_report = report
         return self._snapshot(window, report.mismatch, env_delta)
 
@@ -372,7 +358,7 @@ class CumulativeState:
         snapshot = Snapshot(
             run=self.run,
             by_env=self.by_env,
-            step=self._step,
+            step=0 if self._last_report is None else self._last_report.step,
             start_time_ns=self._start_ns,
             previous_time_ns=self._last_ns,
             time_ns=now,

@@ -132,8 +132,7 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         return self._run
 
     def _prepare_worker(self) -> None:
-        """First on the worker (``flush`` and ``pending`` count it): import wandb (seconds), then
-        start the run when none was given."""
+        """On the worker, before any row: import wandb (seconds), start a run if none was given."""
         import wandb  # a run passed in already imported it: instant
 
         if self._run is not None:

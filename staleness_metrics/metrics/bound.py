@@ -302,8 +302,7 @@ class BoundTracker:
         }
 
     def check_state_dict(self, state: Any, path: str = "bound") -> _TrackerState:
-        """Check ``state`` against this tracker's config, changing nothing (``ConfigError`` names
-        the key path and the reason)."""
+        """Check ``state`` against this tracker's config (``ConfigError``), changing nothing."""
         from ..state_checks import fail, integer, join, keys, sequence
 
         found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))

@@ -130,12 +130,8 @@ def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragm
         raise ValueError("population: offsets do not cover the arrays")
     if span_offsets[n_samples] != n_spans:
         raise ValueError("population: offsets do not cover the arrays")
-    for r in range(n_rollouts):
-        if sample_offsets[r + 1] < sample_offsets[r]:
-            raise ValueError("population: offsets out of order")
-    for k in range(n_samples):
-        if span_offsets[k + 1] < span_offsets[k]:
-            raise ValueError("population: offsets out of order")
+    if (np.diff(sample_offsets) < 0).any() or (np.diff(span_offsets) < 0).any():
+        raise ValueError("population: offsets out of order")
 
 
 def _walk_live_rollout(
@@ -143,16 +139,16 @@ def _walk_live_rollout(
     t: int,
     columns: Columns,
     length_bounds: IntArray,
-    totals: IntArray,
-    lengths: tuple[IntArray, IntArray],
+    sums: tuple[IntArray, IntArray, IntArray, IntArray, IntArray],
     extent: IntArray,
 ) -> tuple[int, int]:  # pragma: no cover - compiled
-    """Add live rollout ``r``'s kept samples to the sums; its oldest and newest sampled version
-    (else its dispatch version)."""
+    """Add live rollout ``r``'s kept samples to ``sums`` (totals, positions by length bucket, the
+    staleness histogram up to ``top``, the spans from it up); its oldest and newest version."""
     dispatch, sample_offsets = columns[1], columns[3]
     dropped, mask_below, n_sampled, span_offsets = columns[4:8]
     version, sampled, labelled = columns[8:]
-    length_sampled, length_removed = lengths
+    totals, length_sampled, length_removed, histogram, above = sums
+    top = extent[2]
     n_buckets = len(length_bounds) + 1
     oldest = dispatch[r]
     freshest = dispatch[r]
@@ -176,7 +172,14 @@ def _walk_live_rollout(
                 freshest = max(freshest, v)
             staleness = t - v
             extent[0] = max(extent[0], staleness)
-            extent[1] += staleness >= extent[2]
+            if staleness >= top:
+                histogram[top] += count
+                above[0, extent[1]] = staleness
+                above[1, extent[1]] = count
+                extent[1] += 1
+            elif staleness >= 0:  # (below 0: the rollout is refused once walked)
+                histogram[staleness] += count
+                totals[_DOT] += staleness * count
             totals[_TOKENS] += count
             if not labelled[k]:
                 totals[_UNLABELLED] += count
@@ -191,43 +194,6 @@ def _walk_live_rollout(
             length_sampled[bucket] += length
             length_removed[bucket] += masked_here
     return oldest, freshest
-
-
-def _staleness_counts(
-    t: int, rollout_in: BoolArray, columns: Columns, extent: IntArray
-) -> tuple[IntArray, IntArray, int]:  # pragma: no cover - compiled
-    """The histogram of sampled positions by staleness (the last index ``top`` counting all from
-    it up), the spans from ``top`` up sorted by staleness, and the sum of staleness x positions
-    below it."""
-    frozen, sample_offsets, dropped = columns[0], columns[3], columns[4]
-    span_offsets, version, sampled = columns[7:10]
-    high, n_above, top = extent[0], extent[1], extent[2]
-    histogram = np.zeros(min(high, top) + 1, dtype=np.int64)  # (empty without sampled positions)
-    above = np.empty((2, n_above), dtype=np.int64)
-    at = 0
-    dot = 0
-    for r in range(len(frozen)):
-        if not rollout_in[r] or frozen[r]:
-            continue
-        for s in range(sample_offsets[r], sample_offsets[r + 1]):
-            if dropped[s]:
-                continue
-            for k in range(span_offsets[s], span_offsets[s + 1]):
-                count = sampled[k]
-                if count <= 0:
-                    continue
-                staleness = t - version[k]
-                if staleness < top:
-                    histogram[staleness] += count
-                    dot += staleness * count
-                else:
-                    histogram[top] += count
-                    above[0, at] = staleness
-                    above[1, at] = count
-                    at += 1
-    if at > 1:
-        above = above[:, np.argsort(above[0], kind="mergesort")]
-    return histogram, above, dot
 
 
 def _nearest_ranks(
@@ -258,7 +224,6 @@ def _nearest_ranks(
     callees={
         "_check_population": (_check_population, {}),
         "_walk_live_rollout": (_walk_live_rollout, {}),
-        "_staleness_counts": (_staleness_counts, {}),
         "_nearest_ranks": (_nearest_ranks, {}),
     }
 )
@@ -275,6 +240,8 @@ def _population_summary(
     totals = np.zeros(_TOTALS + len(quantiles), dtype=np.int64)  # (then the quantiles' staleness)
     lengths = np.zeros((2, len(length_bounds) + 1), dtype=np.int64)  # sampled and removed positions
     rollout_histogram = np.zeros(top + 1, dtype=np.int64)
+    histogram = np.zeros(top + 1, dtype=np.int64)
+    above = np.empty((2, len(columns[8])), dtype=np.int64)  # (at most one entry per span)
     # the highest staleness (-1: none), the spans at top or above, and top
     extent = np.array([-1, 0, top], dtype=np.int64)
     rollout_top = -1
@@ -284,8 +251,8 @@ def _population_summary(
         if frozen[r]:
             totals[_FROZEN] += 1
             continue
-        buckets = (lengths[0], lengths[1])
-        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, totals, buckets, extent)
+        sums = (totals, lengths[0], lengths[1], histogram, above)
+        oldest, freshest = _walk_live_rollout(r, t, columns, length_bounds, sums, extent)
         rollout = t - oldest
         in_flight = min(max(completion[r] - oldest, 0), rollout)
         in_queue = rollout - in_flight
@@ -305,8 +272,10 @@ def _population_summary(
         folded = min(rollout, top)
         rollout_histogram[folded] += 1
         rollout_top = max(rollout_top, folded)
-    histogram, above, dot = _staleness_counts(t, rollout_in, columns, extent)
-    totals[_DOT] = dot
+    histogram = histogram[: min(extent[0], top) + 1].copy()  # (empty without sampled positions)
+    above = above[:, : extent[1]].copy()
+    if extent[1] > 1:
+        above = above[:, np.argsort(above[0], kind="mergesort")]
     if len(histogram):  # (no quantile without sampled positions)
         _nearest_ranks(histogram, above, quantiles, totals[_TOTALS:])
     else:
@@ -342,9 +311,7 @@ def _env_sums(
     bounds: IntArray,
 ) -> IntArray:  # pragma: no cover - compiled
     """Per env index (row): its entries, their ``amounts``' sum, and that sum by length bucket."""
-    n_env = 0
-    for i in range(len(env)):
-        n_env = max(n_env, env[i] + 1)
+    n_env = env.max() + 1 if len(env) else 0
     sums = np.zeros((n_env, len(bounds) + 3), dtype=np.int64)
     for i in range(len(env)):
         e = env[i]
@@ -393,20 +360,10 @@ class WindowCounts:
         for index in np.flatnonzero(per_env[:, 0]).tolist():
             self.dropped_lengths[index] = self.dropped_lengths.get(index, 0) + per_env[index, 2:]
 
-    def dropped_by_length(self, env: int | None) -> IntArray:
-        if env is None:
-            return sum(self.dropped_lengths.values(), np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
-        return self.dropped_lengths.get(env, np.zeros(len(LENGTH_BUCKETS), dtype=np.int64))
-
     def totals(self, env: int | None) -> dict[str, int]:
         """The :data:`FIELDS` of ``env`` (None: summed over every env)."""
-        if env is not None:
-            return dict(self.counts.get(env) or dict.fromkeys(self.FIELDS, 0))
-        totals = dict.fromkeys(self.FIELDS, 0)
-        for bucket in self.counts.values():
-            for name, count in bucket.items():
-                totals[name] += count
-        return totals
+        buckets = list(self.counts.values()) if env is None else [self.counts.get(env, {})]
+        return {name: sum(bucket.get(name, 0) for bucket in buckets) for name in self.FIELDS}
 
     def get(self, env: int | None, name: str) -> int:
         return self.totals(env)[name]
@@ -451,7 +408,9 @@ def _population(
     length_samples = found.samples + counted["samples_dropped"]
     length_sampled, length_removed = found.length_sampled, found.length_removed
     if window.dropped_lengths:
-        dropped = window.dropped_by_length(env)
+        zeros = np.zeros(len(LENGTH_BUCKETS), dtype=np.int64)
+        by_env = window.dropped_lengths
+        dropped = sum(by_env.values(), zeros) if env is None else by_env.get(env, zeros)
         length_sampled, length_removed = length_sampled + dropped, length_removed + dropped
     if length_samples:
         # (a few buckets: summed as Python integers)

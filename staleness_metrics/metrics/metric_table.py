@@ -139,6 +139,7 @@ _steps = _family(otel_unit=_STEP)
 _integer_steps = _family(otel_unit=_STEP, integer=True)
 _staleness_max = _family(otel_unit=_STEP, integer=True, wandb_summary="max")
 _run_k3 = _family(otel_unit=_NAT, labels=("run",), wandb_summary="max")
+_share = _family(otel_unit="1")
 _length_counter = _family(
     kind=MetricKind.COUNTER,
     source=Source.TALLY_BUCKETS,
@@ -182,19 +183,17 @@ METRICS: tuple[MetricDef, ...] = (
         legacy_keys=("off_policy/token/mean",),
         description="Mean token staleness over the sampled positions of the shipped batch, in policy versions.",
     ),
-    MetricDef(
+    _share(
         name="token_masked",
         wandb_key="staleness/token/masked",
         prometheus_name="rl_staleness_token_masked_ratio",
         otel_name="rl.staleness.token.masked_ratio",
-        otel_unit="1",
         legacy_keys=("off_policy/token/masked",),
         description="Share of the shipped batch's sampled positions that are masked for staleness.",
     ),
-    MetricDef(
+    _share(
         name="token_unlabelled",
         wandb_key="staleness/token/unlabelled",
-        otel_unit="1",
         description="Share of the shipped batch's sampled positions that had no version label.",
     ),
     _integer_steps(
@@ -479,10 +478,9 @@ METRICS: tuple[MetricDef, ...] = (
         wandb_key="staleness/mismatch/excess_k3",
         description="Mean k3 of the positions at lag 1 or more minus the floor (SPEC 14).",
     ),
-    MetricDef(
+    _share(
         name="mismatch_coverage",
         wandb_key="staleness/mismatch/coverage",
-        otel_unit="1",
         labels=("run",),
         description="Share of sampled positions with both log-probabilities (covered by the mismatch sums).",
     ),
@@ -609,10 +607,9 @@ METRICS: tuple[MetricDef, ...] = (
         otel_unit=_TOKEN,
         description="The same mean with masked positions and dropped samples counted as 0: the length that trains.",
     ),
-    MetricDef(
+    _share(
         name="length_removed_share",
         wandb_key="staleness/length/bucket_{length}/masked",
-        otel_unit="1",
         labels=_LENGTH_LABELS,
         dimension=LENGTH,
         description="Share of the sampled positions masked or dropped, over samples of a length bucket.",

@@ -201,6 +201,7 @@ def mismatch_sums(
     lo, hi = band
     if not (0 < lo <= hi and math.isfinite(hi)):
         raise FieldError("band", f"expected 0 < lo <= hi, got {band!r}")
+    arrays: dict[str, Any]  # (the host views of tensors replace them)
     arrays = {"lags": lags, "sampler_logprobs": sampler_logprobs, "trainer_logprobs": trainer_logprobs,
               "masked": masked}  # fmt: skip
     # the one seam: tensors go to the torch module (only a caller that imported torch reaches it)
@@ -209,14 +210,9 @@ def mismatch_sums(
         from . import mismatch_torch
 
         device = mismatch_torch.device_of(arrays)
-        if device.type == "cpu":  # the compiled pass, on views of the tensors' memory
-            return array_sums(mismatch_torch.host_views(arrays), lo, hi)
-        return _of_pass(*mismatch_torch.device_sums(arrays, lo, hi, device, LOG_RATIO_CLAMP))
-    return array_sums(arrays, lo, hi)
-
-
-def array_sums(arrays: Mapping[str, Any], lo: float, hi: float) -> MismatchSums:
-    """:func:`mismatch_sums` of host arrays, the band already checked."""
+        if device.type != "cpu":
+            return _of_pass(*mismatch_torch.device_sums(arrays, lo, hi, device, LOG_RATIO_CLAMP))
+        arrays = mismatch_torch.host_views(arrays)  # the compiled pass, on the tensors' memory
     lag = _flat("lags", arrays["lags"], "iu")
     sampler = _flat("sampler_logprobs", arrays["sampler_logprobs"], "fiu")
     trainer = _flat("trainer_logprobs", arrays["trainer_logprobs"], "fiu")
@@ -445,8 +441,6 @@ def _mismatch_runs(
     # The sums are the callees', compiled with reassociation: they go in vector lanes (float64
     # rounding apart from a sequential pass); exp and the k3 term are _ratio's, compiled without it.
     n = len(lag)
-    if len(sampler) != n or len(trainer) != n or (has_flags and len(flags) != n):
-        raise ValueError("mismatch_runs: the arrays differ in length")
     n_buckets = len(bounds) + 1
     counts = np.zeros((3, n_buckets), dtype=np.int64)  # tokens, masked, out_of_band
     sums = np.zeros((5, n_buckets), dtype=np.float64)  # d, |d|, r - 1 - d, r, r^2
@@ -511,13 +505,13 @@ def mismatch_runs(
     flag_bytes = _NO_FLAGS if flags is None else flags.view(np.uint8)
     has_flags = flags is not None
     n = len(lag)
+    if len(sampler) != n or len(trainer) != n or (has_flags and len(flag_bytes) != n):
+        raise ValueError("mismatch_runs: the arrays differ in length")
     if n < PARALLEL_MIN_POSITIONS:
         one: tuple[IntArray, npt.NDArray[np.float64], int] = _mismatch_runs(
             lag, sampler, trainer, flag_bytes, has_flags, bounds, band_lo, band_hi, clamp
         )
         return one
-    if len(sampler) != n or len(trainer) != n or (has_flags and len(flag_bytes) != n):
-        raise ValueError("mismatch_runs: the arrays differ in length")
     edges = np.linspace(0, n, num=SHARES + 1, dtype=np.int64).tolist()
     tasks = [
         partial(_mismatch_runs, lag[a:b], sampler[a:b], trainer[a:b], flag_bytes[a:b] if has_flags else flag_bytes,

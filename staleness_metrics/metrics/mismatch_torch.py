@@ -96,7 +96,10 @@ def packed_sums(
     """The rows of :data:`PACKED_ROWS` as one float64 tensor on the inputs' device, with the clamped
     log-ratios, buckets and near-edge flags; nothing is read on the host (it runs on meta too)."""
     device = lag.device
-    lag = _as_int64(lag.reshape(-1))
+    lag = lag.reshape(-1)
+    if lag.dtype == torch.uint64:  # unsigned 64-bit lags beyond int64 are all "inf"
+        lag = torch.where(lag.view(torch.int64) < 0, _INT64_MAX, lag.view(torch.int64))
+    lag = lag.to(torch.int64)
     d = trainer.reshape(-1).to(torch.float64) - sampler.reshape(-1).to(torch.float64)
     # a negative lag is not a sampled position of a live rollout: outside the population
     inside = lag >= 0
@@ -145,11 +148,3 @@ def _on_device(name: str, value: Any, device: torch.device, kind: str) -> torch.
     if tensor.numel() and not _KINDS[kind](tensor.dtype):
         raise FieldError(name, f"expected {kind}, got dtype {tensor.dtype}")
     return tensor if tensor.device == device else tensor.to(device)
-
-
-def _as_int64(lag: torch.Tensor) -> torch.Tensor:
-    # unsigned 64-bit lags beyond int64 are all "inf"
-    if lag.dtype == torch.uint64:
-        signed = lag.view(torch.int64)
-        return torch.where(signed < 0, _INT64_MAX, signed)
-    return lag.to(torch.int64)
