@@ -13,7 +13,6 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment, padded_shipment
 from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
-from ..records.padded import from_padded
 from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_row_batches
 
 if TYPE_CHECKING:
@@ -36,7 +35,7 @@ def from_areal(
     for key in ("loss_mask", "versions"):
         if key not in batch:
             raise MissingFieldError(key, f"missing from the AReaL batch (present: {sorted(batch)})")
-    return from_padded(
+    return RolloutBatch.from_padded(
         ids,
         batch["loss_mask"],
         token_versions=batch["versions"],

@@ -365,9 +365,8 @@ def _microbatch_id(inputs: dict[str, Any]) -> int:
 
 
 def _apply(inputs: dict[str, Any], codes: npt.NDArray[np.int64], kept_terms: int) -> None:
-    """One rank's rows of a decision into TRL's tensors: a voided term leaves ``token_index`` (so
-    ``compute_loss`` skips it) at advantage 0, a position no kept term reads leaves
-    ``shift_labels``, ``global_n_tokens`` counts the kept terms."""
+    """One rank's rows of a decision into TRL's tensors: a voided term leaves ``token_index`` at
+    advantage 0, a position no kept term reads leaves ``shift_labels``."""
     index = inputs["token_index"]
     void = codes == _VOID
     positions = _numpy(index)

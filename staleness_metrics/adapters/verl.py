@@ -13,7 +13,6 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment, padded_shipment
 from ..errors import FieldError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
-from ..records.padded import from_padded
 from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 _VERSION_FIELDS = (
@@ -85,7 +84,7 @@ def from_verl(
     start = _versions(extras, start_end[0], ids)
     end = _versions(extras, start_end[1], ids) if start_end[1] in extras else None
     envs = extras.get(env_key)
-    return from_padded(
+    return RolloutBatch.from_padded(
         ids,
         mask,
         dispatch_version=start,

@@ -152,7 +152,7 @@ class PaddedShipment:
 
 def padded_shipment(shipment: Shipment, batch: RolloutBatch) -> PaddedShipment:
     """The ``[B, L]`` arrays the loss reads after ``shipment``, for the rows of ``batch`` (from
-    :func:`~staleness_metrics.records.padded.from_padded`); other batches' rows are ignored."""
+    :meth:`~staleness_metrics.RolloutBatch.from_padded`); other batches' rows are ignored."""
     layout = batch.padded
     if layout is None:
         raise FieldError("batch", "padded_shipment reads a batch built by from_padded; this one was not")

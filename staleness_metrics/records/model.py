@@ -173,8 +173,7 @@ def _within_int64(array: npt.NDArray[Any]) -> bool:
 
 
 def _fast(value: object, code: str) -> npt.NDArray[Any] | None:
-    """A list of ints (``"q"``; a boolean is an int to it) or of numbers (``"d"``) read at C speed
-    by ``array``, else None."""
+    """A list read at C speed as int64 (``"q"``, booleans too) or float64 (``"d"``), else None."""
     if type(value) is not list:
         return None
     try:

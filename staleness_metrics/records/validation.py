@@ -124,9 +124,6 @@ class Verdicts:
         offsets = self.batch.position_offsets
         for position in positions:
             sample = int(np.searchsorted(offsets, position, "right") - 1)
-            rollout = int(self._sample_rollout[sample])
-            if rollout in self.errors:
-                continue
             self.sample(sample, field, f"position {position - int(offsets[sample])}: {describe}")
 
     @property
@@ -336,8 +333,8 @@ def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
 
 
 def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:
-    """Whether the exact checks would certainly find nothing wrong with ``batch`` (False: not sure,
-    they run); ``positions=False`` leaves the position values to :func:`plain_values_of`."""
+    """Whether the exact checks would find nothing wrong (False: not sure); ``positions=False``
+    leaves the position values to :func:`plain_values_of`."""
     ids, mask, group_ids, envs = batch.ids, batch.mask, batch.group_ids, batch.envs
     frozen, agentic = batch.frozen, batch.agentic
     n_rollouts, n_positions = len(ids), len(mask)
@@ -494,8 +491,7 @@ class BatchRows(NamedTuple):
 
 
 class PositionCopies(NamedTuple):
-    """Where :func:`plain_values` copies the mask, the three weights and the token versions (an
-    empty array: not copied)."""
+    """Where :func:`plain_values` copies the positions (an empty array: not copied)."""
 
     mask_and_weights: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
     token_versions: IntArray
@@ -517,10 +513,8 @@ def plain_values(
     into: PositionCopies | None = None,
     start: int = 0,
 ) -> bool:
-    """Whether a batch's values are plain (offsets, versions and label kinds as the exact checks
-    want them, a 0/1 mask, finite floats, token versions >= -1), in one compiled pass, copying
-    the positions to ``into`` (from ``start`` on) when they are. False ("not sure") unless the
-    arrays are 1-d contiguous float32/float64 of one type and the label kinds int8."""
+    """Whether a batch's values pass the exact checks, in one compiled pass copying the positions
+    to ``into`` (from ``start``); False ("not sure") for other than 1-d contiguous float32/64."""
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
     n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows

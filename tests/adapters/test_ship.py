@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.adapters._ship import TrainerArray, TrainerNames, ship_rows
 from staleness_metrics.errors import TraceError
-from staleness_metrics.records.padded import from_padded
+from staleness_metrics.records.columnar import RolloutBatch
 
 NAMES = TrainerNames(
     "demo", "policy_version", {"dispatch_version": "starts[{row}]", "token_versions": "versions[{row}]"}
@@ -20,7 +20,7 @@ NAMES = TrainerNames(
 
 def padded(ids: list[str], mask: list[list[int]], start: list[int], groups: list[str] | None = None):  # type: ignore[no-untyped-def]
     array = np.array(mask, dtype=np.int64)
-    return array, from_padded(ids, array, dispatch_version=np.array(start), group_ids=groups)
+    return array, RolloutBatch.from_padded(ids, array, dispatch_version=np.array(start), group_ids=groups)
 
 
 def test_masks_in_place_drops_left_out_and_lags_per_position() -> None:
@@ -62,7 +62,7 @@ def test_a_copy_is_written_back_into_the_caller_array() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=0))
     owned = np.asfortranarray(np.array([[1, 1, 0], [0, 1, 1]], dtype=np.int32))  # not viewable flat
     view = TrainerArray(owned)
-    batch = from_padded(
+    batch = RolloutBatch.from_padded(
         ["x", "y"], view.array, token_versions=np.array([[2, 3, 3], [3, 3, 3]]), attention_mask=np.ones((2, 3))
     )
     ship_rows(monitor, batch, owned, version=3, names=NAMES, write_back=lambda: view.write_back(batch.mask))
@@ -84,7 +84,8 @@ def test_every_row_entered_is_returned_once_or_dropped(calls: list[list[tuple[in
         ids = [f"c{number}r{k}" for k in range(len(rows))]
         mask = np.array([[1] * n + [0] * (4 - n) for _, n in rows], dtype=np.int64)
         starts = np.array([start for start, _ in rows])
-        result = ship_rows(monitor, from_padded(ids, mask, dispatch_version=starts), ids, version=version, names=NAMES)
+        batch = RolloutBatch.from_padded(ids, mask, dispatch_version=starts)
+        result = ship_rows(monitor, batch, ids, version=version, names=NAMES)
         dropped += result.shipment.dropped_rollouts
         for part in result.parts:
             for row, lag in zip(part.rows.tolist(), part.lag_matrix()):

@@ -9,14 +9,14 @@ import pytest
 from staleness_metrics import StalenessConfig, StalenessMonitor
 from staleness_metrics.adapters._ship import TrainerNames, ship_row_batches
 from staleness_metrics.errors import TraceError
-from staleness_metrics.records.padded import from_padded
+from staleness_metrics.records.columnar import RolloutBatch
 
 NAMES = TrainerNames("demo", "policy_version", {"dispatch_version": "starts[{row}]"})
 
 
 def rows(ids: list[str], width: int, start: list[int]):  # type: ignore[no-untyped-def]
     mask = np.ones((len(ids), width), dtype=np.int64)
-    return mask, from_padded(ids, mask, dispatch_version=np.array(start))
+    return mask, RolloutBatch.from_padded(ids, mask, dispatch_version=np.array(start))
 
 
 def test_several_batches_one_ship_parts_in_order() -> None:

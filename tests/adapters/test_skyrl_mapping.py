@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from staleness_metrics import StalenessConfig, StalenessMonitor
-from staleness_metrics.records.padded import from_padded
+from staleness_metrics.records.columnar import RolloutBatch
 
 
 @given(
@@ -24,7 +24,7 @@ def test_skyrl_staleness_is_ours_with_dispatch_one_below_the_scheduled_step(
     scheduled = [max(global_step - lag, 1) for lag in lags]  # each group's global_step_when_scheduled
     stalenesses = [global_step - s for s in scheduled]  # SkyRL's line, verbatim
     rows = len(scheduled) * group_size
-    batch = from_padded(
+    batch = RolloutBatch.from_padded(
         [f"r{i}" for i in range(rows)],
         np.ones((rows, 3), dtype=np.int64),
         dispatch_version=np.repeat(np.array(scheduled) - 1, group_size),

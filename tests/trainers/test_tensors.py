@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from staleness_metrics import StalenessConfig, StalenessMonitor  # noqa: E402
 from staleness_metrics.adapters._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows  # noqa: E402
-from staleness_metrics.records.padded import from_padded  # noqa: E402
+from staleness_metrics.records.columnar import RolloutBatch  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.int64, torch.float32])
@@ -18,7 +18,7 @@ def test_a_transposed_tensor_is_masked_through_a_copy(dtype: object) -> None:
     owned = torch.ones((3, 2), dtype=dtype).t()  # [2, 3], not contiguous: numpy sees a strided view
     view = TrainerArray(owned)
     versions = np.array([[0, 2, 2], [2, 2, 2]])
-    batch = from_padded(["a", "b"], view.array, token_versions=versions, attention_mask=np.ones((2, 3)))
+    batch = RolloutBatch.from_padded(["a", "b"], view.array, token_versions=versions, attention_mask=np.ones((2, 3)))
     result = ship_rows(
         StalenessMonitor(StalenessConfig(max_staleness=0)), batch, owned, version=2,
         names=TrainerNames("demo", "version"), write_back=lambda: view.write_back(batch.mask),
@@ -33,7 +33,7 @@ def test_a_tensor_that_needs_grad_is_read_through_a_copy_and_written_back() -> N
     owned = torch.ones((1, 3), requires_grad=True)
     view = TrainerArray(owned)
     assert not view.shared
-    batch = from_padded(["a"], view.array, token_versions=np.array([[0, 1, 1]]))
+    batch = RolloutBatch.from_padded(["a"], view.array, token_versions=np.array([[0, 1, 1]]))
     ship_rows(
         StalenessMonitor(StalenessConfig(max_staleness=0)), batch, owned, version=1,
         names=TrainerNames("demo", "version"), write_back=lambda: view.write_back(batch.mask),
