@@ -27,8 +27,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
         subparsers, run, "dashboards",
         "write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
-        "Render the Grafana dashboards, the Prometheus recording/alerting rules, the W&B panel "
-        "spec and the example OpenTelemetry Collector config from the metric table.",
         EPILOG,
     )  # fmt: skip
     out_help = "project root the files are written under (default: the current directory)"

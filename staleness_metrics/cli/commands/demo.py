@@ -6,9 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ...config import POLICY_NAMES, StalenessConfig
+from ...config import POLICY_NAMES
 from ...errors import ConfigError
-from .options import add_bound_options, add_command, bound_settings, failed
+from .options import add_bound_options, add_command, config_from_args, failed
 
 EPILOG = """\
 examples:
@@ -16,8 +16,7 @@ examples:
   staleness-metrics demo --steps 200 --max-staleness 4    # a tighter bound: more masking
   staleness-metrics demo --speed 0 --prometheus-port 0    # as fast as possible, any free port
 
-Writes a run directory (--out-dir) that `staleness-metrics report OUT_DIR` shows and `what-if
-OUT_DIR` prices; a seed replays the same run. See docs/getting-started.md.
+See docs/getting-started.md.
 """
 
 
@@ -25,9 +24,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
         subparsers, run, "demo",
         "simulated async RL pipeline driving the real monitor and exporters",
-        "Run a simulated asynchronous RL pipeline on embedded defaults, with a live console table, "
-        "a Prometheus endpoint on 127.0.0.1, a metrics JSONL file, W&B offline and OTLP. Needs no "
-        "external service.",
         EPILOG,
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=60, metavar="N", help="train steps, then stop (default: 60)")
@@ -39,6 +35,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default: 0)")
     add_bound_options(parser)
+    # the sink settings demo has no option for
+    parser.set_defaults(retry_expired=False, strict=True, env_breakdown=True)
     parser.add_argument(
         "--prometheus-port", type=int, default=9487, metavar="P",
         help="metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)",
@@ -62,14 +60,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"speed: must be >= 0, got {args.speed}")
         if not 0 <= args.prometheus_port <= 65535:
             raise ConfigError(f"prometheus-port: must be 0..65535, got {args.prometheus_port}")
-        config = StalenessConfig(
-            policy=args.policy,
-            max_staleness=args.max_staleness,
-            max_token_staleness=args.max_token_staleness,
-            sync_interval=args.sync_interval,
-            env_breakdown=True,
-            **bound_settings(args),
-        )
+        config = config_from_args(args, args.max_staleness)
     except ConfigError as error:
         return failed("demo", error)
     options = DemoOptions(

@@ -16,11 +16,7 @@ examples:
   staleness-metrics migrate --write --drop-removed .                  # change the files in place
   staleness-metrics migrate --from verl --check dashboards/ metrics.jsonl
 
-Configs, Grafana dashboards, W&B workspace specs, Prometheus rules and metrics.jsonl histories are
-edited in place (every other byte kept); anything else is reported. See docs/migrate.md.
-
-exit status: 0 nothing legacy left (or --diff/--write done), 1 legacy names remain (--check),
-2 usage error, or a file that could not be read, parsed or safely edited (it is never touched).
+See docs/migrate.md (file kinds, exit status).
 """
 
 
@@ -31,10 +27,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
         subparsers, run, "migrate",
         "rename legacy off_policy/* keys and max_off_policy_steps in configs, dashboards, "
-        "rules, ...",
-        "Find the names the rename retired (max_off_policy_steps, off_policy/* W&B keys and "
-        "their Prometheus forms, the 'Max Off-Policy' console label) and move each file to the "
-        "new names. Directories are walked recursively (hidden directories skipped).",
+        "rules and histories",
         EPILOG,
     )  # fmt: skip
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")

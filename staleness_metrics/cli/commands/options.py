@@ -16,14 +16,13 @@ def add_command(
     run: Callable[[argparse.Namespace], int],
     name: str,
     summary: str,
-    description: str,
     epilog: str,
 ) -> argparse.ArgumentParser:
     """The parser of subcommand ``name``, calling ``run``; ``epilog`` is printed as written."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
         help=summary,
-        description=description,
+        description=summary[0].upper() + summary[1:] + ".",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -72,11 +71,6 @@ def add_bound_options(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
 
 
-def bound_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The SPEC 14 settings parsed by :func:`add_bound_options`, as ``StalenessConfig`` keywords."""
-    return {name: getattr(args, name) for name in _BOUND_OPTIONS}
-
-
 def add_sink_options(parser: argparse.ArgumentParser) -> None:
     """Policy, xtuner and strictness options (each command adds its own ``--max-staleness``)."""
     parser.add_argument("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
@@ -90,13 +84,7 @@ def add_sink_options(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, max_staleness: int) -> StalenessConfig:
-    return StalenessConfig(
-        policy=args.policy,
-        max_staleness=max_staleness,
-        max_token_staleness=args.max_token_staleness,
-        sync_interval=args.sync_interval,
-        retry_expired=args.retry_expired,
-        strict=args.strict,
-        env_breakdown=getattr(args, "env_breakdown", False),
-        **bound_settings(args),
-    )
+    names = ("policy", "max_token_staleness", "sync_interval", "retry_expired", "strict")
+    settings = {name: getattr(args, name) for name in (*names, *_BOUND_OPTIONS)}
+    breakdown = getattr(args, "env_breakdown", False)
+    return StalenessConfig(max_staleness=max_staleness, env_breakdown=breakdown, **settings)

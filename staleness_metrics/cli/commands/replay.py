@@ -36,19 +36,13 @@ examples:
   staleness-metrics replay path/to/prime-rl-run --policy episode
   staleness-metrics replay path/to/prime-rl-run --lenient     # its monitors/file/traces (current layout)
 
-exit status: 0 on success; 2 on invalid input (strict) or a malformed event line, with a
-one-line message `line L: rollout 'ID': field F: reason` (no output file is written then).
-EVENTS.jsonl may be gzip, bzip2 or xz compressed. See docs/replay.md.
+See docs/replay.md (exit status, compressed streams).
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "replay", "run the sink over a recorded event stream",
-        "Replay a recorded event stream (or a prime-rl run directory, or xtuner rollout states) "
-        "through the masking engine and write its metrics and batches.",
-        EPILOG,
-    )  # fmt: skip
+    summary = "run the sink over a recorded event stream"
+    parser = add_command(subparsers, run, "replay", summary, EPILOG)
     parser.add_argument("events", type=Path, metavar="EVENTS.jsonl|RUN_DIR")
     parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
     add_sink_options(parser)

@@ -15,18 +15,12 @@ examples:
   staleness-metrics report path/to/prime-rl-run --policy episode -o report.html
   staleness-metrics report metrics.jsonl -o report.html     # logged rows only: no histogram, no what-if
 
-RUN is a run directory (run.json, as the demo writes), an event stream, a prime-rl run directory,
-xtuner rollout states or a metrics JSONL. See docs/replay.md.
+See docs/replay.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "report", "self-contained HTML report of a run",
-        "Write one HTML file with staleness over steps, the masked ratio, in-flight vs in-queue "
-        "staleness, dropped and held counts, the token staleness histogram and a what-if curve.",
-        EPILOG,
-    )  # fmt: skip
+    parser = add_command(subparsers, run, "report", "self-contained HTML report of a run", EPILOG)
     parser.add_argument("run", type=Path, metavar="RUN")
     parser.add_argument("-o", "--output", type=Path, default=Path("report.html"), help="default: report.html")
     parser.add_argument(

@@ -22,8 +22,7 @@ examples:
   {TOKEN_ENV}=$(openssl rand -hex 32) staleness-metrics serve --host 0.0.0.0
   curl -X PUT localhost:9487/v1/runs/exp-42 -H 'content-type: application/json' -d '{{"max_staleness": 4}}'
 
-Off loopback the service refuses to start without a token; with one, every write needs
-'Authorization: Bearer <token>'. The API is at /docs; see docs/service.md.
+Off loopback a token is required. See docs/service.md.
 """
 
 
@@ -31,8 +30,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
         subparsers, run, "serve",
         "sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
-        "Run the staleness service: per-run sinks behind an HTTP API (FastAPI on uvicorn), with "
-        "/metrics for Prometheus and optional OTLP and W&B exporters for every run.",
         EPILOG,
     )  # fmt: skip
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
