@@ -37,17 +37,13 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add_bound_options(parser)
     # the sink settings demo has no option for
     parser.set_defaults(retry_expired=False, strict=True, env_breakdown=True)
-    parser.add_argument(
-        "--prometheus-port", type=int, default=9487, metavar="P",
-        help="metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)",
-    )  # fmt: skip
+    port_help = "metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)"
+    parser.add_argument("--prometheus-port", type=int, default=9487, metavar="P", help=port_help)
     parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="default: OUT_DIR/metrics.jsonl")
     parser.add_argument("--out-dir", type=Path, default=Path("staleness-demo"), help="default: ./staleness-demo")
     parser.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run")
-    parser.add_argument(
-        "--live", action=argparse.BooleanOptionalAction, default=None,
-        help="live table below the step lines (default: on a terminal)",
-    )  # fmt: skip
+    live_help = "live table below the step lines (default: on a terminal)"
+    parser.add_argument("--live", action=argparse.BooleanOptionalAction, help=live_help)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,22 +36,16 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     mode.add_argument("--check", action="store_true", help=check_help)
     mode.add_argument("--diff", action="store_true", help="change nothing; print the changes as a unified diff")
     mode.add_argument("--write", action="store_true", help="change the files in place (atomically)")
-    parser.add_argument(
-        "--drop-removed", action="store_true",
-        help="also delete what shows only removed metrics: dashboard panels and targets, rules, "
-        "W&B series entries and panels, history values",
-    )  # fmt: skip
+    drop_help = "also delete what shows only removed metrics (panels, targets, rules, values)"
+    parser.add_argument("--drop-removed", action="store_true", help=drop_help)
     kinds = [k.value for k in FileKind]
     kind_help = "read every named file as this kind instead of detecting it"
     parser.add_argument("--kind", choices=kinds, help=kind_help)
+    peer_help = "map another trainer's staleness keys instead of this project's legacy names"
+    parser.add_argument("--from", dest="peer", choices=PEERS, help=peer_help)
+    prefix_help = "a prefix of your legacy series names (repeatable; 'orchestrator_' always counts)"
     parser.add_argument(
-        "--from", dest="peer", choices=PEERS,
-        help="map another trainer's staleness keys instead of this project's legacy names",
-    )  # fmt: skip
-    parser.add_argument(
-        "--prometheus-prefix", action="append", default=[], metavar="PREFIX",
-        help="a namespace prefix your old exporter put before the legacy series names (repeatable; "
-        "'orchestrator_' is always recognised)",
+        "--prometheus-prefix", action="append", default=[], metavar="PREFIX", help=prefix_help
     )  # fmt: skip
 
 

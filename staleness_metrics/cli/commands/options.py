@@ -38,25 +38,16 @@ def failed(command: str, error: Exception | str, code: int = 2) -> int:
 
 
 # SPEC 14's settings, each a flag of the same name (``--floor-min-tokens``): type, metavar, help
-# and what the default means when it is None
+# and what the default means when it is None (docs/bound.md says more)
 _BOUND_OPTIONS: dict[str, tuple[type, str, str, str | None]] = {
-    "floor_min_tokens": (
-        int, "N", "covered tokens a lag bucket needs to give the floor or a point of the curve",
-        None,
-    ),
-    "floor_max_age": (
-        int, "STEPS", "carry a floor measured at lag 0 this many steps at most, then bound it by "
-        "the smallest lag", None,
-    ),
+    "floor_min_tokens": (int, "N", "covered tokens a lag bucket needs to count", None),
+    "floor_max_age": (int, "STEPS", "steps a floor measured at lag 0 is carried at most", None),
     "cost_window": (int, "SHIPS", "ships pooled into the excess curve", None),
     "mismatch_budget": (float, "NATS", "excess k3 per token the bound may let train", "the floor"),
-    "adapt_every": (
-        int, "SHIPS", "token policy: move the bound one step toward the suggestion after every "
-        "SHIPS ships with a curve", "off",
-    ),
+    "adapt_every": (int, "SHIPS", "token policy: adapt the bound after every SHIPS ships", "off"),
     "adapt_low": (int, "N", "lowest adapted bound", None),
     "adapt_high": (int, "N", "highest adapted bound", None),
-}  # fmt: skip
+}
 
 
 def add_bound_options(parser: argparse.ArgumentParser) -> None:

@@ -49,10 +49,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--env-breakdown", action="store_true", help="add staleness/env/<env>/... keys")
     parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="one metrics line per ship")
     parser.add_argument("--batches-out", type=Path, metavar="FILE", help="one shipped-batch line per ship")
-    parser.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
-        help="progress bar (default: on a terminal, for inputs over 16 MiB)",
-    )  # fmt: skip
+    progress_help = "progress bar (default: on a terminal, for inputs over 16 MiB)"
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, help=progress_help)
 
 
 def open_events(
