@@ -35,8 +35,7 @@ _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
-    """Each file to look at, and whether it was named on the command line (directories are walked,
-    hidden directories and caches skipped, symlinked directories not followed)."""
+    """Each file to look at, and whether it was named on the command line."""
     for name in paths:
         path = Path(name)
         if not path.is_dir():
@@ -84,7 +83,6 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
 
 
 def load_config(text: str, fmt: ConfigFormat) -> Any:
-    """Plain data of a config file (raises ``ValueError`` with the parser's message)."""
     try:
         if fmt == "toml":
             import tomlkit  # optional dependency (the cli extra)
@@ -104,7 +102,7 @@ class _Refused(Exception):
 
 
 def _renamed(data: Any, scanner: Scanner) -> Any:
-    """``data`` with the names in every key and string replaced, as the edit should leave it."""
+    """``data`` as the rename should leave it."""
     if isinstance(data, dict):
         out: dict[Any, Any] = {}
         for key, value in data.items():
@@ -121,8 +119,7 @@ def _renamed(data: Any, scanner: Scanner) -> Any:
 
 
 def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> FileResult:
-    """A config edited as text, each legacy name replaced where it stands as a whole name so that
-    every other byte stays; kept only if it parses to the old data with those names replaced."""
+    """A config renamed as text, kept only if it parses to the old data with the names replaced."""
     fmt = _CONFIG_FORMATS[kind]
     result = FileResult(path, kind, original=text)
     try:
@@ -187,9 +184,8 @@ class _Findings(dict[tuple[str, Action], Finding]):
 
 
 def migrate_history(path: str, text: str, options: Options) -> FileResult:
-    """A metrics history (one JSON object with a ``step`` a line): keys renamed in place, values
-    untouched, and a boundary line ``{"step": S, MARKER_KEY: S}`` after the last line with legacy
-    keys (steps up to S used the old definitions)."""
+    """A metrics history, keys renamed in place and a boundary line ``{"step": S, MARKER_KEY: S}``
+    after the last line with legacy keys."""
     result = FileResult(path, FileKind.HISTORY, original=text)
     found = _Findings(path)
     out: list[str] = []
@@ -225,7 +221,6 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
 
 
 def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
-    """The line with legacy keys renamed; whether it had any; whether it is a boundary; its step."""
     try:
         [node], [data] = JSON.read(body)
     except ValueError as exc:
@@ -284,7 +279,6 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
 
 
 def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, explicit: bool = True) -> FileResult:
-    """Read one file and migrate it in memory; ``kind`` None detects it."""
     shown = str(path)
     try:
         raw = path.read_bytes()
@@ -318,8 +312,7 @@ def scan_text(
     *,
     reason: str = "this kind of file is only reported: edit by hand",
 ) -> FileResult:
-    """Any other text file: legacy names reported with line numbers, never edited (a line holding
-    ``staleness-migrate: ignore`` is skipped)."""
+    """Any other text file: legacy names reported, never edited."""
     result = FileResult(path, FileKind.TEXT, original=text)
     for number, line in enumerate(text.split("\n"), start=1):  # editors count "\n" only
         if IGNORE_PRAGMA in line:
@@ -343,11 +336,8 @@ def unified_diff(result: FileResult) -> str:
 
 
 def write_atomically(path: Path, original: str, new_text: str) -> None:
-    """Replace the file's contents in one step (temp file beside it, then ``os.replace``).
-
-    The file must still hold ``original``: a file changed since it was read is not overwritten.
-    Symlinks are followed (the target is replaced, the link stays) and the permission bits are kept.
-    """
+    """Replace the file's contents in one step if it still holds ``original`` (symlinks followed,
+    permission bits kept)."""
     target = Path(os.path.realpath(path))
     if target.read_bytes() != original.encode("utf-8"):
         raise OSError(f"{path} changed while it was being migrated; run again")

@@ -66,7 +66,6 @@ class Finding:
 
     @property
     def fixed_by_write(self) -> bool:
-        """Whether ``--write`` (with the flags it ran under) takes this finding away."""
         return self.action in (Action.RENAME, Action.DROP)
 
     def describe(self) -> str:

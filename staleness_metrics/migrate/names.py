@@ -24,8 +24,6 @@ class Context(enum.Enum):
 
 @dataclass(frozen=True)
 class Hit:
-    """A legacy name at ``start:end`` of the scanned string."""
-
     start: int
     end: int
     old: str
@@ -197,7 +195,6 @@ class Scanner:
 
 
 def apply_renames(text: str, hits: Sequence[Hit]) -> str:
-    """``text`` with every rename among ``hits`` applied (other hits only reported)."""
     renames = (h for h in hits if h.action is Action.RENAME)
     return apply_edits(text, [Edit(h.start, h.end, h.new) for h in renames if h.new is not None])
 
@@ -208,7 +205,6 @@ _SUFFIX = "(?:" + _alternation(TRACKER_SUFFIXES) + ")?"
 
 
 def _bare(segment: str) -> str:
-    """A path segment without the tracker's ``__count`` suffix."""
     for suffix in TRACKER_SUFFIXES:
         if segment.endswith(suffix):
             return segment[: -len(suffix)]
@@ -222,8 +218,6 @@ def _hit(row: PeerKey, start: int, end: int, token: str, new: str | None) -> Hit
 
 
 class PeerScanner(Scanner):
-    """Scans strings for one peer's keys instead of this project's legacy names."""
-
     def __init__(self, peer: str, *, prometheus: bool, prefixes: Sequence[str] = ()) -> None:
         super().__init__(prometheus=prometheus, prefixes=prefixes)
         self.peer = peer
@@ -283,7 +277,6 @@ class PeerScanner(Scanner):
 
 
 def scanner_for(options: Options, *, prometheus: bool) -> Scanner:
-    """The legacy scanner, or the peer's when ``options.peer`` is set."""
     if options.peer:
         return PeerScanner(options.peer, prometheus=prometheus, prefixes=options.prometheus_prefixes)
     return Scanner(prometheus=prometheus, prefixes=options.prometheus_prefixes)

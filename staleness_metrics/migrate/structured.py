@@ -46,7 +46,6 @@ class Policy:
 
 
 def _nearest_key(path: Path) -> str:
-    """The mapping key a value sits under (list indices skipped)."""
     return next((part for part in reversed(path) if isinstance(part, str)), "")
 
 
@@ -257,7 +256,6 @@ def _outermost(units: list[Unit]) -> list[Unit]:
 
 
 def _looks_like_grafana(document: object) -> bool:
-    """A dashboard (or an API export wrapping one in ``{"dashboard": ...}``) with ``panels``."""
     if isinstance(document, dict) and isinstance(document.get("dashboard"), dict):
         document = document["dashboard"]
     if not isinstance(document, dict) or not isinstance(document.get("panels"), list):
@@ -293,7 +291,6 @@ def _grafana_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
 
 
 def _target_of(path: Path) -> Path | None:
-    """The path of the target (an entry of a ``targets`` list) that holds ``path``."""
     for index in range(len(path) - 2, -1, -1):
         if path[index] == "targets" and isinstance(path[index + 1], int):
             return path[: index + 2]
@@ -313,7 +310,6 @@ def _is_regex_key(key: str) -> bool:
 
 
 def _looks_like_wandb(document: object) -> bool:
-    """A workspace spec (``sections``/``panels``) or a document holding key regexes."""
     if isinstance(document, dict):
         if _MARKERS & set(document):
             return True
@@ -328,7 +324,7 @@ def _is_series_key(key: object) -> bool:
 
 
 def _series_paths(node: object, path: Path) -> list[Path]:
-    """The paths of the strings choosing what a panel plots (y keys, key regexes, at any depth)."""
+    """The strings choosing what a panel plots (y keys, key regexes, at any depth)."""
     found: list[Path] = []
     if isinstance(node, dict):
         for key, value in node.items():
@@ -376,7 +372,6 @@ def _wandb_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
 
 
 def _panel_paths(node: object, path: Path = ()) -> list[Path]:
-    """Paths of the entries of every ``panels`` list (``node``: the documents)."""
     children = dict(enumerate(node)) if isinstance(node, list) else node
     if not isinstance(children, dict):
         return []
@@ -426,7 +421,6 @@ def _rules_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
 
 
 def _rule_of(path: Path) -> Path | None:
-    """The path of the rule (an entry of a ``rules`` list) whose ``expr`` is at ``path``."""
     rule = path[:-1]
     return rule if len(rule) >= 2 and rule[-2] == "rules" and isinstance(rule[-1], int) else None
 

@@ -47,7 +47,6 @@ Node: TypeAlias = Scalar | Mapping | Sequence
 
 
 def walk(node: Node, path: Path, key: Scalar | None = None) -> Iterator[tuple[Path, Node, Scalar | None]]:
-    """Every node under ``node`` with its path, and its key scalar when it is a mapping's value."""
     yield path, node, key
     if isinstance(node, Mapping):
         for item_key, value in node.items:
@@ -58,7 +57,6 @@ def walk(node: Node, path: Path, key: Scalar | None = None) -> Iterator[tuple[Pa
 
 
 def substitute_names(raw: str, renames: dict[str, str]) -> str:
-    """``raw`` with each old name replaced where it stands as a whole name."""
     if not renames:
         return raw
     names = sorted(renames, key=len, reverse=True)
@@ -91,7 +89,6 @@ def apply_edits(text: str, edits: Iterable[Edit]) -> str:
 
 
 def line_of(text: str, offset: int) -> int:
-    """The 1-based line number of a character offset."""
     return text.count("\n", 0, offset) + 1
 
 
@@ -155,8 +152,7 @@ class _Reader:
 
 
 def _spans_removal(items: list[_Span], indices: list[int], inside: _Span) -> list[Edit]:
-    """Edits deleting the entries at ``indices`` of a comma-separated list (JSON, YAML flow),
-    keeping the others' layout; ``items`` are the entries' spans, ``inside`` the list's inside."""
+    """Edits deleting the entries at ``indices`` of a comma-separated list (JSON, YAML flow)."""
     doomed = set(indices)
     if doomed >= set(range(len(items))):
         return [Edit(*inside, "")]
@@ -176,7 +172,6 @@ class JsonSyntax:
     name = "JSON"
 
     def read(self, text: str) -> tuple[list[Node], list[object]]:
-        """The node tree and the data of one JSON value (``ValueError`` if it is not JSON)."""
         data = json.loads(text)  # first: its error messages are the ones users know
         return [_Reader(text).value(0)[0]], [data]
 
@@ -243,7 +238,6 @@ class YamlSyntax:
     name = "YAML"
 
     def read(self, text: str) -> tuple[list[Node], list[object]]:
-        """The node trees and the data of every document (``ValueError`` if it is not YAML)."""
         yaml = _yaml()
         try:
             documents = list(yaml.compose_all(text))

@@ -54,10 +54,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def open_events(
-    path: Path, progress: bool | None = None, max_staleness: int = 8, strict: bool = True
+    path: Path, progress: bool | None, max_staleness: int, strict: bool
 ) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
-    """Events of a SPEC 9 stream (maybe compressed) or of a run the adapters understand, and the
-    reader of a current-layout prime-rl run (for its notes)."""
+    """Events of a stream or of a run the adapters read, and a current prime-rl run's reader."""
     from ...replay.sources import detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()
@@ -117,8 +116,7 @@ def _atomic_output(path: Path | None) -> Iterator[IO[bytes] | None]:
 
 
 def batches_line_bytes(shipment: Shipment) -> bytes:
-    """The ``--batches-out`` line of a ship, its 0/1 weights written by table look-up
-    (:func:`.jsonio.zero_one_floats`: the same bytes as formatting each float)."""
+    """The ``--batches-out`` line of a ship, its 0/1 weights written by table look-up."""
     line = shipment.batches_line(arrays=True)
     samples = [sample for rollout in line["shipped"] for sample in rollout["samples"]]
     for name in WEIGHT_FIELDS:
@@ -140,7 +138,6 @@ def run(args: argparse.Namespace) -> int:
     for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
         if path is not None and not path.resolve().parent.is_dir():
             return failed("replay", f"{option} {path}: its folder does not exist")
-    # per-env figures are written only with the breakdown
     sink = Sink(config, env_reports=config.env_breakdown)
     ships = 0
     reports: list[StepReport] = []
@@ -152,7 +149,6 @@ def run(args: argparse.Namespace) -> int:
             _atomic_output(args.metrics_out) as metrics_out,
             _atomic_output(args.batches_out) as batches_out,
         ):
-            # (written when the whole stream is read)
             for shipment in run_events(events, sink):
                 ships += 1
                 if prime_rl:

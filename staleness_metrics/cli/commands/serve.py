@@ -55,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     memory_help = "keep runs in memory only: a restart or crash loses them"
     store.add_argument("--in-memory", action="store_true", help=memory_help)
     otlp = parser.add_argument_group("OTLP (every run, besides /metrics)")
-    otlp_help = "send OTLP metrics there (default: when OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set)"
+    otlp_help = "send OTLP metrics there (default: if OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set)"
     otlp.add_argument("--otlp-endpoint", metavar="URL", help=otlp_help)
     otlp.add_argument("--otlp-protocol", choices=("http/protobuf", "grpc"), help="default: http/protobuf")
     wandb = parser.add_argument_group("Weights & Biases (one W&B run per service run)")
@@ -131,25 +131,18 @@ def run(args: argparse.Namespace) -> int:
         check_bind(args.host, token)
     except BindRefused as exc:
         return failed("serve", str(exc))
-    if args.max_body_bytes < 1:
-        return failed("serve", "--max-body-bytes must be >= 1")
-    if args.body_bytes_per_span_row < 0:
-        return failed("serve", "--body-bytes-per-span-row must be >= 0")
-    if args.max_header_bytes < 1024:
-        return failed("serve", "--max-header-bytes must be >= 1024")
+    floors = {"max_body_bytes": 1, "body_bytes_per_span_row": 0, "max_header_bytes": 1024}
+    for name, least in floors.items():
+        if getattr(args, name) < least:
+            return failed("serve", f"--{name.replace('_', '-')} must be >= {least}")
     if not args.header_timeout > 0:
         return failed("serve", "--header-timeout must be > 0")
 
     otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
-    exporters = ExportSettings(
-        otlp=otlp,
-        otlp_endpoint=args.otlp_endpoint,
-        otlp_protocol=args.otlp_protocol,
-        wandb_project=args.wandb_project,
-        wandb_entity=args.wandb_entity,
-        wandb_mode=args.wandb_mode,
-        wandb_dir=args.wandb_dir,
-    )
+    names = (
+        "otlp_endpoint", "otlp_protocol", "wandb_project", "wandb_entity", "wandb_mode", "wandb_dir",
+    )  # fmt: skip
+    exporters = ExportSettings(otlp=otlp, **{name: getattr(args, name) for name in names})
     data_dir = None if args.in_memory else args.data_dir
     settings = ServerSettings(
         token=token,
