@@ -68,18 +68,16 @@ def detect_kind(path: Path, text: str) -> FileKind:
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
     """Migrate the contents of one file (nothing is written)."""
     shown = str(path)
-    config_scanner = scanner_for(options, prometheus=False)
-    prometheus_scanner = scanner_for(options, prometheus=True)
     if kind in _CONFIG_FORMATS:
-        return _migrate_config(shown, text, kind, config_scanner)
-    for policy in POLICIES:
-        if policy.kind is kind:
-            syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
-            scanner = prometheus_scanner if policy.prometheus else config_scanner
-            return migrate_structured(shown, text, syntax, policy, scanner, options)
+        return _migrate_config(shown, text, kind, scanner_for(options, prometheus=False))
+    policy = next((p for p in POLICIES if p.kind is kind), None)
+    if policy is not None:
+        syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
+        scanner = scanner_for(options, prometheus=policy.prometheus)
+        return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
-    return scan_text(shown, text, prometheus_scanner)
+    return scan_text(shown, text, scanner_for(options, prometheus=True))
 
 
 def load_config(text: str, fmt: ConfigFormat) -> Any:

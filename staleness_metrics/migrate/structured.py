@@ -15,8 +15,6 @@ from .tree import Edit, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edi
 
 @dataclass(frozen=True)
 class ScalarScan:
-    """The legacy names found in one string value (or mapping key) of the document."""
-
     path: Path  # the value's path; for a key, the path of the value it names
     scalar: Scalar
     is_key: bool
@@ -26,17 +24,14 @@ class ScalarScan:
 
 @dataclass(frozen=True)
 class Unit:
-    """A list entry ``--drop-removed`` may delete: it shows only removed metrics."""
-
     path: Path
     label: str  # 'panel "Token max"', 'alert "X"'
 
 
 @dataclass(frozen=True)
 class Policy:
-    """A structured file kind: its test of a parsed document, how to read the string at a path
-    (None: leave it alone), the entries ``--drop-removed`` deletes, and whether its free text
-    holds series names."""
+    """A structured file kind: its test of a document, how to read the string at a path (None: leave
+    it), the entries ``--drop-removed`` deletes, and whether its free text holds series names."""
 
     kind: FileKind
     looks_like: Callable[[object], bool]
@@ -158,7 +153,10 @@ class _Migration:
     def drop(self, units: list[Unit], drop_removed: bool) -> None:
         """Delete the units (``--drop-removed``), or note on their findings that the flag would."""
         by_parent: dict[Path, list[Unit]] = defaultdict(list)
-        for unit in _outermost(units):
+        paths = {u.path for u in units}
+        for unit in units:
+            if any(p != unit.path and _under(unit.path, p) for p in paths):
+                continue  # inside another unit
             by_parent[unit.path[:-1]].append(unit)
         for parent_path, members in by_parent.items():
             parent = self.nodes[parent_path]
@@ -245,14 +243,7 @@ def _index(path: Path) -> int:
     return last
 
 
-def _outermost(units: list[Unit]) -> list[Unit]:
-    paths = {u.path for u in units}
-    return [u for u in units if not any(p != u.path and _under(u.path, p) for p in paths)]
-
-
-# -- Grafana dashboards: queries (``expr``, ``query``, ``definition``) read as PromQL, every other
-# string as free text; --drop-removed deletes targets of removed series only, and a panel whose
-# targets all go ----------------------------------------------------------------------------------
+# -- Grafana dashboards: queries read as PromQL, --drop-removed deletes targets and whole panels --
 
 
 def _looks_like_grafana(document: object) -> bool:
@@ -297,9 +288,7 @@ def _target_of(path: Path) -> Path | None:
     return None
 
 
-# -- W&B workspace specs and panel lists (JSON or YAML): a value under a key containing ``regex`` is
-# a key regex, every other string free text; --drop-removed deletes series entries naming a removed
-# key, and a panel all of whose series were removed ------------------------------------------------
+# -- W&B workspace specs and panel lists: ``*regex*`` values read as key regexes ------------------
 
 _SERIES_KEYS = frozenset({"y", "metrics", "metric", "keys", "key"})
 _MARKERS = frozenset({"sections", "panels", "workspace", "panel_regexes"})
@@ -383,9 +372,7 @@ def _panel_paths(node: object, path: Path = ()) -> list[Path]:
     return found
 
 
-# -- Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource): ``expr`` read as
-# PromQL, labels, annotations and comments as free text, alert names left alone; --drop-removed
-# deletes a rule whose ``expr`` reads only removed series -----------------------------------------
+# -- Prometheus rule files (and PrometheusRule resources): ``expr`` read as PromQL ----------------
 
 
 def _looks_like_rules(document: object) -> bool:

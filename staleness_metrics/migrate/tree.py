@@ -66,8 +66,6 @@ def substitute_names(raw: str, renames: dict[str, str]) -> str:
 
 @dataclass(frozen=True)
 class Edit:
-    """Replace ``text[start:end]`` with ``replacement``."""
-
     start: int
     end: int
     replacement: str
@@ -253,20 +251,18 @@ class YamlSyntax:
         if isinstance(node, ScalarNode):
             value = node.value if node.tag == _STR_TAG else yaml.constructor.construct_object(node)
             return Scalar(start, end, value, node.style or "plain", in_flow)
+        flow = bool(node.flow_style)
+        inner = in_flow or flow
         if isinstance(node, MappingNode):
-            flow = bool(node.flow_style)
             mapping = Mapping(start, end, flow=flow)
             for key, value in node.value:
-                key_node = self._convert(yaml, key, in_flow or flow)
+                key_node = self._convert(yaml, key, inner)
                 if not isinstance(key_node, Scalar):
                     raise ValueError(f"line {key.start_mark.line + 1}: complex mapping keys are not supported")
-                mapping.items.append((key_node, self._convert(yaml, value, in_flow or flow)))
+                mapping.items.append((key_node, self._convert(yaml, value, inner)))
             return mapping
         assert isinstance(node, SequenceNode)
-        flow = bool(node.flow_style)
-        sequence = Sequence(start, end, flow=flow)
-        sequence.items = [self._convert(yaml, item, in_flow or flow) for item in node.value]
-        return sequence
+        return Sequence(start, end, [self._convert(yaml, item, inner) for item in node.value], flow)
 
     def load(self, text: str) -> list[object]:
         yaml = _yaml()  # outside the try: a missing parser is not a parse error

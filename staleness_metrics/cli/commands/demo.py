@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +60,9 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args, args.max_staleness)
     except ConfigError as error:
         return failed("demo", error)
-    options = DemoOptions(
-        steps=args.steps,
-        speed=args.speed,
-        config=config,
-        seed=args.seed,
-        prometheus_port=args.prometheus_port,
-        out_dir=args.out_dir,
-        metrics_out=args.metrics_out,
-        wandb=args.wandb,
-        live=args.live,
-    )
+    # every option but the config's is a field of the same name
+    names = [field.name for field in dataclasses.fields(DemoOptions) if field.name != "config"]
+    options = DemoOptions(config=config, **{name: getattr(args, name) for name in names})
     try:
         return run_demo(options)
     except OSError as error:  # an output directory or file that cannot be written
