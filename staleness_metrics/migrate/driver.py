@@ -182,8 +182,7 @@ class _Findings(dict[tuple[str, Action], Finding]):
 
 
 def migrate_history(path: str, text: str, options: Options) -> FileResult:
-    """A metrics history, keys renamed in place and a boundary line ``{"step": S, MARKER_KEY: S}``
-    after the last line with legacy keys."""
+    """A metrics history, keys renamed in place and a boundary line after the last legacy one."""
     result = FileResult(path, FileKind.HISTORY, original=text)
     found = _Findings(path)
     out: list[str] = []
@@ -334,8 +333,7 @@ def unified_diff(result: FileResult) -> str:
 
 
 def write_atomically(path: Path, original: str, new_text: str) -> None:
-    """Replace the file's contents in one step if it still holds ``original`` (symlinks followed,
-    permission bits kept)."""
+    """Replace the file's contents in one step if it still holds ``original`` (mode kept)."""
     target = Path(os.path.realpath(path))
     if target.read_bytes() != original.encode("utf-8"):
         raise OSError(f"{path} changed while it was being migrated; run again")

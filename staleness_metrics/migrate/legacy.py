@@ -156,9 +156,8 @@ def rewrite_key_regex(
     flavor: RegexFlavor = "wandb",
     prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES,
 ) -> RegexRewrite | None:
-    """The regex over metric names matching the new names of the legacy names ``pattern`` matched
-    (None when it matches no legacy name or already a current one; ``ValueError`` when it is not a
-    regex). Rules in docs/migrate.md."""
+    """The regex matching the new names of the legacy names ``pattern`` matched (None when it
+    matches none or a current one; ``ValueError`` if not a regex). Rules in docs/migrate.md."""
     if "off_policy" not in pattern and "staleness" not in pattern:
         return None
     prefixes = tuple(prefixes)

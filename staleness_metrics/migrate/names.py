@@ -78,8 +78,7 @@ _PROMQL_TOKEN = re.compile(
 
 
 class Scanner:
-    """Scans strings for legacy names; ``prometheus`` also looks for legacy series names in free
-    text (off for configs, where a key like ``staleness_max`` is no series)."""
+    """Scans strings for legacy names (``prometheus``: series names in free text too)."""
 
     def __init__(self, *, prometheus: bool, prefixes: Sequence[str] = legacy.DEFAULT_PROMETHEUS_PREFIXES):
         self.prometheus = prometheus
@@ -101,11 +100,8 @@ class Scanner:
             if match.lastgroup == "key":
                 found = legacy.migrate_key(token)
                 assert found is not None
-                if found.new is None:
-                    hits.append(Hit(start, end, token, None, Action.REMOVED, found.reason))
-                else:
-                    reason = found.reason or "renamed"
-                    hits.append(Hit(start, end, token, found.new, Action.RENAME, reason))
+                action = Action.REMOVED if found.new is None else Action.RENAME
+                hits.append(Hit(start, end, token, found.new, action, found.reason or "renamed"))
             elif match.lastgroup == "ns":
                 token = token.rstrip(".:")
                 reason = "old off_policy/ namespace, no known mapping"

@@ -12,7 +12,6 @@ from .options import add_command
 EPILOG = """\
 examples:
   staleness-metrics migrate --check configs/ dashboards/ alerts.yml   # CI: exit 1 and list what is left
-  staleness-metrics migrate --diff configs/orchestrator.toml          # show the change as a patch
   staleness-metrics migrate --write --drop-removed .                  # change the files in place
   staleness-metrics migrate --from verl --check dashboards/ metrics.jsonl
 

@@ -31,9 +31,6 @@ READ_BUFFER = 1 << 20
 EPILOG = """\
 examples:
   staleness-metrics replay events.jsonl --metrics-out metrics.jsonl
-  staleness-metrics replay events.jsonl --policy xtuner --max-staleness 2 \\
-      --max-token-staleness 1 --retry-expired --batches-out batches.jsonl
-  staleness-metrics replay path/to/prime-rl-run --policy episode
   staleness-metrics replay path/to/prime-rl-run --lenient     # its monitors/file/traces (current layout)
 
 See docs/replay.md (exit status, compressed streams).
