@@ -122,11 +122,9 @@ def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> F
     result = FileResult(path, kind, original=text)
     try:
         old_data = load_config(text, fmt)
-    except MissingParser as exc:
-        result.error = str(exc)
-        return result
-    except ValueError as exc:
-        result.error = f"cannot parse as {fmt.upper()}: {exc}"
+    except ValueError as exc:  # a MissingParser names the package to install
+        missing = isinstance(exc, MissingParser)
+        result.error = str(exc) if missing else f"cannot parse as {fmt.upper()}: {exc}"
         return result
     scanned = scanner.scan(text, Context.TEXT)
     for hit in scanned.hits:

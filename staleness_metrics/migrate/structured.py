@@ -87,11 +87,9 @@ def migrate_structured(
     result = FileResult(path, policy.kind, original=text)
     try:
         roots, data = syntax.read(text)
-    except MissingParser as exc:
-        result.error = str(exc)
-        return result
-    except ValueError as exc:
-        result.error = f"cannot parse as {syntax.name}: {exc}"
+    except ValueError as exc:  # a MissingParser names the package to install
+        missing = isinstance(exc, MissingParser)
+        result.error = str(exc) if missing else f"cannot parse as {syntax.name}: {exc}"
         return result
     migration = _Migration(path, text, syntax, scanner, roots)
     migration.scan(policy)

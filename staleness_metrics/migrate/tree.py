@@ -3,6 +3,7 @@ replace only the changed values (dumping a parsed file would reformat it)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -176,11 +177,9 @@ class JsonSyntax:
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
         raw = text[scalar.start : scalar.end]
         candidate = substitute_names(raw, renames)
-        try:
+        with contextlib.suppress(ValueError):
             if json.loads(candidate) == new_value:
                 return candidate
-        except ValueError:
-            pass
         return json.dumps(new_value, ensure_ascii="\\u" in raw)
 
     def remove(self, text: str, parent: Mapping | Sequence, indices: list[int]) -> list[Edit]:
