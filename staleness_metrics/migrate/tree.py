@@ -289,24 +289,21 @@ class YamlSyntax:
             opening = text.find("[", parent.start)
             spans = [(item.start, item.end) for item in parent.items]
             return _spans_removal(spans, indices, (opening + 1, parent.end - 1))
-        begins = [self._item_begin(text, item) for item in parent.items]
-        if any(begin is None for begin in begins):
+        found = [self._item_begin(text, item) for item in parent.items]
+        begins = [begin for begin in found if begin is not None]
+        if len(begins) < len(found):
             return None
         if set(indices) >= set(range(len(parent.items))):
-            first = begins[0]
-            assert first is not None
             end = _content_end(parent.items[-1])
             end -= text[end - 1 : end] == "\n"  # a block scalar's span includes its line break
-            return [Edit(text.index("-", first), end, "[]")]
+            return [Edit(text.index("-", begins[0]), end, "[]")]
         edits = []
         for index in indices:
-            begin = begins[index]
-            assert begin is not None
             end = _content_end(parent.items[index])
             if text[end - 1 : end] != "\n":
                 newline = text.find("\n", end)
                 end = len(text) if newline < 0 else newline + 1
-            edits.append(Edit(begin, end, ""))
+            edits.append(Edit(begins[index], end, ""))
         return edits
 
     @staticmethod
