@@ -35,8 +35,7 @@ _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
-    """Each file to look at, and whether it was named on the command line (directories are walked,
-    hidden directories and caches skipped, symlinked directories not followed)."""
+    """Each file to look at, and whether it was named on the command line."""
     for name in paths:
         path = Path(name)
         if not path.is_dir():
@@ -69,22 +68,19 @@ def detect_kind(path: Path, text: str) -> FileKind:
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
     """Migrate the contents of one file (nothing is written)."""
     shown = str(path)
-    config_scanner = scanner_for(options, prometheus=False)
-    prometheus_scanner = scanner_for(options, prometheus=True)
     if kind in _CONFIG_FORMATS:
-        return _migrate_config(shown, text, kind, config_scanner)
-    for policy in POLICIES:
-        if policy.kind is kind:
-            syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
-            scanner = prometheus_scanner if policy.prometheus else config_scanner
-            return migrate_structured(shown, text, syntax, policy, scanner, options)
+        return _migrate_config(shown, text, kind, scanner_for(options, prometheus=False))
+    policy = next((p for p in POLICIES if p.kind is kind), None)
+    if policy is not None:
+        syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
+        scanner = scanner_for(options, prometheus=policy.prometheus)
+        return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
-    return scan_text(shown, text, prometheus_scanner)
+    return scan_text(shown, text, scanner_for(options, prometheus=True))
 
 
 def load_config(text: str, fmt: ConfigFormat) -> Any:
-    """Plain data of a config file (raises ``ValueError`` with the parser's message)."""
     try:
         if fmt == "toml":
             import tomlkit  # optional dependency (the cli extra)
@@ -104,7 +100,7 @@ class _Refused(Exception):
 
 
 def _renamed(data: Any, scanner: Scanner) -> Any:
-    """``data`` with the names in every key and string replaced, as the edit should leave it."""
+    """``data`` as the rename should leave it."""
     if isinstance(data, dict):
         out: dict[Any, Any] = {}
         for key, value in data.items():
@@ -121,17 +117,14 @@ def _renamed(data: Any, scanner: Scanner) -> Any:
 
 
 def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> FileResult:
-    """A config edited as text, each legacy name replaced where it stands as a whole name so that
-    every other byte stays; kept only if it parses to the old data with those names replaced."""
+    """A config renamed as text, kept only if it parses to the old data with the names replaced."""
     fmt = _CONFIG_FORMATS[kind]
     result = FileResult(path, kind, original=text)
     try:
         old_data = load_config(text, fmt)
-    except MissingParser as exc:
-        result.error = str(exc)
-        return result
-    except ValueError as exc:
-        result.error = f"cannot parse as {fmt.upper()}: {exc}"
+    except ValueError as exc:  # a MissingParser names the package to install
+        missing = isinstance(exc, MissingParser)
+        result.error = str(exc) if missing else f"cannot parse as {fmt.upper()}: {exc}"
         return result
     scanned = scanner.scan(text, Context.TEXT)
     for hit in scanned.hits:
@@ -187,9 +180,7 @@ class _Findings(dict[tuple[str, Action], Finding]):
 
 
 def migrate_history(path: str, text: str, options: Options) -> FileResult:
-    """A metrics history (one JSON object with a ``step`` a line): keys renamed in place, values
-    untouched, and a boundary line ``{"step": S, MARKER_KEY: S}`` after the last line with legacy
-    keys (steps up to S used the old definitions)."""
+    """A metrics history, keys renamed in place and a boundary line after the last legacy one."""
     result = FileResult(path, FileKind.HISTORY, original=text)
     found = _Findings(path)
     out: list[str] = []
@@ -225,7 +216,6 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
 
 
 def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
-    """The line with legacy keys renamed; whether it had any; whether it is a boundary; its step."""
     try:
         [node], [data] = JSON.read(body)
     except ValueError as exc:
@@ -284,7 +274,6 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
 
 
 def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, explicit: bool = True) -> FileResult:
-    """Read one file and migrate it in memory; ``kind`` None detects it."""
     shown = str(path)
     try:
         raw = path.read_bytes()
@@ -318,8 +307,7 @@ def scan_text(
     *,
     reason: str = "this kind of file is only reported: edit by hand",
 ) -> FileResult:
-    """Any other text file: legacy names reported with line numbers, never edited (a line holding
-    ``staleness-migrate: ignore`` is skipped)."""
+    """Any other text file: legacy names reported, never edited."""
     result = FileResult(path, FileKind.TEXT, original=text)
     for number, line in enumerate(text.split("\n"), start=1):  # editors count "\n" only
         if IGNORE_PRAGMA in line:
@@ -343,11 +331,7 @@ def unified_diff(result: FileResult) -> str:
 
 
 def write_atomically(path: Path, original: str, new_text: str) -> None:
-    """Replace the file's contents in one step (temp file beside it, then ``os.replace``).
-
-    The file must still hold ``original``: a file changed since it was read is not overwritten.
-    Symlinks are followed (the target is replaced, the link stays) and the permission bits are kept.
-    """
+    """Replace the file's contents in one step if it still holds ``original`` (mode kept)."""
     target = Path(os.path.realpath(path))
     if target.read_bytes() != original.encode("utf-8"):
         raise OSError(f"{path} changed while it was being migrated; run again")

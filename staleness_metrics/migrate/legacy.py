@@ -20,17 +20,12 @@ from ..metrics.metric_table import (
     metric_by_key,
 )
 
+# the settings as command lines spell them (--orchestrator.max-off-policy-steps 8)
 RENAMED_SETTING_FLAGS: Mapping[str, str] = {"max-off-policy-steps": "max-staleness"}
-"""The same settings as command lines spell them (``--orchestrator.max-off-policy-steps 8``)."""
-
 CONSOLE_LABELS: Mapping[str, str] = {"Max Off-Policy": "Max Staleness"}
-"""Labels of the per-step console line that were renamed (old -> new)."""
-
 CURRENT_KEYS: frozenset[str] = frozenset(WANDB_KEYS)
-"""The W&B keys of the metric table (SPEC 6, 11, 12; templated keys spelled out per bucket)."""
-
+# prime-rl's orchestrator exporter
 DEFAULT_PROMETHEUS_PREFIXES: tuple[str, ...] = ("orchestrator_",)
-"""Namespace prefixes a legacy Prometheus name may carry (prime-rl's orchestrator exporter)."""
 
 _HISTOGRAM_SERIES = ("", "_bucket", "_sum", "_count")
 CURRENT_PROMETHEUS_NAMES: frozenset[str] = frozenset(
@@ -39,7 +34,6 @@ CURRENT_PROMETHEUS_NAMES: frozenset[str] = frozenset(
     if metric.prometheus_name is not None
     for suffix in (_HISTOGRAM_SERIES if metric.kind is MetricKind.HISTOGRAM else ("",))
 )
-"""Every series name the Prometheus exporter publishes (a histogram's own series included)."""
 
 
 def migrate_key(key: str) -> LegacyKey | None:
@@ -55,13 +49,11 @@ def migrate_key(key: str) -> LegacyKey | None:
 
 
 def current_key(key: str) -> str | None:
-    """The key to use now for ``key``: its new key, None when removed, else ``key`` itself."""
     legacy = migrate_key(key)
     return key if legacy is None else legacy.new
 
 
 def in_legacy_namespace(key: str) -> bool:
-    """Whether ``key`` sits in the old ``off_policy/`` namespace (known to the table or not)."""
     return key.startswith(LEGACY_NAMESPACE)
 
 
@@ -70,7 +62,6 @@ class LegacyPrometheusName:
     """What an old series name became: ``legacy_key`` is the W&B key it published, ``new`` the
     family publishing its replacement (None: removed, ``reason`` says why)."""
 
-    old: str
     legacy_key: str
     new: str | None
     reason: str
@@ -94,13 +85,13 @@ def migrate_prometheus_name(
         legacy = migrate_key(old_key)
         assert legacy is not None, f"{bare} names {old_key}, which is not a legacy key"
         if legacy.new is None:
-            return LegacyPrometheusName(name, old_key, None, legacy.reason)
+            return LegacyPrometheusName(old_key, None, legacy.reason)
         metric = metric_by_key(legacy.new)
         assert metric.prometheus_name is not None, f"{legacy.new} has no Prometheus name"
         reason = legacy.reason or "renamed"
         if metric.kind is MetricKind.COUNTER and not bare.endswith("_total"):
             reason = _COUNTER_NOTE
-        return LegacyPrometheusName(name, old_key, metric.prometheus_name, reason)
+        return LegacyPrometheusName(old_key, metric.prometheus_name, reason)
     return None
 
 
@@ -111,12 +102,10 @@ RegexFlavor = Literal["wandb", "prometheus"]
 
 @dataclass(frozen=True)
 class RegexRewrite:
-    """A legacy key regex, the legacy names it ``matched`` (``removed``: those without a new name),
-    and a ``pattern`` matching exactly the others' new names (None when all were removed)."""
+    """A ``pattern`` matching exactly the new names of the legacy names a regex matched (None when
+    all were ``removed``)."""
 
-    old: str
     pattern: str | None
-    matched: tuple[str, ...]
     removed: tuple[str, ...]
 
 
@@ -167,9 +156,8 @@ def rewrite_key_regex(
     flavor: RegexFlavor = "wandb",
     prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES,
 ) -> RegexRewrite | None:
-    """The regex over metric names matching the new names of the legacy names ``pattern`` matched
-    (None when it matches no legacy name or already a current one; ``ValueError`` when it is not a
-    regex). Rules in docs/migrate.md."""
+    """The regex matching the new names of the legacy names ``pattern`` matched (None when it
+    matches none or a current one; ``ValueError`` if not a regex). Rules in docs/migrate.md."""
     if "off_policy" not in pattern and "staleness" not in pattern:
         return None
     prefixes = tuple(prefixes)
@@ -187,10 +175,10 @@ def rewrite_key_regex(
     removed = tuple(name for name in matched if legacy[name] is None)
     targets = sorted({new for name in matched if (new := legacy[name]) is not None})
     if not targets:
-        return RegexRewrite(pattern, None, tuple(matched), removed)
+        return RegexRewrite(None, removed)
     new_pattern = "^" + _trie_pattern(targets, "/") + "$" if flavor == "wandb" else _trie_pattern(targets, "_")
     # The rewrite must match exactly the targets among all known names, and no legacy name.
     check = re.compile(new_pattern)
     hits = {name for name in (*current, *legacy) if _matches(check, name, flavor)}
     assert hits == set(targets), f"rewrite of {pattern!r} matches {sorted(hits)}, not {targets}"
-    return RegexRewrite(pattern, new_pattern, tuple(matched), removed)
+    return RegexRewrite(new_pattern, removed)

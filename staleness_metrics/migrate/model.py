@@ -30,8 +30,7 @@ class FileKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Options:
-    """How to migrate: delete what was removed, which prefixes legacy Prometheus names carry, and
-    (``--from PEER``) whose keys to map instead of this project's legacy ones."""
+    """How to migrate (``peer``: whose keys to map instead of this project's legacy ones)."""
 
     drop_removed: bool = False
     prometheus_prefixes: tuple[str, ...] = DEFAULT_PROMETHEUS_PREFIXES
@@ -39,8 +38,7 @@ class Options:
 
 
 class Action(str, enum.Enum):
-    """What happens to a legacy name: renamed, deleted (``--drop-removed``), left in place as a
-    removed metric, or only reported."""
+    """What happens to a legacy name: renamed, deleted, left as a removed metric, or reported."""
 
     RENAME = "rename"
     DROP = "drop"
@@ -66,7 +64,6 @@ class Finding:
 
     @property
     def fixed_by_write(self) -> bool:
-        """Whether ``--write`` (with the flags it ran under) takes this finding away."""
         return self.action in (Action.RENAME, Action.DROP)
 
     def describe(self) -> str:

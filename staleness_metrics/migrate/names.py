@@ -24,8 +24,6 @@ class Context(enum.Enum):
 
 @dataclass(frozen=True)
 class Hit:
-    """A legacy name at ``start:end`` of the scanned string."""
-
     start: int
     end: int
     old: str
@@ -80,8 +78,7 @@ _PROMQL_TOKEN = re.compile(
 
 
 class Scanner:
-    """Scans strings for legacy names; ``prometheus`` also looks for legacy series names in free
-    text (off for configs, where a key like ``staleness_max`` is no series)."""
+    """Scans strings for legacy names (``prometheus``: series names in free text too)."""
 
     def __init__(self, *, prometheus: bool, prefixes: Sequence[str] = legacy.DEFAULT_PROMETHEUS_PREFIXES):
         self.prometheus = prometheus
@@ -103,11 +100,8 @@ class Scanner:
             if match.lastgroup == "key":
                 found = legacy.migrate_key(token)
                 assert found is not None
-                if found.new is None:
-                    hits.append(Hit(start, end, token, None, Action.REMOVED, found.reason))
-                else:
-                    reason = found.reason or "renamed"
-                    hits.append(Hit(start, end, token, found.new, Action.RENAME, reason))
+                action = Action.REMOVED if found.new is None else Action.RENAME
+                hits.append(Hit(start, end, token, found.new, action, found.reason or "renamed"))
             elif match.lastgroup == "ns":
                 token = token.rstrip(".:")
                 reason = "old off_policy/ namespace, no known mapping"
@@ -197,7 +191,6 @@ class Scanner:
 
 
 def apply_renames(text: str, hits: Sequence[Hit]) -> str:
-    """``text`` with every rename among ``hits`` applied (other hits only reported)."""
     renames = (h for h in hits if h.action is Action.RENAME)
     return apply_edits(text, [Edit(h.start, h.end, h.new) for h in renames if h.new is not None])
 
@@ -208,7 +201,6 @@ _SUFFIX = "(?:" + _alternation(TRACKER_SUFFIXES) + ")?"
 
 
 def _bare(segment: str) -> str:
-    """A path segment without the tracker's ``__count`` suffix."""
     for suffix in TRACKER_SUFFIXES:
         if segment.endswith(suffix):
             return segment[: -len(suffix)]
@@ -222,8 +214,6 @@ def _hit(row: PeerKey, start: int, end: int, token: str, new: str | None) -> Hit
 
 
 class PeerScanner(Scanner):
-    """Scans strings for one peer's keys instead of this project's legacy names."""
-
     def __init__(self, peer: str, *, prometheus: bool, prefixes: Sequence[str] = ()) -> None:
         super().__init__(prometheus=prometheus, prefixes=prefixes)
         self.peer = peer
@@ -283,7 +273,6 @@ class PeerScanner(Scanner):
 
 
 def scanner_for(options: Options, *, prometheus: bool) -> Scanner:
-    """The legacy scanner, or the peer's when ``options.peer`` is set."""
     if options.peer:
         return PeerScanner(options.peer, prometheus=prometheus, prefixes=options.prometheus_prefixes)
     return Scanner(prometheus=prometheus, prefixes=options.prometheus_prefixes)

@@ -15,8 +15,6 @@ from .tree import Edit, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edi
 
 @dataclass(frozen=True)
 class ScalarScan:
-    """The legacy names found in one string value (or mapping key) of the document."""
-
     path: Path  # the value's path; for a key, the path of the value it names
     scalar: Scalar
     is_key: bool
@@ -26,17 +24,14 @@ class ScalarScan:
 
 @dataclass(frozen=True)
 class Unit:
-    """A list entry ``--drop-removed`` may delete: it shows only removed metrics."""
-
     path: Path
     label: str  # 'panel "Token max"', 'alert "X"'
 
 
 @dataclass(frozen=True)
 class Policy:
-    """A structured file kind: its test of a parsed document, how to read the string at a path
-    (None: leave it alone), the entries ``--drop-removed`` deletes, and whether its free text
-    holds series names."""
+    """A structured file kind: its test of a document, how to read the string at a path (None: leave
+    it), the entries ``--drop-removed`` deletes, and whether its free text holds series names."""
 
     kind: FileKind
     looks_like: Callable[[object], bool]
@@ -46,7 +41,6 @@ class Policy:
 
 
 def _nearest_key(path: Path) -> str:
-    """The mapping key a value sits under (list indices skipped)."""
     return next((part for part in reversed(path) if isinstance(part, str)), "")
 
 
@@ -93,11 +87,9 @@ def migrate_structured(
     result = FileResult(path, policy.kind, original=text)
     try:
         roots, data = syntax.read(text)
-    except MissingParser as exc:
-        result.error = str(exc)
-        return result
-    except ValueError as exc:
-        result.error = f"cannot parse as {syntax.name}: {exc}"
+    except ValueError as exc:  # a MissingParser names the package to install
+        missing = isinstance(exc, MissingParser)
+        result.error = str(exc) if missing else f"cannot parse as {syntax.name}: {exc}"
         return result
     migration = _Migration(path, text, syntax, scanner, roots)
     migration.scan(policy)
@@ -159,7 +151,10 @@ class _Migration:
     def drop(self, units: list[Unit], drop_removed: bool) -> None:
         """Delete the units (``--drop-removed``), or note on their findings that the flag would."""
         by_parent: dict[Path, list[Unit]] = defaultdict(list)
-        for unit in _outermost(units):
+        paths = {u.path for u in units}
+        for unit in units:
+            if any(p != unit.path and _under(unit.path, p) for p in paths):
+                continue  # inside another unit
             by_parent[unit.path[:-1]].append(unit)
         for parent_path, members in by_parent.items():
             parent = self.nodes[parent_path]
@@ -246,18 +241,10 @@ def _index(path: Path) -> int:
     return last
 
 
-def _outermost(units: list[Unit]) -> list[Unit]:
-    paths = {u.path for u in units}
-    return [u for u in units if not any(p != u.path and _under(u.path, p) for p in paths)]
-
-
-# -- Grafana dashboards: queries (``expr``, ``query``, ``definition``) read as PromQL, every other
-# string as free text; --drop-removed deletes targets of removed series only, and a panel whose
-# targets all go ----------------------------------------------------------------------------------
+# -- Grafana dashboards: queries read as PromQL, --drop-removed deletes targets and whole panels --
 
 
 def _looks_like_grafana(document: object) -> bool:
-    """A dashboard (or an API export wrapping one in ``{"dashboard": ...}``) with ``panels``."""
     if isinstance(document, dict) and isinstance(document.get("dashboard"), dict):
         document = document["dashboard"]
     if not isinstance(document, dict) or not isinstance(document.get("panels"), list):
@@ -293,16 +280,13 @@ def _grafana_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
 
 
 def _target_of(path: Path) -> Path | None:
-    """The path of the target (an entry of a ``targets`` list) that holds ``path``."""
     for index in range(len(path) - 2, -1, -1):
         if path[index] == "targets" and isinstance(path[index + 1], int):
             return path[: index + 2]
     return None
 
 
-# -- W&B workspace specs and panel lists (JSON or YAML): a value under a key containing ``regex`` is
-# a key regex, every other string free text; --drop-removed deletes series entries naming a removed
-# key, and a panel all of whose series were removed ------------------------------------------------
+# -- W&B workspace specs and panel lists: ``*regex*`` values read as key regexes ------------------
 
 _SERIES_KEYS = frozenset({"y", "metrics", "metric", "keys", "key"})
 _MARKERS = frozenset({"sections", "panels", "workspace", "panel_regexes"})
@@ -313,7 +297,6 @@ def _is_regex_key(key: str) -> bool:
 
 
 def _looks_like_wandb(document: object) -> bool:
-    """A workspace spec (``sections``/``panels``) or a document holding key regexes."""
     if isinstance(document, dict):
         if _MARKERS & set(document):
             return True
@@ -328,7 +311,7 @@ def _is_series_key(key: object) -> bool:
 
 
 def _series_paths(node: object, path: Path) -> list[Path]:
-    """The paths of the strings choosing what a panel plots (y keys, key regexes, at any depth)."""
+    """The strings choosing what a panel plots (y keys, key regexes, at any depth)."""
     found: list[Path] = []
     if isinstance(node, dict):
         for key, value in node.items():
@@ -376,7 +359,6 @@ def _wandb_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
 
 
 def _panel_paths(node: object, path: Path = ()) -> list[Path]:
-    """Paths of the entries of every ``panels`` list (``node``: the documents)."""
     children = dict(enumerate(node)) if isinstance(node, list) else node
     if not isinstance(children, dict):
         return []
@@ -388,9 +370,7 @@ def _panel_paths(node: object, path: Path = ()) -> list[Path]:
     return found
 
 
-# -- Prometheus rule files (and the ``spec.groups`` of a PrometheusRule resource): ``expr`` read as
-# PromQL, labels, annotations and comments as free text, alert names left alone; --drop-removed
-# deletes a rule whose ``expr`` reads only removed series -----------------------------------------
+# -- Prometheus rule files (and PrometheusRule resources): ``expr`` read as PromQL ----------------
 
 
 def _looks_like_rules(document: object) -> bool:
@@ -426,7 +406,6 @@ def _rules_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
 
 
 def _rule_of(path: Path) -> Path | None:
-    """The path of the rule (an entry of a ``rules`` list) whose ``expr`` is at ``path``."""
     rule = path[:-1]
     return rule if len(rule) >= 2 and rule[-2] == "rules" and isinstance(rule[-1], int) else None
 

@@ -3,6 +3,7 @@ replace only the changed values (dumping a parsed file would reformat it)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import re
@@ -47,7 +48,6 @@ Node: TypeAlias = Scalar | Mapping | Sequence
 
 
 def walk(node: Node, path: Path, key: Scalar | None = None) -> Iterator[tuple[Path, Node, Scalar | None]]:
-    """Every node under ``node`` with its path, and its key scalar when it is a mapping's value."""
     yield path, node, key
     if isinstance(node, Mapping):
         for item_key, value in node.items:
@@ -58,7 +58,6 @@ def walk(node: Node, path: Path, key: Scalar | None = None) -> Iterator[tuple[Pa
 
 
 def substitute_names(raw: str, renames: dict[str, str]) -> str:
-    """``raw`` with each old name replaced where it stands as a whole name."""
     if not renames:
         return raw
     names = sorted(renames, key=len, reverse=True)
@@ -68,8 +67,6 @@ def substitute_names(raw: str, renames: dict[str, str]) -> str:
 
 @dataclass(frozen=True)
 class Edit:
-    """Replace ``text[start:end]`` with ``replacement``."""
-
     start: int
     end: int
     replacement: str
@@ -91,7 +88,6 @@ def apply_edits(text: str, edits: Iterable[Edit]) -> str:
 
 
 def line_of(text: str, offset: int) -> int:
-    """The 1-based line number of a character offset."""
     return text.count("\n", 0, offset) + 1
 
 
@@ -155,8 +151,7 @@ class _Reader:
 
 
 def _spans_removal(items: list[_Span], indices: list[int], inside: _Span) -> list[Edit]:
-    """Edits deleting the entries at ``indices`` of a comma-separated list (JSON, YAML flow),
-    keeping the others' layout; ``items`` are the entries' spans, ``inside`` the list's inside."""
+    """Edits deleting the entries at ``indices`` of a comma-separated list (JSON, YAML flow)."""
     doomed = set(indices)
     if doomed >= set(range(len(items))):
         return [Edit(*inside, "")]
@@ -176,18 +171,15 @@ class JsonSyntax:
     name = "JSON"
 
     def read(self, text: str) -> tuple[list[Node], list[object]]:
-        """The node tree and the data of one JSON value (``ValueError`` if it is not JSON)."""
         data = json.loads(text)  # first: its error messages are the ones users know
         return [_Reader(text).value(0)[0]], [data]
 
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
         raw = text[scalar.start : scalar.end]
         candidate = substitute_names(raw, renames)
-        try:
+        with contextlib.suppress(ValueError):
             if json.loads(candidate) == new_value:
                 return candidate
-        except ValueError:
-            pass
         return json.dumps(new_value, ensure_ascii="\\u" in raw)
 
     def remove(self, text: str, parent: Mapping | Sequence, indices: list[int]) -> list[Edit]:
@@ -243,7 +235,6 @@ class YamlSyntax:
     name = "YAML"
 
     def read(self, text: str) -> tuple[list[Node], list[object]]:
-        """The node trees and the data of every document (``ValueError`` if it is not YAML)."""
         yaml = _yaml()
         try:
             documents = list(yaml.compose_all(text))
@@ -259,20 +250,18 @@ class YamlSyntax:
         if isinstance(node, ScalarNode):
             value = node.value if node.tag == _STR_TAG else yaml.constructor.construct_object(node)
             return Scalar(start, end, value, node.style or "plain", in_flow)
+        flow = bool(node.flow_style)
+        inner = in_flow or flow
         if isinstance(node, MappingNode):
-            flow = bool(node.flow_style)
             mapping = Mapping(start, end, flow=flow)
             for key, value in node.value:
-                key_node = self._convert(yaml, key, in_flow or flow)
+                key_node = self._convert(yaml, key, inner)
                 if not isinstance(key_node, Scalar):
                     raise ValueError(f"line {key.start_mark.line + 1}: complex mapping keys are not supported")
-                mapping.items.append((key_node, self._convert(yaml, value, in_flow or flow)))
+                mapping.items.append((key_node, self._convert(yaml, value, inner)))
             return mapping
         assert isinstance(node, SequenceNode)
-        flow = bool(node.flow_style)
-        sequence = Sequence(start, end, flow=flow)
-        sequence.items = [self._convert(yaml, item, in_flow or flow) for item in node.value]
-        return sequence
+        return Sequence(start, end, [self._convert(yaml, item, inner) for item in node.value], flow)
 
     def load(self, text: str) -> list[object]:
         yaml = _yaml()  # outside the try: a missing parser is not a parse error
@@ -300,24 +289,21 @@ class YamlSyntax:
             opening = text.find("[", parent.start)
             spans = [(item.start, item.end) for item in parent.items]
             return _spans_removal(spans, indices, (opening + 1, parent.end - 1))
-        begins = [self._item_begin(text, item) for item in parent.items]
-        if any(begin is None for begin in begins):
+        found = [self._item_begin(text, item) for item in parent.items]
+        begins = [begin for begin in found if begin is not None]
+        if len(begins) < len(found):
             return None
         if set(indices) >= set(range(len(parent.items))):
-            first = begins[0]
-            assert first is not None
             end = _content_end(parent.items[-1])
             end -= text[end - 1 : end] == "\n"  # a block scalar's span includes its line break
-            return [Edit(text.index("-", first), end, "[]")]
+            return [Edit(text.index("-", begins[0]), end, "[]")]
         edits = []
         for index in indices:
-            begin = begins[index]
-            assert begin is not None
             end = _content_end(parent.items[index])
             if text[end - 1 : end] != "\n":
                 newline = text.find("\n", end)
                 end = len(text) if newline < 0 else newline + 1
-            edits.append(Edit(begin, end, ""))
+            edits.append(Edit(begins[index], end, ""))
         return edits
 
     @staticmethod

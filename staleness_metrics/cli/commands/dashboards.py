@@ -15,11 +15,7 @@ examples:
   staleness-metrics dashboards --check         # exit 1 if a committed file is out of date (CI)
   staleness-metrics dashboards --out /tmp/gen  # write a fresh copy elsewhere
 
-files (relative to --out):
-  dashboards/staleness.json, dashboards/staleness-fleet.json   Grafana dashboards (import them)
-  dashboards/wandb-workspace.json                             W&B panel spec (see wandb-workspace)
-  exporters/prometheus/staleness.rules.yml                    recording rules and alerts
-  exporters/otel/collector.yaml                               example OpenTelemetry Collector config
+The files written: docs/replay.md.
 """
 
 
@@ -27,8 +23,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
         subparsers, run, "dashboards",
         "write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
-        "Render the Grafana dashboards, the Prometheus recording/alerting rules, the W&B panel "
-        "spec and the example OpenTelemetry Collector config from the metric table.",
         EPILOG,
     )  # fmt: skip
     out_help = "project root the files are written under (default: the current directory)"

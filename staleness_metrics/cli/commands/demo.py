@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ...config import POLICY_NAMES, StalenessConfig
+from ...config import POLICY_NAMES
 from ...errors import ConfigError
-from .options import add_bound_options, add_command, bound_settings, failed
+from .options import add_bound_options, add_command, config_from_args, failed
 
 EPILOG = """\
 examples:
@@ -16,8 +17,7 @@ examples:
   staleness-metrics demo --steps 200 --max-staleness 4    # a tighter bound: more masking
   staleness-metrics demo --speed 0 --prometheus-port 0    # as fast as possible, any free port
 
-Writes a run directory (--out-dir) that `staleness-metrics report OUT_DIR` shows and `what-if
-OUT_DIR` prices; a seed replays the same run. See docs/getting-started.md.
+See docs/getting-started.md.
 """
 
 
@@ -25,9 +25,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
         subparsers, run, "demo",
         "simulated async RL pipeline driving the real monitor and exporters",
-        "Run a simulated asynchronous RL pipeline on embedded defaults, with a live console table, "
-        "a Prometheus endpoint on 127.0.0.1, a metrics JSONL file, W&B offline and OTLP. Needs no "
-        "external service.",
         EPILOG,
     )  # fmt: skip
     parser.add_argument("--steps", type=int, default=60, metavar="N", help="train steps, then stop (default: 60)")
@@ -39,17 +36,15 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
     parser.add_argument("--seed", type=int, default=0, help="simulation seed (default: 0)")
     add_bound_options(parser)
-    parser.add_argument(
-        "--prometheus-port", type=int, default=9487, metavar="P",
-        help="metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)",
-    )  # fmt: skip
+    # the sink settings demo has no option for
+    parser.set_defaults(retry_expired=False, strict=True, env_breakdown=True)
+    port_help = "metrics endpoint on 127.0.0.1 (default: 9487; 0 picks a free port)"
+    parser.add_argument("--prometheus-port", type=int, default=9487, metavar="P", help=port_help)
     parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="default: OUT_DIR/metrics.jsonl")
     parser.add_argument("--out-dir", type=Path, default=Path("staleness-demo"), help="default: ./staleness-demo")
     parser.add_argument("--no-wandb", dest="wandb", action="store_false", help="no offline W&B run")
-    parser.add_argument(
-        "--live", action=argparse.BooleanOptionalAction, default=None,
-        help="live table below the step lines (default: on a terminal)",
-    )  # fmt: skip
+    live_help = "live table below the step lines (default: on a terminal)"
+    parser.add_argument("--live", action=argparse.BooleanOptionalAction, help=live_help)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,27 +57,12 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"speed: must be >= 0, got {args.speed}")
         if not 0 <= args.prometheus_port <= 65535:
             raise ConfigError(f"prometheus-port: must be 0..65535, got {args.prometheus_port}")
-        config = StalenessConfig(
-            policy=args.policy,
-            max_staleness=args.max_staleness,
-            max_token_staleness=args.max_token_staleness,
-            sync_interval=args.sync_interval,
-            env_breakdown=True,
-            **bound_settings(args),
-        )
+        config = config_from_args(args, args.max_staleness)
     except ConfigError as error:
         return failed("demo", error)
-    options = DemoOptions(
-        steps=args.steps,
-        speed=args.speed,
-        config=config,
-        seed=args.seed,
-        prometheus_port=args.prometheus_port,
-        out_dir=args.out_dir,
-        metrics_out=args.metrics_out,
-        wandb=args.wandb,
-        live=args.live,
-    )
+    # every option but the config's is a field of the same name
+    names = [field.name for field in dataclasses.fields(DemoOptions) if field.name != "config"]
+    options = DemoOptions(config=config, **{name: getattr(args, name) for name in names})
     try:
         return run_demo(options)
     except OSError as error:  # an output directory or file that cannot be written

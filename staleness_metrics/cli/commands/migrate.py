@@ -12,15 +12,10 @@ from .options import add_command
 EPILOG = """\
 examples:
   staleness-metrics migrate --check configs/ dashboards/ alerts.yml   # CI: exit 1 and list what is left
-  staleness-metrics migrate --diff configs/orchestrator.toml          # show the change as a patch
   staleness-metrics migrate --write --drop-removed .                  # change the files in place
   staleness-metrics migrate --from verl --check dashboards/ metrics.jsonl
 
-Configs, Grafana dashboards, W&B workspace specs, Prometheus rules and metrics.jsonl histories are
-edited in place (every other byte kept); anything else is reported. See docs/migrate.md.
-
-exit status: 0 nothing legacy left (or --diff/--write done), 1 legacy names remain (--check),
-2 usage error, or a file that could not be read, parsed or safely edited (it is never touched).
+See docs/migrate.md (file kinds, exit status).
 """
 
 
@@ -31,10 +26,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
         subparsers, run, "migrate",
         "rename legacy off_policy/* keys and max_off_policy_steps in configs, dashboards, "
-        "rules, ...",
-        "Find the names the rename retired (max_off_policy_steps, off_policy/* W&B keys and "
-        "their Prometheus forms, the 'Max Off-Policy' console label) and move each file to the "
-        "new names. Directories are walked recursively (hidden directories skipped).",
+        "rules and histories",
         EPILOG,
     )  # fmt: skip
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
@@ -43,22 +35,16 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     mode.add_argument("--check", action="store_true", help=check_help)
     mode.add_argument("--diff", action="store_true", help="change nothing; print the changes as a unified diff")
     mode.add_argument("--write", action="store_true", help="change the files in place (atomically)")
-    parser.add_argument(
-        "--drop-removed", action="store_true",
-        help="also delete what shows only removed metrics: dashboard panels and targets, rules, "
-        "W&B series entries and panels, history values",
-    )  # fmt: skip
+    drop_help = "also delete what shows only removed metrics (panels, targets, rules, values)"
+    parser.add_argument("--drop-removed", action="store_true", help=drop_help)
     kinds = [k.value for k in FileKind]
     kind_help = "read every named file as this kind instead of detecting it"
     parser.add_argument("--kind", choices=kinds, help=kind_help)
+    peer_help = "map another trainer's staleness keys instead of this project's legacy names"
+    parser.add_argument("--from", dest="peer", choices=PEERS, help=peer_help)
+    prefix_help = "a prefix of your legacy series names (repeatable; 'orchestrator_' always counts)"
     parser.add_argument(
-        "--from", dest="peer", choices=PEERS,
-        help="map another trainer's staleness keys instead of this project's legacy names",
-    )  # fmt: skip
-    parser.add_argument(
-        "--prometheus-prefix", action="append", default=[], metavar="PREFIX",
-        help="a namespace prefix your old exporter put before the legacy series names (repeatable; "
-        "'orchestrator_' is always recognised)",
+        "--prometheus-prefix", action="append", default=[], metavar="PREFIX", help=prefix_help
     )  # fmt: skip
 
 

@@ -16,14 +16,13 @@ def add_command(
     run: Callable[[argparse.Namespace], int],
     name: str,
     summary: str,
-    description: str,
     epilog: str,
 ) -> argparse.ArgumentParser:
     """The parser of subcommand ``name``, calling ``run``; ``epilog`` is printed as written."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
         name,
         help=summary,
-        description=description,
+        description=summary[0].upper() + summary[1:] + ".",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -39,25 +38,16 @@ def failed(command: str, error: Exception | str, code: int = 2) -> int:
 
 
 # SPEC 14's settings, each a flag of the same name (``--floor-min-tokens``): type, metavar, help
-# and what the default means when it is None
+# and what the default means when it is None (docs/bound.md says more)
 _BOUND_OPTIONS: dict[str, tuple[type, str, str, str | None]] = {
-    "floor_min_tokens": (
-        int, "N", "covered tokens a lag bucket needs to give the floor or a point of the curve",
-        None,
-    ),
-    "floor_max_age": (
-        int, "STEPS", "carry a floor measured at lag 0 this many steps at most, then bound it by "
-        "the smallest lag", None,
-    ),
+    "floor_min_tokens": (int, "N", "covered tokens a lag bucket needs to count", None),
+    "floor_max_age": (int, "STEPS", "steps a floor measured at lag 0 is carried at most", None),
     "cost_window": (int, "SHIPS", "ships pooled into the excess curve", None),
     "mismatch_budget": (float, "NATS", "excess k3 per token the bound may let train", "the floor"),
-    "adapt_every": (
-        int, "SHIPS", "token policy: move the bound one step toward the suggestion after every "
-        "SHIPS ships with a curve", "off",
-    ),
+    "adapt_every": (int, "SHIPS", "token policy: adapt the bound after every SHIPS ships", "off"),
     "adapt_low": (int, "N", "lowest adapted bound", None),
     "adapt_high": (int, "N", "highest adapted bound", None),
-}  # fmt: skip
+}
 
 
 def add_bound_options(parser: argparse.ArgumentParser) -> None:
@@ -70,11 +60,6 @@ def add_bound_options(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         text = f"{text} (default: {shown})"
         group.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
-
-
-def bound_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The SPEC 14 settings parsed by :func:`add_bound_options`, as ``StalenessConfig`` keywords."""
-    return {name: getattr(args, name) for name in _BOUND_OPTIONS}
 
 
 def add_sink_options(parser: argparse.ArgumentParser) -> None:
@@ -90,13 +75,7 @@ def add_sink_options(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, max_staleness: int) -> StalenessConfig:
-    return StalenessConfig(
-        policy=args.policy,
-        max_staleness=max_staleness,
-        max_token_staleness=args.max_token_staleness,
-        sync_interval=args.sync_interval,
-        retry_expired=args.retry_expired,
-        strict=args.strict,
-        env_breakdown=getattr(args, "env_breakdown", False),
-        **bound_settings(args),
-    )
+    names = ("policy", "max_token_staleness", "sync_interval", "retry_expired", "strict")
+    settings = {name: getattr(args, name) for name in (*names, *_BOUND_OPTIONS)}
+    breakdown = getattr(args, "env_breakdown", False)
+    return StalenessConfig(max_staleness=max_staleness, env_breakdown=breakdown, **settings)

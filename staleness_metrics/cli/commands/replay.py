@@ -31,41 +31,29 @@ READ_BUFFER = 1 << 20
 EPILOG = """\
 examples:
   staleness-metrics replay events.jsonl --metrics-out metrics.jsonl
-  staleness-metrics replay events.jsonl --policy xtuner --max-staleness 2 \\
-      --max-token-staleness 1 --retry-expired --batches-out batches.jsonl
-  staleness-metrics replay path/to/prime-rl-run --policy episode
   staleness-metrics replay path/to/prime-rl-run --lenient     # its monitors/file/traces (current layout)
 
-exit status: 0 on success; 2 on invalid input (strict) or a malformed event line, with a
-one-line message `line L: rollout 'ID': field F: reason` (no output file is written then).
-EVENTS.jsonl may be gzip, bzip2 or xz compressed. See docs/replay.md.
+See docs/replay.md (exit status, compressed streams).
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "replay", "run the sink over a recorded event stream",
-        "Replay a recorded event stream (or a prime-rl run directory, or xtuner rollout states) "
-        "through the masking engine and write its metrics and batches.",
-        EPILOG,
-    )  # fmt: skip
+    summary = "run the sink over a recorded event stream"
+    parser = add_command(subparsers, run, "replay", summary, EPILOG)
     parser.add_argument("events", type=Path, metavar="EVENTS.jsonl|RUN_DIR")
     parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
     add_sink_options(parser)
     parser.add_argument("--env-breakdown", action="store_true", help="add staleness/env/<env>/... keys")
     parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="one metrics line per ship")
     parser.add_argument("--batches-out", type=Path, metavar="FILE", help="one shipped-batch line per ship")
-    parser.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
-        help="progress bar (default: on a terminal, for inputs over 16 MiB)",
-    )  # fmt: skip
+    progress_help = "progress bar (default: on a terminal, for inputs over 16 MiB)"
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, help=progress_help)
 
 
 def open_events(
-    path: Path, progress: bool | None = None, max_staleness: int = 8, strict: bool = True
+    path: Path, progress: bool | None, max_staleness: int, strict: bool
 ) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
-    """Events of a SPEC 9 stream (maybe compressed) or of a run the adapters understand, and the
-    reader of a current-layout prime-rl run (for its notes)."""
+    """Events of a stream or of a run the adapters read, and a current prime-rl run's reader."""
     from ...replay.sources import detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()
@@ -125,8 +113,7 @@ def _atomic_output(path: Path | None) -> Iterator[IO[bytes] | None]:
 
 
 def batches_line_bytes(shipment: Shipment) -> bytes:
-    """The ``--batches-out`` line of a ship, its 0/1 weights written by table look-up
-    (:func:`.jsonio.zero_one_floats`: the same bytes as formatting each float)."""
+    """The ``--batches-out`` line of a ship, its 0/1 weights written by table look-up."""
     line = shipment.batches_line(arrays=True)
     samples = [sample for rollout in line["shipped"] for sample in rollout["samples"]]
     for name in WEIGHT_FIELDS:
@@ -148,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
     for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
         if path is not None and not path.resolve().parent.is_dir():
             return failed("replay", f"{option} {path}: its folder does not exist")
-    # per-env figures are written only with the breakdown
     sink = Sink(config, env_reports=config.env_breakdown)
     ships = 0
     reports: list[StepReport] = []
@@ -160,7 +146,6 @@ def run(args: argparse.Namespace) -> int:
             _atomic_output(args.metrics_out) as metrics_out,
             _atomic_output(args.batches_out) as batches_out,
         ):
-            # (written when the whole stream is read)
             for shipment in run_events(events, sink):
                 ships += 1
                 if prime_rl:

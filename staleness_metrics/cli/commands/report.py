@@ -15,28 +15,18 @@ examples:
   staleness-metrics report path/to/prime-rl-run --policy episode -o report.html
   staleness-metrics report metrics.jsonl -o report.html     # logged rows only: no histogram, no what-if
 
-RUN is a run directory (run.json, as the demo writes), an event stream, a prime-rl run directory,
-xtuner rollout states or a metrics JSONL. See docs/replay.md.
+See docs/replay.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "report", "self-contained HTML report of a run",
-        "Write one HTML file with staleness over steps, the masked ratio, in-flight vs in-queue "
-        "staleness, dropped and held counts, the token staleness histogram and a what-if curve.",
-        EPILOG,
-    )  # fmt: skip
+    parser = add_command(subparsers, run, "report", "self-contained HTML report of a run", EPILOG)
     parser.add_argument("run", type=Path, metavar="RUN")
     parser.add_argument("-o", "--output", type=Path, default=Path("report.html"), help="default: report.html")
-    parser.add_argument(
-        "--max-staleness", default=None, metavar="A..B",
-        help="bounds of the what-if curve: A..B, N or N,M,... (default: 0..max(8, --bound))",
-    )  # fmt: skip
-    parser.add_argument(
-        "--bound", type=int, default=None, metavar="N",
-        help="the bound the run used: replayed and drawn (default: 8; for logged metrics, their own)",
-    )  # fmt: skip
+    curve_help = "bounds of the what-if curve: A..B, N or N,M,... (default: 0..max(8, --bound))"
+    parser.add_argument("--max-staleness", metavar="A..B", help=curve_help)
+    bound_help = "the bound the run used (default: 8; for logged metrics, their own)"
+    parser.add_argument("--bound", type=int, metavar="N", help=bound_help)
     add_sink_options(parser)
     parser.add_argument("--title", default="Staleness report", help="page title")
 

@@ -22,8 +22,7 @@ examples:
   {TOKEN_ENV}=$(openssl rand -hex 32) staleness-metrics serve --host 0.0.0.0
   curl -X PUT localhost:9487/v1/runs/exp-42 -H 'content-type: application/json' -d '{{"max_staleness": 4}}'
 
-Off loopback the service refuses to start without a token; with one, every write needs
-'Authorization: Bearer <token>'. The API is at /docs; see docs/service.md.
+Off loopback a token is required. See docs/service.md.
 """
 
 
@@ -31,58 +30,41 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
         subparsers, run, "serve",
         "sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
-        "Run the staleness service: per-run sinks behind an HTTP API (FastAPI on uvicorn), with "
-        "/metrics for Prometheus and optional OTLP and W&B exporters for every run.",
         EPILOG,
     )  # fmt: skip
-    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
+    add = parser.add_argument
+    add("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     port_help = f"port (default: {DEFAULT_PORT}; 0 picks a free one)"
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help=port_help)
-    token_help = f"bearer token required on writes (default: ${TOKEN_ENV}, if set)"
-    parser.add_argument("--token", help=token_help)
-    parser.add_argument("--token-file", type=Path, metavar="FILE", help="read the token from FILE")
+    add("--port", type=int, default=DEFAULT_PORT, help=port_help)
+    add("--token", help=f"bearer token required on writes (default: ${TOKEN_ENV}, if set)")
+    add("--token-file", type=Path, metavar="FILE", help="read the token from FILE")
     reads_help = "require the token on reads too (/healthz stays open)"
-    parser.add_argument("--protect-reads", action="store_true", help=reads_help)
-    parser.add_argument(
-        "--max-body-bytes", type=int, default=64 * 1024 * 1024, metavar="N",
-        help="largest request body accepted, 413 beyond (default: 64 MiB)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--body-bytes-per-span-row", type=int, default=128, metavar="N",
-        help="a rollouts body may cut one span row (a run of one mask value and one version) per N "
-        "bytes of its size, and always 65,536; 413 beyond (default: 128; 0: no cap)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--max-header-bytes", type=int, default=64 * 1024, metavar="N",
-        help="largest request line and headers accepted, 431 beyond (default: 64 KiB)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--header-timeout", type=float, default=10.0, metavar="SECONDS",
-        help="close a connection whose request headers have not all arrived this long after it "
-        "opened or its request began (default: 10)",
-    )  # fmt: skip
+    add("--protect-reads", action="store_true", help=reads_help)
+    body_help = "largest request body accepted, 413 beyond (default: 64 MiB)"
+    add("--max-body-bytes", type=int, default=64 << 20, metavar="N", help=body_help)
+    rows_help = "body bytes per span row a rollouts body may cut (default: 128; 0: no cap)"
+    add("--body-bytes-per-span-row", type=int, default=128, metavar="N", help=rows_help)
+    header_help = "largest request line and headers accepted, 431 beyond (default: 64 KiB)"
+    add("--max-header-bytes", type=int, default=64 << 10, metavar="N", help=header_help)
+    timeout_help = "seconds a request's headers may take to arrive (default: 10)"
+    add("--header-timeout", type=float, default=10.0, metavar="SECONDS", help=timeout_help)
     store = parser.add_mutually_exclusive_group()
-    store.add_argument(
-        "--data-dir", type=Path, default=Path(DEFAULT_DATA_DIR), metavar="DIR",
-        help=f"persist every acknowledged write here and restore the runs at start (default: ./{DEFAULT_DATA_DIR})",
-    )  # fmt: skip
+    data_help = f"persist the runs here, restored at start (default: ./{DEFAULT_DATA_DIR})"
+    data_dir = Path(DEFAULT_DATA_DIR)
+    store.add_argument("--data-dir", type=Path, default=data_dir, metavar="DIR", help=data_help)
     memory_help = "keep runs in memory only: a restart or crash loses them"
     store.add_argument("--in-memory", action="store_true", help=memory_help)
     otlp = parser.add_argument_group("OTLP (every run, besides /metrics)")
-    otlp.add_argument(
-        "--otlp-endpoint", metavar="URL",
-        help="send OTLP metrics there (default: on when OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set)",
-    )  # fmt: skip
+    otlp_help = "send OTLP metrics there (default: if OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT is set)"
+    otlp.add_argument("--otlp-endpoint", metavar="URL", help=otlp_help)
     otlp.add_argument("--otlp-protocol", choices=("http/protobuf", "grpc"), help="default: http/protobuf")
     wandb = parser.add_argument_group("Weights & Biases (one W&B run per service run)")
     wandb.add_argument("--wandb-project", metavar="NAME", help="log every run to this W&B project")
     wandb.add_argument("--wandb-entity", metavar="NAME")
     wandb.add_argument("--wandb-mode", choices=("online", "offline"), help="default: $WANDB_MODE, else online")
     wandb.add_argument("--wandb-dir", metavar="DIR", help="where W&B writes its run files")
-    parser.add_argument(
-        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
-        help="uvicorn log level (default: info)",
-    )  # fmt: skip
+    levels = ("critical", "error", "warning", "info", "debug")
+    add("--log-level", default="info", choices=levels, help="uvicorn log level (default: info)")
 
 
 def _blank(token: str, where: str) -> str:
@@ -149,25 +131,18 @@ def run(args: argparse.Namespace) -> int:
         check_bind(args.host, token)
     except BindRefused as exc:
         return failed("serve", str(exc))
-    if args.max_body_bytes < 1:
-        return failed("serve", "--max-body-bytes must be >= 1")
-    if args.body_bytes_per_span_row < 0:
-        return failed("serve", "--body-bytes-per-span-row must be >= 0")
-    if args.max_header_bytes < 1024:
-        return failed("serve", "--max-header-bytes must be >= 1024")
+    floors = {"max_body_bytes": 1, "body_bytes_per_span_row": 0, "max_header_bytes": 1024}
+    for name, least in floors.items():
+        if getattr(args, name) < least:
+            return failed("serve", f"--{name.replace('_', '-')} must be >= {least}")
     if not args.header_timeout > 0:
         return failed("serve", "--header-timeout must be > 0")
 
     otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
-    exporters = ExportSettings(
-        otlp=otlp,
-        otlp_endpoint=args.otlp_endpoint,
-        otlp_protocol=args.otlp_protocol,
-        wandb_project=args.wandb_project,
-        wandb_entity=args.wandb_entity,
-        wandb_mode=args.wandb_mode,
-        wandb_dir=args.wandb_dir,
-    )
+    names = (
+        "otlp_endpoint", "otlp_protocol", "wandb_project", "wandb_entity", "wandb_mode", "wandb_dir",
+    )  # fmt: skip
+    exporters = ExportSettings(otlp=otlp, **{name: getattr(args, name) for name in names})
     data_dir = None if args.in_memory else args.data_dir
     settings = ServerSettings(
         token=token,

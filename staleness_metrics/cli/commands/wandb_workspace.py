@@ -12,7 +12,7 @@ EPILOG = """\
 example:
   WANDB_API_KEY=... staleness-metrics wandb-workspace --entity my-team --project async-rl
 
-Needs network access and WANDB_API_KEY; the panels are the ones in dashboards/wandb-workspace.json.
+The panels are the ones in dashboards/wandb-workspace.json.
 """
 
 
@@ -20,8 +20,6 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     parser = add_command(
         subparsers, run, "wandb-workspace",
         "save a W&B workspace with a Staleness section to a project (needs WANDB_API_KEY)",
-        "Build the W&B workspace with the Staleness section (the Grafana views over the W&B keys) "
-        "and save it as a new view of a project.",
         EPILOG,
     )  # fmt: skip
     parser.add_argument("--entity", required=True, help="W&B entity (user or team)")

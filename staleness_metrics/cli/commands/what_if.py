@@ -14,18 +14,13 @@ examples:
   staleness-metrics what-if path/to/prime-rl-run --policy episode --max-staleness 0..8 --json
   staleness-metrics what-if staleness-demo      # a run directory: its settings, the cost columns
 
-The columns (and, with trainer log-probabilities, the cost of each bound and the suggested one)
-are described in docs/replay.md and docs/run-inputs.md.
+The columns: docs/replay.md and docs/run-inputs.md.
 """
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "what-if", "masked / dropped / kept for each bound",
-        "Replay a run (event stream, prime-rl run directory or xtuner states) at every "
-        "max_staleness of a range and show what would have been masked, dropped and kept.",
-        EPILOG,
-    )  # fmt: skip
+    summary = "masked / dropped / kept for each bound"
+    parser = add_command(subparsers, run, "what-if", summary, EPILOG)
     parser.add_argument("events", type=Path, metavar="EVENTS", help="an event stream, run directory or run input")
     bounds_help = "bounds to try: A..B, N or N,M,... (default: 0..8)"
     parser.add_argument("--max-staleness", default="0..8", metavar="A..B", help=bounds_help)
