@@ -351,4 +351,4 @@ def heatmap(
         )
     body.append(f'<text x="{key_x + 18}" y="{TOP + 10}">100%</text>')
     body.append(f'<text x="{key_x + 18}" y="{base}">0%</text>')
-    return _svg(label, [*_legend([]), *body])
+    return _svg(label, body)

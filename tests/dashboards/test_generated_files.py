@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from staleness_metrics.cli.commands import dashboards as command
-from staleness_metrics.dashboards.artifacts import generated_files, stale_files
+from staleness_metrics.dashboards import generated_files, stale_files
 from staleness_metrics.metrics import metric_table
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from staleness_metrics.dashboards.collector import collector_prometheus_name
+from staleness_metrics.dashboards.rules import collector_prometheus_name
 from staleness_metrics.exporters.base import ExportContext
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.prometheus import PrometheusExporter

@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     root: Path = args.out
     try:
-        from ...dashboards.artifacts import stale_files, write_files
+        from ...dashboards import stale_files, write_files
 
         stale = stale_files(root) if args.check else []
         changed = [] if args.check else write_files(root)

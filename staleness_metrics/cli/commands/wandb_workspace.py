@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...dashboards.artifacts import WANDB_X_AXIS
+    from ...dashboards import WANDB_X_AXIS
     from ...dashboards.wandb_panels import MissingApiKey, save
 
     try:
