@@ -1,21 +1,6 @@
-"""A small synchronous client for ``staleness-metrics serve`` (needs ``httpx``).
-
-::
-
-    token = os.environ.get("STALENESS_METRICS_TOKEN")
-    with StalenessClient("http://127.0.0.1:9487", token=token) as client:
-        client.create_run("exp-42", {"policy": "token", "max_staleness": 4})
-        client.add("exp-42", rollouts)              # SPEC 3 records
-        result = client.ship("exp-42", step=7)      # result["metrics"] is the SPEC 6 dict
-        history = client.steps("exp-42", since=0)
-        # trainer side: MismatchSums, one per rank
-        client.record_mismatch("exp-42", step=7, sums=sums)
-
-Every call is retried on connection errors, timeouts and 502/503/504 with the same body, which
-never counts anything twice. An invalid record raises :class:`~staleness_metrics.errors.TraceError`
-naming its id, field and reason; an invalid configuration,
-:class:`~staleness_metrics.errors.ConfigError`.
-"""
+"""A small synchronous client for ``staleness-metrics serve`` (needs ``httpx``; docs/service.md).
+Calls are retried with the same body, which never counts anything twice. Errors are the library's:
+``TraceError`` for an invalid record, ``ConfigError`` for an invalid configuration."""
 
 from __future__ import annotations
 

@@ -61,8 +61,7 @@ class ServerSettings:
 
 
 class AllowHeader:
-    """A 405's ``Allow`` header listing every method of the path (RFC 9110), not only those of the
-    first route Starlette matched."""
+    """A 405's ``Allow`` header listing every method of the path (RFC 9110), not one route's."""
 
     def __init__(self, app: ASGIApp, routes: Callable[[], Iterable[BaseRoute]]) -> None:
         self.app = app

@@ -1,8 +1,6 @@
-"""Reading a rollout batch body in memory bounded by its size: long per-position number lists
-become numpy arrays (read piece by piece from the text of a large body), a body whose other values
-would cost far more than its size is refused, and so is one cutting more span rows (60 to 130 bytes
-each: a run of positions with one mask value and one version) than its size allows (see
-docs/service.md, "Limits")."""
+"""Reading a rollout batch body in memory bounded by its size: long number lists become numpy
+arrays, and a body costing far more than its size, or cutting more span rows than it allows, is
+refused (docs/service.md, "Limits")."""
 
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ _gc_pausers = 0
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    """The cyclic collector paused while a body is read and applied: its containers, made by the
-    million, hold no cycles and would trigger collections walking every live object."""
+    """The cyclic collector paused while a body is read and applied (no cycles to find)."""
     global _gc_pausers
     with _gc_lock:
         ours = _gc_pausers > 0 or gc.isenabled()  # else paused by someone else: leave it to them
@@ -80,8 +77,7 @@ class BodyTooDeep(ValueError):
 
 
 def read_json(held: list[bytearray]) -> Any:
-    """The JSON value of the one body in ``held``, whose bytes are released once read
-    (``ValueError`` when it is not UTF-8 JSON, a subclass when too deep or too costly to read)."""
+    """The JSON value of the one body in ``held``, whose bytes are released once read."""
     body = held.pop()
     try:
         if len(body) <= FAST_DECODE_MAX_BYTES:
@@ -321,8 +317,7 @@ def _label_changes(labels: npt.NDArray[Any]) -> int:
 
 
 def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
-    """An upper bound of the rows ``sample`` cuts (one, plus every mask change and label change,
-    plus its spans, at most its positions), and the field that cuts the most of them."""
+    """An upper bound of the rows ``sample`` cuts, and the field that cuts the most of them."""
     spans = _length(sample.get("weight_versions"))
     positions = max(_length(sample.get("mask")), _length(sample.get("token_versions")))
     mask = _numbers(sample.get("mask"))

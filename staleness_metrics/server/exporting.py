@@ -1,14 +1,13 @@
-"""The exporters behind each run of the service (Prometheus without a port, read by ``GET
-/metrics``; OTLP and W&B when asked), and one exposition of every run's families."""
+"""The exporters behind each run of the service, and one exposition of every run's families."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
-from ..exporters.base import Exporter, ExportErrors
+from ..exporters.base import Exporter
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -46,11 +45,6 @@ class RunExporters:
     def all(self) -> list[Exporter]:
         return [self.prometheus, *self.others]
 
-    def report_failures(self, errors: ExportErrors) -> None:
-        for name, message, exc in self.failures:
-            errors.register(name)
-            errors.record(name, message, exc)
-
 
 def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
     """The exporters of a new run; one that cannot start is left out and reported, never raised."""
@@ -68,7 +62,16 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
         try:
             from ..exporters.wandb import WandbExporter
 
-            init = _wandb_init(run, settings)
+            given = settings.wandb_entity, settings.wandb_mode, settings.wandb_dir
+            extra = dict(zip(("entity", "mode", "dir"), given, strict=True))
+            init = {
+                "project": settings.wandb_project,
+                "name": run,
+                "reinit": "create_new",  # one W&B run per service run, side by side in this process
+                # a dict: no import of wandb here
+                "settings": {"console": "off", "x_disable_stats": True},
+                **{key: value for key, value in extra.items() if value is not None},
+            }
             exporters.others.append(WandbExporter(init_kwargs=init, own_run=True, close_timeout=WANDB_CLOSE_TIMEOUT))
         except Exception as exc:
             exporters.failures.append(("wandb", "the W&B run could not start", exc))
@@ -81,18 +84,6 @@ def preload(settings: ExportSettings) -> None:
         # a failure is reported per run, as an exporter that could not start
         with contextlib.suppress(ImportError):
             import wandb  # noqa: F401
-
-
-def _wandb_init(run: str, settings: ExportSettings) -> dict[str, Any]:
-    given = settings.wandb_entity, settings.wandb_mode, settings.wandb_dir
-    extra = dict(zip(("entity", "mode", "dir"), given, strict=True))
-    return {
-        "project": settings.wandb_project,
-        "name": run,
-        "reinit": "create_new",  # one W&B run per service run, side by side in this process
-        "settings": {"console": "off", "x_disable_stats": True},  # a dict: no import of wandb here
-        **{key: value for key, value in extra.items() if value is not None},
-    }
 
 
 class ServiceCollector:

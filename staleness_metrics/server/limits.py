@@ -1,5 +1,4 @@
-"""Request size caps: :class:`BodySizeLimit` for bodies, :func:`header_limited_protocol` for
-headers, and how the service's ASGI guards answer."""
+"""Request size caps: :class:`BodySizeLimit` and :func:`header_limited_protocol`."""
 
 from __future__ import annotations
 
@@ -91,9 +90,8 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a cap on the request line and headers (431 past
-    ``max_header_bytes``, counted as they arrive) and a deadline for them (408, or a silent close
-    for an idle connection, ``header_timeout`` seconds after the connection or request began)."""
+    """uvicorn's httptools protocol with a cap on the request line and headers (431) and a deadline
+    for them (408, or a silent close for an idle connection)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderLimitedProtocol(HttpToolsProtocol):
@@ -179,8 +177,7 @@ _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
 
 def return_large_frees_to_the_os() -> bool:
     """Give every allocation of :data:`LARGE_ALLOCATION_BYTES` or more its own memory map (glibc;
-    False elsewhere), so that a body's peak is what the request holds, not what earlier ones left
-    in the heap (glibc would raise that threshold each time such a block is freed)."""
+    False elsewhere): a body's peak is then what the request holds, not what earlier ones left."""
     import ctypes
     import sys
 

@@ -10,8 +10,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 from ..config import StalenessConfig
-from .errors import RestoreFailed, RunBroken, RunConflict, RunNotFound, reason_of
 from .exporting import ExportSettings, build_exporters, preload
+from .models import RestoreFailed, RunBroken, RunConflict, RunNotFound, reason_of
 from .runs import Run
 from .store import Store, StoredRun
 
@@ -56,9 +56,8 @@ class RunRegistry:
             return run, True
 
     def restore(self, background: bool = True, defer: bool = False) -> int:
-        """Check every stored run (damage refuses the start) and load them, on a background thread
-        or here, or with ``defer`` later (:meth:`load_in_background`, or the first request for
-        each); returns how many."""
+        """Check every stored run and load them (in the background, here, or later with ``defer``);
+        returns how many."""
         stored_runs = self.store.load()
         pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}
         for stored in stored_runs:
@@ -121,15 +120,6 @@ class RunRegistry:
                 self._runs[name] = run
             return run
 
-    def loaded(self, timeout: float | None = None) -> bool:
-        """Wait until every stored run is loaded or found unavailable; False on timeout."""
-        loader = self._loader
-        if loader is not None:
-            loader.join(timeout)
-            return not loader.is_alive()
-        with self._lock:
-            return not self._pending
-
     def _find(self, name: str) -> Run | None:
         with self._lock:
             run = self._runs.get(name)
@@ -164,10 +154,10 @@ class RunRegistry:
             return bool(self._pending)
 
     def unavailable_once_loaded(self, timeout: float) -> dict[str, str]:
-        """:meth:`unavailable` once every stored run is loaded (up to ``timeout`` seconds), naming
-        the runs still loading then."""
+        """:meth:`unavailable` once loaded (or after ``timeout``), naming runs still loading."""
         self.load_in_background()
-        self.loaded(timeout)
+        if self._loader is not None:
+            self._loader.join(timeout)
         out = self.unavailable()
         with self._lock:
             pending = list(self._pending)

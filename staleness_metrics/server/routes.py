@@ -21,7 +21,6 @@ from starlette.requests import ClientDisconnect
 from ..config import StalenessConfig
 from ..errors import ConfigError
 from .decode import BodyTooComplex, BodyTooDeep, check_span_rows, compact_records, paused_gc, read_json
-from .errors import RecordsInvalid, RunError, SpanRowsTooMany
 from .exporting import ServiceCollector
 from .models import (
     MAX_STEP,
@@ -32,11 +31,14 @@ from .models import (
     Health,
     MismatchRequest,
     MismatchResult,
+    RecordsInvalid,
     RolloutBatchIn,
+    RunError,
     RunInfo,
     RunList,
     ShipRequest,
     ShipResult,
+    SpanRowsTooMany,
     StepsPage,
     SweepRequest,
     ValidationErrorBody,
@@ -74,8 +76,7 @@ def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, A
 
 
 class JSONModelResponse(Response):
-    """A model written to JSON by pydantic in one call (a returned model would be validated
-    again, turned into dicts and encoded by the standard library)."""
+    """A model written to JSON by pydantic in one call (a returned one is validated again)."""
 
     media_type = "application/json"
 
@@ -130,8 +131,7 @@ def idempotency_header(retried: str) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Access:
-    """The OpenAPI ``security`` of writes and reads, and the errors a read may answer (only the
-    document: :class:`.security.TokenFirst` checks the token)."""
+    """The OpenAPI ``security`` of writes and reads, and the errors a read may answer."""
 
     writes: dict[str, Any]
     reads: dict[str, Any]
@@ -202,8 +202,7 @@ def service_router(registry: RunRegistry, access: Access) -> APIRouter:
 
 
 def _parse_config(config: dict[str, Any]) -> StalenessConfig:
-    """The run's configuration, or 422 naming the setting; none may exceed MAX_STEP (a larger bound
-    would overflow the sink's int64 arithmetic at the first ship)."""
+    """The run's configuration, or 422 naming the setting; none may exceed MAX_STEP (int64 room)."""
     try:
         parsed = StalenessConfig.from_mapping(config)
     except ConfigError as error:
@@ -258,8 +257,7 @@ def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
 
 async def on_run(registry: RunRegistry, run: str, call: Callable[[Run], T], *, small: bool = True) -> T:
     """``call`` of the run, on the event loop when that cannot stall other connections (a small
-    request, a run in memory, its lock free at once), else on a worker thread: for a small call
-    the hop there and back costs as much as the call itself."""
+    request, a run in memory, its lock free at once), else on a worker thread."""
     if small and not registry.store.persistent:
         target = registry.get(run)
         with target.quick() as free:
@@ -294,16 +292,6 @@ def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> Add
         return target.add(batch.rollouts)
 
 
-async def read_body(request: Request) -> bytearray:
-    body = bytearray()
-    try:
-        async for chunk in request.stream():
-            body += chunk
-    except ClientDisconnect:  # gone, or cut off by the body size cap (which has answered 413)
-        raise HTTPException(status.HTTP_400_BAD_REQUEST, "the client disconnected before the body ended") from None
-    return body
-
-
 def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: int) -> APIRouter:
     router = APIRouter(prefix="/v1/runs/{run}", tags=["rollouts"])
 
@@ -334,7 +322,15 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
         Strict runs: an invalid record gets 422 naming its id, field and reason, and nothing of the
         batch is applied. Lenient runs set invalid records aside (counted) and queue the rest.
         """
-        held = [await read_body(request)]  # parsed once, by add_body, which drops the bytes
+        body = bytearray()
+        try:
+            async for chunk in request.stream():
+                body += chunk
+        except ClientDisconnect:  # gone, or cut off by the body size cap (which has answered 413)
+            detail = "the client disconnected before the body ended"
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, detail) from None
+        held = [body]  # parsed once, by add_body, which drops the bytes
+        del body
         small = len(held[0]) <= QUICK_BODY_BYTES
         added = await on_run(registry, run, lambda target: add_body(target, held, bytes_per_span_row), small=small)
         return JSONModelResponse(added)

@@ -1,19 +1,22 @@
-"""The service's runs: one monitor (sink + exporters) per run, with exactly-once accounting
-(rollouts by id and digest, ships and mismatch posts by idempotency key) and a journal of every
-write, persisted before it is answered (see docs/service.md)."""
+"""The service's runs: one monitor per run, exactly-once accounting (rollouts by digest, ships and
+mismatch posts by idempotency key) and a journal of every write (see docs/service.md)."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import orjson
+from pydantic import BaseModel
 
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
@@ -24,30 +27,27 @@ from ..metrics.mismatch import SUM_FIELDS, MismatchSums
 from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
-from ..state_checks import arrays_left_as_numpy, json_pieces
-from .errors import (
-    RecordsInvalid,
-    RestoreFailed,
-    RunBroken,
-    RunConflict,
-    RunNotFound,
-    field_item,
-    out_of_range,
-    reason_of,
-    trace_item,
-)
+from ..state_checks import PIECE_ITEMS, arrays_left_as_numpy, json_pieces
 from .exporting import RunExporters
-from .idempotency import Answers, holds_large_array, record_digest, stored_digest
 from .models import (
     AddResult,
     ErrorItem,
     MismatchRequest,
     MismatchResult,
+    RecordsInvalid,
+    RestoreFailed,
+    RunBroken,
+    RunConflict,
     RunInfo,
+    RunNotFound,
     ShipRequest,
     ShipResult,
     StepRow,
     counts_of,
+    field_item,
+    out_of_range,
+    reason_of,
+    trace_item,
 )
 from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun
 
@@ -61,6 +61,88 @@ RUN_STATE_FORMAT = 1
 QUICK_MAX_ROLLOUTS = 512
 QUICK_MAX_POSITIONS = 65_536
 CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a record at a time
+
+
+IDEMPOTENCY_KEYS_KEPT = 1024
+_DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
+
+
+def holds_large_array(record: Mapping[str, Any]) -> bool:
+    """True when a sample holds an array to hash and journal a piece at a time."""
+    samples = record.get("samples")
+    return isinstance(samples, list) and any(
+        isinstance(value, np.ndarray) and value.size > PIECE_ITEMS
+        for sample in samples
+        if isinstance(sample, dict)
+        for value in sample.values()
+    )
+
+
+def _canonical_digest(record: Mapping[str, Any], option: int) -> bytes:
+    if not holds_large_array(record):
+        return hashlib.blake2b(orjson.dumps(record, option=option), digest_size=16).digest()
+    digest = hashlib.blake2b(digest_size=16)
+    for piece in json_pieces(dict(record), option):
+        digest.update(piece)
+    return digest.digest()
+
+
+def record_digest(record: Mapping[str, Any]) -> bytes:
+    """The digest of a record's canonical JSON: the same content, the same digest."""
+    # orjson writes bytes; json.dumps would first build a string per list item (per position).
+    try:
+        return _canonical_digest(record, _DIGEST_OPTIONS)
+    except orjson.JSONEncodeError:  # an integer beyond 64 bits: rejected later, with its path
+        canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(canonical, digest_size=16).digest()
+
+
+def stored_digest(record: Mapping[str, Any]) -> bytes | None:
+    """:func:`record_digest` of a record the journal can store, None for one it cannot."""
+    try:
+        return _canonical_digest(record, _DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
+    except orjson.JSONEncodeError:
+        if unstorable(record) is not None:
+            return None
+        # integers past 2**53 but within 64 bits: stored exactly all the same
+        return record_digest(record)
+
+
+A = TypeVar("A", bound=BaseModel)
+
+
+class Answers(Generic[A]):
+    """The newest answers of one endpoint by idempotency key, with its request's fingerprint."""
+
+    def __init__(self, different: str, answer: type[A]) -> None:
+        self.different = different
+        self._answer = answer
+        self._answers: OrderedDict[str, tuple[list[Any], A]] = OrderedDict()
+
+    def replay(self, key: str | None, fingerprint: list[Any]) -> A | None:
+        """The first answer to ``key``, None for a new key; 422 for another request."""
+        if key is None or key not in self._answers:
+            return None
+        first, answer = self._answers[key]
+        if first != fingerprint:
+            reason = f"Idempotency-Key {key!r} was used for {self.different} of this run"
+            raise RecordsInvalid([ErrorItem(field="Idempotency-Key", reason=reason)])
+        return answer.model_copy(update={"replayed": True})
+
+    def remember(self, key: str | None, fingerprint: list[Any], answer: A) -> None:
+        if key is None:
+            return
+        self._answers[key] = (fingerprint, answer)
+        while len(self._answers) > IDEMPOTENCY_KEYS_KEPT:
+            self._answers.popitem(last=False)
+
+    def to_json(self) -> list[list[Any]]:
+        """``[[key, fingerprint, answer], ...]``, oldest first."""
+        return [[key, fp, ans.model_dump(mode="json")] for key, (fp, ans) in self._answers.items()]
+
+    def load_json(self, items: Any) -> None:
+        answers = ((key, (list(fp), self._answer.model_validate(ans))) for key, fp, ans in items)
+        self._answers = OrderedDict(answers)
 
 
 def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
@@ -84,8 +166,8 @@ def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
 
 
 class Journal:
-    """A run's rows in ``store`` in order (``seq``), and when to snapshot ``state()``; ``broken``
-    is the error of a write that could not be persisted (memory is then ahead of the store)."""
+    """A run's rows in ``store`` in order, and when to snapshot ``state()``; ``broken``: a write's
+    error that could not be persisted."""
 
     def __init__(self, run: str, store: Store, state: Callable[[], dict[str, Any]]) -> None:
         self.run = run
@@ -170,21 +252,17 @@ _MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
 
 @dataclass(frozen=True)
 class _StepMismatch:
-    """The posted sums of one step: how many posts, their total, its keys and its dict."""
+    """The posted sums of one step: how many posts, their total and its keys."""
 
     posts: int
     total: MismatchSums
     metrics: dict[str, MetricValue]
-    sums: dict[str, Any]
-
-    @classmethod
-    def of(cls, posts: int, total: MismatchSums, metrics: dict[str, MetricValue]) -> _StepMismatch:
-        return cls(posts, total, metrics, total.to_dict())
 
     def on(self, row: StepRow) -> StepRow:
         """``row`` with these keys and sums in place of the SPEC 11 / 14 keys the ship computed."""
         kept = {key: value for key, value in row.metrics.items() if not key.startswith(_MISMATCH_PREFIXES)}
-        return row.model_copy(update={"metrics": {**kept, **self.metrics}, "mismatch": self.sums})
+        merged = {"metrics": {**kept, **self.metrics}, "mismatch": self.total.to_dict()}
+        return row.model_copy(update=merged)
 
 
 class Run:
@@ -195,7 +273,9 @@ class Run:
         self.config = config
         self._exporters = exporters
         self.monitor = StalenessMonitor(config, exporters.all, run=name)
-        exporters.report_failures(self.monitor.export_errors)
+        for exporter, message, exc in exporters.failures:  # reported as the exporters' own errors
+            self.monitor.export_errors.register(exporter)
+            self.monitor.export_errors.record(exporter, message, exc)
         self._lock = threading.RLock()  # re-entered by the calls made under Run.quick
         self._positions_bound = 0  # added since the queue was last empty: at least what it holds
         self._received: dict[str, bytes] = {}  # rollout id -> digest of the record
@@ -235,8 +315,7 @@ class Run:
 
     @contextmanager
     def quick(self) -> Iterator[bool]:
-        """True, holding the run's lock, when it was free at once and the queue is small enough
-        for a ship of a few milliseconds; False, not holding it, otherwise."""
+        """True, holding the run's lock, when it was free at once and the queue is small."""
         if not self._lock.acquire(blocking=False):
             yield False
             return
@@ -247,6 +326,7 @@ class Run:
 
     def state_dict(self) -> dict[str, Any]:
         """The run without its history rows (stored apart)."""
+        mismatch = self._mismatch.items()
         return {
             "format": RUN_STATE_FORMAT,
             "seq": self._journal.seq,
@@ -255,7 +335,7 @@ class Run:
             "duplicates": self._duplicates,
             "answers": self._answers.to_json(),
             # with the keys published then: SPEC 14's floor and window are of that moment
-            "mismatch": [[step, m.posts, m.sums, m.metrics] for step, m in self._mismatch.items()],
+            "mismatch": [[step, m.posts, m.total.to_dict(), m.metrics] for step, m in mismatch],
             "mismatch_answers": self._mismatch_answers.to_json(),
         }
 
@@ -302,7 +382,7 @@ class Run:
             total = MismatchSums.from_dict(sums)
             # A snapshot from before SPEC 14 kept no keys: the SPEC 11 ones, without a floor.
             metrics = dict(published[0]) if published else dict(total.metrics())
-            self._mismatch[int(step)] = _StepMismatch.of(int(posts), total, metrics)
+            self._mismatch[int(step)] = _StepMismatch(int(posts), total, metrics)
         self._mismatch_answers.load_json(state.get("mismatch_answers", []))
 
     def _replay_add(self, request: Mapping[str, Any]) -> None:
@@ -493,7 +573,7 @@ class Run:
             except ValueError as error:  # a step never shipped: "step: ..."
                 raise RecordsInvalid([field_item(error, "step")]) from None
             metrics = self.monitor.mismatch_metrics(request.step) or {}
-            merged = self._mismatch[request.step] = _StepMismatch.of(posts + 1, total, metrics)
+            merged = self._mismatch[request.step] = _StepMismatch(posts + 1, total, metrics)
             answer = MismatchResult(
                 run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )

@@ -58,8 +58,7 @@ OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redi
 
 
 class TokenFirst:
-    """401, from the headers alone, for a write without the right bearer token (compared in
-    constant time), and for a read too with ``protect_reads`` (but :data:`OPEN_PATHS`)."""
+    """401 from the headers alone for a write (``protect_reads``: a read too) lacking the token."""
 
     def __init__(self, app: ASGIApp, token: str | None, protect_reads: bool = False) -> None:
         self.app = app

@@ -53,8 +53,7 @@ class StoreDamaged(RuntimeError):
 
 
 def checksum(table: str, run: str, seq: int, data: bytes, op: str | None = None) -> str:
-    """What a stored row must match: its bytes (a journal row's after its ``op``), and where it
-    belongs (a row copied elsewhere fails too)."""
+    """What a stored row must match: its bytes (after its ``op``), and where it belongs."""
     return _sized(table, run, seq, [data], op)[1]
 
 
