@@ -20,12 +20,11 @@ from ..records.validation import Verdicts, plainly_valid
 from .decision import Decision, Judgement
 from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
-from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, RolloutQueue
+from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
 from .segments import IntArray, distinct, expand_ranges
 from .shipment import Shipment, ShippedRollout
 from .shipped_positions import shipped_spans
 from .spans import SpanTable, checked_spans
-from .staging import STAGE_MAX_POSITIONS
 
 if TYPE_CHECKING:
     from .checkpoint import SinkState

@@ -21,7 +21,7 @@ from staleness_metrics.engine.cuts import (
     sample_cuts,
     token_spans,
 )
-from staleness_metrics.engine.masking import zero_spans
+from staleness_metrics.engine.judging import zero_spans
 from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_min, segment_sum
 from staleness_metrics.engine.spans import SampleSpans, SpanRanges
 from staleness_metrics.engine.warm_up import warm_up
