@@ -11,9 +11,10 @@ import numpy as np
 
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ..records.validation import Verdicts, plain_values_of
+from .cuts import SpanTable
 from .decision import NO_MASK
 from .segments import IntArray, expand_ranges
-from .spans import SpanTable, build_spans
+from .spans import build_spans
 from .table import RolloutRows, SampleRows, SpanRows
 
 QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3  # a rollout row's status
@@ -430,8 +431,6 @@ class RolloutQueue:
 
     def restore(self, observe_added: Callable[[IntArray], None] | None = None, **fields: Any) -> None:
         """Take a checked saved state's fields (:mod:`.queue_state`), and the policy's hook."""
-        unknown = set(fields) - set(vars(self)) - {"tokens_entered"}
-        assert not unknown, f"not fields of the queue: {sorted(unknown)}"
         self._tokens_entered = fields.pop("tokens_entered", self._tokens_entered)
         vars(self).update(fields)
         self.row_of = {rid: row for row, rid in enumerate(self.ids)}

@@ -17,14 +17,15 @@ from ..metrics.report import Tally
 from ..records.columnar import LABELS_SPANS, RolloutBatch
 from ..records.model import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from ..records.validation import Verdicts, plainly_valid
+from .cuts import SpanTable
 from .decision import Decision, Judgement
 from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
 from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
-from .segments import IntArray, distinct, expand_ranges
+from .segments import IntArray, distinct, expand_ranges, segment_any
 from .shipment import Shipment, ShippedRollout
 from .shipped_positions import shipped_spans
-from .spans import SpanTable, checked_spans
+from .spans import checked_spans
 
 if TYPE_CHECKING:
     from .checkpoint import SinkState
@@ -241,14 +242,10 @@ class Sink:
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
-        self._sweep(step)
-
-    def _sweep(self, step: int, queued: IntArray | None = None) -> Judgement | None:
-        """:meth:`sweep`; returns the slice it judged. ``queued``: the queued rows, if known."""
         self._advance(step)
-        self.queue.build_staged()
-        if queued is None:
-            queued = self.queue.queued_rows()
+        self._sweep(step, self.queue.queued_rows())
+
+    def _sweep(self, step: int, queued: IntArray) -> Judgement | None:
         rows = queued[self.queue.rollouts.judged[queued] < step]
         if len(rows) == 0:
             return None
@@ -350,9 +347,8 @@ class Sink:
         bad_sample = s.max_label[sample_rows] > trained
         if not (bad_dispatch.any() or bad_sample.any()):  # (the usual case: nothing to name)
             return rows
-        counts = r.sample_hi[rows] - r.sample_lo[rows]
-        bad_label = np.bincount(np.repeat(np.arange(len(rows)), counts)[bad_sample], minlength=len(rows)) > 0
-        bad = bad_dispatch | bad_label
+        offsets = np.concatenate(([0], np.cumsum(r.sample_hi[rows] - r.sample_lo[rows])))
+        bad = bad_dispatch | segment_any(bad_sample, offsets)
         errors = []
         for local in np.flatnonzero(bad):
             row = int(rows[local])

@@ -37,7 +37,7 @@ def span_rows(
     lo: IntArray, hi: IntArray, label: IntArray, labelled: IntArray, kept: BoolArray, sampled: BoolArray,
     live_labelled: BoolArray, live_unlabelled: BoolArray, side: BoolArray, pos_off: IntArray, dispatch: IntArray,
     no_version: tuple[int, int],
-) -> cuts.SpanRows:  # fmt: skip
+) -> cuts.SpanTable:  # fmt: skip
     flags = CutFlags(kept, sampled, live_labelled, live_unlabelled, side)
     return cuts.span_rows(lo, hi, label, labelled, flags, pos_off, dispatch, no_version)
 
