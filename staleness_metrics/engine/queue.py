@@ -1,6 +1,6 @@
 """The queue of a sink (SPEC 4): a row per queued rollout, sample and span (:mod:`.table`), and the
-batches they arrived in, kept whole (masked in place) until no queued rollout needs them. Small plainly
-valid adds are staged: queued at add, their spans cut later in one pass over many (:func:`joined`)."""
+batches they arrived in, kept whole (masked in place) until no queued rollout needs them. Small
+plainly valid adds are staged: queued at add, their spans cut later in one pass (:func:`joined`)."""
 
 from __future__ import annotations
 
@@ -239,10 +239,7 @@ class RolloutQueue:
         env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))
         count = len(ids)
         self.chunk_open.append(count)
-        if count == 1 and kept_ids is None and batch.group_ids[0] is None and not batch.agentic[0]:
-            groups = [self._new_groups(1)]
-        else:
-            groups = self._groups_of(batch, kept_ids)
+        groups = self._groups_of(batch, kept_ids)
         env = self.env_index.get(env_names[0])
         if env is not None and env_names.count(env_names[0]) == count:
             envs = [env] * count

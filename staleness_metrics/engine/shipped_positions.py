@@ -3,11 +3,8 @@ in another process) and the SPEC 11 sums from the records' log-probabilities."""
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from functools import cached_property, partial
-from itertools import repeat
-from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -67,8 +64,7 @@ class ShippedSpans:
 
     def carries_trainer_logprobs(self) -> bool:
         """Whether a batch of a shipped span carries the trainer's log-probabilities."""
-        absent = sum(map(operator.is_, map(attrgetter("trainer_logprobs"), self.batches), repeat(None)))
-        if absent == len(self.batches):  # (no span found to say no)
+        if all(batch.trainer_logprobs is None for batch in self.batches):  # (no span to find)
             return False
         return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.rows.chunk))
 

@@ -289,10 +289,8 @@ class Sink:
                 name = self.queue.env_names[env]
                 if name:
                     sums = spans.mismatch(self.config.mismatch_band, env)
-                    env_costs[name] = (
-                        sums,
-                        self.observe_env_mismatch(step, name, sums, bound=judged_with),
-                    )
+                    env_bound = self.observe_env_mismatch(step, name, sums, bound=judged_with)
+                    env_costs[name] = sums, env_bound
         bound = None if mismatch is None else self.observe_mismatch(step, mismatch)
         report = compute_report(
             shipped_slice, self._window, judged_with, self.queue.env_names, self.config.env_breakdown, mismatch, bound,
