@@ -23,8 +23,7 @@ from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
 from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
 from .segments import IntArray, distinct, expand_ranges, segment_any
-from .shipment import Shipment, ShippedRollout
-from .shipped_positions import shipped_spans
+from .shipment import Shipment, ShippedRollout, shipped_spans
 from .spans import checked_spans
 
 if TYPE_CHECKING:

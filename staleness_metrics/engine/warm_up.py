@@ -10,7 +10,7 @@ from ..records.validation import BatchRows, PositionCopies, plain_values
 from .cuts import CutFlags, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows, zero_spans
 from .policies.token import token_decision
-from .shipped_positions import shipped_rows
+from .shipment import shipped_rows
 from .spans import SampleSpans, SpanRanges
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics.engine import cuts, judging, shipped_positions
+from staleness_metrics.engine import cuts, judging, shipment
 from staleness_metrics.engine.cuts import (
     WEIGHT_NAN,
     WEIGHT_NONFINITE,
@@ -46,9 +46,9 @@ def shipped_rows(
     span_lo: IntArray, span_hi: IntArray, kept_sample: BoolArray, sample_rollout: IntArray, mask_below: IntArray,
     version: IntArray, sampled: IntArray, frozen: BoolArray, rollout_chunk: IntArray, rollout_env: IntArray,
     part: npt.NDArray[np.int8], table_lo: IntArray, table_hi: IntArray, trained: int, not_sampled: int,
-) -> shipped_positions.ShippedRows:  # fmt: skip
-    assert not_sampled == shipped_positions.NOT_SAMPLED
-    return shipped_positions.shipped_rows(
+) -> shipment.ShippedRows:  # fmt: skip
+    assert not_sampled == shipment.NOT_SAMPLED
+    return shipment.shipped_rows(
         SampleSpans(span_lo, span_hi, sample_rollout), SpanRanges(part, table_lo, table_hi), version, sampled,
         (kept_sample, mask_below), (frozen, rollout_chunk, rollout_env), trained,
     )  # fmt: skip
@@ -640,7 +640,7 @@ def numpy_shipped_rows(
     trained: int,
     not_sampled: int,
 ) -> dict[str, npt.NDArray[Any]]:
-    """``shipped_positions.shipped_spans``' former numpy steps from the shipped samples to their kept rows."""
+    """``shipment.shipped_spans``' former numpy steps from the shipped samples to their kept rows."""
     span_rows = expand_ranges(span_lo, span_hi)
     span_offsets = np.concatenate(([0], np.cumsum(span_hi - span_lo)))
     span_sample = np.repeat(np.arange(len(span_lo)), span_hi - span_lo)
