@@ -129,8 +129,7 @@ class Sink:
         """Queue finished rollouts: records (dicts or :class:`Rollout`), an iterable of them, or a
         :class:`RolloutBatch` (whose arrays the sink then owns and masks in place). Strict mode
         raises :class:`TraceError` for the first invalid rollout and adds nothing; lenient mode
-        sets invalid rollouts aside (counted). Returns how many rollouts were queued.
-        """
+        sets invalid rollouts aside (counted). Returns how many rollouts were queued."""
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
         records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else rollouts
@@ -177,10 +176,7 @@ class Sink:
             if staged is not None:
                 return staged
         self.queue.build_staged()
-        if checked is not None:
-            verdicts, spans = checked
-        else:
-            verdicts, spans = checked_spans(batch, self.queue.seen_ids)
+        verdicts, spans = checked if checked is not None else checked_spans(batch, self.queue.seen_ids)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
         kept_ids: list[int] | None = None  # (None: every rollout of the batch)
@@ -188,14 +184,11 @@ class Sink:
             for index, error in sorted(verdicts.errors.items()):
                 env = batch.envs[index] if batch.envs is not None else None
                 self._set_aside(error, env if isinstance(env, str) and env else None)
-            keep = np.flatnonzero(~verdicts.invalid)
-            kept_ids = keep.tolist()
-            if len(keep) == 0:
+            kept_ids = np.flatnonzero(~verdicts.invalid).tolist()
+            if not kept_ids:
                 return 0
-        else:
-            keep = np.arange(batch.n_rollouts)
         self.queue.add_checked(batch, spans, kept_ids)
-        return len(keep)
+        return batch.n_rollouts if kept_ids is None else len(kept_ids)
 
     def _advance(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 1 <= step <= MAX_STEP:
@@ -252,9 +245,7 @@ class Sink:
 
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
         """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None). A
-        version above the trained one in a rollout shipped raises :class:`TraceError` (strict) or
-        sets it aside (lenient).
-        """
+        version above the trained one raises :class:`TraceError` (strict) or is set aside (lenient)."""
         if isinstance(ids, str):
             raise FieldTypeError("ids", "must be a collection of rollout ids, not one string")
         self._advance(step)
