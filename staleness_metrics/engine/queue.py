@@ -320,9 +320,6 @@ class RolloutQueue:
         queued: IntArray = rows[self.rollouts.status[rows] == QUEUED]
         return queued
 
-    def ids_of(self, rows: IntArray) -> list[str]:
-        return list(map(self.ids.__getitem__, rows.tolist()))
-
     def batches_of(self, chunks: Iterable[int]) -> dict[int, RolloutBatch]:
         found = {c: self.chunks[c] for c in chunks}
         assert None not in found.values(), "a queued rollout's batch is kept"

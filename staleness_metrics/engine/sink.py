@@ -311,7 +311,7 @@ class Sink:
         kept = ~shipped.dropped
         owner = shipped.sample_rollout[kept]
         local = self.queue.samples.local[shipped.sample_rows[kept]]
-        ids = self.queue.ids_of(rows)
+        ids = list(map(self.queue.ids.__getitem__, rows.tolist()))
         r = self.queue.rollouts
         chunk = r.chunk[rows]
         batches = self.queue.batches_of(distinct(chunk))
