@@ -108,7 +108,10 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         cut &= ~verdicts.invalid[sample_rollout]
     present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
     weights = [getattr(batch, name) for name in present]
-    cuts = sample_cuts(_labels_of(batch), batch.mask, pos_off, np.flatnonzero(cut), weights)
+    assert batch.label_kind is not None
+    given = (batch.token_versions, batch.span_offsets, batch.span_starts, batch.span_versions)
+    labels = SampleLabels(batch.label_kind, *(_NO_POSITIONS if a is None else a for a in given))
+    cuts = sample_cuts(labels, batch.mask, pos_off, np.flatnonzero(cut), weights)
     if cuts.below and not token_values:
         raise _TokenVersionBelowMinusOne
     lo, hi = cuts.starts, cuts.ends
@@ -149,18 +152,6 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     default = np.where(newest > NO_VERSION_LOW, newest, batch.dispatch_version)
     rows.completion = np.where(completion >= 0, completion, default)  # (int64)
     return rows
-
-
-def _labels_of(batch: RolloutBatch) -> SampleLabels:
-    kinds = batch.label_kind
-    assert kinds is not None
-
-    def given(values: IntArray | None) -> IntArray:
-        return _NO_POSITIONS if values is None else values
-
-    tokens, offsets = given(batch.token_versions), given(batch.span_offsets)
-    starts, versions = given(batch.span_starts), given(batch.span_versions)
-    return SampleLabels(kinds, tokens, offsets, starts, versions)
 
 
 def _exact_part_liveness(
