@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ...config import StalenessConfig
-from ..decision import Decision, Judgement
-from .base import Policy
+from ..decision import Decision, Judgement, Policy
 from .token import TokenPolicy
 from .xtuner import XtunerPolicy
 
