@@ -390,7 +390,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
 def queued_part(batch: RolloutBatch, rollouts: IntArray, sampled: tuple[IntArray, IntArray]) -> RolloutBatch:
     """The ``rollouts`` of ``batch`` as a new batch, the mask back to 1 over ``sampled``."""
     samples = expand_ranges(batch.sample_offsets[rollouts], batch.sample_offsets[rollouts + 1])
-    positions = expand_ranges(batch.position_offsets[samples], batch.position_offsets[samples + 1])
+    positions = _items_of(batch.position_offsets, samples)
     part = copy.copy(batch)  # (checked and converted already: no __post_init__ again)
     part.mask = _ones_over(batch.mask, *sampled)[positions]
     part.ids = [batch.ids[i] for i in rollouts.tolist()]
@@ -406,13 +406,27 @@ def queued_part(batch: RolloutBatch, rollouts: IntArray, sampled: tuple[IntArray
     if batch.label_kind is not None:
         part.label_kind = batch.label_kind[samples]
     if batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None:
-        spans = expand_ranges(batch.span_offsets[samples], batch.span_offsets[samples + 1])
+        spans = _items_of(batch.span_offsets, samples)
         part.span_offsets = _offsets(batch.span_offsets, samples)
         part.span_versions, part.span_starts = batch.span_versions[spans], batch.span_starts[spans]
     part.present = {name: flags[samples] for name, flags in batch.present.items()}
     if batch.padded is not None and not np.array_equal(rollouts, np.arange(batch.n_rollouts)):
         part.padded = None  # (the rows of a padded batch are kept only when all of it is)
     return part
+
+
+def _items_of(offsets: IntArray, groups: IntArray) -> slice | npt.NDArray[Any]:
+    """What indexes the items ``offsets[g]:offsets[g + 1]`` of each of ``groups`` in turn."""
+    if not len(groups):
+        return slice(0, 0)
+    first, last = int(groups[0]), int(groups[-1])
+    if last - first + 1 == len(groups) and (np.diff(groups) == 1).all():
+        return slice(int(offsets[first]), int(offsets[last + 1]))
+    if (np.diff(groups) > 0).all():
+        chosen = np.zeros(len(offsets) - 1, dtype=bool)
+        chosen[groups] = True
+        return np.repeat(chosen, np.diff(offsets))
+    return expand_ranges(offsets[groups], offsets[groups + 1])
 
 
 def _ones_over(mask: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.NDArray[Any]:
