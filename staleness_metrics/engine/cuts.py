@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -404,23 +405,27 @@ def token_spans(
     return sample_cuts(labels, mask, pos_off, samples, weights)
 
 
-class SpanRows(NamedTuple):
-    sample: IntArray
-    lo: IntArray
+@dataclass
+class SpanTable:
+    """Spans of one batch plus the per-sample and per-rollout facts derived from them."""
+
+    sample: IntArray  # per span (a cut, or one part of a mixed cut)
+    lo: IntArray  # absolute positions in the batch's flat arrays, [lo, hi)
     hi: IntArray
-    label: IntArray
-    version: IntArray
-    part: npt.NDArray[np.int8]
-    sampled: IntArray
-    live: BoolArray
-    span_offsets: IntArray
+    label: IntArray  # -1 = unlabelled
+    version: IntArray  # effective version: the label, or the rollout's dispatch version
+    part: npt.NDArray[np.int8]  # spans.PART_WHOLE, or which part of a mixed cut it holds
+    sampled: IntArray  # positions with mask 1 as the sample arrived
+    live: BoolArray  # some sampled position carries a loss weight
+    span_offsets: IntArray  # per sample
     n_sampled: IntArray
     n_unlabelled: IntArray
-    unmaskable: BoolArray
+    unmaskable: BoolArray  # a weight on a mask-0 position: never masked, so always trainable
     had_train: BoolArray
-    max_label: IntArray
-    max_sampled_version: IntArray
-    seq_min_version: IntArray
+    max_label: IntArray  # newest label on any position (-1: none), for the ship-time bound check
+    max_sampled_version: IntArray  # NO_VERSION_LOW when the sample has no sampled position
+    seq_min_version: IntArray  # xtuner's sequence version; NO_VERSION_HIGH when none
+    completion: IntArray = field(default_factory=lambda: _NO_SPANS)  # per rollout (build_spans)
 
 
 @CompiledLoop
@@ -532,7 +537,7 @@ def span_rows(
     pos_off: IntArray,
     dispatch: IntArray,
     no_version: tuple[int, int],
-) -> SpanRows:
+) -> SpanTable:
     """The rows of a span table from the cuts, in one pass (a mixed cut: its labelled part, then its
     unlabelled part), and the per-sample reductions (``no_version``: their low and high values)."""
     as_int = partial(np.ascontiguousarray, dtype=np.int64)
@@ -541,4 +546,4 @@ def span_rows(
         (as_int(lo), as_int(hi), as_int(label), as_int(labelled)), tuple(as_bool(f) for f in flags), as_int(pos_off),
         as_int(dispatch), int(no_version[0]), int(no_version[1]),
     )  # fmt: skip
-    return SpanRows(*found)
+    return SpanTable(*found)

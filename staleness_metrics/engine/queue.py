@@ -1,24 +1,270 @@
-"""The queue of a sink (SPEC 4): a row per queued rollout, sample and span (:mod:`.table`), and the
-batches they arrived in, kept whole (masked in place) until no queued rollout needs them."""
+"""The queue of a sink (SPEC 4): a row per queued rollout, sample and span (typed growable
+tables), and the batches they arrived in, kept whole (masked in place) until no queued rollout needs
+them. Small plainly valid adds are staged: their spans cut later in one pass (:func:`joined`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, overload
 
 import numpy as np
+import numpy.typing as npt
 
-from ..records.columnar import RolloutBatch
+from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ..records.validation import Verdicts, plain_values_of
+from .cuts import SpanTable
 from .decision import NO_MASK
 from .segments import IntArray, expand_ranges
-from .spans import SpanTable, build_spans
-from .staging import STAGE_FLUSH_POSITIONS, Staged, joined, kind_of, runs_of
-from .table import RolloutRows, SampleRows, SpanRows
+from .spans import build_spans
 
 QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3  # a rollout row's status
 COMPACT_MIN_ROWS = 4096  # below this many rows, forgetting is not worth a copy
 NEVER = -1  # the step of a rollout not judged yet
+STAGE_MAX_POSITIONS = 1 << 16  # a longer batch is cut at its add
+STAGE_FLUSH_POSITIONS = 1 << 20  # staged positions beyond it are cut at once (bounded memory)
+
+Kind = tuple[str | None, ...]
+ScalarT = TypeVar("ScalarT", bound=np.generic)
+TableT = TypeVar("TableT", bound="Table")
+
+
+class Column(Generic[ScalarT]):
+    """A column of a :class:`Table`: ``table.name`` is a view of its live rows."""
+
+    def __init__(self, dtype: type[ScalarT]) -> None:
+        self.dtype = np.dtype(dtype)
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, table: None, owner: type) -> Column[ScalarT]: ...
+    @overload
+    def __get__(self, table: Table, owner: type) -> npt.NDArray[ScalarT]: ...
+    def __get__(self, table: Table | None, owner: type) -> Column[ScalarT] | npt.NDArray[ScalarT]:
+        if table is None:
+            return self
+        return table.column(self.name)
+
+    def __set__(self, table: Table, values: npt.ArrayLike) -> None:
+        table.column(self.name)[:] = values
+
+
+class Table:
+    """Columns of equal length (:class:`Column` attributes), grown by appending arrays."""
+
+    columns: ClassVar[dict[str, np.dtype[Any]]] = {}
+
+    def __init_subclass__(cls) -> None:
+        super().__init_subclass__()
+        cls.columns = {name: c.dtype for name, c in vars(cls).items() if isinstance(c, Column)}
+
+    def __init__(self) -> None:
+        self._capacity = 16
+        self._columns: dict[str, npt.NDArray[Any]] = {name: np.zeros(16, dtype=d) for name, d in self.columns.items()}
+        self._size = 0
+        # the live rows of the columns read since the last append
+        self._views: dict[str, npt.NDArray[Any]] = {}
+
+    def __len__(self) -> int:
+        return self._size
+
+    def append(self, **values: npt.ArrayLike) -> int:
+        """Append equal-length arrays (or scalars) for every column; the first new row."""
+        columns = self._columns
+        if values.keys() != columns.keys():
+            raise KeyError(f"expected columns {sorted(columns)}, got {sorted(values)}")
+        for value in values.values():
+            if isinstance(value, np.ndarray) and value.ndim:
+                n = len(value)
+                break
+        else:
+            raise ValueError("at least one column must be an array")
+        start = self._size
+        needed = start + n
+        if needed > self._capacity:  # (every column has the same capacity)
+            self._capacity = max(needed, 2 * self._capacity)
+            for name, column in columns.items():
+                grown = np.zeros(self._capacity, dtype=column.dtype)
+                grown[:start] = column[:start]
+                columns[name] = grown
+        for name, column in columns.items():
+            column[start:needed] = values[name]
+        self._size = needed
+        self._views = {}
+        return start
+
+    def take(self: TableT, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> TableT:
+        """A new table of the given rows; ``replace`` gives new values for columns."""
+        taken = type(self)()
+        taken.append(**{name: replace.get(name, self.column(name)[rows]) for name in self.columns})
+        return taken
+
+    def column(self, name: str) -> npt.NDArray[Any]:
+        """The live rows of a column by name (a view, made once per length)."""
+        view = self._views.get(name)
+        if view is None:
+            view = self._views[name] = self._columns[name][: self._size]
+        return view
+
+
+class RolloutRows(Table):
+    """One row per rollout: where it arrived, where it is, and what the policies read of it."""
+
+    chunk = Column(np.int64)  # the batch it arrived in (the queue's ``chunks``)
+    index = Column(np.int64)  # its rollout number in that batch
+    status = Column(np.int8)  # queue.QUEUED, SHIPPED, DROPPED or INVALID
+    judged = Column(np.int64)  # the last step that judged it (queue.NEVER: none yet)
+    frozen = Column(np.bool_)
+    dispatch = Column(np.int64)
+    completion = Column(np.int64)
+    group = Column(np.int64)  # the queue's group index
+    env = Column(np.int64)  # the queue's env index (0: none)
+    sample_lo = Column(np.int64)  # its sample rows
+    sample_hi = Column(np.int64)
+
+
+class SampleRows(Table):
+    """One row per sample: its spans, its masking threshold and what the cut found in it."""
+
+    rollout = Column(np.int64)  # its rollout row
+    local = Column(np.int64)  # its number within its rollout
+    span_lo = Column(np.int64)  # its span rows
+    span_hi = Column(np.int64)
+    mask_below = Column(np.int64)  # versions below this are masked (decision.NO_MASK: none)
+    dropped = Column(np.bool_)
+    had_train = Column(np.bool_)
+    unmaskable = Column(np.bool_)
+    n_sampled = Column(np.int64)
+    n_unlabelled = Column(np.int64)
+    max_label = Column(np.int64)
+    max_sampled = Column(np.int64)
+    seq_min = Column(np.int64)
+    label_kind = Column(np.int8)
+
+
+class SpanRows(Table):
+    """One row per span: a range of positions of one version label and one mask value."""
+
+    sample = Column(np.int64)  # its sample row
+    lo = Column(np.int64)  # positions in its rollout's batch
+    hi = Column(np.int64)
+    version = Column(np.int64)
+    labelled = Column(np.bool_)
+    sampled = Column(np.int64)
+    live = Column(np.bool_)
+    part = Column(np.int8)  # spans.PART_WHOLE, PART_LABELLED or PART_UNLABELLED
+
+
+class Staged(NamedTuple):
+    """A batch queued by an add whose spans are not cut yet."""
+
+    batch: RolloutBatch
+    chunk: int
+    groups: list[int]
+    envs: list[int]
+    kind: Kind  # the element types of the mask and weight arrays (None: none)
+
+
+# (``dtype.str`` builds a new string each time)
+_DTYPE_STRS: dict[np.dtype[Any], str] = {}
+
+
+def kind_of(batch: RolloutBatch) -> Kind:
+    arrays = (batch.mask, batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
+    try:
+        return tuple(None if a is None else _DTYPE_STRS[a.dtype] for a in arrays)
+    except KeyError:
+        _DTYPE_STRS.update((a.dtype, a.dtype.str) for a in arrays if a is not None)
+        return kind_of(batch)
+
+
+def _joined_kind(kind: Kind, other: Kind) -> Kind | None:
+    """The kind of a run of ``kind`` joined by a batch of ``other``; None if they differ."""
+    if kind == other:  # (the usual case)
+        return kind
+    if any(a is not None and b is not None and a != b for a, b in zip(kind, other)):
+        return None
+    return tuple(a if a is not None else b for a, b in zip(kind, other))
+
+
+def runs_of(staged: Sequence[Staged]) -> list[Sequence[Staged]]:
+    """The staged batches in runs that can be cut together (kinds that agree), in order."""
+    runs: list[Sequence[Staged]] = []
+    start = 0
+    while start < len(staged):
+        end, kind = start + 1, staged[start].kind
+        while end < len(staged) and (next_kind := _joined_kind(kind, staged[end].kind)) is not None:
+            kind, end = next_kind, end + 1
+        runs.append(staged[start:end])
+        start = end
+    return runs
+
+
+def _joined_offsets(parts: Sequence[IntArray], counts: Sequence[int], ends: Sequence[int]) -> IntArray:
+    """Offsets into the concatenation of the parts ``parts`` index."""
+    bases = np.cumsum([0, *ends])
+    if list(counts) == [1] * len(counts):
+        return bases.astype(np.int64)
+    starts = np.concatenate([p[:-1] for p in parts])
+    starts += np.repeat(bases[:-1], counts).astype(starts.dtype, copy=False)
+    return np.concatenate([starts, bases[-1:].astype(starts.dtype, copy=False)])
+
+
+class Joined(NamedTuple):
+    batch: RolloutBatch
+    chunk: IntArray  # per rollout: its batch's chunk
+    number: IntArray  # per rollout: its index in its own batch
+    position_base: IntArray  # per rollout: where its own batch starts in the joined positions
+    groups: IntArray
+    envs: IntArray
+
+
+def joined(run: Sequence[Staged], ids: list[str]) -> Joined:
+    """The staged batches of ``run`` as one batch of the arrays the cut reads."""
+    batches = [item.batch for item in run]
+    n_rollouts = [b.n_rollouts for b in batches]
+    n_samples = [b.n_samples for b in batches]
+    n_positions = [b.n_positions for b in batches]
+
+    def join(name: str, fill: Any = None) -> Any:
+        values = [getattr(b, name) for b in batches]
+        given = [v for v in values if v is not None]
+        if not given:
+            return None
+        if len(given) < len(values):  # filled exactly, in the run's dtype (_joined_kind)
+            values = [v if v is not None else fill(b).astype(given[0].dtype) for v, b in zip(values, batches)]
+        return np.concatenate(values)
+
+    columns: dict[str, Any] = {
+        "rl_weights": join("rl_weights", lambda b: b.mask),
+        **{name: join(name, lambda b: np.zeros(b.n_positions)) for name in WEIGHT_FIELDS[1:]},
+        "token_versions": join("token_versions", lambda b: np.full(b.n_positions, -1, dtype=np.int64)),
+    }
+    if any(b.span_offsets is not None for b in batches):
+        span_offsets = [b.span_offsets if b.span_offsets is not None else np.zeros(b.n_samples + 1, np.int64)
+                        for b in batches]  # fmt: skip
+        columns["span_offsets"] = _joined_offsets(span_offsets, n_samples, [int(o[-1]) for o in span_offsets])
+        columns.update({name: join(name, lambda b: np.zeros(0, np.int64)) for name in ("span_versions", "span_starts")})
+    batch = RolloutBatch(
+        ids=ids,
+        sample_offsets=_joined_offsets([b.sample_offsets for b in batches], n_rollouts, n_samples),
+        position_offsets=_joined_offsets([b.position_offsets for b in batches], n_samples, n_positions),
+        mask=join("mask"),
+        dispatch_version=join("dispatch_version"),
+        completion_version=join("completion_version"),
+        frozen=join("frozen"),
+        label_kind=join("label_kind"),
+        **columns,
+    )
+    index = np.concatenate([np.arange(n) for n in n_rollouts])
+    position_base = np.repeat(np.cumsum([0, *n_positions[:-1]]), n_rollouts)
+    return Joined(
+        batch, np.repeat([item.chunk for item in run], n_rollouts).astype(np.int64), index, position_base,
+        np.array([g for item in run for g in item.groups], dtype=np.int64),
+        np.array([e for item in run for e in item.envs], dtype=np.int64),
+    )  # fmt: skip
 
 
 class RolloutQueue:
@@ -74,9 +320,6 @@ class RolloutQueue:
         queued: IntArray = rows[self.rollouts.status[rows] == QUEUED]
         return queued
 
-    def ids_of(self, rows: IntArray) -> list[str]:
-        return list(map(self.ids.__getitem__, rows.tolist()))
-
     def batches_of(self, chunks: Iterable[int]) -> dict[int, RolloutBatch]:
         found = {c: self.chunks[c] for c in chunks}
         assert None not in found.values(), "a queued rollout's batch is kept"
@@ -124,10 +367,7 @@ class RolloutQueue:
         env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))
         count = len(ids)
         self.chunk_open.append(count)
-        if count == 1 and kept_ids is None and batch.group_ids[0] is None and not batch.agentic[0]:
-            groups = [self._new_groups(1)]
-        else:
-            groups = self._groups_of(batch, kept_ids)
+        groups = self._groups_of(batch, kept_ids)
         env = self.env_index.get(env_names[0])
         if env is not None and env_names.count(env_names[0]) == count:
             envs = [env] * count
@@ -316,8 +556,6 @@ class RolloutQueue:
 
     def restore(self, observe_added: Callable[[IntArray], None] | None = None, **fields: Any) -> None:
         """Take a checked saved state's fields (:mod:`.queue_state`), and the policy's hook."""
-        unknown = set(fields) - set(vars(self)) - {"tokens_entered"}
-        assert not unknown, f"not fields of the queue: {sorted(unknown)}"
         self._tokens_entered = fields.pop("tokens_entered", self._tokens_entered)
         vars(self).update(fields)
         self.row_of = {rid: row for row, rid in enumerate(self.ids)}

@@ -36,10 +36,9 @@ from ..state_checks import (
 )
 from .decision import NO_MASK
 from .judging import judgement_of, mask_positions
-from .queue import NEVER, QUEUED, RolloutQueue
+from .queue import NEVER, QUEUED, RolloutQueue, RolloutRows, SampleRows, SpanRows, Table
 from .segments import IntArray, expand_ranges
 from .spans import checked_spans
-from .table import RolloutRows, SampleRows, SpanRows, Table
 
 TableT = TypeVar("TableT", bound=Table)
 

@@ -17,15 +17,14 @@ from ..metrics.report import Tally
 from ..records.columnar import LABELS_SPANS, RolloutBatch
 from ..records.model import ParsedRollout, Rollout, UnparsedRollout, pack, parse_or_error
 from ..records.validation import Verdicts, plainly_valid
+from .cuts import SpanTable
 from .decision import Decision, Judgement
 from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
-from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, RolloutQueue
-from .segments import IntArray, distinct, expand_ranges
-from .shipment import Shipment, ShippedRollout
-from .shipped_positions import shipped_spans
-from .spans import SpanTable, checked_spans
-from .staging import STAGE_MAX_POSITIONS
+from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
+from .segments import IntArray, distinct, expand_ranges, segment_any
+from .shipment import Shipment, ShippedRollout, shipped_spans
+from .spans import checked_spans
 
 if TYPE_CHECKING:
     from .checkpoint import SinkState
@@ -130,8 +129,7 @@ class Sink:
         """Queue finished rollouts: records (dicts or :class:`Rollout`), an iterable of them, or a
         :class:`RolloutBatch` (whose arrays the sink then owns and masks in place). Strict mode
         raises :class:`TraceError` for the first invalid rollout and adds nothing; lenient mode
-        sets invalid rollouts aside (counted). Returns how many rollouts were queued.
-        """
+        sets invalid rollouts aside (counted). Returns how many rollouts were queued."""
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
         records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else rollouts
@@ -178,10 +176,7 @@ class Sink:
             if staged is not None:
                 return staged
         self.queue.build_staged()
-        if checked is not None:
-            verdicts, spans = checked
-        else:
-            verdicts, spans = checked_spans(batch, self.queue.seen_ids)
+        verdicts, spans = checked if checked is not None else checked_spans(batch, self.queue.seen_ids)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
         kept_ids: list[int] | None = None  # (None: every rollout of the batch)
@@ -189,14 +184,11 @@ class Sink:
             for index, error in sorted(verdicts.errors.items()):
                 env = batch.envs[index] if batch.envs is not None else None
                 self._set_aside(error, env if isinstance(env, str) and env else None)
-            keep = np.flatnonzero(~verdicts.invalid)
-            kept_ids = keep.tolist()
-            if len(keep) == 0:
+            kept_ids = np.flatnonzero(~verdicts.invalid).tolist()
+            if not kept_ids:
                 return 0
-        else:
-            keep = np.arange(batch.n_rollouts)
         self.queue.add_checked(batch, spans, kept_ids)
-        return len(keep)
+        return batch.n_rollouts if kept_ids is None else len(kept_ids)
 
     def _advance(self, step: int) -> None:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not 1 <= step <= MAX_STEP:
@@ -242,14 +234,10 @@ class Sink:
 
     def sweep(self, step: int) -> None:
         """Judge every queued rollout not yet judged at ``step``; drops leave the queue now."""
-        self._sweep(step)
-
-    def _sweep(self, step: int, queued: IntArray | None = None) -> Judgement | None:
-        """:meth:`sweep`; returns the slice it judged. ``queued``: the queued rows, if known."""
         self._advance(step)
-        self.queue.build_staged()
-        if queued is None:
-            queued = self.queue.queued_rows()
+        self._sweep(step, self.queue.queued_rows())
+
+    def _sweep(self, step: int, queued: IntArray) -> Judgement | None:
         rows = queued[self.queue.rollouts.judged[queued] < step]
         if len(rows) == 0:
             return None
@@ -257,9 +245,7 @@ class Sink:
 
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
         """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None). A
-        version above the trained one in a rollout shipped raises :class:`TraceError` (strict) or
-        sets it aside (lenient).
-        """
+        version above the trained one raises :class:`TraceError` (strict) or is set aside (lenient)."""
         if isinstance(ids, str):
             raise FieldTypeError("ids", "must be a collection of rollout ids, not one string")
         self._advance(step)
@@ -293,10 +279,8 @@ class Sink:
                 name = self.queue.env_names[env]
                 if name:
                     sums = spans.mismatch(self.config.mismatch_band, env)
-                    env_costs[name] = (
-                        sums,
-                        self.observe_env_mismatch(step, name, sums, bound=judged_with),
-                    )
+                    env_bound = self.observe_env_mismatch(step, name, sums, bound=judged_with)
+                    env_costs[name] = sums, env_bound
         bound = None if mismatch is None else self.observe_mismatch(step, mismatch)
         report = compute_report(
             shipped_slice, self._window, judged_with, self.queue.env_names, self.config.env_breakdown, mismatch, bound,
@@ -327,7 +311,7 @@ class Sink:
         kept = ~shipped.dropped
         owner = shipped.sample_rollout[kept]
         local = self.queue.samples.local[shipped.sample_rows[kept]]
-        ids = self.queue.ids_of(rows)
+        ids = list(map(self.queue.ids.__getitem__, rows.tolist()))
         r = self.queue.rollouts
         chunk = r.chunk[rows]
         batches = self.queue.batches_of(distinct(chunk))
@@ -351,9 +335,8 @@ class Sink:
         bad_sample = s.max_label[sample_rows] > trained
         if not (bad_dispatch.any() or bad_sample.any()):  # (the usual case: nothing to name)
             return rows
-        counts = r.sample_hi[rows] - r.sample_lo[rows]
-        bad_label = np.bincount(np.repeat(np.arange(len(rows)), counts)[bad_sample], minlength=len(rows)) > 0
-        bad = bad_dispatch | bad_label
+        offsets = np.concatenate(([0], np.cumsum(r.sample_hi[rows] - r.sample_lo[rows])))
+        bad = bad_dispatch | segment_any(bad_sample, offsets)
         errors = []
         for local in np.flatnonzero(bad):
             row = int(rows[local])

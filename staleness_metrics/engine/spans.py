@@ -4,7 +4,6 @@ into spans of one version label and mask value, so positions are read once, here
 from __future__ import annotations
 
 from collections.abc import Container
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -20,6 +19,7 @@ from .cuts import (
     WEIGHT_NOT_POSITIVE,
     CutFlags,
     SampleLabels,
+    SpanTable,
     sample_cuts,
     span_rows,
 )
@@ -30,29 +30,6 @@ NO_VERSION_HIGH = np.iinfo(np.int64).max // 4
 
 PART_WHOLE, PART_LABELLED, PART_UNLABELLED = 0, 1, 2
 _NO_POSITIONS = np.zeros(0, dtype=np.int64)
-
-
-@dataclass
-class SpanTable:
-    """Spans of one batch plus the per-sample and per-rollout facts derived from them."""
-
-    sample: IntArray  # per span (a cut, or one part of a mixed cut)
-    lo: IntArray  # absolute positions in the batch's flat arrays, [lo, hi)
-    hi: IntArray
-    label: IntArray  # -1 = unlabelled
-    version: IntArray  # effective version: the label, or the rollout's dispatch version
-    part: npt.NDArray[np.int8]  # PART_WHOLE, or which positions of a mixed cut it holds
-    sampled: IntArray  # positions with mask 1 as the sample arrived
-    live: BoolArray  # some sampled position carries a loss weight
-    span_offsets: IntArray  # per sample
-    n_sampled: IntArray
-    n_unlabelled: IntArray
-    unmaskable: BoolArray  # a weight on a mask-0 position: never masked, so always trainable
-    had_train: BoolArray
-    max_label: IntArray  # newest label on any position (-1: none), for the ship-time bound check
-    max_sampled_version: IntArray  # NO_VERSION_LOW when the sample has no sampled position
-    seq_min_version: IntArray  # xtuner's sequence version; NO_VERSION_HIGH when none
-    completion: IntArray  # per rollout
 
 
 class SpanRanges(NamedTuple):
@@ -131,7 +108,10 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
         cut &= ~verdicts.invalid[sample_rollout]
     present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
     weights = [getattr(batch, name) for name in present]
-    cuts = sample_cuts(_labels_of(batch), batch.mask, pos_off, np.flatnonzero(cut), weights)
+    assert batch.label_kind is not None
+    given = (batch.token_versions, batch.span_offsets, batch.span_starts, batch.span_versions)
+    labels = SampleLabels(batch.label_kind, *(_NO_POSITIONS if a is None else a for a in given))
+    cuts = sample_cuts(labels, batch.mask, pos_off, np.flatnonzero(cut), weights)
     if cuts.below and not token_values:
         raise _TokenVersionBelowMinusOne
     lo, hi = cuts.starts, cuts.ends
@@ -170,19 +150,8 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     assert completion is not None
     newest = segment_max(rows.max_sampled_version, batch.sample_offsets, NO_VERSION_LOW)
     default = np.where(newest > NO_VERSION_LOW, newest, batch.dispatch_version)
-    return SpanTable(*rows, completion=np.where(completion >= 0, completion, default))  # (int64)
-
-
-def _labels_of(batch: RolloutBatch) -> SampleLabels:
-    kinds = batch.label_kind
-    assert kinds is not None
-
-    def given(values: IntArray | None) -> IntArray:
-        return _NO_POSITIONS if values is None else values
-
-    tokens, offsets = given(batch.token_versions), given(batch.span_offsets)
-    starts, versions = given(batch.span_starts), given(batch.span_versions)
-    return SampleLabels(kinds, tokens, offsets, starts, versions)
+    rows.completion = np.where(completion >= 0, completion, default)  # (int64)
+    return rows
 
 
 def _exact_part_liveness(

@@ -8,10 +8,9 @@ from ..metrics.compute import PopulationColumns, WindowCounts, population_summar
 from ..metrics.mismatch import mismatch_runs
 from ..records.validation import BatchRows, PositionCopies, plain_values
 from .cuts import CutFlags, SampleLabels, sample_cuts, span_rows
-from .judging import slice_rows, stale_rows
-from .masking import zero_spans
+from .judging import slice_rows, stale_rows, zero_spans
 from .policies.token import token_decision
-from .shipped_positions import shipped_rows
+from .shipment import shipped_rows
 from .spans import SampleSpans, SpanRanges
 
 

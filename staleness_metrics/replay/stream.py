@@ -17,9 +17,10 @@ from typing import IO, Any, cast
 import numpy as np
 
 from ..config import StalenessConfig
+from ..engine.cuts import SpanTable
 from ..engine.shipment import Shipment
 from ..engine.sink import MAX_STEP, Sink
-from ..engine.spans import SpanTable, checked_spans
+from ..engine.spans import checked_spans
 from ..errors import ConfigError, EventError, TraceError
 from ..records import jsonio, simd_records
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch

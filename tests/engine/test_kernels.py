@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics.engine import cuts, judging, shipped_positions
+from staleness_metrics.engine import cuts, judging, shipment
 from staleness_metrics.engine.cuts import (
     WEIGHT_NAN,
     WEIGHT_NONFINITE,
@@ -21,7 +21,7 @@ from staleness_metrics.engine.cuts import (
     sample_cuts,
     token_spans,
 )
-from staleness_metrics.engine.masking import zero_spans
+from staleness_metrics.engine.judging import zero_spans
 from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_min, segment_sum
 from staleness_metrics.engine.spans import SampleSpans, SpanRanges
 from staleness_metrics.engine.warm_up import warm_up
@@ -37,7 +37,7 @@ def span_rows(
     lo: IntArray, hi: IntArray, label: IntArray, labelled: IntArray, kept: BoolArray, sampled: BoolArray,
     live_labelled: BoolArray, live_unlabelled: BoolArray, side: BoolArray, pos_off: IntArray, dispatch: IntArray,
     no_version: tuple[int, int],
-) -> cuts.SpanRows:  # fmt: skip
+) -> cuts.SpanTable:  # fmt: skip
     flags = CutFlags(kept, sampled, live_labelled, live_unlabelled, side)
     return cuts.span_rows(lo, hi, label, labelled, flags, pos_off, dispatch, no_version)
 
@@ -46,9 +46,9 @@ def shipped_rows(
     span_lo: IntArray, span_hi: IntArray, kept_sample: BoolArray, sample_rollout: IntArray, mask_below: IntArray,
     version: IntArray, sampled: IntArray, frozen: BoolArray, rollout_chunk: IntArray, rollout_env: IntArray,
     part: npt.NDArray[np.int8], table_lo: IntArray, table_hi: IntArray, trained: int, not_sampled: int,
-) -> shipped_positions.ShippedRows:  # fmt: skip
-    assert not_sampled == shipped_positions.NOT_SAMPLED
-    return shipped_positions.shipped_rows(
+) -> shipment.ShippedRows:  # fmt: skip
+    assert not_sampled == shipment.NOT_SAMPLED
+    return shipment.shipped_rows(
         SampleSpans(span_lo, span_hi, sample_rollout), SpanRanges(part, table_lo, table_hi), version, sampled,
         (kept_sample, mask_below), (frozen, rollout_chunk, rollout_env), trained,
     )  # fmt: skip
@@ -640,7 +640,7 @@ def numpy_shipped_rows(
     trained: int,
     not_sampled: int,
 ) -> dict[str, npt.NDArray[Any]]:
-    """``shipped_positions.shipped_spans``' former numpy steps from the shipped samples to their kept rows."""
+    """``shipment.shipped_spans``' former numpy steps from the shipped samples to their kept rows."""
     span_rows = expand_ranges(span_lo, span_hi)
     span_offsets = np.concatenate(([0], np.cumsum(span_hi - span_lo)))
     span_sample = np.repeat(np.arange(len(span_lo)), span_hi - span_lo)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import staleness_metrics.records.model as records_module
 from staleness_metrics import Sink, StalenessConfig
 from staleness_metrics.engine.cuts import token_spans
-from staleness_metrics.engine.masking import zero_spans
+from staleness_metrics.engine.judging import zero_spans
 from staleness_metrics.records.model import pack, parse_rollout
 from tests.engine.test_checkpoint import POLICIES, config_of
 from tests.engine.test_small_adds import play

@@ -20,6 +20,7 @@ from staleness_metrics.engine.cuts import (
     WEIGHT_NONZERO,
     WEIGHT_NOT_POSITIVE,
     CutFlags,
+    SpanTable,
     span_rows,
     token_spans,
 )
@@ -27,7 +28,6 @@ from staleness_metrics.engine.segments import expand_ranges, segment_max
 from staleness_metrics.engine.spans import (
     NO_VERSION_HIGH,
     NO_VERSION_LOW,
-    SpanTable,
     _TokenVersionBelowMinusOne,
     build_spans,
 )

@@ -8,9 +8,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ...compiled import CompiledLoop
-from ..decision import NO_MASK, Decision, Judgement
+from ..decision import NO_MASK, Decision, Judgement, Policy
 from ..segments import BoolArray, IntArray
-from .base import Policy
 
 
 class TokenPolicy(Policy):

@@ -8,9 +8,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..decision import NO_MASK, Decision, Judgement
+from ..decision import NO_MASK, Decision, Judgement, Policy
 from ..segments import segment_any
-from .base import Policy
 
 
 class XtunerPolicy(Policy):
