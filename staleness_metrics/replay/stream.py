@@ -30,9 +30,8 @@ from ..records.validation import Verdicts, lone_surrogate
 
 @dataclass(frozen=True)
 class Event:
-    """One line of an event stream: ``kind`` is ``rollout``, ``sweep`` or ``ship``. A rollout holds
-    its decoded record (``rollout``), its arrays (``parsed``, by ``read_events(parse=True)``) or the
-    record refused as read (``unparsed``: a string that is not valid Unicode)."""
+    """One line of an event stream (``kind``: rollout, sweep or ship); a rollout as its record,
+    arrays (``parsed``) or the record refused as read (``unparsed``: invalid Unicode)."""
 
     line: int
     kind: str
@@ -175,10 +174,9 @@ def read_events(
 ) -> Iterator[Event]:
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
 
-    ``parse=True``: a valid rollout line given as bytes is read straight into arrays
-    (:mod:`.simd_records`) and its event holds ``parsed``. ``read_ahead=True`` (with ``parse``):
-    rollout lines are checked 64 at a time across ship and sweep lines too (the same events and
-    errors, in the same order, for a file read to its end; not for a live stream).
+    ``parse=True``: valid rollout lines given as bytes are read straight into arrays (``parsed``).
+    ``read_ahead=True`` (with ``parse``): they are checked 64 at a time across ship and sweep lines
+    too (the same events and errors, in order, for a file read to its end; not for a live stream).
     """
     last_step = 0
     reader = simd_records.LineReader() if parse and simd_records.AVAILABLE else None
@@ -197,9 +195,10 @@ def read_events(
         if taken:
             assert reader is not None
             results = iter(reader.finish())
-            pending[:] = [
-                _checked(item, next(results)) if type(item) is tuple and len(item) == 2 else item for item in pending
-            ]
+            for i, item in enumerate(pending):
+                if type(item) is tuple and len(item) == 2:
+                    parsed = next(results)  # the text is kept only for the general path
+                    pending[i] = item[0], item[1] if parsed is None else b"", parsed
             taken = 0
         waiting = pending[:upto]
         del pending[:upto]
@@ -252,12 +251,6 @@ def read_events(
         if len(pending) >= _PENDING_EVENTS:
             yield from flush(settled)
     yield from flush(None)
-
-
-def _checked(taken: Any, parsed: ParsedRollout | None) -> tuple[int, bytes, ParsedRollout | None]:
-    """A taken line once checked (its text kept only for the general path)."""
-    number, text = taken
-    return number, text if parsed is None else b"", parsed
 
 
 # events held by read_ahead at most (but for the lines of one run)
@@ -343,8 +336,8 @@ def _copy(batch: RolloutBatch) -> RolloutBatch:
 
 
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
-    """Run prepared steps through ``sink``, yielding each ship's result as it happens; a rollout
-    the sink rejects (strict mode) raises :class:`EventError` naming its line."""
+    """Run prepared steps through ``sink``, yielding each ship's result; a rollout it rejects
+    (strict mode) raises :class:`EventError` naming its line."""
     for step in steps:
         if isinstance(step, Added):
             try:
@@ -368,9 +361,8 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
 
 
 def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> Iterator[Shipment]:
-    """Feed events to ``sink``, yielding each ship's result as it happens; consecutive rollouts
-    are added together (the same outcome as one by one). A rollout the sink rejects (strict mode)
-    raises :class:`EventError` naming its line."""
+    """:func:`run_steps` of the events, consecutive rollouts added together (the same outcome as
+    one by one)."""
     return run_steps(prepare(events, batch_size), sink)
 
 
@@ -418,11 +410,6 @@ def stream_compression(path: str | Path) -> str | None:
     return None
 
 
-def open_decompressed(raw: IO[bytes], compression: str | None) -> IO[bytes]:
-    """The bytes of ``raw`` decompressed (``compression`` from :func:`stream_compression`)."""
-    return raw if compression is None else _OPENERS[compression](raw)
-
-
 def read_event_path(
     path: str | Path,
     *,
@@ -434,14 +421,11 @@ def read_event_path(
     data: :class:`ConfigError`); ``parse`` and ``read_ahead`` as :func:`read_events`."""
     path = Path(path)
     compression = stream_compression(path)
-    with (opener or _open_buffered)(path) as raw, open_decompressed(raw, compression) as handle:
+    opener = opener or (lambda p: p.open("rb", buffering=1 << 20))  # lines are tens of KB
+    with opener(path) as raw, raw if compression is None else _OPENERS[compression](raw) as handle:
         try:
             yield from read_events(handle, parse=parse, read_ahead=read_ahead)
         except (EOFError, OSError, zlib.error, lzma.LZMAError) as error:
             if compression is None:
                 raise
             raise ConfigError(f"{path}: {compression} data damaged or cut short ({error})") from None
-
-
-def _open_buffered(path: Path) -> IO[bytes]:
-    return path.open("rb", buffering=1 << 20)  # lines of long samples are tens of KB

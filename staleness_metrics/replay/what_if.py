@@ -28,7 +28,6 @@ from ..metrics.bound import Curve, Floor, advise, budget_of, excess_curve, selec
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..metrics.report import Tally
 from ..parallel import POOL_THREAD_PREFIX
-from ..records.columnar import RolloutBatch
 from .run_dir import find_run
 from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
 from .stream import Added, Step, pack_once, prepare, read_event_path, run_steps
@@ -256,10 +255,6 @@ def _steps_for(source: Source, strict: bool = True) -> tuple[Callable[[int], Ite
     return (lambda bound: steps), steps
 
 
-def _packed(steps: Sequence[Step]) -> list[RolloutBatch]:
-    return [s.packed for s in steps if isinstance(s, Added) and s.packed is not None]
-
-
 # below this, a fork and its hand-back cost about what a second core saves
 FORK_MIN_POSITIONS = 1 << 17
 
@@ -304,11 +299,6 @@ def _replay_until_error(
 _inherited: Callable[[int], Replayed] | None = None
 
 
-def _inherit(replay_at: Callable[[int], Replayed]) -> None:
-    global _inherited
-    _inherited = replay_at
-
-
 def _replay_share(jobs: Sequence[int], ascending: bool) -> dict[int, Replayed]:
     assert _inherited is not None, "run in a worker started by _replay_split"
     return _replay_until_error(jobs, _inherited, ascending=ascending)
@@ -317,9 +307,10 @@ def _replay_share(jobs: Sequence[int], ascending: bool) -> dict[int, Replayed]:
 def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool) -> dict[int, Replayed]:
     """``replay_at`` of the jobs on two cores, every other one in a forked worker; what a share left
     out (or a failed worker's share) the caller replays in order, raising what that raises."""
+    global _inherited
     first, second = list(jobs[::2]), list(jobs[1::2])
-    fork = multiprocessing.get_context("fork")
-    with ProcessPoolExecutor(1, mp_context=fork, initializer=_inherit, initargs=(replay_at,)) as pool:
+    _inherited = replay_at  # the worker forks at submit, inheriting it
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
         share = pool.submit(_replay_share, first, ascending)
         mine = _replay_until_error(second, replay_at, ascending=ascending)
         try:
@@ -327,12 +318,6 @@ def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, 
         except Exception:  # the worker died (BrokenProcessPool) or its answer could not be read
             theirs = {}
     return {**theirs, **mine}
-
-
-def _shared_figures(bound: int, replayed: dict[int, Replayed]) -> Replayed | None:
-    """The figures of a smaller bound whose replay removed nothing (``bound``'s too), if any."""
-    below = [b for b, figures in replayed.items() if b < bound and _removes_nothing(figures)]
-    return replayed[max(below)] if below else None
 
 
 @dataclass(frozen=True)
@@ -370,7 +355,9 @@ def what_if_with_curve(
         sink = Sink(dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False)
         return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
 
-    packed = None if shared_steps is None else _packed(shared_steps)
+    packed = None
+    if shared_steps is not None:
+        packed = [s.packed for s in shared_steps if isinstance(s, Added) and s.packed is not None]
     # without trainer log-probabilities the run has no curve, at any bound
     costs = packed is None or any(p.trainer_logprobs is not None for p in packed)
     if processes is None:
@@ -389,7 +376,9 @@ def what_if_with_curve(
     else:
         replayed = _replay_until_error(jobs, replay_at, ascending=True) if ascending else {}
     for bound in bounds:
-        figures = replayed.get(bound) or (_shared_figures(bound, replayed) if ascending else None)
+        # a smaller bound's replay that removed nothing is this one's too
+        below = [b for b, f in replayed.items() if ascending and b < bound and _removes_nothing(f)]
+        figures = replayed.get(bound) or (replayed[max(below)] if below else None)
         if figures is None:
             figures = replayed[bound] = replay_at(bound)
         tally, cost, pooled = figures
