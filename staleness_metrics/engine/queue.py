@@ -367,7 +367,10 @@ class RolloutQueue:
         env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))
         count = len(ids)
         self.chunk_open.append(count)
-        groups = self._groups_of(batch, kept_ids)
+        if count == 1 and kept_ids is None and batch.group_ids[0] is None and not batch.agentic[0]:
+            groups = [self._new_groups(1)]  # (the usual single add: no look-ups)
+        else:
+            groups = self._groups_of(batch, kept_ids)
         env = self.env_index.get(env_names[0])
         if env is not None and env_names.count(env_names[0]) == count:
             envs = [env] * count
