@@ -20,7 +20,7 @@ layer must not import each other around a loop)::
 
 The issue that asked for this matrix listed the engine before the metrics; the sink computes a ship's report
 (``metrics.compute``) and saves the bound tracker and the tallies in its checkpoint, while the metrics read a
-shipped slice through a protocol of their own (``compute.ShippedSlice``): so the metrics sit under the engine.
+shipped slice as named columns of their own (``compute.ShippedSlice``): so the metrics sit under the engine.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import numpy as np
 from ..config import StalenessConfig
 from ..errors import FieldError, FieldTypeError, TraceError
 from ..metrics.bound import BoundTracker, ShipBound, env_tracker_config
-from ..metrics.compute import WindowCounts, compute_report
+from ..metrics.compute import PopulationColumns, ShippedSlice, WindowCounts, compute_report
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Tally
 from ..records.columnar import LABELS_SPANS, RolloutBatch
@@ -282,10 +282,10 @@ class Sink:
                     env_bound = self.observe_env_mismatch(step, name, sums, bound=judged_with)
                     env_costs[name] = sums, env_bound
         bound = None if mismatch is None else self.observe_mismatch(step, mismatch)
+        columns = PopulationColumns(*(getattr(shipped_slice, name) for name in PopulationColumns._fields))
         report = compute_report(
-            shipped_slice, self._window, judged_with, self.queue.env_names, self.config.env_breakdown, mismatch, bound,
-            env_costs,
-            per_env=self.env_reports,
+            ShippedSlice(step, shipped_slice.env, columns), self._window, judged_with, self.queue.env_names,
+            self.config.env_breakdown, mismatch, bound, env_costs, per_env=self.env_reports,
         )  # fmt: skip
         shipment = Shipment(
             step=step,

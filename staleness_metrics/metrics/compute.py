@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -27,40 +27,6 @@ _LENGTH_BOUNDS = np.asarray(LENGTH_UPPER_BOUNDS, dtype=np.int64)
 _QUANTILE_FRACTIONS = np.array([(numerator, denominator) for _, numerator, denominator in QUANTILES], dtype=np.int64)
 
 
-class ShippedSlice(Protocol):
-    """What the metrics read of a shipped slice after the decision was applied
-    (``engine.decision.Judgement`` is one)."""
-
-    @property
-    def step(self) -> int: ...
-    @property
-    def trained_version(self) -> int: ...
-    @property
-    def env(self) -> IntArray: ...
-    @property
-    def frozen(self) -> BoolArray: ...
-    @property
-    def dispatch(self) -> IntArray: ...
-    @property
-    def completion(self) -> IntArray: ...
-    @property
-    def sample_offsets(self) -> IntArray: ...
-    @property
-    def dropped(self) -> BoolArray: ...
-    @property
-    def mask_below(self) -> IntArray: ...
-    @property
-    def n_sampled(self) -> IntArray: ...
-    @property
-    def span_offsets(self) -> IntArray: ...
-    @property
-    def version(self) -> IntArray: ...
-    @property
-    def sampled(self) -> IntArray: ...
-    @property
-    def labelled(self) -> BoolArray: ...
-
-
 class PopulationColumns(NamedTuple):
     """The columns of a shipped slice a population pass reads (``engine.decision.Judgement``)."""
 
@@ -78,6 +44,15 @@ class PopulationColumns(NamedTuple):
     version: IntArray
     sampled: IntArray
     labelled: BoolArray
+
+
+class ShippedSlice(NamedTuple):
+    """What the metrics read of a shipped slice after the decision was applied (the engine's
+    ``Judgement`` has each field): its step, each rollout's env index, the population's columns."""
+
+    step: int
+    env: IntArray
+    columns: PopulationColumns
 
 
 class PopulationSummary(NamedTuple):
@@ -385,9 +360,8 @@ def _population(
     max_staleness: int,
 ) -> tuple[dict[str, float | int], Tally]:
     """Metrics and tally of the live shipped rollouts selected by ``rollout_in``."""
-    columns = PopulationColumns(*(getattr(slice_, name) for name in PopulationColumns._fields))
-    t, top = slice_.trained_version, HISTOGRAM_TOP
-    found = population_summary(t, rollout_in, columns, _LENGTH_BOUNDS, top, _QUANTILE_FRACTIONS)
+    t, top = slice_.step - 1, HISTOGRAM_TOP
+    found = population_summary(t, rollout_in, slice_.columns, _LENGTH_BOUNDS, top, _QUANTILE_FRACTIONS)
     tokens, masked, unlabelled = found.tokens, found.masked, found.unlabelled
     metrics: dict[str, float | int] = {}
     if tokens:
@@ -461,7 +435,7 @@ def compute_report(
 ) -> StepReport:
     """The :class:`StepReport` of one ship: ``shipped`` is the slice after the decision was applied
     (``per_env=False``: the whole population only), ``bound`` SPEC 14's view of ``mismatch``."""
-    everyone = np.ones(len(shipped.frozen), dtype=bool)
+    everyone = np.ones(len(shipped.env), dtype=bool)
     population, tally = _population(shipped, everyone, None, window, max_staleness)
     metrics: dict[str, MetricValue] = dict(population)
     if mismatch is not None:
