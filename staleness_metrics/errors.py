@@ -51,9 +51,8 @@ class _NamedField(StalenessError):
 
 
 class FieldError(_NamedField, ValueError):
-    """A value the library refuses, other than a setting or a record: an argument (an array of the
-    wrong shape or dtype, a step), mismatch sums (SPEC 11) and the step they are posted for. The
-    message is ``"<field>: <reason>"``; ``rollout`` names the rollout at fault, if one is."""
+    """A refused argument but a setting or a record (an array of the wrong shape or dtype, a step,
+    SPEC 11 sums): ``"<field>: <reason>"``; ``rollout`` names the rollout at fault, if one is."""
 
 
 class FieldTypeError(_NamedField, TypeError):

@@ -259,7 +259,7 @@ class StalenessMonitor:
             # published before a restart: the counters catch up, nothing is sent again
             if self._absorbing:
                 for stateful in self._stateful.values():
-                    stateful.absorb_mismatch(report)
+                    stateful.absorb(report)
                 return total
             for exporter in self.exporters:
                 if self._closed or not isinstance(exporter, MismatchAware):
@@ -290,10 +290,9 @@ class StalenessMonitor:
             if self._closed:
                 return
             self._closed = True
-        if timeout is None:  # the longest close_timeout an exporter declares
-            timeouts = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
-            timeouts = [t for t in timeouts if not isinstance(t, bool)]  # a number, not a flag
-            numbers = [float(t) for t in timeouts if isinstance(t, int | float)]
+        if timeout is None:  # the longest close_timeout an exporter declares (a number, not a flag)
+            found = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
+            numbers = [t for t in found if isinstance(t, int | float) and not isinstance(t, bool)]
             timeout = max([DEFAULT_CLOSE_TIMEOUT, *numbers]) + CLOSE_GRACE
         deadline = time.monotonic() + max(timeout, 0.0)
         late = f"close did not return within {timeout:g} s; left to finish in the background"

@@ -225,25 +225,17 @@ def _digest(value: Any, path: str) -> str:
     refuses (integers beyond 64 bits in echoed records)."""
     digest = hashlib.blake2b(digest_size=16)
     try:
-        for piece in json_pieces(value, _DIGEST_OPTION, default=_plain, max_depth=PIECED_DEPTH):
-            digest.update(piece)
-        return digest.hexdigest()
-    except NestedTooDeep:
-        pass
+        try:
+            for piece in json_pieces(value, _DIGEST_OPTION, default=_plain, max_depth=PIECED_DEPTH):
+                digest.update(piece)
+            return digest.hexdigest()
+        except NestedTooDeep:  # whole, so that orjson refuses exactly where it always did
+            text = orjson.dumps(value, default=_plain, option=_DIGEST_OPTION)
     except (TypeError, orjson.JSONEncodeError):
-        return _standard_digest(value, path)
-    try:  # deeper than the pieces follow: whole, so that orjson refuses exactly where it always did
-        text = orjson.dumps(value, default=_plain, option=_DIGEST_OPTION)
-    except (TypeError, orjson.JSONEncodeError):
-        return _standard_digest(value, path)
-    return hashlib.blake2b(text, digest_size=16).hexdigest()
-
-
-def _standard_digest(value: Any, path: str) -> str:
-    try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain).encode()
-    except (TypeError, ValueError, RecursionError) as exc:
-        fail(path, f"not plain data ({exc})")
+        try:
+            text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain).encode()
+        except (TypeError, ValueError, RecursionError) as exc:
+            fail(path, f"not plain data ({exc})")
     return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
@@ -264,7 +256,7 @@ def check_digests(state: Mapping[str, Any], path: str, skip: Collection[str] = (
             fail(join(path, key), f"differs from the digest saved with it: {changed}")
 
 
-def check_format(state: Any, what: str, path: str = "") -> Mapping[str, Any]:
+def check_format(state: Any, what: str, path: str = "") -> None:
     """Refuse a checkpoint of another format version, or something that is not one."""
     where = join(path, "format")
     if not isinstance(state, Mapping) or "format" not in state:
@@ -273,7 +265,6 @@ def check_format(state: Any, what: str, path: str = "") -> Mapping[str, Any]:
         readable = ", ".join(map(str, READABLE_FORMATS))
         unknown = f"unknown {what} checkpoint format {state['format']!r}"
         fail(where, f"{unknown} (this version reads formats {readable})")
-    return state
 
 
 # ---------------------------------------------------------------------- values

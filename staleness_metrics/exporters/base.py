@@ -60,8 +60,7 @@ class MismatchReport:
 
 @runtime_checkable
 class MismatchAware(Protocol):
-    """An exporter that publishes trainer-side mismatch sums
-    (:meth:`StalenessMonitor.record_mismatch`)."""
+    """An exporter that publishes trainer-side sums (:meth:`StalenessMonitor.record_mismatch`)."""
 
     def export_mismatch(self, report: MismatchReport) -> None: ...
 
@@ -75,16 +74,14 @@ class MonitorAware(Protocol):
 
 @runtime_checkable
 class Stateful(Protocol):
-    """An exporter with cumulative state that a monitor checkpoint carries (SPEC 13); ``absorb*``
-    fold in what was published before a restart without publishing it again."""
+    """An exporter with cumulative state that a monitor checkpoint carries (SPEC 13); ``absorb``
+    folds in what was published before a restart without publishing it again."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
-    def absorb(self, report: StepReport) -> None: ...
-
-    def absorb_mismatch(self, report: MismatchReport) -> None: ...
+    def absorb(self, report: StepReport | MismatchReport) -> None: ...
 
 
 class ExportErrors:
@@ -304,19 +301,17 @@ class ExportQueue(Generic[P]):
             else:
                 return True
             with self._cond:
-                if self._stopping:
-                    return False
-                self._cond.wait(backoff)  # close() wakes us up early
+                if not self._stopping:
+                    self._cond.wait(backoff)  # close() wakes us up early
                 if self._stopping:
                     return False
             backoff = min(backoff * 2, self._retry_max)
 
 
 class QueuedExporter(CountingExporter, Generic[P]):
-    """Base of the exporters that send on an :class:`ExportQueue`, with a ``close`` that runs once.
-    A subclass calls :meth:`_start_queue` last in its constructor (one that raises leaves no worker)
-    and releases its resources in :meth:`_close_resources`, run on a daemon thread after the queue
-    drained, so that a shutdown that blocks cannot hold ``close`` beyond its timeout."""
+    """Base of the exporters that send on an :class:`ExportQueue`: :meth:`_start_queue` comes last
+    in a constructor (one that raises leaves no worker); ``close`` runs :meth:`_close_resources` on
+    a daemon thread, so that a shutdown that blocks cannot hold it beyond its timeout."""
 
     def _start_queue(
         self,

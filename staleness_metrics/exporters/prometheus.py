@@ -169,10 +169,9 @@ class PrometheusExporter(_PrometheusBase):
         server, thread = self._server, self._server_thread
         self._server = self._server_thread = None
         self._requested_port = None  # no re-binding after close
-        if server is not None:
+        if server is not None and thread is not None:  # (bound together)
             server.shutdown()
             server.server_close()
-        if thread is not None:
             thread.join()
 
 

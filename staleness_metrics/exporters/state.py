@@ -133,7 +133,6 @@ def _bound_values(metric: MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
 
 
 def histogram_of(metric: MetricDef, tally: Tally) -> Counts:
-    """The tally's histogram a histogram row shows."""
     if metric.source is Source.TOKEN_HISTOGRAM:
         return tally.token_histogram
     return tally.rollout_histogram
@@ -216,8 +215,7 @@ class Snapshot:
 
     @functools.cached_property
     def gauges(self) -> dict[str, Mapping[Any, Number]]:
-        """The last ship's gauges and SPEC 14's, by env (by (env, value) with a label besides env:
-        the floor by source, the curve by lag)."""
+        """The last ship's gauges and SPEC 14's, by env (or (env, source) and (env, lag))."""
         bound: dict[str, dict[str, MetricValue]] = {}  # SPEC 14's keys by env (the batch's: "")
         for key, value in (self.bound_metrics or {}).items():
             if (split := _split_env(key)) is not None:
@@ -434,10 +432,6 @@ class CumulativeExporter(CountingExporter):
             if snapshot is not None:
                 self._show(snapshot)
 
-    def absorb(self, report: StepReport) -> None:
-        """Fold a report exported before a restart into the run totals, without sending it again."""
-        self._apply(report)
-
-    def absorb_mismatch(self, report: MismatchReport) -> None:
-        """Fold trainer-side sums exported before a restart in, without sending them again."""
+    def absorb(self, report: StepReport | MismatchReport) -> None:
+        """Fold a report (or trainer-side sums) exported before a restart in, sending nothing."""
         self._apply(report)
