@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from ..errors import ConfigError
 from ..metrics.bound import ShipBound, mismatch_metrics
@@ -70,18 +70,6 @@ class MonitorAware(Protocol):
     """An exporter that takes the monitor's run name, error counts and env breakdown setting."""
 
     def attach(self, context: ExportContext) -> None: ...
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """An exporter with cumulative state that a monitor checkpoint carries (SPEC 13); ``absorb``
-    folds in what was published before a restart without publishing it again."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-    def absorb(self, report: StepReport | MismatchReport) -> None: ...
 
 
 class ExportErrors:
