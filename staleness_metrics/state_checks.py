@@ -271,6 +271,7 @@ def check_format(state: Any, what: str, path: str = "") -> None:
 _NUMPY_DATA: ContextVar[bool] = ContextVar("numpy_data", default=False)
 # dtypes whose numpy text in orjson is byte for byte that of their list (float32 is written shorter)
 _SAME_TEXT_AS_LIST = _PIECED_DTYPES - {np.dtype(np.float32)}
+_NON_FINITE = (("nan", np.nan), ("posinf", np.inf), ("neginf", -np.inf))
 
 
 @contextmanager
@@ -289,11 +290,8 @@ def encode_array(values: npt.NDArray[Any]) -> dict[str, Any]:
     positions listed beside (JSON has no NaN)."""
     out: dict[str, Any] = {"dtype": values.dtype.str}
     if values.dtype.kind == "f" and not np.isfinite(values).all():
-        for name, where in (
-            ("nan", np.isnan(values)),
-            ("posinf", np.isposinf(values)),
-            ("neginf", np.isneginf(values)),
-        ):
+        for name, fill in _NON_FINITE:
+            where = np.isnan(values) if name == "nan" else values == fill
             if where.any():
                 out[name] = np.flatnonzero(where).tolist()
         values = np.where(np.isfinite(values), values, 0)
@@ -334,7 +332,7 @@ def decode_array(encoded: Any, path: str = "array", dtype: npt.DTypeLike | None 
         if low < info.min or high > info.max:
             fail(join(path, "data"), f"{low if low < info.min else high} does not fit {name!r}")
     values = raw.astype(target)
-    for key, fill in (("nan", np.nan), ("posinf", np.inf), ("neginf", -np.inf)):
+    for key, fill in _NON_FINITE:
         if key in found:
             if target.kind != "f":
                 fail(join(path, key), "only float arrays have non-finite values")

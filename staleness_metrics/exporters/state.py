@@ -310,12 +310,10 @@ class CumulativeState:
         window = partition_by_env(report, self.by_env)
         for env, tally in window.items():
             self._totals[env] = self._totals.get(env, Tally()) + tally
-        if report.mismatch is not None:
-            self._add_mismatch(report.mismatch)
-            self._bound_metrics = _bound_keys(report.metrics)
         env_delta = dict(report.env_mismatch) if self.by_env else {}
-        for env, sums in env_delta.items():
-            self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + sums
+        self._add_mismatch(report.mismatch, env_delta)
+        if report.mismatch is not None:
+            self._bound_metrics = _bound_keys(report.metrics)
         self._last_report = report
         return self._snapshot(window, report.mismatch, env_delta)
 
@@ -327,11 +325,8 @@ class CumulativeState:
     ) -> Snapshot:
         """Fold in trainer-side sums (the live path): the counters move (an ``env``'s too, with
         the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics`` (the step's)."""
-        self._add_mismatch(delta)
-        env_delta = {}
-        if env and self.by_env:
-            self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + delta
-            env_delta = {env: delta}
+        env_delta = {env: delta} if env and self.by_env else {}
+        self._add_mismatch(delta, env_delta)
         # the batch's keys, and the env's when the sums were of one env; other envs stay
         if metrics is not None:
             new = _bound_keys(metrics)
@@ -341,8 +336,11 @@ class CumulativeState:
             self._bound_metrics = {**kept, **new}
         return self._snapshot({env: Tally() for env in self._totals}, delta, env_delta)
 
-    def _add_mismatch(self, sums: MismatchSums) -> None:
-        self._mismatch = sums if self._mismatch is None else self._mismatch + sums
+    def _add_mismatch(self, sums: MismatchSums | None, by_env: Mapping[str, MismatchSums]) -> None:
+        if sums is not None:
+            self._mismatch = sums if self._mismatch is None else self._mismatch + sums
+        for env, env_sums in by_env.items():
+            self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + env_sums
 
     def _snapshot(
         self,
