@@ -3,12 +3,11 @@ worker thread that keep a slow or failing exporter from blocking the training lo
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar, runtime_checkable
@@ -176,7 +175,7 @@ class ExportQueue(Generic[P]):
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self._cond = threading.Condition()
-        self._pending: collections.deque[P] = collections.deque(maxlen=max_size)
+        self._pending: deque[P] = deque(maxlen=max_size)
         self._in_flight = prepare is not None  # flush() waits for the preparation too
         self._closing = False  # no new payloads
         self._stopping = False  # worker exits after the current attempt

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import operator
 import threading
 import time
 from collections.abc import Mapping
@@ -76,7 +75,7 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
     if not by_env or not report.env_tally:
         return {"": report.tally}
     parts = dict(report.env_tally)
-    covered = functools.reduce(operator.add, parts.values())
+    covered = sum(parts.values(), Tally())
     if not report.tally.within(covered):
         parts[""] = parts.get("", Tally()) + report.tally.excess_over(covered)
     return parts
