@@ -296,9 +296,9 @@ class ExportQueue(Generic[P]):
 
 
 class QueuedExporter(CountingExporter, Generic[P]):
-    """Base of the exporters that send on an :class:`ExportQueue`: :meth:`_start_queue` comes last
-    in a constructor (one that raises leaves no worker); ``close`` runs :meth:`_close_resources` on
-    a daemon thread, so that a shutdown that blocks cannot hold it beyond its timeout."""
+    """Base of the exporters sending on an :class:`ExportQueue`: :meth:`_start_queue` comes last in
+    a constructor (one that raises leaves no worker); ``close`` (once) runs :meth:`_close_resources`
+    on a daemon thread once the queue drained: a hung shutdown cannot hold it past its timeout."""
 
     def _start_queue(
         self,
