@@ -182,8 +182,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
 
     def _create_instruments(self, meter: Meter) -> None:
-        # Gauges are observable, showing the latest snapshot's series only: a synchronous gauge
-        # would keep every attribute set it ever saw.
+        # observable gauges: the latest series only (a synchronous one keeps every attribute set)
         for row in _PUBLISHED:
             assert row.otel_name is not None
             if row.kind is MetricKind.GAUGE:
