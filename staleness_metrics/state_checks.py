@@ -152,19 +152,17 @@ def json_pieces(
     def without_numpy(item: Any, path: tuple[type, ...]) -> bytes | None:
         """``item``'s text if it holds no numpy object, else None; written inside containers of its
         ``path``'s kinds (then cut out), so that orjson's nesting limit applies as in the whole."""
-        wrapped, head, tail = item, 0, 0
+        wrapped = item
         for kind in reversed(path):
-            if kind is dict:
-                wrapped, head, tail = {"": wrapped}, head + 4, tail + 1  # {"":...}
-            else:
-                wrapped, head, tail = kind((wrapped,)), head + 1, tail + 1  # [...]
+            wrapped = {"": wrapped} if kind is dict else kind((wrapped,))
+        head = sum(4 if kind is dict else 1 for kind in path)  # {"": or [ opens each level
         try:
             text = orjson.dumps(wrapped, default=no_numpy, option=plain_option)
         except orjson.JSONEncodeError as exc:
             if isinstance(exc.__cause__, _HoldsNumpy):
                 return None
             raise
-        return text[head : len(text) - tail] if path else text
+        return text[head : len(text) - len(path)]
 
     def pieces(item: Any, depth: int, path: tuple[type, ...]) -> Iterator[bytes]:
         if max_depth is not None and depth > max_depth:
