@@ -47,8 +47,8 @@ class _NamedField(StalenessError):
 
 
 class FieldError(_NamedField, ValueError):
-    """A refused argument but a setting or a record (an array of the wrong shape or dtype, a step,
-    SPEC 11 sums): ``"<field>: <reason>"``; ``rollout`` names the rollout at fault, if one is."""
+    """A refused value, neither a setting nor a record (an array of the wrong shape or dtype, a
+    step, SPEC 11 sums): ``"<field>: <reason>"``; ``rollout`` names the rollout at fault, if any."""
 
 
 class FieldTypeError(_NamedField, TypeError):
