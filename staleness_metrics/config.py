@@ -32,8 +32,7 @@ class StalenessConfig:
     ``[lo, hi]`` of SPEC 11's out-of-band share. ``floor_min_tokens``, ``floor_max_age`` (steps),
     ``cost_window`` (ships) and ``mismatch_budget`` (nats per token; None = the floor) choose the
     bound (SPEC 14); ``adapt_every`` (ships; None = off), ``adapt_low`` and ``adapt_high`` adapt it
-    (``token`` policy only).
-    """
+    (``token`` policy only)."""
 
     policy: PolicyName = "token"
     max_staleness: int = 8

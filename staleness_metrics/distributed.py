@@ -24,14 +24,12 @@ _EXACT = float(2**53)
 def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
     """The sum of every rank's ``sums`` over ``group`` (None: the default group), on every rank.
 
-    Every rank calls it once per step (``MismatchSums.zero()`` for a rank without tokens). The
-    tensor is on the CPU when the backend reduces CPU tensors (gloo, MPI, UCC, ``"cpu:gloo,..."``),
-    else on the current accelerator.
-
-    Raises :class:`~staleness_metrics.errors.FieldError` naming the field when ``sums`` is not a
-    ``MismatchSums`` of one value per lag bucket, its counts could overflow in float64, or the
-    ranks' lag buckets differ; :class:`~staleness_metrics.errors.ConfigError` when
-    torch.distributed is not initialised."""
+    Every rank calls it once per step (``MismatchSums.zero()`` for a rank without tokens); the
+    tensor is on the CPU for a backend reducing CPU tensors (gloo, MPI, UCC, ``"cpu:gloo,..."``),
+    else on the current accelerator. Raises :class:`~staleness_metrics.FieldError` naming the
+    field when ``sums`` is not a ``MismatchSums`` of one value per lag bucket, its counts could
+    overflow in float64, or the ranks' buckets differ; :class:`~staleness_metrics.ConfigError`
+    when torch.distributed is not initialised."""
     if not isinstance(sums, MismatchSums):
         raise FieldError("sums", f"expected MismatchSums (from mismatch_sums), got {type(sums).__name__}")
     rows = []  # the fields as float64 rows, checked before any rank waits on the others

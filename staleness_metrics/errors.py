@@ -36,24 +36,19 @@ class ConfigError(StalenessError, ValueError):
         self.reason = reason if reason is not None else message
 
 
-def _field_message(field: str | None, reason: str) -> str:
-    return f"{field}: {reason}" if field else reason
-
-
 class _NamedField(StalenessError):
     """An error built from the field, the reason and the rollout: ``"<field>: <reason>"``."""
 
     def __init__(self, field: str | None, reason: str, *, rollout: str | None = None) -> None:
-        super().__init__(_field_message(field, reason))
+        super().__init__(f"{field}: {reason}" if field else reason)
         self.field = field
         self.reason = reason
         self.rollout = rollout
 
 
 class FieldError(_NamedField, ValueError):
-    """A value the library refuses, other than a setting or a record: an argument (an array of the
-    wrong shape or dtype, a step), mismatch sums (SPEC 11) and the step they are posted for. The
-    message is ``"<field>: <reason>"``; ``rollout`` names the rollout at fault, if one is."""
+    """A refused value, neither a setting nor a record (an array of the wrong shape or dtype, a
+    step, SPEC 11 sums): ``"<field>: <reason>"``; ``rollout`` names the rollout at fault, if any."""
 
 
 class FieldTypeError(_NamedField, TypeError):
@@ -65,7 +60,7 @@ class MissingFieldError(_NamedField, KeyError):
     and the message reads as the other errors' (a plain ``KeyError`` quotes it)."""
 
     def __str__(self) -> str:
-        return _field_message(self.field, self.reason)
+        return Exception.__str__(self)
 
 
 class TraceError(StalenessError, ValueError):
@@ -76,8 +71,7 @@ class TraceError(StalenessError, ValueError):
 
     def __init__(self, rollout_id: str | None, field: str, reason: str) -> None:
         reason = shortened(reason)
-        self.rollout_id = rollout_id
-        self.rollout = rollout_id
+        self.rollout_id = self.rollout = rollout_id
         self.field = field
         self.reason = reason
         super().__init__(f"rollout {shortened(repr(rollout_id), 120)}: field {field}: {reason}")

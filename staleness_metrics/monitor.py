@@ -23,8 +23,8 @@ from .exporters.base import (
     MismatchAware,
     MismatchReport,
     MonitorAware,
-    Stateful,
 )
+from .exporters.state import CumulativeExporter
 from .metrics.bound import mismatch_metrics
 from .metrics.mismatch import MismatchSums
 from .metrics.report import MetricValue
@@ -81,12 +81,12 @@ class StalenessMonitor:
         self.exporters: tuple[Exporter, ...] = tuple(exporters)
         context = ExportContext(run=run, errors=self.export_errors, env_breakdown=self.config.env_breakdown)
         # the exporters with cumulative state, by name (``name#2`` for a second of a name)
-        self._stateful: dict[str, Stateful] = {}
+        self._stateful: dict[str, CumulativeExporter] = {}
         for exporter in self.exporters:
             self.export_errors.register(exporter.name)
             if isinstance(exporter, MonitorAware):
                 exporter.attach(context)
-            if isinstance(exporter, Stateful):
+            if isinstance(exporter, CumulativeExporter):
                 key, n = exporter.name, 1
                 while key in self._stateful:
                     n += 1
@@ -167,13 +167,9 @@ class StalenessMonitor:
         with self._lock:
             sink_state = self.sink.check_state_dict(state["sink"], "sink")
             saved = mapping(state["exporters"], "exporters")
-            loads: list[tuple[str, Stateful, Any]] = []
-            for name, exporter in self._stateful.items():
-                if name in saved:
-                    check = getattr(exporter, "check_state_dict", None)
-                    if check is not None:
-                        check(saved[name], join("exporters", name))
-                    loads.append((name, exporter, saved[name]))
+            loads = {name: saved[name] for name in self._stateful if name in saved}
+            for name, exporter_state in loads.items():
+                self._stateful[name].check_state_dict(exporter_state, join("exporters", name))
             errors = mapping(state["export_errors"], "export_errors")
             error_counts = {string(name, "export_errors"): integer(n, join("export_errors", str(name)), 0)
                             for name, n in errors.items()}  # fmt: skip
@@ -199,15 +195,8 @@ class StalenessMonitor:
                     fail(where, f"step {step} of env {env!r} {reason}")
                 env_mismatch[(step, env)] = check_mismatch(sums, join(where, 2))
             check_digests(state, "", skip=("sink",))
-            # all checked: replace; exporters that cannot check a state first load first
-            loads.sort(key=lambda load: getattr(load[1], "check_state_dict", None) is not None)
-            for name, exporter, exporter_state in loads:
-                try:
-                    exporter.load_state_dict(exporter_state)
-                except ConfigError:
-                    raise
-                except Exception as exc:
-                    raise ConfigError(f"checkpoint: {join('exporters', name)}: {exc}") from exc
+            for name, exporter_state in loads.items():  # all checked: replace
+                self._stateful[name].load_state_dict(exporter_state)
             self.sink.load_checked(sink_state)
             self.export_errors.restore(error_counts)
             self._shipped_steps = shipped
@@ -259,7 +248,7 @@ class StalenessMonitor:
             # published before a restart: the counters catch up, nothing is sent again
             if self._absorbing:
                 for stateful in self._stateful.values():
-                    stateful.absorb_mismatch(report)
+                    stateful.absorb(report)
                 return total
             for exporter in self.exporters:
                 if self._closed or not isinstance(exporter, MismatchAware):
@@ -290,10 +279,9 @@ class StalenessMonitor:
             if self._closed:
                 return
             self._closed = True
-        if timeout is None:  # the longest close_timeout an exporter declares
-            timeouts = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
-            timeouts = [t for t in timeouts if not isinstance(t, bool)]  # a number, not a flag
-            numbers = [float(t) for t in timeouts if isinstance(t, int | float)]
+        if timeout is None:  # the longest close_timeout an exporter declares (a number, not a flag)
+            found = [getattr(e, "close_timeout", DEFAULT_CLOSE_TIMEOUT) for e in self.exporters]
+            numbers = [t for t in found if isinstance(t, int | float) and not isinstance(t, bool)]
             timeout = max([DEFAULT_CLOSE_TIMEOUT, *numbers]) + CLOSE_GRACE
         deadline = time.monotonic() + max(timeout, 0.0)
         late = f"close did not return within {timeout:g} s; left to finish in the background"

@@ -32,17 +32,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def _executor() -> ThreadPoolExecutor:
+def run_all(tasks: Sequence[Callable[[], T]], positions: int) -> list[T]:
+    """Results of ``tasks`` in order, run concurrently when they read enough ``positions``."""
     global _pool
+    if len(tasks) < 2 or _WORKERS < 2 or positions < PARALLEL_MIN_POSITIONS:
+        return [task() for task in tasks]
     with _pool_lock:
         if _pool is None:
             _pool = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix=POOL_THREAD_PREFIX)
-        return _pool
-
-
-def run_all(tasks: Sequence[Callable[[], T]], positions: int) -> list[T]:
-    """Results of ``tasks`` in order, run concurrently when they read enough ``positions``."""
-    if len(tasks) < 2 or _WORKERS < 2 or positions < PARALLEL_MIN_POSITIONS:
-        return [task() for task in tasks]
-    futures = [_executor().submit(task) for task in tasks]
+        pool = _pool
+    futures = [pool.submit(task) for task in tasks]
     return [future.result() for future in futures]

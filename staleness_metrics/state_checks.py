@@ -152,19 +152,17 @@ def json_pieces(
     def without_numpy(item: Any, path: tuple[type, ...]) -> bytes | None:
         """``item``'s text if it holds no numpy object, else None; written inside containers of its
         ``path``'s kinds (then cut out), so that orjson's nesting limit applies as in the whole."""
-        wrapped, head, tail = item, 0, 0
+        wrapped = item
         for kind in reversed(path):
-            if kind is dict:
-                wrapped, head, tail = {"": wrapped}, head + 4, tail + 1  # {"":...}
-            else:
-                wrapped, head, tail = kind((wrapped,)), head + 1, tail + 1  # [...]
+            wrapped = {"": wrapped} if kind is dict else kind((wrapped,))
+        head = sum(4 if kind is dict else 1 for kind in path)  # {"": or [ opens each level
         try:
             text = orjson.dumps(wrapped, default=no_numpy, option=plain_option)
         except orjson.JSONEncodeError as exc:
             if isinstance(exc.__cause__, _HoldsNumpy):
                 return None
             raise
-        return text[head : len(text) - tail] if path else text
+        return text[head : len(text) - len(path)]
 
     def pieces(item: Any, depth: int, path: tuple[type, ...]) -> Iterator[bytes]:
         if max_depth is not None and depth > max_depth:
@@ -225,25 +223,17 @@ def _digest(value: Any, path: str) -> str:
     refuses (integers beyond 64 bits in echoed records)."""
     digest = hashlib.blake2b(digest_size=16)
     try:
-        for piece in json_pieces(value, _DIGEST_OPTION, default=_plain, max_depth=PIECED_DEPTH):
-            digest.update(piece)
-        return digest.hexdigest()
-    except NestedTooDeep:
-        pass
+        try:
+            for piece in json_pieces(value, _DIGEST_OPTION, default=_plain, max_depth=PIECED_DEPTH):
+                digest.update(piece)
+            return digest.hexdigest()
+        except NestedTooDeep:  # whole, so that orjson refuses exactly where it always did
+            text = orjson.dumps(value, default=_plain, option=_DIGEST_OPTION)
     except (TypeError, orjson.JSONEncodeError):
-        return _standard_digest(value, path)
-    try:  # deeper than the pieces follow: whole, so that orjson refuses exactly where it always did
-        text = orjson.dumps(value, default=_plain, option=_DIGEST_OPTION)
-    except (TypeError, orjson.JSONEncodeError):
-        return _standard_digest(value, path)
-    return hashlib.blake2b(text, digest_size=16).hexdigest()
-
-
-def _standard_digest(value: Any, path: str) -> str:
-    try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain).encode()
-    except (TypeError, ValueError, RecursionError) as exc:
-        fail(path, f"not plain data ({exc})")
+        try:
+            text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=_plain).encode()
+        except (TypeError, ValueError, RecursionError) as exc:
+            fail(path, f"not plain data ({exc})")
     return hashlib.blake2b(text, digest_size=16).hexdigest()
 
 
@@ -264,7 +254,7 @@ def check_digests(state: Mapping[str, Any], path: str, skip: Collection[str] = (
             fail(join(path, key), f"differs from the digest saved with it: {changed}")
 
 
-def check_format(state: Any, what: str, path: str = "") -> Mapping[str, Any]:
+def check_format(state: Any, what: str, path: str = "") -> None:
     """Refuse a checkpoint of another format version, or something that is not one."""
     where = join(path, "format")
     if not isinstance(state, Mapping) or "format" not in state:
@@ -273,13 +263,13 @@ def check_format(state: Any, what: str, path: str = "") -> Mapping[str, Any]:
         readable = ", ".join(map(str, READABLE_FORMATS))
         unknown = f"unknown {what} checkpoint format {state['format']!r}"
         fail(where, f"{unknown} (this version reads formats {readable})")
-    return state
 
 
 # ---------------------------------------------------------------------- values
 _NUMPY_DATA: ContextVar[bool] = ContextVar("numpy_data", default=False)
 # dtypes whose numpy text in orjson is byte for byte that of their list (float32 is written shorter)
 _SAME_TEXT_AS_LIST = _PIECED_DTYPES - {np.dtype(np.float32)}
+_NON_FINITE = (("nan", np.nan), ("posinf", np.inf), ("neginf", -np.inf))
 
 
 @contextmanager
@@ -298,11 +288,8 @@ def encode_array(values: npt.NDArray[Any]) -> dict[str, Any]:
     positions listed beside (JSON has no NaN)."""
     out: dict[str, Any] = {"dtype": values.dtype.str}
     if values.dtype.kind == "f" and not np.isfinite(values).all():
-        for name, where in (
-            ("nan", np.isnan(values)),
-            ("posinf", np.isposinf(values)),
-            ("neginf", np.isneginf(values)),
-        ):
+        for name, fill in _NON_FINITE:
+            where = np.isnan(values) if name == "nan" else values == fill
             if where.any():
                 out[name] = np.flatnonzero(where).tolist()
         values = np.where(np.isfinite(values), values, 0)
@@ -343,7 +330,7 @@ def decode_array(encoded: Any, path: str = "array", dtype: npt.DTypeLike | None 
         if low < info.min or high > info.max:
             fail(join(path, "data"), f"{low if low < info.min else high} does not fit {name!r}")
     values = raw.astype(target)
-    for key, fill in (("nan", np.nan), ("posinf", np.inf), ("neginf", -np.inf)):
+    for key, fill in _NON_FINITE:
         if key in found:
             if target.kind != "f":
                 fail(join(path, key), "only float arrays have non-finite values")

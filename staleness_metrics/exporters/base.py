@@ -3,15 +3,14 @@ worker thread that keep a slow or failing exporter from blocking the training lo
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from ..errors import ConfigError
 from ..metrics.bound import ShipBound, mismatch_metrics
@@ -60,8 +59,7 @@ class MismatchReport:
 
 @runtime_checkable
 class MismatchAware(Protocol):
-    """An exporter that publishes trainer-side mismatch sums
-    (:meth:`StalenessMonitor.record_mismatch`)."""
+    """An exporter that publishes trainer-side sums (:meth:`StalenessMonitor.record_mismatch`)."""
 
     def export_mismatch(self, report: MismatchReport) -> None: ...
 
@@ -71,20 +69,6 @@ class MonitorAware(Protocol):
     """An exporter that takes the monitor's run name, error counts and env breakdown setting."""
 
     def attach(self, context: ExportContext) -> None: ...
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """An exporter with cumulative state that a monitor checkpoint carries (SPEC 13); ``absorb*``
-    fold in what was published before a restart without publishing it again."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-    def absorb(self, report: StepReport) -> None: ...
-
-    def absorb_mismatch(self, report: MismatchReport) -> None: ...
 
 
 class ExportErrors:
@@ -191,7 +175,7 @@ class ExportQueue(Generic[P]):
         self._retry_initial = retry_initial
         self._retry_max = retry_max
         self._cond = threading.Condition()
-        self._pending: collections.deque[P] = collections.deque(maxlen=max_size)
+        self._pending: deque[P] = deque(maxlen=max_size)
         self._in_flight = prepare is not None  # flush() waits for the preparation too
         self._closing = False  # no new payloads
         self._stopping = False  # worker exits after the current attempt
@@ -304,19 +288,17 @@ class ExportQueue(Generic[P]):
             else:
                 return True
             with self._cond:
-                if self._stopping:
-                    return False
-                self._cond.wait(backoff)  # close() wakes us up early
+                if not self._stopping:
+                    self._cond.wait(backoff)  # close() wakes us up early
                 if self._stopping:
                     return False
             backoff = min(backoff * 2, self._retry_max)
 
 
 class QueuedExporter(CountingExporter, Generic[P]):
-    """Base of the exporters that send on an :class:`ExportQueue`, with a ``close`` that runs once.
-    A subclass calls :meth:`_start_queue` last in its constructor (one that raises leaves no worker)
-    and releases its resources in :meth:`_close_resources`, run on a daemon thread after the queue
-    drained, so that a shutdown that blocks cannot hold ``close`` beyond its timeout."""
+    """Base of the exporters sending on an :class:`ExportQueue`: :meth:`_start_queue` comes last in
+    a constructor (one that raises leaves no worker); ``close`` (once) runs :meth:`_close_resources`
+    on a daemon thread once the queue drained: a hung shutdown cannot hold it past its timeout."""
 
     def _start_queue(
         self,

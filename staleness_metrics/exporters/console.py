@@ -19,7 +19,7 @@ def format_line(report: StepReport) -> str:
         f"step {report.step}",
         f"Max Staleness {_number(metrics, keys.ROLLOUT_MAX, 'd')}",
         f"token mean {_number(metrics, keys.TOKEN_MEAN, '.2f')}",
-        f"masked {_percent(metrics, keys.TOKEN_MASKED)}",
+        f"masked {_number(metrics, keys.TOKEN_MASKED, '.1%')}",
         f"dropped {int(metrics.get(keys.ROLLOUTS_DROPPED, 0))} rollouts",
     ]
     held = int(metrics.get(keys.ROLLOUTS_HELD, 0))
@@ -34,10 +34,6 @@ def format_line(report: StepReport) -> str:
 
 def _number(metrics: Mapping[str, MetricValue], key: str, fmt: str) -> str:
     return format(metrics[key], fmt) if key in metrics else "-"
-
-
-def _percent(metrics: Mapping[str, MetricValue], key: str) -> str:
-    return f"{float(metrics[key]) * 100:.1f}%" if key in metrics else "-"
 
 
 def _bound_parts(metrics: Mapping[str, MetricValue]) -> list[str]:
@@ -66,7 +62,7 @@ def format_mismatch_line(report: MismatchReport) -> str:
             f"step {report.step}",
             f"mismatch k3 {_number(metrics, keys.MISMATCH_K3, '.4g')}",
             f"excess k3 {_number(metrics, keys.MISMATCH_EXCESS_K3, '.4g')}",
-            f"coverage {_percent(metrics, keys.MISMATCH_COVERAGE)}",
+            f"coverage {_number(metrics, keys.MISMATCH_COVERAGE, '.1%')}",
             *_bound_parts(metrics),
         ]
     )

@@ -3,8 +3,9 @@ an injected ``meter_provider``'s instruments (settings and environment: docs/exp
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
@@ -120,11 +121,9 @@ def _make_metric_exporter(
     if chosen not in PROTOCOLS:
         raise ConfigError(f"OTLP protocol: expected one of {', '.join(PROTOCOLS)}, got {chosen!r}")
     if chosen == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
-            OTLPMetricExporter as GrpcMetricExporter,
-        )
+        from opentelemetry.exporter.otlp.proto.grpc import metric_exporter as grpc
 
-        return GrpcMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout)
+        return grpc.OTLPMetricExporter(endpoint=endpoint, headers=dict(headers) if headers else None, timeout=timeout)
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
     return OTLPMetricExporter(endpoint=endpoint, headers=headers, timeout=timeout)
@@ -183,13 +182,13 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
 
     def _create_instruments(self, meter: Meter) -> None:
-        # Gauges are observable, showing the latest snapshot's series only: a synchronous gauge
-        # would keep every attribute set it ever saw.
+        # observable gauges: the latest series only (a synchronous one keeps every attribute set)
         for row in _PUBLISHED:
             assert row.otel_name is not None
             if row.kind is MetricKind.GAUGE:
+                observe = functools.partial(self._observe, row)
                 instrument: Any = meter.create_observable_gauge(
-                    row.otel_name, [self._observer(row)], row.otel_unit, row.description
+                    row.otel_name, [observe], row.otel_unit, row.description
                 )
             elif row.kind is MetricKind.COUNTER:
                 instrument = meter.create_counter(row.otel_name, row.otel_unit, row.description)
@@ -200,17 +199,14 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
                 )  # fmt: skip
             self._instruments[row.name] = instrument
 
-    def _observer(self, row: MetricDef) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def observe(options: CallbackOptions) -> Iterable[Observation]:
-            from opentelemetry.metrics import Observation
+    def _observe(self, row: MetricDef, options: CallbackOptions) -> Iterable[Observation]:
+        from opentelemetry.metrics import Observation
 
-            snapshot = self._latest  # swapped whole: a collection reads one snapshot
-            if snapshot is None:
-                return []
-            run, points = snapshot.run, snapshot.points(row, snapshot.cumulative)
-            return [Observation(v, _attributes(row, run, env, bucket)) for env, bucket, v in points]
-
-        return observe
+        snapshot = self._latest  # swapped whole: a collection reads one snapshot
+        if snapshot is None:
+            return []
+        run, points = snapshot.run, snapshot.points(row, snapshot.cumulative)
+        return [Observation(v, _attributes(row, run, env, bucket)) for env, bucket, v in points]
 
     def _record(self, snapshot: Snapshot) -> None:
         for row in _PUBLISHED:

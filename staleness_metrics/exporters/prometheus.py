@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest, make_asgi_app, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import delete_from_gateway, push_to_gateway
 from prometheus_client.metrics_core import Metric
@@ -136,8 +136,6 @@ class PrometheusExporter(_PrometheusBase):
         return f"http://{host}:{port}/metrics"
 
     def _bind(self) -> None:
-        from prometheus_client import start_http_server
-
         assert self._requested_port is not None
         self._last_bind_attempt = time.monotonic()
         try:
@@ -161,18 +159,15 @@ class PrometheusExporter(_PrometheusBase):
     def asgi_app(self) -> Callable[..., Any]:
         """An ASGI app serving this registry: ``app.mount("/metrics", exporter.asgi_app())``
         (Starlette then serves it at ``/metrics/`` and redirects ``/metrics`` there)."""
-        from prometheus_client import make_asgi_app
-
         return make_asgi_app(registry=self.registry)
 
     def close(self) -> None:
         server, thread = self._server, self._server_thread
         self._server = self._server_thread = None
         self._requested_port = None  # no re-binding after close
-        if server is not None:
+        if server is not None and thread is not None:  # (bound together)
             server.shutdown()
             server.server_close()
-        if thread is not None:
             thread.join()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
-import operator
 import threading
 import time
 from collections.abc import Mapping
@@ -76,7 +75,7 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
     if not by_env or not report.env_tally:
         return {"": report.tally}
     parts = dict(report.env_tally)
-    covered = functools.reduce(operator.add, parts.values())
+    covered = sum(parts.values(), Tally())
     if not report.tally.within(covered):
         parts[""] = parts.get("", Tally()) + report.tally.excess_over(covered)
     return parts
@@ -133,7 +132,6 @@ def _bound_values(metric: MetricDef, by_env: KeysByEnv) -> dict[Any, Number]:
 
 
 def histogram_of(metric: MetricDef, tally: Tally) -> Counts:
-    """The tally's histogram a histogram row shows."""
     if metric.source is Source.TOKEN_HISTOGRAM:
         return tally.token_histogram
     return tally.rollout_histogram
@@ -216,8 +214,7 @@ class Snapshot:
 
     @functools.cached_property
     def gauges(self) -> dict[str, Mapping[Any, Number]]:
-        """The last ship's gauges and SPEC 14's, by env (by (env, value) with a label besides env:
-        the floor by source, the curve by lag)."""
+        """The last ship's gauges and SPEC 14's, by env (or (env, source) and (env, lag))."""
         bound: dict[str, dict[str, MetricValue]] = {}  # SPEC 14's keys by env (the batch's: "")
         for key, value in (self.bound_metrics or {}).items():
             if (split := _split_env(key)) is not None:
@@ -312,12 +309,10 @@ class CumulativeState:
         window = partition_by_env(report, self.by_env)
         for env, tally in window.items():
             self._totals[env] = self._totals.get(env, Tally()) + tally
-        if report.mismatch is not None:
-            self._add_mismatch(report.mismatch)
-            self._bound_metrics = _bound_keys(report.metrics)
         env_delta = dict(report.env_mismatch) if self.by_env else {}
-        for env, sums in env_delta.items():
-            self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + sums
+        self._add_mismatch(report.mismatch, env_delta)
+        if report.mismatch is not None:
+            self._bound_metrics = _bound_keys(report.metrics)
         self._last_report = report
         return self._snapshot(window, report.mismatch, env_delta)
 
@@ -329,11 +324,8 @@ class CumulativeState:
     ) -> Snapshot:
         """Fold in trainer-side sums (the live path): the counters move (an ``env``'s too, with
         the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics`` (the step's)."""
-        self._add_mismatch(delta)
-        env_delta = {}
-        if env and self.by_env:
-            self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + delta
-            env_delta = {env: delta}
+        env_delta = {env: delta} if env and self.by_env else {}
+        self._add_mismatch(delta, env_delta)
         # the batch's keys, and the env's when the sums were of one env; other envs stay
         if metrics is not None:
             new = _bound_keys(metrics)
@@ -343,8 +335,11 @@ class CumulativeState:
             self._bound_metrics = {**kept, **new}
         return self._snapshot({env: Tally() for env in self._totals}, delta, env_delta)
 
-    def _add_mismatch(self, sums: MismatchSums) -> None:
-        self._mismatch = sums if self._mismatch is None else self._mismatch + sums
+    def _add_mismatch(self, sums: MismatchSums | None, by_env: Mapping[str, MismatchSums]) -> None:
+        if sums is not None:
+            self._mismatch = sums if self._mismatch is None else self._mismatch + sums
+        for env, env_sums in by_env.items():
+            self._env_mismatch[env] = self._env_mismatch.get(env, MismatchSums.zero()) + env_sums
 
     def _snapshot(
         self,
@@ -434,10 +429,6 @@ class CumulativeExporter(CountingExporter):
             if snapshot is not None:
                 self._show(snapshot)
 
-    def absorb(self, report: StepReport) -> None:
-        """Fold a report exported before a restart into the run totals, without sending it again."""
-        self._apply(report)
-
-    def absorb_mismatch(self, report: MismatchReport) -> None:
-        """Fold trainer-side sums exported before a restart in, without sending them again."""
+    def absorb(self, report: StepReport | MismatchReport) -> None:
+        """Fold a report (or trainer-side sums) exported before a restart in, sending nothing."""
         self._apply(report)

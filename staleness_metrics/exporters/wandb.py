@@ -83,9 +83,8 @@ def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]
 
 class WandbExporter(QueuedExporter[dict[str, Any]]):
     """Logs each ship's metrics to a W&B run (``run``, else the active one, else its own started
-    with ``init_kwargs``): ``step_key`` is the x-axis of every ``staleness/*`` key; rows carry the
-    per-env keys, trainer-side mismatch rows, the token staleness histogram and, on request, the
-    legacy keys."""
+    with ``init_kwargs``) against ``step_key`` (every ``staleness/*`` key's x-axis): the per-env
+    keys, trainer-side mismatch rows, the token staleness histogram and, on request, legacy keys."""
 
     name = "wandb"
 
