@@ -48,16 +48,6 @@ class Target:
         }
 
 
-def families(targets: Sequence[Target]) -> list[str]:
-    """The table's Prometheus families queried by ``targets``, in table order."""
-    exprs = " ".join(t.expr for t in targets)
-    return [
-        row.prometheus_name
-        for row in metric_table.METRICS
-        if row.prometheus_name and re.search(rf"\b{row.prometheus_name}(_bucket)?\{{", exprs)
-    ]
-
-
 def make_panel(
     kind: str,
     title: str,
@@ -72,7 +62,12 @@ def make_panel(
     decimals: int | None = None,
     overrides: Sequence[Json] = (),
 ) -> Json:
-    metrics = ", ".join(f"`{name}`" for name in families(targets))
+    exprs = " ".join(t.expr for t in targets)
+    metrics = ", ".join(  # the table's families the targets query, in table order
+        f"`{row.prometheus_name}`"
+        for row in metric_table.METRICS
+        if row.prometheus_name and re.search(rf"\b{row.prometheus_name}(_bucket)?\{{", exprs)
+    )
     defaults: Json = {
         "color": {"mode": "palette-classic"},
         "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]},

@@ -137,12 +137,9 @@ class Scope:
 
     def ess_by_lag(self) -> str:
         """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket."""
-        by = ("lag",)
-        ratio, squares = (
-            self.rate("mismatch_ratio", extra_by=by),
-            self.rate("mismatch_ratio_squared", extra_by=by),
-        )
-        return f"{ratio} ^ 2 / ({self.rate('mismatch_tokens', extra_by=by)} * {squares} > 0)"
+        ratio = self.rate("mismatch_ratio", extra_by=("lag",))
+        squares = self.rate("mismatch_ratio_squared", extra_by=("lag",))
+        return f"{ratio} ^ 2 / ({self.rate('mismatch_tokens', extra_by=('lag',))} * {squares} > 0)"
 
     def sampled_length_mean(self) -> str:
         """Mean sampled length of the window's shipped and dropped samples (SPEC 12)."""

@@ -146,21 +146,19 @@ def build_workspace(entity: str, project: str, *, x_axis: str, name: str = "RL s
     import wandb_workspaces.workspaces as ws
     from wandb_workspaces.reports.v2.interface import LinePlot, ScalarChart
 
-    built: list[Any] = []
-    for spec in panels():
-        if spec.kind == "scalar":
-            built.append(ScalarChart(title=spec.title, metric=spec.keys[0], groupby_aggfunc="max"))
-            continue
-        built.append(
-            LinePlot(
-                title=spec.title,
-                x=x_axis,
-                y=list(spec.keys),
-                metric_regex=spec.metric_regex,
-                plot_type="stacked-area" if spec.stacked else "line",
-                range_y=spec.range_y,
-            )
+    built = [
+        ScalarChart(title=spec.title, metric=spec.keys[0], groupby_aggfunc="max")
+        if spec.kind == "scalar"
+        else LinePlot(
+            title=spec.title,
+            x=x_axis,
+            y=list(spec.keys),
+            metric_regex=spec.metric_regex,
+            plot_type="stacked-area" if spec.stacked else "line",
+            range_y=spec.range_y,
         )
+        for spec in panels()
+    ]
     section = ws.Section(name=SECTION, panels=built, is_open=True)
     return ws.Workspace(
         entity=entity,
