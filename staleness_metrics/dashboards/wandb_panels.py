@@ -146,7 +146,7 @@ def build_workspace(entity: str, project: str, *, x_axis: str, name: str = "RL s
     import wandb_workspaces.workspaces as ws
     from wandb_workspaces.reports.v2.interface import LinePlot, ScalarChart
 
-    built = [
+    built: list[Any] = [
         ScalarChart(title=spec.title, metric=spec.keys[0], groupby_aggfunc="max")
         if spec.kind == "scalar"
         else LinePlot(
