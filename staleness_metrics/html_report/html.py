@@ -274,7 +274,6 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
             "its full-precision log-probabilities; the records hold them rounded to 4 decimals, so "
             "these agree to within 5% (or 2e-5 nats), not exactly."
         )
-    shown = [r for r in rows if r.status != "match"]
     head = (
         "<tr><th>step</th><th>logged key</th><th>current key</th><th>logged</th><th>recomputed</th>"
         "<th>prime-rl rule</th><th>live / frozen</th><th>status</th></tr>"
@@ -288,16 +287,13 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
             f'<td>{r.live} / {r.frozen}</td><td class="{r.status}">{r.status.replace("_", " ")}</td></tr>'
         )
 
-    differing = f"<table>{head}{''.join(line(r) for r in shown)}</table>" if shown else ""
-    all_lines = "".join(line(r) for r in rows)
-    summary_line = f"<summary>All {len(rows)} values</summary>"
-    everything = f"<details>{summary_line}<table>{head}{all_lines}</table></details>"
+    differing = "".join(line(r) for r in rows if r.status != "match")
     return (
         '<section class="panel" id="comparison"><h2>Logged prime-rl values vs recomputed</h2>'
         + "".join(f"<p>{escape(t)}</p>" for t in lines)
-        + differing
-        + everything
-        + "</section>"
+        + (f"<table>{head}{differing}</table>" if differing else "")
+        + f"<details><summary>All {len(rows)} values</summary>"
+        + f"<table>{head}{''.join(line(r) for r in rows)}</table></details></section>"
     )
 
 

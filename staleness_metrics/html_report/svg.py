@@ -50,9 +50,8 @@ def nice_ticks(low: float, high: float, count: int = 5, integer: bool = False) -
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
     if integer:
         step = max(1.0, float(math.ceil(step)))
-    first = math.floor(low / step) * step
     ticks = []
-    value = first
+    value = math.floor(low / step) * step
     while value <= high + step * 1e-9:
         ticks.append(round(value, 10))
         value += step
