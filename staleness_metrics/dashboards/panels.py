@@ -242,30 +242,8 @@ class Grid:
 
 
 def variables() -> list[Json]:
-    train_step = prometheus_name("train_step")
-    tokens = prometheus_name("tokens_sampled")
-
-    def query(name: str, label: str, definition: str, description: str) -> Json:
-        return {
-            "type": "query",
-            "name": name,
-            "label": label,
-            "description": description,
-            "datasource": DATASOURCE,
-            "definition": definition,
-            "query": {"query": definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
-            "refresh": 2,  # on time range change: new runs appear without a reload
-            "includeAll": True,
-            "allValue": ".*",
-            "multi": True,
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-            "options": [],
-            "regex": "",
-            "sort": 1,
-            "hide": 0,
-        }
-
-    return [
+    """The data source, then job, instance, run and env, each narrowed by the ones before it."""
+    found: list[Json] = [
         {
             "type": "datasource",
             "name": "datasource",
@@ -276,29 +254,47 @@ def variables() -> list[Json]:
             "refresh": 1,
             "regex": "",
             "hide": 0,
-        },
-        query("job", "Job", f"label_values({train_step}, job)", "Prometheus scrape job."),
-        query(
-            "instance",
-            "Instance",
-            f'label_values({train_step}{{job=~"$job"}}, instance)',
-            "Scraped process.",
-        ),
-        query(
-            "run",
-            "Run",
-            f'label_values({train_step}{{job=~"$job", instance=~"$instance"}}, run)',
-            "Training run (the exporter's run name).",
-        ),
-        query(
+        }
+    ]
+    matchers: list[str] = []
+    for name, label, family, description in (
+        ("job", "Job", "train_step", "Prometheus scrape job."),
+        ("instance", "Instance", "train_step", "Scraped process."),
+        ("run", "Run", "train_step", "Training run (the exporter's run name)."),
+        (
             "env",
             "Env",
-            f'label_values({tokens}{{job=~"$job", instance=~"$instance", run=~"$run"}}, env)',
+            "tokens_sampled",
             "Environment / task. Filters counter and histogram panels (All: every env, rollouts "
             "without one included) and picks the series of the per-env panels; the other gauge "
             "panels always show the overall value of the last ship.",
         ),
-    ]
+    ):
+        narrowed = f"{{{', '.join(matchers)}}}" if matchers else ""
+        definition = f"label_values({prometheus_name(family)}{narrowed}, {name})"
+        query = {"query": definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"}
+        found.append(
+            {
+                "type": "query",
+                "name": name,
+                "label": label,
+                "description": description,
+                "datasource": DATASOURCE,
+                "definition": definition,
+                "query": query,
+                "refresh": 2,  # on time range change: new runs appear without a reload
+                "includeAll": True,
+                "allValue": ".*",
+                "multi": True,
+                "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+                "options": [],
+                "regex": "",
+                "sort": 1,
+                "hide": 0,
+            }
+        )
+        matchers.append(f'{name}=~"${name}"')
+    return found
 
 
 def dashboard(uid: str, title: str, description: str, panels: list[Json], other: tuple[str, str]) -> Json:
