@@ -270,8 +270,7 @@ def bar_chart(
                 f'height="{max(frame.py(lo) - y_top, 0.5):.1f}" fill="{s.color}">'
                 f"<title>{escape(s.name)} at {_fmt(xi)}: {v:.4g}</title></rect>"
             )
-            if stacked:
-                base += v
+            base += v  # read only when stacked
     return _svg(label, body)
 
 
