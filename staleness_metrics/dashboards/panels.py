@@ -154,7 +154,6 @@ def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: 
 
 def table(title: str, description: str, columns: Sequence[tuple[str, str, Target]]) -> Json:
     """One row per run: each column is an instant query, joined on ``run`` by Grafana's merge."""
-    targets = [target for _, _, target in columns]
     renames = {f"Value #{chr(ord('A') + i)}": name for i, (name, _, _) in enumerate(columns)}
     overrides = [
         {
@@ -168,7 +167,7 @@ def table(title: str, description: str, columns: Sequence[tuple[str, str, Target
         title,
         description,
         COUNT,
-        targets,
+        [target for _, _, target in columns],
         options={
             "cellHeight": "sm",
             "showHeader": True,
@@ -211,8 +210,6 @@ class Grid:
 
     def row(self, title: str, size: tuple[int, int] = (12, 8)) -> None:
         """A row header; the panels after it take ``size`` unless they say otherwise."""
-        if self.x:
-            self._new_line()
         self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, (24, 1))
         self.size = size
 

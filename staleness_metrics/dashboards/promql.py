@@ -37,8 +37,8 @@ def recorded_name(level: str, names: tuple[str, ...], operations: str) -> str:
     if len(names) == 1:
         return f"{level}:{_stem(names[0])}:{operations}"
     numerator, denominator = (_stem(n).split("_") for n in names)
-    shared = 0
-    while shared < min(len(numerator), len(denominator)) - 1 and numerator[shared] == denominator[shared]:
+    shared, most = 0, min(len(numerator), len(denominator)) - 1  # never all of either
+    while shared < most and numerator[shared] == denominator[shared]:
         shared += 1
     return f"{level}:{'_'.join(numerator)}_per_{'_'.join(denominator[shared:])}:{operations}"
 
