@@ -78,12 +78,11 @@ def _within_bound(series: str, threshold: float) -> str:
     bound = _SCOPE.gauge("max_staleness")
     # smallest lag of each bucket, "inf" last
     lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]
-    terms = [
+    return " or ".join(
         f'({series}{{lag="{value}"}} > {threshold} and on (job, run) {bound} >= {low})'
         for value, low in zip(LAG.values, lowest, strict=True)
         if low > 0  # lag 0 has no excess: the floor is measured there
-    ]
-    return " or ".join(terms)
+    )
 
 
 def _masked_ratio() -> str:
