@@ -125,8 +125,7 @@ def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list
     for row in logged:
         step = int(row["step"])
         merged = by_step.setdefault(step, {"step": step})
-        for key, value in row.items():
-            merged.setdefault(key, value)
+        merged.update({key: value for key, value in row.items() if key not in merged})
     return [by_step[step] for step in sorted(by_step)]
 
 

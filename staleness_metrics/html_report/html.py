@@ -536,7 +536,7 @@ def _num4(value: float | None) -> str:
 
 
 def _table(data: ReportData, curve: RunCurve) -> str:
-    kept = {r.max_staleness: r for r in data.what_if}
+    kept = {r.max_staleness: r.kept_share for r in data.what_if}
     suggested, bound = curve.suggested, _bound_in_force(data)
     bound_mark = "configured" if bound == data.bound else "bound in force"
     head = (
@@ -548,13 +548,11 @@ def _table(data: ReportData, curve: RunCurve) -> str:
         curve.curve.lags, curve.curve.tokens, curve.curve.raw, curve.curve.fitted, strict=True
     ):
         marks = [m for m, on in ((bound_mark, lag == bound), ("suggested", lag == suggested)) if on]
-        row = kept.get(lag)
-        share = "-" if row is None or row.kept_share is None else f"{100 * row.kept_share:.2f}%"
         body.append(
             f'<tr{" class=current" if marks else ""} data-lag="{lag}"><td>{lag}'
             f"{' (' + ', '.join(marks) + ')' if marks else ''}</td>"
-            f"<td>{tokens:,}</td><td>{_num4(raw)}</td><td>{_num4(fitted)}</td>"
-            f"<td>{'yes' if fitted <= curve.budget else 'no'}</td><td>{share}</td></tr>"
+            f"<td>{tokens:,}</td><td>{_num4(raw)}</td><td>{_num4(fitted)}</td><td>"
+            f"{'yes' if fitted <= curve.budget else 'no'}</td><td>{_pct(kept.get(lag))}</td></tr>"
         )
     return (
         '<section class="panel" id="bound-table"><h2>The curve, lag by lag</h2><p>'
