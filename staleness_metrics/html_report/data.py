@@ -103,8 +103,7 @@ def metrics_rows(path: str | Path) -> list[dict[str, Any]]:
 
 
 def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
-    """The per-lag token counts and k3 sums behind logged rows, added over the steps: enough for
-    the floor and the excess curve."""
+    """The per-lag token counts and k3 sums behind logged rows, over all steps (floor and curve)."""
     sums = MismatchSums.zero()
     found = False
     for row in rows:

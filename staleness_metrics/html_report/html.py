@@ -103,8 +103,7 @@ class _Line(NamedTuple):
 
 
 class _Chart(NamedTuple):
-    """A figure over the steps; ``options`` go to :func:`bar_chart` when they say ``stacked``,
-    else to :func:`line_chart`."""
+    """A figure over the steps: a bar chart when ``options`` say ``stacked``, else a line chart."""
 
     key: str
     title: str
