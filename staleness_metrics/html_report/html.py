@@ -105,9 +105,9 @@ class _Line(NamedTuple):
 class _Chart(NamedTuple):
     """A figure over the steps: a bar chart when ``options`` say ``stacked``, else a line chart."""
 
-    key: str
-    title: str
-    label: str
+    key: str  # the figure's id
+    title: str  # its heading
+    label: str  # the chart's aria-label
     lines: tuple[_Line, ...]
     caption: str
     options: dict[str, Any]
