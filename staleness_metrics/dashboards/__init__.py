@@ -31,8 +31,11 @@ def generated_files() -> dict[str, str]:
     return files
 
 
-def _same(path: str, existing: str, generated: str) -> bool:
-    if path.endswith((".yml", ".yaml")):
+def _same(path: Path, generated: str) -> bool:
+    if not path.is_file():
+        return False
+    existing = path.read_text(encoding="utf-8")
+    if path.suffix in (".yml", ".yaml"):
         # Compared as data: another ruamel.yaml release may lay the same rules out differently.
         from ruamel.yaml import YAML
 
@@ -43,11 +46,8 @@ def _same(path: str, existing: str, generated: str) -> bool:
 
 def stale_files(root: Path, files: dict[str, str] | None = None) -> list[str]:
     """The files under ``root`` that are missing or differ from ``files`` (default: as now)."""
-    return [
-        path
-        for path, content in (files or generated_files()).items()
-        if not (root / path).is_file() or not _same(path, (root / path).read_text(encoding="utf-8"), content)
-    ]
+    generated = files or generated_files()
+    return [path for path, content in generated.items() if not _same(root / path, content)]
 
 
 def write_files(root: Path) -> list[str]:

@@ -468,9 +468,8 @@ def fleet_bounds(grid: Grid, s: Scope) -> None:
     )
 
 
-def fleet_costs(grid: Grid, s: Scope, fleet: Scope) -> None:
-    """What staleness costs: per run, and merged over every selected run."""
-    f = fleet
+def fleet_costs(grid: Grid, s: Scope, f: Scope) -> None:
+    """What staleness costs: per run (``s``), and merged over every selected run (``f``)."""
     grid.row("What staleness costs", (8, 7))
     grid.series(
         "Excess k3 of stale tokens per run",

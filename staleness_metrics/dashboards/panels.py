@@ -48,16 +48,6 @@ class Target:
         }
 
 
-def families(targets: Sequence[Target]) -> list[str]:
-    """The table's Prometheus families queried by ``targets``, in table order."""
-    exprs = " ".join(t.expr for t in targets)
-    return [
-        row.prometheus_name
-        for row in metric_table.METRICS
-        if row.prometheus_name and re.search(rf"\b{row.prometheus_name}(_bucket)?\{{", exprs)
-    ]
-
-
 def make_panel(
     kind: str,
     title: str,
@@ -72,7 +62,12 @@ def make_panel(
     decimals: int | None = None,
     overrides: Sequence[Json] = (),
 ) -> Json:
-    metrics = ", ".join(f"`{name}`" for name in families(targets))
+    exprs = " ".join(t.expr for t in targets)
+    metrics = ", ".join(  # the table's families the targets query, in table order
+        f"`{row.prometheus_name}`"
+        for row in metric_table.METRICS
+        if row.prometheus_name and re.search(rf"\b{row.prometheus_name}(_bucket)?\{{", exprs)
+    )
     defaults: Json = {
         "color": {"mode": "palette-classic"},
         "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}]},
@@ -159,7 +154,6 @@ def heatmap(title: str, description: str, y_unit: str, target: Target, *, rows: 
 
 def table(title: str, description: str, columns: Sequence[tuple[str, str, Target]]) -> Json:
     """One row per run: each column is an instant query, joined on ``run`` by Grafana's merge."""
-    targets = [target for _, _, target in columns]
     renames = {f"Value #{chr(ord('A') + i)}": name for i, (name, _, _) in enumerate(columns)}
     overrides = [
         {
@@ -173,7 +167,7 @@ def table(title: str, description: str, columns: Sequence[tuple[str, str, Target
         title,
         description,
         COUNT,
-        targets,
+        [target for _, _, target in columns],
         options={
             "cellHeight": "sm",
             "showHeader": True,
@@ -216,8 +210,6 @@ class Grid:
 
     def row(self, title: str, size: tuple[int, int] = (12, 8)) -> None:
         """A row header; the panels after it take ``size`` unless they say otherwise."""
-        if self.x:
-            self._new_line()
         self.add({"type": "row", "title": title, "collapsed": False, "panels": []}, (24, 1))
         self.size = size
 
@@ -247,30 +239,8 @@ class Grid:
 
 
 def variables() -> list[Json]:
-    train_step = prometheus_name("train_step")
-    tokens = prometheus_name("tokens_sampled")
-
-    def query(name: str, label: str, definition: str, description: str) -> Json:
-        return {
-            "type": "query",
-            "name": name,
-            "label": label,
-            "description": description,
-            "datasource": DATASOURCE,
-            "definition": definition,
-            "query": {"query": definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
-            "refresh": 2,  # on time range change: new runs appear without a reload
-            "includeAll": True,
-            "allValue": ".*",
-            "multi": True,
-            "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-            "options": [],
-            "regex": "",
-            "sort": 1,
-            "hide": 0,
-        }
-
-    return [
+    """The data source, then job, instance, run and env, each narrowed by the ones before it."""
+    found: list[Json] = [
         {
             "type": "datasource",
             "name": "datasource",
@@ -281,29 +251,47 @@ def variables() -> list[Json]:
             "refresh": 1,
             "regex": "",
             "hide": 0,
-        },
-        query("job", "Job", f"label_values({train_step}, job)", "Prometheus scrape job."),
-        query(
-            "instance",
-            "Instance",
-            f'label_values({train_step}{{job=~"$job"}}, instance)',
-            "Scraped process.",
-        ),
-        query(
-            "run",
-            "Run",
-            f'label_values({train_step}{{job=~"$job", instance=~"$instance"}}, run)',
-            "Training run (the exporter's run name).",
-        ),
-        query(
+        }
+    ]
+    matchers: list[str] = []
+    for name, label, family, description in (
+        ("job", "Job", "train_step", "Prometheus scrape job."),
+        ("instance", "Instance", "train_step", "Scraped process."),
+        ("run", "Run", "train_step", "Training run (the exporter's run name)."),
+        (
             "env",
             "Env",
-            f'label_values({tokens}{{job=~"$job", instance=~"$instance", run=~"$run"}}, env)',
+            "tokens_sampled",
             "Environment / task. Filters counter and histogram panels (All: every env, rollouts "
             "without one included) and picks the series of the per-env panels; the other gauge "
             "panels always show the overall value of the last ship.",
         ),
-    ]
+    ):
+        narrowed = f"{{{', '.join(matchers)}}}" if matchers else ""
+        definition = f"label_values({prometheus_name(family)}{narrowed}, {name})"
+        query = {"query": definition, "refId": "PrometheusVariableQueryEditor-VariableQuery"}
+        found.append(
+            {
+                "type": "query",
+                "name": name,
+                "label": label,
+                "description": description,
+                "datasource": DATASOURCE,
+                "definition": definition,
+                "query": query,
+                "refresh": 2,  # on time range change: new runs appear without a reload
+                "includeAll": True,
+                "allValue": ".*",
+                "multi": True,
+                "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+                "options": [],
+                "regex": "",
+                "sort": 1,
+                "hide": 0,
+            }
+        )
+        matchers.append(f'{name}=~"${name}"')
+    return found
 
 
 def dashboard(uid: str, title: str, description: str, panels: list[Json], other: tuple[str, str]) -> Json:

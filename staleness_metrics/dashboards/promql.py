@@ -32,13 +32,13 @@ def _stem(name: str) -> str:
 
 
 def recorded_name(level: str, names: tuple[str, ...], operations: str) -> str:
-    """A recording-rule name ``level:metric:operations``: one row's family name (``_total``
-    stripped), or ``A_per_B`` of two, B without its words shared with A's start."""
+    """A recording-rule name ``level:metric:operations``: one row's family, or ``A_per_B``."""
     if len(names) == 1:
         return f"{level}:{_stem(names[0])}:{operations}"
     numerator, denominator = (_stem(n).split("_") for n in names)
-    shared = 0
-    while shared < min(len(numerator), len(denominator)) - 1 and numerator[shared] == denominator[shared]:
+    # B without the words it shares with A's start, but never all of either
+    shared, most = 0, min(len(numerator), len(denominator)) - 1
+    while shared < most and numerator[shared] == denominator[shared]:
         shared += 1
     return f"{level}:{'_'.join(numerator)}_per_{'_'.join(denominator[shared:])}:{operations}"
 
@@ -121,8 +121,7 @@ class Scope:
         return f"{numerator} / ({self.rate('mismatch_tokens', extra_by=by, extra=extra)} > 0)"
 
     def excess_k3(self, *, by_lag: bool = False) -> str:
-        """Mean k3 of the tokens at lag >= 1 (by lag bucket, or all) minus the run's floor; over
-        merged runs, each run's tokens over its own floor."""
+        """Mean k3 at lag >= 1 (per lag bucket or all) minus the floor, each run's over its own."""
         by = ("lag",) if by_lag else ()
         stale = ('lag!="0"',)  # lag 0 has no excess key: it is where the floor is measured
         run = self if "run" in self.by else dataclasses.replace(self, by=(*self.by, "run"))
@@ -137,12 +136,9 @@ class Scope:
 
     def ess_by_lag(self) -> str:
         """Normalised effective sample size (Σr)² / (n Σr²) per lag bucket."""
-        by = ("lag",)
-        ratio, squares = (
-            self.rate("mismatch_ratio", extra_by=by),
-            self.rate("mismatch_ratio_squared", extra_by=by),
-        )
-        return f"{ratio} ^ 2 / ({self.rate('mismatch_tokens', extra_by=by)} * {squares} > 0)"
+        ratio = self.rate("mismatch_ratio", extra_by=("lag",))
+        squares = self.rate("mismatch_ratio_squared", extra_by=("lag",))
+        return f"{ratio} ^ 2 / ({self.rate('mismatch_tokens', extra_by=('lag',))} * {squares} > 0)"
 
     def sampled_length_mean(self) -> str:
         """Mean sampled length of the window's shipped and dropped samples (SPEC 12)."""
@@ -154,8 +150,7 @@ class Scope:
         return f"({kept}) / ({self.rate('length_samples')} > 0)"
 
     def curve_at_suggested(self) -> str:
-        """The excess curve at the suggested bound (SPEC 14): one term per lag, as PromQL cannot
-        read a label from a value."""
+        """The curve at the suggested bound: a term per lag (PromQL reads no label from a value)."""
         suggested, on = self.gauge("bound_suggested"), ", ".join(self.by)
         terms = []
         for lag in CURVE_LAG.values:

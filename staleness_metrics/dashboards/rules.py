@@ -78,12 +78,11 @@ def _within_bound(series: str, threshold: float) -> str:
     bound = _SCOPE.gauge("max_staleness")
     # smallest lag of each bucket, "inf" last
     lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]
-    terms = [
+    return " or ".join(
         f'({series}{{lag="{value}"}} > {threshold} and on (job, run) {bound} >= {low})'
         for value, low in zip(LAG.values, lowest, strict=True)
         if low > 0  # lag 0 has no excess: the floor is measured there
-    ]
-    return " or ".join(terms)
+    )
 
 
 def _masked_ratio() -> str:
@@ -104,15 +103,15 @@ def _recording_rules() -> list[Json]:
     ]
     for counter in ("rollouts_dropped", "rollouts_shipped", "samples_dropped"):
         rules.append({"record": _rate(counter), "expr": _SCOPE.rate(counter)})
-    for histogram in ("token_staleness", "rollout_staleness"):
-        for q in _QUANTILES:
-            rules.append(
-                {
-                    "record": recorded_name(f"{LEVEL}_quantile", (histogram,), f"histogram_quantile_{_RATE}"),
-                    "expr": _SCOPE.quantile(q, histogram),
-                    "labels": {"quantile": str(q)},
-                }
-            )
+    rules += [
+        {
+            "record": recorded_name(f"{LEVEL}_quantile", (histogram,), f"histogram_quantile_{_RATE}"),
+            "expr": _SCOPE.quantile(q, histogram),
+            "labels": {"quantile": str(q)},
+        }
+        for histogram in ("token_staleness", "rollout_staleness")
+        for q in _QUANTILES
+    ]
     return rules + [{"record": MISMATCH_RECORDS[key], "expr": d[3]} for key, d in _series().items()]
 
 
@@ -288,13 +287,12 @@ def collector_prometheus_name(otel_name: str, unit: str, kind: MetricKind) -> st
 
 def renames() -> list[tuple[str, str]]:
     """(OTLP name, table Prometheus name) of every row the collector would name differently."""
-    pairs = []
-    for row in metric_table.METRICS:
-        if row.otel_name is None or row.prometheus_name is None:
-            continue
-        if collector_prometheus_name(row.otel_name, row.otel_unit, row.kind) != row.prometheus_name:
-            pairs.append((row.otel_name, row.prometheus_name))
-    return pairs
+    return [
+        (row.otel_name, row.prometheus_name)
+        for row in metric_table.METRICS
+        if row.otel_name is not None and row.prometheus_name is not None
+        if collector_prometheus_name(row.otel_name, row.otel_unit, row.kind) != row.prometheus_name
+    ]
 
 
 def collector_config() -> dict[str, Any]:

@@ -64,36 +64,6 @@ def _by_bucket(title: str, name: str, range_y: tuple[float, float] | None = None
     return PanelSpec(title, metric_regex=per_bucket_regex(name), range_y=range_y or (None, None))
 
 
-def _cost_panels() -> list[PanelSpec]:
-    """SPEC 11 and 12: what staleness costs, and the length bias of masking."""
-    return [
-        PanelSpec(
-            "Excess k3 of stale tokens",
-            _keys("mismatch_excess_k3", "mismatch_k3"),
-            notes="Mean k3 of tokens at lag >= 1 minus the floor (SPEC 14), and the mean k3 over every token.",
-        ),
-        PanelSpec(
-            "Excess k3 over the floor by lag",
-            metric_regex=per_bucket_regex("mismatch_excess_k3_by_lag"),
-            notes=(
-                "What staleness costs at each lag: the mismatch above the engines' numeric floor "
-                "(SPEC 14: measured at lag 0, carried from an earlier ship, or the smallest lag's)."
-            ),
-        ),
-        _by_bucket("Mismatch k3 by lag", "mismatch_k3_by_lag"),
-        _by_bucket("Effective sample size by lag", "mismatch_ess_by_lag", SHARE),
-        _by_bucket("Out-of-band share by lag", "mismatch_out_of_band_by_lag", SHARE),
-        PanelSpec("Mismatch coverage", _keys("mismatch_coverage"), range_y=SHARE),
-        PanelSpec("Largest excess k3", _keys("mismatch_excess_k3"), kind="scalar"),
-        PanelSpec(
-            "Trained vs sampled mean length",
-            _keys("length_sampled_mean", "length_trained_mean"),
-            notes="Masked positions and dropped samples count as 0 in the trained mean.",
-        ),
-        _by_bucket("Removed share by length bucket", "length_removed_share", SHARE),
-    ]
-
-
 def panels() -> list[PanelSpec]:
     """The Staleness section, in display order."""
     return [
@@ -132,7 +102,31 @@ def panels() -> list[PanelSpec]:
         PanelSpec("Largest rollout staleness", _keys("rollout_max"), kind="scalar"),
         PanelSpec("Token staleness mean per env", metric_regex=per_env_regex("token_mean")),
         PanelSpec("Masked tokens per env", metric_regex=per_env_regex("token_masked"), range_y=SHARE),
-        *_cost_panels(),
+        # SPEC 11 and 12: what staleness costs, and the length bias of masking
+        PanelSpec(
+            "Excess k3 of stale tokens",
+            _keys("mismatch_excess_k3", "mismatch_k3"),
+            notes="Mean k3 of tokens at lag >= 1 minus the floor (SPEC 14), and the mean k3 over every token.",
+        ),
+        PanelSpec(
+            "Excess k3 over the floor by lag",
+            metric_regex=per_bucket_regex("mismatch_excess_k3_by_lag"),
+            notes=(
+                "What staleness costs at each lag: the mismatch above the engines' numeric floor "
+                "(SPEC 14: measured at lag 0, carried from an earlier ship, or the smallest lag's)."
+            ),
+        ),
+        _by_bucket("Mismatch k3 by lag", "mismatch_k3_by_lag"),
+        _by_bucket("Effective sample size by lag", "mismatch_ess_by_lag", SHARE),
+        _by_bucket("Out-of-band share by lag", "mismatch_out_of_band_by_lag", SHARE),
+        PanelSpec("Mismatch coverage", _keys("mismatch_coverage"), range_y=SHARE),
+        PanelSpec("Largest excess k3", _keys("mismatch_excess_k3"), kind="scalar"),
+        PanelSpec(
+            "Trained vs sampled mean length",
+            _keys("length_sampled_mean", "length_trained_mean"),
+            notes="Masked positions and dropped samples count as 0 in the trained mean.",
+        ),
+        _by_bucket("Removed share by length bucket", "length_removed_share", SHARE),
     ]
 
 
@@ -146,21 +140,19 @@ def build_workspace(entity: str, project: str, *, x_axis: str, name: str = "RL s
     import wandb_workspaces.workspaces as ws
     from wandb_workspaces.reports.v2.interface import LinePlot, ScalarChart
 
-    built: list[Any] = []
-    for spec in panels():
-        if spec.kind == "scalar":
-            built.append(ScalarChart(title=spec.title, metric=spec.keys[0], groupby_aggfunc="max"))
-            continue
-        built.append(
-            LinePlot(
-                title=spec.title,
-                x=x_axis,
-                y=list(spec.keys),
-                metric_regex=spec.metric_regex,
-                plot_type="stacked-area" if spec.stacked else "line",
-                range_y=spec.range_y,
-            )
+    built: list[Any] = [
+        ScalarChart(title=spec.title, metric=spec.keys[0], groupby_aggfunc="max")
+        if spec.kind == "scalar"
+        else LinePlot(
+            title=spec.title,
+            x=x_axis,
+            y=list(spec.keys),
+            metric_regex=spec.metric_regex,
+            plot_type="stacked-area" if spec.stacked else "line",
+            range_y=spec.range_y,
         )
+        for spec in panels()
+    ]
     section = ws.Section(name=SECTION, panels=built, is_open=True)
     return ws.Workspace(
         entity=entity,

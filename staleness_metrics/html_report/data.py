@@ -103,8 +103,7 @@ def metrics_rows(path: str | Path) -> list[dict[str, Any]]:
 
 
 def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
-    """The per-lag token counts and k3 sums behind logged rows, added over the steps: enough for
-    the floor and the excess curve."""
+    """The per-lag token counts and k3 sums behind logged rows, over all steps (floor and curve)."""
     sums = MismatchSums.zero()
     found = False
     for row in rows:
@@ -125,8 +124,7 @@ def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list
     for row in logged:
         step = int(row["step"])
         merged = by_step.setdefault(step, {"step": step})
-        for key, value in row.items():
-            merged.setdefault(key, value)
+        merged.update({key: value for key, value in row.items() if key not in merged})
     return [by_step[step] for step in sorted(by_step)]
 
 

@@ -4,8 +4,9 @@ with its sections on what staleness costs (SPEC 11, 12) and on choosing the boun
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from html import escape
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -92,77 +93,84 @@ def _summary(data: ReportData) -> str:
     return '<div class="summary">' + "".join(f"<div>{escape(k)}<b>{v}</b></div>" for k, v in cells) + "</div>"
 
 
-def _token_chart(data: ReportData) -> str:
-    rules = [Rule(data.bound, f"max_staleness = {data.bound}")] if data.bound is not None else []
-    svg = line_chart(
-        "Token staleness over steps",
-        data.steps,
-        [
-            Series("mean", data.series(keys.TOKEN_MEAN), PALETTE[0]),
-            Series("p50", data.series(keys.TOKEN_P50), PALETTE[2], dashed=True),
-            Series("p90", data.series(keys.TOKEN_P90), PALETTE[1], dashed=True),
-            Series("p99", data.series(keys.TOKEN_P99), PALETTE[4], dashed=True),
-            # SPEC 6: the largest token staleness is the largest rollout staleness.
-            Series("max", data.series(keys.ROLLOUT_MAX), PALETTE[5]),
-        ],
-        y_label="policy versions",
-        rules=rules,
-    )
-    caption = (
-        "Staleness of the shipped sampled tokens (trained version minus the version that "
-        "sampled them), masked ones included; the max is the oldest rollout's. Tokens above the "
-        "dashed bound are masked."
-    )
-    return figure("token-staleness", "Token staleness", caption, svg)
+class _Line(NamedTuple):
+    """One row key over the steps."""
+
+    name: str
+    key: str
+    colour: str
+    dashed: bool = False
 
 
-def _masked_chart(data: ReportData) -> str:
-    svg = line_chart(
-        "Masked ratio over steps",
-        data.steps,
-        [Series("masked share", data.series(keys.TOKEN_MASKED), PALETTE[3])],
-        y_label="share of sampled tokens",
-        percent=True,
-    )
-    caption = "Share of each shipped batch's sampled tokens masked for staleness (<code>staleness/token/masked</code>)."
-    return figure("masked", "Masked ratio", caption, svg)
+class _Chart(NamedTuple):
+    """A figure over the steps: a bar chart when ``options`` say ``stacked``, else a line chart."""
+
+    key: str  # the figure's id
+    title: str  # its heading
+    label: str  # the chart's aria-label
+    lines: tuple[_Line, ...]
+    caption: str
+    options: dict[str, Any]
 
 
-def _in_flight_chart(data: ReportData) -> str:
-    svg = bar_chart(
-        "Rollout staleness: in flight and in queue",
-        data.steps,
-        [
-            Series("in flight (mean)", data.series(keys.ROLLOUT_IN_FLIGHT_MEAN), PALETTE[0]),
-            Series("in queue (mean)", data.series(keys.ROLLOUT_IN_QUEUE_MEAN), PALETTE[1]),
-        ],
-        stacked=True,
-        y_label="policy versions",
-        empty_note="every shipped rollout was fresh",
-    )
-    caption = (
-        "Where a shipped rollout's age comes from: versions that passed while it was generated (in "
-        "flight) and while it waited in the queue after it finished (in queue). Together they make "
-        "the rollout staleness mean."
-    )
-    return figure("in-flight-queue", "In flight vs in queue", caption, svg)
+def _over_steps(data: ReportData, chart: _Chart, series: Sequence[Series] = (), **more: Any) -> str:
+    """``chart`` drawn from the rows (``series`` instead of its lines when given)."""
+    drawn = series or [Series(n, data.series(k), c, d) for n, k, c, d in chart.lines]
+    draw: Callable[..., str] = bar_chart if "stacked" in chart.options else line_chart
+    svg = draw(chart.label, data.steps, drawn, **chart.options, **more)
+    return figure(chart.key, chart.title, chart.caption, svg)
 
 
-def _dropped_chart(data: ReportData) -> str:
-    svg = bar_chart(
-        "Dropped and held counts over steps",
-        data.steps,
-        [
-            Series("rollouts dropped", data.series(keys.ROLLOUTS_DROPPED), PALETTE[3]),
-            Series("samples dropped", data.series(keys.SAMPLES_DROPPED), PALETTE[5]),
-            Series("rollouts held", data.series(keys.ROLLOUTS_HELD), PALETTE[6]),
-        ],
-        stacked=False,
-        y_label="count per ship window",
-        empty_note="nothing was dropped or held",
-    )
-    caption = "Rollouts and samples dropped for staleness, and rollouts held back, in each ship's window."
-    return figure("dropped-held", "Dropped and held", caption, svg)
+_TOKEN_STALENESS = _Chart(
+    "token-staleness",
+    "Token staleness",
+    "Token staleness over steps",
+    (
+        _Line("mean", keys.TOKEN_MEAN, PALETTE[0]),
+        _Line("p50", keys.TOKEN_P50, PALETTE[2], dashed=True),
+        _Line("p90", keys.TOKEN_P90, PALETTE[1], dashed=True),
+        _Line("p99", keys.TOKEN_P99, PALETTE[4], dashed=True),
+        # SPEC 6: the largest token staleness is the largest rollout staleness.
+        _Line("max", keys.ROLLOUT_MAX, PALETTE[5]),
+    ),
+    "Staleness of the shipped sampled tokens (trained version minus the version that "
+    "sampled them), masked ones included; the max is the oldest rollout's. Tokens above the "
+    "dashed bound are masked.",
+    dict(y_label="policy versions"),
+)
+_MASKED = _Chart(
+    "masked",
+    "Masked ratio",
+    "Masked ratio over steps",
+    (_Line("masked share", keys.TOKEN_MASKED, PALETTE[3]),),
+    "Share of each shipped batch's sampled tokens masked for staleness (<code>staleness/token/masked</code>).",
+    dict(y_label="share of sampled tokens", percent=True),
+)
+_IN_FLIGHT = _Chart(
+    "in-flight-queue",
+    "In flight vs in queue",
+    "Rollout staleness: in flight and in queue",
+    (
+        _Line("in flight (mean)", keys.ROLLOUT_IN_FLIGHT_MEAN, PALETTE[0]),
+        _Line("in queue (mean)", keys.ROLLOUT_IN_QUEUE_MEAN, PALETTE[1]),
+    ),
+    "Where a shipped rollout's age comes from: versions that passed while it was generated (in "
+    "flight) and while it waited in the queue after it finished (in queue). Together they make "
+    "the rollout staleness mean.",
+    dict(stacked=True, y_label="policy versions", empty_note="every shipped rollout was fresh"),
+)
+_DROPPED = _Chart(
+    "dropped-held",
+    "Dropped and held",
+    "Dropped and held counts over steps",
+    (
+        _Line("rollouts dropped", keys.ROLLOUTS_DROPPED, PALETTE[3]),
+        _Line("samples dropped", keys.SAMPLES_DROPPED, PALETTE[5]),
+        _Line("rollouts held", keys.ROLLOUTS_HELD, PALETTE[6]),
+    ),
+    "Rollouts and samples dropped for staleness, and rollouts held back, in each ship's window.",
+    dict(stacked=False, y_label="count per ship window", empty_note="nothing was dropped or held"),
+)
 
 
 def _heatmap_chart(data: ReportData) -> str:
@@ -265,7 +273,6 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
             "its full-precision log-probabilities; the records hold them rounded to 4 decimals, so "
             "these agree to within 5% (or 2e-5 nats), not exactly."
         )
-    shown = [r for r in rows if r.status != "match"]
     head = (
         "<tr><th>step</th><th>logged key</th><th>current key</th><th>logged</th><th>recomputed</th>"
         "<th>prime-rl rule</th><th>live / frozen</th><th>status</th></tr>"
@@ -279,16 +286,13 @@ def _comparison(rows: Sequence[ComparisonRow]) -> str:
             f'<td>{r.live} / {r.frozen}</td><td class="{r.status}">{r.status.replace("_", " ")}</td></tr>'
         )
 
-    differing = f"<table>{head}{''.join(line(r) for r in shown)}</table>" if shown else ""
-    all_lines = "".join(line(r) for r in rows)
-    summary_line = f"<summary>All {len(rows)} values</summary>"
-    everything = f"<details>{summary_line}<table>{head}{all_lines}</table></details>"
+    differing = "".join(line(r) for r in rows if r.status != "match")
     return (
         '<section class="panel" id="comparison"><h2>Logged prime-rl values vs recomputed</h2>'
         + "".join(f"<p>{escape(t)}</p>" for t in lines)
-        + differing
-        + everything
-        + "</section>"
+        + (f"<table>{head}{differing}</table>" if differing else "")
+        + f"<details><summary>All {len(rows)} values</summary>"
+        + f"<table>{head}{''.join(line(r) for r in rows)}</table></details></section>"
     )
 
 
@@ -320,19 +324,52 @@ def _by_lag(data: ReportData, buckets: list[str], stat: Mapping[str, str], skip:
     ]
 
 
-def _k3_chart(data: ReportData, buckets: list[str]) -> str:
-    svg = line_chart(
-        "Mismatch k3 by token lag over steps",
-        data.steps,
-        _by_lag(data, buckets, keys.MISMATCH_K3_BY_LAG),
-        y_label="nats",
-    )
-    caption = (
-        "Mean k3 = r - 1 - log r of the covered tokens of each lag (r = trainer / sampler "
-        "probability; the estimator of prime-rl's <code>mismatch_kl</code>). Lag 0, when a step "
-        "has it, shows the engines' numeric floor."
-    )
-    return figure("mismatch-k3", "Mismatch by lag", caption, svg)
+_K3_BY_LAG = _Chart(
+    "mismatch-k3",
+    "Mismatch by lag",
+    "Mismatch k3 by token lag over steps",
+    (),
+    "Mean k3 = r - 1 - log r of the covered tokens of each lag (r = trainer / sampler "
+    "probability; the estimator of prime-rl's <code>mismatch_kl</code>). Lag 0, when a step "
+    "has it, shows the engines' numeric floor.",
+    dict(y_label="nats"),
+)
+_ESS_BY_LAG = _Chart(
+    "mismatch-ess",
+    "ESS by lag",
+    "Effective sample size by token lag over steps",
+    (),
+    "(Σr)² / (n Σr²) of each lag's importance ratios: 1 when trainer and sampler agree, "
+    "falling as a few tokens' ratios dominate.",
+    dict(y_label="normalised ESS", y_max=1.0),
+)
+_LENGTH_BIAS = _Chart(
+    "length-bias",
+    "Length bias",
+    "Mean response length: sampled vs trained",
+    (
+        _Line("sampled", keys.LENGTH_SAMPLED_MEAN, PALETTE[0]),
+        _Line("trained (masked and dropped count 0)", keys.LENGTH_TRAINED_MEAN, PALETTE[3]),
+    ),
+    "Long responses span more weight updates, so masking and drops remove more of them: the "
+    "gap between the lines is the length bias of the bound (SPEC 12).",
+    dict(y_label="sampled positions per sample"),
+)
+_REMOVED_BY_LENGTH = _Chart(
+    "length-removed",
+    "Removed share by length",
+    "Removed share by response length",
+    tuple(
+        _Line(
+            f"length {'> 16k' if b == 'inf' else '≤ ' + b}",
+            keys.LENGTH_REMOVED_SHARE_BY_LENGTH[b],
+            colour,
+        )
+        for b, colour in zip(LENGTH_BUCKETS, PALETTE, strict=False)
+    ),
+    "Share of each length bucket's sampled tokens masked or dropped for staleness, per step.",
+    dict(y_label="share masked or dropped", percent=True),
+)
 
 
 def _excess_chart(data: ReportData, buckets: list[str]) -> str:
@@ -356,69 +393,18 @@ def _excess_chart(data: ReportData, buckets: list[str]) -> str:
     return figure("mismatch-excess", "Excess mismatch by lag", caption, svg)
 
 
-def _ess_chart(data: ReportData, buckets: list[str]) -> str:
-    svg = line_chart(
-        "Effective sample size by token lag over steps",
-        data.steps,
-        _by_lag(data, buckets, keys.MISMATCH_ESS_BY_LAG),
-        y_label="normalised ESS",
-        y_max=1.0,
-    )
-    caption = (
-        "(Σr)² / (n Σr²) of each lag's importance ratios: 1 when trainer and sampler agree, "
-        "falling as a few tokens' ratios dominate."
-    )
-    return figure("mismatch-ess", "ESS by lag", caption, svg)
-
-
-def _length_chart(data: ReportData) -> str:
-    svg = line_chart(
-        "Mean response length: sampled vs trained",
-        data.steps,
-        [
-            Series("sampled", data.series(keys.LENGTH_SAMPLED_MEAN), PALETTE[0]),
-            Series(
-                "trained (masked and dropped count 0)",
-                data.series(keys.LENGTH_TRAINED_MEAN),
-                PALETTE[3],
-            ),
-        ],
-        y_label="sampled positions per sample",
-    )
-    caption = (
-        "Long responses span more weight updates, so masking and drops remove more of them: the "
-        "gap between the lines is the length bias of the bound (SPEC 12)."
-    )
-    return figure("length-bias", "Length bias", caption, svg)
-
-
-def _removed_chart(data: ReportData) -> str:
-    series = [
-        Series(
-            f"length {'> 16k' if b == 'inf' else '≤ ' + b}",
-            data.series(keys.LENGTH_REMOVED_SHARE_BY_LENGTH[b]),
-            c,
-        )
-        for b, c in zip(LENGTH_BUCKETS, PALETTE, strict=False)
-    ]
-    svg = line_chart(
-        "Removed share by response length",
-        data.steps,
-        series,
-        y_label="share masked or dropped",
-        percent=True,
-    )
-    caption = "Share of each length bucket's sampled tokens masked or dropped for staleness, per step."
-    return figure("length-removed", "Removed share by length", caption, svg)
-
-
 def render_costs(data: ReportData) -> str:
     """The section, or ``""`` when the run has no trainer log-probabilities."""
     if not has_costs(data):
         return ""
     buckets = lag_buckets_shown(data)
-    charts = [_k3_chart(data, buckets), _excess_chart(data, buckets), _ess_chart(data, buckets)]
-    charts += [_length_chart(data), _removed_chart(data)]
+    charts = [
+        _over_steps(data, _K3_BY_LAG, _by_lag(data, buckets, keys.MISMATCH_K3_BY_LAG)),
+        _excess_chart(data, buckets),
+        _over_steps(data, _ESS_BY_LAG, _by_lag(data, buckets, keys.MISMATCH_ESS_BY_LAG)),
+        _over_steps(data, _LENGTH_BIAS),
+        _over_steps(data, _REMOVED_BY_LENGTH),
+    ]
     intro = (
         "Trainer and sampler log-probabilities compared token by token, split by token lag (SPEC "
         "11): the engines' numeric floor (SPEC 14: measured on lag-0 tokens, carried, or bounded "
@@ -549,7 +535,7 @@ def _num4(value: float | None) -> str:
 
 
 def _table(data: ReportData, curve: RunCurve) -> str:
-    kept = {r.max_staleness: r for r in data.what_if}
+    kept = {r.max_staleness: r.kept_share for r in data.what_if}
     suggested, bound = curve.suggested, _bound_in_force(data)
     bound_mark = "configured" if bound == data.bound else "bound in force"
     head = (
@@ -561,13 +547,11 @@ def _table(data: ReportData, curve: RunCurve) -> str:
         curve.curve.lags, curve.curve.tokens, curve.curve.raw, curve.curve.fitted, strict=True
     ):
         marks = [m for m, on in ((bound_mark, lag == bound), ("suggested", lag == suggested)) if on]
-        row = kept.get(lag)
-        share = "-" if row is None or row.kept_share is None else f"{100 * row.kept_share:.2f}%"
         body.append(
             f'<tr{" class=current" if marks else ""} data-lag="{lag}"><td>{lag}'
             f"{' (' + ', '.join(marks) + ')' if marks else ''}</td>"
-            f"<td>{tokens:,}</td><td>{_num4(raw)}</td><td>{_num4(fitted)}</td>"
-            f"<td>{'yes' if fitted <= curve.budget else 'no'}</td><td>{share}</td></tr>"
+            f"<td>{tokens:,}</td><td>{_num4(raw)}</td><td>{_num4(fitted)}</td><td>"
+            f"{'yes' if fitted <= curve.budget else 'no'}</td><td>{_pct(kept.get(lag))}</td></tr>"
         )
     return (
         '<section class="panel" id="bound-table"><h2>The curve, lag by lag</h2><p>'
@@ -579,25 +563,18 @@ def _table(data: ReportData, curve: RunCurve) -> str:
     )
 
 
-def _over_steps(data: ReportData) -> str:
-    """Each ship's suggestion against the bound it used, when the rows carry them."""
-    suggested = data.series(keys.BOUND_SUGGESTED)
-    if not any(v is not None for v in suggested):
-        return ""
-    svg = line_chart(
-        "Suggested vs configured bound over steps",
-        data.steps,
-        [
-            Series("suggested (window of cost_window ships)", suggested, SUGGESTED_COLOUR),
-            Series("configured", data.series(keys.MAX_STALENESS), CONFIGURED_COLOUR, dashed=True),
-        ],
-        y_label="policy versions",
-    )
-    caption = (
-        "SPEC 14 per ship: the suggestion of the curve over the last cost_window ships, and the "
-        "bound the ship used (it moves only with the adaptive bound)."
-    )
-    return figure("bound-over-steps", "Suggested vs configured over steps", caption, svg)
+_SUGGESTED_OVER_STEPS = _Chart(
+    "bound-over-steps",
+    "Suggested vs configured over steps",
+    "Suggested vs configured bound over steps",
+    (
+        _Line("suggested (window of cost_window ships)", keys.BOUND_SUGGESTED, SUGGESTED_COLOUR),
+        _Line("configured", keys.MAX_STALENESS, CONFIGURED_COLOUR, dashed=True),
+    ),
+    "SPEC 14 per ship: the suggestion of the curve over the last cost_window ships, and the "
+    "bound the ship used (it moves only with the adaptive bound).",
+    dict(y_label="policy versions"),
+)
 
 
 def render_choosing(data: ReportData) -> str:
@@ -623,10 +600,11 @@ def render_choosing(data: ReportData) -> str:
         "What a token of each lag costs in this run, against the budget (SPEC 14): the suggested "
         "bound is the largest lag whose cost stays within it."
     )
-    return (
-        f'<section id="choosing-the-bound"><h2>Choosing the bound</h2><p class="meta">{intro}</p>'
-        f"{charts}{_over_steps(data)}</section>"
-    )
+    # each ship's suggestion against the bound it used, when the rows carry them
+    if any(v is not None for v in data.series(keys.BOUND_SUGGESTED)):
+        charts += _over_steps(data, _SUGGESTED_OVER_STEPS)
+    heading = '<section id="choosing-the-bound"><h2>Choosing the bound</h2>'
+    return f'{heading}<p class="meta">{intro}</p>{charts}</section>'
 
 
 def render(data: ReportData, title: str = "Staleness report") -> str:
@@ -636,11 +614,12 @@ def render(data: ReportData, title: str = "Staleness report") -> str:
         meta.append(f"policy: {escape(data.policy)}")
     if data.bound is not None:
         meta.append(f"max_staleness: {data.bound}")
+    bound = [Rule(data.bound, f"max_staleness = {data.bound}")] if data.bound is not None else []
     charts = [
-        _token_chart(data),
-        _masked_chart(data),
-        _in_flight_chart(data),
-        _dropped_chart(data),
+        _over_steps(data, _TOKEN_STALENESS, rules=bound),
+        _over_steps(data, _MASKED),
+        _over_steps(data, _IN_FLIGHT),
+        _over_steps(data, _DROPPED),
         _heatmap_chart(data),
         _what_if_chart(data),
     ]

@@ -50,9 +50,8 @@ def nice_ticks(low: float, high: float, count: int = 5, integer: bool = False) -
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
     if integer:
         step = max(1.0, float(math.ceil(step)))
-    first = math.floor(low / step) * step
     ticks = []
-    value = first
+    value = math.floor(low / step) * step
     while value <= high + step * 1e-9:
         ticks.append(round(value, 10))
         value += step
@@ -271,8 +270,7 @@ def bar_chart(
                 f'height="{max(frame.py(lo) - y_top, 0.5):.1f}" fill="{s.color}">'
                 f"<title>{escape(s.name)} at {_fmt(xi)}: {v:.4g}</title></rect>"
             )
-            if stacked:
-                base += v
+            base += v  # read only when stacked
     return _svg(label, body)
 
 
