@@ -121,11 +121,6 @@ class Simulation:
             self._queue = deque(i for i in self._queue if i not in gone)
 
     @property
-    def _loaded(self) -> int:
-        """The oldest version a worker samples with (what a dispatch can count on)."""
-        return min(w.version for w in self._workers)
-
-    @property
     def in_flight(self) -> int:
         return len(self._waiting) + sum(w.current is not None for w in self._workers)
 
@@ -148,6 +143,7 @@ class Simulation:
 
     def _dispatch(self) -> None:
         s = self.settings
+        loaded = min(w.version for w in self._workers)  # what a dispatch can count on
         while self.in_flight + len(self._queue) + s.group_size <= s.max_buffered:
             self._groups += 1
             env = s.envs[int(self._rng.choice(len(s.envs), p=self._shares))]
@@ -159,7 +155,7 @@ class Simulation:
                 lengths = np.clip(drawn, 4, s.max_tokens).astype(int).tolist()
                 name = "frozen-teacher" if frozen else env.name
                 # The orchestrator stamps the version it knows of; the engine may start it later.
-                self._waiting.append(_Rollout(f"{group}-r{member}", group, name, frozen, self._loaded, lengths))
+                self._waiting.append(_Rollout(f"{group}-r{member}", group, name, frozen, loaded, lengths))
 
     def _sample(self) -> None:
         for worker in self._workers:
@@ -234,20 +230,17 @@ def _spans_of(spans: list[tuple[int, int]], offset: int, length: int) -> list[li
 @dataclass(frozen=True)
 class DriftModel:
     """The trainer's log-probability is the sampler's plus ``Normal(-σ²/2, σ²)``, with
-    ``σ(ℓ)² = floor² + (speed · ℓ)²`` at lag ``ℓ``; ``speed`` may warm up over the first steps."""
+    ``σ(ℓ)² = floor² + (speed · ℓ)²`` at lag ``ℓ``; ``speed``, ``drift_per_version`` at full speed,
+    may warm up over the first steps."""
 
     floor: float = 0.05
     drift_per_version: float = 0.009
     warmup_steps: int = 0
 
-    def speed(self, step: int) -> float:
-        """How far the policy moves per version at train ``step`` (log-ratio standard deviation)."""
-        if self.warmup_steps <= 0:
-            return self.drift_per_version
-        return self.drift_per_version * min(1.0, step / self.warmup_steps)
-
     def sigma(self, lags: npt.NDArray[np.int64], step: int) -> npt.NDArray[np.float64]:
-        result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (self.speed(step) * np.maximum(lags, 0)) ** 2)
+        warm = 1.0 if self.warmup_steps <= 0 else min(1.0, step / self.warmup_steps)
+        speed = self.drift_per_version * warm
+        result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (speed * np.maximum(lags, 0)) ** 2)
         return result
 
     def expected_suggested_bound(self, budget: float | None = None) -> int:
@@ -283,20 +276,14 @@ class SimulatedTrainer:
         # its own stream: the pipeline's events stay as they were
         self._rng = np.random.default_rng([seed, 11])
 
-    def logprobs(self, shipment: Shipment) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
-        """Sampler and trainer log-probabilities of every shipped position (as ``shipment.lags``)."""
-        lags = shipment.lags
-        sampler = shipped_values(shipment, "logprobs")
-        sigma = self.model.sigma(lags, shipment.step)
-        trainer = np.round(sampler + self._rng.normal(-(sigma**2) / 2, sigma), 6)
-        return sampler, trainer
-
     def train(self, monitor: StalenessMonitor, shipment: Shipment) -> TrainedBatch | None:
         """Sums per rank, merged and recorded with the monitor (None when the ship took nothing)."""
         lags = shipment.lags
         if len(lags) == 0:
             return None
-        sampler, trainer = self.logprobs(shipment)
+        sampler = shipped_values(shipment, "logprobs")
+        sigma = self.model.sigma(lags, shipment.step)
+        trainer = np.round(sampler + self._rng.normal(-(sigma**2) / 2, sigma), 6)
         masked = ~shipped_mask(shipment)
         # Ranks take contiguous runs of whole samples, as a data-parallel split of the batch would.
         offsets = shipment.lag_offsets

@@ -264,22 +264,19 @@ _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 # exp(x) for |x| <= 20 as fdlibm's e_exp.c computes it (within 1 ulp of the C library's): x = k ln2
 # + r, |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), a rational approximation of exp(r),
 # then 2^k. Written in the loop, it is vectorised; the C library's exp is a call per position.
-_LN2_HI, _LN2_LO, _INV_LN2 = (
-    6.93147180369123816490e-01,
-    1.90821492927058770002e-10,
-    1.44269504088896338700e00,
-)
-_EXP_P1, _EXP_P2, _EXP_P3 = (
-    1.66666666666666019037e-01,
-    -2.77777777770155933842e-03,
-    6.61375632143793436117e-05,
-)
-_EXP_P4, _EXP_P5 = -1.65339022054652515390e-06, 4.13813679705723846039e-08
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_INV_LN2 = 1.44269504088896338700e00
+_EXP_P1 = 1.66666666666666019037e-01
+_EXP_P2 = -2.77777777770155933842e-03
+_EXP_P3 = 6.61375632143793436117e-05
+_EXP_P4 = -1.65339022054652515390e-06
+_EXP_P5 = 4.13813679705723846039e-08
 # added to an integer-valued float below 2^51, leaves it in the low mantissa bits
 _SHIFTER = 1.5 * 2.0**52
 # A log-ratio this close to the log of a band edge is compared again with the C library's exp;
 # farther, its side of the edge is the side of exp(d) (log's and exp's rounding are far below it)
-_NEAR = 2.0**-39
+NEAR = 2.0**-39
 
 
 def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
@@ -303,7 +300,7 @@ def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
 _ratio_compiled: Any = None  # _ratio, compiled when _mismatch_runs is
 
 # The band in log space (log_lo, log_hi, then the margins of each edge: near_lo, near_lo_top,
-# near_hi, near_hi_top): d outside [log_lo, log_hi] is out of band, except d within _NEAR of an
+# near_hi, near_hi_top): d outside [log_lo, log_hi] is out of band, except d within NEAR of an
 # edge, where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r:
 # they do not wait for the exp.
 Band = tuple[float, float, float, float, float, float]
@@ -447,7 +444,7 @@ def _mismatch_runs(
     uncovered = 0
     log_lo = math.log(band_lo) if band_lo > 0 else -np.inf
     log_hi = math.log(band_hi) if band_hi > 0 else -np.inf
-    band = (log_lo, log_hi, log_lo - _NEAR, log_lo + _NEAR, log_hi - _NEAR, log_hi + _NEAR)
+    band = (log_lo, log_hi, log_lo - NEAR, log_lo + NEAR, log_hi - NEAR, log_hi + NEAR)
     last_lag = -1
     bucket = 0
     p = 0
