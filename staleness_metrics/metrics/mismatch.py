@@ -276,7 +276,7 @@ _EXP_P5 = 4.13813679705723846039e-08
 _SHIFTER = 1.5 * 2.0**52
 # A log-ratio this close to the log of a band edge is compared again with the C library's exp;
 # farther, its side of the edge is the side of exp(d) (log's and exp's rounding are far below it)
-NEAR = 2.0**-39
+_NEAR = 2.0**-39
 
 
 def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
@@ -300,7 +300,7 @@ def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
 _ratio_compiled: Any = None  # _ratio, compiled when _mismatch_runs is
 
 # The band in log space (log_lo, log_hi, then the margins of each edge: near_lo, near_lo_top,
-# near_hi, near_hi_top): d outside [log_lo, log_hi] is out of band, except d within NEAR of an
+# near_hi, near_hi_top): d outside [log_lo, log_hi] is out of band, except d within _NEAR of an
 # edge, where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r:
 # they do not wait for the exp.
 Band = tuple[float, float, float, float, float, float]
@@ -444,7 +444,7 @@ def _mismatch_runs(
     uncovered = 0
     log_lo = math.log(band_lo) if band_lo > 0 else -np.inf
     log_hi = math.log(band_hi) if band_hi > 0 else -np.inf
-    band = (log_lo, log_hi, log_lo - NEAR, log_lo + NEAR, log_hi - NEAR, log_hi + NEAR)
+    band = (log_lo, log_hi, log_lo - _NEAR, log_lo + _NEAR, log_hi - _NEAR, log_hi + _NEAR)
     last_lag = -1
     bucket = 0
     p = 0

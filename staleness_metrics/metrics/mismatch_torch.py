@@ -12,7 +12,6 @@ import torch
 
 from ..errors import FieldError
 from .buckets import LAG_UPPER_BOUNDS, N_BUCKETS
-from .mismatch import NEAR, FloatArray, IntArray
 
 # Rows of the packed per-bucket tensor: counts (out of band: edges apart), then the float sums of
 # d, |d|, k3, r, r² (the order of MismatchSums' float fields).
@@ -22,7 +21,11 @@ PACKED_ROWS = (
 )
 _COUNTS = 3  # the first rows are MismatchSums' counts, in its order
 _SUMS = slice(5, 10)
+# the compiled pass's margin: farther from an edge, the side of d is the side of exp(d)
+_NEAR = 2.0**-39
 _INT64_MAX = torch.iinfo(torch.int64).max
+IntArray = np.ndarray[Any, np.dtype[np.int64]]
+FloatArray = np.ndarray[Any, np.dtype[np.float64]]
 
 
 def device_of(arrays: Mapping[str, Any]) -> torch.device:
@@ -105,7 +108,7 @@ def packed_sums(
     d = torch.where(covered, d.clamp(-clamp, clamp), 0.0)
     r = torch.where(covered, torch.exp(d), 0.0)
     log_lo, log_hi = math.log(band[0]), math.log(band[1])
-    near = covered & (((d - log_lo).abs() < NEAR) | ((d - log_hi).abs() < NEAR))
+    near = covered & (((d - log_lo).abs() < _NEAR) | ((d - log_hi).abs() < _NEAR))
     out = covered & ((d < log_lo) | (d > log_hi)) & ~near
     masked = torch.zeros_like(covered) if flags is None else covered & (flags.reshape(-1) != 0)
     bounds = torch.tensor(LAG_UPPER_BOUNDS, dtype=torch.int64, device=device)
