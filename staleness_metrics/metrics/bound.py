@@ -55,9 +55,8 @@ def select_floor(
     min_tokens: int,
     max_age: int,
 ) -> Floor | None:
-    """The first rule that applies: ``lag0`` (bucket 0 has ``min_tokens``), ``carried``
-    (``last_lag0``, the latest ``(floor, step)``, at most ``max_age`` old), ``min_lag`` (the
-    smallest bucket with ``min_tokens``), else ``None``."""
+    """SPEC 14's first rule that applies: ``lag0``, ``carried`` (``last_lag0``, the latest
+    ``(floor, step)``, at most ``max_age`` old), ``min_lag``, else ``None``."""
     if int(sums.tokens[0]) >= min_tokens:
         return Floor(_k3(sums, 0), "lag0", step, 0)
     if last_lag0 is not None:
