@@ -702,20 +702,10 @@ LEGACY_KEYS: dict[str, LegacyKey] = {
 # Every W&B key spelled out, templated rows expanded once here.
 WANDB_KEYS: dict[str, MetricDef] = {key: m for m in METRICS for key in m.wandb_keys}
 _BY_PROM = {m.prometheus_name: m for m in METRICS if m.prometheus_name is not None}
-_BY_NAME = {m.name: m for m in METRICS}
-
-
 # the row of a stable identifier, a W&B key, a Prometheus family name (KeyError for none)
-def metric_named(name: str) -> MetricDef:
-    return _BY_NAME[name]
-
-
-def metric_by_key(key: str) -> MetricDef:
-    return WANDB_KEYS[key]
-
-
-def metric_by_prometheus_name(name: str) -> MetricDef:
-    return _BY_PROM[name]
+metric_named = {m.name: m for m in METRICS}.__getitem__
+metric_by_key = WANDB_KEYS.__getitem__
+metric_by_prometheus_name = _BY_PROM.__getitem__
 
 
 # Counters with a batch-wide series (env="") beside the per-env ones: SPEC 12's length counters
