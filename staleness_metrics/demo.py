@@ -238,9 +238,7 @@ def _spans_of(spans: list[tuple[int, int]], offset: int, length: int) -> list[li
     for i, (version, start) in enumerate(spans):
         end = spans[i + 1][1] if i + 1 < len(spans) else offset + length
         lo, hi = max(start, offset), min(end, offset + length)
-        if lo < hi:
-            if out and out[-1][0] == version:
-                continue
+        if lo < hi and not (out and out[-1][0] == version):
             out.append([version, lo - offset])
     return out
 

@@ -73,8 +73,7 @@ def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> li
     """Weighted least-squares non-decreasing fit (pool-adjacent-violators); weights must be > 0."""
     if len(values) != len(weights):
         raise FieldError("weights", f"length {len(weights)} differs from the values' {len(values)}")
-    # Each block: [weighted mean, total weight, number of points].
-    blocks: list[list[float]] = []
+    blocks: list[list[float]] = []  # [weighted mean, total weight, number of points]
     for value, weight in zip(values, weights, strict=True):
         if not weight > 0:
             raise FieldError("weights", f"must be > 0, got {weight!r}")
@@ -86,10 +85,7 @@ def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> li
             previous[0] = (previous[0] * previous[1] + mean * weight_last) / total
             previous[1] = total
             previous[2] += count
-    fitted: list[float] = []
-    for mean, _, count in blocks:
-        fitted.extend([mean] * int(count))
-    return fitted
+    return [mean for mean, _, count in blocks for _ in range(int(count))]
 
 
 @dataclass(frozen=True)
