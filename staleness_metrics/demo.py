@@ -1,6 +1,6 @@
-"""``staleness-metrics demo``: a simulated asynchronous RL pipeline (the SPEC 9 event stream of a run,
-the same for one seed every time) and trainer (SPEC 11's live path), driving the real monitor and
-exporters into a run directory (:mod:`staleness_metrics.replay.run_dir`) that ``report`` reads whole."""
+"""``staleness-metrics demo``: a simulated asynchronous RL pipeline (the SPEC 9 events of a run,
+the same for one seed every time) and trainer (SPEC 11's live path) driving the real monitor and
+exporters into a run directory (:mod:`staleness_metrics.replay.run_dir`) for ``report``."""
 
 from __future__ import annotations
 
@@ -418,32 +418,28 @@ _CELLS = (
 
 
 class _LiveTable:
-    """The rich table under the step lines: per env, the last ship and the run so far."""
+    """The rich table under the step lines: per env, the last ship and the run's totals so far."""
 
     def __init__(self, options: DemoOptions) -> None:
         from rich.console import Console
         from rich.live import Live
 
         self._options = options
+        self._totals = Tally()
         self.live = Live(console=Console(), refresh_per_second=4, transient=False)
 
-    def update(
-        self,
-        events: StepEvents,
-        shipment: Shipment,
-        totals: Tally,
-        cost: Mapping[str, object] | None,
-    ) -> None:
+    def update(self, events: StepEvents, shipment: Shipment, cost: Mapping[str, object] | None) -> None:
         from rich.table import Table
         from rich.text import Text
 
         report = shipment.report
+        self._totals += report.tally
         # the step line goes above the table, through the live display's own console
         line = Text(format_line(report))
         line.highlight_words(["Max Staleness"], style="bold")
         self.live.console.print(line)
         c = self._options.config
-        t = totals
+        t = self._totals
         masked = f"{100 * t.tokens_masked / t.tokens_sampled:.2f}%" if t.tokens_sampled else "-"
         table = Table(
             title=f"step {report.step}/{self._options.steps} · policy v{events.policy_version} · "
@@ -571,7 +567,6 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         simulation = Simulation(options.seed)
         trainer = SimulatedTrainer(options.seed)
         table = _LiveTable(options) if live else None
-        totals = Tally()
         with _ctrl_c_stops(stop), table.live if table is not None else contextlib.nullcontext():
             for _, step_events in zip(_paced(options.steps, options.speed, stop), simulation.steps(), strict=False):
                 _write(logs["events"], step_events.events())
@@ -587,10 +582,9 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                         ({"step": trained.step, "id": i, "trainer_logprobs": v} for i, v in logprobs),
                     )
                     _write(logs["mismatch_sums"], [{"step": trained.step, "sums": trained.sums.to_dict()}])
-                totals += shipment.report.tally
                 shipped_steps += 1
                 if table is not None:
-                    table.update(step_events, shipment, totals, monitor.mismatch_metrics(shipment.step))
+                    table.update(step_events, shipment, monitor.mismatch_metrics(shipment.step))
     except KeyboardInterrupt:
         interrupted = True
     finally:
