@@ -51,9 +51,7 @@ class MismatchSums:
 
     @classmethod
     def zero(cls) -> MismatchSums:
-        counts: dict[str, Any] = {f: np.zeros(N_BUCKETS, dtype=np.int64) for f in COUNT_FIELDS}
-        floats: dict[str, Any] = {f: np.zeros(N_BUCKETS, dtype=np.float64) for f in SUM_FIELDS}
-        return cls(**counts, **floats)
+        return _of_pass(np.zeros((3, N_BUCKETS), dtype=np.int64), np.zeros((5, N_BUCKETS)), 0)
 
     @property
     def covered(self) -> int:
