@@ -22,9 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics.cli import main
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.demo import Simulation
-from staleness_metrics.demo.runner import _cost_caption
-from staleness_metrics.demo.simulation import DriftModel, SimulatedTrainer, shipped_mask
+from staleness_metrics.demo import DriftModel, SimulatedTrainer, Simulation, _cost_caption, shipped_mask
 from staleness_metrics.metrics.bound import BoundTracker
 from staleness_metrics.metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.monitor import StalenessMonitor

@@ -55,9 +55,8 @@ def select_floor(
     min_tokens: int,
     max_age: int,
 ) -> Floor | None:
-    """The first rule that applies: ``lag0`` (bucket 0 has ``min_tokens``), ``carried``
-    (``last_lag0``, the latest ``(floor, step)``, at most ``max_age`` old), ``min_lag`` (the
-    smallest bucket with ``min_tokens``), else ``None``."""
+    """SPEC 14's first rule that applies: ``lag0``, ``carried`` (``last_lag0``, the latest
+    ``(floor, step)``, at most ``max_age`` old), ``min_lag``, else ``None``."""
     if int(sums.tokens[0]) >= min_tokens:
         return Floor(_k3(sums, 0), "lag0", step, 0)
     if last_lag0 is not None:
@@ -74,8 +73,7 @@ def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> li
     """Weighted least-squares non-decreasing fit (pool-adjacent-violators); weights must be > 0."""
     if len(values) != len(weights):
         raise FieldError("weights", f"length {len(weights)} differs from the values' {len(values)}")
-    # Each block: [weighted mean, total weight, number of points].
-    blocks: list[list[float]] = []
+    blocks: list[list[float]] = []  # [weighted mean, total weight, number of points]
     for value, weight in zip(values, weights, strict=True):
         if not weight > 0:
             raise FieldError("weights", f"must be > 0, got {weight!r}")
@@ -87,10 +85,7 @@ def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> li
             previous[0] = (previous[0] * previous[1] + mean * weight_last) / total
             previous[1] = total
             previous[2] += count
-    fitted: list[float] = []
-    for mean, _, count in blocks:
-        fitted.extend([mean] * int(count))
-    return fitted
+    return [mean for mean, _, count in blocks for _ in range(int(count))]
 
 
 @dataclass(frozen=True)
@@ -200,54 +195,31 @@ def env_tracker_config(config: StalenessConfig) -> StalenessConfig:
     return dataclasses.replace(config, adapt_every=None, adapt_low=1, adapt_high=16)
 
 
-@dataclass
-class _TrackerState:
-    window: list[tuple[int, MismatchSums]]  # (step, sums), oldest first
-    last_lag0: tuple[float, int] | None  # (floor, step) of the latest lag0 floor
-    bound: int
-    toward_change: int = 0  # ships with a curve since the bound last had a chance to move
-    last_counted: int = 0
-
-
 class BoundTracker:
     """SPEC 14's run-long state: the sums of the last ``cost_window`` ships, the last ``lag0``
     floor, and the adaptive bound with the count toward its next change."""
 
     def __init__(self, config: StalenessConfig) -> None:
         self.config = config
-        self._state = _TrackerState([], None, config.max_staleness)
+        self.window: list[tuple[int, MismatchSums]] = []  # (step, sums), oldest first
+        self.last_lag0: tuple[float, int] | None = None  # (floor, step) of the latest lag0 floor
+        self.bound = config.max_staleness  # in force: max_staleness, or where adaptation moved it
+        self.toward_change = 0  # ships with a curve since the bound last had a chance to move
+        self.last_counted = 0
 
     @property
     def adaptive(self) -> bool:
         return self.config.adapt_every is not None
 
-    @property
-    def bound(self) -> int:
-        """The bound in force: ``max_staleness``, or where adaptation moved it."""
-        return self._state.bound
-
-    @property
-    def toward_change(self) -> int:
-        return self._state.toward_change
-
-    @property
-    def last_lag0(self) -> tuple[float, int] | None:
-        return self._state.last_lag0
-
-    @property
-    def window(self) -> list[tuple[int, MismatchSums]]:
-        return list(self._state.window)
-
     def window_sums(self, upto: int | None = None) -> MismatchSums:
         """The sums of the ``cost_window`` entries up to entry ``upto`` (default: the latest)."""
-        window = self._state.window
-        end = len(window) if upto is None else upto + 1
-        kept = window[max(0, end - self.config.cost_window) : end]
+        end = len(self.window) if upto is None else upto + 1
+        kept = self.window[max(0, end - self.config.cost_window) : end]
         return sum((sums for _, sums in kept), MismatchSums.zero())
 
     def _enter(self, step: int, sums: MismatchSums, merge: bool) -> int:
         """Put the ship in the window; returns its index there."""
-        window = self._state.window
+        window = self.window
         # in step order (a late step of the live path too); merge: replace the step's last entry
         at = bisect.bisect_right(window, step, key=operator.itemgetter(0))
         if merge and at and window[at - 1][0] == step:
@@ -266,43 +238,42 @@ class BoundTracker:
         derive its SPEC 14 values, ``excess_at_bound`` at ``bound`` (default: the one in force)."""
         if sums.covered == 0:
             return None
-        config, state = self.config, self._state
-        bound = state.bound if bound is None else bound
+        config = self.config
+        bound = self.bound if bound is None else bound
         at = self._enter(step, sums, merge)
-        last = state.last_lag0
+        last = self.last_lag0
         floor = select_floor(sums, step, last, min_tokens=config.floor_min_tokens, max_age=config.floor_max_age)
         if floor is None:
             return ShipBound(None, None, Curve((), (), (), ()), None, bound)
         if floor.source == "lag0" and (last is None or step >= last[1]):
-            state.last_lag0 = (floor.value, step)
+            self.last_lag0 = (floor.value, step)
         budget = budget_of(config.mismatch_budget, floor.value)
         # A ship that left the window at once (a very late step of the live path) is its own window.
         window = self.window_sums(at) if at >= 0 else sums
         curve = excess_curve(window, floor.value, min_tokens=config.floor_min_tokens)
         advice = advise(curve, budget, bound)
-        counted = not merge or step > state.last_counted  # (a step's later totals count once)
+        counted = not merge or step > self.last_counted  # (a step's later totals count once)
         if advice is not None and config.adapt_every is not None and counted:
-            state.last_counted = max(state.last_counted, step)
-            state.toward_change += 1
-            if state.toward_change >= config.adapt_every:
-                state.toward_change = 0
-                state.bound = adapt_bound(state.bound, advice, config.adapt_low, config.adapt_high)
+            self.last_counted = max(self.last_counted, step)
+            self.toward_change += 1
+            if self.toward_change >= config.adapt_every:
+                self.toward_change = 0
+                self.bound = adapt_bound(self.bound, advice, config.adapt_low, config.adapt_high)
         return ShipBound(floor, budget, curve, advice, bound)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain JSON-able state; :meth:`load_state_dict` takes it back."""
-        state = self._state
         return {
             "format": TRACKER_FORMAT,
-            "window": [[step, sums.to_dict()] for step, sums in state.window],
-            "last_lag0": None if state.last_lag0 is None else list(state.last_lag0),
-            "bound": state.bound,
-            "toward_change": state.toward_change,
-            "last_counted": state.last_counted,
+            "window": [[step, sums.to_dict()] for step, sums in self.window],
+            "last_lag0": None if self.last_lag0 is None else list(self.last_lag0),
+            "bound": self.bound,
+            "toward_change": self.toward_change,
+            "last_counted": self.last_counted,
         }
 
-    def check_state_dict(self, state: Any, path: str = "bound") -> _TrackerState:
-        """Check ``state`` against this tracker's config (``ConfigError``), changing nothing."""
+    def check_state_dict(self, state: Any, path: str = "bound") -> BoundTracker:
+        """A new tracker of this config holding ``state`` (``ConfigError`` if it does not fit)."""
         from ..state_checks import fail, integer, join, keys, sequence
 
         found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))
@@ -311,7 +282,9 @@ class BoundTracker:
                 join(path, "format"),
                 f"unknown format {found['format']!r} (expected {TRACKER_FORMAT})",
             )
-        window: list[tuple[int, MismatchSums]] = []
+        config = self.config
+        new = BoundTracker(config)
+        window = new.window
         for i, item in enumerate(sequence(found["window"], join(path, "window"))):
             where = join(join(path, "window"), i)
             step, data = sequence(item, where, 2)
@@ -326,33 +299,32 @@ class BoundTracker:
                 fail(join(where, 1), "no covered position: such a ship never enters the window")
             window.append((step, sums))
         # A smaller cost_window than the run had: the window keeps its latest ships.
-        window = window[-self.config.cost_window :]
-        last_lag0: tuple[float, int] | None = None
+        new.window = window[-config.cost_window :]
         if found["last_lag0"] is not None:
             where = join(path, "last_lag0")
             value, step = sequence(found["last_lag0"], where, 2)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 fail(join(where, 0), f"expected a finite number >= 0, got {value!r}")
-            last_lag0 = (float(value), integer(step, join(where, 1), 1))
-        config = self.config
-        bound = integer(found["bound"], join(path, "bound"), 0)
-        last_counted = integer(found["last_counted"], join(path, "last_counted"), 0)
+            new.last_lag0 = (float(value), integer(step, join(where, 1), 1))
+        bound = new.bound = integer(found["bound"], join(path, "bound"), 0)
+        new.last_counted = integer(found["last_counted"], join(path, "last_counted"), 0)
         if config.adapt_every is None:
-            toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, 0)
+            new.toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, 0)
             if bound != config.max_staleness:
                 fail(
                     join(path, "bound"),
                     f"adapted to {bound}, but this config has max_staleness={config.max_staleness} and no adapt_every",
                 )
         else:
-            toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, config.adapt_every - 1)
+            top = config.adapt_every - 1
+            new.toward_change = integer(found["toward_change"], join(path, "toward_change"), 0, top)
             if not config.adapt_low <= bound <= config.adapt_high:
                 limits = f"{config.adapt_low}..{config.adapt_high}"
                 fail(join(path, "bound"), f"{bound} is outside adapt_low..adapt_high {limits}")
-        return _TrackerState(window, last_lag0, bound, toward_change, last_counted)
+        return new
 
-    def load_checked(self, state: _TrackerState) -> None:
-        self._state = state  # (built by check_state_dict for this tracker alone)
+    def load_checked(self, new: BoundTracker) -> None:
+        vars(self).update(vars(new))  # (built by check_state_dict for this tracker's config)
 
     def load_state_dict(self, state: Any) -> None:
         self.load_checked(self.check_state_dict(state))

@@ -126,7 +126,7 @@ def _family(**shared: Any) -> Callable[..., MetricDef]:
 
 
 _COUNTER: dict[str, Any] = {"kind": MetricKind.COUNTER, "source": Source.TALLY, "integer": True}
-_tally_counter = _family(**_COUNTER)
+_sample_counter = _family(**_COUNTER, otel_unit=_SAMPLE)
 _token_counter = _family(**_COUNTER, otel_unit=_TOKEN)
 _rollout_counter = _family(**_COUNTER, otel_unit=_ROLLOUT)
 _histogram = _family(kind=MetricKind.HISTOGRAM, otel_unit=_STEP)
@@ -152,24 +152,20 @@ _length_counter = _family(
 # The order of the rows is the order of every exporter's output and of the generated files.
 METRICS: tuple[MetricDef, ...] = (
     # ---- SPEC 6: the metrics of a ship (W&B keys), with their Prometheus / OpenTelemetry names (SPEC 8) ----
-    MetricDef(
+    _integer_steps(
         name="train_step",
         prometheus_name="rl_staleness_train_step",
         otel_name="rl.staleness.train.step",
-        otel_unit=_STEP,
         source=Source.STEP,
         labels=("run",),
-        integer=True,
         description="Train step of the last shipped batch.",
     ),
-    MetricDef(
+    _integer_steps(
         name="max_staleness",
         wandb_key="staleness/max_staleness",
         prometheus_name="rl_staleness_max_staleness",
         otel_name="rl.staleness.max_staleness",
-        otel_unit=_STEP,
         labels=("run",),
-        integer=True,
         description=(
             "The staleness bound the ship was judged with (max_staleness, or where adaptation "
             "moved it), in policy versions."
@@ -284,12 +280,11 @@ METRICS: tuple[MetricDef, ...] = (
         legacy_keys=("off_policy/dropped", "staleness/dropped"),
         description="Live rollouts dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
-    _tally_counter(
+    _sample_counter(
         name="samples_dropped",
         wandb_key="staleness/sample/dropped",
         prometheus_name="rl_staleness_samples_dropped_total",
         otel_name="rl.staleness.samples.dropped",
-        otel_unit=_SAMPLE,
         description="Samples dropped for staleness (per ship window in W&B; cumulative elsewhere).",
     ),
     MetricDef(
@@ -571,11 +566,10 @@ METRICS: tuple[MetricDef, ...] = (
         description="The curve's excess at the largest lag not above the configured bound: what the bound lets train.",
     ),
     # ---- SPEC 12: length bias of masking and drops, over shipped plus dropped samples ----
-    _tally_counter(
+    _sample_counter(
         name="length_samples",
         prometheus_name="rl_staleness_length_samples_total",
         otel_name="rl.staleness.length.samples",
-        otel_unit=_SAMPLE,
         description="Samples behind the length-bias counters: shipped live samples plus samples dropped for staleness.",
     ),
     _length_counter(
@@ -708,20 +702,10 @@ LEGACY_KEYS: dict[str, LegacyKey] = {
 # Every W&B key spelled out, templated rows expanded once here.
 WANDB_KEYS: dict[str, MetricDef] = {key: m for m in METRICS for key in m.wandb_keys}
 _BY_PROM = {m.prometheus_name: m for m in METRICS if m.prometheus_name is not None}
-_BY_NAME = {m.name: m for m in METRICS}
-
-
 # the row of a stable identifier, a W&B key, a Prometheus family name (KeyError for none)
-def metric_named(name: str) -> MetricDef:
-    return _BY_NAME[name]
-
-
-def metric_by_key(key: str) -> MetricDef:
-    return WANDB_KEYS[key]
-
-
-def metric_by_prometheus_name(name: str) -> MetricDef:
-    return _BY_PROM[name]
+metric_named = {m.name: m for m in METRICS}.__getitem__
+metric_by_key = WANDB_KEYS.__getitem__
+metric_by_prometheus_name = _BY_PROM.__getitem__
 
 
 # Counters with a batch-wide series (env="") beside the per-env ones: SPEC 12's length counters

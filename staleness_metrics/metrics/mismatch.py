@@ -51,9 +51,7 @@ class MismatchSums:
 
     @classmethod
     def zero(cls) -> MismatchSums:
-        counts: dict[str, Any] = {f: np.zeros(N_BUCKETS, dtype=np.int64) for f in COUNT_FIELDS}
-        floats: dict[str, Any] = {f: np.zeros(N_BUCKETS, dtype=np.float64) for f in SUM_FIELDS}
-        return cls(**counts, **floats)
+        return _of_pass(np.zeros((3, N_BUCKETS), dtype=np.int64), np.zeros((5, N_BUCKETS)), 0)
 
     @property
     def covered(self) -> int:
@@ -264,17 +262,14 @@ _NO_FLAGS = np.zeros(0, dtype=np.uint8)
 # exp(x) for |x| <= 20 as fdlibm's e_exp.c computes it (within 1 ulp of the C library's): x = k ln2
 # + r, |r| <= ln2 / 2 (ln2 in two parts, so k ln2 is exact), a rational approximation of exp(r),
 # then 2^k. Written in the loop, it is vectorised; the C library's exp is a call per position.
-_LN2_HI, _LN2_LO, _INV_LN2 = (
-    6.93147180369123816490e-01,
-    1.90821492927058770002e-10,
-    1.44269504088896338700e00,
-)
-_EXP_P1, _EXP_P2, _EXP_P3 = (
-    1.66666666666666019037e-01,
-    -2.77777777770155933842e-03,
-    6.61375632143793436117e-05,
-)
-_EXP_P4, _EXP_P5 = -1.65339022054652515390e-06, 4.13813679705723846039e-08
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_INV_LN2 = 1.44269504088896338700e00
+_EXP_P1 = 1.66666666666666019037e-01
+_EXP_P2 = -2.77777777770155933842e-03
+_EXP_P3 = 6.61375632143793436117e-05
+_EXP_P4 = -1.65339022054652515390e-06
+_EXP_P5 = 4.13813679705723846039e-08
 # added to an integer-valued float below 2^51, leaves it in the low mantissa bits
 _SHIFTER = 1.5 * 2.0**52
 # A log-ratio this close to the log of a band edge is compared again with the C library's exp;

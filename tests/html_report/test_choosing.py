@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from staleness_metrics.cli import main
-from staleness_metrics.demo.simulation import DriftModel
+from staleness_metrics.demo import DriftModel
 from staleness_metrics.html_report.svg import PALETTE
 from staleness_metrics.metrics.mismatch import MismatchSums
 from staleness_metrics.replay.run_dir import find_run
