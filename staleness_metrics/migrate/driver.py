@@ -77,7 +77,8 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
         return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
-    return scan_text(shown, text, scanner_for(options, prometheus=True))
+    reason = "this kind of file is only reported: edit by hand"
+    return scan_text(shown, text, scanner_for(options, prometheus=True), reason)
 
 
 def load_config(text: str, fmt: ConfigFormat) -> Any:
@@ -295,18 +296,12 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         # never edited: still say where the legacy names are
         reason = "the file could not be migrated: edit by hand"
         scanner = scanner_for(options, prometheus=True)
-        result.findings = scan_text(shown, text, scanner, reason=reason).findings
+        result.findings = scan_text(shown, text, scanner, reason).findings
         result.new_text = None
     return result
 
 
-def scan_text(
-    path: str,
-    text: str,
-    scanner: Scanner,
-    *,
-    reason: str = "this kind of file is only reported: edit by hand",
-) -> FileResult:
+def scan_text(path: str, text: str, scanner: Scanner, reason: str) -> FileResult:
     """Any other text file: legacy names reported, never edited."""
     result = FileResult(path, FileKind.TEXT, original=text)
     for number, line in enumerate(text.split("\n"), start=1):  # editors count "\n" only

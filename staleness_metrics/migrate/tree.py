@@ -94,9 +94,9 @@ def line_of(text: str, offset: int) -> int:
 # -- JSON ------------------------------------------------------------------------------------------
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
-_LITERALS = {"true": True, "false": False, "null": None}
+_NUMBER = r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?"
+# a string, a literal or a number: json.loads reads the value
+_SCALAR = re.compile(rf'"(?:[^"\\]|\\.)*"|true|false|null|{_NUMBER}', re.DOTALL)
 
 
 class _Reader:
@@ -116,20 +116,12 @@ class _Reader:
         if char in ("{", "["):
             empty = Mapping(position, position) if char == "{" else Sequence(position, position)
             return self.collection(empty)
-        if char == '"':
-            return self.string(position)
-        for literal, value in _LITERALS.items():
-            if self.text.startswith(literal, position):
-                end = position + len(literal)
-                return Scalar(position, end, value, "json"), end
-        match = _NUMBER.match(self.text, position)
+        return self.scalar(position)
+
+    def scalar(self, position: int) -> tuple[Scalar, int]:
+        match = _SCALAR.match(self.text, position)
         if match is None:
             raise ValueError(f"unexpected character at offset {position}")
-        return Scalar(position, match.end(), json.loads(match.group()), "json"), match.end()
-
-    def string(self, position: int) -> tuple[Scalar, int]:
-        match = _STRING.match(self.text, position)
-        assert match is not None
         return Scalar(position, match.end(), json.loads(match.group()), "json"), match.end()
 
     def collection(self, node: Mapping | Sequence) -> tuple[Node, int]:
@@ -137,7 +129,7 @@ class _Reader:
         position = self.skip(node.start + 1)
         while self.text[position] != close:
             if isinstance(node, Mapping):
-                key, position = self.string(self.skip(position))
+                key, position = self.scalar(self.skip(position))
                 value, position = self.value(self.skip(position) + 1)  # past the ':'
                 node.items.append((key, value))
             else:
@@ -200,6 +192,7 @@ JSON = JsonSyntax()
 
 _STR_TAG = "tag:yaml.org,2002:str"
 _COMMENT_START = re.compile(r"(?:^|(?<=[ \t]))#", re.MULTILINE)
+_UNREADABLE = object()  # what _decode returns for text that does not parse
 
 
 def _yaml() -> Any:
@@ -218,9 +211,6 @@ def _decode(raw: str, in_flow: bool) -> object:
         return _yaml().load("k: " + raw)["k"]
     except Exception:  # any parse failure means "not this text"
         return _UNREADABLE
-
-
-_UNREADABLE = object()
 
 
 def _content_end(node: Node) -> int:

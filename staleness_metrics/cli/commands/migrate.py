@@ -23,12 +23,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     from ...migrate.model import FileKind
     from ...migrate.peers import PEERS
 
-    parser = add_command(
-        subparsers, run, "migrate",
-        "rename legacy off_policy/* keys and max_off_policy_steps in configs, dashboards, "
-        "rules and histories",
-        EPILOG,
-    )  # fmt: skip
+    names = "legacy off_policy/* keys and max_off_policy_steps"
+    summary = f"rename {names} in configs, dashboards, rules and histories"
+    parser = add_command(subparsers, run, "migrate", summary, EPILOG)
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
     mode = parser.add_mutually_exclusive_group()
     check_help = "change nothing; exit 1 and list each legacy name (the default)"

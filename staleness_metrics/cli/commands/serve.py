@@ -27,11 +27,8 @@ Off loopback a token is required. See docs/service.md.
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "serve",
-        "sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
-        EPILOG,
-    )  # fmt: skip
+    what = "send rollouts over HTTP, it keeps the sinks and publishes the metrics"
+    parser = add_command(subparsers, run, "serve", f"sidecar service: {what}", EPILOG)
     add = parser.add_argument
     add("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     port_help = f"port (default: {DEFAULT_PORT}; 0 picks a free one)"
@@ -121,22 +118,20 @@ def run(args: argparse.Namespace) -> int:
         install = "pip install 'staleness-metrics[server]'"
         return failed("serve", f"{exc}; install the server extra: {install}")
 
-    try:
-        token = _token(args)
-    except (OSError, ValueError) as exc:  # unreadable, empty, not UTF-8, or blank
-        return failed("serve", str(exc))
-    if not 0 <= args.port <= 65535:  # the socket layer would wrap a larger number around silently
-        return failed("serve", f"--port must be 0..65535, got {args.port}")
-    try:
-        check_bind(args.host, token)
-    except BindRefused as exc:
-        return failed("serve", str(exc))
     floors = {"max_body_bytes": 1, "body_bytes_per_span_row": 0, "max_header_bytes": 1024}
-    for name, least in floors.items():
-        if getattr(args, name) < least:
-            return failed("serve", f"--{name.replace('_', '-')} must be >= {least}")
-    if not args.header_timeout > 0:
-        return failed("serve", "--header-timeout must be > 0")
+    try:
+        token = _token(args)  # a token file unreadable, empty or not UTF-8, or a blank token
+        # the socket layer would wrap a larger port number around silently
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be 0..65535, got {args.port}")
+        check_bind(args.host, token)
+        for name, least in floors.items():
+            if getattr(args, name) < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}")
+        if not args.header_timeout > 0:
+            raise ValueError("--header-timeout must be > 0")
+    except (ValueError, BindRefused) as exc:
+        return failed("serve", exc)
 
     otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
     names = (
