@@ -261,9 +261,7 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
                 expected[name] = data[name]
             continue
         taken.add(legacy.new)
-        raw = JSON.render(body, key, legacy.new, {name: legacy.new})
-        assert raw is not None
-        edits.append(Edit(key.start, key.end, raw))
+        edits.append(Edit(key.start, key.end, JSON.render(body, key, legacy.new, {name: legacy.new})))
         expected[legacy.new] = data[name]
         found.add(name, legacy.new, Action.RENAME, legacy.reason or "renamed", number)
     if doomed:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Hit, Scanned, Scanner
-from .tree import Edit, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, line_of, walk
+from .tree import Edit, Node, Path, Scalar, Sequence, Syntax, apply_edits, line_of, walk
 
 
 @dataclass(frozen=True)
@@ -132,13 +132,11 @@ class _Migration:
 
     def scan(self, policy: Policy) -> None:
         for index, root in enumerate(self.roots):
-            for node_path, node, _ in walk(root, (index,)):
+            for node_path, node, key in walk(root, (index,)):
                 self.nodes[node_path] = node
-                if isinstance(node, Mapping):
-                    for key, _value in node.items:
-                        if isinstance(key.value, str):
-                            self._scan((*node_path, key.value), key, True, Context.TEXT)
-                elif isinstance(node, Scalar) and isinstance(node.value, str):
+                if key is not None and isinstance(key.value, str):
+                    self._scan(node_path, key, True, Context.TEXT)
+                if isinstance(node, Scalar) and isinstance(node.value, str):
                     context = policy.context(node_path)
                     if context is not None:
                         self._scan(node_path, node, False, context)

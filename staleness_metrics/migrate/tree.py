@@ -166,7 +166,7 @@ class JsonSyntax:
         data = json.loads(text)  # first: its error messages are the ones users know
         return [_Reader(text).value(0)[0]], [data]
 
-    def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
+    def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str:
         raw = text[scalar.start : scalar.end]
         candidate = substitute_names(raw, renames)
         with contextlib.suppress(ValueError):
@@ -192,7 +192,6 @@ JSON = JsonSyntax()
 
 _STR_TAG = "tag:yaml.org,2002:str"
 _COMMENT_START = re.compile(r"(?:^|(?<=[ \t]))#", re.MULTILINE)
-_UNREADABLE = object()  # what _decode returns for text that does not parse
 
 
 def _yaml() -> Any:
@@ -201,16 +200,6 @@ def _yaml() -> Any:
     except ImportError as exc:
         raise MissingParser("YAML", "ruamel.yaml") from exc
     return YAML(typ="safe", pure=True)
-
-
-def _decode(raw: str, in_flow: bool) -> object:
-    """The value of a scalar's source text, read the way its surroundings would read it."""
-    try:
-        if in_flow:
-            return _yaml().load("k: [" + raw + "]")["k"][0]
-        return _yaml().load("k: " + raw)["k"]
-    except Exception:  # any parse failure means "not this text"
-        return _UNREADABLE
 
 
 def _content_end(node: Node) -> int:
@@ -269,9 +258,13 @@ class YamlSyntax:
             if scalar.style == "plain":
                 candidates.append(new_value)
             candidates.append("'" + new_value.replace("'", "''") + "'")
+        wrap = "k: [{}]" if scalar.in_flow else "k: {}"
         for candidate in candidates:
-            if _decode(candidate, scalar.in_flow) == new_value:
-                return candidate
+            # read the way the scalar's surroundings read it; a parse failure: not this text
+            with contextlib.suppress(Exception):
+                value = _yaml().load(wrap.format(candidate))["k"]
+                if (value[0] if scalar.in_flow else value) == new_value:
+                    return candidate
         return None
 
     def remove(self, text: str, parent: Sequence, indices: list[int]) -> list[Edit] | None:
