@@ -377,7 +377,6 @@ def _looks_like_rules(document: object) -> bool:
         groups = document["spec"]["groups"]
     return (
         isinstance(groups, list)
-        and bool(groups)
         and all(isinstance(g, dict) and isinstance(g.get("rules", []), list) for g in groups)
         and any(isinstance(g, dict) and "rules" in g for g in groups)
     )

@@ -64,17 +64,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add("--log-level", default="info", choices=levels, help="uvicorn log level (default: info)")
 
 
-def _blank(token: str, where: str) -> str:
-    # a blank token is no secret: refuse rather than serve with it or without one
-    if not token.strip():
-        raise ValueError(f"refusing a blank token from {where}: give a real secret (e.g. $(openssl rand -hex 32))")
-    return token
-
-
 def _token(args: argparse.Namespace) -> str | None:
-    if args.token is not None:
-        return _blank(str(args.token), "--token")
-    if args.token_file is not None:
+    if args.token is None and args.token_file is not None:
         try:
             token: str = args.token_file.read_text(encoding="utf-8").strip()
         except (OSError, ValueError) as exc:
@@ -82,10 +73,14 @@ def _token(args: argparse.Namespace) -> str | None:
         if not token:  # asked for a token: serving without one would be a silent downgrade
             raise ValueError(f"cannot read the token file: {args.token_file} is empty")
         return token
-    from_env = os.environ.get(TOKEN_ENV)
-    if not from_env:  # unset or empty: no token (an empty variable is how shells unset it)
-        return None
-    return _blank(from_env, TOKEN_ENV)
+    given: str | None = args.token
+    where = "--token"
+    if given is None:  # an empty variable is how shells unset it: no token either
+        given, where = os.environ.get(TOKEN_ENV) or None, TOKEN_ENV
+    # a blank token is no secret: refuse rather than serve with it or without one
+    if given is not None and not given.strip():
+        raise ValueError(f"refusing a blank token from {where}: give a real secret (e.g. $(openssl rand -hex 32))")
+    return given
 
 
 def _listen(host: str, port: int) -> socket.socket:
