@@ -41,13 +41,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return failed("dashboards", exc)
     if stale:
-        header = f"{len(stale)} generated file(s) out of date under {root}; "
-        print(
-            header + "regenerate with `staleness-metrics dashboards`:",
-            *(f"  {path}" for path in stale),
-            sep="\n",
-            file=sys.stderr,
-        )
+        fix = "regenerate with `staleness-metrics dashboards`"
+        print(f"{len(stale)} generated file(s) out of date under {root}; {fix}:", file=sys.stderr)
+        print(*(f"  {path}" for path in stale), sep="\n", file=sys.stderr)
         return 1
     for path in changed:
         print(f"wrote {root / path}")

@@ -170,7 +170,6 @@ def run(args: argparse.Namespace) -> int:
         proxy_headers=False,
         **limits,
     )
-    server = uvicorn.Server(config)
     with sock:
-        server.run(sockets=[sock])
+        uvicorn.Server(config).run(sockets=[sock])
     return 0
