@@ -165,25 +165,14 @@ def looks_like_history(text: str) -> bool:
     return isinstance(first, dict) and "step" in first and "type" not in first
 
 
-class _Findings(dict[tuple[str, Action], Finding]):
-    """Findings per (key, action), over the range of lines that carry the key."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def add(self, old: str, new: str | None, action: Action, reason: str, line: int) -> None:
-        known = self.get((old, action))
-        if known is None:
-            self[old, action] = Finding(self.path, line, old, new, action, reason, last_line=line)
-        else:
-            self[old, action] = replace(known, last_line=line, count=known.count + 1)
+# what a history line holds: (key, new key, action, reason)
+_Seen = list[tuple[str, str | None, Action, str]]
 
 
 def migrate_history(path: str, text: str, options: Options) -> FileResult:
     """A metrics history, keys renamed in place and a boundary line after the last legacy one."""
     result = FileResult(path, FileKind.HISTORY, original=text)
-    found = _Findings(path)
+    found: dict[tuple[str, Action], Finding] = {}  # one per key and action, over its lines
     out: list[str] = []
     last_legacy: tuple[int, int, object] | None = None  # (index in ``out``, line number, step)
     newline = "\r\n" if "\r\n" in text else "\n"
@@ -193,11 +182,18 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
         if not body.strip():
             out.append(line)
             continue
+        seen: _Seen = []
         try:
-            new_body, had_legacy, is_marker, step = _migrate_line(body, number, options, found)
+            new_body, had_legacy, is_marker, step = _migrate_line(body, options, seen)
         except _Refused as exc:
             result.error = f"line {number}: {exc}"
             return result
+        for old, new, action, reason in seen:
+            known = found.get((old, action))
+            if known is None:
+                found[old, action] = Finding(path, number, old, new, action, reason, last_line=number)
+            else:
+                found[old, action] = replace(known, last_line=number, count=known.count + 1)
         if is_marker:
             continue  # an earlier run's boundary: dropped only if a new one is written below
         if had_legacy:
@@ -216,7 +212,7 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
     return result
 
 
-def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
+def _migrate_line(body: str, options: Options, found: _Seen) -> tuple[str, bool, bool, object]:
     try:
         [node], [data] = JSON.read(body)
     except ValueError as exc:
@@ -237,7 +233,7 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
                 # a peer key whose meaning differs: reported, kept (it is data), never renamed or
                 # dropped; it sets no boundary line, since nothing on the line changes meaning
                 reason = f"{peer_row.peer}: {peer_row.reason} [{peer_row.source}]"
-                found.add(name, None, Action.MANUAL, reason, number)
+                found.append((name, None, Action.MANUAL, reason))
                 expected[name] = data[name]
                 continue
             legacy = None if peer_row is None else LegacyKey(name, peer_row.new, f"{peer_row.peer}: {peer_row.reason}")
@@ -246,7 +242,7 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
         if legacy is None:
             if not options.peer and in_legacy_namespace(name):
                 had_legacy = True
-                found.add(name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping", number)
+                found.append((name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping"))
             expected[name] = data[name]
             continue
         had_legacy = True
@@ -254,16 +250,16 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
             reason = legacy.reason if legacy.new is None else f"{legacy.new} is already on the line"
             if options.drop_removed:
                 doomed.append(index)
-                found.add(name, None, Action.DROP, reason, number)
+                found.append((name, None, Action.DROP, reason))
             else:
                 action = Action.REMOVED if legacy.new is None else Action.MANUAL
-                found.add(name, legacy.new, action, f"{reason}; --drop-removed deletes it", number)
+                found.append((name, legacy.new, action, f"{reason}; --drop-removed deletes it"))
                 expected[name] = data[name]
             continue
         taken.add(legacy.new)
         edits.append(Edit(key.start, key.end, JSON.render(body, key, legacy.new, {name: legacy.new})))
         expected[legacy.new] = data[name]
-        found.add(name, legacy.new, Action.RENAME, legacy.reason or "renamed", number)
+        found.append((name, legacy.new, Action.RENAME, legacy.reason or "renamed"))
     if doomed:
         edits.extend(JSON.remove(body, node, doomed))
     new_body = apply_edits(body, edits) if edits else body

@@ -4,7 +4,6 @@ replace only the changed values (dumping a parsed file would reformat it)."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -73,17 +72,14 @@ class Edit:
 
 
 def apply_edits(text: str, edits: Iterable[Edit]) -> str:
-    ordered = sorted(edits, key=lambda e: (e.start, e.end))
-    for before, after in itertools.pairwise(ordered):
-        if after.start < before.end:
-            raise ValueError(f"overlapping edits at offsets {before.start}-{before.end} and {after.start}")
     parts: list[str] = []
-    position = 0
-    for edit in ordered:
-        parts.append(text[position : edit.start])
-        parts.append(edit.replacement)
-        position = edit.end
-    parts.append(text[position:])
+    before = Edit(0, 0, "")
+    for edit in sorted(edits, key=lambda e: (e.start, e.end)):
+        if edit.start < before.end:
+            raise ValueError(f"overlapping edits at offsets {before.start}-{before.end} and {edit.start}")
+        parts += [text[before.end : edit.start], edit.replacement]
+        before = edit
+    parts.append(text[before.end :])
     return "".join(parts)
 
 
