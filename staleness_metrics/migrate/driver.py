@@ -32,6 +32,8 @@ _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
 IGNORE_PRAGMA = "staleness-migrate: ignore"
 MARKER_KEY = "migrate/legacy_through_step"
 _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
+# what a history line holds: (key, new key, action, reason)
+_Seen = list[tuple[str, str | None, Action, str]]
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
@@ -163,10 +165,6 @@ def looks_like_history(text: str) -> bool:
     except ValueError:
         return False
     return isinstance(first, dict) and "step" in first and "type" not in first
-
-
-# what a history line holds: (key, new key, action, reason)
-_Seen = list[tuple[str, str | None, Action, str]]
 
 
 def migrate_history(path: str, text: str, options: Options) -> FileResult:

@@ -110,10 +110,6 @@ def migrate_structured(
     return result
 
 
-# a unit's note, by whether --drop-removed was given
-_DROP_NOTES = {True: "{} cannot be deleted automatically", False: "--drop-removed deletes {}"}
-
-
 class _Migration:
     """The edits, findings and intended data changes of one document, built step by step."""
 
@@ -148,6 +144,7 @@ class _Migration:
 
     def drop(self, units: list[Unit], drop_removed: bool) -> None:
         """Delete the units (``--drop-removed``), or note on their findings that the flag would."""
+        note = "{} cannot be deleted automatically" if drop_removed else "--drop-removed deletes {}"
         by_parent: dict[Path, list[Unit]] = defaultdict(list)
         paths = {u.path for u in units}
         for unit in units:
@@ -160,7 +157,7 @@ class _Migration:
             removal = self.syntax.remove(self.text, parent, [_index(u.path) for u in members]) if drop_removed else None
             if removal is None:
                 for unit in members:
-                    self.drop_notes[unit.path] = _DROP_NOTES[drop_removed].format(unit.label)
+                    self.drop_notes[unit.path] = note.format(unit.label)
                 continue
             self.edits.extend(removal)
             self.removals.extend(removal)
