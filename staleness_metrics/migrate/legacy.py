@@ -4,7 +4,7 @@ Prometheus names, plus the setting's flag spelling and the console label (docs/m
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -42,7 +42,7 @@ _Trie: TypeAlias = dict[str | None, "_Trie"]  # segment -> subtree; the key None
 
 
 def migrate_key(key: str) -> LegacyKey | None:
-    """The :class:`LegacyKey` of a legacy W&B key or of a removed family's key, else None."""
+    """A legacy or removed-family W&B key's :class:`LegacyKey` (``new`` None: removed), or None."""
     found = LEGACY_KEYS.get(key)
     if found is not None:
         return found
@@ -103,7 +103,7 @@ class RegexRewrite:
     removed: tuple[str, ...]
 
 
-def _legacy_candidates(flavor: RegexFlavor, prefixes: Iterable[str]) -> dict[str, str | None]:
+def _legacy_candidates(flavor: RegexFlavor, prefixes: Sequence[str]) -> dict[str, str | None]:
     if flavor == "wandb":
         return {old: legacy.new for old, legacy in LEGACY_KEYS.items()}
     found: dict[str, str | None] = {}
@@ -145,13 +145,12 @@ def _trie_pattern(names: Iterable[str], sep: str) -> str:
 def rewrite_key_regex(
     pattern: str,
     flavor: RegexFlavor = "wandb",
-    prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES,
+    prefixes: Sequence[str] = DEFAULT_PROMETHEUS_PREFIXES,
 ) -> RegexRewrite | None:
     """The regex matching the new names of the legacy names ``pattern`` matched (None when it
     matches none or a current one; ``ValueError`` if not a regex). Rules in docs/migrate.md."""
     if "off_policy" not in pattern and "staleness" not in pattern:
         return None
-    prefixes = tuple(prefixes)
     try:
         compiled = re.compile(pattern)
     except re.error as exc:
