@@ -63,8 +63,7 @@ def detect_kind(path: Path, text: str) -> FileKind:
     except ValueError:
         return config  # reported as unparseable
     documents = [data] if config is FileKind.JSON_CONFIG else data
-    policy = next((p for p in POLICIES if any(p.looks_like(d) for d in documents)), None)
-    return config if policy is None else policy.kind
+    return next((p.kind for p in POLICIES if any(p.looks_like(d) for d in documents)), config)
 
 
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
