@@ -9,9 +9,12 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from .commands import COMMANDS
+from .commands import dashboards, demo, migrate, replay, report, serve, wandb_workspace, what_if
 
 __all__ = ["build_parser", "main"]
+
+# in the order of the help's command list
+COMMANDS = (replay, migrate, dashboards, wandb_workspace, demo, report, what_if, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from . import main
 
-sys.exit(main())
+raise SystemExit(main())

@@ -32,6 +32,8 @@ _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
 IGNORE_PRAGMA = "staleness-migrate: ignore"
 MARKER_KEY = "migrate/legacy_through_step"
 _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
+# what a history line holds: (key, new key, action, reason)
+_Seen = list[tuple[str, str | None, Action, str]]
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
@@ -61,8 +63,7 @@ def detect_kind(path: Path, text: str) -> FileKind:
     except ValueError:
         return config  # reported as unparseable
     documents = [data] if config is FileKind.JSON_CONFIG else data
-    policy = next((p for p in POLICIES if any(p.looks_like(d) for d in documents)), None)
-    return config if policy is None else policy.kind
+    return next((p.kind for p in POLICIES if any(p.looks_like(d) for d in documents)), config)
 
 
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
@@ -77,7 +78,8 @@ def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> Fil
         return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
-    return scan_text(shown, text, scanner_for(options, prometheus=True))
+    reason = "this kind of file is only reported: edit by hand"
+    return scan_text(shown, text, scanner_for(options, prometheus=True), reason)
 
 
 def load_config(text: str, fmt: ConfigFormat) -> Any:
@@ -164,25 +166,10 @@ def looks_like_history(text: str) -> bool:
     return isinstance(first, dict) and "step" in first and "type" not in first
 
 
-class _Findings(dict[tuple[str, Action], Finding]):
-    """Findings per (key, action), over the range of lines that carry the key."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def add(self, old: str, new: str | None, action: Action, reason: str, line: int) -> None:
-        known = self.get((old, action))
-        if known is None:
-            self[old, action] = Finding(self.path, line, old, new, action, reason, last_line=line)
-        else:
-            self[old, action] = replace(known, last_line=line, count=known.count + 1)
-
-
 def migrate_history(path: str, text: str, options: Options) -> FileResult:
     """A metrics history, keys renamed in place and a boundary line after the last legacy one."""
     result = FileResult(path, FileKind.HISTORY, original=text)
-    found = _Findings(path)
+    found: dict[tuple[str, Action], Finding] = {}  # one per key and action, over its lines
     out: list[str] = []
     last_legacy: tuple[int, int, object] | None = None  # (index in ``out``, line number, step)
     newline = "\r\n" if "\r\n" in text else "\n"
@@ -192,11 +179,18 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
         if not body.strip():
             out.append(line)
             continue
+        seen: _Seen = []
         try:
-            new_body, had_legacy, is_marker, step = _migrate_line(body, number, options, found)
+            new_body, had_legacy, is_marker, step = _migrate_line(body, options, seen)
         except _Refused as exc:
             result.error = f"line {number}: {exc}"
             return result
+        for old, new, action, reason in seen:
+            known = found.get((old, action))
+            if known is None:
+                found[old, action] = Finding(path, number, old, new, action, reason, last_line=number)
+            else:
+                found[old, action] = replace(known, last_line=number, count=known.count + 1)
         if is_marker:
             continue  # an earlier run's boundary: dropped only if a new one is written below
         if had_legacy:
@@ -215,7 +209,7 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
     return result
 
 
-def _migrate_line(body: str, number: int, options: Options, found: _Findings) -> tuple[str, bool, bool, object]:
+def _migrate_line(body: str, options: Options, found: _Seen) -> tuple[str, bool, bool, object]:
     try:
         [node], [data] = JSON.read(body)
     except ValueError as exc:
@@ -236,7 +230,7 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
                 # a peer key whose meaning differs: reported, kept (it is data), never renamed or
                 # dropped; it sets no boundary line, since nothing on the line changes meaning
                 reason = f"{peer_row.peer}: {peer_row.reason} [{peer_row.source}]"
-                found.add(name, None, Action.MANUAL, reason, number)
+                found.append((name, None, Action.MANUAL, reason))
                 expected[name] = data[name]
                 continue
             legacy = None if peer_row is None else LegacyKey(name, peer_row.new, f"{peer_row.peer}: {peer_row.reason}")
@@ -245,7 +239,7 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
         if legacy is None:
             if not options.peer and in_legacy_namespace(name):
                 had_legacy = True
-                found.add(name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping", number)
+                found.append((name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping"))
             expected[name] = data[name]
             continue
         had_legacy = True
@@ -253,18 +247,16 @@ def _migrate_line(body: str, number: int, options: Options, found: _Findings) ->
             reason = legacy.reason if legacy.new is None else f"{legacy.new} is already on the line"
             if options.drop_removed:
                 doomed.append(index)
-                found.add(name, None, Action.DROP, reason, number)
+                found.append((name, None, Action.DROP, reason))
             else:
                 action = Action.REMOVED if legacy.new is None else Action.MANUAL
-                found.add(name, legacy.new, action, f"{reason}; --drop-removed deletes it", number)
+                found.append((name, legacy.new, action, f"{reason}; --drop-removed deletes it"))
                 expected[name] = data[name]
             continue
         taken.add(legacy.new)
-        raw = JSON.render(body, key, legacy.new, {name: legacy.new})
-        assert raw is not None
-        edits.append(Edit(key.start, key.end, raw))
+        edits.append(Edit(key.start, key.end, JSON.render(body, key, legacy.new, {name: legacy.new})))
         expected[legacy.new] = data[name]
-        found.add(name, legacy.new, Action.RENAME, legacy.reason or "renamed", number)
+        found.append((name, legacy.new, Action.RENAME, legacy.reason or "renamed"))
     if doomed:
         edits.extend(JSON.remove(body, node, doomed))
     new_body = apply_edits(body, edits) if edits else body
@@ -295,18 +287,12 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         # never edited: still say where the legacy names are
         reason = "the file could not be migrated: edit by hand"
         scanner = scanner_for(options, prometheus=True)
-        result.findings = scan_text(shown, text, scanner, reason=reason).findings
+        result.findings = scan_text(shown, text, scanner, reason).findings
         result.new_text = None
     return result
 
 
-def scan_text(
-    path: str,
-    text: str,
-    scanner: Scanner,
-    *,
-    reason: str = "this kind of file is only reported: edit by hand",
-) -> FileResult:
+def scan_text(path: str, text: str, scanner: Scanner, reason: str) -> FileResult:
     """Any other text file: legacy names reported, never edited."""
     result = FileResult(path, FileKind.TEXT, original=text)
     for number, line in enumerate(text.split("\n"), start=1):  # editors count "\n" only

@@ -4,7 +4,7 @@ Prometheus names, plus the setting's flag spelling and the console label (docs/m
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -34,11 +34,15 @@ CURRENT_PROMETHEUS_NAMES: frozenset[str] = frozenset(
     if metric.prometheus_name is not None
     for suffix in (_HISTOGRAM_SERIES if metric.kind is MetricKind.HISTOGRAM else ("",))
 )
+_COUNTER_NOTE = "was a per-step gauge, is now a cumulative counter: wrap it in increase() or rate()"
+# wandb: a W&B panel regex over keys (matches anywhere, like JavaScript's ``test``); prometheus: a
+# ``__name__=~`` regex over series names (anchored at both ends, like RE2 in Prometheus)
+RegexFlavor = Literal["wandb", "prometheus"]
+_Trie: TypeAlias = dict[str | None, "_Trie"]  # segment -> subtree; the key None marks a name's end
 
 
 def migrate_key(key: str) -> LegacyKey | None:
-    """The :class:`LegacyKey` of a legacy W&B key (``new`` None: removed, also for keys of a removed
-    family), else None."""
+    """A legacy or removed-family W&B key's :class:`LegacyKey` (``new`` None: removed), or None."""
     found = LEGACY_KEYS.get(key)
     if found is not None:
         return found
@@ -59,15 +63,11 @@ def in_legacy_namespace(key: str) -> bool:
 
 @dataclass(frozen=True)
 class LegacyPrometheusName:
-    """What an old series name became: ``legacy_key`` is the W&B key it published, ``new`` the
-    family publishing its replacement (None: removed, ``reason`` says why)."""
+    """An old series name's W&B key and the family publishing its replacement (None: removed)."""
 
     legacy_key: str
     new: str | None
     reason: str
-
-
-_COUNTER_NOTE = "was a per-step gauge, is now a cumulative counter: wrap it in increase() or rate()"
 
 
 def migrate_prometheus_name(
@@ -95,21 +95,15 @@ def migrate_prometheus_name(
     return None
 
 
-# wandb: a W&B panel regex over keys (matches anywhere, like JavaScript's ``test``); prometheus: a
-# ``__name__=~`` regex over series names (anchored at both ends, like RE2 in Prometheus)
-RegexFlavor = Literal["wandb", "prometheus"]
-
-
 @dataclass(frozen=True)
 class RegexRewrite:
-    """A ``pattern`` matching exactly the new names of the legacy names a regex matched (None when
-    all were ``removed``)."""
+    """A regex matching exactly the new names of the legacy ones matched (None: all ``removed``)."""
 
     pattern: str | None
     removed: tuple[str, ...]
 
 
-def _legacy_candidates(flavor: RegexFlavor, prefixes: Iterable[str]) -> dict[str, str | None]:
+def _legacy_candidates(flavor: RegexFlavor, prefixes: Sequence[str]) -> dict[str, str | None]:
     if flavor == "wandb":
         return {old: legacy.new for old, legacy in LEGACY_KEYS.items()}
     found: dict[str, str | None] = {}
@@ -123,9 +117,6 @@ def _legacy_candidates(flavor: RegexFlavor, prefixes: Iterable[str]) -> dict[str
 
 def _matches(compiled: re.Pattern[str], name: str, flavor: RegexFlavor) -> bool:
     return (compiled.search if flavor == "wandb" else compiled.fullmatch)(name) is not None
-
-
-_Trie: TypeAlias = dict[str | None, "_Trie"]  # segment -> subtree; the key None marks a name's end
 
 
 def _trie_pattern(names: Iterable[str], sep: str) -> str:
@@ -154,13 +145,12 @@ def _trie_pattern(names: Iterable[str], sep: str) -> str:
 def rewrite_key_regex(
     pattern: str,
     flavor: RegexFlavor = "wandb",
-    prefixes: Iterable[str] = DEFAULT_PROMETHEUS_PREFIXES,
+    prefixes: Sequence[str] = DEFAULT_PROMETHEUS_PREFIXES,
 ) -> RegexRewrite | None:
     """The regex matching the new names of the legacy names ``pattern`` matched (None when it
     matches none or a current one; ``ValueError`` if not a regex). Rules in docs/migrate.md."""
     if "off_policy" not in pattern and "staleness" not in pattern:
         return None
-    prefixes = tuple(prefixes)
     try:
         compiled = re.compile(pattern)
     except re.error as exc:

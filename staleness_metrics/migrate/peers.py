@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..metrics import keys
 
-# AReaL's stats tracker logs ``<key>__count`` beside every scalar
-# (areal/utils/stats_tracker.py:215).
+# AReaL's stats tracker logs ``<key>__count`` beside each scalar (areal/utils/stats_tracker.py:215)
 TRACKER_SUFFIXES: tuple[str, ...] = ("__count",)
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Hit, Scanned, Scanner
-from .tree import Edit, Mapping, Node, Path, Scalar, Sequence, Syntax, apply_edits, line_of, walk
+from .tree import Edit, Node, Path, Scalar, Sequence, Syntax, apply_edits, line_of, walk
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,6 @@ def migrate_structured(
     return result
 
 
-# a unit's note, by whether --drop-removed was given
-_DROP_NOTES = {True: "{} cannot be deleted automatically", False: "--drop-removed deletes {}"}
-
-
 class _Migration:
     """The edits, findings and intended data changes of one document, built step by step."""
 
@@ -132,13 +128,11 @@ class _Migration:
 
     def scan(self, policy: Policy) -> None:
         for index, root in enumerate(self.roots):
-            for node_path, node, _ in walk(root, (index,)):
+            for node_path, node, key in walk(root, (index,)):
                 self.nodes[node_path] = node
-                if isinstance(node, Mapping):
-                    for key, _value in node.items:
-                        if isinstance(key.value, str):
-                            self._scan((*node_path, key.value), key, True, Context.TEXT)
-                elif isinstance(node, Scalar) and isinstance(node.value, str):
+                if key is not None and isinstance(key.value, str):
+                    self._scan(node_path, key, True, Context.TEXT)
+                if isinstance(node, Scalar) and isinstance(node.value, str):
                     context = policy.context(node_path)
                     if context is not None:
                         self._scan(node_path, node, False, context)
@@ -150,6 +144,7 @@ class _Migration:
 
     def drop(self, units: list[Unit], drop_removed: bool) -> None:
         """Delete the units (``--drop-removed``), or note on their findings that the flag would."""
+        note = "{} cannot be deleted automatically" if drop_removed else "--drop-removed deletes {}"
         by_parent: dict[Path, list[Unit]] = defaultdict(list)
         paths = {u.path for u in units}
         for unit in units:
@@ -162,7 +157,7 @@ class _Migration:
             removal = self.syntax.remove(self.text, parent, [_index(u.path) for u in members]) if drop_removed else None
             if removal is None:
                 for unit in members:
-                    self.drop_notes[unit.path] = _DROP_NOTES[drop_removed].format(unit.label)
+                    self.drop_notes[unit.path] = note.format(unit.label)
                 continue
             self.edits.extend(removal)
             self.removals.extend(removal)
@@ -379,7 +374,6 @@ def _looks_like_rules(document: object) -> bool:
         groups = document["spec"]["groups"]
     return (
         isinstance(groups, list)
-        and bool(groups)
         and all(isinstance(g, dict) and isinstance(g.get("rules", []), list) for g in groups)
         and any(isinstance(g, dict) and "rules" in g for g in groups)
     )

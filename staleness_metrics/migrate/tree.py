@@ -4,7 +4,6 @@ replace only the changed values (dumping a parsed file would reformat it)."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -73,17 +72,14 @@ class Edit:
 
 
 def apply_edits(text: str, edits: Iterable[Edit]) -> str:
-    ordered = sorted(edits, key=lambda e: (e.start, e.end))
-    for before, after in itertools.pairwise(ordered):
-        if after.start < before.end:
-            raise ValueError(f"overlapping edits at offsets {before.start}-{before.end} and {after.start}")
     parts: list[str] = []
-    position = 0
-    for edit in ordered:
-        parts.append(text[position : edit.start])
-        parts.append(edit.replacement)
-        position = edit.end
-    parts.append(text[position:])
+    before = Edit(0, 0, "")
+    for edit in sorted(edits, key=lambda e: (e.start, e.end)):
+        if edit.start < before.end:
+            raise ValueError(f"overlapping edits at offsets {before.start}-{before.end} and {edit.start}")
+        parts += [text[before.end : edit.start], edit.replacement]
+        before = edit
+    parts.append(text[before.end :])
     return "".join(parts)
 
 
@@ -94,9 +90,9 @@ def line_of(text: str, offset: int) -> int:
 # -- JSON ------------------------------------------------------------------------------------------
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
-_LITERALS = {"true": True, "false": False, "null": None}
+_NUMBER = r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?"
+# a string, a literal or a number: json.loads reads the value
+_SCALAR = re.compile(rf'"(?:[^"\\]|\\.)*"|true|false|null|{_NUMBER}', re.DOTALL)
 
 
 class _Reader:
@@ -116,20 +112,12 @@ class _Reader:
         if char in ("{", "["):
             empty = Mapping(position, position) if char == "{" else Sequence(position, position)
             return self.collection(empty)
-        if char == '"':
-            return self.string(position)
-        for literal, value in _LITERALS.items():
-            if self.text.startswith(literal, position):
-                end = position + len(literal)
-                return Scalar(position, end, value, "json"), end
-        match = _NUMBER.match(self.text, position)
+        return self.scalar(position)
+
+    def scalar(self, position: int) -> tuple[Scalar, int]:
+        match = _SCALAR.match(self.text, position)
         if match is None:
             raise ValueError(f"unexpected character at offset {position}")
-        return Scalar(position, match.end(), json.loads(match.group()), "json"), match.end()
-
-    def string(self, position: int) -> tuple[Scalar, int]:
-        match = _STRING.match(self.text, position)
-        assert match is not None
         return Scalar(position, match.end(), json.loads(match.group()), "json"), match.end()
 
     def collection(self, node: Mapping | Sequence) -> tuple[Node, int]:
@@ -137,7 +125,7 @@ class _Reader:
         position = self.skip(node.start + 1)
         while self.text[position] != close:
             if isinstance(node, Mapping):
-                key, position = self.string(self.skip(position))
+                key, position = self.scalar(self.skip(position))
                 value, position = self.value(self.skip(position) + 1)  # past the ':'
                 node.items.append((key, value))
             else:
@@ -174,7 +162,7 @@ class JsonSyntax:
         data = json.loads(text)  # first: its error messages are the ones users know
         return [_Reader(text).value(0)[0]], [data]
 
-    def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
+    def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str:
         raw = text[scalar.start : scalar.end]
         candidate = substitute_names(raw, renames)
         with contextlib.suppress(ValueError):
@@ -208,19 +196,6 @@ def _yaml() -> Any:
     except ImportError as exc:
         raise MissingParser("YAML", "ruamel.yaml") from exc
     return YAML(typ="safe", pure=True)
-
-
-def _decode(raw: str, in_flow: bool) -> object:
-    """The value of a scalar's source text, read the way its surroundings would read it."""
-    try:
-        if in_flow:
-            return _yaml().load("k: [" + raw + "]")["k"][0]
-        return _yaml().load("k: " + raw)["k"]
-    except Exception:  # any parse failure means "not this text"
-        return _UNREADABLE
-
-
-_UNREADABLE = object()
 
 
 def _content_end(node: Node) -> int:
@@ -279,9 +254,13 @@ class YamlSyntax:
             if scalar.style == "plain":
                 candidates.append(new_value)
             candidates.append("'" + new_value.replace("'", "''") + "'")
+        wrap = "k: [{}]" if scalar.in_flow else "k: {}"
         for candidate in candidates:
-            if _decode(candidate, scalar.in_flow) == new_value:
-                return candidate
+            # read the way the scalar's surroundings read it; a parse failure: not this text
+            with contextlib.suppress(Exception):
+                value = _yaml().load(wrap.format(candidate))["k"]
+                if (value[0] if scalar.in_flow else value) == new_value:
+                    return candidate
         return None
 
     def remove(self, text: str, parent: Sequence, indices: list[int]) -> list[Edit] | None:

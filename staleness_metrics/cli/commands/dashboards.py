@@ -20,11 +20,8 @@ The files written: docs/replay.md.
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "dashboards",
-        "write the generated Grafana dashboards, Prometheus rules and W&B panel spec",
-        EPILOG,
-    )  # fmt: skip
+    summary = "write the generated Grafana dashboards, Prometheus rules and W&B panel spec"
+    parser = add_command(subparsers, run, "dashboards", summary, EPILOG)
     out_help = "project root the files are written under (default: the current directory)"
     parser.add_argument("--out", type=Path, default=Path("."), metavar="DIR", help=out_help)
     check_help = "write nothing; exit 1 and list the files that are missing or out of date"
@@ -44,13 +41,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         return failed("dashboards", exc)
     if stale:
-        header = f"{len(stale)} generated file(s) out of date under {root}; "
-        print(
-            header + "regenerate with `staleness-metrics dashboards`:",
-            *(f"  {path}" for path in stale),
-            sep="\n",
-            file=sys.stderr,
-        )
+        fix = "regenerate with `staleness-metrics dashboards`"
+        print(f"{len(stale)} generated file(s) out of date under {root}; {fix}:", file=sys.stderr)
+        print(*(f"  {path}" for path in stale), sep="\n", file=sys.stderr)
         return 1
     for path in changed:
         print(f"wrote {root / path}")

@@ -22,11 +22,8 @@ See docs/getting-started.md.
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "demo",
-        "simulated async RL pipeline driving the real monitor and exporters",
-        EPILOG,
-    )  # fmt: skip
+    summary = "simulated async RL pipeline driving the real monitor and exporters"
+    parser = add_command(subparsers, run, "demo", summary, EPILOG)
     parser.add_argument("--steps", type=int, default=60, metavar="N", help="train steps, then stop (default: 60)")
     speed_help = "steps per second; 0 = as fast as possible (default: 4)"
     parser.add_argument("--speed", type=float, default=4.0, metavar="S", help=speed_help)

@@ -23,12 +23,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     from ...migrate.model import FileKind
     from ...migrate.peers import PEERS
 
-    parser = add_command(
-        subparsers, run, "migrate",
-        "rename legacy off_policy/* keys and max_off_policy_steps in configs, dashboards, "
-        "rules and histories",
-        EPILOG,
-    )  # fmt: skip
+    names = "legacy off_policy/* keys and max_off_policy_steps"
+    summary = f"rename {names} in configs, dashboards, rules and histories"
+    parser = add_command(subparsers, run, "migrate", summary, EPILOG)
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories")
     mode = parser.add_mutually_exclusive_group()
     check_help = "change nothing; exit 1 and list each legacy name (the default)"
@@ -37,9 +34,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     mode.add_argument("--write", action="store_true", help="change the files in place (atomically)")
     drop_help = "also delete what shows only removed metrics (panels, targets, rules, values)"
     parser.add_argument("--drop-removed", action="store_true", help=drop_help)
-    kinds = [k.value for k in FileKind]
     kind_help = "read every named file as this kind instead of detecting it"
-    parser.add_argument("--kind", choices=kinds, help=kind_help)
+    parser.add_argument("--kind", choices=[kind.value for kind in FileKind], help=kind_help)
     peer_help = "map another trainer's staleness keys instead of this project's legacy names"
     parser.add_argument("--from", dest="peer", choices=PEERS, help=peer_help)
     prefix_help = "a prefix of your legacy series names (repeatable; 'orchestrator_' always counts)"

@@ -48,8 +48,7 @@ def run(args: argparse.Namespace) -> int:
         data = collect(args.run, config, bounds)
         if data.bound is None and args.bound is not None:
             data.bound = args.bound  # logged rows that do not say which bound they ran at
-        page = render(data, args.title)
-        args.output.write_text(page, encoding="utf-8")
+        args.output.write_text(render(data, args.title), encoding="utf-8")
     except (ValueError, OSError) as error:  # ConfigError and EventError included
         return failed("report", error)
     print(f"wrote {args.output} ({len(data.rows)} steps)", file=sys.stderr)

@@ -27,11 +27,8 @@ Off loopback a token is required. See docs/service.md.
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "serve",
-        "sidecar service: send rollouts over HTTP, it keeps the sinks and publishes the metrics",
-        EPILOG,
-    )  # fmt: skip
+    what = "send rollouts over HTTP, it keeps the sinks and publishes the metrics"
+    parser = add_command(subparsers, run, "serve", f"sidecar service: {what}", EPILOG)
     add = parser.add_argument
     add("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     port_help = f"port (default: {DEFAULT_PORT}; 0 picks a free one)"
@@ -67,17 +64,8 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add("--log-level", default="info", choices=levels, help="uvicorn log level (default: info)")
 
 
-def _blank(token: str, where: str) -> str:
-    # a blank token is no secret: refuse rather than serve with it or without one
-    if not token.strip():
-        raise ValueError(f"refusing a blank token from {where}: give a real secret (e.g. $(openssl rand -hex 32))")
-    return token
-
-
 def _token(args: argparse.Namespace) -> str | None:
-    if args.token is not None:
-        return _blank(str(args.token), "--token")
-    if args.token_file is not None:
+    if args.token is None and args.token_file is not None:
         try:
             token: str = args.token_file.read_text(encoding="utf-8").strip()
         except (OSError, ValueError) as exc:
@@ -85,10 +73,14 @@ def _token(args: argparse.Namespace) -> str | None:
         if not token:  # asked for a token: serving without one would be a silent downgrade
             raise ValueError(f"cannot read the token file: {args.token_file} is empty")
         return token
-    from_env = os.environ.get(TOKEN_ENV)
-    if not from_env:  # unset or empty: no token (an empty variable is how shells unset it)
-        return None
-    return _blank(from_env, TOKEN_ENV)
+    given: str | None = args.token
+    where = "--token"
+    if given is None:  # an empty variable is how shells unset it: no token either
+        given, where = os.environ.get(TOKEN_ENV) or None, TOKEN_ENV
+    # a blank token is no secret: refuse rather than serve with it or without one
+    if given is not None and not given.strip():
+        raise ValueError(f"refusing a blank token from {where}: give a real secret (e.g. $(openssl rand -hex 32))")
+    return given
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -121,22 +113,20 @@ def run(args: argparse.Namespace) -> int:
         install = "pip install 'staleness-metrics[server]'"
         return failed("serve", f"{exc}; install the server extra: {install}")
 
-    try:
-        token = _token(args)
-    except (OSError, ValueError) as exc:  # unreadable, empty, not UTF-8, or blank
-        return failed("serve", str(exc))
-    if not 0 <= args.port <= 65535:  # the socket layer would wrap a larger number around silently
-        return failed("serve", f"--port must be 0..65535, got {args.port}")
-    try:
-        check_bind(args.host, token)
-    except BindRefused as exc:
-        return failed("serve", str(exc))
     floors = {"max_body_bytes": 1, "body_bytes_per_span_row": 0, "max_header_bytes": 1024}
-    for name, least in floors.items():
-        if getattr(args, name) < least:
-            return failed("serve", f"--{name.replace('_', '-')} must be >= {least}")
-    if not args.header_timeout > 0:
-        return failed("serve", "--header-timeout must be > 0")
+    try:
+        token = _token(args)  # a token file unreadable, empty or not UTF-8, or a blank token
+        # the socket layer would wrap a larger port number around silently
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be 0..65535, got {args.port}")
+        check_bind(args.host, token)
+        for name, least in floors.items():
+            if getattr(args, name) < least:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {least}")
+        if not args.header_timeout > 0:
+            raise ValueError("--header-timeout must be > 0")
+    except (ValueError, BindRefused) as exc:
+        return failed("serve", exc)
 
     otlp = args.otlp_endpoint is not None or any(os.environ.get(name) for name in OTLP_ENDPOINT_ENVS)
     names = (
@@ -180,7 +170,6 @@ def run(args: argparse.Namespace) -> int:
         proxy_headers=False,
         **limits,
     )
-    server = uvicorn.Server(config)
     with sock:
-        server.run(sockets=[sock])
+        uvicorn.Server(config).run(sockets=[sock])
     return 0

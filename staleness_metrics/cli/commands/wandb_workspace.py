@@ -17,11 +17,8 @@ The panels are the ones in dashboards/wandb-workspace.json.
 
 
 def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    parser = add_command(
-        subparsers, run, "wandb-workspace",
-        "save a W&B workspace with a Staleness section to a project (needs WANDB_API_KEY)",
-        EPILOG,
-    )  # fmt: skip
+    summary = "save a W&B workspace with a Staleness section to a project (needs WANDB_API_KEY)"
+    parser = add_command(subparsers, run, "wandb-workspace", summary, EPILOG)
     parser.add_argument("--entity", required=True, help="W&B entity (user or team)")
     parser.add_argument("--project", required=True, help="W&B project")
     parser.add_argument("--name", default="RL staleness", help="name of the saved view (default: %(default)s)")
