@@ -1,9 +1,9 @@
 """The FastAPI application of ``staleness-metrics serve``: the routers of :mod:`.routes` behind
-the token check, the ``Allow`` header fix and the body size cap, in that order."""
+the token check and the body size cap, in that order."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,20 +11,10 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
-from starlette.routing import BaseRoute, Match
 
 from .. import __version__
 from .exporting import ExportSettings
-from .limits import (
-    DEFAULT_BODY_BYTES_PER_SPAN_ROW,
-    DEFAULT_MAX_BODY_BYTES,
-    ASGIApp,
-    BodySizeLimit,
-    Message,
-    Receive,
-    Scope,
-    Send,
-)
+from .limits import DEFAULT_BODY_BYTES_PER_SPAN_ROW, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from .registry import RunRegistry
 from .routes import EXCEPTION_HANDLERS, routers
 from .security import BEARER_SCHEME, TokenFirst, check_token
@@ -58,37 +48,6 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         check_token(self.token)
-
-
-class AllowHeader:
-    """A 405's ``Allow`` header listing every method of the path (RFC 9110), not one route's."""
-
-    def __init__(self, app: ASGIApp, routes: Callable[[], Iterable[BaseRoute]]) -> None:
-        self.app = app
-        self.routes = routes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_allow(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] == 405:
-                allowed = self._allowed(scope)
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"allow"]
-                message["headers"] = [*headers, (b"allow", ", ".join(sorted(allowed)).encode())]
-            await send(message)
-
-        await self.app(scope, receive, send_with_allow)
-
-    def _allowed(self, scope: Scope) -> set[str]:
-        allowed: set[str] = set()
-        for route in self.routes():
-            match, _ = route.matches({**scope, "method": "GET"})
-            methods = getattr(route, "methods", None)
-            if match is not Match.NONE and methods:
-                allowed |= set(methods)
-        return allowed
 
 
 def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None = None) -> FastAPI:
@@ -127,6 +86,5 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     app.openapi = openapi  # type: ignore[method-assign]
     # the last added runs first
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(AllowHeader, routes=lambda: app.routes)
     app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)
     return app

@@ -16,7 +16,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from ..config import StalenessConfig
 from ..errors import ConfigError
@@ -111,7 +113,21 @@ async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
 
 
+async def _not_allowed(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """A 405 whose ``Allow`` lists every method of the path (RFC 9110), not one route's."""
+    probe = {**request.scope, "method": "GET"}
+    allowed: set[str] = set()
+    for route in request.app.routes:
+        methods = getattr(route, "methods", None)
+        if methods and route.matches(probe)[0] is not Match.NONE:
+            allowed |= methods
+    answer = JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+    answer.headers["allow"] = ", ".join(sorted(allowed))
+    return answer
+
+
 EXCEPTION_HANDLERS: dict[Any, Any] = {
+    status.HTTP_405_METHOD_NOT_ALLOWED: _not_allowed,
     RunError: _run_error,
     RequestValidationError: _invalid_request,
     RecursionError: _too_deep,
