@@ -104,6 +104,3 @@ class ServiceCollector:
                     merged[family.name] = target
                 target.samples.extend(family.samples)
         return list(merged.values())
-
-    def describe(self) -> Iterable[Metric]:
-        return []  # families come and go with runs
