@@ -292,27 +292,20 @@ def _numbers(values: Any) -> npt.NDArray[Any] | None:
     return array if array.ndim == 1 and array.dtype.kind in "biuf" else None
 
 
-def _value_changes(values: npt.NDArray[Any]) -> int:
-    changes = 0
-    for start in range(1, len(values), PIECE_POSITIONS):
-        end = min(start + PIECE_POSITIONS, len(values))
-        changes += int(np.count_nonzero(values[start:end] != values[start - 1 : end - 1]))
-    return changes
-
-
-def _label_changes(labels: npt.NDArray[Any]) -> int:
-    """Labelled positions (not -1) whose label differs from the previous label."""
+def _changes(values: npt.NDArray[Any], unlabelled: int | None = None) -> int:
+    """Positions whose value differs from the previous one, ``unlabelled`` positions skipped."""
     changes = 0
     last: Any = None
-    for start in range(0, len(labels), PIECE_POSITIONS):
-        labelled = labels[start : start + PIECE_POSITIONS]
-        labelled = labelled[labelled != -1]
-        if len(labelled) == 0:
+    for start in range(0, len(values), PIECE_POSITIONS):
+        piece = values[start : start + PIECE_POSITIONS]
+        if unlabelled is not None:
+            piece = piece[piece != unlabelled]
+        if len(piece) == 0:
             continue
-        changes += int(np.count_nonzero(labelled[1:] != labelled[:-1]))
-        if last is not None and labelled[0] != last:
+        changes += int(np.count_nonzero(piece[1:] != piece[:-1]))
+        if last is not None and piece[0] != last:
             changes += 1
-        last = labelled[-1]
+        last = piece[-1]
     return changes
 
 
@@ -323,8 +316,8 @@ def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
     mask = _numbers(sample.get("mask"))
     labels = _numbers(sample.get("token_versions"))
     by_field = {
-        "mask": 0 if mask is None else _value_changes(mask),
-        "token_versions": 0 if labels is None else _label_changes(labels),
+        "mask": 0 if mask is None else _changes(mask),
+        "token_versions": 0 if labels is None else _changes(labels, -1),
         "weight_versions": spans,
     }
     rows = min(1 + by_field["mask"] + by_field["token_versions"] + spans, max(1, positions))
