@@ -315,20 +315,13 @@ class SqliteStore(Store):
             self._write_in_place("journal", (insert, (run, seq, op, check, size)), request.pieces, size)
             return size
         data = b"".join(request.pieces()) if isinstance(request, Chunked) else dumps(request)
-        statements: list[tuple[str, tuple[Any, ...]]] = [
-            (
-                "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)",
-                (run, seq, op, data, checksum("journal", run, seq, data, op)),
-            )
-        ]
+        insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
+        check = checksum("journal", run, seq, data, op)
+        statements: list[tuple[str, tuple[Any, ...]]] = [(insert, (run, seq, op, data, check))]
         if history_row is not None:
             row = dumps(history_row)
-            statements.append(
-                (
-                    "INSERT INTO history (run, seq, row, checksum) VALUES (?, ?, ?, ?)",
-                    (run, seq, row, checksum("history", run, seq, row)),
-                )
-            )
+            insert = "INSERT INTO history (run, seq, row, checksum) VALUES (?, ?, ?, ?)"
+            statements.append((insert, (run, seq, row, checksum("history", run, seq, row))))
         self._write(statements)
         return len(data)
 
