@@ -13,9 +13,8 @@ from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 
 from .. import __version__
-from .exporting import ExportSettings
 from .limits import DEFAULT_BODY_BYTES_PER_SPAN_ROW, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
-from .registry import RunRegistry
+from .registry import ExportSettings, RunRegistry
 from .routes import EXCEPTION_HANDLERS, routers
 from .security import BEARER_SCHEME, TokenFirst, check_token
 from .store import SqliteStore, Store

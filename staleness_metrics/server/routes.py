@@ -23,7 +23,6 @@ from starlette.routing import Match
 from ..config import StalenessConfig
 from ..errors import ConfigError
 from .decode import BodyTooComplex, BodyTooDeep, check_span_rows, compact_records, paused_gc, read_json
-from .exporting import ServiceCollector
 from .models import (
     MAX_STEP,
     RUN_NAME_PATTERN,
@@ -176,7 +175,7 @@ def routers(registry: RunRegistry, protect_reads: bool, bytes_per_span_row: int)
 def service_router(registry: RunRegistry, access: Access) -> APIRouter:
     router = APIRouter(tags=["service"])
     exposition = CollectorRegistry(auto_describe=False)
-    exposition.register(ServiceCollector(registry.registries))
+    exposition.register(registry)
 
     @router.get(
         "/healthz",

@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..errors import TraceError
+from ..exporters.base import Exporter
 from ..metrics.buckets import LAG_BUCKETS
 from ..metrics.metric_table import BOUND_KEY_PREFIX, MISMATCH_KEY_PREFIX
 from ..metrics.mismatch import SUM_FIELDS, MismatchSums
@@ -28,7 +29,6 @@ from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
 from ..state_checks import PIECE_ITEMS, arrays_left_as_numpy, json_pieces
-from .exporting import RunExporters
 from .models import (
     AddResult,
     ErrorItem,
@@ -53,6 +53,8 @@ from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+
+    from ..exporters.prometheus import PrometheusExporter
 
 logger = logging.getLogger("staleness_metrics.server")
 
@@ -245,6 +247,19 @@ def _lags_by_rollout(shipment: Shipment) -> list[list[list[int]]]:
     flat, offsets = shipment.lags.tolist(), shipment.lag_offsets.tolist()
     samples = iter([flat[start:end] for start, end in itertools.pairwise(offsets)])
     return [list(itertools.islice(samples, len(rollout.samples))) for rollout in shipment.rollouts]
+
+
+@dataclass
+class RunExporters:
+    """The exporters of one run; ``failures``: the ones that could not start."""
+
+    prometheus: PrometheusExporter
+    others: list[Exporter] = field(default_factory=list)
+    failures: list[tuple[str, str, BaseException]] = field(default_factory=list)
+
+    @property
+    def all(self) -> list[Exporter]:
+        return [self.prometheus, *self.others]
 
 
 _MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
