@@ -90,8 +90,7 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a cap on the request line and headers (431) and a deadline
-    for them (408, or a silent close for an idle connection)."""
+    """uvicorn's httptools protocol with a size cap (431) and a deadline (408) for the headers."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderLimitedProtocol(HttpToolsProtocol):

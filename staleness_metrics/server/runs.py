@@ -168,8 +168,7 @@ def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
 
 
 class Journal:
-    """A run's rows in ``store`` in order, and when to snapshot ``state()``; ``broken``: a write's
-    error that could not be persisted."""
+    """A run's rows in ``store``, in order, and its snapshots; ``broken``: a write not persisted."""
 
     def __init__(self, run: str, store: Store, state: Callable[[], dict[str, Any]]) -> None:
         self.run = run
@@ -257,10 +256,6 @@ class RunExporters:
     others: list[Exporter] = field(default_factory=list)
     failures: list[tuple[str, str, BaseException]] = field(default_factory=list)
 
-    @property
-    def all(self) -> list[Exporter]:
-        return [self.prometheus, *self.others]
-
 
 _MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
 
@@ -286,8 +281,8 @@ class Run:
     def __init__(self, name: str, config: StalenessConfig, exporters: RunExporters, store: Store | None = None) -> None:
         self.name = name
         self.config = config
-        self._exporters = exporters
-        self.monitor = StalenessMonitor(config, exporters.all, run=name)
+        self.registry: CollectorRegistry = exporters.prometheus.registry  # its series for /metrics
+        self.monitor = StalenessMonitor(config, [exporters.prometheus, *exporters.others], run=name)
         for exporter, message, exc in exporters.failures:  # reported as the exporters' own errors
             self.monitor.export_errors.register(exporter)
             self.monitor.export_errors.record(exporter, message, exc)
@@ -311,10 +306,6 @@ class Run:
                 MismatchRequest.model_validate(request["request"]), request.get("key")
             ),
         }
-
-    @property
-    def registry(self) -> CollectorRegistry:
-        return self._exporters.prometheus.registry
 
     @property
     def unavailable(self) -> str | None:

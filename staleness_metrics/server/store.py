@@ -270,11 +270,8 @@ class SqliteStore(Store):
     def _checked(self, table: str, run: str, seq: int, data: Any, stored: Any, op: str | None = None) -> Any:
         """The decoded row, once its checksum matches."""
         if isinstance(data, bytes) and stored != checksum(table, run, seq, data, op):
-            reason = (
-                "has no checksum"
-                if stored is None
-                else "fails its checksum (its bytes changed after they were written: a flipped or truncated value)"
-            )
+            changed = "its bytes changed after they were written: a flipped or truncated value"
+            reason = "has no checksum" if stored is None else f"fails its checksum ({changed})"
             raise self._damaged(table, run, seq, reason)
         return self._decode(table, run, seq, data)
 
