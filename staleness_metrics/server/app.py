@@ -17,7 +17,6 @@ from fastapi.applications import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -170,8 +169,6 @@ class Access:
 
 def service_router(registry: RunRegistry, access: Access) -> APIRouter:
     router = APIRouter(tags=["service"])
-    exposition = CollectorRegistry(auto_describe=False)
-    exposition.register(registry)
 
     @router.get(
         "/healthz",
@@ -207,7 +204,7 @@ def service_router(registry: RunRegistry, access: Access) -> APIRouter:
     def metrics(request: Request) -> Response:
         """Every run's metrics, each series labelled with its ``run``."""
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encoder(exposition), media_type=content_type)
+        return Response(encoder(registry), media_type=content_type)  # RunRegistry.collect
 
     return router
 
@@ -218,10 +215,9 @@ def _parse_config(config: dict[str, Any]) -> StalenessConfig:
         parsed = StalenessConfig.from_mapping(config)
     except ConfigError as error:
         raise RecordsInvalid([ErrorItem(field=error.field or "config", reason=error.reason)]) from None
-    for setting in dataclasses.fields(parsed):
-        value = getattr(parsed, setting.name)
+    for name, value in dataclasses.asdict(parsed).items():
         if isinstance(value, int) and not isinstance(value, bool) and value > MAX_STEP:
-            raise RecordsInvalid([ErrorItem(field=setting.name, reason=f"must be <= {MAX_STEP}, got {value}")])
+            raise RecordsInvalid([ErrorItem(field=name, reason=f"must be <= {MAX_STEP}, got {value}")])
     return parsed
 
 
