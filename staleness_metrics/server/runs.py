@@ -49,7 +49,7 @@ from .models import (
     reason_of,
     trace_item,
 )
-from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun
+from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun, quoted
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -441,11 +441,8 @@ class Run:
                 else:
                     conflicts.append(rid)
             if conflicts:
-                raise RunConflict(
-                    "rollout ids received before with different content (ids are unique within a run): "
-                    + ", ".join(repr(c) for c in conflicts[:10])
-                    + (f" and {len(conflicts) - 10} more" if len(conflicts) > 10 else "")
-                )
+                what = "rollout ids received before with different content"
+                raise RunConflict(f"{what} (ids are unique within a run): {quoted(conflicts, 10)}")
             sink = self.monitor.sink
             set_aside_before = len(sink.invalid)
             try:

@@ -161,7 +161,7 @@ class SqliteStore(Store):
         self.manifest_path = data_dir / MANIFEST_NAME
         manifest = self._read_manifest()
         says = f"{self.manifest_path} says the directory holds {len(manifest)} run(s)"
-        says += f" ({_names(manifest)})"
+        says += f" ({quoted(manifest)})"
         if manifest and not self.path.exists():  # connecting would create an empty one
             raise StoreDamaged(data_dir, f"the database {self.path} is missing, but {says}")
         self._lock = threading.Lock()  # one connection, shared by the request threads
@@ -173,7 +173,7 @@ class SqliteStore(Store):
             stored = set() if has_runs.fetchone() is None else {n for (n,) in self._db.execute("SELECT name FROM runs")}
             missing = [name for name in manifest if name not in stored]
             if missing:
-                what = "is empty" if not stored else f"holds {len(stored)} run(s) but not {_names(missing)}"
+                what = "is empty" if not stored else f"holds {len(stored)} run(s) but not {quoted(missing)}"
                 raise StoreDamaged(data_dir, f"the database {self.path} {what}, but {says}")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
@@ -426,9 +426,10 @@ def _sized(table: str, run: str, seq: int, pieces: Iterable[bytes], op: str | No
     return size, digest.hexdigest()
 
 
-def _names(runs: list[str]) -> str:
-    shown = ", ".join(repr(name) for name in runs[:5])
-    return shown + (f" and {len(runs) - 5} more" if len(runs) > 5 else "")
+def quoted(names: list[str], most: int = 5) -> str:
+    """The first ``most`` names, quoted, and how many more."""
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 _RUN_TABLES = (("runs", "name"), ("journal", "run"), ("history", "run"), ("snapshots", "run"))
