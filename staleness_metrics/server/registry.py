@@ -12,7 +12,7 @@ from typing import Literal
 from prometheus_client.metrics_core import Metric
 
 from ..config import StalenessConfig
-from .models import RestoreFailed, RunBroken, RunConflict, RunNotFound, reason_of
+from .models import RestoreFailed, RunBroken, RunConflict, RunNotFound
 from .runs import Run, RunExporters
 from .store import Store, StoredRun
 
@@ -81,7 +81,7 @@ class RunRegistry:
                 import wandb  # noqa: F401
         self.store = store or Store()
         self._runs: dict[str, Run] = {}
-        self._pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}  # checked, not loaded yet
+        self._pending: dict[str, StoredRun] = {}  # checked, not loaded yet
         self._failed: dict[str, str] = {}  # runs whose stored rows could not be applied: why
         self._lock = threading.Lock()  # guards the dicts
         self._creating = threading.Lock()  # one creation or deletion at a time
@@ -109,16 +109,8 @@ class RunRegistry:
         """Check every stored run and load them (in the background, here, or later with ``defer``);
         returns how many."""
         stored_runs = self.store.load()
-        pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}
-        for stored in stored_runs:
-            try:
-                config = StalenessConfig(**stored.config)
-            except Exception as exc:
-                what = f"run {stored.name!r}: its configuration cannot be loaded: {reason_of(exc)}"
-                raise self.store.damaged(what) from None
-            pending[stored.name] = (config, stored)
         with self._lock:
-            self._pending.update(pending)
+            self._pending.update((stored.name, stored) for stored in stored_runs)
         if defer:
             return len(stored_runs)
         if background:
@@ -147,10 +139,10 @@ class RunRegistry:
         with self._loading:
             with self._lock:
                 loaded = self._runs.get(name)
-                entry = self._pending.get(name)
-            if loaded is not None or entry is None:
+                stored = self._pending.get(name)
+            if loaded is not None or stored is None:
                 return loaded
-            config, stored = entry
+            config = StalenessConfig(**stored.config)  # (checked by the store)
             run = Run(name, config, build_exporters(name, self.export_settings), self.store)
             try:
                 run.restore(stored)

@@ -16,7 +16,9 @@ from typing import Any
 
 import orjson
 
+from ..config import StalenessConfig
 from ..state_checks import PIECED_DEPTH, NestedTooDeep, json_pieces
+from .models import reason_of
 
 DATABASE_NAME = "staleness.sqlite3"
 MANIFEST_NAME = "manifest.json"
@@ -99,9 +101,6 @@ class Store:
 
     def journal(self, run: str) -> Iterator[JournalRow]:
         return iter(())
-
-    def damaged(self, what: str) -> Exception:
-        return RuntimeError(what)
 
     def close(self) -> None:
         pass
@@ -252,9 +251,6 @@ class SqliteStore(Store):
             stamp = checksum(table, run, int(seq), data, op)
             self._db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
 
-    def damaged(self, what: str) -> Exception:
-        return StoreDamaged(self.data_dir, what)
-
     def _damaged(self, table: str, run: str, seq: int, reason: str) -> StoreDamaged:
         row = _ROW_NAME[table].format(seq=seq)
         return StoreDamaged(self.data_dir, f"run {run!r}: its {row} in {self.path} {reason}")
@@ -360,10 +356,18 @@ class SqliteStore(Store):
         self._write([(insert.format("?"), (run, seq, checksum("snapshots", run, seq, data), data))])
 
     def load(self) -> list[StoredRun]:
-        """Every run, each row checked (:class:`StoreDamaged` names the first damaged one)."""
+        """Every run, each row checked, then each configuration (:class:`StoreDamaged` names the
+        first damaged one)."""
         with self._lock:
-            runs = self._db.execute("SELECT name, config, checksum FROM runs ORDER BY rowid").fetchall()
-        return [self._load_run(name, config, check) for name, config, check in runs]
+            rows = self._db.execute("SELECT name, config, checksum FROM runs ORDER BY rowid").fetchall()
+        runs = [self._load_run(name, config, check) for name, config, check in rows]
+        for run in runs:
+            try:
+                StalenessConfig(**run.config)
+            except Exception as exc:
+                what = f"run {run.name!r}: its configuration cannot be loaded: {reason_of(exc)}"
+                raise StoreDamaged(self.data_dir, what) from None
+        return runs
 
     def _load_run(self, name: str, config_data: Any, config_check: Any) -> StoredRun:
         config = self._checked("runs", name, 0, config_data, config_check)
