@@ -329,15 +329,13 @@ def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: i
         Strict runs: an invalid record gets 422 naming its id, field and reason, and nothing of the
         batch is applied. Lenient runs set invalid records aside (counted) and queue the rest.
         """
-        body = bytearray()
+        held = [bytearray()]  # parsed once, by add_body, which drops the bytes
         try:
             async for chunk in request.stream():
-                body += chunk
+                held[0] += chunk
         except ClientDisconnect:  # gone, or cut off by the body size cap (which has answered 413)
             detail = "the client disconnected before the body ended"
             raise HTTPException(status.HTTP_400_BAD_REQUEST, detail) from None
-        held = [body]  # parsed once, by add_body, which drops the bytes
-        del body
         small = len(held[0]) <= QUICK_BODY_BYTES
         added = await on_run(registry, run, lambda target: add_body(target, held, bytes_per_span_row), small=small)
         return JSONModelResponse(added)

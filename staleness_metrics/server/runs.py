@@ -430,7 +430,11 @@ class Run:
                     raise RecordsInvalid([item])
                 digest = stored_digest(record)
                 if digest is None:  # the journal could not write it
-                    raise RecordsInvalid([self._unstorable_item(record, rid, index)])
+                    field, reason = unstorable(record) or ("rollout", "cannot be stored")
+                    reason += " (the run's journal could not store it)"
+                    shown = printable_id(rid)
+                    item = ErrorItem(field=field, reason=reason, rollout_id=shown, index=index)
+                    raise RecordsInvalid([item])
                 known = self._received.get(rid, digests.get(rid))
                 if known is None:
                     fresh.append(record)
@@ -468,12 +472,6 @@ class Run:
                 invalid=invalid,
                 queued=sink.queued,
             )
-
-    @staticmethod
-    def _unstorable_item(record: Mapping[str, Any], rid: str, index: int) -> ErrorItem:
-        field, reason = unstorable(record) or ("rollout", "cannot be stored")
-        reason += " (the run's journal could not store it)"
-        return ErrorItem(field=field, reason=reason, rollout_id=printable_id(rid), index=index)
 
     @staticmethod
     def _range_error(records: list[dict[str, Any]], index_of: Mapping[str, int]) -> ErrorItem:
