@@ -6,7 +6,6 @@ Needs the ``server`` extra (FastAPI, uvicorn, prometheus-client). See ``docs/ser
 from __future__ import annotations
 
 from .app import ServerSettings, create_app
-from .exporting import ExportSettings
-from .registry import RunRegistry
+from .registry import ExportSettings, RunRegistry
 
 __all__ = ["ExportSettings", "RunRegistry", "ServerSettings", "create_app"]

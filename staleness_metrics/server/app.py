@@ -1,34 +1,419 @@
-"""The FastAPI application of ``staleness-metrics serve``: the routers of :mod:`.routes` behind
-the token check, the ``Allow`` header fix and the body size cap, in that order."""
+"""The FastAPI application of ``staleness-metrics serve``: one :class:`fastapi.APIRouter` per
+resource, how they answer (models written to JSON in one call, the error bodies), and
+:func:`create_app` putting them behind the token check and the body size cap."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+import dataclasses
+import itertools
+import pathlib
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
-from fastapi import FastAPI
+import orjson
+from fastapi import APIRouter, Body, Header, HTTPException, Path, Query, Request, Response, status
+from fastapi.applications import FastAPI
 from fastapi.concurrency import run_in_threadpool
-from starlette.routing import BaseRoute, Match
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client.exposition import choose_encoder
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from .. import __version__
-from .exporting import ExportSettings
-from .limits import (
-    DEFAULT_BODY_BYTES_PER_SPAN_ROW,
-    DEFAULT_MAX_BODY_BYTES,
-    ASGIApp,
-    BodySizeLimit,
-    Message,
-    Receive,
-    Scope,
-    Send,
+from ..config import StalenessConfig
+from ..errors import ConfigError
+from .decode import BodyTooComplex, BodyTooDeep, check_span_rows, compact_records, paused_gc, read_json
+from .limits import DEFAULT_BODY_BYTES_PER_SPAN_ROW, DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from .models import (
+    MAX_STEP,
+    RUN_NAME_PATTERN,
+    AddResult,
+    ErrorItem,
+    ErrorMessage,
+    Health,
+    MismatchRequest,
+    MismatchResult,
+    RecordsInvalid,
+    RolloutBatchIn,
+    RunError,
+    RunInfo,
+    RunList,
+    ShipRequest,
+    ShipResult,
+    SpanRowsTooMany,
+    StepsPage,
+    SweepRequest,
+    ValidationErrorBody,
+    run_config_schema,
 )
-from .registry import RunRegistry
-from .routes import EXCEPTION_HANDLERS, routers
+from .registry import ExportSettings, RunRegistry
+from .runs import Run
 from .security import BEARER_SCHEME, TokenFirst, check_token
 from .store import SqliteStore, Store
+
+T = TypeVar("T")
+
+HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
+# a rollouts body up to this size is read and applied in about a millisecond
+QUICK_BODY_BYTES = 64 * 1024
+WRITE_ERRORS = (400, 401, 404, 409, 413)  # what a write to a run may answer, besides 422
+
+ERRORS: dict[int, str] = {
+    400: "The body could not be read (not UTF-8 JSON).",
+    401: "Missing or wrong bearer token.",
+    404: "No such run (create it with PUT /v1/runs/{run}).",
+    409: "Conflicts with the run's state.",
+    413: "Request body larger than the service accepts.",
+}
+
+
+def documented(*codes: int, invalid: bool = True) -> dict[int | str, dict[str, Any]]:
+    answers: dict[int | str, dict[str, Any]] = {
+        code: {"model": ErrorMessage, "description": ERRORS[code]} for code in codes
+    }
+    if invalid:
+        answers[422] = {
+            "model": ValidationErrorBody,
+            "description": "Invalid request: the field and reason of each error; nothing was applied.",
+        }
+    return answers
+
+
+class JSONModelResponse(Response):
+    """A model written to JSON by pydantic in one call (a returned one is validated again)."""
+
+    media_type = "application/json"
+
+    def __init__(self, model: BaseModel, status_code: int = status.HTTP_200_OK) -> None:
+        super().__init__(model.__pydantic_serializer__.to_json(model), status_code=status_code)
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates escaped: an answer naming a bad string can be encoded."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _invalid(items: list[ErrorItem], status_code: int = RecordsInvalid.status) -> JSONResponse:
+    def printable(item: ErrorItem) -> dict[str, Any]:
+        return {k: _printable(v) if isinstance(v, str) else v for k, v in item.model_dump().items()}
+
+    return JSONResponse({"detail": [printable(item) for item in items]}, status_code=status_code)
+
+
+async def _run_error(request: Request, exc: RunError) -> JSONResponse:
+    if isinstance(exc, RecordsInvalid):  # the 422 shape, a span-row cap's 413 too
+        return _invalid(exc.errors, exc.status)
+    return JSONResponse({"detail": _printable(str(exc))}, status_code=exc.status)
+
+
+async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+    found = ((".".join(map(str, e.get("loc", ()))), str(e.get("msg", ""))) for e in exc.errors())
+    return _invalid([ErrorItem(field=field, reason=reason) for field, reason in found])
+
+
+async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
+    return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
+
+
+async def _not_allowed(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """A 405 whose ``Allow`` lists every method of the path (RFC 9110), not one route's."""
+    probe = {**request.scope, "method": "GET"}
+    allowed: set[str] = set()
+    for route in request.app.routes:
+        methods = getattr(route, "methods", None)
+        if methods and route.matches(probe)[0] is not Match.NONE:
+            allowed |= methods
+    answer = JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
+    answer.headers["allow"] = ", ".join(sorted(allowed))
+    return answer
+
+
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    status.HTTP_405_METHOD_NOT_ALLOWED: _not_allowed,
+    RunError: _run_error,
+    RequestValidationError: _invalid_request,
+    RecursionError: _too_deep,
+}
+
+
+RunName = Annotated[
+    str,
+    Path(pattern=RUN_NAME_PATTERN, description="The run's name (its `run` label).", examples=["demo"]),
+]
+
+
+def idempotency_header(retried: str) -> Any:
+    description = f"Send the same key when retrying {retried} once."
+    return Header(alias="Idempotency-Key", min_length=1, max_length=255, description=description)
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """The OpenAPI ``security`` of writes and reads, and the errors a read may answer."""
+
+    writes: dict[str, Any]
+    reads: dict[str, Any]
+    read_errors: tuple[int, ...]
+
+    def write(self, model: Any, *codes: int) -> dict[str, Any]:
+        return {"openapi_extra": self.writes, "response_model": model, "responses": documented(*codes)}
+
+    def read(self, model: Any, *codes: int, invalid: bool = True) -> dict[str, Any]:
+        responses = documented(*self.read_errors, *codes, invalid=invalid)
+        return {"openapi_extra": self.reads, "response_model": model, "responses": responses}
+
+
+def service_router(registry: RunRegistry, access: Access) -> APIRouter:
+    router = APIRouter(tags=["service"])
+
+    @router.get(
+        "/healthz",
+        response_model=Health,
+        responses={503: {"model": Health, "description": "Some runs answer 503: `unavailable` names them."}},
+    )
+    async def healthz() -> Response:
+        """The service answers, and every run does: 503 names the runs that answer
+        503. Never needs a token.
+
+        Just after a restart it answers once every stored run is loaded (or found unavailable),
+        waiting up to a few seconds: a run that cannot be loaded is only known then. Runs still
+        loading after that are named as such (503)."""
+        if registry.loading():
+            unavailable = await run_in_threadpool(registry.unavailable_once_loaded, HEALTH_LOADING_WAIT)
+        else:
+            unavailable = registry.unavailable()
+        health = Health(status="unavailable" if unavailable else "ok", runs=registry.count(), unavailable=unavailable)
+        return JSONModelResponse(health, status.HTTP_503_SERVICE_UNAVAILABLE if unavailable else status.HTTP_200_OK)
+
+    @router.get(
+        "/metrics",
+        openapi_extra=access.reads,
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text exposition (OpenMetrics when the Accept header asks for it).",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **documented(*access.read_errors, invalid=False),
+        },
+    )
+    def metrics(request: Request) -> Response:
+        """Every run's metrics, each series labelled with its ``run``."""
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(registry), media_type=content_type)  # RunRegistry.collect
+
+    return router
+
+
+def _parse_config(config: dict[str, Any]) -> StalenessConfig:
+    """The run's configuration, or 422 naming the setting; none may exceed MAX_STEP (int64 room)."""
+    try:
+        parsed = StalenessConfig.from_mapping(config)
+    except ConfigError as error:
+        raise RecordsInvalid([ErrorItem(field=error.field or "config", reason=error.reason)]) from None
+    for name, value in dataclasses.asdict(parsed).items():
+        if isinstance(value, int) and not isinstance(value, bool) and value > MAX_STEP:
+            raise RecordsInvalid([ErrorItem(field=name, reason=f"must be <= {MAX_STEP}, got {value}")])
+    return parsed
+
+
+def runs_router(registry: RunRegistry, access: Access) -> APIRouter:
+    router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+    @router.get("", **access.read(RunList, invalid=False))
+    def list_runs() -> Response:
+        return JSONModelResponse(RunList(runs=[run.info() for run in registry.runs()]))
+
+    @router.put(
+        "/{run}",
+        status_code=status.HTTP_201_CREATED,
+        response_model=RunInfo,
+        responses={
+            200: {"model": RunInfo, "description": "The run exists with this configuration."},
+            **documented(400, 401, 409, 413),
+        },
+        openapi_extra={
+            **access.writes,
+            "requestBody": {"content": {"application/json": {"schema": run_config_schema()}}},
+        },
+    )
+    def create_run(run: RunName, config: Annotated[dict[str, Any], Body(default_factory=dict)]) -> Response:
+        """Create a run with its configuration (policy and bound); idempotent for
+        the same configuration."""
+        created_run, created = registry.create(run, _parse_config(config))
+        return JSONModelResponse(created_run.info(), status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+
+    @router.get("/{run}", **access.read(RunInfo, 404))
+    def get_run(run: RunName) -> Response:
+        return JSONModelResponse(registry.get(run).info())
+
+    @router.delete(
+        "/{run}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response, **access.write(None, 401, 404)
+    )
+    def delete_run(run: RunName) -> Response:
+        """Delete a run: its exporters flush and close, and its series leave ``/metrics``."""
+        registry.delete(run)
+        return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+    return router
+
+
+async def on_run(registry: RunRegistry, run: str, call: Callable[[Run], T], *, small: bool = True) -> T:
+    """``call`` of the run, on the event loop when that cannot stall other connections (a small
+    request, a run in memory, its lock free at once), else on a worker thread."""
+    if small and not registry.store.persistent:
+        target = registry.get(run)
+        with target.quick() as free:
+            if free:
+                return call(target)
+    return await run_in_threadpool(lambda: call(registry.get(run)))
+
+
+def add_body(target: Run, held: list[bytearray], bytes_per_span_row: int) -> AddResult:
+    """Parse a rollouts body (dropping its bytes as they are read) and add it to ``target``."""
+    body_bytes = sum(len(part) for part in held)
+    with paused_gc():  # millions of new containers: see paused_gc
+        try:
+            data = read_json(held)
+        except BodyTooComplex as error:  # refused before its values were built (the memory bound)
+            raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(error)) from None
+        except BodyTooDeep as error:  # as any route answers a body too deep for the JSON reader
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, str(error)) from None
+        except ValueError as error:  # not UTF-8 (UnicodeDecodeError is a ValueError) or not JSON
+            raise RequestValidationError(
+                [{"loc": ("body",), "msg": f"JSON decode error: {error}", "type": "json_invalid"}]
+            ) from None
+        try:
+            batch = RolloutBatchIn.model_validate(data)
+        except ValidationError as error:
+            raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
+        del data
+        compact_records(batch.rollouts)
+        exceeded = check_span_rows(batch.rollouts, body_bytes, bytes_per_span_row)
+        if exceeded is not None:
+            raise SpanRowsTooMany([exceeded])
+        return target.add(batch.rollouts)
+
+
+def rollouts_router(registry: RunRegistry, access: Access, bytes_per_span_row: int) -> APIRouter:
+    router = APIRouter(prefix="/v1/runs/{run}", tags=["rollouts"])
+
+    @router.post(
+        "/rollouts",
+        response_model=AddResult,
+        responses={
+            **documented(*WRITE_ERRORS),
+            413: {
+                "model": ErrorMessage | ValidationErrorBody,
+                "description": ERRORS[413] + " Or more span rows than the body's size allows "
+                "(serve --body-bytes-per-span-row): then `detail` names the rollout, field "
+                "and reason as a 422 does.",
+            },
+        },
+        openapi_extra={
+            **access.writes,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": RolloutBatchIn.model_json_schema()}},
+            },
+        },
+    )
+    async def add_rollouts(run: RunName, request: Request) -> Response:
+        """Queue finished rollouts. Records received before (same id and
+        content) count as duplicates.
+
+        Strict runs: an invalid record gets 422 naming its id, field and reason, and nothing of the
+        batch is applied. Lenient runs set invalid records aside (counted) and queue the rest.
+        """
+        held = [bytearray()]  # parsed once, by add_body, which drops the bytes
+        try:
+            async for chunk in request.stream():
+                held[0] += chunk
+        except ClientDisconnect:  # gone, or cut off by the body size cap (which has answered 413)
+            detail = "the client disconnected before the body ended"
+            raise HTTPException(status.HTTP_400_BAD_REQUEST, detail) from None
+        small = len(held[0]) <= QUICK_BODY_BYTES
+        added = await on_run(registry, run, lambda target: add_body(target, held, bytes_per_span_row), small=small)
+        return JSONModelResponse(added)
+
+    @router.post("/sweep", **access.write(RunInfo, *WRITE_ERRORS))
+    def sweep(run: RunName, request: SweepRequest) -> Response:
+        """Apply the policy at ``step`` to the queue; its drops are reported with the next ship."""
+        return JSONModelResponse(registry.get(run).sweep(request.step))
+
+    @router.post("/ship", **access.write(ShipResult, *WRITE_ERRORS))
+    async def ship(
+        run: RunName,
+        request: ShipRequest,
+        idempotency_key: Annotated[str | None, idempotency_header("a ship: the run answers it")] = None,
+    ) -> Response:
+        """Mask and ship the batch for ``step`` and publish its metrics to every exporter."""
+        shipped = await on_run(registry, run, lambda target: target.ship(request, idempotency_key))
+        return JSONModelResponse(shipped)
+
+    return router
+
+
+def mismatch_router(registry: RunRegistry, access: Access) -> APIRouter:
+    router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
+
+    @router.post("/mismatch", **access.write(MismatchResult, 400, 401, 404, 413))
+    def record_mismatch(
+        run: RunName,
+        request: MismatchRequest,
+        idempotency_key: Annotated[str | None, idempotency_header("a post: the run merges it")] = None,
+    ) -> Response:
+        """Merge trainer-side mismatch sums (SPEC 11) into a shipped step's total and publish it.
+
+        Post one `MismatchSums.to_dict()` per rank or micro-batch: posts for one step merge. Invalid
+        sums (a missing bucket, a negative count) or a step the run never shipped get 422 naming the
+        field, and nothing is recorded.
+        """
+        return JSONModelResponse(registry.get(run).record_mismatch(request, idempotency_key))
+
+    return router
+
+
+def history_router(registry: RunRegistry, access: Access) -> APIRouter:
+    router = APIRouter(prefix="/v1/runs/{run}", tags=["metrics"])
+
+    @router.get("/steps", **access.read(StepsPage, 404))
+    def steps(
+        run: RunName,
+        since: Annotated[int, Query(ge=0, le=MAX_STEP, description="Return the ships with step > since.")] = 0,
+    ) -> Response:
+        """The run's metrics history, one row per ship, oldest first."""
+        return JSONModelResponse(StepsPage(run=run, steps=registry.get(run).steps(since)))
+
+    @router.get(
+        "/events",
+        openapi_extra=access.reads,
+        response_class=StreamingResponse,
+        responses={
+            200: {
+                "description": "The run's history as SPEC 9 events, one JSON object a line (`replay` input).",
+                "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            },
+            **documented(*access.read_errors, 404, 409),
+        },
+    )
+    def events(run: RunName) -> StreamingResponse:
+        """Every rollout, sweep and ship the run acknowledged, in order:
+        ``staleness-metrics replay`` of this file reproduces ``/steps``. Needs a data directory (409
+        with ``--in-memory``)."""
+        lines = registry.get(run).events()
+        first = next(lines, None)  # errors (404, 409) surface before the 200 starts
+
+        every = lines if first is None else itertools.chain([first], lines)
+        body = (orjson.dumps(event) + b"\n" for event in every)
+        return StreamingResponse(body, media_type="application/x-ndjson")
+
+    return router
+
 
 DESCRIPTION = """\
 A sidecar that keeps one staleness sink per run and publishes its metrics, for orchestrators written in
@@ -42,53 +427,22 @@ ship or mismatch post with an `Idempotency-Key` the run has seen returns the fir
 """
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ServerSettings:
     """The ``serve`` options. ``token``: needed on every write when set, and on reads too with
     ``protect_reads``. ``body_bytes_per_span_row``: a rollouts body may cut one span row per that
     many bytes, at least 65,536 (0: no cap). ``exporters``: OTLP and W&B besides Prometheus.
     ``data_dir``: where every acknowledged write is persisted; None keeps runs in memory only."""
 
-    token: str | None = field(default=None, repr=False)  # never printed
+    token: str | None = dataclasses.field(default=None, repr=False)  # never printed
     protect_reads: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     body_bytes_per_span_row: int = DEFAULT_BODY_BYTES_PER_SPAN_ROW
-    exporters: ExportSettings = field(default_factory=ExportSettings)
-    data_dir: Path | None = None
+    exporters: ExportSettings = dataclasses.field(default_factory=ExportSettings)
+    data_dir: pathlib.Path | None = None
 
     def __post_init__(self) -> None:
         check_token(self.token)
-
-
-class AllowHeader:
-    """A 405's ``Allow`` header listing every method of the path (RFC 9110), not one route's."""
-
-    def __init__(self, app: ASGIApp, routes: Callable[[], Iterable[BaseRoute]]) -> None:
-        self.app = app
-        self.routes = routes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def send_with_allow(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] == 405:
-                allowed = self._allowed(scope)
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"allow"]
-                message["headers"] = [*headers, (b"allow", ", ".join(sorted(allowed)).encode())]
-            await send(message)
-
-        await self.app(scope, receive, send_with_allow)
-
-    def _allowed(self, scope: Scope) -> set[str]:
-        allowed: set[str] = set()
-        for route in self.routes():
-            match, _ = route.matches({**scope, "method": "GET"})
-            methods = getattr(route, "methods", None)
-            if match is not Match.NONE and methods:
-                allowed |= set(methods)
-        return allowed
 
 
 def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None = None) -> FastAPI:
@@ -115,8 +469,13 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
         exception_handlers=EXCEPTION_HANDLERS,
     )
     app.state.runs = registry
-    for router in routers(registry, settings.protect_reads, settings.body_bytes_per_span_row):
-        app.include_router(router)
+    writes: dict[str, Any] = {"security": [{"HTTPBearer": []}]}
+    access = Access(writes, writes, (401,)) if settings.protect_reads else Access(writes, {}, ())
+    app.include_router(service_router(registry, access))
+    app.include_router(runs_router(registry, access))
+    app.include_router(rollouts_router(registry, access, settings.body_bytes_per_span_row))
+    app.include_router(mismatch_router(registry, access))
+    app.include_router(history_router(registry, access))
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:  # built at the first request for it, then kept
@@ -127,6 +486,5 @@ def create_app(settings: ServerSettings | None = None, runs: RunRegistry | None 
     app.openapi = openapi  # type: ignore[method-assign]
     # the last added runs first
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(AllowHeader, routes=lambda: app.routes)
     app.add_middleware(TokenFirst, token=settings.token, protect_reads=settings.protect_reads)
     return app

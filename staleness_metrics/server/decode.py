@@ -33,8 +33,8 @@ _INT_FIELDS = ("mask", "token_versions")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _FLOAT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs")
 _LIST_FIELDS = ("mask", "token_versions", "weight_versions", *_FLOAT_FIELDS)
-# after a key's name: its closing quote, ":" and "["
-_THEN_A_LIST = re.compile(rb'"[ \t\r\n]*:[ \t\r\n]*\[')
+# a per-position list's key, ":" and "[" (its items start just after)
+_LIST_START = re.compile(rb'"(' + "|".join(_LIST_FIELDS).encode() + rb')"[ \t\r\n]*:[ \t\r\n]*\[')
 # a list's end, and any byte it may not hold to be read as numbers (pairs for weight_versions)
 _NUMBERS = (re.compile(rb"\]"), re.compile(rb"[^0-9eE+\-. \t\r\n,]"))
 _SHAPES = {
@@ -104,9 +104,10 @@ def _read_large(held: list[bytearray]) -> Any:
     parts: list[bytes] = []
     done = 0
     if b"\\u0000" not in body:  # else a string could spell a placeholder: no list is read ahead
-        for key_at, field, start in _list_starts(body):
-            if key_at < done:
+        for found in _LIST_START.finditer(body):
+            if found.start() < done:
                 continue
+            field, start = found[1].decode(), found.end()
             converted = _convert(body, field, start)
             if converted is None:
                 continue
@@ -138,20 +139,6 @@ def _read_large(held: list[bytearray]) -> Any:
     except json.JSONDecodeError as error:
         # its position is the skeleton's, not the body's: not shown
         raise ValueError(f"{error.msg} (the body is not valid JSON)") from None
-
-
-def _list_starts(body: bytearray) -> list[tuple[int, str, int]]:
-    """``(where the key starts, field, just after its "[")`` of every per-position list."""
-    starts = []
-    for field in _LIST_FIELDS:
-        key = b'"' + field.encode()
-        at = body.find(key)
-        while at >= 0:
-            then = _THEN_A_LIST.match(body, at + len(key))
-            if then is not None:
-                starts.append((at, field, then.end()))
-            at = body.find(key, at + len(key))
-    return sorted(starts)
 
 
 def _check_budget(skeleton: bytes | bytearray, body_size: int) -> None:
@@ -292,27 +279,20 @@ def _numbers(values: Any) -> npt.NDArray[Any] | None:
     return array if array.ndim == 1 and array.dtype.kind in "biuf" else None
 
 
-def _value_changes(values: npt.NDArray[Any]) -> int:
-    changes = 0
-    for start in range(1, len(values), PIECE_POSITIONS):
-        end = min(start + PIECE_POSITIONS, len(values))
-        changes += int(np.count_nonzero(values[start:end] != values[start - 1 : end - 1]))
-    return changes
-
-
-def _label_changes(labels: npt.NDArray[Any]) -> int:
-    """Labelled positions (not -1) whose label differs from the previous label."""
+def _changes(values: npt.NDArray[Any], unlabelled: int | None = None) -> int:
+    """Positions whose value differs from the previous one, ``unlabelled`` positions skipped."""
     changes = 0
     last: Any = None
-    for start in range(0, len(labels), PIECE_POSITIONS):
-        labelled = labels[start : start + PIECE_POSITIONS]
-        labelled = labelled[labelled != -1]
-        if len(labelled) == 0:
+    for start in range(0, len(values), PIECE_POSITIONS):
+        piece = values[start : start + PIECE_POSITIONS]
+        if unlabelled is not None:
+            piece = piece[piece != unlabelled]
+        if len(piece) == 0:
             continue
-        changes += int(np.count_nonzero(labelled[1:] != labelled[:-1]))
-        if last is not None and labelled[0] != last:
+        changes += int(np.count_nonzero(piece[1:] != piece[:-1]))
+        if last is not None and piece[0] != last:
             changes += 1
-        last = labelled[-1]
+        last = piece[-1]
     return changes
 
 
@@ -323,8 +303,8 @@ def _sample_rows(sample: Mapping[str, Any]) -> tuple[int, str]:
     mask = _numbers(sample.get("mask"))
     labels = _numbers(sample.get("token_versions"))
     by_field = {
-        "mask": 0 if mask is None else _value_changes(mask),
-        "token_versions": 0 if labels is None else _label_changes(labels),
+        "mask": 0 if mask is None else _changes(mask),
+        "token_versions": 0 if labels is None else _changes(labels, -1),
         "weight_versions": spans,
     }
     rows = min(1 + by_field["mask"] + by_field["token_versions"] + spans, max(1, positions))

@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
 from http import HTTPStatus
 from typing import Any
 
 from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # span rows (60-130 bytes each) a body may cut: one per this many bytes, at least SPAN_ROW_FLOOR
 DEFAULT_BODY_BYTES_PER_SPAN_ROW = 128
 SPAN_ROW_FLOOR = 65_536
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 async def send_json(send: Send, status: int, detail: str, *extra: tuple[bytes, bytes]) -> None:
@@ -90,8 +84,7 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a cap on the request line and headers (431) and a deadline
-    for them (408, or a silent close for an idle connection)."""
+    """uvicorn's httptools protocol with a size cap (431) and a deadline (408) for the headers."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderLimitedProtocol(HttpToolsProtocol):

@@ -15,7 +15,7 @@ from ..errors import StalenessError, TraceError
 from ..metrics.buckets import LAG_BUCKETS
 from ..metrics.mismatch import COUNT_FIELDS, SUM_FIELDS
 from ..metrics.report import Tally
-from ..records.validation import lone_surrogate
+from ..records.validation import INT64_MAX, INT64_MIN, lone_surrogate
 
 # Run names appear in URLs and as the ``run`` label of every series.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -365,9 +365,6 @@ class Health(BaseModel):
     )
 
 
-INT64_RANGE = (-(2**63), 2**63 - 1)
-
-
 class RunError(Exception):
     """A request the run cannot honour, answered with ``status``."""
 
@@ -425,7 +422,7 @@ def out_of_range(value: Any, path: str) -> str | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
-        return path if not INT64_RANGE[0] <= value <= INT64_RANGE[1] else None
+        return path if not INT64_MIN <= value <= INT64_MAX else None
     if isinstance(value, Mapping):
         items = ((f"{path}.{key}" if path else str(key), item) for key, item in value.items())
     elif isinstance(value, list):

@@ -1,24 +1,71 @@
-"""The runs of one service by name: created, restored at start, found, deleted."""
+"""The runs of one service by name, with their exporters: created, restored, found, deleted."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from prometheus_client.metrics_core import Metric
 
 from ..config import StalenessConfig
-from .exporting import ExportSettings, build_exporters, preload
-from .models import RestoreFailed, RunBroken, RunConflict, RunNotFound, reason_of
-from .runs import Run
+from .models import RestoreFailed, RunBroken, RunConflict, RunNotFound
+from .runs import Run, RunExporters
 from .store import Store, StoredRun
 
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-
 logger = logging.getLogger("staleness_metrics.server")
+
+# How long closing a run may wait for its W&B run (left unfinished, it loses its last rows)
+WANDB_CLOSE_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """Which exporters each run gets besides Prometheus: OTLP (to ``otlp_endpoint`` or the
+    ``OTEL_EXPORTER_OTLP_*`` variables), and with ``wandb_project`` one W&B run per service run."""
+
+    otlp: bool = False
+    otlp_endpoint: str | None = None
+    otlp_protocol: str | None = None
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_mode: Literal["online", "offline"] | None = None
+    wandb_dir: str | None = None
+
+
+def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
+    """The exporters of a new run; one that cannot start is left out and reported, never raised."""
+    from ..exporters.prometheus import PrometheusExporter
+
+    exporters = RunExporters(prometheus=PrometheusExporter(port=None))
+    if settings.otlp:
+        try:
+            from ..exporters.otlp import OtlpExporter
+
+            exporters.others.append(OtlpExporter(endpoint=settings.otlp_endpoint, protocol=settings.otlp_protocol))
+        except Exception as exc:
+            exporters.failures.append(("otlp", "the OTLP exporter could not start", exc))
+    if settings.wandb_project is not None:
+        try:
+            from ..exporters.wandb import WandbExporter
+
+            given = settings.wandb_entity, settings.wandb_mode, settings.wandb_dir
+            extra = dict(zip(("entity", "mode", "dir"), given, strict=True))
+            init = {
+                "project": settings.wandb_project,
+                "name": run,
+                "reinit": "create_new",  # one W&B run per service run, side by side in this process
+                # a dict: no import of wandb here
+                "settings": {"console": "off", "x_disable_stats": True},
+                **{key: value for key, value in extra.items() if value is not None},
+            }
+            exporters.others.append(WandbExporter(init_kwargs=init, own_run=True, close_timeout=WANDB_CLOSE_TIMEOUT))
+        except Exception as exc:
+            exporters.failures.append(("wandb", "the W&B run could not start", exc))
+    return exporters
 
 
 class RunRegistry:
@@ -28,10 +75,13 @@ class RunRegistry:
 
     def __init__(self, export_settings: ExportSettings | None = None, store: Store | None = None) -> None:
         self.export_settings = export_settings or ExportSettings()
-        preload(self.export_settings)
+        if self.export_settings.wandb_project is not None:
+            # before any request (seconds of CPU under the GIL); a failure is reported per run
+            with contextlib.suppress(ImportError):
+                import wandb  # noqa: F401
         self.store = store or Store()
         self._runs: dict[str, Run] = {}
-        self._pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}  # checked, not loaded yet
+        self._pending: dict[str, StoredRun] = {}  # checked, not loaded yet
         self._failed: dict[str, str] = {}  # runs whose stored rows could not be applied: why
         self._lock = threading.Lock()  # guards the dicts
         self._creating = threading.Lock()  # one creation or deletion at a time
@@ -59,16 +109,8 @@ class RunRegistry:
         """Check every stored run and load them (in the background, here, or later with ``defer``);
         returns how many."""
         stored_runs = self.store.load()
-        pending: dict[str, tuple[StalenessConfig, StoredRun]] = {}
-        for stored in stored_runs:
-            try:
-                config = StalenessConfig(**stored.config)
-            except Exception as exc:
-                what = f"run {stored.name!r}: its configuration cannot be loaded: {reason_of(exc)}"
-                raise self.store.damaged(what) from None
-            pending[stored.name] = (config, stored)
         with self._lock:
-            self._pending.update(pending)
+            self._pending.update((stored.name, stored) for stored in stored_runs)
         if defer:
             return len(stored_runs)
         if background:
@@ -97,10 +139,10 @@ class RunRegistry:
         with self._loading:
             with self._lock:
                 loaded = self._runs.get(name)
-                entry = self._pending.get(name)
-            if loaded is not None or entry is None:
+                stored = self._pending.get(name)
+            if loaded is not None or stored is None:
                 return loaded
-            config, stored = entry
+            config = StalenessConfig(**stored.config)  # (checked by the store)
             run = Run(name, config, build_exporters(name, self.export_settings), self.store)
             try:
                 run.restore(stored)
@@ -189,8 +231,18 @@ class RunRegistry:
         with self._lock:
             return list(self._runs.values())
 
-    def registries(self) -> Iterable[CollectorRegistry]:
-        return [run.registry for run in self.runs()]
+    def collect(self) -> list[Metric]:
+        """Every run's metric families as one collector's: each family once, with every run's
+        samples (each labelled with its ``run``)."""
+        merged: dict[str, Metric] = {}
+        for run in self.runs():
+            for family in run.registry.collect():
+                target = merged.get(family.name)
+                if target is None:
+                    target = Metric(family.name, family.documentation, family.type, family.unit)
+                    merged[family.name] = target
+                target.samples.extend(family.samples)
+        return list(merged.values())
 
     def close(self) -> None:
         """Close every run: their exporters flush."""

@@ -11,7 +11,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..errors import TraceError
+from ..exporters.base import Exporter
 from ..metrics.buckets import LAG_BUCKETS
 from ..metrics.metric_table import BOUND_KEY_PREFIX, MISMATCH_KEY_PREFIX
 from ..metrics.mismatch import SUM_FIELDS, MismatchSums
@@ -28,7 +29,6 @@ from ..metrics.report import MetricValue
 from ..monitor import StalenessMonitor
 from ..records.validation import lone_surrogate, printable_id, surrogate_reason, unstorable
 from ..state_checks import PIECE_ITEMS, arrays_left_as_numpy, json_pieces
-from .exporting import RunExporters
 from .models import (
     AddResult,
     ErrorItem,
@@ -49,10 +49,12 @@ from .models import (
     reason_of,
     trace_item,
 )
-from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun
+from .store import SNAPSHOT_BYTES, SNAPSHOT_EVERY, Chunked, Store, StoredRun, quoted
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
+
+    from ..exporters.prometheus import PrometheusExporter
 
 logger = logging.getLogger("staleness_metrics.server")
 
@@ -166,8 +168,7 @@ def add_row(records: list[dict[str, Any]], duplicates: int) -> Any:
 
 
 class Journal:
-    """A run's rows in ``store`` in order, and when to snapshot ``state()``; ``broken``: a write's
-    error that could not be persisted."""
+    """A run's rows in ``store``, in order, and its snapshots; ``broken``: a write not persisted."""
 
     def __init__(self, run: str, store: Store, state: Callable[[], dict[str, Any]]) -> None:
         self.run = run
@@ -247,6 +248,15 @@ def _lags_by_rollout(shipment: Shipment) -> list[list[list[int]]]:
     return [list(itertools.islice(samples, len(rollout.samples))) for rollout in shipment.rollouts]
 
 
+@dataclass
+class RunExporters:
+    """The exporters of one run; ``failures``: the ones that could not start."""
+
+    prometheus: PrometheusExporter
+    others: list[Exporter] = field(default_factory=list)
+    failures: list[tuple[str, str, BaseException]] = field(default_factory=list)
+
+
 _MISMATCH_PREFIXES = (MISMATCH_KEY_PREFIX, BOUND_KEY_PREFIX)
 
 
@@ -271,8 +281,8 @@ class Run:
     def __init__(self, name: str, config: StalenessConfig, exporters: RunExporters, store: Store | None = None) -> None:
         self.name = name
         self.config = config
-        self._exporters = exporters
-        self.monitor = StalenessMonitor(config, exporters.all, run=name)
+        self.registry: CollectorRegistry = exporters.prometheus.registry  # its series for /metrics
+        self.monitor = StalenessMonitor(config, [exporters.prometheus, *exporters.others], run=name)
         for exporter, message, exc in exporters.failures:  # reported as the exporters' own errors
             self.monitor.export_errors.register(exporter)
             self.monitor.export_errors.record(exporter, message, exc)
@@ -296,10 +306,6 @@ class Run:
                 MismatchRequest.model_validate(request["request"]), request.get("key")
             ),
         }
-
-    @property
-    def registry(self) -> CollectorRegistry:
-        return self._exporters.prometheus.registry
 
     @property
     def unavailable(self) -> str | None:
@@ -424,7 +430,11 @@ class Run:
                     raise RecordsInvalid([item])
                 digest = stored_digest(record)
                 if digest is None:  # the journal could not write it
-                    raise RecordsInvalid([self._unstorable_item(record, rid, index)])
+                    field, reason = unstorable(record) or ("rollout", "cannot be stored")
+                    reason += " (the run's journal could not store it)"
+                    shown = printable_id(rid)
+                    item = ErrorItem(field=field, reason=reason, rollout_id=shown, index=index)
+                    raise RecordsInvalid([item])
                 known = self._received.get(rid, digests.get(rid))
                 if known is None:
                     fresh.append(record)
@@ -435,11 +445,8 @@ class Run:
                 else:
                     conflicts.append(rid)
             if conflicts:
-                raise RunConflict(
-                    "rollout ids received before with different content (ids are unique within a run): "
-                    + ", ".join(repr(c) for c in conflicts[:10])
-                    + (f" and {len(conflicts) - 10} more" if len(conflicts) > 10 else "")
-                )
+                what = "rollout ids received before with different content"
+                raise RunConflict(f"{what} (ids are unique within a run): {quoted(conflicts, 10)}")
             sink = self.monitor.sink
             set_aside_before = len(sink.invalid)
             try:
@@ -465,12 +472,6 @@ class Run:
                 invalid=invalid,
                 queued=sink.queued,
             )
-
-    @staticmethod
-    def _unstorable_item(record: Mapping[str, Any], rid: str, index: int) -> ErrorItem:
-        field, reason = unstorable(record) or ("rollout", "cannot be stored")
-        reason += " (the run's journal could not store it)"
-        return ErrorItem(field=field, reason=reason, rollout_id=printable_id(rid), index=index)
 
     @staticmethod
     def _range_error(records: list[dict[str, Any]], index_of: Mapping[str, int]) -> ErrorItem:

@@ -8,8 +8,9 @@ import secrets
 from typing import Any
 
 from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .limits import ASGIApp, Receive, Scope, Send, send_json
+from .limits import send_json
 
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"
 

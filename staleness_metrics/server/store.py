@@ -16,7 +16,9 @@ from typing import Any
 
 import orjson
 
+from ..config import StalenessConfig
 from ..state_checks import PIECED_DEPTH, NestedTooDeep, json_pieces
+from .models import reason_of
 
 DATABASE_NAME = "staleness.sqlite3"
 MANIFEST_NAME = "manifest.json"
@@ -100,9 +102,6 @@ class Store:
     def journal(self, run: str) -> Iterator[JournalRow]:
         return iter(())
 
-    def damaged(self, what: str) -> Exception:
-        return RuntimeError(what)
-
     def close(self) -> None:
         pass
 
@@ -161,7 +160,7 @@ class SqliteStore(Store):
         self.manifest_path = data_dir / MANIFEST_NAME
         manifest = self._read_manifest()
         says = f"{self.manifest_path} says the directory holds {len(manifest)} run(s)"
-        says += f" ({_names(manifest)})"
+        says += f" ({quoted(manifest)})"
         if manifest and not self.path.exists():  # connecting would create an empty one
             raise StoreDamaged(data_dir, f"the database {self.path} is missing, but {says}")
         self._lock = threading.Lock()  # one connection, shared by the request threads
@@ -173,7 +172,7 @@ class SqliteStore(Store):
             stored = set() if has_runs.fetchone() is None else {n for (n,) in self._db.execute("SELECT name FROM runs")}
             missing = [name for name in manifest if name not in stored]
             if missing:
-                what = "is empty" if not stored else f"holds {len(stored)} run(s) but not {_names(missing)}"
+                what = "is empty" if not stored else f"holds {len(stored)} run(s) but not {quoted(missing)}"
                 raise StoreDamaged(data_dir, f"the database {self.path} {what}, but {says}")
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the answer
@@ -252,9 +251,6 @@ class SqliteStore(Store):
             stamp = checksum(table, run, int(seq), data, op)
             self._db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
 
-    def damaged(self, what: str) -> Exception:
-        return StoreDamaged(self.data_dir, what)
-
     def _damaged(self, table: str, run: str, seq: int, reason: str) -> StoreDamaged:
         row = _ROW_NAME[table].format(seq=seq)
         return StoreDamaged(self.data_dir, f"run {run!r}: its {row} in {self.path} {reason}")
@@ -270,11 +266,8 @@ class SqliteStore(Store):
     def _checked(self, table: str, run: str, seq: int, data: Any, stored: Any, op: str | None = None) -> Any:
         """The decoded row, once its checksum matches."""
         if isinstance(data, bytes) and stored != checksum(table, run, seq, data, op):
-            reason = (
-                "has no checksum"
-                if stored is None
-                else "fails its checksum (its bytes changed after they were written: a flipped or truncated value)"
-            )
+            changed = "its bytes changed after they were written: a flipped or truncated value"
+            reason = "has no checksum" if stored is None else f"fails its checksum ({changed})"
             raise self._damaged(table, run, seq, reason)
         return self._decode(table, run, seq, data)
 
@@ -315,20 +308,13 @@ class SqliteStore(Store):
             self._write_in_place("journal", (insert, (run, seq, op, check, size)), request.pieces, size)
             return size
         data = b"".join(request.pieces()) if isinstance(request, Chunked) else dumps(request)
-        statements: list[tuple[str, tuple[Any, ...]]] = [
-            (
-                "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)",
-                (run, seq, op, data, checksum("journal", run, seq, data, op)),
-            )
-        ]
+        insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
+        check = checksum("journal", run, seq, data, op)
+        statements: list[tuple[str, tuple[Any, ...]]] = [(insert, (run, seq, op, data, check))]
         if history_row is not None:
             row = dumps(history_row)
-            statements.append(
-                (
-                    "INSERT INTO history (run, seq, row, checksum) VALUES (?, ?, ?, ?)",
-                    (run, seq, row, checksum("history", run, seq, row)),
-                )
-            )
+            insert = "INSERT INTO history (run, seq, row, checksum) VALUES (?, ?, ?, ?)"
+            statements.append((insert, (run, seq, row, checksum("history", run, seq, row))))
         self._write(statements)
         return len(data)
 
@@ -370,10 +356,18 @@ class SqliteStore(Store):
         self._write([(insert.format("?"), (run, seq, checksum("snapshots", run, seq, data), data))])
 
     def load(self) -> list[StoredRun]:
-        """Every run, each row checked (:class:`StoreDamaged` names the first damaged one)."""
+        """Every run, each row checked, then each configuration (:class:`StoreDamaged` names the
+        first damaged one)."""
         with self._lock:
-            runs = self._db.execute("SELECT name, config, checksum FROM runs ORDER BY rowid").fetchall()
-        return [self._load_run(name, config, check) for name, config, check in runs]
+            rows = self._db.execute("SELECT name, config, checksum FROM runs ORDER BY rowid").fetchall()
+        runs = [self._load_run(name, config, check) for name, config, check in rows]
+        for run in runs:
+            try:
+                StalenessConfig(**run.config)
+            except Exception as exc:
+                what = f"run {run.name!r}: its configuration cannot be loaded: {reason_of(exc)}"
+                raise StoreDamaged(self.data_dir, what) from None
+        return runs
 
     def _load_run(self, name: str, config_data: Any, config_check: Any) -> StoredRun:
         config = self._checked("runs", name, 0, config_data, config_check)
@@ -436,9 +430,10 @@ def _sized(table: str, run: str, seq: int, pieces: Iterable[bytes], op: str | No
     return size, digest.hexdigest()
 
 
-def _names(runs: list[str]) -> str:
-    shown = ", ".join(repr(name) for name in runs[:5])
-    return shown + (f" and {len(runs) - 5} more" if len(runs) > 5 else "")
+def quoted(names: list[str], most: int = 5) -> str:
+    """The first ``most`` names, quoted, and how many more."""
+    shown = ", ".join(repr(name) for name in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 _RUN_TABLES = (("runs", "name"), ("journal", "run"), ("history", "run"), ("snapshots", "run"))
