@@ -119,16 +119,16 @@ async def _too_deep(request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "the body is nested too deeply to read"}, status_code=status.HTTP_400_BAD_REQUEST)
 
 
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")  # (sorted: the Allow order)
+
+
 async def _not_allowed(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """A 405 whose ``Allow`` lists every method of the path (RFC 9110), not one route's."""
-    probe = {**request.scope, "method": "GET"}
-    allowed: set[str] = set()
-    for route in request.app.routes:
-        methods = getattr(route, "methods", None)
-        if methods and route.matches(probe)[0] is not Match.NONE:
-            allowed |= methods
+    """A 405 whose ``Allow`` lists every method of the path (RFC 9110), not one route's: each method
+    a route (one a router includes too) fully matches."""
+    routes = request.app.routes
+    allowed = [m for m in _METHODS if any(r.matches({**request.scope, "method": m})[0] is Match.FULL for r in routes)]
     answer = JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
-    answer.headers["allow"] = ", ".join(sorted(allowed))
+    answer.headers["allow"] = ", ".join(allowed)
     return answer
 
 

@@ -500,3 +500,19 @@ def test_a_body_cutting_a_span_row_per_position_gets_413_within_three_times_its_
                 assert http.get(f"/v1/runs/{run}").json()["queued"] == 0  # nothing of it was applied
             else:
                 assert answer.json()["accepted"] == 1
+
+
+def test_a_wrong_method_gets_405_listing_the_methods_the_path_takes(server: ThreadServer) -> None:
+    """RFC 9110: a 405 names in ``Allow`` every method the path takes, routes of included routers too."""
+    expected = {
+        ("DELETE", "/healthz"): "GET",
+        ("PUT", "/metrics"): "GET",
+        ("GET", "/v1/runs/exp/rollouts"): "POST",
+        ("POST", "/v1/runs/exp"): "DELETE, GET, PUT",
+        ("GET", "/v1/runs/exp/ship"): "POST",
+        ("PATCH", "/docs"): "GET, HEAD",
+    }
+    with httpx.Client(base_url=server.url) as http:
+        for (method, path), allow in expected.items():
+            response = http.request(method, path)
+            assert (response.status_code, response.headers.get("allow")) == (405, allow), (method, path)
