@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import zstandard
+
+from .damage import Damage
 
 _CHUNK = re.compile(r"^(\d+)\.jsonl(\.zst)?$")
 _INDEX_SUFFIX = ".index.jsonl"
@@ -104,16 +106,6 @@ def is_current_layout(path: str | Path) -> bool:
 _BUFFER = 1 << 20  # lines of long episodes are hundreds of KB
 
 
-class ChunkDamage(Exception):
-    """A chunk that cannot be read to its end: ``path``, the line reached and why."""
-
-    def __init__(self, path: Path, line: int, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.line = line
-        self.reason = reason
-
-
 @dataclass(frozen=True)
 class Line:
     """One line of a stream file: ``number`` 1-based, ``offset`` its first (decompressed) byte,
@@ -169,9 +161,9 @@ class _Frames(io.RawIOBase):
         return size
 
 
-def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None]) -> Iterator[tuple[bool, Line]]:
+def read_files(files: list[ChunkFile], damage: Damage) -> Iterator[tuple[bool, Line]]:
     """``(last, line)``: every non-blank line of ``files`` in order (``last``: in the last file); a
-    chunk that cannot be read on goes to ``on_damage`` and the next file is read."""
+    chunk that cannot be read on goes to ``damage`` and the next file is read."""
     for position, file in enumerate(files):
         number = offset = 0
         try:
@@ -186,6 +178,7 @@ def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None])
                     offset += len(raw)
         except zstandard.ZstdError as error:
             reason = f"corrupt zstd data after line {number} ({error})"
-            on_damage(ChunkDamage(file.path, number + 1, reason))
+            damage.report("bad_chunk", file.path, number + 1, reason)
         except OSError as error:
-            on_damage(ChunkDamage(file.path, number + 1, f"cannot be read after line {number} ({error})"))
+            reason = f"cannot be read after line {number} ({error})"
+            damage.report("bad_chunk", file.path, number + 1, reason)

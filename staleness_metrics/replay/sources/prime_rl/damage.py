@@ -36,9 +36,12 @@ class Damage:
     strict: bool = True
     counts: Counter[str] = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
+    quiet: bool = False  # a second reading's: the first reported what it sees
 
     def report(self, kind: str, path: Path | str, line: int, reason: str) -> None:
-        """Raise :class:`EventError` (strict) or count it (lenient)."""
+        """Raise :class:`EventError` (strict) or count it (lenient); nothing when ``quiet``."""
+        if self.quiet:
+            return
         if self.strict:
             raise EventError(line, f"{path}: {reason}")
         self.counts[kind] += 1

@@ -18,7 +18,7 @@ from ....errors import ConfigError
 from ....records.model import ParsedRollout, UnparsedRollout
 from ...stream import Event
 from . import lazy
-from .chunks import ChunkDamage, ChunkFile, Line, TracesLayout, find_layout, read_files
+from .chunks import ChunkFile, Line, TracesLayout, find_layout, read_files
 from .damage import Damage, IndexCheck
 from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
 
@@ -46,36 +46,26 @@ class Updates:
     torn: int = 0
 
 
-def read_updates(
-    files: list[ChunkFile], parser: lazy.Parser, damage: Damage, *, quiet: bool = False
-) -> Iterator[tuple[int, Line, Any]]:
+def read_updates(files: list[ChunkFile], damage: Damage) -> Iterator[tuple[int, Line, Any]]:
     """``(ordinal, line, update)`` of a producer's updates in order, ``update`` None for a torn last
-    line (it ends the stream); others that are not updates go to ``damage`` (``quiet``: skipped)."""
-
-    def bad_chunk(error: ChunkDamage) -> None:
-        if not quiet:
-            damage.report("bad_chunk", error.path, error.line, error.reason)
-
+    line (it ends the stream); others that are not updates go to ``damage``."""
+    parser = lazy.Parser()
     ordinal = 0
-    for last, line in read_files(files, bad_chunk):
+    for last, line in read_files(files, damage):
         ordinal += 1
         try:
             doc = parser.parse(line.text)
         except lazy.DecodeError as error:
-            if not line.ended:
-                if last:
-                    yield ordinal, line, None
-                elif not quiet:
-                    damage.report("bad_line", line.file.path, line.number, f"a torn line ({error})")
-                continue
-            if not quiet:
-                damage.report("bad_line", line.file.path, line.number, f"not JSON ({error})")
+            if not line.ended and last:
+                yield ordinal, line, None
+            else:
+                fault = "not JSON" if line.ended else "a torn line"
+                damage.report("bad_line", line.file.path, line.number, f"{fault} ({error})")
             continue
         reason = _update_fault(doc)
         if reason is not None:
             del doc
-            if not quiet:
-                damage.report("not_update", line.file.path, line.number, reason)
+            damage.report("not_update", line.file.path, line.number, reason)
             continue
         yield ordinal, line, doc
         del doc
@@ -120,10 +110,9 @@ def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updat
     """Per trace, its ship (``info.effective``, ``info.ship.step``), its last ``trainer_logprobs``
     update and where it was first named."""
     out = Updates()
-    parser = lazy.Parser()
     for producer, files in producers.items():
         last: dict[str, int] = {}
-        for ordinal, line, doc in read_updates(files, parser, damage):
+        for ordinal, line, doc in read_updates(files, damage):
             if doc is None:
                 out.torn += 1
                 continue
@@ -150,7 +139,7 @@ class StreamFeed:
     def __init__(self, files: list[ChunkFile], last: dict[str, int], damage: Damage) -> None:
         self._last = last
         self._damage = damage
-        self._updates = read_updates(files, lazy.Parser(), damage, quiet=True)
+        self._updates = read_updates(files, Damage(quiet=True))
         self._read = 0  # ordinal of the last update read
         self._held: dict[str, dict[int, list[Stream]]] = {}
         self._done = False
@@ -286,40 +275,29 @@ class PrimeRlRead:
 
     def _lines(self, index: IndexCheck) -> Iterator[tuple[Line, object]]:
         """``(line, episode proxy)`` of the stream in order, damage reported, torn lines handled."""
-        damage, files, parser = self.notes.damage, self.layout.stream, lazy.Parser()
-
-        def bad_chunk(error: ChunkDamage) -> None:
-            damage.report("bad_chunk", error.path, error.line, error.reason)
-
-        for last, line in read_files(files, bad_chunk):
-            file = line.file
-            where = (-1 if file.number is None else file.number, line.offset)
+        damage, parser = self.notes.damage, lazy.Parser()
+        for last, line in read_files(self.layout.stream, damage):
+            where = (-1 if line.file.number is None else line.file.number, line.offset)
             try:
-                doc = parser.parse(line.text)
+                yield line, parser.parse(line.text)
+                continue
             except lazy.DecodeError as error:
                 reason = str(error)
-                resume = index.resume_inside(where, len(line.text))
-                # a relaunch appended after a torn line: the index says where
-                if resume is not None:
-                    self.notes.split_lines += 1
-                    line = Line(file, line.number, resume, line.text[resume - line.offset :], line.ended)
-                    where = (where[0], resume)
-                    try:
-                        doc = parser.parse(line.text)
-                    except lazy.DecodeError as again:
-                        reason = str(again)
-                    else:
-                        yield line, doc
-                        del doc
-                        continue
-                index.see(where, None)
-                if not line.ended and last:
-                    self.notes.torn += 1  # a torn last line ends the stream
-                    return
-                damage.report("bad_line", file.path, line.number, f"not JSON ({reason})")
-                continue
-            yield line, doc
-            del doc
+            resume = index.resume_inside(where, len(line.text))
+            if resume is not None:  # a relaunch appended after a torn line: the index says where
+                self.notes.split_lines += 1
+                line = Line(line.file, line.number, resume, line.text[resume - line.offset :], line.ended)
+                where = (where[0], resume)
+                try:
+                    yield line, parser.parse(line.text)
+                    continue
+                except lazy.DecodeError as again:
+                    reason = str(again)
+            index.see(where, None)
+            if not line.ended and last:
+                self.notes.torn += 1  # a torn last line ends the stream
+                return
+            damage.report("bad_line", line.file.path, line.number, f"not JSON ({reason})")
 
     def _events(self) -> Iterator[Event]:
         notes, damage = self.notes, self.notes.damage
