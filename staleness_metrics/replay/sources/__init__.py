@@ -158,8 +158,7 @@ def read_run(
     kind = detect_source(path)
     if kind == "prime-rl" and is_current_layout(path):
         yield from read_run_events(path, max_staleness=max_staleness, strict=strict)
-        return
-    if kind == "events":
+    elif kind == "events":
         yield from read_event_path(path, parse=parse)  # as the replay command reads it
-        return
-    yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step, strict=strict))
+    else:
+        yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step, strict=strict))

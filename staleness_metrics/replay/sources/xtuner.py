@@ -11,8 +11,6 @@ from typing import Any
 from ...errors import EventError
 from .events import EventDict, iter_json_lines
 
-DEFAULT_STATUSES = ("completed",)
-
 
 def _versions(steps: object) -> list[int]:
     if not isinstance(steps, list):
@@ -78,7 +76,7 @@ def read_xtuner_states(
     source: str | Path | Iterable[Mapping[str, Any]],
     *,
     step: int | None = None,
-    statuses: Collection[str] = DEFAULT_STATUSES,
+    statuses: Collection[str] = ("completed",),
 ) -> XtunerRead:
     """Rollout events for the states with a taken ``status``, then one ship at ``step``."""
     wanted = {s.lower() for s in statuses}

@@ -78,15 +78,14 @@ def find_layout(path: str | Path) -> TracesLayout | None:
     annotations: dict[str, list[ChunkFile]] = {}
     folder = traces / "annotations"
     if folder.is_dir():
-        names = {p.name for p in folder.iterdir() if p.is_dir()}
-        names |= {
-            p.name.removesuffix(".jsonl")
+        # a producer's updates: NAME/ chunks or NAME.jsonl (what names neither finds no files)
+        names = {
+            p.name if p.is_dir() else p.name.removesuffix(".jsonl")
             for p in folder.iterdir()
-            if p.is_file() and p.name.endswith(".jsonl") and not p.name.endswith(_INDEX_SUFFIX)
+            if p.is_dir() or not p.name.endswith(_INDEX_SUFFIX)
         }
         for name in sorted(names):
-            files = _stream_files(folder / name)
-            if files:
+            if files := _stream_files(folder / name):
                 annotations[name] = files
     metrics = traces.parent / "metrics.jsonl"
     return TracesLayout(

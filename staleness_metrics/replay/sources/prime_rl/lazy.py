@@ -41,7 +41,7 @@ class Parser:
 
 
 def is_object(value: object) -> bool:
-    return isinstance(value, Mapping) or (simdjson is not None and type(value) is simdjson.Object)
+    return (simdjson is not None and type(value) is simdjson.Object) or isinstance(value, Mapping)
 
 
 def is_array(value: object) -> bool:
@@ -50,15 +50,7 @@ def is_array(value: object) -> bool:
 
 def get(value: object, key: str) -> Any:
     """``value[key]`` of an object, None when absent or when ``value`` is not an object."""
-    if simdjson is not None and type(value) is simdjson.Object:
-        return value.get(key)
-    return value.get(key) if isinstance(value, Mapping) else None
-
-
-def keys(value: object) -> set[str]:
-    if simdjson is not None and type(value) is simdjson.Object:
-        return set(value.keys())
-    return set(value) if isinstance(value, Mapping) else set()
+    return value.get(key) if is_object(value) else None  # type: ignore[attr-defined]
 
 
 def length(value: object) -> int:

@@ -21,6 +21,7 @@ from . import lazy
 from .chunks import ChunkFile, Line, TracesLayout, find_layout, read_files
 from .damage import Damage, IndexCheck
 from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
+from .legacy import stale_at_arrival
 
 STREAM_FIELD = "trainer_logprobs"
 
@@ -32,10 +33,6 @@ class TraceFacts:
     effective: bool | None = None
     ship_step: int | None = None
     where: tuple[Path, int] | None = None
-
-    @property
-    def shipped_at(self) -> int | None:
-        return self.ship_step if self.effective else None
 
 
 @dataclass
@@ -340,17 +337,17 @@ class PrimeRlRead:
         for trace in episode.traces:
             streams = self._streams(trace.id)
             facts = self._updates.traces.pop(trace.id, None)
-            arrival = self._arrival(episode, trace, facts, doc)
+            shipped = facts.ship_step if facts is not None and facts.effective else None
+            arrival = self._arrival(episode, trace, shipped, doc)
             if arrival is None:
                 continue
             for step in sorted(s for s in self._ships if s < arrival):
                 self._passed = step
                 events.append(Event(number, "ship", step=step, ids=tuple(self._ships.pop(step))))
-            event = self._trace_event(number, line, episode, trace, facts, streams, arrival)
+            event = self._trace_event(number, line, episode, trace, shipped, streams, arrival)
             if event is None:
                 continue
             events.append(event)
-            shipped = facts.shipped_at if facts is not None else None
             if shipped is not None:
                 self._ships.setdefault(shipped, []).extend([trace.id] if event.parsed is not None else [])
         return events
@@ -362,7 +359,7 @@ class PrimeRlRead:
                 merged.setdefault(branch, []).extend(streams)
         return merged
 
-    def _arrival(self, episode: EpisodeHead, trace: TraceHead, facts: TraceFacts | None, doc: object) -> int | None:
+    def _arrival(self, episode: EpisodeHead, trace: TraceHead, shipped: int | None, doc: object) -> int | None:
         """The trace's arrival step, or None when it is left out (eval, errored)."""
         if episode.kind != "train":
             if trace is episode.traces[0]:
@@ -373,7 +370,6 @@ class PrimeRlRead:
             return None
         if trace.arrival_step is not None:
             return trace.arrival_step
-        shipped = facts.shipped_at if facts is not None else None
         if shipped is not None:
             return shipped
         step = lazy.get(lazy.get(lazy.get(doc, "run"), "work"), "step")
@@ -385,19 +381,16 @@ class PrimeRlRead:
         line: Line,
         episode: EpisodeHead,
         trace: TraceHead,
-        facts: TraceFacts | None,
+        shipped: int | None,
         streams: dict[int, list[Stream]],
         arrival: int,
     ) -> Event | None:
         notes = self.notes
-        shipped = facts.shipped_at if facts is not None else None
         if shipped is None:
-            if episode.frozen:
+            if episode.policy is None:  # frozen-model work
                 notes.frozen_unshipped += 1
                 return None
-            start = episode.policy[0] if episode.policy is not None else None
-            stale = not isinstance(start, int) or isinstance(start, bool) or (arrival - 1) - start > self.max_staleness
-            if not stale:
+            if not stale_at_arrival(episode.policy[0], arrival, self.max_staleness):
                 notes.unshipped_left_out += 1
                 return None
             notes.unshipped_stale += 1
