@@ -1,6 +1,5 @@
 """What if the bound were different: the same run replayed at each ``max_staleness`` of a range,
-each row the sum of the replay's per-ship tallies (the columns: docs/run-inputs.md and
-docs/decisions.md, "What-if cost")."""
+each row the sum of its per-ship tallies (the columns: docs/run-inputs.md, docs/decisions.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Inputs from real runs turned into the SPEC 9 event stream: event files, prime-rl run directories
-(either layout, :mod:`.prime_rl`) and xtuner states (:mod:`.xtuner`); :func:`detect_source` tells
-them apart (the table in docs/run-inputs.md)."""
+"""Inputs from real runs as the SPEC 9 event stream: event files, prime-rl run directories (either
+layout) and xtuner states; :func:`detect_source` tells them apart (docs/run-inputs.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""A prime-rl run's files in the current layout (``prime-rl-traces.md`` section 1: under
-``<run>/monitors/file/``), and the lines of its streams, chunk after chunk, plain or sealed (zstd
-frames), each with its offset in decompressed bytes, as prime-rl's index gives them."""
+"""A prime-rl run's files in the current layout (``prime-rl-traces.md`` section 1) and its streams'
+lines, plain or sealed (zstd frames), each at the decompressed offset prime-rl's index names."""
 
 from __future__ import annotations
 

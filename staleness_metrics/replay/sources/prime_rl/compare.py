@@ -1,6 +1,5 @@
-"""prime-rl's own logged values beside the recomputed ones, step by step (SPEC 9: read for
-comparison, never as input), and prime-rl's rule recomputed from the records
-(``docs/trainers/prime-rl.md``, "Against prime-rl's own numbers")."""
+"""prime-rl's logged values beside ours and beside prime-rl's rule recomputed from the records, step
+by step (SPEC 9: read for comparison, never as input; docs/trainers/prime-rl.md)."""
 
 from __future__ import annotations
 

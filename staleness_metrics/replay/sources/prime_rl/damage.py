@@ -1,6 +1,5 @@
-"""What a damaged run gets (SPEC 9): strict mode stops naming the file, line and reason, lenient
-mode sets the damaged part aside and counts it; and the stream index (``stream.index.jsonl``)
-checked against the stream as it is read."""
+"""What a damaged run gets (SPEC 9): strict mode stops naming file, line and reason, lenient mode
+sets the damaged part aside and counts it; and the stream index checked against the stream."""
 
 from __future__ import annotations
 

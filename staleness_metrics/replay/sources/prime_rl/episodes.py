@@ -1,6 +1,5 @@
-"""One prime-rl episode record (verifiers' ``Episode.to_record()``, a dict or :mod:`.lazy` proxies)
--> one SPEC 3 rollout per trace, one sample per trainable branch (``docs/trainers/prime-rl.md``,
-"How a run is read")."""
+"""One prime-rl episode record (a dict or :mod:`.lazy` proxies) -> one SPEC 3 rollout per trace, one
+sample per trainable branch (``docs/trainers/prime-rl.md``, "How a run is read")."""
 
 from __future__ import annotations
 

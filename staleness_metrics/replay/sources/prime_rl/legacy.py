@@ -1,6 +1,5 @@
 """prime-rl run directories in the older layout (``rollouts/step_N/train/{all,effective}``) as a
-SPEC 9 event stream: an episode one rollout, each trace one sample of one unlabelled position
-(``docs/run-inputs.md``)."""
+SPEC 9 event stream: an episode one rollout, each trace one sample of one unlabelled position."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A prime-rl run in the current layout as the SPEC 9 event stream it implies, its annotation
-updates read in two passes (:func:`scan_updates`: the ships; a :class:`StreamFeed` per producer: the
-trainer's streams, alongside the episodes). The readings: ``docs/trainers/prime-rl.md``."""
+updates read in two passes (:func:`scan_updates`: ships; :class:`StreamFeed`: trainer streams)."""
 
 from __future__ import annotations
 
@@ -114,16 +113,12 @@ def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updat
                 out.torn += 1
                 continue
             trace_id = lazy.get(doc, "trace_id")
-            facts = out.traces.get(trace_id)
-            if facts is None:
-                facts = out.traces[trace_id] = TraceFacts(where=(line.file.path, line.number))
-            info = lazy.get(doc, "info")
-            if info is not None:
-                _merge_info(facts, info)
+            facts = out.traces.setdefault(trace_id, TraceFacts(where=(line.file.path, line.number)))
+            _merge_info(facts, lazy.get(doc, "info"))
             branches = lazy.get(doc, "branches")
             if branches is not None and any(lazy.get(b, STREAM_FIELD) is not None for b in branches):
                 last[trace_id] = ordinal
-            del doc, info, branches
+            del doc, branches
         if last:
             out.last_stream[producer] = last
     return out
@@ -267,9 +262,6 @@ class PrimeRlRead:
         self.max_staleness = max_staleness
         self.notes = ReadNotes(Damage(strict=strict))
 
-    def __iter__(self) -> Iterator[Event]:
-        return self._events()
-
     def _lines(self, index: IndexCheck) -> Iterator[tuple[Line, object]]:
         """``(line, episode proxy)`` of the stream in order, damage reported, torn lines handled."""
         damage, parser = self.notes.damage, lazy.Parser()
@@ -296,7 +288,7 @@ class PrimeRlRead:
                 return
             damage.report("bad_line", line.file.path, line.number, f"not JSON ({reason})")
 
-    def _events(self) -> Iterator[Event]:
+    def __iter__(self) -> Iterator[Event]:
         notes, damage = self.notes, self.notes.damage
         updates = scan_updates(self.layout.annotations, damage)
         notes.torn += updates.torn
