@@ -35,8 +35,7 @@ class RunDirectory:
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
         """The run's settings, ``overrides`` applied (a bad one: ``ConfigError`` naming run.json)."""
         known = {f.name for f in fields(StalenessConfig)}
-        settings = {k: v for k, v in self.config.items() if k in known}
-        settings.update(overrides)
+        settings = {k: v for k, v in self.config.items() if k in known} | overrides
         try:
             return StalenessConfig.from_mapping(settings)
         except ConfigError as error:
@@ -120,8 +119,7 @@ def _read(root: Path) -> RunDirectory:
         value = files.get(name)
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{path}: files.{name}: expected a file name, got {value!r}")
-        file = root / value if value is not None else None
-        resolved[name] = file if file is not None and file.is_file() else None
+        resolved[name] = root / value if value is not None and (root / value).is_file() else None
     events = resolved.pop("events")
     if events is None:
         raise ConfigError(f"{path}: files.events: {root / files['events']} does not exist")

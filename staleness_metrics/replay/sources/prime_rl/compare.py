@@ -29,7 +29,8 @@ _RULE_FIELD = {
     keys.ROLLOUT_IN_QUEUE_MAX: "in_queue",
 }
 MISMATCH_PREFIX = "mismatch_kl/"
-# (relative, absolute): per-token log-probabilities rounded to 4 decimals
+# (relative, absolute): float noise, and per-token log-probabilities rounded to 4 decimals
+TOLERANCE = (1e-9, 1e-9)
 MISMATCH_TOLERANCE = (0.05, 2e-5)
 
 Status = Literal["match", "prime_rl_rule", "missing", "mismatch"]
@@ -80,7 +81,7 @@ def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     return rows
 
 
-def _close(a: float | None, b: float | None, tolerance: tuple[float, float] = (1e-9, 1e-9)) -> bool:
+def _close(a: float | None, b: float | None, tolerance: tuple[float, float]) -> bool:
     return a is not None and b is not None and math.isclose(a, b, rel_tol=tolerance[0], abs_tol=tolerance[1])
 
 
@@ -104,19 +105,13 @@ def _rule_value(key: str, rule: StepRule) -> float | None:
 
 
 def _status(
-    value: float,
-    ours: float | None,
-    rule: float | None,
-    *,
-    rules_differ: bool = True,
-    missing: bool,
-    tolerance: tuple[float, float] = (1e-9, 1e-9),
+    value: float, ours: float | None, rule: float | None, missing: bool, tolerance: tuple[float, float]
 ) -> Status:
-    """``match`` (equal to ours), ``prime_rl_rule`` (to prime-rl's rule only, where the rules differ),
-    ``missing`` or ``mismatch``."""
+    """``match`` (equal to ours), ``prime_rl_rule`` (to prime-rl's ``rule`` only; None where the
+    rules agree), ``missing`` or ``mismatch``."""
     if _close(value, ours, tolerance):
         return "match"
-    if rules_differ and _close(value, rule, tolerance):
+    if _close(value, rule, tolerance):
         return "prime_rl_rule"
     return "missing" if missing else "mismatch"
 
@@ -147,7 +142,7 @@ def _staleness_row(
         reasons.append(FROZEN)
     if key == keys.ROLLOUTS_DROPPED:
         reasons = [DROPPED]
-    status = _status(value, mine, legacy, rules_differ=bool(reasons), missing=mine is None)
+    status = _status(value, mine, legacy if reasons else None, mine is None, TOLERANCE)
     note = "; ".join(reasons)
     return ComparisonRow(step, logged_key, key, value, mine, legacy, live, frozen, status, note)
 
@@ -165,8 +160,7 @@ def _mismatch_row(
     mine = _number(ours.get(key)) if key else None
     legacy = rule.k3[scope].value(stat) if rule is not None and scope in rule.k3 else None
     live, frozen = (rule.live, rule.frozen) if rule is not None else (0, 0)
-    missing = mine is None and legacy is None
-    status = _status(value, mine, legacy, missing=missing, tolerance=MISMATCH_TOLERANCE)
+    status = _status(value, mine, legacy, mine is None and legacy is None, MISMATCH_TOLERANCE)
     note = NO_KEY if mine is None else FROZEN_TOKENS if frozen else ""
     return ComparisonRow(step, logged_key, key, value, mine, legacy, live, frozen, status, note)
 
