@@ -88,9 +88,8 @@ def read_xtuner_states(
         if status not in wanted:
             skipped[status] = skipped.get(status, 0) + 1
             continue
-        rollout = state_rollout(state, fallback)
         newest = max([newest, *_versions(state.get("response_model_steps"))])
-        events.append({"type": "rollout", "rollout": rollout})
+        events.append({"type": "rollout", "rollout": state_rollout(state, fallback)})
     ship_step = step if step is not None else max(newest + 1, 1)
     events.append({"type": "ship", "step": ship_step})
     return XtunerRead(events, ship_step, skipped)

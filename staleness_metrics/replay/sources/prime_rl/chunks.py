@@ -31,7 +31,6 @@ class ChunkFile:
 class TracesLayout:
     """The files of a run in the current layout, each stream's files in reading order."""
 
-    traces: Path
     stream: list[ChunkFile]
     index: Path | None
     annotations: dict[str, list[ChunkFile]] = field(default_factory=dict)
@@ -88,7 +87,6 @@ def find_layout(path: str | Path) -> TracesLayout | None:
                 annotations[name] = files
     metrics = traces.parent / "metrics.jsonl"
     return TracesLayout(
-        traces=traces,
         stream=_stream_files(traces / "stream"),
         index=index if index.is_file() else None,
         annotations=annotations,

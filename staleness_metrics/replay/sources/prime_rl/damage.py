@@ -25,16 +25,14 @@ DAMAGE_KINDS = {
     "bad_update": "updates that do not fit their trace (a branch it lacks, a stream longer than its branch)",
     "late_ship": "traces shipped at a step the replay had passed (their arrival came after the ship)",
 }
-_EXAMPLES = 5
 
 
 @dataclass
 class Damage:
-    """What was set aside, counted per kind of :data:`DAMAGE_KINDS`, and the first few reasons."""
+    """What was set aside, counted per kind of :data:`DAMAGE_KINDS` (each reason is logged)."""
 
     strict: bool = True
     counts: Counter[str] = field(default_factory=Counter)
-    examples: list[str] = field(default_factory=list)
     quiet: bool = False  # a second reading's: the first reported what it sees
 
     def report(self, kind: str, path: Path | str, line: int, reason: str) -> None:
@@ -44,8 +42,6 @@ class Damage:
         if self.strict:
             raise EventError(line, f"{path}: {reason}")
         self.counts[kind] += 1
-        if len(self.examples) < _EXAMPLES:
-            self.examples.append(f"{path}: line {line}: {reason}")
         _log.warning("set aside: %s: line %d: %s", path, line, reason)
 
     @property
@@ -65,12 +61,11 @@ class IndexCheck:
     def __init__(self, path: Path | None, damage: Damage) -> None:
         self._path = path
         self._damage = damage
-        self._rows = self._read() if path is not None else iter(())
+        self._rows = self._read(path) if path is not None else iter(())
         self._next: tuple[int, Position, str | None] | None = next(self._rows, None)
 
-    def _read(self) -> Iterator[tuple[int, Position, str | None]]:
-        assert self._path is not None
-        with open(self._path, "rb") as handle:
+    def _read(self, path: Path) -> Iterator[tuple[int, Position, str | None]]:
+        with open(path, "rb") as handle:
             for number, raw in enumerate(handle, start=1):
                 if not raw.strip():
                     continue
@@ -79,13 +74,13 @@ class IndexCheck:
                 except jsonio.DecodeError as error:
                     if not raw.endswith(b"\n"):
                         return  # a torn last row: the writer died mid-append
-                    self._damage.report("bad_line", self._path, number, f"not JSON ({error.msg})")
+                    self._damage.report("bad_line", path, number, f"not JSON ({error.msg})")
                     continue
                 chunk, offset = (row.get("chunk"), row.get("offset")) if isinstance(row, dict) else (None, None)
                 if not isinstance(offset, int) or not _is_int(offset) or not (chunk is None or _is_int(chunk)):
                     self._damage.report(
                         "index_nowhere",
-                        self._path,
+                        path,
                         number,
                         "an index row without a chunk and offset",
                     )

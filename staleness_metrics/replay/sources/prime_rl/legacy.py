@@ -64,10 +64,9 @@ def _episodes(path: Path) -> Iterator[EventDict]:
         if not isinstance(value, dict):
             raise EventError(number, f"{path}: expected an episode object, got {type(value).__name__}")
         try:
-            rollout = episode_rollout(value)
+            yield episode_rollout(value)
         except TraceError as error:  # the record cannot become a rollout: say which file and line
             raise EventError(number, f"{path}: {error}") from error
-        yield rollout
 
 
 def stale_at_arrival(start: object, step: int, bound: int) -> bool:
