@@ -24,7 +24,6 @@ class RunDirectory:
     """A run directory as its ``run.json`` describes it (absent optional files are None)."""
 
     root: Path
-    name: str
     config: Mapping[str, Any]
     events: Path
     metrics: Path | None = None
@@ -126,7 +125,6 @@ def _read(root: Path) -> RunDirectory:
     steps = data.get("steps")
     return RunDirectory(
         root=root,
-        name=str(data.get("run", root.name)),
         config=config,
         events=events,
         steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,

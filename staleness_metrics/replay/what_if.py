@@ -444,8 +444,7 @@ def format_table(rows: Sequence[WhatIfRow], curve: RunCurve | None = None) -> st
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in (header, *body)]
     table = [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
     if curve is not None:
-        table.append("")
-        table.append(describe_curve(curve))
+        table += ["", describe_curve(curve)]
     return "\n".join(table)
 
 

@@ -173,10 +173,8 @@ def compare_prime_rl(
     notes: ReadNotes | None = None,
 ) -> list[ComparisonRow]:
     """The run's logged values (``historical``, default its ``metrics.jsonl``) beside ``metrics``
-    (the replay's reports or ``--metrics-out`` rows), step by step. ``notes``: the current layout
-    reader's, holding prime-rl's rule per step; without them (older layout) the rule follows from
-    the live / frozen counts (the reports' tallies, else the run's effective files).
-    """
+    (the replay's reports or ``--metrics-out`` rows), step by step; ``notes``: the current layout
+    reader's (prime-rl's rule per step), else the rule follows from the live / frozen counts."""
     root = Path(run_dir)
     logged = historical if historical is not None else read_prime_rl_metrics(root)
     recomputed: dict[int, Mapping[str, Any]] = {}
