@@ -17,8 +17,7 @@ from ....errors import ConfigError
 from ....records.model import ParsedRollout, UnparsedRollout
 from ...stream import Event
 from . import lazy
-from .chunks import ChunkFile, Line, TracesLayout, find_layout, read_files
-from .damage import Damage, IndexCheck
+from .chunks import ChunkFile, Damage, IndexCheck, Line, TracesLayout, find_layout, read_files
 from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
 from .legacy import stale_at_arrival
 
