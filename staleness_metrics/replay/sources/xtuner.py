@@ -68,8 +68,7 @@ def _states(
                     raise EventError(number, f"expected a rollout state object, got {type(state).__name__}")
                 yield (f"line{number}" if len(members) == 1 else f"line{number}.{index}"), state
     else:
-        for index, state in enumerate(source):
-            yield f"state{index}", state
+        yield from ((f"state{index}", state) for index, state in enumerate(source))
 
 
 def read_xtuner_states(

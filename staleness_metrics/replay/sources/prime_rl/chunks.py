@@ -58,13 +58,9 @@ def _chunks(folder: Path) -> list[ChunkFile]:
 
 def _stream_files(base: Path) -> list[ChunkFile]:
     """``base.jsonl`` then ``base/`` chunks (a run relaunched by a newer prime-rl holds both)."""
-    files = []
     single = base.with_name(base.name + ".jsonl")
-    if single.is_file():
-        files.append(ChunkFile(single, None, False))
-    if base.is_dir():
-        files.extend(_chunks(base))
-    return files
+    files = [ChunkFile(single, None, False)] if single.is_file() else []
+    return files + (_chunks(base) if base.is_dir() else [])
 
 
 def find_layout(path: str | Path) -> TracesLayout | None:

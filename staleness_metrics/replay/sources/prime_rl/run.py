@@ -133,7 +133,6 @@ class StreamFeed:
         self._updates = read_updates(files, Damage(quiet=True))
         self._read = 0  # ordinal of the last update read
         self._held: dict[str, dict[int, list[Stream]]] = {}
-        self._done = False
 
     @property
     def held(self) -> int:
@@ -142,19 +141,17 @@ class StreamFeed:
     def pull(self, trace_id: str) -> dict[int, list[Stream]]:
         """The streams of ``trace_id`` per branch index, in write order."""
         target = self._last.pop(trace_id, 0)
-        while self._read < target and not self._done:
-            self._read_one()
+        while self._read < target:
+            update = next(self._updates, None)
+            if update is None:  # the updates ended before the first pass's last (rewritten since)
+                break
+            self._read, line, doc = update
+            if doc is not None:  # None: the torn tail (counted by the first pass)
+                self._hold(line, doc)
+            del update, doc  # every proxy of the line is gone before the next is parsed
         return self._held.pop(trace_id, {})
 
-    def _read_one(self) -> None:
-        try:
-            ordinal, line, doc = next(self._updates)
-        except StopIteration:
-            self._done = True
-            return
-        self._read = ordinal
-        if doc is None:  # the torn tail (counted by the first pass)
-            return
+    def _hold(self, line: Line, doc: object) -> None:
         trace_id = lazy.get(doc, "trace_id")
         branches = lazy.get(doc, "branches") or ()
         for branch in branches:
@@ -176,7 +173,6 @@ class StreamFeed:
                 values = values.copy()
             stream = Stream(values, str(line.file.path), line.number)
             self._held.setdefault(trace_id, {}).setdefault(index, []).append(stream)
-        del doc, branches
 
 
 @dataclass
