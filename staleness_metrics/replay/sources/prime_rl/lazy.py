@@ -4,6 +4,7 @@ must be gone before a :class:`Parser` parses the next, so each stream gets its o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -85,11 +86,8 @@ _NUMBERS_OR_NULL = frozenset({int, float, type(None)})
 def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
     """A list of numbers as float64 (``nulls``: null -> NaN); ``TypeError`` for anything else."""
     if simdjson is not None and type(value) is simdjson.Array:
-        try:
+        with contextlib.suppress(TypeError, ValueError):  # a null, boolean or string, or empty
             return np.frombuffer(value.as_buffer(of_type="d"), dtype=np.float64)
-        except (TypeError, ValueError):
-            # a null, boolean or string among them (or no numbers at all)
-            pass
     items = _list(value)
     kinds = set(map(type, items))  # a C loop: bool is its own type, so booleans are refused too
     if not kinds <= (_NUMBERS_OR_NULL if nulls else _NUMBERS):
@@ -103,10 +101,8 @@ def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
 def as_ints(value: object) -> npt.NDArray[np.int64]:
     """A list of integers as int64; ``TypeError`` for anything else."""
     if simdjson is not None and type(value) is simdjson.Array:
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             return np.frombuffer(value.as_buffer(of_type="i"), dtype=np.int64)
-        except (TypeError, ValueError):
-            pass
     items = _list(value)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
         raise TypeError("expected integers")
