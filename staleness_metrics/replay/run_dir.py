@@ -147,7 +147,6 @@ def find_run(path: str | Path) -> RunDirectory | None:
 def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping[str, Path], **extra: Any) -> Path:
     """Write ``root/run.json`` naming ``files`` (relative to ``root`` where they are under it)."""
     config_data = {f.name: getattr(config, f.name) for f in fields(StalenessConfig)}
-    config_data["mismatch_band"] = list(config.mismatch_band)
 
     def relative(file: Path) -> str:
         try:
