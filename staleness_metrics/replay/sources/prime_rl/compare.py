@@ -187,9 +187,8 @@ def compare_prime_rl(
             recomputed[int(item["step"])] = item
     if notes is not None:
         counts = {step: (rule.live, rule.frozen) for step, rule in notes.steps.items()}
-    elif len(counts) < len(recomputed):
-        for step, pair in shipped_counts(root).items():
-            counts.setdefault(step, pair)
+    elif len(counts) < len(recomputed):  # --metrics-out rows: the counts of the effective files
+        counts = shipped_counts(root) | counts
     rows = []
     for step in sorted(logged):
         rule = notes.steps.get(step) if notes is not None else None
