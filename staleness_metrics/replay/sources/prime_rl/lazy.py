@@ -51,7 +51,9 @@ def is_array(value: object) -> bool:
 
 def get(value: object, key: str) -> Any:
     """``value[key]`` of an object, None when absent or when ``value`` is not an object."""
-    return value.get(key) if is_object(value) else None  # type: ignore[attr-defined]
+    if simdjson is not None and type(value) is simdjson.Object:
+        return value.get(key)
+    return value.get(key) if isinstance(value, Mapping) else None
 
 
 def length(value: object) -> int:
@@ -86,8 +88,10 @@ _NUMBERS_OR_NULL = frozenset({int, float, type(None)})
 def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
     """A list of numbers as float64 (``nulls``: null -> NaN); ``TypeError`` for anything else."""
     if simdjson is not None and type(value) is simdjson.Array:
-        with contextlib.suppress(TypeError, ValueError):  # a null, boolean or string, or empty
+        try:
             return np.frombuffer(value.as_buffer(of_type="d"), dtype=np.float64)
+        except (TypeError, ValueError):
+            pass  # a null, boolean or string among them (or no numbers at all)
     items = _list(value)
     kinds = set(map(type, items))  # a C loop: bool is its own type, so booleans are refused too
     if not kinds <= (_NUMBERS_OR_NULL if nulls else _NUMBERS):
