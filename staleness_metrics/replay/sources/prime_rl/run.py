@@ -112,7 +112,9 @@ def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updat
                 out.torn += 1
                 continue
             trace_id = lazy.get(doc, "trace_id")
-            facts = out.traces.setdefault(trace_id, TraceFacts(where=(line.file.path, line.number)))
+            facts = out.traces.get(trace_id)
+            if facts is None:
+                facts = out.traces[trace_id] = TraceFacts(where=(line.file.path, line.number))
             _merge_info(facts, lazy.get(doc, "info"))
             branches = lazy.get(doc, "branches")
             if branches is not None and any(lazy.get(b, STREAM_FIELD) is not None for b in branches):
