@@ -324,8 +324,7 @@ class WhatIf:
 
 
 def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | None = None) -> list[WhatIfRow]:
-    """Replay ``source`` (a run input path, a run directory, or event dicts) at every bound, other
-    settings from ``config``."""
+    """Replay ``source`` (a run input path, a run directory or event dicts) at every bound."""
     return what_if_with_curve(source, bounds, config).rows
 
 
