@@ -81,10 +81,6 @@ def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     return rows
 
 
-def _close(a: float | None, b: float | None, tolerance: tuple[float, float]) -> bool:
-    return a is not None and b is not None and math.isclose(a, b, rel_tol=tolerance[0], abs_tol=tolerance[1])
-
-
 def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> float | None:
     """Our value under prime-rl's rule, from counts alone (older layout: a trace per episode)."""
     if frozen == 0:
@@ -109,9 +105,10 @@ def _status(
 ) -> Status:
     """``match`` (equal to ours), ``prime_rl_rule`` (to prime-rl's ``rule`` only; None where the
     rules agree), ``missing`` or ``mismatch``."""
-    if _close(value, ours, tolerance):
+    relative, absolute = tolerance
+    if ours is not None and math.isclose(value, ours, rel_tol=relative, abs_tol=absolute):
         return "match"
-    if _close(value, rule, tolerance):
+    if rule is not None and math.isclose(value, rule, rel_tol=relative, abs_tol=absolute):
         return "prime_rl_rule"
     return "missing" if missing else "mismatch"
 
