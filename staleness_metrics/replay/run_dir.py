@@ -24,7 +24,6 @@ class RunDirectory:
     """A run directory as its ``run.json`` describes it (absent optional files are None)."""
 
     root: Path
-    name: str
     config: Mapping[str, Any]
     events: Path
     metrics: Path | None = None
@@ -35,8 +34,7 @@ class RunDirectory:
     def staleness_config(self, **overrides: Any) -> StalenessConfig:
         """The run's settings, ``overrides`` applied (a bad one: ``ConfigError`` naming run.json)."""
         known = {f.name for f in fields(StalenessConfig)}
-        settings = {k: v for k, v in self.config.items() if k in known}
-        settings.update(overrides)
+        settings = {k: v for k, v in self.config.items() if k in known} | overrides
         try:
             return StalenessConfig.from_mapping(settings)
         except ConfigError as error:
@@ -120,15 +118,13 @@ def _read(root: Path) -> RunDirectory:
         value = files.get(name)
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{path}: files.{name}: expected a file name, got {value!r}")
-        file = root / value if value is not None else None
-        resolved[name] = file if file is not None and file.is_file() else None
+        resolved[name] = root / value if value is not None and (root / value).is_file() else None
     events = resolved.pop("events")
     if events is None:
         raise ConfigError(f"{path}: files.events: {root / files['events']} does not exist")
     steps = data.get("steps")
     return RunDirectory(
         root=root,
-        name=str(data.get("run", root.name)),
         config=config,
         events=events,
         steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
@@ -151,7 +147,6 @@ def find_run(path: str | Path) -> RunDirectory | None:
 def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping[str, Path], **extra: Any) -> Path:
     """Write ``root/run.json`` naming ``files`` (relative to ``root`` where they are under it)."""
     config_data = {f.name: getattr(config, f.name) for f in fields(StalenessConfig)}
-    config_data["mismatch_band"] = list(config.mismatch_band)
 
     def relative(file: Path) -> str:
         try:

@@ -1,6 +1,5 @@
 """What if the bound were different: the same run replayed at each ``max_staleness`` of a range,
-each row the sum of the replay's per-ship tallies (the columns: docs/run-inputs.md and
-docs/decisions.md, "What-if cost")."""
+each row the sum of its per-ship tallies (the columns: docs/run-inputs.md, docs/decisions.md)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -102,18 +101,14 @@ class WhatIfRow:
         # the smallest lag with floor_min_tokens tokens).
         floor = None if cost is None else select_floor(cost, 1, None, min_tokens=floor_min_tokens, max_age=0)
         cost_keys = cost.metrics(floor=None if floor is None else floor.value) if cost is not None else {}
+        # the tally's counts a row holds (tokens_sampled ... rollouts_held), by the names both use
+        counts = {f.name: getattr(tally, f.name) for f in fields(cls) if hasattr(tally, f.name)}
         return cls(
+            max_staleness=bound,
             trained_covered=cost.covered if cost is not None else None,
             trained_k3=_float(cost_keys.get(keys.MISMATCH_K3)),
             trained_excess_k3=_float(cost_keys.get(keys.MISMATCH_EXCESS_K3)),
-            max_staleness=bound,
-            tokens_sampled=tally.tokens_sampled,
-            tokens_masked=tally.tokens_masked,
-            tokens_dropped=tally.tokens_dropped,
-            rollouts_shipped=tally.rollouts_shipped,
-            rollouts_dropped=tally.rollouts_dropped,
-            samples_dropped=tally.samples_dropped,
-            rollouts_held=tally.rollouts_held,
+            **counts,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -329,8 +324,7 @@ class WhatIf:
 
 
 def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | None = None) -> list[WhatIfRow]:
-    """Replay ``source`` (a run input path, a run directory, or event dicts) at every bound, other
-    settings from ``config``."""
+    """Replay ``source`` (a run input path, a run directory or event dicts) at every bound."""
     return what_if_with_curve(source, bounds, config).rows
 
 
@@ -363,11 +357,9 @@ def what_if_with_curve(
     if processes is None:
         positions = None if packed is None else sum(int(p.position_offsets[-1]) for p in packed)
         processes = 2 if positions is None or positions >= FORK_MIN_POSITIONS else 1
-        # the cores this process may use (Linux), else all of them
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         processes = min(processes, cores or 1)
-    # the same steps at every bound: in increasing order, those above the first that removed
-    # nothing sharing its figures
+    # the same steps at every bound: those above the first that removed nothing share its figures
     ascending = shared_steps is not None
     jobs = sorted(set(bounds)) if ascending else list(bounds)
     if processes >= 2 and len(bounds) >= 2 and _fork_safe():
@@ -451,8 +443,7 @@ def format_table(rows: Sequence[WhatIfRow], curve: RunCurve | None = None) -> st
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in (header, *body)]
     table = [lines[0], "  ".join("-" * w for w in widths), *lines[1:]]
     if curve is not None:
-        table.append("")
-        table.append(describe_curve(curve))
+        table += ["", describe_curve(curve)]
     return "\n".join(table)
 
 

@@ -1,6 +1,5 @@
-"""Inputs from real runs turned into the SPEC 9 event stream: event files, prime-rl run directories
-(either layout, :mod:`.prime_rl`) and xtuner states (:mod:`.xtuner`); :func:`detect_source` tells
-them apart (the table in docs/run-inputs.md)."""
+"""Inputs from real runs as the SPEC 9 event stream: event files, prime-rl run directories (either
+layout) and xtuner states; :func:`detect_source` tells them apart (docs/run-inputs.md)."""
 
 from __future__ import annotations
 
@@ -158,8 +157,7 @@ def read_run(
     kind = detect_source(path)
     if kind == "prime-rl" and is_current_layout(path):
         yield from read_run_events(path, max_staleness=max_staleness, strict=strict)
-        return
-    if kind == "events":
+    elif kind == "events":
         yield from read_event_path(path, parse=parse)  # as the replay command reads it
-        return
-    yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step, strict=strict))
+    else:
+        yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step, strict=strict))

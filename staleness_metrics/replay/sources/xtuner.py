@@ -11,8 +11,6 @@ from typing import Any
 from ...errors import EventError
 from .events import EventDict, iter_json_lines
 
-DEFAULT_STATUSES = ("completed",)
-
 
 def _versions(steps: object) -> list[int]:
     if not isinstance(steps, list):
@@ -70,15 +68,14 @@ def _states(
                     raise EventError(number, f"expected a rollout state object, got {type(state).__name__}")
                 yield (f"line{number}" if len(members) == 1 else f"line{number}.{index}"), state
     else:
-        for index, state in enumerate(source):
-            yield f"state{index}", state
+        yield from ((f"state{index}", state) for index, state in enumerate(source))
 
 
 def read_xtuner_states(
     source: str | Path | Iterable[Mapping[str, Any]],
     *,
     step: int | None = None,
-    statuses: Collection[str] = DEFAULT_STATUSES,
+    statuses: Collection[str] = ("completed",),
 ) -> XtunerRead:
     """Rollout events for the states with a taken ``status``, then one ship at ``step``."""
     wanted = {s.lower() for s in statuses}
@@ -90,9 +87,8 @@ def read_xtuner_states(
         if status not in wanted:
             skipped[status] = skipped.get(status, 0) + 1
             continue
-        rollout = state_rollout(state, fallback)
         newest = max([newest, *_versions(state.get("response_model_steps"))])
-        events.append({"type": "rollout", "rollout": rollout})
+        events.append({"type": "rollout", "rollout": state_rollout(state, fallback)})
     ship_step = step if step is not None else max(newest + 1, 1)
     events.append({"type": "ship", "step": ship_step})
     return XtunerRead(events, ship_step, skipped)

@@ -1,6 +1,5 @@
-"""prime-rl runs as SPEC 9 event streams: the current layout (``monitors/file/traces/``,
-:mod:`.run`), the older ``rollouts/step_N`` one (:mod:`.legacy`), and prime-rl's own logged values
-beside ours (:mod:`.compare`). The readings: ``docs/trainers/prime-rl.md``."""
+"""prime-rl runs as SPEC 9 event streams: the current layout (:mod:`.run`), the older
+``rollouts/step_N`` one (:mod:`.legacy`), prime-rl's logged values beside ours (:mod:`.compare`)."""
 
 from __future__ import annotations
 

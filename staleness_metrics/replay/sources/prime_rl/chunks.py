@@ -1,20 +1,26 @@
-"""A prime-rl run's files in the current layout (``prime-rl-traces.md`` section 1: under
-``<run>/monitors/file/``), and the lines of its streams, chunk after chunk, plain or sealed (zstd
-frames), each with its offset in decompressed bytes, as prime-rl's index gives them."""
+"""A prime-rl run's files in the current layout (``prime-rl-traces.md`` section 1), their lines
+(plain or sealed: zstd frames) at their decompressed offsets, and what a damaged run gets (SPEC 9):
+strict mode stops naming file, line and reason, lenient mode sets it aside and counts it."""
 
 from __future__ import annotations
 
 import io
+import logging
 import re
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import zstandard
 
+from ....errors import EventError
+from ....records import jsonio
+
 _CHUNK = re.compile(r"^(\d+)\.jsonl(\.zst)?$")
 _INDEX_SUFFIX = ".index.jsonl"
+_log = logging.getLogger("staleness_metrics.replay.sources.prime_rl")
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,6 @@ class ChunkFile:
 class TracesLayout:
     """The files of a run in the current layout, each stream's files in reading order."""
 
-    traces: Path
     stream: list[ChunkFile]
     index: Path | None
     annotations: dict[str, list[ChunkFile]] = field(default_factory=dict)
@@ -53,13 +58,9 @@ def _chunks(folder: Path) -> list[ChunkFile]:
 
 def _stream_files(base: Path) -> list[ChunkFile]:
     """``base.jsonl`` then ``base/`` chunks (a run relaunched by a newer prime-rl holds both)."""
-    files = []
     single = base.with_name(base.name + ".jsonl")
-    if single.is_file():
-        files.append(ChunkFile(single, None, False))
-    if base.is_dir():
-        files.extend(_chunks(base))
-    return files
+    files = [ChunkFile(single, None, False)] if single.is_file() else []
+    return files + (_chunks(base) if base.is_dir() else [])
 
 
 def find_layout(path: str | Path) -> TracesLayout | None:
@@ -76,19 +77,17 @@ def find_layout(path: str | Path) -> TracesLayout | None:
     annotations: dict[str, list[ChunkFile]] = {}
     folder = traces / "annotations"
     if folder.is_dir():
-        names = {p.name for p in folder.iterdir() if p.is_dir()}
-        names |= {
-            p.name.removesuffix(".jsonl")
+        # a producer's updates: NAME/ chunks or NAME.jsonl (what names neither finds no files)
+        names = {
+            p.name if p.is_dir() else p.name.removesuffix(".jsonl")
             for p in folder.iterdir()
-            if p.is_file() and p.name.endswith(".jsonl") and not p.name.endswith(_INDEX_SUFFIX)
+            if p.is_dir() or not p.name.endswith(_INDEX_SUFFIX)
         }
         for name in sorted(names):
-            files = _stream_files(folder / name)
-            if files:
+            if files := _stream_files(folder / name):
                 annotations[name] = files
     metrics = traces.parent / "metrics.jsonl"
     return TracesLayout(
-        traces=traces,
         stream=_stream_files(traces / "stream"),
         index=index if index.is_file() else None,
         annotations=annotations,
@@ -101,17 +100,45 @@ def is_current_layout(path: str | Path) -> bool:
     return find_layout(path) is not None
 
 
+# What can be set aside, as counted (the keys of :attr:`Damage.counts`).
+DAMAGE_KINDS = {
+    "bad_line": "lines that are not JSON",
+    "not_episode": "stream lines that are not an episode record",
+    "not_update": "annotation lines that are not an update",
+    "bad_chunk": "chunks with corrupt or cut zstd data (the rest of the chunk)",
+    "index_nowhere": "index rows pointing at no episode",
+    "unknown_trace": "updates for a trace the stream does not hold",
+    "bad_update": "updates that do not fit their trace (a branch it lacks, a stream longer than its branch)",
+    "late_ship": "traces shipped at a step the replay had passed (their arrival came after the ship)",
+}
+
+
+@dataclass
+class Damage:
+    """What was set aside, counted per kind of :data:`DAMAGE_KINDS` (each reason is logged)."""
+
+    strict: bool = True
+    counts: Counter[str] = field(default_factory=Counter)
+    quiet: bool = False  # a second reading's: the first reported what it sees
+
+    def report(self, kind: str, path: Path | str, line: int, reason: str) -> None:
+        """Raise :class:`EventError` (strict) or count it (lenient); nothing when ``quiet``."""
+        if self.quiet:
+            return
+        if self.strict:
+            raise EventError(line, f"{path}: {reason}")
+        self.counts[kind] += 1
+        _log.warning("set aside: %s: line %d: %s", path, line, reason)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> str:
+        return ", ".join(f"{count} {DAMAGE_KINDS[kind]}" for kind, count in sorted(self.counts.items()))
+
+
 _BUFFER = 1 << 20  # lines of long episodes are hundreds of KB
-
-
-class ChunkDamage(Exception):
-    """A chunk that cannot be read to its end: ``path``, the line reached and why."""
-
-    def __init__(self, path: Path, line: int, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.line = line
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -169,9 +196,9 @@ class _Frames(io.RawIOBase):
         return size
 
 
-def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None]) -> Iterator[tuple[bool, Line]]:
+def read_files(files: list[ChunkFile], damage: Damage) -> Iterator[tuple[bool, Line]]:
     """``(last, line)``: every non-blank line of ``files`` in order (``last``: in the last file); a
-    chunk that cannot be read on goes to ``on_damage`` and the next file is read."""
+    chunk that cannot be read on goes to ``damage`` and the next file is read."""
     for position, file in enumerate(files):
         number = offset = 0
         try:
@@ -186,6 +213,85 @@ def read_files(files: list[ChunkFile], on_damage: Callable[[ChunkDamage], None])
                     offset += len(raw)
         except zstandard.ZstdError as error:
             reason = f"corrupt zstd data after line {number} ({error})"
-            on_damage(ChunkDamage(file.path, number + 1, reason))
+            damage.report("bad_chunk", file.path, number + 1, reason)
         except OSError as error:
-            on_damage(ChunkDamage(file.path, number + 1, f"cannot be read after line {number} ({error})"))
+            reason = f"cannot be read after line {number} ({error})"
+            damage.report("bad_chunk", file.path, number + 1, reason)
+
+
+Position = tuple[int, int]  # (chunk number, -1 in the single-file layout; byte offset)
+
+
+class IndexCheck:
+    """Walks the index in step with the stream (:meth:`see` each line, then :meth:`finish`)."""
+
+    def __init__(self, path: Path | None, damage: Damage) -> None:
+        self._path = path
+        self._damage = damage
+        self._rows = self._read(path) if path is not None else iter(())
+        self._next: tuple[int, Position, str | None] | None = next(self._rows, None)
+
+    def _read(self, path: Path) -> Iterator[tuple[int, Position, str | None]]:
+        with open(path, "rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = jsonio.loads(raw)
+                except jsonio.DecodeError as error:
+                    if not raw.endswith(b"\n"):
+                        return  # a torn last row: the writer died mid-append
+                    self._damage.report("bad_line", path, number, f"not JSON ({error.msg})")
+                    continue
+                chunk, offset = (row.get("chunk"), row.get("offset")) if isinstance(row, dict) else (None, None)
+                if not isinstance(offset, int) or not _is_int(offset) or not (chunk is None or _is_int(chunk)):
+                    self._damage.report(
+                        "index_nowhere",
+                        path,
+                        number,
+                        "an index row without a chunk and offset",
+                    )
+                    continue
+                name = row.get("id")
+                position: Position = (-1 if chunk is None else chunk, offset)
+                yield number, position, name if isinstance(name, str) else None
+
+    def _nowhere(self, reason: str) -> None:
+        assert self._next is not None and self._path is not None
+        number, (chunk, offset), name = self._next
+        where = f"offset {offset}" if chunk < 0 else f"chunk {chunk:05d}, offset {offset}"
+        self._damage.report(
+            "index_nowhere",
+            self._path,
+            number,
+            f"the row of episode {name!r} points at {where}: {reason}",
+        )
+        self._next = next(self._rows, None)
+
+    def see(self, position: Position, episode_id: str | None) -> None:
+        """The stream has a line at ``position`` holding ``episode_id`` (None: not an episode)."""
+        while self._next is not None and self._next[1] < position:
+            self._nowhere("no line of the stream starts there")
+        if self._next is not None and self._next[1] == position:
+            name = self._next[2]
+            if name is not None and episode_id is not None and name != episode_id:
+                self._nowhere(f"the line there holds episode {episode_id!r}")
+            else:
+                self._next = next(self._rows, None)
+
+    def resume_inside(self, position: Position, size: int) -> int | None:
+        """The offset of a row pointing inside the line at ``position`` (``size`` bytes)."""
+        if self._next is None:
+            return None
+        chunk, offset = self._next[1]
+        if chunk == position[0] and position[1] < offset < position[1] + size:
+            return offset
+        return None
+
+    def finish(self) -> None:
+        while self._next is not None:
+            self._nowhere("past the end of the stream")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

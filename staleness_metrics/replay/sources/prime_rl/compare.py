@@ -1,6 +1,5 @@
-"""prime-rl's own logged values beside the recomputed ones, step by step (SPEC 9: read for
-comparison, never as input), and prime-rl's rule recomputed from the records
-(``docs/trainers/prime-rl.md``, "Against prime-rl's own numbers")."""
+"""prime-rl's logged values beside ours and beside prime-rl's rule recomputed from the records, step
+by step (SPEC 9: read for comparison, never as input; docs/trainers/prime-rl.md)."""
 
 from __future__ import annotations
 
@@ -30,7 +29,8 @@ _RULE_FIELD = {
     keys.ROLLOUT_IN_QUEUE_MAX: "in_queue",
 }
 MISMATCH_PREFIX = "mismatch_kl/"
-# (relative, absolute): per-token log-probabilities rounded to 4 decimals
+# (relative, absolute): float noise, and per-token log-probabilities rounded to 4 decimals
+TOLERANCE = (1e-9, 1e-9)
 MISMATCH_TOLERANCE = (0.05, 2e-5)
 
 Status = Literal["match", "prime_rl_rule", "missing", "mismatch"]
@@ -81,10 +81,6 @@ def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
     return rows
 
 
-def _close(a: float | None, b: float | None, tolerance: tuple[float, float] = (1e-9, 1e-9)) -> bool:
-    return a is not None and b is not None and math.isclose(a, b, rel_tol=tolerance[0], abs_tol=tolerance[1])
-
-
 def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> float | None:
     """Our value under prime-rl's rule, from counts alone (older layout: a trace per episode)."""
     if frozen == 0:
@@ -105,19 +101,14 @@ def _rule_value(key: str, rule: StepRule) -> float | None:
 
 
 def _status(
-    value: float,
-    ours: float | None,
-    rule: float | None,
-    *,
-    rules_differ: bool = True,
-    missing: bool,
-    tolerance: tuple[float, float] = (1e-9, 1e-9),
+    value: float, ours: float | None, rule: float | None, missing: bool, tolerance: tuple[float, float]
 ) -> Status:
-    """``match`` (equal to ours), ``prime_rl_rule`` (to prime-rl's rule only, where the rules differ),
-    ``missing`` or ``mismatch``."""
-    if _close(value, ours, tolerance):
+    """``match`` (equal to ours), ``prime_rl_rule`` (to prime-rl's ``rule`` only; None where the
+    rules agree), ``missing`` or ``mismatch``."""
+    relative, absolute = tolerance
+    if ours is not None and math.isclose(value, ours, rel_tol=relative, abs_tol=absolute):
         return "match"
-    if rules_differ and _close(value, rule, tolerance):
+    if rule is not None and math.isclose(value, rule, rel_tol=relative, abs_tol=absolute):
         return "prime_rl_rule"
     return "missing" if missing else "mismatch"
 
@@ -148,7 +139,7 @@ def _staleness_row(
         reasons.append(FROZEN)
     if key == keys.ROLLOUTS_DROPPED:
         reasons = [DROPPED]
-    status = _status(value, mine, legacy, rules_differ=bool(reasons), missing=mine is None)
+    status = _status(value, mine, legacy if reasons else None, mine is None, TOLERANCE)
     note = "; ".join(reasons)
     return ComparisonRow(step, logged_key, key, value, mine, legacy, live, frozen, status, note)
 
@@ -166,8 +157,7 @@ def _mismatch_row(
     mine = _number(ours.get(key)) if key else None
     legacy = rule.k3[scope].value(stat) if rule is not None and scope in rule.k3 else None
     live, frozen = (rule.live, rule.frozen) if rule is not None else (0, 0)
-    missing = mine is None and legacy is None
-    status = _status(value, mine, legacy, missing=missing, tolerance=MISMATCH_TOLERANCE)
+    status = _status(value, mine, legacy, mine is None and legacy is None, MISMATCH_TOLERANCE)
     note = NO_KEY if mine is None else FROZEN_TOKENS if frozen else ""
     return ComparisonRow(step, logged_key, key, value, mine, legacy, live, frozen, status, note)
 
@@ -180,10 +170,8 @@ def compare_prime_rl(
     notes: ReadNotes | None = None,
 ) -> list[ComparisonRow]:
     """The run's logged values (``historical``, default its ``metrics.jsonl``) beside ``metrics``
-    (the replay's reports or ``--metrics-out`` rows), step by step. ``notes``: the current layout
-    reader's, holding prime-rl's rule per step; without them (older layout) the rule follows from
-    the live / frozen counts (the reports' tallies, else the run's effective files).
-    """
+    (the replay's reports or ``--metrics-out`` rows), step by step; ``notes``: the current layout
+    reader's (prime-rl's rule per step), else the rule follows from the live / frozen counts."""
     root = Path(run_dir)
     logged = historical if historical is not None else read_prime_rl_metrics(root)
     recomputed: dict[int, Mapping[str, Any]] = {}
@@ -196,9 +184,8 @@ def compare_prime_rl(
             recomputed[int(item["step"])] = item
     if notes is not None:
         counts = {step: (rule.live, rule.frozen) for step, rule in notes.steps.items()}
-    elif len(counts) < len(recomputed):
-        for step, pair in shipped_counts(root).items():
-            counts.setdefault(step, pair)
+    elif len(counts) < len(recomputed):  # --metrics-out rows: the counts of the effective files
+        counts = shipped_counts(root) | counts
     rows = []
     for step in sorted(logged):
         rule = notes.steps.get(step) if notes is not None else None

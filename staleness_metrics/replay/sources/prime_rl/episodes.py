@@ -1,6 +1,5 @@
-"""One prime-rl episode record (verifiers' ``Episode.to_record()``, a dict or :mod:`.lazy` proxies)
--> one SPEC 3 rollout per trace, one sample per trainable branch (``docs/trainers/prime-rl.md``,
-"How a run is read")."""
+"""One prime-rl episode record (a dict or :mod:`.lazy` proxies) -> one SPEC 3 rollout per trace, one
+sample per trainable branch (``docs/trainers/prime-rl.md``, "How a run is read")."""
 
 from __future__ import annotations
 
@@ -50,10 +49,6 @@ class EpisodeHead:
     env: str | None
     policy: tuple[object, object] | None  # (start, end) as recorded; None: frozen-model work
     traces: list[TraceHead] = field(default_factory=list)
-
-    @property
-    def frozen(self) -> bool:
-        return self.policy is None
 
 
 def _text(value: object) -> str | None:
@@ -204,8 +199,7 @@ def _node(rid: str, index: int, doc: object, count: int) -> _Node:
     where = f"nodes[{index}]"
     if not lazy.is_object(doc):
         raise TraceError(rid, where, "expected an object")
-    present = lazy.keys(doc)
-    parent = lazy.get(doc, "parent") if "parent" in present else None
+    parent = lazy.get(doc, "parent")
     if parent is not None and (_int(parent) is None or not 0 <= parent < count or parent == index):
         raise TraceError(
             rid,
@@ -229,11 +223,11 @@ def _node(rid: str, index: int, doc: object, count: int) -> _Node:
         logprobs = _compact_floats(rid, f"{where}.logprobs", logprobs_doc, sampled, nulls=False)
         if not np.all(np.isfinite(logprobs)):
             raise TraceError(rid, f"{where}.logprobs", "values must be finite")
-    trainer_doc = lazy.get(doc, "trainer_logprobs") if "trainer_logprobs" in present else None
+    trainer_doc = lazy.get(doc, "trainer_logprobs")
     trainer = None
     if sampled and trainer_doc is not None:
         trainer = _compact_floats(rid, f"{where}.trainer_logprobs", trainer_doc, sampled, nulls=True)
-    links: Any = lazy.get(doc, "semantic_parents") if "semantic_parents" in present else None
+    links: Any = lazy.get(doc, "semantic_parents")
     attempt, resumes = False, []
     if links is not None and lazy.is_array(links):
         for link in links:
@@ -241,8 +235,7 @@ def _node(rid: str, index: int, doc: object, count: int) -> _Node:
             attempt = attempt or kind == "compaction_attempt"
             if kind == "compaction" and target is not None:
                 resumes.append(target)
-    labelled = sampled and ("weight_versions" in present or "token_versions" in present)
-    versions = _versions(rid, where, doc, sampled) if labelled else None
+    versions = _versions(rid, where, doc, sampled) if sampled else None
     return _Node(parent, mask, logprobs, trainer, versions, attempt, resumes)
 
 

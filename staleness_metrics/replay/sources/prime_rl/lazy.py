@@ -4,6 +4,7 @@ must be gone before a :class:`Parser` parses the next, so each stream gets its o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +42,7 @@ class Parser:
 
 
 def is_object(value: object) -> bool:
-    return isinstance(value, Mapping) or (simdjson is not None and type(value) is simdjson.Object)
+    return (simdjson is not None and type(value) is simdjson.Object) or isinstance(value, Mapping)
 
 
 def is_array(value: object) -> bool:
@@ -53,12 +54,6 @@ def get(value: object, key: str) -> Any:
     if simdjson is not None and type(value) is simdjson.Object:
         return value.get(key)
     return value.get(key) if isinstance(value, Mapping) else None
-
-
-def keys(value: object) -> set[str]:
-    if simdjson is not None and type(value) is simdjson.Object:
-        return set(value.keys())
-    return set(value) if isinstance(value, Mapping) else set()
 
 
 def length(value: object) -> int:
@@ -96,8 +91,7 @@ def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
         try:
             return np.frombuffer(value.as_buffer(of_type="d"), dtype=np.float64)
         except (TypeError, ValueError):
-            # a null, boolean or string among them (or no numbers at all)
-            pass
+            pass  # a null, boolean or string among them (or no numbers at all)
     items = _list(value)
     kinds = set(map(type, items))  # a C loop: bool is its own type, so booleans are refused too
     if not kinds <= (_NUMBERS_OR_NULL if nulls else _NUMBERS):
@@ -111,10 +105,8 @@ def as_floats(value: object, *, nulls: bool = False) -> npt.NDArray[np.float64]:
 def as_ints(value: object) -> npt.NDArray[np.int64]:
     """A list of integers as int64; ``TypeError`` for anything else."""
     if simdjson is not None and type(value) is simdjson.Array:
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             return np.frombuffer(value.as_buffer(of_type="i"), dtype=np.int64)
-        except (TypeError, ValueError):
-            pass
     items = _list(value)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
         raise TypeError("expected integers")

@@ -1,6 +1,5 @@
 """prime-rl run directories in the older layout (``rollouts/step_N/train/{all,effective}``) as a
-SPEC 9 event stream: an episode one rollout, each trace one sample of one unlabelled position
-(``docs/run-inputs.md``)."""
+SPEC 9 event stream: an episode one rollout, each trace one sample of one unlabelled position."""
 
 from __future__ import annotations
 
@@ -65,25 +64,20 @@ def _episodes(path: Path) -> Iterator[EventDict]:
         if not isinstance(value, dict):
             raise EventError(number, f"{path}: expected an episode object, got {type(value).__name__}")
         try:
-            rollout = episode_rollout(value)
+            yield episode_rollout(value)
         except TraceError as error:  # the record cannot become a rollout: say which file and line
             raise EventError(number, f"{path}: {error}") from error
-        yield rollout
 
 
-def _stale(rollout: EventDict, step: int, max_staleness: int) -> bool:
-    start = rollout.get("dispatch_version")
-    if rollout.get("source") == "frozen":
-        return False
-    if isinstance(start, bool) or not isinstance(start, int):
-        return True  # let the sink name what is wrong with it
-    return (step - 1) - start > max_staleness
+def stale_at_arrival(start: object, step: int, bound: int) -> bool:
+    """Whether work dispatched at ``start`` arriving at ``step`` is stale (a ``start`` that is not
+    an integer counts as stale: the sink names what is wrong with it)."""
+    return not isinstance(start, int) or isinstance(start, bool) or (step - 1) - start > bound
 
 
 def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[EventDict]:
     """The run as SPEC 9 events: per step, the arrivals, then a ``ship`` of the effective ids; a
-    never-shipped episode enters when stale at its arrival under ``max_staleness`` (the sink drops
-    it)."""
+    never-shipped episode enters when stale at its arrival (the sink drops it)."""
     root = Path(run_dir)
     steps = step_dirs(root)
     if not steps:
@@ -94,7 +88,9 @@ def read_prime_rl(run_dir: str | Path, *, max_staleness: int = 8) -> Iterator[Ev
     added: set[str] = set()
     for step in sorted(steps):
         for rollout in _episodes(steps[step] / "all" / "traces.jsonl"):
-            if rollout["id"] in ships or _stale(rollout, step, max_staleness):
+            live = rollout.get("source") != "frozen"
+            start = rollout.get("dispatch_version")
+            if rollout["id"] in ships or (live and stale_at_arrival(start, step, max_staleness)):
                 added.add(rollout["id"])
                 yield {"type": "rollout", "rollout": rollout}
         if step not in shipped:

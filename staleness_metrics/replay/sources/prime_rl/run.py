@@ -1,6 +1,5 @@
 """A prime-rl run in the current layout as the SPEC 9 event stream it implies, its annotation
-updates read in two passes (:func:`scan_updates`: the ships; a :class:`StreamFeed` per producer: the
-trainer's streams, alongside the episodes). The readings: ``docs/trainers/prime-rl.md``."""
+updates read in two passes (:func:`scan_updates`: ships; :class:`StreamFeed`: trainer streams)."""
 
 from __future__ import annotations
 
@@ -18,9 +17,9 @@ from ....errors import ConfigError
 from ....records.model import ParsedRollout, UnparsedRollout
 from ...stream import Event
 from . import lazy
-from .chunks import ChunkDamage, ChunkFile, Line, TracesLayout, find_layout, read_files
-from .damage import Damage, IndexCheck
+from .chunks import ChunkFile, Damage, IndexCheck, Line, TracesLayout, find_layout, read_files
 from .episodes import EpisodeHead, NotAnEpisode, Stream, TraceHead, episode_head, trace_rollout
+from .legacy import stale_at_arrival
 
 STREAM_FIELD = "trainer_logprobs"
 
@@ -33,10 +32,6 @@ class TraceFacts:
     ship_step: int | None = None
     where: tuple[Path, int] | None = None
 
-    @property
-    def shipped_at(self) -> int | None:
-        return self.ship_step if self.effective else None
-
 
 @dataclass
 class Updates:
@@ -46,36 +41,26 @@ class Updates:
     torn: int = 0
 
 
-def read_updates(
-    files: list[ChunkFile], parser: lazy.Parser, damage: Damage, *, quiet: bool = False
-) -> Iterator[tuple[int, Line, Any]]:
+def read_updates(files: list[ChunkFile], damage: Damage) -> Iterator[tuple[int, Line, Any]]:
     """``(ordinal, line, update)`` of a producer's updates in order, ``update`` None for a torn last
-    line (it ends the stream); others that are not updates go to ``damage`` (``quiet``: skipped)."""
-
-    def bad_chunk(error: ChunkDamage) -> None:
-        if not quiet:
-            damage.report("bad_chunk", error.path, error.line, error.reason)
-
+    line (it ends the stream); others that are not updates go to ``damage``."""
+    parser = lazy.Parser()
     ordinal = 0
-    for last, line in read_files(files, bad_chunk):
+    for last, line in read_files(files, damage):
         ordinal += 1
         try:
             doc = parser.parse(line.text)
         except lazy.DecodeError as error:
-            if not line.ended:
-                if last:
-                    yield ordinal, line, None
-                elif not quiet:
-                    damage.report("bad_line", line.file.path, line.number, f"a torn line ({error})")
-                continue
-            if not quiet:
-                damage.report("bad_line", line.file.path, line.number, f"not JSON ({error})")
+            if not line.ended and last:
+                yield ordinal, line, None
+            else:
+                fault = "not JSON" if line.ended else "a torn line"
+                damage.report("bad_line", line.file.path, line.number, f"{fault} ({error})")
             continue
         reason = _update_fault(doc)
         if reason is not None:
             del doc
-            if not quiet:
-                damage.report("not_update", line.file.path, line.number, reason)
+            damage.report("not_update", line.file.path, line.number, reason)
             continue
         yield ordinal, line, doc
         del doc
@@ -120,10 +105,9 @@ def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updat
     """Per trace, its ship (``info.effective``, ``info.ship.step``), its last ``trainer_logprobs``
     update and where it was first named."""
     out = Updates()
-    parser = lazy.Parser()
     for producer, files in producers.items():
         last: dict[str, int] = {}
-        for ordinal, line, doc in read_updates(files, parser, damage):
+        for ordinal, line, doc in read_updates(files, damage):
             if doc is None:
                 out.torn += 1
                 continue
@@ -131,13 +115,11 @@ def scan_updates(producers: dict[str, list[ChunkFile]], damage: Damage) -> Updat
             facts = out.traces.get(trace_id)
             if facts is None:
                 facts = out.traces[trace_id] = TraceFacts(where=(line.file.path, line.number))
-            info = lazy.get(doc, "info")
-            if info is not None:
-                _merge_info(facts, info)
+            _merge_info(facts, lazy.get(doc, "info"))
             branches = lazy.get(doc, "branches")
             if branches is not None and any(lazy.get(b, STREAM_FIELD) is not None for b in branches):
                 last[trace_id] = ordinal
-            del doc, info, branches
+            del doc, branches
         if last:
             out.last_stream[producer] = last
     return out
@@ -150,10 +132,9 @@ class StreamFeed:
     def __init__(self, files: list[ChunkFile], last: dict[str, int], damage: Damage) -> None:
         self._last = last
         self._damage = damage
-        self._updates = read_updates(files, lazy.Parser(), damage, quiet=True)
+        self._updates = read_updates(files, Damage(quiet=True))
         self._read = 0  # ordinal of the last update read
         self._held: dict[str, dict[int, list[Stream]]] = {}
-        self._done = False
 
     @property
     def held(self) -> int:
@@ -162,19 +143,17 @@ class StreamFeed:
     def pull(self, trace_id: str) -> dict[int, list[Stream]]:
         """The streams of ``trace_id`` per branch index, in write order."""
         target = self._last.pop(trace_id, 0)
-        while self._read < target and not self._done:
-            self._read_one()
+        while self._read < target:
+            update = next(self._updates, None)
+            if update is None:  # the updates ended before the first pass's last (rewritten since)
+                break
+            self._read, line, doc = update
+            if doc is not None:  # None: the torn tail (counted by the first pass)
+                self._hold(line, doc)
+            del update, doc  # every proxy of the line is gone before the next is parsed
         return self._held.pop(trace_id, {})
 
-    def _read_one(self) -> None:
-        try:
-            ordinal, line, doc = next(self._updates)
-        except StopIteration:
-            self._done = True
-            return
-        self._read = ordinal
-        if doc is None:  # the torn tail (counted by the first pass)
-            return
+    def _hold(self, line: Line, doc: object) -> None:
         trace_id = lazy.get(doc, "trace_id")
         branches = lazy.get(doc, "branches") or ()
         for branch in branches:
@@ -196,7 +175,6 @@ class StreamFeed:
                 values = values.copy()
             stream = Stream(values, str(line.file.path), line.number)
             self._held.setdefault(trace_id, {}).setdefault(index, []).append(stream)
-        del doc, branches
 
 
 @dataclass
@@ -281,47 +259,33 @@ class PrimeRlRead:
         self.max_staleness = max_staleness
         self.notes = ReadNotes(Damage(strict=strict))
 
-    def __iter__(self) -> Iterator[Event]:
-        return self._events()
-
     def _lines(self, index: IndexCheck) -> Iterator[tuple[Line, object]]:
         """``(line, episode proxy)`` of the stream in order, damage reported, torn lines handled."""
-        damage, files, parser = self.notes.damage, self.layout.stream, lazy.Parser()
-
-        def bad_chunk(error: ChunkDamage) -> None:
-            damage.report("bad_chunk", error.path, error.line, error.reason)
-
-        for last, line in read_files(files, bad_chunk):
-            file = line.file
-            where = (-1 if file.number is None else file.number, line.offset)
+        damage, parser = self.notes.damage, lazy.Parser()
+        for last, line in read_files(self.layout.stream, damage):
+            where = (-1 if line.file.number is None else line.file.number, line.offset)
             try:
-                doc = parser.parse(line.text)
+                yield line, parser.parse(line.text)
+                continue
             except lazy.DecodeError as error:
                 reason = str(error)
-                resume = index.resume_inside(where, len(line.text))
-                # a relaunch appended after a torn line: the index says where
-                if resume is not None:
-                    self.notes.split_lines += 1
-                    line = Line(file, line.number, resume, line.text[resume - line.offset :], line.ended)
-                    where = (where[0], resume)
-                    try:
-                        doc = parser.parse(line.text)
-                    except lazy.DecodeError as again:
-                        reason = str(again)
-                    else:
-                        yield line, doc
-                        del doc
-                        continue
-                index.see(where, None)
-                if not line.ended and last:
-                    self.notes.torn += 1  # a torn last line ends the stream
-                    return
-                damage.report("bad_line", file.path, line.number, f"not JSON ({reason})")
-                continue
-            yield line, doc
-            del doc
+            resume = index.resume_inside(where, len(line.text))
+            if resume is not None:  # a relaunch appended after a torn line: the index says where
+                self.notes.split_lines += 1
+                line = Line(line.file, line.number, resume, line.text[resume - line.offset :], line.ended)
+                where = (where[0], resume)
+                try:
+                    yield line, parser.parse(line.text)
+                    continue
+                except lazy.DecodeError as again:
+                    reason = str(again)
+            index.see(where, None)
+            if not line.ended and last:
+                self.notes.torn += 1  # a torn last line ends the stream
+                return
+            damage.report("bad_line", line.file.path, line.number, f"not JSON ({reason})")
 
-    def _events(self) -> Iterator[Event]:
+    def __iter__(self) -> Iterator[Event]:
         notes, damage = self.notes, self.notes.damage
         updates = scan_updates(self.layout.annotations, damage)
         notes.torn += updates.torn
@@ -362,17 +326,17 @@ class PrimeRlRead:
         for trace in episode.traces:
             streams = self._streams(trace.id)
             facts = self._updates.traces.pop(trace.id, None)
-            arrival = self._arrival(episode, trace, facts, doc)
+            shipped = facts.ship_step if facts is not None and facts.effective else None
+            arrival = self._arrival(episode, trace, shipped, doc)
             if arrival is None:
                 continue
             for step in sorted(s for s in self._ships if s < arrival):
                 self._passed = step
                 events.append(Event(number, "ship", step=step, ids=tuple(self._ships.pop(step))))
-            event = self._trace_event(number, line, episode, trace, facts, streams, arrival)
+            event = self._trace_event(number, line, episode, trace, shipped, streams, arrival)
             if event is None:
                 continue
             events.append(event)
-            shipped = facts.shipped_at if facts is not None else None
             if shipped is not None:
                 self._ships.setdefault(shipped, []).extend([trace.id] if event.parsed is not None else [])
         return events
@@ -384,7 +348,7 @@ class PrimeRlRead:
                 merged.setdefault(branch, []).extend(streams)
         return merged
 
-    def _arrival(self, episode: EpisodeHead, trace: TraceHead, facts: TraceFacts | None, doc: object) -> int | None:
+    def _arrival(self, episode: EpisodeHead, trace: TraceHead, shipped: int | None, doc: object) -> int | None:
         """The trace's arrival step, or None when it is left out (eval, errored)."""
         if episode.kind != "train":
             if trace is episode.traces[0]:
@@ -395,7 +359,6 @@ class PrimeRlRead:
             return None
         if trace.arrival_step is not None:
             return trace.arrival_step
-        shipped = facts.shipped_at if facts is not None else None
         if shipped is not None:
             return shipped
         step = lazy.get(lazy.get(lazy.get(doc, "run"), "work"), "step")
@@ -407,19 +370,16 @@ class PrimeRlRead:
         line: Line,
         episode: EpisodeHead,
         trace: TraceHead,
-        facts: TraceFacts | None,
+        shipped: int | None,
         streams: dict[int, list[Stream]],
         arrival: int,
     ) -> Event | None:
         notes = self.notes
-        shipped = facts.shipped_at if facts is not None else None
         if shipped is None:
-            if episode.frozen:
+            if episode.policy is None:  # frozen-model work
                 notes.frozen_unshipped += 1
                 return None
-            start = episode.policy[0] if episode.policy is not None else None
-            stale = not isinstance(start, int) or isinstance(start, bool) or (arrival - 1) - start > self.max_staleness
-            if not stale:
+            if not stale_at_arrival(episode.policy[0], arrival, self.max_staleness):
                 notes.unshipped_left_out += 1
                 return None
             notes.unshipped_stale += 1
