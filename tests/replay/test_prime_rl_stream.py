@@ -354,6 +354,24 @@ def test_damage_strict_names_file_line_reason_and_lenient_counts_it(tmp_path: Pa
     assert read.notes.damage.summary()
 
 
+def test_an_episode_the_sink_refuses_is_named_strict_and_set_aside_lenient_as_reading_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The refused rollout's error outlives its line, and the reader's parser is reused for the next ones."""
+    w = RunWriter(tmp_path)
+    for i in range(3):
+        record = episode(f"e{i}", [trace(f"t{i}", [node(3), node(4, [1, 2, 3], parent=0)], arrival=1)], (0, 0))
+        if i == 1:
+            record["run"]["work"]["policy"]["start"] = "zero"
+        w.episode(record)
+    w.ship(1, "t0", "t1", "t2")
+    assert main(["replay", str(tmp_path)]) == 2
+    refused = "line 2: rollout 't1': field run.work.policy.start: expected an integer, got 'zero'"
+    assert refused in capsys.readouterr().err
+    assert main(["replay", str(tmp_path), "--lenient"]) == 0
+    assert "2 rollouts shipped, 0 dropped, 0/6 sampled tokens masked, 1 invalid set aside" in capsys.readouterr().err
+
+
 def test_replay_cli_strict_exits_2_and_lenient_says_what_it_set_aside(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -321,6 +321,8 @@ def trace_rollout(
         count = lazy.length(nodes_doc) if lazy.is_array(nodes_doc) else 0
         nodes = [_node(trace.id, i, n, count) for i, n in enumerate(nodes_doc)] if count else []
     except TraceError as error:
+        # kept past this line: no frame of it may hold the parser's proxies (the parser is reused)
+        error.__traceback__ = error.__context__ = error.__cause__ = None
         return UnparsedRollout(error, episode.env), []
     branches = _branches(trace.id, nodes)
     problems = [
