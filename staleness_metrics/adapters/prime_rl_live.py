@@ -162,7 +162,7 @@ def ship(
     (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out (the
     other arguments: :func:`from_training_samples`)."""
     batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids)
-    result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)
+    result = ship_rows(monitor, [(batch, list(samples), None)], version=version, names=_NAMES)
     out = ShippedSamples()
     out.staleness_lag = [lag for part in result.parts for lag in part.lags]  # one per kept sample
     out.shipment = result.shipment

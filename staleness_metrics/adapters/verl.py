@@ -146,12 +146,9 @@ def ship(
         env_key=env_key,
     )
     mask_view = views.get("response_mask")
-
-    def write_back() -> None:
-        if mask_view is not None:
-            mask_view.write_back(rollouts.mask)
-
-    result = ship_rows(monitor, rollouts, data, version=version, names=_names(extras), write_back=write_back)
+    write_back = None if mask_view is None else lambda: mask_view.write_back(rollouts.mask)
+    names = _names(extras)
+    result = ship_rows(monitor, [(rollouts, data, write_back)], version=version, names=names)
     parts = []
     nothing = ShippedPart(data, rollouts, np.zeros(0, dtype=np.int64), (), ())  # the 0 rows left
     for part in result.parts or (nothing,):

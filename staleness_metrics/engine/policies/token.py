@@ -50,12 +50,8 @@ def _token_decision(
         raise ValueError("token_decision: offsets do not cover the arrays")
     if span_offsets[n_samples] != n_spans:
         raise ValueError("token_decision: offsets do not cover the arrays")
-    for r in range(n_rollouts):
-        if sample_offsets[r + 1] < sample_offsets[r]:
-            raise ValueError("token_decision: offsets out of order")
-    for k in range(n_samples):
-        if span_offsets[k + 1] < span_offsets[k]:
-            raise ValueError("token_decision: offsets out of order")
+    if (np.diff(sample_offsets) < 0).any() or (np.diff(span_offsets) < 0).any():
+        raise ValueError("token_decision: offsets out of order")
     new_below = np.empty(n_samples, dtype=np.int64)
     drop_sample = np.zeros(n_samples, dtype=np.bool_)
     drop_rollout = np.zeros(n_rollouts, dtype=np.bool_)
