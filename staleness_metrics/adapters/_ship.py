@@ -14,10 +14,9 @@ import numpy.typing as npt
 
 from ..engine.shipment import Shipment, ShippedRollout
 from ..errors import FieldError, FieldTypeError, TraceError
-from ..records.columnar import RolloutBatch
+from ..records.columnar import IntArray, RolloutBatch
 
 S = TypeVar("S")
-IntArray = npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True)

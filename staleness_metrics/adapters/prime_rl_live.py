@@ -94,14 +94,12 @@ def from_training_samples(
 def shipped_samples(shipment: Shipment, batch: RolloutBatch, samples: Sequence[Any]) -> list[Any]:
     """The samples of ``batch`` that ``shipment`` shipped, in ship order, the masked ``mask`` and
     weights written back into them (``samples`` as given to :func:`from_training_samples`)."""
-    out: list[Any] = []
-    for rollout in shipment.rollouts:
-        if rollout.batch is not batch:
-            continue
-        first = int(batch.sample_offsets[rollout.index])
-        for local in rollout.samples:
-            out.append(_written_back(samples, batch, first + local))
-    return out
+    return [
+        _written_back(samples, batch, int(batch.sample_offsets[rollout.index]) + local)
+        for rollout in shipment.rollouts
+        if rollout.batch is batch
+        for local in rollout.samples
+    ]
 
 
 def _written_back(samples: Sequence[Any], batch: RolloutBatch, index: int) -> Any:

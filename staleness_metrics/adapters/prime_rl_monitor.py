@@ -69,11 +69,8 @@ class _Shipped:
 
 
 class PrimeRlMonitor:
-    """prime-rl's monitor interface (PR #3444 on) over a :class:`StalenessMonitor`: a train trace
-    stale at its arrival step enters at once (``subset="all"``), the shipped cohort enters and ships
-    at ``step`` (``subset="effective"``), ``trainer_logprobs`` updates (``log_annotations``) become
-    SPEC 11's sums of their ship step; the rest is ignored. Each method works at once and returns
-    an awaitable. ``float_decimals``: prime-rl's ``monitors.file.float_decimals``."""
+    """prime-rl's monitor interface (PR #3444 on) over a :class:`StalenessMonitor`, each method done
+    at once, returning an awaitable (what it reads of each call: ``docs/trainers/prime-rl.md``)."""
 
     run_id: str | None = None  # prime-rl asks every monitor for an external run id
 

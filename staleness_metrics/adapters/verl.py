@@ -53,11 +53,9 @@ def from_verl(
     token_versions: Any = None,
     env_key: str = "data_source",
 ) -> RolloutBatch:
-    """One rollout per trajectory of a ``DataProto`` (or a ``(tensors, non_tensors)`` pair):
-    ``dispatch_version`` from ``non_tensor_batch["param_version_start"]`` (else
-    ``min_global_steps``), ``completion_version`` from ``..._end`` (``max_global_steps``), the mask
-    from ``response_mask``, the group from ``uid``; ``ids`` default to :func:`verl_row_ids` of
-    ``uid``, ``env_key`` names the env field."""
+    """One rollout per trajectory of a ``DataProto`` (or a ``(tensors, non_tensors)`` pair), its
+    versions from ``param_version_start`` / ``_end`` (else ``min_`` / ``max_global_steps``), the
+    group from ``uid``; ``ids`` default to :func:`verl_row_ids`, ``env_key`` names the env field."""
     tensors, extras = data if isinstance(data, tuple) else (data.batch, data.non_tensor_batch)
     if "response_mask" in tensors:
         mask = np.asarray(tensors["response_mask"])
@@ -132,10 +130,9 @@ def ship(
     token_versions: Any = None,
     env_key: str = "data_source",
 ) -> Any:
-    """SPEC 15's one call for verl: add and ship the ``DataProto`` at ``version``
-    (``self.current_param_version``), and return the ``DataProto`` to train on: the shipped rows,
-    oldest call first (``data`` itself when every row shipped), the masking in ``data``'s own
-    ``response_mask`` and ``batch["staleness_lag"]`` (int64 ``[B, Lr]``)."""
+    """SPEC 15's one call for verl: ship ``data`` at ``version`` (``current_param_version``); give
+    back the ``DataProto`` to train on: the shipped rows, oldest call first (``data`` itself when
+    all shipped), masked in its ``response_mask``, with ``batch["staleness_lag"]`` ``[B, Lr]``."""
     tensors, extras = data.batch, data.non_tensor_batch
     present = tensors.keys()  # a TensorDict refuses `in` on itself
     views = {name: TrainerArray(tensors[name]) for name in _READ if name in present}

@@ -98,10 +98,8 @@ def read_registry(state: Mapping[str, Any], path: str) -> tuple[set[str], dict[s
     """The ids seen in ``state``, and its groups and envs as ``RolloutQueue.restore`` takes them."""
     seen_ids = set(strings(state["seen_ids"], join(path, "seen_ids"), unique=True))
     where = join(path, "group_agentic")
-    if "n_groups" in state:  # (formats 1 and 2)
-        agentic = sequence(state["group_agentic"], where, integer(state["n_groups"], join(path, "n_groups"), 0))
-    else:
-        agentic = sequence(state["group_agentic"], where)
+    length = integer(state["n_groups"], join(path, "n_groups"), 0) if "n_groups" in state else None
+    agentic = sequence(state["group_agentic"], where, length)  # (n_groups: formats 1 and 2)
     n_groups = len(agentic)
     group_agentic = np.zeros(max(16, 2 * n_groups), dtype=bool)
     group_agentic[:n_groups] = [boolean(v, join(where, i)) for i, v in enumerate(agentic)]
