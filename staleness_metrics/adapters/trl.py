@@ -342,8 +342,7 @@ class TrainTimeShipping:
         samples = [sample for record in records.values() for sample in record.samples]
         lag_of = {id(sample): lag for sample, lag in _shipped(self.monitor, samples, version)}
         self.versions.append(int(version))
-        for m, record in records.items():
-            self._decided[m] = record.decide(lag_of)
+        self._decided.update({m: record.decide(lag_of) for m, record in records.items()})
 
 
 def _microbatch_id(inputs: dict[str, Any]) -> int:

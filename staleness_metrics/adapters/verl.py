@@ -79,14 +79,12 @@ def from_verl(
             "non_tensor_batch['min_global_steps']",
             "missing (nor param_version_start): the batch carries no policy version of its trajectories",
         )
-    start = _versions(extras, start_end[0], ids)
-    end = _versions(extras, start_end[1], ids) if start_end[1] in extras else None
     envs = extras.get(env_key)
     return RolloutBatch.from_padded(
         ids,
         mask,
-        dispatch_version=start,
-        completion_version=end,
+        dispatch_version=_versions(extras, start_end[0], ids),
+        completion_version=_versions(extras, start_end[1], ids) if start_end[1] in extras else None,
         token_versions=token_versions,
         attention_mask=attention,
         logprobs=tensors.get("rollout_log_probs"),

@@ -32,17 +32,14 @@ def _segment_reduce(ufunc: np.ufunc, values: IntArray, offsets: IntArray, empty:
 
 
 def segment_min(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
-    """Minimum per segment; ``empty`` for empty segments."""
     return _segment_reduce(np.minimum, values, offsets, empty)
 
 
 def segment_max(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
-    """Maximum per segment; ``empty`` for empty segments."""
     return _segment_reduce(np.maximum, values, offsets, empty)
 
 
 def segment_any(flags: BoolArray, offsets: IntArray) -> BoolArray:
-    """Whether any flag is set per segment."""
     return segment_sum(flags, offsets) > 0
 
 
