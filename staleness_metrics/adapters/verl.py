@@ -63,10 +63,9 @@ def from_verl(
         mask = np.asarray(tensors["attention_mask"])[:, -np.asarray(tensors["responses"]).shape[1] :]
     else:
         raise MissingFieldError("response_mask", "verl batch: needs response_mask, or responses and attention_mask")
-    width = mask.shape[1]
     attention = None
     if "attention_mask" in tensors:
-        attention = np.asarray(tensors["attention_mask"])[:, -width:]
+        attention = np.asarray(tensors["attention_mask"])[:, -mask.shape[1] :]
     uids = extras.get("uid")
     if ids is None:
         if uids is None:

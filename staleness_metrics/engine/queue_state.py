@@ -450,8 +450,7 @@ def decode_table(encoded: Any, like: TableT, path: str) -> TableT:
         fault = "lacks this column" if missing else "has no such column"
         fail(join(path, str(name)), f"the table {fault}")
     columns = {name: decode_array(found[name], join(path, name), dtype) for name, dtype in like.columns.items()}
-    lengths = {len(values) for values in columns.values()}
-    if len(lengths) > 1:
+    if len({len(values) for values in columns.values()}) > 1:
         first = len(columns[next(iter(like.columns))])
         name = next(name for name, values in columns.items() if len(values) != first)
         fail(join(path, name), f"{len(columns[name])} rows where the other columns have {first}")

@@ -50,8 +50,7 @@ def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:
     total = int(ends[-1]) if len(ends) else 0
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    starts = np.repeat(lo - (ends - lengths), lengths)
-    return starts + np.arange(total, dtype=np.int64)
+    return np.repeat(lo - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
 
 
 def distinct(values: IntArray) -> list[int]:
