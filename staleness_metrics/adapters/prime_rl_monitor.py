@@ -38,8 +38,7 @@ _DONE = _Done()
 
 
 def episode_record(episode: Any, float_decimals: int | None = 4) -> Mapping[str, Any]:
-    """An episode as its JSON record: verifiers' ``to_record``, a pydantic ``model_dump``, or the
-    mapping itself."""
+    """An episode as its JSON record (verifiers' ``to_record``, a ``model_dump``, a mapping)."""
     to_record = getattr(episode, "to_record", None)
     if callable(to_record):
         record = to_record(float_decimals=float_decimals)

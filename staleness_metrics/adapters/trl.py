@@ -194,8 +194,7 @@ class _MicroBatch:
     width: int  # of token_index, padded across rows
 
     def decide(self, lag_of: dict[int, npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
-        """``[rows, width + 1]``: each loss term's code (its lag when kept); the last column, the
-        micro-batch's kept terms (TRL's ``global_n_tokens``)."""
+        """``[rows, width + 1]``: each term's code (a kept one's lag), then ``global_n_tokens``."""
         codes = np.full((len(self.term_sample), self.width + 1), _PADDING, dtype=np.int64)
         for r, (term_sample, term_position) in enumerate(zip(self.term_sample, self.term_position, strict=True)):
             row = np.full(len(term_sample), _VOID, dtype=np.int64)

@@ -15,8 +15,7 @@ from .spans import SampleSpans, SpanRanges
 
 
 def warm_up() -> None:
-    """Compile (or load from the disk cache) every loop for float32 and float64 arrays, so that the
-    first batch a process handles does not pay for it (the demo and the tests call it)."""
+    """Compile (or load from numba's disk cache) every loop ahead, for float32 and float64."""
     tokens = np.array([0, -1, 1], dtype=np.int64)
     offsets = np.array([0, 3], dtype=np.int64)
     lo, hi, count = (np.array([value], dtype=np.int64) for value in (0, 3, 1))
