@@ -1,6 +1,5 @@
-"""Live trainer integrations (SPEC 15): ``staleness_metrics.adapters.<trainer>.ship`` takes the
-trainer's own batch to the sink and the shipment back. Nothing is imported here: a trainer pays for
-its own module only."""
+"""Live trainer integrations (SPEC 15): ``adapters.<trainer>.ship`` takes a trainer's own batch to
+the sink and the shipment back. Nothing is imported here: a trainer pays for its own module only."""
 
 from __future__ import annotations
 

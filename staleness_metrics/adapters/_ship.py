@@ -1,6 +1,5 @@
-"""SPEC 15's one call, the part every trainer shares: add a trainer's batch, ship it at
-``version + 1``, hand back its rows per trainer batch (held rows with the call that ships them,
-remembered in this process only)."""
+"""SPEC 15's one call, the part every trainer shares: add a trainer's batch, ship at step
+``version + 1``, hand back its rows per trainer batch (held ones with the call that ships them)."""
 
 from __future__ import annotations
 
@@ -15,18 +14,14 @@ import numpy.typing as npt
 
 from ..engine.shipment import Shipment, ShippedRollout
 from ..errors import FieldError, FieldTypeError, TraceError
-from ..records.columnar import RolloutBatch
+from ..records.columnar import IntArray, RolloutBatch
 
 S = TypeVar("S")
-IntArray = npt.NDArray[np.int64]
-
-_ABOVE_TRAINED = "is above the trained version"
 
 
 @dataclass(frozen=True)
 class TrainerNames:
-    """How one trainer names what the sink checks: ``counter``, the variable to pass as ``version``;
-    ``fields``, the last part of a SPEC 3 field name -> the trainer's own (``{row}``: its row)."""
+    """How a trainer names ``version`` (``counter``) and SPEC 3 fields (``{row}``: the row)."""
 
     trainer: str
     counter: str
@@ -38,7 +33,7 @@ class TrainerNames:
         rid = error.rollout_id
         name = error.field if own is None or rid not in ids else own.format(row=ids.index(rid))
         reason = error.reason
-        if _ABOVE_TRAINED in reason:
+        if "is above the trained version" in reason:
             reason += (
                 f"; `version` is the policy version of the weights being trained: pass {self.trainer}'s {self.counter}"
             )
@@ -46,8 +41,7 @@ class TrainerNames:
 
 
 class TrainerArray:
-    """A trainer's array or tensor as numpy (a view of a numpy array or CPU tensor, else a copy),
-    and the way back into it."""
+    """A trainer's array or tensor as numpy (a view where it can be), and the way back into it."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -86,8 +80,7 @@ def new_tensor_like(reference: Any, values: npt.NDArray[Any]) -> Any:
 
 @dataclass(frozen=True)
 class ShippedPart(Generic[S]):
-    """The rows of one trainer batch (``source``) a ship shipped, in ship order: ``samples[i]`` the
-    kept samples of ``rows[i]``, ``lags`` one SPEC 11 lag array per kept sample."""
+    """The rows of one trainer batch a ship shipped, in order, with their kept samples' lags."""
 
     source: S
     batch: RolloutBatch
@@ -107,11 +100,9 @@ class ShippedPart(Generic[S]):
 
     def lag_matrix(self) -> npt.NDArray[np.int64]:
         """``[len(rows), L]`` lags of a padded batch (one sample per row, all of width ``L``)."""
-        if self.batch.padded is None:
-            raise FieldError("lag_matrix", "the batch was not built by from_padded")
-        width = self.batch.padded.width
+        assert self.batch.padded is not None  # (verl's and AReaL's batches are)
         if not self.lags:
-            return np.zeros((0, width), dtype=np.int64)
+            return np.zeros((0, self.batch.padded.width), dtype=np.int64)
         return np.stack(self.lags).astype(np.int64, copy=False)
 
 
@@ -142,26 +133,14 @@ _PENDING: weakref.WeakKeyDictionary[Any, _Pending] = weakref.WeakKeyDictionary()
 
 def ship_rows(
     monitor: Any,
-    batch: RolloutBatch,
-    source: S,
-    *,
-    version: int,
-    names: TrainerNames,
-    write_back: Callable[[], None] | None = None,
-) -> ShipResult[S]:
-    """Add ``batch`` (read from ``source``) and ship at step ``version + 1``; ``write_back`` runs
-    after a ship that shipped rows of ``batch``."""
-    return ship_row_batches(monitor, [(batch, source, write_back)], version=version, names=names)
-
-
-def ship_row_batches(
-    monitor: Any,
     batches: Sequence[tuple[RolloutBatch, S, Callable[[], None] | None]],
     *,
     version: int,
     names: TrainerNames,
 ) -> ShipResult[S]:
-    """:func:`ship_rows` for a trainer batch of several row batches (AReaL's ``list[dict]``)."""
+    """Add each ``(batch, source, write_back)`` (the rows of one trainer batch read from
+    ``source``) and ship at step ``version + 1``; ``write_back`` runs after a ship that shipped
+    rows of its batch."""
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
         raise FieldTypeError(
             "version",

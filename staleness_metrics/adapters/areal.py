@@ -13,7 +13,7 @@ import numpy.typing as npt
 from ..engine.shipment import Shipment, padded_shipment
 from ..errors import ConfigError, FieldError, FieldTypeError, MissingFieldError, TraceError
 from ..records.columnar import RolloutBatch
-from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_row_batches
+from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 if TYPE_CHECKING:
     from ..monitor import StalenessMonitor
@@ -139,7 +139,7 @@ def ship(
     single = isinstance(batch, dict)
     given: list[Any] = [batch] if single else list(batch)
     parts = [_read_group(data, group_sizes if single else None) for data in given]
-    result = ship_row_batches(monitor, parts, version=version, names=_NAMES)
+    result = ship_rows(monitor, parts, version=version, names=_NAMES)
     if not single:
         return [_rows_of(part) for part in result.parts]  # type: ignore[return-value]
     assert isinstance(batch, dict)

@@ -56,7 +56,6 @@ def from_training_samples(
 
     masks = [np.asarray(_get(s, "mask"), dtype=np.float32) for s in samples]
     lengths = np.array([len(m) for m in masks], dtype=np.int64)
-    position_offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
     arrays: dict[str, Any] = {}
     present: dict[str, npt.NDArray[np.bool_]] = {}
     for name in (*WEIGHT_FIELDS, "logprobs"):
@@ -72,20 +71,18 @@ def from_training_samples(
             arrays[name] = _concat(parts, np.float64)  # float64: written back exactly as given
             present[name] = have
     spans = [policy[rid] for rid in ids]
-    frozen = np.array([start is None for start, _ in spans], dtype=bool)
     dispatch = np.array([-1 if start is None else start for start, _ in spans], dtype=np.int64)
     completion = np.array([-1 if start is None or end is None else end for start, end in spans], dtype=np.int64)
-    envs = [_get(samples[first], "env_name") for first in starts]
     return RolloutBatch(
         ids=ids,
         sample_offsets=np.array([*starts, len(samples)], dtype=np.int64),
-        position_offsets=position_offsets,
+        position_offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
         mask=_concat(masks, np.float32),
         dispatch_version=dispatch,
         completion_version=completion,
-        frozen=frozen,
+        frozen=np.array([start is None for start, _ in spans], dtype=bool),
         group_ids=None if group_ids is None else [group_ids.get(rid) for rid in ids],
-        envs=envs,
+        envs=[_get(samples[first], "env_name") for first in starts],
         present=present,
         **arrays,
     )
@@ -94,14 +91,12 @@ def from_training_samples(
 def shipped_samples(shipment: Shipment, batch: RolloutBatch, samples: Sequence[Any]) -> list[Any]:
     """The samples of ``batch`` that ``shipment`` shipped, in ship order, the masked ``mask`` and
     weights written back into them (``samples`` as given to :func:`from_training_samples`)."""
-    out: list[Any] = []
-    for rollout in shipment.rollouts:
-        if rollout.batch is not batch:
-            continue
-        first = int(batch.sample_offsets[rollout.index])
-        for local in rollout.samples:
-            out.append(_written_back(samples, batch, first + local))
-    return out
+    return [
+        _written_back(samples, batch, int(batch.sample_offsets[rollout.index]) + local)
+        for rollout in shipment.rollouts
+        if rollout.batch is batch
+        for local in rollout.samples
+    ]
 
 
 def _written_back(samples: Sequence[Any], batch: RolloutBatch, index: int) -> Any:
@@ -162,7 +157,7 @@ def ship(
     (``progress.step - 1``) and return the samples to pack, masked, the dropped ones left out (the
     other arguments: :func:`from_training_samples`)."""
     batch = from_training_samples(samples, rollout_ids, policy, group_ids=group_ids)
-    result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)
+    result = ship_rows(monitor, [(batch, list(samples), None)], version=version, names=_NAMES)
     out = ShippedSamples()
     out.staleness_lag = [lag for part in result.parts for lag in part.lags]  # one per kept sample
     out.shipment = result.shipment

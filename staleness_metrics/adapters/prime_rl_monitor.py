@@ -38,8 +38,7 @@ _DONE = _Done()
 
 
 def episode_record(episode: Any, float_decimals: int | None = 4) -> Mapping[str, Any]:
-    """An episode as its JSON record: verifiers' ``to_record``, a pydantic ``model_dump``, or the
-    mapping itself."""
+    """An episode as its JSON record (verifiers' ``to_record``, a ``model_dump``, a mapping)."""
     to_record = getattr(episode, "to_record", None)
     if callable(to_record):
         record = to_record(float_decimals=float_decimals)
@@ -69,11 +68,8 @@ class _Shipped:
 
 
 class PrimeRlMonitor:
-    """prime-rl's monitor interface (PR #3444 on) over a :class:`StalenessMonitor`: a train trace
-    stale at its arrival step enters at once (``subset="all"``), the shipped cohort enters and ships
-    at ``step`` (``subset="effective"``), ``trainer_logprobs`` updates (``log_annotations``) become
-    SPEC 11's sums of their ship step; the rest is ignored. Each method works at once and returns
-    an awaitable. ``float_decimals``: prime-rl's ``monitors.file.float_decimals``."""
+    """prime-rl's monitor interface (PR #3444 on) over a :class:`StalenessMonitor`, each method done
+    at once, returning an awaitable (what it reads of each call: ``docs/trainers/prime-rl.md``)."""
 
     run_id: str | None = None  # prime-rl asks every monitor for an external run id
 

@@ -7,7 +7,7 @@ import importlib
 import itertools
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,8 +23,7 @@ if TYPE_CHECKING:
 
 
 class _ByArray:
-    """Values kept by the identity of an array (unhashable, so no ``WeakKeyDictionary``); an entry
-    leaves with its array."""
+    """Values by an array's identity, each leaving with its array (arrays are unhashable)."""
 
     def __init__(self) -> None:
         self._found: dict[int, tuple[weakref.ref[Any], Any]] = {}
@@ -66,8 +65,7 @@ def _numpy(value: Any) -> npt.NDArray[Any]:
 
 
 def _read(samples: Sequence[Any]) -> RolloutBatch:
-    """One rollout of one sample per ``RolloutSample``: ``completion_mask`` the mask,
-    ``model_version`` (the worker's policy version at dispatch) the dispatch version."""
+    """One rollout of one sample per ``RolloutSample`` (``model_version``: dispatched under it)."""
     prefix = uuid.uuid4().hex[:12]
     ids = [f"trl-{prefix}/{k}" for k in range(len(samples))]
     masks, logprobs, versions, groups = [], [], [], []
@@ -124,10 +122,9 @@ def ship(monitor: StalenessMonitor, samples: Sequence[Any], *, version: int) -> 
 
 def _shipped(
     monitor: StalenessMonitor, samples: Sequence[Any], version: int
-) -> list[tuple[Any, npt.NDArray[np.int64]]]:
+) -> Iterator[tuple[Any, npt.NDArray[np.int64]]]:
     batch = _read(samples)
-    result = ship_rows(monitor, batch, list(samples), version=version, names=_NAMES)
-    out: list[tuple[Any, npt.NDArray[np.int64]]] = []
+    result = ship_rows(monitor, [(batch, list(samples), None)], version=version, names=_NAMES)
     for part in result.parts:
         offsets = part.batch.position_offsets
         for row, lag in zip(part.rows.tolist(), part.lags, strict=True):  # one sample per row
@@ -135,8 +132,7 @@ def _shipped(
             shipped_mask = part.batch.mask[int(offsets[row]) : int(offsets[row + 1])]
             TrainerArray(sample.completion_mask).write_back(shipped_mask)
             _lags.put(sample.completion_mask, lag)
-            out.append((sample, lag))
-    return out
+            yield sample, lag
 
 
 def packed_staleness_lag(row: Any) -> npt.NDArray[np.int64]:
@@ -145,9 +141,7 @@ def packed_staleness_lag(row: Any) -> npt.NDArray[np.int64]:
     parts = []
     for sample in row.samples:
         mask = sample["completion_mask"]
-        lag = staleness_lag_of(mask)
-        trained = _numpy(mask)[1:] != 0
-        parts.append(lag[1:][trained])
+        parts.append(staleness_lag_of(mask)[1:][_numpy(mask)[1:] != 0])
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
@@ -169,8 +163,8 @@ class _Pulled:
 
 
 class _RecordingQueue:
-    """``trainer.rollout_queue`` as ``RolloutQueueDataset`` reads it, noting each sample's
-    ``model_version`` by its ``completion_mask`` (the one object the dataset's dict keeps)."""
+    """``trainer.rollout_queue``, noting each sample's ``model_version`` by its ``completion_mask``
+    (the one object ``RolloutQueueDataset``'s dict keeps)."""
 
     def __init__(self, rollout_queue: Any, versions: _ByArray) -> None:
         self.queue = rollout_queue
@@ -192,8 +186,7 @@ class _RecordingQueue:
 
 @dataclass
 class _MicroBatch:
-    """One collated micro-batch: its samples and, per row (one per process), the sample and
-    position of each loss term in ``token_index`` order."""
+    """A collated micro-batch: per row (process), each loss term's sample and position."""
 
     samples: list[_Pulled]
     term_sample: list[npt.NDArray[np.int64]]
@@ -201,8 +194,7 @@ class _MicroBatch:
     width: int  # of token_index, padded across rows
 
     def decide(self, lag_of: dict[int, npt.NDArray[np.int64]]) -> npt.NDArray[np.int64]:
-        """``[rows, width + 1]``: each loss term's code (its lag when kept); the last column, the
-        micro-batch's kept terms (TRL's ``global_n_tokens``)."""
+        """``[rows, width + 1]``: each term's code (a kept one's lag), then ``global_n_tokens``."""
         codes = np.full((len(self.term_sample), self.width + 1), _PADDING, dtype=np.int64)
         for r, (term_sample, term_position) in enumerate(zip(self.term_sample, self.term_position, strict=True)):
             row = np.full(len(term_sample), _VOID, dtype=np.int64)
@@ -349,8 +341,7 @@ class TrainTimeShipping:
         samples = [sample for record in records.values() for sample in record.samples]
         lag_of = {id(sample): lag for sample, lag in _shipped(self.monitor, samples, version)}
         self.versions.append(int(version))
-        for m, record in records.items():
-            self._decided[m] = record.decide(lag_of)
+        self._decided.update({m: record.decide(lag_of) for m, record in records.items()})
 
 
 def _microbatch_id(inputs: dict[str, Any]) -> int:
@@ -365,8 +356,7 @@ def _microbatch_id(inputs: dict[str, Any]) -> int:
 
 
 def _apply(inputs: dict[str, Any], codes: npt.NDArray[np.int64], kept_terms: int) -> None:
-    """One rank's rows of a decision into TRL's tensors: a voided term leaves ``token_index`` at
-    advantage 0, a position no kept term reads leaves ``shift_labels``."""
+    """One rank's rows of a decision into TRL's tensors (voided terms and unread labels out)."""
     index = inputs["token_index"]
     void = codes == _VOID
     positions = _numpy(index)

@@ -53,11 +53,9 @@ def from_verl(
     token_versions: Any = None,
     env_key: str = "data_source",
 ) -> RolloutBatch:
-    """One rollout per trajectory of a ``DataProto`` (or a ``(tensors, non_tensors)`` pair):
-    ``dispatch_version`` from ``non_tensor_batch["param_version_start"]`` (else
-    ``min_global_steps``), ``completion_version`` from ``..._end`` (``max_global_steps``), the mask
-    from ``response_mask``, the group from ``uid``; ``ids`` default to :func:`verl_row_ids` of
-    ``uid``, ``env_key`` names the env field."""
+    """One rollout per trajectory of a ``DataProto`` (or a ``(tensors, non_tensors)`` pair), its
+    versions from ``param_version_start`` / ``_end`` (else ``min_`` / ``max_global_steps``), the
+    group from ``uid``; ``ids`` default to :func:`verl_row_ids`, ``env_key`` names the env field."""
     tensors, extras = data if isinstance(data, tuple) else (data.batch, data.non_tensor_batch)
     if "response_mask" in tensors:
         mask = np.asarray(tensors["response_mask"])
@@ -65,10 +63,9 @@ def from_verl(
         mask = np.asarray(tensors["attention_mask"])[:, -np.asarray(tensors["responses"]).shape[1] :]
     else:
         raise MissingFieldError("response_mask", "verl batch: needs response_mask, or responses and attention_mask")
-    width = mask.shape[1]
     attention = None
     if "attention_mask" in tensors:
-        attention = np.asarray(tensors["attention_mask"])[:, -width:]
+        attention = np.asarray(tensors["attention_mask"])[:, -mask.shape[1] :]
     uids = extras.get("uid")
     if ids is None:
         if uids is None:
@@ -81,14 +78,12 @@ def from_verl(
             "non_tensor_batch['min_global_steps']",
             "missing (nor param_version_start): the batch carries no policy version of its trajectories",
         )
-    start = _versions(extras, start_end[0], ids)
-    end = _versions(extras, start_end[1], ids) if start_end[1] in extras else None
     envs = extras.get(env_key)
     return RolloutBatch.from_padded(
         ids,
         mask,
-        dispatch_version=start,
-        completion_version=end,
+        dispatch_version=_versions(extras, start_end[0], ids),
+        completion_version=_versions(extras, start_end[1], ids) if start_end[1] in extras else None,
         token_versions=token_versions,
         attention_mask=attention,
         logprobs=tensors.get("rollout_log_probs"),
@@ -132,10 +127,9 @@ def ship(
     token_versions: Any = None,
     env_key: str = "data_source",
 ) -> Any:
-    """SPEC 15's one call for verl: add and ship the ``DataProto`` at ``version``
-    (``self.current_param_version``), and return the ``DataProto`` to train on: the shipped rows,
-    oldest call first (``data`` itself when every row shipped), the masking in ``data``'s own
-    ``response_mask`` and ``batch["staleness_lag"]`` (int64 ``[B, Lr]``)."""
+    """SPEC 15's one call for verl: ship ``data`` at ``version`` (``current_param_version``); give
+    back the ``DataProto`` to train on: the shipped rows, oldest call first (``data`` itself when
+    all shipped), masked in its ``response_mask``, with ``batch["staleness_lag"]`` ``[B, Lr]``."""
     tensors, extras = data.batch, data.non_tensor_batch
     present = tensors.keys()  # a TensorDict refuses `in` on itself
     views = {name: TrainerArray(tensors[name]) for name in _READ if name in present}
@@ -146,12 +140,9 @@ def ship(
         env_key=env_key,
     )
     mask_view = views.get("response_mask")
-
-    def write_back() -> None:
-        if mask_view is not None:
-            mask_view.write_back(rollouts.mask)
-
-    result = ship_rows(monitor, rollouts, data, version=version, names=_names(extras), write_back=write_back)
+    write_back = None if mask_view is None else lambda: mask_view.write_back(rollouts.mask)
+    names = _names(extras)
+    result = ship_rows(monitor, [(rollouts, data, write_back)], version=version, names=names)
     parts = []
     nothing = ShippedPart(data, rollouts, np.zeros(0, dtype=np.int64), (), ())  # the 0 rows left
     for part in result.parts or (nothing,):

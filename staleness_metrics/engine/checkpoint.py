@@ -35,7 +35,7 @@ from ..state_checks import (
 )
 from .policies import Policy
 from .queue import RolloutQueue
-from .queue_state import INT64, LAYOUT_KEYS, encode_value, read_layout, read_queue, save_queue
+from .queue_state import INT64, LAYOUT_KEYS, encode_value, integers, read_layout, read_queue, save_queue
 
 # A checkpoint loads into a sink judging the same way only (``strict``, ``env_breakdown`` aside)
 JUDGING_SETTINGS = ("policy", "max_staleness", "max_token_staleness", "sync_interval",
@@ -75,13 +75,9 @@ def check_tally(data: Any, path: str) -> Tally:
         where = join(path, name)
         if name in _TALLY_ARRAY_LENGTHS:
             items = sequence(found[name], where)
-            if len(items) > _TALLY_ARRAY_LENGTHS[name]:
-                top = _TALLY_ARRAY_LENGTHS[name]
+            if len(items) > (top := _TALLY_ARRAY_LENGTHS[name]):
                 fail(where, f"{len(items)} buckets, more than the {top} there are")
-            if set(map(type, items)) <= {int} and (not items or min(items) >= 0):  # (at C speed)
-                values[name] = np.asarray(items, dtype=np.int64)
-            else:  # the loop names the offending bucket
-                values[name] = np.asarray([integer(v, join(where, i), 0) for i, v in enumerate(items)], dtype=np.int64)
+            values[name] = integers(items, where, None, 0, 2**63 - 1)
         else:
             values[name] = integer(found[name], where, 0)
     return Tally(**values)

@@ -61,8 +61,7 @@ LAYOUT_KEYS = (
 
 
 def save_queue(queue: RolloutQueue) -> dict[str, Any]:
-    """The queue as plain data, masked positions with mask 1 (their weights stay 0: below the
-    threshold, where nothing trains again)."""
+    """The queue as plain data, masked positions with mask 1 (weights stay 0: none trains)."""
     queue.build_staged()
     r, s, n = queue.rollouts, queue.samples, queue.spans
     rows = np.flatnonzero(r.status == QUEUED)
@@ -99,10 +98,8 @@ def read_registry(state: Mapping[str, Any], path: str) -> tuple[set[str], dict[s
     """The ids seen in ``state``, and its groups and envs as ``RolloutQueue.restore`` takes them."""
     seen_ids = set(strings(state["seen_ids"], join(path, "seen_ids"), unique=True))
     where = join(path, "group_agentic")
-    if "n_groups" in state:  # (formats 1 and 2)
-        agentic = sequence(state["group_agentic"], where, integer(state["n_groups"], join(path, "n_groups"), 0))
-    else:
-        agentic = sequence(state["group_agentic"], where)
+    length = integer(state["n_groups"], join(path, "n_groups"), 0) if "n_groups" in state else None
+    agentic = sequence(state["group_agentic"], where, length)  # (n_groups: formats 1 and 2)
     n_groups = len(agentic)
     group_agentic = np.zeros(max(16, 2 * n_groups), dtype=bool)
     group_agentic[:n_groups] = [boolean(v, join(where, i)) for i, v in enumerate(agentic)]
@@ -123,7 +120,7 @@ def read_registry(state: Mapping[str, Any], path: str) -> tuple[set[str], dict[s
     return seen_ids, dict(groups=groups, n_groups=n_groups, group_agentic=group_agentic, env_index=env_index)
 
 
-def _ints(value: Any, path: str, length: int, low: int, high: int) -> IntArray:
+def integers(value: Any, path: str, length: int | None, low: int, high: int) -> IntArray:
     items = sequence(value, path, length)
     if set(map(type, items)) <= {int}:  # the usual case, at C speed
         values = np.asarray(items, dtype=object if items and max(map(abs, items)) >= 2**63 else np.int64)
@@ -163,8 +160,8 @@ def read_queue(
         unknown = min(queue.seen_ids - seen_ids)
         fail(join(path, "seen_ids"), f"lacks the queued id {unknown!r}")
     rollouts, samples = len(queue.rollouts), len(queue.samples)
-    judged = _ints(found["judged"], join(path, "judged"), rollouts, NEVER, step)
-    mask_below = _ints(found["mask_below"], join(path, "mask_below"), samples, NO_MASK, max(step, 0))
+    judged = integers(found["judged"], join(path, "judged"), rollouts, NEVER, step)
+    mask_below = integers(found["mask_below"], join(path, "mask_below"), samples, NO_MASK, max(step, 0))
     where = join(path, "dropped")
     dropped = np.array([boolean(v, join(where, i)) for i, v in enumerate(sequence(found["dropped"], where, samples))])
     raised = mask_below > NO_MASK
@@ -381,10 +378,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
         if (kind == LABELS_TOKENS).any() and raw["token_versions"] is None:
             reason = "a sample labelled per token, in a batch without token versions"
             fail(join(path, "label_kind"), reason)
-    try:
-        return RolloutBatch(**raw)
-    except (TypeError, ValueError) as exc:  # pragma: no cover - every field was checked above
-        fail(path, str(exc))
+    return RolloutBatch(**raw)
 
 
 def queued_part(batch: RolloutBatch, rollouts: IntArray, sampled: tuple[IntArray, IntArray]) -> RolloutBatch:
@@ -456,8 +450,7 @@ def decode_table(encoded: Any, like: TableT, path: str) -> TableT:
         fault = "lacks this column" if missing else "has no such column"
         fail(join(path, str(name)), f"the table {fault}")
     columns = {name: decode_array(found[name], join(path, name), dtype) for name, dtype in like.columns.items()}
-    lengths = {len(values) for values in columns.values()}
-    if len(lengths) > 1:
+    if len({len(values) for values in columns.values()}) > 1:
         first = len(columns[next(iter(like.columns))])
         name = next(name for name, values in columns.items() if len(values) != first)
         fail(join(path, name), f"{len(columns[name])} rows where the other columns have {first}")

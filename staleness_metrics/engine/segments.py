@@ -32,17 +32,14 @@ def _segment_reduce(ufunc: np.ufunc, values: IntArray, offsets: IntArray, empty:
 
 
 def segment_min(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
-    """Minimum per segment; ``empty`` for empty segments."""
     return _segment_reduce(np.minimum, values, offsets, empty)
 
 
 def segment_max(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
-    """Maximum per segment; ``empty`` for empty segments."""
     return _segment_reduce(np.maximum, values, offsets, empty)
 
 
 def segment_any(flags: BoolArray, offsets: IntArray) -> BoolArray:
-    """Whether any flag is set per segment."""
     return segment_sum(flags, offsets) > 0
 
 
@@ -53,8 +50,7 @@ def expand_ranges(lo: IntArray, hi: IntArray) -> IntArray:
     total = int(ends[-1]) if len(ends) else 0
     if total == 0:
         return np.zeros(0, dtype=np.int64)
-    starts = np.repeat(lo - (ends - lengths), lengths)
-    return starts + np.arange(total, dtype=np.int64)
+    return np.repeat(lo - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
 
 
 def distinct(values: IntArray) -> list[int]:

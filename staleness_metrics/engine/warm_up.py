@@ -15,8 +15,7 @@ from .spans import SampleSpans, SpanRanges
 
 
 def warm_up() -> None:
-    """Compile (or load from the disk cache) every loop for float32 and float64 arrays, so that the
-    first batch a process handles does not pay for it (the demo and the tests call it)."""
+    """Compile (or load from numba's disk cache) every loop ahead, for float32 and float64."""
     tokens = np.array([0, -1, 1], dtype=np.int64)
     offsets = np.array([0, 3], dtype=np.int64)
     lo, hi, count = (np.array([value], dtype=np.int64) for value in (0, 3, 1))
@@ -31,7 +30,7 @@ def warm_up() -> None:
                                 count, yes)  # fmt: skip
     population_summary(1, yes, columns, np.array([256]), 4096, np.array([[50, 100]]))
     WindowCounts().add(np.array([0]), "tokens_dropped", np.array([1]))
-    token_decision(1, -9, ~yes, np.array([0, 1]), count, ~yes, yes, ~yes, np.array([0, 1]), count, yes)
+    token_decision(1, ~yes, np.array([0, 1]), count, ~yes, yes, ~yes, np.array([0, 1]), count, yes)
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]
         for kind in (0, 1, 2):  # (1-3 weights alike; spans of a sample labelled by spans: none)

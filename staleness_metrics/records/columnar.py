@@ -1,6 +1,5 @@
-"""The columnar form of rollouts: flat per-position arrays with sample and rollout offsets, built
-around a caller's arrays without a copy (the sink masks them in place), packed from records by
-:mod:`.model` or read from padded ``[B, L]`` rows (:meth:`RolloutBatch.from_padded`)."""
+"""Rollouts in columnar form: flat per-position arrays with sample and rollout offsets, around a
+caller's arrays without a copy (the sink masks them in place), or read from ``[B, L]`` rows."""
 
 from __future__ import annotations
 
@@ -77,9 +76,8 @@ class RolloutBatch:
         self.position_offsets = _as_int64(self.position_offsets)
         self.dispatch_version = _as_int64(self.dispatch_version)
         if self.completion_version is None:
-            self.completion_version = np.full(n_rollouts, -1, dtype=np.int64)
-        else:
-            self.completion_version = _as_int64(self.completion_version)
+            self.completion_version = np.full(n_rollouts, -1)
+        self.completion_version = _as_int64(self.completion_version)
         self.frozen = np.zeros(n_rollouts, dtype=bool) if self.frozen is None else self.frozen
         self.agentic = np.zeros(n_rollouts, dtype=bool) if self.agentic is None else self.agentic
         self.group_ids = [None] * n_rollouts if self.group_ids is None else self.group_ids
@@ -213,8 +211,7 @@ def _valid(shape: tuple[int, int], columns: dict[str, Any]) -> BoolArray | None:
 
 
 def _label_spans(labels: npt.NDArray[Any], valid: BoolArray | None) -> tuple[IntArray, IntArray, IntArray]:
-    """Per-position labels as version spans (offsets, versions, starts): one span wherever the
-    label or the validity changes, -1 for unlabelled (any negative) and padding."""
+    """``[B, L]`` labels as spans (offsets, versions, starts), -1 for unlabelled and padding."""
     if labels.dtype.kind not in "iu":
         raise FieldError("token_versions", f"expected integers, got {labels.dtype}")
     rows, width = labels.shape
@@ -237,8 +234,7 @@ def _label_spans(labels: npt.NDArray[Any], valid: BoolArray | None) -> tuple[Int
 
 
 def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumns]) -> dict[str, Any]:
-    """The constructor's arguments for :meth:`RolloutBatch.from_padded`: the flat arrays are the
-    ``[B, L]`` arrays reshaped (views when C-contiguous); per-token versions become spans."""
+    """:meth:`RolloutBatch.from_padded`'s constructor arguments (flat views where it can)."""
     unknown = sorted(set(columns) - PaddedColumns.__optional_keys__)
     if unknown:
         raise TypeError(f"padded_columns() got an unexpected keyword argument {unknown[0]!r}")
@@ -284,8 +280,7 @@ def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumn
 def _dispatch(
     given: Any, spans: tuple[IntArray, IntArray, IntArray] | None, frozen: BoolArray, ids: list[str]
 ) -> IntArray:
-    """Per row the dispatch version given, else the oldest label of its valid positions (-1 for a
-    frozen row with neither; a live one raises ``TraceError``)."""
+    """Per row the dispatch version given, else its oldest label (-1 for a frozen row)."""
     rows = len(frozen)
     if given is not None:
         return _row_vector("dispatch_version", given, rows, np.int64)

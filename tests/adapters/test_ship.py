@@ -26,7 +26,7 @@ def padded(ids: list[str], mask: list[list[int]], start: list[int], groups: list
 def test_masks_in_place_drops_left_out_and_lags_per_position() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
     mask, batch = padded(["old", "mid", "new"], [[0, 1, 1, 0], [1, 1, 0, 0], [0, 1, 1, 1]], [0, 3, 5])
-    result = ship_rows(monitor, batch, "source", version=5, names=NAMES)  # T = 5: lags 5, 2, 0
+    result = ship_rows(monitor, [(batch, "source", None)], version=5, names=NAMES)  # T = 5: lags 5, 2, 0
     (part,) = result.parts
     assert part.source == "source" and part.rows.tolist() == [1, 2] and not part.every_row
     assert result.shipment.dropped_rollouts == ("old",)
@@ -38,24 +38,25 @@ def test_held_rows_come_back_with_the_call_that_ships_them() -> None:
     config = StalenessConfig(policy="xtuner", max_staleness=1, retry_expired=True)
     monitor = StalenessMonitor(config)
     _, first = padded(["g-stale", "g-fresh"], [[1, 1], [1, 1]], [0, 4], groups=["g", "g"])
-    held = ship_rows(monitor, first, "first", version=4, names=NAMES)
+    held = ship_rows(monitor, [(first, "first", None)], version=4, names=NAMES)
     assert held.parts == () and held.shipment.held == ("g-fresh",)
     assert held.shipment.dropped_rollouts == ("g-stale",)
     _, second = padded(["g-retry"], [[1, 1]], [4], groups=["g"])
-    shipped = ship_rows(monitor, second, "second", version=4, names=NAMES)
+    shipped = ship_rows(monitor, [(second, "second", None)], version=4, names=NAMES)
     assert [(p.source, p.rows.tolist()) for p in shipped.parts] == [("first", [1]), ("second", [0])]
-    assert ship_rows(monitor, padded(["later"], [[1]], [4])[1], "third", version=4, names=NAMES).parts[0].every_row
+    later = ship_rows(monitor, [(padded(["later"], [[1]], [4])[1], "third", None)], version=4, names=NAMES)
+    assert later.parts[0].every_row
 
 
 def test_a_version_above_the_trained_one_names_the_field_row_and_counter() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
     _, batch = padded(["a", "b"], [[1], [1]], [1, 3])
     with pytest.raises(TraceError) as caught:
-        ship_rows(monitor, batch, None, version=2, names=NAMES)
+        ship_rows(monitor, [(batch, None, None)], version=2, names=NAMES)
     assert caught.value.rollout_id == "b" and caught.value.field == "starts[1]"
     assert "pass demo's policy_version" in str(caught.value)
     with pytest.raises(TypeError, match="policy_version"):
-        ship_rows(monitor, batch, None, version=None, names=NAMES)  # type: ignore[arg-type]
+        ship_rows(monitor, [(batch, None, None)], version=None, names=NAMES)  # type: ignore[arg-type]
 
 
 def test_a_copy_is_written_back_into_the_caller_array() -> None:
@@ -65,7 +66,7 @@ def test_a_copy_is_written_back_into_the_caller_array() -> None:
     batch = RolloutBatch.from_padded(
         ["x", "y"], view.array, token_versions=np.array([[2, 3, 3], [3, 3, 3]]), attention_mask=np.ones((2, 3))
     )
-    ship_rows(monitor, batch, owned, version=3, names=NAMES, write_back=lambda: view.write_back(batch.mask))
+    ship_rows(monitor, [(batch, owned, lambda: view.write_back(batch.mask))], version=3, names=NAMES)
     assert owned.tolist() == [[0, 1, 0], [0, 1, 1]] and owned.dtype == np.int32
 
 
@@ -85,7 +86,7 @@ def test_every_row_entered_is_returned_once_or_dropped(calls: list[list[tuple[in
         mask = np.array([[1] * n + [0] * (4 - n) for _, n in rows], dtype=np.int64)
         starts = np.array([start for start, _ in rows])
         batch = RolloutBatch.from_padded(ids, mask, dispatch_version=starts)
-        result = ship_rows(monitor, batch, ids, version=version, names=NAMES)
+        result = ship_rows(monitor, [(batch, ids, None)], version=version, names=NAMES)
         dropped += result.shipment.dropped_rollouts
         for part in result.parts:
             for row, lag in zip(part.rows.tolist(), part.lag_matrix()):

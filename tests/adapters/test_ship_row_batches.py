@@ -1,4 +1,4 @@
-"""``ship_row_batches``: a trainer batch held as several row batches ships in one ship, each part handed back
+"""``ship_rows``: a trainer batch held as several row batches ships in one ship, each part handed back
 with its own source, and errors name the row of the batch it came from."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from staleness_metrics import StalenessConfig, StalenessMonitor
-from staleness_metrics.adapters._ship import TrainerNames, ship_row_batches
+from staleness_metrics.adapters._ship import TrainerNames, ship_rows
 from staleness_metrics.errors import TraceError
 from staleness_metrics.records.columnar import RolloutBatch
 
@@ -33,7 +33,7 @@ def test_several_batches_one_ship_parts_in_order() -> None:
 
     monitor = StalenessMonitor(StalenessConfig(max_staleness=1), [Steps()])
     (_, first), (_, second), (_, third) = rows(["a", "b"], 2, [5, 3]), rows(["c"], 3, [1]), rows(["d"], 1, [4])
-    result = ship_row_batches(
+    result = ship_rows(
         monitor, [(first, "first", None), (second, "second", None), (third, "third", None)], version=5, names=NAMES
     )
     assert exports == [6]  # one ship, one export
@@ -46,6 +46,6 @@ def test_an_error_names_the_row_of_its_own_batch() -> None:
     monitor = StalenessMonitor(StalenessConfig(max_staleness=1))
     (_, first), (_, second) = rows(["a"], 1, [2]), rows(["b", "c"], 1, [2, 7])
     with pytest.raises(TraceError) as caught:
-        ship_row_batches(monitor, [(first, 1, None), (second, 2, None)], version=3, names=NAMES)
+        ship_rows(monitor, [(first, 1, None), (second, 2, None)], version=3, names=NAMES)
     assert caught.value.rollout_id == "c" and caught.value.field == "starts[1]"
     assert "pass demo's policy_version" in caught.value.reason

@@ -56,7 +56,7 @@ def random_slice(seed: int, rollouts: int) -> tuple[int, dict[str, Any]]:
 
 def decide(bound: int, a: dict[str, Any]) -> Any:
     return token_decision(
-        bound, NO_MASK, a["frozen"], a["sample_offsets"], a["mask_below"], a["dropped"], a["had_train"],
+        bound, a["frozen"], a["sample_offsets"], a["mask_below"], a["dropped"], a["had_train"],
         a["unmaskable"], a["span_offsets"], a["version"], a["live"],
     )  # fmt: skip
 

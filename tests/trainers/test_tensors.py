@@ -20,8 +20,8 @@ def test_a_transposed_tensor_is_masked_through_a_copy(dtype: object) -> None:
     versions = np.array([[0, 2, 2], [2, 2, 2]])
     batch = RolloutBatch.from_padded(["a", "b"], view.array, token_versions=versions, attention_mask=np.ones((2, 3)))
     result = ship_rows(
-        StalenessMonitor(StalenessConfig(max_staleness=0)), batch, owned, version=2,
-        names=TrainerNames("demo", "version"), write_back=lambda: view.write_back(batch.mask),
+        StalenessMonitor(StalenessConfig(max_staleness=0)), [(batch, owned, lambda: view.write_back(batch.mask))],
+        version=2, names=TrainerNames("demo", "version"),
     )  # fmt: skip
     assert owned.dtype == dtype and owned.to(torch.int64).tolist() == [[0, 1, 1], [1, 1, 1]]
     (part,) = result.parts
@@ -35,7 +35,7 @@ def test_a_tensor_that_needs_grad_is_read_through_a_copy_and_written_back() -> N
     assert not view.shared
     batch = RolloutBatch.from_padded(["a"], view.array, token_versions=np.array([[0, 1, 1]]))
     ship_rows(
-        StalenessMonitor(StalenessConfig(max_staleness=0)), batch, owned, version=1,
-        names=TrainerNames("demo", "version"), write_back=lambda: view.write_back(batch.mask),
+        StalenessMonitor(StalenessConfig(max_staleness=0)), [(batch, owned, lambda: view.write_back(batch.mask))],
+        version=1, names=TrainerNames("demo", "version"),
     )  # fmt: skip
     assert owned.detach().tolist() == [[0.0, 1.0, 1.0]] and owned.requires_grad

@@ -260,7 +260,8 @@ def test_spec11_sums_from_verl_log_probabilities_through_staleness_lag() -> None
     carried = verl_batch(GROUPS)  # the same batch, carrying old_log_probs when it ships
     carried.batch["old_log_probs"] = carried.batch["rollout_log_probs"] + noise
     reference = ship_rows(
-        StalenessMonitor(StalenessConfig(max_staleness=3)), from_verl(carried), None, version=step - 1,
+        StalenessMonitor(StalenessConfig(max_staleness=3)), [(from_verl(carried), None, None)],
+        version=step - 1,
         names=TrainerNames("verl", "current_param_version"),
     )  # fmt: skip
     assert reference.shipment.report.mismatch is not None

@@ -23,8 +23,7 @@ class EpisodePolicy(Policy):
 
 
 class GroupPolicy(Policy):
-    """``group``: drop every live member of a group whose oldest live member is older than the
-    bound."""
+    """``group``: drop every live member of a group whose oldest live member is past the bound."""
 
     name = "group"
     judges_groups = True

@@ -17,7 +17,7 @@ class TokenPolicy(Policy):
 
     def decide(self, judgement: Judgement) -> Decision:
         return token_decision(
-            judgement.trained_version - self.max_staleness, NO_MASK, judgement.frozen, judgement.sample_offsets,
+            judgement.trained_version - self.max_staleness, judgement.frozen, judgement.sample_offsets,
             judgement.mask_below, judgement.dropped, judgement.had_train, judgement.unmaskable,
             judgement.span_offsets, judgement.version, judgement.live,
         )  # fmt: skip
@@ -26,7 +26,6 @@ class TokenPolicy(Policy):
 @CompiledLoop
 def _token_decision(
     bound: int,
-    no_mask: int,
     frozen: BoolArray,
     sample_offsets: IntArray,
     mask_below: IntArray,
@@ -50,12 +49,8 @@ def _token_decision(
         raise ValueError("token_decision: offsets do not cover the arrays")
     if span_offsets[n_samples] != n_spans:
         raise ValueError("token_decision: offsets do not cover the arrays")
-    for r in range(n_rollouts):
-        if sample_offsets[r + 1] < sample_offsets[r]:
-            raise ValueError("token_decision: offsets out of order")
-    for k in range(n_samples):
-        if span_offsets[k + 1] < span_offsets[k]:
-            raise ValueError("token_decision: offsets out of order")
+    if (np.diff(sample_offsets) < 0).any() or (np.diff(span_offsets) < 0).any():
+        raise ValueError("token_decision: offsets out of order")
     new_below = np.empty(n_samples, dtype=np.int64)
     drop_sample = np.zeros(n_samples, dtype=np.bool_)
     drop_rollout = np.zeros(n_rollouts, dtype=np.bool_)
@@ -63,7 +58,7 @@ def _token_decision(
         is_live = not frozen[r]
         gone = 0
         for k in range(sample_offsets[r], sample_offsets[r + 1]):
-            below = max(mask_below[k], bound if is_live else no_mask)
+            below = max(mask_below[k], bound if is_live else NO_MASK)
             new_below[k] = below
             left = unmaskable[k]
             if not left:
@@ -78,7 +73,7 @@ def _token_decision(
     return new_below, drop_sample, drop_rollout
 
 
-def token_decision(bound: int, no_mask: int, *slice_: npt.NDArray[Any]) -> Decision:
+def token_decision(bound: int, *slice_: npt.NDArray[Any]) -> Decision:
     """The ``token`` policy over a judged slice (the fields :meth:`TokenPolicy.decide` passes)."""
-    mask_below, drop_sample, drop_rollout = _token_decision(int(bound), int(no_mask), *slice_)
+    mask_below, drop_sample, drop_rollout = _token_decision(int(bound), *slice_)
     return Decision(mask_below, drop_sample, drop_rollout, np.zeros(len(drop_rollout), dtype=bool))

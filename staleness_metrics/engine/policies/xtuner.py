@@ -53,7 +53,7 @@ class XtunerPolicy(Policy):
 
     def _grow(self, size: int) -> None:
         if size > len(self._owed):
-            self._owed = np.concatenate((self._owed, np.zeros(size - len(self._owed), dtype=np.int64)))
+            self._owed = np.pad(self._owed, (0, size - len(self._owed)))
 
     def decide(self, judgement: Judgement) -> Decision:
         k = self.sync_interval
@@ -81,5 +81,4 @@ class XtunerPolicy(Policy):
             self._grow(int(judgement.group.max()) + 1 if judgement.n_rollouts else 0)
             np.add.at(self._owed, judgement.group[drop], 1)
             hold = ~drop & (self._owed[judgement.group] > 0)
-        no_sample = np.zeros(judgement.n_samples, dtype=bool)
-        return Decision(mask_below, drop_sample=no_sample, drop_rollout=drop, hold_rollout=hold)
+        return Decision(mask_below, np.zeros(judgement.n_samples, dtype=bool), drop, hold)
