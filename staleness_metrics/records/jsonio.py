@@ -32,8 +32,7 @@ def loads(text: str | bytes) -> Any:
 
 
 def loads_checked(text: str | bytes) -> tuple[Any, bool]:
-    """:func:`loads`, and whether every string decoded is known to be valid Unicode (else the caller
-    looks for lone surrogates)."""
+    """:func:`loads`, and whether every string decoded is known to be valid Unicode."""
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
@@ -65,8 +64,7 @@ def _default(value: object) -> object:
 
 
 def dumps(value: Any) -> bytes:
-    """``value`` (numpy arrays and scalars included) as compact UTF-8 JSON; callers pass finite
-    numbers (orjson writes NaN as ``null``), float32 arrays widened to float64."""
+    """``value`` (numpy too) as compact JSON; callers pass finite numbers, float32 made float64."""
     return orjson.dumps(value, default=_default, option=_OPTIONS)
 
 
@@ -81,8 +79,7 @@ _EMPTY_LIST = orjson.Fragment(b"[]")
 
 
 def zero_one_floats(arrays: Sequence[npt.NDArray[np.float64]]) -> list[orjson.Fragment] | None:
-    """The JSON orjson writes for each float64 array, by one table look-up, when every value is 0.0
-    or 1.0 (loss weights usually are); else None."""
+    """Each float64 array's JSON by one table look-up when every value is 0.0 or 1.0; else None."""
     if not arrays:
         return []
     bits = np.concatenate(arrays).view(np.uint64)  # -0.0 (written "-0.0") is neither bit pattern

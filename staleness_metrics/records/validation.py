@@ -1,6 +1,5 @@
-"""Value rules of SPEC 3, checked once on the columnar form, vectorised (Python runs only on the
-offenders, to name the rollout, the field and the reason); beside them, the quick check of a small
-add in one compiled pass: "plain" or "not sure"."""
+"""Value rules of SPEC 3, vectorised on the columnar form (Python only names offenders), and the
+quick check of a small add in one compiled pass: "plain" or "not sure"."""
 
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ def _first_big_int(values: list[Any]) -> int | None:
 
 
 def unstorable(value: Any) -> tuple[str, str] | None:
-    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep exactly
-    (a lone surrogate, an integer beyond 64 bits, too deep), else None."""
+    """``(field, reason)`` of the first part of a value a JSON store cannot keep exactly."""
     stack: list[tuple[Any, str, int]] = [(value, "", 0)]
     while stack:
         item, where, level = stack.pop()
@@ -198,9 +196,8 @@ def _strings_joined(texts: Sequence[Any]) -> str:
 
 
 def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
-    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts. Position values are
-    checked by :mod:`staleness_metrics.engine.spans`, which reads them anyway (token versions too
-    without ``token_values``)."""
+    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts (engine.spans checks
+    position values, token versions too without ``token_values``)."""
     _check_shapes(batch)
     verdicts = Verdicts(batch)
 
@@ -276,8 +273,7 @@ def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
 def _span_faults(
     offsets: IntArray, versions: IntArray, starts: IntArray, sample_lengths: IntArray
 ) -> tuple[list[int], list[int], list[int]]:
-    """Per span rule (version >= -1, start inside its sample, starts increasing), the first
-    offending span of each sample, in span order."""
+    """Per span rule (version >= -1, start inside, increasing), each sample's first offender."""
     found: tuple[list[int], list[int], list[int]] = ([], [], [])
     for a in range(0, len(versions), _SPAN_PIECE):
         b = min(a + _SPAN_PIECE, len(versions))
@@ -312,8 +308,7 @@ def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
 
 
 def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[int, str] | None:
-    """The first fault :func:`check_batch` finds in one sample's ``[version, start]`` pairs over
-    ``length`` positions, as ``(span, reason)``, or None."""
+    """``(span, reason)`` of the first fault :func:`check_batch` finds in one sample's pairs."""
     versions, starts = pairs[:, 0], pairs[:, 1]
     bounds = np.array([0, len(pairs)], dtype=np.int64)
     found = _span_faults(bounds, versions, starts, np.array([length], dtype=np.int64))
@@ -333,8 +328,7 @@ def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
 
 
 def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:
-    """Whether the exact checks would find nothing wrong (False: not sure); ``positions=False``
-    leaves the position values to :func:`plain_values_of`."""
+    """Whether the exact checks find nothing (False: not sure); ``positions``: theirs too."""
     ids, mask, group_ids, envs = batch.ids, batch.mask, batch.group_ids, batch.envs
     frozen, agentic = batch.frozen, batch.agentic
     n_rollouts, n_positions = len(ids), len(mask)
@@ -366,8 +360,7 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
 
 
 def plain_values_of(batch: RolloutBatch) -> bool:
-    """Whether a batch :func:`plainly_valid` passed with ``positions=False`` holds values the exact
-    checks take."""
+    """Whether a batch :func:`plainly_valid` passed holds position values the exact checks take."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
@@ -513,8 +506,7 @@ def plain_values(
     into: PositionCopies | None = None,
     start: int = 0,
 ) -> bool:
-    """Whether a batch's values pass the exact checks, in one compiled pass copying the positions
-    to ``into`` (from ``start``); False ("not sure") for other than 1-d contiguous float32/64."""
+    """Whether the values pass the exact checks (False: not sure), copied to ``into`` at start."""
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
     n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows
