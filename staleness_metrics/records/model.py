@@ -151,7 +151,11 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
         array = np.array(value)
     except (ValueError, OverflowError):
         array = np.array(value, dtype=object)
-    if array.dtype.kind in "uOf" and array.size and not _within_int64(array):
+    if (
+        array.dtype.kind in "uOf"
+        and array.size
+        and (array.dtype == object or not -INT64_BOUND <= array.min() <= array.max() < INT64_BOUND)
+    ):
         # an integer beyond signed 64 bits: no store keeps it, and a weight would be rounded
         for i, v in enumerate(value):
             if _is_int(v) and not INT64_MIN <= v <= INT64_MAX:
@@ -167,13 +171,6 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
         position = next(i for i, v in enumerate(value) if isinstance(v, bool))
         raise TraceError(rid, f"{name}[{position}]", f"expected {expected}, got {value[position]!r}")
     return array
-
-
-def _within_int64(array: npt.NDArray[Any]) -> bool:
-    """False for NaN and objects too: the caller then looks at the items."""
-    if array.dtype.kind == "O":
-        return False
-    return bool(-INT64_BOUND <= array.min() <= array.max() < INT64_BOUND)
 
 
 def _fast(value: object, code: str) -> npt.NDArray[Any] | None:

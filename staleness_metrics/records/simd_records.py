@@ -57,10 +57,6 @@ class _Lists:
         self.owners: list[tuple[ParsedSample, str]] = []
         self.firsts: list[int] = []  # per line taken, the index of its first list
 
-    def drop_line(self) -> None:
-        mark = self.firsts.pop()
-        del self.buffers[mark:], self.sizes[mark:], self.owners[mark:]
-
     def place(self, refused: set[int]) -> None:
         """Set every list in its sample (one array for all); lines with ``bad`` ones: refused."""
         whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=self.dtype)
@@ -176,8 +172,9 @@ class LineReader:
         try:
             rollout = _rollout(document, line, kinds)
         except (_NotPlain, TraceError, TypeError, ValueError, RuntimeError):
-            for kind in kinds:
-                kind.drop_line()
+            for kind in kinds:  # drop the line's lists
+                mark = kind.firsts.pop()
+                del kind.buffers[mark:], kind.sizes[mark:], kind.owners[mark:]
             return False
         finally:
             del document

@@ -17,8 +17,7 @@ from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLO
 
 IntArray = npt.NDArray[np.int64]
 
-# What a JSON store keeps exactly: valid Unicode, signed 64-bit integers, and nesting orjson
-# writes (it stops at 254 levels; a record is never deeper than 5).
+# what a JSON store keeps exactly (orjson writes 254 levels; a record is never deeper than 5)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STORED_DEPTH = 128
 
@@ -407,32 +406,7 @@ def _copy_to(copy: npt.NDArray[Any], values: npt.NDArray[Any], start: int, n: in
         copy[start : start + n] = values
 
 
-def _plain_rows(
-    n_rollouts: int,
-    offsets: tuple[IntArray, IntArray, IntArray, IntArray],
-    label_kind: npt.NDArray[np.int8],
-    labels: int,
-) -> bool:  # pragma: no cover - compiled
-    sample_offsets, position_offsets, dispatch, completion = offsets
-    n_samples = len(position_offsets) - 1
-    if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(dispatch) != n_rollouts:
-        return False  # (the lengths every read below relies on)
-    if len(completion) != n_rollouts or len(label_kind) != n_samples:
-        return False
-    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or position_offsets[0] != 0:
-        return False
-    for i in range(n_rollouts):  # offsets never decreasing; versions as check_batch wants them
-        d, c = dispatch[i], completion[i]
-        if sample_offsets[i + 1] < sample_offsets[i] or d < 0 or c < -1 or 0 <= c < d:
-            return False  # (frozen ones too: -1 falls to the exact path)
-    for j in range(n_samples):
-        kind = label_kind[j]
-        if position_offsets[j + 1] < position_offsets[j] or kind < 0 or kind > 2 or not (labels >> kind) & 1:
-            return False
-    return True
-
-
-@CompiledLoop(callees={"_finite": (_finite, {}), "_copy_to": (_copy_to, {}), "_plain_rows": (_plain_rows, {})})
+@CompiledLoop(callees={"_finite": (_finite, {}), "_copy_to": (_copy_to, {})})
 def _plain_values(
     n_rollouts: int,
     offsets: tuple[IntArray, IntArray, IntArray, IntArray],
@@ -446,9 +420,24 @@ def _plain_values(
 ) -> bool:  # pragma: no cover - compiled
     # (plain tuples, not named tuples: numba types them as fast as flat arguments)
     mask, rl, ce, ref_kl, logprobs = values
-    n = len(mask)
-    if not _plain_rows(n_rollouts, offsets, label_kind, labels) or offsets[1][len(offsets[1]) - 1] != n:
+    sample_offsets, position_offsets, dispatch, completion = offsets
+    n, n_samples = len(mask), len(position_offsets) - 1
+    if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(dispatch) != n_rollouts:
+        return False  # (the lengths every read below relies on)
+    if len(completion) != n_rollouts or len(label_kind) != n_samples:
         return False
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or position_offsets[0] != 0:
+        return False
+    if position_offsets[n_samples] != n:
+        return False
+    for i in range(n_rollouts):  # offsets never decreasing; versions as check_batch wants them
+        d, c = dispatch[i], completion[i]
+        if sample_offsets[i + 1] < sample_offsets[i] or d < 0 or c < -1 or 0 <= c < d:
+            return False  # (frozen ones too: -1 falls to the exact path)
+    for j in range(n_samples):
+        kind = label_kind[j]
+        if position_offsets[j + 1] < position_offsets[j] or kind < 0 or kind > 2 or not (labels >> kind) & 1:
+            return False
     bad = False
     for x in mask:
         bad |= (x != 0) & (x != 1)  # NaN too
@@ -466,9 +455,9 @@ def _plain_values(
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
-_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
 _INT8 = np.dtype(np.int8)
-_PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}
+# the mask dtypes the compiled pass reads (numba reads no float16)
+_PLAIN_PADDING = {np.dtype(dtype): np.zeros(0, dtype=dtype) for dtype in (np.float32, np.float64)}
 
 
 class BatchRows(NamedTuple):
@@ -490,9 +479,7 @@ class PositionCopies(NamedTuple):
     token_versions: IntArray
 
 
-_NO_COPIES = {
-    dtype: PositionCopies((empty, empty, empty, empty), _NO_TOKENS) for dtype, empty in _PLAIN_PADDING.items()
-}  # (nothing copied)
+_NO_COPIES = {d: PositionCopies((empty,) * 4, _NO_TOKENS) for d, empty in _PLAIN_PADDING.items()}
 
 Weights = tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | None, npt.NDArray[Any] | None]
 

@@ -358,8 +358,7 @@ def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
     return list(run_events(events, Sink(config)))
 
 
-# Files that are not UTF-8 text, by their first bytes: gzip, bzip2 and xz are read as they are; the
-# others are named, with how to make them readable.
+# files that are not UTF-8 text, by their first bytes: gzip, bzip2 and xz read, others named
 _OPENERS: dict[str, Callable[[IO[bytes]], IO[bytes]]] = {
     "gzip": lambda raw: cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb")),
     "bzip2": bz2.BZ2File,
