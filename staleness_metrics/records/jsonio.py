@@ -68,7 +68,6 @@ def dumps(value: Any) -> bytes:
 
 
 def dumps_line(value: Any) -> bytes:
-    """:func:`dumps` with a newline after it."""
     return orjson.dumps(value, default=_default, option=_OPTIONS | orjson.OPT_APPEND_NEWLINE)
 
 

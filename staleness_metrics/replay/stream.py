@@ -148,8 +148,7 @@ def _unicode_checked(event: Event, text: str | bytes) -> Event:
     if found is None:
         return event
     where, string = found
-    raw = event.rollout
-    record_id, env = raw.get("id"), raw.get("env")
+    record_id, env = event.rollout.get("id"), event.rollout.get("env")
     error = TraceError(
         record_id if isinstance(record_id, str) else None,
         where.encode("utf-8", "backslashreplace").decode("utf-8"),
