@@ -30,8 +30,7 @@ from ..records.validation import Verdicts, lone_surrogate
 
 @dataclass(frozen=True)
 class Event:
-    """One line of an event stream (``kind``: rollout, sweep or ship); a rollout as its record,
-    its arrays (``parsed``) or refused as read (``unparsed``: invalid Unicode)."""
+    """One line of an event stream: a rollout (record, ``parsed``, ``unparsed``), sweep or ship."""
 
     line: int
     kind: str
@@ -155,8 +154,7 @@ def _unicode_checked(event: Event, text: str | bytes) -> Event:
         _unicode_reason(text, string),
     )
     known_env = isinstance(env, str) and lone_surrogate(env) is None
-    unparsed = UnparsedRollout(error, env if known_env else None)
-    return Event(event.line, "rollout", unparsed=unparsed)
+    return Event(event.line, "rollout", unparsed=UnparsedRollout(error, env if known_env else None))
 
 
 _PARSE_LINES = 64  # rollout lines whose values are checked together (:meth:`LineReader.finish`)
@@ -172,15 +170,13 @@ def read_events(
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
 
     ``parse``: valid rollout lines given as bytes are read straight into arrays (``parsed``);
-    ``read_ahead``: checked 64 at a time across ship and sweep lines too (for a whole file).
-    """
+    ``read_ahead``: checked 64 at a time across ship and sweep lines too (for a whole file)."""
     last_step = 0
     reader = simd_records.LineReader() if parse and simd_records.AVAILABLE else None
     # lines not yet yielded: events, and the reader's as (number, text[, record or None])
     pending: list[Event | tuple[int, bytes] | tuple[int, bytes, ParsedRollout | None]] = []
     taken = 0  # lines of ``pending`` taken and not checked yet
-    # rollout lines taken since the last line decoded here (what a read without read_ahead counts)
-    run = 0
+    run = 0  # rollout lines taken since a line decoded here (as a read without read_ahead)
     settled = 0  # pending[:settled] is what a read without read_ahead would have yielded by now
 
     def flush(upto: int | None) -> Iterator[Event]:
@@ -253,10 +249,8 @@ class Added:
 
     lines: tuple[int, ...]
     items: tuple[ParsedRollout | UnparsedRollout, ...]
-    # the parsed items packed once (:func:`pack_once`); runs add copies
-    packed: RolloutBatch | None = None
-    # and checked once, as every run's sink checks them
-    checked: tuple[Verdicts, SpanTable] | None = None
+    packed: RolloutBatch | None = None  # the parsed items packed once by pack_once; runs add copies
+    checked: tuple[Verdicts, SpanTable] | None = None  # checked once, as each run's sink would
 
 
 Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
