@@ -15,8 +15,7 @@ DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
 
-# orjson reads an integer beyond 64 bits as a float: a line with a run of 19 digits is decoded by
-# the standard library. Digits map to "0", all else to " ".
+# orjson reads an integer beyond 64 bits as a float: a run of 19 digits goes to the standard library
 _DIGITS = bytes(0x30 if 0x30 <= i <= 0x39 else 0x20 for i in range(256))
 _LONG_NUMBER = b"0" * 19
 
@@ -32,8 +31,7 @@ def loads(text: str | bytes) -> Any:
 
 
 def loads_checked(text: str | bytes) -> tuple[Any, bool]:
-    """:func:`loads`, and whether every string decoded is known to be valid Unicode (else the caller
-    looks for lone surrogates)."""
+    """:func:`loads`, and whether every string decoded is known to be valid Unicode."""
     try:
         value = orjson.loads(text)
     except orjson.JSONDecodeError:
@@ -65,13 +63,11 @@ def _default(value: object) -> object:
 
 
 def dumps(value: Any) -> bytes:
-    """``value`` (numpy arrays and scalars included) as compact UTF-8 JSON; callers pass finite
-    numbers (orjson writes NaN as ``null``), float32 arrays widened to float64."""
+    """``value`` (numpy too) as compact JSON; callers pass finite numbers, float32 made float64."""
     return orjson.dumps(value, default=_default, option=_OPTIONS)
 
 
 def dumps_line(value: Any) -> bytes:
-    """:func:`dumps` with a newline after it."""
     return orjson.dumps(value, default=_default, option=_OPTIONS | orjson.OPT_APPEND_NEWLINE)
 
 
@@ -81,8 +77,7 @@ _EMPTY_LIST = orjson.Fragment(b"[]")
 
 
 def zero_one_floats(arrays: Sequence[npt.NDArray[np.float64]]) -> list[orjson.Fragment] | None:
-    """The JSON orjson writes for each float64 array, by one table look-up, when every value is 0.0
-    or 1.0 (loss weights usually are); else None."""
+    """Each float64 array's JSON by one table look-up when every value is 0.0 or 1.0; else None."""
     if not arrays:
         return []
     bits = np.concatenate(arrays).view(np.uint64)  # -0.0 (written "-0.0") is neither bit pattern

@@ -114,6 +114,11 @@ class UnparsedRollout:
 MAX_VERSION = 2**53  # versions and positions far beyond any run, and exact in every JSON reader
 INT64_BOUND = 2.0**63  # floats at or beyond it do not fit int64 (the checked path reads them)
 COMPACT_MASK_MIN_POSITIONS = 1 << 20  # a packed batch of this many positions keeps its mask as int8
+# signed dtypes a sample's token versions may keep from the parse
+_NARROW_VERSIONS = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
+# a missing sample's fill (else 0.0): a missing rl weight counts as 1, a trainer log-prob as missing
+_FILLS = {"rl_weights": 1.0, "trainer_logprobs": np.nan}
+_NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)  # a column no sample has
 
 
 def versions_beyond(values: npt.NDArray[Any]) -> bool:
@@ -137,8 +142,7 @@ def _is_int(value: object) -> bool:
 
 
 def _array(rid: str, name: str, value: object, kinds: str, expected: str, booleans: bool = True) -> npt.NDArray[Any]:
-    """A JSON list as a 1-d array of a dtype kind in ``kinds``, no element coerced (``booleans``
-    False: the JSON text has no boolean to look for)."""
+    """A JSON list as a 1-d array of a dtype kind in ``kinds``, no element coerced."""
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in kinds.replace("b", ""):
         return value  # already exact (the service turns long lists into arrays as it reads them)
     if not isinstance(value, list):
@@ -147,7 +151,11 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
         array = np.array(value)
     except (ValueError, OverflowError):
         array = np.array(value, dtype=object)
-    if array.dtype.kind in "uOf" and array.size and not _within_int64(array):
+    if (
+        array.dtype.kind in "uOf"
+        and array.size
+        and (array.dtype == object or not -INT64_BOUND <= array.min() <= array.max() < INT64_BOUND)
+    ):
         # an integer beyond signed 64 bits: no store keeps it, and a weight would be rounded
         for i, v in enumerate(value):
             if _is_int(v) and not INT64_MIN <= v <= INT64_MAX:
@@ -163,13 +171,6 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
         position = next(i for i, v in enumerate(value) if isinstance(v, bool))
         raise TraceError(rid, f"{name}[{position}]", f"expected {expected}, got {value[position]!r}")
     return array
-
-
-def _within_int64(array: npt.NDArray[Any]) -> bool:
-    """False for NaN and objects too: the caller then looks at the items."""
-    if array.dtype.kind == "O":
-        return False
-    return bool(-INT64_BOUND <= array.min() <= array.max() < INT64_BOUND)
 
 
 def _fast(value: object, code: str) -> npt.NDArray[Any] | None:
@@ -189,10 +190,6 @@ def _int_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.
     if versions_beyond(array):
         raise TraceError(rid, name, f"values must be within -{MAX_VERSION}..{MAX_VERSION}")
     return array if array.dtype in _NARROW_VERSIONS else array.astype(np.int64, copy=False)
-
-
-# signed dtypes a sample's token versions may keep from the parse
-_NARROW_VERSIONS = (np.dtype(np.int8), np.dtype(np.int16), np.dtype(np.int32))
 
 
 def _float_list(rid: str, name: str, value: object, booleans: bool = True) -> npt.NDArray[np.float64]:
@@ -351,8 +348,7 @@ def _version(rid: str, name: str, value: object) -> int:
 
 
 def parse_rollout(raw: object, *, booleans: bool = True) -> ParsedRollout:
-    """Type-check one record; raises :class:`TraceError` naming the rollout, field and reason
-    (``booleans=False``: the JSON text holds no ``true`` / ``false``, a faster check of numbers)."""
+    """Type-check one record or raise TraceError (``booleans=False``: no true/false in its JSON)."""
     if not isinstance(raw, Mapping):
         raise TraceError(None, "rollout", f"expected an object, got {type(raw).__name__}")
     rollout = check_head({k: v for k, v in raw.items() if k != "samples"})
@@ -375,8 +371,7 @@ def parse_or_error(raw: object, *, booleans: bool = True) -> ParsedRollout | Unp
 
 
 def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBatch:
-    """Parsed rollouts as one columnar batch (the sink checks the values); ``adopt``: nobody else
-    sees them, so a one-sample column the parse made is taken uncopied."""
+    """Parsed rollouts as one batch; ``adopt``: a one-sample column the parse made is not copied."""
     rollouts = list(rollouts)
     samples = [s for r in rollouts for s in r.samples]
     lengths = [len(s.mask) for s in samples]
@@ -447,15 +442,10 @@ def pack(rollouts: Iterable[ParsedRollout], *, adopt: bool = False) -> RolloutBa
     return batch
 
 
-# a missing sample's fill (else 0.0): a missing rl weight counts as 1, a trainer log-prob as missing
-_FILLS = {"rl_weights": 1.0, "trainer_logprobs": np.nan}
-
-
 def _column(
     values: list[npt.NDArray[Any] | None], lengths: list[int], fill: float, dtype: type, adopt: bool
 ) -> tuple[npt.NDArray[Any] | None, npt.NDArray[np.bool_]]:
-    """A per-position column of :func:`pack` (None per sample: filled) and which samples gave it;
-    arrays of a wrong length are kept for validation to report. ``adopt``: a lone array is kept."""
+    """A per-position column (None: filled) and which samples gave it; wrong lengths are kept."""
     given = [v for v in values if v is not None]
     if not given:
         return None, _NONE_PRESENT
@@ -477,9 +467,6 @@ def _column(
         return out, present
     parts = [v if v is not None else np.full(n, fill) for v, n in zip(values, lengths)]
     return _flat(parts, np.float64), present
-
-
-_NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)  # a column no sample has
 
 
 def _flat(values: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:

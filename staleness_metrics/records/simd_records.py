@@ -1,6 +1,5 @@
-"""Rollout event lines read straight into arrays by simdjson (the replay's fast path). It only
-accepts a plain, valid line, giving exactly the general path's :class:`~.model.ParsedRollout`;
-any other line is left to the general path (docs/decisions.md, "Rollout lines read by simdjson")."""
+"""Rollout event lines read straight into arrays by simdjson (replay's fast path): plain, valid
+lines only, as the general path reads them (docs/decisions.md, "Rollout lines read by simdjson")."""
 
 from __future__ import annotations
 
@@ -30,9 +29,8 @@ _FIELDS: dict[str, tuple[int, Literal["d", "i"]]] = {  # sample field -> (kind, 
     "weight_versions": (_VERSIONS, "i"),
     **{name: (_FLOATS, "d") for name in (*WEIGHT_FIELDS, "logprobs", "trainer_logprobs")},
 }
-
-
 _SATURATED = 0xFFFFFF  # simdjson's tape keeps a list's length in 24 bits, saturated
+_NO_MASK = np.zeros(0, dtype=np.int8)
 
 
 class _NotPlain(Exception):
@@ -50,8 +48,7 @@ def _keys(value: object) -> list[str]:
 
 
 class _Lists:
-    """Per-position lists of one kind copied out of the tape, with where each goes, checked by
-    one rule (``bad``) as one array of ``dtype``."""
+    """Per-position lists of one kind copied out of the tape, checked by one rule as one array."""
 
     def __init__(self, dtype: type, bad: Callable[[npt.NDArray[Any]], bool]) -> None:
         self.dtype, self.bad = dtype, bad
@@ -60,13 +57,8 @@ class _Lists:
         self.owners: list[tuple[ParsedSample, str]] = []
         self.firsts: list[int] = []  # per line taken, the index of its first list
 
-    def drop_line(self) -> None:
-        mark = self.firsts.pop()
-        del self.buffers[mark:], self.sizes[mark:], self.owners[mark:]
-
     def place(self, refused: set[int]) -> None:
-        """Set every list in its sample (one array for all), then forget them; adds the lines of
-        ``bad`` lists to ``refused``."""
+        """Set every list in its sample (one array for all); lines with ``bad`` ones: refused."""
         whole: npt.NDArray[Any] = np.frombuffer(b"".join(self.buffers), dtype=self.dtype)
         ends = list(accumulate(self.sizes))
         starts = [0, *ends]
@@ -152,12 +144,8 @@ def _rollout(document: object, line: bytes, kinds: tuple[_Lists, ...]) -> Parsed
     return rollout
 
 
-_NO_MASK = np.zeros(0, dtype=np.int8)
-
-
 class LineReader:
-    """Reads rollout event lines with one reused simdjson parser (one per reader thread):
-    :meth:`take` copies each line's lists out, :meth:`finish` checks them all at once."""
+    """One reused simdjson parser: :meth:`take` copies lists out, :meth:`finish` checks them."""
 
     def __init__(self) -> None:
         self._parser = simdjson.Parser()
@@ -184,8 +172,9 @@ class LineReader:
         try:
             rollout = _rollout(document, line, kinds)
         except (_NotPlain, TraceError, TypeError, ValueError, RuntimeError):
-            for kind in kinds:
-                kind.drop_line()
+            for kind in kinds:  # drop the line's lists
+                mark = kind.firsts.pop()
+                del kind.buffers[mark:], kind.sizes[mark:], kind.owners[mark:]
             return False
         finally:
             del document
@@ -193,8 +182,7 @@ class LineReader:
         return True
 
     def finish(self) -> list[ParsedRollout | None]:
-        """The records of the lines taken, in order; ``None`` for a line whose values the general
-        path must read (a mask value not 0/1, a version beyond ±2**53, a float beyond 2**63)."""
+        """The records of the lines taken, in order; ``None``: the general path reads its values."""
         refused: set[int] = set()
         for kind in self._kinds:
             kind.place(refused)

@@ -1,6 +1,5 @@
-"""Value rules of SPEC 3, checked once on the columnar form, vectorised (Python runs only on the
-offenders, to name the rollout, the field and the reason); beside them, the quick check of a small
-add in one compiled pass: "plain" or "not sure"."""
+"""Value rules of SPEC 3, vectorised on the columnar form (Python only names offenders), and the
+quick check of a small add in one compiled pass: "plain" or "not sure"."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from .columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, PER_POSITION_FLO
 
 IntArray = npt.NDArray[np.int64]
 
-# What a JSON store keeps exactly: valid Unicode, signed 64-bit integers, and nesting orjson
-# writes (it stops at 254 levels; a record is never deeper than 5).
+# what a JSON store keeps exactly (orjson writes 254 levels; a record is never deeper than 5)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STORED_DEPTH = 128
 
@@ -68,8 +66,7 @@ def _first_big_int(values: list[Any]) -> int | None:
 
 
 def unstorable(value: Any) -> tuple[str, str] | None:
-    """``(field, reason)`` for the first part of a JSON-like value a JSON store cannot keep exactly
-    (a lone surrogate, an integer beyond 64 bits, too deep), else None."""
+    """``(field, reason)`` of the first part of a value a JSON store cannot keep exactly."""
     stack: list[tuple[Any, str, int]] = [(value, "", 0)]
     while stack:
         item, where, level = stack.pop()
@@ -198,9 +195,8 @@ def _strings_joined(texts: Sequence[Any]) -> str:
 
 
 def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, token_values: bool = True) -> Verdicts:
-    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts. Position values are
-    checked by :mod:`staleness_metrics.engine.spans`, which reads them anyway (token versions too
-    without ``token_values``)."""
+    """SPEC 3 rules on ids, versions and spans; returns the invalid rollouts (engine.spans checks
+    position values, token versions too without ``token_values``)."""
     _check_shapes(batch)
     verdicts = Verdicts(batch)
 
@@ -276,8 +272,7 @@ def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:
 def _span_faults(
     offsets: IntArray, versions: IntArray, starts: IntArray, sample_lengths: IntArray
 ) -> tuple[list[int], list[int], list[int]]:
-    """Per span rule (version >= -1, start inside its sample, starts increasing), the first
-    offending span of each sample, in span order."""
+    """Per span rule (version >= -1, start inside, increasing), each sample's first offender."""
     found: tuple[list[int], list[int], list[int]] = ([], [], [])
     for a in range(0, len(versions), _SPAN_PIECE):
         b = min(a + _SPAN_PIECE, len(versions))
@@ -312,8 +307,7 @@ def _check_spans(batch: RolloutBatch, verdicts: Verdicts) -> None:
 
 
 def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[int, str] | None:
-    """The first fault :func:`check_batch` finds in one sample's ``[version, start]`` pairs over
-    ``length`` positions, as ``(span, reason)``, or None."""
+    """``(span, reason)`` of the first fault :func:`check_batch` finds in one sample's pairs."""
     versions, starts = pairs[:, 0], pairs[:, 1]
     bounds = np.array([0, len(pairs)], dtype=np.int64)
     found = _span_faults(bounds, versions, starts, np.array([length], dtype=np.int64))
@@ -333,8 +327,7 @@ def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
 
 
 def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:
-    """Whether the exact checks would find nothing wrong (False: not sure); ``positions=False``
-    leaves the position values to :func:`plain_values_of`."""
+    """Whether the exact checks find nothing (False: not sure); ``positions``: theirs too."""
     ids, mask, group_ids, envs = batch.ids, batch.mask, batch.group_ids, batch.envs
     frozen, agentic = batch.frozen, batch.agentic
     n_rollouts, n_positions = len(ids), len(mask)
@@ -366,8 +359,7 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
 
 
 def plain_values_of(batch: RolloutBatch) -> bool:
-    """Whether a batch :func:`plainly_valid` passed with ``positions=False`` holds values the exact
-    checks take."""
+    """Whether a batch :func:`plainly_valid` passed holds position values the exact checks take."""
     mask, tokens, logprobs = batch.mask, batch.token_versions, batch.logprobs
     weights = (batch.rl_weights, batch.ce_weights, batch.ref_kl_weights)
     kind, has_spans = batch.label_kind, batch.span_offsets is not None
@@ -414,32 +406,7 @@ def _copy_to(copy: npt.NDArray[Any], values: npt.NDArray[Any], start: int, n: in
         copy[start : start + n] = values
 
 
-def _plain_rows(
-    n_rollouts: int,
-    offsets: tuple[IntArray, IntArray, IntArray, IntArray],
-    label_kind: npt.NDArray[np.int8],
-    labels: int,
-) -> bool:  # pragma: no cover - compiled
-    sample_offsets, position_offsets, dispatch, completion = offsets
-    n_samples = len(position_offsets) - 1
-    if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(dispatch) != n_rollouts:
-        return False  # (the lengths every read below relies on)
-    if len(completion) != n_rollouts or len(label_kind) != n_samples:
-        return False
-    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or position_offsets[0] != 0:
-        return False
-    for i in range(n_rollouts):  # offsets never decreasing; versions as check_batch wants them
-        d, c = dispatch[i], completion[i]
-        if sample_offsets[i + 1] < sample_offsets[i] or d < 0 or c < -1 or 0 <= c < d:
-            return False  # (frozen ones too: -1 falls to the exact path)
-    for j in range(n_samples):
-        kind = label_kind[j]
-        if position_offsets[j + 1] < position_offsets[j] or kind < 0 or kind > 2 or not (labels >> kind) & 1:
-            return False
-    return True
-
-
-@CompiledLoop(callees={"_finite": (_finite, {}), "_copy_to": (_copy_to, {}), "_plain_rows": (_plain_rows, {})})
+@CompiledLoop(callees={"_finite": (_finite, {}), "_copy_to": (_copy_to, {})})
 def _plain_values(
     n_rollouts: int,
     offsets: tuple[IntArray, IntArray, IntArray, IntArray],
@@ -453,9 +420,24 @@ def _plain_values(
 ) -> bool:  # pragma: no cover - compiled
     # (plain tuples, not named tuples: numba types them as fast as flat arguments)
     mask, rl, ce, ref_kl, logprobs = values
-    n = len(mask)
-    if not _plain_rows(n_rollouts, offsets, label_kind, labels) or offsets[1][len(offsets[1]) - 1] != n:
+    sample_offsets, position_offsets, dispatch, completion = offsets
+    n, n_samples = len(mask), len(position_offsets) - 1
+    if n_samples < 0 or len(sample_offsets) != n_rollouts + 1 or len(dispatch) != n_rollouts:
+        return False  # (the lengths every read below relies on)
+    if len(completion) != n_rollouts or len(label_kind) != n_samples:
         return False
+    if sample_offsets[0] != 0 or sample_offsets[n_rollouts] != n_samples or position_offsets[0] != 0:
+        return False
+    if position_offsets[n_samples] != n:
+        return False
+    for i in range(n_rollouts):  # offsets never decreasing; versions as check_batch wants them
+        d, c = dispatch[i], completion[i]
+        if sample_offsets[i + 1] < sample_offsets[i] or d < 0 or c < -1 or 0 <= c < d:
+            return False  # (frozen ones too: -1 falls to the exact path)
+    for j in range(n_samples):
+        kind = label_kind[j]
+        if position_offsets[j + 1] < position_offsets[j] or kind < 0 or kind > 2 or not (labels >> kind) & 1:
+            return False
     bad = False
     for x in mask:
         bad |= (x != 0) & (x != 1)  # NaN too
@@ -473,9 +455,9 @@ def _plain_values(
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
-_PLAIN_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # (numba reads no float16)
 _INT8 = np.dtype(np.int8)
-_PLAIN_PADDING = {dtype: np.zeros(0, dtype=dtype) for dtype in _PLAIN_DTYPES}
+# the mask dtypes the compiled pass reads (numba reads no float16)
+_PLAIN_PADDING = {np.dtype(dtype): np.zeros(0, dtype=dtype) for dtype in (np.float32, np.float64)}
 
 
 class BatchRows(NamedTuple):
@@ -497,9 +479,7 @@ class PositionCopies(NamedTuple):
     token_versions: IntArray
 
 
-_NO_COPIES = {
-    dtype: PositionCopies((empty, empty, empty, empty), _NO_TOKENS) for dtype, empty in _PLAIN_PADDING.items()
-}  # (nothing copied)
+_NO_COPIES = {d: PositionCopies((empty,) * 4, _NO_TOKENS) for d, empty in _PLAIN_PADDING.items()}
 
 Weights = tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | None, npt.NDArray[Any] | None]
 
@@ -513,8 +493,7 @@ def plain_values(
     into: PositionCopies | None = None,
     start: int = 0,
 ) -> bool:
-    """Whether a batch's values pass the exact checks, in one compiled pass copying the positions
-    to ``into`` (from ``start``); False ("not sure") for other than 1-d contiguous float32/64."""
+    """Whether the values pass the exact checks (False: not sure), copied to ``into`` at start."""
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
     n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows

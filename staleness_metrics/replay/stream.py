@@ -30,8 +30,7 @@ from ..records.validation import Verdicts, lone_surrogate
 
 @dataclass(frozen=True)
 class Event:
-    """One line of an event stream (``kind``: rollout, sweep or ship); a rollout as its record,
-    arrays (``parsed``) or the record refused as read (``unparsed``: invalid Unicode)."""
+    """One line of an event stream: a rollout (record, ``parsed``, ``unparsed``), sweep or ship."""
 
     line: int
     kind: str
@@ -99,8 +98,7 @@ def _bad_json(text: str | bytes, error: jsonio.DecodeError) -> str:
 
 
 def _invalid_string(value: object) -> tuple[str, str] | None:
-    """``(where, string)`` of the first string (key or value) that is not valid Unicode, ``where``
-    as the validation names fields (``samples[0].mask``). A stack: no recursion limit."""
+    """``(where, string)`` of the first string (key or value) that is not valid Unicode."""
     stack: list[tuple[object, str]] = [(value, "")]
     while stack:
         item, where = stack.pop()
@@ -126,8 +124,7 @@ def _invalid_string(value: object) -> tuple[str, str] | None:
 
 
 def _unicode_reason(text: str | bytes, string: str) -> str:
-    """Why ``string`` is not valid Unicode: invalid UTF-8 in the line (``surrogateescape`` made its
-    bytes U+DC80..U+DCFF), or a lone surrogate written as an escape."""
+    """Why ``string`` is not valid Unicode: invalid UTF-8 (surrogateescape'd), or an escape."""
     char = next(c for c in string if "\ud800" <= c <= "\udfff")
     if isinstance(text, bytes) and "\udc80" <= char <= "\udcff":
         try:
@@ -138,8 +135,7 @@ def _unicode_reason(text: str | bytes, string: str) -> str:
 
 
 def _unicode_checked(event: Event, text: str | bytes) -> Event:
-    """``event`` with its strings checked: a rollout holding invalid Unicode is refused as invalid
-    input, a ship naming such an id is a malformed line."""
+    """``event`` with its strings checked: a rollout refused, a ship naming a bad id an error."""
     if event.kind == "ship" and event.ids:
         for rid in event.ids:
             if lone_surrogate(rid) is not None:
@@ -151,19 +147,18 @@ def _unicode_checked(event: Event, text: str | bytes) -> Event:
     if found is None:
         return event
     where, string = found
-    raw = event.rollout
-    record_id, env = raw.get("id"), raw.get("env")
+    record_id, env = event.rollout.get("id"), event.rollout.get("env")
     error = TraceError(
         record_id if isinstance(record_id, str) else None,
         where.encode("utf-8", "backslashreplace").decode("utf-8"),
         _unicode_reason(text, string),
     )
     known_env = isinstance(env, str) and lone_surrogate(env) is None
-    unparsed = UnparsedRollout(error, env if known_env else None)
-    return Event(event.line, "rollout", unparsed=unparsed)
+    return Event(event.line, "rollout", unparsed=UnparsedRollout(error, env if known_env else None))
 
 
 _PARSE_LINES = 64  # rollout lines whose values are checked together (:meth:`LineReader.finish`)
+_PENDING_EVENTS = 4 * _PARSE_LINES  # events held by read_ahead at most (but for one run's lines)
 
 
 def read_events(
@@ -174,19 +169,14 @@ def read_events(
 ) -> Iterator[Event]:
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
 
-    ``parse=True``: valid rollout lines given as bytes are read straight into arrays (``parsed``).
-    ``read_ahead=True`` (with ``parse``): they are checked 64 at a time across ship and sweep lines
-    too (the same events and errors, in order, for a file read to its end; not for a live stream).
-    """
+    ``parse``: valid rollout lines given as bytes are read straight into arrays (``parsed``);
+    ``read_ahead``: checked 64 at a time across ship and sweep lines too (for a whole file)."""
     last_step = 0
     reader = simd_records.LineReader() if parse and simd_records.AVAILABLE else None
-    # Lines read and not yet yielded, in order: events, and the lines the reader took,
-    # as (number, text) until their values are checked, then (number, text, record or
-    # None for the general path).
+    # lines not yet yielded: events, and the reader's as (number, text[, record or None])
     pending: list[Event | tuple[int, bytes] | tuple[int, bytes, ParsedRollout | None]] = []
     taken = 0  # lines of ``pending`` taken and not checked yet
-    # rollout lines taken since the last line decoded here (what a read without read_ahead counts)
-    run = 0
+    run = 0  # rollout lines taken since a line decoded here (as a read without read_ahead)
     settled = 0  # pending[:settled] is what a read without read_ahead would have yielded by now
 
     def flush(upto: int | None) -> Iterator[Event]:
@@ -253,28 +243,21 @@ def read_events(
     yield from flush(None)
 
 
-# events held by read_ahead at most (but for the lines of one run)
-_PENDING_EVENTS = 4 * _PARSE_LINES
-
-
 @dataclass(frozen=True)
 class Added:
     """Consecutive rollout events, type-checked into columnar-ready records."""
 
     lines: tuple[int, ...]
     items: tuple[ParsedRollout | UnparsedRollout, ...]
-    # the parsed items packed once (:func:`pack_once`); runs add copies
-    packed: RolloutBatch | None = None
-    # and checked once, as every run's sink checks them
-    checked: tuple[Verdicts, SpanTable] | None = None
+    packed: RolloutBatch | None = None  # the parsed items packed once by pack_once; runs add copies
+    checked: tuple[Verdicts, SpanTable] | None = None  # checked once, as each run's sink would
 
 
 Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
 
 
 def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
-    """Events as the sink's steps, consecutive rollouts added together; independent of the sink's
-    settings, so several sinks may run them (:func:`run_steps`)."""
+    """Events as steps, consecutive rollouts added together; several sinks may run them."""
     lines: list[int] = []
     items: list[ParsedRollout | UnparsedRollout] = []
     for event in events:
@@ -295,8 +278,7 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
 
 
 def pack_once(steps: Iterable[Step]) -> list[Step]:
-    """The steps with each :class:`Added`'s rollouts packed and checked once, for several runs (the
-    checks depend only on the batch and the ids accepted before it: the same in every run)."""
+    """The steps with each :class:`Added` packed and checked once, the same for several runs."""
     out: list[Step] = []
     accepted: set[str] = set()
     for step in steps:
@@ -336,8 +318,7 @@ def _copy(batch: RolloutBatch) -> RolloutBatch:
 
 
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
-    """Run prepared steps through ``sink``, yielding each ship's result; a rollout it rejects
-    (strict mode) raises :class:`EventError` naming its line."""
+    """Run prepared steps through ``sink``, yielding each ship; a rejection names its line."""
     for step in steps:
         if isinstance(step, Added):
             try:
@@ -361,8 +342,7 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
 
 
 def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> Iterator[Shipment]:
-    """:func:`run_steps` of the events, consecutive rollouts added together (the same outcome as
-    one by one)."""
+    """Run the events through ``sink``, one :class:`Shipment` per ship (as adding one by one)."""
     return run_steps(prepare(events, batch_size), sink)
 
 
@@ -371,8 +351,7 @@ def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
     return list(run_events(events, Sink(config)))
 
 
-# Files that are not UTF-8 text, by their first bytes: gzip, bzip2 and xz are read as they are; the
-# others are named, with how to make them readable.
+# files that are not UTF-8 text, by their first bytes: gzip, bzip2 and xz read, others named
 _OPENERS: dict[str, Callable[[IO[bytes]], IO[bytes]]] = {
     "gzip": lambda raw: cast(IO[bytes], gzip.GzipFile(fileobj=raw, mode="rb")),
     "bzip2": bz2.BZ2File,
@@ -398,8 +377,7 @@ _HOW = {
 
 
 def stream_compression(path: str | Path) -> str | None:
-    """``gzip``, ``bzip2`` or ``xz`` for a file compressed so, ``None`` for any other file;
-    :class:`ConfigError` for one replay cannot read (zstd, zip, UTF-16/32), saying what to do."""
+    """``gzip``, ``bzip2``, ``xz`` or None; :class:`ConfigError` for a file replay cannot read."""
     with open(path, "rb") as handle:
         head = handle.read(6)
     for magic, kind in _MAGIC:
@@ -417,8 +395,7 @@ def read_event_path(
     read_ahead: bool = False,
     opener: Callable[[Path], AbstractContextManager[IO[bytes]]] | None = None,
 ) -> Generator[Event, None, None]:
-    """The events of a SPEC 9 event stream file, decompressed if it is (damaged or cut compressed
-    data: :class:`ConfigError`); ``parse`` and ``read_ahead`` as :func:`read_events`."""
+    """The events of an event stream file, decompressed if it is; options as :func:`read_events`."""
     path = Path(path)
     compression = stream_compression(path)
     opener = opener or (lambda p: p.open("rb", buffering=1 << 20))  # lines are tens of KB
