@@ -133,7 +133,7 @@ class Sink:
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
         records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else rollouts
-        items = [parse_or_error(item.to_record() if isinstance(item, Rollout) else item) for item in records]
+        items = [parse_or_error(r.to_record() if isinstance(r, Rollout) else r) for r in records]
         parsed_here = [item for item in items if isinstance(item, ParsedRollout)]
         return self.add_parsed(items, pack(parsed_here, adopt=True) if parsed_here else None)
 
