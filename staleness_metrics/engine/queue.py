@@ -1,6 +1,5 @@
-"""The queue of a sink (SPEC 4): a row per queued rollout, sample and span (typed growable
-tables), and the batches they arrived in, kept whole (masked in place) until no queued rollout needs
-them. Small plainly valid adds are staged: their spans cut later in one pass (:func:`joined`)."""
+"""The queue of a sink (SPEC 4): typed growable tables of the queued rollouts, samples and spans,
+and the batches they arrived in (masked in place). Small valid adds are staged, cut in one pass."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What a ship hands back (SPEC 4): the :class:`Shipment`, its rollouts as SPEC 3 records,
-:func:`padded_shipment` (the way back to a padded batch's ``[B, L]`` arrays), and the positions of a
-ship found only when asked: each one's lag and the SPEC 11 sums (:class:`ShippedSpans`)."""
+"""What a ship hands back (SPEC 4): the :class:`Shipment`, its rollouts as SPEC 3 records, their
+``[B, L]`` view, and when asked its positions' lags and SPEC 11 sums (:class:`ShippedSpans`)."""
 
 from __future__ import annotations
 

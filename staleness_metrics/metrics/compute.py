@@ -1,6 +1,5 @@
-"""The metrics of a ship (SPEC 6), computed from the shipped slice after the sink applied the
-decision (so they agree with the masking by construction), its population in one compiled pass
-(the numpy reference: tests/metrics/test_population_summary.py)."""
+"""The metrics of a ship (SPEC 6), from the shipped slice after the decision was applied (so they
+agree with the masking by construction), its population in one compiled pass."""
 
 from __future__ import annotations
 
