@@ -72,14 +72,7 @@ class Table:
     def append(self, **values: npt.ArrayLike) -> int:
         """Append equal-length arrays (or scalars) for every column; the first new row."""
         columns = self._columns
-        if values.keys() != columns.keys():
-            raise KeyError(f"expected columns {sorted(columns)}, got {sorted(values)}")
-        for value in values.values():
-            if isinstance(value, np.ndarray) and value.ndim:
-                n = len(value)
-                break
-        else:
-            raise ValueError("at least one column must be an array")
+        n = next(len(v) for v in values.values() if isinstance(v, np.ndarray) and v.ndim)
         start = self._size
         needed = start + n
         if needed > self._capacity:  # (every column has the same capacity)
