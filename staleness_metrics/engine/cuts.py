@@ -518,8 +518,7 @@ def _span_rows(
 
 
 class CutFlags(NamedTuple):
-    """Per cut: its sample valid, mask 1, a loss weight on its labelled / unlabelled positions, and
-    ``side`` (a weight on an unsampled cut)."""
+    """Per cut flags (``side``: a weight on an unsampled cut)."""
 
     kept: BoolArray
     sampled: BoolArray

@@ -1,6 +1,5 @@
 """Judging queued rollouts (SPEC 5): the slice a policy sees (:func:`judgement_of`) and its decision
-written back (:func:`apply_decision`): newly stale sampled positions zeroed in place, one compiled
-pass over a batch's masked spans (:func:`zero_spans`)."""
+written back, newly stale sampled positions zeroed in place (:func:`apply_decision`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The queue of a sink (SPEC 4): a row per queued rollout, sample and span (typed growable
-tables), and the batches they arrived in, kept whole (masked in place) until no queued rollout needs
-them. Small plainly valid adds are staged: their spans cut later in one pass (:func:`joined`)."""
+"""The queue of a sink (SPEC 4): typed growable tables of the queued rollouts, samples and spans,
+and the batches they arrived in (masked in place). Small valid adds are staged, cut in one pass."""
 
 from __future__ import annotations
 
@@ -73,14 +72,7 @@ class Table:
     def append(self, **values: npt.ArrayLike) -> int:
         """Append equal-length arrays (or scalars) for every column; the first new row."""
         columns = self._columns
-        if values.keys() != columns.keys():
-            raise KeyError(f"expected columns {sorted(columns)}, got {sorted(values)}")
-        for value in values.values():
-            if isinstance(value, np.ndarray) and value.ndim:
-                n = len(value)
-                break
-        else:
-            raise ValueError("at least one column must be an array")
+        n = next(len(v) for v in values.values() if isinstance(v, np.ndarray) and v.ndim)
         start = self._size
         needed = start + n
         if needed > self._capacity:  # (every column has the same capacity)

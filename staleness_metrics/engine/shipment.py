@@ -1,11 +1,10 @@
-"""What a ship hands back (SPEC 4): the :class:`Shipment`, its rollouts as SPEC 3 records,
-:func:`padded_shipment` (the way back to a padded batch's ``[B, L]`` arrays), and the positions of a
-ship found only when asked: each one's lag and the SPEC 11 sums (:class:`ShippedSpans`)."""
+"""What a ship hands back (SPEC 4): the :class:`Shipment`, its rollouts as SPEC 3 records, their
+``[B, L]`` view, and when asked its positions' lags and SPEC 11 sums (:class:`ShippedSpans`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any, NamedTuple
@@ -116,12 +115,17 @@ class Shipment:
         """The lag ``T - v`` of every shipped position (SPEC 11), aligned with the shipped samples'
         arrays concatenated in ship order; ``-1`` where a position is not a sampled position of a
         live rollout. For a trainer that computes :func:`~staleness_metrics.mismatch_sums`."""
-        return self._spans.lags() if self._spans is not None else np.zeros(0, dtype=np.int64)
+        if self._spans is None:
+            return np.zeros(0, dtype=np.int64)
+        return self._spans.per_position(np.arange(len(self._spans.rows.lo)))[0]
 
     @cached_property
     def lag_offsets(self) -> npt.NDArray[np.int64]:
         """Where each shipped sample starts in :attr:`lags` (one more entry than samples)."""
-        return self._spans.lag_offsets() if self._spans is not None else np.zeros(1, dtype=np.int64)
+        if self._spans is None:
+            return np.zeros(1, dtype=np.int64)
+        rows = self._spans.rows
+        return np.concatenate(([0], np.cumsum(rows.hi - rows.lo)))[rows.sample_offsets]
 
     @property
     def metrics(self) -> Mapping[str, MetricValue]:
@@ -184,17 +188,28 @@ _LOGPROBS = ("logprobs", "trainer_logprobs")
 
 
 class ShippedSpans:
-    """The spans of a ship's kept samples, found on first use of :attr:`rows`."""
+    """A ship's kept spans in ship order with each one's lag (SPEC 11), found on first use."""
 
-    def __init__(self, batches: Sequence[RolloutBatch], find: Callable[[], ShippedRows]) -> None:
-        self.batches = batches
-        self._find = find
+    def __init__(self, queue: RolloutQueue, shipped: Judgement) -> None:
+        s, n = queue.samples, queue.spans
+        self._chunks = queue.rollouts.chunk[shipped.rows]
+        self._used = distinct(self._chunks)
+        self.batches = list(queue.batches_of(self._used).values())
+        self._shipped, self._table = shipped, (s.span_lo, s.span_hi, n.part, n.lo, n.hi)
 
     @cached_property
     def rows(self) -> ShippedRows:
-        return self._find()
+        span_lo, span_hi, part, lo, hi = self._table
+        shipped, chunks, used = self._shipped, self._chunks, self._used
+        sample_rows = shipped.sample_rows
+        chunk_index = np.zeros(len(chunks), dtype=np.int64) if len(used) == 1 else np.searchsorted(used, chunks)
+        return shipped_rows(
+            SampleSpans(span_lo[sample_rows], span_hi[sample_rows], shipped.sample_rollout), SpanRanges(part, lo, hi),
+            shipped.version, shipped.sampled, (~shipped.dropped, shipped.mask_below),
+            (shipped.frozen, chunk_index, shipped.env), shipped.trained_version,
+        )  # fmt: skip
 
-    def _per_position(self, rows: IntArray) -> tuple[IntArray, BoolArray]:
+    def per_position(self, rows: IntArray) -> tuple[IntArray, BoolArray]:
         """Lag and masked flag of every position of ``rows``."""
         found = self.rows
         chunk, mixed, lo, hi = found.chunk[rows], found.mixed[rows], found.lo[rows], found.hi[rows]
@@ -213,15 +228,6 @@ class ShippedSpans:
                 masked[at] = found.unlabelled_masked[rows][owner]
         return lag, masked
 
-    def lags(self) -> IntArray:
-        """The lag of every shipped position, aligned with the shipped samples' arrays."""
-        return self._per_position(np.arange(len(self.rows.lo)))[0]
-
-    def lag_offsets(self) -> IntArray:
-        """Where each shipped sample starts in :meth:`lags` (one more entry than samples)."""
-        lengths = np.concatenate(([0], np.cumsum(self.rows.hi - self.rows.lo)))
-        return lengths[self.rows.sample_offsets]
-
     def carries_trainer_logprobs(self) -> bool:
         """Whether a batch of a shipped span carries the trainer's log-probabilities."""
         if all(batch.trainer_logprobs is None for batch in self.batches):  # (no span to find)
@@ -237,7 +243,7 @@ class ShippedSpans:
             inside &= found.env == env
         for c in distinct(found.chunk[inside]):
             rows = np.flatnonzero(inside & (found.chunk == c))
-            lag, masked = self._per_position(rows)
+            lag, masked = self.per_position(rows)
             lo, hi = found.lo[rows], found.hi[rows]
             positions, lengths = expand_ranges(lo, hi), hi - lo
             logprobs, trainer = (_values(self.batches[c], name, lo, positions, lengths) for name in _LOGPROBS)
@@ -258,26 +264,6 @@ def _values(
         sample = np.searchsorted(batch.position_offsets, lo, "right") - 1
         out[~np.repeat(present[sample], lengths)] = np.nan
     return out
-
-
-def shipped_spans(queue: RolloutQueue, shipped: Judgement) -> ShippedSpans:
-    """The spans of the shipped, kept samples in ship order, with each one's lag (SPEC 11)."""
-    s, n = queue.samples, queue.spans
-    chunks = queue.rollouts.chunk[shipped.rows]
-    used = distinct(chunks)
-    batches = list(queue.batches_of(used).values())
-    sample_rows, table = shipped.sample_rows, (s.span_lo, s.span_hi, n.part, n.lo, n.hi)
-
-    def find() -> ShippedRows:
-        span_lo, span_hi, part, lo, hi = table
-        chunk_index = np.zeros(len(chunks), dtype=np.int64) if len(used) == 1 else np.searchsorted(used, chunks)
-        return shipped_rows(
-            SampleSpans(span_lo[sample_rows], span_hi[sample_rows], shipped.sample_rollout), SpanRanges(part, lo, hi),
-            shipped.version, shipped.sampled, (~shipped.dropped, shipped.mask_below),
-            (shipped.frozen, chunk_index, shipped.env), shipped.trained_version,
-        )  # fmt: skip
-
-    return ShippedSpans(batches, find)
 
 
 class ShippedRows(NamedTuple):

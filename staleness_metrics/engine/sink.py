@@ -23,7 +23,7 @@ from .judging import apply_decision, judgement_again, judgement_of, with_groups
 from .policies import Policy, policy_for
 from .queue import COMPACT_MIN_ROWS, QUEUED, SHIPPED, STAGE_MAX_POSITIONS, RolloutQueue
 from .segments import IntArray, distinct, expand_ranges, segment_any
-from .shipment import Shipment, ShippedRollout, shipped_spans
+from .shipment import Shipment, ShippedRollout, ShippedSpans
 from .spans import checked_spans
 
 if TYPE_CHECKING:
@@ -133,12 +133,7 @@ class Sink:
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
         records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else rollouts
-        items = []
-        for item in records:
-            parsed = parse_or_error(item.to_record() if isinstance(item, Rollout) else item)
-            if isinstance(parsed, UnparsedRollout) and self.config.strict:
-                raise parsed.error
-            items.append(parsed)
+        items = [parse_or_error(r.to_record() if isinstance(r, Rollout) else r) for r in records]
         parsed_here = [item for item in items if isinstance(item, ParsedRollout)]
         return self.add_parsed(items, pack(parsed_here, adopt=True) if parsed_here else None)
 
@@ -270,7 +265,7 @@ class Sink:
             shipped = taken
         queue.leave(shipped, SHIPPED)
         shipped_slice = judgement_again(queue, judged, shipped, step)
-        spans = shipped_spans(self.queue, shipped_slice)
+        spans = ShippedSpans(self.queue, shipped_slice)
         mismatch = spans.mismatch(self.config.mismatch_band) if spans.carries_trainer_logprobs() else None
         judged_with = self.bound_tracker.bound
         env_costs: dict[str, tuple[MismatchSums, ShipBound | None]] = {}

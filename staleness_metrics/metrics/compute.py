@@ -1,6 +1,5 @@
-"""The metrics of a ship (SPEC 6), computed from the shipped slice after the sink applied the
-decision (so they agree with the masking by construction), its population in one compiled pass
-(the numpy reference: tests/metrics/test_population_summary.py)."""
+"""The metrics of a ship (SPEC 6), from the shipped slice after the decision was applied (so they
+agree with the masking by construction), its population in one compiled pass."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ class PopulationColumns(NamedTuple):
 
 
 class ShippedSlice(NamedTuple):
-    """What the metrics read of a shipped slice after the decision was applied (the engine's
-    ``Judgement`` has each field): its step, each rollout's env index, the population's columns."""
+    """A shipped slice after the decision was applied: its step, env indices, population columns."""
 
     step: int
     env: IntArray
@@ -403,16 +401,12 @@ def _population(
     # (every field given: the frozen __init__'s setattr per field skipped)
     tally = object.__new__(Tally)
     tally.__dict__.update(
+        counted,  # (the window's FIELDS are the tally's fields of the same names)
         tokens_sampled=tokens,
         tokens_masked=masked,
         tokens_unlabelled=unlabelled,
-        tokens_dropped=counted["tokens_dropped"],
-        samples_dropped=counted["samples_dropped"],
-        rollouts_dropped=counted["rollouts_dropped"],
         rollouts_shipped=live,
         rollouts_frozen=found.frozen,
-        rollouts_held=counted["rollouts_held"],
-        rollouts_invalid=counted["rollouts_invalid"],
         token_histogram=found.token_histogram,
         rollout_histogram=found.rollout_histogram,
         length_samples=length_samples,

@@ -640,7 +640,7 @@ def numpy_shipped_rows(
     trained: int,
     not_sampled: int,
 ) -> dict[str, npt.NDArray[Any]]:
-    """``shipment.shipped_spans``' former numpy steps from the shipped samples to their kept rows."""
+    """``shipment.ShippedSpans``' former numpy steps from the shipped samples to their kept rows."""
     span_rows = expand_ranges(span_lo, span_hi)
     span_offsets = np.concatenate(([0], np.cumsum(span_hi - span_lo)))
     span_sample = np.repeat(np.arange(len(span_lo)), span_hi - span_lo)
@@ -665,7 +665,7 @@ def numpy_shipped_rows(
 def test_shipped_rows_equal_the_numpy_steps(seed: int, rollouts: int, table_rows: int) -> None:
     """The kept rows of a ship (samples in any order of a span table, dropped samples, frozen rollouts,
     mixed spans whose unlabelled part follows, unsampled rows) and their per-sample offsets equal the numpy
-    steps ``shipped_spans`` took, including the next row read past a sample's last row."""
+    steps ``ShippedSpans.rows`` took, including the next row read past a sample's last row."""
     rng = np.random.default_rng(seed)
     # The table: runs of rows per sample, some rows a labelled part followed by its unlabelled part.
     part = np.zeros(table_rows, dtype=np.int8)
