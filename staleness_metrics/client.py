@@ -160,8 +160,8 @@ class StalenessClient:
         headers = {"Idempotency-Key": key or uuid.uuid4().hex}
         return self._request("POST", path, json=body, headers=headers)
 
-    def _request(self, method: str, path: str, *, gone_ok: bool = False, **kwargs: Any) -> Any:
-        response = self._send(method, path, gone_ok=gone_ok, **kwargs)
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._send(method, path, **kwargs)
         return None if response.status_code == 204 or not response.content else response.json()
 
     def _send(self, method: str, path: str, *, gone_ok: bool = False, **kwargs: Any) -> httpx.Response:
