@@ -289,10 +289,8 @@ def encode_array(values: npt.NDArray[Any]) -> dict[str, Any]:
             if where.any():
                 out[name] = np.flatnonzero(where).tolist()
         values = np.where(np.isfinite(values), values, 0)
-    if _NUMPY_DATA.get() and values.ndim == 1 and values.dtype in _SAME_TEXT_AS_LIST:
-        out["data"] = np.ascontiguousarray(values)
-    else:
-        out["data"] = values.tolist()
+    as_numpy = _NUMPY_DATA.get() and values.ndim == 1 and values.dtype in _SAME_TEXT_AS_LIST
+    out["data"] = np.ascontiguousarray(values) if as_numpy else values.tolist()
     return out
 
 
