@@ -74,7 +74,8 @@ class ServiceError(StalenessError):
 
 class StalenessClient:
     """Talks to one service. ``retries``: extra attempts after a transient failure, ``backoff``
-    seconds doubling between them. ``transport``: for tests (``httpx.MockTransport``)."""
+    seconds doubling between them. ``transport``: for tests (``httpx.MockTransport``). A ship or
+    mismatch post sends one idempotency key (given, or a new random one) with every retry."""
 
     def __init__(
         self,
@@ -120,8 +121,7 @@ class StalenessClient:
         include_rollouts: bool = False,
         idempotency_key: str | None = None,
     ) -> ShipResult:
-        """Ship the batch for ``step`` (all queued rollouts, or ``ids``); one idempotency key
-        (given, or a new random one) covers every retry of this call."""
+        """Ship the batch for ``step`` (all queued rollouts, or ``ids``)."""
         body: dict[str, Any] = {"step": step, "include_rollouts": include_rollouts}
         if isinstance(ids, str):  # list("r-1") would ship "r", "-" and "1"
             raise FieldTypeError("ids", f"expected an iterable of rollout ids, got the string {ids!r}")
@@ -138,8 +138,7 @@ class StalenessClient:
         idempotency_key: str | None = None,
     ) -> MismatchResult:
         """Post trainer-side mismatch sums (SPEC 11: a :class:`~staleness_metrics.MismatchSums` or
-        its ``to_dict()``) of the shipped ``step``; posts for one step merge. One idempotency key
-        (given, or a new random one) covers every retry of this call."""
+        its ``to_dict()``) of the shipped ``step``; posts for one step merge."""
         body = {"step": step, "sums": sums.to_dict() if isinstance(sums, MismatchSums) else dict(sums)}
         path = _run_path(run, "mismatch")
         return cast(MismatchResult, self._post_once(path, body, idempotency_key))
@@ -160,8 +159,8 @@ class StalenessClient:
         headers = {"Idempotency-Key": key or uuid.uuid4().hex}
         return self._request("POST", path, json=body, headers=headers)
 
-    def _request(self, method: str, path: str, *, gone_ok: bool = False, **kwargs: Any) -> Any:
-        response = self._send(method, path, gone_ok=gone_ok, **kwargs)
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._send(method, path, **kwargs)
         return None if response.status_code == 204 or not response.content else response.json()
 
     def _send(self, method: str, path: str, *, gone_ok: bool = False, **kwargs: Any) -> httpx.Response:

@@ -135,8 +135,7 @@ class Simulation:
     def forget(self, ids: Iterable[str]) -> None:
         """Remove the rollouts the sink dropped from the simulated queue."""
         gone = set(ids)
-        if gone:
-            self._queue = deque(i for i in self._queue if i not in gone)
+        self._queue = deque(i for i in self._queue if i not in gone)
 
     @property
     def in_flight(self) -> int:
@@ -255,8 +254,7 @@ class DriftModel:
     def sigma(self, lags: npt.NDArray[np.int64], step: int) -> npt.NDArray[np.float64]:
         warm = 1.0 if self.warmup_steps <= 0 else min(1.0, step / self.warmup_steps)
         speed = self.drift_per_version * warm
-        result: npt.NDArray[np.float64] = np.sqrt(self.floor**2 + (speed * np.maximum(lags, 0)) ** 2)
-        return result
+        return np.sqrt(self.floor**2 + (speed * np.maximum(lags, 0)) ** 2)
 
     def expected_suggested_bound(self, budget: float | None = None) -> int:
         """SPEC 14's suggested bound at full speed: the largest lag whose expected excess
@@ -490,7 +488,7 @@ def _paced(steps: int, speed: float, stop: threading.Event) -> Iterator[int]:
     start = time.monotonic()
     for index in range(steps):
         delay = start + index / speed - time.monotonic() if speed > 0 else 0.0
-        if stop.wait(max(delay, 0.0)) or stop.is_set():
+        if stop.wait(max(delay, 0.0)):
             return
         yield index + 1
 
@@ -530,7 +528,6 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     # the run's JSONL files beside the metrics, written as things happen
     logs = {name: path.open("w", encoding="utf-8") for name, path in files.items() if name != "metrics"}
     live = options.live if options.live is not None else (stream is None and out.isatty())
-    # the table needs rich; plain lines do not
     live = live and importlib.util.find_spec("rich") is not None
     exporters: list[Exporter] = [JsonlExporter(metrics_path)]
     monitor: StalenessMonitor | None = None
@@ -573,7 +570,6 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 monitor.add(step_events.rollouts)
                 shipment = monitor.ship(step_events.step, step_events.ship_ids)
                 simulation.forget(shipment.dropped_rollouts)
-                # trainer log-probs -> mismatch sums -> the exporters
                 trained = trainer.train(monitor, shipment)
                 if trained is not None:
                     logprobs = trained.trainer_logprobs.items()

@@ -46,10 +46,8 @@ from .state_checks import (
 K = TypeVar("K")
 V = TypeVar("V")
 
-# per-step totals kept for late calls; counters are cumulative regardless
-MISMATCH_STEPS_KEPT = 1024
-# seconds past the exporters' own close timeouts: an exporter returning at its timeout is on time
-CLOSE_GRACE = 0.25
+MISMATCH_STEPS_KEPT = 1024  # per-step totals kept for late calls; counters are cumulative anyway
+CLOSE_GRACE = 0.25  # seconds past the exporters' close timeouts: returning at one is on time
 
 
 def _keep(kept: dict[K, V], key: K, value: V) -> None:
@@ -219,11 +217,9 @@ class StalenessMonitor:
     def record_mismatch(
         self, step: int, sums: MismatchSums | Mapping[str, Any], env: str | None = None
     ) -> MismatchSums:
-        """Record trainer-side SPEC 11 sums (:class:`~staleness_metrics.MismatchSums` or its
-        ``to_dict()``) for a shipped ``step`` and publish them; returns the step's total. Calls for
-        one step (per rank or micro-batch) merge; an ``env``'s sums also count in its series with
-        the env breakdown. A step never shipped or a malformed dict raises ``ValueError`` naming the
-        field, and nothing is recorded."""
+        """Record and publish trainer-side SPEC 11 sums (or their ``to_dict()``) of a shipped
+        ``step``; returns the step's total. Calls for one step merge; an ``env``'s sums also count
+        in its env breakdown series. A bad step or dict raises ``ValueError``, recording nothing."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise FieldError("step", f"expected an integer >= 1, got {step!r}")
         if env is not None and (not isinstance(env, str) or not env):
@@ -245,8 +241,7 @@ class StalenessMonitor:
             env = env if env_metrics else None
             report = MismatchReport(step, total, delta, bound, env_metrics, env)
             _keep(self._mismatch_metrics, step, report.metrics)
-            # published before a restart: the counters catch up, nothing is sent again
-            if self._absorbing:
+            if self._absorbing:  # published before a restart: the counters catch up, send nothing
                 for stateful in self._stateful.values():
                     stateful.absorb(report)
                 return total

@@ -18,8 +18,7 @@ import orjson
 from .errors import ConfigError
 
 FORMAT = 3
-# format 1 (before digests) still loads
-READABLE_FORMATS = (1, 2, 3)
+READABLE_FORMATS = (1, 2, 3)  # format 1 (before digests) still loads
 
 
 # ---------------------------------------------------------------------- checking helpers
@@ -150,8 +149,7 @@ def json_pieces(
         return default(item)
 
     def without_numpy(item: Any, path: tuple[type, ...]) -> bytes | None:
-        """``item``'s text if it holds no numpy object, else None; written inside containers of its
-        ``path``'s kinds (then cut out), so that orjson's nesting limit applies as in the whole."""
+        """``item``'s text (None if it holds numpy), nested as at ``path`` for orjson's limit."""
         wrapped = item
         for kind in reversed(path):
             wrapped = {"": wrapped} if kind is dict else kind((wrapped,))
@@ -210,9 +208,7 @@ def json_pieces(
 
 # ---------------------------------------------------------------------- digests
 def _plain(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    return repr(value)
+    return value.item() if isinstance(value, np.generic) else repr(value)
 
 
 _DIGEST_OPTION = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
@@ -293,10 +289,8 @@ def encode_array(values: npt.NDArray[Any]) -> dict[str, Any]:
             if where.any():
                 out[name] = np.flatnonzero(where).tolist()
         values = np.where(np.isfinite(values), values, 0)
-    if _NUMPY_DATA.get() and values.ndim == 1 and values.dtype in _SAME_TEXT_AS_LIST:
-        out["data"] = np.ascontiguousarray(values)
-    else:
-        out["data"] = values.tolist()
+    as_numpy = _NUMPY_DATA.get() and values.ndim == 1 and values.dtype in _SAME_TEXT_AS_LIST
+    out["data"] = np.ascontiguousarray(values) if as_numpy else values.tolist()
     return out
 
 
