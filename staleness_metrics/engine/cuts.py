@@ -392,19 +392,6 @@ def sample_cuts(
 _NO_SPANS = np.zeros(0, dtype=np.int64)
 
 
-def token_spans(
-    tokens: npt.NDArray[np.signedinteger[Any]],
-    mask: npt.NDArray[Any],
-    pos_off: IntArray,
-    samples: IntArray,
-    weights: Sequence[npt.NDArray[Any]] = (),
-) -> Cuts:
-    """:func:`sample_cuts` of ``samples`` labelled per position by ``tokens``."""
-    kinds = np.full(max(len(pos_off) - 1, 0), 2, dtype=np.int8)
-    labels = SampleLabels(kinds, tokens, _NO_SPANS, _NO_SPANS, _NO_SPANS)
-    return sample_cuts(labels, mask, pos_off, samples, weights)
-
-
 @dataclass
 class SpanTable:
     """Spans of one batch plus the per-sample and per-rollout facts derived from them."""

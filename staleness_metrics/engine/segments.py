@@ -17,7 +17,8 @@ def segment_sum(values: npt.NDArray[np.generic], offsets: IntArray) -> IntArray:
     return totals[offsets[1:]] - totals[offsets[:-1]]
 
 
-def _segment_reduce(ufunc: np.ufunc, values: IntArray, offsets: IntArray, empty: int) -> IntArray:
+def segment_max(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
+    """The maximum of each segment (``empty`` for an empty one)."""
     n = len(offsets) - 1
     out = np.full(n, empty, dtype=np.int64)
     if n == 0 or len(values) == 0:
@@ -25,18 +26,10 @@ def _segment_reduce(ufunc: np.ufunc, values: IntArray, offsets: IntArray, empty:
     starts = offsets[:-1]
     nonempty = offsets[1:] > starts
     if nonempty.all():  # the usual case: no selection to build
-        out[:] = ufunc.reduceat(values, starts)
+        out[:] = np.maximum.reduceat(values, starts)
     elif nonempty.any():  # (reduceat runs to the next given start: empty segments left out)
-        out[nonempty] = ufunc.reduceat(values, starts[nonempty])
+        out[nonempty] = np.maximum.reduceat(values, starts[nonempty])
     return out
-
-
-def segment_min(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
-    return _segment_reduce(np.minimum, values, offsets, empty)
-
-
-def segment_max(values: IntArray, offsets: IntArray, empty: int) -> IntArray:
-    return _segment_reduce(np.maximum, values, offsets, empty)
 
 
 def segment_any(flags: BoolArray, offsets: IntArray) -> BoolArray:

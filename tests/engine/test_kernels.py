@@ -19,14 +19,14 @@ from staleness_metrics.engine.cuts import (
     CutFlags,
     SampleLabels,
     sample_cuts,
-    token_spans,
 )
 from staleness_metrics.engine.judging import zero_spans
-from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_min, segment_sum
+from staleness_metrics.engine.segments import expand_ranges, segment_max, segment_sum
 from staleness_metrics.engine.spans import SampleSpans, SpanRanges
 from staleness_metrics.engine.warm_up import warm_up
 from staleness_metrics.records import validation as plain
 from staleness_metrics.records.validation import PositionCopies
+from tests.support.cuts import segment_min, token_spans
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]

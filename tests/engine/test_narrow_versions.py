@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 
 import staleness_metrics.records.model as records_module
 from staleness_metrics import Sink, StalenessConfig
-from staleness_metrics.engine.cuts import token_spans
 from staleness_metrics.engine.judging import zero_spans
 from staleness_metrics.records.model import pack, parse_rollout
 from tests.engine.test_checkpoint import POLICIES, config_of
 from tests.engine.test_small_adds import play
 from tests.reference.streams import SeededChooser, generate_events, random_config
+from tests.support.cuts import token_spans
 
 NARROW = (np.int8, np.int16, np.int32)
 

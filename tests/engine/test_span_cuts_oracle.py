@@ -22,7 +22,6 @@ from staleness_metrics.engine.cuts import (
     CutFlags,
     SpanTable,
     span_rows,
-    token_spans,
 )
 from staleness_metrics.engine.segments import expand_ranges, segment_max
 from staleness_metrics.engine.spans import (
@@ -33,6 +32,7 @@ from staleness_metrics.engine.spans import (
 )
 from staleness_metrics.records.columnar import LABELS_NONE, LABELS_SPANS, LABELS_TOKENS, WEIGHT_FIELDS
 from staleness_metrics.records.validation import Verdicts, check_batch
+from tests.support.cuts import token_spans
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics.engine.segments import segment_max, segment_min, segment_sum
+from staleness_metrics.engine.segments import segment_max, segment_sum
 from staleness_metrics.metrics.compute import PopulationColumns, population_summary
+from tests.support.cuts import segment_min
 
 IntArray = npt.NDArray[np.int64]
 BoolArray = npt.NDArray[np.bool_]

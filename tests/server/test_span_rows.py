@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics.engine.cuts import token_spans
 from staleness_metrics.server import decode
 from staleness_metrics.server.decode import allowed_span_rows, check_span_rows
 from staleness_metrics.server.limits import SPAN_ROW_FLOOR
+from tests.support.cuts import token_spans
 
 
 def _cuts(mask: list[int], tokens: list[int]) -> int:
