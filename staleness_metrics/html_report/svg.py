@@ -156,10 +156,6 @@ def _polyline(points: list[str], color: str, dash: str) -> list[str]:
     return [f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-width="2"{dash}/>']
 
 
-def _finite(values: Sequence[float | None]) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(v)]
-
-
 def figure(key: str, title: str, caption: str, svg: str) -> str:
     """A chart of the report with its title and caption (``key`` names it for the page's script)."""
     return (
@@ -192,7 +188,7 @@ def line_chart(
     y_max: float | None = None,
 ) -> str:
     """Lines over ``x`` (gaps where a value is None); a dot marks every value."""
-    values = [v for s in series for v in _finite(s.values)]
+    values = [float(v) for s in series for v in s.values if v is not None and math.isfinite(v)]
     if not x or not values:
         return message_chart(label, "this input has no values for this chart")
     top = max([*values, *(r.value for r in rules), y_max or 0.0])

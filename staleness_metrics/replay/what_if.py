@@ -106,8 +106,8 @@ class WhatIfRow:
         return cls(
             max_staleness=bound,
             trained_covered=cost.covered if cost is not None else None,
-            trained_k3=_float(cost_keys.get(keys.MISMATCH_K3)),
-            trained_excess_k3=_float(cost_keys.get(keys.MISMATCH_EXCESS_K3)),
+            trained_k3=cost_keys.get(keys.MISMATCH_K3),
+            trained_excess_k3=cost_keys.get(keys.MISMATCH_EXCESS_K3),
             **counts,
         )
 
@@ -168,10 +168,6 @@ def run_curve(sums: MismatchSums | None, config: StalenessConfig) -> RunCurve | 
     return RunCurve(floor, budget_of(config.mismatch_budget, floor.value), curve, sums)
 
 
-def _float(value: float | None) -> float | None:
-    return None if value is None else float(value)
-
-
 def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
     """The shipped samples' ``name`` array (``mask``, ``logprobs``, ``trainer_logprobs``) in ship
     order, aligned with ``shipment.lags``; NaN where a sample lacks it."""
@@ -206,9 +202,10 @@ def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> 
     return _tally_cost_and_sums(shipments, band)[:2]
 
 
-def _tally_cost_and_sums(
-    shipments: Iterable[Shipment], band: tuple[float, float]
-) -> tuple[Tally, MismatchSums | None, MismatchSums | None]:
+Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
+
+
+def _tally_cost_and_sums(shipments: Iterable[Shipment], band: tuple[float, float]) -> Replayed:
     """:func:`tally_and_cost` and the ships' own SPEC 11 sums (every shipped position) pooled."""
     tally = Tally()
     cost: MismatchSums | None = None
@@ -260,9 +257,6 @@ def _fork_safe() -> bool:
         return False
     current = threading.current_thread()
     return all(t is current or t.name.startswith(POOL_THREAD_PREFIX) for t in threading.enumerate())
-
-
-Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 
 
 def _removes_nothing(replayed: Replayed) -> bool:
