@@ -105,13 +105,12 @@ class _Frame:
         x = self.px(rule.value)
         # one line of labels per rule, so two near rules stay readable
         label_y = TOP + 12 + 15 * row
+        # near the right edge the label goes on the line's left side
+        label_x, anchor = (x - 4, ' text-anchor="end"') if x > LEFT + PLOT_W - 80 else (x + 4, "")
         return [
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + PLOT_H}" '
             f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
-            # near the right edge the label goes on the line's left side
-            f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
-            if x > LEFT + PLOT_W - 80
-            else f'<text x="{x + 4:.1f}" y="{label_y}" fill="{rule.color}">{escape(rule.label)}</text>',
+            f'<text x="{label_x:.1f}" y="{label_y}"{anchor} fill="{rule.color}">{escape(rule.label)}</text>',
         ]
 
 
