@@ -390,12 +390,8 @@ def what_if_with_curve(
     return WhatIf(rows, curve)
 
 
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
-
-
-def _cost(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
+def _shown(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _verdict(row: WhatIfRow) -> str:
@@ -406,21 +402,21 @@ def _verdict(row: WhatIfRow) -> str:
 Column = tuple[str, Callable[[WhatIfRow], str]]
 _COLUMNS: tuple[Column, ...] = (
     ("max_staleness", lambda r: str(r.max_staleness)),
-    ("masked", lambda r: _percent(r.masked_ratio)),
+    ("masked", lambda r: _shown(r.masked_ratio, ".2%")),
     ("tokens masked", lambda r: str(r.tokens_masked)),
     ("tokens kept", lambda r: str(r.tokens_kept)),
-    ("kept share", lambda r: _percent(r.kept_share)),
+    ("kept share", lambda r: _shown(r.kept_share, ".2%")),
     ("rollouts dropped", lambda r: str(r.rollouts_dropped)),
     ("samples dropped", lambda r: str(r.samples_dropped)),
     ("rollouts shipped", lambda r: str(r.rollouts_shipped)),
     ("held", lambda r: str(r.rollouts_held)),
 )
 _COST_COLUMNS: tuple[Column, ...] = (
-    ("trained k3", lambda r: _cost(r.trained_k3)),
-    ("trained excess k3", lambda r: _cost(r.trained_excess_k3)),
+    ("trained k3", lambda r: _shown(r.trained_k3, ".4g")),
+    ("trained excess k3", lambda r: _shown(r.trained_excess_k3, ".4g")),
 )
 _CURVE_COLUMNS: tuple[Column, ...] = (
-    ("excess at bound", lambda r: _cost(r.excess_at_bound)),
+    ("excess at bound", lambda r: _shown(r.excess_at_bound, ".4g")),
     ("within budget", _verdict),
 )
 
