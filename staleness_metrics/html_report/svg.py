@@ -105,13 +105,12 @@ class _Frame:
         x = self.px(rule.value)
         # one line of labels per rule, so two near rules stay readable
         label_y = TOP + 12 + 15 * row
+        # near the right edge the label goes on the line's left side
+        label_x, anchor = (x - 4, ' text-anchor="end"') if x > LEFT + PLOT_W - 80 else (x + 4, "")
         return [
             f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{TOP}" y2="{TOP + PLOT_H}" '
             f'stroke="{rule.color}" stroke-dasharray="6 4" stroke-width="1.5"/>',
-            # near the right edge the label goes on the line's left side
-            f'<text x="{x - 4:.1f}" y="{label_y}" text-anchor="end" fill="{rule.color}">{escape(rule.label)}</text>'
-            if x > LEFT + PLOT_W - 80
-            else f'<text x="{x + 4:.1f}" y="{label_y}" fill="{rule.color}">{escape(rule.label)}</text>',
+            f'<text x="{label_x:.1f}" y="{label_y}"{anchor} fill="{rule.color}">{escape(rule.label)}</text>',
         ]
 
 
@@ -156,10 +155,6 @@ def _polyline(points: list[str], color: str, dash: str) -> list[str]:
     return [f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-width="2"{dash}/>']
 
 
-def _finite(values: Sequence[float | None]) -> list[float]:
-    return [float(v) for v in values if v is not None and math.isfinite(v)]
-
-
 def figure(key: str, title: str, caption: str, svg: str) -> str:
     """A chart of the report with its title and caption (``key`` names it for the page's script)."""
     return (
@@ -192,7 +187,7 @@ def line_chart(
     y_max: float | None = None,
 ) -> str:
     """Lines over ``x`` (gaps where a value is None); a dot marks every value."""
-    values = [v for s in series for v in _finite(s.values)]
+    values = [float(v) for s in series for v in s.values if v is not None and math.isfinite(v)]
     if not x or not values:
         return message_chart(label, "this input has no values for this chart")
     top = max([*values, *(r.value for r in rules), y_max or 0.0])

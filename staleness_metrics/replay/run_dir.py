@@ -146,7 +146,6 @@ def find_run(path: str | Path) -> RunDirectory | None:
 
 def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping[str, Path], **extra: Any) -> Path:
     """Write ``root/run.json`` naming ``files`` (relative to ``root`` where they are under it)."""
-    config_data = {f.name: getattr(config, f.name) for f in fields(StalenessConfig)}
 
     def relative(file: Path) -> str:
         try:
@@ -158,7 +157,7 @@ def write_run_file(root: Path, run: str, config: StalenessConfig, files: Mapping
         "format": RUN_FORMAT,
         "version": 1,
         "run": run,
-        "config": config_data,
+        "config": {f.name: getattr(config, f.name) for f in fields(StalenessConfig)},
         "files": {name: relative(file) for name, file in files.items()},
         **extra,
     }

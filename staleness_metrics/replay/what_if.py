@@ -106,8 +106,8 @@ class WhatIfRow:
         return cls(
             max_staleness=bound,
             trained_covered=cost.covered if cost is not None else None,
-            trained_k3=_float(cost_keys.get(keys.MISMATCH_K3)),
-            trained_excess_k3=_float(cost_keys.get(keys.MISMATCH_EXCESS_K3)),
+            trained_k3=cost_keys.get(keys.MISMATCH_K3),
+            trained_excess_k3=cost_keys.get(keys.MISMATCH_EXCESS_K3),
             **counts,
         )
 
@@ -168,10 +168,6 @@ def run_curve(sums: MismatchSums | None, config: StalenessConfig) -> RunCurve | 
     return RunCurve(floor, budget_of(config.mismatch_budget, floor.value), curve, sums)
 
 
-def _float(value: float | None) -> float | None:
-    return None if value is None else float(value)
-
-
 def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
     """The shipped samples' ``name`` array (``mask``, ``logprobs``, ``trainer_logprobs``) in ship
     order, aligned with ``shipment.lags``; NaN where a sample lacks it."""
@@ -206,9 +202,10 @@ def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> 
     return _tally_cost_and_sums(shipments, band)[:2]
 
 
-def _tally_cost_and_sums(
-    shipments: Iterable[Shipment], band: tuple[float, float]
-) -> tuple[Tally, MismatchSums | None, MismatchSums | None]:
+Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
+
+
+def _tally_cost_and_sums(shipments: Iterable[Shipment], band: tuple[float, float]) -> Replayed:
     """:func:`tally_and_cost` and the ships' own SPEC 11 sums (every shipped position) pooled."""
     tally = Tally()
     cost: MismatchSums | None = None
@@ -260,9 +257,6 @@ def _fork_safe() -> bool:
         return False
     current = threading.current_thread()
     return all(t is current or t.name.startswith(POOL_THREAD_PREFIX) for t in threading.enumerate())
-
-
-Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 
 
 def _removes_nothing(replayed: Replayed) -> bool:
@@ -396,12 +390,8 @@ def what_if_with_curve(
     return WhatIf(rows, curve)
 
 
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.2f}%"
-
-
-def _cost(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
+def _shown(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _verdict(row: WhatIfRow) -> str:
@@ -412,21 +402,21 @@ def _verdict(row: WhatIfRow) -> str:
 Column = tuple[str, Callable[[WhatIfRow], str]]
 _COLUMNS: tuple[Column, ...] = (
     ("max_staleness", lambda r: str(r.max_staleness)),
-    ("masked", lambda r: _percent(r.masked_ratio)),
+    ("masked", lambda r: _shown(r.masked_ratio, ".2%")),
     ("tokens masked", lambda r: str(r.tokens_masked)),
     ("tokens kept", lambda r: str(r.tokens_kept)),
-    ("kept share", lambda r: _percent(r.kept_share)),
+    ("kept share", lambda r: _shown(r.kept_share, ".2%")),
     ("rollouts dropped", lambda r: str(r.rollouts_dropped)),
     ("samples dropped", lambda r: str(r.samples_dropped)),
     ("rollouts shipped", lambda r: str(r.rollouts_shipped)),
     ("held", lambda r: str(r.rollouts_held)),
 )
 _COST_COLUMNS: tuple[Column, ...] = (
-    ("trained k3", lambda r: _cost(r.trained_k3)),
-    ("trained excess k3", lambda r: _cost(r.trained_excess_k3)),
+    ("trained k3", lambda r: _shown(r.trained_k3, ".4g")),
+    ("trained excess k3", lambda r: _shown(r.trained_excess_k3, ".4g")),
 )
 _CURVE_COLUMNS: tuple[Column, ...] = (
-    ("excess at bound", lambda r: _cost(r.excess_at_bound)),
+    ("excess at bound", lambda r: _shown(r.excess_at_bound, ".4g")),
     ("within budget", _verdict),
 )
 
