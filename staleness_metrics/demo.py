@@ -10,7 +10,6 @@ import importlib.util
 import itertools
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -28,7 +27,6 @@ import numpy.typing as npt
 from .config import StalenessConfig
 from .engine.shipment import Shipment
 from .engine.warm_up import warm_up
-from .errors import ConfigError
 from .exporters import ConsoleExporter, Exporter, JsonlExporter
 from .exporters.console import format_line
 from .metrics import keys
@@ -255,14 +253,6 @@ class DriftModel:
         warm = 1.0 if self.warmup_steps <= 0 else min(1.0, step / self.warmup_steps)
         speed = self.drift_per_version * warm
         return np.sqrt(self.floor**2 + (speed * np.maximum(lags, 0)) ** 2)
-
-    def expected_suggested_bound(self, budget: float | None = None) -> int:
-        """SPEC 14's suggested bound at full speed: the largest lag whose expected excess
-        ``(speed · ℓ)² / 2`` is within ``budget`` (default: the floor's k3, ``floor² / 2``)."""
-        beta = self.floor**2 / 2 if budget is None else budget
-        if self.drift_per_version <= 0:
-            raise ConfigError("drift_per_version: must be > 0 for the excess to cross any budget")
-        return math.floor(math.sqrt(2 * beta) / self.drift_per_version)
 
 
 def shipped_mask(shipment: Shipment) -> npt.NDArray[np.bool_]:

@@ -31,6 +31,7 @@ from staleness_metrics.replay.sources import as_replay_events
 from staleness_metrics.replay.sources.events import read_event_file
 from staleness_metrics.replay.stream import replay
 from tests.exporters.wandb_reader import find_run_file, read_run
+from tests.support.drift import expected_suggested_bound
 from tests.support.otlp import OtlpReceiver, metrics_by_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,7 +290,7 @@ def test_the_suggested_bound_is_where_the_drift_model_puts_it(
 ) -> None:
     """The suggestion docs/getting-started.md expects, from the drift model's formula, against the measured one."""
     model = DriftModel()
-    expected = model.expected_suggested_bound()
+    expected = expected_suggested_bound(model)
     assert expected == math.floor(model.floor / model.drift_per_version) == 5  # docs/getting-started.md says 5
     demo = _start_demo(tmp_path, "--steps", "30", "--speed", "0", "--no-wandb")
     _, err = demo.communicate()
@@ -333,8 +334,8 @@ def test_the_drift_model_grows_with_lag_and_policy_speed() -> None:
     assert model.sigma(lags, 20).tolist() == pytest.approx([0.05, np.hypot(0.05, 0.08), np.hypot(0.05, 0.32), 0.05])
     assert model.sigma(lags, 5)[2] == pytest.approx(np.hypot(0.05, 0.16))  # half speed during warm-up
     assert DriftModel().sigma(lags, 1)[2] == pytest.approx(np.hypot(0.05, 0.036))  # the default: no warm-up
-    assert model.expected_suggested_bound() == 0  # 0.05 / 0.08 < 1: even lag 1 costs more than the floor
-    assert model.expected_suggested_bound(budget=0.08**2 * 3**2 / 2) == 3
+    assert expected_suggested_bound(model) == 0  # 0.05 / 0.08 < 1: even lag 1 costs more than the floor
+    assert expected_suggested_bound(model, budget=0.08**2 * 3**2 / 2) == 3
 
     monitor = StalenessMonitor(StalenessConfig(max_staleness=100))
     simulation, trainer = Simulation(0), SimulatedTrainer(0, model=model)

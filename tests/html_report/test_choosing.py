@@ -19,6 +19,7 @@ from staleness_metrics.html_report.svg import PALETTE
 from staleness_metrics.metrics.mismatch import MismatchSums
 from staleness_metrics.replay.run_dir import find_run
 from staleness_metrics.replay.what_if import what_if_with_curve
+from tests.support.drift import expected_suggested_bound
 
 from .chromium import chart_boxes, probe, requires_chromium, screenshot
 from .test_report import _count, _pixels
@@ -86,7 +87,7 @@ def test_the_report_of_a_demo_directory_shows_how_to_choose_the_bound(demo_direc
     result = what_if_with_curve(demo_directory, range(9), config)  # the kept share the report puts beside it
     assert result.curve is not None
     suggested = result.curve.suggested
-    assert suggested is not None and abs(suggested - DriftModel().expected_suggested_bound()) <= 1
+    assert suggested is not None and abs(suggested - expected_suggested_bound(DriftModel())) <= 1
 
     # Over steps, each ship's suggestion as the run logged it (its window of cost_window ships).
     logged = [json.loads(line) for line in (demo_directory / "metrics.jsonl").read_text().splitlines()]
