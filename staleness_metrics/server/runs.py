@@ -63,8 +63,6 @@ RUN_STATE_FORMAT = 1
 QUICK_MAX_ROLLOUTS = 512
 QUICK_MAX_POSITIONS = 65_536
 CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a record at a time
-
-
 IDEMPOTENCY_KEYS_KEPT = 1024
 _DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
@@ -234,10 +232,8 @@ def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
     for i in np.flatnonzero(parsed.tokens == 0).tolist():
         for name in SUM_FIELDS:
             if getattr(parsed, name)[i] != 0:
-                bucket = LAG_BUCKETS[i]
-                raise RecordsInvalid(
-                    [ErrorItem(field=f"sums.lags.{bucket}.{name}", reason="non-zero while tokens is 0")]
-                )
+                field = f"sums.lags.{LAG_BUCKETS[i]}.{name}"
+                raise RecordsInvalid([ErrorItem(field=field, reason="non-zero while tokens is 0")])
     return parsed
 
 
@@ -563,10 +559,9 @@ class Run:
             replayed = self._mismatch_answers.replay(idempotency_key, fingerprint)
             if replayed is not None:
                 return replayed
-            known = self._mismatch.get(request.step)
-            posts = known.posts if known is not None else 0
+            known = self._mismatch.get(request.step) or _StepMismatch(0, MismatchSums.zero(), {})
             with np.errstate(over="ignore"):  # checked just below, and refused
-                total = (known.total if known is not None else MismatchSums.zero()) + delta
+                total = known.total + delta
             if not all(np.isfinite(getattr(total, name)).all() for name in SUM_FIELDS):
                 raise RecordsInvalid([ErrorItem(field="sums", reason="the step's merged sums overflow a float64")])
             try:
@@ -574,7 +569,7 @@ class Run:
             except ValueError as error:  # a step never shipped: "step: ..."
                 raise RecordsInvalid([field_item(error, "step")]) from None
             metrics = self.monitor.mismatch_metrics(request.step) or {}
-            merged = self._mismatch[request.step] = _StepMismatch(posts + 1, total, metrics)
+            merged = self._mismatch[request.step] = _StepMismatch(known.posts + 1, total, metrics)
             answer = MismatchResult(
                 run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )
@@ -611,9 +606,8 @@ class Run:
     def checkpoint(self) -> None:
         """Snapshot now if anything was journalled since the last one (a faster restart)."""
         with self._lock:
-            journal = self._journal
-            due = journal.rows_since_snapshot and journal.broken is None and not self._closed
-            if due and self._store.persistent:
+            journal = self._journal  # rows are counted only in a persistent store
+            if journal.rows_since_snapshot and journal.broken is None and not self._closed:
                 journal.snapshot()
 
     def close(self) -> None:

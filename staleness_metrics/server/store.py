@@ -26,8 +26,6 @@ MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 2
 SNAPSHOT_EVERY = 256  # journal rows between snapshots
 SNAPSHOT_BYTES = 64 * 1024 * 1024  # or this much journal, whichever comes first
-
-
 PIECE_BYTES = 1024 * 1024  # journal or snapshot text written into SQLite at once
 
 
@@ -233,23 +231,19 @@ class SqliteStore(Store):
                 columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
                 if "checksum" not in columns:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN checksum TEXT")
-                self._stamp(table, column)
+                # the rows written before checksums existed, stamped once each decodes
+                key = "name, 0" if table == "runs" else "run, seq"
+                op_column = "op" if table == "journal" else "NULL"
+                select = f"SELECT rowid, {key}, {op_column}, {column} FROM {table}"
+                unstamped = db.execute(f"{select} WHERE checksum IS NULL").fetchall()
+                for rowid, run, seq, op, data in unstamped:
+                    self._decode(table, run, int(seq), data)
+                    stamp = checksum(table, run, int(seq), data, op)
+                    db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
             if [row[1] for row in db.execute("PRAGMA table_info(snapshots)")][-1] != "state":
                 for statement in _SNAPSHOTS_REORDERED:
                     db.execute(statement)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-    def _stamp(self, table: str, column: str) -> None:
-        """Checksum the rows written before checksums existed, once each decodes."""
-        run_column, seq_column = ("name", "0") if table == "runs" else ("run", "seq")
-        op_column = "op" if table == "journal" else "NULL"
-        rows = self._db.execute(
-            f"SELECT rowid, {run_column}, {seq_column}, {op_column}, {column} FROM {table} WHERE checksum IS NULL"
-        ).fetchall()
-        for rowid, run, seq, op, data in rows:
-            self._decode(table, run, int(seq), data)
-            stamp = checksum(table, run, int(seq), data, op)
-            self._db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
 
     def _damaged(self, table: str, run: str, seq: int, reason: str) -> StoreDamaged:
         row = _ROW_NAME[table].format(seq=seq)
@@ -356,8 +350,7 @@ class SqliteStore(Store):
         self._write([(insert.format("?"), (run, seq, checksum("snapshots", run, seq, data), data))])
 
     def load(self) -> list[StoredRun]:
-        """Every run, each row checked, then each configuration (:class:`StoreDamaged` names the
-        first damaged one)."""
+        """Every run, each row checked, then each configuration (else :class:`StoreDamaged`)."""
         with self._lock:
             rows = self._db.execute("SELECT name, config, checksum FROM runs ORDER BY rowid").fetchall()
         runs = [self._load_run(name, config, check) for name, config, check in rows]
