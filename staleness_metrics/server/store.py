@@ -3,6 +3,7 @@ row per acknowledged write, history rows, snapshots, each row checksummed; see d
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -27,6 +28,7 @@ SCHEMA_VERSION = 2
 SNAPSHOT_EVERY = 256  # journal rows between snapshots
 SNAPSHOT_BYTES = 64 * 1024 * 1024  # or this much journal, whichever comes first
 PIECE_BYTES = 1024 * 1024  # journal or snapshot text written into SQLite at once
+Pieces = Callable[[], Iterable[bytes]]  # a row's JSON text, made again at each call
 
 
 def dumps(value: Any) -> bytes:
@@ -37,7 +39,7 @@ def dumps(value: Any) -> bytes:
 class Chunked:
     """A journal request as the pieces of its JSON text (made twice: to size it, to write it)."""
 
-    pieces: Callable[[], Iterable[bytes]]
+    pieces: Pieces
 
 
 class StoreDamaged(RuntimeError):
@@ -296,15 +298,12 @@ class SqliteStore(Store):
         self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in _RUN_TABLES])
 
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
+        insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, {})"
         if isinstance(request, Chunked) and self._journal_in_place:
-            size, check = _sized("journal", run, seq, request.pieces(), op)
-            insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, zeroblob(?))"
-            self._write_in_place("journal", (insert, (run, seq, op, check, size)), request.pieces, size)
-            return size
+            return self._write_in_place("journal", insert, run, seq, request.pieces, op)
         data = b"".join(request.pieces()) if isinstance(request, Chunked) else dumps(request)
-        insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
-        check = checksum("journal", run, seq, data, op)
-        statements: list[tuple[str, tuple[Any, ...]]] = [(insert, (run, seq, op, data, check))]
+        values = (run, seq, op, checksum("journal", run, seq, data, op), data)
+        statements: list[tuple[str, tuple[Any, ...]]] = [(insert.format("?"), values)]
         if history_row is not None:
             row = dumps(history_row)
             insert = "INSERT INTO history (run, seq, row, checksum) VALUES (?, ?, ?, ?)"
@@ -313,11 +312,13 @@ class SqliteStore(Store):
         return len(data)
 
     def _write_in_place(
-        self, table: str, insert: tuple[str, tuple[Any, ...]], pieces: Callable[[], Iterable[bytes]], size: int
-    ) -> None:
-        """Insert a row whose last column is ``zeroblob(size)`` and write ``pieces()`` into it."""
+        self, table: str, insert: str, run: str, seq: int, pieces: Pieces, op: str | None = None
+    ) -> int:
+        """Insert a row ending in ``zeroblob(size)``, then write ``pieces()`` in it: the size."""
+        size, check = _sized(table, run, seq, pieces(), op)
+        key = (run, seq) if op is None else (run, seq, op)
         with self._transaction() as db:
-            cursor = db.execute(*insert)
+            cursor = db.execute(insert.format("zeroblob(?)"), (*key, check, size))
             assert cursor.lastrowid is not None
             with db.blobopen(table, _DATA_COLUMN[table], cursor.lastrowid) as blob:  # type: ignore[attr-defined]
                 buffer = bytearray()
@@ -329,6 +330,7 @@ class SqliteStore(Store):
                 blob.write(buffer)
                 if blob.tell() != size:  # the pieces changed between the passes: never store that
                     raise RuntimeError(f"a {table} row's text changed while it was written")
+        return size
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
         """``dumps(state)``, byte for byte, written in place a piece at a time where it can be."""
@@ -338,13 +340,8 @@ class SqliteStore(Store):
             return json_pieces(state, orjson.OPT_SERIALIZE_NUMPY, max_depth=PIECED_DEPTH)
 
         if self._in_place:
-            try:
-                size, check = _sized("snapshots", run, seq, pieces())
-            except NestedTooDeep:  # encoded whole below, as orjson does (or refuses) it
-                pass
-            else:
-                in_place = (insert.format("zeroblob(?)"), (run, seq, check, size))
-                self._write_in_place("snapshots", in_place, pieces, size)
+            with contextlib.suppress(NestedTooDeep):  # then encoded whole (by orjson, or refused)
+                self._write_in_place("snapshots", insert, run, seq, pieces)
                 return
         data = dumps(state)
         self._write([(insert.format("?"), (run, seq, checksum("snapshots", run, seq, data), data))])
