@@ -24,8 +24,7 @@ WANDB_CLOSE_TIMEOUT = 60.0
 
 @dataclass(frozen=True)
 class ExportSettings:
-    """Which exporters each run gets besides Prometheus: OTLP (to ``otlp_endpoint`` or the
-    ``OTEL_EXPORTER_OTLP_*`` variables), and with ``wandb_project`` one W&B run per service run."""
+    """Which exporters each run gets besides Prometheus: OTLP, and one W&B run per service run."""
 
     otlp: bool = False
     otlp_endpoint: str | None = None

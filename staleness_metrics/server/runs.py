@@ -97,15 +97,13 @@ def record_digest(record: Mapping[str, Any]) -> bytes:
     return hashlib.blake2b(canonical, digest_size=16).digest()
 
 
-def stored_digest(record: Mapping[str, Any]) -> bytes | None:
-    """:func:`record_digest` of a record the journal can store, None for one it cannot."""
+def stored_digest(record: Mapping[str, Any]) -> bytes | tuple[str, str]:
+    """:func:`record_digest` of a record the journal can store, else ``(field, reason)`` why not."""
     try:
         return _canonical_digest(record, _DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
     except orjson.JSONEncodeError:
-        if unstorable(record) is not None:
-            return None
         # integers past 2**53 but within 64 bits: stored exactly all the same
-        return record_digest(record)
+        return unstorable(record) or record_digest(record)
 
 
 A = TypeVar("A", bound=BaseModel)
@@ -425,8 +423,8 @@ class Run:
                     item = ErrorItem(field="id", reason=reason, rollout_id=shown, index=index)
                     raise RecordsInvalid([item])
                 digest = stored_digest(record)
-                if digest is None:  # the journal could not write it
-                    field, reason = unstorable(record) or ("rollout", "cannot be stored")
+                if isinstance(digest, tuple):  # the journal could not write it
+                    field, reason = digest
                     reason += " (the run's journal could not store it)"
                     shown = printable_id(rid)
                     item = ErrorItem(field=field, reason=reason, rollout_id=shown, index=index)

@@ -369,18 +369,19 @@ class SqliteStore(Store):
                 (name, seq),
             ).fetchall()
             # the whole journal is the run's history (its events): checked from row 1
-            count, last = self._db.execute("SELECT COUNT(*), MAX(seq) FROM journal WHERE run = ?", (name,)).fetchone()
+            query = "SELECT COUNT(*), COALESCE(MAX(seq), 0) FROM journal WHERE run = ?"
+            count, last = self._db.execute(query, (name,)).fetchone()
             gap = None
-            if count != (last or 0) or (last or 0) < seq:
+            if count != last or last < seq:
                 gap = self._db.execute(
                     "SELECT MIN(seq) FROM (SELECT 1 AS seq UNION ALL SELECT seq + 1 FROM journal "
                     "WHERE run = ?) WHERE seq NOT IN (SELECT seq FROM journal WHERE run = ?)",
                     (name, name),
                 ).fetchone()[0]
-        if gap is not None and gap <= max(seq, last or 0):
-            after = f"the journal jumps from row {gap - 1} to a later row" if gap <= (last or 0) else "it ends there"
-            if gap > (last or 0):
-                after += f", though the run's snapshot was taken at row {seq}"
+        if gap is not None and gap <= max(seq, last):
+            after = f"the journal jumps from row {gap - 1} to a later row"
+            if gap > last:
+                after = f"it ends there, though the run's snapshot was taken at row {seq}"
             raise self._damaged("journal", name, gap, f"is missing ({after}: a gap in its sequence)")
         snapshot = None if snap is None else self._checked("snapshots", name, seq, snap[1], snap[2])
         history = [self._checked("history", name, int(s), row, check) for s, row, check in history_rows]
