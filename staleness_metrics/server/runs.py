@@ -344,29 +344,28 @@ class Run:
         self._journal.restoring = True
         try:
             if stored.snapshot is not None:
-                try:
+                where = f"its snapshot (taken at journal row {stored.snapshot_seq})"
+                with self._restoring(f"{where} cannot be loaded"):
                     self._load_snapshot(stored.snapshot)
-                except Exception as exc:
-                    where = f"snapshot (taken at journal row {stored.snapshot_seq})"
-                    raise RestoreFailed(f"run {self.name!r}: its {where} cannot be loaded: {reason_of(exc)}") from exc
-            try:
+            with self._restoring("a history row cannot be loaded"):
                 self._history = [StepRow.model_validate(row) for row in stored.history]
-            except Exception as exc:
-                raise RestoreFailed(f"run {self.name!r}: a history row cannot be loaded: {reason_of(exc)}") from exc
             self._journal.seq = stored.snapshot_seq
             with self.monitor.absorbing():
                 for row in stored.tail:
-                    try:
+                    failed = f"its journal row {row.seq} ({row.op}) cannot be applied again"
+                    with self._restoring(failed):
                         self._ops[row.op](row.request)
-                    except Exception as exc:
-                        raise RestoreFailed(
-                            f"run {self.name!r}: its journal row {row.seq} ({row.op}) cannot be "
-                            f"applied again: {reason_of(exc)}"
-                        ) from exc
                     self._journal.seq = row.seq
                     self._journal.rows_since_snapshot += 1
         finally:
             self._journal.restoring = False
+
+    @contextmanager
+    def _restoring(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            raise RestoreFailed(f"run {self.name!r}: {what}: {reason_of(exc)}") from exc
 
     def _load_snapshot(self, state: Any) -> None:
         if state.get("format") != RUN_STATE_FORMAT:
