@@ -68,8 +68,7 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
 
 
 class RunRegistry:
-    """The runs of one service, by name; a stored one whose rows cannot be applied again is
-    *unavailable* (503 with the reason)."""
+    """The runs of one service by name; one whose stored rows fail to apply is unavailable (503)."""
 
     def __init__(self, export_settings: ExportSettings | None = None, store: Store | None = None) -> None:
         self.export_settings = export_settings or ExportSettings()

@@ -389,8 +389,7 @@ class SqliteStore(Store):
 
     def journal(self, run: str, after: int = 0) -> Iterator[JournalRow]:
         """The journal rows of ``run`` after row ``after``, checked, on a connection of its own."""
-        reader = sqlite3.connect(self.path, check_same_thread=False)
-        try:
+        with contextlib.closing(sqlite3.connect(self.path, check_same_thread=False)) as reader:
             while True:
                 page = reader.execute(
                     "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq LIMIT 256",
@@ -401,8 +400,6 @@ class SqliteStore(Store):
                 for seq, op, request, check in page:
                     yield JournalRow(int(seq), op, self._checked("journal", run, int(seq), request, check, op))
                 after = int(page[-1][0])
-        finally:
-            reader.close()
 
     def close(self) -> None:
         with self._lock:
