@@ -24,8 +24,7 @@ WANDB_CLOSE_TIMEOUT = 60.0
 
 @dataclass(frozen=True)
 class ExportSettings:
-    """Which exporters each run gets besides Prometheus: OTLP (to ``otlp_endpoint`` or the
-    ``OTEL_EXPORTER_OTLP_*`` variables), and with ``wandb_project`` one W&B run per service run."""
+    """Which exporters each run gets besides Prometheus: OTLP, and one W&B run per service run."""
 
     otlp: bool = False
     otlp_endpoint: str | None = None
@@ -69,9 +68,7 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
 
 
 class RunRegistry:
-    """The runs of one service, by name. Stored runs are checked at start (:meth:`restore`), then
-    loaded in the background or by the first request for each; one whose rows cannot be applied
-    again is *unavailable* (503 with the reason)."""
+    """The runs of one service by name; one whose stored rows fail to apply is unavailable (503)."""
 
     def __init__(self, export_settings: ExportSettings | None = None, store: Store | None = None) -> None:
         self.export_settings = export_settings or ExportSettings()
@@ -106,16 +103,13 @@ class RunRegistry:
             return run, True
 
     def restore(self, background: bool = True, defer: bool = False) -> int:
-        """Check every stored run and load them (in the background, here, or later with ``defer``);
-        returns how many."""
+        """Check every stored run, load them (in the background, here, or later): how many."""
         stored_runs = self.store.load()
         with self._lock:
             self._pending.update((stored.name, stored) for stored in stored_runs)
-        if defer:
-            return len(stored_runs)
-        if background:
+        if background and not defer:
             self.load_in_background()
-        else:
+        elif not defer:
             self._load_pending()
         return len(stored_runs)
 
@@ -232,8 +226,7 @@ class RunRegistry:
             return list(self._runs.values())
 
     def collect(self) -> list[Metric]:
-        """Every run's metric families as one collector's: each family once, with every run's
-        samples (each labelled with its ``run``)."""
+        """Every run's metric families, each once with every run's samples (labelled ``run``)."""
         merged: dict[str, Metric] = {}
         for run in self.runs():
             for family in run.registry.collect():

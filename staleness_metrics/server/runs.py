@@ -63,8 +63,6 @@ RUN_STATE_FORMAT = 1
 QUICK_MAX_ROLLOUTS = 512
 QUICK_MAX_POSITIONS = 65_536
 CHUNKED_ADD_RECORDS = 256  # an add of more records than this is journalled a record at a time
-
-
 IDEMPOTENCY_KEYS_KEPT = 1024
 _DIGEST_OPTIONS = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
@@ -99,15 +97,13 @@ def record_digest(record: Mapping[str, Any]) -> bytes:
     return hashlib.blake2b(canonical, digest_size=16).digest()
 
 
-def stored_digest(record: Mapping[str, Any]) -> bytes | None:
-    """:func:`record_digest` of a record the journal can store, None for one it cannot."""
+def stored_digest(record: Mapping[str, Any]) -> bytes | tuple[str, str]:
+    """:func:`record_digest` of a record the journal can store, else ``(field, reason)`` why not."""
     try:
         return _canonical_digest(record, _DIGEST_OPTIONS | orjson.OPT_STRICT_INTEGER)
     except orjson.JSONEncodeError:
-        if unstorable(record) is not None:
-            return None
         # integers past 2**53 but within 64 bits: stored exactly all the same
-        return record_digest(record)
+        return unstorable(record) or record_digest(record)
 
 
 A = TypeVar("A", bound=BaseModel)
@@ -234,10 +230,8 @@ def _parse_sums(sums: Mapping[str, Any]) -> MismatchSums:
     for i in np.flatnonzero(parsed.tokens == 0).tolist():
         for name in SUM_FIELDS:
             if getattr(parsed, name)[i] != 0:
-                bucket = LAG_BUCKETS[i]
-                raise RecordsInvalid(
-                    [ErrorItem(field=f"sums.lags.{bucket}.{name}", reason="non-zero while tokens is 0")]
-                )
+                field = f"sums.lags.{LAG_BUCKETS[i]}.{name}"
+                raise RecordsInvalid([ErrorItem(field=field, reason="non-zero while tokens is 0")])
     return parsed
 
 
@@ -350,29 +344,28 @@ class Run:
         self._journal.restoring = True
         try:
             if stored.snapshot is not None:
-                try:
+                where = f"its snapshot (taken at journal row {stored.snapshot_seq})"
+                with self._restoring(f"{where} cannot be loaded"):
                     self._load_snapshot(stored.snapshot)
-                except Exception as exc:
-                    where = f"snapshot (taken at journal row {stored.snapshot_seq})"
-                    raise RestoreFailed(f"run {self.name!r}: its {where} cannot be loaded: {reason_of(exc)}") from exc
-            try:
+            with self._restoring("a history row cannot be loaded"):
                 self._history = [StepRow.model_validate(row) for row in stored.history]
-            except Exception as exc:
-                raise RestoreFailed(f"run {self.name!r}: a history row cannot be loaded: {reason_of(exc)}") from exc
             self._journal.seq = stored.snapshot_seq
             with self.monitor.absorbing():
                 for row in stored.tail:
-                    try:
+                    failed = f"its journal row {row.seq} ({row.op}) cannot be applied again"
+                    with self._restoring(failed):
                         self._ops[row.op](row.request)
-                    except Exception as exc:
-                        raise RestoreFailed(
-                            f"run {self.name!r}: its journal row {row.seq} ({row.op}) cannot be "
-                            f"applied again: {reason_of(exc)}"
-                        ) from exc
                     self._journal.seq = row.seq
                     self._journal.rows_since_snapshot += 1
         finally:
             self._journal.restoring = False
+
+    @contextmanager
+    def _restoring(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            raise RestoreFailed(f"run {self.name!r}: {what}: {reason_of(exc)}") from exc
 
     def _load_snapshot(self, state: Any) -> None:
         if state.get("format") != RUN_STATE_FORMAT:
@@ -383,7 +376,6 @@ class Run:
         self._received = {rid: bytes.fromhex(digest) for rid, digest in state["received"].items()}
         self._duplicates = int(state["duplicates"])
         self._answers.load_json(state["answers"])
-        self._mismatch = {}
         for step, posts, sums, *published in state.get("mismatch", []):
             total = MismatchSums.from_dict(sums)
             # A snapshot from before SPEC 14 kept no keys: the SPEC 11 ones, without a floor.
@@ -393,8 +385,7 @@ class Run:
 
     def _replay_add(self, request: Mapping[str, Any]) -> None:
         self.add(list(request["rollouts"]))
-        with self._lock:
-            self._duplicates += int(request.get("duplicates", 0))
+        self._duplicates += int(request.get("duplicates", 0))  # unlocked: no request sees it yet
 
     def events(self) -> Iterator[dict[str, Any]]:
         """The run's history as SPEC 9 events (its replay reproduces the ships)."""
@@ -429,8 +420,8 @@ class Run:
                     item = ErrorItem(field="id", reason=reason, rollout_id=shown, index=index)
                     raise RecordsInvalid([item])
                 digest = stored_digest(record)
-                if digest is None:  # the journal could not write it
-                    field, reason = unstorable(record) or ("rollout", "cannot be stored")
+                if isinstance(digest, tuple):  # the journal could not write it
+                    field, reason = digest
                     reason += " (the run's journal could not store it)"
                     shown = printable_id(rid)
                     item = ErrorItem(field=field, reason=reason, rollout_id=shown, index=index)
@@ -563,10 +554,9 @@ class Run:
             replayed = self._mismatch_answers.replay(idempotency_key, fingerprint)
             if replayed is not None:
                 return replayed
-            known = self._mismatch.get(request.step)
-            posts = known.posts if known is not None else 0
+            known = self._mismatch.get(request.step) or _StepMismatch(0, MismatchSums.zero(), {})
             with np.errstate(over="ignore"):  # checked just below, and refused
-                total = (known.total if known is not None else MismatchSums.zero()) + delta
+                total = known.total + delta
             if not all(np.isfinite(getattr(total, name)).all() for name in SUM_FIELDS):
                 raise RecordsInvalid([ErrorItem(field="sums", reason="the step's merged sums overflow a float64")])
             try:
@@ -574,7 +564,7 @@ class Run:
             except ValueError as error:  # a step never shipped: "step: ..."
                 raise RecordsInvalid([field_item(error, "step")]) from None
             metrics = self.monitor.mismatch_metrics(request.step) or {}
-            merged = self._mismatch[request.step] = _StepMismatch(posts + 1, total, metrics)
+            merged = self._mismatch[request.step] = _StepMismatch(known.posts + 1, total, metrics)
             answer = MismatchResult(
                 run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )
@@ -611,9 +601,8 @@ class Run:
     def checkpoint(self) -> None:
         """Snapshot now if anything was journalled since the last one (a faster restart)."""
         with self._lock:
-            journal = self._journal
-            due = journal.rows_since_snapshot and journal.broken is None and not self._closed
-            if due and self._store.persistent:
+            journal = self._journal  # rows are counted only in a persistent store
+            if journal.rows_since_snapshot and journal.broken is None and not self._closed:
                 journal.snapshot()
 
     def close(self) -> None:

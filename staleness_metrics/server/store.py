@@ -3,6 +3,7 @@ row per acknowledged write, history rows, snapshots, each row checksummed; see d
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -26,9 +27,8 @@ MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 2
 SNAPSHOT_EVERY = 256  # journal rows between snapshots
 SNAPSHOT_BYTES = 64 * 1024 * 1024  # or this much journal, whichever comes first
-
-
 PIECE_BYTES = 1024 * 1024  # journal or snapshot text written into SQLite at once
+Pieces = Callable[[], Iterable[bytes]]  # a row's JSON text, made again at each call
 
 
 def dumps(value: Any) -> bytes:
@@ -39,7 +39,7 @@ def dumps(value: Any) -> bytes:
 class Chunked:
     """A journal request as the pieces of its JSON text (made twice: to size it, to write it)."""
 
-    pieces: Callable[[], Iterable[bytes]]
+    pieces: Pieces
 
 
 class StoreDamaged(RuntimeError):
@@ -233,23 +233,19 @@ class SqliteStore(Store):
                 columns = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
                 if "checksum" not in columns:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN checksum TEXT")
-                self._stamp(table, column)
+                # the rows written before checksums existed, stamped once each decodes
+                key = "name, 0" if table == "runs" else "run, seq"
+                op_column = "op" if table == "journal" else "NULL"
+                select = f"SELECT rowid, {key}, {op_column}, {column} FROM {table}"
+                unstamped = db.execute(f"{select} WHERE checksum IS NULL").fetchall()
+                for rowid, run, seq, op, data in unstamped:
+                    self._decode(table, run, int(seq), data)
+                    stamp = checksum(table, run, int(seq), data, op)
+                    db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
             if [row[1] for row in db.execute("PRAGMA table_info(snapshots)")][-1] != "state":
                 for statement in _SNAPSHOTS_REORDERED:
                     db.execute(statement)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-
-    def _stamp(self, table: str, column: str) -> None:
-        """Checksum the rows written before checksums existed, once each decodes."""
-        run_column, seq_column = ("name", "0") if table == "runs" else ("run", "seq")
-        op_column = "op" if table == "journal" else "NULL"
-        rows = self._db.execute(
-            f"SELECT rowid, {run_column}, {seq_column}, {op_column}, {column} FROM {table} WHERE checksum IS NULL"
-        ).fetchall()
-        for rowid, run, seq, op, data in rows:
-            self._decode(table, run, int(seq), data)
-            stamp = checksum(table, run, int(seq), data, op)
-            self._db.execute(f"UPDATE {table} SET checksum = ? WHERE rowid = ?", (stamp, rowid))
 
     def _damaged(self, table: str, run: str, seq: int, reason: str) -> StoreDamaged:
         row = _ROW_NAME[table].format(seq=seq)
@@ -302,15 +298,12 @@ class SqliteStore(Store):
         self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in _RUN_TABLES])
 
     def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
+        insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, {})"
         if isinstance(request, Chunked) and self._journal_in_place:
-            size, check = _sized("journal", run, seq, request.pieces(), op)
-            insert = "INSERT INTO journal (run, seq, op, checksum, request) VALUES (?, ?, ?, ?, zeroblob(?))"
-            self._write_in_place("journal", (insert, (run, seq, op, check, size)), request.pieces, size)
-            return size
+            return self._write_in_place("journal", insert, run, seq, request.pieces, op)
         data = b"".join(request.pieces()) if isinstance(request, Chunked) else dumps(request)
-        insert = "INSERT INTO journal (run, seq, op, request, checksum) VALUES (?, ?, ?, ?, ?)"
-        check = checksum("journal", run, seq, data, op)
-        statements: list[tuple[str, tuple[Any, ...]]] = [(insert, (run, seq, op, data, check))]
+        values = (run, seq, op, checksum("journal", run, seq, data, op), data)
+        statements: list[tuple[str, tuple[Any, ...]]] = [(insert.format("?"), values)]
         if history_row is not None:
             row = dumps(history_row)
             insert = "INSERT INTO history (run, seq, row, checksum) VALUES (?, ?, ?, ?)"
@@ -319,11 +312,13 @@ class SqliteStore(Store):
         return len(data)
 
     def _write_in_place(
-        self, table: str, insert: tuple[str, tuple[Any, ...]], pieces: Callable[[], Iterable[bytes]], size: int
-    ) -> None:
-        """Insert a row whose last column is ``zeroblob(size)`` and write ``pieces()`` into it."""
+        self, table: str, insert: str, run: str, seq: int, pieces: Pieces, op: str | None = None
+    ) -> int:
+        """Insert a row ending in ``zeroblob(size)``, then write ``pieces()`` in it: the size."""
+        size, check = _sized(table, run, seq, pieces(), op)
+        key = (run, seq) if op is None else (run, seq, op)
         with self._transaction() as db:
-            cursor = db.execute(*insert)
+            cursor = db.execute(insert.format("zeroblob(?)"), (*key, check, size))
             assert cursor.lastrowid is not None
             with db.blobopen(table, _DATA_COLUMN[table], cursor.lastrowid) as blob:  # type: ignore[attr-defined]
                 buffer = bytearray()
@@ -335,6 +330,7 @@ class SqliteStore(Store):
                 blob.write(buffer)
                 if blob.tell() != size:  # the pieces changed between the passes: never store that
                     raise RuntimeError(f"a {table} row's text changed while it was written")
+        return size
 
     def save_snapshot(self, run: str, seq: int, state: Any) -> None:
         """``dumps(state)``, byte for byte, written in place a piece at a time where it can be."""
@@ -344,20 +340,14 @@ class SqliteStore(Store):
             return json_pieces(state, orjson.OPT_SERIALIZE_NUMPY, max_depth=PIECED_DEPTH)
 
         if self._in_place:
-            try:
-                size, check = _sized("snapshots", run, seq, pieces())
-            except NestedTooDeep:  # encoded whole below, as orjson does (or refuses) it
-                pass
-            else:
-                in_place = (insert.format("zeroblob(?)"), (run, seq, check, size))
-                self._write_in_place("snapshots", in_place, pieces, size)
+            with contextlib.suppress(NestedTooDeep):  # then encoded whole (by orjson, or refused)
+                self._write_in_place("snapshots", insert, run, seq, pieces)
                 return
         data = dumps(state)
         self._write([(insert.format("?"), (run, seq, checksum("snapshots", run, seq, data), data))])
 
     def load(self) -> list[StoredRun]:
-        """Every run, each row checked, then each configuration (:class:`StoreDamaged` names the
-        first damaged one)."""
+        """Every run, each row checked, then each configuration (else :class:`StoreDamaged`)."""
         with self._lock:
             rows = self._db.execute("SELECT name, config, checksum FROM runs ORDER BY rowid").fetchall()
         runs = [self._load_run(name, config, check) for name, config, check in rows]
@@ -379,18 +369,19 @@ class SqliteStore(Store):
                 (name, seq),
             ).fetchall()
             # the whole journal is the run's history (its events): checked from row 1
-            count, last = self._db.execute("SELECT COUNT(*), MAX(seq) FROM journal WHERE run = ?", (name,)).fetchone()
+            query = "SELECT COUNT(*), COALESCE(MAX(seq), 0) FROM journal WHERE run = ?"
+            count, last = self._db.execute(query, (name,)).fetchone()
             gap = None
-            if count != (last or 0) or (last or 0) < seq:
+            if count != last or last < seq:
                 gap = self._db.execute(
                     "SELECT MIN(seq) FROM (SELECT 1 AS seq UNION ALL SELECT seq + 1 FROM journal "
                     "WHERE run = ?) WHERE seq NOT IN (SELECT seq FROM journal WHERE run = ?)",
                     (name, name),
                 ).fetchone()[0]
-        if gap is not None and gap <= max(seq, last or 0):
-            after = f"the journal jumps from row {gap - 1} to a later row" if gap <= (last or 0) else "it ends there"
-            if gap > (last or 0):
-                after += f", though the run's snapshot was taken at row {seq}"
+        if gap is not None and gap <= max(seq, last):
+            after = f"the journal jumps from row {gap - 1} to a later row"
+            if gap > last:
+                after = f"it ends there, though the run's snapshot was taken at row {seq}"
             raise self._damaged("journal", name, gap, f"is missing ({after}: a gap in its sequence)")
         snapshot = None if snap is None else self._checked("snapshots", name, seq, snap[1], snap[2])
         history = [self._checked("history", name, int(s), row, check) for s, row, check in history_rows]
@@ -398,8 +389,7 @@ class SqliteStore(Store):
 
     def journal(self, run: str, after: int = 0) -> Iterator[JournalRow]:
         """The journal rows of ``run`` after row ``after``, checked, on a connection of its own."""
-        reader = sqlite3.connect(self.path, check_same_thread=False)
-        try:
+        with contextlib.closing(sqlite3.connect(self.path, check_same_thread=False)) as reader:
             while True:
                 page = reader.execute(
                     "SELECT seq, op, request, checksum FROM journal WHERE run = ? AND seq > ? ORDER BY seq LIMIT 256",
@@ -410,8 +400,6 @@ class SqliteStore(Store):
                 for seq, op, request, check in page:
                     yield JournalRow(int(seq), op, self._checked("journal", run, int(seq), request, check, op))
                 after = int(page[-1][0])
-        finally:
-            reader.close()
 
     def close(self) -> None:
         with self._lock:
