@@ -385,7 +385,8 @@ class Run:
 
     def _replay_add(self, request: Mapping[str, Any]) -> None:
         self.add(list(request["rollouts"]))
-        self._duplicates += int(request.get("duplicates", 0))  # unlocked: no request sees it yet
+        with self._lock:
+            self._duplicates += int(request.get("duplicates", 0))
 
     def events(self) -> Iterator[dict[str, Any]]:
         """The run's history as SPEC 9 events (its replay reproduces the ships)."""
