@@ -56,7 +56,7 @@ def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
     return chosen
 
 
-def _row_of_env_key(key: str, report: StepReport) -> MetricDef | None:
+def _row_of_env_key(key: str, report: StepReport | MismatchReport) -> MetricDef | None:
     for env, env_metrics in report.env_metrics.items():
         prefix = f"{ENV_KEY_PREFIX}{env}/"
         table_key = KEY_PREFIX + key.removeprefix(prefix)  # every table key has KEY_PREFIX
@@ -157,10 +157,11 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             except Exception as exc:
                 self._errors.record(self.name, "finishing the W&B run failed", exc)
 
-    def row(self, report: StepReport) -> dict[str, Any]:
+    def row(self, report: StepReport | MismatchReport) -> dict[str, Any]:
         """The history row for a report (without the histogram object)."""
+        metrics = report.metrics  # (a mismatch report's builds its dict anew each time)
         row: dict[str, Any] = {self._step_key: report.step}
-        for key, value in report.metrics.items():
+        for key, value in metrics.items():
             if key in _SCALAR_KEYS:
                 row[key] = value
             elif (env_row := _row_of_env_key(key, report)) is not None:
@@ -170,8 +171,8 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
                 self._warned_unknown.add(key)
                 self._errors.record(self.name, f"key {key!r} is not in the metric table; not logged")
         for old, new in self._legacy.items():
-            if new in report.metrics:
-                row[old] = report.metrics[new]
+            if new in metrics:
+                row[old] = metrics[new]
         return row
 
     def export(self, report: StepReport) -> None:
@@ -183,7 +184,7 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
     def export_mismatch(self, report: MismatchReport) -> None:
         """A row of the step's trainer-side SPEC 11 and 14 keys (merged over its calls so far)."""
         try:
-            row: dict[str, Any] = {self._step_key: report.step, **report.metrics}
+            row = self.row(report)  # (its env keys' table rows noted before the worker defines them)
         except Exception as exc:  # never into the trainer
             self._errors.record(self.name, "mismatch sums not logged", exc)
             return

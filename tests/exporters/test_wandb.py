@@ -336,3 +336,26 @@ def test_an_active_run_is_used_without_starting_one(monkeypatch: pytest.MonkeyPa
     exporter.close(timeout=60)
     assert [row[STEP_KEY] for row in active.rows] == [2] and not active.finished  # the caller's run stays open
     monkeypatch.setattr(wandb, "run", None)
+
+
+def test_an_env_key_only_the_live_path_logs_gets_its_max_summary(tmp_path: Path) -> None:
+    """A trainer's per-env sums for a ship whose records carried no trainer log-probs: the env's k3 keys
+    are maxima in the run's summary too, however the worker's timing falls."""
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), close_timeout=FINISH_TIMEOUT)
+    lags = np.array([0, 0, 1, 2, 2, 3])
+    sampler = np.full(len(lags), -0.5)
+    with StalenessMonitor(COSTS, [exporter], run="r") as monitor:
+        for records, step in ship_script(1):
+            for sample in (sample for record in records for sample in record["samples"]):
+                del sample["trainer_logprobs"]
+            monitor.add(records)
+            shipped = monitor.ship(step)
+        monitor.record_mismatch(shipped.step, mismatch_sums(lags, sampler, sampler + 0.05 * lags), env="math")
+    run = read_run(find_run_file(tmp_path))
+    logged = {key for row in run.history for key in row if key.startswith("staleness/env/math/mismatch/")}
+    maxima = {key for key in logged if "staleness/" + key.removeprefix("staleness/env/math/") in MAX_KEYS}
+    assert "staleness/env/math/mismatch/k3" in maxima
+    assert all(run.metrics[key].summary_max for key in maxima)
+    assert run.summary["staleness/env/math/mismatch/k3"] == {
+        "max": max(r.get("staleness/env/math/mismatch/k3", -1) for r in run.history)
+    }
