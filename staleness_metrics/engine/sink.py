@@ -142,9 +142,11 @@ class Sink:
         items: Sequence[ParsedRollout | UnparsedRollout],
         packed: RolloutBatch | None = None,
         checked: tuple[Verdicts, SpanTable] | None = None,
+        part: tuple[int, int] | None = None,
     ) -> int:
         """:meth:`add` of records :func:`~staleness_metrics.records.model.parse_or_error` read;
-        ``packed``: the parsed ones packed, ``checked``: its verdicts and spans (what-if)."""
+        ``packed``: the parsed ones packed, ``checked``: its verdicts and spans, ``part``: the
+        rollouts of ``packed`` that are these records (replay's windows; None: all of them)."""
         parsed: list[ParsedRollout] = []
         for item in items:
             if isinstance(item, UnparsedRollout):
@@ -155,13 +157,18 @@ class Sink:
                 parsed.append(item)
         if not parsed:
             return 0
-        return self._add_batch(packed if packed is not None else pack(parsed), checked)
+        return self._add_batch(packed if packed is not None else pack(parsed), checked, part)
 
     def _set_aside(self, error: TraceError, env: str | None) -> None:
         self._invalid.append(error)
         self._window.add(np.array([self.queue.env(env)]), "rollouts_invalid")
 
-    def _add_batch(self, batch: RolloutBatch, checked: tuple[Verdicts, SpanTable] | None = None) -> int:
+    def _add_batch(
+        self,
+        batch: RolloutBatch,
+        checked: tuple[Verdicts, SpanTable] | None = None,
+        part: tuple[int, int] | None = None,
+    ) -> int:
         if (
             checked is None
             and batch.n_positions <= STAGE_MAX_POSITIONS
@@ -174,8 +181,9 @@ class Sink:
         verdicts, spans = checked if checked is not None else checked_spans(batch, self.queue.seen_ids)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
-        kept_ids: list[int] | None = None  # (None: every rollout of the batch)
+        kept_ids: list[int] | None = None if part is None else list(range(*part))  # (None: the whole batch)
         if verdicts.errors:
+            assert part is None, "a window is cut at once only when every rollout passes"
             for index, error in sorted(verdicts.errors.items()):
                 env = batch.envs[index] if batch.envs is not None else None
                 self._set_aside(error, env if isinstance(env, str) and env else None)

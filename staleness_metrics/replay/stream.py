@@ -249,8 +249,9 @@ class Added:
 
     lines: tuple[int, ...]
     items: tuple[ParsedRollout | UnparsedRollout, ...]
-    packed: RolloutBatch | None = None  # the parsed items packed once by pack_once; runs add copies
-    checked: tuple[Verdicts, SpanTable] | None = None  # checked once, as each run's sink would
+    packed: RolloutBatch | None = None  # its window's parsed rollouts packed (:func:`cut_ahead`); runs add copies
+    checked: tuple[Verdicts, SpanTable] | None = None  # and checked and cut, as each run's sink would
+    part: tuple[int, int] | None = None  # its own rollouts of ``packed`` (None: all of them)
 
 
 Step = Added | Event  # what a sink does next: add some rollouts, or a sweep / ship event
@@ -277,24 +278,116 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
         yield Added(tuple(lines), tuple(items))
 
 
-def pack_once(steps: Iterable[Step]) -> list[Step]:
-    """The steps with each :class:`Added` packed and checked once, the same for several runs."""
-    out: list[Step] = []
-    accepted: set[str] = set()
+# a window of consecutive small adds (and the sweeps and ships between them) is packed and cut at once
+CUT_AHEAD_POSITIONS = 1 << 16
+_CUT_AHEAD_STEPS = 4096  # (and holds at most this many steps)
+
+
+def cut_ahead(
+    steps: Iterable[Step], sink: Sink | None = None, max_positions: int = CUT_AHEAD_POSITIONS
+) -> Iterator[Step]:
+    """The steps with each add packed, checked and cut once (``sink``: for its run only; None: for
+    several runs of fresh sinks, as what-if runs them). Consecutive small adds whose samples carry the
+    same arrays are packed and cut together with the steps between them, each add taking its part: a
+    stream that ships every few rollouts packs and cuts a few times per hundred ships. What a sink finds
+    depends only on the rollouts and the ids accepted before them; a window with a refused rollout is
+    packed add by add, each as its run reaches it."""
+    accepted: set[str] | None = set() if sink is None else None
+
+    def known() -> set[str]:
+        return accepted if accepted is not None else sink.queue.seen_ids  # type: ignore[union-attr]
+
+    for window in _windows(steps, max_positions):
+        cut = _cut_window(window, known()) if len(window) > 1 else None
+        for step in cut or window:
+            if isinstance(step, Added) and step.checked is None:
+                step = _packed(step, known())
+            if accepted is not None and isinstance(step, Added) and step.packed is not None:
+                lo, hi = step.part or (0, step.packed.n_rollouts)
+                errors = step.checked[0].errors if step.checked is not None else {}
+                accepted.update(step.packed.ids[i] for i in range(lo, hi) if i not in errors)
+            yield step
+
+
+def _signature(step: Added) -> tuple[bool, ...] | None:
+    """Which optional per-position arrays every sample of the add carries; None when some carry one
+    and some not, or a rollout was refused (such an add is packed alone, as it would be)."""
+    parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
+    if len(parsed) != len(step.items):
+        return None
+    samples = [sample for item in parsed for sample in item.samples]
+    found = []
+    for given in (
+        *([name in sample.weights for sample in samples] for name in WEIGHT_FIELDS),
+        [sample.logprobs is not None for sample in samples],
+        [sample.trainer_logprobs is not None for sample in samples],
+    ):
+        if not given or any(given) != all(given):
+            return None
+        found.append(given[0])
+    return tuple(found)
+
+
+def _windows(steps: Iterable[Step], max_positions: int) -> Iterator[list[Step]]:
+    """The steps in windows: consecutive adds of one signature, up to ``max_positions`` positions,
+    with the steps between them; any other step alone."""
+    window: list[Step] = []
+    positions, signature = 0, None
     for step in steps:
         if isinstance(step, Added):
-            parsed = [entry for entry in step.items if isinstance(entry, ParsedRollout)]
-            packed = pack(parsed) if parsed else None
-            checked = None
-            if packed is not None:
-                _read_only(packed, but=_MASKED_FIELDS)
-                verdicts, spans = checked_spans(packed, accepted)
-                _read_only(spans)
-                checked = verdicts, spans
-                accepted.update(packed.ids[i] for i in np.flatnonzero(~verdicts.invalid).tolist())
-            step = dataclasses.replace(step, packed=packed, checked=checked)
+            found = _signature(step)
+            size = sum(len(s.mask) for item in step.items if isinstance(item, ParsedRollout) for s in item.samples)
+            if window and (found is None or found != signature or positions + size > max_positions):
+                yield window
+                window, positions, signature = [], 0, None
+            if found is None or size >= max_positions:
+                yield [step]
+                continue
+            positions, signature = positions + size, found
+        elif not window:
+            yield [step]
+            continue
+        window.append(step)
+        if len(window) >= _CUT_AHEAD_STEPS:
+            yield window
+            window, positions, signature = [], 0, None
+    if window:
+        yield window
+
+
+def _cut_window(window: list[Step], known: set[str]) -> list[Step] | None:
+    """The window's adds given their parts of its rollouts packed, checked and cut at once; None when
+    it holds one add, or the check refuses a rollout."""
+    adds = [step for step in window if isinstance(step, Added)]
+    if len(adds) < 2:
+        return None
+    packed = pack([item for step in adds for item in step.items if isinstance(item, ParsedRollout)])
+    verdicts, spans = checked_spans(packed, known)
+    if verdicts.errors:
+        return None
+    _read_only(packed, but=_MASKED_FIELDS)
+    _read_only(spans)
+    out: list[Step] = []
+    start = 0
+    for step in window:
+        if isinstance(step, Added):
+            stop = start + len(step.items)
+            step = dataclasses.replace(step, packed=packed, checked=(verdicts, spans), part=(start, stop))
+            start = stop
         out.append(step)
     return out
+
+
+def _packed(step: Added, known: set[str]) -> Added:
+    """The add with its own parsed rollouts packed, checked and cut."""
+    parsed = [entry for entry in step.items if isinstance(entry, ParsedRollout)]
+    if not parsed:
+        return step
+    packed = pack(parsed)
+    _read_only(packed, but=_MASKED_FIELDS)
+    verdicts, spans = checked_spans(packed, known)
+    _read_only(spans)
+    return dataclasses.replace(step, packed=packed, checked=(verdicts, spans))
 
 
 def _read_only(shared: RolloutBatch | SpanTable, but: tuple[str, ...] = ()) -> None:
@@ -319,11 +412,15 @@ def _copy(batch: RolloutBatch) -> RolloutBatch:
 
 def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
     """Run prepared steps through ``sink``, yielding each ship; a rejection names its line."""
+    window: RolloutBatch | None = None
+    copied: RolloutBatch | None = None  # this run's copy of the window's batch
     for step in steps:
         if isinstance(step, Added):
+            if step.packed is not window:
+                window = step.packed
+                copied = None if window is None else _copy(window)
             try:
-                packed = None if step.packed is None else _copy(step.packed)
-                sink.add_parsed(step.items, packed, step.checked)
+                sink.add_parsed(step.items, copied, step.checked, step.part)
             except TraceError:
                 # Strict mode added nothing: add one by one to find the offending line.
                 for line, item in zip(step.lines, step.items):
@@ -341,14 +438,19 @@ def run_steps(steps: Iterable[Step], sink: Sink) -> Iterator[Shipment]:
             raise EventError(step.line, str(error)) from error
 
 
-def run_events(events: Iterable[Event], sink: Sink, batch_size: int = 512) -> Iterator[Shipment]:
-    """Run the events through ``sink``, one :class:`Shipment` per ship (as adding one by one)."""
-    return run_steps(prepare(events, batch_size), sink)
+def run_events(
+    events: Iterable[Event], sink: Sink, batch_size: int = 512, *, read_ahead: bool = False
+) -> Iterator[Shipment]:
+    """Run the events through ``sink``, one :class:`Shipment` per ship (as adding one by one).
+    ``read_ahead``: small adds are cut together across the ships between them (:func:`cut_ahead`),
+    so a ship's result comes once its window is read: for a recorded stream."""
+    steps = cut_ahead(prepare(events, batch_size), sink, CUT_AHEAD_POSITIONS if read_ahead else 0)
+    return run_steps(steps, sink)
 
 
 def replay(events: Iterable[Event], config: StalenessConfig) -> list[Shipment]:
     """Run a fresh sink with ``config`` over ``events``; one :class:`Shipment` per ship."""
-    return list(run_events(events, Sink(config)))
+    return list(run_events(events, Sink(config), read_ahead=True))
 
 
 # files that are not UTF-8 text, by their first bytes: gzip, bzip2 and xz read, others named

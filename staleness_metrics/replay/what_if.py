@@ -29,7 +29,7 @@ from ..metrics.report import Tally
 from ..parallel import POOL_THREAD_PREFIX
 from .run_dir import find_run
 from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
-from .stream import Added, Step, pack_once, prepare, read_event_path, run_steps
+from .stream import Added, Step, cut_ahead, prepare, read_event_path, run_steps
 
 UNBOUNDED = 1 << 30  # a bound no lag reaches: the replay drops nothing for staleness
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
@@ -235,15 +235,15 @@ def _steps_for(source: Source, strict: bool = True) -> tuple[Callable[[int], Ite
     if isinstance(source, (str, Path)):
         run = find_run(source)
         if run is not None:  # the events joined to the trainer's log-probabilities
-            steps = pack_once(prepare(as_replay_events(run.events_with_costs())))
+            steps = list(cut_ahead(prepare(as_replay_events(run.events_with_costs()))))
         elif is_event_file(source):  # read as the replay command reads it (compressed or not)
-            steps = pack_once(prepare(read_event_path(source, parse=True, read_ahead=True)))
+            steps = list(cut_ahead(prepare(read_event_path(source, parse=True, read_ahead=True))))
         elif detect_source(source) == "prime-rl":
             return (lambda bound: prepare(read_run(source, max_staleness=bound, strict=strict))), None
         else:
-            steps = pack_once(prepare(read_run(source, parse=True)))
+            steps = list(cut_ahead(prepare(read_run(source, parse=True))))
     else:
-        steps = pack_once(prepare(as_replay_events(source)))
+        steps = list(cut_ahead(prepare(as_replay_events(source))))
     return (lambda bound: steps), steps
 
 
@@ -345,7 +345,8 @@ def what_if_with_curve(
 
     packed = None
     if shared_steps is not None:
-        packed = [s.packed for s in shared_steps if isinstance(s, Added) and s.packed is not None]
+        windows = {id(s.packed): s.packed for s in shared_steps if isinstance(s, Added) and s.packed is not None}
+        packed = list(windows.values())
     # without trainer log-probabilities the run has no curve, at any bound
     costs = packed is None or any(p.trainer_logprobs is not None for p in packed)
     if processes is None:

@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             _atomic_output(args.metrics_out) as metrics_out,
             _atomic_output(args.batches_out) as batches_out,
         ):
-            for shipment in run_events(events, sink):
+            for shipment in run_events(events, sink, read_ahead=True):
                 ships += 1
                 if prime_rl:
                     reports.append(shipment.report)
