@@ -377,10 +377,12 @@ class RolloutQueue:
     def add_checked(self, batch: RolloutBatch, spans: SpanTable, kept_ids: list[int] | None = None) -> None:
         self.build_staged()  # (rows are built in the order rollouts entered)
         chunk, groups, envs = self.admit(batch, kept_ids)
-        keep = None if kept_ids is None else np.array(kept_ids, dtype=np.int64)
-        count = batch.n_rollouts if keep is None else len(keep)
-        index = np.arange(count) if keep is None else keep
-        self.append_rows(batch, spans, keep, (np.full(count, chunk), index, np.array(groups), np.array(envs)))
+        kept = np.arange(batch.n_rollouts) if kept_ids is None else np.array(kept_ids, dtype=np.int64)
+        # one append per run of consecutive rollouts kept (one run unless some were refused)
+        breaks = (np.flatnonzero(np.diff(kept) != 1) + 1).tolist()
+        for a, b in zip([0, *breaks], [*breaks, len(kept)]) if len(kept) else ():
+            rows = (np.full(b - a, chunk), kept[a:b], np.array(groups[a:b]), np.array(envs[a:b]))
+            self.append_rows(batch, spans, (int(kept[a]), int(kept[b - 1]) + 1), rows)
 
     def stage(self, batch: RolloutBatch) -> int | None:
         """Queue a plainly valid batch, its rows built later: how many rollouts, or None."""
@@ -421,58 +423,50 @@ class RolloutQueue:
             verdicts = Verdicts(batch)
             spans = build_spans(batch, verdicts)
             assert not verdicts.errors, "a plainly valid batch was refused"
-            self.append_rows(batch, spans, None, rows, base)
+            self.append_rows(batch, spans, (0, count), rows, base)
             first += count
 
     def append_rows(
         self,
         batch: RolloutBatch,
         spans: SpanTable,
-        keep: IntArray | None,
+        rollouts: tuple[int, int],
         rows: tuple[IntArray, IntArray, IntArray, IntArray],
         position_base: IntArray | None = None,
     ) -> None:
-        """Append the rows of rollouts ``keep`` of ``batch`` (None: all)."""
+        """Append the rows of the rollouts ``rollouts[0]..rollouts[1] - 1`` of ``batch``."""
         chunk, index, groups, envs = rows
-        offsets, span_offsets = batch.sample_offsets, spans.span_offsets
-        every: Any = slice(None)
-        if keep is None:  # (the batch's own arrays as they are: no selection to build)
-            n, sample_lo, sample_hi = batch.n_rollouts, offsets[:-1], offsets[1:]
-            samples = kept_spans = every
-            new_span_offsets, span_sample = span_offsets, spans.sample
-        else:
-            n, sample_lo, sample_hi = len(keep), offsets[keep], offsets[keep + 1]
-            samples = expand_ranges(sample_lo, sample_hi)
-            span_lo, span_hi = span_offsets[samples], span_offsets[samples + 1]
-            kept_spans = expand_ranges(span_lo, span_hi)
-            new_span_offsets = np.concatenate(([0], np.cumsum(span_hi - span_lo)))
-            span_sample = np.repeat(np.arange(len(samples)), span_hi - span_lo)
+        first, stop = rollouts
+        offsets = batch.sample_offsets[first : stop + 1]
+        s0, s1 = int(offsets[0]), int(offsets[-1])
+        span_offsets = spans.span_offsets[s0 : s1 + 1]
+        samples, kept_spans = slice(s0, s1), slice(int(span_offsets[0]), int(span_offsets[-1]))
         assert batch.frozen is not None and batch.label_kind is not None
-        counts = sample_hi - sample_lo
-        sample_rollout = np.repeat(np.arange(n), counts)
+        counts = np.diff(offsets)
+        sample_rollout = np.repeat(np.arange(stop - first), counts)
         sample_base, span_base, row_base = len(self.samples), len(self.spans), len(self.rollouts)
-        new_sample_offsets = sample_base + np.concatenate(([0], np.cumsum(counts)))
-        rollouts = every if keep is None else keep
-        frozen = batch.frozen[rollouts]
+        new_sample_offsets = sample_base + (offsets - s0)
+        new_span_offsets = span_base + (span_offsets - span_offsets[0])
+        frozen = batch.frozen[first:stop]
         self.rollouts.append(
             chunk=chunk, index=index, status=QUEUED, judged=NEVER, frozen=frozen,
-            dispatch=batch.dispatch_version[rollouts], completion=spans.completion[rollouts],
+            dispatch=batch.dispatch_version[first:stop], completion=spans.completion[first:stop],
             group=groups, env=envs,
             sample_lo=new_sample_offsets[:-1], sample_hi=new_sample_offsets[1:],
         )  # fmt: skip
         n_sampled = spans.n_sampled[samples]
-        sample_index = np.arange(len(sample_rollout)) if keep is None else samples
         self.samples.append(
-            rollout=row_base + sample_rollout, local=sample_index - sample_lo[sample_rollout],
-            span_lo=span_base + new_span_offsets[:-1], span_hi=span_base + new_span_offsets[1:], mask_below=NO_MASK,
+            rollout=row_base + sample_rollout, local=np.arange(s0, s1) - offsets[:-1][sample_rollout],
+            span_lo=new_span_offsets[:-1], span_hi=new_span_offsets[1:], mask_below=NO_MASK,
             dropped=False, had_train=spans.had_train[samples], unmaskable=spans.unmaskable[samples],
             n_sampled=n_sampled, n_unlabelled=spans.n_unlabelled[samples], max_label=spans.max_label[samples],
             max_sampled=spans.max_sampled_version[samples], seq_min=spans.seq_min_version[samples],
             label_kind=batch.label_kind[samples],
         )  # fmt: skip
+        span_sample = spans.sample[kept_spans] - s0
         lo, hi = spans.lo[kept_spans], spans.hi[kept_spans]
         if position_base is not None:
-            base = position_base[sample_rollout[span_sample]]
+            base = position_base[first:stop][sample_rollout[span_sample]]
             lo, hi = lo - base, hi - base
         self.spans.append(
             sample=sample_base + span_sample, lo=lo, hi=hi, version=spans.version[kept_spans],
