@@ -28,7 +28,7 @@ TableT = TypeVar("TableT", bound="Table")
 
 
 class Column(Generic[ScalarT]):
-    """A column of a :class:`Table`: ``table.name`` is a view of its live rows."""
+    """A column of a :class:`Table`: ``table.name`` is a view of its live rows (written in place)."""
 
     def __init__(self, dtype: type[ScalarT]) -> None:
         self.dtype = np.dtype(dtype)
@@ -44,10 +44,9 @@ class Column(Generic[ScalarT]):
     def __get__(self, table: Table | None, owner: type) -> Column[ScalarT] | npt.NDArray[ScalarT]:
         if table is None:
             return self
-        return table.column(self.name)
-
-    def __set__(self, table: Table, values: npt.ArrayLike) -> None:
-        table.column(self.name)[:] = values
+        # kept as a plain attribute, which a read finds first, until the next append
+        view = vars(table)[self.name] = table.arrays[self.name][: len(table)]
+        return view
 
 
 class Table:
@@ -61,17 +60,15 @@ class Table:
 
     def __init__(self) -> None:
         self._capacity = 16
-        self._columns: dict[str, npt.NDArray[Any]] = {name: np.zeros(16, dtype=d) for name, d in self.columns.items()}
+        self.arrays: dict[str, npt.NDArray[Any]] = {name: np.zeros(16, dtype=d) for name, d in self.columns.items()}
         self._size = 0
-        # the live rows of the columns read since the last append
-        self._views: dict[str, npt.NDArray[Any]] = {}
 
     def __len__(self) -> int:
         return self._size
 
     def append(self, **values: npt.ArrayLike) -> int:
         """Append equal-length arrays (or scalars) for every column; the first new row."""
-        columns = self._columns
+        columns = self.arrays
         n = next(len(v) for v in values.values() if isinstance(v, np.ndarray) and v.ndim)
         start = self._size
         needed = start + n
@@ -84,7 +81,9 @@ class Table:
         for name, column in columns.items():
             column[start:needed] = values[name]
         self._size = needed
-        self._views = {}
+        views = vars(self)
+        for name in columns:
+            views.pop(name, None)
         return start
 
     def take(self: TableT, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> TableT:
@@ -94,10 +93,8 @@ class Table:
         return taken
 
     def column(self, name: str) -> npt.NDArray[Any]:
-        """The live rows of a column by name (a view, made once per length)."""
-        view = self._views.get(name)
-        if view is None:
-            view = self._views[name] = self._columns[name][: self._size]
+        """The live rows of a column by name (a view)."""
+        view: npt.NDArray[Any] = getattr(self, name)
         return view
 
 

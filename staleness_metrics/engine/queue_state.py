@@ -167,9 +167,9 @@ def read_queue(
     raised = mask_below > NO_MASK
     if raised.any():  # masked again as the thresholds masked them
         mask_positions(queue, judgement_of(queue, np.arange(rollouts), 0), mask_below, raised)
-    queue.rollouts.judged = judged
-    queue.samples.mask_below = mask_below
-    queue.samples.dropped = dropped.astype(bool)
+    queue.rollouts.judged[:] = judged
+    queue.samples.mask_below[:] = mask_below
+    queue.samples.dropped[:] = dropped
     tokens_entered = integer(found["tokens_entered"], join(path, "tokens_entered"), 0)
     queue.restore(seen_ids=seen_ids, tokens_entered=tokens_entered, observe_added=observe_added)
     return queue
