@@ -286,57 +286,37 @@ _CUT_AHEAD_STEPS = 4096  # (and holds at most this many steps)
 def cut_ahead(
     steps: Iterable[Step], sink: Sink | None = None, max_positions: int = CUT_AHEAD_POSITIONS
 ) -> Iterator[Step]:
-    """The steps with each add packed, checked and cut once (``sink``: for its run only; None: for
-    several runs of fresh sinks, as what-if runs them). Consecutive small adds whose samples carry the
-    same arrays are packed and cut together with the steps between them, each add taking its part: a
-    stream that ships every few rollouts packs and cuts a few times per hundred ships. What a sink finds
-    depends only on the rollouts and the ids accepted before them; a window with a refused rollout is
-    packed add by add, each as its run reaches it."""
-    accepted: set[str] | None = set() if sink is None else None
-
-    def known() -> set[str]:
-        return accepted if accepted is not None else sink.queue.seen_ids  # type: ignore[union-attr]
-
+    """The steps with each add packed, checked and cut once (``sink``: for its run; None: for several
+    runs of fresh sinks, as what-if runs them). Consecutive small adds whose samples carry the same
+    arrays are cut together with the steps between them, each add taking its part: what a sink finds
+    depends only on the rollouts and the ids accepted before them. A window with a refused rollout is
+    cut add by add, each as its run reaches it."""
+    accepted: set[str] = set()
     for window in _windows(steps, max_positions):
-        cut = _cut_window(window, known()) if len(window) > 1 else None
-        for step in cut or window:
+        for step in _cut(window, accepted if sink is None else sink.queue.seen_ids) or window:
             if isinstance(step, Added) and step.checked is None:
-                step = _packed(step, known())
-            if accepted is not None and isinstance(step, Added) and step.packed is not None:
+                step = (_cut([step], accepted if sink is None else sink.queue.seen_ids) or [step])[0]
+            if sink is None and isinstance(step, Added) and step.packed is not None and step.checked is not None:
                 lo, hi = step.part or (0, step.packed.n_rollouts)
-                errors = step.checked[0].errors if step.checked is not None else {}
-                accepted.update(step.packed.ids[i] for i in range(lo, hi) if i not in errors)
+                accepted.update(step.packed.ids[i] for i in range(lo, hi) if i not in step.checked[0].errors)
             yield step
 
 
-def _signature(step: Added) -> tuple[bool, ...] | None:
-    """Which optional per-position arrays every sample of the add carries; None when some carry one
-    and some not, or a rollout was refused (such an add is packed alone, as it would be)."""
-    parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
-    if len(parsed) != len(step.items):
-        return None
-    samples = [sample for item in parsed for sample in item.samples]
-    found = []
-    for given in (
-        *([name in sample.weights for sample in samples] for name in WEIGHT_FIELDS),
-        [sample.logprobs is not None for sample in samples],
-        [sample.trainer_logprobs is not None for sample in samples],
-    ):
-        if not given or any(given) != all(given):
-            return None
-        found.append(given[0])
-    return tuple(found)
-
-
 def _windows(steps: Iterable[Step], max_positions: int) -> Iterator[list[Step]]:
-    """The steps in windows: consecutive adds of one signature, up to ``max_positions`` positions,
-    with the steps between them; any other step alone."""
+    """The steps in windows: consecutive adds whose samples all carry the same optional arrays, up to
+    ``max_positions`` positions, with the steps between them; any other step alone."""
     window: list[Step] = []
     positions, signature = 0, None
     for step in steps:
         if isinstance(step, Added):
-            found = _signature(step)
-            size = sum(len(s.mask) for item in step.items if isinstance(item, ParsedRollout) for s in item.samples)
+            parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
+            samples = [sample for item in parsed for sample in item.samples]
+            given = [[name in s.weights for s in samples] for name in WEIGHT_FIELDS]
+            given += [[s.logprobs is not None for s in samples], [s.trainer_logprobs is not None for s in samples]]
+            found = None  # (an add with a refused rollout, or arrays some samples carry and some not: alone)
+            if samples and len(parsed) == len(step.items) and all(min(f) == max(f) for f in given):
+                found = tuple(flags[0] for flags in given)
+            size = sum(len(s.mask) for s in samples)
             if window and (found is None or found != signature or positions + size > max_positions):
                 yield window
                 window, positions, signature = [], 0, None
@@ -355,15 +335,16 @@ def _windows(steps: Iterable[Step], max_positions: int) -> Iterator[list[Step]]:
         yield window
 
 
-def _cut_window(window: list[Step], known: set[str]) -> list[Step] | None:
-    """The window's adds given their parts of its rollouts packed, checked and cut at once; None when
-    it holds one add, or the check refuses a rollout."""
+def _cut(window: list[Step], known: set[str]) -> list[Step] | None:
+    """The window's steps, its adds given their parts of its rollouts packed, checked and cut at once;
+    None when it holds no rollout, or the check refuses one of several adds."""
     adds = [step for step in window if isinstance(step, Added)]
-    if len(adds) < 2:
+    parsed = [item for step in adds for item in step.items if isinstance(item, ParsedRollout)]
+    if not parsed:
         return None
-    packed = pack([item for step in adds for item in step.items if isinstance(item, ParsedRollout)])
+    packed = pack(parsed)
     verdicts, spans = checked_spans(packed, known)
-    if verdicts.errors:
+    if verdicts.errors and len(adds) > 1:
         return None
     _read_only(packed, but=_MASKED_FIELDS)
     _read_only(spans)
@@ -371,23 +352,11 @@ def _cut_window(window: list[Step], known: set[str]) -> list[Step] | None:
     start = 0
     for step in window:
         if isinstance(step, Added):
-            stop = start + len(step.items)
-            step = dataclasses.replace(step, packed=packed, checked=(verdicts, spans), part=(start, stop))
-            start = stop
+            part = None if len(adds) == 1 else (start, start + len(step.items))
+            step = dataclasses.replace(step, packed=packed, checked=(verdicts, spans), part=part)
+            start += len(step.items)
         out.append(step)
     return out
-
-
-def _packed(step: Added, known: set[str]) -> Added:
-    """The add with its own parsed rollouts packed, checked and cut."""
-    parsed = [entry for entry in step.items if isinstance(entry, ParsedRollout)]
-    if not parsed:
-        return step
-    packed = pack(parsed)
-    _read_only(packed, but=_MASKED_FIELDS)
-    verdicts, spans = checked_spans(packed, known)
-    _read_only(spans)
-    return dataclasses.replace(step, packed=packed, checked=(verdicts, spans))
 
 
 def _read_only(shared: RolloutBatch | SpanTable, but: tuple[str, ...] = ()) -> None:
