@@ -6,7 +6,7 @@ import numpy as np
 
 from ..metrics.compute import PopulationColumns, WindowCounts, population_summary
 from ..metrics.mismatch import mismatch_runs
-from ..records.validation import BatchRows, PositionCopies, plain_values
+from ..records.validation import BatchRows, plain_values
 from .cuts import CutFlags, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows, zero_spans
 from .policies.token import token_decision
@@ -44,9 +44,7 @@ def warm_up() -> None:
         weights = (arrays[1], arrays[2], arrays[3])
         rows = BatchRows(1, np.array([0, 1]), offsets, count, count, np.array([2], dtype=np.int8), 0b111)
         plain_values(rows, arrays[0], weights, None, tokens)
-        copies = PositionCopies((np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype), np.empty(3, dtype)),
-                                np.empty(3, np.int64))  # fmt: skip
-        plain_values(rows, arrays[0], weights, arrays[0], tokens, copies)
+        plain_values(rows, arrays[0], weights, arrays[0], tokens)
     # The dtypes a large body keeps as it came: compiled in a service's request, each would cost
     # it about 60 MB of compiler memory
     mask = np.ones(3, dtype=np.int8)

@@ -401,12 +401,7 @@ def _finite(values: npt.NDArray[Any]) -> bool:  # pragma: no cover - compiled
     return not bad
 
 
-def _copy_to(copy: npt.NDArray[Any], values: npt.NDArray[Any], start: int, n: int) -> None:  # pragma: no cover
-    if len(copy) and len(values) == n:
-        copy[start : start + n] = values
-
-
-@CompiledLoop(callees={"_finite": (_finite, {}), "_copy_to": (_copy_to, {})})
+@CompiledLoop(callees={"_finite": (_finite, {})})
 def _plain_values(
     n_rollouts: int,
     offsets: tuple[IntArray, IntArray, IntArray, IntArray],
@@ -414,9 +409,6 @@ def _plain_values(
     labels: int,
     values: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]],
     tokens: IntArray,
-    copies: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]],
-    token_copy: IntArray,
-    start: int,
 ) -> bool:  # pragma: no cover - compiled
     # (plain tuples, not named tuples: numba types them as fast as flat arguments)
     mask, rl, ce, ref_kl, logprobs = values
@@ -443,15 +435,7 @@ def _plain_values(
         bad |= (x != 0) & (x != 1)  # NaN too
     for t in tokens:
         bad |= t < -1
-    if bad or not (_finite(rl) and _finite(ce) and _finite(ref_kl) and _finite(logprobs)):
-        return False
-    mask_copy, rl_copy, ce_copy, ref_kl_copy = copies
-    _copy_to(mask_copy, mask, start, n)
-    _copy_to(rl_copy, rl, start, n)
-    _copy_to(ce_copy, ce, start, n)
-    _copy_to(ref_kl_copy, ref_kl, start, n)
-    _copy_to(token_copy, tokens, start, n)
-    return True
+    return not bad and _finite(rl) and _finite(ce) and _finite(ref_kl) and _finite(logprobs)
 
 
 _NO_TOKENS = np.zeros(0, dtype=np.int64)
@@ -472,15 +456,6 @@ class BatchRows(NamedTuple):
     labels: int
 
 
-class PositionCopies(NamedTuple):
-    """Where :func:`plain_values` copies the positions (an empty array: not copied)."""
-
-    mask_and_weights: tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]
-    token_versions: IntArray
-
-
-_NO_COPIES = {d: PositionCopies((empty,) * 4, _NO_TOKENS) for d, empty in _PLAIN_PADDING.items()}
-
 Weights = tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | None, npt.NDArray[Any] | None]
 
 
@@ -490,10 +465,8 @@ def plain_values(
     weights: Weights,
     logprobs: npt.NDArray[Any] | None,
     tokens: IntArray | None,
-    into: PositionCopies | None = None,
-    start: int = 0,
 ) -> bool:
-    """Whether the values pass the exact checks (False: not sure), copied to ``into`` at start."""
+    """Whether the values pass the exact checks (False: not sure)."""
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
     n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows
@@ -505,10 +478,9 @@ def plain_values(
     for values in (rl, ce, ref_kl, logprobs):
         if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
             return False
-    copies, token_copy = _NO_COPIES[dtype] if into is None else into
     loop = _plain_values.loaded()  # (the compiled loop itself once it is loaded)
     result: bool = loop(
         n_rollouts, (sample_offsets, position_offsets, dispatch, completion), label_kind, labels,
-        (mask, rl, ce, ref_kl, logprobs), _NO_TOKENS if tokens is None else tokens, copies, token_copy, start,
+        (mask, rl, ce, ref_kl, logprobs), _NO_TOKENS if tokens is None else tokens,
     )  # fmt: skip
     return result

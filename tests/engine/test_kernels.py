@@ -25,7 +25,6 @@ from staleness_metrics.engine.segments import expand_ranges, segment_max, segmen
 from staleness_metrics.engine.spans import SampleSpans, SpanRanges
 from staleness_metrics.engine.warm_up import warm_up
 from staleness_metrics.records import validation as plain
-from staleness_metrics.records.validation import PositionCopies
 from tests.support.cuts import segment_min, token_spans
 
 IntArray = npt.NDArray[np.int64]
@@ -68,10 +67,10 @@ def stale_rows(
 def plain_values(
     n_rollouts: int, sample_offsets: IntArray, position_offsets: IntArray, dispatch: IntArray, completion: IntArray,
     label_kind: npt.NDArray[np.int8], labels: int, mask: npt.NDArray[Any], weights: plain.Weights,
-    logprobs: npt.NDArray[Any] | None, tokens: IntArray | None, into: PositionCopies | None = None, start: int = 0,
+    logprobs: npt.NDArray[Any] | None, tokens: IntArray | None,
 ) -> bool:  # fmt: skip
     rows = plain.BatchRows(n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels)
-    return plain.plain_values(rows, mask, weights, logprobs, tokens, into, start)
+    return plain.plain_values(rows, mask, weights, logprobs, tokens)
 
 
 def token_cuts(
@@ -453,15 +452,13 @@ def one_sample(n: int, tokens: bool) -> Rows:
     weights=st.lists(st.sampled_from([0.0, 2.5, -1.0, float("inf"), float("-inf"), float("nan")]), max_size=40),
     tokens=st.lists(st.integers(-3, 4), max_size=40),
     given_arrays=st.tuples(*[st.booleans()] * 5),  # rl, ce, ref-KL, logprobs, token versions
-    copied_at=st.none() | st.integers(0, 5),
 )
-def test_plain_values_equals_the_numpy_checks_and_copies_only_plain_positions(
+def test_plain_values_equals_the_numpy_checks(
     dtype: Any,
     mask: list[float],
     weights: list[float],
     tokens: list[int],
     given_arrays: tuple[bool, ...],
-    copied_at: int | None,
 ) -> None:
     warm_up()
     mask_array = np.asarray(mask, dtype=dtype)
@@ -476,21 +473,7 @@ def test_plain_values_equals_the_numpy_checks_and_copies_only_plain_positions(
         and (token_array is None or bool((token_array >= -1).all()))
     )
     rows = one_sample(n, given_arrays[4])
-    if copied_at is None:
-        assert plain_values(*rows, mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array) is expected
-        return
-    # Copies go to element ``copied_at`` on of arrays longer than the batch, only when every value is plain.
-    size = copied_at + n + 3
-    destinations = (*(np.full(size, 7, dtype=dtype) for _ in range(4)),)
-    token_destination = np.full(size, 7, dtype=np.int64)
-    into = PositionCopies(destinations, token_destination)
-    weights = (floats[0], floats[1], floats[2])
-    assert plain_values(*rows, mask_array, weights, floats[3], token_array, into, copied_at) is expected
-    for source, destination in zip([mask_array, *floats[:3], token_array], [*destinations, token_destination]):
-        untouched = np.full(size, 7, dtype=destination.dtype)
-        if expected and source is not None:
-            untouched[copied_at : copied_at + n] = source
-        np.testing.assert_array_equal(destination, untouched)
+    assert plain_values(*rows, mask_array, (floats[0], floats[1], floats[2]), floats[3], token_array) is expected
 
 
 def test_plain_values_is_not_sure_of_other_types() -> None:
