@@ -130,11 +130,7 @@ def _grown(values: IntArray, used: int, capacity: int) -> IntArray:  # pragma: n
 
 
 def _token_sample(
-    tok: npt.NDArray[Any],
-    m: npt.NDArray[Any],
-    a: int,
-    k: int,
-    out: tuple[IntArray, IntArray, IntArray],
+    tok: npt.NDArray[Any], m: npt.NDArray[Any], a: int, k: int, out: tuple[IntArray, IntArray, IntArray]
 ) -> tuple[int, int]:  # pragma: no cover - compiled
     """Cut one sample labelled per position into ``out`` from cut ``k``; next cut, labels < -1."""
     starts, labels, labelled = out

@@ -405,12 +405,7 @@ class RolloutQueue:
             if len(run) == 1:  # (one batch: its own arrays, nothing to join or shift)
                 only = run[0]
                 batch, count = only.batch, only.batch.n_rollouts
-                rows = (
-                    np.full(count, only.chunk),
-                    np.arange(count),
-                    np.array(only.groups),
-                    np.array(only.envs),
-                )
+                rows = (np.full(count, only.chunk), np.arange(count), np.array(only.groups), np.array(only.envs))
                 base: IntArray | None = None
             else:
                 count = sum(item.batch.n_rollouts for item in run)

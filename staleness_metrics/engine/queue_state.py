@@ -132,10 +132,7 @@ def integers(value: Any, path: str, length: int | None, low: int, high: int) -> 
 
 
 def read_queue(
-    state: Mapping[str, Any],
-    observe_added: Callable[[IntArray], None],
-    path: str = "",
-    step: int = 0,
+    state: Mapping[str, Any], observe_added: Callable[[IntArray], None], path: str = "", step: int = 0
 ) -> RolloutQueue:
     """A new queue holding :func:`save_queue`'s ``state``, checked (not told to the policy)."""
     found = keys(state, path, QUEUE_KEYS)
@@ -176,10 +173,7 @@ def read_queue(
 
 
 def read_layout(
-    state: Mapping[str, Any],
-    observe_added: Callable[[IntArray], None],
-    path: str = "",
-    step: int = 0,
+    state: Mapping[str, Any], observe_added: Callable[[IntArray], None], path: str = "", step: int = 0
 ) -> RolloutQueue:
     """:func:`read_queue` of a format 1 or 2 ``state``: its tables checked, saved and read anew."""
     queue = RolloutQueue(observe_added)
@@ -208,10 +202,7 @@ def read_layout(
 
 
 def _rows_agree(
-    tables: tuple[RolloutRows, SampleRows, SpanRows],
-    chunks: list[RolloutBatch],
-    ids: list[str],
-    path: str,
+    tables: tuple[RolloutRows, SampleRows, SpanRows], chunks: list[RolloutBatch], ids: list[str], path: str
 ) -> None:
     """The tables agree with their chunks as far as saving them reads."""
     r, s, n = tables

@@ -122,10 +122,7 @@ class Sink:
         """Errors of the rollouts set aside in lenient mode, oldest first."""
         return tuple(self._invalid)
 
-    def add(
-        self,
-        rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Mapping[str, Any] | Rollout],
-    ) -> int:
+    def add(self, rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Mapping[str, Any] | Rollout]) -> int:
         """Queue finished rollouts: records (dicts or :class:`Rollout`), an iterable of them, or a
         :class:`RolloutBatch` (whose arrays the sink then owns and masks in place). Strict mode
         raises :class:`TraceError` for the first invalid rollout and adds nothing; lenient mode
@@ -215,13 +212,7 @@ class Sink:
         return bound
 
     def observe_env_mismatch(
-        self,
-        step: int,
-        env: str,
-        total: MismatchSums,
-        *,
-        merge: bool = False,
-        bound: int | None = None,
+        self, step: int, env: str, total: MismatchSums, *, merge: bool = False, bound: int | None = None
     ) -> ShipBound | None:
         """The same for one env's sums: its own floor, window and advice (the bound adapts on the
         batch only)."""

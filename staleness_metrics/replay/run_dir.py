@@ -64,10 +64,7 @@ class RunDirectory:
                         else sample
                         for sample, values in zip(samples, found, strict=False)
                     ]  # fmt: skip
-                    event = {
-                        **event,
-                        "rollout": {**rollout, "samples": [*joined, *samples[len(joined) :]]},
-                    }
+                    event = {**event, "rollout": {**rollout, "samples": [*joined, *samples[len(joined) :]]}}
             yield event
 
     def _trainer_logprobs(self) -> dict[str, list[Any]]:

@@ -162,10 +162,7 @@ _PENDING_EVENTS = 4 * _PARSE_LINES  # events held by read_ahead at most (but for
 
 
 def read_events(
-    source: IO[str] | IO[bytes] | Iterable[str | bytes],
-    *,
-    parse: bool = False,
-    read_ahead: bool = False,
+    source: IO[str] | IO[bytes] | Iterable[str | bytes], *, parse: bool = False, read_ahead: bool = False
 ) -> Iterator[Event]:
     """Decode JSON lines (blank lines skipped) into events, checking steps never decrease.
 

@@ -91,11 +91,7 @@ class WhatIfRow:
 
     @classmethod
     def from_tally(
-        cls,
-        bound: int,
-        tally: Tally,
-        cost: MismatchSums | None = None,
-        floor_min_tokens: int = 1000,
+        cls, bound: int, tally: Tally, cost: MismatchSums | None = None, floor_min_tokens: int = 1000
     ) -> WhatIfRow:
         # The excess of what trained, over SPEC 14's floor of the same pooled tokens (lag 0, else
         # the smallest lag with floor_min_tokens tokens).
@@ -323,11 +319,7 @@ def what_if(source: Source, bounds: Iterable[int], config: StalenessConfig | Non
 
 
 def what_if_with_curve(
-    source: Source,
-    bounds: Iterable[int],
-    config: StalenessConfig | None = None,
-    *,
-    processes: int | None = None,
+    source: Source, bounds: Iterable[int], config: StalenessConfig | None = None, *, processes: int | None = None
 ) -> WhatIf:
     """The rows of :func:`what_if` and the run's curve, each row judged by it. The input is read and
     packed once, each row equals a separate replay; ``processes=2`` replays half the bounds in a

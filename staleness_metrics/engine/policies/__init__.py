@@ -39,9 +39,5 @@ def policy_for(config: StalenessConfig) -> Policy:
     if config.policy == "xtuner":
         bounds = config.max_staleness, config.max_token_staleness
         return XtunerPolicy(*bounds, config.sync_interval, config.retry_expired)
-    simple: dict[str, type[Policy]] = {
-        "token": TokenPolicy,
-        "episode": EpisodePolicy,
-        "group": GroupPolicy,
-    }
+    simple: dict[str, type[Policy]] = {"token": TokenPolicy, "episode": EpisodePolicy, "group": GroupPolicy}
     return simple[config.policy](config.max_staleness)

@@ -145,12 +145,7 @@ def as_replay_events(events: Iterable[EventDict]) -> Iterator[Event]:
 
 
 def read_run(
-    path: str | Path,
-    *,
-    max_staleness: int = 8,
-    step: int | None = None,
-    parse: bool = False,
-    strict: bool = True,
+    path: str | Path, *, max_staleness: int = 8, step: int | None = None, parse: bool = False, strict: bool = True
 ) -> Iterator[Event]:
     """:func:`detect_and_read` as checked replay events (an event stream read as bytes, as
     ``replay`` reads it; ``parse`` as in :func:`~staleness_metrics.replay.stream.read_events`)."""

@@ -57,9 +57,7 @@ class XtunerRead:
         return iter(self.events)
 
 
-def _states(
-    source: str | Path | Iterable[Mapping[str, Any]],
-) -> Iterator[tuple[str, Mapping[str, Any]]]:
+def _states(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[tuple[str, Mapping[str, Any]]]:
     if isinstance(source, (str, Path)):
         for number, value in iter_json_lines(source):
             members = value if isinstance(value, list) else [value]

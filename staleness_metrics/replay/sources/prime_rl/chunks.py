@@ -245,12 +245,7 @@ class IndexCheck:
                     continue
                 chunk, offset = (row.get("chunk"), row.get("offset")) if isinstance(row, dict) else (None, None)
                 if not isinstance(offset, int) or not _is_int(offset) or not (chunk is None or _is_int(chunk)):
-                    self._damage.report(
-                        "index_nowhere",
-                        path,
-                        number,
-                        "an index row without a chunk and offset",
-                    )
+                    self._damage.report("index_nowhere", path, number, "an index row without a chunk and offset")
                     continue
                 name = row.get("id")
                 position: Position = (-1 if chunk is None else chunk, offset)
@@ -261,10 +256,7 @@ class IndexCheck:
         number, (chunk, offset), name = self._next
         where = f"offset {offset}" if chunk < 0 else f"chunk {chunk:05d}, offset {offset}"
         self._damage.report(
-            "index_nowhere",
-            self._path,
-            number,
-            f"the row of episode {name!r} points at {where}: {reason}",
+            "index_nowhere", self._path, number, f"the row of episode {name!r} points at {where}: {reason}"
         )
         self._next = next(self._rows, None)
 

@@ -118,12 +118,7 @@ def _number(value: object) -> float | None:
 
 
 def _staleness_row(
-    step: int,
-    logged_key: str,
-    value: float,
-    ours: Mapping[str, Any],
-    rule: StepRule | None,
-    counts: tuple[int, int],
+    step: int, logged_key: str, value: float, ours: Mapping[str, Any], rule: StepRule | None, counts: tuple[int, int]
 ) -> ComparisonRow | None:
     mapping = LEGACY_KEYS.get(logged_key)
     key = mapping.new if mapping is not None else logged_key if logged_key in _CURRENT else None

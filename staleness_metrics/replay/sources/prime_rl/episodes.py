@@ -96,10 +96,7 @@ def episode_head(doc: object) -> EpisodeHead:
     )
 
 
-_POLICY_FIELDS = {
-    "dispatch_version": "run.work.policy.start",
-    "completion_version": "run.work.policy.end",
-}
+_POLICY_FIELDS = {"dispatch_version": "run.work.policy.start", "completion_version": "run.work.policy.end"}
 
 
 def _head(episode: EpisodeHead, trace: TraceHead) -> ParsedRollout:
@@ -201,11 +198,7 @@ def _node(rid: str, index: int, doc: object, count: int) -> _Node:
         raise TraceError(rid, where, "expected an object")
     parent = lazy.get(doc, "parent")
     if parent is not None and (_int(parent) is None or not 0 <= parent < count or parent == index):
-        raise TraceError(
-            rid,
-            f"{where}.parent",
-            f"expected the index of another node, got {lazy.to_python(parent)!r}",
-        )
+        raise TraceError(rid, f"{where}.parent", f"expected the index of another node, got {lazy.to_python(parent)!r}")
     tokens, mask_doc = lazy.get(doc, "token_ids"), lazy.get(doc, "mask")
     size = lazy.length(tokens) if lazy.is_array(tokens) else 0
     try:

@@ -406,11 +406,7 @@ class PrimeRlRead:
         return Event(number, "rollout", parsed=rollout)
 
     def _rule(
-        self,
-        step: int,
-        episode: EpisodeHead,
-        trace: TraceHead,
-        rollout: ParsedRollout | UnparsedRollout,
+        self, step: int, episode: EpisodeHead, trace: TraceHead, rollout: ParsedRollout | UnparsedRollout
     ) -> None:
         """prime-rl's figures of a shipped trace (its episode counted at its first trace)."""
         rule = self.notes.steps.setdefault(step, StepRule())
