@@ -59,7 +59,7 @@ class ShippedRollout:
 
 def _sample_record(batch: RolloutBatch, sample: int, arrays: bool = False) -> dict[str, Any]:
     lo, hi = batch.position_offsets[sample : sample + 2].tolist()
-    mask = batch.mask[lo:hi].astype(np.int64)
+    mask = batch.mask[lo:hi].astype(np.int8)  # (0 or 1)
     out: dict[str, Any] = {"mask": mask if arrays else mask.tolist()}
     assert batch.label_kind is not None
     kind = batch.label_kind[sample]
@@ -192,15 +192,15 @@ class ShippedSpans:
 
     def __init__(self, queue: RolloutQueue, shipped: Judgement) -> None:
         s, n = queue.samples, queue.spans
-        self._chunks = queue.rollouts.chunk[shipped.rows]
-        self._used = distinct(self._chunks)
-        self.batches = list(queue.batches_of(self._used).values())
+        self.chunks = queue.rollouts.chunk[shipped.rows]  # per shipped rollout
+        self.used = distinct(self.chunks)
+        self.batches = list(queue.batches_of(self.used).values())  # of the chunks ``used``
         self._shipped, self._table = shipped, (s.span_lo, s.span_hi, n.part, n.lo, n.hi)
 
     @cached_property
     def rows(self) -> ShippedRows:
         span_lo, span_hi, part, lo, hi = self._table
-        shipped, chunks, used = self._shipped, self._chunks, self._used
+        shipped, chunks, used = self._shipped, self.chunks, self.used
         sample_rows = shipped.sample_rows
         chunk_index = np.zeros(len(chunks), dtype=np.int64) if len(used) == 1 else np.searchsorted(used, chunks)
         return shipped_rows(

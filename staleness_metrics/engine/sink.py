@@ -288,7 +288,7 @@ class Sink:
             dropped_samples=tuple(self._window.dropped_samples),
             held=tuple(self._window.held),
             invalid=tuple(self._invalid),
-            _build_rollouts=self._shipped_rollouts(shipped_slice),
+            _build_rollouts=self._shipped_rollouts(shipped_slice, spans),
             _spans=spans,
         )
         self.totals = self.totals + report.tally
@@ -299,17 +299,15 @@ class Sink:
             self.queue.compact()
         return shipment
 
-    def _shipped_rollouts(self, shipped: Judgement) -> Callable[[], tuple[ShippedRollout, ...]]:
+    def _shipped_rollouts(self, shipped: Judgement, spans: ShippedSpans) -> Callable[[], tuple[ShippedRollout, ...]]:
         """Capture what the shipped rollouts are now; build the objects when asked."""
         rows = shipped.rows
         kept = ~shipped.dropped
         owner = shipped.sample_rollout[kept]
         local = self.queue.samples.local[shipped.sample_rows[kept]]
         ids = list(map(self.queue.ids.__getitem__, rows.tolist()))
-        r = self.queue.rollouts
-        chunk = r.chunk[rows]
-        batches = self.queue.batches_of(distinct(chunk))
-        index = r.index[rows]
+        chunk, batches = spans.chunks, dict(zip(spans.used, spans.batches))
+        index = self.queue.rollouts.index[rows]
 
         def build() -> tuple[ShippedRollout, ...]:
             bounds = np.searchsorted(owner, np.arange(len(ids) + 1))

@@ -115,13 +115,12 @@ def _atomic_output(path: Path | None) -> Iterator[IO[bytes] | None]:
 def batches_line_bytes(shipment: Shipment) -> bytes:
     """The ``--batches-out`` line of a ship, its 0/1 weights written by table look-up."""
     line = shipment.batches_line(arrays=True)
-    samples = [sample for rollout in line["shipped"] for sample in rollout["samples"]]
-    for name in WEIGHT_FIELDS:
-        holders = [sample for sample in samples if name in sample]
-        texts = jsonio.zero_one_floats([sample[name] for sample in holders]) if holders else None
-        if texts is not None:
-            for sample, text in zip(holders, texts):
-                sample[name] = text
+    held = [
+        (sample, name) for r in line["shipped"] for sample in r["samples"] for name in WEIGHT_FIELDS if name in sample
+    ]
+    texts = jsonio.zero_one_floats([sample[name] for sample, name in held])
+    for (sample, name), text in zip(held, texts or ()):
+        sample[name] = text
     return jsonio.dumps_line(line)
 
 
