@@ -105,12 +105,13 @@ def mask_positions(queue: RolloutQueue, judgement: Judgement, mask_below: IntArr
     thresholds = (judgement.mask_below, mask_below, raised)
     chunk = queue.rollouts.chunk[judgement.rows]
     found = stale_rows(samples, table, judgement.version, judgement.sampled, thresholds, chunk)
-    for c in np.unique(found.chunk).tolist():  # in the mask and the weight arrays of each batch
-        rows = np.flatnonzero(found.chunk == c)
-        batch = queue.chunks[c]
+    # in the mask and the weight arrays of each batch, a run of rows of one chunk at a time
+    cuts = [0, *(np.flatnonzero(found.chunk[1:] != found.chunk[:-1]) + 1).tolist(), len(found.chunk)]
+    for a, b in itertools.pairwise(cuts) if len(found.chunk) else ():
+        batch = queue.chunks[int(found.chunk[a])]
         assert batch is not None
         weights = [getattr(batch, f) for f in WEIGHT_FIELDS if getattr(batch, f) is not None]
-        spans_of = found.lo[rows], found.hi[rows], found.part[rows], found.positions[rows]
+        spans_of = found.lo[a:b], found.hi[a:b], found.part[a:b], found.positions[a:b]
         zero_spans([batch.mask, *weights], batch.token_versions, *spans_of)
 
 

@@ -374,12 +374,13 @@ class RolloutQueue:
     def add_checked(self, batch: RolloutBatch, spans: SpanTable, kept_ids: list[int] | None = None) -> None:
         self.build_staged()  # (rows are built in the order rollouts entered)
         chunk, groups, envs = self.admit(batch, kept_ids)
-        kept = np.arange(batch.n_rollouts) if kept_ids is None else np.array(kept_ids, dtype=np.int64)
+        kept = range(batch.n_rollouts) if kept_ids is None else kept_ids
         # one append per run of consecutive rollouts kept (one run unless some were refused)
-        breaks = (np.flatnonzero(np.diff(kept) != 1) + 1).tolist()
-        for a, b in zip([0, *breaks], [*breaks, len(kept)]) if len(kept) else ():
-            rows = (np.full(b - a, chunk), kept[a:b], np.array(groups[a:b]), np.array(envs[a:b]))
-            self.append_rows(batch, spans, (int(kept[a]), int(kept[b - 1]) + 1), rows)
+        starts = [j for j in range(len(kept)) if j == 0 or kept[j - 1] != kept[j] - 1]
+        for a, b in zip(starts, [*starts[1:], len(kept)]):
+            first, stop = kept[a], kept[b - 1] + 1
+            rows = (np.full(b - a, chunk), np.arange(first, stop), np.array(groups[a:b]), np.array(envs[a:b]))
+            self.append_rows(batch, spans, (first, stop), rows)
 
     def stage(self, batch: RolloutBatch) -> int | None:
         """Queue a plainly valid batch, its rows built later: how many rollouts, or None."""
