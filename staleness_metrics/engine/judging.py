@@ -82,9 +82,7 @@ def apply_decision(queue: RolloutQueue, window: WindowCounts, judgement: Judgeme
         local = np.flatnonzero(drop_sample)
         samples.dropped[sample_rows[local]] = True
         env = judgement.env[judgement.sample_rollout[local]]
-        window.add(env, "samples_dropped")
-        window.add(env, "tokens_dropped", judgement.n_sampled[local])
-        window.add_dropped_lengths(env, judgement.n_sampled[local])
+        window.add_dropped_samples(env, judgement.n_sampled[local])
         ids = queue.ids
         window.dropped_samples.extend(
             (ids[rows[judgement.sample_rollout[i]]], int(samples.local[sample_rows[i]])) for i in local

@@ -327,10 +327,14 @@ class WindowCounts:
                 bucket = self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))
                 bucket[name] += total
 
-    def add_dropped_lengths(self, env: IntArray, lengths: IntArray) -> None:
-        """Dropped samples' sampled positions, by the samples' length bucket (SPEC 12)."""
-        per_env = _env_sums(env, lengths, _LENGTH_BOUNDS)
+    def add_dropped_samples(self, env: IntArray, sampled: IntArray) -> None:
+        """Dropped samples of live rollouts: counted, their sampled positions summed, and those by the
+        samples' length bucket (SPEC 12), in one pass."""
+        per_env = _env_sums(env, sampled, _LENGTH_BOUNDS)
         for index in np.flatnonzero(per_env[:, 0]).tolist():
+            bucket = self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))
+            bucket["samples_dropped"] += int(per_env[index, 0])
+            bucket["tokens_dropped"] += int(per_env[index, 1])
             self.dropped_lengths[index] = self.dropped_lengths.get(index, 0) + per_env[index, 2:]
 
     def totals(self, env: int | None) -> dict[str, int]:
