@@ -44,9 +44,7 @@ class Column(Generic[ScalarT]):
     def __get__(self, table: Table | None, owner: type) -> Column[ScalarT] | npt.NDArray[ScalarT]:
         if table is None:
             return self
-        # kept as a plain attribute, which a read finds first, until the next append
-        view = vars(table)[self.name] = table.arrays[self.name][: len(table)]
-        return view
+        return table.arrays[self.name][: len(table)]  # (the table keeps its views as plain attributes)
 
 
 class Table:
@@ -62,6 +60,7 @@ class Table:
         self._capacity = 16
         self.arrays: dict[str, npt.NDArray[Any]] = {name: np.zeros(16, dtype=d) for name, d in self.columns.items()}
         self._size = 0
+        self._set_views()
 
     def __len__(self) -> int:
         return self._size
@@ -81,10 +80,12 @@ class Table:
         for name, column in columns.items():
             column[start:needed] = values[name]
         self._size = needed
-        views = vars(self)
-        for name in columns:
-            views.pop(name, None)
+        self._set_views()
         return start
+
+    def _set_views(self) -> None:
+        # each column's live rows as a plain attribute, which a read finds before the Column
+        vars(self).update({name: column[: self._size] for name, column in self.arrays.items()})
 
     def take(self: TableT, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> TableT:
         """A new table of the given rows; ``replace`` gives new values for columns."""
