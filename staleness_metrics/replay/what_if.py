@@ -201,20 +201,24 @@ def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> 
 Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 
 
-def _tally_cost_and_sums(shipments: Iterable[Shipment], band: tuple[float, float]) -> Replayed:
-    """:func:`tally_and_cost` and the ships' own SPEC 11 sums (every shipped position) pooled."""
+def _tally_cost_and_sums(
+    shipments: Iterable[Shipment], band: tuple[float, float], sink: Sink | None = None
+) -> Replayed:
+    """:func:`tally_and_cost` and the ships' own SPEC 11 sums (every shipped position) pooled;
+    ``sink``: the fresh sink that shipped them, whose totals are the tally."""
     tally = Tally()
     cost: MismatchSums | None = None
     pooled: MismatchSums | None = None
     for shipment in shipments:
-        tally = tally + shipment.report.tally
+        if sink is None:
+            tally = tally + shipment.report.tally
         ship_cost = trained_cost(shipment, band)
         if ship_cost is not None:
             cost = ship_cost if cost is None else cost + ship_cost
         sums = shipment.report.mismatch
         if sums is not None:
             pooled = sums if pooled is None else pooled + sums
-    return tally, cost, pooled
+    return (tally if sink is None else sink.totals), cost, pooled
 
 
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
@@ -333,7 +337,7 @@ def what_if_with_curve(
     def replay_at(bound: int) -> Replayed:
         # no adaptation (it would judge another bound); only the totals are read
         sink = Sink(dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False)
-        return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band)
+        return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band, sink)
 
     packed = None
     if shared_steps is not None:
