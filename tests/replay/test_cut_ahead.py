@@ -176,3 +176,40 @@ def test_a_window_is_read_ahead_only_when_asked() -> None:
     assert read[-1] == len(raw)  # the whole stream is one window: read before its first ship
     every = [(dict(s.metrics), s.batches_line(), s.lags.tolist()) for s in [first, *shipments]]
     assert every == [ship[:3] for ship in outcome(raw, config, 512)[:-1]] and len(every) == 20
+
+
+def test_a_checkpoint_after_any_ship_of_a_read_ahead_replay_continues_the_same() -> None:
+    """A user may checkpoint the sink between the ships ``run_events(read_ahead=True)`` hands on: restored into a
+    fresh sink and fed the rest of the events, it ships what the uninterrupted replay ships."""
+    import json
+
+    def ships(sink: Sink, part: list[Event], read_ahead: bool) -> list[Any]:
+        seen: list[Any] = []
+        try:
+            for shipment in run_events(part, sink, read_ahead=read_ahead):
+                seen.append((dict(shipment.metrics), shipment.batches_line(), shipment.lags.tolist()))
+        except EventError as error:
+            seen.append(str(error))
+        return seen
+
+    streams = 0
+    for seed in range(40):
+        chooser = SeededChooser(seed)
+        replay_config = random_config(chooser, POLICIES[seed % len(POLICIES)], lenient=bool(seed % 2))
+        raw = uniform(generate_events(chooser, replay_config, defects=seed % 3), ("rl_weights", "logprobs"))
+        if windows_cut(raw, 512) == 0:
+            continue  # (a stream without two adds of one window: nothing read ahead)
+        streams += 1
+        config = config_of(replay_config)
+        events = [parse_event(n, event) for n, event in enumerate(raw, 1)]
+        straight = ships(Sink(config), events, read_ahead=False)
+        for at in [i for i, event in enumerate(events) if event.kind == "ship"]:
+            sink = Sink(config)
+            before = ships(sink, events[: at + 1], read_ahead=True)
+            if before and isinstance(before[-1], str):  # (the replay stopped at an error there)
+                assert before == straight[: len(before)]
+                break
+            restored = Sink(config)
+            restored.load_state_dict(json.loads(json.dumps(sink.state_dict())))
+            assert before + ships(restored, events[at + 1 :], read_ahead=False) == straight
+    assert streams >= 10
