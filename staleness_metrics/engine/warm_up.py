@@ -6,6 +6,7 @@ import numpy as np
 
 from ..metrics.compute import PopulationColumns, WindowCounts, population_summary
 from ..metrics.mismatch import mismatch_runs
+from ..records.jsonio import zero_one_floats
 from ..records.validation import BatchRows, plain_values
 from .cuts import CutFlags, SampleLabels, sample_cuts, span_rows
 from .judging import slice_rows, stale_rows, zero_spans
@@ -30,6 +31,7 @@ def warm_up() -> None:
                                 count, yes)  # fmt: skip
     population_summary(1, yes, columns, np.array([256]), 4096, np.array([[50, 100]]))
     WindowCounts().add(np.array([0]), "tokens_dropped", np.array([1]))
+    zero_one_floats([np.ones(1)])
     token_decision(1, ~yes, np.array([0, 1]), count, ~yes, yes, ~yes, np.array([0, 1]), count, yes)
     for dtype in (np.float32, np.float64):
         arrays = [np.ones(3, dtype=dtype) for _ in range(4)]

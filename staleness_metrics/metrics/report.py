@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -58,6 +59,21 @@ class Tally:
 
     def __add__(self, other: Tally) -> Tally:
         return self._combine(other, operator.add, operator.add)
+
+    @staticmethod
+    def summed(parts: Sequence[Tally]) -> Tally:
+        """``parts[0] + parts[1] + ...`` (at least one part) in one pass over them."""
+        mine = [part.__dict__ for part in parts]
+        values: dict[str, object] = {n: functools.reduce(operator.add, [d[n] for d in mine]) for n in _COUNT_FIELDS}
+        for name in _COUNTS_FIELDS:
+            arrays = [d[name] for d in mine]
+            total = np.zeros(max(map(len, arrays)), dtype=np.int64)
+            for array in arrays:
+                total[: len(array)] += array
+            values[name] = total
+        summed = object.__new__(Tally)
+        summed.__dict__.update(values)
+        return summed
 
     def excess_over(self, other: Tally) -> Tally:
         """``self - other`` field by field, floored at 0."""

@@ -11,6 +11,8 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 
+from ..compiled import CompiledLoop
+
 DecodeError = json.JSONDecodeError  # orjson.JSONDecodeError is a subclass of it
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 
@@ -71,20 +73,31 @@ def dumps_line(value: Any) -> bytes:
     return orjson.dumps(value, default=_default, option=_OPTIONS | orjson.OPT_APPEND_NEWLINE)
 
 
-_ONE_BITS = np.float64(1.0).view(np.uint64)
-_ZERO_ONE_TEXT = np.frombuffer(b"0.0,1.0,", dtype=np.uint32)  # orjson's 0.0 and 1.0, a comma after
+# orjson's 0.0 and 1.0, each with a comma after, as one 4-byte word each
+_ZERO_WORD, _ONE_WORD = np.frombuffer(b"0.0,1.0,", dtype=np.uint32).tolist()
+_ONE_BITS = int(np.float64(1.0).view(np.int64))  # (-0.0, written "-0.0", has other bits than 0.0)
 _EMPTY_LIST = orjson.Fragment(b"[]")
 
 
+@CompiledLoop
+def _zero_one_words(bits: npt.NDArray[np.int64], words: npt.NDArray[np.uint32]) -> bool:  # pragma: no cover - compiled
+    plain = True
+    for i in range(len(bits)):  # (no branch: a vector select)
+        one = bits[i] == _ONE_BITS
+        plain &= one | (bits[i] == 0)
+        words[i] = _ONE_WORD if one else _ZERO_WORD
+    return plain
+
+
 def zero_one_floats(arrays: Sequence[npt.NDArray[np.float64]]) -> list[orjson.Fragment] | None:
-    """Each float64 array's JSON by one table look-up when every value is 0.0 or 1.0; else None."""
+    """Each float64 array's JSON, a word per value, when every value is 0.0 or 1.0; else None."""
     if not arrays:
         return []
-    bits = np.concatenate(arrays).view(np.uint64)  # -0.0 (written "-0.0") is neither bit pattern
-    ones = bits == _ONE_BITS
-    if np.count_nonzero(ones) + np.count_nonzero(bits == 0) != bits.size:
+    bits = np.concatenate(arrays).view(np.int64)
+    words = np.empty(len(bits), dtype=np.uint32)
+    if not _zero_one_words(bits, words):
         return None
-    text = memoryview(_ZERO_ONE_TEXT[ones.view(np.uint8)]).cast("B")
+    text = words.data.cast("B")
     out, start = [], 0
     for array in arrays:
         end = start + 4 * len(array)

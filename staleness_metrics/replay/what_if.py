@@ -206,24 +206,24 @@ def _tally_cost_and_sums(
 ) -> Replayed:
     """:func:`tally_and_cost` and the ships' own SPEC 11 sums (every shipped position) pooled;
     ``sink``: the fresh sink that shipped them, whose totals are the tally."""
-    tally = Tally()
+    tallies = [Tally()]
     cost: MismatchSums | None = None
     pooled: MismatchSums | None = None
     for shipment in shipments:
         if sink is None:
-            tally = tally + shipment.report.tally
+            tallies.append(shipment.report.tally)
         ship_cost = trained_cost(shipment, band)
         if ship_cost is not None:
             cost = ship_cost if cost is None else cost + ship_cost
         sums = shipment.report.mismatch
         if sums is not None:
             pooled = sums if pooled is None else pooled + sums
-    return (tally if sink is None else sink.totals), cost, pooled
+    return (Tally.summed(tallies) if sink is None else sink.totals), cost, pooled
 
 
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
     """The sum of every ship's tally."""
-    return sum((shipment.report.tally for shipment in shipments), Tally())
+    return Tally.summed([Tally(), *(shipment.report.tally for shipment in shipments)])
 
 
 Source = str | Path | Sequence[EventDict]
