@@ -48,12 +48,7 @@ def _k3(sums: MismatchSums, index: int) -> float:
 
 
 def select_floor(
-    sums: MismatchSums,
-    step: int,
-    last_lag0: tuple[float, int] | None,
-    *,
-    min_tokens: int,
-    max_age: int,
+    sums: MismatchSums, step: int, last_lag0: tuple[float, int] | None, *, min_tokens: int, max_age: int
 ) -> Floor | None:
     """SPEC 14's first rule that applies: ``lag0``, ``carried`` (``last_lag0``, the latest
     ``(floor, step)``, at most ``max_age`` old), ``min_lag``, else ``None``."""
@@ -278,10 +273,7 @@ class BoundTracker:
 
         found = keys(state, path, ("format", "window", "last_lag0", "bound", "toward_change", "last_counted"))
         if found["format"] != TRACKER_FORMAT:
-            fail(
-                join(path, "format"),
-                f"unknown format {found['format']!r} (expected {TRACKER_FORMAT})",
-            )
+            fail(join(path, "format"), f"unknown format {found['format']!r} (expected {TRACKER_FORMAT})")
         config = self.config
         new = BoundTracker(config)
         window = new.window

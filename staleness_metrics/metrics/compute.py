@@ -201,12 +201,7 @@ def _nearest_ranks(
     }
 )
 def _population_summary(
-    t: int,
-    rollout_in: BoolArray,
-    columns: Columns,
-    length_bounds: IntArray,
-    top: int,
-    quantiles: IntArray,
+    t: int, rollout_in: BoolArray, columns: Columns, length_bounds: IntArray, top: int, quantiles: IntArray
 ) -> tuple[IntArray, ...]:  # pragma: no cover - compiled
     _check_population(rollout_in, columns)
     frozen, completion = columns[0], columns[2]
@@ -278,11 +273,7 @@ def population_summary(
 
 
 @CompiledLoop
-def _env_sums(
-    env: IntArray,
-    amounts: IntArray,
-    bounds: IntArray,
-) -> IntArray:  # pragma: no cover - compiled
+def _env_sums(env: IntArray, amounts: IntArray, bounds: IntArray) -> IntArray:  # pragma: no cover - compiled
     """Per env index (row): its entries, their ``amounts``' sum, and that sum by length bucket."""
     n_env = env.max() + 1 if len(env) else 0
     sums = np.zeros((n_env, len(bounds) + 3), dtype=np.int64)
@@ -302,13 +293,7 @@ def _env_sums(
 class WindowCounts:
     """Drops, holds and invalid rollouts since the last ship, per env index."""
 
-    FIELDS = (
-        "rollouts_dropped",
-        "samples_dropped",
-        "tokens_dropped",
-        "rollouts_held",
-        "rollouts_invalid",
-    )
+    FIELDS = ("rollouts_dropped", "samples_dropped", "tokens_dropped", "rollouts_held", "rollouts_invalid")
 
     def __init__(self) -> None:
         self.counts: dict[int, dict[str, int]] = {}
@@ -355,11 +340,7 @@ _ROLLOUT_KEYS = (
 
 
 def _population(
-    slice_: ShippedSlice,
-    rollout_in: BoolArray,
-    env: int | None,
-    window: WindowCounts,
-    max_staleness: int,
+    slice_: ShippedSlice, rollout_in: BoolArray, env: int | None, window: WindowCounts, max_staleness: int
 ) -> tuple[dict[str, float | int], Tally]:
     """Metrics and tally of the live shipped rollouts selected by ``rollout_in``."""
     t, top = slice_.step - 1, HISTOGRAM_TOP

@@ -194,31 +194,27 @@ def trained_cost(shipment: Shipment, band: tuple[float, float]) -> MismatchSums 
 
 
 def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> tuple[Tally, MismatchSums | None]:
-    """:func:`run_tally` and the merged :func:`trained_cost` of the ships, in one pass."""
-    return _tally_cost_and_sums(shipments, band)[:2]
+    """:func:`run_tally` and the merged :func:`trained_cost` of the ships."""
+    ships = list(shipments)
+    return run_tally(ships), _costs(ships, band)[0]
 
 
 Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
+Costs = tuple[MismatchSums | None, MismatchSums | None]
 
 
-def _tally_cost_and_sums(
-    shipments: Iterable[Shipment], band: tuple[float, float], sink: Sink | None = None
-) -> Replayed:
-    """:func:`tally_and_cost` and the ships' own SPEC 11 sums (every shipped position) pooled;
-    ``sink``: the fresh sink that shipped them, whose totals are the tally."""
-    tallies = [Tally()]
+def _costs(shipments: Iterable[Shipment], band: tuple[float, float]) -> Costs:
+    """The ships' merged :func:`trained_cost`, and their SPEC 11 sums of every shipped position."""
     cost: MismatchSums | None = None
     pooled: MismatchSums | None = None
     for shipment in shipments:
-        if sink is None:
-            tallies.append(shipment.report.tally)
         ship_cost = trained_cost(shipment, band)
         if ship_cost is not None:
             cost = ship_cost if cost is None else cost + ship_cost
         sums = shipment.report.mismatch
         if sums is not None:
             pooled = sums if pooled is None else pooled + sums
-    return (Tally.summed(tallies) if sink is None else sink.totals), cost, pooled
+    return cost, pooled
 
 
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
@@ -337,7 +333,8 @@ def what_if_with_curve(
     def replay_at(bound: int) -> Replayed:
         # no adaptation (it would judge another bound); only the totals are read
         sink = Sink(dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False)
-        return _tally_cost_and_sums(run_steps(steps_for(bound), sink), base.mismatch_band, sink)
+        cost, pooled = _costs(run_steps(steps_for(bound), sink), base.mismatch_band)
+        return sink.totals, cost, pooled  # (the totals once the run is done)
 
     packed = None
     if shared_steps is not None:
