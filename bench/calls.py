@@ -6,7 +6,8 @@
   log-probabilities) added one at a time (prime-rl's ``TrainSink.process_rollout`` adds per rollout) and
   shipped, against the same 64 added as one batch and shipped. Goal: <= 2x.
 - **replay**: ``staleness-metrics replay FILE --metrics-out --batches-out`` of a stream that ships every
-  3 rollouts (about 2,800 positions a ship: a run that ships every step) against a stream of the same
+  3 rollouts (about 2,800 positions a ship: a run that ships every step) against decoding its JSON with
+  orjson (goal <= 3x; also without outputs), against a stream of the same
   positions that ships every 512 (goal <= 2x), and the replay's
   positions per second against a per-position pure-Python replay (``tests/reference/spec_reference.py``,
   timed on the first ~100,000 positions of the stream; goal >= 8x).
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.reference: the per-position replay
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,7 +43,8 @@ from staleness_metrics import RolloutBatch, Sink, StalenessConfig
 from staleness_metrics.cli import main as cli_main
 
 ROLLOUTS, POSITIONS = 64, 1024
-GOALS = {"adds": 2.0, "replay_small_over_big": 2.0, "replay_over_python": 8.0, "what_if": 2.0, "import": 1.0}
+GOALS = {"adds": 2.0, "replay_small_over_big": 2.0, "replay_over_python": 8.0, "what_if": 2.0, "import": 1.0,
+         "replay_small_over_decode": 3.0}  # fmt: skip
 
 
 def one_batch(ids: list[str], step: int) -> RolloutBatch:
@@ -89,6 +92,16 @@ def replay_once(path: Path, folder: Path) -> None:
     code = cli_main(["replay", str(path), "--metrics-out", str(folder / "m.jsonl"),
                      "--batches-out", str(folder / "b.jsonl"), "--no-progress"])  # fmt: skip
     assert code == 0
+
+
+def replay_bare(path: Path) -> None:
+    assert cli_main(["replay", str(path), "--no-progress"]) == 0
+
+
+def decode_once(path: Path) -> None:
+    with path.open("rb") as handle:
+        for line in handle:
+            orjson.loads(line)
 
 
 def what_if_once(path: Path) -> None:
@@ -142,9 +155,12 @@ def main() -> None:
         small, big = folder / "small.jsonl", folder / "big.jsonl"
         positions = generate(small, args.positions, per_ship=args.per_ship)
         generate(big, args.positions, per_ship=512)
-        times = dict.fromkeys(("replay_small", "replay_big", "what_if_small", "what_if_big"), math.inf)
+        names = ("decode_small", "replay_small_bare", "replay_small", "replay_big", "what_if_small", "what_if_big")
+        times = dict.fromkeys(names, math.inf)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             for _ in range(args.repeat):
+                times["decode_small"] = min(times["decode_small"], timed(lambda: decode_once(small)))
+                times["replay_small_bare"] = min(times["replay_small_bare"], timed(lambda: replay_bare(small)))
                 times["replay_small"] = min(times["replay_small"], timed(lambda: replay_once(small, folder)))
                 times["replay_big"] = min(times["replay_big"], timed(lambda: replay_once(big, folder)))
                 times["what_if_small"] = min(times["what_if_small"], timed(lambda: what_if_once(small)))
@@ -157,6 +173,8 @@ def main() -> None:
         "adds_together_seconds": together,
         "adds_ratio": singles / together,
         **{f"{k}_seconds": v for k, v in times.items()},
+        "replay_small_over_decode": times["replay_small"] / times["decode_small"],
+        "replay_small_bare_over_decode": times["replay_small_bare"] / times["decode_small"],
         "replay_small_over_big": times["replay_small"] / times["replay_big"],
         "replay_over_python": python_per_position * positions / times["replay_small"],
         "what_if_small_over_replay": times["what_if_small"] / times["replay_small"],
@@ -174,6 +192,10 @@ def main() -> None:
     print(
         f"64 single adds + ship / one add of 64 + ship: {singles * 1e3:.1f} / {together * 1e3:.1f} ms = "
         f"{result['adds_ratio']:.1f}x (goal <= 2x)"
+    )
+    print(
+        f"replay (ship every {args.per_ship}) / decoding its JSON: {result['replay_small_over_decode']:.1f}x with "
+        f"--metrics-out and --batches-out, {result['replay_small_bare_over_decode']:.1f}x without (goal <= 3x)"
     )
     print(
         f"replay, a ship every {args.per_ship} / every 512 rollouts ({positions} positions): "
