@@ -119,8 +119,13 @@ def test_calls_bench_reports_each_cost_against_its_yardstick() -> None:
     for key in ("replay_over_python", "what_if_small_over_replay", "what_if_big_over_replay", "import_sink_ratio"):
         assert positive(result[key]), key
     assert result["import_ratio"] == pytest.approx(result["import_package_seconds"] / result["import_numpy_seconds"])
+    decode = result["decode_small_seconds"]
+    assert positive(decode)
+    assert result["replay_small_over_decode"] == pytest.approx(result["replay_small_seconds"] / decode)
+    assert result["replay_small_bare_over_decode"] == pytest.approx(result["replay_small_bare_seconds"] / decode)
     assert result["goals"] == {
         "adds": 2.0, "replay_small_over_big": 2.0, "replay_over_python": 8.0, "what_if": 2.0, "import": 1.0,
+        "replay_small_over_decode": 3.0,
     }  # fmt: skip
 
 
