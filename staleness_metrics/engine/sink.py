@@ -53,7 +53,7 @@ class Sink:
         self._step = 0
         self._window = WindowCounts()
         self._invalid: list[TraceError] = []
-        self._tallies = [Tally()]  # every ship's, summed when read
+        self.totals = Tally()
         self.bound_tracker = BoundTracker(self.config)  # SPEC 14
         self.env_trackers: dict[str, BoundTracker] = {}
 
@@ -91,17 +91,6 @@ class Sink:
         taken under another policy or bound) raises ``ConfigError`` naming the key path."""
         self.queue.build_staged()  # (so that a refused state leaves the sink as it was)
         self.load_checked(self.check_state_dict(state))
-
-    @property
-    def totals(self) -> Tally:
-        """Every ship's tally summed."""
-        if len(self._tallies) > 1:
-            self._tallies = [Tally.summed(self._tallies)]
-        return self._tallies[0]
-
-    @totals.setter
-    def totals(self, totals: Tally) -> None:
-        self._tallies = [totals]
 
     @property
     def queued(self) -> int:
@@ -302,7 +291,7 @@ class Sink:
             _build_rollouts=self._shipped_rollouts(shipped_slice, spans),
             _spans=spans,
         )
-        self._tallies.append(report.tally)
+        self.totals = self.totals + report.tally
         self._window = WindowCounts()
         self._invalid = []
         self.queue.release_chunks()

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -17,6 +17,7 @@ MetricValue = float | int | str
 
 
 Counts = npt.NDArray[np.int64]
+Operation = Callable[[Any, Any], Any]
 
 
 def _empty_counts() -> Counts:
@@ -56,28 +57,23 @@ class Tally:
     length_removed: Counts = field(default_factory=_empty_counts)  # of those, masked or dropped
 
     def __add__(self, other: Tally) -> Tally:
-        return Tally.summed((self, other))
-
-    @staticmethod
-    def summed(parts: Sequence[Tally]) -> Tally:
-        """``parts[0] + parts[1] + ...`` (at least one part) in one pass over them."""
-        mine = [part.__dict__ for part in parts]  # (no slots: every field is there)
-        values: dict[str, object] = {n: functools.reduce(operator.add, [d[n] for d in mine]) for n in _COUNT_FIELDS}
-        for name in _COUNTS_FIELDS:
-            arrays = [d[name] for d in mine]
-            values[name] = total = np.zeros(max(map(len, arrays)), dtype=np.int64)
-            for array in arrays:
-                total[: len(array)] += array
-        return _tally(values)
+        return self._combine(other, operator.add, operator.add)
 
     def excess_over(self, other: Tally) -> Tally:
         """``self - other`` field by field, floored at 0."""
-        mine, theirs = self.__dict__, other.__dict__
-        values: dict[str, object] = {n: max(mine[n] - theirs[n], 0) for n in _COUNT_FIELDS}
+        return self._combine(other, lambda a, b: max(a - b, 0), lambda a, b: np.maximum(a - b, 0))
+
+    def _combine(self, other: Tally, count_op: Operation, array_op: Operation) -> Tally:
+        """``count_op`` of each number and ``array_op`` of each array (the shorter one padded)."""
+        mine, theirs = self.__dict__, other.__dict__  # (no slots: every field is there)
+        values: dict[str, object] = {n: count_op(mine[n], theirs[n]) for n in _COUNT_FIELDS}
         for name in _COUNTS_FIELDS:
-            a, b = _aligned(mine[name], theirs[name])
-            values[name] = np.maximum(a - b, 0).astype(np.int64, copy=False)
-        return _tally(values)
+            combined = array_op(*_aligned(mine[name], theirs[name]))
+            values[name] = combined.astype(np.int64, copy=False)
+        # (every field given: the frozen __init__'s setattr per field skipped)
+        total = object.__new__(Tally)
+        total.__dict__.update(values)
+        return total
 
     def within(self, other: Tally) -> bool:
         """Whether every number of ``self`` is at most ``other``'s (arrays index by index)."""
@@ -100,13 +96,6 @@ class Tally:
 # arrays, added by index
 _COUNTS_FIELDS = tuple(f.name for f in fields(Tally) if f.type == "Counts")
 _COUNT_FIELDS = tuple(f.name for f in fields(Tally) if f.name not in _COUNTS_FIELDS)  # numbers
-
-
-def _tally(values: dict[str, object]) -> Tally:
-    """A tally of every field's value (the frozen __init__'s setattr per field skipped)."""
-    tally = object.__new__(Tally)
-    tally.__dict__.update(values)
-    return tally
 
 
 @dataclass(frozen=True)

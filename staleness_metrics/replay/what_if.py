@@ -219,7 +219,7 @@ def _costs(shipments: Iterable[Shipment], band: tuple[float, float]) -> Costs:
 
 def run_tally(shipments: Iterable[Shipment]) -> Tally:
     """The sum of every ship's tally."""
-    return Tally.summed([Tally(), *(shipment.report.tally for shipment in shipments)])
+    return sum((shipment.report.tally for shipment in shipments), Tally())
 
 
 Source = str | Path | Sequence[EventDict]
