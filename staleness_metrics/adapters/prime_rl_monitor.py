@@ -65,6 +65,7 @@ class _Shipped:
     lags: list[npt.NDArray[np.int64]]
     masked: list[npt.NDArray[np.bool_]]
     updates: dict[int, list[Stream]] = field(default_factory=dict)
+    recorded: MismatchSums | None = None  # its sums as last recorded (later updates record the change)
 
 
 class PrimeRlMonitor:
@@ -79,7 +80,6 @@ class PrimeRlMonitor:
         self.shipments: dict[int, Shipment] = {}
         self._added: set[str] = set()  # traces in the sink, not shipped yet
         self._shipped: dict[str, _Shipped] = {}
-        self._recorded: set[int] = set()  # steps whose trainer sums were recorded
 
     def _ignore(self, *args: Any, **kwargs: Any) -> _Done:
         return _DONE
@@ -104,7 +104,7 @@ class PrimeRlMonitor:
         return _DONE
 
     def log_annotations(self, updates: Sequence[Mapping[str, Any]]) -> _Done:
-        steps: set[int] = set()
+        touched: set[str] = set()
         for number, update in enumerate(updates):
             shipped = self._shipped.get(str(update.get("trace_id")))
             branches = update.get("branches")
@@ -116,9 +116,8 @@ class PrimeRlMonitor:
                 if isinstance(index, int) and isinstance(values, list):
                     array = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
                     shipped.updates.setdefault(index, []).append(Stream(array, "live", number))
-                    steps.add(shipped.step)
-        for step in sorted(steps - self._recorded):
-            self._record(step)
+                    touched.add(str(update.get("trace_id")))
+        self._record(touched)
         return _DONE
 
     def finalize(self) -> _Done:
@@ -183,21 +182,33 @@ class PrimeRlMonitor:
         for trace_id in [t for t, s in self._shipped.items() if s.step < oldest]:
             del self._shipped[trace_id]
 
-    def _record(self, step: int) -> None:
-        """SPEC 11's sums of ``step``, over its shipped live traces."""
-        by_env: dict[str | None, MismatchSums] = {}
-        for shipped in [s for s in self._shipped.values() if s.step == step]:
-            rollout, _ = trace_rollout(shipped.episode, shipped.trace, shipped.updates)
-            if not isinstance(rollout, ParsedRollout):
+    def _record(self, touched: set[str]) -> None:
+        """SPEC 11's sums of the shipped live traces ``touched`` by updates, recorded per step as the
+        change they make: a step's sums are those of all its traces' updates so far, as a replay's."""
+        by_step: dict[int, dict[str | None, MismatchSums]] = {}
+        for trace_id, shipped in self._shipped.items():
+            if trace_id not in touched:
                 continue
-            for local, lag, masked in zip(shipped.samples, shipped.lags, shipped.masked):
-                sample = rollout.samples[local]
-                n = len(lag)
-                sampler = sample.logprobs if sample.logprobs is not None else np.full(n, np.nan)
-                trainer = sample.trainer_logprobs if sample.trainer_logprobs is not None else np.full(n, np.nan)
-                sums = mismatch_sums(lag, sampler, trainer, masked, band=self.monitor.config.mismatch_band)
-                key = shipped.episode.env if self.monitor.config.env_breakdown else None
-                by_env[key] = by_env.get(key, MismatchSums.zero()) + sums
-        self._recorded.add(step)
-        for env, sums in by_env.items():
-            self.monitor.record_mismatch(step, sums, env=env)
+            sums = self._sums(shipped)
+            change = sums if shipped.recorded is None else sums - shipped.recorded
+            shipped.recorded = sums
+            key = shipped.episode.env if self.monitor.config.env_breakdown else None
+            by_env = by_step.setdefault(shipped.step, {})
+            by_env[key] = by_env.get(key, MismatchSums.zero()) + change
+        for step in sorted(by_step):
+            for env, change in by_step[step].items():
+                self.monitor.record_mismatch(step, change, env=env)
+
+    def _sums(self, shipped: _Shipped) -> MismatchSums:
+        """SPEC 11's sums of one shipped trace, from its trainer streams so far."""
+        total = MismatchSums.zero()
+        rollout, _ = trace_rollout(shipped.episode, shipped.trace, shipped.updates)
+        if not isinstance(rollout, ParsedRollout):
+            return total
+        for local, lag, masked in zip(shipped.samples, shipped.lags, shipped.masked):
+            sample = rollout.samples[local]
+            n = len(lag)
+            sampler = sample.logprobs if sample.logprobs is not None else np.full(n, np.nan)
+            trainer = sample.trainer_logprobs if sample.trainer_logprobs is not None else np.full(n, np.nan)
+            total += mismatch_sums(lag, sampler, trainer, masked, band=self.monitor.config.mismatch_band)
+        return total

@@ -68,6 +68,13 @@ class MismatchSums:
         fields = {f: getattr(self, f) + getattr(other, f) for f in (*COUNT_FIELDS, *SUM_FIELDS)}
         return MismatchSums(**fields, uncovered=self.uncovered + other.uncovered)
 
+    def __sub__(self, other: MismatchSums) -> MismatchSums:
+        """The change from ``other`` to these sums (what a revised total adds to a merged one)."""
+        if not isinstance(other, MismatchSums):
+            return NotImplemented
+        fields = {f: getattr(self, f) - getattr(other, f) for f in (*COUNT_FIELDS, *SUM_FIELDS)}
+        return MismatchSums(**fields, uncovered=self.uncovered - other.uncovered)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, MismatchSums):
             return NotImplemented

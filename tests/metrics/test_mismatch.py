@@ -203,6 +203,13 @@ def test_sums_over_any_split_add_up_to_the_whole(n: int, cuts: list[int], seed: 
     assert merged.uncovered == whole.uncovered
     for name in ("sum_log_ratio", "sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq"):  # to rounding
         np.testing.assert_allclose(getattr(merged, name), getattr(whole, name), rtol=1e-12, atol=1e-9)
+    last = parts[-1] if parts else MismatchSums.zero()
+    change = whole - (merged - last)  # a revised total's change, added to what was merged before it
+    for name in ("tokens", "masked", "out_of_band"):
+        assert np.array_equal(getattr(change, name), getattr(last, name))
+    assert change.uncovered == last.uncovered
+    for name in ("sum_log_ratio", "sum_abs_log_ratio", "sum_k3", "sum_ratio", "sum_ratio_sq"):
+        np.testing.assert_allclose(getattr(change, name), getattr(last, name), rtol=1e-9, atol=1e-9)
 
 
 def test_blocks_do_not_change_the_answer() -> None:

@@ -178,6 +178,43 @@ def test_the_live_monitor_equals_the_replay(tmp_path: Path, bound: int) -> None:
         _assert_same({**shipment.metrics, **(live.monitor.mismatch_metrics(step) or {})}, replayed[step], step)
 
 
+class _UpdatesPiecemeal:
+    """A monitor handed each branch's trainer update in a call of its own, and with ``revised``, first a
+    stream of wrong values the real one then replaces (a later write wins, as in prime-rl's files)."""
+
+    def __init__(self, monitor: PrimeRlMonitor, *, revised: bool) -> None:
+        self.monitor, self.revised = monitor, revised
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.monitor, name)
+
+    def log_annotations(self, updates: list[dict[str, Any]]) -> Any:
+        for update in updates:
+            if not any("trainer_logprobs" in branch for branch in update.get("branches") or []):
+                self.monitor.log_annotations([update])  # (the orchestrator's ship updates)
+                continue
+            for branch in update["branches"]:
+                values = branch["trainer_logprobs"]
+                if self.revised:
+                    wrong = [None if v is None else v + 1.0 for v in values]
+                    self.monitor.log_annotations([{**update, "branches": [{**branch, "trainer_logprobs": wrong}]}])
+                self.monitor.log_annotations([{**update, "branches": [branch]}])
+        return self.monitor.log_annotations([])
+
+
+@pytest.mark.parametrize("revised", [False, True], ids=["one-branch-a-call", "revised-streams"])
+def test_the_live_monitor_equals_the_replay_when_updates_come_piecemeal(tmp_path: Path, revised: bool) -> None:
+    """A step's trainer updates spread over many calls (micro-batches, ranks, a rewrite) count in full."""
+    live = PrimeRlMonitor(StalenessMonitor(StalenessConfig(max_staleness=BOUND)))
+    simulate(tmp_path / "run", SMALL, observers=[_UpdatesPiecemeal(live, revised=revised)])
+    replayed = _replay(tmp_path / "run", tmp_path / "m.jsonl")
+    assert sorted(live.shipments) == sorted(replayed)
+    for step in live.shipments:
+        expected = {k: v for k, v in replayed[step].items() if k.startswith("staleness/mismatch/")}
+        got = live.monitor.mismatch_metrics(step) or {}
+        _assert_same({k: v for k, v in got.items() if k.startswith("staleness/mismatch/")}, expected, step)
+
+
 def test_the_live_monitor_takes_dicts_and_ignores_what_is_not_its_business() -> None:
     """Episodes as plain records (``model_dump`` dicts), eval cohorts, metrics rows and the orchestrator's
     ship updates: only train episodes move the sink."""
