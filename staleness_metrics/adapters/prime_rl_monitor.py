@@ -22,6 +22,7 @@ from ..replay.sources.prime_rl.episodes import (
     episode_head,
     trace_rollout,
 )
+from ..replay.sources.prime_rl.legacy import stale_at_arrival
 from ._ship import rollout_lags
 
 KEEP_STEPS = 16  # shipped traces kept for the trainer's updates: the steps it may lag behind
@@ -65,7 +66,7 @@ class _Shipped:
     lags: list[npt.NDArray[np.int64]]
     masked: list[npt.NDArray[np.bool_]]
     updates: dict[int, list[Stream]] = field(default_factory=dict)
-    recorded: MismatchSums | None = None  # its sums as last recorded (later updates record the change)
+    recorded: MismatchSums | None = None  # its sums last recorded (later ones record the change)
 
 
 class PrimeRlMonitor:
@@ -151,9 +152,9 @@ class PrimeRlMonitor:
     def _arrive(self, episodes: Sequence[Any], step: int) -> None:
         bound = self.monitor.config.max_staleness
         for head, trace in self._traces(episodes):
-            start = head.policy[0] if head.policy is not None else None
             arrival = trace.arrival_step if trace.arrival_step is not None else step
-            stale = isinstance(start, int) and not isinstance(start, bool) and (arrival - 1) - start > bound
+            # (frozen-model work, without a policy, is never stale)
+            stale = head.policy is not None and stale_at_arrival(head.policy[0], arrival, bound)
             if stale and trace.id not in self._added:
                 self._add(head, trace)
 
@@ -183,32 +184,27 @@ class PrimeRlMonitor:
             del self._shipped[trace_id]
 
     def _record(self, touched: set[str]) -> None:
-        """SPEC 11's sums of the shipped live traces ``touched`` by updates, recorded per step as the
-        change they make: a step's sums are those of all its traces' updates so far, as a replay's."""
-        by_step: dict[int, dict[str | None, MismatchSums]] = {}
-        for trace_id, shipped in self._shipped.items():
-            if trace_id not in touched:
-                continue
+        """SPEC 11's sums of the shipped live traces ``touched`` by updates, recorded as the change
+        they make: a step's sums are those of its traces' updates so far, as a replay's."""
+        changes: dict[tuple[int, str | None], MismatchSums] = {}
+        for shipped in (s for trace_id, s in self._shipped.items() if trace_id in touched):
             sums = self._sums(shipped)
             change = sums if shipped.recorded is None else sums - shipped.recorded
             shipped.recorded = sums
-            key = shipped.episode.env if self.monitor.config.env_breakdown else None
-            by_env = by_step.setdefault(shipped.step, {})
-            by_env[key] = by_env.get(key, MismatchSums.zero()) + change
-        for step in sorted(by_step):
-            for env, change in by_step[step].items():
-                self.monitor.record_mismatch(step, change, env=env)
+            key = (shipped.step, shipped.episode.env if self.monitor.config.env_breakdown else None)
+            changes[key] = changes.get(key, MismatchSums.zero()) + change
+        for (step, env), change in sorted(changes.items(), key=lambda item: item[0][0]):
+            self.monitor.record_mismatch(step, change, env=env)
 
     def _sums(self, shipped: _Shipped) -> MismatchSums:
         """SPEC 11's sums of one shipped trace, from its trainer streams so far."""
-        total = MismatchSums.zero()
+        total, band = MismatchSums.zero(), self.monitor.config.mismatch_band
         rollout, _ = trace_rollout(shipped.episode, shipped.trace, shipped.updates)
         if not isinstance(rollout, ParsedRollout):
             return total
         for local, lag, masked in zip(shipped.samples, shipped.lags, shipped.masked):
-            sample = rollout.samples[local]
-            n = len(lag)
-            sampler = sample.logprobs if sample.logprobs is not None else np.full(n, np.nan)
-            trainer = sample.trainer_logprobs if sample.trainer_logprobs is not None else np.full(n, np.nan)
-            total += mismatch_sums(lag, sampler, trainer, masked, band=self.monitor.config.mismatch_band)
+            sample, missing = rollout.samples[local], np.full(len(lag), np.nan)
+            sampler = missing if sample.logprobs is None else sample.logprobs
+            trainer = missing if sample.trainer_logprobs is None else sample.trainer_logprobs
+            total += mismatch_sums(lag, sampler, trainer, masked, band=band)
         return total

@@ -40,6 +40,13 @@ class Event:
     booleans: bool = True  # the line may hold JSON booleans (False: a faster check)
     parsed: ParsedRollout | None = None
     unparsed: UnparsedRollout | None = None
+    # a rollout a run never shipped, read because it was stale at arrival: its lag then (None: any
+    # other), so that it enters only a replay whose bound is below it
+    arrival_lag: int | None = None
+
+    def enters(self, bound: int) -> bool:
+        """Whether a replay at ``bound`` reads this event (a read at a smaller bound holds it)."""
+        return self.arrival_lag is None or self.arrival_lag > bound
 
 
 def _step(line: int, raw: dict[str, Any]) -> int:

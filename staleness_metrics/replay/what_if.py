@@ -4,6 +4,8 @@ each row the sum of its per-ship tallies (the columns: docs/run-inputs.md, docs/
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import multiprocessing
 import os
@@ -12,11 +14,9 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
-
-import numpy as np
-import numpy.typing as npt
 
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
@@ -24,12 +24,13 @@ from ..engine.sink import Sink
 from ..errors import ConfigError
 from ..metrics import keys
 from ..metrics.bound import Curve, Floor, advise, budget_of, excess_curve, select_floor
-from ..metrics.mismatch import MismatchSums, mismatch_sums
+from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Tally
 from ..parallel import POOL_THREAD_PREFIX
 from .run_dir import find_run
 from .sources import EventDict, as_replay_events, detect_source, is_event_file, read_run
-from .stream import Added, Step, cut_ahead, prepare, read_event_path, run_steps
+from .sources.prime_rl import is_current_layout
+from .stream import Added, Event, Step, cut_ahead, prepare, read_event_path, run_steps
 
 UNBOUNDED = 1 << 30  # a bound no lag reaches: the replay drops nothing for staleness
 _RANGE = re.compile(r"^\s*(\d+)\s*\.\.\s*(\d+)\s*$")
@@ -164,56 +165,26 @@ def run_curve(sums: MismatchSums | None, config: StalenessConfig) -> RunCurve | 
     return RunCurve(floor, budget_of(config.mismatch_budget, floor.value), curve, sums)
 
 
-def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
-    """The shipped samples' ``name`` array (``mask``, ``logprobs``, ``trainer_logprobs``) in ship
-    order, aligned with ``shipment.lags``; NaN where a sample lacks it."""
-    parts: list[npt.NDArray[np.float64]] = []
-    for rollout in shipment.rollouts:
-        batch = rollout.batch
-        first = int(batch.sample_offsets[rollout.index])
-        values = getattr(batch, name)
-        present = batch.present.get(name)
-        for k in rollout.samples:
-            lo, hi = batch.position_offsets[first + k : first + k + 2].tolist()
-            if values is None or (present is not None and not present[first + k]):
-                parts.append(np.full(hi - lo, np.nan))
-            else:
-                parts.append(np.asarray(values[lo:hi], dtype=np.float64))
-    return np.concatenate(parts) if parts else np.zeros(0)
-
-
-def trained_cost(shipment: Shipment, band: tuple[float, float]) -> MismatchSums | None:
-    """SPEC 11 sums over the covered positions the ship trains (unmasked sampled positions of its
-    live samples); ``None`` when no shipped record carries ``trainer_logprobs``."""
-    if shipment.report.mismatch is None:  # the sink found no trainer_logprobs
-        return None
-    trains = shipped_values(shipment, "mask") > 0
-    lags = np.where(trains, shipment.lags, -1)  # masked positions leave the population
-    sampler = shipped_values(shipment, "logprobs")
-    return mismatch_sums(lags, sampler, shipped_values(shipment, "trainer_logprobs"), band=band)
-
-
-def tally_and_cost(shipments: Iterable[Shipment], band: tuple[float, float]) -> tuple[Tally, MismatchSums | None]:
-    """:func:`run_tally` and the merged :func:`trained_cost` of the ships."""
-    ships = list(shipments)
-    return run_tally(ships), _costs(ships, band)[0]
-
-
+Band = tuple[float, float]
 Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 Costs = tuple[MismatchSums | None, MismatchSums | None]
 
 
 def _costs(shipments: Iterable[Shipment], band: tuple[float, float]) -> Costs:
-    """The ships' merged :func:`trained_cost`, and their SPEC 11 sums of every shipped position."""
-    cost: MismatchSums | None = None
-    pooled: MismatchSums | None = None
-    for shipment in shipments:
-        ship_cost = trained_cost(shipment, band)
-        if ship_cost is not None:
-            cost = ship_cost if cost is None else cost + ship_cost
-        sums = shipment.report.mismatch
-        if sums is not None:
-            pooled = sums if pooled is None else pooled + sums
+    """The ships' merged :meth:`~staleness_metrics.Shipment.trained_sums`, and their SPEC 11 sums of
+    every shipped position."""
+    start: Costs = (None, None)
+    return functools.reduce(partial(_with_ship, band=band), shipments, start)
+
+
+def _with_ship(costs: Costs, shipment: Shipment, band: tuple[float, float]) -> Costs:
+    cost, pooled = costs
+    ship_cost = shipment.trained_sums(band)
+    if ship_cost is not None:
+        cost = ship_cost if cost is None else cost + ship_cost
+    sums = shipment.report.mismatch
+    if sums is not None:
+        pooled = sums if pooled is None else pooled + sums
     return cost, pooled
 
 
@@ -223,11 +194,12 @@ def run_tally(shipments: Iterable[Shipment]) -> Tally:
 
 
 Source = str | Path | Sequence[EventDict]
+StepsOf = Callable[[Sequence[int]], list[Iterable[Step]]]  # the steps of each of some bounds
 
 
-def _steps_for(source: Source, strict: bool = True) -> tuple[Callable[[int], Iterable[Step]], list[Step] | None]:
-    """The prepared steps of each bound, and the steps when every bound shares them (None: a
-    prime-rl run is read per bound, as which unshipped episodes enter depends on it)."""
+def _steps_for(source: Source, strict: bool = True) -> tuple[StepsOf, list[Step] | None]:
+    """The prepared steps of each of some bounds, and the steps every bound shares (None: a prime-rl
+    run, read once for the bounds asked together)."""
     if isinstance(source, (str, Path)):
         run = find_run(source)
         if run is not None:  # the events joined to the trainer's log-probabilities
@@ -235,12 +207,32 @@ def _steps_for(source: Source, strict: bool = True) -> tuple[Callable[[int], Ite
         elif is_event_file(source):  # read as the replay command reads it (compressed or not)
             steps = list(cut_ahead(prepare(read_event_path(source, parse=True, read_ahead=True))))
         elif detect_source(source) == "prime-rl":
-            return (lambda bound: prepare(read_run(source, max_staleness=bound, strict=strict))), None
+            return (lambda bounds: _prime_rl_steps(source, bounds, strict)), None
         else:
             steps = list(cut_ahead(prepare(read_run(source, parse=True))))
     else:
         steps = list(cut_ahead(prepare(as_replay_events(source))))
-    return (lambda bound: steps), steps
+    return (lambda bounds: [steps] * len(bounds)), steps
+
+
+def _prime_rl_steps(path: str | Path, bounds: Sequence[int], strict: bool) -> list[Iterable[Step]]:
+    """Each bound's steps from one read at the smallest (the older layout: a read per bound)."""
+    if not is_current_layout(path):
+        return [prepare(read_run(path, max_staleness=bound, strict=strict)) for bound in bounds]
+    reads = itertools.tee(read_run(path, max_staleness=min(bounds), strict=strict), len(bounds))
+    return [prepare(filter(partial(Event.enters, bound=b), read)) for read, b in zip(reads, bounds)]
+
+
+def _replay_together(runs: list[tuple[Iterable[Step], Sink]], band: Band) -> list[Replayed] | None:
+    """The runs a ship of each in turn, so that runs fed by one read hold a ship's events between
+    them; None when one raises (a run sharing a read cannot tell its failure from its end)."""
+    costs: list[Costs] = [(None, None)] * len(runs)
+    try:
+        for ships in itertools.zip_longest(*(run_steps(steps, sink) for steps, sink in runs)):
+            costs = [c if s is None else _with_ship(c, s, band) for c, s in zip(costs, ships)]
+    except Exception:
+        return None
+    return [(sink.totals, *cost) for (_, sink), cost in zip(runs, costs)]
 
 
 # below this, a fork and its hand-back cost about what a second core saves
@@ -264,40 +256,42 @@ def _removes_nothing(replayed: Replayed) -> bool:
     )  # fmt: skip
 
 
-def _replay_until_error(
-    jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool = False
-) -> dict[int, Replayed]:
-    """``replay_at`` of each job in order, up to the first that raises (for the caller to raise) or,
-    ``ascending``, the first that removed nothing (its figures every later job's)."""
-    done: dict[int, Replayed] = {}
+Figures = dict[int, Replayed]  # by bound
+ReplayJobs = Callable[[Sequence[int]], Figures]  # the figures of the bounds it replayed
+
+
+def _replay_until_error(jobs: Sequence[int], replay_at: Callable[[int], Replayed]) -> Figures:
+    """``replay_at`` of each job in order (ascending bounds), up to the first that raises (for the
+    caller to raise) or the first that removed nothing (its figures every later job's)."""
+    done: Figures = {}
     for job in jobs:
         try:
             done[job] = replay_at(job)
         except Exception:
             break
-        if ascending and _removes_nothing(done[job]):
+        if _removes_nothing(done[job]):
             break
     return done
 
 
-# the worker's replay, inherited through the fork (sharing the prepared steps copy-on-write)
-_inherited: Callable[[int], Replayed] | None = None
+# the worker's replays, inherited through the fork (sharing the prepared steps copy-on-write)
+_inherited: ReplayJobs | None = None
 
 
-def _replay_share(jobs: Sequence[int], ascending: bool) -> dict[int, Replayed]:
+def _replay_share(jobs: Sequence[int]) -> Figures:
     assert _inherited is not None, "run in a worker started by _replay_split"
-    return _replay_until_error(jobs, _inherited, ascending=ascending)
+    return _inherited(jobs)
 
 
-def _replay_split(jobs: Sequence[int], replay_at: Callable[[int], Replayed], *, ascending: bool) -> dict[int, Replayed]:
-    """``replay_at`` of the jobs on two cores, every other one in a forked worker; what a share left
-    out (or a failed worker's share) the caller replays in order, raising what that raises."""
+def _replay_split(jobs: Sequence[int], replay_jobs: ReplayJobs) -> Figures:
+    """``replay_jobs`` of the jobs on two cores, every other one in a forked worker; what a share
+    left out (or a failed worker's share) the caller replays in order, raising what that raises."""
     global _inherited
     first, second = list(jobs[::2]), list(jobs[1::2])
-    _inherited = replay_at  # the worker forks at submit, inheriting it
+    _inherited = replay_jobs  # the worker forks at submit, inheriting it
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
-        share = pool.submit(_replay_share, first, ascending)
-        mine = _replay_until_error(second, replay_at, ascending=ascending)
+        share = pool.submit(_replay_share, first)
+        mine = replay_jobs(second)
         try:
             theirs = share.result()
         except Exception:  # the worker died (BrokenProcessPool) or its answer could not be read
@@ -322,7 +316,8 @@ def what_if_with_curve(
     source: Source, bounds: Iterable[int], config: StalenessConfig | None = None, *, processes: int | None = None
 ) -> WhatIf:
     """The rows of :func:`what_if` and the run's curve, each row judged by it. The input is read and
-    packed once, each row equals a separate replay; ``processes=2`` replays half the bounds in a
+    packed once (a prime-rl run: read once a process, its bounds run together), each row equals a
+    separate replay; ``processes=2`` replays half the bounds in a
     forked process (``None``: with two cores and :data:`FORK_MIN_POSITIONS` positions or more)."""
     base = config or StalenessConfig()
     bounds = list(bounds)
@@ -330,11 +325,23 @@ def what_if_with_curve(
     rows = []
     unbounded: MismatchSums | None = None  # the sums of a replay that removed nothing, once one did
 
-    def replay_at(bound: int) -> Replayed:
+    def sink_at(bound: int) -> Sink:
         # no adaptation (it would judge another bound); only the totals are read
-        sink = Sink(dataclasses.replace(base, max_staleness=bound, adapt_every=None), env_reports=False)
-        cost, pooled = _costs(run_steps(steps_for(bound), sink), base.mismatch_band)
+        at = dataclasses.replace(base, max_staleness=bound, adapt_every=None)
+        return Sink(at, env_reports=False)
+
+    def replay_at(bound: int) -> Replayed:
+        sink = sink_at(bound)
+        cost, pooled = _costs(run_steps(steps_for([bound])[0], sink), base.mismatch_band)
         return sink.totals, cost, pooled  # (the totals once the run is done)
+
+    def replay_jobs(jobs: Sequence[int]) -> Figures:
+        if shared_steps is not None:
+            return _replay_until_error(jobs, replay_at)
+        # a prime-rl run: the bounds together over one read (what fails, the caller replays alone)
+        runs = list(zip(steps_for(jobs), map(sink_at, jobs)))
+        together = _replay_together(runs, base.mismatch_band)
+        return {} if together is None else dict(zip(jobs, together))
 
     packed = None
     if shared_steps is not None:
@@ -352,9 +359,9 @@ def what_if_with_curve(
     jobs = sorted(set(bounds)) if ascending else list(bounds)
     if processes >= 2 and len(bounds) >= 2 and _fork_safe():
         # the replay that removes nothing runs beside them, used where every bound removed something
-        replayed = _replay_split([*jobs, UNBOUNDED] if costs else jobs, replay_at, ascending=ascending)
+        replayed = _replay_split([*jobs, UNBOUNDED] if costs else jobs, replay_jobs)
     else:
-        replayed = _replay_until_error(jobs, replay_at, ascending=True) if ascending else {}
+        replayed = replay_jobs(jobs)
     for bound in bounds:
         # a smaller bound's replay that removed nothing is this one's too
         below = [b for b, f in replayed.items() if ascending and b < bound and _removes_nothing(f)]

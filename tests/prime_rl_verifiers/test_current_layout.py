@@ -4,6 +4,7 @@ and checked step by step against a computation of this file's own from what the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -176,6 +177,42 @@ def test_the_live_monitor_equals_the_replay(tmp_path: Path, bound: int) -> None:
     assert sorted(live.shipments) == sorted(replayed)
     for step, shipment in live.shipments.items():
         _assert_same({**shipment.metrics, **(live.monitor.mismatch_metrics(step) or {})}, replayed[step], step)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_what_if_reads_the_run_once_and_each_row_is_that_bounds_own_replay(tmp_path: Path, processes: int) -> None:
+    """The bounds run together over one read, each taking the never-shipped traces stale at arrival under
+    it: every row and the curve are those of the bound replayed alone (a read of its own)."""
+    from staleness_metrics.replay.what_if import what_if_with_curve
+
+    simulate(tmp_path / "run", replace(SMALL, async_level=4))
+    together = what_if_with_curve(tmp_path / "run", range(9), processes=processes)
+    alone = [what_if_with_curve(tmp_path / "run", [bound], processes=1).rows[0] for bound in range(9)]
+    curve_rows = [dataclasses.replace(row, excess_at_bound=None, within_budget=None, suggested=None,
+                                      suggested_bound=None) for row in together.rows]  # fmt: skip
+    assert curve_rows == [dataclasses.replace(row, excess_at_bound=None, within_budget=None, suggested=None,
+                                              suggested_bound=None) for row in alone]  # fmt: skip
+    dropped = [row.rollouts_dropped for row in together.rows]
+    assert len(set(dropped)) > 2 and dropped == sorted(dropped, reverse=True), dropped  # the bound decides who enters
+    assert together.curve == what_if_with_curve(tmp_path / "run", [8, 4], processes=1).curve
+
+
+def test_what_if_of_a_damaged_run_raises_what_the_replay_of_a_bound_raises(tmp_path: Path) -> None:
+    """One read feeds every bound: a line the strict reader refuses fails the what-if as it fails a replay."""
+    from staleness_metrics.errors import EventError
+    from staleness_metrics.replay.sources import read_run_events
+    from staleness_metrics.replay.what_if import what_if_with_curve
+
+    simulate(tmp_path / "run", replace(SMALL, layout="single", compress=False))
+    (stream,) = (tmp_path / "run").rglob("stream.jsonl")
+    lines = stream.read_bytes().splitlines(keepends=True)
+    stream.write_bytes(b"".join([*lines[: len(lines) // 2], b"{not json\n", *lines[len(lines) // 2 :]]))
+    with pytest.raises(EventError) as replayed:
+        list(read_run_events(tmp_path / "run", max_staleness=0))
+    for processes in (1, 2):
+        with pytest.raises(EventError) as raised:
+            what_if_with_curve(tmp_path / "run", range(9), processes=processes)
+        assert str(raised.value) == str(replayed.value)
 
 
 class _UpdatesPiecemeal:

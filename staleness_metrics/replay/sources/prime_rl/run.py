@@ -375,14 +375,17 @@ class PrimeRlRead:
         arrival: int,
     ) -> Event | None:
         notes = self.notes
+        lag = None
         if shipped is None:
             if episode.policy is None:  # frozen-model work
                 notes.frozen_unshipped += 1
                 return None
-            if not stale_at_arrival(episode.policy[0], arrival, self.max_staleness):
+            start = episode.policy[0]
+            if not stale_at_arrival(start, arrival, self.max_staleness):
                 notes.unshipped_left_out += 1
                 return None
             notes.unshipped_stale += 1
+            lag = (arrival - 1) - start if type(start) is int else None  # (a bool is no version)
         elif shipped <= self._passed or shipped < arrival:
             notes.damage.report(
                 "late_ship",
@@ -402,8 +405,8 @@ class PrimeRlRead:
         if shipped is not None and self.layout.metrics is not None:
             self._rule(shipped, episode, trace, rollout)
         if isinstance(rollout, UnparsedRollout):
-            return Event(number, "rollout", unparsed=rollout)
-        return Event(number, "rollout", parsed=rollout)
+            return Event(number, "rollout", unparsed=rollout, arrival_lag=lag)
+        return Event(number, "rollout", parsed=rollout, arrival_lag=lag)
 
     def _rule(
         self, step: int, episode: EpisodeHead, trace: TraceHead, rollout: ParsedRollout | UnparsedRollout
