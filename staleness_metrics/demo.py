@@ -34,7 +34,6 @@ from .metrics.mismatch import MismatchSums, mismatch_sums
 from .metrics.report import Tally
 from .monitor import StalenessMonitor
 from .replay.run_dir import write_run_file
-from .replay.what_if import shipped_values
 
 
 @dataclass(frozen=True)
@@ -253,6 +252,15 @@ class DriftModel:
         warm = 1.0 if self.warmup_steps <= 0 else min(1.0, step / self.warmup_steps)
         speed = self.drift_per_version * warm
         return np.sqrt(self.floor**2 + (speed * np.maximum(lags, 0)) ** 2)
+
+
+def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
+    """The shipped samples' ``name`` array (``mask``, ``logprobs``, ``trainer_logprobs``) in ship
+    order, as a trainer reads them from the records, aligned with ``shipment.lags``; NaN where a
+    sample lacks it."""
+    samples = [s for rollout in shipment.rollouts for s in rollout.record(arrays=True)["samples"]]
+    parts = [np.asarray(s.get(name, np.full(len(s["mask"]), np.nan)), dtype=np.float64) for s in samples]
+    return np.concatenate(parts) if parts else np.zeros(0)
 
 
 def shipped_mask(shipment: Shipment) -> npt.NDArray[np.bool_]:

@@ -127,6 +127,14 @@ class Shipment:
         rows = self._spans.rows
         return np.concatenate(([0], np.cumsum(rows.hi - rows.lo)))[rows.sample_offsets]
 
+    def trained_sums(self, band: tuple[float, float]) -> MismatchSums | None:
+        """SPEC 11 sums over the covered positions this ship trains (those the policy left of the
+        sampled positions of its live samples); None when no shipped record carries
+        ``trainer_logprobs``."""
+        if self.report.mismatch is None or self._spans is None:
+            return None
+        return self._spans.mismatch(band, trained=True)
+
     @property
     def metrics(self) -> Mapping[str, MetricValue]:
         """The SPEC 6 metrics dict of this ship."""
@@ -234,8 +242,9 @@ class ShippedSpans:
             return False
         return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.rows.chunk))
 
-    def mismatch(self, band: tuple[float, float], env: int | None = None) -> MismatchSums:
-        """SPEC 11 sums over the sampled positions of live rollouts (of one env, when given)."""
+    def mismatch(self, band: tuple[float, float], env: int | None = None, *, trained: bool = False) -> MismatchSums:
+        """SPEC 11 sums over the sampled positions of live rollouts (of one env, when given;
+        ``trained``: those the policy did not mask)."""
         total = MismatchSums.zero()
         found = self.rows
         inside = found.lag >= 0
@@ -244,6 +253,8 @@ class ShippedSpans:
         for c in distinct(found.chunk[inside]):
             rows = np.flatnonzero(inside & (found.chunk == c))
             lag, masked = self.per_position(rows)
+            if trained:
+                lag[masked] = NOT_SAMPLED
             lo, hi = found.lo[rows], found.hi[rows]
             positions, lengths = expand_ranges(lo, hi), hi - lo
             logprobs, trainer = (_values(self.batches[c], name, lo, positions, lengths) for name in _LOGPROBS)

@@ -16,9 +16,9 @@ import pytest
 from staleness_metrics.cli import main
 from staleness_metrics.config import PolicyName, StalenessConfig
 from staleness_metrics.demo import Simulation
+from staleness_metrics.metrics.mismatch import mismatch_sums
 from staleness_metrics.replay.sources import as_replay_events
 from staleness_metrics.replay.stream import replay
-from staleness_metrics.replay.what_if import trained_cost
 
 
 def k3(d: float) -> float:
@@ -137,7 +137,8 @@ def test_what_if_without_trainer_logprobs_has_no_cost(tmp_path: Path, capsys: py
 
 @pytest.mark.parametrize("policy", ["token", "episode", "group", "xtuner"])
 def test_the_trained_cost_leaves_out_exactly_what_the_sink_masked(policy: str) -> None:
-    """One decision: per ship and lag bucket, trained tokens = covered tokens - those the sink counted masked."""
+    """One decision: per ship and lag bucket, trained tokens = covered tokens - those the sink counted masked;
+    and the sums equal those of the shipped records' arrays where their masks train (what a trainer reads)."""
     rng = np.random.default_rng(3)
     events: list[dict[str, Any]] = []
     for _, step in zip(range(12), Simulation(4).steps(), strict=False):
@@ -152,7 +153,7 @@ def test_the_trained_cost_leaves_out_exactly_what_the_sink_masked(policy: str) -
         config = StalenessConfig(policy=cast(PolicyName, policy), max_staleness=bound)
         total_trained = 0
         for shipment in replay(as_replay_events(events), config):
-            trained = trained_cost(shipment, config.mismatch_band)
+            trained = shipment.trained_sums(config.mismatch_band)
             everything = shipment.report.mismatch
             if everything is None:  # at bound 0 a ship may take nothing: no sums on either side
                 assert trained is None and shipment.ids == []
@@ -160,5 +161,11 @@ def test_the_trained_cost_leaves_out_exactly_what_the_sink_masked(policy: str) -
             assert trained is not None
             assert trained.tokens.tolist() == (everything.tokens - everything.masked).tolist()
             assert trained.masked.sum() == 0
+            samples = [s for r in shipment.rollouts for s in r.record(arrays=True)["samples"]]
+            lags = np.where(np.concatenate([s["mask"] for s in samples]) > 0, shipment.lags, -1)
+            sampler, trainer = (np.concatenate([s[name] for s in samples]) for name in ("logprobs", "trainer_logprobs"))
+            from_records = mismatch_sums(lags, sampler, trainer, band=config.mismatch_band)
+            assert from_records.tokens.tolist() == trained.tokens.tolist()
+            np.testing.assert_allclose(from_records.sum_k3, trained.sum_k3, rtol=1e-12, atol=1e-12)
             total_trained += trained.covered
         assert total_trained > 0

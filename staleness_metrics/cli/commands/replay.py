@@ -113,7 +113,7 @@ def _atomic_output(path: Path | None) -> Iterator[IO[bytes] | None]:
 
 
 def batches_line_bytes(shipment: Shipment) -> bytes:
-    """The ``--batches-out`` line of a ship, its 0/1 weights written by table look-up."""
+    """The ``--batches-out`` line of a ship, its 0/1 weights written by one compiled pass."""
     line = shipment.batches_line(arrays=True)
     held = [
         (sample, name) for r in line["shipped"] for sample in r["samples"] for name in WEIGHT_FIELDS if name in sample
