@@ -90,13 +90,8 @@ class Table:
     def take(self: TableT, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> TableT:
         """A new table of the given rows; ``replace`` gives new values for columns."""
         taken = type(self)()
-        taken.append(**{name: replace.get(name, self.column(name)[rows]) for name in self.columns})
+        taken.append(**{name: replace.get(name, getattr(self, name)[rows]) for name in self.arrays})
         return taken
-
-    def column(self, name: str) -> npt.NDArray[Any]:
-        """The live rows of a column by name (a view)."""
-        view: npt.NDArray[Any] = getattr(self, name)
-        return view
 
 
 class RolloutRows(Table):

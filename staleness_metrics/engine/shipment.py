@@ -22,6 +22,8 @@ from .queue import RolloutQueue
 from .segments import BoolArray, IntArray, distinct, expand_ranges
 from .spans import SampleSpans, SpanRanges, as_compiled, check_sample_spans
 
+Band = tuple[float, float]  # SPEC 11's ratio band
+
 
 @dataclass(frozen=True)
 class ShippedRollout:
@@ -127,10 +129,9 @@ class Shipment:
         rows = self._spans.rows
         return np.concatenate(([0], np.cumsum(rows.hi - rows.lo)))[rows.sample_offsets]
 
-    def trained_sums(self, band: tuple[float, float]) -> MismatchSums | None:
-        """SPEC 11 sums over the covered positions this ship trains (those the policy left of the
-        sampled positions of its live samples); None when no shipped record carries
-        ``trainer_logprobs``."""
+    def trained_sums(self, band: Band) -> MismatchSums | None:
+        """SPEC 11 sums over the covered positions this ship trains (those the policy left of its
+        live samples' sampled positions); None when no shipped record has ``trainer_logprobs``."""
         if self.report.mismatch is None or self._spans is None:
             return None
         return self._spans.mismatch(band, trained=True)
@@ -242,7 +243,7 @@ class ShippedSpans:
             return False
         return any(self.batches[c].trainer_logprobs is not None for c in distinct(self.rows.chunk))
 
-    def mismatch(self, band: tuple[float, float], env: int | None = None, *, trained: bool = False) -> MismatchSums:
+    def mismatch(self, band: Band, env: int | None = None, trained: bool = False) -> MismatchSums:
         """SPEC 11 sums over the sampled positions of live rollouts (of one env, when given;
         ``trained``: those the policy did not mask)."""
         total = MismatchSums.zero()

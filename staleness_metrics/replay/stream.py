@@ -40,8 +40,7 @@ class Event:
     booleans: bool = True  # the line may hold JSON booleans (False: a faster check)
     parsed: ParsedRollout | None = None
     unparsed: UnparsedRollout | None = None
-    # a rollout a run never shipped, read because it was stale at arrival: its lag then (None: any
-    # other), so that it enters only a replay whose bound is below it
+    # a rollout a run never shipped, read as stale at arrival: its lag then (None: any other event)
     arrival_lag: int | None = None
 
     def enters(self, bound: int) -> bool:

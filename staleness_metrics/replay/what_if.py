@@ -4,7 +4,6 @@ each row the sum of its per-ship tallies (the columns: docs/run-inputs.md, docs/
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import json
 import multiprocessing
@@ -170,14 +169,9 @@ Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 Costs = tuple[MismatchSums | None, MismatchSums | None]
 
 
-def _costs(shipments: Iterable[Shipment], band: tuple[float, float]) -> Costs:
-    """The ships' merged :meth:`~staleness_metrics.Shipment.trained_sums`, and their SPEC 11 sums of
-    every shipped position."""
-    start: Costs = (None, None)
-    return functools.reduce(partial(_with_ship, band=band), shipments, start)
-
-
 def _with_ship(costs: Costs, shipment: Shipment, band: tuple[float, float]) -> Costs:
+    """``costs`` (the merged :meth:`~staleness_metrics.Shipment.trained_sums`, and the SPEC 11
+    sums of every shipped position) with one more ship's."""
     cost, pooled = costs
     ship_cost = shipment.trained_sums(band)
     if ship_cost is not None:
@@ -198,8 +192,7 @@ StepsOf = Callable[[Sequence[int]], list[Iterable[Step]]]  # the steps of each o
 
 
 def _steps_for(source: Source, strict: bool = True) -> tuple[StepsOf, list[Step] | None]:
-    """The prepared steps of each of some bounds, and the steps every bound shares (None: a prime-rl
-    run, read once for the bounds asked together)."""
+    """The prepared steps of some bounds, and those every bound shares (None: a prime-rl run)."""
     if isinstance(source, (str, Path)):
         run = find_run(source)
         if run is not None:  # the events joined to the trainer's log-probabilities
@@ -223,15 +216,12 @@ def _prime_rl_steps(path: str | Path, bounds: Sequence[int], strict: bool) -> li
     return [prepare(filter(partial(Event.enters, bound=b), read)) for read, b in zip(reads, bounds)]
 
 
-def _replay_together(runs: list[tuple[Iterable[Step], Sink]], band: Band) -> list[Replayed] | None:
+def _replay_together(runs: list[tuple[Iterable[Step], Sink]], band: Band) -> list[Replayed]:
     """The runs a ship of each in turn, so that runs fed by one read hold a ship's events between
-    them; None when one raises (a run sharing a read cannot tell its failure from its end)."""
+    them (the totals once they are done)."""
     costs: list[Costs] = [(None, None)] * len(runs)
-    try:
-        for ships in itertools.zip_longest(*(run_steps(steps, sink) for steps, sink in runs)):
-            costs = [c if s is None else _with_ship(c, s, band) for c, s in zip(costs, ships)]
-    except Exception:
-        return None
+    for ships in itertools.zip_longest(*(run_steps(steps, sink) for steps, sink in runs)):
+        costs = [c if s is None else _with_ship(c, s, band) for c, s in zip(costs, ships)]
     return [(sink.totals, *cost) for (_, sink), cost in zip(runs, costs)]
 
 
@@ -325,23 +315,26 @@ def what_if_with_curve(
     rows = []
     unbounded: MismatchSums | None = None  # the sums of a replay that removed nothing, once one did
 
+    band = base.mismatch_band
+
     def sink_at(bound: int) -> Sink:
         # no adaptation (it would judge another bound); only the totals are read
         at = dataclasses.replace(base, max_staleness=bound, adapt_every=None)
         return Sink(at, env_reports=False)
 
     def replay_at(bound: int) -> Replayed:
-        sink = sink_at(bound)
-        cost, pooled = _costs(run_steps(steps_for([bound])[0], sink), base.mismatch_band)
-        return sink.totals, cost, pooled  # (the totals once the run is done)
+        return _replay_together([(steps_for([bound])[0], sink_at(bound))], band)[0]
 
     def replay_jobs(jobs: Sequence[int]) -> Figures:
         if shared_steps is not None:
             return _replay_until_error(jobs, replay_at)
-        # a prime-rl run: the bounds together over one read (what fails, the caller replays alone)
+        # a prime-rl run: the bounds together over one read; if one raises, the caller replays each
+        # alone, raising its error (a run sharing a read cannot tell its failure from its end)
         runs = list(zip(steps_for(jobs), map(sink_at, jobs)))
-        together = _replay_together(runs, base.mismatch_band)
-        return {} if together is None else dict(zip(jobs, together))
+        try:
+            return dict(zip(jobs, _replay_together(runs, band)))
+        except Exception:
+            return {}
 
     packed = None
     if shared_steps is not None:
