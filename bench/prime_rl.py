@@ -11,10 +11,11 @@ tokens); chunks rolling at ``--chunk-mib`` and sealed as seekable zstd (frames o
 
 Then times, each in a fresh process (so that its peak RSS is its own):
 - decoding every file: zstd decompression and ``orjson.loads`` of every line, nothing else (the yardstick);
-- ``staleness-metrics replay RUN --metrics-out M`` (the reader, the sink, the SPEC 11 sums).
-Goal: replay <= 3x the decoding. Memory: the replay's peak RSS, against the decoding's and the largest
-chunk; what the reader held for traces whose trainer streams came before their episode is the steps in
-flight, not the run (``held_peak``: traces at once).
+- ``staleness-metrics replay RUN --metrics-out M`` (the reader, the sink, the SPEC 11 sums);
+- ``staleness-metrics what-if RUN --max-staleness 0..8`` (nine bounds and the curve's no-removal replay).
+Goals: replay <= 3x the decoding, what-if <= 2x the replay. Memory: the replay's peak RSS, against the
+decoding's and the largest chunk; what the reader held for traces whose trainer streams came before their
+episode is the steps in flight, not the run (``held_peak``: traces at once).
 """
 
 from __future__ import annotations
@@ -216,13 +217,25 @@ def replay(root: Path) -> dict[str, Any]:
     return {"ships": sink.totals.rollouts_shipped, "held_peak": read.notes.held_peak}
 
 
+def what_if(root: Path) -> dict[str, Any]:
+    from staleness_metrics.replay.what_if import what_if_with_curve
+
+    return {"rows": len(what_if_with_curve(root, range(9)).rows)}
+
+
 def child(mode: str, root: Path) -> None:
-    if mode == "replay":  # imported before the clock starts, as the decoder's orjson and zstandard are
+    if mode != "decode":  # imported before the clock starts, as the decoder's orjson and zstandard are
         import staleness_metrics.engine.sink
         import staleness_metrics.replay.sources
-        import staleness_metrics.replay.stream  # noqa: F401
+        import staleness_metrics.replay.stream
+        import staleness_metrics.replay.what_if  # noqa: F401
     start = time.perf_counter()
-    extra: dict[str, Any] = {"lines": decode(root)} if mode == "decode" else replay(root)
+    measured = {
+        "decode": lambda: {"lines": decode(root)},
+        "replay": lambda: replay(root),
+        "what-if": lambda: what_if(root),
+    }
+    extra: dict[str, Any] = measured[mode]()
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps({"seconds": seconds, "peak_rss": peak, **extra}))
@@ -259,6 +272,7 @@ def main() -> None:
         on_disk = sum(p.stat().st_size for p in _files(root))
         decoded = min((run_child("decode", root) for _ in range(args.repeat)), key=lambda r: r["seconds"])
         replayed = min((run_child("replay", root) for _ in range(args.repeat)), key=lambda r: r["seconds"])
+        asked = min((run_child("what-if", root) for _ in range(args.repeat)), key=lambda r: r["seconds"])
     result = {
         **sizes,
         "bytes_on_disk": on_disk,
@@ -269,6 +283,9 @@ def main() -> None:
         "replay_peak_rss": replayed["peak_rss"],
         "held_peak": replayed["held_peak"],
         "tokens_per_second": sizes["tokens"] / replayed["seconds"],
+        "what_if_seconds": asked["seconds"],
+        "what_if_over_replay": asked["seconds"] / replayed["seconds"],
+        "what_if_peak_rss": asked["peak_rss"],
     }
     if args.json:
         print(json.dumps(result))
@@ -282,6 +299,10 @@ def main() -> None:
         f"replay                   {replayed['seconds']:8.2f} s   peak RSS {replayed['peak_rss'] / 2**20:.0f} MiB, "
         f"{result['replay_over_decode']:.2f}x the decoding (goal <= 3x); at most {replayed['held_peak']} traces' "
         "trainer streams held ahead of their episode"
+    )
+    print(
+        f"what-if 0..8             {asked['seconds']:8.2f} s   peak RSS {asked['peak_rss'] / 2**20:.0f} MiB, "
+        f"{result['what_if_over_replay']:.2f}x the replay (goal <= 2x)"
     )
 
 

@@ -77,6 +77,8 @@ def test_prime_rl_bench_reports_the_ratio_to_decoding_and_peak_memory() -> None:
         assert positive(result[key]), key
     assert result["replay_over_decode"] == pytest.approx(result["replay_seconds"] / result["decode_seconds"])
     assert result["held_peak"] >= 0
+    assert positive(result["what_if_seconds"]) and positive(result["what_if_peak_rss"])
+    assert result["what_if_over_replay"] == pytest.approx(result["what_if_seconds"] / result["replay_seconds"])
 
 
 @pytest.mark.integration
