@@ -179,13 +179,23 @@ def test_the_live_monitor_equals_the_replay(tmp_path: Path, bound: int) -> None:
         _assert_same({**shipment.metrics, **(live.monitor.mismatch_metrics(step) or {})}, replayed[step], step)
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_what_if_reads_the_run_once_and_each_row_is_that_bounds_own_replay(tmp_path: Path, processes: int) -> None:
+@pytest.mark.parametrize(
+    ("config", "processes"),
+    [
+        pytest.param(replace(SMALL, async_level=4), 1, id="one-process"),
+        pytest.param(replace(SMALL, async_level=4), 2, id="two-processes"),
+        pytest.param(replace(SMALL, async_level=4, end="tear"), 2, id="torn-last-line"),
+        pytest.param(replace(SMALL, async_level=4, relaunch_at=7, layout="single"), 2, id="relaunched-single-file"),
+    ],
+)
+def test_what_if_reads_the_run_once_and_each_row_is_that_bounds_own_replay(
+    tmp_path: Path, config: SimConfig, processes: int
+) -> None:
     """The bounds run together over one read, each taking the never-shipped traces stale at arrival under
     it: every row and the curve are those of the bound replayed alone (a read of its own)."""
     from staleness_metrics.replay.what_if import what_if_with_curve
 
-    simulate(tmp_path / "run", replace(SMALL, async_level=4))
+    simulate(tmp_path / "run", config)
     together = what_if_with_curve(tmp_path / "run", range(9), processes=processes)
     alone = [what_if_with_curve(tmp_path / "run", [bound], processes=1).rows[0] for bound in range(9)]
     curve_rows = [dataclasses.replace(row, excess_at_bound=None, within_budget=None, suggested=None,
