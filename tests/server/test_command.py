@@ -84,21 +84,6 @@ def test_the_span_row_allowance_is_the_command_lines(serve_process: Callable[...
             assert (error["rollout_id"], error["field"]) == ("f", "samples[0].mask")
 
 
-def test_the_compiled_loops_are_ready_before_the_url_is_announced(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import uvicorn
-
-    from staleness_metrics.engine import warm_up
-
-    monkeypatch.setattr(warm_up, "warm_up", lambda: print("compiled loops ready", flush=True))
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: print("serving", flush=True))
-    assert serve.run(parse("--port", "0", "--in-memory")) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "compiled loops ready"
-    assert lines[1].startswith("staleness-metrics service on http://127.0.0.1:") and lines[2] == "serving"
-
-
 def test_an_empty_token_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "token"
     empty.write_text("\n")

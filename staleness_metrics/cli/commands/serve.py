@@ -106,7 +106,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
-        from ...engine.warm_up import warm_up
         from ...server import ExportSettings, ServerSettings, create_app
         from ...server.limits import return_large_frees_to_the_os, uvicorn_header_options
         from ...server.security import BindRefused, check_bind
@@ -149,9 +148,6 @@ def run(args: argparse.Namespace) -> int:
         sock = _listen(args.host, args.port)
     except OSError as exc:
         return failed("serve", f"cannot listen on {args.host}:{args.port}: {exc}", 1)
-    # the engine's compiled loops: seconds on a fresh install, and about 60 MB of compiler memory a
-    # loop compiled inside a request
-    warm_up()
     try:
         app = create_app(settings)  # restores the stored runs, before the URL is announced
     except Exception as exc:
