@@ -350,11 +350,13 @@ def what_if_with_curve(
     # the same steps at every bound: those above the first that removed nothing share its figures
     ascending = shared_steps is not None
     jobs = sorted(set(bounds)) if ascending else list(bounds)
+    # the replay that removes nothing runs beside them (over the same read), used where every bound
+    # removed something
+    beside = [*jobs, UNBOUNDED] if costs else jobs
     if processes >= 2 and len(bounds) >= 2 and _fork_safe():
-        # the replay that removes nothing runs beside them, used where every bound removed something
-        replayed = _replay_split([*jobs, UNBOUNDED] if costs else jobs, replay_jobs)
+        replayed = _replay_split(beside, replay_jobs)
     else:
-        replayed = replay_jobs(jobs)
+        replayed = replay_jobs(jobs if ascending else beside)
     for bound in bounds:
         # a smaller bound's replay that removed nothing is this one's too
         below = [b for b, f in replayed.items() if ascending and b < bound and _removes_nothing(f)]
