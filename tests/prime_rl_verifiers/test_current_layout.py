@@ -29,7 +29,7 @@ def _bucket(lag: int) -> str:
     return str(lag) if lag <= 16 else "32" if lag <= 32 else "64" if lag <= 64 else "inf"
 
 
-def _replay(root: Path, out: Path, bound: int = BOUND) -> dict[int, dict[str, Any]]:
+def _replay(root: Path, out: Path, bound: int = BOUND, *extra: str) -> dict[int, dict[str, Any]]:
     """``staleness-metrics replay ROOT --metrics-out OUT``: its rows by step (without the step key)."""
     cmd = [
         sys.executable,
@@ -41,6 +41,7 @@ def _replay(root: Path, out: Path, bound: int = BOUND) -> dict[int, dict[str, An
         str(bound),
         "--metrics-out",
         str(out),
+        *extra,
     ]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return {row.pop("step"): row for row in map(json.loads, out.read_text().splitlines())}
@@ -260,6 +261,27 @@ def test_the_live_monitor_equals_the_replay_when_updates_come_piecemeal(tmp_path
         expected = {k: v for k, v in replayed[step].items() if k.startswith("staleness/mismatch/")}
         got = live.monitor.mismatch_metrics(step) or {}
         _assert_same({k: v for k, v in got.items() if k.startswith("staleness/mismatch/")}, expected, step)
+
+
+def test_per_env_costs_of_piecemeal_updates_equal_the_replays(tmp_path: Path) -> None:
+    """With the env breakdown, each env's SPEC 11 keys as the live monitor last published them (its JSON
+    lines, one per call) equal the replay's, and so do the batch's."""
+    from staleness_metrics.exporters.jsonl import JsonlExporter
+
+    config = StalenessConfig(max_staleness=BOUND, env_breakdown=True)
+    live = PrimeRlMonitor(StalenessMonitor(config, [JsonlExporter(tmp_path / "live.jsonl")]))
+    simulate(tmp_path / "run", SMALL, observers=[_UpdatesPiecemeal(live, revised=True)])
+    live.finalize()
+    published: dict[int, dict[str, Any]] = defaultdict(dict)
+    for row in map(json.loads, (tmp_path / "live.jsonl").read_text().splitlines()):
+        published[row.pop("step")].update(row)
+    replayed = _replay(tmp_path / "run", tmp_path / "m.jsonl", BOUND, "--env-breakdown")
+    costs = 0
+    for step, row in replayed.items():
+        expected = {k: v for k, v in row.items() if "/mismatch/" in k}
+        costs += sum(k.startswith("staleness/env/") for k in expected)
+        _assert_same({k: v for k, v in published[step].items() if "/mismatch/" in k}, expected, step)
+    assert costs > 0
 
 
 def test_the_live_monitor_takes_dicts_and_ignores_what_is_not_its_business() -> None:
