@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import StalenessConfig
-from ..engine.shipment import Shipment
+from ..engine.shipment import Band, Shipment
 from ..engine.sink import Sink
 from ..errors import ConfigError
 from ..metrics import keys
@@ -164,12 +164,11 @@ def run_curve(sums: MismatchSums | None, config: StalenessConfig) -> RunCurve | 
     return RunCurve(floor, budget_of(config.mismatch_budget, floor.value), curve, sums)
 
 
-Band = tuple[float, float]
 Replayed = tuple[Tally, MismatchSums | None, MismatchSums | None]
 Costs = tuple[MismatchSums | None, MismatchSums | None]
 
 
-def _with_ship(costs: Costs, shipment: Shipment, band: tuple[float, float]) -> Costs:
+def _with_ship(costs: Costs, shipment: Shipment, band: Band) -> Costs:
     """``costs`` (the merged :meth:`~staleness_metrics.Shipment.trained_sums`, and the SPEC 11
     sums of every shipped position) with one more ship's."""
     cost, pooled = costs
