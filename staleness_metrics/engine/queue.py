@@ -17,6 +17,7 @@ from .segments import IntArray, expand_ranges
 from .spans import build_spans
 
 QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3  # a rollout row's status
+PENDING = 4  # the row of a read-ahead window's rollout whose add has not come (the tables' last rows)
 COMPACT_MIN_ROWS = 4096  # below this many rows, forgetting is not worth a copy
 NEVER = -1  # the step of a rollout not judged yet
 STAGE_MAX_POSITIONS = 1 << 16  # a longer batch is cut at its add
@@ -87,6 +88,11 @@ class Table:
         # each column's live rows as a plain attribute, which a read finds before the Column
         vars(self).update({name: column[: self._size] for name, column in self.arrays.items()})
 
+    def truncate(self, size: int) -> None:
+        """Forget the rows from ``size`` on."""
+        self._size = size
+        self._set_views()
+
     def take(self: TableT, rows: npt.NDArray[np.int64], **replace: npt.ArrayLike) -> TableT:
         """A new table of the given rows; ``replace`` gives new values for columns."""
         taken = type(self)()
@@ -99,7 +105,7 @@ class RolloutRows(Table):
 
     chunk = Column(np.int64)  # the batch it arrived in (the queue's ``chunks``)
     index = Column(np.int64)  # its rollout number in that batch
-    status = Column(np.int8)  # queue.QUEUED, SHIPPED, DROPPED or INVALID
+    status = Column(np.int8)  # queue.QUEUED, SHIPPED, DROPPED, INVALID or PENDING
     judged = Column(np.int64)  # the last step that judged it (queue.NEVER: none yet)
     frozen = Column(np.bool_)
     dispatch = Column(np.int64)
@@ -140,6 +146,16 @@ class SpanRows(Table):
     sampled = Column(np.int64)
     live = Column(np.bool_)
     part = Column(np.int8)  # spans.PART_WHOLE, PART_LABELLED or PART_UNLABELLED
+
+
+class Ahead(NamedTuple):
+    """The pending rows of a read-ahead window (:meth:`RolloutQueue.add_part`)."""
+
+    batch: RolloutBatch
+    first: int  # the window's rollout of the first row appended
+    row: int  # that row
+    tokens: IntArray  # live sampled positions before each rollout from ``first`` on (cumulative)
+    next: int  # the rollout whose add comes next
 
 
 class Staged(NamedTuple):
@@ -273,14 +289,14 @@ class RolloutQueue:
         self.queued = 0
         self._tokens_entered = 0  # (conservation: = shipped + dropped + queued)
         self._staged: list[Staged] = []  # small batches queued, their rows not built yet
-        self._staged_rollouts = 0
+        self._ahead: Ahead | None = None
         self._staged_positions = 0
         self._observe_added = observe_added
         self._first_queued = 0  # no row before this one is queued
 
     @property
     def tracked_rollouts(self) -> int:
-        return len(self.rollouts) + self._staged_rollouts
+        return len(self.ids)  # (every row but the pending ones, and the staged rollouts)
 
     @property
     def tokens_entered(self) -> int:
@@ -346,7 +362,7 @@ class RolloutQueue:
         if kept_ids is not None and len(kept_ids) == len(batch.ids):
             kept_ids = None
         chunk = len(self.chunks)
-        row_base = len(self.rollouts) + self._staged_rollouts
+        row_base = len(self.ids)
         self.chunks.append(batch)
         ids = batch.ids if kept_ids is None else list(map(batch.ids.__getitem__, kept_ids))
         env_names = batch.envs if kept_ids is None else list(map(batch.envs.__getitem__, kept_ids))
@@ -369,6 +385,7 @@ class RolloutQueue:
 
     def add_checked(self, batch: RolloutBatch, spans: SpanTable, kept_ids: list[int] | None = None) -> None:
         self.build_staged()  # (rows are built in the order rollouts entered)
+        self.drop_ahead()
         chunk, groups, envs = self.admit(batch, kept_ids)
         kept = range(batch.n_rollouts) if kept_ids is None else kept_ids
         # one append per run of consecutive rollouts kept (one run unless some were refused)
@@ -378,18 +395,49 @@ class RolloutQueue:
             rows = (np.full(b - a, chunk), np.arange(first, stop), np.array(groups[a:b]), np.array(envs[a:b]))
             self.append_rows(batch, spans, (first, stop), rows)
 
+    def add_part(self, batch: RolloutBatch, spans: SpanTable, part: tuple[int, int]) -> None:
+        """Queue the rollouts ``part`` of a read-ahead window's ``batch``, every rollout valid: the
+        rows of the window's rollouts from ``part`` on are appended once, pending, and each part's
+        add queues its own."""
+        first, stop = part
+        ahead = self._ahead
+        if ahead is None or ahead.batch is not batch or ahead.next != first:
+            self.build_staged()
+            self.drop_ahead()
+            n, zero = batch.n_rollouts, np.zeros(batch.n_rollouts - first, np.int64)  # (chunk, group, env: at the add)
+            tokens = self.append_rows(batch, spans, (first, n), (zero, np.arange(first, n), zero, zero), status=PENDING)
+            ahead = Ahead(batch, first, len(self.rollouts) - (n - first), tokens, first)
+        chunk, groups, envs = self.admit(batch, list(range(first, stop)))
+        lo, hi = ahead.row + first - ahead.first, ahead.row + stop - ahead.first
+        r = self.rollouts
+        r.chunk[lo:hi], r.group[lo:hi], r.env[lo:hi], r.status[lo:hi] = chunk, groups, envs, QUEUED
+        self._tokens_entered += int(ahead.tokens[stop - ahead.first] - ahead.tokens[first - ahead.first])
+        self._first_queued = min(self._first_queued, lo)
+        self._ahead = ahead._replace(next=stop) if stop < batch.n_rollouts else None
+        self._observe_added(np.array(groups, dtype=np.int64))
+
+    def drop_ahead(self) -> None:
+        """Forget a read-ahead window's pending rows (its next part appends them again)."""
+        if self._ahead is None:
+            return
+        row = self._ahead.row + self._ahead.next - self._ahead.first
+        sample = int(self.rollouts.sample_lo[row])
+        self.spans.truncate(int(self.samples.span_lo[sample]))
+        self.samples.truncate(sample)
+        self.rollouts.truncate(row)
+        self._ahead = None
+
     def stage(self, batch: RolloutBatch) -> int | None:
         """Queue a plainly valid batch, its rows built later: how many rollouts, or None."""
         if not plain_values_of(batch):
             return None
-        n_rollouts, n_positions = batch.n_rollouts, batch.n_positions
+        self.drop_ahead()
         chunk, groups, envs = self.admit(batch)
         self._staged.append(Staged(batch, chunk, groups, envs, kind_of(batch)))
-        self._staged_rollouts += n_rollouts
-        self._staged_positions += n_positions
+        self._staged_positions += batch.n_positions
         if self._staged_positions > STAGE_FLUSH_POSITIONS:
             self.build_staged()
-        return n_rollouts
+        return batch.n_rollouts
 
     def build_staged(self) -> None:
         """Cut the staged batches into spans and append their rows, a run that agrees at a time."""
@@ -397,7 +445,7 @@ class RolloutQueue:
             return
         staged, self._staged = self._staged, []
         first = len(self.rollouts)  # (the staged rollouts' ids are the last ones admitted)
-        self._staged_rollouts = self._staged_positions = 0
+        self._staged_positions = 0
         for run in runs_of(staged):
             if len(run) == 1:  # (one batch: its own arrays, nothing to join or shift)
                 only = run[0]
@@ -422,8 +470,10 @@ class RolloutQueue:
         rollouts: tuple[int, int],
         rows: tuple[IntArray, IntArray, IntArray, IntArray],
         position_base: IntArray | None = None,
-    ) -> None:
-        """Append the rows of the rollouts ``rollouts[0]..rollouts[1] - 1`` of ``batch``."""
+        status: int = QUEUED,
+    ) -> IntArray:
+        """Append the rows of the rollouts ``rollouts[0]..rollouts[1] - 1`` of ``batch``: their live
+        sampled positions before each (cumulative; PENDING rows are not counted in yet)."""
         chunk, index, groups, envs = rows
         first, stop = rollouts
         offsets = batch.sample_offsets[first : stop + 1]
@@ -438,7 +488,7 @@ class RolloutQueue:
         new_span_offsets = span_base + (span_offsets - span_offsets[0])
         frozen = batch.frozen[first:stop]
         self.rollouts.append(
-            chunk=chunk, index=index, status=QUEUED, judged=NEVER, frozen=frozen,
+            chunk=chunk, index=index, status=status, judged=NEVER, frozen=frozen,
             dispatch=batch.dispatch_version[first:stop], completion=spans.completion[first:stop],
             group=groups, env=envs,
             sample_lo=new_sample_offsets[:-1], sample_hi=new_sample_offsets[1:],
@@ -462,8 +512,12 @@ class RolloutQueue:
             labelled=spans.label[kept_spans] >= 0, sampled=spans.sampled[kept_spans], live=spans.live[kept_spans],
             part=spans.part[kept_spans],
         )  # fmt: skip
-        self._tokens_entered += int(n_sampled[~frozen[sample_rollout]].sum())
-        self._observe_added(groups)
+        live = np.concatenate(([0], np.cumsum(np.where(frozen[sample_rollout], 0, n_sampled))))
+        tokens: IntArray = live[offsets - s0]
+        if status == QUEUED:
+            self._tokens_entered += int(tokens[-1])
+            self._observe_added(groups)
+        return tokens
 
     def queued_rows(self) -> IntArray:
         self.build_staged()
@@ -507,6 +561,7 @@ class RolloutQueue:
 
     def compact(self) -> None:
         self.build_staged()
+        self.drop_ahead()
         r, s = self.rollouts, self.samples
         keep = np.flatnonzero(r.status == QUEUED)
         sample_counts = r.sample_hi[keep] - r.sample_lo[keep]

@@ -178,7 +178,7 @@ class Sink:
         verdicts, spans = checked if checked is not None else checked_spans(batch, self.queue.seen_ids)
         if verdicts.errors and self.config.strict:
             raise verdicts.errors[min(verdicts.errors)]
-        kept_ids: list[int] | None = None if part is None else list(range(*part))  # (None: the whole batch)
+        kept_ids: list[int] | None = None  # (None: the whole batch)
         if verdicts.errors:
             assert part is None, "a window is cut at once only when every rollout passes"
             for index, error in sorted(verdicts.errors.items()):
@@ -187,6 +187,9 @@ class Sink:
             kept_ids = np.flatnonzero(~verdicts.invalid).tolist()
             if not kept_ids:
                 return 0
+        if part is not None:
+            self.queue.add_part(batch, spans, part)
+            return part[1] - part[0]
         self.queue.add_checked(batch, spans, kept_ids)
         return batch.n_rollouts if kept_ids is None else len(kept_ids)
 
@@ -295,7 +298,7 @@ class Sink:
         self._window = WindowCounts()
         self._invalid = []
         self.queue.release_chunks()
-        if len(self.queue.rollouts) > max(self.compact_min_rows, 2 * self.queue.queued):
+        if self.queue.tracked_rollouts > max(self.compact_min_rows, 2 * self.queue.queued):
             self.queue.compact()
         return shipment
 
