@@ -15,13 +15,7 @@ from ..errors import FieldError
 from ..metrics.mismatch import MismatchSums, mismatch_sums
 from ..monitor import StalenessMonitor
 from ..records.model import ParsedRollout, UnparsedRollout, pack
-from ..replay.sources.prime_rl.episodes import (
-    EpisodeHead,
-    Stream,
-    TraceHead,
-    episode_head,
-    trace_rollout,
-)
+from ..replay.sources.prime_rl.episodes import EpisodeHead, Stream, TraceHead, episode_head, trace_rollout
 from ..replay.sources.prime_rl.legacy import stale_at_arrival
 from ._ship import rollout_lags
 

@@ -12,17 +12,7 @@ import numpy.typing as npt
 
 from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
 from ..records.validation import Verdicts, check_batch
-from .cuts import (
-    WEIGHT_NAN,
-    WEIGHT_NONFINITE,
-    WEIGHT_NONZERO,
-    WEIGHT_NOT_POSITIVE,
-    CutFlags,
-    SampleLabels,
-    SpanTable,
-    sample_cuts,
-    span_rows,
-)
+from . import cuts
 from .segments import BoolArray, IntArray, expand_ranges, segment_max
 
 NO_VERSION_LOW = np.iinfo(np.int64).min // 4  # "no version": below every real threshold
@@ -84,7 +74,7 @@ class _TokenVersionBelowMinusOne(Exception):
     """A token version below -1 in a sample :func:`build_spans` cut without checking them."""
 
 
-def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> tuple[Verdicts, SpanTable]:
+def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) -> tuple[Verdicts, cuts.SpanTable]:
     """:func:`~staleness_metrics.records.validation.check_batch` then :func:`build_spans`, each
     rollout's first error named as the checks in their usual order name it."""
     verdicts = check_batch(batch, known_ids, token_values=False)
@@ -97,7 +87,7 @@ def checked_spans(batch: RolloutBatch, known_ids: Container[str] = frozenset()) 
     return verdicts, build_spans(batch, verdicts)
 
 
-def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool = True) -> SpanTable:
+def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool = True) -> cuts.SpanTable:
     """Cut every sample of ``batch`` into spans, checking the position values into ``verdicts``
     (rollouts invalid there get no spans); without ``token_values``, raises
     ``_TokenVersionBelowMinusOne`` on a token version below -1."""
@@ -110,18 +100,18 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     weights = [getattr(batch, name) for name in present]
     assert batch.label_kind is not None
     given = (batch.token_versions, batch.span_offsets, batch.span_starts, batch.span_versions)
-    labels = SampleLabels(batch.label_kind, *(_NO_POSITIONS if a is None else a for a in given))
-    cuts = sample_cuts(labels, batch.mask, pos_off, np.flatnonzero(cut), weights)
-    if cuts.below and not token_values:
+    labels = cuts.SampleLabels(batch.label_kind, *(_NO_POSITIONS if a is None else a for a in given))
+    found = cuts.sample_cuts(labels, batch.mask, pos_off, np.flatnonzero(cut), weights)
+    if found.below and not token_values:
         raise _TokenVersionBelowMinusOne
-    lo, hi = cuts.starts, cuts.ends
+    lo, hi = found.starts, found.ends
     value = batch.mask[lo]  # (a cut holds one mask value)
     bad = (value != 0) & (value != 1)
     if bad.any():
         verdicts.positions(lo[bad].tolist(), "mask", "expected 0 or 1")
     nonzero = {
         name: _nonzero_or_report(values, name, bits, lo, hi, verdicts)
-        for name, values, bits in zip(present, weights, cuts.flags)
+        for name, values, bits in zip(present, weights, found.flags)
     }
     if batch.logprobs is not None and not np.isfinite(np.add.reduce(batch.logprobs)):
         offenders = np.flatnonzero(~np.isfinite(batch.logprobs))  # the first of each sample named
@@ -137,15 +127,15 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     side = np.zeros(len(lo), dtype=bool) if other is None else ~is_sampled & other
     live_labelled, live_unlabelled = live, live
     if rl is not None:
-        rl_bits = cuts.flags[present.index("rl_weights")]
-        rl_doubtful = rl_bits & (WEIGHT_NAN | WEIGHT_NOT_POSITIVE) != 0
-        mixed = (cuts.labelled > 0) & (cuts.labelled < hi - lo)
+        rl_bits = found.flags[present.index("rl_weights")]
+        rl_doubtful = rl_bits & (cuts.WEIGHT_NAN | cuts.WEIGHT_NOT_POSITIVE) != 0
+        mixed = (found.labelled > 0) & (found.labelled < hi - lo)
         parts = _exact_part_liveness(batch, present, lo, hi, rl_doubtful, live, mixed)
         live_labelled, live_unlabelled = parts
-    flags = CutFlags(np.ones(len(lo), dtype=bool), is_sampled, live_labelled, live_unlabelled, side)
+    flags = cuts.CutFlags(np.ones(len(lo), dtype=bool), is_sampled, live_labelled, live_unlabelled, side)
     dispatch = batch.dispatch_version[sample_rollout]
     no_version = (NO_VERSION_LOW, NO_VERSION_HIGH)
-    rows = span_rows(lo, hi, cuts.labels, cuts.labelled, flags, pos_off, dispatch, no_version)
+    rows = cuts.span_rows(lo, hi, found.labels, found.labelled, flags, pos_off, dispatch, no_version)
     completion = batch.completion_version
     assert completion is not None
     newest = segment_max(rows.max_sampled_version, batch.sample_offsets, NO_VERSION_LOW)
@@ -190,9 +180,9 @@ def _nonzero_or_report(
     verdicts: Verdicts,
 ) -> BoolArray:
     """Per cut: a non-zero (not NaN) weight; names the first non-finite value of a cut."""
-    broken = flags & WEIGHT_NONFINITE != 0
+    broken = flags & cuts.WEIGHT_NONFINITE != 0
     for span in np.flatnonzero(broken).tolist() if broken.any() else ():
         a, b = int(lo[span]), int(hi[span])
         verdicts.positions([a + int(np.flatnonzero(~np.isfinite(values[a:b]))[0])], name, "not a finite number")
-    nonzero: BoolArray = flags & (WEIGHT_NONZERO | WEIGHT_NAN) == WEIGHT_NONZERO
+    nonzero: BoolArray = flags & (cuts.WEIGHT_NONZERO | cuts.WEIGHT_NAN) == cuts.WEIGHT_NONZERO
     return nonzero

@@ -19,16 +19,8 @@ from ..metrics.buckets import FLOOR_SOURCES, LAG_BUCKETS
 from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Tally
+from ..replay import sources
 from ..replay.run_dir import RunDirectory, find_run
-from ..replay.sources import (
-    PrimeRlRead,
-    as_replay_events,
-    compare_prime_rl,
-    detect_source,
-    is_current_layout,
-    read_run,
-    read_run_events,
-)
 from ..replay.sources.events import iter_json_lines
 from ..replay.sources.prime_rl import ComparisonRow, has_rollouts, read_prime_rl_metrics
 from ..replay.stream import replay
@@ -136,7 +128,7 @@ def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipm
 
 
 def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
-    shipments = replay(as_replay_events(run.events_with_costs()), config)
+    shipments = replay(sources.as_replay_events(run.events_with_costs()), config)
     data = _replayed(str(run.root), "run", config, shipments)
     if run.metrics is not None:
         data.rows = _fill_from(data.rows, metrics_rows(run.metrics))
@@ -157,7 +149,7 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
     directory = find_run(run)  # a run directory, or the event stream of one: the whole directory
     if directory is not None:
         return _collect_run_directory(directory, config, what_if_bounds)
-    kind = detect_source(run)
+    kind = sources.detect_source(run)
     source = str(run)
     if kind == "metrics" or (kind == "prime-rl" and not has_rollouts(run)):
         path = Path(run) / "metrics.jsonl" if kind == "prime-rl" else Path(run)
@@ -167,12 +159,12 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         data.curve = run_curve(sums_from_rows(rows), config)
         data.curve_source = "the logged k3 and tokens by lag"
         return data
-    read: PrimeRlRead | None = None
-    if kind == "prime-rl" and is_current_layout(run):
-        read = read_run_events(run, max_staleness=config.max_staleness, strict=config.strict)
+    read: sources.PrimeRlRead | None = None
+    if kind == "prime-rl" and sources.is_current_layout(run):
+        read = sources.read_run_events(run, max_staleness=config.max_staleness, strict=config.strict)
         shipments = replay(iter(read), config)
     else:
-        shipments = replay(read_run(run, max_staleness=config.max_staleness, strict=config.strict), config)
+        shipments = replay(sources.read_run(run, max_staleness=config.max_staleness, strict=config.strict), config)
     data = _replayed(source, kind, config, shipments)
     if what_if_bounds:
         bounds = sorted(set(what_if_bounds))
@@ -180,7 +172,9 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         data.what_if = result.rows
         data.curve, data.curve_source = result.curve, "the records' trainer log-probabilities"
     if kind == "prime-rl" and read_prime_rl_metrics(run):
-        data.comparison = compare_prime_rl(run, [s.report for s in shipments], notes=read.notes if read else None)
+        data.comparison = sources.compare_prime_rl(
+            run, [s.report for s in shipments], notes=read.notes if read else None
+        )
     if read is not None:
         data.read_notes = [line for line in (read.notes.left_out(), read.notes.damage.summary()) if line]
     return data

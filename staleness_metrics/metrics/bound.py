@@ -15,17 +15,8 @@ import numpy as np
 
 from ..config import StalenessConfig
 from ..errors import FieldError
+from . import keys
 from .buckets import CURVE_BUCKETS, LAG_BUCKETS, FloorSource
-from .keys import (
-    BOUND_CROSSED,
-    BOUND_EXCESS_AT_BOUND,
-    BOUND_SUGGESTED,
-    MISMATCH_BUDGET,
-    MISMATCH_CURVE_BY_LAG,
-    MISMATCH_FLOOR,
-    MISMATCH_FLOOR_AGE,
-    MISMATCH_FLOOR_SOURCE,
-)
 from .mismatch import MismatchSums
 from .report import MetricValue
 
@@ -159,19 +150,19 @@ def bound_metrics(result: ShipBound) -> dict[str, MetricValue]:
     if floor is None or result.budget is None:
         return {}
     out: dict[str, MetricValue] = {
-        MISMATCH_FLOOR: floor.value,
-        MISMATCH_FLOOR_AGE: floor.age,
-        MISMATCH_FLOOR_SOURCE: floor.source,
-        MISMATCH_BUDGET: result.budget,
+        keys.MISMATCH_FLOOR: floor.value,
+        keys.MISMATCH_FLOOR_AGE: floor.age,
+        keys.MISMATCH_FLOOR_SOURCE: floor.source,
+        keys.MISMATCH_BUDGET: result.budget,
     }
     for lag, fitted in zip(result.curve.lags, result.curve.fitted, strict=True):
-        out[MISMATCH_CURVE_BY_LAG[LAG_BUCKETS[lag]]] = fitted
+        out[keys.MISMATCH_CURVE_BY_LAG[LAG_BUCKETS[lag]]] = fitted
     advice = result.advice
     if advice is not None:
-        out[BOUND_SUGGESTED] = advice.suggested
-        out[BOUND_CROSSED] = int(advice.crossed)
+        out[keys.BOUND_SUGGESTED] = advice.suggested
+        out[keys.BOUND_CROSSED] = int(advice.crossed)
         if advice.excess_at_bound is not None:
-            out[BOUND_EXCESS_AT_BOUND] = advice.excess_at_bound
+            out[keys.BOUND_EXCESS_AT_BOUND] = advice.excess_at_bound
     return out
 
 

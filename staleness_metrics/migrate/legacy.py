@@ -8,31 +8,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
-from ..metrics.metric_table import (
-    LEGACY_KEYS,
-    LEGACY_NAMESPACE,
-    LEGACY_PROMETHEUS_NAMES,
-    METRICS,
-    REMOVED_KEY_FAMILIES,
-    WANDB_KEYS,
-    LegacyKey,
-    MetricKind,
-    metric_by_key,
-)
+from ..metrics import metric_table
 
 # the settings as command lines spell them (--orchestrator.max-off-policy-steps 8)
 RENAMED_SETTING_FLAGS: Mapping[str, str] = {"max-off-policy-steps": "max-staleness"}
 CONSOLE_LABELS: Mapping[str, str] = {"Max Off-Policy": "Max Staleness"}
-CURRENT_KEYS: frozenset[str] = frozenset(WANDB_KEYS)
+CURRENT_KEYS: frozenset[str] = frozenset(metric_table.WANDB_KEYS)
 # prime-rl's orchestrator exporter
 DEFAULT_PROMETHEUS_PREFIXES: tuple[str, ...] = ("orchestrator_",)
 
 _HISTOGRAM_SERIES = ("", "_bucket", "_sum", "_count")
 CURRENT_PROMETHEUS_NAMES: frozenset[str] = frozenset(
     metric.prometheus_name + suffix
-    for metric in METRICS
+    for metric in metric_table.METRICS
     if metric.prometheus_name is not None
-    for suffix in (_HISTOGRAM_SERIES if metric.kind is MetricKind.HISTOGRAM else ("",))
+    for suffix in (_HISTOGRAM_SERIES if metric.kind is metric_table.MetricKind.HISTOGRAM else ("",))
 )
 _COUNTER_NOTE = "was a per-step gauge, is now a cumulative counter: wrap it in increase() or rate()"
 # wandb: a W&B panel regex over keys (matches anywhere, like JavaScript's ``test``); prometheus: a
@@ -41,14 +31,14 @@ RegexFlavor = Literal["wandb", "prometheus"]
 _Trie: TypeAlias = dict[str | None, "_Trie"]  # segment -> subtree; the key None marks a name's end
 
 
-def migrate_key(key: str) -> LegacyKey | None:
+def migrate_key(key: str) -> metric_table.LegacyKey | None:
     """A legacy or removed-family W&B key's :class:`LegacyKey` (``new`` None: removed), or None."""
-    found = LEGACY_KEYS.get(key)
+    found = metric_table.LEGACY_KEYS.get(key)
     if found is not None:
         return found
-    for prefix, reason in REMOVED_KEY_FAMILIES.items():
+    for prefix, reason in metric_table.REMOVED_KEY_FAMILIES.items():
         if key.startswith(prefix) and len(key) > len(prefix):
-            return LegacyKey(key, None, reason)
+            return metric_table.LegacyKey(key, None, reason)
     return None
 
 
@@ -58,7 +48,7 @@ def current_key(key: str) -> str | None:
 
 
 def in_legacy_namespace(key: str) -> bool:
-    return key.startswith(LEGACY_NAMESPACE)
+    return key.startswith(metric_table.LEGACY_NAMESPACE)
 
 
 @dataclass(frozen=True)
@@ -79,17 +69,17 @@ def migrate_prometheus_name(
     candidates = [name]
     candidates += [name[len(p) :] for p in sorted(set(prefixes), key=len, reverse=True) if p and name.startswith(p)]
     for bare in candidates:
-        old_key = LEGACY_PROMETHEUS_NAMES.get(bare)
+        old_key = metric_table.LEGACY_PROMETHEUS_NAMES.get(bare)
         if old_key is None:
             continue
         legacy = migrate_key(old_key)
         assert legacy is not None, f"{bare} names {old_key}, which is not a legacy key"
         if legacy.new is None:
             return LegacyPrometheusName(old_key, None, legacy.reason)
-        metric = metric_by_key(legacy.new)
+        metric = metric_table.metric_by_key(legacy.new)
         assert metric.prometheus_name is not None, f"{legacy.new} has no Prometheus name"
         reason = legacy.reason or "renamed"
-        if metric.kind is MetricKind.COUNTER and not bare.endswith("_total"):
+        if metric.kind is metric_table.MetricKind.COUNTER and not bare.endswith("_total"):
             reason = _COUNTER_NOTE
         return LegacyPrometheusName(old_key, metric.prometheus_name, reason)
     return None
@@ -105,9 +95,9 @@ class RegexRewrite:
 
 def _legacy_candidates(flavor: RegexFlavor, prefixes: Sequence[str]) -> dict[str, str | None]:
     if flavor == "wandb":
-        return {old: legacy.new for old, legacy in LEGACY_KEYS.items()}
+        return {old: legacy.new for old, legacy in metric_table.LEGACY_KEYS.items()}
     found: dict[str, str | None] = {}
-    for bare in LEGACY_PROMETHEUS_NAMES:
+    for bare in metric_table.LEGACY_PROMETHEUS_NAMES:
         for name in [bare, *(p + bare for p in prefixes if p)]:
             migrated = migrate_prometheus_name(name, prefixes)
             if migrated is not None:
