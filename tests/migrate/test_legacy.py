@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from staleness_metrics.config import RENAMED_SETTINGS, StalenessConfig
 from staleness_metrics.errors import ConfigError
+from staleness_metrics.metrics import metric_table
 from staleness_metrics.metrics.metric_table import LEGACY_KEYS, METRICS
 from staleness_metrics.migrate import legacy
 from staleness_metrics.migrate.model import Action
@@ -48,7 +49,7 @@ SPEC_REMOVED = [
 
 def test_the_table_holds_spec_7() -> None:
     for old, new in SPEC_RENAMES.items():
-        assert legacy.migrate_key(old) == legacy.LegacyKey(old, new, LEGACY_KEYS[old].reason)
+        assert legacy.migrate_key(old) == metric_table.LegacyKey(old, new, LEGACY_KEYS[old].reason)
     for old in SPEC_REMOVED:
         found = legacy.migrate_key(old)
         assert found is not None and found.new is None and found.reason, old
@@ -101,12 +102,12 @@ def test_config_rejects_the_old_setting_and_names_the_way_out() -> None:
 
 def test_legacy_prometheus_names_are_the_keys_with_slashes_as_underscores() -> None:
     """The data is spelled out in legacy.py; here it is checked against the rule it follows."""
-    for bare, key in legacy.LEGACY_PROMETHEUS_NAMES.items():
+    for bare, key in metric_table.LEGACY_PROMETHEUS_NAMES.items():
         if bare.startswith("orchestrator_off_policy_level_"):
             assert key.startswith("dispatcher/off_policy_level/")  # prime-rl's own exporter
             continue
         assert bare.removesuffix("_total") == key.replace("/", "_"), bare
-    covered = set(legacy.LEGACY_PROMETHEUS_NAMES.values())
+    covered = set(metric_table.LEGACY_PROMETHEUS_NAMES.values())
     assert set(LEGACY_KEYS) <= covered
 
 
@@ -155,7 +156,7 @@ def test_every_legacy_key_has_exactly_one_fate(key: str) -> None:
 
 FILLER = st.sampled_from([" ", ", ", " | ", "\n", "(", ") ", "x", "rate ", "staleness_metrics "])
 LEGACY_NAME = st.sampled_from(
-    sorted(LEGACY_KEYS) + sorted(legacy.LEGACY_PROMETHEUS_NAMES) + ["max_off_policy_steps", "Max Off-Policy"]
+    sorted(LEGACY_KEYS) + sorted(metric_table.LEGACY_PROMETHEUS_NAMES) + ["max_off_policy_steps", "Max Off-Policy"]
 )
 
 
