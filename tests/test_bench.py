@@ -125,6 +125,8 @@ def test_calls_bench_reports_each_cost_against_its_yardstick() -> None:
     assert positive(decode)
     assert result["replay_small_over_decode"] == pytest.approx(result["replay_small_seconds"] / decode)
     assert result["replay_small_bare_over_decode"] == pytest.approx(result["replay_small_bare_seconds"] / decode)
+    bare = result["replay_small_bare_seconds"]
+    assert result["what_if_small_over_bare_replay"] == pytest.approx(result["what_if_small_seconds"] / bare)
     assert result["goals"] == {
         "adds": 2.0, "replay_small_over_big": 2.0, "replay_over_python": 8.0, "what_if": 2.0, "import": 1.0,
         "replay_small_over_decode": 3.0,
