@@ -303,20 +303,19 @@ class Sink:
         return shipment
 
     def _shipped_rollouts(self, shipped: Judgement, spans: ShippedSpans) -> Callable[[], tuple[ShippedRollout, ...]]:
-        """Capture what the shipped rollouts are now; build the objects when asked."""
-        rows = shipped.rows
-        kept = ~shipped.dropped
-        owner = shipped.sample_rollout[kept]
-        local = self.queue.samples.local[shipped.sample_rows[kept]]
-        ids = list(map(self.queue.ids.__getitem__, rows.tolist()))
-        chunk, batches = spans.chunks, dict(zip(spans.used, spans.batches))
-        index = self.queue.rollouts.index[rows]
+        """Capture what the shipped rollouts are now; build the objects when asked (the ids and the
+        columns read are only ever appended to: a compaction makes new ones)."""
+        rows, ids, local, index = shipped.rows, self.queue.ids, self.queue.samples.local, self.queue.rollouts.index
 
         def build() -> tuple[ShippedRollout, ...]:
-            bounds = np.searchsorted(owner, np.arange(len(ids) + 1))
+            kept = ~shipped.dropped
+            owner, kept_local = shipped.sample_rollout[kept], local[shipped.sample_rows[kept]]
+            bounds = np.searchsorted(owner, np.arange(len(rows) + 1))
+            batches = dict(zip(spans.used, spans.batches))
             out = []
-            for i, (rid, c, k) in enumerate(zip(ids, chunk.tolist(), index.tolist())):
-                out.append(ShippedRollout(rid, batches[c], k, tuple(local[bounds[i] : bounds[i + 1]].tolist())))
+            for i, (row, c, k) in enumerate(zip(rows.tolist(), spans.chunks.tolist(), index[rows].tolist())):
+                samples = tuple(kept_local[bounds[i] : bounds[i + 1]].tolist())
+                out.append(ShippedRollout(ids[row], batches[c], k, samples))
             return tuple(out)
 
         return build

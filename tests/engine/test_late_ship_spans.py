@@ -1,5 +1,6 @@
-"""A ship's spans are found when first asked for (its lags, its log-probability sums): asked for after many
-more adds, ships and compactions of the sink, they are what they were at the ship."""
+"""A ship's spans and shipped rollouts are found when first asked for (its lags, its log-probability sums,
+its records): asked for after many more adds, ships and compactions of the sink, they are what they were at
+the ship."""
 
 from __future__ import annotations
 
@@ -36,14 +37,14 @@ def records(seed: int, step: int, count: int, trainer: bool) -> list[dict[str, A
 def test_lags_read_late_equal_lags_read_at_the_ship(seed: int, bound: int, ships: int, trainer: bool) -> None:
     config = StalenessConfig(max_staleness=bound, adapt_every=None)
     at_once, late = Sink(config, compact_min_rows=0), Sink(config, compact_min_rows=0)
-    now: list[tuple[list[int], list[int]]] = []
+    now: list[tuple[list[int], list[int], dict[str, Any]]] = []
     kept = []
     for step in range(1, ships + 1):
         for sink in (at_once, late):
             sink.add(records(seed + step, step, 1 + (seed + step) % 4, trainer))
         shipped = at_once.ship(step)
-        now.append((shipped.lags.tolist(), shipped.lag_offsets.tolist()))
+        now.append((shipped.lags.tolist(), shipped.lag_offsets.tolist(), shipped.batches_line()))
         kept.append(late.ship(step))
         assert kept[-1].report.metrics == shipped.report.metrics
     assert late.tracked_rollouts == late.queued  # compacted at every ship: the tables read at the ship are gone
-    assert [(s.lags.tolist(), s.lag_offsets.tolist()) for s in kept] == now
+    assert [(s.lags.tolist(), s.lag_offsets.tolist(), s.batches_line()) for s in kept] == now
