@@ -148,6 +148,7 @@ class SinkState:
     policy_state: Mapping[str, Any]
     bound_tracker: BoundTracker
     env_trackers: Mapping[str, BoundTracker]
+    bound_moved_at: int = 0  # (Sink._bound_moved_at)
 
 
 def save_sink(config: StalenessConfig, parts: SinkState) -> dict[str, Any]:
@@ -164,6 +165,8 @@ def save_sink(config: StalenessConfig, parts: SinkState) -> dict[str, Any]:
         "bound": parts.bound_tracker.state_dict(),
         "bound_envs": {env: tracker.state_dict() for env, tracker in sorted(parts.env_trackers.items())},
     }
+    if parts.bound_moved_at:
+        state["bound_moved_at"] = parts.bound_moved_at
     state["digests"] = digests_of(state)
     return state
 
@@ -173,7 +176,7 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
     check_format(state, "sink", path)
     # "bound", "bound_envs": SPEC 14's trackers (absent before SPEC 14)
     old = state["format"] in (1, 2)  # the queue's tables and batches
-    state = keys(state, path, LAYOUT_SINK_KEYS if old else SINK_KEYS, ("digests", "bound", "bound_envs"))
+    state = keys(state, path, LAYOUT_SINK_KEYS if old else SINK_KEYS, ("digests", "bound", "bound_envs", "bound_moved_at"))
     if state["format"] != 1 and "digests" not in state:
         fail(join(path, "digests"), "missing")
     check_config(state["config"], config, join(path, "config"))
@@ -207,8 +210,9 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
             fail(where, "an env tracker needs an env name")
         env_trackers[env] = BoundTracker(env_tracker_config(config))
         env_trackers[env].load_checked(env_trackers[env].check_state_dict(env_state, where))
+    moved_at = integer(state.get("bound_moved_at", 0), join(path, "bound_moved_at"), 0, step)
     check_digests(state, path)
-    return SinkState(step, restored, window, tuple(invalid), totals, policy_state, tracker, env_trackers)
+    return SinkState(step, restored, window, tuple(invalid), totals, policy_state, tracker, env_trackers, moved_at)
 
 
 def report_to_dict(report: StepReport) -> dict[str, Any]:

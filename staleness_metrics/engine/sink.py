@@ -56,6 +56,7 @@ class Sink:
         self.totals = Tally()
         self.bound_tracker = BoundTracker(self.config)  # SPEC 14
         self.env_trackers: dict[str, BoundTracker] = {}
+        self._bound_moved_at = 0  # the step whose judgements an adaptive bound's move made old (0: none)
 
     def state_dict(self) -> dict[str, Any]:
         """The sink's state as plain JSON-serialisable data (SPEC 13); the sink does not change."""
@@ -64,7 +65,7 @@ class Sink:
         self.queue.build_staged()  # (first: it tells the policy of the staged adds)
         policy = self.policy.state_dict()
         parts = SinkState(self._step, self.queue, self._window, tuple(self._invalid), self.totals, policy,
-                          self.bound_tracker, self.env_trackers)  # fmt: skip
+                          self.bound_tracker, self.env_trackers, self._bound_moved_at)  # fmt: skip
         return save_sink(self.config, parts)
 
     def check_state_dict(self, state: Any, path: str = "") -> SinkState:
@@ -83,6 +84,7 @@ class Sink:
         self.totals = checked.totals
         self.bound_tracker = checked.bound_tracker
         self.env_trackers = dict(checked.env_trackers)
+        self._bound_moved_at = checked.bound_moved_at
         self.policy.load_state_dict(checked.policy_state)
         self.sync_bound()
 
@@ -210,7 +212,10 @@ class Sink:
     def observe_mismatch(self, step: int, total: MismatchSums, *, merge: bool = False) -> ShipBound | None:
         """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's running total of a
         step); returns the ship's floor, curve and advice."""
+        before = self.bound_tracker.bound
         bound = self.bound_tracker.observe(step, total, merge=merge)
+        if self.bound_tracker.bound != before:  # (SPEC 14: it applies from the next sweep or ship)
+            self._bound_moved_at = self._step
         self.sync_bound()
         return bound
 
@@ -255,8 +260,9 @@ class Sink:
         if queue.queued != before:  # the sweep dropped some
             taken = taken[r.status[taken] == QUEUED]
         taken = self._check_versions(taken, step)
-        if len(taken) and self.policy.holds:
-            # (everything is judged at this step already: judging again decides the holds)
+        # A ship judges what it takes (SPEC 4); again only where that decides something: the holds, or
+        # rollouts judged at this step before the adaptive bound moved
+        if len(taken) and (self.policy.holds or self._bound_moved_at == step):
             judged, decision = self._judge(with_groups(queue, taken, self.policy.judges_groups), step)
             taken = taken[r.status[taken] == QUEUED]
             hold = np.isin(taken, judged.rows[decision.hold_rollout])

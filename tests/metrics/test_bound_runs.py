@@ -65,6 +65,43 @@ def test_the_adaptive_bound_walks_down_to_its_floor_and_up_to_its_ceiling() -> N
     assert sink.bound_tracker.bound == 3 and sink.policy.max_staleness == 3
 
 
+def _two_ships_at_one_step(sink: Sink, checkpoint: bool = False) -> tuple[Sink, list[int]]:
+    """Ship one of two rollouts of step 4 (the bound then moves 3 -> 2), then the other at step 4."""
+    sink.add([rollout(4, COSTLY), rollout(4, COSTLY, "b")])
+    assert sink.ship(4, ["r4"]).metrics["staleness/max_staleness"] == 3
+    assert sink.bound_tracker.bound == 2
+    if checkpoint:
+        state = json.loads(json.dumps(sink.state_dict()))
+        assert state["bound_moved_at"] == 4
+        sink = Sink(sink.config)
+        sink.load_state_dict(state)
+    shipment = sink.ship(4)
+    assert shipment.metrics["staleness/max_staleness"] == 2
+    return sink, shipment.rollouts[0].record()["samples"][0]["mask"]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_ship_after_the_bound_moved_judges_again_what_it_takes(checkpoint: bool) -> None:
+    """SPEC 4: a ship applies the policy to what it takes; SPEC 14: a new bound applies from the next ship.
+    The second rollout was judged at step 4 (by the first ship's sweep) under bound 3: the second ship
+    masks its lag-3 position under bound 2, also when it runs in a process resumed between the two."""
+    sink, mask = _two_ships_at_one_step(Sink(ADAPTIVE), checkpoint)
+    assert mask == [1, 1, 1, 0]
+    assert sink.ship(5).report.tally.tokens_sampled == 0  # (nothing left behind)
+
+
+def test_a_sink_whose_bound_never_moved_writes_no_move_in_its_checkpoint() -> None:
+    sink = Sink(StalenessConfig(max_staleness=3, floor_min_tokens=1))
+    sink.add([rollout(4, COSTLY)])
+    sink.ship(4)
+    assert "bound_moved_at" not in sink.state_dict()
+    state = json.loads(json.dumps(Sink(ADAPTIVE).state_dict()))
+    state["bound_moved_at"] = 5
+    state["digests"] = digests_of({k: v for k, v in state.items() if k != "digests"})
+    with pytest.raises(ConfigError, match=r"bound_moved_at: 5 is above 0"):
+        Sink(ADAPTIVE).load_state_dict(state)
+
+
 def test_excess_at_bound_follows_the_bound_each_ship_used() -> None:
     sink = Sink(ADAPTIVE)
     floor = k3(0.01)
