@@ -134,6 +134,8 @@ def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
 
 SINK_KEYS = ("format", "config", "step", "queue", "window", "invalid", "totals", "policy")
 LAYOUT_SINK_KEYS = (*SINK_KEYS[:3], *LAYOUT_KEYS, *SINK_KEYS[4:])  # formats 1, 2
+# the digests (not in format 1), SPEC 14's trackers (absent before it), where an adaptive bound last moved
+OPTIONAL_SINK_KEYS = ("digests", "bound", "bound_envs", "bound_moved_at")
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class SinkState:
     policy_state: Mapping[str, Any]
     bound_tracker: BoundTracker
     env_trackers: Mapping[str, BoundTracker]
-    bound_moved_at: int = 0  # (Sink._bound_moved_at)
+    bound_moved_at: int = 0
 
 
 def save_sink(config: StalenessConfig, parts: SinkState) -> dict[str, Any]:
@@ -174,9 +176,8 @@ def save_sink(config: StalenessConfig, parts: SinkState) -> dict[str, Any]:
 def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Policy) -> SinkState:
     """A sink state checked, what it holds built as new objects for a sink of ``config``."""
     check_format(state, "sink", path)
-    # "bound", "bound_envs": SPEC 14's trackers (absent before SPEC 14)
     old = state["format"] in (1, 2)  # the queue's tables and batches
-    state = keys(state, path, LAYOUT_SINK_KEYS if old else SINK_KEYS, ("digests", "bound", "bound_envs", "bound_moved_at"))
+    state = keys(state, path, LAYOUT_SINK_KEYS if old else SINK_KEYS, OPTIONAL_SINK_KEYS)
     if state["format"] != 1 and "digests" not in state:
         fail(join(path, "digests"), "missing")
     check_config(state["config"], config, join(path, "config"))
@@ -194,7 +195,7 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
         invalid.append(TraceError(string(rid, at + "[0]", True), string(field, at + "[1]"), string(reason, at + "[2]")))
     totals = check_tally(state["totals"], join(path, "totals"))
     # Conservation: every sampled position of a live rollout that entered left or is queued
-    dropped = totals.tokens_dropped + window.get(None, "tokens_dropped")
+    dropped = totals.tokens_dropped + window.totals(None)["tokens_dropped"]
     accounted = totals.tokens_sampled + dropped + restored.tokens_queued
     if restored.tokens_entered != accounted:
         fail(join(path, "tokens_entered"), f"{restored.tokens_entered}, but shipped, dropped and queued positions "

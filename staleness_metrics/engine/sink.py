@@ -212,9 +212,8 @@ class Sink:
     def observe_mismatch(self, step: int, total: MismatchSums, *, merge: bool = False) -> ShipBound | None:
         """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's running total of a
         step); returns the ship's floor, curve and advice."""
-        before = self.bound_tracker.bound
         bound = self.bound_tracker.observe(step, total, merge=merge)
-        if self.bound_tracker.bound != before:  # (SPEC 14: it applies from the next sweep or ship)
+        if self.bound_tracker.bound != self.policy.max_staleness:  # moved: from the next sweep or ship on
             self._bound_moved_at = self._step
         self.sync_bound()
         return bound

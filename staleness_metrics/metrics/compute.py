@@ -327,9 +327,6 @@ class WindowCounts:
         buckets = list(self.counts.values()) if env is None else [self.counts.get(env, {})]
         return {name: sum(bucket.get(name, 0) for bucket in buckets) for name in self.FIELDS}
 
-    def get(self, env: int | None, name: str) -> int:
-        return self.totals(env)[name]
-
 
 _ROLLOUT_KEYS = (
     (keys.ROLLOUT_MEAN, keys.ROLLOUT_MAX),
