@@ -90,7 +90,7 @@ def test_a_ship_after_the_bound_moved_judges_again_what_it_takes(checkpoint: boo
     assert sink.ship(5).report.tally.tokens_sampled == 0  # (nothing left behind)
 
 
-def test_a_sink_whose_bound_never_moved_writes_no_move_in_its_checkpoint() -> None:
+def test_a_checkpoint_names_where_the_bound_moved_only_if_it_did_and_never_past_its_step() -> None:
     sink = Sink(StalenessConfig(max_staleness=3, floor_min_tokens=1))
     sink.add([rollout(4, COSTLY)])
     sink.ship(4)
