@@ -90,6 +90,21 @@ def test_a_ship_after_the_bound_moved_judges_again_what_it_takes(checkpoint: boo
     assert sink.ship(5).report.tally.tokens_sampled == 0  # (nothing left behind)
 
 
+def test_a_trainer_s_sums_that_move_the_bound_apply_from_the_next_ship_at_the_same_step() -> None:
+    """The live path: the sweep judged the rollout at step 4 under bound 3; the trainer's sums of step 4 then
+    move the bound to 2, and the ship at step 4 masks the lag-3 position it had let through."""
+    sink = Sink(ADAPTIVE)
+    record = rollout(4, COSTLY)
+    del record["samples"][0]["trainer_logprobs"]  # (the costs come from the trainer, not the records)
+    sink.add([record])
+    sink.sweep(4)
+    sink.observe_mismatch(4, sums_of({0: (100, 0.001), 1: (100, 0.005), 2: (100, 0.05)}), merge=True)
+    assert sink.bound_tracker.bound == 2
+    shipment = sink.ship(4)
+    assert shipment.metrics["staleness/max_staleness"] == 2
+    assert shipment.rollouts[0].record()["samples"][0]["mask"] == [1, 1, 1, 0]
+
+
 def test_a_checkpoint_names_where_the_bound_moved_only_if_it_did_and_never_past_its_step() -> None:
     sink = Sink(StalenessConfig(max_staleness=3, floor_min_tokens=1))
     sink.add([rollout(4, COSTLY)])
