@@ -8,9 +8,7 @@ MAX_REASON_CHARS = 300  # a reason quoting a huge or deeply nested value shows i
 
 def shortened(text: str, limit: int = MAX_REASON_CHARS) -> str:
     """``text``, or its first ``limit`` characters and how many more there were."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 class StalenessError(Exception):

@@ -107,9 +107,7 @@ def _take_rows(value: Any, rows: npt.NDArray[np.int64], total: int) -> Any:
         if isinstance(value, np.ndarray):
             return value[rows]
         return value.index_select(0, new_tensor_like(value, rows))
-    if isinstance(value, list) and len(value) == total:
-        return [value[i] for i in rows.tolist()]
-    return value
+    return [value[i] for i in rows.tolist()] if isinstance(value, list) and len(value) == total else value
 
 
 def _rows_of(part: ShippedPart[dict[str, Any]]) -> dict[str, Any]:

@@ -18,9 +18,7 @@ PolicySpan = tuple[int | None, int | None]  # (policy.start, policy.end); start 
 
 
 def _get(sample: Any, name: str) -> Any:
-    if isinstance(sample, Mapping):
-        return sample.get(name)
-    return getattr(sample, name, None)
+    return sample.get(name) if isinstance(sample, Mapping) else getattr(sample, name, None)
 
 
 def _concat(parts: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
@@ -131,9 +129,7 @@ _NAMES = TrainerNames(
 def policy_span(policy: Any) -> PolicySpan:
     """``(start, end)`` of an episode's policy (an object or a dict); ``None`` (frozen) gives
     ``(None, None)``."""
-    if policy is None:
-        return (None, None)
-    return (_get(policy, "start"), _get(policy, "end"))
+    return (None, None) if policy is None else (_get(policy, "start"), _get(policy, "end"))
 
 
 class ShippedSamples(list[Any]):

@@ -3,13 +3,14 @@ and the batches they arrived in (masked in place). Small valid adds are staged, 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
 
-from ..records.columnar import WEIGHT_FIELDS, RolloutBatch
+from ..records.columnar import PER_POSITION_FLOATS, PER_ROLLOUT_ARRAYS, WEIGHT_FIELDS, RolloutBatch
 from ..records.validation import Verdicts, plain_values_of
 from .cuts import SpanTable
 from .decision import NO_MASK
@@ -213,6 +214,52 @@ def _joined_offsets(parts: Sequence[IntArray], counts: Sequence[int], ends: Sequ
     return np.concatenate([starts, bases[-1:].astype(starts.dtype, copy=False)])
 
 
+def rollouts_of(batch: RolloutBatch, rollouts: IntArray, mask: npt.NDArray[Any] | None = None) -> RolloutBatch:
+    """The ``rollouts`` of ``batch`` as a new batch, of views where they are consecutive (``mask``: read instead)."""
+    samples = expand_ranges(batch.sample_offsets[rollouts], batch.sample_offsets[rollouts + 1])
+    positions = _items_of(batch.position_offsets, samples)
+    part = copy.copy(batch)  # (checked and converted already: no __post_init__ again)
+    part.mask = (batch.mask if mask is None else mask)[positions]
+    part.ids = [batch.ids[i] for i in rollouts.tolist()]
+    part.sample_offsets = _offsets(batch.sample_offsets, rollouts)
+    part.position_offsets = _offsets(batch.position_offsets, samples)
+    for name in PER_ROLLOUT_ARRAYS:
+        if (values := getattr(batch, name)) is not None:
+            setattr(part, name, values[rollouts] if isinstance(values, np.ndarray) else
+                    [values[i] for i in rollouts.tolist()])  # fmt: skip
+    for name in (*PER_POSITION_FLOATS, "token_versions"):
+        if (values := getattr(batch, name)) is not None:
+            setattr(part, name, values[positions])
+    if batch.label_kind is not None:
+        part.label_kind = batch.label_kind[samples]
+    if batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None:
+        spans = _items_of(batch.span_offsets, samples)
+        part.span_offsets = _offsets(batch.span_offsets, samples)
+        part.span_versions, part.span_starts = batch.span_versions[spans], batch.span_starts[spans]
+    part.present = {name: flags[samples] for name, flags in batch.present.items()}
+    if batch.padded is not None and not np.array_equal(rollouts, np.arange(batch.n_rollouts)):
+        part.padded = None  # (the rows of a padded batch are kept only when all of it is)
+    return part
+
+
+def _items_of(offsets: IntArray, groups: IntArray) -> slice | npt.NDArray[Any]:
+    """What indexes the items ``offsets[g]:offsets[g + 1]`` of each of ``groups`` in turn."""
+    if not len(groups):
+        return slice(0, 0)
+    first, last = int(groups[0]), int(groups[-1])
+    if last - first + 1 == len(groups) and (np.diff(groups) == 1).all():
+        return slice(int(offsets[first]), int(offsets[last + 1]))
+    if (np.diff(groups) > 0).all():
+        chosen = np.zeros(len(offsets) - 1, dtype=bool)
+        chosen[groups] = True
+        return np.repeat(chosen, np.diff(offsets))
+    return expand_ranges(offsets[groups], offsets[groups + 1])
+
+
+def _offsets(offsets: IntArray, items: IntArray) -> IntArray:
+    return np.concatenate(([0], np.cumsum(offsets[items + 1] - offsets[items]))).astype(np.int64)
+
+
 class Joined(NamedTuple):
     batch: RolloutBatch
     chunk: IntArray  # per rollout: its batch's chunk
@@ -279,6 +326,7 @@ class RolloutQueue:
         self.row_of: dict[str, int] = {}  # queued (and recently resolved) rollouts by id
         self.seen_ids: set[str] = set()  # every id accepted in the run: ids are unique within a run
         self.chunks: list[RolloutBatch | None] = []
+        self.windows: set[int] = set()  # chunks of replay's read-ahead windows (its copies: repacked)
         self.chunk_open: list[int] = []  # rollouts of each chunk still queued
         self.closing: list[int] = []  # chunks whose last rollout left: released at the next ship
         self.groups: dict[str, int] = {}
@@ -408,6 +456,7 @@ class RolloutQueue:
             tokens = self.append_rows(batch, spans, (first, n), (zero, np.arange(first, n), zero, zero), status=PENDING)
             ahead = Ahead(batch, first, len(self.rollouts) - (n - first), tokens, first)
         chunk, groups, envs = self.admit(batch, list(range(first, stop)))
+        self.windows.add(chunk)
         lo, hi = ahead.row + first - ahead.first, ahead.row + stop - ahead.first
         r = self.rollouts
         r.chunk[lo:hi], r.group[lo:hi], r.env[lo:hi], r.status[lo:hi] = chunk, groups, envs, QUEUED
@@ -582,10 +631,34 @@ class RolloutQueue:
         self.spans = self.spans.take(span_rows, sample=np.repeat(np.arange(len(sample_rows)), span_counts))
         self.chunks = [self.chunks[c] for c in chunks]
         self.chunk_open = [self.chunk_open[c] for c in chunks]
+        self.windows = {new for new, old in enumerate(chunks) if old in self.windows}
+        self._repack_windows()
         self.ids = [self.ids[row] for row in keep.tolist()]
         self.row_of = {rid: row for row, rid in enumerate(self.ids)}
         self._first_queued = 0  # (renumbered)
         self.closing = []  # chunks closing now have no queued rollout: they are not kept
+
+    def _repack_windows(self) -> None:
+        """Replace each window mostly left by a copy of its queued rollouts (a read-ahead window holds
+        many rollouts: one queued for long would keep all of their arrays alive)."""
+        r, s, n = self.rollouts, self.samples, self.spans
+        order = np.argsort(r.chunk, kind="stable")
+        bounds = np.searchsorted(r.chunk[order], np.arange(len(self.chunks) + 1))
+        for chunk in self.windows:
+            batch, rows = self.chunks[chunk], order[bounds[chunk] : bounds[chunk + 1]]
+            assert batch is not None
+            part = rollouts_of(batch, r.index[rows])
+            if 2 * part.n_positions > batch.n_positions:
+                continue
+            samples = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])  # (all of each rollout's, in order)
+            old = batch.sample_offsets[r.index[s.rollout[samples]]] + s.local[samples]
+            spans = expand_ranges(s.span_lo[samples], s.span_hi[samples])
+            counts = s.span_hi[samples] - s.span_lo[samples]
+            shift = np.repeat(part.position_offsets[:-1] - batch.position_offsets[old], counts)
+            n.lo[spans] += shift
+            n.hi[spans] += shift
+            r.index[rows] = np.arange(len(rows))
+            self.chunks[chunk] = copy.deepcopy(part)  # (no view of the window's arrays)
 
     def restore(self, observe_added: Callable[[IntArray], None] | None = None, **fields: Any) -> None:
         """Take a checked saved state's fields (:mod:`.queue_state`), and the policy's hook."""

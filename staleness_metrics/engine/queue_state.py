@@ -36,7 +36,7 @@ from ..state_checks import (
 )
 from .decision import NO_MASK
 from .judging import judgement_of, mask_positions
-from .queue import NEVER, QUEUED, RolloutQueue, RolloutRows, SampleRows, SpanRows, Table
+from .queue import NEVER, QUEUED, RolloutQueue, RolloutRows, SampleRows, SpanRows, Table, rollouts_of
 from .segments import IntArray, expand_ranges
 from .spans import checked_spans
 
@@ -78,7 +78,7 @@ def save_queue(queue: RolloutQueue) -> dict[str, Any]:
             below = np.repeat(s.mask_below[raised], s.span_hi[raised] - s.span_lo[raised])
             masked = span_rows[(n.sampled[span_rows] > 0) & (n.version[span_rows] < below)]
             batch = queue.batches_of([int(chunk[start])])[int(chunk[start])]
-            part = queued_part(batch, r.index[mine], (n.lo[masked], n.hi[masked]))
+            part = rollouts_of(batch, r.index[mine], _ones_over(batch.mask, n.lo[masked], n.hi[masked]))
             batches.append(encode_batch(part))
     sample_rows = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])
     return {
@@ -372,48 +372,6 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     return RolloutBatch(**raw)
 
 
-def queued_part(batch: RolloutBatch, rollouts: IntArray, sampled: tuple[IntArray, IntArray]) -> RolloutBatch:
-    """The ``rollouts`` of ``batch`` as a new batch, the mask back to 1 over ``sampled``."""
-    samples = expand_ranges(batch.sample_offsets[rollouts], batch.sample_offsets[rollouts + 1])
-    positions = _items_of(batch.position_offsets, samples)
-    part = copy.copy(batch)  # (checked and converted already: no __post_init__ again)
-    part.mask = _ones_over(batch.mask, *sampled)[positions]
-    part.ids = [batch.ids[i] for i in rollouts.tolist()]
-    part.sample_offsets = _offsets(batch.sample_offsets, rollouts)
-    part.position_offsets = _offsets(batch.position_offsets, samples)
-    for name in PER_ROLLOUT_ARRAYS:
-        if (values := getattr(batch, name)) is not None:
-            setattr(part, name, values[rollouts] if isinstance(values, np.ndarray) else
-                    [values[i] for i in rollouts.tolist()])  # fmt: skip
-    for name in (*PER_POSITION_FLOATS, "token_versions"):
-        if (values := getattr(batch, name)) is not None:
-            setattr(part, name, values[positions])
-    if batch.label_kind is not None:
-        part.label_kind = batch.label_kind[samples]
-    if batch.span_offsets is not None and batch.span_versions is not None and batch.span_starts is not None:
-        spans = _items_of(batch.span_offsets, samples)
-        part.span_offsets = _offsets(batch.span_offsets, samples)
-        part.span_versions, part.span_starts = batch.span_versions[spans], batch.span_starts[spans]
-    part.present = {name: flags[samples] for name, flags in batch.present.items()}
-    if batch.padded is not None and not np.array_equal(rollouts, np.arange(batch.n_rollouts)):
-        part.padded = None  # (the rows of a padded batch are kept only when all of it is)
-    return part
-
-
-def _items_of(offsets: IntArray, groups: IntArray) -> slice | npt.NDArray[Any]:
-    """What indexes the items ``offsets[g]:offsets[g + 1]`` of each of ``groups`` in turn."""
-    if not len(groups):
-        return slice(0, 0)
-    first, last = int(groups[0]), int(groups[-1])
-    if last - first + 1 == len(groups) and (np.diff(groups) == 1).all():
-        return slice(int(offsets[first]), int(offsets[last + 1]))
-    if (np.diff(groups) > 0).all():
-        chosen = np.zeros(len(offsets) - 1, dtype=bool)
-        chosen[groups] = True
-        return np.repeat(chosen, np.diff(offsets))
-    return expand_ranges(offsets[groups], offsets[groups + 1])
-
-
 def _ones_over(mask: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.NDArray[Any]:
     """``mask`` with 1 over the disjoint ranges ``lo[i]:hi[i]`` (a copy, unless there are none)."""
     if not len(lo):
@@ -425,10 +383,6 @@ def _ones_over(mask: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.NDArra
     out: npt.NDArray[Any] = mask.copy()
     out[covered.view(np.bool_)] = 1
     return out
-
-
-def _offsets(offsets: IntArray, items: IntArray) -> IntArray:
-    return np.concatenate(([0], np.cumsum(offsets[items + 1] - offsets[items]))).astype(np.int64)
 
 
 def decode_table(encoded: Any, like: TableT, path: str) -> TableT:

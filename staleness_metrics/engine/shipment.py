@@ -181,9 +181,7 @@ def padded_shipment(shipment: Shipment, batch: RolloutBatch) -> PaddedShipment:
     shape = (layout.rows, layout.width)
 
     def read_back(values: npt.NDArray[Any] | None) -> npt.NDArray[Any] | None:
-        if values is None:
-            return None
-        return np.where(keep, values.reshape(shape), np.zeros((), dtype=values.dtype))
+        return None if values is None else np.where(keep, values.reshape(shape), np.zeros((), dtype=values.dtype))
 
     mask = read_back(batch.mask)
     assert mask is not None

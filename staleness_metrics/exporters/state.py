@@ -124,9 +124,7 @@ def _bound_values(metric: metric_table.MetricDef, by_env: KeysByEnv) -> dict[Any
 
 
 def histogram_of(metric: metric_table.MetricDef, tally: Tally) -> Counts:
-    if metric.source is metric_table.Source.TOKEN_HISTOGRAM:
-        return tally.token_histogram
-    return tally.rollout_histogram
+    return tally.token_histogram if metric.source is metric_table.Source.TOKEN_HISTOGRAM else tally.rollout_histogram
 
 
 def _counter(metric: metric_table.MetricDef, holders: Mapping[str, Any]) -> dict[Any, Number]:

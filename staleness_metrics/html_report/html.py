@@ -51,9 +51,7 @@ details summary { cursor: pointer; color: #1f5fa8; }
 def _num(value: float | int | None, digits: int = 3) -> str:
     if value is None:
         return "-"
-    if isinstance(value, int) or float(value).is_integer():
-        return f"{int(value):,}"
-    return f"{value:.{digits}g}"
+    return f"{int(value):,}" if isinstance(value, int) or float(value).is_integer() else f"{value:.{digits}g}"
 
 
 def _pct(value: float | None) -> str:

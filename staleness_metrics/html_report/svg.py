@@ -63,9 +63,7 @@ def nice_ticks(low: float, high: float, count: int = 5, integer: bool = False) -
 def _fmt(value: float, percent: bool = False) -> str:
     if percent:
         return f"{100 * value:.3g}%"
-    if float(value).is_integer():
-        return str(int(value))
-    return f"{value:.3g}"
+    return str(int(value)) if float(value).is_integer() else f"{value:.3g}"
 
 
 class _Frame:

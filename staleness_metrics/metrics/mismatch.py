@@ -162,9 +162,7 @@ class MismatchSums:
 
 def _ess(sum_ratio: float, sum_ratio_sq: float, tokens: int) -> float:
     """(Σr)² / (n Σr²): 1 when every ratio is equal, towards 1/n when one dominates."""
-    if sum_ratio_sq <= 0:
-        return 1.0
-    return min(1.0, sum_ratio * sum_ratio / (tokens * sum_ratio_sq))
+    return 1.0 if sum_ratio_sq <= 0 else min(1.0, sum_ratio * sum_ratio / (tokens * sum_ratio_sq))
 
 
 def _count(name: str, value: object) -> int:
@@ -340,9 +338,7 @@ def _usual_sums(
     band edge: one vector pass with no per-position branch."""
     log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
     sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
-    unusual = 0
-    n_out = 0
-    near = 0
+    unusual = n_out = near = 0
     for i in range(len(s)):
         d = np.float64(t[i]) - np.float64(s[i])
         unusual += not (abs(d) <= clamp)  # NaN, infinite or to be clamped: the run computed again
@@ -370,10 +366,7 @@ def _clamped_sums(
     f, p, has_flags = flags
     log_lo, log_hi, near_lo, near_lo_top, near_hi, near_hi_top = band
     sum_d = sum_abs = sum_k3 = sum_r = sum_r2 = 0.0
-    tokens = 0
-    n_masked = 0
-    n_out = 0
-    near = 0
+    tokens = n_masked = n_out = near = 0
     for i in range(len(s)):
         d = np.float64(t[i]) - np.float64(s[i])
         finite = abs(d) < np.inf  # either value NaN or infinite: uncovered, never an error

@@ -113,9 +113,7 @@ def _renamed(data: Any, scanner: Scanner) -> Any:
         return out
     if isinstance(data, list):
         return [_renamed(item, scanner) for item in data]
-    if isinstance(data, str):
-        return scanner.scan(data, Context.TEXT).text
-    return data
+    return scanner.scan(data, Context.TEXT).text if isinstance(data, str) else data
 
 
 def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> FileResult:
@@ -277,9 +275,7 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
     except UnicodeDecodeError:
         unreadable = unreadable or "not UTF-8 text; not read"
     if unreadable is not None:
-        if explicit:
-            return FileResult(shown, kind, error=unreadable)
-        return FileResult(shown, kind, skipped=unreadable)
+        return FileResult(shown, kind, error=unreadable) if explicit else FileResult(shown, kind, skipped=unreadable)
     if text.startswith("\ufeff") and kind is not FileKind.TEXT:
         return FileResult(shown, kind, error="starts with a byte-order mark; remove it, then run again")
     result = migrate_text(path, text, kind or detect_kind(path, text), options)

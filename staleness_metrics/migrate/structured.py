@@ -296,9 +296,7 @@ def _looks_like_wandb(document: object) -> bool:
         if _MARKERS & set(document):
             return True
         return any(_is_regex_key(str(k)) or _looks_like_wandb(v) for k, v in document.items())
-    if isinstance(document, list):
-        return any(_looks_like_wandb(item) for item in document)
-    return False
+    return isinstance(document, list) and any(_looks_like_wandb(item) for item in document)
 
 
 def _is_series_key(key: object) -> bool:

@@ -256,9 +256,7 @@ _SPAN_PIECE = 1 << 18  # spans checked at once: a few MB of temporaries whatever
 def _span_reason(rule: int, versions: IntArray, starts: IntArray, span: int, length: Any) -> str:
     if rule == 0:
         return f"version {versions[span]} is negative (only -1 marks unlabelled)"
-    if rule == 1:
-        return f"start {starts[span]} is outside 0..{length - 1}"
-    return "span starts must strictly increase"
+    return f"start {starts[span]} is outside 0..{length - 1}" if rule == 1 else "span starts must strictly increase"
 
 
 def _first_of_each(span_sample: IntArray, spans: IntArray) -> list[int]:

@@ -391,9 +391,7 @@ class RestoreFailed(Exception):
 
 def reason_of(exc: BaseException) -> str:
     """How a restore failure names its cause: a deliberate error's message, else the type too."""
-    if isinstance(exc, RunError | TraceError | ValueError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    return str(exc) if isinstance(exc, RunError | TraceError | ValueError) else f"{type(exc).__name__}: {exc}"
 
 
 class RecordsInvalid(RunError):

@@ -267,3 +267,33 @@ def test_a_replay_s_ships_read_late_equal_the_ships_read_at_once() -> None:
         steps = cut_ahead(prepare(parse_event(n, event) for n, event in enumerate(raw, 1)), sink)
         shipments = list(run_steps(steps, sink))
         assert [shipment.batches_line() for shipment in shipments] == at_once and len(at_once) == 40
+
+
+def test_a_rollout_left_queued_keeps_a_copy_of_its_own_arrays_not_its_window_s() -> None:
+    """A read-ahead window holds many rollouts; one that no ship names and no bound drops stays queued for long,
+    and once compacted it keeps a copy of its own arrays, not the window's. Every ship, the last one shipping
+    those left, is what the sink gives alone, with a checkpoint between any two ships too."""
+    import json
+
+    from staleness_metrics import StalenessConfig
+
+    raw = small_stream(120, 3)  # one window of 960 positions; each ship below leaves its first rollout
+    for event in raw:
+        if event["type"] == "ship":
+            event["ids"] = [f"r{3 * (event['step'] - 2) + k}" for k in (1, 2)]
+    raw.append({"type": "ship", "step": raw[-1]["step"] + 1})  # then every rollout left
+    for policy in POLICIES:
+        config = StalenessConfig(policy=policy, max_staleness=10**6)  # type: ignore[arg-type]
+        alone = outcome(raw, config, 512, compact_min_rows=0)
+        assert outcome(raw, config, 512, "own", compact_min_rows=0) == alone
+        sink, compacted = Sink(config, compact_min_rows=0), 0
+        steps = list(cut_ahead(prepare(parse_event(n, event) for n, event in enumerate(raw, 1)), sink))
+        for _ in run_steps(steps[:-1], sink):
+            if sink.queue.tracked_rollouts == sink.queued:  # compacted at this ship
+                kept = {id(batch): batch.n_positions for batch in sink.queue.chunks if batch is not None}
+                assert sum(kept.values()) == 8 * sink.queued  # their own positions (the window: 960)
+                compacted += 1
+        assert sink.queued == 40 and compacted >= 5  # one rollout of each ship left
+        restored = Sink(config, compact_min_rows=0)
+        restored.load_state_dict(json.loads(json.dumps(sink.state_dict())))
+        assert played(steps[-1:], restored)[0] == alone[-2]

@@ -87,9 +87,7 @@ def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> floa
         return value
     if key in _MEAN_KEYS:
         return 0.0 if value is None or live + frozen == 0 else value * live / (live + frozen)
-    if key in _MAX_KEYS:
-        return 0.0 if value is None else max(value, 0.0)
-    return value
+    return (0.0 if value is None else max(value, 0.0)) if key in _MAX_KEYS else value
 
 
 def _rule_value(key: str, rule: StepRule) -> float | None:
