@@ -229,12 +229,14 @@ class StalenessMonitor:
             if step not in self._shipped_steps:
                 shipped = "mismatch sums belong to a shipped step"
                 raise FieldError("step", f"no batch was shipped for step {step}; {shipped}")
-            total = self._mismatch.get(step, MismatchSums.zero()) + delta
+            total = self._mismatch.get(step, MismatchSums.zero()).merged(delta)
+            env_total = None  # (merged before anything is kept: all or nothing)
+            if env is not None and self.config.env_breakdown:
+                env_total = self._env_mismatch.get((step, env), MismatchSums.zero()).merged(delta)
             _keep(self._mismatch, step, total)
             bound = self.sink.observe_mismatch(step, total, merge=True)
             env_metrics: dict[str, dict[str, MetricValue]] = {}
-            if env is not None and self.config.env_breakdown:
-                env_total = self._env_mismatch.get((step, env), MismatchSums.zero()) + delta
+            if env is not None and env_total is not None:
                 _keep(self._env_mismatch, (step, env), env_total)
                 env_bound = self.sink.observe_env_mismatch(step, env, env_total, merge=True)
                 env_metrics[env] = mismatch_metrics(env_total, env_bound)

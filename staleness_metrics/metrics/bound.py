@@ -50,9 +50,7 @@ def select_floor(
         if 0 <= step - measured <= max_age:
             return Floor(value, "carried", measured, step - measured)
     enough = np.flatnonzero(sums.tokens >= min_tokens)
-    if enough.size:
-        return Floor(_k3(sums, int(enough[0])), "min_lag", step, 0)
-    return None
+    return Floor(_k3(sums, int(enough[0])), "min_lag", step, 0) if enough.size else None
 
 
 def isotonic_increasing(values: Sequence[float], weights: Sequence[float]) -> list[float]:

@@ -68,6 +68,15 @@ class MismatchSums:
         fields = {f: getattr(self, f) + getattr(other, f) for f in (*COUNT_FIELDS, *SUM_FIELDS)}
         return MismatchSums(**fields, uncovered=self.uncovered + other.uncovered)
 
+    def merged(self, other: MismatchSums) -> MismatchSums:
+        """``self + other`` of a trainer's posts; ``FieldError`` where a count passes int64 or a sum float64."""
+        with np.errstate(over="ignore"):
+            total = self + other
+        wrapped = any((getattr(total, f) < 0).any() for f in COUNT_FIELDS) or not 0 <= total.uncovered < 2**63
+        if wrapped or not all(np.isfinite(getattr(total, f)).all() for f in SUM_FIELDS):
+            raise FieldError("sums", "the step's merged sums overflow (a count past int64 or a sum past float64)")
+        return total
+
     def __sub__(self, other: MismatchSums) -> MismatchSums:
         """The change from ``other`` to these sums (what a revised total adds to a merged one)."""
         if not isinstance(other, MismatchSums):

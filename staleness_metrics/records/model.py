@@ -122,9 +122,7 @@ _NONE_PRESENT: npt.NDArray[np.bool_] = np.zeros(0, dtype=bool)  # a column no sa
 
 
 def versions_beyond(values: npt.NDArray[Any]) -> bool:
-    if not values.size:
-        return False
-    return int(values.max()) > MAX_VERSION or int(values.min()) < -MAX_VERSION
+    return bool(values.size) and (int(values.max()) > MAX_VERSION or int(values.min()) < -MAX_VERSION)
 
 
 def floats_beyond(values: npt.NDArray[Any]) -> bool:

@@ -319,9 +319,7 @@ def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
     """Whether the ids are distinct and none is known (False too when ``known_ids`` is no set)."""
     if not isinstance(known_ids, (set, frozenset)):
         return False
-    if len(ids) == 1:
-        return ids[0] not in known_ids
-    return len(set(ids)) == len(ids) and known_ids.isdisjoint(ids)
+    return ids[0] not in known_ids if len(ids) == 1 else len(set(ids)) == len(ids) and known_ids.isdisjoint(ids)
 
 
 def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:

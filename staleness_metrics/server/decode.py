@@ -164,6 +164,8 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
     pairs = field == "weight_versions"
     # the item count, from the separators: the array is allocated at its final size
     count = body.count(b"[", start, inner_end) if pairs else body.count(b",", start, inner_end) + 1
+    if count < COMPACT_MIN_LENGTH:  # as ``compact_records`` leaves it: a record's digest never depends on its body
+        return None
     out: npt.NDArray[Any] | None = None
     filled = 0
     at = start

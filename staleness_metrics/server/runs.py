@@ -207,7 +207,8 @@ class Journal:
 def _positions_of(records: list[dict[str, Any]]) -> int:
     total = 0
     for record in records:
-        for sample in record.get("samples") or ():
+        samples = record.get("samples")
+        for sample in samples if isinstance(samples, list) else ():  # (a lenient run sets bad ones aside)
             mask = sample.get("mask") if isinstance(sample, dict) else None
             if isinstance(mask, (list, np.ndarray)):
                 total += len(mask)
@@ -439,7 +440,7 @@ class Run:
             if conflicts:
                 what = "rollout ids received before with different content"
                 raise RunConflict(f"{what} (ids are unique within a run): {quoted(conflicts, 10)}")
-            sink = self.monitor.sink
+            sink, positions = self.monitor.sink, _positions_of(fresh)
             set_aside_before = len(sink.invalid)
             try:
                 self.monitor.add(fresh)
@@ -450,7 +451,7 @@ class Run:
                 raise RecordsInvalid([self._range_error(fresh, fresh_index)]) from None
             self._received.update(digests)
             self._duplicates += duplicates
-            self._positions_bound += _positions_of(fresh)
+            self._positions_bound += positions
             if fresh or duplicates:
                 self._journal.write("add", add_row(fresh, duplicates))
             invalid = [
@@ -556,13 +557,10 @@ class Run:
             if replayed is not None:
                 return replayed
             known = self._mismatch.get(request.step) or _StepMismatch(0, MismatchSums.zero(), {})
-            with np.errstate(over="ignore"):  # checked just below, and refused
-                total = known.total + delta
-            if not all(np.isfinite(getattr(total, name)).all() for name in SUM_FIELDS):
-                raise RecordsInvalid([ErrorItem(field="sums", reason="the step's merged sums overflow a float64")])
             try:
+                total = known.total.merged(delta)
                 self.monitor.record_mismatch(request.step, delta, env=request.env)
-            except ValueError as error:  # a step never shipped: "step: ..."
+            except ValueError as error:  # merged sums that overflow ("sums: ..."), a step never shipped ("step: ...")
                 raise RecordsInvalid([field_item(error, "step")]) from None
             metrics = self.monitor.mismatch_metrics(request.step) or {}
             merged = self._mismatch[request.step] = _StepMismatch(known.posts + 1, total, metrics)
@@ -570,7 +568,8 @@ class Run:
                 run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )
             self._mismatch_answers.remember(idempotency_key, fingerprint, answer)
-            self._journal.write("mismatch", {"request": request.model_dump(mode="json"), "key": idempotency_key})
+            stored = {"step": request.step, "sums": delta.to_dict(), "env": request.env}  # (the sums as read)
+            self._journal.write("mismatch", {"request": stored, "key": idempotency_key})
             return answer
 
     def steps(self, since: int = 0) -> list[StepRow]:

@@ -127,6 +127,32 @@ def test_long_lists_read_as_arrays_give_the_same_errors_and_duplicates(server: T
         assert shipped["rollouts"][0]["samples"][0]["rl_weights"] == [0.5] * n
 
 
+@pytest.mark.parametrize("large_first", [True, False])
+def test_a_record_is_the_same_record_in_a_large_body_and_alone(server: ThreadServer, large_first: bool) -> None:
+    """A body over 1 MiB reads its long lists straight into arrays, a small one its lists of 1024 items or more:
+    the same lists, so a record re-sent in the other kind of body is a duplicate (an integer among floats was
+    0.0 in one and 0 in the other, and exactly-once answered 409)."""
+    record = {"id": "x", "dispatch_version": 0, "samples": [{"mask": [1] * 300, "logprobs": [-0.123456] * 299 + [0]}]}
+    filler = {"id": "long", "dispatch_version": 0, "samples": [{"mask": [1] * 600_000}]}
+    bodies = [[filler, record], [record]]
+    with httpx.Client(base_url=server.url) as http:
+        http.put(f"/v1/runs/{large_first}", json={})
+        for rollouts in bodies if large_first else bodies[::-1]:
+            answer = http.post(f"/v1/runs/{large_first}/rollouts", json={"rollouts": rollouts})
+            assert answer.status_code == 200, answer.text
+        assert answer.json()["duplicates"] == 1
+
+
+def test_a_lenient_run_sets_aside_samples_that_are_not_a_list(server: ThreadServer) -> None:
+    """``"samples": 1`` is set aside like any bad record (it answered 500 with the batch half applied)."""
+    good = {"id": "a", "dispatch_version": 0, "samples": [{"mask": [1, 1]}]}
+    with httpx.Client(base_url=server.url) as http:
+        http.put("/v1/runs/lenient", json={"strict": False})
+        answer = http.post("/v1/runs/lenient/rollouts", json={"rollouts": [good, {**good, "id": "b", "samples": 1}]})
+        assert answer.status_code == 200 and answer.json()["invalid"][0]["field"] == "samples"
+        assert http.get("/v1/runs/lenient").json()["queued"] == 1
+
+
 @pytest.mark.parametrize("token", ["", " ", "\t \n"])
 def test_blank_tokens_are_refused_at_start(token: str) -> None:
     result = subprocess.run(

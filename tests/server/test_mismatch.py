@@ -368,14 +368,44 @@ def test_only_the_last_ship_of_a_step_carries_the_posted_sums(http: httpx.Client
     assert [(row["ship"], row["mismatch"] is not None) for row in rows] == [(1, False), (2, True)]
 
 
-def test_a_merge_that_would_overflow_is_refused_and_the_total_kept(http: httpx.Client) -> None:
+@pytest.mark.parametrize("past", ["float64", "int64"])
+def test_a_merge_that_would_overflow_is_refused_and_the_total_kept(http: httpx.Client, past: str) -> None:
+    """Each post is in range, their merge is not: a sum past float64, or a count past int64 (which numpy would
+    wrap to a negative total that no restart could load)."""
     shipped_run(http, step=4)
     big = MismatchSums.zero().to_dict()
     big["lags"]["1"].update(tokens=1, sum_k3=1e308, sum_ratio=1.0, sum_ratio_sq=1.0)
+    if past == "int64":
+        big["lags"]["1"].update(tokens=2**63 - 1, sum_k3=1.0)
     assert http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": big}).status_code == 200
     again = http.post("/v1/runs/exp/mismatch", json={"step": 4, "sums": big})
     assert again.status_code == 422 and again.json()["detail"][0]["field"] == "sums"
     assert step_row(http, 4)["mismatch"] == MismatchSums.from_dict(big).to_dict()
+    assert http.get("/v1/runs/exp").json()["step"] == 4  # and the run serves on
+
+
+def test_the_journal_keeps_the_sums_as_read_not_the_keys_it_ignores(tmp_path: Path) -> None:
+    """A key the sums do not have is ignored, and never reaches the journal: a string it cannot write or a value
+    nested past its writer's limit applied the post and then broke the run (503 until a restart lost it)."""
+    registry = RunRegistry(ExportSettings(), SqliteStore(tmp_path))
+    run, _ = registry.create("exp", StalenessConfig())
+    run.add([rollout("r0", 0, [0, 0])])
+    run.ship(ShipRequest(step=1))
+    deep: Any = []
+    for _ in range(300):
+        deep = [deep]
+    for extra in ("\ud800", deep):
+        sums = {**rank_sums(0), "note": extra}
+        assert run.record_mismatch(MismatchRequest(step=1, sums=sums)).posts in (1, 2)
+    before = [row.model_dump() for row in run.steps()]
+    registry.store.close()
+    restored = RunRegistry(ExportSettings(), SqliteStore(tmp_path))
+    assert restored.restore() == 1
+    assert [row.model_dump() for row in restored.get("exp").steps()] == before
+    assert restored.get("exp").monitor.mismatch(1) == MismatchSums.from_dict(rank_sums(0)).merged(
+        MismatchSums.from_dict(rank_sums(0))
+    )
+    restored.close()
 
 
 def test_posts_survive_a_restart_from_snapshot_and_journal(tmp_path: Path) -> None:
