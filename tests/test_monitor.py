@@ -247,6 +247,26 @@ def test_record_mismatch_refuses_a_step_never_shipped_and_bad_sums() -> None:
     assert recorder.mismatch == [] and monitor.mismatch(6) is None and monitor.mismatch(7) is None
 
 
+@pytest.mark.parametrize("env", [None, "math"])
+@pytest.mark.parametrize(("name", "value"), [("tokens", 2**62), ("sum_k3", 1e308)])
+def test_record_mismatch_refuses_a_merge_past_int64_or_float64_and_keeps_the_total(
+    env: str | None, name: str, value: float
+) -> None:
+    """Two posts in range whose merge is not (a count would wrap negative, a sum be infinite): the second is
+    refused, recording nothing, the step's (and the env's) total kept, and the checkpoint still loads."""
+    recorder = MismatchRecorder()
+    monitor = StalenessMonitor(StalenessConfig(env_breakdown=True), [recorder])
+    monitor.add(ROLLOUT)
+    monitor.ship(6)
+    big = mismatch_sums([0], [-1.0], [-1.0]).to_dict()
+    big["lags"]["0"][name] = value
+    first = monitor.record_mismatch(6, big, env=env)
+    with pytest.raises(FieldError, match="sums: the step's merged sums overflow"):
+        monitor.record_mismatch(6, big, env=env)
+    assert monitor.mismatch(6) == first and len(recorder.mismatch) == 1
+    StalenessMonitor(StalenessConfig(env_breakdown=True)).load_state_dict(json.loads(json.dumps(monitor.state_dict())))
+
+
 def test_sums_re_applied_while_absorbing_move_the_counters_and_publish_nothing() -> None:
     """A restart re-applies journalled posts: counters catch up, row exporters write nothing twice."""
     recorder = MismatchRecorder()
