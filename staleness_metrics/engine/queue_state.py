@@ -20,6 +20,7 @@ from ..records.columnar import (
     PaddedLayout,
     RolloutBatch,
 )
+from ..records.validation import unstorable
 from ..state_checks import (
     boolean,
     decode_array,
@@ -323,8 +324,9 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
             )
         elif name == "echo":
             records = sequence(value, join(where, "list"))
-            for i, record in enumerate(records):
-                mapping(record, join(join(where, "list"), i))
+            for i, record in enumerate(records):  # (what the journal and outputs could not write, refused)
+                if (bad := unstorable(mapping(record, join(join(where, "list"), i)))) is not None:
+                    fail(join(join(join(where, "list"), i), bad[0]), bad[1])
             value = copy.deepcopy(list(records))
         else:
             value = strings(value, join(where, "list"), optional=name != "ids")
@@ -342,6 +344,9 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     for name in ("frozen", "agentic"):
         if raw[name] is not None and raw[name].dtype != np.bool_:
             fail(join(path, name), "expected a bool array")
+    for i, record in enumerate(raw["echo"] or ()):  # (the fields shipped records show, as the batch holds them)
+        if record.get("id") != raw["ids"][i] or record.get("dispatch_version", -1) != raw["dispatch_version"][i]:
+            fail(join(path, f"echo.list[{i}]"), "its id or dispatch_version differs from the batch's")
     for name in ("token_versions", *PER_POSITION_FLOATS):
         if raw[name] is not None and len(raw[name]) != n_positions:
             fail(join(path, name), f"{len(raw[name])} entries for {n_positions} positions")

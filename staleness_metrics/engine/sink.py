@@ -77,6 +77,7 @@ class Sink:
 
     def load_checked(self, checked: SinkState) -> None:
         """Continue from a state :meth:`check_state_dict` accepted."""
+        self.policy.load_state_dict(checked.policy_state)
         self.queue = checked.queue
         self._step = checked.step
         self._window = checked.window
@@ -85,7 +86,6 @@ class Sink:
         self.bound_tracker = checked.bound_tracker
         self.env_trackers = dict(checked.env_trackers)
         self._bound_moved_at = checked.bound_moved_at
-        self.policy.load_state_dict(checked.policy_state)
         self.sync_bound()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

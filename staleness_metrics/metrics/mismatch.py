@@ -177,14 +177,14 @@ def _ess(sum_ratio: float, sum_ratio_sq: float, tokens: int) -> float:
 def _count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise FieldError(name, f"expected a non-negative integer, got {value!r}")
-    if value < 0:
-        raise FieldError(name, f"must be >= 0, got {value}")
+    if not 0 <= value < 2**63:
+        raise FieldError(name, f"must be >= 0, got {value}" if value < 0 else f"must fit int64, got {value}")
     return value
 
 
 def _finite(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise FieldError(name, f"expected a finite number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= sys.float_info.max:
+        raise FieldError(name, f"expected a finite number, got {value!r}")  # (NaN, infinite, an int past float)
     return float(value)
 
 

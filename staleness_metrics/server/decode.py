@@ -258,9 +258,7 @@ PIECE_POSITIONS = 1 << 20  # positions compared at once: a 1 MiB bool and at mos
 
 def allowed_span_rows(body_bytes: int, body_bytes_per_row: int) -> int:
     """The span rows a body of ``body_bytes`` may cut (``body_bytes_per_row`` 0: no cap)."""
-    if body_bytes_per_row <= 0:
-        return -1
-    return max(SPAN_ROW_FLOOR, body_bytes // body_bytes_per_row)
+    return -1 if body_bytes_per_row <= 0 else max(SPAN_ROW_FLOOR, body_bytes // body_bytes_per_row)
 
 
 def _length(values: Any) -> int:

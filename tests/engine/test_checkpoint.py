@@ -235,6 +235,19 @@ def _resigned(state: dict[str, Any]) -> dict[str, Any]:
         (lambda s: s["sink"]["queue"].update(groups=[]), r"sink\.queue\.groups: lacks the group 'g'"),
         (lambda s: s["sink"]["queue"]["batches"].append(s["sink"]["queue"]["batches"][0]), r"batches\[1\]: .*'a'"),
         (lambda s: s["exporters"]["prometheus"].pop("totals"), r"exporters\.prometheus\.totals: missing"),
+        (lambda s: s["sink"]["policy"].update(owed=[10**30]), r"sink\.policy\.owed\[0\]: 1000.* is above"),
+        (
+            lambda s: s["sink"]["queue"]["batches"][0]["echo"]["list"][1].update(id="a"),
+            r"batches\[0\]\.echo\.list\[1\]: its id or dispatch_version differs from the batch's",
+        ),
+        (
+            lambda s: s["sink"]["queue"]["batches"][0]["echo"]["list"][0].update(x=json.loads("[" * 700 + "]" * 700)),
+            r"echo\.list\[0\]\.x(\[0\])+: nested deeper than 128 levels",
+        ),
+        (
+            lambda s: s["sink"]["queue"]["batches"][0]["mask"]["array"].update(dtype="01"),
+            r"batches\[0\]\.mask\.array\.dtype: '01' is not a numpy dtype",
+        ),
     ],
 )
 def test_a_bad_checkpoint_is_refused_by_key_and_leaves_the_monitor_as_it_was(damage: Any, named: str) -> None:
@@ -258,6 +271,20 @@ def test_a_bad_checkpoint_is_refused_by_key_and_leaves_the_monitor_as_it_was(dam
     state["sink"]["step"] = 2  # plausible (the last step a sweep or ship used): only the digest can tell
     with pytest.raises(ConfigError, match=r"sink\.step: differs from the digest saved with it"):
         target.load_state_dict(state)
+
+
+def test_a_big_endian_dtype_loads_as_the_machine_s_own() -> None:
+    """A dtype is a name beside JSON numbers: ``>i8`` holds the same numbers as ``<i8`` (compiled loops take
+    only the machine's byte order, where a big-endian array stopped a ship with numba's typing error)."""
+    config = StalenessConfig(policy="token", max_staleness=1)
+    monitor = new_monitor(config)
+    monitor.add([{"id": "a", "dispatch_version": 1, "samples": [{"mask": [0, 1, 1], "token_versions": [1, 1, 2]}]}])
+    state = json.loads(json.dumps(monitor.state_dict()))
+    for name in ("dispatch_version", "token_versions", "sample_offsets"):
+        state["sink"]["queue"]["batches"][0][name]["array"]["dtype"] = ">i8"
+    restored = new_monitor(config)
+    restored.load_state_dict(_resigned(state))
+    assert play(restored, [{"type": "ship", "step": 4}]) == play(monitor, [{"type": "ship", "step": 4}])
 
 
 def test_a_queue_of_millions_of_positions_is_saved_without_a_copy_or_an_index_of_them() -> None:

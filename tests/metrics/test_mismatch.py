@@ -164,6 +164,8 @@ def test_dict_round_trip_through_json_is_exact() -> None:
         (lambda d: d["lags"].pop("7"), "lags.7: missing lag bucket"),
         (lambda d: d["lags"]["3"].__setitem__("tokens", -1), "lags.3.tokens: must be >= 0"),
         (lambda d: d.__setitem__("uncovered", -2), "uncovered: must be >= 0"),
+        (lambda d: d["lags"]["3"].__setitem__("tokens", 10**30), "lags.3.tokens: must fit int64"),
+        (lambda d: d["lags"]["2"].__setitem__("sum_k3", 10**400), "lags.2.sum_k3: expected a finite"),
         (lambda d: d["lags"]["0"].__setitem__("masked", 5), "lags.0.masked: 5 exceeds tokens"),
         (lambda d: d["lags"]["inf"].__setitem__("sum_k3", float("nan")), "lags.inf.sum_k3: expected a finite"),
         (lambda d: d["lags"]["1"].__setitem__("tokens", True), "lags.1.tokens: expected a non-negative integer"),

@@ -93,9 +93,7 @@ def _legacy_value(key: str, value: float | None, live: int, frozen: int) -> floa
 def _rule_value(key: str, rule: StepRule) -> float | None:
     """prime-rl's own value of a rollout key, from the shipped episodes of the step."""
     values = getattr(rule, _RULE_FIELD[key]) if key in _RULE_FIELD else None
-    if not values:
-        return None
-    return sum(values) / len(values) if key in _MEAN_KEYS else float(max(values))
+    return None if not values else sum(values) / len(values) if key in _MEAN_KEYS else float(max(values))
 
 
 def _status(

@@ -154,9 +154,7 @@ def _pair_fault(pair: object, count: int, previous: int | None) -> str | None:
         return f"version must be >= 0 (or -1), got {version}"
     if not 0 <= start < count:
         return f"k must be in 0..{count - 1} (the node's sampled tokens), got {start}"
-    if previous is not None and start <= previous:
-        return "starts must strictly increase"
-    return None
+    return "starts must strictly increase" if previous is not None and start <= previous else None
 
 
 def _versions(rid: str, where: str, doc: object, count: int) -> npt.NDArray[np.int64] | None:
