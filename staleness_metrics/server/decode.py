@@ -164,8 +164,6 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
     pairs = field == "weight_versions"
     # the item count, from the separators: the array is allocated at its final size
     count = body.count(b"[", start, inner_end) if pairs else body.count(b",", start, inner_end) + 1
-    if count < COMPACT_MIN_LENGTH:  # as ``compact_records`` leaves it: a record's digest never depends on its body
-        return None
     out: npt.NDArray[Any] | None = None
     filled = 0
     at = start
@@ -239,15 +237,19 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
 
 
 def compact_records(records: list[dict[str, Any]]) -> None:
-    """Replace, in place, every long per-position list of every sample by a numpy array."""
+    """Replace, in place, every long per-position list of every sample (and every float list holding an
+    integer) by a numpy array."""
     for record in records:
         samples = record.get("samples")
         for sample in samples if isinstance(samples, list) else ():
             if not isinstance(sample, dict):
                 continue
             for name, values in sample.items():
-                long = isinstance(values, list) and len(values) >= COMPACT_MIN_LENGTH
-                if long and name != "weight_versions":
+                if not isinstance(values, list) or name == "weight_versions":
+                    continue
+                # a float list holding an integer becomes an array as a large body's would (0.0, not 0): a record's
+                # digest never depends on the size of the body it came in
+                if len(values) >= COMPACT_MIN_LENGTH or (name not in _INT_FIELDS and int in set(map(type, values))):
                     compact = _piece(name, values)
                     if compact is not None:
                         sample[name] = compact
