@@ -162,6 +162,8 @@ def read_queue(
     mask_below = integers(found["mask_below"], join(path, "mask_below"), samples, NO_MASK, max(step, 0))
     where = join(path, "dropped")
     dropped = np.array([boolean(v, join(where, i)) for i, v in enumerate(sequence(found["dropped"], where, samples))])
+    if samples and np.logical_and.reduceat(dropped, queue.rollouts.sample_lo).any():  # (the policies drop it whole)
+        fail(where, "every sample of a queued rollout is dropped")
     raised = mask_below > NO_MASK
     if raised.any():  # masked again as the thresholds masked them
         mask_positions(queue, judgement_of(queue, np.arange(rollouts), 0), mask_below, raised)

@@ -450,9 +450,7 @@ def _column(
     if len(given) == len(values):
         present = np.ones(len(values), dtype=bool)
         only = given[0]
-        if adopt and only.dtype == dtype and only.ndim == 1:
-            return only, present
-        return _flat(given, dtype), present
+        return (only if adopt and only.dtype == dtype and only.ndim == 1 else _flat(given, dtype)), present
     present = np.array([v is not None for v in values], dtype=bool)
     if all(len(v) == n for v, n in zip(values, lengths) if v is not None):
         # the usual case: the given parts in place, the fill elsewhere (no array per missing part)

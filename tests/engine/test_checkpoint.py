@@ -237,6 +237,10 @@ def _resigned(state: dict[str, Any]) -> dict[str, Any]:
         (lambda s: s["exporters"]["prometheus"].pop("totals"), r"exporters\.prometheus\.totals: missing"),
         (lambda s: s["sink"]["policy"].update(owed=[10**30]), r"sink\.policy\.owed\[0\]: 1000.* is above"),
         (
+            lambda s: s["sink"]["queue"]["dropped"].__setitem__(0, True),
+            r"sink\.queue\.dropped: every sample of a queued rollout is dropped",
+        ),
+        (
             lambda s: s["sink"]["queue"]["batches"][0]["echo"]["list"][1].update(id="a"),
             r"batches\[0\]\.echo\.list\[1\]: its id or dispatch_version differs from the batch's",
         ),
