@@ -655,8 +655,7 @@ class RolloutQueue:
             spans = expand_ranges(s.span_lo[samples], s.span_hi[samples])
             counts = s.span_hi[samples] - s.span_lo[samples]
             shift = np.repeat(part.position_offsets[:-1] - batch.position_offsets[old], counts)
-            n.lo[spans] += shift
-            n.hi[spans] += shift
+            n.lo[spans], n.hi[spans] = n.lo[spans] + shift, n.hi[spans] + shift
             r.index[rows] = np.arange(len(rows))
             self.chunks[chunk] = copy.deepcopy(part)  # (no view of the window's arrays)
 

@@ -247,8 +247,7 @@ def compact_records(records: list[dict[str, Any]]) -> None:
             for name, values in sample.items():
                 if not isinstance(values, list) or name == "weight_versions":
                     continue
-                # a float list holding an integer becomes an array as a large body's would (0.0, not 0): a record's
-                # digest never depends on the size of the body it came in
+                # a float list holding an integer: an array, as in a large body (one digest, whatever the body)
                 if len(values) >= COMPACT_MIN_LENGTH or (name not in _INT_FIELDS and int in set(map(type, values))):
                     compact = _piece(name, values)
                     if compact is not None:

@@ -215,6 +215,53 @@ def test_a_sealed_chunk_beside_its_plain_twin_is_read_once(tmp_path: Path) -> No
     assert [e.kind for e in _events(tmp_path)].count("rollout") == 3
 
 
+def test_chunks_sealed_after_the_reader_listed_them_are_read_sealed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prime-rl seals a full chunk in the background (``.zst`` written, the plain file removed): a replay of a
+    live run that listed a plain chunk reads its sealed twin, the stream's and the trainer's alike (the stream's
+    chunk was damage, the trainer's log-probabilities were lost without a word)."""
+    from staleness_metrics.replay.sources.prime_rl import chunks, run
+
+    _simple_run(tmp_path / "plain", chunk_lines=2)
+    expected = _events(tmp_path / "plain")
+    w = _simple_run(tmp_path / "live", chunk_lines=2)
+
+    def listed_then_sealed(path: Any) -> Any:
+        layout = chunks.find_layout(path)
+        w.seal("stream")
+        w.seal("annotations/trainer")
+        return layout
+
+    monkeypatch.setattr(run, "find_layout", listed_then_sealed)
+    read = read_run_events(tmp_path / "live")
+    got = list(read)
+    assert _plan(got) == _plan(expected) and read.notes.damage.total == 0
+    np.testing.assert_array_equal(
+        _rollouts(got)["t0"].samples[0].trainer_logprobs, _rollouts(expected)["t0"].samples[0].trainer_logprobs
+    )
+
+
+def test_an_index_the_replay_cannot_read_is_left_out_as_a_missing_one(tmp_path: Path) -> None:
+    """The index is a cross-check: unreadable (its permissions), the run replays as without it (a lenient
+    replay stopped on it). Run without the capability to read past permissions, as root has it."""
+    import os
+    import subprocess
+    import sys
+
+    _simple_run(tmp_path)
+    index = tmp_path / "monitors/file/traces/stream.index.jsonl"
+    command = [sys.executable, "-m", "staleness_metrics", "replay", str(tmp_path), "--lenient"]
+    if os.geteuid() == 0:
+        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *command]
+    index.chmod(0)
+    unreadable = subprocess.run(command, capture_output=True, text=True, check=False)
+    index.unlink()
+    missing = subprocess.run(command, capture_output=True, text=True, check=False)
+    assert (unreadable.returncode, unreadable.stderr) == (missing.returncode, missing.stderr) == (0, missing.stderr)
+    assert "3 rollouts shipped" in missing.stderr
+
+
 def test_a_torn_last_line_ends_the_stream(tmp_path: Path) -> None:
     _simple_run(tmp_path)
     chunk = tmp_path / "monitors/file/traces/stream/00000.jsonl"
