@@ -110,10 +110,7 @@ class MismatchSums:
         if not isinstance(data, Mapping):
             raise FieldError(None, f"mismatch sums: expected an object, got {type(data).__name__}")
         if data.get("format", DICT_FORMAT) != DICT_FORMAT:
-            raise FieldError(
-                "format",
-                f"unknown mismatch sums format {data.get('format')!r} (expected {DICT_FORMAT})",
-            )
+            raise FieldError("format", f"unknown mismatch sums format {data.get('format')!r} (expected {DICT_FORMAT})")
         uncovered = _count("uncovered", data.get("uncovered"))
         lags = data.get("lags")
         if not isinstance(lags, Mapping):
@@ -132,10 +129,7 @@ class MismatchSums:
                 columns[f].append(_finite(f"lags.{name}.{f}", bucket.get(f)))
             for f in COUNT_FIELDS[1:]:
                 if columns[f][-1] > columns["tokens"][-1]:
-                    raise FieldError(
-                        f"lags.{name}.{f}",
-                        f"{columns[f][-1]} exceeds tokens {columns['tokens'][-1]}",
-                    )
+                    raise FieldError(f"lags.{name}.{f}", f"{columns[f][-1]} exceeds tokens {columns['tokens'][-1]}")
             for f in SUM_FIELDS[1:]:  # all but the log-ratio's are >= 0
                 if columns[f][-1] < 0:
                     raise FieldError(f"lags.{name}.{f}", f"must be >= 0, got {columns[f][-1]!r}")
@@ -229,11 +223,7 @@ def mismatch_sums(
     sampler = _flat("sampler_logprobs", arrays["sampler_logprobs"], "fiu")
     trainer = _flat("trainer_logprobs", arrays["trainer_logprobs"], "fiu")
     flags = None if arrays["masked"] is None else _flat("masked", arrays["masked"], "biu")
-    for name, array in (
-        ("sampler_logprobs", sampler),
-        ("trainer_logprobs", trainer),
-        ("masked", flags),
-    ):
+    for name, array in (("sampler_logprobs", sampler), ("trainer_logprobs", trainer), ("masked", flags)):
         if array is not None and len(array) != len(lag):
             raise FieldError(name, f"length {len(array)} differs from the lags' {len(lag)}")
     bool_flags = None if flags is None else np.ascontiguousarray(flags, dtype=bool)

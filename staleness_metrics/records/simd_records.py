@@ -107,8 +107,8 @@ def _rollout(document: object, line: bytes, kinds: tuple[_Lists, ...]) -> Parsed
         for key in keys:  # one lookup per field present (a lookup is a scan of the object's keys)
             value = sample[key]
             if value is None:
-                if key == "mask":
-                    raise _NotPlain
+                if key == "mask" or key not in _FIELDS:
+                    raise _NotPlain  # (an unknown field, null or not, is named by the general path)
                 continue  # a null field is an absent one
             field = _FIELDS.get(key)
             if field is None or type(value) is not simdjson.Array:

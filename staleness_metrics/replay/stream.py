@@ -210,8 +210,8 @@ def read_events(
         except StopIteration:
             break
         except Exception:
-            # a damaged file: what was read before it, as without read_ahead
-            yield from flush(settled)
+            # a damaged file: every line read before it first, as the general path yields each line it reads
+            yield from flush(None)
             raise
         if not text or text.isspace():  # as ``not text.strip()``, without copying the line
             continue
@@ -264,19 +264,24 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
     """Events as steps, consecutive rollouts added together; several sinks may run them."""
     lines: list[int] = []
     items: list[ParsedRollout | UnparsedRollout] = []
-    for event in events:
-        if event.kind == "rollout":
-            lines.append(event.line)
-            item = event.parsed if event.parsed is not None else event.unparsed
-            items.append(item if item is not None else parse_or_error(event.rollout or {}, booleans=event.booleans))
-            if len(items) >= batch_size:
+    try:
+        for event in events:
+            if event.kind == "rollout":
+                lines.append(event.line)
+                item = event.parsed if event.parsed is not None else event.unparsed
+                items.append(item or parse_or_error(event.rollout or {}, booleans=event.booleans))
+                if len(items) >= batch_size:
+                    yield Added(tuple(lines), tuple(items))
+                    lines, items = [], []
+                continue
+            if items:
                 yield Added(tuple(lines), tuple(items))
                 lines, items = [], []
-            continue
+            yield event
+    except Exception:  # a later line's error: the adds before it first (a run meets the first error first)
         if items:
             yield Added(tuple(lines), tuple(items))
-            lines, items = [], []
-        yield event
+        raise
     if items:
         yield Added(tuple(lines), tuple(items))
 
@@ -310,30 +315,35 @@ def _windows(steps: Iterable[Step], max_positions: int) -> Iterator[list[Step]]:
     ``max_positions`` positions, with the steps between them; any other step alone."""
     window: list[Step] = []
     positions, signature = 0, None
-    for step in steps:
-        if isinstance(step, Added):
-            parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
-            samples = [sample for item in parsed for sample in item.samples]
-            given = [[name in s.weights for s in samples] for name in WEIGHT_FIELDS]
-            given += [[s.logprobs is not None for s in samples], [s.trainer_logprobs is not None for s in samples]]
-            found = None  # (an add with a refused rollout, or arrays some samples carry and some not: alone)
-            if samples and len(parsed) == len(step.items) and all(min(f) == max(f) for f in given):
-                found = tuple(flags[0] for flags in given)
-            size = sum(len(s.mask) for s in samples)
-            if window and (found is None or found != signature or positions + size > max_positions):
-                yield window
-                window, positions, signature = [], 0, None
-            if found is None or size >= max_positions:
+    try:
+        for step in steps:
+            if isinstance(step, Added):
+                parsed = [item for item in step.items if isinstance(item, ParsedRollout)]
+                samples = [sample for item in parsed for sample in item.samples]
+                given = [[name in s.weights for s in samples] for name in WEIGHT_FIELDS]
+                given += [[s.logprobs is not None for s in samples], [s.trainer_logprobs is not None for s in samples]]
+                found = None  # (an add with a refused rollout, or arrays some samples carry and some not: alone)
+                if samples and len(parsed) == len(step.items) and all(min(f) == max(f) for f in given):
+                    found = tuple(flags[0] for flags in given)
+                size = sum(len(s.mask) for s in samples)
+                if window and (found is None or found != signature or positions + size > max_positions):
+                    yield window
+                    window, positions, signature = [], 0, None
+                if found is None or size >= max_positions:
+                    yield [step]
+                    continue
+                positions, signature = positions + size, found
+            elif not window:
                 yield [step]
                 continue
-            positions, signature = positions + size, found
-        elif not window:
-            yield [step]
-            continue
-        window.append(step)
-        if len(window) >= _CUT_AHEAD_STEPS:
+            window.append(step)
+            if len(window) >= _CUT_AHEAD_STEPS:
+                yield window
+                window, positions, signature = [], 0, None
+    except Exception:  # a later step's error: the window before it first
+        if window:
             yield window
-            window, positions, signature = [], 0, None
+        raise
     if window:
         yield window
 

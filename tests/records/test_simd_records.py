@@ -298,6 +298,7 @@ def test_plain_lines_of_every_shape_take_this_path() -> None:
         _line({"mask": '[1], "mask": [0]'}),  # a repeated key (simdjson finds the first, orjson keeps the last)
         _line({"mask": "[1]", "logprobs": "[true]"}),
         _line({"mask": "[1]", "logprobs": "[null]"}),
+        _line({"mask": "[1]", "unknown": "null"}),  # an unknown field, null or not: the general path names it
         _line({"mask": "[2]"}),
         _line({"mask": "[1]"}, head='"id": "r\\ud800", "dispatch_version": 3'),  # a lone surrogate
         b"\xef\xbb\xbf" + _line({"mask": "[1]"}),  # a byte order mark (simdjson skips it, orjson refuses)

@@ -84,10 +84,12 @@ def view(event: Event) -> tuple[Any, ...]:
     return event.line, event.kind, event.step, event.ids, event.rollout, event.booleans, arrays, event.unparsed
 
 
-def outcome(lines: list[bytes], fail_at: int | None, read_ahead: bool) -> tuple[list[tuple[Any, ...]], str | None]:
+def outcome(
+    lines: list[bytes], fail_at: int | None, read_ahead: bool, parse: bool = True
+) -> tuple[list[tuple[Any, ...]], str | None]:
     seen = []
     try:
-        for event in read_events(source(lines, fail_at), parse=True, read_ahead=read_ahead):
+        for event in read_events(source(lines, fail_at), parse=parse, read_ahead=read_ahead):
             seen.append(view(event))
     except (EventError, Damaged) as error:
         return seen, f"{type(error).__name__}: {error}"
@@ -102,6 +104,9 @@ def test_reading_ahead_yields_the_same_events_and_errors_after_the_same_events(
     lines = lines_of(kinds)
     ahead = outcome(lines, fail_at, read_ahead=True)
     assert ahead == outcome(lines, fail_at, read_ahead=False)
+    # the lines the general path reads one by one, each before an error (a damaged file's too)
+    general = outcome(lines, fail_at, read_ahead=False, parse=False)
+    assert ([seen[:2] for seen in ahead[0]], ahead[1]) == ([seen[:2] for seen in general[0]], general[1])
     # and the plain lines were read by the simdjson path (else this would compare the general path with itself)
     if simd_records.AVAILABLE and "plain" in kinds[: min(len(kinds), fail_at or len(kinds))]:
         assert ahead[0] == [] or any(seen[6] is not None for seen in ahead[0]) or ahead[1] is not None

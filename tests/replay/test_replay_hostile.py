@@ -239,6 +239,24 @@ def test_files_replay_cannot_read_are_named(content: bytes, message: str, tmp_pa
     assert run.err.count("\n") == 1 and run.metrics is None and run.batches is None
 
 
+@pytest.mark.parametrize("later", ["step down", "gzip cut short"])
+def test_the_first_error_of_the_stream_is_the_one_named_whatever_comes_after_it(later: str, tmp_path: Path) -> None:
+    """A strict replay reads ahead (windows of adds with the ships and sweeps between them), yet names the first
+    error in stream order: the ship at line 2 meeting a version above the trained one, before a step that goes
+    down at a later line or before the end of a gzip file cut short (the later error came out first)."""
+    record = {"id": "ahead", "dispatch_version": 0, "samples": [{"mask": [1], "token_versions": [5]}]}
+    ahead = json.dumps({"type": "rollout", "rollout": record}).encode()  # the ship at step 1 trains version 0
+    lines = [ahead, SHIP, *(rollout_line(f"r{i}") for i in range(600)), b'{"type": "ship", "step": 5}']
+    if later == "step down":
+        content = stream(*lines, b'{"type": "sweep", "step": 3}')
+    else:
+        content = gzip.compress(stream(*lines))[:-12]
+    events = tmp_path / "events.jsonl"
+    events.write_bytes(content)
+    run = run_cli(events, "--strict", tmp_path=tmp_path)
+    assert run.code == 2 and run.err.startswith("line 2: rollout 'ahead': field samples[0].token_versions"), run.err
+
+
 LONG = (1 << 24) + 5  # simdjson counts a list's elements in 24 bits: 16,777,215 at most
 
 
