@@ -144,7 +144,7 @@ class StalenessMonitor:
                 "exporters": {name: e.state_dict() for name, e in self._stateful.items()},
                 "export_errors": self.export_errors.snapshot(),
                 "shipped_steps": sorted(self._shipped_steps),
-                "mismatch": [[step, sums.to_dict()] for step, sums in sorted(self._mismatch.items())],
+                "mismatch": [[step, s.to_dict()] for step, s in sorted(self._mismatch.items())],
                 "env_mismatch": [
                     [step, env, sums.to_dict()] for (step, env), sums in sorted(self._env_mismatch.items())
                 ],

@@ -304,7 +304,7 @@ def decode_array(encoded: Any, path: str = "array", dtype: npt.DTypeLike | None 
     found = keys(encoded, path, ("dtype", "data"), ("nan", "posinf", "neginf"))
     name = string(found["dtype"], join(path, "dtype"))
     try:
-        target = np.dtype(name).newbyteorder("=")  # (JSON numbers: the machine's byte order, which compiled loops take)
+        target = np.dtype(name).newbyteorder("=")  # (the byte order compiled loops take)
     except (TypeError, ValueError, SyntaxError):  # (numpy reads some strings as Python literals)
         fail(join(path, "dtype"), f"{name!r} is not a numpy dtype")
     if dtype is not None and target != np.dtype(dtype):

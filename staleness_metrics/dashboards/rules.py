@@ -1,6 +1,6 @@
 """Prometheus recording rules (``level:metric:operations``) and alerts, built from the metric
 table (the committed ones use the default thresholds), and an example OpenTelemetry Collector
-config: OTLP in, Prometheus out, renamed wherever the collector's naming differs from the table's."""
+config: OTLP in, Prometheus out, renamed where the collector's naming differs from the table's."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ class SliceRows(NamedTuple):
 @CompiledLoop
 def _slice_rows(
     rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
-) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]:  # pragma: no cover - compiled
+) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]:  # pragma: no cover
     n_rollouts = len(sample_lo)
     n_samples = len(span_lo)
     if len(sample_hi) != n_rollouts or len(span_hi) != n_samples:
@@ -194,7 +194,7 @@ def _stale_rows(
     sampled: IntArray,
     thresholds: tuple[IntArray, IntArray, BoolArray],
     rollout_chunk: IntArray,
-) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.int8], IntArray]:  # pragma: no cover - compiled
+) -> tuple[IntArray, IntArray, IntArray, npt.NDArray[np.int8], IntArray]:  # pragma: no cover
     span_lo, span_hi, sample_rollout = samples
     part, table_lo, table_hi = table
     old_below, new_below, raised = thresholds

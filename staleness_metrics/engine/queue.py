@@ -18,7 +18,7 @@ from .segments import IntArray, expand_ranges
 from .spans import build_spans
 
 QUEUED, SHIPPED, DROPPED, INVALID = 0, 1, 2, 3  # a rollout row's status
-PENDING = 4  # the row of a read-ahead window's rollout whose add has not come (the tables' last rows)
+PENDING = 4  # a read-ahead window's rollout whose add has not come (the last rows)
 COMPACT_MIN_ROWS = 4096  # below this many rows, forgetting is not worth a copy
 NEVER = -1  # the step of a rollout not judged yet
 STAGE_MAX_POSITIONS = 1 << 16  # a longer batch is cut at its add
@@ -46,7 +46,7 @@ class Column(Generic[ScalarT]):
     def __get__(self, table: Table | None, owner: type) -> Column[ScalarT] | npt.NDArray[ScalarT]:
         if table is None:
             return self
-        return table.arrays[self.name][: len(table)]  # (the table keeps its views as plain attributes)
+        return table.arrays[self.name][: len(table)]  # (the table keeps views as attributes)
 
 
 class Table:
@@ -215,7 +215,7 @@ def _joined_offsets(parts: Sequence[IntArray], counts: Sequence[int], ends: Sequ
 
 
 def rollouts_of(batch: RolloutBatch, rollouts: IntArray, mask: npt.NDArray[Any] | None = None) -> RolloutBatch:
-    """The ``rollouts`` of ``batch`` as a new batch, of views where they are consecutive (``mask``: read instead)."""
+    """The ``rollouts`` of ``batch`` as a new batch (views where consecutive; ``mask``: read instead)."""
     samples = expand_ranges(batch.sample_offsets[rollouts], batch.sample_offsets[rollouts + 1])
     positions = _items_of(batch.position_offsets, samples)
     part = copy.copy(batch)  # (checked and converted already: no __post_init__ again)
@@ -326,7 +326,7 @@ class RolloutQueue:
         self.row_of: dict[str, int] = {}  # queued (and recently resolved) rollouts by id
         self.seen_ids: set[str] = set()  # every id accepted in the run: ids are unique within a run
         self.chunks: list[RolloutBatch | None] = []
-        self.windows: set[int] = set()  # chunks of replay's read-ahead windows (its copies: repacked)
+        self.windows: set[int] = set()  # chunks of replay's read-ahead windows (its copies)
         self.chunk_open: list[int] = []  # rollouts of each chunk still queued
         self.closing: list[int] = []  # chunks whose last rollout left: released at the next ship
         self.groups: dict[str, int] = {}
@@ -452,7 +452,7 @@ class RolloutQueue:
         if ahead is None or ahead.batch is not batch or ahead.next != first:
             self.build_staged()
             self.drop_ahead()
-            n, zero = batch.n_rollouts, np.zeros(batch.n_rollouts - first, np.int64)  # (chunk, group, env: at the add)
+            n, zero = batch.n_rollouts, np.zeros(batch.n_rollouts - first, np.int64)
             tokens = self.append_rows(batch, spans, (first, n), (zero, np.arange(first, n), zero, zero), status=PENDING)
             ahead = Ahead(batch, first, len(self.rollouts) - (n - first), tokens, first)
         chunk, groups, envs = self.admit(batch, list(range(first, stop)))
@@ -639,8 +639,8 @@ class RolloutQueue:
         self.closing = []  # chunks closing now have no queued rollout: they are not kept
 
     def _repack_windows(self) -> None:
-        """Replace each window mostly left by a copy of its queued rollouts (a read-ahead window holds
-        many rollouts: one queued for long would keep all of their arrays alive)."""
+        """Replace each window mostly left by a copy of its queued rollouts (a read-ahead window
+        holds many rollouts: one queued for long would keep all of their arrays alive)."""
         r, s, n = self.rollouts, self.samples, self.spans
         order = np.argsort(r.chunk, kind="stable")
         bounds = np.searchsorted(r.chunk[order], np.arange(len(self.chunks) + 1))
@@ -650,7 +650,7 @@ class RolloutQueue:
             part = rollouts_of(batch, r.index[rows])
             if 2 * part.n_positions > batch.n_positions:
                 continue
-            samples = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])  # (all of each rollout's, in order)
+            samples = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])  # (in order)
             old = batch.sample_offsets[r.index[s.rollout[samples]]] + s.local[samples]
             spans = expand_ranges(s.span_lo[samples], s.span_hi[samples])
             counts = s.span_hi[samples] - s.span_lo[samples]

@@ -162,8 +162,8 @@ def read_queue(
     mask_below = integers(found["mask_below"], join(path, "mask_below"), samples, NO_MASK, max(step, 0))
     where = join(path, "dropped")
     dropped = np.array([boolean(v, join(where, i)) for i, v in enumerate(sequence(found["dropped"], where, samples))])
-    if samples and np.logical_and.reduceat(dropped, queue.rollouts.sample_lo).any():  # (the policies drop it whole)
-        fail(where, "every sample of a queued rollout is dropped")
+    if samples and np.logical_and.reduceat(dropped, queue.rollouts.sample_lo).any():
+        fail(where, "every sample of a queued rollout is dropped (a policy drops it whole)")
     raised = mask_below > NO_MASK
     if raised.any():  # masked again as the thresholds masked them
         mask_positions(queue, judgement_of(queue, np.arange(rollouts), 0), mask_below, raised)
@@ -326,7 +326,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
             )
         elif name == "echo":
             records = sequence(value, join(where, "list"))
-            for i, record in enumerate(records):  # (what the journal and outputs could not write, refused)
+            for i, record in enumerate(records):  # (what outputs could not write: refused)
                 if (bad := unstorable(mapping(record, join(join(where, "list"), i)))) is not None:
                     fail(join(join(join(where, "list"), i), bad[0]), bad[1])
             value = copy.deepcopy(list(records))
@@ -346,9 +346,9 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     for name in ("frozen", "agentic"):
         if raw[name] is not None and raw[name].dtype != np.bool_:
             fail(join(path, name), "expected a bool array")
-    for i, record in enumerate(raw["echo"] or ()):  # (the fields shipped records show, as the batch holds them)
-        if record.get("id") != raw["ids"][i] or record.get("dispatch_version", -1) != raw["dispatch_version"][i]:
-            fail(join(path, f"echo.list[{i}]"), "its id or dispatch_version differs from the batch's")
+    for i, (record, rid, version) in enumerate(zip(raw["echo"] or (), raw["ids"], raw["dispatch_version"])):
+        if record.get("id") != rid or record.get("dispatch_version", -1) != version:  # (outputs show)
+            fail(join(path, f"echo.list[{i}]"), "its id or dispatch_version is not the batch's")
     for name in ("token_versions", *PER_POSITION_FLOATS):
         if raw[name] is not None and len(raw[name]) != n_positions:
             fail(join(path, name), f"{len(raw[name])} entries for {n_positions} positions")
@@ -386,7 +386,7 @@ def _ones_over(mask: npt.NDArray[Any], lo: IntArray, hi: IntArray) -> npt.NDArra
     edges = np.zeros(len(mask) + 1, dtype=np.int8)
     np.add.at(edges, lo, 1)
     np.add.at(edges, hi, -1)
-    covered = np.cumsum(edges[:-1], dtype=np.int8, out=edges[:-1])  # 0 or 1: the ranges are disjoint
+    covered = np.cumsum(edges[:-1], dtype=np.int8, out=edges[:-1])  # 0 or 1: disjoint ranges
     out: npt.NDArray[Any] = mask.copy()
     out[covered.view(np.bool_)] = 1
     return out

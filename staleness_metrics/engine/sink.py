@@ -56,7 +56,7 @@ class Sink:
         self.totals = Tally()
         self.bound_tracker = BoundTracker(self.config)  # SPEC 14
         self.env_trackers: dict[str, BoundTracker] = {}
-        self._bound_moved_at = 0  # the step whose judgements an adaptive bound's move made old (0: none)
+        self._bound_moved_at = 0  # the step an adaptive bound last moved at (0: never)
 
     def state_dict(self) -> dict[str, Any]:
         """The sink's state as plain JSON-serialisable data (SPEC 13); the sink does not change."""
@@ -213,7 +213,7 @@ class Sink:
         """Give SPEC 14's tracker a ship's SPEC 11 sums (``merge``: the trainer's running total of a
         step); returns the ship's floor, curve and advice."""
         bound = self.bound_tracker.observe(step, total, merge=merge)
-        if self.bound_tracker.bound != self.policy.max_staleness:  # moved: from the next sweep or ship on
+        if self.bound_tracker.bound != self.policy.max_staleness:  # moved: from the next judging on
             self._bound_moved_at = self._step
         self.sync_bound()
         return bound
@@ -245,8 +245,8 @@ class Sink:
         return self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)[0]
 
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
-        """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None). A
-        version above the trained one raises :class:`TraceError` (strict) or is set aside (lenient)."""
+        """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None). A version
+        above the trained one raises :class:`TraceError` (strict) or is set aside (lenient)."""
         if isinstance(ids, str):
             raise FieldTypeError("ids", "must be a collection of rollout ids, not one string")
         self._advance(step)

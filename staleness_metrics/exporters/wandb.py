@@ -184,7 +184,7 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
     def export_mismatch(self, report: MismatchReport) -> None:
         """A row of the step's trainer-side SPEC 11 and 14 keys (merged over its calls so far)."""
         try:
-            row = self.row(report)  # (its env keys' table rows noted before the worker defines them)
+            row = self.row(report)  # (its env keys' rows, before the worker defines them)
         except Exception as exc:  # never into the trainer
             self._errors.record(self.name, "mismatch sums not logged", exc)
             return

@@ -87,7 +87,7 @@ Columns = tuple[BoolArray, IntArray, IntArray, IntArray, BoolArray, IntArray, In
                 IntArray, BoolArray]  # fmt: skip
 
 
-def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragma: no cover - compiled
+def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragma: no cover
     frozen, dispatch, completion, sample_offsets, dropped, mask_below, n_sampled, span_offsets = columns[:8]
     version, sampled, labelled = columns[8:]
     n_rollouts = len(frozen)
@@ -273,7 +273,7 @@ def population_summary(
 
 
 @CompiledLoop
-def _env_sums(env: IntArray, amounts: IntArray, bounds: IntArray) -> IntArray:  # pragma: no cover - compiled
+def _env_sums(env: IntArray, amounts: IntArray, bounds: IntArray) -> IntArray:  # pragma: no cover
     """Per env index (row): its entries, their ``amounts``' sum, and that sum by length bucket."""
     n_env = env.max() + 1 if len(env) else 0
     sums = np.zeros((n_env, len(bounds) + 3), dtype=np.int64)
@@ -313,8 +313,8 @@ class WindowCounts:
                 bucket[name] += total
 
     def add_dropped_samples(self, env: IntArray, sampled: IntArray) -> None:
-        """Dropped samples of live rollouts: counted, their sampled positions summed, and those by the
-        samples' length bucket (SPEC 12), in one pass."""
+        """Dropped samples of live rollouts: counted, their sampled positions summed, and those by
+        the samples' length bucket (SPEC 12), in one pass."""
         per_env = _env_sums(env, sampled, _LENGTH_BOUNDS)
         for index in np.flatnonzero(per_env[:, 0]).tolist():
             bucket = self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))

@@ -633,7 +633,7 @@ class LegacyKey:
     reason: str = ""
 
 
-LEGACY_NAMESPACE = "off_policy/"  # a key under it that is not in the table: legacy, without a mapping
+LEGACY_NAMESPACE = "off_policy/"  # a key under it not in the table: legacy, unmapped
 
 _EQUALS_ROLLOUT_MAX = "equals staleness/rollout/max (rollout staleness includes masked positions)"
 _DISPATCHER = "live dispatcher gauge with no replacement"

@@ -69,12 +69,12 @@ class MismatchSums:
         return MismatchSums(**fields, uncovered=self.uncovered + other.uncovered)
 
     def merged(self, other: MismatchSums) -> MismatchSums:
-        """``self + other`` of a trainer's posts; ``FieldError`` where a count passes int64 or a sum float64."""
+        """``self + other`` (a trainer's posts); ``FieldError`` past int64 or float64."""
         with np.errstate(over="ignore"):
             total = self + other
         wrapped = any((getattr(total, f) < 0).any() for f in COUNT_FIELDS) or not 0 <= total.uncovered < 2**63
         if wrapped or not all(np.isfinite(getattr(total, f)).all() for f in SUM_FIELDS):
-            raise FieldError("sums", "the step's merged sums overflow (a count past int64 or a sum past float64)")
+            raise FieldError("sums", "the step's merged sums overflow (int64 counts, float64 sums)")
         return total
 
     def __sub__(self, other: MismatchSums) -> MismatchSums:
@@ -178,7 +178,7 @@ def _count(name: str, value: object) -> int:
 
 def _finite(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= sys.float_info.max:
-        raise FieldError(name, f"expected a finite number, got {value!r}")  # (NaN, infinite, an int past float)
+        raise FieldError(name, f"expected a finite number, got {value!r}")  # (NaN, inf, a huge int)
     return float(value)
 
 

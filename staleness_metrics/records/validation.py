@@ -315,11 +315,11 @@ def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[
     return None
 
 
-def _ids_new(ids: Sequence[str], known_ids: Container[str]) -> bool:
-    """Whether the ids are distinct and none is known (False too when ``known_ids`` is no set)."""
-    if not isinstance(known_ids, (set, frozenset)):
+def _ids_new(ids: Sequence[str], known: Container[str]) -> bool:
+    """Whether the ids are distinct and none is known (False too when ``known`` is no set)."""
+    if not isinstance(known, (set, frozenset)):
         return False
-    return ids[0] not in known_ids if len(ids) == 1 else len(set(ids)) == len(ids) and known_ids.isdisjoint(ids)
+    return ids[0] not in known if len(ids) == 1 else len(set(ids)) == len(ids) and known.isdisjoint(ids)
 
 
 def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *, positions: bool = True) -> bool:

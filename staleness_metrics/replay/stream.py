@@ -210,7 +210,7 @@ def read_events(
         except StopIteration:
             break
         except Exception:
-            # a damaged file: every line read before it first, as the general path yields each line it reads
+            # a damaged file: every line read before it first (the general path yields each line)
             yield from flush(None)
             raise
         if not text or text.isspace():  # as ``not text.strip()``, without copying the line
@@ -252,8 +252,8 @@ class Added:
 
     lines: tuple[int, ...]
     items: tuple[ParsedRollout | UnparsedRollout, ...]
-    packed: RolloutBatch | None = None  # its window's parsed rollouts packed (:func:`cut_ahead`); runs add copies
-    checked: tuple[Verdicts, SpanTable] | None = None  # and checked and cut, as each run's sink would
+    packed: RolloutBatch | None = None  # its window packed (:func:`cut_ahead`); runs add copies
+    checked: tuple[Verdicts, SpanTable] | None = None  # and checked and cut, as a sink would
     part: tuple[int, int] | None = None  # its own rollouts of ``packed`` (None: all of them)
 
 
@@ -278,7 +278,7 @@ def prepare(events: Iterable[Event], batch_size: int = 512) -> Iterator[Step]:
                 yield Added(tuple(lines), tuple(items))
                 lines, items = [], []
             yield event
-    except Exception:  # a later line's error: the adds before it first (a run meets the first error first)
+    except Exception:  # a later line's error: the adds before it first (the first error first)
         if items:
             yield Added(tuple(lines), tuple(items))
         raise
@@ -294,11 +294,11 @@ _CUT_AHEAD_STEPS = 4096  # (and holds at most this many steps)
 def cut_ahead(
     steps: Iterable[Step], sink: Sink | None = None, max_positions: int = CUT_AHEAD_POSITIONS
 ) -> Iterator[Step]:
-    """The steps with each add packed, checked and cut once (``sink``: for its run; None: for several
-    runs of fresh sinks, as what-if runs them). Consecutive small adds whose samples carry the same
-    arrays are cut together with the steps between them, each add taking its part: what a sink finds
-    depends only on the rollouts and the ids accepted before them. A window with a refused rollout is
-    cut add by add, each as its run reaches it."""
+    """The steps with each add packed, checked and cut once (``sink``: for its run; None: for
+    several runs of fresh sinks, as what-if runs them). Consecutive small adds whose samples carry the
+    same arrays are cut together with the steps between them, each add taking its part: what a sink
+    finds depends only on the rollouts and the ids accepted before them. A window with a refused
+    rollout is cut add by add, each as its run reaches it."""
     accepted: set[str] = set()
     for window in _windows(steps, max_positions):
         for step in _cut(window, accepted if sink is None else sink.queue.seen_ids) or window:
@@ -311,8 +311,8 @@ def cut_ahead(
 
 
 def _windows(steps: Iterable[Step], max_positions: int) -> Iterator[list[Step]]:
-    """The steps in windows: consecutive adds whose samples all carry the same optional arrays, up to
-    ``max_positions`` positions, with the steps between them; any other step alone."""
+    """The steps in windows: consecutive adds whose samples all carry the same optional arrays, up
+    to ``max_positions`` positions, with the steps between them; any other step alone."""
     window: list[Step] = []
     positions, signature = 0, None
     try:
@@ -322,7 +322,7 @@ def _windows(steps: Iterable[Step], max_positions: int) -> Iterator[list[Step]]:
                 samples = [sample for item in parsed for sample in item.samples]
                 given = [[name in s.weights for s in samples] for name in WEIGHT_FIELDS]
                 given += [[s.logprobs is not None for s in samples], [s.trainer_logprobs is not None for s in samples]]
-                found = None  # (an add with a refused rollout, or arrays some samples carry and some not: alone)
+                found = None  # (a refused rollout, or arrays only some samples carry: alone)
                 if samples and len(parsed) == len(step.items) and all(min(f) == max(f) for f in given):
                     found = tuple(flags[0] for flags in given)
                 size = sum(len(s.mask) for s in samples)
@@ -349,8 +349,8 @@ def _windows(steps: Iterable[Step], max_positions: int) -> Iterator[list[Step]]:
 
 
 def _cut(window: list[Step], known: set[str]) -> list[Step] | None:
-    """The window's steps, its adds given their parts of its rollouts packed, checked and cut at once;
-    None when it holds no rollout, or the check refuses one of several adds."""
+    """The window's steps, its adds given their parts of its rollouts packed, checked and cut at
+    once; None when it holds no rollout, or the check refuses one of several adds."""
     adds = [step for step in window if isinstance(step, Added)]
     parsed = [item for step in adds for item in step.items if isinstance(item, ParsedRollout)]
     if not parsed:

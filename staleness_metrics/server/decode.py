@@ -237,8 +237,8 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
 
 
 def compact_records(records: list[dict[str, Any]]) -> None:
-    """Replace, in place, every long per-position list of every sample (and every float list holding an
-    integer) by a numpy array."""
+    """Replace, in place, every long per-position list of every sample (and every float list
+    holding an integer) by a numpy array."""
     for record in records:
         samples = record.get("samples")
         for sample in samples if isinstance(samples, list) else ():
@@ -247,7 +247,7 @@ def compact_records(records: list[dict[str, Any]]) -> None:
             for name, values in sample.items():
                 if not isinstance(values, list) or name == "weight_versions":
                     continue
-                # a float list holding an integer: an array, as in a large body (one digest, whatever the body)
+                # a float list holding an integer: an array, as in a large body (one digest)
                 if len(values) >= COMPACT_MIN_LENGTH or (name not in _INT_FIELDS and int in set(map(type, values))):
                     compact = _piece(name, values)
                     if compact is not None:

@@ -208,7 +208,7 @@ def _positions_of(records: list[dict[str, Any]]) -> int:
     total = 0
     for record in records:
         samples = record.get("samples")
-        for sample in samples if isinstance(samples, list) else ():  # (a lenient run sets bad ones aside)
+        for sample in samples if isinstance(samples, list) else ():  # (lenient: bad ones set aside)
             mask = sample.get("mask") if isinstance(sample, dict) else None
             if isinstance(mask, (list, np.ndarray)):
                 total += len(mask)
@@ -560,7 +560,7 @@ class Run:
             try:
                 total = known.total.merged(delta)
                 self.monitor.record_mismatch(request.step, delta, env=request.env)
-            except ValueError as error:  # merged sums that overflow ("sums: ..."), a step never shipped ("step: ...")
+            except ValueError as error:  # sums that overflow ("sums: ..."), a step never shipped
                 raise RecordsInvalid([field_item(error, "step")]) from None
             metrics = self.monitor.mismatch_metrics(request.step) or {}
             merged = self._mismatch[request.step] = _StepMismatch(known.posts + 1, total, metrics)
@@ -568,7 +568,7 @@ class Run:
                 run=self.name, step=request.step, posts=merged.posts, tokens=total.covered, metrics=merged.metrics
             )
             self._mismatch_answers.remember(idempotency_key, fingerprint, answer)
-            stored = {"step": request.step, "sums": delta.to_dict(), "env": request.env}  # (the sums as read)
+            stored = {"step": request.step, "sums": delta.to_dict(), "env": request.env}
             self._journal.write("mismatch", {"request": stored, "key": idempotency_key})
             return answer
 

@@ -143,7 +143,7 @@ class SqliteStore(Store):
         data_dir.mkdir(parents=True, exist_ok=True)
         self.data_dir = data_dir
         # one service per directory; the lock dies with the process (kill -9 included)
-        self._lock_file = open(data_dir / "lock", "a+b")  # noqa: SIM115 - held for the store's lifetime
+        self._lock_file = open(data_dir / "lock", "a+b")  # noqa: SIM115 - held while it lives
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -242,7 +242,7 @@ def _resigned(state: dict[str, Any]) -> dict[str, Any]:
         ),
         (
             lambda s: s["sink"]["queue"]["batches"][0]["echo"]["list"][1].update(id="a"),
-            r"batches\[0\]\.echo\.list\[1\]: its id or dispatch_version differs from the batch's",
+            r"batches\[0\]\.echo\.list\[1\]: its id or dispatch_version is not the batch.s",
         ),
         (
             lambda s: s["sink"]["queue"]["batches"][0]["echo"]["list"][0].update(x=json.loads("[" * 700 + "]" * 700)),

@@ -45,8 +45,8 @@ class XtunerPolicy(Policy):
     def check_state_dict(self, state: Any, path: str) -> Mapping[str, Any]:
         from ...state_checks import integer, join, keys, sequence
 
-        owed = sequence(keys(state, path, ("owed",))["owed"], join(path, "owed"))
-        return {"owed": [integer(n, join(join(path, "owed"), i), 0, 2**63 - 1) for i, n in enumerate(owed)]}
+        owed = sequence(keys(state, path, ("owed",))["owed"], at := join(path, "owed"))
+        return {"owed": [integer(n, join(at, i), 0, 2**63 - 1) for i, n in enumerate(owed)]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._owed = np.asarray(state["owed"], dtype=np.int64)

@@ -90,7 +90,7 @@ def find_layout(path: str | Path) -> TracesLayout | None:
     metrics = traces.parent / "metrics.jsonl"
     return TracesLayout(
         stream=_stream_files(traces / "stream"),
-        index=index if index.is_file() and os.access(index, os.R_OK) else None,  # (a cross-check only)
+        index=index if index.is_file() and os.access(index, os.R_OK) else None,  # (a cross-check)
         annotations=annotations,
         metrics=metrics if metrics.is_file() else None,
     )
@@ -202,7 +202,7 @@ def read_files(files: list[ChunkFile], damage: Damage) -> Iterator[tuple[bool, L
     chunk that cannot be read on goes to ``damage`` and the next file is read."""
     for position, file in enumerate(files):
         number = offset = 0
-        if not file.sealed and not file.path.exists():  # sealed since it was listed (prime-rl seals a full chunk)
+        if not file.sealed and not file.path.exists():  # sealed since it was listed (a full chunk)
             file = ChunkFile(file.path.with_name(file.path.name + ".zst"), file.number, True)
         try:
             with open(file.path, "rb", buffering=_BUFFER) as plain:
