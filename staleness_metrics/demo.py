@@ -241,8 +241,8 @@ def _spans_of(spans: list[tuple[int, int]], offset: int, length: int) -> list[li
 
 @dataclass(frozen=True)
 class DriftModel:
-    """The trainer's log-probability is the sampler's plus ``Normal(-σ²/2, σ²)``, with ``σ(ℓ)² =
-    floor² + (speed · ℓ)²`` at lag ``ℓ``; ``speed`` (``drift_per_version``) may warm up first."""
+    """The trainer's log-probability is the sampler's plus ``Normal(-σ²/2, σ²)``, where
+    ``σ(ℓ)² = floor² + (speed·ℓ)²`` at lag ``ℓ``; ``speed`` may ramp up (warm-up)."""
 
     floor: float = 0.05
     drift_per_version: float = 0.009

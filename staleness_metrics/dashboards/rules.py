@@ -312,7 +312,7 @@ def collector_config() -> dict[str, Any]:
         "exporters": {
             "prometheus": {
                 "endpoint": PROMETHEUS,
-                # service.name becomes `job`, service.instance.id `instance` (scrape with honor_labels)
+                # service.name becomes `job`, service.instance.id `instance` (honor_labels)
                 "resource_to_telemetry_conversion": {"enabled": False},
                 "enable_open_metrics": False,
             }

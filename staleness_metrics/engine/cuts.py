@@ -28,7 +28,7 @@ _FLOAT_BITS = {
 }
 
 
-def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> int:  # pragma: no cover - compiled
+def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> int:  # pragma: no cover
     one = np.uint64(1)
     magnitude = sign - one
     # y + at_least_inf has the sign bit exactly when y >= +inf's bits

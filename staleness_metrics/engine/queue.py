@@ -44,9 +44,7 @@ class Column(Generic[ScalarT]):
     @overload
     def __get__(self, table: Table, owner: type) -> npt.NDArray[ScalarT]: ...
     def __get__(self, table: Table | None, owner: type) -> Column[ScalarT] | npt.NDArray[ScalarT]:
-        if table is None:
-            return self
-        return table.arrays[self.name][: len(table)]  # (the table keeps views as attributes)
+        return self if table is None else table.arrays[self.name][: len(table)]
 
 
 class Table:

@@ -347,7 +347,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
         if raw[name] is not None and raw[name].dtype != np.bool_:
             fail(join(path, name), "expected a bool array")
     for i, (record, rid, version) in enumerate(zip(raw["echo"] or (), raw["ids"], raw["dispatch_version"])):
-        if record.get("id") != rid or record.get("dispatch_version", -1) != version:  # (outputs show)
+        if record.get("id") != rid or record.get("dispatch_version", -1) != version:  # (shown)
             fail(join(path, f"echo.list[{i}]"), "its id or dispatch_version is not the batch's")
     for name in ("token_versions", *PER_POSITION_FLOATS):
         if raw[name] is not None and len(raw[name]) != n_positions:

@@ -259,7 +259,7 @@ class Sink:
         if queue.queued != before:  # the sweep dropped some
             taken = taken[r.status[taken] == QUEUED]
         taken = self._check_versions(taken, step)
-        # A ship judges what it takes (SPEC 4); again only where that decides something: the holds, or
+        # A ship judges what it takes (SPEC 4); again only where that decides something: holds, or
         # rollouts judged at this step before the adaptive bound moved
         if len(taken) and (self.policy.holds or self._bound_moved_at == step):
             judged, decision = self._judge(with_groups(queue, taken, self.policy.judges_groups), step)

@@ -124,10 +124,8 @@ def adapt_bound(bound: int, advice: BoundAdvice, low: int, high: int) -> int:
     ``suggested ≥ bound``."""
     if advice.crossed:
         moved = bound + (advice.suggested > bound) - (advice.suggested < bound)
-    elif advice.suggested >= bound:
-        moved = bound + 1
     else:
-        moved = bound
+        moved = bound + (advice.suggested >= bound)
     return min(max(moved, low), high)
 
 

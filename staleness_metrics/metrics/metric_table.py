@@ -151,7 +151,7 @@ _length_counter = _family(
 
 # The order of the rows is the order of every exporter's output and of the generated files.
 METRICS: tuple[MetricDef, ...] = (
-    # ---- SPEC 6: the metrics of a ship (W&B keys), with their Prometheus / OpenTelemetry names (SPEC 8) ----
+    # ---- SPEC 6: the metrics of a ship (W&B keys), with their Prometheus / OpenTelemetry names (SPEC 8)
     _integer_steps(
         name="train_step",
         prometheus_name="rl_staleness_train_step",
@@ -298,7 +298,7 @@ METRICS: tuple[MetricDef, ...] = (
         tally_field="rollouts_held",
         description="Rollouts held back at the last ship (xtuner policy with retry_expired).",
     ),
-    # ---- SPEC 8: the histograms and counters behind SPEC 6 (Prometheus / OpenTelemetry; sums that merge) ----
+    # ---- SPEC 8: the histograms and counters behind SPEC 6 (Prometheus / OpenTelemetry; mergeable sums)
     _histogram(
         name="token_staleness",
         wandb_key="staleness/token/histogram",
@@ -356,8 +356,8 @@ METRICS: tuple[MetricDef, ...] = (
         otel_name="rl.staleness.rollouts.invalid",
         description="Rollouts set aside as invalid (lenient mode).",
     ),
-    # ---- SPEC 11: what staleness costs. Counters are the mergeable sums; every ratio is derived from them ----
-    # (PromQL over rates, the core for W&B), so the W&B-only rows below have no Prometheus / OTel name.
+    # ---- SPEC 11: what staleness costs. Counters are the mergeable sums; each ratio derives from them
+    # (PromQL over rates, the core for W&B), so the W&B-only rows below have no Prometheus/OTel name.
     _lag_count(
         name="mismatch_tokens",
         wandb_key="staleness/mismatch/lag_{lag}/tokens",
@@ -479,7 +479,7 @@ METRICS: tuple[MetricDef, ...] = (
         labels=("run",),
         description="Share of sampled positions with both log-probabilities (covered by the mismatch sums).",
     ),
-    # ---- SPEC 14: choosing the bound. Gauges of the latest ship that reported the SPEC 11 family ----
+    # ---- SPEC 14: choosing the bound. Gauges of the latest ship that reported the SPEC 11 family
     _bound_gauge(
         name="mismatch_floor",
         wandb_key="staleness/mismatch/floor",

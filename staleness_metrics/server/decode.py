@@ -199,9 +199,7 @@ def _convert(body: bytearray, field: str, start: int) -> tuple[npt.NDArray[Any],
             out = wider
         out[filled : filled + len(piece)] = piece
         filled += len(piece)
-    if out is None or filled != count:
-        return None
-    return out, end
+    return None if out is None or filled != count else (out, end)
 
 
 def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:

@@ -162,9 +162,10 @@ def test_bad_per_token_fields_name_the_trace_node_and_field(tmp_path: Path, extr
     w = RunWriter(tmp_path)
     w.episode(episode("e", [trace("t", [node(1), node(3, [0, 1, 2], parent=0, **extra)], arrival=1)], (0, 0)))
     w.ship(1, "t")
-    with pytest.raises(EventError, match=re.escape(f"rollout 't': field {field}:")):
+    named = r"line 1: .*stream/00000\.jsonl: " + re.escape(f"rollout 't': field {field}:")  # its file and line
+    with pytest.raises(EventError, match=named):
         replay(iter(_events(tmp_path)), StalenessConfig())
-    shipments = replay(iter(_events(tmp_path)), StalenessConfig(strict=False))
+    shipments = replay(iter(_events(tmp_path, strict=False)), StalenessConfig(strict=False))
     assert shipments[0].report.tally.rollouts_invalid == 1
 
 
@@ -375,6 +376,9 @@ def _damaged(tmp_path: Path, kind: str) -> Path:
         sealed.write_bytes(sealed.read_bytes()[:40])
     elif kind == "bad_branch":
         w.trainer("t1", 3, [None, -0.1])
+    elif kind == "duplicate_trace":  # the first episode's line written again
+        data = (traces / "stream/00000.jsonl").read_bytes()
+        (traces / "stream/00000.jsonl").write_bytes(data + data.splitlines(keepends=True)[0])
     return tmp_path
 
 
@@ -389,6 +393,7 @@ def _damaged(tmp_path: Path, kind: str) -> Path:
         ("bad_chunk", r"00000\.jsonl\.zst: corrupt zstd data"),
         ("cut_chunk", r"00000\.jsonl\.zst: corrupt zstd data .*cut short"),
         ("bad_branch", r"line 2: .*trainer/00000\.jsonl: trace 't1' has no branch 3"),
+        ("duplicate_trace", r"line 4: .*stream/00000\.jsonl: trace 't0' was read before"),
     ],
 )
 def test_damage_strict_names_file_line_reason_and_lenient_counts_it(tmp_path: Path, kind: str, message: str) -> None:
@@ -405,18 +410,19 @@ def test_an_episode_the_sink_refuses_is_named_strict_and_set_aside_lenient_as_re
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The refused rollout's error outlives its line, and the reader's parser is reused for the next ones."""
-    w = RunWriter(tmp_path)
-    for i in range(3):
+    w = RunWriter(tmp_path, chunk_lines=2)
+    for i in range(4):
         record = episode(f"e{i}", [trace(f"t{i}", [node(3), node(4, [1, 2, 3], parent=0)], arrival=1)], (0, 0))
-        if i == 1:
+        if i == 2:
             record["run"]["work"]["policy"]["start"] = "zero"
         w.episode(record)
-    w.ship(1, "t0", "t1", "t2")
+    w.ship(1, "t0", "t1", "t2", "t3")
     assert main(["replay", str(tmp_path)]) == 2
-    refused = "line 2: rollout 't1': field run.work.policy.start: expected an integer, got 'zero'"
+    chunk = w.traces / "stream" / "00001.jsonl"  # its file and its line there, as damage is named
+    refused = f"line 1: {chunk}: rollout 't2': field run.work.policy.start: expected an integer, got 'zero'"
     assert refused in capsys.readouterr().err
     assert main(["replay", str(tmp_path), "--lenient"]) == 0
-    assert "2 rollouts shipped, 0 dropped, 0/6 sampled tokens masked, 1 invalid set aside" in capsys.readouterr().err
+    assert "3 rollouts shipped, 0 dropped, 0/9 sampled tokens masked, 1 invalid set aside" in capsys.readouterr().err
 
 
 def test_replay_cli_strict_exits_2_and_lenient_says_what_it_set_aside(

@@ -11,8 +11,8 @@ from .options import add_command
 
 EPILOG = """\
 examples:
-  staleness-metrics migrate --check configs/ dashboards/ alerts.yml   # CI: exit 1 and list what is left
-  staleness-metrics migrate --write --drop-removed .                  # change the files in place
+  staleness-metrics migrate --check configs/ dashboards/ alerts.yml  # CI: exit 1, listing what is left
+  staleness-metrics migrate --write --drop-removed .                 # change the files in place
   staleness-metrics migrate --from verl --check dashboards/ metrics.jsonl
 
 See docs/migrate.md (file kinds, exit status).
@@ -92,9 +92,7 @@ def run(args: argparse.Namespace) -> int:
         for note in result.notes if applied else ():
             print(f"  {result.path}: {note}", file=sys.stderr if args.diff else sys.stdout)
     print(_summary(args, remaining, fixed, files_with_legacy), file=sys.stderr)
-    if failed:
-        return 2
-    return 1 if remaining and not (args.write or args.diff) else 0
+    return 2 if failed else 1 if remaining and not (args.write or args.diff) else 0
 
 
 def _summary(args: argparse.Namespace, remaining: int, fixed: int, files: int) -> str:

@@ -31,7 +31,7 @@ READ_BUFFER = 1 << 20
 EPILOG = """\
 examples:
   staleness-metrics replay events.jsonl --metrics-out metrics.jsonl
-  staleness-metrics replay path/to/prime-rl-run --lenient     # its monitors/file/traces (current layout)
+  staleness-metrics replay path/to/prime-rl-run --lenient  # its monitors/file/traces (current layout)
 
 See docs/replay.md (exit status, compressed streams).
 """

@@ -11,9 +11,9 @@ from .options import add_command, add_sink_options, config_from_args, failed
 
 EPILOG = """\
 examples:
-  staleness-metrics report staleness-demo                   # a run directory: every section, its settings
+  staleness-metrics report staleness-demo                # a run directory: every section, its settings
   staleness-metrics report path/to/prime-rl-run --policy episode -o report.html
-  staleness-metrics report metrics.jsonl -o report.html     # logged rows only: no histogram, no what-if
+  staleness-metrics report metrics.jsonl -o report.html  # logged rows only: no histogram, no what-if
 
 See docs/replay.md.
 """

@@ -111,6 +111,7 @@ DAMAGE_KINDS = {
     "unknown_trace": "updates for a trace the stream does not hold",
     "bad_update": "updates that do not fit their trace (a branch it lacks, a stream longer than its branch)",
     "late_ship": "traces shipped at a step the replay had passed (their arrival came after the ship)",
+    "duplicate_trace": "traces read a second time (an episode line written twice)",
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ....errors import ConfigError
+from ....errors import ConfigError, EventError
 from ....records.model import ParsedRollout, UnparsedRollout
 from ...stream import Event
 from . import lazy
@@ -295,6 +295,7 @@ class PrimeRlRead:
             for producer, last in updates.last_stream.items()
         }
         self._ships: dict[int, list[str]] = {}
+        self._read_ids: set[str] = set()  # the trace ids of the lines read
         self._passed = 0  # the last ship step emitted
         index = IndexCheck(self.layout.index, damage)
         number = 0
@@ -324,6 +325,11 @@ class PrimeRlRead:
         index.see(where, episode.id)
         events = []
         for trace in episode.traces:
+            if trace.id in self._read_ids:  # prime-rl writes an episode once (and ships the first)
+                reason = f"trace {trace.id!r} was read before (an episode line written twice?)"
+                self.notes.damage.report("duplicate_trace", line.file.path, line.number, reason)
+                continue
+            self._read_ids.add(trace.id)
             streams = self._streams(trace.id)
             facts = self._updates.traces.pop(trace.id, None)
             shipped = facts.ship_step if facts is not None and facts.effective else None
@@ -387,13 +393,9 @@ class PrimeRlRead:
             notes.unshipped_stale += 1
             lag = (arrival - 1) - start if type(start) is int else None  # (a bool is no version)
         elif shipped <= self._passed or shipped < arrival:
-            notes.damage.report(
-                "late_ship",
-                line.file.path,
-                line.number,
-                f"trace {trace.id!r} arrived at step {arrival} and shipped at step {shipped}, a "
-                "step already passed (a relaunch from an earlier checkpoint?)",
-            )
+            late = f"trace {trace.id!r} arrived at step {arrival} and shipped at step {shipped}"
+            why = f"{late}, a step already passed (a relaunch from an earlier checkpoint?)"
+            notes.damage.report("late_ship", line.file.path, line.number, why)
             return None
         rollout, problems = trace_rollout(episode, trace, streams)
         for path, line_number, reason in problems:
@@ -405,6 +407,8 @@ class PrimeRlRead:
         if shipped is not None and self.layout.metrics is not None:
             self._rule(shipped, episode, trace, rollout)
         if isinstance(rollout, UnparsedRollout):
+            if notes.damage.strict:  # named by its file and line, as damage is (no sink knows them)
+                raise EventError(line.number, f"{line.file.path}: {rollout.error}")
             return Event(number, "rollout", unparsed=rollout, arrival_lag=lag)
         return Event(number, "rollout", parsed=rollout, arrival_lag=lag)
 
@@ -417,7 +421,7 @@ class PrimeRlRead:
             for sample in rollout.samples:
                 k3 = np.zeros(0)
                 if sample.logprobs is not None and sample.trainer_logprobs is not None:
-                    # prime-rl's per-token exp(d) - d - 1 over the covered sampled positions, unclamped
+                    # prime-rl's per-token exp(d) - d - 1 over covered sampled positions, unclamped
                     keep = (sample.mask == 1) & np.isfinite(sample.trainer_logprobs)
                     d = sample.trainer_logprobs[keep] - sample.logprobs[keep]
                     k3 = np.asarray(np.expm1(d) - d, dtype=np.float64)
