@@ -40,16 +40,6 @@ class RunDirectory:
         except ConfigError as error:
             raise ConfigError(f"{self.root / RUN_FILE}: config: {error}") from None
 
-    def merged_config(self, given: StalenessConfig) -> StalenessConfig:
-        """The run's settings, but those ``given`` (a command line) sets apart from the defaults."""
-        defaults = StalenessConfig()
-        overrides = {
-            f.name: getattr(given, f.name)
-            for f in fields(StalenessConfig)
-            if getattr(given, f.name) != getattr(defaults, f.name)
-        }
-        return self.staleness_config(**overrides)
-
     def events_with_costs(self) -> Iterator[EventDict]:
         """The event stream, each shipped rollout's samples with the trainer's log-probabilities."""
         logprobs = self._trainer_logprobs()

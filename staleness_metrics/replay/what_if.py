@@ -43,17 +43,17 @@ def parse_bounds(text: str) -> list[int]:
         low, high = int(match.group(1)), int(match.group(2))
         if low > high:
             raise ConfigError(f"max_staleness range {text!r}: the start is above the end")
-        bounds = list(range(low, high + 1))
+        bounds: Sequence[int] = range(low, high + 1)  # (counted before it is built)
     else:
         try:
             bounds = sorted({int(part) for part in text.split(",")})
         except ValueError:
             raise ConfigError(f"max_staleness: expected A..B, N or N,M,..., got {text!r}") from None
-    if any(b < 0 for b in bounds):
+    if bounds and bounds[0] < 0:  # (sorted)
         raise ConfigError(f"max_staleness: bounds must be >= 0, got {text!r}")
     if len(bounds) > MAX_BOUNDS:
         raise ConfigError(f"max_staleness: at most {MAX_BOUNDS} bounds at once, got {len(bounds)}")
-    return bounds
+    return list(bounds)
 
 
 @dataclass(frozen=True)

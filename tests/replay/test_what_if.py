@@ -9,6 +9,10 @@ import json
 import math
 import multiprocessing
 import os
+import resource
+import signal
+import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,79 @@ def test_bounds_are_parsed_as_written() -> None:
     for bad in ("3..1", "a..b", "x", "-1", "1,,2"):
         with pytest.raises(ConfigError):
             parse_bounds(bad)
+    # a range is counted before it is built: a huge one is refused at once, not after filling the memory
+    with pytest.raises(ConfigError, match="at most 257 bounds at once, got 100000000001"):
+        parse_bounds("0..100000000000")
+
+
+def _run_directory(tmp_path: Path) -> Path:
+    """A run whose run.json says ``episode`` at bound 1; its one rollout holds tokens of lag 1 and 3."""
+    rollout = {"id": "a", "dispatch_version": 0, "samples": [{"mask": [1, 1, 1, 1], "token_versions": [0, 0, 2, 2]}]}
+    events = [{"type": "rollout", "rollout": rollout}, {"type": "ship", "step": 3}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    config = {"policy": "episode", "max_staleness": 1}
+    run = {
+        "format": "staleness-metrics run",
+        "version": 1,
+        "run": "r",
+        "config": config,
+        "files": {"events": "events.jsonl"},
+    }
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    return tmp_path
+
+
+@pytest.mark.parametrize("target", [".", "events.jsonl"])
+def test_a_flag_given_wins_over_the_run_directory_even_at_its_default_value(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], target: str
+) -> None:
+    """The run's settings apply where the command line gives none: replay and what-if agree either way."""
+    source = str(_run_directory(tmp_path) / target)
+    shipped = "replayed 1 ships: {} rollouts shipped, {} dropped, {}/{} sampled tokens masked"
+    for flags, (kept, dropped, masked) in (([], (0, 1, 0)), (["--policy", "token"], (1, 0, 2))):
+        assert main(["replay", source, *flags]) == 0
+        assert shipped.format(kept, dropped, masked, 4 * kept) in capsys.readouterr().err
+        code, out, _ = _what_if_cli(capsys, source, "--max-staleness", "1", "--json", *flags)
+        (row,) = json.loads(out)
+        assert code == 0 and (row["rollouts_shipped"], row["rollouts_dropped"], row["tokens_masked"]) == (
+            kept,
+            dropped,
+            masked,
+        )
+    assert main(["report", source, "--policy", "token", "--bound", "8", "-o", str(tmp_path / "r.html")]) == 0
+    assert "policy: token · max_staleness: 8" in (tmp_path / "r.html").read_text()
+
+
+def _limit_file_size() -> None:  # (a full disk, for a child process)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+
+
+def test_a_report_that_cannot_be_written_whole_leaves_the_last_one_whole(tmp_path: Path) -> None:
+    source, page = str(_run_directory(tmp_path)), tmp_path / "report.html"
+    assert main(["report", source, "-o", str(page)]) == 0
+    before = page.read_bytes()
+    assert len(before) > 8192
+    command = [sys.executable, "-m", "staleness_metrics.cli", "report", source, "-o", str(page), "--title", "again"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run(command, preexec_fn=_limit_file_size, env=env, capture_output=True, text=True, check=False)
+    assert done.returncode == 2 and "File too large" in done.stderr
+    assert page.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "events.jsonl",
+        "report.html",
+        "run.json",
+    ]
+
+
+def test_a_report_at_a_bound_above_256_draws_the_257_bounds_up_to_it(tmp_path: Path) -> None:
+    source, page = str(_run_directory(tmp_path)), tmp_path / "report.html"
+    assert main(["report", source, "--bound", "300", "-o", str(page)]) == 0  # (0..300 is over the limit)
+    assert "policy: episode · max_staleness: 300" in page.read_text()
+
+
+def test_what_if_refuses_an_adaptive_bound_it_would_not_apply(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _what_if_cli(capsys, str(EXAMPLES / "xtuner-states.jsonl"), "--adapt-every", "2")
+    assert code == 2 and "--adapt-every: what-if replays each bound fixed" in err
 
 
 def _sampled_per_ship(events: list[dict[str, Any]], lines: list[dict[str, Any]]) -> list[int]:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from collections.abc import Callable
-from typing import Any
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
 
 from ...config import POLICY_NAMES, StalenessConfig
 from ...errors import EventError
@@ -58,24 +62,47 @@ def add_bound_options(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, name)
         shown = default if default is not None else unset
         flag = "--" + name.replace("_", "-")
-        text = f"{text} (default: {shown})"
-        group.add_argument(flag, type=kind, default=default, metavar=metavar, help=text)
+        group.add_argument(flag, type=kind, metavar=metavar, help=f"{text} (default: {shown})")
 
 
 def add_sink_options(parser: argparse.ArgumentParser) -> None:
-    """Policy, xtuner and strictness options (each command adds its own ``--max-staleness``)."""
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
+    """Policy, xtuner and strictness options (each command adds its own ``--max-staleness``); an option
+    left out is None, so that a run directory's own setting applies (:func:`given_settings`)."""
+    parser.add_argument("--policy", choices=POLICY_NAMES, help="masking policy (default: token)")
     parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
-    parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
-    parser.add_argument("--retry-expired", action="store_true", help="xtuner only: hold groups for re-rollouts")
+    parser.add_argument("--sync-interval", type=int, metavar="K", help="xtuner only (default: 1)")
+    held = "xtuner only: hold groups for re-rollouts"
+    parser.add_argument("--retry-expired", action="store_const", const=True, help=held)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--strict", dest="strict", action="store_true", default=True, help="stop on invalid input")
-    mode.add_argument("--lenient", dest="strict", action="store_false", help="set invalid rollouts aside")
+    mode.add_argument("--strict", dest="strict", action="store_const", const=True, help="stop on invalid input")
+    mode.add_argument("--lenient", dest="strict", action="store_const", const=False, help="set invalid rollouts aside")
     add_bound_options(parser)
 
 
-def config_from_args(args: argparse.Namespace, max_staleness: int) -> StalenessConfig:
-    names = ("policy", "max_token_staleness", "sync_interval", "retry_expired", "strict")
-    settings = {name: getattr(args, name) for name in (*names, *_BOUND_OPTIONS)}
-    breakdown = getattr(args, "env_breakdown", False)
-    return StalenessConfig(max_staleness=max_staleness, env_breakdown=breakdown, **settings)
+_SINK_OPTIONS = ("policy", "max_token_staleness", "sync_interval", "retry_expired", "strict", "env_breakdown")
+
+
+def given_settings(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """The settings the command line gives (``more`` too): an option it leaves out is not one."""
+    given = {name: getattr(args, name, None) for name in (*_SINK_OPTIONS, *_BOUND_OPTIONS)} | more
+    return {name: value for name, value in given.items() if value is not None}
+
+
+def config_from_args(args: argparse.Namespace, max_staleness: int | None = None) -> StalenessConfig:
+    return StalenessConfig(**given_settings(args, max_staleness=max_staleness))
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path | None) -> Iterator[IO[bytes] | None]:
+    """A temp file beside ``path`` (binary), replacing it only if the block succeeds."""
+    if path is None:
+        yield None
+        return
+    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    os.replace(temp, path)

@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from ...config import StalenessConfig
 from ...engine.shipment import Shipment
 from ...engine.sink import Sink
-from ...errors import ConfigError
 from ...metrics.report import StepReport
 from ...records import jsonio
 from ...records.columnar import WEIGHT_FIELDS
 from ...replay.sources import is_event_file
 from ...replay.stream import Event, parse_event, read_event_path, run_events
-from .options import add_command, add_sink_options, config_from_args, failed
+from .options import add_command, add_sink_options, atomic_output, failed, given_settings
 
 if TYPE_CHECKING:
+    from ...replay.run_dir import RunDirectory
     from ...replay.sources import PrimeRlRead
 
 PROGRESS_MIN_BYTES = 16 << 20
@@ -41,9 +40,10 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     summary = "run the sink over a recorded event stream"
     parser = add_command(subparsers, run, "replay", summary, EPILOG)
     parser.add_argument("events", type=Path, metavar="EVENTS.jsonl|RUN_DIR")
-    parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
+    parser.add_argument("--max-staleness", type=int, metavar="N", help="the bound (default: 8)")
     add_sink_options(parser)
-    parser.add_argument("--env-breakdown", action="store_true", help="add staleness/env/<env>/... keys")
+    breakdown = "add staleness/env/<env>/... keys"
+    parser.add_argument("--env-breakdown", action="store_const", const=True, help=breakdown)
     parser.add_argument("--metrics-out", type=Path, metavar="FILE", help="one metrics line per ship")
     parser.add_argument("--batches-out", type=Path, metavar="FILE", help="one shipped-batch line per ship")
     progress_help = "progress bar (default: on a terminal, for inputs over 16 MiB)"
@@ -51,19 +51,23 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def open_events(
-    path: Path, progress: bool | None, max_staleness: int, strict: bool
+    path: Path, progress: bool | None, config: StalenessConfig, run: RunDirectory | None = None
 ) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
-    """Events of a stream or of a run the adapters read, and a current prime-rl run's reader."""
-    from ...replay.sources import detect_and_read, is_current_layout, read_run_events
+    """Events of a stream, of a run directory (``run``) or of a run the adapters read, and a current
+    prime-rl run's reader."""
+    from ...replay.sources import as_replay_events, detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()
+    if run is not None and run.trainer_logprobs is not None:  # its records joined to them
+        return as_replay_events(run.events_with_costs()), stack, None
+    path, max_staleness = path if run is None else run.events, config.max_staleness
     if is_event_file(path):
         # read ahead: the outputs are written when the whole stream has been replayed
         events = read_event_path(path, parse=True, read_ahead=True, opener=lambda p: _open_with_progress(p, progress))
         stack.callback(events.close)  # closes the file even when the replay stops early
         return events, stack, None
     if path.is_dir() and is_current_layout(path):
-        read = read_run_events(path, max_staleness=max_staleness, strict=strict)
+        read = read_run_events(path, max_staleness=max_staleness, strict=config.strict)
         return iter(read), stack, read
     raws = detect_and_read(path, max_staleness=max_staleness)
     return (parse_event(number, raw) for number, raw in enumerate(raws, start=1)), stack, None
@@ -96,22 +100,6 @@ def _open_with_progress(path: Path, progress: bool | None) -> contextlib.Abstrac
     return path.open("rb", buffering=READ_BUFFER)
 
 
-@contextlib.contextmanager
-def _atomic_output(path: Path | None) -> Iterator[IO[bytes] | None]:
-    """A temp file beside ``path`` (binary), replacing it only if the block succeeds."""
-    if path is None:
-        yield None
-        return
-    fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            yield handle
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
-    os.replace(temp, path)
-
-
 def batches_line_bytes(shipment: Shipment) -> bytes:
     """The ``--batches-out`` line of a ship, its 0/1 weights written by one compiled pass."""
     line = shipment.batches_line(arrays=True)
@@ -125,26 +113,26 @@ def batches_line_bytes(shipment: Shipment) -> bytes:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        config = config_from_args(args, args.max_staleness)
-    except ConfigError as error:
-        return failed("replay", error)
+    from ...replay.run_dir import find_run
+
     if not args.events.exists():
         return failed("replay", f"{args.events}: no such file or directory")
+    try:
+        run_dir = find_run(args.events)  # its own settings, where the command line gives none
+        given = given_settings(args, max_staleness=args.max_staleness)
+        config = run_dir.staleness_config(**given) if run_dir is not None else StalenessConfig(**given)
+    except (ValueError, OSError) as error:  # ConfigError included
+        return failed("replay", error)
     for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):
         if path is not None and not path.resolve().parent.is_dir():
             return failed("replay", f"{option} {path}: its folder does not exist")
     sink = Sink(config, env_reports=config.env_breakdown)
     ships = 0
     reports: list[StepReport] = []
-    prime_rl = args.events.is_dir()
+    prime_rl = args.events.is_dir() and run_dir is None
     try:
-        events, stack, read = open_events(args.events, args.progress, config.max_staleness, config.strict)
-        with (
-            stack,
-            _atomic_output(args.metrics_out) as metrics_out,
-            _atomic_output(args.batches_out) as batches_out,
-        ):
+        events, stack, read = open_events(args.events, args.progress, config, run_dir)
+        with stack, atomic_output(args.metrics_out) as metrics_out, atomic_output(args.batches_out) as batches_out:
             for shipment in run_events(events, sink, read_ahead=True):
                 ships += 1
                 if prime_rl:

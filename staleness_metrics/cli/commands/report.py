@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .options import add_command, add_sink_options, config_from_args, failed
+from ...config import StalenessConfig
+from .options import add_command, add_sink_options, atomic_output, failed, given_settings
 
 EPILOG = """\
 examples:
@@ -34,21 +35,20 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     from ...html_report import collect, render
     from ...replay.run_dir import find_run
-    from ...replay.what_if import parse_bounds
+    from ...replay.what_if import MAX_BOUNDS, parse_bounds
 
-    bound = 8 if args.bound is None else args.bound
     try:
-        config = config_from_args(args, bound)
-        directory = find_run(args.run)
-        # the run's own settings, where the command line leaves them at their defaults
-        if directory is not None:
-            config = directory.merged_config(config)
-            bound = config.max_staleness
-        bounds = parse_bounds(args.max_staleness or f"0..{max(8, bound)}")
+        given = given_settings(args, max_staleness=args.bound)
+        directory = find_run(args.run)  # its own settings, where the command line gives none
+        config = directory.staleness_config(**given) if directory is not None else StalenessConfig(**given)
+        bound = config.max_staleness  # the curve: up to 257 bounds, the largest at least 8 and the bound
+        bounds = parse_bounds(args.max_staleness or f"{max(0, bound - MAX_BOUNDS + 1)}..{max(8, bound)}")
         data = collect(args.run, config, bounds)
         if data.bound is None and args.bound is not None:
             data.bound = args.bound  # logged rows that do not say which bound they ran at
-        args.output.write_text(render(data, args.title), encoding="utf-8")
+        with atomic_output(args.output) as out:  # (a page cut short never replaces the last one)
+            assert out is not None
+            out.write(render(data, args.title).encode("utf-8"))
     except (ValueError, OSError) as error:  # ConfigError and EventError included
         return failed("report", error)
     print(f"wrote {args.output} ({len(data.rows)} steps)", file=sys.stderr)

@@ -6,7 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .options import add_command, add_sink_options, config_from_args, failed
+from ...config import StalenessConfig
+from ...errors import ConfigError
+from .options import add_command, add_sink_options, failed, given_settings
 
 EPILOG = """\
 examples:
@@ -34,11 +36,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         bounds = parse_bounds(args.max_staleness)
-        config = config_from_args(args, bounds[0] if bounds else 0)
-        run_dir = find_run(args.events)
-        # the run's own settings, where the command line leaves them at their defaults
-        if run_dir is not None:
-            config = run_dir.merged_config(config)
+        if args.adapt_every is not None:  # (a bound that moves would judge the others' rows)
+            raise ConfigError("--adapt-every: what-if replays each bound fixed; replay and demo adapt")
+        given = given_settings(args, max_staleness=bounds[0] if bounds else 0)
+        run_dir = find_run(args.events)  # its own settings, where the command line gives none
+        config = run_dir.staleness_config(**given) if run_dir is not None else StalenessConfig(**given)
         result = what_if_with_curve(run_dir.root if run_dir is not None else args.events, bounds, config)
     except (ValueError, OSError) as error:  # ConfigError and EventError included
         return failed("what-if", error)
