@@ -4,6 +4,7 @@ replace only the changed values (dumping a parsed file would reformat it)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -92,11 +93,13 @@ def line_of(text: str, offset: int) -> int:
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _NUMBER = r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?"
 # a string, a literal or a number: json.loads reads the value
-_SCALAR = re.compile(rf'"(?:[^"\\]|\\.)*"|true|false|null|{_NUMBER}', re.DOTALL)
+_SCALAR = re.compile(rf'"(?:[^"\\]|\\.)*"|true|false|null|NaN|-?Infinity|{_NUMBER}', re.DOTALL)
+# NaN and Infinity (json.dumps writes them) as names: NaN != NaN, but data read twice must be equal
+json_loads = functools.partial(json.loads, parse_constant=str)
 
 
 class _Reader:
-    """Walks text ``json.loads`` accepted, so only NaN and Infinity (which it also accepts) fail."""
+    """Walks text ``json.loads`` accepted."""
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -118,7 +121,7 @@ class _Reader:
         match = _SCALAR.match(self.text, position)
         if match is None:
             raise ValueError(f"unexpected character at offset {position}")
-        return Scalar(position, match.end(), json.loads(match.group()), "json"), match.end()
+        return Scalar(position, match.end(), json_loads(match.group()), "json"), match.end()
 
     def collection(self, node: Mapping | Sequence) -> tuple[Node, int]:
         close = "}" if isinstance(node, Mapping) else "]"
@@ -159,7 +162,7 @@ class JsonSyntax:
     name = "JSON"
 
     def read(self, text: str) -> tuple[list[Node], list[object]]:
-        data = json.loads(text)  # first: its error messages are the ones users know
+        data = json_loads(text)  # first: its error messages are the ones users know
         return [_Reader(text).value(0)[0]], [data]
 
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str:

@@ -195,6 +195,70 @@ def test_a_replay_event_stream_is_not_a_history(tmp_path: Path) -> None:
     assert detect_kind(tmp_path / "metrics.jsonl", '{"step": 1, "loss": 1}\n') is FileKind.HISTORY
 
 
+_MARK = json.dumps({"step": 2, MARKER_KEY: 2}) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "text", "expected"),
+    [
+        pytest.param(  # the boundary after a renamed last line ends with the file's final newline
+            [],
+            '{"step": 1, "off_policy/mean": 1.5}\n{"step": 2, "off_policy/mean": 2.5}\n',
+            '{"step": 1, "staleness/rollout/mean": 1.5}\n{"step": 2, "staleness/rollout/mean": 2.5}\n' + _MARK,
+            id="final-newline",
+        ),
+        pytest.param(  # a removed key left before the boundary does not pull it back on the second run
+            [],
+            '{"step": 1, "off_policy/token/max": 3}\n{"step": 2, "off_policy/mean": 1.5}\n{"step": 3, "loss": 0.1}\n',
+            '{"step": 1, "off_policy/token/max": 3}\n{"step": 2, "staleness/rollout/mean": 1.5}\n'
+            + _MARK
+            + '{"step": 3, "loss": 0.1}\n',
+            id="boundary-stays",
+        ),
+        pytest.param(  # nothing renamed (the new key is already there): no boundary line
+            ["--from", "skyrl"],
+            '{"step": 1, "async/staleness_mean": 1.5, "staleness/rollout/mean": 1.5}\n{"step": 2, "loss": 0.1}\n',
+            '{"step": 1, "async/staleness_mean": 1.5, "staleness/rollout/mean": 1.5}\n{"step": 2, "loss": 0.1}\n',
+            id="peer-nothing-renamed",
+        ),
+        pytest.param(  # U+2028 in a value: still one line, and still a history
+            [],
+            '{"step": 2, "off_policy/mean": 1.5, "note": "a\u2028b"}\n',
+            '{"step": 2, "staleness/rollout/mean": 1.5, "note": "a\u2028b"}\n' + _MARK,
+            id="u2028",
+        ),
+        pytest.param(  # NaN and Infinity, as json.dumps writes them, are read and kept byte for byte
+            [],
+            '{"step": 2, "off_policy/mean": NaN, "loss": -Infinity, "lr": Infinity}\n',
+            '{"step": 2, "staleness/rollout/mean": NaN, "loss": -Infinity, "lr": Infinity}\n' + _MARK,
+            id="nan",
+        ),
+    ],
+)
+def test_history_boundary_and_line_cases(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], text: str, expected: str
+) -> None:
+    history = _write(tmp_path / "metrics.jsonl", text)
+    assert migrate(capsys, "--write", *args, str(history)).code == 0
+    assert history.read_bytes().decode() == expected
+    assert migrate(capsys, "--write", *args, str(history)).code == 0
+    assert history.read_bytes().decode() == expected  # a second --write changes nothing
+
+
+def test_diff_splits_lines_on_newlines_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = '{"step": 1, "loss": 0.2}\n{"step": 2, "off_policy/mean": 1.5, "note": "a\u2028b\x85c"}\n'
+    history = _write(tmp_path / "metrics.jsonl", text)
+    run = migrate(capsys, "--diff", str(history))
+    assert run.code == 0
+    assert run.out == (
+        f"--- a/{history}\n+++ b/{history}\n@@ -1,2 +1,3 @@\n"
+        ' {"step": 1, "loss": 0.2}\n'
+        '-{"step": 2, "off_policy/mean": 1.5, "note": "a\u2028b\x85c"}\n'
+        '+{"step": 2, "staleness/rollout/mean": 1.5, "note": "a\u2028b\x85c"}\n'
+        f"+{_MARK}"
+    )
+
+
 def test_a_broken_history_line_stops_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = '{"step": 1, "off_policy/max": 2}\n{"step": 2, "off_policy/max": \n'
     history = _write(tmp_path / "metrics.jsonl", text)
@@ -220,6 +284,39 @@ def test_plain_text_is_reported_never_edited(tmp_path: Path, capsys: pytest.Capt
     ]
     assert "blob.bin" not in run.out + run.err  # binary files met while walking are skipped silently
     assert migrate(capsys, "--check", str(tmp_path)).code == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "error"),
+    [
+        pytest.param("o.toml", "# r\xe9glage\nmax_off_policy_steps = 8\n".encode("latin-1"), "not UTF-8", id="latin1"),
+        pytest.param("trainer.yaml", "max_off_policy_steps: 8\n".encode("utf-16"), "not UTF-8 text", id="utf16"),
+        pytest.param("deep.json", ('{"c": ' * 330 + "1" + "}" * 330).encode(), "nested too deeply", id="deep"),
+        pytest.param("o.toml", "\ufeffmax_off_policy_steps = 8\n".encode(), "starts with a byte-order mark", id="bom"),
+    ],
+)
+def test_text_that_cannot_be_read_met_while_walking_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, raw: bytes, error: str
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / name).write_bytes(raw)
+    (tmp_path / "a" / "blob.bin").write_bytes(b"\0off_policy/mean")
+    later = _write(tmp_path / "a" / "z.toml", "max_off_policy_steps = 3\n")
+    run = migrate(capsys, "--check", str(tmp_path / "a"))
+    assert run.code == 2 and f"{tmp_path / 'a' / name}: {error}" in run.err
+    assert f"{later}:1: max_off_policy_steps -> max_staleness (renamed setting)" in run.lines
+    assert "blob.bin" not in run.out + run.err  # binary files are still skipped silently
+
+
+def test_a_byte_order_mark_on_a_reported_file_is_fine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    notes = _write(tmp_path / "NOTES.md", "\ufeff# Notes\nuse --max-off-policy-steps 8\n")
+    _write(tmp_path / "tool.py", "\ufeffimport os\n")
+    run = migrate(capsys, "--check", str(tmp_path))
+    assert run.code == 1 and run.err.startswith("migrate: 1 legacy name(s) in 1 file(s)")
+    assert run.lines == [
+        f"{notes}:2: max-off-policy-steps -> max-staleness: not edited "
+        "(this kind of file is only reported: edit by hand)"
+    ]
 
 
 def test_usage_errors_and_missing_files_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
