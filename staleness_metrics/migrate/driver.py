@@ -70,17 +70,17 @@ def detect_kind(path: Path, text: str) -> FileKind:
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
     """Migrate the contents of one file (nothing is written)."""
     shown = str(path)
-    if kind in _CONFIG_FORMATS:
-        return _migrate_config(shown, text, kind, scanner_for(options, prometheus=False))
     policy = next((p for p in POLICIES if p.kind is kind), None)
+    # old series names are legacy names in configs (Helm values holding rules) and plain text too
+    scanner = scanner_for(options, prometheus=policy is None or policy.prometheus)
+    if kind in _CONFIG_FORMATS:
+        return _migrate_config(shown, text, kind, scanner)
     if policy is not None:
         syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
-        scanner = scanner_for(options, prometheus=policy.prometheus)
         return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
-    reason = "this kind of file is only reported: edit by hand"
-    return scan_text(shown, text, scanner_for(options, prometheus=True), reason)
+    return scan_text(shown, text, scanner, "this kind of file is only reported: edit by hand")
 
 
 def load_config(text: str, fmt: ConfigFormat) -> Any:

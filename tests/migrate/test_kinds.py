@@ -67,6 +67,32 @@ def test_yaml_config_keeps_quotes_flow_style_and_anchors(tmp_path: Path, capsys:
     ).replace('"off_policy/max"', '"staleness/rollout/max"')
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        (
+            "values.yaml",
+            "rules:\n  - expr: orchestrator_off_policy_mean > 4  # off_policy_max\n  - off_policy_token_max\n",
+        ),
+        (
+            "values.toml",
+            'expr = "orchestrator_off_policy_mean > 4"  # off_policy_max\nold = ["off_policy_token_max"]\n',
+        ),
+        ("cm.json", '{"expr": "orchestrator_off_policy_mean > 4", "x": "off_policy_max", "y": "off_policy_token_max"}'),
+    ],
+)
+def test_old_series_names_in_a_config_are_renamed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str
+) -> None:
+    config = _write(tmp_path / name, text)
+    assert migrate(capsys, "--check", str(config)).code == 1
+    run = migrate(capsys, "--write", str(config))
+    assert run.code == 0 and "off_policy_token_max: removed" in run.out
+    assert config.read_text() == text.replace(
+        "orchestrator_off_policy_mean", "rl_staleness_rollout_mean_steps"
+    ).replace("off_policy_max", "rl_staleness_rollout_max_steps")
+
+
 def test_removed_keys_in_a_config_are_reported_for_a_human(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _write(tmp_path / "watch.json", '{"watch": ["off_policy/token/max", "off_policy/*"]}\n')
     run = migrate(capsys, "--write", "--drop-removed", str(config))
