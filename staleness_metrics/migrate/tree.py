@@ -190,6 +190,7 @@ JSON = JsonSyntax()
 # -- YAML ------------------------------------------------------------------------------------------
 
 _STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 _COMMENT_START = re.compile(r"(?:^|(?<=[ \t]))#", re.MULTILINE)
 
 
@@ -218,8 +219,8 @@ class YamlSyntax:
             documents = list(yaml.compose_all(text))
         except Exception as exc:  # ruamel raises its own error classes; all mean "not YAML"
             raise ValueError(str(exc)) from exc
-        roots = [self._convert(yaml, doc, in_flow=False) for doc in documents if doc is not None]
-        return roots, self.load(text)
+        data = self.load(text)  # first: it refuses what the tree assumes (a merge of a non-mapping)
+        return [self._convert(yaml, doc, in_flow=False) for doc in documents if doc is not None], data
 
     def _convert(self, yaml: Any, node: Any, in_flow: bool) -> Node:
         from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
@@ -232,11 +233,20 @@ class YamlSyntax:
         inner = in_flow or flow
         if isinstance(node, MappingNode):
             mapping = Mapping(start, end, flow=flow)
+            merged: list[Any] = []  # ``<<: *anchor`` (or a list of them): entries the mapping lacks
             for key, value in node.value:
+                if key.tag == _MERGE_TAG:
+                    merged += value.value if isinstance(value, SequenceNode) else [value]
+                    continue
                 key_node = self._convert(yaml, key, inner)
                 if not isinstance(key_node, Scalar):
                     raise ValueError(f"line {key.start_mark.line + 1}: complex mapping keys are not supported")
                 mapping.items.append((key_node, self._convert(yaml, value, inner)))
+            for source in merged:  # the first source of a key wins, as the loader reads them
+                entries = self._convert(yaml, source, inner)
+                assert isinstance(entries, Mapping)  # the loader refuses anything else
+                own = {key.value for key, _ in mapping.items}
+                mapping.items += [(key, value) for key, value in entries.items if key.value not in own]
             return mapping
         assert isinstance(node, SequenceNode)
         return Sequence(start, end, [self._convert(yaml, item, inner) for item in node.value], flow)

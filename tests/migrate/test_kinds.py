@@ -175,6 +175,30 @@ def test_yaml_aliases_are_rewritten_once(tmp_path: Path, capsys: pytest.CaptureF
     assert path.read_text() == text.replace("off_policy/mean", "staleness/rollout/mean")
 
 
+def test_yaml_merge_keys_are_followed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (
+        "x-common: &common\n"
+        "  severity: page\n"
+        "  summary: off_policy/mean is high\n"
+        "groups:\n"
+        "  - name: g\n"
+        "    rules:\n"
+        "      - alert: A\n"
+        "        expr: off_policy_mean > 3\n"
+        "        labels:\n"
+        "          <<: [*common, {team: rl}]\n"
+        "          severity: warn\n"
+    )
+    rules = _write(tmp_path / "alerts.yml", text)
+    (tmp_path / "later.toml").write_text("max_off_policy_steps = 3\n")
+    assert migrate(capsys, "--write", str(tmp_path)).code == 0
+    assert rules.read_text() == text.replace("off_policy/mean", "staleness/rollout/mean").replace(
+        "off_policy_mean", "rl_staleness_rollout_mean_steps"
+    )
+    assert (tmp_path / "later.toml").read_text() == "max_staleness = 3\n"
+    assert migrate(capsys, "--check", str(tmp_path)).code == 0
+
+
 def test_rules_group_emptied_by_drop_removed_stays_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = "groups:\n  - name: g\n    rules:\n      - alert: Lag\n        expr: dispatcher_staleness_max > 2\n"
     rules = _write(tmp_path / "r.yaml", text)
