@@ -50,7 +50,7 @@ def _only_removed(scans: list[ScalarScan], owner: Callable[[Path], Path | None])
     for scan in scans:
         found = None if scan.is_key or scan.context is not Context.PROMQL else owner(scan.path)
         if found is not None:
-            removed = all(h.action is Action.REMOVED for h in scan.scanned.hits)
+            removed = not scan.scanned.live and all(h.action is Action.REMOVED for h in scan.scanned.hits)
             verdict[found] = verdict.get(found, True) and removed
     return [path for path, removed in verdict.items() if removed]
 

@@ -133,17 +133,28 @@ def test_prefixes_and_counter_notes_in_rules(tmp_path: Path, capsys: pytest.Capt
     )
 
 
-def test_a_query_mixing_removed_and_renamed_series_is_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    dashboard = {
-        "schemaVersion": 39,
-        "panels": [{"title": "gap", "targets": [{"expr": "off_policy_token_max - off_policy_max"}]}],
-    }
-    path = _write(tmp_path / "d.json", json.dumps(dashboard, indent=2))
+_LIVE = "off_policy_token_max - rl_staleness_rollout_max_steps"
+
+
+@pytest.mark.parametrize("name", ["d.json", "rules.yml"])
+@pytest.mark.parametrize(
+    ("expr", "renamed"),
+    [
+        ("off_policy_token_max - off_policy_max", _LIVE),
+        (_LIVE, _LIVE),  # what the first run leaves: a second run must not delete it
+        ("off_policy_token_max > on(run) train_loss", "off_policy_token_max > on(run) train_loss"),
+    ],
+)
+def test_a_query_mixing_removed_and_live_series_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, expr: str, renamed: str
+) -> None:
+    dashboard = {"schemaVersion": 39, "panels": [{"title": "gap", "targets": [{"expr": expr}]}]}
+    rules = f"groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: {expr}\n"
+    text = json.dumps(dashboard, indent=2) if name == "d.json" else rules
+    path = _write(tmp_path / name, text)
     run = migrate(capsys, "--write", "--drop-removed", str(path))
-    assert json.loads(path.read_text())["panels"][0]["targets"][0]["expr"] == (
-        "off_policy_token_max - rl_staleness_rollout_max_steps"
-    )
-    assert "off_policy_token_max: removed" in run.out
+    assert run.code == 0 and "off_policy_token_max: removed" in run.out
+    assert path.read_text() == text.replace(expr, renamed)
 
 
 def test_wandb_view_spec_in_camel_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,8 +210,18 @@ def test_yaml_merge_keys_are_followed(tmp_path: Path, capsys: pytest.CaptureFixt
     assert migrate(capsys, "--check", str(tmp_path)).code == 0
 
 
-def test_rules_group_emptied_by_drop_removed_stays_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    text = "groups:\n  - name: g\n    rules:\n      - alert: Lag\n        expr: dispatcher_staleness_max > 2\n"
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "dispatcher_staleness_max > 2",
+        "max by (run) (rate(off_policy_token_max{job=~'$job'}[$__rate_interval])) > bool 2",  # no other series
+        "off_policy_token_max offset 5m unless on(run) group_left dispatcher_staleness_max > 1e3",
+    ],
+)
+def test_rules_group_emptied_by_drop_removed_stays_valid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], expr: str
+) -> None:
+    text = f"groups:\n  - name: g\n    rules:\n      - alert: Lag\n        expr: {expr}\n"
     rules = _write(tmp_path / "r.yaml", text)
     assert migrate(capsys, "--write", "--drop-removed", str(rules)).code == 0
     assert rules.read_text() == "groups:\n  - name: g\n    rules:\n      []\n"
