@@ -31,8 +31,7 @@ _CONFIG_FORMATS: dict[FileKind, ConfigFormat] = {
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
 IGNORE_PRAGMA = "staleness-migrate: ignore"
 MARKER_KEY = "migrate/legacy_through_step"
-# lines as patch counts them (str.splitlines also splits on U+2028, which a JSON string may hold)
-_LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
+_LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")  # as patch splits (str.splitlines splits on U+2028 too)
 # what a history line holds: (key, new key, action, reason)
 _Seen = list[tuple[str, str | None, Action, str]]
 
@@ -52,12 +51,10 @@ def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
 
 def detect_kind(path: Path, text: str) -> FileKind:
     suffix = path.suffix.lower()
-    if suffix == ".toml":
-        return FileKind.TOML_CONFIG
     if suffix in (".jsonl", ".ndjson"):
         return FileKind.HISTORY if looks_like_history(text) else FileKind.TEXT
     if suffix not in (".json", ".yaml", ".yml"):
-        return FileKind.TEXT
+        return FileKind.TOML_CONFIG if suffix == ".toml" else FileKind.TEXT
     config = FileKind.JSON_CONFIG if suffix == ".json" else FileKind.YAML_CONFIG
     try:
         data = load_config(text, _CONFIG_FORMATS[config])
@@ -284,8 +281,7 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         result = migrate_text(path, text, kind, options)
     except RecursionError:  # nested deeper than the parsers and tree walks go
         result = FileResult(shown, kind, error="nested too deeply to read")
-    if result.error is not None:
-        # never edited: still say where the legacy names are
+    if result.error is not None:  # never edited: still say where the legacy names are
         reason = "the file could not be migrated: edit by hand"
         scanner = scanner_for(options, prometheus=True)
         result.findings = scan_text(shown, text, scanner, reason).findings

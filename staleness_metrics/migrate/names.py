@@ -76,10 +76,11 @@ _PROMQL_TOKEN = re.compile(
     r"|(?P<other>.)",
     re.DOTALL,
 )
-# names in a query that are no series: grouping labels (and the aggregation before them), ranges,
-# durations and numbers, Grafana variables, keywords
-_NOT_SERIES = re.compile(r"(?:\w+\s*)?\b(?:by|without|on|ignoring|group_\w+)\s*\([^)]*\)|\[[^]]*]|\$\{?\w+|\d\w*")
-_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "group_left", "group_right", "atan2", "inf", "nan"})
+# not series: grouping labels (and their aggregation), ranges, numbers, Grafana variables, keywords
+_NOT_SERIES = re.compile(
+    r"(?:\w+\s*)?\b(?:by|without|on|ignoring|group_\w+)\s*\([^)]*\)|\[[^]]*]|\d\w*|\$\{?\w+"
+    r"|(?i:\b(?:and|or|unless|bool|offset|group_left|group_right|atan2|inf|nan)\b)"
+)
 
 
 class Scanner:
@@ -114,10 +115,8 @@ class Scanner:
             elif match.lastgroup in _TABLES:
                 table, reason = _TABLES[match.lastgroup]
                 hits.append(Hit(start, end, token, table[token], Action.RENAME, reason))
-            elif self.prometheus:
-                hit = self._prometheus_hit(token, start)
-                if hit is not None:
-                    hits.append(hit)
+            elif self.prometheus and (hit := self._prometheus_hit(token, start)) is not None:
+                hits.append(hit)
         return hits
 
     def _prometheus_hit(self, token: str, start: int) -> Hit | None:
@@ -162,7 +161,7 @@ class Scanner:
                     hit = Hit(start, start + len(token), token, None, Action.MANUAL, reason)
                 if hit is not None:
                     hits.append(hit)
-                elif token.lower() not in _KEYWORDS and not any(a <= start < b for a, b in hidden):
+                elif not any(a <= start < b for a, b in hidden):
                     live = True
             elif group == "str" and index >= 2:
                 label, operator = significant[index - 2][1], significant[index - 1][1]
@@ -209,10 +208,8 @@ _SUFFIX = "(?:" + _alternation(TRACKER_SUFFIXES) + ")?"
 
 
 def _bare(segment: str) -> str:
-    for suffix in TRACKER_SUFFIXES:
-        if segment.endswith(suffix):
-            return segment[: -len(suffix)]
-    return segment
+    found = (segment[: -len(suffix)] for suffix in TRACKER_SUFFIXES if segment.endswith(suffix))
+    return next(found, segment)
 
 
 def _hit(row: PeerKey, start: int, end: int, token: str, new: str | None) -> Hit:
@@ -255,10 +252,10 @@ class PeerScanner(Scanner):
         return _hit(row, start, start + len(token), token, series)
 
     def _scan_promql(self, text: str) -> Scanned:
-        scanned = super()._scan_promql(text)
+        found = super()._scan_promql(text)
         own = f"{self.peer}:"
-        hits = tuple(h for h in scanned.hits if h.action is not Action.MANUAL or h.reason.startswith(own))
-        return Scanned(apply_renames(text, hits), hits, scanned.live)
+        hits = tuple(h for h in found.hits if h.action != Action.MANUAL or h.reason.startswith(own))
+        return Scanned(apply_renames(text, hits), hits, found.live)
 
     def _scan_regex(self, pattern: str, flavor: object) -> Scanned:
         try:

@@ -174,10 +174,8 @@ class JsonSyntax:
         return json.dumps(new_value, ensure_ascii="\\u" in raw)
 
     def remove(self, text: str, parent: Mapping | Sequence, indices: list[int]) -> list[Edit]:
-        if isinstance(parent, Mapping):
-            spans = [(key.start, value.end) for key, value in parent.items]
-        else:
-            spans = [(item.start, item.end) for item in parent.items]
+        pairs = parent.items if isinstance(parent, Mapping) else [(i, i) for i in parent.items]
+        spans = [(first.start, last.end) for first, last in pairs]
         return _spans_removal(spans, indices, (parent.start + 1, parent.end - 1))
 
     def comments(self, text: str, roots: list[Node]) -> list[tuple[int, int]]:
@@ -220,7 +218,7 @@ class YamlSyntax:
         except Exception as exc:  # ruamel raises its own error classes; all mean "not YAML"
             raise ValueError(str(exc)) from exc
         data = self.load(text)  # first: it refuses what the tree assumes (a merge of a non-mapping)
-        return [self._convert(yaml, doc, in_flow=False) for doc in documents if doc is not None], data
+        return [self._convert(yaml, doc, False) for doc in documents if doc is not None], data
 
     def _convert(self, yaml: Any, node: Any, in_flow: bool) -> Node:
         from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
@@ -246,7 +244,7 @@ class YamlSyntax:
                 entries = self._convert(yaml, source, inner)
                 assert isinstance(entries, Mapping)  # the loader refuses anything else
                 own = {key.value for key, _ in mapping.items}
-                mapping.items += [(key, value) for key, value in entries.items if key.value not in own]
+                mapping.items += [item for item in entries.items if item[0].value not in own]
             return mapping
         assert isinstance(node, SequenceNode)
         return Sequence(start, end, [self._convert(yaml, item, inner) for item in node.value], flow)
