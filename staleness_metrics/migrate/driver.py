@@ -19,7 +19,7 @@ from .legacy import in_legacy_namespace, migrate_key
 from .model import Action, FileKind, FileResult, Finding, MissingParser, Options
 from .names import Context, Scanner, peer_lookup, scanner_for
 from .structured import POLICIES, migrate_structured
-from .tree import JSON, YAML_SYNTAX, Edit, Mapping, apply_edits, line_of
+from .tree import JSON, YAML_SYNTAX, Edit, Mapping, apply_edits, json_loads, line_of
 
 ConfigFormat = Literal["toml", "yaml", "json"]
 
@@ -31,7 +31,7 @@ _CONFIG_FORMATS: dict[FileKind, ConfigFormat] = {
 _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
 IGNORE_PRAGMA = "staleness-migrate: ignore"
 MARKER_KEY = "migrate/legacy_through_step"
-_LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")
+_LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")  # as patch splits (str.splitlines splits on U+2028 too)
 # what a history line holds: (key, new key, action, reason)
 _Seen = list[tuple[str, str | None, Action, str]]
 
@@ -51,12 +51,10 @@ def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:
 
 def detect_kind(path: Path, text: str) -> FileKind:
     suffix = path.suffix.lower()
-    if suffix == ".toml":
-        return FileKind.TOML_CONFIG
     if suffix in (".jsonl", ".ndjson"):
         return FileKind.HISTORY if looks_like_history(text) else FileKind.TEXT
     if suffix not in (".json", ".yaml", ".yml"):
-        return FileKind.TEXT
+        return FileKind.TOML_CONFIG if suffix == ".toml" else FileKind.TEXT
     config = FileKind.JSON_CONFIG if suffix == ".json" else FileKind.YAML_CONFIG
     try:
         data = load_config(text, _CONFIG_FORMATS[config])
@@ -69,17 +67,17 @@ def detect_kind(path: Path, text: str) -> FileKind:
 def migrate_text(path: Path, text: str, kind: FileKind, options: Options) -> FileResult:
     """Migrate the contents of one file (nothing is written)."""
     shown = str(path)
-    if kind in _CONFIG_FORMATS:
-        return _migrate_config(shown, text, kind, scanner_for(options, prometheus=False))
     policy = next((p for p in POLICIES if p.kind is kind), None)
+    # old series names are legacy names in configs (Helm values holding rules) and plain text too
+    scanner = scanner_for(options, prometheus=policy is None or policy.prometheus)
+    if kind in _CONFIG_FORMATS:
+        return _migrate_config(shown, text, kind, scanner)
     if policy is not None:
         syntax = JSON if path.suffix.lower() == ".json" else YAML_SYNTAX
-        scanner = scanner_for(options, prometheus=policy.prometheus)
         return migrate_structured(shown, text, syntax, policy, scanner, options)
     if kind is FileKind.HISTORY:
         return migrate_history(shown, text, options)
-    reason = "this kind of file is only reported: edit by hand"
-    return scan_text(shown, text, scanner_for(options, prometheus=True), reason)
+    return scan_text(shown, text, scanner, "this kind of file is only reported: edit by hand")
 
 
 def load_config(text: str, fmt: ConfigFormat) -> Any:
@@ -88,7 +86,7 @@ def load_config(text: str, fmt: ConfigFormat) -> Any:
             import tomlkit  # optional dependency (the cli extra)
 
             return tomlkit.parse(text).unwrap()
-        return YAML_SYNTAX.load(text) if fmt == "yaml" else json.loads(text)
+        return YAML_SYNTAX.load(text) if fmt == "yaml" else json_loads(text)
     except ImportError as exc:
         raise MissingParser("TOML", "tomlkit") from exc
     except ValueError:
@@ -156,7 +154,7 @@ def _migrate_config(path: str, text: str, kind: FileKind, scanner: Scanner) -> F
 
 def looks_like_history(text: str) -> bool:
     """The first non-blank line is a JSON object with a ``step`` (event streams have a ``type``)."""
-    line = next((line for line in text.splitlines() if line.strip()), "null")
+    line = next((line for line in text.split("\n") if line.strip()), "null")
     try:
         first = json.loads(line)
     except ValueError:
@@ -169,9 +167,9 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
     result = FileResult(path, FileKind.HISTORY, original=text)
     found: dict[tuple[str, Action], Finding] = {}  # one per key and action, over its lines
     out: list[str] = []
-    last_legacy: tuple[int, int, object] | None = None  # (index in ``out``, line number, step)
+    boundary: tuple[int, int, object] | None = None  # (where in ``out`` it goes, line number, step)
+    legacy = False
     newline = "\r\n" if "\r\n" in text else "\n"
-    # split on "\n" only: a JSON string may hold U+2028 and friends, which str.splitlines splits on
     for number, line in enumerate(_LINES.findall(text), start=1):
         body = line.rstrip("\r\n")
         if not body.strip():
@@ -184,24 +182,22 @@ def migrate_history(path: str, text: str, options: Options) -> FileResult:
             result.error = f"line {number}: {exc}"
             return result
         for old, new, action, reason in seen:
-            known = found.get((old, action))
-            if known is None:
-                found[old, action] = Finding(path, number, old, new, action, reason, last_line=number)
-            else:
-                found[old, action] = replace(known, last_line=number, count=known.count + 1)
-        if is_marker:
-            continue  # an earlier run's boundary: dropped only if a new one is written below
-        if had_legacy:
-            last_legacy = (len(out), number, step)
+            known = found.get((old, action)) or Finding(path, number, old, new, action, reason, count=0)
+            found[old, action] = replace(known, last_line=number, count=known.count + 1)
+        if is_marker:  # an earlier run's boundary: the new one goes there, or after later legacy
+            boundary = (len(out), number - 1, step)
+            continue
+        legacy |= had_legacy
         out.append(new_body + line[len(body) :])
+        boundary = (len(out), number, step) if had_legacy else boundary
     result.findings = sorted(found.values(), key=lambda f: (f.line, f.old))
-    if last_legacy is None:
+    if not legacy or boundary is None:
         return result  # nothing legacy: the file (and any earlier boundary line) stays as it is
-    index, number, step = last_legacy
-    if not out[index].endswith(("\n", "\r")):
-        out[index] += newline
+    at, number, step = boundary
+    if not out[at - 1].endswith(("\n", "\r")):
+        out[at - 1] += newline
     marker = json.dumps({"step": step, MARKER_KEY: step})
-    out.insert(index + 1, marker + (newline if index + 1 < len(out) else ""))
+    out.insert(at, marker + (newline if at < len(out) or text.endswith("\n") else ""))
     result.notes.append(f"boundary line after line {number} (step {step}): old definitions up to there")
     result.new_text = "".join(out)
     return result
@@ -240,7 +236,7 @@ def _migrate_line(body: str, options: Options, found: _Seen) -> tuple[str, bool,
                 found.append((name, None, Action.MANUAL, "old off_policy/ namespace, no known mapping"))
             expected[name] = data[name]
             continue
-        had_legacy = True
+        had_legacy |= not options.peer  # a peer's line counts only once a key on it is edited
         if legacy.new is None or legacy.new in keys or legacy.new in taken:
             reason = legacy.reason if legacy.new is None else f"{legacy.new} is already on the line"
             if options.drop_removed:
@@ -258,9 +254,9 @@ def _migrate_line(body: str, options: Options, found: _Seen) -> tuple[str, bool,
     if doomed:
         edits.extend(JSON.remove(body, node, doomed))
     new_body = apply_edits(body, edits) if edits else body
-    if edits and json.loads(new_body) != expected:
+    if edits and json_loads(new_body) != expected:
         raise _Refused("the edited line does not read back as intended")
-    return new_body, had_legacy, MARKER_KEY in data, data.get("step")
+    return new_body, had_legacy or bool(edits), MARKER_KEY in data, data.get("step")
 
 
 def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, explicit: bool = True) -> FileResult:
@@ -269,18 +265,23 @@ def migrate_file(path: Path, options: Options, *, kind: FileKind | None = None, 
         raw = path.read_bytes()
     except OSError as exc:
         return FileResult(shown, kind, error=f"cannot read: {exc.strerror or exc}")
+    binary = b"\0" in raw[:8192] and raw[:2] not in (b"\xff\xfe", b"\xfe\xff")  # not UTF-16 text
     try:
-        unreadable = "binary file" if b"\0" in raw[:8192] else None
+        unreadable = "binary file" if binary else None
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         unreadable = unreadable or "not UTF-8 text; not read"
-    if unreadable is not None:
-        return FileResult(shown, kind, error=unreadable) if explicit else FileResult(shown, kind, skipped=unreadable)
-    if text.startswith("\ufeff") and kind is not FileKind.TEXT:
-        return FileResult(shown, kind, error="starts with a byte-order mark; remove it, then run again")
-    result = migrate_text(path, text, kind or detect_kind(path, text), options)
-    if result.error is not None:
-        # never edited: still say where the legacy names are
+    if unreadable is not None:  # a walk skips binary files silently, never text it cannot read
+        skip = binary and not explicit
+        return FileResult(shown, kind, skipped=unreadable) if skip else FileResult(shown, kind, error=unreadable)
+    try:
+        kind = kind or detect_kind(path, text.removeprefix("\ufeff"))
+        if text.startswith("\ufeff") and kind is not FileKind.TEXT:
+            return FileResult(shown, kind, error="starts with a byte-order mark; remove it, then run again")
+        result = migrate_text(path, text, kind, options)
+    except RecursionError:  # nested deeper than the parsers and tree walks go
+        result = FileResult(shown, kind, error="nested too deeply to read")
+    if result.error is not None:  # never edited: still say where the legacy names are
         reason = "the file could not be migrated: edit by hand"
         scanner = scanner_for(options, prometheus=True)
         result.findings = scan_text(shown, text, scanner, reason).findings
@@ -303,12 +304,8 @@ def scan_text(path: str, text: str, scanner: Scanner, reason: str) -> FileResult
 def unified_diff(result: FileResult) -> str:
     if not result.changed or result.original is None or result.new_text is None:
         return ""
-    lines = difflib.unified_diff(
-        result.original.splitlines(keepends=True),
-        result.new_text.splitlines(keepends=True),
-        fromfile=f"a/{result.path}",
-        tofile=f"b/{result.path}",
-    )
+    old, new = _LINES.findall(result.original), _LINES.findall(result.new_text)
+    lines = difflib.unified_diff(old, new, fromfile=f"a/{result.path}", tofile=f"b/{result.path}")
     return "".join(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines)
 
 

@@ -33,13 +33,10 @@ _Trie: TypeAlias = dict[str | None, "_Trie"]  # segment -> subtree; the key None
 
 def migrate_key(key: str) -> metric_table.LegacyKey | None:
     """A legacy or removed-family W&B key's :class:`LegacyKey` (``new`` None: removed), or None."""
+    families = metric_table.REMOVED_KEY_FAMILIES.items()
+    reasons = [reason for prefix, reason in families if key.startswith(prefix) and key != prefix]
     found = metric_table.LEGACY_KEYS.get(key)
-    if found is not None:
-        return found
-    for prefix, reason in metric_table.REMOVED_KEY_FAMILIES.items():
-        if key.startswith(prefix) and len(key) > len(prefix):
-            return metric_table.LegacyKey(key, None, reason)
-    return None
+    return found or (metric_table.LegacyKey(key, None, reasons[0]) if reasons else None)
 
 
 def current_key(key: str) -> str | None:
@@ -96,13 +93,9 @@ class RegexRewrite:
 def _legacy_candidates(flavor: RegexFlavor, prefixes: Sequence[str]) -> dict[str, str | None]:
     if flavor == "wandb":
         return {old: legacy.new for old, legacy in metric_table.LEGACY_KEYS.items()}
-    found: dict[str, str | None] = {}
-    for bare in metric_table.LEGACY_PROMETHEUS_NAMES:
-        for name in [bare, *(p + bare for p in prefixes if p)]:
-            migrated = migrate_prometheus_name(name, prefixes)
-            if migrated is not None:
-                found[name] = migrated.new
-    return found
+    names = [p + bare for bare in metric_table.LEGACY_PROMETHEUS_NAMES for p in ("", *prefixes)]
+    found = {name: migrate_prometheus_name(name, prefixes) for name in names}
+    return {name: migrated.new for name, migrated in found.items() if migrated is not None}
 
 
 def _matches(compiled: re.Pattern[str], name: str, flavor: RegexFlavor) -> bool:

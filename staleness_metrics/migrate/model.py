@@ -73,9 +73,7 @@ class Finding:
         arrow = self.new is not None and self.action in (Action.RENAME, Action.MANUAL)
         name = f"{self.old} -> {self.new}" if arrow else self.old
         text = f"{where}: {name}{_OUTCOMES.get(self.action, '')}"
-        details = [self.reason] if self.reason else []
-        if self.count > 1:
-            details.append(f"{self.count} lines")
+        details = [d for d in (self.reason, f"{self.count} lines" if self.count > 1 else "") if d]
         return text + (f" ({'; '.join(details)})" if details else "")
 
 

@@ -38,6 +38,7 @@ class Scanned:
 
     text: str
     hits: tuple[Hit, ...]
+    live: bool = False  # PromQL: it also reads a series that is not legacy
 
     @property
     def changed(self) -> bool:
@@ -75,6 +76,11 @@ _PROMQL_TOKEN = re.compile(
     r"|(?P<other>.)",
     re.DOTALL,
 )
+# not series: grouping labels (and their aggregation), ranges, numbers, Grafana variables, keywords
+_NOT_SERIES = re.compile(
+    r"(?:\w+\s*)?\b(?:by|without|on|ignoring|group_\w+)\s*\([^)]*\)|\[[^]]*]|\d\w*|\$\{?\w+"
+    r"|(?i:\b(?:and|or|unless|bool|offset|group_left|group_right|atan2|inf|nan)\b)"
+)
 
 
 class Scanner:
@@ -109,10 +115,8 @@ class Scanner:
             elif match.lastgroup in _TABLES:
                 table, reason = _TABLES[match.lastgroup]
                 hits.append(Hit(start, end, token, table[token], Action.RENAME, reason))
-            elif self.prometheus:
-                hit = self._prometheus_hit(token, start)
-                if hit is not None:
-                    hits.append(hit)
+            elif self.prometheus and (hit := self._prometheus_hit(token, start)) is not None:
+                hits.append(hit)
         return hits
 
     def _prometheus_hit(self, token: str, start: int) -> Hit | None:
@@ -143,6 +147,7 @@ class Scanner:
 
     def _scan_promql(self, text: str) -> Scanned:
         hits: list[Hit] = []
+        live, hidden = False, [m.span() for m in _NOT_SERIES.finditer(text)]
         tokens = [(m.lastgroup, m.group(), m.start()) for m in _PROMQL_TOKEN.finditer(text)]
         significant = [t for t in tokens if t[0] != "other" or not t[1].isspace()]
         for index, (group, token, start) in enumerate(significant):
@@ -156,11 +161,13 @@ class Scanner:
                     hit = Hit(start, start + len(token), token, None, Action.MANUAL, reason)
                 if hit is not None:
                     hits.append(hit)
+                elif not any(a <= start < b for a, b in hidden):
+                    live = True
             elif group == "str" and index >= 2:
                 label, operator = significant[index - 2][1], significant[index - 1][1]
                 if label == "__name__" and operator in ("=", "!=", "=~", "!~"):
                     hits.extend(self._name_matcher_hits(token, start, regex=operator in ("=~", "!~")))
-        return Scanned(apply_renames(text, hits), tuple(hits))
+        return Scanned(apply_renames(text, hits), tuple(hits), live)
 
     def _name_matcher_hits(self, literal: str, start: int, *, regex: bool) -> list[Hit]:
         body = literal[1:-1]
@@ -201,10 +208,8 @@ _SUFFIX = "(?:" + _alternation(TRACKER_SUFFIXES) + ")?"
 
 
 def _bare(segment: str) -> str:
-    for suffix in TRACKER_SUFFIXES:
-        if segment.endswith(suffix):
-            return segment[: -len(suffix)]
-    return segment
+    found = (segment[: -len(suffix)] for suffix in TRACKER_SUFFIXES if segment.endswith(suffix))
+    return next(found, segment)
 
 
 def _hit(row: PeerKey, start: int, end: int, token: str, new: str | None) -> Hit:
@@ -247,10 +252,10 @@ class PeerScanner(Scanner):
         return _hit(row, start, start + len(token), token, series)
 
     def _scan_promql(self, text: str) -> Scanned:
-        found = super()._scan_promql(text).hits
+        found = super()._scan_promql(text)
         own = f"{self.peer}:"
-        hits = tuple(h for h in found if h.action is not Action.MANUAL or h.reason.startswith(own))
-        return Scanned(apply_renames(text, hits), hits)
+        hits = tuple(h for h in found.hits if h.action != Action.MANUAL or h.reason.startswith(own))
+        return Scanned(apply_renames(text, hits), hits, found.live)
 
     def _scan_regex(self, pattern: str, flavor: object) -> Scanned:
         try:

@@ -51,7 +51,7 @@ def _only_removed(scans: list[ScalarScan], owner: Callable[[Path], Path | None])
         found = None if scan.is_key or scan.context is not Context.PROMQL else owner(scan.path)
         if found is not None:
             removed = all(h.action is Action.REMOVED for h in scan.scanned.hits)
-            verdict[found] = verdict.get(found, True) and removed
+            verdict[found] = verdict.get(found, True) and removed and not scan.scanned.live
     return [path for path, removed in verdict.items() if removed]
 
 
@@ -156,8 +156,7 @@ class _Migration:
             assert isinstance(parent, Sequence)
             removal = self.syntax.remove(self.text, parent, [_index(u.path) for u in members]) if drop_removed else None
             if removal is None:
-                for unit in members:
-                    self.drop_notes[unit.path] = note.format(unit.label)
+                self.drop_notes.update((unit.path, note.format(unit.label)) for unit in members)
                 continue
             self.edits.extend(removal)
             self.removals.extend(removal)
@@ -389,11 +388,8 @@ def _rules_units(data: list[object], scans: list[ScalarScan]) -> list[Unit]:
     for rule in _only_removed(scans, _rule_of):
         entity = _resolve(data, rule)
         assert isinstance(entity, dict)
-        if "alert" in entity:
-            label = f'alert "{entity["alert"]}"'
-        else:
-            label = f'recording rule "{entity.get("record")}" (rules using it break too)'
-        units.append(Unit(rule, label))
+        record = f'recording rule "{entity.get("record")}" (rules using it break too)'
+        units.append(Unit(rule, f'alert "{entity["alert"]}"' if "alert" in entity else record))
     return units
 
 

@@ -4,6 +4,7 @@ replace only the changed values (dumping a parsed file would reformat it)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -92,11 +93,13 @@ def line_of(text: str, offset: int) -> int:
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _NUMBER = r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?"
 # a string, a literal or a number: json.loads reads the value
-_SCALAR = re.compile(rf'"(?:[^"\\]|\\.)*"|true|false|null|{_NUMBER}', re.DOTALL)
+_SCALAR = re.compile(rf'"(?:[^"\\]|\\.)*"|true|false|null|NaN|-?Infinity|{_NUMBER}', re.DOTALL)
+# NaN and Infinity (json.dumps writes them) as names: NaN != NaN, but data read twice must be equal
+json_loads = functools.partial(json.loads, parse_constant=str)
 
 
 class _Reader:
-    """Walks text ``json.loads`` accepted, so only NaN and Infinity (which it also accepts) fail."""
+    """Walks text ``json.loads`` accepted."""
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -118,7 +121,7 @@ class _Reader:
         match = _SCALAR.match(self.text, position)
         if match is None:
             raise ValueError(f"unexpected character at offset {position}")
-        return Scalar(position, match.end(), json.loads(match.group()), "json"), match.end()
+        return Scalar(position, match.end(), json_loads(match.group()), "json"), match.end()
 
     def collection(self, node: Mapping | Sequence) -> tuple[Node, int]:
         close = "}" if isinstance(node, Mapping) else "]"
@@ -159,7 +162,7 @@ class JsonSyntax:
     name = "JSON"
 
     def read(self, text: str) -> tuple[list[Node], list[object]]:
-        data = json.loads(text)  # first: its error messages are the ones users know
+        data = json_loads(text)  # first: its error messages are the ones users know
         return [_Reader(text).value(0)[0]], [data]
 
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str:
@@ -171,10 +174,8 @@ class JsonSyntax:
         return json.dumps(new_value, ensure_ascii="\\u" in raw)
 
     def remove(self, text: str, parent: Mapping | Sequence, indices: list[int]) -> list[Edit]:
-        if isinstance(parent, Mapping):
-            spans = [(key.start, value.end) for key, value in parent.items]
-        else:
-            spans = [(item.start, item.end) for item in parent.items]
+        pairs = parent.items if isinstance(parent, Mapping) else [(i, i) for i in parent.items]
+        spans = [(first.start, last.end) for first, last in pairs]
         return _spans_removal(spans, indices, (parent.start + 1, parent.end - 1))
 
     def comments(self, text: str, roots: list[Node]) -> list[tuple[int, int]]:
@@ -187,6 +188,7 @@ JSON = JsonSyntax()
 # -- YAML ------------------------------------------------------------------------------------------
 
 _STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 _COMMENT_START = re.compile(r"(?:^|(?<=[ \t]))#", re.MULTILINE)
 
 
@@ -215,8 +217,8 @@ class YamlSyntax:
             documents = list(yaml.compose_all(text))
         except Exception as exc:  # ruamel raises its own error classes; all mean "not YAML"
             raise ValueError(str(exc)) from exc
-        roots = [self._convert(yaml, doc, in_flow=False) for doc in documents if doc is not None]
-        return roots, self.load(text)
+        data = self.load(text)  # first: it refuses what the tree assumes (a merge of a non-mapping)
+        return [self._convert(yaml, doc, False) for doc in documents if doc is not None], data
 
     def _convert(self, yaml: Any, node: Any, in_flow: bool) -> Node:
         from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
@@ -229,11 +231,20 @@ class YamlSyntax:
         inner = in_flow or flow
         if isinstance(node, MappingNode):
             mapping = Mapping(start, end, flow=flow)
+            merged: list[Any] = []  # ``<<: *anchor`` (or a list of them): entries the mapping lacks
             for key, value in node.value:
+                if key.tag == _MERGE_TAG:
+                    merged += value.value if isinstance(value, SequenceNode) else [value]
+                    continue
                 key_node = self._convert(yaml, key, inner)
                 if not isinstance(key_node, Scalar):
                     raise ValueError(f"line {key.start_mark.line + 1}: complex mapping keys are not supported")
                 mapping.items.append((key_node, self._convert(yaml, value, inner)))
+            for source in merged:  # the first source of a key wins, as the loader reads them
+                entries = self._convert(yaml, source, inner)
+                assert isinstance(entries, Mapping)  # the loader refuses anything else
+                own = {key.value for key, _ in mapping.items}
+                mapping.items += [item for item in entries.items if item[0].value not in own]
             return mapping
         assert isinstance(node, SequenceNode)
         return Sequence(start, end, [self._convert(yaml, item, inner) for item in node.value], flow)

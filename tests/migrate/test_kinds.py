@@ -67,6 +67,32 @@ def test_yaml_config_keeps_quotes_flow_style_and_anchors(tmp_path: Path, capsys:
     ).replace('"off_policy/max"', '"staleness/rollout/max"')
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        (
+            "values.yaml",
+            "rules:\n  - expr: orchestrator_off_policy_mean > 4  # off_policy_max\n  - off_policy_token_max\n",
+        ),
+        (
+            "values.toml",
+            'expr = "orchestrator_off_policy_mean > 4"  # off_policy_max\nold = ["off_policy_token_max"]\n',
+        ),
+        ("cm.json", '{"expr": "orchestrator_off_policy_mean > 4", "x": "off_policy_max", "y": "off_policy_token_max"}'),
+    ],
+)
+def test_old_series_names_in_a_config_are_renamed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, text: str
+) -> None:
+    config = _write(tmp_path / name, text)
+    assert migrate(capsys, "--check", str(config)).code == 1
+    run = migrate(capsys, "--write", str(config))
+    assert run.code == 0 and "off_policy_token_max: removed" in run.out
+    assert config.read_text() == text.replace(
+        "orchestrator_off_policy_mean", "rl_staleness_rollout_mean_steps"
+    ).replace("off_policy_max", "rl_staleness_rollout_max_steps")
+
+
 def test_removed_keys_in_a_config_are_reported_for_a_human(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _write(tmp_path / "watch.json", '{"watch": ["off_policy/token/max", "off_policy/*"]}\n')
     run = migrate(capsys, "--write", "--drop-removed", str(config))
@@ -107,17 +133,28 @@ def test_prefixes_and_counter_notes_in_rules(tmp_path: Path, capsys: pytest.Capt
     )
 
 
-def test_a_query_mixing_removed_and_renamed_series_is_kept(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    dashboard = {
-        "schemaVersion": 39,
-        "panels": [{"title": "gap", "targets": [{"expr": "off_policy_token_max - off_policy_max"}]}],
-    }
-    path = _write(tmp_path / "d.json", json.dumps(dashboard, indent=2))
+_LIVE = "off_policy_token_max - rl_staleness_rollout_max_steps"
+
+
+@pytest.mark.parametrize("name", ["d.json", "rules.yml"])
+@pytest.mark.parametrize(
+    ("expr", "renamed"),
+    [
+        ("off_policy_token_max - off_policy_max", _LIVE),
+        (_LIVE, _LIVE),  # what the first run leaves: a second run must not delete it
+        ("off_policy_token_max > on(run) train_loss", "off_policy_token_max > on(run) train_loss"),
+    ],
+)
+def test_a_query_mixing_removed_and_live_series_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, expr: str, renamed: str
+) -> None:
+    dashboard = {"schemaVersion": 39, "panels": [{"title": "gap", "targets": [{"expr": expr}]}]}
+    rules = f"groups:\n  - name: g\n    rules:\n      - alert: A\n        expr: {expr}\n"
+    text = json.dumps(dashboard, indent=2) if name == "d.json" else rules
+    path = _write(tmp_path / name, text)
     run = migrate(capsys, "--write", "--drop-removed", str(path))
-    assert json.loads(path.read_text())["panels"][0]["targets"][0]["expr"] == (
-        "off_policy_token_max - rl_staleness_rollout_max_steps"
-    )
-    assert "off_policy_token_max: removed" in run.out
+    assert run.code == 0 and "off_policy_token_max: removed" in run.out
+    assert path.read_text() == text.replace(expr, renamed)
 
 
 def test_wandb_view_spec_in_camel_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -149,8 +186,42 @@ def test_yaml_aliases_are_rewritten_once(tmp_path: Path, capsys: pytest.CaptureF
     assert path.read_text() == text.replace("off_policy/mean", "staleness/rollout/mean")
 
 
-def test_rules_group_emptied_by_drop_removed_stays_valid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    text = "groups:\n  - name: g\n    rules:\n      - alert: Lag\n        expr: dispatcher_staleness_max > 2\n"
+def test_yaml_merge_keys_are_followed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (
+        "x-common: &common\n"
+        "  severity: page\n"
+        "  summary: off_policy/mean is high\n"
+        "groups:\n"
+        "  - name: g\n"
+        "    rules:\n"
+        "      - alert: A\n"
+        "        expr: off_policy_mean > 3\n"
+        "        labels:\n"
+        "          <<: [*common, {team: rl}]\n"
+        "          severity: warn\n"
+    )
+    rules = _write(tmp_path / "alerts.yml", text)
+    (tmp_path / "later.toml").write_text("max_off_policy_steps = 3\n")
+    assert migrate(capsys, "--write", str(tmp_path)).code == 0
+    assert rules.read_text() == text.replace("off_policy/mean", "staleness/rollout/mean").replace(
+        "off_policy_mean", "rl_staleness_rollout_mean_steps"
+    )
+    assert (tmp_path / "later.toml").read_text() == "max_staleness = 3\n"
+    assert migrate(capsys, "--check", str(tmp_path)).code == 0
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "dispatcher_staleness_max > 2",
+        "max by (run) (rate(off_policy_token_max{job=~'$job'}[$__rate_interval])) > bool 2",  # no other series
+        "off_policy_token_max offset 5m unless on(run) group_left dispatcher_staleness_max > 1e3",
+    ],
+)
+def test_rules_group_emptied_by_drop_removed_stays_valid(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], expr: str
+) -> None:
+    text = f"groups:\n  - name: g\n    rules:\n      - alert: Lag\n        expr: {expr}\n"
     rules = _write(tmp_path / "r.yaml", text)
     assert migrate(capsys, "--write", "--drop-removed", str(rules)).code == 0
     assert rules.read_text() == "groups:\n  - name: g\n    rules:\n      []\n"
@@ -195,6 +266,70 @@ def test_a_replay_event_stream_is_not_a_history(tmp_path: Path) -> None:
     assert detect_kind(tmp_path / "metrics.jsonl", '{"step": 1, "loss": 1}\n') is FileKind.HISTORY
 
 
+_MARK = json.dumps({"step": 2, MARKER_KEY: 2}) + "\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "text", "expected"),
+    [
+        pytest.param(  # the boundary after a renamed last line ends with the file's final newline
+            [],
+            '{"step": 1, "off_policy/mean": 1.5}\n{"step": 2, "off_policy/mean": 2.5}\n',
+            '{"step": 1, "staleness/rollout/mean": 1.5}\n{"step": 2, "staleness/rollout/mean": 2.5}\n' + _MARK,
+            id="final-newline",
+        ),
+        pytest.param(  # a removed key left before the boundary does not pull it back on the second run
+            [],
+            '{"step": 1, "off_policy/token/max": 3}\n{"step": 2, "off_policy/mean": 1.5}\n{"step": 3, "loss": 0.1}\n',
+            '{"step": 1, "off_policy/token/max": 3}\n{"step": 2, "staleness/rollout/mean": 1.5}\n'
+            + _MARK
+            + '{"step": 3, "loss": 0.1}\n',
+            id="boundary-stays",
+        ),
+        pytest.param(  # nothing renamed (the new key is already there): no boundary line
+            ["--from", "skyrl"],
+            '{"step": 1, "async/staleness_mean": 1.5, "staleness/rollout/mean": 1.5}\n{"step": 2, "loss": 0.1}\n',
+            '{"step": 1, "async/staleness_mean": 1.5, "staleness/rollout/mean": 1.5}\n{"step": 2, "loss": 0.1}\n',
+            id="peer-nothing-renamed",
+        ),
+        pytest.param(  # U+2028 in a value: still one line, and still a history
+            [],
+            '{"step": 2, "off_policy/mean": 1.5, "note": "a\u2028b"}\n',
+            '{"step": 2, "staleness/rollout/mean": 1.5, "note": "a\u2028b"}\n' + _MARK,
+            id="u2028",
+        ),
+        pytest.param(  # NaN and Infinity, as json.dumps writes them, are read and kept byte for byte
+            [],
+            '{"step": 2, "off_policy/mean": NaN, "loss": -Infinity, "lr": Infinity}\n',
+            '{"step": 2, "staleness/rollout/mean": NaN, "loss": -Infinity, "lr": Infinity}\n' + _MARK,
+            id="nan",
+        ),
+    ],
+)
+def test_history_boundary_and_line_cases(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], text: str, expected: str
+) -> None:
+    history = _write(tmp_path / "metrics.jsonl", text)
+    assert migrate(capsys, "--write", *args, str(history)).code == 0
+    assert history.read_bytes().decode() == expected
+    assert migrate(capsys, "--write", *args, str(history)).code == 0
+    assert history.read_bytes().decode() == expected  # a second --write changes nothing
+
+
+def test_diff_splits_lines_on_newlines_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = '{"step": 1, "loss": 0.2}\n{"step": 2, "off_policy/mean": 1.5, "note": "a\u2028b\x85c"}\n'
+    history = _write(tmp_path / "metrics.jsonl", text)
+    run = migrate(capsys, "--diff", str(history))
+    assert run.code == 0
+    assert run.out == (
+        f"--- a/{history}\n+++ b/{history}\n@@ -1,2 +1,3 @@\n"
+        ' {"step": 1, "loss": 0.2}\n'
+        '-{"step": 2, "off_policy/mean": 1.5, "note": "a\u2028b\x85c"}\n'
+        '+{"step": 2, "staleness/rollout/mean": 1.5, "note": "a\u2028b\x85c"}\n'
+        f"+{_MARK}"
+    )
+
+
 def test_a_broken_history_line_stops_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     text = '{"step": 1, "off_policy/max": 2}\n{"step": 2, "off_policy/max": \n'
     history = _write(tmp_path / "metrics.jsonl", text)
@@ -220,6 +355,39 @@ def test_plain_text_is_reported_never_edited(tmp_path: Path, capsys: pytest.Capt
     ]
     assert "blob.bin" not in run.out + run.err  # binary files met while walking are skipped silently
     assert migrate(capsys, "--check", str(tmp_path)).code == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "error"),
+    [
+        pytest.param("o.toml", "# r\xe9glage\nmax_off_policy_steps = 8\n".encode("latin-1"), "not UTF-8", id="latin1"),
+        pytest.param("trainer.yaml", "max_off_policy_steps: 8\n".encode("utf-16"), "not UTF-8 text", id="utf16"),
+        pytest.param("deep.json", ('{"c": ' * 330 + "1" + "}" * 330).encode(), "nested too deeply", id="deep"),
+        pytest.param("o.toml", "\ufeffmax_off_policy_steps = 8\n".encode(), "starts with a byte-order mark", id="bom"),
+    ],
+)
+def test_text_that_cannot_be_read_met_while_walking_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, raw: bytes, error: str
+) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / name).write_bytes(raw)
+    (tmp_path / "a" / "blob.bin").write_bytes(b"\0off_policy/mean")
+    later = _write(tmp_path / "a" / "z.toml", "max_off_policy_steps = 3\n")
+    run = migrate(capsys, "--check", str(tmp_path / "a"))
+    assert run.code == 2 and f"{tmp_path / 'a' / name}: {error}" in run.err
+    assert f"{later}:1: max_off_policy_steps -> max_staleness (renamed setting)" in run.lines
+    assert "blob.bin" not in run.out + run.err  # binary files are still skipped silently
+
+
+def test_a_byte_order_mark_on_a_reported_file_is_fine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    notes = _write(tmp_path / "NOTES.md", "\ufeff# Notes\nuse --max-off-policy-steps 8\n")
+    _write(tmp_path / "tool.py", "\ufeffimport os\n")
+    run = migrate(capsys, "--check", str(tmp_path))
+    assert run.code == 1 and run.err.startswith("migrate: 1 legacy name(s) in 1 file(s)")
+    assert run.lines == [
+        f"{notes}:2: max-off-policy-steps -> max-staleness: not edited "
+        "(this kind of file is only reported: edit by hand)"
+    ]
 
 
 def test_usage_errors_and_missing_files_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
