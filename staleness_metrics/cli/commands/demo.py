@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"speed: must be >= 0, got {args.speed}")
         if not 0 <= args.prometheus_port <= 65535:
             raise ConfigError(f"prometheus-port: must be 0..65535, got {args.prometheus_port}")
-        config = config_from_args(args, args.max_staleness)
+        config = config_from_args(args, max_staleness=args.max_staleness)
     except ConfigError as error:
         return failed("demo", error)
     # every option but the config's is a field of the same name

@@ -9,10 +9,13 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ...config import POLICY_NAMES, StalenessConfig
 from ...errors import EventError
+
+if TYPE_CHECKING:
+    from ...replay.run_dir import RunDirectory
 
 
 def add_command(
@@ -66,8 +69,8 @@ def add_bound_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sink_options(parser: argparse.ArgumentParser) -> None:
-    """Policy, xtuner and strictness options (each command adds its own ``--max-staleness``); an option
-    left out is None, so that a run directory's own setting applies (:func:`given_settings`)."""
+    """Policy, xtuner and strictness options (each command adds its own ``--max-staleness``); one
+    left out is None, so that a run directory's own setting applies (:func:`config_from_args`)."""
     parser.add_argument("--policy", choices=POLICY_NAMES, help="masking policy (default: token)")
     parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
     parser.add_argument("--sync-interval", type=int, metavar="K", help="xtuner only (default: 1)")
@@ -79,17 +82,16 @@ def add_sink_options(parser: argparse.ArgumentParser) -> None:
     add_bound_options(parser)
 
 
-_SINK_OPTIONS = ("policy", "max_token_staleness", "sync_interval", "retry_expired", "strict", "env_breakdown")
+_SINK_OPTIONS = ("policy", "max_token_staleness", "sync_interval", "retry_expired", "strict", "env_breakdown",
+                 *_BOUND_OPTIONS)  # fmt: skip
 
 
-def given_settings(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
-    """The settings the command line gives (``more`` too): an option it leaves out is not one."""
-    given = {name: getattr(args, name, None) for name in (*_SINK_OPTIONS, *_BOUND_OPTIONS)} | more
-    return {name: value for name, value in given.items() if value is not None}
-
-
-def config_from_args(args: argparse.Namespace, max_staleness: int | None = None) -> StalenessConfig:
-    return StalenessConfig(**given_settings(args, max_staleness=max_staleness))
+def config_from_args(args: argparse.Namespace, run: RunDirectory | None = None, **more: Any) -> StalenessConfig:
+    """The settings the command line gives (``more`` too) over ``run``'s own, else over the defaults:
+    an option it leaves out (None) is not one, and one it gives wins even at its default value."""
+    options = {name: getattr(args, name, None) for name in _SINK_OPTIONS} | more
+    given: dict[str, Any] = {name: value for name, value in options.items() if value is not None}
+    return run.staleness_config(**given) if run is not None else StalenessConfig(**given)
 
 
 @contextlib.contextmanager

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from ...config import StalenessConfig
 from ...engine.shipment import Shipment
 from ...engine.sink import Sink
 from ...metrics.report import StepReport
@@ -17,9 +16,10 @@ from ...records import jsonio
 from ...records.columnar import WEIGHT_FIELDS
 from ...replay.sources import is_event_file
 from ...replay.stream import Event, parse_event, read_event_path, run_events
-from .options import add_command, add_sink_options, atomic_output, failed, given_settings
+from .options import add_command, add_sink_options, atomic_output, config_from_args, failed
 
 if TYPE_CHECKING:
+    from ...config import StalenessConfig
     from ...replay.run_dir import RunDirectory
     from ...replay.sources import PrimeRlRead
 
@@ -118,9 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.events.exists():
         return failed("replay", f"{args.events}: no such file or directory")
     try:
-        run_dir = find_run(args.events)  # its own settings, where the command line gives none
-        given = given_settings(args, max_staleness=args.max_staleness)
-        config = run_dir.staleness_config(**given) if run_dir is not None else StalenessConfig(**given)
+        run_dir = find_run(args.events)
+        config = config_from_args(args, run_dir, max_staleness=args.max_staleness)
     except (ValueError, OSError) as error:  # ConfigError included
         return failed("replay", error)
     for option, path in (("--metrics-out", args.metrics_out), ("--batches-out", args.batches_out)):

@@ -7,8 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...config import StalenessConfig
-from .options import add_command, add_sink_options, atomic_output, failed, given_settings
+from .options import add_command, add_sink_options, atomic_output, config_from_args, failed
 
 EPILOG = """\
 examples:
@@ -38,11 +37,9 @@ def run(args: argparse.Namespace) -> int:
     from ...replay.what_if import MAX_BOUNDS, parse_bounds
 
     try:
-        given = given_settings(args, max_staleness=args.bound)
-        directory = find_run(args.run)  # its own settings, where the command line gives none
-        config = directory.staleness_config(**given) if directory is not None else StalenessConfig(**given)
-        bound = config.max_staleness  # the curve: up to 257 bounds, the largest at least 8 and the bound
-        bounds = parse_bounds(args.max_staleness or f"{max(0, bound - MAX_BOUNDS + 1)}..{max(8, bound)}")
+        config = config_from_args(args, find_run(args.run), max_staleness=args.bound)
+        top = max(8, config.max_staleness)  # the curve: up to 257 bounds, the largest at least 8 and the bound
+        bounds = parse_bounds(args.max_staleness or f"{max(0, top - MAX_BOUNDS + 1)}..{top}")
         data = collect(args.run, config, bounds)
         if data.bound is None and args.bound is not None:
             data.bound = args.bound  # logged rows that do not say which bound they ran at

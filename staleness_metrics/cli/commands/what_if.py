@@ -6,9 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ...config import StalenessConfig
 from ...errors import ConfigError
-from .options import add_command, add_sink_options, failed, given_settings
+from .options import add_command, add_sink_options, config_from_args, failed
 
 EPILOG = """\
 examples:
@@ -37,10 +36,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         bounds = parse_bounds(args.max_staleness)
         if args.adapt_every is not None:  # (a bound that moves would judge the others' rows)
-            raise ConfigError("--adapt-every: what-if replays each bound fixed; replay and demo adapt")
-        given = given_settings(args, max_staleness=bounds[0] if bounds else 0)
-        run_dir = find_run(args.events)  # its own settings, where the command line gives none
-        config = run_dir.staleness_config(**given) if run_dir is not None else StalenessConfig(**given)
+            raise ConfigError("--adapt-every: what-if replays each bound fixed (replay and demo adapt)")
+        run_dir = find_run(args.events)
+        config = config_from_args(args, run_dir, max_staleness=bounds[0] if bounds else 0)
         result = what_if_with_curve(run_dir.root if run_dir is not None else args.events, bounds, config)
     except (ValueError, OSError) as error:  # ConfigError and EventError included
         return failed("what-if", error)
