@@ -14,9 +14,9 @@ import numpy.typing as npt
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..errors import EventError
-from ..metrics import keys
+from ..metrics import keys, metric_table
 from ..metrics.buckets import FLOOR_SOURCES, LAG_BUCKETS
-from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS
+from ..metrics.metric_table import ENV_KEY_PREFIX, KEY_PREFIX, LEGACY_KEYS
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Tally
 from ..replay import sources
@@ -38,7 +38,7 @@ class ReportData:
     policy: str | None
     bound: int | None
     rows: list[dict[str, Any]]
-    histograms: list[npt.NDArray[np.int64]] | None = None
+    histograms: list[npt.NDArray[np.int64]] | None = None  # one per row
     totals: Tally | None = None
     what_if: list[WhatIfRow] = field(default_factory=list)
     comparison: list[ComparisonRow] = field(default_factory=list)
@@ -109,15 +109,26 @@ def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
     return sums if found else None
 
 
-def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` filled with the keys the run logged that a replay does not recompute (the
-    trainer's sums); steps only the logged rows have are kept too."""
-    by_step = {int(row["step"]): dict(row) for row in rows}
+def _from_sums(key: str) -> bool:
+    """Whether ``key`` is of the trainer's sums (SPEC 11 and 14), batch-wide or per env."""
+    if key.startswith(ENV_KEY_PREFIX):  # staleness/env/<env>/<rest>: the rest as a batch-wide key
+        key = KEY_PREFIX + key.removeprefix(ENV_KEY_PREFIX).partition("/")[2]
+    return key.startswith((metric_table.MISMATCH_KEY_PREFIX, metric_table.BOUND_KEY_PREFIX))
+
+
+def _fill_from(data: ReportData, logged: list[dict[str, Any]]) -> None:
+    """Adds what the replay cannot compute, the trainer's sums as the run logged them, to the
+    last ship of their step (or a step of their own, no tokens); all else is the replay's."""
+    ships = list(zip(data.rows, data.histograms or [], strict=True))
+    last = {int(row["step"]): row for row in data.rows}
     for row in logged:
-        step = int(row["step"])
-        merged = by_step.setdefault(step, {"step": step})
-        merged.update({key: value for key, value in row.items() if key not in merged})
-    return [by_step[step] for step in sorted(by_step)]
+        sums = {key: value for key, value in row.items() if _from_sums(key)}
+        if row["step"] in last:
+            last[row["step"]].update(sums)
+        elif sums:
+            ships.append(({"step": row["step"], **sums}, np.zeros(1, dtype=np.int64)))
+    ships.sort(key=lambda ship: int(ship[0]["step"]))  # (stable: ships of one step in their order)
+    data.rows, data.histograms = [row for row, _ in ships], [histogram for _, histogram in ships]
 
 
 def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipment]) -> ReportData:
@@ -130,8 +141,9 @@ def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipm
 def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
     shipments = replay(sources.as_replay_events(run.events_with_costs()), config)
     data = _replayed(str(run.root), "run", config, shipments)
-    if run.metrics is not None:
-        data.rows = _fill_from(data.rows, metrics_rows(run.metrics))
+    # the trainer's sums as logged, unless the replay had its log-probabilities to compute them
+    if run.metrics is not None and not any(_from_sums(key) for row in data.rows for key in row):
+        _fill_from(data, metrics_rows(run.metrics))
     bounds = sorted({*what_if_bounds, config.max_staleness}) if what_if_bounds else [config.max_staleness]
     result = what_if_with_curve(run.root, bounds, config)
     data.what_if = result.rows if what_if_bounds else []
