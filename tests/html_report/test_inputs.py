@@ -10,6 +10,7 @@ from typing import Any
 
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.html_report import collect, render
+from staleness_metrics.html_report.svg import Series, line_chart, nice_ticks
 
 
 def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
@@ -86,3 +87,20 @@ def test_a_run_directory_replayed_at_another_bound_shows_only_that_bound(tmp_pat
     assert "<title>mean at 3:" not in html and "<title>max at 3:" not in html
     assert "<title>rollouts dropped at 3: 1</title>" in html and "<title>lag 2 at 3: 0.5</title>" in html
     assert _summary(html)["largest rollout staleness"] == "-"
+
+
+def test_ticks_at_any_scale() -> None:
+    assert nice_ticks(0, 5e-13) == [0.0, 1e-13, 2e-13, 3e-13, 4e-13, 5e-13]
+    assert nice_ticks(0, 0.3) == [0.0, 0.1, 0.2, 0.3]
+    assert nice_ticks(7, 7) == [7.0, 7.2, 7.4, 7.6, 7.8, 8.0]  # flat: widened
+    assert nice_ticks(1e20, 1e20) == [1e20, 1.0000002e20, 1.0000004e20, 1.0000006e20, 1.0000008e20, 1.000001e20]
+    assert nice_ticks(0, 5e-324) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]  # too thin for floats to split
+    svg = line_chart("tiny", [1, 2], [Series("k3", [5e-13, 0.0], "#000")])
+    assert "<title>k3 at 1: 5e-13</title>" in svg and ">5e-13</text>" in svg
+
+
+def test_a_near_zero_cost_is_drawn(tmp_path: Path) -> None:
+    sample = {"logprobs": [-1.0], "trainer_logprobs": [-0.999999]}
+    events = _write(tmp_path / "events.jsonl", [_rollout("a", 0, 1, **sample), {"type": "ship", "step": 1}])
+    html = render(collect(events, StalenessConfig()))
+    assert "<title>lag 0 at 1: 4.999e-13</title>" in html  # k3 = exp(d) - 1 - d, d = 1e-6
