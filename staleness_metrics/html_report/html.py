@@ -627,7 +627,7 @@ def render(data: ReportData, title: str = "Staleness report") -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>"
         f'<h1>{escape(title)}</h1><p class="meta">{" · ".join(meta)}</p>'
-        + "".join(f'<p class="meta">prime-rl run: {escape(note)}</p>' for note in data.read_notes)
+        + "".join(f'<p class="meta">{escape(note)}</p>' for note in data.read_notes)
         + f"{_summary(data)}<p></p>{''.join(charts)}{render_costs(data)}{render_choosing(data)}"
         f"{_comparison(data.comparison)}"
         f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6, 9, 11, 12 and 14.</p>'

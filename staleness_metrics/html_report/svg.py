@@ -231,7 +231,7 @@ def bar_chart(
     """Bars per ``x``: stacked (parts of one whole) or side by side (separate counts)."""
     if not x:
         return message_chart(label, "no values to plot")
-    columns = [[(v or 0.0) for v in s.values] for s in series]
+    columns = [[v if v and math.isfinite(v) else 0.0 for v in s.values] for s in series]
     tops = [sum(c[i] for c in columns) if stacked else max(c[i] for c in columns) for i in range(len(x))]
     y_ticks = nice_ticks(0.0, max(tops) if tops and max(tops) > 0 else 1.0)
     gap = min((b - a for a, b in itertools.pairwise(x)), default=1.0) or 1.0

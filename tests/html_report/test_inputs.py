@@ -10,7 +10,7 @@ from typing import Any
 
 from staleness_metrics.config import StalenessConfig
 from staleness_metrics.html_report import collect, render
-from staleness_metrics.html_report.svg import Series, line_chart, nice_ticks
+from staleness_metrics.html_report.svg import Series, bar_chart, line_chart, nice_ticks
 
 
 def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
@@ -104,3 +104,36 @@ def test_a_near_zero_cost_is_drawn(tmp_path: Path) -> None:
     events = _write(tmp_path / "events.jsonl", [_rollout("a", 0, 1, **sample), {"type": "ship", "step": 1}])
     html = render(collect(events, StalenessConfig()))
     assert "<title>lag 0 at 1: 4.999e-13</title>" in html  # k3 = exp(d) - 1 - d, d = 1e-6
+
+
+def test_non_finite_logged_values_are_left_out_and_said(tmp_path: Path) -> None:
+    logged = tmp_path / "metrics.jsonl"
+    logged.write_text(
+        '{"step": 1, "staleness/rollout/dropped": Infinity, "staleness/max_staleness": Infinity,'
+        ' "staleness/mismatch/lag_0/tokens": 1e30, "staleness/mismatch/lag_0/k3": 0.001}\n'
+        '{"step": 2, "staleness/token/mean": 1.0, "staleness/rollout/in_flight/mean": NaN,'
+        ' "staleness/rollout/in_queue/mean": 1.0, "staleness/rollout/dropped": 2}\n'
+    )
+    data = collect(logged, StalenessConfig())
+    assert data.rows == [
+        {"step": 1, "staleness/mismatch/lag_0/k3": 0.001},
+        {
+            "step": 2,
+            "staleness/token/mean": 1.0,
+            "staleness/rollout/in_queue/mean": 1.0,
+            "staleness/rollout/dropped": 2,
+        },
+    ]
+    assert data.bound is None
+    html = render(data)
+    assert (
+        f'<p class="meta">{logged}: left out, not finite or past 2^63: line 1 staleness/rollout/dropped '
+        "(inf), line 1 staleness/max_staleness (inf), line 1 staleness/mismatch/lag_0/tokens (1e+30) and 1 more</p>"
+    ) in html
+    assert _summary(html)["rollouts dropped"] == "2"
+    assert not re.search(r'="[^"]*(nan|inf)', html, re.IGNORECASE)
+
+
+def test_no_nan_reaches_a_bar_chart() -> None:
+    svg = bar_chart("bars", [1, 2], [Series("a", [float("nan"), 2.0], "#000")], stacked=True)
+    assert not re.search(r'="[^"]*(nan|inf)', svg, re.IGNORECASE) and "<title>a at 2: 2</title>" in svg
