@@ -137,3 +137,15 @@ def test_non_finite_logged_values_are_left_out_and_said(tmp_path: Path) -> None:
 def test_no_nan_reaches_a_bar_chart() -> None:
     svg = bar_chart("bars", [1, 2], [Series("a", [float("nan"), 2.0], "#000")], stacked=True)
     assert not re.search(r'="[^"]*(nan|inf)', svg, re.IGNORECASE) and "<title>a at 2: 2</title>" in svg
+
+
+def test_the_summary_is_exact_past_the_histogram_top(tmp_path: Path) -> None:
+    """The token histogram counts every staleness from 4096 up in its last bucket: the mean comes from the
+    ships' own means, and a quantile in that bucket is the largest staleness when it is the largest rank."""
+    events = _write(tmp_path / "far.jsonl", [_rollout("a", 0, 2), {"type": "ship", "step": 10001}])
+    summary = _summary(render(collect(events, StalenessConfig(max_staleness=20000))))
+    assert (summary["token staleness mean"], summary["token staleness p99"]) == ("10,000", "10,000")
+    more = [_rollout("a", 0, 2), _rollout("b", 5000, 198), {"type": "ship", "step": 10001}]
+    summary = _summary(render(collect(_write(tmp_path / "more.jsonl", more), StalenessConfig(max_staleness=20000))))
+    assert summary["token staleness mean"] == "5,050"  # (2 * 10000 + 198 * 5000) / 200
+    assert summary["token staleness p99"] == "&ge; 4,096"  # the 198th of 200: past the top, not the largest
