@@ -14,9 +14,9 @@ import numpy.typing as npt
 from ..config import StalenessConfig
 from ..engine.shipment import Shipment
 from ..errors import EventError
-from ..metrics import keys
+from ..metrics import keys, metric_table
 from ..metrics.buckets import FLOOR_SOURCES, LAG_BUCKETS
-from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS
+from ..metrics.metric_table import ENV_KEY_PREFIX, KEY_PREFIX, LEGACY_KEYS
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import Tally
 from ..replay import sources
@@ -38,13 +38,13 @@ class ReportData:
     policy: str | None
     bound: int | None
     rows: list[dict[str, Any]]
-    histograms: list[npt.NDArray[np.int64]] | None = None
+    histograms: list[npt.NDArray[np.int64]] | None = None  # one per row
     totals: Tally | None = None
     what_if: list[WhatIfRow] = field(default_factory=list)
     comparison: list[ComparisonRow] = field(default_factory=list)
     curve: RunCurve | None = None  # SPEC 14 over the whole run
     curve_source: str = ""  # where the curve's sums came from, said under the figure
-    # what the reader of a prime-rl run left out or set aside
+    # what the reader of a prime-rl run or a metrics file left out or set aside
     read_notes: list[str] = field(default_factory=list)
 
     @property
@@ -81,16 +81,24 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
     return out
 
 
-def metrics_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Logged rows by step (rows of one step merged), keys renamed to the current ones."""
+def metrics_rows(path: str | Path, notes: list[str]) -> list[dict[str, Any]]:
+    """Logged rows by step (rows of one step merged), keys renamed to the current ones; numbers not
+    finite or past 2**63 (no count, version or mean gets there) are left out, and ``notes`` say so."""
     merged: dict[int, dict[str, Any]] = {}
+    skipped: list[str] = []
     for line, value in iter_json_lines(path):
         if not isinstance(value, dict):
             continue
         step = next((value[k] for k in _STEP_KEYS if type(value.get(k)) is int), None)  # not a bool
         if step is None:
             continue
-        merged.setdefault(step, {}).update(_current_keys(value, path, line))
+        row = _current_keys(value, path, line)
+        for key in [k for k, v in row.items() if not isinstance(v, str) and not abs(v) < 2**63]:
+            skipped.append(f"line {line} {key} ({row.pop(key)})")
+        merged.setdefault(step, {}).update(row)
+    if skipped:
+        more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        notes.append(f"{path}: left out, not finite or past 2^63: {', '.join(skipped[:3])}{more}")
     return [{"step": step, **merged[step]} for step in sorted(merged) if merged[step]]
 
 
@@ -109,15 +117,26 @@ def sums_from_rows(rows: list[dict[str, Any]]) -> MismatchSums | None:
     return sums if found else None
 
 
-def _fill_from(rows: list[dict[str, Any]], logged: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``rows`` filled with the keys the run logged that a replay does not recompute (the
-    trainer's sums); steps only the logged rows have are kept too."""
-    by_step = {int(row["step"]): dict(row) for row in rows}
+def _from_sums(key: str) -> bool:
+    """Whether ``key`` is of the trainer's sums (SPEC 11 and 14), batch-wide or per env."""
+    if key.startswith(ENV_KEY_PREFIX):  # staleness/env/<env>/<rest>: the rest as a batch-wide key
+        key = KEY_PREFIX + key.removeprefix(ENV_KEY_PREFIX).partition("/")[2]
+    return key.startswith((metric_table.MISMATCH_KEY_PREFIX, metric_table.BOUND_KEY_PREFIX))
+
+
+def _fill_from(data: ReportData, logged: list[dict[str, Any]]) -> None:
+    """Adds what the replay cannot compute, the trainer's sums as the run logged them, to the
+    last ship of their step (or a step of their own, no tokens); all else is the replay's."""
+    ships = list(zip(data.rows, data.histograms or [], strict=True))
+    last = {int(row["step"]): row for row in data.rows}
     for row in logged:
-        step = int(row["step"])
-        merged = by_step.setdefault(step, {"step": step})
-        merged.update({key: value for key, value in row.items() if key not in merged})
-    return [by_step[step] for step in sorted(by_step)]
+        sums = {key: value for key, value in row.items() if _from_sums(key)}
+        if row["step"] in last:
+            last[row["step"]].update(sums)
+        elif sums:
+            ships.append(({"step": row["step"], **sums}, np.zeros(1, dtype=np.int64)))
+    ships.sort(key=lambda ship: int(ship[0]["step"]))  # (stable: ships of one step in their order)
+    data.rows, data.histograms = [row for row, _ in ships], [histogram for _, histogram in ships]
 
 
 def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipment]) -> ReportData:
@@ -130,8 +149,9 @@ def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipm
 def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
     shipments = replay(sources.as_replay_events(run.events_with_costs()), config)
     data = _replayed(str(run.root), "run", config, shipments)
-    if run.metrics is not None:
-        data.rows = _fill_from(data.rows, metrics_rows(run.metrics))
+    # the trainer's sums as logged, unless the replay had its log-probabilities to compute them
+    if run.metrics is not None and not any(_from_sums(key) for row in data.rows for key in row):
+        _fill_from(data, metrics_rows(run.metrics, data.read_notes))
     bounds = sorted({*what_if_bounds, config.max_staleness}) if what_if_bounds else [config.max_staleness]
     result = what_if_with_curve(run.root, bounds, config)
     data.what_if = result.rows if what_if_bounds else []
@@ -153,9 +173,10 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
     source = str(run)
     if kind == "metrics" or (kind == "prime-rl" and not has_rollouts(run)):
         path = Path(run) / "metrics.jsonl" if kind == "prime-rl" else Path(run)
-        rows = metrics_rows(path)
+        data = ReportData(source, kind, None, None, [])
+        data.rows = rows = metrics_rows(path, data.read_notes)
         bounds = [r[keys.MAX_STALENESS] for r in rows if keys.MAX_STALENESS in r]
-        data = ReportData(source, kind, None, int(bounds[-1]) if bounds else None, rows)
+        data.bound = int(bounds[-1]) if bounds else None
         data.curve = run_curve(sums_from_rows(rows), config)
         data.curve_source = "the logged k3 and tokens by lag"
         return data
@@ -176,5 +197,6 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
             run, [s.report for s in shipments], notes=read.notes if read else None
         )
     if read is not None:
-        data.read_notes = [line for line in (read.notes.left_out(), read.notes.damage.summary()) if line]
+        notes = (read.notes.left_out(), read.notes.damage.summary())
+        data.read_notes = [f"prime-rl run: {line}" for line in notes if line]
     return data

@@ -12,7 +12,7 @@ import numpy as np
 
 from .. import __version__
 from ..metrics import keys
-from ..metrics.buckets import LAG_BUCKETS, LENGTH_BUCKETS
+from ..metrics.buckets import HISTOGRAM_TOP, LAG_BUCKETS, LENGTH_BUCKETS
 from ..metrics.metric_table import MISMATCH_KEY_PREFIX
 from ..replay.sources.prime_rl import ComparisonRow, comparison_summary
 from ..replay.what_if import RunCurve, WhatIfRow
@@ -58,12 +58,15 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}%"
 
 
-def _quantile(histogram: np.ndarray, q: float) -> int | None:
+def _quantile(histogram: np.ndarray, q: float, largest: int | None) -> str:
+    """SPEC 6's nearest rank over the run's tokens. The last bucket holds every staleness from
+    HISTOGRAM_TOP up: of those only the largest (the largest rollout staleness) is known."""
     total = int(histogram.sum())
-    if total == 0:
-        return None
     rank = max(1, math.ceil(q * total))
-    return int(np.searchsorted(np.cumsum(histogram), rank))
+    index = int(np.searchsorted(np.cumsum(histogram), rank))
+    if total == 0 or index < HISTOGRAM_TOP:
+        return _num(index if total else None)
+    return _num(largest) if rank == total and largest is not None else f"&ge; {HISTOGRAM_TOP:,}"
 
 
 def _summary(data: ReportData) -> str:
@@ -71,9 +74,11 @@ def _summary(data: ReportData) -> str:
     maxima = [r[keys.ROLLOUT_MAX] for r in data.rows if keys.ROLLOUT_MAX in r]
     if data.totals is not None:
         t = data.totals
-        hist = t.token_histogram
-        tokens = int(hist.sum())
-        mean = float((np.arange(len(hist)) * hist).sum() / tokens) if tokens else None
+        # the ships' own means by their tokens (the histogram stops at HISTOGRAM_TOP)
+        ships = zip(data.rows, data.histograms or [], strict=True)
+        weights = [(r[keys.TOKEN_MEAN], int(h.sum())) for r, h in ships if keys.TOKEN_MEAN in r]
+        tokens = sum(n for _, n in weights)
+        mean = sum(m * n for m, n in weights) / tokens if tokens else None
         masked = t.tokens_masked / t.tokens_sampled if t.tokens_sampled else None
         cells += [
             ("live rollouts shipped", _num(t.rollouts_shipped)),
@@ -82,7 +87,7 @@ def _summary(data: ReportData) -> str:
             ("sampled tokens shipped", _num(t.tokens_sampled)),
             ("tokens masked", _pct(masked)),
             ("token staleness mean", _num(mean)),
-            ("token staleness p99", _num(_quantile(hist, 0.99))),
+            ("token staleness p99", _quantile(t.token_histogram, 0.99, max(maxima, default=None))),
         ]
     else:
         dropped = sum(int(r.get(keys.ROLLOUTS_DROPPED, 0)) for r in data.rows)
@@ -627,7 +632,7 @@ def render(data: ReportData, title: str = "Staleness report") -> str:
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{escape(title)}</title><style>{_STYLE}</style></head><body><main>"
         f'<h1>{escape(title)}</h1><p class="meta">{" · ".join(meta)}</p>'
-        + "".join(f'<p class="meta">prime-rl run: {escape(note)}</p>' for note in data.read_notes)
+        + "".join(f'<p class="meta">{escape(note)}</p>' for note in data.read_notes)
         + f"{_summary(data)}<p></p>{''.join(charts)}{render_costs(data)}{render_choosing(data)}"
         f"{_comparison(data.comparison)}"
         f'<p class="meta">Made by staleness-metrics {__version__}. Definitions: SPEC sections 6, 9, 11, 12 and 14.</p>'

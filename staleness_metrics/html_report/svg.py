@@ -40,24 +40,19 @@ class Rule:
 
 
 def nice_ticks(low: float, high: float, count: int = 5, integer: bool = False) -> list[float]:
-    """Round tick values covering ``low .. high`` (whole numbers only when ``integer``)."""
+    """Round tick values covering ``low .. high``, at any scale (whole numbers only when
+    ``integer``); a range too thin for floats to split is widened."""
     if not math.isfinite(low) or not math.isfinite(high):
-        return [0.0]
-    if high <= low:
-        high = low + 1.0
+        return [0.0, 1.0]
+    if not high - low > 1e-9 * max(abs(low), abs(high), 1e-300):
+        high = low + max(1.0, abs(low) * 1e-6)
     raw = (high - low) / max(count, 1)
-    magnitude = 10 ** math.floor(math.log10(raw))
+    magnitude = 10.0 ** math.floor(math.log10(raw))
     step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
     if integer:
         step = max(1.0, float(math.ceil(step)))
-    ticks = []
-    value = math.floor(low / step) * step
-    while value <= high + step * 1e-9:
-        ticks.append(round(value, 10))
-        value += step
-    if ticks[-1] < high:
-        ticks.append(round(value, 10))
-    return ticks
+    first, last = math.floor(low / step), math.ceil(high / step - 1e-9)
+    return [float(f"{k * step:.15g}") for k in range(first, last + 1)]  # 3 * 0.1 is not 0.3
 
 
 def _fmt(value: float, percent: bool = False) -> str:
@@ -236,7 +231,7 @@ def bar_chart(
     """Bars per ``x``: stacked (parts of one whole) or side by side (separate counts)."""
     if not x:
         return message_chart(label, "no values to plot")
-    columns = [[(v or 0.0) for v in s.values] for s in series]
+    columns = [[v if v and math.isfinite(v) else 0.0 for v in s.values] for s in series]
     tops = [sum(c[i] for c in columns) if stacked else max(c[i] for c in columns) for i in range(len(x))]
     y_ticks = nice_ticks(0.0, max(tops) if tops and max(tops) > 0 else 1.0)
     gap = min((b - a for a, b in itertools.pairwise(x)), default=1.0) or 1.0

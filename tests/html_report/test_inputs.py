@@ -1,0 +1,151 @@
+"""The report on inputs at the edges: several ships at one step, a run directory replayed at another
+bound than it logged, near-zero costs, non-finite logged values, staleness past the histogram's top."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from staleness_metrics.config import StalenessConfig
+from staleness_metrics.html_report import collect, render
+from staleness_metrics.html_report.svg import Series, bar_chart, line_chart, nice_ticks
+
+
+def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _rollout(rid: str, dispatch: int, tokens: int, **sample: Any) -> dict[str, Any]:
+    samples = [{"mask": [1] * tokens, **sample}]
+    return {"type": "rollout", "rollout": {"id": rid, "dispatch_version": dispatch, "samples": samples}}
+
+
+def _run_dir(root: Path, events: list[dict[str, Any]], logged: list[dict[str, Any]], bound: int) -> Path:
+    root.mkdir()
+    _write(root / "events.jsonl", events)
+    _write(root / "metrics.jsonl", logged)
+    files = {"events": "events.jsonl", "metrics": "metrics.jsonl"}
+    run = {"format": "staleness-metrics run", "version": 1, "config": {"max_staleness": bound}, "files": files}
+    (root / "run.json").write_text(json.dumps(run))
+    return root
+
+
+def _cells(html: str) -> list[str]:
+    return re.findall(r"<title>(step \d+, staleness \d+: [^<]*)</title>", html)
+
+
+def _summary(html: str) -> dict[str, str]:
+    return dict(re.findall(r"<div>([^<]*)<b>([^<]*)</b></div>", html))
+
+
+def test_two_ships_at_one_step_each_keep_their_histogram(tmp_path: Path) -> None:
+    """SPEC 4 allows several ships at one step: each is a column of the heatmap, with its own tokens."""
+    events = [_rollout("old", 0, 2), _rollout("mid", 1, 3), {"type": "ship", "step": 3}]
+    events += [_rollout("new", 2, 2), {"type": "ship", "step": 3}]
+    logged = [{"step": 3, "staleness/token/mean": 1.0}, {"step": 3, "staleness/token/mean": 0.0}]
+    data = collect(_run_dir(tmp_path / "run", events, logged, 1), StalenessConfig(max_staleness=1))
+    assert data.steps == [3, 3] and data.histograms is not None
+    assert [h.tolist() for h in data.histograms] == [[0, 3], [2]]
+    html = render(data)
+    assert _cells(html) == ["step 3, staleness 1: 3 tokens (100.0%)", "step 3, staleness 0: 2 tokens (100.0%)"]
+    assert _summary(html)["token staleness mean"] == "0.6"  # (3 * 1 + 2 * 0) / 5
+
+
+def test_a_logged_step_without_a_ship_does_not_shift_the_heatmap(tmp_path: Path) -> None:
+    events = [_rollout("a", 0, 2), {"type": "ship", "step": 2}, _rollout("b", 3, 2), {"type": "ship", "step": 4}]
+    # step 1: the trainer's sums, and a bound the replay must not take; step 2's logged sums join its ship
+    logged = [
+        {"step": 1, "staleness/max_staleness": 1, "staleness/mismatch/k3": 0.25},
+        {"step": 2, "staleness/max_staleness": 1, "staleness/token/mean": 7.0, "staleness/mismatch/k3": 0.5},
+        {"step": 4, "staleness/max_staleness": 1},
+    ]
+    data = collect(_run_dir(tmp_path / "run", events, logged, 1), StalenessConfig(max_staleness=1))
+    assert data.steps == [1, 2, 4]
+    assert data.rows[0] == {"step": 1, "staleness/mismatch/k3": 0.25}
+    assert data.rows[1]["staleness/mismatch/k3"] == 0.5 and data.rows[1]["staleness/token/mean"] == 1.0
+    html = render(data)
+    assert _cells(html) == ["step 2, staleness 1: 2 tokens (100.0%)", "step 4, staleness 0: 2 tokens (100.0%)"]
+
+
+def test_a_run_directory_replayed_at_another_bound_shows_only_that_bound(tmp_path: Path) -> None:
+    """The logged rows (bound 8) give only the trainer's sums; staleness is the replay's at bound 0."""
+    events = [_rollout("a", 0, 3), {"type": "ship", "step": 3}]
+    logged = [
+        {"step": 3, "staleness/token/mean": 2.0, "staleness/rollout/max": 2, "staleness/rollout/dropped": 0,
+         "staleness/max_staleness": 8, "staleness/mismatch/lag_2/tokens": 3, "staleness/mismatch/lag_2/k3": 0.5,
+         "staleness/env/math/mismatch/k3": 0.5, "staleness/env/math/token/mean": 2.0},
+    ]  # fmt: skip
+    data = collect(_run_dir(tmp_path / "run", events, logged, 8), StalenessConfig(max_staleness=0))
+    [row] = data.rows
+    assert row["staleness/rollout/dropped"] == 1 and row["staleness/max_staleness"] == 0
+    assert "staleness/token/mean" not in row and "staleness/rollout/max" not in row
+    assert "staleness/env/math/token/mean" not in row and row["staleness/env/math/mismatch/k3"] == 0.5
+    html = render(data)
+    assert "<title>mean at 3:" not in html and "<title>max at 3:" not in html
+    assert "<title>rollouts dropped at 3: 1</title>" in html and "<title>lag 2 at 3: 0.5</title>" in html
+    assert _summary(html)["largest rollout staleness"] == "-"
+
+
+def test_ticks_at_any_scale() -> None:
+    assert nice_ticks(0, 5e-13) == [0.0, 1e-13, 2e-13, 3e-13, 4e-13, 5e-13]
+    assert nice_ticks(0, 0.3) == [0.0, 0.1, 0.2, 0.3]
+    assert nice_ticks(7, 7) == [7.0, 7.2, 7.4, 7.6, 7.8, 8.0]  # flat: widened
+    assert nice_ticks(1e20, 1e20) == [1e20, 1.0000002e20, 1.0000004e20, 1.0000006e20, 1.0000008e20, 1.000001e20]
+    assert nice_ticks(0, 5e-324) == [0.0, 0.2, 0.4, 0.6, 0.8, 1.0]  # too thin for floats to split
+    svg = line_chart("tiny", [1, 2], [Series("k3", [5e-13, 0.0], "#000")])
+    assert "<title>k3 at 1: 5e-13</title>" in svg and ">5e-13</text>" in svg
+
+
+def test_a_near_zero_cost_is_drawn(tmp_path: Path) -> None:
+    sample = {"logprobs": [-1.0], "trainer_logprobs": [-0.999999]}
+    events = _write(tmp_path / "events.jsonl", [_rollout("a", 0, 1, **sample), {"type": "ship", "step": 1}])
+    html = render(collect(events, StalenessConfig()))
+    assert "<title>lag 0 at 1: 4.999e-13</title>" in html  # k3 = exp(d) - 1 - d, d = 1e-6
+
+
+def test_non_finite_logged_values_are_left_out_and_said(tmp_path: Path) -> None:
+    logged = tmp_path / "metrics.jsonl"
+    logged.write_text(
+        '{"step": 1, "staleness/rollout/dropped": Infinity, "staleness/max_staleness": Infinity,'
+        ' "staleness/mismatch/lag_0/tokens": 1e30, "staleness/mismatch/lag_0/k3": 0.001}\n'
+        '{"step": 2, "staleness/token/mean": 1.0, "staleness/rollout/in_flight/mean": NaN,'
+        ' "staleness/rollout/in_queue/mean": 1.0, "staleness/rollout/dropped": 2}\n'
+    )
+    data = collect(logged, StalenessConfig())
+    assert data.rows == [
+        {"step": 1, "staleness/mismatch/lag_0/k3": 0.001},
+        {
+            "step": 2,
+            "staleness/token/mean": 1.0,
+            "staleness/rollout/in_queue/mean": 1.0,
+            "staleness/rollout/dropped": 2,
+        },
+    ]
+    assert data.bound is None
+    html = render(data)
+    assert (
+        f'<p class="meta">{logged}: left out, not finite or past 2^63: line 1 staleness/rollout/dropped '
+        "(inf), line 1 staleness/max_staleness (inf), line 1 staleness/mismatch/lag_0/tokens (1e+30) and 1 more</p>"
+    ) in html
+    assert _summary(html)["rollouts dropped"] == "2"
+    assert not re.search(r'="[^"]*(nan|inf)', html, re.IGNORECASE)
+
+
+def test_no_nan_reaches_a_bar_chart() -> None:
+    svg = bar_chart("bars", [1, 2], [Series("a", [float("nan"), 2.0], "#000")], stacked=True)
+    assert not re.search(r'="[^"]*(nan|inf)', svg, re.IGNORECASE) and "<title>a at 2: 2</title>" in svg
+
+
+def test_the_summary_is_exact_past_the_histogram_top(tmp_path: Path) -> None:
+    """The token histogram counts every staleness from 4096 up in its last bucket: the mean comes from the
+    ships' own means, and a quantile in that bucket is the largest staleness when it is the largest rank."""
+    events = _write(tmp_path / "far.jsonl", [_rollout("a", 0, 2), {"type": "ship", "step": 10001}])
+    summary = _summary(render(collect(events, StalenessConfig(max_staleness=20000))))
+    assert (summary["token staleness mean"], summary["token staleness p99"]) == ("10,000", "10,000")
+    more = [_rollout("a", 0, 2), _rollout("b", 5000, 198), {"type": "ship", "step": 10001}]
+    summary = _summary(render(collect(_write(tmp_path / "more.jsonl", more), StalenessConfig(max_staleness=20000))))
+    assert summary["token staleness mean"] == "5,050"  # (2 * 10000 + 198 * 5000) / 200
+    assert summary["token staleness p99"] == "&ge; 4,096"  # the 198th of 200: past the top, not the largest
