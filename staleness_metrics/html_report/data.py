@@ -169,7 +169,7 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
     directory = find_run(run)  # a run directory, or the event stream of one: the whole directory
     if directory is not None:
         return _collect_run_directory(directory, config, what_if_bounds)
-    kind = sources.detect_source(run)
+    kind = "events" if sources.is_event_file(run) else sources.detect_source(run)
     source = str(run)
     if kind == "metrics" or (kind == "prime-rl" and not has_rollouts(run)):
         path = Path(run) / "metrics.jsonl" if kind == "prime-rl" else Path(run)

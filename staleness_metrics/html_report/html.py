@@ -15,7 +15,7 @@ from ..metrics import keys
 from ..metrics.buckets import HISTOGRAM_TOP, LAG_BUCKETS, LENGTH_BUCKETS
 from ..metrics.metric_table import MISMATCH_KEY_PREFIX
 from ..replay.sources.prime_rl import ComparisonRow, comparison_summary
-from ..replay.what_if import RunCurve, WhatIfRow
+from ..replay.what_if import MAX_BOUNDS, RunCurve, WhatIfRow
 from .data import ReportData
 from .svg import PALETTE, Rule, Series, bar_chart, figure, heatmap, line_chart, message_chart
 
@@ -451,8 +451,9 @@ def _bound_rules(data: ReportData, suggested: int | None) -> list[Rule]:
 
 
 def _x_range(curve: RunCurve, bound: int | None, rows: list[WhatIfRow]) -> list[int]:
-    top = max([*curve.curve.lags, *(r.max_staleness for r in rows), bound or 0])
-    return list(range(top + 1))
+    """Every lag up to the largest drawn; past what a what-if may try, only those drawn."""
+    drawn = {0, *curve.curve.lags, *(r.max_staleness for r in rows), bound or 0}
+    return list(range(max(drawn) + 1)) if max(drawn) < MAX_BOUNDS else sorted(drawn)
 
 
 def _curve_chart(data: ReportData, curve: RunCurve) -> str:

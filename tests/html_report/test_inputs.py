@@ -3,6 +3,7 @@ bound than it logged, near-zero costs, non-finite logged values, staleness past 
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from pathlib import Path
@@ -149,3 +150,22 @@ def test_the_summary_is_exact_past_the_histogram_top(tmp_path: Path) -> None:
     summary = _summary(render(collect(_write(tmp_path / "more.jsonl", more), StalenessConfig(max_staleness=20000))))
     assert summary["token staleness mean"] == "5,050"  # (2 * 10000 + 198 * 5000) / 200
     assert summary["token staleness p99"] == "&ge; 4,096"  # the 198th of 200: past the top, not the largest
+
+
+def test_a_compressed_stream_or_one_with_a_bom_is_drawn_as_the_plain_one(tmp_path: Path) -> None:
+    """``report`` reads what ``replay`` and ``what-if`` read."""
+    plain = _write(tmp_path / "plain.jsonl", [_rollout("a", 0, 3), {"type": "ship", "step": 2}])
+    (tmp_path / "gzipped.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    expected = collect(plain, StalenessConfig(), [0, 1]).rows
+    for name in ("gzipped.jsonl.gz", "bom.jsonl"):
+        assert collect(tmp_path / name, StalenessConfig(), [0, 1]).rows == expected
+
+
+def test_a_what_if_bound_far_past_the_run_draws_only_the_bounds_tried(tmp_path: Path) -> None:
+    """The curves' x axis holds every lag up to the largest drawn only while that is a what-if's size."""
+    costs = {"logprobs": [-0.5, -0.5], "trainer_logprobs": [-0.4, -0.6]}
+    lags = [_rollout("now", 1, 2, **costs), _rollout("late", 0, 2, **costs), {"type": "ship", "step": 2}]
+    html = render(collect(_write(tmp_path / "s.jsonl", lags), StalenessConfig(floor_min_tokens=1), [0, 10**8]))
+    points = re.findall(r"<title>share of sampled tokens that trains at (\d+): ", html)
+    assert points == ["0", "100000000"]

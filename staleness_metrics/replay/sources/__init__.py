@@ -149,10 +149,9 @@ def read_run(
 ) -> Iterator[Event]:
     """:func:`detect_and_read` as checked replay events (an event stream read as bytes, as
     ``replay`` reads it; ``parse`` as in :func:`~staleness_metrics.replay.stream.read_events`)."""
-    kind = detect_source(path)
-    if kind == "prime-rl" and is_current_layout(path):
+    if is_event_file(path):  # compressed too, as the replay command reads it
+        yield from read_event_path(path, parse=parse)
+    elif detect_source(path) == "prime-rl" and is_current_layout(path):
         yield from read_run_events(path, max_staleness=max_staleness, strict=strict)
-    elif kind == "events":
-        yield from read_event_path(path, parse=parse)  # as the replay command reads it
     else:
         yield from as_replay_events(detect_and_read(path, max_staleness=max_staleness, step=step, strict=strict))
