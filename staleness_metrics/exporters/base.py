@@ -268,18 +268,25 @@ class ExportQueue(Generic[P]):
                 self._in_flight = True
             try:
                 attempt = functools.partial(self._send, payload)
-                sent = self._retry(attempt, "export failed; will retry")
+                sent = self._retry(attempt, "export failed; will retry", bounded=True)
                 with self._cond:
                     self._sent += sent
                     self._dropped += not sent
+                if not sent:  # out of the bound, or the queue stopped
+                    self._on_failure("report given up while being retried; dropped", None)
             finally:  # even after a BaseException, flush() and close() must not wait on it
                 with self._cond:
                     self._in_flight = False
                     self._cond.notify_all()
 
-    def _retry(self, attempt: Callable[[], None], failure: str) -> bool:
-        """Call ``attempt`` until it returns (True) or the queue stops (False)."""
+    def _retry(self, attempt: Callable[[], None], failure: str, bounded: bool = False) -> bool:
+        """Call ``attempt`` until it returns (True), the queue stops or, ``bounded``, ``max_size``
+        newer payloads wait behind it: it is out of the bound (False)."""
         backoff = self._retry_initial
+
+        def given_up() -> bool:
+            return self._stopping or (bounded and len(self._pending) == self._max_size)
+
         while True:
             try:
                 attempt()
@@ -288,9 +295,7 @@ class ExportQueue(Generic[P]):
             else:
                 return True
             with self._cond:
-                if not self._stopping:
-                    self._cond.wait(backoff)  # close() wakes us up early
-                if self._stopping:
+                if self._cond.wait_for(given_up, backoff):  # close() and put() wake us up early
                     return False
             backoff = min(backoff * 2, self._retry_max)
 

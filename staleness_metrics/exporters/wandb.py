@@ -202,7 +202,8 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             # a legacy key takes its new key's summary
             row = WANDB_KEYS.get(self._legacy.get(key, key)) or self._env_rows.get(key)
             summary = None if row is None else row.wandb_summary
-            if hidden or summary or not key.startswith(KEY_PREFIX):
+            # define_metric takes "*" for a glob: an env's key with one keeps the glob's axis only
+            if (hidden or summary or not key.startswith(KEY_PREFIX)) and "*" not in key:
                 run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
             self._defined.add(key)
 

@@ -12,12 +12,13 @@ from staleness_metrics.metrics.report import StepReport, Tally
 
 
 class Target:
-    """A send function that can block (``gate``) and fail (``fail`` more attempts)."""
+    """A send function that can block (``gate``), fail (``fail`` more attempts) and refuse payloads."""
 
     def __init__(self) -> None:
         self.sent: list[int] = []
         self.attempts = 0
         self.fail = 0
+        self.refused: set[int] = set()
         self.gate = threading.Event()
         self.gate.set()
         self.started = threading.Event()
@@ -29,6 +30,8 @@ class Target:
         if self.fail:
             self.fail -= 1
             raise ConnectionError("receiver down")
+        if payload in self.refused:  # a payload the receiver always rejects
+            raise ValueError("400 Bad Request")
         self.sent.append(payload)
 
 
@@ -37,8 +40,7 @@ def make_queue(target: Target, errors: ExportErrors, **options: float) -> Export
         "test",
         target,
         lambda message, exc: errors.record("test", message, exc),
-        retry_initial=0.01,
-        **options,
+        **{"retry_initial": 0.01, **options},
     )  # type: ignore[arg-type]
 
 
@@ -81,6 +83,21 @@ def test_failed_sends_are_counted_and_retried_until_they_succeed() -> None:
     assert target.sent == [1, 2]
     assert target.attempts == 6 and errors.count("test") == 4
     queue.close()
+
+
+def test_a_payload_failing_for_ever_is_dropped_once_max_size_newer_ones_wait() -> None:
+    """Retried while within the bound: once ``max_size`` newer payloads wait behind it, it is given up
+    (counted) and the newer ones go out."""
+    target, errors = Target(), ExportErrors()
+    target.refused = {0}
+    queue = make_queue(target, errors, max_size=3, retry_initial=60)
+    queue.put(0)
+    assert target.started.wait(60)  # 0 is refused; its retry would wait 60 s ...
+    for i in range(1, 4):
+        queue.put(i)  # ... until the third newer payload puts it out of the bound
+    assert queue.flush(timeout=60)
+    assert target.sent == [1, 2, 3] and queue.dropped == 1
+    assert errors.count("test") == 2  # the failed attempt and the drop
 
 
 def test_close_flushes_then_gives_up_and_counts_what_is_left() -> None:

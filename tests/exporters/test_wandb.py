@@ -359,3 +359,22 @@ def test_an_env_key_only_the_live_path_logs_gets_its_max_summary(tmp_path: Path)
     assert run.summary["staleness/env/math/mismatch/k3"] == {
         "max": max(r.get("staleness/env/math/mismatch/k3", -1) for r in run.history)
     }
+
+
+@pytest.mark.integration
+def test_an_env_name_with_a_star_is_logged_with_its_exact_values(tmp_path: Path) -> None:
+    """wandb's define_metric takes "*" for a glob and refuses it inside a name: the keys of env "a*b" are
+    logged all the same (x-axis from ``staleness/*``), the other env's keep their max summary."""
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), close_timeout=FINISH_TIMEOUT)
+    reports = [hand_report(step, {"a*b": [[1, step]], "math": [[step]]}, env_breakdown=True) for step in (1, 2)]
+    for report in reports:
+        exporter.export(report)
+    exporter.close()
+    run = read_run(find_run_file(tmp_path))
+    rows = [r for r in run.history if STEP_KEY in r]
+    assert [r[STEP_KEY] for r in rows] == [1, 2]
+    for row, report in zip(rows, reports, strict=True):
+        star = {k: v for k, v in report.metrics.items() if k.startswith("staleness/env/a*b/")}
+        assert "staleness/env/a*b/rollout/max" in star and {k: row[k] for k in star} == star
+    assert run.metrics["staleness/env/math/rollout/max"].summary_max
+    assert run.summary["staleness/env/math/rollout/max"] == {"max": 2}
