@@ -13,7 +13,7 @@ import pytest
 import wandb
 
 from staleness_metrics.errors import ConfigError
-from staleness_metrics.exporters.base import ExportContext, ExportErrors
+from staleness_metrics.exporters.base import ExportContext, ExportErrors, MismatchReport
 from staleness_metrics.exporters.wandb import WandbExporter, histogram_bins
 from staleness_metrics.metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, Source
 from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
@@ -216,6 +216,27 @@ def test_blocked_wandb_does_not_hold_up_ships() -> None:
     assert exporter.flush(timeout=60)
     assert len(fake.rows) == 3
     monitor.close()
+
+
+def test_export_only_queues_the_row_of_many_envs_is_built_on_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ship`` only appends: matching the per-env keys to the table (all envs) is the worker's work."""
+    fake = FakeRun()
+    exporter = WandbExporter(fake)
+    built_on: list[threading.Thread] = []
+    build = exporter.row
+
+    def row(report: Any) -> dict[str, Any]:
+        built_on.append(threading.current_thread())
+        return build(report)
+
+    monkeypatch.setattr(exporter, "row", row)
+    report = hand_report(3, {f"env{i}": [[i % 5, 1]] for i in range(300)}, env_breakdown=True)
+    exporter.export(report)
+    exporter.export_mismatch(MismatchReport(3, MismatchSums.zero(), MismatchSums.zero()))
+    assert exporter.flush(timeout=60)
+    assert len(built_on) == 2 and threading.current_thread() not in built_on
+    assert {k: v for k, v in fake.rows[0].items() if k in report.metrics} == report.metrics  # every env's keys
+    exporter.close()
 
 
 def test_histogram_bins_centre_integer_staleness() -> None:
