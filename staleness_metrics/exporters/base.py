@@ -238,8 +238,12 @@ class ExportQueue(Generic[P]):
             self._cond.notify_all()
         if left:
             self._on_failure(f"closed with {left} reports unsent; dropped", None)
-        self._worker.join(timeout=max(deadline - time.monotonic(), 0.0))
+        self.join(max(deadline - time.monotonic(), 0.0))
         return flushed
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the worker to exit (after ``close``: once its last attempt returned)."""
+        self._worker.join(timeout)
 
     @property
     def worker_alive(self) -> bool:

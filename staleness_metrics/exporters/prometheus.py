@@ -226,6 +226,7 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
     def _close_resources(self) -> None:
         if not self._delete_on_close:
             return
+        self._queue.join()  # a push still in flight lands first (it has a timeout): delete after it
         try:
             delete_from_gateway(self._gateway, job=self._job, grouping_key=self.grouping_key, timeout=self._timeout)
         except Exception as exc:  # close must not raise into the caller either
