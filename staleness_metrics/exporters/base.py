@@ -403,4 +403,7 @@ class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
             self._exporter.export(report)
 
     def _close_resources(self) -> None:
-        self._exporter.close()
+        try:
+            self._exporter.close()
+        except Exception as exc:  # counted, as the monitor counts an exporter's own close
+            self._errors.record(self.name, "close raised", exc)

@@ -106,9 +106,14 @@ def test_close_flushes_then_gives_up_and_counts_what_is_left() -> None:
     queue = make_queue(target, errors, retry_max=0.02)
     for i in range(3):
         queue.put(i)
+    assert target.started.wait(60)
     assert queue.close(timeout=0.2) is False
-    assert queue.dropped >= 2  # what waited was dropped (the one in flight is abandoned)
+    queue.join(60)  # the worker gave up the payload it was retrying
+    assert queue.dropped == 3  # what waited, and the one in flight
+    # every failed attempt, the payloads left waiting (one failure) and the one given up in flight
+    assert errors.count("test") == target.attempts + 2
     assert queue.put(99) is False  # closed: refused, counted
+    assert queue.dropped == 4 and errors.count("test") == target.attempts + 3
     assert target.sent == []
 
 
@@ -205,6 +210,19 @@ def test_close_returns_with_a_send_stuck_in_io_and_leaves_it_to_a_daemon_worker(
     target.gate.set()  # the stuck send completes at last, and the worker exits instead of sending more
     queue._worker.join(60)
     assert not queue.worker_alive and target.sent == [0] and queue.dropped == 1
+
+
+class FailingClose(SlowExporter):
+    def close(self) -> None:
+        raise OSError("flush failed")
+
+
+def test_a_wrapped_exporter_raising_from_close_is_counted() -> None:
+    errors = ExportErrors()
+    exporter = BackgroundExporter(FailingClose())
+    exporter.attach(ExportContext(errors=errors))
+    exporter.close(timeout=60)
+    assert errors.count("slow") == 1
 
 
 def test_exporter_close_is_bounded_even_when_its_shutdown_blocks() -> None:
