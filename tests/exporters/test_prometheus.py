@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import socket
 import threading
 import time
@@ -240,6 +241,27 @@ def test_http_server_binds_loopback_and_serves() -> None:
     finally:
         exp.close()
     assert exp.url is None
+
+
+def test_close_in_a_forked_child_returns_and_the_parent_still_serves() -> None:
+    """A child forked while the server runs (a DataLoader worker) has its socket, not its serving thread."""
+    exp = PrometheusExporter(port=0)
+    try:
+        exp.export(hand_report(7, {"": [[0, 3]]}))
+        pid = os.fork()
+        if pid == 0:  # the child: close() on a daemon thread, so that a hang cannot keep it alive
+            try:
+                closing = threading.Thread(target=exp.close, daemon=True)
+                closing.start()
+                closing.join(60)
+            finally:
+                os._exit(1 if closing.is_alive() else 0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert exp.url is not None
+        with urllib.request.urlopen(exp.url, timeout=10) as response:
+            assert response.status == 200
+    finally:
+        exp.close()
 
 
 def test_port_already_taken_is_counted_not_raised_and_binding_is_retried() -> None:
