@@ -151,8 +151,9 @@ DEFAULT_CLOSE_TIMEOUT = 2.0  # seconds close() may take, shutdown included: the 
 class ExportQueue(Generic[P]):
     """Sends payloads in order on a worker thread; ``put`` never blocks nor raises, and a full queue
     drops the oldest payload. A ``send`` that raises is retried with the same payload, backing off
-    from ``retry_initial`` seconds doubling up to ``retry_max``; ``prepare`` (say, starting a W&B
-    run) runs first on the worker, retried the same way, while payloads wait."""
+    from ``retry_initial`` seconds doubling up to ``retry_max``, until ``max_size`` newer ones wait
+    (it is dropped); ``prepare`` (say, starting a W&B run) runs first on the worker, retried until
+    it returns, while payloads wait."""
 
     def __init__(
         self,
