@@ -151,8 +151,9 @@ DEFAULT_CLOSE_TIMEOUT = 2.0  # seconds close() may take, shutdown included: the 
 class ExportQueue(Generic[P]):
     """Sends payloads in order on a worker thread; ``put`` never blocks nor raises, and a full queue
     drops the oldest payload. A ``send`` that raises is retried with the same payload, backing off
-    from ``retry_initial`` seconds doubling up to ``retry_max``; ``prepare`` (say, starting a W&B
-    run) runs first on the worker, retried the same way, while payloads wait."""
+    from ``retry_initial`` seconds doubling up to ``retry_max``, until ``max_size`` newer ones wait
+    (it is dropped); ``prepare`` (say, starting a W&B run) runs first on the worker, retried until
+    it returns, while payloads wait."""
 
     def __init__(
         self,
@@ -238,8 +239,12 @@ class ExportQueue(Generic[P]):
             self._cond.notify_all()
         if left:
             self._on_failure(f"closed with {left} reports unsent; dropped", None)
-        self._worker.join(timeout=max(deadline - time.monotonic(), 0.0))
+        self.join(max(deadline - time.monotonic(), 0.0))
         return flushed
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the worker to exit (after ``close``: once its last attempt returned)."""
+        self._worker.join(timeout)
 
     @property
     def worker_alive(self) -> bool:
@@ -268,18 +273,25 @@ class ExportQueue(Generic[P]):
                 self._in_flight = True
             try:
                 attempt = functools.partial(self._send, payload)
-                sent = self._retry(attempt, "export failed; will retry")
+                sent = self._retry(attempt, "export failed; will retry", bounded=True)
                 with self._cond:
                     self._sent += sent
                     self._dropped += not sent
+                if not sent:  # out of the bound, or the queue stopped
+                    self._on_failure("report given up while being retried; dropped", None)
             finally:  # even after a BaseException, flush() and close() must not wait on it
                 with self._cond:
                     self._in_flight = False
                     self._cond.notify_all()
 
-    def _retry(self, attempt: Callable[[], None], failure: str) -> bool:
-        """Call ``attempt`` until it returns (True) or the queue stops (False)."""
+    def _retry(self, attempt: Callable[[], None], failure: str, bounded: bool = False) -> bool:
+        """Call ``attempt`` until it returns (True), the queue stops or, ``bounded``, ``max_size``
+        newer payloads wait behind it: it is out of the bound (False)."""
         backoff = self._retry_initial
+
+        def given_up() -> bool:
+            return self._stopping or (bounded and len(self._pending) == self._max_size)
+
         while True:
             try:
                 attempt()
@@ -288,9 +300,7 @@ class ExportQueue(Generic[P]):
             else:
                 return True
             with self._cond:
-                if not self._stopping:
-                    self._cond.wait(backoff)  # close() wakes us up early
-                if self._stopping:
+                if self._cond.wait_for(given_up, backoff):  # close() and put() wake us up early
                     return False
             backoff = min(backoff * 2, self._retry_max)
 
@@ -394,4 +404,7 @@ class BackgroundExporter(QueuedExporter["StepReport | MismatchReport"]):
             self._exporter.export(report)
 
     def _close_resources(self) -> None:
-        self._exporter.close()
+        try:
+            self._exporter.close()
+        except Exception as exc:  # counted, as the monitor counts an exporter's own close
+            self._errors.record(self.name, "close raised", exc)

@@ -6,14 +6,13 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import IO
 
 from ..metrics.report import StepReport
 from ..records import jsonio
 from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MismatchReport, QueuedExporter
 
 
-class JsonlExporter(QueuedExporter[str]):
+class JsonlExporter(QueuedExporter[bytes]):
     """Appends one line per ship to ``path`` (on a background queue, flushed line by line); a new
     file unless ``append=True`` (resumed runs)."""
 
@@ -32,26 +31,32 @@ class JsonlExporter(QueuedExporter[str]):
         super().__init__()
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = self.path.open("a" if append else "w", encoding="utf-8")
+        self._file = self.path.open("ab" if append else "wb", buffering=0)  # a line: one write call
+        self._end = self._file.seek(0, os.SEEK_END)  # of the last whole line
         self._file_lock = threading.Lock()
         self._start_queue(self._write, max_queue, retry_initial, retry_max, close_timeout)
 
     def export(self, report: StepReport) -> None:
-        self._queue.put(jsonio.dumps(report.row()).decode() + "\n")
+        self._queue.put(jsonio.dumps_line(report.row()))
 
     def export_mismatch(self, report: MismatchReport) -> None:
         """One more line for the step: its SPEC 11 keys, merged over the step's calls so far."""
         try:
-            line = jsonio.dumps({"step": report.step, **report.metrics}).decode()
+            line = jsonio.dumps_line({"step": report.step, **report.metrics})
         except Exception as exc:  # never into the trainer
             self._errors.record(self.name, "mismatch sums not written", exc)
             return
-        self._queue.put(line + "\n")
+        self._queue.put(line)
 
-    def _write(self, line: str) -> None:
+    def _write(self, line: bytes) -> None:
         with self._file_lock:
-            self._file.write(line)
-            self._file.flush()
+            if self._file.tell() != self._end:  # a failed attempt left part of its line: cut it
+                self._file.seek(self._end)
+                self._file.truncate()
+            written = 0
+            while written < len(line):  # short on a full disk: the next call raises
+                written += self._file.write(line[written:])
+            self._end = self._file.tell()
 
     def _close_resources(self) -> None:
         with self._file_lock:

@@ -154,6 +154,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         super().__init__()
         self._meter_provider = meter_provider
         self._instruments: dict[str, Any] = {}
+        self._recorded: dict[tuple[str, str, str | None], Any] = {}  # what they hold, by series
         self._latest: Snapshot | None = None  # what the observable gauges show
         self._metric_exporter: MetricExporter | None = None
         self._temporality: AggregationTemporality | None = None
@@ -209,17 +210,25 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
         return [Observation(v, _attributes(row, run, env, bucket)) for env, bucket, v in points]
 
     def _record(self, snapshot: Snapshot) -> None:
+        """Add what the run's totals gained since the last recorded report (a dropped one, a
+        resume's restored totals): the instruments' cumulative series are the run's."""
+        run, recorded = snapshot.run, self._recorded
         for row in _PUBLISHED:
             instrument = self._instruments[row.name]
             if row.kind is MetricKind.COUNTER:
-                for env, bucket, amount in snapshot.points(row, snapshot.delta):
-                    instrument.add(amount, _attributes(row, snapshot.run, env, bucket))
+                for env, bucket, total in snapshot.points(row, snapshot.cumulative):
+                    added = total - recorded.get((row.name, env, bucket), 0)
+                    instrument.add(added, _attributes(row, run, env, bucket))
+                    recorded[row.name, env, bucket] = total
             elif row.kind is MetricKind.HISTOGRAM:
-                for env, tally in snapshot.window.items():  # the ship's (no rollout: none)
-                    attributes = _attributes(row, snapshot.run, env)
-                    for staleness, count in enumerate(histogram_of(row, tally)):
-                        for _ in range(int(count)):
+                for env, tally in snapshot.totals.items():
+                    counts, attributes = histogram_of(row, tally), _attributes(row, run, env)
+                    seen = recorded.get((row.name, env, None), ())
+                    for staleness, count in enumerate(counts):
+                        done = int(seen[staleness]) if staleness < len(seen) else 0
+                        for _ in range(int(count) - done):
                             instrument.record(staleness, attributes)
+                    recorded[row.name, env, None] = counts
         self._latest = snapshot  # the gauges (observed at collection) show this ship from now on
 
     def _publish(self, snapshot: Snapshot) -> None:

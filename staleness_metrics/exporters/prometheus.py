@@ -3,6 +3,7 @@ serving the last ship's snapshot through one collector (a scrape sees one ship, 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -146,6 +147,7 @@ class PrometheusExporter(_PrometheusBase):
             self._errors.record(self.name, f"{message} (the ASGI app and registry still work)", exc)
             return
         self._server, self._server_thread = server, thread
+        self._server_pid = os.getpid()  # a forked child has the socket, not the serving thread
 
     def export(self, report: StepReport) -> None:
         super().export(report)
@@ -166,9 +168,10 @@ class PrometheusExporter(_PrometheusBase):
         self._server = self._server_thread = None
         self._requested_port = None  # no re-binding after close
         if server is not None and thread is not None:  # (bound together)
-            server.shutdown()
+            if self._server_pid == os.getpid():  # shutdown() waits for the serving thread
+                server.shutdown()
+                thread.join()
             server.server_close()
-            thread.join()
 
 
 class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
@@ -226,6 +229,7 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
     def _close_resources(self) -> None:
         if not self._delete_on_close:
             return
+        self._queue.join()  # a push still in flight lands first (it has a timeout): delete after it
         try:
             delete_from_gateway(self._gateway, job=self._job, grouping_key=self.grouping_key, timeout=self._timeout)
         except Exception as exc:  # close must not raise into the caller either

@@ -7,13 +7,12 @@ import importlib.util
 import sys
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError
 from ..metrics.metric_table import (
-    ENV_KEY_PREFIX,
     KEY_GLOB,
     KEY_PREFIX,
     LEGACY_KEYS,
@@ -21,6 +20,7 @@ from ..metrics.metric_table import (
     WANDB_KEYS,
     MetricDef,
     Source,
+    env_key,
 )
 from ..metrics.report import StepReport
 from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MismatchReport, QueuedExporter
@@ -33,11 +33,6 @@ _SCALAR_KEYS = {key for key, m in WANDB_KEYS.items() if m.source is not Source.T
 
 # wandb.init is not safe to call from two threads at once (several exporters starting their runs).
 _init_lock = threading.Lock()
-
-
-class _HistogramBins(NamedTuple):  # made into a ``wandb.Histogram`` on the worker
-    counts: list[int]
-    edges: list[float]
 
 
 def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
@@ -56,15 +51,6 @@ def _legacy_selection(legacy_keys: bool | Iterable[str]) -> dict[str, str]:
     return chosen
 
 
-def _row_of_env_key(key: str, report: StepReport | MismatchReport) -> MetricDef | None:
-    for env, env_metrics in report.env_metrics.items():
-        prefix = f"{ENV_KEY_PREFIX}{env}/"
-        table_key = KEY_PREFIX + key.removeprefix(prefix)  # every table key has KEY_PREFIX
-        if env and key.startswith(prefix) and table_key in env_metrics and table_key in WANDB_KEYS:
-            return WANDB_KEYS[table_key]
-    return None
-
-
 def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]]:
     """Counts and bin edges of an integer histogram: bin ``s`` spans ``[s - 0.5, s + 0.5)``; one
     longer than W&B's 512 bins is folded into 512 equal-width bins."""
@@ -81,7 +67,7 @@ def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]
     return [int(c) for c in trimmed], [float(e) for e in edges]
 
 
-class WandbExporter(QueuedExporter[dict[str, Any]]):
+class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
     """Logs each ship's metrics to a W&B run (``run``, else the active one, else its own started
     with ``init_kwargs``) against ``step_key`` (every ``staleness/*`` key's x-axis): the per-env
     keys, trainer-side mismatch rows, the token staleness histogram and, on request, legacy keys."""
@@ -160,11 +146,18 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
     def row(self, report: StepReport | MismatchReport) -> dict[str, Any]:
         """The history row for a report (without the histogram object)."""
         metrics = report.metrics  # (a mismatch report's builds its dict anew each time)
+        env_rows = {  # every per-env key of the report: its table row
+            env_key(env, key): WANDB_KEYS[key]
+            for env, keys in report.env_metrics.items()
+            if env
+            for key in keys
+            if key in WANDB_KEYS
+        }
         row: dict[str, Any] = {self._step_key: report.step}
         for key, value in metrics.items():
             if key in _SCALAR_KEYS:
                 row[key] = value
-            elif (env_row := _row_of_env_key(key, report)) is not None:
+            elif (env_row := env_rows.get(key)) is not None:
                 row[key] = value
                 self._env_rows.setdefault(key, env_row)
             elif key not in self._warned_unknown:
@@ -176,19 +169,11 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
         return row
 
     def export(self, report: StepReport) -> None:
-        row: dict[str, Any] = self.row(report)
-        if self._histogram_key is not None and report.tally.token_histogram.any():
-            row[self._histogram_key] = _HistogramBins(*histogram_bins(report.tally.token_histogram))
-        self._queue.put(row)
+        self._queue.put(report)  # its row is built on the worker
 
     def export_mismatch(self, report: MismatchReport) -> None:
         """A row of the step's trainer-side SPEC 11 and 14 keys (merged over its calls so far)."""
-        try:
-            row = self.row(report)  # (its env keys' rows, before the worker defines them)
-        except Exception as exc:  # never into the trainer
-            self._errors.record(self.name, "mismatch sums not logged", exc)
-            return
-        self._queue.put(row)
+        self._queue.put(report)
 
     def _define(self, run: Any, keys: Iterable[str]) -> None:  # on the worker only
         if not self._defined:
@@ -202,18 +187,20 @@ class WandbExporter(QueuedExporter[dict[str, Any]]):
             # a legacy key takes its new key's summary
             row = WANDB_KEYS.get(self._legacy.get(key, key)) or self._env_rows.get(key)
             summary = None if row is None else row.wandb_summary
-            if hidden or summary or not key.startswith(KEY_PREFIX):
+            # define_metric takes "*" for a glob: an env's key with one keeps the glob's axis only
+            if (hidden or summary or not key.startswith(KEY_PREFIX)) and "*" not in key:
                 run.define_metric(key, step_metric=self._step_key, summary=summary, hidden=hidden)
             self._defined.add(key)
 
-    def _log(self, row: dict[str, Any]) -> None:
+    def _log(self, report: StepReport | MismatchReport) -> None:
         run = self._run
         assert run is not None  # the worker started it before the first row
+        row = self.row(report)
         self._define(run, row)
-        logged = dict(row)  # the queued row stays as it is: a failed log is retried with it
-        for key, value in row.items():
-            if isinstance(value, _HistogramBins):
-                import wandb
+        tally = report.tally if isinstance(report, StepReport) else None
+        if self._histogram_key is not None and tally is not None and tally.token_histogram.any():
+            import wandb
 
-                logged[key] = wandb.Histogram(np_histogram=(np.asarray(value.counts), np.asarray(value.edges)))
-        run.log(logged, commit=self._commit)
+            counts, edges = map(np.asarray, histogram_bins(tally.token_histogram))
+            row[self._histogram_key] = wandb.Histogram(np_histogram=(counts, edges))
+        run.log(row, commit=self._commit)

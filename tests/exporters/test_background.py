@@ -12,12 +12,13 @@ from staleness_metrics.metrics.report import StepReport, Tally
 
 
 class Target:
-    """A send function that can block (``gate``) and fail (``fail`` more attempts)."""
+    """A send function that can block (``gate``), fail (``fail`` more attempts) and refuse payloads."""
 
     def __init__(self) -> None:
         self.sent: list[int] = []
         self.attempts = 0
         self.fail = 0
+        self.refused: set[int] = set()
         self.gate = threading.Event()
         self.gate.set()
         self.started = threading.Event()
@@ -29,6 +30,8 @@ class Target:
         if self.fail:
             self.fail -= 1
             raise ConnectionError("receiver down")
+        if payload in self.refused:  # a payload the receiver always rejects
+            raise ValueError("400 Bad Request")
         self.sent.append(payload)
 
 
@@ -37,8 +40,7 @@ def make_queue(target: Target, errors: ExportErrors, **options: float) -> Export
         "test",
         target,
         lambda message, exc: errors.record("test", message, exc),
-        retry_initial=0.01,
-        **options,
+        **{"retry_initial": 0.01, **options},
     )  # type: ignore[arg-type]
 
 
@@ -83,15 +85,35 @@ def test_failed_sends_are_counted_and_retried_until_they_succeed() -> None:
     queue.close()
 
 
+def test_a_payload_failing_for_ever_is_dropped_once_max_size_newer_ones_wait() -> None:
+    """Retried while within the bound: once ``max_size`` newer payloads wait behind it, it is given up
+    (counted) and the newer ones go out."""
+    target, errors = Target(), ExportErrors()
+    target.refused = {0}
+    queue = make_queue(target, errors, max_size=3, retry_initial=60)
+    queue.put(0)
+    assert target.started.wait(60)  # 0 is refused; its retry would wait 60 s ...
+    for i in range(1, 4):
+        queue.put(i)  # ... until the third newer payload puts it out of the bound
+    assert queue.flush(timeout=60)
+    assert target.sent == [1, 2, 3] and queue.dropped == 1
+    assert errors.count("test") == 2  # the failed attempt and the drop
+
+
 def test_close_flushes_then_gives_up_and_counts_what_is_left() -> None:
     target, errors = Target(), ExportErrors()
     target.fail = 10**9  # never recovers
     queue = make_queue(target, errors, retry_max=0.02)
     for i in range(3):
         queue.put(i)
+    assert target.started.wait(60)
     assert queue.close(timeout=0.2) is False
-    assert queue.dropped >= 2  # what waited was dropped (the one in flight is abandoned)
+    queue.join(60)  # the worker gave up the payload it was retrying
+    assert queue.dropped == 3  # what waited, and the one in flight
+    # every failed attempt, the payloads left waiting (one failure) and the one given up in flight
+    assert errors.count("test") == target.attempts + 2
     assert queue.put(99) is False  # closed: refused, counted
+    assert queue.dropped == 4 and errors.count("test") == target.attempts + 3
     assert target.sent == []
 
 
@@ -188,6 +210,19 @@ def test_close_returns_with_a_send_stuck_in_io_and_leaves_it_to_a_daemon_worker(
     target.gate.set()  # the stuck send completes at last, and the worker exits instead of sending more
     queue._worker.join(60)
     assert not queue.worker_alive and target.sent == [0] and queue.dropped == 1
+
+
+class FailingClose(SlowExporter):
+    def close(self) -> None:
+        raise OSError("flush failed")
+
+
+def test_a_wrapped_exporter_raising_from_close_is_counted() -> None:
+    errors = ExportErrors()
+    exporter = BackgroundExporter(FailingClose())
+    exporter.attach(ExportContext(errors=errors))
+    exporter.close(timeout=60)
+    assert errors.count("slow") == 1
 
 
 def test_exporter_close_is_bounded_even_when_its_shutdown_blocks() -> None:

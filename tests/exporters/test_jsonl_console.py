@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,34 @@ def test_jsonl_append_continues_a_file_and_numpy_numbers_are_plain(tmp_path: Pat
     exporter.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert lines == [{"step": 1}, {"step": 2, "staleness/rollout/max": 3, "staleness/token/mean": 1.5}]
+
+
+# Runs in a child process: the file size limit applies to every file the process writes.
+_DISK_FULL = """
+import os, resource, signal, sys, time
+from staleness_metrics.exporters.jsonl import JsonlExporter
+from staleness_metrics.metrics.report import StepReport, Tally
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+exporter = JsonlExporter(sys.argv[1], retry_initial=0.01, retry_max=0.01)
+exporter.export(StepReport(1, 4, {}, Tally()))
+assert exporter.flush(60)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(sys.argv[1]) + 5, hard))  # full mid-line
+exporter.export(StepReport(2, 4, {"staleness/token/mean": 1.5}, Tally()))
+while exporter._errors.count("jsonl") < 3:  # the first attempt and two retries failed part-way
+    time.sleep(0.01)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # space again
+exporter.close(timeout=60)
+"""
+
+
+def test_jsonl_a_write_retried_after_a_full_disk_leaves_each_line_once(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", _DISK_FULL, str(path)], check=True, timeout=120, env=env)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [{"step": 1}, {"step": 2, "staleness/token/mean": 1.5}]
 
 
 def test_console_line_shows_max_staleness() -> None:

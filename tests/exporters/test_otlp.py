@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -15,12 +16,12 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.test._otlp_test_server import OtlpProtoTestServer
 
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.exporters.base import ExportContext, ExportErrors
+from staleness_metrics.exporters.base import ExportContext, ExportErrors, MismatchReport
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.state import bucket_counts
 from staleness_metrics.metrics.buckets import BUCKETS
 from staleness_metrics.metrics.metric_table import BATCH_WIDE_COUNTERS, METRICS, MetricKind, Source
-from staleness_metrics.metrics.mismatch import MismatchSums
+from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
 from staleness_metrics.metrics.report import Tally
 from staleness_metrics.monitor import StalenessMonitor
 from tests.exporters.reports import CONFIG, hand_report, ship_script
@@ -297,6 +298,59 @@ def test_injected_meter_provider_records_through_its_instruments() -> None:
     assert hist[""].count == 3
     exporter.close()
     provider.shutdown()
+
+
+def provider_points(reader: InMemoryMetricReader, name: str) -> dict[tuple[str, str], Any]:
+    """The points of metric ``name`` a reader collected, by env and lag ("": none)."""
+    data = reader.get_metrics_data()
+    assert data is not None
+    found = [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics if m.name == name]
+    return {(p.attributes.get("env", ""), p.attributes.get("lag", "")): p for m in found for p in m.data.data_points}
+
+
+def test_through_a_meter_provider_a_dropped_report_loses_no_increment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each recorded report adds what the run's totals gained since the last recorded one: reports the full
+    queue drops (the provider momentarily slow) leave the counters and histograms at the run's totals."""
+    reader = InMemoryMetricReader()
+    exporter = OtlpExporter(meter_provider=MeterProvider(metric_readers=[reader]), max_queue=2)
+    exporter.attach(ExportContext(run=RUN, env_breakdown=True))
+    gate, record = threading.Event(), exporter._record
+    monkeypatch.setattr(exporter, "_record", lambda snapshot: (gate.wait(60), record(snapshot)))
+    for step in range(1, 11):
+        exporter.export(hand_report(step, {"": [[step % 3]], "math": [[1, step]]}))
+    gate.set()
+    assert exporter.flush(timeout=60) and exporter.queue.dropped >= 7
+    sampled = provider_points(reader, "rl.staleness.tokens.sampled")
+    assert {env: p.value for (env, _), p in sampled.items()} == {"": 10, "math": 20}
+    hist = provider_points(reader, "rl.staleness.token.steps")
+    assert (hist["", ""].count, hist["", ""].sum) == (10, sum(step % 3 for step in range(1, 11)))
+    assert (hist["math", ""].count, hist["math", ""].sum) == (20, sum(1 + step for step in range(1, 11)))
+    exporter.close()
+
+
+def test_through_a_meter_provider_the_series_continue_from_the_restored_totals() -> None:
+    """SPEC 13: after ``load_state_dict``, a new process's provider starts from the restored totals."""
+    sums = mismatch_sums([0, 1, 1], [-1.0] * 3, [-1.0, -1.5, -0.5])
+    before = OtlpExporter(meter_provider=MeterProvider(metric_readers=[InMemoryMetricReader()]))
+    before.attach(ExportContext(run=RUN))
+    for step in (1, 2, 3):
+        before.export(hand_report(step, {"": [[1, step]]}))
+    before.export_mismatch(MismatchReport(3, sums, sums))
+    assert before.flush(timeout=60)
+    state = before.state_dict()
+    before.close()
+    reader = InMemoryMetricReader()
+    after = OtlpExporter(meter_provider=MeterProvider(metric_readers=[reader]))
+    after.attach(ExportContext(run=RUN))
+    after.load_state_dict(state)
+    after.export(hand_report(4, {"": [[2]]}))
+    assert after.flush(timeout=60)
+    assert provider_points(reader, "rl.staleness.tokens.sampled")["", ""].value == 7
+    hist = provider_points(reader, "rl.staleness.token.steps")["", ""]
+    assert (hist.count, hist.sum) == (7, 1 + 1 + 1 + 1 + 2 + 3 + 2)
+    mismatch = provider_points(reader, "rl.staleness.mismatch.tokens")
+    assert (mismatch["", "0"].value, mismatch["", "1"].value, mismatch["", "2"].value) == (1, 2, 0)
+    after.close()
 
 
 LENGTH_RECORDS = [

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 import socket
 import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -241,6 +243,27 @@ def test_http_server_binds_loopback_and_serves() -> None:
     assert exp.url is None
 
 
+def test_close_in_a_forked_child_returns_and_the_parent_still_serves() -> None:
+    """A child forked while the server runs (a DataLoader worker) has its socket, not its serving thread."""
+    exp = PrometheusExporter(port=0)
+    try:
+        exp.export(hand_report(7, {"": [[0, 3]]}))
+        pid = os.fork()
+        if pid == 0:  # the child: close() on a daemon thread, so that a hang cannot keep it alive
+            try:
+                closing = threading.Thread(target=exp.close, daemon=True)
+                closing.start()
+                closing.join(60)
+            finally:
+                os._exit(1 if closing.is_alive() else 0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        assert exp.url is not None
+        with urllib.request.urlopen(exp.url, timeout=10) as response:
+            assert response.status == 200
+    finally:
+        exp.close()
+
+
 def test_port_already_taken_is_counted_not_raised_and_binding_is_retried() -> None:
     blocker = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     blocker.bind(("127.0.0.1", 0))
@@ -446,3 +469,65 @@ def test_pushgateway_receives_pushes_survives_an_outage_and_deletes_its_group(tm
                 time.sleep(0.05)
             gateway.stop()
             assert "rl_staleness_train_step" not in remaining, "close() did not delete the group"
+
+
+class HoldingProxy:
+    """Forwards requests to a Pushgateway; holds each push (PUT) in flight for ``hold`` seconds, or until a
+    DELETE went through; ``forwarded`` lists the methods in the order the gateway answered them."""
+
+    def __init__(self, gateway: str, hold: float) -> None:
+        self.holding, deleted = threading.Event(), threading.Event()
+        self.forwarded: list[str] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.command == "PUT":
+                    proxy.holding.set()
+                    deleted.wait(hold)
+                headers = {"Content-Type": self.headers.get("Content-Type", "")}
+                request = urllib.request.Request(
+                    f"http://{gateway}{self.path}", body or None, headers, method=self.command
+                )
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    status, answer = response.status, response.read()
+                proxy.forwarded.append(self.command)
+                if self.command == "DELETE":
+                    deleted.set()
+                self.send_response(status)
+                self.end_headers()
+                self.wfile.write(answer)
+
+            do_PUT = do_DELETE = _forward
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.mark.integration
+@requires_pushgateway
+def test_close_deletes_the_group_only_after_a_push_still_in_flight_landed(tmp_path: Path) -> None:
+    """A slow push outlives close(): the DELETE goes after it, so the push cannot re-create the group."""
+    gateway = PushgatewayServer(tmp_path / "gw").start()
+    proxy = HoldingProxy(gateway.address, hold=1.0)  # a DELETE sent at close would pass the held push
+    exp = PrometheusPushExporter(proxy.address, job="trainer", timeout=60)
+    exp.attach(ExportContext(run=RUN))
+    try:
+        exp.export(hand_report(1, {"": [[1, 2]]}))
+        assert proxy.holding.wait(60)  # the push is in flight
+        exp.close(timeout=0.1)  # returns while it is
+        deadline = time.monotonic() + 60  # a hang guard, not a speed check
+        while len(proxy.forwarded) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proxy.forwarded == ["PUT", "DELETE"]
+        while "rl_staleness_train_step" in gateway.metrics_text() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the Pushgateway applies a DELETE a moment after answering it
+        assert "rl_staleness_train_step" not in gateway.metrics_text()
+    finally:
+        proxy.server.shutdown()
+        gateway.stop()

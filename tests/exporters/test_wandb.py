@@ -13,7 +13,7 @@ import pytest
 import wandb
 
 from staleness_metrics.errors import ConfigError
-from staleness_metrics.exporters.base import ExportContext, ExportErrors
+from staleness_metrics.exporters.base import ExportContext, ExportErrors, MismatchReport
 from staleness_metrics.exporters.wandb import WandbExporter, histogram_bins
 from staleness_metrics.metrics.metric_table import LEGACY_KEYS, METRICS, WANDB_KEYS, Source
 from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
@@ -218,6 +218,27 @@ def test_blocked_wandb_does_not_hold_up_ships() -> None:
     monitor.close()
 
 
+def test_export_only_queues_the_row_of_many_envs_is_built_on_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ship`` only appends: matching the per-env keys to the table (all envs) is the worker's work."""
+    fake = FakeRun()
+    exporter = WandbExporter(fake)
+    built_on: list[threading.Thread] = []
+    build = exporter.row
+
+    def row(report: Any) -> dict[str, Any]:
+        built_on.append(threading.current_thread())
+        return build(report)
+
+    monkeypatch.setattr(exporter, "row", row)
+    report = hand_report(3, {f"env{i}": [[i % 5, 1]] for i in range(300)}, env_breakdown=True)
+    exporter.export(report)
+    exporter.export_mismatch(MismatchReport(3, MismatchSums.zero(), MismatchSums.zero()))
+    assert exporter.flush(timeout=60)
+    assert len(built_on) == 2 and threading.current_thread() not in built_on
+    assert {k: v for k, v in fake.rows[0].items() if k in report.metrics} == report.metrics  # every env's keys
+    exporter.close()
+
+
 def test_histogram_bins_centre_integer_staleness() -> None:
     counts, edges = histogram_bins(np.array([2, 0, 5, 0, 0]))
     assert counts == [2, 0, 5]
@@ -359,3 +380,22 @@ def test_an_env_key_only_the_live_path_logs_gets_its_max_summary(tmp_path: Path)
     assert run.summary["staleness/env/math/mismatch/k3"] == {
         "max": max(r.get("staleness/env/math/mismatch/k3", -1) for r in run.history)
     }
+
+
+@pytest.mark.integration
+def test_an_env_name_with_a_star_is_logged_with_its_exact_values(tmp_path: Path) -> None:
+    """wandb's define_metric takes "*" for a glob and refuses it inside a name: the keys of env "a*b" are
+    logged all the same (x-axis from ``staleness/*``), the other env's keep their max summary."""
+    exporter = WandbExporter(init_kwargs=offline_init(tmp_path), close_timeout=FINISH_TIMEOUT)
+    reports = [hand_report(step, {"a*b": [[1, step]], "math": [[step]]}, env_breakdown=True) for step in (1, 2)]
+    for report in reports:
+        exporter.export(report)
+    exporter.close()
+    run = read_run(find_run_file(tmp_path))
+    rows = [r for r in run.history if STEP_KEY in r]
+    assert [r[STEP_KEY] for r in rows] == [1, 2]
+    for row, report in zip(rows, reports, strict=True):
+        star = {k: v for k, v in report.metrics.items() if k.startswith("staleness/env/a*b/")}
+        assert "staleness/env/a*b/rollout/max" in star and {k: row[k] for k in star} == star
+    assert run.metrics["staleness/env/math/rollout/max"].summary_max
+    assert run.summary["staleness/env/math/rollout/max"] == {"max": 2}
