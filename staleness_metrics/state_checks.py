@@ -215,8 +215,7 @@ _DIGEST_OPTION = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 def _digest(value: Any, path: str) -> str:
-    """A hash of ``value``'s canonical JSON, in pieces; the standard library's JSON for what orjson
-    refuses (integers beyond 64 bits in echoed records)."""
+    """A hash of ``value``'s canonical JSON, in pieces (stdlib JSON for integers beyond 64 bits)."""
     digest = hashlib.blake2b(digest_size=16)
     try:
         try:

@@ -1,6 +1,5 @@
-"""What staleness costs (SPEC 11): trainer-vs-sampler mismatch sums split by token lag, and their
-compiled pass. The sums add across micro-batches, ranks and processes; every ratio is derived from
-merged sums, never averaged."""
+"""What staleness costs (SPEC 11): trainer-vs-sampler mismatch sums by token lag, and their compiled
+pass. The sums add across micro-batches, ranks and processes; ratios come from merged sums."""
 
 from __future__ import annotations
 
