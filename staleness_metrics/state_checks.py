@@ -1,6 +1,5 @@
-"""Checked reading and exact writing of checkpoint states (SPEC 13): plain data read back value by
-value, the first wrong one refused naming its key path; arrays kept with their dtype; a digest per
-top-level key."""
+"""Checked reading, exact writing of checkpoint states (SPEC 13): plain data read value by value,
+the first wrong one refused by key path; arrays keep their dtype; one digest per top-level key."""
 
 from __future__ import annotations
 
