@@ -256,8 +256,7 @@ class DriftModel:
 
 def shipped_values(shipment: Shipment, name: str) -> npt.NDArray[np.float64]:
     """The shipped samples' ``name`` array (``mask``, ``logprobs``, ``trainer_logprobs``) in ship
-    order, as a trainer reads them from the records, aligned with ``shipment.lags``; NaN where a
-    sample lacks it."""
+    order, as a trainer reads it, aligned with ``shipment.lags``; NaN where a sample lacks it."""
     samples = [s for rollout in shipment.rollouts for s in rollout.record(arrays=True)["samples"]]
     parts = [np.asarray(s.get(name, np.full(len(s["mask"]), np.nan)), np.float64) for s in samples]
     return np.concatenate(parts) if parts else np.zeros(0)

@@ -76,8 +76,7 @@ class TraceError(StalenessError, ValueError):
 
 
 class EventError(StalenessError, ValueError):
-    """A malformed event line in a replay stream (bad JSON, unknown type, a step going back);
-    ``field`` is ``line <n>``."""
+    """A bad replay event line (bad JSON or type, a step going back); ``field`` is ``line <n>``."""
 
     def __init__(self, line: int, reason: str) -> None:
         self.line = line

@@ -113,8 +113,7 @@ class StalenessMonitor:
             self.sink.sweep(step)
 
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
-        """Mask and take the batch for ``step``, hand its report (``shipment.metrics``, SPEC 6) to
-        the exporters, return the shipment."""
+        """Mask and take the batch for ``step``, export its report (SPEC 6), return the shipment."""
         with self._lock:
             shipment = self.sink.ship(step, ids)
             self._shipped_steps.add(shipment.step)
@@ -262,8 +261,7 @@ class StalenessMonitor:
             return self._mismatch.get(step)
 
     def mismatch_metrics(self, step: int) -> dict[str, MetricValue] | None:
-        """The keys (SPEC 11 and 14) the last :meth:`record_mismatch` of ``step`` published in this
-        process; None when none was."""
+        """The SPEC 11 / 14 keys of the last :meth:`record_mismatch` of ``step`` here, or None."""
         with self._lock:
             found = self._mismatch_metrics.get(step)
             return None if found is None else dict(found)

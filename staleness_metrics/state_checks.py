@@ -1,6 +1,5 @@
-"""Checked reading and exact writing of checkpoint states (SPEC 13): plain data read back value by
-value, the first wrong one refused naming its key path; arrays kept with their dtype; a digest per
-top-level key."""
+"""Checked reading, exact writing of checkpoint states (SPEC 13): plain data read value by value,
+the first wrong one refused by key path; arrays keep their dtype; one digest per top-level key."""
 
 from __future__ import annotations
 
@@ -215,8 +214,7 @@ _DIGEST_OPTION = orjson.OPT_SORT_KEYS | orjson.OPT_SERIALIZE_NUMPY
 
 
 def _digest(value: Any, path: str) -> str:
-    """A hash of ``value``'s canonical JSON, in pieces; the standard library's JSON for what orjson
-    refuses (integers beyond 64 bits in echoed records)."""
+    """A hash of ``value``'s canonical JSON, in pieces (stdlib JSON for integers beyond 64 bits)."""
     digest = hashlib.blake2b(digest_size=16)
     try:
         try:

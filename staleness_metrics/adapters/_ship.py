@@ -138,9 +138,8 @@ def ship_rows(
     version: int,
     names: TrainerNames,
 ) -> ShipResult[S]:
-    """Add each ``(batch, source, write_back)`` (the rows of one trainer batch read from
-    ``source``) and ship at step ``version + 1``; ``write_back`` runs after a ship that shipped
-    rows of its batch."""
+    """Add each ``(batch, source, write_back)`` (one trainer batch's rows, read from ``source``) and
+    ship at step ``version + 1``; ``write_back`` runs after a ship that took rows of its batch."""
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
         raise FieldTypeError(
             "version",

@@ -1,5 +1,4 @@
-"""The ``staleness-metrics`` console script: one parser, one module per subcommand
-(:mod:`.commands`)."""
+"""The ``staleness-metrics`` script: one parser, a module per subcommand (:mod:`.commands`)."""
 
 from __future__ import annotations
 

@@ -120,8 +120,7 @@ def advise(curve: Curve, budget: float, bound: int) -> BoundAdvice | None:
 
 
 def adapt_bound(bound: int, advice: BoundAdvice, low: int, high: int) -> int:
-    """One step within ``[low, high]``: toward ``suggested`` when crossed, else up when
-    ``suggested ≥ bound``."""
+    """One step in ``[low, high]``: to ``suggested`` if crossed, else up if it is ≥ ``bound``."""
     if advice.crossed:
         moved = bound + (advice.suggested > bound) - (advice.suggested < bound)
     else:
@@ -163,8 +162,7 @@ def bound_metrics(result: ShipBound) -> dict[str, MetricValue]:
 
 
 def mismatch_metrics(sums: MismatchSums, bound: ShipBound | None) -> dict[str, MetricValue]:
-    """A ship's SPEC 11 keys with their excess over the floor, then the SPEC 14 keys; empty when
-    nothing is covered."""
+    """SPEC 11 keys with their excess over the floor, then SPEC 14 keys; ``{}`` if none covered."""
     floor = None if bound is None or bound.floor is None else bound.floor.value
     out: dict[str, MetricValue] = dict(sums.metrics(floor=floor))
     if out and bound is not None:

@@ -1,6 +1,5 @@
-"""What staleness costs (SPEC 11): trainer-vs-sampler mismatch sums split by token lag, and their
-compiled pass. The sums add across micro-batches, ranks and processes; every ratio is derived from
-merged sums, never averaged."""
+"""What staleness costs (SPEC 11): trainer-vs-sampler mismatch sums by token lag, and their compiled
+pass. The sums add across micro-batches, ranks and processes; ratios come from merged sums."""
 
 from __future__ import annotations
 
@@ -233,17 +232,9 @@ def mismatch_sums(
     # float32 / float64 as they are, others as float64; unsigned lags beyond 2**62 are all "inf"
     if lag.dtype.kind == "u":
         lag = np.minimum(lag, np.uint64(1 << 62))
-    counts, sums, uncovered = mismatch_runs(
-        np.ascontiguousarray(lag, dtype=np.int64),
-        _float_for_kernel(sampler),
-        _float_for_kernel(trainer),
-        bool_flags,
-        lo,
-        hi,
-        _BOUNDS,
-        LOG_RATIO_CLAMP,
-    )
-    return _of_pass(counts, sums, int(uncovered))
+    lag = np.ascontiguousarray(lag, dtype=np.int64)
+    logprobs = _float_for_kernel(sampler), _float_for_kernel(trainer)
+    return _of_pass(*mismatch_runs(lag, *logprobs, bool_flags, lo, hi, _BOUNDS, LOG_RATIO_CLAMP))
 
 
 def _of_pass(counts: IntArray, sums: FloatArray, uncovered: int) -> MismatchSums:
@@ -251,7 +242,7 @@ def _of_pass(counts: IntArray, sums: FloatArray, uncovered: int) -> MismatchSums
     floats = dict(zip(SUM_FIELDS, sums))
     # each k3 term is >= 0; rounding of tiny ones must not make the sum negative
     floats["sum_k3"] = np.maximum(sums[2], 0.0)
-    return MismatchSums(**dict(zip(COUNT_FIELDS, counts)), **floats, uncovered=uncovered)
+    return MismatchSums(**dict(zip(COUNT_FIELDS, counts)), **floats, uncovered=int(uncovered))
 
 
 def _float_for_kernel(values: npt.NDArray[Any]) -> npt.NDArray[Any]:

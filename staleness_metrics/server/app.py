@@ -60,6 +60,7 @@ T = TypeVar("T")
 HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
 # a rollouts body up to this size is read and applied in about a millisecond
 QUICK_BODY_BYTES = 64 * 1024
+NDJSON = "application/x-ndjson"
 WRITE_ERRORS = (400, 401, 404, 409, 413)  # what a write to a run may answer, besides 422
 
 ERRORS: dict[int, str] = {
@@ -166,6 +167,12 @@ class Access:
         responses = documented(*self.read_errors, *codes, invalid=invalid)
         return {"openapi_extra": self.reads, "response_model": model, "responses": responses}
 
+    def text(self, media: str, about: str, *codes: int, invalid: bool = True) -> dict[str, Any]:
+        """A read answering ``media`` text (no model), described by ``about``."""
+        answer = {"description": about, "content": {media: {"schema": {"type": "string"}}}}
+        responses = {200: answer, **documented(*self.read_errors, *codes, invalid=invalid)}
+        return {"openapi_extra": self.reads, "responses": responses}
+
 
 def service_router(registry: RunRegistry, access: Access) -> APIRouter:
     router = APIRouter(tags=["service"])
@@ -189,18 +196,9 @@ def service_router(registry: RunRegistry, access: Access) -> APIRouter:
         health = Health(status="unavailable" if unavailable else "ok", runs=registry.count(), unavailable=unavailable)
         return JSONModelResponse(health, status.HTTP_503_SERVICE_UNAVAILABLE if unavailable else status.HTTP_200_OK)
 
-    @router.get(
-        "/metrics",
-        openapi_extra=access.reads,
-        response_class=Response,
-        responses={
-            200: {
-                "description": "Prometheus text exposition (OpenMetrics when the Accept header asks for it).",
-                "content": {"text/plain": {"schema": {"type": "string"}}},
-            },
-            **documented(*access.read_errors, invalid=False),
-        },
-    )
+    about = "Prometheus text exposition (OpenMetrics when the Accept header asks for it)."
+
+    @router.get("/metrics", response_class=Response, **access.text("text/plain", about, invalid=False))
     def metrics(request: Request) -> Response:
         """Every run's metrics, each series labelled with its ``run``."""
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
@@ -389,18 +387,9 @@ def history_router(registry: RunRegistry, access: Access) -> APIRouter:
         """The run's metrics history, one row per ship, oldest first."""
         return JSONModelResponse(StepsPage(run=run, steps=registry.get(run).steps(since)))
 
-    @router.get(
-        "/events",
-        openapi_extra=access.reads,
-        response_class=StreamingResponse,
-        responses={
-            200: {
-                "description": "The run's history as SPEC 9 events, one JSON object a line (`replay` input).",
-                "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
-            },
-            **documented(*access.read_errors, 404, 409),
-        },
-    )
+    about = "The run's history as SPEC 9 events, one JSON object a line (`replay` input)."
+
+    @router.get("/events", response_class=StreamingResponse, **access.text(NDJSON, about, 404, 409))
     def events(run: RunName) -> StreamingResponse:
         """Every rollout, sweep and ship the run acknowledged, in order:
         ``staleness-metrics replay`` of this file reproduces ``/steps``. Needs a data directory (409
@@ -410,7 +399,7 @@ def history_router(registry: RunRegistry, access: Access) -> APIRouter:
 
         every = lines if first is None else itertools.chain([first], lines)
         body = (orjson.dumps(event) + b"\n" for event in every)
-        return StreamingResponse(body, media_type="application/x-ndjson")
+        return StreamingResponse(body, media_type=NDJSON)
 
     return router
 

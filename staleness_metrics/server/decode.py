@@ -1,6 +1,5 @@
-"""Reading a rollout batch body in memory bounded by its size: long number lists become numpy
-arrays, and a body costing far more than its size, or cutting more span rows than it allows, is
-refused (docs/service.md, "Limits")."""
+"""Reading a rollout body in memory bounded by its size: long number lists become arrays; a body
+costing far more, or cutting more span rows than it may, is refused (docs/service.md, "Limits")."""
 
 from __future__ import annotations
 
@@ -235,8 +234,7 @@ def _piece(field: str, items: list[Any]) -> npt.NDArray[Any] | None:
 
 
 def compact_records(records: list[dict[str, Any]]) -> None:
-    """Replace, in place, every long per-position list of every sample (and every float list
-    holding an integer) by a numpy array."""
+    """Replace, in place, long per-position lists (and float lists holding an int) by arrays."""
     for record in records:
         samples = record.get("samples")
         for sample in samples if isinstance(samples, list) else ():

@@ -23,6 +23,8 @@ RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MAX_STEP = 2**53
 
 Step = Annotated[int, Field(ge=1, le=MAX_STEP, strict=True, description="1-based train step (SPEC 2)")]
+_REPLAYED = "True when this is the stored answer to a repeated Idempotency-Key."
+Replayed = Annotated[bool, Field(description=_REPLAYED)]
 
 
 def run_config_schema() -> dict[str, Any]:
@@ -254,10 +256,7 @@ class ShipResult(BaseModel):
         "(SPEC 11; -1 outside the population), [rollout][sample][position], for a trainer "
         "posting its mismatch sums.",
     )
-    replayed: bool = Field(
-        default=False,
-        description="True when this is the stored answer to a repeated Idempotency-Key.",
-    )
+    replayed: Replayed = False
 
 
 class StepRow(BaseModel):
@@ -343,10 +342,7 @@ class MismatchResult(BaseModel):
     metrics: dict[str, float | int | str] = Field(
         description="SPEC 11 and SPEC 14 keys of the merged total (staleness/mismatch/..., staleness/bound/...)."
     )
-    replayed: bool = Field(
-        default=False,
-        description="True when this is the stored answer to a repeated Idempotency-Key.",
-    )
+    replayed: Replayed = False
 
 
 class StepsPage(BaseModel):

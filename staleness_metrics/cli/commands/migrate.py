@@ -1,5 +1,4 @@
-"""``staleness-metrics migrate``: move configs, dashboards, rules, W&B panels and histories to the
-new names."""
+"""``staleness-metrics migrate``: configs, dashboards, rules, W&B panels, histories to new names."""
 
 from __future__ import annotations
 
