@@ -76,8 +76,7 @@ def _within_bound(series: str, threshold: float) -> str:
     """``series`` above ``threshold`` in the lag buckets whose smallest lag is within the run's
     max_staleness: one term per bucket, as PromQL cannot read a number from a label."""
     bound = _SCOPE.gauge("max_staleness")
-    # smallest lag of each bucket, "inf" last
-    lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]
+    lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]  # smallest lag per bucket, "inf" last
     return " or ".join(
         f'({series}{{lag="{value}"}} > {threshold} and on (job, run) {bound} >= {low})'
         for value, low in zip(LAG.values, lowest, strict=True)
