@@ -188,8 +188,7 @@ class SqliteStore(Store):
             self._db.close()
             raise
         if sorted(stored) != sorted(manifest):
-            # a crash between a created run's commit and its manifest
-            self._write_manifest(sorted(stored))
+            self._write_manifest(sorted(stored))  # a crash between a new run's commit and manifest
 
     def _read_manifest(self) -> list[str]:
         try:
@@ -197,8 +196,7 @@ class SqliteStore(Store):
         except FileNotFoundError:
             return []
         try:
-            manifest = orjson.loads(raw)
-            runs = manifest["runs"]
+            runs = orjson.loads(raw)["runs"]
             if not isinstance(runs, list) or not all(isinstance(name, str) for name in runs):
                 raise TypeError("runs: not a list of names")
         except (ValueError, TypeError, KeyError) as exc:
