@@ -75,8 +75,7 @@ def _line(text: str, scalar: Scalar, hit: Hit) -> int:
     for _ in range(occurrence + 1):
         position = raw.find(hit.old, position + 1)
         if position < 0:
-            # the content starts after the indicator line
-            block = 1 if scalar.style in ("|", ">") else 0
+            block = 1 if scalar.style in ("|", ">") else 0  # the indicator line comes first
             return line_of(text, scalar.start) + value[: hit.start].count("\n") + block
     return line_of(text, scalar.start + position)
 

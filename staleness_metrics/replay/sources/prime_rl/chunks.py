@@ -44,8 +44,7 @@ class TracesLayout:
 
 
 def _chunks(folder: Path) -> list[ChunkFile]:
-    """A chunked stream's files in chunk order, a plain file preferred to its sealed twin (as
-    prime-rl's reader does)."""
+    """Chunk files in order, a plain file over its sealed twin (as prime-rl's reader does)."""
     found: dict[int, ChunkFile] = {}
     for path in folder.iterdir():
         match = _CHUNK.match(path.name)
