@@ -40,8 +40,7 @@ class HistogramPoint:
         return list(itertools.accumulate(self.bucket_counts))
 
 
-# the bounds are integers: value <= b <=> value <= int(b)
-_INT_BOUNDS = np.asarray(BUCKETS, dtype=np.int64)
+_INT_BOUNDS = np.asarray(BUCKETS, dtype=np.int64)  # integers: value <= b <=> value <= int(b)
 
 
 def bucket_counts(histogram: Counts) -> HistogramPoint:
@@ -73,8 +72,7 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
     return parts
 
 
-# SPEC 12's length counters: a batch-wide series (env "") beside the per-env ones, as the gauges
-# have; the mismatch family's env "" already is the batch's sums.
+# the length counters' env "" series is summed here; the mismatch family's is the batch's sums
 _SUMMED_BATCH_WIDE = frozenset(name for name in metric_table.BATCH_WIDE_COUNTERS if name.startswith("length_"))
 
 

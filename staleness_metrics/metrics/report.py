@@ -52,8 +52,7 @@ class Tally:
     rollout_histogram: Counts = field(default_factory=_empty_counts)
     # SPEC 12, over the shipped samples plus the samples dropped in the window (live rollouts):
     length_samples: int = 0
-    # sampled positions per length bucket
-    length_sampled: Counts = field(default_factory=_empty_counts)
+    length_sampled: Counts = field(default_factory=_empty_counts)  # sampled positions per bucket
     length_removed: Counts = field(default_factory=_empty_counts)  # of those, masked or dropped
 
     def __add__(self, other: Tally) -> Tally:
