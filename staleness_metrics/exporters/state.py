@@ -52,13 +52,8 @@ def bucket_counts(histogram: Counts) -> HistogramPoint:
     cumulative = np.cumsum(histogram, dtype=np.int64)
     at_bounds = cumulative[np.minimum(_INT_BOUNDS, n - 1)]  # values <= each bound
     counts = [*np.diff(at_bounds, prepend=0).tolist(), int(cumulative[-1] - at_bounds[-1])]
-    return HistogramPoint(
-        bucket_counts=tuple(counts),
-        sum=int(np.dot(np.arange(n), histogram)),
-        count=int(cumulative[-1]),
-        min=int(nonzero[0]),
-        max=int(nonzero[-1]),
-    )
+    count, low, high = int(cumulative[-1]), int(nonzero[0]), int(nonzero[-1])
+    return HistogramPoint(tuple(counts), int(np.dot(np.arange(n), histogram)), count, low, high)
 
 
 def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally]:

@@ -69,8 +69,7 @@ class Tally:
         for name in _COUNTS_FIELDS:
             combined = array_op(*_aligned(mine[name], theirs[name]))
             values[name] = combined.astype(np.int64, copy=False)
-        # (every field given: the frozen __init__'s setattr per field skipped)
-        total = object.__new__(Tally)
+        total = object.__new__(Tally)  # every field set below: no frozen __init__ setattr
         total.__dict__.update(values)
         return total
 
