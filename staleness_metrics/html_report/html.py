@@ -584,11 +584,8 @@ def render_choosing(data: ReportData) -> str:
     if curve is None and not has_costs(data):
         return ""
     if curve is None or not curve.curve:
-        why = (
-            "no lag 1..16 has floor_min_tokens covered tokens over the run"
-            if curve is not None
-            else "no floor: no lag has floor_min_tokens covered tokens over the run"
-        )
+        why = "no lag 1..16 has" if curve is not None else "no floor: no lag has"
+        why += " floor_min_tokens covered tokens over the run"
         charts = figure(
             "bound-curve",
             "Choosing the bound",
