@@ -397,8 +397,7 @@ def _rule_of(path: Path) -> Path | None:
     return rule if len(rule) >= 2 and rule[-2] == "rules" and isinstance(rule[-1], int) else None
 
 
-# detection tries them in this order
-POLICIES = (
+POLICIES = (  # detection tries them in this order
     Policy(FileKind.GRAFANA, _looks_like_grafana, _grafana_context, _grafana_units, True),
     Policy(FileKind.PROMETHEUS_RULES, _looks_like_rules, _rules_context, _rules_units, True),
     Policy(FileKind.WANDB, _looks_like_wandb, _wandb_context, _wandb_units, False),

@@ -100,8 +100,7 @@ def is_current_layout(path: str | Path) -> bool:
     return find_layout(path) is not None
 
 
-# What can be set aside, as counted (the keys of :attr:`Damage.counts`).
-DAMAGE_KINDS = {
+DAMAGE_KINDS = {  # what can be set aside, as counted (the keys of :attr:`Damage.counts`)
     "bad_line": "lines that are not JSON",
     "not_episode": "stream lines that are not an episode record",
     "not_update": "annotation lines that are not an update",
