@@ -34,7 +34,7 @@ class Thresholds:
     at_bound_for: str = "30m"  # rollout staleness at or above max_staleness this long
     absent_window: str = "10m"  # no train step series for this long
     absent_for: str = "5m"
-    excess_k3: float = 0.01  # nats of k3 over the floor (SPEC 14), lag <= max_staleness
+    excess_k3: float = 0.01  # nats of mean k3 over the floor (SPEC 14), lag <= max_staleness
     excess_for: str = "15m"
     # SPEC 14: the bound against the run's excess curve and budget.
     bound_loose_for: str = "15m"  # excess_at_bound above the budget this long
