@@ -115,8 +115,7 @@ class Simulation:
     def __init__(self, seed: int = 0, settings: DemoSettings | None = None) -> None:
         self.settings = settings or DemoSettings()
         self._rng = np.random.default_rng(seed)
-        # its own stream: the events stay as they were
-        self._logprob_rng = np.random.default_rng([seed, 7])
+        self._logprob_rng = np.random.default_rng([seed, 7])  # apart: the events stay the same
         self._workers = [_Worker() for _ in range(self.settings.workers)]
         self._waiting: deque[_Rollout] = deque()  # dispatched, not yet on a worker
         self._queue: deque[str] = deque()  # finished, not yet shipped (ids)
@@ -283,8 +282,7 @@ class SimulatedTrainer:
     def __init__(self, seed: int = 0, model: DriftModel | None = None, ranks: int = 2) -> None:
         self.model = model or DriftModel()
         self.ranks = ranks
-        # its own stream: the pipeline's events stay as they were
-        self._rng = np.random.default_rng([seed, 11])
+        self._rng = np.random.default_rng([seed, 11])  # apart: the pipeline's events stay the same
 
     def train(self, monitor: StalenessMonitor, shipment: Shipment) -> TrainedBatch | None:
         """Sums per rank, merged and recorded with the monitor (None when the ship took nothing)."""
@@ -533,8 +531,7 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
     stop = threading.Event()
     interrupted = False
     try:
-        # the engine's compiled loops: seconds on a fresh install, better before the first step
-        warm_up()
+        warm_up()  # the compiled loops: seconds on a fresh install, better before the first step
         # each exporter joins the list as soon as it exists, to be closed whatever happens next
         prometheus = _prometheus(options.prometheus_port, say)
         exporters += [prometheus] if prometheus is not None else []
@@ -542,14 +539,12 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
         exporters += [wandb_exporter] if wandb_exporter is not None else []
         otlp = _otlp(say)
         exporters += [otlp] if otlp is not None else []
-        if not live:
-            # last, so a printed step line means every other exporter has that step
+        if not live:  # last, so a printed step line means every other exporter has that step
             exporters.append(ConsoleExporter(out))
         monitor = StalenessMonitor(options.config, exporters, run=RUN_NAME)
         c = options.config
         say(f"staleness-metrics demo: {options.steps} steps, {c.policy} policy, bound {c.max_staleness}")
-        url = getattr(prometheus, "url", None)
-        if url:
+        if url := getattr(prometheus, "url", None):
             say(f"metrics URL: {url}")
         say(f"metrics file: {metrics_path}")
         say(f"events file: {files['events']}")

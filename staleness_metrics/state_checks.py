@@ -20,7 +20,6 @@ FORMAT = 3
 READABLE_FORMATS = (1, 2, 3)  # format 1 (before digests) still loads
 
 
-# ---------------------------------------------------------------------- checking helpers
 def fail(path: str, reason: str) -> NoReturn:
     """Refuse a checkpoint, naming the key path and the reason."""
     raise ConfigError(f"checkpoint: {path or 'state'}: {reason}")
@@ -99,7 +98,6 @@ def strings(value: object, path: str, optional: bool = False, unique: bool = Fal
     return out
 
 
-# ---------------------------------------------------------------------- JSON text in pieces
 # Arrays of more values are encoded this many values at a time (orjson reserves an output buffer
 # for the longest text of each value: 32 MB for 1M int8 values whole).
 PIECE_ITEMS = 1 << 16
@@ -205,7 +203,6 @@ def json_pieces(
     return pieces(value, 0, ())
 
 
-# ---------------------------------------------------------------------- digests
 def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, np.generic) else repr(value)
 
@@ -259,7 +256,6 @@ def check_format(state: Any, what: str, path: str = "") -> None:
         fail(where, f"{unknown} (this version reads formats {readable})")
 
 
-# ---------------------------------------------------------------------- values
 _NUMPY_DATA: ContextVar[bool] = ContextVar("numpy_data", default=False)
 # dtypes whose numpy text in orjson is byte for byte that of their list (float32 is written shorter)
 _SAME_TEXT_AS_LIST = _PIECED_DTYPES - {np.dtype(np.float32)}

@@ -34,7 +34,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
     except BrokenPipeError:
         # The reader went away (`... | head`): stop quietly, as Unix tools do.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     return code

@@ -24,8 +24,7 @@ from .panels import (
 )
 from .promql import Scope
 
-# The selectors of every dashboard query; gauges pick env="" themselves (see promql.Scope).
-SCOPE = Scope(
+SCOPE = Scope(  # every dashboard query's selectors; gauges pick env="" themselves (promql.Scope)
     matchers=('job=~"$job"', 'instance=~"$instance"', 'run=~"$run"'),
     env="$env",
     by=("run",),
@@ -188,8 +187,7 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
         COUNT,
         [Target(s.gauge("rollouts_held"))],
     )
-    # By its oldest and by its newest token, for comparing frameworks' headlines.
-    grid.series(
+    grid.series(  # by its oldest and by its newest token, to compare frameworks' headlines
         "Rollout staleness: oldest vs newest token",
         "Rollout staleness of the last shipped batch by its oldest token (R = T - "
         "min(version), prime-rl's headline) and by its newest token (T - max(version), verl's "

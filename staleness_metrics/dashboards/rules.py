@@ -34,8 +34,7 @@ class Thresholds:
     at_bound_for: str = "30m"  # rollout staleness at or above max_staleness this long
     absent_window: str = "10m"  # no train step series for this long
     absent_for: str = "5m"
-    # nats of mean k3 above the run's floor (SPEC 14), at a lag within max_staleness
-    excess_k3: float = 0.01
+    excess_k3: float = 0.01  # nats of mean k3 over the floor (SPEC 14), lag <= max_staleness
     excess_for: str = "15m"
     # SPEC 14: the bound against the run's excess curve and budget.
     bound_loose_for: str = "15m"  # excess_at_bound above the budget this long
@@ -76,8 +75,7 @@ def _within_bound(series: str, threshold: float) -> str:
     """``series`` above ``threshold`` in the lag buckets whose smallest lag is within the run's
     max_staleness: one term per bucket, as PromQL cannot read a number from a label."""
     bound = _SCOPE.gauge("max_staleness")
-    # smallest lag of each bucket, "inf" last
-    lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]
+    lowest = [0, *(upper + 1 for upper in LAG_UPPER_BOUNDS)]  # smallest lag per bucket, "inf" last
     return " or ".join(
         f'({series}{{lag="{value}"}} > {threshold} and on (job, run) {bound} >= {low})'
         for value, low in zip(LAG.values, lowest, strict=True)

@@ -170,5 +170,4 @@ def save(entity: str, project: str, *, x_axis: str, name: str = "RL staleness") 
             f"saving a W&B workspace needs an API key: set {API_KEY_ENV} "
             "(create one at https://wandb.ai/authorize) and run again"
         )
-    workspace = build_workspace(entity, project, x_axis=x_axis, name=name).save()
-    return str(workspace.url)
+    return str(build_workspace(entity, project, x_axis=x_axis, name=name).save().url)

@@ -119,8 +119,7 @@ class ExportErrors:
 
 @dataclass(frozen=True)
 class ExportContext:
-    """What a monitor shares with its exporters: the ``run`` label, the failure count and
-    ``env_breakdown`` (the per-env series)."""
+    """What a monitor shares with its exporters: ``run`` label, failure count, ``env_breakdown``."""
 
     run: str = DEFAULT_RUN
     errors: ExportErrors = field(default_factory=ExportErrors)

@@ -101,5 +101,4 @@ class ConsoleExporter:
         print(line, file=stream, flush=True)
 
     def close(self) -> None:
-        stream = self._stream if self._stream is not None else sys.stdout
-        stream.flush()
+        (self._stream if self._stream is not None else sys.stdout).flush()

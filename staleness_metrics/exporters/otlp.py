@@ -47,8 +47,7 @@ def build_metrics_data(
     errors: Mapping[str, int],
     temporality: AggregationTemporality | None = None,
 ) -> MetricsData:
-    """One OTLP export of a snapshot; counters and histograms cumulative unless ``temporality`` is
-    DELTA."""
+    """One OTLP export of a snapshot, cumulative unless ``temporality`` is DELTA."""
     from opentelemetry.sdk.metrics import export as otel
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 

@@ -175,9 +175,8 @@ class PrometheusExporter(_PrometheusBase):
 
 
 class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
-    """Pushes the metrics to a Prometheus Pushgateway after each ship (on a background queue; after
-    an outage only the newest state), and deletes its group (``job``, ``grouping_key`` and
-    ``run``) on close."""
+    """Pushes the metrics to a Pushgateway after each ship (on a background queue; after an outage
+    only the newest state); on close, deletes its group (``job``, ``grouping_key`` and ``run``)."""
 
     name = "pushgateway"
 

@@ -40,8 +40,7 @@ class HistogramPoint:
         return list(itertools.accumulate(self.bucket_counts))
 
 
-# the bounds are integers: value <= b <=> value <= int(b)
-_INT_BOUNDS = np.asarray(BUCKETS, dtype=np.int64)
+_INT_BOUNDS = np.asarray(BUCKETS, dtype=np.int64)  # integers: value <= b <=> value <= int(b)
 
 
 def bucket_counts(histogram: Counts) -> HistogramPoint:
@@ -53,13 +52,8 @@ def bucket_counts(histogram: Counts) -> HistogramPoint:
     cumulative = np.cumsum(histogram, dtype=np.int64)
     at_bounds = cumulative[np.minimum(_INT_BOUNDS, n - 1)]  # values <= each bound
     counts = [*np.diff(at_bounds, prepend=0).tolist(), int(cumulative[-1] - at_bounds[-1])]
-    return HistogramPoint(
-        bucket_counts=tuple(counts),
-        sum=int(np.dot(np.arange(n), histogram)),
-        count=int(cumulative[-1]),
-        min=int(nonzero[0]),
-        max=int(nonzero[-1]),
-    )
+    count, low, high = int(cumulative[-1]), int(nonzero[0]), int(nonzero[-1])
+    return HistogramPoint(tuple(counts), int(np.dot(np.arange(n), histogram)), count, low, high)
 
 
 def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally]:
@@ -73,8 +67,7 @@ def partition_by_env(report: StepReport, by_env: bool = True) -> dict[str, Tally
     return parts
 
 
-# SPEC 12's length counters: a batch-wide series (env "") beside the per-env ones, as the gauges
-# have; the mismatch family's env "" already is the batch's sums.
+# the length counters' env "" series is summed here; the mismatch family's is the batch's sums
 _SUMMED_BATCH_WIDE = frozenset(name for name in metric_table.BATCH_WIDE_COUNTERS if name.startswith("length_"))
 
 

@@ -60,8 +60,7 @@ def histogram_bins(counts: np.ndarray[Any, Any]) -> tuple[list[int], list[float]
     n = len(trimmed)
     edges = np.arange(n + 1, dtype=np.float64) - 0.5
     if n > _MAX_BINS:
-        width = -(-n // _MAX_BINS)
-        starts = np.arange(0, n, width)
+        starts = np.arange(0, n, -(-n // _MAX_BINS))  # bins of equal width
         trimmed = np.add.reduceat(trimmed, starts)
         edges = np.append(starts - 0.5, n - 0.5)
     return [int(c) for c in trimmed], [float(e) for e in edges]

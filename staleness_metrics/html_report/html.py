@@ -214,8 +214,7 @@ def _what_if_chart(data: ReportData) -> str:
 def _what_if_table(rows: Sequence[WhatIfRow], bound: int | None) -> str:
     if not rows:
         return ""
-    # the run has trainer log-probs (SPEC 11)
-    costs = any(r.trained_covered is not None for r in rows)
+    costs = any(r.trained_covered is not None for r in rows)  # trainer log-probs (SPEC 11)
     head = (
         "<tr><th>max_staleness</th><th>masked</th><th>tokens kept</th><th>kept share</th>"
         "<th>rollouts dropped</th><th>samples dropped</th><th>rollouts shipped</th><th>held</th>"
@@ -458,7 +457,6 @@ def _x_range(curve: RunCurve, bound: int | None, rows: list[WhatIfRow]) -> list[
 
 def _curve_chart(data: ReportData, curve: RunCurve) -> str:
     label = "Excess mismatch by lag, pooled over the run"
-    suggested = curve.suggested
     xs = _x_range(curve, _bound_in_force(data), data.what_if)
     at = {lag: i for i, lag in enumerate(curve.curve.lags)}
 
@@ -471,8 +469,7 @@ def _curve_chart(data: ReportData, curve: RunCurve) -> str:
         xs,
         [
             Series("curve ê (isotonic)", by_lag(curve.curve.fitted), PALETTE[0], notes=notes),
-            # Drawn last, on top: the measured points with the tokens behind each.
-            Series(
+            Series(  # drawn last, on top: the measured points with the tokens behind each
                 "raw excess e by lag",
                 by_lag(curve.curve.raw),
                 PALETTE[1],
@@ -484,7 +481,7 @@ def _curve_chart(data: ReportData, curve: RunCurve) -> str:
         x_label="token lag",
         y_label="nats above the floor",
         rules=[Rule(curve.budget, f"budget {curve.budget:.4g}", BUDGET_COLOUR)],
-        vertical_rules=_bound_rules(data, suggested),
+        vertical_rules=_bound_rules(data, curve.suggested),
     )
     crossed = (
         "The curve crosses the budget: the suggestion is the largest lag within it."
@@ -587,11 +584,8 @@ def render_choosing(data: ReportData) -> str:
     if curve is None and not has_costs(data):
         return ""
     if curve is None or not curve.curve:
-        why = (
-            "no lag 1..16 has floor_min_tokens covered tokens over the run"
-            if curve is not None
-            else "no floor: no lag has floor_min_tokens covered tokens over the run"
-        )
+        why = "no lag 1..16 has" if curve is not None else "no floor: no lag has"
+        why += " floor_min_tokens covered tokens over the run"
         charts = figure(
             "bound-curve",
             "Choosing the bound",

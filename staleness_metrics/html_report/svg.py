@@ -96,8 +96,7 @@ class _Frame:
 
     def vertical(self, rule: Rule, row: int) -> list[str]:
         x = self.px(rule.value)
-        # one line of labels per rule, so two near rules stay readable
-        label_y = TOP + 12 + 15 * row
+        label_y = TOP + 12 + 15 * row  # a line of labels per rule: two near rules stay readable
         # near the right edge the label goes on the line's left side
         label_x, anchor = (x - 4, ' text-anchor="end"') if x > LEFT + PLOT_W - 80 else (x + 4, "")
         return [
@@ -282,8 +281,7 @@ def heatmap(
         return message_chart(label, "no sampled tokens shipped")
     levels = max(len(np.trim_zeros(h, "b")) for h in histograms)
     if bound is not None and bound + 2 <= max(levels, MAX_HEATMAP_ROWS):
-        # room for the bound line; a bound far above the data is not drawn
-        levels = max(levels, bound + 2)
+        levels = max(levels, bound + 2)  # room for the bound's line, unless far above the data
     matrix = np.zeros((len(x), levels), dtype=np.int64)
     for i, h in enumerate(histograms):
         trimmed = np.trim_zeros(h, "b")
@@ -327,8 +325,7 @@ def heatmap(
     if bound is not None and bound + 1 <= levels:
         masked = Rule(bound, f"masked above max_staleness = {bound}")
         body.extend(_across(base - (bound + 1) * cell_h, plot_w, masked))
-    # Colour key: share of a step's tokens.
-    key_x = LEFT + plot_w + 24
+    key_x = LEFT + plot_w + 24  # the colour key: share of a step's tokens
     for k in range(20):
         share = 1 - k / 19
         body.append(

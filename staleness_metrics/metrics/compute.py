@@ -309,8 +309,7 @@ class WindowCounts:
         per_env = _env_sums(env, env if amounts is None else amounts, _LENGTH_BOUNDS)
         for index, total in enumerate(per_env[:, column].tolist()):
             if total:
-                bucket = self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))
-                bucket[name] += total
+                self.counts.setdefault(index, dict.fromkeys(self.FIELDS, 0))[name] += total
 
     def add_dropped_samples(self, env: IntArray, sampled: IntArray) -> None:
         """Dropped samples of live rollouts: counted, their sampled positions summed, and those by
@@ -380,8 +379,7 @@ def _population(
     metrics[keys.ROLLOUTS_HELD] = counted["rollouts_held"]
     metrics[keys.MAX_STALENESS] = max_staleness
 
-    # (every field given: the frozen __init__'s setattr per field skipped)
-    tally = object.__new__(Tally)
+    tally = object.__new__(Tally)  # fields set below: no frozen __init__ (a setattr per field)
     tally.__dict__.update(
         counted,  # (the window's FIELDS are the tally's fields of the same names)
         tokens_sampled=tokens,
@@ -428,8 +426,7 @@ def compute_report(
     for env in sorted(envs, key=lambda e: env_names[e]):
         env_population, env_tally[env_names[env]] = _population(shipped, shipped.env == env, env, window, max_staleness)
         env_metrics[env_names[env]] = dict(env_population)
-    # SPEC 11 and 14 per env (env breakdown)
-    for name, (sums, env_bound) in (env_costs or {}).items():
+    for name, (sums, env_bound) in (env_costs or {}).items():  # SPEC 11 and 14 per env
         env_metrics.setdefault(name, {}).update(mismatch_metrics(sums, env_bound))
     if env_breakdown:
         for name, values in env_metrics.items():

@@ -115,8 +115,7 @@ _LENGTH_LABELS = ("run", "env", "length")
 
 
 def _family(**shared: Any) -> Callable[..., MetricDef]:
-    """Rows that share ``shared`` (a row may still set any of them); a tally row reads the Tally
-    field of its name."""
+    """Rows sharing ``shared`` (each may override it); a tally row reads its name's Tally field."""
 
     def row(**fields: Any) -> MetricDef:
         tally = {"tally_field": fields["name"]} if shared.get("source") is Source.TALLY else {}
@@ -698,8 +697,7 @@ LEGACY_KEYS: dict[str, LegacyKey] = {
 }
 """Every legacy W&B key: what it is now (a row's key) or why it was removed."""
 
-# ---- lookups ----
-# Every W&B key spelled out, templated rows expanded once here.
+# ---- lookups: every W&B key spelled out, templated rows expanded once here ----
 WANDB_KEYS: dict[str, MetricDef] = {key: m for m in METRICS for key in m.wandb_keys}
 _BY_PROM = {m.prometheus_name: m for m in METRICS if m.prometheus_name is not None}
 # the row of a stable identifier, a W&B key, a Prometheus family name (KeyError for none)

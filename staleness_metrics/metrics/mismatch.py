@@ -265,8 +265,7 @@ _EXP_P2 = -2.77777777770155933842e-03
 _EXP_P3 = 6.61375632143793436117e-05
 _EXP_P4 = -1.65339022054652515390e-06
 _EXP_P5 = 4.13813679705723846039e-08
-# added to an integer-valued float below 2^51, leaves it in the low mantissa bits
-_SHIFTER = 1.5 * 2.0**52
+_SHIFTER = 1.5 * 2.0**52  # adding an integral float below 2^51 leaves it in the low mantissa bits
 # A log-ratio this close to the log of a band edge is compared again with the C library's exp;
 # farther, its side of the edge is the side of exp(d) (log's and exp's rounding are far below it)
 _NEAR = 2.0**-39

@@ -21,8 +21,7 @@ PACKED_ROWS = (
 )
 _COUNTS = 3  # the first rows are MismatchSums' counts, in its order
 _SUMS = slice(5, 10)
-# the compiled pass's margin: farther from an edge, the side of d is the side of exp(d)
-_NEAR = 2.0**-39
+_NEAR = 2.0**-39  # the compiled pass's margin: farther from an edge, d's side is exp(d)'s
 _INT64_MAX = torch.iinfo(torch.int64).max
 IntArray = np.ndarray[Any, np.dtype[np.int64]]
 FloatArray = np.ndarray[Any, np.dtype[np.float64]]
@@ -101,8 +100,7 @@ def packed_sums(
         lag = torch.where(lag.view(torch.int64) < 0, _INT64_MAX, lag.view(torch.int64))
     lag = lag.to(torch.int64)
     d = trainer.reshape(-1).to(torch.float64) - sampler.reshape(-1).to(torch.float64)
-    # a negative lag is not a sampled position of a live rollout: outside the population
-    inside = lag >= 0
+    inside = lag >= 0  # negative: not a sampled position of a live rollout (outside the population)
     finite = torch.isfinite(d)
     covered = inside & finite
     d = torch.where(covered, d.clamp(-clamp, clamp), 0.0)
@@ -115,8 +113,7 @@ def packed_sums(
     bucket = torch.bucketize(lag, bounds, right=False)  # numpy's searchsorted(bounds, lag, "left")
     packed = torch.zeros((len(PACKED_ROWS), N_BUCKETS), dtype=torch.float64, device=device)
     rows = (covered, masked, out, inside & ~finite, near)
-    # counts as float64: exact (a tensor has fewer than 2**53 elements)
-    for i, row in enumerate(rows):
+    for i, row in enumerate(rows):  # float64 is exact: a tensor has fewer than 2**53 elements
         packed[i].index_add_(0, bucket, row.to(torch.float64))
     base = len(rows)
     packed[base].index_add_(0, bucket, d)

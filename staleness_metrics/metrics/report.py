@@ -52,8 +52,7 @@ class Tally:
     rollout_histogram: Counts = field(default_factory=_empty_counts)
     # SPEC 12, over the shipped samples plus the samples dropped in the window (live rollouts):
     length_samples: int = 0
-    # sampled positions per length bucket
-    length_sampled: Counts = field(default_factory=_empty_counts)
+    length_sampled: Counts = field(default_factory=_empty_counts)  # sampled positions per bucket
     length_removed: Counts = field(default_factory=_empty_counts)  # of those, masked or dropped
 
     def __add__(self, other: Tally) -> Tally:
@@ -70,8 +69,7 @@ class Tally:
         for name in _COUNTS_FIELDS:
             combined = array_op(*_aligned(mine[name], theirs[name]))
             values[name] = combined.astype(np.int64, copy=False)
-        # (every field given: the frozen __init__'s setattr per field skipped)
-        total = object.__new__(Tally)
+        total = object.__new__(Tally)  # every field set below: no frozen __init__ setattr
         total.__dict__.update(values)
         return total
 

@@ -32,8 +32,7 @@ _SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})
 IGNORE_PRAGMA = "staleness-migrate: ignore"
 MARKER_KEY = "migrate/legacy_through_step"
 _LINES = re.compile(r"[^\n]*\n|[^\n]+\Z")  # as patch splits (str.splitlines splits on U+2028 too)
-# what a history line holds: (key, new key, action, reason)
-_Seen = list[tuple[str, str | None, Action, str]]
+_Seen = list[tuple[str, str | None, Action, str]]  # a history line: key, new key, action, reason
 
 
 def iter_files(paths: Iterable[str]) -> Iterator[tuple[Path, bool]]:

@@ -14,8 +14,7 @@ from ..metrics import metric_table
 RENAMED_SETTING_FLAGS: Mapping[str, str] = {"max-off-policy-steps": "max-staleness"}
 CONSOLE_LABELS: Mapping[str, str] = {"Max Off-Policy": "Max Staleness"}
 CURRENT_KEYS: frozenset[str] = frozenset(metric_table.WANDB_KEYS)
-# prime-rl's orchestrator exporter
-DEFAULT_PROMETHEUS_PREFIXES: tuple[str, ...] = ("orchestrator_",)
+DEFAULT_PROMETHEUS_PREFIXES: tuple[str, ...] = ("orchestrator_",)  # prime-rl's orchestrator
 
 _HISTOGRAM_SERIES = ("", "_bucket", "_sum", "_count")
 CURRENT_PROMETHEUS_NAMES: frozenset[str] = frozenset(

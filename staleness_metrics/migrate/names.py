@@ -55,8 +55,7 @@ _WANDB_KEY = rf"(?<![\w/])(?:{_alternation(list(LEGACY_KEYS))}|{_FAMILIES})(?![\
 # other references to the old namespace (globs, regexes, unknown keys): reported only
 _NAMESPACE = rf"(?<![\w/]){re.escape(LEGACY_NAMESPACE)}[^\s\"'`,;)\]}}]*"
 _RENAMED_SETTINGS = {**RENAMED_SETTINGS, **legacy.RENAMED_SETTING_FLAGS}
-# match group -> (old name -> new name, reason)
-_TABLES = {
+_TABLES = {  # match group -> (old name -> new name, reason)
     "setting": (_RENAMED_SETTINGS, "renamed setting"),
     "console": (legacy.CONSOLE_LABELS, "console label"),
 }

@@ -238,8 +238,7 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     PeerKey("roll", "async_generation_ratio", None, f"{_ROLL}roll/configs/base_config.py:502",
             "how many steps generation may run ahead (an integer named a ratio): a bound on "
             "generation lead, not on the age of the data trained"),
-    # -- PipelineRL (no release; stats/lag_{mean,max}, issue 32, postdate the snapshot: their rows
-    # cite the lag they summarise) -----------------------------------------------------------------
+    # -- PipelineRL (no release; stats/lag_{mean,max} postdate the snapshot, issue 32) -------------
     PeerKey("pipelinerl", "stats/lag", None, f"{_PIPELINE}:881",
             f"last broadcast version - oldest actor version in the batch; {_PIPELINE_UNIT}"),
     *(

@@ -75,8 +75,7 @@ def _line(text: str, scalar: Scalar, hit: Hit) -> int:
     for _ in range(occurrence + 1):
         position = raw.find(hit.old, position + 1)
         if position < 0:
-            # the content starts after the indicator line
-            block = 1 if scalar.style in ("|", ">") else 0
+            block = 1 if scalar.style in ("|", ">") else 0  # the indicator line comes first
             return line_of(text, scalar.start) + value[: hit.start].count("\n") + block
     return line_of(text, scalar.start + position)
 
@@ -398,8 +397,7 @@ def _rule_of(path: Path) -> Path | None:
     return rule if len(rule) >= 2 and rule[-2] == "rules" and isinstance(rule[-1], int) else None
 
 
-# detection tries them in this order
-POLICIES = (
+POLICIES = (  # detection tries them in this order
     Policy(FileKind.GRAFANA, _looks_like_grafana, _grafana_context, _grafana_units, True),
     Policy(FileKind.PROMETHEUS_RULES, _looks_like_rules, _rules_context, _rules_units, True),
     Policy(FileKind.WANDB, _looks_like_wandb, _wandb_context, _wandb_units, False),

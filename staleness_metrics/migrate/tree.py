@@ -13,8 +13,7 @@ from typing import Any, TypeAlias
 
 from .model import MissingParser
 
-# keys and list indices from the document root (the first item: document index)
-Path = tuple[object, ...]
+Path = tuple[object, ...]  # keys and list indices from the root (the first item: document index)
 _Span = tuple[int, int]
 
 
@@ -24,8 +23,7 @@ class Scalar:
     end: int
     value: object
     style: str  # "json", or YAML's "plain", "'", '"', "|", ">"
-    # inside a flow collection ({...} or [...]), where plain scalars are restricted
-    in_flow: bool = False
+    in_flow: bool = False  # inside a flow collection ({...} or [...]): plain scalars are restricted
 
 
 @dataclass
@@ -257,8 +255,7 @@ class YamlSyntax:
             raise ValueError(str(exc)) from exc
 
     def render(self, text: str, scalar: Scalar, new_value: str, renames: dict[str, str]) -> str | None:
-        raw = text[scalar.start : scalar.end]
-        candidates = [substitute_names(raw, renames)]
+        candidates = [substitute_names(text[scalar.start : scalar.end], renames)]
         if scalar.style not in ("|", ">"):
             if "\n" in new_value or scalar.style == '"':
                 candidates.append(json.dumps(new_value, ensure_ascii=False))

@@ -93,8 +93,7 @@ class WhatIfRow:
     def from_tally(
         cls, bound: int, tally: Tally, cost: MismatchSums | None = None, floor_min_tokens: int = 1000
     ) -> WhatIfRow:
-        # The excess of what trained, over SPEC 14's floor of the same pooled tokens (lag 0, else
-        # the smallest lag with floor_min_tokens tokens).
+        # the excess of what trained over SPEC 14's floor of its tokens (lag 0, else the least lag)
         floor = None if cost is None else select_floor(cost, 1, None, min_tokens=floor_min_tokens, max_age=0)
         cost_keys = cost.metrics(floor=None if floor is None else floor.value) if cost is not None else {}
         # the tally's counts a row holds (tokens_sampled ... rollouts_held), by the names both use
@@ -224,8 +223,7 @@ def _replay_together(runs: list[tuple[Iterable[Step], Sink]], band: Band) -> lis
     return [(sink.totals, *cost) for (_, sink), cost in zip(runs, costs)]
 
 
-# below this, a fork and its hand-back cost about what a second core saves
-FORK_MIN_POSITIONS = 1 << 17
+FORK_MIN_POSITIONS = 1 << 17  # fewer: a fork and its hand-back cost about what a second core saves
 
 
 def _fork_safe() -> bool:
@@ -349,8 +347,7 @@ def what_if_with_curve(
     # the same steps at every bound: those above the first that removed nothing share its figures
     ascending = shared_steps is not None
     jobs = sorted(set(bounds)) if ascending else list(bounds)
-    # the replay that removes nothing runs beside them (over the same read), used where every bound
-    # removed something
+    # beside them (same read), the replay removing nothing: used where every bound removed some
     beside = [*jobs, UNBOUNDED] if costs else jobs
     if processes >= 2 and len(bounds) >= 2 and _fork_safe():
         replayed = _replay_split(beside, replay_jobs)

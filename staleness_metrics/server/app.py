@@ -58,8 +58,7 @@ from .store import SqliteStore, Store
 T = TypeVar("T")
 
 HEALTH_LOADING_WAIT = 5.0  # seconds /healthz waits for the stored runs to load after a restart
-# a rollouts body up to this size is read and applied in about a millisecond
-QUICK_BODY_BYTES = 64 * 1024
+QUICK_BODY_BYTES = 64 * 1024  # a rollouts body up to this size is read and applied in ~1 ms
 NDJSON = "application/x-ndjson"
 WRITE_ERRORS = (400, 401, 404, 409, 413)  # what a write to a run may answer, besides 422
 

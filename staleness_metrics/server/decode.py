@@ -26,8 +26,7 @@ FAST_DECODE_MAX_BYTES = 1024 * 1024
 # what a large body's other values may cost besides its size (not millions of tiny values)
 SKELETON_ALLOWANCE = 48 * 1024 * 1024
 _VALUE_COST = 72  # bytes of Python object per JSON value: a dict, list, str or float with its slot
-# text read into Python objects at once while a long list becomes an array
-_PIECE_BYTES = 256 * 1024
+_PIECE_BYTES = 256 * 1024  # read into Python objects at once while a long list becomes an array
 _INT_FIELDS = ("mask", "token_versions")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _FLOAT_FIELDS = ("rl_weights", "ce_weights", "ref_kl_weights", "logprobs", "trainer_logprobs")

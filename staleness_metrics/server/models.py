@@ -19,8 +19,7 @@ from ..records.validation import INT64_MAX, INT64_MIN, lone_surrogate
 
 # Run names appear in URLs and as the ``run`` label of every series.
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-# Steps stay exact in every JSON client (2**53) and far inside the sink's int64 tables.
-MAX_STEP = 2**53
+MAX_STEP = 2**53  # exact in every JSON client (2**53), far inside the sink's int64 tables
 
 Step = Annotated[int, Field(ge=1, le=MAX_STEP, strict=True, description="1-based train step (SPEC 2)")]
 _REPLAYED = "True when this is the stored answer to a repeated Idempotency-Key."

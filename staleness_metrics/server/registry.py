@@ -57,8 +57,7 @@ def build_exporters(run: str, settings: ExportSettings) -> RunExporters:
                 "project": settings.wandb_project,
                 "name": run,
                 "reinit": "create_new",  # one W&B run per service run, side by side in this process
-                # a dict: no import of wandb here
-                "settings": {"console": "off", "x_disable_stats": True},
+                "settings": {"console": "off", "x_disable_stats": True},  # a dict: no wandb import
                 **{key: value for key, value in extra.items() if value is not None},
             }
             exporters.others.append(WandbExporter(init_kwargs=init, own_run=True, close_timeout=WANDB_CLOSE_TIMEOUT))

@@ -14,8 +14,7 @@ from .limits import send_json
 
 TOKEN_ENV = "STALENESS_METRICS_TOKEN"
 
-# components.securitySchemes.HTTPBearer of the OpenAPI document
-BEARER_SCHEME: dict[str, Any] = {
+BEARER_SCHEME: dict[str, Any] = {  # components.securitySchemes.HTTPBearer of the OpenAPI document
     "type": "http",
     "description": f"The service token (`serve --token` or `{TOKEN_ENV}`). Required on writes when "
     "the service has a token, and on reads too with `--protect-reads`.",

@@ -23,8 +23,7 @@ from .models import reason_of
 
 DATABASE_NAME = "staleness.sqlite3"
 MANIFEST_NAME = "manifest.json"
-# PRAGMA user_version: 1 = rows carry checksums, 2 = a snapshot's state is its last column
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 2  # PRAGMA user_version; 1: rows carry checksums; 2: a snapshot's state last
 SNAPSHOT_EVERY = 256  # journal rows between snapshots
 SNAPSHOT_BYTES = 64 * 1024 * 1024  # or this much journal, whichever comes first
 PIECE_BYTES = 1024 * 1024  # journal or snapshot text written into SQLite at once
@@ -188,8 +187,7 @@ class SqliteStore(Store):
             self._db.close()
             raise
         if sorted(stored) != sorted(manifest):
-            # a crash between a created run's commit and its manifest
-            self._write_manifest(sorted(stored))
+            self._write_manifest(sorted(stored))  # a crash between a new run's commit and manifest
 
     def _read_manifest(self) -> list[str]:
         try:
@@ -197,8 +195,7 @@ class SqliteStore(Store):
         except FileNotFoundError:
             return []
         try:
-            manifest = orjson.loads(raw)
-            runs = manifest["runs"]
+            runs = orjson.loads(raw)["runs"]
             if not isinstance(runs, list) or not all(isinstance(name, str) for name in runs):
                 raise TypeError("runs: not a list of names")
         except (ValueError, TypeError, KeyError) as exc:
@@ -287,13 +284,11 @@ class SqliteStore(Store):
         data = dumps(config)
         insert = "INSERT INTO runs (name, config, checksum) VALUES (?, ?, ?)"
         self._write([(insert, (name, data, checksum("runs", name, 0, data)))])
-        # after the commit: a crash in between leaves a run the manifest does not name yet
-        with self._lock:
+        with self._lock:  # after the commit: a crash between leaves a run the manifest lacks
             self._write_manifest(self._manifest_runs())
 
     def delete_run(self, name: str) -> None:
-        # before the delete: a crash in between leaves a run the manifest no longer names
-        with self._lock:
+        with self._lock:  # before the delete: a crash between leaves a run the manifest lacks
             self._write_manifest([run for run in self._manifest_runs() if run != name])
         self._write([(f"DELETE FROM {table} WHERE {key} = ?", (name,)) for table, key in _RUN_TABLES])
 

@@ -24,8 +24,7 @@ if TYPE_CHECKING:
     from ...replay.sources import PrimeRlRead
 
 PROGRESS_MIN_BYTES = 16 << 20
-# lines of long samples are tens of KB: the default 8 KB buffer reads each in pieces
-READ_BUFFER = 1 << 20
+READ_BUFFER = 1 << 20  # a long sample's line is tens of KB: 8 KB (the default) reads it in pieces
 
 EPILOG = """\
 examples:
@@ -53,8 +52,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 def open_events(
     path: Path, progress: bool | None, config: StalenessConfig, run: RunDirectory | None = None
 ) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
-    """Events of a stream, of a run directory (``run``) or of a run the adapters read, and a current
-    prime-rl run's reader."""
+    """Events of a stream, run directory (``run``) or adapters' run; a prime-rl run's reader."""
     from ...replay.sources import as_replay_events, detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()

@@ -91,8 +91,7 @@ def _listen(host: str, port: int) -> socket.socket:
     family, kind, proto, _, address = found[0]
     sock = socket.socket(family, kind, proto)
     try:
-        # a restarted service can take its port back while old connections linger
-        if os.name != "nt":
+        if os.name != "nt":  # a restarted service takes its port back while old connections linger
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         sock.listen(socket.SOMAXCONN)
@@ -116,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
     floors = {"max_body_bytes": 1, "body_bytes_per_span_row": 0, "max_header_bytes": 1024}
     try:
         token = _token(args)  # a token file unreadable, empty or not UTF-8, or a blank token
-        # the socket layer would wrap a larger port number around silently
-        if not 0 <= args.port <= 65535:
+        if not 0 <= args.port <= 65535:  # the socket layer would silently wrap a larger port
             raise ValueError(f"--port must be 0..65535, got {args.port}")
         check_bind(args.host, token)
         for name, least in floors.items():
@@ -142,16 +140,14 @@ def run(args: argparse.Namespace) -> int:
         exporters=exporters,
         data_dir=data_dir,
     )
-    # a large body's memory goes back to the system once it is applied
-    return_large_frees_to_the_os()
+    return_large_frees_to_the_os()  # a large body's memory goes back to the OS once applied
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
         return failed("serve", f"cannot listen on {args.host}:{args.port}: {exc}", 1)
     try:
         app = create_app(settings)  # restores the stored runs, before the URL is announced
-    except Exception as exc:
-        # an unreadable or foreign data directory: say so rather than start empty
+    except Exception as exc:  # an unreadable or foreign data directory: say so, do not start empty
         sock.close()
         return failed("serve", f"cannot load the data directory {data_dir}: {exc}", 1)
     host, port = sock.getsockname()[:2]

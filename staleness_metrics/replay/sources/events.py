@@ -9,8 +9,7 @@ from typing import Any
 
 from ...errors import EventError
 
-# One SPEC 9 event as a plain dict: {"type": "rollout" | "sweep" | "ship", ...}.
-EventDict = dict[str, Any]
+EventDict = dict[str, Any]  # a SPEC 9 event: {"type": "rollout" | "sweep" | "ship", ...}
 
 
 def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:

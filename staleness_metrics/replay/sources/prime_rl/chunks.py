@@ -44,8 +44,7 @@ class TracesLayout:
 
 
 def _chunks(folder: Path) -> list[ChunkFile]:
-    """A chunked stream's files in chunk order, a plain file preferred to its sealed twin (as
-    prime-rl's reader does)."""
+    """Chunk files in order, a plain file over its sealed twin (as prime-rl's reader does)."""
     found: dict[int, ChunkFile] = {}
     for path in folder.iterdir():
         match = _CHUNK.match(path.name)
@@ -101,8 +100,7 @@ def is_current_layout(path: str | Path) -> bool:
     return find_layout(path) is not None
 
 
-# What can be set aside, as counted (the keys of :attr:`Damage.counts`).
-DAMAGE_KINDS = {
+DAMAGE_KINDS = {  # what can be set aside, as counted (the keys of :attr:`Damage.counts`)
     "bad_line": "lines that are not JSON",
     "not_episode": "stream lines that are not an episode record",
     "not_update": "annotation lines that are not an update",

@@ -267,8 +267,7 @@ def fold_streams(
 
 
 def _spread(nodes: list[_Node], path: list[int], name: str, fill: float) -> npt.NDArray[Any] | None:
-    """A compact per-node field spread onto the branch's positions (``fill`` elsewhere); None when
-    no node of the branch has it."""
+    """A per-node field on the branch's positions (else ``fill``); None if no node has it."""
     parts, found = [], False
     for node in (nodes[i] for i in path):
         values = np.full(len(node.mask), fill, dtype=np.int64 if name == "versions" else np.float64)
