@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from ..engine.shipment import Shipment, ShippedRollout
 from ..errors import FieldError, FieldTypeError, TraceError
-from ..records.columnar import IntArray, RolloutBatch
+from ..records.columnar import IntArray, RolloutBatch, as_numpy
 
 S = TypeVar("S")
 
@@ -27,8 +27,9 @@ class TrainerNames:
     counter: str
     fields: Mapping[str, str] = field(default_factory=dict)
 
-    def trace_error(self, error: TraceError, ids: Sequence[str] = ()) -> TraceError:
-        """``error`` naming the trainer's own field, at the row of its rollout in ``ids``."""
+    def trace_error(self, error: TraceError, ids: Sequence[str] = (), at: str = "") -> TraceError:
+        """``error`` naming the trainer's own field, at the row of its rollout in ``ids`` (in the
+        trainer batch ``at``)."""
         own = self.fields.get(error.field.rsplit(".", 1)[-1])
         rid = error.rollout_id
         name = error.field if own is None or rid not in ids else own.format(row=ids.index(rid))
@@ -37,7 +38,7 @@ class TrainerNames:
             reason += (
                 f"; `version` is the policy version of the weights being trained: pass {self.trainer}'s {self.counter}"
             )
-        return TraceError(rid, name, reason)
+        return TraceError(rid, at + name, reason)
 
 
 class TrainerArray:
@@ -48,10 +49,9 @@ class TrainerArray:
         self.shared = True  # whether ``array`` is the trainer's own memory
         if isinstance(value, np.ndarray):
             self.array = value
-        elif _is_tensor(value) and value.device.type == "cpu" and not value.requires_grad:
-            self.array = value.numpy()
         elif _is_tensor(value):
-            self.array, self.shared = value.detach().cpu().numpy(), False
+            self.array = as_numpy(value)
+            self.shared = self.array.ctypes.data == value.data_ptr() and not value.requires_grad
         else:
             raise FieldTypeError(None, f"expected a numpy array or a tensor, got {type(value).__name__}")
 
@@ -150,11 +150,13 @@ def ship_rows(
         raise FieldError("version", f"{version} is negative; pass {names.trainer}'s {names.counter}")
     trained = int(version)
     pending = _PENDING.setdefault(monitor, _Pending())
+    try:  # one add: all or nothing
+        monitor.add(batches[0][0] if len(batches) == 1 else [b for b, _, _ in batches])
+    except TraceError as error:
+        k = next((k for k, (batch, _, _) in enumerate(batches) if error.rollout_id in batch.ids), 0)
+        which = f"batch[{k}]." if len(batches) > 1 else ""  # (the trainer batch at fault)
+        raise names.trace_error(error, batches[k][0].ids, which) from error
     for batch, source, write_back in batches:
-        try:
-            monitor.add(batch)
-        except TraceError as error:
-            raise names.trace_error(error, batch.ids) from error
         queued = [rid for rid in batch.ids if rid not in pending.owner]
         pending.entries[id(batch)] = _Entry(batch, source, write_back, len(queued))
         pending.owner.update(dict.fromkeys(queued, id(batch)))

@@ -22,9 +22,7 @@ def _get(sample: Any, name: str) -> Any:
 
 
 def _concat(parts: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
-    if not parts:
-        return np.zeros(0, dtype=dtype)
-    return np.concatenate(parts).astype(dtype, copy=False)
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
 def from_training_samples(
@@ -40,12 +38,8 @@ def from_training_samples(
     dispatch and completion versions (no policy: ``frozen``)."""
     if len(rollout_ids) != len(samples):
         raise FieldError("rollout_ids", f"{len(rollout_ids)} ids for {len(samples)} samples")
-    ids: list[str] = []
-    starts: list[int] = []
-    for index, rid in enumerate(rollout_ids):
-        if not ids or ids[-1] != rid:
-            ids.append(rid)
-            starts.append(index)
+    starts = [i for i, rid in enumerate(rollout_ids) if i == 0 or rollout_ids[i - 1] != rid]
+    ids = [rollout_ids[i] for i in starts]
     if len(set(ids)) != len(ids):
         raise FieldError("rollout_ids", "the samples of one rollout must be adjacent")
     missing = [rid for rid in ids if rid not in policy]
@@ -69,8 +63,8 @@ def from_training_samples(
             arrays[name] = _concat(parts, np.float64)  # float64: written back exactly as given
             present[name] = have
     spans = [policy[rid] for rid in ids]
-    dispatch = np.array([-1 if start is None else start for start, _ in spans], dtype=np.int64)
-    completion = np.array([-1 if start is None or end is None else end for start, end in spans], dtype=np.int64)
+    dispatch = np.array([-1 if start is None else start for start, _ in spans])  # 2.9: refused
+    completion = np.array([-1 if start is None or end is None else end for start, end in spans])
     return RolloutBatch(
         ids=ids,
         sample_offsets=np.array([*starts, len(samples)], dtype=np.int64),

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConfigError, FieldError, MissingFieldError, TraceError
-from ..records.columnar import RolloutBatch
+from ..records.columnar import RolloutBatch, as_numpy
 from ._ship import TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 if TYPE_CHECKING:
@@ -58,12 +58,6 @@ _NAMES = TrainerNames(
 )
 
 
-def _numpy(value: Any) -> npt.NDArray[Any]:
-    if getattr(value, "detach", None) is not None:
-        value = value.detach().cpu()
-    return np.asarray(value)
-
-
 def _read(samples: Sequence[Any]) -> RolloutBatch:
     """One rollout of one sample per ``RolloutSample`` (``model_version``: dispatched under it)."""
     prefix = uuid.uuid4().hex[:12]
@@ -75,11 +69,11 @@ def _read(samples: Sequence[Any]) -> RolloutBatch:
             raise TraceError(rid, f"samples[{row}].model_version", "missing or None on the RolloutSample")
         if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise TraceError(rid, f"samples[{row}].model_version", f"expected an integer >= 0, got {version!r}")
-        mask = _numpy(getattr(sample, "completion_mask", None))
+        mask = as_numpy(getattr(sample, "completion_mask", None))
         if mask.ndim != 1:
             raise TraceError(rid, f"samples[{row}].completion_mask", f"expected one row, got shape {mask.shape}")
         old = getattr(sample, "old_log_probs", None)
-        old_values = np.full(len(mask), np.nan) if old is None else _numpy(old).astype(np.float64)
+        old_values = np.full(len(mask), np.nan) if old is None else as_numpy(old).astype(np.float64)
         if old_values.shape != mask.shape:
             reason = f"length {len(old_values)} differs from completion_mask's {len(mask)}"
             raise TraceError(rid, f"samples[{row}].old_log_probs", reason)
@@ -93,7 +87,7 @@ def _read(samples: Sequence[Any]) -> RolloutBatch:
         ids=ids,
         sample_offsets=np.arange(len(samples) + 1, dtype=np.int64),
         position_offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
-        mask=np.concatenate(masks).astype(np.int64) if masks else np.zeros(0, dtype=np.int64),
+        mask=np.concatenate(masks) if masks else np.zeros(0, dtype=np.int64),  # (0.5: refused)
         dispatch_version=np.array(versions, dtype=np.int64),
         group_ids=groups,
         logprobs=np.concatenate(logprobs) if logprobs else np.zeros(0),
@@ -141,7 +135,7 @@ def packed_staleness_lag(row: Any) -> npt.NDArray[np.int64]:
     parts = []
     for sample in row.samples:
         mask = sample["completion_mask"]
-        parts.append(staleness_lag_of(mask)[1:][_numpy(mask)[1:] != 0])
+        parts.append(staleness_lag_of(mask)[1:][as_numpy(mask)[1:] != 0])
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
@@ -204,7 +198,7 @@ class _MicroBatch:
                     continue  # dropped
                 terms = np.flatnonzero(term_sample == k)
                 position = term_position[terms]
-                trains = _numpy(self.samples[k].completion_mask)[position] != 0  # the shipped mask
+                trains = as_numpy(self.samples[k].completion_mask)[position] != 0  # shipped mask
                 row[terms] = np.where(trains, lag[position], _VOID)
             if len(row) and not (row >= 0).any():
                 row[0] = _PLACEHOLDER
@@ -291,7 +285,7 @@ class TrainTimeShipping:
                     mask = item["completion_mask"]
                     samples.append(_Pulled(mask, item["old_log_probs"], item["group_id"], self._version(mask)))
                     # TreeRow.pack's loss terms
-                    positions.append(np.flatnonzero(_numpy(mask)[1:] != 0) + 1)
+                    positions.append(np.flatnonzero(as_numpy(mask)[1:] != 0) + 1)
                 counts = [len(p) for p in positions]
                 term_sample.append(np.repeat(np.arange(first, len(samples), dtype=np.int64), counts))
                 term_position.append(np.concatenate(positions).astype(np.int64) if positions else np.zeros(0, np.int64))
@@ -359,7 +353,7 @@ def _apply(inputs: dict[str, Any], codes: npt.NDArray[np.int64], kept_terms: int
     """One rank's rows of a decision into TRL's tensors (voided terms and unread labels out)."""
     index = inputs["token_index"]
     void = codes == _VOID
-    positions = _numpy(index)
+    positions = as_numpy(index)
     labels = inputs["shift_labels"]
     unread = np.zeros(tuple(labels.shape), dtype=bool)
     for row in range(len(codes)):

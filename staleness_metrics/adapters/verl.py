@@ -12,7 +12,7 @@ import numpy.typing as npt
 
 from ..engine.shipment import Shipment, padded_shipment
 from ..errors import FieldError, MissingFieldError, TraceError
-from ..records.columnar import RolloutBatch
+from ..records.columnar import RolloutBatch, as_int64
 from ._ship import ShippedPart, TrainerArray, TrainerNames, new_tensor_like, ship_rows
 
 _VERSION_FIELDS = (
@@ -25,15 +25,14 @@ def _versions(extras: Mapping[str, Any], name: str, ids: Sequence[str]) -> npt.N
     values = extras[name]
     if len(values) != len(ids):
         raise FieldError(f"non_tensor_batch[{name!r}]", f"verl batch: {len(values)} rows for {len(ids)} ids")
-    missing = np.flatnonzero(np.array([v is None for v in values], dtype=bool))
-    if len(missing):
-        row = int(missing[0])
+    row = next((row for row, value in enumerate(values) if value is None), None)
+    if row is not None:
         raise TraceError(
             ids[row],
             f"non_tensor_batch[{name!r}][{row}]",
             "is None: the trajectory has no policy version (the rollout server never got set_global_steps)",
         )
-    return np.asarray(values, dtype=np.int64)
+    return as_int64(values, f"non_tensor_batch[{name!r}]", ids)
 
 
 def verl_row_ids(uids: Sequence[Any]) -> list[str]:
@@ -60,7 +59,7 @@ def from_verl(
     if "response_mask" in tensors:
         mask = np.asarray(tensors["response_mask"])
     elif "responses" in tensors and "attention_mask" in tensors:
-        mask = np.asarray(tensors["attention_mask"])[:, -np.asarray(tensors["responses"]).shape[1] :]
+        mask = np.array(tensors["attention_mask"])[:, -np.asarray(tensors["responses"]).shape[1] :]
     else:
         raise MissingFieldError("response_mask", "verl batch: needs response_mask, or responses and attention_mask")
     attention = None
@@ -132,6 +131,10 @@ def ship(
     all shipped), masked in its ``response_mask``, with ``batch["staleness_lag"]`` ``[B, Lr]``."""
     tensors, extras = data.batch, data.non_tensor_batch
     present = tensors.keys()  # a TensorDict refuses `in` on itself
+    if "response_mask" not in present and "responses" in present and "attention_mask" in present:
+        # as verl's compute_response_mask makes it: the sink masks this, never attention_mask
+        width = tensors["responses"].shape[1]
+        tensors["response_mask"] = tensors["attention_mask"][:, -width:].clone()
     views = {name: TrainerArray(tensors[name]) for name in _READ if name in present}
     rollouts = from_verl(
         ({name: view.array for name, view in views.items()}, extras),

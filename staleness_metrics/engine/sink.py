@@ -124,14 +124,16 @@ class Sink:
         """Errors of the rollouts set aside in lenient mode, oldest first."""
         return tuple(self._invalid)
 
-    def add(self, rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Mapping[str, Any] | Rollout]) -> int:
-        """Queue finished rollouts: records (dicts or :class:`Rollout`), an iterable of them, or a
-        :class:`RolloutBatch` (whose arrays the sink then owns and masks in place). Strict mode
-        raises :class:`TraceError` for the first invalid rollout and adds nothing; lenient mode
-        sets invalid rollouts aside (counted). Returns how many rollouts were queued."""
+    def add(self, rollouts: RolloutBatch | Rollout | Mapping[str, Any] | Iterable[Any]) -> int:
+        """Queue finished rollouts: records (dicts or :class:`Rollout`), an iterable of them, a
+        :class:`RolloutBatch` (its arrays the sink then owns and masks in place) or a list of them,
+        all or nothing: strict mode raises :class:`TraceError` for the first invalid rollout and
+        adds nothing; lenient mode sets invalid ones aside (counted). Returns how many were queued."""
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
-        records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else rollouts
+        records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else list(rollouts)
+        if records and all(isinstance(batch, RolloutBatch) for batch in records):
+            return self._add_batches(records)
         items = [parse_or_error(r.to_record() if isinstance(r, Rollout) else r) for r in records]
         parsed_here = [item for item in items if isinstance(item, ParsedRollout)]
         return self.add_parsed(items, pack(parsed_here, adopt=True) if parsed_here else None)
@@ -157,6 +159,24 @@ class Sink:
         if not parsed:
             return 0
         return self._add_batch(packed if packed is not None else pack(parsed), checked, part)
+
+    def _add_batches(self, batches: list[Any]) -> int:
+        """Several batches, all or nothing: each checked first, the valid ids of those before it
+        standing in the queue's seen ids meanwhile (a repeat is a duplicate, as if added)."""
+        self.queue.build_staged()
+        seen, earlier, checked = self.queue.seen_ids, set(), []
+        try:
+            for batch in batches:
+                verdicts, spans = checked_spans(batch, seen)
+                if verdicts.errors and self.config.strict:
+                    raise verdicts.errors[min(verdicts.errors)]
+                checked.append((verdicts, spans))
+                valid = {rid for i, rid in enumerate(batch.ids) if i not in verdicts.errors}
+                seen |= valid
+                earlier |= valid
+        finally:
+            seen -= earlier
+        return sum(self._add_batch(b, found) for b, found in zip(batches, checked, strict=True))
 
     def _set_aside(self, error: TraceError, env: str | None) -> None:
         self._invalid.append(error)
@@ -187,8 +207,8 @@ class Sink:
                 env = batch.envs[index] if batch.envs is not None else None
                 self._set_aside(error, env if isinstance(env, str) and env else None)
             kept_ids = np.flatnonzero(~verdicts.invalid).tolist()
-            if not kept_ids:
-                return 0
+        if kept_ids == [] or batch.n_rollouts == 0:  # (nothing to queue: as add([]))
+            return 0
         if part is not None:
             self.queue.add_part(batch, spans, part)
             return part[1] - part[0]

@@ -96,7 +96,8 @@ def build_spans(batch: RolloutBatch, verdicts: Verdicts, *, token_values: bool =
     cut = np.diff(pos_off) > 0
     if verdicts.errors:
         cut &= ~verdicts.invalid[sample_rollout]
-    present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None]
+    readable = batch.unmaskable() is None  # (else every rollout is invalid: no weight is read)
+    present = [name for name in WEIGHT_FIELDS if getattr(batch, name) is not None and readable]
     weights = [getattr(batch, name) for name in present]
     assert batch.label_kind is not None
     given = (batch.token_versions, batch.span_offsets, batch.span_starts, batch.span_versions)

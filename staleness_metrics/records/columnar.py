@@ -27,8 +27,22 @@ PER_ROLLOUT_ARRAYS = ("dispatch_version", "completion_version", "frozen", "agent
 LABELS_NONE, LABELS_SPANS, LABELS_TOKENS = 0, 1, 2  # how a sample labelled its positions
 
 
-def _as_int64(values: Any) -> IntArray:
-    return np.ascontiguousarray(values, dtype=np.int64)
+def as_int64(values: Any, name: str, ids: Sequence[Any] | None = None) -> IntArray:
+    """``values`` as int64, refusing (by rollout, else index) any no int64 holds: 2.5, True, NaN."""
+    array = np.asarray(values)
+    array = np.asarray(array.tolist()) if array.dtype.kind == "O" else array  # (Python numbers)
+    if array.dtype.kind != "i" and array.size:
+        flat = array.reshape(-1)
+        with np.errstate(invalid="ignore"):  # (NaN, inf and floats past int64 differ once cast)
+            cast = flat.astype(np.int64) if array.dtype.kind in "uf" else None
+        exact = [type(v) is int for v in flat.tolist()] if cast is None else cast == flat
+        if not np.all(exact):
+            at = int(np.argmin(exact))
+            reason = f"expected an integer, got {flat[at : at + 1].tolist()[0]!r}"
+            if ids is None or array.shape != (len(ids),):
+                raise FieldError(f"{name}[{at}]", reason)
+            raise TraceError(ids[at] if isinstance(ids[at], str) else None, name, reason)
+    return np.ascontiguousarray(array, dtype=np.int64)
 
 
 @dataclass
@@ -72,22 +86,19 @@ class RolloutBatch:
 
     def __post_init__(self) -> None:
         n_rollouts, n_samples = len(self.ids), len(self.position_offsets) - 1
-        self.sample_offsets = _as_int64(self.sample_offsets)
-        self.position_offsets = _as_int64(self.position_offsets)
-        self.dispatch_version = _as_int64(self.dispatch_version)
+        self.sample_offsets = as_int64(self.sample_offsets, "sample_offsets")
+        self.position_offsets = as_int64(self.position_offsets, "position_offsets")
+        self.dispatch_version = as_int64(self.dispatch_version, "dispatch_version", self.ids)
         if self.completion_version is None:
             self.completion_version = np.full(n_rollouts, -1)
-        self.completion_version = _as_int64(self.completion_version)
+        self.completion_version = as_int64(self.completion_version, "completion_version", self.ids)
         self.frozen = np.zeros(n_rollouts, dtype=bool) if self.frozen is None else self.frozen
         self.agentic = np.zeros(n_rollouts, dtype=bool) if self.agentic is None else self.agentic
         self.group_ids = [None] * n_rollouts if self.group_ids is None else self.group_ids
         self.envs = [None] * n_rollouts if self.envs is None else self.envs
-        if self.token_versions is not None:
-            self.token_versions = _as_int64(self.token_versions)
-        if self.span_offsets is not None:
-            self.span_offsets = _as_int64(self.span_offsets)
-            self.span_versions = _as_int64(self.span_versions)
-            self.span_starts = _as_int64(self.span_starts)
+        for name in ("token_versions", "span_offsets", "span_versions", "span_starts"):
+            if getattr(self, name) is not None:
+                setattr(self, name, as_int64(getattr(self, name), name))
         if self.label_kind is None:
             kind = np.full(n_samples, LABELS_NONE, dtype=np.int8)
             if self.span_offsets is not None:
@@ -118,6 +129,16 @@ class RolloutBatch:
         :func:`~staleness_metrics.engine.shipment.padded_shipment` reads them back either way.
         """
         return cls(**padded_columns(ids, mask, **columns))
+
+    def unmaskable(self) -> tuple[str, str] | None:
+        """``(field, reason)`` of the first array the sink cannot mask in place, else None."""
+        for name in ("mask", *(n for n in WEIGHT_FIELDS if getattr(self, n) is not None)):
+            values = getattr(self, name)
+            if values.dtype.kind not in "biuf" or values.dtype.itemsize > 8:
+                return name, f"unsupported dtype {values.dtype}"
+            if not values.flags.writeable:
+                return name, "read-only: the sink masks it in place"
+        return None
 
     @property
     def n_rollouts(self) -> int:
@@ -160,8 +181,17 @@ class PaddedColumns(TypedDict, total=False):
     agentic: Any
 
 
+def as_numpy(values: Any) -> npt.NDArray[Any]:
+    """An array-like as numpy: a tensor detached on the CPU (a CPU one's own memory), bfloat16
+    read as float32 (numpy has none)."""
+    if hasattr(values, "detach"):
+        values = values.detach().cpu()
+        values = values.float() if str(values.dtype) == "torch.bfloat16" else values
+    return np.asarray(values)
+
+
 def _matrix(name: str, values: Any, shape: tuple[int, int] | None) -> npt.NDArray[Any]:
-    array = np.asarray(values)
+    array = as_numpy(values)
     if array.ndim != 2:
         raise FieldError(name, f"expected a [B, L] array, got shape {array.shape}")
     if shape is not None and array.shape != shape:
@@ -170,7 +200,7 @@ def _matrix(name: str, values: Any, shape: tuple[int, int] | None) -> npt.NDArra
 
 
 def _row_vector(name: str, values: Any, rows: int, dtype: Any = None) -> npt.NDArray[Any]:
-    array = np.asarray(values)
+    array = as_numpy(values)
     if array.shape != (rows,):
         raise FieldError(name, f"expected {rows} values (one per row), got shape {array.shape}")
     return array if dtype is None else array.astype(dtype)
@@ -239,10 +269,8 @@ def padded_columns(ids: Sequence[str], mask: Any, **columns: Unpack[PaddedColumn
     if unknown:
         raise TypeError(f"padded_columns() got an unexpected keyword argument {unknown[0]!r}")
     mask_2d = _matrix("mask", mask, None)
-    shape: tuple[int, int] = (int(mask_2d.shape[0]), int(mask_2d.shape[1]))
-    rows, width = shape
-    id_list = _row_list("ids", ids, rows)
-    assert id_list is not None
+    rows, width = shape = (int(mask_2d.shape[0]), int(mask_2d.shape[1]))
+    id_list = _row_list("ids", ids, rows) or []
     given: dict[str, Any] = dict(columns)
     valid = _valid(shape, given)
     arrays = {n: _matrix(n, given[n], shape) for n in PER_POSITION_FLOATS if given.get(n) is not None}
@@ -283,7 +311,7 @@ def _dispatch(
     """Per row the dispatch version given, else its oldest label (-1 for a frozen row)."""
     rows = len(frozen)
     if given is not None:
-        return _row_vector("dispatch_version", given, rows, np.int64)
+        return _row_vector("dispatch_version", given, rows)  # (RolloutBatch reads it as int64)
     if spans is None:
         if not frozen.all():
             row = int(np.flatnonzero(~frozen)[0])

@@ -306,8 +306,7 @@ def check_head(raw: dict[str, Any]) -> ParsedRollout:
     """A record's fields but ``samples`` checked, as a rollout of no samples yet echoing them."""
     rid = raw.get("id")
     if not isinstance(rid, str) or not rid:
-        printable = None if rid is None else printable_id(str(rid))
-        raise TraceError(printable, "id", "required non-empty string")
+        raise TraceError(printable_id(rid), "id", "required non-empty string")
     check_text(rid, "id", rid)  # a store, an exporter or a JSON answer could not write it
     unknown = sorted(set(raw) - _ROLLOUT_FIELDS)
     if unknown:

@@ -20,6 +20,7 @@ IntArray = npt.NDArray[np.int64]
 # what a JSON store keeps exactly (orjson writes 254 levels; a record is never deeper than 5)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STORED_DEPTH = 128
+_GROUP_TYPES = frozenset({str, type(None)})  # what a group id may be
 
 
 def lone_surrogate(text: str) -> int | None:
@@ -42,11 +43,12 @@ def check_text(rollout_id: str | None, field: str, text: str) -> None:
         raise TraceError(printable_id(rollout_id), field, surrogate_reason(text, at))
 
 
-def printable_id(rollout_id: str | None) -> str | None:
+def printable_id(rollout_id: object) -> str | None:
     """``rollout_id`` with any lone surrogate escaped, so an error naming it can be encoded."""
-    if rollout_id is None or lone_surrogate(rollout_id) is None:
-        return rollout_id
-    return rollout_id.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
+    text = None if rollout_id is None else str(rollout_id)  # (an id of no string: named as one)
+    if text is None or lone_surrogate(text) is None:
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("ascii", "backslashreplace")
 
 
 _PLAIN_SCALARS = frozenset({int, float, bool, type(None)})
@@ -199,26 +201,35 @@ def check_batch(batch: RolloutBatch, known_ids: Container[str] = frozenset(), *,
     position values, token versions too without ``token_values``)."""
     _check_shapes(batch)
     verdicts = Verdicts(batch)
+    field, reason = batch.unmaskable() or ("", "")
+    for index in range(batch.n_rollouts) if field else ():
+        verdicts.rollout(index, field, reason)
 
     # set operations first; the loops that name offenders run only when there are some
-    ids = batch.ids
-    if not _ids_new(ids, known_ids):
+    ids, group_ids, envs = batch.ids, batch.group_ids or (), batch.envs or ()
+    if not (_plain_ids(ids, group_ids) and _plain_envs(envs)):
+        for index, (rid, group, env) in enumerate(zip(ids, group_ids, envs, strict=True)):
+            if not isinstance(rid, str) or not rid:
+                verdicts.rollout(index, "id", "required non-empty string")
+            elif group is not None and not isinstance(group, str):
+                verdicts.rollout(index, "group_id", f"expected a string, got {group!r}")
+            elif env is not None and (not isinstance(env, str) or not env):
+                verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
+    for index in np.flatnonzero(np.diff(batch.sample_offsets) == 0).tolist():
+        verdicts.rollout(index, "samples", "must hold at least one sample")
+    if verdicts.errors or not _ids_new(ids, known_ids):
         seen: set[str] = set()
         for index, rid in enumerate(ids):
+            if not isinstance(rid, str):
+                continue  # (named above: perhaps unhashable)
             if rid in known_ids or rid in seen:
                 verdicts.rollout(index, "id", "duplicate id: a rollout with this id was already added")
             seen.add(rid)
-
-    envs = batch.envs or ()
-    for name, texts in (("id", ids), ("group_id", batch.group_ids or ()), ("env", envs)):
+    for name, texts in (("id", ids), ("group_id", group_ids), ("env", envs)):
         if lone_surrogate(_strings_joined(texts)) is not None:
             for index, text in enumerate(texts):
                 if isinstance(text, str) and (at := lone_surrogate(text)) is not None:
                     verdicts.rollout(index, name, surrogate_reason(text, at))
-    if not _plain_envs(envs):
-        for index, env in enumerate(envs):
-            if env is not None and (not isinstance(env, str) or not env):
-                verdicts.rollout(index, "env", f"must be a non-empty string when present, got {env!r}")
 
     live = ~np.asarray(batch.frozen, dtype=bool)
     d, c = batch.dispatch_version, batch.completion_version
@@ -315,6 +326,13 @@ def span_fault(pairs: npt.NDArray[np.signedinteger[Any]], length: int) -> tuple[
     return None
 
 
+def _plain_ids(ids: Sequence[Any], groups: Sequence[Any]) -> bool:
+    """Whether every id is a non-empty string, every group id a string or None (False: not sure)."""
+    if len(ids) == 1:  # (the usual single add: no sets)
+        return type(ids[0]) is str and ids[0] != "" and type(groups[0]) in _GROUP_TYPES
+    return set(map(type, ids)) == {str} and "" not in ids and set(map(type, groups)) <= _GROUP_TYPES
+
+
 def _ids_new(ids: Sequence[str], known: Container[str]) -> bool:
     """Whether the ids are distinct and none is known (False too when ``known`` is no set)."""
     if not isinstance(known, (set, frozenset)):
@@ -345,7 +363,7 @@ def plainly_valid(batch: RolloutBatch, known_ids: Container[str] = frozenset(), 
                    batch.trainer_logprobs, batch.token_versions):  # fmt: skip
         if values is not None and (len(values) != n_positions or values.ndim != 1):
             return False
-    if not _ids_new(ids, known_ids):
+    if not _plain_ids(ids, group_ids) or not _ids_new(ids, known_ids):
         return False
     if not (n_rollouts == 1 and _ascii(ids[0]) and _ascii(group_ids[0]) and _ascii(envs[0])) and (
         lone_surrogate("".join(map(str, itertools.chain(ids, group_ids, envs)))) is not None
@@ -418,9 +436,9 @@ def _plain_values(
         return False
     if position_offsets[n_samples] != n:
         return False
-    for i in range(n_rollouts):  # offsets never decreasing; versions as check_batch wants them
+    for i in range(n_rollouts):  # a sample at least; versions as check_batch wants them
         d, c = dispatch[i], completion[i]
-        if sample_offsets[i + 1] < sample_offsets[i] or d < 0 or c < -1 or 0 <= c < d:
+        if sample_offsets[i + 1] <= sample_offsets[i] or d < 0 or c < -1 or 0 <= c < d:
             return False  # (frozen ones too: -1 falls to the exact path)
     for j in range(n_samples):
         kind = label_kind[j]
@@ -466,13 +484,13 @@ def plain_values(
     dtype = mask.dtype
     empty = _PLAIN_PADDING.get(dtype)
     n_rollouts, sample_offsets, position_offsets, dispatch, completion, label_kind, labels = rows
-    if empty is None or mask.ndim != 1 or not mask.flags.c_contiguous or label_kind.dtype != _INT8:
+    if empty is None or mask.ndim != 1 or not mask.flags.carray or label_kind.dtype != _INT8:
         return False
     if not sample_offsets.ndim == position_offsets.ndim == dispatch.ndim == completion.ndim == label_kind.ndim == 1:
         return False  # (other shapes: the exact checks name them)
     rl, ce, ref_kl, logprobs = [empty if v is None else v for v in (*weights, logprobs)]
     for values in (rl, ce, ref_kl, logprobs):
-        if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.c_contiguous):
+        if values is not empty and (values.dtype != dtype or values.ndim != 1 or not values.flags.carray):
             return False
     loop = _plain_values.loaded()  # (the compiled loop itself once it is loaded)
     result: bool = loop(

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from staleness_metrics import StalenessConfig
+from staleness_metrics import StalenessConfig, StalenessMonitor, TraceError
+from staleness_metrics.adapters import prime_rl_live
 from staleness_metrics.adapters.prime_rl_live import from_training_samples, shipped_samples
 from tests.adapters.equivalence import compare_ships, shipped_records
 
@@ -151,3 +152,11 @@ def test_random_traces_equal_their_records(
         assert [int(m) for m in got.mask] == want["mask"]
         for name in ("rl_weights", "ce_weights", "ref_kl_weights"):
             assert getattr(got, name) == want.get(name)
+
+
+def test_a_policy_version_no_integer_is_refused_as_given_and_no_samples_ship_nothing() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=0))
+    with pytest.raises(TraceError, match=r"^rollout 'r': field dispatch_version: expected an integer, got 2\.9$"):
+        prime_rl_live.ship(monitor, [{"mask": [1, 1]}], version=3, rollout_ids=["r"], policy={"r": (2.9, 3)})
+    assert monitor.sink.queued == 0
+    assert prime_rl_live.ship(monitor, [], version=3, rollout_ids=[], policy={}) == []

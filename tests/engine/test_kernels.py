@@ -499,7 +499,7 @@ def test_plain_values_reads_offsets_versions_and_label_kinds() -> None:
         return plain_values(**rows, mask=mask, weights=none, logprobs=None, tokens=np.zeros(4, dtype=np.int64))
 
     assert plain() is True
-    assert plain(sample_offsets=np.array([0, 2, 2])) is True  # (a rollout of no sample is valid)
+    assert plain(sample_offsets=np.array([0, 2, 2])) is False  # a rollout of no sample: SPEC 3 refuses it
     assert plain(sample_offsets=np.array([0, 3, 2])) is False  # back
     assert plain(sample_offsets=np.array([0, 1])) is False  # one entry short (the lengths come first)
     assert plain(position_offsets=np.array([0, 3, 2])) is False

@@ -1,0 +1,134 @@
+"""Bad input through the trainers' own objects (AReaL's padded dicts, verl's ``DataProto``, TRL's
+``RolloutSample``, CPU tensors as a forward pass leaves them): a clear error and nothing queued, or the
+values read as they are; never a half-added call or a number read as another."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("areal")
+pytest.importorskip("verl")
+pytest.importorskip("trl")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from areal.utils.data import concat_padded_tensors  # noqa: E402  (after the skips)
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample  # noqa: E402
+from verl import DataProto  # noqa: E402
+
+from staleness_metrics import RolloutBatch, Sink, StalenessConfig, StalenessMonitor, TraceError  # noqa: E402
+from staleness_metrics.adapters import areal, trl  # noqa: E402
+from staleness_metrics.adapters import verl as verl_adapter  # noqa: E402
+
+warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+
+
+def sequence(prompt: int, versions: list[int], loss_mask: list[int] | None = None) -> dict[str, Any]:
+    n = len(versions)
+    return {
+        "input_ids": torch.arange(100, 100 + prompt + n).unsqueeze(0),
+        "loss_mask": torch.tensor([[0] * prompt + ([1] * n if loss_mask is None else loss_mask)]),
+        "logprobs": torch.tensor([[0.0] * prompt + [-0.5] * n]),
+        "versions": torch.tensor([[-1] * prompt + versions]),
+        "attention_mask": torch.ones(1, prompt + n, dtype=torch.bool),
+    }
+
+
+def test_areal_a_refused_dict_leaves_the_whole_call_unqueued_and_is_named() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=4))
+    good = concat_padded_tensors([sequence(3, [6, 6, 7]), sequence(3, [7, 7, 8, 8])])
+    bad = concat_padded_tensors([sequence(2, [7, 7, 8, 8], loss_mask=[1, 2, 1, 1])])
+    with pytest.raises(TraceError, match=r"field batch\[1\]\.loss_mask\[0\]: position 3: expected 0 or 1$"):
+        areal.ship(monitor, [good, bad], version=8)
+    assert monitor.sink.queued == 0
+    out = areal.ship(monitor, [good], version=8)
+    assert [d["loss_mask"].shape[0] for d in out] == [2]
+    assert monitor.sink.totals.rollouts_shipped == 2
+
+
+def no_response_mask(rows: int) -> DataProto:
+    """Two prompt and four response positions per row, no response_mask (verl derives it later)."""
+    steps = {
+        "min_global_steps": np.array([1] * rows, dtype=object),
+        "max_global_steps": np.array([5] * rows, dtype=object),
+    }
+    return DataProto.from_dict(
+        tensors={"responses": torch.randint(0, 9, (rows, 4)), "attention_mask": torch.ones(rows, 6, dtype=torch.long)},
+        non_tensors={"uid": np.array(["p"] * rows, dtype=object), **steps},
+    )
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_verl_without_response_mask_masks_the_one_it_derives_not_attention_mask(rows: int) -> None:
+    data = no_response_mask(rows)
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=2))
+    out = verl_adapter.ship(monitor, data, version=5, token_versions=np.array([[1, 1, 5, 5]] * rows))
+    assert data.batch["attention_mask"].tolist() == [[1] * 6] * rows
+    assert out.batch["response_mask"].tolist() == [[0, 0, 1, 1]] * rows
+    assert out.batch["staleness_lag"].tolist() == [[4, 4, 0, 0]] * rows
+    assert (monitor.sink.totals.tokens_masked, monitor.sink.totals.tokens_sampled) == (2 * rows, 4 * rows)
+
+
+def test_from_verl_without_response_mask_leaves_attention_mask_as_it_was() -> None:
+    data = no_response_mask(1)
+    batch = verl_adapter.from_verl(data, token_versions=np.array([[1, 1, 5, 5]]))
+    sink = Sink(StalenessConfig(max_staleness=2))
+    sink.add(batch)
+    shipment = sink.ship(6)
+    assert verl_adapter.verl_response_mask(shipment, batch).tolist() == [[0, 0, 1, 1]]
+    assert data.batch["attention_mask"].tolist() == [[1] * 6]
+
+
+@pytest.mark.parametrize(("start", "shown"), [(4.9, "4.9"), (float("nan"), "nan"), (True, "True")])
+def test_verl_a_version_no_integer_is_refused_as_given(start: Any, shown: str) -> None:
+    data = DataProto.from_dict(
+        tensors={"response_mask": torch.ones(1, 3, dtype=torch.long)},
+        non_tensors={"uid": np.array(["p"], dtype=object), "min_global_steps": np.array([start], dtype=object),
+                     "max_global_steps": np.array([5], dtype=object)},
+    )  # fmt: skip
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=0))
+    message = f"rollout 'p/0': field non_tensor_batch['min_global_steps']: expected an integer, got {shown}"
+    with pytest.raises(TraceError) as raised:
+        verl_adapter.ship(monitor, data, version=5)
+    assert str(raised.value) == message
+    assert monitor.sink.queued == 0
+
+
+def rollout_sample(mask: list[float], version: int = 3) -> Any:
+    return RolloutSample(
+        prompt=[{"role": "user", "content": "q"}], completion=[{"role": "assistant", "content": "a"}],
+        input_ids=np.arange(len(mask)), completion_mask=np.asarray(mask), old_log_probs=np.zeros(len(mask), np.float32),
+        advantage=0.0, model_version=version, group_id=0, metrics={},
+    )  # fmt: skip
+
+
+def test_trl_a_completion_mask_of_no_0_or_1_is_refused_not_written_back_as_0() -> None:
+    monitor = StalenessMonitor(StalenessConfig(max_staleness=1))
+    sample = rollout_sample([0, 0.5, 1.0, 1.0])
+    with pytest.raises(TraceError, match=r"field samples\[0\]\.completion_mask: position 1: expected 0 or 1$"):
+        trl.ship(monitor, [sample], version=3)
+    assert sample.completion_mask.tolist() == [0, 0.5, 1.0, 1.0]
+    assert monitor.sink.queued == 0
+    assert trl.ship(monitor, [], version=3) == []
+
+
+def test_bfloat16_and_grad_tensors_are_read_as_their_values() -> None:
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    half = torch.full((2, 3), -0.5, dtype=torch.bfloat16)
+    grad = torch.ones(2, 3, requires_grad=True)
+    batch = RolloutBatch.from_padded(["a", "b"], mask, dispatch_version=np.array([3, 3]), lengths=np.array([2, 3]),
+                                     logprobs=half, rl_weights=grad)  # fmt: skip
+    assert batch.logprobs is not None and batch.logprobs.dtype == np.float32
+    assert batch.logprobs.tolist() == [-0.5] * 6 and batch.rl_weights is not None and batch.rl_weights.sum() == 6
+    assert Sink().add(batch) == 2
+    data = DataProto.from_dict(
+        tensors={"response_mask": torch.ones(2, 3, dtype=torch.long), "rollout_log_probs": half},
+        non_tensors={"uid": np.array(["p", "p"], dtype=object), "min_global_steps": np.array([5, 5], dtype=object),
+                     "max_global_steps": np.array([5, 5], dtype=object)},
+    )  # fmt: skip
+    assert verl_adapter.ship(StalenessMonitor(StalenessConfig()), data, version=5) is data
