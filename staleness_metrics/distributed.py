@@ -27,8 +27,8 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
     Every rank calls it once per step (``MismatchSums.zero()`` for a rank without tokens); the
     tensor is on the CPU for a backend reducing CPU tensors (gloo, MPI, UCC, ``"cpu:gloo,..."``),
     else on the current accelerator. Raises :class:`~staleness_metrics.FieldError` naming the
-    field when ``sums`` is not a ``MismatchSums`` of one value per lag bucket, its counts could
-    overflow in float64, or the ranks' buckets differ; :class:`~staleness_metrics.ConfigError`
+    field when ``sums`` is not a ``MismatchSums`` of one value per lag bucket, the group's counts
+    reach 2**53 (every rank raises), or the ranks' buckets differ; :class:`~staleness_metrics.ConfigError`
     when torch.distributed is not initialised."""
     if not isinstance(sums, MismatchSums):
         raise FieldError("sums", f"expected MismatchSums (from mismatch_sums), got {type(sums).__name__}")
@@ -48,9 +48,6 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
             reason="torch.distributed is not initialised",
         )
     world = dist.get_world_size(group)
-    largest = max(int(sums.uncovered), *(int(getattr(sums, name).max()) for name in COUNT_FIELDS))
-    if largest * world >= _EXACT:  # a partial total beyond 2**53 would round
-        raise FieldError("sums", f"counts up to {largest} on {world} ranks exceed what float64 adds exactly")
     packed = np.concatenate([[_FINGERPRINT, float(sums.uncovered)], *rows])
     tensor = torch.from_numpy(packed).to(_device_for(dist.get_backend(group)))
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
@@ -58,6 +55,9 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
     if total[0] != _FINGERPRINT * world:
         raise FieldError("sums", "the ranks' lag buckets differ (another staleness-metrics version on a rank?)")
     summed = total[2:].reshape(len(_FIELDS), N_BUCKETS)
+    # every rank sees the total: exact below 2**53 (each partial sum is smaller), else refused on all
+    if (largest := max(total[1], summed[: len(COUNT_FIELDS)].max())) >= _EXACT:
+        raise FieldError("sums", f"the group's counts reach {largest:.0f}, past what float64 adds exactly")
     counts = {name: summed[i].astype(np.int64) for i, name in enumerate(COUNT_FIELDS)}
     floats = {name: summed[len(COUNT_FIELDS) + i].copy() for i, name in enumerate(SUM_FIELDS)}
     return MismatchSums(**counts, **floats, uncovered=int(total[1]))
