@@ -246,6 +246,7 @@ class CumulativeState:
         self._last_ns = self._start_ns
         self._last_report: StepReport | None = None  # the last ship's: the gauges show it
         self._bound_metrics: dict[str, MetricValue] | None = None  # of the last report with SPEC 11
+        self._bound_step: int | None = None  # its step
 
     def state_dict(self) -> dict[str, Any]:
         from ..engine.checkpoint import report_to_dict, tally_to_dict
@@ -256,6 +257,7 @@ class CumulativeState:
             "start_time_ns": self._start_ns,
             "last_report": None if self._last_report is None else report_to_dict(self._last_report),
             "bound_metrics": self._bound_metrics,
+            "bound_step": self._bound_step,
             "env_mismatch": {env: sums.to_dict() for env, sums in self._env_mismatch.items()},
         }
 
@@ -265,7 +267,7 @@ class CumulativeState:
         from ..state_checks import integer, join, keys, mapping, string
 
         required = ("totals", "mismatch", "start_time_ns", "last_report")
-        found = keys(state, path, required, ("bound_metrics", "env_mismatch"))
+        found = keys(state, path, required, ("bound_metrics", "bound_step", "env_mismatch"))
         at = functools.partial(join, path)
 
         def by_env(items: Mapping[Any, Any], where: str, check: Any) -> dict[str, Any]:
@@ -280,6 +282,8 @@ class CumulativeState:
         out._start_ns = integer(found["start_time_ns"], at("start_time_ns"), 0)  # never reset
         out._last_report = None if last is None else check_report(last, at("last_report"))
         out._bound_metrics = None if bound is None else check_metrics(bound, at("bound_metrics"))
+        step = found.get("bound_step")
+        out._bound_step = None if step is None else integer(step, at("bound_step"), 0)
         out._env_mismatch = by_env(envs, at("env_mismatch"), check_mismatch)
         out._last_ns = max(self._last_ns, out._start_ns)
         return out
@@ -295,27 +299,28 @@ class CumulativeState:
         env_delta = dict(report.env_mismatch) if self.by_env else {}
         self._add_mismatch(report.mismatch, env_delta)
         if report.mismatch is not None:
-            self._bound_metrics = _bound_keys(report.metrics)
+            self._bound_metrics, self._bound_step = _bound_keys(report.metrics), report.step
         self._last_report = report
         return self._snapshot(window, report.mismatch, env_delta)
 
     def apply_mismatch(
         self,
+        step: int,
         delta: MismatchSums,
         metrics: Mapping[str, MetricValue] | None = None,
         env: str | None = None,
     ) -> Snapshot:
-        """Fold in trainer-side sums (the live path): the counters move (an ``env``'s too, with
-        the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics`` (the step's)."""
+        """Fold in trainer-side sums of ``step`` (the live path): the counters move (an ``env``'s too,
+        with the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics`` (the step's)."""
         env_delta = {env: delta} if env and self.by_env else {}
         self._add_mismatch(delta, env_delta)
-        # the batch's keys, and the env's when the sums were of one env; other envs stay
+        # the batch's keys, and the env's when the sums were of one env; other envs of the step stay
         if metrics is not None:
             new = _bound_keys(metrics)
             envs = {"", *(split[0] for split in map(_split_env, new) if split is not None)}
-            old = (self._bound_metrics or {}).items()
+            old = (self._bound_metrics or {}).items() if step == self._bound_step else ()
             kept = {k: v for k, v in old if (_split_env(k) or ("",))[0] not in envs}
-            self._bound_metrics = {**kept, **new}
+            self._bound_metrics, self._bound_step = {**kept, **new}, step
         return self._snapshot({env: Tally() for env in self._totals}, delta, env_delta)
 
     def _add_mismatch(self, sums: MismatchSums | None, by_env: Mapping[str, MismatchSums]) -> None:
@@ -372,7 +377,7 @@ class CumulativeExporter(CountingExporter):
         with self._lock:  # reports are folded in order, one at a time
             if isinstance(report, MismatchReport):
                 # counters add this call's sums; SPEC 14's gauges show the step's merged sums
-                snapshot = self._state.apply_mismatch(report.delta, report.metrics, report.env)
+                snapshot = self._state.apply_mismatch(report.step, report.delta, report.metrics, report.env)
             else:
                 snapshot = self._state.apply(report)
             self._show(snapshot)

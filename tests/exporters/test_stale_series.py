@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.sdk.metrics import MeterProvider
@@ -20,7 +21,7 @@ from staleness_metrics.exporters.base import ExportContext
 from staleness_metrics.exporters.otlp import OtlpExporter
 from staleness_metrics.exporters.prometheus import PrometheusExporter
 from staleness_metrics.metrics.metric_table import metric_by_prometheus_name
-from staleness_metrics.metrics.mismatch import MismatchSums
+from staleness_metrics.metrics.mismatch import MismatchSums, mismatch_sums
 from staleness_metrics.metrics.report import StepReport
 from staleness_metrics.monitor import StalenessMonitor
 from tests.exporters.reports import hand_report
@@ -219,4 +220,29 @@ def test_an_env_the_last_ship_does_not_have_is_no_longer_exported() -> None:
                 expected = expected_points(TOKEN_MEAN[report.step])
                 assert wire.sent(names) == (expected, expected), report.step
         finally:
+            wire.close()
+
+
+def test_an_envs_spec14_gauges_go_when_later_steps_post_sums_without_it() -> None:
+    """Live sums posted per env: ``code`` posts at step 1 only, ``math`` at 2 and 3; after step 3 only
+    the batch's and ``math``'s floor are exported (as on the records' path), not step 1's of ``code``."""
+    config = StalenessConfig(max_staleness=4, env_breakdown=True, floor_min_tokens=2)
+    family, names = ("rl_staleness_mismatch_floor_nats",), {"rl.staleness.mismatch.floor"}
+    sampler, trainer = np.full(3, -1.0), np.array([-0.9, -1.1, -1.05])
+    with OtlpReceiver() as receiver:
+        wire = _Wire(receiver)
+        monitor = StalenessMonitor(config, wire.exporters, run=RUN)
+        try:
+            for step, env in ((1, "code"), (2, "math"), (3, "math")):
+                sample = {"mask": [1, 1, 1], "logprobs": sampler.tolist()}
+                monitor.add([{"id": f"r{step}", "env": env, "dispatch_version": 0, "samples": [sample]}])
+                monitor.record_mismatch(step, mismatch_sums(monitor.ship(step).lags, sampler, trainer), env=env)
+            exposed = lines(wire.prometheus.exposition(), family)
+            assert [line.split(",")[0] for line in exposed.splitlines()] == [
+                'rl_staleness_mismatch_floor_nats{env=""',
+                'rl_staleness_mismatch_floor_nats{env="math"',
+            ]
+            assert wire.sent(names) == (expected_points(exposed), expected_points(exposed))
+        finally:
+            monitor.close()
             wire.close()

@@ -68,7 +68,7 @@ def test_live_mismatch_sums_move_only_the_mismatch_counters_and_deltas_add_up() 
     assert before.cumulative.counters["mismatch_tokens"] == {}  # no sums yet
     assert before.cumulative.counters["mismatch_uncovered"] == {}
     sums = mismatch_sums([0, 1, 1, 70], [-1.0] * 4, [-1.0, -1.5, float("nan"), -0.5])
-    live = state.apply_mismatch(sums)
+    live = state.apply_mismatch(1, sums)
     tokens = live.cumulative.counters["mismatch_tokens"]
     assert list(tokens) == [("", v) for v in ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", "10", "11", "12",
                                               "13", "14", "15", "16", "32", "64", "+Inf")]  # fmt: skip
