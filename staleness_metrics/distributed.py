@@ -28,8 +28,8 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
     tensor is on the CPU for a backend reducing CPU tensors (gloo, MPI, UCC, ``"cpu:gloo,..."``),
     else on the current accelerator. Raises :class:`~staleness_metrics.FieldError` naming the
     field when ``sums`` is not a ``MismatchSums`` of one value per lag bucket, the group's counts
-    reach 2**53 (every rank raises), or the ranks' buckets differ; :class:`~staleness_metrics.ConfigError`
-    when torch.distributed is not initialised."""
+    reach 2**53 (on every rank), or the ranks' buckets differ;
+    :class:`~staleness_metrics.ConfigError` when torch.distributed is not initialised."""
     if not isinstance(sums, MismatchSums):
         raise FieldError("sums", f"expected MismatchSums (from mismatch_sums), got {type(sums).__name__}")
     rows = []  # the fields as float64 rows, checked before any rank waits on the others
@@ -55,9 +55,9 @@ def all_reduce(sums: MismatchSums, group: Any = None) -> MismatchSums:
     if total[0] != _FINGERPRINT * world:
         raise FieldError("sums", "the ranks' lag buckets differ (another staleness-metrics version on a rank?)")
     summed = total[2:].reshape(len(_FIELDS), N_BUCKETS)
-    # every rank sees the total: exact below 2**53 (each partial sum is smaller), else refused on all
+    # every rank sees the total: exact below 2**53 (each partial sum is smaller), else refused
     if (largest := max(total[1], summed[: len(COUNT_FIELDS)].max())) >= _EXACT:
-        raise FieldError("sums", f"the group's counts reach {largest:.0f}, past what float64 adds exactly")
+        raise FieldError("sums", f"the group's counts reach {largest:.0f}: float64 sums inexactly")
     counts = {name: summed[i].astype(np.int64) for i, name in enumerate(COUNT_FIELDS)}
     floats = {name: summed[len(COUNT_FIELDS) + i].copy() for i, name in enumerate(SUM_FIELDS)}
     return MismatchSums(**counts, **floats, uncovered=int(total[1]))

@@ -310,8 +310,8 @@ class CumulativeState:
         metrics: Mapping[str, MetricValue] | None = None,
         env: str | None = None,
     ) -> Snapshot:
-        """Fold in trainer-side sums of ``step`` (the live path): the counters move (an ``env``'s too,
-        with the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics`` (the step's)."""
+        """Fold in trainer-side sums of ``step`` (the live path): the counters move (an ``env``'s
+        too, with the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics``."""
         env_delta = {env: delta} if env and self.by_env else {}
         self._add_mismatch(delta, env_delta)
         # the batch's keys, and the env's when the sums were of one env; other envs of the step stay
@@ -377,7 +377,8 @@ class CumulativeExporter(CountingExporter):
         with self._lock:  # reports are folded in order, one at a time
             if isinstance(report, MismatchReport):
                 # counters add this call's sums; SPEC 14's gauges show the step's merged sums
-                snapshot = self._state.apply_mismatch(report.step, report.delta, report.metrics, report.env)
+                step, delta, env = report.step, report.delta, report.env
+                snapshot = self._state.apply_mismatch(step, delta, report.metrics, env)
             else:
                 snapshot = self._state.apply(report)
             self._show(snapshot)

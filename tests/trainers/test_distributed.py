@@ -114,7 +114,7 @@ def test_counts_are_refused_on_every_rank_only_when_the_groups_total_is_past_flo
     assert MismatchSums.from_dict(exact[0]["total"]).tokens[1] >= 2**52
     past = run_group(tmp_path / "past", 3, 500, extra=(2**52, 2**52))
     assert [r["error"] for r in past] == ["sums", "sums"]
-    assert all("past what float64 adds exactly" in r["reason"] for r in past)
+    assert all("float64 sums inexactly" in r["reason"] for r in past)
 
 
 def test_bad_arguments_and_an_uninitialised_group_raise_the_project_errors() -> None:
