@@ -70,7 +70,7 @@ def _quantile(histogram: np.ndarray, q: float, largest: int | None) -> str:
 
 
 def _summary(data: ReportData) -> str:
-    cells: list[tuple[str, str]] = [("steps shipped", _num(len(data.rows)))]
+    cells: list[tuple[str, str]] = [("steps shipped", _num(len(set(data.steps))))]  # (a step, once)
     maxima = [r[keys.ROLLOUT_MAX] for r in data.rows if keys.ROLLOUT_MAX in r]
     if data.totals is not None:
         t = data.totals

@@ -53,6 +53,7 @@ def test_two_ships_at_one_step_each_keep_their_histogram(tmp_path: Path) -> None
     html = render(data)
     assert _cells(html) == ["step 3, staleness 1: 3 tokens (100.0%)", "step 3, staleness 0: 2 tokens (100.0%)"]
     assert _summary(html)["token staleness mean"] == "0.6"  # (3 * 1 + 2 * 0) / 5
+    assert _summary(html)["steps shipped"] == "1"
 
 
 def test_a_logged_step_without_a_ship_does_not_shift_the_heatmap(tmp_path: Path) -> None:
