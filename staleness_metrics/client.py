@@ -87,7 +87,7 @@ class StalenessClient:
         backoff: float = 0.2,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        headers = {"Authorization": f"Bearer {token.strip()}"} if token else {}
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
         self._retries = retries
         self._backoff = backoff

@@ -213,6 +213,7 @@ class RunRegistry:
                 self.store.delete_run(name)
                 return
             run = self.get(name)
+            run.refuse_writes()  # before its rows go: no write in flight journals a row after them
             self.store.delete_run(name)
             with self._lock:
                 del self._runs[name]

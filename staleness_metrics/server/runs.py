@@ -605,10 +605,12 @@ class Run:
             if journal.rows_since_snapshot and journal.broken is None and not self._closed:
                 journal.snapshot()
 
-    def close(self) -> None:
-        """Flush and close the run's exporters; later requests to it get :class:`RunNotFound`."""
+    def refuse_writes(self) -> None:
+        """Later requests get :class:`RunNotFound`; a write in progress ends first (its lock)."""
         with self._lock:
-            if self._closed:
-                return
             self._closed = True
+
+    def close(self) -> None:
+        """Refuse later requests, then flush and close the run's exporters (once)."""
+        self.refuse_writes()
         self.monitor.close()  # the exporters flush, and finish a W&B run of their own

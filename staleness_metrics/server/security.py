@@ -62,7 +62,7 @@ class TokenFirst:
 
     def __init__(self, app: ASGIApp, token: str | None, protect_reads: bool = False) -> None:
         self.app = app
-        self.expected = token.encode() if token else None
+        self.expected = token.strip().encode() if token else None  # (a header value carries no outer blanks)
         self.protect_reads = protect_reads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from staleness_metrics.client import StalenessClient
 from staleness_metrics.server import ServerSettings
 from staleness_metrics.server.security import is_loopback
 
@@ -85,7 +86,7 @@ def test_an_empty_token_is_no_token() -> None:
 
 
 def test_token_from_the_environment_and_from_a_file(serve_process: Callable[..., ServeProcess], tmp_path: Path) -> None:
-    from_env = serve_process(env={"STALENESS_METRICS_TOKEN": TOKEN})
+    from_env = serve_process(env={"STALENESS_METRICS_TOKEN": f" {TOKEN}\n"})  # (as $(cat FILE) would not strip)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     from_file = serve_process(["--token-file", str(token_file)])
@@ -93,6 +94,8 @@ def test_token_from_the_environment_and_from_a_file(serve_process: Callable[...,
         with httpx.Client(base_url=served.url) as http:
             assert http.put("/v1/runs/exp", json={}).status_code == 401
             assert http.put("/v1/runs/exp", json={}, headers=bearer(TOKEN)).status_code == 201
+        with StalenessClient(served.url, token=TOKEN + "\n") as client:  # outer blanks go, as the service's
+            assert client.create_run("exp")["run"] == "exp"
 
 
 def test_loopback_rule() -> None:

@@ -293,6 +293,40 @@ def test_deleted_runs_stay_deleted_and_names_can_be_reused(tmp_path: Path) -> No
     restored.close()
 
 
+def test_a_delete_waits_for_the_write_in_flight_so_no_journal_row_outlives_its_run(tmp_path: Path) -> None:
+    """An add already past its run's checks journals its row before DELETE removes the run's rows: a
+    row written after them made the re-created run's writes collide (503) or its restart refuse."""
+    writing, release = threading.Event(), threading.Event()
+
+    class SlowStore(SqliteStore):
+        def append(self, run: str, seq: int, op: str, request: Any, history_row: Any | None = None) -> int:
+            if op == "add" and not release.is_set():
+                writing.set()
+                release.wait(10)
+            return super().append(run, seq, op, request, history_row)
+
+    store = SlowStore(tmp_path)
+    registry = RunRegistry(ExportSettings(), store)
+    registry.create(RUN, StalenessConfig())
+    adding = threading.Thread(target=fill, args=(registry, 1))
+    adding.start()
+    assert writing.wait(10)
+    deleting = threading.Thread(target=registry.delete, args=(RUN,))
+    deleting.start()
+    deleting.join(0.3)
+    assert deleting.is_alive()  # it waits for the add
+    release.set()
+    adding.join(10)
+    deleting.join(10)
+    assert list(store.journal(RUN)) == []
+    registry.create(RUN, StalenessConfig())
+    fill(registry, 3)  # the re-created run journals rows 1..3 again
+    registry.close()
+    restored = RunRegistry(ExportSettings(), SqliteStore(tmp_path))
+    assert restored.restore() == 1 and restored.get(RUN).info().rollouts_received == 3
+    restored.close()
+
+
 def test_in_memory_service_has_no_events_to_export(server: ThreadServer) -> None:
     with httpx.Client(base_url=server.url) as http:
         http.put(f"/v1/runs/{RUN}", json={})
