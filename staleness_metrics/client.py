@@ -64,18 +64,20 @@ class MismatchResult(TypedDict):
 
 
 class ServiceError(StalenessError):
-    """The service refused a request (``status`` and its ``detail``)."""
+    """The service refused a request (``status`` and its ``detail``), or never answered (``status``
+    None: every attempt failed to connect or timed out)."""
 
-    def __init__(self, status: int, detail: Any) -> None:
+    def __init__(self, status: int | None, detail: Any) -> None:
         self.status = status
         self.detail = detail
-        super().__init__(f"HTTP {status}: {detail}")
+        super().__init__(f"HTTP {status}: {detail}" if status is not None else str(detail))
 
 
 class StalenessClient:
     """Talks to one service. ``retries``: extra attempts after a transient failure, ``backoff``
-    seconds doubling between them. ``transport``: for tests (``httpx.MockTransport``). A ship or
-    mismatch post sends one idempotency key (given, or a new random one) with every retry."""
+    seconds doubling between them (6.2 s in all by default: a restart's time). ``transport``: for
+    tests (``httpx.MockTransport``). A ship or mismatch post sends one idempotency key (given, or a
+    new random one) with every retry."""
 
     def __init__(
         self,
@@ -83,7 +85,7 @@ class StalenessClient:
         token: str | None = None,
         *,
         timeout: float = 30.0,
-        retries: int = 3,
+        retries: int = 5,
         backoff: float = 0.2,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
@@ -168,9 +170,9 @@ class StalenessClient:
         while True:
             try:
                 response = self._http.request(method, path, **kwargs)
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
                 if attempt >= self._retries:
-                    raise
+                    raise ServiceError(None, f"no answer from {self._http.base_url}: {exc!r}") from exc
             else:
                 if response.status_code not in _RETRY_STATUSES or attempt >= self._retries:
                     if gone_ok and attempt > 0 and response.status_code == 404:

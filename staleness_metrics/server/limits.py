@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -84,27 +85,31 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 
 
 def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a size cap (431) and a deadline (408) for the headers."""
+    """uvicorn's httptools protocol with a size cap (431) and a deadline (408) for the headers, and
+    the same deadline between two pieces of a body (as nginx's ``client_body_timeout``)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderLimitedProtocol(HttpToolsProtocol):
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._awaiting_headers = True
+            self._in_body = False
             self._header_bytes = 0
-            self._header_deadline: asyncio.TimerHandle | None = None
-            self._arm_header_deadline()
+            self._deadline: asyncio.TimerHandle | None = None
+            self._arm(self._headers_too_slow)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm_header_deadline()
+            self._disarm()
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             counting = self._awaiting_headers
             if counting:
                 self._header_bytes += len(data)
-                if self._header_deadline is None:
-                    self._arm_header_deadline()
+                if self._deadline is None:
+                    self._arm(self._headers_too_slow)
+            elif self._in_body:
+                self._arm(self._body_too_slow)
             super().data_received(data)
             over = counting and self._awaiting_headers and self._header_bytes > max_header_bytes
             if over and not self.transport.is_closing():
@@ -117,32 +122,48 @@ def header_limited_protocol(max_header_bytes: int, header_timeout: float) -> typ
         def on_headers_complete(self) -> None:
             self._awaiting_headers = False
             self._header_bytes = 0
-            self._disarm_header_deadline()
+            self._in_body = True
+            self._arm(self._body_too_slow)
             super().on_headers_complete()
 
-        def _arm_header_deadline(self) -> None:
-            self._header_deadline = self.loop.call_later(header_timeout, self._headers_too_slow)
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            self._disarm()
+            super().on_message_complete()
 
-        def _disarm_header_deadline(self) -> None:
-            if self._header_deadline is not None:
-                self._header_deadline.cancel()
-                self._header_deadline = None
+        def _arm(self, then: Callable[[], None]) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(header_timeout, then)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
 
         def _headers_too_slow(self) -> None:
-            self._header_deadline = None
+            self._deadline = None
             if not self._awaiting_headers or self.transport.is_closing():
                 return
             if self.cycle is not None and not self.cycle.response_complete:
-                self._arm_header_deadline()  # still answering the previous request: its turn first
+                self._arm(self._headers_too_slow)  # still answering the previous request: its turn first
                 return
             if self._header_bytes:
                 self._refuse(408, "the request's headers did not arrive in time")
             else:
                 self.transport.close()  # an idle connection that never sent a request
 
+        def _body_too_slow(self) -> None:
+            self._deadline = None
+            if not self._in_body or self.transport.is_closing():
+                return
+            if self.cycle is not None and not self.cycle.response_started:
+                self._refuse(408, "the request's body stopped arriving")
+            else:
+                self.transport.close()
+
         def _refuse(self, code: int, detail: str) -> None:
-            self._disarm_header_deadline()
-            self._awaiting_headers = False
+            self._disarm()
+            self._awaiting_headers = self._in_body = False
             body = json.dumps({"detail": detail}).encode()
             self.transport.write(
                 b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"

@@ -43,3 +43,19 @@ def test_ids_given_as_one_string_are_refused() -> None:
     with client_answering(httpx.Response(200, json={}), paths) as client, pytest.raises(TypeError, match="r-1"):
         client.ship("exp", step=2, ids="r-1")  # type: ignore[arg-type]  # would ship "r", "-" and "1"
     assert paths == []
+
+
+def test_no_answer_after_the_retries_is_a_service_error() -> None:
+    """A training loop catching the library's errors catches this one too (it was httpx's own)."""
+    attempts: list[str] = []
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        attempts.append(request.url.path)
+        raise httpx.ConnectError("connection refused", request=request)
+
+    transport = httpx.MockTransport(refuse)
+    client = StalenessClient("http://127.0.0.1:9", retries=2, backoff=0, transport=transport)
+    with client, pytest.raises(ServiceError, match="no answer from") as error:
+        client.ship("exp", step=1)
+    assert error.value.status is None and isinstance(error.value.__cause__, httpx.ConnectError)
+    assert attempts == ["/v1/runs/exp/ship"] * 3

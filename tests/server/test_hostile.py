@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -346,6 +347,30 @@ def test_slow_headers_are_cut_off_while_the_service_answers(serve_process: Calla
         assert sock.recv(1) == b""
         sock.close()
     slow.close()
+
+
+def test_a_body_that_stops_arriving_is_cut_off(serve_process: Callable[..., ServeProcess]) -> None:
+    served = serve_process(["--header-timeout", "1"])
+    stalled = b'POST /v1/runs/x/rollouts HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{"rollouts": ['
+    answer = raw_exchange(served.url, stalled)  # returns once the server closes the connection
+    assert answer.startswith(b"HTTP/1.1 408") and b"body stopped arriving" in answer, answer[:200]
+
+
+def test_sigterm_ends_a_body_still_trickling_in(serve_process: Callable[..., ServeProcess]) -> None:
+    """Each byte comes within the deadline, so only the shutdown's grace ends the request: before, the
+    service waited for the client to finish or go, however long that took."""
+    served = serve_process(["--header-timeout", "5"])
+    assert httpx.put(f"{served.url}/v1/runs/x", json={}).status_code == 201
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/runs/x/rollouts HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+        served.process.terminate()
+        deadline = time.monotonic() + 60
+        while served.process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                sock.sendall(b" ")
+            time.sleep(0.5)
+        assert served.process.poll() is not None, "still serving a minute after SIGTERM"
 
 
 # ---------------------------------------------------------------- memory per body (issue 19)

@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     add("--body-bytes-per-span-row", type=int, default=128, metavar="N", help=rows_help)
     header_help = "largest request line and headers accepted, 431 beyond (default: 64 KiB)"
     add("--max-header-bytes", type=int, default=64 << 10, metavar="N", help=header_help)
-    timeout_help = "seconds a request's headers may take to arrive (default: 10)"
+    timeout_help = "seconds a request's headers, or the next piece of its body, may take to arrive (default: 10)"
     add("--header-timeout", type=float, default=10.0, metavar="SECONDS", help=timeout_help)
     store = parser.add_mutually_exclusive_group()
     data_help = f"persist the runs here, restored at start (default: ./{DEFAULT_DATA_DIR})"
@@ -62,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     wandb.add_argument("--wandb-dir", metavar="DIR", help="where W&B writes its run files")
     levels = ("critical", "error", "warning", "info", "debug")
     add("--log-level", default="info", choices=levels, help="uvicorn log level (default: info)")
+
+
+SHUTDOWN_GRACE = 10  # seconds SIGTERM waits for requests in progress; then they end unanswered
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -164,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         server_header=False,
         proxy_headers=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE,
         **limits,
     )
     with sock:
