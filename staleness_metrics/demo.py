@@ -5,6 +5,7 @@ exporters into a run directory (:mod:`staleness_metrics.replay.run_dir`) for ``r
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import importlib.util
 import itertools
@@ -27,13 +28,14 @@ import numpy.typing as npt
 from .config import StalenessConfig
 from .engine.shipment import Shipment
 from .engine.warm_up import warm_up
+from .errors import ConfigError
 from .exporters import ConsoleExporter, Exporter, JsonlExporter
 from .exporters.console import format_line
 from .metrics import keys
 from .metrics.mismatch import MismatchSums, mismatch_sums
 from .metrics.report import Tally
 from .monitor import StalenessMonitor
-from .replay.run_dir import write_run_file
+from .replay.run_dir import RUN_FILE, write_run_file
 
 
 @dataclass(frozen=True)
@@ -212,12 +214,8 @@ class Simulation:
                 sample["weight_versions"] = _spans_of(rollout.spans, offset, length)
             samples.append(sample)
             offset += length
-        record: dict[str, Any] = {
-            "id": rollout.id,
-            "group_id": rollout.group_id,
-            "env": rollout.env,
-            "samples": samples,
-        }
+        record: dict[str, Any] = dict(id=rollout.id, group_id=rollout.group_id, env=rollout.env)
+        record["samples"] = samples
         if rollout.frozen:
             record["source"] = "frozen"
         else:
@@ -431,8 +429,7 @@ class _LiveTable:
         line = Text(format_line(report))
         line.highlight_words(["Max Staleness"], style="bold")
         self.live.console.print(line)
-        c = self._options.config
-        t = self._totals
+        c, t = self._options.config, self._totals
         masked = f"{100 * t.tokens_masked / t.tokens_sampled:.2f}%" if t.tokens_sampled else "-"
         table = Table(
             title=f"step {report.step}/{self._options.steps} · policy v{events.policy_version} · "
@@ -483,54 +480,66 @@ def _paced(steps: int, speed: float, stop: threading.Event) -> Iterator[int]:
     start = time.monotonic()
     for index in range(steps):
         delay = start + index / speed - time.monotonic() if speed > 0 else 0.0
-        if stop.wait(max(delay, 0.0)):
+        if stop.wait(min(max(delay, 0.0), threading.TIMEOUT_MAX)):  # a tiny speed: a long wait
             return
         yield index + 1
 
 
 @contextlib.contextmanager
-def _ctrl_c_stops(stop: threading.Event) -> Iterator[None]:
-    """The first Ctrl-C lets the current step finish, then stops; a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _guarded(out_dir: Path, stop: threading.Event, caught: list[int]) -> Iterator[None]:
+    """Holds ``out_dir``'s lock (OSError if another demo does) and takes Ctrl-C and SIGTERM, each
+    added to ``caught``: while ``stop`` is clear one sets it (the step finishes), else it raises."""
 
     def handler(signum: int, frame: object) -> None:
+        caught.append(signum)
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
 
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+    with (out_dir / ".demo.lock").open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:  # any other: a file system without locks (Lustre): unguarded
+            if isinstance(error, BlockingIOError):
+                raise OSError(f"{out_dir} is in use by another demo") from None
+        main = threading.current_thread() is threading.main_thread()  # where handlers can be set
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM) if main}
+        try:
+            yield
+        finally:
+            for signum, action in previous.items():
+                signal.signal(signum, action)
 
 
 def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
-    """Run the demo; returns the exit status (130 when interrupted)."""
+    """Run the demo; returns the exit status: 0, or 128 + the signal that stopped it (130 Ctrl-C,
+    143 SIGTERM). OSError when another demo uses ``options.out_dir`` (:func:`_guarded`)."""
     out = stream if stream is not None else sys.stdout
     say = functools.partial(print, file=out, flush=True)
     out_dir = options.out_dir
+    names = ("events", "metrics", "trainer_logprobs", "mismatch_sums")  # as run.json lists them
+    files = {name: out_dir / f"{name.replace('_', '-')}.jsonl" for name in names}
+    files["metrics"] = metrics_path = options.metrics_out or files["metrics"]
+    own = {name: path for name, path in files.items() if name != "metrics"}  # beside the metrics
+    if metrics_path.resolve() in {path.resolve() for path in [*own.values(), out_dir / RUN_FILE]}:
+        raise ConfigError(f"metrics-out: {metrics_path} is one of the demo's files in {out_dir}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = options.metrics_out or out_dir / "metrics.jsonl"
-    files = {
-        "events": out_dir / "events.jsonl",
-        "metrics": metrics_path,
-        "trainer_logprobs": out_dir / "trainer-logprobs.jsonl",
-        "mismatch_sums": out_dir / "mismatch-sums.jsonl",
-    }
-    # the run's JSONL files beside the metrics, written as things happen
-    logs = {name: path.open("w", encoding="utf-8") for name, path in files.items() if name != "metrics"}
+    stop, caught = threading.Event(), list[int]()
+    guard = contextlib.ExitStack()
+    guard.enter_context(_guarded(out_dir, stop, caught))  # to the end; for now a signal sets stop
     live = options.live if options.live is not None else (stream is None and out.isatty())
     live = live and importlib.util.find_spec("rich") is not None
-    exporters: list[Exporter] = [JsonlExporter(metrics_path)]
+    logs: dict[str, TextIO] = {}
+    exporters: list[Exporter] = []
     monitor: StalenessMonitor | None = None
     wandb_run: Any = None
     shipped_steps = 0
-    stop = threading.Event()
-    interrupted = False
     try:
+        # this run's run.json, then its files emptied: never the last run's run.json over them
+        write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed)
+        logs.update((name, path.open("w", encoding="utf-8")) for name, path in own.items())
+        exporters.append(JsonlExporter(metrics_path))
+        stop.set()  # until the first step, a signal interrupts at once: there is no step to finish
         warm_up()  # the compiled loops: seconds on a fresh install, better before the first step
         # each exporter joins the list as soon as it exists, to be closed whatever happens next
         prometheus = _prometheus(options.prometheus_port, say)
@@ -548,15 +557,15 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
             say(f"metrics URL: {url}")
         say(f"metrics file: {metrics_path}")
         say(f"events file: {files['events']}")
-        write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed)
         if wandb_run is not None:
             say(f"W&B offline run: {Path(wandb_run.dir).parent} (upload with `wandb sync`)")
         if otlp is not None:
             say("OTLP: exporting to the endpoint in OTEL_EXPORTER_OTLP_*ENDPOINT")
-        simulation = Simulation(options.seed)
-        trainer = SimulatedTrainer(options.seed)
+        simulation, trainer = Simulation(options.seed), SimulatedTrainer(options.seed)
         table = _LiveTable(options) if live else None
-        with _ctrl_c_stops(stop), table.live if table is not None else contextlib.nullcontext():
+        if not caught:  # from here, the first signal lets the current step finish
+            stop.clear()
+        with table.live if table is not None else contextlib.nullcontext():
             for _, step_events in zip(_paced(options.steps, options.speed, stop), simulation.steps(), strict=False):
                 _write(logs["events"], step_events.events())
                 monitor.add(step_events.rollouts)
@@ -564,35 +573,27 @@ def run_demo(options: DemoOptions, stream: TextIO | None = None) -> int:
                 simulation.forget(shipment.dropped_rollouts)
                 trained = trainer.train(monitor, shipment)
                 if trained is not None:
-                    logprobs = trained.trainer_logprobs.items()
-                    _write(
-                        logs["trainer_logprobs"],
-                        ({"step": trained.step, "id": i, "trainer_logprobs": v} for i, v in logprobs),
-                    )
-                    _write(logs["mismatch_sums"], [{"step": trained.step, "sums": trained.sums.to_dict()}])
+                    s, logprobs = trained.step, trained.trainer_logprobs.items()
+                    rows = ({"step": s, "id": i, "trainer_logprobs": v} for i, v in logprobs)
+                    _write(logs["trainer_logprobs"], rows)
+                    _write(logs["mismatch_sums"], [{"step": s, "sums": trained.sums.to_dict()}])
                 shipped_steps += 1
                 if table is not None:
                     table.update(step_events, shipment, monitor.mismatch_metrics(shipment.step))
     except KeyboardInterrupt:
-        interrupted = True
+        caught.append(signal.SIGINT)  # (after the signal that raised it, if one did)
     finally:
-        interrupted = interrupted or stop.is_set()
-        with contextlib.suppress(KeyboardInterrupt):
-            for log in logs.values():
-                log.close()
-            if monitor is not None:
-                monitor.close()
-            else:
-                for exporter in exporters:
-                    exporter.close()
+        with guard, contextlib.suppress(KeyboardInterrupt):  # a second signal: at once
+            for each in [*logs.values(), *([monitor] if monitor is not None else exporters)]:
+                each.close()  # the monitor closes its exporters
             if wandb_run is not None:
                 try:
                     wandb_run.finish()
                 except Exception as exc:  # W&B is a bonus here, as at start
                     say(f"W&B offline run not finished cleanly ({type(exc).__name__}: {exc})")
-    if monitor is not None:  # the steps the files hold, for whoever reads the directory
-        write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed, steps=shipped_steps)
-    if interrupted:
+            # the steps the files hold, for whoever reads the directory
+            write_run_file(out_dir, RUN_NAME, options.config, files, seed=options.seed, steps=shipped_steps)
+    if caught:
         say(f"interrupted after {shipped_steps} steps; files are complete up to there")
     say(f"done: {shipped_steps} steps. Next: staleness-metrics report {out_dir}")
-    return 130 if interrupted else 0
+    return 128 + caught[0] if caught else 0

@@ -11,6 +11,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import types
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from staleness_metrics.cli import main
 from staleness_metrics.config import StalenessConfig
-from staleness_metrics.demo import DriftModel, SimulatedTrainer, Simulation, _cost_caption, shipped_mask
+from staleness_metrics.demo import DriftModel, SimulatedTrainer, Simulation, _cost_caption, _paced, shipped_mask
 from staleness_metrics.metrics.bound import BoundTracker
 from staleness_metrics.metrics.mismatch import LAG_BUCKETS
 from staleness_metrics.monitor import StalenessMonitor
@@ -173,6 +175,122 @@ def test_ctrl_c_stops_the_demo_cleanly(tmp_path: Path) -> None:
     printed = len(_step_lines(seen))
     written = _rows_by_step(tmp_path / "out" / "metrics.jsonl")  # every line parses: written whole
     assert printed >= 3 and len(written) == printed  # every step shown was also written
+
+
+def test_sigterm_stops_the_demo_like_ctrl_c_and_exits_143(tmp_path: Path) -> None:
+    """`timeout`, `docker stop` and Slurm send SIGTERM: the step in progress finishes, every file
+    holds the same steps and run.json says how many."""
+    demo = _start_demo(tmp_path, "--steps", "100000", "--speed", "5", "--no-wandb")
+    try:
+        assert demo.stdout is not None
+        seen = []
+        for line in _lines(demo.stdout):
+            seen.append(line)
+            if line.startswith("step 3 "):
+                break
+        demo.send_signal(signal.SIGTERM)
+        out, err = demo.communicate(timeout=120)
+    finally:
+        demo.kill()
+        demo.wait()
+    seen.extend(out.splitlines())
+    assert demo.returncode == 143, err
+    assert "Traceback" not in err and any(line.startswith("interrupted after") for line in seen)
+    printed = len(_step_lines(seen))
+    run = find_run(tmp_path / "out")
+    assert run is not None and run.steps == printed >= 3
+    assert len(_rows_by_step(tmp_path / "out" / "metrics.jsonl")) == printed
+    assert [step for step, _ in run.posted_sums()] == list(range(1, printed + 1))
+
+
+def _demo_in_process(out: Path, *args: str) -> int:
+    """``staleness-metrics demo`` in this process (a KeyboardInterrupt let through: -1)."""
+    argv = ["demo", "--out-dir", str(out), "--prometheus-port", "0", "--no-wandb", "--no-live"]
+    try:
+        return main([*argv, "--speed", "0", *args])
+    except KeyboardInterrupt:
+        return -1
+
+
+def test_ctrl_c_before_the_first_step_leaves_this_runs_run_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Interrupted while it warms up (or starts W&B), the demo has emptied the last run's files: its
+    run.json must be this run's (no steps), not the last one's over empty files."""
+    out = tmp_path / "out"
+    assert _demo_in_process(out, "--steps", "2", "--policy", "episode", "--max-staleness", "3") == 0
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt  # what Ctrl-C does before the first step
+
+    monkeypatch.setattr("staleness_metrics.demo.warm_up", interrupted)
+    assert _demo_in_process(out, "--steps", "5") == 130
+    run = find_run(out)
+    assert run is not None and run.steps == 0
+    config = run.staleness_config()
+    assert (config.policy, config.max_staleness) == ("token", 8)
+    assert all((out / name).read_text() == "" for name in ("events.jsonl", "metrics.jsonl"))
+
+
+def test_ctrl_c_while_the_demo_is_imported_exits_130_quietly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Importing(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of `from ...demo import ...`
+
+    monkeypatch.setitem(sys.modules, "staleness_metrics.demo", Importing("staleness_metrics.demo"))
+    assert _demo_in_process(tmp_path / "out", "--steps", "1") == 130
+    assert capsys.readouterr() == ("", "")
+
+
+def test_a_folder_another_demo_uses_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    first = _start_demo(tmp_path, "--steps", "100000", "--speed", "5", "--no-wandb")
+    try:
+        assert first.stdout is not None
+        next(line for line in _lines(first.stdout) if line.startswith("step 1 "))
+        assert _demo_in_process(tmp_path / "out", "--steps", "1", "--seed", "2") == 2
+        assert capsys.readouterr().err == f"staleness-metrics demo: {tmp_path / 'out'} is in use by another demo\n"
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+        first.wait()
+    assert first.returncode == 130, err
+    run = find_run(tmp_path / "out")  # the first demo's files, untouched by the second
+    assert run is not None and run.steps is not None and run.steps >= 1
+    assert list(_rows_by_step(tmp_path / "out" / "metrics.jsonl")) == list(range(1, run.steps + 1))
+    assert _demo_in_process(tmp_path / "out", "--steps", "1") == 0  # let go on exit
+
+
+_OWN = " is one of the demo's files in {out}"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seed", "-1"], "seed: must be >= 0, got -1"),
+        (["--speed", "nan"], "speed: must be a finite number >= 0, got nan"),
+        (["--speed", "inf"], "speed: must be a finite number >= 0, got inf"),
+        (["--metrics-out", "{out}/events.jsonl"], "metrics-out: {out}/events.jsonl" + _OWN),
+        (["--metrics-out", "{out}/../out/run.json"], "metrics-out: {out}/../out/run.json" + _OWN),
+    ],
+)
+def test_bad_values_are_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    out = tmp_path / "out"
+    assert _demo_in_process(out, "--steps", "1", *(arg.format(out=out) for arg in args)) == 2
+    assert capsys.readouterr().err == f"staleness-metrics demo: {message.format(out=out)}\n"
+    assert not out.exists()  # refused before anything is written
+
+
+def test_a_tiny_speed_waits_instead_of_overflowing() -> None:
+    stop = threading.Event()
+    steps = _paced(2, 1e-300, stop)  # step 2's slot is 1e300 s away: past what a wait can take
+    assert next(steps) == 1
+    threading.Timer(0.2, stop.set).start()
+    assert list(steps) == []
 
 
 def test_demo_logs_an_offline_wandb_run_and_exports_otlp_when_configured(tmp_path: Path) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +141,22 @@ def test_report_options_are_checked(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert args.func(args) == 2
     assert "start is above the end" in capsys.readouterr().err
     assert not (tmp_path / "r.html").exists()
+
+
+def test_the_page_gets_the_usual_mode_or_keeps_the_one_it_replaces(tmp_path: Path) -> None:
+    """Written through a temp file (mkstemp's 0600), the page still gets what a new file gets under
+    the umask, or the mode of the page it replaces (`replay --metrics-out` writes the same way)."""
+    umask = os.umask(0o022)
+    try:
+        page = _report(tmp_path, EXAMPLES / "xtuner-states.jsonl")
+        assert stat.S_IMODE(page.stat().st_mode) == 0o644
+        page.chmod(0o640)
+        assert stat.S_IMODE(_report(tmp_path, EXAMPLES / "xtuner-states.jsonl").stat().st_mode) == 0o640
+        os.umask(0o077)
+        (tmp_path / "report.html").unlink()
+        assert stat.S_IMODE(_report(tmp_path, EXAMPLES / "xtuner-states.jsonl").stat().st_mode) == 0o600
+    finally:
+        os.umask(umask)
 
 
 def test_a_logged_value_that_is_not_a_number_names_its_line_and_key(

@@ -25,13 +25,13 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     summary = "simulated async RL pipeline driving the real monitor and exporters"
     parser = add_command(subparsers, run, "demo", summary, EPILOG)
     parser.add_argument("--steps", type=int, default=60, metavar="N", help="train steps, then stop (default: 60)")
-    speed_help = "steps per second; 0 = as fast as possible (default: 4)"
+    speed_help = "steps per second, a finite number; 0 = as fast as possible (default: 4)"
     parser.add_argument("--speed", type=float, default=4.0, metavar="S", help=speed_help)
     parser.add_argument("--policy", choices=POLICY_NAMES, default="token", help="masking policy (default: token)")
     parser.add_argument("--max-staleness", type=int, default=8, metavar="N", help="the bound (default: 8)")
     parser.add_argument("--max-token-staleness", type=int, metavar="N", help="xtuner only: token masking bound")
     parser.add_argument("--sync-interval", type=int, default=1, metavar="K", help="xtuner only (default: 1)")
-    parser.add_argument("--seed", type=int, default=0, help="simulation seed (default: 0)")
+    parser.add_argument("--seed", type=int, default=0, help="simulation seed, >= 0 (default: 0)")
     add_bound_options(parser)
     # the sink settings demo has no option for
     parser.set_defaults(retry_expired=False, strict=True, env_breakdown=True)
@@ -45,22 +45,22 @@ def register(subparsers: argparse._SubParsersAction[Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...demo import DemoOptions, run_demo
+    try:  # Ctrl-C during the imports too: 130, quietly, as the demo stops on one
+        from ...demo import DemoOptions, run_demo
 
-    try:
         if args.steps < 1:
             raise ConfigError(f"steps: must be >= 1, got {args.steps}")
-        if args.speed < 0:
-            raise ConfigError(f"speed: must be >= 0, got {args.speed}")
+        if not 0 <= args.speed < float("inf"):  # NaN neither
+            raise ConfigError(f"speed: must be a finite number >= 0, got {args.speed}")
+        if args.seed < 0:
+            raise ConfigError(f"seed: must be >= 0, got {args.seed}")
         if not 0 <= args.prometheus_port <= 65535:
             raise ConfigError(f"prometheus-port: must be 0..65535, got {args.prometheus_port}")
         config = config_from_args(args, max_staleness=args.max_staleness)
-    except ConfigError as error:
+        # every option but the config's is a field of the same name
+        names = [field.name for field in dataclasses.fields(DemoOptions) if field.name != "config"]
+        return run_demo(DemoOptions(config=config, **{name: getattr(args, name) for name in names}))
+    except (ConfigError, OSError) as error:  # OSError: an output that cannot be written, or in use
         return failed("demo", error)
-    # every option but the config's is a field of the same name
-    names = [field.name for field in dataclasses.fields(DemoOptions) if field.name != "config"]
-    options = DemoOptions(config=config, **{name: getattr(args, name) for name in names})
-    try:
-        return run_demo(options)
-    except OSError as error:  # an output directory or file that cannot be written
-        return failed("demo", error)
+    except KeyboardInterrupt:
+        return 130

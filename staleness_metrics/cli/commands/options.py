@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -96,13 +97,18 @@ def config_from_args(args: argparse.Namespace, run: RunDirectory | None = None, 
 
 @contextlib.contextmanager
 def atomic_output(path: Path | None) -> Iterator[IO[bytes] | None]:
-    """A temp file beside ``path`` (binary), replacing it only if the block succeeds."""
+    """A temp file beside ``path`` (binary), replacing it only if the block succeeds; it gets the
+    mode of the file it replaces, else the usual ``0o666`` less the umask (not mkstemp's 0o600)."""
     if path is None:
         yield None
         return
+    umask = os.umask(0o022)  # (read, and put back)
+    os.umask(umask)
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o666 & ~umask
     fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
+            os.fchmod(fd, mode)
             yield handle
     except BaseException:
         Path(temp).unlink(missing_ok=True)
