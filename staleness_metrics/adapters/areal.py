@@ -84,8 +84,7 @@ def _read_group(
         raise TraceError(f"{prefix}/0", "loss_mask[0]", f"expected [G, L], got shape {mask.array.shape}")
     rows = int(mask.array.shape[0])
     ids = [f"{prefix}/{k}" for k in range(rows)]
-    if group_sizes is None:
-        # one dict = one prompt group (GroupedRolloutWorkflow)
+    if group_sizes is None:  # one dict = one prompt group (GroupedRolloutWorkflow)
         group_ids: list[str | None] = [prefix] * rows
     else:
         sizes = [int(n) for n in group_sizes]

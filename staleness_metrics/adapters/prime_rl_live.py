@@ -53,8 +53,7 @@ def from_training_samples(
     for name in (*WEIGHT_FIELDS, "logprobs"):
         values = [_get(s, name) for s in samples]
         have = np.array([v is not None for v in values], dtype=bool)
-        if have.any():
-            # an absent array is filled with what absence means (rl 1.0, the others 0)
+        if have.any():  # an absent array is filled with what absence means (rl 1.0, the others 0)
             fill = 1.0 if name == "rl_weights" else 0.0
             parts = [
                 np.asarray(v, dtype=np.float64) if v is not None else np.full(n, fill, np.float64)
@@ -121,8 +120,7 @@ _NAMES = TrainerNames(
 
 
 def policy_span(policy: Any) -> PolicySpan:
-    """``(start, end)`` of an episode's policy (an object or a dict); ``None`` (frozen) gives
-    ``(None, None)``."""
+    """``(start, end)`` of a policy (object or dict); ``(None, None)`` for ``None`` (frozen)."""
     return (None, None) if policy is None else (_get(policy, "start"), _get(policy, "end"))
 
 

@@ -304,7 +304,7 @@ class TrainTimeShipping:
         return collate
 
     def before_loss(self, inputs: dict[str, Any]) -> None:
-        """Ship this micro-batch's step if not shipped yet, then apply the decision to its tensors."""
+        """Ship this micro-batch's step unless shipped, then apply the decision to its tensors."""
         microbatch = _microbatch_id(inputs)
         accelerator = self.trainer.accelerator
         processes = int(accelerator.num_processes)

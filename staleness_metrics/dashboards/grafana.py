@@ -3,25 +3,8 @@ detail) and ``staleness-fleet`` (many runs side by side)."""
 
 from __future__ import annotations
 
-from .panels import (
-    COUNT,
-    NATS,
-    PER_MINUTE,
-    PER_SECOND,
-    PER_STEP,
-    RATIO,
-    TOKENS,
-    VERSIONS,
-    Grid,
-    Json,
-    Target,
-    bound_override,
-    dashboard,
-    heatmap,
-    stat,
-    table,
-    timeseries,
-)
+from . import panels
+from .panels import NATS, PER_MINUTE, PER_SECOND, PER_STEP, RATIO, VERSIONS, Grid, Json, Target
 from .promql import Scope
 
 SCOPE = Scope(  # every dashboard query's selectors; gauges pick env="" themselves (promql.Scope)
@@ -88,7 +71,7 @@ def _overview(grid: Grid, s: Scope, bound: Target) -> None:
         ),
         ("Staleness bound", "The configured max_staleness.", VERSIONS, bound, 0),
     ):
-        grid.add(stat(title, description, unit, target, decimals=decimals), (4, 4))
+        grid.add(panels.stat(title, description, unit, target, decimals=decimals), (4, 4))
 
 
 def _quantiles(s: Scope, histogram: str) -> list[Target]:
@@ -103,18 +86,17 @@ def _token_staleness(grid: Grid, s: Scope, bound: Target) -> None:
         "configured max_staleness drawn dashed.",
         VERSIONS,
         [Target(s.gauge("token_mean"), "{{run}} mean"), bound],
-        overrides=[bound_override()],
+        overrides=[panels.bound_override()],
     )
     grid.series(
         "Token staleness quantiles",
-        "p50 / p90 / p99 of token staleness from the histogram over the rate "
-        "window. PromQL interpolates inside integer buckets, so a value lies in "
-        "(q-1, q] of the exact quantile q.",
+        "p50 / p90 / p99 of token staleness from the histogram over the rate window. PromQL "
+        "interpolates inside integer buckets, so a value lies in (q-1, q] of the exact quantile q.",
         VERSIONS,
         _quantiles(s, "token_staleness"),
     )
     grid.add(
-        heatmap(
+        panels.heatmap(
             "Token staleness distribution",
             "Shipped sampled tokens per staleness bucket and rate window, summed over the selected "
             "runs. Cells above the bound are masked tokens.",
@@ -147,7 +129,7 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
             Target(s.gauge("rollout_max"), "{{run}} max"),
             bound,
         ],
-        overrides=[bound_override()],
+        overrides=[panels.bound_override()],
     )
     grid.series(
         "Rollout staleness quantiles",
@@ -156,7 +138,7 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
         VERSIONS,
         _quantiles(s, "rollout_staleness"),
     )
-    in_flight_vs_queue = timeseries(
+    in_flight_vs_queue = panels.timeseries(
         "In-flight vs in-queue staleness (mean) for $run",
         "Where the age of a rollout comes from: versions that passed while it was generated (in "
         "flight) and while it waited in the queue (in queue). Per rollout they add up to its "
@@ -184,7 +166,7 @@ def _rollout_staleness(grid: Grid, s: Scope, bound: Target) -> None:
         "Held rollouts",
         "Rollouts held back at the last ship while their group waits for re-rollouts (xtuner "
         "policy with retry_expired); always 0 for other policies.",
-        COUNT,
+        panels.COUNT,
         [Target(s.gauge("rollouts_held"))],
     )
     grid.series(  # by its oldest and by its newest token, to compare frameworks' headlines
@@ -263,12 +245,11 @@ def _per_env(grid: Grid, s: Scope) -> None:
         [Target(masked, "{{run}} {{env}}")],
         maximum=1,
     )
-    dropped = _no_env_label(s.rate("rollouts_dropped", extra_by=("env",)))
     grid.series(
         "Dropped rollouts per env",
         "Live rollouts dropped for staleness per second, per env.",
         PER_SECOND,
-        [Target(dropped, "{{run}} {{env}}")],
+        [Target(_no_env_label(s.rate("rollouts_dropped", extra_by=("env",))), "{{run}} {{env}}")],
     )
 
 
@@ -292,7 +273,7 @@ _LENGTH_NOTE = (
 
 def _excess_heatmap(merged: Scope, whose: str) -> Json:
     """Excess k3 over the floor: a row per lag bucket from 1, a column per rate window."""
-    return heatmap(
+    return panels.heatmap(
         "Excess k3 over the floor by lag",
         f"Mean k3 of each lag bucket from 1 up minus the floor ({whose}, each run's tokens over "
         "its own floor): the engines' numeric mismatch, present with the same weights; the excess, "
@@ -309,7 +290,7 @@ def _length_bias(grid: Grid, s: Scope, fleet: Scope | None = None) -> None:
         "Mean sampled length of the samples per ship window, and the same with masked "
         "positions and dropped samples counted as 0: a gap that grows is masking and drops "
         f"cutting long responses. {_LENGTH_NOTE}",
-        TOKENS,
+        panels.TOKENS,
         [
             Target(s.sampled_length_mean(), "{{run}} sampled"),
             Target(s.trained_length_mean(), "{{run}} trained"),
@@ -392,7 +373,7 @@ def choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
             Target(s.gauge("bound_excess_at_bound"), "{{run}} at the configured bound"),
             Target(s.curve_at_suggested(), "{{run}} at the suggested bound"),
         ],
-        overrides=[bound_override("budget"), *_marked_overrides()],
+        overrides=[panels.bound_override("budget"), *_marked_overrides()],
     )
     grid.series(
         "Suggested vs configured bound",
@@ -402,7 +383,7 @@ def choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
         f"that cost less. {_BOUND_NOTE}",
         VERSIONS,
         [Target(s.gauge("bound_suggested"), "{{run}} suggested"), bound],
-        overrides=[bound_override()],
+        overrides=[panels.bound_override()],
     )
     grid.series(
         "Floor by source",
@@ -418,7 +399,7 @@ def choosing_the_bound(grid: Grid, s: Scope, bound: Target) -> None:
         "Steps since the ship that measured the floor (a carried floor ages until "
         "floor_max_age), and 1 when the curve crosses the budget at some lag (the suggestion "
         "is where), else 0 (the suggestion is only the largest lag seen).",
-        COUNT,
+        panels.COUNT,
         [
             Target(s.gauge("mismatch_floor_age"), "{{run}} floor age (steps)"),
             Target(s.gauge("bound_crossed"), "{{run}} crossed"),
@@ -451,7 +432,7 @@ def fleet_bounds(grid: Grid, s: Scope) -> None:
             Target(s.gauge("bound_suggested"), "{{run}} suggested"),
             Target(s.gauge("max_staleness"), "{{run}} bound"),
         ],
-        overrides=[bound_override()],
+        overrides=[panels.bound_override()],
     )
     grid.series(
         "Excess at the bound vs budget per run",
@@ -462,7 +443,7 @@ def fleet_bounds(grid: Grid, s: Scope) -> None:
             Target(s.gauge("bound_excess_at_bound"), "{{run}} at the configured bound"),
             Target(s.gauge("mismatch_budget"), "{{run}} budget"),
         ],
-        overrides=[bound_override("budget"), *_marked_overrides()[:1]],
+        overrides=[panels.bound_override("budget"), *_marked_overrides()[:1]],
     )
 
 
@@ -514,7 +495,7 @@ def staleness_dashboard() -> Json:
     _per_env(grid, s)
     what_staleness_costs(grid, s, FLEET_WIDE)
     choosing_the_bound(grid, s, bound)
-    return dashboard(
+    return panels.dashboard(
         "rl-staleness",
         "RL staleness",
         "How stale the data of asynchronous RL training is, where the age comes from and what the "
@@ -537,16 +518,16 @@ def fleet_dashboard() -> Json:
         ("Masked", RATIO, Target(s.ratio("tokens_masked", "tokens_sampled"))),
         ("Rollout max", VERSIONS, Target(s.gauge("rollout_max"))),
         ("Dropped rollouts/step", PER_STEP, Target(s.per_step("rollouts_dropped"))),
-        ("Held", COUNT, Target(s.gauge("rollouts_held"))),
+        ("Held", panels.COUNT, Target(s.gauge("rollouts_held"))),
         ("Label coverage", RATIO, Target(_label_coverage(s))),
         ("Export errors/s", PER_SECOND, Target(s.rate("export_errors"))),
         ("Excess k3", NATS, Target(s.excess_k3())),
         ("Suggested bound", VERSIONS, Target(s.gauge("bound_suggested"))),
         ("Excess at bound", NATS, Target(s.gauge("bound_excess_at_bound"))),
-        ("Trained length", TOKENS, Target(s.trained_length_mean())),
+        ("Trained length", panels.TOKENS, Target(s.trained_length_mean())),
     ]
     grid.add(
-        table(
+        panels.table(
             "Runs",
             "One line per run: the last shipped batch's gauges and the rates over the dashboard's "
             "rate window; the excess k3 is over each run's floor (SPEC 14: measured at lag 0, "
@@ -597,7 +578,7 @@ def fleet_dashboard() -> Json:
         grid.series(title, description, unit, targets, (8, 7), maximum=top)
     fleet_costs(grid, s, FLEET_WIDE)
     fleet_bounds(grid, s)
-    return dashboard(
+    return panels.dashboard(
         "rl-staleness-fleet",
         "RL staleness fleet",
         "Many asynchronous RL runs side by side: staleness, masking, drops and pipeline health per "

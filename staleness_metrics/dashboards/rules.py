@@ -216,11 +216,10 @@ def _bound_alerts(t: Thresholds, where: str) -> list[Json]:
 
 def rule_groups(thresholds: Thresholds | None = None) -> Json:
     """The rules file as data: one group of recording rules, one of alerts."""
-    t = thresholds or Thresholds()
     return {
         "groups": [
             {"name": "rl-staleness.recording", "rules": _recording_rules()},
-            {"name": "rl-staleness.alerts", "rules": _alerts(t)},
+            {"name": "rl-staleness.alerts", "rules": _alerts(thresholds or Thresholds())},
         ]
     }
 

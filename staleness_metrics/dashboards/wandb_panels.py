@@ -153,12 +153,11 @@ def build_workspace(entity: str, project: str, *, x_axis: str, name: str = "RL s
         )
         for spec in panels()
     ]
-    section = ws.Section(name=SECTION, panels=built, is_open=True)
     return ws.Workspace(
         entity=entity,
         project=project,
         name=name,
-        sections=[section],
+        sections=[ws.Section(name=SECTION, panels=built, is_open=True)],
         settings=ws.WorkspaceSettings(x_axis=x_axis),
     )
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import state_checks
 from ..config import StalenessConfig
 from ..errors import TraceError
 from ..metrics.bound import BoundTracker, env_tracker_config
@@ -17,22 +18,7 @@ from ..metrics.buckets import FLOOR_SOURCES, HISTOGRAM_TOP, LENGTH_BUCKETS
 from ..metrics.compute import WindowCounts
 from ..metrics.mismatch import MismatchSums
 from ..metrics.report import MetricValue, StepReport, Tally
-from ..state_checks import (
-    FORMAT,
-    check_digests,
-    check_format,
-    decode_array,
-    digests_of,
-    fail,
-    integer,
-    join,
-    keys,
-    kind_of,
-    mapping,
-    sequence,
-    string,
-    strings,
-)
+from ..state_checks import decode_array, fail, integer, join, keys, mapping, sequence, string
 from .policies import Policy
 from .queue import RolloutQueue
 from .queue_state import INT64, LAYOUT_KEYS, encode_value, integers, read_layout, read_queue, save_queue
@@ -121,8 +107,8 @@ def _window_from_dict(data: Any, path: str, n_envs: int) -> WindowCounts:
         setattr(window, name, per_env)
     lists = {name: sequence(keys(found[name], join(path, name), ("list",))["list"], join(path, f"{name}.list"))
              for name in ("dropped_rollouts", "dropped_samples", "held")}  # fmt: skip
-    window.dropped_rollouts = strings(lists["dropped_rollouts"], join(path, "dropped_rollouts.list"))
-    window.held = strings(lists["held"], join(path, "held.list"))
+    window.dropped_rollouts = state_checks.strings(lists["dropped_rollouts"], join(path, "dropped_rollouts.list"))
+    window.held = state_checks.strings(lists["held"], join(path, "held.list"))
     samples = []
     for i, pair in enumerate(lists["dropped_samples"]):
         where = join(join(path, "dropped_samples.list"), i)
@@ -156,7 +142,7 @@ class SinkState:
 def save_sink(config: StalenessConfig, parts: SinkState) -> dict[str, Any]:
     """The state of a sink of ``config`` from its parts (its queue's staged rows built)."""
     state: dict[str, Any] = {
-        "format": FORMAT,
+        "format": state_checks.FORMAT,
         "config": dataclasses.asdict(config),
         "step": parts.step,
         "queue": save_queue(parts.queue),
@@ -169,13 +155,13 @@ def save_sink(config: StalenessConfig, parts: SinkState) -> dict[str, Any]:
     }
     if parts.bound_moved_at:
         state["bound_moved_at"] = parts.bound_moved_at
-    state["digests"] = digests_of(state)
+    state["digests"] = state_checks.digests_of(state)
     return state
 
 
 def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Policy) -> SinkState:
     """A sink state checked, what it holds built as new objects for a sink of ``config``."""
-    check_format(state, "sink", path)
+    state_checks.check_format(state, "sink", path)
     old = state["format"] in (1, 2)  # the queue's tables and batches
     state = keys(state, path, LAYOUT_SINK_KEYS if old else SINK_KEYS, OPTIONAL_SINK_KEYS)
     if state["format"] != 1 and "digests" not in state:
@@ -212,7 +198,7 @@ def read_sink(state: Any, path: str = "", *, config: StalenessConfig, policy: Po
         env_trackers[env] = BoundTracker(env_tracker_config(config))
         env_trackers[env].load_checked(env_trackers[env].check_state_dict(env_state, where))
     moved_at = integer(state.get("bound_moved_at", 0), join(path, "bound_moved_at"), 0, step)
-    check_digests(state, path)
+    state_checks.check_digests(state, path)
     return SinkState(step, restored, window, tuple(invalid), totals, policy_state, tracker, env_trackers, moved_at)
 
 
@@ -245,7 +231,7 @@ def check_metrics(data: Any, path: str) -> dict[str, MetricValue]:
                 sources = ", ".join(FLOOR_SOURCES)
                 fail(join(path, str(key)), f"expected one of {sources}, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail(join(path, str(key)), f"expected a number, got {kind_of(value)}")
+            fail(join(path, str(key)), f"expected a number, got {state_checks.kind_of(value)}")
         out[string(key, path)] = value
     return out
 

@@ -34,10 +34,7 @@ def _span_bits(seg: npt.NDArray[Any], sign: np.uint64, infinity: np.uint64) -> i
     # y + at_least_inf has the sign bit exactly when y >= +inf's bits
     at_least_inf = sign - infinity
     above_inf = at_least_inf - one  # ... when y > +inf's bits: a NaN
-    any_bits = np.uint64(0)
-    any_inf = np.uint64(0)
-    any_nan = np.uint64(0)
-    any_not_positive = np.uint64(0)
+    any_bits = any_inf = any_nan = any_not_positive = np.uint64(0)
     for i in range(len(seg)):
         u = np.uint64(seg[i])
         y = u & magnitude
@@ -69,19 +66,16 @@ def _cut_flags(
     starts, ends, first, k = cuts
     w0, w1, w2 = weights  # (three arrays: fewer repeat the first, whose bits are read once more)
     for c in range(first, k):
-        cut_start = starts[c]
-        cut_end = ends[c]
+        cut_start, cut_end = starts[c], ends[c]
         s0, s1, s2 = w0[cut_start:cut_end], w1[cut_start:cut_end], w2[cut_start:cut_end]
-        # The usual cut, every value finite and > 0, by a min and a max in the values' own width;
-        # any other cut is read again
+        # Usual cut (all finite, > 0): min and max in the values' own width; any other is read again
         low0, low1, low2 = s0[0], s1[0], s2[0]
         top0, top1, top2 = low0, low1, low2
         for q in range(1, cut_end - cut_start):
             low0, top0 = min(low0, s0[q]), max(top0, s0[q])
             low1, top1 = min(low1, s1[q]), max(top1, s1[q])
             low2, top2 = min(low2, s2[q]), max(top2, s2[q])
-        lowest = min(low0, low1, low2)
-        if (lowest > 0) & (top0 < infinity) & (top1 < infinity) & (top2 < infinity):
+        if (min(low0, low1, low2) > 0) & (top0 < infinity) & (top1 < infinity) & (top2 < infinity):
             for w in range(n_weights):
                 flags[w, c] = 1
             continue
@@ -104,13 +98,11 @@ def _checked_positions(
         raise ValueError("sample_cuts: a weight array and the mask differ in length")
     if len(span_starts) != len(span_versions):
         raise ValueError("sample_cuts: span starts and versions differ in length")
-    total = 0
-    end = 0
+    total = end = 0
     for s in samples:
         if s < 0 or s + 1 >= len(pos_off) or s >= len(kinds):
             raise IndexError("sample_cuts: a sample index beyond the position offsets")
-        a = pos_off[s]
-        b = pos_off[s + 1]
+        a, b = pos_off[s], pos_off[s + 1]
         if a < end or b < a or b > n:
             raise ValueError("sample_cuts: position offsets out of order or beyond the arrays")
         if kinds[s] == 2 and len(tokens) != n:
@@ -146,9 +138,7 @@ def _token_sample(
         block_tok = tok[i:end]
         block_mask = m[i:end]
         before_mask = m[i - 1 : end - 1]
-        cuts = 0
-        block_labelled = 0
-        block_below = 0
+        cuts = block_labelled = block_below = 0
         for q in range(end - i):
             t = np.int64(block_tok[q])
             is_labelled = t >= 0
@@ -451,8 +441,7 @@ def _span_rows(
     max_label = np.full(n_samples, -1, dtype=np.int64)
     max_sampled = np.full(n_samples, no_low, dtype=np.int64)
     seq_min = np.full(n_samples, no_high, dtype=np.int64)
-    s = 0
-    r = 0
+    s = r = 0
     for c in range(cuts):
         if not kept[c]:
             continue

@@ -126,16 +126,14 @@ class SliceRows(NamedTuple):
 def _slice_rows(
     rows: IntArray, sample_lo: IntArray, sample_hi: IntArray, span_lo: IntArray, span_hi: IntArray
 ) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray, IntArray]:  # pragma: no cover
-    n_rollouts = len(sample_lo)
-    n_samples = len(span_lo)
+    n_rollouts, n_samples = len(sample_lo), len(span_lo)
     if len(sample_hi) != n_rollouts or len(span_hi) != n_samples:
         raise ValueError("slice_rows: lo and hi differ in length")
     samples = 0
     for row in rows:
         if row < 0 or row >= n_rollouts:
             raise IndexError("slice_rows: a rollout row outside the table")
-        a = sample_lo[row]
-        b = sample_hi[row]
+        a, b = sample_lo[row], sample_hi[row]
         if a < 0 or b < a or b > n_samples:
             raise IndexError("slice_rows: a sample range outside the table")
         samples += b - a
@@ -143,12 +141,10 @@ def _slice_rows(
     sample_offsets = np.empty(len(rows) + 1, dtype=np.int64)
     sample_rollout = np.empty(samples, dtype=np.int64)
     sample_offsets[0] = 0
-    at = 0
-    spans = 0
+    at = spans = 0
     for i in range(len(rows)):
         for k in range(sample_lo[rows[i]], sample_hi[rows[i]]):
-            a = span_lo[k]
-            b = span_hi[k]
+            a, b = span_lo[k], span_hi[k]
             if a < 0 or b < a:
                 raise IndexError("slice_rows: a span range out of order")
             sample_rows[at] = k
@@ -216,8 +212,7 @@ def _stale_rows(
     out_hi = np.empty(n, dtype=np.int64)
     out_part = np.empty(n, dtype=np.int8)
     out_count = np.empty(n, dtype=np.int64)
-    j = 0
-    i = 0
+    j = i = 0
     for k in range(n_samples):
         for r in range(span_lo[k], span_hi[k]):
             # A mixed span's parts are adjacent rows (1 labelled, 2 unlabelled): both stale, the
@@ -228,8 +223,7 @@ def _stale_rows(
                 raise IndexError("stale_rows: a part of a mixed span without its other part")
             if hit[i] and not (p == 2 and hit[partner]):
                 out_chunk[j] = rollout_chunk[sample_rollout[k]]
-                out_lo[j] = table_lo[r]
-                out_hi[j] = table_hi[r]
+                out_lo[j], out_hi[j] = table_lo[r], table_hi[r]
                 out_part[j] = 0 if stale[partner] else p
                 out_count[j] = sampled[i]
                 j += 1
@@ -280,8 +274,7 @@ def _zero_spans(
     if len(hi) != rows or len(part) != rows or len(count) != rows:
         raise ValueError("zero_spans: lo, hi, part and count differ in length")
     for r in range(rows):
-        a = lo[r]
-        b = hi[r]
+        a, b = lo[r], hi[r]
         if a >= b:
             continue
         if a < 0 or b > n or (part[r] != 0 and b > len(tokens)):
@@ -337,9 +330,8 @@ def zero_spans(
     written = (hi - lo).cumsum()
     # shares of about equal positions, written in parallel (the rows are disjoint)
     edges = np.searchsorted(written, np.linspace(0, total, num=SHARES + 1)[1:-1], "left").tolist()
-    bounds = [0, *edges, len(lo)]
     tasks = [
         partial(_zero_spans, *views, labels, lo[a:b], hi[a:b], part[a:b], count[a:b], zeros)
-        for a, b in itertools.pairwise(bounds) if b > a
+        for a, b in itertools.pairwise([0, *edges, len(lo)]) if b > a
     ]  # fmt: skip
     run_all(tasks, total)

@@ -30,7 +30,7 @@ TableT = TypeVar("TableT", bound="Table")
 
 
 class Column(Generic[ScalarT]):
-    """A column of a :class:`Table`: ``table.name`` is a view of its live rows (written in place)."""
+    """A :class:`Table` column: ``table.name`` is a view of its live rows (written in place)."""
 
     def __init__(self, dtype: type[ScalarT]) -> None:
         self.dtype = np.dtype(dtype)
@@ -442,9 +442,8 @@ class RolloutQueue:
             self.append_rows(batch, spans, (first, stop), rows)
 
     def add_part(self, batch: RolloutBatch, spans: SpanTable, part: tuple[int, int]) -> None:
-        """Queue the rollouts ``part`` of a read-ahead window's ``batch``, every rollout valid: the
-        rows of the window's rollouts from ``part`` on are appended once, pending, and each part's
-        add queues its own."""
+        """Queue the rollouts ``part`` of a read-ahead window's ``batch`` (all valid): its rows from
+        ``part`` on are appended once, pending, and each part's add queues its own."""
         first, stop = part
         ahead = self._ahead
         if ahead is None or ahead.batch is not batch or ahead.next != first:
@@ -528,8 +527,7 @@ class RolloutQueue:
         span_offsets = spans.span_offsets[s0 : s1 + 1]
         samples, kept_spans = slice(s0, s1), slice(int(span_offsets[0]), int(span_offsets[-1]))
         assert batch.frozen is not None and batch.label_kind is not None
-        counts = np.diff(offsets)
-        sample_rollout = np.repeat(np.arange(stop - first), counts)
+        sample_rollout = np.repeat(np.arange(stop - first), np.diff(offsets))
         sample_base, span_base, row_base = len(self.samples), len(self.spans), len(self.rollouts)
         new_sample_offsets = sample_base + (offsets - s0)
         new_span_offsets = span_base + (span_offsets - span_offsets[0])

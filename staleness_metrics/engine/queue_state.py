@@ -12,29 +12,11 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from ..records.columnar import (
-    LABELS_SPANS,
-    LABELS_TOKENS,
-    PER_POSITION_FLOATS,
-    PER_ROLLOUT_ARRAYS,
-    PaddedLayout,
-    RolloutBatch,
-)
+from .. import state_checks
+from ..records import columnar
+from ..records.columnar import PER_POSITION_FLOATS, RolloutBatch
 from ..records.validation import unstorable
-from ..state_checks import (
-    boolean,
-    decode_array,
-    encode_array,
-    fail,
-    integer,
-    join,
-    keys,
-    kind_of,
-    mapping,
-    sequence,
-    string,
-    strings,
-)
+from ..state_checks import boolean, decode_array, fail, integer, join, keys, mapping, sequence
 from .decision import NO_MASK
 from .judging import judgement_of, mask_positions
 from .queue import NEVER, QUEUED, RolloutQueue, RolloutRows, SampleRows, SpanRows, Table, rollouts_of
@@ -97,7 +79,7 @@ def save_queue(queue: RolloutQueue) -> dict[str, Any]:
 
 def read_registry(state: Mapping[str, Any], path: str) -> tuple[set[str], dict[str, Any]]:
     """The ids seen in ``state``, and its groups and envs as ``RolloutQueue.restore`` takes them."""
-    seen_ids = set(strings(state["seen_ids"], join(path, "seen_ids"), unique=True))
+    seen_ids = set(state_checks.strings(state["seen_ids"], join(path, "seen_ids"), unique=True))
     where = join(path, "group_agentic")
     length = integer(state["n_groups"], join(path, "n_groups"), 0) if "n_groups" in state else None
     agentic = sequence(state["group_agentic"], where, length)  # (n_groups: formats 1 and 2)
@@ -108,13 +90,14 @@ def read_registry(state: Mapping[str, Any], path: str) -> tuple[set[str], dict[s
     for i, pair in enumerate(sequence(state["groups"], join(path, "groups"))):
         where = join(join(path, "groups"), i)
         name, index = sequence(pair, where, 2)
-        name, index = string(name, join(where, 0)), integer(index, join(where, 1), 0, n_groups - 1)
+        name = state_checks.string(name, join(where, 0))
+        index = integer(index, join(where, 1), 0, n_groups - 1)
         if name in groups:
             fail(where, f"group {name!r} appears twice")
         groups[name] = index
     if len(set(groups.values())) != len(groups):
         fail(join(path, "groups"), "two group names share an index")
-    envs = strings(state["envs"], join(path, "envs"), optional=True, unique=True)
+    envs = state_checks.strings(state["envs"], join(path, "envs"), optional=True, unique=True)
     if not envs or envs[0] is not None:
         fail(join(path, "envs"), "the first env is null (rollouts without one)")
     env_index = {name: i for i, name in enumerate(envs)}
@@ -155,8 +138,7 @@ def read_queue(
             name = next(reversed(ours))
             fail(join(path, key), f"lacks the {key[:-1]} {name!r} of a queued rollout")
     if not seen_ids.issuperset(queue.seen_ids):
-        unknown = min(queue.seen_ids - seen_ids)
-        fail(join(path, "seen_ids"), f"lacks the queued id {unknown!r}")
+        fail(join(path, "seen_ids"), f"lacks the queued id {min(queue.seen_ids - seen_ids)!r}")
     rollouts, samples = len(queue.rollouts), len(queue.samples)
     judged = integers(found["judged"], join(path, "judged"), rollouts, NEVER, step)
     mask_below = integers(found["mask_below"], join(path, "mask_below"), samples, NO_MASK, max(step, 0))
@@ -184,7 +166,7 @@ def read_layout(
     r = decode_table(tables["rollouts"], queue.rollouts, join(path, "tables.rollouts"))
     s = decode_table(tables["samples"], queue.samples, join(path, "tables.samples"))
     n = decode_table(tables["spans"], queue.spans, join(path, "tables.spans"))
-    ids = strings(state["ids"], join(path, "ids"), unique=True)
+    ids = state_checks.strings(state["ids"], join(path, "ids"), unique=True)
     if len(ids) != len(r):
         fail(join(path, "ids"), f"{len(ids)} ids for {len(r)} rollout rows")
     queued = integer(state["queued"], join(path, "queued"), 0)
@@ -245,7 +227,7 @@ def _in_order(lo: IntArray, hi: IntArray, where: str, end: int) -> None:
 def encode_value(value: Any) -> Any:
     """One batch field (or window value) as ``{form: data}``."""
     if isinstance(value, np.ndarray):
-        return {"array": encode_array(value)}
+        return {"array": state_checks.encode_array(value)}
     if isinstance(value, dict):
         return {"dict": {key: encode_value(item) for key, item in value.items()}}
     if isinstance(value, (list, tuple)):
@@ -266,7 +248,7 @@ def _decode_value(encoded: Any, path: str, wanted: str) -> Any:
         fail(path, f"expected {{{wanted!r}: ...}} or {{'value': null}}, got the keys {got}")
     if "value" in found:
         if found["value"] is not None:
-            fail(join(path, "value"), f"expected null, got {kind_of(found['value'])}")
+            fail(join(path, "value"), f"expected null, got {state_checks.kind_of(found['value'])}")
         return None
     return found[wanted]
 
@@ -320,7 +302,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
                 value[key] = decode_array(item, join(join(join(where, "dict"), key), "array"), np.bool_)
         elif name == "padded":
             fields_ = keys(value, join(where, "fields"), ("rows", "width"))
-            value = PaddedLayout(
+            value = columnar.PaddedLayout(
                 integer(fields_["rows"], join(where, "fields.rows"), 0),
                 integer(fields_["width"], join(where, "fields.width"), 0),
             )
@@ -331,7 +313,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
                     fail(join(join(join(where, "list"), i), bad[0]), bad[1])
             value = copy.deepcopy(list(records))
         else:
-            value = strings(value, join(where, "list"), optional=name != "ids")
+            value = state_checks.strings(value, join(where, "list"), optional=name != "ids")
         raw[name] = value
     n_rollouts = len(raw["ids"])
     if len(raw["position_offsets"]) == 0:
@@ -340,7 +322,7 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     where = join(path, "position_offsets")
     check_offsets(raw["position_offsets"], where, n_samples + 1, n_positions)
     check_offsets(raw["sample_offsets"], join(path, "sample_offsets"), n_rollouts + 1, n_samples)
-    for name in PER_ROLLOUT_ARRAYS:
+    for name in columnar.PER_ROLLOUT_ARRAYS:
         if raw[name] is not None and len(raw[name]) != n_rollouts:
             fail(join(path, name), f"{len(raw[name])} entries for {n_rollouts} rollouts")
     for name in ("frozen", "agentic"):
@@ -369,11 +351,11 @@ def decode_batch(encoded: Any, path: str = "batch") -> RolloutBatch:
     if kind is not None:
         if kind.dtype != np.int8 or len(kind) != n_samples:
             fail(join(path, "label_kind"), f"expected {n_samples} int8 entries")
-        if ((kind < 0) | (kind > LABELS_TOKENS)).any():
+        if ((kind < 0) | (kind > columnar.LABELS_TOKENS)).any():
             fail(join(path, "label_kind"), "values are 0 (none), 1 (spans) or 2 (token versions)")
-        if (kind == LABELS_SPANS).any() and raw["span_offsets"] is None:
+        if (kind == columnar.LABELS_SPANS).any() and raw["span_offsets"] is None:
             fail(join(path, "label_kind"), "a sample labelled by spans, in a batch without spans")
-        if (kind == LABELS_TOKENS).any() and raw["token_versions"] is None:
+        if (kind == columnar.LABELS_TOKENS).any() and raw["token_versions"] is None:
             reason = "a sample labelled per token, in a batch without token versions"
             fail(join(path, "label_kind"), reason)
     return RolloutBatch(**raw)

@@ -189,8 +189,7 @@ def padded_shipment(shipment: Shipment, batch: RolloutBatch) -> PaddedShipment:
     return PaddedShipment(shipped=shipped, mask=mask, **weights)
 
 
-# the lag of a position outside SPEC 11's population (mask 0 as arrived, or frozen)
-NOT_SAMPLED = -1
+NOT_SAMPLED = -1  # lag of a position outside SPEC 11's population (mask 0 as arrived, or frozen)
 _LOGPROBS = ("logprobs", "trainer_logprobs")
 
 
@@ -316,9 +315,7 @@ def _shipped_rows(
     n = check_sample_spans(samples, table, version, sampled, len(frozen))
     lag = np.empty(n, dtype=np.int64)
     masked = np.empty(n, dtype=np.bool_)
-    n_kept = 0
-    kept_samples = 0
-    i = 0
+    n_kept = kept_samples = i = 0
     for k in range(n_samples):
         live = not frozen[sample_rollout[k]]
         for r in range(span_lo[k], span_hi[k]):
@@ -338,17 +335,14 @@ def _shipped_rows(
     env = np.empty(n_kept, dtype=np.int64)
     sample_offsets = np.zeros(kept_samples + 1, dtype=np.int64)
     last = max(n - 1, 0)
-    i = 0
-    j = 0
-    kept_k = 0
+    i = j = kept_k = 0
     for k in range(n_samples):
         rollout = sample_rollout[k]
         for r in range(span_lo[k], span_hi[k]):
             if kept_sample[k] and part[r] != 2:
                 partner = min(i + 1, last)  # the unlabelled part follows its labelled part
                 chunk[j] = rollout_chunk[rollout]
-                lo[j] = table_lo[r]
-                hi[j] = table_hi[r]
+                lo[j], hi[j] = table_lo[r], table_hi[r]
                 out_lag[j] = lag[i]
                 out_masked[j] = masked[i]
                 mixed[j] = part[r] == 1

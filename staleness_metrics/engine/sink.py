@@ -128,7 +128,7 @@ class Sink:
         """Queue finished rollouts: records (dicts or :class:`Rollout`), an iterable of them, a
         :class:`RolloutBatch` (its arrays the sink then owns and masks in place) or a list of them,
         all or nothing: strict mode raises :class:`TraceError` for the first invalid rollout and
-        adds nothing; lenient mode sets invalid ones aside (counted). Returns how many were queued."""
+        adds nothing; lenient mode sets invalid ones aside (counted). Returns how many it queued."""
         if isinstance(rollouts, RolloutBatch):
             return self._add_batch(rollouts)
         records = [rollouts] if isinstance(rollouts, (Mapping, Rollout)) else list(rollouts)
@@ -241,8 +241,7 @@ class Sink:
     def observe_env_mismatch(
         self, step: int, env: str, total: MismatchSums, *, merge: bool = False, bound: int | None = None
     ) -> ShipBound | None:
-        """The same for one env's sums: its own floor, window and advice (the bound adapts on the
-        batch only)."""
+        """The same per env: its own floor, window and advice (only the batch's bound adapts)."""
         tracker = self.env_trackers.get(env)
         if tracker is None:
             tracker = self.env_trackers[env] = BoundTracker(env_tracker_config(self.config))
@@ -265,7 +264,7 @@ class Sink:
         return self._judge(with_groups(self.queue, rows, self.policy.judges_groups), step)[0]
 
     def ship(self, step: int, ids: Iterable[str] | None = None) -> Shipment:
-        """Sweep at ``step``, then ship the named queued rollouts (all when ``ids`` is None). A version
+        """Sweep at ``step``, then ship the named queued rollouts (all for ``ids=None``). A version
         above the trained one raises :class:`TraceError` (strict) or is set aside (lenient)."""
         if isinstance(ids, str):
             raise FieldTypeError("ids", "must be a collection of rollout ids, not one string")
@@ -350,8 +349,7 @@ class Sink:
         trained = step - 1
         r, s = self.queue.rollouts, self.queue.samples
         bad_dispatch = r.dispatch[rows] > trained  # frozen rollouts too: every version is checked
-        sample_rows = expand_ranges(r.sample_lo[rows], r.sample_hi[rows])
-        bad_sample = s.max_label[sample_rows] > trained
+        bad_sample = s.max_label[expand_ranges(r.sample_lo[rows], r.sample_hi[rows])] > trained
         if not (bad_dispatch.any() or bad_sample.any()):  # (the usual case: nothing to name)
             return rows
         offsets = np.concatenate(([0], np.cumsum(r.sample_hi[rows] - r.sample_lo[rows])))

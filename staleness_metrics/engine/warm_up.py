@@ -47,8 +47,7 @@ def warm_up() -> None:
         rows = BatchRows(1, np.array([0, 1]), offsets, count, count, np.array([2], dtype=np.int8), 0b111)
         plain_values(rows, arrays[0], weights, None, tokens)
         plain_values(rows, arrays[0], weights, arrays[0], tokens)
-    # The dtypes a large body keeps as it came: compiled in a service's request, each would cost
-    # it about 60 MB of compiler memory
+    # dtypes a large body keeps as is: each, compiled in a request, costs ~60 MB of compiler memory
     mask = np.ones(3, dtype=np.int8)
     kinds = np.array([2], dtype=np.int8)
     for versions in (np.int8, np.int16, np.int32, np.int64):

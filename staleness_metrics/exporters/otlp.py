@@ -54,8 +54,7 @@ def build_metrics_data(
     temporality = temporality or otel.AggregationTemporality.CUMULATIVE
     delta = temporality is otel.AggregationTemporality.DELTA
     start_ns = snapshot.previous_time_ns if delta else snapshot.start_time_ns
-    now = snapshot.time_ns
-    run = snapshot.run
+    now, run = snapshot.time_ns, snapshot.run
     series = snapshot.delta if delta else snapshot.cumulative
     metrics: list[otel.Metric] = []
     for row in _PUBLISHED:
@@ -176,8 +175,7 @@ class OtlpExporter(CumulativeExporter, QueuedExporter[Snapshot]):
             self.resource = Resource.create(attributes)
             chosen = metric_exporter or _make_metric_exporter(protocol, endpoint, headers, timeout)
             # OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE, as the exporter resolved it
-            preferred = getattr(chosen, "_preferred_temporality", {}) or {}
-            self._temporality = preferred.get(Counter)
+            self._temporality = (getattr(chosen, "_preferred_temporality", {}) or {}).get(Counter)
             self._metric_exporter = chosen
         self._start_queue(self._send, max_queue, retry_initial, retry_max, close_timeout)
 

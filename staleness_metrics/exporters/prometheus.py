@@ -200,8 +200,7 @@ class PrometheusPushExporter(_PrometheusBase, QueuedExporter[int]):
         self._extra_grouping = dict(grouping_key or {})
         self._timeout = timeout
         self._delete_on_close = delete_on_close
-        self._version = 0
-        self._pushed_version = 0
+        self._version = self._pushed_version = 0
         self._start_queue(self._push, max_queue, retry_initial, retry_max, close_timeout)
 
     @property

@@ -262,7 +262,7 @@ class CumulativeState:
         }
 
     def loaded(self, state: Any, path: str) -> CumulativeState:
-        """A copy continuing from :meth:`state_dict`'s, checked first (older ones lack SPEC 14's)."""
+        """A copy going on from :meth:`state_dict`'s, checked first (older ones lack SPEC 14's)."""
         from ..engine.checkpoint import check_metrics, check_mismatch, check_report, check_tally
         from ..state_checks import integer, join, keys, mapping, string
 

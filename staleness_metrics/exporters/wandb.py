@@ -12,16 +12,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..metrics.metric_table import (
-    KEY_GLOB,
-    KEY_PREFIX,
-    LEGACY_KEYS,
-    METRICS,
-    WANDB_KEYS,
-    MetricDef,
-    Source,
-    env_key,
-)
+from ..metrics import metric_table
+from ..metrics.metric_table import KEY_PREFIX, LEGACY_KEYS, METRICS, WANDB_KEYS, Source, env_key
 from ..metrics.report import StepReport
 from .base import DEFAULT_CLOSE_TIMEOUT, DEFAULT_QUEUE_SIZE, MismatchReport, QueuedExporter
 
@@ -105,7 +97,7 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
         self._commit = commit
         self._defined: set[str] = set()
         self._warned_unknown: set[str] = set()
-        self._env_rows: dict[str, MetricDef] = {}  # per-env key -> its table row
+        self._env_rows: dict[str, metric_table.MetricDef] = {}  # per-env key -> its table row
         needs_worker_start = run is None or self._histogram_key is not None  # import wandb there
         prepare = self._prepare_worker if needs_worker_start else None
         self._start_queue(self._log, max_queue, retry_initial, retry_max, close_timeout, prepare)
@@ -177,7 +169,7 @@ class WandbExporter(QueuedExporter["StepReport | MismatchReport"]):
     def _define(self, run: Any, keys: Iterable[str]) -> None:  # on the worker only
         if not self._defined:
             run.define_metric(self._step_key)
-            run.define_metric(KEY_GLOB, step_metric=self._step_key)
+            run.define_metric(metric_table.KEY_GLOB, step_metric=self._step_key)
             self._defined.add(self._step_key)
         for key in keys:
             if key in self._defined or key == self._step_key:

@@ -83,7 +83,7 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
 
 def metrics_rows(path: str | Path, notes: list[str]) -> list[dict[str, Any]]:
     """Logged rows by step (rows of one step merged), keys renamed to the current ones; numbers not
-    finite or past 2**63 (no count, version or mean gets there) are left out, and ``notes`` say so."""
+    finite or past 2**63 (no count, version or mean reaches it) are left out; ``notes`` say so."""
     merged: dict[int, dict[str, Any]] = {}
     skipped: list[str] = []
     for line, value in iter_json_lines(path):

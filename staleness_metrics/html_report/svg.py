@@ -311,8 +311,7 @@ def heatmap(
     base = TOP + plot_h
     body.append(f'<line x1="{LEFT}" x2="{LEFT + plot_w}" y1="{base}" y2="{base}" class="axis"/>')
     body.append(f'<line x1="{LEFT}" x2="{LEFT}" y1="{TOP}" y2="{base}" class="axis"/>')
-    label_every = max(1, math.ceil(levels / 12))
-    for level in range(0, levels, label_every):
+    for level in range(0, levels, max(1, math.ceil(levels / 12))):
         y = base - (level + 0.5) * cell_h
         body.append(f'<text x="{LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">{level}</text>')
     for t in nice_ticks(min(columns), max(columns), 8, integer=True):

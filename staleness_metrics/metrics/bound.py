@@ -90,8 +90,7 @@ def excess_curve(window: MismatchSums, floor: float, *, min_tokens: int) -> Curv
     lags = tuple(b for b in CURVE_BUCKETS if int(window.tokens[b]) >= min_tokens)
     tokens = tuple(int(window.tokens[b]) for b in lags)
     raw = tuple(_k3(window, b) - floor for b in lags)
-    fitted = tuple(isotonic_increasing(raw, [float(n) for n in tokens]))
-    return Curve(lags, tokens, raw, fitted)
+    return Curve(lags, tokens, raw, tuple(isotonic_increasing(raw, [float(n) for n in tokens])))
 
 
 def budget_of(mismatch_budget: float | None, floor: float) -> float:

@@ -90,9 +90,7 @@ Columns = tuple[BoolArray, IntArray, IntArray, IntArray, BoolArray, IntArray, In
 def _check_population(rollout_in: BoolArray, columns: Columns) -> None:  # pragma: no cover
     frozen, dispatch, completion, sample_offsets, dropped, mask_below, n_sampled, span_offsets = columns[:8]
     version, sampled, labelled = columns[8:]
-    n_rollouts = len(frozen)
-    n_samples = len(dropped)
-    n_spans = len(version)
+    n_rollouts, n_samples, n_spans = len(frozen), len(dropped), len(version)
     if len(rollout_in) != n_rollouts or len(dispatch) != n_rollouts or len(completion) != n_rollouts:
         raise ValueError("population: rollout arrays differ in length")
     if len(sample_offsets) != n_rollouts + 1 or len(mask_below) != n_samples or len(n_sampled) != n_samples:
@@ -179,11 +177,9 @@ def _nearest_ranks(
     for i in range(len(histogram)):
         total += histogram[i]
     for q in range(len(quantiles)):
-        numerator = quantiles[q, 0]
-        denominator = quantiles[q, 1]
+        numerator, denominator = quantiles[q, 0], quantiles[q, 1]
         # ceil(numerator * total / denominator) without the product, which may not fit in int64
-        whole = total // denominator
-        rest = total % denominator
+        whole, rest = total // denominator, total % denominator
         rank = max(1, numerator * whole + (numerator * rest + denominator - 1) // denominator)
         running = 0
         for i in range(below + len(values)):
@@ -365,8 +361,7 @@ def _population(
         by_env = window.dropped_lengths
         dropped = sum(by_env.values(), zeros) if env is None else by_env.get(env, zeros)
         length_sampled, length_removed = length_sampled + dropped, length_removed + dropped
-    if length_samples:
-        # (a few buckets: summed as Python integers)
+    if length_samples:  # (a few buckets: summed as Python integers)
         sampled_list, removed_list = length_sampled.tolist(), length_removed.tolist()
         total = sum(sampled_list)
         metrics[keys.LENGTH_SAMPLED_MEAN] = total / length_samples

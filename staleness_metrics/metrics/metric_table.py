@@ -355,8 +355,8 @@ METRICS: tuple[MetricDef, ...] = (
         otel_name="rl.staleness.rollouts.invalid",
         description="Rollouts set aside as invalid (lenient mode).",
     ),
-    # ---- SPEC 11: what staleness costs. Counters are the mergeable sums; each ratio derives from them
-    # (PromQL over rates, the core for W&B), so the W&B-only rows below have no Prometheus/OTel name.
+    # ---- SPEC 11: what staleness costs. Counters are the mergeable sums; each ratio derives from
+    # them (PromQL over rates, the core for W&B), so W&B-only rows below lack Prometheus/OTel names.
     _lag_count(
         name="mismatch_tokens",
         wandb_key="staleness/mismatch/lag_{lag}/tokens",
@@ -642,7 +642,7 @@ REMOVED_KEY_FAMILIES: Mapping[str, str] = {
     "dispatcher/off_policy_level/": _DISPATCHER,
     "dispatcher/staleness/": _DISPATCHER,
 }
-"""Key prefixes whose keys are all removed (``dispatcher/off_policy/*``: no replacement), and why."""
+"""Prefixes whose keys are all removed (``dispatcher/off_policy/*``: no replacement), and why."""
 
 REMOVED_KEYS: tuple[LegacyKey, ...] = (
     LegacyKey(old="off_policy/token/max", new=None, reason=_EQUALS_ROLLOUT_MAX),

@@ -275,8 +275,7 @@ def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
     """``exp(d)`` for ``|d| <= 700`` and the k3 term ``r - 1 - d`` (the polynomial in Estrin's
     order: a shorter chain of dependencies)."""
     k = np.rint(d * _INV_LN2)
-    high = d - k * _LN2_HI
-    low = k * _LN2_LO
+    high, low = d - k * _LN2_HI, k * _LN2_LO
     x = high - low
     xx = x * x
     x4 = xx * xx
@@ -291,10 +290,9 @@ def _ratio(d: float) -> tuple[float, float]:  # pragma: no cover - compiled
 
 _ratio_compiled: Any = None  # _ratio, compiled when _mismatch_runs is
 
-# The band in log space (log_lo, log_hi, then the margins of each edge: near_lo, near_lo_top,
-# near_hi, near_hi_top): d outside [log_lo, log_hi] is out of band, except d within _NEAR of an
-# edge, where which side exp(d) falls is the C library exp's answer. The comparisons read d, not r:
-# they do not wait for the exp.
+# The band in log space (log_lo, log_hi, then each edge's margins: near_lo, near_lo_top, near_hi,
+# near_hi_top): d outside [log_lo, log_hi] is out of band, but within _NEAR of an edge the C library
+# exp says on which side exp(d) falls. Comparing d, not r, does not wait for the exp.
 Band = tuple[float, float, float, float, float, float]
 Sums = tuple[float, float, float, float, float]  # d, |d|, r - 1 - d, r, r^2
 
@@ -433,8 +431,7 @@ def _mismatch_runs(
     log_hi = math.log(band_hi) if band_hi > 0 else -np.inf
     band = (log_lo, log_hi, log_lo - _NEAR, log_lo + _NEAR, log_hi - _NEAR, log_hi + _NEAR)
     last_lag = -1
-    bucket = 0
-    p = 0
+    bucket = p = 0
     while p < n:  # one run of equal lag at a time: its bucket is found once
         q = _run_end(lag, p)
         run_lag = lag[p]

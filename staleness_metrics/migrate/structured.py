@@ -98,8 +98,7 @@ def migrate_structured(
     result.findings = sorted(migration.findings, key=lambda f: (f.line, f.old))
     if not migration.edits:
         return result
-    try:
-        # a set: a YAML alias repeats its anchor's edits
+    try:  # a set: a YAML alias repeats its anchor's edits
         new_text = apply_edits(text, set(migration.edits))
         migration.verify(new_text, data)
     except ValueError as exc:

@@ -150,8 +150,7 @@ def _spans_removal(items: list[_Span], indices: list[int], inside: _Span) -> lis
         if any(k > index for k in kept):
             # up to the next entry: its comma and the whitespace before the next one go
             edits.append(Edit(items[index][0], items[index + 1][0], ""))
-        else:
-            # a trailing entry: from the end of the previous entry, so its leading comma goes too
+        else:  # a trailing entry: from the end of the previous entry, so its leading comma goes too
             edits.append(Edit(items[index - 1][1], items[index][1], ""))
     return edits  # they touch at most: apply_edits takes them as they are
 

@@ -57,8 +57,7 @@ class RolloutBatch:
     ``span_offsets`` (S + 1) into ``span_versions`` / ``span_starts`` (relative to their sample).
     ``label_kind`` says per sample which (0 none, 1 spans, 2 token_versions; by default from what
     is given); ``present`` whether a sample carried each float array (a missing ``rl_weights``
-    counts as 1.0, missing ce / ref-KL weights as 0). Arrays are masked in place.
-    """
+    counts as 1.0, missing ce / ref-KL weights as 0). Arrays are masked in place."""
 
     ids: Sequence[str]
     sample_offsets: IntArray
@@ -126,8 +125,7 @@ class RolloutBatch:
           ``[B, L]``; ``completion_version``, ``group_ids``, ``envs``, ``frozen``, ``agentic`` per row.
 
         C-contiguous mask and weight arrays are masked in place by the sink;
-        :func:`~staleness_metrics.engine.shipment.padded_shipment` reads them back either way.
-        """
+        :func:`~staleness_metrics.engine.shipment.padded_shipment` reads them back either way."""
         return cls(**padded_columns(ids, mask, **columns))
 
     def unmaskable(self) -> tuple[str, str] | None:

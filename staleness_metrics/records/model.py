@@ -153,8 +153,7 @@ def _array(rid: str, name: str, value: object, kinds: str, expected: str, boolea
         array.dtype.kind in "uOf"
         and array.size
         and (array.dtype == object or not -INT64_BOUND <= array.min() <= array.max() < INT64_BOUND)
-    ):
-        # an integer beyond signed 64 bits: no store keeps it, and a weight would be rounded
+    ):  # an integer beyond signed 64 bits: no store keeps it, and a weight would be rounded
         for i, v in enumerate(value):
             if _is_int(v) and not INT64_MIN <= v <= INT64_MAX:
                 raise TraceError(rid, f"{name}[{i}]", f"integer {v} is outside the signed 64-bit range")

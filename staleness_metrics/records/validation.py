@@ -90,8 +90,7 @@ def unstorable(value: Any) -> tuple[str, str] | None:
                     return printable_id(name) or name, surrogate_reason(key, lone_surrogate(key) or 0)
                 children.append((child, name, level + 1))
             stack.extend(reversed(children))  # first field first, as the library reads them
-        elif isinstance(item, (list, tuple)):
-            # a per-position list: no per-item Python code
+        elif isinstance(item, (list, tuple)):  # a per-position list: no per-item Python code
             if set(map(type, item)) <= _PLAIN_SCALARS:
                 big = _first_big_int(list(item))
                 if big is not None:

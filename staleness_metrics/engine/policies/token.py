@@ -36,9 +36,7 @@ def _token_decision(
     version: IntArray,
     live: BoolArray,
 ) -> tuple[IntArray, BoolArray, BoolArray]:  # pragma: no cover - compiled
-    n_rollouts = len(frozen)
-    n_samples = len(mask_below)
-    n_spans = len(version)
+    n_rollouts, n_samples, n_spans = len(frozen), len(mask_below), len(version)
     if len(sample_offsets) != n_rollouts + 1 or len(span_offsets) != n_samples + 1:
         raise ValueError("token_decision: offsets of the wrong length")
     if len(dropped) != n_samples or len(had_train) != n_samples or len(unmaskable) != n_samples:

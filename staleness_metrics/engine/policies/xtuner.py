@@ -65,8 +65,7 @@ class XtunerPolicy(Policy):
         seq_staleness = np.where(has_version, t - judgement.seq_min_version, 0)
         expired = live & (seq_staleness >= (self.max_staleness + 1) * k)
         mask_below = judgement.mask_below
-        if self.max_token_staleness is not None:
-            # staleness >= S_tok <=> v < threshold
+        if self.max_token_staleness is not None:  # staleness >= S_tok <=> v < threshold
             threshold = t - (self.max_token_staleness + 1) * k + 1
             applies = live & ~judgement.group_agentic[rollout] & (judgement.n_sampled > 0)
             mask_below = np.maximum(mask_below, np.where(applies, threshold, NO_MASK))
