@@ -147,7 +147,7 @@ def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipm
 
 
 def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
-    shipments = replay(sources.as_replay_events(run.events_with_costs()), config)
+    shipments = replay(run.events_with_costs(), config)
     data = _replayed(str(run.root), "run", config, shipments)
     # the trainer's sums as logged, unless the replay had its log-probabilities to compute them
     if run.metrics is not None and not any(_from_sums(key) for row in data.rows for key in row):

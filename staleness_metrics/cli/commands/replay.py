@@ -53,11 +53,11 @@ def open_events(
     path: Path, progress: bool | None, config: StalenessConfig, run: RunDirectory | None = None
 ) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
     """Events of a stream, run directory (``run``) or adapters' run; a prime-rl run's reader."""
-    from ...replay.sources import as_replay_events, detect_and_read, is_current_layout, read_run_events
+    from ...replay.sources import detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()
     if run is not None and run.trainer_logprobs is not None:  # its records joined to them
-        return as_replay_events(run.events_with_costs()), stack, None
+        return run.events_with_costs(), stack, None
     path, max_staleness = path if run is None else run.events, config.max_staleness
     if is_event_file(path):
         # read ahead: the outputs are written when the whole stream has been replayed
