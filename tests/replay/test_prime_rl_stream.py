@@ -435,6 +435,34 @@ def test_replay_cli_strict_exits_2_and_lenient_says_what_it_set_aside(
     assert "set aside as damaged (--lenient): 1 stream lines that are not an episode record" in capsys.readouterr().err
 
 
+def test_a_torn_last_line_of_metrics_jsonl_ends_it_and_a_bad_line_before_stops_with_no_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every process appends to metrics.jsonl: a torn last line is a run still being written, read as the
+    end and said (replay died with a traceback after writing --metrics-out, report refused the run); a bad
+    line before it is one line of error, exit 2, and no output file left (SPEC 9)."""
+    w = _simple_run(tmp_path / "run")
+    w.metrics({"step": 1, "producer": "orch", "off_policy/max": 0.0})
+    metrics = w.file / "metrics.jsonl"
+    with metrics.open("a") as out:
+        out.write('{"step": 2, "producer": "orch", "off_po')
+    rows = tmp_path / "rows.jsonl"
+    assert main(["replay", str(tmp_path / "run"), "--metrics-out", str(rows)]) == 0
+    err = capsys.readouterr().err
+    assert f"{metrics}: a torn last line (line 2), read as the end" in err
+    assert "prime-rl's logged orchestrator staleness: 1 of 1 steps equal ours" in err
+    assert len(rows.read_text().splitlines()) == 2
+    assert main(["report", str(tmp_path / "run"), "-o", str(tmp_path / "r.html")]) == 0
+    assert "a torn last line (line 2), read as the end" in (tmp_path / "r.html").read_text()
+    capsys.readouterr()
+    metrics.write_text('{"step": 1, "off_po\n{"step": 2, "producer": "orch"}\n')
+    rows.unlink()
+    assert main(["replay", str(tmp_path / "run"), "--metrics-out", str(rows)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"line 1: {metrics}: bad JSON")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "run"]  # no output, no temp file
+
+
 # -- prime-rl's own numbers -----------------------------------------------------------------------------
 
 
