@@ -374,6 +374,9 @@ def _damaged(tmp_path: Path, kind: str) -> Path:
         w.seal()
         sealed = traces / "stream/00000.jsonl.zst"
         sealed.write_bytes(sealed.read_bytes()[:40])
+    elif kind == "empty_chunk":  # sealed (renamed) but never flushed before a crash: no frame at all
+        w.seal("annotations/orch")
+        (traces / "annotations/orch/00000.jsonl.zst").write_bytes(b"")
     elif kind == "bad_branch":
         w.trainer("t1", 3, [None, -0.1])
     elif kind == "duplicate_trace":  # the first episode's line written again
@@ -392,6 +395,7 @@ def _damaged(tmp_path: Path, kind: str) -> Path:
         ("index_nowhere", r"line 4: .*stream\.index\.jsonl: the row of episode 'e9' points at chunk 00004"),
         ("bad_chunk", r"00000\.jsonl\.zst: corrupt zstd data"),
         ("cut_chunk", r"00000\.jsonl\.zst: corrupt zstd data .*cut short"),
+        ("empty_chunk", r"line 1: .*orch/00000\.jsonl\.zst: corrupt zstd data .*no frame at all"),
         ("bad_branch", r"line 2: .*trainer/00000\.jsonl: trace 't1' has no branch 3"),
         ("duplicate_trace", r"line 4: .*stream/00000\.jsonl: trace 't0' was read before"),
     ],

@@ -161,7 +161,7 @@ class _Frames(io.RawIOBase):
         self._raw = raw
         self._context = zstandard.ZstdDecompressor()
         self._frame = self._context.decompressobj()
-        self._in_frame = False  # bytes of the current frame were fed and its end not seen yet
+        self._in_frame = True  # a frame's end not seen yet (a sealed file holds one at least)
         self._out = b""
 
     def readable(self) -> bool:
@@ -172,7 +172,7 @@ class _Frames(io.RawIOBase):
             data = self._raw.read(_BUFFER)
             if not data:
                 if self._in_frame:
-                    raise zstandard.ZstdError("the file ends inside a frame (cut short)")
+                    raise zstandard.ZstdError("cut short inside a frame, or no frame at all")
                 return False
             parts = []
             while data:
