@@ -243,6 +243,30 @@ def test_chunks_sealed_after_the_reader_listed_them_are_read_sealed(
     )
 
 
+def test_a_chunk_the_writer_rolls_to_after_the_listing_is_read_by_the_next_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prime-rl rolls to a new chunk (its line, then its index row) while a replay reads: the index is read
+    as it was when the chunks were listed, so the new episode is the next replay's (a strict replay stopped:
+    'the row of episode ... points at chunk 00001, offset 0: past the end of the stream')."""
+    from staleness_metrics.replay.sources.prime_rl import chunks, run
+
+    w = _simple_run(tmp_path, chunk_lines=3)  # e0, e1, e2 fill chunk 00000
+    expected = _plan(_events(tmp_path))
+
+    def listed_then_rolled(path: Any) -> Any:
+        layout = chunks.find_layout(path)
+        w.episode(episode("e3", [trace("t3", [node(1), node(1, [0], parent=0)], arrival=3)], (0, 0)))
+        return layout
+
+    monkeypatch.setattr(run, "find_layout", listed_then_rolled)
+    read = read_run_events(tmp_path)
+    assert _plan(list(read)) == expected and read.notes.damage.total == 0
+    assert (w.traces / "stream/00001.jsonl").is_file()
+    monkeypatch.undo()
+    assert ("add", "t3") in _plan(_events(tmp_path, max_staleness=0))  # read at rest: stale, never shipped
+
+
 def test_an_index_the_replay_cannot_read_is_left_out_as_a_missing_one(tmp_path: Path) -> None:
     """The index is a cross-check: unreadable (its permissions), the run replays as without it (a lenient
     replay stopped on it). Run without the capability to read past permissions, as root has it."""
