@@ -366,7 +366,7 @@ def test_the_demo_directory_replays_to_the_metrics_it_logged_costs_included(tmp_
             assert theirs[key] == pytest.approx(value), key
     # Joined to the trainer's log-probabilities written beside them, the replay reports what staleness cost
     # exactly as the live path logged it: the directory holds everything the cost needs.
-    with_costs = [s.report.row() for s in replay(as_replay_events(run.events_with_costs()), config)]
+    with_costs = [s.report.row() for s in replay(run.events_with_costs(), config)]
     # `replay DIRECTORY` is that replay: the run's settings (bound 4), its records joined to the trainer's.
     assert main(["replay", str(directory), "--metrics-out", str(tmp_path / "rows.jsonl")]) == 0
     assert [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()] == with_costs

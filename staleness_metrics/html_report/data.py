@@ -83,10 +83,11 @@ def _current_keys(row: dict[str, Any], path: str | Path, line: int) -> dict[str,
 
 def metrics_rows(path: str | Path, notes: list[str]) -> list[dict[str, Any]]:
     """Logged rows by step (rows of one step merged), keys renamed to the current ones; numbers not
-    finite or past 2**63 (no count, version or mean reaches it) are left out; ``notes`` say so."""
+    finite or past 2**63 (no count, version or mean reaches it) are left out; ``notes`` say so (and
+    a torn last line: a file still being written ends there)."""
     merged: dict[int, dict[str, Any]] = {}
     skipped: list[str] = []
-    for line, value in iter_json_lines(path):
+    for line, value in iter_json_lines(path, notes):
         if not isinstance(value, dict):
             continue
         step = next((value[k] for k in _STEP_KEYS if type(value.get(k)) is int), None)  # not a bool
@@ -147,7 +148,7 @@ def _replayed(source: str, kind: str, config: StalenessConfig, ships: list[Shipm
 
 
 def _collect_run_directory(run: RunDirectory, config: StalenessConfig, what_if_bounds: Sequence[int]) -> ReportData:
-    shipments = replay(sources.as_replay_events(run.events_with_costs()), config)
+    shipments = replay(run.events_with_costs(), config)
     data = _replayed(str(run.root), "run", config, shipments)
     # the trainer's sums as logged, unless the replay had its log-probabilities to compute them
     if run.metrics is not None and not any(_from_sums(key) for row in data.rows for key in row):
@@ -192,11 +193,10 @@ def collect(run: str | Path, config: StalenessConfig, what_if_bounds: Sequence[i
         result = what_if_with_curve(run, bounds, config)
         data.what_if = result.rows
         data.curve, data.curve_source = result.curve, "the records' trainer log-probabilities"
-    if kind == "prime-rl" and read_prime_rl_metrics(run):
-        data.comparison = sources.compare_prime_rl(
-            run, [s.report for s in shipments], notes=read.notes if read else None
-        )
     if read is not None:
-        notes = (read.notes.left_out(), read.notes.damage.summary())
-        data.read_notes = [f"prime-rl run: {line}" for line in notes if line]
+        said = (read.notes.left_out(), read.notes.damage.summary())
+        data.read_notes = [f"prime-rl run: {line}" for line in said if line]
+    if kind == "prime-rl" and (logged := read_prime_rl_metrics(run, data.read_notes)):  # torn: said
+        notes, ships = (read.notes if read else None), [s.report for s in shipments]
+        data.comparison = sources.compare_prime_rl(run, ships, historical=logged, notes=notes)
     return data

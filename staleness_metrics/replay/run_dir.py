@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import StalenessConfig
 from ..errors import ConfigError, EventError
 from ..metrics.mismatch import MismatchSums
-from .sources.events import EventDict, iter_json_lines, read_event_file
+from .sources.events import iter_json_lines
+from .stream import Event, read_event_path
 
 RUN_FILE = "run.json"
 RUN_FORMAT = "staleness-metrics run"
@@ -40,21 +41,22 @@ class RunDirectory:
         except ConfigError as error:
             raise ConfigError(f"{self.root / RUN_FILE}: config: {error}") from None
 
-    def events_with_costs(self) -> Iterator[EventDict]:
-        """The event stream, each shipped rollout's samples with the trainer's log-probabilities."""
+    def events_with_costs(self) -> Iterator[Event]:
+        """The event stream, read as replay reads a stream (compressed, or with a byte-order mark),
+        each shipped rollout's samples with the trainer's log-probabilities."""
         logprobs = self._trainer_logprobs()
-        for event in read_event_file(self.events):
-            if logprobs and event.get("type") == "rollout" and isinstance(event.get("rollout"), dict):
-                rollout = event["rollout"]
-                found = logprobs.get(rollout.get("id")) if isinstance(rollout.get("id"), str) else None
-                samples = rollout.get("samples")
-                if found is not None and isinstance(samples, list):
-                    joined = [
-                        {**sample, "trainer_logprobs": values} if values is not None and isinstance(sample, dict)
-                        else sample
-                        for sample, values in zip(samples, found, strict=False)
-                    ]  # fmt: skip
-                    event = {**event, "rollout": {**rollout, "samples": [*joined, *samples[len(joined) :]]}}
+        for event in read_event_path(self.events, parse=not logprobs):
+            rollout = event.rollout or {}
+            found = logprobs.get(rollout["id"]) if isinstance(rollout.get("id"), str) else None
+            samples = rollout.get("samples")
+            if found is not None and isinstance(samples, list):
+                joined = [
+                    {**sample, "trainer_logprobs": values} if values is not None and isinstance(sample, dict)
+                    else sample
+                    for sample, values in zip(samples, found, strict=False)
+                ]  # fmt: skip
+                rollout = {**rollout, "samples": [*joined, *samples[len(joined) :]]}
+                event = replace(event, rollout=rollout, booleans=True)  # (may hold booleans)
             yield event
 
     def _trainer_logprobs(self) -> dict[str, list[Any]]:
@@ -109,14 +111,8 @@ def _read(root: Path) -> RunDirectory:
     events = resolved.pop("events")
     if events is None:
         raise ConfigError(f"{path}: files.events: {root / files['events']} does not exist")
-    steps = data.get("steps")
-    return RunDirectory(
-        root=root,
-        config=config,
-        events=events,
-        steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
-        **resolved,
-    )
+    steps = data.get("steps") if type(data.get("steps")) is int else None  # (not a bool)
+    return RunDirectory(root=root, config=config, events=events, steps=steps, **resolved)
 
 
 def find_run(path: str | Path) -> RunDirectory | None:

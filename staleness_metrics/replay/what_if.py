@@ -194,7 +194,7 @@ def _steps_for(source: Source, strict: bool = True) -> tuple[StepsOf, list[Step]
     if isinstance(source, (str, Path)):
         run = find_run(source)
         if run is not None:  # the events joined to the trainer's log-probabilities
-            steps = list(cut_ahead(prepare(as_replay_events(run.events_with_costs()))))
+            steps = list(cut_ahead(prepare(run.events_with_costs())))
         elif is_event_file(source):  # read as the replay command reads it (compressed or not)
             steps = list(cut_ahead(prepare(read_event_path(source, parse=True, read_ahead=True))))
         elif detect_source(source) == "prime-rl":

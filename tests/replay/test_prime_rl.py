@@ -83,6 +83,20 @@ def test_replay_cli_reproduces_every_logged_off_policy_value(tmp_path: Path) -> 
             assert replayed[step][NEW_KEY[key]] == pytest.approx(row[key], abs=1e-12), (step, key)
 
 
+def test_a_torn_last_line_of_metrics_jsonl_ends_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run still being written: its metrics.jsonl read to the torn line and said (replay died with a
+    traceback, report refused the run)."""
+    run = tmp_path / "run"
+    shutil.copytree(EXAMPLE, run)
+    metrics = run / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:-40])
+    assert main(["replay", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert f"{metrics}: a torn last line (line 20), read as the end" in err
+    assert "prime-rl's logged orchestrator staleness: 19 of 19 steps equal ours" in err
+    assert main(["report", str(run), "-o", str(tmp_path / "r.html")]) == 0
+
+
 def test_comparison_marks_every_step_of_the_example_as_matching() -> None:
     shipments = replay(as_replay_events(read_prime_rl(EXAMPLE)), StalenessConfig(policy="episode"))
     rows = compare_prime_rl(EXAMPLE, [s.report for s in shipments])

@@ -243,6 +243,30 @@ def test_chunks_sealed_after_the_reader_listed_them_are_read_sealed(
     )
 
 
+def test_a_chunk_the_writer_rolls_to_after_the_listing_is_read_by_the_next_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prime-rl rolls to a new chunk (its line, then its index row) while a replay reads: the index is read
+    as it was when the chunks were listed, so the new episode is the next replay's (a strict replay stopped:
+    'the row of episode ... points at chunk 00001, offset 0: past the end of the stream')."""
+    from staleness_metrics.replay.sources.prime_rl import chunks, run
+
+    w = _simple_run(tmp_path, chunk_lines=3)  # e0, e1, e2 fill chunk 00000
+    expected = _plan(_events(tmp_path))
+
+    def listed_then_rolled(path: Any) -> Any:
+        layout = chunks.find_layout(path)
+        w.episode(episode("e3", [trace("t3", [node(1), node(1, [0], parent=0)], arrival=3)], (0, 0)))
+        return layout
+
+    monkeypatch.setattr(run, "find_layout", listed_then_rolled)
+    read = read_run_events(tmp_path)
+    assert _plan(list(read)) == expected and read.notes.damage.total == 0
+    assert (w.traces / "stream/00001.jsonl").is_file()
+    monkeypatch.undo()
+    assert ("add", "t3") in _plan(_events(tmp_path, max_staleness=0))  # read at rest: stale, never shipped
+
+
 def test_an_index_the_replay_cannot_read_is_left_out_as_a_missing_one(tmp_path: Path) -> None:
     """The index is a cross-check: unreadable (its permissions), the run replays as without it (a lenient
     replay stopped on it). Run without the capability to read past permissions, as root has it."""
@@ -374,6 +398,9 @@ def _damaged(tmp_path: Path, kind: str) -> Path:
         w.seal()
         sealed = traces / "stream/00000.jsonl.zst"
         sealed.write_bytes(sealed.read_bytes()[:40])
+    elif kind == "empty_chunk":  # sealed (renamed) but never flushed before a crash: no frame at all
+        w.seal("annotations/orch")
+        (traces / "annotations/orch/00000.jsonl.zst").write_bytes(b"")
     elif kind == "bad_branch":
         w.trainer("t1", 3, [None, -0.1])
     elif kind == "duplicate_trace":  # the first episode's line written again
@@ -392,6 +419,7 @@ def _damaged(tmp_path: Path, kind: str) -> Path:
         ("index_nowhere", r"line 4: .*stream\.index\.jsonl: the row of episode 'e9' points at chunk 00004"),
         ("bad_chunk", r"00000\.jsonl\.zst: corrupt zstd data"),
         ("cut_chunk", r"00000\.jsonl\.zst: corrupt zstd data .*cut short"),
+        ("empty_chunk", r"line 1: .*orch/00000\.jsonl\.zst: corrupt zstd data .*no frame at all"),
         ("bad_branch", r"line 2: .*trainer/00000\.jsonl: trace 't1' has no branch 3"),
         ("duplicate_trace", r"line 4: .*stream/00000\.jsonl: trace 't0' was read before"),
     ],
@@ -433,6 +461,34 @@ def test_replay_cli_strict_exits_2_and_lenient_says_what_it_set_aside(
     assert "not an episode record" in capsys.readouterr().err
     assert main(["replay", str(root), "--lenient"]) == 0
     assert "set aside as damaged (--lenient): 1 stream lines that are not an episode record" in capsys.readouterr().err
+
+
+def test_a_torn_last_line_of_metrics_jsonl_ends_it_and_a_bad_line_before_stops_with_no_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every process appends to metrics.jsonl: a torn last line is a run still being written, read as the
+    end and said (replay died with a traceback after writing --metrics-out, report refused the run); a bad
+    line before it is one line of error, exit 2, and no output file left (SPEC 9)."""
+    w = _simple_run(tmp_path / "run")
+    w.metrics({"step": 1, "producer": "orch", "off_policy/max": 0.0})
+    metrics = w.file / "metrics.jsonl"
+    with metrics.open("a") as out:
+        out.write('{"step": 2, "producer": "orch", "off_po')
+    rows = tmp_path / "rows.jsonl"
+    assert main(["replay", str(tmp_path / "run"), "--metrics-out", str(rows)]) == 0
+    err = capsys.readouterr().err
+    assert f"{metrics}: a torn last line (line 2), read as the end" in err
+    assert "prime-rl's logged orchestrator staleness: 1 of 1 steps equal ours" in err
+    assert len(rows.read_text().splitlines()) == 2
+    assert main(["report", str(tmp_path / "run"), "-o", str(tmp_path / "r.html")]) == 0
+    assert "a torn last line (line 2), read as the end" in (tmp_path / "r.html").read_text()
+    capsys.readouterr()
+    metrics.write_text('{"step": 1, "off_po\n{"step": 2, "producer": "orch"}\n')
+    rows.unlink()
+    assert main(["replay", str(tmp_path / "run"), "--metrics-out", str(rows)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"line 1: {metrics}: bad JSON")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.html", "run"]  # no output, no temp file
 
 
 # -- prime-rl's own numbers -----------------------------------------------------------------------------

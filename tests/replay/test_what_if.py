@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gzip
 import json
 import math
 import multiprocessing
@@ -13,6 +14,7 @@ import resource
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from staleness_metrics.cli.commands import what_if as what_if_command
 from staleness_metrics.config import PolicyName, StalenessConfig
 from staleness_metrics.demo import Simulation
 from staleness_metrics.errors import ConfigError, EventError
+from staleness_metrics.html_report import collect
 from staleness_metrics.replay.sources import as_replay_events, detect_and_read, read_xtuner_states
 from staleness_metrics.replay.stream import replay
 from staleness_metrics.replay.what_if import (
@@ -107,6 +110,35 @@ def test_a_flag_given_wins_over_the_run_directory_even_at_its_default_value(
         )
     assert main(["report", source, "--policy", "token", "--bound", "8", "-o", str(tmp_path / "r.html")]) == 0
     assert "policy: token · max_staleness: 8" in (tmp_path / "r.html").read_text()
+
+
+@pytest.mark.parametrize("encode", [gzip.compress, lambda data: b"\xef\xbb\xbf" + data], ids=["gzip", "bom"])
+def test_a_run_directory_reads_its_stream_as_replay_does_compressed_or_with_a_bom(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], encode: Callable[[bytes], bytes]
+) -> None:
+    """replay, what-if and report read a run directory's events as replay reads a stream, its trainer
+    log-probabilities joined (what-if and report stopped: 'utf-8' codec can't decode byte 0x8b; Unexpected
+    UTF-8 BOM)."""
+    outputs = []
+    for name in ("plain", "encoded"):
+        (tmp_path / name).mkdir()
+        run = _run_directory(tmp_path / name)
+        events = run / "events.jsonl"
+        lines = [json.loads(line) for line in events.read_text().splitlines()]
+        lines[0]["rollout"]["samples"][0]["logprobs"] = [-0.5] * 4
+        events.write_bytes("".join(json.dumps(e) + "\n" for e in lines).encode())
+        if name == "encoded":
+            events.write_bytes(encode(events.read_bytes()))
+        (run / "logprobs.jsonl").write_text(json.dumps({"id": "a", "trainer_logprobs": [[-0.4] * 4]}) + "\n")
+        config = json.loads((run / "run.json").read_text())
+        config["files"]["trainer_logprobs"] = "logprobs.jsonl"
+        (run / "run.json").write_text(json.dumps(config))
+        assert main(["replay", str(run), "--metrics-out", str(tmp_path / f"{name}.jsonl")]) == 0
+        code, out, _ = _what_if_cli(capsys, str(run), "--max-staleness", "0..3", "--json")
+        assert code == 0 and json.loads(out)[-1]["trained_k3"] is not None  # (the costs joined)
+        report = collect(run, StalenessConfig(), [0, 1])
+        outputs.append(((tmp_path / f"{name}.jsonl").read_text(), out, report.rows, report.what_if))
+    assert outputs[0] == outputs[1]
 
 
 def _limit_file_size() -> None:  # (a full disk, for a child process)

@@ -53,11 +53,11 @@ def open_events(
     path: Path, progress: bool | None, config: StalenessConfig, run: RunDirectory | None = None
 ) -> tuple[Iterator[Event], contextlib.ExitStack, PrimeRlRead | None]:
     """Events of a stream, run directory (``run``) or adapters' run; a prime-rl run's reader."""
-    from ...replay.sources import as_replay_events, detect_and_read, is_current_layout, read_run_events
+    from ...replay.sources import detect_and_read, is_current_layout, read_run_events
 
     stack = contextlib.ExitStack()
     if run is not None and run.trainer_logprobs is not None:  # its records joined to them
-        return as_replay_events(run.events_with_costs()), stack, None
+        return run.events_with_costs(), stack, None
     path, max_staleness = path if run is None else run.events, config.max_staleness
     if is_event_file(path):
         # read ahead: the outputs are written when the whole stream has been replayed
@@ -73,18 +73,19 @@ def open_events(
 
 def _prime_rl_lines(path: Path, read: PrimeRlRead | None, reports: list[StepReport]) -> list[str]:
     """What a prime-rl run's reader left out or set aside, and its logged values against ours."""
-    from ...replay.sources import compare_prime_rl, is_prime_rl_run
+    from ...replay.sources import compare_prime_rl, is_prime_rl_run, read_prime_rl_metrics
     from ...replay.sources.prime_rl.compare import describe_comparison
 
     if not (path.is_dir() and is_prime_rl_run(path)):
         return []
-    lines = []
+    lines: list[str] = []
     if read is not None:
         if read.notes.left_out():
             lines.append(f"left out (SPEC 9): {read.notes.left_out()}")
         if read.notes.damage.total:
             lines.append(f"set aside as damaged (--lenient): {read.notes.damage.summary()}")
-    rows = compare_prime_rl(path, reports, notes=read.notes if read is not None else None)
+    logged = read_prime_rl_metrics(path, lines)  # (a torn last line is said in `lines`)
+    rows = compare_prime_rl(path, reports, historical=logged, notes=read.notes if read else None)
     return lines + describe_comparison(rows)
 
 
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
                     metrics_out.write(jsonio.dumps_line(shipment.report.row()))
                 if batches_out is not None:
                     batches_out.write(batches_line_bytes(shipment))
+            said = _prime_rl_lines(args.events, read, reports) if prime_rl else []  # (may stop it)
     except (ValueError, OSError) as error:  # EventError included
         return failed("replay", error)
     totals = sink.totals
@@ -147,7 +149,6 @@ def run(args: argparse.Namespace) -> int:
         f"sampled tokens masked, {totals.rollouts_invalid} invalid set aside",
         file=sys.stderr,
     )
-    if prime_rl:
-        for line in _prime_rl_lines(args.events, read, reports):
-            print(line, file=sys.stderr)
+    for line in said:
+        print(line, file=sys.stderr)
     return 0

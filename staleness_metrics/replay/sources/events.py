@@ -12,8 +12,9 @@ from ...errors import EventError
 EventDict = dict[str, Any]  # a SPEC 9 event: {"type": "rollout" | "sweep" | "ship", ...}
 
 
-def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """``(line_number, value)`` for every non-blank line; bad JSON: ``EventError`` naming the file."""
+def iter_json_lines(path: str | Path, torn: list[str] | None = None) -> Iterator[tuple[int, Any]]:
+    """``(line_number, value)`` for every non-blank line; bad JSON: ``EventError`` naming the file
+    (``torn`` given: a torn last line ends the file, one still being written, said in ``torn``)."""
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
@@ -21,6 +22,8 @@ def iter_json_lines(path: str | Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield number, json.loads(line)
             except json.JSONDecodeError as error:
+                if torn is not None and not line.endswith("\n"):
+                    return torn.append(f"{path}: a torn last line (line {number}), read as the end")
                 raise EventError(number, f"{path}: bad JSON ({error.msg} at column {error.colno})") from None
 
 

@@ -41,6 +41,7 @@ class TracesLayout:
     index: Path | None
     annotations: dict[str, list[ChunkFile]] = field(default_factory=dict)
     metrics: Path | None = None
+    index_size: int = 0  # its size before the chunks were listed: rows added since are not read
 
 
 def _chunks(folder: Path) -> list[ChunkFile]:
@@ -74,6 +75,7 @@ def find_layout(path: str | Path) -> TracesLayout | None:
     else:
         return None
     index = traces / f"stream{_INDEX_SUFFIX}"
+    size = index.stat().st_size if index.is_file() and os.access(index, os.R_OK) else None
     annotations: dict[str, list[ChunkFile]] = {}
     folder = traces / "annotations"
     if folder.is_dir():
@@ -89,9 +91,10 @@ def find_layout(path: str | Path) -> TracesLayout | None:
     metrics = traces.parent / "metrics.jsonl"
     return TracesLayout(
         stream=_stream_files(traces / "stream"),
-        index=index if index.is_file() and os.access(index, os.R_OK) else None,  # (a cross-check)
+        index=index if size is not None else None,  # (a cross-check)
         annotations=annotations,
         metrics=metrics if metrics.is_file() else None,
+        index_size=size or 0,  # (a row added since may point at a chunk listed after it: a roll)
     )
 
 
@@ -161,7 +164,7 @@ class _Frames(io.RawIOBase):
         self._raw = raw
         self._context = zstandard.ZstdDecompressor()
         self._frame = self._context.decompressobj()
-        self._in_frame = False  # bytes of the current frame were fed and its end not seen yet
+        self._in_frame = True  # a frame's end not seen yet (a sealed file holds one at least)
         self._out = b""
 
     def readable(self) -> bool:
@@ -172,7 +175,7 @@ class _Frames(io.RawIOBase):
             data = self._raw.read(_BUFFER)
             if not data:
                 if self._in_frame:
-                    raise zstandard.ZstdError("the file ends inside a frame (cut short)")
+                    raise zstandard.ZstdError("cut short inside a frame, or no frame at all")
                 return False
             parts = []
             while data:
@@ -227,15 +230,16 @@ Position = tuple[int, int]  # (chunk number, -1 in the single-file layout; byte 
 class IndexCheck:
     """Walks the index in step with the stream (:meth:`see` each line, then :meth:`finish`)."""
 
-    def __init__(self, path: Path | None, damage: Damage) -> None:
+    def __init__(self, path: Path | None, damage: Damage, size: int) -> None:
         self._path = path
         self._damage = damage
-        self._rows = self._read(path) if path is not None else iter(())
+        self._rows = self._read(path, size) if path is not None else iter(())
         self._next: tuple[int, Position, str | None] | None = next(self._rows, None)
 
-    def _read(self, path: Path) -> Iterator[tuple[int, Position, str | None]]:
+    def _read(self, path: Path, size: int) -> Iterator[tuple[int, Position, str | None]]:
         with open(path, "rb") as handle:
             for number, raw in enumerate(handle, start=1):
+                raw, size = raw[: max(size, 0)], size - len(raw)  # (a row cut there: torn)
                 if not raw.strip():
                     continue
                 try:

@@ -34,6 +34,7 @@ TOLERANCE = (1e-9, 1e-9)
 MISMATCH_TOLERANCE = (0.05, 2e-5)
 
 Status = Literal["match", "prime_rl_rule", "missing", "mismatch"]
+Logged = dict[str, Any]  # a step's rows of metrics.jsonl, merged
 
 # Why a logged value differs from ours (ComparisonRow.note), one reason a clause.
 PER_EPISODE = "prime-rl averages over episodes, SPEC 9 over traces"
@@ -65,16 +66,15 @@ class ComparisonRow:
     note: str = ""
 
 
-def read_prime_rl_metrics(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """``metrics.jsonl`` rows by step, a step's rows (one per producer) merged in file order."""
+def read_prime_rl_metrics(run_dir: str | Path, torn: list[str] | None = None) -> dict[int, Logged]:
+    """``metrics.jsonl`` rows by step, a step's rows (one per producer) merged in file order; a torn
+    last line (a process mid-append) ends the file, said in ``torn``."""
     layout = find_layout(run_dir)
-    path = Path(run_dir) / "metrics.jsonl"
-    if layout is not None and layout.metrics is not None:
-        path = layout.metrics
-    rows: dict[int, dict[str, Any]] = {}
+    path = (layout and layout.metrics) or Path(run_dir) / "metrics.jsonl"
+    rows: dict[int, Logged] = {}
     if not path.is_file():
         return rows
-    for _, value in iter_json_lines(path):
+    for _, value in iter_json_lines(path, [] if torn is None else torn):
         step = value.get("step") if isinstance(value, dict) else None
         if isinstance(step, int) and not isinstance(step, bool):
             rows.setdefault(step, {}).update(value)

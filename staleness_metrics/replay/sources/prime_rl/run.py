@@ -297,7 +297,7 @@ class PrimeRlRead:
         self._ships: dict[int, list[str]] = {}
         self._read_ids: set[str] = set()  # the trace ids of the lines read
         self._passed = 0  # the last ship step emitted
-        index = IndexCheck(self.layout.index, damage)
+        index = IndexCheck(self.layout.index, damage, self.layout.index_size)
         number = 0
         for line, doc in self._lines(index):
             number += 1
