@@ -83,6 +83,10 @@ class Scope:
         picked = f'env=~"{self.env or ".+"}", env!=""'
         return f"max {self._by('env')} ({self.selector(name, env=picked)})"
 
+    def shipping(self, window: str) -> str:
+        """The runs whose train step moved within ``window``: those still shipping."""
+        return f"max {self._by()} (changes({self.selector('train_step')}[{window}])) > 0"
+
     def rate(self, name: str, *, extra_by: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> str:
         """Per-second rate of a counter, summed over env (and processes) per ``by`` labels."""
         return f"sum {self._by(*extra_by)} (rate({self.selector(name, extra=extra)}[{self.window}]))"

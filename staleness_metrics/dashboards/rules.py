@@ -148,7 +148,7 @@ def _alerts(t: Thresholds) -> list[Json]:
         ),
         _alert(
             "RLStalenessRolloutsAtBound",
-            f"{_SCOPE.gauge('rollout_max')} >= {_SCOPE.gauge('max_staleness')}",
+            f"{_SCOPE.gauge('rollout_max')} >= {_SCOPE.gauge('max_staleness')} and {_SCOPE.shipping(t.at_bound_for)}",
             t.at_bound_for,
             f"Rollouts of run {{{{ $labels.run }}}} have been at the staleness bound for {t.at_bound_for}",
             f"The stalest rollout of every batch shipped by {where} in the last {t.at_bound_for} "

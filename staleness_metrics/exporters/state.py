@@ -314,8 +314,9 @@ class CumulativeState:
         too, with the env breakdown), the last ship's gauges stay, SPEC 14's take ``metrics``."""
         env_delta = {env: delta} if env and self.by_env else {}
         self._add_mismatch(delta, env_delta)
-        # the batch's keys, and the env's when the sums were of one env; other envs of the step stay
-        if metrics is not None:
+        # the batch's keys, and the env's when the sums were of one env; other envs of the step stay;
+        # a later step's stay too (a rank's sums of an older step, late: the gauges are the latest's)
+        if metrics is not None and step >= (self._bound_step or 0):
             new = _bound_keys(metrics)
             envs = {"", *(split[0] for split in map(_split_env, new) if split is not None)}
             old = (self._bound_metrics or {}).items() if step == self._bound_step else ()

@@ -246,3 +246,29 @@ def test_an_envs_spec14_gauges_go_when_later_steps_post_sums_without_it() -> Non
         finally:
             monitor.close()
             wire.close()
+
+
+def test_a_rank_posting_an_older_step_late_leaves_the_latest_steps_spec14_gauges() -> None:
+    """Step 3's sums arrive whole, then a rank's part of step 2: the floor gauge stays step 3's (the
+    latest ship's, docs/exporters.md); before, it went back to step 2's."""
+    config = StalenessConfig(max_staleness=4, floor_min_tokens=2)
+    prometheus = PrometheusExporter(port=None)
+    monitor = StalenessMonitor(config, [prometheus], run=RUN)
+    parts: dict[int, list[MismatchSums]] = {}
+    try:
+        for step in (1, 2, 3):
+            monitor.add([{"id": f"r{step}", "dispatch_version": 0, "samples": [{"mask": [1] * 4}]}])
+            lags = monitor.ship(step).lags
+            trainer = np.full(4, -1.0 - 0.01 * step)  # each step its own floor
+            parts[step] = [
+                mismatch_sums(lags[half], np.full(2, -1.0), trainer[half]) for half in (slice(2), slice(2, 4))
+            ]
+        monitor.record_mismatch(2, parts[2][0])
+        for part in parts[3]:
+            monitor.record_mismatch(3, part)
+        latest = lines(prometheus.exposition(), SPEC14)
+        assert f"{monitor.mismatch_metrics(3)['staleness/mismatch/floor']!r}" in latest
+        monitor.record_mismatch(2, parts[2][1])  # the other rank of step 2, late
+        assert lines(prometheus.exposition(), SPEC14) == latest
+    finally:
+        monitor.close()

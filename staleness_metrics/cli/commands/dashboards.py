@@ -15,7 +15,7 @@ examples:
   staleness-metrics dashboards --check         # exit 1 if a committed file is out of date (CI)
   staleness-metrics dashboards --out /tmp/gen  # write a fresh copy elsewhere
 
-The files written: docs/replay.md.
+The files it writes are listed in docs/replay.md (its command table).
 """
 
 
